@@ -1,0 +1,2 @@
+"""mkc: a schedule compiler for TPU decode megakernels."""
+__version__ = "0.1.0"

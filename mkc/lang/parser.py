@@ -1,0 +1,246 @@
+"""Parse .sched text into the typed AST (mkc.lang.ast), with spans and friendly syntax errors."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import lark
+from lark import Transformer, v_args
+
+from mkc.diagnostics import MkcError, Span, fail
+from mkc.lang import ast
+
+_GRAMMAR = Path(__file__).with_name("sched.lark")
+
+# Token names as a user would call them, for "expected ..." hints.
+_TOKEN_WORDS = {
+    "NAME": "a name", "INT": "an integer", "STRING": 'a quoted string like "qwen3_8_27b"',
+    "TOPOLOGY": "a topology like 2x2x1", "UNIT": "a unit (KiB, MiB, GiB)",
+    "LBRACE": "'{'", "RBRACE": "'}'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','",
+    "EQUAL": "'='", "DOT": "'.'", "__ANON_0": "'->'",
+}
+_UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "context", "vmem")
+
+
+@lru_cache(maxsize=1)
+def _parser() -> lark.Lark:
+    return lark.Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True,
+                     maybe_placeholders=False)
+
+
+def _span(file: str, meta_or_token) -> Span:
+    m = meta_or_token
+    if getattr(m, "empty", False) or getattr(m, "line", None) is None:
+        return Span.unknown(file)
+    return Span(file, m.line, m.column, m.end_line, m.end_column)
+
+
+class _ToAst(Transformer):
+    def __init__(self, file: str):
+        super().__init__()
+        self.file = file
+
+    def _name(self, tok: lark.Token) -> ast.Name:
+        return ast.Name(str(tok), _span(self.file, tok))
+
+    # --- leaves -------------------------------------------------------------------
+    def name_list(self, items):
+        return [self._name(t) for t in items]
+
+    def dotted(self, items):
+        first, last = items[0], items[-1]
+        span = Span(self.file, first.line, first.column, last.end_line, last.end_column)
+        return ast.Name(".".join(str(t) for t in items), span)
+
+    @v_args(meta=True)
+    def size(self, meta, items):
+        return ast.Setting(int(items[0]) * _UNIT_BYTES[str(items[1])], _span(self.file, meta))
+
+    def point_at(self, items):
+        return ast.Point("at", self._name(items[0]))
+
+    def point_before(self, items):
+        return ast.Point("before", self._name(items[0]))
+
+    def point_after(self, items):
+        return ast.Point("after", self._name(items[0]))
+
+    def binding(self, items):
+        return ast.Binding(items[0], items[1])
+
+    def binding_list(self, items):
+        return list(items)
+
+    def wait_list(self, items):
+        return list(items)
+
+    # --- header settings ----------------------------------------------------------
+    @v_args(meta=True)
+    def model_stmt(self, meta, items):
+        return ("model", ast.Setting(str(items[0])[1:-1], _span(self.file, meta)))
+
+    @v_args(meta=True)
+    def target_stmt(self, meta, items):
+        return ("target", ast.Setting((str(items[0]), str(items[1])), _span(self.file, meta)))
+
+    @v_args(meta=True)
+    def mesh_stmt(self, meta, items):
+        return ("mesh", ast.Setting((self._name(items[0]), int(items[1])), _span(self.file, meta)))
+
+    @v_args(meta=True)
+    def batch_stmt(self, meta, items):
+        lo = int(items[0])
+        hi = int(items[1]) if len(items) > 1 else lo
+        return ("batch", ast.Setting((lo, hi), _span(self.file, meta)))
+
+    @v_args(meta=True)
+    def context_stmt(self, meta, items):
+        return ("context", ast.Setting(int(items[0]), _span(self.file, meta)))
+
+    @v_args(meta=True)
+    def vmem_stmt(self, meta, items):
+        return ("vmem", ast.Setting((items[0], items[1]), _span(self.file, meta)))
+
+    # --- memory statements --------------------------------------------------------
+    @v_args(meta=True)
+    def shard_stmt(self, meta, items):
+        return ast.Shard(self._name(items[0]), self._name(items[1]), _span(self.file, meta))
+
+    @v_args(meta=True)
+    def ring_stmt(self, meta, items):
+        name, slots, dtype, rows, cols = items
+        return ast.Ring(self._name(name), int(slots), self._name(dtype), int(rows), int(cols),
+                        _span(self.file, meta))
+
+    def stream_kind(self, items):
+        return ast.StreamKind(self._name(items[0]), items[1])
+
+    def stream_tail(self, items):
+        return ("tail", items[0])
+
+    @v_args(meta=True)
+    def stream_stmt(self, meta, items):
+        ring, ahead, *rest = items
+        per_kind = [r for r in rest if isinstance(r, ast.StreamKind)]
+        tail = [n for r in rest if isinstance(r, tuple) for n in r[1]]
+        return ast.Stream(self._name(ring), int(ahead), per_kind, tail, _span(self.file, meta))
+
+    @v_args(meta=True)
+    def parity_stmt(self, meta, items):
+        return ast.Parity(self._name(items[0]), int(items[1]), _span(self.file, meta))
+
+    # --- phases -------------------------------------------------------------------
+    @v_args(meta=True)
+    def scoped_item(self, meta, items):
+        return ast.Scoped(items[0], self._name(items[1]), self._name(items[2]), _span(self.file, meta))
+
+    @v_args(meta=True)
+    def load_item(self, meta, items):
+        return ast.Transfer("load", items[0], items[1], items[2], _span(self.file, meta))
+
+    @v_args(meta=True)
+    def store_item(self, meta, items):
+        return ast.Transfer("store", items[0], items[1], items[2], _span(self.file, meta))
+
+    @v_args(meta=True)
+    def kv_item(self, meta, items):
+        return ast.KvTiles(int(items[0]), int(items[1]), int(items[2]), _span(self.file, meta))
+
+    @v_args(meta=True)
+    def allreduce_item(self, meta, items):
+        return ast.AllReduce(items[0], self._name(items[1]), self._name(items[2]),
+                             _span(self.file, meta))
+
+    @v_args(meta=True)
+    def phase_stmt(self, meta, items):
+        phase = ast.Phase(self._name(items[0]), span=_span(self.file, meta))
+        for item in items[1:]:
+            if isinstance(item, ast.Scoped):
+                phase.scoped.append(item)
+            elif isinstance(item, ast.Transfer):
+                phase.transfers.append(item)
+            elif isinstance(item, ast.KvTiles):
+                phase.kv_tiles.append(item)
+            else:
+                phase.allreduces.append(item)
+        return phase
+
+    @v_args(meta=True)
+    def schedule(self, meta, items):
+        sched = ast.Schedule(self._name(items[0]), self.file)
+        for item in items[1:]:
+            if isinstance(item, tuple):
+                key, setting = item
+                if key in sched.settings:
+                    first = sched.settings[key].span
+                    raise fail("E-DUPLICATE", f"'{key}' is set twice", setting.span,
+                               hint=f"keep one '{key}' line (the first is at line {first.line})")
+                sched.settings[key] = setting
+            elif isinstance(item, ast.Shard):
+                sched.shards.append(item)
+            elif isinstance(item, ast.Ring):
+                sched.rings.append(item)
+            elif isinstance(item, ast.Stream):
+                sched.streams.append(item)
+            elif isinstance(item, ast.Parity):
+                sched.parities.append(item)
+            elif isinstance(item, ast.Phase):
+                sched.phases.append(item)
+        return sched
+
+    def start(self, items):
+        return items[0]
+
+
+def _expected_words(expected: set[str]) -> str:
+    words = sorted({_TOKEN_WORDS.get(e, f"'{e.lower()}'" if e.isupper() else e) for e in expected})
+    if len(words) > 8:
+        words = words[:8] + ["..."]
+    return ", ".join(words)
+
+
+def parse(text: str, file: str = "<spec>") -> ast.Schedule:
+    """Parse a whole .sched source; raise MkcError (never a lark exception) on bad input."""
+    try:
+        tree = _parser().parse(text)
+    except lark.UnexpectedCharacters as e:
+        span = Span(file, e.line, e.column, e.line, e.column + 1)
+        char = text[e.pos_in_stream] if e.pos_in_stream is not None else "?"
+        raise fail("E-SYNTAX", f"unexpected character {char!r}", span,
+                   hint=f"expected {_expected_words(set(e.allowed or ()))}") from None
+    except lark.UnexpectedEOF as e:
+        lines = text.splitlines() or [""]
+        span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
+        raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
+                   hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
+    except lark.UnexpectedToken as e:
+        tok = e.token
+        if tok.type == "$END":
+            lines = text.splitlines() or [""]
+            span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
+            raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
+                       hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
+        span = Span(file, tok.line, tok.column, tok.end_line or tok.line,
+                    tok.end_column or tok.column + len(str(tok)))
+        hint = f"expected {_expected_words(set(e.expected))}"
+        if str(tok) in _SETTING_KEYWORDS or tok.type == "NAME":
+            hint += f"; '{tok}' cannot start or continue a statement here"
+        raise fail("E-SYNTAX", f"unexpected {str(tok)!r}", span, hint=hint) from None
+    try:
+        return _ToAst(file).transform(tree)
+    except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, MkcError):
+            raise e.orig_exc from None
+        raise
+
+
+def parse_file(path: str | Path) -> tuple[ast.Schedule, str]:
+    """Read and parse a spec; returns the AST and the source text (for rendering diagnostics)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise fail("E-IO", f"cannot read spec: {e.strerror}", Span.unknown(str(p)),
+                   hint="check the path") from None
+    return parse(text, str(p)), text
