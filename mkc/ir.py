@@ -1,0 +1,174 @@
+"""The schedule IR: the resolved, typed, serialisable form every later stage reads.
+
+Program points inside a layer kind are integers: point p sits before op p (p == len(ops) is
+the end of the layer). At one point the order is: waits of copies started earlier, starts,
+then waits of copies started at that same point.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from mkc.diagnostics import Span
+
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1}
+# Mosaic pads the last two dims of a VMEM array to (sublanes, 128) with sublanes by dtype.
+SUBLANE_TILE = {"f32": 8, "int32": 8, "bf16": 16, "int8": 32}
+LANES = 128
+
+
+def padded_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """VMEM bytes of an array after (sublane, lane) tile padding of its two minor dims."""
+    dims = list(shape) or [1]
+    if len(dims) == 1:
+        dims = [1] + dims
+    sub = SUBLANE_TILE[dtype]
+    dims[-1] = -(-dims[-1] // LANES) * LANES
+    dims[-2] = -(-dims[-2] // sub) * sub
+    n = 1
+    for d in dims:
+        n *= d
+    return n * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A VMEM allocation. `scope` is None for kernel-lifetime buffers, else (kind, first, last)
+    op indices (inclusive) within which it exists."""
+
+    name: str
+    cls: str                     # budget class: ring, parity, state, kv, collective, activation
+    shape: tuple[int, ...]
+    dtype: str
+    scope: tuple[str, int, int] | None = None
+
+    @property
+    def vmem_bytes(self) -> int:
+        return padded_bytes(self.shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A streamed matrix family of one layer kind (or the tail): its per-rank tiling."""
+
+    kind: str                    # layer kind or "tail"
+    name: str
+    rows: int
+    cols: int
+    row_tiles: int
+    col_tiles: int
+    partial_out: bool
+
+    @property
+    def tiles(self) -> int:
+        return self.row_tiles * self.col_tiles
+
+
+@dataclass(frozen=True)
+class Stream:
+    """All streamed matrices of the step, in consumption order, through one ring of slots."""
+
+    ring: str
+    slots: int
+    ahead: int
+    dtype: str
+    tile_rows: int
+    tile_cols: int
+    families: dict[str, list[Family]]      # per kind, in consumption order
+    tail: list[Family]
+    layer_tile_offset: list[int]           # first global tile index of each layer
+    tail_tile_offset: int
+    total_tiles: int
+    useful_bytes: int                      # unpadded matrix bytes
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A state copy between HBM and a VMEM buffer inside one layer kind."""
+
+    direction: str               # "load" (HBM->VMEM) | "store" (VMEM->HBM)
+    state: str                   # state family, e.g. "recurrent"
+    buffer: str
+    start: int                   # program point
+    waits: tuple[int, ...]       # program points (a correct schedule has exactly one)
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class KvStream:
+    slots: int
+    tokens: int
+    ahead: int
+    op: str                      # the op that consumes the tiles (scope of the tile buffers)
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    after_op: str
+    algorithm: str               # "direct"
+    wire_dtype: str
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class KindSchedule:
+    name: str
+    ops: list[str]
+    matmuls: dict[str, str]      # op -> matrix family
+    transfers: list[Transfer]
+    kv: KvStream | None
+    allreduces: list[AllReduce]
+    vectors: list[tuple[str, tuple[int, ...]]]   # (family, per-rank shape) in the parity block
+    states: dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class Parity:
+    name: str
+    ahead: int
+    rows: int                    # rows of the per-layer f32 vector block
+    cols: int
+    layout: dict[str, dict[str, tuple[int, int, int]]]   # kind -> family -> (row, rows, width)
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class ScheduleIR:
+    name: str
+    source: str
+    model: str
+    family: str
+    dims: dict                   # ModelDims as a dict (the numbers codegen and checks need)
+    chip: str
+    topology: str                # jax topology string, e.g. "tpu7x=2x2x1"
+    mesh_axis: str
+    ranks: int
+    cores_per_chip: int
+    batch_min: int
+    batch_max: int
+    context: int
+    vmem_limit: int
+    vmem_reserve: int
+    vmem_capacity: int
+    hbm_per_core: int
+    layer_kinds: list[str]
+    kinds: dict[str, KindSchedule]
+    buffers: list[Buffer]
+    stream: Stream
+    parity: Parity
+    globals: dict[str, tuple[tuple[int, ...], str]]
+    hbm_bytes_per_rank: dict[str, int]
+
+    def to_json(self) -> str:
+        def default(o):
+            if dataclasses.is_dataclass(o):
+                return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)
+                        if f.name != "span"}
+            raise TypeError(type(o))
+        return json.dumps(dataclasses.asdict(self) | {}, default=default, indent=1, sort_keys=True)
+
+    def buffer(self, name: str) -> Buffer:
+        return next(b for b in self.buffers if b.name == name)

@@ -1,0 +1,115 @@
+"""Read a Hugging Face style config.json (upstream key names) into the dimensions mkc needs."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mkc.diagnostics import Span, fail
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+# Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
+_QWEN35_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
+SUPPORTED_FAMILIES = ("qwen3_5_text",)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Dimensions of one decoder family instance; names follow the upstream config keys."""
+
+    family: str
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    layer_kinds: tuple[str, ...]
+    # gated GQA
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # gated delta net
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+
+def resolve_config_path(model: str, relative_to: Path | None = None) -> Path:
+    """A shipped config name (e.g. "qwen3_8_27b") or a path to a config.json / checkpoint dir."""
+    shipped = CONFIG_DIR / f"{model}.json"
+    if shipped.exists():
+        return shipped
+    p = Path(model)
+    if not p.is_absolute() and relative_to is not None:
+        p = relative_to / p
+    return p / "config.json" if p.is_dir() else p
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_dims(path: Path, span: Span | None = None) -> ModelDims:
+    """Parse config.json; errors point at the spec's `model` line when a span is given."""
+    where = span or Span.unknown(str(path))
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise fail("E-MODEL", f"model config not found: {path}", where,
+                   hint=f"use a shipped config ({', '.join(shipped_configs())}) or a path to a "
+                        "config.json or a checkpoint directory") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise fail("E-MODEL", f"cannot read model config {path}: {e}", where,
+                   hint="the file must be a Hugging Face style config.json") from None
+    family = raw.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise fail("E-MODEL", f"model family {family!r} is not supported", where,
+                   hint=f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
+    try:
+        n_layers = int(raw["num_hidden_layers"])
+        if "layer_types" in raw:
+            types = list(raw["layer_types"])
+        else:
+            interval = int(raw.get("full_attention_interval", 4))
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(n_layers)]
+        if len(types) != n_layers or any(t not in _QWEN35_KINDS for t in types):
+            raise ValueError(f"layer_types must list {n_layers} entries of "
+                             f"{sorted(_QWEN35_KINDS)}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        head_dim = int(raw["head_dim"])
+        factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        return ModelDims(
+            family=family, name=Path(path).stem if Path(path).name != "config.json"
+            else Path(path).parent.name,
+            hidden_size=int(raw["hidden_size"]), num_hidden_layers=n_layers,
+            vocab_size=int(raw["vocab_size"]), intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            layer_kinds=tuple(_QWEN35_KINDS[t] for t in types),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=head_dim,
+            rotary_dim=int(head_dim * factor), rope_theta=theta,
+            linear_num_key_heads=int(raw["linear_num_key_heads"]),
+            linear_num_value_heads=int(raw["linear_num_value_heads"]),
+            linear_key_head_dim=int(raw["linear_key_head_dim"]),
+            linear_value_head_dim=int(raw["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(raw["linear_conv_kernel_dim"]),
+        )
+    except KeyError as e:
+        raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
+                   hint="the config must use the upstream qwen3_5_text key names") from None
+    except (TypeError, ValueError) as e:
+        raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
+                   hint="compare with a shipped config in mkc/model/configs") from None

@@ -1,0 +1,186 @@
+"""The model graph of one decode step: ops as networkx nodes, each with the tensors it touches.
+
+Layer kinds are op templates instantiated per layer. Shapes are per rank once a sharding
+(dimension class -> ways) is applied: `build_graph(dims, {"heads": 8, "mlp": 8, "vocab": 8})`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from mkc.model.config import ModelDims
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A weight, per-layer vector, state or cache an op reads or writes (per-rank shape)."""
+
+    name: str              # family name, unique within a layer kind (e.g. "in_proj")
+    role: str              # "matrix" | "vector" | "state" | "cache" | "table"
+    shape: tuple[int, ...]  # matrices are [in, out] (HF Linear weights transposed)
+    dtype: str
+    partial_out: bool = False   # a row-parallel matrix: its product is a partial sum over tp
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * {"bf16": 2, "f32": 4, "int32": 4}[self.dtype]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compute step of a layer kind, in program order."""
+
+    name: str
+    reads: tuple[str, ...] = ()     # tensor families read
+    writes: tuple[str, ...] = ()
+    matmul: str | None = None       # the matrix family this op multiplies by, if any
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    name: str
+    ops: tuple[Op, ...]
+    tensors: dict[str, Tensor] = field(hash=False)
+
+    def op_names(self) -> list[str]:
+        return [o.name for o in self.ops]
+
+    def matrices(self) -> list[Tensor]:
+        """Matrix families in consumption order."""
+        return [self.tensors[o.matmul] for o in self.ops if o.matmul]
+
+    def vectors(self) -> list[Tensor]:
+        return [t for t in self.tensors.values() if t.role == "vector"]
+
+    def states(self) -> list[Tensor]:
+        return [t for t in self.tensors.values() if t.role in ("state", "cache")]
+
+
+@dataclass(frozen=True)
+class DecodeGraph:
+    dims: ModelDims
+    ranks: int
+    kinds: dict[str, LayerKind]
+    globals: dict[str, Tensor]
+    graph: nx.DiGraph
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.dims.layer_kinds
+
+
+class ShardingError(ValueError):
+    """A dimension does not divide over the requested ways; the message says which."""
+
+
+def _split(total: int, ways: int, what: str) -> int:
+    if total % ways:
+        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks")
+    return total // ways
+
+
+def _qwen35_kinds(d: ModelDims, heads: int, mlp: int) -> dict[str, LayerKind]:
+    H = d.hidden_size
+    nk = _split(d.linear_num_key_heads, heads, "linear_num_key_heads")
+    nv = _split(d.linear_num_value_heads, heads, "linear_num_value_heads")
+    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+    conv_ch = 2 * nk * dk + nv * dv
+    inter = _split(d.intermediate_size, mlp, "intermediate_size")
+    nq = _split(d.num_attention_heads, heads, "num_attention_heads")
+    # KV heads split when there are enough, else each rank holds a replica of its group's head.
+    if d.num_key_value_heads >= heads:
+        nkv = _split(d.num_key_value_heads, heads, "num_key_value_heads")
+    else:
+        _split(heads, d.num_key_value_heads, "ranks per num_key_value_heads")
+        nkv = 1
+    hd = d.head_dim
+
+    def mlp_tensors() -> dict[str, Tensor]:
+        return {
+            "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
+            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=True),
+            "input_norm": Tensor("input_norm", "vector", (H,), "f32"),
+            "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
+        }
+
+    mlp_ops = (
+        Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
+        Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
+        Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
+        Op("mlp_residual", reads=("mlp_out", "x"), writes=("x",)),
+    )
+    gdn = LayerKind("gdn", ops=(
+        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
+        Op("in_proj", reads=("h",), writes=("proj",), matmul="in_proj"),
+        Op("conv", reads=("proj", "conv_weight", "conv"), writes=("qkv", "conv")),
+        Op("delta_rule", reads=("qkv", "proj", "A_log", "dt_bias", "recurrent"),
+           writes=("core", "recurrent")),
+        Op("gated_norm", reads=("core", "proj", "norm"), writes=("core",)),
+        Op("out_proj", reads=("core",), writes=("attn_out",), matmul="out_proj"),
+        Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
+    ) + mlp_ops, tensors={
+        "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * nv), "bf16"),
+        "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=True),
+        "conv_weight": Tensor("conv_weight", "vector", (d.linear_conv_kernel_dim, conv_ch), "f32"),
+        "A_log": Tensor("A_log", "vector", (nv,), "f32"),
+        "dt_bias": Tensor("dt_bias", "vector", (nv,), "f32"),
+        "norm": Tensor("norm", "vector", (dv,), "f32"),
+        "conv": Tensor("conv", "state", (d.linear_conv_kernel_dim - 1, conv_ch), "f32"),
+        "recurrent": Tensor("recurrent", "state", (nv, dk, dv), "f32"),
+        **mlp_tensors(),
+    })
+    gqa = LayerKind("gqa", ops=(
+        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
+        Op("qkv_gate", reads=("h",), writes=("proj",), matmul="qkv_gate"),
+        Op("qk_norm_rope", reads=("proj", "q_norm", "k_norm"), writes=("q", "k_new")),
+        Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
+        Op("attention", reads=("q", "key", "value"), writes=("core",)),
+        Op("out_gate", reads=("core", "proj"), writes=("core",)),
+        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
+        Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
+    ) + mlp_ops, tensors={
+        "qkv_gate": Tensor("qkv_gate", "matrix", (H, 2 * nq * hd + 2 * nkv * hd), "bf16"),
+        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=True),
+        "q_norm": Tensor("q_norm", "vector", (hd,), "f32"),
+        "k_norm": Tensor("k_norm", "vector", (hd,), "f32"),
+        "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token; [ctx, ...] in HBM
+        "value": Tensor("value", "cache", (nkv, hd), "bf16"),
+        **mlp_tensors(),
+    })
+    return {"gdn": gdn, "gqa": gqa}
+
+
+def build_graph(dims: ModelDims, ways: dict[str, int]) -> DecodeGraph:
+    """Instantiate the decode-step graph; `ways` maps dimension classes (heads, mlp, vocab)
+    to the number of ranks they are split over (1 = replicated)."""
+    heads, mlp, vocab = ways.get("heads", 1), ways.get("mlp", 1), ways.get("vocab", 1)
+    kinds = _qwen35_kinds(dims, heads, mlp)
+    v_local = _split(dims.vocab_size, vocab, "vocab_size")
+    H = dims.hidden_size
+    glob = {
+        "embed": Tensor("embed", "table", (v_local, H), "bf16"),
+        "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
+        "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
+    }
+    g = nx.DiGraph()
+    g.add_node("embed", op="embed", layer=None, kind=None, reads=("embed",), writes=("x",))
+    prev = "embed"
+    for i, kind_name in enumerate(dims.layer_kinds):
+        kind = kinds[kind_name]
+        for op in kind.ops:
+            node = f"layers.{i}.{op.name}"
+            g.add_node(node, op=op.name, layer=i, kind=kind_name, reads=op.reads,
+                       writes=op.writes, matmul=op.matmul)
+            g.add_edge(prev, node)
+            prev = node
+    g.add_node("final_norm", op="final_norm", layer=None, kind=None,
+               reads=("x", "final_norm"), writes=("h",))
+    g.add_node("lm_head", op="lm_head", layer=None, kind=None, reads=("h",), writes=("logits",),
+               matmul="lm_head")
+    g.add_edge(prev, "final_norm")
+    g.add_edge("final_norm", "lm_head")
+    return DecodeGraph(dims=dims, ranks=max(heads, mlp, vocab), kinds=kinds, globals=glob, graph=g)

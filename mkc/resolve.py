@@ -1,0 +1,468 @@
+"""Resolve a parsed schedule against the model graph and target into the schedule IR."""
+from __future__ import annotations
+
+import keyword
+import re
+from pathlib import Path
+
+from mkc import ir, target
+from mkc.diagnostics import MkcError, Span, fail
+from mkc.lang import ast
+from mkc.model.config import load_dims, resolve_config_path
+from mkc.model.graph import DecodeGraph, ShardingError, build_graph
+
+SHARD_CLASSES = ("heads", "mlp", "vocab")
+ALLREDUCE_ALGORITHMS = ("direct",)
+WIRE_DTYPES = ("bf16", "f32")
+RING_DTYPES = ("bf16",)
+_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
+# Names the generated module defines itself; a spec buffer may not shadow them.
+_RESERVED = {"x", "stage", "acc", "ring", "vectors", "recv", "send", "logits", "kv_key",
+             "kv_value", "state", "start", "end"}
+# Cost-model constant for choosing the ring tile: what one extra DMA costs, in bytes moved.
+TILE_OVERHEAD_BYTES = 64 * 1024
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    import difflib
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def _unknown(what: str, name: ast.Name, options: list[str]) -> MkcError:
+    return fail("E-UNKNOWN", f"unknown {what} '{name.text}'", name.span,
+                hint=_did_you_mean(name.text, options) + f"known: {', '.join(options) or 'none'}")
+
+
+def _require(sched: ast.Schedule, key: str, example: str) -> ast.Setting:
+    if key not in sched.settings:
+        raise fail("E-MISSING", f"the schedule does not set '{key}'", sched.name.span,
+                   hint=f"add a line like `{example}`")
+    return sched.settings[key]
+
+
+def _validate_identifier(name: ast.Name, what: str) -> str:
+    text = name.text
+    if not _IDENT.match(text) or keyword.iskeyword(text) or text in _RESERVED:
+        raise fail("E-NAME", f"'{text}' cannot name a {what}", name.span,
+                   hint="use lower-case letters, digits and '_', starting with a letter, and not "
+                        f"a Python keyword or one of: {', '.join(sorted(_RESERVED))}")
+    return text
+
+
+def _choose_tile(mats: list[tuple[int, int, int]], max_rows: int, max_cols: int) -> tuple[int, int]:
+    """Pick (rows, cols), multiples of 128 within the bounds, minimising padded bytes streamed
+    plus a per-tile overhead; `mats` are (rows, cols, occurrences)."""
+    best = None
+    for r in range(128, max_rows + 1, 128):
+        for c in range(128, max_cols + 1, 128):
+            cost = 0
+            for rows, cols, count in mats:
+                nt = -(-rows // r) * -(-cols // c)
+                cost += count * (nt * r * c * 2 + nt * TILE_OVERHEAD_BYTES)
+            key = (cost, -r * c, -c)
+            if best is None or key < best[0]:
+                best = (key, (r, c))
+    return best[1]
+
+
+def _point(p: ast.Point, ops: list[str], kind: str) -> int:
+    a = p.anchor.text
+    if p.where == "at":
+        if a == "start":
+            return 0
+        if a == "end":
+            return len(ops)
+        raise fail("E-UNKNOWN", f"unknown program point 'at {a}'", p.anchor.span,
+                   hint="use 'at start', 'at end', 'before OP' or 'after OP'")
+    if a not in ops:
+        raise _unknown(f"op of layer kind {kind}", p.anchor, ops)
+    i = ops.index(a)
+    return i if p.where == "before" else i + 1
+
+
+def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.ScheduleIR:
+    spec_dir = Path(sched.source_file).parent
+    model_setting = _require(sched, "model", 'model "qwen3_8_27b"')
+    model_name = model_override or model_setting.value
+    config_path = resolve_config_path(model_name, spec_dir if not model_override else None)
+    dims = load_dims(config_path, model_setting.span)
+
+    tgt = _require(sched, "target", "target tpu7x topology 2x2x1")
+    chip_name, topo_text = tgt.value
+    if chip_name not in target.known_chips():
+        raise fail("E-TARGET", f"unknown chip '{chip_name}'", tgt.span,
+                   hint=_did_you_mean(chip_name, target.known_chips())
+                   + f"known chips: {', '.join(target.known_chips())}")
+    topo = target.topology(chip_name, tuple(int(v) for v in topo_text.split("x")))
+    if topo.num_chips == 0:
+        raise fail("E-TARGET", f"topology {topo_text} has no chips", tgt.span,
+                   hint="every topology dimension must be at least 1")
+
+    mesh = _require(sched, "mesh", "mesh tp = 8")
+    axis_name, ranks = mesh.value
+    axis = _validate_identifier(axis_name, "mesh axis")
+    if ranks != topo.num_cores:
+        raise fail("E-MESH", f"mesh {axis} = {ranks} does not match the {topo.num_cores} "
+                   f"TensorCores of {chip_name} {topo_text}", mesh.span,
+                   hint=f"use `mesh {axis} = {topo.num_cores}` or a topology with {ranks} cores "
+                        f"({topo.chip.cores_per_chip} per chip)")
+
+    batch = _require(sched, "batch", "batch 1 to 8")
+    b_lo, b_hi = batch.value
+    if not 1 <= b_lo <= b_hi:
+        raise fail("E-BATCH", f"batch range {b_lo} to {b_hi} is empty or starts below 1",
+                   batch.span, hint="write `batch 1` or `batch 1 to 8`")
+    context = _require(sched, "context", "context 4096")
+    vmem = _require(sched, "vmem", "vmem limit 64 MiB reserve 6 MiB")
+    limit, reserve = vmem.value
+    if limit.value > topo.chip.vmem_bytes:
+        raise fail("E-VMEM-LIMIT", f"vmem limit {limit.value >> 20} MiB exceeds the "
+                   f"{topo.chip.vmem_bytes >> 20} MiB of VMEM per {chip_name} TensorCore",
+                   limit.span, hint=f"use at most {topo.chip.vmem_bytes >> 20} MiB")
+    if reserve.value >= limit.value:
+        raise fail("E-VMEM-LIMIT", "vmem reserve leaves no room under the limit", reserve.span,
+                   hint="the reserve is headroom for compiler scratch: a few MiB")
+
+    # --- sharding -------------------------------------------------------------------------
+    ways: dict[str, int] = {}
+    shard_span: dict[str, Span] = {}
+    for s in sched.shards:
+        if s.dim.text not in SHARD_CLASSES:
+            raise _unknown("dimension class", s.dim, list(SHARD_CLASSES))
+        if s.axis.text != axis:
+            raise _unknown("mesh axis", s.axis, [axis])
+        ways[s.dim.text] = ranks
+        shard_span[s.dim.text] = s.span
+    try:
+        graph = build_graph(dims, ways)
+    except ShardingError as e:
+        span = next(iter(shard_span.values()), sched.name.span)
+        raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
+                   hint="choose a mesh whose size divides the model's head and width counts") from None
+
+    missing_kinds = [k for k in sorted(set(dims.layer_kinds))
+                     if k not in {p.kind.text for p in sched.phases}]
+    phase_by_kind: dict[str, ast.Phase] = {}
+    for p in sched.phases:
+        if p.kind.text not in graph.kinds:
+            raise _unknown("layer kind", p.kind, sorted(graph.kinds))
+        if p.kind.text in phase_by_kind:
+            raise fail("E-DUPLICATE", f"phase {p.kind.text} is written twice", p.kind.span,
+                       hint="merge the two phase blocks")
+        phase_by_kind[p.kind.text] = p
+    if missing_kinds:
+        raise fail("E-MISSING", f"no phase for layer kind(s) {', '.join(missing_kinds)} of "
+                   f"{dims.name}", sched.name.span,
+                   hint=f"add `phase {missing_kinds[0]} {{ ... }}` with its allreduces and state copies")
+
+    stream = _resolve_stream(sched, graph, b_hi)
+    parity = _resolve_parity(sched, graph)
+
+    B = b_hi
+    H = dims.hidden_size
+    buffers: list[ir.Buffer] = [
+        ir.Buffer(stream.ring, "ring", (stream.slots, stream.tile_rows, stream.tile_cols),
+                  stream.dtype),
+        ir.Buffer("vectors", "parity", (2, parity.rows, parity.cols), "f32"),
+        ir.Buffer("x", "activation", (B, H), "f32"),
+        # The final norm weight, one row (padded to a full f32 tile so its DMA is aligned).
+        ir.Buffer("head_norm", "parity", (8, H), "f32"),
+    ]
+    all_fams = [f for fs in stream.families.values() for f in fs] + stream.tail
+    buffers.append(ir.Buffer("stage", "activation",
+                             (max(f.row_tiles for f in all_fams), B, stream.tile_rows), "bf16"))
+    buffers.append(ir.Buffer("acc", "activation",
+                             (max(f.col_tiles for f in all_fams), B, stream.tile_cols), "f32"))
+
+    kinds: dict[str, ir.KindSchedule] = {}
+    wire_dtypes: set[str] = {"bf16"}           # the embedding all-reduce is exact in bf16
+    for kname in sorted(graph.kinds):
+        if kname not in dims.layer_kinds:
+            continue
+        ks, kbufs, wires = _resolve_phase(phase_by_kind[kname], graph, B, context.value)
+        kinds[kname] = ks
+        buffers.extend(kbufs)
+        wire_dtypes |= wires
+    for w in sorted(wire_dtypes):
+        buffers.append(ir.Buffer(f"recv_{w}", "collective", (2, ranks, B, H), w))
+    logits_cols = stream.tail[0].col_tiles * stream.tile_cols
+    buffers.append(ir.Buffer("logits", "output", (B, logits_cols), "f32"))
+    names = [b.name for b in buffers]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise fail("E-DUPLICATE", f"buffer '{dup}' is declared twice", sched.name.span,
+                   hint="give each VMEM buffer its own name")
+
+    hbm = _hbm_bytes(graph, stream, parity, B, context.value)
+    return ir.ScheduleIR(
+        name=sched.name.text, source=Path(sched.source_file).name, model=dims.name,
+        family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
+        chip=chip_name, topology=topo.spec, mesh_axis=axis, ranks=ranks,
+        cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
+        context=context.value, vmem_limit=limit.value, vmem_reserve=reserve.value,
+        vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
+        layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,
+        parity=parity,
+        globals={n: (t.shape, t.dtype) for n, t in graph.globals.items()},
+        hbm_bytes_per_rank=hbm)
+
+
+def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph, batch: int) -> ir.Stream:
+    if len(sched.rings) != 1 or len(sched.streams) != 1:
+        span = (sched.rings[1].span if len(sched.rings) > 1 else
+                sched.streams[1].span if len(sched.streams) > 1 else sched.name.span)
+        raise fail("E-STREAM", "a schedule needs exactly one weight ring and one stream through it",
+                   span, hint="declare `ring NAME: N slots of bf16 tiles up to R x C` and "
+                              "`stream NAME ahead A { kind: families... then lm_head }`")
+    ring, st = sched.rings[0], sched.streams[0]
+    _validate_identifier(ring.name, "ring")
+    if ring.dtype.text not in RING_DTYPES:
+        raise _unknown("ring dtype", ring.dtype, list(RING_DTYPES))
+    for what, v in (("rows", ring.max_rows), ("columns", ring.max_cols)):
+        if v <= 0 or v % ir.LANES:
+            raise fail("E-ALIGN", f"ring tile {what} {v} is not a multiple of {ir.LANES}",
+                       ring.span, hint=f"TPU tiles are (16, 128) for bf16 and activations put tile "
+                                       f"rows on lanes: use {max(128, v // 128 * 128)} or "
+                                       f"{(v // 128 + 1) * 128}")
+    if ring.slots < 1:
+        raise fail("E-STREAM", "a ring needs at least one slot", ring.span, hint="use 2 or more")
+    if st.ring.text != ring.name.text:
+        raise _unknown("ring", st.ring, [ring.name.text])
+    if st.ahead < 1:
+        raise fail("E-STREAM", "stream distance must be at least 1 tile", st.span,
+                   hint=f"`ahead {ring.slots}` keeps every slot busy")
+
+    listed: dict[str, list[ast.Name]] = {}
+    for sk in st.per_kind:
+        if sk.kind.text not in graph.kinds:
+            raise _unknown("layer kind", sk.kind, sorted(graph.kinds))
+        listed[sk.kind.text] = sk.families
+    families: dict[str, list[ir.Family]] = {}
+    mats: list[tuple[int, int, int]] = []
+    used_kinds = sorted(set(graph.layer_kinds))
+    for kname in used_kinds:
+        kind = graph.kinds[kname]
+        order = [t.name for t in kind.matrices()]
+        if kname not in listed:
+            raise fail("E-STREAM", f"stream lists no weights for layer kind {kname}", st.span,
+                       hint=f"add `{kname}: {', '.join(order)}`")
+        names = listed[kname]
+        for n in names:
+            if n.text not in order:
+                raise _unknown(f"matrix family of {kname}", n, order)
+        got = [n.text for n in names]
+        missing = [o for o in order if o not in got]
+        if missing:
+            raise fail("E-STREAM", f"{kname} matrices {', '.join(missing)} are not streamed",
+                       names[-1].span, hint=f"list them in consumption order: {', '.join(order)}")
+        if got != order:
+            bad = next(n for n, o in zip(names, order) if n.text != o)
+            raise fail("E-STREAM-ORDER", f"{kname} weights are listed out of consumption order",
+                       bad.span, hint=f"the layer multiplies by them in this order: "
+                                      f"{', '.join(order)}")
+        count = graph.layer_kinds.count(kname)
+        for t in kind.matrices():
+            mats.append((t.shape[0], t.shape[1], count))
+    tail_order = ["lm_head"]
+    if [n.text for n in st.tail] != tail_order:
+        bad = st.tail[0] if st.tail else None
+        raise fail("E-STREAM", "the stream must end with `then lm_head`",
+                   bad.span if bad else st.span, hint="add `then lm_head` as the stream's last line")
+    lm = graph.globals["lm_head"]
+    mats.append((lm.shape[0], lm.shape[1], 1))
+    tr, tc = _choose_tile(mats, ring.max_rows, ring.max_cols)
+
+    def fam(kname: str, t) -> ir.Family:
+        return ir.Family(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
+                         -(-t.shape[1] // tc), t.partial_out)
+
+    for kname in used_kinds:
+        families[kname] = [fam(kname, t) for t in graph.kinds[kname].matrices()]
+    tail = [fam("tail", lm)]
+    offsets, t = [], 0
+    for kname in graph.layer_kinds:
+        offsets.append(t)
+        t += sum(f.tiles for f in families[kname])
+    tail_off = t
+    total = t + sum(f.tiles for f in tail)
+    useful = sum(r * c * n * 2 for r, c, n in mats)
+    return ir.Stream(ring=ring.name.text, slots=ring.slots, ahead=st.ahead, dtype=ring.dtype.text,
+                     tile_rows=tr, tile_cols=tc, families=families, tail=tail,
+                     layer_tile_offset=offsets, tail_tile_offset=tail_off, total_tiles=total,
+                     useful_bytes=useful, span=st.span)
+
+
+def _resolve_parity(sched: ast.Schedule, graph: DecodeGraph) -> ir.Parity:
+    if len(sched.parities) != 1:
+        span = sched.parities[1].span if sched.parities else sched.name.span
+        raise fail("E-PARITY", "a schedule needs exactly one `parity` block for per-layer vectors",
+                   span, hint="add `parity vectors ahead 1`")
+    p = sched.parities[0]
+    if p.name.text != "vectors":
+        raise fail("E-NAME", f"the parity block must be called 'vectors', not '{p.name.text}'",
+                   p.name.span, hint="write `parity vectors ahead 1`")
+    if p.ahead < 0:
+        raise fail("E-PARITY", "parity distance cannot be negative", p.span, hint="use 1")
+    layout: dict[str, dict[str, tuple[int, int, int]]] = {}
+    width = 0
+    rows = 0
+    for kname in sorted(set(graph.layer_kinds)):
+        row = 0
+        layout[kname] = {}
+        for t in graph.kinds[kname].vectors():
+            n_rows = t.shape[0] if len(t.shape) == 2 else 1
+            w = t.shape[-1]
+            layout[kname][t.name] = (row, n_rows, w)
+            row += n_rows
+            width = max(width, w)
+        rows = max(rows, row)
+    cols = -(-width // ir.LANES) * ir.LANES
+    rows = -(-rows // ir.SUBLANE_TILE["f32"]) * ir.SUBLANE_TILE["f32"]
+    return ir.Parity(name="vectors", ahead=p.ahead, rows=rows, cols=cols, layout=layout,
+                     span=p.span)
+
+
+def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
+                   ) -> tuple[ir.KindSchedule, list[ir.Buffer], set[str]]:
+    kname = phase.kind.text
+    kind = graph.kinds[kname]
+    ops = kind.op_names()
+    states = {t.name: t for t in kind.states() if t.role == "state"}
+    buffers: dict[str, ir.Buffer] = {}
+    bound: dict[str, str] = {}          # buffer -> state family
+    transfers: list[ir.Transfer] = []
+    for tr in phase.transfers:
+        for b in tr.bindings:
+            hbm_side, vmem_side = (b.src, b.dst) if tr.direction == "load" else (b.dst, b.src)
+            if not hbm_side.text.startswith("state."):
+                raise fail("E-TRANSFER", f"the HBM side of a {tr.direction} must name "
+                           f"`state.<family>`, got '{hbm_side.text}'", hbm_side.span,
+                           hint=f"{kname} state families: "
+                                + ", ".join(f"state.{s}" for s in states))
+            sname = hbm_side.text.split(".", 1)[1]
+            if sname not in states:
+                raise _unknown(f"state of layer kind {kname}",
+                               ast.Name(sname, hbm_side.span), sorted(states))
+            bname = _validate_identifier(vmem_side, "buffer")
+            if bname in bound and bound[bname] != sname:
+                raise fail("E-TRANSFER", f"buffer '{bname}' is bound to state.{bound[bname]} "
+                           f"and state.{sname}", vmem_side.span,
+                           hint="use one VMEM buffer per state family")
+            bound[bname] = sname
+            t = states[sname]
+            buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", (B, *t.shape), t.dtype)
+            transfers.append(ir.Transfer(
+                tr.direction, sname, f"{kname}_{bname}", _point(tr.start, ops, kname),
+                tuple(_point(w, ops, kname) for w in tr.waits), span=tr.span))
+    for sname in states:
+        for direction in ("load", "store"):
+            if not any(t.state == sname and t.direction == direction for t in transfers):
+                raise fail("E-TRANSFER", f"state.{sname} of {kname} is never {direction}ed",
+                           phase.kind.span,
+                           hint=f"add `{direction} ...` for state.{sname} in phase {kname}")
+    for sc in phase.scoped:
+        first = 0 if sc.first.text == "start" else None
+        last = len(ops) - 1 if sc.last.text == "end" else None
+        if first is None:
+            if sc.first.text not in ops:
+                raise _unknown(f"op of layer kind {kname}", sc.first, ops)
+            first = ops.index(sc.first.text)
+        if last is None:
+            if sc.last.text not in ops:
+                raise _unknown(f"op of layer kind {kname}", sc.last, ops)
+            last = ops.index(sc.last.text)
+        if last < first:
+            raise fail("E-SCOPE", f"scope ends at {sc.last.text} before it starts at "
+                       f"{sc.first.text}", sc.span, hint="swap the two ends")
+        for n in sc.buffers:
+            if n.text not in buffers:
+                raise _unknown(f"buffer of phase {kname}", n, sorted(buffers))
+            b = buffers[n.text]
+            buffers[n.text] = ir.Buffer(b.name, b.cls, b.shape, b.dtype, (kname, first, last))
+
+    kv = None
+    caches = [t for t in kind.states() if t.role == "cache"]
+    if len(phase.kv_tiles) > 1:
+        raise fail("E-DUPLICATE", "kv tiles declared twice", phase.kv_tiles[1].span,
+                   hint="keep one `kv tiles` line")
+    if phase.kv_tiles:
+        k = phase.kv_tiles[0]
+        if not caches:
+            raise fail("E-KV", f"layer kind {kname} has no KV cache to tile", k.span,
+                       hint="remove the `kv tiles` line")
+        sub = ir.SUBLANE_TILE["bf16"]
+        if k.tokens <= 0 or k.tokens % sub:
+            raise fail("E-ALIGN", f"a KV tile of {k.tokens} tokens is not a multiple of the "
+                       f"{sub}-row bf16 tile", k.span,
+                       hint=f"use a multiple of {sub}, e.g. {max(sub, k.tokens // sub * sub)}")
+        if context % k.tokens:
+            raise fail("E-ALIGN", f"context {context} is not a whole number of {k.tokens}-token "
+                       f"KV tiles", k.span, hint="make the context a multiple of the tile")
+        if k.slots < 1 or k.ahead < 1:
+            raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
+                       hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")
+        kv = ir.KvStream(k.slots, k.tokens, k.ahead, "attention", span=k.span)
+        a = ops.index("attention")
+        width = caches[0].shape[0] * caches[0].shape[1]
+        for c in caches:
+            buffers[f"kv_{c.name}"] = ir.Buffer(f"{kname}_kv_{c.name}", "kv",
+                                                (k.slots, B, k.tokens, width), "bf16",
+                                                (kname, a, a))
+    elif caches:
+        raise fail("E-KV", f"layer kind {kname} reads a KV cache but the phase does not say how",
+                   phase.kind.span, hint="add `kv tiles 2 slots of 128 tokens ahead 1`")
+
+    partial_ops = [o.name for o in kind.ops if o.matmul and kind.tensors[o.matmul].partial_out]
+    allreduces: list[ir.AllReduce] = []
+    wires: set[str] = set()
+    for ar in phase.allreduces:
+        if ar.algorithm.text not in ALLREDUCE_ALGORITHMS:
+            raise _unknown("all-reduce algorithm", ar.algorithm, list(ALLREDUCE_ALGORITHMS))
+        if ar.wire_dtype.text not in WIRE_DTYPES:
+            raise _unknown("wire dtype", ar.wire_dtype, list(WIRE_DTYPES))
+        for n in ar.ops:
+            if n.text not in ops:
+                raise _unknown(f"op of layer kind {kname}", n, ops)
+            if n.text not in partial_ops:
+                raise fail("E-COLLECTIVE", f"{n.text} does not produce partial sums; nothing to "
+                           "all-reduce", n.span,
+                           hint=f"ops of {kname} with partial outputs: {', '.join(partial_ops)}")
+            if any(a.after_op == n.text for a in allreduces):
+                raise fail("E-DUPLICATE", f"{n.text} is all-reduced twice", n.span,
+                           hint="list each op in one allreduce")
+            allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text, ar.span))
+            wires.add(ar.wire_dtype.text)
+    for p_op in partial_ops:
+        if not any(a.after_op == p_op for a in allreduces):
+            raise fail("E-COLLECTIVE", f"{kname}.{p_op} leaves partial sums that nothing reduces",
+                       phase.kind.span,
+                       hint=f"add `allreduce {', '.join(partial_ops)} direct wire bf16`")
+
+    ks = ir.KindSchedule(
+        name=kname, ops=ops, matmuls={o.name: o.matmul for o in kind.ops if o.matmul},
+        transfers=transfers, kv=kv, allreduces=allreduces,
+        vectors=[(t.name, t.shape) for t in kind.vectors()],
+        states={n: (t.shape, t.dtype) for n, t in states.items()})
+    return ks, list(buffers.values()), wires
+
+
+def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, B: int,
+               context: int) -> dict[str, int]:
+    """HBM bytes one rank holds, by class (weights padded to tiles, as packed)."""
+    tile_bytes = stream.tile_rows * stream.tile_cols * 2
+    n_layers = len(graph.layer_kinds)
+    state = cache = 0
+    for kname in graph.layer_kinds:
+        for t in graph.kinds[kname].states():
+            if t.role == "state":
+                state += B * t.nbytes
+            else:
+                cache += B * context * t.nbytes
+    return {
+        "streamed weights": stream.total_tiles * tile_bytes,
+        "embedding": graph.globals["embed"].nbytes,
+        "vectors": n_layers * parity.rows * parity.cols * 4,
+        "recurrent state": state,
+        "kv cache": cache,
+    }

@@ -1,0 +1,224 @@
+"""Unroll the schedule IR into the event trace of one decode step, in program order.
+
+The trace covers the prologue, every layer (so every layer-kind transition), and the
+epilogue. Each DMA carries the content tag it delivers and each read the tag it expects,
+so checks can tell a stale or clobbered slot from a fresh one. Codegen emits the same
+structure (same points, same slot arithmetic); this module is its executable model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mkc import ir
+from mkc.diagnostics import Span
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    op: str                    # alloc | free | start | wait | read | write | exit
+    buffer: str = ""           # VMEM buffer ("" for HBM-only events)
+    slot: int | None = None
+    dma: int | None = None
+    sem: tuple = ()
+    nbytes: int = 0
+    tag: object = None         # content delivered (start/write) or expected (read)
+    src: tuple | None = None   # for a start reading VMEM: (buffer, slot, expected tag)
+    where: str = ""
+    span: Span = field(default_factory=Span.unknown)
+
+
+class TraceBuilder:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._dma = 0
+
+    def _add(self, **kw) -> Event:
+        e = Event(seq=len(self.events), **kw)
+        self.events.append(e)
+        return e
+
+    def alloc(self, buffer: str, where: str, span: Span) -> None:
+        self._add(op="alloc", buffer=buffer, where=where, span=span)
+
+    def free(self, buffer: str, where: str, span: Span) -> None:
+        self._add(op="free", buffer=buffer, where=where, span=span)
+
+    def start(self, *, dst: str, slot: int | None, sem: tuple, nbytes: int, tag: object,
+              where: str, span: Span, src: tuple | None = None) -> None:
+        self._dma += 1
+        self._add(op="start", buffer=dst, slot=slot, dma=self._dma, sem=sem, nbytes=nbytes,
+                  tag=tag, src=src, where=where, span=span)
+
+    def wait(self, *, sem: tuple, nbytes: int, where: str, span: Span) -> None:
+        self._add(op="wait", sem=sem, nbytes=nbytes, where=where, span=span)
+
+    def read(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
+        self._add(op="read", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
+
+    def write(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
+        self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
+
+
+def build_trace(s: ir.ScheduleIR) -> list[Event]:
+    tb = TraceBuilder()
+    st, par = s.stream, s.parity
+    tile_bytes = st.tile_rows * st.tile_cols * ir.DTYPE_BYTES[st.dtype]
+    vec_bytes = par.rows * par.cols * 4
+    n_layers = len(s.layer_kinds)
+    ring_sem = lambda slot: ("ring", slot)                       # noqa: E731
+    vec_sem = lambda slot: ("vectors", slot)                     # noqa: E731
+
+    def start_tile(t: int, where: str) -> None:
+        if t < st.total_tiles:
+            tb.start(dst=st.ring, slot=t % st.slots, sem=ring_sem(t % st.slots),
+                     nbytes=tile_bytes, tag=("tile", t), where=where, span=st.span)
+
+    def consume_tiles(first: int, count: int, where: str) -> None:
+        for t in range(first, first + count):
+            tb.wait(sem=ring_sem(t % st.slots), nbytes=tile_bytes, where=where, span=st.span)
+            tb.read(st.ring, t % st.slots, ("tile", t), where, st.span)
+            start_tile(t + st.ahead, where)
+
+    def start_vectors(layer: int, where: str) -> None:
+        tb.start(dst="vectors", slot=layer % 2, sem=vec_sem(layer % 2), nbytes=vec_bytes,
+                 tag=("vectors", layer), where=where, span=par.span)
+
+    # ---- prologue ------------------------------------------------------------------------
+    for t in range(min(st.ahead, st.total_tiles)):
+        start_tile(t, "prologue")
+    for layer in range(min(par.ahead, n_layers)):
+        start_vectors(layer, "prologue")
+    tb.write("x", None, ("x", -1), "prologue: embedding", Span.unknown(s.source))
+    head_norm_bytes = s.buffer("head_norm").vmem_bytes
+    tb.start(dst="head_norm", slot=None, sem=("head_norm",), nbytes=head_norm_bytes,
+             tag=("head_norm",), where="prologue", span=Span.unknown(s.source))
+
+    # ---- layers --------------------------------------------------------------------------
+    for layer, kname in enumerate(s.layer_kinds):
+        k = s.kinds[kname]
+        ops = k.ops
+        label = f"layer {layer} ({kname})"
+        tile = st.layer_tile_offset[layer]
+        fam_tiles = {f.name: f.tiles for f in st.families[kname]}
+        state_tag = {t.buffer: ("state", layer) for t in k.transfers}
+        buf_of_state = {(t.state): t.buffer for t in k.transfers if t.direction == "load"}
+        scopes = sorted({s.buffer(t.buffer).scope for t in k.transfers
+                         if s.buffer(t.buffer).scope}, key=lambda sc: (sc[1], -sc[2]))
+        scoped_bufs = {t.buffer for t in k.transfers if s.buffer(t.buffer).scope}
+
+        def where(p: int) -> str:
+            if p == 0:
+                return f"{label} at start"
+            if p == len(ops):
+                return f"{label} at end"
+            return f"{label} before {ops[p]}"
+
+        def transfer_bytes(t: ir.Transfer) -> int:
+            b = s.buffer(t.buffer)
+            return ir.DTYPE_BYTES[b.dtype] * _prod(b.shape)
+
+        def sem_of(t: ir.Transfer) -> tuple:
+            return (t.direction, t.buffer)
+
+        def point(p: int) -> None:
+            for sc in scopes:
+                if sc[1] == p:
+                    for b in sorted(scoped_bufs):
+                        if s.buffer(b).scope == sc:
+                            tb.alloc(b, where(p), Span.unknown(s.source))
+            if p == 0:
+                if par.ahead == 0:
+                    start_vectors(layer, where(p))
+                tb.wait(sem=vec_sem(layer % 2), nbytes=vec_bytes, where=where(p), span=par.span)
+                if par.ahead > 0 and layer + par.ahead < n_layers:
+                    start_vectors(layer + par.ahead, where(p))
+            started_here = [t for t in k.transfers if t.start == p]
+            for t in k.transfers:
+                if t.start < p:
+                    for w in t.waits:
+                        if w == p:
+                            tb.wait(sem=sem_of(t), nbytes=transfer_bytes(t), where=where(p),
+                                    span=t.span)
+            for t in started_here:
+                if t.direction == "load":
+                    tb.start(dst=t.buffer, slot=None, sem=sem_of(t), nbytes=transfer_bytes(t),
+                             tag=state_tag[t.buffer], where=where(p), span=t.span)
+                else:
+                    tb.start(dst="", slot=None, sem=sem_of(t), nbytes=transfer_bytes(t),
+                             tag=None, src=(t.buffer, None, ("state-updated", layer)),
+                             where=where(p), span=t.span)
+            for t in started_here:
+                for w in t.waits:
+                    if w == p:
+                        tb.wait(sem=sem_of(t), nbytes=transfer_bytes(t), where=where(p),
+                                span=t.span)
+            # A scope covers points first..last+1: it closes after the point's events.
+            for sc in scopes:
+                if sc[2] + 1 == p:
+                    for b in sorted(scoped_bufs):
+                        if s.buffer(b).scope == sc:
+                            tb.free(b, where(p), Span.unknown(s.source))
+
+        for i, op in enumerate(ops):
+            point(i)
+            w = f"{label} {op}"
+            if op in k.matmuls:
+                n = fam_tiles[k.matmuls[op]]
+                consume_tiles(tile, n, w)
+                tile += n
+            if op in ("input_norm", "post_norm"):
+                tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
+            for sname, bname in buf_of_state.items():
+                if op in _STATE_USERS.get(sname, ()):
+                    tb.read(bname, None, state_tag[bname], w, Span.unknown(s.source))
+                    state_tag[bname] = ("state-updated", layer)
+                    tb.write(bname, None, state_tag[bname], w, Span.unknown(s.source))
+            if k.kv is not None and op == k.kv.op:
+                _kv_events(tb, s, k, layer, w)
+        point(len(ops))
+
+    # ---- epilogue ------------------------------------------------------------------------
+    tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
+            span=Span.unknown(s.source))
+    tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))
+    consume_tiles(st.tail_tile_offset, sum(f.tiles for f in st.tail), "epilogue lm_head")
+    tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))
+    return tb.events
+
+
+# Which ops read and rewrite a state family held in VMEM (from the model graph's op table).
+_STATE_USERS = {"conv": ("conv",), "recurrent": ("delta_rule",)}
+
+
+def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: int,
+               where: str) -> None:
+    kv = k.kv
+    bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
+    n_tiles = s.context // kv.tokens
+    nbytes = {b.name: ir.DTYPE_BYTES[b.dtype] * _prod(b.shape[1:]) for b in bufs}
+    for b in bufs:
+        tb.alloc(b.name, where, kv.span)
+
+    def start(t: int) -> None:
+        if t < n_tiles:
+            for b in bufs:
+                tb.start(dst=b.name, slot=t % kv.slots, sem=(b.name, t % kv.slots),
+                         nbytes=nbytes[b.name], tag=("kv", layer, t), where=where, span=kv.span)
+
+    for t in range(min(kv.ahead, n_tiles)):
+        start(t)
+    for t in range(n_tiles):
+        for b in bufs:
+            tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where, span=kv.span)
+            tb.read(b.name, t % kv.slots, ("kv", layer, t), where, kv.span)
+        start(t + kv.ahead)
+    for b in bufs:
+        tb.free(b.name, where, kv.span)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
