@@ -42,6 +42,12 @@ class Buffer:
     shape: tuple[int, ...]
     dtype: str
     scope: tuple[str, int, int] | None = None
+    batch_axis: int | None = None   # the dim that is the batch (sized per compiled batch)
+
+    def shape_expr(self, batch: str = "B") -> str:
+        """The shape as Python source with the batch dim as a variable."""
+        dims = [batch if i == self.batch_axis else str(d) for i, d in enumerate(self.shape)]
+        return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
     @property
     def vmem_bytes(self) -> int:

@@ -1,6 +1,7 @@
 """Resolve a parsed schedule against the model graph and target into the schedule IR."""
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import re
 from pathlib import Path
@@ -15,10 +16,13 @@ SHARD_CLASSES = ("heads", "mlp", "vocab")
 ALLREDUCE_ALGORITHMS = ("direct",)
 WIRE_DTYPES = ("bf16", "f32")
 RING_DTYPES = ("bf16",)
-_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
+# No "__": generated code joins names with a double underscore, so user names cannot collide.
+_IDENT = re.compile(r"^[a-z](?:_?[a-z0-9])*$")
 # Names the generated module defines itself; a spec buffer may not shadow them.
-_RESERVED = {"x", "stage", "acc", "ring", "vectors", "recv", "send", "logits", "kv_key",
-             "kv_value", "state", "start", "end"}
+_RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start", "end",
+             "embed", "embed_rows", "head_norm", "tables", "tokens", "positions", "rope",
+             "ring_hbm", "vectors_hbm", "head_norm_hbm", "ring_sem", "vectors_sem", "sems",
+             "send_sem", "recv_sem", "collective_count", "recv_bf16", "recv_f32"}
 # Cost-model constant for choosing the ring tile: what one extra DMA costs, in bytes moved.
 TILE_OVERHEAD_BYTES = 64 * 1024
 
@@ -45,7 +49,7 @@ def _validate_identifier(name: ast.Name, what: str) -> str:
     text = name.text
     if not _IDENT.match(text) or keyword.iskeyword(text) or text in _RESERVED:
         raise fail("E-NAME", f"'{text}' cannot name a {what}", name.span,
-                   hint="use lower-case letters, digits and '_', starting with a letter, and not "
+                   hint="use lower-case letters and digits joined by single '_', starting with a letter, not "
                         f"a Python keyword or one of: {', '.join(sorted(_RESERVED))}")
     return text
 
@@ -165,15 +169,18 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         ir.Buffer(stream.ring, "ring", (stream.slots, stream.tile_rows, stream.tile_cols),
                   stream.dtype),
         ir.Buffer("vectors", "parity", (2, parity.rows, parity.cols), "f32"),
-        ir.Buffer("x", "activation", (B, H), "f32"),
+        ir.Buffer("x", "activation", (B, H), "f32", batch_axis=0),
+        ir.Buffer("embed_rows", "activation", (B, H), "bf16", batch_axis=0),
         # The final norm weight, one row (padded to a full f32 tile so its DMA is aligned).
         ir.Buffer("head_norm", "parity", (8, H), "f32"),
     ]
     all_fams = [f for fs in stream.families.values() for f in fs] + stream.tail
     buffers.append(ir.Buffer("stage", "activation",
-                             (max(f.row_tiles for f in all_fams), B, stream.tile_rows), "bf16"))
+                             (max(f.row_tiles for f in all_fams), B, stream.tile_rows), "bf16",
+                             batch_axis=1))
     buffers.append(ir.Buffer("acc", "activation",
-                             (max(f.col_tiles for f in all_fams), B, stream.tile_cols), "f32"))
+                             (max(f.col_tiles for f in all_fams), B, stream.tile_cols), "f32",
+                             batch_axis=1))
 
     kinds: dict[str, ir.KindSchedule] = {}
     wire_dtypes: set[str] = {"bf16"}           # the embedding all-reduce is exact in bf16
@@ -185,9 +192,9 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         buffers.extend(kbufs)
         wire_dtypes |= wires
     for w in sorted(wire_dtypes):
-        buffers.append(ir.Buffer(f"recv_{w}", "collective", (2, ranks, B, H), w))
-    logits_cols = stream.tail[0].col_tiles * stream.tile_cols
-    buffers.append(ir.Buffer("logits", "output", (B, logits_cols), "f32"))
+        buffers.append(ir.Buffer(f"recv_{w}", "collective", (2, ranks, B, H), w, batch_axis=2))
+    buffers.append(ir.Buffer("logits", "output",
+                             (stream.tail[0].col_tiles, B, stream.tile_cols), "f32", batch_axis=1))
     names = [b.name for b in buffers]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
@@ -351,7 +358,10 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
                            hint="use one VMEM buffer per state family")
             bound[bname] = sname
             t = states[sname]
-            buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", (B, *t.shape), t.dtype)
+            # Leading dims of a state (conv taps) go first so the kernel indexes them cheaply.
+            shape = (t.shape[0], B, *t.shape[1:]) if sname == "conv" else (B, *t.shape)
+            buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
+                                       batch_axis=1 if sname == "conv" else 0)
             transfers.append(ir.Transfer(
                 tr.direction, sname, f"{kname}_{bname}", _point(tr.start, ops, kname),
                 tuple(_point(w, ops, kname) for w in tr.waits), span=tr.span))
@@ -379,7 +389,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
             if n.text not in buffers:
                 raise _unknown(f"buffer of phase {kname}", n, sorted(buffers))
             b = buffers[n.text]
-            buffers[n.text] = ir.Buffer(b.name, b.cls, b.shape, b.dtype, (kname, first, last))
+            buffers[n.text] = dataclasses.replace(b, scope=(kname, first, last))
 
     kv = None
     caches = [t for t in kind.states() if t.role == "cache"]
@@ -408,7 +418,11 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
         for c in caches:
             buffers[f"kv_{c.name}"] = ir.Buffer(f"{kname}_kv_{c.name}", "kv",
                                                 (k.slots, B, k.tokens, width), "bf16",
-                                                (kname, a, a))
+                                                (kname, a, a), batch_axis=1)
+        # The new token's K/V rows are written by read-modify-write of an aligned bf16 tile.
+        buffers["kv_rows"] = ir.Buffer(f"{kname}_kv_rows", "kv",
+                                       (2, B, ir.SUBLANE_TILE["bf16"], width), "bf16",
+                                       batch_axis=1)
     elif caches:
         raise fail("E-KV", f"layer kind {kname} reads a KV cache but the phase does not say how",
                    phase.kind.span, hint="add `kv tiles 2 slots of 128 tokens ahead 1`")

@@ -89,8 +89,9 @@ def load_dims(path: Path, span: Span | None = None) -> ModelDims:
                              f"{sorted(_QWEN35_KINDS)}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         head_dim = int(raw["head_dim"])
-        factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        # Fallbacks are the upstream Qwen3_5TextConfig defaults.
+        factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10_000_000.0)))
         return ModelDims(
             family=family, name=Path(path).stem if Path(path).name != "config.json"
             else Path(path).parent.name,

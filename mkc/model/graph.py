@@ -77,6 +77,10 @@ class ShardingError(ValueError):
     """A dimension does not divide over the requested ways; the message says which."""
 
 
+def lane_pad(n: int) -> int:
+    return -(-n // 128) * 128
+
+
 def _split(total: int, ways: int, what: str) -> int:
     if total % ways:
         raise ShardingError(f"{what} = {total} does not divide over {ways} ranks")
@@ -123,7 +127,9 @@ def _qwen35_kinds(d: ModelDims, heads: int, mlp: int) -> dict[str, LayerKind]:
         Op("out_proj", reads=("core",), writes=("attn_out",), matmul="out_proj"),
         Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
     ) + mlp_ops, tensors={
-        "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * nv), "bf16"),
+        # Columns [q | k | v | z | b | a]; b and a each padded to a lane tile so every
+        # section starts on a 128-lane boundary in the kernel.
+        "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * lane_pad(nv)), "bf16"),
         "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=True),
         "conv_weight": Tensor("conv_weight", "vector", (d.linear_conv_kernel_dim, conv_ch), "f32"),
         "A_log": Tensor("A_log", "vector", (nv,), "f32"),

@@ -1,0 +1,3 @@
+from mkc.cli import main
+
+raise SystemExit(main())

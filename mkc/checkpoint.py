@@ -1,0 +1,184 @@
+"""Hugging Face checkpoint directories (config.json + safetensors) <-> numpy parameter dicts.
+
+Loading validates the tensor names and shapes against ``param_shapes`` of the qwen3_5_text family
+before reading any tensor data, so a wrong or partial download fails fast with a message naming
+the offending tensors. Published Qwen3.5 checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``):
+their language-model tensors live under ``model.language_model.`` and are renamed to the
+``Qwen3_5ForCausalLM`` names used here, while vision (``model.visual.``) and multi-token-prediction
+(``mtp.``) tensors are skipped, as upstream's ForCausalLM does.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy API needs)
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from mkc.reference.qwen3_5 import load_config, param_shapes
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_RENAMED_PREFIXES = {"model.language_model.": "model."}
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+# Float formats accepted as stored; Qwen3.5 ships A_log and linear_attn.norm.weight as F32.
+_FLOAT_DTYPES = {"BF16", "F16", "F32"}
+_MAX_LISTED = 8
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory is unreadable or does not match its config."""
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:_MAX_LISTED])
+    more = len(names) - _MAX_LISTED
+    return shown + (f" ... and {more} more" if more > 0 else "")
+
+
+def _canonical(name: str) -> str | None:
+    """The ForCausalLM name of a stored tensor, or None if the tensor is not ours to load."""
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    for old, new in _RENAMED_PREFIXES.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _weight_files(root: Path) -> dict[Path, list[str] | None]:
+    """Safetensors files to read -> the tensor names the index promises in each (None: no index)."""
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: weight_map is not a name -> file mapping")
+        files: dict[Path, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(root / file, []).append(name)
+        missing = [p.name for p in files if not p.is_file()]
+        if missing:
+            raise CheckpointError(f"{root}: {INDEX_FILE} lists shard files that do not exist: "
+                                  f"{_listing(missing)}")
+        return {p: names for p, names in files.items()}
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{root}: no {SINGLE_FILE}, no {INDEX_FILE} and no other *.safetensors file")
+    return {p: None for p in found}
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read an HF checkpoint directory into (config.json as a dict, HF name -> numpy array).
+
+    Arrays keep their stored dtype (bf16 as ``ml_dtypes.bfloat16``, or f32 where the checkpoint
+    stores f32); names are the ``Qwen3_5ForCausalLM`` ones of ``param_shapes``.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{root}: missing {CONFIG_FILE}")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        cfg = load_config(config)
+    except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{config_path}: unusable config ({e})") from e
+    expected = param_shapes(cfg)
+
+    # Pass 1: names, shapes and dtypes from the headers only.
+    located: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, stored name)
+    problems: list[str] = []
+    unexpected: list[str] = []
+    for file, promised in _weight_files(root).items():
+        try:
+            with safe_open(file, framework="np") as f:
+                stored = set(f.keys())
+                if promised is not None and (absent := sorted(set(promised) - stored)):
+                    raise CheckpointError(f"{file}: tensors listed for it in {INDEX_FILE} are not in "
+                                          f"the file: {_listing(absent)}")
+                for stored_name in sorted(stored):
+                    name = _canonical(stored_name)
+                    if name is None:
+                        continue
+                    if name not in expected:
+                        unexpected.append(stored_name)
+                        continue
+                    if name in located:
+                        raise CheckpointError(f"{root}: tensor {name} is stored twice "
+                                              f"({located[name][0].name} and {file.name})")
+                    located[name] = (file, stored_name)
+                    view = f.get_slice(stored_name)
+                    shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                    want = expected[name][0]
+                    if shape != want:
+                        problems.append(f"{name}: shape {list(shape)}, expected {list(want)}")
+                    if dtype not in _FLOAT_DTYPES:
+                        problems.append(f"{name}: dtype {dtype}, expected one of {sorted(_FLOAT_DTYPES)}")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+
+    missing = [n for n in expected if n not in located]
+    if missing:
+        problems.insert(0, f"missing {len(missing)} tensor(s): {_listing(missing)}")
+    if unexpected:
+        problems.insert(0, f"{len(unexpected)} unexpected tensor(s): {_listing(unexpected)}")
+    if problems:
+        raise CheckpointError(f"{root} does not match its config "
+                              f"({cfg.num_hidden_layers} layers):\n  " + "\n  ".join(problems))
+
+    # Pass 2: the data, file by file so each file is opened once.
+    params: dict[str, np.ndarray] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (file, stored_name) in located.items():
+        by_file.setdefault(file, []).append((name, stored_name))
+    for file, names in by_file.items():
+        with safe_open(file, framework="np") as f:
+            for name, stored_name in names:
+                params[name] = f.get_tensor(stored_name)
+    return config, {name: params[name] for name in expected}
+
+
+def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],
+                    params: Mapping[str, np.ndarray], *, max_shard_bytes: int | None = None) -> None:
+    """Write config.json and the tensors (as given, unvalidated, so tests can write broken ones).
+
+    With ``max_shard_bytes`` the tensors are split, in order, into
+    ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``.
+    """
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+    tensors = {name: np.ascontiguousarray(a) for name, a in params.items()}
+    metadata = {"format": "pt"}  # what transformers expects in the header
+    if max_shard_bytes is None:
+        save_file(tensors, root / SINGLE_FILE, metadata=metadata)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, a in tensors.items():
+        if shards[-1] and size + a.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, root / file, metadata=metadata)
+        weight_map |= dict.fromkeys(shard, file)
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")

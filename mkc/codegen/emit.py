@@ -1,0 +1,135 @@
+"""Lower the checked schedule IR to one readable Pallas module through jinja2 templates."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import jinja2
+
+import mkc
+from mkc import ir
+
+_TEMPLATES = Path(__file__).with_name("templates")
+_JNP = {"bf16": "jnp.bfloat16", "f32": "jnp.float32", "int32": "jnp.int32"}
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=False,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters["jnp"] = lambda d: _JNP[d]
+    return env
+
+
+def _kind_plan(s: ir.ScheduleIR, k: ir.KindSchedule, sem_index: dict[str, int]) -> list[dict]:
+    """The layer body of one kind in program order: point events, scope opens/closes, ops.
+
+    Mirrors mkc.trace exactly: at a point, waits of earlier copies, then starts, then waits
+    of copies started there; a scope covers points first..last+1."""
+    plan: list[dict] = []
+    scoped = sorted({b.scope for b in s.buffers if b.scope and b.scope[0] == k.name
+                     and b.cls == "state"}, key=lambda sc: (sc[1], -sc[2]))
+    ar_after = {a.after_op: a for a in k.allreduces}
+
+    def point(p: int) -> None:
+        for sc in scoped:
+            if sc[1] == p:
+                bufs = [b for b in s.buffers if b.scope == sc and b.cls == "state"]
+                plan.append({"type": "scope_open", "buffers": bufs})
+        if p == 0:
+            plan.append({"type": "vectors"})
+        for t in k.transfers:
+            if t.start < p and p in t.waits:
+                plan.append({"type": "wait", "t": t, "sem": sem_index[f"{t.direction}:{t.buffer}"]})
+        for t in k.transfers:
+            if t.start == p:
+                plan.append({"type": "start", "t": t, "sem": sem_index[f"{t.direction}:{t.buffer}"]})
+        for t in k.transfers:
+            if t.start == p and p in t.waits:
+                plan.append({"type": "wait", "t": t, "sem": sem_index[f"{t.direction}:{t.buffer}"]})
+        for sc in reversed(scoped):
+            if sc[2] + 1 == p:
+                plan.append({"type": "scope_close"})
+
+    fams = {f.name: f for f in s.stream.families[k.name]}
+    for i, op in enumerate(k.ops):
+        point(i)
+        entry = {"type": "op", "op": op}
+        if op in k.matmuls:
+            entry["family"] = fams[k.matmuls[op]]
+        plan.append(entry)
+        if op in ar_after:
+            plan.append({"type": "allreduce", "ar": ar_after[op]})
+    point(len(k.ops))
+    return plan
+
+
+LOWERED_OPS = {"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "down", "out_proj",
+               "o_proj", "attn_residual", "mlp_residual", "conv", "delta_rule", "gated_norm",
+               "qk_norm_rope", "kv_write", "attention", "out_gate"}
+
+
+def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, int],
+              misc_sems: dict[str, int]) -> dict:
+    """Per-rank sizes and tables the template prints as constants."""
+    d, n = s.dims, s.ranks
+    nv = d["linear_num_value_heads"] // n
+    nk = d["linear_num_key_heads"] // n
+    dk, dv = d["linear_key_head_dim"], d["linear_value_head_dim"]
+    conv_ch = 2 * nk * dk + nv * dv
+    lane = lambda x: -(-x // ir.LANES) * ir.LANES          # noqa: E731
+    kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
+    state_buffer: dict[str, dict[str, str]] = {}
+    state_buffer_ir: dict[str, dict[str, ir.Buffer]] = {}
+    for kname, k in s.kinds.items():
+        for t in k.transfers:
+            state_buffer.setdefault(kname, {})[t.state] = t.buffer
+            state_buffer_ir.setdefault(kname, {})[t.state] = s.buffer(t.buffer)
+    dims_literal = "{" + ", ".join(f"{key!r}: {val!r}" for key, val in sorted(d.items())
+                                   if key != "layer_kinds") + \
+        f", 'layer_kinds': {tuple(s.layer_kinds)!r}" + "}"
+    return {
+        "dims_literal": dims_literal,
+        "layer_kind_ids": tuple(kind_ids[k] for k in s.layer_kinds),
+        "vocab_local": d["vocab_size"] // n,
+        "state_index": tuple(kind_layers[k].index(i) for i, k in enumerate(s.layer_kinds)),
+        "kind_layers": kind_layers,
+        "nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch,
+        "nq": d["num_attention_heads"] // n,
+        "nkv": max(1, d["num_key_value_heads"] // n),
+        "inter": d["intermediate_size"] // n,
+        "b_off": conv_ch + nv * dv, "a_off": conv_ch + nv * dv + lane(nv),
+        "sem_names": {**{k.replace(":", "_"): v for k, v in sem_index.items()}, **misc_sems},
+        "state_buffer": state_buffer, "state_buffer_ir": state_buffer_ir,
+    }
+
+
+def render(s: ir.ScheduleIR, spec_text: str, config_text: str) -> str:
+    """The generated module's source; deterministic for the same inputs."""
+    digest = hashlib.sha256((spec_text + "\0" + config_text + "\0" + mkc.__version__)
+                            .encode()).hexdigest()[:16]
+    sem_index: dict[str, int] = {}
+    for k in s.kinds.values():
+        for t in k.transfers:
+            sem_index.setdefault(f"{t.direction}:{t.buffer}", len(sem_index))
+    misc_sems = {"head_norm": len(sem_index), "embed": len(sem_index) + 1,
+                 "kv_rows": len(sem_index) + 2}
+    plans = {name: _kind_plan(s, k, sem_index) for name, k in s.kinds.items()}
+    kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
+    state_arrays = []          # (kind, state family, hbm name)
+    for name in sorted(s.kinds):
+        for sname in sorted(s.kinds[name].states):
+            state_arrays.append((name, sname, f"{name}__{sname}"))
+    cache_arrays = [(name, c) for name in sorted(s.kinds) if s.kinds[name].kv
+                    for c in ("key", "value")]
+    resident = [b for b in s.buffers if b.scope is None]
+    unknown = {op for k in s.kinds.values() for op in k.ops} - LOWERED_OPS
+    if unknown:
+        raise ValueError(f"no lowering for ops {sorted(unknown)}")
+    wires = sorted({b.dtype for b in s.buffers if b.cls == "collective"})
+    return _env().get_template("module.py.j2").render(
+        s=s, d=s.dims, version=mkc.__version__, digest=digest, plans=plans,
+        kind_ids=kind_ids, g=_geometry(s, kind_ids, sem_index, misc_sems), sem_index=sem_index, misc_sems=misc_sems,
+        n_sems=len(sem_index) + len(misc_sems), state_arrays=state_arrays,
+        cache_arrays=cache_arrays, resident=resident, wires=wires,
+        all_families=[f for fs in s.stream.families.values() for f in fs] + s.stream.tail)

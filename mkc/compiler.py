@@ -1,0 +1,53 @@
+"""The pipeline in one place: parse -> resolve -> checks -> codegen, and atomic output."""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mkc import ir
+from mkc.checks import run_checks
+from mkc.codegen.emit import render
+from mkc.lang.parser import parse_file
+from mkc.model.config import resolve_config_path
+from mkc.resolve import resolve
+
+
+@dataclass
+class Compiled:
+    ir: ir.ScheduleIR
+    spec_text: str
+    module_source: str | None = None
+
+
+def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
+    """Parse, resolve and check; raises MkcError with diagnostics on a bad spec."""
+    sched, text = parse_file(spec)
+    schedule_ir = resolve(sched, model)
+    run_checks(schedule_ir)
+    return Compiled(schedule_ir, text)
+
+
+def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:
+    c = check_spec(spec, model)
+    config_text = resolve_config_path(model or c.ir.model, Path(spec).parent).read_text()
+    c.module_source = render(c.ir, c.spec_text, config_text)
+    return c
+
+
+def module_name(c: Compiled) -> str:
+    return c.ir.name if c.ir.model == c.ir.name else f"{c.ir.name}__{c.ir.model}"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write via a temp file and rename, so a failed run never leaves a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,115 @@
+"""Where each per-rank weight family of qwen3_5_text comes from in the HF checkpoint.
+
+`family_matrix` returns the [in, out] matrix one rank multiplies by (HF Linear weights are
+[out, in]); `vector` returns a per-rank vector family. Generated `pack_weights` functions
+tile and order these as their schedule says.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from mkc.model.config import ModelDims
+from mkc.model.graph import lane_pad
+
+
+def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    return np.asarray(hf[name]).astype(np.float32)
+
+
+def _pad_cols(m: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(m, ((0, 0), (0, width - m.shape[1])))
+
+
+def _kv_head(d: ModelDims, rank: int, ranks: int) -> list[int]:
+    """KV heads held by a rank: a split when there are enough, else its group's replica."""
+    if d.num_key_value_heads >= ranks:
+        n = d.num_key_value_heads // ranks
+        return list(range(rank * n, (rank + 1) * n))
+    return [rank * d.num_key_value_heads // ranks]
+
+
+def family_matrix(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family: str,
+                  rank: int, ranks: int) -> np.ndarray:
+    p = f"model.layers.{layer}."
+    H = d.hidden_size
+    if family in ("gate_up", "down"):
+        n = d.intermediate_size // ranks
+        cols = slice(rank * n, (rank + 1) * n)
+        if family == "gate_up":
+            return np.concatenate([_w(hf, p + "mlp.gate_proj.weight")[cols].T,
+                                   _w(hf, p + "mlp.up_proj.weight")[cols].T], axis=1)
+        return _w(hf, p + "mlp.down_proj.weight")[:, cols].T
+    if family in ("in_proj", "out_proj"):
+        nk = d.linear_num_key_heads // ranks
+        nv = d.linear_num_value_heads // ranks
+        dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+        if family == "out_proj":
+            return _w(hf, p + "linear_attn.out_proj.weight")[:, rank * nv * dv:(rank + 1) * nv * dv].T
+        qkv = _w(hf, p + "linear_attn.in_proj_qkv.weight")
+        key_dim = d.linear_num_key_heads * dk
+        q = qkv[rank * nk * dk:(rank + 1) * nk * dk]
+        k = qkv[key_dim + rank * nk * dk:key_dim + (rank + 1) * nk * dk]
+        v = qkv[2 * key_dim + rank * nv * dv:2 * key_dim + (rank + 1) * nv * dv]
+        z = _w(hf, p + "linear_attn.in_proj_z.weight")[rank * nv * dv:(rank + 1) * nv * dv]
+        b = _w(hf, p + "linear_attn.in_proj_b.weight")[rank * nv:(rank + 1) * nv]
+        a = _w(hf, p + "linear_attn.in_proj_a.weight")[rank * nv:(rank + 1) * nv]
+        return np.concatenate([q.T, k.T, v.T, z.T, _pad_cols(b.T, lane_pad(nv)),
+                               _pad_cols(a.T, lane_pad(nv))], axis=1)
+    if family in ("qkv_gate", "o_proj"):
+        nq = d.num_attention_heads // ranks
+        hd = d.head_dim
+        if family == "o_proj":
+            return _w(hf, p + "self_attn.o_proj.weight")[:, rank * nq * hd:(rank + 1) * nq * hd].T
+        qg = _w(hf, p + "self_attn.q_proj.weight").reshape(d.num_attention_heads, 2, hd, H)
+        mine = qg[rank * nq:(rank + 1) * nq]                       # [nq, 2, hd, H]
+        q = mine[:, 0].reshape(nq * hd, H)
+        gate = mine[:, 1].reshape(nq * hd, H)
+        heads = _kv_head(d, rank, ranks)
+        kw = _w(hf, p + "self_attn.k_proj.weight").reshape(d.num_key_value_heads, hd, H)[heads]
+        vw = _w(hf, p + "self_attn.v_proj.weight").reshape(d.num_key_value_heads, hd, H)[heads]
+        return np.concatenate([q.T, gate.T, kw.reshape(-1, H).T, vw.reshape(-1, H).T], axis=1)
+    if family == "lm_head":
+        n = d.vocab_size // ranks
+        return _w(hf, "lm_head.weight")[rank * n:(rank + 1) * n].T
+    raise KeyError(f"no HF source for weight family {family!r}")
+
+
+def vector(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family: str,
+           rank: int, ranks: int) -> np.ndarray:
+    """A per-layer vector family, 2-D [rows, width] f32."""
+    p = f"model.layers.{layer}."
+    nk = d.linear_num_key_heads // ranks
+    nv = d.linear_num_value_heads // ranks
+    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+    simple = {
+        "input_norm": p + "input_layernorm.weight",
+        "post_norm": p + "post_attention_layernorm.weight",
+        "q_norm": p + "self_attn.q_norm.weight",
+        "k_norm": p + "self_attn.k_norm.weight",
+        "norm": p + "linear_attn.norm.weight",
+    }
+    if family in simple:
+        return _w(hf, simple[family])[None, :]
+    if family in ("A_log", "dt_bias"):
+        return _w(hf, p + f"linear_attn.{family}")[rank * nv:(rank + 1) * nv][None, :]
+    if family == "conv_weight":
+        w = _w(hf, p + "linear_attn.conv1d.weight")[:, 0, :]          # [C, K]
+        key_dim = d.linear_num_key_heads * dk
+        ch = np.concatenate([
+            np.arange(rank * nk * dk, (rank + 1) * nk * dk),
+            key_dim + np.arange(rank * nk * dk, (rank + 1) * nk * dk),
+            2 * key_dim + np.arange(rank * nv * dv, (rank + 1) * nv * dv)])
+        return w[ch].T                                                  # [K, C_local]
+    raise KeyError(f"no HF source for vector family {family!r}")
+
+
+def global_tensor(hf: Mapping[str, np.ndarray], d: ModelDims, name: str, rank: int,
+                  ranks: int) -> np.ndarray:
+    if name == "embed":
+        n = d.vocab_size // ranks
+        return np.asarray(hf["model.embed_tokens.weight"])[rank * n:(rank + 1) * n]
+    if name == "final_norm":
+        return _w(hf, "model.norm.weight")[None, :]
+    raise KeyError(name)

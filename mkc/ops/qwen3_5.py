@@ -1,0 +1,95 @@
+"""Compute bodies for the qwen3_5_text family, as functions over in-kernel values.
+
+Generated kernels call these between the DMAs mkc schedules; nothing here touches a
+semaphore or decides when memory moves. Everything computes in f32; shapes are per rank and
+kept 2-D ([rows, lanes]) so Mosaic lowers them without relayouts.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+L2NORM_EPS = 1e-6
+
+
+def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Qwen3_5RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w); x [B, H], w [1, H]."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def gated_rms_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Qwen3_5RMSNormGated over one head: norm(o) * w * silu(z); o, z [1, Dv], w [1, Dv]."""
+    return o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * w * jax.nn.silu(z)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    # log1p(exp(x)) overflows for large x; this form is exact to f32 rounding everywhere.
+    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+
+
+def swiglu(gate_up: jax.Array, width: int) -> jax.Array:
+    """gate_up [B, 2*width] packed as [gate | up] -> silu(gate) * up."""
+    return jax.nn.silu(gate_up[:, :width]) * gate_up[:, width:2 * width]
+
+
+def causal_conv_silu(window: list[jax.Array], taps: jax.Array) -> jax.Array:
+    """Depthwise causal conv of one new step: window[j] [B, C] oldest first, taps [K, C]."""
+    acc = window[0] * taps[0:1, :]
+    for j in range(1, len(window)):
+        acc = acc + window[j] * taps[j:j + 1, :]
+    return jax.nn.silu(acc)
+
+
+def delta_rule_head(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                    g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token of the gated delta rule for one head and one batch row.
+
+    state [Dk, Dv] f32; q, k [1, Dk] (normalised, q scaled); v [1, Dv]; g, beta [1, 1].
+    S *= exp(g); S += k^T ((v - k S) * beta); o = q S.
+    """
+    state = state * jnp.exp(g)
+    predicted = jnp.dot(k, state, preferred_element_type=F32)            # [1, Dv]
+    delta = (v - predicted) * beta
+    # Outer product as a broadcast of the transposed key (Mosaic has no outer-product dot).
+    state = state + jnp.transpose(k) * delta
+    o = jnp.dot(q, state, preferred_element_type=F32)
+    return o, state
+
+
+def rotate_half_matrix(head_dim: int, rotary_dim: int) -> jax.Array:
+    """R with x @ R == rotate_half(x[:rotary_dim]) padded with zeros: [-x2, x1, 0...]."""
+    half = rotary_dim // 2
+    i = lax.broadcasted_iota(jnp.int32, (head_dim, head_dim), 0)
+    j = lax.broadcasted_iota(jnp.int32, (head_dim, head_dim), 1)
+    plus = (j >= half) & (j < rotary_dim) & (i == j - half)      # out[j] = x1[j - half]
+    minus = (j < half) & (i == j + half)                        # out[j] = -x2[j]
+    return jnp.where(plus, 1.0, jnp.where(minus, -1.0, 0.0)).astype(F32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rot: jax.Array) -> jax.Array:
+    """x [n, D]; cos/sin [1, D] (1 and 0 past the rotary dims); rot from rotate_half_matrix."""
+    return x * cos + jnp.dot(x, rot, preferred_element_type=F32) * sin
+
+
+def attention_tile(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                   m: jax.Array, l: jax.Array, acc: jax.Array, scale: float
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Online-softmax update with one KV tile for the query heads of one row.
+
+    q [nq, D] f32; k, v [T, D] bf16; visible [1, T] bool; running m, l [nq, 1], acc [nq, D].
+    """
+    s = lax.dot_general(q, k.astype(F32), (((1,), (1,)), ((), ())),
+                        preferred_element_type=F32) * scale               # [nq, T]
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+    acc_new = alpha * acc + jnp.dot(p, v.astype(F32), preferred_element_type=F32)
+    return m_new, l_new, acc_new

@@ -1,0 +1,1 @@
+"""Pure-JAX reference models: independent oracles for the kernels (they share no code with them)."""

@@ -1,0 +1,488 @@
+"""Pure-JAX reference decode for the Hugging Face ``qwen3_5_text`` family (Qwen3.5 / Qwen 3.8 dense).
+
+This is the oracle the megakernels are checked against, so it deliberately shares no code with
+them and favours plain, readable math over speed. It follows upstream transformers
+``models/qwen3_5/modeling_qwen3_5.py`` (``Qwen3_5ForCausalLM``) for one decode token per row:
+
+* residual stream, norms, projections, softmax and the recurrence are all f32; bf16 weights are
+  upcast, and every dot uses ``Precision.HIGHEST`` so the result is f32 on any backend;
+* ``Qwen3_5RMSNorm`` (input/post-attention/final norms, q_norm, k_norm) is zero-centred:
+  ``x * rsqrt(mean(x^2) + eps) * (1 + w)``; the gated-delta-net output norm
+  ``Qwen3_5RMSNormGated`` is NOT: ``x * rsqrt(mean(x^2) + eps) * w * silu(z)``;
+* full attention: q_proj rows are per head ``[query(D) | gate(D)]``; q_norm/k_norm per head,
+  then non-interleaved (rotate-half) RoPE on the first ``rotary_dim`` dims of each head; GQA with
+  query head h reading KV head ``h // (Hq // Hkv)``; output multiplied by ``sigmoid(gate)``;
+  M-RoPE sections are ignored because for text all three position axes are equal, which makes
+  the interleaved M-RoPE identical to plain RoPE;
+* gated delta net: causal depthwise conv (no bias) + SiLU over ``[q | k | v]``, q/k L2-normalised
+  (``x * rsqrt(sum x^2 + 1e-6)``), q scaled by ``Dk**-0.5``, value head h uses key head
+  ``h // (Hv // Hk)``, ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``.
+
+State layouts (``init_cache``; B = batch, T = context):
+
+* ``layers.{i}.conv_state``      bf16 ``[B, conv_dim, K-1]`` (linear layers), ``conv_dim =
+  2*Hk*Dk + Hv*Dv`` with channels in ``in_proj_qkv`` row order ``[q | k | v]``; the last axis is
+  time, oldest first: ``[..., K-2]`` is the previous token's ``in_proj_qkv`` output. The new
+  token's window is ``concat(conv_state, x_t)`` and conv tap ``j`` multiplies window slot ``j``
+  (tap K-1 multiplies the current token), as ``F.conv1d`` with left padding K-1 does.
+* ``layers.{i}.recurrent_state`` f32  ``[B, Hv, Dk, Dv]``: per value head the matrix S with
+  ``o = S^T q`` (sum over the key axis), exactly upstream's layout.
+* ``layers.{i}.key_cache`` / ``layers.{i}.value_cache`` bf16 ``[B, Hkv, T, D]`` (full layers):
+  slot t holds position t; keys are stored after k_norm and RoPE.
+
+bf16 storage is applied where a value enters a cache (conv inputs, k, v), and the new token's
+own entry is read back from the cache, so a token sees identical values whether it is the
+current one or a past one. Row b attends to slots ``0..positions[b]`` inclusive; positions must
+be < T (out-of-range writes are dropped by JAX scatter semantics). The conv and recurrent states
+advance by one token on every call, whatever the position: feed each row its tokens in order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm, not tied to rms_norm_eps
+
+# Upstream Qwen3_5TextConfig defaults, used only for keys a config.json omits (as HF does).
+_UPSTREAM_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    """The fields the decode math needs; hashable so it can be a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_kinds: tuple[str, ...]  # LINEAR or FULL per layer
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    # gated delta net (linear attention)
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == FULL)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == LINEAR)
+
+
+def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Qwen35Config:
+    """Parse an HF config (dict, config.json path, or checkpoint directory) of the qwen3_5_text family.
+
+    A composite ``qwen3_5`` config is accepted and its ``text_config`` used. Layer kinds come from
+    ``layer_types`` when present, else from ``full_attention_interval`` (default 4) as upstream:
+    layer i is full attention iff ``(i + 1) % interval == 0``.
+    """
+    if isinstance(path_or_dict, Mapping):
+        raw: Mapping[str, Any] = path_or_dict
+    else:
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    if isinstance(raw.get("text_config"), Mapping):
+        raw = raw["text_config"]
+    model_type = raw.get("model_type", "qwen3_5_text")
+    if model_type != "qwen3_5_text":
+        raise ValueError(f"expected model_type 'qwen3_5_text', got {model_type!r}")
+
+    def get(key: str) -> Any:
+        return raw[key] if raw.get(key) is not None else _UPSTREAM_DEFAULTS[key]
+
+    if get("hidden_act") != "silu":
+        raise ValueError(f"only hidden_act 'silu' is supported, got {get('hidden_act')!r}")
+    if get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported (no Qwen3.5 checkpoint uses it)")
+
+    n_layers = int(get("num_hidden_layers"))
+    if raw.get("layer_types") is not None:
+        kinds = tuple(raw["layer_types"])
+        if len(kinds) != n_layers:
+            raise ValueError(f"layer_types has {len(kinds)} entries but num_hidden_layers is {n_layers}")
+        bad = sorted({k for k in kinds if k not in (LINEAR, FULL)})
+        if bad:
+            raise ValueError(f"unsupported layer_types {bad}; expected {LINEAR!r} or {FULL!r}")
+    else:
+        interval = int(raw.get("full_attention_interval") or 4)
+        kinds = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
+
+    # Newer configs nest RoPE settings in rope_parameters; older ones keep them top level.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"only rope_type 'default' is supported, got {rope_type!r}")
+    theta = rope.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config has no rope_theta (looked in rope_parameters and at top level)")
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+
+    cfg = Qwen35Config(
+        vocab_size=int(get("vocab_size")),
+        hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size")),
+        num_hidden_layers=n_layers,
+        layer_kinds=kinds,
+        rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        num_attention_heads=int(get("num_attention_heads")),
+        num_key_value_heads=int(get("num_key_value_heads")),
+        head_dim=int(get("head_dim")),
+        rope_theta=float(theta),
+        partial_rotary_factor=float(partial),
+        linear_num_key_heads=int(get("linear_num_key_heads")),
+        linear_num_value_heads=int(get("linear_num_value_heads")),
+        linear_key_head_dim=int(get("linear_key_head_dim")),
+        linear_value_head_dim=int(get("linear_value_head_dim")),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
+    )
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
+        raise ValueError(f"rotary dim {cfg.rotary_dim} must be even and in (0, head_dim]")
+    return cfg
+
+
+def param_shapes(cfg: Qwen35Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every HF parameter name of ``Qwen3_5ForCausalLM`` -> (PyTorch shape, dtype name).
+
+    Linear weights are ``[out, in]``; ``conv1d.weight`` is ``[conv_dim, 1, K]`` (depthwise).
+    """
+    h, d = cfg.hidden_size, cfg.head_dim
+    bf16 = "bfloat16"
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, h), bf16),
+    }
+    for i, kind in enumerate(cfg.layer_kinds):
+        p = f"model.layers.{i}."
+        if kind == LINEAR:
+            hv = cfg.linear_num_value_heads
+            shapes |= {
+                p + "linear_attn.in_proj_qkv.weight": ((cfg.linear_conv_dim, h), bf16),
+                p + "linear_attn.in_proj_z.weight": ((cfg.linear_value_dim, h), bf16),
+                p + "linear_attn.in_proj_b.weight": ((hv, h), bf16),
+                p + "linear_attn.in_proj_a.weight": ((hv, h), bf16),
+                p + "linear_attn.conv1d.weight": ((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim), bf16),
+                p + "linear_attn.dt_bias": ((hv,), bf16),
+                p + "linear_attn.A_log": ((hv,), bf16),
+                p + "linear_attn.norm.weight": ((cfg.linear_value_head_dim,), bf16),
+                p + "linear_attn.out_proj.weight": ((h, cfg.linear_value_dim), bf16),
+            }
+        else:
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            shapes |= {
+                p + "self_attn.q_proj.weight": ((2 * hq * d, h), bf16),
+                p + "self_attn.k_proj.weight": ((hkv * d, h), bf16),
+                p + "self_attn.v_proj.weight": ((hkv * d, h), bf16),
+                p + "self_attn.o_proj.weight": ((h, hq * d), bf16),
+                p + "self_attn.q_norm.weight": ((d,), bf16),
+                p + "self_attn.k_norm.weight": ((d,), bf16),
+            }
+        shapes |= {
+            p + "mlp.gate_proj.weight": ((cfg.intermediate_size, h), bf16),
+            p + "mlp.up_proj.weight": ((cfg.intermediate_size, h), bf16),
+            p + "mlp.down_proj.weight": ((h, cfg.intermediate_size), bf16),
+            p + "input_layernorm.weight": ((h,), bf16),
+            p + "post_attention_layernorm.weight": ((h,), bf16),
+        }
+    shapes["model.norm.weight"] = ((h,), bf16)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = ((cfg.vocab_size, h), bf16)
+    return shapes
+
+
+def init_params(cfg: Qwen35Config, seed: int) -> dict[str, np.ndarray]:
+    """Random bf16 parameters scaled so the residual stream and logits stay O(1) at any depth.
+
+    Projections are N(0, 1/fan_in); the projections that write into the residual stream are
+    further scaled by 1/sqrt(2 * layers) so its variance stays bounded. Zero-centred norm weights
+    are small noise around 0 (gain ~1) so the ``1 + w`` path is exercised; the gated norm weight
+    is noise around 1. A_log and dt_bias follow the Mamba-2 style ranges of upstream init
+    (A in [1, 16], dt in [1e-3, 1e-1]) so per-step decays spread over roughly (0.2, 1).
+    """
+    rng = np.random.default_rng(seed)
+    residual_scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
+    out: dict[str, np.ndarray] = {}
+    for name, (shape, _) in param_shapes(cfg).items():
+        if name == "model.embed_tokens.weight":
+            w = rng.normal(0.0, 1.0, shape)
+        elif name.endswith("linear_attn.norm.weight"):
+            w = 1.0 + rng.normal(0.0, 0.1, shape)
+        elif name.endswith("norm.weight"):  # every zero-centred Qwen3_5RMSNorm
+            w = rng.normal(0.0, 0.1, shape)
+        elif name.endswith("A_log"):
+            w = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name.endswith("dt_bias"):
+            dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
+            w = np.log(np.expm1(dt))  # inverse softplus, so softplus(dt_bias) == dt
+        elif name.endswith("conv1d.weight"):
+            w = rng.normal(0.0, 1.0 / math.sqrt(shape[-1]), shape)
+        else:
+            fan_in = shape[-1]
+            std = 1.0 / math.sqrt(fan_in)
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                std *= residual_scale
+            elif name.endswith("in_proj_a.weight"):
+                std *= 0.5  # keep softplus(a + dt_bias) near dt rather than saturating
+            w = rng.normal(0.0, std, shape)
+        out[name] = w.astype(ml_dtypes.bfloat16)
+    return out
+
+
+def init_cache(cfg: Qwen35Config, batch: int, context: int) -> dict[str, jax.Array]:
+    """Zeroed decode state; see the module docstring for the layouts."""
+    cache: dict[str, jax.Array] = {}
+    for i, kind in enumerate(cfg.layer_kinds):
+        if kind == LINEAR:
+            cache[f"layers.{i}.conv_state"] = jnp.zeros(
+                (batch, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1), jnp.bfloat16)
+            cache[f"layers.{i}.recurrent_state"] = jnp.zeros(
+                (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                jnp.float32)
+        else:
+            kv_shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+            cache[f"layers.{i}.key_cache"] = jnp.zeros(kv_shape, jnp.bfloat16)
+            cache[f"layers.{i}.value_cache"] = jnp.zeros(kv_shape, jnp.bfloat16)
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks (public so tests can check them in isolation).
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, in full f32."""
+    return jnp.einsum("...i,oi->...o", x, w, precision=_HIGHEST)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred Qwen3_5RMSNorm over the last axis."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Qwen3_5RMSNormGated: plain (not zero-centred) weight, then the SiLU gate."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w * jax.nn.silu(z)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
+
+
+def rope_cos_sin(cfg: Qwen35Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form)."""
+    rot = cfg.rotary_dim
+    inv_freq = jnp.asarray(cfg.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot), jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first ``cos.shape[-1]`` dims of x (rotate-half convention); pass the rest."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+def gated_delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                     g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token of the gated delta rule for any leading batch/head axes.
+
+    state ``[..., Dk, Dv]``, q/k ``[..., Dk]`` (already normalised/scaled), v ``[..., Dv]``,
+    g/beta ``[...]``. Returns (o ``[..., Dv]``, new state):
+    ``S *= exp(g); S += k (x) ((v - S^T k) * beta); o = S^T q``.
+    """
+    state = state * jnp.exp(g)[..., None, None]
+    predicted = jnp.einsum("...kv,...k->...v", state, k, precision=_HIGHEST)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    o = jnp.einsum("...kv,...k->...v", state, q, precision=_HIGHEST)
+    return o, state
+
+
+def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
+                           conv_state: jax.Array, recurrent_state: jax.Array
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Qwen3_5GatedDeltaNet for one token per row.
+
+    ``p`` maps names relative to ``linear_attn.`` (e.g. ``"in_proj_qkv.weight"``) to f32 arrays;
+    x is the normed hidden ``[B, H]``. Returns (output ``[B, H]``, new conv_state, new recurrent_state).
+    """
+    b = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    mixed = linear(x, p["in_proj_qkv.weight"]).astype(conv_state.dtype)
+    window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, C, K], oldest first
+    conv = jnp.sum(window.astype(jnp.float32) * p["conv1d.weight"][:, 0, :], axis=-1)
+    conv = jax.nn.silu(conv)
+
+    q, k, v = jnp.split(conv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
+    q = l2_normalize(q.reshape(b, hk, dk)) * dk ** -0.5
+    k = l2_normalize(k.reshape(b, hk, dk))
+    v = v.reshape(b, hv, dv)
+    # Consecutive grouping, as torch.repeat_interleave: value head h reads key head h // group.
+    group = hv // hk
+    q, k = jnp.repeat(q, group, axis=1), jnp.repeat(k, group, axis=1)
+
+    beta = jax.nn.sigmoid(linear(x, p["in_proj_b.weight"]))
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_proj_a.weight"]) + p["dt_bias"])
+    o, recurrent_state = gated_delta_step(recurrent_state, q, k, v, g, beta)
+
+    z = linear(x, p["in_proj_z.weight"]).reshape(b, hv, dv)
+    o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps)
+    return linear(o.reshape(b, hv * dv), p["out_proj.weight"]), window[:, :, 1:], recurrent_state
+
+
+def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
+                         key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Qwen3_5Attention (gated GQA) for one token per row at its own position.
+
+    ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes k/v at ``positions[b]``,
+    then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``, key_cache, value_cache).
+    """
+    b = x.shape[0]
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q_and_gate = linear(x, p["q_proj.weight"]).reshape(b, hq, 2 * d)
+    q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
+    k = linear(x, p["k_proj.weight"]).reshape(b, hkv, d)
+    v = linear(x, p["v_proj.weight"]).reshape(b, hkv, d)
+
+    q = rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(cfg, positions)
+    q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
+    k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
+
+    rows = jnp.arange(b)
+    key_cache = key_cache.at[rows, :, positions].set(k.astype(key_cache.dtype))
+    value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
+
+    # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = jnp.einsum("bgrd,bgtd->bgrt", qg, key_cache.astype(jnp.float32), precision=_HIGHEST)
+    scores = scores * d ** -0.5
+    visible = jnp.arange(key_cache.shape[2])[None, :] <= positions[:, None]  # [B, T]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32), precision=_HIGHEST)
+    attn = attn.reshape(b, hq * d) * jax.nn.sigmoid(gate.reshape(b, hq * d))
+    return linear(attn, p["o_proj.weight"]), key_cache, value_cache
+
+
+def mlp_block(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``p`` keys are relative to ``mlp.``."""
+    return linear(jax.nn.silu(linear(x, p["gate_proj.weight"])) * linear(x, p["up_proj.weight"]),
+                  p["down_proj.weight"])
+
+
+def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
+    """Parameters under ``prefix``, renamed relative to it and upcast to f32."""
+    return {name[len(prefix):]: jnp.asarray(w).astype(jnp.float32)
+            for name, w in params.items() if name.startswith(prefix)}
+
+
+def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
+                  tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
+    norm, new cache). ``decode_step`` adds the final norm and the LM head."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    x = jnp.asarray(params["model.embed_tokens.weight"])[tokens].astype(jnp.float32)
+    new_cache = dict(cache)
+    eps = cfg.rms_norm_eps
+    for i, kind in enumerate(cfg.layer_kinds):
+        lp = _sub_params(params, f"model.layers.{i}.")
+        h = rms_norm(x, lp["input_layernorm.weight"], eps)
+        if kind == LINEAR:
+            sub = {n[len("linear_attn."):]: w for n, w in lp.items() if n.startswith("linear_attn.")}
+            out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
+                linear_attention_block(sub, cfg, h, cache[f"layers.{i}.conv_state"],
+                                       cache[f"layers.{i}.recurrent_state"]))
+        else:
+            sub = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
+            out, new_cache[f"layers.{i}.key_cache"], new_cache[f"layers.{i}.value_cache"] = (
+                full_attention_block(sub, cfg, h, cache[f"layers.{i}.key_cache"],
+                                     cache[f"layers.{i}.value_cache"], positions))
+        x = x + out
+        mlp = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
+        x = x + mlp_block(mlp, rms_norm(x, lp["post_attention_layernorm.weight"], eps))
+    return x, new_cache
+
+
+def decode_step(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
+                tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
+
+    jit with ``jax.jit(decode_step, static_argnums=1)``; ``params`` may be numpy bf16 arrays.
+    """
+    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions)
+    x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
+    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return linear(x, jnp.asarray(head).astype(jnp.float32)), new_cache
