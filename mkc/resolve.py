@@ -170,7 +170,9 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                   stream.dtype),
         ir.Buffer("vectors", "parity", (2, parity.rows, parity.cols), "f32"),
         ir.Buffer("x", "activation", (B, H), "f32", batch_axis=0),
-        ir.Buffer("embed_rows", "activation", (B, H), "bf16", batch_axis=0),
+        # Embedding rows arrive as aligned 16-row bf16 blocks (the DMA granule for bf16).
+        ir.Buffer("embed_rows", "activation", (B, ir.SUBLANE_TILE["bf16"], H), "bf16",
+                  batch_axis=0),
         # The final norm weight, one row (padded to a full f32 tile so its DMA is aligned).
         ir.Buffer("head_norm", "parity", (8, H), "f32"),
     ]
@@ -203,7 +205,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
 
     hbm = _hbm_bytes(graph, stream, parity, B, context.value)
     return ir.ScheduleIR(
-        name=sched.name.text, source=Path(sched.source_file).name, model=dims.name,
+        name=sched.name.text, source=sched.source_file, model=dims.name,
         family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
         chip=chip_name, topology=topo.spec, mesh_axis=axis, ranks=ranks,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
@@ -368,7 +370,8 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
     for sname in states:
         for direction in ("load", "store"):
             if not any(t.state == sname and t.direction == direction for t in transfers):
-                raise fail("E-TRANSFER", f"state.{sname} of {kname} is never {direction}ed",
+                raise fail("E-TRANSFER", f"state.{sname} of {kname} is never "
+                           f"{'loaded' if direction == 'load' else 'stored'}",
                            phase.kind.span,
                            hint=f"add `{direction} ...` for state.{sname} in phase {kname}")
     for sc in phase.scoped:

@@ -1,0 +1,53 @@
+import dataclasses
+
+import pytest
+
+from mkc import ir
+from mkc.checks import run_checks, vmem_budget
+from mkc.compiler import check_spec
+from mkc.diagnostics import MkcError
+from mkc.trace import build_trace
+from tests_support import SPEC
+
+
+@pytest.fixture(scope="module")
+def full():
+    return check_spec(SPEC).ir
+
+
+def test_full_schedule_fits_vmem_with_padding(full):
+    peak, where, live = vmem_budget(full, build_trace(full))
+    assert peak <= full.vmem_limit - full.vmem_reserve
+    ring = full.buffer("weights")
+    assert ring.vmem_bytes == 12 * full.stream.tile_rows * full.stream.tile_cols * 2
+    assert any(b.cls == "state" for b in live)       # the peak sits inside the gdn scope
+
+
+def test_padding_by_dtype():
+    assert ir.padded_bytes((1, 130), "bf16") == 16 * 256 * 2
+    assert ir.padded_bytes((3, 128), "f32") == 8 * 128 * 4
+    assert ir.padded_bytes((2, 5, 100), "int8") == 2 * 32 * 128
+
+
+def test_trace_covers_every_layer_and_transition(full):
+    events = build_trace(full)
+    vector_waits = [e for e in events if e.op == "wait" and e.sem and e.sem[0] == "vectors"]
+    assert len(vector_waits) == len(full.layer_kinds)
+    tiles = [e for e in events if e.op == "read" and e.buffer == "weights"]
+    assert [e.tag[1] for e in tiles] == list(range(full.stream.total_tiles))
+
+
+def test_capacity_check_fails_when_limit_shrinks(full):
+    small = dataclasses.replace(full, vmem_limit=16 << 20, vmem_reserve=4 << 20)
+    with pytest.raises(MkcError) as e:
+        run_checks(small)
+    d = e.value.diagnostics[0]
+    assert d.code == "E-VMEM-CAPACITY" and "weights" in "\n".join(d.notes)
+
+
+def test_mini_derives_its_own_geometry():
+    mini = check_spec(SPEC, "qwen3_8_mini").ir
+    full = check_spec(SPEC).ir
+    assert mini.stream.tile_rows < full.stream.tile_rows
+    assert mini.stream.total_tiles < full.stream.total_tiles
+    assert mini.layer_kinds == ["gdn", "gdn", "gdn", "gqa"] * 2

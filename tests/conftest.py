@@ -1,0 +1,21 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+
+
+def run_python(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a Python script in a fresh interpreter (own XLA device count, own libtpu state)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def spec_text() -> str:
+    return SPEC.read_text()

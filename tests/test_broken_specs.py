@@ -1,0 +1,48 @@
+"""The broken-spec corpus: each file names the diagnostic it must produce on its first line."""
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_python
+from mkc.compiler import check_spec
+from mkc.diagnostics import MkcError
+
+CORPUS = sorted((Path(__file__).parent / "broken_specs").glob("*.sched"))
+
+
+def _expectation(path: Path) -> tuple[str, str]:
+    head = path.read_text().splitlines()[0]
+    code, text = head.removeprefix("# expect: ").split(": ", 1)
+    return code, text
+
+
+def test_corpus_is_large_enough():
+    assert len(CORPUS) >= 25
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
+def test_broken_spec_is_rejected_with_expected_diagnostic(path):
+    code, text = _expectation(path)
+    with pytest.raises(MkcError) as e:
+        check_spec(path)
+    found = [(d.code, d.message) for d in e.value.diagnostics]
+    assert any(c == code and text in m for c, m in found), found
+    for d in e.value.diagnostics:
+        assert d.hint, f"{d.code} has no hint"
+        assert d.span.file == str(path)
+
+
+def test_cli_exits_1_without_traceback(tmp_path):
+    broken = Path(__file__).parent / "broken_specs" / "double_wait.sched"
+    out = tmp_path / "gen"
+    r = run_python(["-m", "mkc", "compile", str(broken), "-o", str(out)], timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert "error[E-DMA-WAIT]" in r.stderr and "hint:" in r.stderr
+    assert f"{broken}:" in r.stderr
+    assert not out.exists(), "a failed compile must not write output"
+
+
+def test_cli_reports_missing_file_cleanly():
+    r = run_python(["-m", "mkc", "check", "no/such.sched"], timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "cannot read spec" in r.stderr
