@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): ada74a487d296213
+Input digest (spec, model config, mkc version): 0f5d070f6a9a5ff2
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
-through a ring of 12 VMEM slots of 768x768 bf16 tiles, 12 tiles ahead, across layers
+through a ring of 24 VMEM slots of 768x768 bf16 tiles, 24 tiles ahead, across layers
 and into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA.
 """
@@ -44,8 +44,8 @@ HIDDEN = 5120
 EPS = 1e-06
 VOCAB_LOCAL = 31040
 
-RING_SLOTS = 12
-RING_AHEAD = 12
+RING_SLOTS = 24
+RING_AHEAD = 24
 TILE_ROWS, TILE_COLS = 768, 768
 TOTAL_TILES = 6111
 LAYER_TILE_OFFSET = [0, 91, 182, 273, 364, 455, 546, 637, 728, 819, 910, 1001, 1092, 1183, 1274, 1365, 1456, 1547, 1638, 1729, 1820, 1911, 2002, 2093, 2184, 2275, 2366, 2457, 2548, 2639, 2730, 2821, 2912, 3003, 3094, 3185, 3276, 3367, 3458, 3549, 3640, 3731, 3822, 3913, 4004, 4095, 4186, 4277, 4368, 4459, 4550, 4641, 4732, 4823, 4914, 5005, 5096, 5187, 5278, 5369, 5460, 5551, 5642, 5733]
@@ -476,7 +476,7 @@ def build_kernel(B, interpret=None):
     states = state_shapes(B)
     n_states = len(states)
     scratch = [
-        pltpu.VMEM((12, 768, 768), jnp.bfloat16),   # weights (ring)
+        pltpu.VMEM((24, 768, 768), jnp.bfloat16),   # weights (ring)
         pltpu.VMEM((2, 16, 5120), jnp.float32),   # vectors (parity)
         pltpu.VMEM((B, 5120), jnp.float32),   # x (activation)
         pltpu.VMEM((B, 16, 5120), jnp.bfloat16),   # embed_rows (activation)

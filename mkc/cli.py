@@ -72,4 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     except MkcError as e:
         print(e.render(source), file=sys.stderr)
         return 1
+    except BrokenPipeError:            # e.g. `mkc ir SPEC | head`
+        sys.stderr.close()
     return 0

@@ -43,6 +43,7 @@ class Buffer:
     dtype: str
     scope: tuple[str, int, int] | None = None
     batch_axis: int | None = None   # the dim that is the batch (sized per compiled batch)
+    span: Span = field(compare=False, default_factory=Span.unknown)   # where the spec made it
 
     def shape_expr(self, batch: str = "B") -> str:
         """The shape as Python source with the batch dim as a variable."""
@@ -167,14 +168,11 @@ class ScheduleIR:
     parity: Parity
     globals: dict[str, tuple[tuple[int, ...], str]]
     hbm_bytes_per_rank: dict[str, int]
+    setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
 
     def to_json(self) -> str:
-        def default(o):
-            if dataclasses.is_dataclass(o):
-                return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)
-                        if f.name != "span"}
-            raise TypeError(type(o))
-        return json.dumps(dataclasses.asdict(self) | {}, default=default, indent=1, sort_keys=True)
+        """Deterministic JSON of the whole IR (spans included, so tools can point at the spec)."""
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)

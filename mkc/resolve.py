@@ -167,8 +167,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
     H = dims.hidden_size
     buffers: list[ir.Buffer] = [
         ir.Buffer(stream.ring, "ring", (stream.slots, stream.tile_rows, stream.tile_cols),
-                  stream.dtype),
-        ir.Buffer("vectors", "parity", (2, parity.rows, parity.cols), "f32"),
+                  stream.dtype, span=sched.rings[0].span),
+        ir.Buffer("vectors", "parity", (2, parity.rows, parity.cols), "f32", span=parity.span),
         ir.Buffer("x", "activation", (B, H), "f32", batch_axis=0),
         # Embedding rows arrive as aligned 16-row bf16 blocks (the DMA granule for bf16).
         ir.Buffer("embed_rows", "activation", (B, ir.SUBLANE_TILE["bf16"], H), "bf16",
@@ -214,7 +214,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,
         parity=parity,
         globals={n: (t.shape, t.dtype) for n, t in graph.globals.items()},
-        hbm_bytes_per_rank=hbm)
+        hbm_bytes_per_rank=hbm,
+        setting_spans={k: v.span for k, v in sched.settings.items()})
 
 
 def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph, batch: int) -> ir.Stream:
@@ -363,7 +364,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
             # Leading dims of a state (conv taps) go first so the kernel indexes them cheaply.
             shape = (t.shape[0], B, *t.shape[1:]) if sname == "conv" else (B, *t.shape)
             buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
-                                       batch_axis=1 if sname == "conv" else 0)
+                                       batch_axis=1 if sname == "conv" else 0, span=tr.span)
             transfers.append(ir.Transfer(
                 tr.direction, sname, f"{kname}_{bname}", _point(tr.start, ops, kname),
                 tuple(_point(w, ops, kname) for w in tr.waits), span=tr.span))
@@ -392,7 +393,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
             if n.text not in buffers:
                 raise _unknown(f"buffer of phase {kname}", n, sorted(buffers))
             b = buffers[n.text]
-            buffers[n.text] = dataclasses.replace(b, scope=(kname, first, last))
+            buffers[n.text] = dataclasses.replace(b, scope=(kname, first, last), span=sc.span)
 
     kv = None
     caches = [t for t in kind.states() if t.role == "cache"]

@@ -126,7 +126,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 if sc[1] == p:
                     for b in sorted(scoped_bufs):
                         if s.buffer(b).scope == sc:
-                            tb.alloc(b, where(p), Span.unknown(s.source))
+                            tb.alloc(b, where(p), s.buffer(b).span)
             if p == 0:
                 if par.ahead == 0:
                     start_vectors(layer, where(p))
@@ -158,7 +158,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 if sc[2] + 1 == p:
                     for b in sorted(scoped_bufs):
                         if s.buffer(b).scope == sc:
-                            tb.free(b, where(p), Span.unknown(s.source))
+                            tb.free(b, where(p), s.buffer(b).span)
 
         for i, op in enumerate(ops):
             point(i)
@@ -171,9 +171,10 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
             for sname, bname in buf_of_state.items():
                 if op in _STATE_USERS.get(sname, ()):
-                    tb.read(bname, None, state_tag[bname], w, Span.unknown(s.source))
+                    span = s.buffer(bname).span
+                    tb.read(bname, None, state_tag[bname], w, span)
                     state_tag[bname] = ("state-updated", layer)
-                    tb.write(bname, None, state_tag[bname], w, Span.unknown(s.source))
+                    tb.write(bname, None, state_tag[bname], w, span)
             if k.kv is not None and op == k.kv.op:
                 _kv_events(tb, s, k, layer, w)
         point(len(ops))

@@ -32,7 +32,9 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     biggest = sorted(live, key=lambda b: -b.vmem_bytes)
     notes = [f"{b.name:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
              f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
-    span = s.stream.span if biggest and biggest[0].cls == "ring" else Span.unknown(s.source)
+    span = biggest[0].span
+    if span.file != s.source:          # a buffer mkc adds itself: point at the vmem line
+        span = s.setting_spans.get("vmem", span)
     return [Diagnostic(
         "E-VMEM-CAPACITY",
         f"VMEM needs {peak / 2**20:.2f} MiB at {where}, over the budget of "
@@ -52,6 +54,7 @@ def check_hbm(s: ir.ScheduleIR) -> list[Diagnostic]:
                       for k, v in s.hbm_bytes_per_rank.items())
     return [Diagnostic(
         "E-HBM-CAPACITY", f"each chip needs {per_chip / 1e9:.1f} GB of HBM but has "
-        f"{capacity / 1e9:.1f} GB", Span.unknown(s.source), notes=[parts],
+        f"{capacity / 1e9:.1f} GB", s.setting_spans.get("context", Span.unknown(s.source)),
+        notes=[parts],
         hint="use a larger topology (more chips share the weights), a shorter context or a "
              "smaller batch")]
