@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 0f5d070f6a9a5ff2
+Input digest (spec, model config, mkc version): 0951ddd847243d17
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
 through a ring of 24 VMEM slots of 768x768 bf16 tiles, 24 tiles ahead, across layers
@@ -237,14 +237,18 @@ def _layer_gdn(r, layer, B):
         v["core"] = jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
         pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).start()   # store state.conv
         pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).start()   # store state.recurrent
-        pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).wait()   # store state.conv
-        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).wait()   # store state.recurrent
         # -- gated_norm
         z_off = CONV_CH
         w = _vector(r, "gdn", "norm", layer)
         v["core"] = jnp.concatenate([
             ops.gated_rms_norm(v["core"][:, h * DV:(h + 1) * DV], v["proj"][:, z_off + h * DV:z_off + (h + 1) * DV], w, EPS)
             for h in range(NV)], axis=-1) if NV > 1 else ops.gated_rms_norm(v["core"], v["proj"][:, z_off:z_off + DV], w, EPS)
+        # -- out_proj
+        v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 7)[:, :HIDDEN]
+        v["tile"] = v["tile"] + 7
+        v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
+        pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).wait()   # store state.conv
+        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).wait()   # store state.recurrent
         return v
 
     v = pl.run_scoped(
@@ -252,10 +256,6 @@ def _layer_gdn(r, layer, B):
         pltpu.VMEM((3, B, 1280), jnp.float32),
         pltpu.VMEM((B, 6, 128, 128), jnp.float32),
     )
-    # -- out_proj
-    v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 7)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 7
-    v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
     # -- attn_residual
     r.x[...] = r.x[...] + v["partial"]
     # -- post_norm

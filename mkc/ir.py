@@ -130,6 +130,8 @@ class KindSchedule:
     allreduces: list[AllReduce]
     vectors: list[tuple[str, tuple[int, ...]]]   # (family, per-rank shape) in the parity block
     states: dict[str, tuple[tuple[int, ...], str]]
+    op_reads: dict[str, list[str]]     # op -> tensor families it reads (from the model graph)
+    op_writes: dict[str, list[str]]
 
 
 @dataclass(frozen=True)

@@ -461,7 +461,9 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
         name=kname, ops=ops, matmuls={o.name: o.matmul for o in kind.ops if o.matmul},
         transfers=transfers, kv=kv, allreduces=allreduces,
         vectors=[(t.name, t.shape) for t in kind.vectors()],
-        states={n: (t.shape, t.dtype) for n, t in states.items()})
+        states={n: (t.shape, t.dtype) for n, t in states.items()},
+        op_reads={o.name: list(o.reads) for o in kind.ops},
+        op_writes={o.name: list(o.writes) for o in kind.ops})
     return ks, list(buffers.values()), wires
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from mkc import ir
 from mkc.diagnostics import Span
+from mkc.program import layer_program
 
 
 @dataclass(frozen=True)
@@ -95,89 +96,67 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
              tag=("head_norm",), where="prologue", span=Span.unknown(s.source))
 
     # ---- layers --------------------------------------------------------------------------
+    programs = {kname: layer_program(s, kname) for kname in s.kinds}
     for layer, kname in enumerate(s.layer_kinds):
         k = s.kinds[kname]
-        ops = k.ops
         label = f"layer {layer} ({kname})"
         tile = st.layer_tile_offset[layer]
         fam_tiles = {f.name: f.tiles for f in st.families[kname]}
-        state_tag = {t.buffer: ("state", layer) for t in k.transfers}
-        buf_of_state = {(t.state): t.buffer for t in k.transfers if t.direction == "load"}
-        scopes = sorted({s.buffer(t.buffer).scope for t in k.transfers
-                         if s.buffer(t.buffer).scope}, key=lambda sc: (sc[1], -sc[2]))
-        scoped_bufs = {t.buffer for t in k.transfers if s.buffer(t.buffer).scope}
+        vector_families = {name for name, _ in k.vectors}
+        loaded = {t.state: t.buffer for t in k.transfers if t.direction == "load"}
+        holds = {t.buffer: ("state", layer) for t in k.transfers}   # tag each state buffer holds
 
         def where(p: int) -> str:
             if p == 0:
                 return f"{label} at start"
-            if p == len(ops):
+            if p == len(k.ops):
                 return f"{label} at end"
-            return f"{label} before {ops[p]}"
+            return f"{label} before {k.ops[p]}"
 
-        def transfer_bytes(t: ir.Transfer) -> int:
-            b = s.buffer(t.buffer)
-            return ir.DTYPE_BYTES[b.dtype] * _prod(b.shape)
-
-        def sem_of(t: ir.Transfer) -> tuple:
-            return (t.direction, t.buffer)
-
-        def point(p: int) -> None:
-            for sc in scopes:
-                if sc[1] == p:
-                    for b in sorted(scoped_bufs):
-                        if s.buffer(b).scope == sc:
-                            tb.alloc(b, where(p), s.buffer(b).span)
-            if p == 0:
+        for step in programs[kname]:
+            t = step.transfer
+            if step.kind == "scope_open":
+                for b in step.buffers:
+                    tb.alloc(b.name, where(step.point), b.span)
+            elif step.kind == "scope_close":
+                for b in step.buffers:
+                    tb.free(b.name, where(step.point), b.span)
+            elif step.kind == "vectors":
                 if par.ahead == 0:
-                    start_vectors(layer, where(p))
-                tb.wait(sem=vec_sem(layer % 2), nbytes=vec_bytes, where=where(p), span=par.span)
+                    start_vectors(layer, where(0))
+                tb.wait(sem=vec_sem(layer % 2), nbytes=vec_bytes, where=where(0), span=par.span)
                 if par.ahead > 0 and layer + par.ahead < n_layers:
-                    start_vectors(layer + par.ahead, where(p))
-            started_here = [t for t in k.transfers if t.start == p]
-            for t in k.transfers:
-                if t.start < p:
-                    for w in t.waits:
-                        if w == p:
-                            tb.wait(sem=sem_of(t), nbytes=transfer_bytes(t), where=where(p),
-                                    span=t.span)
-            for t in started_here:
-                if t.direction == "load":
-                    tb.start(dst=t.buffer, slot=None, sem=sem_of(t), nbytes=transfer_bytes(t),
-                             tag=state_tag[t.buffer], where=where(p), span=t.span)
-                else:
-                    tb.start(dst="", slot=None, sem=sem_of(t), nbytes=transfer_bytes(t),
-                             tag=None, src=(t.buffer, None, ("state-updated", layer)),
-                             where=where(p), span=t.span)
-            for t in started_here:
-                for w in t.waits:
-                    if w == p:
-                        tb.wait(sem=sem_of(t), nbytes=transfer_bytes(t), where=where(p),
-                                span=t.span)
-            # A scope covers points first..last+1: it closes after the point's events.
-            for sc in scopes:
-                if sc[2] + 1 == p:
-                    for b in sorted(scoped_bufs):
-                        if s.buffer(b).scope == sc:
-                            tb.free(b, where(p), s.buffer(b).span)
-
-        for i, op in enumerate(ops):
-            point(i)
-            w = f"{label} {op}"
-            if op in k.matmuls:
-                n = fam_tiles[k.matmuls[op]]
-                consume_tiles(tile, n, w)
-                tile += n
-            if op in ("input_norm", "post_norm"):
-                tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
-            for sname, bname in buf_of_state.items():
-                if op in _STATE_USERS.get(sname, ()):
-                    span = s.buffer(bname).span
-                    tb.read(bname, None, state_tag[bname], w, span)
-                    state_tag[bname] = ("state-updated", layer)
-                    tb.write(bname, None, state_tag[bname], w, span)
-            if k.kv is not None and op == k.kv.op:
-                _kv_events(tb, s, k, layer, w)
-        point(len(ops))
+                    start_vectors(layer + par.ahead, where(0))
+            elif step.kind == "start" and t.direction == "load":
+                tb.start(dst=t.buffer, slot=None, sem=(t.direction, t.buffer),
+                         nbytes=_nbytes(s.buffer(t.buffer)), tag=("state", layer),
+                         where=where(step.point), span=t.span)
+            elif step.kind == "start":
+                tb.start(dst="", slot=None, sem=(t.direction, t.buffer),
+                         nbytes=_nbytes(s.buffer(t.buffer)), tag=None,
+                         src=(t.buffer, None, ("state-updated", layer)),
+                         where=where(step.point), span=t.span)
+            elif step.kind == "wait":
+                tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
+                        where=where(step.point), span=t.span)
+            elif step.kind == "op":
+                op = step.op
+                w = f"{label} {op}"
+                if op in k.matmuls:
+                    n = fam_tiles[k.matmuls[op]]
+                    consume_tiles(tile, n, w)
+                    tile += n
+                if vector_families & set(k.op_reads[op]):
+                    tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
+                for sname in k.op_reads[op]:
+                    if sname in loaded:
+                        b = s.buffer(loaded[sname])
+                        tb.read(b.name, None, holds[b.name], w, b.span)
+                        if sname in k.op_writes[op]:
+                            holds[b.name] = ("state-updated", layer)
+                            tb.write(b.name, None, holds[b.name], w, b.span)
+                if k.kv is not None and op == k.kv.op:
+                    _kv_events(tb, s, k, layer, w)
 
     # ---- epilogue ------------------------------------------------------------------------
     tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
@@ -188,16 +167,12 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     return tb.events
 
 
-# Which ops read and rewrite a state family held in VMEM (from the model graph's op table).
-_STATE_USERS = {"conv": ("conv",), "recurrent": ("delta_rule",)}
-
-
 def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: int,
                where: str) -> None:
     kv = k.kv
     bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
     n_tiles = s.context // kv.tokens
-    nbytes = {b.name: ir.DTYPE_BYTES[b.dtype] * _prod(b.shape[1:]) for b in bufs}
+    nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
     for b in bufs:
         tb.alloc(b.name, where, kv.span)
 
@@ -218,8 +193,9 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
         tb.free(b.name, where, kv.span)
 
 
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
+def _nbytes(b: ir.Buffer) -> int:
+    """Unpadded bytes of a whole buffer: what one DMA of it moves and its semaphore counts."""
+    n = ir.DTYPE_BYTES[b.dtype]
+    for d in b.shape:
         n *= d
     return n

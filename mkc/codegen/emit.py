@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import jinja2
 
 import mkc
 from mkc import ir
+from mkc.program import layer_program
 
 _TEMPLATES = Path(__file__).with_name("templates")
 _JNP = {"bf16": "jnp.bfloat16", "f32": "jnp.float32", "int32": "jnp.int32"}
@@ -18,50 +20,9 @@ def _env() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["jnp"] = lambda d: _JNP[d]
+    # Free text (file names) only reaches the module docstring, restricted to safe characters.
+    env.filters["safe_text"] = lambda t: re.sub(r"[^A-Za-z0-9_.\-]", "_", str(t))
     return env
-
-
-def _kind_plan(s: ir.ScheduleIR, k: ir.KindSchedule, sem_index: dict[str, int]) -> list[dict]:
-    """The layer body of one kind in program order: point events, scope opens/closes, ops.
-
-    Mirrors mkc.trace exactly: at a point, waits of earlier copies, then starts, then waits
-    of copies started there; a scope covers points first..last+1."""
-    plan: list[dict] = []
-    scoped = sorted({b.scope for b in s.buffers if b.scope and b.scope[0] == k.name
-                     and b.cls == "state"}, key=lambda sc: (sc[1], -sc[2]))
-    ar_after = {a.after_op: a for a in k.allreduces}
-
-    def point(p: int) -> None:
-        for sc in scoped:
-            if sc[1] == p:
-                bufs = [b for b in s.buffers if b.scope == sc and b.cls == "state"]
-                plan.append({"type": "scope_open", "buffers": bufs})
-        if p == 0:
-            plan.append({"type": "vectors"})
-        for t in k.transfers:
-            if t.start < p and p in t.waits:
-                plan.append({"type": "wait", "t": t, "sem": sem_index[f"{t.direction}:{t.buffer}"]})
-        for t in k.transfers:
-            if t.start == p:
-                plan.append({"type": "start", "t": t, "sem": sem_index[f"{t.direction}:{t.buffer}"]})
-        for t in k.transfers:
-            if t.start == p and p in t.waits:
-                plan.append({"type": "wait", "t": t, "sem": sem_index[f"{t.direction}:{t.buffer}"]})
-        for sc in reversed(scoped):
-            if sc[2] + 1 == p:
-                plan.append({"type": "scope_close"})
-
-    fams = {f.name: f for f in s.stream.families[k.name]}
-    for i, op in enumerate(k.ops):
-        point(i)
-        entry = {"type": "op", "op": op}
-        if op in k.matmuls:
-            entry["family"] = fams[k.matmuls[op]]
-        plan.append(entry)
-        if op in ar_after:
-            plan.append({"type": "allreduce", "ar": ar_after[op]})
-    point(len(k.ops))
-    return plan
 
 
 LOWERED_OPS = {"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "down", "out_proj",
@@ -114,7 +75,8 @@ def render(s: ir.ScheduleIR, spec_text: str, config_text: str) -> str:
             sem_index.setdefault(f"{t.direction}:{t.buffer}", len(sem_index))
     misc_sems = {"head_norm": len(sem_index), "embed": len(sem_index) + 1,
                  "kv_rows": len(sem_index) + 2}
-    plans = {name: _kind_plan(s, k, sem_index) for name, k in s.kinds.items()}
+    plans = {name: layer_program(s, name) for name in s.kinds}
+    families = {name: {f.name: f for f in fams} for name, fams in s.stream.families.items()}
     kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
     state_arrays = []          # (kind, state family, hbm name)
     for name in sorted(s.kinds):
@@ -129,7 +91,7 @@ def render(s: ir.ScheduleIR, spec_text: str, config_text: str) -> str:
     wires = sorted({b.dtype for b in s.buffers if b.cls == "collective"})
     return _env().get_template("module.py.j2").render(
         s=s, d=s.dims, version=mkc.__version__, digest=digest, plans=plans,
-        kind_ids=kind_ids, g=_geometry(s, kind_ids, sem_index, misc_sems), sem_index=sem_index, misc_sems=misc_sems,
+        families=families, kind_ids=kind_ids, g=_geometry(s, kind_ids, sem_index, misc_sems), sem_index=sem_index, misc_sems=misc_sems,
         n_sems=len(sem_index) + len(misc_sems), state_arrays=state_arrays,
         cache_arrays=cache_arrays, resident=resident, wires=wires,
         all_families=[f for fs in s.stream.families.values() for f in fs] + s.stream.tail)

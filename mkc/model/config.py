@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,9 +93,10 @@ def load_dims(path: Path, span: Span | None = None) -> ModelDims:
         # Fallbacks are the upstream Qwen3_5TextConfig defaults.
         factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10_000_000.0)))
+        stem = Path(path).stem if Path(path).name != "config.json" else Path(path).parent.name
         return ModelDims(
-            family=family, name=Path(path).stem if Path(path).name != "config.json"
-            else Path(path).parent.name,
+            # The name reaches file names and generated source: keep it to identifier chars.
+            family=family, name=re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model",
             hidden_size=int(raw["hidden_size"]), num_hidden_layers=n_layers,
             vocab_size=int(raw["vocab_size"]), intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw["rms_norm_eps"]),

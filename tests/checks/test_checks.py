@@ -19,7 +19,7 @@ def test_full_schedule_fits_vmem_with_padding(full):
     peak, where, live = vmem_budget(full, build_trace(full))
     assert peak <= full.vmem_limit - full.vmem_reserve
     ring = full.buffer("weights")
-    assert ring.vmem_bytes == 12 * full.stream.tile_rows * full.stream.tile_cols * 2
+    assert ring.vmem_bytes == full.stream.slots * full.stream.tile_rows * full.stream.tile_cols * 2
     assert any(b.cls == "state" for b in live)       # the peak sits inside the gdn scope
 
 

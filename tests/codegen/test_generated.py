@@ -29,3 +29,15 @@ def test_generated_module_declares_its_schedule():
     assert "collective_id=0" in src and "jax.shard_map(" in src
     assert "def pack_weights(" in src and "def init_state(" in src
     assert "make_async_remote_copy" in src
+
+
+def test_free_text_from_inputs_cannot_break_the_module(tmp_path):
+    """A model directory name with quotes reaches only a sanitised name, never raw source."""
+    weird = tmp_path / 'evil"""\nimport os'
+    weird.mkdir()
+    (weird / "config.json").write_text(
+        (ROOT / "mkc/model/configs/qwen3_8_mini.json").read_text())
+    c = compiler.compile_spec(ROOT / "schedules" / "qwen3_8_27b.sched", str(weird))
+    compile(c.module_source, "generated.py", "exec")
+    assert '"""\nimport os' not in c.module_source
+    assert compiler.module_name(c).isidentifier()
