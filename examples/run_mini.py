@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
     params = pltpu.InterpretParams(dma_execution_mode=args.mode, detect_races=args.races,
                                    vector_clock_size=64 if args.races else None)
-    step = gen.make_decode_step(mesh, B, interpret=params)
-    weights = gen.pack_weights(hf)
+    weights = gen.place_weights(hf, mesh)
     state = gen.init_state(B)
     cache = reference.init_cache(cfg, B, gen.CONTEXT)
     rng = np.random.default_rng(1)
@@ -82,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"steps": [], "mode": args.mode, "races": args.races, "batch": B}
     for i in range(args.steps):
         t0 = time.perf_counter()
-        logits, next_token, state = step(weights, state, tokens, positions)
+        logits, next_token, state = gen.decode_step(weights, state, tokens, positions,
+                                                    mesh=mesh, interpret=params)
         logits.block_until_ready()
         seconds = time.perf_counter() - t0
         ref_logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)

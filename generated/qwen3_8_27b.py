@@ -446,7 +446,7 @@ def _kernel(*refs, B):
 
 
 # ---- host side ---------------------------------------------------------------------------
-def _hbm_shapes(B):
+def _hbm_shapes():
     """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
     return {
         "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
@@ -559,43 +559,76 @@ def init_state(B: int) -> dict[str, np.ndarray]:
 
 def abstract_inputs(B: int):
     """ShapeDtypeStructs of (weights, state) with the leading rank axis: for compile-only use."""
-    weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes(B).items()}
+    weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
     state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
     return weights, state
 
 
-def pack_weights(hf: dict) -> dict[str, np.ndarray]:
-    """HF-named weights -> per-rank HBM layout (leading rank axis): the ring stream in
-    consumption order, per-layer vector blocks, the final norm and the embedding shard."""
-    ring = np.zeros((RANKS, TOTAL_TILES, TILE_ROWS, TILE_COLS), np.float32)
-    vectors = np.zeros((RANKS, N_LAYERS, VECTOR_ROWS, VECTOR_COLS), np.float32)
-    head_norm = np.zeros((RANKS, 8, HIDDEN), np.float32)
-    embed = []
+def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
+    """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
+    per-layer vector blocks, the final norm and the embedding shard."""
+    ring = np.zeros((TOTAL_TILES, TILE_ROWS, TILE_COLS), BF16)
+    vectors = np.zeros((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), np.float32)
+    head_norm = np.zeros((8, HIDDEN), np.float32)
     kinds = {v: k for k, v in KIND_IDS.items()}
 
-    def put_tiles(rank, t, m, row_tiles, col_tiles):
+    def put_tiles(t, m, row_tiles, col_tiles):
         padded = np.zeros((row_tiles * TILE_ROWS, col_tiles * TILE_COLS), np.float32)
         padded[:m.shape[0], :m.shape[1]] = m
         for j in range(col_tiles):          # tile order: column blocks outer, rows inner
             for i in range(row_tiles):
-                ring[rank, t] = padded[i * TILE_ROWS:(i + 1) * TILE_ROWS, j * TILE_COLS:(j + 1) * TILE_COLS]
+                ring[t] = padded[i * TILE_ROWS:(i + 1) * TILE_ROWS, j * TILE_COLS:(j + 1) * TILE_COLS]
                 t += 1
-        return t
 
-    for rank in range(RANKS):
-        for layer in range(N_LAYERS):
-            kind = kinds[LAYER_KIND[layer]]
-            t = LAYER_TILE_OFFSET[layer]
-            for name, rows, cols, row_tiles, col_tiles in STREAM[kind]:
-                t = put_tiles(rank, t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles)
-            for name, (row, rows, width) in VECTOR_LAYOUT[kind].items():
-                vectors[rank, layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
-        name, rows, cols, row_tiles, col_tiles = STREAM["tail"][0]
-        put_tiles(rank, TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles)
-        head_norm[rank, 0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
-        embed.append(np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)))
-    return {"embed": np.stack(embed).astype(jnp.bfloat16), "ring_hbm": ring.astype(jnp.bfloat16),
-            "vectors_hbm": vectors, "head_norm_hbm": head_norm}
+    for layer in range(N_LAYERS):
+        kind = kinds[LAYER_KIND[layer]]
+        t = LAYER_TILE_OFFSET[layer]
+        for name, rows, cols, row_tiles, col_tiles in STREAM[kind]:
+            put_tiles(t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles)
+            t += row_tiles * col_tiles
+        for name, (row, rows, width) in VECTOR_LAYOUT[kind].items():
+            vectors[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
+    name, rows, cols, row_tiles, col_tiles = STREAM["tail"][0]
+    put_tiles(TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles)
+    head_norm[0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
+    embed = np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)).astype(BF16)
+    return {"embed": embed, "ring_hbm": ring, "vectors_hbm": vectors, "head_norm_hbm": head_norm}
+
+
+def pack_weights(hf) -> dict[str, np.ndarray]:
+    """All ranks' HBM layouts stacked on a leading rank axis (host memory: every rank's copy;
+    for full-size models use place_weights)."""
+    ranks = [pack_rank(hf, rank) for rank in range(RANKS)]
+    return {name: np.stack([r[name] for r in ranks]) for name in ranks[0]}
+
+
+def place_weights(hf, mesh: Mesh) -> dict[str, jax.Array]:
+    """Pack and place weights rank by rank onto `mesh` (only this process's devices), so the
+    host holds one rank's packed copy at a time."""
+    sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
+    shapes = _hbm_shapes()
+    pieces: dict[str, list] = {name: [] for name in shapes}
+    for device, index in sharding.addressable_devices_indices_map((RANKS,)).items():
+        packed = pack_rank(hf, index[0].start or 0)
+        for name in shapes:
+            pieces[name].append(jax.device_put(packed[name][None], device))
+    return {name: jax.make_array_from_single_device_arrays((RANKS, *shape), sharding, pieces[name])
+            for name, (shape, _) in shapes.items()}
+
+
+_STEPS: dict = {}
+
+
+def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, interpret=None):
+    """One decode step; builds (and caches) the jitted step for this batch, mesh and mode.
+
+    mesh defaults to the first RANKS devices; interpret is None on TPU, or InterpretParams."""
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:RANKS]), (AXIS,))
+    key = (len(tokens), mesh, interpret)
+    if key not in _STEPS:
+        _STEPS[key] = make_decode_step(mesh, len(tokens), interpret)
+    return _STEPS[key](weights, state, tokens, positions)
 
 
 def reference_states(state) -> dict[str, np.ndarray]:

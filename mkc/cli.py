@@ -15,25 +15,30 @@ def _budget_table(c) -> str:
     from mkc.checks import vmem_budget
     from mkc.trace import build_trace
     s = c.ir
-    peak, where, live = vmem_budget(s, build_trace(s))
-    by_cls: dict[str, int] = {}
-    for b in live:
-        by_cls[b.cls] = by_cls.get(b.cls, 0) + b.vmem_bytes
+    events = build_trace(s)
     budget = s.vmem_limit - s.vmem_reserve
-    lines = [f"VMEM budget of {s.name} ({s.model}, batch {s.batch_max}) at the peak: {where}",
-             f"  {'class':<12} {'MiB':>9}  buffers"]
-    for cls in sorted(by_cls, key=lambda k: -by_cls[k]):
-        names = ", ".join(b.name for b in live if b.cls == cls)
-        lines.append(f"  {cls:<12} {by_cls[cls] / 2**20:9.2f}  {names}")
-    lines.append(f"  {'total':<12} {peak / 2**20:9.2f}  of {budget / 2**20:.2f} MiB "
-                 f"(limit {s.vmem_limit / 2**20:.0f} - reserve {s.vmem_reserve / 2**20:.2f})")
+    lines = []
+    for batch in sorted({s.batch_min, s.batch_max}):
+        peak, where, live = vmem_budget(s, events, batch)
+        by_cls: dict[str, int] = {}
+        for b in live:
+            by_cls[b.cls] = by_cls.get(b.cls, 0) + b.vmem_bytes
+        lines += [f"VMEM budget of {s.name} ({s.model}) at batch {batch}, peak at {where}:",
+                  f"  {'class':<12} {'MiB':>9}  buffers"]
+        for cls in sorted(by_cls, key=lambda k: (-by_cls[k], k)):
+            names = ", ".join(b.name for b in live if b.cls == cls)
+            lines.append(f"  {cls:<12} {by_cls[cls] / 2**20:9.2f}  {names}")
+        lines.append(f"  {'total':<12} {peak / 2**20:9.2f}  of {budget / 2**20:.2f} MiB "
+                     f"(limit {s.vmem_limit / 2**20:.0f} - reserve {s.vmem_reserve / 2**20:.2f})")
     st = s.stream
     streamed = st.total_tiles * st.tile_rows * st.tile_cols * 2
     lines.append(f"Weight stream: {st.total_tiles} tiles of {st.tile_rows}x{st.tile_cols} "
-                 f"{st.dtype}, {streamed / 1e9:.3f} GB per rank per step "
+                 f"{st.dtype} through {st.slots} slots, {st.ahead} ahead; "
+                 f"{streamed / 1e9:.3f} GB per rank per step "
                  f"({100 * (streamed / st.useful_bytes - 1):.1f}% tile padding)")
     hbm = sum(s.hbm_bytes_per_rank.values()) * s.cores_per_chip
-    lines.append(f"HBM per chip: {hbm / 1e9:.2f} of {s.hbm_per_core * s.cores_per_chip / 1e9:.1f} GB ("
+    lines.append(f"HBM per chip at batch {s.batch_max}: {hbm / 1e9:.2f} of "
+                 f"{s.hbm_per_core * s.cores_per_chip / 1e9:.1f} GB ("
                  + ", ".join(f"{k} {v * s.cores_per_chip / 1e9:.2f}"
                              for k, v in s.hbm_bytes_per_rank.items()) + ")")
     return "\n".join(lines)

@@ -54,6 +54,14 @@ class Buffer:
     def vmem_bytes(self) -> int:
         return padded_bytes(self.shape, self.dtype)
 
+    def at_batch(self, batch: int) -> "Buffer":
+        """This buffer as the kernel compiled for `batch` allocates it."""
+        if self.batch_axis is None:
+            return self
+        shape = list(self.shape)
+        shape[self.batch_axis] = batch
+        return dataclasses.replace(self, shape=tuple(shape))
+
 
 @dataclass(frozen=True)
 class Family:

@@ -6,10 +6,13 @@ from mkc.diagnostics import Diagnostic, Span
 from mkc.trace import Event
 
 
-def vmem_budget(s: ir.ScheduleIR, events: list[Event]) -> tuple[int, str, list[ir.Buffer]]:
-    """(peak bytes, where, buffers live there): resident buffers plus the scoped ones open."""
-    resident = [b for b in s.buffers if b.scope is None]
-    by_name = {b.name: b for b in s.buffers}
+def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
+                ) -> tuple[int, str, list[ir.Buffer]]:
+    """(peak bytes, where, buffers live there) for the kernel built at `batch` (default: the
+    largest): resident buffers plus the scoped ones open."""
+    buffers = [b.at_batch(batch or s.batch_max) for b in s.buffers]
+    resident = [b for b in buffers if b.scope is None]
+    by_name = {b.name: b for b in buffers}
     base = sum(b.vmem_bytes for b in resident)
     live: dict[str, ir.Buffer] = {}
     peak, where, at_peak = base, "kernel start", list(resident)
