@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 0951ddd847243d17
+Input digest (spec, model config, mkc version): a41897abf825e619
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
-through a ring of 24 VMEM slots of 768x768 bf16 tiles, 24 tiles ahead, across layers
+through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers
 and into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA.
 """
@@ -44,17 +44,20 @@ HIDDEN = 5120
 EPS = 1e-06
 VOCAB_LOCAL = 31040
 
-RING_SLOTS = 24
-RING_AHEAD = 24
-TILE_ROWS, TILE_COLS = 768, 768
-TOTAL_TILES = 6111
-LAYER_TILE_OFFSET = [0, 91, 182, 273, 364, 455, 546, 637, 728, 819, 910, 1001, 1092, 1183, 1274, 1365, 1456, 1547, 1638, 1729, 1820, 1911, 2002, 2093, 2184, 2275, 2366, 2457, 2548, 2639, 2730, 2821, 2912, 3003, 3094, 3185, 3276, 3367, 3458, 3549, 3640, 3731, 3822, 3913, 4004, 4095, 4186, 4277, 4368, 4459, 4550, 4641, 4732, 4823, 4914, 5005, 5096, 5187, 5278, 5369, 5460, 5551, 5642, 5733]
-TAIL_TILE_OFFSET = 5824
-# Streamed families per kind, in consumption order: (name, rows, cols, row_tiles, col_tiles).
+RING_SLOTS = 12
+RING_AHEAD = 12
+SLOT_ROWS, SLOT_COLS = 1024, 1280
+# Tile shapes in use; a family's tiles fill the top-left of a slot.
+TILE_SHAPES = [[768, 1280], [1024, 896], [1024, 1024], [1024, 1152]]
+TOTAL_TILES = 3399
+LAYER_TILE_OFFSET = [0, 51, 102, 153, 204, 255, 306, 357, 408, 459, 510, 561, 612, 663, 714, 765, 816, 867, 918, 969, 1020, 1071, 1122, 1173, 1224, 1275, 1326, 1377, 1428, 1479, 1530, 1581, 1632, 1683, 1734, 1785, 1836, 1887, 1938, 1989, 2040, 2091, 2142, 2193, 2244, 2295, 2346, 2397, 2448, 2499, 2550, 2601, 2652, 2703, 2754, 2805, 2856, 2907, 2958, 3009, 3060, 3111, 3162, 3213]
+TAIL_TILE_OFFSET = 3264
+# Streamed families per kind, in consumption order:
+# (name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols).
 STREAM = {
-    "gdn": [("in_proj", 5120, 2304, 7, 3), ("out_proj", 768, 5120, 1, 7), ("gate_up", 5120, 4352, 7, 6), ("down", 2176, 5120, 3, 7)],
-    "gqa": [("qkv_gate", 5120, 2048, 7, 3), ("o_proj", 768, 5120, 1, 7), ("gate_up", 5120, 4352, 7, 6), ("down", 2176, 5120, 3, 7)],
-    "tail": [("lm_head", 5120, 31040, 7, 41)],
+    "gdn": [("in_proj", 5120, 2304, 5, 2, 1024, 1152), ("out_proj", 768, 5120, 1, 4, 768, 1280), ("gate_up", 5120, 4352, 5, 5, 1024, 896), ("down", 2176, 5120, 3, 4, 768, 1280)],
+    "gqa": [("qkv_gate", 5120, 2048, 5, 2, 1024, 1024), ("o_proj", 768, 5120, 1, 4, 768, 1280), ("gate_up", 5120, 4352, 5, 5, 1024, 896), ("down", 2176, 5120, 3, 4, 768, 1280)],
+    "tail": [("lm_head", 5120, 31040, 5, 27, 1024, 1152)],
 }
 VECTOR_AHEAD = 1
 VECTOR_ROWS, VECTOR_COLS = 16, 5120
@@ -75,15 +78,30 @@ B_OFF, A_OFF = 2048, 2176   # lane offsets of the b and a sections of in_proj
 KV_WIDTH = NKV * HEAD_DIM
 SEM = {"embed": 5, "head_norm": 4, "kv_rows": 6, "load_gdn_conv_buf": 0, "load_gdn_rec_buf": 1, "store_gdn_conv_buf": 2, "store_gdn_rec_buf": 3}   # DMA semaphore index by copy
 
-_INPUTS = ("tokens", "positions", "tables", "rope", "embed", "ring_hbm", "vectors_hbm",
+_INPUTS = ("tokens", "positions", "tables", "tile_class", "rope", "embed", "ring_hbm", "vectors_hbm",
            "head_norm_hbm", "gdn__conv_in", "gdn__recurrent_in", "gqa__key_in", "gqa__value_in")
 _OUTPUTS = ("logits", "gdn__conv", "gdn__recurrent", "gqa__key", "gqa__value")
 _SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "gqa_kv_rows", "recv_bf16", "ring_sem", "vectors_sem", "sems", "send_sem", "recv_sem", "collective_count")
 
 
 # ---- copies the schedule names ----------------------------------------------------------
-def _tile_copy(r, t, slot):
-    return pltpu.make_async_copy(r.ring_hbm.at[t], r.weights.at[slot], r.ring_sem.at[slot])
+def _tile_copy(r, t, slot, rows, cols):
+    return pltpu.make_async_copy(r.ring_hbm.at[t, :rows, :cols], r.weights.at[slot, :rows, :cols],
+                                 r.ring_sem.at[slot])
+
+
+def _start_tile(r, t):
+    """Issue tile t; its shape comes from the tile-class table, as t may belong to a later
+    family or layer than the one being computed."""
+    slot = lax.rem(t, RING_SLOTS)
+    if len(TILE_SHAPES) == 1:
+        _tile_copy(r, t, slot, *TILE_SHAPES[0]).start()
+        return
+    cls = r.tile_class[t]
+    for c, (rows, cols) in enumerate(TILE_SHAPES):
+        @pl.when(cls == c)
+        def _():
+            _tile_copy(r, t, slot, rows, cols).start()
 
 
 def _vectors_copy(r, layer):
@@ -96,42 +114,43 @@ def _vector(r, kind, name, layer):
     return r.vectors[lax.rem(layer, 2), row:row + rows, :width]
 
 
-def _stream_matmul(r, h, first_tile, row_tiles, col_tiles):
-    """h [B, rows] @ the next row_tiles x col_tiles ring tiles -> [B, col_tiles * TILE_COLS] f32.
+def _stream_matmul(r, h, first_tile, row_tiles, col_tiles, tile_rows, tile_cols):
+    """h [B, rows] @ the next row_tiles x col_tiles ring tiles -> [B, col_tiles * tile_cols] f32.
 
     Tile t sits in slot t % RING_SLOTS; after consuming it, tile t + RING_AHEAD is started."""
     for i in range(row_tiles):
-        width = min(TILE_ROWS, h.shape[1] - i * TILE_ROWS)
-        if width == TILE_ROWS:
-            r.stage[i] = h[:, i * TILE_ROWS:(i + 1) * TILE_ROWS].astype(BF16)
+        width = min(tile_rows, h.shape[1] - i * tile_rows)
+        if width == tile_rows:
+            r.stage[i, :, :tile_rows] = h[:, i * tile_rows:(i + 1) * tile_rows].astype(BF16)
         else:
-            r.stage[i] = jnp.zeros(r.stage.shape[1:], BF16)
-            r.stage[i, :, :width] = h[:, i * TILE_ROWS:].astype(BF16)
+            r.stage[i, :, :tile_rows] = jnp.zeros((h.shape[0], tile_rows), BF16)
+            r.stage[i, :, :width] = h[:, i * tile_rows:].astype(BF16)
 
     def tile(k, carry):
         t = first_tile + k
         slot = lax.rem(t, RING_SLOTS)
         i, j = lax.rem(k, row_tiles), k // row_tiles
-        _tile_copy(r, t, slot).wait()
-        part = jnp.dot(r.stage[i], r.weights[slot], preferred_element_type=F32)
+        _tile_copy(r, t, slot, tile_rows, tile_cols).wait()
+        part = jnp.dot(r.stage[i, :, :tile_rows], r.weights[slot, :tile_rows, :tile_cols],
+                       preferred_element_type=F32)
 
         @pl.when(i == 0)
         def _():
-            r.acc[j] = part
+            r.acc[j, :, :tile_cols] = part
 
         @pl.when(i != 0)
         def _():
-            r.acc[j] = r.acc[j] + part
+            r.acc[j, :, :tile_cols] = r.acc[j, :, :tile_cols] + part
 
         @pl.when(t + RING_AHEAD < TOTAL_TILES)
         def _():
-            _tile_copy(r, t + RING_AHEAD, lax.rem(t + RING_AHEAD, RING_SLOTS)).start()
+            _start_tile(r, t + RING_AHEAD)
         return carry
 
     lax.fori_loop(0, row_tiles * col_tiles, tile, 0)
     if col_tiles == 1:
-        return r.acc[0]
-    return jnp.concatenate([r.acc[j] for j in range(col_tiles)], axis=-1)
+        return r.acc[0, :, :tile_cols]
+    return jnp.concatenate([r.acc[j, :, :tile_cols] for j in range(col_tiles)], axis=-1)
 
 
 def _allreduce(r, partial, recv, wire):
@@ -206,8 +225,8 @@ def _layer_gdn(r, layer, B):
         # -- input_norm
         v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gdn", "input_norm", layer), EPS)
         # -- in_proj
-        v["proj"] = _stream_matmul(r, v["h"], v["tile"], 7, 3)
-        v["tile"] = v["tile"] + 21
+        v["proj"] = _stream_matmul(r, v["h"], v["tile"], 5, 2, 1024, 1152)
+        v["tile"] = v["tile"] + 10
         pltpu.make_async_copy(r.gdn__conv.at[si], r.gdn_conv_buf, r.sems.at[0]).wait()   # load state.conv
         pltpu.make_async_copy(r.gdn__recurrent.at[si], r.gdn_rec_buf, r.sems.at[1]).wait()   # load state.recurrent
         # -- conv
@@ -244,8 +263,8 @@ def _layer_gdn(r, layer, B):
             ops.gated_rms_norm(v["core"][:, h * DV:(h + 1) * DV], v["proj"][:, z_off + h * DV:z_off + (h + 1) * DV], w, EPS)
             for h in range(NV)], axis=-1) if NV > 1 else ops.gated_rms_norm(v["core"], v["proj"][:, z_off:z_off + DV], w, EPS)
         # -- out_proj
-        v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 7)[:, :HIDDEN]
-        v["tile"] = v["tile"] + 7
+        v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
+        v["tile"] = v["tile"] + 4
         v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
         pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).wait()   # store state.conv
         pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).wait()   # store state.recurrent
@@ -261,11 +280,11 @@ def _layer_gdn(r, layer, B):
     # -- post_norm
     v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gdn", "post_norm", layer), EPS)
     # -- gate_up
-    v["act"] = ops.swiglu(_stream_matmul(r, v["h"], v["tile"], 7, 6), INTER)
-    v["tile"] = v["tile"] + 42
+    v["act"] = ops.swiglu(_stream_matmul(r, v["h"], v["tile"], 5, 5, 1024, 896), INTER)
+    v["tile"] = v["tile"] + 25
     # -- down
-    v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 7)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 21
+    v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 4, 768, 1280)[:, :HIDDEN]
+    v["tile"] = v["tile"] + 12
     v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
     # -- mlp_residual
     r.x[...] = r.x[...] + v["partial"]
@@ -282,8 +301,8 @@ def _layer_gqa(r, layer, B):
     # -- input_norm
     v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gqa", "input_norm", layer), EPS)
     # -- qkv_gate
-    v["proj"] = _stream_matmul(r, v["h"], v["tile"], 7, 3)
-    v["tile"] = v["tile"] + 21
+    v["proj"] = _stream_matmul(r, v["h"], v["tile"], 5, 2, 1024, 1024)
+    v["tile"] = v["tile"] + 10
     # -- qk_norm_rope
     rot = ops.rotate_half_matrix(HEAD_DIM, ROTARY_DIM)
     cos, sin = r.rope[0], r.rope[1]
@@ -299,19 +318,19 @@ def _layer_gqa(r, layer, B):
     # -- out_gate
     v["core"] = v["core"] * jax.nn.sigmoid(v["proj"][:, NQ * HEAD_DIM:2 * NQ * HEAD_DIM])
     # -- o_proj
-    v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 7)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 7
+    v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
+    v["tile"] = v["tile"] + 4
     v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
     # -- attn_residual
     r.x[...] = r.x[...] + v["partial"]
     # -- post_norm
     v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gqa", "post_norm", layer), EPS)
     # -- gate_up
-    v["act"] = ops.swiglu(_stream_matmul(r, v["h"], v["tile"], 7, 6), INTER)
-    v["tile"] = v["tile"] + 42
+    v["act"] = ops.swiglu(_stream_matmul(r, v["h"], v["tile"], 5, 5, 1024, 896), INTER)
+    v["tile"] = v["tile"] + 25
     # -- down
-    v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 7)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 21
+    v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 4, 768, 1280)[:, :HIDDEN]
+    v["tile"] = v["tile"] + 12
     v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
     # -- mlp_residual
     r.x[...] = r.x[...] + v["partial"]
@@ -415,7 +434,7 @@ def _kernel(*refs, B):
 
     # prologue: fill the ring, issue the first layers' vectors and the final norm
     for t in range(min(RING_AHEAD, TOTAL_TILES)):
-        _tile_copy(r, t, t % RING_SLOTS).start()
+        _start_tile(r, t)
     for layer in range(min(VECTOR_AHEAD, N_LAYERS)):
         _vectors_copy(r, layer).start()
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sems.at[SEM["head_norm"]])
@@ -439,10 +458,10 @@ def _kernel(*refs, B):
     # epilogue: final norm and the vocab-sharded lm_head, which ends the weight stream
     head_norm_copy.wait()
     h = ops.rms_norm_zero_centred(r.x[...], r.head_norm[0:1, :], EPS)
-    name, rows, cols, row_tiles, col_tiles = STREAM["tail"][0]
-    logits = _stream_matmul(r, h, TAIL_TILE_OFFSET, row_tiles, col_tiles)
+    name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols = STREAM["tail"][0]
+    logits = _stream_matmul(r, h, TAIL_TILE_OFFSET, row_tiles, col_tiles, tile_rows, tile_cols)
     for j in range(col_tiles):
-        r.logits[j] = logits[:, j * TILE_COLS:(j + 1) * TILE_COLS]
+        r.logits[j] = logits[:, j * tile_cols:(j + 1) * tile_cols]
 
 
 # ---- host side ---------------------------------------------------------------------------
@@ -450,7 +469,7 @@ def _hbm_shapes():
     """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
     return {
         "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
-        "ring_hbm": ((TOTAL_TILES, TILE_ROWS, TILE_COLS), BF16),
+        "ring_hbm": ((TOTAL_TILES, SLOT_ROWS, SLOT_COLS), BF16),
         "vectors_hbm": ((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), F32),
         "head_norm_hbm": ((8, HIDDEN), F32),
     }
@@ -476,13 +495,13 @@ def build_kernel(B, interpret=None):
     states = state_shapes(B)
     n_states = len(states)
     scratch = [
-        pltpu.VMEM((24, 768, 768), jnp.bfloat16),   # weights (ring)
+        pltpu.VMEM((12, 1024, 1280), jnp.bfloat16),   # weights (ring)
         pltpu.VMEM((2, 16, 5120), jnp.float32),   # vectors (parity)
         pltpu.VMEM((B, 5120), jnp.float32),   # x (activation)
         pltpu.VMEM((B, 16, 5120), jnp.bfloat16),   # embed_rows (activation)
         pltpu.VMEM((8, 5120), jnp.float32),   # head_norm (parity)
-        pltpu.VMEM((7, B, 768), jnp.bfloat16),   # stage (activation)
-        pltpu.VMEM((41, B, 768), jnp.float32),   # acc (activation)
+        pltpu.VMEM((5, B, 1024), jnp.bfloat16),   # stage (activation)
+        pltpu.VMEM((27, B, 1280), jnp.float32),   # acc (activation)
         pltpu.VMEM((2, B, 16, 256), jnp.bfloat16),   # gqa_kv_rows (kv)
         pltpu.VMEM((2, 8, B, 5120), jnp.bfloat16),   # recv_bf16 (collective)
         pltpu.SemaphoreType.DMA((RING_SLOTS,)),
@@ -492,13 +511,13 @@ def build_kernel(B, interpret=None):
         pltpu.SemaphoreType.DMA((2, RANKS)),
         pltpu.SMEM((1,), jnp.int32),
     ]
-    out_shape = (jax.ShapeDtypeStruct((41, B, TILE_COLS), F32),
+    out_shape = (jax.ShapeDtypeStruct((27, B, 1152), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
-    first_state = 8
+    first_state = 9
     return pl.pallas_call(
         functools.partial(_kernel, B=B),
         out_shape=out_shape,
-        in_specs=[smem, smem, smem, vmem] + [any_spec] * (4 + n_states),
+        in_specs=[smem, smem, smem, smem, vmem] + [any_spec] * (4 + n_states),
         out_specs=(vmem, *[any_spec] * n_states),
         scratch_shapes=scratch,
         input_output_aliases={first_state + i: 1 + i for i in range(n_states)},
@@ -510,6 +529,16 @@ def build_kernel(B, interpret=None):
 
 def _tables():
     return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
+
+
+def _tile_classes():
+    """The tile-shape class of every tile of the step, in stream order (an SMEM table)."""
+    kinds = {v: k for k, v in KIND_IDS.items()}
+    families = [f for layer in range(N_LAYERS) for f in STREAM[kinds[LAYER_KIND[layer]]]]
+    classes = []
+    for name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols in families + STREAM["tail"]:
+        classes += [TILE_SHAPES.index([tile_rows, tile_cols])] * (row_tiles * col_tiles)
+    return np.array(classes, np.int32)
 
 
 def _rope(positions):
@@ -530,21 +559,22 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
     call = build_kernel(B, interpret)
     names = list(state_shapes(B))
 
-    def per_rank(tokens, positions, tables, rope, embed, ring, vectors, head_norm, *state):
-        outs = call(tokens, positions, tables, rope, embed[0], ring[0], vectors[0], head_norm[0],
+    def per_rank(tokens, positions, tables, tile_class, rope, embed, ring, vectors, head_norm, *state):
+        outs = call(tokens, positions, tables, tile_class, rope, embed[0], ring[0], vectors[0], head_norm[0],
                     *[s[0] for s in state])
         return (outs[0][None],) + tuple(o[None] for o in outs[1:])
 
     rank_spec = P(AXIS)
     sharded = jax.shard_map(per_rank, mesh=mesh,
-                            in_specs=(P(), P(), P(), P()) + (rank_spec,) * (4 + len(names)),
+                            in_specs=(P(),) * 5 + (rank_spec,) * (4 + len(names)),
                             out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
 
     def step(weights, state, tokens, positions):
-        outs = sharded(tokens, positions, jnp.asarray(_tables()), _rope(positions),
+        outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
+                       _rope(positions),
                        weights["embed"], weights["ring_hbm"], weights["vectors_hbm"],
                        weights["head_norm_hbm"], *[state[n] for n in names])
-        tiles = outs[0]                                       # [RANKS, col_tiles, B, TILE_COLS]
+        tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
         logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, RANKS, -1)[:, :, :VOCAB_LOCAL]
         logits = logits.reshape(B, RANKS * VOCAB_LOCAL)
         return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), dict(zip(names, outs[1:]))
@@ -567,29 +597,29 @@ def abstract_inputs(B: int):
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     per-layer vector blocks, the final norm and the embedding shard."""
-    ring = np.zeros((TOTAL_TILES, TILE_ROWS, TILE_COLS), BF16)
+    ring = np.zeros((TOTAL_TILES, SLOT_ROWS, SLOT_COLS), BF16)
     vectors = np.zeros((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), np.float32)
     head_norm = np.zeros((8, HIDDEN), np.float32)
     kinds = {v: k for k, v in KIND_IDS.items()}
 
-    def put_tiles(t, m, row_tiles, col_tiles):
-        padded = np.zeros((row_tiles * TILE_ROWS, col_tiles * TILE_COLS), np.float32)
+    def put_tiles(t, m, row_tiles, col_tiles, tr, tc):
+        padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
         padded[:m.shape[0], :m.shape[1]] = m
         for j in range(col_tiles):          # tile order: column blocks outer, rows inner
             for i in range(row_tiles):
-                ring[t] = padded[i * TILE_ROWS:(i + 1) * TILE_ROWS, j * TILE_COLS:(j + 1) * TILE_COLS]
+                ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
                 t += 1
 
     for layer in range(N_LAYERS):
         kind = kinds[LAYER_KIND[layer]]
         t = LAYER_TILE_OFFSET[layer]
-        for name, rows, cols, row_tiles, col_tiles in STREAM[kind]:
-            put_tiles(t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles)
+        for name, rows, cols, row_tiles, col_tiles, tr, tc in STREAM[kind]:
+            put_tiles(t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
             t += row_tiles * col_tiles
         for name, (row, rows, width) in VECTOR_LAYOUT[kind].items():
             vectors[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
-    name, rows, cols, row_tiles, col_tiles = STREAM["tail"][0]
-    put_tiles(TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles)
+    name, rows, cols, row_tiles, col_tiles, tr, tc = STREAM["tail"][0]
+    put_tiles(TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
     head_norm[0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
     embed = np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)).astype(BF16)
     return {"embed": embed, "ring_hbm": ring, "vectors_hbm": vectors, "head_norm_hbm": head_norm}

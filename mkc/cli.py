@@ -31,11 +31,11 @@ def _budget_table(c) -> str:
         lines.append(f"  {'total':<12} {peak / 2**20:9.2f}  of {budget / 2**20:.2f} MiB "
                      f"(limit {s.vmem_limit / 2**20:.0f} - reserve {s.vmem_reserve / 2**20:.2f})")
     st = s.stream
-    streamed = st.total_tiles * st.tile_rows * st.tile_cols * 2
-    lines.append(f"Weight stream: {st.total_tiles} tiles of {st.tile_rows}x{st.tile_cols} "
-                 f"{st.dtype} through {st.slots} slots, {st.ahead} ahead; "
-                 f"{streamed / 1e9:.3f} GB per rank per step "
-                 f"({100 * (streamed / st.useful_bytes - 1):.1f}% tile padding)")
+    shapes = ", ".join(f"{r}x{c}" for r, c in st.tile_shapes)
+    lines.append(f"Weight stream: {st.total_tiles} tiles ({shapes}) {st.dtype} through "
+                 f"{st.slots} slots of {st.tile_rows}x{st.tile_cols}, {st.ahead} ahead; "
+                 f"{st.streamed_bytes / 1e9:.3f} GB per rank per step "
+                 f"({100 * (st.streamed_bytes / st.useful_bytes - 1):.1f}% tile padding)")
     hbm = sum(s.hbm_bytes_per_rank.values()) * s.cores_per_chip
     lines.append(f"HBM per chip at batch {s.batch_max}: {hbm / 1e9:.2f} of "
                  f"{s.hbm_per_core * s.cores_per_chip / 1e9:.1f} GB ("

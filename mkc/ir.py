@@ -74,21 +74,30 @@ class Family:
     row_tiles: int
     col_tiles: int
     partial_out: bool
+    tile_rows: int               # this family's tile: a sub-block of a ring slot
+    tile_cols: int
 
     @property
     def tiles(self) -> int:
         return self.row_tiles * self.col_tiles
 
+    @property
+    def tile_bytes(self) -> int:
+        return self.tile_rows * self.tile_cols * DTYPE_BYTES["bf16"]
+
 
 @dataclass(frozen=True)
 class Stream:
-    """All streamed matrices of the step, in consumption order, through one ring of slots."""
+    """All streamed matrices of the step, in consumption order, through one ring of slots.
+
+    Each family has its own tile shape (chosen to waste little bandwidth on padding); a slot
+    holds the largest, and a copy moves only its family's sub-block."""
 
     ring: str
     slots: int
     ahead: int
     dtype: str
-    tile_rows: int
+    tile_rows: int               # slot shape: the largest family tile
     tile_cols: int
     families: dict[str, list[Family]]      # per kind, in consumption order
     tail: list[Family]
@@ -96,7 +105,22 @@ class Stream:
     tail_tile_offset: int
     total_tiles: int
     useful_bytes: int                      # unpadded matrix bytes
+    streamed_bytes: int                    # bytes the copies move, tile padding included
+    tile_shapes: list[tuple[int, int]]     # distinct family tile shapes ("tile classes")
     span: Span = field(compare=False, default_factory=Span.unknown)
+
+    def tile_class(self, f: Family) -> int:
+        return self.tile_shapes.index((f.tile_rows, f.tile_cols))
+
+    def tile_sequence(self, layer_kinds: list[str]) -> list[Family]:
+        """The family of every tile of the step, in stream order."""
+        seq: list[Family] = []
+        for kind in layer_kinds:
+            for f in self.families[kind]:
+                seq += [f] * f.tiles
+        for f in self.tail:
+            seq += [f] * f.tiles
+        return seq
 
 
 @dataclass(frozen=True)

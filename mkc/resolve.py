@@ -54,17 +54,14 @@ def _validate_identifier(name: ast.Name, what: str) -> str:
     return text
 
 
-def _choose_tile(mats: list[tuple[int, int, int]], max_rows: int, max_cols: int) -> tuple[int, int]:
-    """Pick (rows, cols), multiples of 128 within the bounds, minimising padded bytes streamed
-    plus a per-tile overhead; `mats` are (rows, cols, occurrences)."""
+def _choose_tile(rows: int, cols: int, max_rows: int, max_cols: int) -> tuple[int, int]:
+    """A family's tile: multiples of 128 within the ring bound, minimising the bytes its
+    copies move (padding included) plus a per-copy overhead; ties go to larger tiles."""
     best = None
     for r in range(128, max_rows + 1, 128):
         for c in range(128, max_cols + 1, 128):
-            cost = 0
-            for rows, cols, count in mats:
-                nt = -(-rows // r) * -(-cols // c)
-                cost += count * (nt * r * c * 2 + nt * TILE_OVERHEAD_BYTES)
-            key = (cost, -r * c, -c)
+            n = -(-rows // r) * -(-cols // c)
+            key = (n * (r * c * 2 + TILE_OVERHEAD_BYTES), -r * c, -c)
             if best is None or key < best[0]:
                 best = (key, (r, c))
     return best[1]
@@ -196,7 +193,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
     for w in sorted(wire_dtypes):
         buffers.append(ir.Buffer(f"recv_{w}", "collective", (2, ranks, B, H), w, batch_axis=2))
     buffers.append(ir.Buffer("logits", "output",
-                             (stream.tail[0].col_tiles, B, stream.tile_cols), "f32", batch_axis=1))
+                             (stream.tail[0].col_tiles, B, stream.tail[0].tile_cols), "f32",
+                             batch_axis=1))
     names = [b.name for b in buffers]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
@@ -281,11 +279,11 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph, batch: int) -> ir.S
                    bad.span if bad else st.span, hint="add `then lm_head` as the stream's last line")
     lm = graph.globals["lm_head"]
     mats.append((lm.shape[0], lm.shape[1], 1))
-    tr, tc = _choose_tile(mats, ring.max_rows, ring.max_cols)
 
     def fam(kname: str, t) -> ir.Family:
+        tr, tc = _choose_tile(t.shape[0], t.shape[1], ring.max_rows, ring.max_cols)
         return ir.Family(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
-                         -(-t.shape[1] // tc), t.partial_out)
+                         -(-t.shape[1] // tc), t.partial_out, tr, tc)
 
     for kname in used_kinds:
         families[kname] = [fam(kname, t) for t in graph.kinds[kname].matrices()]
@@ -297,10 +295,17 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph, batch: int) -> ir.S
     tail_off = t
     total = t + sum(f.tiles for f in tail)
     useful = sum(r * c * n * 2 for r, c, n in mats)
+    streamed = sum(f.tiles * f.tile_bytes * graph.layer_kinds.count(k)
+                   for k, fs in families.items() for f in fs) + sum(f.tiles * f.tile_bytes
+                                                                     for f in tail)
+    every = [f for fs in families.values() for f in fs] + tail
+    shapes = sorted({(f.tile_rows, f.tile_cols) for f in every})
     return ir.Stream(ring=ring.name.text, slots=ring.slots, ahead=st.ahead, dtype=ring.dtype.text,
-                     tile_rows=tr, tile_cols=tc, families=families, tail=tail,
+                     tile_rows=max(f.tile_rows for f in every),
+                     tile_cols=max(f.tile_cols for f in every), families=families, tail=tail,
                      layer_tile_offset=offsets, tail_tile_offset=tail_off, total_tiles=total,
-                     useful_bytes=useful, span=st.span)
+                     useful_bytes=useful, streamed_bytes=streamed, tile_shapes=shapes,
+                     span=st.span)
 
 
 def _resolve_parity(sched: ast.Schedule, graph: DecodeGraph) -> ir.Parity:
@@ -469,8 +474,8 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
 
 def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, B: int,
                context: int) -> dict[str, int]:
-    """HBM bytes one rank holds, by class (weights padded to tiles, as packed)."""
-    tile_bytes = stream.tile_rows * stream.tile_cols * 2
+    """HBM bytes one rank holds, by class (weights padded to ring slots, as packed)."""
+    slot_bytes = stream.tile_rows * stream.tile_cols * 2
     n_layers = len(graph.layer_kinds)
     state = cache = 0
     for kname in graph.layer_kinds:
@@ -480,7 +485,7 @@ def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, B: int,
             else:
                 cache += B * context * t.nbytes
     return {
-        "streamed weights": stream.total_tiles * tile_bytes,
+        "streamed weights": stream.total_tiles * slot_bytes,
         "embedding": graph.globals["embed"].nbytes,
         "vectors": n_layers * parity.rows * parity.cols * 4,
         "recurrent state": state,

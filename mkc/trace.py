@@ -64,7 +64,7 @@ class TraceBuilder:
 def build_trace(s: ir.ScheduleIR) -> list[Event]:
     tb = TraceBuilder()
     st, par = s.stream, s.parity
-    tile_bytes = st.tile_rows * st.tile_cols * ir.DTYPE_BYTES[st.dtype]
+    tile_bytes = [f.tile_bytes for f in st.tile_sequence(s.layer_kinds)]
     vec_bytes = par.rows * par.cols * 4
     n_layers = len(s.layer_kinds)
     ring_sem = lambda slot: ("ring", slot)                       # noqa: E731
@@ -73,11 +73,13 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     def start_tile(t: int, where: str) -> None:
         if t < st.total_tiles:
             tb.start(dst=st.ring, slot=t % st.slots, sem=ring_sem(t % st.slots),
-                     nbytes=tile_bytes, tag=("tile", t), where=where, span=st.span)
+                     nbytes=tile_bytes[t], tag=("tile", t), where=where, span=st.span)
 
-    def consume_tiles(first: int, count: int, where: str) -> None:
-        for t in range(first, first + count):
-            tb.wait(sem=ring_sem(t % st.slots), nbytes=tile_bytes, where=where, span=st.span)
+    def consume_tiles(family: ir.Family, first: int, where: str) -> None:
+        for t in range(first, first + family.tiles):
+            # The consumer waits for its own family's tile size.
+            tb.wait(sem=ring_sem(t % st.slots), nbytes=family.tile_bytes, where=where,
+                    span=st.span)
             tb.read(st.ring, t % st.slots, ("tile", t), where, st.span)
             start_tile(t + st.ahead, where)
 
@@ -101,7 +103,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
         k = s.kinds[kname]
         label = f"layer {layer} ({kname})"
         tile = st.layer_tile_offset[layer]
-        fam_tiles = {f.name: f.tiles for f in st.families[kname]}
+        families = {f.name: f for f in st.families[kname]}
         vector_families = {name for name, _ in k.vectors}
         loaded = {t.state: t.buffer for t in k.transfers if t.direction == "load"}
         holds = {t.buffer: ("state", layer) for t in k.transfers}   # tag each state buffer holds
@@ -143,9 +145,9 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 op = step.op
                 w = f"{label} {op}"
                 if op in k.matmuls:
-                    n = fam_tiles[k.matmuls[op]]
-                    consume_tiles(tile, n, w)
-                    tile += n
+                    family = families[k.matmuls[op]]
+                    consume_tiles(family, tile, w)
+                    tile += family.tiles
                 if vector_families & set(k.op_reads[op]):
                     tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
                 for sname in k.op_reads[op]:
@@ -162,7 +164,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
             span=Span.unknown(s.source))
     tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))
-    consume_tiles(st.tail_tile_offset, sum(f.tiles for f in st.tail), "epilogue lm_head")
+    consume_tiles(st.tail[0], st.tail_tile_offset, "epilogue lm_head")
     tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))
     return tb.events
 
