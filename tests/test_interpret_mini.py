@@ -24,6 +24,8 @@ def _assert_matches_reference(summary: dict) -> None:
         # bf16 weights and bf16-staged activations vs an f32 reference
         assert s["logits_max_abs_err"] < 0.03 * s["logits_max_abs"], s
         assert s["next_token"] == s["ref_next_token"], s
+        # ~2^-8: activations enter the MXU as bf16, the reference keeps them f32
+        assert s["state_rel_err"] < 1.5e-2, s
         assert s["state_max_abs_err"] < 0.02 * max(1.0, s["state_max_abs"]), s
 
 
