@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): a41897abf825e619
+Input digest (spec, model config, mkc version): 3aacda163bc199e5
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers
@@ -81,7 +81,7 @@ SEM = {"embed": 5, "head_norm": 4, "kv_rows": 6, "load_gdn_conv_buf": 0, "load_g
 _INPUTS = ("tokens", "positions", "tables", "tile_class", "rope", "embed", "ring_hbm", "vectors_hbm",
            "head_norm_hbm", "gdn__conv_in", "gdn__recurrent_in", "gqa__key_in", "gqa__value_in")
 _OUTPUTS = ("logits", "gdn__conv", "gdn__recurrent", "gqa__key", "gqa__value")
-_SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "gqa_kv_rows", "recv_bf16", "ring_sem", "vectors_sem", "sems", "send_sem", "recv_sem", "collective_count")
+_SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "gdn_rec_buf", "gqa_kv_rows", "recv_bf16", "ring_sem", "vectors_sem", "sems", "send_sem", "recv_sem", "collective_count")
 
 
 # ---- copies the schedule names ----------------------------------------------------------
@@ -215,11 +215,14 @@ def _layer_gdn(r, layer, B):
     si = r.tables[2, layer]
     v = {"tile": r.tables[1, layer]}   # next ring tile of this layer
     def _scope_0(r, v):
-        """Runs with gdn_conv_buf, gdn_rec_buf allocated (pl.run_scoped)."""
+        """Runs with gdn_conv_buf allocated (pl.run_scoped)."""
         _vectors_copy(r, layer).wait()
         @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
         def _():
             _vectors_copy(r, layer + VECTOR_AHEAD).start()
+        @pl.when(si > 0)
+        def _():   # the previous gdn layer's store of state.recurrent drains here
+            pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si - 1], r.sems.at[3]).wait()
         pltpu.make_async_copy(r.gdn__conv.at[si], r.gdn_conv_buf, r.sems.at[0]).start()   # load state.conv
         pltpu.make_async_copy(r.gdn__recurrent.at[si], r.gdn_rec_buf, r.sems.at[1]).start()   # load state.recurrent
         # -- input_norm
@@ -236,6 +239,7 @@ def _layer_gdn(r, layer, B):
         v["qkv"] = ops.causal_conv_silu(window, _vector(r, "gdn", "conv_weight", layer))
         for j in range(CONV_TAPS - 1):
             r.gdn_conv_buf[j] = window[j + 1]
+        pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).start()   # store state.conv
         # -- delta_rule
         proj, qkv = v["proj"], v["qkv"]
         beta = jax.nn.sigmoid(proj[:, B_OFF:B_OFF + NV])
@@ -254,27 +258,24 @@ def _layer_gdn(r, layer, B):
                 heads.append(o)
             rows.append(jnp.concatenate(heads, axis=-1) if NV > 1 else heads[0])
         v["core"] = jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
-        pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).start()   # store state.conv
-        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).start()   # store state.recurrent
-        # -- gated_norm
-        z_off = CONV_CH
-        w = _vector(r, "gdn", "norm", layer)
-        v["core"] = jnp.concatenate([
-            ops.gated_rms_norm(v["core"][:, h * DV:(h + 1) * DV], v["proj"][:, z_off + h * DV:z_off + (h + 1) * DV], w, EPS)
-            for h in range(NV)], axis=-1) if NV > 1 else ops.gated_rms_norm(v["core"], v["proj"][:, z_off:z_off + DV], w, EPS)
-        # -- out_proj
-        v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
-        v["tile"] = v["tile"] + 4
-        v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
         pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).wait()   # store state.conv
-        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).wait()   # store state.recurrent
+        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).start()   # store state.recurrent
         return v
 
     v = pl.run_scoped(
-        lambda gdn_conv_buf, gdn_rec_buf: _scope_0(types.SimpleNamespace(**vars(r), gdn_conv_buf=gdn_conv_buf, gdn_rec_buf=gdn_rec_buf), dict(v)),
+        lambda gdn_conv_buf: _scope_0(types.SimpleNamespace(**vars(r), gdn_conv_buf=gdn_conv_buf), dict(v)),
         pltpu.VMEM((3, B, 1280), jnp.float32),
-        pltpu.VMEM((B, 6, 128, 128), jnp.float32),
     )
+    # -- gated_norm
+    z_off = CONV_CH
+    w = _vector(r, "gdn", "norm", layer)
+    v["core"] = jnp.concatenate([
+        ops.gated_rms_norm(v["core"][:, h * DV:(h + 1) * DV], v["proj"][:, z_off + h * DV:z_off + (h + 1) * DV], w, EPS)
+        for h in range(NV)], axis=-1) if NV > 1 else ops.gated_rms_norm(v["core"], v["proj"][:, z_off:z_off + DV], w, EPS)
+    # -- out_proj
+    v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
+    v["tile"] = v["tile"] + 4
+    v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
     # -- attn_residual
     r.x[...] = r.x[...] + v["partial"]
     # -- post_norm
@@ -454,6 +455,7 @@ def _kernel(*refs, B):
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
+    pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[len(KIND_LAYERS["gdn"]) - 1], r.sems.at[3]).wait()   # drain the last gdn store of state.recurrent
 
     # epilogue: final norm and the vocab-sharded lm_head, which ends the weight stream
     head_norm_copy.wait()
@@ -502,6 +504,7 @@ def build_kernel(B, interpret=None):
         pltpu.VMEM((8, 5120), jnp.float32),   # head_norm (parity)
         pltpu.VMEM((5, B, 1024), jnp.bfloat16),   # stage (activation)
         pltpu.VMEM((27, B, 1280), jnp.float32),   # acc (activation)
+        pltpu.VMEM((B, 6, 128, 128), jnp.float32),   # gdn_rec_buf (state)
         pltpu.VMEM((2, B, 16, 256), jnp.bfloat16),   # gqa_kv_rows (kv)
         pltpu.VMEM((2, 8, B, 5120), jnp.bfloat16),   # recv_bf16 (collective)
         pltpu.SemaphoreType.DMA((RING_SLOTS,)),

@@ -131,7 +131,8 @@ class Transfer:
     state: str                   # state family, e.g. "recurrent"
     buffer: str
     start: int                   # program point
-    waits: tuple[int, ...]       # program points (a correct schedule has exactly one)
+    waits: tuple[int, ...]       # program points (a correct schedule has exactly one wait)
+    drain: int = 0               # waits at the start of the next layer of this kind (or at exit)
     span: Span = field(compare=False, default_factory=Span.unknown)
 
 

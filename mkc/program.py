@@ -1,7 +1,7 @@
 """The step sequence of one layer of a kind: the single ordering the trace and codegen share.
 
 At a program point: scopes open, (at point 0) the layer's vectors are waited and the next
-layer's issued, waits of copies started earlier, starts, waits of copies started at this same
+layer's issued and the previous layer's draining copies waited, waits of copies started earlier, starts, waits of copies started at this same
 point, then scopes whose range ends here close. A scope covers points first..last+1.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from mkc import ir
 
 @dataclass(frozen=True)
 class Step:
-    kind: str                              # scope_open | scope_close | vectors | start | wait |
-                                           # op | allreduce
+    kind: str                              # scope_open | scope_close | vectors | drain | start |
+                                           # wait | op | allreduce
     point: int
     op: str = ""
     transfer: ir.Transfer | None = None
@@ -36,6 +36,9 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
         steps.extend(Step("scope_open", p, buffers=scoped(sc)) for sc in scopes if sc[1] == p)
         if p == 0:
             steps.append(Step("vectors", p))
+            # copies of the previous layer of this kind that drain here
+            steps.extend(Step("drain", p, transfer=t) for t in k.transfers
+                         for _ in range(t.drain))
         steps.extend(Step("wait", p, transfer=t) for t in k.transfers
                      if t.start < p and p in t.waits)
         steps.extend(Step("start", p, transfer=t) for t in k.transfers if t.start == p)

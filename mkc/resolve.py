@@ -370,9 +370,19 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
             shape = (t.shape[0], B, *t.shape[1:]) if sname == "conv" else (B, *t.shape)
             buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
                                        batch_axis=1 if sname == "conv" else 0, span=tr.span)
+            if tr.start.where == "before next":
+                raise fail("E-TRANSFER", "a copy cannot start `before next ...`",
+                           tr.start.anchor.span, hint="start it at a point of this layer")
+            drains = [w for w in tr.waits if w.where == "before next"]
+            for w in drains:
+                if w.anchor.text != kname:
+                    raise fail("E-TRANSFER", f"phase {kname} can only drain before the next "
+                               f"{kname} layer, not '{w.anchor.text}'", w.anchor.span,
+                               hint=f"write `wait before next {kname}`")
             transfers.append(ir.Transfer(
                 tr.direction, sname, f"{kname}_{bname}", _point(tr.start, ops, kname),
-                tuple(_point(w, ops, kname) for w in tr.waits), span=tr.span))
+                tuple(_point(w, ops, kname) for w in tr.waits if w.where != "before next"),
+                drain=len(drains), span=tr.span))
     for sname in states:
         for direction in ("load", "store"):
             if not any(t.state == sname and t.direction == direction for t in transfers):

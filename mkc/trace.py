@@ -99,6 +99,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
 
     # ---- layers --------------------------------------------------------------------------
     programs = {kname: layer_program(s, kname) for kname in s.kinds}
+    seen_kind = {kname: 0 for kname in s.kinds}      # layers of each kind already run
     for layer, kname in enumerate(s.layer_kinds):
         k = s.kinds[kname]
         label = f"layer {layer} ({kname})"
@@ -138,7 +139,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                          nbytes=_nbytes(s.buffer(t.buffer)), tag=None,
                          src=(t.buffer, None, ("state-updated", layer)),
                          where=where(step.point), span=t.span)
-            elif step.kind == "wait":
+            elif step.kind == "wait" or (step.kind == "drain" and seen_kind[kname] > 0):
                 tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
                         where=where(step.point), span=t.span)
             elif step.kind == "op":
@@ -159,8 +160,14 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                             tb.write(b.name, None, holds[b.name], w, b.span)
                 if k.kv is not None and op == k.kv.op:
                     _kv_events(tb, s, k, layer, w)
+        seen_kind[kname] += 1
 
     # ---- epilogue ------------------------------------------------------------------------
+    for kname, k in s.kinds.items():
+        for t in k.transfers:
+            for _ in range(t.drain if seen_kind[kname] else 0):
+                tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
+                        where="epilogue: drain", span=t.span)
     tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
             span=Span.unknown(s.source))
     tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))

@@ -16,7 +16,7 @@ class Name:
 class Point:
     """A program point inside a phase: `at start|end`, `before OP`, `after OP`."""
 
-    where: str          # "at" | "before" | "after"
+    where: str          # "at" | "before" | "after" | "before next"
     anchor: Name
 
     def __str__(self) -> str:

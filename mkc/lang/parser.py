@@ -63,6 +63,9 @@ class _ToAst(Transformer):
     def point_before(self, items):
         return ast.Point("before", self._name(items[0]))
 
+    def point_before_next(self, items):
+        return ast.Point("before next", self._name(items[0]))
+
     def point_after(self, items):
         return ast.Point("after", self._name(items[0]))
 
