@@ -21,6 +21,11 @@ _TOKEN_WORDS = {
 }
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "context", "vmem")
+# Which list of the parent node each statement node joins.
+_PHASE_LISTS = {ast.Scoped: "scoped", ast.Transfer: "transfers", ast.KvTiles: "kv_tiles",
+                ast.AllReduce: "allreduces"}
+_SCHEDULE_LISTS = {ast.Shard: "shards", ast.Ring: "rings", ast.Stream: "streams",
+                   ast.Parity: "parities", ast.Phase: "phases"}
 
 
 @lru_cache(maxsize=1)
@@ -159,14 +164,7 @@ class _ToAst(Transformer):
     def phase_stmt(self, meta, items):
         phase = ast.Phase(self._name(items[0]), span=_span(self.file, meta))
         for item in items[1:]:
-            if isinstance(item, ast.Scoped):
-                phase.scoped.append(item)
-            elif isinstance(item, ast.Transfer):
-                phase.transfers.append(item)
-            elif isinstance(item, ast.KvTiles):
-                phase.kv_tiles.append(item)
-            else:
-                phase.allreduces.append(item)
+            getattr(phase, _PHASE_LISTS[type(item)]).append(item)
         return phase
 
     @v_args(meta=True)
@@ -180,16 +178,8 @@ class _ToAst(Transformer):
                     raise fail("E-DUPLICATE", f"'{key}' is set twice", setting.span,
                                hint=f"keep one '{key}' line (the first is at line {first.line})")
                 sched.settings[key] = setting
-            elif isinstance(item, ast.Shard):
-                sched.shards.append(item)
-            elif isinstance(item, ast.Ring):
-                sched.rings.append(item)
-            elif isinstance(item, ast.Stream):
-                sched.streams.append(item)
-            elif isinstance(item, ast.Parity):
-                sched.parities.append(item)
-            elif isinstance(item, ast.Phase):
-                sched.phases.append(item)
+            else:
+                getattr(sched, _SCHEDULE_LISTS[type(item)]).append(item)
         return sched
 
     def start(self, items):
