@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 3aacda163bc199e5
+Input digest (spec, model config, mkc version): cfe056c80ee5d7de
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers
@@ -81,7 +81,8 @@ SEM = {"embed": 5, "head_norm": 4, "kv_rows": 6, "load_gdn_conv_buf": 0, "load_g
 _INPUTS = ("tokens", "positions", "tables", "tile_class", "rope", "embed", "ring_hbm", "vectors_hbm",
            "head_norm_hbm", "gdn__conv_in", "gdn__recurrent_in", "gqa__key_in", "gqa__value_in")
 _OUTPUTS = ("logits", "gdn__conv", "gdn__recurrent", "gqa__key", "gqa__value")
-_SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "gdn_rec_buf", "gqa_kv_rows", "recv_bf16", "ring_sem", "vectors_sem", "sems", "send_sem", "recv_sem", "collective_count")
+_SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "gdn_rec_buf", "gqa_kv_rows", "recv__bf16_2x1", "recv__bf16_4x2", "recv__bf16_8x1", "ring_sem", "vectors_sem", "sems",
+"recv__bf16_2x1__send", "recv__bf16_2x1__recv", "recv__bf16_4x2__send", "recv__bf16_4x2__recv", "recv__bf16_8x1__send", "recv__bf16_8x1__recv", "collective_count")
 
 
 # ---- copies the schedule names ----------------------------------------------------------
@@ -153,35 +154,55 @@ def _stream_matmul(r, h, first_tile, row_tiles, col_tiles, tile_rows, tile_cols)
     return jnp.concatenate([r.acc[j, :, :tile_cols] for j in range(col_tiles)], axis=-1)
 
 
-def _allreduce(r, partial, recv, wire):
-    """Direct all-reduce: every rank sends its partial to all peers (slot = sender), then sums
-    in rank order, so every rank holds bit-identical results. Buffers and receive semaphores
-    alternate by collective parity: a rank reaches collective c + 2 only after every peer has
-    sent c + 1, i.e. after every peer finished reading slot parity c."""
+# Receive buffers of all-reduce stages: name -> (use counter index, wire dtype).
+COLLECTIVES = {
+    "recv__bf16_2x1": (0, jnp.bfloat16),
+    "recv__bf16_4x2": (1, jnp.bfloat16),
+    "recv__bf16_8x1": (2, jnp.bfloat16),
+}
+
+
+def _allreduce_stage(r, partial, name, size, stride):
+    """Direct all-reduce over the `size` ranks base + i * stride: each sends its partial to
+    every peer (slot = sender), then all sum in slot order, so the group's results are
+    bit-identical. Slots and receive semaphores alternate by the buffer's use parity: a rank
+    reaches use c + 2 only after every peer sent use c + 1, i.e. after it finished reading c."""
+    counter, wire = COLLECTIVES[name]
+    recv, send_sem, recv_sem = getattr(r, name), getattr(r, name + "__send"), getattr(r, name + "__recv")
     me = lax.axis_index(AXIS)
-    c = r.collective_count[0]
-    r.collective_count[0] = c + 1
+    local = lax.rem(me // stride, size)
+    base = me - local * stride
+    c = r.collective_count[counter]
+    r.collective_count[counter] = c + 1
     par = lax.rem(c, 2)
-    recv[par, me] = partial.astype(wire)
+    recv[par, local] = partial.astype(wire)
     sends = []
-    for k in range(1, RANKS):
-        peer = lax.rem(me + k, RANKS)
-        cp = pltpu.make_async_remote_copy(recv.at[par, me], recv.at[par, me], r.send_sem.at[par, k],
-                                          r.recv_sem.at[par, me], device_id=(peer,),
+    for k in range(1, size):
+        peer = base + lax.rem(local + k, size) * stride
+        cp = pltpu.make_async_remote_copy(recv.at[par, local], recv.at[par, local], send_sem.at[par, k],
+                                          recv_sem.at[par, local], device_id=(peer,),
                                           device_id_type=pl.DeviceIdType.MESH)
         cp.start()
         sends.append(cp)
     for cp in sends:
         cp.wait_send()
-    for k in range(1, RANKS):
-        src = lax.rem(me + RANKS - k, RANKS)
-        pltpu.make_async_remote_copy(recv.at[par, src], recv.at[par, src], r.send_sem.at[par, k],
-                                     r.recv_sem.at[par, src], device_id=(src,),
+    for k in range(1, size):
+        src = lax.rem(local + size - k, size)
+        pltpu.make_async_remote_copy(recv.at[par, src], recv.at[par, src], send_sem.at[par, k],
+                                     recv_sem.at[par, src], device_id=(base + src * stride,),
                                      device_id_type=pl.DeviceIdType.MESH).wait_recv()
     total = recv[par, 0].astype(F32)
-    for n in range(1, RANKS):
+    for n in range(1, size):
         total = total + recv[par, n].astype(F32)
     return total
+
+
+def _allreduce(r, partial, stages, wire):
+    """All-reduce over every rank as a sequence of direct stages (size, stride); `wire` is the
+    dtype name partial sums travel in."""
+    for size, stride in stages:
+        partial = _allreduce_stage(r, partial, f"recv__{wire}_{size}x{stride}", size, stride)
+    return partial
 
 
 def _embed(r, B):
@@ -207,7 +228,7 @@ def _embed(r, B):
     picked = [jnp.sum(jnp.where((row == offset[b]) & owned[b], r.embed_rows[b].astype(F32), 0.0),
                       axis=0, keepdims=True) for b in range(B)]
     rows = jnp.concatenate(picked, axis=0) if B > 1 else picked[0]
-    r.x[...] = _allreduce(r, rows, r.recv_bf16, BF16)
+    r.x[...] = _allreduce(r, rows, [(RANKS, 1)], "bf16")
 
 
 def _layer_gdn(r, layer, B):
@@ -275,7 +296,7 @@ def _layer_gdn(r, layer, B):
     # -- out_proj
     v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
     v["tile"] = v["tile"] + 4
-    v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
+    v["partial"] = _allreduce(r, v["partial"], [[2, 1], [4, 2]], "bf16")   # two_level, wire bf16
     # -- attn_residual
     r.x[...] = r.x[...] + v["partial"]
     # -- post_norm
@@ -286,7 +307,7 @@ def _layer_gdn(r, layer, B):
     # -- down
     v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 4, 768, 1280)[:, :HIDDEN]
     v["tile"] = v["tile"] + 12
-    v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
+    v["partial"] = _allreduce(r, v["partial"], [[2, 1], [4, 2]], "bf16")   # two_level, wire bf16
     # -- mlp_residual
     r.x[...] = r.x[...] + v["partial"]
 
@@ -321,7 +342,7 @@ def _layer_gqa(r, layer, B):
     # -- o_proj
     v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
     v["tile"] = v["tile"] + 4
-    v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
+    v["partial"] = _allreduce(r, v["partial"], [[8, 1]], "bf16")   # direct, wire bf16
     # -- attn_residual
     r.x[...] = r.x[...] + v["partial"]
     # -- post_norm
@@ -332,7 +353,7 @@ def _layer_gqa(r, layer, B):
     # -- down
     v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 4, 768, 1280)[:, :HIDDEN]
     v["tile"] = v["tile"] + 12
-    v["partial"] = _allreduce(r, v["partial"], r.recv_bf16, jnp.bfloat16)   # direct, wire bf16
+    v["partial"] = _allreduce(r, v["partial"], [[8, 1]], "bf16")   # direct, wire bf16
     # -- mlp_residual
     r.x[...] = r.x[...] + v["partial"]
 
@@ -431,7 +452,8 @@ def _kernel(*refs, B):
         pl.semaphore_signal(barrier, 1, device_id=(lax.rem(me + k, RANKS),),
                             device_id_type=pl.DeviceIdType.MESH)
     pl.semaphore_wait(barrier, RANKS - 1)
-    r.collective_count[0] = 0
+    for counter in range(len(COLLECTIVES)):
+        r.collective_count[counter] = 0
 
     # prologue: fill the ring, issue the first layers' vectors and the final norm
     for t in range(min(RING_AHEAD, TOTAL_TILES)):
@@ -506,13 +528,16 @@ def build_kernel(B, interpret=None):
         pltpu.VMEM((27, B, 1280), jnp.float32),   # acc (activation)
         pltpu.VMEM((B, 6, 128, 128), jnp.float32),   # gdn_rec_buf (state)
         pltpu.VMEM((2, B, 16, 256), jnp.bfloat16),   # gqa_kv_rows (kv)
-        pltpu.VMEM((2, 8, B, 5120), jnp.bfloat16),   # recv_bf16 (collective)
+        pltpu.VMEM((2, 2, B, 5120), jnp.bfloat16),   # recv__bf16_2x1 (collective)
+        pltpu.VMEM((2, 4, B, 5120), jnp.bfloat16),   # recv__bf16_4x2 (collective)
+        pltpu.VMEM((2, 8, B, 5120), jnp.bfloat16),   # recv__bf16_8x1 (collective)
         pltpu.SemaphoreType.DMA((RING_SLOTS,)),
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.SemaphoreType.DMA((7,)),
-        pltpu.SemaphoreType.DMA((2, RANKS)),
-        pltpu.SemaphoreType.DMA((2, RANKS)),
-        pltpu.SMEM((1,), jnp.int32),
+        pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((2, 2)),   # recv__bf16_2x1 send, receive
+        pltpu.SemaphoreType.DMA((2, 4)), pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x2 send, receive
+        pltpu.SemaphoreType.DMA((2, 8)), pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send, receive
+        pltpu.SMEM((len(COLLECTIVES),), jnp.int32),
     ]
     out_shape = (jax.ShapeDtypeStruct((27, B, 1152), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])

@@ -148,9 +148,18 @@ class KvStream:
 @dataclass(frozen=True)
 class AllReduce:
     after_op: str
-    algorithm: str               # "direct"
+    algorithm: str               # "direct" | "two_level"
     wire_dtype: str
+    # Direct all-reduces run in order; a stage (size, stride) reduces over the ranks
+    # base + i * stride, i < size (ranks are numbered core-fastest, then chip, then host).
+    stages: tuple[tuple[int, int], ...]
     span: Span = field(compare=False, default_factory=Span.unknown)
+
+    @staticmethod
+    def buffer_name(wire: str, size: int, stride: int) -> str:
+        """The receive buffer of one stage shape: each group structure has its own, so the
+        parity argument for reusing it holds within one fixed set of peers."""
+        return f"recv__{wire}_{size}x{stride}"
 
 
 @dataclass(frozen=True)

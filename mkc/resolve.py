@@ -13,7 +13,8 @@ from mkc.model.config import load_dims, resolve_config_path
 from mkc.model.graph import DecodeGraph, ShardingError, build_graph
 
 SHARD_CLASSES = ("heads", "mlp", "vocab")
-ALLREDUCE_ALGORITHMS = ("direct",)
+ALLREDUCE_ALGORITHMS = ("direct", "two_level")
+TWO_LEVEL_GROUPS = ("chip", "host")
 WIRE_DTYPES = ("bf16", "f32")
 RING_DTYPES = ("bf16",)
 # No "__": generated code joins names with a double underscore, so user names cannot collide.
@@ -22,7 +23,7 @@ _IDENT = re.compile(r"^[a-z](?:_?[a-z0-9])*$")
 _RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start", "end",
              "embed", "embed_rows", "head_norm", "tables", "tokens", "positions", "rope",
              "ring_hbm", "vectors_hbm", "head_norm_hbm", "ring_sem", "vectors_sem", "sems",
-             "send_sem", "recv_sem", "collective_count", "recv_bf16", "recv_f32"}
+             "send_sem", "recv_sem", "collective_count", "tile_class"}
 # Cost-model constant for choosing the ring tile: what one extra DMA costs, in bytes moved.
 TILE_OVERHEAD_BYTES = 64 * 1024
 
@@ -182,16 +183,18 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                              batch_axis=1))
 
     kinds: dict[str, ir.KindSchedule] = {}
-    wire_dtypes: set[str] = {"bf16"}           # the embedding all-reduce is exact in bf16
+    stage_shapes: set[tuple[str, int, int]] = {("bf16", ranks, 1)}   # embedding: direct, exact
     for kname in sorted(graph.kinds):
         if kname not in dims.layer_kinds:
             continue
-        ks, kbufs, wires = _resolve_phase(phase_by_kind[kname], graph, B, context.value)
+        ks, kbufs = _resolve_phase(phase_by_kind[kname], graph, topo, B, context.value)
         kinds[kname] = ks
         buffers.extend(kbufs)
-        wire_dtypes |= wires
-    for w in sorted(wire_dtypes):
-        buffers.append(ir.Buffer(f"recv_{w}", "collective", (2, ranks, B, H), w, batch_axis=2))
+        stage_shapes |= {(a.wire_dtype, size, stride) for a in ks.allreduces
+                         for size, stride in a.stages}
+    for wire, size, stride in sorted(stage_shapes):
+        buffers.append(ir.Buffer(ir.AllReduce.buffer_name(wire, size, stride), "collective",
+                                 (2, size, B, H), wire, batch_axis=2))
     buffers.append(ir.Buffer("logits", "output",
                              (stream.tail[0].col_tiles, B, stream.tail[0].tile_cols), "f32",
                              batch_axis=1))
@@ -338,8 +341,28 @@ def _resolve_parity(sched: ast.Schedule, graph: DecodeGraph) -> ir.Parity:
                      span=p.span)
 
 
-def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
-                   ) -> tuple[ir.KindSchedule, list[ir.Buffer], set[str]]:
+def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], ...]:
+    n = topo.num_cores
+    if ar.algorithm.text == "direct":
+        if ar.level is not None:
+            raise fail("E-COLLECTIVE", f"a direct all-reduce takes no group ('{ar.level.text}')",
+                       ar.level.span, hint="write `direct wire bf16`, or `two_level chip`")
+        return ((n, 1),)
+    if ar.level is None or ar.level.text not in TWO_LEVEL_GROUPS:
+        where = ar.level.span if ar.level else ar.algorithm.span
+        raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
+                   where, hint=f"write `two_level chip` or `two_level host`")
+    group = (topo.chip.cores_per_chip if ar.level.text == "chip"
+             else len(topo.same_host(0)))
+    if group in (1, n):
+        raise fail("E-COLLECTIVE", f"two_level {ar.level.text} has a single level on this "
+                   f"topology ({group} of {n} cores per {ar.level.text})", ar.level.span,
+                   hint="use `direct`, or a group that splits the mesh")
+    return ((group, 1), (n // group, group))
+
+
+def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, B: int,
+                   context: int) -> tuple[ir.KindSchedule, list[ir.Buffer]]:
     kname = phase.kind.text
     kind = graph.kinds[kname]
     ops = kind.op_names()
@@ -448,7 +471,6 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
 
     partial_ops = [o.name for o in kind.ops if o.matmul and kind.tensors[o.matmul].partial_out]
     allreduces: list[ir.AllReduce] = []
-    wires: set[str] = set()
     for ar in phase.allreduces:
         if ar.algorithm.text not in ALLREDUCE_ALGORITHMS:
             raise _unknown("all-reduce algorithm", ar.algorithm, list(ALLREDUCE_ALGORITHMS))
@@ -464,8 +486,8 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
             if any(a.after_op == n.text for a in allreduces):
                 raise fail("E-DUPLICATE", f"{n.text} is all-reduced twice", n.span,
                            hint="list each op in one allreduce")
-            allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text, ar.span))
-            wires.add(ar.wire_dtype.text)
+            allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
+                                           _stages(ar, topo), ar.span))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             raise fail("E-COLLECTIVE", f"{kname}.{p_op} leaves partial sums that nothing reduces",
@@ -479,7 +501,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, B: int, context: int
         states={n: (t.shape, t.dtype) for n, t in states.items()},
         op_reads={o.name: list(o.reads) for o in kind.ops},
         op_writes={o.name: list(o.writes) for o in kind.ops})
-    return ks, list(buffers.values()), wires
+    return ks, list(buffers.values())
 
 
 def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, B: int,

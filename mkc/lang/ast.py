@@ -62,6 +62,7 @@ class KvTiles:
 class AllReduce:
     ops: list[Name]
     algorithm: Name
+    level: Name | None          # the grouping of a two_level all-reduce: chip or host
     wire_dtype: Name
     span: Span
 

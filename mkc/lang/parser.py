@@ -157,7 +157,8 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def allreduce_item(self, meta, items):
-        return ast.AllReduce(items[0], self._name(items[1]), self._name(items[2]),
+        level = self._name(items[2]) if len(items) == 4 else None
+        return ast.AllReduce(items[0], self._name(items[1]), level, self._name(items[-1]),
                              _span(self.file, meta))
 
     @v_args(meta=True)
