@@ -41,6 +41,14 @@ def _budget_table(c) -> str:
                  f"{s.hbm_per_core * s.cores_per_chip / 1e9:.1f} GB ("
                  + ", ".join(f"{k} {v * s.cores_per_chip / 1e9:.2f}"
                              for k, v in s.hbm_bytes_per_rank.items()) + ")")
+    from mkc import cost, target
+    bandwidth = target.chip(s.chip).hbm_bytes_per_s
+    for batch in sorted({s.batch_min, s.batch_max}):
+        traffic = cost.hbm_traffic(s, batch, s.context)
+        floor = cost.step_floor_seconds(s, bandwidth, batch, s.context)
+        lines.append(f"HBM floor at batch {batch}, {s.context} cached tokens: "
+                     f"{floor * 1e3:.2f} ms per step at {bandwidth / 1e12:.1f} TB/s per core ("
+                     + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in traffic.items()) + ")")
     return "\n".join(lines)
 
 
