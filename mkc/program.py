@@ -1,8 +1,9 @@
 """The step sequence of one layer of a kind: the single ordering the trace and codegen share.
 
-At a program point: scopes open, (at point 0) the layer's vectors are waited and the next
-layer's issued and the previous layer's draining copies waited, waits of copies started earlier, starts, waits of copies started at this same
-point, then scopes whose range ends here close. A scope covers points first..last+1.
+At a program point: scopes open; (at point 0) the layer's vectors are waited, the next
+layer's issued and the previous layer's draining copies waited; then waits of copies started
+earlier, starts, waits of copies started at this same point; then scopes whose range ends
+here close. A scope covers points first..last+1.
 """
 from __future__ import annotations
 

@@ -50,8 +50,9 @@ def _validate_identifier(name: ast.Name, what: str) -> str:
     text = name.text
     if not _IDENT.match(text) or keyword.iskeyword(text) or text in _RESERVED:
         raise fail("E-NAME", f"'{text}' cannot name a {what}", name.span,
-                   hint="use lower-case letters and digits joined by single '_', starting with a letter, not "
-                        f"a Python keyword or one of: {', '.join(sorted(_RESERVED))}")
+                   hint="use lower-case letters and digits joined by single '_', starting with "
+                        "a letter, not a Python keyword or one of: "
+                        + ", ".join(sorted(_RESERVED)))
     return text
 
 
@@ -158,7 +159,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                    f"{dims.name}", sched.name.span,
                    hint=f"add `phase {missing_kinds[0]} {{ ... }}` with its allreduces and state copies")
 
-    stream = _resolve_stream(sched, graph, b_hi)
+    stream = _resolve_stream(sched, graph)
     parity = _resolve_parity(sched, graph)
 
     B = b_hi
@@ -219,7 +220,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         setting_spans={k: v.span for k, v in sched.settings.items()})
 
 
-def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph, batch: int) -> ir.Stream:
+def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph) -> ir.Stream:
     if len(sched.rings) != 1 or len(sched.streams) != 1:
         span = (sched.rings[1].span if len(sched.rings) > 1 else
                 sched.streams[1].span if len(sched.streams) > 1 else sched.name.span)
@@ -351,7 +352,7 @@ def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], 
     if ar.level is None or ar.level.text not in TWO_LEVEL_GROUPS:
         where = ar.level.span if ar.level else ar.algorithm.span
         raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
-                   where, hint=f"write `two_level chip` or `two_level host`")
+                   where, hint="write `two_level chip` or `two_level host`")
     group = (topo.chip.cores_per_chip if ar.level.text == "chip"
              else len(topo.same_host(0)))
     if group in (1, n):

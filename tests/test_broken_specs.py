@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import run_python
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
 

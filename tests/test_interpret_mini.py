@@ -2,7 +2,6 @@
 devices and matches the pure-JAX reference: logits, next token and recurrent state."""
 import json
 
-import numpy as np
 import pytest
 
 from conftest import run_python

@@ -92,7 +92,8 @@ def render(s: ir.ScheduleIR, spec_text: str, config_text: str) -> str:
     collectives = [b for b in s.buffers if b.cls == "collective"]
     return _env().get_template("module.py.j2").render(
         s=s, d=s.dims, version=mkc.__version__, digest=digest, plans=plans,
-        families=families, kind_ids=kind_ids, g=_geometry(s, kind_ids, sem_index, misc_sems), sem_index=sem_index, misc_sems=misc_sems,
+        families=families, kind_ids=kind_ids, g=_geometry(s, kind_ids, sem_index, misc_sems),
+        sem_index=sem_index, misc_sems=misc_sems,
         n_sems=len(sem_index) + len(misc_sems), state_arrays=state_arrays,
         cache_arrays=cache_arrays, resident=resident, collectives=collectives,
         all_families=[f for fs in s.stream.families.values() for f in fs] + s.stream.tail)

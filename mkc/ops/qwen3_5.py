@@ -78,11 +78,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rot: jax.Array) -> 
 
 
 def attention_tile(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
-                   m: jax.Array, l: jax.Array, acc: jax.Array, scale: float
+                   m: jax.Array, denom: jax.Array, acc: jax.Array, scale: float
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Online-softmax update with one KV tile for the query heads of one row.
 
-    q [nq, D] f32; k, v [T, D] bf16; visible [1, T] bool; running m, l [nq, 1], acc [nq, D].
+    q [nq, D] f32; k, v [T, D] bf16; visible [1, T] bool; running max m and softmax
+    denominator [nq, 1], acc [nq, D].
     """
     s = lax.dot_general(q, k.astype(F32), (((1,), (1,)), ((), ())),
                         preferred_element_type=F32) * scale               # [nq, T]
@@ -90,6 +91,6 @@ def attention_tile(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new)
-    l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
     acc_new = alpha * acc + jnp.dot(p, v.astype(F32), preferred_element_type=F32)
-    return m_new, l_new, acc_new
+    return m_new, denom_new, acc_new

@@ -1,5 +1,4 @@
 """generated/ is exactly what the compiler makes from schedules/, byte for byte."""
-from pathlib import Path
 
 from mkc import compiler
 from tests_support import ROOT
