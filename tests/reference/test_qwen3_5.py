@@ -153,7 +153,8 @@ def test_rows_at_different_positions(mini: ref.Qwen35Config, mini_params: dict[s
     def prefix(tokens: list[int]) -> dict[str, jax.Array]:
         cache = ref.init_cache(mini, batch=1, context=context)
         for t, tok in enumerate(tokens):
-            _, cache = decode(mini_params, mini, cache, jnp.array([tok], jnp.int32), jnp.array([t], jnp.int32))
+            _, cache = decode(mini_params, mini, cache, jnp.array([tok], jnp.int32),
+                              jnp.array([t], jnp.int32))
         return cache
 
     rows = [[7, 8, 9, 10, 11], [100, 200, 300]]
@@ -179,7 +180,8 @@ def test_rows_at_different_positions(mini: ref.Qwen35Config, mini_params: dict[s
 
 def _naive_delta_rule_one_head(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                                g: float, beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """Element-by-element loops: S *= e^g; S[i,j] += k_i (v_j - sum_i' S[i',j] k_i') beta; o_j = sum_i S[i,j] q_i."""
+    """Element-by-element loops: S *= e^g; S[i,j] += k_i (v_j - sum_i' S[i',j] k_i') beta;
+    o_j = sum_i S[i,j] q_i."""
     dk, dv = state.shape
     s = [[float(state[i, j]) * math.exp(g) for j in range(dv)] for i in range(dk)]
     for j in range(dv):
@@ -229,7 +231,8 @@ def _numpy_gdn_layer(p: dict[str, np.ndarray], cfg: ref.Qwen35Config, x: np.ndar
     return p["out_proj.weight"] @ gated.reshape(-1), window[:, 1:], new_state, o
 
 
-def test_gated_delta_net_matches_numpy_loops(mini: ref.Qwen35Config, mini_params: dict[str, np.ndarray]) -> None:
+def test_gated_delta_net_matches_numpy_loops(mini: ref.Qwen35Config,
+                                             mini_params: dict[str, np.ndarray]) -> None:
     layer = mini.linear_attention_layers[0]
     prefix = f"model.layers.{layer}.linear_attn."
     p64 = {n[len(prefix):]: _f64(mini_params, n) for n in mini_params if n.startswith(prefix)}
@@ -246,7 +249,8 @@ def test_gated_delta_net_matches_numpy_loops(mini: ref.Qwen35Config, mini_params
         x = rng.normal(size=mini.hidden_size)
         out, jax_conv, jax_state = block(p32, mini, jnp.asarray(x[None], jnp.float32), jax_conv, jax_state)
         want_out, conv_state, state, _ = _numpy_gdn_layer(p64, mini, x, conv_state, state, head)
-        np.testing.assert_allclose(np.asarray(jax_state[0]), state, rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(np.asarray(jax_state[0]), state, rtol=1e-4, atol=1e-5,
+                                   err_msg=f"step {step}")
         np.testing.assert_array_equal(np.asarray(jax_conv[0], np.float64), conv_state)
         np.testing.assert_allclose(np.asarray(out[0]), want_out, rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
 
@@ -304,9 +308,11 @@ def test_cached_attention_matches_full_recompute(mini: ref.Qwen35Config,
     block = jax.jit(ref.full_attention_block, static_argnums=1)
     got = []
     for t in range(t_len):
-        out, kc, vc = block(p32, mini, jnp.asarray(xs[:, t], jnp.float32), kc, vc, jnp.full((batch,), t, jnp.int32))
+        out, kc, vc = block(p32, mini, jnp.asarray(xs[:, t], jnp.float32), kc, vc,
+                            jnp.full((batch,), t, jnp.int32))
         got.append(np.asarray(out))
     got_all = np.stack(got, axis=1)
     for b in range(batch):
-        np.testing.assert_allclose(got_all[b], _numpy_causal_attention(p64, mini, xs[b]), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(got_all[b], _numpy_causal_attention(p64, mini, xs[b]),
+                                   rtol=2e-4, atol=2e-5)
     assert not np.any(np.asarray(kc[:, :, t_len:], np.float32))  # slots past the last position untouched
