@@ -583,7 +583,9 @@ def _rope(positions):
 def make_decode_step(mesh: Mesh, B: int, interpret=None):
     """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
 
-    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state)"""
+    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
+    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
+    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
     call = build_kernel(B, interpret)
     names = list(state_shapes(B))
 
