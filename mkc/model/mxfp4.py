@@ -1,0 +1,112 @@
+"""MXFP4 weight codec (OCP Microscaling FP4): e2m1 element codes and one E8M0 scale per 32 values.
+
+Layout, as the Kimi K3 checkpoint ships its routed experts (``weight_packed`` / ``weight_scale``):
+
+* a weight of logical shape ``[..., K]`` is blocked along its last (input / contraction) axis
+  into ``K // 32`` blocks of 32 consecutive values;
+* ``codes`` is uint8 ``[..., K // 2]``: element ``2j`` sits in the low nibble of byte ``j`` and
+  element ``2j + 1`` in its high nibble (a little-endian u32 view then holds 8 elements, lowest
+  index in the lowest bits, which is what kernels that reinterpret the bytes as ``u32`` rely on);
+* a 4-bit code is ``s e e m``: bit 3 is the sign, bits 0-2 index the magnitudes
+  ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` (1 sign, 2 exponent, 1 mantissa bit, exponent bias 1);
+* ``scales`` is uint8 ``[..., K // 32]``, an E8M0 exponent: the block's values are
+  ``e2m1(code) * 2**(scale - 127)``; 255 encodes NaN.
+
+``mxfp4_quantize`` picks, per block, the smallest power-of-two scale that keeps the block's
+largest magnitude within the e2m1 range (|x| <= 6 * scale), then rounds each value to the
+nearest e2m1 value, ties to the even code. The OCP reference recipe instead takes
+``floor(log2(amax)) - 2`` and saturates, which can clip magnitudes in (6, 8) * 2**k; the two agree
+on every block of already representable values, so dequantize -> quantize -> dequantize is exact.
+Quantized scales stay in 1..254 (the normal range that checkpoint loaders accept).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK_SIZE = 32
+SCALE_BIAS = 127
+SCALE_NAN = 255
+
+# Value of each 4-bit code; index 8 is -0.0, which dequantizes equal to +0.0.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+E2M1_MAX = 6.0
+_MAGNITUDES = E2M1_VALUES[:8].astype(np.float64)
+_MIDPOINTS = (_MAGNITUDES[1:] + _MAGNITUDES[:-1]) / 2  # rounding boundaries between neighbours
+
+
+def _check_layout(codes_shape: tuple[int, ...], scales_shape: tuple[int, ...],
+                  shape: tuple[int, ...]) -> None:
+    if not shape or shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"the last axis of {shape} must be a positive multiple of {BLOCK_SIZE}")
+    want_codes = (*shape[:-1], shape[-1] // 2)
+    want_scales = (*shape[:-1], shape[-1] // BLOCK_SIZE)
+    if tuple(codes_shape) != want_codes or tuple(scales_shape) != want_scales:
+        raise ValueError(f"MXFP4 weight of shape {shape} needs codes {want_codes} and scales "
+                         f"{want_scales}, got {tuple(codes_shape)} and {tuple(scales_shape)}")
+
+
+def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode a float array ``[..., K]`` (K a multiple of 32) as (codes uint8 ``[..., K/2]``,
+    scales uint8 ``[..., K/32]``). Raises on non-finite input."""
+    w = np.asarray(w)
+    if w.ndim == 0 or w.shape[-1] % BLOCK_SIZE or w.shape[-1] == 0:
+        raise ValueError(f"the last axis of {w.shape} must be a positive multiple of {BLOCK_SIZE}")
+    if not np.all(np.isfinite(w)):
+        raise ValueError("cannot quantize non-finite values to MXFP4")
+    x = w.astype(np.float64).reshape(*w.shape[:-1], w.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+
+    # Smallest s with amax <= 6 * 2**s, exactly: with amax = m * 2**e (m in [0.5, 1)),
+    # 6 * 2**s >= amax  <=>  s - e >= log2(m / 6), i.e. s = e - 3 when m <= 0.75 else e - 2.
+    amax = np.max(np.abs(x), axis=-1)
+    mant, exp = np.frexp(amax)
+    shared = np.where(amax == 0, 0, exp - np.where(mant <= 0.75, 3, 2))
+    scales = np.clip(shared + SCALE_BIAS, 1, SCALE_NAN - 1)
+
+    y = np.ldexp(np.abs(x), -(scales.astype(np.int64) - SCALE_BIAS)[..., None])
+    y = np.minimum(y, E2M1_MAX)  # only bites when the scale was clamped at its maximum
+    lo = np.searchsorted(_MIDPOINTS, y, side="left")
+    hi = np.searchsorted(_MIDPOINTS, y, side="right")
+    # lo != hi exactly on a midpoint: take the neighbour with the even code (mantissa bit 0).
+    magnitude = np.where((hi != lo) & (lo % 2 == 1), hi, lo)
+    codes = magnitude + np.where((x < 0) & (magnitude > 0), 8, 0)  # no -0: zero is code 0
+    codes = codes.reshape(w.shape).astype(np.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.astype(np.uint8), scales.astype(np.uint8)
+
+
+def mxfp4_dequantize(codes: np.ndarray, scales: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode (codes, scales) to float32 of logical ``shape``. Exact: each value is a 3-bit
+    significand times a power of two, representable down to the subnormal 2**-128; scale 255
+    gives NaN, and products above the float32 range (scale 254 with |e2m1| >= 2) inf."""
+    codes, scales, shape = np.asarray(codes), np.asarray(scales), tuple(shape)
+    if codes.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
+    _check_layout(codes.shape, scales.shape, shape)
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(shape)
+    values = E2M1_VALUES[nibbles].reshape(*shape[:-1], shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    exponent = np.minimum(scales, SCALE_NAN - 1).astype(np.int32) - SCALE_BIAS
+    scale = np.where(scales == SCALE_NAN, np.float32(np.nan), np.ldexp(np.float32(1.0), exponent))
+    with np.errstate(over="ignore"):
+        return (values * scale.astype(np.float32)[..., None]).reshape(shape)
+
+
+def mxfp4_dequantize_jax(codes: jax.Array, scales: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """In-graph twin of :func:`mxfp4_dequantize` (jit-able, any leading axes).
+
+    The scale is built from its bits (``scale << 23``), so it is exact for 1..254; scale 0
+    (2**-127) and subnormal products may be flushed to zero on backends that flush denormals.
+    """
+    shape = tuple(shape)
+    _check_layout(codes.shape, scales.shape, shape)
+    codes = jnp.asarray(codes, jnp.uint8)
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(shape)
+    values = jnp.asarray(E2M1_VALUES)[nibbles.astype(jnp.int32)]
+    exponent = jnp.asarray(scales).astype(jnp.int32)
+    scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+    scale = jnp.where(exponent == 0, jnp.float32(2.0 ** -SCALE_BIAS), scale)
+    scale = jnp.where(exponent == SCALE_NAN, jnp.float32(jnp.nan), scale)
+    blocked = values.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    return (blocked * scale[..., None]).reshape(shape)

@@ -1,0 +1,688 @@
+"""Pure-JAX reference decode for Kimi K3 (hybrid KDA / gated-MLA, latent MoE, attention residuals).
+
+The oracle the Kimi megakernels are checked against: it shares no code with them and favours
+plain math over speed. Every activation is f32 and every dot uses ``Precision.HIGHEST``; bf16
+weights are upcast and the MXFP4 routed experts are decoded exactly (``mkc.model.mxfp4``).
+
+Sources. Parameter names and equations follow the released checkpoint contract as read by the
+public hand-written megakernel ``Inferact/tpu-megakernels`` (``kimi/__init__.py``,
+``kimi/load.py``, ``kimi/decode_megakernel.py``), and, for names it inherits, upstream Kimi Linear
+(``modeling_kimi.py``: KDA, MLA, ``block_sparse_moe``). The released checkpoint nests the text
+tower under ``language_model.`` (``language_model.model.layers...``,
+``language_model.lm_head.weight``); names here are the text-only ``model.`` / ``lm_head.`` ones.
+
+Config keys (``load_config``; HF style, a composite config's ``text_config`` is used):
+``hidden_size, vocab_size, num_hidden_layers, intermediate_size`` (layer 0's dense MLP),
+``rms_norm_eps, tie_word_embeddings``; ``hidden_act: "situ"`` with ``activation_situ_beta`` (4)
+and ``activation_situ_linear_beta`` (25); MLA: ``num_attention_heads, q_lora_rank, kv_lora_rank,
+qk_nope_head_dim, qk_rope_head_dim`` (the shared extra key dims, no RoPE under
+``mla_use_nope``), ``v_head_dim, mla_use_output_gate``; MoE: ``num_experts,
+num_experts_per_token, num_shared_experts, moe_intermediate_size, routed_expert_hidden_size``
+(the latent width), ``first_k_dense_replace, moe_layer_freq, moe_router_activation_func,
+moe_renormalize, routed_scaling_factor, num_expert_group, latent_moe_use_norm``; residuals:
+``attn_res_block_size``; KDA: ``linear_attn_config = {num_heads, head_dim,
+short_conv_kernel_size, gate_lower_bound, use_full_rank_gate, full_attn_layers, kda_layers}``
+where the two layer lists are 1-based, as upstream Kimi Linear.
+
+Per layer (B rows, one token each; ``rms(x, w) = x * rsqrt(mean(x^2) + eps) * w``, plain weight):
+
+* attention residuals (Block AttnRes): the stream is a list of sources, ``b_0`` = the token
+  embedding and ``b_n`` = the sum of all sublayer outputs of layers ``(n-1)*S .. n*S - 1``
+  (S = ``attn_res_block_size``), plus the partial sum of the block being filled. Each sublayer
+  (and the final norm) reads ``sum_i softmax_i(score_i) * v_i`` over the completed blocks and the
+  non-empty partial sum, ``score_i = proj . (v_i * rsqrt(mean(v_i^2) + eps) * norm)``, with its
+  own ``*_res_norm.weight`` / ``*_res_proj.weight [1, H]``; layer i with ``i % S == 0`` first closes
+  the block (the reference repo's ``_residual_mixture_row`` / ``stack``). The blocks live only
+  inside one decode step: nothing of them persists in the cache;
+* attention input ``rms(mix, input_layernorm)``; KDA (``linear_attention``) or MLA
+  (``full_attention``, K3: ``i % 4 == 3`` or the last layer);
+* KDA: ``q|k|v = {q,k,v}_proj(x)``; causal depthwise conv (K taps, ``{q,k,v}_conv1d``) then SiLU;
+  ``q = l2(q) * D**-0.5, k = l2(k)`` (``l2(x) = x * rsqrt(sum x^2 + 1e-6)``); per-channel decay
+  ``a = gate_lower_bound * sigmoid(exp(A_log[h]) * (f_b_proj(f_a_proj(x)) + dt_bias))`` (<= 0,
+  the bounded form of the KDA gate, ``gate_lower_bound = -5``); ``beta = sigmoid(b_proj(x))``;
+  per head ``S = diag(exp(a)) S; S += k (x) beta * (v - S^T k); o = S^T q``; then
+  ``rms(o, o_norm) * sigmoid(g_proj(x))`` (full-rank output gate) and ``o_proj``;
+* MLA (NoPE): ``q = q_b_proj(rms(q_a_proj(x), q_a_layernorm))`` per head ``[nope | extra]``;
+  ``[c | k_extra] = kv_a_proj_with_mqa(x)``, ``c = rms(c, kv_a_layernorm)``; ``kv_b_proj(c)`` per
+  head ``[k_nope | v]``; key = ``[k_nope | k_extra]`` (k_extra shared by all heads); scores scaled
+  by ``(qk_nope + qk_rope)**-0.5``; output ``* sigmoid(g_proj(x))``, then ``o_proj``;
+* MLP input ``rms(mix, post_attention_layernorm)``; layers ``< first_k_dense_replace`` use a
+  dense ``mlp``, the rest ``block_sparse_moe``; every GLU uses SiTU
+  ``4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)``;
+* latent MoE: sigmoid router scores ``s``; ``top_k(s + e_score_correction_bias)`` picks the
+  experts (bias for selection only); weights ``s[ids] / sum s[ids] * routed_scaling_factor``;
+  the routed experts run in the latent space: ``z = routed_expert_down_proj(x)``,
+  ``y = sum_k w_k * w2_k(situ(w1_k z, w3_k z))``, ``routed_expert_up_proj(rms(y,
+  routed_expert_norm))``; plus the shared experts (``num_shared_experts * moe_intermediate_size``
+  wide) on x. Experts ``w1`` (gate), ``w3`` (up), ``w2`` (down) are MXFP4: ``weight_packed``
+  uint8 ``[out, in/2]`` and ``weight_scale`` uint8 (E8M0) ``[out, in/32]``.
+
+State layouts (``init_cache``; B = batch, T = context, P = KDA heads * head_dim):
+
+* ``layers.{i}.conv_state``      bf16 ``[B, 3P, K-1]`` (KDA): channels ``[q | k | v]`` in
+  projection order, time oldest first: ``[..., K-2]`` is the previous token's projection. The new
+  token's window is ``concat(conv_state, x_t)`` and tap j multiplies slot j (tap K-1 = current).
+* ``layers.{i}.recurrent_state`` f32  ``[B, heads, D, D]``: per head S with ``o = S^T q`` (key axis
+  first), the reference repo's ``[heads, K, V]``.
+* ``layers.{i}.latent_cache``    bf16 ``[B, T, kv_lora_rank + qk_rope_head_dim]`` (MLA): slot t
+  holds position t as ``[rms(c, kv_a_layernorm) | k_extra]``, the 576-wide MLA latent.
+
+bf16 storage applies where a value enters a cache (conv inputs, latent rows) and the new token's
+own entry is read back from the cache, so a token sees the same values whether current or past.
+Row b attends to slots ``0..positions[b]``; positions must be < T. The KDA states advance by one
+token per call whatever the position: feed each row its tokens in order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
+
+KDA = "linear_attention"
+MLA = "full_attention"
+MODEL_TYPES = ("kimi_k3", "kimi_linear")  # checkpoint top level / its text_config
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
+_EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
+# Projections whose output is summed into a residual block (scaled down by init_params).
+_WRITES_RESIDUAL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                    "shared_experts.down_proj.weight", "routed_expert_up_proj.weight")
+
+# Settings this reference implements only one value of (the K3 values); anything else is refused
+# rather than silently computed as K3. A missing key takes the upstream KimiLinearConfig default.
+_UPSTREAM_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu", "mla_use_nope": False, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1, "num_expert_group": 1,
+}
+_REQUIRED = {
+    "hidden_act": "situ",
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "latent_moe_use_norm": True,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "moe_layer_freq": 1,
+    "num_expert_group": 1,
+}
+
+
+@dataclass(frozen=True)
+class KimiK3Config:
+    """The fields the decode math needs; hashable so it can be a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP of the first ``first_k_dense_replace`` layers
+    num_hidden_layers: int
+    layer_kinds: tuple[str, ...]  # KDA or MLA per layer
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    situ_beta: float
+    situ_linear_beta: float
+    attn_res_block_size: int
+    # MLA
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int
+    conv_kernel_size: int
+    gate_lower_bound: float
+    # MoE
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    @property
+    def latent_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == MLA)
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == KDA)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+
+def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> KimiK3Config:
+    """Parse a Kimi K3 config (dict, config.json path, or checkpoint directory).
+
+    A composite config's ``text_config`` is used. Layer kinds come from
+    ``linear_attn_config.full_attn_layers`` / ``kda_layers`` (1-based), which must partition the
+    layers. Settings the reference does not implement are rejected (see ``_REQUIRED``).
+    """
+    if isinstance(path_or_dict, Mapping):
+        raw: Mapping[str, Any] = path_or_dict
+    else:
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"expected model_type in {MODEL_TYPES}, got {raw.get('model_type')!r}")
+    if isinstance(raw.get("text_config"), Mapping):
+        raw = raw["text_config"]
+        if raw.get("model_type", "kimi_linear") not in MODEL_TYPES:
+            raise ValueError(f"unexpected text_config model_type {raw.get('model_type')!r}")
+
+    def need(key: str, where: Mapping[str, Any] = raw) -> Any:
+        if where.get(key) is None:
+            raise ValueError(f"config lacks {key!r}")
+        return where[key]
+
+    for key, want in _REQUIRED.items():
+        got = raw.get(key, _UPSTREAM_DEFAULTS.get(key))
+        if got != want:
+            raise ValueError(f"unsupported Kimi K3 setting {key}={got!r} (this reference implements "
+                             f"{want!r})")
+    lin = need("linear_attn_config")
+    if not lin.get("use_full_rank_gate", False):
+        raise ValueError("only the full-rank KDA output gate (use_full_rank_gate) is supported")
+
+    n_layers = int(need("num_hidden_layers"))
+    full = [int(i) for i in need("full_attn_layers", lin)]
+    kda = [int(i) for i in need("kda_layers", lin)]
+    twice = sorted(set(full) & set(kda))
+    if twice or len(set(full)) != len(full) or len(set(kda)) != len(kda):
+        raise ValueError(f"layers listed twice in full_attn_layers / kda_layers: {twice or 'repeats'}")
+    listed, wanted = set(full) | set(kda), set(range(1, n_layers + 1))
+    if listed != wanted:
+        raise ValueError(f"full_attn_layers / kda_layers (1-based) must cover 1..{n_layers}: "
+                         f"in neither {sorted(wanted - listed)}, out of range {sorted(listed - wanted)}")
+    kinds = tuple(MLA if i + 1 in set(full) else KDA for i in range(n_layers))
+
+    cfg = KimiK3Config(
+        vocab_size=int(need("vocab_size")),
+        hidden_size=int(need("hidden_size")),
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=n_layers,
+        layer_kinds=kinds,
+        rms_norm_eps=float(need("rms_norm_eps")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        situ_beta=float(need("activation_situ_beta")),
+        situ_linear_beta=float(need("activation_situ_linear_beta")),
+        attn_res_block_size=int(need("attn_res_block_size")),
+        num_attention_heads=int(need("num_attention_heads")),
+        q_lora_rank=int(need("q_lora_rank")),
+        kv_lora_rank=int(need("kv_lora_rank")),
+        qk_nope_head_dim=int(need("qk_nope_head_dim")),
+        qk_rope_head_dim=int(need("qk_rope_head_dim")),
+        v_head_dim=int(need("v_head_dim")),
+        kda_num_heads=int(need("num_heads", lin)),
+        kda_head_dim=int(need("head_dim", lin)),
+        conv_kernel_size=int(need("short_conv_kernel_size", lin)),
+        gate_lower_bound=float(need("gate_lower_bound", lin)),
+        num_experts=int(need("num_experts")),
+        num_experts_per_token=int(need("num_experts_per_token")),
+        num_shared_experts=int(need("num_shared_experts")),
+        moe_intermediate_size=int(need("moe_intermediate_size")),
+        routed_expert_hidden_size=int(need("routed_expert_hidden_size")),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+    )
+    if not 0 < cfg.num_experts_per_token <= cfg.num_experts:
+        raise ValueError("num_experts_per_token must be in 1..num_experts")
+    if cfg.attn_res_block_size < 1 or cfg.conv_kernel_size < 2:
+        raise ValueError("attn_res_block_size must be >= 1 and short_conv_kernel_size >= 2")
+    if cfg.routed_expert_hidden_size % BLOCK_SIZE or cfg.moe_intermediate_size % BLOCK_SIZE:
+        raise ValueError(f"MXFP4 experts need latent and expert widths that are multiples of {BLOCK_SIZE}")
+    return cfg
+
+
+def param_shapes(cfg: KimiK3Config) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every parameter name -> (PyTorch shape, dtype name); linear weights are ``[out, in]``.
+
+    Routed experts appear as MXFP4 pairs: ``...experts.{e}.w{1,2,3}.weight_packed`` (uint8,
+    ``[out, in/2]``) and ``.weight_scale`` (uint8 E8M0, ``[out, in/32]``). The KDA scalars
+    (``A_log``, ``dt_bias``, conv filters, ``o_norm``) and the router correction bias are f32.
+    """
+    h, bf16, f32, u8 = cfg.hidden_size, "bfloat16", "float32", "uint8"
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, h), bf16),
+    }
+
+    def mix(prefix: str) -> None:  # one attention-residual query: norm weight + [1, H] projection
+        shapes[prefix + "_norm.weight"] = ((h,), bf16)
+        shapes[prefix + "_proj.weight"] = ((1, h), bf16)
+
+    for i, kind in enumerate(cfg.layer_kinds):
+        p = f"model.layers.{i}."
+        mix(p + "self_attention_res")
+        mix(p + "mlp_res")
+        shapes[p + "input_layernorm.weight"] = ((h,), bf16)
+        shapes[p + "post_attention_layernorm.weight"] = ((h,), bf16)
+        a = p + "self_attn."
+        if kind == KDA:
+            pd, d, k = cfg.kda_dim, cfg.kda_head_dim, cfg.conv_kernel_size
+            for x in "qkv":
+                shapes[a + f"{x}_proj.weight"] = ((pd, h), bf16)
+                shapes[a + f"{x}_conv1d.weight"] = ((pd, 1, k), f32)
+            shapes |= {
+                a + "f_a_proj.weight": ((d, h), bf16),
+                a + "f_b_proj.weight": ((pd, d), bf16),
+                a + "b_proj.weight": ((cfg.kda_num_heads, h), bf16),
+                a + "g_proj.weight": ((pd, h), bf16),
+                a + "A_log": ((cfg.kda_num_heads,), f32),
+                a + "dt_bias": ((pd,), f32),
+                a + "o_norm.weight": ((d,), f32),
+                a + "o_proj.weight": ((h, pd), bf16),
+            }
+        else:
+            nh = cfg.num_attention_heads
+            shapes |= {
+                a + "q_a_proj.weight": ((cfg.q_lora_rank, h), bf16),
+                a + "q_a_layernorm.weight": ((cfg.q_lora_rank,), bf16),
+                a + "q_b_proj.weight": ((nh * cfg.qk_head_dim, cfg.q_lora_rank), bf16),
+                a + "kv_a_proj_with_mqa.weight": ((cfg.latent_cache_dim, h), bf16),
+                a + "kv_a_layernorm.weight": ((cfg.kv_lora_rank,), bf16),
+                a + "kv_b_proj.weight": ((nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                                         bf16),
+                a + "g_proj.weight": ((nh * cfg.v_head_dim, h), bf16),
+                a + "o_proj.weight": ((h, nh * cfg.v_head_dim), bf16),
+            }
+        if not cfg.is_moe(i):
+            m = p + "mlp."
+            shapes |= {
+                m + "gate_proj.weight": ((cfg.intermediate_size, h), bf16),
+                m + "up_proj.weight": ((cfg.intermediate_size, h), bf16),
+                m + "down_proj.weight": ((h, cfg.intermediate_size), bf16),
+            }
+            continue
+        m = p + "block_sparse_moe."
+        lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+        shared = cfg.shared_intermediate_size
+        shapes |= {
+            m + "gate.weight": ((cfg.num_experts, h), bf16),
+            m + "gate.e_score_correction_bias": ((cfg.num_experts,), f32),
+            m + "routed_expert_down_proj.weight": ((lat, h), bf16),
+            m + "routed_expert_norm.weight": ((lat,), bf16),
+            m + "routed_expert_up_proj.weight": ((h, lat), bf16),
+            m + "shared_experts.gate_proj.weight": ((shared, h), bf16),
+            m + "shared_experts.up_proj.weight": ((shared, h), bf16),
+            m + "shared_experts.down_proj.weight": ((h, shared), bf16),
+        }
+        for e in range(cfg.num_experts):
+            for w, (out, inp) in zip(_EXPERT_MATRICES, ((inter, lat), (inter, lat), (lat, inter))):
+                shapes[m + f"experts.{e}.{w}.weight_packed"] = ((out, inp // 2), u8)
+                shapes[m + f"experts.{e}.{w}.weight_scale"] = ((out, inp // BLOCK_SIZE), u8)
+    mix("model.output_attn_res")
+    shapes["model.norm.weight"] = ((h,), bf16)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = ((cfg.vocab_size, h), bf16)
+    return shapes
+
+
+def expert_logical_shape(cfg: KimiK3Config, matrix: str) -> tuple[int, int]:
+    """Dequantized ``[out, in]`` shape of routed-expert matrix ``w1``, ``w2`` or ``w3``."""
+    lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    return (lat, inter) if matrix == "w2" else (inter, lat)
+
+
+def init_params(cfg: KimiK3Config, seed: int) -> dict[str, np.ndarray]:
+    """Random parameters (dtypes per ``param_shapes``) scaled so activations and logits stay O(1).
+
+    Projections are N(0, 1/fan_in); those writing into the residual sources (``o_proj``,
+    ``down_proj``, ``routed_expert_up_proj``) are further scaled by 1/sqrt(2 * block size), as a
+    block sums that many outputs. Norm weights are noise around 1 (the Kimi norms are not
+    zero-centred); the residual projections are N(0, 1/H) so the source softmax is neither flat
+    nor one-hot. KDA gates follow upstream ``A = exp(A_log)`` in [1, 16], with a small gate
+    projection and ``dt_bias`` in [-1, 0] so per-step decays spread over about (0.08, 1).
+    Routed experts are drawn as Gaussians and stored through ``mxfp4_quantize``.
+    """
+    rng = np.random.default_rng(seed)
+    out_scale = 1.0 / math.sqrt(2 * cfg.attn_res_block_size)
+    out: dict[str, np.ndarray] = {}
+    scales: dict[str, np.ndarray] = {}
+    for name, (shape, dtype) in param_shapes(cfg).items():
+        if name.endswith(".weight_scale"):
+            out[name] = scales.pop(name)
+            continue
+        if name.endswith(".weight_packed"):
+            matrix = name.split(".")[-2]
+            logical = expert_logical_shape(cfg, matrix)
+            w = rng.normal(0.0, 1.0 / math.sqrt(logical[1]), logical)
+            out[name], scales[name.replace("weight_packed", "weight_scale")] = mxfp4_quantize(w)
+            continue
+        if name == "model.embed_tokens.weight":
+            w = rng.normal(0.0, 1.0, shape)
+        elif name.endswith("_res_proj.weight"):
+            w = rng.normal(0.0, 1.0 / math.sqrt(cfg.hidden_size), shape)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            w = 1.0 + rng.normal(0.0, 0.1, shape)
+        elif name.endswith("A_log"):
+            w = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name.endswith("dt_bias"):
+            w = rng.uniform(-1.0, 0.0, shape)
+        elif name.endswith("conv1d.weight"):
+            w = rng.normal(0.0, 1.0 / math.sqrt(shape[-1]), shape)
+        elif name.endswith("e_score_correction_bias"):
+            w = rng.normal(0.0, 0.05, shape)
+        else:
+            std = 1.0 / math.sqrt(shape[-1])
+            if name.endswith(_WRITES_RESIDUAL):
+                std *= out_scale
+            elif name.endswith("f_b_proj.weight"):
+                std *= 0.2  # keep the decay gate input small so A * (g + dt_bias) does not saturate
+            w = rng.normal(0.0, std, shape)
+        out[name] = w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+    return out
+
+
+def init_cache(cfg: KimiK3Config, batch: int, context: int) -> dict[str, jax.Array]:
+    """Zeroed decode state; see the module docstring for the layouts."""
+    cache: dict[str, jax.Array] = {}
+    for i, kind in enumerate(cfg.layer_kinds):
+        if kind == KDA:
+            cache[f"layers.{i}.conv_state"] = jnp.zeros(
+                (batch, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1), jnp.bfloat16)
+            cache[f"layers.{i}.recurrent_state"] = jnp.zeros(
+                (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
+        else:
+            cache[f"layers.{i}.latent_cache"] = jnp.zeros(
+                (batch, context, cfg.latent_cache_dim), jnp.bfloat16)
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks (public so tests can check them in isolation).
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, in full f32."""
+    return jnp.einsum("...i,oi->...o", x, w, precision=_HIGHEST)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """KimiRMSNorm over the last axis (plain weight, not zero-centred)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
+
+
+def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
+    """SiTU GLU: ``beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`` (soft-capped
+    SiLU gate times a soft-capped linear up projection)."""
+    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+            * linear_beta * jnp.tanh(up / linear_beta))
+
+
+def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array) -> jax.Array:
+    """``down(situ(gate(x), up(x)))`` with ``gate_proj/up_proj/down_proj.weight`` keys in ``p``."""
+    hidden = situ(linear(x, p["gate_proj.weight"]), linear(x, p["up_proj.weight"]),
+                  cfg.situ_beta, cfg.situ_linear_beta)
+    return linear(hidden, p["down_proj.weight"])
+
+
+def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
+                       eps: float) -> jax.Array:
+    """Softmax mixture of ``sources [B, N, H]`` -> ``[B, H]``: score of source v is
+    ``proj . rms(v, norm)`` (a depth-wise attention with a learned, input-independent query)."""
+    normed = rms_norm(sources, norm_weight, eps)
+    scores = jnp.einsum("bnh,h->bn", normed, proj_weight.reshape(-1), precision=_HIGHEST)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bn,bnh->bh", probs, sources, precision=_HIGHEST)
+
+
+def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size: int,
+                              sublayer: Callable[[int, jax.Array], jax.Array],
+                              mix: Callable[[int, jax.Array], jax.Array]) -> jax.Array:
+    """Run ``2 * num_layers`` sublayers (j = 2i attention, 2i + 1 MLP of layer i) through Block
+    AttnRes and return the final mixture ``mix(2 * num_layers, ...)`` (before the final norm).
+
+    ``mix(j, sources [B, N, H]) -> [B, H]`` forms sublayer j's input; ``sublayer(j, h)`` returns
+    its output. Sources are the completed block sums (``b_0`` = embedding) plus, when non-empty,
+    the partial sum of the current block.
+    """
+    blocks: list[jax.Array] = []
+    partial: jax.Array | None = embedding  # b_0 is "filled" by the embedding alone
+    for i in range(num_layers):
+        if i % block_size == 0:  # layer i opens a new block: close the current one
+            assert partial is not None
+            blocks.append(partial)
+            partial = None
+        for j in (2 * i, 2 * i + 1):
+            sources = blocks if partial is None else [*blocks, partial]
+            out = sublayer(j, mix(j, jnp.stack(sources, axis=1)))
+            partial = out if partial is None else partial + out
+    assert partial is not None
+    return mix(2 * num_layers, jnp.stack([*blocks, partial], axis=1))
+
+
+def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                   decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token of the KDA delta rule for any leading axes.
+
+    state ``[..., Dk, Dv]``, q/k ``[..., Dk]`` (normalised), v ``[..., Dv]``, decay ``[..., Dk]``
+    (log-space, per key channel), beta ``[...]``. Returns (o ``[..., Dv]``, new state):
+    ``S = diag(exp(decay)) S; S += k (x) beta (v - S^T k); o = S^T q``.
+    """
+    state = state * jnp.exp(decay)[..., :, None]
+    predicted = jnp.einsum("...kv,...k->...v", state, k, precision=_HIGHEST)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("...kv,...k->...v", state, q, precision=_HIGHEST), state
+
+
+def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+              conv_state: jax.Array, recurrent_state: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Kimi Delta Attention for one token per row.
+
+    ``p`` maps names relative to ``self_attn.`` to f32 arrays; x is the normed input ``[B, H]``.
+    Returns (output ``[B, H]``, new conv_state, new recurrent_state).
+    """
+    b, nh, d = x.shape[0], cfg.kda_num_heads, cfg.kda_head_dim
+    mixed = jnp.concatenate([linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
+    mixed = mixed.astype(conv_state.dtype)
+    window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, 3P, K], oldest first
+    taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
+    conv = jax.nn.silu(jnp.sum(window.astype(jnp.float32) * taps, axis=-1))
+    q, k, v = (t.reshape(b, nh, d) for t in jnp.split(conv, 3, axis=-1))
+    q = l2_normalize(q) * d ** -0.5
+    k = l2_normalize(k)
+
+    gate = linear(linear(x, p["f_a_proj.weight"]), p["f_b_proj.weight"]) + p["dt_bias"]
+    rate = jnp.exp(p["A_log"])[None, :, None]
+    decay = cfg.gate_lower_bound * jax.nn.sigmoid(rate * gate.reshape(b, nh, d))
+    beta = jax.nn.sigmoid(linear(x, p["b_proj.weight"]))
+    o, recurrent_state = kda_recurrence(recurrent_state, q, k, v, decay, beta)
+
+    o = rms_norm(o, p["o_norm.weight"], cfg.rms_norm_eps)
+    o = o * jax.nn.sigmoid(linear(x, p["g_proj.weight"]).reshape(b, nh, d))
+    return linear(o.reshape(b, nh * d), p["o_proj.weight"]), window[:, :, 1:], recurrent_state
+
+
+def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+              latent_cache: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gated NoPE multi-head latent attention for one token per row at its own position.
+
+    ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes the latent row at
+    ``positions[b]``, then attends over slots ``0..positions[b]``, expanding every cached latent
+    through ``kv_b_proj`` (plain, not weight-absorbed, for readability).
+    Returns (output ``[B, H]``, new latent_cache).
+    """
+    b, nh = x.shape[0], cfg.num_attention_heads
+    nope, vd, kvl = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    eps = cfg.rms_norm_eps
+    q_latent = rms_norm(linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], eps)
+    q = linear(q_latent, p["q_b_proj.weight"]).reshape(b, nh, cfg.qk_head_dim)
+    q_nope, q_extra = q[..., :nope], q[..., nope:]
+
+    compressed = linear(x, p["kv_a_proj_with_mqa.weight"])
+    row = jnp.concatenate([rms_norm(compressed[:, :kvl], p["kv_a_layernorm.weight"], eps),
+                           compressed[:, kvl:]], axis=-1)
+    latent_cache = latent_cache.at[jnp.arange(b), positions].set(row.astype(latent_cache.dtype))
+
+    cached = latent_cache.astype(jnp.float32)  # [B, T, kvl + extra]
+    kv = linear(cached[..., :kvl], p["kv_b_proj.weight"]).reshape(b, -1, nh, nope + vd)
+    k_nope, values = kv[..., :nope], kv[..., nope:]
+    scores = (jnp.einsum("bhd,bthd->bht", q_nope, k_nope, precision=_HIGHEST)
+              + jnp.einsum("bhd,btd->bht", q_extra, cached[..., kvl:], precision=_HIGHEST))
+    scores = scores * cfg.qk_head_dim ** -0.5
+    visible = jnp.arange(latent_cache.shape[1])[None, :] <= positions[:, None]  # [B, T]
+    probs = jax.nn.softmax(jnp.where(visible[:, None, :], scores, -jnp.inf), axis=-1)
+    attn = jnp.einsum("bht,bthd->bhd", probs, values, precision=_HIGHEST).reshape(b, nh * vd)
+    attn = attn * jax.nn.sigmoid(linear(x, p["g_proj.weight"]))
+    return linear(attn, p["o_proj.weight"]), latent_cache
+
+
+def route(logits: jax.Array, bias: jax.Array, top_k: int,
+          scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid routing ``[..., E] -> (ids [..., k], weights [..., k])``: the correction bias only
+    picks the experts; the weights are the uncorrected scores renormalised over the chosen k."""
+    scores = jax.nn.sigmoid(logits)
+    _, ids = jax.lax.top_k(scores + bias, top_k)
+    chosen = jnp.take_along_axis(scores, ids, axis=-1)
+    return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True) * scaling
+
+
+def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array) -> jax.Array:
+    """Latent MoE for normed input ``x [B, H]``; ``p`` maps names relative to
+    ``block_sparse_moe.`` (f32 dense weights; uint8 expert codes/scales)."""
+    ids, weights = route(linear(x, p["gate.weight"]), p["gate.e_score_correction_bias"],
+                         cfg.num_experts_per_token, cfg.routed_scaling_factor)
+    latent = linear(x, p["routed_expert_down_proj.weight"])  # [B, L]
+
+    def expert_weights(matrix: str) -> jax.Array:
+        """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``."""
+        def stacked(kind: str) -> jax.Array:
+            return jnp.stack([p[f"experts.{e}.{matrix}.{kind}"] for e in range(cfg.num_experts)])
+        shape = (*ids.shape, *expert_logical_shape(cfg, matrix))
+        return mxfp4_dequantize_jax(stacked("weight_packed")[ids], stacked("weight_scale")[ids], shape)
+
+    gate = jnp.einsum("bl,bkol->bko", latent, expert_weights("w1"), precision=_HIGHEST)
+    up = jnp.einsum("bl,bkol->bko", latent, expert_weights("w3"), precision=_HIGHEST)
+    hidden = situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    down = jnp.einsum("bki,bkoi->bko", hidden, expert_weights("w2"), precision=_HIGHEST)
+    routed = jnp.einsum("bk,bko->bo", weights, down, precision=_HIGHEST)
+    routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
+    shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
+    return linear(routed, p["routed_expert_up_proj.weight"]) + glu_mlp(shared, cfg, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole model
+
+
+def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
+    """Parameters under ``prefix``, renamed relative to it; floats upcast to f32, codes kept."""
+    out = {}
+    for name, w in params.items():
+        if name.startswith(prefix):
+            w = jnp.asarray(w)
+            out[name[len(prefix):]] = w if w.dtype == jnp.uint8 else w.astype(jnp.float32)
+    return out
+
+
+def _residual_weights(params: Mapping[str, Any], prefix: str) -> tuple[jax.Array, jax.Array]:
+    return (jnp.asarray(params[prefix + "_norm.weight"]).astype(jnp.float32),
+            jnp.asarray(params[prefix + "_proj.weight"]).astype(jnp.float32))
+
+
+def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str, jax.Array],
+                  tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """All decoder layers for one token per row: (final residual mixture ``[B, H]`` before the
+    final norm, new cache). ``decode_step`` adds the final norm and the LM head."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    embedding = jnp.asarray(params["model.embed_tokens.weight"])[tokens].astype(jnp.float32)
+    new_cache = dict(cache)
+    eps = cfg.rms_norm_eps
+    n_layers = cfg.num_hidden_layers
+
+    def mix(j: int, sources: jax.Array) -> jax.Array:
+        if j == 2 * n_layers:
+            prefix = "model.output_attn_res"
+        else:
+            prefix = f"model.layers.{j // 2}." + ("self_attention_res" if j % 2 == 0 else "mlp_res")
+        return attention_residual(sources, *_residual_weights(params, prefix), eps)
+
+    def sublayer(j: int, h: jax.Array) -> jax.Array:
+        i = j // 2
+        lp = _sub_params(params, f"model.layers.{i}.")
+        if j % 2 == 0:
+            x = rms_norm(h, lp["input_layernorm.weight"], eps)
+            attn = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
+            if cfg.layer_kinds[i] == KDA:
+                out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
+                    kda_block(attn, cfg, x, cache[f"layers.{i}.conv_state"],
+                              cache[f"layers.{i}.recurrent_state"]))
+            else:
+                out, new_cache[f"layers.{i}.latent_cache"] = mla_block(
+                    attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions)
+            return out
+        x = rms_norm(h, lp["post_attention_layernorm.weight"], eps)
+        if cfg.is_moe(i):
+            moe = {n[len("block_sparse_moe."):]: w for n, w in lp.items()
+                   if n.startswith("block_sparse_moe.")}
+            return moe_block(moe, cfg, x)
+        return glu_mlp({n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}, cfg, x)
+
+    hidden = block_attention_residuals(embedding, n_layers, cfg.attn_res_block_size, sublayer, mix)
+    return hidden, new_cache
+
+
+def decode_step(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str, jax.Array],
+                tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
+
+    jit with ``jax.jit(decode_step, static_argnums=1)``; ``params`` may be numpy arrays.
+    """
+    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions)
+    x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
+    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return linear(x, jnp.asarray(head).astype(jnp.float32)), new_cache
+
+
+def count_parameters(cfg: KimiK3Config) -> int:
+    """Logical parameter count: two weights per packed MXFP4 byte, E8M0 scales not counted."""
+    total = 0
+    for name, (shape, _) in param_shapes(cfg).items():
+        if name.endswith(".weight_scale"):
+            continue
+        total += math.prod(shape) * (2 if name.endswith(".weight_packed") else 1)
+    return total
+
