@@ -46,6 +46,15 @@ def load_generated(spec: Path, model: str):
     return module
 
 
+def _relative_errors(ours: dict, cache: dict, kind: str) -> float:
+    """Largest ||ours - reference|| / ||reference|| over the layers holding this state."""
+    worst = 0.0
+    for name in (k for k in ours if k.endswith(kind)):
+        ref = np.asarray(cache[name], np.float32)
+        worst = max(worst, float(np.linalg.norm(ours[name] - ref) / np.linalg.norm(ref)))
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"))
@@ -89,20 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         ref_logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
         ref_next = np.asarray(jnp.argmax(ref_logits, axis=-1))
         ours = gen.reference_states(state)
-        state_err = max(float(np.max(np.abs(ours[k] - np.asarray(cache[k])))) for k in ours)
-        state_scale = max(float(np.max(np.abs(np.asarray(cache[k])))) for k in ours)
-        state_rel = max(float(np.linalg.norm(ours[k] - np.asarray(cache[k]))
-                              / np.linalg.norm(np.asarray(cache[k]))) for k in ours)
+        # Every state the step carries: recurrent, conv, and the KV caches.
+        errors = {kind: _relative_errors(ours, cache, kind)
+                  for kind in ("recurrent_state", "conv_state", "key_cache", "value_cache")}
+        rec = [k for k in ours if k.endswith("recurrent_state")]
+        state_err = max(float(np.max(np.abs(ours[k] - np.asarray(cache[k])))) for k in rec)
+        state_scale = max(float(np.max(np.abs(np.asarray(cache[k])))) for k in rec)
+        state_rel = errors["recurrent_state"]
         rec = {"step": i, "seconds": seconds,
                "logits_max_abs_err": float(jnp.max(jnp.abs(logits - ref_logits))),
                "logits_max_abs": float(jnp.max(jnp.abs(ref_logits))),
                "next_token": np.asarray(next_token).tolist(), "ref_next_token": ref_next.tolist(),
                "state_max_abs_err": state_err, "state_max_abs": state_scale,
-               "state_rel_err": state_rel}
+               "state_rel_err": state_rel, "cache_rel_err": errors}
         summary["steps"].append(rec)
         print(f"step {i}: {seconds:.1f} s, logits |err| {rec['logits_max_abs_err']:.4f} "
               f"(|ref| {rec['logits_max_abs']:.2f}), state |err| {state_err:.2e} of "
-              f"{state_scale:.2f} (relative {state_rel:.1e}), "
+              f"{state_scale:.2f} (relative {state_rel:.1e}; conv {errors['conv_state']:.1e}, "
+              f"keys {errors['key_cache']:.1e}, values {errors['value_cache']:.1e}), "
               f"next {rec['next_token']} (reference {rec['ref_next_token']})", flush=True)
         tokens = jnp.asarray(ref_next, jnp.int32)   # teacher-force so both stay on one path
         positions = positions + 1

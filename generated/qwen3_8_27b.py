@@ -692,7 +692,27 @@ def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, 
 
 
 def reference_states(state) -> dict[str, np.ndarray]:
-    """Recurrent states gathered over ranks into the upstream layout [B, Hv, Dk, Dv]."""
+    """The decode state gathered over ranks into the reference's (upstream) layouts:
+    recurrent [B, Hv, Dk, Dv] f32, conv [B, conv_dim, K-1] with channels [q | k | v], and the
+    KV caches [B, Hkv, T, D] (from the first rank holding each KV head)."""
+    out = {}
     rec = np.asarray(state["gdn__recurrent"])            # [RANKS, layers, B, NV, DK, DV]
-    return {f"layers.{layer}.recurrent_state": np.concatenate(list(rec[:, i]), axis=1)
-            for i, layer in enumerate(KIND_LAYERS["gdn"])}
+    conv = np.asarray(state["gdn__conv"], np.float32)    # [RANKS, layers, K-1, B, CONV_CH]
+    for i, layer in enumerate(KIND_LAYERS["gdn"]):
+        out[f"layers.{layer}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
+        per_rank = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(RANKS)]   # [B, C, K-1]
+        q = [c[:, :NK * DK] for c in per_rank]
+        k = [c[:, NK * DK:2 * NK * DK] for c in per_rank]
+        v = [c[:, 2 * NK * DK:] for c in per_rank]
+        out[f"layers.{layer}.conv_state"] = np.concatenate(q + k + v, axis=1)
+    holder = [h * RANKS // DIMS.num_key_value_heads for h in range(DIMS.num_key_value_heads)]
+    for c, name in (("key", "key_cache"), ("value", "value_cache")):
+        cache = np.asarray(state[f"gqa__{c}"], np.float32)   # [RANKS, layers, B, T, NKV * HEAD_DIM]
+        for i, layer in enumerate(KIND_LAYERS["gqa"]):
+            if NKV * RANKS == DIMS.num_key_value_heads:       # heads split: rank r holds NKV
+                heads = [cache[r, i, :, :, j * HEAD_DIM:(j + 1) * HEAD_DIM]
+                         for r in range(RANKS) for j in range(NKV)]
+            else:                                              # replicated: one head per rank
+                heads = [cache[r, i] for r in holder]
+            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1)
+    return out

@@ -1,5 +1,6 @@
 """MINI Qwen, compiled from the shipped spec, runs in TPU interpret mode on 8 virtual CPU
-devices and matches the pure-JAX reference: logits, next token and recurrent state."""
+devices and matches the pure-JAX reference: logits, next token, recurrent and conv states and
+the KV caches."""
 import json
 
 import pytest
@@ -26,6 +27,9 @@ def _assert_matches_reference(summary: dict) -> None:
         # ~2^-8: activations enter the MXU as bf16, the reference keeps them f32
         assert s["state_rel_err"] < 1.5e-2, s
         assert s["state_max_abs_err"] < 0.02 * max(1.0, s["state_max_abs"]), s
+        # conv state and KV caches: bf16 entries, so one rounding step apart at most
+        for kind, err in s["cache_rel_err"].items():
+            assert err < 1.5e-2, (kind, s)
 
 
 @pytest.mark.slow
