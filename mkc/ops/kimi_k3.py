@@ -1,0 +1,345 @@
+"""Compute bodies for the Kimi K3 family, as functions over in-kernel values.
+
+Generated Kimi kernels call these between the DMAs mkc schedules; nothing here touches a
+semaphore or decides when memory moves. Everything computes in f32 on 2-D values ([rows,
+lanes]) with only ops Mosaic lowers: no ``lax.top_k``, ``cumsum``, outer-product dots, vector
+gathers or lane reshapes that split a 128-lane vreg. The math is that of
+``mkc.reference.kimi_k3`` (KDA, NoPE gated MLA, latent MoE with sigmoid routing, SiTU, block
+attention residuals).
+
+Three weights are streamed in a kernel layout of their own; the numpy packers at the end of
+this module build it from checkpoint tensors at load time:
+
+* MLA runs weight-absorbed. ``q_b_proj`` is split into ``[q_lora, heads * nope]`` and
+  ``[q_lora, heads * extra]`` (``split_q_b_proj``) so both query parts come out as flat rows,
+  and ``kv_b_proj`` into ``w_uk [heads * nope, R]`` and ``w_uv [R, heads * v]``
+  (``split_kv_b_proj``). Each per-head product then becomes one 2-D matmul against a
+  block-diagonal operand built with an iota mask, with no in-kernel reshape of head rows.
+* MXFP4 experts are stored K-major like every mkc weight tile (``[in, out]``, so the MX blocks
+  of 32 run down the rows): ``codes [in/2, out]`` where, within each pack group of ``group``
+  input rows, byte row j holds input row j in its low nibble and row ``group/2 + j`` in its high
+  nibble, and ``scales [in/32, out]``. Unpacking is an aligned sublane concat and the scale
+  broadcast a sublane broadcast (``pack_mxfp4_for_kernel``).
+* KDA's per-head ``A_log`` is repeated over each head's key channels (``expand_a_log``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32 = jnp.float32
+L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
+MX_BLOCK = 32      # values per E8M0 scale
+MX_SCALE_NAN = 255
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms and activations
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """KimiRMSNorm (plain weight, not zero-centred): x [B, H], w [1, H]."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """KDA query/key normalisation over lanes: x * rsqrt(sum x^2 + 1e-6)."""
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def situ(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
+    """SiTU GLU: beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta); any equal shapes."""
+    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+            * linear_beta * jnp.tanh(up / linear_beta))
+
+
+def situ_packed(gate_up: jax.Array, width: int, beta: float = 4.0,
+                linear_beta: float = 25.0) -> jax.Array:
+    """gate_up [B, 2*width] packed as [gate | up] (one fused projection) -> SiTU [B, width]."""
+    return situ(gate_up[:, :width], gate_up[:, width:2 * width], beta, linear_beta)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA (Kimi delta attention), one token
+
+
+def kda_decay(gate: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_bound: float) -> jax.Array:
+    """Per-key-channel log decay a = lower_bound * sigmoid(exp(A_log) * (gate + dt_bias)) <= 0.
+
+    gate [B, H*Dk] is the ``f_b_proj`` output; a_log [1, H*Dk] is ``A_log`` repeated over each
+    head's channels (``expand_a_log``); dt_bias [1, H*Dk]. Head h owns lanes [h*Dk, (h+1)*Dk).
+    """
+    return lower_bound * jax.nn.sigmoid(jnp.exp(a_log) * (gate + dt_bias))
+
+
+def kda_head_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                  decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token of the KDA delta rule for one head and one batch row -> (o [1, Dv], state).
+
+    state [Dk, Dv] f32 (key axis first, the cache layout); q, k [1, Dk] (l2-normalised, q
+    scaled by Dk**-0.5); v [1, Dv]; decay [1, Dk] log-decay; beta [1, 1].
+    S = diag(exp(decay)) S; S += k^T (beta (v - k S)); o = q S.
+    """
+    # Rows of S are key channels, so per-channel factors act as [Dk, 1] columns: a transposed
+    # [1, Dk] row lowers, and a rank-1 update is a column times a row (no outer-product dot).
+    state = state * jnp.transpose(jnp.exp(decay))
+    predicted = jnp.dot(k, state, preferred_element_type=F32)            # [1, Dv]
+    delta = (v - predicted) * beta
+    state = state + jnp.transpose(k) * delta
+    return jnp.dot(q, state, preferred_element_type=F32), state
+
+
+def kda_gated_output(o: jax.Array, g: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """KDA head output before o_proj: rms(o, o_norm) * sigmoid(g_proj(x)); o, g, w [1, Dv]."""
+    return rms_norm(o, w, eps) * jax.nn.sigmoid(g)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA, weight-absorbed decode over streamed latent tiles (one batch row)
+
+
+def _head_blocks(num_heads: int, head_dim: int) -> jax.Array:
+    """[num_heads, num_heads * head_dim] mask: lane l belongs to head row l // head_dim."""
+    shape = (num_heads, num_heads * head_dim)
+    # lax.div, not //: jnp's floor division emits lax.sign, whose Mosaic rule needs a live TPU.
+    return (lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), jnp.int32(head_dim))
+            == lax.broadcasted_iota(jnp.int32, shape, 0))
+
+
+def mla_absorb_query(q_nope: jax.Array, q_extra: jax.Array, w_uk: jax.Array,
+                     num_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Absorb the key up-projection into the query -> (q_lat [nh, R], q_extra [nh, extra]).
+
+    q_nope [1, nh*nope] and q_extra [1, nh*extra] are one row's flat query parts (from
+    ``split_q_b_proj``); w_uk [nh*nope, R] (``split_kv_b_proj``; bf16 or f32). Head h's absorbed
+    query q_nope_h @ W_uk[h] is row h of one matmul: the flat row broadcast to nh rows and masked
+    to head h's lanes (block-diagonal), times w_uk: the zero blocks add MXU rows, not weight passes.
+    """
+    nope = q_nope.shape[1] // num_heads
+    extra = q_extra.shape[1] // num_heads
+    blocks = jnp.where(_head_blocks(num_heads, nope),
+                       jnp.broadcast_to(q_nope, (num_heads, num_heads * nope)), 0.0)
+    q_lat = jnp.dot(blocks, w_uk.astype(F32), preferred_element_type=F32)
+    # [1, nh*64] -> [nh, 64] is a lane-splitting reshape Mosaic rejects; stacking static lane
+    # slices lowers and is exact.
+    q_ext = jnp.concatenate([q_extra[:, h * extra:(h + 1) * extra] for h in range(num_heads)], axis=0)
+    return q_lat, q_ext
+
+
+def mla_tile(q_lat: jax.Array, q_extra: jax.Array, latent: jax.Array, extra: jax.Array,
+             visible: jax.Array, m: jax.Array, denom: jax.Array, acc: jax.Array, scale: float
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Online-softmax update with one tile of T cached latents -> (m, denom, acc).
+
+    q_lat [nh, R], q_extra [nh, extra] from ``mla_absorb_query``; latent [T, R] (the normed
+    ``c`` part of the cache rows) and extra [T, extra] (the shared extra key), bf16 or f32;
+    visible [1, T] bool; running max m and denominator [nh, 1]; acc [nh, R] accumulates the
+    probability-weighted latents (values are up-projected once, in ``mla_value_up``). Start
+    from m = -inf, denom = acc = 0; a fully masked tile leaves the state unchanged.
+    """
+    nt = (((1,), (1,)), ((), ()))
+    latent = latent.astype(F32)
+    s = (lax.dot_general(q_lat, latent, nt, preferred_element_type=F32)
+         + lax.dot_general(q_extra, extra.astype(F32), nt, preferred_element_type=F32)) * scale
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    # While nothing is visible yet m_new is -inf; shifting by 0 then keeps exp() NaN-free.
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - shift)
+    p = jnp.exp(s - shift)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
+    acc_new = alpha * acc + jnp.dot(p, latent, preferred_element_type=F32)
+    return m_new, denom_new, acc_new
+
+
+def mla_value_up(acc: jax.Array, denom: jax.Array, w_uv: jax.Array, num_heads: int) -> jax.Array:
+    """Attention output [1, nh*v] (head-major, o_proj's input order) from the final tile state.
+
+    acc [nh, R], denom [nh, 1]; w_uv [R, nh*v] (``split_kv_b_proj``). Row h of the full product
+    holds every head's up-projection of head h's latent average; the block diagonal is the
+    answer, kept by a mask and summed down the rows (adding zeros, so exact).
+    """
+    full = jnp.dot(acc / denom, w_uv.astype(F32), preferred_element_type=F32)   # [nh, nh*v]
+    v_dim = w_uv.shape[1] // num_heads
+    return jnp.sum(jnp.where(_head_blocks(num_heads, v_dim), full, 0.0), axis=0, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE routing
+
+
+def route(logits: jax.Array, bias: jax.Array, top_k: int,
+          scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid top-k routing per row -> (weights [B, E], ids [B, top_k] int32).
+
+    logits [B, E] f32, bias [1, E] (``e_score_correction_bias``, used only to pick). weights is
+    zero except at the chosen experts, where it holds the sigmoid scores renormalised over the
+    chosen and times ``scaling`` (``routed_scaling_factor``). ids lists the picks best first,
+    ties to the lowest index (as ``lax.top_k``, which Mosaic cannot lower: this takes top_k
+    rounds of max + lowest-matching-iota). DMAs need scalar ids in SMEM: store
+    ``expert_id(ids, b, j)`` into an SMEM ref; ``expert_weight`` reads a dynamic expert's column.
+    """
+    scores = jax.nn.sigmoid(logits)
+    n_experts = logits.shape[1]
+    lane = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    slot = lax.broadcasted_iota(jnp.int32, (logits.shape[0], top_k), 1)
+    pick = scores + bias
+    kept = jnp.zeros_like(scores)
+    ids = jnp.zeros((logits.shape[0], top_k), jnp.int32)
+    for j in range(top_k):
+        best = jnp.max(pick, axis=-1, keepdims=True)
+        idx = jnp.min(jnp.where(pick == best, lane, n_experts), axis=-1, keepdims=True)   # [B, 1]
+        hit = lane == idx
+        kept = jnp.where(hit, scores, kept)
+        pick = jnp.where(hit, -jnp.inf, pick)
+        ids = jnp.where(slot == j, idx, ids)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling, ids
+
+
+def expert_id(ids: jax.Array, row: int, slot: int) -> jax.Array:
+    """Scalar int32 ids[row, slot] (a masked full reduction: the vector-to-scalar move that
+    lowers), for ``ids_smem[i] = expert_id(ids, b, j)`` before issuing expert DMAs."""
+    mask = ((lax.broadcasted_iota(jnp.int32, ids.shape, 0) == row)
+            & (lax.broadcasted_iota(jnp.int32, ids.shape, 1) == slot))
+    return jnp.sum(jnp.where(mask, ids, 0))
+
+
+def expert_weight(weights: jax.Array, expert: jax.Array | int) -> jax.Array:
+    """Column [B, 1] of ``route`` weights for one expert, which may be a dynamic scalar read
+    from SMEM (a lane mask and sum; vector gathers do not lower). Zero for rows not routed."""
+    lane = lax.broadcasted_iota(jnp.int32, weights.shape, 1)
+    return jnp.sum(jnp.where(lane == expert, weights, 0.0), axis=-1, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 expert tiles
+
+
+def mxfp4_dequantize_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype = F32) -> jax.Array:
+    """Decode one pack group of a kernel-layout MXFP4 weight -> [G, N] (``[in, out]`` rows).
+
+    codes uint8 [G/2, N]: byte row j holds input row j (low nibble) and row G/2 + j (high);
+    scales uint8 [G/32, N], E8M0 per 32 input rows. G is the ``group`` of
+    ``pack_mxfp4_for_kernel`` (a multiple of 64). Bit-equal to ``mxfp4_dequantize``
+    (transposed) for scales 2..255: normal values, inf on overflow, NaN for scale 255. Below
+    that TPUs flush subnormals: scale 0 (2**-127) decodes to zero, scale 1 flushes its +-0.5
+    codes (2**-127); quantizers emit scales 1..254 and such blocks are zero to the MXU anyway.
+    bf16 output is exact: the values carry 2 significant bits and bf16 has f32's exponent range.
+    """
+    c = codes.astype(jnp.int32)
+    nib = jnp.concatenate([c & 0xF, c >> 4], axis=0)                     # [G, N] 4-bit codes
+    # e2m1 ``s e e m`` -> f32 bits: for e > 0 the code's e,m bits placed at the top of the f32
+    # exponent/mantissa plus a bias of 126 give 2**(e-1) * (1 + m/2); e == 0 is 0 or 0.5.
+    magnitude = jnp.where((nib & 6) == 0, (nib & 1) * (126 << 23), ((nib & 7) << 22) + (126 << 23))
+    values = lax.bitcast_convert_type(magnitude | ((nib & 8) << 28), F32)
+    s = scales.astype(jnp.int32)
+    scale = lax.bitcast_convert_type(s << 23, F32)                          # 2**(s - 127), s 1..254
+    # Scale 0 (2**-127) is itself subnormal, which TPUs flush; say so rather than rely on it.
+    scale = jnp.where(s == 0, 0.0, scale)
+    scale = jnp.where(s == MX_SCALE_NAN, F32(jnp.nan), scale)
+    rows, cols = values.shape
+    blocked = values.reshape(rows // MX_BLOCK, MX_BLOCK, cols) * scale[:, None, :]
+    return blocked.reshape(rows, cols).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block attention residuals
+
+
+def attention_residual_mix(sources: Sequence[jax.Array] | jax.Array, norm_w: jax.Array,
+                           proj_w: jax.Array, eps: float) -> jax.Array:
+    """Softmax mixture of the residual sources with score_i = proj . rms(v_i, norm).
+
+    sources: a sequence of [B, H] f32 blocks (completed block sums, then the partial sum) ->
+    [B, H]; or one row's sources stacked as [n, H] -> [1, H]. norm_w, proj_w [1, H].
+    """
+    if not isinstance(sources, Sequence):
+        sources = [sources[i:i + 1] for i in range(sources.shape[0])]
+    scores = [jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True) for v in sources]
+    top = scores[0]
+    for s in scores[1:]:
+        top = jnp.maximum(top, s)
+    exps = [jnp.exp(s - top) for s in scores]
+    total = sum(exps[1:], exps[0])
+    mixed = (exps[0] / total) * sources[0]
+    for e, v in zip(exps[1:], sources[1:]):
+        mixed = mixed + (e / total) * v
+    return mixed
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side packing (numpy, at weight-load time)
+
+
+def expand_a_log(a_log: np.ndarray, head_dim: int) -> np.ndarray:
+    """KDA ``A_log`` [H] -> [1, H*head_dim] f32, each head's value over its key channels."""
+    return np.repeat(np.asarray(a_log, np.float32), head_dim)[None, :]
+
+
+def _heads(w: np.ndarray, num_heads: int, heads: Sequence[int] | None) -> np.ndarray:
+    """PyTorch [num_heads * per_head, in] -> [len(heads), per_head, in]."""
+    w = np.asarray(w).reshape(num_heads, -1, np.asarray(w).shape[-1])
+    return w if heads is None else w[list(heads)]
+
+
+def split_q_b_proj(w: np.ndarray, num_heads: int, nope_dim: int,
+                   heads: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``q_b_proj.weight`` [num_heads*(nope+extra), q_lora] -> K-major (w_q_nope
+    [q_lora, nh*nope], w_q_extra [q_lora, nh*extra]) for the selected heads (a rank's share)."""
+    w = _heads(w, num_heads, heads)
+    nh = w.shape[0]
+    return (w[:, :nope_dim].reshape(nh * nope_dim, -1).T.copy(),
+            w[:, nope_dim:].reshape(nh * (w.shape[1] - nope_dim), -1).T.copy())
+
+
+def split_kv_b_proj(w: np.ndarray, num_heads: int, nope_dim: int,
+                    heads: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``kv_b_proj.weight`` [num_heads*(nope+v), R] -> (w_uk [nh*nope, R], w_uv [R, nh*v]):
+    the layouts ``mla_absorb_query`` and ``mla_value_up`` multiply by, for the selected heads."""
+    w = _heads(w, num_heads, heads)
+    nh, v_dim = w.shape[0], w.shape[1] - nope_dim
+    return (w[:, :nope_dim].reshape(nh * nope_dim, -1).copy(),
+            w[:, nope_dim:].reshape(nh * v_dim, -1).T.copy())
+
+
+def _check_group(n_in: int, group: int) -> None:
+    if group <= 0 or group % (2 * MX_BLOCK) or n_in % group:
+        raise ValueError(f"pack group {group} must be a positive multiple of {2 * MX_BLOCK} "
+                         f"dividing the input width {n_in}")
+
+
+def pack_mxfp4_for_kernel(codes: np.ndarray, scales: np.ndarray,
+                          group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Checkpoint MXFP4 (``mkc.model.mxfp4``: codes [out, in/2] with element 2j low / 2j+1 high,
+    scales [out, in/32]) -> kernel layout (codes [in/2, out], scales [in/32, out]).
+
+    Rows are input rows (K-major). Input rows are cut into groups of ``group``; in group g, byte
+    row g*group/2 + j holds row g*group + j in its low nibble and g*group + group/2 + j in its
+    high nibble, so ``mxfp4_dequantize_tile`` on one group's rows needs no lane interleave.
+    """
+    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
+    n_out, n_in = codes.shape[0], 2 * codes.shape[1]
+    _check_group(n_in, group)
+    if scales.shape != (n_out, n_in // MX_BLOCK):
+        raise ValueError(f"scales {scales.shape} do not match codes {codes.shape}")
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(n_out, n_in)
+    rows = nibbles.T.reshape(n_in // group, 2, group // 2, n_out)        # [group, half, j, out]
+    packed = (rows[:, 0] | (rows[:, 1] << 4)).astype(np.uint8)
+    return packed.reshape(n_in // 2, n_out), np.ascontiguousarray(scales.T)
+
+
+def unpack_mxfp4_from_kernel(codes: np.ndarray, scales: np.ndarray,
+                             group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of ``pack_mxfp4_for_kernel``: back to checkpoint (codes [out, in/2], scales)."""
+    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
+    n_in, n_out = 2 * codes.shape[0], codes.shape[1]
+    _check_group(n_in, group)
+    grouped = codes.reshape(n_in // group, 1, group // 2, n_out)
+    rows = np.concatenate([grouped & 0xF, grouped >> 4], axis=1).reshape(n_in, n_out)
+    nibbles = rows.T
+    packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).astype(np.uint8)
+    return packed, np.ascontiguousarray(scales.T)

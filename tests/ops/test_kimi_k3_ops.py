@@ -1,0 +1,424 @@
+"""The Kimi K3 op library inside Pallas kernels: every op runs in a grid-less ``pallas_call`` in TPU
+interpret mode against the reference building blocks (``mkc.reference.kimi_k3``) or numpy, the
+absorbed MLA and one KDA layer against the reference layers, and a compile-only check lowers a
+kernel using all ops through Mosaic for tpu7x."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from conftest import run_python
+from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from mkc.ops import kimi_k3 as ops
+from mkc.reference import kimi_k3 as ref
+
+MINI_JSON = Path(__file__).resolve().parents[2] / "mkc" / "model" / "configs" / "kimi_k3_mini.json"
+VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
+SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
+F32 = jnp.float32
+
+
+def in_kernel(body: Callable[..., None], args: list, out_shape, in_specs=None, out_specs=None):
+    """Run ``body(*in_refs, *out_refs)`` as a grid-less pallas_call in TPU interpret mode."""
+    call = pl.pallas_call(
+        body, out_shape=out_shape,
+        in_specs=in_specs or [VMEM] * len(args),
+        out_specs=out_specs or jax.tree.map(lambda _: VMEM, out_shape),
+        interpret=pltpu.InterpretParams())
+    return call(*args)
+
+
+def values_in_kernel(fn: Callable[..., object], args: list, out_shape):
+    """Load every (VMEM) input, apply ``fn`` and store its output(s)."""
+    def body(*refs):
+        ins, outs = refs[:len(args)], refs[len(args):]
+        for out, value in zip(outs, jax.tree.leaves(fn(*[r[...] for r in ins]))):
+            out[...] = value.astype(out.dtype)
+    return in_kernel(body, args, out_shape)
+
+
+def sds(shape: tuple[int, ...], dtype=F32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.fixture(scope="module")
+def mini() -> ref.KimiK3Config:
+    return ref.load_config(MINI_JSON)
+
+
+def _random_params(cfg: ref.KimiK3Config, prefix: str, seed: int) -> dict[str, jax.Array]:
+    """f32 params under ``prefix`` (names relative): N(0, 1/fan_in) matrices, norms near 1, the
+    KDA gate scalars as ``ref.init_params`` draws them."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (shape, _) in ref.param_shapes(cfg).items():
+        if not name.startswith(prefix):
+            continue
+        short = name[len(prefix):]
+        if short.endswith("norm.weight") or short.endswith("layernorm.weight"):
+            w = 1.0 + rng.normal(0.0, 0.1, shape)
+        elif short == "A_log":
+            w = np.log(rng.uniform(1.0, 16.0, shape))
+        elif short == "dt_bias":
+            w = rng.uniform(-1.0, 0.0, shape)
+        else:
+            w = rng.normal(0.0, 1.0 / math.sqrt(shape[-1]), shape)
+        out[short] = jnp.asarray(w, F32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_situ_matches_reference() -> None:
+    rng = np.random.default_rng(0)
+    gate = jnp.asarray(rng.normal(0, 8, (8, 256)), F32)
+    up = jnp.asarray(rng.normal(0, 40, (8, 256)), F32)
+    got, packed = values_in_kernel(
+        lambda g, u: (ops.situ(g, u), ops.situ_packed(jnp.concatenate([g, u], axis=-1), 256)),
+        [gate, up], (sds((8, 256)), sds((8, 256))))
+    want = ref.situ(gate, up, 4.0, 25.0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(packed, want, rtol=1e-6, atol=1e-6)
+
+
+def test_kda_head_step_matches_reference_recurrence() -> None:
+    """Three tokens through two heads, the state carried in the kernel."""
+    rng = np.random.default_rng(1)
+    steps, heads, d = 3, 2, 128
+    state0 = jnp.asarray(rng.normal(0, 0.3, (heads * d, d)), F32)
+    q = ref.l2_normalize(jnp.asarray(rng.normal(size=(steps, heads * d)), F32).reshape(steps, heads, d))
+    k = ref.l2_normalize(jnp.asarray(rng.normal(size=(steps, heads * d)), F32).reshape(steps, heads, d))
+    v = jnp.asarray(rng.normal(size=(steps, heads * d)), F32)
+    decay = jnp.asarray(rng.uniform(-5.0, 0.0, (steps, heads * d)), F32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (steps, heads)), F32)
+    q, k = (x.reshape(steps, heads * d) * s for x, s in ((q, d ** -0.5), (k, 1.0)))
+
+    def body(s_ref, q_ref, k_ref, v_ref, a_ref, b_ref, o_ref, so_ref):
+        for h in range(heads):
+            lanes, rows = slice(h * d, (h + 1) * d), slice(h * d, (h + 1) * d)
+            state = s_ref[rows, :]
+            for t in range(steps):
+                o, state = ops.kda_head_step(state, q_ref[t:t + 1, lanes], k_ref[t:t + 1, lanes],
+                                             v_ref[t:t + 1, lanes], a_ref[t:t + 1, lanes],
+                                             b_ref[t:t + 1, h:h + 1])
+                o_ref[t:t + 1, lanes] = o
+            so_ref[rows, :] = state
+
+    o, state = in_kernel(body, [state0, q, k, v, decay, beta],
+                         (sds((steps, heads * d)), sds((heads * d, d))))
+    want_state = state0.reshape(heads, d, d)
+    for t in range(steps):
+        split = [x[t].reshape(heads, d) for x in (q, k, v, decay)]
+        want_o, want_state = ref.kda_recurrence(want_state, *split[:3], split[3], beta[t])
+        np.testing.assert_allclose(o[t].reshape(heads, d), want_o, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(state.reshape(heads, d, d), want_state, rtol=2e-5, atol=2e-5)
+
+
+def test_kda_decay_matches_formula() -> None:
+    rng = np.random.default_rng(2)
+    heads, d, b = 2, 128, 4
+    gate = rng.normal(0, 1, (b, heads * d)).astype(np.float32)
+    a_log = np.log(rng.uniform(1.0, 16.0, heads)).astype(np.float32)
+    dt_bias = rng.uniform(-1.0, 0.0, (1, heads * d)).astype(np.float32)
+    got = values_in_kernel(lambda g, a, t: ops.kda_decay(g, a, t, -5.0),
+                           [gate, ops.expand_a_log(a_log, d), dt_bias], sds((b, heads * d)))
+    rate = np.repeat(np.exp(a_log.astype(np.float64)), d)
+    want = -5.0 / (1.0 + np.exp(-rate * (gate + dt_bias)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got) <= 0)
+
+
+def test_kda_layer_matches_reference_block(mini: ref.KimiK3Config) -> None:
+    """decay, l2 norms, per-head steps and the gated output norm compose to ``kda_block``."""
+    cfg = dataclasses.replace(mini, kda_num_heads=2)
+    p = _random_params(cfg, "model.layers.0.self_attn.", seed=3)
+    b, nh, d, h = 2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(b, h)), F32)
+    conv_state = jnp.asarray(rng.normal(size=(b, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1)), jnp.bfloat16)
+    rec = jnp.asarray(rng.normal(0, 0.3, (b, nh, d, d)), F32)
+    want_out, _, want_rec = ref.kda_block(p, cfg, x, conv_state, rec)
+
+    # Projections and the short conv happen outside the ops (as in ref.kda_block).
+    mixed = jnp.concatenate([ref.linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
+    window = jnp.concatenate([conv_state, mixed.astype(jnp.bfloat16)[:, :, None]], axis=-1)
+    taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
+    conv = jax.nn.silu(jnp.sum(window.astype(F32) * taps, axis=-1))
+    gate = ref.linear(ref.linear(x, p["f_a_proj.weight"]), p["f_b_proj.weight"])
+    beta_logit = ref.linear(x, p["b_proj.weight"])
+    g = ref.linear(x, p["g_proj.weight"])
+    a_log = ops.expand_a_log(np.asarray(p["A_log"]), d)
+    pd = cfg.kda_dim
+
+    def body(conv_ref, gate_ref, a_ref, dt_ref, bl_ref, g_ref, w_ref, s_ref, o_ref, so_ref):
+        decay = ops.kda_decay(gate_ref[...], a_ref[...], dt_ref[...], cfg.gate_lower_bound)
+        beta = jax.nn.sigmoid(bl_ref[...])
+        for r in range(b):
+            for hd in range(nh):
+                lanes = slice(hd * d, (hd + 1) * d)
+                row = slice((r * nh + hd) * d, (r * nh + hd + 1) * d)
+                q = ops.l2_normalize(conv_ref[r:r + 1, lanes]) * d ** -0.5
+                k = ops.l2_normalize(conv_ref[r:r + 1, pd + hd * d:pd + (hd + 1) * d])
+                v = conv_ref[r:r + 1, 2 * pd + hd * d:2 * pd + (hd + 1) * d]
+                o, so_ref[row, :] = ops.kda_head_step(s_ref[row, :], q, k, v, decay[r:r + 1, lanes],
+                                                      beta[r:r + 1, hd:hd + 1])
+                o_ref[r:r + 1, lanes] = ops.kda_gated_output(o, g_ref[r:r + 1, lanes], w_ref[...],
+                                                             cfg.rms_norm_eps)
+
+    args = [conv, gate, a_log, p["dt_bias"][None], beta_logit, g, p["o_norm.weight"][None],
+            rec.reshape(b * nh * d, d)]
+    o, state = in_kernel(body, args, (sds((b, pd)), sds((b * nh * d, d))))
+    np.testing.assert_allclose(ref.linear(o, p["o_proj.weight"]), want_out, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(state.reshape(b, nh, d, d), want_rec, rtol=2e-4, atol=2e-5)
+
+
+def test_absorbed_mla_matches_reference_expanded(mini: ref.KimiK3Config) -> None:
+    """q absorption, latent tiles (visited last tile first, so fully masked tiles meet an empty
+    state) and the value up-projection reproduce ``ref.mla_block``'s expanded attention."""
+    cfg = dataclasses.replace(mini, num_attention_heads=4)
+    p = _random_params(cfg, "model.layers.3.self_attn.", seed=5)
+    b, t_len, tile = 2, 48, 16
+    nh, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(b, cfg.hidden_size)), F32)
+    cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.latent_cache_dim)), jnp.bfloat16)
+    positions = jnp.array([5, 40], jnp.int32)
+    want, cache = ref.mla_block(p, cfg, x, cache, positions)
+
+    q_latent = ref.rms_norm(ref.linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], cfg.rms_norm_eps)
+    w_q_nope, w_q_extra = ops.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)
+    w_uk, w_uv = ops.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
+    q_nope = jnp.dot(q_latent, w_q_nope, precision=lax.Precision.HIGHEST)
+    q_extra = jnp.dot(q_latent, w_q_extra, precision=lax.Precision.HIGHEST)
+    scale = cfg.qk_head_dim ** -0.5
+
+    def body(pos_ref, qn_ref, qe_ref, wuk_ref, wuv_ref, cache_ref, o_ref):
+        for r in range(b):
+            q_lat, q_ext = ops.mla_absorb_query(qn_ref[r:r + 1, :], qe_ref[r:r + 1, :], wuk_ref[...], nh)
+            m = jnp.full((nh, 1), -jnp.inf, F32)
+            denom, acc = jnp.zeros((nh, 1), F32), jnp.zeros((nh, rank), F32)
+            for t in reversed(range(t_len // tile)):
+                rows = cache_ref[r, t * tile:(t + 1) * tile, :]
+                visible = t * tile + lax.broadcasted_iota(jnp.int32, (1, tile), 1) <= pos_ref[r]
+                m, denom, acc = ops.mla_tile(q_lat, q_ext, rows[:, :rank], rows[:, rank:], visible,
+                                             m, denom, acc, scale)
+            o_ref[r:r + 1, :] = ops.mla_value_up(acc, denom, wuv_ref[...], nh)
+
+    attn = in_kernel(body, [positions, q_nope, q_extra, jnp.asarray(w_uk), jnp.asarray(w_uv), cache],
+                     sds((b, nh * cfg.v_head_dim)), in_specs=[SMEM] + [VMEM] * 5)
+    got = ref.linear(attn * jax.nn.sigmoid(ref.linear(x, p["g_proj.weight"])), p["o_proj.weight"])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+
+
+def test_split_helpers_select_heads() -> None:
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(3 * (4 + 2), 8))
+    uk, uv = ops.split_kv_b_proj(w, 3, 4, heads=[2, 0])
+    per_head = w.reshape(3, 6, 8)
+    np.testing.assert_array_equal(uk, np.concatenate([per_head[2, :4], per_head[0, :4]]))
+    np.testing.assert_array_equal(uv, np.concatenate([per_head[2, 4:], per_head[0, 4:]]).T)
+    qn, qe = ops.split_q_b_proj(w, 3, 4)
+    x = rng.normal(size=8)
+    full = (w @ x).reshape(3, 6)
+    np.testing.assert_allclose(x @ qn, full[:, :4].reshape(-1))
+    np.testing.assert_allclose(x @ qe, full[:, 4:].reshape(-1))
+
+
+def test_route_matches_reference_with_ties_and_smem_ids() -> None:
+    rng = np.random.default_rng(8)
+    b, e, k, scaling = 3, 128, 6, 2.5
+    logits = rng.normal(0, 2, (b, e)).astype(np.float32)
+    bias = rng.normal(0, 0.05, (1, e)).astype(np.float32)
+    logits[1, :] = 0.25  # row 1: every score ties, the bias alone picks
+    logits[2] = np.minimum(logits[2], 1.0)
+    logits[2, 10:20] = 3.0  # row 2: ten equal leaders (zero bias), the six lowest indices win
+    bias[0, 10:20] = 0.0
+    want_ids, want_w = ref.route(jnp.asarray(logits), jnp.asarray(bias), k, scaling)
+
+    def body(lg_ref, bias_ref, w_ref, ids_ref, ids_smem, picked_ref):
+        weights, ids = ops.route(lg_ref[...], bias_ref[...], k, scaling)
+        w_ref[...], ids_ref[...] = weights, ids
+        for r in range(b):
+            for j in range(k):
+                ids_smem[r * k + j] = ops.expert_id(ids, r, j)
+        # Read one id back as a scalar, as an expert DMA would, and fetch its weight column.
+        picked_ref[...] = ops.expert_weight(weights, ids_smem[k + 2])
+
+    weights, ids, ids_flat, picked = in_kernel(
+        body, [jnp.asarray(logits), jnp.asarray(bias)],
+        (sds((b, e)), sds((b, k), jnp.int32), sds((b * k,), jnp.int32), sds((b, 1))),
+        out_specs=(VMEM, VMEM, SMEM, VMEM))
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(np.asarray(ids_flat).reshape(b, k), want_ids)
+    np.testing.assert_array_equal(want_ids[2], np.arange(10, 16))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), np.asarray(want_ids), 1), want_w,
+                               rtol=1e-6)
+    assert np.count_nonzero(weights) == b * k
+    np.testing.assert_allclose(picked[:, 0], np.asarray(weights)[:, int(want_ids[1, 2])])
+
+
+def _random_mxfp4(rng: np.random.Generator, n_out: int, n_in: int,
+                  scale_range: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every byte value of codes somewhere, scales uniform in scale_range (inclusive)."""
+    codes = rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8)
+    codes.reshape(-1)[:256] = np.arange(256)
+    scales = rng.integers(scale_range[0], scale_range[1] + 1, (n_out, n_in // 32)).astype(np.uint8)
+    return codes, scales
+
+
+def _dequantize_groups(codes_k: jax.Array, scales_k: jax.Array, group: int, dtype) -> jax.Array:
+    n_in, n_out = 2 * codes_k.shape[0], codes_k.shape[1]
+
+    def fn(c, s):  # one mxfp4_dequantize_tile per pack group, stacked down the rows
+        half, blocks = group // 2, group // 32
+        return jnp.concatenate([ops.mxfp4_dequantize_tile(c[g * half:(g + 1) * half],
+                                                          s[g * blocks:(g + 1) * blocks], dtype)
+                                for g in range(n_in // group)], axis=0)
+    return values_in_kernel(fn, [codes_k, scales_k], sds((n_in, n_out), dtype))
+
+
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
+def test_mxfp4_tile_decodes_exactly(dtype) -> None:
+    """Scales 2..255 (every product normal, inf on overflow, NaN at 255) decode bit-exactly."""
+    rng = np.random.default_rng(9)
+    n_out, n_in, group = 128, 256, 128
+    codes, scales = _random_mxfp4(rng, n_out, n_in, (2, 255))
+    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
+    got = np.asarray(_dequantize_groups(jnp.asarray(codes_k), jnp.asarray(scales_k), group, dtype))
+    want = mxfp4_dequantize(codes, scales, (n_out, n_in)).T
+    assert np.isinf(want).any() and np.isnan(want).any()
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(dtype).astype(np.float32))
+
+
+def test_mxfp4_tile_small_scales_flush_subnormals() -> None:
+    """Scale 0 decodes to zero and scale 1's subnormal +-2**-127 flushes; the rest is exact."""
+    rng = np.random.default_rng(10)
+    codes, scales = _random_mxfp4(rng, 128, 128, (0, 3))
+    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, 64)
+    got = np.asarray(_dequantize_groups(jnp.asarray(codes_k), jnp.asarray(scales_k), 64, F32))
+    want = mxfp4_dequantize(codes, scales, (128, 128)).T
+    zero = (np.repeat(scales.T, 32, axis=0) == 0) | (np.abs(want) < np.finfo(np.float32).tiny)
+    assert zero.any() and not zero.all()
+    np.testing.assert_array_equal(got, np.where(zero, 0.0, want))
+
+
+def test_mxfp4_kernel_packing_round_trips() -> None:
+    rng = np.random.default_rng(11)
+    w = rng.normal(size=(64, 384))
+    codes, scales = mxfp4_quantize(w)
+    for group in (64, 128, 384):
+        codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
+        assert codes_k.shape == (192, 64) and scales_k.shape == (12, 64)
+        back = ops.unpack_mxfp4_from_kernel(codes_k, scales_k, group)
+        np.testing.assert_array_equal(back[0], codes)
+        np.testing.assert_array_equal(back[1], scales)
+    # Byte row j of a group: logical input rows j (low) and group/2 + j (high).
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(64, 384)
+    codes_k, _ = ops.pack_mxfp4_for_kernel(codes, scales, 128)
+    np.testing.assert_array_equal(codes_k[64 + 5], nibbles[:, 128 + 5] | (nibbles[:, 128 + 64 + 5] << 4))
+    with pytest.raises(ValueError):
+        ops.pack_mxfp4_for_kernel(codes, scales, 96)
+
+
+def test_attention_residual_mix_matches_reference() -> None:
+    rng = np.random.default_rng(12)
+    b, h, eps = 4, 256, 1e-5
+    sources = [jnp.asarray(rng.normal(0, s, (b, h)), F32) for s in (1.0, 3.0, 0.5)]
+    norm_w = jnp.asarray(1.0 + rng.normal(0, 0.1, (1, h)), F32)
+    proj_w = jnp.asarray(rng.normal(0, 1.0, (1, h)), F32)
+    stacked_row = jnp.stack([s[1] for s in sources])              # row 1's sources as [n, H]
+    got, got_row = values_in_kernel(
+        lambda s0, s1, s2, st, nw, pw: (ops.attention_residual_mix([s0, s1, s2], nw, pw, eps),
+                                        ops.attention_residual_mix(st, nw, pw, eps)),
+        [*sources, stacked_row, norm_w, proj_w], (sds((b, h)), sds((1, h))))
+    want = ref.attention_residual(jnp.stack(sources, axis=1), norm_w[0], proj_w, eps)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_row, want[1:2], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile-only: one kernel using every op, lowered through Mosaic and compiled by libtpu.
+
+COMPILE_SCRIPT = r'''
+import os
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl, topologies
+from jax.experimental.pallas import tpu as pltpu
+from mkc.ops import kimi_k3 as ops
+
+F32, BF16, U8, I32 = jnp.float32, jnp.bfloat16, jnp.uint8, jnp.int32
+B, H, D, NH, R, EX, T, TILE, E, K, G, N = 8, 512, 128, 12, 512, 64, 256, 64, 256, 8, 256, 256
+V = pl.BlockSpec(memory_space=pltpu.VMEM)
+S = pl.BlockSpec(memory_space=pltpu.SMEM)
+
+def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits, bias, codes, scales,
+           src, norm_w, proj_w, o_x, o_kda, o_state, o_mla, o_moe, o_ids, o_res):
+    o_x[...] = ops.situ_packed(x[...], H // 2)
+    decay = ops.kda_decay(gate[...], a_log[...], dt[...], -5.0)
+    q = ops.l2_normalize(qkv[0:1, :D]) * D ** -0.5
+    k = ops.l2_normalize(qkv[1:2, :D])
+    o, o_state[...] = ops.kda_head_step(state[...], q, k, qkv[2:3, :D], decay[0:1, :D],
+                                        jax.nn.sigmoid(qkv[3:4, 0:1]))
+    o_kda[...] = ops.kda_gated_output(o, qkv[3:4, :D], norm_w[:, :D], 1e-5)
+
+    q_lat, q_ext = ops.mla_absorb_query(qn[...], qe[...], wuk[...], NH)
+    def tile(t, carry):
+        start = pl.multiple_of(t * TILE, TILE)
+        rows = cache[pl.ds(start, TILE), :]
+        visible = start + lax.broadcasted_iota(I32, (1, TILE), 1) <= pos[0]
+        return ops.mla_tile(q_lat, q_ext, rows[:, :R], rows[:, R:], visible, *carry, NH ** -0.5)
+    init = (jnp.full((NH, 1), -jnp.inf, F32), jnp.zeros((NH, 1), F32), jnp.zeros((NH, R), F32))
+    m, denom, acc = lax.fori_loop(0, T // TILE, tile, init)
+    o_mla[...] = ops.mla_value_up(acc, denom, wuv[...], NH)
+
+    weights, ids = ops.route(logits[...], bias[...], K, 2.0)
+    for r in range(B):
+        for j in range(K):
+            o_ids[r * K + j] = ops.expert_id(ids, r, j)
+    w = ops.mxfp4_dequantize_tile(codes[...], scales[...], BF16)
+    y = jnp.dot(x[:, :G].astype(BF16), w, preferred_element_type=F32)
+    o_moe[...] = y * ops.expert_weight(weights, o_ids[3])
+
+    parts = [src[i * B:(i + 1) * B, :] for i in range(3)]
+    mixed = ops.attention_residual_mix(parts, norm_w[...], proj_w[...], 1e-5)
+    o_res[...] = mixed + ops.attention_residual_mix(src[0:3, :], norm_w[...], proj_w[...], 1e-5)
+
+args = [((1,), I32), ((B, H), F32), ((B, 2 * D), F32), ((1, 2 * D), F32), ((1, 2 * D), F32),
+        ((D, D), F32), ((4, D), F32), ((1, NH * 128), F32), ((1, NH * EX), F32),
+        ((NH * 128, R), BF16), ((R, NH * 128), BF16), ((T, R + EX), BF16), ((B, E), F32),
+        ((1, E), F32), ((G // 2, N), U8), ((G // 32, N), U8), ((3 * B, H), F32), ((1, H), F32),
+        ((1, H), F32)]
+outs = (jax.ShapeDtypeStruct((B, H // 2), F32), jax.ShapeDtypeStruct((1, D), F32),
+        jax.ShapeDtypeStruct((D, D), F32), jax.ShapeDtypeStruct((1, NH * 128), F32),
+        jax.ShapeDtypeStruct((B, N), F32), jax.ShapeDtypeStruct((B * K,), I32),
+        jax.ShapeDtypeStruct((B, H), F32))
+call = pl.pallas_call(kernel, out_shape=outs, in_specs=[S] + [V] * (len(args) - 1),
+                      out_specs=(V, V, V, V, V, S, V))
+topo = topologies.get_topology_desc("tpu7x=2x2x1", platform="tpu")
+sharding = jax.sharding.SingleDeviceSharding(topo.devices[0])
+jax.jit(call).lower(*[jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in args]).compile()
+print("compiled for tpu7x")
+'''
+
+
+@pytest.mark.slow
+def test_all_ops_compile_for_tpu7x(tmp_path: Path) -> None:
+    script = tmp_path / "k3_ops_compile.py"
+    script.write_text(COMPILE_SCRIPT)
+    r = run_python([str(script)], timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "compiled for tpu7x" in r.stdout
