@@ -44,8 +44,8 @@ def test_on_wait_from_an_hf_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_eager_dma_mode():
-    _assert_matches_reference(_run("--mode", "eager", "--steps", "2", "--batch", "2"))
+def test_eager_dma_mode_at_the_largest_batch():
+    _assert_matches_reference(_run("--mode", "eager", "--steps", "2", "--batch", "8"))
 
 
 @pytest.mark.slow
