@@ -212,6 +212,7 @@ class ScheduleIR:
     parity: Parity
     globals: dict[str, tuple[tuple[int, ...], str]]
     hbm_bytes_per_rank: dict[str, int]
+    per_rank: dict[str, int] = field(default_factory=dict)          # from the model graph
     setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
 
     def to_json(self) -> str:

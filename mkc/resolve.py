@@ -137,6 +137,11 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
             raise _unknown("mesh axis", s.axis, [axis])
         ways[s.dim.text] = ranks
         shard_span[s.dim.text] = s.span
+    unsharded = [c for c in SHARD_CLASSES if c not in ways]
+    if unsharded:
+        raise fail("E-SHARD", f"{', '.join(unsharded)} must be sharded: the {dims.family} "
+                   "lowering is tensor parallel over the whole mesh", sched.name.span,
+                   hint=f"add `shard {unsharded[0]} over {axis}`")
     try:
         graph = build_graph(dims, ways)
     except ShardingError as e:
@@ -216,7 +221,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,
         parity=parity,
         globals={n: (t.shape, t.dtype) for n, t in graph.globals.items()},
-        hbm_bytes_per_rank=hbm,
+        hbm_bytes_per_rank=hbm, per_rank=dict(graph.per_rank),
         setting_spans={k: v.span for k, v in sched.settings.items()})
 
 

@@ -33,12 +33,7 @@ LOWERED_OPS = {"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "dow
 def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, int],
               misc_sems: dict[str, int]) -> dict:
     """Per-rank sizes and tables the template prints as constants."""
-    d, n = s.dims, s.ranks
-    nv = d["linear_num_value_heads"] // n
-    nk = d["linear_num_key_heads"] // n
-    dk, dv = d["linear_key_head_dim"], d["linear_value_head_dim"]
-    conv_ch = 2 * nk * dk + nv * dv
-    lane = lambda x: -(-x // ir.LANES) * ir.LANES          # noqa: E731
+    d = s.dims
     kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
     state_buffer: dict[str, dict[str, str]] = {}
     state_buffer_ir: dict[str, dict[str, ir.Buffer]] = {}
@@ -52,14 +47,10 @@ def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, i
     return {
         "dims_literal": dims_literal,
         "layer_kind_ids": tuple(kind_ids[k] for k in s.layer_kinds),
-        "vocab_local": d["vocab_size"] // n,
+        "vocab_local": s.per_rank["vocab"],
         "state_index": tuple(kind_layers[k].index(i) for i, k in enumerate(s.layer_kinds)),
         "kind_layers": kind_layers,
-        "nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch,
-        "nq": d["num_attention_heads"] // n,
-        "nkv": max(1, d["num_key_value_heads"] // n),
-        "inter": d["intermediate_size"] // n,
-        "b_off": conv_ch + nv * dv, "a_off": conv_ch + nv * dv + lane(nv),
+        **s.per_rank,
         "sem_names": {**{k.replace(":", "_"): v for k, v in sem_index.items()}, **misc_sems},
         "state_buffer": state_buffer, "state_buffer_ir": state_buffer_ir,
     }

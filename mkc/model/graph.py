@@ -67,6 +67,7 @@ class DecodeGraph:
     kinds: dict[str, LayerKind]
     globals: dict[str, Tensor]
     graph: nx.DiGraph
+    per_rank: dict[str, int]     # per-rank sizes the kernel's compute bodies index by
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -87,7 +88,8 @@ def _split(total: int, ways: int, what: str) -> int:
     return total // ways
 
 
-def _qwen35_kinds(d: ModelDims, heads: int, mlp: int) -> dict[str, LayerKind]:
+def _qwen35_kinds(d: ModelDims, heads: int, mlp: int
+                  ) -> tuple[dict[str, LayerKind], dict[str, int]]:
     H = d.hidden_size
     nk = _split(d.linear_num_key_heads, heads, "linear_num_key_heads")
     nv = _split(d.linear_num_value_heads, heads, "linear_num_value_heads")
@@ -157,15 +159,20 @@ def _qwen35_kinds(d: ModelDims, heads: int, mlp: int) -> dict[str, LayerKind]:
         "value": Tensor("value", "cache", (nkv, hd), "bf16"),
         **mlp_tensors(),
     })
-    return {"gdn": gdn, "gqa": gqa}
+    per_rank = {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch, "nq": nq,
+                "nkv": nkv, "inter": inter,
+                # lane offsets of in_proj's b and a sections ([q | k | v | z | b | a])
+                "b_off": conv_ch + nv * dv, "a_off": conv_ch + nv * dv + lane_pad(nv)}
+    return {"gdn": gdn, "gqa": gqa}, per_rank
 
 
 def build_graph(dims: ModelDims, ways: dict[str, int]) -> DecodeGraph:
     """Instantiate the decode-step graph; `ways` maps dimension classes (heads, mlp, vocab)
     to the number of ranks they are split over (1 = replicated)."""
     heads, mlp, vocab = ways.get("heads", 1), ways.get("mlp", 1), ways.get("vocab", 1)
-    kinds = _qwen35_kinds(dims, heads, mlp)
+    kinds, per_rank = _qwen35_kinds(dims, heads, mlp)
     v_local = _split(dims.vocab_size, vocab, "vocab_size")
+    per_rank["vocab"] = v_local
     H = dims.hidden_size
     glob = {
         "embed": Tensor("embed", "table", (v_local, H), "bf16"),
@@ -189,4 +196,5 @@ def build_graph(dims: ModelDims, ways: dict[str, int]) -> DecodeGraph:
                matmul="lm_head")
     g.add_edge(prev, "final_norm")
     g.add_edge("final_norm", "lm_head")
-    return DecodeGraph(dims=dims, ranks=max(heads, mlp, vocab), kinds=kinds, globals=glob, graph=g)
+    return DecodeGraph(dims=dims, ranks=max(heads, mlp, vocab), kinds=kinds, globals=glob, graph=g,
+                       per_rank=per_rank)
