@@ -53,3 +53,10 @@ def test_no_races_with_race_detection():
     summary = _run("--mode", "on_wait", "--races", "--steps", "2", "--batch", "1")
     _assert_matches_reference(summary)
     assert summary["races_found"] is False
+
+
+def test_race_detector_flags_a_known_race():
+    """Guards the race test above against a detector that silently stopped working."""
+    r = run_python(["tests/race_detector_canary.py"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RACES=True" in r.stdout
