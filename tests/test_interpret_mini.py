@@ -60,3 +60,13 @@ def test_race_detector_flags_a_known_race():
     r = run_python(["tests/race_detector_canary.py"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RACES=True" in r.stdout
+
+
+@pytest.mark.slow
+def test_f32_wire_all_reduce(tmp_path):
+    """The other wire dtype: gqa layers reduce in f32 over the wire."""
+    spec = tmp_path / "qwen_f32_wire.sched"
+    text = (ROOT / "schedules" / "qwen3_8_27b.sched").read_text()
+    assert "o_proj, down direct wire bf16" in text
+    spec.write_text(text.replace("o_proj, down direct wire bf16", "o_proj, down direct wire f32"))
+    _assert_matches_reference(_run("--spec", str(spec), "--steps", "1", "--batch", "2"))
