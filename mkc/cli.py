@@ -87,4 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except BrokenPipeError:            # e.g. `mkc ir SPEC | head`
         sys.stderr.close()
+    except OSError as e:               # e.g. an output directory that cannot be written
+        print(f"mkc: error: {e.strerror}: {e.filename}\n  hint: check the path and its "
+              "permissions", file=sys.stderr)
+        return 1
     return 0

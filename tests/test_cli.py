@@ -22,3 +22,10 @@ def test_ir_is_json_with_spans():
     doc = json.loads(r.stdout)
     assert doc["model"] == "qwen3_8_mini" and doc["ranks"] == 8
     assert doc["stream"]["span"]["line"] > 1
+
+
+def test_unwritable_output_is_an_error_not_a_traceback(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = run_python(["-m", "mkc", "compile", str(SPEC), "-o", str(blocker / "out")], timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "mkc: error:" in r.stderr
