@@ -27,7 +27,7 @@ class Tensor:
         n = 1
         for d in self.shape:
             n *= d
-        return n * {"bf16": 2, "f32": 4, "int32": 4}[self.dtype]
+        return n * {"bf16": 2, "f32": 4, "int32": 4, "fp8": 1, "u8": 1}[self.dtype]
 
 
 @dataclass(frozen=True)
