@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): cfe056c80ee5d7de
+Input digest (spec, model config, mkc version): 3d6bc1d891ed851f
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers
