@@ -16,6 +16,7 @@ import pytest
 
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.reference import kimi_k3 as ref
+from tests_support import assert_rows_step_like_alone
 
 CONFIGS = Path(__file__).resolve().parents[2] / "mkc" / "model" / "configs"
 FULL_JSON = CONFIGS / "kimi_k3.json"
@@ -442,26 +443,6 @@ def test_decode_is_finite_deterministic_and_well_scaled(mini: ref.KimiK3Config,
 
 def test_rows_at_different_positions(mini: ref.KimiK3Config, mini_params: dict[str, np.ndarray]) -> None:
     """A joint step of rows at positions 4 and 2 equals stepping each row alone."""
-    context = 8
-
-    def prefix(tokens: list[int]) -> dict[str, jax.Array]:
-        cache = ref.init_cache(mini, batch=1, context=context)
-        for t, tok in enumerate(tokens):
-            _, cache = decode(mini_params, mini, cache, jnp.array([tok], jnp.int32),
-                              jnp.array([t], jnp.int32))
-        return cache
-
-    rows, nxt = [[7, 8, 9, 10], [100, 200]], [12, 400]
-    singles = [prefix(r) for r in rows]
-    joint = {k: jnp.concatenate([c[k] for c in singles], axis=0) for k in singles[0]}
-    logits, new_joint = decode(mini_params, mini, joint, jnp.array(nxt, jnp.int32),
-                               jnp.array([len(r) for r in rows], jnp.int32))
-    for b, (r, cache) in enumerate(zip(rows, singles)):
-        alone, new_alone = decode(mini_params, mini, cache, jnp.array([nxt[b]], jnp.int32),
-                                  jnp.array([len(r)], jnp.int32))
-        # Batch 1 and 2 matmuls may round differently in f32 and flip a bf16 cache entry by one
-        # ulp; a position or row mix-up would instead move the logits at O(1).
-        np.testing.assert_allclose(logits[b], alone[0], rtol=2e-3, atol=2e-3)
-        for k in new_alone:
-            np.testing.assert_allclose(np.asarray(new_joint[k][b], np.float32),
-                                       np.asarray(new_alone[k][0], np.float32), rtol=1e-2, atol=1e-3)
+    assert_rows_step_like_alone(lambda c, t, p: decode(mini_params, mini, c, t, p),
+                                lambda b, n: ref.init_cache(mini, batch=b, context=n),
+                                [[7, 8, 9, 10], [100, 200]], [12, 400])
