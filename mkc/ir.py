@@ -109,9 +109,6 @@ class Stream:
     tile_shapes: list[tuple[int, int]]     # distinct family tile shapes ("tile classes")
     span: Span = field(compare=False, default_factory=Span.unknown)
 
-    def tile_class(self, f: Family) -> int:
-        return self.tile_shapes.index((f.tile_rows, f.tile_cols))
-
     def tile_sequence(self, layer_kinds: list[str]) -> list[Family]:
         """The family of every tile of the step, in stream order."""
         seq: list[Family] = []

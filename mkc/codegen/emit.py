@@ -35,12 +35,10 @@ def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, i
     """Per-rank sizes and tables the template prints as constants."""
     d = s.dims
     kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
-    state_buffer: dict[str, dict[str, str]] = {}
-    state_buffer_ir: dict[str, dict[str, ir.Buffer]] = {}
+    state_buffer: dict[str, dict[str, ir.Buffer]] = {}     # kind -> state family -> buffer
     for kname, k in s.kinds.items():
         for t in k.transfers:
-            state_buffer.setdefault(kname, {})[t.state] = t.buffer
-            state_buffer_ir.setdefault(kname, {})[t.state] = s.buffer(t.buffer)
+            state_buffer.setdefault(kname, {})[t.state] = s.buffer(t.buffer)
     dims_literal = "{" + ", ".join(f"{key!r}: {val!r}" for key, val in sorted(d.items())
                                    if key != "layer_kinds") + \
         f", 'layer_kinds': {tuple(s.layer_kinds)!r}" + "}"
@@ -52,7 +50,7 @@ def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, i
         "kind_layers": kind_layers,
         **s.per_rank,
         "sem_names": {**{k.replace(":", "_"): v for k, v in sem_index.items()}, **misc_sems},
-        "state_buffer": state_buffer, "state_buffer_ir": state_buffer_ir,
+        "state_buffer": state_buffer,
     }
 
 
