@@ -77,6 +77,8 @@ INTER = 2176
 B_OFF, A_OFF = 2048, 2176   # lane offsets of the b and a sections of in_proj
 KV_WIDTH = NKV * HEAD_DIM
 SEM = {"embed": 5, "head_norm": 4, "kv_rows": 6, "load_gdn_conv_buf": 0, "load_gdn_rec_buf": 1, "store_gdn_conv_buf": 2, "store_gdn_rec_buf": 3}   # DMA semaphore index by copy
+# The embedding's exact all-reduce reuses the first layer's stages (no extra receive buffer).
+EMBED_STAGES = [[2, 1], [4, 2]]
 
 _INPUTS = ("tokens", "positions", "tables", "tile_class", "rope", "embed", "ring_hbm", "vectors_hbm",
            "head_norm_hbm", "gdn__conv_in", "gdn__recurrent_in", "gqa__key_in", "gqa__value_in")
@@ -208,7 +210,7 @@ def _allreduce(r, partial, stages, wire):
 def _embed(r, B):
     """Vocab-sharded lookup: each rank copies the aligned 16-row bf16 block holding the token
     (a single bf16 row is not a legal DMA on TPU), selects the row if it owns the token, and
-    the ranks all-reduce (exact: one rank contributes each row)."""
+    the ranks all-reduce (exact: one rank contributes each row, the others zeros)."""
     me = lax.axis_index(AXIS)
     lo = me * VOCAB_LOCAL
     copies, owned, offset = [], [], []
@@ -228,7 +230,7 @@ def _embed(r, B):
     picked = [jnp.sum(jnp.where((row == offset[b]) & owned[b], r.embed_rows[b].astype(F32), 0.0),
                       axis=0, keepdims=True) for b in range(B)]
     rows = jnp.concatenate(picked, axis=0) if B > 1 else picked[0]
-    r.x[...] = _allreduce(r, rows, [(RANKS, 1)], "bf16")
+    r.x[...] = _allreduce(r, rows, EMBED_STAGES, "bf16")
 
 
 def _layer_gdn(r, layer, B):

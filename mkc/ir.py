@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from mkc.diagnostics import Span
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1}
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1, "u8": 1, "u32": 4}
 # Mosaic pads the last two dims of a VMEM array to (sublanes, 128) with sublanes by dtype.
-SUBLANE_TILE = {"f32": 8, "int32": 8, "bf16": 16, "int8": 32}
+SUBLANE_TILE = {"f32": 8, "int32": 8, "bf16": 16, "int8": 32, "u8": 32, "u32": 8}
 LANES = 128
 
 
@@ -150,6 +150,7 @@ class AllReduce:
     # Direct all-reduces run in order; a stage (size, stride) reduces over the ranks
     # base + i * stride, i < size (ranks are numbered core-fastest, then chip, then host).
     stages: tuple[tuple[int, int], ...]
+    width: int = 0               # columns of the partial sums
     span: Span = field(compare=False, default_factory=Span.unknown)
 
     @staticmethod
@@ -157,6 +158,90 @@ class AllReduce:
         """The receive buffer of one stage shape: each group structure has its own, so the
         parity argument for reusing it holds within one fixed set of peers."""
         return f"recv__{wire}_{size}x{stride}"
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Column shards of an op's output gathered over a group (size, stride) of ranks."""
+
+    after_op: str
+    size: int
+    stride: int
+    width: int                   # columns each rank contributes
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+    @staticmethod
+    def buffer_name(op: str) -> str:
+        return f"gather__{op}"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Each core of a chip computes a share of an op's columns; siblings swap shares."""
+
+    after_op: str
+    width: int
+    wire_dtype: str
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+    @staticmethod
+    def buffer_name(op: str) -> str:
+        return f"exchange__{op}"
+
+
+@dataclass(frozen=True)
+class PooledMatrix:
+    """A whole matrix held in a pool view, at a byte offset from the view's start. Pools are
+    bf16 [rows, 128]: a matrix is stored as 128-lane column panels, and u8 data (MXFP4 codes
+    and scales) packs two rows per bf16 element, read back with a value bitcast."""
+
+    kind: str
+    name: str
+    rows: int
+    cols: int
+    dtype: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """A weight view (whole matrices per layer kind) or a slot view (N routed experts, each
+    the same set of matrices at the same offsets within its slot)."""
+
+    name: str
+    pool: str
+    matrices: dict[str, list[PooledMatrix]]    # kind -> matrices (slot view: "expert")
+    slots: int                                 # 0 for a weight view
+    slot_bytes: int
+    nbytes: int
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    nbytes: int                  # the largest view
+    views: list[PoolView]
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+    def view(self, name: str) -> PoolView:
+        return next(v for v in self.views if v.name == name)
+
+
+@dataclass(frozen=True)
+class ViewCopy:
+    """Copies into a pool view: `prefetch next` (the next layer's weights, from a point of this
+    layer) or `fetch experts` (routed experts as routing picks them)."""
+
+    pool: str
+    view: str
+    start: int                   # program point in this layer kind
+    consumer: str = ""           # fetch: the op that reads the experts
+    span: Span = field(compare=False, default_factory=Span.unknown)
 
 
 @dataclass(frozen=True)
@@ -171,6 +256,11 @@ class KindSchedule:
     states: dict[str, tuple[tuple[int, ...], str]]
     op_reads: dict[str, list[str]]     # op -> tensor families it reads (from the model graph)
     op_writes: dict[str, list[str]]
+    allgathers: list[AllGather] = field(default_factory=list)
+    exchanges: list[Exchange] = field(default_factory=list)
+    pooled: dict[str, str] = field(default_factory=dict)   # matrix family -> "pool.view"
+    prefetch: ViewCopy | None = None
+    fetch: ViewCopy | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +292,7 @@ class ScheduleIR:
     vmem_reserve: int
     vmem_capacity: int
     hbm_per_core: int
-    layer_kinds: list[str]
+    layer_kinds: list[str]       # one per iteration of the layer loop (K3: per sublayer)
     kinds: dict[str, KindSchedule]
     buffers: list[Buffer]
     stream: Stream
@@ -210,6 +300,10 @@ class ScheduleIR:
     globals: dict[str, tuple[tuple[int, ...], str]]
     hbm_bytes_per_rank: dict[str, int]
     per_rank: dict[str, int] = field(default_factory=dict)          # from the model graph
+    embed_reduce: AllReduce | None = None      # the embedding lookup's exact all-reduce
+    pools: list[Pool] = field(default_factory=list)
+    experts: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # per expert
+    top_k: int = 0               # experts each row picks (0: no routed experts)
     setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
 
     def to_json(self) -> str:
@@ -218,3 +312,7 @@ class ScheduleIR:
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
+
+    def pool_view(self, dotted: str) -> PoolView:
+        pool, view = dotted.split(".")
+        return next(p for p in self.pools if p.name == pool).view(view)

@@ -7,6 +7,7 @@ here close. A scope covers points first..last+1.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mkc import ir
@@ -15,12 +16,16 @@ from mkc import ir
 @dataclass(frozen=True)
 class Step:
     kind: str                              # scope_open | scope_close | vectors | drain | start |
-                                           # wait | op | allreduce
+                                           # wait | op | allreduce | allgather | exchange |
+                                           # prefetch | fetch | pool_wait | view_close
     point: int
     op: str = ""
     transfer: ir.Transfer | None = None
     allreduce: ir.AllReduce | None = None
     buffers: tuple[ir.Buffer, ...] = ()
+    family: str = ""                       # pool_wait: the pooled matrix waited for
+    view: str = ""                         # pool_wait, view_close: "pool.view"
+    collective: ir.AllGather | ir.Exchange | None = None
 
 
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
@@ -48,11 +53,39 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
         steps.extend(Step("scope_close", p, buffers=scoped(sc)) for sc in reversed(scopes)
                      if sc[2] + 1 == p)
 
-    reduce_after = {a.after_op: a for a in k.allreduces}
+    # A pooled matrix is waited before the first op that reads it; a view closes after the
+    # last op reading anything in it (for routed experts: the op that runs them).
+    first_reader: dict[int, list[str]] = {}
+    last_reader: dict[str, int] = {}
+    for fam, view in sorted(k.pooled.items()):
+        readers = [i for i, op in enumerate(k.ops)
+                   if k.matmuls.get(op) == fam or fam in k.op_reads[op]]
+        first_reader.setdefault(readers[0], []).append(fam)
+        last_reader[view] = max(last_reader.get(view, -1), readers[-1])
+    if k.fetch is not None:
+        last_reader[f"{k.fetch.pool}.{k.fetch.view}"] = k.ops.index(k.fetch.consumer)
+
+    def copies(p: int) -> None:
+        for name, vc in (("prefetch", k.prefetch), ("fetch", k.fetch)):
+            if vc is not None and vc.start == p:
+                steps.append(Step(name, p, view=f"{vc.pool}.{vc.view}"))
+
+    after = {a.after_op: Step("allreduce", 0, op=a.after_op, allreduce=a) for a in k.allreduces}
+    gathers = {g.after_op: Step("allgather", 0, op=g.after_op, collective=g)
+               for g in k.allgathers}
+    gathers |= {e.after_op: Step("exchange", 0, op=e.after_op, collective=e)
+                for e in k.exchanges}
     for i, op in enumerate(k.ops):
         point(i)
+        copies(i)
+        steps.extend(Step("pool_wait", i, family=fam, view=k.pooled[fam])
+                     for fam in first_reader.get(i, []))
         steps.append(Step("op", i, op=op))
-        if op in reduce_after:
-            steps.append(Step("allreduce", i, op=op, allreduce=reduce_after[op]))
+        for table in (after, gathers):
+            if op in table:
+                steps.append(dataclasses.replace(table[op], point=i))
+        steps.extend(Step("view_close", i, view=v) for v, last in sorted(last_reader.items())
+                     if last == i)
     point(len(k.ops))
+    copies(len(k.ops))
     return steps

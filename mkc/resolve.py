@@ -10,9 +10,8 @@ from mkc import ir, target
 from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
 from mkc.model.config import load_dims, resolve_config_path
-from mkc.model.graph import DecodeGraph, ShardingError, build_graph
+from mkc.model.graph import DecodeGraph, ShardingError, build_graph, shard_classes
 
-SHARD_CLASSES = ("heads", "mlp", "vocab")
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
 WIRE_DTYPES = ("bf16", "f32")
@@ -67,6 +66,32 @@ def _choose_tile(rows: int, cols: int, max_rows: int, max_cols: int) -> tuple[in
             if best is None or key < best[0]:
                 best = (key, (r, c))
     return best[1]
+
+
+def _group(g: ast.Group, axis: str, topo: target.Topology) -> tuple[int, int]:
+    """A rank group as (ways, stride): rank r is in part (r // stride) % ways."""
+    n = topo.num_cores
+    if g.name is None:
+        if g.ways < 1 or n % g.ways:
+            raise fail("E-SHARD", f"{g.ways} ways do not divide the {n} ranks", g.span,
+                       hint=f"use a divisor of {n}, `{axis}`, `host` or `chip`")
+        return (g.ways, 1)
+    text = g.name.text
+    if text == axis:
+        if g.divisor is None:
+            return (n, 1)
+        if g.divisor < 1 or n % g.divisor:
+            raise fail("E-SHARD", f"{axis} / {g.divisor} does not divide the {n} ranks into "
+                       "groups", g.span, hint=f"use a divisor of {n}")
+        return (n // g.divisor, g.divisor)
+    if g.divisor is not None:
+        raise fail("E-SHARD", f"only the mesh axis can be divided, not '{text}'", g.span,
+                   hint=f"write `{axis} / {g.divisor}`")
+    if text == "host":
+        return (len(topo.same_host(0)), 1)
+    if text == "chip":
+        return (topo.chip.cores_per_chip, 1)
+    raise _unknown("rank group", g.name, [axis, "host", "chip"])
 
 
 def _point(p: ast.Point, ops: list[str], kind: str) -> int:
@@ -128,24 +153,26 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                    hint="the reserve is headroom for compiler scratch: a few MiB")
 
     # --- sharding -------------------------------------------------------------------------
-    ways: dict[str, int] = {}
+    classes = shard_classes(dims.family)
+    rules: dict[str, tuple[int, int]] = {}
     shard_span: dict[str, Span] = {}
     for s in sched.shards:
-        if s.dim.text not in SHARD_CLASSES:
-            raise _unknown("dimension class", s.dim, list(SHARD_CLASSES))
-        if s.axis.text != axis:
-            raise _unknown("mesh axis", s.axis, [axis])
-        ways[s.dim.text] = ranks
+        if s.dim.text not in classes:
+            raise _unknown(f"dimension class of {dims.family}", s.dim, list(classes))
+        if s.dim.text in rules:
+            raise fail("E-DUPLICATE", f"{s.dim.text} is sharded twice", s.span,
+                       hint="keep one `shard` line per dimension class")
+        rules[s.dim.text] = _group(s.group, axis, topo)
         shard_span[s.dim.text] = s.span
-    unsharded = [c for c in SHARD_CLASSES if c not in ways]
+    unsharded = [c for c in classes if c not in rules]
     if unsharded:
         raise fail("E-SHARD", f"{', '.join(unsharded)} must be sharded: the {dims.family} "
-                   "lowering is tensor parallel over the whole mesh", sched.name.span,
+                   "lowering places every dimension class", sched.name.span,
                    hint=f"add `shard {unsharded[0]} over {axis}`")
     try:
-        graph = build_graph(dims, ways)
+        graph = build_graph(dims, rules, ranks)
     except ShardingError as e:
-        span = next(iter(shard_span.values()), sched.name.span)
+        span = shard_span.get(e.dim_class or "", next(iter(shard_span.values()), sched.name.span))
         raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
                    hint="choose a mesh whose size divides the model's head and width counts") from None
 
@@ -164,7 +191,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                    f"{dims.name}", sched.name.span,
                    hint=f"add `phase {missing_kinds[0]} {{ ... }}` with its allreduces and state copies")
 
-    stream = _resolve_stream(sched, graph)
+    pools, pooled = _resolve_pools(sched, graph)
+    stream = _resolve_stream(sched, graph, pooled)
     parity = _resolve_parity(sched, graph)
 
     B = b_hi
@@ -188,19 +216,40 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                              (max(f.col_tiles for f in all_fams), B, stream.tile_cols), "f32",
                              batch_axis=1))
 
+    for name, (shape, dtype) in sorted(graph.activations.items()):
+        axis_b = shape.index(-1)
+        buffers.append(ir.Buffer(name, "activation", tuple(B if d == -1 else d for d in shape),
+                                 dtype, batch_axis=axis_b))
+    for pool in pools:
+        buffers.append(ir.Buffer(pool.name, "pool", (pool.nbytes // 256, ir.LANES), "bf16",
+                                 span=pool.span))
+
     kinds: dict[str, ir.KindSchedule] = {}
-    stage_shapes: set[tuple[str, int, int]] = {("bf16", ranks, 1)}   # embedding: direct, exact
+    # Receive buffers per all-reduce stage shape, as wide as the widest payload.
+    stage_width: dict[tuple[str, int, int], int] = {}
     for kname in sorted(graph.kinds):
         if kname not in dims.layer_kinds:
             continue
-        ks, kbufs = _resolve_phase(phase_by_kind[kname], graph, topo, B, context.value)
+        ks, kbufs = _resolve_phase(phase_by_kind[kname], graph, topo, B, context.value, axis,
+                                   rules, pools, pooled.get(kname, {}))
         kinds[kname] = ks
         buffers.extend(kbufs)
-        stage_shapes |= {(a.wire_dtype, size, stride) for a in ks.allreduces
-                         for size, stride in a.stages}
-    for wire, size, stride in sorted(stage_shapes):
+        for a in ks.allreduces:
+            for size, stride in a.stages:
+                key = (a.wire_dtype, size, stride)
+                stage_width[key] = max(stage_width.get(key, 0), a.width)
+    _check_view_copies(dims.layer_kinds, kinds, phase_by_kind, pools)
+    # The vocab-sharded embedding lookup is an exact all-reduce (one rank holds each row): it
+    # reuses the first layer's first all-reduce, so it adds no receive buffer.
+    first = kinds[dims.layer_kinds[0]].allreduces
+    embed_reduce = (dataclasses.replace(first[0], after_op="embed", width=H) if first else
+                    ir.AllReduce("embed", "direct", "bf16", ((ranks, 1),), H))
+    for size, stride in embed_reduce.stages:
+        key = (embed_reduce.wire_dtype, size, stride)
+        stage_width[key] = max(stage_width.get(key, 0), H)
+    for (wire, size, stride), width in sorted(stage_width.items()):
         buffers.append(ir.Buffer(ir.AllReduce.buffer_name(wire, size, stride), "collective",
-                                 (2, size, B, H), wire, batch_axis=2))
+                                 (2, size, B, width), wire, batch_axis=2))
     buffers.append(ir.Buffer("logits", "output",
                              (stream.tail[0].col_tiles, B, stream.tail[0].tile_cols), "f32",
                              batch_axis=1))
@@ -210,7 +259,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         raise fail("E-DUPLICATE", f"buffer '{dup}' is declared twice", sched.name.span,
                    hint="give each VMEM buffer its own name")
 
-    hbm = _hbm_bytes(graph, stream, parity, B, context.value)
+    hbm = _hbm_bytes(graph, stream, parity, pools, B, context.value)
     return ir.ScheduleIR(
         name=sched.name.text, source=sched.source_file, model=dims.name,
         family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
@@ -221,11 +270,88 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,
         parity=parity,
         globals={n: (t.shape, t.dtype) for n, t in graph.globals.items()},
-        hbm_bytes_per_rank=hbm, per_rank=dict(graph.per_rank),
+        hbm_bytes_per_rank=hbm, per_rank=dict(graph.per_rank), pools=pools,
+        embed_reduce=embed_reduce,
+        experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
+        top_k=getattr(dims, "top_k", 0),
         setting_spans={k: v.span for k, v in sched.settings.items()})
 
 
-def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph) -> ir.Stream:
+def _pooled_bytes(rows: int, cols: int, dtype: str) -> int:
+    """Bytes of a matrix in a pool: 128-lane column panels of bf16 rows (u8 data packs two rows
+    per bf16 element), each panel a whole number of (16, 128) tiles so every panel starts
+    tile-aligned."""
+    bf16_rows = rows if dtype == "bf16" else -(-rows * ir.DTYPE_BYTES[dtype] // 2)
+    panels = -(-cols // ir.LANES)
+    return panels * (-(-bf16_rows // 16) * 16) * ir.LANES * 2
+
+
+def _resolve_pools(sched: ast.Schedule, graph: DecodeGraph
+                   ) -> tuple[list[ir.Pool], dict[str, dict[str, str]]]:
+    """The pools and, per layer kind, which matrix family lives in which `pool.view`."""
+    pools: list[ir.Pool] = []
+    pooled: dict[str, dict[str, str]] = {}
+    for p in sched.pools:
+        pname = _validate_identifier(p.name, "pool")
+        if any(q.name == pname for q in pools):
+            raise fail("E-DUPLICATE", f"pool '{pname}' is declared twice", p.name.span,
+                       hint="give each pool its own name")
+        views: list[ir.PoolView] = []
+        for v in p.views:
+            vname = _validate_identifier(v.name, "pool view")
+            if any(w.name == vname for w in views):
+                raise fail("E-DUPLICATE", f"view '{vname}' of pool {pname} is declared twice",
+                           v.name.span, hint="give each view its own name")
+            if v.slot_of is not None:
+                if v.slot_of.text != "expert":
+                    raise _unknown("slot content", v.slot_of, ["expert"])
+                if not graph.experts:
+                    raise fail("E-POOL", f"{graph.dims.name} has no routed experts to hold",
+                               v.slot_of.span, hint="remove the slot view")
+                if v.slots < 1:
+                    raise fail("E-POOL", "a slot view needs at least one slot", v.span,
+                               hint="e.g. `view experts: 4 slots of expert`")
+                mats, off = [], 0
+                for t in graph.experts.values():
+                    mats.append(ir.PooledMatrix("expert", t.name, t.shape[0], t.shape[1],
+                                                t.dtype, off))
+                    off += _pooled_bytes(*t.shape, t.dtype)
+                views.append(ir.PoolView(vname, pname, {"expert": mats}, v.slots, off,
+                                         off * v.slots, v.span))
+                continue
+            matrices: dict[str, list[ir.PooledMatrix]] = {}
+            for vk in v.kinds:
+                kname = vk.kind.text
+                if kname not in graph.kinds:
+                    raise _unknown("layer kind", vk.kind, sorted(graph.kinds))
+                if kname in matrices:
+                    raise fail("E-DUPLICATE", f"{kname} is listed twice in view {vname}",
+                               vk.kind.span, hint="list each kind's matrices once")
+                kind = graph.kinds[kname]
+                order = [t.name for t in kind.tensors.values() if t.role == "matrix"]
+                mats, off = [], 0
+                for n in vk.families:
+                    if n.text not in order:
+                        raise _unknown(f"matrix family of {kname}", n, order)
+                    if n.text in pooled.get(kname, {}):
+                        raise fail("E-DUPLICATE", f"{kname}.{n.text} is already held in "
+                                   f"{pooled[kname][n.text]}", n.span,
+                                   hint="a matrix lives in one view")
+                    t = kind.tensors[n.text]
+                    mats.append(ir.PooledMatrix(kname, t.name, t.shape[0], t.shape[1], t.dtype,
+                                                off))
+                    off += _pooled_bytes(*t.shape, t.dtype)
+                    pooled.setdefault(kname, {})[n.text] = f"{pname}.{vname}"
+                matrices[kname] = mats
+            views.append(ir.PoolView(vname, pname, matrices, 0, 0,
+                                     max(sum(_pooled_bytes(m.rows, m.cols, m.dtype) for m in ms)
+                                         for ms in matrices.values()), v.span))
+        pools.append(ir.Pool(pname, max(v.nbytes for v in views), views, p.span))
+    return pools, pooled
+
+
+def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
+                    pooled: dict[str, dict[str, str]]) -> ir.Stream:
     if len(sched.rings) != 1 or len(sched.streams) != 1:
         span = (sched.rings[1].span if len(sched.rings) > 1 else
                 sched.streams[1].span if len(sched.streams) > 1 else sched.name.span)
@@ -260,12 +386,27 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph) -> ir.Stream:
     used_kinds = sorted(set(graph.layer_kinds))
     for kname in used_kinds:
         kind = graph.kinds[kname]
-        order = [t.name for t in kind.matrices()]
+        in_pool = pooled.get(kname, {})
+        multiplied = {o.matmul for o in kind.ops if o.matmul}
+        for t in kind.tensors.values():
+            if t.role == "matrix" and t.name not in multiplied and t.name not in in_pool:
+                readers = ", ".join(kind.ops[i].name for i in kind.readers(t.name))
+                raise fail("E-POOL", f"{kname}.{t.name} is read whole by {readers}, so it cannot "
+                           "stream through the ring in tiles", st.span,
+                           hint="hold it in a pool view: `view NAME: "
+                                f"{kname}({t.name}, ...)`")
+        order = [t.name for t in kind.matrices() if t.name not in in_pool]
+        names = listed.get(kname, [])
+        if not order and not names:
+            continue
         if kname not in listed:
             raise fail("E-STREAM", f"stream lists no weights for layer kind {kname}", st.span,
                        hint=f"add `{kname}: {', '.join(order)}`")
-        names = listed[kname]
         for n in names:
+            if n.text in in_pool:
+                raise fail("E-STREAM", f"{kname}.{n.text} is held in pool view {in_pool[n.text]}; "
+                           "it cannot also stream", n.span,
+                           hint="list each matrix in one place")
             if n.text not in order:
                 raise _unknown(f"matrix family of {kname}", n, order)
         got = [n.text for n in names]
@@ -280,7 +421,8 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph) -> ir.Stream:
                                       f"{', '.join(order)}")
         count = graph.layer_kinds.count(kname)
         for t in kind.matrices():
-            mats.append((t.shape[0], t.shape[1], count))
+            if t.name not in in_pool:
+                mats.append((t.shape[0], t.shape[1], count))
     tail_order = ["lm_head"]
     if [n.text for n in st.tail] != tail_order:
         bad = st.tail[0] if st.tail else None
@@ -295,7 +437,8 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph) -> ir.Stream:
                          -(-t.shape[1] // tc), t.partial_out, tr, tc)
 
     for kname in used_kinds:
-        families[kname] = [fam(kname, t) for t in graph.kinds[kname].matrices()]
+        families[kname] = [fam(kname, t) for t in graph.kinds[kname].matrices()
+                           if t.name not in pooled.get(kname, {})]
     tail = [fam("tail", lm)]
     offsets, t = [], 0
     for kname in graph.layer_kinds:
@@ -368,7 +511,9 @@ def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], 
 
 
 def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, B: int,
-                   context: int) -> tuple[ir.KindSchedule, list[ir.Buffer]]:
+                   context: int, axis: str, rules: dict[str, tuple[int, int]],
+                   pools: list[ir.Pool], pooled: dict[str, str]
+                   ) -> tuple[ir.KindSchedule, list[ir.Buffer]]:
     kname = phase.kind.text
     kind = graph.kinds[kname]
     ops = kind.op_names()
@@ -462,7 +607,9 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
                        hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")
         kv = ir.KvStream(k.slots, k.tokens, k.ahead, "attention", span=k.span)
         a = ops.index("attention")
-        width = caches[0].shape[0] * caches[0].shape[1]
+        width = 1
+        for dim in caches[0].shape:
+            width *= dim
         for c in caches:
             buffers[f"kv_{c.name}"] = ir.Buffer(f"{kname}_kv_{c.name}", "kv",
                                                 (k.slots, B, k.tokens, width), "bf16",
@@ -475,7 +622,10 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         raise fail("E-KV", f"layer kind {kname} reads a KV cache but the phase does not say how",
                    phase.kind.span, hint="add `kv tiles 2 slots of 128 tokens ahead 1`")
 
-    partial_ops = [o.name for o in kind.ops if o.matmul and kind.tensors[o.matmul].partial_out]
+    partial_ops = [o.name for o in kind.ops
+                   if o.partial or (o.matmul and kind.tensors[o.matmul].partial_out)]
+    width_of = {o.name: o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
+                for o in kind.ops}
     allreduces: list[ir.AllReduce] = []
     for ar in phase.allreduces:
         if ar.algorithm.text not in ALLREDUCE_ALGORITHMS:
@@ -493,25 +643,172 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
                 raise fail("E-DUPLICATE", f"{n.text} is all-reduced twice", n.span,
                            hint="list each op in one allreduce")
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
-                                           _stages(ar, topo), ar.span))
+                                           _stages(ar, topo), width_of[n.text], ar.span))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             raise fail("E-COLLECTIVE", f"{kname}.{p_op} leaves partial sums that nothing reduces",
                        phase.kind.span,
                        hint=f"add `allreduce {', '.join(partial_ops)} direct wire bf16`")
 
+    gathers, exchanges, gather_bufs = _resolve_gathers(phase, kind, topo, axis, B, rules)
+    fetch, prefetch = _resolve_view_copies(phase, kind, pools)
     ks = ir.KindSchedule(
         name=kname, ops=ops, matmuls={o.name: o.matmul for o in kind.ops if o.matmul},
         transfers=transfers, kv=kv, allreduces=allreduces,
         vectors=[(t.name, t.shape) for t in kind.vectors()],
         states={n: (t.shape, t.dtype) for n, t in states.items()},
         op_reads={o.name: list(o.reads) for o in kind.ops},
-        op_writes={o.name: list(o.writes) for o in kind.ops})
-    return ks, list(buffers.values())
+        op_writes={o.name: list(o.writes) for o in kind.ops},
+        allgathers=gathers, exchanges=exchanges, pooled=dict(pooled), prefetch=prefetch,
+        fetch=fetch)
+    return ks, list(buffers.values()) + gather_bufs
 
 
-def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, B: int,
-               context: int) -> dict[str, int]:
+def _resolve_gathers(phase: ast.Phase, kind, topo: target.Topology, axis: str, B: int,
+                     rules: dict[str, tuple[int, int]]
+                     ) -> tuple[list[ir.AllGather], list[ir.Exchange], list[ir.Buffer]]:
+    """All-gathers and sibling exchanges: every op whose product is column-split by a shard
+    rule needs exactly one, over exactly that rule's group."""
+    kname = kind.name
+    ops = kind.op_names()
+    split = {o.name: kind.tensors[o.matmul].split_out for o in kind.ops
+             if o.matmul and kind.tensors[o.matmul].split_out}
+    done: dict[str, Span] = {}
+    gathers: list[ir.AllGather] = []
+    exchanges: list[ir.Exchange] = []
+    buffers: list[ir.Buffer] = []
+
+    def check_op(n: ast.Name, span: Span) -> tuple[str, int]:
+        if n.text not in ops:
+            raise _unknown(f"op of layer kind {kname}", n, ops)
+        if n.text not in split:
+            raise fail("E-COLLECTIVE", f"{n.text} does not produce column shards; nothing to "
+                       "gather", n.span, hint=f"ops of {kname} with split outputs: "
+                       + (", ".join(split) or "none"))
+        if n.text in done:
+            raise fail("E-DUPLICATE", f"{n.text} is gathered twice", n.span,
+                       hint=f"the first is at line {done[n.text].line}")
+        done[n.text] = span
+        op = kind.ops[ops.index(n.text)]
+        return split[n.text], kind.tensors[op.matmul].shape[1]
+
+    for ag in phase.allgathers:
+        size, stride = _group(ag.group, axis, topo)
+        for n in ag.ops:
+            cls, width = check_op(n, ag.span)
+            if (size, stride) != rules[cls]:
+                raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
+                           f"`shard {cls}`, but this gathers over {size} ranks", ag.group.span,
+                           hint="gather over the group the shard rule names")
+            gathers.append(ir.AllGather(n.text, size, stride, width, ag.span))
+            buffers.append(ir.Buffer(ir.AllGather.buffer_name(n.text), "collective",
+                                     (2, size, B, width), "bf16", batch_axis=2, span=ag.span))
+    for ex in phase.exchanges:
+        if ex.peer.text != "sibling":
+            raise _unknown("exchange peer", ex.peer, ["sibling"])
+        if ex.wire_dtype.text not in WIRE_DTYPES:
+            raise _unknown("wire dtype", ex.wire_dtype, list(WIRE_DTYPES))
+        for n in ex.ops:
+            cls, width = check_op(n, ex.span)
+            if rules[cls] != (topo.chip.cores_per_chip, 1):
+                raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
+                           f"`shard {cls}`; a sibling exchange joins the "
+                           f"{topo.chip.cores_per_chip} cores of a chip", ex.span,
+                           hint=f"write `shard {cls} over chip`, or gather over the rule's group")
+            exchanges.append(ir.Exchange(n.text, width, ex.wire_dtype.text, ex.span))
+            buffers.append(ir.Buffer(ir.Exchange.buffer_name(n.text), "collective",
+                                     (2, topo.chip.cores_per_chip, B, width), ex.wire_dtype.text,
+                                     batch_axis=2, span=ex.span))
+    for op_name, cls in split.items():
+        if op_name not in done:
+            ways = rules[cls][0]
+            how = (f"exchange {op_name} with sibling wire f32"
+                   if rules[cls] == (topo.chip.cores_per_chip, 1) else
+                   f"allgather {op_name} over ...")
+            raise fail("E-COLLECTIVE", f"{kname}.{op_name} leaves its output split {ways} ways "
+                       f"(`shard {cls}`) and nothing gathers it", phase.kind.span,
+                       hint=f"add `{how}`")
+    return gathers, exchanges, buffers
+
+
+def _resolve_view_copies(phase: ast.Phase, kind, pools: list[ir.Pool]
+                         ) -> tuple[ir.ViewCopy | None, ir.ViewCopy | None]:
+    """`fetch experts -> POOL.VIEW after OP` and `prefetch next POOL.VIEW at|after P`."""
+    kname = kind.name
+    ops = kind.op_names()
+
+    def view_of(name: ast.Name, slots: bool) -> ir.PoolView:
+        parts = name.text.split(".")
+        views = [f"{p.name}.{v.name}" for p in pools for v in p.views
+                 if (v.slots > 0) == slots]
+        if len(parts) != 2 or name.text not in views:
+            raise _unknown("slot view" if slots else "weight view", name, views)
+        pool = next(p for p in pools if p.name == parts[0])
+        return pool.view(parts[1])
+
+    fetch = prefetch = None
+    consumers = [o.name for o in kind.ops if "experts" in o.reads]
+    if len(phase.fetches) > 1 or len(phase.prefetches) > 1:
+        extra = (phase.fetches[1:] + phase.prefetches[1:])[0]
+        raise fail("E-DUPLICATE", "a phase fetches experts or prefetches a view once", extra.span,
+                   hint="keep one line")
+    for f in phase.fetches:
+        v = view_of(f.view, slots=True)
+        if not consumers:
+            raise fail("E-POOL", f"no op of {kname} reads routed experts", f.span,
+                       hint="fetch experts in the phase of the layer kind that runs them")
+        start = _point(f.start, ops, kname)
+        picked = max(i for i, o in enumerate(kind.ops) if "expert_ids" in o.writes)
+        consumer = ops.index(consumers[0])
+        if start <= picked:
+            raise fail("E-POOL", f"experts are known only after {ops[picked]} picks them",
+                       f.start.anchor.span, hint=f"write `after {ops[picked]}`")
+        if start > consumer:
+            raise fail("E-POOL", f"experts are fetched after {consumers[0]} reads them",
+                       f.start.anchor.span, hint=f"fetch them before {consumers[0]}")
+        fetch = ir.ViewCopy(v.pool, v.name, start, consumers[0], f.span)
+    if consumers and fetch is None:
+        raise fail("E-POOL", f"{kname}.{consumers[0]} reads routed experts that nothing fetches",
+                   phase.kind.span,
+                   hint="add a slot view (`view experts: 4 slots of expert`) and "
+                        "`fetch experts -> POOL.VIEW after route`")
+    for pf in phase.prefetches:
+        v = view_of(pf.view, slots=False)
+        if pf.start.where == "before next":
+            raise fail("E-POOL", "a prefetch starts at a point of this layer",
+                       pf.start.anchor.span, hint="e.g. `after routed_experts` or `at start`")
+        prefetch = ir.ViewCopy(v.pool, v.name, _point(pf.start, ops, kname), span=pf.span)
+    return fetch, prefetch
+
+
+def _check_view_copies(layer_kinds: tuple[str, ...], kinds: dict[str, ir.KindSchedule],
+                       phases: dict[str, ast.Phase], pools: list[ir.Pool]) -> None:
+    """Every layer that reads a weight view finds it prefetched by the layer before it (the
+    first layer's is copied in the prologue), and every prefetch has a reader next."""
+    def views(kname: str) -> set[str]:
+        return set(kinds[kname].pooled.values())
+
+    for i in range(1, len(layer_kinds)):
+        prev, cur = kinds[layer_kinds[i - 1]], layer_kinds[i]
+        for v in sorted(views(cur)):
+            got = prev.prefetch and f"{prev.prefetch.pool}.{prev.prefetch.view}"
+            if got != v:
+                raise fail("E-POOL", f"layer {i} ({cur}) reads {v}, but phase {prev.name} before "
+                           f"it does not prefetch it", phases[prev.name].kind.span,
+                           hint=f"add `prefetch next {v} after OP` to phase {prev.name}")
+    for kname, k in kinds.items():
+        if k.prefetch is None:
+            continue
+        v = f"{k.prefetch.pool}.{k.prefetch.view}"
+        nexts = {layer_kinds[i + 1] for i in range(len(layer_kinds) - 1)
+                 if layer_kinds[i] == kname}
+        if not any(v in views(n) for n in nexts):
+            raise fail("E-POOL", f"phase {kname} prefetches {v}, but no layer after a {kname} "
+                       "layer reads it", k.prefetch.span, hint="remove the prefetch")
+
+
+def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, pools: list[ir.Pool],
+               B: int, context: int) -> dict[str, int]:
     """HBM bytes one rank holds, by class (weights padded to ring slots, as packed)."""
     slot_bytes = stream.tile_rows * stream.tile_cols * 2
     n_layers = len(graph.layer_kinds)
@@ -522,8 +819,18 @@ def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, B: int,
                 state += B * t.nbytes
             else:
                 cache += B * context * t.nbytes
-    return {
-        "streamed weights": stream.total_tiles * slot_bytes,
+    out = {"streamed weights": stream.total_tiles * slot_bytes}
+    pooled = sum(m.nbytes * graph.layer_kinds.count(kname) for p in pools for v in p.views
+                 for kname, ms in v.matrices.items() if kname in graph.kinds for m in ms)
+    if pooled:
+        out["pooled weights"] = pooled
+    if graph.experts:
+        consumers = [k for k in set(graph.layer_kinds)
+                     if any("experts" in o.reads for o in graph.kinds[k].ops)]
+        layers = sum(graph.layer_kinds.count(k) for k in consumers)
+        out["routed experts"] = (layers * graph.per_rank["local_experts"]
+                                 * sum(t.nbytes for t in graph.experts.values()))
+    return out | {
         "embedding": graph.globals["embed"].nbytes,
         "vectors": n_layers * parity.rows * parity.cols * 4,
         "recurrent state": state,

@@ -61,6 +61,15 @@ class TraceBuilder:
         self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
 
 
+def layer_label(s: ir.ScheduleIR, layer: int) -> str:
+    """How diagnostics name an iteration of the layer loop: a model layer, or one of its
+    sublayers when the loop runs attention and MLP as separate iterations (K3)."""
+    per_layer = len(s.layer_kinds) // s.dims["num_hidden_layers"]
+    if per_layer == 1:
+        return f"layer {layer} ({s.layer_kinds[layer]})"
+    return f"layer {layer // per_layer} {s.layer_kinds[layer]}"
+
+
 def build_trace(s: ir.ScheduleIR) -> list[Event]:
     tb = TraceBuilder()
     st, par = s.stream, s.parity
@@ -87,7 +96,46 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
         tb.start(dst="vectors", slot=layer % 2, sem=vec_sem(layer % 2), nbytes=vec_bytes,
                  tag=("vectors", layer), where=where, span=par.span)
 
+    # ---- pool views ----------------------------------------------------------------------
+    views = {f"{p.name}.{v.name}": v for p in s.pools for v in p.views}
+    # Worst case for routed experts: every row picks top_k experts of this rank's group.
+    expert_count = min(s.top_k * s.batch_max, s.per_rank.get("local_experts", 0))
+
+    def open_view(view_id: str, layer: int, where: str) -> None:
+        tb._add(op="view_open", buffer=view_id, tag=("view", layer_label(s, layer)), where=where,
+                span=views[view_id].span)
+
+    def start_weights(view_id: str, layer: int, where: str, span: Span) -> None:
+        """Copy layer `layer`'s matrices of this weight view (if its kind has any)."""
+        kname = s.layer_kinds[layer]
+        mats = views[view_id].matrices.get(kname, [])
+        if not mats:
+            return
+        open_view(view_id, layer, where)
+        for m in mats:
+            tb.start(dst=view_id, slot=m.name, sem=(view_id, m.name), nbytes=m.nbytes,
+                     tag=("pool", layer, m.name), where=where, span=span)
+
+    def start_expert(view_id: str, layer: int, k: int, where: str, span: Span) -> None:
+        v = views[view_id]
+        for m in v.matrices["expert"]:
+            tb.start(dst=view_id, slot=(k % v.slots, m.name), sem=(view_id, k % v.slots, m.name),
+                     nbytes=m.nbytes, tag=("expert", layer, k), where=where, span=span)
+
+    def run_experts(view_id: str, layer: int, where: str, span: Span) -> None:
+        v = views[view_id]
+        for k in range(expert_count):
+            for m in v.matrices["expert"]:
+                tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where,
+                        span=span)
+                tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span)
+            if k + v.slots < expert_count:
+                start_expert(view_id, layer, k + v.slots, where, span)
+
     # ---- prologue ------------------------------------------------------------------------
+    for view_id, v in views.items():
+        if v.slots == 0 and s.layer_kinds:
+            start_weights(view_id, 0, "prologue", v.span)
     for t in range(min(st.ahead, st.total_tiles)):
         start_tile(t, "prologue")
     for layer in range(min(par.ahead, n_layers)):
@@ -102,7 +150,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     seen_kind = {kname: 0 for kname in s.kinds}      # layers of each kind already run
     for layer, kname in enumerate(s.layer_kinds):
         k = s.kinds[kname]
-        label = f"layer {layer} ({kname})"
+        label = layer_label(s, layer)
         tile = st.layer_tile_offset[layer]
         families = {f.name: f for f in st.families[kname]}
         vector_families = {name for name, _ in k.vectors}
@@ -142,13 +190,32 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
             elif step.kind == "wait" or (step.kind == "drain" and seen_kind[kname] > 0):
                 tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
                         where=where(step.point), span=t.span)
+            elif step.kind == "prefetch":
+                if layer + 1 < n_layers:
+                    start_weights(step.view, layer + 1, where(step.point), k.prefetch.span)
+            elif step.kind == "fetch":
+                open_view(step.view, layer, where(step.point))
+                for e in range(min(views[step.view].slots, expert_count)):
+                    start_expert(step.view, layer, e, where(step.point), k.fetch.span)
+            elif step.kind == "pool_wait":
+                m = next(m for m in views[step.view].matrices[kname] if m.name == step.family)
+                tb.wait(sem=(step.view, m.name), nbytes=m.nbytes, where=where(step.point),
+                        span=views[step.view].span)
+            elif step.kind == "view_close":
+                tb._add(op="view_close", buffer=step.view, tag=("view", label),
+                        where=f"{label} after {k.ops[step.point]}", span=views[step.view].span)
             elif step.kind == "op":
                 op = step.op
                 w = f"{label} {op}"
-                if op in k.matmuls:
+                if op in k.matmuls and k.matmuls[op] not in k.pooled:
                     family = families[k.matmuls[op]]
                     consume_tiles(family, tile, w)
                     tile += family.tiles
+                for fam, view_id in sorted(k.pooled.items()):
+                    if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
+                        tb.read(view_id, fam, ("pool", layer, fam), w, views[view_id].span)
+                if k.fetch is not None and op == k.fetch.consumer:
+                    run_experts(f"{k.fetch.pool}.{k.fetch.view}", layer, w, k.fetch.span)
                 if vector_families & set(k.op_reads[op]):
                     tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
                 for sname in k.op_reads[op]:

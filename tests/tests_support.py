@@ -2,6 +2,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 
 
 def assert_rows_step_like_alone(decode, init_cache, rows: list[list[int]],

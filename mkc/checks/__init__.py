@@ -4,6 +4,7 @@ from __future__ import annotations
 from mkc import ir
 from mkc.checks.capacity import check_hbm, check_vmem, vmem_budget
 from mkc.checks.dma import check_dma
+from mkc.checks.pool import check_pools
 from mkc.diagnostics import Diagnostic, MkcError
 from mkc.trace import build_trace
 
@@ -17,5 +18,6 @@ def run_checks(s: ir.ScheduleIR) -> None:
     diags += check_vmem(s, events)
     diags += check_hbm(s)
     diags += check_dma(s, events)
+    diags += check_pools(s, events)
     if diags:
         raise MkcError(diags)

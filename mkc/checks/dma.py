@@ -26,11 +26,17 @@ def _fmt(tag) -> str:
             return f"the state of layer {rest[0]} as loaded"
         if kind == "state-updated":
             return f"the state of layer {rest[0]} as updated"
+        if kind == "pool":
+            return f"{rest[1]} of layer {rest[0]}"
+        if kind == "expert":
+            return f"routed expert {rest[1]} of layer {rest[0]}"
         return " ".join(map(str, tag))
     return "nothing" if tag is None else str(tag)
 
 
 def _region(buffer: str, slot) -> str:
+    if isinstance(slot, tuple):
+        slot = ", ".join(map(str, slot))
     return buffer if slot is None else f"{buffer}[{slot}]"
 
 

@@ -25,6 +25,7 @@ def _env() -> jinja2.Environment:
     return env
 
 
+CODEGEN_FAMILIES = ("qwen3_5_text",)
 LOWERED_OPS = {"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "down", "out_proj",
                "o_proj", "attn_residual", "mlp_residual", "conv", "delta_rule", "gated_norm",
                "qk_norm_rope", "kv_write", "attention", "out_gate"}

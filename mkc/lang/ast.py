@@ -67,6 +67,49 @@ class AllReduce:
     span: Span
 
 
+@dataclass(frozen=True)
+class Group:
+    """A set of ranks: `tp` (the mesh axis), `tp / N`, `host`, `chip`, or N consecutive ranks."""
+
+    name: Name | None           # None for a bare count
+    divisor: int | None = None  # `tp / N`
+    ways: int | None = None     # a bare count
+    span: Span = field(default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class AllGather:
+    ops: list[Name]
+    group: Group
+    span: Span
+
+
+@dataclass(frozen=True)
+class Exchange:
+    ops: list[Name]
+    peer: Name                  # `sibling`: the other core of the chip
+    wire_dtype: Name
+    span: Span
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """`fetch experts -> POOL.VIEW after OP`: expert copies start as routing picks them."""
+
+    view: Name                  # dotted pool.view
+    start: Point
+    span: Span
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """`prefetch next POOL.VIEW at|after P`: the next layer's view is copied from point P."""
+
+    view: Name
+    start: Point
+    span: Span
+
+
 @dataclass
 class Phase:
     kind: Name
@@ -74,7 +117,33 @@ class Phase:
     transfers: list[Transfer] = field(default_factory=list)
     kv_tiles: list[KvTiles] = field(default_factory=list)
     allreduces: list[AllReduce] = field(default_factory=list)
+    allgathers: list[AllGather] = field(default_factory=list)
+    exchanges: list[Exchange] = field(default_factory=list)
+    fetches: list[Fetch] = field(default_factory=list)
+    prefetches: list[Prefetch] = field(default_factory=list)
     span: Span = field(default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class ViewKind:
+    kind: Name
+    families: list[Name]
+
+
+@dataclass(frozen=True)
+class PoolView:
+    name: Name
+    kinds: list[ViewKind]       # a weight view: whole matrices per layer kind
+    slots: int = 0              # a slot view: N routed experts
+    slot_of: Name | None = None
+    span: Span = field(default_factory=Span.unknown)
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: Name
+    views: list[PoolView]
+    span: Span
 
 
 @dataclass(frozen=True)
@@ -112,7 +181,7 @@ class Parity:
 @dataclass(frozen=True)
 class Shard:
     dim: Name
-    axis: Name
+    group: Group
     span: Span
 
 
@@ -133,4 +202,5 @@ class Schedule:
     rings: list[Ring] = field(default_factory=list)
     streams: list[Stream] = field(default_factory=list)
     parities: list[Parity] = field(default_factory=list)
+    pools: list[Pool] = field(default_factory=list)
     phases: list[Phase] = field(default_factory=list)

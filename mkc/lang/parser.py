@@ -17,15 +17,17 @@ _TOKEN_WORDS = {
     "NAME": "a name", "INT": "an integer", "STRING": 'a quoted string like "qwen3_8_27b"',
     "TOPOLOGY": "a topology like 2x2x1", "UNIT": "a unit (KiB, MiB, GiB)",
     "LBRACE": "'{'", "RBRACE": "'}'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','",
-    "EQUAL": "'='", "DOT": "'.'", "__ANON_0": "'->'",
+    "EQUAL": "'='", "DOT": "'.'", "__ANON_0": "'->'", "SLASH": "'/'", "LPAR": "'('",
+    "RPAR": "')'",
 }
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "context", "vmem")
 # Which list of the parent node each statement node joins.
 _PHASE_LISTS = {ast.Scoped: "scoped", ast.Transfer: "transfers", ast.KvTiles: "kv_tiles",
-                ast.AllReduce: "allreduces"}
+                ast.AllReduce: "allreduces", ast.AllGather: "allgathers",
+                ast.Exchange: "exchanges", ast.Fetch: "fetches", ast.Prefetch: "prefetches"}
 _SCHEDULE_LISTS = {ast.Shard: "shards", ast.Ring: "rings", ast.Stream: "streams",
-                   ast.Parity: "parities", ast.Phase: "phases"}
+                   ast.Parity: "parities", ast.Pool: "pools", ast.Phase: "phases"}
 
 
 @lru_cache(maxsize=1)
@@ -112,8 +114,33 @@ class _ToAst(Transformer):
 
     # --- memory statements --------------------------------------------------------
     @v_args(meta=True)
+    def group_named(self, meta, items):
+        return ast.Group(self._name(items[0]), divisor=int(items[1]) if len(items) > 1 else None,
+                         span=_span(self.file, meta))
+
+    @v_args(meta=True)
+    def group_ways(self, meta, items):
+        return ast.Group(None, ways=int(items[0]), span=_span(self.file, meta))
+
+    @v_args(meta=True)
     def shard_stmt(self, meta, items):
-        return ast.Shard(self._name(items[0]), self._name(items[1]), _span(self.file, meta))
+        return ast.Shard(self._name(items[0]), items[1], _span(self.file, meta))
+
+    def view_kind(self, items):
+        return ast.ViewKind(self._name(items[0]), items[1])
+
+    @v_args(meta=True)
+    def view_weights(self, meta, items):
+        return ast.PoolView(self._name(items[0]), list(items[1:]), span=_span(self.file, meta))
+
+    @v_args(meta=True)
+    def view_slots(self, meta, items):
+        return ast.PoolView(self._name(items[0]), [], slots=int(items[1]),
+                            slot_of=self._name(items[2]), span=_span(self.file, meta))
+
+    @v_args(meta=True)
+    def pool_stmt(self, meta, items):
+        return ast.Pool(self._name(items[0]), list(items[1:]), _span(self.file, meta))
 
     @v_args(meta=True)
     def ring_stmt(self, meta, items):
@@ -160,6 +187,23 @@ class _ToAst(Transformer):
         level = self._name(items[2]) if len(items) == 4 else None
         return ast.AllReduce(items[0], self._name(items[1]), level, self._name(items[-1]),
                              _span(self.file, meta))
+
+    @v_args(meta=True)
+    def allgather_item(self, meta, items):
+        return ast.AllGather(items[0], items[1], _span(self.file, meta))
+
+    @v_args(meta=True)
+    def exchange_item(self, meta, items):
+        return ast.Exchange(items[0], self._name(items[1]), self._name(items[2]),
+                            _span(self.file, meta))
+
+    @v_args(meta=True)
+    def fetch_item(self, meta, items):
+        return ast.Fetch(items[0], items[1], _span(self.file, meta))
+
+    @v_args(meta=True)
+    def prefetch_item(self, meta, items):
+        return ast.Prefetch(items[0], items[1], _span(self.file, meta))
 
     @v_args(meta=True)
     def phase_stmt(self, meta, items):

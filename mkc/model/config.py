@@ -5,14 +5,18 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mkc.diagnostics import Span, fail
+
+if TYPE_CHECKING:
+    from mkc.model.kimi_k3_graph import KimiDims
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 
 # Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
 _QWEN35_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
-SUPPORTED_FAMILIES = ("qwen3_5_text",)
+SUPPORTED_FAMILIES = ("qwen3_5_text", "kimi_k3")
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
-def load_dims(path: Path, span: Span | None = None) -> ModelDims:
+def load_dims(path: Path, span: Span | None = None) -> "ModelDims | KimiDims":
     """Parse config.json; errors point at the spec's `model` line when a span is given."""
     where = span or Span.unknown(str(path))
     try:
@@ -77,6 +81,9 @@ def load_dims(path: Path, span: Span | None = None) -> ModelDims:
     if family not in SUPPORTED_FAMILIES:
         raise fail("E-MODEL", f"model family {family!r} is not supported", where,
                    hint=f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
+    stem = Path(path).stem if Path(path).name != "config.json" else Path(path).parent.name
+    if family == "kimi_k3":
+        return _load_kimi(raw, path, stem, where)
     try:
         n_layers = int(raw["num_hidden_layers"])
         if "layer_types" in raw:
@@ -93,7 +100,6 @@ def load_dims(path: Path, span: Span | None = None) -> ModelDims:
         # Fallbacks are the upstream Qwen3_5TextConfig defaults.
         factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10_000_000.0)))
-        stem = Path(path).stem if Path(path).name != "config.json" else Path(path).parent.name
         return ModelDims(
             # The name reaches file names and generated source: keep it to identifier chars.
             family=family, name=re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model",
@@ -116,3 +122,20 @@ def load_dims(path: Path, span: Span | None = None) -> ModelDims:
     except (TypeError, ValueError) as e:
         raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
                    hint="compare with a shipped config in mkc/model/configs") from None
+
+
+def _load_kimi(raw: dict, path: Path, stem: str, where: Span) -> "KimiDims":
+    from mkc.model.kimi_k3_graph import KimiDims
+    try:
+        dims = KimiDims.from_config(raw, stem)
+    except KeyError as e:
+        raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
+                   hint="the config must use the upstream kimi_k3 key names") from None
+    except (TypeError, ValueError) as e:
+        raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
+                   hint="compare with a shipped config in mkc/model/configs") from None
+    if dims.num_hidden_layers < 2 or dims.layer_kinds[1] != "dense" or "dense" in dims.layer_kinds[2:]:
+        raise fail("E-MODEL", f"model config {path}: mkc lowers K3 with exactly one dense layer "
+                   "(first_k_dense_replace = 1) before the MoE layers", where,
+                   hint="set first_k_dense_replace to 1")
+    return dims

@@ -1,7 +1,8 @@
 """The model graph of one decode step: ops as networkx nodes, each with the tensors it touches.
 
-Layer kinds are op templates instantiated per layer. Shapes are per rank once a sharding
-(dimension class -> ways) is applied: `build_graph(dims, {"heads": 8, "mlp": 8, "vocab": 8})`.
+Layer kinds are op templates instantiated per layer. Shapes are per rank once shard rules
+(dimension class -> (ways, stride)) are applied; `build_graph` dispatches on the model family
+(Qwen 3.5 here, Kimi K3 in `kimi_k3_graph`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Tensor:
     shape: tuple[int, ...]  # matrices are [in, out] (HF Linear weights transposed)
     dtype: str
     partial_out: bool = False   # a row-parallel matrix: its product is a partial sum over tp
+    split_out: str | None = None    # the shard class that leaves its product column-split
 
     @property
     def nbytes(self) -> int:
@@ -38,6 +40,8 @@ class Op:
     reads: tuple[str, ...] = ()     # tensor families read
     writes: tuple[str, ...] = ()
     matmul: str | None = None       # the matrix family this op multiplies by, if any
+    partial: bool = False           # a non-matmul op whose output is a partial sum over ranks
+    width: int = 0                  # that output's columns
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,12 @@ class LayerKind:
         return [o.name for o in self.ops]
 
     def matrices(self) -> list[Tensor]:
-        """Matrix families in consumption order."""
+        """Matrix families multiplied by the activation (streamable), in consumption order."""
         return [self.tensors[o.matmul] for o in self.ops if o.matmul]
+
+    def readers(self, family: str) -> list[int]:
+        """Indices of the ops that multiply by or read a tensor family."""
+        return [i for i, o in enumerate(self.ops) if o.matmul == family or family in o.reads]
 
     def vectors(self) -> list[Tensor]:
         return [t for t in self.tensors.values() if t.role == "vector"]
@@ -62,12 +70,15 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class DecodeGraph:
-    dims: ModelDims
+    dims: ModelDims             # or KimiDims: the fields every family shares are used generically
     ranks: int
     kinds: dict[str, LayerKind]
     globals: dict[str, Tensor]
     graph: nx.DiGraph
     per_rank: dict[str, int]     # per-rank sizes the kernel's compute bodies index by
+    experts: dict[str, Tensor] = field(default_factory=dict)   # one routed expert's families
+    # Model-specific VMEM activations: name -> (shape with -1 for the batch dim, dtype).
+    activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -76,6 +87,10 @@ class DecodeGraph:
 
 class ShardingError(ValueError):
     """A dimension does not divide over the requested ways; the message says which."""
+
+    def __init__(self, message: str, dim_class: str | None = None):
+        super().__init__(message)
+        self.dim_class = dim_class      # the shard rule to point at, when one is to blame
 
 
 def lane_pad(n: int) -> int:
@@ -166,19 +181,38 @@ def _qwen35_kinds(d: ModelDims, heads: int, mlp: int
     return {"gdn": gdn, "gqa": gqa}, per_rank
 
 
-def build_graph(dims: ModelDims, ways: dict[str, int]) -> DecodeGraph:
-    """Instantiate the decode-step graph; `ways` maps dimension classes (heads, mlp, vocab)
-    to the number of ranks they are split over (1 = replicated)."""
-    heads, mlp, vocab = ways.get("heads", 1), ways.get("mlp", 1), ways.get("vocab", 1)
-    kinds, per_rank = _qwen35_kinds(dims, heads, mlp)
-    v_local = _split(dims.vocab_size, vocab, "vocab_size")
-    per_rank["vocab"] = v_local
-    H = dims.hidden_size
-    glob = {
-        "embed": Tensor("embed", "table", (v_local, H), "bf16"),
-        "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
-        "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
-    }
+QWEN_SHARD_CLASSES = ("heads", "mlp", "vocab")
+
+
+def shard_classes(family: str) -> tuple[str, ...]:
+    """The dimension classes a family's spec must place with `shard CLASS over GROUP`."""
+    from mkc.model.kimi_k3_graph import KIMI_SHARD_CLASSES
+    return KIMI_SHARD_CLASSES if family == "kimi_k3" else QWEN_SHARD_CLASSES
+
+
+def build_graph(dims, rules: dict[str, tuple[int, int]], ranks: int) -> DecodeGraph:
+    """Instantiate the decode-step graph. `rules` maps each dimension class to (ways, stride):
+    rank r holds shard (r // stride) % ways, replicated over the other ranks."""
+    if dims.family == "kimi_k3":
+        from mkc.model.kimi_k3_graph import KimiSharding, kimi_k3_activations, kimi_k3_kinds
+        sharding = KimiSharding.from_rules(rules, ranks)
+        kinds, experts, glob, per_rank = kimi_k3_kinds(dims, sharding)
+        activations = kimi_k3_activations(dims, sharding)
+    else:
+        for cls in QWEN_SHARD_CLASSES:
+            if rules[cls] != (ranks, 1):
+                raise ShardingError(f"the {dims.family} lowering is tensor parallel over the whole "
+                                    f"mesh: write `shard {cls} over tp`")
+        kinds, per_rank = _qwen35_kinds(dims, ranks, ranks)
+        experts, activations = {}, {}
+        v_local = _split(dims.vocab_size, ranks, "vocab_size")
+        per_rank["vocab"] = v_local
+        H = dims.hidden_size
+        glob = {
+            "embed": Tensor("embed", "table", (v_local, H), "bf16"),
+            "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
+            "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
+        }
     g = nx.DiGraph()
     g.add_node("embed", op="embed", layer=None, kind=None, reads=("embed",), writes=("x",))
     prev = "embed"
@@ -196,5 +230,5 @@ def build_graph(dims: ModelDims, ways: dict[str, int]) -> DecodeGraph:
                matmul="lm_head")
     g.add_edge(prev, "final_norm")
     g.add_edge("final_norm", "lm_head")
-    return DecodeGraph(dims=dims, ranks=max(heads, mlp, vocab), kinds=kinds, globals=glob, graph=g,
-                       per_rank=per_rank)
+    return DecodeGraph(dims=dims, ranks=ranks, kinds=kinds, globals=glob, graph=g,
+                       per_rank=per_rank, experts=experts, activations=activations)

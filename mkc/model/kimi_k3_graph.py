@@ -1,32 +1,44 @@
-"""Kimi K3 per-rank tensor families under a tensor x expert parallel sharding.
+"""The Kimi K3 decode graph: sublayer kinds, per-rank tensor families and sharding feasibility.
 
-First step of the K3 model graph (issue 3): the weights, vectors and states each layer kind
-reads, with per-rank shapes and dtypes, and the feasibility rules a topology must meet. The
-layout follows the hand-written reference kernel (`docs/k3-reference-notes.md`, section 1):
-attention heads, shared experts, the dense MLP, `latent_down` and the vocabulary split over
-every rank; routed experts split EP x TP; `latent_up` split within a host and replicated across
-hosts; the router's columns split between the two cores of a chip. Not yet wired into resolve.
+A K3 layer runs as two sublayers of the kernel's layer loop: attention (`kda` or `mla`), then
+the MLP (`dense` for layer 0, `moe` after), as the reference decodes it. Per-rank shapes follow
+the hand-written reference kernel's layout (`docs/k3-reference-notes.md`, section 1): attention
+heads, shared experts, the dense MLP, `latent_down` and the vocabulary over every core; routed
+experts expert-parallel over groups of cores and tensor-parallel inside a group; `latent_up`
+split within a host and replicated across hosts; the router's columns split between the cores
+of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes and E8M0 scales, K-major).
 """
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mkc.model.graph import ShardingError, Tensor, lane_pad
+from mkc.model.graph import LayerKind, Op, ShardingError, Tensor, lane_pad
+
+MX_BLOCK = 32                    # MXFP4: one E8M0 scale per 32 values
+KIMI_SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
+                      "latent_up", "router")
+# Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
+_WHOLE_MESH = ("heads", "mlp", "vocab", "latent_down")
 
 
 @dataclass(frozen=True)
 class KimiDims:
     """The K3 dimensions mkc needs, read from upstream-style config keys."""
 
-    hidden: int
-    layers: int
-    vocab: int
+    family: str
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float
     dense_width: int             # layer 0's MLP (first_k_dense_replace = 1)
     heads: int                   # KDA and MLA heads
     head_dim: int                # KDA head dim and MLA nope / value dim
     conv_taps: int
+    gate_lower_bound: float
     q_lora: int
     kv_lora: int
     qk_extra: int                # the 64 shared extra key dims (qk_rope_head_dim, NoPE)
@@ -36,45 +48,82 @@ class KimiDims:
     expert_width: int            # moe_intermediate_size
     latent: int                  # routed_expert_hidden_size
     block: int                   # attention-residual block size
+    layer_kinds: tuple[str, ...]   # one per sublayer: attention kind, then MLP kind
 
     @staticmethod
-    def from_config(raw: dict) -> "KimiDims":
+    def from_config(raw: dict, name: str = "kimi_k3") -> "KimiDims":
         lin = raw["linear_attn_config"]
+        n = int(raw["num_hidden_layers"])
+        mla = {int(i) - 1 for i in lin["full_attn_layers"]}     # 1-based upstream
+        dense = int(raw.get("first_k_dense_replace", 0))
+        kinds: list[str] = []
+        for i in range(n):
+            kinds += ["mla" if i in mla else "kda", "dense" if i < dense else "moe"]
         return KimiDims(
-            hidden=raw["hidden_size"], layers=raw["num_hidden_layers"], vocab=raw["vocab_size"],
-            dense_width=raw["intermediate_size"], heads=raw["num_attention_heads"],
-            head_dim=lin["head_dim"], conv_taps=lin["short_conv_kernel_size"],
-            q_lora=raw["q_lora_rank"], kv_lora=raw["kv_lora_rank"],
-            qk_extra=raw["qk_rope_head_dim"], experts=raw["num_experts"],
-            top_k=raw["num_experts_per_token"], shared_experts=raw["num_shared_experts"],
-            expert_width=raw["moe_intermediate_size"], latent=raw["routed_expert_hidden_size"],
-            block=raw["attn_res_block_size"])
+            family="kimi_k3", name=re.sub(r"[^A-Za-z0-9_]", "_", name) or "model",
+            hidden_size=int(raw["hidden_size"]), num_hidden_layers=n,
+            vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
+            dense_width=int(raw["intermediate_size"]), heads=int(raw["num_attention_heads"]),
+            head_dim=int(lin["head_dim"]), conv_taps=int(lin["short_conv_kernel_size"]),
+            gate_lower_bound=float(lin["gate_lower_bound"]),
+            q_lora=int(raw["q_lora_rank"]), kv_lora=int(raw["kv_lora_rank"]),
+            qk_extra=int(raw["qk_rope_head_dim"]), experts=int(raw["num_experts"]),
+            top_k=int(raw["num_experts_per_token"]),
+            shared_experts=int(raw["num_shared_experts"]),
+            expert_width=int(raw["moe_intermediate_size"]),
+            latent=int(raw["routed_expert_hidden_size"]),
+            block=int(raw["attn_res_block_size"]), layer_kinds=tuple(kinds))
 
     @staticmethod
     def load(path: str | Path) -> "KimiDims":
-        return KimiDims.from_config(json.loads(Path(path).read_text()))
+        return KimiDims.from_config(json.loads(Path(path).read_text()), Path(path).stem)
 
-    def layer_kinds(self) -> list[tuple[str, str]]:
-        """(attention kind, MLP kind) per layer: MLA where i % 4 == 3 or the last layer."""
-        return [("mla" if i % 4 == 3 or i == self.layers - 1 else "kda",
-                 "dense" if i == 0 else "moe") for i in range(self.layers)]
+    def layer_plan(self) -> list[tuple[str, str]]:
+        """(attention kind, MLP kind) per layer."""
+        k = self.layer_kinds
+        return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
 
 
 @dataclass(frozen=True)
 class KimiSharding:
+    """How K3's dimensions split over the mesh (derived from a spec's shard rules)."""
+
     ranks: int = 32
-    expert_tp: int = 4           # ranks sharing one expert's width (TP4); EP = ranks / this
+    expert_tp: int = 4           # ranks sharing one expert's width (TP); EP = ranks / this
     host_cores: int = 8          # latent_up is split over a host's cores
-    router_split: int = 2        # sibling cores each score half the experts
+    router_split: int = 2        # sibling cores each score a share of the experts
 
     @property
     def expert_groups(self) -> int:
         return self.ranks // self.expert_tp
 
+    @staticmethod
+    def from_rules(rules: dict[str, tuple[int, int]], ranks: int) -> "KimiSharding":
+        """Check shard rules {class: (ways, stride)} against the K3 lowering; ShardingError says
+        which rule does not fit and how to write it."""
+        for cls in _WHOLE_MESH:
+            if rules[cls] != (ranks, 1):
+                raise ShardingError(f"the kimi_k3 lowering splits {cls} over every core: write "
+                                    f"`shard {cls} over tp`", cls)
+        (ep, ep_stride), (tp, tp_stride) = rules["experts"], rules["expert_mlp"]
+        if ep * tp != ranks or ep_stride != tp or tp_stride != 1:
+            raise ShardingError(
+                f"experts over {ep} groups and expert_mlp over {tp} ways must tile the {ranks} "
+                f"ranks: expert group = rank // {tp}, width slice = rank % {tp}; write "
+                f"`shard experts over tp / {tp}` with `shard expert_mlp over {tp}`", "experts")
+        for cls in ("latent_up", "router"):
+            ways, stride = rules[cls]
+            if stride != 1 or ranks % ways:
+                raise ShardingError(f"{cls} must split over consecutive ranks (a chip, a host or "
+                                    f"a number dividing {ranks}), not {ways} ways of stride {stride}",
+                                    cls)
+        return KimiSharding(ranks=ranks, expert_tp=tp, host_cores=rules["latent_up"][0],
+                            router_split=rules["router"][0])
 
-def _split(total: int, ways: int, what: str) -> int:
+
+def _split(total: int, ways: int, what: str, dim_class: str | None = None) -> int:
     if ways <= 0 or total % ways:
-        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks")
+        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks", dim_class)
     return total // ways
 
 
@@ -83,62 +132,210 @@ def _ceil_split(total: int, ways: int) -> int:
     return -(-total // ways)
 
 
-def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: bool = False) -> Tensor:
-    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial)
+def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: bool = False,
+       split: str | None = None) -> Tensor:
+    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split)
+
+
+def _v(name: str, *shape: int) -> Tensor:
+    return Tensor(name, "vector", tuple(shape), "f32")
+
+
+@dataclass(frozen=True)
+class KimiGeometry:
+    """Per-rank sizes the K3 kernel indexes by."""
+
+    heads: int
+    kda_cols: int
+    shared: int
+    dense: int
+    latent_cols: int             # this rank's latent_down columns (lane padded)
+    latent_gathered: int         # the all-gathered latent width (ranks * latent_cols)
+    up_cols: int                 # latent_up output columns of this rank
+    router_cols: int
+    expert_width: int            # one expert's width slice on this rank
+    local_experts: int           # experts of this rank's expert group
+    cache_width: int             # an MLA latent cache row (kv_lora + extra, lane padded)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
+    if sh.ranks % sh.expert_tp:
+        raise ShardingError(f"{sh.ranks} ranks do not form groups of expert_tp = {sh.expert_tp}")
+    heads = _split(d.heads, sh.ranks, "attention heads", "heads")
+    local = _split(d.experts, sh.expert_groups, "routed experts", "experts")
+    width = _split(d.expert_width, sh.expert_tp, "expert width", "expert_mlp")
+    if width % (2 * MX_BLOCK):
+        raise ShardingError(f"an expert's width slice of {width} is not a multiple of "
+                            f"{2 * MX_BLOCK} (MXFP4 blocks of {MX_BLOCK}, two codes per byte)",
+                            "expert_mlp")
+    _split(d.hidden_size, sh.host_cores, "hidden size (latent_up columns)", "latent_up")
+    latent_cols = lane_pad(_ceil_split(d.latent, sh.ranks))       # 112 -> 128, zero padded
+    return KimiGeometry(
+        heads=heads, kda_cols=3 * heads * d.head_dim + heads * d.head_dim + lane_pad(heads),
+        shared=_split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width", "mlp"),
+        dense=-(-_ceil_split(d.dense_width, sh.ranks) // 128) * 128,
+        latent_cols=latent_cols, latent_gathered=latent_cols * sh.ranks,
+        # The reference pads the hidden size to 8192 here (1024 columns per core); an exact
+        # 7168 / 8 = 896 is already lane aligned, so mkc does not.
+        up_cols=lane_pad(_ceil_split(d.hidden_size, sh.host_cores)),
+        router_cols=lane_pad(_ceil_split(d.experts, sh.router_split)),
+        expert_width=width, local_experts=local,
+        cache_width=lane_pad(d.kv_lora + d.qk_extra))
 
 
 def kimi_k3_families(d: KimiDims, sh: KimiSharding) -> dict[str, dict[str, Tensor]]:
-    """Per-rank weight families of each layer kind (kda, mla, moe, dense) and of one routed
+    """Per-rank weight families of each sublayer kind (kda, mla, moe, dense) and of one routed
     expert ("expert"), in HBM layout. Raises ShardingError for an infeasible sharding."""
-    if sh.ranks % sh.expert_tp:
-        raise ShardingError(f"{sh.ranks} ranks do not form groups of expert_tp = {sh.expert_tp}")
-    H, hd = d.hidden, d.head_dim
-    heads = _split(d.heads, sh.ranks, "attention heads")
-    _split(d.experts, sh.expert_groups, "routed experts")
-    width = _split(d.expert_width, sh.expert_tp, "expert width")
-    shared = _split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width")
-    dense = -(-_ceil_split(d.dense_width, sh.ranks) // 128) * 128
-    latent_cols = lane_pad(_ceil_split(d.latent, sh.ranks))      # 112 -> 128, zero padded
-    # The reference pads the hidden size to 8192 here (1024 columns per core); an exact
-    # 7168 / 8 = 896 is already lane aligned, so mkc does not.
-    up_cols = lane_pad(_ceil_split(H, sh.host_cores))
-    router_cols = lane_pad(_ceil_split(d.experts, sh.router_split))
-    kda_cols = 3 * heads * hd + heads * hd + lane_pad(heads)    # q, k, v | g | b
+    g = kimi_k3_geometry(d, sh)
+    H, hd, P = d.hidden_size, d.head_dim, g.heads * d.head_dim
+    w = g.expert_width
     return {
         "kda": {
-            "projection": _m("projection", H, kda_cols),
             "gate_down": _m("gate_down", H, 128),                  # low-rank decay gate, full
-            "gate_up": _m("gate_up", 128, heads * hd),
-            "o_proj": _m("o_proj", heads * hd, H, partial=True),
+            "gate_up": _m("gate_up", 128, P),
+            "projection": _m("projection", H, g.kda_cols),        # q, k, v | g | b
+            "o_proj": _m("o_proj", P, H, partial=True),
         },
         "mla": {
             "q_down": _m("q_down", H, d.q_lora),                   # replicated
-            "kv_down": _m("kv_down", H, lane_pad(d.kv_lora + d.qk_extra)),   # replicated
-            "q_up": _m("q_up", d.q_lora, heads * lane_pad(hd + d.qk_extra)),
-            "kv_up": _m("kv_up", d.kv_lora, heads * 2 * hd),
-            "gate": _m("gate", H, heads * hd),
-            "o_proj": _m("o_proj", heads * hd, H, partial=True),
+            "kv_down": _m("kv_down", H, g.cache_width),           # replicated
+            "q_up": _m("q_up", d.q_lora, g.heads * (hd + d.qk_extra)),   # nope | extra
+            "key_up": _m("key_up", P, d.kv_lora),                  # absorbed into the query
+            "value_up": _m("value_up", d.kv_lora, P),
+            "gate": _m("gate", H, P),
+            "o_proj": _m("o_proj", P, H, partial=True),
         },
         "moe": {
-            "router": _m("router", H, router_cols),
-            "latent_down": _m("latent_down", H, latent_cols),
-            "latent_up": _m("latent_up", d.latent, up_cols),
-            "shared_gate_up": _m("shared_gate_up", H, 2 * shared),
-            "shared_down": _m("shared_down", shared, H, partial=True),
+            "router": _m("router", H, g.router_cols, split="router"),
+            "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down"),
+            "shared_gate_up": _m("shared_gate_up", H, 2 * g.shared),
+            "shared_down": _m("shared_down", g.shared, H, partial=True),
+            "latent_up": _m("latent_up", d.latent, g.up_cols, split="latent_up"),
         },
         "dense": {
-            "gate_up": _m("gate_up", H, 2 * dense),
-            "down": _m("down", dense, H, partial=True),
+            "gate_up": _m("gate_up", H, 2 * g.dense),
+            "down": _m("down", g.dense, H, partial=True),
         },
-        # One routed expert's TP slice: gate/up re-blocked to FP8 with a bf16 scale per 256
-        # rows (as the reference loads them), down as MXFP4 codes and E8M0 scales.
+        # One routed expert's width slice, MXFP4, K-major: codes hold two input rows per byte,
+        # one E8M0 scale per 32 input rows (`pack_mxfp4_for_kernel`).
         "expert": {
-            "gate_up": _m("gate_up", d.latent, 2 * width, "fp8"),
-            "gate_up_scale": _m("gate_up_scale", d.latent // 256, 2 * width),
-            "down": _m("down", width, d.latent // 2, "u8"),
-            "down_scale": _m("down_scale", width // 32, d.latent, "u8"),
+            "gate_up_codes": _m("gate_up_codes", d.latent // 2, 2 * w, "u8"),
+            "gate_up_scales": _m("gate_up_scales", d.latent // MX_BLOCK, 2 * w, "u8"),
+            "down_codes": _m("down_codes", w // 2, d.latent, "u8"),
+            "down_scales": _m("down_scales", w // MX_BLOCK, d.latent, "u8"),
         },
     }
+
+
+def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:
+    """One attention-residual query: the norm weight and the [1, H] projection."""
+    return {f"{prefix}_res_norm": _v(f"{prefix}_res_norm", H),
+            f"{prefix}_res_proj": _v(f"{prefix}_res_proj", H)}
+
+
+def kimi_k3_activations(d: KimiDims, sh: KimiSharding) -> dict[str, tuple[tuple[int, ...], str]]:
+    """VMEM activations the K3 kernel keeps across ops, with -1 for the batch dim."""
+    g = kimi_k3_geometry(d, sh)
+    # Residual sources: the embedding, every completed block, and the block being filled.
+    sources = 2 + -(-d.num_hidden_layers // d.block)
+    return {
+        "blocks": ((sources, -1, d.hidden_size), "f32"),
+        "latent": ((-1, g.latent_gathered), "f32"),
+    }
+
+
+def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
+                  ) -> tuple[dict[str, LayerKind], dict[str, Tensor], dict[str, Tensor],
+                             dict[str, int]]:
+    """(sublayer kinds, routed expert families, globals, per-rank sizes)."""
+    fam = kimi_k3_families(d, sh)
+    g = kimi_k3_geometry(d, sh)
+    H, P = d.hidden_size, g.heads * d.head_dim
+    attn_mix = Op("input_mix", reads=("blocks", "attn_res_norm", "attn_res_proj", "input_norm"),
+                  writes=("h",))
+    attn_residual = Op("attn_residual", reads=("attn_out", "blocks"), writes=("blocks",))
+    mlp_mix = Op("mlp_mix", reads=("blocks", "mlp_res_norm", "mlp_res_proj", "post_norm"),
+                 writes=("h",))
+    mlp_residual = Op("mlp_residual", reads=("mlp_out", "blocks"), writes=("blocks",))
+    kda = LayerKind("kda", ops=(
+        attn_mix,
+        Op("gate_down", reads=("h",), writes=("gate_low",), matmul="gate_down"),
+        Op("gate_up", reads=("gate_low",), writes=("gate",), matmul="gate_up"),
+        Op("projection", reads=("h",), writes=("proj",), matmul="projection"),
+        Op("conv", reads=("proj", "conv_weight", "conv"), writes=("qkv", "conv")),
+        Op("delta_rule", reads=("qkv", "gate", "a_log", "dt_bias", "recurrent"),
+           writes=("core", "recurrent")),
+        Op("gated_norm", reads=("core", "proj", "o_norm"), writes=("core",)),
+        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
+        attn_residual,
+    ), tensors={
+        **fam["kda"], **_mix_vectors(H, "attn"),
+        "input_norm": _v("input_norm", H),
+        "conv_weight": _v("conv_weight", d.conv_taps, 3 * P),
+        "a_log": _v("a_log", P),                     # per head, expanded over its channels
+        "dt_bias": _v("dt_bias", P),
+        "o_norm": _v("o_norm", d.head_dim),
+        "conv": Tensor("conv", "state", (d.conv_taps - 1, 3 * P), "bf16"),
+        "recurrent": Tensor("recurrent", "state", (g.heads, d.head_dim, d.head_dim), "f32"),
+    })
+    mla = LayerKind("mla", ops=(
+        attn_mix,
+        Op("q_down", reads=("h",), writes=("q_low",), matmul="q_down"),
+        Op("kv_down", reads=("h",), writes=("kv_row",), matmul="kv_down"),
+        Op("latent_norms", reads=("q_low", "kv_row", "q_norm", "kv_norm"),
+           writes=("q_low", "kv_row")),
+        Op("kv_write", reads=("kv_row",), writes=("latent",)),
+        Op("q_up", reads=("q_low",), writes=("q",), matmul="q_up"),
+        Op("absorb_query", reads=("q", "key_up"), writes=("q_lat",)),
+        Op("attention", reads=("q_lat", "latent"), writes=("lat_avg",)),
+        Op("values_out", reads=("lat_avg", "value_up"), writes=("core",)),
+        Op("gate", reads=("h",), writes=("gate",), matmul="gate"),
+        Op("out_gate", reads=("core", "gate"), writes=("core",)),
+        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
+        attn_residual,
+    ), tensors={
+        **fam["mla"], **_mix_vectors(H, "attn"),
+        "input_norm": _v("input_norm", H),
+        "q_norm": _v("q_norm", d.q_lora),
+        "kv_norm": _v("kv_norm", d.kv_lora),
+        "latent": Tensor("latent", "cache", (g.cache_width,), "bf16"),   # per token
+    })
+    moe = LayerKind("moe", ops=(
+        mlp_mix,
+        Op("router", reads=("h",), writes=("scores",), matmul="router"),
+        Op("route", reads=("scores", "router_bias"), writes=("expert_ids", "expert_weights")),
+        Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
+        Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
+        Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
+        Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights", "experts"),
+           writes=("routed_out",), partial=True, width=g.latent_gathered),
+        Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
+        Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
+        mlp_residual,
+    ), tensors={
+        **fam["moe"], **_mix_vectors(H, "mlp"),
+        "post_norm": _v("post_norm", H),
+        "router_bias": _v("router_bias", g.router_cols),
+        "latent_norm": _v("latent_norm", g.latent_gathered),
+    })
+    dense = LayerKind("dense", ops=(
+        mlp_mix,
+        Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
+        Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
+        mlp_residual,
+    ), tensors={**fam["dense"], **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
+    vocab = _split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
+    glob = {
+        "embed": Tensor("embed", "table", (vocab, H), "bf16"),
+        "final_norm": _v("final_norm", H),
+        **_mix_vectors(H, "output"),
+        "lm_head": _m("lm_head", H, vocab),
+    }
+    per_rank = g.as_dict() | {"vocab": vocab}
+    return ({"kda": kda, "mla": mla, "moe": moe, "dense": dense}, fam["expert"], glob, per_rank)
 
 
 def family_bytes(families: dict[str, Tensor]) -> int:
@@ -148,15 +345,13 @@ def family_bytes(families: dict[str, Tensor]) -> int:
 def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding) -> dict[str, int]:
     """Weight bytes one rank holds in HBM, by class (states and caches come with a batch)."""
     fam = kimi_k3_families(d, sh)
-    kinds = d.layer_kinds()
-    attention = sum(family_bytes(fam[a]) for a, _ in kinds)
-    moe_layers = sum(1 for _, m in kinds if m == "moe")
-    experts_per_group = d.experts // sh.expert_groups
-    vocab = _split(d.vocab, sh.ranks, "vocab")
+    kinds = d.layer_kinds
+    moe_layers = kinds.count("moe")
+    vocab = _split(d.vocab_size, sh.ranks, "vocab")
     return {
-        "attention": attention,
-        "dense mlp": sum(family_bytes(fam["dense"]) for _, m in kinds if m == "dense"),
+        "attention": sum(family_bytes(fam[k]) for k in kinds if k in ("kda", "mla")),
+        "dense mlp": kinds.count("dense") * family_bytes(fam["dense"]),
         "moe fixed": moe_layers * family_bytes(fam["moe"]),
-        "routed experts": moe_layers * experts_per_group * family_bytes(fam["expert"]),
-        "embedding and lm_head": 2 * vocab * d.hidden * 2,
+        "routed experts": moe_layers * (d.experts // sh.expert_groups) * family_bytes(fam["expert"]),
+        "embedding and lm_head": 2 * vocab * d.hidden_size * 2,
     }

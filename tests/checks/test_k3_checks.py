@@ -1,0 +1,84 @@
+"""The Kimi K3 schedule: VMEM budget, pool views that never overlap, the expert-slot protocol
+and the cross-layer prefetch, proven over the full unrolled trace."""
+import pytest
+
+from mkc.checks import vmem_budget
+from mkc.compiler import check_spec
+from mkc.diagnostics import MkcError
+from mkc.trace import build_trace
+from tests_support import K3_SPEC
+
+
+@pytest.fixture(scope="module")
+def k3():
+    s = check_spec(K3_SPEC).ir
+    return s, build_trace(s)
+
+
+def test_budget_fits_at_batch_1_and_8_with_the_pool_as_largest_class(k3):
+    s, events = k3
+    budget = s.vmem_limit - s.vmem_reserve
+    peaks = {b: vmem_budget(s, events, b)[0] for b in (1, 8)}
+    assert peaks[1] < peaks[8] <= budget
+    pool = s.buffer("staging")
+    # The pool is the largest view: KDA's four attention matrices (the reference's binding
+    # 29.84 MiB) or MLA's q_down, kv_down and the two absorbed up-projections.
+    assert pool.vmem_bytes == max(v.nbytes for v in s.pools[0].views)
+    assert 29.8 * 2**20 < pool.vmem_bytes < 31 * 2**20
+
+
+def test_views_of_the_pool_alternate_attention_experts_attention(k3):
+    s, events = k3
+    opens = [e for e in events if e.op == "view_open"]
+    closes = [e for e in events if e.op == "view_close"]
+    assert len(opens) == len(closes) == 93 + 92          # one attention view per layer + experts
+    seq = [e for e in events if e.op in ("view_open", "view_close")]
+    for a, b in zip(seq[::2], seq[1::2]):                # strictly open, close, open, close ...
+        assert (a.op, b.op) == ("view_open", "view_close") and a.buffer == b.buffer
+    # Layer L+1's attention is opened inside layer L's MoE sublayer (a prefetch).
+    attention = [e for e in events if e.op == "view_open" and e.buffer == "staging.attention"]
+    assert attention[0].where == "prologue"
+    assert [e.tag[1] for e in attention[:3]] == ["layer 0 kda", "layer 1 kda", "layer 2 kda"]
+    assert all(" moe " in e.where or " dense " in e.where for e in attention[1:])
+
+
+def test_worst_case_routed_experts_cycle_through_the_slots(k3):
+    s, events = k3
+    local = s.per_rank["local_experts"]
+    count = min(s.top_k * s.batch_max, local)          # every row picks 16 local experts
+    reads = [e for e in events if e.op == "read" and e.buffer == "staging.experts"
+             and e.tag[1] == 3]                        # layer 3 is the first MoE sublayer
+    assert count == 112 and len(reads) == count * len(s.experts)
+    slots = s.pools[0].view("experts").slots
+    assert {e.slot[0] for e in reads} == set(range(slots))
+
+
+def test_prefetch_during_routing_is_an_overlap():
+    text = K3_SPEC.read_text().replace("prefetch next staging.attention after routed_experts",
+                                       "prefetch next staging.attention after route")
+    spec = K3_SPEC.parent.parent / "tests" / "broken_specs" / "k3_pool_views_overlap.sched"
+    assert text in spec.read_text()
+    with pytest.raises(MkcError) as e:
+        check_spec(spec)
+    d = next(d for d in e.value.diagnostics if d.code == "E-POOL-OVERLAP")
+    # Routing at layer 1 opens both the experts and layer 2's attention: the diagnostic names
+    # both views and points at one of their lines (29, 30 with the expectation header).
+    assert "staging.attention of layer 2 kda" in d.message
+    assert "staging.experts of layer 1 moe" in d.message
+    assert {d.span.line, int(d.notes[0].split()[-1])} == {29, 30}
+
+
+def test_topology_rederives_per_rank_shapes_and_collectives(tmp_path):
+    """The same spec on 2 hosts (16 cores) with the MINI model: heads, experts and the
+    two-level all-reduce's second stage follow the topology."""
+    spec = tmp_path / "k3_16.sched"
+    spec.write_text(K3_SPEC.read_text().replace("topology 2x2x4", "topology 2x2x2")
+                    .replace("tp = 32", "tp = 16"))
+    mini = check_spec(spec, "kimi_k3_mini").ir
+    full = check_spec(K3_SPEC).ir
+    assert full.kinds["kda"].allreduces[0].stages == ((8, 1), (4, 8))
+    assert mini.kinds["kda"].allreduces[0].stages == ((8, 1), (2, 8))
+    assert (full.per_rank["heads"], mini.per_rank["heads"]) == (3, 1)
+    assert (full.per_rank["local_experts"], mini.per_rank["local_experts"]) == (112, 8)
+    gathers = {g.after_op: (g.size, g.stride) for g in mini.kinds["moe"].allgathers}
+    assert gathers == {"latent_down": (16, 1), "latent_up": (8, 1)}
