@@ -17,16 +17,33 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int) -> dict[str,
     for kname in s.layer_kinds:
         k = s.kinds[kname]
         if k.kv:
-            width = next(b.shape[-1] for b in s.buffers if b.cls == "kv" and b.scope
-                         and b.scope[0] == kname)
+            caches = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == kname]
             tiles = -(-tokens_in_cache // k.kv.tokens)
-            kv += 2 * batch * tiles * k.kv.tokens * width * ir.DTYPE_BYTES["bf16"]
-    return {
-        "weights": st.streamed_bytes,
+            kv += sum(batch * tiles * k.kv.tokens * b.shape[-1] * ir.DTYPE_BYTES[b.dtype]
+                      for b in caches)
+    traffic = {"weights": st.streamed_bytes}
+    pooled = sum(m.nbytes for kname in s.layer_kinds for p in s.pools for v in p.views
+                 for m in v.matrices.get(kname, []))
+    if pooled:
+        traffic["pooled weights"] = pooled
+    if s.experts:
+        traffic["routed experts (uniform routing)"] = round(
+            expected_local_experts(s, batch) * sum(_prod(shape) * ir.DTYPE_BYTES[dtype]
+                                                   for shape, dtype in s.experts.values())
+            * sum(1 for k in s.layer_kinds if s.kinds[k].fetch is not None))
+    return traffic | {
         "vectors": len(s.layer_kinds) * s.parity.rows * s.parity.cols * 4,
         "state (load + store)": 2 * state,
         "kv cache": kv,
     }
+
+
+def expected_local_experts(s: ir.ScheduleIR, batch: int) -> float:
+    """Distinct experts of one rank's group that `batch` rows pick per MoE layer, if routing
+    were uniform: each of the group's experts is picked by a row with probability top_k / E."""
+    experts = s.dims["experts"]
+    local = s.per_rank["local_experts"]
+    return local * (1 - (1 - s.top_k / experts) ** batch)
 
 
 def step_floor_seconds(s: ir.ScheduleIR, hbm_bytes_per_s: float, batch: int,

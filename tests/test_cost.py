@@ -1,3 +1,5 @@
+import pytest
+
 from mkc import cost, target
 from mkc.compiler import check_spec
 from tests_support import SPEC
@@ -15,3 +17,17 @@ def test_step_floor_is_bandwidth_bound_and_grows_with_batch_and_context():
     # Qwen 3.8 27B over 8 cores moves about 6.5-7 GB of weights per rank per step.
     assert 6.0e9 < traffic["weights"] < 7.5e9
     assert 1.5e-3 < t1 < 2.5e-3
+
+
+def test_k3_floor_counts_pooled_attention_and_expected_experts():
+    from tests_support import K3_SPEC
+    s = check_spec(K3_SPEC).ir
+    t1, t8 = cost.hbm_traffic(s, 1, 128), cost.hbm_traffic(s, 8, 128)
+    # Attention projections of all 93 layers pass through the pool: ~31 MB (KDA) or ~30 MB
+    # (MLA's pooled part) per layer per rank.
+    assert 2.8e9 < t1["pooled weights"] < 3.0e9
+    # Uniform routing: 16 of 896 experts per row, 112 in this rank's group -> 2 at batch 1.
+    assert cost.expected_local_experts(s, 1) == pytest.approx(2.0)
+    per_expert = 3 * 3584 * 768 * 17 // 32
+    assert t1["routed experts (uniform routing)"] == pytest.approx(92 * 2 * per_expert)
+    assert t1["routed experts (uniform routing)"] < t8["routed experts (uniform routing)"]
