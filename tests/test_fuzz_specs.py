@@ -6,12 +6,19 @@ import pytest
 
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from tests_support import SPEC
+from tests_support import K3_SPEC, SPEC
 
-_TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|\d+x\d+x\d+|\d+|->|\"[^\"]*\"|[{}:;,=]")
+_TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|\d+x\d+x\d+|\d+|->|\"[^\"]*\"|[{}:;,=()/]")
 _REPLACEMENTS = ["0", "1", "3", "7", "999999999", "x", "gdn", "gqa", "start", "end", "next",
                  "wait", "load", "store", "{", "}", ";", ",", "->", '"qwen3_8_mini"', "bf16",
-                 "f32", "tp", "state.conv", "before", "after", "two_level", "host", "chip"]
+                 "f32", "tp", "state.conv", "before", "after", "two_level", "host", "chip",
+                 "kda", "mla", "moe", "dense", "pool", "view", "slots", "expert", "prefetch",
+                 "fetch", "experts", "allgather", "exchange", "sibling", "staging.experts",
+                 "staging.attention", "/", "(", ")", "route", "routed_experts", "over"]
+# The K3 spec on 2 hosts (16 cores), checked with the MINI config: small traces, every construct.
+_K3_ON_16 = (K3_SPEC.read_text().replace("topology 2x2x4", "topology 2x2x2")
+             .replace("tp = 32", "tp = 16"))
+_CASES = [("qwen", SPEC.read_text(), "qwen3_8_mini"), ("k3", _K3_ON_16, "kimi_k3_mini")]
 
 
 def _mutations(text: str, count: int, seed: int) -> list[str]:
@@ -31,13 +38,15 @@ def _mutations(text: str, count: int, seed: int) -> list[str]:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_mutated_specs_give_diagnostics_not_crashes(tmp_path, seed):
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c[0])
+def test_mutated_specs_give_diagnostics_not_crashes(tmp_path, seed, case):
+    _, base, model = case
     spec = tmp_path / "mutant.sched"
     outcomes = {"ok": 0, "rejected": 0}
-    for text in _mutations(SPEC.read_text(), 40, seed):
+    for text in _mutations(base, 40, seed):
         spec.write_text(text)
         try:
-            check_spec(spec, "qwen3_8_mini")
+            check_spec(spec, model)
             outcomes["ok"] += 1
         except MkcError as e:
             for d in e.diagnostics:
