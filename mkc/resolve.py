@@ -11,6 +11,7 @@ from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
 from mkc.model.config import load_dims, resolve_config_path
 from mkc.model.graph import DecodeGraph, ShardingError, build_graph, shard_classes
+from mkc.ops.pool import ROW_BYTES, pooled_rows
 
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
@@ -278,12 +279,9 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
 
 
 def _pooled_bytes(rows: int, cols: int, dtype: str) -> int:
-    """Bytes of a matrix in a pool: 128-lane column panels of bf16 rows (u8 data packs two rows
-    per bf16 element), each panel a whole number of (16, 128) tiles so every panel starts
-    tile-aligned."""
-    bf16_rows = rows if dtype == "bf16" else -(-rows * ir.DTYPE_BYTES[dtype] // 2)
-    panels = -(-cols // ir.LANES)
-    return panels * (-(-bf16_rows // 16) * 16) * ir.LANES * 2
+    """Bytes of a matrix in a pool; the layout (128-lane bf16 column panels of whole tiles,
+    u8 data two rows per element) is defined once, in `mkc.ops.pool`."""
+    return pooled_rows(rows, cols, dtype) * ROW_BYTES
 
 
 def _resolve_pools(sched: ast.Schedule, graph: DecodeGraph

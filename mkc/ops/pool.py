@@ -1,0 +1,147 @@
+"""Whole matrices in a VMEM pool: the layout, the host packing and the in-kernel accessors.
+
+A pool is one ``pltpu.VMEM((pool_rows, 128), bfloat16)`` scratch time-shared by views
+(``mkc.ir.Pool``). A pooled matrix [rows, cols] starts at a bf16 row offset (its byte offset
+// 256) and is stored as ``ceil(cols / 128)`` column panels of 128 lanes, one after the other:
+
+* panel p holds columns [128 p, 128 p + 128) in ``panel_rows(rows, dtype)`` pool rows
+  starting at ``row_offset + p * panel_rows``; the last panel's lanes past ``cols`` and each
+  panel's rows past the data are padding, never read;
+* bf16 data is one matrix row per pool row; uint8 data (MXFP4 codes and scales) packs two
+  rows per bf16 element, row 2a in the low byte and row 2a + 1 in the high byte of pool row a,
+  which is how ``pltpu.bitcast(value, uint8)`` unpacks [n, 128] bf16 into [2n, 128] uint8;
+* ``panel_rows`` rounds up to whole (16, 128) bf16 tiles so every panel starts tile aligned.
+
+Bytes per matrix are ``pooled_rows * 256``, equal to ``mkc.resolve._pooled_bytes``.
+
+A DMA cannot change dtype (uint8 HBM -> bf16 VMEM is rejected) and cannot transpose, so the
+HBM form (``pack_for_pool``) is the natural [rows, cols] layout in pool rows: bf16 as is,
+uint8 packed in pairs of rows, padded to whole panels. ``start_pooled_copy`` moves it with
+one strided DMA per column panel; ``wait_pooled_copy`` waits for all of them at once.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mkc import ir
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+LANES = ir.LANES
+TILE_ROWS = ir.SUBLANE_TILE["bf16"]     # bf16 pool rows per (16, 128) tile
+ROW_BYTES = LANES * 2                   # bytes per pool row
+
+
+def _itemsize(dtype: str | np.dtype | type) -> int:
+    """Bytes per element of an IR dtype name ("bf16", "u8", ...) or a numpy/jax dtype."""
+    size = ir.DTYPE_BYTES[dtype] if isinstance(dtype, str) else np.dtype(dtype).itemsize
+    if size not in (1, 2):
+        raise ValueError(f"a pool holds bf16 or 1-byte (uint8) matrices, not {dtype}")
+    return size
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def panel_rows(rows: int, dtype: str | np.dtype | type) -> int:
+    """Pool (bf16) rows of one column panel of a [rows, *] matrix: 1-byte data two rows per
+    pool row, rounded up to whole (16, 128) tiles."""
+    return _round_up(-(-rows * _itemsize(dtype) // 2), TILE_ROWS)
+
+
+def pooled_rows(rows: int, cols: int, dtype: str | np.dtype | type) -> int:
+    """Pool rows a [rows, cols] matrix occupies (its bytes / 256)."""
+    return -(-cols // LANES) * panel_rows(rows, dtype)
+
+
+def pack_for_pool(a: np.ndarray) -> np.ndarray:
+    """Host side: a [rows, cols] bf16 or uint8 matrix -> its HBM form, bf16
+    [panel_rows, panels * 128] (see the module doc). Aligned bf16 comes back unchanged;
+    padding is zeros."""
+    a = np.asarray(a)
+    if a.ndim != 2:
+        raise ValueError(f"pack_for_pool takes a 2-D matrix, got shape {a.shape}")
+    size = _itemsize(a.dtype)
+    if size == 2 and a.dtype != ml_dtypes.bfloat16:
+        raise ValueError(f"2-byte pooled data must be bfloat16, not {a.dtype}")
+    rows, cols = a.shape
+    pr = panel_rows(rows, a.dtype)
+    data_rows = pr * (2 // size)
+    padded = (data_rows, _round_up(cols, LANES))
+    if padded != a.shape:
+        a = np.pad(a, [(0, padded[0] - rows), (0, padded[1] - cols)])
+    if size == 2:
+        return a
+    # Rows 2r and 2r + 1 become the (low, high) bytes of one bf16 element (little endian).
+    pairs = np.ascontiguousarray(a.reshape(pr, 2, padded[1]).transpose(0, 2, 1))
+    return pairs.view(ml_dtypes.bfloat16).reshape(pr, padded[1])
+
+
+def _row(offset: int | jax.Array) -> int | jax.Array:
+    """A pool row offset as a DMA/load index: dynamic offsets are promised tile aligned, which
+    Mosaic needs to address whole (16, 128) tiles."""
+    return offset if isinstance(offset, (int, np.integer)) else pl.multiple_of(offset, TILE_ROWS)
+
+
+def _panel_copies(hbm_ref, pool_ref, row_offset: int | jax.Array, sem) -> list:
+    pr, width = hbm_ref.shape
+    if pr % TILE_ROWS or width % LANES:
+        raise ValueError(f"HBM form {hbm_ref.shape} is not from pack_for_pool")
+    return [pltpu.make_async_copy(hbm_ref.at[:, pl.ds(p * LANES, LANES)],
+                                  pool_ref.at[pl.ds(_row(row_offset + p * pr), pr)], sem)
+            for p in range(width // LANES)]
+
+
+def start_pooled_copy(hbm_ref, pool_ref, row_offset: int | jax.Array, sem) -> None:
+    """In a kernel: start copying one matrix's HBM form (``pack_for_pool``; an ANY-space ref,
+    e.g. ``w_hbm.at[expert]``) into the pool at ``row_offset`` (static, or a dynamic multiple
+    of 16): one strided DMA per column panel, all signalling ``sem``."""
+    for copy in _panel_copies(hbm_ref, pool_ref, row_offset, sem):
+        copy.start()
+
+
+def wait_pooled_copy(hbm_ref, pool_ref, row_offset: int | jax.Array, sem) -> None:
+    """In a kernel: wait for a ``start_pooled_copy`` with the same arguments. One wait for the
+    matrix's whole byte count: the panels are contiguous in the pool, so a descriptor over that
+    row range accounts for every panel's bytes (the semaphore counts bytes, not DMAs)."""
+    pr, width = hbm_ref.shape
+    span = pool_ref.at[pl.ds(_row(row_offset), pr * (width // LANES))]
+    pltpu.make_async_copy(span, span, sem).wait()
+
+
+def pooled_matmul(h: jax.Array, pool_ref, row_offset: int | jax.Array, rows: int,
+                  cols: int) -> jax.Array:
+    """In a kernel: h [B, rows] (bf16 or f32, cast to bf16 as the streamed matmuls do) times
+    the pooled bf16 [rows, cols] matrix at ``row_offset`` -> f32 [B, cols]; one MXU dot per
+    column panel, reading only data rows (padding may hold stale or NaN bytes)."""
+    h = h.astype(BF16)
+    pr = panel_rows(rows, "bf16")
+    outs = [jnp.dot(h, pool_ref[pl.ds(_row(row_offset + p * pr), rows), :], preferred_element_type=F32)
+            for p in range(-(-cols // LANES))]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    return out if cols % LANES == 0 else out[:, :cols]
+
+
+def pooled_u8(pool_ref, row_offset: int | jax.Array, rows: int, cols: int, *, first: int = 0,
+              count: int | None = None) -> jax.Array:
+    """In a kernel: rows [first, first + count) (default: all) of the pooled uint8 [rows, cols]
+    matrix at ``row_offset`` -> uint8 [count, cols], e.g. one pack group of MXFP4 codes for
+    ``mxfp4_dequantize_tile``. ``first`` must be a multiple of 32 (a whole bf16 tile in)."""
+    count = rows - first if count is None else count
+    if first % (2 * TILE_ROWS) or first < 0 or count <= 0 or first + count > rows:
+        raise ValueError(f"rows [{first}, {first}+{count}) of {rows}: first must be a multiple of "
+                         f"{2 * TILE_ROWS} and the range inside the matrix")
+    pr = panel_rows(rows, "u8")
+    n = _round_up(-(-count // 2), TILE_ROWS)        # read whole tiles; bitcast doubles the rows
+    panels = []
+    for p in range(-(-cols // LANES)):
+        packed = pool_ref[pl.ds(_row(row_offset + p * pr + first // 2), n), :]
+        panels.append(pltpu.bitcast(packed, jnp.uint8)[:count])
+    out = panels[0] if len(panels) == 1 else jnp.concatenate(panels, axis=1)
+    return out if cols % LANES == 0 else out[:, :cols]
