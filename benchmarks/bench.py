@@ -1,6 +1,7 @@
 """Benchmarks: mkc compile time (full Qwen spec), libtpu compile time of the generated
-full-size kernel, and interpret-mode time per MINI decode step. Prints medians and the
-command that reproduces each number.
+full-size kernel, interpret-mode time per MINI decode step, and the check time and VMEM peaks
+of the full Kimi K3 spec (its kernel is not generated yet). Prints medians and the command
+that reproduces each number.
 
     ./dev bench            (or .venv/bin/python benchmarks/bench.py [--repeats N])
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 
 
 def _py(args: list[str]) -> str:
@@ -34,6 +36,22 @@ def bench_mkc_compile(repeats: int) -> list[float]:
         compiler.compile_spec(SPEC)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def bench_k3_check(repeats: int) -> tuple[list[float], dict[int, float]]:
+    """Parse, resolve and every check of the full K3 spec (186 sublayers, worst-case experts),
+    and its VMEM peaks in MiB at both ends of the batch range."""
+    from mkc import compiler
+    from mkc.checks import vmem_budget
+    from mkc.trace import build_trace
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        c = compiler.check_spec(K3_SPEC)
+        times.append(time.perf_counter() - t0)
+    events = build_trace(c.ir)
+    peaks = {b: vmem_budget(c.ir, events, b)[0] / 2**20 for b in (c.ir.batch_min, c.ir.batch_max)}
+    return times, peaks
 
 
 def bench_cli_compile(repeats: int) -> list[float]:
@@ -79,9 +97,14 @@ def main() -> int:
     t = bench_interpret(steps=4)
     rows.append(("interpret mode, MINI decode step, 8 CPU devices, on_wait, batch 1", t,
                  ".venv/bin/python examples/run_mini.py --steps 4 --batch 1"))
+    t, peaks = bench_k3_check(args.repeats)
+    rows.append(("mkc check, full Kimi K3 spec, in process (parse, resolve, trace, checks)", t,
+                 ".venv/bin/mkc check schedules/kimi_k3.sched"))
     for name, times, cmd in rows:
         print(f"{name}: median {statistics.median(times):.3f} s over {len(times)} "
               f"(min {min(times):.3f}, max {max(times):.3f})\n    reproduce: {cmd}")
+    print("Kimi K3 VMEM peak: " + ", ".join(f"batch {b}: {mib:.2f} MiB" for b, mib in peaks.items())
+          + "\n    reproduce: .venv/bin/mkc check schedules/kimi_k3.sched")
     return 0
 
 

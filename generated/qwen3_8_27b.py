@@ -24,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mkc.model import qwen3_5_weights as hf_layout
 from mkc.model.config import ModelDims
+from mkc.ops import collectives
 from mkc.ops import qwen3_5 as ops
 
 F32 = jnp.float32
@@ -165,38 +166,12 @@ COLLECTIVES = {
 
 
 def _allreduce_stage(r, partial, name, size, stride):
-    """Direct all-reduce over the `size` ranks base + i * stride: each sends its partial to
-    every peer (slot = sender), then all sum in slot order, so the group's results are
-    bit-identical. Slots and receive semaphores alternate by the buffer's use parity: a rank
-    reaches use c + 2 only after every peer sent use c + 1, i.e. after it finished reading c."""
-    counter, wire = COLLECTIVES[name]
-    recv, send_sem, recv_sem = getattr(r, name), getattr(r, name + "__send"), getattr(r, name + "__recv")
-    me = lax.axis_index(AXIS)
-    local = lax.rem(me // stride, size)
-    base = me - local * stride
-    c = r.collective_count[counter]
-    r.collective_count[counter] = c + 1
-    par = lax.rem(c, 2)
-    recv[par, local] = partial.astype(wire)
-    sends = []
-    for k in range(1, size):
-        peer = base + lax.rem(local + k, size) * stride
-        cp = pltpu.make_async_remote_copy(recv.at[par, local], recv.at[par, local], send_sem.at[par, k],
-                                          recv_sem.at[par, local], device_id=(peer,),
-                                          device_id_type=pl.DeviceIdType.MESH)
-        cp.start()
-        sends.append(cp)
-    for cp in sends:
-        cp.wait_send()
-    for k in range(1, size):
-        src = lax.rem(local + size - k, size)
-        pltpu.make_async_remote_copy(recv.at[par, src], recv.at[par, src], send_sem.at[par, k],
-                                     recv_sem.at[par, src], device_id=(base + src * stride,),
-                                     device_id_type=pl.DeviceIdType.MESH).wait_recv()
-    total = recv[par, 0].astype(F32)
-    for n in range(1, size):
-        total = total + recv[par, n].astype(F32)
-    return total
+    """Direct all-reduce over the `size` ranks base + i * stride through receive buffer `name`,
+    double-buffered by its use parity (`mkc.ops.collectives` holds the argument)."""
+    counter, _ = COLLECTIVES[name]
+    return collectives.allreduce_stage(partial, getattr(r, name), getattr(r, name + "__send"),
+                                       getattr(r, name + "__recv"), r.collective_count, counter,
+                                       AXIS, size, stride)
 
 
 def _allreduce(r, partial, stages, wire):
@@ -447,13 +422,8 @@ def _attention(r, kind, si, q_heads, B):
 
 def _kernel(*refs, B):
     r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
-    me = lax.axis_index(AXIS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
-    barrier = pltpu.get_barrier_semaphore()
-    for k in range(1, RANKS):
-        pl.semaphore_signal(barrier, 1, device_id=(lax.rem(me + k, RANKS),),
-                            device_id_type=pl.DeviceIdType.MESH)
-    pl.semaphore_wait(barrier, RANKS - 1)
+    collectives.barrier(AXIS, RANKS)
     for counter in range(len(COLLECTIVES)):
         r.collective_count[counter] = 0
 

@@ -32,7 +32,7 @@ def test_generated_module_declares_its_schedule():
     assert "pl.pallas_call(" in src and "vmem_limit_bytes=VMEM_LIMIT_BYTES" in src
     assert "collective_id=0" in src and "jax.shard_map(" in src
     assert "def pack_weights(" in src and "def init_state(" in src
-    assert "make_async_remote_copy" in src
+    assert "collectives.allreduce_stage(" in src and "collectives.barrier(AXIS, RANKS)" in src
 
 
 def test_free_text_from_inputs_cannot_break_the_module(tmp_path):

@@ -1,0 +1,98 @@
+"""In-kernel collectives by remote DMA, for grid-less Pallas TPU kernels run under ``shard_map``.
+
+The mechanism of the generated kernels' all-reduce, with the refs passed explicitly. A group is
+the ``size`` ranks ``base + i * stride`` (i < size) containing the caller, on the mesh axis
+``axis``; ranks are numbered core-fastest (rank = 8 * host + 2 * chip_in_host + core), so
+(2, 1) pairs the two cores of a chip and (8, 1) spans a host. Each collective owns:
+
+* ``recv``: a VMEM buffer ``[2, size, B, width]``: slot [p, i] holds group member i's share for
+  a use of parity p (the sender writes its own slot locally, then copies it to every peer);
+* ``send_sem``, ``recv_sem``: DMA semaphore arrays ``(2, size)``;
+* ``counter_ref[counter]``: an SMEM int32 use counter, zeroed once at kernel entry.
+
+The caller must run ``barrier`` (with ``collective_id`` set in the compiler params) before the
+first collective, and every rank of a group must make the same sequence of calls on a buffer,
+so that all agree on the counter and hence on the parity.
+
+Why reusing slot ``c % 2`` is safe: a use ends with the reads of every slot of its parity, and
+only then can the rank start its next use. A peer writes parity ``c % 2`` again at use c + 2,
+which it reaches only after receiving this rank's share of use c + 1, i.e. after this rank has
+read use c. Receive semaphores of a parity are likewise never signalled for use c + 2 before
+the wait of use c; send semaphores are drained within each use.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+F32 = jnp.float32
+
+
+def barrier(axis: str, ranks: int) -> None:
+    """Wait until all ``ranks`` ranks of ``axis`` are inside the kernel, so that no remote copy
+    lands in the VMEM of a rank that has not started it (needs ``collective_id``)."""
+    me = lax.axis_index(axis)
+    sem = pltpu.get_barrier_semaphore()
+    for k in range(1, ranks):
+        pl.semaphore_signal(sem, 1, device_id=(lax.rem(me + k, ranks),),
+                            device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_wait(sem, ranks - 1)
+
+
+def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
+              size: int, stride: int) -> jax.Array:
+    """Send ``value`` to every group peer and wait for all their shares; returns the parity
+    whose slots ``recv[par, i]`` now hold member i's share."""
+    me = lax.axis_index(axis)
+    local = lax.rem(me // stride, size)
+    base = me - local * stride
+    c = counter_ref[counter]
+    counter_ref[counter] = c + 1
+    par = lax.rem(c, 2)
+    recv[par, local] = value.astype(recv.dtype)
+    sends = []
+    for k in range(1, size):
+        peer = base + lax.rem(local + k, size) * stride
+        cp = pltpu.make_async_remote_copy(recv.at[par, local], recv.at[par, local], send_sem.at[par, k],
+                                          recv_sem.at[par, local], device_id=(peer,),
+                                          device_id_type=pl.DeviceIdType.MESH)
+        cp.start()
+        sends.append(cp)
+    for cp in sends:
+        cp.wait_send()
+    for k in range(1, size):
+        # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
+        src = lax.rem(local + size - k, size)
+        pltpu.make_async_remote_copy(recv.at[par, src], recv.at[par, src], send_sem.at[par, k],
+                                     recv_sem.at[par, src], device_id=(base + src * stride,),
+                                     device_id_type=pl.DeviceIdType.MESH).wait_recv()
+    return par
+
+
+def allreduce_stage(partial: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int,
+                    axis: str, size: int, stride: int) -> jax.Array:
+    """f32 sum of ``partial [B, width]`` over the group, travelling in ``recv.dtype``. All members
+    add the slots in the same (group) order, so their results are bit-identical."""
+    par = _exchange(partial, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
+    total = recv[par, 0].astype(F32)
+    for i in range(1, size):
+        total = total + recv[par, i].astype(F32)
+    return total
+
+
+def allgather(shard: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
+              size: int, stride: int) -> jax.Array:
+    """The group's ``[B, width]`` shards concatenated in group order: ``[B, size * width]`` in
+    ``recv.dtype``."""
+    par = _exchange(shard, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
+    return jnp.concatenate([recv[par, i] for i in range(size)], axis=-1)
+
+
+def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int,
+                          axis: str) -> jax.Array:
+    """Swap ``share [B, width]`` with the other core of this chip (rank ^ 1); returns both shares
+    ``[B, 2 * width]``, core 0's first (``recv`` is ``[2, 2, B, width]``)."""
+    return allgather(share, recv, send_sem, recv_sem, counter_ref, counter, axis, 2, 1)

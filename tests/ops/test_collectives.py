@@ -1,0 +1,190 @@
+"""``mkc.ops.collectives`` in one grid-less kernel under ``jax.shard_map`` on 16 ranks: a two-level
+all-reduce (8, 1) then (2, 8), all-gathers over (16, 1) and (8, 1) and the sibling exchange, each
+called twice in a row so the buffer parity alternates. Runs in TPU interpret mode on 16 virtual
+CPU devices (on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2.
+
+Every run is a subprocess (the device count is fixed when jax initialises):
+``python tests/ops/test_collectives.py on_wait|eager|races|races_eager|compile`` prints one ``JSON`` line."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # libtpu's lockfile, no TPU here
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+from mkc.ops import collectives as coll  # noqa: E402
+
+AXIS, RANKS, B, W = "tp", 16, 8, 128
+F32, BF16 = jnp.float32, jnp.bfloat16
+ROUNDS = 2
+# name -> (group size, stride, buffer dtype); every buffer is [2, size, B, W] with its own counter.
+BUFFERS = {"ar8": (8, 1, F32), "ar2": (2, 8, F32), "ag16": (16, 1, F32), "ag8": (8, 1, BF16),
+           "sib": (2, 1, F32)}
+# output name -> per-rank shape, dtype; index 0/1 is the round.
+OUTPUTS = {f"{name}{n}": (shape, dtype) for n in range(ROUNDS) for name, shape, dtype in
+           [("ar", (B, W), F32), ("ag16", (B, 16 * W), F32), ("ag8", (B, 8 * W), BF16),
+            ("sib", (B, 2 * W), F32)]}
+
+
+def _kernel(x_ref, *refs):
+    """x_ref [ROUNDS, 3, B, W] f32: per round the all-reduce, all-gather and sibling inputs."""
+    outs = dict(zip(OUTPUTS, refs))
+    scratch = refs[len(OUTPUTS):]
+    bufs = {name: scratch[3 * i:3 * i + 3] for i, name in enumerate(BUFFERS)}
+    count = scratch[-1]
+    coll.barrier(AXIS, RANKS)
+    for i in range(len(BUFFERS)):
+        count[i] = 0
+
+    def call(fn, name, value, *group):
+        return fn(value, *bufs[name], count, list(BUFFERS).index(name), AXIS, *group)
+
+    # Each buffer's uses come back to back, so nothing but the parity argument keeps a peer's next
+    # share out of a slot this rank is still reading (a collective in between would order them).
+    h = [call(coll.allreduce_stage, "ar8", x_ref[n, 0], 8, 1) for n in range(ROUNDS)]
+    for n in range(ROUNDS):
+        outs[f"ar{n}"][...] = call(coll.allreduce_stage, "ar2", h[n], 2, 8)
+    for n in range(ROUNDS):
+        outs[f"ag16{n}"][...] = call(coll.allgather, "ag16", x_ref[n, 1], 16, 1)
+    for n in range(ROUNDS):
+        outs[f"ag8{n}"][...] = call(coll.allgather, "ag8", x_ref[n, 1], 8, 1)
+    for n in range(ROUNDS):
+        outs[f"sib{n}"][...] = call(coll.exchange_with_sibling, "sib", x_ref[n, 2])
+
+
+def build(mesh: Mesh, interpret):
+    """The jitted collective step over ``mesh``: x [RANKS, ROUNDS, 3, B, W] -> outputs stacked
+    over ranks."""
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    scratch = []
+    for size, _, dtype in BUFFERS.values():
+        scratch += [pltpu.VMEM((2, size, B, W), dtype), pltpu.SemaphoreType.DMA((2, size)),
+                    pltpu.SemaphoreType.DMA((2, size))]
+    scratch.append(pltpu.SMEM((len(BUFFERS),), jnp.int32))
+    call = pl.pallas_call(
+        _kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d in OUTPUTS.values()],
+        in_specs=[vmem], out_specs=[vmem] * len(OUTPUTS), scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(collective_id=0, has_side_effects=True),
+        interpret=interpret if interpret is not None else False)
+
+    def per_rank(x):
+        return [o[None] for o in call(x[0])]
+
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(AXIS),
+                                 out_specs=[P(AXIS)] * len(OUTPUTS), check_vma=False))
+
+
+def inputs() -> np.ndarray:
+    """Random small integers per rank (exact in bf16 and in any f32 summation order), offset in
+    round 2, so a share from the wrong rank or round shows."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-8, 9, (RANKS, ROUNDS, 3, B, W)).astype(np.float32)
+    x[:, 1] += 32.0                       # round 2 differs everywhere from round 1
+    return x
+
+
+def expected(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-rank results [RANKS, ...] of every output, in numpy."""
+    want = {}
+    for n in range(ROUNDS):
+        want[f"ar{n}"] = np.broadcast_to(x[:, n, 0].sum(0), (RANKS, B, W))
+        ag = [np.concatenate(list(x[g:g + size, n, 1]), axis=-1) for size in (16, 8)
+              for g in range(0, RANKS, size)]
+        want[f"ag16{n}"] = np.stack([ag[0]] * RANKS)
+        want[f"ag8{n}"] = np.stack([ag[1 + r // 8] for r in range(RANKS)])
+        want[f"sib{n}"] = np.stack([np.concatenate([x[r & ~1, n, 2], x[r | 1, n, 2]], axis=-1)
+                                    for r in range(RANKS)])
+    return want
+
+
+def run_interpret(mode: str) -> dict:
+    """Exact-equality verdict per output and whether the race detector fired."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    params = {"on_wait": pltpu.InterpretParams(),
+              "eager": pltpu.InterpretParams(dma_execution_mode="eager"),
+              "races": pltpu.InterpretParams(detect_races=True, vector_clock_size=64, on_race="warn"),
+              "races_eager": pltpu.InterpretParams(detect_races=True, vector_clock_size=64,
+                                                   on_race="warn", dma_execution_mode="eager")}[mode]
+    mesh = Mesh(np.array(jax.devices()[:RANKS]), (AXIS,))
+    x = inputs()
+    got = build(mesh, params)(jnp.asarray(x))
+    want = expected(x)
+    ok = {name: bool(np.array_equal(np.asarray(g, np.float32), want[name]))
+          for name, g in zip(OUTPUTS, got)}
+    return {"mode": mode, "ok": ok, "races_found": bool(ipc.races.races_found)}
+
+
+def run_compile() -> dict:
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    topo = topologies.get_topology_desc("tpu7x=2x2x2", platform="tpu")
+    # The groups assume core-fastest rank numbering: rank = 8 * host + 2 * chip_in_host + core.
+    assert [d.core_on_chip for d in topo.devices] == [0, 1] * (RANKS // 2), topo.devices
+    assert [d.process_index for d in topo.devices] == [r // 8 for r in range(RANKS)], topo.devices
+    mesh = Mesh(np.array(topo.devices), (AXIS,))
+    x = jax.ShapeDtypeStruct((RANKS, ROUNDS, 3, B, W), F32, sharding=NamedSharding(mesh, P(AXIS)))
+    build(mesh, None).lower(x).compile()
+    return {"mode": "compile", "compiled": "tpu7x=2x2x2"}
+
+
+# ---- pytest side: one subprocess per mode, shared by the checks of that mode -------------------
+@functools.cache
+def _run(mode: str) -> dict:
+    from conftest import run_python
+    r = run_python([__file__, mode], timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
+
+
+@pytest.fixture(params=["on_wait", "eager", "races", "races_eager"])
+def interpreted(request) -> dict:
+    return _run(request.param)
+
+
+@pytest.mark.parametrize("rnd", range(ROUNDS))
+def test_two_level_allreduce_equals_the_sum_on_every_rank(interpreted, rnd):
+    assert interpreted["ok"][f"ar{rnd}"], interpreted
+
+
+@pytest.mark.parametrize("rnd", range(ROUNDS))
+@pytest.mark.parametrize("group", ["ag16", "ag8"])
+def test_allgather_equals_the_concatenation(interpreted, group, rnd):
+    assert interpreted["ok"][f"{group}{rnd}"], interpreted
+
+
+@pytest.mark.parametrize("rnd", range(ROUNDS))
+def test_sibling_exchange_in_core_order(interpreted, rnd):
+    assert interpreted["ok"][f"sib{rnd}"], interpreted
+
+
+@pytest.mark.parametrize("mode", ["races", "races_eager"])
+def test_no_races(mode):
+    """Both DMA modes: on-wait runs a copy when its receiver waits, which hides a write racing
+    a read before that wait; eager runs it at start. The detector itself is guarded by
+    tests/race_detector_canary.py (test_interpret_mini)."""
+    result = _run(mode)
+    assert result["races_found"] is False, result
+
+
+def test_all_three_compile_for_tpu7x_2x2x2():
+    """Lowered through Mosaic and compiled by libtpu (a few seconds, so not marked slow)."""
+    assert _run("compile")["compiled"] == "tpu7x=2x2x2"
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    result = run_compile() if mode == "compile" else run_interpret(mode)
+    print("JSON " + json.dumps(result))
