@@ -318,7 +318,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
     ), tensors={
         **fam["moe"], **_mix_vectors(H, "mlp"),
         "post_norm": _v("post_norm", H),
-        "router_bias": _v("router_bias", g.router_cols),
+        "router_bias": _v("router_bias", g.router_cols * sh.router_split),
         "latent_norm": _v("latent_norm", g.latent_gathered),
     })
     dense = LayerKind("dense", ops=(

@@ -1,0 +1,171 @@
+"""Where each per-rank weight family of kimi_k3 comes from in the checkpoint.
+
+Names are the text-only checkpoint names `mkc.reference.kimi_k3.param_shapes` lists. Matrices
+come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
+`mkc.model.kimi_k3_graph` shapes it; routed experts come back as MXFP4 codes and scales in the
+kernel's K-major layout (`pack_mxfp4_for_kernel`). A split that does not fill the last ranks
+(the latent, latent_up's columns, the router's experts) leaves zeros there, so the all-gathered
+result is the real width followed by zero padding.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from mkc.model.kimi_k3_graph import KimiDims, KimiGeometry, KimiSharding
+from mkc.ops.kimi_k3 import expand_a_log, pack_mxfp4_for_kernel, split_kv_b_proj, split_q_b_proj
+
+MX_BLOCK = 32
+
+
+def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    return np.asarray(hf[name]).astype(np.float32)
+
+
+def _block(m: np.ndarray, axis: int, index: int, width: int) -> np.ndarray:
+    """Block `index` of `width` along `axis`, zero padded where it runs past the end."""
+    start = index * width
+    part = np.take(m, np.arange(start, min(start + width, m.shape[axis])), axis=axis)
+    pad = [(0, 0)] * m.ndim
+    pad[axis] = (0, width - part.shape[axis])
+    return np.pad(part, pad)
+
+
+def _heads(rank: int, g: KimiGeometry) -> list[int]:
+    return list(range(rank * g.heads, (rank + 1) * g.heads))
+
+
+def _head_rows(m: np.ndarray, rank: int, g: KimiGeometry, per_head: int) -> np.ndarray:
+    return m[rank * g.heads * per_head:(rank + 1) * g.heads * per_head]
+
+
+def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
+                  layer: int, kind: str, family: str, rank: int) -> np.ndarray:
+    """One rank's [in, out] matrix of a sublayer kind's family, as f32."""
+    p = f"model.layers.{layer}."
+    a, hd = p + "self_attn.", d.head_dim
+    if kind == "kda":
+        if family == "projection":
+            cols = [_head_rows(_w(hf, a + f"{x}_proj.weight"), rank, g, hd) for x in "qkvg"]
+            beta = _head_rows(_w(hf, a + "b_proj.weight"), rank, g, 1)
+            beta = np.pad(beta, ((0, g.kda_cols - 4 * g.heads * hd - beta.shape[0]), (0, 0)))
+            return np.concatenate(cols + [beta], axis=0).T
+        if family == "gate_down":
+            return _w(hf, a + "f_a_proj.weight").T
+        if family == "gate_up":
+            return _head_rows(_w(hf, a + "f_b_proj.weight"), rank, g, hd).T
+        if family == "o_proj":
+            return _head_rows(_w(hf, a + "o_proj.weight").T, rank, g, hd)
+    if kind == "mla":
+        if family == "q_down":
+            return _w(hf, a + "q_a_proj.weight").T
+        if family == "kv_down":
+            return _block(_w(hf, a + "kv_a_proj_with_mqa.weight").T, 1, 0, g.cache_width)
+        if family == "q_up":
+            nope, extra = split_q_b_proj(_w(hf, a + "q_b_proj.weight"), d.heads, hd, _heads(rank, g))
+            return np.concatenate([nope, extra], axis=1)
+        if family in ("key_up", "value_up"):
+            uk, uv = split_kv_b_proj(_w(hf, a + "kv_b_proj.weight"), d.heads, hd, _heads(rank, g))
+            return uk if family == "key_up" else uv
+        if family == "gate":
+            return _head_rows(_w(hf, a + "g_proj.weight"), rank, g, hd).T
+        if family == "o_proj":
+            return _head_rows(_w(hf, a + "o_proj.weight").T, rank, g, hd)
+    m = p + "block_sparse_moe."
+    if kind == "moe":
+        if family == "router":
+            return _block(_w(hf, m + "gate.weight").T, 1, rank % sh.router_split, g.router_cols)
+        if family == "latent_down":
+            return _block(_w(hf, m + "routed_expert_down_proj.weight").T, 1, rank, g.latent_cols)
+        if family == "latent_up":
+            return _block(_w(hf, m + "routed_expert_up_proj.weight").T, 1, rank % sh.host_cores,
+                          g.up_cols)
+        s = m + "shared_experts."
+        if family == "shared_gate_up":
+            return np.concatenate([_block(_w(hf, s + f"{x}_proj.weight"), 0, rank, g.shared)
+                                   for x in ("gate", "up")], axis=0).T
+        if family == "shared_down":
+            return _block(_w(hf, s + "down_proj.weight").T, 0, rank, g.shared)
+    if kind == "dense":
+        if family == "gate_up":
+            return np.concatenate([_block(_w(hf, p + f"mlp.{x}_proj.weight"), 0, rank, g.dense)
+                                   for x in ("gate", "up")], axis=0).T
+        if family == "down":
+            return _block(_w(hf, p + "mlp.down_proj.weight").T, 0, rank, g.dense)
+    raise KeyError(f"no {kind} weight family {family!r}")
+
+
+def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
+    """Input rows per MXFP4 pack group (the rows the kernel dequantises at a time)."""
+    return {"gate_up": min(d.latent, 512), "down": min(g.expert_width, 128)}
+
+
+def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
+                  layer: int, expert: int, rank: int) -> dict[str, np.ndarray]:
+    """One rank's width slice of a routed expert: gate|up and down codes and scales, K-major."""
+    e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    part, w = rank % sh.expert_tp, g.expert_width
+    groups = pack_groups(d, g)
+    gate_up = []
+    for x in ("w1", "w3"):                     # gate, up: output rows part*w ... (part+1)*w
+        codes = np.asarray(hf[e + f"{x}.weight_packed"])[part * w:(part + 1) * w]
+        scales = np.asarray(hf[e + f"{x}.weight_scale"])[part * w:(part + 1) * w]
+        gate_up.append(pack_mxfp4_for_kernel(codes, scales, groups["gate_up"]))
+    # down: input columns part*w ... (part+1)*w, two per code byte, one scale per 32
+    codes = np.asarray(hf[e + "w2.weight_packed"])[:, part * w // 2:(part + 1) * w // 2]
+    scales = np.asarray(hf[e + "w2.weight_scale"])[:, part * w // MX_BLOCK:(part + 1) * w // MX_BLOCK]
+    down_codes, down_scales = pack_mxfp4_for_kernel(codes, scales, groups["down"])
+    return {"gate_up_codes": np.concatenate([gate_up[0][0], gate_up[1][0]], axis=1),
+            "gate_up_scales": np.concatenate([gate_up[0][1], gate_up[1][1]], axis=1),
+            "down_codes": down_codes, "down_scales": down_scales}
+
+
+def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
+           layer: int, kind: str, name: str, rank: int) -> np.ndarray:
+    """One rank's per-layer vector family, [rows, width] f32."""
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    res = {"attn_res_norm": "self_attention_res_norm.weight",
+           "attn_res_proj": "self_attention_res_proj.weight",
+           "mlp_res_norm": "mlp_res_norm.weight", "mlp_res_proj": "mlp_res_proj.weight",
+           "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+    if name in res:
+        return _w(hf, p + res[name]).reshape(1, -1)
+    hd = d.head_dim
+    if kind == "kda":
+        if name == "conv_weight":                      # [taps, 3P]: row t multiplies tap t
+            return np.concatenate([_head_rows(_w(hf, a + f"{x}_conv1d.weight")[:, 0, :], rank, g, hd)
+                                   for x in "qkv"], axis=0).T
+        if name == "a_log":
+            return expand_a_log(_w(hf, a + "A_log")[rank * g.heads:(rank + 1) * g.heads], hd)
+        if name == "dt_bias":
+            return _head_rows(_w(hf, a + "dt_bias"), rank, g, hd).reshape(1, -1)
+        if name == "o_norm":
+            return _w(hf, a + "o_norm.weight").reshape(1, -1)
+    if kind == "mla":
+        if name == "q_norm":
+            return _w(hf, a + "q_a_layernorm.weight").reshape(1, -1)
+        if name == "kv_norm":
+            return _w(hf, a + "kv_a_layernorm.weight").reshape(1, -1)
+    m = p + "block_sparse_moe."
+    if kind == "moe":
+        if name == "router_bias":
+            bias = _w(hf, m + "gate.e_score_correction_bias")
+            return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
+        if name == "latent_norm":
+            w = _w(hf, m + "routed_expert_norm.weight")
+            return np.pad(w, (0, g.latent_gathered - w.shape[0])).reshape(1, -1)
+    raise KeyError(f"no {kind} vector family {name!r}")
+
+
+def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, name: str,
+                  rank: int) -> np.ndarray:
+    vocab = d.vocab_size // sh.ranks
+    if name == "embed":
+        return np.asarray(hf["model.embed_tokens.weight"])[rank * vocab:(rank + 1) * vocab]
+    if name == "lm_head":
+        return _w(hf, "lm_head.weight")[rank * vocab:(rank + 1) * vocab].T
+    names = {"final_norm": "model.norm.weight", "output_res_norm": "model.output_attn_res_norm.weight",
+             "output_res_proj": "model.output_attn_res_proj.weight"}
+    return _w(hf, names[name]).reshape(1, -1)

@@ -1,0 +1,74 @@
+"""Per-rank K3 weights cut from a checkpoint have the graph's shapes and add back up: summing
+the ranks' partial products (or joining their column shards) gives the full layer's product."""
+import numpy as np
+import pytest
+
+from mkc.model.config import CONFIG_DIR
+from mkc.model.graph import build_graph
+from mkc.model.kimi_k3_graph import KimiDims, KimiSharding, kimi_k3_geometry
+from mkc.model import kimi_k3_weights as kw
+from mkc.model.mxfp4 import mxfp4_dequantize
+from mkc.ops.kimi_k3 import unpack_mxfp4_from_kernel
+from mkc.reference import kimi_k3 as reference
+
+MINI = KimiDims.load(CONFIG_DIR / "kimi_k3_mini.json")
+RULES = {"heads": (16, 1), "mlp": (16, 1), "vocab": (16, 1), "latent_down": (16, 1),
+         "experts": (4, 4), "expert_mlp": (4, 1), "latent_up": (8, 1), "router": (2, 1)}
+SH = KimiSharding.from_rules(RULES, 16)
+G = kimi_k3_geometry(MINI, SH)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    cfg = reference.load_config(CONFIG_DIR / "kimi_k3_mini.json")
+    return reference.init_params(cfg, seed=3)
+
+
+def test_every_family_has_the_graph_shape(hf):
+    graph = build_graph(MINI, RULES, 16)
+    for layer, (attn, mlp) in enumerate(MINI.layer_plan()):
+        for kind in (attn, mlp):
+            for t in graph.kinds[kind].tensors.values():
+                for rank in (0, 5, 15):
+                    if t.role == "matrix":
+                        got = kw.family_matrix(hf, MINI, G, SH, layer, kind, t.name, rank).shape
+                    elif t.role == "vector":
+                        got = kw.vector(hf, MINI, G, SH, layer, kind, t.name, rank).shape
+                        got = got if len(t.shape) == 2 else (got[-1],)
+                    else:
+                        continue
+                    assert got == t.shape, (kind, t.name, rank)
+    arrays = kw.expert_arrays(hf, MINI, G, SH, 1, 0, 3)
+    assert {n: a.shape for n, a in arrays.items()} == {n: t.shape for n, t in graph.experts.items()}
+
+
+def test_row_split_partials_sum_to_the_full_product(hf):
+    x = np.random.default_rng(0).standard_normal((2, G.heads * MINI.head_dim * 16)).astype(np.float32)
+    full = x @ np.asarray(hf["model.layers.0.self_attn.o_proj.weight"], np.float32).T
+    per = G.heads * MINI.head_dim
+    total = sum(x[:, r * per:(r + 1) * per] @ kw.family_matrix(hf, MINI, G, SH, 0, "kda", "o_proj", r)
+                for r in range(16))
+    np.testing.assert_allclose(total, full, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_column_splits_gather_to_the_real_width_then_zeros(hf):
+    x = np.random.default_rng(1).standard_normal((2, MINI.hidden_size)).astype(np.float32)
+    full = x @ np.asarray(hf["model.layers.1.block_sparse_moe.routed_expert_down_proj.weight"],
+                          np.float32).T
+    gathered = np.concatenate([x @ kw.family_matrix(hf, MINI, G, SH, 1, "moe", "latent_down", r)
+                               for r in range(16)], axis=1)
+    np.testing.assert_allclose(gathered[:, :MINI.latent], full, rtol=1e-4, atol=1e-4)
+    assert not gathered[:, MINI.latent:].any()
+
+
+def test_expert_slices_decode_to_the_checkpoint_expert(hf):
+    e = "model.layers.2.block_sparse_moe.experts.5."
+    w = G.expert_width
+    groups = kw.pack_groups(MINI, G)
+    for rank in range(4):                          # the 4 width slices of expert group 0
+        a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, rank)
+        codes, scales = unpack_mxfp4_from_kernel(a["down_codes"], a["down_scales"], groups["down"])
+        down = mxfp4_dequantize(codes, scales, (MINI.latent, w))
+        want = mxfp4_dequantize(hf[e + "w2.weight_packed"], hf[e + "w2.weight_scale"],
+                                (MINI.latent, MINI.expert_width))[:, rank * w:(rank + 1) * w]
+        np.testing.assert_array_equal(down, want)
