@@ -10,11 +10,9 @@ Prints one line per step and, with --json, a final JSON summary (used by the tes
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,22 +26,13 @@ import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from mkc import compiler  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generated_module import load_generated  # noqa: E402
+
 from mkc.checkpoint import load_checkpoint  # noqa: E402
 from mkc.reference import qwen3_5 as reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_generated(spec: Path, model: str):
-    """Compile `spec` for `model` and import the generated module."""
-    c = compiler.compile_spec(spec, model)
-    out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{compiler.module_name(c)}.py"
-    compiler.write_atomically(out, c.module_source)
-    mod_spec = importlib.util.spec_from_file_location(out.stem, out)
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
 
 
 def _relative_errors(ours: dict, cache: dict, kind: str) -> float:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from mkc import ir
 from mkc.checks import run_checks
-from mkc.codegen.emit import CODEGEN_FAMILIES, render
-from mkc.diagnostics import fail
+from mkc.codegen.emit import render
 from mkc.lang.parser import parse_file
 from mkc.model.config import resolve_config_path
 from mkc.resolve import resolve
@@ -32,11 +31,6 @@ def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
 
 def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:
     c = check_spec(spec, model)
-    if c.ir.family not in CODEGEN_FAMILIES:
-        raise fail("E-CODEGEN", f"mkc checks {c.ir.family} schedules but cannot generate their "
-                   "kernels yet", c.ir.setting_spans["model"],
-                   hint=f"`mkc check` proves this schedule; code generation covers "
-                        f"{', '.join(CODEGEN_FAMILIES)}")
     config_text = resolve_config_path(model or c.ir.model, Path(spec).parent).read_text()
     c.module_source = render(c.ir, c.spec_text, config_text)
     return c

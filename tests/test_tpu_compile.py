@@ -1,16 +1,19 @@
-"""The full-size generated Qwen kernel compiles with libtpu for compile-only tpu7x=2x2x1."""
+"""The full-size generated kernels compile with libtpu for their compile-only topologies: Qwen
+on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices)."""
 import pytest
 
 from conftest import run_python
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("module, topology", [("qwen3_8_27b", "tpu7x=2x2x1"),
+                                              ("kimi_k3", "tpu7x=2x2x4")])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_full_size_kernel_compiles_for_tpu7x(batch):
-    r = run_python(["benchmarks/tpu_compile.py", "generated/qwen3_8_27b.py", str(batch)],
+def test_full_size_kernel_compiles_for_tpu7x(module, topology, batch):
+    r = run_python(["benchmarks/tpu_compile.py", f"generated/{module}.py", str(batch)],
                    timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert "compiled for tpu7x=2x2x1" in r.stdout
+    assert f"compiled for {topology}" in r.stdout
 
 
 @pytest.mark.slow

@@ -48,6 +48,9 @@ class KimiDims:
     expert_width: int            # moe_intermediate_size
     latent: int                  # routed_expert_hidden_size
     block: int                   # attention-residual block size
+    situ_beta: float
+    situ_linear_beta: float
+    routed_scaling: float
     layer_kinds: tuple[str, ...]   # one per sublayer: attention kind, then MLP kind
 
     @staticmethod
@@ -72,7 +75,10 @@ class KimiDims:
             shared_experts=int(raw["num_shared_experts"]),
             expert_width=int(raw["moe_intermediate_size"]),
             latent=int(raw["routed_expert_hidden_size"]),
-            block=int(raw["attn_res_block_size"]), layer_kinds=tuple(kinds))
+            block=int(raw["attn_res_block_size"]),
+            situ_beta=float(raw["activation_situ_beta"]),
+            situ_linear_beta=float(raw["activation_situ_linear_beta"]),
+            routed_scaling=float(raw.get("routed_scaling_factor", 1.0)), layer_kinds=tuple(kinds))
 
     @staticmethod
     def load(path: str | Path) -> "KimiDims":
@@ -311,7 +317,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
         Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
         Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights", "experts"),
-           writes=("routed_out",), partial=True, width=g.latent_gathered),
+           writes=("routed_out",), partial=True, width=d.latent),
         Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
         Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
         mlp_residual,
@@ -319,7 +325,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         **fam["moe"], **_mix_vectors(H, "mlp"),
         "post_norm": _v("post_norm", H),
         "router_bias": _v("router_bias", g.router_cols * sh.router_split),
-        "latent_norm": _v("latent_norm", g.latent_gathered),
+        "latent_norm": _v("latent_norm", d.latent),
     })
     dense = LayerKind("dense", ops=(
         mlp_mix,
@@ -334,7 +340,8 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         **_mix_vectors(H, "output"),
         "lm_head": _m("lm_head", H, vocab),
     }
-    per_rank = g.as_dict() | {"vocab": vocab}
+    per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
+                              "host_cores": sh.host_cores, "router_split": sh.router_split}
     return ({"kda": kda, "mla": mla, "moe": moe, "dense": dense}, fam["expert"], glob, per_rank)
 
 

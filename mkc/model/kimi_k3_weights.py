@@ -154,8 +154,7 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
             bias = _w(hf, m + "gate.e_score_correction_bias")
             return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
         if name == "latent_norm":
-            w = _w(hf, m + "routed_expert_norm.weight")
-            return np.pad(w, (0, g.latent_gathered - w.shape[0])).reshape(1, -1)
+            return _w(hf, m + "routed_expert_norm.weight").reshape(1, -1)
     raise KeyError(f"no {kind} vector family {name!r}")
 
 

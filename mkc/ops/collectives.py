@@ -6,7 +6,8 @@ the ``size`` ranks ``base + i * stride`` (i < size) containing the caller, on th
 (2, 1) pairs the two cores of a chip and (8, 1) spans a host. Each collective owns:
 
 * ``recv``: a VMEM buffer ``[2, size, B, width]``: slot [p, i] holds group member i's share for
-  a use of parity p (the sender writes its own slot locally, then copies it to every peer);
+  a use of parity p (the sender writes its own slot locally, then copies it to every peer); a
+  payload narrower than ``width`` uses the leading columns;
 * ``send_sem``, ``recv_sem``: DMA semaphore arrays ``(2, size)``;
 * ``counter_ref[counter]``: an SMEM int32 use counter, zeroed once at kernel entry.
 
@@ -52,11 +53,16 @@ def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: 
     c = counter_ref[counter]
     counter_ref[counter] = c + 1
     par = lax.rem(c, 2)
-    recv[par, local] = value.astype(recv.dtype)
+    width = value.shape[-1]
+
+    def slot(i):     # a payload narrower than the buffer uses (and moves) its leading columns
+        return recv.at[par, i] if width == recv.shape[-1] else recv.at[par, i, :, :width]
+
+    slot(local)[...] = value.astype(recv.dtype)
     sends = []
     for k in range(1, size):
         peer = base + lax.rem(local + k, size) * stride
-        cp = pltpu.make_async_remote_copy(recv.at[par, local], recv.at[par, local], send_sem.at[par, k],
+        cp = pltpu.make_async_remote_copy(slot(local), slot(local), send_sem.at[par, k],
                                           recv_sem.at[par, local], device_id=(peer,),
                                           device_id_type=pl.DeviceIdType.MESH)
         cp.start()
@@ -66,7 +72,7 @@ def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: 
     for k in range(1, size):
         # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
         src = lax.rem(local + size - k, size)
-        pltpu.make_async_remote_copy(recv.at[par, src], recv.at[par, src], send_sem.at[par, k],
+        pltpu.make_async_remote_copy(slot(src), slot(src), send_sem.at[par, k],
                                      recv_sem.at[par, src], device_id=(base + src * stride,),
                                      device_id_type=pl.DeviceIdType.MESH).wait_recv()
     return par
@@ -77,9 +83,10 @@ def allreduce_stage(partial: jax.Array, recv, send_sem, recv_sem, counter_ref, c
     """f32 sum of ``partial [B, width]`` over the group, travelling in ``recv.dtype``. All members
     add the slots in the same (group) order, so their results are bit-identical."""
     par = _exchange(partial, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
-    total = recv[par, 0].astype(F32)
+    width = partial.shape[-1]
+    total = recv[par, 0, :, :width].astype(F32)
     for i in range(1, size):
-        total = total + recv[par, i].astype(F32)
+        total = total + recv[par, i, :, :width].astype(F32)
     return total
 
 
@@ -88,7 +95,8 @@ def allgather(shard: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: 
     """The group's ``[B, width]`` shards concatenated in group order: ``[B, size * width]`` in
     ``recv.dtype``."""
     par = _exchange(shard, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
-    return jnp.concatenate([recv[par, i] for i in range(size)], axis=-1)
+    width = shard.shape[-1]
+    return jnp.concatenate([recv[par, i, :, :width] for i in range(size)], axis=-1)
 
 
 def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int,

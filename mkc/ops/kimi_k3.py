@@ -271,6 +271,23 @@ def attention_residual_mix(sources: Sequence[jax.Array] | jax.Array, norm_w: jax
     return mixed
 
 
+def residual_mix(sources: Sequence[jax.Array], count: jax.Array | int, norm_w: jax.Array,
+                 proj_w: jax.Array, eps: float) -> jax.Array:
+    """``attention_residual_mix`` over the first ``count`` (a traced scalar) of ``sources``; the
+    rest are masked out before they can touch the result (they may hold stale memory)."""
+    scores = [jnp.where(i < count, jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True),
+                        -jnp.inf) for i, v in enumerate(sources)]
+    top = scores[0]
+    for sc in scores[1:]:
+        top = jnp.maximum(top, sc)
+    exps = [jnp.exp(sc - top) for sc in scores]
+    total = sum(exps[1:], exps[0])
+    mixed = jnp.zeros_like(sources[0])
+    for i, (e, v) in enumerate(zip(exps, sources)):
+        mixed = mixed + jnp.where(i < count, (e / total) * v, 0.0)
+    return mixed
+
+
 # ---------------------------------------------------------------------------------------------
 # Host-side packing (numpy, at weight-load time)
 

@@ -128,6 +128,15 @@ def pooled_matmul(h: jax.Array, pool_ref, row_offset: int | jax.Array, rows: int
     return out if cols % LANES == 0 else out[:, :cols]
 
 
+def pooled_bf16(pool_ref, row_offset: int | jax.Array, rows: int, cols: int) -> jax.Array:
+    """In a kernel: the pooled bf16 [rows, cols] matrix at ``row_offset`` as a value, for ops that
+    read a weight whole rather than multiply the activation by it (absorbed MLA)."""
+    pr = panel_rows(rows, "bf16")
+    panels = [pool_ref[pl.ds(_row(row_offset + p * pr), rows), :] for p in range(-(-cols // LANES))]
+    out = panels[0] if len(panels) == 1 else jnp.concatenate(panels, axis=1)
+    return out if cols % LANES == 0 else out[:, :cols]
+
+
 def pooled_u8(pool_ref, row_offset: int | jax.Array, rows: int, cols: int, *, first: int = 0,
               count: int | None = None) -> jax.Array:
     """In a kernel: rows [first, first + count) (default: all) of the pooled uint8 [rows, cols]
