@@ -17,3 +17,16 @@ def load_generated(spec: Path, model: str):
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
     return module
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def k3_mini_spec() -> Path:
+    """The shipped K3 spec on 2 hosts (tpu7x 2x2x2, 16 cores), for the MINI config (16 heads):
+    the topology change re-derives per-rank shapes and collective groups."""
+    text = (ROOT / "schedules" / "kimi_k3.sched").read_text()
+    text = text.replace("topology 2x2x4", "topology 2x2x2").replace("tp = 32", "tp = 16")
+    path = Path(tempfile.mkdtemp(prefix="mkc-k3-")) / "kimi_k3.sched"
+    path.write_text(text)
+    return path

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,20 +29,35 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import load_generated  # noqa: E402
+from generated_module import k3_mini_spec, load_generated  # noqa: E402
 
 from mkc.reference import kimi_k3 as reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mini_spec() -> Path:
-    """The shipped K3 spec on 2 hosts, for the MINI config."""
-    text = (ROOT / "schedules" / "kimi_k3.sched").read_text()
-    text = text.replace("topology 2x2x4", "topology 2x2x2").replace("tp = 32", "tp = 16")
-    path = Path(tempfile.mkdtemp(prefix="mkc-k3-")) / "kimi_k3.sched"
-    path.write_text(text)
-    return path
+def _routing_margins(hf, cfg, tokens, positions, steps: int, context: int) -> np.ndarray:
+    """Per row, the smallest gap over every MoE layer and step between the top_k-th and the
+    next expert's selection score in the reference. Activations enter the MXU as bf16 in the
+    kernel, which moves scores by about 1e-3: a row with a smaller gap may legitimately pick
+    another expert (and then differ at O(1)), so such rows are reported, not compared."""
+    margins = []
+    route = reference.route
+
+    def recording_route(logits, bias, top_k, scaling=1.0):
+        top = jnp.sort(jax.nn.sigmoid(logits) + bias, axis=-1)
+        margins.append(np.asarray(top[:, -top_k] - top[:, -top_k - 1]))
+        return route(logits, bias, top_k, scaling)
+
+    reference.route = recording_route
+    try:
+        cache = reference.init_cache(cfg, len(tokens), context)
+        for _ in range(steps):
+            logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
+            tokens, positions = jnp.argmax(logits, axis=-1).astype(jnp.int32), positions + 1
+    finally:
+        reference.route = route
+    return np.min(np.stack(margins), axis=0)
 
 
 def _relative_error(ours: np.ndarray, ref) -> float:
@@ -57,13 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
+    ap.add_argument("--min-routing-margin", type=float, default=0.005,
+                    help="compare rows whose every expert choice wins by at least this much")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)
     hf = reference.init_params(cfg, seed=0)
-    gen = load_generated(mini_spec(), "kimi_k3_mini")
+    gen = load_generated(k3_mini_spec(), "kimi_k3_mini")
 
     B = args.batch
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
@@ -74,13 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     pack_seconds = time.perf_counter() - t0
     state = gen.init_state(B)
     cache = reference.init_cache(cfg, B, gen.CONTEXT)
-    rng = np.random.default_rng(1)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
     # Rows at different positions past the first latent tile: per-row masking, cache writes
     # inside a 16-row block and multi-tile streaming are all exercised.
     positions = jnp.asarray((136 + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
+    best = None      # the first token draw with at least half the rows decisive, else the best
+    for seed in range(1, 25):
+        tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, B), jnp.int32)
+        margins = _routing_margins(hf, cfg, tokens, positions, args.steps, gen.CONTEXT)
+        rows = np.array([b for b in range(B) if margins[b] >= args.min_routing_margin], np.int32)
+        if best is None or len(rows) > len(best[3]):
+            best = (seed, tokens, margins, rows)
+        if len(rows) >= max(1, B // 2):
+            break
+    seed, tokens, margins, rows = best
+    print(f"tokens from seed {seed}, routing margins per row "
+          f"{[round(float(m), 4) for m in margins]}: comparing rows {rows.tolist()}", flush=True)
     summary = {"steps": [], "mode": args.mode, "races": args.races, "batch": B,
-               "pack_seconds": pack_seconds}
+               "pack_seconds": pack_seconds, "routing_margins": margins.tolist(), "token_seed": seed,
+               "compared_rows": rows.tolist()}
     for i in range(args.steps):
         t0 = time.perf_counter()
         logits, next_token, state = gen.decode_step(weights, state, tokens, positions,
@@ -90,13 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         ref_logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
         ref_next = np.asarray(jnp.argmax(ref_logits, axis=-1))
         ours = gen.reference_states(state)
-        errors = {kind: max(_relative_error(ours[k], cache[k]) for k in ours if k.endswith(kind))
+        errors = {kind: max(_relative_error(ours[k][rows], np.asarray(cache[k])[rows])
+                            for k in ours if k.endswith(kind))
                   for kind in ("recurrent_state", "conv_state", "latent_cache")}
         rec = {"step": i, "seconds": seconds,
-               "logits_max_abs_err": float(jnp.max(jnp.abs(logits - ref_logits))),
-               "logits_max_abs": float(jnp.max(jnp.abs(ref_logits))),
-               "next_token": np.asarray(next_token).tolist(), "ref_next_token": ref_next.tolist(),
-               "state_rel_err": errors}
+               "logits_max_abs_err": float(jnp.max(jnp.abs(logits[rows] - ref_logits[rows]))),
+               "logits_max_abs": float(jnp.max(jnp.abs(ref_logits[rows]))),
+               "next_token": np.asarray(next_token)[rows].tolist(),
+               "ref_next_token": ref_next[rows].tolist(), "state_rel_err": errors}
         summary["steps"].append(rec)
         print(f"step {i}: {seconds:.1f} s, logits |err| {rec['logits_max_abs_err']:.4f} "
               f"(|ref| {rec['logits_max_abs']:.2f}), relative errors: recurrent "

@@ -527,18 +527,7 @@ def build_kernel(B, interpret=None):
     )
 
 
-def _tables():
-    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
 
-
-def _tile_classes():
-    """The tile-shape class of every tile of the step, in stream order (an SMEM table)."""
-    kinds = {v: k for k, v in KIND_IDS.items()}
-    families = [f for layer in range(N_LAYERS) for f in STREAM[kinds[LAYER_KIND[layer]]]]
-    classes = []
-    for name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols in families + STREAM["tail"]:
-        classes += [TILE_SHAPES.index([tile_rows, tile_cols])] * (row_tiles * col_tiles)
-    return np.array(classes, np.int32)
 
 
 def _rope(positions):
@@ -581,19 +570,10 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
         logits = logits.reshape(B, RANKS * VOCAB_LOCAL)
         return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), dict(zip(names, outs[1:]))
 
-    return jax.jit(step, donate_argnums=(1,))
-
-
-def init_state(B: int) -> dict[str, np.ndarray]:
-    """Zeroed decode state, with the leading rank axis."""
-    return {n: np.zeros((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
-
-
-def abstract_inputs(B: int):
-    """ShapeDtypeStructs of (weights, state) with the leading rank axis: for compile-only use."""
-    weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
-    state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
-    return weights, state
+    # Logits and next tokens come back replicated, so every process (host) can read them.
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    ranked = jax.sharding.NamedSharding(mesh, rank_spec)
+    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
 
 
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
@@ -627,6 +607,56 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     return {"embed": embed, "ring_hbm": ring, "vectors_hbm": vectors, "head_norm_hbm": head_norm}
 
 
+def _tables():
+    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
+
+
+def _tile_classes():
+    """The tile-shape class of every tile of the step, in stream order (an SMEM table)."""
+    kinds = {v: k for k, v in KIND_IDS.items()}
+    families = [f for layer in range(N_LAYERS) for f in STREAM[kinds[LAYER_KIND[layer]]]]
+    classes = []
+    for name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols in families + STREAM["tail"]:
+        classes += [TILE_SHAPES.index([tile_rows, tile_cols])] * (row_tiles * col_tiles)
+    return np.array(classes, np.int32)
+
+
+def init_state(B: int) -> dict[str, np.ndarray]:
+    """Zeroed decode state, with the leading rank axis."""
+    return {n: np.zeros((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
+
+
+def abstract_inputs(B: int):
+    """ShapeDtypeStructs of (weights, state) with the leading rank axis: for compile-only use."""
+    weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
+    state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
+    return weights, state
+
+
+def make_mesh(devices=None) -> Mesh:
+    """The mesh of RANKS devices in rank order: by process (one per host under
+    jax.distributed), then device id, which keeps the cores of a chip and the chips of a host
+    adjacent, as the schedule's collective groups assume. Every process builds the same mesh."""
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
+    if len(devices) < RANKS:
+        raise ValueError(f"the schedule needs {RANKS} devices, {len(devices)} are visible")
+    devices = devices[:RANKS]
+    hosts = sorted({d.process_index for d in devices})
+    if RANKS % len(hosts) or any(hosts.index(d.process_index) != rank // (RANKS // len(hosts))
+                                 for rank, d in enumerate(devices)):
+        raise ValueError(f"processes {hosts} do not each hold {RANKS // len(hosts)} consecutive ranks")
+    return Mesh(np.array(devices), (AXIS,))
+
+
+def place_state(B: int, mesh: Mesh) -> dict[str, jax.Array]:
+    """Zeroed decode state on `mesh`, each process creating only its own ranks' shards (the
+    multi-host counterpart of init_state)."""
+    sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
+    return {n: jax.make_array_from_callback((RANKS, *shape), sharding,
+                                            lambda index, shape=shape, dtype=dtype: np.zeros((1, *shape), dtype))
+            for n, (shape, dtype) in state_shapes(B).items()}
+
+
 def pack_weights(hf) -> dict[str, np.ndarray]:
     """All ranks' HBM layouts stacked on a leading rank axis (host memory: every rank's copy;
     for full-size models use place_weights)."""
@@ -654,13 +684,15 @@ _STEPS: dict = {}
 def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, interpret=None):
     """One decode step; builds (and caches) the jitted step for this batch, mesh and mode.
 
-    mesh defaults to the first RANKS devices; interpret is None on TPU, or InterpretParams."""
+    mesh defaults to make_mesh(); interpret is None on TPU, or InterpretParams."""
     if mesh is None:
-        mesh = Mesh(np.array(jax.devices()[:RANKS]), (AXIS,))
+        mesh = make_mesh()
     key = (len(tokens), mesh, interpret)
     if key not in _STEPS:
         _STEPS[key] = make_decode_step(mesh, len(tokens), interpret)
     return _STEPS[key](weights, state, tokens, positions)
+
+
 
 
 def reference_states(state) -> dict[str, np.ndarray]:
