@@ -1,7 +1,9 @@
-"""Compile a spec for a model into a temporary directory and import the generated module."""
+"""Shared by the MINI run scripts: compile a spec for a model into a temporary directory and
+import the generated module; finish a run's summary."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import tempfile
 from pathlib import Path
 
@@ -30,3 +32,13 @@ def k3_mini_spec() -> Path:
     path = Path(tempfile.mkdtemp(prefix="mkc-k3-")) / "kimi_k3.sched"
     path.write_text(text)
     return path
+
+
+def finish(summary: dict, races: bool, as_json: bool) -> None:
+    """Add the race detector's verdict (when it ran) and print the JSON summary (if asked)."""
+    if races:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+        summary["races_found"] = bool(ipc.races.races_found)
+        print(f"races found: {summary['races_found']}")
+    if as_json:
+        print("JSON " + json.dumps(summary))

@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import k3_mini_spec, load_generated  # noqa: E402
+from generated_module import finish, k3_mini_spec, load_generated  # noqa: E402
 
 from mkc.reference import kimi_k3 as reference  # noqa: E402
 
@@ -133,12 +133,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec['ref_next_token']})", flush=True)
         tokens = jnp.asarray(ref_next, jnp.int32)   # teacher-force so both stay on one path
         positions = positions + 1
-    if args.races:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-        summary["races_found"] = bool(ipc.races.races_found)
-        print(f"races found: {summary['races_found']}")
-    if args.json:
-        print("JSON " + json.dumps(summary))
+    finish(summary, args.races, args.json)
     return 0
 
 

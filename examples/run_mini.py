@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import load_generated  # noqa: E402
+from generated_module import finish, load_generated  # noqa: E402
 
 from mkc.checkpoint import load_checkpoint  # noqa: E402
 from mkc.reference import qwen3_5 as reference  # noqa: E402
@@ -108,12 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               f"next {rec['next_token']} (reference {rec['ref_next_token']})", flush=True)
         tokens = jnp.asarray(ref_next, jnp.int32)   # teacher-force so both stay on one path
         positions = positions + 1
-    if args.races:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-        summary["races_found"] = bool(ipc.races.races_found)
-        print(f"races found: {summary['races_found']}")
-    if args.json:
-        print("JSON " + json.dumps(summary))
+    finish(summary, args.races, args.json)
     return 0
 
 

@@ -116,24 +116,24 @@ def load_dims(path: Path, span: Span | None = None) -> "ModelDims | KimiDims":
             linear_value_head_dim=int(raw["linear_value_head_dim"]),
             linear_conv_kernel_dim=int(raw["linear_conv_kernel_dim"]),
         )
-    except KeyError as e:
-        raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
-                   hint="the config must use the upstream qwen3_5_text key names") from None
-    except (TypeError, ValueError) as e:
-        raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
-                   hint="compare with a shipped config in mkc/model/configs") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise _config_error(e, path, family, where) from None
+
+
+def _config_error(e: Exception, path: Path, family: str, where: Span) -> Exception:
+    if isinstance(e, KeyError):
+        return fail("E-MODEL", f"model config {path} lacks key {e}", where,
+                    hint=f"the config must use the upstream {family} key names")
+    return fail("E-MODEL", f"model config {path} is malformed: {e}", where,
+                hint="compare with a shipped config in mkc/model/configs")
 
 
 def _load_kimi(raw: dict, path: Path, stem: str, where: Span) -> "KimiDims":
     from mkc.model.kimi_k3_graph import KimiDims
     try:
         dims = KimiDims.from_config(raw, stem)
-    except KeyError as e:
-        raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
-                   hint="the config must use the upstream kimi_k3 key names") from None
-    except (TypeError, ValueError) as e:
-        raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
-                   hint="compare with a shipped config in mkc/model/configs") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise _config_error(e, path, "kimi_k3", where) from None
     if dims.num_hidden_layers < 2 or dims.layer_kinds[1] != "dense" or "dense" in dims.layer_kinds[2:]:
         raise fail("E-MODEL", f"model config {path}: mkc lowers K3 with exactly one dense layer "
                    "(first_k_dense_replace = 1) before the MoE layers", where,
