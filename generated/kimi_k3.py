@@ -371,7 +371,6 @@ def _add_output(r, layer, out):
 
 def _layer_dense(r, layer, B):
     """One dense sublayer: mlp_mix, gate_up, down, mlp_residual."""
-    si = r.tables[2, layer]
     v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
     _vectors_copy(r, layer).wait()
     @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
@@ -395,7 +394,7 @@ def _layer_dense(r, layer, B):
 
 def _layer_kda(r, layer, B):
     """One kda sublayer: input_mix, gate_down, gate_up, projection, conv, delta_rule, gated_norm, o_proj, attn_residual."""
-    si = r.tables[2, layer]
+    si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
     v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
     def _scope_0(r, v):
         """Runs with kda_conv_buf allocated (pl.run_scoped)."""
@@ -478,7 +477,7 @@ def _layer_kda(r, layer, B):
 
 def _layer_mla(r, layer, B):
     """One mla sublayer: input_mix, q_down, kv_down, latent_norms, kv_write, q_up, absorb_query, attention, values_out, gate, out_gate, o_proj, attn_residual."""
-    si = r.tables[2, layer]
+    si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
     v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
     _vectors_copy(r, layer).wait()
     @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
@@ -534,7 +533,7 @@ def _layer_mla(r, layer, B):
 
 def _layer_moe(r, layer, B):
     """One moe sublayer: mlp_mix, router, route, latent_down, shared_gate_up, shared_down, routed_experts, latent_norm, latent_up, mlp_residual."""
-    si = r.tables[2, layer]
+    si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
     v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
     _vectors_copy(r, layer).wait()
     @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
