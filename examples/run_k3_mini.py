@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
+    ap.add_argument("--expert-slots", type=int, help="override the spec's expert slot count")
     ap.add_argument("--min-routing-margin", type=float, default=0.005,
                     help="compare rows whose every expert choice wins by at least this much")
     ap.add_argument("--json", action="store_true")
@@ -79,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)
     hf = reference.init_params(cfg, seed=0)
-    gen = load_generated(k3_mini_spec(), "kimi_k3_mini")
+    spec = k3_mini_spec()
+    if args.expert_slots:
+        text = spec.read_text()
+        assert "view experts: 6 slots of expert" in text
+        spec.write_text(text.replace("view experts: 6 slots", f"view experts: {args.expert_slots} slots"))
+    gen = load_generated(spec, "kimi_k3_mini")
 
     B = args.batch
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))

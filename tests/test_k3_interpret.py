@@ -46,3 +46,10 @@ def test_no_races_with_race_detection():
     summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1")
     _assert_matches_reference(summary)
     assert summary["races_found"] is False
+
+
+@pytest.mark.slow
+def test_two_expert_slots_cycle_experts_through_reused_slots():
+    """With 2 slots, 4 rows pick more local experts than there are slots, so expert k + 2 is
+    copied into expert k's slot as soon as k is done: the slot protocol the checker proves."""
+    _assert_matches_reference(_run("--expert-slots", "2", "--steps", "1", "--batch", "4"))
