@@ -60,6 +60,10 @@ class TraceBuilder:
     def write(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
         self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
 
+    def view(self, op: str, view_id: str, label: str, where: str, span: Span) -> None:
+        """A pool view becoming live (`view_open`) or dead (`view_close`) for a layer."""
+        self._add(op=op, buffer=view_id, tag=("view", label), where=where, span=span)
+
 
 def layer_label(s: ir.ScheduleIR, layer: int) -> str:
     """How diagnostics name an iteration of the layer loop: a model layer, or one of its
@@ -102,8 +106,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     expert_count = min(s.top_k * s.batch_max, s.per_rank.get("local_experts", 0))
 
     def open_view(view_id: str, layer: int, where: str) -> None:
-        tb._add(op="view_open", buffer=view_id, tag=("view", layer_label(s, layer)), where=where,
-                span=views[view_id].span)
+        tb.view("view_open", view_id, layer_label(s, layer), where, views[view_id].span)
 
     def start_weights(view_id: str, layer: int, where: str, span: Span) -> None:
         """Copy layer `layer`'s matrices of this weight view (if its kind has any)."""
@@ -202,8 +205,8 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 tb.wait(sem=(step.view, m.name), nbytes=m.nbytes, where=where(step.point),
                         span=views[step.view].span)
             elif step.kind == "view_close":
-                tb._add(op="view_close", buffer=step.view, tag=("view", label),
-                        where=f"{label} after {k.ops[step.point]}", span=views[step.view].span)
+                tb.view("view_close", step.view, label, f"{label} after {k.ops[step.point]}",
+                        views[step.view].span)
             elif step.kind == "op":
                 op = step.op
                 w = f"{label} {op}"
