@@ -70,7 +70,7 @@ STREAM = {
 }
 VECTOR_AHEAD = 1
 VECTOR_ROWS, VECTOR_COLS = 16, 7168
-# Per kind: vector family -> (first row, rows, width) inside a sublayer's f32 vector block.
+# Per kind: vector family -> (first row, rows, width) inside a layer's f32 vector block.
 VECTOR_LAYOUT = {"dense": {"mlp_res_norm": [0, 1, 7168], "mlp_res_proj": [1, 1, 7168], "post_norm": [2, 1, 7168]}, "kda": {"a_log": [7, 1, 384], "attn_res_norm": [0, 1, 7168], "attn_res_proj": [1, 1, 7168], "conv_weight": [3, 4, 1152], "dt_bias": [8, 1, 384], "input_norm": [2, 1, 7168], "o_norm": [9, 1, 128]}, "mla": {"attn_res_norm": [0, 1, 7168], "attn_res_proj": [1, 1, 7168], "input_norm": [2, 1, 7168], "kv_norm": [4, 1, 512], "q_norm": [3, 1, 1536]}, "moe": {"latent_norm": [4, 1, 3584], "mlp_res_norm": [0, 1, 7168], "mlp_res_proj": [1, 1, 7168], "post_norm": [2, 1, 7168], "router_bias": [3, 1, 1024]}}
 # Per sublayer: its index among the sublayers of its kind (selects weights, state and caches).
 STATE_INDEX = (0, 0, 1, 0, 2, 1, 0, 2, 3, 3, 4, 4, 5, 5, 1, 6, 6, 7, 7, 8, 8, 9, 2, 10, 9, 11, 10, 12, 11, 13, 3, 14, 12, 15, 13, 16, 14, 17, 4, 18, 15, 19, 16, 20, 17, 21, 5, 22, 18, 23, 19, 24, 20, 25, 6, 26, 21, 27, 22, 28, 23, 29, 7, 30, 24, 31, 25, 32, 26, 33, 8, 34, 27, 35, 28, 36, 29, 37, 9, 38, 30, 39, 31, 40, 32, 41, 10, 42, 33, 43, 34, 44, 35, 45, 11, 46, 36, 47, 37, 48, 38, 49, 12, 50, 39, 51, 40, 52, 41, 53, 13, 54, 42, 55, 43, 56, 44, 57, 14, 58, 45, 59, 46, 60, 47, 61, 15, 62, 48, 63, 49, 64, 50, 65, 16, 66, 51, 67, 52, 68, 53, 69, 17, 70, 54, 71, 55, 72, 56, 73, 18, 74, 57, 75, 58, 76, 59, 77, 19, 78, 60, 79, 61, 80, 62, 81, 20, 82, 63, 83, 64, 84, 65, 85, 21, 86, 66, 87, 67, 88, 68, 89, 22, 90, 23, 91)
@@ -403,7 +403,7 @@ def _layer_kda(r, layer, B):
         def _():
             _vectors_copy(r, layer + VECTOR_AHEAD).start()
         @pl.when(si > 0)
-        def _():   # the previous kda sublayer's store of state.recurrent drains here
+        def _():   # the previous kda layer's store of state.recurrent drains here
             pltpu.make_async_copy(r.kda_rec_buf, r.kda__recurrent.at[si - 1], r.sems.at[3]).wait()
         pltpu.make_async_copy(r.kda__conv.at[si], r.kda_conv_buf, r.sems.at[0]).start()   # load state.conv
         pltpu.make_async_copy(r.kda__recurrent.at[si], r.kda_rec_buf, r.sems.at[1]).start()   # load state.recurrent
@@ -865,14 +865,6 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
               if n.startswith(("pool__", "expert__"))}
     kinds = {v: k for k, v in KIND_IDS.items()}
 
-    def put_tiles(t, m, row_tiles, col_tiles, tr, tc):
-        padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
-        padded[:m.shape[0], :m.shape[1]] = m
-        for j in range(col_tiles):          # tile order: column blocks outer, rows inner
-            for i in range(row_tiles):
-                ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
-                t += 1
-
     group = rank // SHARDING.expert_tp
     for layer in range(N_LAYERS):
         kind = kinds[LAYER_KIND[layer]]
@@ -880,7 +872,7 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
         t = LAYER_TILE_OFFSET[layer]
         for name, rows, cols, row_tiles, col_tiles, tr, tc in STREAM[kind]:
             m = hf_layout.family_matrix(hf, DIMS, GEOMETRY, SHARDING, model_layer, kind, name, rank)
-            put_tiles(t, m, row_tiles, col_tiles, tr, tc)
+            _put_tiles(ring, t, m, row_tiles, col_tiles, tr, tc)
             t += row_tiles * col_tiles
         for name in POOLED.get(kind, {}):
             m = hf_layout.family_matrix(hf, DIMS, GEOMETRY, SHARDING, model_layer, kind, name, rank)
@@ -895,7 +887,7 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
             vectors[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, GEOMETRY, SHARDING, model_layer,
                                                                       kind, name, rank)
     name, rows, cols, row_tiles, col_tiles, tr, tc = STREAM["tail"][0]
-    put_tiles(TAIL_TILE_OFFSET, hf_layout.global_tensor(hf, DIMS, SHARDING, "lm_head", rank), row_tiles, col_tiles,
+    _put_tiles(ring, TAIL_TILE_OFFSET, hf_layout.global_tensor(hf, DIMS, SHARDING, "lm_head", rank), row_tiles, col_tiles,
               tr, tc)
     for i, name in enumerate(("final_norm", "output_res_norm", "output_res_proj")):
         head_norm[i] = hf_layout.global_tensor(hf, DIMS, SHARDING, name, rank)[0]
@@ -927,6 +919,17 @@ def abstract_inputs(B: int):
     weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
     state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
     return weights, state
+
+
+def _put_tiles(ring, t, m, row_tiles, col_tiles, tr, tc):
+    """Cut matrix m into its family's tiles and store them from ring tile t on, in stream order
+    (column blocks outer, rows inner), zero padded to whole tiles."""
+    padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
+    padded[:m.shape[0], :m.shape[1]] = m
+    for j in range(col_tiles):
+        for i in range(row_tiles):
+            ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
+            t += 1
 
 
 def make_mesh(devices=None) -> Mesh:

@@ -584,24 +584,16 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     head_norm = np.zeros((8, HIDDEN), np.float32)
     kinds = {v: k for k, v in KIND_IDS.items()}
 
-    def put_tiles(t, m, row_tiles, col_tiles, tr, tc):
-        padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
-        padded[:m.shape[0], :m.shape[1]] = m
-        for j in range(col_tiles):          # tile order: column blocks outer, rows inner
-            for i in range(row_tiles):
-                ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
-                t += 1
-
     for layer in range(N_LAYERS):
         kind = kinds[LAYER_KIND[layer]]
         t = LAYER_TILE_OFFSET[layer]
         for name, rows, cols, row_tiles, col_tiles, tr, tc in STREAM[kind]:
-            put_tiles(t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
+            _put_tiles(ring, t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
             t += row_tiles * col_tiles
         for name, (row, rows, width) in VECTOR_LAYOUT[kind].items():
             vectors[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
     name, rows, cols, row_tiles, col_tiles, tr, tc = STREAM["tail"][0]
-    put_tiles(TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
+    _put_tiles(ring, TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
     head_norm[0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
     embed = np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)).astype(BF16)
     return {"embed": embed, "ring_hbm": ring, "vectors_hbm": vectors, "head_norm_hbm": head_norm}
@@ -631,6 +623,17 @@ def abstract_inputs(B: int):
     weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
     state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
     return weights, state
+
+
+def _put_tiles(ring, t, m, row_tiles, col_tiles, tr, tc):
+    """Cut matrix m into its family's tiles and store them from ring tile t on, in stream order
+    (column blocks outer, rows inner), zero padded to whole tiles."""
+    padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
+    padded[:m.shape[0], :m.shape[1]] = m
+    for j in range(col_tiles):
+        for i in range(row_tiles):
+            ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
+            t += 1
 
 
 def make_mesh(devices=None) -> Mesh:
