@@ -8,14 +8,11 @@ import pytest
 from conftest import run_python
 from mkc.checkpoint import save_checkpoint
 from mkc.reference import qwen3_5 as reference
-from tests_support import ROOT
+from tests_support import ROOT, run_example
 
 
 def _run(*args: str) -> dict:
-    r = run_python(["examples/run_mini.py", "--json", *args], timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))
-    return json.loads(line[5:])
+    return run_example("examples/run_mini.py", *args, timeout=1200)
 
 
 def _assert_matches_reference(summary: dict) -> None:

@@ -3,18 +3,13 @@ two-level host all-reduces, 16-way and host all-gathers, sibling exchanges), run
 interpret mode on 16 virtual CPU devices and matches the pure-JAX reference: logits, next
 tokens, KDA conv and recurrent states and the MLA latent cache, on every row whose routing is
 not a near-tie."""
-import json
-
 import pytest
 
-from conftest import run_python
+from tests_support import run_example
 
 
 def _run(*args: str) -> dict:
-    r = run_python(["examples/run_k3_mini.py", "--json", *args], timeout=1500)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))
-    return json.loads(line[5:])
+    return run_example("examples/run_k3_mini.py", *args, timeout=1500)
 
 
 def _assert_matches_reference(summary: dict) -> None:

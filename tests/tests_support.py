@@ -1,8 +1,18 @@
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+
+
+def run_example(script: str, *args: str, timeout: int) -> dict:
+    """Run an interpret-mode example script with --json in a fresh process; its summary."""
+    from conftest import run_python
+    r = run_python([script, "--json", *args], timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))
+    return json.loads(line[5:])
 
 
 def assert_rows_step_like_alone(decode, init_cache, rows: list[list[int]],
