@@ -70,9 +70,8 @@ def vmem_peaks(spec: str) -> dict[int, float]:
     """VMEM peak in MiB at both ends of the spec's batch range."""
     from mkc import compiler
     from mkc.checks import vmem_budget
-    from mkc.trace import build_trace
-    s = compiler.check_spec(ROOT / spec).ir
-    events = build_trace(s)
+    c = compiler.check_spec(ROOT / spec)
+    s, events = c.ir, c.events
     return {b: vmem_budget(s, events, b)[0] / 2**20 for b in (s.batch_min, s.batch_max)}
 
 

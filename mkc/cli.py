@@ -13,9 +13,7 @@ from mkc.diagnostics import MkcError  # noqa: E402
 
 def _budget_table(c) -> str:
     from mkc.checks import vmem_budget
-    from mkc.trace import build_trace
-    s = c.ir
-    events = build_trace(s)
+    s, events = c.ir, c.events
     budget = s.vmem_limit - s.vmem_reserve
     lines = []
     for batch in sorted({s.batch_min, s.batch_max}):

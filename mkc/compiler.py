@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mkc import ir
@@ -19,14 +19,14 @@ class Compiled:
     ir: ir.ScheduleIR
     spec_text: str
     module_source: str | None = None
+    events: list = field(default_factory=list, repr=False)   # the checked trace
 
 
 def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
     """Parse, resolve and check; raises MkcError with diagnostics on a bad spec."""
     sched, text = parse_file(spec)
     schedule_ir = resolve(sched, model)
-    run_checks(schedule_ir)
-    return Compiled(schedule_ir, text)
+    return Compiled(schedule_ir, text, events=run_checks(schedule_ir))
 
 
 def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:

@@ -6,13 +6,14 @@ from mkc.checks.capacity import check_hbm, check_vmem, vmem_budget
 from mkc.checks.dma import check_dma
 from mkc.checks.pool import check_pools
 from mkc.diagnostics import Diagnostic, MkcError
-from mkc.trace import build_trace
+from mkc.trace import Event, build_trace
 
 __all__ = ["run_checks", "vmem_budget"]
 
 
-def run_checks(s: ir.ScheduleIR) -> None:
-    """Run every check; raise one MkcError carrying all diagnostics found."""
+def run_checks(s: ir.ScheduleIR) -> list[Event]:
+    """Run every check; raise one MkcError carrying all diagnostics found. Returns the checked
+    trace, which the VMEM budget report reads."""
     events = build_trace(s)
     diags: list[Diagnostic] = []
     diags += check_vmem(s, events)
@@ -21,3 +22,4 @@ def run_checks(s: ir.ScheduleIR) -> None:
     diags += check_pools(s, events)
     if diags:
         raise MkcError(diags)
+    return events
