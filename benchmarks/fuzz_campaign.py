@@ -1,0 +1,975 @@
+"""Fuzz campaign for the checker: seeded mutants of the shipped specs, each checked in a worker
+process with a timeout and a memory cap, every outcome classified.
+
+    .venv/bin/python benchmarks/fuzz_campaign.py [--cases 10000] [--seed 0] [--workers 2]
+        [--timeout 10] [--mem-gib 4] [--compile-fraction 0.2] [--json OUT]
+    .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--emit DIR]   # one case
+
+Mutants start from `schedules/qwen3_8_27b.sched` (checked with `qwen3_8_mini`, and some with
+its own full config) and `schedules/kimi_k3.sched` moved to 2 hosts (`2x2x2`, `tp = 16`, checked
+with `kimi_k3_mini`). Mutation kinds: token deletes, replacements and duplications; numbers
+replaced by extreme values; non-UTF-8 bytes and odd unicode; topologies, tile bounds and
+contexts at the edges; duplicated, swapped, deleted and repeated lines and blocks; truncation;
+odd model paths (devices, directories, a FIFO, a symlink loop); config.json files with extreme
+or mistyped values for each key and malformed documents; schedule and model names that make
+bad module names.
+
+Each case runs `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
+model-path and name case) also `compile_spec`, writing the module into a package directory and
+importing it. Outcome classes:
+
+    ok             accepted (and, when compiled, the module imports)
+    diagnostic     MkcError whose diagnostics all have file, line, column and hint, and render
+    bad_diagnostic MkcError with a diagnostic lacking a location or hint, or failing to render
+    traceback      any other exception (signature: type and innermost mkc frame)
+    bad_output     accepted, but the written module fails on import, overwrites a file it did
+                   not create, or has a name that is not a safe module name
+    hang           no answer within the timeout (signature: innermost mkc frame of a stack dump
+                   taken just before the deadline); the worker is restarted
+    memory         MemoryError under the address-space cap
+    crash          the worker process died
+
+A case is a pure function of (seed, index), so `--only I` reproduces it and `--emit DIR` writes
+its spec and files for `mkc check`. The exit status is 1 if any case is outside ok/diagnostic.
+`tests/test_fuzz_specs.py` runs a smaller seeded campaign through the same generators.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import random
+import re
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+CONFIG_DIR = ROOT / "mkc" / "model" / "configs"
+FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic")
+CLASSES = ("ok", "diagnostic") + FAILURE_CLASSES
+
+# ---- the base specs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Base:
+    name: str
+    spec: str            # spec text
+    model: str | None    # the --model override (None: the spec's own model line)
+    config: str          # shipped config (stem) the check resolves against
+
+
+def bases() -> dict[str, Base]:
+    qwen = QWEN_SPEC.read_text()
+    # The K3 spec on 2 hosts (16 cores), checked with the MINI config: small traces, every construct.
+    k3 = K3_SPEC.read_text().replace("topology 2x2x4", "topology 2x2x2").replace("tp = 32", "tp = 16")
+    return {"qwen_mini": Base("qwen_mini", qwen, "qwen3_8_mini", "qwen3_8_mini"),
+            "qwen_full": Base("qwen_full", qwen, None, "qwen3_8_27b"),
+            "k3_mini": Base("k3_mini", k3, "kimi_k3_mini", "kimi_k3_mini")}
+
+
+BASE_WEIGHTS = {"qwen_mini": 45, "qwen_full": 15, "k3_mini": 40}
+
+# ---- a case --------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    seed: int
+    index: int
+    kind: str
+    base: str
+    spec: bytes                      # the spec file's bytes
+    model: str | None                # --model override, relative to the case directory
+    desc: str                        # the mutation, in words
+    files: list = field(default_factory=list)   # (op, relpath, payload): see materialize()
+    compile: bool = False            # also compile, write and import when the check passes
+
+    def materialize(self, d: Path) -> Path:
+        """Write the spec and the case's files under directory d; the spec path."""
+        for op, rel, payload in self.files:
+            p = d / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if op == "file":
+                p.write_bytes(payload)
+            elif op == "dir":
+                p.mkdir(exist_ok=True)
+            elif op == "fifo":
+                os.mkfifo(p)
+            elif op == "symlink":
+                os.symlink(payload, p)
+        spec = d / "spec.sched"
+        spec.write_bytes(self.spec)
+        return spec
+
+
+# ---- mutation generators -------------------------------------------------------------------
+
+TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|\d+x\d+x\d+|\d+|->|\"[^\"]*\"|[{}:;,=()/]")
+REPLACEMENTS = ["0", "1", "3", "7", "999999999", "x", "gdn", "gqa", "start", "end", "next",
+                "wait", "load", "store", "{", "}", ";", ",", "->", '"qwen3_8_mini"', "bf16",
+                "f32", "tp", "state.conv", "before", "after", "two_level", "host", "chip",
+                "kda", "mla", "moe", "dense", "pool", "view", "slots", "expert", "prefetch",
+                "fetch", "experts", "allgather", "exchange", "sibling", "staging.experts",
+                "staging.attention", "/", "(", ")", "route", "routed_experts", "over", "scoped",
+                "kv", "tiles", "ring", "stream", "then", "lm_head", "parity", "vectors", "mesh",
+                "shard", "phase", "schedule", "model", "target", "batch", "context", "vmem",
+                "limit", "reserve", "MiB", "GiB", "KiB", "2x2x1", "direct", "wire", "with"]
+HUGE_DIGITS = "1" + "0" * 4300                     # 4301 digits: past int()'s default limit
+EXTREME_INTS = ["0", "1", "2", "127", "128", "129", "255", "2147483647", "2147483648",
+                "4294967296", "9223372036854775807", "9223372036854775808",
+                "18446744073709551616", "999999999999999999999999999999", HUGE_DIGITS,
+                "9" * 5000, "00", "0008"]
+TOPOLOGIES = ["99999999x2x1", "0x0x0", "0x2x2", "2x2x0", "1x1x1", "1x1x2", "2x1x1", "4x4x4",
+              "2x2x8", "16x16x16", "2147483648x1x1", "9223372036854775808x1x1", "1x1x99999999",
+              "2x2x1", "2x2x2", "2x2x4", "1" * 30 + "x1x1"]
+TILE_BOUNDS = ["2147483648 x 1280", "1024 x 2147483648", "0 x 0", "1 x 1", "128 x 128",
+               "127 x 1280", "1024 x 127", "9223372036854775808 x 9223372036854775808",
+               "99999999 x 99999999", "256 x 256", "4096 x 4096", "65536 x 65536", "129 x 129"]
+CONTEXTS = ["0", "1", "2", "127", "128", "129", "4097", "65536", "1048576", "16777216",
+            "2147483648", "1099511627776", "1000000000000000000000000000000"]
+ODD_UNICODE = ["\u00a0", "\u200b", "\u202e", "\ufeff", "é", "１", "٣", "\u2028", "\u0085",
+               "\x00", "\x0c", "\x0b", "\x1b", "\r", "\t", "𝟘", "ǅ", "ﬁ", "İ", "\U0001F600",
+               "\u0301", "ß", "K"]
+BAD_BYTES = [b"\xff", b"\xfe", b"\x80", b"\xc3\x28", b"\xe9", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+             b"\xc0\xaf", b"\xe2\x82"]
+NAMES = ["__init__", "os", "sys", "class", "None", "True", "import", "jax", "numpy", "mkc",
+         "__main__", "_", "a" * 300, "types", "functools", "np", "lax", "pl", "builtins",
+         "generated", "test", "pytest", "json", "model", "schedule"]
+MODEL_DIR_NAMES = ["my-model", "1model", "model.v2", "mödel", "a b", "__init__", "class", "os",
+                   "None", "", "-", "x" * 300]
+
+
+def _token_spans(text: str) -> list[tuple[int, int]]:
+    comments = [m.span() for m in re.finditer(r"#[^\n]*", text)]
+    return [m.span() for m in TOKEN.finditer(text)
+            if not any(a <= m.start() < b for a, b in comments)]
+
+
+def _int_spans(text: str) -> list[tuple[int, int]]:
+    """Every integer a parser reads: INT tokens and the three numbers of a topology."""
+    comments = [m.span() for m in re.finditer(r"#[^\n]*", text)]
+    spans = [m.span() for m in re.finditer(r"(?<![A-Za-z0-9_])\d+(?=x\d|[^A-Za-z0-9_]|$)|(?<=\dx)\d+",
+                                           text)]
+    return [s for s in spans if not any(a <= s[0] < b for a, b in comments)]
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def _code_lines(text: str) -> list[int]:
+    return [i for i, ln in enumerate(_lines(text)) if ln.strip() and not ln.strip().startswith("#")]
+
+
+def _show(s: str, limit: int = 60) -> str:
+    r = repr(s)
+    return r if len(r) <= limit else f"{r[:limit]}...({len(s)} chars)"
+
+
+def _sub(text: str, span: tuple[int, int], new: str) -> str:
+    return text[:span[0]] + new + text[span[1]:]
+
+
+def _where(text: str, pos: int) -> str:
+    line = text.count("\n", 0, pos) + 1
+    return f"{line}:{pos - (text.rfind(chr(10), 0, pos) + 1) + 1}"
+
+
+def mut_token_delete(rng, b: Base, case: Case):
+    s = rng.choice(_token_spans(b.spec))
+    case.desc = f"delete token {_show(b.spec[s[0]:s[1]])} at {_where(b.spec, s[0])}"
+    return _sub(b.spec, s, "")
+
+
+def mut_token_replace(rng, b: Base, case: Case):
+    s = rng.choice(_token_spans(b.spec))
+    new = rng.choice(REPLACEMENTS)
+    case.desc = f"replace token {_show(b.spec[s[0]:s[1]])} at {_where(b.spec, s[0])} with {new!r}"
+    return _sub(b.spec, s, new)
+
+
+def mut_token_duplicate(rng, b: Base, case: Case):
+    s = rng.choice(_token_spans(b.spec))
+    case.desc = f"duplicate token {_show(b.spec[s[0]:s[1]])} at {_where(b.spec, s[0])}"
+    return b.spec[:s[1]] + " " + b.spec[s[0]:s[1]] + b.spec[s[1]:]
+
+
+def mut_number_extreme(rng, b: Base, case: Case):
+    s = rng.choice(_int_spans(b.spec))
+    new = rng.choice(EXTREME_INTS)
+    case.desc = f"number {b.spec[s[0]:s[1]]} at {_where(b.spec, s[0])} -> {_show(new, 30)}"
+    return _sub(b.spec, s, new)
+
+
+def mut_topology(rng, b: Base, case: Case):
+    m = re.search(r"topology (\d+x\d+x\d+)", b.spec)
+    topo = rng.choice(TOPOLOGIES)
+    text = _sub(b.spec, m.span(1), topo)
+    case.desc = f"topology {m.group(1)} -> {_show(topo, 40)}"
+    if rng.random() < 0.5:                      # and a mesh over every core of it
+        dims = [int(v) for v in topo.split("x")]
+        cores = 2 * dims[0] * dims[1] * dims[2]
+        text = re.sub(r"tp = \d+", f"tp = {cores}", text)
+        case.desc += f", mesh tp = {_show(str(cores), 40)}"
+    return text
+
+
+def mut_tile_bound(rng, b: Base, case: Case):
+    m = re.search(r"up to (\d+ x \d+)", b.spec)
+    new = rng.choice(TILE_BOUNDS)
+    case.desc = f"ring tile bound {m.group(1)} -> {new}"
+    return _sub(b.spec, m.span(1), new)
+
+
+def mut_context(rng, b: Base, case: Case):
+    m = re.search(r"context (\d+)", b.spec)
+    new = rng.choice(CONTEXTS)
+    case.desc = f"context {m.group(1)} -> {new}"
+    return _sub(b.spec, m.span(1), new)
+
+
+def mut_unicode(rng, b: Base, case: Case):
+    ch = rng.choice(ODD_UNICODE)
+    spans = _token_spans(b.spec)
+    mode = rng.randrange(4)
+    if mode == 0:                                   # inside a token
+        s = rng.choice(spans)
+        pos = rng.randrange(s[0], s[1] + 1)
+        case.desc = f"insert {ch!r} into token {_show(b.spec[s[0]:s[1]])} at {_where(b.spec, pos)}"
+        return b.spec[:pos] + ch + b.spec[pos:]
+    if mode == 1:                                   # between tokens
+        s = rng.choice(spans)
+        case.desc = f"insert {ch!r} before token {_show(b.spec[s[0]:s[1]])} at {_where(b.spec, s[0])}"
+        return b.spec[:s[0]] + ch + " " + b.spec[s[0]:]
+    if mode == 2:                                   # replace a token's character
+        s = rng.choice(spans)
+        pos = rng.randrange(s[0], s[1])
+        case.desc = f"replace {b.spec[pos]!r} at {_where(b.spec, pos)} with {ch!r}"
+        return b.spec[:pos] + ch + b.spec[pos + 1:]
+    case.desc = f"prepend {ch!r} to the file"       # e.g. a BOM
+    return ch + b.spec
+
+
+def mut_bytes(rng, b: Base, case: Case):
+    raw = b.spec.encode()
+    bad = rng.choice(BAD_BYTES)
+    mode = rng.randrange(4)
+    if mode == 0:
+        pos = rng.randrange(len(raw) + 1)
+        case.desc = f"insert bytes {bad!r} at byte {pos}"
+        return raw[:pos] + bad + raw[pos:]
+    if mode == 1:
+        pos = raw.index(b"#")
+        case.desc = f"insert bytes {bad!r} in the first comment"
+        return raw[:pos + 1] + bad + raw[pos + 1:]
+    if mode == 2:
+        pos = raw.index(b'"') + 1
+        case.desc = f"insert bytes {bad!r} inside the model string"
+        return raw[:pos] + bad + raw[pos:]
+    enc = rng.choice(["utf-16", "utf-32", "latin-1"])
+    case.desc = f"the whole file encoded as {enc}"
+    return (b.spec.replace("#", "# é", 1)).encode(enc)
+
+
+def mut_line_duplicate(rng, b: Base, case: Case):
+    lines = _lines(b.spec)
+    i = rng.choice(_code_lines(b.spec))
+    case.desc = f"duplicate line {i + 1}: {lines[i].strip()!r}"
+    return "".join(lines[:i + 1] + [lines[i]] + lines[i + 1:])
+
+
+def mut_line_swap(rng, b: Base, case: Case):
+    lines = _lines(b.spec)
+    code = _code_lines(b.spec)
+    i = rng.choice(code)
+    j = rng.choice([k for k in code if abs(k - i) <= 2 and k != i] if rng.random() < 0.6 else code)
+    if i == j:
+        j = code[(code.index(i) + 1) % len(code)]
+    lines[i], lines[j] = lines[j], lines[i]
+    case.desc = f"swap lines {min(i, j) + 1} and {max(i, j) + 1}"
+    return "".join(lines)
+
+
+def mut_line_delete(rng, b: Base, case: Case):
+    lines = _lines(b.spec)
+    i = rng.choice(_code_lines(b.spec))
+    case.desc = f"delete line {i + 1}: {lines[i].strip()!r}"
+    return "".join(lines[:i] + lines[i + 1:])
+
+
+def mut_line_repeat(rng, b: Base, case: Case):
+    lines = _lines(b.spec)
+    i = rng.choice(_code_lines(b.spec))
+    n = rng.choice([3, 10, 100, 1000, 5000])
+    case.desc = f"repeat line {i + 1} {n} times: {lines[i].strip()!r}"
+    return "".join(lines[:i + 1] + [lines[i]] * (n - 1) + lines[i + 1:])
+
+
+def _blocks(text: str) -> list[tuple[int, int]]:
+    """(first, last) line indexes of the `{ ... }` blocks inside the schedule."""
+    lines = _lines(text)
+    out = []
+    for i, ln in enumerate(lines):
+        if ln.startswith("  ") and not ln.startswith("   ") and ln.rstrip().endswith("{"):
+            j = next(k for k in range(i + 1, len(lines)) if lines[k].rstrip() == "  }")
+            out.append((i, j))
+    return out
+
+
+def mut_block(rng, b: Base, case: Case):
+    lines = _lines(b.spec)
+    i, j = rng.choice(_blocks(b.spec))
+    head = lines[i].strip()
+    mode = rng.randrange(3)
+    if mode == 0:
+        case.desc = f"duplicate block {head!r} (lines {i + 1}-{j + 1})"
+        return "".join(lines[:j + 1] + lines[i:j + 1] + lines[j + 1:])
+    if mode == 1:
+        case.desc = f"delete block {head!r} (lines {i + 1}-{j + 1})"
+        return "".join(lines[:i] + lines[j + 1:])
+    n = rng.choice([10, 200])
+    case.desc = f"repeat block {head!r} {n} times"
+    return "".join(lines[:j + 1] + lines[i:j + 1] * (n - 1) + lines[j + 1:])
+
+
+def mut_truncate(rng, b: Base, case: Case):
+    pos = rng.randrange(len(b.spec))
+    case.desc = f"truncate at {_where(b.spec, pos)} (char {pos} of {len(b.spec)})"
+    return b.spec[:pos]
+
+
+MODEL_PATHS = ["/dev/zero", "/dev/null", "/dev/urandom", "/", ".", "..", "", "emptydir",
+               "dir_with_dir_config", "fifo", "loop", "dangling", "/etc/passwd", "/etc",
+               "/proc/self/status", "qwen3_8_mini\x00", "x" * 5000, "a/" * 3000 + "config.json",
+               "~/config.json", "*", "qwen3_8_mini.json", "configs/qwen3_8_mini", "-", "\u202e",
+               "empty.json", "spec.sched", "../../../../../../etc/hostname"]
+
+
+def mut_model_path(rng, b: Base, case: Case):
+    path = rng.choice(MODEL_PATHS)
+    case.files += [("dir", "emptydir", None), ("dir", "dir_with_dir_config/config.json", None),
+                   ("fifo", "fifo", None), ("symlink", "loop", "loop"),
+                   ("symlink", "dangling", "nowhere/config.json"), ("file", "empty.json", b"")]
+    if rng.random() < 0.5:
+        case.model = path
+        case.desc = f"--model {_show(path, 50)}"
+        return b.spec
+    case.model = None
+    case.desc = f"model line {_show(path, 50)}"
+    return re.sub(r'model\s+"[^"]*"', lambda _: 'model "' + path.replace('"', "") + '"', b.spec,
+                  count=1)
+
+
+def _leaves(obj, path=()):
+    """(path, value) of every leaf and every container below the root."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield path + (k,), v
+            if isinstance(v, (dict, list)):
+                yield from _leaves(v, path + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield path + (i,), v
+            if isinstance(v, (dict, list)):
+                yield from _leaves(v, path + (i,))
+
+
+NUMERIC_VALUES = ["NaN", "Infinity", "-Infinity", "-1", "0", "1", "2147483648",
+                  "9223372036854775808", "1e30", "1000000000000000000000000000000", "1e308",
+                  "1e-320", "0.5", "1.0000001", "-0.0", HUGE_DIGITS, "true", '"8"', "null", "[]"]
+OTHER_VALUES = ["null", "[]", "{}", '"x"', "1", "[1, 2]", "NaN", "true", '""']
+
+
+def _set(obj, path, value):
+    for k in path[:-1]:
+        obj = obj[k]
+    if value is _DELETE:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+
+
+_DELETE = object()
+
+
+def _config_text(raw: dict, path, literal: str | None) -> str:
+    """The config with the value at path replaced by a JSON literal (or deleted if None)."""
+    raw = json.loads(json.dumps(raw))
+    if literal is None:
+        _set(raw, path, _DELETE)
+        return json.dumps(raw, indent=2)
+    _set(raw, path, "@@VALUE@@")
+    return json.dumps(raw, indent=2).replace('"@@VALUE@@"', literal)
+
+
+def _use_config(rng, b: Base, case: Case, text: bytes, what: str) -> str:
+    if rng.random() < 0.5:
+        case.files.append(("file", "cfg/config.json", text))
+        where = "cfg"
+    else:
+        case.files.append(("file", "cfg.json", text))
+        where = "cfg.json"
+    if rng.random() < 0.7:
+        case.model = where
+        case.desc = f"--model {where} with {what}"
+        return b.spec
+    case.model = None
+    case.desc = f"model line {where!r} with {what}"
+    return re.sub(r'model\s+"[^"]*"', f'model "{where}"', b.spec, count=1)
+
+
+def mut_config_value(rng, b: Base, case: Case):
+    raw = json.loads((CONFIG_DIR / f"{b.config}.json").read_text())
+    path, value = rng.choice(list(_leaves(raw)))
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    literal = rng.choice(NUMERIC_VALUES if numeric else OTHER_VALUES)
+    if rng.random() < 0.05:
+        literal = None
+    key = ".".join(map(str, path))
+    what = f"{key} deleted" if literal is None else f"{key} = {_show(literal, 30)}"
+    case.compile = True
+    return _use_config(rng, b, case, _config_text(raw, path, literal).encode(), f"config {what}")
+
+
+CONFIG_DOCUMENTS = [("an empty file", b""), ("[]", b"[]"), ("null", b"null"), ("1", b"1"),
+                    ('"x"', b'"x"'), ("{", b"{"), ("nesting 100000 deep", b"[" * 100000),
+                    ("nesting 100000 deep objects", b'{"a":' * 100000),
+                    ("a UTF-8 BOM", "\ufeff{}".encode()), ("a latin-1 byte", b'{"x": "\xe9"}'),
+                    ("a 1 MB string value", b'{"model_type": "' + b"a" * (1 << 20) + b'"}'),
+                    ("a NUL byte", b'{"model_type"\x00: 1}')]
+
+
+def mut_config_document(rng, b: Base, case: Case):
+    raw = json.loads((CONFIG_DIR / f"{b.config}.json").read_text())
+    mode = rng.randrange(4)
+    if mode == 0:
+        what, text = rng.choice(CONFIG_DOCUMENTS)
+    elif mode == 1:                                  # a non-UTF-8 byte in an otherwise good config
+        good = json.dumps(raw, indent=2).encode()
+        pos = good.index(b'"dtype"') + 1
+        what, text = "a \\xff byte in a key", good[:pos] + b"\xff" + good[pos:]
+    elif mode == 2:                                  # keys repeated (the last one wins in json)
+        good = json.dumps(raw, indent=2)
+        what, text = "model_type repeated with another family", (
+            good[:-2] + ',\n  "model_type": "llama"\n}').encode()
+    else:                                            # the whole file as UTF-16
+        what, text = "UTF-16 encoded", json.dumps(raw).encode("utf-16")
+    case.compile = True
+    return _use_config(rng, b, case, text, f"a config.json of {what}")
+
+
+def mut_names(rng, b: Base, case: Case):
+    text = b.spec
+    m = re.search(r"schedule (\w+)", text)
+    case.compile = True
+    mode = rng.randrange(3)
+    if mode == 0:                                    # a schedule name
+        name = rng.choice(NAMES)
+        case.desc = f"schedule name {_show(name, 40)}"
+        return _sub(text, m.span(1), name)
+    if mode == 1:                                    # the same name for schedule and model dir
+        name = rng.choice(NAMES)
+        case.files.append(("file", f"{name}/config.json",
+                           (CONFIG_DIR / f"{b.config}.json").read_bytes()))
+        case.model = name
+        case.desc = f"schedule name and --model directory {_show(name, 40)}"
+        return _sub(text, m.span(1), name)
+    dirname = rng.choice(MODEL_DIR_NAMES)           # an odd model directory name
+    rel = f"{dirname}/config.json" if dirname else "config.json"
+    case.files.append(("file", rel, (CONFIG_DIR / f"{b.config}.json").read_bytes()))
+    case.model = dirname or "."
+    case.desc = f"--model directory {_show(case.model, 40)}"
+    return text
+
+
+# kind -> (generator, weight)
+MUTATIONS = {
+    "token_delete": (mut_token_delete, 10),
+    "token_replace": (mut_token_replace, 14),
+    "token_duplicate": (mut_token_duplicate, 8),
+    "number_extreme": (mut_number_extreme, 10),
+    "topology": (mut_topology, 4),
+    "tile_bound": (mut_tile_bound, 3),
+    "context": (mut_context, 3),
+    "unicode": (mut_unicode, 5),
+    "bytes": (mut_bytes, 3),
+    "line_duplicate": (mut_line_duplicate, 5),
+    "line_swap": (mut_line_swap, 5),
+    "line_delete": (mut_line_delete, 4),
+    "line_repeat": (mut_line_repeat, 2),
+    "block": (mut_block, 3),
+    "truncate": (mut_truncate, 2),
+    "model_path": (mut_model_path, 4),
+    "config_value": (mut_config_value, 10),
+    "config_document": (mut_config_document, 2),
+    "names": (mut_names, 4),
+}
+# Kinds that need a model: always checked against the base's model (a mutated spec never holds
+# the only copy of it).
+_BASES = None
+
+
+def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | None = None) -> Case:
+    """Case `index` of the campaign with this seed: a pure function of its arguments."""
+    global _BASES
+    if _BASES is None:
+        _BASES = bases()
+    rng = random.Random(f"mkc-fuzz:{seed}:{index}")
+    kinds = list(MUTATIONS)
+    kind = kind or rng.choices(kinds, weights=[MUTATIONS[k][1] for k in kinds])[0]
+    base = rng.choices(list(BASE_WEIGHTS), weights=list(BASE_WEIGHTS.values()))[0]
+    b = _BASES[base]
+    case = Case(seed, index, kind, base, b"", b.model, "")
+    text = MUTATIONS[kind][0](rng, b, case)
+    case.spec = text if isinstance(text, bytes) else text.encode("utf-8")
+    case.compile = case.compile or rng.random() < compile_fraction
+    return case
+
+
+def reproducer(case: Case, limit: int = 200) -> str:
+    """The case as a diff against its base (spec and config), its files and the command."""
+    b = (_BASES or bases())[case.base]
+    new = case.spec.decode("utf-8", errors="backslashreplace")
+    out = []
+    if new != b.spec:
+        for ln in difflib.unified_diff(_lines(b.spec), _lines(new), "base.sched", "spec.sched", n=0):
+            ln = ln.rstrip("\n")
+            out.append(ln if len(ln) <= limit else f"{ln[:limit]}...({len(ln)} chars)")
+    for op, rel, payload in case.files:
+        if op == "file" and (rel.endswith("config.json") or rel == "cfg.json"):
+            shipped = (CONFIG_DIR / f"{b.config}.json").read_text()
+            text = payload.decode("utf-8", errors="backslashreplace")
+            if text == shipped:
+                out.append(f"# {rel}: a copy of {b.config}.json")
+                continue
+            diff = list(difflib.unified_diff(_lines(json.dumps(json.loads(shipped), indent=2)),
+                                             _lines(text), b.config + ".json", rel, n=0))
+            body = diff if len(diff) < 12 else [f"+ {_show(text, limit)}"]
+            out += [ln.rstrip("\n")[:limit] for ln in body]
+    model = f" --model {case.model!r}" if case.model else ""
+    out.append(f"# base {case.base}; {case.desc}")
+    out.append(f"# mkc {'compile' if case.compile else 'check'} spec.sched{model}"
+               f"   (files: benchmarks/fuzz_campaign.py --seed {case.seed} --only {case.index}"
+               " --emit DIR)")
+    return "\n".join(out)
+
+
+# ---- the worker ----------------------------------------------------------------------------
+
+def _mkc_frame(tb_frames, mkc_dir: str) -> str:
+    inner = [f for f in tb_frames if f.filename.startswith(mkc_dir)]
+    if not inner:
+        return "no mkc frame"
+    f = inner[-1]
+    return f"mkc/{os.path.relpath(f.filename, mkc_dir)}:{f.name}"
+
+
+def _norm(msg: str) -> str:
+    return re.sub(r"\d+", "N", msg)[:80]
+
+
+def _safe_module_name(name: str) -> str | None:
+    import keyword
+    if not name.isidentifier() or not name.isascii():
+        return "not an ASCII identifier"
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+        return "a Python keyword"
+    if name.startswith("__") and name.endswith("__"):
+        return "a dunder name"
+    if name in sys.stdlib_module_names or name in {"jax", "numpy", "mkc", "lark", "jinja2"}:
+        return "shadows an installed module"
+    return None
+
+
+def run_case(case: Case, work: Path) -> dict:
+    """Check (and maybe compile and import) one case in the current process; its outcome."""
+    import traceback
+
+    import mkc
+    from mkc import compiler
+    from mkc.diagnostics import MkcError
+    mkc_dir = os.path.dirname(mkc.__file__) + os.sep
+    d = work / f"case{case.index}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    os.chdir(d)
+    res = {"index": case.index, "kind": case.kind, "base": case.base}
+    stage = "check"
+    try:
+        spec = case.materialize(d)
+        c = compiler.check_spec(spec, case.model)
+        if case.compile:
+            stage = "compile"
+            c = compiler.compile_spec(spec, case.model)
+            stage = "write"
+            res.update(_write_and_import(case, c, d))
+            return res
+        res["cls"] = "ok"
+    except MkcError as e:
+        source = case.spec.decode("utf-8", errors="replace")
+        bad = []
+        for dg in e.diagnostics:
+            s = dg.span
+            if not (s.file and s.line >= 1 and s.column >= 1 and dg.hint and dg.code):
+                bad.append(f"{dg.code}: file={s.file!r} line={s.line} column={s.column} "
+                           f"hint={bool(dg.hint)}")
+        try:
+            e.render(source)
+        except Exception as r:          # noqa: BLE001 - classify, do not crash the worker
+            bad.append(f"render raises {type(r).__name__}")
+        res["codes"] = e.codes
+        if bad:
+            res.update(cls="bad_diagnostic", sig=f"{stage}: {bad[0].split(':')[0]} "
+                       f"{_norm(bad[0].split(':', 1)[1]) if ':' in bad[0] else ''}",
+                       detail="; ".join(bad) + f" | {str(e)[:300]}")
+        else:
+            res["cls"] = "diagnostic"
+    except MemoryError as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        res.update(cls="memory", sig=f"{stage}: MemoryError @ {_mkc_frame(frames, mkc_dir)}",
+                   detail=_frames_text(frames), restart=True)
+    except BaseException as e:          # noqa: BLE001 - RecursionError, SystemExit, anything
+        frames = traceback.extract_tb(e.__traceback__)
+        res.update(cls="traceback", sig=f"{stage}: {type(e).__name__} @ {_mkc_frame(frames, mkc_dir)}",
+                   detail=f"{type(e).__name__}: {str(e)[:300]}\n{_frames_text(frames)}")
+    finally:
+        os.chdir(work)
+        shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def _frames_text(frames, n: int = 4) -> str:
+    return "\n".join(f"  {f.filename}:{f.lineno} in {f.name}" for f in frames[-n:])
+
+
+def _write_and_import(case: Case, c, d: Path) -> dict:
+    """Write the module as `mkc compile -o out` does (into a package) and import it."""
+    import importlib.util
+    import traceback
+
+    from mkc import compiler
+    name = compiler.module_name(c)
+    out = d / "out"
+    out.mkdir()
+    (out / "__init__.py").write_text("# package marker\n")
+    path = out / f"{name}.py"
+    existed = path.exists()
+    compiler.write_atomically(path, c.module_source)
+    if existed:
+        return {"cls": "bad_output", "sig": f"writes over an existing file ({path.name})",
+                "detail": f"module name {name!r}"}
+    why = _safe_module_name(name)
+    if why:
+        return {"cls": "bad_output", "sig": f"module name is {why}",
+                "detail": f"module name {_show(name, 80)}"}
+    try:
+        spec = importlib.util.spec_from_file_location(f"_mkc_fuzz_{case.index}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    except BaseException as e:          # noqa: BLE001
+        frames = traceback.extract_tb(e.__traceback__)
+        where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)
+                      if f.filename == str(path)), "?")
+        return {"cls": "bad_output", "sig": f"import: {type(e).__name__}: {_norm(str(e))}",
+                "detail": f"{type(e).__name__}: {str(e)[:300]} at {where}"}
+    finally:
+        sys.modules.pop(f"_mkc_fuzz_{case.index}", None)
+    return {"cls": "ok", "compiled": True}
+
+
+def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: float,
+                preimport: bool) -> None:
+    """Serve cases: read `seed index [kind]` lines on stdin, answer one JSON line each."""
+    import faulthandler
+    import resource
+    os.nice(10)
+    if mem_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)                        # anything the checker or a module prints goes to stderr
+    sys.setrecursionlimit(10000)
+    import mkc.compiler  # noqa: F401
+    if preimport:                        # a generated module's imports, paid once per worker
+        from jax.experimental.pallas import tpu  # noqa: F401
+    workdir = Path(work)
+    stack = open(workdir / "stack.txt", "w")
+    proto.write("READY\n")
+    for line in sys.stdin:
+        seed, index, *kind = line.split()
+        stack.seek(0)
+        stack.truncate()
+        faulthandler.dump_traceback_later(timeout * 0.85, file=stack)
+        t0 = time.perf_counter()
+        try:
+            res = run_case(make_case(int(seed), int(index), compile_fraction, kind[0] if kind else None),
+                           workdir)
+        except MemoryError:
+            res = {"index": int(index), "cls": "memory", "sig": "MemoryError in the harness",
+                   "restart": True}
+        faulthandler.cancel_dump_traceback_later()
+        res["seconds"] = round(time.perf_counter() - t0, 4)
+        proto.write(json.dumps(res) + "\n")
+        if res.get("restart"):
+            return
+
+
+# ---- the pool ------------------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self, args: list[str], work: Path, log: Path):
+        self.work = work
+        self.log = open(log, "ab")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker",
+                                      str(work), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, cwd=work, env=env)
+        self.buf = b""
+        self.current: int | None = None
+        self.deadline = time.monotonic() + 300      # start-up: imports on a loaded machine
+        self.ready = False
+
+    def send(self, seed: int, index: int, kind: str | None, timeout: float) -> None:
+        self.current = index
+        self.deadline = time.monotonic() + timeout
+        self.proc.stdin.write(f"{seed} {index} {kind or ''}\n".encode())
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def _stack_signature(path: Path, mkc_dir: str) -> tuple[str, str]:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "no stack dump", ""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', text)
+    # faulthandler lists the most recent call first. The signature is the outermost three mkc
+    # frames below the compiler driver (where the unbounded loop is entered); the innermost
+    # frame moves with the moment of the dump.
+    mk = [(f, ln, fn) for f, ln, fn in frames if f.startswith(mkc_dir)]
+    detail = "\n".join(f"  {a}:{b} in {c}" for a, b, c in frames[:7])
+    if not mk:
+        lines = [f"{Path(f).name}:{fn}" for f, _, fn in frames[:1]]
+        return f"no mkc frame ({lines[0] if lines else 'empty dump'})", detail
+    outer = [x for x in reversed(mk) if not x[0].endswith("compiler.py")][:3]
+    return " > ".join(f"mkc/{os.path.relpath(f, mkc_dir)}:{fn}" for f, _, fn in outer), detail
+
+
+def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float = 10.0,
+                 mem_gib: float = 4.0, compile_fraction: float = 0.2, kind: str | None = None,
+                 progress: bool = False) -> list[dict]:
+    """Run cases on a pool of long-lived workers (at most `workers` processes at a time)."""
+    mkc_dir = str(ROOT / "mkc") + os.sep           # the workers import mkc from ROOT
+    todo = list(reversed(indices))
+    total = len(todo)
+    results: list[dict] = []
+    root = Path(tempfile.mkdtemp(prefix="mkc_fuzz_"))
+    args = [str(int(mem_gib * (1 << 30))), str(timeout), str(compile_fraction),
+            "0"]        # "1": import jax at worker start; lazily is cheaper after a hang restart
+    n_started = 0
+
+    def start() -> _Worker:
+        nonlocal n_started
+        n_started += 1
+        w = root / f"w{n_started}"
+        w.mkdir()
+        return _Worker(args, w, root / f"w{n_started}.log")
+
+    pool = [start() for _ in range(max(1, min(workers, total)))]
+    sel = selectors.DefaultSelector()
+    for w in pool:
+        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+    t_last = time.monotonic()
+
+    def replace(w: _Worker) -> None:
+        sel.unregister(w.proc.stdout)
+        w.stop()
+        pool.remove(w)
+        if todo or any(x.current is not None for x in pool):
+            nw = start()
+            pool.append(nw)
+            sel.register(nw.proc.stdout, selectors.EVENT_READ, nw)
+
+    def log_tail(w: _Worker) -> str:
+        try:
+            return (w.work.parent / f"{w.work.name}.log").read_text(errors="replace")[-800:]
+        except OSError:
+            return ""
+
+    try:
+        while todo or any(w.current is not None for w in pool):
+            for w in list(pool):
+                if w.ready and w.current is None and todo:
+                    w.send(seed, todo.pop(), kind, timeout)
+            now = time.monotonic()
+            wait = max(0.0, min(w.deadline for w in pool) - now) if pool else 1.0
+            for key, _ in sel.select(timeout=min(wait, 1.0)):
+                w = key.data
+                chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+                if not chunk:                                     # the worker died
+                    if w.current is not None:
+                        idx = w.current
+                        rc = w.proc.wait()
+                        tail = log_tail(w)
+                        cls = "memory" if "MemoryError" in tail or "std::bad_alloc" in tail else "crash"
+                        results.append({"index": idx, "cls": cls, "sig": f"worker exit {rc}",
+                                        "detail": tail[-400:], "seconds": None})
+                    replace(w)
+                    continue
+                w.buf += chunk
+                while b"\n" in w.buf:
+                    line, w.buf = w.buf.split(b"\n", 1)
+                    if line == b"READY":
+                        w.ready = True
+                        continue
+                    res = json.loads(line)
+                    results.append(res)
+                    w.current = None
+                    if res.get("restart"):
+                        replace(w)
+                        break
+            now = time.monotonic()
+            for w in list(pool):
+                if now > w.deadline and (w.current is not None or not w.ready):
+                    if not w.ready:
+                        raise RuntimeError(f"fuzz worker did not start: {log_tail(w)}")
+                    idx = w.current
+                    time.sleep(0.2)
+                    sig, detail = _stack_signature(w.work / "stack.txt", mkc_dir)
+                    case = make_case(seed, idx, compile_fraction, kind)
+                    results.append({"index": idx, "kind": case.kind, "base": case.base,
+                                    "cls": "hang", "sig": f"hang @ {sig}", "detail": detail,
+                                    "seconds": timeout})
+                    w.current = None
+                    replace(w)
+            if progress and time.monotonic() - t_last > 30:
+                t_last = time.monotonic()
+                bad = sum(r["cls"] in FAILURE_CLASSES for r in results)
+                print(f"  ... {len(results)}/{total} cases, {bad} failures", flush=True)
+    finally:
+        for w in pool:
+            w.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    for r in results:                    # crash records lack kind/base: fill them in
+        if "kind" not in r:
+            case = make_case(seed, r["index"], compile_fraction, kind)
+            r["kind"], r["base"] = case.kind, case.base
+    results.sort(key=lambda r: r["index"])
+    return results
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str | None = None) -> dict:
+    by_class = {c: 0 for c in CLASSES}
+    by_kind: dict[str, dict[str, int]] = {}
+    sigs: dict[str, dict] = {}
+    for r in results:
+        by_class[r["cls"]] += 1
+        row = by_kind.setdefault(r["kind"], {c: 0 for c in CLASSES})
+        row[r["cls"]] += 1
+        if r["cls"] in FAILURE_CLASSES:
+            key = f"{r['cls']}: {r['sig']}"
+            case = make_case(seed, r["index"], compile_fraction, kind)
+            size = (len(reproducer(case)), len(case.spec))
+            s = sigs.setdefault(key, {"count": 0, "kinds": {}, "bases": {}, "best": None})
+            s["count"] += 1
+            s["kinds"][r["kind"]] = s["kinds"].get(r["kind"], 0) + 1
+            s["bases"][r["base"]] = s["bases"].get(r["base"], 0) + 1
+            if s["best"] is None or size < s["best"][0]:
+                s["best"] = (size, r["index"], r.get("detail", ""), reproducer(case))
+    slow = sorted((r for r in results if r.get("seconds") and r["cls"] != "hang"),
+                  key=lambda r: -r["seconds"])[:5]
+    return {"by_class": by_class, "by_kind": by_kind, "signatures": sigs, "slowest": slow}
+
+
+def print_report(summary: dict, results: list[dict], args, wall: float) -> None:
+    n = len(results)
+    print(f"\nmkc fuzz campaign: {n} cases, seed {args.seed}, {args.workers} workers, "
+          f"timeout {args.timeout} s, memory cap {args.mem_gib} GiB")
+    print(f"wall time {wall:.1f} s, {n / wall:.1f} cases/s")
+    print("\noutcomes: " + ", ".join(f"{c} {v}" for c, v in summary["by_class"].items()))
+    cols = [c for c in CLASSES if summary["by_class"][c]]
+    print(f"\n{'kind':<17}" + "".join(f"{c:>15}" for c in cols))
+    for kind in MUTATIONS:
+        row = summary["by_kind"].get(kind)
+        if row:
+            print(f"{kind:<17}" + "".join(f"{row[c]:>15}" for c in cols))
+    sigs = summary["signatures"]
+    print(f"\n{len(sigs)} distinct failure signatures")
+    for key, s in sorted(sigs.items(), key=lambda kv: -kv[1]["count"]):
+        _, idx, detail, repro = s["best"]
+        print(f"\n== {key}\n   {s['count']} cases; kinds {s['kinds']}; bases {s['bases']}")
+        if detail:
+            print("   " + detail.replace("\n", "\n   ")[:900])
+        print("   reproducer (case %d):\n     " % idx + repro.replace("\n", "\n     "))
+    if summary["slowest"]:
+        print("\nslowest non-hanging cases: " + ", ".join(
+            f"#{r['index']} {r['kind']} {r['seconds']:.2f} s" for r in summary["slowest"]))
+    print(f"\nreproduce: .venv/bin/python benchmarks/fuzz_campaign.py --cases {args.cases} "
+          f"--seed {args.seed} --workers {args.workers} --timeout {args.timeout} "
+          f"--compile-fraction {args.compile_fraction}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        work, mem, timeout, frac, pre = argv[1:6]
+        worker_main(work, int(mem), float(timeout), float(frac), pre == "1")
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds per case")
+    ap.add_argument("--mem-gib", type=float, default=4.0, help="address-space cap per worker")
+    ap.add_argument("--compile-fraction", type=float, default=0.2,
+                    help="share of cases also compiled, written and imported when accepted")
+    ap.add_argument("--kind", choices=list(MUTATIONS), help="only this mutation kind")
+    ap.add_argument("--json", help="write the summary and every failing case here")
+    ap.add_argument("--only", type=int, help="run (or --emit) only case I")
+    ap.add_argument("--emit", help="with --only: write the case's spec and files to this directory")
+    args = ap.parse_args(argv)
+    if args.emit is not None:
+        case = make_case(args.seed, args.only, args.compile_fraction, args.kind)
+        d = Path(args.emit)
+        d.mkdir(parents=True, exist_ok=True)
+        spec = case.materialize(d)
+        print(reproducer(case))
+        print(f"wrote {spec}")
+        return 0
+    indices = [args.only] if args.only is not None else list(range(args.cases))
+    t0 = time.perf_counter()
+    results = run_campaign(args.seed, indices, args.workers, args.timeout, args.mem_gib,
+                           args.compile_fraction, args.kind, progress=True)
+    wall = time.perf_counter() - t0
+    summary = summarize(results, args.seed, args.compile_fraction, args.kind)
+    print_report(summary, results, args, wall)
+    if args.json:
+        sigs = {k: {"count": s["count"], "kinds": s["kinds"], "bases": s["bases"],
+                    "case": s["best"][1], "detail": s["best"][2], "reproducer": s["best"][3]}
+                for k, s in summary["signatures"].items()}
+        Path(args.json).write_text(json.dumps({
+            "cases": len(results), "seed": args.seed, "wall_seconds": round(wall, 2),
+            "by_class": summary["by_class"], "by_kind": summary["by_kind"], "signatures": sigs,
+            "failures": [r for r in results if r["cls"] in FAILURE_CLASSES]}, indent=2))
+    return 1 if any(summary["by_class"][c] for c in FAILURE_CLASSES) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
