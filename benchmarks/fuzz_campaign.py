@@ -24,8 +24,9 @@ importing it. Outcome classes:
     traceback      any other exception (signature: type and innermost mkc frame)
     bad_output     accepted, but the written module fails on import, overwrites a file it did
                    not create, or has a name that is not a safe module name
-    hang           no answer within the timeout (signature: innermost mkc frame of a stack dump
-                   taken just before the deadline); the worker is restarted
+    hang           more CPU seconds than the timeout, or 3x the timeout (at least 30 s) of wall
+                   time (signature: the outermost mkc frames of a stack dump taken at the
+                   deadline); the worker is restarted
     memory         MemoryError under the address-space cap
     crash          the worker process died
 
@@ -43,6 +44,7 @@ import random
 import re
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -692,6 +694,7 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
     """Serve cases: read `seed index [kind]` lines on stdin, answer one JSON line each."""
     import faulthandler
     import resource
+    import signal
     os.nice(10)
     if mem_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
@@ -703,12 +706,10 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
         from jax.experimental.pallas import tpu  # noqa: F401
     workdir = Path(work)
     stack = open(workdir / "stack.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack)    # the pool asks for a stack on a hang
     proto.write("READY\n")
     for line in sys.stdin:
         seed, index, *kind = line.split()
-        stack.seek(0)
-        stack.truncate()
-        faulthandler.dump_traceback_later(timeout * 0.85, file=stack)
         t0 = time.perf_counter()
         try:
             res = run_case(make_case(int(seed), int(index), compile_fraction, kind[0] if kind else None),
@@ -716,7 +717,6 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
         except MemoryError:
             res = {"index": int(index), "cls": "memory", "sig": "MemoryError in the harness",
                    "restart": True}
-        faulthandler.cancel_dump_traceback_later()
         res["seconds"] = round(time.perf_counter() - t0, 4)
         proto.write(json.dumps(res) + "\n")
         if res.get("restart"):
@@ -738,10 +738,27 @@ class _Worker:
         self.current: int | None = None
         self.deadline = time.monotonic() + 300      # start-up: imports on a loaded machine
         self.ready = False
+        self.cpu0 = 0.0
+
+    def cpu(self) -> float:
+        """CPU seconds the worker has used: the machine may be shared, so a hang is measured
+        in CPU time, with a wall-clock cap for cases that block without computing."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    def overdue(self, timeout: float) -> bool:
+        now = time.monotonic()
+        if not self.ready:
+            return now > self.deadline
+        return self.cpu() - self.cpu0 > timeout or now > self.deadline
 
     def send(self, seed: int, index: int, kind: str | None, timeout: float) -> None:
         self.current = index
-        self.deadline = time.monotonic() + timeout
+        self.cpu0 = self.cpu()
+        self.deadline = time.monotonic() + max(30.0, 3 * timeout)
         self.proc.stdin.write(f"{seed} {index} {kind or ''}\n".encode())
         self.proc.stdin.flush()
 
@@ -758,9 +775,9 @@ def _stack_signature(path: Path, mkc_dir: str) -> tuple[str, str]:
     except OSError:
         return "no stack dump", ""
     frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', text)
-    # faulthandler lists the most recent call first. The signature is the outermost three mkc
-    # frames below the compiler driver (where the unbounded loop is entered); the innermost
-    # frame moves with the moment of the dump.
+    # faulthandler lists the most recent call first (the pool asks for the dump with SIGUSR1
+    # at the deadline). The signature is the outermost three mkc frames below the compiler
+    # driver, where the unbounded loop is entered; the innermost frame moves with the moment.
     mk = [(f, ln, fn) for f, ln, fn in frames if f.startswith(mkc_dir)]
     detail = "\n".join(f"  {a}:{b} in {c}" for a, b, c in frames[:7])
     if not mk:
@@ -816,9 +833,7 @@ def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float
             for w in list(pool):
                 if w.ready and w.current is None and todo:
                     w.send(seed, todo.pop(), kind, timeout)
-            now = time.monotonic()
-            wait = max(0.0, min(w.deadline for w in pool) - now) if pool else 1.0
-            for key, _ in sel.select(timeout=min(wait, 1.0)):
+            for key, _ in sel.select(timeout=0.25):
                 w = key.data
                 chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
                 if not chunk:                                     # the worker died
@@ -843,13 +858,14 @@ def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float
                     if res.get("restart"):
                         replace(w)
                         break
-            now = time.monotonic()
             for w in list(pool):
-                if now > w.deadline and (w.current is not None or not w.ready):
+                if (w.current is not None or not w.ready) and w.overdue(timeout):
                     if not w.ready:
                         raise RuntimeError(f"fuzz worker did not start: {log_tail(w)}")
                     idx = w.current
-                    time.sleep(0.2)
+                    (w.work / "stack.txt").write_text("")
+                    w.proc.send_signal(signal.SIGUSR1)
+                    time.sleep(0.5)
                     sig, detail = _stack_signature(w.work / "stack.txt", mkc_dir)
                     case = make_case(seed, idx, compile_fraction, kind)
                     results.append({"index": idx, "kind": case.kind, "base": case.base,
@@ -936,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=10000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=10.0, help="seconds per case")
+    ap.add_argument("--timeout", type=float, default=10.0,
+                    help="CPU seconds per case (wall-clock cap: 3x, at least 30 s)")
     ap.add_argument("--mem-gib", type=float, default=4.0, help="address-space cap per worker")
     ap.add_argument("--compile-fraction", type=float, default=0.2,
                     help="share of cases also compiled, written and imported when accepted")
