@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 21a76e1bb9f2bc6d
+Input digest (spec, model config, mkc version): 7d1881bea1ca2253
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. The layer loop runs
 each layer as two sublayers: attention (kda or mla), then the MLP (dense or moe). Pool
@@ -396,17 +396,17 @@ def _layer_kda(r, layer, B):
     """One kda sublayer: input_mix, gate_down, gate_up, projection, conv, delta_rule, gated_norm, o_proj, attn_residual."""
     si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
     v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
+    _vectors_copy(r, layer).wait()
+    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
+    def _():
+        _vectors_copy(r, layer + VECTOR_AHEAD).start()
+    @pl.when(si > 0)
+    def _():   # the previous kda layer's store of state.recurrent drains here
+        pltpu.make_async_copy(r.kda_rec_buf, r.kda__recurrent.at[si - 1], r.sems.at[3]).wait()
+    pltpu.make_async_copy(r.kda__recurrent.at[si], r.kda_rec_buf, r.sems.at[1]).start()   # load state.recurrent
     def _scope_0(r, v):
         """Runs with kda_conv_buf allocated (pl.run_scoped)."""
-        _vectors_copy(r, layer).wait()
-        @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-        def _():
-            _vectors_copy(r, layer + VECTOR_AHEAD).start()
-        @pl.when(si > 0)
-        def _():   # the previous kda layer's store of state.recurrent drains here
-            pltpu.make_async_copy(r.kda_rec_buf, r.kda__recurrent.at[si - 1], r.sems.at[3]).wait()
         pltpu.make_async_copy(r.kda__conv.at[si], r.kda_conv_buf, r.sems.at[0]).start()   # load state.conv
-        pltpu.make_async_copy(r.kda__recurrent.at[si], r.kda_rec_buf, r.sems.at[1]).start()   # load state.recurrent
         # -- input_mix
         v["h"] = ops.rms_norm(_mix(r, layer, "kda", "attn"), _vector(r, "kda", "input_norm", layer), EPS)
         _pooled_wait(r, "kda", "gate_down", si)

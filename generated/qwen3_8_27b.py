@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 3d6bc1d891ed851f
+Input digest (spec, model config, mkc version): 8f196744bd239bd1
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers
@@ -212,17 +212,17 @@ def _layer_gdn(r, layer, B):
     """One gdn layer: input_norm, in_proj, conv, delta_rule, gated_norm, out_proj, attn_residual, post_norm, gate_up, down, mlp_residual."""
     si = r.tables[2, layer]
     v = {"tile": r.tables[1, layer]}   # next ring tile of this layer
+    _vectors_copy(r, layer).wait()
+    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
+    def _():
+        _vectors_copy(r, layer + VECTOR_AHEAD).start()
+    @pl.when(si > 0)
+    def _():   # the previous gdn layer's store of state.recurrent drains here
+        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si - 1], r.sems.at[3]).wait()
+    pltpu.make_async_copy(r.gdn__recurrent.at[si], r.gdn_rec_buf, r.sems.at[1]).start()   # load state.recurrent
     def _scope_0(r, v):
         """Runs with gdn_conv_buf allocated (pl.run_scoped)."""
-        _vectors_copy(r, layer).wait()
-        @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-        def _():
-            _vectors_copy(r, layer + VECTOR_AHEAD).start()
-        @pl.when(si > 0)
-        def _():   # the previous gdn layer's store of state.recurrent drains here
-            pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si - 1], r.sems.at[3]).wait()
         pltpu.make_async_copy(r.gdn__conv.at[si], r.gdn_conv_buf, r.sems.at[0]).start()   # load state.conv
-        pltpu.make_async_copy(r.gdn__recurrent.at[si], r.gdn_rec_buf, r.sems.at[1]).start()   # load state.recurrent
         # -- input_norm
         v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gdn", "input_norm", layer), EPS)
         # -- in_proj

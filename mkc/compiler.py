@@ -10,7 +10,6 @@ from mkc import ir
 from mkc.checks import run_checks
 from mkc.codegen.emit import render
 from mkc.lang.parser import parse_file
-from mkc.model.config import resolve_config_path
 from mkc.resolve import resolve
 
 
@@ -31,8 +30,7 @@ def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
 
 def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:
     c = check_spec(spec, model)
-    config_text = resolve_config_path(model or c.ir.model, Path(spec).parent).read_text()
-    c.module_source = render(c.ir, c.spec_text, config_text)
+    c.module_source = render(c.ir, c.spec_text)
     return c
 
 
@@ -45,6 +43,11 @@ def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; a generated module gets the usual mode (0644 under the
+        # common umask), like any file the user writes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -305,6 +305,7 @@ class ScheduleIR:
     experts: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # per expert
     top_k: int = 0               # experts each row picks (0: no routed experts)
     setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
+    config_digest: str = ""      # sha256 of the model config's JSON, canonicalised
 
     def to_json(self) -> str:
         """Deterministic JSON of the whole IR (spans included, so tools can point at the spec)."""

@@ -1,9 +1,12 @@
 """The step sequence of one layer of a kind: the single ordering the trace and codegen share.
 
-At a program point: scopes open; (at point 0) the layer's vectors are waited, the next
-layer's issued and the previous layer's draining copies waited; then waits of copies started
-earlier, starts, waits of copies started at this same point; then scopes whose range ends
-here close. A scope covers points first..last+1.
+At a program point: (at point 0) the layer's vectors are waited, the next layer's issued and
+the previous layer's draining copies waited; then waits of copies started earlier; then starts
+(and waits of copies started at this same point) of buffers not in a scope opening here; then
+scopes whose range ends here close, innermost first; then scopes starting here open,
+outermost first; then the starts (and same-point waits) into the buffers they hold. A scope
+covers points first..last+1, and resolve only accepts scopes that nest or are disjoint, so the
+opens and closes always nest (each is one `pl.run_scoped` in the generated code).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class Step:
     transfer: ir.Transfer | None = None
     allreduce: ir.AllReduce | None = None
     buffers: tuple[ir.Buffer, ...] = ()
+    scope: int = 0                         # scope_open, scope_close: the scope's index
     family: str = ""                       # pool_wait: the pooled matrix waited for
     view: str = ""                         # pool_wait, view_close: "pool.view"
     collective: ir.AllGather | ir.Exchange | None = None
@@ -30,6 +34,7 @@ class Step:
 
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     k = s.kinds[kind]
+    # Outer scopes first: by first op, then the longer range.
     scopes = sorted({b.scope for b in s.buffers if b.scope and b.scope[0] == kind
                      and b.cls == "state"}, key=lambda sc: (sc[1], -sc[2]))
 
@@ -38,8 +43,12 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
 
     steps: list[Step] = []
 
+    def transfers_at(p: int, buffers: set[str], inside: bool) -> None:
+        mine = [t for t in k.transfers if t.start == p and (t.buffer in buffers) == inside]
+        steps.extend(Step("start", p, transfer=t) for t in mine)
+        steps.extend(Step("wait", p, transfer=t) for t in mine if p in t.waits)
+
     def point(p: int) -> None:
-        steps.extend(Step("scope_open", p, buffers=scoped(sc)) for sc in scopes if sc[1] == p)
         if p == 0:
             steps.append(Step("vectors", p))
             # copies of the previous layer of this kind that drain here
@@ -47,11 +56,13 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
                          for _ in range(t.drain))
         steps.extend(Step("wait", p, transfer=t) for t in k.transfers
                      if t.start < p and p in t.waits)
-        steps.extend(Step("start", p, transfer=t) for t in k.transfers if t.start == p)
-        steps.extend(Step("wait", p, transfer=t) for t in k.transfers
-                     if t.start == p and p in t.waits)
-        steps.extend(Step("scope_close", p, buffers=scoped(sc)) for sc in reversed(scopes)
-                     if sc[2] + 1 == p)
+        opening = [(i, sc) for i, sc in enumerate(scopes) if sc[1] == p]
+        opening_buffers = {b.name for _, sc in opening for b in scoped(sc)}
+        transfers_at(p, opening_buffers, inside=False)
+        steps.extend(Step("scope_close", p, buffers=scoped(sc), scope=i)
+                     for i, sc in reversed(list(enumerate(scopes))) if sc[2] + 1 == p)
+        steps.extend(Step("scope_open", p, buffers=scoped(sc), scope=i) for i, sc in opening)
+        transfers_at(p, opening_buffers, inside=True)
 
     # A pooled matrix is waited before the first op that reads it; a view closes after the
     # last op reading anything in it (for routed experts: the op that runs them).

@@ -1,15 +1,19 @@
 """Resolve a parsed schedule against the model graph and target into the schedule IR."""
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import hashlib
+import json
 import keyword
 import re
+import sys
 from pathlib import Path
 
 from mkc import ir, target
 from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
-from mkc.model.config import load_dims, resolve_config_path
+from mkc.model.config import dims_from_config, read_config, resolve_config_path
 from mkc.model.graph import DecodeGraph, ShardingError, build_graph, shard_classes
 from mkc.ops.pool import ROW_BYTES, pooled_rows
 
@@ -60,8 +64,10 @@ def _choose_tile(rows: int, cols: int, max_rows: int, max_cols: int) -> tuple[in
     """A family's tile: multiples of 128 within the ring bound, minimising the bytes its
     copies move (padding included) plus a per-copy overhead; ties go to larger tiles."""
     best = None
-    for r in range(128, max_rows + 1, 128):
-        for c in range(128, max_cols + 1, 128):
+    # A tile larger than the matrix rounded up to 128 only adds padding, so the search stops
+    # there: its cost is bounded by the matrix, not by the ring's bound.
+    for r in range(128, min(max_rows, max(128, -(-rows // 128) * 128)) + 1, 128):
+        for c in range(128, min(max_cols, max(128, -(-cols // 128) * 128)) + 1, 128):
             n = -(-rows // r) * -(-cols // c)
             key = (n * (r * c * 2 + TILE_OVERHEAD_BYTES), -r * c, -c)
             if best is None or key < best[0]:
@@ -110,23 +116,48 @@ def _point(p: ast.Point, ops: list[str], kind: str) -> int:
     return i if p.where == "before" else i + 1
 
 
+def _validate_module_name(name: ast.Name) -> str:
+    """The schedule's name becomes a Python module (`generated/NAME.py`): it must be importable
+    and must not shadow the standard library, a builtin or what the module itself imports."""
+    text = name.text
+    taken = (keyword.iskeyword(text) or keyword.issoftkeyword(text)
+             or text in sys.stdlib_module_names or text in dir(builtins)
+             or text in ("mkc", "jax", "jaxlib", "numpy", "ml_dtypes", "generated"))
+    if not _IDENT.match(text) or taken:
+        raise fail("E-NAME", f"'{text}' cannot name a schedule: it becomes the generated module's "
+                   "name" + (", which would shadow a module or name Python already has" if taken
+                             else ""), name.span,
+                   hint="use lower-case letters and digits joined by single '_', starting with a "
+                        "letter, e.g. `schedule qwen_decode`")
+    return text
+
+
 def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.ScheduleIR:
+    _validate_module_name(sched.name)
     spec_dir = Path(sched.source_file).parent
     model_setting = _require(sched, "model", 'model "qwen3_8_27b"')
     model_name = model_override or model_setting.value
     config_path = resolve_config_path(model_name, spec_dir if not model_override else None)
-    dims = load_dims(config_path, model_setting.span)
+    config = read_config(config_path, model_setting.span)
+    dims = dims_from_config(config, config_path, model_setting.span)
 
     tgt = _require(sched, "target", "target tpu7x topology 2x2x1")
     chip_name, topo_text = tgt.value
     if chip_name not in target.known_chips():
-        raise fail("E-TARGET", f"unknown chip '{chip_name}'", tgt.span,
-                   hint=_did_you_mean(chip_name, target.known_chips())
-                   + f"known chips: {', '.join(target.known_chips())}")
+        unverified = chip_name in ("v4", "v5e", "v5p", "v6e")
+        raise fail("E-TARGET", f"{'unsupported' if unverified else 'unknown'} chip "
+                   f"'{chip_name}'", tgt.span,
+                   hint=(f"mkc has not yet verified {chip_name} kernels with libtpu; "
+                         if unverified else _did_you_mean(chip_name, target.known_chips()))
+                   + f"supported chips: {', '.join(target.known_chips())}")
     topo = target.topology(chip_name, tuple(int(v) for v in topo_text.split("x")))
     if topo.num_chips == 0:
         raise fail("E-TARGET", f"topology {topo_text} has no chips", tgt.span,
                    hint="every topology dimension must be at least 1")
+    if topo.num_chips > target.MAX_CHIPS[chip_name]:
+        raise fail("E-TARGET", f"topology {topo_text} has {topo.num_chips} chips; the largest "
+                   f"{chip_name} pod has {target.MAX_CHIPS[chip_name]}", tgt.span,
+                   hint="write the chip grid of the slice you run on, e.g. 2x2x1")
 
     mesh = _require(sched, "mesh", "mesh tp = 8")
     axis_name, ranks = mesh.value
@@ -143,6 +174,10 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         raise fail("E-BATCH", f"batch range {b_lo} to {b_hi} is empty or starts below 1",
                    batch.span, hint="write `batch 1` or `batch 1 to 8`")
     context = _require(sched, "context", "context 4096")
+    if context.value < 1:
+        raise fail("E-CONTEXT", f"context {context.value} leaves no room for the token being "
+                   "decoded", context.span, hint="the context is the KV cache length in tokens: "
+                   "e.g. `context 4096`")
     vmem = _require(sched, "vmem", "vmem limit 64 MiB reserve 6 MiB")
     limit, reserve = vmem.value
     if limit.value > topo.chip.vmem_bytes:
@@ -275,7 +310,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         embed_reduce=embed_reduce,
         experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
         top_k=getattr(dims, "top_k", 0),
-        setting_spans={k: v.span for k, v in sched.settings.items()})
+        setting_spans={k: v.span for k, v in sched.settings.items()},
+        config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest())
 
 
 def _pooled_bytes(rows: int, cols: int, dtype: str) -> int:
@@ -545,6 +581,13 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
             if tr.start.where == "before next":
                 raise fail("E-TRANSFER", "a copy cannot start `before next ...`",
                            tr.start.anchor.span, hint="start it at a point of this layer")
+            points = [(w.where, w.anchor.text) for w in tr.waits]
+            dup = next((w for i, w in enumerate(tr.waits)
+                        if (w.where, w.anchor.text) in points[:i]), None)
+            if dup is not None:
+                raise fail("E-DUPLICATE", f"the {tr.direction} is waited twice at "
+                           f"`{dup.where} {dup.anchor.text}`", dup.anchor.span,
+                           hint="wait for each copy once: remove the repeated `wait`")
             drains = [w for w in tr.waits if w.where == "before next"]
             for w in drains:
                 if w.anchor.text != kname:
@@ -562,6 +605,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
                            f"{'loaded' if direction == 'load' else 'stored'}",
                            phase.kind.span,
                            hint=f"add `{direction} ...` for state.{sname} in phase {kname}")
+    ranges: list[tuple[int, int, ast.Scoped]] = []
     for sc in phase.scoped:
         first = 0 if sc.first.text == "start" else None
         last = len(ops) - 1 if sc.last.text == "end" else None
@@ -580,7 +624,12 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
             if n.text not in buffers:
                 raise _unknown(f"buffer of phase {kname}", n, sorted(buffers))
             b = buffers[n.text]
+            if b.scope is not None:
+                raise fail("E-DUPLICATE", f"{n.text} is scoped twice", n.span,
+                           hint=f"the first `scoped` range of it is at line {b.span.line}")
             buffers[n.text] = dataclasses.replace(b, scope=(kname, first, last), span=sc.span)
+        ranges.append((first, last, sc))
+    _check_scopes_nest(ranges, ops)
 
     kv = None
     caches = [t for t in kind.states() if t.role == "cache"]
@@ -644,8 +693,9 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
                                            _stages(ar, topo), width_of[n.text], ar.span))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
+            # Point at the allreduce line to extend, or the phase to add one to.
             raise fail("E-COLLECTIVE", f"{kname}.{p_op} leaves partial sums that nothing reduces",
-                       phase.kind.span,
+                       phase.allreduces[0].span if phase.allreduces else phase.kind.span,
                        hint=f"add `allreduce {', '.join(partial_ops)} direct wire bf16`")
 
     gathers, exchanges, gather_bufs = _resolve_gathers(phase, kind, topo, axis, B, rules)
@@ -660,6 +710,23 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         allgathers=gathers, exchanges=exchanges, pooled=dict(pooled), prefetch=prefetch,
         fetch=fetch)
     return ks, list(buffers.values()) + gather_bufs
+
+
+def _check_scopes_nest(ranges: list[tuple[int, int, ast.Scoped]], ops: list[str]) -> None:
+    """Scoped ranges must nest or be disjoint: each lowers to one `pl.run_scoped` block, and
+    blocks cannot cross. A range from op a to op b holds its buffers over points a..b+1."""
+    for i, (f1, l1, a) in enumerate(ranges):
+        for f2, l2, b in ranges[i + 1:]:
+            if (f1, l1) == (f2, l2) or l1 < f2 or l2 < f1:
+                continue
+            if (f1 <= f2 and l2 <= l1) or (f2 <= f1 and l1 <= l2):
+                continue
+            first, second = (a, b) if f1 <= f2 else (b, a)
+            raise fail("E-SCOPE", "two scoped ranges cross: each must lie inside the other or "
+                       "end before the other starts", second.span,
+                       notes=[f"the other range is at line {first.span.line}"],
+                       hint=f"nest them, or end `{first.last.text}` range before "
+                            f"`{second.first.text}` (ops in order: {', '.join(ops)})")
 
 
 def _resolve_gathers(phase: ast.Phase, kind, topo: target.Topology, axis: str, B: int,
@@ -723,8 +790,11 @@ def _resolve_gathers(phase: ast.Phase, kind, topo: target.Topology, axis: str, B
             how = (f"exchange {op_name} with sibling wire f32"
                    if rules[cls] == (topo.chip.cores_per_chip, 1) else
                    f"allgather {op_name} over ...")
+            lines = (phase.exchanges if rules[cls] == (topo.chip.cores_per_chip, 1)
+                     else phase.allgathers)
             raise fail("E-COLLECTIVE", f"{kname}.{op_name} leaves its output split {ways} ways "
-                       f"(`shard {cls}`) and nothing gathers it", phase.kind.span,
+                       f"(`shard {cls}`) and nothing gathers it",
+                       lines[0].span if lines else phase.kind.span,
                        hint=f"add `{how}`")
     return gathers, exchanges, buffers
 

@@ -25,6 +25,7 @@ class Event:
     nbytes: int = 0
     tag: object = None         # content delivered (start/write) or expected (read)
     src: tuple | None = None   # for a start reading VMEM: (buffer, slot, expected tag)
+    hbm: tuple | None = None   # for a start touching HBM state: (region, "read" | "write")
     where: str = ""
     span: Span = field(default_factory=Span.unknown)
 
@@ -46,10 +47,11 @@ class TraceBuilder:
         self._add(op="free", buffer=buffer, where=where, span=span)
 
     def start(self, *, dst: str, slot: int | None, sem: tuple, nbytes: int, tag: object,
-              where: str, span: Span, src: tuple | None = None) -> None:
+              where: str, span: Span, src: tuple | None = None, hbm: tuple | None = None
+              ) -> None:
         self._dma += 1
         self._add(op="start", buffer=dst, slot=slot, dma=self._dma, sem=sem, nbytes=nbytes,
-                  tag=tag, src=src, where=where, span=span)
+                  tag=tag, src=src, hbm=hbm, where=where, span=span)
 
     def wait(self, *, sem: tuple, nbytes: int, where: str, span: Span) -> None:
         self._add(op="wait", sem=sem, nbytes=nbytes, where=where, span=span)
@@ -60,9 +62,10 @@ class TraceBuilder:
     def write(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
         self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
 
-    def view(self, op: str, view_id: str, label: str, where: str, span: Span) -> None:
+    def view(self, op: str, view_id: str, layer: int, label: str, where: str, span: Span
+             ) -> None:
         """A pool view becoming live (`view_open`) or dead (`view_close`) for a layer."""
-        self._add(op=op, buffer=view_id, tag=("view", label), where=where, span=span)
+        self._add(op=op, buffer=view_id, tag=("view", label, layer), where=where, span=span)
 
 
 def layer_label(s: ir.ScheduleIR, layer: int) -> str:
@@ -105,8 +108,9 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     # Worst case for routed experts: every row picks top_k experts of this rank's group.
     expert_count = min(s.top_k * s.batch_max, s.per_rank.get("local_experts", 0))
 
-    def open_view(view_id: str, layer: int, where: str) -> None:
-        tb.view("view_open", view_id, layer_label(s, layer), where, views[view_id].span)
+    def open_view(view_id: str, layer: int, where: str, span: Span) -> None:
+        """`span` is the statement whose copy opens the view: a pool overlap points there."""
+        tb.view("view_open", view_id, layer, layer_label(s, layer), where, span)
 
     def start_weights(view_id: str, layer: int, where: str, span: Span) -> None:
         """Copy layer `layer`'s matrices of this weight view (if its kind has any)."""
@@ -114,7 +118,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
         mats = views[view_id].matrices.get(kname, [])
         if not mats:
             return
-        open_view(view_id, layer, where)
+        open_view(view_id, layer, where, span)
         for m in mats:
             tb.start(dst=view_id, slot=m.name, sem=(view_id, m.name), nbytes=m.nbytes,
                      tag=("pool", layer, m.name), where=where, span=span)
@@ -184,11 +188,13 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
             elif step.kind == "start" and t.direction == "load":
                 tb.start(dst=t.buffer, slot=None, sem=(t.direction, t.buffer),
                          nbytes=_nbytes(s.buffer(t.buffer)), tag=("state", layer),
+                         hbm=(("state", t.state, layer), "read"),
                          where=where(step.point), span=t.span)
             elif step.kind == "start":
                 tb.start(dst="", slot=None, sem=(t.direction, t.buffer),
                          nbytes=_nbytes(s.buffer(t.buffer)), tag=None,
                          src=(t.buffer, None, ("state-updated", layer)),
+                         hbm=(("state", t.state, layer), "write"),
                          where=where(step.point), span=t.span)
             elif step.kind == "wait" or (step.kind == "drain" and seen_kind[kname] > 0):
                 tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
@@ -197,7 +203,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 if layer + 1 < n_layers:
                     start_weights(step.view, layer + 1, where(step.point), k.prefetch.span)
             elif step.kind == "fetch":
-                open_view(step.view, layer, where(step.point))
+                open_view(step.view, layer, where(step.point), k.fetch.span)
                 for e in range(min(views[step.view].slots, expert_count)):
                     start_expert(step.view, layer, e, where(step.point), k.fetch.span)
             elif step.kind == "pool_wait":
@@ -205,7 +211,7 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                 tb.wait(sem=(step.view, m.name), nbytes=m.nbytes, where=where(step.point),
                         span=views[step.view].span)
             elif step.kind == "view_close":
-                tb.view("view_close", step.view, label, f"{label} after {k.ops[step.point]}",
+                tb.view("view_close", step.view, layer, label, f"{label} after {k.ops[step.point]}",
                         views[step.view].span)
             elif step.kind == "op":
                 op = step.op
@@ -250,7 +256,7 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
                where: str) -> None:
     kv = k.kv
     bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
-    n_tiles = s.context // kv.tokens
+    n_tiles = kv_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
     nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
     for b in bufs:
         tb.alloc(b.name, where, kv.span)
@@ -270,6 +276,21 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
         start(t + kv.ahead)
     for b in bufs:
         tb.free(b.name, where, kv.span)
+
+
+def kv_tiles_traced(n_tiles: int, slots: int, ahead: int) -> int:
+    """How many KV tiles the trace unrolls to show every pattern of a stream of `n_tiles`.
+
+    The events of tile t depend on t only through t % slots, whether t is issued in the
+    warm-up (t < ahead) and whether it still issues tile t + ahead (t + ahead < n_tiles).
+    A distance beyond the slot count already clobbers a slot within the first slots + 1
+    tiles. So a stream that keeps the warm-up, a full period of steady state and the tail,
+    with the same residue mod `slots`, has the same hazards as the whole one, and the check
+    costs the same at any context length."""
+    warm = 2 * (min(ahead, slots + 1) + slots) + 1
+    if n_tiles <= warm + slots:
+        return n_tiles
+    return warm + slots + (n_tiles - warm) % slots
 
 
 def _nbytes(b: ir.Buffer) -> int:

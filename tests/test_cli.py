@@ -1,5 +1,10 @@
+import json
+import stat
+
+import mkc
 from conftest import run_python
-from tests_support import SPEC
+from mkc.cli import main
+from tests_support import ROOT, SPEC
 
 
 def test_check_prints_budget_tables_for_both_batch_ends():
@@ -28,4 +33,53 @@ def test_unwritable_output_is_an_error_not_a_traceback(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     r = run_python(["-m", "mkc", "compile", str(SPEC), "-o", str(blocker / "out")], timeout=300)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "mkc: error:" in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "error[E-IO]" in r.stderr
+
+
+def test_version(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert capsys.readouterr().out.strip() == f"mkc {mkc.__version__}"
+
+
+def test_check_json_reports_verdict_and_budget(capsys):
+    assert main(["check", str(SPEC), "--model", "qwen3_8_mini", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "ok" and doc["diagnostics"] == []
+    assert [v["batch"] for v in doc["budget"]["vmem"]] == [1, 8]
+    for v in doc["budget"]["vmem"]:
+        assert v["peak_bytes"] == sum(b["bytes"] for b in v["buffers"])
+        assert v["peak_bytes"] <= doc["budget"]["vmem_budget_bytes"]
+
+
+def test_json_diagnostics_carry_location_and_hint(capsys):
+    broken = ROOT / "tests" / "broken_specs" / "double_wait.sched"
+    assert main(["compile", str(broken), "--json", "-o", "/nonexistent"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "error" and "budget" not in doc
+    (d,) = doc["diagnostics"]
+    assert d["code"] == "E-DMA-WAIT" and d["file"] == str(broken)
+    assert d["line"] == 29 and d["column"] == 5 and d["hint"]
+
+
+def test_generated_file_has_the_usual_mode(tmp_path):
+    assert main(["compile", str(SPEC), "--model", "qwen3_8_mini", "-o", str(tmp_path)]) == 0
+    (out,) = tmp_path.glob("*.py")
+    assert stat.S_IMODE(out.stat().st_mode) & 0o044 == 0o044     # group and others can read
+
+
+def test_non_utf8_spec_is_a_diagnostic(tmp_path, capsys):
+    spec = tmp_path / "bad.sched"
+    spec.write_bytes(SPEC.read_bytes().replace(b"tp = 8", b"tp = \xff8"))
+    assert main(["check", str(spec)]) == 1
+    err = capsys.readouterr().err
+    line = next(i for i, t in enumerate(SPEC.read_text().splitlines(), 1) if "tp = 8" in t)
+    assert f"bad.sched:{line}:" in err and "E-ENCODING" in err and "0xff" in err
+
+
+def test_spec_that_is_a_directory_or_device_is_a_diagnostic(capsys):
+    for path in (str(ROOT), "/dev/zero"):
+        assert main(["check", path]) == 1
+        assert "E-IO" in capsys.readouterr().err

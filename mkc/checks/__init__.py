@@ -13,13 +13,32 @@ __all__ = ["run_checks", "vmem_budget"]
 
 def run_checks(s: ir.ScheduleIR) -> list[Event]:
     """Run every check; raise one MkcError carrying all diagnostics found. Returns the checked
-    trace, which the VMEM budget report reads."""
+    trace, which the VMEM budget report reads.
+
+    Checks on the IR alone run first and stop before the trace when they fail: the trace's
+    size is bounded only for schedules whose every buffer fits (KV slots, say)."""
+    diags = check_hbm(s) + _check_each_buffer_fits(s)
+    if diags:
+        raise MkcError(diags)
     events = build_trace(s)
-    diags: list[Diagnostic] = []
     diags += check_vmem(s, events)
-    diags += check_hbm(s)
     diags += check_dma(s, events)
     diags += check_pools(s, events)
     if diags:
         raise MkcError(diags)
     return events
+
+
+def _check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
+    budget = s.vmem_limit - s.vmem_reserve
+    diags = []
+    for b in s.buffers:
+        b = b.at_batch(s.batch_max)
+        if b.vmem_bytes > budget:
+            span = b.span if b.span.file == s.source else s.setting_spans.get("vmem", b.span)
+            diags.append(Diagnostic(
+                "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
+                f"at batch {s.batch_max}, over the budget of {budget / 2**20:.2f} MiB", span,
+                hint="fewer slots, smaller tiles or a smaller batch",
+                notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
+    return diags

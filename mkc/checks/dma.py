@@ -34,6 +34,13 @@ def _fmt(tag) -> str:
     return "nothing" if tag is None else str(tag)
 
 
+def _fmt_hbm(region: tuple) -> str:
+    kind, *rest = region
+    if kind == "state":
+        return f"state.{rest[0]} of layer {rest[1]}"
+    return " ".join(map(str, region))
+
+
 def _region(buffer: str, slot) -> str:
     if isinstance(slot, tuple):
         slot = ", ".join(map(str, slot))
@@ -65,6 +72,7 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     filling: dict[tuple, Event] = {}            # region -> DMA writing it
     dma_readers: dict[tuple, list[Event]] = defaultdict(list)   # region -> DMAs reading it
     in_flight: dict[tuple, deque[Event]] = defaultdict(deque)   # semaphore -> started DMAs
+    hbm_flight: dict[tuple, list[Event]] = defaultdict(list)    # HBM region -> DMAs on it
 
     def usable(buffer: str, e: Event) -> bool:
         if buffer and buffer in scoped and buffer not in open_scopes:
@@ -121,6 +129,18 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                                hint="the slot is still being read: use 'ahead' no larger than "
                                     "the number of slots, or more slots")
                 filling[dst] = e
+            if e.hbm is not None:
+                region, access = e.hbm
+                clash = [d for d in hbm_flight[region]
+                         if access == "write" or d.hbm[1] == "write"]
+                if clash:
+                    report("E-DMA-HBM", f"a copy {'into' if access == 'write' else 'out of'} "
+                           f"HBM {_fmt_hbm(region)} starts while the copy started at "
+                           f"{clash[0].where} (line {clash[0].span.line}) still "
+                           f"{'writes' if clash[0].hbm[1] == 'write' else 'reads'} it", e,
+                           hint="wait for the earlier copy first; two copies of one HBM region "
+                                "in flight at once race")
+                hbm_flight[region].append(e)
             in_flight[e.sem].append(e)
         elif e.op == "wait":
             q = in_flight.get(e.sem)
@@ -139,6 +159,8 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                 if filling.get(region) is dma:
                     del filling[region]
                 content[region] = dma.tag
+            if dma.hbm is not None:
+                hbm_flight[dma.hbm[0]].remove(dma)
             if dma.src is not None:
                 readers = dma_readers[(dma.src[0], dma.src[1])]
                 if dma in readers:

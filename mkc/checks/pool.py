@@ -30,14 +30,16 @@ def check_pools(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
             other, opened = live[pool]
             key = (e.buffer, other)
             repeats[key] = repeats.get(key, 0) + 1
+            # Blame the copy made for the later layer: it is the one issued too early.
+            early, fine = (opened, e) if opened.tag[2] > e.tag[2] else (e, opened)
             first.setdefault(key, Diagnostic(
                 "E-POOL-OVERLAP",
                 f"{_what(e.buffer, e.tag)} is copied into pool {pool} at {e.where}, while "
                 f"{_what(other, opened.tag)} (opened at {opened.where}) is still live",
-                e.span, hint="start the copy after the last op that reads the other view, or "
-                             "give the views separate buffers",
-                notes=[f"{other} is declared at line {opened.span.line}",
-                       f"trace events {opened.seq} and {e.seq}"]))
+                early.span, hint="start the copy after the last op that reads the other view, "
+                                 "or give the views separate buffers",
+                notes=[f"{fine.buffer} of {fine.tag[1]} is opened by the copy at line "
+                       f"{fine.span.line}", f"trace events {opened.seq} and {e.seq}"]))
         live[pool] = (e.buffer, e)
     diags = []
     for key, d in first.items():

@@ -88,9 +88,9 @@ def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, i
     }
 
 
-def render(s: ir.ScheduleIR, spec_text: str, config_text: str) -> str:
+def render(s: ir.ScheduleIR, spec_text: str) -> str:
     """The generated module's source; deterministic for the same inputs."""
-    digest = hashlib.sha256((spec_text + "\0" + config_text + "\0" + mkc.__version__)
+    digest = hashlib.sha256((spec_text + "\0" + s.config_digest + "\0" + mkc.__version__)
                             .encode()).hexdigest()[:16]
     sem_index: dict[str, int] = {}
     for k in s.kinds.values():

@@ -20,6 +20,8 @@ _TOKEN_WORDS = {
     "EQUAL": "'='", "DOT": "'.'", "__ANON_0": "'->'", "SLASH": "'/'", "LPAR": "'('",
     "RPAR": "')'",
 }
+_MAX_DIGITS = 12
+MAX_SPEC_BYTES = 1 << 20
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "context", "vmem")
 # Which list of the parent node each statement node joins.
@@ -52,6 +54,21 @@ class _ToAst(Transformer):
         return ast.Name(str(tok), _span(self.file, tok))
 
     # --- leaves -------------------------------------------------------------------
+    def INT(self, tok: lark.Token) -> int:
+        # Bounded before conversion: Python refuses to parse integers of over 4300 digits, and
+        # no size in a schedule comes near 12.
+        if len(tok) > _MAX_DIGITS:
+            raise fail("E-RANGE", f"the number {str(tok)[:20]}... has {len(tok)} digits",
+                       _span(self.file, tok),
+                       hint=f"numbers in a schedule have at most {_MAX_DIGITS} digits")
+        return int(tok)
+
+    def TOPOLOGY(self, tok: lark.Token) -> str:
+        if any(len(part) > _MAX_DIGITS for part in str(tok).split("x")):
+            raise fail("E-RANGE", "a topology dimension is absurdly large", _span(self.file, tok),
+                       hint="write the chip grid as the generation does, e.g. 2x2x1")
+        return str(tok)
+
     def name_list(self, items):
         return [self._name(t) for t in items]
 
@@ -277,8 +294,31 @@ def parse_file(path: str | Path) -> tuple[ast.Schedule, str]:
     """Read and parse a spec; returns the AST and the source text (for rendering diagnostics)."""
     p = Path(path)
     try:
-        text = p.read_text()
+        if not p.is_file():
+            what = "a directory" if p.is_dir() else "not a regular file" if p.exists() else None
+            if what:
+                raise fail("E-IO", f"cannot read spec: it is {what}", Span.unknown(str(p)),
+                           hint="pass the path of a .sched file")
+        with p.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise fail("E-IO", f"cannot read spec: {e.strerror}", Span.unknown(str(p)),
                    hint="check the path") from None
-    return parse(text, str(p)), text
+    if len(data) > MAX_SPEC_BYTES:
+        raise fail("E-IO", f"the spec is larger than {MAX_SPEC_BYTES >> 20} MiB",
+                   Span.unknown(str(p)), hint="a schedule is a few hundred lines of text")
+    return parse_bytes(data, str(p))
+
+
+def parse_bytes(data: bytes, file: str = "<spec>") -> tuple[ast.Schedule, str]:
+    """Decode UTF-8 (pointing at the first bad byte) and parse; returns the AST and text."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[:e.start]
+        line = before.count(b"\n") + 1
+        column = e.start - (before.rfind(b"\n") + 1) + 1
+        raise fail("E-ENCODING", f"byte 0x{data[e.start]:02x} is not UTF-8 text",
+                   Span(file, line, column, line, column + 1),
+                   hint="save the spec as UTF-8; a schedule needs only ASCII") from None
+    return parse(text, file), text

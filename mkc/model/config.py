@@ -1,7 +1,9 @@
 """Read a Hugging Face style config.json (upstream key names) into the dimensions mkc needs."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,10 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 # Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
 _QWEN35_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
 SUPPORTED_FAMILIES = ("qwen3_5_text", "kimi_k3")
+MAX_CONFIG_BYTES = 4 << 20
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 24          # far above any real width, head or expert count; keeps loops bounded
+_ANY_SIGN = ("gate_lower_bound",)
 
 
 @dataclass(frozen=True)
@@ -65,25 +71,82 @@ def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a model dimension can take")
+
+
+def read_config(path: Path, where: Span) -> dict:
+    """The config's JSON object: a regular file of bounded size, strict JSON (no NaN)."""
+    p = Path(path)
+    if not p.exists():
+        raise fail("E-MODEL", f"model config not found: {path}", where,
+                   hint=f"use a shipped config ({', '.join(shipped_configs())}) or a path to a "
+                        "config.json or a checkpoint directory")
+    if not p.is_file():
+        raise fail("E-MODEL", f"model config {path} is not a regular file", where,
+                   hint="point `model` at a config.json or a checkpoint directory holding one")
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(f"it is larger than {MAX_CONFIG_BYTES >> 20} MiB")
+        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except OSError as e:
+        raise fail("E-MODEL", f"cannot read model config {path}: {e.strerror}", where,
+                   hint="check the path and its permissions") from None
+    except (ValueError, RecursionError) as e:    # JSON, UTF-8 and size errors are ValueErrors
+        raise fail("E-MODEL", f"cannot read model config {path}: {e}", where,
+                   hint="the file must be a Hugging Face style config.json") from None
+    if not isinstance(raw, dict):
+        raise fail("E-MODEL", f"model config {path} is not a JSON object", where,
+                   hint="the file must be a Hugging Face style config.json")
+    return raw
+
+
 def load_dims(path: Path, span: Span | None = None) -> "ModelDims | KimiDims":
     """Parse config.json; errors point at the spec's `model` line when a span is given."""
     where = span or Span.unknown(str(path))
-    try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise fail("E-MODEL", f"model config not found: {path}", where,
-                   hint=f"use a shipped config ({', '.join(shipped_configs())}) or a path to a "
-                        "config.json or a checkpoint directory") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise fail("E-MODEL", f"cannot read model config {path}: {e}", where,
-                   hint="the file must be a Hugging Face style config.json") from None
+    return dims_from_config(read_config(path, where), path, where)
+
+
+def dims_from_config(raw: dict, path: Path, where: Span) -> "ModelDims | KimiDims":
     family = raw.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise fail("E-MODEL", f"model family {family!r} is not supported", where,
                    hint=f"supported families: {', '.join(SUPPORTED_FAMILIES)}")
+    layers = raw.get("num_hidden_layers")
+    if not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
+        raise fail("E-MODEL", f"model config {path}: num_hidden_layers is {layers!r}", where,
+                   hint=f"a whole number of layers from 1 to {MAX_LAYERS}")
     stem = Path(path).stem if Path(path).name != "config.json" else Path(path).parent.name
     if family == "kimi_k3":
-        return _load_kimi(raw, path, stem, where)
+        return _checked(_load_kimi(raw, path, stem, where), path, where)
+    return _checked(_load_qwen(raw, path, family, stem, where), path, where)
+
+
+def _checked(dims, path: Path, where: Span):
+    """Every dimension a whole number in range and every constant finite and positive (the
+    K3 gate's lower bound is a log-space floor, so any finite value): a bad value must not
+    reach the generated module (`EPS = nan`) or a loop bound."""
+    for f in dataclasses.fields(dims):
+        v = getattr(dims, f.name)
+        if f.name in ("family", "name", "layer_kinds"):
+            continue
+        if isinstance(v, int) and not 1 <= v <= MAX_DIM:
+            bad = f"{f.name} = {v}", f"a whole number from 1 to {MAX_DIM}"
+        elif isinstance(v, float) and not (math.isfinite(v) and (v > 0 or f.name in _ANY_SIGN)):
+            bad = f"{f.name} = {v}", "a finite positive number"
+        else:
+            continue
+        raise fail("E-MODEL", f"model config {path}: {bad[0]} is out of range", where,
+                   hint=f"{f.name} must be {bad[1]}")
+    if getattr(dims, "top_k", 0) > getattr(dims, "experts", 0):
+        raise fail("E-MODEL", f"model config {path}: top-k {dims.top_k} exceeds the "
+                   f"{dims.experts} experts", where, hint="num_experts_per_token <= num_experts")
+    return dims
+
+
+def _load_qwen(raw: dict, path: Path, family: str, stem: str, where: Span) -> ModelDims:
     try:
         n_layers = int(raw["num_hidden_layers"])
         if "layer_types" in raw:

@@ -7,15 +7,15 @@ from functools import lru_cache
 from jax.experimental.pallas import tpu as pltpu
 
 # Spec chip names -> JAX chip versions. Facts (VMEM, HBM, ...) are never copied by hand.
+# Only generations whose core count, host layout and libtpu compile mkc has verified are listed;
+# other generations get a diagnostic rather than a kernel libtpu would reject.
 _CHIPS = {
-    "v4": ("TPU_4", 2, "v4"),
-    "v5e": ("TPU_5E", 1, "v5e"),
-    "v5p": ("TPU_5P", 2, "v5p"),
-    "v6e": ("TPU_6E", 1, "v6e"),
     "tpu7x": ("TPU_7X", 2, "tpu7x"),
 }
 # Chips per host for the topologies we map (a TPU7x host holds 4 chips).
-_CHIPS_PER_HOST = {"v4": 4, "v5e": 8, "v5p": 4, "v6e": 8, "tpu7x": 4}
+_CHIPS_PER_HOST = {"tpu7x": 4}
+# The largest pod of a generation, in chips: a bigger grid cannot exist.
+MAX_CHIPS = {"tpu7x": 9216}
 
 
 @dataclass(frozen=True)
@@ -49,20 +49,15 @@ def chip(name: str) -> Chip:
 
 
 @dataclass(frozen=True)
-class Core:
-    """One TensorCore: its rank in the flat mesh and where it sits physically."""
-
-    rank: int
-    chip: int
-    core: int       # index within the chip
-    host: int
-
-
-@dataclass(frozen=True)
 class Topology:
+    """Ranks over a chip grid: cores of a chip are adjacent, chips of a host are adjacent.
+
+    Everything is arithmetic on the grid, so a topology of any size costs nothing to describe
+    (the mesh check can then reject a wrong size before any per-rank work)."""
+
     chip: Chip
     dims: tuple[int, int, int]
-    cores: tuple[Core, ...]
+    chips_per_host: int
 
     @property
     def num_chips(self) -> int:
@@ -70,11 +65,15 @@ class Topology:
 
     @property
     def num_cores(self) -> int:
-        return len(self.cores)
+        return self.num_chips * self.chip.cores_per_chip
+
+    @property
+    def cores_per_host(self) -> int:
+        return min(self.chips_per_host, self.num_chips) * self.chip.cores_per_chip
 
     @property
     def num_hosts(self) -> int:
-        return max(c.host for c in self.cores) + 1
+        return -(-self.num_cores // self.cores_per_host)
 
     @property
     def spec(self) -> str:
@@ -83,21 +82,14 @@ class Topology:
 
     def siblings(self, rank: int) -> list[int]:
         """Other TensorCores on the same chip (the fast link)."""
-        me = self.cores[rank]
-        return [c.rank for c in self.cores if c.chip == me.chip and c.rank != rank]
+        first = rank - rank % self.chip.cores_per_chip
+        return [r for r in range(first, first + self.chip.cores_per_chip) if r != rank]
 
     def same_host(self, rank: int) -> list[int]:
-        me = self.cores[rank]
-        return [c.rank for c in self.cores if c.host == me.host]
+        first = rank - rank % self.cores_per_host
+        return list(range(first, min(first + self.cores_per_host, self.num_cores)))
 
 
 def topology(chip_name: str, dims: tuple[int, int, int]) -> Topology:
-    """Map a chip topology onto ranks: cores of a chip are adjacent, chips of a host are adjacent.
-
-    This matches the device order `get_topology_desc` returns for tpu7x (core fastest)."""
-    c = chip(chip_name)
-    per_host = _CHIPS_PER_HOST[chip_name]
-    n_chips = dims[0] * dims[1] * dims[2]
-    cores = tuple(Core(rank=ch * c.cores_per_chip + k, chip=ch, core=k, host=ch // per_host)
-                  for ch in range(n_chips) for k in range(c.cores_per_chip))
-    return Topology(chip=c, dims=dims, cores=cores)
+    """This matches the device order `get_topology_desc` returns for tpu7x (core fastest)."""
+    return Topology(chip=chip(chip_name), dims=dims, chips_per_host=_CHIPS_PER_HOST[chip_name])

@@ -62,10 +62,12 @@ def test_prefetch_during_routing_is_an_overlap():
         check_spec(spec)
     d = next(d for d in e.value.diagnostics if d.code == "E-POOL-OVERLAP")
     # Routing at layer 1 opens both the experts and layer 2's attention: the diagnostic names
-    # both views and points at one of their lines (29, 30 with the expectation header).
+    # both views, points at the moved prefetch (the statement to change) and names the fetch.
     assert "staging.attention of layer 2 kda" in d.message
     assert "staging.experts of layer 1 moe" in d.message
-    assert {d.span.line, int(d.notes[0].split()[-1])} == {29, 30}
+    lines = spec.read_text().splitlines()
+    assert lines[d.span.line - 1].strip() == "prefetch next staging.attention after route"
+    assert lines[int(d.notes[0].split()[-1]) - 1].strip().startswith("fetch experts ->")
 
 
 def test_topology_rederives_per_rank_shapes_and_collectives(tmp_path):

@@ -1,0 +1,68 @@
+"""Model configs: strict JSON of bounded size, every dimension in range, every constant finite."""
+import json
+
+import pytest
+
+from mkc.diagnostics import MkcError
+from mkc.model.config import CONFIG_DIR, MAX_CONFIG_BYTES, load_dims
+
+QWEN = json.loads((CONFIG_DIR / "qwen3_8_mini.json").read_text())
+K3 = json.loads((CONFIG_DIR / "kimi_k3_mini.json").read_text())
+
+
+def _load(tmp_path, text: str):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    return load_dims(path)
+
+
+def _rejects(tmp_path, text: str, words: str) -> None:
+    with pytest.raises(MkcError) as e:
+        _load(tmp_path, text)
+    (d,) = e.value.diagnostics
+    assert d.code == "E-MODEL" and words in d.message and d.hint, d
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_constants_are_rejected(tmp_path, value):
+    text = json.dumps(QWEN).replace('"rms_norm_eps": 1e-06', f'"rms_norm_eps": {value}')
+    assert value in text
+    _rejects(tmp_path, text, f"{value} is not a number")
+
+
+@pytest.mark.parametrize("config,key,value,words", [
+    (QWEN, "rms_norm_eps", 0.0, "rms_norm_eps = 0.0 is out of range"),
+    (QWEN, "rms_norm_eps", 1e400, "rms_norm_eps = inf"),           # overflows to inf in Python
+    (QWEN, "hidden_size", -256, "hidden_size = -256"),
+    (QWEN, "hidden_size", 10**30, "hidden_size"),
+    (QWEN, "num_hidden_layers", 10**9, "num_hidden_layers is 1000000000"),
+    (QWEN, "num_hidden_layers", True, "num_hidden_layers is True"),
+    (K3, "num_experts_per_token", 64, "top-k 64 exceeds the 32 experts"),
+    (K3, "activation_situ_beta", -1.0, "situ_beta = -1.0"),
+])
+def test_out_of_range_values_are_rejected(tmp_path, config, key, value, words):
+    text = json.dumps(config | {key: value}) if value != 1e400 else (
+        json.dumps(config).replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e400'))
+    _rejects(tmp_path, text, words)
+
+
+def test_k3_gate_floor_may_be_negative(tmp_path):
+    assert _load(tmp_path, json.dumps(K3)).gate_lower_bound == -5.0
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[1, 2]", "not a JSON object"),
+    ("[" * 100000 + "]" * 100000, "cannot read"),
+    ('{"model_type": "qwen3_5_text"', "cannot read"),
+    (" " * (MAX_CONFIG_BYTES + 1), "larger than"),
+])
+def test_malformed_files_are_rejected(tmp_path, text, words):
+    _rejects(tmp_path, text, words)
+
+
+def test_devices_and_directories_are_not_configs(tmp_path):
+    from pathlib import Path
+    for path in (Path("/dev/zero"), tmp_path):
+        with pytest.raises(MkcError) as e:
+            load_dims(path)
+        assert "not a regular file" in e.value.diagnostics[0].message
