@@ -696,6 +696,11 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
     import resource
     import signal
     os.nice(10)
+    try:                                 # Linux: die with the pool, even in a hanging case
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)       # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     if mem_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -787,10 +792,14 @@ def _stack_signature(path: Path, mkc_dir: str) -> tuple[str, str]:
     return " > ".join(f"mkc/{os.path.relpath(f, mkc_dir)}:{fn}" for f, _, fn in outer), detail
 
 
-def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float = 10.0,
+def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10.0,
                  mem_gib: float = 4.0, compile_fraction: float = 0.2, kind: str | None = None,
                  progress: bool = False) -> list[dict]:
-    """Run cases on a pool of long-lived workers (at most `workers` processes at a time)."""
+    """Run cases on a pool of long-lived workers (at most `workers` processes at a time).
+
+    indices: case numbers, or (number, kind) pairs forcing a mutation kind per case."""
+    kinds = {i[0]: i[1] for i in indices if isinstance(i, tuple)}
+    indices = [i[0] if isinstance(i, tuple) else i for i in indices]
     mkc_dir = str(ROOT / "mkc") + os.sep           # the workers import mkc from ROOT
     todo = list(reversed(indices))
     total = len(todo)
@@ -832,7 +841,8 @@ def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float
         while todo or any(w.current is not None for w in pool):
             for w in list(pool):
                 if w.ready and w.current is None and todo:
-                    w.send(seed, todo.pop(), kind, timeout)
+                    idx = todo.pop()
+                    w.send(seed, idx, kinds.get(idx, kind), timeout)
             for key, _ in sel.select(timeout=0.25):
                 w = key.data
                 chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
@@ -867,7 +877,7 @@ def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float
                     w.proc.send_signal(signal.SIGUSR1)
                     time.sleep(0.5)
                     sig, detail = _stack_signature(w.work / "stack.txt", mkc_dir)
-                    case = make_case(seed, idx, compile_fraction, kind)
+                    case = make_case(seed, idx, compile_fraction, kinds.get(idx, kind))
                     results.append({"index": idx, "kind": case.kind, "base": case.base,
                                     "cls": "hang", "sig": f"hang @ {sig}", "detail": detail,
                                     "seconds": timeout})
@@ -877,14 +887,18 @@ def run_campaign(seed: int, indices: list[int], workers: int = 2, timeout: float
                 t_last = time.monotonic()
                 bad = sum(r["cls"] in FAILURE_CLASSES for r in results)
                 print(f"  ... {len(results)}/{total} cases, {bad} failures", flush=True)
+    except KeyboardInterrupt:            # Ctrl-C (or kill -INT): report the cases done so far
+        print(f"  interrupted after {len(results)} of {total} cases", flush=True)
     finally:
         for w in pool:
             w.stop()
         shutil.rmtree(root, ignore_errors=True)
     for r in results:                    # crash records lack kind/base: fill them in
         if "kind" not in r:
-            case = make_case(seed, r["index"], compile_fraction, kind)
+            case = make_case(seed, r["index"], compile_fraction, kinds.get(r["index"], kind))
             r["kind"], r["base"] = case.kind, case.base
+        if r["index"] in kinds:
+            r["forced_kind"] = kinds[r["index"]]
     results.sort(key=lambda r: r["index"])
     return results
 
@@ -901,7 +915,7 @@ def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str
         row[r["cls"]] += 1
         if r["cls"] in FAILURE_CLASSES:
             key = f"{r['cls']}: {r['sig']}"
-            case = make_case(seed, r["index"], compile_fraction, kind)
+            case = make_case(seed, r["index"], compile_fraction, r.get("forced_kind", kind))
             size = (len(reproducer(case)), len(case.spec))
             s = sigs.setdefault(key, {"count": 0, "kinds": {}, "bases": {}, "best": None})
             s["count"] += 1
@@ -971,6 +985,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {spec}")
         return 0
     indices = [args.only] if args.only is not None else list(range(args.cases))
+
+    def stop(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, stop)   # also when started in the background (SIGINT ignored)
+    signal.signal(signal.SIGTERM, stop)  # kill PID: stop and report the cases done so far
     t0 = time.perf_counter()
     results = run_campaign(args.seed, indices, args.workers, args.timeout, args.mem_gib,
                            args.compile_fraction, args.kind, progress=True)
