@@ -636,6 +636,13 @@ def run_case(case: Case, work: Path) -> dict:
                        detail="; ".join(bad) + f" | {str(e)[:300]}")
         else:
             res["cls"] = "diagnostic"
+    except CaseTimeout as e:             # the pool's SIGUSR2 at the deadline: where it was
+        frames = traceback.extract_tb(e.__traceback__)
+        mk = [f for f in frames if f.filename.startswith(mkc_dir)
+              and not f.filename.endswith("compiler.py")][:3]
+        res.update(cls="hang", sig="hang @ " + (" > ".join(
+            f"mkc/{os.path.relpath(f.filename, mkc_dir)}:{f.name}" for f in mk) or "no mkc frame"),
+            detail=_frames_text(frames, 6))
     except MemoryError as e:
         frames = traceback.extract_tb(e.__traceback__)
         res.update(cls="memory", sig=f"{stage}: MemoryError @ {_mkc_frame(frames, mkc_dir)}",
@@ -648,6 +655,10 @@ def run_case(case: Case, work: Path) -> dict:
         os.chdir(work)
         shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+class CaseTimeout(BaseException):
+    """Raised in a worker by SIGUSR2 when its case overran (not an Exception: mkc cannot catch it)."""
 
 
 def _frames_text(frames, n: int = 4) -> str:
@@ -712,6 +723,10 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
     workdir = Path(work)
     stack = open(workdir / "stack.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack)    # the pool asks for a stack on a hang
+
+    def overran(*_):
+        raise CaseTimeout
+    signal.signal(signal.SIGUSR2, overran)               # the pool interrupts an overrunning case
     proto.write("READY\n")
     for line in sys.stdin:
         seed, index, *kind = line.split()
@@ -744,6 +759,7 @@ class _Worker:
         self.deadline = time.monotonic() + 300      # start-up: imports on a loaded machine
         self.ready = False
         self.cpu0 = 0.0
+        self.interrupted = False         # SIGUSR2 sent for the current case
 
     def cpu(self) -> float:
         """CPU seconds the worker has used: the machine may be shared, so a hang is measured
@@ -762,6 +778,7 @@ class _Worker:
 
     def send(self, seed: int, index: int, kind: str | None, timeout: float) -> None:
         self.current = index
+        self.interrupted = False
         self.cpu0 = self.cpu()
         self.deadline = time.monotonic() + max(30.0, 3 * timeout)
         self.proc.stdin.write(f"{seed} {index} {kind or ''}\n".encode())
@@ -872,6 +889,12 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
                 if (w.current is not None or not w.ready) and w.overdue(timeout):
                     if not w.ready:
                         raise RuntimeError(f"fuzz worker did not start: {log_tail(w)}")
+                    if not w.interrupted:        # first ask the case to stop where it is
+                        w.interrupted = True
+                        w.proc.send_signal(signal.SIGUSR2)
+                        w.cpu0 += 2.0            # it has 2 more CPU seconds (or the wall cap) to answer
+                        w.deadline = min(w.deadline, time.monotonic() + 30)
+                        continue
                     idx = w.current
                     (w.work / "stack.txt").write_text("")
                     w.proc.send_signal(signal.SIGUSR1)
