@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests_support import ROOT
 
 
@@ -15,6 +17,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_place_their_own_ranks_and_lower_the_step():
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "tests/multihost_worker.py", str(i), str(port)],
