@@ -245,6 +245,30 @@ class ViewCopy:
 
 
 @dataclass(frozen=True)
+class OpFacts:
+    """What the step-time model (`mkc.perf`) needs about one op's compute, per rank and per
+    batch row, beyond the matrices it multiplies by (those are counted from the weights it
+    reads): elementwise work on the VPU, row-specific operands fed through the MXU (a
+    recurrent state), and KV-cache elements fed through the MXU per cached token."""
+
+    vector_per_row: int = 0      # VPU element operations per batch row
+    mxu_per_row: int = 0         # elements fed to the MXU per batch row (not weights)
+    cache_per_token: int = 0     # cache elements fed to the MXU per cached token, per row
+    vector_per_token: int = 0    # VPU element operations per cached token, per row
+
+
+@dataclass(frozen=True)
+class MatrixFacts:
+    """How a stored matrix enters the MXU: `values_per_byte` logical values per stored byte
+    (0: not fed to the MXU, e.g. MXFP4 scales), the MXU dtype of its products and the
+    dequantisation (if any) the VPU runs first."""
+
+    mxu_dtype: str = "bf16"
+    values_per_byte: float = 0.5
+    dequant: str = ""
+
+
+@dataclass(frozen=True)
 class KindSchedule:
     name: str
     ops: list[str]
@@ -261,6 +285,7 @@ class KindSchedule:
     pooled: dict[str, str] = field(default_factory=dict)   # matrix family -> "pool.view"
     prefetch: ViewCopy | None = None
     fetch: ViewCopy | None = None
+    op_facts: dict[str, OpFacts] = field(default_factory=dict)   # op -> compute facts
 
 
 @dataclass(frozen=True)
@@ -306,6 +331,9 @@ class ScheduleIR:
     top_k: int = 0               # experts each row picks (0: no routed experts)
     setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
     config_digest: str = ""      # sha256 of the model config's JSON, canonicalised
+    # "kind.family" (or "expert.family") -> MXU facts, for matrices that are not plain bf16
+    matrix_facts: dict[str, MatrixFacts] = field(default_factory=dict)
+    tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # final_norm, lm_head, embed
 
     def to_json(self) -> str:
         """Deterministic JSON of the whole IR (spans included, so tools can point at the spec)."""

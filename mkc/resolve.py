@@ -311,7 +311,11 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
         top_k=getattr(dims, "top_k", 0),
         setting_spans={k: v.span for k, v in sched.settings.items()},
-        config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest())
+        config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+        matrix_facts={f"{prefix}.{t.name}": t.mxu for prefix, tensors in
+                      [(k, kd.tensors) for k, kd in graph.kinds.items()] + [("expert", graph.experts)]
+                      for t in tensors.values() if t.mxu is not None},
+        tail_facts=dict(graph.tail_facts))
 
 
 def _pooled_bytes(rows: int, cols: int, dtype: str) -> int:
@@ -708,7 +712,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         op_reads={o.name: list(o.reads) for o in kind.ops},
         op_writes={o.name: list(o.writes) for o in kind.ops},
         allgathers=gathers, exchanges=exchanges, pooled=dict(pooled), prefetch=prefetch,
-        fetch=fetch)
+        fetch=fetch, op_facts={o.name: o.facts for o in kind.ops})
     return ks, list(buffers.values()) + gather_bufs
 
 

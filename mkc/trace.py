@@ -30,6 +30,17 @@ class Event:
     span: Span = field(default_factory=Span.unknown)
 
 
+@dataclass(frozen=True)
+class TraceOptions:
+    """How `build_trace` unrolls a step for the step-time model (`mkc.perf`). The defaults give
+    exactly the trace the checks read; every option only adds events or resizes copies."""
+
+    batch: int | None = None       # size state and KV copies at this batch (None: the largest)
+    experts: int | None = None     # routed experts each MoE layer runs (None: the worst case)
+    kv_tokens: int | None = None   # unroll the whole KV stream over this many cached tokens
+    compute: bool = False          # add `op` and `collective` events, bytes on weight reads
+
+
 class TraceBuilder:
     def __init__(self) -> None:
         self.events: list[Event] = []
@@ -56,8 +67,10 @@ class TraceBuilder:
     def wait(self, *, sem: tuple, nbytes: int, where: str, span: Span) -> None:
         self._add(op="wait", sem=sem, nbytes=nbytes, where=where, span=span)
 
-    def read(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
-        self._add(op="read", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
+    def read(self, buffer: str, slot: int | None, tag: object, where: str, span: Span,
+             nbytes: int = 0) -> None:
+        self._add(op="read", buffer=buffer, slot=slot, tag=tag, where=where, span=span,
+                  nbytes=nbytes)
 
     def write(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
         self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
@@ -77,8 +90,25 @@ def layer_label(s: ir.ScheduleIR, layer: int) -> str:
     return f"layer {layer // per_layer} {s.layer_kinds[layer]}"
 
 
-def build_trace(s: ir.ScheduleIR) -> list[Event]:
+def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[Event]:
+    """The event trace of one step. With `options.compute` it also carries an `op` event as
+    each op begins (tag: (kind, op, layer); kind "tail" for embed, final_norm, lm_head), a
+    `collective` event where each collective runs (tag: (kind of collective, its IR entry)) and
+    the bytes of every weight read: what the step-time model needs on top of the checks'."""
+    opts = options or TraceOptions()
     tb = TraceBuilder()
+
+    def sized(b: ir.Buffer) -> int:
+        return _nbytes(b.at_batch(opts.batch) if opts.batch else b)
+
+    def op_event(kind: str, op: str, layer: int, where: str) -> None:
+        if opts.compute:
+            tb._add(op="op", tag=(kind, op, layer), where=where, span=Span.unknown(s.source))
+
+    def collective_event(what: str, entry, where: str) -> None:
+        if opts.compute:
+            tb._add(op="collective", tag=(what, entry), where=where, span=entry.span)
+
     st, par = s.stream, s.parity
     tile_bytes = [f.tile_bytes for f in st.tile_sequence(s.layer_kinds)]
     vec_bytes = par.rows * par.cols * 4
@@ -96,7 +126,8 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
             # The consumer waits for its own family's tile size.
             tb.wait(sem=ring_sem(t % st.slots), nbytes=family.tile_bytes, where=where,
                     span=st.span)
-            tb.read(st.ring, t % st.slots, ("tile", t), where, st.span)
+            tb.read(st.ring, t % st.slots, ("tile", t), where, st.span,
+                    tile_bytes[t] if opts.compute else 0)
             start_tile(t + st.ahead, where)
 
     def start_vectors(layer: int, where: str) -> None:
@@ -107,6 +138,11 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
     views = {f"{p.name}.{v.name}": v for p in s.pools for v in p.views}
     # Worst case for routed experts: every row picks top_k experts of this rank's group.
     expert_count = min(s.top_k * s.batch_max, s.per_rank.get("local_experts", 0))
+    if opts.experts is not None:
+        expert_count = min(opts.experts, s.per_rank.get("local_experts", 0))
+
+    def pooled_bytes(view_id: str, kname: str, fam: str) -> int:
+        return next(m.nbytes for m in views[view_id].matrices[kname] if m.name == fam)
 
     def open_view(view_id: str, layer: int, where: str, span: Span) -> None:
         """`span` is the statement whose copy opens the view: a pool overlap points there."""
@@ -135,7 +171,8 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
             for m in v.matrices["expert"]:
                 tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where,
                         span=span)
-                tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span)
+                tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span,
+                        m.nbytes if opts.compute else 0)
             if k + v.slots < expert_count:
                 start_expert(view_id, layer, k + v.slots, where, span)
 
@@ -147,7 +184,10 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
         start_tile(t, "prologue")
     for layer in range(min(par.ahead, n_layers)):
         start_vectors(layer, "prologue")
+    op_event("tail", "embed", -1, "prologue: embedding")
     tb.write("x", None, ("x", -1), "prologue: embedding", Span.unknown(s.source))
+    if s.embed_reduce is not None:
+        collective_event("allreduce", s.embed_reduce, "prologue: embedding")
     head_norm_bytes = s.buffer("head_norm").vmem_bytes
     tb.start(dst="head_norm", slot=None, sem=("head_norm",), nbytes=head_norm_bytes,
              tag=("head_norm",), where="prologue", span=Span.unknown(s.source))
@@ -187,17 +227,17 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                     start_vectors(layer + par.ahead, where(0))
             elif step.kind == "start" and t.direction == "load":
                 tb.start(dst=t.buffer, slot=None, sem=(t.direction, t.buffer),
-                         nbytes=_nbytes(s.buffer(t.buffer)), tag=("state", layer),
+                         nbytes=sized(s.buffer(t.buffer)), tag=("state", layer),
                          hbm=(("state", t.state, layer), "read"),
                          where=where(step.point), span=t.span)
             elif step.kind == "start":
                 tb.start(dst="", slot=None, sem=(t.direction, t.buffer),
-                         nbytes=_nbytes(s.buffer(t.buffer)), tag=None,
+                         nbytes=sized(s.buffer(t.buffer)), tag=None,
                          src=(t.buffer, None, ("state-updated", layer)),
                          hbm=(("state", t.state, layer), "write"),
                          where=where(step.point), span=t.span)
             elif step.kind == "wait" or (step.kind == "drain" and seen_kind[kname] > 0):
-                tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
+                tb.wait(sem=(t.direction, t.buffer), nbytes=sized(s.buffer(t.buffer)),
                         where=where(step.point), span=t.span)
             elif step.kind == "prefetch":
                 if layer + 1 < n_layers:
@@ -213,16 +253,21 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
             elif step.kind == "view_close":
                 tb.view("view_close", step.view, layer, label, f"{label} after {k.ops[step.point]}",
                         views[step.view].span)
+            elif step.kind in ("allreduce", "allgather", "exchange"):
+                collective_event(step.kind, step.allreduce or step.collective,
+                                 f"{label} after {step.op}")
             elif step.kind == "op":
                 op = step.op
                 w = f"{label} {op}"
+                op_event(kname, op, layer, w)
                 if op in k.matmuls and k.matmuls[op] not in k.pooled:
                     family = families[k.matmuls[op]]
                     consume_tiles(family, tile, w)
                     tile += family.tiles
                 for fam, view_id in sorted(k.pooled.items()):
                     if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
-                        tb.read(view_id, fam, ("pool", layer, fam), w, views[view_id].span)
+                        tb.read(view_id, fam, ("pool", layer, fam), w, views[view_id].span,
+                                pooled_bytes(view_id, kname, fam) if opts.compute else 0)
                 if k.fetch is not None and op == k.fetch.consumer:
                     run_experts(f"{k.fetch.pool}.{k.fetch.view}", layer, w, k.fetch.span)
                 if vector_families & set(k.op_reads[op]):
@@ -235,28 +280,35 @@ def build_trace(s: ir.ScheduleIR) -> list[Event]:
                             holds[b.name] = ("state-updated", layer)
                             tb.write(b.name, None, holds[b.name], w, b.span)
                 if k.kv is not None and op == k.kv.op:
-                    _kv_events(tb, s, k, layer, w)
+                    _kv_events(tb, s, k, layer, w, opts)
         seen_kind[kname] += 1
 
     # ---- epilogue ------------------------------------------------------------------------
     for kname, k in s.kinds.items():
         for t in k.transfers:
             for _ in range(t.drain if seen_kind[kname] else 0):
-                tb.wait(sem=(t.direction, t.buffer), nbytes=_nbytes(s.buffer(t.buffer)),
+                tb.wait(sem=(t.direction, t.buffer), nbytes=sized(s.buffer(t.buffer)),
                         where="epilogue: drain", span=t.span)
     tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
             span=Span.unknown(s.source))
+    op_event("tail", "final_norm", -1, "epilogue final_norm")
     tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))
+    op_event("tail", "lm_head", -1, "epilogue lm_head")
     consume_tiles(st.tail[0], st.tail_tile_offset, "epilogue lm_head")
     tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))
     return tb.events
 
 
 def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: int,
-               where: str) -> None:
+               where: str, opts: TraceOptions) -> None:
     kv = k.kv
     bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
-    n_tiles = kv_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
+    if opts.kv_tokens is None:
+        n_tiles = kv_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
+    else:
+        n_tiles = -(-opts.kv_tokens // kv.tokens)
+    if opts.batch:
+        bufs = [b.at_batch(opts.batch) for b in bufs]
     nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
     for b in bufs:
         tb.alloc(b.name, where, kv.span)

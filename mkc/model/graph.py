@@ -6,10 +6,12 @@ Layer kinds are op templates instantiated per layer. Shapes are per rank once sh
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import networkx as nx
 
+from mkc.ir import MatrixFacts, OpFacts
 from mkc.model.config import ModelDims
 
 
@@ -23,6 +25,7 @@ class Tensor:
     dtype: str
     partial_out: bool = False   # a row-parallel matrix: its product is a partial sum over tp
     split_out: str | None = None    # the shard class that leaves its product column-split
+    mxu: MatrixFacts | None = None  # how it enters the MXU, when not as plain bf16 values
 
     @property
     def nbytes(self) -> int:
@@ -42,6 +45,7 @@ class Op:
     matmul: str | None = None       # the matrix family this op multiplies by, if any
     partial: bool = False           # a non-matmul op whose output is a partial sum over ranks
     width: int = 0                  # that output's columns
+    facts: OpFacts = OpFacts()      # compute work beyond its matrix (for the step-time model)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class DecodeGraph:
     experts: dict[str, Tensor] = field(default_factory=dict)   # one routed expert's families
     # Model-specific VMEM activations: name -> (shape with -1 for the batch dim, dtype).
     activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # embed, final_norm, lm_head
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -91,6 +96,13 @@ class ShardingError(ValueError):
     def __init__(self, message: str, dim_class: str | None = None):
         super().__init__(message)
         self.dim_class = dim_class      # the shard rule to point at, when one is to blame
+
+
+def with_facts(kind: LayerKind, facts: dict[str, OpFacts]) -> LayerKind:
+    """The kind with each named op's compute facts filled in (estimates of the work each op's
+    body does per rank: element operations per batch row and per cached token)."""
+    ops = tuple(dataclasses.replace(o, facts=facts.get(o.name, o.facts)) for o in kind.ops)
+    return dataclasses.replace(kind, ops=ops)
 
 
 def lane_pad(n: int) -> int:
@@ -174,6 +186,25 @@ def _qwen35_kinds(d: ModelDims, heads: int, mlp: int
         "value": Tensor("value", "cache", (nkv, hd), "bf16"),
         **mlp_tensors(),
     })
+    norm = OpFacts(vector_per_row=4 * H)
+    mlp_facts = {"post_norm": norm, "gate_up": OpFacts(vector_per_row=8 * inter),   # SiLU * up
+                 "mlp_residual": OpFacts(vector_per_row=2 * H)}
+    state = nv * dk * dv
+    gdn = with_facts(gdn, mlp_facts | {
+        "input_norm": norm,
+        "conv": OpFacts(vector_per_row=(2 * d.linear_conv_kernel_dim + 6) * conv_ch),
+        # decay and rank-1 update on the state (VPU); k.S and q.S through the MXU
+        "delta_rule": OpFacts(vector_per_row=4 * state + 16 * (nk * dk + nv * dv),
+                              mxu_per_row=2 * state),
+        "gated_norm": OpFacts(vector_per_row=10 * nv * dv),
+        "attn_residual": OpFacts(vector_per_row=2 * H)})
+    gqa = with_facts(gqa, mlp_facts | {
+        "input_norm": norm,
+        "qk_norm_rope": OpFacts(vector_per_row=10 * (nq + nkv) * hd),
+        "kv_write": OpFacts(vector_per_row=2 * nkv * hd),
+        "attention": OpFacts(cache_per_token=2 * nkv * hd, vector_per_token=6 * nq),
+        "out_gate": OpFacts(vector_per_row=6 * nq * hd),
+        "attn_residual": OpFacts(vector_per_row=2 * H)})
     per_rank = {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch, "nq": nq,
                 "nkv": nkv, "inter": inter,
                 # lane offsets of in_proj's b and a sections ([q | k | v | z | b | a])
@@ -194,10 +225,12 @@ def build_graph(dims, rules: dict[str, tuple[int, int]], ranks: int) -> DecodeGr
     """Instantiate the decode-step graph. `rules` maps each dimension class to (ways, stride):
     rank r holds shard (r // stride) % ways, replicated over the other ranks."""
     if dims.family == "kimi_k3":
-        from mkc.model.kimi_k3_graph import KimiSharding, kimi_k3_activations, kimi_k3_kinds
+        from mkc.model.kimi_k3_graph import (KimiSharding, kimi_k3_activations, kimi_k3_kinds,
+                                             kimi_k3_tail_facts)
         sharding = KimiSharding.from_rules(rules, ranks)
         kinds, experts, glob, per_rank = kimi_k3_kinds(dims, sharding)
         activations = kimi_k3_activations(dims, sharding)
+        tail_facts = kimi_k3_tail_facts(dims, sharding)
     else:
         for cls in QWEN_SHARD_CLASSES:
             if rules[cls] != (ranks, 1):
@@ -213,6 +246,9 @@ def build_graph(dims, rules: dict[str, tuple[int, int]], ranks: int) -> DecodeGr
             "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
             "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
         }
+        tail_facts = {"embed": OpFacts(vector_per_row=2 * H),
+                      "final_norm": OpFacts(vector_per_row=4 * H),
+                      "lm_head": OpFacts(vector_per_row=4 * v_local)}   # logits, argmax
     g = nx.DiGraph()
     g.add_node("embed", op="embed", layer=None, kind=None, reads=("embed",), writes=("x",))
     prev = "embed"
@@ -231,4 +267,5 @@ def build_graph(dims, rules: dict[str, tuple[int, int]], ranks: int) -> DecodeGr
     g.add_edge(prev, "final_norm")
     g.add_edge("final_norm", "lm_head")
     return DecodeGraph(dims=dims, ranks=ranks, kinds=kinds, globals=glob, graph=g,
-                       per_rank=per_rank, experts=experts, activations=activations)
+                       per_rank=per_rank, experts=experts, activations=activations,
+                       tail_facts=tail_facts)

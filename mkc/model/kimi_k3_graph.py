@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mkc.model.graph import LayerKind, Op, ShardingError, Tensor, lane_pad
+from mkc.ir import MatrixFacts, OpFacts
+from mkc.model.graph import LayerKind, Op, ShardingError, Tensor, lane_pad, with_facts
 
 MX_BLOCK = 32                    # MXFP4: one E8M0 scale per 32 values
 KIMI_SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
@@ -139,8 +140,15 @@ def _ceil_split(total: int, ways: int) -> int:
 
 
 def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: bool = False,
-       split: str | None = None) -> Tensor:
-    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split)
+       split: str | None = None, mxu: MatrixFacts | None = None) -> Tensor:
+    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split,
+                  mxu=mxu)
+
+
+# MXFP4 codes hold two values per byte, dequantised on the VPU to bf16 for the MXU; their E8M0
+# scales are read by the dequantisation only.
+_MXFP4_CODES = MatrixFacts(mxu_dtype="bf16", values_per_byte=2.0, dequant="mxfp4")
+_MXFP4_SCALES = MatrixFacts(mxu_dtype="", values_per_byte=0.0)
 
 
 def _v(name: str, *shape: int) -> Tensor:
@@ -228,10 +236,11 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding) -> dict[str, dict[str, Tenso
         # One routed expert's width slice, MXFP4, K-major: codes hold two input rows per byte,
         # one E8M0 scale per 32 input rows (`pack_mxfp4_for_kernel`).
         "expert": {
-            "gate_up_codes": _m("gate_up_codes", d.latent // 2, 2 * w, "u8"),
-            "gate_up_scales": _m("gate_up_scales", d.latent // MX_BLOCK, 2 * w, "u8"),
-            "down_codes": _m("down_codes", w // 2, d.latent, "u8"),
-            "down_scales": _m("down_scales", w // MX_BLOCK, d.latent, "u8"),
+            "gate_up_codes": _m("gate_up_codes", d.latent // 2, 2 * w, "u8", mxu=_MXFP4_CODES),
+            "gate_up_scales": _m("gate_up_scales", d.latent // MX_BLOCK, 2 * w, "u8",
+                                 mxu=_MXFP4_SCALES),
+            "down_codes": _m("down_codes", w // 2, d.latent, "u8", mxu=_MXFP4_CODES),
+            "down_scales": _m("down_scales", w // MX_BLOCK, d.latent, "u8", mxu=_MXFP4_SCALES),
         },
     }
 
@@ -333,6 +342,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
         mlp_residual,
     ), tensors={**fam["dense"], **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
+    kda, mla, moe, dense = _with_k3_facts(d, sh, g, kda, mla, moe, dense)
     vocab = _split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
     glob = {
         "embed": Tensor("embed", "table", (vocab, H), "bf16"),
@@ -343,6 +353,52 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}
     return ({"kda": kda, "mla": mla, "moe": moe, "dense": dense}, fam["expert"], glob, per_rank)
+
+
+def _mix_elems(d: KimiDims) -> int:
+    """VPU work of one attention-residual mixture per row: score, mean square and accumulate
+    over every residual source, then an RMSNorm."""
+    sources = 2 + -(-d.num_hidden_layers // d.block)
+    return (6 * sources + 4) * d.hidden_size
+
+
+def _with_k3_facts(d: KimiDims, sh: KimiSharding, g: KimiGeometry, *kinds: LayerKind
+                   ) -> tuple[LayerKind, ...]:
+    """Per-rank compute facts of the K3 ops (element operations per row and per cached token),
+    estimated from what each op's body computes; matrices are counted from their weights."""
+    H, hd, P = d.hidden_size, d.head_dim, g.heads * d.head_dim
+    state = g.heads * hd * hd
+    mix, residual = OpFacts(vector_per_row=_mix_elems(d)), OpFacts(vector_per_row=2 * H)
+    local_per_row = d.top_k * sh.expert_tp / sh.ranks      # routed experts a row runs here
+    facts = {
+        "kda": {"input_mix": mix, "attn_residual": residual,
+                "gate_up": OpFacts(vector_per_row=12 * P),                 # the decay
+                "conv": OpFacts(vector_per_row=3 * P * (2 * d.conv_taps + 6) + 8 * P),
+                "delta_rule": OpFacts(vector_per_row=4 * state + 16 * P, mxu_per_row=2 * state),
+                "gated_norm": OpFacts(vector_per_row=10 * P)},
+        "mla": {"input_mix": mix, "attn_residual": residual,
+                "latent_norms": OpFacts(vector_per_row=4 * (d.q_lora + d.kv_lora)),
+                "kv_write": OpFacts(vector_per_row=2 * g.cache_width),
+                "attention": OpFacts(cache_per_token=g.cache_width + d.kv_lora,
+                                     vector_per_token=6 * g.heads),
+                "out_gate": OpFacts(vector_per_row=6 * P)},
+        "moe": {"mlp_mix": mix, "mlp_residual": residual,
+                "route": OpFacts(vector_per_row=d.experts * (4 + 2 * d.top_k)),
+                "shared_gate_up": OpFacts(vector_per_row=24 * g.shared),     # SiTU
+                "routed_experts": OpFacts(vector_per_row=round(
+                    local_per_row * (24 * g.expert_width + 2 * d.latent))),
+                "latent_norm": OpFacts(vector_per_row=4 * d.latent)},
+        "dense": {"mlp_mix": mix, "mlp_residual": residual,
+                  "gate_up": OpFacts(vector_per_row=24 * g.dense)},
+    }
+    return tuple(with_facts(k, facts[k.name]) for k in kinds)
+
+
+def kimi_k3_tail_facts(d: KimiDims, sh: KimiSharding) -> dict[str, OpFacts]:
+    vocab = _split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
+    return {"embed": OpFacts(vector_per_row=2 * d.hidden_size),
+            "final_norm": OpFacts(vector_per_row=_mix_elems(d)),
+            "lm_head": OpFacts(vector_per_row=4 * vocab)}
 
 
 def family_bytes(families: dict[str, Tensor]) -> int:
