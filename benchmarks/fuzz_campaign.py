@@ -544,9 +544,16 @@ def reproducer(case: Case, limit: int = 200) -> str:
     new = case.spec.decode("utf-8", errors="backslashreplace")
     out = []
     if new != b.spec:
-        for ln in difflib.unified_diff(_lines(b.spec), _lines(new), "base.sched", "spec.sched", n=0):
-            ln = ln.rstrip("\n")
-            out.append(ln if len(ln) <= limit else f"{ln[:limit]}...({len(ln)} chars)")
+        diff = [ln.rstrip("\n") for ln in
+                difflib.unified_diff(_lines(b.spec), _lines(new), "base.sched", "spec.sched", n=0)]
+        i = 0
+        while i < len(diff):                         # runs of one repeated line shown once
+            j = i
+            while j + 1 < len(diff) and diff[j + 1] == diff[i]:
+                j += 1
+            ln = diff[i] if len(diff[i]) <= limit else f"{diff[i][:limit]}...({len(diff[i])} chars)"
+            out.append(ln + (f"   [this line {j - i + 1} times]" if j > i else ""))
+            i = j + 1
     for op, rel, payload in case.files:
         if op == "file" and (rel.endswith("config.json") or rel == "cfg.json"):
             shipped = (CONFIG_DIR / f"{b.config}.json").read_text()
