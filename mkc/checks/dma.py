@@ -70,9 +70,12 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     open_scopes: set[str] = set()
     content: dict[tuple, object] = {}           # region -> tag it holds
     filling: dict[tuple, Event] = {}            # region -> DMA writing it
-    dma_readers: dict[tuple, list[Event]] = defaultdict(list)   # region -> DMAs reading it
+    # Keyed by event seq (insertion-ordered): adding and retiring a copy is O(1), so the check
+    # stays linear in the trace however many copies a spec puts in flight.
+    dma_readers: dict[tuple, dict[int, Event]] = defaultdict(dict)   # region -> DMAs reading it
     in_flight: dict[tuple, deque[Event]] = defaultdict(deque)   # semaphore -> started DMAs
-    hbm_flight: dict[tuple, list[Event]] = defaultdict(list)    # HBM region -> DMAs on it
+    hbm_flight: dict[tuple, dict[str, dict[int, Event]]] = defaultdict(
+        lambda: {"read": {}, "write": {}})                       # HBM region -> DMAs on it
 
     def usable(buffer: str, e: Event) -> bool:
         if buffer and buffer in scoped and buffer not in open_scopes:
@@ -94,7 +97,7 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
             for region, readers in dma_readers.items():
                 if region[0] == e.buffer and readers:
                     report("E-SCOPE", f"a copy out of {e.buffer} is still in flight when its "
-                           "scope ends", e, span=readers[0].span,
+                           "scope ends", e, span=next(iter(readers.values())).span,
                            hint="wait for it before the end of the `scoped` range")
             open_scopes.discard(e.buffer)
         elif e.op == "start":
@@ -109,7 +112,7 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                         report("E-READ-BEFORE-WAIT", f"a copy reads {_region(*src)} expecting "
                                f"{_fmt(e.src[2])} but it holds {_fmt(content.get(src))}", e,
                                hint="start the store after the op that produces the data")
-                    dma_readers[src].append(e)
+                    dma_readers[src][e.seq] = e
             if e.buffer and usable(e.buffer, e):
                 dst = (e.buffer, e.slot)
                 if dst in filling:
@@ -131,16 +134,17 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                 filling[dst] = e
             if e.hbm is not None:
                 region, access = e.hbm
-                clash = [d for d in hbm_flight[region]
-                         if access == "write" or d.hbm[1] == "write"]
-                if clash:
+                flight = hbm_flight[region]
+                clash = next(iter(flight["write"].values()),
+                             next(iter(flight["read"].values()), None) if access == "write" else None)
+                if clash is not None:
                     report("E-DMA-HBM", f"a copy {'into' if access == 'write' else 'out of'} "
                            f"HBM {_fmt_hbm(region)} starts while the copy started at "
-                           f"{clash[0].where} (line {clash[0].span.line}) still "
-                           f"{'writes' if clash[0].hbm[1] == 'write' else 'reads'} it", e,
+                           f"{clash.where} (line {clash.span.line}) still "
+                           f"{'writes' if clash.hbm[1] == 'write' else 'reads'} it", e,
                            hint="wait for the earlier copy first; two copies of one HBM region "
                                 "in flight at once race")
-                hbm_flight[region].append(e)
+                flight[access][e.seq] = e
             in_flight[e.sem].append(e)
         elif e.op == "wait":
             q = in_flight.get(e.sem)
@@ -160,11 +164,9 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                     del filling[region]
                 content[region] = dma.tag
             if dma.hbm is not None:
-                hbm_flight[dma.hbm[0]].remove(dma)
+                del hbm_flight[dma.hbm[0]][dma.hbm[1]][dma.seq]
             if dma.src is not None:
-                readers = dma_readers[(dma.src[0], dma.src[1])]
-                if dma in readers:
-                    readers.remove(dma)
+                dma_readers[(dma.src[0], dma.src[1])].pop(dma.seq, None)
         elif e.op == "read":
             if not usable(e.buffer, e):
                 continue
@@ -188,7 +190,8 @@ def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                        hint="wait for the load before the op that updates the buffer")
             elif dma_readers.get(region):
                 report("E-DMA-INFLIGHT", f"{e.where} overwrites {_region(*region)} while a copy "
-                       "out of it is still in flight", e, span=dma_readers[region][0].span,
+                       "out of it is still in flight", e,
+                       span=next(iter(dma_readers[region].values())).span,
                        hint="wait for the store before the buffer is written again")
             content[region] = e.tag
         elif e.op == "exit":

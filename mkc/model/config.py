@@ -59,12 +59,20 @@ class ModelDims:
 def resolve_config_path(model: str, relative_to: Path | None = None) -> Path:
     """A shipped config name (e.g. "qwen3_8_27b") or a path to a config.json / checkpoint dir."""
     shipped = CONFIG_DIR / f"{model}.json"
-    if shipped.exists():
+    if _probe(shipped.exists):
         return shipped
     p = Path(model)
     if not p.is_absolute() and relative_to is not None:
         p = relative_to / p
-    return p / "config.json" if p.is_dir() else p
+    return p / "config.json" if _probe(p.is_dir) else p
+
+
+def _probe(test) -> bool:
+    """A path test that is False, not an error, for names the OS refuses (too long, NUL)."""
+    try:
+        return test()
+    except (OSError, ValueError):
+        return False
 
 
 def shipped_configs() -> list[str]:
@@ -78,7 +86,7 @@ def _reject_constant(name: str) -> float:
 def read_config(path: Path, where: Span) -> dict:
     """The config's JSON object: a regular file of bounded size, strict JSON (no NaN)."""
     p = Path(path)
-    if not p.exists():
+    if not _probe(p.exists):
         raise fail("E-MODEL", f"model config not found: {path}", where,
                    hint=f"use a shipped config ({', '.join(shipped_configs())}) or a path to a "
                         "config.json or a checkpoint directory")
