@@ -93,8 +93,9 @@ def layer_label(s: ir.ScheduleIR, layer: int) -> str:
 def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[Event]:
     """The event trace of one step. With `options.compute` it also carries an `op` event as
     each op begins (tag: (kind, op, layer); kind "tail" for embed, final_norm, lm_head), a
-    `collective` event where each collective runs (tag: (kind of collective, its IR entry)) and
-    the bytes of every weight read: what the step-time model needs on top of the checks'."""
+    `collective` event where each collective runs (tag: (kind of collective, its IR entry)),
+    a `layer` event as each layer begins (tag: (kind, layer)), an `epilogue` event, and the
+    bytes of every weight read: what the step-time model needs on top of the checks'."""
     opts = options or TraceOptions()
     tb = TraceBuilder()
 
@@ -198,6 +199,8 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     for layer, kname in enumerate(s.layer_kinds):
         k = s.kinds[kname]
         label = layer_label(s, layer)
+        if opts.compute:
+            tb._add(op="layer", tag=(kname, layer), where=label, span=Span.unknown(s.source))
         tile = st.layer_tile_offset[layer]
         families = {f.name: f for f in st.families[kname]}
         vector_families = {name for name, _ in k.vectors}
@@ -284,6 +287,8 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
         seen_kind[kname] += 1
 
     # ---- epilogue ------------------------------------------------------------------------
+    if opts.compute:
+        tb._add(op="epilogue", where="epilogue", span=Span.unknown(s.source))
     for kname, k in s.kinds.items():
         for t in k.transfers:
             for _ in range(t.drain if seen_kind[kname] else 0):

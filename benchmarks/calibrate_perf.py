@@ -1,0 +1,148 @@
+"""Fit the step-time model's free constants to published step times and record the fit.
+
+    .venv/bin/python benchmarks/calibrate_perf.py            # fit, print, write the data file
+    .venv/bin/python benchmarks/calibrate_perf.py --dry-run  # fit and print only
+
+Inputs: `mkc/perf/data/calibration_points.json` (the published points, the spec they belong
+to, which constants to fit, start values and bounds). Output: the fitted values (source
+"fitted: ...") and a `calibration` record (points, modelled times, errors) in
+`mkc/perf/data/<chip>.json`. Every other constant keeps its recorded value and source. When a
+real TPU measurement arrives, add it as a point (or replace the published ones) and rerun.
+
+With as many points as fitted constants the fit is a root find (Newton's method on the log of
+the constants, bounded); with more points it minimises the squared relative errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mkc.compiler import check_spec  # noqa: E402
+from mkc.perf import constants  # noqa: E402
+from mkc.perf.run import perf_trace, step_model  # noqa: E402
+
+POINTS = constants.DATA / "calibration_points.json"
+
+
+def modelled(ir, traces, rates, points) -> list[float]:
+    return [step_model(ir, p["batch"], traces[p["batch"]][1], rates, traces[p["batch"]][0],
+                       keep_timeline=False).step_s for p in points]
+
+
+def fit(cfg: dict, verbose: bool = True) -> tuple[dict, list[float]]:
+    c = check_spec(ROOT / cfg["spec"], cfg.get("model"))
+    tokens = cfg.get("tokens_in_cache") or c.ir.context
+    points = cfg["points"]
+    traces = {p["batch"]: (perf_trace(c.ir, p["batch"], tokens), tokens) for p in points}
+    names = cfg["fit"]
+    lo = [cfg["bounds"][n][0] for n in names]
+    hi = [cfg["bounds"][n][1] for n in names]
+    base = constants.rates(cfg["chip"])
+    # Work in a transformed variable so a bound of 0 stays reachable: u = log(x + eps).
+    eps = [max(1e-12, 1e-3 * (h - lo_)) for lo_, h in zip(lo, hi)]
+    x = [cfg["start"][n] for n in names]
+
+    def residuals(vals: list[float]) -> list[float]:
+        r = base.replace(**dict(zip(names, vals)))
+        got = modelled(c.ir, traces, r, points)
+        return [math.log(g / p["step_s"]) for g, p in zip(got, points)]
+
+    def clamp(vals):
+        return [min(max(v, a), b) for v, a, b in zip(vals, lo, hi)]
+
+    res = residuals(x)
+    for it in range(30):
+        if verbose:
+            print(f"  iter {it}: " + ", ".join(f"{n}={v:.4g}" for n, v in zip(names, x))
+                  + "  errors " + ", ".join(f"{100 * (math.exp(e) - 1):+.2f}%" for e in res))
+        if max(abs(e) for e in res) < 1e-4:
+            break
+        u = [math.log(v + e) for v, e in zip(x, eps)]
+        jac = []
+        for j in range(len(names)):
+            du = 0.05
+            u2 = list(u)
+            u2[j] += du
+            x2 = clamp([math.exp(a) - e for a, e in zip(u2, eps)])
+            r2 = residuals(x2)
+            jac.append([(a - b) / du for a, b in zip(r2, res)])      # column j
+        step = _solve(jac, res)
+        for damp in (1.0, 0.5, 0.25, 0.125, 0.0625):
+            u_new = [a - damp * s for a, s in zip(u, step)]
+            x_new = clamp([math.exp(a) - e for a, e in zip(u_new, eps)])
+            r_new = residuals(x_new)
+            if sum(e * e for e in r_new) < sum(e * e for e in res):
+                x, res = x_new, r_new
+                break
+        else:
+            break
+    got = modelled(c.ir, traces, base.replace(**dict(zip(names, x))), points)
+    return dict(zip(names, x)), got
+
+
+def _solve(jac_cols: list[list[float]], res: list[float]) -> list[float]:
+    """Least-squares step J s = res (J given by columns), by the normal equations."""
+    n = len(jac_cols)
+    a = [[sum(ci * cj for ci, cj in zip(jac_cols[i], jac_cols[j])) + (1e-9 if i == j else 0)
+          for j in range(n)] for i in range(n)]
+    b = [sum(ci * r for ci, r in zip(jac_cols[i], res)) for i in range(n)]
+    for i in range(n):                       # Gauss-Jordan, n is tiny
+        p = max(range(i, n), key=lambda k: abs(a[k][i]))
+        a[i], a[p], b[i], b[p] = a[p], a[i], b[p], b[i]
+        for k in range(n):
+            if k != i and a[i][i]:
+                f = a[k][i] / a[i][i]
+                a[k] = [x - f * y for x, y in zip(a[k], a[i])]
+                b[k] -= f * b[i]
+    return [b[i] / a[i][i] if a[i][i] else 0.0 for i in range(n)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default=str(POINTS), help="calibration inputs (JSON)")
+    ap.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    args = ap.parse_args()
+    cfg = json.loads(Path(args.points).read_text())
+    print(f"fitting {', '.join(cfg['fit'])} to {len(cfg['points'])} points of {cfg['reference']}")
+    values, got = fit(cfg)
+    points = [{"batch": p["batch"], "published_step_s": p["step_s"],
+               "published_tokens_per_s": p["tokens_per_s"], "modelled_step_s": g,
+               "error_percent": 100 * (g / p["step_s"] - 1)} for p, g in zip(cfg["points"], got)]
+    for p in points:
+        print(f"  batch {p['batch']}: published {p['published_step_s'] * 1e3:.3f} ms, modelled "
+              f"{p['modelled_step_s'] * 1e3:.3f} ms ({p['error_percent']:+.2f}%)")
+    for n, v in values.items():
+        print(f"  {n} = {v:.6g}")
+    if args.dry_run:
+        return 0
+    path = constants.data_path(cfg["chip"])
+    data = json.loads(path.read_text())
+    for n, v in values.items():
+        data["constants"][n] = {"value": float(f"{v:.6g}"), "source": (
+            f"fitted by benchmarks/calibrate_perf.py to {len(points)} published step times "
+            f"({', '.join('B' + str(p['batch']) for p in points)}; mkc/perf/data/"
+            "calibration_points.json)")}
+    data["calibration"] = {
+        "reference": cfg["reference"], "spec": cfg["spec"],
+        "tokens_in_cache": cfg.get("tokens_in_cache"), "fitted": list(values),
+        "method": "Newton on log step time, finite differences; as many points as constants "
+                  "makes the fit exact, so these errors show the fit converged, not that the "
+                  "model predicts",
+        "points": [p | {"modelled_step_s": float(f"{p['modelled_step_s']:.6g}"),
+                        "error_percent": round(p["error_percent"], 3)} for p in points],
+        "command": ".venv/bin/python benchmarks/calibrate_perf.py"}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""mkc perf: a modelled step time for a checked schedule (see `mkc.perf.sim`).
+
+Times are modelled, not measured: chip facts come from JAX, a few constants from
+`mkc/perf/data/<chip>.json`, fitted to published step times (`benchmarks/calibrate_perf.py`).
+"""
+from mkc.perf.run import perf_trace, run, step_model
+
+__all__ = ["perf_trace", "run", "step_model"]

@@ -1,0 +1,108 @@
+"""Chip rates for the step-time model: facts from JAX's chip table, plus the few constants JAX
+does not know, kept as data per chip generation (`mkc/perf/data/<chip>.json`), each with the
+source of its value ("jax", "published", "assumed" or "fitted")."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from jax.experimental.pallas import tpu as pltpu
+
+from mkc import target
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per TensorCore. Times in seconds, rates per second, bytes in bytes."""
+
+    chip: str
+    # from JAX (`pltpu.get_tpu_info_for_chip`)
+    hbm_bytes_per_s: float
+    mxu_ops_per_s: dict          # MXU dtype -> peak ops/s (2 per multiply-add)
+    mxu_column: int
+    num_mxus: int
+    # from the data file
+    hbm_efficiency: float        # fraction of the HBM peak DMAs achieve when streaming
+    dma_issue_s: float           # per copy: from start until its bytes flow (overlaps others)
+    dma_overhead_bytes: float    # per copy: bandwidth it costs beyond its bytes (small copies)
+    mxu_feed_scale: float        # weight-load rate of the MXUs relative to peak / (2 * column)
+    op_overhead_s: float         # per op: fixed cost of a compute body
+    vpu_ops_per_s: float         # elementwise f32 operations per second
+    mxfp4_dequant_ops: float     # VPU operations per MXFP4 value dequantised to bf16
+    ici_link_bytes_per_s: float  # one remote DMA stream to another chip, one direction
+    ici_core_bytes_per_s: float  # all of a core's outgoing cross-chip streams together
+    sibling_bytes_per_s: float   # a remote DMA to the other core of the same chip
+    ici_hop_s: float             # latency per chip-to-chip hop
+    collective_round_s: float    # per collective round: semaphore signal, barrier, wait
+    step_fixed_s: float          # per step: launch, embedding gather, sampling on the host
+    latency_scale: float         # multiplies every fixed latency above (dma_issue_s, op_overhead_s,
+                                 # ici_hop_s, collective_round_s): their ratios are assumed,
+                                 # their level is fitted
+    provenance: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def hbm_stream_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s * self.hbm_efficiency
+
+    def feed_values_per_s(self, dtype: str) -> float:
+        """Weight values the MXUs take in per second. At decode batch (<= 8 rows) a matmul is
+        bound by loading weight tiles into the systolic arrays, not by FLOPs: a tile of
+        column x column values takes about `column` cycles to load, while the peak rate does
+        column x column multiply-adds per cycle, so loading runs at peak / (2 * column)."""
+        return self.mxu_feed_scale * self.mxu_ops_per_s[dtype] / (2 * self.mxu_column)
+
+    def latency(self, name: str) -> float:
+        """A fixed latency (`dma_issue_s`, `op_overhead_s`, `ici_hop_s`, `collective_round_s`)
+        at the fitted level."""
+        return getattr(self, name) * self.latency_scale
+
+    def replace(self, **kw) -> "Rates":
+        return dataclasses.replace(self, **kw)
+
+
+FITTABLE = ("mxu_feed_scale", "latency_scale", "op_overhead_s", "vpu_ops_per_s",
+            "collective_round_s", "step_fixed_s", "dma_issue_s", "ici_hop_s")
+
+
+def data_path(chip: str) -> Path:
+    return DATA / f"{chip}.json"
+
+
+@lru_cache(maxsize=None)
+def load_data(chip: str) -> dict:
+    p = data_path(chip)
+    if not p.is_file():
+        raise KeyError(chip)
+    return json.loads(p.read_text())
+
+
+def rates(chip: str, overrides: dict | None = None) -> Rates:
+    """The model's rates for `chip`: JAX's facts plus the data file's constants."""
+    version_name = target._CHIPS[chip][0]
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), 1)
+    data = load_data(chip)
+    consts = {k: float(v["value"]) for k, v in data["constants"].items()} | (overrides or {})
+    mxu = {"bf16": float(info.bf16_ops_per_second)}
+    for dtype, attr in (("fp8", "fp8_ops_per_second"), ("int8", "int8_ops_per_second"),
+                        ("int4", "int4_ops_per_second")):
+        if getattr(info, attr, 0):
+            mxu[dtype] = float(getattr(info, attr))
+    prov = {k: v["source"] for k, v in data["constants"].items()}
+    prov |= {"hbm_bytes_per_s": "jax: mem_bw_bytes_per_second",
+             "mxu_ops_per_s": "jax: bf16/fp8/int8 ops_per_second",
+             "mxu_column": "jax: mxu_column_size", "num_mxus": "jax: num_mxus"}
+    return Rates(chip=chip, hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
+                 mxu_ops_per_s=mxu, mxu_column=int(info.mxu_column_size),
+                 num_mxus=int(info.num_mxus), provenance=prov,
+                 **{f.name: consts[f.name] for f in dataclasses.fields(Rates)
+                    if f.name in consts})
+
+
+def calibration(chip: str) -> dict:
+    """The recorded fit: method, points, fitted values and errors (see benchmarks/calibrate_perf.py)."""
+    return load_data(chip).get("calibration", {})

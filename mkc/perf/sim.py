@@ -1,0 +1,341 @@
+"""The step-time simulator: one TensorCore's decode step, replayed over the event trace.
+
+Compute runs in program order on one timeline. Copies HBM<->VMEM go to a DMA engine whose
+copies in flight share the core's HBM bandwidth equally (processor sharing); each copy first
+waits its issue cost, then moves its bytes plus a fixed per-copy overhead (so small copies are
+less efficient). A wait stalls compute until its copy lands. Ops cost a fixed overhead, their
+elementwise work on the VPU, and their matmuls: the weight values each weight read brings,
+fed into the MXU (at decode batch the MXU is bound by loading weights, not by FLOPs), after
+dequantisation on the VPU where the matrix is MXFP4. Collectives are remote DMAs over ICI
+(or the on-chip sibling link) and block compute: a round's latency, per-hop latency and the
+bytes over the links. Ranks are symmetric, so one core (rank 0) stands for the step.
+
+The result keeps a timeline of intervals per track (compute ops, stalls, collectives, DMA
+copies) for exporters, and the time by layer kind and by cause.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from mkc import ir
+from mkc.perf.constants import Rates
+from mkc.trace import Event
+
+CAUSES = ("streaming", "exposed compute", "stalls", "collectives", "prologue/epilogue")
+
+
+@dataclass(frozen=True)
+class Interval:
+    track: str                   # "compute" | "dma" | "collective" | "stall"
+    name: str
+    start: float
+    end: float
+    layer: int = -1              # -1: prologue or epilogue
+    kind: str = ""
+
+
+@dataclass
+class Stall:
+    """Time compute waited on one copy semaphore family, summed over the step."""
+
+    buffer: str
+    line: int
+    file: str
+    kind: str
+    seconds: float = 0.0
+    count: int = 0
+    where: str = ""              # the first place it stalled
+
+
+@dataclass
+class Result:
+    step_s: float
+    by_cause: dict[str, float]
+    by_kind: dict[str, dict[str, float]]          # layer kind -> cause -> seconds
+    stalls: list[Stall]
+    hbm_bytes: int
+    hbm_busy_s: float
+    copies: int
+    timeline: list[Interval] = field(default_factory=list, repr=False)
+
+
+class DmaEngine:
+    """Copies of one core sharing its HBM bandwidth equally while in flight.
+
+    Processor sharing in virtual time: while n copies are active each gets bandwidth / n, so a
+    copy finishes when the service every active copy received, `v`, reaches its arrival's `v`
+    plus its size. Time only moves forward (`advance`)."""
+
+    def __init__(self, bandwidth: float, issue_s: float, overhead_bytes: float) -> None:
+        self.bw, self.issue_s, self.overhead = bandwidth, issue_s, overhead_bytes
+        self.now = 0.0
+        self.v = 0.0
+        self.pending: deque[tuple[float, int, float]] = deque()   # (arrival, id, bytes)
+        self.active: list[tuple[float, int]] = []                 # heap of (finish v, id)
+        self.done: dict[int, float] = {}
+        self.arrived: dict[int, float] = {}
+        self.busy_s = 0.0                                         # time with a copy active
+        self._next = 0
+
+    def issue(self, t: float, nbytes: float) -> int:
+        """Start a copy at compute time t (>= every earlier issue); returns its id."""
+        self._next += 1
+        arrival = max(t + self.issue_s, self.pending[-1][0] if self.pending else 0.0)
+        self.pending.append((arrival, self._next, nbytes + self.overhead))
+        return self._next
+
+    def _finish_time(self) -> float:
+        return self.now + (self.active[0][0] - self.v) * len(self.active) / self.bw
+
+    def advance(self, until: float = float("inf"), target: int | None = None) -> float:
+        """Run to time `until`, or until copy `target` lands; returns the time reached."""
+        inf = float("inf")
+        while target is None or target not in self.done:
+            ta = self.pending[0][0] if self.pending else inf
+            tf = self._finish_time() if self.active else inf
+            nxt = min(ta, tf)
+            if nxt > until or nxt == inf:
+                if until == inf:
+                    raise RuntimeError(f"copy {target} never lands")
+                self._move(until)
+                return self.now
+            self._move(nxt)
+            if ta <= tf:
+                _, cid, nbytes = self.pending.popleft()
+                self.arrived[cid] = self.now
+                heapq.heappush(self.active, (self.v + nbytes, cid))
+            else:
+                _, cid = heapq.heappop(self.active)
+                self.done[cid] = self.now
+        return self.now
+
+    def _move(self, t: float) -> None:
+        if t <= self.now:
+            return
+        if self.active:
+            self.v += (t - self.now) * self.bw / len(self.active)
+            self.busy_s += t - self.now
+        self.now = t
+
+    def landing(self, cid: int) -> float:
+        if cid not in self.done:
+            self.advance(target=cid)
+        return self.done[cid]
+
+
+@dataclass
+class Model:
+    """What the simulator reads besides the trace: the IR, the batch, cached tokens, rates."""
+
+    s: ir.ScheduleIR
+    batch: int
+    tokens: int
+    rates: Rates
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        dims = tuple(int(x) for x in self.s.topology.split("=")[1].split("x"))
+        self.grid = dims
+        self.cores_per_host = self._cores_per_host()
+        self.kv_buffers = {b.name: b for b in self.s.buffers if b.cls == "kv" and b.scope}
+
+    def _cores_per_host(self) -> int:
+        from mkc import target
+        topo = target.topology(self.s.chip, self.grid)
+        return topo.cores_per_host
+
+    # ---- op costs ------------------------------------------------------------------------
+    def op_seconds(self, facts: ir.OpFacts) -> float:
+        r, B = self.rates, self.batch
+        vec = facts.vector_per_row * B / r.vpu_ops_per_s
+        mxu = facts.mxu_per_row * B / r.feed_values_per_s("bf16")
+        return r.latency("op_overhead_s") + vec + mxu
+
+    def kv_tile_seconds(self, facts: ir.OpFacts, tokens: int) -> float:
+        r, B = self.rates, self.batch
+        return B * tokens * (facts.cache_per_token / r.feed_values_per_s("bf16")
+                             + facts.vector_per_token / r.vpu_ops_per_s)
+
+    def matmul_seconds(self, nbytes: int, mf: ir.MatrixFacts | None) -> float:
+        """The MXU time of one weight read: load its values into the MXU (or run its FLOPs,
+        whichever is longer), after dequantising them on the VPU if they are packed."""
+        r, B = self.rates, self.batch
+        mf = mf or _BF16
+        values = nbytes * mf.values_per_byte
+        if not values:
+            return 0.0
+        feed = values / r.feed_values_per_s(mf.mxu_dtype)
+        flops = 2 * B * values / r.mxu_ops_per_s[mf.mxu_dtype]
+        dequant = values * r.mxfp4_dequant_ops / r.vpu_ops_per_s if mf.dequant else 0.0
+        return max(feed, flops) + dequant
+
+    # ---- collectives ---------------------------------------------------------------------
+    def _chip_xyz(self, rank: int) -> tuple[int, int, int]:
+        c = rank // self.s.cores_per_chip
+        dx, dy, _ = self.grid
+        return c % dx, (c // dx) % dy, c // (dx * dy)
+
+    def stage_seconds(self, size: int, stride: int, nbytes: float) -> float:
+        """One round over the group of `size` ranks `stride` apart that holds this rank: send
+        `nbytes` to every peer (siblings over the on-chip link, the others over ICI, in
+        parallel), then one round's latency."""
+        r = self.rates
+        base = self.rank - (self.rank // stride % size) * stride
+        peers = [base + i * stride for i in range(size) if base + i * stride != self.rank]
+        me = self.rank // self.s.cores_per_chip
+        sib = [p for p in peers if p // self.s.cores_per_chip == me]
+        far = [p for p in peers if p // self.s.cores_per_chip != me]
+        t = 0.0
+        if sib:
+            t = len(sib) * nbytes / r.sibling_bytes_per_s
+        if far:
+            x0 = self._chip_xyz(self.rank)
+            hops = max(sum(abs(a - b) for a, b in zip(x0, self._chip_xyz(p))) for p in far)
+            bw = min(len(far) * r.ici_link_bytes_per_s, r.ici_core_bytes_per_s)
+            t = max(t, hops * r.latency("ici_hop_s") + len(far) * nbytes / bw)
+        return r.latency("collective_round_s") + t
+
+    def collective_seconds(self, what: str, entry) -> float:
+        B, r = self.batch, self.rates
+        if what == "allreduce":
+            wire = ir.DTYPE_BYTES[entry.wire_dtype]
+            total = 0.0
+            for size, stride in entry.stages:
+                total += self.stage_seconds(size, stride, B * entry.width * wire)
+                total += (size - 1) * B * entry.width / r.vpu_ops_per_s     # the sums
+            return total
+        if what == "allgather":
+            return self.stage_seconds(entry.size, entry.stride, B * entry.width * 4)
+        if what == "exchange":
+            return self.stage_seconds(self.s.cores_per_chip, 1,
+                                      B * entry.width * ir.DTYPE_BYTES[entry.wire_dtype]
+                                      / self.s.cores_per_chip)
+        raise ValueError(what)
+
+
+_BF16 = ir.MatrixFacts()
+
+
+def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Result:
+    s, r = m.s, m.rates
+    eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"), r.dma_overhead_bytes)
+    sem_copies: dict[tuple, deque] = defaultdict(deque)
+    copy_info: dict[int, tuple[str, float, str]] = {}        # id -> (buffer, issued, where)
+    copy_buf: dict[int, str] = {}
+    t = r.step_fixed_s
+    by_kind: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CAUSES, 0.0))
+    stalls: dict[tuple, Stall] = {}
+    timeline: list[Interval] = []
+    hbm_bytes = 0
+    layer, kind = -1, "prologue"
+    facts: ir.OpFacts = ir.OpFacts()
+    kv_tile_s = 0.0
+    op_name = ""
+    kv_tokens = {k.name: k.kv.tokens for k in s.kinds.values() if k.kv}
+    kv_bufs: dict[str, int] = defaultdict(int)
+    for b in m.kv_buffers.values():
+        kv_bufs[b.scope[0]] += 1
+    by_kind["prologue"]["prologue/epilogue"] += r.step_fixed_s
+
+    def compute(dt: float) -> None:
+        """Advance compute by dt, splitting it by whether HBM streams under it."""
+        nonlocal t
+        if dt <= 0:
+            return
+        if keep_timeline:
+            last = timeline[-1] if timeline else None
+            if last is not None and last.track == "compute" and last.name == op_name \
+                    and last.end == t and last.layer == layer:
+                timeline[-1] = Interval("compute", op_name, last.start, t + dt, layer, kind)
+            else:
+                timeline.append(Interval("compute", op_name or kind, t, t + dt, layer, kind))
+        busy0 = eng.busy_s
+        eng.advance(until=t + dt)
+        t += dt
+        if kind in ("prologue", "epilogue"):
+            by_kind[kind]["prologue/epilogue"] += dt
+            return
+        hidden = min(eng.busy_s - busy0, dt)
+        by_kind[kind]["streaming"] += hidden
+        by_kind[kind]["exposed compute"] += dt - hidden
+
+    for e in events:
+        op = e.op
+        if op == "start":
+            cid = eng.issue(t, e.nbytes)
+            hbm_bytes += e.nbytes
+            sem_copies[e.sem].append(cid)
+            buf = e.buffer or (f"{e.src[0]} (store)" if e.src else "")
+            copy_buf[cid] = buf
+            if keep_timeline:
+                copy_info[cid] = (buf, t, e.where)
+        elif op == "wait":
+            cid = sem_copies[e.sem].popleft()
+            done = eng.landing(cid)
+            if done > t:
+                eng.advance(until=done)
+                dt = done - t
+                cause = "prologue/epilogue" if kind in ("prologue", "epilogue") else "stalls"
+                by_kind[kind][cause] += dt
+                buf = copy_buf[cid]
+                key = (buf, e.span.line, e.span.file, kind)
+                st = stalls.get(key)
+                if st is None:
+                    st = stalls[key] = Stall(buf, e.span.line, e.span.file, kind, where=e.where)
+                st.seconds += dt
+                st.count += 1
+                if keep_timeline:
+                    timeline.append(Interval("stall", buf, t, done, layer, kind))
+                t = done
+        elif op == "read":
+            if e.nbytes:
+                if isinstance(e.slot, tuple):           # a routed expert's matrix
+                    mf = s.matrix_facts.get(f"expert.{e.slot[1]}")
+                elif e.slot is not None and isinstance(e.slot, str):
+                    mf = s.matrix_facts.get(f"{kind}.{e.slot}")
+                else:
+                    mf = None
+                compute(m.matmul_seconds(e.nbytes, mf))
+            elif e.buffer in m.kv_buffers and kv_tile_s:
+                compute(kv_tile_s)
+        elif op == "op":
+            k, name, lay = e.tag
+            if k == "tail":
+                facts = s.tail_facts.get(name, ir.OpFacts())
+            else:
+                facts = s.kinds[k].op_facts.get(name, ir.OpFacts())
+                if k in kv_tokens and (facts.cache_per_token or facts.vector_per_token):
+                    kv_tile_s = m.kv_tile_seconds(facts, kv_tokens[k]) / kv_bufs[k]
+                else:
+                    kv_tile_s = 0.0
+            op_name = f"{k}.{name}"
+            compute(m.op_seconds(facts))
+        elif op == "collective":
+            what, entry = e.tag
+            dt = m.collective_seconds(what, entry)
+            eng.advance(until=t + dt)
+            if keep_timeline:
+                timeline.append(Interval("collective", f"{what} {entry.after_op}", t, t + dt,
+                                         layer, kind))
+            t += dt
+            cause = "prologue/epilogue" if kind in ("prologue", "epilogue") else "collectives"
+            by_kind[kind][cause] += dt
+        elif op == "layer":
+            op_name = ""
+            kind, layer = e.tag
+        elif op == "epilogue":
+            op_name = ""
+            kind, layer = "epilogue", -1
+    if keep_timeline:
+        for cid, (buf, issued, where) in copy_info.items():
+            timeline.append(Interval("dma", buf, issued, eng.done.get(cid, t), -1, where))
+    by_cause = dict.fromkeys(CAUSES, 0.0)
+    for causes in by_kind.values():
+        for c, v in causes.items():
+            by_cause[c] += v
+    return Result(step_s=t, by_cause=by_cause, by_kind={k: dict(v) for k, v in by_kind.items()},
+                  stalls=sorted(stalls.values(), key=lambda x: -x.seconds), hbm_bytes=hbm_bytes,
+                  hbm_busy_s=eng.busy_s, copies=eng._next, timeline=timeline)
+
