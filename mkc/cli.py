@@ -1,4 +1,4 @@
-"""The `mkc` command line: compile, check and ir, for people (text) and machines (--json)."""
+"""The `mkc` command line: compile, check, ir and perf, for people (text) and machines (--json)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("compile", "check a spec and write its Pallas module"),
                         ("check", "check a spec and print its VMEM budget"),
-                        ("ir", "print the resolved schedule IR as JSON")):
+                        ("ir", "print the resolved schedule IR as JSON"),
+                        ("perf", "check a spec and print its modelled step time")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("spec", help="path to a .sched file")
         p.add_argument("--model", help="override the spec's model: a shipped config name, a "
@@ -42,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="print one JSON object: verdict, diagnostics and budget")
         if name == "compile":
             p.add_argument("-o", "--out", default="generated", help="output directory")
+        if name == "perf":
+            p.add_argument("--batch", type=int, help="rows per step (default: the spec's largest)")
+            p.add_argument("--context", type=int,
+                           help="tokens in the KV cache (default: the spec's context)")
     return ap
 
 
@@ -66,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             if not as_json:
                 print(f"{args.spec}: ok")
                 print(report.budget_table(c.ir, result["budget"]))
+        elif args.cmd == "perf":
+            from mkc import perf
+            c = compiler.check_spec(args.spec, args.model)
+            _check_perf_args(c.ir, args.batch, args.context)
+            result["perf"] = perf.run(c.ir, args.batch, args.context)
+            if not as_json:
+                from mkc.perf.run import table
+                print(f"{args.spec}: ok (times below are modelled, not measured)")
+                print(table(result["perf"]))
         else:
             print(compiler.check_spec(args.spec, args.model).ir.to_json())
     except MkcError as e:
@@ -80,6 +94,26 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         print(json.dumps(result, indent=1, sort_keys=True))
     return 0
+
+
+def _check_perf_args(s, batch: int | None, context: int | None) -> None:
+    """A batch the spec does not build, or more cached tokens than its KV cache holds, is a
+    diagnostic at the spec's setting."""
+    diags = []
+    if batch is not None and not s.batch_min <= batch <= s.batch_max:
+        diags.append(Diagnostic("E-PERF", f"--batch {batch} is outside the batches this spec "
+                                f"builds ({s.batch_min} to {s.batch_max})",
+                                s.setting_spans.get("batch", Span.unknown(s.source)),
+                                hint=f"pass --batch between {s.batch_min} and {s.batch_max}, "
+                                     "or widen the spec's batch range"))
+    if context is not None and not 0 <= context <= s.context:
+        diags.append(Diagnostic("E-PERF", f"--context {context} is outside the KV cache this "
+                                f"spec allocates (0 to {s.context} tokens)",
+                                s.setting_spans.get("context", Span.unknown(s.source)),
+                                hint=f"pass --context up to {s.context}, or raise the spec's "
+                                     "context"))
+    if diags:
+        raise MkcError(diags)
 
 
 def _fail(result: dict, diagnostics: list[Diagnostic], as_json: bool, source: str | None) -> int:

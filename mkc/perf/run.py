@@ -101,7 +101,7 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     tot = rep["by_cause_seconds"]
     lines.append(f"  {'total':<10}" + "".join(f"{ms(tot[c]):>19}" for c in CAUSES)
                  + f"{ms(step):>10}")
-    lines.append("  streaming: compute with HBM copies in flight under it; exposed compute: "
+    lines.append("  weight streaming: compute with HBM copies in flight under it; exposed compute: "
                  "compute with HBM idle; stalls: waits that blocked compute")
     if rep["stalls"]:
         lines.append("largest stalls (modelled; waits that blocked compute):")

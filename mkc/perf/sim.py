@@ -23,7 +23,7 @@ from mkc import ir
 from mkc.perf.constants import Rates
 from mkc.trace import Event
 
-CAUSES = ("streaming", "exposed compute", "stalls", "collectives", "prologue/epilogue")
+CAUSES = ("weight streaming", "exposed compute", "stalls", "collectives", "prologue/epilogue")
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             by_kind[kind]["prologue/epilogue"] += dt
             return
         hidden = min(eng.busy_s - busy0, dt)
-        by_kind[kind]["streaming"] += hidden
+        by_kind[kind]["weight streaming"] += hidden
         by_kind[kind]["exposed compute"] += dt - hidden
 
     for e in events:
