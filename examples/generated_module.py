@@ -1,27 +1,74 @@
 """Shared by the MINI run scripts: compile a spec for a model into a temporary directory and
-import the generated module; finish a run's summary."""
+import the generated module (optionally a mutant of it); the reference trajectory a run is
+judged against; one kernel run compared step by step; the summary tail and exit status."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from mkc import compiler
+import numpy as np
+
+from mkc import compiler, numerics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Mutants: one op's output scaled by 1.01, as a textual edit of the generated module that must
+# match exactly once (so a template change that moves the text fails loudly, not silently).
+# Each is an edit of a MINI module copy; the shipped generated/ files are never touched.
+MUTANTS: dict[str, tuple[str, str]] = {
+    # Qwen
+    "gdn.gated_norm": ('    w = _vector(r, "gdn", "norm", layer)\n',
+                       '    w = 1.01 * _vector(r, "gdn", "norm", layer)\n'),
+    "gqa.o_proj": ('    # -- o_proj\n    v["partial"] = _stream_matmul(',
+                   '    # -- o_proj\n    v["partial"] = 1.01 * _stream_matmul('),
+    "gqa.k_norm": ("kn, EPS), cos, sin, rot)", "kn, EPS) * 1.01, cos, sin, rot)"),
+    # Kimi K3
+    "kda.gated_norm": ('    w = _vector(r, "kda", "o_norm", layer)\n',
+                       '    w = 1.01 * _vector(r, "kda", "o_norm", layer)\n'),
+    "mla.kv_norm": ('_vector(r, "mla", "kv_norm", layer), EPS)',
+                    '_vector(r, "mla", "kv_norm", layer), EPS) * 1.01'),
+    "mla.o_proj": ('    # -- o_proj\n    v["o_proj"] = _stream_matmul(',
+                   '    # -- o_proj\n    v["o_proj"] = 1.01 * _stream_matmul('),
+    "dense.down": ('    # -- down\n    v["down"] = _stream_matmul(',
+                   '    # -- down\n    v["down"] = 1.01 * _stream_matmul('),
+    # The routed experts are RMS-normed after their sum, so scaling all of them is invisible by
+    # design: scale the first expert each rank runs (one expert of each group).
+    "moe.expert": ("LOCAL_EXPERTS * _expert_group()) * out\n",
+                   "LOCAL_EXPERTS * _expert_group()) * out * jnp.where(k == 0, 1.01, 1.0)\n"),
+    "moe.shared_down": ('    # -- shared_down\n    v["shared_down"] = _stream_matmul(',
+                        '    # -- shared_down\n    v["shared_down"] = 1.01 * _stream_matmul('),
+}
 
 
-def load_generated(spec: Path, model: str):
-    """Compile `spec` for `model` and import the generated module."""
+def mutate(source: str, name: str) -> str:
+    old, new = MUTANTS[name]
+    count = source.count(old)
+    if count != 1:
+        raise ValueError(f"mutant {name}: its text occurs {count} times in the generated module, "
+                         f"not once: {old!r}")
+    return source.replace(old, new)
+
+
+def load_generated(spec: Path, model: str, mutant: str | None = None):
+    """Compile `spec` for `model` and import the generated module (with `mutant` applied)."""
     c = compiler.compile_spec(spec, model)
-    out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{compiler.module_name(c)}.py"
-    compiler.write_atomically(out, c.module_source)
+    source = c.module_source if mutant is None else mutate(c.module_source, mutant)
+    stem = compiler.module_name(c) + ("" if mutant is None else "__" + mutant.replace(".", "_"))
+    out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{stem}.py"
+    compiler.write_atomically(out, source)
     mod_spec = importlib.util.spec_from_file_location(out.stem, out)
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
     return module
 
 
-ROOT = Path(__file__).resolve().parents[1]
+def rounding_for(spec: Path, model: str):
+    """The rounding emulation facts of `spec` compiled for `model` (from its schedule IR)."""
+    return numerics.rounding_from_ir(compiler.check_spec(spec, model).ir)
 
 
 def k3_mini_spec() -> Path:
@@ -34,11 +81,90 @@ def k3_mini_spec() -> Path:
     return path
 
 
-def finish(summary: dict, races: bool, as_json: bool) -> None:
-    """Add the race detector's verdict (when it ran) and print the JSON summary (if asked)."""
+def reference_trajectory(reference, hf, cfg, rounding, batch: int, context: int, tokens,
+                         positions, steps: int, rows=None) -> list[dict]:
+    """Both references over `steps` steps, teacher-forced by the plain reference's next tokens:
+    per step the inputs, the plain and the emulated logits and caches, and (after the first)
+    the measured sensitivity gains of the emulated step (`numerics.measure_sensitivity`)."""
+    import jax.numpy as jnp
+
+    plain = reference.init_cache(cfg, batch, context)
+    emulated = reference.init_cache(cfg, batch, context)
+    out = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        gains = None
+        if i > 0:
+            def step(cache, tokens, positions):
+                return reference.decode_step(hf, cfg, cache, tokens, positions, rounding)
+            gains = numerics.measure_sensitivity(step, emulated, tokens, positions, rows)
+        plain_logits, plain = reference.decode_step(hf, cfg, plain, tokens, positions)
+        emu_logits, emulated = reference.decode_step(hf, cfg, emulated, tokens, positions, rounding)
+        out.append({"tokens": tokens, "positions": positions, "gains": gains,
+                    "plain_logits": np.asarray(plain_logits), "plain": dict(plain),
+                    "emu_logits": np.asarray(emu_logits), "emulated": dict(emulated),
+                    "seconds": time.perf_counter() - t0})
+        tokens = jnp.asarray(np.argmax(np.asarray(plain_logits), axis=-1), jnp.int32)
+        positions = positions + 1
+    return out
+
+
+def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, rows=None,
+               label: str = "") -> list[dict]:
+    """Run the kernel along `trajectory` and compare every step with both references."""
+    rows_list = None if rows is None else np.asarray(rows)
+    out = []
+    for i, ref in enumerate(trajectory):
+        t0 = time.perf_counter()
+        logits, next_token, state = gen.decode_step(weights, state, ref["tokens"], ref["positions"],
+                                                    mesh=mesh, interpret=interpret)
+        logits = np.asarray(logits)
+        seconds = time.perf_counter() - t0
+        ours = gen.reference_states(state)
+        pick = (lambda a: a) if rows_list is None else (lambda a: np.asarray(a)[rows_list])
+        plain_logits = ref["plain_logits"]
+        rec = {"step": i, "seconds": seconds,
+               "logits_max_abs_err": float(np.max(np.abs(pick(logits) - pick(plain_logits)))),
+               "logits_max_abs": float(np.max(np.abs(pick(plain_logits)))),
+               "next_token": pick(np.asarray(next_token)).tolist(),
+               "ref_next_token": pick(np.argmax(plain_logits, axis=-1)).tolist(),
+               "state_rel_err": numerics.state_errors(ours, ref["plain"], rows_list),
+               "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"], rows_list),
+                             "states": numerics.state_errors(ours, ref["emulated"], rows_list)},
+               "gains": ref["gains"], "reference_seconds": ref["seconds"]}
+        out.append(rec)
+        emu = rec["emulation"]
+        gains = "" if rec["gains"] is None else (
+            f"; measured gains: logits {rec['gains']['logits']:.3g}, states {rec['gains']['states']:.3g}")
+        print(f"{label}step {i}: {seconds:.1f} s; plain reference: logits |err| "
+              f"{rec['logits_max_abs_err']:.4f} of {rec['logits_max_abs']:.2f}, states "
+              + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items())
+              + f"; rounding emulation: logits {emu['logits']:.2e}, states "
+              + ", ".join(f"{k} {v:.1e}" for k, v in emu["states"].items())
+              + f"{gains}; next {rec['next_token']} (reference {rec['ref_next_token']})", flush=True)
+    return out
+
+
+def finish(summary: dict, races: bool, as_json: bool) -> int:
+    """Add the race detector's verdict (when it ran) and the numerics verdict (`mkc.numerics`),
+    print the JSON summary (if asked); the exit status: 1 if the kernel disagrees with the
+    references (or races), or if a mutant run was not rejected."""
     if races:
         from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
         summary["races_found"] = bool(ipc.races.races_found)
         print(f"races found: {summary['races_found']}")
+    failed = numerics.failures(summary) if summary.get("steps") else []
+    summary["failures"] = failed
+    for line in failed:
+        print("FAIL " + line, file=sys.stderr)
+    survivors = []
+    for name, m in summary.get("mutants", {}).items():
+        m["failures"] = numerics.failures({**summary, "steps": m["steps"]})
+        verdict = "rejected" if m["failures"] else "NOT REJECTED"
+        print(f"mutant {name}: {verdict}" + "".join(f"\n    {f}" for f in m["failures"]))
+        if not m["failures"]:
+            survivors.append(name)
+            print(f"FAIL mutant {name} was not rejected", file=sys.stderr)
     if as_json:
         print("JSON " + json.dumps(summary))
+    return 1 if failed or survivors or summary.get("races_found") else 0

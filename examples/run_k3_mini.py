@@ -7,7 +7,10 @@ the pure-JAX reference.
 
 The MINI config (16 heads, 32 experts) needs 16 cores: the spec's topology is rewritten from
 2x2x4 to 2x2x2, which also re-derives the collectives' groups (2 hosts instead of 4). Prints
-one line per step and, with --json, a final JSON summary (used by the tests).
+one line per step and, with --json, a final JSON summary (used by the tests). Every step is
+also compared with the reference's rounding-emulating mode (reported; judged with
+--strict-emulation); the tolerances are `mkc.numerics`'. Exits 1 when the kernel disagrees.
+--mutate / --mutants run copies with one op scaled by 1.01 (`generated_module.MUTANTS`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import finish, k3_mini_spec, load_generated  # noqa: E402
+from generated_module import (finish, k3_mini_spec, load_generated,  # noqa: E402
+                              reference_trajectory, rounding_for, run_kernel)
 
 from mkc.reference import kimi_k3 as reference  # noqa: E402
 
@@ -60,11 +64,6 @@ def _routing_margins(hf, cfg, tokens, positions, steps: int, context: int) -> np
     return np.min(np.stack(margins), axis=0)
 
 
-def _relative_error(ours: np.ndarray, ref) -> float:
-    ref = np.asarray(ref, np.float32)
-    return float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=2)
@@ -74,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-slots", type=int, help="override the spec's expert slot count")
     ap.add_argument("--min-routing-margin", type=float, default=0.005,
                     help="compare rows whose every expert choice wins by at least this much")
+    ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
+    ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
+    ap.add_argument("--strict-emulation", action="store_true",
+                    help="also fail when the kernel leaves the rounding emulation's bounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         text = spec.read_text()
         assert "view experts: 6 slots of expert" in text
         spec.write_text(text.replace("view experts: 6 slots", f"view experts: {args.expert_slots} slots"))
-    gen = load_generated(spec, "kimi_k3_mini")
+    gen = load_generated(spec, "kimi_k3_mini", args.mutate)
+    rounding = rounding_for(spec, "kimi_k3_mini")
 
     B = args.batch
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
@@ -94,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     weights = gen.place_weights(hf, mesh)
     pack_seconds = time.perf_counter() - t0
-    state = gen.init_state(B)
-    cache = reference.init_cache(cfg, B, gen.CONTEXT)
     # Rows at different positions past the first latent tile: per-row masking, cache writes
     # inside a 16-row block and multi-tile streaming are all exercised.
     positions = jnp.asarray((136 + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
@@ -111,36 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     seed, tokens, margins, rows = best
     print(f"tokens from seed {seed}, routing margins per row "
           f"{[round(float(m), 4) for m in margins]}: comparing rows {rows.tolist()}", flush=True)
-    summary = {"steps": [], "mode": args.mode, "races": args.races, "batch": B,
+    trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
+                                      positions, args.steps, rows)
+    summary = {"family": "kimi_k3", "mode": args.mode, "races": args.races, "batch": B,
+               "mutant": args.mutate, "strict_emulation": args.strict_emulation,
                "pack_seconds": pack_seconds, "routing_margins": margins.tolist(), "token_seed": seed,
-               "compared_rows": rows.tolist()}
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        logits, next_token, state = gen.decode_step(weights, state, tokens, positions,
-                                                    mesh=mesh, interpret=params)
-        logits.block_until_ready()
-        seconds = time.perf_counter() - t0
-        ref_logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
-        ref_next = np.asarray(jnp.argmax(ref_logits, axis=-1))
-        ours = gen.reference_states(state)
-        errors = {kind: max(_relative_error(ours[k][rows], np.asarray(cache[k])[rows])
-                            for k in ours if k.endswith(kind))
-                  for kind in ("recurrent_state", "conv_state", "latent_cache")}
-        rec = {"step": i, "seconds": seconds,
-               "logits_max_abs_err": float(jnp.max(jnp.abs(logits[rows] - ref_logits[rows]))),
-               "logits_max_abs": float(jnp.max(jnp.abs(ref_logits[rows]))),
-               "next_token": np.asarray(next_token)[rows].tolist(),
-               "ref_next_token": ref_next[rows].tolist(), "state_rel_err": errors}
-        summary["steps"].append(rec)
-        print(f"step {i}: {seconds:.1f} s, logits |err| {rec['logits_max_abs_err']:.4f} "
-              f"(|ref| {rec['logits_max_abs']:.2f}), relative errors: recurrent "
-              f"{errors['recurrent_state']:.1e}, conv {errors['conv_state']:.1e}, latent cache "
-              f"{errors['latent_cache']:.1e}; next {rec['next_token']} (reference "
-              f"{rec['ref_next_token']})", flush=True)
-        tokens = jnp.asarray(ref_next, jnp.int32)   # teacher-force so both stay on one path
-        positions = positions + 1
-    finish(summary, args.races, args.json)
-    return 0
+               "compared_rows": rows.tolist(),
+               "steps": run_kernel(gen, weights, gen.init_state(B), trajectory, mesh, params, rows)}
+    if args.mutants:
+        summary["mutants"] = {}
+        for name in args.mutants.split(","):
+            mutant = load_generated(spec, "kimi_k3_mini", name)
+            steps = run_kernel(mutant, weights, mutant.init_state(B), trajectory, mesh, params, rows,
+                               label=f"[{name}] ")
+            summary["mutants"][name] = {"steps": steps}
+    return finish(summary, args.races, args.json)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ tokens, KDA conv and recurrent states and the MLA latent cache, on every row who
 not a near-tie."""
 import pytest
 
+from mkc import numerics
 from tests_support import run_example
 
 
@@ -18,12 +19,9 @@ def _assert_matches_reference(summary: dict) -> None:
     harness compares the others and draws tokens so that at least half the rows qualify."""
     assert summary["steps"]
     assert len(summary["compared_rows"]) >= max(1, summary["batch"] // 2), summary
-    for s in summary["steps"]:
-        # bf16 weights and bf16-staged activations into the MXU against an f32 reference
-        assert s["logits_max_abs_err"] < 0.03 * s["logits_max_abs"], s
-        assert s["next_token"] == s["ref_next_token"], s
-        for kind, err in s["state_rel_err"].items():
-            assert err < 3e-2, (kind, s)
+    # mkc.numerics: the plain comparison (3 % logits, tokens, states); the emulation errors
+    # are in the summary but not judged for K3 (wire roundings flip, see mkc.numerics).
+    assert numerics.failures(summary) == [], summary
 
 
 @pytest.mark.slow

@@ -71,6 +71,20 @@ bf16 storage applies where a value enters a cache (conv inputs, latent rows) and
 own entry is read back from the cache, so a token sees the same values whether current or past.
 Row b attends to slots ``0..positions[b]``; positions must be < T. The KDA states advance by one
 token per call whatever the position: feed each row its tokens in order.
+
+Kernel rounding emulation: the computing functions take an optional ``rounding``
+(``mkc.reference.rounding.Rounding``, from a compiled schedule by
+``mkc.numerics.rounding_from_ir``). With it the step rounds where the generated kernel does:
+every matmul's activation input to bf16 (so ``f_b_proj`` sees a bf16 ``f_a_proj`` output and
+``q_b_proj`` a bf16 ``q_a`` latent); the KDA and MLA ``o_proj``, the dense ``down``, the shared
+experts' ``down`` and the routed experts as per-rank partial sums (heads and widths split as
+the schedule's ``per_rank`` sizes say; a routed expert's width split over its group's
+``expert_tp`` ranks, each rank summing its group's experts in id order) all-reduced stage by
+stage on the spec's wire dtype; the all-gathered latent and ``latent_up`` output and the
+exchanged router logits in their buffers' dtypes; the embedding's exact all-reduce; states and
+the latent cache in their storage dtypes. MLA stays unabsorbed: the kernel's absorbed form
+multiplies f32 queries by upcast weights, which rounds nowhere this needs to. Sublayer kinds
+are the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
 """
 from __future__ import annotations
 
@@ -87,6 +101,7 @@ import ml_dtypes
 import numpy as np
 
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
+from mkc.reference.rounding import Rounding, allreduce, chunks, round_to, row_parallel
 
 KDA = "linear_attention"
 MLA = "full_attention"
@@ -449,11 +464,31 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax
             * linear_beta * jnp.tanh(up / linear_beta))
 
 
-def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array) -> jax.Array:
-    """``down(situ(gate(x), up(x)))`` with ``gate_proj/up_proj/down_proj.weight`` keys in ``p``."""
+def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
+    return x if rounding is None else rounding.mm_in(x)
+
+
+def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
+                    per_rank: int) -> jax.Array:
+    """``x @ w.T`` whose input is split over ranks in contiguous ``per_rank`` ranges: plain, or
+    per-rank partial sums all-reduced as the schedule says."""
+    if rounding is None:
+        return linear(x, w)
+    return row_parallel(x, w, chunks(x.shape[-1], per_rank), rounding.ranks, rounding,
+                        rounding.reduce(kind, op))
+
+
+def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+            rounding: Rounding | None = None, kind: str = "dense", op: str = "down",
+            shard: str = "dense") -> jax.Array:
+    """``down(situ(gate(x), up(x)))`` with ``gate_proj/up_proj/down_proj.weight`` keys in ``p``.
+    With ``rounding``: ``down`` is the all-reduced op ``kind.op`` over per-rank ranges of the
+    ``shard`` size (``dense`` for the dense MLP, ``shared`` for the shared experts)."""
+    x = _mm_input(x, rounding)
     hidden = situ(linear(x, p["gate_proj.weight"]), linear(x, p["up_proj.weight"]),
                   cfg.situ_beta, cfg.situ_linear_beta)
-    return linear(hidden, p["down_proj.weight"])
+    per_rank = None if rounding is None else rounding.size(shard)
+    return _out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank)
 
 
 def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
@@ -507,7 +542,7 @@ def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
-              conv_state: jax.Array, recurrent_state: jax.Array
+              conv_state: jax.Array, recurrent_state: jax.Array, rounding: Rounding | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Kimi Delta Attention for one token per row.
 
@@ -515,7 +550,10 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     Returns (output ``[B, H]``, new conv_state, new recurrent_state).
     """
     b, nh, d = x.shape[0], cfg.kda_num_heads, cfg.kda_head_dim
+    x = _mm_input(x, rounding)
     mixed = jnp.concatenate([linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
+    if rounding is not None:   # q|k|v enter the conv state as bf16, then its storage dtype
+        mixed = round_to(round_to(mixed, "bf16"), rounding.stored("kda", "conv"))
     mixed = mixed.astype(conv_state.dtype)
     window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, 3P, K], oldest first
     taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
@@ -524,7 +562,8 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     q = l2_normalize(q) * d ** -0.5
     k = l2_normalize(k)
 
-    gate = linear(linear(x, p["f_a_proj.weight"]), p["f_b_proj.weight"]) + p["dt_bias"]
+    gate = linear(_mm_input(linear(x, p["f_a_proj.weight"]), rounding), p["f_b_proj.weight"])
+    gate = gate + p["dt_bias"]
     rate = jnp.exp(p["A_log"])[None, :, None]
     decay = cfg.gate_lower_bound * jax.nn.sigmoid(rate * gate.reshape(b, nh, d))
     beta = jax.nn.sigmoid(linear(x, p["b_proj.weight"]))
@@ -532,11 +571,17 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
 
     o = rms_norm(o, p["o_norm.weight"], cfg.rms_norm_eps)
     o = o * jax.nn.sigmoid(linear(x, p["g_proj.weight"]).reshape(b, nh, d))
-    return linear(o.reshape(b, nh * d), p["o_proj.weight"]), window[:, :, 1:], recurrent_state
+    if rounding is not None:
+        recurrent_state = round_to(recurrent_state, rounding.stored("kda", "recurrent"))
+    per_rank = None if rounding is None else rounding.size("heads") * d
+    out = _out_projection(o.reshape(b, nh * d), p["o_proj.weight"], rounding, "kda", "o_proj",
+                          per_rank)
+    return out, window[:, :, 1:], recurrent_state
 
 
 def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
-              latent_cache: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+              latent_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+              ) -> tuple[jax.Array, jax.Array]:
     """Gated NoPE multi-head latent attention for one token per row at its own position.
 
     ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes the latent row at
@@ -547,13 +592,16 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     b, nh = x.shape[0], cfg.num_attention_heads
     nope, vd, kvl = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     eps = cfg.rms_norm_eps
+    x = _mm_input(x, rounding)
     q_latent = rms_norm(linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], eps)
-    q = linear(q_latent, p["q_b_proj.weight"]).reshape(b, nh, cfg.qk_head_dim)
+    q = linear(_mm_input(q_latent, rounding), p["q_b_proj.weight"]).reshape(b, nh, cfg.qk_head_dim)
     q_nope, q_extra = q[..., :nope], q[..., nope:]
 
     compressed = linear(x, p["kv_a_proj_with_mqa.weight"])
     row = jnp.concatenate([rms_norm(compressed[:, :kvl], p["kv_a_layernorm.weight"], eps),
                            compressed[:, kvl:]], axis=-1)
+    if rounding is not None:
+        row = round_to(row, rounding.stored("mla", "kv"))
     latent_cache = latent_cache.at[jnp.arange(b), positions].set(row.astype(latent_cache.dtype))
 
     cached = latent_cache.astype(jnp.float32)  # [B, T, kvl + extra]
@@ -566,7 +614,8 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     probs = jax.nn.softmax(jnp.where(visible[:, None, :], scores, -jnp.inf), axis=-1)
     attn = jnp.einsum("bht,bthd->bhd", probs, values, precision=_HIGHEST).reshape(b, nh * vd)
     attn = attn * jax.nn.sigmoid(linear(x, p["g_proj.weight"]))
-    return linear(attn, p["o_proj.weight"]), latent_cache
+    per_rank = None if rounding is None else rounding.size("heads") * vd
+    return _out_projection(attn, p["o_proj.weight"], rounding, "mla", "o_proj", per_rank), latent_cache
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
@@ -579,12 +628,56 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True) * scaling
 
 
-def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array) -> jax.Array:
+def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,
+                             ids: jax.Array, weights: jax.Array, rounding: Rounding) -> jax.Array:
+    """The routed experts as the kernel computes them: rank r (expert group r // expert_tp,
+    width part r % expert_tp) runs its part of each of its group's experts on every row, weights
+    it by the row's routing weight (0 where the row did not pick it), sums in expert-id order,
+    and the ranks' partial sums are all-reduced."""
+    b = latent.shape[0]
+    dense = jnp.zeros((b, cfg.num_experts), jnp.float32).at[jnp.arange(b)[:, None], ids].set(weights)
+    tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    lat = rounding.mm_in(latent)
+
+    def decoded(e: int, matrix: str) -> jax.Array:
+        return mxfp4_dequantize_jax(p[f"experts.{e}.{matrix}.weight_packed"],
+                                    p[f"experts.{e}.{matrix}.weight_scale"],
+                                    expert_logical_shape(cfg, matrix))
+
+    w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.num_experts)}
+    partials = []
+    for r in range(rounding.ranks):
+        group, part = r // tp, r % tp
+        cols = slice(part * width, (part + 1) * width)
+        acc = jnp.zeros((b, cfg.routed_expert_hidden_size), jnp.float32)
+        for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
+            w1, w3, w2 = w[e]
+            hidden = situ(linear(lat, w1[cols]), linear(lat, w3[cols]), cfg.situ_beta,
+                          cfg.situ_linear_beta)
+            acc = acc + dense[:, e:e + 1] * linear(rounding.mm_in(hidden), w2[:, cols])
+        partials.append(acc)
+    return allreduce(partials, rounding.reduce("moe", "routed_experts"))
+
+
+def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+              rounding: Rounding | None = None) -> jax.Array:
     """Latent MoE for normed input ``x [B, H]``; ``p`` maps names relative to
     ``block_sparse_moe.`` (f32 dense weights; uint8 expert codes/scales)."""
-    ids, weights = route(linear(x, p["gate.weight"]), p["gate.e_score_correction_bias"],
+    xin = _mm_input(x, rounding)
+    router = linear(xin, p["gate.weight"])
+    if rounding is not None:
+        router = round_to(router, rounding.exchange_wire("moe", "router"))
+    ids, weights = route(router, p["gate.e_score_correction_bias"],
                          cfg.num_experts_per_token, cfg.routed_scaling_factor)
-    latent = linear(x, p["routed_expert_down_proj.weight"])  # [B, L]
+    latent = linear(xin, p["routed_expert_down_proj.weight"])  # [B, L]
+    shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
+    if rounding is not None:
+        latent = round_to(latent, rounding.gather_wire("moe", "latent_down"))
+        routed = _routed_experts_per_rank(p, cfg, latent, ids, weights, rounding)
+        routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
+        up = round_to(linear(rounding.mm_in(routed), p["routed_expert_up_proj.weight"]),
+                      rounding.gather_wire("moe", "latent_up"))
+        return up + glu_mlp(shared, cfg, x, rounding, "moe", "shared_down", "shared")
 
     def expert_weights(matrix: str) -> jax.Array:
         """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``."""
@@ -599,7 +692,6 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array) -> ja
     down = jnp.einsum("bki,bkoi->bko", hidden, expert_weights("w2"), precision=_HIGHEST)
     routed = jnp.einsum("bk,bko->bo", weights, down, precision=_HIGHEST)
     routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
-    shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
     return linear(routed, p["routed_expert_up_proj.weight"]) + glu_mlp(shared, cfg, x)
 
 
@@ -622,13 +714,27 @@ def _residual_weights(params: Mapping[str, Any], prefix: str) -> tuple[jax.Array
             jnp.asarray(params[prefix + "_proj.weight"]).astype(jnp.float32))
 
 
+def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | None = None
+          ) -> jax.Array:
+    """Token embeddings ``[B, H]`` f32. With ``rounding``: as the vocab-sharded kernel forms
+    them, each rank contributing the rows it owns (zeros elsewhere) to the embedding all-reduce
+    (exact for bf16 rows on a bf16 or f32 wire, emulated all the same)."""
+    x = jnp.asarray(params["model.embed_tokens.weight"])[tokens].astype(jnp.float32)
+    if rounding is None:
+        return x
+    owner = tokens // rounding.size("vocab")
+    partials = [jnp.where((owner == r)[:, None], x, 0.0) for r in range(rounding.ranks)]
+    return allreduce(partials, rounding.reduce("embed", "embed"))
+
+
 def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str, jax.Array],
-                  tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All decoder layers for one token per row: (final residual mixture ``[B, H]`` before the
     final norm, new cache). ``decode_step`` adds the final norm and the LM head."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
-    embedding = jnp.asarray(params["model.embed_tokens.weight"])[tokens].astype(jnp.float32)
+    embedding = embed(params, tokens, rounding)
     new_cache = dict(cache)
     eps = cfg.rms_norm_eps
     n_layers = cfg.num_hidden_layers
@@ -649,32 +755,35 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[s
             if cfg.layer_kinds[i] == KDA:
                 out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
                     kda_block(attn, cfg, x, cache[f"layers.{i}.conv_state"],
-                              cache[f"layers.{i}.recurrent_state"]))
+                              cache[f"layers.{i}.recurrent_state"], rounding))
             else:
                 out, new_cache[f"layers.{i}.latent_cache"] = mla_block(
-                    attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions)
+                    attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions, rounding)
             return out
         x = rms_norm(h, lp["post_attention_layernorm.weight"], eps)
         if cfg.is_moe(i):
             moe = {n[len("block_sparse_moe."):]: w for n, w in lp.items()
                    if n.startswith("block_sparse_moe.")}
-            return moe_block(moe, cfg, x)
-        return glu_mlp({n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}, cfg, x)
+            return moe_block(moe, cfg, x, rounding)
+        return glu_mlp({n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}, cfg, x,
+                       rounding)
 
     hidden = block_attention_residuals(embedding, n_layers, cfg.attn_res_block_size, sublayer, mix)
     return hidden, new_cache
 
 
 def decode_step(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str, jax.Array],
-                tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
 
-    jit with ``jax.jit(decode_step, static_argnums=1)``; ``params`` may be numpy arrays.
+    jit with ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy arrays.
+    ``rounding`` switches on the kernel rounding emulation (module docstring).
     """
-    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions)
+    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return linear(x, jnp.asarray(head).astype(jnp.float32)), new_cache
+    return linear(_mm_input(x, rounding), jnp.asarray(head).astype(jnp.float32)), new_cache
 
 
 def count_parameters(cfg: KimiK3Config) -> int:

@@ -35,6 +35,16 @@ own entry is read back from the cache, so a token sees identical values whether 
 current one or a past one. Row b attends to slots ``0..positions[b]`` inclusive; positions must
 be < T (out-of-range writes are dropped by JAX scatter semantics). The conv and recurrent states
 advance by one token on every call, whatever the position: feed each row its tokens in order.
+
+Kernel rounding emulation: every function that computes takes an optional ``rounding``
+(``mkc.reference.rounding.Rounding``, built from a compiled schedule by
+``mkc.numerics.rounding_from_ir``). With it the step rounds where the generated kernel does:
+matmul activations to bf16; ``out_proj``/``o_proj``/``down`` as per-rank partial sums (heads
+and MLP columns split evenly over the ranks, ``per_rank`` sizes of the schedule) all-reduced
+stage by stage on the spec's wire dtype; the embedding's exact all-reduce likewise; RoPE
+frequencies computed in f32 as the kernel's host wrapper does; states in their storage dtype.
+Layer kinds are the schedule's names: linear attention is ``gdn``, full attention ``gqa``.
+Without it (the default) the math is the plain f32 oracle above.
 """
 from __future__ import annotations
 
@@ -50,8 +60,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from mkc.reference.rounding import Rounding, allreduce, chunks, round_to, row_parallel
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
+KIND_NAMES = {LINEAR: "gdn", FULL: "gqa"}   # the layer kinds of the schedule IR
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm, not tied to rms_norm_eps
@@ -331,10 +344,18 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
 
 
-def rope_cos_sin(cfg: Qwen35Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form)."""
+def rope_cos_sin(cfg: Qwen35Config, positions: jax.Array,
+                 f32_frequencies: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form).
+
+    Frequencies are computed in f64 and rounded once; ``f32_frequencies`` computes them in f32
+    instead, as the kernels' host wrappers do (they may differ in the last bit)."""
     rot = cfg.rotary_dim
-    inv_freq = jnp.asarray(cfg.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot), jnp.float32)
+    if f32_frequencies:
+        inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    else:
+        inv_freq = jnp.asarray(cfg.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot),
+                               jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -365,8 +386,23 @@ def gated_delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
     return o, state
 
 
+def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
+    return x if rounding is None else rounding.mm_in(x)
+
+
+def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
+                    per_rank: int) -> jax.Array:
+    """A projection back to the hidden size whose input is split over ranks in contiguous
+    ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule says."""
+    if rounding is None:
+        return linear(x, w)
+    return row_parallel(x, w, chunks(x.shape[-1], per_rank), rounding.ranks, rounding,
+                        rounding.reduce(kind, op))
+
+
 def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
-                           conv_state: jax.Array, recurrent_state: jax.Array
+                           conv_state: jax.Array, recurrent_state: jax.Array,
+                           rounding: Rounding | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Qwen3_5GatedDeltaNet for one token per row.
 
@@ -374,10 +410,14 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
     x is the normed hidden ``[B, H]``. Returns (output ``[B, H]``, new conv_state, new recurrent_state).
     """
     b = x.shape[0]
+    x = _mm_input(x, rounding)
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
-    mixed = linear(x, p["in_proj_qkv.weight"]).astype(conv_state.dtype)
+    mixed = linear(x, p["in_proj_qkv.weight"])
+    if rounding is not None:   # the kernel rounds conv inputs to bf16 whatever holds the state
+        mixed = round_to(mixed, "bf16")
+    mixed = mixed.astype(conv_state.dtype)
     window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, C, K], oldest first
     conv = jnp.sum(window.astype(jnp.float32) * p["conv1d.weight"][:, 0, :], axis=-1)
     conv = jax.nn.silu(conv)
@@ -396,11 +436,20 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
 
     z = linear(x, p["in_proj_z.weight"]).reshape(b, hv, dv)
     o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps)
-    return linear(o.reshape(b, hv * dv), p["out_proj.weight"]), window[:, :, 1:], recurrent_state
+    conv_state = window[:, :, 1:]
+    if rounding is not None:
+        conv_state = round_to(conv_state.astype(jnp.float32),
+                              rounding.stored("gdn", "conv")).astype(conv_state.dtype)
+        recurrent_state = round_to(recurrent_state, rounding.stored("gdn", "recurrent"))
+    per_rank = None if rounding is None else rounding.size("nv") * dv
+    out = _out_projection(o.reshape(b, hv * dv), p["out_proj.weight"], rounding, "gdn", "out_proj",
+                          per_rank)
+    return out, conv_state, recurrent_state
 
 
 def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
-                         key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array
+                         key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array,
+                         rounding: Rounding | None = None
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Qwen3_5Attention (gated GQA) for one token per row at its own position.
 
@@ -409,6 +458,7 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     """
     b = x.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = _mm_input(x, rounding)
     q_and_gate = linear(x, p["q_proj.weight"]).reshape(b, hq, 2 * d)
     q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
     k = linear(x, p["k_proj.weight"]).reshape(b, hkv, d)
@@ -416,11 +466,13 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
 
     q = rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps)
-    cos, sin = rope_cos_sin(cfg, positions)
+    cos, sin = rope_cos_sin(cfg, positions, f32_frequencies=rounding is not None)
     q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
     k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
 
     rows = jnp.arange(b)
+    if rounding is not None:   # the kernel's KV storage dtype, then the reference's container
+        k, v = (round_to(t, rounding.stored("gqa", "kv")) for t in (k, v))
     key_cache = key_cache.at[rows, :, positions].set(k.astype(key_cache.dtype))
     value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
 
@@ -433,13 +485,19 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     probs = jax.nn.softmax(scores, axis=-1)
     attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32), precision=_HIGHEST)
     attn = attn.reshape(b, hq * d) * jax.nn.sigmoid(gate.reshape(b, hq * d))
-    return linear(attn, p["o_proj.weight"]), key_cache, value_cache
+    per_rank = None if rounding is None else rounding.size("nq") * d
+    out = _out_projection(attn, p["o_proj.weight"], rounding, "gqa", "o_proj", per_rank)
+    return out, key_cache, value_cache
 
 
-def mlp_block(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``p`` keys are relative to ``mlp.``."""
-    return linear(jax.nn.silu(linear(x, p["gate_proj.weight"])) * linear(x, p["up_proj.weight"]),
-                  p["down_proj.weight"])
+def mlp_block(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None = None,
+              kind: str = "") -> jax.Array:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``p`` keys are relative to ``mlp.``. With
+    ``rounding``, ``kind`` names the layer kind whose ``down`` all-reduce applies."""
+    x = _mm_input(x, rounding)
+    act = jax.nn.silu(linear(x, p["gate_proj.weight"])) * linear(x, p["up_proj.weight"])
+    per_rank = None if rounding is None else rounding.size("inter")
+    return _out_projection(act, p["down_proj.weight"], rounding, kind, "down", per_rank)
 
 
 def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
@@ -448,13 +506,28 @@ def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
             for name, w in params.items() if name.startswith(prefix)}
 
 
+def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | None = None
+          ) -> jax.Array:
+    """Token embeddings ``[B, H]`` f32. With ``rounding``: as the vocab-sharded kernel forms
+    them, each rank contributing the rows it owns (zeros elsewhere) to the embedding all-reduce
+    (exact for bf16 rows on a bf16 or f32 wire, emulated all the same)."""
+    table = jnp.asarray(params["model.embed_tokens.weight"])
+    x = table[tokens].astype(jnp.float32)
+    if rounding is None:
+        return x
+    owner = tokens // rounding.size("vocab")
+    partials = [jnp.where((owner == r)[:, None], x, 0.0) for r in range(rounding.ranks)]
+    return allreduce(partials, rounding.reduce("embed", "embed"))
+
+
 def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
-                  tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
     norm, new cache). ``decode_step`` adds the final norm and the LM head."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
-    x = jnp.asarray(params["model.embed_tokens.weight"])[tokens].astype(jnp.float32)
+    x = embed(params, tokens, rounding)
     new_cache = dict(cache)
     eps = cfg.rms_norm_eps
     for i, kind in enumerate(cfg.layer_kinds):
@@ -464,25 +537,28 @@ def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[s
             sub = {n[len("linear_attn."):]: w for n, w in lp.items() if n.startswith("linear_attn.")}
             out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
                 linear_attention_block(sub, cfg, h, cache[f"layers.{i}.conv_state"],
-                                       cache[f"layers.{i}.recurrent_state"]))
+                                       cache[f"layers.{i}.recurrent_state"], rounding))
         else:
             sub = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
             out, new_cache[f"layers.{i}.key_cache"], new_cache[f"layers.{i}.value_cache"] = (
                 full_attention_block(sub, cfg, h, cache[f"layers.{i}.key_cache"],
-                                     cache[f"layers.{i}.value_cache"], positions))
+                                     cache[f"layers.{i}.value_cache"], positions, rounding))
         x = x + out
         mlp = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
-        x = x + mlp_block(mlp, rms_norm(x, lp["post_attention_layernorm.weight"], eps))
+        x = x + mlp_block(mlp, rms_norm(x, lp["post_attention_layernorm.weight"], eps), rounding,
+                          KIND_NAMES[kind])
     return x, new_cache
 
 
 def decode_step(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
-                tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
 
-    jit with ``jax.jit(decode_step, static_argnums=1)``; ``params`` may be numpy bf16 arrays.
+    jit with ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy bf16
+    arrays. ``rounding`` switches on the kernel rounding emulation (module docstring).
     """
-    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions)
+    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return linear(x, jnp.asarray(head).astype(jnp.float32)), new_cache
+    return linear(_mm_input(x, rounding), jnp.asarray(head).astype(jnp.float32)), new_cache

@@ -1,0 +1,141 @@
+"""Where a compiled kernel rounds: the facts a reference needs to emulate it, and the math.
+
+A reference (``mkc.reference.qwen3_5``, ``mkc.reference.kimi_k3``) computes in f32 by default.
+Given a ``Rounding`` it instead rounds where the generated kernel does, so that the kernel and
+the reference agree to about f32 rounding rather than bf16 rounding:
+
+* every matmul's activation input is rounded to ``matmul_input`` (bf16: the kernels stage
+  activations as bf16 for the MXU; the weights are bf16 already);
+* a row-parallel matmul (the contraction split over ranks) becomes per-rank partial sums, each
+  all-reduced through the stages the spec gives: a stage ``(size, stride)`` sums, in f32 and in
+  group order, the group members' values rounded to the wire dtype (``allreduce``);
+* all-gathers and sibling exchanges round what travels to their buffer's dtype;
+* states and caches are stored in their storage dtype.
+
+The facts come from the schedule IR (``mkc.numerics.rounding_from_ir``); this module only holds
+them and the arithmetic, and knows nothing of a family's layout: each reference says which of
+its matmuls is which op of which layer kind.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+def round_to(x: jax.Array, dtype: str | None) -> jax.Array:
+    """x rounded to ``dtype`` ("bf16" or "f32") and back to f32; None leaves x as is."""
+    if dtype is None or dtype == "f32":
+        return x
+    return x.astype(_DTYPES[dtype]).astype(jnp.float32)
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """An all-reduce: direct stages ``(size, stride)`` in order, partial sums on a ``wire``."""
+
+    stages: tuple[tuple[int, int], ...]
+    wire: str
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Where one compiled schedule rounds (hashable, so it can be a static jit argument).
+
+    ``reduces``/``gathers``/``exchanges`` are keyed by (layer kind, op) as the schedule IR names
+    them (``embed`` is the embedding lookup's exact all-reduce); ``storage`` by
+    (kind, state family) with ``"kv"`` for a KV cache; ``shard`` holds the per-rank sizes of
+    the model graph (``ir.per_rank``: heads, widths, expert groups).
+    """
+
+    ranks: int
+    reduces: tuple[tuple[str, str, Reduce], ...]
+    gathers: tuple[tuple[str, str, str], ...] = ()
+    exchanges: tuple[tuple[str, str, str], ...] = ()
+    storage: tuple[tuple[str, str, str], ...] = ()
+    shard: tuple[tuple[str, int], ...] = ()
+    matmul_input: str = "bf16"
+
+    def reduce(self, kind: str, op: str) -> Reduce:
+        for k, o, r in self.reduces:
+            if (k, o) == (kind, op):
+                return r
+        raise KeyError(f"the schedule all-reduces no {kind}.{op} (its partial sums need one)")
+
+    def gather_wire(self, kind: str, op: str) -> str:
+        for k, o, w in self.gathers:
+            if (k, o) == (kind, op):
+                return w
+        raise KeyError(f"the schedule all-gathers no {kind}.{op}")
+
+    def exchange_wire(self, kind: str, op: str) -> str | None:
+        """The wire dtype of a sibling exchange of op's columns, or None when op is not split."""
+        for k, o, w in self.exchanges:
+            if (k, o) == (kind, op):
+                return w
+        return None
+
+    def stored(self, kind: str, state: str) -> str:
+        for k, s, d in self.storage:
+            if (k, s) == (kind, state):
+                return d
+        raise KeyError(f"no storage dtype for {kind}.{state}")
+
+    def size(self, name: str) -> int:
+        return dict(self.shard)[name]
+
+    def mm_in(self, x: jax.Array) -> jax.Array:
+        """A matmul's activation input as the kernel feeds it to the MXU."""
+        return round_to(x, self.matmul_input)
+
+
+def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:
+    """The all-reduced value every rank ends with, from rank r's partial sum ``partials[r]``.
+
+    Stage (size, stride): rank r is member ``(r // stride) % size`` of the group
+    ``base + i * stride``; it receives every member's value rounded to the wire dtype and adds
+    them in f32 in member order (member 0 first), as ``mkc.ops.collectives.allreduce_stage``
+    does, so the emulation is exact up to the f32 rounding of the partial sums themselves.
+    """
+    values = [p.astype(jnp.float32) for p in partials]
+    ranks = len(values)
+    for size, stride in reduce.stages:
+        wire = [round_to(v, reduce.wire) for v in values]
+        new = []
+        for r in range(ranks):
+            local = (r // stride) % size
+            base = r - local * stride
+            total = wire[base]
+            for i in range(1, size):
+                total = total + wire[base + i * stride]
+            new.append(total)
+        values = new
+    return values[0]
+
+
+def chunks(total: int, width: int) -> list[tuple[int, int]]:
+    """Contiguous per-rank ranges of ``width`` over ``total`` (the last ones may be short or
+    empty: a padded split holds zeros there)."""
+    n = -(-total // width)
+    return [(r * width, min((r + 1) * width, total)) for r in range(n)]
+
+
+def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], ranks: int,
+                 rounding: Rounding, reduce: Reduce) -> jax.Array:
+    """``x @ w.T`` (PyTorch ``[out, in]`` w) with the contraction split over ranks: rank r holds
+    input range ``ranges[r]`` (ranks past the list hold nothing), computes its partial sum from
+    bf16 inputs, and the partials are all-reduced as the schedule says."""
+    xin = rounding.mm_in(x)
+    zero = jnp.zeros((*x.shape[:-1], w.shape[0]), jnp.float32)
+    partials = []
+    for r in range(ranks):
+        lo, hi = ranges[r] if r < len(ranges) else (0, 0)
+        if hi <= lo:
+            partials.append(zero)
+            continue
+        partials.append(jnp.einsum("...i,oi->...o", xin[..., lo:hi], w[:, lo:hi],
+                                   precision=jax.lax.Precision.HIGHEST))
+    return allreduce(partials, reduce)
