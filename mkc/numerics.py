@@ -47,8 +47,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 
 # ---- judging a kernel run ------------------------------------------------------------------
 #
-# Error metrics (``logits_error``, ``state_errors``): logits as max |kernel - reference| / max |reference|; each
-# state family (recurrent, conv, KV or latent cache; every layer of it together) as the
+# Error metrics (``logits_error``, ``state_errors``): logits as max |kernel - reference| /
+# max |reference|; each state family (recurrent, conv, KV or latent cache; every layer of it together) as the
 # relative Frobenius error ||kernel - reference|| / ||reference||.
 #
 # Against the rounding emulation:
