@@ -1,21 +1,23 @@
 """The step-time simulator: one TensorCore's decode step, replayed over the event trace.
 
 Compute runs in program order on one timeline. Copies HBM<->VMEM go to a DMA engine whose
-copies in flight share the core's HBM bandwidth equally (processor sharing); each copy first
-waits its issue cost, then moves its bytes plus a fixed per-copy overhead (so small copies are
-less efficient). A wait stalls compute until its copy lands. Ops cost a fixed overhead, their
-elementwise work on the VPU, and their matmuls: the weight values each weight read brings,
-fed into the MXU (at decode batch the MXU is bound by loading weights, not by FLOPs), after
-dequantisation on the VPU where the matrix is MXFP4. Collectives are remote DMAs over ICI
-(or the on-chip sibling link) and block compute: a round's latency, per-hop latency and the
-bytes over the links. Ranks are symmetric, so one core (rank 0) stands for the step.
+copies in flight share the core's HBM bandwidth in issue order; each copy first waits its
+issue cost (overlapping the copies ahead of it), then moves its bytes plus a fixed per-copy
+overhead (so small copies are less efficient). A wait stalls compute until its copy lands.
+
+Ops cost a fixed overhead, their elementwise work on the VPU, and their matmuls: the weight
+values each weight read brings, fed into the MXU (at decode batch the MXU is bound by
+loading weights, not by FLOPs), after dequantisation on the VPU where a matrix is MXFP4.
+Collectives are remote DMAs over ICI (or the on-chip sibling link) and block compute: a
+round's latency, per-hop latency and the bytes over the links. Ranks are symmetric, so one
+core (rank 0) stands for the step.
 
 The result keeps a timeline of intervals per track (compute ops, stalls, collectives, DMA
 copies) for exporters, and the time by layer kind and by cause.
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -62,67 +64,41 @@ class Result:
 
 
 class DmaEngine:
-    """Copies of one core sharing its HBM bandwidth equally while in flight.
+    """HBM<->VMEM copies of one core, sharing its bandwidth in issue order.
 
-    Processor sharing in virtual time: while n copies are active each gets bandwidth / n, so a
-    copy finishes when the service every active copy received, `v`, reaches its arrival's `v`
-    plus its size. Time only moves forward (`advance`)."""
+    A copy's bytes start to flow after its issue cost, and not before the copies issued
+    earlier have moved theirs: the core's DMA queue drains descriptors in order, so many
+    copies in flight take their total bytes / bandwidth, and a deeper prefetch never delays
+    the copy needed next (equal sharing would: it makes every copy in flight land late)."""
 
     def __init__(self, bandwidth: float, issue_s: float, overhead_bytes: float) -> None:
         self.bw, self.issue_s, self.overhead = bandwidth, issue_s, overhead_bytes
-        self.now = 0.0
-        self.v = 0.0
-        self.pending: deque[tuple[float, int, float]] = deque()   # (arrival, id, bytes)
-        self.active: list[tuple[float, int]] = []                 # heap of (finish v, id)
-        self.done: dict[int, float] = {}
-        self.arrived: dict[int, float] = {}
-        self.busy_s = 0.0                                         # time with a copy active
-        self._next = 0
+        self.begins: list[float] = []        # when each copy's bytes start to flow
+        self.ends: list[float] = []          # when it lands
+        self._cum: list[float] = [0.0]       # busy time of copies before each one
 
     def issue(self, t: float, nbytes: float) -> int:
-        """Start a copy at compute time t (>= every earlier issue); returns its id."""
-        self._next += 1
-        arrival = max(t + self.issue_s, self.pending[-1][0] if self.pending else 0.0)
-        self.pending.append((arrival, self._next, nbytes + self.overhead))
-        return self._next
-
-    def _finish_time(self) -> float:
-        return self.now + (self.active[0][0] - self.v) * len(self.active) / self.bw
-
-    def advance(self, until: float = float("inf"), target: int | None = None) -> float:
-        """Run to time `until`, or until copy `target` lands; returns the time reached."""
-        inf = float("inf")
-        while target is None or target not in self.done:
-            ta = self.pending[0][0] if self.pending else inf
-            tf = self._finish_time() if self.active else inf
-            nxt = min(ta, tf)
-            if nxt > until or nxt == inf:
-                if until == inf:
-                    raise RuntimeError(f"copy {target} never lands")
-                self._move(until)
-                return self.now
-            self._move(nxt)
-            if ta <= tf:
-                _, cid, nbytes = self.pending.popleft()
-                self.arrived[cid] = self.now
-                heapq.heappush(self.active, (self.v + nbytes, cid))
-            else:
-                _, cid = heapq.heappop(self.active)
-                self.done[cid] = self.now
-        return self.now
-
-    def _move(self, t: float) -> None:
-        if t <= self.now:
-            return
-        if self.active:
-            self.v += (t - self.now) * self.bw / len(self.active)
-            self.busy_s += t - self.now
-        self.now = t
+        """Start a copy at time t; returns its id."""
+        begin = max(t + self.issue_s, self.ends[-1] if self.ends else 0.0)
+        end = begin + (nbytes + self.overhead) / self.bw
+        self.begins.append(begin)
+        self.ends.append(end)
+        self._cum.append(self._cum[-1] + end - begin)
+        return len(self.ends) - 1
 
     def landing(self, cid: int) -> float:
-        if cid not in self.done:
-            self.advance(target=cid)
-        return self.done[cid]
+        return self.ends[cid]
+
+    def busy(self, t: float) -> float:
+        """Time in [0, t] with bytes moving."""
+        i = bisect.bisect_right(self.begins, t) - 1
+        if i < 0:
+            return 0.0
+        return self._cum[i] + min(t, self.ends[i]) - self.begins[i]
+
+    @property
+    def copies(self) -> int:
+        return len(self.ends)
 
 
 @dataclass
@@ -251,13 +227,11 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
                 timeline[-1] = Interval("compute", op_name, last.start, t + dt, layer, kind)
             else:
                 timeline.append(Interval("compute", op_name or kind, t, t + dt, layer, kind))
-        busy0 = eng.busy_s
-        eng.advance(until=t + dt)
+        hidden = min(eng.busy(t + dt) - eng.busy(t), dt)
         t += dt
         if kind in ("prologue", "epilogue"):
             by_kind[kind]["prologue/epilogue"] += dt
             return
-        hidden = min(eng.busy_s - busy0, dt)
         by_kind[kind]["weight streaming"] += hidden
         by_kind[kind]["exposed compute"] += dt - hidden
 
@@ -275,7 +249,6 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             cid = sem_copies[e.sem].popleft()
             done = eng.landing(cid)
             if done > t:
-                eng.advance(until=done)
                 dt = done - t
                 cause = "prologue/epilogue" if kind in ("prologue", "epilogue") else "stalls"
                 by_kind[kind][cause] += dt
@@ -315,7 +288,6 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
         elif op == "collective":
             what, entry = e.tag
             dt = m.collective_seconds(what, entry)
-            eng.advance(until=t + dt)
             if keep_timeline:
                 timeline.append(Interval("collective", f"{what} {entry.after_op}", t, t + dt,
                                          layer, kind))
@@ -330,12 +302,12 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             kind, layer = "epilogue", -1
     if keep_timeline:
         for cid, (buf, issued, where) in copy_info.items():
-            timeline.append(Interval("dma", buf, issued, eng.done.get(cid, t), -1, where))
+            timeline.append(Interval("dma", buf, eng.begins[cid], eng.ends[cid], -1, where))
     by_cause = dict.fromkeys(CAUSES, 0.0)
     for causes in by_kind.values():
         for c, v in causes.items():
             by_cause[c] += v
     return Result(step_s=t, by_cause=by_cause, by_kind={k: dict(v) for k, v in by_kind.items()},
                   stalls=sorted(stalls.values(), key=lambda x: -x.seconds), hbm_bytes=hbm_bytes,
-                  hbm_busy_s=eng.busy_s, copies=eng._next, timeline=timeline)
+                  hbm_busy_s=eng.busy(t), copies=eng.copies, timeline=timeline)
 

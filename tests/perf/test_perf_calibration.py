@@ -1,0 +1,48 @@
+"""The recorded calibration: its error at the published points, and that the shipped model
+still reproduces what was recorded (rerun benchmarks/calibrate_perf.py after a model change)."""
+import json
+
+import pytest
+
+from mkc.compiler import check_spec
+from mkc.perf import constants
+from mkc.perf.run import step_model
+from tests_support import ROOT
+
+AIM_PERCENT = 15.0
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    cal = constants.calibration("tpu7x")
+    inputs = json.loads((constants.DATA / "calibration_points.json").read_text())
+    return cal, inputs
+
+
+def test_recorded_fit_is_within_the_aim_at_both_published_points(recorded):
+    cal, inputs = recorded
+    assert {p["batch"] for p in cal["points"]} == {p["batch"] for p in inputs["points"]} == {1, 8}
+    for p, src in zip(cal["points"], inputs["points"]):
+        assert p["published_step_s"] == src["step_s"]
+        assert abs(p["modelled_step_s"] / p["published_step_s"] - 1) * 100 == pytest.approx(
+            abs(p["error_percent"]), abs=0.01)
+        assert abs(p["error_percent"]) <= AIM_PERCENT
+
+
+def test_fitted_constants_say_where_they_came_from(recorded):
+    cal, _ = recorded
+    data = constants.load_data("tpu7x")
+    for name, c in data["constants"].items():
+        assert c["source"].split(":")[0].split()[0] in ("published", "assumed", "fitted"), name
+    for name in cal["fitted"]:
+        assert data["constants"][name]["source"].startswith("fitted"), name
+
+
+def test_the_model_reproduces_the_recorded_fit(recorded):
+    cal, inputs = recorded
+    c = check_spec(ROOT / inputs["spec"], inputs["model"])
+    for p in cal["points"]:
+        got = step_model(c.ir, p["batch"], inputs["tokens_in_cache"], keep_timeline=False).step_s
+        assert got == pytest.approx(p["modelled_step_s"], rel=1e-4), (
+            f"batch {p['batch']}: the model changed since the fit; rerun "
+            "benchmarks/calibrate_perf.py")

@@ -1,0 +1,55 @@
+"""`mkc perf`: text and JSON, every time labelled modelled, bad input as diagnostics."""
+import json
+
+from mkc.cli import main
+from tests_support import ROOT, SPEC
+
+
+def test_perf_text_is_labelled_modelled_with_breakdown_and_stalls(capsys):
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "modelled, not measured" in out and "modelled step:" in out
+    assert "% of the HBM floor" in out and "tok/s (modelled)" in out
+    assert "calibrated:" in out
+    for cause in ("weight streaming", "exposed compute", "stalls", "collectives",
+                  "prologue/epilogue"):
+        assert cause in out
+    for kind in ("gdn", "gqa", "prologue", "epilogue"):
+        assert f"\n  {kind} " in out
+    assert "largest stalls" in out and "qwen3_8_27b.sched:" in out
+
+
+def test_perf_json_breakdown_adds_up(capsys):
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "8", "--context",
+                 "1024", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "ok" and doc["command"] == "perf"
+    perf = doc["perf"]
+    assert perf["modelled"] is True and perf["batch"] == 8 and perf["tokens_in_cache"] == 1024
+    step = perf["step_seconds"]
+    assert abs(sum(perf["by_cause_seconds"].values()) - step) < 1e-9 * max(1, step * 1e9)
+    assert abs(sum(sum(v.values()) for v in perf["by_kind_seconds"].values()) - step) < 1e-9
+    assert perf["tokens_per_s"] == 8 / step
+    assert 0 < perf["percent_of_hbm_floor"] <= 100
+    for st in perf["stalls"]:
+        assert st["line"] > 0 and st["file"].endswith(".sched") and st["seconds"] > 0
+    assert all("source" in c for c in perf["constants"].values())
+
+
+def test_perf_on_a_bad_spec_is_a_diagnostic(capsys):
+    bad = ROOT / "tests" / "broken_specs" / "double_wait.sched"
+    assert main(["perf", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "error[E-DMA-WAIT]" in err and "Traceback" not in err
+    assert main(["perf", str(bad), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "error" and doc["diagnostics"][0]["code"] == "E-DMA-WAIT"
+
+
+def test_perf_batch_outside_the_spec_is_a_diagnostic(capsys):
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "9"]) == 1
+    err = capsys.readouterr().err
+    assert "error[E-PERF]" in err and "--batch 9" in err
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--context", "-1", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["diagnostics"][0]["code"] == "E-PERF"

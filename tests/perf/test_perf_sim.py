@@ -1,0 +1,191 @@
+"""The step-time simulator against analytic answers on small synthetic traces."""
+import pytest
+
+from mkc import ir
+from mkc.compiler import check_spec
+from mkc.diagnostics import Span
+from mkc.perf import constants
+from mkc.perf.sim import DmaEngine, Model, simulate
+from mkc.trace import Event
+from tests_support import SPEC
+
+BW = 1e12          # bytes/s after efficiency
+ISSUE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def qwen_ir():
+    return check_spec(SPEC, "qwen3_8_mini").ir
+
+
+def _rates(**kw):
+    base = constants.rates("tpu7x").replace(
+        hbm_efficiency=1.0, dma_overhead_bytes=0.0, latency_scale=1.0, dma_issue_s=ISSUE,
+        step_fixed_s=0.0, op_overhead_s=0.0)
+    return base.replace(hbm_bytes_per_s=BW, **kw)
+
+
+class _Trace:
+    """Build synthetic events: starts, waits and weight reads (compute)."""
+
+    def __init__(self):
+        self.events = []
+        self._add(op="layer", tag=("gdn", 0))       # inside a layer (not the prologue)
+
+    def _add(self, **kw):
+        self.events.append(Event(seq=len(self.events), span=Span.unknown("t.sched"), **kw))
+
+    def start(self, sem, nbytes):
+        self._add(op="start", buffer=f"buf{sem}", sem=(f"buf{sem}",), nbytes=nbytes)
+
+    def wait(self, sem):
+        self._add(op="wait", sem=(f"buf{sem}",), where=f"wait {sem}")
+
+    def compute(self, nbytes):
+        """A weight read of `nbytes` bf16: nbytes / 2 values fed to the MXU."""
+        self._add(op="read", buffer="weights", slot=0, nbytes=nbytes)
+
+
+def _run(s, trace, batch=1, **kw):
+    return simulate(Model(s, batch, 0, _rates(**kw)), trace.events)
+
+
+def test_one_copy_takes_its_bytes_over_bandwidth_plus_issue_cost(qwen_ir):
+    X = 8 << 20
+    tr = _Trace()
+    tr.start(0, X)
+    tr.wait(0)
+    res = _run(qwen_ir, tr)
+    assert res.step_s == pytest.approx(ISSUE + X / BW, rel=1e-12)
+    assert res.by_cause["stalls"] == pytest.approx(res.step_s)
+
+
+def test_per_copy_overhead_makes_small_copies_less_efficient(qwen_ir):
+    small = _Trace()
+    for i in range(16):
+        small.start(i, 4096)
+    for i in range(16):
+        small.wait(i)
+    one = _Trace()
+    one.start(0, 16 * 4096)
+    one.wait(0)
+    kw = {"dma_overhead_bytes": 2048.0}
+    assert _run(qwen_ir, small, **kw).step_s == pytest.approx(ISSUE + 16 * (4096 + 2048) / BW)
+    assert _run(qwen_ir, one, **kw).step_s == pytest.approx(ISSUE + (16 * 4096 + 2048) / BW)
+
+
+def test_two_copies_in_flight_share_bandwidth(qwen_ir):
+    X = 1 << 20
+    eng = DmaEngine(BW, ISSUE, 0.0)
+    a, b = eng.issue(0.0, X), eng.issue(0.0, 3 * X)
+    # issued together: their issue costs overlap, their bytes share the bandwidth, in order
+    assert eng.landing(a) == pytest.approx(ISSUE + X / BW)
+    assert eng.landing(b) == pytest.approx(ISSUE + 4 * X / BW)
+    assert eng.busy(eng.landing(b)) == pytest.approx(4 * X / BW)
+    # a copy issued while another moves waits for the bandwidth it is using
+    eng = DmaEngine(BW, 0.0, 0.0)
+    a = eng.issue(0.0, 2 * X)
+    b = eng.issue(X / BW, 2 * X)
+    assert eng.landing(a) == pytest.approx(2 * X / BW)
+    assert eng.landing(b) == pytest.approx(4 * X / BW)
+    # the same through the simulator: two copies waited together
+    tr = _Trace()
+    tr.start(0, X)
+    tr.start(1, 3 * X)
+    tr.wait(0)
+    tr.wait(1)
+    assert _run(qwen_ir, tr).step_s == pytest.approx(ISSUE + 4 * X / BW)
+
+
+def test_wait_on_a_late_copy_stalls_compute_by_the_difference(qwen_ir):
+    r = _rates()
+    X, W = 64 << 20, 4 << 20                      # a big copy, a short matmul
+    compute = (W / 2) / r.feed_values_per_s("bf16")
+    landing = ISSUE + X / BW
+    assert compute < landing
+    tr = _Trace()
+    tr.start(0, X)
+    tr.compute(W)
+    tr.wait(0)
+    res = _run(qwen_ir, tr)
+    assert res.step_s == pytest.approx(landing)
+    assert res.by_cause["stalls"] == pytest.approx(landing - compute)
+    assert res.stalls[0].buffer == "buf0" and res.stalls[0].count == 1
+    # and a copy that lands during compute costs no stall
+    W = 256 << 20
+    compute = (W / 2) / r.feed_values_per_s("bf16")
+    assert compute > ISSUE + 1024 / BW
+    tr = _Trace()
+    tr.start(0, 1024)
+    tr.compute(W)
+    tr.wait(0)
+    res = _run(qwen_ir, tr)
+    assert res.by_cause["stalls"] == 0 and res.step_s == pytest.approx(compute)
+
+
+def _stream(n, ahead, tile, work):
+    """n tiles through a ring `ahead` deep: wait tile t, compute on it, start tile t + ahead."""
+    tr = _Trace()
+    for t in range(min(ahead, n)):
+        tr.start(t, tile)
+    for t in range(n):
+        tr.wait(t)
+        tr.compute(work)
+        if t + ahead < n:
+            tr.start(t + ahead, tile)
+    return tr
+
+
+def test_deeper_prefetch_never_makes_a_dma_bound_stream_slower(qwen_ir):
+    tile, work = 2 << 20, 1 << 20           # the copy of a tile takes longer than its compute
+    times = [_run(qwen_ir, _stream(64, ahead, tile, work)).step_s for ahead in range(1, 12)]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(times, times[1:])), [t * 1e6 for t in times]
+    # deep enough, the stream runs at the bandwidth: all bytes, one issue cost, the last compute
+    r = _rates()
+    last = (work / 2) / r.feed_values_per_s("bf16")
+    assert times[-1] == pytest.approx(ISSUE + 64 * tile / BW + last, rel=1e-6)
+    assert times[0] > times[-1]
+
+
+def test_deeper_ring_in_a_real_spec_is_never_slower(tmp_path):
+    text = SPEC.read_text()
+    assert "stream weights ahead 12" in text
+    steps = []
+    for ahead in (1, 2, 4, 8, 12):
+        p = tmp_path / f"ahead{ahead}.sched"
+        p.write_text(text.replace("stream weights ahead 12", f"stream weights ahead {ahead}"))
+        c = check_spec(p, "qwen3_8_mini")
+        from mkc.perf.run import step_model
+        steps.append(step_model(c.ir, 1, 256, keep_timeline=False).step_s)
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
+    assert steps[-1] < steps[0]
+
+
+def test_matmul_is_bound_by_weight_feed_at_decode_batch(qwen_ir):
+    r = _rates()
+    m1, m8 = Model(qwen_ir, 1, 0, r), Model(qwen_ir, 8, 0, r)
+    nbytes = 1 << 20
+    feed = (nbytes / 2) / r.feed_values_per_s("bf16")
+    assert m1.matmul_seconds(nbytes, None) == pytest.approx(feed)
+    assert m8.matmul_seconds(nbytes, None) == pytest.approx(feed)
+    big = Model(qwen_ir, 4096, 0, r)          # a large batch is FLOP-bound
+    assert big.matmul_seconds(nbytes, None) == pytest.approx(
+        2 * 4096 * (nbytes / 2) / r.mxu_ops_per_s["bf16"])
+    mx = ir.MatrixFacts(mxu_dtype="bf16", values_per_byte=2.0, dequant="mxfp4")
+    assert m1.matmul_seconds(nbytes, mx) == pytest.approx(
+        2 * nbytes / r.feed_values_per_s("bf16") + 2 * nbytes * r.mxfp4_dequant_ops / r.vpu_ops_per_s)
+    assert m1.matmul_seconds(nbytes, ir.MatrixFacts(mxu_dtype="", values_per_byte=0.0)) == 0
+    fp8 = ir.MatrixFacts(mxu_dtype="fp8", values_per_byte=1.0)
+    assert m1.matmul_seconds(nbytes, fp8) == pytest.approx(nbytes / r.feed_values_per_s("fp8"))
+
+
+def test_sibling_exchange_is_cheaper_than_a_cross_chip_round(qwen_ir):
+    m = Model(qwen_ir, 8, 0, _rates())
+    nbytes = 64 << 10
+    sibling = m.stage_seconds(2, 1, nbytes)            # ranks 0, 1: one chip
+    cross = m.stage_seconds(2, 2, nbytes)              # ranks 0, 2: next chip, one hop
+    r = m.rates
+    assert sibling == pytest.approx(r.latency("collective_round_s") + nbytes / r.sibling_bytes_per_s)
+    assert cross == pytest.approx(r.latency("collective_round_s") + r.latency("ici_hop_s")
+                                  + nbytes / r.ici_link_bytes_per_s)
+    assert sibling < cross
