@@ -1,0 +1,79 @@
+"""Benchmark of the step-time model (`mkc perf`): how long simulating one full decode step
+takes, per shipped spec and batch, split into building the model's trace and replaying it.
+Prints medians over several runs, the modelled step times, and the command that reproduces
+each number. The step times are modelled, not measured.
+
+    .venv/bin/python benchmarks/perf_sim.py [--repeats N] [--timeline] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SPECS = {"Kimi K3": "schedules/kimi_k3.sched", "Qwen 3.8 27B": "schedules/qwen3_8_27b.sched"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also record the per-track timeline (what a trace exporter reads); "
+                         "`mkc perf` does not")
+    args = ap.parse_args()
+    from mkc.compiler import check_spec
+    from mkc.perf.run import perf_trace, step_model
+
+    rows = []
+    for name, spec in SPECS.items():
+        c = check_spec(ROOT / spec)
+        for batch in sorted({c.ir.batch_min, c.ir.batch_max}):
+            trace_s, sim_s, steps, n = [], [], [], 0
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                events = perf_trace(c.ir, batch, c.ir.context)
+                t1 = time.perf_counter()
+                res = step_model(c.ir, batch, c.ir.context, events=events,
+                                 keep_timeline=args.timeline)
+                t2 = time.perf_counter()
+                trace_s.append(t1 - t0)
+                sim_s.append(t2 - t1)
+                steps.append(res.step_s)
+                n = len(events)
+            total = [a + b for a, b in zip(trace_s, sim_s)]
+            rows.append({"model": name, "spec": spec, "batch": batch, "events": n,
+                         "trace_s": statistics.median(trace_s),
+                         "replay_s": statistics.median(sim_s),
+                         "total_s": statistics.median(total),
+                         "modelled_step_s": steps[-1],
+                         "timeline": args.timeline,
+                         "reproduce": f".venv/bin/python benchmarks/perf_sim.py --repeats "
+                                      f"{args.repeats}"})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"step-time model: time to simulate one full decode step as `mkc perf` does (median "
+          f"of {args.repeats}{', timeline recorded' if args.timeline else ''}; the machine is "
+          "shared, so expect noise)")
+    print(f"  {'model':<14}{'batch':>6}{'events':>9}{'trace':>10}{'replay':>10}{'total':>10}"
+          f"{'modelled step':>16}")
+    for r in rows:
+        print(f"  {r['model']:<14}{r['batch']:>6}{r['events']:>9}{r['trace_s'] * 1e3:>8.0f}ms"
+              f"{r['replay_s'] * 1e3:>8.0f}ms{r['total_s'] * 1e3:>8.0f}ms"
+              f"{r['modelled_step_s'] * 1e3:>13.3f}ms")
+    print(f"reproduce: .venv/bin/python benchmarks/perf_sim.py --repeats {args.repeats}"
+          + (" --timeline" if args.timeline else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
