@@ -148,7 +148,7 @@ NAMES = ["__init__", "os", "sys", "class", "None", "True", "import", "jax", "num
          "__main__", "_", "a" * 300, "types", "functools", "np", "lax", "pl", "builtins",
          "generated", "test", "pytest", "json", "model", "schedule"]
 MODEL_DIR_NAMES = ["my-model", "1model", "model.v2", "mödel", "a b", "__init__", "class", "os",
-                   "None", "", "-", "x" * 300]
+                   "None", "", "-", "x" * 250]
 
 
 def _token_spans(text: str) -> list[tuple[int, int]]:
@@ -590,13 +590,13 @@ def _norm(msg: str) -> str:
 def _safe_module_name(name: str) -> str | None:
     import keyword
     if not name.isidentifier() or not name.isascii():
-        return "not an ASCII identifier"
-    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
-        return "a Python keyword"
+        return "module name is not an ASCII identifier"
+    if keyword.iskeyword(name):
+        return "module name is a Python keyword"
     if name.startswith("__") and name.endswith("__"):
-        return "a dunder name"
+        return "module name is a dunder name"
     if name in sys.stdlib_module_names or name in {"jax", "numpy", "mkc", "lark", "jinja2"}:
-        return "shadows an installed module"
+        return "module name shadows a standard or installed module"
     return None
 
 
@@ -690,7 +690,7 @@ def _write_and_import(case: Case, c, d: Path) -> dict:
                 "detail": f"module name {name!r}"}
     why = _safe_module_name(name)
     if why:
-        return {"cls": "bad_output", "sig": f"module name is {why}",
+        return {"cls": "bad_output", "sig": why,
                 "detail": f"module name {_show(name, 80)}"}
     try:
         spec = importlib.util.spec_from_file_location(f"_mkc_fuzz_{case.index}", path)
