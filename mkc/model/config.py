@@ -187,7 +187,7 @@ def _load_qwen(raw: dict, path: Path, family: str, stem: str, where: Span) -> Mo
             linear_value_head_dim=int(raw["linear_value_head_dim"]),
             linear_conv_kernel_dim=int(raw["linear_conv_kernel_dim"]),
         )
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise _config_error(e, path, family, where) from None
 
 
@@ -203,10 +203,20 @@ def _load_kimi(raw: dict, path: Path, stem: str, where: Span) -> "KimiDims":
     from mkc.model.kimi_k3_graph import KimiDims
     try:
         dims = KimiDims.from_config(raw, stem)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise _config_error(e, path, "kimi_k3", where) from None
     if dims.num_hidden_layers < 2 or dims.layer_kinds[1] != "dense" or "dense" in dims.layer_kinds[2:]:
         raise fail("E-MODEL", f"model config {path}: mkc lowers K3 with exactly one dense layer "
                    "(first_k_dense_replace = 1) before the MoE layers", where,
                    hint="set first_k_dense_replace to 1")
+    listed = raw["linear_attn_config"]["full_attn_layers"]
+    if not all(type(i) is int and 1 <= i <= dims.num_hidden_layers for i in listed):
+        raise fail("E-MODEL", f"model config {path}: full_attn_layers must list 1-based layer "
+                   f"numbers from 1 to {dims.num_hidden_layers}", where,
+                   hint="as upstream Kimi configs do, e.g. [4, 8, ...]")
+    missing = [k for k in ("kda", "mla") if k not in dims.layer_kinds]
+    if missing:
+        raise fail("E-MODEL", f"model config {path} has no {missing[0]} layer; the K3 lowering "
+                   "runs both KDA and MLA layers", where,
+                   hint="list some but not all layers in linear_attn_config.full_attn_layers")
     return dims

@@ -66,3 +66,16 @@ def test_devices_and_directories_are_not_configs(tmp_path):
         with pytest.raises(MkcError) as e:
             load_dims(path)
         assert "not a regular file" in e.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("mla_layers,words", [([], "has no mla layer"), ([1, 2, 3, 4, 5, 6, 7],
+                                              "has no kda layer"), ([0, 4], "1-based")])
+def test_k3_needs_both_attention_kinds_at_real_layers(tmp_path, mla_layers, words):
+    config = json.loads(json.dumps(K3))
+    config["linear_attn_config"]["full_attn_layers"] = mla_layers
+    _rejects(tmp_path, json.dumps(config), words)
+
+
+def test_overflowing_integer_is_rejected(tmp_path):
+    text = json.dumps(QWEN).replace('"intermediate_size": 1024', '"intermediate_size": -1e400')
+    _rejects(tmp_path, text, "cannot convert float infinity")
