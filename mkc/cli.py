@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--batch", type=int, help="rows per step (default: the spec's largest)")
             p.add_argument("--context", type=int,
                            help="tokens in the KV cache (default: the spec's context)")
+            p.add_argument("--trace", metavar="FILE",
+                           help="write the modelled step as a Chrome/Perfetto trace-event JSON "
+                                "file (open it at ui.perfetto.dev or chrome://tracing)")
+            p.add_argument("--plot", metavar="FILE",
+                           help="write a PNG of the modelled step for one rank: VMEM by class, "
+                                "a DMA Gantt chart, HBM bandwidth utilisation")
     return ap
 
 
@@ -80,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 from mkc.perf.run import table
                 print(f"{args.spec}: ok (times below are modelled, not measured)")
                 print(table(result["perf"]))
+            if args.trace or args.plot:
+                result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
         else:
             print(compiler.check_spec(args.spec, args.model).ir.to_json())
     except MkcError as e:
@@ -94,6 +102,30 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         print(json.dumps(result, indent=1, sort_keys=True))
     return 0
+
+
+def _perf_pictures(s, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:
+    """Simulate the step again keeping its timeline; write the Perfetto trace and/or PNG."""
+    from mkc import target
+    from mkc.perf.run import step_model
+    batch, tokens = rep["batch"], rep["tokens_in_cache"]
+    res = step_model(s, batch, tokens)
+    out = {}
+    if trace:
+        from mkc.perf.perfetto import write_trace
+        write_trace(trace, s, res, batch, tokens)
+        out["trace"] = trace
+        if not as_json:
+            print(f"wrote {trace} (trace events of the modelled step: open in ui.perfetto.dev "
+                  "or chrome://tracing)")
+    if plot:
+        from mkc.perf.plot import draw
+        draw(plot, s, res, batch, tokens, target.chip(s.chip).hbm_bytes_per_s,
+             rep["hbm_floor_seconds"])
+        out["plot"] = plot
+        if not as_json:
+            print(f"wrote {plot} (VMEM by class, DMA Gantt, HBM utilisation; modelled)")
+    return out
 
 
 def _check_perf_args(s, batch: int | None, context: int | None) -> None:

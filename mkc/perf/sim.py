@@ -36,6 +36,20 @@ class Interval:
     end: float
     layer: int = -1              # -1: prologue or epilogue
     kind: str = ""
+    line: int = 0                # the spec line of the statement behind it (0: none)
+    nbytes: int = 0              # dma: bytes moved
+    issued: float = 0.0          # dma: when compute issued it (its bytes flow from `start`)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A VMEM change at time t: a scoped buffer allocated or freed, a pool view opened or
+    closed (`op` is the trace event's: alloc, free, view_open, view_close)."""
+
+    t: float
+    op: str
+    name: str                    # buffer, or "pool.view"
+    layer: int = -1
 
 
 @dataclass
@@ -61,6 +75,7 @@ class Result:
     hbm_busy_s: float
     copies: int
     timeline: list[Interval] = field(default_factory=list, repr=False)
+    marks: list[Mark] = field(default_factory=list, repr=False)
 
 
 class DmaEngine:
@@ -198,12 +213,13 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
     s, r = m.s, m.rates
     eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"), r.dma_overhead_bytes)
     sem_copies: dict[tuple, deque] = defaultdict(deque)
-    copy_info: dict[int, tuple[str, float, str]] = {}        # id -> (buffer, issued, where)
+    copy_info: dict[int, tuple] = {}         # id -> (buffer, issued, where, line, bytes)
     copy_buf: dict[int, str] = {}
     t = r.step_fixed_s
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CAUSES, 0.0))
     stalls: dict[tuple, Stall] = {}
     timeline: list[Interval] = []
+    marks: list[Mark] = []
     hbm_bytes = 0
     layer, kind = -1, "prologue"
     facts: ir.OpFacts = ir.OpFacts()
@@ -244,7 +260,7 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             buf = e.buffer or (f"{e.src[0]} (store)" if e.src else "")
             copy_buf[cid] = buf
             if keep_timeline:
-                copy_info[cid] = (buf, t, e.where)
+                copy_info[cid] = (buf, t, e.where, e.span.line, e.nbytes)
         elif op == "wait":
             cid = sem_copies[e.sem].popleft()
             done = eng.landing(cid)
@@ -260,7 +276,8 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
                 st.seconds += dt
                 st.count += 1
                 if keep_timeline:
-                    timeline.append(Interval("stall", buf, t, done, layer, kind))
+                    timeline.append(Interval("stall", buf, t, done, layer, kind,
+                                             line=e.span.line))
                 t = done
         elif op == "read":
             if e.nbytes:
@@ -290,10 +307,13 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             dt = m.collective_seconds(what, entry)
             if keep_timeline:
                 timeline.append(Interval("collective", f"{what} {entry.after_op}", t, t + dt,
-                                         layer, kind))
+                                         layer, kind, line=entry.span.line))
             t += dt
             cause = "prologue/epilogue" if kind in ("prologue", "epilogue") else "collectives"
             by_kind[kind][cause] += dt
+        elif op in ("alloc", "free", "view_open", "view_close"):
+            if keep_timeline:
+                marks.append(Mark(t, op, e.buffer, layer))
         elif op == "layer":
             op_name = ""
             kind, layer = e.tag
@@ -301,13 +321,15 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             op_name = ""
             kind, layer = "epilogue", -1
     if keep_timeline:
-        for cid, (buf, issued, where) in copy_info.items():
-            timeline.append(Interval("dma", buf, eng.begins[cid], eng.ends[cid], -1, where))
+        for cid, (buf, issued, where, line, nbytes) in copy_info.items():
+            timeline.append(Interval("dma", buf, eng.begins[cid], eng.ends[cid], -1, where,
+                                     line=line, nbytes=nbytes, issued=issued))
     by_cause = dict.fromkeys(CAUSES, 0.0)
     for causes in by_kind.values():
         for c, v in causes.items():
             by_cause[c] += v
     return Result(step_s=t, by_cause=by_cause, by_kind={k: dict(v) for k, v in by_kind.items()},
                   stalls=sorted(stalls.values(), key=lambda x: -x.seconds), hbm_bytes=hbm_bytes,
-                  hbm_busy_s=eng.busy(t), copies=eng.copies, timeline=timeline)
+                  hbm_busy_s=eng.busy(t), copies=eng.copies, timeline=timeline,
+                  marks=marks)
 
