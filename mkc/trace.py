@@ -39,6 +39,7 @@ class TraceOptions:
     experts: int | None = None     # routed experts each MoE layer runs (None: the worst case)
     kv_tokens: int | None = None   # unroll the whole KV stream over this many cached tokens
     compute: bool = False          # add `op` and `collective` events, bytes on weight reads
+    whole_ring: bool = False       # unroll every ring tile (the checks read a summary)
 
 
 class TraceBuilder:
@@ -111,25 +112,43 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
             tb._add(op="collective", tag=(what, entry), where=where, span=entry.span)
 
     st, par = s.stream, s.parity
-    tile_bytes = [f.tile_bytes for f in st.tile_sequence(s.layer_kinds)]
+
+    def traced(tiles: int) -> int:
+        """Tiles of one family's run the trace unrolls (all of them for the step-time model)."""
+        return tiles if opts.whole_ring else periodic_tiles_traced(tiles, st.slots, st.ahead)
+
+    # The ring stream as traced: each family's run shortened by whole periods of slots, so the
+    # trace's size does not grow with smaller tiles (same residues, same hazards).
+    tile_bytes: list[int] = []
+    layer_tile_offset: list[int] = []
+    for kname in s.layer_kinds:
+        layer_tile_offset.append(len(tile_bytes))
+        for f in st.families[kname]:
+            tile_bytes += [f.tile_bytes] * traced(f.tiles)
+    tail_tile_offset = len(tile_bytes)
+    for f in st.tail:
+        tile_bytes += [f.tile_bytes] * traced(f.tiles)
+    total_tiles = len(tile_bytes)
     vec_bytes = par.rows * par.cols * 4
     n_layers = len(s.layer_kinds)
     ring_sem = lambda slot: ("ring", slot)                       # noqa: E731
     vec_sem = lambda slot: ("vectors", slot)                     # noqa: E731
 
     def start_tile(t: int, where: str) -> None:
-        if t < st.total_tiles:
+        if t < total_tiles:
             tb.start(dst=st.ring, slot=t % st.slots, sem=ring_sem(t % st.slots),
                      nbytes=tile_bytes[t], tag=("tile", t), where=where, span=st.span)
 
-    def consume_tiles(family: ir.Family, first: int, where: str) -> None:
-        for t in range(first, first + family.tiles):
+    def consume_tiles(family: ir.Family, first: int, where: str) -> int:
+        """Consume the family's run of tiles from `first`; returns the next tile."""
+        for t in range(first, first + traced(family.tiles)):
             # The consumer waits for its own family's tile size.
             tb.wait(sem=ring_sem(t % st.slots), nbytes=family.tile_bytes, where=where,
                     span=st.span)
             tb.read(st.ring, t % st.slots, ("tile", t), where, st.span,
                     tile_bytes[t] if opts.compute else 0)
             start_tile(t + st.ahead, where)
+        return first + traced(family.tiles)
 
     def start_vectors(layer: int, where: str) -> None:
         tb.start(dst="vectors", slot=layer % 2, sem=vec_sem(layer % 2), nbytes=vec_bytes,
@@ -181,7 +200,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     for view_id, v in views.items():
         if v.slots == 0 and s.layer_kinds:
             start_weights(view_id, 0, "prologue", v.span)
-    for t in range(min(st.ahead, st.total_tiles)):
+    for t in range(min(st.ahead, total_tiles)):
         start_tile(t, "prologue")
     for layer in range(min(par.ahead, n_layers)):
         start_vectors(layer, "prologue")
@@ -201,7 +220,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
         label = layer_label(s, layer)
         if opts.compute:
             tb._add(op="layer", tag=(kname, layer), where=label, span=Span.unknown(s.source))
-        tile = st.layer_tile_offset[layer]
+        tile = layer_tile_offset[layer]
         families = {f.name: f for f in st.families[kname]}
         vector_families = {name for name, _ in k.vectors}
         loaded = {t.state: t.buffer for t in k.transfers if t.direction == "load"}
@@ -265,8 +284,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
                 op_event(kname, op, layer, w)
                 if op in k.matmuls and k.matmuls[op] not in k.pooled:
                     family = families[k.matmuls[op]]
-                    consume_tiles(family, tile, w)
-                    tile += family.tiles
+                    tile = consume_tiles(family, tile, w)
                 for fam, view_id in sorted(k.pooled.items()):
                     if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
                         tb.read(view_id, fam, ("pool", layer, fam), w, views[view_id].span,
@@ -299,7 +317,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     op_event("tail", "final_norm", -1, "epilogue final_norm")
     tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))
     op_event("tail", "lm_head", -1, "epilogue lm_head")
-    consume_tiles(st.tail[0], st.tail_tile_offset, "epilogue lm_head")
+    consume_tiles(st.tail[0], tail_tile_offset, "epilogue lm_head")
     tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))
     return tb.events
 
@@ -309,7 +327,7 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
     kv = k.kv
     bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
     if opts.kv_tokens is None:
-        n_tiles = kv_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
+        n_tiles = periodic_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
     else:
         n_tiles = -(-opts.kv_tokens // kv.tokens)
     if opts.batch:
@@ -335,8 +353,9 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
         tb.free(b.name, where, kv.span)
 
 
-def kv_tiles_traced(n_tiles: int, slots: int, ahead: int) -> int:
-    """How many KV tiles the trace unrolls to show every pattern of a stream of `n_tiles`.
+def periodic_tiles_traced(n_tiles: int, slots: int, ahead: int) -> int:
+    """How many tiles of a uniform run (KV tiles; one family's weight tiles) the trace unrolls
+    to show every pattern of a run of `n_tiles` through `slots` slots, `ahead` tiles ahead.
 
     The events of tile t depend on t only through t % slots, whether t is issued in the
     warm-up (t < ahead) and whether it still issues tile t + ahead (t + ahead < n_tiles).

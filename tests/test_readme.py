@@ -53,17 +53,7 @@ def readme_snippet() -> str:
     return m.group(1)
 
 
-def _needs_readme_change() -> bool:
-    """True while the snippet's decode_step call runs the TPU kernel on CPU (no interpret=)."""
-    call = next((ln for ln in readme_snippet().splitlines()
-                 if "decode_step(" in ln and not ln.lstrip().startswith("#")), "")
-    return "interpret=" not in call
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(_needs_readme_change(), strict=True,
-                   reason="README snippet calls decode_step without interpret=, which cannot run "
-                          "on CPU; the README must pass interpret=interpret and name the inputs")
 def test_readme_generated_module_snippet_runs(tmp_path):
     from mkc import compiler
     snippet = readme_snippet()

@@ -20,9 +20,10 @@ def experts_per_layer(s: ir.ScheduleIR, batch: int) -> int | None:
 def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int) -> list:
     """The checked trace, unrolled for the model: the same builder and program order, with op
     and collective events, copies sized at `batch`, the whole KV stream over `tokens` and the
-    expected routed experts (the checks use the worst case)."""
+    expected routed experts (the checks use the worst case), and every ring tile (the checks
+    read each run cut to warm-up, a period and tail)."""
     return build_trace(s, TraceOptions(batch=batch, experts=experts_per_layer(s, batch),
-                                       kv_tokens=tokens, compute=True))
+                                       kv_tokens=tokens, compute=True, whole_ring=True))
 
 
 def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates | None = None,

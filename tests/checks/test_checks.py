@@ -6,7 +6,7 @@ from mkc import ir
 from mkc.checks import run_checks, vmem_budget
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from mkc.trace import build_trace
+from mkc.trace import TraceOptions, build_trace
 from tests_support import SPEC
 
 
@@ -34,6 +34,10 @@ def test_trace_covers_every_layer_and_transition(full):
     vector_waits = [e for e in events if e.op == "wait" and e.sem and e.sem[0] == "vectors"]
     assert len(vector_waits) == len(full.layer_kinds)
     tiles = [e for e in events if e.op == "read" and e.buffer == "weights"]
+    # the checks read each family's run cut to warm-up, a period and tail (tests/test_trace.py)
+    assert [e.tag[1] for e in tiles] == list(range(len(tiles)))
+    whole = build_trace(full, TraceOptions(whole_ring=True))
+    tiles = [e for e in whole if e.op == "read" and e.buffer == "weights"]
     assert [e.tag[1] for e in tiles] == list(range(full.stream.total_tiles))
 
 
