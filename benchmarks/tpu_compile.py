@@ -1,45 +1,40 @@
 """Compile a generated module's full-size kernel with libtpu for its compile-only TPU topology,
-from abstract inputs (no weights): .venv/bin/python benchmarks/tpu_compile.py MODULE.py BATCH"""
+from abstract inputs (no weights): .venv/bin/python benchmarks/tpu_compile.py MODULE.py BATCH
+
+The module's rank count must equal the topology's device count. With --vmem, the compile
+runs in a subprocess and prints libtpu's VMEM verdict (fits with the bytes used, or out of
+VMEM with used and limit): see mkc/confirm.py."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
-import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # libtpu's lockfile, no TPU here
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from mkc.confirm import compile_module as _compile, run_compile  # noqa: E402
 
 
 def compile_module(path: str, batch: int) -> tuple[str, float, float]:
-    """Returns (topology, lower seconds, compile seconds)."""
-    spec = importlib.util.spec_from_file_location("generated_module", path)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    topo = topologies.get_topology_desc(gen.TOPOLOGY, platform="tpu")
-    mesh = Mesh(np.array(topo.devices), (gen.AXIS,))
-    ranked = NamedSharding(mesh, P(gen.AXIS))
-    weights, state = gen.abstract_inputs(batch)
-    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=ranked)  # noqa: E731
-    weights = {k: place(v) for k, v in weights.items()}
-    state = {k: place(v) for k, v in state.items()}
-    rows = jax.ShapeDtypeStruct((batch,), np.int32, sharding=NamedSharding(mesh, P()))
-    step = gen.make_decode_step(mesh, batch)
-    t0 = time.perf_counter()
-    lowered = step.lower(weights, state, rows, rows)
-    t1 = time.perf_counter()
-    lowered.compile()
-    t2 = time.perf_counter()
-    return gen.TOPOLOGY, t1 - t0, t2 - t1
+    """Returns (topology, lower seconds, compile seconds); raises if the module's rank count
+    is not the topology's device count, or what the compiler raises."""
+    info = _compile(path, batch)
+    return info["topology"], info["lower_s"], info["compile_s"]
 
 
 if __name__ == "__main__":
-    path, batch = sys.argv[1], int(sys.argv[2])
+    args = [a for a in sys.argv[1:] if a != "--vmem"]
+    path, batch = args[0], int(args[1])
+    if "--vmem" in sys.argv:
+        r = run_compile(path, batch)
+        used = r.get("used_bytes")
+        print(f"{path} batch {batch}: libtpu {r['libtpu']}"
+              + (f", {used / 2**20:.2f} MiB of {r['limit_bytes'] / 2**20:.2f} MiB VMEM"
+                 if used and r.get("limit_bytes") else "")
+              + (f": {r['message'].splitlines()[0]}" if r.get("message") else ""))
+        sys.exit(0 if r["libtpu"] == "fits" else 1)
     topology, lower_s, compile_s = compile_module(path, batch)
     print(f"{path} batch {batch}: lowered in {lower_s:.2f} s, compiled for {topology} in "
           f"{compile_s:.2f} s")

@@ -13,23 +13,69 @@ from dataclasses import dataclass, field
 from mkc.diagnostics import Span
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1, "u8": 1, "u32": 4}
-# Mosaic pads the last two dims of a VMEM array to (sublanes, 128) with sublanes by dtype.
+# The (sublanes, 128) tile each dtype's aligned DMA and full-tile access uses: the granule the
+# kernels lay rows out by (embedding rows, KV row blocks, pool panels). How much VMEM an array
+# takes is a different question: see `padded_bytes`.
 SUBLANE_TILE = {"f32": 8, "int32": 8, "bf16": 16, "int8": 32, "u8": 32, "u32": 8}
 LANES = 128
+SUBLANES = 8                     # TPU7x vreg sublanes: the normal tile height for 32-bit data
+# Mosaic's "large" second-minor tile per element width, used when the row count is a multiple
+# of it: (16, 128) for 16-bit data (TPU7x allows it for kernel arguments and scoped buffers
+# alike), (32, 128) for 8-bit. Measured with benchmarks/vmem_probe.py.
+LARGE_TILE_ROWS = {4: 8, 2: 16, 1: 32}
 
 
-def padded_bytes(shape: tuple[int, ...], dtype: str) -> int:
-    """VMEM bytes of an array after (sublane, lane) tile padding of its two minor dims."""
+ALLOC_GRANULE = 512              # bytes: a scratch operand's size is a multiple of this
+WINDOW_GRANULE = 1024            # bytes: a run_scoped buffer or an in/out window rounds to this
+
+
+def tile_rows(rows: int, dtype: str) -> int:
+    """The sublane tile height Mosaic (TPU7x) gives an array whose second-minor dim is `rows`.
+
+    Learned from libtpu (benchmarks/vmem_probe.py, data in benchmarks/data/vmem_probe.json):
+    - rows a multiple of the large tile (f32 8, bf16 16, int8/u8 32): that tile;
+    - else rows >= 8: (8, 128) tiles, so rows pad to a multiple of 8;
+    - else the smallest power of two >= rows, but at least the packing (elements per 32-bit
+      word: f32 1, bf16 2, int8 4): f32 [1, W] takes one row, bf16 [1, W] two, f32 [3, W]
+      four, u8 [3, W] four.
+    So a bf16 [8, W] batch-row block takes 8 rows, not 16, and f32 [1, W] one row, not 8."""
+    size = DTYPE_BYTES[dtype]
+    large = LARGE_TILE_ROWS[size]
+    if rows % large:
+        large = SUBLANES
+    if large <= rows:
+        return large
+    tile = 4 // size
+    while tile < min(rows, SUBLANES):
+        tile *= 2
+    return tile
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def padded_bytes(shape: tuple[int, ...], dtype: str, *, scoped: bool = False) -> int:
+    """VMEM bytes Mosaic allocates for an array: a scratch operand, or with `scoped` a
+    `pl.run_scoped` buffer. The minor dim pads to 128 lanes, the second-minor to the tile
+    height of `tile_rows`; leading dims multiply. A 1-D array pads to 512 bytes. A scoped
+    buffer's size then rounds up to 1 KiB."""
     dims = list(shape) or [1]
+    size = DTYPE_BYTES[dtype]
     if len(dims) == 1:
-        dims = [1] + dims
-    sub = SUBLANE_TILE[dtype]
-    dims[-1] = -(-dims[-1] // LANES) * LANES
-    dims[-2] = -(-dims[-2] // sub) * sub
-    n = 1
-    for d in dims:
-        n *= d
-    return n * DTYPE_BYTES[dtype]
+        n = _round_up(dims[0] * size, ALLOC_GRANULE)
+    else:
+        n = size * _round_up(dims[-1], LANES) * _round_up(dims[-2], tile_rows(dims[-2], dtype))
+        for d in dims[:-2]:
+            n *= d
+    return _round_up(n, WINDOW_GRANULE) if scoped else n
+
+
+def window_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """VMEM bytes of a kernel input or output held in VMEM (a `memory_space=VMEM` BlockSpec):
+    a window of the array in XLA's layout, whose tiles follow the same rule, rounded up to
+    1 KiB."""
+    return padded_bytes(shape, dtype, scoped=True)
 
 
 @dataclass(frozen=True)
@@ -52,7 +98,11 @@ class Buffer:
 
     @property
     def vmem_bytes(self) -> int:
-        return padded_bytes(self.shape, self.dtype)
+        """What Mosaic allocates for it: a scratch operand, a `pl.run_scoped` buffer (scoped),
+        or the window of a kernel output held in VMEM (class "output")."""
+        if self.cls == "output":
+            return window_bytes(self.shape, self.dtype)
+        return padded_bytes(self.shape, self.dtype, scoped=self.scope is not None)
 
     def at_batch(self, batch: int) -> "Buffer":
         """This buffer as the kernel compiled for `batch` allocates it."""

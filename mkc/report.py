@@ -5,6 +5,7 @@ from typing import Any
 
 from mkc import cost, ir, target
 from mkc.checks import vmem_budget
+from mkc.checks.capacity import usable_vmem_bytes, vmem_budget_bytes
 from mkc.diagnostics import Diagnostic
 
 
@@ -25,7 +26,8 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
               for batch in sorted({s.batch_min, s.batch_max})]
     return {
         "vmem_limit_bytes": s.vmem_limit, "vmem_reserve_bytes": s.vmem_reserve,
-        "vmem_budget_bytes": s.vmem_limit - s.vmem_reserve, "vmem": vmem,
+        "vmem_usable_bytes": usable_vmem_bytes(s), "vmem_budget_bytes": vmem_budget_bytes(s),
+        "vmem": vmem,
         "stream": {"tiles": st.total_tiles, "tile_shapes": [list(t) for t in st.tile_shapes],
                    "dtype": st.dtype, "slots": st.slots, "slot_shape": [st.tile_rows, st.tile_cols],
                    "ahead": st.ahead, "streamed_bytes": st.streamed_bytes,
@@ -48,8 +50,9 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
             names = ", ".join(b["name"] for b in v["buffers"] if b["class"] == cls)
             lines.append(f"  {cls:<12} {by_cls[cls] / 2**20:9.2f}  {names}")
         lines.append(f"  {'total':<12} {v['peak_bytes'] / 2**20:9.2f}  of "
-                     f"{report['vmem_budget_bytes'] / 2**20:.2f} MiB (limit "
-                     f"{s.vmem_limit / 2**20:.0f} - reserve {s.vmem_reserve / 2**20:.2f})")
+                     f"{report['vmem_budget_bytes'] / 2**20:.2f} MiB (usable "
+                     f"{report['vmem_usable_bytes'] / 2**20:.2f} - reserve "
+                     f"{s.vmem_reserve / 2**20:.2f})")
     st = report["stream"]
     shapes = ", ".join(f"{r}x{c}" for r, c in st["tile_shapes"])
     lines.append(f"Weight stream: {st['tiles']} tiles ({shapes}) {st['dtype']} through "

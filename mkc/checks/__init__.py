@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mkc import ir
-from mkc.checks.capacity import check_hbm, check_vmem, vmem_budget
+from mkc.checks.capacity import check_hbm, check_vmem, vmem_budget, vmem_budget_bytes
 from mkc.checks.dma import check_dma
 from mkc.checks.pool import check_pools
 from mkc.diagnostics import Diagnostic, MkcError
@@ -30,7 +30,7 @@ def run_checks(s: ir.ScheduleIR) -> list[Event]:
 
 
 def _check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
-    budget = s.vmem_limit - s.vmem_reserve
+    budget = vmem_budget_bytes(s)
     diags = []
     for b in s.buffers:
         b = b.at_batch(s.batch_max)

@@ -1,17 +1,111 @@
-"""Capacity: VMEM live bytes at every program point (tile-padded), and HBM per chip."""
+"""Capacity: VMEM live bytes at every program point, as Mosaic allocates them, and HBM per chip.
+
+The VMEM model follows what libtpu does with a generated kernel (learned from libtpu
+compile-only: benchmarks/vmem_probe.py for per-buffer rules, benchmarks/vmem_sweep.py for
+whole kernels; data in benchmarks/data/):
+
+- every scratch buffer at its tiled size (`ir.padded_bytes`: lanes to 128, rows to a tile
+  height that depends on dtype and row count), `pl.run_scoped` buffers only while their scope
+  is open (scopes that never overlap share memory);
+- kernel inputs and outputs held in VMEM (their windows, `ir.window_bytes`);
+- compiler scratch: the register allocator's spill slots and Mosaic's internal scratch, which
+  grow with the batch (the kernel unrolls its per-row loops). Modelled per model family from
+  the sweep (`compiler_overhead_bytes`), an upper envelope of what libtpu allocated;
+- semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
+  VMEM.
+
+The kernel fits when all of it is at most the compiler's limit: the spec's `vmem limit`
+(emitted as `vmem_limit_bytes`), but never more than the VMEM XLA can hand out, 64 KiB less
+than the chip's (63.94 MiB of 64 on TPU7x). The spec's `reserve` is the user's headroom on top
+of this model: budget = min(limit, usable VMEM) - reserve.
+"""
 from __future__ import annotations
+
+import bisect
 
 from mkc import ir
 from mkc.diagnostics import Diagnostic, Span
 from mkc.trace import Event
 
+# XLA keeps 64 KiB of each TensorCore's VMEM for itself: its VMEM memory space is 67043328
+# bytes on TPU7x (the "of 63.94M" in libtpu's out-of-memory error, and the scoped memory it
+# grants a kernel asked for 64 MiB).
+XLA_RESERVED_VMEM = 64 << 10
+
+# Compiler scratch (spill slots + internal scratch) that libtpu allocated for the generated
+# kernels, by model family: (batch, bytes) points, the largest seen over every variant of
+# benchmarks/data/vmem_sweep.json at that batch (ring slots, tiles, KV tiles, limits), with a
+# margin. Between points: linear; past the last: its slope. A family never measured gets the
+# largest of the known ones.
+COMPILER_SCRATCH: dict[str, list[tuple[int, int]]] = {
+    "qwen3_5_text": [(1, 52224), (8, 851968), (16, 2015232)],
+    "kimi_k3": [(1, 1224704), (8, 1224704), (16, 1622671)],
+}
+COMPILER_SCRATCH_MARGIN = 64 << 10
+
+
+def usable_vmem_bytes(s: ir.ScheduleIR) -> int:
+    """The most VMEM the compiler gives the kernel: the spec's limit, within what XLA has."""
+    return min(s.vmem_limit, s.vmem_capacity - XLA_RESERVED_VMEM)
+
+
+def vmem_budget_bytes(s: ir.ScheduleIR) -> int:
+    """What the modelled peak must fit in: the usable VMEM minus the spec's reserve."""
+    return usable_vmem_bytes(s) - s.vmem_reserve
+
+
+def _interpolate(points: list[tuple[int, int]], batch: int) -> int:
+    xs = [b for b, _ in points]
+    i = bisect.bisect_left(xs, batch)
+    if i < len(points) and points[i][0] == batch:
+        return points[i][1]
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        (b0, y0), (b1, y1) = points[-2:] if len(points) > 1 else (points[-1], points[-1])
+        slope = (y1 - y0) / (b1 - b0) if b1 != b0 else 0
+        return round(y1 + max(0.0, slope) * (batch - b1))
+    (b0, y0), (b1, y1) = points[i - 1], points[i]
+    return round(y0 + (y1 - y0) * (batch - b0) / (b1 - b0))
+
+
+def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
+    """Modelled compiler scratch of the kernel built at `batch` (default: the largest)."""
+    batch = batch or s.batch_max
+    if s.family in COMPILER_SCRATCH:
+        n = _interpolate(COMPILER_SCRATCH[s.family], batch)
+    else:
+        n = max(_interpolate(p, batch) for p in COMPILER_SCRATCH.values())
+    return n + COMPILER_SCRATCH_MARGIN
+
+
+def vmem_inputs(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
+    """Kernel inputs the generated module passes in VMEM (outputs are IR buffers, class
+    "output"). The Qwen-family template passes the rotary table [2, B, head_dim] f32."""
+    if s.family == "kimi_k3":
+        return []
+    return [ir.Buffer("rope", "input", (2, batch, s.dims["head_dim"]), "f32", batch_axis=1)]
+
+
+def vmem_window_bytes(s: ir.ScheduleIR, batch: int) -> int:
+    """VMEM windows of the kernel's inputs and outputs at `batch`."""
+    return (sum(ir.window_bytes(b.shape, b.dtype) for b in vmem_inputs(s, batch))
+            + sum(b.at_batch(batch).vmem_bytes for b in s.buffers if b.cls == "output"))
+
+
+def _compiler_buffer(nbytes: int) -> ir.Buffer:
+    return ir.Buffer("compiler_scratch", "compiler", (nbytes,), "u8")
+
 
 def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
                 ) -> tuple[int, str, list[ir.Buffer]]:
     """(peak bytes, where, buffers live there) for the kernel built at `batch` (default: the
-    largest): resident buffers plus the scoped ones open."""
-    buffers = [b.at_batch(batch or s.batch_max) for b in s.buffers]
-    resident = [b for b in buffers if b.scope is None]
+    largest): resident buffers, VMEM inputs and compiler scratch, plus the scoped buffers
+    open."""
+    batch = batch or s.batch_max
+    buffers = [b.at_batch(batch) for b in s.buffers]
+    resident = ([b for b in buffers if b.scope is None] + vmem_inputs(s, batch)
+                + [_compiler_buffer(compiler_overhead_bytes(s, batch))])
     by_name = {b.name: b for b in buffers}
     base = sum(b.vmem_bytes for b in resident)
     live: dict[str, ir.Buffer] = {}
@@ -28,24 +122,27 @@ def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
 
 
 def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
-    budget = s.vmem_limit - s.vmem_reserve
+    budget = vmem_budget_bytes(s)
     peak, where, live = vmem_budget(s, events)
     if peak <= budget:
         return []
     biggest = sorted(live, key=lambda b: -b.vmem_bytes)
     notes = [f"{b.name:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
              f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
-    span = biggest[0].span
+    shrink = next(b for b in biggest if b.cls not in ("compiler", "input"))
+    span = shrink.span
     if span.file != s.source:          # a buffer mkc adds itself: point at the vmem line
         span = s.setting_spans.get("vmem", span)
+    usable = usable_vmem_bytes(s)
     return [Diagnostic(
         "E-VMEM-CAPACITY",
         f"VMEM needs {peak / 2**20:.2f} MiB at {where}, over the budget of "
-        f"{budget / 2**20:.2f} MiB (limit {s.vmem_limit >> 20} MiB minus reserve "
+        f"{budget / 2**20:.2f} MiB ({usable / 2**20:.2f} MiB usable minus reserve "
         f"{s.vmem_reserve / 2**20:.2f} MiB)", span,
-        hint=f"shrink the largest buffer ({biggest[0].name}, {biggest[0].vmem_bytes / 2**20:.2f} "
+        hint=f"shrink the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} "
              "MiB): fewer ring slots, a smaller tile or batch, or scope it more tightly",
-        notes=["live at the peak (tile-padded):"] + notes)]
+        notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
+        + notes)]
 
 
 def check_hbm(s: ir.ScheduleIR) -> list[Diagnostic]:

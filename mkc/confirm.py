@@ -1,0 +1,313 @@
+"""Confirm mkc's VMEM verdict with the real compiler: libtpu, compile-only, no TPU needed.
+
+API (what `mkc check --confirm` calls)::
+
+    confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
+                 batch: int | None = None, timeout: float = 900.0) -> VmemConfirmation
+
+It checks the spec with mkc (the VMEM verdict at `batch`, default the spec's largest), renders
+its module even when mkc rejects it for VMEM, and compiles the kernel for `batch` against the
+spec's compile-only topology (`jax.experimental.topologies`) in a subprocess with `timeout`
+seconds, so a libtpu crash or hang cannot take mkc down. `VmemConfirmation` (a frozen
+dataclass, `.to_json()` gives a dict) carries both verdicts side by side:
+
+- `mkc_fits: bool`, `mkc_peak_bytes: int`, `mkc_budget_bytes: int` (the modelled peak and what
+  the spec allows), `mkc_overhead_bytes: int` (the modelled compiler scratch inside the peak);
+- `libtpu: str`, one of `"fits"`, `"out_of_vmem"`, `"error"` (another compile error, or the
+  spec failing a check other than VMEM so there is nothing to compile), `"timeout"`;
+- `used_bytes: int | None`: VMEM the compiled kernel allocates (exact when it fits, read from
+  the compiler's buffer assignment; the rounded "Used X" figure when it does not);
+- `limit_bytes: int | None`: what the compiler allowed (`min(vmem limit, usable VMEM)`);
+- `message: str` (libtpu's error, first lines), `allocations: list[dict]` (on an overflow:
+  libtpu's largest allocations, each `{"bytes", "shape", "tag"}`), `seconds: float`;
+- `agree: bool`: both say fits, or both say it does not (`out_of_vmem`).
+
+`python -m mkc.confirm SPEC [--model M] [--batch B]` prints it. The worker half
+(`python -m mkc.confirm --worker MODULE.py B`) is what runs in the subprocess.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_UNITS = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+@dataclass(frozen=True)
+class VmemConfirmation:
+    spec: str
+    model: str
+    batch: int
+    topology: str
+    mkc_fits: bool
+    mkc_peak_bytes: int
+    mkc_budget_bytes: int
+    mkc_overhead_bytes: int
+    libtpu: str                       # fits | out_of_vmem | error | timeout
+    used_bytes: int | None = None
+    limit_bytes: int | None = None
+    message: str = ""
+    allocations: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def agree(self) -> bool:
+        return ((self.mkc_fits and self.libtpu == "fits")
+                or (not self.mkc_fits and self.libtpu == "out_of_vmem"))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"agree": self.agree}
+
+    def summary(self) -> str:
+        mib = 2**20
+        mkc = (f"mkc: {'fits' if self.mkc_fits else 'over'} ({self.mkc_peak_bytes / mib:.2f} "
+               f"of {self.mkc_budget_bytes / mib:.2f} MiB)")
+        if self.libtpu == "fits":
+            tpu = (f"libtpu: fits ({self.used_bytes / mib:.2f} of {self.limit_bytes / mib:.2f} "
+                   "MiB)" if self.used_bytes is not None else "libtpu: fits")
+        elif self.libtpu == "out_of_vmem":
+            tpu = "libtpu: out of VMEM" + (
+                f" (used {self.used_bytes / mib:.2f} of {self.limit_bytes / mib:.2f} MiB)"
+                if self.used_bytes is not None and self.limit_bytes else "")
+        else:
+            tpu = f"libtpu: {self.libtpu}: {self.message.splitlines()[0] if self.message else ''}"
+        return (f"{self.spec} ({self.model}) at batch {self.batch} on {self.topology}: {mkc}; "
+                f"{tpu}; {'agree' if self.agree else 'DISAGREE'}")
+
+
+# ---- libtpu's verdict, from the compile's output -----------------------------------------
+def _size(num: str, unit: str) -> int:
+    return round(float(num) * _UNITS[unit])
+
+
+def parse_compile_error(text: str) -> dict:
+    """libtpu's error text -> {"libtpu", "used_bytes", "limit_bytes", "message", "allocations"}.
+
+    Three VMEM failures exist: the program-level "Ran out of memory in memory space vmem. Used X
+    of Y vmem" (the whole kernel, with a list of its largest allocations), and Mosaic's own
+    "Allocation (size=N) would exceed memory (size=M)" for a single buffer, and the kernel over
+    its own `vmem_limit_bytes`: "Scoped allocation with size X and limit Y exceeded"."""
+    m = re.search(r"Ran out of memory in memory space vmem\. Used ([\d.]+)([KMGB]) of "
+                  r"([\d.]+)([KMGB]) vmem", text)
+    if m:
+        allocs = []
+        for block in re.split(r"\n\s*\d+\. Size: ", text)[1:]:
+            size = re.match(r"([\d.]+)([KMGB])", block)
+            shape = re.search(r"\n\s*Shape: (\S+)", block)
+            tag = re.search(r"\n\s*(?:Tag|XLA label): ([^\n]+)", block)
+            if size:
+                allocs.append({"bytes": _size(*size.groups()),
+                               "shape": shape.group(1) if shape else "",
+                               "tag": tag.group(1)[:160] if tag else ""})
+        return {"libtpu": "out_of_vmem", "used_bytes": _size(*m.groups()[:2]),
+                "limit_bytes": _size(*m.groups()[2:]), "message": _first_lines(text, m.start()),
+                "allocations": allocs}
+    # Over the kernel's own limit (vmem_limit_bytes): Mosaic allocates scratch operands, then
+    # scoped buffers, windows and spill slots, and stops at the first that does not fit, so
+    # the size it reports is a lower bound of the kernel's need.
+    m = re.search(r"Scoped allocation with size ([\d.]+)([KMGB]) and limit ([\d.]+)([KMGB]) "
+                  r"exceeded scoped vmem limit", text)
+    if m:
+        return {"libtpu": "out_of_vmem", "used_bytes": _size(*m.groups()[:2]),
+                "limit_bytes": _size(*m.groups()[2:]), "message": _first_lines(text, m.start()),
+                "allocations": []}
+    m = re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)", text)
+    if m:
+        return {"libtpu": "out_of_vmem", "used_bytes": int(m.group(1)),
+                "limit_bytes": int(m.group(2)), "message": _first_lines(text, m.start()),
+                "allocations": []}
+    return {"libtpu": "error", "used_bytes": None, "limit_bytes": None,
+            "message": _first_lines(text, _error_start(text)), "allocations": []}
+
+
+def _error_start(text: str) -> int:
+    for key in ("RESOURCE_EXHAUSTED", "INTERNAL", "INVALID_ARGUMENT", "UNIMPLEMENTED",
+                "Error", "error"):
+        i = text.rfind(key)
+        if i >= 0:
+            return i
+    return max(0, len(text) - 2000)
+
+
+def _first_lines(text: str, start: int, n: int = 4) -> str:
+    return "\n".join(text[start:].splitlines()[:n])[:1200]
+
+
+def _used_from_dump(dump_dir: str) -> tuple[int | None, int | None]:
+    """(VMEM the Pallas kernel allocates, the scoped VMEM it was given), exact, from XLA's
+    after-codegen HLO: the tpu_custom_call's used and granted scoped memory in space 1 (VMEM)."""
+    used = limit = None
+    for path in glob.glob(os.path.join(dump_dir, "*after_codegen.txt")):
+        with open(path) as f:
+            text = f.read()
+        # The custom call spans lines (its frontend attributes hold newlines): read from each
+        # tpu_custom_call to the next instruction's start.
+        for m in re.finditer(r'custom_call_target="tpu_custom_call"', text):
+            end = text.find("\n  %", m.end())
+            call = text[m.end():end if end > 0 else len(text)]
+            u = re.search(r'"used_scoped_memory_configs":\[\{"memory_space":"1",'
+                          r'"offset":"\d+","size":"(\d+)"', call)
+            g = re.search(r'"scoped_memory_configs":\[\{"memory_space":"1",'
+                          r'"offset":"\d+","size":"(\d+)"', call)
+            if u:
+                used = max(used or 0, int(u.group(1)))
+            if g:
+                limit = max(limit or 0, int(g.group(1)))
+    return used, limit
+
+
+# ---- the compile (worker side) ------------------------------------------------------------
+def compile_module(path: str, batch: int) -> dict:
+    """Compile a generated module's kernel at `batch` for its TOPOLOGY with libtpu, from
+    abstract inputs. Returns {"topology", "devices", "lower_s", "compile_s"}; raises what the
+    compiler raises. Needs JAX_PLATFORMS=cpu and ALLOW_MULTIPLE_LIBTPU_LOAD=1 set before jax
+    is imported (the worker does that)."""
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    spec = importlib.util.spec_from_file_location("generated_module", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    topo = topologies.get_topology_desc(gen.TOPOLOGY, platform="tpu")
+    if len(topo.devices) != gen.RANKS:
+        raise ValueError(f"{path}: the module runs on {gen.RANKS} ranks but topology "
+                         f"{gen.TOPOLOGY} has {len(topo.devices)} devices")
+    mesh = Mesh(np.array(topo.devices), (gen.AXIS,))
+    ranked = NamedSharding(mesh, P(gen.AXIS))
+    weights, state = gen.abstract_inputs(batch)
+    place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=ranked)  # noqa: E731
+    weights = {k: place(v) for k, v in weights.items()}
+    state = {k: place(v) for k, v in state.items()}
+    rows = jax.ShapeDtypeStruct((batch,), np.int32, sharding=NamedSharding(mesh, P()))
+    step = gen.make_decode_step(mesh, batch)
+    t0 = time.perf_counter()
+    lowered = step.lower(weights, state, rows, rows)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    return {"topology": gen.TOPOLOGY, "devices": len(topo.devices), "lower_s": t1 - t0,
+            "compile_s": t2 - t1}
+
+
+def _worker(path: str, batch: int) -> int:
+    """Compile in this process and print one JSON line: the verdict."""
+    dump = tempfile.mkdtemp(prefix="mkc_confirm_dump_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    try:
+        try:
+            info = compile_module(path, batch)
+        except Exception as e:  # noqa: BLE001 - the verdict is the point
+            out = parse_compile_error(f"{type(e).__name__}: {e}")
+        else:
+            used, limit = _used_from_dump(dump)
+            out = {"libtpu": "fits", "used_bytes": used, "limit_bytes": limit, "message": "",
+                   "allocations": []} | info
+    finally:
+        if not os.environ.get("MKC_KEEP_DUMP"):
+            shutil.rmtree(dump, ignore_errors=True)
+    print("MKC_CONFIRM " + json.dumps(out), flush=True)
+    return 0
+
+
+def run_compile(module_path: str | os.PathLike, batch: int, timeout: float = 900.0) -> dict:
+    """Compile a generated module at `batch` in a fresh subprocess; libtpu's verdict as a dict
+    (see `parse_compile_error`, plus "seconds")."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "mkc.confirm", "--worker", str(module_path),
+                            str(batch)], capture_output=True, text=True, timeout=timeout,
+                           env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        return {"libtpu": "timeout", "used_bytes": None, "limit_bytes": None,
+                "message": f"no verdict within {timeout:.0f} s", "allocations": [],
+                "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("MKC_CONFIRM "):
+            return json.loads(line[len("MKC_CONFIRM "):]) | {"seconds": seconds}
+    return {"libtpu": "error", "used_bytes": None, "limit_bytes": None,
+            "message": f"compile process exited with {p.returncode}: "
+                       + _first_lines(p.stderr, _error_start(p.stderr)),
+            "allocations": [], "seconds": seconds}
+
+
+# ---- the API -----------------------------------------------------------------------------
+def confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
+                 batch: int | None = None, timeout: float = 900.0) -> VmemConfirmation:
+    """mkc's VMEM verdict and libtpu's for the spec's kernel at `batch` (default: the largest).
+    Raises MkcError only when the spec cannot be parsed or resolved."""
+    from mkc.checks import capacity, run_checks
+    from mkc.codegen.emit import render
+    from mkc.diagnostics import MkcError
+    from mkc.lang.parser import parse_file
+    from mkc.resolve import resolve
+    from mkc.trace import build_trace
+
+    sched, text = parse_file(spec_path)
+    s = resolve(sched, model)
+    b = batch or s.batch_max
+    other = []
+    try:
+        events = run_checks(s)
+    except MkcError as e:
+        other = [d for d in e.diagnostics if d.code != "E-VMEM-CAPACITY"]
+        events = build_trace(s) if not other else None
+    base = dict(spec=str(spec_path), model=s.model, batch=b, topology=s.topology)
+    if events is None:
+        return VmemConfirmation(**base, mkc_fits=False, mkc_peak_bytes=0,
+                                mkc_budget_bytes=capacity.vmem_budget_bytes(s),
+                                mkc_overhead_bytes=0, libtpu="error",
+                                message="mkc rejects the spec for other reasons: "
+                                        + "; ".join(f"{d.code}: {d.message}" for d in other))
+    peak, _, _ = capacity.vmem_budget(s, events, b)
+    budget = capacity.vmem_budget_bytes(s)
+    with tempfile.TemporaryDirectory(prefix="mkc_confirm_") as tmp:
+        path = Path(tmp) / f"{s.name}.py"
+        path.write_text(render(s, text))
+        r = run_compile(path, b, timeout)
+    return VmemConfirmation(
+        **base, mkc_fits=peak <= budget, mkc_peak_bytes=peak, mkc_budget_bytes=budget,
+        mkc_overhead_bytes=capacity.compiler_overhead_bytes(s, b), libtpu=r["libtpu"],
+        used_bytes=r.get("used_bytes"), limit_bytes=r.get("limit_bytes"),
+        message=r.get("message", ""), allocations=r.get("allocations", []),
+        seconds=round(r.get("seconds", 0.0), 2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1], int(argv[2]))
+    ap = argparse.ArgumentParser(prog="python -m mkc.confirm", description=__doc__.splitlines()[0])
+    ap.add_argument("spec")
+    ap.add_argument("--model")
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    r = confirm_vmem(a.spec, a.model, a.batch, a.timeout)
+    print(json.dumps(r.to_json(), indent=1) if a.json else r.summary())
+    return 0 if r.agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
