@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_ in (("compile", "check a spec and write its Pallas module"),
                         ("check", "check a spec and print its VMEM budget"),
                         ("ir", "print the resolved schedule IR as JSON"),
-                        ("perf", "check a spec and print its modelled step time")):
+                        ("perf", "check a spec and print its modelled step time"),
+                        ("tune", "search a spec's geometry for a shorter modelled step and "
+                                 "write the best spec")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("spec", help="path to a .sched file")
         p.add_argument("--model", help="override the spec's model: a shipped config name, a "
@@ -43,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
                            help="print one JSON object: verdict, diagnostics and budget")
         if name == "compile":
             p.add_argument("-o", "--out", default="generated", help="output directory")
+        if name == "tune":
+            p.add_argument("-o", "--out", required=True,
+                           help="where to write the tuned spec (the input is never changed)")
+            p.add_argument("--budget", type=int, default=80,
+                           help="most specs to check and time, the input included (default 80; "
+                                "about a second each for Kimi K3)")
         if name == "perf":
             p.add_argument("--batch", type=int, help="rows per step (default: the spec's largest)")
             p.add_argument("--context", type=int,
@@ -88,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(table(result["perf"]))
             if args.trace or args.plot:
                 result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
+        elif args.cmd == "tune":
+            result |= _tune(args, as_json)
         else:
             print(compiler.check_spec(args.spec, args.model).ir.to_json())
     except MkcError as e:
@@ -126,6 +136,42 @@ def _perf_pictures(s, rep: dict, trace: str | None, plot: str | None, as_json: b
         if not as_json:
             print(f"wrote {plot} (VMEM by class, DMA Gantt, HBM utilisation; modelled)")
     return out
+
+
+def _tune(args, as_json: bool) -> dict:
+    """Tune, write the best spec (edited in place), check the written file, print the table."""
+    from mkc import compiler
+    from mkc.lang.parser import parse_file
+    from mkc.perf import tune
+    if args.budget < 1:
+        raise MkcError(Diagnostic("E-TUNE", f"--budget {args.budget} allows no evaluation",
+                                  Span.unknown(args.spec), hint="pass --budget 1 or more"))
+    sched, text = parse_file(args.spec)
+    log = None if as_json else (lambda m: print(f"  {m}", flush=True))
+    if not as_json:
+        print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
+    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log)
+    out = Path(args.out)
+    compiler.write_atomically(out, res.best.text)
+    # The written file passes every check on its own (a model given as a path relative to the
+    # spec is resolved from the spec's directory, as the tuner did).
+    from mkc.model.config import CONFIG_DIR, resolve_config_path
+    model = args.model
+    if model is None:
+        path = resolve_config_path(sched.settings["model"].value, Path(args.spec).parent)
+        model = None if path.parent == CONFIG_DIR else str(path.resolve())
+    compiler.check_spec(out, model)
+    if not as_json:
+        print(tune.table(res, args.spec))
+        print(f"wrote {out}")
+    return {"output": str(out), "tune": {
+        "modelled": True, "objective": "mean modelled step over the batches",
+        "batches": res.batches, "evaluations": res.evaluations, "rejected": res.rejected,
+        "seconds": res.seconds,
+        "before_step_seconds": {str(b): t for b, t in res.before.steps.items()},
+        "after_step_seconds": {str(b): t for b, t in res.best.steps.items()},
+        "changed": [{"setting": k.name, "line": k.line, "before": k.show(a),
+                     "after": k.show(b)} for k, a, b in res.changed()]}}
 
 
 def _check_perf_args(s, batch: int | None, context: int | None) -> None:

@@ -62,25 +62,28 @@ class VmemSeries:
     classes: list[str]
     times: list[float]
     rows: list[dict[str, int]]
-    budget: int
-    limit: int
+    budget: int                  # what the checker lets the peak reach (usable - reserve)
+    limit: int                   # usable VMEM: the spec's limit within what XLA gives
 
     def totals(self) -> list[int]:
         return [sum(r.values()) for r in self.rows]
 
 
 def vmem_series(s: ir.ScheduleIR, res: Result, batch: int) -> VmemSeries:
-    """Resident buffers all step, scoped buffers between their alloc and free marks; a pool
-    counts as its open view(s) plus the rest of its region ("pool free"), so its class total
-    stays the pool's size, as the checker counts it."""
+    """What the checker counts (`mkc.checks.capacity.vmem_budget`): its resident set (scratch
+    buffers, VMEM inputs and outputs, modelled compiler scratch) all step, and scoped buffers
+    between their alloc and free marks. A pool counts as its open view(s) plus the rest of its
+    region ("pool free"), so its total stays the pool's size."""
+    from mkc.checks.capacity import usable_vmem_bytes, vmem_budget, vmem_budget_bytes
     bufs = {b.name: b.at_batch(batch) for b in s.buffers}
+    _, _, resident = vmem_budget(s, [], batch)
     pools = {p.name: p for p in s.pools}
     view_bytes = {f"{p.name}.{v.name}": v.nbytes for p in s.pools for v in p.views}
     base: dict[str, int] = {}
-    for b in bufs.values():
-        if b.scope is None and b.name not in pools:
+    for b in resident:
+        if b.name not in pools:
             base[b.cls] = base.get(b.cls, 0) + b.vmem_bytes
-    pool_bytes = {name: bufs[name].vmem_bytes for name in pools if name in bufs}
+    pool_bytes = {b.name: b.vmem_bytes for b in resident if b.name in pools}
     classes = sorted(base)
     for name in sorted(pool_bytes):
         classes += [f"pool {name}.{v.name}" for v in pools[name].views] + [f"pool {name} free"]
@@ -121,7 +124,7 @@ def vmem_series(s: ir.ScheduleIR, res: Result, batch: int) -> VmemSeries:
             rows.append(r)
     times.append(res.step_s)
     rows.append(rows[-1])
-    return VmemSeries(classes, times, rows, s.vmem_limit - s.vmem_reserve, s.vmem_limit)
+    return VmemSeries(classes, times, rows, vmem_budget_bytes(s), usable_vmem_bytes(s))
 
 
 def _phase_lines(s: ir.ScheduleIR) -> dict[str, int]:
@@ -197,7 +200,7 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
                       "schedule": s.name, "spec": spec, "model": s.model,
                       "topology": s.topology, "batch": batch, "tokens_in_cache": tokens,
                       "step_us": _us(res.step_s), "vmem_budget_bytes": vs.budget,
-                      "vmem_limit_bytes": vs.limit},
+                      "vmem_usable_bytes": vs.limit},
     }
 
 

@@ -27,7 +27,7 @@ def _class_colours(classes: list[str]) -> dict[str, str]:
     import matplotlib
     cmap = matplotlib.colormaps["tab20"]
     fixed = {"ring": 0, "parity": 4, "activation": 14, "collective": 8, "state": 6, "kv": 2,
-             "output": 16}
+             "output": 16, "compiler": 15, "input": 17}
     out, spare = {}, iter(i for i in range(20) if i not in fixed.values())
     for c in classes:
         if c.endswith(" free"):
@@ -154,9 +154,10 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
         ax.axhline(peak / MIB, color="black", ls="-", lw=0.6)
         ax.set_ylim(0, vs.limit / MIB * 1.1)
     ax = axes[0][0]
-    ax.text(0.005, vs.budget / MIB, f"budget {vs.budget / MIB:.1f} MiB (limit - reserve)",
+    ax.text(0.005, vs.budget / MIB, f"budget {vs.budget / MIB:.2f} MiB (usable - reserve)",
             color="crimson", va="bottom", fontsize=8, transform=ax.get_yaxis_transform())
-    ax.text(0.005, vs.limit / MIB, f"limit {vs.limit / MIB:.0f} MiB", va="bottom", fontsize=8,
+    ax.text(0.005, vs.limit / MIB, f"usable {vs.limit / MIB:.2f} MiB (limit within what XLA "
+            "gives)", va="bottom", fontsize=8,
             transform=ax.get_yaxis_transform())
     ax.set_ylabel("VMEM live (MiB)")
     ax.set_title(f"VMEM live by buffer class: peak {peak / MIB:.2f} MiB (solid line; the "

@@ -1,0 +1,355 @@
+"""`mkc tune SPEC -o OUT`: search a schedule's geometry for a shorter modelled step.
+
+The knobs are the numbers and choices of the spec that move memory, not what is computed:
+the weight ring's slots, its tile bound and how far the stream runs ahead; each phase's KV tile
+stream (slots, tokens per tile, ahead); each pool's expert slots; where each `prefetch next`
+starts; and each all-reduce's algorithm (direct, or two_level within a chip or a host where the
+topology has more than one). Knobs are found in the spec's AST and each is edited in place, as
+the few tokens of its statement that change: comments, layout and every other token stay.
+
+The objective is the mean of the modelled step times at the spec's smallest and largest batch
+(its `batch A to B`; one batch if A == B), at its context. Every candidate is parsed, resolved
+and checked like `mkc check` before it is timed; one that fails a check is dropped (and
+counted). The search is coordinate descent: each pass tries every knob's neighbours from the
+current best and keeps the best improvement, until a pass improves nothing or the evaluation
+budget is spent. Each evaluation costs one check plus one simulation per batch (about a second
+for Kimi K3), and the same text is never evaluated twice.
+
+Times are modelled (`mkc.perf`), not measured.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mkc import ir, target
+from mkc.checks import run_checks
+from mkc.diagnostics import MkcError, Span
+from mkc.lang import ast
+from mkc.lang.parser import parse
+from mkc.perf.run import step_model
+from mkc.resolve import resolve
+
+_TOKEN = re.compile(r"#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|\d+|->|\S")
+
+
+def _offset(lines_at: list[int], line: int, column: int) -> int:
+    return lines_at[line - 1] + column - 1
+
+
+def _line_starts(text: str) -> list[int]:
+    starts = [0]
+    for i, ch in enumerate(text):
+        if ch == "\n":
+            starts.append(i + 1)
+    return starts
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A run of the source [start, end) that one knob rewrites."""
+
+    start: int
+    end: int
+
+
+@dataclass
+class Knob:
+    """One setting the tuner may change: its current value, the source it rewrites, how to
+    print a value, and the values next to a value."""
+
+    name: str                        # e.g. "ring weights", "kv tiles of mla"
+    line: int
+    value: tuple
+    slots: tuple[Slot, ...]          # one source run per element of a rendered value
+    render: Callable[[tuple], tuple[str, ...]]
+    neighbours: Callable[[tuple], list[tuple]]
+    show: Callable[[tuple], str] = str
+
+
+@dataclass
+class Evaluation:
+    config: tuple
+    text: str
+    ok: bool
+    steps: dict[int, float] = field(default_factory=dict)     # batch -> modelled seconds
+    error: str = ""
+
+    @property
+    def objective(self) -> float:
+        return sum(self.steps.values()) / len(self.steps) if self.steps else float("inf")
+
+
+class SpecSource:
+    """The original text and its tokens, for finding a statement's integers and keywords."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.lines = _line_starts(text)
+
+    def span_range(self, span: Span) -> tuple[int, int]:
+        return (_offset(self.lines, span.line, span.column),
+                _offset(self.lines, span.end_line, span.end_column))
+
+    def tokens(self, span: Span) -> list[tuple[str, int, int]]:
+        """The statement's tokens (text, start, end), comments left out."""
+        a, b = self.span_range(span)
+        return [(m.group(), a + m.start(), a + m.end()) for m in _TOKEN.finditer(self.text[a:b])
+                if not m.group().startswith("#")]
+
+    def ints(self, span: Span) -> list[Slot]:
+        return [Slot(a, b) for t, a, b in self.tokens(span) if t.isdigit()]
+
+
+def _mult128(v: int) -> bool:
+    return v >= 128 and v % 128 == 0
+
+
+def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
+    """Every tunable setting of the spec, with its source runs and neighbourhoods."""
+    knobs: list[Knob] = []
+    streams = {st.ring.text: st for st in sched.streams}
+    for ring in sched.rings:
+        ints = src.ints(ring.span)
+        st = streams.get(ring.name.text)
+        if len(ints) != 3:
+            continue
+        if st is not None and src.ints(st.span):
+            ahead_slot = src.ints(st.span)[0]
+
+            def depth_nb(v):
+                slots, ahead = v
+                out = []
+                for d in (-2, -1, 1, 2, 4):
+                    if slots + d >= 2:
+                        out.append((slots + d, max(1, min(ahead + d, slots + d))))
+                for a in (ahead - 2, ahead - 1, ahead + 1):
+                    if 1 <= a <= slots and a != ahead:
+                        out.append((slots, a))
+                return list(dict.fromkeys(o for o in out if o != v))
+
+            knobs.append(Knob(
+                f"ring {ring.name.text} slots / stream ahead", ring.span.line,
+                (ring.slots, st.ahead), (ints[0], ahead_slot),
+                lambda v: (str(v[0]), str(v[1])), depth_nb,
+                lambda v: f"{v[0]} slots, ahead {v[1]}"))
+        else:
+            knobs.append(Knob(f"ring {ring.name.text} slots", ring.span.line, (ring.slots,),
+                              (ints[0],), lambda v: (str(v[0]),),
+                              lambda v: [(v[0] + d,) for d in (-2, -1, 1, 2) if v[0] + d >= 2],
+                              lambda v: f"{v[0]} slots"))
+
+        def tile_nb(v):
+            r, c = v
+            cands = [(r + 128, c), (r - 128, c), (r, c + 128), (r, c - 128), (2 * r, c),
+                     (r, 2 * c), (r // 2, c), (r, c // 2)]
+            return list(dict.fromkeys(x for x in cands if _mult128(x[0]) and _mult128(x[1])
+                                      and x != v))
+
+        knobs.append(Knob(f"ring {ring.name.text} tile bound", ring.span.line,
+                          (ring.max_rows, ring.max_cols), (ints[1], ints[2]),
+                          lambda v: (str(v[0]), str(v[1])), tile_nb,
+                          lambda v: f"up to {v[0]} x {v[1]}"))
+    for pool in sched.pools:
+        for view in pool.views:
+            if view.slots:
+                ints = src.ints(view.span)
+
+                def slots_nb(v):
+                    return [(v[0] + d,) for d in (-2, -1, 1, 2) if v[0] + d >= 1]
+
+                knobs.append(Knob(f"pool {pool.name.text}.{view.name.text} slots",
+                                  view.span.line, (view.slots,), (ints[0],),
+                                  lambda v: (str(v[0]),), slots_nb,
+                                  lambda v: f"{v[0]} slots"))
+    grid = tuple(int(x) for x in s.topology.split("=")[1].split("x"))
+    chips = grid[0] * grid[1] * grid[2]
+    hosts = s.ranks // target.topology(s.chip, grid).cores_per_host
+    algorithms = ["direct"]
+    if s.cores_per_chip > 1 and chips > 1:
+        algorithms.append("two_level chip")
+    if hosts > 1:
+        algorithms.append("two_level host")
+    for phase in sched.phases:
+        kname = phase.kind.text
+        for kv in phase.kv_tiles:
+            ints = src.ints(kv.span)
+
+            def kv_nb(v):
+                slots, tokens, ahead = v
+                cands = [(slots, tokens * 2, ahead), (slots, tokens // 2, ahead),
+                         (slots + 1, tokens, ahead), (slots + 1, tokens, ahead + 1),
+                         (slots - 1, tokens, min(ahead, slots - 1)),
+                         (slots, tokens, ahead + 1), (slots, tokens, ahead - 1)]
+                return list(dict.fromkeys(
+                    c for c in cands if c != v and c[0] >= 1 and 0 <= c[2] <= c[0]
+                    and c[1] >= 16 and s.context % c[1] == 0))
+
+            knobs.append(Knob(f"kv tiles of {kname}", kv.span.line,
+                              (kv.slots, kv.tokens, kv.ahead), tuple(ints[:3]),
+                              lambda v: tuple(str(x) for x in v), kv_nb,
+                              lambda v: f"{v[0]} slots of {v[1]} tokens ahead {v[2]}"))
+        for ar in phase.allreduces:
+            a = src.span_range(ar.algorithm.span)[0]
+            b = src.span_range((ar.level or ar.algorithm).span)[1]
+            cur = f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text
+            opts = list(dict.fromkeys([cur] + algorithms))
+            if len(opts) > 1:
+                ops = ", ".join(o.text for o in ar.ops)
+                knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, (cur,),
+                                  (Slot(a, b),), lambda v: (v[0],),
+                                  lambda v, opts=opts: [(o,) for o in opts if o != v[0]],
+                                  lambda v: v[0]))
+        for pf in phase.prefetches:
+            toks = src.tokens(pf.span)
+            _, view_end = src.span_range(pf.view.span)
+            a = next(t[1] for t in toks if t[1] >= view_end)
+            b = src.span_range(pf.start.anchor.span)[1]
+            ops = s.kinds[kname].ops if kname in s.kinds else []
+            points = ["at start"] + [f"after {op}" for op in ops[:-1]]
+            cur = str(pf.start)
+            if cur not in points:
+                points.insert(0, cur)
+            knobs.append(Knob(f"prefetch next {pf.view.text} in {kname}", pf.span.line,
+                              (cur,), (Slot(a, b),), lambda v: (v[0],),
+                              lambda v, points=points: _point_nb(points, v[0]),
+                              lambda v: v[0]))
+    return knobs
+
+
+def _point_nb(points: list[str], cur: str) -> list[tuple]:
+    """Program points near the current one first (one and two ops either side), then the
+    rest: the search tries the near ones when the budget is short."""
+    i = points.index(cur)
+    order = sorted(range(len(points)), key=lambda j: (abs(j - i), j))
+    return [(points[j],) for j in order if j != i]
+
+
+def render(text: str, knobs: list[Knob], config: tuple) -> str:
+    """The original text with each knob whose value differs rewritten in place."""
+    edits = []
+    for knob, value in zip(knobs, config):
+        if value == knob.value:
+            continue
+        new = knob.render(value)
+        old = knob.render(knob.value)
+        for slot, o, n in zip(knob.slots, old, new):
+            if o != n:
+                edits.append((slot.start, slot.end, n))
+    out = text
+    for a, b, n in sorted(edits, reverse=True):
+        out = out[:a] + n + out[b:]
+    return out
+
+
+def check_text(text: str, file: str, model: str | None) -> ir.ScheduleIR:
+    """`mkc check` on text as if it were the file at `file`: parse, resolve, every check."""
+    s = resolve(parse(text, file), model)
+    run_checks(s)
+    return s
+
+
+@dataclass
+class TuneResult:
+    knobs: list[Knob]
+    before: Evaluation
+    best: Evaluation
+    evaluations: int
+    rejected: int
+    seconds: float
+    batches: list[int]
+    history: list[str]
+
+    def changed(self) -> list[tuple[Knob, tuple, tuple]]:
+        return [(k, k.value, v) for k, v in zip(self.knobs, self.best.config) if v != k.value]
+
+
+def tune(text: str, file: str, model: str | None = None, budget: int = 80,
+         log: Callable[[str], None] | None = None,
+         select: Callable[[Knob], bool] | None = None) -> TuneResult:
+    """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
+    evaluations (the first, of the spec as written, included); `select` keeps only some
+    knobs."""
+    t0 = time.perf_counter()
+    log = log or (lambda _: None)
+    sched = parse(text, file)
+    s0 = check_text(text, file, model)          # the input must pass: MkcError otherwise
+    src = SpecSource(text)
+    knobs = [k for k in find_knobs(sched, src, s0) if select is None or select(k)]
+    batches = sorted({s0.batch_min, s0.batch_max})
+    cache: dict[tuple, Evaluation] = {}
+    rejected = 0
+    history: list[str] = []
+
+    def evaluate(config: tuple) -> Evaluation:
+        nonlocal rejected
+        if config in cache:
+            return cache[config]
+        cand = render(text, knobs, config)
+        ev = Evaluation(config, cand, ok=False)
+        try:
+            s = check_text(cand, file, model)
+            ev.ok = True
+            ev.steps = {b: step_model(s, b, s.context, keep_timeline=False).step_s
+                        for b in batches}
+        except MkcError as e:
+            ev.error = e.diagnostics[0].code
+            rejected += 1
+        cache[config] = ev
+        return ev
+
+    start = tuple(k.value for k in knobs)
+    before = evaluate(start)
+    best = before
+    log(f"start: {_ms(before)}")
+    improved = True
+    while improved and len(cache) < budget:
+        improved = False
+        for i, knob in enumerate(knobs):
+            if len(cache) >= budget:
+                break
+            trial_best = best
+            for value in knob.neighbours(best.config[i]):
+                if len(cache) >= budget:
+                    break
+                config = best.config[:i] + (value,) + best.config[i + 1:]
+                ev = evaluate(config)
+                if ev.ok and ev.objective < trial_best.objective * (1 - 1e-6):
+                    trial_best = ev
+            if trial_best is not best:
+                old = knob.show(best.config[i])
+                best = trial_best
+                improved = True
+                msg = f"{knob.name}: {old} -> {knob.show(best.config[i])}: {_ms(best)}"
+                history.append(msg)
+                log(msg)
+    return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
+                      batches, history)
+
+
+def _ms(ev: Evaluation) -> str:
+    return ", ".join(f"B{b} {t * 1e3:.3f} ms" for b, t in ev.steps.items())
+
+
+def table(res: TuneResult, spec: str) -> str:
+    """The before/after table: changed settings, then the modelled step per batch."""
+    lines = [f"mkc tune {spec}: {res.evaluations} evaluations ({res.rejected} rejected by the "
+             f"checks) in {res.seconds:.1f} s; objective: mean modelled step over batches "
+             f"{', '.join(map(str, res.batches))} (modelled, not measured)"]
+    changed = res.changed()
+    if not changed:
+        lines.append("no change found that shortens the modelled step; the spec is kept as is")
+    else:
+        w = max(len(k.name) for k, _, _ in changed)
+        lines.append(f"  {'setting':<{w}}  line  {'before':<34} after")
+        for k, old, new in changed:
+            lines.append(f"  {k.name:<{w}}  {k.line:4d}  {k.show(old):<34} {k.show(new)}")
+    lines.append(f"  {'batch':>5} {'before ms':>10} {'after ms':>10} {'before tok/s':>13} "
+                 f"{'after tok/s':>12} {'gain':>7}")
+    for b in res.batches:
+        t0, t1 = res.before.steps[b], res.best.steps[b]
+        lines.append(f"  {b:>5} {t0 * 1e3:10.3f} {t1 * 1e3:10.3f} {b / t0:13.0f} {b / t1:12.0f} "
+                     f"{100 * (t0 / t1 - 1):+6.1f}%")
+    return "\n".join(lines)

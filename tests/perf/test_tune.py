@@ -1,0 +1,104 @@
+"""`mkc tune`: knobs found from the AST and edited in place; coordinate descent on a tiny space
+with a known optimum; the written spec re-parses, passes every check, differs from the input
+only inside the tokens of the settings it changed (comments and layout kept), and is not slower
+(modelled)."""
+import difflib
+import json
+import re
+from types import SimpleNamespace
+
+from mkc.cli import main
+from mkc.compiler import check_spec
+from mkc.lang.parser import parse
+from mkc.perf import tune
+from tests_support import SPEC
+
+MINI = "qwen3_8_mini"
+_ALL_TOKENS = re.compile(r"#[^\n]*|\s+|\w+|\S")
+
+
+def _tokens(text):
+    return [(m.group(), m.start(), m.end()) for m in _ALL_TOKENS.finditer(text)]
+
+
+def _changed_only_inside(before, after, ranges):
+    """Every token of `before` that differs in `after` lies inside one of `ranges`, and no
+    comment or line break changed."""
+    a, b = _tokens(before), _tokens(after)
+    sm = difflib.SequenceMatcher(None, [t[0] for t in a], [t[0] for t in b], autojunk=False)
+    for op, i1, i2, j1, j2 in sm.get_opcodes():
+        if op == "equal":
+            continue
+        for tok, start, end in a[i1:i2]:
+            assert any(lo <= start and end <= hi for lo, hi in ranges), (tok, start)
+        for tok, _, _ in a[i1:i2] + b[j1:j2]:
+            assert not tok.startswith("#") and "\n" not in tok, tok
+
+
+def test_knobs_edit_only_their_tokens():
+    text = SPEC.read_text()
+    s = tune.check_text(text, str(SPEC), MINI)
+    knobs = tune.find_knobs(parse(text, str(SPEC)), tune.SpecSource(text), s)
+    names = {k.name for k in knobs}
+    assert {"ring weights slots / stream ahead", "ring weights tile bound", "kv tiles of gqa",
+            "allreduce out_proj, down in gdn", "allreduce o_proj, down in gqa"} <= names
+    for k in knobs:
+        assert [text[sl.start:sl.end] for sl in k.slots] == list(k.render(k.value)), k.name
+        assert k.value not in k.neighbours(k.value)
+    config = tuple(k.neighbours(k.value)[0] for k in knobs)
+    edited = tune.render(text, knobs, config)
+    parse(edited, str(SPEC))
+    _changed_only_inside(text, edited, [(sl.start, sl.end) for k in knobs for sl in k.slots])
+    assert tune.render(text, knobs, tuple(k.value for k in knobs)) == text
+
+
+def test_coordinate_descent_finds_the_optimum_of_a_tiny_space(monkeypatch):
+    """A fake step time with its minimum at ring 7 slots, ahead 7, KV tiles of 256 tokens: the
+    search reaches it through candidates that all pass the real checks."""
+    def fake_step(s, batch, tokens, keep_timeline=False):
+        kv = s.kinds["gqa"].kv
+        t = abs(s.stream.slots - 7) + abs(s.stream.ahead - 7) + (kv.tokens != 256) + batch
+        return SimpleNamespace(step_s=t * 1e-3)
+
+    monkeypatch.setattr(tune, "step_model", fake_step)
+    res = tune.tune(SPEC.read_text(), str(SPEC), MINI, budget=40,
+                    select=lambda k: k.name in ("ring weights slots / stream ahead",
+                                                "kv tiles of gqa"))
+    assert res.evaluations <= 40
+    changed = {k.name: new for k, _, new in res.changed()}
+    assert changed["ring weights slots / stream ahead"] == (7, 7)
+    assert changed["kv tiles of gqa"][1] == 256
+    assert res.best.steps == {1: 1e-3, 8: 8e-3}
+    assert res.history and res.rejected <= res.evaluations
+
+
+def test_tune_cli_writes_a_checked_spec_not_slower(tmp_path, capsys):
+    out = tmp_path / "tuned.sched"
+    assert main(["tune", str(SPEC), "--model", MINI, "-o", str(out), "--budget", "12",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    t = doc["tune"]
+    assert doc["verdict"] == "ok" and t["modelled"] and t["evaluations"] <= 12
+    before, after = t["before_step_seconds"], t["after_step_seconds"]
+    assert set(before) == {"1", "8"}
+    assert sum(after.values()) <= sum(before.values())
+    text, tuned = SPEC.read_text(), out.read_text()
+    check_spec(out, MINI)                                # re-parses and passes every check
+    assert [ln for ln in text.splitlines() if "#" in ln] == \
+        [ln for ln in tuned.splitlines() if "#" in ln]   # comments kept, where they were
+    changed_lines = {c["line"] for c in t["changed"]}
+    s = tune.check_text(text, str(SPEC), MINI)
+    knobs = tune.find_knobs(parse(text, str(SPEC)), tune.SpecSource(text), s)
+    ranges = [(sl.start, sl.end) for k in knobs if k.line in changed_lines for sl in k.slots]
+    _changed_only_inside(text, tuned, ranges)
+    assert (tuned != text) == bool(t["changed"])
+
+
+def test_tune_text_output_has_the_table(tmp_path, capsys):
+    out = tmp_path / "t.sched"
+    assert main(["tune", str(SPEC), "--model", MINI, "-o", str(out), "--budget", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "3 evaluations" in text and "modelled" in text and f"wrote {out}" in text
+    assert "before ms" in text and "after tok/s" in text
+    assert main(["tune", str(SPEC), "-o", str(out), "--budget", "0"]) == 1
+    assert "E-TUNE" in capsys.readouterr().err
