@@ -27,7 +27,7 @@ def _class_colours(classes: list[str]) -> dict[str, str]:
     import matplotlib
     cmap = matplotlib.colormaps["tab20"]
     fixed = {"ring": 0, "parity": 4, "activation": 14, "collective": 8, "state": 6, "kv": 2,
-             "output": 16, "compiler": 15, "input": 17}
+             "output": 16, "compiler": 11, "input": 17}
     out, spare = {}, iter(i for i in range(20) if i not in fixed.values())
     for c in classes:
         if c.endswith(" free"):
@@ -146,7 +146,7 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
     colours = _class_colours(order)
     ys = [[v / MIB for r in vs.rows for v in (r[c], r[c])] for c in order]
     peak = max(vs.totals())
-    labels = [f"{c} ({max(r[c] for r in vs.rows) / MIB:.1f} MiB max)" for c in order]
+    labels = [f"{c} ({max(r[c] for r in vs.rows) / MIB:.2f} MiB max)" for c in order]
     for col, ax in enumerate(axes[0]):
         ax.stackplot(xs, ys, labels=labels, colors=[colours[c] for c in order], linewidth=0)
         ax.axhline(vs.budget / MIB, color="crimson", ls="--", lw=1.2)
