@@ -45,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="print one JSON object: verdict, diagnostics and budget")
         if name == "compile":
             p.add_argument("-o", "--out", default="generated", help="output directory")
+        if name == "check":
+            p.add_argument("--confirm", action="store_true",
+                           help="also compile the kernel at the largest batch with libtpu "
+                                "(compile-only, no TPU) and print its VMEM verdict beside mkc's")
         if name == "tune":
             p.add_argument("-o", "--out", required=True,
                            help="where to write the tuned spec (the input is never changed)")
@@ -80,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
             if not as_json:
                 print(f"wrote {out}")
         elif args.cmd == "check":
-            c = compiler.check_spec(args.spec, args.model)
+            try:
+                c = compiler.check_spec(args.spec, args.model)
+            finally:            # libtpu's verdict matters most when mkc rejects a spec for VMEM
+                if args.confirm:
+                    result["confirm"] = _confirm(args.spec, args.model, as_json)
             result["budget"] = report.budget(c.ir, c.events)
             if not as_json:
                 print(f"{args.spec}: ok")
@@ -112,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         print(json.dumps(result, indent=1, sort_keys=True))
     return 0
+
+
+def _confirm(spec: str, model: str | None, as_json: bool) -> dict:
+    from mkc.confirm import confirm_vmem
+    r = confirm_vmem(spec, model)
+    if not as_json:
+        print(r.summary(), file=sys.stdout if r.agree else sys.stderr)
+    return r.to_json()
 
 
 def _perf_pictures(s, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:
@@ -146,12 +162,16 @@ def _tune(args, as_json: bool) -> dict:
     if args.budget < 1:
         raise MkcError(Diagnostic("E-TUNE", f"--budget {args.budget} allows no evaluation",
                                   Span.unknown(args.spec), hint="pass --budget 1 or more"))
+    out = Path(args.out)
+    if out.exists() and out.resolve() == Path(args.spec).resolve():
+        raise MkcError(Diagnostic("E-TUNE", "-o names the input spec; mkc tune never changes "
+                                  "its input", Span.unknown(args.spec),
+                                  hint="write the tuned spec elsewhere and compare them"))
     sched, text = parse_file(args.spec)
     log = None if as_json else (lambda m: print(f"  {m}", flush=True))
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
     res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log)
-    out = Path(args.out)
     compiler.write_atomically(out, res.best.text)
     # The written file passes every check on its own (a model given as a path relative to the
     # spec is resolved from the spec's directory, as the tuner did).

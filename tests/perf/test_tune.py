@@ -102,3 +102,5 @@ def test_tune_text_output_has_the_table(tmp_path, capsys):
     assert "before ms" in text and "after tok/s" in text
     assert main(["tune", str(SPEC), "-o", str(out), "--budget", "0"]) == 1
     assert "E-TUNE" in capsys.readouterr().err
+    assert main(["tune", str(SPEC), "-o", str(SPEC)]) == 1     # never over its input
+    assert "E-TUNE" in capsys.readouterr().err
