@@ -133,16 +133,34 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     span = shrink.span
     if span.file != s.source:          # a buffer mkc adds itself: point at the vmem line
         span = s.setting_spans.get("vmem", span)
+    largest = f"the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
+    hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
+            "tightly")
+    fits_up_to = _largest_batch_that_fits(s, events, budget)
+    if fits_up_to is not None:         # the batch range is what overflows: point at it
+        span = s.setting_spans.get("batch", span)
+        hint = (f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to "
+                f"{fits_up_to}`; for larger batches shrink {largest}")
     usable = usable_vmem_bytes(s)
     return [Diagnostic(
         "E-VMEM-CAPACITY",
-        f"VMEM needs {peak / 2**20:.2f} MiB at {where}, over the budget of "
-        f"{budget / 2**20:.2f} MiB ({usable / 2**20:.2f} MiB usable minus reserve "
-        f"{s.vmem_reserve / 2**20:.2f} MiB)", span,
-        hint=f"shrink the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} "
-             "MiB): fewer ring slots, a smaller tile or batch, or scope it more tightly",
+        f"VMEM needs {peak / 2**20:.2f} MiB at {where} (batch {s.batch_max}), over the budget "
+        f"of {budget / 2**20:.2f} MiB ({usable / 2**20:.2f} MiB usable minus reserve "
+        f"{s.vmem_reserve / 2**20:.2f} MiB)", span, hint=hint,
         notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
         + notes)]
+
+
+def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int) -> int | None:
+    """The largest batch of the spec's range whose kernel fits, if the smallest does (VMEM
+    grows with the batch, so a bisection needs a handful of budget evaluations)."""
+    if vmem_budget(s, events, s.batch_min)[0] > budget:
+        return None
+    lo, hi = s.batch_min, s.batch_max          # lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if vmem_budget(s, events, mid)[0] <= budget else (lo, mid)
+    return lo
 
 
 def check_hbm(s: ir.ScheduleIR) -> list[Diagnostic]:
