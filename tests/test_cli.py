@@ -2,6 +2,7 @@ import json
 import stat
 
 import mkc
+import pytest
 from conftest import run_python
 from mkc.cli import main
 from tests_support import ROOT, SPEC
@@ -83,3 +84,13 @@ def test_spec_that_is_a_directory_or_device_is_a_diagnostic(capsys):
     for path in (str(ROOT), "/dev/zero"):
         assert main(["check", path]) == 1
         assert "E-IO" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_check_confirm_reports_libtpus_verdict_beside_mkcs():
+    r = run_python(["-m", "mkc", "check", str(SPEC), "--model", "qwen3_8_mini", "--confirm",
+                    "--json"], timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    confirm = json.loads(r.stdout)["confirm"]
+    assert confirm["libtpu"] == "fits" and confirm["mkc_fits"] and confirm["agree"]
+    assert 0 < confirm["used_bytes"] <= confirm["limit_bytes"]
