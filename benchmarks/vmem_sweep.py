@@ -13,6 +13,7 @@ to 16 for bf16 and 8 for f32 whatever their height, budget = limit - reserve).
     .venv/bin/python benchmarks/vmem_sweep.py                # compile every variant (~25 min)
     .venv/bin/python benchmarks/vmem_sweep.py --only qwen    # one model's variants
     .venv/bin/python benchmarks/vmem_sweep.py --report       # table + agreement from the data
+    .venv/bin/python benchmarks/vmem_sweep.py --fit          # the compiler-scratch table
 """
 from __future__ import annotations
 
@@ -77,15 +78,17 @@ def variants() -> list[dict]:
     for b, slots in ((16, (17, 18, 19, 20)), (8, (23, 24, 25, 26))):
         for s in slots:
             v.append(_variant(q, b, s, tile="1024 x 1024"))
-    for b, slots in ((16, (12, 13, 14)), (8, (16, 17, 18))):
+    for b, slots in ((16, (12, 13, 14, 15, 16)), (8, (16, 17, 18, 19, 20))):
         for s in slots:
             v.append(_variant(q, b, s, tile="1024 x 1536"))
-    for s in (20, 21, 22):
+    for s in (20, 21, 22, 24, 25, 26):
         v.append(_variant(q, 16, s, tile="768 x 1024"))
     # KV tiles: the attention's scoped buffers grow with slots x tokens x batch.
     for b, kv, slots in ((16, "4 slots of 256 tokens ahead 2", (9, 10, 11)),
                          (8, "4 slots of 512 tokens ahead 2", (13, 14, 15, 16)),
-                         (16, "3 slots of 128 tokens ahead 2", (14, 15))):
+                         (16, "3 slots of 128 tokens ahead 2", (14, 15)),
+                         (8, "2 slots of 256 tokens ahead 1", (18, 19, 20)),
+                         (1, "4 slots of 512 tokens ahead 2", (22, 23))):
         for s in slots:
             v.append(_variant(q, b, s, kv=kv))
     # The spec's limit below the chip's, and a reserve (user headroom).
@@ -94,6 +97,10 @@ def variants() -> list[dict]:
             v.append(_variant(q, b, s, limit="48 MiB"))
     for s in (11, 12):
         v.append(_variant(q, 16, s, limit="56 MiB"))
+    # Where do spill slots go when the limit is under the chip's usable VMEM? B16 ring 15
+    # needs 59.9 MiB of buffers and 1.9 MiB of spill slots.
+    for limit in ("61 MiB", "63 MiB", "60 MiB"):
+        v.append(_variant(q, 16, 15, limit=limit))
     for s in (19, 20):
         v.append(_variant(q, 8, s, reserve="1 MiB"))
     for s in (15,):
@@ -155,7 +162,7 @@ def mkc_verdicts(var: dict) -> dict:
     events = build_trace(s)
     b = var["batch"]
     peak, where, live = capacity.vmem_budget(s, events, b)
-    budget = capacity.vmem_budget_bytes(s)
+    budget = capacity.vmem_budget_bytes(s, b)
     # Before: the same trace and live set, padded the old way, against limit - reserve.
     buffers = [x.at_batch(b) for x in s.buffers]
     old_live: dict[str, int] = {}
@@ -169,7 +176,10 @@ def mkc_verdicts(var: dict) -> dict:
             old_peak = max(old_peak, base + sum(old_live.values()))
         elif e.op == "free":
             old_live.pop(e.buffer, None)
-    return {"peak": peak, "budget": budget, "fits": peak <= budget, "where": where,
+    tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=0)
+    return {"family": s.family, "kv_tokens": tokens, "usable": capacity.usable_vmem_bytes(s),
+            "peak": peak, "budget": budget, "fits": peak <= budget,
+            "where": where,
             "overhead": capacity.compiler_overhead_bytes(s, b),
             "buffers": peak - capacity.compiler_overhead_bytes(s, b)
             - capacity.vmem_window_bytes(s, b),
@@ -249,19 +259,73 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fit(results: list[dict]) -> str:
+    """The compiler scratch libtpu allocated beyond mkc's buffers (spill slots, internal
+    scratch), per family and batch: the largest over the variants, from the exact use of those
+    that fit and the program total of those over (rounded to 0.01 MiB by libtpu, so + 5 KiB),
+    less the modelled KV-tile term. Only variants whose limit is the whole usable VMEM count:
+    under a lower limit libtpu's kernel use leaves the spill slots out. This is the table
+    capacity.COMPILER_SCRATCH holds; the per-token figures check capacity.KV_TOKEN_SCRATCH."""
+    from mkc.checks import capacity
+    seen: dict[str, dict[int, int]] = {}
+    per_token = []
+    for r in results:
+        tpu = r["libtpu"]
+        exact = tpu["libtpu"] == "fits" and tpu.get("used_bytes")
+        program = tpu["libtpu"] == "out_of_vmem" and "Ran out of memory in memory space vmem. " \
+            "Used" in tpu.get("message", "")
+        if not (exact or program):
+            continue
+        m = mkc_verdicts(r["var"])
+        if "error" in m or m["limit"] < m["usable"]:
+            continue
+        resid = tpu["used_bytes"] - (m["peak"] - m["overhead"]) + (0 if exact else 5243)
+        extra = max(0, m["kv_tokens"] - capacity.KV_BASE_TOKENS)
+        base = resid - capacity.KV_TOKEN_SCRATCH * extra
+        fam = seen.setdefault(m["family"], {})
+        b = r["var"]["batch"]
+        if extra:
+            per_token.append((r["var"]["name"], resid, extra))
+        else:
+            fam[b] = max(fam.get(b, 0), base)
+    lines = ["COMPILER_SCRATCH = {"]
+    for family, points in sorted(seen.items()):
+        # an upper envelope that never falls as the batch grows
+        env, top = [], 0
+        for b in sorted(points):
+            top = max(top, points[b])
+            env.append((b, top))
+        lines.append(f"    {family!r}: {env},")
+    lines.append("}")
+    for name, resid, extra in per_token:
+        fam = next(iter(seen.values()), {})
+        b = int(name.split(" B")[1].split()[0])
+        if b in fam:
+            lines.append(f"# {name}: {(resid - fam[b]) / extra:.0f} bytes per KV token past "
+                         f"{capacity.KV_BASE_TOKENS}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--report", action="store_true", help="only report from the saved data")
+    ap.add_argument("--fit", action="store_true",
+                    help="print the compiler-scratch table the data implies")
     ap.add_argument("--only", help="variants whose name contains this")
+    ap.add_argument("--missing", action="store_true", help="only variants not in the data yet")
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args()
+    if a.fit:
+        print(fit(json.loads(DATA.read_text())["results"]))
+        return 0
     if a.report:
         data = json.loads(DATA.read_text())
         print(report(data["results"]))
         return 0
     old = {r["var"]["name"]: r for r in json.loads(DATA.read_text())["results"]} \
         if DATA.exists() else {}
-    todo = [v for v in variants() if not a.only or a.only in v["name"]]
+    todo = [v for v in variants() if (not a.only or a.only in v["name"])
+            and not (a.missing and v["name"] in old)]
     t0 = time.perf_counter()
     for i, var in enumerate(todo):
         r = compile_variant(var, a.timeout)

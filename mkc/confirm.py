@@ -266,28 +266,34 @@ def confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
     sched, text = parse_file(spec_path)
     s = resolve(sched, model)
     b = batch or s.batch_max
-    other = []
+    budget = capacity.vmem_budget_bytes(s, b)
+    base = dict(spec=str(spec_path), model=s.model, batch=b, topology=s.topology,
+                mkc_budget_bytes=budget, mkc_overhead_bytes=capacity.compiler_overhead_bytes(s, b))
     try:
         events = run_checks(s)
     except MkcError as e:
         other = [d for d in e.diagnostics if d.code != "E-VMEM-CAPACITY"]
-        events = build_trace(s) if not other else None
-    base = dict(spec=str(spec_path), model=s.model, batch=b, topology=s.topology)
-    if events is None:
-        return VmemConfirmation(**base, mkc_fits=False, mkc_peak_bytes=0,
-                                mkc_budget_bytes=capacity.vmem_budget_bytes(s),
-                                mkc_overhead_bytes=0, libtpu="error",
-                                message="mkc rejects the spec for other reasons: "
-                                        + "; ".join(f"{d.code}: {d.message}" for d in other))
+        if other:
+            return VmemConfirmation(**base, mkc_fits=False, mkc_peak_bytes=0, libtpu="error",
+                                    message="mkc rejects the spec for other reasons: " + "; ".join(
+                                        f"{d.code}: {d.message}" for d in other))
+        # A buffer over the budget on its own stops the checks before the trace (whose size is
+        # bounded only when every buffer fits): count resident buffers and the largest scoped.
+        alone = any("alone needs" in d.message for d in e.diagnostics)
+        events = [] if alone else build_trace(s)
     peak, _, _ = capacity.vmem_budget(s, events, b)
-    budget = capacity.vmem_budget_bytes(s)
+    if not events:
+        peak += max((x.at_batch(b).vmem_bytes for x in s.buffers if x.scope), default=0)
     with tempfile.TemporaryDirectory(prefix="mkc_confirm_") as tmp:
         path = Path(tmp) / f"{s.name}.py"
-        path.write_text(render(s, text))
-        r = run_compile(path, b, timeout)
+        try:
+            path.write_text(render(s, text))
+        except Exception as e:  # noqa: BLE001 - report, never crash the CLI
+            r = {"libtpu": "error", "message": f"codegen failed: {type(e).__name__}: {e}"}
+        else:
+            r = run_compile(path, b, timeout)
     return VmemConfirmation(
-        **base, mkc_fits=peak <= budget, mkc_peak_bytes=peak, mkc_budget_bytes=budget,
-        mkc_overhead_bytes=capacity.compiler_overhead_bytes(s, b), libtpu=r["libtpu"],
+        **base, mkc_fits=peak <= budget, mkc_peak_bytes=peak, libtpu=r["libtpu"],
         used_bytes=r.get("used_bytes"), limit_bytes=r.get("limit_bytes"),
         message=r.get("message", ""), allocations=r.get("allocations", []),
         seconds=round(r.get("seconds", 0.0), 2))

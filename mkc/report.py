@@ -5,7 +5,7 @@ from typing import Any
 
 from mkc import cost, ir, target
 from mkc.checks import vmem_budget
-from mkc.checks.capacity import usable_vmem_bytes, vmem_budget_bytes
+from mkc.checks.capacity import compiler_overhead_bytes, usable_vmem_bytes, vmem_budget_bytes
 from mkc.diagnostics import Diagnostic
 
 
@@ -16,6 +16,7 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
     for batch in sorted({s.batch_min, s.batch_max}):
         peak, where, live = vmem_budget(s, events, batch)
         vmem.append({"batch": batch, "peak_bytes": peak, "where": where,
+                     "budget_bytes": vmem_budget_bytes(s, batch),
                      "buffers": [{"name": b.name, "class": b.cls, "shape": list(b.shape),
                                   "dtype": b.dtype, "bytes": b.vmem_bytes} for b in live]})
     st = s.stream
@@ -27,6 +28,8 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
     return {
         "vmem_limit_bytes": s.vmem_limit, "vmem_reserve_bytes": s.vmem_reserve,
         "vmem_usable_bytes": usable_vmem_bytes(s), "vmem_budget_bytes": vmem_budget_bytes(s),
+        "vmem_compiler_scratch_bytes": {str(b["batch"]): compiler_overhead_bytes(s, b["batch"])
+                                        for b in vmem},
         "vmem": vmem,
         "stream": {"tiles": st.total_tiles, "tile_shapes": [list(t) for t in st.tile_shapes],
                    "dtype": st.dtype, "slots": st.slots, "slot_shape": [st.tile_rows, st.tile_cols],
@@ -50,8 +53,8 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
             names = ", ".join(b["name"] for b in v["buffers"] if b["class"] == cls)
             lines.append(f"  {cls:<12} {by_cls[cls] / 2**20:9.2f}  {names}")
         lines.append(f"  {'total':<12} {v['peak_bytes'] / 2**20:9.2f}  of "
-                     f"{report['vmem_budget_bytes'] / 2**20:.2f} MiB (usable "
-                     f"{report['vmem_usable_bytes'] / 2**20:.2f} - reserve "
+                     f"{v['budget_bytes'] / 2**20:.2f} MiB (usable "
+                     f"{(v['budget_bytes'] + s.vmem_reserve) / 2**20:.2f} - reserve "
                      f"{s.vmem_reserve / 2**20:.2f})")
     st = report["stream"]
     shapes = ", ".join(f"{r}x{c}" for r, c in st["tile_shapes"])

@@ -14,10 +14,10 @@ whole kernels; data in benchmarks/data/):
 - semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
   VMEM.
 
-The kernel fits when all of it is at most the compiler's limit: the spec's `vmem limit`
-(emitted as `vmem_limit_bytes`), but never more than the VMEM XLA can hand out, 64 KiB less
-than the chip's (63.94 MiB of 64 on TPU7x). The spec's `reserve` is the user's headroom on top
-of this model: budget = min(limit, usable VMEM) - reserve.
+The kernel fits when all of it is at most the VMEM XLA can hand out, 64 KiB less than the
+chip's (63.94 MiB of 64 on TPU7x), and its buffers at most the spec's `vmem limit` (emitted as
+`vmem_limit_bytes`; spill slots may sit beyond it). The spec's `reserve` is the user's
+headroom on top of this model: budget = min(usable VMEM, limit + compiler scratch) - reserve.
 """
 from __future__ import annotations
 
@@ -33,25 +33,37 @@ from mkc.trace import Event
 XLA_RESERVED_VMEM = 64 << 10
 
 # Compiler scratch (spill slots + internal scratch) that libtpu allocated for the generated
-# kernels, by model family: (batch, bytes) points, the largest seen over every variant of
-# benchmarks/data/vmem_sweep.json at that batch (ring slots, tiles, KV tiles, limits), with a
-# margin. Between points: linear; past the last: its slope. A family never measured gets the
-# largest of the known ones.
+# kernels, by model family: (batch, bytes) points with 128-token KV tiles, the largest seen
+# over the variants of benchmarks/data/vmem_sweep.json at that batch (ring slots and tiles do
+# not move it; `vmem_sweep.py --fit` prints this table from the data), never falling as the
+# batch grows. Between points: linear; past the last: its slope. A family never measured
+# gets the largest of the known ones.
 COMPILER_SCRATCH: dict[str, list[tuple[int, int]]] = {
-    "qwen3_5_text": [(1, 52224), (8, 851968), (16, 2015232)],
+    "qwen3_5_text": [(1, 60724), (8, 860283), (16, 2030960)],
     "kimi_k3": [(1, 1224704), (8, 1224704), (16, 1622671)],
 }
+# Longer KV tiles add spill slots in the attention (Qwen: +417 KB at B8 from 128 to 512 tokens,
+# +113 KB at B16 from 128 to 256): bytes per token of the longest KV tile past 128.
+KV_TOKEN_SCRATCH = 1100
+KV_BASE_TOKENS = 128
 COMPILER_SCRATCH_MARGIN = 64 << 10
 
 
 def usable_vmem_bytes(s: ir.ScheduleIR) -> int:
-    """The most VMEM the compiler gives the kernel: the spec's limit, within what XLA has."""
-    return min(s.vmem_limit, s.vmem_capacity - XLA_RESERVED_VMEM)
+    """The VMEM XLA can hand the kernel: the chip's, less the 64 KiB it keeps."""
+    return s.vmem_capacity - XLA_RESERVED_VMEM
 
 
-def vmem_budget_bytes(s: ir.ScheduleIR) -> int:
-    """What the modelled peak must fit in: the usable VMEM minus the spec's reserve."""
-    return usable_vmem_bytes(s) - s.vmem_reserve
+def vmem_budget_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
+    """What the modelled peak (buffers + compiler scratch) must fit in at `batch` (default:
+    the largest): the usable VMEM, minus the spec's reserve.
+
+    The spec's limit (`vmem_limit_bytes`) bounds the kernel's buffers and windows; the
+    compiler's spill slots go beside them when the limit leaves room (libtpu's use at a 48 MiB
+    limit excludes them, at 64 MiB includes them). So the peak may exceed the limit by the
+    compiler scratch, within the usable VMEM."""
+    return (min(usable_vmem_bytes(s), s.vmem_limit + compiler_overhead_bytes(s, batch))
+            - s.vmem_reserve)
 
 
 def _interpolate(points: list[tuple[int, int]], batch: int) -> int:
@@ -76,7 +88,8 @@ def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
         n = _interpolate(COMPILER_SCRATCH[s.family], batch)
     else:
         n = max(_interpolate(p, batch) for p in COMPILER_SCRATCH.values())
-    return n + COMPILER_SCRATCH_MARGIN
+    tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=KV_BASE_TOKENS)
+    return n + KV_TOKEN_SCRATCH * max(0, tokens - KV_BASE_TOKENS) + COMPILER_SCRATCH_MARGIN
 
 
 def vmem_inputs(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
