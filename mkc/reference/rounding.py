@@ -10,7 +10,10 @@ the reference agree to about f32 rounding rather than bf16 rounding:
   all-reduced through the stages the spec gives: a stage ``(size, stride)`` sums, in f32 and in
   group order, the group members' values rounded to the wire dtype (``allreduce``);
 * all-gathers and sibling exchanges round what travels to their buffer's dtype;
-* states and caches are stored in their storage dtype.
+* states and caches are stored in their storage dtype;
+* a batch of one row runs as row 0 of two copies (``one_row_as_two``): XLA on CPU sums a
+  one-row (matrix-vector) product in another f32 order than a matrix product, and the kernel,
+  whose dots always have many rows, is bit-equal to the latter.
 
 The facts come from the schedule IR (``mkc.numerics.rounding_from_ir``); this module only holds
 them and the arithmetic, and knows nothing of a family's layout: each reference says which of
@@ -139,3 +142,21 @@ def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], rank
         partials.append(jnp.einsum("...i,oi->...o", xin[..., lo:hi], w[:, lo:hi],
                                    precision=jax.lax.Precision.HIGHEST))
     return allreduce(partials, reduce)
+
+
+def one_row_as_two(step, cache, tokens, positions):
+    """``step(cache, tokens, positions) -> (logits, cache)`` (batch-first caches, independent
+    rows) run on a batch of one as row 0 of a batch of two copies, else as is.
+
+    The emulation's f32 sums must follow the kernel's order, or a few bf16 roundings flip and
+    the flips spread through the model (measured on K3 MINI, batch 1, before this: logits 7.9e-3
+    and states 2.9e-3 to 5.5e-3 from the kernel, as far as a 1 % op error). XLA on CPU sums a
+    one-row matmul (a matrix-vector product) in another order than a matrix product; from two
+    rows on the emulation is bit-equal whatever the batch (measured: K3 MINI rows at batch 2, 3,
+    4, 8, 17), and so is the kernel (its batch-1 step equals row 0 of its batch-2 step)."""
+    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    if tokens.shape[0] != 1:
+        return step(cache, tokens, positions)
+    twice = {k: jnp.concatenate([jnp.asarray(v)] * 2) for k, v in cache.items()}
+    logits, new = step(twice, jnp.concatenate([tokens] * 2), jnp.concatenate([positions] * 2))
+    return logits[:1], {k: v[:1] for k, v in new.items()}

@@ -1,0 +1,70 @@
+"""mkc.numerics: how a run summary is judged against the rounding emulation (the "exact" and
+"flips" checks, the sensitivity bound of later steps), and the batch-of-one emulation. The
+interpret-mode runs that produce real summaries are in test_interpret_mini.py and
+test_k3_interpret.py (slow tier)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mkc import numerics
+from mkc.reference.rounding import one_row_as_two
+
+
+def _step(i: int, logits: float, logits_frob: float, states: float, gains=None) -> dict:
+    return {"step": i, "logits_max_abs_err": 0.0, "logits_max_abs": 1.0, "next_token": [1],
+            "ref_next_token": [1], "state_rel_err": {"conv_state": 1e-3},
+            "emulation": {"logits": logits, "logits_frob": logits_frob,
+                          "states": {"conv_state": states, "latent_cache": 0.0}},
+            "gains": gains}
+
+
+def _summary(check, *steps) -> dict:
+    return {"family": "kimi_k3", "emulation_check": check, "steps": list(steps)}
+
+
+def test_flips_check_accepts_sparse_flips_and_rejects_a_one_percent_error():
+    flips = numerics.EMULATION_FLIPS
+    # Measured on K3 MINI (see mkc.numerics): the kernel's first step, and the weakest mutant.
+    assert numerics.failures(_summary("flips", _step(0, 2e-4, 1.8e-4, 7.2e-7))) == []
+    fails = numerics.failures(_summary("flips", _step(0, 5e-3, 4.9e-3, 3.6e-3)))
+    assert len(fails) == 2 and all("rounding emulation" in f for f in fails), fails
+    # Each metric on its own: the largest logit error is not the flips statistic.
+    assert numerics.failures(_summary("flips", _step(0, 1.0, 0.5 * flips["logits_frob"], 0))) == []
+    assert numerics.failures(_summary("flips", _step(0, 0, 2 * flips["logits_frob"], 0)))
+    assert numerics.failures(_summary("flips", _step(0, 0, 0, 2 * flips["states"])))
+
+
+def test_exact_check_is_f32_rounding_and_no_check_only_reports():
+    sparse = _step(0, 2e-4, 1.8e-4, 7.2e-7)
+    assert numerics.failures(_summary("exact", sparse))
+    assert numerics.failures({**_summary(None, sparse), "strict_emulation": True})
+    assert numerics.failures(_summary(None, sparse)) == []
+    assert numerics.failures(_summary("exact", _step(0, 1e-6, 1e-6, 1e-6))) == []
+    with pytest.raises(ValueError):
+        numerics.failures(_summary("loose", sparse))
+
+
+def test_later_steps_add_the_measured_gain_times_the_carried_state_error():
+    gains = {"logits": 1e3, "logits_frob": 1e3, "states": 2e2}
+    first = _step(0, 0, 0, 1e-6)
+    bounds = numerics.emulation_bounds(1, gains, 1e-6, "flips")
+    assert bounds["logits_frob"] == pytest.approx(
+        numerics.EMULATION_FLIPS["logits_frob"] + numerics.SENSITIVITY_SAFETY * 1e3 * 1e-6)
+    inside = _step(1, 0, 0.9 * bounds["logits_frob"], 0.9 * bounds["states"], gains)
+    outside = _step(1, 0, 1.1 * bounds["logits_frob"], 0.9 * bounds["states"], gains)
+    assert numerics.failures(_summary("flips", first, inside)) == []
+    assert numerics.failures(_summary("flips", first, outside))
+
+
+def test_a_batch_of_one_runs_as_two_rows():
+    seen = []
+
+    def step(cache, tokens, positions):
+        seen.append(tokens.shape[0])
+        return tokens[:, None] * 1.0 + positions[:, None], {"s": cache["s"] + tokens[:, None]}
+
+    logits, cache = one_row_as_two(step, {"s": jnp.ones((1, 3))}, [5], [2])
+    assert seen == [2] and logits.shape == (1, 1) and cache["s"].shape == (1, 3)
+    np.testing.assert_array_equal(cache["s"], 6.0)
+    one_row_as_two(step, {"s": jnp.ones((3, 3))}, [5, 6, 7], [2, 2, 2])
+    assert seen == [2, 3]
