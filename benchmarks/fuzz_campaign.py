@@ -480,7 +480,7 @@ def mut_names(rng, b: Base, case: Case):
         case.desc = f"schedule name {_show(name, 40)}"
         return _sub(text, m.span(1), name)
     if mode == 1:                                    # the same name for schedule and model dir
-        name = rng.choice(NAMES)
+        name = rng.choice(NAMES)[:250]               # a directory name the OS accepts
         case.files.append(("file", f"{name}/config.json",
                            (CONFIG_DIR / f"{b.config}.json").read_bytes()))
         case.model = name

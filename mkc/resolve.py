@@ -28,6 +28,7 @@ _RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start",
              "embed", "embed_rows", "head_norm", "tables", "tokens", "positions", "rope",
              "ring_hbm", "vectors_hbm", "head_norm_hbm", "ring_sem", "vectors_sem", "sems",
              "send_sem", "recv_sem", "collective_count", "tile_class"}
+MAX_NAME = 64          # a schedule's name becomes a file name, with the model's appended
 # Cost-model constant for choosing the ring tile: what one extra DMA costs, in bytes moved.
 TILE_OVERHEAD_BYTES = 64 * 1024
 
@@ -123,12 +124,12 @@ def _validate_module_name(name: ast.Name) -> str:
     taken = (keyword.iskeyword(text) or keyword.issoftkeyword(text)
              or text in sys.stdlib_module_names or text in dir(builtins)
              or text in ("mkc", "jax", "jaxlib", "numpy", "ml_dtypes", "generated"))
-    if not _IDENT.match(text) or taken:
+    if not _IDENT.match(text) or taken or len(text) > MAX_NAME:
         raise fail("E-NAME", f"'{text}' cannot name a schedule: it becomes the generated module's "
                    "name" + (", which would shadow a module or name Python already has" if taken
                              else ""), name.span,
-                   hint="use lower-case letters and digits joined by single '_', starting with a "
-                        "letter, e.g. `schedule qwen_decode`")
+                   hint=f"use at most {MAX_NAME} lower-case letters and digits joined by single "
+                        "'_', starting with a letter, e.g. `schedule qwen_decode`")
     return text
 
 
@@ -418,6 +419,9 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
     for sk in st.per_kind:
         if sk.kind.text not in graph.kinds:
             raise _unknown("layer kind", sk.kind, sorted(graph.kinds))
+        if sk.kind.text in listed:
+            raise fail("E-DUPLICATE", f"the stream lists {sk.kind.text} twice", sk.kind.span,
+                       hint=f"keep one `{sk.kind.text}: ...` line")
         listed[sk.kind.text] = sk.families
     families: dict[str, list[ir.Family]] = {}
     mats: list[tuple[int, int, int]] = []

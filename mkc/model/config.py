@@ -167,6 +167,8 @@ def _load_qwen(raw: dict, path: Path, family: str, stem: str, where: Span) -> Mo
             raise ValueError(f"layer_types must list {n_layers} entries of "
                              f"{sorted(_QWEN35_KINDS)}")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_parameters must be an object, not {rope!r}")
         head_dim = int(raw["head_dim"])
         # Fallbacks are the upstream Qwen3_5TextConfig defaults.
         factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
