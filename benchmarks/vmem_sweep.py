@@ -10,7 +10,8 @@ variant with the current capacity model, so a model change is judged against the
 without compiling again; "before" is the model this sweep was built to replace (rows padded
 to 16 for bf16 and 8 for f32 whatever their height, budget = limit - reserve).
 
-    .venv/bin/python benchmarks/vmem_sweep.py                # compile every variant (~25 min)
+    .venv/bin/python benchmarks/vmem_sweep.py                # compile every variant (~35-40 min)
+    .venv/bin/python benchmarks/vmem_sweep.py --missing      # only variants not in the data yet
     .venv/bin/python benchmarks/vmem_sweep.py --only qwen    # one model's variants
     .venv/bin/python benchmarks/vmem_sweep.py --report       # table + agreement from the data
     .venv/bin/python benchmarks/vmem_sweep.py --fit          # the compiler-scratch table
@@ -22,7 +23,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,7 +255,9 @@ def report(results: list[dict]) -> str:
             lines.append(f"{key:<6} {scope:<14} agreement {st['agree']}/{st['n']} "
                          f"({100 * st['agree'] / max(1, st['n']):.1f} %): "
                          f"{st['FALSE FIT']} false fits, {st['false overflow']} false overflows")
-    lines.append(f"reproduce: {COMMAND} (compiles; --report reads {DATA.relative_to(ROOT)})")
+    secs = sum(r["libtpu"].get("seconds", 0) for r in results)
+    lines.append(f"{len(results)} variants, {secs / 60:.0f} min of libtpu compiles; reproduce: "
+                 f"{COMMAND} (compiles; --report reads {DATA.relative_to(ROOT)})")
     return "\n".join(lines)
 
 
@@ -326,7 +328,6 @@ def main() -> int:
         if DATA.exists() else {}
     todo = [v for v in variants() if (not a.only or a.only in v["name"])
             and not (a.missing and v["name"] in old)]
-    t0 = time.perf_counter()
     for i, var in enumerate(todo):
         r = compile_variant(var, a.timeout)
         old[var["name"]] = {"var": var, "libtpu": r}
@@ -337,7 +338,8 @@ def main() -> int:
         DATA.parent.mkdir(parents=True, exist_ok=True)
         DATA.write_text(json.dumps({
             "chip": "tpu7x", "command": COMMAND, "jax": _versions(),
-            "sweep_seconds": round(time.perf_counter() - t0), "results": results},
+            "compile_seconds": round(sum(r["libtpu"].get("seconds", 0) for r in results)),
+            "results": results},
             indent=1) + "\n")
     print(report(json.loads(DATA.read_text())["results"]))
     return 0

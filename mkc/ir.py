@@ -59,13 +59,16 @@ def padded_bytes(shape: tuple[int, ...], dtype: str, *, scoped: bool = False) ->
     """VMEM bytes Mosaic allocates for an array: a scratch operand, or with `scoped` a
     `pl.run_scoped` buffer. The minor dim pads to 128 lanes, the second-minor to the tile
     height of `tile_rows`; leading dims multiply. A 1-D array pads to 512 bytes. A scoped
-    buffer's size then rounds up to 1 KiB."""
+    buffer's size then rounds up to 1 KiB, and a 32-bit scoped buffer at most 128 lanes wide
+    is not tiled at all (f32 [2, 3, 128] scoped takes 3 KiB, as a scratch operand 4 KiB)."""
     dims = list(shape) or [1]
     size = DTYPE_BYTES[dtype]
     if len(dims) == 1:
         n = _round_up(dims[0] * size, ALLOC_GRANULE)
     else:
-        n = size * _round_up(dims[-1], LANES) * _round_up(dims[-2], tile_rows(dims[-2], dtype))
+        # A 32-bit scoped buffer no wider than one 128-lane row is left untiled (1-row tiles).
+        tile = 1 if scoped and size == 4 and dims[-1] <= LANES else tile_rows(dims[-2], dtype)
+        n = size * _round_up(dims[-1], LANES) * _round_up(dims[-2], tile)
         for d in dims[:-2]:
             n *= d
     return _round_up(n, WINDOW_GRANULE) if scoped else n

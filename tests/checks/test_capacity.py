@@ -52,6 +52,10 @@ def test_padded_bytes_of_the_kernels_batch_row_buffers():
 def test_scoped_buffers_and_windows_round_to_1kib():
     assert ir.padded_bytes((1, 128), "f32") == 512
     assert ir.padded_bytes((1, 128), "f32", scoped=True) == 1024
+    # a 32-bit scoped buffer one lane-row wide is untiled: [2, 3, 128] takes 3 rows per plane
+    assert ir.padded_bytes((2, 3, 128), "f32", scoped=True) == 3072
+    assert ir.padded_bytes((2, 3, 128), "f32") == 4096
+    assert ir.padded_bytes((2, 3, 128), "bf16", scoped=True) == 2048
     assert ir.window_bytes((27, 1, 1152), "f32") == 124928      # 27 * 1152 * 4 = 124416
     scoped = ir.Buffer("t", "kv", (1, 128), "bf16", scope=("gqa", 0, 0))
     assert scoped.vmem_bytes == 1024
