@@ -1,6 +1,7 @@
 """The pipeline in one place: parse -> resolve -> checks -> codegen, and atomic output."""
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -35,7 +36,14 @@ def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:
 
 
 def module_name(c: Compiled) -> str:
-    return c.ir.name if c.ir.model == c.ir.name else f"{c.ir.name}__{c.ir.model}"
+    """`NAME` or `NAME__MODEL`; a long model name (a checkpoint directory's) is cut and given
+    a digest, so the file name stays within what file systems allow."""
+    if c.ir.model == c.ir.name:
+        return c.ir.name
+    model = c.ir.model
+    if len(model) > 48:
+        model = f"{model[:32]}_{hashlib.sha256(model.encode()).hexdigest()[:12]}"
+    return f"{c.ir.name}__{model}"
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -602,6 +602,12 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
                     raise fail("E-TRANSFER", f"phase {kname} can only drain before the next "
                                f"{kname} layer, not '{w.anchor.text}'", w.anchor.span,
                                hint=f"write `wait before next {kname}`")
+            if any((t.direction, t.state, t.buffer) == (tr.direction, sname, f"{kname}_{bname}")
+                   for t in transfers):
+                raise fail("E-DUPLICATE", f"state.{sname} is "
+                           f"{'loaded' if tr.direction == 'load' else 'stored'} "
+                           f"{'into' if tr.direction == 'load' else 'from'} {bname} twice",
+                           b.src.span, hint=f"keep one `{tr.direction}` of state.{sname}")
             transfers.append(ir.Transfer(
                 tr.direction, sname, f"{kname}_{bname}", _point(tr.start, ops, kname),
                 tuple(_point(w, ops, kname) for w in tr.waits if w.where != "before next"),
