@@ -90,10 +90,11 @@ def k3_mini_spec() -> Path:
 
 
 def reference_trajectory(reference, hf, cfg, rounding, batch: int, context: int, tokens,
-                         positions, steps: int, rows=None) -> list[dict]:
+                         positions, steps: int, rows=None, judged: bool = True) -> list[dict]:
     """Both references over `steps` steps, teacher-forced by the plain reference's next tokens:
-    per step the inputs, the plain and the emulated logits and caches, and (after the first)
-    the measured sensitivity gains of the emulated step (`numerics.measure_sensitivity`)."""
+    per step the inputs, the plain and the emulated logits and caches, and (after the first,
+    when the emulation is `judged`: only its bounds need them) the measured sensitivity gains
+    of the emulated step (`numerics.measure_sensitivity`)."""
     import jax.numpy as jnp
 
     plain = reference.init_cache(cfg, batch, context)
@@ -102,7 +103,7 @@ def reference_trajectory(reference, hf, cfg, rounding, batch: int, context: int,
     for i in range(steps):
         t0 = time.perf_counter()
         gains = None
-        if i > 0:
+        if i > 0 and judged:
             def step(cache, tokens, positions):
                 return reference.decode_step(hf, cfg, cache, tokens, positions, rounding)
             gains = numerics.measure_sensitivity(step, emulated, tokens, positions, rows)

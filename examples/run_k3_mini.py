@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokens from seed {seed}, routing margins per row "
           f"{[round(float(m), 4) for m in margins]}: comparing rows {rows.tolist()}", flush=True)
     trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
-                                      positions, args.steps, rows)
+                                      positions, args.steps, rows,
+                                      judged=args.strict_emulation or args.emulation_check != "none")
     summary = {"family": "kimi_k3", "mode": args.mode, "races": args.races, "batch": B,
                "mutant": args.mutate, "strict_emulation": args.strict_emulation,
                "emulation_check": "exact" if args.strict_emulation else (

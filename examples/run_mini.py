@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     # writes inside a 16-row block and multi-tile KV streaming are all exercised.
     positions = jnp.asarray((136 + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
     trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
-                                      positions, args.steps)
+                                      positions, args.steps, judged=args.strict_emulation)
     summary = {"family": "qwen3_5_text", "mode": args.mode, "races": args.races, "batch": B,
                "mutant": args.mutate, "strict_emulation": args.strict_emulation,
                "steps": run_kernel(gen, weights, gen.init_state(B), trajectory, mesh, params)}
