@@ -33,30 +33,24 @@ SPECS = {"qwen": ROOT / "schedules" / "qwen3_8_27b.sched",
          "k3": ROOT / "schedules" / "kimi_k3.sched"}
 COMMAND = ".venv/bin/python benchmarks/vmem_sweep.py"
 MIB = 2**20
+SHIPPED_RING = {"qwen": (12, "1024 x 1280"), "k3": (4, "1024 x 1024")}   # slots, tile bound
 
 
 def _variant(model: str, batch: int, slots: int, *, tile: str | None = None,
              kv: str | None = None, limit: str = "64 MiB", reserve: str = "0 MiB",
              experts: int | None = None) -> dict:
     """A variant as text edits of the shipped spec."""
-    if model == "qwen":
-        subs = [["batch   1 to 8", f"batch   1 to {batch}" if batch > 1 else "batch   1"],
-                ["limit 64 MiB reserve 6 MiB", f"limit {limit} reserve {reserve}"],
-                ["ring weights: 12 slots of bf16 tiles up to 1024 x 1280",
-                 f"ring weights: {slots} slots of bf16 tiles up to {tile or '1024 x 1280'}"],
-                ["stream weights ahead 12", f"stream weights ahead {min(12, slots)}"]]
-        if kv:
-            subs.append(["kv tiles 2 slots of 128 tokens ahead 1", f"kv tiles {kv}"])
-    else:
-        subs = [["batch   1 to 8", f"batch   1 to {batch}" if batch > 1 else "batch   1"],
-                ["limit 64 MiB reserve 6 MiB", f"limit {limit} reserve {reserve}"],
-                ["ring weights: 4 slots of bf16 tiles up to 1024 x 1024",
-                 f"ring weights: {slots} slots of bf16 tiles up to {tile or '1024 x 1024'}"],
-                ["stream weights ahead 4", f"stream weights ahead {min(4, slots)}"]]
-        if kv:
-            subs.append(["kv tiles 2 slots of 128 tokens ahead 1", f"kv tiles {kv}"])
-        if experts:
-            subs.append(["view experts: 6 slots of expert", f"view experts: {experts} slots of expert"])
+    ring_slots, ring_tile = SHIPPED_RING[model]
+    subs = [["batch   1 to 8", f"batch   1 to {batch}" if batch > 1 else "batch   1"],
+            ["limit 64 MiB reserve 6 MiB", f"limit {limit} reserve {reserve}"],
+            [f"ring weights: {ring_slots} slots of bf16 tiles up to {ring_tile}",
+             f"ring weights: {slots} slots of bf16 tiles up to {tile or ring_tile}"],
+            [f"stream weights ahead {ring_slots}",
+             f"stream weights ahead {min(ring_slots, slots)}"]]
+    if kv:
+        subs.append(["kv tiles 2 slots of 128 tokens ahead 1", f"kv tiles {kv}"])
+    if experts:
+        subs.append(["view experts: 6 slots of expert", f"view experts: {experts} slots of expert"])
     name = f"{model} B{batch} ring {slots}" + (f" tile {tile}" if tile else "") + (
         f" kv {kv}" if kv else "") + (f" experts {experts}" if experts else "") + (
         f" limit {limit}" if limit != "64 MiB" else "") + (

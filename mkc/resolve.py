@@ -96,7 +96,7 @@ def _group(g: ast.Group, axis: str, topo: target.Topology) -> tuple[int, int]:
         raise fail("E-SHARD", f"only the mesh axis can be divided, not '{text}'", g.span,
                    hint=f"write `{axis} / {g.divisor}`")
     if text == "host":
-        return (len(topo.same_host(0)), 1)
+        return (topo.cores_per_host, 1)
     if text == "chip":
         return (topo.chip.cores_per_chip, 1)
     raise _unknown("rank group", g.name, [axis, "host", "chip"])
@@ -544,7 +544,7 @@ def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], 
         raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
                    where, hint="write `two_level chip` or `two_level host`")
     group = (topo.chip.cores_per_chip if ar.level.text == "chip"
-             else len(topo.same_host(0)))
+             else topo.cores_per_host)
     if group in (1, n):
         raise fail("E-COLLECTIVE", f"two_level {ar.level.text} has a single level on this "
                    f"topology ({group} of {n} cores per {ar.level.text})", ar.level.span,

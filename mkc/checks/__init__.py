@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from mkc import ir
-from mkc.checks.capacity import check_hbm, check_vmem, vmem_budget, vmem_budget_bytes
+from mkc.checks.capacity import check_each_buffer_fits, check_hbm, check_vmem, vmem_budget
 from mkc.checks.dma import check_dma
 from mkc.checks.pool import check_pools
-from mkc.diagnostics import Diagnostic, MkcError
+from mkc.diagnostics import MkcError
 from mkc.trace import Event, build_trace
 
 __all__ = ["run_checks", "vmem_budget"]
@@ -17,7 +17,7 @@ def run_checks(s: ir.ScheduleIR) -> list[Event]:
 
     Checks on the IR alone run first and stop before the trace when they fail: the trace's
     size is bounded only for schedules whose every buffer fits (KV slots, say)."""
-    diags = check_hbm(s) + _check_each_buffer_fits(s)
+    diags = check_hbm(s) + check_each_buffer_fits(s)
     if diags:
         raise MkcError(diags)
     events = build_trace(s)
@@ -28,17 +28,3 @@ def run_checks(s: ir.ScheduleIR) -> list[Event]:
         raise MkcError(diags)
     return events
 
-
-def _check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
-    budget = vmem_budget_bytes(s)
-    diags = []
-    for b in s.buffers:
-        b = b.at_batch(s.batch_max)
-        if b.vmem_bytes > budget:
-            span = b.span if b.span.file == s.source else s.setting_spans.get("vmem", b.span)
-            diags.append(Diagnostic(
-                "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
-                f"at batch {s.batch_max}, over the budget of {budget / 2**20:.2f} MiB", span,
-                hint="fewer slots, smaller tiles or a smaller batch",
-                notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
-    return diags

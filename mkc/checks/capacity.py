@@ -145,9 +145,7 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     notes = [f"{b.name:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
              f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
     shrink = next(b for b in biggest if b.cls not in ("compiler", "input"))
-    span = shrink.span
-    if span.file != s.source:          # a buffer mkc adds itself: point at the vmem line
-        span = s.setting_spans.get("vmem", span)
+    span = _buffer_span(s, shrink)
     largest = f"the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
     hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
             "tightly")
@@ -164,6 +162,27 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
         f"{s.vmem_reserve / 2**20:.2f} MiB)", span, hint=hint,
         notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
         + notes)]
+
+
+def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
+    """Every buffer alone within the budget at the largest batch: checked on the IR before the
+    trace, whose size is bounded only for schedules that pass it (KV slots, say)."""
+    budget = vmem_budget_bytes(s)
+    diags = []
+    for b in s.buffers:
+        b = b.at_batch(s.batch_max)
+        if b.vmem_bytes > budget:
+            diags.append(Diagnostic(
+                "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
+                f"at batch {s.batch_max}, over the budget of {budget / 2**20:.2f} MiB",
+                _buffer_span(s, b), hint="fewer slots, smaller tiles or a smaller batch",
+                notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
+    return diags
+
+
+def _buffer_span(s: ir.ScheduleIR, b: ir.Buffer):
+    """Where the spec made the buffer; a buffer mkc adds itself points at the vmem line."""
+    return b.span if b.span.file == s.source else s.setting_spans.get("vmem", b.span)
 
 
 def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int) -> int | None:
