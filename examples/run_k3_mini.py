@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (finish, k3_mini_spec, load_generated,  # noqa: E402
                               reference_trajectory, rounding_for, run_kernel)
 
-from mkc.reference import kimi_k3 as reference  # noqa: E402
+from mkc.families.kimi_k3 import reference as reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,7 @@ from generated_module import (finish, load_generated, reference_trajectory,  # n
                               rounding_for, run_kernel)
 
 from mkc.checkpoint import load_checkpoint  # noqa: E402
-from mkc.reference import qwen3_5 as reference  # noqa: E402
+from mkc.families.qwen3_5 import reference as reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

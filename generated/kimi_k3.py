@@ -25,11 +25,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.model import kimi_k3_weights as hf_layout
-from mkc.model.kimi_k3_graph import KimiDims, KimiSharding, kimi_k3_geometry
-from mkc.ops import collectives
-from mkc.ops import kimi_k3 as ops
-from mkc.ops import pool as pool_ops
+from mkc.families.kimi_k3 import ops
+from mkc.families.kimi_k3 import weights as hf_layout
+from mkc.families.kimi_k3.config import KimiDims
+from mkc.families.kimi_k3.graph import KimiSharding, kimi_k3_geometry
+from mkc.runtime import collectives
+from mkc.runtime import pool as pool_ops
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -91,7 +92,7 @@ LATENT, LOCAL_EXPERTS, EXPERT_WIDTH = DIMS.latent, GEOMETRY.local_experts, GEOME
 PACK_GROUPS = hf_layout.pack_groups(DIMS, GEOMETRY)
 BLOCK = DIMS.block                        # attention-residual block size (model layers)
 N_SOURCES = 10                         # residual source slots in `blocks`
-# Pool staging: bf16 rows of 128 lanes (mkc.ops.pool layout). Attention view, per kind:
+# Pool staging: bf16 rows of 128 lanes (mkc.runtime.pool layout). Attention view, per kind:
 # family -> (first pool row, rows, cols, semaphore).
 POOLED = {"kda": {"gate_down": [0, 7168, 128, 0], "gate_up": [7168, 128, 384, 1], "o_proj": [100736, 384, 7168, 3], "projection": [7552, 7168, 1664, 2]}, "mla": {"key_up": [121856, 384, 512, 2], "kv_down": [86016, 7168, 640, 1], "q_down": [0, 7168, 1536, 0], "value_up": [123392, 512, 384, 3]}}
 EXPERT_SLOTS = 6
@@ -193,7 +194,7 @@ COLLECTIVES = {
 
 def _allreduce_stage(r, partial, name, size, stride):
     """Direct all-reduce over the `size` ranks base + i * stride through receive buffer `name`,
-    double-buffered by its use parity (`mkc.ops.collectives` holds the argument)."""
+    double-buffered by its use parity (`mkc.runtime.collectives` holds the argument)."""
     counter, _ = COLLECTIVES[name]
     return collectives.allreduce_stage(partial, getattr(r, name), getattr(r, name + "__send"),
                                        getattr(r, name + "__recv"), r.collective_count, counter,
@@ -741,7 +742,7 @@ _POOL_DTYPES = {"expert": {"down_codes": "u8", "down_scales": "u8", "gate_up_cod
 
 
 def _pool_form(kind, name):
-    """The HBM form of a pooled matrix (mkc.ops.pool.pack_for_pool): [panel rows, panels * 128]."""
+    """The HBM form of a pooled matrix (mkc.runtime.pool.pack_for_pool): [panel rows, panels * 128]."""
     rows, cols = (EXPERT_MATS[name] if kind == "expert" else POOLED[kind][name])[1:3]
     return (pool_ops.panel_rows(rows, _POOL_DTYPES[kind][name]), -(-cols // 128) * 128)
 

@@ -22,10 +22,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.model import qwen3_5_weights as hf_layout
-from mkc.model.config import ModelDims
-from mkc.ops import collectives
-from mkc.ops import qwen3_5 as ops
+from mkc.families.qwen3_5 import ops
+from mkc.families.qwen3_5 import weights as hf_layout
+from mkc.families.qwen3_5.config import Qwen35Dims
+from mkc.runtime import collectives
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -37,7 +37,7 @@ TOPOLOGY = "tpu7x=2x2x1"
 BATCH_RANGE = (1, 8)
 CONTEXT = 4096
 VMEM_LIMIT_BYTES = 67108864
-DIMS = ModelDims(**{'family': 'qwen3_5_text', 'head_dim': 256, 'hidden_size': 5120, 'intermediate_size': 17408, 'linear_conv_kernel_dim': 4, 'linear_key_head_dim': 128, 'linear_num_key_heads': 16, 'linear_num_value_heads': 48, 'linear_value_head_dim': 128, 'name': 'qwen3_8_27b', 'num_attention_heads': 24, 'num_hidden_layers': 64, 'num_key_value_heads': 4, 'rms_norm_eps': 1e-06, 'rope_theta': 10000000.0, 'rotary_dim': 64, 'vocab_size': 248320, 'layer_kinds': ('gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa')})
+DIMS = Qwen35Dims(**{'family': 'qwen3_5_text', 'head_dim': 256, 'hidden_size': 5120, 'intermediate_size': 17408, 'linear_conv_kernel_dim': 4, 'linear_key_head_dim': 128, 'linear_num_key_heads': 16, 'linear_num_value_heads': 48, 'linear_value_head_dim': 128, 'name': 'qwen3_8_27b', 'num_attention_heads': 24, 'num_hidden_layers': 64, 'num_key_value_heads': 4, 'rms_norm_eps': 1e-06, 'rope_theta': 10000000.0, 'rotary_dim': 64, 'vocab_size': 248320, 'layer_kinds': ('gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa')})
 N_LAYERS = 64
 KIND_IDS = {"gdn": 0, "gqa": 1}
 LAYER_KIND = (0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1)
@@ -167,7 +167,7 @@ COLLECTIVES = {
 
 def _allreduce_stage(r, partial, name, size, stride):
     """Direct all-reduce over the `size` ranks base + i * stride through receive buffer `name`,
-    double-buffered by its use parity (`mkc.ops.collectives` holds the argument)."""
+    double-buffered by its use parity (`mkc.runtime.collectives` holds the argument)."""
     counter, _ = COLLECTIVES[name]
     return collectives.allreduce_stage(partial, getattr(r, name), getattr(r, name + "__send"),
                                        getattr(r, name + "__recv"), r.collective_count, counter,

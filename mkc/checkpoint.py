@@ -1,11 +1,11 @@
 """Hugging Face checkpoint directories (config.json + safetensors) <-> numpy parameter dicts.
 
-Loading validates the tensor names and shapes against ``param_shapes`` of the qwen3_5_text family
-before reading any tensor data, so a wrong or partial download fails fast with a message naming
-the offending tensors. Published Qwen3.5 checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``):
-their language-model tensors live under ``model.language_model.`` and are renamed to the
-``Qwen3_5ForCausalLM`` names used here, while vision (``model.visual.``) and multi-token-prediction
-(``mtp.``) tensors are skipped, as upstream's ForCausalLM does.
+The config's ``model_type`` (or its ``text_config``'s) picks the family. Loading validates the
+tensor names and shapes against the family reference's ``param_shapes`` before reading any
+tensor data, so a wrong or partial download fails fast with a message naming the offending
+tensors. A family may rename stored prefixes and skip parts the decode step does not use (Qwen3.5
+checkpoints are multimodal: ``model.language_model.`` becomes ``model.``, and the vision tower
+and multi-token-prediction head are skipped, as upstream's ForCausalLM does).
 """
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mkc.reference.qwen3_5 import load_config, param_shapes
+from mkc import families
+from mkc.model.family import Family
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_RENAMED_PREFIXES = {"model.language_model.": "model."}
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 # Float formats accepted as stored; Qwen3.5 ships A_log and linear_attn.norm.weight as F32.
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _MAX_LISTED = 8
@@ -43,14 +42,24 @@ def _listing(names: list[str]) -> str:
     return shown + (f" ... and {more} more" if more > 0 else "")
 
 
-def _canonical(name: str) -> str | None:
+def _canonical(family: Family, name: str) -> str | None:
     """The ForCausalLM name of a stored tensor, or None if the tensor is not ours to load."""
-    if name.startswith(_SKIPPED_PREFIXES):
+    if name.startswith(family.skipped_prefixes):
         return None
-    for old, new in _RENAMED_PREFIXES.items():
+    for old, new in family.renamed_prefixes:
         if name.startswith(old):
             return new + name[len(old):]
     return name
+
+
+def family_of(config: Mapping[str, Any]) -> Family:
+    """The family whose `model_type` the config (or its text_config) names."""
+    text = config.get("text_config")
+    for model_type in (config.get("model_type"), isinstance(text, Mapping) and text.get("model_type")):
+        family = families.for_model_type(model_type)
+        if family is not None:
+            return family
+    raise ValueError(f"model_type {config.get('model_type')!r} is not one of {families.model_types()}")
 
 
 def _weight_files(root: Path) -> dict[Path, list[str] | None]:
@@ -84,7 +93,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
     """Read an HF checkpoint directory into (config.json as a dict, HF name -> numpy array).
 
     Arrays keep their stored dtype (bf16 as ``ml_dtypes.bfloat16``, or f32 where the checkpoint
-    stores f32); names are the ``Qwen3_5ForCausalLM`` ones of ``param_shapes``.
+    stores f32); names are the ForCausalLM ones of the family reference's ``param_shapes``.
     """
     root = Path(path)
     if not root.is_dir():
@@ -94,10 +103,12 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
         raise CheckpointError(f"{root}: missing {CONFIG_FILE}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        cfg = load_config(config)
-    except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+        family = family_of(config)
+        reference = family.module("reference")
+        cfg = reference.load_config(config)
+    except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{config_path}: unusable config ({e})") from e
-    expected = param_shapes(cfg)
+    expected = reference.param_shapes(cfg)
 
     # Pass 1: names, shapes and dtypes from the headers only.
     located: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, stored name)
@@ -111,7 +122,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
                     raise CheckpointError(f"{file}: tensors listed for it in {INDEX_FILE} are not in "
                                           f"the file: {_listing(absent)}")
                 for stored_name in sorted(stored):
-                    name = _canonical(stored_name)
+                    name = _canonical(family, stored_name)
                     if name is None:
                         continue
                     if name not in expected:

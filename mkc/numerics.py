@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from mkc import families
 from mkc import ir as mir
 from mkc.reference.rounding import Reduce, Rounding
 
@@ -120,7 +121,6 @@ SENSITIVITY_COPIES = 16
 SENSITIVITY_SAFETY = 10.0
 EMULATION_FLIPS = {"logits_frob": 1e-3, "states": 5e-5}
 PLAIN_LOGITS = 0.03
-PLAIN_STATE = {"qwen3_5_text": 1.5e-2, "kimi_k3": 3e-2}
 
 STATE_KINDS = ("recurrent_state", "conv_state", "key_cache", "value_cache", "latent_cache")
 
@@ -247,7 +247,7 @@ def failures(summary: Mapping) -> list[str]:
     steps = summary.get("steps") or []
     if not steps:
         return ["no steps ran"]
-    plain_state = PLAIN_STATE[summary["family"]]
+    plain_state = families.get(summary["family"]).plain_state_tolerance
     check = emulation_check(summary)
     carried = None
     for s in steps:

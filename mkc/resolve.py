@@ -10,12 +10,11 @@ import re
 import sys
 from pathlib import Path
 
-from mkc import ir, target
+from mkc import families, ir, target
 from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
 from mkc.model.config import dims_from_config, read_config, resolve_config_path
-from mkc.model.graph import DecodeGraph, ShardingError, build_graph, shard_classes
-from mkc.ops.pool import ROW_BYTES, pooled_rows
+from mkc.model.graph import DecodeGraph, ShardingError, build_graph
 
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
@@ -190,7 +189,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                    hint="the reserve is headroom for compiler scratch: a few MiB")
 
     # --- sharding -------------------------------------------------------------------------
-    classes = shard_classes(dims.family)
+    family = families.get(dims.family)
+    classes = family.shard_classes
     rules: dict[str, tuple[int, int]] = {}
     shard_span: dict[str, Span] = {}
     for s in sched.shards:
@@ -207,7 +207,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
                    "lowering places every dimension class", sched.name.span,
                    hint=f"add `shard {unsharded[0]} over {axis}`")
     try:
-        graph = build_graph(dims, rules, ranks)
+        graph = build_graph(dims, family.build(dims, rules, ranks), ranks)
     except ShardingError as e:
         span = shard_span.get(e.dim_class or "", next(iter(shard_span.values()), sched.name.span))
         raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
@@ -321,8 +321,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
 
 def _pooled_bytes(rows: int, cols: int, dtype: str) -> int:
     """Bytes of a matrix in a pool; the layout (128-lane bf16 column panels of whole tiles,
-    u8 data two rows per element) is defined once, in `mkc.ops.pool`."""
-    return pooled_rows(rows, cols, dtype) * ROW_BYTES
+    u8 data two rows per element) is defined once, in `mkc.runtime.pool`."""
+    return ir.pooled_rows(rows, cols, dtype) * ir.POOL_ROW_BYTES
 
 
 def _resolve_pools(sched: ast.Schedule, graph: DecodeGraph

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from generated_module import k3_mini_spec, load_generated  # noqa: E402
 
-from mkc.reference import kimi_k3 as reference  # noqa: E402
+from mkc.families.kimi_k3 import reference as reference  # noqa: E402
 
 
 def main(process_id: int, port: int) -> int:

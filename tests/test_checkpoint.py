@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mkc.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from mkc.reference import qwen3_5 as ref
+from mkc.families.qwen3_5 import reference as ref
 
 MINI_JSON = Path(__file__).resolve().parents[1] / "mkc" / "model" / "configs" / "qwen3_8_mini.json"
 

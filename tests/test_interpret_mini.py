@@ -10,7 +10,7 @@ import pytest
 from conftest import run_python
 from mkc import numerics
 from mkc.checkpoint import save_checkpoint
-from mkc.reference import qwen3_5 as reference
+from mkc.families.qwen3_5 import reference as reference
 from tests_support import ROOT, run_example
 
 

@@ -4,7 +4,7 @@ The python block under that heading is run verbatim in a fresh interpreter on CP
 device count it needs (`XLA_FLAGS=--xla_force_host_platform_device_count=RANKS`), against the
 MINI config compiled from the same spec into a temporary `generated/` package under the module
 name the snippet imports. Before it, a preamble defines the names the README says the reader
-provides: `hf_params` (small random HF-named weights from `mkc.reference.qwen3_5.init_params`),
+provides: `hf_params` (small random HF-named weights from `mkc.families.qwen3_5.reference.init_params`),
 `B`, `tokens`, `positions`, and `interpret` (interpret mode with eager DMAs, as on CPU).
 """
 import json
@@ -25,7 +25,7 @@ PREAMBLE = f"""\
 import json
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
-from mkc.reference import qwen3_5
+from mkc.families.qwen3_5 import reference as qwen3_5
 
 _config = json.loads(open({str(ROOT / "mkc/model/configs" / (MODEL + ".json"))!r}).read())
 hf_params = qwen3_5.init_params(qwen3_5.load_config(_config), seed=0)

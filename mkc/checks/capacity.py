@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 
-from mkc import ir
+from mkc import families, ir
 from mkc.diagnostics import Diagnostic, Span
 from mkc.trace import Event
 
@@ -33,16 +33,6 @@ from mkc.trace import Event
 # grants a kernel asked for 64 MiB).
 XLA_RESERVED_VMEM = 64 << 10
 
-# Compiler scratch (spill slots + internal scratch) that libtpu allocated for the generated
-# kernels, by model family: (batch, bytes) points with 128-token KV tiles, the largest seen
-# over the variants of benchmarks/data/vmem_sweep.json at that batch (ring slots and tiles do
-# not move it; `vmem_sweep.py --fit` prints this table from the data), never falling as the
-# batch grows. Between points: linear; past the last: its slope. A family never measured
-# gets the largest of the known ones.
-COMPILER_SCRATCH: dict[str, list[tuple[int, int]]] = {
-    "qwen3_5_text": [(1, 60826), (8, 860324), (16, 2031288)],
-    "kimi_k3": [(1, 1229783), (8, 1229783), (16, 1627914)],
-}
 # Longer KV tiles add spill slots in the attention (Qwen: +417 KB at B8 from 128 to 512 tokens,
 # +113 KB at B16 from 128 to 256): bytes per token of the longest KV tile past 128.
 KV_TOKEN_SCRATCH = 1100
@@ -85,21 +75,16 @@ def _interpolate(points: list[tuple[int, int]], batch: int) -> int:
 def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
     """Modelled compiler scratch of the kernel built at `batch` (default: the largest)."""
     batch = batch or s.batch_max
-    if s.family in COMPILER_SCRATCH:
-        n = _interpolate(COMPILER_SCRATCH[s.family], batch)
-    else:
-        n = max(_interpolate(p, batch) for p in COMPILER_SCRATCH.values())
+    n = _interpolate(families.get(s.family).compiler_scratch, batch)
     tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=KV_BASE_TOKENS)
     n += KV_TOKEN_SCRATCH * max(0, tokens - KV_BASE_TOKENS) + COMPILER_SCRATCH_MARGIN
     return -(-n // 1024) * 1024
 
 
 def vmem_inputs(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
-    """Kernel inputs the generated module passes in VMEM (outputs are IR buffers, class
-    "output"). The Qwen-family template passes the rotary table [2, B, head_dim] f32."""
-    if s.family == "kimi_k3":
-        return []
-    return [ir.Buffer("rope", "input", (2, batch, s.dims["head_dim"]), "f32", batch_axis=1)]
+    """Kernel inputs the family's module passes in VMEM (outputs are IR buffers, class
+    "output")."""
+    return families.get(s.family).vmem_inputs(s, batch)
 
 
 def vmem_window_bytes(s: ir.ScheduleIR, batch: int) -> int:

@@ -8,60 +8,25 @@ from pathlib import Path
 import jinja2
 
 import mkc
+import mkc.families
 from mkc import ir
+from mkc.model.family import Family
 from mkc.program import layer_program
 
 _TEMPLATES = Path(__file__).with_name("templates")
 _JNP = {"bf16": "jnp.bfloat16", "f32": "jnp.float32", "int32": "jnp.int32"}
 
 
-def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=False,
+def _env(family: Family) -> jinja2.Environment:
+    """Templates of the family's package first, then the shared ones."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader([family.directory(), _TEMPLATES]),
+                             autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["jnp"] = lambda d: _JNP[d]
     # Free text (file names) only reaches the module docstring, restricted to safe characters.
     env.filters["safe_text"] = lambda t: re.sub(r"[^A-Za-z0-9_.\-]", "_", str(t))
     return env
-
-
-# Per family: its module template and the ops that template lowers.
-TEMPLATES = {"qwen3_5_text": "module.py.j2", "kimi_k3": "kimi_k3.py.j2"}
-LOWERED_OPS = {
-    "qwen3_5_text": {"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "down", "out_proj",
-                     "o_proj", "attn_residual", "mlp_residual", "conv", "delta_rule", "gated_norm",
-                     "qk_norm_rope", "kv_write", "attention", "out_gate"},
-    "kimi_k3": {"input_mix", "mlp_mix", "attn_residual", "mlp_residual", "gate_down", "gate_up",
-                "projection", "conv", "delta_rule", "gated_norm", "o_proj", "q_down", "kv_down",
-                "latent_norms", "kv_write", "q_up", "absorb_query", "attention", "values_out",
-                "gate", "out_gate", "router", "route", "latent_down", "shared_gate_up",
-                "shared_down", "routed_experts", "latent_norm", "latent_up", "down"},
-}
-
-
-def _kimi_k3(s: ir.ScheduleIR) -> dict:
-    """Pool layout and sharding facts the K3 template prints as constants."""
-    pool = s.pools[0]
-    weights = next(v for v in pool.views if v.slots == 0)
-    experts = next(v for v in pool.views if v.slots > 0)
-    pooled = {kind: {m.name: [m.offset // 256, m.rows, m.cols, i] for i, m in enumerate(mats)}
-              for kind, mats in sorted(weights.matrices.items())}
-    dtypes = {kind: {m.name: m.dtype for m in mats} for kind, mats in weights.matrices.items()}
-    dtypes["expert"] = {m.name: m.dtype for m in experts.matrices["expert"]}
-    return {
-        "pool": pool.name, "pool_rows": pool.nbytes // 256,
-        "pooled": pooled, "pool_dtypes": dtypes,
-        "pool_sems": max(len(mats) for mats in weights.matrices.values()),
-        "expert_slots": experts.slots, "expert_slot_rows": experts.slot_bytes // 256,
-        "expert_mats": {m.name: [m.offset // 256, m.rows, m.cols] for m in experts.matrices["expert"]},
-        "worst_experts": min(s.top_k * s.batch_max, s.per_rank["local_experts"]),
-        "sources": next(b.shape[0] for b in s.buffers if b.name == "blocks"),
-        "expert_tp": s.per_rank["expert_tp"], "host_cores": s.per_rank["host_cores"],
-        "router_split": s.per_rank["router_split"],
-        "pooled_inputs": [f"pool__{kind}__{name}" for kind, mats in pooled.items() for name in mats],
-        "expert_inputs": [f"expert__{m.name}" for m in experts.matrices["expert"]],
-        "state_names": ["kda__conv", "kda__recurrent", "mla__latent"],
-    }
 
 
 def _geometry(s: ir.ScheduleIR, kind_ids: dict[str, int], sem_index: dict[str, int],
@@ -108,16 +73,17 @@ def render(s: ir.ScheduleIR, spec_text: str) -> str:
     cache_arrays = [(name, c) for name in sorted(s.kinds) if s.kinds[name].kv
                     for c in ("key", "value")]
     resident = [b for b in s.buffers if b.scope is None]
-    unknown = {op for k in s.kinds.values() for op in k.ops} - LOWERED_OPS[s.family]
+    family = mkc.families.get(s.family)
+    unknown = {op for k in s.kinds.values() for op in k.ops} - family.lowered_ops
     if unknown:
         raise ValueError(f"no lowering for ops {sorted(unknown)}")
     # Each receive buffer has its own send/receive semaphores and use counter (its parity).
     collectives = [b for b in s.buffers if b.cls == "collective"]
-    return _env().get_template(TEMPLATES[s.family]).render(
+    return _env(family).get_template(family.template).render(
         s=s, d=s.dims, version=mkc.__version__, digest=digest, plans=plans,
         families=families, kind_ids=kind_ids, g=_geometry(s, kind_ids, sem_index, misc_sems),
         sem_index=sem_index, misc_sems=misc_sems,
         n_sems=len(sem_index) + len(misc_sems), state_arrays=state_arrays,
         cache_arrays=cache_arrays, resident=resident, collectives=collectives,
         all_families=[f for fs in s.stream.families.values() for f in fs] + s.stream.tail,
-        k3=_kimi_k3(s) if s.family == "kimi_k3" else None)
+        facts=family.template_facts(s) if family.template_facts else None)

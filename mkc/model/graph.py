@@ -1,18 +1,18 @@
 """The model graph of one decode step: ops as networkx nodes, each with the tensors it touches.
 
 Layer kinds are op templates instantiated per layer. Shapes are per rank once shard rules
-(dimension class -> (ways, stride)) are applied; `build_graph` dispatches on the model family
-(Qwen 3.5 here, Kimi K3 in `kimi_k3_graph`).
+(dimension class -> (ways, stride)) are applied; each family's package (`mkc.families`)
+builds its kinds, and `build_graph` strings them into one step.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
 from mkc.ir import MatrixFacts, OpFacts
-from mkc.model.config import ModelDims
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class DecodeGraph:
-    dims: ModelDims             # or KimiDims: the fields every family shares are used generically
+    dims: Any                   # the family's dims: family, name, hidden_size, layer_kinds... are shared
     ranks: int
     kinds: dict[str, LayerKind]
     globals: dict[str, Tensor]
@@ -109,151 +109,34 @@ def lane_pad(n: int) -> int:
     return -(-n // 128) * 128
 
 
-def _split(total: int, ways: int, what: str) -> int:
-    if total % ways:
-        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks")
+def split(total: int, ways: int, what: str, dim_class: str | None = None) -> int:
+    """total / ways, or a ShardingError naming the dimension that does not divide."""
+    if ways <= 0 or total % ways:
+        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks", dim_class)
     return total // ways
 
 
-def _qwen35_kinds(d: ModelDims, heads: int, mlp: int
-                  ) -> tuple[dict[str, LayerKind], dict[str, int]]:
-    H = d.hidden_size
-    nk = _split(d.linear_num_key_heads, heads, "linear_num_key_heads")
-    nv = _split(d.linear_num_value_heads, heads, "linear_num_value_heads")
-    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
-    conv_ch = 2 * nk * dk + nv * dv
-    inter = _split(d.intermediate_size, mlp, "intermediate_size")
-    nq = _split(d.num_attention_heads, heads, "num_attention_heads")
-    # KV heads split when there are enough, else each rank holds a replica of its group's head.
-    if d.num_key_value_heads >= heads:
-        nkv = _split(d.num_key_value_heads, heads, "num_key_value_heads")
-    else:
-        _split(heads, d.num_key_value_heads, "ranks per num_key_value_heads")
-        nkv = 1
-    hd = d.head_dim
+@dataclass(frozen=True)
+class FamilyGraph:
+    """What a family's graph builder returns: its layer kinds and globals, per rank."""
 
-    def mlp_tensors() -> dict[str, Tensor]:
-        return {
-            "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
-            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=True),
-            "input_norm": Tensor("input_norm", "vector", (H,), "f32"),
-            "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
-        }
-
-    mlp_ops = (
-        Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
-        Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
-        Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
-        Op("mlp_residual", reads=("mlp_out", "x"), writes=("x",)),
-    )
-    gdn = LayerKind("gdn", ops=(
-        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
-        Op("in_proj", reads=("h",), writes=("proj",), matmul="in_proj"),
-        Op("conv", reads=("proj", "conv_weight", "conv"), writes=("qkv", "conv")),
-        Op("delta_rule", reads=("qkv", "proj", "A_log", "dt_bias", "recurrent"),
-           writes=("core", "recurrent")),
-        Op("gated_norm", reads=("core", "proj", "norm"), writes=("core",)),
-        Op("out_proj", reads=("core",), writes=("attn_out",), matmul="out_proj"),
-        Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
-    ) + mlp_ops, tensors={
-        # Columns [q | k | v | z | b | a]; b and a each padded to a lane tile so every
-        # section starts on a 128-lane boundary in the kernel.
-        "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * lane_pad(nv)), "bf16"),
-        "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=True),
-        "conv_weight": Tensor("conv_weight", "vector", (d.linear_conv_kernel_dim, conv_ch), "f32"),
-        "A_log": Tensor("A_log", "vector", (nv,), "f32"),
-        "dt_bias": Tensor("dt_bias", "vector", (nv,), "f32"),
-        "norm": Tensor("norm", "vector", (dv,), "f32"),
-        "conv": Tensor("conv", "state", (d.linear_conv_kernel_dim - 1, conv_ch), "f32"),
-        "recurrent": Tensor("recurrent", "state", (nv, dk, dv), "f32"),
-        **mlp_tensors(),
-    })
-    gqa = LayerKind("gqa", ops=(
-        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
-        Op("qkv_gate", reads=("h",), writes=("proj",), matmul="qkv_gate"),
-        Op("qk_norm_rope", reads=("proj", "q_norm", "k_norm"), writes=("q", "k_new")),
-        Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
-        Op("attention", reads=("q", "key", "value"), writes=("core",)),
-        Op("out_gate", reads=("core", "proj"), writes=("core",)),
-        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-        Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
-    ) + mlp_ops, tensors={
-        "qkv_gate": Tensor("qkv_gate", "matrix", (H, 2 * nq * hd + 2 * nkv * hd), "bf16"),
-        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=True),
-        "q_norm": Tensor("q_norm", "vector", (hd,), "f32"),
-        "k_norm": Tensor("k_norm", "vector", (hd,), "f32"),
-        "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token; [ctx, ...] in HBM
-        "value": Tensor("value", "cache", (nkv, hd), "bf16"),
-        **mlp_tensors(),
-    })
-    norm = OpFacts(vector_per_row=4 * H)
-    mlp_facts = {"post_norm": norm, "gate_up": OpFacts(vector_per_row=8 * inter),   # SiLU * up
-                 "mlp_residual": OpFacts(vector_per_row=2 * H)}
-    state = nv * dk * dv
-    gdn = with_facts(gdn, mlp_facts | {
-        "input_norm": norm,
-        "conv": OpFacts(vector_per_row=(2 * d.linear_conv_kernel_dim + 6) * conv_ch),
-        # decay and rank-1 update on the state (VPU); k.S and q.S through the MXU
-        "delta_rule": OpFacts(vector_per_row=4 * state + 16 * (nk * dk + nv * dv),
-                              mxu_per_row=2 * state),
-        "gated_norm": OpFacts(vector_per_row=10 * nv * dv),
-        "attn_residual": OpFacts(vector_per_row=2 * H)})
-    gqa = with_facts(gqa, mlp_facts | {
-        "input_norm": norm,
-        "qk_norm_rope": OpFacts(vector_per_row=10 * (nq + nkv) * hd),
-        "kv_write": OpFacts(vector_per_row=2 * nkv * hd),
-        "attention": OpFacts(cache_per_token=2 * nkv * hd, vector_per_token=6 * nq),
-        "out_gate": OpFacts(vector_per_row=6 * nq * hd),
-        "attn_residual": OpFacts(vector_per_row=2 * H)})
-    per_rank = {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch, "nq": nq,
-                "nkv": nkv, "inter": inter,
-                # lane offsets of in_proj's b and a sections ([q | k | v | z | b | a])
-                "b_off": conv_ch + nv * dv, "a_off": conv_ch + nv * dv + lane_pad(nv)}
-    return {"gdn": gdn, "gqa": gqa}, per_rank
+    kinds: dict[str, LayerKind]
+    globals: dict[str, Tensor]           # embed, final_norm, lm_head
+    per_rank: dict[str, int]             # sizes its compute bodies index by
+    tail_facts: dict[str, OpFacts]       # compute facts of embed, final_norm, lm_head
+    experts: dict[str, Tensor] = field(default_factory=dict)   # one routed expert's families
+    # Model-specific VMEM activations: name -> (shape with -1 for the batch dim, dtype).
+    activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
 
-QWEN_SHARD_CLASSES = ("heads", "mlp", "vocab")
-
-
-def shard_classes(family: str) -> tuple[str, ...]:
-    """The dimension classes a family's spec must place with `shard CLASS over GROUP`."""
-    from mkc.model.kimi_k3_graph import KIMI_SHARD_CLASSES
-    return KIMI_SHARD_CLASSES if family == "kimi_k3" else QWEN_SHARD_CLASSES
-
-
-def build_graph(dims, rules: dict[str, tuple[int, int]], ranks: int) -> DecodeGraph:
-    """Instantiate the decode-step graph. `rules` maps each dimension class to (ways, stride):
-    rank r holds shard (r // stride) % ways, replicated over the other ranks."""
-    if dims.family == "kimi_k3":
-        from mkc.model.kimi_k3_graph import (KimiSharding, kimi_k3_activations, kimi_k3_kinds,
-                                             kimi_k3_tail_facts)
-        sharding = KimiSharding.from_rules(rules, ranks)
-        kinds, experts, glob, per_rank = kimi_k3_kinds(dims, sharding)
-        activations = kimi_k3_activations(dims, sharding)
-        tail_facts = kimi_k3_tail_facts(dims, sharding)
-    else:
-        for cls in QWEN_SHARD_CLASSES:
-            if rules[cls] != (ranks, 1):
-                raise ShardingError(f"the {dims.family} lowering is tensor parallel over the whole "
-                                    f"mesh: write `shard {cls} over tp`")
-        kinds, per_rank = _qwen35_kinds(dims, ranks, ranks)
-        experts, activations = {}, {}
-        v_local = _split(dims.vocab_size, ranks, "vocab_size")
-        per_rank["vocab"] = v_local
-        H = dims.hidden_size
-        glob = {
-            "embed": Tensor("embed", "table", (v_local, H), "bf16"),
-            "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
-            "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
-        }
-        tail_facts = {"embed": OpFacts(vector_per_row=2 * H),
-                      "final_norm": OpFacts(vector_per_row=4 * H),
-                      "lm_head": OpFacts(vector_per_row=4 * v_local)}   # logits, argmax
+def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
+    """The decode-step graph: the family's layer kinds instantiated per layer, between the
+    embedding and the final norm and lm_head."""
     g = nx.DiGraph()
     g.add_node("embed", op="embed", layer=None, kind=None, reads=("embed",), writes=("x",))
     prev = "embed"
     for i, kind_name in enumerate(dims.layer_kinds):
-        kind = kinds[kind_name]
+        kind = fg.kinds[kind_name]
         for op in kind.ops:
             node = f"layers.{i}.{op.name}"
             g.add_node(node, op=op.name, layer=i, kind=kind_name, reads=op.reads,
@@ -266,6 +149,6 @@ def build_graph(dims, rules: dict[str, tuple[int, int]], ranks: int) -> DecodeGr
                matmul="lm_head")
     g.add_edge(prev, "final_norm")
     g.add_edge("final_norm", "lm_head")
-    return DecodeGraph(dims=dims, ranks=ranks, kinds=kinds, globals=glob, graph=g,
-                       per_rank=per_rank, experts=experts, activations=activations,
-                       tail_facts=tail_facts)
+    return DecodeGraph(dims=dims, ranks=ranks, kinds=fg.kinds, globals=fg.globals, graph=g,
+                       per_rank=fg.per_rank, experts=fg.experts, activations=fg.activations,
+                       tail_facts=fg.tail_facts)

@@ -1,1 +1,1 @@
-"""Pure-JAX reference models: independent oracles for the kernels (they share no code with them)."""
+"""What the families' pure-JAX references share: where a kernel rounds (`rounding`)."""

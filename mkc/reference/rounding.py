@@ -1,6 +1,6 @@
 """Where a compiled kernel rounds: the facts a reference needs to emulate it, and the math.
 
-A reference (``mkc.reference.qwen3_5``, ``mkc.reference.kimi_k3``) computes in f32 by default.
+A family's reference (``mkc.families.<family>.reference``) computes in f32 by default.
 Given a ``Rounding`` it instead rounds where the generated kernel does, so that the kernel and
 the reference agree to about f32 rounding rather than bf16 rounding:
 
@@ -100,7 +100,7 @@ def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:
 
     Stage (size, stride): rank r is member ``(r // stride) % size`` of the group
     ``base + i * stride``; it receives every member's value rounded to the wire dtype and adds
-    them in f32 in member order (member 0 first), as ``mkc.ops.collectives.allreduce_stage``
+    them in f32 in member order (member 0 first), as ``mkc.runtime.collectives.allreduce_stage``
     does, so the emulation is exact up to the f32 rounding of the partial sums themselves.
     """
     values = [p.astype(jnp.float32) for p in partials]

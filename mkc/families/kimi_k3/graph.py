@@ -10,85 +10,17 @@ of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes and E8M0 scales, 
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from mkc.ir import MatrixFacts, OpFacts
-from mkc.model.graph import LayerKind, Op, ShardingError, Tensor, lane_pad, with_facts
+from mkc.families.kimi_k3.config import KimiDims
+from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split, with_facts
 
 MX_BLOCK = 32                    # MXFP4: one E8M0 scale per 32 values
-KIMI_SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
+SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
 _WHOLE_MESH = ("heads", "mlp", "vocab", "latent_down")
-
-
-@dataclass(frozen=True)
-class KimiDims:
-    """The K3 dimensions mkc needs, read from upstream-style config keys."""
-
-    family: str
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    rms_norm_eps: float
-    dense_width: int             # layer 0's MLP (first_k_dense_replace = 1)
-    heads: int                   # KDA and MLA heads
-    head_dim: int                # KDA head dim and MLA nope / value dim
-    conv_taps: int
-    gate_lower_bound: float
-    q_lora: int
-    kv_lora: int
-    qk_extra: int                # the 64 shared extra key dims (qk_rope_head_dim, NoPE)
-    experts: int
-    top_k: int
-    shared_experts: int
-    expert_width: int            # moe_intermediate_size
-    latent: int                  # routed_expert_hidden_size
-    block: int                   # attention-residual block size
-    situ_beta: float
-    situ_linear_beta: float
-    routed_scaling: float
-    layer_kinds: tuple[str, ...]   # one per sublayer: attention kind, then MLP kind
-
-    @staticmethod
-    def from_config(raw: dict, name: str = "kimi_k3") -> "KimiDims":
-        lin = raw["linear_attn_config"]
-        n = int(raw["num_hidden_layers"])
-        mla = {int(i) - 1 for i in lin["full_attn_layers"]}     # 1-based upstream
-        dense = int(raw.get("first_k_dense_replace", 0))
-        kinds: list[str] = []
-        for i in range(n):
-            kinds += ["mla" if i in mla else "kda", "dense" if i < dense else "moe"]
-        return KimiDims(
-            family="kimi_k3", name=re.sub(r"[^A-Za-z0-9_]", "_", name) or "model",
-            hidden_size=int(raw["hidden_size"]), num_hidden_layers=n,
-            vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
-            dense_width=int(raw["intermediate_size"]), heads=int(raw["num_attention_heads"]),
-            head_dim=int(lin["head_dim"]), conv_taps=int(lin["short_conv_kernel_size"]),
-            gate_lower_bound=float(lin["gate_lower_bound"]),
-            q_lora=int(raw["q_lora_rank"]), kv_lora=int(raw["kv_lora_rank"]),
-            qk_extra=int(raw["qk_rope_head_dim"]), experts=int(raw["num_experts"]),
-            top_k=int(raw["num_experts_per_token"]),
-            shared_experts=int(raw["num_shared_experts"]),
-            expert_width=int(raw["moe_intermediate_size"]),
-            latent=int(raw["routed_expert_hidden_size"]),
-            block=int(raw["attn_res_block_size"]),
-            situ_beta=float(raw["activation_situ_beta"]),
-            situ_linear_beta=float(raw["activation_situ_linear_beta"]),
-            routed_scaling=float(raw.get("routed_scaling_factor", 1.0)), layer_kinds=tuple(kinds))
-
-    @staticmethod
-    def load(path: str | Path) -> "KimiDims":
-        return KimiDims.from_config(json.loads(Path(path).read_text()), Path(path).stem)
-
-    def layer_plan(self) -> list[tuple[str, str]]:
-        """(attention kind, MLP kind) per layer."""
-        k = self.layer_kinds
-        return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
 
 
 @dataclass(frozen=True)
@@ -126,12 +58,6 @@ class KimiSharding:
                                     cls)
         return KimiSharding(ranks=ranks, expert_tp=tp, host_cores=rules["latent_up"][0],
                             router_split=rules["router"][0])
-
-
-def _split(total: int, ways: int, what: str, dim_class: str | None = None) -> int:
-    if ways <= 0 or total % ways:
-        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks", dim_class)
-    return total // ways
 
 
 def _ceil_split(total: int, ways: int) -> int:
@@ -178,18 +104,18 @@ class KimiGeometry:
 def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
     if sh.ranks % sh.expert_tp:
         raise ShardingError(f"{sh.ranks} ranks do not form groups of expert_tp = {sh.expert_tp}")
-    heads = _split(d.heads, sh.ranks, "attention heads", "heads")
-    local = _split(d.experts, sh.expert_groups, "routed experts", "experts")
-    width = _split(d.expert_width, sh.expert_tp, "expert width", "expert_mlp")
+    heads = split(d.heads, sh.ranks, "attention heads", "heads")
+    local = split(d.experts, sh.expert_groups, "routed experts", "experts")
+    width = split(d.expert_width, sh.expert_tp, "expert width", "expert_mlp")
     if width % (2 * MX_BLOCK):
         raise ShardingError(f"an expert's width slice of {width} is not a multiple of "
                             f"{2 * MX_BLOCK} (MXFP4 blocks of {MX_BLOCK}, two codes per byte)",
                             "expert_mlp")
-    _split(d.hidden_size, sh.host_cores, "hidden size (latent_up columns)", "latent_up")
+    split(d.hidden_size, sh.host_cores, "hidden size (latent_up columns)", "latent_up")
     latent_cols = lane_pad(_ceil_split(d.latent, sh.ranks))       # 112 -> 128, zero padded
     return KimiGeometry(
         heads=heads, kda_cols=3 * heads * d.head_dim + heads * d.head_dim + lane_pad(heads),
-        shared=_split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width", "mlp"),
+        shared=split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width", "mlp"),
         dense=-(-_ceil_split(d.dense_width, sh.ranks) // 128) * 128,
         latent_cols=latent_cols, latent_gathered=latent_cols * sh.ranks,
         # The reference pads the hidden size to 8192 here (1024 columns per core); an exact
@@ -343,7 +269,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         mlp_residual,
     ), tensors={**fam["dense"], **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
     kda, mla, moe, dense = _with_k3_facts(d, sh, g, kda, mla, moe, dense)
-    vocab = _split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
+    vocab = split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
     glob = {
         "embed": Tensor("embed", "table", (vocab, H), "bf16"),
         "final_norm": _v("final_norm", H),
@@ -395,7 +321,7 @@ def _with_k3_facts(d: KimiDims, sh: KimiSharding, g: KimiGeometry, *kinds: Layer
 
 
 def kimi_k3_tail_facts(d: KimiDims, sh: KimiSharding) -> dict[str, OpFacts]:
-    vocab = _split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
+    vocab = split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
     return {"embed": OpFacts(vector_per_row=2 * d.hidden_size),
             "final_norm": OpFacts(vector_per_row=_mix_elems(d)),
             "lm_head": OpFacts(vector_per_row=4 * vocab)}
@@ -410,7 +336,7 @@ def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding) -> dict[str, int]:
     fam = kimi_k3_families(d, sh)
     kinds = d.layer_kinds
     moe_layers = kinds.count("moe")
-    vocab = _split(d.vocab_size, sh.ranks, "vocab")
+    vocab = split(d.vocab_size, sh.ranks, "vocab")
     return {
         "attention": sum(family_bytes(fam[k]) for k in kinds if k in ("kda", "mla")),
         "dense mlp": kinds.count("dense") * family_bytes(fam["dense"]),
@@ -418,3 +344,11 @@ def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding) -> dict[str, int]:
         "routed experts": moe_layers * (d.experts // sh.expert_groups) * family_bytes(fam["expert"]),
         "embedding and lm_head": 2 * vocab * d.hidden_size * 2,
     }
+
+
+def build(d: KimiDims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
+    sharding = KimiSharding.from_rules(rules, ranks)
+    kinds, experts, glob, per_rank = kimi_k3_kinds(d, sharding)
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, experts=experts,
+                       activations=kimi_k3_activations(d, sharding),
+                       tail_facts=kimi_k3_tail_facts(d, sharding))

@@ -12,7 +12,8 @@ A pool is one ``pltpu.VMEM((pool_rows, 128), bfloat16)`` scratch time-shared by 
   which is how ``pltpu.bitcast(value, uint8)`` unpacks [n, 128] bf16 into [2n, 128] uint8;
 * ``panel_rows`` rounds up to whole (16, 128) bf16 tiles so every panel starts tile aligned.
 
-Bytes per matrix are ``pooled_rows * 256``, equal to ``mkc.resolve._pooled_bytes``.
+Bytes per matrix are ``pooled_rows * 256``, equal to ``mkc.resolve._pooled_bytes``
+(the geometry lives in ``mkc.ir``, which the checks read).
 
 A DMA cannot change dtype (uint8 HBM -> bf16 VMEM is rejected) and cannot transpose, so the
 HBM form (``pack_for_pool``) is the natural [rows, cols] layout in pool rows: bf16 as is,
@@ -33,31 +34,10 @@ from mkc import ir
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 LANES = ir.LANES
-TILE_ROWS = ir.SUBLANE_TILE["bf16"]     # bf16 pool rows per (16, 128) tile
-ROW_BYTES = LANES * 2                   # bytes per pool row
-
-
-def _itemsize(dtype: str | np.dtype | type) -> int:
-    """Bytes per element of an IR dtype name ("bf16", "u8", ...) or a numpy/jax dtype."""
-    size = ir.DTYPE_BYTES[dtype] if isinstance(dtype, str) else np.dtype(dtype).itemsize
-    if size not in (1, 2):
-        raise ValueError(f"a pool holds bf16 or 1-byte (uint8) matrices, not {dtype}")
-    return size
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def panel_rows(rows: int, dtype: str | np.dtype | type) -> int:
-    """Pool (bf16) rows of one column panel of a [rows, *] matrix: 1-byte data two rows per
-    pool row, rounded up to whole (16, 128) tiles."""
-    return _round_up(-(-rows * _itemsize(dtype) // 2), TILE_ROWS)
-
-
-def pooled_rows(rows: int, cols: int, dtype: str | np.dtype | type) -> int:
-    """Pool rows a [rows, cols] matrix occupies (its bytes / 256)."""
-    return -(-cols // LANES) * panel_rows(rows, dtype)
+TILE_ROWS = ir.POOL_TILE_ROWS
+ROW_BYTES = ir.POOL_ROW_BYTES
+_itemsize, _round_up = ir.pool_itemsize, ir._round_up
+panel_rows, pooled_rows = ir.panel_rows, ir.pooled_rows
 
 
 def pack_for_pool(a: np.ndarray) -> np.ndarray:

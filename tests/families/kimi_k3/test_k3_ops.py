@@ -1,5 +1,5 @@
 """The Kimi K3 op library inside Pallas kernels: every op runs in a grid-less ``pallas_call`` in TPU
-interpret mode against the reference building blocks (``mkc.reference.kimi_k3``) or numpy, the
+interpret mode against the reference building blocks (``mkc.families.kimi_k3.reference``) or numpy, the
 absorbed MLA and one KDA layer against the reference layers, and a compile-only check lowers a
 kernel using all ops through Mosaic for tpu7x."""
 from __future__ import annotations
@@ -18,11 +18,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import run_python
+from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
-from mkc.ops import kimi_k3 as ops
-from mkc.reference import kimi_k3 as ref
+from mkc.families.kimi_k3 import ops as ops
+from mkc.families.kimi_k3 import reference as ref
 
-MINI_JSON = Path(__file__).resolve().parents[2] / "mkc" / "model" / "configs" / "kimi_k3_mini.json"
+MINI_JSON = CONFIG_DIR / "kimi_k3_mini.json"
 VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
 SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
 F32 = jnp.float32
@@ -358,7 +359,7 @@ import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
-from mkc.ops import kimi_k3 as ops
+from mkc.families.kimi_k3 import ops as ops
 
 F32, BF16, U8, I32 = jnp.float32, jnp.bfloat16, jnp.uint8, jnp.int32
 B, H, D, NH, R, EX, T, TILE, E, K, G, N = 8, 512, 128, 12, 512, 64, 256, 64, 256, 8, 256, 256

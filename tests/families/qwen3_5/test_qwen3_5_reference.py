@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkc.reference import qwen3_5 as ref
+from mkc.model.config import CONFIG_DIR
+from mkc.families.qwen3_5 import reference as ref
 from tests_support import assert_rows_step_like_alone
 
-CONFIGS = Path(__file__).resolve().parents[2] / "mkc" / "model" / "configs"
+CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "qwen3_8_27b.json"
 MINI_JSON = CONFIGS / "qwen3_8_mini.json"
 

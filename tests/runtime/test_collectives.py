@@ -1,4 +1,4 @@
-"""``mkc.ops.collectives`` in one grid-less kernel under ``jax.shard_map`` on 16 ranks: a two-level
+"""``mkc.runtime.collectives`` in one grid-less kernel under ``jax.shard_map`` on 16 ranks: a two-level
 all-reduce (8, 1) then (2, 8), all-gathers over (16, 1) and (8, 1) and the sibling exchange, each
 called twice in a row so the buffer parity alternates. Runs in TPU interpret mode on 16 virtual
 CPU devices (on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2.
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from mkc.ops import collectives as coll  # noqa: E402
+from mkc.runtime import collectives as coll  # noqa: E402
 
 AXIS, RANKS, B, W = "tp", 16, 8, 128
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
-from mkc.reference import kimi_k3 as ref
+from mkc.families.kimi_k3 import reference as ref
 from tests_support import assert_rows_step_like_alone
 
-CONFIGS = Path(__file__).resolve().parents[2] / "mkc" / "model" / "configs"
+CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "kimi_k3.json"
 MINI_JSON = CONFIGS / "kimi_k3_mini.json"
 

@@ -1,4 +1,4 @@
-"""Pooled matrices (``mkc.ops.pool``): bf16 weights and MXFP4 expert codes/scales DMA'd into one
+"""Pooled matrices (``mkc.runtime.pool``): bf16 weights and MXFP4 expert codes/scales DMA'd into one
 bf16 VMEM pool at static or dynamic (SMEM) row offsets, multiplied and dequantised in TPU
 interpret mode against numpy; the packed size against the layout; and the same kernel at
 full Kimi K3 size compiled for tpu7x (run as a script: ``python tests/ops/test_pool.py``)."""
@@ -17,8 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
-from mkc.ops import pool
-from mkc.ops.kimi_k3 import mxfp4_dequantize_tile, pack_mxfp4_for_kernel
+from mkc.runtime import pool
+from mkc.families.kimi_k3.ops import mxfp4_dequantize_tile, pack_mxfp4_for_kernel
 
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 GAP = 16   # pool rows left between matrices, so no offset is 0 or back to back

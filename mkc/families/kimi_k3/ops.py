@@ -4,7 +4,7 @@ Generated Kimi kernels call these between the DMAs mkc schedules; nothing here t
 semaphore or decides when memory moves. Everything computes in f32 on 2-D values ([rows,
 lanes]) with only ops Mosaic lowers: no ``lax.top_k``, ``cumsum``, outer-product dots, vector
 gathers or lane reshapes that split a 128-lane vreg. The math is that of
-``mkc.reference.kimi_k3`` (KDA, NoPE gated MLA, latent MoE with sigmoid routing, SiTU, block
+``mkc.families.kimi_k3.reference`` (KDA, NoPE gated MLA, latent MoE with sigmoid routing, SiTU, block
 attention residuals).
 
 Three weights are streamed in a kernel layout of their own; the numpy packers at the end of

@@ -5,7 +5,7 @@ import pytest
 from mkc import target
 from mkc.model.config import CONFIG_DIR
 from mkc.model.graph import ShardingError, build_graph
-from mkc.model.kimi_k3_graph import (KimiDims, KimiSharding, family_bytes, hbm_bytes_per_rank,
+from mkc.families.kimi_k3.graph import (build, KimiDims, KimiSharding, family_bytes, hbm_bytes_per_rank,
                                      kimi_k3_families)
 
 FULL = KimiDims.load(CONFIG_DIR / "kimi_k3.json")
@@ -44,7 +44,7 @@ def test_hbm_per_chip_fits_16_chips_but_not_4():
 
 
 def test_graph_from_rules_has_four_sublayer_kinds():
-    g = build_graph(FULL, RULES, 32)
+    g = build_graph(FULL, build(FULL, RULES, 32), 32)
     assert sorted(g.kinds) == ["dense", "kda", "mla", "moe"]
     assert g.per_rank["local_experts"] == 112 and g.per_rank["expert_width"] == 768
     assert g.kinds["moe"].tensors["latent_up"].shape == (3584, 896)
@@ -60,7 +60,7 @@ def test_graph_from_rules_has_four_sublayer_kinds():
 ])
 def test_infeasible_rules_name_the_rule(change, words, cls):
     with pytest.raises(ShardingError) as e:
-        build_graph(FULL, RULES | change, 32)
+        build_graph(FULL, build(FULL, RULES | change, 32), 32)
     assert words in str(e.value)
     if cls:
         assert e.value.dim_class == cls

@@ -1,8 +1,8 @@
 """Where each per-rank weight family of kimi_k3 comes from in the checkpoint.
 
-Names are the text-only checkpoint names `mkc.reference.kimi_k3.param_shapes` lists. Matrices
+Names are the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists. Matrices
 come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
-`mkc.model.kimi_k3_graph` shapes it; routed experts come back as MXFP4 codes and scales in the
+`mkc.families.kimi_k3.graph` shapes it; routed experts come back as MXFP4 codes and scales in the
 kernel's K-major layout (`pack_mxfp4_for_kernel`). A split that does not fill the last ranks
 (the latent, latent_up's columns, the router's experts) leaves zeros there, so the all-gathered
 result is the real width followed by zero padding.
@@ -13,8 +13,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from mkc.model.kimi_k3_graph import KimiDims, KimiGeometry, KimiSharding
-from mkc.ops.kimi_k3 import expand_a_log, pack_mxfp4_for_kernel, split_kv_b_proj, split_q_b_proj
+from mkc.families.kimi_k3.config import KimiDims
+from mkc.families.kimi_k3.graph import KimiGeometry, KimiSharding
+from mkc.families.kimi_k3.ops import expand_a_log, pack_mxfp4_for_kernel, split_kv_b_proj, split_q_b_proj
 
 MX_BLOCK = 32
 

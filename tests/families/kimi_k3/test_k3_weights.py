@@ -5,11 +5,12 @@ import pytest
 
 from mkc.model.config import CONFIG_DIR
 from mkc.model.graph import build_graph
-from mkc.model.kimi_k3_graph import KimiDims, KimiSharding, kimi_k3_geometry
-from mkc.model import kimi_k3_weights as kw
+from mkc.families.kimi_k3.config import KimiDims
+from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry
+from mkc.families.kimi_k3 import weights as kw
 from mkc.model.mxfp4 import mxfp4_dequantize
-from mkc.ops.kimi_k3 import unpack_mxfp4_from_kernel
-from mkc.reference import kimi_k3 as reference
+from mkc.families.kimi_k3.ops import unpack_mxfp4_from_kernel
+from mkc.families.kimi_k3 import reference as reference
 
 MINI = KimiDims.load(CONFIG_DIR / "kimi_k3_mini.json")
 RULES = {"heads": (16, 1), "mlp": (16, 1), "vocab": (16, 1), "latent_down": (16, 1),
@@ -25,7 +26,7 @@ def hf():
 
 
 def test_every_family_has_the_graph_shape(hf):
-    graph = build_graph(MINI, RULES, 16)
+    graph = build_graph(MINI, build(MINI, RULES, 16), 16)
     for layer, (attn, mlp) in enumerate(MINI.layer_plan()):
         for kind in (attn, mlp):
             for t in graph.kinds[kind].tensors.values():

@@ -1,0 +1,33 @@
+"""The registry of model families: every subpackage here (and any installed package that
+declares an `mkc.families` entry point) defines `FAMILY`, an `mkc.model.family.Family`.
+Adding a family is adding a package; nothing outside it names the family."""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import pkgutil
+
+from mkc.model.family import Family
+
+
+@functools.cache
+def _registry() -> dict[str, Family]:
+    modules = [importlib.import_module(f"{__name__}.{m.name}")
+               for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name) if m.ispkg]
+    modules += [ep.load() for ep in importlib.metadata.entry_points(group="mkc.families")]
+    return {m.FAMILY.name: m.FAMILY for m in modules}
+
+
+def get(name: str) -> Family:
+    """The family of a dims' or IR's `family` name."""
+    return _registry()[name]
+
+
+def for_model_type(model_type: object) -> Family | None:
+    return next((f for f in _registry().values() if model_type in f.model_types), None)
+
+
+def model_types() -> list[str]:
+    """Every config `model_type` some family reads."""
+    return sorted(t for f in _registry().values() for t in f.model_types)

@@ -1,0 +1,27 @@
+"""Qwen3.5 text (`qwen3_5_text`): gated delta net and gated attention layers, dense SwiGLU MLPs."""
+from mkc import ir
+from mkc.families.qwen3_5.config import read_dims
+from mkc.families.qwen3_5.graph import SHARD_CLASSES, build
+from mkc.model.family import Family
+
+
+def rope_input(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
+    """The module passes the rotary table [2, B, head_dim] f32 in VMEM."""
+    return [ir.Buffer("rope", "input", (2, batch, s.dims["head_dim"]), "f32", batch_axis=1)]
+
+
+FAMILY = Family(
+    name="qwen3_5_text", model_types=("qwen3_5_text",), read_dims=read_dims,
+    shard_classes=SHARD_CLASSES, build=build, package=__name__, template="module.py.j2",
+    lowered_ops=frozenset({"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "down",
+                           "out_proj", "o_proj", "attn_residual", "mlp_residual", "conv",
+                           "delta_rule", "gated_norm", "qk_norm_rope", "kv_write", "attention",
+                           "out_gate"}),
+    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
+    vmem_inputs=rope_input,
+    plain_state_tolerance=1.5e-2,
+    # Qwen3.5 checkpoints nest the text model under model.language_model. and carry a
+    # vision tower and MTP head the decode step does not use.
+    renamed_prefixes=(("model.language_model.", "model."),),
+    skipped_prefixes=("model.visual.", "mtp."),
+)

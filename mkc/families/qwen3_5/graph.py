@@ -1,0 +1,135 @@
+"""The Qwen3.5 text decode graph: gated delta net (`gdn`) and gated attention (`gqa`) layers,
+each followed by a SwiGLU MLP, tensor parallel over the whole mesh."""
+from __future__ import annotations
+
+from mkc.ir import OpFacts
+from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split, with_facts
+from mkc.families.qwen3_5.config import Qwen35Dims
+
+SHARD_CLASSES = ("heads", "mlp", "vocab")
+
+
+def attention_kinds(d: Qwen35Dims, heads: int, mlp: int
+                  ) -> tuple[dict[str, LayerKind], dict[str, int]]:
+    H = d.hidden_size
+    nk = split(d.linear_num_key_heads, heads, "linear_num_key_heads")
+    nv = split(d.linear_num_value_heads, heads, "linear_num_value_heads")
+    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+    conv_ch = 2 * nk * dk + nv * dv
+    inter = split(d.intermediate_size, mlp, "intermediate_size")
+    nq = split(d.num_attention_heads, heads, "num_attention_heads")
+    # KV heads split when there are enough, else each rank holds a replica of its group's head.
+    if d.num_key_value_heads >= heads:
+        nkv = split(d.num_key_value_heads, heads, "num_key_value_heads")
+    else:
+        split(heads, d.num_key_value_heads, "ranks per num_key_value_heads")
+        nkv = 1
+    hd = d.head_dim
+
+    def mlp_tensors() -> dict[str, Tensor]:
+        return {
+            "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
+            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=True),
+            "input_norm": Tensor("input_norm", "vector", (H,), "f32"),
+            "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
+        }
+
+    mlp_ops = (
+        Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
+        Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
+        Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
+        Op("mlp_residual", reads=("mlp_out", "x"), writes=("x",)),
+    )
+    gdn = LayerKind("gdn", ops=(
+        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
+        Op("in_proj", reads=("h",), writes=("proj",), matmul="in_proj"),
+        Op("conv", reads=("proj", "conv_weight", "conv"), writes=("qkv", "conv")),
+        Op("delta_rule", reads=("qkv", "proj", "A_log", "dt_bias", "recurrent"),
+           writes=("core", "recurrent")),
+        Op("gated_norm", reads=("core", "proj", "norm"), writes=("core",)),
+        Op("out_proj", reads=("core",), writes=("attn_out",), matmul="out_proj"),
+        Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
+    ) + mlp_ops, tensors={
+        # Columns [q | k | v | z | b | a]; b and a each padded to a lane tile so every
+        # section starts on a 128-lane boundary in the kernel.
+        "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * lane_pad(nv)), "bf16"),
+        "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=True),
+        "conv_weight": Tensor("conv_weight", "vector", (d.linear_conv_kernel_dim, conv_ch), "f32"),
+        "A_log": Tensor("A_log", "vector", (nv,), "f32"),
+        "dt_bias": Tensor("dt_bias", "vector", (nv,), "f32"),
+        "norm": Tensor("norm", "vector", (dv,), "f32"),
+        "conv": Tensor("conv", "state", (d.linear_conv_kernel_dim - 1, conv_ch), "f32"),
+        "recurrent": Tensor("recurrent", "state", (nv, dk, dv), "f32"),
+        **mlp_tensors(),
+    })
+    gqa = LayerKind("gqa", ops=(
+        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
+        Op("qkv_gate", reads=("h",), writes=("proj",), matmul="qkv_gate"),
+        Op("qk_norm_rope", reads=("proj", "q_norm", "k_norm"), writes=("q", "k_new")),
+        Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
+        Op("attention", reads=("q", "key", "value"), writes=("core",)),
+        Op("out_gate", reads=("core", "proj"), writes=("core",)),
+        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
+        Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
+    ) + mlp_ops, tensors={
+        "qkv_gate": Tensor("qkv_gate", "matrix", (H, 2 * nq * hd + 2 * nkv * hd), "bf16"),
+        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=True),
+        "q_norm": Tensor("q_norm", "vector", (hd,), "f32"),
+        "k_norm": Tensor("k_norm", "vector", (hd,), "f32"),
+        "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token; [ctx, ...] in HBM
+        "value": Tensor("value", "cache", (nkv, hd), "bf16"),
+        **mlp_tensors(),
+    })
+    norm = OpFacts(vector_per_row=4 * H)
+    mlp_facts = {"post_norm": norm, "gate_up": OpFacts(vector_per_row=8 * inter),   # SiLU * up
+                 "mlp_residual": OpFacts(vector_per_row=2 * H)}
+    state = nv * dk * dv
+    gdn = with_facts(gdn, mlp_facts | {
+        "input_norm": norm,
+        "conv": OpFacts(vector_per_row=(2 * d.linear_conv_kernel_dim + 6) * conv_ch),
+        # decay and rank-1 update on the state (VPU); k.S and q.S through the MXU
+        "delta_rule": OpFacts(vector_per_row=4 * state + 16 * (nk * dk + nv * dv),
+                              mxu_per_row=2 * state),
+        "gated_norm": OpFacts(vector_per_row=10 * nv * dv),
+        "attn_residual": OpFacts(vector_per_row=2 * H)})
+    gqa = with_facts(gqa, mlp_facts | {
+        "input_norm": norm,
+        "qk_norm_rope": OpFacts(vector_per_row=10 * (nq + nkv) * hd),
+        "kv_write": OpFacts(vector_per_row=2 * nkv * hd),
+        "attention": OpFacts(cache_per_token=2 * nkv * hd, vector_per_token=6 * nq),
+        "out_gate": OpFacts(vector_per_row=6 * nq * hd),
+        "attn_residual": OpFacts(vector_per_row=2 * H)})
+    per_rank = {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch, "nq": nq,
+                "nkv": nkv, "inter": inter,
+                # lane offsets of in_proj's b and a sections ([q | k | v | z | b | a])
+                "b_off": conv_ch + nv * dv, "a_off": conv_ch + nv * dv + lane_pad(nv)}
+    return {"gdn": gdn, "gqa": gqa}, per_rank
+
+
+def tensor_parallel(rules: dict[str, tuple[int, int]], ranks: int, classes=SHARD_CLASSES) -> None:
+    """The lowering splits every class over the whole mesh."""
+    for cls in classes:
+        if rules[cls] != (ranks, 1):
+            raise ShardingError(f"the Qwen3.5 lowering is tensor parallel over the whole mesh: "
+                                f"write `shard {cls} over tp`", cls)
+
+
+def vocab_globals(d, ranks: int) -> tuple[dict[str, Tensor], dict[str, OpFacts], int]:
+    """Embedding, final norm and the vocab-split lm_head, with their compute facts."""
+    v_local = split(d.vocab_size, ranks, "vocab_size")
+    H = d.hidden_size
+    glob = {
+        "embed": Tensor("embed", "table", (v_local, H), "bf16"),
+        "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
+        "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
+    }
+    facts = {"embed": OpFacts(vector_per_row=2 * H), "final_norm": OpFacts(vector_per_row=4 * H),
+             "lm_head": OpFacts(vector_per_row=4 * v_local)}   # logits, argmax
+    return glob, facts, v_local
+
+
+def build(d: Qwen35Dims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
+    tensor_parallel(rules, ranks)
+    kinds, per_rank = attention_kinds(d, ranks, ranks)
+    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, ranks)
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, tail_facts=tail_facts)

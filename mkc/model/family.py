@@ -1,0 +1,63 @@
+"""The plug-in interface of a model family: what a family package gives the compiler core.
+
+A family package (`mkc/families/<name>/`) defines `FAMILY = Family(...)`. The core reads
+configs, builds graphs, checks and lowers schedules through these fields only, so it holds no
+family names. Modules that import jax (ops, weights, reference) are named, not imported, so
+checking a spec never loads them.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A family's config reader met a value its lowering does not take (message and hint)."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
+def identifier(stem: str) -> str:
+    """A model name safe for file names and generated source: identifier characters only."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                          # the dims' `family`, the IR's `family`
+    model_types: tuple[str, ...]       # config.json `model_type` values it reads
+    # (raw config, model name) -> dims; raises ConfigError, KeyError, ValueError or TypeError.
+    read_dims: Callable[[dict, str], Any]
+    shard_classes: tuple[str, ...]     # the classes a spec places with `shard CLASS over GROUP`
+    # (dims, shard rules {class: (ways, stride)}, ranks) -> mkc.model.graph.FamilyGraph;
+    # raises mkc.model.graph.ShardingError.
+    build: Callable[[Any, dict, int], Any]
+    package: str                       # e.g. "mkc.families.qwen3_5"
+    template: str                      # its module template, relative to the package
+    lowered_ops: frozenset[str]        # the ops that template lowers
+    # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
+    # benchmarks/vmem_probe.py, interpolated over batch.
+    compiler_scratch: tuple[tuple[int, int], ...]
+    # (IR, batch) -> the kernel inputs its module passes in VMEM, as IR buffers.
+    vmem_inputs: Callable[[Any, int], list] = lambda s, batch: []
+    # IR -> extra constants its template prints (None: the template needs none).
+    template_facts: Callable[[Any], dict] | None = None
+    plain_state_tolerance: float = 1.5e-2   # vs the plain reference (mkc.numerics)
+    # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
+    skipped_prefixes: tuple[str, ...] = ()
+
+    def directory(self) -> Path:
+        """The package's folder (its templates live there)."""
+        return Path(importlib.import_module(self.package).__file__).parent
+
+    def module(self, part: str) -> ModuleType:
+        """One of its modules by role: "ops", "weights", "reference"."""
+        return importlib.import_module(f"{self.package}.{part}")
