@@ -41,7 +41,7 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int) -> dict[str,
 def expected_local_experts(s: ir.ScheduleIR, batch: int) -> float:
     """Distinct experts of one rank's group that `batch` rows pick per MoE layer, if routing
     were uniform: each of the group's experts is picked by a row with probability top_k / E."""
-    experts = s.dims["experts"]
+    experts = s.experts_total
     local = s.per_rank["local_experts"]
     return local * (1 - (1 - s.top_k / experts) ** batch)
 

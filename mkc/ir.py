@@ -384,6 +384,7 @@ class ScheduleIR:
     pools: list[Pool] = field(default_factory=list)
     experts: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # per expert
     top_k: int = 0               # experts each row picks (0: no routed experts)
+    experts_total: int = 0       # the model's routed experts
     setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
     config_digest: str = ""      # sha256 of the model config's JSON, canonicalised
     # "kind.family" (or "expert.family") -> MXU facts, for matrices that are not plain bf16

@@ -310,7 +310,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         hbm_bytes_per_rank=hbm, per_rank=dict(graph.per_rank), pools=pools,
         embed_reduce=embed_reduce,
         experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
-        top_k=getattr(dims, "top_k", 0),
+        top_k=graph.top_k, experts_total=graph.experts_total,
         setting_spans={k: v.span for k, v in sched.settings.items()},
         config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         matrix_facts={f"{prefix}.{t.name}": t.mxu for prefix, tensors in
@@ -465,13 +465,13 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
         for t in kind.matrices():
             if t.name not in in_pool:
                 mats.append((t.shape[0], t.shape[1], count))
-    tail_order = ["lm_head"]
-    if [n.text for n in st.tail] != tail_order:
+    tail = graph.tail_matrices()
+    if [n.text for n in st.tail] != [m.name for m in tail]:
         bad = st.tail[0] if st.tail else None
-        raise fail("E-STREAM", "the stream must end with `then lm_head`",
-                   bad.span if bad else st.span, hint="add `then lm_head` as the stream's last line")
-    lm = graph.globals["lm_head"]
-    mats.append((lm.shape[0], lm.shape[1], 1))
+        then = ", ".join(m.name for m in tail)
+        raise fail("E-STREAM", f"the stream must end with `then {then}`",
+                   bad.span if bad else st.span, hint=f"add `then {then}` as the stream's last line")
+    mats += [(m.shape[0], m.shape[1], 1) for m in tail]
 
     def fam(kname: str, t) -> ir.Family:
         tr, tc = _choose_tile(t.shape[0], t.shape[1], ring.max_rows, ring.max_cols)
@@ -481,22 +481,22 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
     for kname in used_kinds:
         families[kname] = [fam(kname, t) for t in graph.kinds[kname].matrices()
                            if t.name not in pooled.get(kname, {})]
-    tail = [fam("tail", lm)]
+    tail_families = [fam("tail", m) for m in tail]
     offsets, t = [], 0
     for kname in graph.layer_kinds:
         offsets.append(t)
         t += sum(f.tiles for f in families[kname])
     tail_off = t
-    total = t + sum(f.tiles for f in tail)
+    total = t + sum(f.tiles for f in tail_families)
     useful = sum(r * c * n * 2 for r, c, n in mats)
     streamed = sum(f.tiles * f.tile_bytes * graph.layer_kinds.count(k)
                    for k, fs in families.items() for f in fs) + sum(f.tiles * f.tile_bytes
-                                                                     for f in tail)
-    every = [f for fs in families.values() for f in fs] + tail
+                                                                     for f in tail_families)
+    every = [f for fs in families.values() for f in fs] + tail_families
     shapes = sorted({(f.tile_rows, f.tile_cols) for f in every})
     return ir.Stream(ring=ring.name.text, slots=ring.slots, ahead=st.ahead, dtype=ring.dtype.text,
                      tile_rows=max(f.tile_rows for f in every),
-                     tile_cols=max(f.tile_cols for f in every), families=families, tail=tail,
+                     tile_cols=max(f.tile_cols for f in every), families=families, tail=tail_families,
                      layer_tile_offset=offsets, tail_tile_offset=tail_off, total_tiles=total,
                      useful_bytes=useful, streamed_bytes=streamed, tile_shapes=shapes,
                      span=st.span)
@@ -583,9 +583,9 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
             bound[bname] = sname
             t = states[sname]
             # Leading dims of a state (conv taps) go first so the kernel indexes them cheaply.
-            shape = (t.shape[0], B, *t.shape[1:]) if sname == "conv" else (B, *t.shape)
+            shape = (*t.shape[:t.lead_dims], B, *t.shape[t.lead_dims:])
             buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
-                                       batch_axis=1 if sname == "conv" else 0, span=tr.span)
+                                       batch_axis=t.lead_dims, span=tr.span)
             if tr.start.where == "before next":
                 raise fail("E-TRANSFER", "a copy cannot start `before next ...`",
                            tr.start.anchor.span, hint="start it at a point of this layer")
@@ -646,7 +646,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
     _check_scopes_nest(ranges, ops)
 
     kv = None
-    caches = [t for t in kind.states() if t.role == "cache"]
+    caches = kind.caches()
     if len(phase.kv_tiles) > 1:
         raise fail("E-DUPLICATE", "kv tiles declared twice", phase.kv_tiles[1].span,
                    hint="keep one `kv tiles` line")
@@ -666,8 +666,9 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         if k.slots < 1 or k.ahead < 1:
             raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
                        hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")
-        kv = ir.KvStream(k.slots, k.tokens, k.ahead, "attention", span=k.span)
-        a = ops.index("attention")
+        reader = kind.cache_reader()
+        kv = ir.KvStream(k.slots, k.tokens, k.ahead, reader, span=k.span)
+        a = ops.index(reader)
         width = 1
         for dim in caches[0].shape:
             width *= dim
@@ -829,7 +830,7 @@ def _resolve_view_copies(phase: ast.Phase, kind, pools: list[ir.Pool]
         return pool.view(parts[1])
 
     fetch = prefetch = None
-    consumers = [o.name for o in kind.ops if "experts" in o.reads]
+    consumers = [o.name for o in kind.ops if o.runs_experts]
     if len(phase.fetches) > 1 or len(phase.prefetches) > 1:
         extra = (phase.fetches[1:] + phase.prefetches[1:])[0]
         raise fail("E-DUPLICATE", "a phase fetches experts or prefetches a view once", extra.span,
@@ -840,7 +841,7 @@ def _resolve_view_copies(phase: ast.Phase, kind, pools: list[ir.Pool]
             raise fail("E-POOL", f"no op of {kname} reads routed experts", f.span,
                        hint="fetch experts in the phase of the layer kind that runs them")
         start = _point(f.start, ops, kname)
-        picked = max(i for i, o in enumerate(kind.ops) if "expert_ids" in o.writes)
+        picked = max(i for i, o in enumerate(kind.ops) if o.picks_experts)
         consumer = ops.index(consumers[0])
         if start <= picked:
             raise fail("E-POOL", f"experts are known only after {ops[picked]} picks them",
@@ -908,7 +909,7 @@ def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, pools: 
         out["pooled weights"] = pooled
     if graph.experts:
         consumers = [k for k in set(graph.layer_kinds)
-                     if any("experts" in o.reads for o in graph.kinds[k].ops)]
+                     if any(o.runs_experts for o in graph.kinds[k].ops)]
         layers = sum(graph.layer_kinds.count(k) for k in consumers)
         out["routed experts"] = (layers * graph.per_rank["local_experts"]
                                  * sum(t.nbytes for t in graph.experts.values()))

@@ -26,6 +26,9 @@ class Tensor:
     partial_out: bool = False   # a row-parallel matrix: its product is a partial sum over tp
     split_out: str | None = None    # the shard class that leaves its product column-split
     mxu: MatrixFacts | None = None  # how it enters the MXU, when not as plain bf16 values
+    # A state's leading dims that go before the batch axis in its buffers (a conv state's
+    # taps, so the kernel shifts the window by whole [B, channels] slices).
+    lead_dims: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +49,8 @@ class Op:
     partial: bool = False           # a non-matmul op whose output is a partial sum over ranks
     width: int = 0                  # that output's columns
     facts: OpFacts = OpFacts()      # compute work beyond its matrix (for the step-time model)
+    picks_experts: bool = False     # the router step: routed experts are known after it
+    runs_experts: bool = False      # reads the routed experts' weights (from expert slots)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,14 @@ class LayerKind:
     def states(self) -> list[Tensor]:
         return [t for t in self.tensors.values() if t.role in ("state", "cache")]
 
+    def caches(self) -> list[Tensor]:
+        return [t for t in self.tensors.values() if t.role == "cache"]
+
+    def cache_reader(self) -> str | None:
+        """The op that reads the KV cache (KV tiles stream into it), if the kind has one."""
+        caches = {t.name for t in self.caches()}
+        return next((o.name for o in self.ops if caches & set(o.reads)), None)
+
 
 @dataclass(frozen=True)
 class DecodeGraph:
@@ -85,9 +98,16 @@ class DecodeGraph:
     activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # embed, final_norm, lm_head
 
+    experts_total: int = 0       # routed experts of the model (0: none)
+    top_k: int = 0               # experts each row picks
+
     @property
     def layer_kinds(self) -> tuple[str, ...]:
         return self.dims.layer_kinds
+
+    def tail_matrices(self) -> list[Tensor]:
+        """Matrices after the last layer (the lm_head), in the order the step multiplies."""
+        return [t for t in self.globals.values() if t.role == "matrix"]
 
 
 class ShardingError(ValueError):
@@ -127,6 +147,8 @@ class FamilyGraph:
     experts: dict[str, Tensor] = field(default_factory=dict)   # one routed expert's families
     # Model-specific VMEM activations: name -> (shape with -1 for the batch dim, dtype).
     activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    experts_total: int = 0               # routed experts of the model (0: none)
+    top_k: int = 0                       # experts each row picks
 
 
 def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
@@ -151,4 +173,4 @@ def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
     g.add_edge("final_norm", "lm_head")
     return DecodeGraph(dims=dims, ranks=ranks, kinds=fg.kinds, globals=fg.globals, graph=g,
                        per_rank=fg.per_rank, experts=fg.experts, activations=fg.activations,
-                       tail_facts=fg.tail_facts)
+                       tail_facts=fg.tail_facts, experts_total=fg.experts_total, top_k=fg.top_k)

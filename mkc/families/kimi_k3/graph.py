@@ -219,7 +219,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         "a_log": _v("a_log", P),                     # per head, expanded over its channels
         "dt_bias": _v("dt_bias", P),
         "o_norm": _v("o_norm", d.head_dim),
-        "conv": Tensor("conv", "state", (d.conv_taps - 1, 3 * P), "bf16"),
+        "conv": Tensor("conv", "state", (d.conv_taps - 1, 3 * P), "bf16", lead_dims=1),
         "recurrent": Tensor("recurrent", "state", (g.heads, d.head_dim, d.head_dim), "f32"),
     })
     mla = LayerKind("mla", ops=(
@@ -247,12 +247,13 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
     moe = LayerKind("moe", ops=(
         mlp_mix,
         Op("router", reads=("h",), writes=("scores",), matmul="router"),
-        Op("route", reads=("scores", "router_bias"), writes=("expert_ids", "expert_weights")),
+        Op("route", reads=("scores", "router_bias"), writes=("expert_ids", "expert_weights"),
+           picks_experts=True),
         Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
         Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
         Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
         Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights", "experts"),
-           writes=("routed_out",), partial=True, width=d.latent),
+           writes=("routed_out",), partial=True, width=d.latent, runs_experts=True),
         Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
         Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
         mlp_residual,
@@ -351,4 +352,5 @@ def build(d: KimiDims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyG
     kinds, experts, glob, per_rank = kimi_k3_kinds(d, sharding)
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, experts=experts,
                        activations=kimi_k3_activations(d, sharding),
-                       tail_facts=kimi_k3_tail_facts(d, sharding))
+                       tail_facts=kimi_k3_tail_facts(d, sharding), experts_total=d.experts,
+                       top_k=d.top_k)

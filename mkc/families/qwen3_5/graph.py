@@ -58,7 +58,7 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int
         "A_log": Tensor("A_log", "vector", (nv,), "f32"),
         "dt_bias": Tensor("dt_bias", "vector", (nv,), "f32"),
         "norm": Tensor("norm", "vector", (dv,), "f32"),
-        "conv": Tensor("conv", "state", (d.linear_conv_kernel_dim - 1, conv_ch), "f32"),
+        "conv": Tensor("conv", "state", (d.linear_conv_kernel_dim - 1, conv_ch), "f32", lead_dims=1),
         "recurrent": Tensor("recurrent", "state", (nv, dk, dv), "f32"),
         **mlp_tensors(),
     })
