@@ -1,5 +1,6 @@
-"""The registry of model families: every subpackage here (and any installed package that
-declares an `mkc.families` entry point) defines `FAMILY`, an `mkc.model.family.Family`.
+"""The registry of model families: every subpackage here that defines `FAMILY`, an
+`mkc.model.family.Family` (a package without one is skipped), and any installed package that
+declares an `mkc.families` entry point.
 Adding a family is adding a package; nothing outside it names the family."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _registry() -> dict[str, Family]:
     modules = [importlib.import_module(f"{__name__}.{m.name}")
                for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name) if m.ispkg]
     modules += [ep.load() for ep in importlib.metadata.entry_points(group="mkc.families")]
-    return {m.FAMILY.name: m.FAMILY for m in modules}
+    return {m.FAMILY.name: m.FAMILY for m in modules if hasattr(m, "FAMILY")}
 
 
 def get(name: str) -> Family:

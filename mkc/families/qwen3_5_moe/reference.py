@@ -1,0 +1,339 @@
+"""Pure-JAX reference decode for the Hugging Face ``qwen3_5_moe_text`` family (Qwen3.5 MoE, e.g.
+Qwen3.5-35B-A3B), one decode token per row.
+
+It follows upstream transformers ``models/qwen3_5_moe/modeling_qwen3_5_moe.py``
+(``Qwen3_5MoeForCausalLM``; read from the stored copy of huggingface/transformers ``main``).
+Everything but the MLP is Qwen3.5's, and is imported from ``mkc.families.qwen3_5.reference``
+rather than rewritten: the gated delta net (``linear_attention_block``), the gated attention
+(``full_attention_block``), the zero-centred norms, the embedding, the decode state
+(``init_cache``) and its layouts, and the mixers' rounding emulation; that module's docstring
+states their math. What is new here is the sparse MoE block and the parameter table.
+
+MoE block (``Qwen3_5MoeSparseMoeBlock``), in every layer, on the post-attention-normed
+``x [B, H]``, all in f32 with ``Precision.HIGHEST`` dots:
+
+* router (``mlp.gate``, ``Qwen3_5MoeTopKRouter``): ``logits = x @ gate.weight^T`` (``[E, H]``, no
+  bias); ``probs = softmax(logits)`` over all E experts; the ``num_experts_per_tok`` largest;
+  their weights divided by their sum (``norm_topk_prob``: upstream always renormalises, the
+  config reader refuses ``false``; the flag exists so tests can show what it changes). Upstream
+  then casts the weights to the activations' dtype (bf16 in a bf16 model); this f32 oracle
+  keeps them f32, as it keeps every activation f32;
+* routed expert e (``mlp.experts``, ``Qwen3_5MoeExperts``, stored fused): ``gate_up_proj[e]``
+  ``[2I, H]`` holds the gate rows ``0..I-1`` then the up rows ``I..2I-1`` (upstream chunks the
+  product in two along its output axis); ``expert_e(x) = down_proj[e] @ (silu(gate) * up)``
+  with ``down_proj[e]`` ``[H, I]``;
+* shared expert (``mlp.shared_expert``): a SwiGLU MLP of width ``shared_expert_intermediate_size``
+  (Qwen3.5's dense ``mlp_block``), times ``sigmoid(x @ shared_expert_gate.weight^T)`` (``[1, H]``);
+* output: ``sum_k w_k expert_{id_k}(x) + sigmoid(...) * shared(x)``.
+
+Parameter names (``param_shapes``) are upstream's ``Qwen3_5MoeForCausalLM`` ones, per layer
+``model.layers.{i}.mlp.``: ``gate.weight [E, H]``, ``experts.gate_up_proj [E, 2I, H]``,
+``experts.down_proj [E, H, I]``, ``shared_expert.{gate,up}_proj.weight [S, H]``,
+``shared_expert.down_proj.weight [H, S]``, ``shared_expert_gate.weight [1, H]``. The fused expert
+tensors are what the modeling file declares; that the published BF16 checkpoint stores them so
+(under ``model.language_model.``, 693 text tensors for the 35B, as this table has) was
+established from third-party manifests of its safetensors, not from the Hub files themselves.
+A checkpoint with per-expert tensors (``mlp.experts.{e}.gate_proj.weight`` ..., the Qwen2/3-MoE
+layout, which transformers also loads by fusing them through its ``qwen2_moe`` conversion
+mapping) is not read: ``mkc.checkpoint`` only renames prefixes, so it refuses such a checkpoint
+and lists the per-expert names as unexpected.
+
+Kernel rounding emulation (``rounding``, as in the Qwen3.5 reference): the mixers round as
+Qwen3.5's do (layer kinds ``gdn`` and ``gqa``). In the MoE block every matmul takes bf16
+activations; the routed experts become per-rank partial sums: rank r belongs to expert group
+``r // expert_tp`` (experts ``group * local_experts ...`` in id order) and holds width slice
+``r % expert_tp`` (``expert_width`` columns) of each; it weights each expert's output by the
+row's routing weight (0 where the row did not pick it), sums in expert-id order, and the
+partials are all-reduced as ``(kind, "routed_experts")``; the shared expert is Qwen3.5's dense
+MLP emulation (``inter`` columns per rank, all-reduced as ``(kind, "down")``), and its sigmoid
+gate scales the all-reduced output. These op and per-rank size names are PROVISIONAL: no graph
+for this family exists yet; when it does, this emulation must use the names and the split it
+declares.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from mkc.families.qwen3_5 import reference as qwen
+from mkc.families.qwen3_5.reference import (FULL, KIND_NAMES, LINEAR, Qwen35Config, embed,
+                                            full_attention_block, init_cache, linear,
+                                            linear_attention_block, mlp_block, rms_norm)
+from mkc.families.qwen3_5_moe.config import MODEL_TYPES, check_moe_keys
+from mkc.reference.rounding import Rounding, allreduce, one_row_as_two
+
+__all__ = ["FULL", "LINEAR", "Qwen35MoeConfig", "count_parameters", "decode_hidden",
+           "decode_step", "embed", "init_cache", "init_params", "load_config", "moe_block",
+           "param_shapes", "route"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# Upstream Qwen3_5MoeTextConfig defaults, used only for keys a config.json omits (as HF does).
+_UPSTREAM_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+
+
+@dataclass(frozen=True)
+class Qwen35MoeConfig(Qwen35Config):
+    """A Qwen3.5 config (the mixers' fields, which the imported blocks read) plus the MoE's.
+
+    ``intermediate_size`` is always 0: there is no dense MLP (upstream's MoE config has no such
+    key). Hashable, so it can be a static jit argument."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+
+
+def _raw_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(path_or_dict, Mapping):
+        return path_or_dict
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Qwen35MoeConfig:
+    """Parse an HF config (dict, config.json path, or checkpoint directory) of the
+    qwen3_5_moe_text family; a composite ``qwen3_5_moe`` config's ``text_config`` is used.
+
+    Missing keys take the upstream ``Qwen3_5MoeTextConfig`` defaults; the mixers' keys are then
+    parsed and checked by the Qwen3.5 reference's ``load_config``. Raises ValueError (a
+    ``ConfigError``, with its hint, for settings upstream's MoE does not compute)."""
+    raw = _raw_config(path_or_dict)
+    if isinstance(raw.get("text_config"), Mapping):
+        raw = raw["text_config"]
+    model_type = raw.get("model_type", MODEL_TYPES[0])
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"expected model_type {MODEL_TYPES[0]!r}, got {model_type!r}")
+    check_moe_keys(dict(raw))
+    filled = _UPSTREAM_DEFAULTS | {k: v for k, v in raw.items() if v is not None}
+    mixers = qwen.load_config(filled | {"model_type": "qwen3_5_text", "intermediate_size": 0})
+    cfg = Qwen35MoeConfig(
+        **{f.name: getattr(mixers, f.name) for f in dataclasses.fields(mixers)},
+        num_experts=int(filled["num_experts"]),
+        num_experts_per_tok=int(filled["num_experts_per_tok"]),
+        moe_intermediate_size=int(filled["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(filled["shared_expert_intermediate_size"]),
+    )
+    if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} must be in "
+                         f"1..num_experts ({cfg.num_experts})")
+    if cfg.moe_intermediate_size <= 0 or cfg.shared_expert_intermediate_size <= 0:
+        raise ValueError("moe_intermediate_size and shared_expert_intermediate_size must be positive")
+    return cfg
+
+
+def _moe_shapes(cfg: Qwen35MoeConfig, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One layer's MoE parameters, in upstream module order, names under ``prefix`` (``...mlp.``)."""
+    h, e = cfg.hidden_size, cfg.num_experts
+    inter, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    bf16 = "bfloat16"
+    return {
+        prefix + "gate.weight": ((e, h), bf16),
+        prefix + "experts.gate_up_proj": ((e, 2 * inter, h), bf16),
+        prefix + "experts.down_proj": ((e, h, inter), bf16),
+        prefix + "shared_expert.gate_proj.weight": ((shared, h), bf16),
+        prefix + "shared_expert.up_proj.weight": ((shared, h), bf16),
+        prefix + "shared_expert.down_proj.weight": ((h, shared), bf16),
+        prefix + "shared_expert_gate.weight": ((1, h), bf16),
+    }
+
+
+def param_shapes(cfg: Qwen35MoeConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every HF parameter name of ``Qwen3_5MoeForCausalLM`` -> (PyTorch shape, dtype name).
+
+    The Qwen3.5 table with each layer's dense MLP replaced by the MoE block's parameters."""
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, spec in qwen.param_shapes(cfg).items():
+        layer, sep, rest = name.partition(".mlp.")
+        if not sep:
+            shapes[name] = spec
+        elif rest == "gate_proj.weight":   # the first of the dense MLP's three: the MoE goes here
+            shapes |= _moe_shapes(cfg, layer + sep)
+    return shapes
+
+
+def init_params(cfg: Qwen35MoeConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random bf16 parameters keeping the residual stream and logits O(1).
+
+    Every parameter Qwen3.5 has comes from the Qwen3.5 reference's ``init_params`` (same rules);
+    the MoE's are N(0, 1/fan_in) from a stream of their own, the matrices writing into the
+    residual stream (``experts.down_proj``, ``shared_expert.down_proj``) further scaled by
+    1/sqrt(2 * layers). The router then spreads each row over several experts."""
+    mixers = qwen.init_params(dataclasses.replace(cfg, intermediate_size=1), seed)
+    rng = np.random.default_rng([seed, 1])
+    residual_scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
+    out: dict[str, np.ndarray] = {}
+    for name, (shape, _) in param_shapes(cfg).items():
+        if ".mlp." not in name:
+            out[name] = mixers[name]
+            continue
+        std = 1.0 / math.sqrt(shape[-1])
+        if name.endswith(("experts.down_proj", "shared_expert.down_proj.weight")):
+            std *= residual_scale
+        out[name] = rng.normal(0.0, std, shape).astype(ml_dtypes.bfloat16)
+    return out
+
+
+def count_parameters(cfg: Qwen35MoeConfig, active: bool = False) -> int:
+    """Parameters of ``param_shapes``; ``active``: those one decode token reads, i.e. without the
+    ``E - top_k`` routed experts it does not pick and without all but one embedding row."""
+    total = 0
+    for name, (shape, _) in param_shapes(cfg).items():
+        n = math.prod(shape)
+        if active and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            n = n // cfg.num_experts * cfg.num_experts_per_tok
+        elif active and name == "model.embed_tokens.weight":
+            n = cfg.hidden_size
+        total += n
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The MoE block (public so tests can check it in isolation).
+
+
+def route(logits: jax.Array, top_k: int, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Softmax routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first: the top-k
+    softmax probabilities over all experts, divided by their sum when ``renormalize``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
+    return x if rounding is None else rounding.mm_in(x)
+
+
+def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, xin: jax.Array,
+                             ids: jax.Array, weights: jax.Array, rounding: Rounding,
+                             kind: str) -> jax.Array:
+    """The routed experts as an expert-parallel kernel computes them (module docstring): each
+    rank's part of its group's experts on every row, weighted (0 where not picked), summed in
+    expert-id order, the ranks' partial sums all-reduced."""
+    b, inter = xin.shape[0], cfg.moe_intermediate_size
+    dense = jnp.zeros((b, cfg.num_experts), jnp.float32).at[jnp.arange(b)[:, None], ids].set(weights)
+    tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
+    partials = []
+    for r in range(rounding.ranks):
+        group, part = r // tp, r % tp
+        cols = slice(part * width, (part + 1) * width)
+        acc = jnp.zeros((b, cfg.hidden_size), jnp.float32)
+        for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
+            act = (jax.nn.silu(linear(xin, gate_up[e, :inter][cols]))
+                   * linear(xin, gate_up[e, inter:][cols]))
+            acc = acc + dense[:, e:e + 1] * linear(rounding.mm_in(act), down[e][:, cols])
+        partials.append(acc)
+    return allreduce(partials, rounding.reduce(kind, "routed_experts"))
+
+
+def moe_block(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x: jax.Array,
+              rounding: Rounding | None = None, kind: str = "") -> jax.Array:
+    """Qwen3_5MoeSparseMoeBlock for the normed ``x [B, H]``; ``p`` maps names relative to
+    ``mlp.`` (e.g. ``"experts.gate_up_proj"``) to f32 arrays. With ``rounding``, ``kind`` is the
+    layer kind (``gdn``/``gqa``) whose MoE all-reduces apply."""
+    inter = cfg.moe_intermediate_size
+    xin = _mm_input(x, rounding)
+    ids, weights = route(linear(xin, p["gate.weight"]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if rounding is None:
+        hidden = jnp.einsum("bh,bkoh->bko", xin, p["experts.gate_up_proj"][ids], precision=_HIGHEST)
+        act = jax.nn.silu(hidden[..., :inter]) * hidden[..., inter:]
+        out = jnp.einsum("bki,bkoi->bko", act, p["experts.down_proj"][ids], precision=_HIGHEST)
+        routed = jnp.einsum("bk,bko->bo", weights, out, precision=_HIGHEST)
+    else:
+        routed = _routed_experts_per_rank(p, cfg, xin, ids, weights, rounding, kind)
+    shared = {n[len("shared_expert."):]: w for n, w in p.items() if n.startswith("shared_expert.")}
+    gate = jax.nn.sigmoid(linear(xin, p["shared_expert_gate.weight"]))   # [B, 1]
+    return routed + gate * mlp_block(shared, x, rounding, kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole model
+
+
+def _under(params: Mapping[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+    """The entries under ``prefix``, renamed relative to it."""
+    return {n[len(prefix):]: w for n, w in params.items() if n.startswith(prefix)}
+
+
+def decode_hidden(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[str, jax.Array],
+                  tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
+    norm, new cache). ``decode_step`` adds the final norm and the LM head."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    x = embed(params, tokens, rounding)
+    new_cache = dict(cache)
+    eps = cfg.rms_norm_eps
+    for i, kind in enumerate(cfg.layer_kinds):
+        lp = qwen._sub_params(params, f"model.layers.{i}.")
+        under = functools.partial(_under, lp)
+        h = rms_norm(x, lp["input_layernorm.weight"], eps)
+        if kind == LINEAR:
+            out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
+                linear_attention_block(under("linear_attn."), cfg, h, cache[f"layers.{i}.conv_state"],
+                                       cache[f"layers.{i}.recurrent_state"], rounding))
+        else:
+            out, new_cache[f"layers.{i}.key_cache"], new_cache[f"layers.{i}.value_cache"] = (
+                full_attention_block(under("self_attn."), cfg, h, cache[f"layers.{i}.key_cache"],
+                                     cache[f"layers.{i}.value_cache"], positions, rounding))
+        x = x + out
+        x = x + moe_block(under("mlp."), cfg, rms_norm(x, lp["post_attention_layernorm.weight"], eps),
+                          rounding, KIND_NAMES[kind])
+    return x, new_cache
+
+
+def decode_step(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[str, jax.Array],
+                tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
+
+    jit with ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy bf16
+    arrays. ``rounding`` switches on the kernel rounding emulation (module docstring); a batch
+    of one then runs as two copies of its row (``one_row_as_two``: the f32 summation order)."""
+    if rounding is not None and jnp.shape(tokens)[0] == 1:
+        return one_row_as_two(
+            lambda c, t, p: decode_step(params, cfg, c, t, p, rounding), cache, tokens, positions)
+    x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
+    x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
+    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return linear(_mm_input(x, rounding), jnp.asarray(head).astype(jnp.float32)), new_cache
