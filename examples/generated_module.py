@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # match exactly once (so a template change that moves the text fails loudly, not silently).
 # Each is an edit of a MINI module copy; the shipped generated/ files are never touched.
 MUTANTS: dict[str, tuple[str, str]] = {
-    # Qwen
-    "gdn.gated_norm": ('    w = _vector(r, "gdn", "norm", layer)\n',
-                       '    w = 1.01 * _vector(r, "gdn", "norm", layer)\n'),
-    "gqa.o_proj": ('    # -- o_proj\n    v["partial"] = _stream_matmul(',
-                   '    # -- o_proj\n    v["partial"] = 1.01 * _stream_matmul('),
-    "gqa.k_norm": ("kn, EPS), cos, sin, rot)", "kn, EPS) * 1.01, cos, sin, rot)"),
+    # Qwen (generic module: one line per op, so a mutant scales that op's output)
+    "gdn.gated_norm": ("    core = lower.gated_norm(c, core, proj)\n",
+                       "    core = 1.01 * lower.gated_norm(c, core, proj)\n"),
+    "gqa.o_proj": ("    attn_out = lower.o_proj(c, core)\n",
+                   "    attn_out = 1.01 * lower.o_proj(c, core)\n"),
+    "gqa.k_norm": ("    q, k_new = lower.qk_norm_rope(c, proj)\n",
+                   "    q, k_new = lower.qk_norm_rope(c, proj)\n    k_new = [1.01 * k for k in k_new]\n"),
     # Kimi K3
     "kda.gated_norm": ('    w = _vector(r, "kda", "o_norm", layer)\n',
                        '    w = 1.01 * _vector(r, "kda", "o_norm", layer)\n'),

@@ -952,9 +952,11 @@ def place_state(B: int, mesh: Mesh) -> dict[str, jax.Array]:
     """Zeroed decode state on `mesh`, each process creating only its own ranks' shards (the
     multi-host counterpart of init_state)."""
     sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-    return {n: jax.make_array_from_callback((RANKS, *shape), sharding,
-                                            lambda index, shape=shape, dtype=dtype: np.zeros((1, *shape), dtype))
-            for n, (shape, dtype) in state_shapes(B).items()}
+
+    def zeros(shape, dtype):
+        return jax.make_array_from_callback((RANKS, *shape), sharding,
+                                            lambda index: np.zeros((1, *shape), dtype))
+    return {n: zeros(shape, dtype) for n, (shape, dtype) in state_shapes(B).items()}
 
 
 def pack_weights(hf) -> dict[str, np.ndarray]:

@@ -4,10 +4,11 @@ Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp =
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
 Input digest (spec, model config, mkc version): 8f196744bd239bd1
 
-One grid-less pallas_call runs a whole decode step on every TensorCore. Dense weights stream
-through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers
-and into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
-all-reduced in-kernel by remote DMA.
+One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
+through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
+into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
+all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5.lowering;
+this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
 """
 from __future__ import annotations
 
@@ -22,10 +23,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.families.qwen3_5 import ops
+from mkc.families.qwen3_5 import lowering as lower
 from mkc.families.qwen3_5 import weights as hf_layout
 from mkc.families.qwen3_5.config import Qwen35Dims
-from mkc.runtime import collectives
+from mkc.runtime import collectives, ring, vectors
+from mkc.runtime.collectives import Stage
+from mkc.runtime.context import Kernel, KindPlan, StateCopy
+from mkc.runtime.kv import KvTiles
+from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
+from mkc.runtime.vectors import Parity, VectorRefs
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -37,427 +43,229 @@ TOPOLOGY = "tpu7x=2x2x1"
 BATCH_RANGE = (1, 8)
 CONTEXT = 4096
 VMEM_LIMIT_BYTES = 67108864
-DIMS = Qwen35Dims(**{'family': 'qwen3_5_text', 'head_dim': 256, 'hidden_size': 5120, 'intermediate_size': 17408, 'linear_conv_kernel_dim': 4, 'linear_key_head_dim': 128, 'linear_num_key_heads': 16, 'linear_num_value_heads': 48, 'linear_value_head_dim': 128, 'name': 'qwen3_8_27b', 'num_attention_heads': 24, 'num_hidden_layers': 64, 'num_key_value_heads': 4, 'rms_norm_eps': 1e-06, 'rope_theta': 10000000.0, 'rotary_dim': 64, 'vocab_size': 248320, 'layer_kinds': ('gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa')})
+DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, num_hidden_layers=64,
+                  vocab_size=248320, intermediate_size=17408, rms_norm_eps=1e-06,
+                  layer_kinds=('gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
+                               'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
+                               'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
+                               'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
+                               'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
+                               'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
+                               'gdn', 'gdn', 'gdn', 'gqa'),
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, rotary_dim=64,
+                  rope_theta=10000000.0, linear_num_key_heads=16, linear_num_value_heads=48,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+PER_RANK = {'a_off': 2176, 'b_off': 2048, 'conv_ch': 1280, 'dk': 128, 'dv': 128, 'inter': 2176,
+            'nk': 2, 'nkv': 1, 'nq': 3, 'nv': 6, 'vocab': 31040}
+HIDDEN = DIMS.hidden_size
+VOCAB_LOCAL = PER_RANK["vocab"]
+
+# The layer loop: each layer's kind, first ring tile and index among the layers of its kind.
 N_LAYERS = 64
 KIND_IDS = {"gdn": 0, "gqa": 1}
-LAYER_KIND = (0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1)
-HIDDEN = 5120
-EPS = 1e-06
-VOCAB_LOCAL = 31040
+KIND_LAYERS = {'gdn': [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 21, 22, 24, 25, 26,
+                       28, 29, 30, 32, 33, 34, 36, 37, 38, 40, 41, 42, 44, 45, 46, 48, 49, 50, 52,
+                       53, 54, 56, 57, 58, 60, 61, 62],
+               'gqa': [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63]}
+LAYER_KIND = (0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0,
+              0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0,
+              0, 1, 0, 0, 0, 1)
+LAYER_TILE_OFFSET = (0, 51, 102, 153, 204, 255, 306, 357, 408, 459, 510, 561, 612, 663, 714, 765,
+                     816, 867, 918, 969, 1020, 1071, 1122, 1173, 1224, 1275, 1326, 1377, 1428, 1479,
+                     1530, 1581, 1632, 1683, 1734, 1785, 1836, 1887, 1938, 1989, 2040, 2091, 2142,
+                     2193, 2244, 2295, 2346, 2397, 2448, 2499, 2550, 2601, 2652, 2703, 2754, 2805,
+                     2856, 2907, 2958, 3009, 3060, 3111, 3162, 3213)
+STATE_INDEX = (0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 8, 2, 9, 10, 11, 3, 12, 13, 14, 4, 15, 16, 17, 5, 18,
+               19, 20, 6, 21, 22, 23, 7, 24, 25, 26, 8, 27, 28, 29, 9, 30, 31, 32, 10, 33, 34, 35,
+               11, 36, 37, 38, 12, 39, 40, 41, 13, 42, 43, 44, 14, 45, 46, 47, 15)
 
-RING_SLOTS = 12
-RING_AHEAD = 12
-SLOT_ROWS, SLOT_COLS = 1024, 1280
-# Tile shapes in use; a family's tiles fill the top-left of a slot.
-TILE_SHAPES = [[768, 1280], [1024, 896], [1024, 1024], [1024, 1152]]
-TOTAL_TILES = 3399
-LAYER_TILE_OFFSET = [0, 51, 102, 153, 204, 255, 306, 357, 408, 459, 510, 561, 612, 663, 714, 765, 816, 867, 918, 969, 1020, 1071, 1122, 1173, 1224, 1275, 1326, 1377, 1428, 1479, 1530, 1581, 1632, 1683, 1734, 1785, 1836, 1887, 1938, 1989, 2040, 2091, 2142, 2193, 2244, 2295, 2346, 2397, 2448, 2499, 2550, 2601, 2652, 2703, 2754, 2805, 2856, 2907, 2958, 3009, 3060, 3111, 3162, 3213]
+# Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
+GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=2,
+                             tile_rows=1024, tile_cols=1152)
+GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
+                              tile_rows=768, tile_cols=1280)
+GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=5,
+                             tile_rows=1024, tile_cols=896)
+GDN_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=4,
+                          tile_rows=768, tile_cols=1280)
+GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=5, col_tiles=2,
+                              tile_rows=1024, tile_cols=1024)
+GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
+                            tile_rows=768, tile_cols=1280)
+GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=5,
+                             tile_rows=1024, tile_cols=896)
+GQA_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=4,
+                          tile_rows=768, tile_cols=1280)
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=31040, row_tiles=5, col_tiles=27,
+                              tile_rows=1024, tile_cols=1152)
+RING = Ring(slots=12, ahead=12, total_tiles=3399,
+            tile_shapes=((768, 1280), (1024, 896), (1024, 1024), (1024, 1152)))
 TAIL_TILE_OFFSET = 3264
-# Streamed families per kind, in consumption order:
-# (name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols).
-STREAM = {
-    "gdn": [("in_proj", 5120, 2304, 5, 2, 1024, 1152), ("out_proj", 768, 5120, 1, 4, 768, 1280), ("gate_up", 5120, 4352, 5, 5, 1024, 896), ("down", 2176, 5120, 3, 4, 768, 1280)],
-    "gqa": [("qkv_gate", 5120, 2048, 5, 2, 1024, 1024), ("o_proj", 768, 5120, 1, 4, 768, 1280), ("gate_up", 5120, 4352, 5, 5, 1024, 896), ("down", 2176, 5120, 3, 4, 768, 1280)],
-    "tail": [("lm_head", 5120, 31040, 5, 27, 1024, 1152)],
-}
-VECTOR_AHEAD = 1
-VECTOR_ROWS, VECTOR_COLS = 16, 5120
-# Per kind: vector family -> (first row, rows, width) inside a layer's f32 vector block.
-VECTOR_LAYOUT = {"gdn": {"A_log": [4, 1, 6], "conv_weight": [0, 4, 1280], "dt_bias": [5, 1, 6], "input_norm": [7, 1, 5120], "norm": [6, 1, 128], "post_norm": [8, 1, 5120]}, "gqa": {"input_norm": [2, 1, 5120], "k_norm": [1, 1, 256], "post_norm": [3, 1, 5120], "q_norm": [0, 1, 256]}}
-# Per layer: its index among the layers of its kind (selects state and cache slices).
-STATE_INDEX = (0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 8, 2, 9, 10, 11, 3, 12, 13, 14, 4, 15, 16, 17, 5, 18, 19, 20, 6, 21, 22, 23, 7, 24, 25, 26, 8, 27, 28, 29, 9, 30, 31, 32, 10, 33, 34, 35, 11, 36, 37, 38, 12, 39, 40, 41, 13, 42, 43, 44, 14, 45, 46, 47, 15)
-KIND_LAYERS = {"gdn": [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 21, 22, 24, 25, 26, 28, 29, 30, 32, 33, 34, 36, 37, 38, 40, 41, 42, 44, 45, 46, 48, 49, 50, 52, 53, 54, 56, 57, 58, 60, 61, 62], "gqa": [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63]}
-KV_TILE_TOKENS = 128
-KV_SLOTS = 2
-KV_AHEAD = 1
-# Per rank geometry.
-NK, NV, DK, DV = 2, 6, 128, 128
-CONV_TAPS, CONV_CH = 4, 1280
-NQ, NKV, HEAD_DIM, ROTARY_DIM = 3, 1, 256, 64
-INTER = 2176
-B_OFF, A_OFF = 2048, 2176   # lane offsets of the b and a sections of in_proj
-KV_WIDTH = NKV * HEAD_DIM
-SEM = {"embed": 5, "head_norm": 4, "kv_rows": 6, "load_gdn_conv_buf": 0, "load_gdn_rec_buf": 1, "store_gdn_conv_buf": 2, "store_gdn_rec_buf": 3}   # DMA semaphore index by copy
-# The embedding's exact all-reduce reuses the first layer's stages (no extra receive buffer).
-EMBED_STAGES = [[2, 1], [4, 2]]
+# The order matrices stream in: per layer kind, then the tail after the last layer.
+STREAM_ORDER = {'gdn': [GDN_IN_PROJ, GDN_OUT_PROJ, GDN_GATE_UP, GDN_DOWN],
+                'gqa': [GQA_QKV_GATE, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
 
-_INPUTS = ("tokens", "positions", "tables", "tile_class", "rope", "embed", "ring_hbm", "vectors_hbm",
-           "head_norm_hbm", "gdn__conv_in", "gdn__recurrent_in", "gqa__key_in", "gqa__value_in")
-_OUTPUTS = ("logits", "gdn__conv", "gdn__recurrent", "gqa__key", "gqa__value")
-_SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "gdn_rec_buf", "gqa_kv_rows", "recv__bf16_2x1", "recv__bf16_4x2", "recv__bf16_8x1", "ring_sem", "vectors_sem", "sems",
-"recv__bf16_2x1__send", "recv__bf16_2x1__recv", "recv__bf16_4x2__send", "recv__bf16_4x2__recv", "recv__bf16_8x1__send", "recv__bf16_8x1__recv", "collective_count")
+# Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
+VECTORS = Parity(ahead=1, rows=16, cols=5120,
+                 layout={'gdn': {'conv_weight': (0, 4, 1280), 'A_log': (4, 1, 6),
+                                 'dt_bias': (5, 1, 6), 'norm': (6, 1, 128),
+                                 'input_norm': (7, 1, 5120), 'post_norm': (8, 1, 5120)},
+                         'gqa': {'q_norm': (0, 1, 256), 'k_norm': (1, 1, 256),
+                                 'input_norm': (2, 1, 5120), 'post_norm': (3, 1, 5120)}})
 
+# All-reduce stages: (receive buffer, its use counter, group size, stride).
+EMBED_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GDN_OUT_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                       Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GDN_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                   Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=2, size=8, stride=1),)
+GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=2, size=8, stride=1),)
+N_COLLECTIVE_COUNTERS = 3
 
-# ---- copies the schedule names ----------------------------------------------------------
-def _tile_copy(r, t, slot, rows, cols):
-    return pltpu.make_async_copy(r.ring_hbm.at[t, :rows, :cols], r.weights.at[slot, :rows, :cols],
-                                 r.ring_sem.at[slot])
+# What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
+# layer), state buffers and copies, KV caches.
+KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10, GDN_OUT_PROJ),
+                                   'gate_up': (14, GDN_GATE_UP), 'down': (39, GDN_DOWN)},
+                         states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
+                         copies={'load_gdn_conv_buf': StateCopy(direction='load', hbm='gdn__conv',
+                                                                buffer='gdn_conv_buf',
+                                                                sem='sem__load_gdn_conv_buf'),
+                                 'load_gdn_rec_buf': StateCopy(direction='load',
+                                                               hbm='gdn__recurrent',
+                                                               buffer='gdn_rec_buf',
+                                                               sem='sem__load_gdn_rec_buf'),
+                                 'store_gdn_conv_buf': StateCopy(direction='store', hbm='gdn__conv',
+                                                                 buffer='gdn_conv_buf',
+                                                                 sem='sem__store_gdn_conv_buf'),
+                                 'store_gdn_rec_buf': StateCopy(direction='store',
+                                                                hbm='gdn__recurrent',
+                                                                buffer='gdn_rec_buf',
+                                                                sem='sem__store_gdn_rec_buf')},
+                         caches=(), kv=None, kv_rows='', kv_sem=''),
+         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
+                                   'gate_up': (14, GQA_GATE_UP), 'down': (39, GQA_DOWN)},
+                         states={}, copies={}, caches=('gqa__key', 'gqa__value'),
+                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows',
+                         kv_sem='sem__gqa_kv_rows')}
 
-
-def _start_tile(r, t):
-    """Issue tile t; its shape comes from the tile-class table, as t may belong to a later
-    family or layer than the one being computed."""
-    slot = lax.rem(t, RING_SLOTS)
-    if len(TILE_SHAPES) == 1:
-        _tile_copy(r, t, slot, *TILE_SHAPES[0]).start()
-        return
-    cls = r.tile_class[t]
-    for c, (rows, cols) in enumerate(TILE_SHAPES):
-        @pl.when(cls == c)
-        def _():
-            _tile_copy(r, t, slot, rows, cols).start()
-
-
-def _vectors_copy(r, layer):
-    slot = lax.rem(layer, 2)
-    return pltpu.make_async_copy(r.vectors_hbm.at[layer], r.vectors.at[slot], r.vectors_sem.at[slot])
-
-
-def _vector(r, kind, name, layer):
-    row, rows, width = VECTOR_LAYOUT[kind][name]
-    return r.vectors[lax.rem(layer, 2), row:row + rows, :width]
+_INPUTS = ('tokens', 'positions', 'tables', 'tile_class', 'rope', 'embed', 'ring_hbm',
+           'vectors_hbm', 'head_norm_hbm', 'gdn__conv_in', 'gdn__recurrent_in', 'gqa__key_in',
+           'gqa__value_in')
+_OUTPUTS = ('logits', 'gdn__conv', 'gdn__recurrent', 'gqa__key', 'gqa__value')
+_SCRATCH = ('weights', 'vectors', 'x', 'embed_rows', 'head_norm', 'stage', 'acc', 'gdn_rec_buf',
+            'gqa_kv_rows', 'recv__bf16_2x1', 'recv__bf16_4x2', 'recv__bf16_8x1', 'ring_sem',
+            'vectors_sem', 'sem__head_norm', 'sem__embed', 'sem__load_gdn_conv_buf',
+            'sem__load_gdn_rec_buf', 'sem__store_gdn_conv_buf', 'sem__store_gdn_rec_buf',
+            'sem__gqa_kv_rows', 'recv__bf16_2x1__send', 'recv__bf16_2x1__recv',
+            'recv__bf16_4x2__send', 'recv__bf16_4x2__recv', 'recv__bf16_8x1__send',
+            'recv__bf16_8x1__recv', 'collective_count')
 
 
-def _stream_matmul(r, h, first_tile, row_tiles, col_tiles, tile_rows, tile_cols):
-    """h [B, rows] @ the next row_tiles x col_tiles ring tiles -> [B, col_tiles * tile_cols] f32.
+# ---- the kernel ----------------------------------------------------------------------------
+def _layer_gdn(k: Kernel, layer):
+    """One gdn layer: input_norm, in_proj, conv, delta_rule, gated_norm, out_proj, attn_residual,
+    post_norm, gate_up, down, mlp_residual."""
+    c = k.layer("gdn", layer)
+    B = c.B
+    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
 
-    Tile t sits in slot t % RING_SLOTS; after consuming it, tile t + RING_AHEAD is started."""
-    for i in range(row_tiles):
-        width = min(tile_rows, h.shape[1] - i * tile_rows)
-        if width == tile_rows:
-            r.stage[i, :, :tile_rows] = h[:, i * tile_rows:(i + 1) * tile_rows].astype(BF16)
-        else:
-            r.stage[i, :, :tile_rows] = jnp.zeros((h.shape[0], tile_rows), BF16)
-            r.stage[i, :, :width] = h[:, i * tile_rows:].astype(BF16)
+    @pl.when(c.si > 0)
+    def _():   # spec line 32: the previous gdn layer's store of state.recurrent drains here
+        c.copy("store_gdn_rec_buf", previous=True).wait()
+    c.copy("load_gdn_rec_buf").start()   # spec line 30: load state.recurrent -> gdn_rec_buf
 
-    def tile(k, carry):
-        t = first_tile + k
-        slot = lax.rem(t, RING_SLOTS)
-        i, j = lax.rem(k, row_tiles), k // row_tiles
-        _tile_copy(r, t, slot, tile_rows, tile_cols).wait()
-        part = jnp.dot(r.stage[i, :, :tile_rows], r.weights[slot, :tile_rows, :tile_cols],
-                       preferred_element_type=F32)
+    def _scope_0(c):
+        """Runs with conv_buf allocated (pl.run_scoped)."""
+        c.copy("load_gdn_conv_buf").start()   # spec line 30: load state.conv -> gdn_conv_buf
+        h = lower.input_norm(c)
+        proj = lower.in_proj(c, h)
+        c.copy("load_gdn_conv_buf").wait()   # spec line 30: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 30: load state.recurrent -> gdn_rec_buf
+        qkv = lower.conv(c, proj)
+        c.copy("store_gdn_conv_buf").start()   # spec line 31: store gdn_conv_buf -> state.conv
+        core = lower.delta_rule(c, qkv, proj)
+        c.copy("store_gdn_conv_buf").wait()   # spec line 31: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 32: store gdn_rec_buf -> state.recurrent
+        return proj, core
 
-        @pl.when(i == 0)
-        def _():
-            r.acc[j, :, :tile_cols] = part
-
-        @pl.when(i != 0)
-        def _():
-            r.acc[j, :, :tile_cols] = r.acc[j, :, :tile_cols] + part
-
-        @pl.when(t + RING_AHEAD < TOTAL_TILES)
-        def _():
-            _start_tile(r, t + RING_AHEAD)
-        return carry
-
-    lax.fori_loop(0, row_tiles * col_tiles, tile, 0)
-    if col_tiles == 1:
-        return r.acc[0, :, :tile_cols]
-    return jnp.concatenate([r.acc[j, :, :tile_cols] for j in range(col_tiles)], axis=-1)
-
-
-# Receive buffers of all-reduce stages: name -> (use counter index, wire dtype).
-COLLECTIVES = {
-    "recv__bf16_2x1": (0, jnp.bfloat16),
-    "recv__bf16_4x2": (1, jnp.bfloat16),
-    "recv__bf16_8x1": (2, jnp.bfloat16),
-}
-
-
-def _allreduce_stage(r, partial, name, size, stride):
-    """Direct all-reduce over the `size` ranks base + i * stride through receive buffer `name`,
-    double-buffered by its use parity (`mkc.runtime.collectives` holds the argument)."""
-    counter, _ = COLLECTIVES[name]
-    return collectives.allreduce_stage(partial, getattr(r, name), getattr(r, name + "__send"),
-                                       getattr(r, name + "__recv"), r.collective_count, counter,
-                                       AXIS, size, stride)
-
-
-def _allreduce(r, partial, stages, wire):
-    """All-reduce over every rank as a sequence of direct stages (size, stride); `wire` is the
-    dtype name partial sums travel in."""
-    for size, stride in stages:
-        partial = _allreduce_stage(r, partial, f"recv__{wire}_{size}x{stride}", size, stride)
-    return partial
-
-
-def _embed(r, B):
-    """Vocab-sharded lookup: each rank copies the aligned 16-row bf16 block holding the token
-    (a single bf16 row is not a legal DMA on TPU), selects the row if it owns the token, and
-    the ranks all-reduce (exact: one rank contributes each row, the others zeros)."""
-    me = lax.axis_index(AXIS)
-    lo = me * VOCAB_LOCAL
-    copies, owned, offset = [], [], []
-    for b in range(B):
-        tok = r.tokens[b]
-        idx = jnp.clip(tok - lo, 0, VOCAB_LOCAL - 1)
-        base = pl.multiple_of((idx // 16) * 16, 16)
-        cp = pltpu.make_async_copy(r.embed.at[pl.ds(base, 16)], r.embed_rows.at[b],
-                                   r.sems.at[SEM["embed"]])
-        cp.start()
-        copies.append(cp)
-        owned.append((tok >= lo) & (tok < lo + VOCAB_LOCAL))
-        offset.append(idx - base)
-    for cp in copies:
-        cp.wait()
-    row = lax.broadcasted_iota(jnp.int32, (16, HIDDEN), 0)
-    picked = [jnp.sum(jnp.where((row == offset[b]) & owned[b], r.embed_rows[b].astype(F32), 0.0),
-                      axis=0, keepdims=True) for b in range(B)]
-    rows = jnp.concatenate(picked, axis=0) if B > 1 else picked[0]
-    r.x[...] = _allreduce(r, rows, EMBED_STAGES, "bf16")
-
-
-def _layer_gdn(r, layer, B):
-    """One gdn layer: input_norm, in_proj, conv, delta_rule, gated_norm, out_proj, attn_residual, post_norm, gate_up, down, mlp_residual."""
-    si = r.tables[2, layer]
-    v = {"tile": r.tables[1, layer]}   # next ring tile of this layer
-    _vectors_copy(r, layer).wait()
-    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-    def _():
-        _vectors_copy(r, layer + VECTOR_AHEAD).start()
-    @pl.when(si > 0)
-    def _():   # the previous gdn layer's store of state.recurrent drains here
-        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si - 1], r.sems.at[3]).wait()
-    pltpu.make_async_copy(r.gdn__recurrent.at[si], r.gdn_rec_buf, r.sems.at[1]).start()   # load state.recurrent
-    def _scope_0(r, v):
-        """Runs with gdn_conv_buf allocated (pl.run_scoped)."""
-        pltpu.make_async_copy(r.gdn__conv.at[si], r.gdn_conv_buf, r.sems.at[0]).start()   # load state.conv
-        # -- input_norm
-        v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gdn", "input_norm", layer), EPS)
-        # -- in_proj
-        v["proj"] = _stream_matmul(r, v["h"], v["tile"], 5, 2, 1024, 1152)
-        v["tile"] = v["tile"] + 10
-        pltpu.make_async_copy(r.gdn__conv.at[si], r.gdn_conv_buf, r.sems.at[0]).wait()   # load state.conv
-        pltpu.make_async_copy(r.gdn__recurrent.at[si], r.gdn_rec_buf, r.sems.at[1]).wait()   # load state.recurrent
-        # -- conv
-        # conv inputs are rounded to bf16 where they enter the conv state, as upstream caches them
-        mixed = v["proj"][:, :CONV_CH].astype(BF16).astype(F32)
-        window = [r.gdn_conv_buf[j] for j in range(CONV_TAPS - 1)] + [mixed]
-        v["qkv"] = ops.causal_conv_silu(window, _vector(r, "gdn", "conv_weight", layer))
-        for j in range(CONV_TAPS - 1):
-            r.gdn_conv_buf[j] = window[j + 1]
-        pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).start()   # store state.conv
-        # -- delta_rule
-        proj, qkv = v["proj"], v["qkv"]
-        beta = jax.nn.sigmoid(proj[:, B_OFF:B_OFF + NV])
-        a_log = _vector(r, "gdn", "A_log", layer)
-        dt_bias = _vector(r, "gdn", "dt_bias", layer)
-        g = -jnp.exp(a_log) * ops.softplus(proj[:, A_OFF:A_OFF + NV] + dt_bias)
-        rows = []
-        for b in range(B):
-            heads = []
-            for h in range(NV):
-                kh = h // (NV // NK)
-                q = ops.l2_normalize(qkv[b:b + 1, kh * DK:(kh + 1) * DK]) * (DK ** -0.5)
-                k = ops.l2_normalize(qkv[b:b + 1, NK * DK + kh * DK:NK * DK + (kh + 1) * DK])
-                val = qkv[b:b + 1, 2 * NK * DK + h * DV:2 * NK * DK + (h + 1) * DV]
-                o, r.gdn_rec_buf[b, h] = ops.delta_rule_head(r.gdn_rec_buf[b, h], q, k, val, g[b:b + 1, h:h + 1], beta[b:b + 1, h:h + 1])
-                heads.append(o)
-            rows.append(jnp.concatenate(heads, axis=-1) if NV > 1 else heads[0])
-        v["core"] = jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
-        pltpu.make_async_copy(r.gdn_conv_buf, r.gdn__conv.at[si], r.sems.at[2]).wait()   # store state.conv
-        pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[si], r.sems.at[3]).start()   # store state.recurrent
-        return v
-
-    v = pl.run_scoped(
-        lambda gdn_conv_buf: _scope_0(types.SimpleNamespace(**vars(r), gdn_conv_buf=gdn_conv_buf), dict(v)),
-        pltpu.VMEM((3, B, 1280), jnp.float32),
+    proj, core = pl.run_scoped(
+        lambda conv_buf: _scope_0(c.scoped(gdn_conv_buf=conv_buf)),
+        pltpu.VMEM((3, B, 1280), jnp.float32),   # gdn_conv_buf
     )
-    # -- gated_norm
-    z_off = CONV_CH
-    w = _vector(r, "gdn", "norm", layer)
-    v["core"] = jnp.concatenate([
-        ops.gated_rms_norm(v["core"][:, h * DV:(h + 1) * DV], v["proj"][:, z_off + h * DV:z_off + (h + 1) * DV], w, EPS)
-        for h in range(NV)], axis=-1) if NV > 1 else ops.gated_rms_norm(v["core"], v["proj"][:, z_off:z_off + DV], w, EPS)
-    # -- out_proj
-    v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 4
-    v["partial"] = _allreduce(r, v["partial"], [[2, 1], [4, 2]], "bf16")   # two_level, wire bf16
-    # -- attn_residual
-    r.x[...] = r.x[...] + v["partial"]
-    # -- post_norm
-    v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gdn", "post_norm", layer), EPS)
-    # -- gate_up
-    v["act"] = ops.swiglu(_stream_matmul(r, v["h"], v["tile"], 5, 5, 1024, 896), INTER)
-    v["tile"] = v["tile"] + 25
-    # -- down
-    v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 4, 768, 1280)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 12
-    v["partial"] = _allreduce(r, v["partial"], [[2, 1], [4, 2]], "bf16")   # two_level, wire bf16
-    # -- mlp_residual
-    r.x[...] = r.x[...] + v["partial"]
+    core = lower.gated_norm(c, core, proj)
+    attn_out = lower.out_proj(c, core)
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 35: two_level, wire bf16
+    lower.attn_residual(c, attn_out)
+    h = lower.post_norm(c)
+    act = lower.gate_up(c, h)
+    mlp_out = lower.down(c, act)
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 35: two_level, wire bf16
+    lower.mlp_residual(c, mlp_out)
 
 
-def _layer_gqa(r, layer, B):
-    """One gqa layer: input_norm, qkv_gate, qk_norm_rope, kv_write, attention, out_gate, o_proj, attn_residual, post_norm, gate_up, down, mlp_residual."""
-    si = r.tables[2, layer]
-    v = {"tile": r.tables[1, layer]}   # next ring tile of this layer
-    _vectors_copy(r, layer).wait()
-    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-    def _():
-        _vectors_copy(r, layer + VECTOR_AHEAD).start()
-    # -- input_norm
-    v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gqa", "input_norm", layer), EPS)
-    # -- qkv_gate
-    v["proj"] = _stream_matmul(r, v["h"], v["tile"], 5, 2, 1024, 1024)
-    v["tile"] = v["tile"] + 10
-    # -- qk_norm_rope
-    rot = ops.rotate_half_matrix(HEAD_DIM, ROTARY_DIM)
-    cos, sin = r.rope[0], r.rope[1]
-    qn = _vector(r, "gqa", "q_norm", layer)
-    kn = _vector(r, "gqa", "k_norm", layer)
-    v["q"] = [ops.apply_rope(ops.rms_norm_zero_centred(v["proj"][:, j * HEAD_DIM:(j + 1) * HEAD_DIM], qn, EPS), cos, sin, rot) for j in range(NQ)]
-    k_off = 2 * NQ * HEAD_DIM
-    v["k_new"] = [ops.apply_rope(ops.rms_norm_zero_centred(v["proj"][:, k_off + j * HEAD_DIM:k_off + (j + 1) * HEAD_DIM], kn, EPS), cos, sin, rot) for j in range(NKV)]
-    # -- kv_write
-    _kv_write(r, "gqa", si, v, B)
-    # -- attention
-    v["core"] = _attention(r, "gqa", si, v["q"], B)
-    # -- out_gate
-    v["core"] = v["core"] * jax.nn.sigmoid(v["proj"][:, NQ * HEAD_DIM:2 * NQ * HEAD_DIM])
-    # -- o_proj
-    v["partial"] = _stream_matmul(r, v["core"], v["tile"], 1, 4, 768, 1280)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 4
-    v["partial"] = _allreduce(r, v["partial"], [[8, 1]], "bf16")   # direct, wire bf16
-    # -- attn_residual
-    r.x[...] = r.x[...] + v["partial"]
-    # -- post_norm
-    v["h"] = ops.rms_norm_zero_centred(r.x[...], _vector(r, "gqa", "post_norm", layer), EPS)
-    # -- gate_up
-    v["act"] = ops.swiglu(_stream_matmul(r, v["h"], v["tile"], 5, 5, 1024, 896), INTER)
-    v["tile"] = v["tile"] + 25
-    # -- down
-    v["partial"] = _stream_matmul(r, v["act"], v["tile"], 3, 4, 768, 1280)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 12
-    v["partial"] = _allreduce(r, v["partial"], [[8, 1]], "bf16")   # direct, wire bf16
-    # -- mlp_residual
-    r.x[...] = r.x[...] + v["partial"]
-
-
-def _kv_write(r, kind, si, v, B):
-    """Write the new token's K and V at each row's position: read-modify-write of the aligned
-    16-row bf16 tile holding it (a single bf16 row is not a legal DMA target on TPU)."""
-    blk = r.gqa_kv_rows
-    v_off = 2 * NQ * HEAD_DIM + KV_WIDTH
-    k_new = jnp.concatenate(v["k_new"], axis=-1) if NKV > 1 else v["k_new"][0]
-    v_new = v["proj"][:, v_off:v_off + KV_WIDTH]
-    caches = (r.gqa__key, r.gqa__value)
-    row = lax.broadcasted_iota(jnp.int32, blk.shape[2:], 0)
-    for phase in ("read", "write"):
-        copies = []
-        for b in range(B):
-            pos = r.positions[b]
-            base = pl.multiple_of((pos // 16) * 16, 16)
-            for c, cache in enumerate(caches):
-                hbm = cache.at[si, b, pl.ds(base, 16)]
-                if phase == "read":
-                    cp = pltpu.make_async_copy(hbm, blk.at[c, b], r.sems.at[SEM["kv_rows"]])
-                else:
-                    new = (k_new, v_new)[c][b:b + 1].astype(BF16)
-                    blk[c, b] = jnp.where(row == pos - base, jnp.broadcast_to(new, blk.shape[2:]), blk[c, b])
-                    cp = pltpu.make_async_copy(blk.at[c, b], hbm, r.sems.at[SEM["kv_rows"]])
-                cp.start()
-                copies.append(cp)
-        for cp in copies:
-            cp.wait()
-
-
-def _attention(r, kind, si, q_heads, B):
-    """Stream KV tiles of KV_TILE_TOKENS tokens through KV_SLOTS scoped slots, KV_AHEAD ahead,
-    with an online softmax per (row, query head)."""
-    last = r.positions[0]
-    for b in range(1, B):
-        last = jnp.maximum(last, r.positions[b])
-    n_tiles = last // KV_TILE_TOKENS + 1
-    scale = HEAD_DIM ** -0.5
-
-    def scoped(kbuf, vbuf, ksem, vsem):
-        def copies(t):
-            slot = lax.rem(t, KV_SLOTS)
-            src = pl.ds(t * KV_TILE_TOKENS, KV_TILE_TOKENS)
-            return (pltpu.make_async_copy(r.gqa__key.at[si, :, src], kbuf.at[slot], ksem.at[slot]),
-                    pltpu.make_async_copy(r.gqa__value.at[si, :, src], vbuf.at[slot], vsem.at[slot]))
-
-        for a in range(KV_AHEAD):
-            @pl.when(a < n_tiles)
-            def _():
-                for cp in copies(a):
-                    cp.start()
-
-        def tile(t, carry):
-            for cp in copies(t):
-                cp.wait()
-            slot = lax.rem(t, KV_SLOTS)
-            tok = t * KV_TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (1, KV_TILE_TOKENS), 1)
-            out = []
-            for b in range(B):
-                visible = tok <= r.positions[b]
-                kt, vt = kbuf[slot, b], vbuf[slot, b]
-                for j in range(NQ):
-                    kv = (j * NKV) // NQ
-                    m, l, acc = carry[b * NQ + j]
-                    out.append(ops.attention_tile(q_heads[j][b:b + 1], kt[:, kv * HEAD_DIM:(kv + 1) * HEAD_DIM],
-                                                  vt[:, kv * HEAD_DIM:(kv + 1) * HEAD_DIM], visible, m, l, acc, scale))
-
-            @pl.when(t + KV_AHEAD < n_tiles)
-            def _():
-                for cp in copies(t + KV_AHEAD):
-                    cp.start()
-            return tuple(out)
-
-        init = tuple((jnp.full((1, 1), -1e30, F32), jnp.zeros((1, 1), F32), jnp.zeros((1, HEAD_DIM), F32))
-                     for _ in range(B * NQ))
-        final = lax.fori_loop(0, n_tiles, tile, init)
-        rows = []
-        for b in range(B):
-            heads = [final[b * NQ + j][2] / final[b * NQ + j][1] for j in range(NQ)]
-            rows.append(jnp.concatenate(heads, axis=-1) if NQ > 1 else heads[0])
-        return jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
-
-    return pl.run_scoped(scoped, pltpu.VMEM((KV_SLOTS, B, KV_TILE_TOKENS, KV_WIDTH), BF16),
-                         pltpu.VMEM((KV_SLOTS, B, KV_TILE_TOKENS, KV_WIDTH), BF16),
-                         pltpu.SemaphoreType.DMA((KV_SLOTS,)), pltpu.SemaphoreType.DMA((KV_SLOTS,)))
+def _layer_gqa(k: Kernel, layer):
+    """One gqa layer: input_norm, qkv_gate, qk_norm_rope, kv_write, attention, out_gate, o_proj,
+    attn_residual, post_norm, gate_up, down, mlp_residual."""
+    c = k.layer("gqa", layer)
+    B = c.B
+    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    h = lower.input_norm(c)
+    proj = lower.qkv_gate(c, h)
+    q, k_new = lower.qk_norm_rope(c, proj)
+    lower.kv_write(c, k_new, proj)
+    core = lower.attention(c, q)
+    core = lower.out_gate(c, core, proj)
+    attn_out = lower.o_proj(c, core)
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 40: direct, wire bf16
+    lower.attn_residual(c, attn_out)
+    h = lower.post_norm(c)
+    act = lower.gate_up(c, h)
+    mlp_out = lower.down(c, act)
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 40: direct, wire bf16
+    lower.mlp_residual(c, mlp_out)
 
 
 def _kernel(*refs, B):
     r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
+    k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
+               RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
+               VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem))
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
-    for counter in range(len(COLLECTIVES)):
+    for counter in range(N_COLLECTIVE_COUNTERS):
         r.collective_count[counter] = 0
 
-    # prologue: fill the ring, issue the first layers' vectors and the final norm
-    for t in range(min(RING_AHEAD, TOTAL_TILES)):
-        _start_tile(r, t)
-    for layer in range(min(VECTOR_AHEAD, N_LAYERS)):
-        _vectors_copy(r, layer).start()
-    head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sems.at[SEM["head_norm"]])
+    # prologue: fill the ring, issue the first layers' vectors and the final norm, embed
+    ring.fill(RING, k.ring_refs)
+    vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
+    head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
     head_norm_copy.start()
-    _embed(r, B)
+    r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL, EMBED_REDUCE, AXIS, B)
 
     def layer_step(layer, carry):
         kind = r.tables[0, layer]
 
         @pl.when(kind == KIND_IDS["gdn"])
         def _():
-            _layer_gdn(r, layer, B)
+            _layer_gdn(k, layer)
 
         @pl.when(kind == KIND_IDS["gqa"])
         def _():
-            _layer_gqa(r, layer, B)
+            _layer_gqa(k, layer)
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    pltpu.make_async_copy(r.gdn_rec_buf, r.gdn__recurrent.at[len(KIND_LAYERS["gdn"]) - 1], r.sems.at[3]).wait()   # drain the last gdn store of state.recurrent
+    # the last gdn layer's store of state.recurrent drains
+    k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
-    # epilogue: final norm and the vocab-sharded lm_head, which ends the weight stream
+    # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
     head_norm_copy.wait()
-    h = ops.rms_norm_zero_centred(r.x[...], r.head_norm[0:1, :], EPS)
-    name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols = STREAM["tail"][0]
-    logits = _stream_matmul(r, h, TAIL_TILE_OFFSET, row_tiles, col_tiles, tile_rows, tile_cols)
-    for j in range(col_tiles):
-        r.logits[j] = logits[:, j * tile_cols:(j + 1) * tile_cols]
+    h = lower.final_hidden(k, r.head_norm)
+    logits = ring.matmul(RING, k.ring_refs, h, TAIL_TILE_OFFSET, TAIL_LM_HEAD)
+    for j in range(TAIL_LM_HEAD.col_tiles):
+        r.logits[j] = logits[:, j * TAIL_LM_HEAD.tile_cols:(j + 1) * TAIL_LM_HEAD.tile_cols]
 
 
 # ---- host side ---------------------------------------------------------------------------
@@ -465,8 +273,8 @@ def _hbm_shapes():
     """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
     return {
         "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
-        "ring_hbm": ((TOTAL_TILES, SLOT_ROWS, SLOT_COLS), BF16),
-        "vectors_hbm": ((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), F32),
+        "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
+        "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
         "head_norm_hbm": ((8, HIDDEN), F32),
     }
 
@@ -474,10 +282,16 @@ def _hbm_shapes():
 def state_shapes(B):
     """Per-rank decode state arrays (without the leading rank axis): name -> (shape, dtype)."""
     return {
-        "gdn__conv": ((len(KIND_LAYERS["gdn"]), *(3, B, 1280)), jnp.float32),
-        "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), *(B, 6, 128, 128)), jnp.float32),
-        "gqa__key": ((len(KIND_LAYERS["gqa"]), B, CONTEXT, KV_WIDTH), BF16),
-        "gqa__value": ((len(KIND_LAYERS["gqa"]), B, CONTEXT, KV_WIDTH), BF16),
+        "gdn__conv": ((len(KIND_LAYERS["gdn"]), *(3, B, 1280)), F32),
+        "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), *(B, 6, 128, 128)), F32),
+        "gqa__key": ((len(KIND_LAYERS["gqa"]), *(B, CONTEXT, 256)), BF16),
+        "gqa__value": ((len(KIND_LAYERS["gqa"]), *(B, CONTEXT, 256)), BF16),
+    }
+
+
+def _vmem_input_shapes(B):
+    return {
+        "rope": ((2, B, 256), jnp.float32),
     }
 
 
@@ -489,56 +303,62 @@ def build_kernel(B, interpret=None):
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     states = state_shapes(B)
-    n_states = len(states)
+    n_vmem_inputs = len(_vmem_input_shapes(B))
     scratch = [
-        pltpu.VMEM((12, 1024, 1280), jnp.bfloat16),   # weights (ring)
-        pltpu.VMEM((2, 16, 5120), jnp.float32),   # vectors (parity)
-        pltpu.VMEM((B, 5120), jnp.float32),   # x (activation)
-        pltpu.VMEM((B, 16, 5120), jnp.bfloat16),   # embed_rows (activation)
-        pltpu.VMEM((8, 5120), jnp.float32),   # head_norm (parity)
-        pltpu.VMEM((5, B, 1024), jnp.bfloat16),   # stage (activation)
-        pltpu.VMEM((27, B, 1280), jnp.float32),   # acc (activation)
-        pltpu.VMEM((B, 6, 128, 128), jnp.float32),   # gdn_rec_buf (state)
-        pltpu.VMEM((2, B, 16, 256), jnp.bfloat16),   # gqa_kv_rows (kv)
-        pltpu.VMEM((2, 2, B, 5120), jnp.bfloat16),   # recv__bf16_2x1 (collective)
-        pltpu.VMEM((2, 4, B, 5120), jnp.bfloat16),   # recv__bf16_4x2 (collective)
-        pltpu.VMEM((2, 8, B, 5120), jnp.bfloat16),   # recv__bf16_8x1 (collective)
-        pltpu.SemaphoreType.DMA((RING_SLOTS,)),
-        pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SemaphoreType.DMA((7,)),
-        pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((2, 2)),   # recv__bf16_2x1 send, receive
-        pltpu.SemaphoreType.DMA((2, 4)), pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x2 send, receive
-        pltpu.SemaphoreType.DMA((2, 8)), pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send, receive
-        pltpu.SMEM((len(COLLECTIVES),), jnp.int32),
+        pltpu.VMEM((12, 1024, 1280), BF16),   # weights (ring)
+        pltpu.VMEM((2, 16, 5120), F32),   # vectors (parity)
+        pltpu.VMEM((B, 5120), F32),   # x (activation)
+        pltpu.VMEM((B, 16, 5120), BF16),   # embed_rows (activation)
+        pltpu.VMEM((8, 5120), F32),   # head_norm (parity)
+        pltpu.VMEM((5, B, 1024), BF16),   # stage (activation)
+        pltpu.VMEM((27, B, 1280), F32),   # acc (activation)
+        pltpu.VMEM((B, 6, 128, 128), F32),   # gdn_rec_buf (state)
+        pltpu.VMEM((2, B, 16, 256), BF16),   # gqa_kv_rows (kv)
+        pltpu.VMEM((2, 2, B, 5120), BF16),   # recv__bf16_2x1 (collective)
+        pltpu.VMEM((2, 4, B, 5120), BF16),   # recv__bf16_4x2 (collective)
+        pltpu.VMEM((2, 8, B, 5120), BF16),   # recv__bf16_8x1 (collective)
+        pltpu.SemaphoreType.DMA((12,)),   # ring_sem
+        pltpu.SemaphoreType.DMA((2,)),   # vectors_sem
+        pltpu.SemaphoreType.DMA(()),   # sem__head_norm
+        pltpu.SemaphoreType.DMA(()),   # sem__embed
+        pltpu.SemaphoreType.DMA(()),   # sem__load_gdn_conv_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__load_gdn_rec_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__store_gdn_conv_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__store_gdn_rec_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__gqa_kv_rows
+        pltpu.SemaphoreType.DMA((2, 2)),   # recv__bf16_2x1 send
+        pltpu.SemaphoreType.DMA((2, 2)),   # recv__bf16_2x1 receive
+        pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x2 send
+        pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x2 receive
+        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send
+        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 receive
+        pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     ]
-    out_shape = (jax.ShapeDtypeStruct((27, B, 1152), F32),
+    out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
-    first_state = 9
+    first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
     return pl.pallas_call(
         functools.partial(_kernel, B=B),
         out_shape=out_shape,
-        in_specs=[smem, smem, smem, smem, vmem] + [any_spec] * (4 + n_states),
-        out_specs=(vmem, *[any_spec] * n_states),
+        in_specs=[smem] * 4 + [vmem] * n_vmem_inputs + [any_spec] * (len(_hbm_shapes()) + len(states)),
+        out_specs=(vmem, *[any_spec] * len(states)),
         scratch_shapes=scratch,
-        input_output_aliases={first_state + i: 1 + i for i in range(n_states)},
+        input_output_aliases={first_state + i: 1 + i for i in range(len(states))},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES, collective_id=0,
                                              has_side_effects=True),
         interpret=interpret if interpret is not None else False,
     )
 
 
+def _tables():
+    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
 
 
-
-def _rope(positions):
-    """cos/sin rows [2, B, HEAD_DIM] for each row's position: 1 and 0 past the rotary dims."""
-    inv_freq = 1.0 / (DIMS.rope_theta ** (jnp.arange(0, ROTARY_DIM, 2, dtype=F32) / ROTARY_DIM))
-    ang = positions.astype(F32)[:, None] * inv_freq[None, :]
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    pad = HEAD_DIM - ROTARY_DIM
-    cos = jnp.concatenate([jnp.cos(ang), jnp.ones((positions.shape[0], pad), F32)], axis=-1)
-    sin = jnp.concatenate([jnp.sin(ang), jnp.zeros((positions.shape[0], pad), F32)], axis=-1)
-    return jnp.stack([cos, sin])
+def _tile_classes():
+    """The tile class of every tile of the step, in stream order (an SMEM table)."""
+    kinds = {v: kname for kname, v in KIND_IDS.items()}
+    sequence = [m for layer in range(N_LAYERS) for m in STREAM_ORDER[kinds[LAYER_KIND[layer]]]]
+    return ring.tile_classes(RING, sequence + STREAM_ORDER["tail"])
 
 
 def make_decode_step(mesh: Mesh, B: int, interpret=None):
@@ -549,22 +369,24 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
     below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
     call = build_kernel(B, interpret)
     names = list(state_shapes(B))
+    hbm_names = list(_hbm_shapes())
+    n_vmem = len(_vmem_input_shapes(B))
 
-    def per_rank(tokens, positions, tables, tile_class, rope, embed, ring, vectors, head_norm, *state):
-        outs = call(tokens, positions, tables, tile_class, rope, embed[0], ring[0], vectors[0], head_norm[0],
-                    *[s[0] for s in state])
-        return (outs[0][None],) + tuple(o[None] for o in outs[1:])
+    def per_rank(*args):
+        smem, vmem_in, rest = args[:4], args[4:4 + n_vmem], args[4 + n_vmem:]
+        outs = call(*smem, *vmem_in, *[a[0] for a in rest])
+        return tuple(o[None] for o in outs)
 
     rank_spec = P(AXIS)
     sharded = jax.shard_map(per_rank, mesh=mesh,
-                            in_specs=(P(),) * 5 + (rank_spec,) * (4 + len(names)),
+                            in_specs=(P(),) * (4 + n_vmem) + (rank_spec,) * (len(hbm_names) + len(names)),
                             out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
 
     def step(weights, state, tokens, positions):
+        host = lower.host_inputs(DIMS, positions)
         outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
-                       _rope(positions),
-                       weights["embed"], weights["ring_hbm"], weights["vectors_hbm"],
-                       weights["head_norm_hbm"], *[state[n] for n in names])
+                       *[host[n] for n in _vmem_input_shapes(B)],
+                       *[weights[n] for n in hbm_names], *[state[n] for n in names])
         tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
         logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, RANKS, -1)[:, :, :VOCAB_LOCAL]
         logits = logits.reshape(B, RANKS * VOCAB_LOCAL)
@@ -579,38 +401,28 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     per-layer vector blocks, the final norm and the embedding shard."""
-    ring = np.zeros((TOTAL_TILES, SLOT_ROWS, SLOT_COLS), BF16)
-    vectors = np.zeros((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), np.float32)
+    ring_hbm = np.zeros((RING.total_tiles, *RING.slot_shape), BF16)
+    vectors_hbm = np.zeros((N_LAYERS, VECTORS.rows, VECTORS.cols), np.float32)
     head_norm = np.zeros((8, HIDDEN), np.float32)
-    kinds = {v: k for k, v in KIND_IDS.items()}
-
+    kinds = {v: kname for kname, v in KIND_IDS.items()}
     for layer in range(N_LAYERS):
         kind = kinds[LAYER_KIND[layer]]
         t = LAYER_TILE_OFFSET[layer]
-        for name, rows, cols, row_tiles, col_tiles, tr, tc in STREAM[kind]:
-            _put_tiles(ring, t, hf_layout.family_matrix(hf, DIMS, layer, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
-            t += row_tiles * col_tiles
-        for name, (row, rows, width) in VECTOR_LAYOUT[kind].items():
-            vectors[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
-    name, rows, cols, row_tiles, col_tiles, tr, tc = STREAM["tail"][0]
-    _put_tiles(ring, TAIL_TILE_OFFSET, hf_layout.family_matrix(hf, DIMS, -1, name, rank, RANKS), row_tiles, col_tiles, tr, tc)
+        for m in STREAM_ORDER[kind]:
+            t = ring.put_tiles(ring_hbm, t, hf_layout.family_matrix(hf, DIMS, layer, m.name, rank, RANKS), m)
+        for name, (row, rows, width) in VECTORS.layout[kind].items():
+            vectors_hbm[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
+    t = TAIL_TILE_OFFSET
+    for m in STREAM_ORDER["tail"]:
+        t = ring.put_tiles(ring_hbm, t, hf_layout.family_matrix(hf, DIMS, -1, m.name, rank, RANKS), m)
     head_norm[0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
     embed = np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)).astype(BF16)
-    return {"embed": embed, "ring_hbm": ring, "vectors_hbm": vectors, "head_norm_hbm": head_norm}
+    return {"embed": embed, "ring_hbm": ring_hbm, "vectors_hbm": vectors_hbm, "head_norm_hbm": head_norm}
 
 
-def _tables():
-    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
-
-
-def _tile_classes():
-    """The tile-shape class of every tile of the step, in stream order (an SMEM table)."""
-    kinds = {v: k for k, v in KIND_IDS.items()}
-    families = [f for layer in range(N_LAYERS) for f in STREAM[kinds[LAYER_KIND[layer]]]]
-    classes = []
-    for name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols in families + STREAM["tail"]:
-        classes += [TILE_SHAPES.index([tile_rows, tile_cols])] * (row_tiles * col_tiles)
-    return np.array(classes, np.int32)
+def reference_states(state) -> dict[str, np.ndarray]:
+    """The decode state gathered over ranks into the reference's (upstream) layouts."""
+    return hf_layout.reference_states(state, DIMS, PER_RANK, RANKS, KIND_LAYERS)
 
 
 def init_state(B: int) -> dict[str, np.ndarray]:
@@ -623,17 +435,6 @@ def abstract_inputs(B: int):
     weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
     state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
     return weights, state
-
-
-def _put_tiles(ring, t, m, row_tiles, col_tiles, tr, tc):
-    """Cut matrix m into its family's tiles and store them from ring tile t on, in stream order
-    (column blocks outer, rows inner), zero padded to whole tiles."""
-    padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
-    padded[:m.shape[0], :m.shape[1]] = m
-    for j in range(col_tiles):
-        for i in range(row_tiles):
-            ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
-            t += 1
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -655,9 +456,11 @@ def place_state(B: int, mesh: Mesh) -> dict[str, jax.Array]:
     """Zeroed decode state on `mesh`, each process creating only its own ranks' shards (the
     multi-host counterpart of init_state)."""
     sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-    return {n: jax.make_array_from_callback((RANKS, *shape), sharding,
-                                            lambda index, shape=shape, dtype=dtype: np.zeros((1, *shape), dtype))
-            for n, (shape, dtype) in state_shapes(B).items()}
+
+    def zeros(shape, dtype):
+        return jax.make_array_from_callback((RANKS, *shape), sharding,
+                                            lambda index: np.zeros((1, *shape), dtype))
+    return {n: zeros(shape, dtype) for n, (shape, dtype) in state_shapes(B).items()}
 
 
 def pack_weights(hf) -> dict[str, np.ndarray]:
@@ -696,30 +499,3 @@ def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, 
     return _STEPS[key](weights, state, tokens, positions)
 
 
-
-
-def reference_states(state) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's (upstream) layouts:
-    recurrent [B, Hv, Dk, Dv] f32, conv [B, conv_dim, K-1] with channels [q | k | v], and the
-    KV caches [B, Hkv, T, D] (from the first rank holding each KV head)."""
-    out = {}
-    rec = np.asarray(state["gdn__recurrent"])            # [RANKS, layers, B, NV, DK, DV]
-    conv = np.asarray(state["gdn__conv"], np.float32)    # [RANKS, layers, K-1, B, CONV_CH]
-    for i, layer in enumerate(KIND_LAYERS["gdn"]):
-        out[f"layers.{layer}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
-        per_rank = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(RANKS)]   # [B, C, K-1]
-        q = [c[:, :NK * DK] for c in per_rank]
-        k = [c[:, NK * DK:2 * NK * DK] for c in per_rank]
-        v = [c[:, 2 * NK * DK:] for c in per_rank]
-        out[f"layers.{layer}.conv_state"] = np.concatenate(q + k + v, axis=1)
-    holder = [h * RANKS // DIMS.num_key_value_heads for h in range(DIMS.num_key_value_heads)]
-    for c, name in (("key", "key_cache"), ("value", "value_cache")):
-        cache = np.asarray(state[f"gqa__{c}"], np.float32)   # [RANKS, layers, B, T, NKV * HEAD_DIM]
-        for i, layer in enumerate(KIND_LAYERS["gqa"]):
-            if NKV * RANKS == DIMS.num_key_value_heads:       # heads split: rank r holds NKV
-                heads = [cache[r, i, :, :, j * HEAD_DIM:(j + 1) * HEAD_DIM]
-                         for r in range(RANKS) for j in range(NKV)]
-            else:                                              # replicated: one head per rank
-                heads = [cache[r, i] for r in holder]
-            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1)
-    return out

@@ -335,6 +335,9 @@ class KindSchedule:
     states: dict[str, tuple[tuple[int, ...], str]]
     op_reads: dict[str, list[str]]     # op -> tensor families it reads (from the model graph)
     op_writes: dict[str, list[str]]
+    # op -> (values it reads, values it writes): graph reads and writes held in registers (not
+    # tensors, not VMEM activation buffers), in graph order; the generated code's locals.
+    op_values: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     allgathers: list[AllGather] = field(default_factory=list)
     exchanges: list[Exchange] = field(default_factory=list)
     pooled: dict[str, str] = field(default_factory=dict)   # matrix family -> "pool.view"

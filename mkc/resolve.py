@@ -715,6 +715,8 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
 
     gathers, exchanges, gather_bufs = _resolve_gathers(phase, kind, topo, axis, B, rules)
     fetch, prefetch = _resolve_view_copies(phase, kind, pools)
+    # What an op passes and returns in registers: not a tensor, not a VMEM activation buffer.
+    not_values = set(kind.tensors) | set(graph.activations) | {"x"}
     ks = ir.KindSchedule(
         name=kname, ops=ops, matmuls={o.name: o.matmul for o in kind.ops if o.matmul},
         transfers=transfers, kv=kv, allreduces=allreduces,
@@ -722,6 +724,8 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         states={n: (t.shape, t.dtype) for n, t in states.items()},
         op_reads={o.name: list(o.reads) for o in kind.ops},
         op_writes={o.name: list(o.writes) for o in kind.ops},
+        op_values={o.name: ([n for n in o.reads if n not in not_values],
+                            [n for n in o.writes if n not in not_values]) for o in kind.ops},
         allgathers=gathers, exchanges=exchanges, pooled=dict(pooled), prefetch=prefetch,
         fetch=fetch, op_facts={o.name: o.facts for o in kind.ops})
     return ks, list(buffers.values()) + gather_bufs

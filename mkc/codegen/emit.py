@@ -10,6 +10,7 @@ import jinja2
 import mkc
 import mkc.families
 from mkc import ir
+from mkc.codegen import generic
 from mkc.model.family import Family
 from mkc.program import layer_program
 
@@ -17,10 +18,18 @@ _TEMPLATES = Path(__file__).with_name("templates")
 _JNP = {"bf16": "jnp.bfloat16", "f32": "jnp.float32", "int32": "jnp.int32"}
 
 
+def _generic_env() -> jinja2.Environment:
+    return _configured(jinja2.FileSystemLoader(_TEMPLATES))
+
+
 def _env(family: Family) -> jinja2.Environment:
-    """Templates of the family's package first, then the shared ones."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader([family.directory(), _TEMPLATES]),
-                             autoescape=False,
+    """A family's own template (the families not yet on the generic one): its package first,
+    then the shared templates."""
+    return _configured(jinja2.FileSystemLoader([family.directory(), _TEMPLATES]))
+
+
+def _configured(loader: jinja2.BaseLoader) -> jinja2.Environment:
+    env = jinja2.Environment(loader=loader, autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["jnp"] = lambda d: _JNP[d]
@@ -74,6 +83,10 @@ def render(s: ir.ScheduleIR, spec_text: str) -> str:
                     for c in ("key", "value")]
     resident = [b for b in s.buffers if b.scope is None]
     family = mkc.families.get(s.family)
+    if family.template is None:
+        return _generic_env().get_template("module.py.j2").render(
+            s=s, version=mkc.__version__, digest=digest,
+            **generic.context(s, family, family.dims_import))
     unknown = {op for k in s.kinds.values() for op in k.ops} - family.lowered_ops
     if unknown:
         raise ValueError(f"no lowering for ops {sorted(unknown)}")

@@ -40,8 +40,7 @@ class Family:
     # raises mkc.model.graph.ShardingError.
     build: Callable[[Any, dict, int], Any]
     package: str                       # e.g. "mkc.families.qwen3_5"
-    template: str                      # its module template, relative to the package
-    lowered_ops: frozenset[str]        # the ops that template lowers
+    lowered_ops: frozenset[str]        # the ops its lowering (or template) lowers
     # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
     # benchmarks/vmem_probe.py, interpolated over batch.
     compiler_scratch: tuple[tuple[int, int], ...]
@@ -53,6 +52,11 @@ class Family:
     # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
+    # The generic module template imports the dims class from (module, name); the family's
+    # `lowering` module holds its compute bodies. A family not yet on the generic template
+    # names its own template (relative to its package) instead.
+    dims_import: tuple[str, str] = ("", "")
+    template: str | None = None
 
     def directory(self) -> Path:
         """The package's folder (its templates live there)."""

@@ -23,6 +23,8 @@ the wait of use c; send semaphores are drained within each use.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -104,3 +106,54 @@ def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_re
     """Swap ``share [B, width]`` with the other core of this chip (rank ^ 1); returns both shares
     ``[B, 2 * width]``, core 0's first (``recv`` is ``[2, 2, B, width]``)."""
     return allgather(share, recv, send_sem, recv_sem, counter_ref, counter, axis, 2, 1)
+
+
+# ---- named stages, as generated modules declare them -------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    """One direct all-reduce stage: over the group (size, stride) through receive buffer
+    `buffer` (its send and receive semaphores are `buffer + "__send"` / `"__recv"`), whose use
+    counter is `counter_ref[counter]`."""
+
+    buffer: str
+    counter: int
+    size: int
+    stride: int
+
+
+def allreduce(refs, partial: jax.Array, stages: tuple[Stage, ...], axis: str) -> jax.Array:
+    """All-reduce `partial` as a sequence of direct stages; `refs` holds every kernel ref by
+    name (the buffers, their semaphores and `collective_count`)."""
+    for st in stages:
+        partial = allreduce_stage(partial, getattr(refs, st.buffer), getattr(refs, st.buffer + "__send"),
+                                  getattr(refs, st.buffer + "__recv"), refs.collective_count, st.counter,
+                                  axis, st.size, st.stride)
+    return partial
+
+
+def embed(refs, table, rows_buf, sem, vocab_local: int, stages: tuple[Stage, ...], axis: str,
+          B: int) -> jax.Array:
+    """Vocab-sharded embedding lookup of `refs.tokens` -> [B, hidden] f32: each rank copies the
+    aligned 16-row bf16 block holding each token (a single bf16 row is not a legal DMA on TPU),
+    keeps the row if it owns the token, and the ranks all-reduce (exact: one rank contributes
+    each row, the others zeros)."""
+    hidden = table.shape[-1]
+    me = lax.axis_index(axis)
+    lo = me * vocab_local
+    copies, owned, offset = [], [], []
+    for b in range(B):
+        tok = refs.tokens[b]
+        idx = jnp.clip(tok - lo, 0, vocab_local - 1)
+        base = pl.multiple_of((idx // 16) * 16, 16)
+        cp = pltpu.make_async_copy(table.at[pl.ds(base, 16)], rows_buf.at[b], sem)
+        cp.start()
+        copies.append(cp)
+        owned.append((tok >= lo) & (tok < lo + vocab_local))
+        offset.append(idx - base)
+    for cp in copies:
+        cp.wait()
+    row = lax.broadcasted_iota(jnp.int32, (16, hidden), 0)
+    picked = [jnp.sum(jnp.where((row == offset[b]) & owned[b], rows_buf[b].astype(F32), 0.0),
+                      axis=0, keepdims=True) for b in range(B)]
+    rows = jnp.concatenate(picked, axis=0) if B > 1 else picked[0]
+    return allreduce(refs, rows, stages, axis)

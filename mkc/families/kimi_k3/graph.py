@@ -252,7 +252,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
         Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
         Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
-        Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights", "experts"),
+        Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights"),
            writes=("routed_out",), partial=True, width=d.latent, runs_experts=True),
         Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
         Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),

@@ -12,7 +12,8 @@ def rope_input(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
 
 FAMILY = Family(
     name="qwen3_5_text", model_types=("qwen3_5_text",), read_dims=read_dims,
-    shard_classes=SHARD_CLASSES, build=build, package=__name__, template="module.py.j2",
+    shard_classes=SHARD_CLASSES, build=build, package=__name__,
+    dims_import=("mkc.families.qwen3_5.config", "Qwen35Dims"),
     lowered_ops=frozenset({"input_norm", "post_norm", "in_proj", "qkv_gate", "gate_up", "down",
                            "out_proj", "o_proj", "attn_residual", "mlp_residual", "conv",
                            "delta_rule", "gated_norm", "qk_norm_rope", "kv_write", "attention",

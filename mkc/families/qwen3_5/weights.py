@@ -113,3 +113,31 @@ def global_tensor(hf: Mapping[str, np.ndarray], d: ModelDims, name: str, rank: i
     if name == "final_norm":
         return _w(hf, "model.norm.weight")[None, :]
     raise KeyError(name)
+
+
+def reference_states(state, d: ModelDims, per_rank: dict[str, int], ranks: int,
+                     kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """The decode state gathered over ranks into the reference's (upstream) layouts:
+    recurrent [B, Hv, Dk, Dv] f32, conv [B, conv_dim, K-1] with channels [q | k | v], and the
+    KV caches [B, Hkv, T, D] (from the first rank holding each KV head)."""
+    nk, dk, nkv, hd = per_rank["nk"], per_rank["dk"], per_rank["nkv"], d.head_dim
+    out = {}
+    rec = np.asarray(state["gdn__recurrent"])            # [ranks, layers, B, nv, dk, dv]
+    conv = np.asarray(state["gdn__conv"], np.float32)    # [ranks, layers, K-1, B, conv channels]
+    for i, layer in enumerate(kind_layers.get("gdn", [])):
+        out[f"layers.{layer}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
+        shards = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(ranks)]   # [B, C, K-1]
+        q = [c[:, :nk * dk] for c in shards]
+        k = [c[:, nk * dk:2 * nk * dk] for c in shards]
+        v = [c[:, 2 * nk * dk:] for c in shards]
+        out[f"layers.{layer}.conv_state"] = np.concatenate(q + k + v, axis=1)
+    holder = [h * ranks // d.num_key_value_heads for h in range(d.num_key_value_heads)]
+    for c, name in (("key", "key_cache"), ("value", "value_cache")):
+        for i, layer in enumerate(kind_layers.get("gqa", [])):
+            cache = np.asarray(state[f"gqa__{c}"], np.float32)   # [ranks, layers, B, T, nkv * hd]
+            if nkv * ranks == d.num_key_value_heads:           # heads split: rank r holds nkv
+                heads = [cache[r, i, :, :, j * hd:(j + 1) * hd] for r in range(ranks) for j in range(nkv)]
+            else:                                              # replicated: one head per rank
+                heads = [cache[r, i] for r in holder]
+            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1)
+    return out

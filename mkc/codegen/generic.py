@@ -1,0 +1,199 @@
+"""The values the generic module template prints: schedule constants as readable Python
+literals (named dataclasses of `mkc.runtime`, wrapped at 100 columns), the layer functions
+(`mkc.codegen.layers`) and the kernel's inputs, outputs and scratch by name."""
+from __future__ import annotations
+
+import dataclasses
+
+from mkc import ir
+from mkc.codegen.layers import copy_name, layer_source, reduce_name
+from mkc.model.family import Family
+from mkc.runtime.collectives import Stage
+from mkc.runtime.context import KindPlan, StateCopy
+from mkc.runtime.kv import KvTiles
+from mkc.runtime.ring import Ring, StreamedMatrix
+from mkc.runtime.vectors import Parity
+
+_JNP = {"bf16": "BF16", "f32": "F32", "int32": "jnp.int32"}
+WIDTH = 100
+
+
+def literal(value, indent: int = 0) -> str:
+    """`value` as Python source: dataclasses by their class name (the module imports them),
+    containers and argument lists wrapped to fit the line width after `indent` columns."""
+    flat = _flat(value)
+    if indent + len(flat) <= WIDTH:
+        return flat
+    if dataclasses.is_dataclass(value):
+        opening, closing = type(value).__name__ + "(", ")"
+        items = [(f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        opening, closing = "{", "}"
+        items = [(f"{k!r}: ", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        opening, closing = ("[", "]") if isinstance(value, list) else ("(", ")")
+        items = [("", v) for v in value]
+        if isinstance(value, tuple) and len(value) == 1:
+            closing = ",)"
+    else:
+        return flat
+    inner = indent + len(opening)
+    lines, line = [], ""
+    for i, (key, v) in enumerate(items):
+        text = key + literal(v, inner + len(key)) + ("," if i < len(items) - 1 else "")
+        if line and "\n" not in text and inner + len(line) + 1 + len(text) <= WIDTH:
+            line += " " + text
+        else:
+            if line:
+                lines.append(line)
+            line = text
+    lines.append(line)
+    return opening + ("\n" + " " * inner).join(lines) + closing
+
+
+def _flat(value) -> str:
+    if dataclasses.is_dataclass(value):
+        args = ", ".join(f"{f.name}={_flat(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({args})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_flat(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_flat(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_flat(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
+
+
+def _streamed(f: ir.Family) -> StreamedMatrix:
+    return StreamedMatrix(f.name, f.rows, f.cols, f.row_tiles, f.col_tiles, f.tile_rows, f.tile_cols)
+
+
+def _matrix_name(kind: str, name: str) -> str:
+    return f"{kind}_{name}".upper()
+
+
+class _Name(str):
+    """A module constant's name, printed bare inside a literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> dict:
+    kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
+    kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
+    st = s.stream
+
+    matrix_literals = []
+    stream_order: dict[str, list[_Name]] = {}
+    streamed: dict[str, dict[str, tuple[int, _Name]]] = {}
+    for kname, fams in list(st.families.items()) + [("tail", st.tail)]:
+        offset = 0
+        for f in fams:
+            name = _matrix_name(kname, f.name)
+            matrix_literals.append((name, literal(_streamed(f), len(name) + 3)))
+            stream_order.setdefault(kname, []).append(_Name(name))
+            streamed.setdefault(kname, {})[f.name] = (offset, _Name(name))
+            offset += f.tiles
+    stream_order.setdefault("tail", [])
+
+    collectives = [b for b in s.buffers if b.cls == "collective"]
+    counter = {b.name: i for i, b in enumerate(collectives)}
+
+    def stages(a: ir.AllReduce) -> tuple[Stage, ...]:
+        return tuple(Stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride),
+                           counter[ir.AllReduce.buffer_name(a.wire_dtype, size, stride)], size, stride)
+                     for size, stride in a.stages)
+
+    reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
+    kinds: dict[str, KindPlan] = {}
+    state_arrays = []
+    sems: list[str] = ["sem__head_norm", "sem__embed"]
+    drains = []
+    for kname in sorted(s.kinds):
+        k = s.kinds[kname]
+        for a in k.allreduces:
+            name = reduce_name(kname, a.after_op)
+            reduce_literals.append((name, literal(stages(a), len(name) + 3)))
+        copies = {}
+        states = {}
+        for t in k.transfers:
+            cname = copy_name(t)
+            sem = f"sem__{t.direction}_{t.buffer}"
+            copies[cname] = StateCopy(t.direction, f"{kname}__{t.state}", t.buffer, sem)
+            states[t.state] = t.buffer
+            sems.append(sem)
+            drains += [(kname, cname, t)] * t.drain
+        # KV caches: one tile buffer `<kind>_kv_<cache>` each, in graph order.
+        kv_bufs = [b for b in s.buffers if b.name.startswith(f"{kname}_kv_") and b.name != f"{kname}_kv_rows"]
+        caches = tuple(f"{kname}__{b.name[len(kname) + 4:]}" for b in kv_bufs)
+        kv_plan = {}
+        if k.kv is not None:
+            kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead),
+                           kv_rows=f"{kname}_kv_rows", kv_sem=f"sem__{kname}_kv_rows")
+            sems.append(f"sem__{kname}_kv_rows")
+        kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states, copies=copies, **kv_plan)
+        for sname in sorted(k.states):
+            shape, dtype = k.states[sname]
+            if any(t.state == sname for t in k.transfers):
+                buf = s.buffer(states[sname])
+                state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), _JNP[buf.dtype]))
+        for c, b in zip(caches, kv_bufs):
+            state_arrays.append((c, kname, f"(B, CONTEXT, {b.shape[-1]})", _JNP[b.dtype]))
+
+    resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
+    scratch_names = [b.name for b in resident] + ["ring_sem", "vectors_sem"] + sems
+    # (source, comment) per scratch operand, in _SCRATCH order
+    scratch_shapes = [(f"pltpu.VMEM({b.shape_expr()}, {_JNP[b.dtype]})", f"{b.name} ({b.cls})")
+                      for b in resident]
+    scratch_shapes += [(f"pltpu.SemaphoreType.DMA(({st.slots},))", "ring_sem"),
+                       ("pltpu.SemaphoreType.DMA((2,))", "vectors_sem")]
+    scratch_shapes += [("pltpu.SemaphoreType.DMA(())", n) for n in sems]
+    for b in collectives:
+        scratch_names += [b.name + "__send", b.name + "__recv"]
+        scratch_shapes += [(f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", f"{b.name} send"),
+                           (f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", f"{b.name} receive")]
+    scratch_names.append("collective_count")
+    scratch_shapes.append(("pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)", "use counters"))
+
+    vmem_inputs = family.vmem_inputs(s, s.batch_max)
+    state_names = [a[0] for a in state_arrays]
+    inputs = (["tokens", "positions", "tables", "tile_class"] + [b.name for b in vmem_inputs]
+              + ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm"] + [n + "_in" for n in state_names])
+    outputs = ["logits"] + state_names
+
+    dims = s.dims
+    dims_fields = {key: (tuple(v) if isinstance(v, list) else v) for key, v in dims.items()}
+    dims_class = dataclasses.make_dataclass(dims_import[1], list(dims_fields))
+    parity = s.parity
+    layer_kind = tuple(kind_ids[k] for k in s.layer_kinds)
+    return {
+        "family": family, "dims_import": dims_import,
+        "dims_literal": literal(dims_class(**dims_fields), 7),
+        "per_rank_literal": literal(dict(sorted(s.per_rank.items())), 11),
+        "kind_ids": kind_ids,
+        "kind_layers_literal": literal(kind_layers, 14),
+        "layer_kind_literal": literal(layer_kind, 13),
+        "tile_offset_literal": literal(tuple(st.layer_tile_offset), 20),
+        "state_index_literal": literal(tuple(kind_layers[k].index(i)
+                                             for i, k in enumerate(s.layer_kinds)), 14),
+        "matrix_literals": matrix_literals,
+        "ring_literal": literal(Ring(st.slots, st.ahead, st.total_tiles,
+                                     tuple(tuple(t) for t in st.tile_shapes)), 7),
+        "stream_order_literal": literal({k: v for k, v in stream_order.items()}, 15),
+        "vectors_literal": literal(Parity(parity.ahead, parity.rows, parity.cols,
+                                          {k: {n: tuple(v) for n, v in fams.items()}
+                                           for k, fams in parity.layout.items()}), 10),
+        "reduce_literals": reduce_literals,
+        "collectives": collectives,
+        "kinds_literal": literal(kinds, 8),
+        "inputs_literal": literal(tuple(inputs), 10),
+        "outputs_literal": literal(tuple(outputs), 11),
+        "scratch_literal": literal(tuple(scratch_names), 11),
+        "scratch_shapes": scratch_shapes,
+        "layer_bodies": [(kname, layer_source(s, kname)) for kname in s.kinds],
+        "drains": drains,
+        "tail_name": _matrix_name("tail", st.tail[0].name),
+        "state_arrays": state_arrays,
+        "vmem_inputs": vmem_inputs,
+    }

@@ -1,0 +1,133 @@
+"""What a family's compute bodies see: the kernel's refs and the schedule's mechanisms, bound
+to one layer.
+
+A generated module builds one `Kernel` per invocation and, per layer, `kernel.layer(kind,
+index)`. Compute bodies (a family's `lowering` module) ask it for their layer's vectors, state
+buffers, matrices and KV cache by name; which mechanism serves a matrix (ring stream or pool
+view) is the schedule's choice, not the body's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+from mkc.runtime import collectives, kv, ring, vectors
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """A state copy the schedule names: HBM array `hbm` (one slice per layer of the kind) to or
+    from VMEM buffer `buffer`, signalling semaphore `sem`."""
+
+    direction: str       # "load" | "store"
+    hbm: str
+    buffer: str
+    sem: str
+
+
+@dataclass(frozen=True)
+class KindPlan:
+    """The schedule of one layer kind as its compute bodies need it."""
+
+    streamed: Mapping[str, tuple[int, ring.StreamedMatrix]]   # family -> (first tile in layer, tiling)
+    states: Mapping[str, str]                 # state family -> VMEM buffer
+    copies: Mapping[str, StateCopy]           # "load_conv_buf" -> the copy
+    caches: tuple[str, ...] = ()              # HBM caches, in the order bodies pass new rows
+    kv: kv.KvTiles | None = None
+    kv_rows: str = ""                         # VMEM tile buffer of the KV row writes
+    kv_sem: str = ""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel invocation: its refs by name, batch and the step-wide mechanisms."""
+
+    refs: types.SimpleNamespace
+    B: int
+    axis: str
+    dims: Any
+    per_rank: Mapping[str, int]
+    kinds: Mapping[str, KindPlan]
+    ring: ring.Ring
+    ring_refs: ring.RingRefs
+    parity: vectors.Parity
+    vector_refs: vectors.VectorRefs
+
+    def layer(self, kind: str, index) -> "Layer":
+        tables = self.refs.tables
+        return Layer(self, self.refs, kind, self.kinds[kind], index, si=tables[2, index],
+                     first_tile=tables[1, index])
+
+    def allreduce(self, partial: jax.Array, stages: tuple[collectives.Stage, ...]) -> jax.Array:
+        return collectives.allreduce(self.refs, partial, stages, self.axis)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a kind, as its compute bodies see it."""
+
+    kernel: Kernel
+    refs: types.SimpleNamespace        # the kernel's refs, plus the scoped buffers open here
+    kind: str
+    plan: KindPlan
+    index: Any                         # the layer (traced)
+    si: Any                            # its index among the layers of its kind (traced)
+    first_tile: Any                    # its first ring tile (traced)
+
+    @property
+    def B(self) -> int:
+        return self.kernel.B
+
+    @property
+    def dims(self) -> Any:
+        return self.kernel.dims
+
+    @property
+    def per_rank(self) -> Mapping[str, int]:
+        return self.kernel.per_rank
+
+    def scoped(self, **buffers) -> "Layer":
+        """This layer with scoped buffers (from `pl.run_scoped`) added to its refs."""
+        return dataclasses.replace(self, refs=types.SimpleNamespace(**vars(self.refs), **buffers))
+
+    def vector(self, name: str) -> jax.Array:
+        return vectors.vector(self.kernel.parity, self.kernel.vector_refs, self.kind, name, self.index)
+
+    def vectors_arrive(self, layers: int) -> None:
+        vectors.arrive(self.kernel.parity, self.kernel.vector_refs, self.index, layers)
+
+    def state(self, name: str):
+        """The VMEM buffer holding this layer's state family `name`."""
+        return getattr(self.refs, self.plan.states[name])
+
+    def copy(self, name: str, previous: bool = False):
+        """The state copy `name` of this layer (or of the previous layer of the kind)."""
+        cp = self.plan.copies[name]
+        hbm = getattr(self.refs, cp.hbm).at[self.si - 1 if previous else self.si]
+        vmem, sem = getattr(self.refs, cp.buffer), getattr(self.refs, cp.sem)
+        if cp.direction == "load":
+            return pltpu.make_async_copy(hbm, vmem, sem)
+        return pltpu.make_async_copy(vmem, hbm, sem)
+
+    def matmul(self, name: str, h: jax.Array) -> jax.Array:
+        """h @ matrix family `name` of this layer -> f32 [B, padded columns]."""
+        offset, tiling = self.plan.streamed[name]
+        return ring.matmul(self.kernel.ring, self.kernel.ring_refs, h, self.first_tile + offset, tiling)
+
+    def _caches(self) -> list:
+        return [getattr(self.refs, n) for n in self.plan.caches]
+
+    def kv_write(self, new: list[jax.Array]) -> None:
+        """Write each row's new cache entries (one [B, width] array per cache) at its position."""
+        kv.write_rows(self._caches(), getattr(self.refs, self.plan.kv_rows),
+                      getattr(self.refs, self.plan.kv_sem), self.si, self.refs.positions, new, self.B)
+
+    def kv_fold(self, body: Callable, init):
+        """Fold body(t, tiles, tokens, carry) over this layer's cached tokens (mkc.runtime.kv)."""
+        return kv.stream(self.plan.kv, self._caches(), self.si, self.refs.positions, self.B, body, init)
