@@ -28,6 +28,14 @@ MUTANTS: dict[str, tuple[str, str]] = {
                    "    attn_out = 1.01 * lower.o_proj(c, core)\n"),
     "gqa.k_norm": ("    q, k_new = lower.qk_norm_rope(c, proj)\n",
                    "    q, k_new = lower.qk_norm_rope(c, proj)\n    k_new = [1.01 * k for k in k_new]\n"),
+    # Qwen3.5 MoE (generic module)
+    "qwen_moe.routed_experts": (
+        "    routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)\n",
+        "    routed_out = 1.01 * lower.routed_experts(c, h, expert_ids, expert_weights)\n"),
+    "qwen_moe.shared_down": ("    shared_out = lower.shared_down(c, shared_act)\n",
+                             "    shared_out = 1.01 * lower.shared_down(c, shared_act)\n"),
+    "qwen_moe.router": ("    router_logits = lower.router(c, h)\n",
+                   "    router_logits = 1.01 * lower.router(c, h)\n"),
     # Kimi K3
     "kda.gated_norm": ('    w = _vector(r, "kda", "o_norm", layer)\n',
                        '    w = 1.01 * _vector(r, "kda", "o_norm", layer)\n'),

@@ -1,12 +1,15 @@
-"""Compile the Qwen schedule against the MINI config and run decode steps in TPU interpret mode
-on 8 virtual CPU devices, checking every step against the pure-JAX reference: plainly (f32,
-the independent oracle) and in its rounding-emulating mode (rounding where the kernel rounds,
-taken from the spec's schedule IR), with the tolerances of `mkc.numerics`.
+"""Compile a schedule against a MINI config and run decode steps in TPU interpret mode on
+virtual CPU devices (Qwen3.5 by default; any family on the generic module, e.g.
+`--spec schedules/qwen3_5_35b_a3b.sched --model qwen3_5_moe_mini`), checking every step
+against the family's pure-JAX reference: plainly (f32, the independent oracle) and in its
+rounding-emulating mode (rounding where the kernel rounds, taken from the spec's schedule IR),
+with the tolerances of `mkc.numerics`.
 
     .venv/bin/python examples/run_mini.py --steps 3 --mode on_wait
     .venv/bin/python examples/run_mini.py --mode eager --races
     .venv/bin/python examples/run_mini.py --checkpoint DIR     # an HF-format checkpoint
     .venv/bin/python examples/run_mini.py --mutants gqa.o_proj,gdn.gated_norm --steps 1
+    .venv/bin/python examples/run_mini.py --spec schedules/qwen3_5_35b_a3b.sched --model qwen3_5_moe_mini
 
 Prints one line per step and, with --json, a final JSON summary (used by the tests). Exits 1
 when the kernel disagrees with either reference. --mutate NAME runs a copy of the generated
@@ -36,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (finish, load_generated, reference_trajectory,  # noqa: E402
                               rounding_for, run_kernel)
 
-from mkc.checkpoint import load_checkpoint  # noqa: E402
-from mkc.families.qwen3_5 import reference as reference  # noqa: E402
+from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"))
-    ap.add_argument("--checkpoint", help="HF-format checkpoint dir (default: random MINI weights)")
+    ap.add_argument("--model", default="qwen3_8_mini", help="a shipped MINI config (random weights)")
+    ap.add_argument("--checkpoint", help="HF-format checkpoint dir (instead of --model)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
@@ -61,10 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         config, hf = load_checkpoint(args.checkpoint)
         model = str(Path(args.checkpoint).resolve())
     else:
-        model = "qwen3_8_mini"
-        config = json.loads((ROOT / "mkc/model/configs/qwen3_8_mini.json").read_text())
-        hf = reference.init_params(reference.load_config(config), seed=0)
+        model = args.model
+        config = json.loads((ROOT / f"mkc/model/configs/{model}.json").read_text())
+    family = family_of(config)
+    reference = family.module("reference")
     cfg = reference.load_config(config)
+    if not args.checkpoint:
+        hf = reference.init_params(cfg, seed=0)
     spec = Path(args.spec)
     gen = load_generated(spec, model, args.mutate)
     rounding = rounding_for(spec, model)
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     positions = jnp.asarray((136 + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
     trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
                                       positions, args.steps, judged=args.strict_emulation)
-    summary = {"family": "qwen3_5_text", "mode": args.mode, "races": args.races, "batch": B,
+    summary = {"family": family.name, "mode": args.mode, "races": args.races, "batch": B,
                "mutant": args.mutate, "strict_emulation": args.strict_emulation,
                "steps": run_kernel(gen, weights, gen.init_state(B), trajectory, mesh, params)}
     if args.mutants:

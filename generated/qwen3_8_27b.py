@@ -44,7 +44,7 @@ BATCH_RANGE = (1, 8)
 CONTEXT = 4096
 VMEM_LIMIT_BYTES = 67108864
 DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, num_hidden_layers=64,
-                  vocab_size=248320, intermediate_size=17408, rms_norm_eps=1e-06,
+                  vocab_size=248320, rms_norm_eps=1e-06,
                   layer_kinds=('gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
                                'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
                                'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
@@ -54,7 +54,8 @@ DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, n
                                'gdn', 'gdn', 'gdn', 'gqa'),
                   num_attention_heads=24, num_key_value_heads=4, head_dim=256, rotary_dim=64,
                   rope_theta=10000000.0, linear_num_key_heads=16, linear_num_value_heads=48,
-                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  intermediate_size=17408)
 PER_RANK = {'a_off': 2176, 'b_off': 2048, 'conv_ch': 1280, 'dk': 128, 'dv': 128, 'inter': 2176,
             'nk': 2, 'nkv': 1, 'nq': 3, 'nv': 6, 'vocab': 31040}
 HIDDEN = DIMS.hidden_size
@@ -417,7 +418,8 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
         t = ring.put_tiles(ring_hbm, t, hf_layout.family_matrix(hf, DIMS, -1, m.name, rank, RANKS), m)
     head_norm[0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
     embed = np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)).astype(BF16)
-    return {"embed": embed, "ring_hbm": ring_hbm, "vectors_hbm": vectors_hbm, "head_norm_hbm": head_norm}
+    packed = {"embed": embed, "ring_hbm": ring_hbm, "vectors_hbm": vectors_hbm, "head_norm_hbm": head_norm}
+    return packed
 
 
 def reference_states(state) -> dict[str, np.ndarray]:

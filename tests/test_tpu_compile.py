@@ -1,5 +1,5 @@
 """The full-size generated kernels compile with libtpu for their compile-only topologies: Qwen
-on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices)."""
+and Qwen3.5 MoE on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices)."""
 import pytest
 
 from conftest import run_python
@@ -7,6 +7,7 @@ from conftest import run_python
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, topology", [("qwen3_8_27b", "tpu7x=2x2x1"),
+                                              ("qwen3_5_35b_a3b", "tpu7x=2x2x1"),
                                               ("kimi_k3", "tpu7x=2x2x4")])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_full_size_kernel_compiles_for_tpu7x(module, topology, batch):

@@ -10,6 +10,7 @@ from mkc.codegen.layers import copy_name, layer_source, reduce_name
 from mkc.model.family import Family
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy
+from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.vectors import Parity
@@ -18,11 +19,13 @@ _JNP = {"bf16": "BF16", "f32": "F32", "int32": "jnp.int32"}
 WIDTH = 100
 
 
-def literal(value, indent: int = 0) -> str:
-    """`value` as Python source: dataclasses by their class name (the module imports them),
-    containers and argument lists wrapped to fit the line width after `indent` columns."""
+def literal(value, col: int = 0, base: int = 0) -> str:
+    """`value` as Python source starting at column `col` of a line indented `base`:
+    dataclasses by their class name (the module imports them); containers and argument lists
+    that do not fit on the line hang under their opening bracket, or, if that is too deep, open
+    a block indented four more than the line."""
     flat = _flat(value)
-    if indent + len(flat) <= WIDTH:
+    if col + len(flat) <= WIDTH:
         return flat
     if dataclasses.is_dataclass(value):
         opening, closing = type(value).__name__ + "(", ")"
@@ -37,10 +40,19 @@ def literal(value, indent: int = 0) -> str:
             closing = ",)"
     else:
         return flat
-    inner = indent + len(opening)
+    hanging = col + len(opening)
+    text = opening + _pack(items, hanging) + closing
+    if _fits(text, col):
+        return text
+    inner = base + 4
+    return opening + "\n" + " " * inner + _pack(items, inner) + "\n" + " " * base + closing
+
+
+def _pack(items: list[tuple[str, object]], inner: int) -> str:
+    """Items separated by commas, as many per line as fit, continuation lines at `inner`."""
     lines, line = [], ""
     for i, (key, v) in enumerate(items):
-        text = key + literal(v, inner + len(key)) + ("," if i < len(items) - 1 else "")
+        text = key + literal(v, inner + len(key), inner) + ("," if i < len(items) - 1 else "")
         if line and "\n" not in text and inner + len(line) + 1 + len(text) <= WIDTH:
             line += " " + text
         else:
@@ -48,7 +60,11 @@ def literal(value, indent: int = 0) -> str:
                 lines.append(line)
             line = text
     lines.append(line)
-    return opening + ("\n" + " " * inner).join(lines) + closing
+    return ("\n" + " " * inner).join(lines)
+
+
+def _fits(text: str, col: int) -> bool:
+    return all(col * (i == 0) + len(line) <= WIDTH for i, line in enumerate(text.splitlines()))
 
 
 def _flat(value) -> str:
@@ -156,10 +172,31 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
     scratch_names.append("collective_count")
     scratch_shapes.append(("pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)", "use counters"))
 
+    # Routed experts: one kind fetches them into a pool's slot view.
+    fetching = [kname for kname, k in s.kinds.items() if k.fetch is not None]
+    expert_slots = None
+    expert_inputs = []
+    if fetching:
+        f = s.kinds[fetching[0]].fetch
+        view = s.pool_view(f"{f.pool}.{f.view}")
+        mats = view.matrices["expert"]
+        row = ir.POOL_ROW_BYTES
+        expert_slots = ExpertSlots(pool=f.pool, slots=view.slots, slot_rows=view.slot_bytes // row,
+                                   matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
+                                   local_experts=s.per_rank["local_experts"],
+                                   group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
+        expert_inputs = [(f"expert__{m.name}", fetching[0],
+                          (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES)) for m in mats]
+        scratch_names += ["expert_sem", "expert_list", "expert_count"]
+        scratch_shapes += [(f"pltpu.SemaphoreType.DMA(({view.slots}, {len(mats)}))", "expert slot copies"),
+                           ("pltpu.SMEM((EXPERTS.local_experts,), jnp.int32)", "picked local experts"),
+                           ("pltpu.SMEM((1,), jnp.int32)", "how many")]
+
     vmem_inputs = family.vmem_inputs(s, s.batch_max)
     state_names = [a[0] for a in state_arrays]
     inputs = (["tokens", "positions", "tables", "tile_class"] + [b.name for b in vmem_inputs]
-              + ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm"] + [n + "_in" for n in state_names])
+              + ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm"] + [n for n, _, _ in expert_inputs]
+              + [n + "_in" for n in state_names])
     outputs = ["logits"] + state_names
 
     dims = s.dims
@@ -196,4 +233,6 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
         "tail_name": _matrix_name("tail", st.tail[0].name),
         "state_arrays": state_arrays,
         "vmem_inputs": vmem_inputs,
+        "experts_literal": literal(expert_slots, 10),
+        "expert_inputs": expert_inputs,
     }

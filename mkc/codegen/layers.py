@@ -135,6 +135,12 @@ class _Emitter:
             value = k.op_values[step.op][1][0]
             self._line(indent, f"{value} = k.allreduce({value}, {reduce_name(kind, step.op)})   "
                                f"# {_where(a.span)}: {a.algorithm}, wire {a.wire_dtype}")
+        elif step.kind == "fetch":
+            f = k.fetch
+            self._line(indent, f"c.start_experts()   # {_where(f.span)}: fetch experts -> {f.pool}.{f.view}, "
+                               f"the first slots as soon as routing picked them")
+        elif step.kind == "view_close":
+            self._line(indent, f"# the pool view {step.view} is free from here")
         else:
             raise ValueError(f"the generic lowering has no step {step.kind!r} yet")
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from mkc.runtime import collectives, kv, ring, vectors
+from mkc.runtime import collectives, experts, kv, pool, ring, vectors
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class Kernel:
     ring_refs: ring.RingRefs
     parity: vectors.Parity
     vector_refs: vectors.VectorRefs
+    experts: experts.ExpertSlots | None = None
 
     def layer(self, kind: str, index) -> "Layer":
         tables = self.refs.tables
@@ -131,3 +132,25 @@ class Layer:
     def kv_fold(self, body: Callable, init):
         """Fold body(t, tiles, tokens, carry) over this layer's cached tokens (mkc.runtime.kv)."""
         return kv.stream(self.plan.kv, self._caches(), self.si, self.refs.positions, self.B, body, init)
+
+    # ---- routed experts (mkc.runtime.experts) ------------------------------------------------
+    def select_experts(self, ids: jax.Array) -> None:
+        """List this rank's picked local experts (ids [B, top_k], global) in SMEM."""
+        experts.select_local(self.kernel.experts, self.refs, ids, self.kernel.axis, self.B)
+
+    def start_experts(self) -> None:
+        experts.start_first(self.kernel.experts, self.refs, self.si)
+
+    def fold_experts(self, body: Callable, init):
+        """Fold body(k, carry) over the selected experts, each once its slot has landed."""
+        return experts.fold(self.kernel.experts, self.refs, self.si, body, init)
+
+    def expert_matmul(self, k, name: str, h: jax.Array) -> jax.Array:
+        """h @ selected expert k's matrix `name` (from its slot) -> f32 [B, cols]."""
+        row, rows, cols = experts.matrix(self.kernel.experts, self.refs, k, name)
+        return pool.pooled_matmul(h, getattr(self.refs, self.kernel.experts.pool), row, rows, cols)
+
+    def expert_weight(self, weights: jax.Array, k) -> jax.Array:
+        """The routing weight [B, 1] of selected expert k (weights [B, E])."""
+        es = self.kernel.experts
+        return experts.expert_weight(weights, experts.global_id(es, self.refs, k, self.kernel.axis))

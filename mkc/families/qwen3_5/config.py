@@ -10,15 +10,15 @@ LAYER_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
 
 
 @dataclass(frozen=True)
-class Qwen35Dims:
-    """Dimensions of one Qwen3.5 text model; names follow the upstream config keys."""
+class AttentionDims:
+    """What every Qwen3.5-style model has: the decoder and its gated delta net and gated
+    attention layers. Names follow the upstream config keys."""
 
     family: str
     name: str
     hidden_size: int
     num_hidden_layers: int
     vocab_size: int
-    intermediate_size: int
     rms_norm_eps: float
     layer_kinds: tuple[str, ...]
     # gated GQA
@@ -38,6 +38,13 @@ class Qwen35Dims:
     def linear_conv_dim(self) -> int:
         return (2 * self.linear_num_key_heads * self.linear_key_head_dim
                 + self.linear_num_value_heads * self.linear_value_head_dim)
+
+
+@dataclass(frozen=True)
+class Qwen35Dims(AttentionDims):
+    """Dimensions of one Qwen3.5 text model: the attention dims and a dense SwiGLU MLP."""
+
+    intermediate_size: int
 
 
 def layer_types(raw: dict) -> list[str]:
@@ -65,16 +72,14 @@ def rope(raw: dict, head_dim: int) -> tuple[int, float]:
     return int(head_dim * factor), theta
 
 
-def read_dims(raw: dict, name: str) -> Qwen35Dims:
-    """The dimensions; KeyError / ValueError / TypeError for a malformed config."""
+def attention_fields(raw: dict, name: str) -> dict:
+    """The AttentionDims fields of a config but `family` and `layer_kinds`."""
     head_dim = int(raw["head_dim"])
     rotary_dim, theta = rope(raw, head_dim)
-    return Qwen35Dims(
-        family="qwen3_5_text", name=identifier(name),
+    return dict(
+        name=identifier(name),
         hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
-        vocab_size=int(raw["vocab_size"]), intermediate_size=int(raw["intermediate_size"]),
-        rms_norm_eps=float(raw["rms_norm_eps"]),
-        layer_kinds=tuple(LAYER_KINDS[t] for t in layer_types(raw)),
+        vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
         num_attention_heads=int(raw["num_attention_heads"]),
         num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=head_dim,
         rotary_dim=rotary_dim, rope_theta=theta,
@@ -84,3 +89,9 @@ def read_dims(raw: dict, name: str) -> Qwen35Dims:
         linear_value_head_dim=int(raw["linear_value_head_dim"]),
         linear_conv_kernel_dim=int(raw["linear_conv_kernel_dim"]),
     )
+
+
+def read_dims(raw: dict, name: str) -> Qwen35Dims:
+    """The dimensions; KeyError / ValueError / TypeError for a malformed config."""
+    return Qwen35Dims(family="qwen3_5_text", layer_kinds=tuple(LAYER_KINDS[t] for t in layer_types(raw)),
+                      intermediate_size=int(raw["intermediate_size"]), **attention_fields(raw, name))

@@ -9,14 +9,16 @@ from mkc.families.qwen3_5.config import Qwen35Dims
 SHARD_CLASSES = ("heads", "mlp", "vocab")
 
 
-def attention_kinds(d: Qwen35Dims, heads: int, mlp: int
-                  ) -> tuple[dict[str, LayerKind], dict[str, int]]:
+def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
+                    ) -> tuple[dict[str, LayerKind], dict[str, int]]:
+    """The gdn and gqa kinds with their dense SwiGLU MLP, or (with_mlp=False) the attention
+    half alone, up to the residual add, for a family whose MLP is its own sublayer kind."""
     H = d.hidden_size
     nk = split(d.linear_num_key_heads, heads, "linear_num_key_heads")
     nv = split(d.linear_num_value_heads, heads, "linear_num_value_heads")
     dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
     conv_ch = 2 * nk * dk + nv * dv
-    inter = split(d.intermediate_size, mlp, "intermediate_size")
+    inter = split(d.intermediate_size, mlp, "intermediate_size") if with_mlp else 0
     nq = split(d.num_attention_heads, heads, "num_attention_heads")
     # KV heads split when there are enough, else each rank holds a replica of its group's head.
     if d.num_key_value_heads >= heads:
@@ -27,6 +29,8 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int
     hd = d.head_dim
 
     def mlp_tensors() -> dict[str, Tensor]:
+        if not with_mlp:
+            return {"input_norm": Tensor("input_norm", "vector", (H,), "f32")}
         return {
             "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
             "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=True),
@@ -39,7 +43,7 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int
         Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
         Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
         Op("mlp_residual", reads=("mlp_out", "x"), writes=("x",)),
-    )
+    ) if with_mlp else ()
     gdn = LayerKind("gdn", ops=(
         Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
         Op("in_proj", reads=("h",), writes=("proj",), matmul="in_proj"),
@@ -82,7 +86,7 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int
     })
     norm = OpFacts(vector_per_row=4 * H)
     mlp_facts = {"post_norm": norm, "gate_up": OpFacts(vector_per_row=8 * inter),   # SiLU * up
-                 "mlp_residual": OpFacts(vector_per_row=2 * H)}
+                 "mlp_residual": OpFacts(vector_per_row=2 * H)} if with_mlp else {}
     state = nv * dk * dv
     gdn = with_facts(gdn, mlp_facts | {
         "input_norm": norm,

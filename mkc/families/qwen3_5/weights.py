@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from mkc.families.qwen3_5.config import Qwen35Dims as ModelDims
+from mkc.families.qwen3_5.config import AttentionDims as ModelDims
 from mkc.model.graph import lane_pad
 
 

@@ -1,8 +1,24 @@
-"""Qwen3.5 MoE text (`qwen3_5_moe_text`, e.g. Qwen3.5-35B-A3B): Qwen3.5's gated delta net and
-gated attention layers, each followed by a sparse MoE block (softmax router, top-k experts,
-sigmoid-gated shared expert).
+"""Qwen3.5 MoE (`qwen3_5_moe_text`): Qwen3.5's gated delta net and gated attention layers, each
+followed by a sparse MoE (softmax top-k router, many small SwiGLU experts, a sigmoid-gated
+shared expert). Lowered by the generic module template: its own code is its config reader,
+graph, weight layout, routing op and compute bodies."""
+from mkc.families.qwen3_5 import rope_input
+from mkc.families.qwen3_5_moe.config import FAMILY_NAME, RENAMED_PREFIXES, SKIPPED_PREFIXES, read_dims
+from mkc.families.qwen3_5_moe.graph import SHARD_CLASSES, build
+from mkc.model.family import Family
 
-Not a registered family yet: this package holds the config reader (`config.py`) and the pure-JAX
-reference (`reference.py`); it declares no `FAMILY` until its graph, weight layout, ops and module
-template exist, and the registry (`mkc.families`) skips packages without one.
-"""
+FAMILY = Family(
+    name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
+    shard_classes=SHARD_CLASSES, build=build, package=__name__,
+    dims_import=("mkc.families.qwen3_5_moe.config", "Qwen35MoeDims"),
+    lowered_ops=frozenset({"input_norm", "in_proj", "qkv_gate", "out_proj", "o_proj", "attn_residual",
+                           "conv", "delta_rule", "gated_norm", "qk_norm_rope", "kv_write", "attention",
+                           "out_gate", "post_norm", "router", "route", "shared_gate_up", "shared_down",
+                           "routed_experts", "mlp_residual"}),
+    # Not yet measured by benchmarks/vmem_probe.py: Qwen3.5's points, whose attention bodies
+    # these layers share (the MoE bodies unroll per row like its MLP).
+    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
+    vmem_inputs=rope_input,
+    plain_state_tolerance=1.5e-2,
+    renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES,
+)

@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mkc.families.qwen3_5.config import LAYER_KINDS, layer_types, rope
-from mkc.model.family import ConfigError, identifier
+from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, attention_fields, layer_types
+from mkc.model.family import ConfigError
 
 FAMILY_NAME = "qwen3_5_moe_text"
 MODEL_TYPES = ("qwen3_5_moe_text",)   # the composite `qwen3_5_moe` nests one as text_config
@@ -59,43 +59,17 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 
 
 @dataclass(frozen=True)
-class Qwen35MoeDims:
-    """Dimensions of one Qwen3.5 MoE text model; names follow the upstream config keys, except
-    `experts` (num_experts) and `top_k` (num_experts_per_tok), the names the core reads.
+class Qwen35MoeDims(AttentionDims):
+    """Qwen3.5's attention dims (with `layer_kinds` per sublayer: the attention kind, then
+    `moe`) and a sparse MoE in every layer. Upstream key names, except `experts`
+    (num_experts) and `top_k` (num_experts_per_tok), the names the core reads. There is no
+    `intermediate_size`: no dense MLP, and upstream's MoE config has no such key."""
 
-    Qwen35Dims's fields but `intermediate_size`: there is no dense MLP, and upstream's MoE config
-    has no such key."""
-
-    family: str
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
-    rms_norm_eps: float
-    layer_kinds: tuple[str, ...]
-    # gated GQA
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    # gated delta net
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    # sparse MoE, every layer
     experts: int
     top_k: int
     moe_intermediate_size: int
     shared_expert_intermediate_size: int
     norm_topk_prob: bool          # always True: upstream renormalises the top-k weights
-
-    @property
-    def linear_conv_dim(self) -> int:
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
 
 
 def check_moe_keys(raw: dict) -> None:
@@ -124,21 +98,10 @@ def read_dims(raw: dict, name: str) -> Qwen35MoeDims:
     """The dimensions; ConfigError for unsupported settings, KeyError / ValueError / TypeError
     for a malformed config."""
     check_moe_keys(raw)
-    head_dim = int(raw["head_dim"])
-    rotary_dim, theta = rope(raw, head_dim)
     return Qwen35MoeDims(
-        family=FAMILY_NAME, name=identifier(name),
-        hidden_size=int(raw["hidden_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
-        vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
-        layer_kinds=tuple(LAYER_KINDS[t] for t in layer_types(raw)),
-        num_attention_heads=int(raw["num_attention_heads"]),
-        num_key_value_heads=int(raw["num_key_value_heads"]), head_dim=head_dim,
-        rotary_dim=rotary_dim, rope_theta=theta,
-        linear_num_key_heads=int(raw["linear_num_key_heads"]),
-        linear_num_value_heads=int(raw["linear_num_value_heads"]),
-        linear_key_head_dim=int(raw["linear_key_head_dim"]),
-        linear_value_head_dim=int(raw["linear_value_head_dim"]),
-        linear_conv_kernel_dim=int(raw["linear_conv_kernel_dim"]),
+        family=FAMILY_NAME, **attention_fields(raw, name),
+        # Two sublayers per layer: its attention kind, then the MoE.
+        layer_kinds=tuple(k for t in layer_types(raw) for k in (LAYER_KINDS[t], "moe")),
         experts=int(raw["num_experts"]), top_k=int(raw["num_experts_per_tok"]),
         moe_intermediate_size=int(raw["moe_intermediate_size"]),
         shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"]),

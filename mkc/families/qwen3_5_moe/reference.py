@@ -67,11 +67,14 @@ import ml_dtypes
 import numpy as np
 
 from mkc.families.qwen3_5 import reference as qwen
-from mkc.families.qwen3_5.reference import (FULL, KIND_NAMES, LINEAR, Qwen35Config, embed,
+from mkc.families.qwen3_5.reference import (FULL, LINEAR, Qwen35Config, embed,
                                             full_attention_block, init_cache, linear,
                                             linear_attention_block, mlp_block, rms_norm)
 from mkc.families.qwen3_5_moe.config import MODEL_TYPES, check_moe_keys
 from mkc.reference.rounding import Rounding, allreduce, one_row_as_two
+
+# The layer-loop kind of the MoE sublayer: the schedule's all-reduces of its ops live there.
+MOE_KIND = "moe"
 
 __all__ = ["FULL", "LINEAR", "Qwen35MoeConfig", "count_parameters", "decode_hidden",
            "decode_step", "embed", "init_cache", "init_params", "load_config", "moe_block",
@@ -282,7 +285,19 @@ def moe_block(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x: jax.Array,
         routed = _routed_experts_per_rank(p, cfg, xin, ids, weights, rounding, kind)
     shared = {n[len("shared_expert."):]: w for n, w in p.items() if n.startswith("shared_expert.")}
     gate = jax.nn.sigmoid(linear(xin, p["shared_expert_gate.weight"]))   # [B, 1]
-    return routed + gate * mlp_block(shared, x, rounding, kind)
+    return routed + gate * _shared_expert(shared, x, rounding, kind)
+
+
+def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None,
+                   kind: str) -> jax.Array:
+    """The shared expert: Qwen3.5's SwiGLU MLP; with ``rounding`` its down projection is the
+    schedule's ``shared_down`` of ``kind``, split over ranks in ``shared``-wide ranges."""
+    if rounding is None:
+        return mlp_block(p, x)
+    x = _mm_input(x, rounding)
+    act = jax.nn.silu(linear(x, p["gate_proj.weight"])) * linear(x, p["up_proj.weight"])
+    return qwen._out_projection(act, p["down_proj.weight"], rounding, kind, "shared_down",
+                                rounding.size("shared"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +333,7 @@ def decode_hidden(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mappin
                                      cache[f"layers.{i}.value_cache"], positions, rounding))
         x = x + out
         x = x + moe_block(under("mlp."), cfg, rms_norm(x, lp["post_attention_layernorm.weight"], eps),
-                          rounding, KIND_NAMES[kind])
+                          rounding, MOE_KIND)
     return x, new_cache
 
 

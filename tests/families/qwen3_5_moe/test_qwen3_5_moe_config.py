@@ -28,7 +28,8 @@ def test_full_config_dims() -> None:
     d = _dims(FULL, FULL_JSON)
     assert (d.family, d.name) == ("qwen3_5_moe_text", "qwen3_5_35b_a3b")
     assert (d.hidden_size, d.num_hidden_layers, d.vocab_size) == (2048, 40, 248320)
-    assert d.layer_kinds == ("gdn", "gdn", "gdn", "gqa") * 10
+    # two sublayers per layer in the layer loop: attention, then the MoE
+    assert d.layer_kinds == ("gdn", "moe", "gdn", "moe", "gdn", "moe", "gqa", "moe") * 10
     assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim) == (16, 2, 256)
     assert (d.rotary_dim, d.rope_theta, d.rms_norm_eps) == (64, 1e7, 1e-6)
     assert (d.linear_num_key_heads, d.linear_num_value_heads) == (16, 32)
@@ -43,7 +44,8 @@ def test_mini_config_is_a_tp8_ready_twin() -> None:
     """Same structure as the full model, small sizes, every split over 8 ranks whole (and the
     per-rank widths the kernels tile lane-aligned)."""
     mini, full = _dims(MINI, MINI_JSON), _dims(FULL, FULL_JSON)
-    assert mini.layer_kinds == full.layer_kinds[:4] == ("gdn", "gdn", "gdn", "gqa")
+    assert mini.layer_kinds == full.layer_kinds[:8]
+    assert mini.layer_kinds == ("gdn", "moe", "gdn", "moe", "gdn", "moe", "gqa", "moe")
     assert set(MINI) == set(FULL)   # the same upstream keys
     assert (mini.hidden_size, mini.experts, mini.top_k, mini.vocab_size) == (256, 16, 4, 1024)
     assert (mini.moe_intermediate_size, mini.shared_expert_intermediate_size) == (128, 128)

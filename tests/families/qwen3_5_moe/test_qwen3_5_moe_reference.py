@@ -179,10 +179,10 @@ def _rounding(cfg: ref.Qwen35MoeConfig, expert_tp: int, matmul_input: str, wire:
     ranks = 8
     direct = Reduce(((ranks, 1),), wire)
     reduces = tuple((kind, op, direct) for kind, ops in (
-        ("gdn", ("out_proj", "down", "routed_experts")),
-        ("gqa", ("o_proj", "down", "routed_experts")), ("embed", ("embed",))) for op in ops)
+        ("gdn", ("out_proj",)), ("gqa", ("o_proj",)), ("moe", ("shared_down", "routed_experts")),
+        ("embed", ("embed",))) for op in ops)
     shard = {"nv": cfg.linear_num_value_heads // ranks, "nq": cfg.num_attention_heads // ranks,
-             "inter": cfg.shared_expert_intermediate_size // ranks, "vocab": cfg.vocab_size // ranks,
+             "shared": cfg.shared_expert_intermediate_size // ranks, "vocab": cfg.vocab_size // ranks,
              "expert_tp": expert_tp, "expert_width": cfg.moe_intermediate_size // expert_tp,
              "local_experts": cfg.num_experts // (ranks // expert_tp)}
     return Rounding(ranks=ranks, reduces=reduces, storage=(("gdn", "conv", "bf16"),
@@ -198,8 +198,8 @@ def test_expert_parallel_split_sums_to_the_plain_block(mini: ref.Qwen35MoeConfig
     block up to f32 summation order: every expert and width slice is counted exactly once."""
     p = {n: jnp.asarray(w, jnp.float32) for n, w in _layer_moe(mini_params, 2).items()}
     x = jnp.asarray(np.random.default_rng(6).normal(size=(3, mini.hidden_size)), jnp.float32)
-    plain = np.asarray(moe(p, mini, x, None, "gdn"))
-    split = np.asarray(moe(p, mini, x, _rounding(mini, expert_tp, "f32", "f32"), "gdn"))
+    plain = np.asarray(moe(p, mini, x, None, "moe"))
+    split = np.asarray(moe(p, mini, x, _rounding(mini, expert_tp, "f32", "f32"), "moe"))
     np.testing.assert_allclose(split, plain, rtol=1e-5, atol=1e-6 * np.abs(plain).max())
 
 

@@ -1,0 +1,56 @@
+"""The compute body of every Qwen3.5 MoE decode op (`mkc.families.qwen3_5.lowering` has the
+convention). Attention sublayers are Qwen3.5's bodies; the MoE sublayer's are here."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mkc.families.qwen3_5 import ops as qwen_ops
+from mkc.families.qwen3_5.lowering import (attention, attn_residual, conv, delta_rule,  # noqa: F401
+                                           final_hidden, gated_norm, host_inputs, in_proj, input_norm,
+                                           kv_write, o_proj, out_gate, out_proj, post_norm, qk_norm_rope,
+                                           qkv_gate)
+from mkc.families.qwen3_5_moe import ops
+from mkc.runtime.context import Layer
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def router(c: Layer, h: jax.Array) -> jax.Array:
+    return c.matmul("router", h)[:, :c.dims.experts]
+
+
+def route(c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax top-k; this rank's picked local experts go to SMEM for their copies."""
+    weights, ids = ops.route(router_logits, c.dims.top_k)
+    c.select_experts(ids)
+    return ids, weights
+
+
+def shared_gate_up(c: Layer, h: jax.Array) -> jax.Array:
+    return qwen_ops.swiglu(c.matmul("shared_gate_up", h), c.per_rank["shared"])
+
+
+def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
+    return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
+
+
+def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array) -> jax.Array:
+    """This rank's picked experts on every row, each weighted by its routing weight (zero for
+    rows that did not pick it), summed in ascending expert order: a partial sum over ranks."""
+    width = c.dims.moe_intermediate_size
+
+    def expert(k, acc):
+        act = qwen_ops.swiglu(c.expert_matmul(k, "gate_up", h), width)
+        return acc + c.expert_weight(expert_weights, k) * c.expert_matmul(k, "down", act)
+
+    return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
+
+
+def mlp_residual(c: Layer, shared_out: jax.Array, routed_out: jax.Array, h: jax.Array) -> None:
+    """x += routed + sigmoid(h . shared_gate) * shared (the gate's input rounded to bf16, as
+    the MXU would take it)."""
+    hb = h.astype(BF16).astype(F32)
+    gate = jax.nn.sigmoid(jnp.sum(hb * c.vector("shared_gate"), axis=-1, keepdims=True))
+    c.refs.x[...] = c.refs.x[...] + routed_out + gate * shared_out

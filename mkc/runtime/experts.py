@@ -1,0 +1,124 @@
+"""Expert slots: routed experts copied into a pool's slot view as routing picks them.
+
+Each rank serves the experts of its expert group (`group_size` consecutive ranks share one
+group's experts, each holding a slice of their width). After routing, `select_local` lists in
+SMEM the distinct local experts any row picked, in ascending id order. Selected expert k lands
+in slot k % slots: the first `slots` are started as soon as they are known (`start_first`),
+and `fold` runs them in order, starting expert k + slots into expert k's slot as soon as k has
+been consumed (the slot protocol `mkc.checks` proves race-free).
+
+An expert's matrices sit at fixed row offsets inside its slot, in the pool layout of
+`mkc.runtime.pool`; HBM holds each matrix as [layers of the kind, local experts, pool form].
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from mkc.runtime import pool
+
+
+@dataclass(frozen=True)
+class ExpertSlots:
+    pool: str                                   # the pool buffer
+    slots: int
+    slot_rows: int                              # pool rows per slot
+    matrices: dict[str, tuple[int, int, int]]   # name -> (first row in the slot, rows, cols)
+    local_experts: int                          # experts per group
+    group_size: int                             # ranks sharing one group's experts
+    top_k: int
+
+
+def expert_id(ids: jax.Array, row: int, slot: int) -> jax.Array:
+    """Scalar int32 ids[row, slot] (a masked full reduction: the vector-to-scalar move that
+    lowers), to store in SMEM before issuing expert DMAs."""
+    mask = ((lax.broadcasted_iota(jnp.int32, ids.shape, 0) == row)
+            & (lax.broadcasted_iota(jnp.int32, ids.shape, 1) == slot))
+    return jnp.sum(jnp.where(mask, ids, 0))
+
+
+def expert_weight(weights: jax.Array, expert) -> jax.Array:
+    """Column [B, 1] of the routing weights [B, E] for one (dynamic) expert id: a lane mask and
+    sum, as vector gathers do not lower. Zero for rows not routed to it."""
+    lane = lax.broadcasted_iota(jnp.int32, weights.shape, 1)
+    return jnp.sum(jnp.where(lane == expert, weights, 0.0), axis=-1, keepdims=True)
+
+
+def group(es: ExpertSlots, axis: str):
+    return lax.div(lax.axis_index(axis), es.group_size)
+
+
+def select_local(es: ExpertSlots, refs, ids: jax.Array, axis: str, B: int) -> None:
+    """expert_list[:count] = the distinct experts of this rank's group that any row picked
+    (ids [B, top_k], global ids), as local ids in ascending order; count -> expert_count[0]."""
+    g = group(es, axis)
+    for e in range(es.local_experts):
+        refs.expert_list[e] = 0
+    for b in range(B):
+        for j in range(es.top_k):
+            e = expert_id(ids, b, j)
+
+            @pl.when(lax.div(e, es.local_experts) == g)
+            def _():
+                refs.expert_list[lax.rem(e, es.local_experts)] = 1
+
+    def compact(e, count):
+        picked = refs.expert_list[e]
+        refs.expert_list[count] = e          # count <= e: never overwrites an unread flag
+        return count + picked
+
+    refs.expert_count[0] = lax.fori_loop(0, es.local_experts, compact, 0)
+
+
+def global_id(es: ExpertSlots, refs, k, axis: str):
+    """The model-wide id of selected expert k of this rank's group."""
+    return refs.expert_list[k] + es.local_experts * group(es, axis)
+
+
+def _copies(es: ExpertSlots, refs, si, k) -> list:
+    slot = lax.rem(k, es.slots)
+    expert = refs.expert_list[k]
+    base = slot * es.slot_rows
+    return [(getattr(refs, f"expert__{name}").at[si, expert], base + row, refs.expert_sem.at[slot, j])
+            for j, (name, (row, rows, cols)) in enumerate(es.matrices.items())]
+
+
+def start(es: ExpertSlots, refs, si, k) -> None:
+    for hbm, row, sem in _copies(es, refs, si, k):
+        pool.start_pooled_copy(hbm, getattr(refs, es.pool), row, sem)
+
+
+def start_first(es: ExpertSlots, refs, si) -> None:
+    """Start the first `slots` selected experts (as soon as routing is known)."""
+    for k in range(es.slots):
+        @pl.when(k < refs.expert_count[0])
+        def _():
+            start(es, refs, si, k)
+
+
+def matrix(es: ExpertSlots, refs, k, name: str) -> tuple[int, int, int]:
+    """(first pool row, rows, cols) of selected expert k's matrix `name` in its slot."""
+    row, rows, cols = es.matrices[name]
+    base = pl.multiple_of(lax.rem(k, es.slots) * es.slot_rows, pool.TILE_ROWS)
+    return base + row, rows, cols
+
+
+def fold(es: ExpertSlots, refs, si, body: Callable, init):
+    """Fold body(k, carry) -> carry over the selected experts in order, each after its copies
+    land; expert k + slots is started into k's slot once k is consumed."""
+    def one(k, carry):
+        for hbm, row, sem in _copies(es, refs, si, k):
+            pool.wait_pooled_copy(hbm, getattr(refs, es.pool), row, sem)
+        out = body(k, carry)
+
+        @pl.when(k + es.slots < refs.expert_count[0])
+        def _():
+            start(es, refs, si, k + es.slots)
+        return out
+
+    return lax.fori_loop(0, refs.expert_count[0], one, init)

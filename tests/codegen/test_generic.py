@@ -1,0 +1,71 @@
+"""The generic lowering's pieces: constants printed as literals that evaluate back to the same
+values, scopes that pass exactly their live values, and every family's op registry complete."""
+import dataclasses
+
+import pytest
+
+from mkc import compiler, families
+from mkc.codegen import generic
+from mkc.codegen.layers import layer_source
+from mkc.runtime.collectives import Stage
+from mkc.runtime.context import KindPlan, StateCopy
+from mkc.runtime.experts import ExpertSlots
+from mkc.runtime.kv import KvTiles
+from mkc.runtime.ring import Ring, StreamedMatrix
+from mkc.runtime.vectors import Parity
+from tests_support import ROOT
+
+NAMES = {c.__name__: c for c in (Stage, KindPlan, StateCopy, ExpertSlots, KvTiles, Ring,
+                                 StreamedMatrix, Parity)}
+
+
+@pytest.mark.parametrize("indent", [0, 20, 60])
+def test_literals_evaluate_to_the_value_and_fit_the_line(indent):
+    matrix = StreamedMatrix("in_proj", 5120, 2304, 5, 2, 1024, 1152)
+    value = {"gdn": KindPlan(streamed={"in_proj": (0, matrix)},
+                             states={"conv": "gdn_conv_buf"},
+                             copies={"load_gdn_conv_buf": StateCopy("load", "gdn__conv", "gdn_conv_buf",
+                                                                    "sem__load_gdn_conv_buf")},
+                             caches=("gqa__key",), kv=KvTiles(128, 2, 1)),
+             "layers": tuple(range(200)), "single": (Stage("recv__bf16_8x1", 2, 8, 1),)}
+    text = generic.literal(value, indent)
+    assert eval(text, dict(NAMES)) == value
+    # continuation lines carry their indentation; the first starts at column `indent`
+    assert max(indent * (i == 0) + len(line) for i, line in enumerate(text.splitlines())) <= generic.WIDTH
+
+
+def test_a_scope_returns_only_values_read_after_it():
+    """In Qwen's gdn layer the conv buffer's scope defines h, proj and core; h is defined again
+    (post_norm) before any later read, so the scope returns proj and core only."""
+    c = compiler.check_spec(ROOT / "schedules" / "qwen3_8_27b.sched", "qwen3_8_mini")
+    src = layer_source(c.ir, "gdn")
+    assert "        return proj, core\n" in src
+    assert "proj, core = pl.run_scoped(" in src
+    compile("def f(k, layer):\n    c = k\n    B = 1\n" + src, "layer", "exec")
+
+
+@pytest.mark.parametrize("spec, model", [("qwen3_8_27b.sched", "qwen3_8_mini"),
+                                         ("qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini")])
+def test_every_op_of_a_generic_family_has_a_compute_body(spec, model):
+    """The op-lowering registry (the family's `lowering` module) covers its graph, and every
+    body takes the layer and the op's register values."""
+    import inspect
+    c = compiler.check_spec(ROOT / "schedules" / spec, model)
+    family = families.get(c.ir.family)
+    assert family.template is None
+    lower = family.module("lowering")
+    for kind in c.ir.kinds.values():
+        for op in kind.ops:
+            assert op in family.lowered_ops
+            body = getattr(lower, op)
+            reads, _ = kind.op_values[op]
+            assert list(inspect.signature(body).parameters)[1:] == reads, op
+
+
+def test_module_constants_are_the_runtime_dataclasses():
+    c = compiler.compile_spec(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini")
+    namespace: dict = {}
+    exec(c.module_source, namespace)
+    assert isinstance(namespace["EXPERTS"], ExpertSlots) and namespace["EXPERTS"].slots == 4
+    assert set(namespace["KINDS"]) == {"gdn", "gqa", "moe"}
+    assert dataclasses.is_dataclass(namespace["RING"])
