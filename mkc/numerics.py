@@ -21,11 +21,16 @@ from mkc.reference.rounding import Reduce, Rounding
 def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
     """Where the kernel compiled from ``schedule`` rounds: its all-reduce stages and wire dtypes
     (per layer kind and op, and the embedding's), all-gather and exchange buffer dtypes, state
-    and KV cache storage dtypes, and the per-rank shard sizes."""
+    and KV cache storage dtypes, and the per-rank shard sizes; and how it splits contractions
+    it sums in f32: the ring tile rows of every streamed matrix family and the KV cache tile
+    tokens of every layer kind that streams one."""
     reduces = []
     gathers = []
     exchanges = []
     storage = []
+    tiles = [(f.kind, f.name, f.tile_rows)
+             for fams in (*schedule.stream.families.values(), schedule.stream.tail) for f in fams]
+    kv_tiles = [(kind, ks.kv.tokens) for kind, ks in schedule.kinds.items() if ks.kv is not None]
     buffers = {b.name: b for b in schedule.buffers}
     for kind, ks in schedule.kinds.items():
         for ar in ks.allreduces:
@@ -43,7 +48,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
         reduces.append(("embed", "embed", Reduce(tuple(map(tuple, e.stages)), e.wire_dtype)))
     return Rounding(ranks=schedule.ranks, reduces=tuple(reduces), gathers=tuple(gathers),
                     exchanges=tuple(exchanges), storage=tuple(storage),
-                    shard=tuple(sorted(schedule.per_rank.items())))
+                    shard=tuple(sorted(schedule.per_rank.items())), tiles=tuple(tiles),
+                    kv_tiles=tuple(kv_tiles))
 
 
 # ---- judging a kernel run ------------------------------------------------------------------

@@ -68,3 +68,49 @@ def test_a_batch_of_one_runs_as_two_rows():
     np.testing.assert_array_equal(cache["s"], 6.0)
     one_row_as_two(step, {"s": jnp.ones((3, 3))}, [5, 6, 7], [2, 2, 2])
     assert seen == [2, 3]
+
+
+def test_rounding_carries_the_kernels_tiles_from_the_ir():
+    """The emulation sums a streamed matrix ring tile by ring tile and reads the MLA cache in
+    the spec's KV tiles: both come from the schedule IR."""
+    from mkc import compiler
+
+    ir = compiler.check_spec("schedules/kimi_k3.sched", None).ir
+    rounding = numerics.rounding_from_ir(ir)
+    for fams in (*ir.stream.families.values(), ir.stream.tail):
+        for f in fams:
+            assert rounding.tile_rows(f.kind, f.name) == f.tile_rows
+    assert rounding.tile_rows("kda", "projection") is None       # pooled: one dot
+    assert rounding.kv_tile("mla") == ir.kinds["mla"].kv.tokens
+    # The emulated residual mixture runs over every source slot of the kernel's block buffer.
+    from mkc.families.kimi_k3 import reference
+
+    cfg = reference.load_config("mkc/model/configs/kimi_k3.json")
+    assert reference.residual_slots(cfg) == next(b.shape[0] for b in ir.buffers if b.name == "blocks")
+
+
+def test_chunked_linear_sums_tile_by_tile_in_order():
+    from mkc.reference.rounding import chunked_linear
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 10)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 10)), jnp.float32)
+    want = (x[:, :4] @ w[:, :4].T + x[:, 4:8] @ w[:, 4:8].T) + x[:, 8:] @ w[:, 8:].T
+    np.testing.assert_array_equal(chunked_linear(x, w, 4), want)
+    np.testing.assert_allclose(chunked_linear(x, w, None), x @ w.T, rtol=1e-6)
+    np.testing.assert_array_equal(chunked_linear(x, w, 10), chunked_linear(x, w, None))
+
+
+def test_k3_emulation_pack_groups_follow_the_kernels_layout():
+    """The K3 emulation's MXFP4 pack groups restate mkc.families.kimi_k3.weights.pack_groups."""
+    from mkc.families.kimi_k3 import reference, weights
+    from mkc.families.kimi_k3.config import KimiDims
+    from mkc.families.kimi_k3.graph import KimiSharding, kimi_k3_geometry
+    from mkc.model.config import CONFIG_DIR
+
+    for name, sharding in (("kimi_k3_mini.json", KimiSharding(ranks=16)),
+                           ("kimi_k3.json", KimiSharding(ranks=32))):
+        dims = KimiDims.load(CONFIG_DIR / name)
+        geometry = kimi_k3_geometry(dims, sharding)
+        assert reference.pack_groups(dims.latent, geometry.expert_width) == \
+            weights.pack_groups(dims, geometry)

@@ -11,6 +11,10 @@ the reference agree to about f32 rounding rather than bf16 rounding:
   group order, the group members' values rounded to the wire dtype (``allreduce``);
 * all-gathers and sibling exchanges round what travels to their buffer's dtype;
 * states and caches are stored in their storage dtype;
+* a contraction the kernel splits is summed as it sums it: a streamed matrix of several ring
+  tiles of ``tiles`` input rows each, one f32 dot per tile added in order
+  (``chunked_linear``), and a KV cache read in tiles of ``kv_tiles`` tokens (the family's
+  reference runs its online softmax tile by tile);
 * a batch of one row runs as row 0 of two copies (``one_row_as_two``): XLA on CPU sums a
   one-row (matrix-vector) product in another f32 order than a matrix product, and the kernel,
   whose dots always have many rows, is bit-equal to the latter.
@@ -51,7 +55,9 @@ class Rounding:
     ``reduces``/``gathers``/``exchanges`` are keyed by (layer kind, op) as the schedule IR names
     them (``embed`` is the embedding lookup's exact all-reduce); ``storage`` by
     (kind, state family) with ``"kv"`` for a KV cache; ``shard`` holds the per-rank sizes of
-    the model graph (``ir.per_rank``: heads, widths, expert groups).
+    the model graph (``ir.per_rank``: heads, widths, expert groups); ``tiles`` the input rows
+    of one ring tile per streamed matrix family (kind, family; ``"tail"`` for the lm_head), and
+    ``kv_tiles`` the tokens of one KV cache tile per layer kind.
     """
 
     ranks: int
@@ -61,6 +67,8 @@ class Rounding:
     storage: tuple[tuple[str, str, str], ...] = ()
     shard: tuple[tuple[str, int], ...] = ()
     matmul_input: str = "bf16"
+    tiles: tuple[tuple[str, str, int], ...] = ()
+    kv_tiles: tuple[tuple[str, int], ...] = ()
 
     def reduce(self, kind: str, op: str) -> Reduce:
         for k, o, r in self.reduces:
@@ -89,6 +97,21 @@ class Rounding:
 
     def size(self, name: str) -> int:
         return dict(self.shard)[name]
+
+    def tile_rows(self, kind: str, family: str) -> int | None:
+        """Input rows of one ring tile of streamed matrix ``kind.family`` (the kernel sums its
+        contraction tile by tile in f32), or None when the family is not streamed (a pooled
+        matrix: one dot over the whole contraction)."""
+        for k, f, rows in self.tiles:
+            if (k, f) == (kind, family):
+                return rows
+        return None
+
+    def kv_tile(self, kind: str) -> int:
+        for k, tokens in self.kv_tiles:
+            if k == kind:
+                return tokens
+        raise KeyError(f"the schedule streams no KV cache tiles for {kind}")
 
     def mm_in(self, x: jax.Array) -> jax.Array:
         """A matmul's activation input as the kernel feeds it to the MXU."""
@@ -126,11 +149,27 @@ def chunks(total: int, width: int) -> list[tuple[int, int]]:
     return [(r * width, min((r + 1) * width, total)) for r in range(n)]
 
 
+def chunked_linear(x: jax.Array, w: jax.Array, rows: int | None = None) -> jax.Array:
+    """``x @ w.T`` (PyTorch ``[out, in]`` w) in f32, summed as a kernel that splits the
+    contraction into consecutive chunks of ``rows`` inputs (ring tiles, MXFP4 pack groups) sums
+    it: one dot per chunk, added in order. None, or one chunk: a single dot."""
+    width = x.shape[-1]
+    if rows is None or rows >= width:
+        return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+    total = None
+    for lo in range(0, width, rows):
+        part = jnp.einsum("...i,oi->...o", x[..., lo:lo + rows], w[:, lo:lo + rows],
+                          precision=jax.lax.Precision.HIGHEST)
+        total = part if total is None else total + part
+    return total
+
+
 def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], ranks: int,
-                 rounding: Rounding, reduce: Reduce) -> jax.Array:
+                 rounding: Rounding, reduce: Reduce, tile_rows: int | None = None) -> jax.Array:
     """``x @ w.T`` (PyTorch ``[out, in]`` w) with the contraction split over ranks: rank r holds
     input range ``ranges[r]`` (ranks past the list hold nothing), computes its partial sum from
-    bf16 inputs, and the partials are all-reduced as the schedule says."""
+    bf16 inputs (tile by tile when the matrix streams in ring tiles of ``tile_rows`` rows), and
+    the partials are all-reduced as the schedule says."""
     xin = rounding.mm_in(x)
     zero = jnp.zeros((*x.shape[:-1], w.shape[0]), jnp.float32)
     partials = []
@@ -139,8 +178,7 @@ def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], rank
         if hi <= lo:
             partials.append(zero)
             continue
-        partials.append(jnp.einsum("...i,oi->...o", xin[..., lo:hi], w[:, lo:hi],
-                                   precision=jax.lax.Precision.HIGHEST))
+        partials.append(chunked_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows))
     return allreduce(partials, reduce)
 
 

@@ -88,6 +88,7 @@ are the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -101,8 +102,8 @@ import ml_dtypes
 import numpy as np
 
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import (Rounding, allreduce, chunks, one_row_as_two, round_to,
-                                   row_parallel)
+from mkc.reference.rounding import (Rounding, allreduce, chunked_linear, chunks, one_row_as_two,
+                                   round_to, row_parallel)
 
 KDA = "linear_attention"
 MLA = "full_attention"
@@ -469,24 +470,36 @@ def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 
 
+def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, family: str
+            ) -> jax.Array:
+    """``x @ w.T``: plain, or from bf16 inputs summed as the kernel sums it (ring tile by ring
+    tile when ``kind.family`` streams through the ring, else one dot)."""
+    if rounding is None:
+        return linear(x, w)
+    return chunked_linear(rounding.mm_in(x), w, rounding.tile_rows(kind, family))
+
+
 def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
                     per_rank: int) -> jax.Array:
     """``x @ w.T`` whose input is split over ranks in contiguous ``per_rank`` ranges: plain, or
-    per-rank partial sums all-reduced as the schedule says."""
+    per-rank partial sums (tile by tile when the matrix streams) all-reduced as the schedule
+    says."""
     if rounding is None:
         return linear(x, w)
     return row_parallel(x, w, chunks(x.shape[-1], per_rank), rounding.ranks, rounding,
-                        rounding.reduce(kind, op))
+                        rounding.reduce(kind, op), rounding.tile_rows(kind, op))
 
 
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
             rounding: Rounding | None = None, kind: str = "dense", op: str = "down",
-            shard: str = "dense") -> jax.Array:
+            shard: str = "dense", gate_up: str = "gate_up") -> jax.Array:
     """``down(situ(gate(x), up(x)))`` with ``gate_proj/up_proj/down_proj.weight`` keys in ``p``.
     With ``rounding``: ``down`` is the all-reduced op ``kind.op`` over per-rank ranges of the
-    ``shard`` size (``dense`` for the dense MLP, ``shared`` for the shared experts)."""
+    ``shard`` size (``dense`` for the dense MLP, ``shared`` for the shared experts), and
+    ``kind.gate_up`` names the streamed gate|up matrix."""
     x = _mm_input(x, rounding)
-    hidden = situ(linear(x, p["gate_proj.weight"]), linear(x, p["up_proj.weight"]),
+    hidden = situ(_matmul(x, p["gate_proj.weight"], rounding, kind, gate_up),
+                  _matmul(x, p["up_proj.weight"], rounding, kind, gate_up),
                   cfg.situ_beta, cfg.situ_linear_beta)
     per_rank = None if rounding is None else rounding.size(shard)
     return _out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank)
@@ -527,6 +540,166 @@ def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size:
     return mix(2 * num_layers, jnp.stack([*blocks, partial], axis=1))
 
 
+# ---------------------------------------------------------------------------------------------
+# The kernel's f32 order (the rounding emulation only)
+#
+# Rounding where the kernel rounds is not enough: where the emulation sums in another f32 order
+# than the kernel, a bf16 rounding downstream can land one ulp apart, and such flips spread
+# through the rest of the step and through the recurrent state (measured on K3 MINI before
+# these helpers: as far from the kernel as a 1 % op error, for some tokens already at step 0).
+# The order of an f32 sum on XLA, which runs the kernel in the tests (TPU interpret mode on
+# CPU), depends on how the sum is written and on its shapes: a fused ``a * b + c`` may become
+# one FMA, and a reduction over many rows is vectorised otherwise than one over a few. So each
+# helper writes the kernel's formulation in the kernel's shapes and is jitted whole, as the
+# kernel's body is compiled whole. Each was checked bit-equal to the values of an instrumented
+# K3 MINI kernel from the same inputs (issue 12), where the plain forms above were not: the l2
+# norms of all heads at once, the conv and the delta rule unfused, the residual mixture as a
+# softmax and a dot, the attention unabsorbed, the experts' weighted sum unfused.
+
+
+def residual_slots(cfg: KimiK3Config) -> int:
+    """Source slots of the kernel's residual block buffer (``mkc.families.kimi_k3.graph``): the
+    embedding, every completed block and the one being filled."""
+    return 2 + -(-cfg.num_hidden_layers // cfg.attn_res_block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _kernel_mix(sources: tuple[jax.Array, ...], count: jax.Array, norm_w: jax.Array,
+                proj_w: jax.Array, *, eps: float) -> jax.Array:
+    """``attention_residual`` over the first ``count`` of the ``residual_slots`` sources
+    (``[B, H]`` each, the rest masked), as the kernel forms it: one score per source, the softmax
+    as a running sum, the mixture added source by source."""
+    scores = [jnp.where(i < count, jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True),
+                        -jnp.inf) for i, v in enumerate(sources)]
+    top = scores[0]
+    for score in scores[1:]:
+        top = jnp.maximum(top, score)
+    exps = [jnp.exp(score - top) for score in scores]
+    total = exps[0]
+    for e in exps[1:]:
+        total = total + e
+    mixed = jnp.zeros_like(sources[0])
+    for i, (e, v) in enumerate(zip(exps, sources)):
+        mixed = mixed + jnp.where(i < count, (e / total) * v, 0.0)
+    return mixed
+
+
+@jax.jit
+def _kernel_conv(window: jax.Array, taps: jax.Array) -> jax.Array:
+    """The causal conv's pre-activation as the kernel sums it, tap by tap from the oldest
+    (window ``[B, C, K]`` f32, taps ``[C, K]``; each tap one fused multiply-add)."""
+    acc = window[..., 0] * taps[:, 0]
+    for t in range(1, window.shape[-1]):
+        acc = acc + window[..., t] * taps[:, t]
+    return acc
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _kernel_delta_rule(state: jax.Array, q: jax.Array, k: jax.Array, v_pre: jax.Array,
+                       v_gate: jax.Array, decay: jax.Array, beta: jax.Array, *, scale: float
+                       ) -> tuple[jax.Array, jax.Array]:
+    """``kda_recurrence`` with the l2 norms (q scaled by ``scale``) as the kernel runs it: row by
+    row and head by head, on ``[1, D]`` rows and the ``[D, D]`` state (key axis first). The
+    values enter as their SiLU factors ``v = v_pre * v_gate``: the kernel forms them inside the
+    state update, so ``v - S^T k`` is one fused multiply-add, and the decayed state
+    ``diag(exp(a)) S`` is fused into the update the same way. state ``[B, nh, D, D]``; q, k,
+    v_pre, v_gate, decay ``[B, nh, D]`` (q, k not yet normalised); beta ``[B, nh]`` ->
+    (o ``[B, nh, D]``, new state)."""
+    b, n, d = q.shape
+
+    def head(carry, xs):
+        s, qh, kh, vp, vg, dh, bh = xs
+        qh = l2_normalize(qh) * scale
+        kh = l2_normalize(kh)
+        s = s * jnp.transpose(jnp.exp(dh))
+        delta = (vp * vg - jnp.dot(kh, s, preferred_element_type=jnp.float32)) * bh
+        s = s + jnp.transpose(kh) * delta
+        return carry, (jnp.dot(qh, s, preferred_element_type=jnp.float32), s)
+
+    def rows(a: jax.Array) -> jax.Array:
+        return a.reshape(b * n, 1, a.shape[-1])
+
+    _, (o, state) = jax.lax.scan(head, 0, (state.reshape(b * n, d, d), rows(q), rows(k),
+                                           rows(v_pre), rows(v_gate), rows(decay),
+                                           beta.reshape(b * n, 1, 1)))
+    return o.reshape(b, n, d), state.reshape(b, n, d, d)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _kernel_gated_norm(o: jax.Array, g: jax.Array, w: jax.Array, *, eps: float) -> jax.Array:
+    """``rms(o, o_norm) * sigmoid(g)`` head by head on ``[B, D]`` (o, g ``[B, nh, D]``)."""
+    return jnp.stack([rms_norm(o[:, h], w, eps) * jax.nn.sigmoid(g[:, h]) for h in range(o.shape[1])],
+                     axis=1)
+
+
+def _head_mask(heads: int, width: int) -> jax.Array:
+    """``[heads, heads * width]``: lane l belongs to row l // width (a block diagonal)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (heads, heads * width), 1)
+    return lane // width == jax.lax.broadcasted_iota(jnp.int32, (heads, heads * width), 0)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "tile", "kv_lora", "scale"))
+def _kernel_mla_rank(q_nope: jax.Array, q_extra: jax.Array, w_uk: jax.Array, w_uv: jax.Array,
+                     cache: jax.Array, positions: jax.Array, n_tiles: jax.Array, *, heads: int,
+                     tile: int, kv_lora: int, scale: float) -> jax.Array:
+    """MLA attention of one rank's ``heads`` heads for every row, as the kernel runs it: weight
+    absorbed (the key up-projection applied to the query through a block-diagonal operand, the
+    value up-projection to the probability-weighted latent average), with an online softmax
+    over ``n_tiles`` cache tiles of ``tile`` tokens.
+
+    q_nope ``[B, heads * nope]``, q_extra ``[B, heads * extra]`` (head-major), w_uk
+    ``[heads * nope, kv_lora]``, w_uv ``[kv_lora, heads * v]``, cache ``[B, T, kv_lora + extra]``
+    (stored values, f32), positions ``[B]`` -> ``[B, heads * v]``."""
+    nope, extra = q_nope.shape[-1] // heads, q_extra.shape[-1] // heads
+    vd = w_uv.shape[-1] // heads
+    f32 = jnp.float32
+    contract = (((1,), (1,)), ((), ()))
+
+    def row(carry, xs):
+        qn, qe, rows, pos = xs
+        blocks = jnp.where(_head_mask(heads, nope), jnp.broadcast_to(qn[None], (heads, heads * nope)), 0.0)
+        q_lat = jnp.dot(blocks, w_uk, preferred_element_type=f32)
+        q_ext = jnp.stack([qe[h * extra:(h + 1) * extra] for h in range(heads)])
+
+        def step(t, state):
+            m, denom, acc = state
+            part = jax.lax.dynamic_slice_in_dim(rows, t * tile, tile, 0)
+            latent, ext = part[:, :kv_lora], part[:, kv_lora:kv_lora + extra]
+            tok = t * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+            s = (jax.lax.dot_general(q_lat, latent, contract, preferred_element_type=f32)
+                 + jax.lax.dot_general(q_ext, ext, contract, preferred_element_type=f32)) * scale
+            s = jnp.where(tok <= pos, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m - shift)
+            p = jnp.exp(s - shift)
+            return (m_new, alpha * denom + jnp.sum(p, axis=-1, keepdims=True),
+                    alpha * acc + jnp.dot(p, latent, preferred_element_type=f32))
+
+        init = (jnp.full((heads, 1), -jnp.inf, f32), jnp.zeros((heads, 1), f32),
+                jnp.zeros((heads, kv_lora), f32))
+        _, denom, acc = jax.lax.fori_loop(0, n_tiles, step, init)
+        full = jnp.dot(acc / denom, w_uv, preferred_element_type=f32)
+        return carry, jnp.sum(jnp.where(_head_mask(heads, vd), full, 0.0), axis=0)
+
+    _, out = jax.lax.scan(row, 0, (q_nope, q_extra, cache, positions))
+    return out
+
+
+@jax.jit
+def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> jax.Array:
+    """``acc + weight * out`` as the kernel's expert loop adds one weighted expert (fused)."""
+    return acc + weight * out
+
+
+def pack_groups(latent: int, width: int) -> dict[str, int]:
+    """Input rows of one MXFP4 pack group of a routed expert's gate|up and down matrices (the
+    kernel dequantises and multiplies one group at a time and adds the groups' dots in order):
+    the rule of ``mkc.families.kimi_k3.weights.pack_groups`` (tests/test_numerics.py checks they
+    agree), for a ``latent`` wide expert input and a ``width`` wide slice per rank."""
+    return {"gate_up": min(latent, 512), "down": min(width, 128)}
+
+
 def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                    decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token of the KDA delta rule for any leading axes.
@@ -558,21 +731,30 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     mixed = mixed.astype(conv_state.dtype)
     window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, 3P, K], oldest first
     taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
-    conv = jax.nn.silu(jnp.sum(window.astype(jnp.float32) * taps, axis=-1))
+    if rounding is None:
+        conv = jax.nn.silu(jnp.sum(window.astype(jnp.float32) * taps, axis=-1))
+    else:   # SiLU as x * sigmoid(x), both factors kept for the values (_kernel_delta_rule)
+        pre = _kernel_conv(window.astype(jnp.float32), taps)
+        gates = jax.nn.sigmoid(pre)
+        conv = pre * gates
+        v_pre, v_gate = (t.reshape(b, nh, d) for t in (pre[:, 2 * nh * d:], gates[:, 2 * nh * d:]))
     q, k, v = (t.reshape(b, nh, d) for t in jnp.split(conv, 3, axis=-1))
-    q = l2_normalize(q) * d ** -0.5
-    k = l2_normalize(k)
 
     gate = linear(_mm_input(linear(x, p["f_a_proj.weight"]), rounding), p["f_b_proj.weight"])
     gate = gate + p["dt_bias"]
     rate = jnp.exp(p["A_log"])[None, :, None]
     decay = cfg.gate_lower_bound * jax.nn.sigmoid(rate * gate.reshape(b, nh, d))
     beta = jax.nn.sigmoid(linear(x, p["b_proj.weight"]))
-    o, recurrent_state = kda_recurrence(recurrent_state, q, k, v, decay, beta)
-
-    o = rms_norm(o, p["o_norm.weight"], cfg.rms_norm_eps)
-    o = o * jax.nn.sigmoid(linear(x, p["g_proj.weight"]).reshape(b, nh, d))
-    if rounding is not None:
+    g = linear(x, p["g_proj.weight"]).reshape(b, nh, d)
+    if rounding is None:
+        q = l2_normalize(q) * d ** -0.5
+        k = l2_normalize(k)
+        o, recurrent_state = kda_recurrence(recurrent_state, q, k, v, decay, beta)
+        o = rms_norm(o, p["o_norm.weight"], cfg.rms_norm_eps) * jax.nn.sigmoid(g)
+    else:
+        o, recurrent_state = _kernel_delta_rule(recurrent_state, q, k, v_pre, v_gate, decay, beta,
+                                                scale=d ** -0.5)
+        o = _kernel_gated_norm(o, g, p["o_norm.weight"], eps=cfg.rms_norm_eps)
         recurrent_state = round_to(recurrent_state, rounding.stored("kda", "recurrent"))
     per_rank = None if rounding is None else rounding.size("heads") * d
     out = _out_projection(o.reshape(b, nh * d), p["o_proj.weight"], rounding, "kda", "o_proj",
@@ -595,7 +777,8 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     eps = cfg.rms_norm_eps
     x = _mm_input(x, rounding)
     q_latent = rms_norm(linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], eps)
-    q = linear(_mm_input(q_latent, rounding), p["q_b_proj.weight"]).reshape(b, nh, cfg.qk_head_dim)
+    q = _matmul(_mm_input(q_latent, rounding), p["q_b_proj.weight"], rounding, "mla", "q_up")
+    q = q.reshape(b, nh, cfg.qk_head_dim)
     q_nope, q_extra = q[..., :nope], q[..., nope:]
 
     compressed = linear(x, p["kv_a_proj_with_mqa.weight"])
@@ -606,15 +789,29 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     latent_cache = latent_cache.at[jnp.arange(b), positions].set(row.astype(latent_cache.dtype))
 
     cached = latent_cache.astype(jnp.float32)  # [B, T, kvl + extra]
-    kv = linear(cached[..., :kvl], p["kv_b_proj.weight"]).reshape(b, -1, nh, nope + vd)
-    k_nope, values = kv[..., :nope], kv[..., nope:]
-    scores = (jnp.einsum("bhd,bthd->bht", q_nope, k_nope, precision=_HIGHEST)
-              + jnp.einsum("bhd,btd->bht", q_extra, cached[..., kvl:], precision=_HIGHEST))
-    scores = scores * cfg.qk_head_dim ** -0.5
-    visible = jnp.arange(latent_cache.shape[1])[None, :] <= positions[:, None]  # [B, T]
-    probs = jax.nn.softmax(jnp.where(visible[:, None, :], scores, -jnp.inf), axis=-1)
-    attn = jnp.einsum("bht,bthd->bhd", probs, values, precision=_HIGHEST).reshape(b, nh * vd)
-    attn = attn * jax.nn.sigmoid(linear(x, p["g_proj.weight"]))
+    if rounding is None:
+        kv = linear(cached[..., :kvl], p["kv_b_proj.weight"]).reshape(b, -1, nh, nope + vd)
+        k_nope, values = kv[..., :nope], kv[..., nope:]
+        scores = (jnp.einsum("bhd,bthd->bht", q_nope, k_nope, precision=_HIGHEST)
+                  + jnp.einsum("bhd,btd->bht", q_extra, cached[..., kvl:], precision=_HIGHEST))
+        scores = scores * cfg.qk_head_dim ** -0.5
+        visible = jnp.arange(latent_cache.shape[1])[None, :] <= positions[:, None]  # [B, T]
+        probs = jax.nn.softmax(jnp.where(visible[:, None, :], scores, -jnp.inf), axis=-1)
+        attn = jnp.einsum("bht,bthd->bhd", probs, values, precision=_HIGHEST).reshape(b, nh * vd)
+    else:   # the kernel's weight-absorbed form, rank by rank, tile by tile
+        heads, tile, extra = rounding.size("heads"), rounding.kv_tile("mla"), cfg.qk_rope_head_dim
+        kv_b = p["kv_b_proj.weight"].reshape(nh, nope + vd, kvl)
+        n_tiles = jnp.max(positions) // tile + 1
+        parts = []
+        for first in range(0, nh, heads):
+            hs = slice(first, first + heads)
+            parts.append(_kernel_mla_rank(
+                q_nope[:, hs].reshape(b, heads * nope), q_extra[:, hs].reshape(b, heads * extra),
+                kv_b[hs, :nope].reshape(heads * nope, kvl), kv_b[hs, nope:].reshape(heads * vd, kvl).T,
+                cached, positions, n_tiles, heads=heads, tile=tile, kv_lora=kvl,
+                scale=cfg.qk_head_dim ** -0.5))
+        attn = jnp.concatenate(parts, axis=-1)
+    attn = attn * jax.nn.sigmoid(_matmul(x, p["g_proj.weight"], rounding, "mla", "gate"))
     per_rank = None if rounding is None else rounding.size("heads") * vd
     return _out_projection(attn, p["o_proj.weight"], rounding, "mla", "o_proj", per_rank), latent_cache
 
@@ -629,15 +826,25 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True) * scaling
 
 
+def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> jax.Array:
+    """Routing weights over every expert ``[B, E]`` as the kernel forms them: the chosen scores
+    (zero elsewhere) divided by their sum over all E lanes, times ``scaling``."""
+    scores = jax.nn.sigmoid(logits)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
+    return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling
+
+
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,
-                             ids: jax.Array, weights: jax.Array, rounding: Rounding) -> jax.Array:
+                             dense: jax.Array, rounding: Rounding) -> jax.Array:
     """The routed experts as the kernel computes them: rank r (expert group r // expert_tp,
-    width part r % expert_tp) runs its part of each of its group's experts on every row, weights
-    it by the row's routing weight (0 where the row did not pick it), sums in expert-id order,
-    and the ranks' partial sums are all-reduced."""
+    width part r % expert_tp) runs its part of each of its group's experts on every row (each
+    matrix pack group by pack group), weights it by the row's routing weight (``dense [B, E]``,
+    0 where the row did not pick it: such an expert adds exactly nothing, as one the kernel
+    skips), adds them in ascending expert id, and the ranks' partial sums are all-reduced."""
     b = latent.shape[0]
-    dense = jnp.zeros((b, cfg.num_experts), jnp.float32).at[jnp.arange(b)[:, None], ids].set(weights)
     tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    groups = pack_groups(cfg.routed_expert_hidden_size, width)
     lat = rounding.mm_in(latent)
 
     def decoded(e: int, matrix: str) -> jax.Array:
@@ -653,9 +860,11 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
         acc = jnp.zeros((b, cfg.routed_expert_hidden_size), jnp.float32)
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
             w1, w3, w2 = w[e]
-            hidden = situ(linear(lat, w1[cols]), linear(lat, w3[cols]), cfg.situ_beta,
+            hidden = situ(chunked_linear(lat, w1[cols], groups["gate_up"]),
+                          chunked_linear(lat, w3[cols], groups["gate_up"]), cfg.situ_beta,
                           cfg.situ_linear_beta)
-            acc = acc + dense[:, e:e + 1] * linear(rounding.mm_in(hidden), w2[:, cols])
+            out = chunked_linear(rounding.mm_in(hidden), w2[:, cols], groups["down"])
+            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out)
         partials.append(acc)
     return allreduce(partials, rounding.reduce("moe", "routed_experts"))
 
@@ -665,20 +874,21 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     """Latent MoE for normed input ``x [B, H]``; ``p`` maps names relative to
     ``block_sparse_moe.`` (f32 dense weights; uint8 expert codes/scales)."""
     xin = _mm_input(x, rounding)
-    router = linear(xin, p["gate.weight"])
+    router = _matmul(xin, p["gate.weight"], rounding, "moe", "router")
     if rounding is not None:
         router = round_to(router, rounding.exchange_wire("moe", "router"))
     ids, weights = route(router, p["gate.e_score_correction_bias"],
                          cfg.num_experts_per_token, cfg.routed_scaling_factor)
-    latent = linear(xin, p["routed_expert_down_proj.weight"])  # [B, L]
+    latent = _matmul(xin, p["routed_expert_down_proj.weight"], rounding, "moe", "latent_down")
     shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
     if rounding is not None:
         latent = round_to(latent, rounding.gather_wire("moe", "latent_down"))
-        routed = _routed_experts_per_rank(p, cfg, latent, ids, weights, rounding)
+        dense = _kernel_route_weights(router, ids, cfg.routed_scaling_factor)
+        routed = _routed_experts_per_rank(p, cfg, latent, dense, rounding)
         routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
-        up = round_to(linear(rounding.mm_in(routed), p["routed_expert_up_proj.weight"]),
+        up = round_to(_matmul(routed, p["routed_expert_up_proj.weight"], rounding, "moe", "latent_up"),
                       rounding.gather_wire("moe", "latent_up"))
-        return up + glu_mlp(shared, cfg, x, rounding, "moe", "shared_down", "shared")
+        return up + glu_mlp(shared, cfg, x, rounding, "moe", "shared_down", "shared", "shared_gate_up")
 
     def expert_weights(matrix: str) -> jax.Array:
         """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``."""
@@ -740,12 +950,20 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[s
     eps = cfg.rms_norm_eps
     n_layers = cfg.num_hidden_layers
 
+    slots = residual_slots(cfg)
+
     def mix(j: int, sources: jax.Array) -> jax.Array:
         if j == 2 * n_layers:
             prefix = "model.output_attn_res"
         else:
             prefix = f"model.layers.{j // 2}." + ("self_attention_res" if j % 2 == 0 else "mlp_res")
-        return attention_residual(sources, *_residual_weights(params, prefix), eps)
+        norm, proj = _residual_weights(params, prefix)
+        if rounding is None:
+            return attention_residual(sources, norm, proj, eps)
+        count = sources.shape[1]   # the kernel's source slots past count are masked
+        padded = tuple(sources[:, i] if i < count else jnp.zeros_like(sources[:, 0])
+                       for i in range(slots))
+        return _kernel_mix(padded, jnp.int32(count), norm.reshape(1, -1), proj.reshape(1, -1), eps=eps)
 
     def sublayer(j: int, h: jax.Array) -> jax.Array:
         i = j // 2
@@ -788,7 +1006,7 @@ def decode_step(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return linear(_mm_input(x, rounding), jnp.asarray(head).astype(jnp.float32)), new_cache
+    return _matmul(x, jnp.asarray(head).astype(jnp.float32), rounding, "tail", "lm_head"), new_cache
 
 
 def count_parameters(cfg: KimiK3Config) -> int:
