@@ -8,6 +8,7 @@ from conftest import run_python
 @pytest.mark.slow
 @pytest.mark.parametrize("module, topology", [("qwen3_8_27b", "tpu7x=2x2x1"),
                                               ("qwen3_5_35b_a3b", "tpu7x=2x2x1"),
+                                              ("qwen3_5_397b_a17b", "tpu7x=2x2x2"),
                                               ("kimi_k3", "tpu7x=2x2x4")])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_full_size_kernel_compiles_for_tpu7x(module, topology, batch):
