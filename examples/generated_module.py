@@ -35,22 +35,27 @@ MUTANTS: dict[str, tuple[str, str]] = {
     "qwen_moe.shared_down": ("    shared_out = lower.shared_down(c, shared_act)\n",
                              "    shared_out = 1.01 * lower.shared_down(c, shared_act)\n"),
     "qwen_moe.router": ("    router_logits = lower.router(c, h)\n",
-                   "    router_logits = 1.01 * lower.router(c, h)\n"),
-    # Kimi K3
-    "kda.gated_norm": ('    w = _vector(r, "kda", "o_norm", layer)\n',
-                       '    w = 1.01 * _vector(r, "kda", "o_norm", layer)\n'),
-    "mla.kv_norm": ('_vector(r, "mla", "kv_norm", layer), EPS)',
-                    '_vector(r, "mla", "kv_norm", layer), EPS) * 1.01'),
-    "mla.o_proj": ('    # -- o_proj\n    v["o_proj"] = _stream_matmul(',
-                   '    # -- o_proj\n    v["o_proj"] = 1.01 * _stream_matmul('),
-    "dense.down": ('    # -- down\n    v["down"] = _stream_matmul(',
-                   '    # -- down\n    v["down"] = 1.01 * _stream_matmul('),
+                        "    router_logits = 1.01 * lower.router(c, h)\n"),
+    # Kimi K3 (generic module)
+    "kda.gated_norm": ("    core = lower.gated_norm(c, core, proj)\n",
+                       "    core = 1.01 * lower.gated_norm(c, core, proj)\n"),
+    # the kv_norm output: the normed latent part of the new cache row
+    "mla.kv_norm": ("    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n",
+                    "    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n"
+                    "    kv_row = kv_row.at[:, :DIMS.kv_lora].multiply(1.01)\n"),
+    "mla.o_proj": ("    core = lower.out_gate(c, core, gate_logits)\n"
+                   "    attn_out = lower.o_proj(c, core)\n",
+                   "    core = lower.out_gate(c, core, gate_logits)\n"
+                   "    attn_out = 1.01 * lower.o_proj(c, core)\n"),
+    "dense.down": ("    mlp_out = lower.down(c, act)\n", "    mlp_out = 1.01 * lower.down(c, act)\n"),
     # The routed experts are RMS-normed after their sum, so scaling all of them is invisible by
-    # design: scale the first expert each rank runs (one expert of each group).
-    "moe.expert": ("LOCAL_EXPERTS * _expert_group()) * out\n",
-                   "LOCAL_EXPERTS * _expert_group()) * out * jnp.where(k == 0, 1.01, 1.0)\n"),
-    "moe.shared_down": ('    # -- shared_down\n    v["shared_down"] = _stream_matmul(',
-                        '    # -- shared_down\n    v["shared_down"] = 1.01 * _stream_matmul('),
+    # design: scale the routing weight of every even-numbered expert.
+    "moe.expert": ("    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n",
+                   "    even = lax.rem(lax.broadcasted_iota(jnp.int32, expert_weights.shape, 1), 2) == 0\n"
+                   "    expert_weights = jnp.where(even, 1.01 * expert_weights, expert_weights)\n"
+                   "    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n"),
+    "moe.shared_down": ("    shared_out = lower.shared_down(c, shared_act)\n",
+                        "    shared_out = 1.01 * lower.shared_down(c, shared_act)\n"),
 }
 
 

@@ -4,13 +4,11 @@ Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
 Input digest (spec, model config, mkc version): 7d1881bea1ca2253
 
-One grid-less pallas_call runs a whole decode step on every TensorCore. The layer loop runs
-each layer as two sublayers: attention (kda or mla), then the MLP (dense or moe). Pool
-staging (30.50 MiB) is time-shared: a layer's attention weights, prefetched during the
-sublayer before, then its routed experts (MXFP4, 6 slots), then the next layer's attention.
-Every other matrix streams through a ring of 4 VMEM slots of 1024x1024 bf16 tiles,
-4 tiles ahead, across sublayers and into the lm_head. Partial sums are all-reduced,
-column shards all-gathered and router scores swapped in-kernel by remote DMA.
+One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
+through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
+into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
+all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.kimi_k3.lowering;
+this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
 """
 from __future__ import annotations
 
@@ -25,12 +23,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.families.kimi_k3 import ops
+from mkc.families.kimi_k3 import lowering as lower
 from mkc.families.kimi_k3 import weights as hf_layout
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import KimiSharding, kimi_k3_geometry
-from mkc.runtime import collectives
-from mkc.runtime import pool as pool_ops
+from mkc.runtime import collectives, ring, vectors
+from mkc.runtime import pool as pool_layout
+from mkc.runtime.collectives import Stage
+from mkc.runtime.context import Kernel, KindPlan, StateCopy
+from mkc.runtime.experts import ExpertSlots
+from mkc.runtime.kv import KvTiles
+from mkc.runtime.pool import WeightView
+from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
+from mkc.runtime.vectors import Parity, VectorRefs
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -42,717 +46,419 @@ TOPOLOGY = "tpu7x=2x2x4"
 BATCH_RANGE = (1, 8)
 CONTEXT = 4096
 VMEM_LIMIT_BYTES = 67108864
-DIMS = KimiDims(**{'block': 12, 'conv_taps': 4, 'dense_width': 33792, 'expert_width': 3072, 'experts': 896, 'family': 'kimi_k3', 'gate_lower_bound': -5.0, 'head_dim': 128, 'heads': 96, 'hidden_size': 7168, 'kv_lora': 512, 'latent': 3584, 'name': 'kimi_k3', 'num_hidden_layers': 93, 'q_lora': 1536, 'qk_extra': 64, 'rms_norm_eps': 1e-05, 'routed_scaling': 1.0, 'shared_experts': 2, 'situ_beta': 4.0, 'situ_linear_beta': 25.0, 'top_k': 16, 'vocab_size': 163840, 'layer_kinds': ('kda', 'dense', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'mla', 'moe')})
-SHARDING = KimiSharding(ranks=32, expert_tp=4, host_cores=8, router_split=2)
-GEOMETRY = kimi_k3_geometry(DIMS, SHARDING)
-N_LAYERS = 186   # sublayers: attention, then MLP, per model layer
+DIMS = KimiDims(family='kimi_k3', name='kimi_k3', hidden_size=7168, num_hidden_layers=93,
+                vocab_size=163840, rms_norm_eps=1e-05, dense_width=33792, heads=96, head_dim=128,
+                conv_taps=4, gate_lower_bound=-5.0, q_lora=1536, kv_lora=512, qk_extra=64,
+                experts=896, top_k=16, shared_experts=2, expert_width=3072, latent=3584, block=12,
+                situ_beta=4.0, situ_linear_beta=25.0, routed_scaling=1.0,
+                layer_kinds=('kda', 'dense', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
+                             'kda', 'moe', 'mla', 'moe', 'mla', 'moe'))
+PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 768, 'heads': 3,
+            'host_cores': 8, 'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 4096,
+            'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
+            'up_cols': 896, 'vocab': 5120}
+HIDDEN = DIMS.hidden_size
+VOCAB_LOCAL = PER_RANK["vocab"]
+
+# The layer loop: each layer's kind, first ring tile and index among the layers of its kind.
+N_LAYERS = 186
 KIND_IDS = {"dense": 0, "kda": 1, "mla": 2, "moe": 3}
-LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
-HIDDEN = 7168
-EPS = 1e-05
-VOCAB_LOCAL = 5120
+KIND_LAYERS = {'dense': [1],
+               'kda': [0, 2, 4, 8, 10, 12, 16, 18, 20, 24, 26, 28, 32, 34, 36, 40, 42, 44, 48, 50,
+                       52, 56, 58, 60, 64, 66, 68, 72, 74, 76, 80, 82, 84, 88, 90, 92, 96, 98, 100,
+                       104, 106, 108, 112, 114, 116, 120, 122, 124, 128, 130, 132, 136, 138, 140,
+                       144, 146, 148, 152, 154, 156, 160, 162, 164, 168, 170, 172, 176, 178, 180],
+               'mla': [6, 14, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142,
+                       150, 158, 166, 174, 182, 184],
+               'moe': [3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41,
+                       43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79,
+                       81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113,
+                       115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143,
+                       145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173,
+                       175, 177, 179, 181, 183, 185]}
+LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1,
+              3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3,
+              1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2,
+              3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3,
+              1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1,
+              3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3,
+              2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
+LAYER_TILE_OFFSET = (0, 0, 42, 42, 74, 74, 106, 122, 154, 154, 186, 186, 218, 218, 250, 266, 298,
+                     298, 330, 330, 362, 362, 394, 410, 442, 442, 474, 474, 506, 506, 538, 554, 586,
+                     586, 618, 618, 650, 650, 682, 698, 730, 730, 762, 762, 794, 794, 826, 842, 874,
+                     874, 906, 906, 938, 938, 970, 986, 1018, 1018, 1050, 1050, 1082, 1082, 1114,
+                     1130, 1162, 1162, 1194, 1194, 1226, 1226, 1258, 1274, 1306, 1306, 1338, 1338,
+                     1370, 1370, 1402, 1418, 1450, 1450, 1482, 1482, 1514, 1514, 1546, 1562, 1594,
+                     1594, 1626, 1626, 1658, 1658, 1690, 1706, 1738, 1738, 1770, 1770, 1802, 1802,
+                     1834, 1850, 1882, 1882, 1914, 1914, 1946, 1946, 1978, 1994, 2026, 2026, 2058,
+                     2058, 2090, 2090, 2122, 2138, 2170, 2170, 2202, 2202, 2234, 2234, 2266, 2282,
+                     2314, 2314, 2346, 2346, 2378, 2378, 2410, 2426, 2458, 2458, 2490, 2490, 2522,
+                     2522, 2554, 2570, 2602, 2602, 2634, 2634, 2666, 2666, 2698, 2714, 2746, 2746,
+                     2778, 2778, 2810, 2810, 2842, 2858, 2890, 2890, 2922, 2922, 2954, 2954, 2986,
+                     3002, 3034, 3034, 3066, 3066, 3098, 3098, 3130, 3146, 3178, 3178, 3210, 3210,
+                     3242, 3242, 3274, 3290, 3322, 3338)
+STATE_INDEX = (0, 0, 1, 0, 2, 1, 0, 2, 3, 3, 4, 4, 5, 5, 1, 6, 6, 7, 7, 8, 8, 9, 2, 10, 9, 11, 10,
+               12, 11, 13, 3, 14, 12, 15, 13, 16, 14, 17, 4, 18, 15, 19, 16, 20, 17, 21, 5, 22, 18,
+               23, 19, 24, 20, 25, 6, 26, 21, 27, 22, 28, 23, 29, 7, 30, 24, 31, 25, 32, 26, 33, 8,
+               34, 27, 35, 28, 36, 29, 37, 9, 38, 30, 39, 31, 40, 32, 41, 10, 42, 33, 43, 34, 44,
+               35, 45, 11, 46, 36, 47, 37, 48, 38, 49, 12, 50, 39, 51, 40, 52, 41, 53, 13, 54, 42,
+               55, 43, 56, 44, 57, 14, 58, 45, 59, 46, 60, 47, 61, 15, 62, 48, 63, 49, 64, 50, 65,
+               16, 66, 51, 67, 52, 68, 53, 69, 17, 70, 54, 71, 55, 72, 56, 73, 18, 74, 57, 75, 58,
+               76, 59, 77, 19, 78, 60, 79, 61, 80, 62, 81, 20, 82, 63, 83, 64, 84, 65, 85, 21, 86,
+               66, 87, 67, 88, 68, 89, 22, 90, 23, 91)
 
-RING_SLOTS = 4
-RING_AHEAD = 4
-SLOT_ROWS, SLOT_COLS = 1024, 1024
-# Tile shapes in use; a family's tiles fill the top-left of a slot.
-TILE_SHAPES = [[256, 1024], [384, 1024], [768, 640], [896, 896], [1024, 128], [1024, 384], [1024, 512], [1024, 768], [1024, 1024]]
-TOTAL_TILES = 3405
-LAYER_TILE_OFFSET = [0, 0, 42, 42, 74, 74, 106, 122, 154, 154, 186, 186, 218, 218, 250, 266, 298, 298, 330, 330, 362, 362, 394, 410, 442, 442, 474, 474, 506, 506, 538, 554, 586, 586, 618, 618, 650, 650, 682, 698, 730, 730, 762, 762, 794, 794, 826, 842, 874, 874, 906, 906, 938, 938, 970, 986, 1018, 1018, 1050, 1050, 1082, 1082, 1114, 1130, 1162, 1162, 1194, 1194, 1226, 1226, 1258, 1274, 1306, 1306, 1338, 1338, 1370, 1370, 1402, 1418, 1450, 1450, 1482, 1482, 1514, 1514, 1546, 1562, 1594, 1594, 1626, 1626, 1658, 1658, 1690, 1706, 1738, 1738, 1770, 1770, 1802, 1802, 1834, 1850, 1882, 1882, 1914, 1914, 1946, 1946, 1978, 1994, 2026, 2026, 2058, 2058, 2090, 2090, 2122, 2138, 2170, 2170, 2202, 2202, 2234, 2234, 2266, 2282, 2314, 2314, 2346, 2346, 2378, 2378, 2410, 2426, 2458, 2458, 2490, 2490, 2522, 2522, 2554, 2570, 2602, 2602, 2634, 2634, 2666, 2666, 2698, 2714, 2746, 2746, 2778, 2778, 2810, 2810, 2842, 2858, 2890, 2890, 2922, 2922, 2954, 2954, 2986, 3002, 3034, 3034, 3066, 3066, 3098, 3098, 3130, 3146, 3178, 3178, 3210, 3210, 3242, 3242, 3274, 3290, 3322, 3338]
+# Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
+DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=7, col_tiles=3,
+                               tile_rows=1024, tile_cols=768)
+DENSE_DOWN = StreamedMatrix(name='down', rows=1152, cols=7168, row_tiles=3, col_tiles=7,
+                            tile_rows=384, tile_cols=1024)
+MLA_Q_UP = StreamedMatrix(name='q_up', rows=1536, cols=576, row_tiles=2, col_tiles=1, tile_rows=768,
+                          tile_cols=640)
+MLA_GATE = StreamedMatrix(name='gate', rows=7168, cols=384, row_tiles=7, col_tiles=1,
+                          tile_rows=1024, tile_cols=384)
+MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=7,
+                            tile_rows=384, tile_cols=1024)
+MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=512, row_tiles=7, col_tiles=1,
+                            tile_rows=1024, tile_cols=512)
+MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=7168, cols=128, row_tiles=7, col_tiles=1,
+                                 tile_rows=1024, tile_cols=128)
+MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=384, row_tiles=7,
+                                    col_tiles=1, tile_rows=1024, tile_cols=384)
+MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=192, cols=7168, row_tiles=1, col_tiles=7,
+                                 tile_rows=256, tile_cols=1024)
+MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=4, col_tiles=1,
+                               tile_rows=896, tile_cols=896)
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7, col_tiles=5,
+                              tile_rows=1024, tile_cols=1024)
+RING = Ring(slots=4, ahead=4, total_tiles=3405,
+            tile_shapes=((256, 1024), (384, 1024), (768, 640), (896, 896), (1024, 128), (1024, 384),
+                         (1024, 512), (1024, 768), (1024, 1024)))
 TAIL_TILE_OFFSET = 3370
-# Streamed families per kind, in consumption order:
-# (name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols).
-STREAM = {
-    "dense": [("gate_up", 7168, 2304, 7, 3, 1024, 768), ("down", 1152, 7168, 3, 7, 384, 1024)],
-    "kda": [],
-    "mla": [("q_up", 1536, 576, 2, 1, 768, 640), ("gate", 7168, 384, 7, 1, 1024, 384), ("o_proj", 384, 7168, 1, 7, 384, 1024)],
-    "moe": [("router", 7168, 512, 7, 1, 1024, 512), ("latent_down", 7168, 128, 7, 1, 1024, 128), ("shared_gate_up", 7168, 384, 7, 1, 1024, 384), ("shared_down", 192, 7168, 1, 7, 256, 1024), ("latent_up", 3584, 896, 4, 1, 896, 896)],
-    "tail": [("lm_head", 7168, 5120, 7, 5, 1024, 1024)],
-}
-VECTOR_AHEAD = 1
-VECTOR_ROWS, VECTOR_COLS = 16, 7168
-# Per kind: vector family -> (first row, rows, width) inside a layer's f32 vector block.
-VECTOR_LAYOUT = {"dense": {"mlp_res_norm": [0, 1, 7168], "mlp_res_proj": [1, 1, 7168], "post_norm": [2, 1, 7168]}, "kda": {"a_log": [7, 1, 384], "attn_res_norm": [0, 1, 7168], "attn_res_proj": [1, 1, 7168], "conv_weight": [3, 4, 1152], "dt_bias": [8, 1, 384], "input_norm": [2, 1, 7168], "o_norm": [9, 1, 128]}, "mla": {"attn_res_norm": [0, 1, 7168], "attn_res_proj": [1, 1, 7168], "input_norm": [2, 1, 7168], "kv_norm": [4, 1, 512], "q_norm": [3, 1, 1536]}, "moe": {"latent_norm": [4, 1, 3584], "mlp_res_norm": [0, 1, 7168], "mlp_res_proj": [1, 1, 7168], "post_norm": [2, 1, 7168], "router_bias": [3, 1, 1024]}}
-# Per sublayer: its index among the sublayers of its kind (selects weights, state and caches).
-STATE_INDEX = (0, 0, 1, 0, 2, 1, 0, 2, 3, 3, 4, 4, 5, 5, 1, 6, 6, 7, 7, 8, 8, 9, 2, 10, 9, 11, 10, 12, 11, 13, 3, 14, 12, 15, 13, 16, 14, 17, 4, 18, 15, 19, 16, 20, 17, 21, 5, 22, 18, 23, 19, 24, 20, 25, 6, 26, 21, 27, 22, 28, 23, 29, 7, 30, 24, 31, 25, 32, 26, 33, 8, 34, 27, 35, 28, 36, 29, 37, 9, 38, 30, 39, 31, 40, 32, 41, 10, 42, 33, 43, 34, 44, 35, 45, 11, 46, 36, 47, 37, 48, 38, 49, 12, 50, 39, 51, 40, 52, 41, 53, 13, 54, 42, 55, 43, 56, 44, 57, 14, 58, 45, 59, 46, 60, 47, 61, 15, 62, 48, 63, 49, 64, 50, 65, 16, 66, 51, 67, 52, 68, 53, 69, 17, 70, 54, 71, 55, 72, 56, 73, 18, 74, 57, 75, 58, 76, 59, 77, 19, 78, 60, 79, 61, 80, 62, 81, 20, 82, 63, 83, 64, 84, 65, 85, 21, 86, 66, 87, 67, 88, 68, 89, 22, 90, 23, 91)
-KIND_LAYERS = {"dense": [1], "kda": [0, 2, 4, 8, 10, 12, 16, 18, 20, 24, 26, 28, 32, 34, 36, 40, 42, 44, 48, 50, 52, 56, 58, 60, 64, 66, 68, 72, 74, 76, 80, 82, 84, 88, 90, 92, 96, 98, 100, 104, 106, 108, 112, 114, 116, 120, 122, 124, 128, 130, 132, 136, 138, 140, 144, 146, 148, 152, 154, 156, 160, 162, 164, 168, 170, 172, 176, 178, 180], "mla": [6, 14, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142, 150, 158, 166, 174, 182, 184], "moe": [3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143, 145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173, 175, 177, 179, 181, 183, 185]}
-KV_TILE_TOKENS = 128
-KV_SLOTS = 2
-KV_AHEAD = 1
-SEM = {"embed": 5, "head_norm": 4, "kv_rows": 6, "load_kda_conv_buf": 0, "load_kda_rec_buf": 1, "store_kda_conv_buf": 2, "store_kda_rec_buf": 3}   # DMA semaphore index by copy
-# The embedding's exact all-reduce reuses the first layer's stages (no extra receive buffer).
-EMBED_STAGES = [[8, 1], [4, 8]]
+# The order matrices stream in: per layer kind, then the tail after the last layer.
+STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [],
+                'mla': [MLA_Q_UP, MLA_GATE, MLA_O_PROJ],
+                'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_SHARED_GATE_UP, MOE_SHARED_DOWN,
+                        MOE_LATENT_UP],
+                'tail': [TAIL_LM_HEAD]}
 
-# Per rank geometry.
-HEADS, HEAD_DIM = GEOMETRY.heads, DIMS.head_dim
-P_ATTN = HEADS * HEAD_DIM                 # this rank's attention channels
-CONV_TAPS = DIMS.conv_taps
-KV_LORA, QK_EXTRA, CACHE_WIDTH = DIMS.kv_lora, DIMS.qk_extra, GEOMETRY.cache_width
-LATENT, LOCAL_EXPERTS, EXPERT_WIDTH = DIMS.latent, GEOMETRY.local_experts, GEOMETRY.expert_width
-PACK_GROUPS = hf_layout.pack_groups(DIMS, GEOMETRY)
-BLOCK = DIMS.block                        # attention-residual block size (model layers)
-N_SOURCES = 10                         # residual source slots in `blocks`
-# Pool staging: bf16 rows of 128 lanes (mkc.runtime.pool layout). Attention view, per kind:
-# family -> (first pool row, rows, cols, semaphore).
-POOLED = {"kda": {"gate_down": [0, 7168, 128, 0], "gate_up": [7168, 128, 384, 1], "o_proj": [100736, 384, 7168, 3], "projection": [7552, 7168, 1664, 2]}, "mla": {"key_up": [121856, 384, 512, 2], "kv_down": [86016, 7168, 640, 1], "q_down": [0, 7168, 1536, 0], "value_up": [123392, 512, 384, 3]}}
-EXPERT_SLOTS = 6
-EXPERT_SLOT_ROWS = 17344
-# One routed expert's matrices inside its slot: name -> (first row, rows, cols).
-EXPERT_MATS = {"down_codes": [11520, 384, 3584], "down_scales": [16896, 24, 3584], "gate_up_codes": [0, 1792, 1536], "gate_up_scales": [10752, 112, 1536]}
-N_POOL_SEMS = 4
-WORST_CASE_EXPERTS = 112     # per MoE sublayer at the largest batch
+# Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
+VECTORS = Parity(ahead=1, rows=16, cols=7168,
+                 layout={'dense': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
+                                   'post_norm': (2, 1, 7168)},
+                         'kda': {
+                             'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
+                             'input_norm': (2, 1, 7168), 'conv_weight': (3, 4, 1152),
+                             'a_log': (7, 1, 384), 'dt_bias': (8, 1, 384), 'o_norm': (9, 1, 128)
+                         },
+                         'mla': {'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
+                                 'input_norm': (2, 1, 7168), 'q_norm': (3, 1, 1536),
+                                 'kv_norm': (4, 1, 512)},
+                         'moe': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
+                                 'post_norm': (2, 1, 7168), 'router_bias': (3, 1, 1024),
+                                 'latent_norm': (4, 1, 3584)}})
 
-_POOLED_INPUTS = ["pool__kda__gate_down", "pool__kda__gate_up", "pool__kda__projection", "pool__kda__o_proj", "pool__mla__q_down", "pool__mla__kv_down", "pool__mla__key_up", "pool__mla__value_up"]
-_EXPERT_INPUTS = ["expert__gate_up_codes", "expert__gate_up_scales", "expert__down_codes", "expert__down_scales"]
-_STATES = ["kda__conv", "kda__recurrent", "mla__latent"]
-_INPUTS = ("tokens", "positions", "tables", "tile_class", "embed", "ring_hbm", "vectors_hbm",
-           "head_norm_hbm", *_POOLED_INPUTS, *_EXPERT_INPUTS, *[n + "_in" for n in _STATES])
-_OUTPUTS = ("logits", *_STATES)
-_SCRATCH = ("weights", "vectors", "x", "embed_rows", "head_norm", "stage", "acc", "blocks", "latent", "staging", "kda_rec_buf", "mla_kv_rows", "gather__latent_down", "gather__latent_up", "exchange__router", "recv__bf16_4x8", "recv__bf16_8x1", "ring_sem", "vectors_sem", "sems",
-            "pool_sem", "expert_sem", "expert_list", "expert_count",
-"gather__latent_down__send", "gather__latent_down__recv", "gather__latent_up__send", "gather__latent_up__recv", "exchange__router__send", "exchange__router__recv", "recv__bf16_4x8__send", "recv__bf16_4x8__recv", "recv__bf16_8x1__send", "recv__bf16_8x1__recv", "collective_count")
+# All-reduce stages: (receive buffer, its use counter, group size, stride).
+EMBED_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
+                Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+DENSE_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
+                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+KDA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
+                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+MLA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
+                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
+                          Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
+                             Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+# All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
+MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)
+MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
+MOE_ROUTER_GATHER = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
+N_COLLECTIVE_COUNTERS = 5
 
+# The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
+# semaphore), copied in by the layer before.
+VIEW = WeightView(pool='staging',
+                  matrices={'kda': {'gate_down': (0, 7168, 128, 0), 'gate_up': (7168, 128, 384, 1),
+                                    'projection': (7552, 7168, 1664, 2),
+                                    'o_proj': (100736, 384, 7168, 3)},
+                            'mla': {'q_down': (0, 7168, 1536, 0), 'kv_down': (86016, 7168, 640, 1),
+                                    'key_up': (121856, 384, 512, 2),
+                                    'value_up': (123392, 512, 384, 3)}})
 
-# ---- copies the schedule names ----------------------------------------------------------
-def _tile_copy(r, t, slot, rows, cols):
-    return pltpu.make_async_copy(r.ring_hbm.at[t, :rows, :cols], r.weights.at[slot, :rows, :cols],
-                                 r.ring_sem.at[slot])
+# Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
+# at (first pool row in its slot, rows, cols).
+EXPERTS = ExpertSlots(pool='staging', slots=6, slot_rows=17344,
+                      matrices={'gate_up_codes': (0, 1792, 1536),
+                                'gate_up_scales': (10752, 112, 1536),
+                                'down_codes': (11520, 384, 3584), 'down_scales': (16896, 24, 3584)},
+                      local_experts=112, group_size=4, top_k=16)
 
+# What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
+# layer), state buffers and copies, KV caches.
+KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21, DENSE_DOWN)},
+                           states={}, copies={}, caches=(), kv=None, kv_rows='', kv_sem=''),
+         'kda': KindPlan(streamed={}, states={'conv': 'kda_conv_buf', 'recurrent': 'kda_rec_buf'},
+                         copies={'load_kda_conv_buf': StateCopy(direction='load', hbm='kda__conv',
+                                                                buffer='kda_conv_buf',
+                                                                sem='sem__load_kda_conv_buf'),
+                                 'load_kda_rec_buf': StateCopy(direction='load',
+                                                               hbm='kda__recurrent',
+                                                               buffer='kda_rec_buf',
+                                                               sem='sem__load_kda_rec_buf'),
+                                 'store_kda_conv_buf': StateCopy(direction='store', hbm='kda__conv',
+                                                                 buffer='kda_conv_buf',
+                                                                 sem='sem__store_kda_conv_buf'),
+                                 'store_kda_rec_buf': StateCopy(direction='store',
+                                                                hbm='kda__recurrent',
+                                                                buffer='kda_rec_buf',
+                                                                sem='sem__store_kda_rec_buf')},
+                         caches=(), kv=None, kv_rows='', kv_sem=''),
+         'mla': KindPlan(streamed={'q_up': (0, MLA_Q_UP), 'gate': (2, MLA_GATE),
+                                   'o_proj': (9, MLA_O_PROJ)},
+                         states={}, copies={}, caches=('mla__latent',),
+                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='mla_kv_rows',
+                         kv_sem='sem__mla_kv_rows'),
+         'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
+                                   'shared_gate_up': (14, MOE_SHARED_GATE_UP),
+                                   'shared_down': (21, MOE_SHARED_DOWN),
+                                   'latent_up': (28, MOE_LATENT_UP)},
+                         states={}, copies={}, caches=(), kv=None, kv_rows='', kv_sem='')}
 
-def _start_tile(r, t):
-    """Issue tile t; its shape comes from the tile-class table, as t may belong to a later
-    family or layer than the one being computed."""
-    slot = lax.rem(t, RING_SLOTS)
-    if len(TILE_SHAPES) == 1:
-        _tile_copy(r, t, slot, *TILE_SHAPES[0]).start()
-        return
-    cls = r.tile_class[t]
-    for c, (rows, cols) in enumerate(TILE_SHAPES):
-        @pl.when(cls == c)
-        def _():
-            _tile_copy(r, t, slot, rows, cols).start()
-
-
-def _vectors_copy(r, layer):
-    slot = lax.rem(layer, 2)
-    return pltpu.make_async_copy(r.vectors_hbm.at[layer], r.vectors.at[slot], r.vectors_sem.at[slot])
-
-
-def _vector(r, kind, name, layer):
-    row, rows, width = VECTOR_LAYOUT[kind][name]
-    return r.vectors[lax.rem(layer, 2), row:row + rows, :width]
-
-
-def _stream_matmul(r, h, first_tile, row_tiles, col_tiles, tile_rows, tile_cols):
-    """h [B, rows] @ the next row_tiles x col_tiles ring tiles -> [B, col_tiles * tile_cols] f32.
-
-    Tile t sits in slot t % RING_SLOTS; after consuming it, tile t + RING_AHEAD is started."""
-    for i in range(row_tiles):
-        width = min(tile_rows, h.shape[1] - i * tile_rows)
-        if width == tile_rows:
-            r.stage[i, :, :tile_rows] = h[:, i * tile_rows:(i + 1) * tile_rows].astype(BF16)
-        else:
-            r.stage[i, :, :tile_rows] = jnp.zeros((h.shape[0], tile_rows), BF16)
-            r.stage[i, :, :width] = h[:, i * tile_rows:].astype(BF16)
-
-    def tile(k, carry):
-        t = first_tile + k
-        slot = lax.rem(t, RING_SLOTS)
-        i, j = lax.rem(k, row_tiles), k // row_tiles
-        _tile_copy(r, t, slot, tile_rows, tile_cols).wait()
-        part = jnp.dot(r.stage[i, :, :tile_rows], r.weights[slot, :tile_rows, :tile_cols],
-                       preferred_element_type=F32)
-
-        @pl.when(i == 0)
-        def _():
-            r.acc[j, :, :tile_cols] = part
-
-        @pl.when(i != 0)
-        def _():
-            r.acc[j, :, :tile_cols] = r.acc[j, :, :tile_cols] + part
-
-        @pl.when(t + RING_AHEAD < TOTAL_TILES)
-        def _():
-            _start_tile(r, t + RING_AHEAD)
-        return carry
-
-    lax.fori_loop(0, row_tiles * col_tiles, tile, 0)
-    if col_tiles == 1:
-        return r.acc[0, :, :tile_cols]
-    return jnp.concatenate([r.acc[j, :, :tile_cols] for j in range(col_tiles)], axis=-1)
+_INPUTS = ('tokens', 'positions', 'tables', 'tile_class', 'embed', 'ring_hbm', 'vectors_hbm',
+           'head_norm_hbm', 'pool__kda__gate_down', 'pool__kda__gate_up', 'pool__kda__projection',
+           'pool__kda__o_proj', 'pool__mla__q_down', 'pool__mla__kv_down', 'pool__mla__key_up',
+           'pool__mla__value_up', 'expert__gate_up_codes', 'expert__gate_up_scales',
+           'expert__down_codes', 'expert__down_scales', 'kda__conv_in', 'kda__recurrent_in',
+           'mla__latent_in')
+_OUTPUTS = ('logits', 'kda__conv', 'kda__recurrent', 'mla__latent')
+_SCRATCH = ('weights', 'vectors', 'x', 'embed_rows', 'head_norm', 'stage', 'acc', 'blocks',
+            'latent', 'staging', 'kda_rec_buf', 'mla_kv_rows', 'gather__latent_down',
+            'gather__latent_up', 'exchange__router', 'recv__bf16_4x8', 'recv__bf16_8x1', 'ring_sem',
+            'vectors_sem', 'sem__head_norm', 'sem__embed', 'sem__load_kda_conv_buf',
+            'sem__load_kda_rec_buf', 'sem__store_kda_conv_buf', 'sem__store_kda_rec_buf',
+            'sem__mla_kv_rows', 'gather__latent_down__send', 'gather__latent_down__recv',
+            'gather__latent_up__send', 'gather__latent_up__recv', 'exchange__router__send',
+            'exchange__router__recv', 'recv__bf16_4x8__send', 'recv__bf16_4x8__recv',
+            'recv__bf16_8x1__send', 'recv__bf16_8x1__recv', 'collective_count', 'pool_sem',
+            'expert_sem', 'expert_list', 'expert_count')
 
 
-# Receive buffers of all-reduce stages: name -> (use counter index, wire dtype).
-COLLECTIVES = {
-    "gather__latent_down": (0, jnp.bfloat16),
-    "gather__latent_up": (1, jnp.bfloat16),
-    "exchange__router": (2, jnp.float32),
-    "recv__bf16_4x8": (3, jnp.bfloat16),
-    "recv__bf16_8x1": (4, jnp.bfloat16),
-}
+# ---- the kernel ----------------------------------------------------------------------------
+def _layer_dense(k: Kernel, layer):
+    """One dense layer: mlp_mix, gate_up, down, mlp_residual."""
+    c = k.layer("dense", layer)
+    B = c.B
+    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.prefetch_view(N_LAYERS)   # spec line 59: prefetch next staging.attention
+    h = lower.mlp_mix(c)
+    act = lower.gate_up(c, h)
+    mlp_out = lower.down(c, act)
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 60: two_level, wire bf16
+    lower.mlp_residual(c, mlp_out)
 
 
-def _allreduce_stage(r, partial, name, size, stride):
-    """Direct all-reduce over the `size` ranks base + i * stride through receive buffer `name`,
-    double-buffered by its use parity (`mkc.runtime.collectives` holds the argument)."""
-    counter, _ = COLLECTIVES[name]
-    return collectives.allreduce_stage(partial, getattr(r, name), getattr(r, name + "__send"),
-                                       getattr(r, name + "__recv"), r.collective_count, counter,
-                                       AXIS, size, stride)
+def _layer_kda(k: Kernel, layer):
+    """One kda layer: input_mix, gate_down, gate_up, projection, conv, delta_rule, gated_norm,
+    o_proj, attn_residual."""
+    c = k.layer("kda", layer)
+    B = c.B
+    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
 
+    @pl.when(c.si > 0)
+    def _():   # spec line 48: the previous kda layer's store of state.recurrent drains here
+        c.copy("store_kda_rec_buf", previous=True).wait()
+    c.copy("load_kda_rec_buf").start()   # spec line 46: load state.recurrent -> kda_rec_buf
 
-def _allreduce(r, partial, stages, wire):
-    """All-reduce over every rank as a sequence of direct stages (size, stride); `wire` is the
-    dtype name partial sums travel in."""
-    for size, stride in stages:
-        partial = _allreduce_stage(r, partial, f"recv__{wire}_{size}x{stride}", size, stride)
-    return partial
+    def _scope_0(c):
+        """Runs with conv_buf allocated (pl.run_scoped)."""
+        c.copy("load_kda_conv_buf").start()   # spec line 46: load state.conv -> kda_conv_buf
+        h = lower.input_mix(c)
+        c.wait_pooled("gate_down")   # staging.attention: before its first reader
+        gate_low = lower.gate_down(c, h)
+        c.wait_pooled("gate_up")   # staging.attention: before its first reader
+        gate = lower.gate_up(c, gate_low)
+        c.wait_pooled("projection")   # staging.attention: before its first reader
+        proj = lower.projection(c, h)
+        c.copy("load_kda_conv_buf").wait()   # spec line 46: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 46: load state.recurrent -> kda_rec_buf
+        qkv = lower.conv(c, proj)
+        c.copy("store_kda_conv_buf").start()   # spec line 47: store kda_conv_buf -> state.conv
+        core = lower.delta_rule(c, qkv, gate, proj)
+        c.copy("store_kda_conv_buf").wait()   # spec line 47: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 48: store kda_rec_buf -> state.recurrent
+        return proj, core
 
-
-def _embed(r, B):
-    """Vocab-sharded lookup: each rank copies the aligned 16-row bf16 block holding the token
-    (a single bf16 row is not a legal DMA on TPU), selects the row if it owns the token, and
-    the ranks all-reduce (exact: one rank contributes each row, the others zeros)."""
-    me = lax.axis_index(AXIS)
-    lo = me * VOCAB_LOCAL
-    copies, owned, offset = [], [], []
-    for b in range(B):
-        tok = r.tokens[b]
-        idx = jnp.clip(tok - lo, 0, VOCAB_LOCAL - 1)
-        base = pl.multiple_of((idx // 16) * 16, 16)
-        cp = pltpu.make_async_copy(r.embed.at[pl.ds(base, 16)], r.embed_rows.at[b],
-                                   r.sems.at[SEM["embed"]])
-        cp.start()
-        copies.append(cp)
-        owned.append((tok >= lo) & (tok < lo + VOCAB_LOCAL))
-        offset.append(idx - base)
-    for cp in copies:
-        cp.wait()
-    row = lax.broadcasted_iota(jnp.int32, (16, HIDDEN), 0)
-    picked = [jnp.sum(jnp.where((row == offset[b]) & owned[b], r.embed_rows[b].astype(F32), 0.0),
-                      axis=0, keepdims=True) for b in range(B)]
-    rows = jnp.concatenate(picked, axis=0) if B > 1 else picked[0]
-    r.x[...] = _allreduce(r, rows, EMBED_STAGES, "bf16")
-
-
-
-
-def _allgather(r, shard, name, size, stride):
-    counter, _ = COLLECTIVES[name]
-    return collectives.allgather(shard, getattr(r, name), getattr(r, name + "__send"),
-                                 getattr(r, name + "__recv"), r.collective_count, counter, AXIS,
-                                 size, stride)
-
-
-# ---- the pool -----------------------------------------------------------------------------
-def _pooled_copies(r, kind, si, action):
-    """Start or wait the copies of sublayer kind `kind`'s attention matrices (index si)."""
-    for name, (row, rows, cols, sem) in POOLED[kind].items():
-        hbm = getattr(r, f"pool__{kind}__{name}").at[si]
-        if action == "start":
-            pool_ops.start_pooled_copy(hbm, r.staging, row, r.pool_sem.at[sem])
-        else:
-            pool_ops.wait_pooled_copy(hbm, r.staging, row, r.pool_sem.at[sem])
-
-
-def _pooled_wait(r, kind, name, si):
-    row, rows, cols, sem = POOLED[kind][name]
-    pool_ops.wait_pooled_copy(getattr(r, f"pool__{kind}__{name}").at[si], r.staging, row, r.pool_sem.at[sem])
-
-
-def _start_attention_view(r, layer):
-    """Copy sublayer `layer`'s attention matrices into the pool (its kind picked at run time)."""
-    kind, si = r.tables[0, layer], r.tables[2, layer]
-    for name in POOLED:
-        @pl.when(kind == KIND_IDS[name])
-        def _():
-            _pooled_copies(r, name, si, "start")
-
-
-def _expert_copies(r, mi, k):
-    """The copies of the k-th selected local expert into slot k % EXPERT_SLOTS."""
-    slot = lax.rem(k, EXPERT_SLOTS)
-    expert = r.expert_list[k]
-    base = slot * EXPERT_SLOT_ROWS
-    out = []
-    for j, (name, (row, rows, cols)) in enumerate(EXPERT_MATS.items()):
-        hbm = getattr(r, f"expert__{name}").at[mi, expert]
-        out.append((hbm, base + row, r.expert_sem.at[slot, j]))
-    return out
-
-
-def _start_expert(r, mi, k):
-    for hbm, row, sem in _expert_copies(r, mi, k):
-        pool_ops.start_pooled_copy(hbm, r.staging, row, sem)
-
-
-def _run_expert(r, mi, k, latent, weights):
-    """One selected local expert's width slice on all rows -> its weighted [B, LATENT] output."""
-    for hbm, row, sem in _expert_copies(r, mi, k):
-        pool_ops.wait_pooled_copy(hbm, r.staging, row, sem)
-    base = pl.multiple_of(lax.rem(k, EXPERT_SLOTS) * EXPERT_SLOT_ROWS, 16)
-    (gc_row, gc_rows, gc_cols), (gs_row, gs_rows, gs_cols) = EXPERT_MATS["gate_up_codes"], EXPERT_MATS["gate_up_scales"]
-    (dc_row, dc_rows, dc_cols), (ds_row, ds_rows, ds_cols) = EXPERT_MATS["down_codes"], EXPERT_MATS["down_scales"]
-    group = PACK_GROUPS["gate_up"]
-    scales = pool_ops.pooled_u8(r.staging, base + gs_row, gs_rows, gs_cols)
-    gate_up = None
-    for g in range(LATENT // group):
-        codes = pool_ops.pooled_u8(r.staging, base + gc_row, gc_rows, gc_cols, first=g * group // 2, count=group // 2)
-        w = ops.mxfp4_dequantize_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
-        part = jnp.dot(latent[:, g * group:(g + 1) * group].astype(BF16), w, preferred_element_type=F32)
-        gate_up = part if gate_up is None else gate_up + part
-    act = ops.situ_packed(gate_up, EXPERT_WIDTH, DIMS.situ_beta, DIMS.situ_linear_beta)
-    group = PACK_GROUPS["down"]
-    scales = pool_ops.pooled_u8(r.staging, base + ds_row, ds_rows, ds_cols)
-    out = None
-    for g in range(EXPERT_WIDTH // group):
-        codes = pool_ops.pooled_u8(r.staging, base + dc_row, dc_rows, dc_cols, first=g * group // 2, count=group // 2)
-        w = ops.mxfp4_dequantize_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
-        part = jnp.dot(act[:, g * group:(g + 1) * group].astype(BF16), w, preferred_element_type=F32)
-        out = part if out is None else out + part
-    return ops.expert_weight(weights, r.expert_list[k] + LOCAL_EXPERTS * _expert_group()) * out
-
-
-def _expert_group():
-    return lax.div(lax.axis_index(AXIS), SHARDING.expert_tp)
-
-
-def _select_local_experts(r, ids, B):
-    """expert_list[:count] = the distinct experts of this rank's group picked by any row, in
-    ascending id order (SMEM; they drive the expert DMAs)."""
-    group = _expert_group()
-    for e in range(LOCAL_EXPERTS):
-        r.expert_list[e] = 0
-    for b in range(B):
-        for j in range(DIMS.top_k):
-            e = ops.expert_id(ids, b, j)
-
-            @pl.when(lax.div(e, LOCAL_EXPERTS) == group)
-            def _():
-                r.expert_list[lax.rem(e, LOCAL_EXPERTS)] = 1
-
-    def compact(e, count):
-        picked = r.expert_list[e]
-        r.expert_list[count] = e          # count <= e: never overwrites an unread flag
-        return count + picked
-
-    r.expert_count[0] = lax.fori_loop(0, LOCAL_EXPERTS, compact, 0)
-
-
-# ---- attention residuals ------------------------------------------------------------------
-def _sources(layer):
-    """(slot of the block being filled, sources to mix) for sublayer `layer`: blocks 0 .. n-1
-    are complete (block 0 is the embedding), slot n holds the partial sum, empty at the
-    attention sublayer of a layer that opens a block."""
-    model_layer = lax.div(layer, 2)
-    n = lax.div(model_layer, BLOCK) + 1
-    empty = (lax.rem(layer, 2) == 0) & (lax.rem(model_layer, BLOCK) == 0)
-    return n, n + 1 - empty.astype(jnp.int32)
-
-
-def _mix(r, layer, kind, prefix):
-    n, count = _sources(layer)
-    return ops.residual_mix([r.blocks[i] for i in range(N_SOURCES)], count,
-                            _vector(r, kind, prefix + "_res_norm", layer),
-                            _vector(r, kind, prefix + "_res_proj", layer), EPS)
-
-
-def _add_output(r, layer, out):
-    n, count = _sources(layer)
-    empty = count == n
-
-    @pl.when(empty)
-    def _():
-        r.blocks[n] = out
-
-    @pl.when(jnp.logical_not(empty))
-    def _():
-        r.blocks[n] = r.blocks[n] + out
-
-
-def _layer_dense(r, layer, B):
-    """One dense sublayer: mlp_mix, gate_up, down, mlp_residual."""
-    v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
-    _vectors_copy(r, layer).wait()
-    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-    def _():
-        _vectors_copy(r, layer + VECTOR_AHEAD).start()
-    @pl.when(layer + 1 < N_LAYERS)
-    def _():   # the next sublayer's attention weights, into the pool
-        _start_attention_view(r, layer + 1)
-    # -- mlp_mix
-    v["h"] = ops.rms_norm(_mix(r, layer, "dense", "mlp"), _vector(r, "dense", "post_norm", layer), EPS)
-    # -- gate_up
-    v["act"] = ops.situ_packed(_stream_matmul(r, v["h"], v["tile"], 7, 3, 1024, 768), GEOMETRY.dense, DIMS.situ_beta, DIMS.situ_linear_beta)
-    v["tile"] = v["tile"] + 21
-    # -- down
-    v["down"] = _stream_matmul(r, v["act"], v["tile"], 3, 7, 384, 1024)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 21
-    v["down"] = _allreduce(r, v["down"], [[8, 1], [4, 8]], "bf16")   # two_level, wire bf16
-    # -- mlp_residual
-    _add_output(r, layer, v["down"])
-
-
-def _layer_kda(r, layer, B):
-    """One kda sublayer: input_mix, gate_down, gate_up, projection, conv, delta_rule, gated_norm, o_proj, attn_residual."""
-    si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
-    v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
-    _vectors_copy(r, layer).wait()
-    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-    def _():
-        _vectors_copy(r, layer + VECTOR_AHEAD).start()
-    @pl.when(si > 0)
-    def _():   # the previous kda layer's store of state.recurrent drains here
-        pltpu.make_async_copy(r.kda_rec_buf, r.kda__recurrent.at[si - 1], r.sems.at[3]).wait()
-    pltpu.make_async_copy(r.kda__recurrent.at[si], r.kda_rec_buf, r.sems.at[1]).start()   # load state.recurrent
-    def _scope_0(r, v):
-        """Runs with kda_conv_buf allocated (pl.run_scoped)."""
-        pltpu.make_async_copy(r.kda__conv.at[si], r.kda_conv_buf, r.sems.at[0]).start()   # load state.conv
-        # -- input_mix
-        v["h"] = ops.rms_norm(_mix(r, layer, "kda", "attn"), _vector(r, "kda", "input_norm", layer), EPS)
-        _pooled_wait(r, "kda", "gate_down", si)
-        # -- gate_down
-        row, rows, cols, _ = POOLED["kda"]["gate_down"]
-        v["gate_down"] = pool_ops.pooled_matmul(v["h"], r.staging, row, rows, cols)
-        _pooled_wait(r, "kda", "gate_up", si)
-        # -- gate_up
-        row, rows, cols, _ = POOLED["kda"]["gate_up"]
-        v["gate_up"] = pool_ops.pooled_matmul(v["gate_down"], r.staging, row, rows, cols)
-        _pooled_wait(r, "kda", "projection", si)
-        # -- projection
-        row, rows, cols, _ = POOLED["kda"]["projection"]
-        v["projection"] = pool_ops.pooled_matmul(v["h"], r.staging, row, rows, cols)
-        pltpu.make_async_copy(r.kda__conv.at[si], r.kda_conv_buf, r.sems.at[0]).wait()   # load state.conv
-        pltpu.make_async_copy(r.kda__recurrent.at[si], r.kda_rec_buf, r.sems.at[1]).wait()   # load state.recurrent
-        # -- conv
-        # q|k|v enter the conv state as bf16, as the reference caches them
-        mixed = v["projection"][:, :3 * P_ATTN].astype(BF16)
-        window = [r.kda_conv_buf[j] for j in range(CONV_TAPS - 1)] + [mixed]
-        w = _vector(r, "kda", "conv_weight", layer)
-        acc = window[0].astype(F32) * w[0:1]
-        for j in range(1, CONV_TAPS):
-            acc = acc + window[j].astype(F32) * w[j:j + 1]
-        v["qkv"] = jax.nn.silu(acc)
-        for j in range(CONV_TAPS - 1):
-            r.kda_conv_buf[j] = window[j + 1]
-        pltpu.make_async_copy(r.kda_conv_buf, r.kda__conv.at[si], r.sems.at[2]).start()   # store state.conv
-        # -- delta_rule
-        proj, qkv = v["projection"], v["qkv"]
-        decay = ops.kda_decay(v["gate_up"], _vector(r, "kda", "a_log", layer), _vector(r, "kda", "dt_bias", layer), DIMS.gate_lower_bound)
-        beta = jax.nn.sigmoid(proj[:, 4 * P_ATTN:4 * P_ATTN + HEADS])
-        rows = []
-        for b in range(B):
-            heads = []
-            for h in range(HEADS):
-                lanes = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
-                q = ops.l2_normalize(qkv[b:b + 1, lanes]) * (HEAD_DIM ** -0.5)
-                k = ops.l2_normalize(qkv[b:b + 1, P_ATTN + h * HEAD_DIM:P_ATTN + (h + 1) * HEAD_DIM])
-                val = qkv[b:b + 1, 2 * P_ATTN + h * HEAD_DIM:2 * P_ATTN + (h + 1) * HEAD_DIM]
-                o, r.kda_rec_buf[b, h] = ops.kda_head_step(r.kda_rec_buf[b, h], q, k, val, decay[b:b + 1, lanes], beta[b:b + 1, h:h + 1])
-                heads.append(o)
-            rows.append(jnp.concatenate(heads, axis=-1) if HEADS > 1 else heads[0])
-        v["core"] = jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
-        pltpu.make_async_copy(r.kda_conv_buf, r.kda__conv.at[si], r.sems.at[2]).wait()   # store state.conv
-        pltpu.make_async_copy(r.kda_rec_buf, r.kda__recurrent.at[si], r.sems.at[3]).start()   # store state.recurrent
-        return v
-
-    v = pl.run_scoped(
-        lambda kda_conv_buf: _scope_0(types.SimpleNamespace(**vars(r), kda_conv_buf=kda_conv_buf), dict(v)),
-        pltpu.VMEM((3, B, 1152), jnp.bfloat16),
+    proj, core = pl.run_scoped(
+        lambda conv_buf: _scope_0(c.scoped(kda_conv_buf=conv_buf)),
+        pltpu.VMEM((3, B, 1152), jnp.bfloat16),   # kda_conv_buf
     )
-    # -- gated_norm
-    w = _vector(r, "kda", "o_norm", layer)
-    g_off = 3 * P_ATTN
-    v["core"] = jnp.concatenate([
-        ops.kda_gated_output(v["core"][:, h * HEAD_DIM:(h + 1) * HEAD_DIM], v["projection"][:, g_off + h * HEAD_DIM:g_off + (h + 1) * HEAD_DIM], w, EPS)
-        for h in range(HEADS)], axis=-1)
-    _pooled_wait(r, "kda", "o_proj", si)
-    # -- o_proj
-    row, rows, cols, _ = POOLED["kda"]["o_proj"]
-    v["o_proj"] = pool_ops.pooled_matmul(v["core"], r.staging, row, rows, cols)
-    v["o_proj"] = _allreduce(r, v["o_proj"], [[8, 1], [4, 8]], "bf16")   # two_level, wire bf16
-    # the pool's staging.attention view is dead from here
-    # -- attn_residual
-    _add_output(r, layer, v["o_proj"])
+    core = lower.gated_norm(c, core, proj)
+    c.wait_pooled("o_proj")   # staging.attention: before its first reader
+    attn_out = lower.o_proj(c, core)
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 50: two_level, wire bf16
+    # the pool view staging.attention is free from here
+    lower.attn_residual(c, attn_out)
 
 
-def _layer_mla(r, layer, B):
-    """One mla sublayer: input_mix, q_down, kv_down, latent_norms, kv_write, q_up, absorb_query, attention, values_out, gate, out_gate, o_proj, attn_residual."""
-    si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
-    v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
-    _vectors_copy(r, layer).wait()
-    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-    def _():
-        _vectors_copy(r, layer + VECTOR_AHEAD).start()
-    # -- input_mix
-    v["h"] = ops.rms_norm(_mix(r, layer, "mla", "attn"), _vector(r, "mla", "input_norm", layer), EPS)
-    _pooled_wait(r, "mla", "q_down", si)
-    # -- q_down
-    row, rows, cols, _ = POOLED["mla"]["q_down"]
-    v["q_down"] = pool_ops.pooled_matmul(v["h"], r.staging, row, rows, cols)
-    _pooled_wait(r, "mla", "kv_down", si)
-    # -- kv_down
-    row, rows, cols, _ = POOLED["mla"]["kv_down"]
-    v["kv_down"] = pool_ops.pooled_matmul(v["h"], r.staging, row, rows, cols)
-    # -- latent_norms
-    v["q_low"] = ops.rms_norm(v["q_down"], _vector(r, "mla", "q_norm", layer), EPS)
-    kv = v["kv_down"]
-    c = ops.rms_norm(kv[:, :KV_LORA], _vector(r, "mla", "kv_norm", layer), EPS)
-    v["kv_row"] = jnp.concatenate([c, kv[:, KV_LORA:]], axis=-1)
-    # -- kv_write
-    _kv_write(r, si, v["kv_row"], B)
-    # -- q_up
-    v["q"] = _stream_matmul(r, v["q_low"], v["tile"], 2, 1, 768, 640)[:, :576]
-    v["tile"] = v["tile"] + 2
-    _pooled_wait(r, "mla", "key_up", si)
-    # -- absorb_query
-    row, rows, cols, _ = POOLED["mla"]["key_up"]
-    w_uk = pool_ops.pooled_bf16(r.staging, row, rows, cols)
-    q = v["q"]
-    v["q_lat"] = [ops.mla_absorb_query(q[b:b + 1, :P_ATTN], q[b:b + 1, P_ATTN:P_ATTN + HEADS * QK_EXTRA], w_uk, HEADS) for b in range(B)]
-    # -- attention
-    v["lat_avg"] = _attention(r, si, v["q_lat"], B)
-    _pooled_wait(r, "mla", "value_up", si)
-    # -- values_out
-    row, rows, cols, _ = POOLED["mla"]["value_up"]
-    w_uv = pool_ops.pooled_bf16(r.staging, row, rows, cols)
-    outs = [ops.mla_value_up(acc, denom, w_uv, HEADS) for acc, denom in v["lat_avg"]]
-    v["core"] = jnp.concatenate(outs, axis=0) if B > 1 else outs[0]
-    # the pool's staging.attention view is dead from here
-    # -- gate
-    v["gate"] = _stream_matmul(r, v["h"], v["tile"], 7, 1, 1024, 384)[:, :384]
-    v["tile"] = v["tile"] + 7
-    # -- out_gate
-    v["core"] = v["core"] * jax.nn.sigmoid(v["gate"])
-    # -- o_proj
-    v["o_proj"] = _stream_matmul(r, v["core"], v["tile"], 1, 7, 384, 1024)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 7
-    v["o_proj"] = _allreduce(r, v["o_proj"], [[8, 1], [4, 8]], "bf16")   # two_level, wire bf16
-    # -- attn_residual
-    _add_output(r, layer, v["o_proj"])
+def _layer_mla(k: Kernel, layer):
+    """One mla layer: input_mix, q_down, kv_down, latent_norms, kv_write, q_up, absorb_query,
+    attention, values_out, gate, out_gate, o_proj, attn_residual."""
+    c = k.layer("mla", layer)
+    B = c.B
+    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    h = lower.input_mix(c)
+    c.wait_pooled("q_down")   # staging.attention: before its first reader
+    q_low = lower.q_down(c, h)
+    c.wait_pooled("kv_down")   # staging.attention: before its first reader
+    kv_row = lower.kv_down(c, h)
+    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)
+    lower.kv_write(c, kv_row)
+    q = lower.q_up(c, q_low)
+    c.wait_pooled("key_up")   # staging.attention: before its first reader
+    q_lat = lower.absorb_query(c, q)
+    lat_avg = lower.attention(c, q_lat)
+    c.wait_pooled("value_up")   # staging.attention: before its first reader
+    core = lower.values_out(c, lat_avg)
+    # the pool view staging.attention is free from here
+    gate_logits = lower.gate(c, h)
+    core = lower.out_gate(c, core, gate_logits)
+    attn_out = lower.o_proj(c, core)
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 55: two_level, wire bf16
+    lower.attn_residual(c, attn_out)
 
 
-def _layer_moe(r, layer, B):
-    """One moe sublayer: mlp_mix, router, route, latent_down, shared_gate_up, shared_down, routed_experts, latent_norm, latent_up, mlp_residual."""
-    si = r.tables[2, layer]   # this sublayer's index among its kind: weights, state, caches
-    v = {"tile": r.tables[1, layer]}   # next ring tile of this sublayer
-    _vectors_copy(r, layer).wait()
-    @pl.when(layer + VECTOR_AHEAD < N_LAYERS)
-    def _():
-        _vectors_copy(r, layer + VECTOR_AHEAD).start()
-    # -- mlp_mix
-    v["h"] = ops.rms_norm(_mix(r, layer, "moe", "mlp"), _vector(r, "moe", "post_norm", layer), EPS)
-    # -- router
-    v["router"] = _stream_matmul(r, v["h"], v["tile"], 7, 1, 1024, 512)[:, :512]
-    v["tile"] = v["tile"] + 7
-    v["router"] = _allgather(r, v["router"], "exchange__router", 2, 1)   # with the sibling core
-    # -- route
-    logits = v["router"][:, :DIMS.experts]
-    bias = _vector(r, "moe", "router_bias", layer)[:, :DIMS.experts]
-    v["weights"], ids = ops.route(logits, bias, DIMS.top_k, DIMS.routed_scaling)
-    _select_local_experts(r, ids, B)
-    for k in range(EXPERT_SLOTS):   # routed experts as soon as routing picked them
-        @pl.when(k < r.expert_count[0])
-        def _():
-            _start_expert(r, si, k)
-    # -- latent_down
-    v["latent_down"] = _stream_matmul(r, v["h"], v["tile"], 7, 1, 1024, 128)[:, :128]
-    v["tile"] = v["tile"] + 7
-    v["latent_down"] = _allgather(r, v["latent_down"], "gather__latent_down", 32, 1)
-    # -- shared_gate_up
-    v["shared_act"] = ops.situ_packed(_stream_matmul(r, v["h"], v["tile"], 7, 1, 1024, 384), GEOMETRY.shared, DIMS.situ_beta, DIMS.situ_linear_beta)
-    v["tile"] = v["tile"] + 7
-    # -- shared_down
-    v["shared_down"] = _stream_matmul(r, v["shared_act"], v["tile"], 1, 7, 256, 1024)[:, :HIDDEN]
-    v["tile"] = v["tile"] + 7
-    v["shared_down"] = _allreduce(r, v["shared_down"], [[8, 1], [4, 8]], "bf16")   # two_level, wire bf16
-    # -- routed_experts
-    latent = v["latent_down"][:, :LATENT]
-    weights = v["weights"]
-
-    def expert(k, acc):
-        out = _run_expert(r, si, k, latent, weights)
-
-        @pl.when(k + EXPERT_SLOTS < r.expert_count[0])
-        def _():
-            _start_expert(r, si, k + EXPERT_SLOTS)
-        return acc + out
-
-    v["routed_experts"] = lax.fori_loop(0, r.expert_count[0], expert, jnp.zeros((B, LATENT), F32))
-    v["routed_experts"] = _allreduce(r, v["routed_experts"], [[8, 1], [4, 8]], "bf16")   # two_level, wire bf16
-    # the pool's staging.experts view is dead from here
-    @pl.when(layer + 1 < N_LAYERS)
-    def _():   # the next sublayer's attention weights, into the pool
-        _start_attention_view(r, layer + 1)
-    # -- latent_norm
-    v["routed"] = ops.rms_norm(v["routed_experts"], _vector(r, "moe", "latent_norm", layer), EPS)
-    # -- latent_up
-    v["latent_up"] = _stream_matmul(r, v["routed"], v["tile"], 4, 1, 896, 896)[:, :896]
-    v["tile"] = v["tile"] + 4
-    v["latent_up"] = _allgather(r, v["latent_up"], "gather__latent_up", 8, 1)
-    # -- mlp_residual
-    _add_output(r, layer, v["latent_up"][:, :HIDDEN] + v["shared_down"])
-
-
-def _kv_write(r, si, rows, B):
-    """Write the new token's latent row at each row's position: read-modify-write of the
-    aligned 16-row bf16 tile holding it (a single bf16 row is not a legal DMA target)."""
-    blk = r.mla_kv_rows
-    row = lax.broadcasted_iota(jnp.int32, blk.shape[2:], 0)
-    for phase in ("read", "write"):
-        copies = []
-        for b in range(B):
-            pos = r.positions[b]
-            base = pl.multiple_of((pos // 16) * 16, 16)
-            hbm = r.mla__latent.at[si, b, pl.ds(base, 16)]
-            if phase == "read":
-                cp = pltpu.make_async_copy(hbm, blk.at[0, b], r.sems.at[SEM["kv_rows"]])
-            else:
-                new = rows[b:b + 1].astype(BF16)
-                blk[0, b] = jnp.where(row == pos - base, jnp.broadcast_to(new, blk.shape[2:]), blk[0, b])
-                cp = pltpu.make_async_copy(blk.at[0, b], hbm, r.sems.at[SEM["kv_rows"]])
-            cp.start()
-            copies.append(cp)
-        for cp in copies:
-            cp.wait()
-
-
-def _attention(r, si, q_lat, B):
-    """Stream latent-cache tiles of KV_TILE_TOKENS tokens through KV_SLOTS scoped slots,
-    KV_AHEAD ahead, with an online softmax per row over this rank's heads -> per row
-    (latent average accumulator, denominator)."""
-    last = r.positions[0]
-    for b in range(1, B):
-        last = jnp.maximum(last, r.positions[b])
-    n_tiles = last // KV_TILE_TOKENS + 1
-    scale = (HEAD_DIM + QK_EXTRA) ** -0.5
-
-    def scoped(kv, sem):
-        def copy(t):
-            slot = lax.rem(t, KV_SLOTS)
-            src = pl.ds(t * KV_TILE_TOKENS, KV_TILE_TOKENS)
-            return pltpu.make_async_copy(r.mla__latent.at[si, :, src], kv.at[slot], sem.at[slot])
-
-        for a in range(KV_AHEAD):
-            @pl.when(a < n_tiles)
-            def _():
-                copy(a).start()
-
-        def tile(t, carry):
-            copy(t).wait()
-            slot = lax.rem(t, KV_SLOTS)
-            tok = t * KV_TILE_TOKENS + lax.broadcasted_iota(jnp.int32, (1, KV_TILE_TOKENS), 1)
-            out = []
-            for b in range(B):
-                cached = kv[slot, b]
-                m, denom, acc = carry[b]
-                q, q_extra = q_lat[b]
-                out.append(ops.mla_tile(q, q_extra, cached[:, :KV_LORA], cached[:, KV_LORA:KV_LORA + QK_EXTRA],
-                                        tok <= r.positions[b], m, denom, acc, scale))
-
-            @pl.when(t + KV_AHEAD < n_tiles)
-            def _():
-                copy(t + KV_AHEAD).start()
-            return tuple(out)
-
-        init = tuple((jnp.full((HEADS, 1), -jnp.inf, F32), jnp.zeros((HEADS, 1), F32), jnp.zeros((HEADS, KV_LORA), F32))
-                     for _ in range(B))
-        final = lax.fori_loop(0, n_tiles, tile, init)
-        return [(acc, denom) for m, denom, acc in final]
-
-    return pl.run_scoped(scoped, pltpu.VMEM((KV_SLOTS, B, KV_TILE_TOKENS, CACHE_WIDTH), BF16),
-                         pltpu.SemaphoreType.DMA((KV_SLOTS,)))
+def _layer_moe(k: Kernel, layer):
+    """One moe layer: mlp_mix, router, route, latent_down, shared_gate_up, shared_down,
+    routed_experts, latent_norm, latent_up, mlp_residual."""
+    c = k.layer("moe", layer)
+    B = c.B
+    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    h = lower.mlp_mix(c)
+    scores = lower.router(c, h)
+    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 64: swap with the sibling core, wire f32
+    expert_ids, expert_weights = lower.route(c, scores)
+    # spec line 65: fetch experts -> staging.experts, the first slots now
+    c.start_experts()
+    latent_in = lower.latent_down(c, h)
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 66: all-gather over 32 ranks
+    shared_act = lower.shared_gate_up(c, h)
+    shared_out = lower.shared_down(c, shared_act)
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 67: two_level, wire bf16
+    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 67: two_level, wire bf16
+    # the pool view staging.experts is free from here
+    c.prefetch_view(N_LAYERS)   # spec line 68: prefetch next staging.attention
+    routed_out = lower.latent_norm(c, routed_out)
+    mlp_out = lower.latent_up(c, routed_out)
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 69: all-gather over 8 ranks
+    lower.mlp_residual(c, mlp_out, shared_out)
 
 
 def _kernel(*refs, B):
     r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
+    k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
+               RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
+               VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
+               experts=EXPERTS, view=VIEW, kind_ids=KIND_IDS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
-    for counter in range(len(COLLECTIVES)):
+    for counter in range(N_COLLECTIVE_COUNTERS):
         r.collective_count[counter] = 0
 
-    # prologue: the first sublayer's attention weights, the ring, the first vectors, the head
-    # vectors; then the embedding becomes residual source 0
-    _start_attention_view(r, 0)
-    for t in range(min(RING_AHEAD, TOTAL_TILES)):
-        _start_tile(r, t)
-    for layer in range(min(VECTOR_AHEAD, N_LAYERS)):
-        _vectors_copy(r, layer).start()
-    head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sems.at[SEM["head_norm"]])
+    # prologue: the first layer's pooled matrices, fill the ring, issue the first layers' vectors and the
+    # head vectors, embed
+    k.start_view(0)
+    ring.fill(RING, k.ring_refs)
+    vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
+    head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
     head_norm_copy.start()
-    _embed(r, B)
-    for i in range(N_SOURCES):
-        r.blocks[i] = jnp.zeros((B, HIDDEN), F32)
-    r.blocks[0] = r.x[...]
+    r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL, EMBED_REDUCE, AXIS, B)
+    lower.prologue(k)
 
     def layer_step(layer, carry):
         kind = r.tables[0, layer]
 
         @pl.when(kind == KIND_IDS["dense"])
         def _():
-            _layer_dense(r, layer, B)
+            _layer_dense(k, layer)
 
         @pl.when(kind == KIND_IDS["kda"])
         def _():
-            _layer_kda(r, layer, B)
+            _layer_kda(k, layer)
 
         @pl.when(kind == KIND_IDS["mla"])
         def _():
-            _layer_mla(r, layer, B)
+            _layer_mla(k, layer)
 
         @pl.when(kind == KIND_IDS["moe"])
         def _():
-            _layer_moe(r, layer, B)
+            _layer_moe(k, layer)
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    pltpu.make_async_copy(r.kda_rec_buf, r.kda__recurrent.at[len(KIND_LAYERS["kda"]) - 1], r.sems.at[3]).wait()   # drain the last kda store of state.recurrent
+    # the last kda layer's store of state.recurrent drains
+    k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
-    # epilogue: the output mixture over every block, the final norm, and the vocab-sharded
-    # lm_head, which ends the weight stream
+    # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
     head_norm_copy.wait()
-    n, count = _sources(N_LAYERS)
-    mixed = ops.residual_mix([r.blocks[i] for i in range(N_SOURCES)], count, r.head_norm[1:2, :],
-                             r.head_norm[2:3, :], EPS)
-    h = ops.rms_norm(mixed, r.head_norm[0:1, :], EPS)
-    name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols = STREAM["tail"][0]
-    logits = _stream_matmul(r, h, TAIL_TILE_OFFSET, row_tiles, col_tiles, tile_rows, tile_cols)
-    for j in range(col_tiles):
-        r.logits[j] = logits[:, j * tile_cols:(j + 1) * tile_cols]
+    h = lower.final_hidden(k, r.head_norm)
+    logits = ring.matmul(RING, k.ring_refs, h, TAIL_TILE_OFFSET, TAIL_LM_HEAD)
+    for j in range(TAIL_LM_HEAD.col_tiles):
+        r.logits[j] = logits[:, j * TAIL_LM_HEAD.tile_cols:(j + 1) * TAIL_LM_HEAD.tile_cols]
 
 
 # ---- host side ---------------------------------------------------------------------------
 def _hbm_shapes():
     """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
-    shapes = {
+    return {
         "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
-        "ring_hbm": ((TOTAL_TILES, SLOT_ROWS, SLOT_COLS), BF16),
-        "vectors_hbm": ((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), F32),
+        "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
+        "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
         "head_norm_hbm": ((8, HIDDEN), F32),
+        "pool__kda__gate_down": ((len(KIND_LAYERS["kda"]), *(7168, 128)), BF16),
+        "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), *(128, 384)), BF16),
+        "pool__kda__projection": ((len(KIND_LAYERS["kda"]), *(7168, 1664)), BF16),
+        "pool__kda__o_proj": ((len(KIND_LAYERS["kda"]), *(384, 7168)), BF16),
+        "pool__mla__q_down": ((len(KIND_LAYERS["mla"]), *(7168, 1536)), BF16),
+        "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), *(7168, 640)), BF16),
+        "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), *(384, 512)), BF16),
+        "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), *(512, 384)), BF16),
+        "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(896, 1536)), BF16),
+        "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(64, 1536)), BF16),
+        "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(192, 3584)), BF16),
+        "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(16, 3584)), BF16),
     }
-    for kind, mats in POOLED.items():
-        for name, (row, rows, cols, sem) in mats.items():
-            shapes[f"pool__{kind}__{name}"] = ((len(KIND_LAYERS[kind]), *_pool_form(kind, name)), BF16)
-    for name in EXPERT_MATS:
-        shapes[f"expert__{name}"] = ((len(KIND_LAYERS["moe"]), LOCAL_EXPERTS, *_pool_form("expert", name)), BF16)
-    return shapes
-
-
-_POOL_DTYPES = {"expert": {"down_codes": "u8", "down_scales": "u8", "gate_up_codes": "u8", "gate_up_scales": "u8"}, "kda": {"gate_down": "bf16", "gate_up": "bf16", "o_proj": "bf16", "projection": "bf16"}, "mla": {"key_up": "bf16", "kv_down": "bf16", "q_down": "bf16", "value_up": "bf16"}}
-
-
-def _pool_form(kind, name):
-    """The HBM form of a pooled matrix (mkc.runtime.pool.pack_for_pool): [panel rows, panels * 128]."""
-    rows, cols = (EXPERT_MATS[name] if kind == "expert" else POOLED[kind][name])[1:3]
-    return (pool_ops.panel_rows(rows, _POOL_DTYPES[kind][name]), -(-cols // 128) * 128)
 
 
 def state_shapes(B):
     """Per-rank decode state arrays (without the leading rank axis): name -> (shape, dtype)."""
     return {
-        "kda__conv": ((len(KIND_LAYERS["kda"]), CONV_TAPS - 1, B, 3 * P_ATTN), BF16),
-        "kda__recurrent": ((len(KIND_LAYERS["kda"]), B, HEADS, HEAD_DIM, HEAD_DIM), F32),
-        "mla__latent": ((len(KIND_LAYERS["mla"]), B, CONTEXT, CACHE_WIDTH), BF16),
+        "kda__conv": ((len(KIND_LAYERS["kda"]), *(3, B, 1152)), BF16),
+        "kda__recurrent": ((len(KIND_LAYERS["kda"]), *(B, 3, 128, 128)), F32),
+        "mla__latent": ((len(KIND_LAYERS["mla"]), *(B, CONTEXT, 640)), BF16),
+    }
+
+
+def _vmem_input_shapes(B):
+    return {
     }
 
 
@@ -762,87 +468,105 @@ def build_kernel(B, interpret=None):
         raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     states = state_shapes(B)
-    n_states = len(states)
-    n_hbm = 4 + len(_POOLED_INPUTS) + len(_EXPERT_INPUTS)
+    n_vmem_inputs = len(_vmem_input_shapes(B))
     scratch = [
-        pltpu.VMEM((4, 1024, 1024), jnp.bfloat16),   # weights (ring)
-        pltpu.VMEM((2, 16, 7168), jnp.float32),   # vectors (parity)
-        pltpu.VMEM((B, 7168), jnp.float32),   # x (activation)
-        pltpu.VMEM((B, 16, 7168), jnp.bfloat16),   # embed_rows (activation)
-        pltpu.VMEM((8, 7168), jnp.float32),   # head_norm (parity)
-        pltpu.VMEM((7, B, 1024), jnp.bfloat16),   # stage (activation)
-        pltpu.VMEM((7, B, 1024), jnp.float32),   # acc (activation)
-        pltpu.VMEM((10, B, 7168), jnp.float32),   # blocks (activation)
-        pltpu.VMEM((B, 4096), jnp.float32),   # latent (activation)
-        pltpu.VMEM((124928, 128), jnp.bfloat16),   # staging (pool)
-        pltpu.VMEM((B, 3, 128, 128), jnp.float32),   # kda_rec_buf (state)
-        pltpu.VMEM((2, B, 16, 640), jnp.bfloat16),   # mla_kv_rows (kv)
-        pltpu.VMEM((2, 32, B, 128), jnp.bfloat16),   # gather__latent_down (collective)
-        pltpu.VMEM((2, 8, B, 896), jnp.bfloat16),   # gather__latent_up (collective)
-        pltpu.VMEM((2, 2, B, 512), jnp.float32),   # exchange__router (collective)
-        pltpu.VMEM((2, 4, B, 7168), jnp.bfloat16),   # recv__bf16_4x8 (collective)
-        pltpu.VMEM((2, 8, B, 7168), jnp.bfloat16),   # recv__bf16_8x1 (collective)
-        pltpu.SemaphoreType.DMA((RING_SLOTS,)),
-        pltpu.SemaphoreType.DMA((2,)),
-        pltpu.SemaphoreType.DMA((7,)),
-        pltpu.SemaphoreType.DMA((N_POOL_SEMS,)),
-        pltpu.SemaphoreType.DMA((EXPERT_SLOTS, len(EXPERT_MATS))),
-        pltpu.SMEM((LOCAL_EXPERTS,), jnp.int32),
-        pltpu.SMEM((1,), jnp.int32),
-        pltpu.SemaphoreType.DMA((2, 32)), pltpu.SemaphoreType.DMA((2, 32)),   # gather__latent_down send, receive
-        pltpu.SemaphoreType.DMA((2, 8)), pltpu.SemaphoreType.DMA((2, 8)),   # gather__latent_up send, receive
-        pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.DMA((2, 2)),   # exchange__router send, receive
-        pltpu.SemaphoreType.DMA((2, 4)), pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x8 send, receive
-        pltpu.SemaphoreType.DMA((2, 8)), pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send, receive
-        pltpu.SMEM((len(COLLECTIVES),), jnp.int32),
+        pltpu.VMEM((4, 1024, 1024), BF16),   # weights (ring)
+        pltpu.VMEM((2, 16, 7168), F32),   # vectors (parity)
+        pltpu.VMEM((B, 7168), F32),   # x (activation)
+        pltpu.VMEM((B, 16, 7168), BF16),   # embed_rows (activation)
+        pltpu.VMEM((8, 7168), F32),   # head_norm (parity)
+        pltpu.VMEM((7, B, 1024), BF16),   # stage (activation)
+        pltpu.VMEM((7, B, 1024), F32),   # acc (activation)
+        pltpu.VMEM((10, B, 7168), F32),   # blocks (activation)
+        pltpu.VMEM((B, 4096), F32),   # latent (activation)
+        pltpu.VMEM((124928, 128), BF16),   # staging (pool)
+        pltpu.VMEM((B, 3, 128, 128), F32),   # kda_rec_buf (state)
+        pltpu.VMEM((2, B, 16, 640), BF16),   # mla_kv_rows (kv)
+        pltpu.VMEM((2, 32, B, 128), BF16),   # gather__latent_down (collective)
+        pltpu.VMEM((2, 8, B, 896), BF16),   # gather__latent_up (collective)
+        pltpu.VMEM((2, 2, B, 512), F32),   # exchange__router (collective)
+        pltpu.VMEM((2, 4, B, 7168), BF16),   # recv__bf16_4x8 (collective)
+        pltpu.VMEM((2, 8, B, 7168), BF16),   # recv__bf16_8x1 (collective)
+        pltpu.SemaphoreType.DMA((4,)),   # ring_sem
+        pltpu.SemaphoreType.DMA((2,)),   # vectors_sem
+        pltpu.SemaphoreType.DMA(()),   # sem__head_norm
+        pltpu.SemaphoreType.DMA(()),   # sem__embed
+        pltpu.SemaphoreType.DMA(()),   # sem__load_kda_conv_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__load_kda_rec_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__store_kda_conv_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__store_kda_rec_buf
+        pltpu.SemaphoreType.DMA(()),   # sem__mla_kv_rows
+        pltpu.SemaphoreType.DMA((2, 32)),   # gather__latent_down send
+        pltpu.SemaphoreType.DMA((2, 32)),   # gather__latent_down receive
+        pltpu.SemaphoreType.DMA((2, 8)),   # gather__latent_up send
+        pltpu.SemaphoreType.DMA((2, 8)),   # gather__latent_up receive
+        pltpu.SemaphoreType.DMA((2, 2)),   # exchange__router send
+        pltpu.SemaphoreType.DMA((2, 2)),   # exchange__router receive
+        pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x8 send
+        pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x8 receive
+        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send
+        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 receive
+        pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+        pltpu.SemaphoreType.DMA((4,)),   # pooled matrix copies
+        pltpu.SemaphoreType.DMA((6, 4)),   # expert slot copies
+        pltpu.SMEM((EXPERTS.local_experts,), jnp.int32),   # picked local experts
+        pltpu.SMEM((1,), jnp.int32),   # how many
     ]
-    out_shape = (jax.ShapeDtypeStruct((5, B, 1024), F32),
+    out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
-    first_state = 4 + n_hbm
+    first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
     return pl.pallas_call(
         functools.partial(_kernel, B=B),
         out_shape=out_shape,
-        in_specs=[smem, smem, smem, smem] + [any_spec] * (n_hbm + n_states),
-        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), *[any_spec] * n_states),
+        in_specs=[smem] * 4 + [vmem] * n_vmem_inputs + [any_spec] * (len(_hbm_shapes()) + len(states)),
+        out_specs=(vmem, *[any_spec] * len(states)),
         scratch_shapes=scratch,
-        input_output_aliases={first_state + i: 1 + i for i in range(n_states)},
+        input_output_aliases={first_state + i: 1 + i for i in range(len(states))},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES, collective_id=0,
                                              has_side_effects=True),
         interpret=interpret if interpret is not None else False,
     )
 
 
+def _tables():
+    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
 
 
-
-def _hbm_names():
-    return ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm", *_POOLED_INPUTS, *_EXPERT_INPUTS]
+def _tile_classes():
+    """The tile class of every tile of the step, in stream order (an SMEM table)."""
+    kinds = {v: kname for kname, v in KIND_IDS.items()}
+    sequence = [m for layer in range(N_LAYERS) for m in STREAM_ORDER[kinds[LAYER_KIND[layer]]]]
+    return ring.tile_classes(RING, sequence + STREAM_ORDER["tail"])
 
 
 def make_decode_step(mesh: Mesh, B: int, interpret=None):
     """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
 
     step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
-    Row b writes its latent cache row at positions[b] and attends to 0..positions[b]; its KDA
-    states advance by one token. positions must be below CONTEXT and tokens below the
-    vocabulary size (neither is checked on device)."""
+    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
+    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
     call = build_kernel(B, interpret)
     names = list(state_shapes(B))
-    hbm = _hbm_names()
+    hbm_names = list(_hbm_shapes())
+    n_vmem = len(_vmem_input_shapes(B))
 
-    def per_rank(tokens, positions, tables, tile_class, *arrays):
-        outs = call(tokens, positions, tables, tile_class, *[a[0] for a in arrays])
-        return (outs[0][None],) + tuple(o[None] for o in outs[1:])
+    def per_rank(*args):
+        smem, vmem_in, rest = args[:4], args[4:4 + n_vmem], args[4 + n_vmem:]
+        outs = call(*smem, *vmem_in, *[a[0] for a in rest])
+        return tuple(o[None] for o in outs)
 
     rank_spec = P(AXIS)
     sharded = jax.shard_map(per_rank, mesh=mesh,
-                            in_specs=(P(),) * 4 + (rank_spec,) * (len(hbm) + len(names)),
+                            in_specs=(P(),) * (4 + n_vmem) + (rank_spec,) * (len(hbm_names) + len(names)),
                             out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
 
     def step(weights, state, tokens, positions):
+        host = lower.host_inputs(DIMS, positions)
         outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
-                       *[weights[n] for n in hbm], *[state[n] for n in names])
+                       *[host[n] for n in _vmem_input_shapes(B)],
+                       *[weights[n] for n in hbm_names], *[state[n] for n in names])
         tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
         logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, RANKS, -1)[:, :, :VOCAB_LOCAL]
         logits = logits.reshape(B, RANKS * VOCAB_LOCAL)
@@ -855,59 +579,41 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
 
 
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
-    """Checkpoint weights -> one rank's HBM layout: the ring stream in consumption order, the
-    pooled attention matrices and routed experts in pool form, per-sublayer vector blocks,
-    the head vectors and the embedding shard."""
-    ring = np.zeros((TOTAL_TILES, SLOT_ROWS, SLOT_COLS), BF16)
-    vectors = np.zeros((N_LAYERS, VECTOR_ROWS, VECTOR_COLS), np.float32)
-    head_norm = np.zeros((8, HIDDEN), np.float32)
+    """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
+    pooled matrices and experts in pool form, per-layer vector blocks, the head vectors and
+    the embedding shard."""
     shapes = _hbm_shapes()
-    pooled = {n: np.zeros(shape, dtype) for n, (shape, dtype) in shapes.items()
-              if n.startswith(("pool__", "expert__"))}
-    kinds = {v: k for k, v in KIND_IDS.items()}
-
-    group = rank // SHARDING.expert_tp
+    packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    kinds = {v: kname for kname, v in KIND_IDS.items()}
     for layer in range(N_LAYERS):
-        kind = kinds[LAYER_KIND[layer]]
-        model_layer, si = layer // 2, STATE_INDEX[layer]
+        kind, si = kinds[LAYER_KIND[layer]], STATE_INDEX[layer]
         t = LAYER_TILE_OFFSET[layer]
-        for name, rows, cols, row_tiles, col_tiles, tr, tc in STREAM[kind]:
-            m = hf_layout.family_matrix(hf, DIMS, GEOMETRY, SHARDING, model_layer, kind, name, rank)
-            _put_tiles(ring, t, m, row_tiles, col_tiles, tr, tc)
-            t += row_tiles * col_tiles
-        for name in POOLED.get(kind, {}):
-            m = hf_layout.family_matrix(hf, DIMS, GEOMETRY, SHARDING, model_layer, kind, name, rank)
-            pooled[f"pool__{kind}__{name}"][si] = pool_ops.pack_for_pool(m.astype(BF16))
+        for m in STREAM_ORDER[kind]:
+            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, m.name, rank, RANKS)
+            t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
+        for name in VIEW.matrices.get(kind, {}):
+            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, name, rank, RANKS)
+            packed[f"pool__{kind}__{name}"][si] = pool_layout.pack_for_pool(matrix.astype(BF16))
         if kind == "moe":
-            for e in range(LOCAL_EXPERTS):
-                arrays = hf_layout.expert_arrays(hf, DIMS, GEOMETRY, SHARDING, model_layer,
-                                                 group * LOCAL_EXPERTS + e, rank)
-                for name, a in arrays.items():
-                    pooled[f"expert__{name}"][si, e] = pool_ops.pack_for_pool(a)
-        for name, (row, rows, width) in VECTOR_LAYOUT[kind].items():
-            vectors[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, GEOMETRY, SHARDING, model_layer,
-                                                                      kind, name, rank)
-    name, rows, cols, row_tiles, col_tiles, tr, tc = STREAM["tail"][0]
-    _put_tiles(ring, TAIL_TILE_OFFSET, hf_layout.global_tensor(hf, DIMS, SHARDING, "lm_head", rank), row_tiles, col_tiles,
-              tr, tc)
-    for i, name in enumerate(("final_norm", "output_res_norm", "output_res_proj")):
-        head_norm[i] = hf_layout.global_tensor(hf, DIMS, SHARDING, name, rank)[0]
-    embed = np.asarray(hf_layout.global_tensor(hf, DIMS, SHARDING, "embed", rank)).astype(BF16)
-    return {"embed": embed, "ring_hbm": ring, "vectors_hbm": vectors, "head_norm_hbm": head_norm, **pooled}
+            for e in range(EXPERTS.local_experts):
+                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, RANKS).items():
+                    packed[f"expert__{name}"][si, e] = pool_layout.pack_for_pool(a)
+        for name, (row, rows, width) in VECTORS.layout[kind].items():
+            vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, RANKS)
+            packed["vectors_hbm"][layer, row:row + rows, :width] = vector
+    t = TAIL_TILE_OFFSET
+    for m in STREAM_ORDER["tail"]:
+        matrix = hf_layout.matrix(hf, DIMS, PER_RANK, -1, "tail", m.name, rank, RANKS)
+        t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
+    head = hf_layout.head_vectors(hf, DIMS, rank, RANKS)
+    packed["head_norm_hbm"][:head.shape[0]] = head
+    packed["embed"] = hf_layout.embedding(hf, DIMS, rank, RANKS).astype(BF16)
+    return packed
 
 
-def _tables():
-    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
-
-
-def _tile_classes():
-    """The tile-shape class of every tile of the step, in stream order (an SMEM table)."""
-    kinds = {v: k for k, v in KIND_IDS.items()}
-    families = [f for layer in range(N_LAYERS) for f in STREAM[kinds[LAYER_KIND[layer]]]]
-    classes = []
-    for name, rows, cols, row_tiles, col_tiles, tile_rows, tile_cols in families + STREAM["tail"]:
-        classes += [TILE_SHAPES.index([tile_rows, tile_cols])] * (row_tiles * col_tiles)
-    return np.array(classes, np.int32)
+def reference_states(state) -> dict[str, np.ndarray]:
+    """The decode state gathered over ranks into the reference's (upstream) layouts."""
+    return hf_layout.reference_states(state, DIMS, PER_RANK, RANKS, KIND_LAYERS)
 
 
 def init_state(B: int) -> dict[str, np.ndarray]:
@@ -920,17 +626,6 @@ def abstract_inputs(B: int):
     weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
     state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
     return weights, state
-
-
-def _put_tiles(ring, t, m, row_tiles, col_tiles, tr, tc):
-    """Cut matrix m into its family's tiles and store them from ring tile t on, in stream order
-    (column blocks outer, rows inner), zero padded to whole tiles."""
-    padded = np.zeros((row_tiles * tr, col_tiles * tc), np.float32)
-    padded[:m.shape[0], :m.shape[1]] = m
-    for j in range(col_tiles):
-        for i in range(row_tiles):
-            ring[t, :tr, :tc] = padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc]
-            t += 1
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -995,21 +690,3 @@ def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, 
     return _STEPS[key](weights, state, tokens, positions)
 
 
-
-
-def reference_states(state) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's layouts: conv_state
-    [B, 3 * heads * head_dim, K-1] with channels [q | k | v], recurrent_state [B, heads, D, D]
-    and latent_cache [B, T, kv_lora + extra] (replicated: rank 0's)."""
-    out = {}
-    conv = np.asarray(state["kda__conv"], np.float32)     # [RANKS, layers, K-1, B, 3P]
-    rec = np.asarray(state["kda__recurrent"])            # [RANKS, layers, B, HEADS, D, D]
-    for i, layer in enumerate(KIND_LAYERS["kda"]):
-        per_rank = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(RANKS)]   # [B, 3P, K-1]
-        parts = [np.concatenate([c[:, j * P_ATTN:(j + 1) * P_ATTN] for c in per_rank], axis=1) for j in range(3)]
-        out[f"layers.{layer // 2}.conv_state"] = np.concatenate(parts, axis=1)
-        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
-    cache = np.asarray(state["mla__latent"], np.float32)
-    for i, layer in enumerate(KIND_LAYERS["mla"]):
-        out[f"layers.{layer // 2}.latent_cache"] = cache[0, i, :, :, :KV_LORA + QK_EXTRA]
-    return out

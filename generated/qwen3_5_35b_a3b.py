@@ -244,7 +244,8 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    c.start_experts()   # spec line 55: fetch experts -> experts_pool.experts, the first slots as soon as routing picked them
+    # spec line 55: fetch experts -> experts_pool.experts, the first slots now
+    c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
     shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 56: two_level, wire bf16
@@ -258,18 +259,21 @@ def _kernel(*refs, B):
     r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
-               VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem), EXPERTS)
+               VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
+               experts=EXPERTS, view=None, kind_ids=KIND_IDS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
     for counter in range(N_COLLECTIVE_COUNTERS):
         r.collective_count[counter] = 0
 
-    # prologue: fill the ring, issue the first layers' vectors and the final norm, embed
+    # prologue: fill the ring, issue the first layers' vectors and the
+    # head vectors, embed
     ring.fill(RING, k.ring_refs)
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
     head_norm_copy.start()
     r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL, EMBED_REDUCE, AXIS, B)
+    lower.prologue(k)
 
     def layer_step(layer, carry):
         kind = r.tables[0, layer]
@@ -437,30 +441,31 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
 
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
-    per-layer vector blocks, the final norm and the embedding shard."""
-    ring_hbm = np.zeros((RING.total_tiles, *RING.slot_shape), BF16)
-    vectors_hbm = np.zeros((N_LAYERS, VECTORS.rows, VECTORS.cols), np.float32)
-    head_norm = np.zeros((8, HIDDEN), np.float32)
+    pooled matrices and experts in pool form, per-layer vector blocks, the head vectors and
+    the embedding shard."""
+    shapes = _hbm_shapes()
+    packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
     kinds = {v: kname for kname, v in KIND_IDS.items()}
     for layer in range(N_LAYERS):
-        kind = kinds[LAYER_KIND[layer]]
+        kind, si = kinds[LAYER_KIND[layer]], STATE_INDEX[layer]
         t = LAYER_TILE_OFFSET[layer]
         for m in STREAM_ORDER[kind]:
-            t = ring.put_tiles(ring_hbm, t, hf_layout.family_matrix(hf, DIMS, layer, m.name, rank, RANKS), m)
+            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, m.name, rank, RANKS)
+            t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
+        if kind == "moe":
+            for e in range(EXPERTS.local_experts):
+                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, RANKS).items():
+                    packed[f"expert__{name}"][si, e] = pool_layout.pack_for_pool(a)
         for name, (row, rows, width) in VECTORS.layout[kind].items():
-            vectors_hbm[layer, row:row + rows, :width] = hf_layout.vector(hf, DIMS, layer, name, rank, RANKS)
+            vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, RANKS)
+            packed["vectors_hbm"][layer, row:row + rows, :width] = vector
     t = TAIL_TILE_OFFSET
     for m in STREAM_ORDER["tail"]:
-        t = ring.put_tiles(ring_hbm, t, hf_layout.family_matrix(hf, DIMS, -1, m.name, rank, RANKS), m)
-    head_norm[0] = hf_layout.global_tensor(hf, DIMS, "final_norm", rank, RANKS)[0]
-    embed = np.asarray(hf_layout.global_tensor(hf, DIMS, "embed", rank, RANKS)).astype(BF16)
-    packed = {"embed": embed, "ring_hbm": ring_hbm, "vectors_hbm": vectors_hbm, "head_norm_hbm": head_norm}
-    packed["expert__gate_up"] = np.stack([np.stack([
-        pool_layout.pack_for_pool(hf_layout.expert_matrix(hf, DIMS, layer, e, "gate_up", rank, RANKS).astype(BF16))
-        for e in range(EXPERTS.local_experts)]) for layer in KIND_LAYERS["moe"]])
-    packed["expert__down"] = np.stack([np.stack([
-        pool_layout.pack_for_pool(hf_layout.expert_matrix(hf, DIMS, layer, e, "down", rank, RANKS).astype(BF16))
-        for e in range(EXPERTS.local_experts)]) for layer in KIND_LAYERS["moe"]])
+        matrix = hf_layout.matrix(hf, DIMS, PER_RANK, -1, "tail", m.name, rank, RANKS)
+        t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
+    head = hf_layout.head_vectors(hf, DIMS, rank, RANKS)
+    packed["head_norm_hbm"][:head.shape[0]] = head
+    packed["embed"] = hf_layout.embedding(hf, DIMS, rank, RANKS).astype(BF16)
     return packed
 
 

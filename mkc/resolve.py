@@ -23,10 +23,12 @@ RING_DTYPES = ("bf16",)
 # No "__": generated code joins names with a double underscore, so user names cannot collide.
 _IDENT = re.compile(r"^[a-z](?:_?[a-z0-9])*$")
 # Names the generated module defines itself; a spec buffer may not shadow them.
+# (A family's VMEM activations, e.g. K3's `blocks`, are reserved too: see _validate_identifier.)
 _RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start", "end",
              "embed", "embed_rows", "head_norm", "tables", "tokens", "positions", "rope",
              "ring_hbm", "vectors_hbm", "head_norm_hbm", "ring_sem", "vectors_sem", "sems",
-             "send_sem", "recv_sem", "collective_count", "tile_class"}
+             "send_sem", "recv_sem", "collective_count", "tile_class", "pool_sem", "expert_sem",
+             "expert_list", "expert_count"}
 MAX_NAME = 64          # a schedule's name becomes a file name, with the model's appended
 # Cost-model constant for choosing the ring tile: what one extra DMA costs, in bytes moved.
 TILE_OVERHEAD_BYTES = 64 * 1024
@@ -50,13 +52,16 @@ def _require(sched: ast.Schedule, key: str, example: str) -> ast.Setting:
     return sched.settings[key]
 
 
-def _validate_identifier(name: ast.Name, what: str) -> str:
+def _validate_identifier(name: ast.Name, what: str, graph: DecodeGraph | None = None) -> str:
+    """A spec name that becomes a generated identifier; with the graph, the family's VMEM
+    activation buffers are taken too."""
     text = name.text
-    if not _IDENT.match(text) or keyword.iskeyword(text) or text in _RESERVED:
+    reserved = _RESERVED | (set(graph.activations) if graph is not None else set())
+    if not _IDENT.match(text) or keyword.iskeyword(text) or text in reserved:
         raise fail("E-NAME", f"'{text}' cannot name a {what}", name.span,
                    hint="use lower-case letters and digits joined by single '_', starting with "
                         "a letter, not a Python keyword or one of: "
-                        + ", ".join(sorted(_RESERVED)))
+                        + ", ".join(sorted(reserved)))
     return text
 
 
@@ -331,7 +336,7 @@ def _resolve_pools(sched: ast.Schedule, graph: DecodeGraph
     pools: list[ir.Pool] = []
     pooled: dict[str, dict[str, str]] = {}
     for p in sched.pools:
-        pname = _validate_identifier(p.name, "pool")
+        pname = _validate_identifier(p.name, "pool", graph)
         if any(q.name == pname for q in pools):
             raise fail("E-DUPLICATE", f"pool '{pname}' is declared twice", p.name.span,
                        hint="give each pool its own name")
@@ -398,7 +403,7 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
                    span, hint="declare `ring NAME: N slots of bf16 tiles up to R x C` and "
                               "`stream NAME ahead A { kind: families... then lm_head }`")
     ring, st = sched.rings[0], sched.streams[0]
-    _validate_identifier(ring.name, "ring")
+    _validate_identifier(ring.name, "ring", graph)
     if ring.dtype.text not in RING_DTYPES:
         raise _unknown("ring dtype", ring.dtype, list(RING_DTYPES))
     for what, v in (("rows", ring.max_rows), ("columns", ring.max_cols)):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 from mkc import ir
-from mkc.codegen.layers import copy_name, layer_source, reduce_name
+from mkc.codegen.layers import copy_name, gather_name, layer_source, reduce_name
 from mkc.model.family import Family
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
+from mkc.runtime.pool import WeightView
 from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.vectors import Parity
 
@@ -95,7 +96,8 @@ class _Name(str):
         return str(self)
 
 
-def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> dict:
+def context(s: ir.ScheduleIR, family: Family) -> dict:
+    dims_import = family.dims_import
     kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
     kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
     st = s.stream
@@ -111,7 +113,7 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
             stream_order.setdefault(kname, []).append(_Name(name))
             streamed.setdefault(kname, {})[f.name] = (offset, _Name(name))
             offset += f.tiles
-    stream_order.setdefault("tail", [])
+    stream_order = {kname: stream_order.get(kname, []) for kname in [*sorted(s.kinds), "tail"]}
 
     collectives = [b for b in s.buffers if b.cls == "collective"]
     counter = {b.name: i for i, b in enumerate(collectives)}
@@ -122,6 +124,7 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
                      for size, stride in a.stages)
 
     reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
+    gather_literals = []
     kinds: dict[str, KindPlan] = {}
     state_arrays = []
     sems: list[str] = ["sem__head_norm", "sem__embed"]
@@ -131,6 +134,14 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
         for a in k.allreduces:
             name = reduce_name(kname, a.after_op)
             reduce_literals.append((name, literal(stages(a), len(name) + 3)))
+        for g in k.allgathers:
+            buf = ir.AllGather.buffer_name(g.after_op)
+            name = gather_name(kname, g.after_op)
+            gather_literals.append((name, literal(Stage(buf, counter[buf], g.size, g.stride), len(name) + 3)))
+        for e in k.exchanges:
+            buf = ir.Exchange.buffer_name(e.after_op)
+            name = gather_name(kname, e.after_op)
+            gather_literals.append((name, literal(Stage(buf, counter[buf], 2, 1), len(name) + 3)))
         copies = {}
         states = {}
         for t in k.transfers:
@@ -172,6 +183,23 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
     scratch_names.append("collective_count")
     scratch_shapes.append(("pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)", "use counters"))
 
+    # A weight view: each kind's pooled matrices, prefetched by the layer before.
+    weight_views = [v for p in s.pools for v in p.views if v.slots == 0]
+    weight_view = None
+    pooled_inputs = []
+    if weight_views:
+        v = weight_views[0]
+        row = ir.POOL_ROW_BYTES
+        weight_view = WeightView(v.pool, {kind: {m.name: (m.offset // row, m.rows, m.cols, i)
+                                                 for i, m in enumerate(mats)}
+                                          for kind, mats in sorted(v.matrices.items())})
+        pooled_inputs = [(f"pool__{kind}__{m.name}", kind,
+                          (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES))
+                         for kind, mats in sorted(v.matrices.items()) for m in mats]
+        scratch_names.append("pool_sem")
+        scratch_shapes.append((f"pltpu.SemaphoreType.DMA(({max(len(m) for m in v.matrices.values())},))",
+                               "pooled matrix copies"))
+
     # Routed experts: one kind fetches them into a pool's slot view.
     fetching = [kname for kname, k in s.kinds.items() if k.fetch is not None]
     expert_slots = None
@@ -195,7 +223,8 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
     vmem_inputs = family.vmem_inputs(s, s.batch_max)
     state_names = [a[0] for a in state_arrays]
     inputs = (["tokens", "positions", "tables", "tile_class"] + [b.name for b in vmem_inputs]
-              + ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm"] + [n for n, _, _ in expert_inputs]
+              + ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm"]
+              + [n for n, _, _ in pooled_inputs] + [n for n, _, _ in expert_inputs]
               + [n + "_in" for n in state_names])
     outputs = ["logits"] + state_names
 
@@ -235,4 +264,7 @@ def context(s: ir.ScheduleIR, family: Family, dims_import: tuple[str, str]) -> d
         "vmem_inputs": vmem_inputs,
         "experts_literal": literal(expert_slots, 10),
         "expert_inputs": expert_inputs,
+        "view_literal": literal(weight_view, 7),
+        "pooled_inputs": pooled_inputs,
+        "gather_literals": gather_literals,
     }

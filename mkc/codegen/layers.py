@@ -19,6 +19,11 @@ def copy_name(t: ir.Transfer) -> str:
     return f"{t.direction}_{t.buffer}"
 
 
+def gather_name(kind: str, op: str) -> str:
+    """The module constant of the all-gather (or sibling exchange) of `op`'s output in `kind`."""
+    return f"{kind}_{op}_gather".upper()
+
+
 def reduce_name(kind: str, op: str) -> str:
     """The module constant holding the all-reduce stages of `op`'s output in `kind`."""
     return f"{kind}_{op}_reduce".upper()
@@ -33,7 +38,7 @@ def _where(span) -> str:
 def _reads_writes(k: ir.KindSchedule, step: Step) -> tuple[list[str], list[str]]:
     if step.kind == "op":
         return k.op_values.get(step.op, ([], []))
-    if step.kind == "allreduce":
+    if step.kind in ("allreduce", "allgather", "exchange"):
         value = k.op_values[step.op][1][0]
         return [value], [value]
     return [], []
@@ -137,8 +142,21 @@ class _Emitter:
                                f"# {_where(a.span)}: {a.algorithm}, wire {a.wire_dtype}")
         elif step.kind == "fetch":
             f = k.fetch
-            self._line(indent, f"c.start_experts()   # {_where(f.span)}: fetch experts -> {f.pool}.{f.view}, "
-                               f"the first slots as soon as routing picked them")
+            self._line(indent, f"# {_where(f.span)}: fetch experts -> {f.pool}.{f.view}, the first slots now")
+            self._line(indent, "c.start_experts()")
+        elif step.kind == "prefetch":
+            f = k.prefetch
+            self._line(indent, f"c.prefetch_view(N_LAYERS)   # {_where(f.span)}: "
+                               f"prefetch next {f.pool}.{f.view}")
+        elif step.kind == "pool_wait":
+            self._line(indent, f'c.wait_pooled("{step.family}")   # {step.view}: before its first reader')
+        elif step.kind in ("allgather", "exchange"):
+            g = step.collective
+            value = k.op_values[step.op][1][0]
+            what = (f"all-gather over {g.size} ranks" if step.kind == "allgather"
+                    else f"swap with the sibling core, wire {g.wire_dtype}")
+            self._line(indent, f"{value} = k.allgather({value}, {gather_name(kind, step.op)})   "
+                               f"# {_where(g.span)}: {what}")
         elif step.kind == "view_close":
             self._line(indent, f"# the pool view {step.view} is free from here")
         else:

@@ -11,7 +11,6 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -40,28 +39,19 @@ class Family:
     # raises mkc.model.graph.ShardingError.
     build: Callable[[Any, dict, int], Any]
     package: str                       # e.g. "mkc.families.qwen3_5"
-    lowered_ops: frozenset[str]        # the ops its lowering (or template) lowers
+    lowered_ops: frozenset[str]        # the ops its `lowering` module has compute bodies for
     # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
     # benchmarks/vmem_probe.py, interpolated over batch.
     compiler_scratch: tuple[tuple[int, int], ...]
     # (IR, batch) -> the kernel inputs its module passes in VMEM, as IR buffers.
     vmem_inputs: Callable[[Any, int], list] = lambda s, batch: []
-    # IR -> extra constants its template prints (None: the template needs none).
-    template_facts: Callable[[Any], dict] | None = None
     plain_state_tolerance: float = 1.5e-2   # vs the plain reference (mkc.numerics)
     # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
-    # The generic module template imports the dims class from (module, name); the family's
-    # `lowering` module holds its compute bodies. A family not yet on the generic template
-    # names its own template (relative to its package) instead.
+    # The generated module imports the dims class from (module, name).
     dims_import: tuple[str, str] = ("", "")
-    template: str | None = None
-
-    def directory(self) -> Path:
-        """The package's folder (its templates live there)."""
-        return Path(importlib.import_module(self.package).__file__).parent
 
     def module(self, part: str) -> ModuleType:
-        """One of its modules by role: "ops", "weights", "reference"."""
+        """One of its modules by role: "ops", "weights", "lowering", "reference"."""
         return importlib.import_module(f"{self.package}.{part}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkc.runtime import collectives, experts, kv, pool, ring, vectors
@@ -59,6 +60,8 @@ class Kernel:
     parity: vectors.Parity
     vector_refs: vectors.VectorRefs
     experts: experts.ExpertSlots | None = None
+    view: pool.WeightView | None = None        # the weight view the layers prefetch into
+    kind_ids: Mapping[str, int] | None = None
 
     def layer(self, kind: str, index) -> "Layer":
         tables = self.refs.tables
@@ -67,6 +70,18 @@ class Kernel:
 
     def allreduce(self, partial: jax.Array, stages: tuple[collectives.Stage, ...]) -> jax.Array:
         return collectives.allreduce(self.refs, partial, stages, self.axis)
+
+    def allgather(self, shard: jax.Array, stage: collectives.Stage) -> jax.Array:
+        """The group's shards of `shard` concatenated in group order (a sibling exchange is
+        the group of the two cores of a chip)."""
+        r = self.refs
+        return collectives.allgather(shard, getattr(r, stage.buffer), getattr(r, stage.buffer + "__send"),
+                                     getattr(r, stage.buffer + "__recv"), r.collective_count, stage.counter,
+                                     self.axis, stage.size, stage.stride)
+
+    def start_view(self, layer) -> None:
+        """Copy loop layer `layer`'s pooled matrices into the weight view."""
+        pool.start_view(self.view, self.refs, self.kind_ids, layer)
 
 
 @dataclass(frozen=True)
@@ -117,9 +132,28 @@ class Layer:
         return pltpu.make_async_copy(vmem, hbm, sem)
 
     def matmul(self, name: str, h: jax.Array) -> jax.Array:
-        """h @ matrix family `name` of this layer -> f32 [B, padded columns]."""
-        offset, tiling = self.plan.streamed[name]
-        return ring.matmul(self.kernel.ring, self.kernel.ring_refs, h, self.first_tile + offset, tiling)
+        """h @ matrix family `name` of this layer -> f32 [B, columns]: from the ring (padded to
+        whole tiles) or, for a pooled matrix, from the weight view (exact columns)."""
+        if name in self.plan.streamed:
+            offset, tiling = self.plan.streamed[name]
+            return ring.matmul(self.kernel.ring, self.kernel.ring_refs, h, self.first_tile + offset, tiling)
+        row, rows, cols, _ = self.kernel.view.matrices[self.kind][name]
+        return pool.pooled_matmul(h, getattr(self.refs, self.kernel.view.pool), row, rows, cols)
+
+    def pooled(self, name: str) -> jax.Array:
+        """Pooled matrix `name` of this layer as a bf16 value (for bodies that read a weight
+        whole rather than multiply by it)."""
+        row, rows, cols, _ = self.kernel.view.matrices[self.kind][name]
+        return pool.pooled_bf16(getattr(self.refs, self.kernel.view.pool), row, rows, cols)
+
+    def wait_pooled(self, name: str) -> None:
+        pool.wait_matrix(self.kernel.view, self.refs, self.kind, name, self.si)
+
+    def prefetch_view(self, layers: int) -> None:
+        """Start the next loop layer's pooled matrices into the weight view."""
+        @pl.when(self.index + 1 < layers)
+        def _():
+            self.kernel.start_view(self.index + 1)
 
     def _caches(self) -> list:
         return [getattr(self.refs, n) for n in self.plan.caches]

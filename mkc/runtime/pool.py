@@ -22,6 +22,8 @@ one strided DMA per column panel; ``wait_pooled_copy`` waits for all of them at 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -134,3 +136,33 @@ def pooled_u8(pool_ref, row_offset: int | jax.Array, rows: int, cols: int, *, fi
         panels.append(pltpu.bitcast(packed, jnp.uint8)[:count])
     out = panels[0] if len(panels) == 1 else jnp.concatenate(panels, axis=1)
     return out if cols % LANES == 0 else out[:, :cols]
+
+
+# ---- a weight view: whole matrices of the next layer, prefetched by the layer before --------
+@dataclass(frozen=True)
+class WeightView:
+    """A pool view holding each layer kind's pooled matrices: kind -> name -> (first pool row,
+    rows, cols, semaphore index). HBM holds `pool__<kind>__<name>` as [layers of the kind,
+    pool form]; a copy signals `pool_sem[semaphore]`."""
+
+    pool: str
+    matrices: dict[str, dict[str, tuple[int, int, int, int]]]
+
+
+def _view_copy(view: WeightView, refs, kind: str, name: str, si):
+    row, rows, cols, sem = view.matrices[kind][name]
+    return getattr(refs, f"pool__{kind}__{name}").at[si], getattr(refs, view.pool), row, refs.pool_sem.at[sem]
+
+
+def start_view(view: WeightView, refs, kind_ids: dict[str, int], layer) -> None:
+    """Copy loop layer `layer`'s pooled matrices into the view (its kind is read at run time)."""
+    kind, si = refs.tables[0, layer], refs.tables[2, layer]
+    for name in view.matrices:
+        @pl.when(kind == kind_ids[name])
+        def _():
+            for matrix in view.matrices[name]:
+                start_pooled_copy(*_view_copy(view, refs, name, matrix, si))
+
+
+def wait_matrix(view: WeightView, refs, kind: str, name: str, si) -> None:
+    wait_pooled_copy(*_view_copy(view, refs, kind, name, si))

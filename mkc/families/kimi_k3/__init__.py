@@ -1,13 +1,14 @@
 """Kimi K3 (`kimi_k3`): Kimi Delta Attention and MLA layers, a dense first MLP, then latent MoE
-layers with MXFP4 routed experts and block attention residuals."""
+layers with MXFP4 routed experts and block attention residuals. Lowered by the generic module
+template with its compute bodies in `lowering.py`."""
 from mkc.families.kimi_k3.config import read_dims
 from mkc.families.kimi_k3.graph import SHARD_CLASSES, build
-from mkc.families.kimi_k3.lowering import template_facts
 from mkc.model.family import Family
 
 FAMILY = Family(
     name="kimi_k3", model_types=("kimi_k3",), read_dims=read_dims,
-    shard_classes=SHARD_CLASSES, build=build, package=__name__, template="module.py.j2",
+    shard_classes=SHARD_CLASSES, build=build, package=__name__,
+    dims_import=("mkc.families.kimi_k3.config", "KimiDims"),
     lowered_ops=frozenset({"input_mix", "mlp_mix", "attn_residual", "mlp_residual", "gate_down",
                            "gate_up", "projection", "conv", "delta_rule", "gated_norm", "o_proj",
                            "q_down", "kv_down", "latent_norms", "kv_write", "q_up", "absorb_query",
@@ -15,6 +16,5 @@ FAMILY = Family(
                            "latent_down", "shared_gate_up", "shared_down", "routed_experts",
                            "latent_norm", "latent_up", "down"}),
     compiler_scratch=((1, 1229783), (8, 1229783), (16, 1627914)),
-    template_facts=template_facts,
     plain_state_tolerance=3e-2,
 )

@@ -207,7 +207,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("gate_up", reads=("gate_low",), writes=("gate",), matmul="gate_up"),
         Op("projection", reads=("h",), writes=("proj",), matmul="projection"),
         Op("conv", reads=("proj", "conv_weight", "conv"), writes=("qkv", "conv")),
-        Op("delta_rule", reads=("qkv", "gate", "a_log", "dt_bias", "recurrent"),
+        Op("delta_rule", reads=("qkv", "gate", "proj", "a_log", "dt_bias", "recurrent"),
            writes=("core", "recurrent")),
         Op("gated_norm", reads=("core", "proj", "o_norm"), writes=("core",)),
         Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
@@ -233,8 +233,8 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("absorb_query", reads=("q", "key_up"), writes=("q_lat",)),
         Op("attention", reads=("q_lat", "latent"), writes=("lat_avg",)),
         Op("values_out", reads=("lat_avg", "value_up"), writes=("core",)),
-        Op("gate", reads=("h",), writes=("gate",), matmul="gate"),
-        Op("out_gate", reads=("core", "gate"), writes=("core",)),
+        Op("gate", reads=("h",), writes=("gate_logits",), matmul="gate"),
+        Op("out_gate", reads=("core", "gate_logits"), writes=("core",)),
         Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
         attn_residual,
     ), tensors={
@@ -256,7 +256,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
            writes=("routed_out",), partial=True, width=d.latent, runs_experts=True),
         Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
         Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
-        mlp_residual,
+        Op("mlp_residual", reads=("mlp_out", "shared_out", "blocks"), writes=("blocks",)),
     ), tensors={
         **fam["moe"], **_mix_vectors(H, "mlp"),
         "post_norm": _v("post_norm", H),

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import KimiGeometry, KimiSharding
+from mkc.families.kimi_k3.graph import KimiGeometry, KimiSharding, kimi_k3_geometry
 from mkc.families.kimi_k3.ops import expand_a_log, pack_mxfp4_for_kernel, split_kv_b_proj, split_q_b_proj
 
 MX_BLOCK = 32
@@ -169,3 +169,64 @@ def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, n
     names = {"final_norm": "model.norm.weight", "output_res_norm": "model.output_attn_res_norm.weight",
              "output_res_proj": "model.output_attn_res_proj.weight"}
     return _w(hf, names[name]).reshape(1, -1)
+
+
+# ---- the host layout API the generic module template calls ---------------------------------
+def _layout(d: KimiDims, per_rank: dict[str, int], ranks: int) -> tuple[KimiGeometry, KimiSharding]:
+    sh = KimiSharding(ranks=ranks, expert_tp=per_rank["expert_tp"], host_cores=per_rank["host_cores"],
+                      router_split=per_rank["router_split"])
+    return kimi_k3_geometry(d, sh), sh
+
+
+def matrix(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int, kind: str,
+           name: str, rank: int, ranks: int) -> np.ndarray:
+    """Matrix `name` of loop layer `layer` (a sublayer: model layer layer // 2), or of the tail."""
+    g, sh = _layout(d, per_rank, ranks)
+    if kind == "tail":
+        return global_tensor(hf, d, sh, name, rank)
+    return family_matrix(hf, d, g, sh, layer // 2, kind, name, rank)
+
+
+def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
+                 kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
+    g, sh = _layout(d, per_rank, ranks)
+    return vector(hf, d, g, sh, layer // 2, kind, name, rank)
+
+
+def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
+           local: int, rank: int, ranks: int) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank`'s group as the pool holds it: MXFP4 codes and scales."""
+    g, sh = _layout(d, per_rank, ranks)
+    group = rank // sh.expert_tp
+    return expert_arrays(hf, d, g, sh, layer // 2, group * g.local_experts + local, rank)
+
+
+def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, ranks: int) -> np.ndarray:
+    """The final norm, then the output mixture's norm and projection."""
+    sh = KimiSharding(ranks=ranks)
+    return np.concatenate([global_tensor(hf, d, sh, name, rank)
+                           for name in ("final_norm", "output_res_norm", "output_res_proj")])
+
+
+def embedding(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, ranks: int) -> np.ndarray:
+    return np.asarray(global_tensor(hf, d, KimiSharding(ranks=ranks), "embed", rank))
+
+
+def reference_states(state, d: KimiDims, per_rank: dict[str, int], ranks: int,
+                     kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """The decode state gathered over ranks into the reference's layouts: conv_state
+    [B, 3 * heads * head_dim, K-1] with channels [q | k | v], recurrent_state [B, heads, D, D]
+    and latent_cache [B, T, kv_lora + extra] (replicated: rank 0's)."""
+    width = per_rank["heads"] * d.head_dim
+    out = {}
+    conv = np.asarray(state["kda__conv"], np.float32)     # [ranks, layers, K-1, B, 3 * width]
+    rec = np.asarray(state["kda__recurrent"])            # [ranks, layers, B, heads, D, D]
+    for i, layer in enumerate(kind_layers["kda"]):
+        shards = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(ranks)]   # [B, 3 * width, K-1]
+        parts = [np.concatenate([c[:, j * width:(j + 1) * width] for c in shards], axis=1) for j in range(3)]
+        out[f"layers.{layer // 2}.conv_state"] = np.concatenate(parts, axis=1)
+        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
+    cache = np.asarray(state["mla__latent"], np.float32)
+    for i, layer in enumerate(kind_layers["mla"]):
+        out[f"layers.{layer // 2}.latent_cache"] = cache[0, i, :, :, :d.kv_lora + d.qk_extra]
+    return out

@@ -165,6 +165,10 @@ def out_gate(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
 
 
 # ---- around the layers ----------------------------------------------------------------------
+def prologue(k: Kernel) -> None:
+    """After the embedding: nothing beyond the residual stream x (which it filled)."""
+
+
 def final_hidden(k: Kernel, head_norm) -> jax.Array:
     """The final norm of the residual stream (head_norm row 0 holds its weight)."""
     return ops.rms_norm_zero_centred(k.refs.x[...], head_norm[0:1, :], k.dims.rms_norm_eps)

@@ -520,11 +520,18 @@ def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | Non
     return allreduce(partials, rounding.reduce("embed", "embed"))
 
 
+def _dense_mlp(mlp: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
+               rounding: Rounding | None, kind: str) -> jax.Array:
+    return mlp_block(mlp, x, rounding, KIND_NAMES[kind])
+
+
 def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
-                  tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None,
+                  mlp: Any = _dense_mlp) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
-    norm, new cache). ``decode_step`` adds the final norm and the LM head."""
+    norm, new cache). ``decode_step`` adds the final norm and the LM head. ``mlp(params under
+    mlp., cfg, normed x, rounding, layer type)`` is each layer's MLP (a family with another MLP,
+    such as Qwen3.5 MoE, passes its own)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     x = embed(params, tokens, rounding)
@@ -544,9 +551,8 @@ def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[s
                 full_attention_block(sub, cfg, h, cache[f"layers.{i}.key_cache"],
                                      cache[f"layers.{i}.value_cache"], positions, rounding))
         x = x + out
-        mlp = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
-        x = x + mlp_block(mlp, rms_norm(x, lp["post_attention_layernorm.weight"], eps), rounding,
-                          KIND_NAMES[kind])
+        sub = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
+        x = x + mlp(sub, cfg, rms_norm(x, lp["post_attention_layernorm.weight"], eps), rounding, kind)
     return x, new_cache
 
 

@@ -141,3 +141,24 @@ def reference_states(state, d: ModelDims, per_rank: dict[str, int], ranks: int,
                 heads = [cache[r, i] for r in holder]
             out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1)
     return out
+
+
+# ---- the host layout API the generic module template calls ---------------------------------
+def matrix(hf: Mapping[str, np.ndarray], d: ModelDims, per_rank: dict[str, int], layer: int, kind: str,
+           name: str, rank: int, ranks: int) -> np.ndarray:
+    """Matrix `name` of loop layer `layer` (kind `kind`; -1 and "tail" after the last layer)."""
+    return family_matrix(hf, d, layer, name, rank, ranks)
+
+
+def layer_vector(hf: Mapping[str, np.ndarray], d: ModelDims, per_rank: dict[str, int], layer: int,
+                 kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
+    return vector(hf, d, layer, name, rank, ranks)
+
+
+def head_vectors(hf: Mapping[str, np.ndarray], d: ModelDims, rank: int, ranks: int) -> np.ndarray:
+    """The rows of the `head_norm` block the final compute body reads: the final norm."""
+    return global_tensor(hf, d, "final_norm", rank, ranks)
+
+
+def embedding(hf: Mapping[str, np.ndarray], d: ModelDims, rank: int, ranks: int) -> np.ndarray:
+    return np.asarray(global_tensor(hf, d, "embed", rank, ranks))

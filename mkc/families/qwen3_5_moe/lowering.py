@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from mkc.families.qwen3_5 import ops as qwen_ops
 from mkc.families.qwen3_5.lowering import (attention, attn_residual, conv, delta_rule,  # noqa: F401
                                            final_hidden, gated_norm, host_inputs, in_proj, input_norm,
-                                           kv_write, o_proj, out_gate, out_proj, post_norm, qk_norm_rope,
-                                           qkv_gate)
+                                           kv_write, o_proj, out_gate, out_proj, post_norm, prologue,
+                                           qk_norm_rope, qkv_gate)
 from mkc.families.qwen3_5_moe import ops
 from mkc.runtime.context import Layer
 

@@ -53,7 +53,6 @@ declares.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -68,8 +67,8 @@ import numpy as np
 
 from mkc.families.qwen3_5 import reference as qwen
 from mkc.families.qwen3_5.reference import (FULL, LINEAR, Qwen35Config, embed,
-                                            full_attention_block, init_cache, linear,
-                                            linear_attention_block, mlp_block, rms_norm)
+                                            init_cache, linear,
+                                            mlp_block, rms_norm)
 from mkc.families.qwen3_5_moe.config import MODEL_TYPES, check_moe_keys
 from mkc.reference.rounding import Rounding, allreduce, one_row_as_two
 
@@ -304,37 +303,12 @@ def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding 
 # Whole model
 
 
-def _under(params: Mapping[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
-    """The entries under ``prefix``, renamed relative to it."""
-    return {n[len(prefix):]: w for n, w in params.items() if n.startswith(prefix)}
-
-
 def decode_hidden(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[str, jax.Array],
                   tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
-    norm, new cache). ``decode_step`` adds the final norm and the LM head."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    positions = jnp.asarray(positions, jnp.int32)
-    x = embed(params, tokens, rounding)
-    new_cache = dict(cache)
-    eps = cfg.rms_norm_eps
-    for i, kind in enumerate(cfg.layer_kinds):
-        lp = qwen._sub_params(params, f"model.layers.{i}.")
-        under = functools.partial(_under, lp)
-        h = rms_norm(x, lp["input_layernorm.weight"], eps)
-        if kind == LINEAR:
-            out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
-                linear_attention_block(under("linear_attn."), cfg, h, cache[f"layers.{i}.conv_state"],
-                                       cache[f"layers.{i}.recurrent_state"], rounding))
-        else:
-            out, new_cache[f"layers.{i}.key_cache"], new_cache[f"layers.{i}.value_cache"] = (
-                full_attention_block(under("self_attn."), cfg, h, cache[f"layers.{i}.key_cache"],
-                                     cache[f"layers.{i}.value_cache"], positions, rounding))
-        x = x + out
-        x = x + moe_block(under("mlp."), cfg, rms_norm(x, lp["post_attention_layernorm.weight"], eps),
-                          rounding, MOE_KIND)
-    return x, new_cache
+    """Qwen3.5's decoder layers with the MoE block as each layer's MLP."""
+    return qwen.decode_hidden(params, cfg, cache, tokens, positions, rounding,
+                              mlp=lambda p, cfg, x, rounding, kind: moe_block(p, cfg, x, rounding, MOE_KIND))
 
 
 def decode_step(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[str, jax.Array],

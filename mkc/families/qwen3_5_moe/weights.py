@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from mkc.families.qwen3_5 import weights as qwen
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
 
 global_tensor = qwen.global_tensor
+head_vectors, embedding = qwen.head_vectors, qwen.embedding
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -56,6 +58,23 @@ def expert_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, lo
     if name == "down":
         return np.asarray(hf[p + "down_proj"][e]).astype(np.float32).T      # [I, H]
     raise KeyError(f"no HF source for expert matrix {name!r}")
+
+
+def matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
+           kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
+    return family_matrix(hf, d, layer, name, rank, ranks)
+
+
+def layer_vector(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
+                 kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
+    return vector(hf, d, layer, name, rank, ranks)
+
+
+def expert(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
+           local: int, rank: int, ranks: int) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank` as the pool holds it: bf16 [in, out] matrices by name."""
+    return {name: expert_matrix(hf, d, layer, local, name, rank, ranks).astype(ml_dtypes.bfloat16)
+            for name in ("gate_up", "down")}
 
 
 def reference_states(state, d: Qwen35MoeDims, per_rank: dict[str, int], ranks: int,

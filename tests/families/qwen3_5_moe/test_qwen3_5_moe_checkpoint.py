@@ -1,8 +1,5 @@
-"""HF checkpoint round trips of the Qwen3.5 MoE MINI model through mkc.checkpoint.
-
-The family declares no FAMILY yet (its lowering half is not written), so the checkpoint reader
-cannot find it by model_type; until it can, these tests register a stand-in Family carrying
-only what the reader uses: the reference module and the checkpoint prefixes."""
+"""HF checkpoint round trips of the Qwen3.5 MoE MINI model through mkc.checkpoint (which finds
+the family by the config's model_type)."""
 from __future__ import annotations
 
 import json
@@ -12,34 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkc import families
 from mkc.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from mkc.families.qwen3_5_moe import config as moe_config
 from mkc.families.qwen3_5_moe import reference as ref
 from mkc.model.config import CONFIG_DIR
-from mkc.model.family import Family
 
 MINI = json.loads((CONFIG_DIR / "qwen3_5_moe_mini.json").read_text())
-
-
-def _no_graph(dims, rules, ranks):
-    raise NotImplementedError("qwen3_5_moe_text has no graph yet")
-
-
-STAND_IN = Family(
-    name=moe_config.FAMILY_NAME, model_types=moe_config.MODEL_TYPES, read_dims=moe_config.read_dims,
-    shard_classes=(), build=_no_graph, package="mkc.families.qwen3_5_moe", template="",
-    lowered_ops=frozenset(), compiler_scratch=(),
-    renamed_prefixes=moe_config.RENAMED_PREFIXES, skipped_prefixes=moe_config.SKIPPED_PREFIXES)
-
-
-@pytest.fixture(autouse=True)
-def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    if families.for_model_type(moe_config.MODEL_TYPES[0]) is not None:
-        return   # the real family exists: test through it
-    real = families.for_model_type
-    monkeypatch.setattr(families, "for_model_type",
-                        lambda t: STAND_IN if t in moe_config.MODEL_TYPES else real(t))
 
 
 @pytest.fixture(scope="module")
