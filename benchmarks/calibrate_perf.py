@@ -27,32 +27,38 @@ sys.path.insert(0, str(ROOT))
 
 from mkc.compiler import check_spec  # noqa: E402
 from mkc.perf import constants  # noqa: E402
-from mkc.perf.run import perf_trace, step_model  # noqa: E402
+from mkc.perf.run import step_model  # noqa: E402
 
 POINTS = constants.DATA / "calibration_points.json"
 
 
-def modelled(ir, traces, rates, points) -> list[float]:
-    return [step_model(ir, p["batch"], traces[p["batch"]][1], rates, traces[p["batch"]][0],
-                       keep_timeline=False).step_s for p in points]
+def modelled(ir, tokens, rates, points, traces) -> list[float]:
+    """The modelled step at each point: the expectation over routing (`step_model`), traces
+    cached across calls."""
+    return [step_model(ir, p["batch"], tokens, rates, keep_timeline=False, traces=traces).step_s
+            for p in points]
 
 
-def fit(cfg: dict, verbose: bool = True) -> tuple[dict, list[float]]:
-    c = check_spec(ROOT / cfg["spec"], cfg.get("model"))
-    tokens = cfg.get("tokens_in_cache") or c.ir.context
-    points = cfg["points"]
-    traces = {p["batch"]: (perf_trace(c.ir, p["batch"], tokens), tokens) for p in points}
-    names = cfg["fit"]
+def fit(cfg: dict, verbose: bool = True, names: list[str] | None = None,
+        points: list[dict] | None = None, fixed: dict | None = None, ir=None,
+        traces: dict | None = None) -> tuple[dict, list[float]]:
+    """Fit `names` (default: the config's) to `points` (default: all), other constants at
+    their recorded values overridden by `fixed`; returns the values and the modelled steps."""
+    c_ir = ir or check_spec(ROOT / cfg["spec"], cfg.get("model")).ir
+    tokens = cfg.get("tokens_in_cache") or c_ir.context
+    points = points or cfg["points"]
+    traces = {} if traces is None else traces
+    names = names or cfg["fit"]
     lo = [cfg["bounds"][n][0] for n in names]
     hi = [cfg["bounds"][n][1] for n in names]
-    base = constants.rates(cfg["chip"])
+    base = constants.rates(cfg["chip"], fixed)
     # Work in a transformed variable so a bound of 0 stays reachable: u = log(x + eps).
     eps = [max(1e-12, 1e-3 * (h - lo_)) for lo_, h in zip(lo, hi)]
     x = [cfg["start"][n] for n in names]
 
     def residuals(vals: list[float]) -> list[float]:
         r = base.replace(**dict(zip(names, vals)))
-        got = modelled(c.ir, traces, r, points)
+        got = modelled(c_ir, tokens, r, points, traces)
         return [math.log(g / p["step_s"]) for g, p in zip(got, points)]
 
     def clamp(vals):
@@ -84,8 +90,30 @@ def fit(cfg: dict, verbose: bool = True) -> tuple[dict, list[float]]:
                 break
         else:
             break
-    got = modelled(c.ir, traces, base.replace(**dict(zip(names, x))), points)
+    got = modelled(c_ir, tokens, base.replace(**dict(zip(names, x))), points, traces)
     return dict(zip(names, x)), got
+
+
+def holdout(cfg: dict, fixed: dict | None = None, ir=None, traces=None,
+            verbose: bool = False) -> dict:
+    """Fit the hold-out's constants on its `on` batches (the others at their assumed values,
+    `holdout.fixed`), predict the `predict` batches: a test of prediction, unlike the exact
+    fit."""
+    h = cfg["holdout"]
+    fixed = (fixed or {}) | h.get("fixed", {})
+    on = [p for p in cfg["points"] if p["batch"] in h["on"]]
+    out = [p for p in cfg["points"] if p["batch"] in h["predict"]]
+    values, _ = fit(cfg, verbose, names=h["fit"], points=on, fixed=fixed, ir=ir, traces=traces)
+    c_ir = ir or check_spec(ROOT / cfg["spec"], cfg.get("model")).ir
+    tokens = cfg.get("tokens_in_cache") or c_ir.context
+    r = constants.rates(cfg["chip"], fixed).replace(**values)
+    got = modelled(c_ir, tokens, r, on + out, traces if traces is not None else {})
+    return {"fit": h["fit"], "fixed": h.get("fixed", {}), "on": h["on"],
+            "values": {n: float(f"{v:.6g}") for n, v in values.items()},
+            "points": [{"batch": p["batch"], "role": "fitted" if p in on else "predicted",
+                        "published_step_s": p["step_s"], "modelled_step_s": float(f"{g:.6g}"),
+                        "error_percent": round(100 * (g / p["step_s"] - 1), 3)}
+                       for p, g in zip(on + out, got)]}
 
 
 def _solve(jac_cols: list[list[float]], res: list[float]) -> list[float]:
@@ -105,22 +133,56 @@ def _solve(jac_cols: list[list[float]], res: list[float]) -> list[float]:
     return [b[i] / a[i][i] if a[i][i] else 0.0 for i in range(n)]
 
 
+def _row(p: dict, g: float) -> dict:
+    return {"batch": p["batch"], "published_step_s": p["step_s"],
+            "published_tokens_per_s": p["tokens_per_s"], "modelled_step_s": g,
+            "error_percent": 100 * (g / p["step_s"] - 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=str(POINTS), help="calibration inputs (JSON)")
     ap.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     args = ap.parse_args()
     cfg = json.loads(Path(args.points).read_text())
-    print(f"fitting {', '.join(cfg['fit'])} to {len(cfg['points'])} points of {cfg['reference']}")
-    values, got = fit(cfg)
-    points = [{"batch": p["batch"], "published_step_s": p["step_s"],
-               "published_tokens_per_s": p["tokens_per_s"], "modelled_step_s": g,
-               "error_percent": 100 * (g / p["step_s"] - 1)} for p, g in zip(cfg["points"], got)]
+    c_ir = check_spec(ROOT / cfg["spec"], cfg.get("model")).ir
+    traces: dict = {}                 # the traces do not depend on the constants
+    queues = constants.rates(cfg["chip"]).dma_queues
+    sweep = []
+    for q in cfg.get("dma_queues_sweep", []):
+        fixed = {"dma_queues": q}
+        print(f"dma_queues = {q}: fit {', '.join(cfg['fit'])} to every point, then the "
+              f"hold-out (fit {', '.join(cfg['holdout']['fit'])} on B"
+              f"{', B'.join(map(str, cfg['holdout']['on']))})")
+        values, got = fit(cfg, False, fixed=fixed, ir=c_ir, traces=traces)
+        ho = holdout(cfg, fixed, ir=c_ir, traces=traces)
+        row = {"dma_queues": q,
+               "fit": {n: float(f"{v:.6g}") for n, v in values.items()},
+               "fit_error_percent": [round(100 * (g / p["step_s"] - 1), 3)
+                                     for p, g in zip(cfg["points"], got)],
+               "holdout": ho}
+        sweep.append(row)
+        print("  fit " + ", ".join(f"{n}={v:.4g}" for n, v in values.items()) + "; errors "
+              + ", ".join(f"B{p['batch']} {e:+.2f}%" for p, e in
+                          zip(cfg["points"], row["fit_error_percent"])))
+        print("  hold-out " + ", ".join(f"{n}={v:.4g}" for n, v in ho["values"].items())
+              + "; " + ", ".join(f"B{p['batch']} ({p['role']}) {p['error_percent']:+.2f}%"
+                                 for p in ho["points"]))
+    print(f"fitting {', '.join(cfg['fit'])} to {len(cfg['points'])} points of {cfg['reference']} "
+          f"(dma_queues = {queues:g}, the data file's)")
+    values, got = fit(cfg, ir=c_ir, traces=traces)
+    ho = holdout(cfg, ir=c_ir, traces=traces)
+    points = [_row(p, g) for p, g in zip(cfg["points"], got)]
     for p in points:
         print(f"  batch {p['batch']}: published {p['published_step_s'] * 1e3:.3f} ms, modelled "
               f"{p['modelled_step_s'] * 1e3:.3f} ms ({p['error_percent']:+.2f}%)")
     for n, v in values.items():
         print(f"  {n} = {v:.6g}")
+    for p in ho["points"]:
+        print(f"  hold-out ({', '.join(ho['fit'])} fitted on B{', B'.join(map(str, ho['on']))}, "
+              f"{', '.join(f'{k} = {v:g}' for k, v in ho['fixed'].items())}): batch {p['batch']} "
+              f"{p['role']}: modelled {p['modelled_step_s'] * 1e3:.3f} ms "
+              f"({p['error_percent']:+.2f}%)")
     if args.dry_run:
         return 0
     path = constants.data_path(cfg["chip"])
@@ -133,11 +195,17 @@ def main() -> int:
     data["calibration"] = {
         "reference": cfg["reference"], "spec": cfg["spec"],
         "tokens_in_cache": cfg.get("tokens_in_cache"), "fitted": list(values),
+        "dma_queues": queues,
+        "routing": "expected over uniform routing: the slowest expert group of the reduce peers "
+                   "(mkc/perf/routing.py), steps at the two whole expert counts around it "
+                   "weighted",
         "method": "Newton on log step time, finite differences; as many points as constants "
                   "makes the fit exact, so these errors show the fit converged, not that the "
-                  "model predicts",
+                  "model predicts (the hold-out does)",
         "points": [p | {"modelled_step_s": float(f"{p['modelled_step_s']:.6g}"),
                         "error_percent": round(p["error_percent"], 3)} for p in points],
+        "holdout": ho,
+        "dma_queues_sweep": sweep,
         "command": ".venv/bin/python benchmarks/calibrate_perf.py"}
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")

@@ -1,7 +1,9 @@
 """Benchmark of the step-time model (`mkc perf`): how long simulating one full decode step
 takes, per shipped spec and batch, split into building the model's trace and replaying it.
-Prints medians over several runs, the modelled step times, and the command that reproduces
-each number. The step times are modelled, not measured.
+A MoE step is the expectation over routing: the steps at the two whole expert counts around
+the slowest group's expected count, each traced and replayed (both counted). Prints medians
+over several runs, the modelled step times, and the command that reproduces each number. The
+step times are modelled, not measured.
 
     .venv/bin/python benchmarks/perf_sim.py [--repeats N] [--timeline] [--json]
 """
@@ -19,7 +21,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SPECS = {"Kimi K3": "schedules/kimi_k3.sched", "Qwen 3.8 27B": "schedules/qwen3_8_27b.sched"}
+SPECS = {"Kimi K3": "schedules/kimi_k3.sched", "Qwen 3.8 27B": "schedules/qwen3_8_27b.sched",
+         "Qwen3.5 35B-A3B": "schedules/qwen3_5_35b_a3b.sched",
+         "Qwen3.5 397B-A17B": "schedules/qwen3_5_397b_a17b.sched"}
 
 
 def main() -> int:
@@ -31,26 +35,40 @@ def main() -> int:
                          "`mkc perf` does not")
     args = ap.parse_args()
     from mkc.compiler import check_spec
-    from mkc.perf.run import perf_trace, step_model
+    from mkc.perf import constants
+    from mkc.perf.run import expected_experts, expert_mix, perf_trace, step_model
+    from mkc.perf.sim import blend
 
     rows = []
     for name, spec in SPECS.items():
         c = check_spec(ROOT / spec)
+        rates = constants.rates(c.ir.chip)
         for batch in sorted({c.ir.batch_min, c.ir.batch_max}):
+            mix = expert_mix(c.ir, batch)
             trace_s, sim_s, steps, n = [], [], [], 0
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                events = perf_trace(c.ir, batch, c.ir.context)
-                t1 = time.perf_counter()
-                res = step_model(c.ir, batch, c.ir.context, events=events,
-                                 keep_timeline=args.timeline)
-                t2 = time.perf_counter()
-                trace_s.append(t1 - t0)
-                sim_s.append(t2 - t1)
-                steps.append(res.step_s)
-                n = len(events)
+                tt = ts = 0.0
+                parts = []
+                for experts, w in mix:
+                    t0 = time.perf_counter()
+                    events = perf_trace(c.ir, batch, c.ir.context, experts=experts or None)
+                    t1 = time.perf_counter()
+                    res = step_model(c.ir, batch, c.ir.context, rates, events=events,
+                                     keep_timeline=args.timeline)
+                    t2 = time.perf_counter()
+                    tt, ts = tt + t1 - t0, ts + t2 - t1
+                    parts.append((experts, w, res))
+                    n = max(n, len(events))
+                trace_s.append(tt)
+                sim_s.append(ts)
+                steps.append(parts[0][2].step_s if len(parts) == 1
+                             else blend(parts, expected_experts(c.ir, batch), False).step_s)
             total = [a + b for a, b in zip(trace_s, sim_s)]
             rows.append({"model": name, "spec": spec, "batch": batch, "events": n,
+                         "simulated_steps": [{"experts": e, "weight": round(w, 4)}
+                                             for e, w in mix if e],
+                         "expected_experts": expected_experts(c.ir, batch),
+                         "dma_queues": int(rates.dma_queues),
                          "trace_s": statistics.median(trace_s),
                          "replay_s": statistics.median(sim_s),
                          "total_s": statistics.median(total),
@@ -64,10 +82,14 @@ def main() -> int:
     print(f"step-time model: time to simulate one full decode step as `mkc perf` does (median "
           f"of {args.repeats}{', timeline recorded' if args.timeline else ''}; the machine is "
           "shared, so expect noise)")
-    print(f"  {'model':<14}{'batch':>6}{'events':>9}{'trace':>10}{'replay':>10}{'total':>10}"
-          f"{'modelled step':>16}")
+    print(f"  ({rows[0]['dma_queues'] if rows else 1} DMA queue(s) per core; a MoE step weighs "
+          "the steps at two whole expert counts, both traced and replayed)")
+    print(f"  {'model':<18}{'batch':>6}{'experts':>9}{'steps':>6}{'events':>9}{'trace':>10}"
+          f"{'replay':>10}{'total':>10}{'modelled step':>16}")
     for r in rows:
-        print(f"  {r['model']:<14}{r['batch']:>6}{r['events']:>9}{r['trace_s'] * 1e3:>8.0f}ms"
+        ex = f"{r['expected_experts']:.2f}" if r["expected_experts"] else "-"
+        print(f"  {r['model']:<18}{r['batch']:>6}{ex:>9}{max(1, len(r['simulated_steps'])):>6}"
+              f"{r['events']:>9}{r['trace_s'] * 1e3:>8.0f}ms"
               f"{r['replay_s'] * 1e3:>8.0f}ms{r['total_s'] * 1e3:>8.0f}ms"
               f"{r['modelled_step_s'] * 1e3:>13.3f}ms")
     print(f"reproduce: .venv/bin/python benchmarks/perf_sim.py --repeats {args.repeats}"

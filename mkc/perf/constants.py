@@ -30,6 +30,7 @@ class Rates:
     hbm_efficiency: float        # fraction of the HBM peak DMAs achieve when streaming
     dma_issue_s: float           # per copy: from start until its bytes flow (overlaps others)
     dma_overhead_bytes: float    # per copy: bandwidth it costs beyond its bytes (small copies)
+    dma_queues: float            # in-order HBM<->VMEM DMA queues per core sharing its bandwidth
     mxu_feed_scale: float        # weight-load rate of the MXUs relative to peak / (2 * column)
     op_overhead_s: float         # per op: fixed cost of a compute body
     vpu_ops_per_s: float         # elementwise f32 operations per second

@@ -138,7 +138,11 @@ def _phase_lines(s: ir.ScheduleIR) -> dict[str, int]:
 
 
 def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict:
-    """The trace-event document of one modelled step (see the module docstring)."""
+    """The trace-event document of one modelled step (see the module docstring). An expectation
+    over routing (`step_model`'s blend of two whole expert counts) is drawn as the simulated
+    step it holds for pictures (`Result.concrete()`); otherData gives both."""
+    expected = res
+    res = res.concrete()
     spec = s.source
     phase = _phase_lines(s)
     ev: list[dict] = []
@@ -156,10 +160,14 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
     meta(T_COMPUTE, "compute (ops)", 1)
     meta(T_STALL, "stalls (waits that blocked compute)", 2)
     meta(T_COLLECTIVE, "collectives (ICI)", 3)
-    dma_classes = sorted({dma_class(s, iv.name) for iv in res.timeline if iv.track == "dma"})
-    dma_tid = {c: T_DMA0 + i for i, c in enumerate(dma_classes)}
-    for c, tid in dma_tid.items():
-        meta(tid, f"DMA queue: {c}", 10 + tid)
+    # One track per DMA queue and class: a queue moves its copies in order, so the slices of a
+    # track never overlap (copies on different queues do, sharing the bandwidth).
+    dma_keys = sorted({(iv.queue, dma_class(s, iv.name)) for iv in res.timeline
+                       if iv.track == "dma"})
+    queues = len({q for q, _ in dma_keys})
+    dma_tid = {key: T_DMA0 + i for i, key in enumerate(dma_keys)}
+    for (q, c), tid in dma_tid.items():
+        meta(tid, f"DMA queue {q}: {c}" if queues > 1 else f"DMA queue: {c}", 10 + tid)
 
     def where(line: int) -> str:
         return f"{spec}:{line}" if line else ""
@@ -168,8 +176,8 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
     for iv in res.timeline:
         if iv.track == "dma":
             args = {"bytes": iv.nbytes, "issued_us": _us(iv.issued), "at": iv.kind,
-                    "spec": where(iv.line)}
-            ev.append({"ph": "X", "pid": PID, "tid": dma_tid[dma_class(s, iv.name)],
+                    "spec": where(iv.line), "queue": iv.queue}
+            ev.append({"ph": "X", "pid": PID, "tid": dma_tid[(iv.queue, dma_class(s, iv.name))],
                        "name": iv.name, "cat": "dma", "ts": _us(iv.start),
                        "dur": _dur(iv.start, iv.end), "args": args})
             continue
@@ -200,6 +208,9 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
                       "schedule": s.name, "spec": spec, "model": s.model,
                       "topology": s.topology, "batch": batch, "tokens_in_cache": tokens,
                       "step_us": _us(res.step_s), "vmem_budget_bytes": vs.budget,
+                      "routed_experts_per_layer": res.experts,
+                      "expected_step_us": _us(expected.step_s),
+                      "expected_routed_experts_per_layer": expected.experts,
                       "vmem_usable_bytes": vs.limit},
     }
 

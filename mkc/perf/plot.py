@@ -119,7 +119,10 @@ def _gantt_rows(s: ir.ScheduleIR, res: Result) -> tuple[list, dict[str, str]]:
 def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: int,
          peak_bytes_per_s: float, floor_s: float | None = None) -> None:
     """Write the PNG: the whole step on the left, a steady-state stretch of a few layers
-    (every recurring layer kind) on the right, on the same three panels."""
+    (every recurring layer kind) on the right, on the same three panels. An expectation over
+    routing is drawn as the simulated step it holds for pictures (`Result.concrete()`)."""
+    expected = res
+    res = res.concrete()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -179,8 +182,11 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
     axes[1][0].set_yticklabels([r[0] for r in reversed(rows)], fontsize=8)
     axes[1][1].set_yticks(range(len(rows)))
     axes[1][1].tick_params(labelleft=False)
+    queues = 1 + max((iv.queue for iv in res.timeline if iv.track == "dma"), default=0)
     axes[1][0].set_title("Gantt: layers, compute stalls, collectives; one row per DMA "
-                         "destination (bar: bytes flowing; the queue drains in issue order)",
+                         "destination (bar: bytes flowing; "
+                         + ("the queue drains in issue order)" if queues == 1 else
+                            f"{queues} queues, each in issue order, share the bandwidth)"),
                          fontsize=10, loc="left")
     axes[1][1].legend(handles=[Patch(color=c, label=f"layer kind {k}")
                                for k, c in kind_colour.items()],
@@ -220,10 +226,17 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
             ax.set_axisbelow(True)
         row[1].sharey(row[0])
 
+    experts = ""
+    if expected is not res:
+        experts = (f"\na step whose slowest expert group runs {res.experts} routed experts per "
+                   f"MoE layer; the expected step over routing ({expected.experts:.2f} experts): "
+                   f"{expected.step_s * ms:.3f} ms")
+    elif res.experts:
+        experts = f"\nthe slowest expert group runs {res.experts} routed experts per MoE layer"
     fig.suptitle(f"{s.source} ({s.model}, {s.topology}): batch {batch}, {tokens} cached tokens, "
                  f"rank 0 -- modelled step {step_ms:.3f} ms, {batch / res.step_s:.0f} tok/s "
-                 "(modelled, not measured)", fontsize=13)
-    fig.subplots_adjust(left=0.13, right=0.86, top=0.93, bottom=0.06)
+                 f"(modelled, not measured){experts}", fontsize=13)
+    fig.subplots_adjust(left=0.13, right=0.86, top=0.90 if experts else 0.93, bottom=0.06)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, metadata={"Software": None})

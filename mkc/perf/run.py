@@ -1,36 +1,83 @@
 """Run the step-time model on a checked schedule and report it (text and JSON)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mkc import cost, ir, target
-from mkc.perf import constants
-from mkc.perf.sim import CAUSES, Model, Result, simulate
+from mkc.perf import constants, routing
+from mkc.perf.sim import CAUSES, Model, Result, blend, simulate
 from mkc.trace import TraceOptions, build_trace
 
 
+def expected_experts(s: ir.ScheduleIR, batch: int) -> float | None:
+    """Routed experts the slowest rank runs per MoE layer, expected under uniform routing: the
+    maximum over the expert groups of the ranks that all-reduce the experts' output together
+    (the step waits for the slowest; `mkc.perf.routing`). None without routed experts."""
+    return routing.slowest_group_experts(s, batch)
+
+
 def experts_per_layer(s: ir.ScheduleIR, batch: int) -> int | None:
-    """Routed experts a rank runs per MoE layer under uniform routing (as the HBM floor
-    assumes), rounded; None for a model without routed experts."""
-    if not s.experts:
-        return None
-    return max(1, round(cost.expected_local_experts(s, batch)))
+    """The expected slowest-group experts per MoE layer rounded (at least 1): what one
+    simulated step runs when a caller asks for a single one (pictures, `perf_trace`)."""
+    x = expected_experts(s, batch)
+    return None if x is None else max(1, round(x))
 
 
-def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int) -> list:
+def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int, experts: int | None = None) -> list:
     """The checked trace, unrolled for the model: the same builder and program order, with op
-    and collective events, copies sized at `batch`, the whole KV stream over `tokens` and the
-    expected routed experts (the checks use the worst case), and every ring tile (the checks
-    read each run cut to warm-up, a period and tail)."""
-    return build_trace(s, TraceOptions(batch=batch, experts=experts_per_layer(s, batch),
-                                       kv_tokens=tokens, compute=True, whole_ring=True))
+    and collective events, copies sized at `batch`, the whole KV stream over `tokens` and
+    `experts` routed experts per MoE layer (default: the expected slowest group's, rounded;
+    the checks use the worst case), and every ring tile (the checks read each run cut to
+    warm-up, a period and tail)."""
+    if experts is None:
+        experts = experts_per_layer(s, batch)
+    return build_trace(s, TraceOptions(batch=batch, experts=experts, kv_tokens=tokens,
+                                       compute=True, whole_ring=True))
+
+
+def expert_mix(s: ir.ScheduleIR, batch: int) -> list[tuple[int, float]]:
+    """The simulated steps whose weighted sum is the expected step: [(experts per layer,
+    weight)]. A fractional expected count x lies between two whole ones, weighted so their mean
+    is x (linear interpolation; exact where the step grows linearly with the experts a layer
+    runs). [(0, 1.0)] without routed experts."""
+    x = expected_experts(s, batch)
+    if x is None:
+        return [(0, 1.0)]
+    local = s.per_rank["local_experts"]
+    x = min(max(x, 1.0), float(local))
+    lo = math.floor(x)
+    w = x - lo
+    if w < 1e-9:
+        return [(lo, 1.0)]
+    return [(lo, 1.0 - w), (lo + 1, w)]
 
 
 def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates | None = None,
-               events: list | None = None, keep_timeline: bool = True) -> Result:
+               events: list | None = None, keep_timeline: bool = True,
+               traces: dict | None = None) -> Result:
+    """The modelled step at `batch` with `tokens` cached. With `events`, that trace simulated
+    once. Otherwise the expectation over routing: the steps of `expert_mix` simulated and
+    weighed (`sim.blend`; a picture shows the nearer one, `Result.concrete()`). `traces`, if
+    given, caches the traces built, by (batch, tokens, experts per layer)."""
     rates = rates or constants.rates(s.chip)
-    events = events if events is not None else perf_trace(s, batch, tokens)
-    return simulate(Model(s, batch, tokens, rates), events, keep_timeline=keep_timeline)
+    if events is not None:
+        return simulate(Model(s, batch, tokens, rates), events, keep_timeline=keep_timeline)
+    mix = expert_mix(s, batch)
+    parts = []
+    for n, w in mix:
+        key = (batch, tokens, n)
+        ev = traces.get(key) if traces is not None else None
+        if ev is None:
+            ev = perf_trace(s, batch, tokens, experts=n or None)
+            if traces is not None:
+                traces[key] = ev
+        res = simulate(Model(s, batch, tokens, rates), ev, keep_timeline=keep_timeline)
+        res.experts = n if n else None
+        parts.append((n, w, res))
+    if len(parts) == 1:
+        return parts[0][2]
+    return blend(parts, expected_experts(s, batch), keep_timeline)
 
 
 def calibration_note(chip: str) -> str:
@@ -58,7 +105,12 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None
         "calibration": calibration_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
-        "routed_experts_per_layer": experts_per_layer(s, batch),
+        "routed_experts_per_layer": res.experts,
+        "routed_experts_per_layer_mean": (cost.expected_local_experts(s, batch)
+                                          if s.experts else None),
+        "routed_experts_simulated": [{"experts": n, "weight": w} for n, w in res.parts]
+                                    or ([{"experts": res.experts, "weight": 1.0}]
+                                        if res.experts else []),
         "step_seconds": res.step_s,
         "tokens_per_s": batch / res.step_s,
         "hbm_floor_seconds": floor,
@@ -82,7 +134,9 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     lines = [
         f"{rep['schedule']} ({rep['model']}) on {rep['topology']}, batch {rep['batch']}, "
         f"{rep['tokens_in_cache']} cached tokens"
-        + (f", {rep['routed_experts_per_layer']} routed experts per MoE layer per core"
+        + (f", {rep['routed_experts_per_layer']:.2f} routed experts per MoE layer on the slowest "
+           f"core (expected under uniform routing; mean core "
+           f"{rep['routed_experts_per_layer_mean']:.2f})"
            if rep["routed_experts_per_layer"] else ""),
         f"modelled step: {step * 1e3:.3f} ms, {rep['tokens_per_s']:.0f} tok/s (modelled), "
         f"{rep['percent_of_hbm_floor']:.1f}% of the HBM floor ({rep['hbm_floor_seconds'] * 1e3:.3f} ms); "

@@ -1,9 +1,11 @@
 """The step-time simulator: one TensorCore's decode step, replayed over the event trace.
 
-Compute runs in program order on one timeline. Copies HBM<->VMEM go to a DMA engine whose
-copies in flight share the core's HBM bandwidth in issue order; each copy first waits its
-issue cost (overlapping the copies ahead of it), then moves its bytes plus a fixed per-copy
-overhead (so small copies are less efficient). A wait stalls compute until its copy lands.
+Compute runs in program order on one timeline. Copies HBM<->VMEM go to the least-loaded of
+the core's DMA queues (`dma_queues`, a chip constant); each queue drains its copies in order,
+and the queues with a copy flowing share the core's HBM bandwidth equally. Each copy first
+waits its issue cost (overlapping the copies ahead of it), then moves its bytes plus a fixed
+per-copy overhead (so small copies are less efficient). A wait stalls compute until its copy
+lands.
 
 Ops cost a fixed overhead, their elementwise work on the VPU, and their matmuls: the weight
 values each weight read brings, fed into the MXU (at decode batch the MXU is bound by
@@ -18,6 +20,7 @@ copies) for exporters, and the time by layer kind and by cause.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -39,6 +42,7 @@ class Interval:
     line: int = 0                # the spec line of the statement behind it (0: none)
     nbytes: int = 0              # dma: bytes moved
     issued: float = 0.0          # dma: when compute issued it (its bytes flow from `start`)
+    queue: int = 0               # dma: the DMA queue that moved it
 
 
 @dataclass(frozen=True)
@@ -76,44 +80,186 @@ class Result:
     copies: int
     timeline: list[Interval] = field(default_factory=list, repr=False)
     marks: list[Mark] = field(default_factory=list, repr=False)
+    # Routed experts per MoE layer: the count this step ran (a simulated step), or, for an
+    # expectation over routing (`mkc.perf.run.step_model`), the expected count and the
+    # simulated steps it weighs (count, weight); `pictured` is the one whose timeline a picture
+    # shows (the nearer count).
+    experts: float | None = None
+    parts: tuple[tuple[int, float], ...] = ()
+    pictured: "Result | None" = field(default=None, repr=False)
+
+    def concrete(self) -> "Result":
+        """The simulated step behind this result: itself, or the one a picture shows."""
+        return self.pictured or self
+
+
+def blend(parts: list[tuple[int, float, Result]], experts: float, keep_timeline: bool
+          ) -> Result:
+    """The expectation of steps that differ only in the routed experts per layer: each figure
+    weighted (times, bytes, stalls); the timeline is the heaviest part's."""
+    first = parts[0][2]
+    by_kind: dict[str, dict[str, float]] = {}
+    for _, w, r in parts:
+        for k, causes in r.by_kind.items():
+            row = by_kind.setdefault(k, dict.fromkeys(CAUSES, 0.0))
+            for c, v in causes.items():
+                row[c] += w * v
+    stalls: dict[tuple, Stall] = {}
+    for _, w, r in parts:
+        for st in r.stalls:
+            key = (st.buffer, st.line, st.file, st.kind)
+            acc = stalls.get(key)
+            if acc is None:
+                acc = stalls[key] = Stall(st.buffer, st.line, st.file, st.kind, where=st.where)
+            acc.seconds += w * st.seconds
+            acc.count += w * st.count
+    for st in stalls.values():
+        st.count = round(st.count)
+    heaviest = max(parts, key=lambda p: (p[1], -p[0]))[2]
+    return Result(
+        step_s=sum(w * r.step_s for _, w, r in parts),
+        by_cause={c: sum(w * r.by_cause[c] for _, w, r in parts) for c in first.by_cause},
+        by_kind=by_kind,
+        stalls=sorted(stalls.values(), key=lambda x: -x.seconds),
+        hbm_bytes=round(sum(w * r.hbm_bytes for _, w, r in parts)),
+        hbm_busy_s=sum(w * r.hbm_busy_s for _, w, r in parts),
+        copies=round(sum(w * r.copies for _, w, r in parts)),
+        experts=experts, parts=tuple((n, w) for n, w, _ in parts),
+        pictured=heaviest if keep_timeline else None)
 
 
 class DmaEngine:
-    """HBM<->VMEM copies of one core, sharing its bandwidth in issue order.
+    """HBM<->VMEM copies of one core: `queues` DMA queues, each draining its copies in order,
+    sharing the core's HBM bandwidth.
 
-    A copy's bytes start to flow after its issue cost, and not before the copies issued
-    earlier have moved theirs: the core's DMA queue drains descriptors in order, so many
-    copies in flight take their total bytes / bandwidth, and a deeper prefetch never delays
-    the copy needed next (equal sharing would: it makes every copy in flight land late)."""
+    A copy goes, when issued, to the least-loaded queue: the one with the fewest bytes still
+    to move (ties: the lowest-numbered), as an idle DMA engine would take the next descriptor.
+    Its bytes start to flow after its issue cost, and not before the copies ahead of it in its
+    queue have landed. The queues whose head copy is flowing share the bandwidth equally (a
+    fluid model: n copies flowing move at bandwidth / n each), so the engine moves bytes at
+    the full bandwidth whenever any copy flows. With one queue this is a single in-order queue:
+    many copies in flight take their total bytes / bandwidth, and a deeper prefetch never
+    delays the copy needed next. With several, a small copy issued behind a large one on
+    another queue no longer waits for it: the two share the bandwidth.
 
-    def __init__(self, bandwidth: float, issue_s: float, overhead_bytes: float) -> None:
+    The fluid state is advanced lazily, only as far as the simulator asks (a copy's landing,
+    HBM busy time up to now): the simulator issues copies in time order, and nothing is issued
+    while compute waits, so what lies ahead of a wait cannot change its landing."""
+
+    def __init__(self, bandwidth: float, issue_s: float, overhead_bytes: float,
+                 queues: int = 1) -> None:
+        if queues < 1:
+            raise ValueError(f"a core needs at least one DMA queue, not {queues}")
         self.bw, self.issue_s, self.overhead = bandwidth, issue_s, overhead_bytes
+        self.queues: list[deque] = [deque() for _ in range(queues)]
+        self.queue_of: list[int] = []        # the queue each copy went to
         self.begins: list[float] = []        # when each copy's bytes start to flow
-        self.ends: list[float] = []          # when it lands
-        self._cum: list[float] = [0.0]       # busy time of copies before each one
+        self.ends: list[float] = []          # when it lands (inf until the fluid gets there)
+        self._ready: list[float] = []        # issue time + issue cost
+        self._left: list[float] = []         # bytes (with overhead) still to move
+        self._load = [0.0] * queues          # bytes still to move per queue
+        self.now = 0.0                       # how far the fluid state has been advanced
+        self._bstart: list[float] = []       # intervals with bytes moving, merged
+        self._bend: list[float] = []
+        self._cum: list[float] = []          # busy time before each interval
 
     def issue(self, t: float, nbytes: float) -> int:
-        """Start a copy at time t; returns its id."""
-        begin = max(t + self.issue_s, self.ends[-1] if self.ends else 0.0)
-        end = begin + (nbytes + self.overhead) / self.bw
-        self.begins.append(begin)
-        self.ends.append(end)
-        self._cum.append(self._cum[-1] + end - begin)
-        return len(self.ends) - 1
+        """Start a copy at time t (not before what the engine has moved: the last issue, wait or
+        busy query); returns its id."""
+        if t < self.now * (1 - 1e-12) - 1e-18:
+            raise ValueError(f"a copy issued at {t} s, before the engine's {self.now} s")
+        cid = len(self.ends)
+        size = nbytes + self.overhead
+        if len(self.queues) == 1:
+            # One queue: the fluid has a closed form (a copy flows alone, at the bandwidth,
+            # from its issue cost or the previous landing), so no state is kept pending.
+            begin = max(t + self.issue_s, self.ends[-1] if self.ends else 0.0)
+            end = begin + size / self.bw
+            self.queue_of.append(0)
+            self.begins.append(begin)
+            self.ends.append(end)
+            self._moving(begin, end)
+            self.now = t
+            return cid
+        self._advance(t)
+        q = min(range(len(self.queues)), key=lambda i: (self._load[i], i))
+        self.queue_of.append(q)
+        self.begins.append(math.inf)
+        self.ends.append(math.inf)
+        self._ready.append(t + self.issue_s)
+        self._left.append(size)
+        self._load[q] += size
+        self.queues[q].append(cid)
+        return cid
 
     def landing(self, cid: int) -> float:
+        if self.ends[cid] == math.inf:
+            self._advance(math.inf, until=cid)
         return self.ends[cid]
 
     def busy(self, t: float) -> float:
         """Time in [0, t] with bytes moving."""
-        i = bisect.bisect_right(self.begins, t) - 1
+        self._advance(t)
+        i = bisect.bisect_right(self._bstart, t) - 1
         if i < 0:
             return 0.0
-        return self._cum[i] + min(t, self.ends[i]) - self.begins[i]
+        return self._cum[i] + min(t, self._bend[i]) - self._bstart[i]
+
+    def drain(self) -> None:
+        """Land every copy (for the timeline: copies nobody waited for)."""
+        self._advance(math.inf)
 
     @property
     def copies(self) -> int:
         return len(self.ends)
+
+    def _moving(self, a: float, b: float) -> None:
+        """Bytes move over [a, b]: extend the last busy interval or start one."""
+        if self._bend and self._bend[-1] == a:
+            self._bend[-1] = b
+            return
+        self._cum.append(self._cum[-1] + self._bend[-1] - self._bstart[-1] if self._bend
+                         else 0.0)
+        self._bstart.append(a)
+        self._bend.append(b)
+
+    def _advance(self, until_t: float, until: int | None = None) -> None:
+        """Move the fluid to time `until_t`, or until copy `until` lands."""
+        while self.now < until_t:
+            heads = [q[0] for q in self.queues if q]
+            if not heads:
+                if until_t != math.inf:
+                    self.now = until_t
+                return
+            flowing = [c for c in heads if self._ready[c] <= self.now]
+            later = min((self._ready[c] for c in heads if self._ready[c] > self.now),
+                        default=math.inf)
+            if not flowing:
+                self.now = min(later, until_t) if later != math.inf else until_t
+                continue
+            rate = self.bw / len(flowing)
+            first = min(flowing, key=lambda c: self._left[c])
+            finish = self._left[first] / rate
+            dt = min(finish, later - self.now, until_t - self.now)
+            for c in flowing:
+                if self.begins[c] == math.inf:
+                    self.begins[c] = self.now
+            end = self.now + finish if dt == finish else self.now + dt
+            self._moving(self.now, end)
+            for c in flowing:
+                q = self.queue_of[c]
+                if dt == finish and (c == first or self._left[c] <= self._left[first]):
+                    moved = self._left[c]
+                    self._left[c] = 0.0
+                    self.ends[c] = end
+                    self.queues[q].popleft()
+                else:
+                    moved = rate * dt
+                    self._left[c] -= moved
+                self._load[q] = max(0.0, self._load[q] - moved)
+            self.now = end
+            if until is not None and self.ends[until] != math.inf:
+                return
 
 
 @dataclass
@@ -211,7 +357,8 @@ _BF16 = ir.MatrixFacts()
 
 def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Result:
     s, r = m.s, m.rates
-    eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"), r.dma_overhead_bytes)
+    eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"), r.dma_overhead_bytes,
+                    queues=int(r.dma_queues))
     sem_copies: dict[tuple, deque] = defaultdict(deque)
     copy_info: dict[int, tuple] = {}         # id -> (buffer, issued, where, line, bytes)
     copy_buf: dict[int, str] = {}
@@ -320,16 +467,19 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
         elif op == "epilogue":
             op_name = ""
             kind, layer = "epilogue", -1
+    hbm_busy_s = eng.busy(t)
     if keep_timeline:
+        eng.drain()
         for cid, (buf, issued, where, line, nbytes) in copy_info.items():
             timeline.append(Interval("dma", buf, eng.begins[cid], eng.ends[cid], -1, where,
-                                     line=line, nbytes=nbytes, issued=issued))
+                                     line=line, nbytes=nbytes, issued=issued,
+                                     queue=eng.queue_of[cid]))
     by_cause = dict.fromkeys(CAUSES, 0.0)
     for causes in by_kind.values():
         for c, v in causes.items():
             by_cause[c] += v
     return Result(step_s=t, by_cause=by_cause, by_kind={k: dict(v) for k, v in by_kind.items()},
                   stalls=sorted(stalls.values(), key=lambda x: -x.seconds), hbm_bytes=hbm_bytes,
-                  hbm_busy_s=eng.busy(t), copies=eng.copies, timeline=timeline,
+                  hbm_busy_s=hbm_busy_s, copies=eng.copies, timeline=timeline,
                   marks=marks)
 

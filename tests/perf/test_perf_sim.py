@@ -21,7 +21,7 @@ def qwen_ir():
 def _rates(**kw):
     base = constants.rates("tpu7x").replace(
         hbm_efficiency=1.0, dma_overhead_bytes=0.0, latency_scale=1.0, dma_issue_s=ISSUE,
-        step_fixed_s=0.0, op_overhead_s=0.0)
+        step_fixed_s=0.0, op_overhead_s=0.0, dma_queues=1)
     return base.replace(hbm_bytes_per_s=BW, **kw)
 
 
@@ -97,6 +97,64 @@ def test_two_copies_in_flight_share_bandwidth(qwen_ir):
     assert _run(qwen_ir, tr).step_s == pytest.approx(ISSUE + 4 * X / BW)
 
 
+def test_two_queues_share_bandwidth_one_queue_keeps_order(qwen_ir):
+    X = 1 << 20
+    # two copies issued together on two queues: both flow at once, each at half the bandwidth,
+    # and land together; the engine moves bytes at the full bandwidth all along
+    two = DmaEngine(BW, ISSUE, 0.0, queues=2)
+    a, b = two.issue(0.0, X), two.issue(0.0, X)
+    assert two.queue_of[a] != two.queue_of[b]
+    assert two.landing(a) == pytest.approx(ISSUE + 2 * X / BW)
+    assert two.landing(b) == pytest.approx(ISSUE + 2 * X / BW)
+    assert two.begins[a] == two.begins[b] == pytest.approx(ISSUE)
+    assert two.busy(two.landing(b)) == pytest.approx(2 * X / BW)
+    # on one queue the second waits for the first: the first lands after its own bytes
+    one = DmaEngine(BW, ISSUE, 0.0, queues=1)
+    a, b = one.issue(0.0, X), one.issue(0.0, X)
+    assert one.landing(a) == pytest.approx(ISSUE + X / BW)
+    assert one.landing(b) == pytest.approx(ISSUE + 2 * X / BW)
+    assert one.begins[b] == pytest.approx(one.landing(a))
+    # the same through the simulator: waiting for the first copy costs twice as long on two
+    # queues, the step (both copies) the same
+    tr = _Trace()
+    tr.start(0, X)
+    tr.start(1, X)
+    tr.wait(0)
+    res = {q: _run(qwen_ir, tr, dma_queues=q) for q in (1, 2)}
+    assert res[1].step_s == pytest.approx(ISSUE + X / BW)
+    assert res[2].step_s == pytest.approx(ISSUE + 2 * X / BW)
+    tr.wait(1)
+    for q in (1, 2):
+        assert _run(qwen_ir, tr, dma_queues=q).step_s == pytest.approx(ISSUE + 2 * X / BW)
+
+
+def test_a_small_copy_takes_the_least_loaded_queue_past_a_large_one():
+    X = 1 << 20
+    eng = DmaEngine(BW, 0.0, 0.0, queues=2)
+    big, small = eng.issue(0.0, 8 * X), eng.issue(0.0, X)
+    assert eng.queue_of[small] != eng.queue_of[big]
+    # they share the bandwidth until the small one lands, then the large one has it alone
+    assert eng.landing(small) == pytest.approx(2 * X / BW)
+    # a third copy joins the queue with fewer bytes left (the small one's, now empty)
+    third = eng.issue(4 * X / BW, X)
+    assert eng.queue_of[third] == eng.queue_of[small]
+    # from 4X/BW the large one has 5X left, the third X: shared until the third lands at 6X/BW
+    assert eng.landing(third) == pytest.approx(6 * X / BW)
+    assert eng.landing(big) == pytest.approx(10 * X / BW)
+    single = DmaEngine(BW, 0.0, 0.0, queues=2)
+    assert single.landing(single.issue(0.0, 8 * X)) == pytest.approx(8 * X / BW)
+    with pytest.raises(ValueError):
+        single.issue(0.0, X)                 # issued before what the engine already moved
+    # on one queue the small copy waits behind the large one
+    one = DmaEngine(BW, 0.0, 0.0, queues=1)
+    one.issue(0.0, 8 * X)
+    assert one.landing(one.issue(0.0, X)) == pytest.approx(9 * X / BW)
+    # more queues than copies in flight change nothing
+    for q in (1, 4):
+        e = DmaEngine(BW, ISSUE, 0.0, queues=q)
+        assert e.landing(e.issue(0.0, X)) == pytest.approx(ISSUE + X / BW)
+
+
 def test_wait_on_a_late_copy_stalls_compute_by_the_difference(qwen_ir):
     r = _rates()
     X, W = 64 << 20, 4 << 20                      # a big copy, a short matmul
@@ -145,9 +203,21 @@ def test_deeper_prefetch_never_makes_a_dma_bound_stream_slower(qwen_ir):
     last = (work / 2) / r.feed_values_per_s("bf16")
     assert times[-1] == pytest.approx(ISSUE + 64 * tile / BW + last, rel=1e-6)
     assert times[0] > times[-1]
+    # On several queues the copies in flight share the bandwidth, so a deeper prefetch can
+    # land the next copy a little later (under 1 % here); deep enough, the stream still runs
+    # at the bandwidth, and never beats one queue.
+    for q in (2, 4):
+        qt = [_run(qwen_ir, _stream(64, ahead, tile, work), dma_queues=q).step_s
+              for ahead in range(1, 12)]
+        assert all(b <= a * 1.01 for a, b in zip(qt, qt[1:])), [t * 1e6 for t in qt]
+        assert qt[-1] == pytest.approx(times[-1], rel=0.01) and min(qt) >= times[-1] * (1 - 1e-9)
 
 
-def test_deeper_ring_in_a_real_spec_is_never_slower(tmp_path):
+def test_deeper_ring_in_a_real_spec_is_hardly_slower(tmp_path):
+    """In a real spec the ring's tiles share the in-order queue with KV tiles and state copies:
+    tiles issued further ahead can delay a KV copy queued behind them, so a deeper ring may cost
+    a little (0.6 % from ahead 2 to 4 here, with the fitted constants); it never costs more
+    than 1 %, and ahead 12 beats ahead 1."""
     text = SPEC.read_text()
     assert "stream weights ahead 12" in text
     steps = []
@@ -157,7 +227,7 @@ def test_deeper_ring_in_a_real_spec_is_never_slower(tmp_path):
         c = check_spec(p, "qwen3_8_mini")
         from mkc.perf.run import step_model
         steps.append(step_model(c.ir, 1, 256, keep_timeline=False).step_s)
-    assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
+    assert all(b <= a * 1.01 for a, b in zip(steps, steps[1:])), steps
     assert steps[-1] < steps[0]
 
 

@@ -72,3 +72,24 @@ def test_cli_trace_is_deterministic(tmp_path, capsys):
     doc = json.loads(a.read_text())
     assert doc["otherData"]["batch"] == 1 and doc["otherData"]["tokens_in_cache"] == 256
     _assert_well_formed(doc)
+
+
+def test_several_dma_queues_get_a_track_each_whose_slices_never_overlap():
+    """Copies on different queues overlap in time (they share the bandwidth); within a queue
+    they follow each other, so each (queue, class) is a track of its own. K3 at batch 1 is an
+    expectation over routing: the trace draws its nearer whole expert count."""
+    from mkc.perf import constants
+    c = check_spec(K3_SPEC)
+    rates = constants.rates("tpu7x").replace(dma_queues=2)
+    res = step_model(c.ir, 1, 512, rates)
+    assert res.parts and res.concrete() is not res
+    doc = json.loads(json.dumps(trace_events(c.ir, res, 1, 512)))
+    names = _assert_well_formed(doc)                 # no overlap within a track
+    tracks = set(names.values())
+    assert {"DMA queue 0: ring", "DMA queue 1: ring"} <= tracks
+    dma = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "dma"]
+    assert {e["args"]["queue"] for e in dma} == {0, 1}
+    other = doc["otherData"]
+    assert other["routed_experts_per_layer"] == round(res.experts)
+    assert other["expected_step_us"] == pytest.approx(res.step_s * 1e6, abs=1e-3)
+    assert other["step_us"] == pytest.approx(res.concrete().step_s * 1e6, abs=1e-3)
