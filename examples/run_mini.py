@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
     ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
+    ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
     ap.add_argument("--strict-emulation", action="store_true",
                     help="also fail when the kernel leaves the rounding emulation's bounds")
     ap.add_argument("--json", action="store_true")
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["mutants"] = {}
         for name in args.mutants.split(","):
             mutant = load_generated(spec, model, name)
-            steps = run_kernel(mutant, weights, mutant.init_state(B), trajectory, mesh, params,
-                               label=f"[{name}] ")
+            steps = run_kernel(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
+                               mesh, params, label=f"[{name}] ")
             summary["mutants"][name] = {"steps": steps}
     return finish(summary, args.races, args.json)
 

@@ -20,7 +20,7 @@ def _run(*args: str) -> dict:
 @pytest.mark.slow
 def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected():
     summary = _run("--mode", "on_wait", "--steps", "2", "--batch", "2", "--strict-emulation",
-                   "--mutants", ",".join(MUTANTS))
+                   "--mutants", ",".join(MUTANTS), "--mutant-steps", "1")
     assert summary["steps"] and numerics.failures(summary) == []
     assert summary["steps"][0]["emulation"]["logits"] == 0.0      # measured: bit-equal at step 0
     for name in MUTANTS:
