@@ -6,6 +6,13 @@ over several runs, the modelled step times, and the command that reproduces each
 step times are modelled, not measured.
 
     .venv/bin/python benchmarks/perf_sim.py [--repeats N] [--timeline] [--json]
+    .venv/bin/python benchmarks/perf_sim.py --tuned [--json]
+
+--tuned compares each shipped spec with its tuned candidate in benchmarks/data/tuned/ (written
+by `mkc tune`), at the spec's smallest and largest batch, under every DMA queue count of the
+calibration's sweep, each with the constants fitted for that count
+(`calibration.dma_queues_sweep` in mkc/perf/data/tpu7x.json): a gain that holds for one queue
+only is the single in-order queue's, not the schedule's.
 """
 from __future__ import annotations
 
@@ -33,7 +40,12 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="also record the per-track timeline (what a trace exporter reads); "
                          "`mkc perf` does not")
+    ap.add_argument("--tuned", action="store_true",
+                    help="compare the shipped specs with benchmarks/data/tuned/ per DMA queue "
+                         "count")
     args = ap.parse_args()
+    if args.tuned:
+        return tuned(args.json)
     from mkc.compiler import check_spec
     from mkc.perf import constants
     from mkc.perf.run import expected_experts, expert_mix, perf_trace, step_model
@@ -94,6 +106,43 @@ def main() -> int:
               f"{r['modelled_step_s'] * 1e3:>13.3f}ms")
     print(f"reproduce: .venv/bin/python benchmarks/perf_sim.py --repeats {args.repeats}"
           + (" --timeline" if args.timeline else ""))
+    return 0
+
+
+def tuned(as_json: bool) -> int:
+    """Shipped against tuned, modelled at each batch and DMA queue count (module docstring)."""
+    from mkc.compiler import check_spec
+    from mkc.perf import constants
+    from mkc.perf.run import step_model
+
+    sweep = constants.calibration("tpu7x")["dma_queues_sweep"]
+    rows = []
+    for name, spec in SPECS.items():
+        cand = ROOT / "benchmarks" / "data" / "tuned" / Path(spec).name
+        if not cand.is_file():
+            continue
+        base, tuned_ = check_spec(ROOT / spec).ir, check_spec(cand).ir
+        traces: dict = {id(base): {}, id(tuned_): {}}
+        for fit in sweep:
+            q = fit["dma_queues"]
+            rates = constants.rates(base.chip, {"dma_queues": q} | fit["fit"])
+            for batch in sorted({base.batch_min, base.batch_max}):
+                t0, t1 = (step_model(s, batch, s.context, rates, keep_timeline=False,
+                                     traces=traces[id(s)]).step_s for s in (base, tuned_))
+                rows.append({"model": name, "spec": spec,
+                             "tuned": str(cand.relative_to(ROOT)), "dma_queues": q,
+                             "constants": fit["fit"], "batch": batch, "shipped_step_s": t0,
+                             "tuned_step_s": t1, "gain_percent": 100 * (t0 / t1 - 1)})
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print("shipped against tuned spec, modelled step per DMA queue count (constants refitted "
+          "for each count; modelled, not measured)")
+    print(f"  {'model':<18}{'queues':>7}{'batch':>6}{'shipped':>11}{'tuned':>11}{'gain':>8}")
+    for r in rows:
+        print(f"  {r['model']:<18}{r['dma_queues']:>7}{r['batch']:>6}"
+              f"{r['shipped_step_s'] * 1e3:>9.3f}ms{r['tuned_step_s'] * 1e3:>9.3f}ms"
+              f"{r['gain_percent']:>+7.1f}%")
     return 0
 
 

@@ -108,3 +108,16 @@ def test_the_modelled_step_weighs_the_two_whole_counts_around_the_expectation():
     # a picture shows one concrete step: the nearer whole count
     pic = step_model(s, 8, 1024).concrete()
     assert pic.experts == round(x) and pic.timeline
+
+
+def test_perf_reports_the_slowest_core_and_its_floor_beside_the_mean():
+    from mkc.perf.run import run
+    rep = run(check_spec(QWEN_MOE).ir, 8, 1024)
+    assert rep["routed_experts_per_layer"] == pytest.approx(expected_experts(
+        check_spec(QWEN_MOE).ir, 8))
+    assert rep["routed_experts_per_layer_mean"] < rep["routed_experts_per_layer"]
+    assert [p["experts"] for p in rep["routed_experts_simulated"]] == [10, 11]
+    assert rep["slowest_core_hbm_floor_seconds"] > rep["hbm_floor_seconds"]
+    dense = run(check_spec(ROOT / "schedules" / "qwen3_8_27b.sched").ir, 8, 1024)
+    assert dense["slowest_core_hbm_floor_seconds"] == dense["hbm_floor_seconds"]
+    assert dense["routed_experts_per_layer"] is None and not dense["routed_experts_simulated"]
