@@ -97,7 +97,6 @@ class _Name(str):
 
 
 def context(s: ir.ScheduleIR, family: Family) -> dict:
-    dims_import = family.dims_import
     kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
     kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
     st = s.stream
@@ -161,7 +160,6 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
             sems.append(f"sem__{kname}_kv_rows")
         kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states, copies=copies, **kv_plan)
         for sname in sorted(k.states):
-            shape, dtype = k.states[sname]
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
                 state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), _JNP[buf.dtype]))
@@ -230,11 +228,11 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
 
     dims = s.dims
     dims_fields = {key: (tuple(v) if isinstance(v, list) else v) for key, v in dims.items()}
-    dims_class = dataclasses.make_dataclass(dims_import[1], list(dims_fields))
+    dims_class = dataclasses.make_dataclass(family.dims_import[1], list(dims_fields))
     parity = s.parity
     layer_kind = tuple(kind_ids[k] for k in s.layer_kinds)
     return {
-        "family": family, "dims_import": dims_import,
+        "family": family, "dims_import": family.dims_import,
         "dims_literal": literal(dims_class(**dims_fields), 7),
         "per_rank_literal": literal(dict(sorted(s.per_rank.items())), 11),
         "kind_ids": kind_ids,
