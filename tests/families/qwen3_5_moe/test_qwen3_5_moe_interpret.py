@@ -2,14 +2,18 @@
 of its own), runs in TPU interpret mode on 8 virtual CPU devices and matches the family's
 reference: plainly (tokens, logits, states and caches) and bit for bit against its rounding
 emulation; routed experts cycle through the pool's expert slots; race-free; and a 1 % error
-in the router, the routed experts or the shared expert is rejected."""
+in a gated delta net or gated attention op, the router, the routed experts or the shared
+expert is rejected."""
 import pytest
 
 from mkc import numerics
 from tests_support import ROOT, run_example
 
 SPEC = str(ROOT / "schedules" / "qwen3_5_35b_a3b.sched")
-MUTANTS = ("qwen_moe.routed_experts", "qwen_moe.shared_down", "qwen_moe.router")
+# One op or more per layer kind: the attention kinds' (Qwen3.5's texts, the same lines in this
+# module) and the MoE's.
+MUTANTS = ("gdn.gated_norm", "gqa.o_proj", "qwen_moe.routed_experts", "qwen_moe.shared_down",
+           "qwen_moe.router")
 
 
 def _run(*args: str) -> dict:
