@@ -82,9 +82,12 @@ the schedule's ``per_rank`` sizes say; a routed expert's width split over its gr
 ``expert_tp`` ranks, each rank summing its group's experts in id order) all-reduced stage by
 stage on the spec's wire dtype; the all-gathered latent and ``latent_up`` output and the
 exchanged router logits in their buffers' dtypes; the embedding's exact all-reduce; states and
-the latent cache in their storage dtypes. MLA stays unabsorbed: the kernel's absorbed form
-multiplies f32 queries by upcast weights, which rounds nowhere this needs to. Sublayer kinds
-are the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
+the latent cache in their storage dtypes. It also sums in the kernel's f32 order, or one-ulp
+bf16 flips spread through the step (see "The kernel's f32 order" below and ``mkc.numerics``):
+streamed matrices ring tile by ring tile and expert matrices MXFP4 pack group by pack group,
+MLA weight-absorbed with an online softmax over the schedule's KV tiles, and the kernel's
+formulation in the kernel's shapes wherever XLA's order depends on them. Sublayer kinds are
+the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
 """
 from __future__ import annotations
 
