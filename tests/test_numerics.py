@@ -74,8 +74,9 @@ def test_rounding_carries_the_kernels_tiles_from_the_ir():
     """The emulation sums a streamed matrix ring tile by ring tile and reads the MLA cache in
     the spec's KV tiles: both come from the schedule IR."""
     from mkc import compiler
+    from tests_support import K3_SPEC, ROOT
 
-    ir = compiler.check_spec("schedules/kimi_k3.sched", None).ir
+    ir = compiler.check_spec(K3_SPEC, None).ir
     rounding = numerics.rounding_from_ir(ir)
     for fams in (*ir.stream.families.values(), ir.stream.tail):
         for f in fams:
@@ -85,7 +86,7 @@ def test_rounding_carries_the_kernels_tiles_from_the_ir():
     # The emulated residual mixture runs over every source slot of the kernel's block buffer.
     from mkc.families.kimi_k3 import reference
 
-    cfg = reference.load_config("mkc/model/configs/kimi_k3.json")
+    cfg = reference.load_config(ROOT / "mkc/model/configs/kimi_k3.json")
     assert reference.residual_slots(cfg) == next(b.shape[0] for b in ir.buffers if b.name == "blocks")
 
 
