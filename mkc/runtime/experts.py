@@ -34,6 +34,25 @@ class ExpertSlots:
     top_k: int
 
 
+def top_k(pick: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Per row, the k lanes of largest `pick` -> (`values` at those lanes and zero elsewhere,
+    their ids [B, k] int32 best first, ties to the lowest lane, as lax.top_k orders them).
+    Mosaic cannot lower lax.top_k: this takes k rounds of a max and the lowest matching lane."""
+    n = pick.shape[1]
+    lane = lax.broadcasted_iota(jnp.int32, pick.shape, 1)
+    slot = lax.broadcasted_iota(jnp.int32, (pick.shape[0], k), 1)
+    kept = jnp.zeros_like(values)
+    ids = jnp.zeros((pick.shape[0], k), jnp.int32)
+    for j in range(k):
+        best = jnp.max(pick, axis=-1, keepdims=True)
+        idx = jnp.min(jnp.where(pick == best, lane, n), axis=-1, keepdims=True)   # [B, 1]
+        hit = lane == idx
+        kept = jnp.where(hit, values, kept)
+        pick = jnp.where(hit, -jnp.inf, pick)
+        ids = jnp.where(slot == j, idx, ids)
+    return kept, ids
+
+
 def expert_id(ids: jax.Array, row: int, slot: int) -> jax.Array:
     """Scalar int32 ids[row, slot] (a masked full reduction: the vector-to-scalar move that
     lowers), to store in SMEM before issuing expert DMAs."""

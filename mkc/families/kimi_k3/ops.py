@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mkc.runtime import experts
+
 F32 = jnp.float32
 L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
 MX_BLOCK = 32      # values per E8M0 scale
@@ -179,40 +181,13 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     logits [B, E] f32, bias [1, E] (``e_score_correction_bias``, used only to pick). weights is
     zero except at the chosen experts, where it holds the sigmoid scores renormalised over the
     chosen and times ``scaling`` (``routed_scaling_factor``). ids lists the picks best first,
-    ties to the lowest index (as ``lax.top_k``, which Mosaic cannot lower: this takes top_k
-    rounds of max + lowest-matching-iota). DMAs need scalar ids in SMEM: store
-    ``expert_id(ids, b, j)`` into an SMEM ref; ``expert_weight`` reads a dynamic expert's column.
+    ties to the lowest index (``mkc.runtime.experts.top_k``). DMAs need scalar ids in SMEM: store
+    ``mkc.runtime.experts.expert_id(ids, b, j)`` into an SMEM ref; ``expert_weight`` there
+    reads a dynamic expert's column.
     """
     scores = jax.nn.sigmoid(logits)
-    n_experts = logits.shape[1]
-    lane = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    slot = lax.broadcasted_iota(jnp.int32, (logits.shape[0], top_k), 1)
-    pick = scores + bias
-    kept = jnp.zeros_like(scores)
-    ids = jnp.zeros((logits.shape[0], top_k), jnp.int32)
-    for j in range(top_k):
-        best = jnp.max(pick, axis=-1, keepdims=True)
-        idx = jnp.min(jnp.where(pick == best, lane, n_experts), axis=-1, keepdims=True)   # [B, 1]
-        hit = lane == idx
-        kept = jnp.where(hit, scores, kept)
-        pick = jnp.where(hit, -jnp.inf, pick)
-        ids = jnp.where(slot == j, idx, ids)
+    kept, ids = experts.top_k(scores + bias, scores, top_k)
     return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling, ids
-
-
-def expert_id(ids: jax.Array, row: int, slot: int) -> jax.Array:
-    """Scalar int32 ids[row, slot] (a masked full reduction: the vector-to-scalar move that
-    lowers), for ``ids_smem[i] = expert_id(ids, b, j)`` before issuing expert DMAs."""
-    mask = ((lax.broadcasted_iota(jnp.int32, ids.shape, 0) == row)
-            & (lax.broadcasted_iota(jnp.int32, ids.shape, 1) == slot))
-    return jnp.sum(jnp.where(mask, ids, 0))
-
-
-def expert_weight(weights: jax.Array, expert: jax.Array | int) -> jax.Array:
-    """Column [B, 1] of ``route`` weights for one expert, which may be a dynamic scalar read
-    from SMEM (a lane mask and sum; vector gathers do not lower). Zero for rows not routed."""
-    lane = lax.broadcasted_iota(jnp.int32, weights.shape, 1)
-    return jnp.sum(jnp.where(lane == expert, weights, 0.0), axis=-1, keepdims=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from conftest import run_python
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.families.kimi_k3 import ops as ops
+from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
 
 MINI_JSON = CONFIG_DIR / "kimi_k3_mini.json"
@@ -252,9 +253,9 @@ def test_route_matches_reference_with_ties_and_smem_ids() -> None:
         w_ref[...], ids_ref[...] = weights, ids
         for r in range(b):
             for j in range(k):
-                ids_smem[r * k + j] = ops.expert_id(ids, r, j)
+                ids_smem[r * k + j] = experts.expert_id(ids, r, j)
         # Read one id back as a scalar, as an expert DMA would, and fetch its weight column.
-        picked_ref[...] = ops.expert_weight(weights, ids_smem[k + 2])
+        picked_ref[...] = experts.expert_weight(weights, ids_smem[k + 2])
 
     weights, ids, ids_flat, picked = in_kernel(
         body, [jnp.asarray(logits), jnp.asarray(bias)],
@@ -360,6 +361,7 @@ from jax import lax
 from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
 from mkc.families.kimi_k3 import ops as ops
+from mkc.runtime import experts
 
 F32, BF16, U8, I32 = jnp.float32, jnp.bfloat16, jnp.uint8, jnp.int32
 B, H, D, NH, R, EX, T, TILE, E, K, G, N = 8, 512, 128, 12, 512, 64, 256, 64, 256, 8, 256, 256
