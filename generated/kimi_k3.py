@@ -266,8 +266,8 @@ def _layer_dense(k: Kernel, layer):
     """One dense layer: mlp_mix, gate_up, down, mlp_residual."""
     c = k.layer("dense", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
-    c.prefetch_view(N_LAYERS)   # spec line 59: prefetch next staging.attention
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
+    c.prefetch_view()   # spec line 59: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
@@ -280,7 +280,7 @@ def _layer_kda(k: Kernel, layer):
     o_proj, attn_residual."""
     c = k.layer("kda", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
     def _():   # spec line 48: the previous kda layer's store of state.recurrent drains here
@@ -308,7 +308,7 @@ def _layer_kda(k: Kernel, layer):
 
     proj, core = pl.run_scoped(
         lambda conv_buf: _scope_0(c.scoped(kda_conv_buf=conv_buf)),
-        pltpu.VMEM((3, B, 1152), jnp.bfloat16),   # kda_conv_buf
+        pltpu.VMEM((3, B, 1152), BF16),   # kda_conv_buf
     )
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
@@ -323,7 +323,7 @@ def _layer_mla(k: Kernel, layer):
     attention, values_out, gate, out_gate, o_proj, attn_residual."""
     c = k.layer("mla", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_mix(c)
     c.wait_pooled("q_down")   # staging.attention: before its first reader
     q_low = lower.q_down(c, h)
@@ -350,7 +350,7 @@ def _layer_moe(k: Kernel, layer):
     routed_experts, latent_norm, latent_up, mlp_residual."""
     c = k.layer("moe", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
     scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 64: swap with the sibling core, wire f32
@@ -365,7 +365,7 @@ def _layer_moe(k: Kernel, layer):
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 67: two_level, wire bf16
     # the pool view staging.experts is free from here
-    c.prefetch_view(N_LAYERS)   # spec line 68: prefetch next staging.attention
+    c.prefetch_view()   # spec line 68: prefetch next staging.attention
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
     mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 69: all-gather over 8 ranks

@@ -187,7 +187,7 @@ def _layer_gdn(k: Kernel, layer):
     """One gdn layer: input_norm, in_proj, conv, delta_rule, gated_norm, out_proj, attn_residual."""
     c = k.layer("gdn", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
     def _():   # spec line 43: the previous gdn layer's store of state.recurrent drains here
@@ -210,7 +210,7 @@ def _layer_gdn(k: Kernel, layer):
 
     proj, core = pl.run_scoped(
         lambda conv_buf: _scope_0(c.scoped(gdn_conv_buf=conv_buf)),
-        pltpu.VMEM((3, B, 1024), jnp.float32),   # gdn_conv_buf
+        pltpu.VMEM((3, B, 1024), F32),   # gdn_conv_buf
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
@@ -223,7 +223,7 @@ def _layer_gqa(k: Kernel, layer):
     attn_residual."""
     c = k.layer("gqa", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_norm(c)
     proj = lower.qkv_gate(c, h)
     q, k_new = lower.qk_norm_rope(c, proj)
@@ -240,7 +240,7 @@ def _layer_moe(k: Kernel, layer):
     mlp_residual."""
     c = k.layer("moe", layer)
     B = c.B
-    c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
@@ -328,7 +328,7 @@ def state_shapes(B):
 
 def _vmem_input_shapes(B):
     return {
-        "rope": ((2, B, 256), jnp.float32),
+        "rope": ((2, B, 256), F32),
     }
 
 

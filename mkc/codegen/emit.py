@@ -14,14 +14,12 @@ from mkc import ir
 from mkc.codegen import generic
 
 _TEMPLATES = Path(__file__).with_name("templates")
-_JNP = {"bf16": "jnp.bfloat16", "f32": "jnp.float32", "int32": "jnp.int32"}
 
 
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters["jnp"] = lambda d: _JNP[d]
     # Free text (file names) only reaches the module docstring, restricted to safe characters.
     env.filters["safe_text"] = lambda t: re.sub(r"[^A-Za-z0-9_.\-]", "_", str(t))
     return env

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from mkc import ir
-from mkc.codegen.layers import copy_name, gather_name, layer_source, reduce_name
+from mkc.codegen.layers import DTYPE_SOURCE, copy_name, gather_name, layer_source, reduce_name
 from mkc.model.family import Family
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy
@@ -16,7 +16,6 @@ from mkc.runtime.pool import WeightView
 from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.vectors import Parity
 
-_JNP = {"bf16": "BF16", "f32": "F32", "int32": "jnp.int32"}
 WIDTH = 100
 
 
@@ -162,14 +161,14 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         for sname in sorted(k.states):
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
-                state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), _JNP[buf.dtype]))
+                state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), DTYPE_SOURCE[buf.dtype]))
         for c, b in zip(caches, kv_bufs):
-            state_arrays.append((c, kname, f"(B, CONTEXT, {b.shape[-1]})", _JNP[b.dtype]))
+            state_arrays.append((c, kname, f"(B, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
 
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
     scratch_names = [b.name for b in resident] + ["ring_sem", "vectors_sem"] + sems
     # (source, comment) per scratch operand, in _SCRATCH order
-    scratch_shapes = [(f"pltpu.VMEM({b.shape_expr()}, {_JNP[b.dtype]})", f"{b.name} ({b.cls})")
+    scratch_shapes = [(f"pltpu.VMEM({b.shape_expr()}, {DTYPE_SOURCE[b.dtype]})", f"{b.name} ({b.cls})")
                       for b in resident]
     scratch_shapes += [(f"pltpu.SemaphoreType.DMA(({st.slots},))", "ring_sem"),
                        ("pltpu.SemaphoreType.DMA((2,))", "vectors_sem")]
@@ -259,7 +258,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         "drains": drains,
         "tail_name": _matrix_name("tail", st.tail[0].name),
         "state_arrays": state_arrays,
-        "vmem_inputs": vmem_inputs,
+        "vmem_inputs": [(b.name, b.shape_expr(), DTYPE_SOURCE[b.dtype]) for b in vmem_inputs],
         "experts_literal": literal(expert_slots, 10),
         "expert_inputs": expert_inputs,
         "view_literal": literal(weight_view, 7),

@@ -11,7 +11,8 @@ from __future__ import annotations
 from mkc import ir
 from mkc.program import Step, layer_program
 
-_JNP = {"bf16": "jnp.bfloat16", "f32": "jnp.float32", "int32": "jnp.int32"}
+# An IR dtype as the generated module spells it (it defines BF16 and F32).
+DTYPE_SOURCE = {"bf16": "BF16", "f32": "F32", "int32": "jnp.int32"}
 
 
 def copy_name(t: ir.Transfer) -> str:
@@ -110,13 +111,13 @@ class _Emitter:
         self._line(indent, f"{target}pl.run_scoped(")
         self._line(indent, f"    {call},")
         for b in step.buffers:
-            self._line(indent, f"    pltpu.VMEM({b.shape_expr()}, {_JNP[b.dtype]}),   # {b.name}")
+            self._line(indent, f"    pltpu.VMEM({b.shape_expr()}, {DTYPE_SOURCE[b.dtype]}),   # {b.name}")
         self._line(indent, ")")
 
     def _step(self, step: Step, indent: str) -> None:
         k, kind = self.k, self.kind
         if step.kind == "vectors":
-            self._line(indent, "c.vectors_arrive(N_LAYERS)   # this layer's vectors; issue the next ones")
+            self._line(indent, "c.vectors_arrive()   # this layer's vectors; issue the next ones")
         elif step.kind in ("start", "wait"):
             t = step.transfer
             arrow = (f"state.{t.state} -> {t.buffer}" if t.direction == "load"
@@ -146,7 +147,7 @@ class _Emitter:
             self._line(indent, "c.start_experts()")
         elif step.kind == "prefetch":
             f = k.prefetch
-            self._line(indent, f"c.prefetch_view(N_LAYERS)   # {_where(f.span)}: "
+            self._line(indent, f"c.prefetch_view()   # {_where(f.span)}: "
                                f"prefetch next {f.pool}.{f.view}")
         elif step.kind == "pool_wait":
             self._line(indent, f'c.wait_pooled("{step.family}")   # {step.view}: before its first reader')

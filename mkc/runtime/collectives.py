@@ -111,9 +111,9 @@ def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_re
 # ---- named stages, as generated modules declare them -------------------------------------------
 @dataclass(frozen=True)
 class Stage:
-    """One direct all-reduce stage: over the group (size, stride) through receive buffer
-    `buffer` (its send and receive semaphores are `buffer + "__send"` / `"__recv"`), whose use
-    counter is `counter_ref[counter]`."""
+    """One direct all-reduce stage or all-gather: over the group (size, stride) through receive
+    buffer `buffer` (its send and receive semaphores are `buffer + "__send"` / `"__recv"`),
+    whose use counter is `counter_ref[counter]`."""
 
     buffer: str
     counter: int
@@ -121,14 +121,23 @@ class Stage:
     stride: int
 
 
+def _stage_refs(refs, st: Stage) -> tuple:
+    """(recv, send_sem, recv_sem, counter_ref, counter) of a stage from the refs by name."""
+    return (getattr(refs, st.buffer), getattr(refs, st.buffer + "__send"),
+            getattr(refs, st.buffer + "__recv"), refs.collective_count, st.counter)
+
+
 def allreduce(refs, partial: jax.Array, stages: tuple[Stage, ...], axis: str) -> jax.Array:
     """All-reduce `partial` as a sequence of direct stages; `refs` holds every kernel ref by
     name (the buffers, their semaphores and `collective_count`)."""
     for st in stages:
-        partial = allreduce_stage(partial, getattr(refs, st.buffer), getattr(refs, st.buffer + "__send"),
-                                  getattr(refs, st.buffer + "__recv"), refs.collective_count, st.counter,
-                                  axis, st.size, st.stride)
+        partial = allreduce_stage(partial, *_stage_refs(refs, st), axis, st.size, st.stride)
     return partial
+
+
+def gather(refs, shard: jax.Array, st: Stage, axis: str) -> jax.Array:
+    """`allgather` of `shard` through a named stage (a sibling exchange is the stage (2, 1))."""
+    return allgather(shard, *_stage_refs(refs, st), axis, st.size, st.stride)
 
 
 def embed(refs, table, rows_buf, sem, vocab_local: int, stages: tuple[Stage, ...], axis: str,

@@ -63,6 +63,11 @@ class Kernel:
     view: pool.WeightView | None = None        # the weight view the layers prefetch into
     kind_ids: Mapping[str, int] | None = None
 
+    @property
+    def layers(self) -> int:
+        """Iterations of the layer loop."""
+        return len(self.dims.layer_kinds)
+
     def layer(self, kind: str, index) -> "Layer":
         tables = self.refs.tables
         return Layer(self, self.refs, kind, self.kinds[kind], index, si=tables[2, index],
@@ -74,10 +79,7 @@ class Kernel:
     def allgather(self, shard: jax.Array, stage: collectives.Stage) -> jax.Array:
         """The group's shards of `shard` concatenated in group order (a sibling exchange is
         the group of the two cores of a chip)."""
-        r = self.refs
-        return collectives.allgather(shard, getattr(r, stage.buffer), getattr(r, stage.buffer + "__send"),
-                                     getattr(r, stage.buffer + "__recv"), r.collective_count, stage.counter,
-                                     self.axis, stage.size, stage.stride)
+        return collectives.gather(self.refs, shard, stage, self.axis)
 
     def start_view(self, layer) -> None:
         """Copy loop layer `layer`'s pooled matrices into the weight view."""
@@ -115,8 +117,9 @@ class Layer:
     def vector(self, name: str) -> jax.Array:
         return vectors.vector(self.kernel.parity, self.kernel.vector_refs, self.kind, name, self.index)
 
-    def vectors_arrive(self, layers: int) -> None:
-        vectors.arrive(self.kernel.parity, self.kernel.vector_refs, self.index, layers)
+    def vectors_arrive(self) -> None:
+        """Wait for this layer's vectors and issue the ones `ahead` layers on."""
+        vectors.arrive(self.kernel.parity, self.kernel.vector_refs, self.index, self.kernel.layers)
 
     def state(self, name: str):
         """The VMEM buffer holding this layer's state family `name`."""
@@ -149,9 +152,9 @@ class Layer:
     def wait_pooled(self, name: str) -> None:
         pool.wait_matrix(self.kernel.view, self.refs, self.kind, name, self.si)
 
-    def prefetch_view(self, layers: int) -> None:
+    def prefetch_view(self) -> None:
         """Start the next loop layer's pooled matrices into the weight view."""
-        @pl.when(self.index + 1 < layers)
+        @pl.when(self.index + 1 < self.kernel.layers)
         def _():
             self.kernel.start_view(self.index + 1)
 

@@ -305,7 +305,7 @@ def prologue(k: Kernel) -> None:
 def final_hidden(k: Kernel, head_norm) -> jax.Array:
     """The output mixture over every block, then the final norm (head_norm rows: final norm,
     output mixture norm and projection)."""
-    n, count = _sources(k, len(k.dims.layer_kinds))
+    n, count = _sources(k, k.layers)
     mixed = ops.residual_mix(_blocks(k), count, head_norm[1:2, :], head_norm[2:3, :], k.dims.rms_norm_eps)
     return ops.rms_norm(mixed, head_norm[0:1, :], k.dims.rms_norm_eps)
 
