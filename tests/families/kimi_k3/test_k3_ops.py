@@ -391,10 +391,10 @@ def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits,
     weights, ids = ops.route(logits[...], bias[...], K, 2.0)
     for r in range(B):
         for j in range(K):
-            o_ids[r * K + j] = ops.expert_id(ids, r, j)
+            o_ids[r * K + j] = experts.expert_id(ids, r, j)
     w = ops.mxfp4_dequantize_tile(codes[...], scales[...], BF16)
     y = jnp.dot(x[:, :G].astype(BF16), w, preferred_element_type=F32)
-    o_moe[...] = y * ops.expert_weight(weights, o_ids[3])
+    o_moe[...] = y * experts.expert_weight(weights, o_ids[3])
 
     parts = [src[i * B:(i + 1) * B, :] for i in range(3)]
     mixed = ops.attention_residual_mix(parts, norm_w[...], proj_w[...], 1e-5)
