@@ -136,6 +136,34 @@ def reference_trajectory(reference, hf, cfg, rounding, batch: int, context: int,
     return out
 
 
+def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, ref: dict,
+            rows_list=None, what: str = "step") -> dict:
+    """One step (or verify row) of the kernel compared with both references, printed."""
+    pick = (lambda a: a) if rows_list is None else (lambda a: np.asarray(a)[rows_list])
+    plain_logits = ref["plain_logits"]
+    rec = {"step": i, "seconds": seconds,
+           "logits_max_abs_err": float(np.max(np.abs(pick(logits) - pick(plain_logits)))),
+           "logits_max_abs": float(np.max(np.abs(pick(plain_logits)))),
+           "next_token": pick(np.asarray(next_token)).tolist(),
+           "ref_next_token": pick(np.argmax(plain_logits, axis=-1)).tolist(),
+           "state_rel_err": numerics.state_errors(ours, ref["plain"], rows_list),
+           "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"], rows_list),
+                         "logits_frob": numerics.logits_frob(logits, ref["emu_logits"], rows_list),
+                         "states": numerics.state_errors(ours, ref["emulated"], rows_list)},
+           "gains": ref["gains"], "reference_seconds": ref["seconds"]}
+    emu = rec["emulation"]
+    gains = "" if rec["gains"] is None else (
+        f"; measured gains: logits {rec['gains']['logits']:.3g}, states {rec['gains']['states']:.3g}")
+    print(f"{label}{what} {i}: {seconds:.1f} s; plain reference: logits |err| "
+          f"{rec['logits_max_abs_err']:.4f} of {rec['logits_max_abs']:.2f}, states "
+          + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items())
+          + f"; rounding emulation: logits {emu['logits']:.2e} "
+          + f"(Frobenius {emu['logits_frob']:.2e}), states "
+          + ", ".join(f"{k} {v:.1e}" for k, v in emu["states"].items())
+          + f"{gains}; next {rec['next_token']} (reference {rec['ref_next_token']})", flush=True)
+    return rec
+
+
 def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, rows=None,
                label: str = "") -> list[dict]:
     """Run the kernel along `trajectory` and compare every step with both references."""
@@ -147,30 +175,54 @@ def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, row
                                                     mesh=mesh, interpret=interpret)
         logits = np.asarray(logits)
         seconds = time.perf_counter() - t0
-        ours = gen.reference_states(state)
-        pick = (lambda a: a) if rows_list is None else (lambda a: np.asarray(a)[rows_list])
-        plain_logits = ref["plain_logits"]
-        rec = {"step": i, "seconds": seconds,
-               "logits_max_abs_err": float(np.max(np.abs(pick(logits) - pick(plain_logits)))),
-               "logits_max_abs": float(np.max(np.abs(pick(plain_logits)))),
-               "next_token": pick(np.asarray(next_token)).tolist(),
-               "ref_next_token": pick(np.argmax(plain_logits, axis=-1)).tolist(),
-               "state_rel_err": numerics.state_errors(ours, ref["plain"], rows_list),
-               "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"], rows_list),
-                             "logits_frob": numerics.logits_frob(logits, ref["emu_logits"], rows_list),
-                             "states": numerics.state_errors(ours, ref["emulated"], rows_list)},
-               "gains": ref["gains"], "reference_seconds": ref["seconds"]}
-        out.append(rec)
-        emu = rec["emulation"]
-        gains = "" if rec["gains"] is None else (
-            f"; measured gains: logits {rec['gains']['logits']:.3g}, states {rec['gains']['states']:.3g}")
-        print(f"{label}step {i}: {seconds:.1f} s; plain reference: logits |err| "
-              f"{rec['logits_max_abs_err']:.4f} of {rec['logits_max_abs']:.2f}, states "
-              + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items())
-              + f"; rounding emulation: logits {emu['logits']:.2e} "
-              + f"(Frobenius {emu['logits_frob']:.2e}), states "
-              + ", ".join(f"{k} {v:.1e}" for k, v in emu["states"].items())
-              + f"{gains}; next {rec['next_token']} (reference {rec['ref_next_token']})", flush=True)
+        out.append(_record(i, label, seconds, logits, next_token, gen.reference_states(state), ref,
+                           rows_list))
+    return out
+
+
+def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) -> dict:
+    """`ours` with every cache entry at or past each sequence's committed positions (starts +
+    accepted) taken from `ref`: the verify step wrote the later rows there, which the next step
+    overwrites and masks until then, so they are not part of the committed state. A cache is a
+    reference array named `*_cache`: sequences first, then its first `context`-long axis."""
+    out = {}
+    for name, a in ours.items():
+        a = np.array(a, np.float32)
+        axes = [i for i, n in enumerate(a.shape) if i > 0 and n == context]
+        if name.endswith("_cache"):
+            t = np.arange(context).reshape([-1 if i + 1 == axes[0] else 1 for i in range(a.ndim - 1)])
+            for s, start in enumerate(np.asarray(starts)):
+                a[s] = np.where(t >= start + accepted, np.asarray(ref[name], np.float32)[s], a[s])
+        out[name] = a
+    return out
+
+
+def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, label: str = ""
+               ) -> list[dict]:
+    """One verify step over the trajectory's tokens (row r: step r's tokens, one per sequence,
+    at consecutive positions), compared row by row with the trajectory's steps: row r's logits
+    with step r's, and the state committed after r + 1 accepted rows with step r's states.
+    Committing 0 rows must give back the state before the step, exactly."""
+    tokens = np.stack([np.asarray(ref["tokens"]) for ref in trajectory], axis=1)   # [S, R]
+    starts = np.asarray(trajectory[0]["positions"])
+    before = {n: np.asarray(a) for n, a in state.items()}
+    t0 = time.perf_counter()
+    logits, next_token, verified = gen.verify_step(weights, state, tokens, starts, mesh=mesh,
+                                                   interpret=interpret)
+    logits, next_token = np.asarray(logits), np.asarray(next_token)
+    seconds = time.perf_counter() - t0
+    none = gen.commit({n: before[n] for n in gen.ROW_STATES}, verified, np.zeros(len(starts), np.int32))
+    for n in gen.ROW_STATES:
+        if not np.array_equal(np.asarray(none[n]), before[n]):
+            raise AssertionError(f"{label}committing 0 rows changed {n}")
+    out = []
+    for r, ref in enumerate(trajectory):
+        committed = gen.commit({n: before[n] for n in gen.ROW_STATES}, verified,
+                               np.full(len(starts), r + 1, np.int32))
+        ours = _past_committed(gen.reference_states(committed), ref["plain"], starts, r + 1,
+                               gen.CONTEXT)
+        out.append(_record(r, label, seconds if r == 0 else 0.0, logits[:, r], next_token[:, r],
+                           ours, ref, what="verify row"))
     return out
 
 

@@ -10,8 +10,11 @@ with the tolerances of `mkc.numerics`.
     .venv/bin/python examples/run_mini.py --checkpoint DIR     # an HF-format checkpoint
     .venv/bin/python examples/run_mini.py --mutants gqa.o_proj,gdn.gated_norm --steps 1
     .venv/bin/python examples/run_mini.py --spec schedules/qwen3_5_35b_a3b.sched --model qwen3_5_moe_mini
+    .venv/bin/python examples/run_mini.py --verify --steps 4 --batch 1   # one verify step of 4 rows
 
-Prints one line per step and, with --json, a final JSON summary (used by the tests). Exits 1
+With --verify the kernel runs one verify step instead: the --steps tokens of each of the
+--batch sequences as consecutive rows, each row judged like the decode step it replaces (its
+logits, and the state committed after it). Prints one line per step and, with --json, a final JSON summary (used by the tests). Exits 1
 when the kernel disagrees with either reference. --mutate NAME runs a copy of the generated
 module with one op scaled by 1.01 (`generated_module.MUTANTS`) instead: it must exit 1.
 --mutants A,B runs the module, then each mutant in the same process; it exits 0 only if the
@@ -37,7 +40,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (finish, load_generated, reference_trajectory,  # noqa: E402
-                              rounding_for, run_kernel)
+                              rounding_for, run_kernel, run_verify)
 
 from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
 
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
     ap.add_argument("--strict-emulation", action="store_true",
                     help="also fail when the kernel leaves the rounding emulation's bounds")
+    ap.add_argument("--emulation-check", choices=("exact", "flips"),
+                    help="judge the emulation this way (mkc.numerics; --strict-emulation: exact)")
+    ap.add_argument("--verify", action="store_true",
+                    help="one verify step of --steps rows per sequence instead of decode steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -85,18 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
     # Rows start at different positions, past the first KV tile, so per-row masking, cache
     # writes inside a 16-row block and multi-tile KV streaming are all exercised.
-    positions = jnp.asarray((136 + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
+    # A verify step's rows start 3 before a 16-row block ends, so they straddle two blocks.
+    first = 141 if args.verify else 136
+    positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
     trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
-                                      positions, args.steps, judged=args.strict_emulation)
+                                      positions, args.steps,
+                                      judged=args.strict_emulation or bool(args.emulation_check))
+    run = run_verify if args.verify else run_kernel
     summary = {"family": family.name, "mode": args.mode, "races": args.races, "batch": B,
-               "mutant": args.mutate, "strict_emulation": args.strict_emulation,
-               "steps": run_kernel(gen, weights, gen.init_state(B), trajectory, mesh, params)}
+               "verify": args.verify, "mutant": args.mutate, "strict_emulation": args.strict_emulation,
+               "emulation_check": args.emulation_check,
+               "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params)}
     if args.mutants:
         summary["mutants"] = {}
         for name in args.mutants.split(","):
             mutant = load_generated(spec, model, name)
-            steps = run_kernel(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
-                               mesh, params, label=f"[{name}] ")
+            steps = run(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
+                        mesh, params, label=f"[{name}] ")
             summary["mutants"][name] = {"steps": steps}
     return finish(summary, args.races, args.json)
 

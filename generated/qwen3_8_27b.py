@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 8f196744bd239bd1
+Input digest (spec, model config, mkc version): 27f6c90784332798
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
@@ -42,6 +42,11 @@ RANKS = 8
 TOPOLOGY = "tpu7x=2x2x1"
 BATCH_RANGE = (1, 8)
 CONTEXT = 4096
+# Verify steps: up to VERIFY_ROWS rows per sequence (an anchor and its drafts) for a range of
+# sequences; ROW_STATES are the states a verify step keeps per row (with their batch axis).
+VERIFY_ROWS = 8
+VERIFY_SEQUENCES = (1, 1)
+ROW_STATES = {'gdn__conv': 1, 'gdn__recurrent': 0}
 VMEM_LIMIT_BYTES = 67108864
 DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, num_hidden_layers=64,
                   vocab_size=248320, rms_norm_eps=1e-06,
@@ -132,18 +137,22 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10,
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
                          copies={'load_gdn_conv_buf': StateCopy(direction='load', hbm='gdn__conv',
                                                                 buffer='gdn_conv_buf',
-                                                                sem='sem__load_gdn_conv_buf'),
+                                                                sem='sem__load_gdn_conv_buf',
+                                                                batch_axis=1),
                                  'load_gdn_rec_buf': StateCopy(direction='load',
                                                                hbm='gdn__recurrent',
                                                                buffer='gdn_rec_buf',
-                                                               sem='sem__load_gdn_rec_buf'),
+                                                               sem='sem__load_gdn_rec_buf',
+                                                               batch_axis=0),
                                  'store_gdn_conv_buf': StateCopy(direction='store', hbm='gdn__conv',
                                                                  buffer='gdn_conv_buf',
-                                                                 sem='sem__store_gdn_conv_buf'),
+                                                                 sem='sem__store_gdn_conv_buf',
+                                                                 batch_axis=1),
                                  'store_gdn_rec_buf': StateCopy(direction='store',
                                                                 hbm='gdn__recurrent',
                                                                 buffer='gdn_rec_buf',
-                                                                sem='sem__store_gdn_rec_buf')},
+                                                                sem='sem__store_gdn_rec_buf',
+                                                                batch_axis=0)},
                          caches=(), kv=None, kv_rows='', kv_sem=''),
          'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
                                    'gate_up': (14, GQA_GATE_UP), 'down': (39, GQA_DOWN)},
@@ -173,22 +182,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 32: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 35: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 30: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 33: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 30: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 33: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 30: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 30: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 33: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 33: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 31: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 34: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 31: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 32: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 34: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 35: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -197,12 +206,12 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 35: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 38: two_level, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 35: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 38: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -219,21 +228,22 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 40: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 43: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 40: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 43: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
-def _kernel(*refs, B):
+def _kernel(*refs, B, R=1, verify=False):
     r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
-               experts=None, view=None, kind_ids=KIND_IDS)
+               experts=None, view=None, kind_ids=KIND_IDS,
+               R=R, verify=verify)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
     for counter in range(N_COLLECTIVE_COUNTERS):
@@ -283,13 +293,16 @@ def _hbm_shapes():
     }
 
 
-def state_shapes(B):
-    """Per-rank decode state arrays (without the leading rank axis): name -> (shape, dtype)."""
+def state_shapes(S, R=1):
+    """Per-rank decode state arrays of S sequences (without the leading rank axis): name ->
+    (shape, dtype). With R rows per sequence (a verify step's output) the recurrent states hold
+    the state after every row, S * R entries (row r * S + s: sequence s after its row r)."""
+    B = S * R
     return {
         "gdn__conv": ((len(KIND_LAYERS["gdn"]), *(3, B, 1280)), F32),
         "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), *(B, 6, 128, 128)), F32),
-        "gqa__key": ((len(KIND_LAYERS["gqa"]), *(B, CONTEXT, 256)), BF16),
-        "gqa__value": ((len(KIND_LAYERS["gqa"]), *(B, CONTEXT, 256)), BF16),
+        "gqa__key": ((len(KIND_LAYERS["gqa"]), *(S, CONTEXT, 256)), BF16),
+        "gqa__value": ((len(KIND_LAYERS["gqa"]), *(S, CONTEXT, 256)), BF16),
     }
 
 
@@ -299,14 +312,24 @@ def _vmem_input_shapes(B):
     }
 
 
-def build_kernel(B, interpret=None):
-    """The pallas_call for one rank at batch B (interpret: None for TPU, or InterpretParams)."""
-    if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
-        raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
+def build_kernel(B, interpret=None, verify_rows=None):
+    """The pallas_call for one rank at batch B (interpret: None for TPU, or InterpretParams).
+
+    With verify_rows R it is a verify kernel: B rows as B / R sequences of R consecutive
+    positions (row r * S + s is sequence s's row r), which reads the states it is given and
+    writes the state after every row (`state_shapes(S, R)`); KV caches are updated in place."""
+    R = verify_rows or 1
+    S = B // R
+    if verify_rows is None:
+        if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
+            raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
+    elif not (1 <= R <= VERIFY_ROWS and S * R == B and VERIFY_SEQUENCES[0] <= S <= VERIFY_SEQUENCES[1]):
+        raise ValueError(f"a verify step of {B} rows as {R} per sequence is outside the schedule's "
+                         f"verify {VERIFY_ROWS} rows for {VERIFY_SEQUENCES} sequences")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    states = state_shapes(B)
+    states = state_shapes(S, R)
     n_vmem_inputs = len(_vmem_input_shapes(B))
     scratch = [
         pltpu.VMEM((12, 1024, 1280), BF16),   # weights (ring)
@@ -341,13 +364,15 @@ def build_kernel(B, interpret=None):
     out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
     first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
+    # A decode step updates every state in place; a verify step only its KV caches.
+    in_place = [i for i, name in enumerate(states) if verify_rows is None or name not in ROW_STATES]
     return pl.pallas_call(
-        functools.partial(_kernel, B=B),
+        functools.partial(_kernel, B=B, R=R, verify=verify_rows is not None),
         out_shape=out_shape,
         in_specs=[smem] * 4 + [vmem] * n_vmem_inputs + [any_spec] * (len(_hbm_shapes()) + len(states)),
         out_specs=(vmem, *[any_spec] * len(states)),
         scratch_shapes=scratch,
-        input_output_aliases={first_state + i: 1 + i for i in range(len(states))},
+        input_output_aliases={first_state + i: 1 + i for i in in_place},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES, collective_id=0,
                                              has_side_effects=True),
         interpret=interpret if interpret is not None else False,
@@ -365,14 +390,11 @@ def _tile_classes():
     return ring.tile_classes(RING, sequence + STREAM_ORDER["tail"])
 
 
-def make_decode_step(mesh: Mesh, B: int, interpret=None):
-    """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
-
-    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
-    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
-    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
-    call = build_kernel(B, interpret)
-    names = list(state_shapes(B))
+def _sharded(mesh: Mesh, B: int, interpret, verify_rows=None):
+    """The kernel at B rows over `mesh`, on host-computed inputs -> (vocab-major logits
+    [B, vocab], state outputs in `state_shapes` order)."""
+    call = build_kernel(B, interpret, verify_rows)
+    names = list(state_shapes(1))
     hbm_names = list(_hbm_shapes())
     n_vmem = len(_vmem_input_shapes(B))
 
@@ -386,20 +408,84 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
                             in_specs=(P(),) * (4 + n_vmem) + (rank_spec,) * (len(hbm_names) + len(names)),
                             out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
 
-    def step(weights, state, tokens, positions):
+    def run(weights, state, tokens, positions):
         host = lower.host_inputs(DIMS, positions)
         outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
                        *[host[n] for n in _vmem_input_shapes(B)],
                        *[weights[n] for n in hbm_names], *[state[n] for n in names])
         tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
         logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, RANKS, -1)[:, :, :VOCAB_LOCAL]
-        logits = logits.reshape(B, RANKS * VOCAB_LOCAL)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), dict(zip(names, outs[1:]))
+        return logits.reshape(B, RANKS * VOCAB_LOCAL), dict(zip(names, outs[1:]))
+    return run
+
+
+def make_decode_step(mesh: Mesh, B: int, interpret=None):
+    """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
+
+    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
+    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
+    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
+    run = _sharded(mesh, B, interpret)
+
+    def step(weights, state, tokens, positions):
+        logits, state = run(weights, state, tokens, positions)
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), state
 
     # Logits and next tokens come back replicated, so every process (host) can read them.
     replicated = jax.sharding.NamedSharding(mesh, P())
-    ranked = jax.sharding.NamedSharding(mesh, rank_spec)
+    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
     return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
+
+
+def make_verify_step(mesh: Mesh, S: int, R: int, interpret=None):
+    """A jitted verify step over `mesh`: R rows (an anchor and R - 1 drafts) for each of S
+    sequences in one kernel launch, every matrix streamed once for all S * R rows.
+
+    step(weights, caches, states, tokens[S, R], starts[S]) -> (logits f32[S, R, vocab],
+    next_token [S, R], verified): sequence s's row r sits at position starts[s] + r, attends
+    causally to its cache and its earlier rows, and writes its K/V. `verified` holds the KV
+    caches (updated in place: `caches` is donated) and, per recurrent state, the state after
+    every row; `commit` keeps the accepted rows' states. starts[s] + R must not pass CONTEXT."""
+    run = _sharded(mesh, S * R, interpret, verify_rows=R)
+
+    def step(weights, caches, states, tokens, starts):
+        rows = jnp.transpose(tokens).reshape(-1)            # wave-major: row r * S + s
+        positions = (starts[None, :] + jnp.arange(R, dtype=jnp.int32)[:, None]).reshape(-1)
+        logits, verified = run(weights, caches | states, rows, positions)
+        logits = jnp.transpose(logits.reshape(R, S, -1), (1, 0, 2))
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), verified
+
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
+    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
+
+
+@jax.jit
+def _keep_accepted(states, verified, accepted):
+    """Per row state: sequence s's entry after its accepted[s]-th row, or (none accepted) its
+    state before the verify step. One gather of S entries per layer: the rejected rows' states
+    are never copied."""
+    S = accepted.shape[0]
+    out = {}
+    for name, axis in ROW_STATES.items():
+        axis += 2                                           # past the rank and layer axes
+        entry = (jnp.maximum(accepted, 1) - 1) * S + jnp.arange(S)
+        picked = jnp.take(verified[name], entry, axis=axis)
+        shape = [1] * picked.ndim
+        shape[axis] = S
+        out[name] = jnp.where((accepted == 0).reshape(shape), states[name], picked)
+    return out
+
+
+def commit(state, verified, accepted):
+    """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
+    from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
+    KV caches as the verify step left them (entries past the accepted rows are masked by
+    position and overwritten by the next step)."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
+                          accepted)
+    return {n: rows[n] if n in ROW_STATES else verified[n] for n in verified}
 
 
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
@@ -506,3 +592,22 @@ def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, 
     return _STEPS[key](weights, state, tokens, positions)
 
 
+
+
+_VERIFY_STEPS: dict = {}
+
+
+def verify_step(weights, state, tokens, starts, *, mesh: Mesh | None = None, interpret=None):
+    """One verify step (`make_verify_step`) of tokens [S, R] at starts [S]; builds and caches the
+    jitted step per shape, mesh and mode. The state's KV caches are donated: continue from
+    `commit(state, verified, accepted)`."""
+    if mesh is None:
+        mesh = make_mesh()
+    S, R = np.shape(tokens)
+    key = (S, R, mesh, interpret)
+    if key not in _VERIFY_STEPS:
+        _VERIFY_STEPS[key] = make_verify_step(mesh, S, R, interpret)
+    caches = {n: a for n, a in state.items() if n not in ROW_STATES}
+    states = {n: a for n, a in state.items() if n in ROW_STATES}
+    return _VERIFY_STEPS[key](weights, caches, states, jnp.asarray(tokens, jnp.int32),
+                              jnp.asarray(starts, jnp.int32))

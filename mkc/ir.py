@@ -393,6 +393,15 @@ class ScheduleIR:
     # "kind.family" (or "expert.family") -> MXU facts, for matrices that are not plain bf16
     matrix_facts: dict[str, MatrixFacts] = field(default_factory=dict)
     tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # final_norm, lm_head, embed
+    verify_rows: int = 0         # rows per sequence of the verify step (0: none)
+    verify_sequences: tuple[int, int] = (0, 0)
+
+    @property
+    def rows_max(self) -> int:
+        """Rows of the widest kernel: the largest decode batch or verify step. A verify
+        kernel's buffers are those of a decode kernel of as many rows, or smaller (its KV
+        tiles hold one entry per sequence), so capacity is checked at this width."""
+        return max(self.batch_max, self.verify_rows * self.verify_sequences[1])
 
     def to_json(self) -> str:
         """Deterministic JSON of the whole IR (spans included, so tools can point at the spec)."""

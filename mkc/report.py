@@ -13,7 +13,7 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
     """VMEM peaks per compiled batch (by class and buffer), the weight stream, HBM per chip and
     the HBM-bandwidth floor of a step. Bytes are integers; nothing here is rounded."""
     vmem = []
-    for batch in sorted({s.batch_min, s.batch_max}):
+    for batch in sorted({s.batch_min, s.batch_max, s.rows_max}):
         peak, where, live = vmem_budget(s, events, batch)
         vmem.append({"batch": batch, "peak_bytes": peak, "where": where,
                      "budget_bytes": vmem_budget_bytes(s, batch),
@@ -47,7 +47,9 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
         by_cls: dict[str, int] = {}
         for b in v["buffers"]:
             by_cls[b["class"]] = by_cls.get(b["class"], 0) + b["bytes"]
-        lines += [f"VMEM budget of {s.name} ({s.model}) at batch {v['batch']}, peak at "
+        width = (f"a verify step of {v['batch']} rows" if v["batch"] > s.batch_max
+                 else f"batch {v['batch']}")
+        lines += [f"VMEM budget of {s.name} ({s.model}) at {width}, peak at "
                   f"{v['where']}:", f"  {'class':<12} {'MiB':>9}  buffers"]
         for cls in sorted(by_cls, key=lambda k: (-by_cls[k], k)):
             names = ", ".join(b["name"] for b in v["buffers"] if b["class"] == cls)

@@ -183,6 +183,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         raise fail("E-CONTEXT", f"context {context.value} leaves no room for the token being "
                    "decoded", context.span, hint="the context is the KV cache length in tokens: "
                    "e.g. `context 4096`")
+    verify_rows, verify_sequences = _resolve_verify(sched, b_lo, b_hi, context.value)
     vmem = _require(sched, "vmem", "vmem limit 64 MiB reserve 6 MiB")
     limit, reserve = vmem.value
     if limit.value > topo.chip.vmem_bytes:
@@ -301,12 +302,14 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         raise fail("E-DUPLICATE", f"buffer '{dup}' is declared twice", sched.name.span,
                    hint="give each VMEM buffer its own name")
 
-    hbm = _hbm_bytes(graph, stream, parity, pools, B, context.value)
+    hbm = _hbm_bytes(graph, stream, parity, pools, B, context.value,
+                     verify_rows * verify_sequences[1])
     return ir.ScheduleIR(
         name=sched.name.text, source=sched.source_file, model=dims.name,
         family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
         chip=chip_name, topology=topo.spec, mesh_axis=axis, ranks=ranks,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
+        verify_rows=verify_rows, verify_sequences=verify_sequences,
         context=context.value, vmem_limit=limit.value, vmem_reserve=reserve.value,
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,
@@ -911,16 +914,42 @@ def _check_view_copies(layer_kinds: tuple[str, ...], kinds: dict[str, ir.KindSch
                        "layer reads it", k.prefetch.span, hint="remove the prefetch")
 
 
+def _resolve_verify(sched, b_lo: int, b_hi: int, context: int) -> tuple[int, tuple[int, int]]:
+    """`verify R sequences S1 to S2` -> (R, (S1, S2)); (0, (0, 0)) without a verify step. The
+    sequences must lie in the batch range: a commit hands the decode step their state."""
+    setting = sched.settings.get("verify")
+    if setting is None:
+        return 0, (0, 0)
+    rows, (s_lo, s_hi) = setting.value
+    if rows < 2:
+        raise fail("E-VERIFY", f"verify {rows} checks no drafts: a verify step takes an anchor "
+                   "and at least one draft per sequence", setting.span,
+                   hint="write `verify 8` (1 anchor + 7 drafts), or drop the line to decode only")
+    if rows >= context:
+        raise fail("E-VERIFY", f"verify {rows} rows do not fit the context of {context} tokens",
+                   setting.span, hint=f"verify at most {context - 1} rows, e.g. `verify 8`")
+    if not 1 <= s_lo <= s_hi:
+        raise fail("E-VERIFY", f"verify sequences {s_lo} to {s_hi} is empty or starts below 1",
+                   setting.span, hint=f"write `verify {rows} sequences 1`")
+    if not (b_lo <= s_lo and s_hi <= b_hi):
+        raise fail("E-VERIFY", f"verify sequences {s_lo} to {s_hi} leave the batch range "
+                   f"{b_lo} to {b_hi}: the decode step continues from a verify step's state",
+                   setting.span, hint=f"use sequences within {b_lo} to {b_hi}, or widen `batch`")
+    return rows, (s_lo, s_hi)
+
+
 def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, pools: list[ir.Pool],
-               B: int, context: int) -> dict[str, int]:
-    """HBM bytes one rank holds, by class (weights padded to ring slots, as packed)."""
+               B: int, context: int, verify_rows: int = 0) -> dict[str, int]:
+    """HBM bytes one rank holds, by class (weights padded to ring slots, as packed); a verify
+    step's output adds a recurrent state per row."""
     slot_bytes = stream.tile_rows * stream.tile_cols * 2
     n_layers = len(graph.layer_kinds)
-    state = cache = 0
+    state = cache = row_state = 0
     for kname in graph.layer_kinds:
         for t in graph.kinds[kname].states():
             if t.role == "state":
                 state += B * t.nbytes
+                row_state += verify_rows * t.nbytes
             else:
                 cache += B * context * t.nbytes
     out = {"streamed weights": stream.total_tiles * slot_bytes}
@@ -939,4 +968,4 @@ def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, pools: 
         "vectors": n_layers * parity.rows * parity.cols * 4,
         "recurrent state": state,
         "kv cache": cache,
-    }
+    } | ({"verify states": row_state} if row_state else {})

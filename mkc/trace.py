@@ -157,7 +157,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     # ---- pool views ----------------------------------------------------------------------
     views = {f"{p.name}.{v.name}": v for p in s.pools for v in p.views}
     # Worst case for routed experts: every row picks top_k experts of this rank's group.
-    expert_count = min(s.top_k * s.batch_max, s.per_rank.get("local_experts", 0))
+    expert_count = min(s.top_k * s.rows_max, s.per_rank.get("local_experts", 0))
     if opts.experts is not None:
         expert_count = min(opts.experts, s.per_rank.get("local_experts", 0))
 

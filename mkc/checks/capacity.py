@@ -73,8 +73,8 @@ def _interpolate(points: list[tuple[int, int]], batch: int) -> int:
 
 
 def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
-    """Modelled compiler scratch of the kernel built at `batch` (default: the largest)."""
-    batch = batch or s.batch_max
+    """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest)."""
+    batch = batch or s.rows_max
     n = _interpolate(families.get(s.family).compiler_scratch, batch)
     tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=KV_BASE_TOKENS)
     n += KV_TOKEN_SCRATCH * max(0, tokens - KV_BASE_TOKENS) + COMPILER_SCRATCH_MARGIN
@@ -100,9 +100,9 @@ def _compiler_buffer(nbytes: int) -> ir.Buffer:
 def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
                 ) -> tuple[int, str, list[ir.Buffer]]:
     """(peak bytes, where, buffers live there) for the kernel built at `batch` (default: the
-    largest): resident buffers, VMEM inputs and compiler scratch, plus the scoped buffers
-    open."""
-    batch = batch or s.batch_max
+    widest, `ScheduleIR.rows_max`): resident buffers, VMEM inputs and compiler scratch, plus the
+    scoped buffers open."""
+    batch = batch or s.rows_max
     buffers = [b.at_batch(batch) for b in s.buffers]
     resident = ([b for b in buffers if b.scope is None] + vmem_inputs(s, batch)
                 + [_compiler_buffer(compiler_overhead_bytes(s, batch))])
@@ -134,15 +134,21 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     largest = f"the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
     hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
             "tightly")
-    fits_up_to = _largest_batch_that_fits(s, events, budget)
-    if fits_up_to is not None:         # the batch range is what overflows: point at it
+    if s.rows_max > s.batch_max and vmem_budget(s, events, s.batch_max)[0] <= budget:
+        # Decoding fits: the verify step's rows are what overflow.
+        rows = _largest_batch_that_fits(s, events, budget, s.batch_max, s.rows_max)
+        span = s.setting_spans.get("verify", span)
+        hint = (f"a kernel of up to {rows} rows fits: verify at most {rows // s.verify_sequences[1]} "
+                f"rows for {s.verify_sequences[1]} sequences; or shrink {largest}")
+    elif (fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min, s.batch_max)) is not None:
+        # The batch range is what overflows: point at it.
         span = s.setting_spans.get("batch", span)
         hint = (f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to "
                 f"{fits_up_to}`; for larger batches shrink {largest}")
     usable = usable_vmem_bytes(s)
     return [Diagnostic(
         "E-VMEM-CAPACITY",
-        f"VMEM needs {peak / 2**20:.2f} MiB at {where} (batch {s.batch_max}), over the budget "
+        f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s)}), over the budget "
         f"of {budget / 2**20:.2f} MiB ({usable / 2**20:.2f} MiB usable minus reserve "
         f"{s.vmem_reserve / 2**20:.2f} MiB)", span, hint=hint,
         notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
@@ -150,16 +156,16 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
 
 
 def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
-    """Every buffer alone within the budget at the largest batch: checked on the IR before the
+    """Every buffer alone within the budget at the widest kernel: checked on the IR before the
     trace, whose size is bounded only for schedules that pass it (KV slots, say)."""
     budget = vmem_budget_bytes(s)
     diags = []
     for b in s.buffers:
-        b = b.at_batch(s.batch_max)
+        b = b.at_batch(s.rows_max)
         if b.vmem_bytes > budget:
             diags.append(Diagnostic(
                 "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
-                f"at batch {s.batch_max}, over the budget of {budget / 2**20:.2f} MiB",
+                f"at {_width(s)}, over the budget of {budget / 2**20:.2f} MiB",
                 _buffer_span(s, b), hint="fewer slots, smaller tiles or a smaller batch",
                 notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
     return diags
@@ -170,13 +176,19 @@ def _buffer_span(s: ir.ScheduleIR, b: ir.Buffer):
     return b.span if b.span.file == s.source else s.setting_spans.get("vmem", b.span)
 
 
-def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int) -> int | None:
-    """The largest batch of the spec's range whose kernel fits, if the smallest does (VMEM
-    grows with the batch, so a bisection needs a handful of budget evaluations)."""
-    if vmem_budget(s, events, s.batch_min)[0] > budget:
+def _width(s: ir.ScheduleIR) -> str:
+    if s.rows_max > s.batch_max:
+        return f"the verify step's {s.rows_max} rows"
+    return f"batch {s.batch_max}"
+
+
+def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int, lo: int,
+                             hi: int) -> int | None:
+    """The largest row count in lo..hi whose kernel fits, if lo does (VMEM grows with the
+    rows, so a bisection needs a handful of budget evaluations)."""
+    if vmem_budget(s, events, lo)[0] > budget:
         return None
-    lo, hi = s.batch_min, s.batch_max          # lo fits, hi does not
-    while hi - lo > 1:
+    while hi - lo > 1:                         # lo fits, hi does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if vmem_budget(s, events, mid)[0] <= budget else (lo, mid)
     return lo

@@ -125,6 +125,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
     gather_literals = []
     kinds: dict[str, KindPlan] = {}
     state_arrays = []
+    row_states = []              # (state array, its batch axis): one entry per row when verifying
     sems: list[str] = ["sem__head_norm", "sem__embed"]
     drains = []
     for kname in sorted(s.kinds):
@@ -145,7 +146,8 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         for t in k.transfers:
             cname = copy_name(t)
             sem = f"sem__{t.direction}_{t.buffer}"
-            copies[cname] = StateCopy(t.direction, f"{kname}__{t.state}", t.buffer, sem)
+            copies[cname] = StateCopy(t.direction, f"{kname}__{t.state}", t.buffer, sem,
+                                      s.buffer(t.buffer).batch_axis or 0)
             states[t.state] = t.buffer
             sems.append(sem)
             drains += [(kname, cname, t)] * t.drain
@@ -162,8 +164,9 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
                 state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), DTYPE_SOURCE[buf.dtype]))
+                row_states.append((f"{kname}__{sname}", buf.batch_axis))
         for c, b in zip(caches, kv_bufs):
-            state_arrays.append((c, kname, f"(B, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
+            state_arrays.append((c, kname, f"(S, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
 
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
     scratch_names = [b.name for b in resident] + ["ring_sem", "vectors_sem"] + sems
@@ -258,6 +261,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         "drains": drains,
         "tail_name": _matrix_name("tail", st.tail[0].name),
         "state_arrays": state_arrays,
+        "row_states_literal": literal(dict(row_states), 13),
         "vmem_inputs": [(b.name, b.shape_expr(), DTYPE_SOURCE[b.dtype]) for b in vmem_inputs],
         "experts_literal": literal(expert_slots, 10),
         "expert_inputs": expert_inputs,

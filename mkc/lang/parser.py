@@ -23,7 +23,7 @@ _TOKEN_WORDS = {
 _MAX_DIGITS = 12
 MAX_SPEC_BYTES = 256 << 10    # a schedule is a few KiB; parsing costs ~10 us a byte
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-_SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "context", "vmem")
+_SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "verify", "context", "vmem")
 # Which list of the parent node each statement node joins.
 _PHASE_LISTS = {ast.Scoped: "scoped", ast.Transfer: "transfers", ast.KvTiles: "kv_tiles",
                 ast.AllReduce: "allreduces", ast.AllGather: "allgathers",
@@ -120,6 +120,12 @@ class _ToAst(Transformer):
         lo = int(items[0])
         hi = int(items[1]) if len(items) > 1 else lo
         return ("batch", ast.Setting((lo, hi), _span(self.file, meta)))
+
+    @v_args(meta=True)
+    def verify_stmt(self, meta, items):
+        lo = int(items[1]) if len(items) > 1 else 1
+        hi = int(items[2]) if len(items) > 2 else lo
+        return ("verify", ast.Setting((int(items[0]), (lo, hi)), _span(self.file, meta)))
 
     @v_args(meta=True)
     def context_stmt(self, meta, items):

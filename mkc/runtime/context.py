@@ -30,6 +30,7 @@ class StateCopy:
     hbm: str
     buffer: str
     sem: str
+    batch_axis: int = 0  # the buffer's batch (row) axis
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,12 @@ class KindPlan:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel invocation: its refs by name, batch and the step-wide mechanisms."""
+    """One kernel invocation: its refs by name, batch and the step-wide mechanisms.
+
+    B rows run as R rows per sequence of S = B / R sequences, wave-major: row r * S + s is
+    sequence s's r-th row (consecutive positions). Decoding is R = 1. A verify kernel (verify
+    True) leaves the step's input states untouched and keeps the state after every row: its
+    state buffers hold one state per row, in row order, and its state loads read the inputs."""
 
     refs: types.SimpleNamespace
     B: int
@@ -62,6 +68,13 @@ class Kernel:
     experts: experts.ExpertSlots | None = None
     view: pool.WeightView | None = None        # the weight view the layers prefetch into
     kind_ids: Mapping[str, int] | None = None
+    R: int = 1                                 # rows per sequence
+    verify: bool = False
+
+    @property
+    def S(self) -> int:
+        """Sequences."""
+        return self.B // self.R
 
     @property
     def layers(self) -> int:
@@ -103,8 +116,34 @@ class Layer:
         return self.kernel.B
 
     @property
+    def S(self) -> int:
+        return self.kernel.S
+
+    @property
+    def R(self) -> int:
+        return self.kernel.R
+
+    @property
     def dims(self) -> Any:
         return self.kernel.dims
+
+    def sequence(self, b: int) -> int:
+        """The sequence of row b (its KV cache)."""
+        return b % self.S
+
+    def state_source(self, b: int) -> int:
+        """The state-buffer entry row b starts from: the previous row of its sequence, or for a
+        sequence's first row the loaded state, which sits in entry b (so updates are in place
+        when decoding)."""
+        return b - self.S if b >= self.S else b
+
+    def waves(self) -> list[tuple[slice, slice]]:
+        """(rows, their source entries) per wave of rows, for ops that update a state a whole
+        wave at a time: wave r's rows are r * S .. (r + 1) * S and start from the previous
+        wave's entries (the first wave from its own, loaded, entries)."""
+        S = self.S
+        return [(slice(r * S, (r + 1) * S), slice(max(r - 1, 0) * S, max(r, 1) * S))
+                for r in range(self.R)]
 
     @property
     def per_rank(self) -> Mapping[str, int]:
@@ -128,11 +167,16 @@ class Layer:
     def copy(self, name: str, previous: bool = False):
         """The state copy `name` of this layer (or of the previous layer of the kind)."""
         cp = self.plan.copies[name]
-        hbm = getattr(self.refs, cp.hbm).at[self.si - 1 if previous else self.si]
         vmem, sem = getattr(self.refs, cp.buffer), getattr(self.refs, cp.sem)
-        if cp.direction == "load":
-            return pltpu.make_async_copy(hbm, vmem, sem)
-        return pltpu.make_async_copy(vmem, hbm, sem)
+        si = self.si - 1 if previous else self.si
+        if cp.direction == "store":
+            return pltpu.make_async_copy(vmem, getattr(self.refs, cp.hbm).at[si], sem)
+        if not self.kernel.verify:
+            return pltpu.make_async_copy(getattr(self.refs, cp.hbm).at[si], vmem, sem)
+        # A verify kernel's output holds a state per row; the S input states land in the
+        # first wave's entries (the leading S along the batch axis).
+        entries = (slice(None),) * cp.batch_axis + (pl.ds(0, self.S),)
+        return pltpu.make_async_copy(getattr(self.refs, cp.hbm + "_in").at[si], vmem.at[entries], sem)
 
     def matmul(self, name: str, h: jax.Array) -> jax.Array:
         """h @ matrix family `name` of this layer -> f32 [B, columns]: from the ring (padded to
@@ -164,7 +208,8 @@ class Layer:
     def kv_write(self, new: list[jax.Array]) -> None:
         """Write each row's new cache entries (one [B, width] array per cache) at its position."""
         kv.write_rows(self._caches(), getattr(self.refs, self.plan.kv_rows),
-                      getattr(self.refs, self.plan.kv_sem), self.si, self.refs.positions, new, self.B)
+                      getattr(self.refs, self.plan.kv_sem), self.si, self.refs.positions, new,
+                      self.S, self.R)
 
     def kv_fold(self, body: Callable, init):
         """Fold body(t, tiles, tokens, carry) over this layer's cached tokens (mkc.runtime.kv)."""

@@ -2,9 +2,11 @@
 aligned tile, and the cached tokens streamed through scoped VMEM slots, a few tiles ahead of a
 tile body (the op's online softmax).
 
-A cache is HBM ``[layers of the kind, B, context, width]`` bf16. A single bf16 row is not a legal
-DMA target on TPU, so a row is written by copying the aligned 16-row tile holding it into VMEM,
-replacing the row and copying the tile back.
+A cache is HBM ``[layers of the kind, S, context, width]`` bf16: one per sequence. A kernel runs
+R rows per sequence (1 when decoding, R when verifying drafts), ordered row-major by wave: row
+``r * S + s`` is sequence s's r-th row, at consecutive positions. A single bf16 row is not a
+legal DMA target on TPU, so a sequence's new rows are written by copying the aligned 16-row
+tiles holding them into VMEM, replacing the rows and copying the tiles back.
 """
 from __future__ import annotations
 
@@ -28,36 +30,54 @@ class KvTiles:
     ahead: int
 
 
-def write_rows(caches: Sequence, rows_buf, sem, si, positions, new: Sequence[jax.Array], B: int) -> None:
-    """Write row b of new[c] ([B, width]) at position positions[b] of cache c (layer si): read
-    every row's tile, then write them all back (rows_buf: [len(caches), B, 16, width])."""
+def window_tiles(R: int) -> int:
+    """Aligned 16-row tiles a run of R consecutive positions can touch."""
+    return 1 + -(-(R - 1) // ROW_TILE)
+
+
+def write_rows(caches: Sequence, rows_buf, sem, si, positions, new: Sequence[jax.Array],
+               S: int, R: int = 1) -> None:
+    """Write row b of new[c] ([S * R, width]) at position positions[b] of cache c (layer si) in
+    its sequence b % S. Each sequence's rows are consecutive positions, inside W =
+    window_tiles(R) aligned tiles: all tiles are read, the rows replaced, and all written back,
+    so rows sharing a tile never overwrite each other. rows_buf is [len(caches), S * R, 16,
+    width]; sequence s's tiles use its entries s + w * S (W <= R). The window is clamped to end
+    at the context, which holds every row because the last position is below it."""
+    W = window_tiles(R)
+    context = caches[0].shape[2]
     row = lax.broadcasted_iota(jnp.int32, rows_buf.shape[2:], 0)
     for phase in ("read", "write"):
         copies = []
-        for b in range(B):
-            pos = positions[b]
-            base = pl.multiple_of((pos // ROW_TILE) * ROW_TILE, ROW_TILE)
-            for c, cache in enumerate(caches):
-                hbm = cache.at[si, b, pl.ds(base, ROW_TILE)]
-                if phase == "read":
-                    cp = pltpu.make_async_copy(hbm, rows_buf.at[c, b], sem)
-                else:
-                    value = new[c][b:b + 1].astype(rows_buf.dtype)
-                    rows_buf[c, b] = jnp.where(row == pos - base,
-                                               jnp.broadcast_to(value, rows_buf.shape[2:]), rows_buf[c, b])
-                    cp = pltpu.make_async_copy(rows_buf.at[c, b], hbm, sem)
-                cp.start()
-                copies.append(cp)
+        for s in range(S):
+            first = positions[s]
+            base = jnp.minimum((first // ROW_TILE) * ROW_TILE, context - W * ROW_TILE)
+            for w in range(W):
+                start = pl.multiple_of(base + w * ROW_TILE, ROW_TILE)
+                for c, cache in enumerate(caches):
+                    hbm = cache.at[si, s, pl.ds(start, ROW_TILE)]
+                    tile = rows_buf.at[c, s + w * S]
+                    if phase == "read":
+                        cp = pltpu.make_async_copy(hbm, tile, sem)
+                    else:
+                        block = rows_buf[c, s + w * S]
+                        for r in range(R):
+                            value = new[c][r * S + s:r * S + s + 1].astype(rows_buf.dtype)
+                            block = jnp.where(row == positions[r * S + s] - start,
+                                              jnp.broadcast_to(value, block.shape), block)
+                        rows_buf[c, s + w * S] = block
+                        cp = pltpu.make_async_copy(tile, hbm, sem)
+                    cp.start()
+                    copies.append(cp)
         for cp in copies:
             cp.wait()
 
 
 def stream(kv: KvTiles, caches: Sequence, si, positions, B: int,
            body: Callable, init):
-    """Fold `body(t, tiles, tokens, carry) -> carry` over the cache tiles up to the largest row
-    position: `tiles[c]` is cache c's tile t in VMEM ([B, tokens, width]), `tokens` the token
-    index of each of its rows ([1, tokens]). Tiles stream through kv.slots scoped slots per
-    cache, kv.ahead tiles ahead."""
+    """Fold `body(t, tiles, tokens, carry) -> carry` over the cache tiles up to the largest
+    position of the B rows: `tiles[c]` is cache c's tile t in VMEM ([S, tokens, width], one per
+    sequence), `tokens` the token index of each of its rows ([1, tokens]). Tiles stream through
+    kv.slots scoped slots per cache, kv.ahead tiles ahead."""
     last = positions[0]
     for b in range(1, B):
         last = jnp.maximum(last, positions[b])
@@ -93,6 +113,7 @@ def stream(kv: KvTiles, caches: Sequence, si, positions, B: int,
 
         return lax.fori_loop(0, n_tiles, tile, init)
 
-    shapes = [pltpu.VMEM((kv.slots, B, kv.tokens, cache.shape[-1]), cache.dtype) for cache in caches]
+    shapes = [pltpu.VMEM((kv.slots, cache.shape[1], kv.tokens, cache.shape[-1]), cache.dtype)
+              for cache in caches]
     sems = [pltpu.SemaphoreType.DMA((kv.slots,)) for _ in caches]
     return pl.run_scoped(scoped, *shapes, *sems)

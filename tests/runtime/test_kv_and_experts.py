@@ -1,7 +1,7 @@
 """``mkc.runtime.kv`` and ``mkc.runtime.experts`` in small grid-less kernels in TPU interpret mode
 (both DMA modes and with race detection), against numpy: the KV row writes land at each row's
-position inside an aligned tile and the tile fold visits exactly the tokens up to the largest
-position; the expert slots list the distinct picked experts of this rank's group in ascending
+position inside aligned tiles (a verify step's rows of one sequence sharing and straddling
+tiles) and the tile fold visits exactly the tokens up to each row's position; the expert slots list the distinct picked experts of this rank's group in ascending
 order and cycle more experts than slots through them."""
 from __future__ import annotations
 
@@ -26,26 +26,35 @@ def _races_found() -> bool:
     return bool(ipc.races.races_found)
 
 
+# (sequences, rows per sequence, each sequence's first position): decoding; and verifying, with
+# rows that share a 16-row tile, cross into the next, and end at the context's last token.
+LAYOUTS = {"decode": (2, 1, [21, 40]), "verify": (2, 3, [14, 61])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode):
-    B, T, W, layers, si = 2, 64, 128, 2, 1
+def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, layout):
+    S, R, starts = LAYOUTS[layout]
+    B, T, W, layers, si = S * R, 64, 128, 2, 1
     tiles = kv.KvTiles(tokens=16, slots=2, ahead=1)
-    positions = np.array([21, 40], np.int32)           # inside tiles 1 and 2, not tile aligned
+    # row r * S + s: sequence s at starts[s] + r
+    positions = np.array([starts[s] + r for r in range(R) for s in range(S)], np.int32)
+    seq = [b % S for b in range(B)]
     rng = np.random.default_rng(0)
-    keys = rng.standard_normal((layers, B, T, W)).astype(ml_dtypes.bfloat16)
-    values = rng.standard_normal((layers, B, T, W)).astype(ml_dtypes.bfloat16)
+    keys = rng.standard_normal((layers, S, T, W)).astype(ml_dtypes.bfloat16)
+    values = rng.standard_normal((layers, S, T, W)).astype(ml_dtypes.bfloat16)
     new = rng.standard_normal((2, B, W)).astype(np.float32)
 
     def kernel(pos_ref, new_ref, k_in, v_in, sums_ref, k_out, v_out, rows_buf, sem):
         caches = (k_out, v_out)
-        kv.write_rows(caches, rows_buf, sem, si, pos_ref, [new_ref[0], new_ref[1]], B)
+        kv.write_rows(caches, rows_buf, sem, si, pos_ref, [new_ref[0], new_ref[1]], S, R)
 
         def body(t, tile_refs, tokens, carry):
             k_tile, v_tile = tile_refs
             out = []
             for b in range(B):
                 visible = (tokens <= pos_ref[b]).astype(F32)          # [1, tokens]
-                out.append(carry[b] + jnp.dot(visible, k_tile[b].astype(F32) + v_tile[b].astype(F32),
+                out.append(carry[b] + jnp.dot(visible, k_tile[seq[b]].astype(F32) + v_tile[seq[b]].astype(F32),
                                               preferred_element_type=F32))
             return tuple(out)
 
@@ -68,11 +77,12 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode):
 
     want_k, want_v = keys.astype(np.float32), values.astype(np.float32)
     for b in range(B):
-        want_k[si, b, positions[b]] = new[0, b].astype(ml_dtypes.bfloat16)
-        want_v[si, b, positions[b]] = new[1, b].astype(ml_dtypes.bfloat16)
+        want_k[si, seq[b], positions[b]] = new[0, b].astype(ml_dtypes.bfloat16)
+        want_v[si, seq[b], positions[b]] = new[1, b].astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(k_after, np.float32), want_k)   # only those rows changed
     np.testing.assert_array_equal(np.asarray(v_after, np.float32), want_v)
-    want = np.stack([(want_k[si, b] + want_v[si, b])[:positions[b] + 1].sum(axis=0) for b in range(B)])
+    want = np.stack([(want_k[si, seq[b]] + want_v[si, seq[b]])[:positions[b] + 1].sum(axis=0)
+                     for b in range(B)])
     np.testing.assert_allclose(np.asarray(sums), want, rtol=1e-5, atol=1e-3)
     if mode == "races":
         assert not _races_found()

@@ -113,14 +113,17 @@ def conv(c: Layer, proj: jax.Array) -> jax.Array:
     taps = c.dims.conv_taps
     state = c.state("conv")
     mixed = proj[:, :3 * width].astype(BF16)
-    window = [state[j] for j in range(taps - 1)] + [mixed]
     w = c.vector("conv_weight")
-    acc = window[0].astype(F32) * w[0:1]
-    for j in range(1, taps):
-        acc = acc + window[j].astype(F32) * w[j:j + 1]
-    for j in range(taps - 1):
-        state[j] = window[j + 1]
-    return jax.nn.silu(acc)
+    out = []
+    for rows, source in c.waves():     # a wave of rows at a time (`Layer.waves`)
+        window = [state[j, source] for j in range(taps - 1)] + [mixed[rows]]
+        acc = window[0].astype(F32) * w[0:1]
+        for j in range(1, taps):
+            acc = acc + window[j].astype(F32) * w[j:j + 1]
+        for j in range(taps - 1):
+            state[j, rows] = window[j + 1]
+        out.append(jax.nn.silu(acc))
+    return jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
 
 
 def delta_rule(c: Layer, qkv: jax.Array, gate: jax.Array, proj: jax.Array) -> jax.Array:
@@ -137,8 +140,8 @@ def delta_rule(c: Layer, qkv: jax.Array, gate: jax.Array, proj: jax.Array) -> ja
             q = ops.l2_normalize(qkv[b:b + 1, lanes]) * (hd ** -0.5)
             k = ops.l2_normalize(qkv[b:b + 1, width + h * hd:width + (h + 1) * hd])
             val = qkv[b:b + 1, 2 * width + h * hd:2 * width + (h + 1) * hd]
-            o, state[b, h] = ops.kda_head_step(state[b, h], q, k, val, decay[b:b + 1, lanes],
-                                               beta[b:b + 1, h:h + 1])
+            o, state[b, h] = ops.kda_head_step(state[c.state_source(b), h], q, k, val,
+                                               decay[b:b + 1, lanes], beta[b:b + 1, h:h + 1])
             outs.append(o)
         rows.append(jnp.concatenate(outs, axis=-1) if heads > 1 else outs[0])
     return jnp.concatenate(rows, axis=0) if c.B > 1 else rows[0]
@@ -188,8 +191,8 @@ def absorb_query(c: Layer, q: jax.Array) -> list:
 
 
 def attention(c: Layer, q_lat: list) -> list:
-    """Online softmax per row over this rank's heads and the cached latent tokens up to the
-    row's position -> per row (latent average accumulator, denominator)."""
+    """Online softmax per row over this rank's heads and its sequence's cached latent tokens up
+    to the row's position -> per row (latent average accumulator, denominator)."""
     heads, lora, extra = c.per_rank["heads"], c.dims.kv_lora, c.dims.qk_extra
     scale = (c.dims.head_dim + extra) ** -0.5
 
@@ -197,7 +200,7 @@ def attention(c: Layer, q_lat: list) -> list:
         (latent,) = tiles
         out = []
         for b in range(c.B):
-            cached = latent[b]
+            cached = latent[c.sequence(b)]
             m, denom, acc = carry[b]
             q, q_extra = q_lat[b]
             out.append(ops.mla_tile(q, q_extra, cached[:, :lora], cached[:, lora:lora + extra],

@@ -64,21 +64,25 @@ def mlp_residual(c: Layer, mlp_out: jax.Array) -> None:
 
 # ---- gated delta net ------------------------------------------------------------------------
 def conv(c: Layer, proj: jax.Array) -> jax.Array:
-    """Causal depthwise conv + SiLU over the conv state's taps and this token; the state keeps
-    the newest taps. Inputs are rounded to bf16 where they enter the state, as upstream caches
-    them."""
+    """Causal depthwise conv + SiLU over the conv state's taps and this token, a wave of rows at
+    a time (a verify step's rows of one sequence follow each other); each row's state entry
+    keeps its newest taps. Inputs are rounded to bf16 where they enter the state, as upstream
+    caches them."""
     taps, channels = c.dims.linear_conv_kernel_dim, c.per_rank["conv_ch"]
     state = c.state("conv")
     mixed = proj[:, :channels].astype(BF16).astype(F32)
-    window = [state[j] for j in range(taps - 1)] + [mixed]
-    qkv = ops.causal_conv_silu(window, c.vector("conv_weight"))
-    for j in range(taps - 1):
-        state[j] = window[j + 1]
-    return qkv
+    out = []
+    for rows, source in c.waves():
+        window = [state[j, source] for j in range(taps - 1)] + [mixed[rows]]
+        out.append(ops.causal_conv_silu(window, c.vector("conv_weight")))
+        for j in range(taps - 1):
+            state[j, rows] = window[j + 1]
+    return jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
 
 
 def delta_rule(c: Layer, qkv: jax.Array, proj: jax.Array) -> jax.Array:
-    """The gated delta rule, row by row and head by head, on the recurrent state."""
+    """The gated delta rule, row by row and head by head, on the recurrent state (each row
+    starts from its sequence's previous row: `Layer.state_source`)."""
     p = c.per_rank
     nk, nv, dk, dv = p["nk"], p["nv"], p["dk"], p["dv"]
     state = c.state("recurrent")
@@ -86,13 +90,14 @@ def delta_rule(c: Layer, qkv: jax.Array, proj: jax.Array) -> jax.Array:
     g = -jnp.exp(c.vector("A_log")) * ops.softplus(proj[:, p["a_off"]:p["a_off"] + nv] + c.vector("dt_bias"))
     rows = []
     for b in range(c.B):
+        src = c.state_source(b)
         heads = []
         for h in range(nv):
             kh = h // (nv // nk)
             q = ops.l2_normalize(qkv[b:b + 1, kh * dk:(kh + 1) * dk]) * (dk ** -0.5)
             k = ops.l2_normalize(qkv[b:b + 1, nk * dk + kh * dk:nk * dk + (kh + 1) * dk])
             val = qkv[b:b + 1, 2 * nk * dk + h * dv:2 * nk * dk + (h + 1) * dv]
-            o, state[b, h] = ops.delta_rule_head(state[b, h], q, k, val, g[b:b + 1, h:h + 1],
+            o, state[b, h] = ops.delta_rule_head(state[src, h], q, k, val, g[b:b + 1, h:h + 1],
                                                  beta[b:b + 1, h:h + 1])
             heads.append(o)
         rows.append(jnp.concatenate(heads, axis=-1) if nv > 1 else heads[0])
@@ -132,7 +137,8 @@ def kv_write(c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
 
 
 def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
-    """Online softmax per (row, query head) over the cached tokens up to each row's position."""
+    """Online softmax per (row, query head) over its sequence's cached tokens up to the row's
+    position (a verify step's rows see each other's new entries, written before: causal)."""
     nq, nkv, hd, B = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim, c.B
     scale = hd ** -0.5
 
@@ -141,7 +147,7 @@ def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
         out = []
         for b in range(B):
             visible = tokens <= c.refs.positions[b]
-            kt, vt = keys[b], values[b]
+            kt, vt = keys[c.sequence(b)], values[c.sequence(b)]
             for j in range(nq):
                 kvh = (j * nkv) // nq
                 m, denom, acc = carry[b * nq + j]
