@@ -1,0 +1,180 @@
+"""Speculative greedy generation with a generated module's verify step, in TPU interpret mode
+on virtual CPU devices (MINI config, random weights).
+
+Each launch verifies the anchor (the last token, not yet in the state) and up to R - 1 drafts
+from a prompt-lookup drafter (no second model: the continuation of the most recent earlier
+occurrence of the context's last n-gram). Greedy acceptance keeps the drafts the model itself
+would have produced, plus the model's own token after them; `commit` keeps the state after the
+accepted rows. The prompt is fed the same way, R tokens per launch, all accepted.
+
+    .venv/bin/python examples/speculative.py --tokens 12
+    .venv/bin/python examples/speculative.py --spec schedules/qwen3_5_35b_a3b.sched --model qwen3_5_moe_mini
+
+Prints the tokens, the launches and the mean acceptance length (tokens per launch), and checks
+the text against plain greedy decoding by the family's pure-JAX reference in its
+rounding-emulating mode (rounding where the kernel rounds: with random MINI weights the top
+two logits are sometimes within 1e-3, where f32 and bf16 rounding pick different tokens), token
+for token: exits 1 if they differ. `--drafter oracle` (for tests) drafts that greedy text with
+one draft per launch corrupted, so acceptance lengths vary and rejections happen.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generated_module import load_generated, rounding_for  # noqa: E402
+
+from mkc.checkpoint import family_of  # noqa: E402
+from mkc.reference.rounding import one_row_as_two  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompt_lookup(context: list[int], drafts: int, ngram: int = 2) -> list[int]:
+    """Up to `drafts` tokens that followed the most recent earlier occurrence of the context's
+    last n-gram (shorter n-grams if none), or none."""
+    for n in range(min(ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for i in range(len(context) - n - 1, -1, -1):
+            if context[i:i + n] == tail:
+                return context[i + n:i + n + drafts]
+    return []
+
+
+def oracle(greedy: list[int], prompt_len: int):
+    """A drafter that knows the greedy text but corrupts one draft per launch (a different one
+    each time, sometimes past the last): for testing acceptance and rejection."""
+    launches = []
+
+    def draft(context: list[int], drafts: int) -> list[int]:
+        done = len(context) - prompt_len
+        out = list(greedy[done:done + drafts])
+        bad = len(launches) % (drafts + 1)
+        if bad < len(out):
+            out[bad] = (out[bad] + 1) % 7
+        launches.append(bad)
+        return out
+    return draft
+
+
+def speculative_generate(gen, weights, prompt: list[int], new_tokens: int, rows: int, mesh,
+                         interpret, drafter=prompt_lookup) -> tuple[list[int], list[int]]:
+    """Greedy generation of `new_tokens` after `prompt` (one sequence) -> (tokens, tokens
+    emitted per generating launch)."""
+    state = gen.init_state(1)
+    position = 0
+
+    def padded(tokens: list[int]) -> np.ndarray:
+        # Every launch has `rows` rows (one compiled kernel); rows past the real tokens are
+        # never accepted.
+        return np.array([tokens + [tokens[-1]] * (rows - len(tokens))])
+
+    # The prompt, `rows` tokens per launch; the last prompt token becomes the first anchor.
+    for i in range(0, len(prompt) - 1, rows):
+        chunk = prompt[i:min(i + rows, len(prompt) - 1)]
+        _, _, verified = gen.verify_step(weights, state, padded(chunk), np.array([position]),
+                                         mesh=mesh, interpret=interpret)
+        state = gen.commit(state, verified, np.array([len(chunk)]))
+        position += len(chunk)
+    context, out, per_launch = list(prompt), [], []
+    while len(out) < new_tokens:
+        drafts = drafter(context, rows - 1)
+        row_tokens = [context[-1]] + drafts
+        _, next_token, verified = gen.verify_step(weights, state, padded(row_tokens),
+                                                  np.array([position]), mesh=mesh,
+                                                  interpret=interpret)
+        predicted = np.asarray(next_token)[0].tolist()
+        accepted = 1               # the anchor; then each draft the model predicted itself
+        while accepted < len(row_tokens) and row_tokens[accepted] == predicted[accepted - 1]:
+            accepted += 1
+        emitted = predicted[:accepted]          # accepted drafts, then the model's next token
+        state = gen.commit(state, verified, np.array([accepted]))
+        position += accepted
+        context += emitted
+        out += emitted
+        per_launch.append(len(emitted))
+    return out[:new_tokens], per_launch
+
+
+def reference_greedy(reference, hf, cfg, rounding, prompt: list[int], new_tokens: int,
+                     context: int) -> list[int]:
+    """Greedy decoding by the reference in its rounding-emulating mode (a batch of one runs as
+    two rows: its f32 order, `mkc.reference.rounding.one_row_as_two`)."""
+    cache = reference.init_cache(cfg, 1, context)
+    out: list[int] = []
+    for position in range(len(prompt) + new_tokens - 1):
+        token = prompt[position] if position < len(prompt) else out[-1]
+        logits, cache = one_row_as_two(
+            lambda c, t, p: reference.decode_step(hf, cfg, c, t, p, rounding), cache,
+            jnp.array([token], jnp.int32), jnp.array([position], jnp.int32))
+        if position >= len(prompt) - 1:
+            out.append(int(np.argmax(np.asarray(logits)[0])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"))
+    ap.add_argument("--model", default="qwen3_8_mini", help="a shipped MINI config (random weights)")
+    ap.add_argument("--prompt", default="5,17,99,5,17,42,5,17",
+                    help="comma-separated prompt token ids")
+    ap.add_argument("--tokens", type=int, default=12, help="tokens to generate")
+    ap.add_argument("--rows", type=int, help="rows per verify step (default: the spec's verify width)")
+    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
+    ap.add_argument("--drafter", choices=("lookup", "oracle"), default="lookup")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    config = json.loads((ROOT / f"mkc/model/configs/{args.model}.json").read_text())
+    reference = family_of(config).module("reference")
+    cfg = reference.load_config(config)
+    hf = reference.init_params(cfg, seed=0)
+    gen = load_generated(Path(args.spec), args.model)
+    if not hasattr(gen, "verify_step"):
+        print(f"{args.spec} declares no verify step: add `verify R` to it", file=sys.stderr)
+        return 2
+    rows = args.rows or gen.VERIFY_ROWS
+    prompt = [int(t) for t in args.prompt.split(",")]
+    mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
+    weights = gen.place_weights(hf, mesh)
+
+    greedy = reference_greedy(reference, hf, cfg, rounding_for(Path(args.spec), args.model), prompt,
+                              args.tokens, gen.CONTEXT)
+    drafter = prompt_lookup if args.drafter == "lookup" else oracle(greedy, len(prompt))
+    t0 = time.perf_counter()
+    tokens, per_launch = speculative_generate(gen, weights, prompt, args.tokens, rows, mesh,
+                                              pltpu.InterpretParams(dma_execution_mode=args.mode),
+                                              drafter)
+    seconds = time.perf_counter() - t0
+    mean = sum(per_launch) / len(per_launch)
+    print(f"prompt {prompt}")
+    print(f"speculative {tokens}")
+    print(f"greedy      {greedy}")
+    print(f"{len(per_launch)} verify launches of up to {rows} rows for {args.tokens} tokens "
+          f"(tokens per launch {per_launch}); mean acceptance length {mean:.2f}; {seconds:.0f} s "
+          "in interpret mode")
+    same = tokens == greedy
+    print("equal to plain greedy decoding" if same else "FAIL: differs from plain greedy decoding")
+    if args.json:
+        print("JSON " + json.dumps({"tokens": tokens, "greedy": greedy, "per_launch": per_launch,
+                                    "mean_acceptance": mean, "rows": rows}))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
