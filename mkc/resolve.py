@@ -106,6 +106,20 @@ def _group(g: ast.Group, axis: str, topo: target.Topology) -> tuple[int, int]:
     raise _unknown("rank group", g.name, [axis, "host", "chip"])
 
 
+def _resolve_target(tgt: ast.Setting) -> target.Topology:
+    """`target GEN topology GRID`: a generation JAX and libtpu know, and a grid libtpu lays
+    out; anything else is a diagnostic at the statement, listing what would do."""
+    gen, (grid, dims) = tgt.value
+    if gen.text not in target.known_chips():
+        raise fail("E-TARGET", f"unknown TPU generation '{gen.text}'", gen.span,
+                   hint=_did_you_mean(gen.text, target.known_chips())
+                   + f"generations JAX and libtpu know: {', '.join(target.known_chips())}")
+    try:
+        return target.topology(gen.text, dims)
+    except target.TargetError as e:
+        raise fail("E-TARGET", e.message, grid.span, hint=e.hint) from None
+
+
 def _point(p: ast.Point, ops: list[str], kind: str) -> int:
     a = p.anchor.text
     if p.where == "at":
@@ -147,22 +161,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
     dims = dims_from_config(config, config_path, model_setting.span)
 
     tgt = _require(sched, "target", "target tpu7x topology 2x2x1")
-    chip_name, topo_text = tgt.value
-    if chip_name not in target.known_chips():
-        unverified = chip_name in ("v4", "v5e", "v5p", "v6e")
-        raise fail("E-TARGET", f"{'unsupported' if unverified else 'unknown'} chip "
-                   f"'{chip_name}'", tgt.span,
-                   hint=(f"mkc has not yet verified {chip_name} kernels with libtpu; "
-                         if unverified else _did_you_mean(chip_name, target.known_chips()))
-                   + f"supported chips: {', '.join(target.known_chips())}")
-    topo = target.topology(chip_name, tuple(int(v) for v in topo_text.split("x")))
-    if topo.num_chips == 0:
-        raise fail("E-TARGET", f"topology {topo_text} has no chips", tgt.span,
-                   hint="every topology dimension must be at least 1")
-    if topo.num_chips > target.MAX_CHIPS[chip_name]:
-        raise fail("E-TARGET", f"topology {topo_text} has {topo.num_chips} chips; the largest "
-                   f"{chip_name} pod has {target.MAX_CHIPS[chip_name]}", tgt.span,
-                   hint="write the chip grid of the slice you run on, e.g. 2x2x1")
+    topo = _resolve_target(tgt)
+    chip_name, topo_text = topo.chip.name, topo.shape
 
     mesh = _require(sched, "mesh", "mesh tp = 8")
     axis_name, ranks = mesh.value
@@ -171,7 +171,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         raise fail("E-MESH", f"mesh {axis} = {ranks} does not match the {topo.num_cores} "
                    f"TensorCores of {chip_name} {topo_text}", mesh.span,
                    hint=f"use `mesh {axis} = {topo.num_cores}` or a topology with {ranks} cores "
-                        f"({topo.chip.cores_per_chip} per chip)")
+                        f"({topo.chip.cores_per_chip} per {chip_name} chip)")
 
     batch = _require(sched, "batch", "batch 1 to 8")
     b_lo, b_hi = batch.value
@@ -548,6 +548,12 @@ def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], 
         where = ar.level.span if ar.level else ar.algorithm.span
         raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
                    where, hint="write `two_level chip` or `two_level host`")
+    if ar.level.text == "chip" and topo.chip.cores_per_chip == 1:
+        raise fail("E-COLLECTIVE", f"two_level chip reduces over the sibling cores of a chip, "
+                   f"but a {topo.chip.name} chip is one rank: there is no sibling level",
+                   ar.level.span,
+                   hint="use `direct`" + (" or `two_level host`" if 1 < topo.cores_per_host < n
+                                          else ""))
     group = (topo.chip.cores_per_chip if ar.level.text == "chip"
              else topo.cores_per_host)
     if group in (1, n):
@@ -795,6 +801,10 @@ def _resolve_gathers(phase: ast.Phase, kind, topo: target.Topology, axis: str, B
     for ex in phase.exchanges:
         if ex.peer.text != "sibling":
             raise _unknown("exchange peer", ex.peer, ["sibling"])
+        if topo.chip.cores_per_chip == 1:
+            raise fail("E-COLLECTIVE", f"a {topo.chip.name} chip is one rank: it has no sibling "
+                       "core to exchange with", ex.peer.span,
+                       hint="shard the op over a rank group and `allgather` it over that group")
         if ex.wire_dtype.text not in WIRE_DTYPES:
             raise _unknown("wire dtype", ex.wire_dtype, list(WIRE_DTYPES))
         for n in ex.ops:
