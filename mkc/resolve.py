@@ -110,10 +110,14 @@ def _resolve_target(tgt: ast.Setting) -> target.Topology:
     """`target GEN topology GRID`: a generation JAX and libtpu know, and a grid libtpu lays
     out; anything else is a diagnostic at the statement, listing what would do."""
     gen, (grid, dims) = tgt.value
+    if gen.text in target.all_generations() and gen.text not in target.known_chips():
+        raise fail("E-TARGET", f"unsupported TPU generation '{gen.text}': "
+                   f"{target.generation(gen.text).unsupported}", gen.span,
+                   hint=f"generations mkc compiles for: {', '.join(target.known_chips())}")
     if gen.text not in target.known_chips():
         raise fail("E-TARGET", f"unknown TPU generation '{gen.text}'", gen.span,
                    hint=_did_you_mean(gen.text, target.known_chips())
-                   + f"generations JAX and libtpu know: {', '.join(target.known_chips())}")
+                   + f"generations mkc compiles for: {', '.join(target.known_chips())}")
     try:
         return target.topology(gen.text, dims)
     except target.TargetError as e:

@@ -23,12 +23,12 @@ def test_generations_are_spelled_as_jax_spells_them():
     every chip version is a real `pltpu.ChipVersion` member."""
     jax_spelling = {name.split("=")[0]: len(name.split("=")[1].split("x"))
                     for name, platform in topologies._DEVICE_KIND_TO_TOPOLOGY.values()}
-    for name in target.known_chips():
+    for name in target.all_generations():
         g = target.generation(name)
         assert jax_spelling[g.prefix] == g.ndims, name
         assert isinstance(getattr(pltpu.ChipVersion, g.version), pltpu.ChipVersion)
     assert {"v4", "v5e", "v5p", "v6e", "tpu7x"} <= set(target.known_chips())
-    assert {target.generation(n).prefix for n in target.known_chips()} == set(jax_spelling)
+    assert {target.generation(n).prefix for n in target.all_generations()} == set(jax_spelling)
 
 
 # generation: (ranks per chip, TensorCores per rank, VMEM MiB per TensorCore, HBM GB per rank),
