@@ -155,7 +155,43 @@ def _validate_module_name(name: ast.Name) -> str:
     return text
 
 
-def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.ScheduleIR:
+def smallest_topology(sched: ast.Schedule, model_override: str | None = None) -> str | None:
+    """The smallest standard slice of the spec's generation on which the spec, with its mesh
+    over every rank, resolves (its shard rules divide) and its HBM per chip fits; None if no
+    slice up to the pod does. A resolve costs milliseconds, so this is cheap on the failure
+    paths that call it."""
+    from mkc.checks.capacity import check_hbm
+    tgt, mesh = sched.settings.get("target"), sched.settings.get("mesh")
+    if tgt is None or mesh is None or tgt.value[0].text not in target.known_chips():
+        return None
+    gen = tgt.value[0].text
+    for shape in target.standard_shapes(gen):
+        dims = tuple(int(d) for d in shape.split("x"))
+        ranks = target.topology(gen, dims).num_cores
+        settings = dict(sched.settings)
+        settings["target"] = ast.Setting((tgt.value[0], (ast.Name(shape, tgt.span), dims)),
+                                         tgt.span)
+        settings["mesh"] = ast.Setting((mesh.value[0], ranks), mesh.span)
+        try:
+            s = resolve(dataclasses.replace(sched, settings=settings), model_override,
+                        suggest=False)
+        except MkcError:
+            continue
+        if not check_hbm(s):
+            return f"{gen} topology {shape} (mesh {mesh.value[0].text} = {ranks})"
+    return None
+
+
+def with_smallest_topology(hint: str, sched: ast.Schedule, model_override: str | None) -> str:
+    found = smallest_topology(sched, model_override)
+    return hint + (f"; the smallest slice that works: `{found}`" if found else
+                   "; no slice of this generation fits the spec as written")
+
+
+def resolve(sched: ast.Schedule, model_override: str | None = None, *,
+            suggest: bool = True) -> ir.ScheduleIR:
+    """The schedule IR; `suggest` lets a diagnostic about the slice's size name the smallest
+    slice that would work (off inside that search)."""
     _validate_module_name(sched.name)
     spec_dir = Path(sched.source_file).parent
     model_setting = _require(sched, "model", 'model "qwen3_8_27b"')
@@ -219,8 +255,10 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         graph = build_graph(dims, family.build(dims, rules, ranks), ranks)
     except ShardingError as e:
         span = shard_span.get(e.dim_class or "", next(iter(shard_span.values()), sched.name.span))
+        hint = "choose a mesh whose size divides the model's head and width counts"
         raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
-                   hint="choose a mesh whose size divides the model's head and width counts") from None
+                   hint=with_smallest_topology(hint, sched, model_override) if suggest
+                   else hint) from None
 
     missing_kinds = [k for k in sorted(set(dims.layer_kinds))
                      if k not in {p.kind.text for p in sched.phases}]
