@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # libtpu's lockfile, no TPU here
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mkc.confirm import compile_module as _compile, run_compile  # noqa: E402
+from mkc.confirm import RankMismatch, compile_module as _compile, run_compile  # noqa: E402
 
 
 def compile_module(path: str, batch: int) -> tuple[str, float, float]:
@@ -35,6 +35,10 @@ if __name__ == "__main__":
                  if used and r.get("limit_bytes") else "")
               + (f": {r['message'].splitlines()[0]}" if r.get("message") else ""))
         sys.exit(0 if r["libtpu"] == "fits" else 1)
-    topology, lower_s, compile_s = compile_module(path, batch)
+    try:
+        topology, lower_s, compile_s = compile_module(path, batch)
+    except RankMismatch as e:        # not the compiler's verdict: the module and topology disagree
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"{path} batch {batch}: lowered in {lower_s:.2f} s, compiled for {topology} in "
           f"{compile_s:.2f} s")

@@ -168,6 +168,11 @@ def _tune(args, as_json: bool) -> dict:
                                   "its input", Span.unknown(args.spec),
                                   hint="write the tuned spec elsewhere and compare them"))
     sched, text = parse_file(args.spec)
+    from mkc.target import known_chips
+    tgt = sched.settings.get("target")
+    if tgt is not None and tgt.value[0].text in known_chips():   # else the check says so
+        if diags := _perf_data(tgt.value[0].text, tgt.span):
+            raise MkcError(diags)
     log = None if as_json else (lambda m: print(f"  {m}", flush=True))
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
@@ -210,8 +215,20 @@ def _check_perf_args(s, batch: int | None, context: int | None) -> None:
                                 s.setting_spans.get("context", Span.unknown(s.source)),
                                 hint=f"pass --context up to {s.context}, or raise the spec's "
                                      "context"))
+    diags += _perf_data(s.chip, s.setting_spans.get("target", Span.unknown(s.source)))
     if diags:
         raise MkcError(diags)
+
+
+def _perf_data(chip: str, span: Span) -> list[Diagnostic]:
+    """The step-time model's constants JAX does not know are data per generation; a
+    generation without its file has no model yet."""
+    from mkc.perf import constants
+    if constants.data_path(chip).is_file():
+        return []
+    return [Diagnostic("E-PERF", f"the step-time model has no constants for {chip}", span,
+                       hint=f"add {constants.data_path(chip).name} to mkc/perf/data/ (see "
+                            "tpu7x.json: each constant with its source), or model a tpu7x spec")]
 
 
 def _fail(result: dict, diagnostics: list[Diagnostic], as_json: bool, source: str | None) -> int:

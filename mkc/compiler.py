@@ -10,8 +10,9 @@ from pathlib import Path
 from mkc import ir
 from mkc.checks import run_checks
 from mkc.codegen.emit import render
+from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse_file
-from mkc.resolve import resolve
+from mkc.resolve import resolve, with_smallest_topology
 
 
 @dataclass
@@ -26,7 +27,16 @@ def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
     """Parse, resolve and check; raises MkcError with diagnostics on a bad spec."""
     sched, text = parse_file(spec)
     schedule_ir = resolve(sched, model)
-    return Compiled(schedule_ir, text, events=run_checks(schedule_ir))
+    try:
+        events = run_checks(schedule_ir)
+    except MkcError as e:
+        # HBM is the one capacity a bigger slice of the same generation fixes: name the
+        # smallest that would do.
+        for d in e.diagnostics:
+            if d.code == "E-HBM-CAPACITY":
+                d.hint = with_smallest_topology(d.hint, sched, model)
+        raise
+    return Compiled(schedule_ir, text, events=events)
 
 
 def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:

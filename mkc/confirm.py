@@ -169,6 +169,10 @@ def _used_from_dump(dump_dir: str) -> tuple[int | None, int | None]:
 
 
 # ---- the compile (worker side) ------------------------------------------------------------
+class RankMismatch(ValueError):
+    """A module whose rank count is not its topology's device count (it cannot be placed)."""
+
+
 def compile_module(path: str, batch: int) -> dict:
     """Compile a generated module's kernel at `batch` for its TOPOLOGY with libtpu, from
     abstract inputs. Returns {"topology", "devices", "lower_s", "compile_s"}; raises what the
@@ -184,9 +188,13 @@ def compile_module(path: str, batch: int) -> dict:
     spec.loader.exec_module(gen)
     topo = topologies.get_topology_desc(gen.TOPOLOGY, platform="tpu")
     if len(topo.devices) != gen.RANKS:
-        raise ValueError(f"{path}: the module runs on {gen.RANKS} ranks but topology "
-                         f"{gen.TOPOLOGY} has {len(topo.devices)} devices")
-    mesh = Mesh(np.array(topo.devices), (gen.AXIS,))
+        raise RankMismatch(f"{path}: the module runs on {gen.RANKS} ranks but topology "
+                           f"{gen.TOPOLOGY} has {len(topo.devices)} devices; recompile its "
+                           f"spec with `mesh {gen.AXIS} = {len(topo.devices)}` or a topology "
+                           f"of {gen.RANKS} devices")
+    # Rank order as the module's make_mesh and mkc.target order devices: by process, then id.
+    devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices), (gen.AXIS,))
     ranked = NamedSharding(mesh, P(gen.AXIS))
     weights, state = gen.abstract_inputs(batch)
     place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=ranked)  # noqa: E731

@@ -106,6 +106,24 @@ def _group(g: ast.Group, axis: str, topo: target.Topology) -> tuple[int, int]:
     raise _unknown("rank group", g.name, [axis, "host", "chip"])
 
 
+def _resolve_target(tgt: ast.Setting) -> target.Topology:
+    """`target GEN topology GRID`: a generation JAX and libtpu know, and a grid libtpu lays
+    out; anything else is a diagnostic at the statement, listing what would do."""
+    gen, (grid, dims) = tgt.value
+    if gen.text in target.all_generations() and gen.text not in target.known_chips():
+        raise fail("E-TARGET", f"unsupported TPU generation '{gen.text}': "
+                   f"{target.generation(gen.text).unsupported}", gen.span,
+                   hint=f"generations mkc compiles for: {', '.join(target.known_chips())}")
+    if gen.text not in target.known_chips():
+        raise fail("E-TARGET", f"unknown TPU generation '{gen.text}'", gen.span,
+                   hint=_did_you_mean(gen.text, target.known_chips())
+                   + f"generations mkc compiles for: {', '.join(target.known_chips())}")
+    try:
+        return target.topology(gen.text, dims)
+    except target.TargetError as e:
+        raise fail("E-TARGET", e.message, grid.span, hint=e.hint) from None
+
+
 def _point(p: ast.Point, ops: list[str], kind: str) -> int:
     a = p.anchor.text
     if p.where == "at":
@@ -137,7 +155,43 @@ def _validate_module_name(name: ast.Name) -> str:
     return text
 
 
-def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.ScheduleIR:
+def smallest_topology(sched: ast.Schedule, model_override: str | None = None) -> str | None:
+    """The smallest standard slice of the spec's generation on which the spec, with its mesh
+    over every rank, resolves (its shard rules divide) and its HBM per chip fits; None if no
+    slice up to the pod does. A resolve costs milliseconds, so this is cheap on the failure
+    paths that call it."""
+    from mkc.checks.capacity import check_hbm
+    tgt, mesh = sched.settings.get("target"), sched.settings.get("mesh")
+    if tgt is None or mesh is None or tgt.value[0].text not in target.known_chips():
+        return None
+    gen = tgt.value[0].text
+    for shape in target.standard_shapes(gen):
+        dims = tuple(int(d) for d in shape.split("x"))
+        ranks = target.topology(gen, dims).num_cores
+        settings = dict(sched.settings)
+        settings["target"] = ast.Setting((tgt.value[0], (ast.Name(shape, tgt.span), dims)),
+                                         tgt.span)
+        settings["mesh"] = ast.Setting((mesh.value[0], ranks), mesh.span)
+        try:
+            s = resolve(dataclasses.replace(sched, settings=settings), model_override,
+                        suggest=False)
+        except MkcError:
+            continue
+        if not check_hbm(s):
+            return f"{gen} topology {shape} (mesh {mesh.value[0].text} = {ranks})"
+    return None
+
+
+def with_smallest_topology(hint: str, sched: ast.Schedule, model_override: str | None) -> str:
+    found = smallest_topology(sched, model_override)
+    return hint + (f"; the smallest slice that works: `{found}`" if found else
+                   "; no slice of this generation fits the spec as written")
+
+
+def resolve(sched: ast.Schedule, model_override: str | None = None, *,
+            suggest: bool = True) -> ir.ScheduleIR:
+    """The schedule IR; `suggest` lets a diagnostic about the slice's size name the smallest
+    slice that would work (off inside that search)."""
     _validate_module_name(sched.name)
     spec_dir = Path(sched.source_file).parent
     model_setting = _require(sched, "model", 'model "qwen3_8_27b"')
@@ -147,22 +201,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
     dims = dims_from_config(config, config_path, model_setting.span)
 
     tgt = _require(sched, "target", "target tpu7x topology 2x2x1")
-    chip_name, topo_text = tgt.value
-    if chip_name not in target.known_chips():
-        unverified = chip_name in ("v4", "v5e", "v5p", "v6e")
-        raise fail("E-TARGET", f"{'unsupported' if unverified else 'unknown'} chip "
-                   f"'{chip_name}'", tgt.span,
-                   hint=(f"mkc has not yet verified {chip_name} kernels with libtpu; "
-                         if unverified else _did_you_mean(chip_name, target.known_chips()))
-                   + f"supported chips: {', '.join(target.known_chips())}")
-    topo = target.topology(chip_name, tuple(int(v) for v in topo_text.split("x")))
-    if topo.num_chips == 0:
-        raise fail("E-TARGET", f"topology {topo_text} has no chips", tgt.span,
-                   hint="every topology dimension must be at least 1")
-    if topo.num_chips > target.MAX_CHIPS[chip_name]:
-        raise fail("E-TARGET", f"topology {topo_text} has {topo.num_chips} chips; the largest "
-                   f"{chip_name} pod has {target.MAX_CHIPS[chip_name]}", tgt.span,
-                   hint="write the chip grid of the slice you run on, e.g. 2x2x1")
+    topo = _resolve_target(tgt)
+    chip_name, topo_text = topo.chip.name, topo.shape
 
     mesh = _require(sched, "mesh", "mesh tp = 8")
     axis_name, ranks = mesh.value
@@ -171,7 +211,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         raise fail("E-MESH", f"mesh {axis} = {ranks} does not match the {topo.num_cores} "
                    f"TensorCores of {chip_name} {topo_text}", mesh.span,
                    hint=f"use `mesh {axis} = {topo.num_cores}` or a topology with {ranks} cores "
-                        f"({topo.chip.cores_per_chip} per chip)")
+                        f"({topo.chip.cores_per_chip} per {chip_name} chip)")
 
     batch = _require(sched, "batch", "batch 1 to 8")
     b_lo, b_hi = batch.value
@@ -216,8 +256,10 @@ def resolve(sched: ast.Schedule, model_override: str | None = None) -> ir.Schedu
         graph = build_graph(dims, family.build(dims, rules, ranks), ranks)
     except ShardingError as e:
         span = shard_span.get(e.dim_class or "", next(iter(shard_span.values()), sched.name.span))
+        hint = "choose a mesh whose size divides the model's head and width counts"
         raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
-                   hint="choose a mesh whose size divides the model's head and width counts") from None
+                   hint=with_smallest_topology(hint, sched, model_override) if suggest
+                   else hint) from None
 
     missing_kinds = [k for k in sorted(set(dims.layer_kinds))
                      if k not in {p.kind.text for p in sched.phases}]
@@ -551,6 +593,12 @@ def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], 
         where = ar.level.span if ar.level else ar.algorithm.span
         raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
                    where, hint="write `two_level chip` or `two_level host`")
+    if ar.level.text == "chip" and topo.chip.cores_per_chip == 1:
+        raise fail("E-COLLECTIVE", f"two_level chip reduces over the sibling cores of a chip, "
+                   f"but a {topo.chip.name} chip is one rank: there is no sibling level",
+                   ar.level.span,
+                   hint="use `direct`" + (" or `two_level host`" if 1 < topo.cores_per_host < n
+                                          else ""))
     group = (topo.chip.cores_per_chip if ar.level.text == "chip"
              else topo.cores_per_host)
     if group in (1, n):
@@ -798,6 +846,10 @@ def _resolve_gathers(phase: ast.Phase, kind, topo: target.Topology, axis: str, B
     for ex in phase.exchanges:
         if ex.peer.text != "sibling":
             raise _unknown("exchange peer", ex.peer, ["sibling"])
+        if topo.chip.cores_per_chip == 1:
+            raise fail("E-COLLECTIVE", f"a {topo.chip.name} chip is one rank: it has no sibling "
+                       "core to exchange with", ex.peer.span,
+                       hint="shard the op over a rank group and `allgather` it over that group")
         if ex.wire_dtype.text not in WIRE_DTYPES:
             raise _unknown("wire dtype", ex.wire_dtype, list(WIRE_DTYPES))
         for n in ex.ops:

@@ -46,3 +46,15 @@ def test_cli_exits_1_without_traceback(tmp_path):
 def test_cli_reports_missing_file_cleanly():
     r = run_python(["-m", "mkc", "check", "no/such.sched"], timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "cannot read spec" in r.stderr
+
+
+@pytest.mark.parametrize("name, slice_", [
+    ("v6e_hbm_one_chip", "`v6e topology 2x2 (mesh tp = 4)`"),
+    ("k3_hbm_over_on_8_chips", "`tpu7x topology 2x2x4 (mesh tp = 32)`"),
+    ("shard_not_divisible", "`tpu7x topology 1x1x1 (mesh tp = 2)`")])
+def test_a_slice_too_small_or_indivisible_names_the_smallest_that_works(name, slice_):
+    """HBM over capacity and shard rules that do not divide are fixed by another slice of the
+    same generation: the hint names the smallest on which the spec resolves and fits."""
+    with pytest.raises(MkcError) as e:
+        check_spec(Path(__file__).parent / "broken_specs" / f"{name}.sched")
+    assert any(f"the smallest slice that works: {slice_}" in d.hint for d in e.value.diagnostics)

@@ -94,3 +94,14 @@ def test_check_confirm_reports_libtpus_verdict_beside_mkcs():
     confirm = json.loads(r.stdout)["confirm"]
     assert confirm["libtpu"] == "fits" and confirm["mkc_fits"] and confirm["agree"]
     assert 0 < confirm["used_bytes"] <= confirm["limit_bytes"]
+
+
+@pytest.mark.parametrize("cmd", [["perf"], ["tune", "-o", "/nonexistent/tuned.sched"]])
+def test_perf_and_tune_on_a_generation_without_step_time_constants(cmd, capsys):
+    """The step-time model's constants are data per generation (tpu7x only so far): a v6e
+    spec checks, but `mkc perf` and `mkc tune` say what is missing instead of a KeyError."""
+    spec = ROOT / "schedules" / "qwen3_8_27b_v6e.sched"
+    assert main([cmd[0], str(spec), *cmd[1:]]) == 1
+    err = capsys.readouterr().err
+    assert "error[E-PERF]: the step-time model has no constants for v6e" in err
+    assert "Traceback" not in err

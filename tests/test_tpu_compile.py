@@ -1,31 +1,72 @@
-"""The full-size generated kernels compile with libtpu for their compile-only topologies: Qwen
-and Qwen3.5 MoE on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices)."""
+"""The generated kernels compile with libtpu for their compile-only topologies: the full-size
+Qwen and Qwen3.5 MoE on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices), Qwen on
+v6e=2x4 (8 chips of one core), and the MINI Qwen kernel on every generation mkc compiles for."""
 import pytest
 
 from conftest import run_python
+from mkc import compiler, target
+from tests_support import SPEC
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, topology", [("qwen3_8_27b", "tpu7x=2x2x1"),
                                               ("qwen3_5_35b_a3b", "tpu7x=2x2x1"),
                                               ("qwen3_5_397b_a17b", "tpu7x=2x2x2"),
-                                              ("kimi_k3", "tpu7x=2x2x4")])
+                                              ("kimi_k3", "tpu7x=2x2x4"),
+                                              ("qwen3_8_27b_v6e__qwen3_8_27b", "v6e=2x4")])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_full_size_kernel_compiles_for_tpu7x(module, topology, batch):
+def test_full_size_kernel_compiles(module, topology, batch):
     r = run_python(["benchmarks/tpu_compile.py", f"generated/{module}.py", str(batch)],
                    timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert f"compiled for {topology}" in r.stdout
 
 
+# An 8-rank slice of each generation (the MINI config's 8 heads divide over it).
+MINI_GRIDS = {"v4": "2x2x1", "v5e": "2x4", "v5p": "2x2x2", "v6e": "2x4", "tpu7x": "2x2x1"}
+
+
+def mini_spec_for(generation: str, grid: str) -> str:
+    """The Qwen spec retargeted: its VMEM limit capped at the generation's VMEM, and a direct
+    all-reduce where a chip is one rank (no sibling level)."""
+    chip = target.chip(generation)
+    t = target.topology(generation, tuple(int(d) for d in grid.split("x")))
+    mib = min(64, chip.vmem_bytes >> 20)
+    text = SPEC.read_text().replace("target  tpu7x topology 2x2x1",
+                                    f"target  {generation} topology {grid}")
+    text = text.replace("tp = 8", f"tp = {t.num_cores}")
+    text = text.replace("limit 64 MiB reserve 6 MiB",
+                        f"limit {mib} MiB reserve {6 if mib >= 64 else 2} MiB")
+    return text if chip.cores_per_chip > 1 else text.replace("two_level chip", "direct")
+
+
+def test_every_generation_has_a_mini_compile():
+    assert sorted(MINI_GRIDS) == sorted(target.known_chips())
+
+
 @pytest.mark.slow
-def test_mini_kernel_compiles_for_tpu7x(tmp_path):
-    """The MINI geometry (the one the interpret tests run) also lowers through Mosaic."""
-    from mkc import compiler
-    from tests_support import SPEC
-    c = compiler.compile_spec(SPEC, "qwen3_8_mini")
+@pytest.mark.parametrize("generation", sorted(MINI_GRIDS))
+def test_mini_kernel_compiles_for_each_generation(generation, tmp_path):
+    """The MINI geometry (the one the interpret tests run) lowers through Mosaic and compiles
+    with libtpu on each generation's 8-rank slice (about 5 s each)."""
+    grid = MINI_GRIDS[generation]
+    spec = tmp_path / "qwen3_8_27b.sched"
+    spec.write_text(mini_spec_for(generation, grid))
+    c = compiler.compile_spec(spec, "qwen3_8_mini")
     out = tmp_path / f"{compiler.module_name(c)}.py"
     compiler.write_atomically(out, c.module_source)
     r = run_python(["benchmarks/tpu_compile.py", str(out), "2"], timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert "compiled for tpu7x=2x2x1" in r.stdout
+    assert f"compiled for {target.generation(generation).prefix}={grid}" in r.stdout
+
+
+def test_tpu_compile_refuses_a_module_whose_ranks_are_not_the_topologys(tmp_path):
+    """A module edited (or compiled) for another rank count is a clear error, not a traceback
+    from the mesh."""
+    src = (SPEC.parent.parent / "generated" / "qwen3_8_27b_v6e__qwen3_8_27b.py").read_text()
+    assert "\nRANKS = 8\n" in src
+    out = tmp_path / "wrong_ranks.py"
+    out.write_text(src.replace("\nRANKS = 8\n", "\nRANKS = 4\n"))
+    r = run_python(["benchmarks/tpu_compile.py", str(out), "1"], timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "runs on 4 ranks but topology v6e=2x4 has 8 devices" in r.stderr

@@ -15,12 +15,13 @@ _GRAMMAR = Path(__file__).with_name("sched.lark")
 # Token names as a user would call them, for "expected ..." hints.
 _TOKEN_WORDS = {
     "NAME": "a name", "INT": "an integer", "STRING": 'a quoted string like "qwen3_8_27b"',
-    "TOPOLOGY": "a topology like 2x2x1", "UNIT": "a unit (KiB, MiB, GiB)",
+    "TOPOLOGY": "a topology like 2x4 or 2x2x1", "UNIT": "a unit (KiB, MiB, GiB)",
     "LBRACE": "'{'", "RBRACE": "'}'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','",
     "EQUAL": "'='", "DOT": "'.'", "__ANON_0": "'->'", "SLASH": "'/'", "LPAR": "'('",
     "RPAR": "')'",
 }
 _MAX_DIGITS = 12
+_MAX_TOPOLOGY_DIMS = 8     # TPU slices are 2-D or 3-D; resolve says which per generation
 MAX_SPEC_BYTES = 256 << 10    # a schedule is a few KiB; parsing costs ~10 us a byte
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "verify", "context", "vmem")
@@ -63,11 +64,17 @@ class _ToAst(Transformer):
                        hint=f"numbers in a schedule have at most {_MAX_DIGITS} digits")
         return int(tok)
 
-    def TOPOLOGY(self, tok: lark.Token) -> str:
-        if any(len(part) > _MAX_DIGITS for part in str(tok).split("x")):
-            raise fail("E-RANGE", "a topology dimension is absurdly large", _span(self.file, tok),
-                       hint="write the chip grid as the generation does, e.g. 2x2x1")
-        return str(tok)
+    def TOPOLOGY(self, tok: lark.Token) -> tuple[ast.Name, tuple[int, ...]]:
+        """The grid's text (for messages) and its dimensions; how many a generation takes is
+        resolve's business."""
+        parts = str(tok).split("x")
+        if len(parts) > _MAX_TOPOLOGY_DIMS or any(len(p) > _MAX_DIGITS for p in parts):
+            what = (f"has {len(parts)} dimensions" if len(parts) > _MAX_TOPOLOGY_DIMS
+                    else "has an absurdly large dimension")
+            raise fail("E-RANGE", f"topology {str(tok)[:40]} {what}", _span(self.file, tok),
+                       hint="write the chip grid as the generation does, e.g. 2x4 (v6e) or "
+                            "2x2x1 (tpu7x)")
+        return self._name(tok), tuple(int(p) for p in parts)
 
     def name_list(self, items):
         return [self._name(t) for t in items]
@@ -109,7 +116,8 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def target_stmt(self, meta, items):
-        return ("target", ast.Setting((str(items[0]), str(items[1])), _span(self.file, meta)))
+        # (generation, (topology text with its span, dimensions))
+        return ("target", ast.Setting((self._name(items[0]), items[1]), _span(self.file, meta)))
 
     @v_args(meta=True)
     def mesh_stmt(self, meta, items):

@@ -84,7 +84,7 @@ def load_data(chip: str) -> dict:
 
 def rates(chip: str, overrides: dict | None = None) -> Rates:
     """The model's rates for `chip`: JAX's facts plus the data file's constants."""
-    version_name = target._CHIPS[chip][0]
+    version_name = target.generation(chip).version
     info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), 1)
     data = load_data(chip)
     consts = {k: float(v["value"]) for k, v in data["constants"].items()} | (overrides or {})

@@ -2,8 +2,10 @@
 
 The mechanism of the generated kernels' all-reduce, with the refs passed explicitly. A group is
 the ``size`` ranks ``base + i * stride`` (i < size) containing the caller, on the mesh axis
-``axis``; ranks are numbered core-fastest (rank = 8 * host + 2 * chip_in_host + core), so
-(2, 1) pairs the two cores of a chip and (8, 1) spans a host. Each collective owns:
+``axis``; ranks are numbered core-fastest (the ranks of a chip, then the chips of a host, are
+consecutive; `mkc.target` checks libtpu's device order keeps them so), so on tpu7x (2 ranks a
+chip, 4 chips a host) (2, 1) pairs the two cores of a chip and (8, 1) spans a host. Each
+collective owns:
 
 * ``recv``: a VMEM buffer ``[2, size, B, width]``: slot [p, i] holds group member i's share for
   a use of parity p (the sender writes its own slot locally, then copies it to every peer); a

@@ -1,95 +1,264 @@
-"""TPU targets: chip facts from JAX's own tables and topologies mapped onto TensorCore meshes."""
+"""TPU targets: chip facts from JAX's own tables and topologies mapped onto TensorCore meshes.
+
+Nothing about a chip's layout is assumed: how many mesh ranks (devices) a chip holds, how many
+TensorCores a device is, which host each device sits on and the order of the devices all come
+from libtpu's compile-only topologies (`jax.experimental.topologies.get_topology_desc`), which
+need no TPU. Capacities and rates come from `pltpu.get_tpu_info_for_chip`.
+"""
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from math import prod
 
 from jax.experimental.pallas import tpu as pltpu
 
-# Spec chip names -> JAX chip versions. Facts (VMEM, HBM, ...) are never copied by hand.
-# Only generations whose core count, host layout and libtpu compile mkc has verified are listed;
-# other generations get a diagnostic rather than a kernel libtpu would reject.
-_CHIPS = {
-    "tpu7x": ("TPU_7X", 2, "tpu7x"),
-}
-# Chips per host for the topologies we map (a TPU7x host holds 4 chips).
-_CHIPS_PER_HOST = {"tpu7x": 4}
-# The largest pod of a generation, in chips: a bigger grid cannot exist.
-MAX_CHIPS = {"tpu7x": 9216}
+
+@dataclass(frozen=True)
+class Generation:
+    """How a spec and JAX spell one TPU generation."""
+
+    name: str              # as a spec writes it: `target v6e topology 2x4`
+    version: str           # the `pltpu.ChipVersion` member
+    prefix: str            # as `jax.experimental.topologies` spells it ("v6e=2x4")
+    ndims: int             # the grid's dimensions, as JAX writes the generation's topologies
+    max_chips: int         # the largest slice (a bigger grid cannot exist)
+    unsupported: str = ""  # why mkc refuses the generation, if it does
+
+
+# Every generation both JAX's chip table and libtpu's compile-only topologies know (jax 0.12,
+# libtpu 0.0.50). Prefixes and dimensionality are JAX's own spelling
+# (`jax.experimental.topologies._DEVICE_KIND_TO_TOPOLOGY`: "v6e=1x1", "v5p=1x1x1"; a test
+# keeps this table equal to it). TPU_7, TPU_8I and TPU_8T are in the chip table but libtpu
+# has no topology for them ("Invalid TPU external name"). The pod sizes are the largest
+# slices of Google Cloud's TPU documentation: JAX does not know them. v2, v3 and v4i are
+# known but refused, each for the reason given (tests/test_tpu_compile.py compiles a MINI
+# kernel for every other generation).
+_NO_BF16_MATMUL = ("Mosaic has no bf16 matmul on {}: libtpu rejects every mkc kernel "
+                   "(E2001 CompileTimeMosaicUnsupportedRhsType)")
+_GENERATIONS = {g.name: g for g in (
+    Generation("v2", "TPU_V2", "v2", 2, 256, _NO_BF16_MATMUL.format("v2")),
+    Generation("v3", "TPU_V3", "v3", 2, 1024, _NO_BF16_MATMUL.format("v3")),
+    Generation("v4i", "TPU_V4I", "v4 lite", 2, 1,
+               "an inference chip Cloud TPU does not offer: no slice shapes to check against"),
+    Generation("v4", "TPU_V4", "v4", 3, 4096),
+    Generation("v5e", "TPU_V5E", "v5e", 2, 256),
+    Generation("v5p", "TPU_V5P", "v5p", 3, 8960),
+    Generation("v6e", "TPU_V6E", "v6e", 2, 256),
+    Generation("tpu7x", "TPU_7X", "tpu7x", 3, 9216),
+)}
+
+
+class TargetError(Exception):
+    """A target mkc cannot map: what is wrong and how to fix it (resolve adds the span)."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.message, self.hint = message, hint
 
 
 @dataclass(frozen=True)
 class Chip:
     name: str
-    cores_per_chip: int
+    version: str             # pltpu.ChipVersion member
+    cores_per_chip: int      # mesh ranks (libtpu devices) per chip: 2 on v4 and tpu7x, else 1
+    tensorcores_per_rank: int  # TensorCores one device drives (2 on v5p: megacore)
     vmem_bytes: int          # per TensorCore
     smem_bytes: int
-    hbm_bytes: int           # per TensorCore
-    hbm_bytes_per_s: float   # per TensorCore
-    bf16_flops: float
+    hbm_bytes: int           # per rank
+    hbm_bytes_per_s: float   # per rank
+    bf16_flops: float        # per rank
     lanes: int
     sublanes: int
     topology_prefix: str     # as jax.experimental.topologies spells the chip
+    topology_ndims: int
+    max_chips: int
 
 
 def known_chips() -> list[str]:
-    return sorted(_CHIPS)
+    """The generations mkc compiles for, oldest first."""
+    return [n for n, g in _GENERATIONS.items() if not g.unsupported]
+
+
+def all_generations() -> list[str]:
+    """Every generation JAX's chip table and libtpu's topologies share, refused ones too."""
+    return list(_GENERATIONS)
+
+
+def generation(name: str) -> Generation:
+    return _GENERATIONS[name]
+
+
+@contextmanager
+def _quiet_stderr():
+    """libtpu prints TPU-VM discovery warnings (accelerator type, worker hostnames) straight
+    to fd 2 when it loads on a machine without a TPU; compile-only topologies need neither."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:            # no fd 2 to quiet
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@lru_cache(maxsize=256)
+def _devices(spec: str) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+    """(chip coordinates, host, TensorCores) per device of a compile-only topology, in rank
+    order: by process (host), then device id, as generated modules' `make_mesh` orders them.
+    Raises TargetError with libtpu's message if libtpu refuses the topology."""
+    # libtpu holds /tmp/libtpu_lockfile for the life of a process that loads it; compile-only
+    # topologies touch no TPU, so a second mkc (or test worker) may load it as well.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    try:
+        with _quiet_stderr():
+            devices = topologies.get_topology_desc(spec, platform="tpu").devices
+    except RuntimeError as e:   # JaxRuntimeError, or libtpu not installed
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"libtpu cannot lay out topology {spec}: {text}",
+                          "write a slice shape of the generation") from None
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return tuple((tuple(d.coords), d.process_index, int(getattr(d, "num_cores", 1)))
+                 for d in ordered)
 
 
 @lru_cache(maxsize=None)
 def chip(name: str) -> Chip:
-    """Chip facts per TensorCore, from `pltpu.get_tpu_info_for_chip`."""
-    version_name, cores, prefix = _CHIPS[name]
-    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, version_name), 1)
-    return Chip(name=name, cores_per_chip=cores, vmem_bytes=info.vmem_capacity_bytes,
-                smem_bytes=info.smem_capacity_bytes, hbm_bytes=info.hbm_capacity_bytes,
-                hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
-                bf16_flops=float(info.bf16_ops_per_second), lanes=info.num_lanes,
-                sublanes=info.num_sublanes, topology_prefix=prefix)
+    """Chip facts: capacities per TensorCore from `pltpu.get_tpu_info_for_chip`, the layout of
+    one chip (devices, TensorCores per device) from libtpu's one-chip topology."""
+    g = _GENERATIONS[name]
+    one = _devices(f"{g.prefix}={'x'.join(['1'] * g.ndims)}")
+    tcs = one[0][2]
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, g.version), tcs)
+    # JAX's facts are per TensorCore; a rank (device) owns `tcs` of them. VMEM stays per
+    # TensorCore: a grid-less kernel runs on one.
+    return Chip(name=name, version=g.version, cores_per_chip=len(one), tensorcores_per_rank=tcs,
+                vmem_bytes=info.vmem_capacity_bytes, smem_bytes=info.smem_capacity_bytes,
+                hbm_bytes=info.hbm_capacity_bytes * tcs,
+                hbm_bytes_per_s=float(info.mem_bw_bytes_per_second) * tcs,
+                bf16_flops=float(info.bf16_ops_per_second) * tcs, lanes=info.num_lanes,
+                sublanes=info.num_sublanes, topology_prefix=g.prefix, topology_ndims=g.ndims,
+                max_chips=g.max_chips)
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Ranks over a chip grid: cores of a chip are adjacent, chips of a host are adjacent.
-
-    Everything is arithmetic on the grid, so a topology of any size costs nothing to describe
-    (the mesh check can then reject a wrong size before any per-rank work)."""
+    """Ranks over a chip grid, in libtpu's device order: the ranks of a chip are adjacent and
+    the chips of a host are adjacent (`topology` checks both), so groups are arithmetic."""
 
     chip: Chip
-    dims: tuple[int, int, int]
-    chips_per_host: int
+    dims: tuple[int, ...]
+    num_cores: int           # mesh ranks (devices)
+    cores_per_host: int
 
     @property
     def num_chips(self) -> int:
-        return self.dims[0] * self.dims[1] * self.dims[2]
-
-    @property
-    def num_cores(self) -> int:
-        return self.num_chips * self.chip.cores_per_chip
-
-    @property
-    def cores_per_host(self) -> int:
-        return min(self.chips_per_host, self.num_chips) * self.chip.cores_per_chip
+        return prod(self.dims)
 
     @property
     def num_hosts(self) -> int:
-        return -(-self.num_cores // self.cores_per_host)
+        return self.num_cores // self.cores_per_host
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.cores_per_host // self.chip.cores_per_chip
+
+    @property
+    def shape(self) -> str:
+        return "x".join(map(str, self.dims))
 
     @property
     def spec(self) -> str:
         """The string `jax.experimental.topologies.get_topology_desc` takes."""
-        return f"{self.chip.topology_prefix}={'x'.join(map(str, self.dims))}"
+        return f"{self.chip.topology_prefix}={self.shape}"
 
     def siblings(self, rank: int) -> list[int]:
-        """Other TensorCores on the same chip (the fast link)."""
+        """Other ranks on the same chip (the fast link); none on a one-core chip."""
         first = rank - rank % self.chip.cores_per_chip
         return [r for r in range(first, first + self.chip.cores_per_chip) if r != rank]
 
     def same_host(self, rank: int) -> list[int]:
         first = rank - rank % self.cores_per_host
-        return list(range(first, min(first + self.cores_per_host, self.num_cores)))
+        return list(range(first, first + self.cores_per_host))
 
 
-def topology(chip_name: str, dims: tuple[int, int, int]) -> Topology:
-    """This matches the device order `get_topology_desc` returns for tpu7x (core fastest)."""
-    return Topology(chip=chip(chip_name), dims=dims, chips_per_host=_CHIPS_PER_HOST[chip_name])
+def _check_shape(g: Generation, dims: tuple[int, ...]) -> None:
+    """What can be said without libtpu (which crashes on a zero dimension)."""
+    shape = "x".join(map(str, dims))
+    if len(dims) != g.ndims:
+        raise TargetError(
+            f"{g.name} topologies have {g.ndims} dimensions, not {len(dims)} ({shape})",
+            f"write the {g.name} chip grid as JAX does; {_slices(g.name)}")
+    if min(dims) < 1:
+        raise TargetError(f"topology {shape} has no chips",
+                          f"every topology dimension must be at least 1; {_slices(g.name)}")
+    if prod(dims) > g.max_chips:
+        raise TargetError(f"topology {shape} has {prod(dims)} chips; the largest {g.name} pod "
+                          f"has {g.max_chips}",
+                          f"write the chip grid of the slice you run on; {_slices(g.name)}")
+
+
+@lru_cache(maxsize=256)
+def topology(chip_name: str, dims: tuple[int, ...]) -> Topology:
+    """The generation's slice `dims` as libtpu lays it out; TargetError if it cannot exist."""
+    g = _GENERATIONS[chip_name]
+    _check_shape(g, dims)
+    c = chip(chip_name)
+    shape = "x".join(map(str, dims))
+    try:
+        devices = _devices(f"{g.prefix}={shape}")
+    except TargetError as e:
+        raise TargetError(e.message, _slices(chip_name)) from None
+    # Group sizes as libtpu reports them, then the contiguity the arithmetic above relies on.
+    per_chip: dict[tuple[int, ...], list[int]] = {}
+    per_host: dict[int, list[int]] = {}
+    for rank, (coords, host, _) in enumerate(devices):
+        per_chip.setdefault(coords, []).append(rank)
+        per_host.setdefault(host, []).append(rank)
+    host_size = len(next(iter(per_host.values())))
+    runs = list(per_chip.values()) + list(per_host.values())
+    if (any(len(r) != c.cores_per_chip for r in per_chip.values())
+            or any(len(r) != host_size for r in per_host.values())
+            or any(r != list(range(r[0], r[0] + len(r))) for r in runs)):
+        raise TargetError(f"libtpu's devices for {g.prefix}={shape} do not keep the ranks of a "
+                          "chip and of a host adjacent, as mkc's rank groups need",
+                          _slices(chip_name))
+    return Topology(chip=c, dims=dims, num_cores=len(devices), cores_per_host=host_size)
+
+
+def _slices(chip_name: str) -> str:
+    return f"{chip_name} slices: {', '.join(standard_shapes(chip_name))}"
+
+
+def _accepted(g: Generation, dims: tuple[int, ...]) -> bool:
+    try:
+        _devices(f"{g.prefix}={'x'.join(map(str, dims))}")
+        return True
+    except TargetError:
+        return False
+
+
+@lru_cache(maxsize=None)
+def standard_shapes(chip_name: str) -> list[str]:
+    """The generation's slice shapes, smallest first: one chip, then the power-of-two grids
+    Cloud TPU sells (2-D: 2x2, 2x4, 4x4, 4x8, ...; 3-D: 2x2x1, 2x2x2, 2x2x4, 2x4x4, ...),
+    up to the pod, each one libtpu accepts."""
+    g = _GENERATIONS[chip_name]
+    grids = [(1,) * g.ndims]
+    dims = [2, 2] + [1] * (g.ndims - 2)
+    while prod(dims) <= g.max_chips:
+        grids.append(tuple(dims))
+        # double the rightmost smallest dimension: 2x2x1 -> 2x2x2 -> 2x2x4 -> 2x4x4 -> 4x4x4
+        small = min(dims)
+        dims[max(i for i, d in enumerate(dims) if d == small)] *= 2
+    return ["x".join(map(str, d)) for d in grids if prod(d) <= g.max_chips and _accepted(g, d)]
