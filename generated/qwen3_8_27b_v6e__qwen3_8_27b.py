@@ -129,18 +129,22 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10,
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
                          copies={'load_gdn_conv_buf': StateCopy(direction='load', hbm='gdn__conv',
                                                                 buffer='gdn_conv_buf',
-                                                                sem='sem__load_gdn_conv_buf'),
+                                                                sem='sem__load_gdn_conv_buf',
+                                                                batch_axis=1),
                                  'load_gdn_rec_buf': StateCopy(direction='load',
                                                                hbm='gdn__recurrent',
                                                                buffer='gdn_rec_buf',
-                                                               sem='sem__load_gdn_rec_buf'),
+                                                               sem='sem__load_gdn_rec_buf',
+                                                               batch_axis=0),
                                  'store_gdn_conv_buf': StateCopy(direction='store', hbm='gdn__conv',
                                                                  buffer='gdn_conv_buf',
-                                                                 sem='sem__store_gdn_conv_buf'),
+                                                                 sem='sem__store_gdn_conv_buf',
+                                                                 batch_axis=1),
                                  'store_gdn_rec_buf': StateCopy(direction='store',
                                                                 hbm='gdn__recurrent',
                                                                 buffer='gdn_rec_buf',
-                                                                sem='sem__store_gdn_rec_buf')},
+                                                                sem='sem__store_gdn_rec_buf',
+                                                                batch_axis=0)},
                          caches=(), kv=None, kv_rows='', kv_sem=''),
          'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
                                    'gate_up': (14, GQA_GATE_UP), 'down': (39, GQA_DOWN)},
@@ -223,12 +227,13 @@ def _layer_gqa(k: Kernel, layer):
     lower.mlp_residual(c, mlp_out)
 
 
-def _kernel(*refs, B):
+def _kernel(*refs, B, R=1, verify=False):
     r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
-               experts=None, view=None, kind_ids=KIND_IDS)
+               experts=None, view=None, kind_ids=KIND_IDS,
+               R=R, verify=verify)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
     for counter in range(N_COLLECTIVE_COUNTERS):
@@ -278,13 +283,16 @@ def _hbm_shapes():
     }
 
 
-def state_shapes(B):
-    """Per-rank decode state arrays (without the leading rank axis): name -> (shape, dtype)."""
+def state_shapes(S, R=1):
+    """Per-rank decode state arrays of S sequences (without the leading rank axis): name ->
+    (shape, dtype). With R rows per sequence (a verify step's output) the recurrent states hold
+    the state after every row, S * R entries (row r * S + s: sequence s after its row r)."""
+    B = S * R
     return {
         "gdn__conv": ((len(KIND_LAYERS["gdn"]), *(3, B, 1280)), F32),
         "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), *(B, 6, 128, 128)), F32),
-        "gqa__key": ((len(KIND_LAYERS["gqa"]), *(B, CONTEXT, 256)), BF16),
-        "gqa__value": ((len(KIND_LAYERS["gqa"]), *(B, CONTEXT, 256)), BF16),
+        "gqa__key": ((len(KIND_LAYERS["gqa"]), *(S, CONTEXT, 256)), BF16),
+        "gqa__value": ((len(KIND_LAYERS["gqa"]), *(S, CONTEXT, 256)), BF16),
     }
 
 
@@ -294,14 +302,23 @@ def _vmem_input_shapes(B):
     }
 
 
-def build_kernel(B, interpret=None):
-    """The pallas_call for one rank at batch B (interpret: None for TPU, or InterpretParams)."""
-    if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
-        raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
+def build_kernel(B, interpret=None, verify_rows=None):
+    """The pallas_call for one rank at batch B (interpret: None for TPU, or InterpretParams).
+
+    With verify_rows R it is a verify kernel: B rows as B / R sequences of R consecutive
+    positions (row r * S + s is sequence s's row r), which reads the states it is given and
+    writes the state after every row (`state_shapes(S, R)`); KV caches are updated in place."""
+    R = verify_rows or 1
+    S = B // R
+    if verify_rows is None:
+        if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
+            raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
+    else:
+        raise ValueError("the schedule declares no verify step: add `verify R` to the spec")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    states = state_shapes(B)
+    states = state_shapes(S, R)
     n_vmem_inputs = len(_vmem_input_shapes(B))
     scratch = [
         pltpu.VMEM((12, 1024, 1280), BF16),   # weights (ring)
@@ -330,13 +347,15 @@ def build_kernel(B, interpret=None):
     out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
     first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
+    # A decode step updates every state in place; a verify step only its KV caches.
+    in_place = [i for i, name in enumerate(states) if verify_rows is None]
     return pl.pallas_call(
-        functools.partial(_kernel, B=B),
+        functools.partial(_kernel, B=B, R=R, verify=verify_rows is not None),
         out_shape=out_shape,
         in_specs=[smem] * 4 + [vmem] * n_vmem_inputs + [any_spec] * (len(_hbm_shapes()) + len(states)),
         out_specs=(vmem, *[any_spec] * len(states)),
         scratch_shapes=scratch,
-        input_output_aliases={first_state + i: 1 + i for i in range(len(states))},
+        input_output_aliases={first_state + i: 1 + i for i in in_place},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES, collective_id=0,
                                              has_side_effects=True),
         interpret=interpret if interpret is not None else False,
@@ -354,14 +373,11 @@ def _tile_classes():
     return ring.tile_classes(RING, sequence + STREAM_ORDER["tail"])
 
 
-def make_decode_step(mesh: Mesh, B: int, interpret=None):
-    """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
-
-    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
-    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
-    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
-    call = build_kernel(B, interpret)
-    names = list(state_shapes(B))
+def _sharded(mesh: Mesh, B: int, interpret, verify_rows=None):
+    """The kernel at B rows over `mesh`, on host-computed inputs -> (vocab-major logits
+    [B, vocab], state outputs in `state_shapes` order)."""
+    call = build_kernel(B, interpret, verify_rows)
+    names = list(state_shapes(1))
     hbm_names = list(_hbm_shapes())
     n_vmem = len(_vmem_input_shapes(B))
 
@@ -375,19 +391,32 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
                             in_specs=(P(),) * (4 + n_vmem) + (rank_spec,) * (len(hbm_names) + len(names)),
                             out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
 
-    def step(weights, state, tokens, positions):
+    def run(weights, state, tokens, positions):
         host = lower.host_inputs(DIMS, positions)
         outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
                        *[host[n] for n in _vmem_input_shapes(B)],
                        *[weights[n] for n in hbm_names], *[state[n] for n in names])
         tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
         logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, RANKS, -1)[:, :, :VOCAB_LOCAL]
-        logits = logits.reshape(B, RANKS * VOCAB_LOCAL)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), dict(zip(names, outs[1:]))
+        return logits.reshape(B, RANKS * VOCAB_LOCAL), dict(zip(names, outs[1:]))
+    return run
+
+
+def make_decode_step(mesh: Mesh, B: int, interpret=None):
+    """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
+
+    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
+    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
+    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
+    run = _sharded(mesh, B, interpret)
+
+    def step(weights, state, tokens, positions):
+        logits, state = run(weights, state, tokens, positions)
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), state
 
     # Logits and next tokens come back replicated, so every process (host) can read them.
     replicated = jax.sharding.NamedSharding(mesh, P())
-    ranked = jax.sharding.NamedSharding(mesh, rank_spec)
+    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
     return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
 
 
