@@ -197,12 +197,13 @@ def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) 
     return out
 
 
-def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, label: str = ""
-               ) -> list[dict]:
+def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, rows=None,
+               label: str = "") -> list[dict]:
     """One verify step over the trajectory's tokens (row r: step r's tokens, one per sequence,
     at consecutive positions), compared row by row with the trajectory's steps: row r's logits
     with step r's, and the state committed after r + 1 accepted rows with step r's states.
-    Committing 0 rows must give back the state before the step, exactly."""
+    Committing 0 rows must give back the state before the step, exactly. `rows`: the sequences
+    to compare (default all)."""
     tokens = np.stack([np.asarray(ref["tokens"]) for ref in trajectory], axis=1)   # [S, R]
     starts = np.asarray(trajectory[0]["positions"])
     before = {n: np.asarray(a) for n, a in state.items()}
@@ -222,7 +223,7 @@ def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, lab
         ours = _past_committed(gen.reference_states(committed), ref["plain"], starts, r + 1,
                                gen.CONTEXT)
         out.append(_record(r, label, seconds if r == 0 else 0.0, logits[:, r], next_token[:, r],
-                           ours, ref, what="verify row"))
+                           ours, ref, None if rows is None else np.asarray(rows), what="verify row"))
     return out
 
 

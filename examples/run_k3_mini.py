@@ -4,6 +4,7 @@ the pure-JAX reference.
 
     .venv/bin/python examples/run_k3_mini.py --steps 2 --mode on_wait
     .venv/bin/python examples/run_k3_mini.py --mode eager --races
+    .venv/bin/python examples/run_k3_mini.py --verify --steps 3 --batch 1   # one verify step
 
 The MINI config (16 heads, 32 experts) needs 16 cores: the spec's topology is rewritten from
 2x2x4 to 2x2x2, which also re-derives the collectives' groups (2 hosts instead of 4). Prints
@@ -13,7 +14,8 @@ rounds and sums in the kernel's f32 order: reported, and judged with --emulation
 (the first step to about f32 rounding, measured bit-equal; later steps within the measured
 sensitivity) or flips (a few one-ulp bf16 flips allowed). Not judged by default (as
 run_mini.py without --strict-emulation; the tests judge it exactly). The tolerances are
-`mkc.numerics`'. Exits 1 when the kernel disagrees.
+`mkc.numerics`'. Exits 1 when the kernel disagrees. --verify runs one verify step of --steps
+rows per sequence instead, each row judged like the decode step it replaces.
 
 --mutate NAME runs a copy of the module with one op scaled by 1.01 (`generated_module.MUTANTS`)
 instead: it must exit 1. --mutants A,B runs the module, then each mutant in the same process
@@ -44,7 +46,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (finish, k3_mini_spec, load_generated,  # noqa: E402
-                              reference_trajectory, rounding_for, run_kernel)
+                              reference_trajectory, rounding_for, run_kernel, run_verify)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
 
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                          "flip), or not at all (default: reported only)")
     ap.add_argument("--strict-emulation", action="store_true", help="same as --emulation-check exact")
     ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
+    ap.add_argument("--verify", action="store_true",
+                    help="one verify step of --steps rows per sequence instead of decode steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -115,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     pack_seconds = time.perf_counter() - t0
     # Rows at different positions past the first latent tile: per-row masking, cache writes
     # inside a 16-row block and multi-tile streaming are all exercised.
-    positions = jnp.asarray((136 + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
+    # A verify step's rows start 3 before a 16-row block ends, so they straddle two blocks.
+    first = 141 if args.verify else 136
+    positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
     best = None      # the first token draw with at least half the rows decisive, else the best
     for seed in range(1, 25):
         tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, B), jnp.int32)
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     seed, tokens, margins, rows = best
     print(f"tokens from seed {seed}, routing margins per row "
           f"{[round(float(m), 4) for m in margins]}: comparing rows {rows.tolist()}", flush=True)
+    run = run_verify if args.verify else run_kernel
     trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
                                       positions, args.steps, rows,
                                       judged=args.strict_emulation or args.emulation_check != "none")
@@ -136,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                "emulation_check": "exact" if args.strict_emulation else (
                    None if args.emulation_check == "none" else args.emulation_check),
                "pack_seconds": pack_seconds, "routing_margins": margins.tolist(), "token_seed": seed,
-               "compared_rows": rows.tolist(),
-               "steps": run_kernel(gen, weights, gen.init_state(B), trajectory, mesh, params, rows)}
+               "compared_rows": rows.tolist(), "verify": args.verify,
+               "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, rows)}
     if args.mutants:
         summary["mutants"] = {}
         for name in args.mutants.split(","):
             mutant = load_generated(spec, "kimi_k3_mini", name)
-            steps = run_kernel(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
-                               mesh, params, rows, label=f"[{name}] ")
+            steps = run(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
+                        mesh, params, rows, label=f"[{name}] ")
             summary["mutants"][name] = {"steps": steps}
     return finish(summary, args.races, args.json)
 

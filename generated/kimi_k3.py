@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 7d1881bea1ca2253
+Input digest (spec, model config, mkc version): dea24361131684ac
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
@@ -45,6 +45,11 @@ RANKS = 32
 TOPOLOGY = "tpu7x=2x2x4"
 BATCH_RANGE = (1, 8)
 CONTEXT = 4096
+# Verify steps: up to VERIFY_ROWS rows per sequence (an anchor and its drafts) for a range of
+# sequences; ROW_STATES are the states a verify step keeps per row (with their batch axis).
+VERIFY_ROWS = 8
+VERIFY_SEQUENCES = (1, 1)
+ROW_STATES = {'kda__conv': 1, 'kda__recurrent': 0}
 VMEM_LIMIT_BYTES = 67108864
 DIMS = KimiDims(family='kimi_k3', name='kimi_k3', hidden_size=7168, num_hidden_layers=93,
                 vocab_size=163840, rms_norm_eps=1e-05, dense_width=33792, heads=96, head_dim=128,
@@ -271,11 +276,11 @@ def _layer_dense(k: Kernel, layer):
     c = k.layer("dense", layer)
     B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 59: prefetch next staging.attention
+    c.prefetch_view()   # spec line 62: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 60: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 63: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -287,13 +292,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 48: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 51: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 46: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 49: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 46: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 49: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -301,13 +306,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 46: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 46: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 49: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 49: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 47: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 50: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 47: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 48: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 50: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 51: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -317,7 +322,7 @@ def _layer_kda(k: Kernel, layer):
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 50: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 53: two_level, wire bf16
     # the pool view staging.attention is free from here
     lower.attn_residual(c, attn_out)
 
@@ -345,7 +350,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 55: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 58: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -357,22 +362,22 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 64: swap with the sibling core, wire f32
+    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 67: swap with the sibling core, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 65: fetch experts -> staging.experts, the first slots now
+    # spec line 68: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 66: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 69: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 67: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 70: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 67: two_level, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 70: two_level, wire bf16
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 68: prefetch next staging.attention
+    c.prefetch_view()   # spec line 71: prefetch next staging.attention
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 69: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 72: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -481,8 +486,9 @@ def build_kernel(B, interpret=None, verify_rows=None):
     if verify_rows is None:
         if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
             raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
-    else:
-        raise ValueError("the schedule declares no verify step: add `verify R` to the spec")
+    elif not (1 <= R <= VERIFY_ROWS and S * R == B and VERIFY_SEQUENCES[0] <= S <= VERIFY_SEQUENCES[1]):
+        raise ValueError(f"a verify step of {B} rows as {R} per sequence is outside the schedule's "
+                         f"verify {VERIFY_ROWS} rows for {VERIFY_SEQUENCES} sequences")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -535,7 +541,7 @@ def build_kernel(B, interpret=None, verify_rows=None):
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
     first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
     # A decode step updates every state in place; a verify step only its KV caches.
-    in_place = [i for i, name in enumerate(states) if verify_rows is None]
+    in_place = [i for i, name in enumerate(states) if verify_rows is None or name not in ROW_STATES]
     return pl.pallas_call(
         functools.partial(_kernel, B=B, R=R, verify=verify_rows is not None),
         out_shape=out_shape,
@@ -605,6 +611,57 @@ def make_decode_step(mesh: Mesh, B: int, interpret=None):
     replicated = jax.sharding.NamedSharding(mesh, P())
     ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
     return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
+
+
+def make_verify_step(mesh: Mesh, S: int, R: int, interpret=None):
+    """A jitted verify step over `mesh`: R rows (an anchor and R - 1 drafts) for each of S
+    sequences in one kernel launch, every matrix streamed once for all S * R rows.
+
+    step(weights, caches, states, tokens[S, R], starts[S]) -> (logits f32[S, R, vocab],
+    next_token [S, R], verified): sequence s's row r sits at position starts[s] + r, attends
+    causally to its cache and its earlier rows, and writes its K/V. `verified` holds the KV
+    caches (updated in place: `caches` is donated) and, per recurrent state, the state after
+    every row; `commit` keeps the accepted rows' states. starts[s] + R must not pass CONTEXT."""
+    run = _sharded(mesh, S * R, interpret, verify_rows=R)
+
+    def step(weights, caches, states, tokens, starts):
+        rows = jnp.transpose(tokens).reshape(-1)            # wave-major: row r * S + s
+        positions = (starts[None, :] + jnp.arange(R, dtype=jnp.int32)[:, None]).reshape(-1)
+        logits, verified = run(weights, caches | states, rows, positions)
+        logits = jnp.transpose(logits.reshape(R, S, -1), (1, 0, 2))
+        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), verified
+
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
+    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
+
+
+@jax.jit
+def _keep_accepted(states, verified, accepted):
+    """Per row state: sequence s's entry after its accepted[s]-th row, or (none accepted) its
+    state before the verify step. One gather of S entries per layer: the rejected rows' states
+    are never copied."""
+    S = accepted.shape[0]
+    out = {}
+    for name, axis in ROW_STATES.items():
+        axis += 2                                           # past the rank and layer axes
+        entry = (jnp.maximum(accepted, 1) - 1) * S + jnp.arange(S)
+        picked = jnp.take(verified[name], entry, axis=axis)
+        shape = [1] * picked.ndim
+        shape[axis] = S
+        out[name] = jnp.where((accepted == 0).reshape(shape), states[name], picked)
+    return out
+
+
+def commit(state, verified, accepted):
+    """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
+    from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
+    KV caches as the verify step left them (entries past the accepted rows are masked by
+    position and overwritten by the next step)."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
+                          accepted)
+    return {n: rows[n] if n in ROW_STATES else verified[n] for n in verified}
 
 
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
@@ -719,3 +776,22 @@ def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, 
     return _STEPS[key](weights, state, tokens, positions)
 
 
+
+
+_VERIFY_STEPS: dict = {}
+
+
+def verify_step(weights, state, tokens, starts, *, mesh: Mesh | None = None, interpret=None):
+    """One verify step (`make_verify_step`) of tokens [S, R] at starts [S]; builds and caches the
+    jitted step per shape, mesh and mode. The state's KV caches are donated: continue from
+    `commit(state, verified, accepted)`."""
+    if mesh is None:
+        mesh = make_mesh()
+    S, R = np.shape(tokens)
+    key = (S, R, mesh, interpret)
+    if key not in _VERIFY_STEPS:
+        _VERIFY_STEPS[key] = make_verify_step(mesh, S, R, interpret)
+    caches = {n: a for n, a in state.items() if n not in ROW_STATES}
+    states = {n: a for n, a in state.items() if n in ROW_STATES}
+    return _VERIFY_STEPS[key](weights, caches, states, jnp.asarray(tokens, jnp.int32),
+                              jnp.asarray(starts, jnp.int32))
