@@ -1,5 +1,6 @@
 """Compile a generated module's full-size kernel with libtpu for its compile-only TPU topology,
 from abstract inputs (no weights): .venv/bin/python benchmarks/tpu_compile.py MODULE.py BATCH
+[--verify R] (with --verify: the module's verify step of R rows for BATCH sequences).
 
 The module's rank count must equal the topology's device count. With --vmem, the compile
 runs in a subprocess and prints libtpu's VMEM verdict (fits with the bytes used, or out of
@@ -17,15 +18,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mkc.confirm import RankMismatch, compile_module as _compile, run_compile  # noqa: E402
 
 
-def compile_module(path: str, batch: int) -> tuple[str, float, float]:
+def compile_module(path: str, batch: int, verify_rows: int | None = None) -> tuple[str, float, float]:
     """Returns (topology, lower seconds, compile seconds); raises if the module's rank count
     is not the topology's device count, or what the compiler raises."""
-    info = _compile(path, batch)
+    info = _compile(path, batch, verify_rows)
     return info["topology"], info["lower_s"], info["compile_s"]
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--vmem"]
+    verify_rows = None
+    if "--verify" in args:
+        i = args.index("--verify")
+        verify_rows = int(args[i + 1])
+        del args[i:i + 2]
     path, batch = args[0], int(args[1])
     if "--vmem" in sys.argv:
         r = run_compile(path, batch)
@@ -36,9 +42,10 @@ if __name__ == "__main__":
               + (f": {r['message'].splitlines()[0]}" if r.get("message") else ""))
         sys.exit(0 if r["libtpu"] == "fits" else 1)
     try:
-        topology, lower_s, compile_s = compile_module(path, batch)
+        topology, lower_s, compile_s = compile_module(path, batch, verify_rows)
     except RankMismatch as e:        # not the compiler's verdict: the module and topology disagree
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"{path} batch {batch}: lowered in {lower_s:.2f} s, compiled for {topology} in "
+    what = f"batch {batch}" if verify_rows is None else f"verify {verify_rows} rows x {batch} sequences"
+    print(f"{path} {what}: lowered in {lower_s:.2f} s, compiled for {topology} in "
           f"{compile_s:.2f} s")

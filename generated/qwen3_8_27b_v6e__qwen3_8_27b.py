@@ -47,6 +47,9 @@ CONTEXT = 4096
 VERIFY_ROWS = 8
 VERIFY_SEQUENCES = (1, 1)
 ROW_STATES = {'gdn__conv': 1, 'gdn__recurrent': 0}
+# Row states whose rows are a tiled (last two) dim: a verify step is handed them spread over
+# every row's entry, as a kernel cannot load a slice of a tile (mkc.runtime.context.spread_on_host).
+SPREAD_ROW_STATES = ('gdn__conv',)
 VMEM_LIMIT_BYTES = 134217728
 DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, num_hidden_layers=64,
                   vocab_size=248320, rms_norm_eps=1e-06,
@@ -353,8 +356,10 @@ def build_kernel(B, interpret=None, verify_rows=None):
     out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
                  *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
     first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
-    # A decode step updates every state in place; a verify step only its KV caches.
-    in_place = [i for i, name in enumerate(states) if verify_rows is None or name not in ROW_STATES]
+    # A decode step updates every state in place; a verify step its KV caches and the states
+    # it is handed spread over every row (`_spread`).
+    in_place = [i for i, name in enumerate(states) if verify_rows is None or name not in ROW_STATES
+                or name in SPREAD_ROW_STATES]
     return pl.pallas_call(
         functools.partial(_kernel, B=B, R=R, verify=verify_rows is not None),
         out_shape=out_shape,
@@ -438,6 +443,7 @@ def make_verify_step(mesh: Mesh, S: int, R: int, interpret=None):
     run = _sharded(mesh, S * R, interpret, verify_rows=R)
 
     def step(weights, caches, states, tokens, starts):
+        states = {n: _spread(n, a, R) if n in SPREAD_ROW_STATES else a for n, a in states.items()}
         rows = jnp.transpose(tokens).reshape(-1)            # wave-major: row r * S + s
         positions = (starts[None, :] + jnp.arange(R, dtype=jnp.int32)[:, None]).reshape(-1)
         logits, verified = run(weights, caches | states, rows, positions)
@@ -447,6 +453,16 @@ def make_verify_step(mesh: Mesh, S: int, R: int, interpret=None):
     replicated = jax.sharding.NamedSharding(mesh, P())
     ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
     return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
+
+
+def _spread(name, state, R):
+    """A row state of S entries padded to the S * R of a verify kernel's rows (the S first):
+    for states whose rows are a tiled dim, which the kernel cannot load S of (they are small:
+    conv taps)."""
+    axis = ROW_STATES[name] + 2                             # past the rank and layer axes
+    pad = [(0, 0)] * state.ndim
+    pad[axis] = (0, state.shape[axis] * (R - 1))
+    return jnp.pad(state, pad)
 
 
 @jax.jit

@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--batch", type=int, help="rows per step (default: the spec's largest)")
             p.add_argument("--context", type=int,
                            help="tokens in the KV cache (default: the spec's context)")
+            p.add_argument("--verify", type=int, metavar="R",
+                           help="model the verify step of R rows per sequence instead (--batch: "
+                                "sequences, default the spec's fewest)")
+            p.add_argument("--acceptance", type=float, metavar="A",
+                           help="with --verify: tokens accepted per sequence and launch, for tok/s "
+                                "(default R)")
             p.add_argument("--trace", metavar="FILE",
                            help="write the modelled step as a Chrome/Perfetto trace-event JSON "
                                 "file (open it at ui.perfetto.dev or chrome://tracing)")
@@ -96,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "perf":
             from mkc import perf
             c = compiler.check_spec(args.spec, args.model)
-            _check_perf_args(c.ir, args.batch, args.context)
-            result["perf"] = perf.run(c.ir, args.batch, args.context)
+            _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance)
+            result["perf"] = perf.run(c.ir, args.batch, args.context, args.verify, args.acceptance)
             if not as_json:
                 from mkc.perf.run import table
                 print(f"{args.spec}: ok (times below are modelled, not measured)")
@@ -199,10 +205,28 @@ def _tune(args, as_json: bool) -> dict:
                      "after": k.show(b)} for k, a, b in res.changed()]}}
 
 
-def _check_perf_args(s, batch: int | None, context: int | None) -> None:
-    """A batch the spec does not build, or more cached tokens than its KV cache holds, is a
-    diagnostic at the spec's setting."""
+def _check_perf_args(s, batch: int | None, context: int | None, verify: int | None = None,
+                     acceptance: float | None = None) -> None:
+    """A batch the spec does not build, more cached tokens than its KV cache holds, or a verify
+    step it does not declare, is a diagnostic at the spec's setting."""
     diags = []
+    verify_span = s.setting_spans.get("verify", s.setting_spans.get("batch", Span.unknown(s.source)))
+    if verify is not None:
+        lo, hi = s.verify_sequences
+        if not 1 <= verify <= s.verify_rows:
+            diags.append(Diagnostic("E-PERF", f"--verify {verify} is not a verify step this spec "
+                                    f"builds ({'up to ' + str(s.verify_rows) + ' rows' if s.verify_rows else 'none'})",
+                                    verify_span, hint="declare `verify R` in the spec, and pass "
+                                    "--verify between 1 and R"))
+        elif batch is not None and not lo <= batch <= hi:
+            diags.append(Diagnostic("E-PERF", f"--batch {batch} sequences is outside the spec's "
+                                    f"verify sequences ({lo} to {hi})", verify_span,
+                                    hint=f"pass --batch between {lo} and {hi}"))
+        if acceptance is not None and not 1 <= acceptance <= verify:
+            diags.append(Diagnostic("E-PERF", f"--acceptance {acceptance:g} is outside 1 to "
+                                    f"{verify} tokens per launch", verify_span,
+                                    hint="a launch accepts the anchor's token and at most every draft"))
+        batch = None
     if batch is not None and not s.batch_min <= batch <= s.batch_max:
         diags.append(Diagnostic("E-PERF", f"--batch {batch} is outside the batches this spec "
                                 f"builds ({s.batch_min} to {s.batch_max})",

@@ -173,11 +173,12 @@ class RankMismatch(ValueError):
     """A module whose rank count is not its topology's device count (it cannot be placed)."""
 
 
-def compile_module(path: str, batch: int) -> dict:
+def compile_module(path: str, batch: int, verify_rows: int | None = None) -> dict:
     """Compile a generated module's kernel at `batch` for its TOPOLOGY with libtpu, from
-    abstract inputs. Returns {"topology", "devices", "lower_s", "compile_s"}; raises what the
-    compiler raises. Needs JAX_PLATFORMS=cpu and ALLOW_MULTIPLE_LIBTPU_LOAD=1 set before jax
-    is imported (the worker does that)."""
+    abstract inputs (with `verify_rows` R: its verify step of R rows for `batch` sequences).
+    Returns {"topology", "devices", "lower_s", "compile_s"}; raises what the compiler raises.
+    Needs JAX_PLATFORMS=cpu and ALLOW_MULTIPLE_LIBTPU_LOAD=1 set before jax is imported (the
+    worker does that)."""
     import jax
     import numpy as np
     from jax.experimental import topologies
@@ -200,10 +201,17 @@ def compile_module(path: str, batch: int) -> dict:
     place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=ranked)  # noqa: E731
     weights = {k: place(v) for k, v in weights.items()}
     state = {k: place(v) for k, v in state.items()}
-    rows = jax.ShapeDtypeStruct((batch,), np.int32, sharding=NamedSharding(mesh, P()))
-    step = gen.make_decode_step(mesh, batch)
+    replicated = NamedSharding(mesh, P())
+    rows = jax.ShapeDtypeStruct((batch,), np.int32, sharding=replicated)
     t0 = time.perf_counter()
-    lowered = step.lower(weights, state, rows, rows)
+    if verify_rows is None:
+        lowered = gen.make_decode_step(mesh, batch).lower(weights, state, rows, rows)
+    else:
+        tokens = jax.ShapeDtypeStruct((batch, verify_rows), np.int32, sharding=replicated)
+        caches = {k: v for k, v in state.items() if k not in gen.ROW_STATES}
+        states = {k: v for k, v in state.items() if k in gen.ROW_STATES}
+        lowered = gen.make_verify_step(mesh, batch, verify_rows).lower(weights, caches, states,
+                                                                       tokens, rows)
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()

@@ -8,10 +8,14 @@ from __future__ import annotations
 from mkc import ir
 
 
-def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int) -> dict[str, int]:
-    """Bytes one rank reads or writes in HBM per step, by class."""
+def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int,
+                sequences: int | None = None) -> dict[str, int]:
+    """Bytes one rank reads or writes in HBM per step of `batch` rows, by class. A verify step
+    runs its rows as fewer `sequences`: it reads their caches and states, and writes a state
+    per row."""
     st = s.stream
-    state = sum(batch * _prod(shape) * ir.DTYPE_BYTES[dtype]
+    sequences = sequences or batch
+    state = sum(_prod(shape) * ir.DTYPE_BYTES[dtype]
                 for kname in s.layer_kinds for shape, dtype in s.kinds[kname].states.values())
     kv = 0
     for kname in s.layer_kinds:
@@ -19,7 +23,7 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int) -> dict[str,
         if k.kv:
             caches = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == kname]
             tiles = -(-tokens_in_cache // k.kv.tokens)
-            kv += sum(batch * tiles * k.kv.tokens * b.shape[-1] * ir.DTYPE_BYTES[b.dtype]
+            kv += sum(sequences * tiles * k.kv.tokens * b.shape[-1] * ir.DTYPE_BYTES[b.dtype]
                       for b in caches)
     traffic = {"weights": st.streamed_bytes}
     pooled = sum(m.nbytes for kname in s.layer_kinds for p in s.pools for v in p.views
@@ -33,7 +37,7 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int) -> dict[str,
             * sum(1 for k in s.layer_kinds if s.kinds[k].fetch is not None))
     return traffic | {
         "vectors": len(s.layer_kinds) * s.parity.rows * s.parity.cols * 4,
-        "state (load + store)": 2 * state,
+        "state (load + store)": (sequences + batch) * state,
         "kv cache": kv,
     }
 
@@ -47,8 +51,8 @@ def expected_local_experts(s: ir.ScheduleIR, batch: int) -> float:
 
 
 def step_floor_seconds(s: ir.ScheduleIR, hbm_bytes_per_s: float, batch: int,
-                       tokens_in_cache: int) -> float:
-    return sum(hbm_traffic(s, batch, tokens_in_cache).values()) / hbm_bytes_per_s
+                       tokens_in_cache: int, sequences: int | None = None) -> float:
+    return sum(hbm_traffic(s, batch, tokens_in_cache, sequences).values()) / hbm_bytes_per_s
 
 
 def _prod(shape) -> int:

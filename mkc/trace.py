@@ -36,6 +36,8 @@ class TraceOptions:
     exactly the trace the checks read; every option only adds events or resizes copies."""
 
     batch: int | None = None       # size state and KV copies at this batch (None: the largest)
+    sequences: int | None = None   # KV tiles hold this many sequences (a verify step's rows
+                                   # are fewer sequences; None: one per row)
     experts: int | None = None     # routed experts each MoE layer runs (None: the worst case)
     kv_tokens: int | None = None   # unroll the whole KV stream over this many cached tokens
     compute: bool = False          # add `op` and `collective` events, bytes on weight reads
@@ -330,8 +332,8 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
         n_tiles = periodic_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
     else:
         n_tiles = -(-opts.kv_tokens // kv.tokens)
-    if opts.batch:
-        bufs = [b.at_batch(opts.batch) for b in bufs]
+    if opts.sequences or opts.batch:
+        bufs = [b.at_batch(opts.sequences or opts.batch) for b in bufs]
     nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
     for b in bufs:
         tb.alloc(b.name, where, kv.span)

@@ -9,7 +9,7 @@ from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, copy_name, gather_name, layer_source, reduce_name
 from mkc.model.family import Family
 from mkc.runtime.collectives import Stage
-from mkc.runtime.context import KindPlan, StateCopy
+from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.pool import WeightView
@@ -126,6 +126,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
     kinds: dict[str, KindPlan] = {}
     state_arrays = []
     row_states = []              # (state array, its batch axis): one entry per row when verifying
+    spread_states = []
     sems: list[str] = ["sem__head_norm", "sem__embed"]
     drains = []
     for kname in sorted(s.kinds):
@@ -165,6 +166,8 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
                 buf = s.buffer(states[sname])
                 state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), DTYPE_SOURCE[buf.dtype]))
                 row_states.append((f"{kname}__{sname}", buf.batch_axis))
+                if spread_on_host(buf.batch_axis, len(buf.shape)):
+                    spread_states.append(f"{kname}__{sname}")
         for c, b in zip(caches, kv_bufs):
             state_arrays.append((c, kname, f"(S, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
 
@@ -262,6 +265,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         "tail_name": _matrix_name("tail", st.tail[0].name),
         "state_arrays": state_arrays,
         "row_states_literal": literal(dict(row_states), 13),
+        "spread_states_literal": literal(tuple(spread_states), 20),
         "vmem_inputs": [(b.name, b.shape_expr(), DTYPE_SOURCE[b.dtype]) for b in vmem_inputs],
         "experts_literal": literal(expert_slots, 10),
         "expert_inputs": expert_inputs,

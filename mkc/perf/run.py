@@ -24,7 +24,8 @@ def experts_per_layer(s: ir.ScheduleIR, batch: int) -> int | None:
     return None if x is None else max(1, round(x))
 
 
-def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int, experts: int | None = None) -> list:
+def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int, experts: int | None = None,
+               sequences: int | None = None) -> list:
     """The checked trace, unrolled for the model: the same builder and program order, with op
     and collective events, copies sized at `batch`, the whole KV stream over `tokens` and
     `experts` routed experts per MoE layer (default: the expected slowest group's, rounded;
@@ -32,8 +33,8 @@ def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int, experts: int | None = 
     warm-up, a period and tail)."""
     if experts is None:
         experts = experts_per_layer(s, batch)
-    return build_trace(s, TraceOptions(batch=batch, experts=experts, kv_tokens=tokens,
-                                       compute=True, whole_ring=True))
+    return build_trace(s, TraceOptions(batch=batch, sequences=sequences, experts=experts,
+                                       kv_tokens=tokens, compute=True, whole_ring=True))
 
 
 def expert_mix(s: ir.ScheduleIR, batch: int) -> list[tuple[int, float]]:
@@ -55,8 +56,9 @@ def expert_mix(s: ir.ScheduleIR, batch: int) -> list[tuple[int, float]]:
 
 def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates | None = None,
                events: list | None = None, keep_timeline: bool = True,
-               traces: dict | None = None) -> Result:
-    """The modelled step at `batch` with `tokens` cached. With `events`, that trace simulated
+               traces: dict | None = None, sequences: int | None = None) -> Result:
+    """The modelled step at `batch` rows (as fewer `sequences`: a verify step) with `tokens`
+    cached. With `events`, that trace simulated
     once. Otherwise the expectation over routing: the steps of `expert_mix` simulated and
     weighed (`sim.blend`; a picture shows the nearer one, `Result.concrete()`). `traces`, if
     given, caches the traces built, by (batch, tokens, experts per layer)."""
@@ -66,10 +68,10 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
     mix = expert_mix(s, batch)
     parts = []
     for n, w in mix:
-        key = (batch, tokens, n)
+        key = (batch, tokens, n, sequences)
         ev = traces.get(key) if traces is not None else None
         if ev is None:
-            ev = perf_trace(s, batch, tokens, experts=n or None)
+            ev = perf_trace(s, batch, tokens, experts=n or None, sequences=sequences)
             if traces is not None:
                 traces[key] = ev
         res = simulate(Model(s, batch, tokens, rates), ev, keep_timeline=keep_timeline)
@@ -91,16 +93,23 @@ def calibration_note(chip: str) -> str:
             f"mkc/perf/data/{chip}.json")
 
 
-def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None
-        ) -> dict[str, Any]:
+def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
+        verify_rows: int | None = None, acceptance: float | None = None) -> dict[str, Any]:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
-    (default: the spec's context), as a JSON-ready dict."""
+    (default: the spec's context), as a JSON-ready dict. With `verify_rows` R, its verify step
+    of R rows for each of `batch` sequences (default: the spec's fewest), whose tokens per
+    second count `acceptance` tokens per sequence and launch (default R: every draft right)."""
+    sequences = None
+    if verify_rows:
+        sequences = batch or s.verify_sequences[0]
+        batch = sequences * verify_rows
     batch = batch or s.batch_max
     tokens = s.context if tokens is None else tokens
     rates = constants.rates(s.chip)
-    res = step_model(s, batch, tokens, rates, keep_timeline=False)
+    res = step_model(s, batch, tokens, rates, keep_timeline=False, sequences=sequences)
     bw = target.chip(s.chip).hbm_bytes_per_s
-    floor = cost.step_floor_seconds(s, bw, batch, tokens)
+    floor = cost.step_floor_seconds(s, bw, batch, tokens, sequences)
+    emitted = batch if not verify_rows else sequences * (acceptance or verify_rows)
     slowest_floor = floor
     if s.experts:
         # the floor counts the mean core's routed experts; the slowest core moves more
@@ -112,6 +121,8 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None
         "calibration": calibration_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
+        "verify": ({"rows": verify_rows, "sequences": sequences, "acceptance": acceptance or verify_rows}
+                   if verify_rows else None),
         "routed_experts_per_layer": res.experts,
         "routed_experts_per_layer_mean": (cost.expected_local_experts(s, batch)
                                           if s.experts else None),
@@ -119,7 +130,7 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None
                                     or ([{"experts": res.experts, "weight": 1.0}]
                                         if res.experts else []),
         "step_seconds": res.step_s,
-        "tokens_per_s": batch / res.step_s,
+        "tokens_per_s": emitted / res.step_s,
         "hbm_floor_seconds": floor,
         "percent_of_hbm_floor": 100 * floor / res.step_s,
         "slowest_core_hbm_floor_seconds": slowest_floor,
@@ -140,8 +151,11 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     ms = lambda x: f"{x * 1e3:8.3f}"     # noqa: E731
     step = rep["step_seconds"]
     lines = [
-        f"{rep['schedule']} ({rep['model']}) on {rep['topology']}, batch {rep['batch']}, "
-        f"{rep['tokens_in_cache']} cached tokens"
+        f"{rep['schedule']} ({rep['model']}) on {rep['topology']}, "
+        + (f"batch {rep['batch']}" if not rep.get("verify") else
+           f"verify step of {rep['verify']['rows']} rows x {rep['verify']['sequences']} sequences "
+           f"(tok/s at {rep['verify']['acceptance']:g} accepted per sequence and launch)")
+        + f", {rep['tokens_in_cache']} cached tokens"
         + (f", {rep['routed_experts_per_layer']:.2f} routed experts per MoE layer on the slowest "
            f"core (expected under uniform routing; mean core "
            f"{rep['routed_experts_per_layer_mean']:.2f})"

@@ -21,6 +21,14 @@ from jax.experimental.pallas import tpu as pltpu
 from mkc.runtime import collectives, experts, kv, pool, ring, vectors
 
 
+def spread_on_host(batch_axis: int, ndim: int) -> bool:
+    """Whether a verify step's input state comes already spread over every row's entry (its S
+    states in the first S, the rest unused) rather than as S entries the kernel loads into the
+    first S. The kernel cannot load S entries when rows are a tiled (last two) dim: a slice
+    of a tile is no DMA target (Mosaic: "slice sizes along tiled dimensions must be aligned")."""
+    return batch_axis >= ndim - 2
+
+
 @dataclass(frozen=True)
 class StateCopy:
     """A state copy the schedule names: HBM array `hbm` (one slice per layer of the kind) to or
@@ -171,7 +179,7 @@ class Layer:
         si = self.si - 1 if previous else self.si
         if cp.direction == "store":
             return pltpu.make_async_copy(vmem, getattr(self.refs, cp.hbm).at[si], sem)
-        if not self.kernel.verify:
+        if not self.kernel.verify or spread_on_host(cp.batch_axis, len(vmem.shape)):
             return pltpu.make_async_copy(getattr(self.refs, cp.hbm).at[si], vmem, sem)
         # A verify kernel's output holds a state per row; the S input states land in the
         # first wave's entries (the leading S along the batch axis).

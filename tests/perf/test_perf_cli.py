@@ -53,3 +53,27 @@ def test_perf_batch_outside_the_spec_is_a_diagnostic(capsys):
     assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--context", "-1", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["diagnostics"][0]["code"] == "E-PERF"
+
+
+def test_perf_verify_models_one_launch_of_rows_over_fewer_caches(capsys):
+    """A verify step of 8 rows streams the weights once, like a decode step of 8 rows, but reads
+    one sequence's KV cache and state (not 8): modelled between batch 1 and batch 8, and its
+    tok/s counts the accepted tokens."""
+    def perf(*args: str) -> dict:
+        assert main(["perf", str(SPEC), "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)["perf"]
+    one, eight = perf("--batch", "1"), perf("--batch", "8")
+    verify = perf("--verify", "8", "--acceptance", "6")
+    assert verify["verify"] == {"rows": 8, "sequences": 1, "acceptance": 6}
+    assert verify["batch"] == 8
+    assert one["step_seconds"] < verify["step_seconds"] < eight["step_seconds"]
+    assert verify["hbm_floor_seconds"] < eight["hbm_floor_seconds"]
+    assert verify["tokens_per_s"] == 6 / verify["step_seconds"]
+
+
+def test_perf_verify_the_spec_does_not_build_is_a_diagnostic(capsys):
+    assert main(["perf", str(SPEC), "--verify", "9"]) == 1
+    err = capsys.readouterr().err
+    assert "E-PERF" in err and "--verify 9 is not a verify step this spec builds (up to 8 rows)" in err
+    assert main(["perf", str(SPEC), "--verify", "8", "--batch", "3"]) == 1
+    assert "--batch 3 sequences is outside the spec's verify sequences (1 to 2)" in capsys.readouterr().err
