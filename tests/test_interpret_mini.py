@@ -29,7 +29,7 @@ def test_on_wait_from_an_hf_checkpoint(tmp_path):
     config = json.loads((ROOT / "mkc/model/configs/qwen3_8_mini.json").read_text())
     params = reference.init_params(reference.load_config(config), seed=7)
     save_checkpoint(tmp_path, config, params)
-    summary = _run("--checkpoint", str(tmp_path), "--mode", "on_wait", "--steps", "3",
+    summary = _run("--checkpoint", str(tmp_path), "--mode", "on_wait", "--steps", "2",
                    "--batch", "3")
     _assert_matches_reference(summary)
 

@@ -27,18 +27,12 @@ def _judged(summary: dict, rows: int) -> None:
 
 
 @pytest.mark.slow
-def test_qwen_verify_rows_equal_decode_steps_in_eager_mode():
-    summary = run_example("examples/run_mini.py", "--verify", "--steps", "4", "--batch", "1",
-                          "--mode", "eager", "--emulation-check", "flips", timeout=1200)
-    _judged(summary, 4)
-
-
-@pytest.mark.slow
-def test_qwen_verify_of_two_sequences_is_race_free():
-    """Two sequences of 3 rows (wave-major rows 0..5) in one launch, with race detection: the
-    rows of each sequence share a KV tile and straddle into the next."""
+def test_qwen_verify_of_two_sequences_in_eager_mode_is_race_free():
+    """Two sequences of 3 rows (wave-major rows 0..5) in one launch, eager DMAs, with race
+    detection: the rows of each sequence share a KV tile and straddle into the next. (The
+    other families' verify tests run on_wait.)"""
     summary = run_example("examples/run_mini.py", "--verify", "--steps", "3", "--batch", "2",
-                          "--races", "--emulation-check", "flips", timeout=1200)
+                          "--mode", "eager", "--races", "--emulation-check", "flips", timeout=1200)
     _judged(summary, 3)
     assert summary["races_found"] is False
 
@@ -58,9 +52,9 @@ def test_qwen_moe_verify_rows_equal_decode_steps():
 
 @pytest.mark.slow
 def test_k3_verify_rows_equal_decode_steps_bit_for_bit():
-    summary = run_example("examples/run_k3_mini.py", "--verify", "--steps", "3", "--batch", "1",
+    summary = run_example("examples/run_k3_mini.py", "--verify", "--steps", "2", "--batch", "1",
                           "--emulation-check", "exact", timeout=1500)
-    _judged(summary, 3)
+    _judged(summary, 2)
     assert summary["compared_rows"] == [0]
     for row in summary["steps"]:
         assert row["emulation"]["logits"] == 0.0                   # measured: every row
@@ -70,7 +64,9 @@ def test_k3_verify_rows_equal_decode_steps_bit_for_bit():
 def test_speculative_generation_equals_greedy_decoding():
     """The loop with a drafter that is right except for one draft per launch: acceptance
     lengths vary (a rejected first draft, partial and full acceptance) and the text equals
-    greedy decoding by the rounding-emulating reference."""
+    greedy decoding by the rounding-emulating reference. (The default prompt: its greedy text
+    has no top-2 near-tie the kernel's ~1e-3 rounding difference from the emulation at rows past
+    the first could flip; `--prompt 5,17,99,5,17 --tokens 6` has one at its 6th token.)"""
     summary = run_example("examples/speculative.py", "--tokens", "8", "--rows", "4",
                           "--drafter", "oracle", timeout=1500)
     assert summary["tokens"] == summary["greedy"]
