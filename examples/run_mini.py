@@ -14,7 +14,9 @@ with the tolerances of `mkc.numerics`.
 
 With --verify the kernel runs one verify step instead: the --steps tokens of each of the
 --batch sequences as consecutive rows, each row judged like the decode step it replaces (its
-logits, and the state committed after it). Prints one line per step and, with --json, a final JSON summary (used by the tests). Exits 1
+logits, and the state committed after it).
+
+Prints one line per step and, with --json, a final JSON summary (used by the tests). Exits 1
 when the kernel disagrees with either reference. --mutate NAME runs a copy of the generated
 module with one op scaled by 1.01 (`generated_module.MUTANTS`) instead: it must exit 1.
 --mutants A,B runs the module, then each mutant in the same process; it exits 0 only if the

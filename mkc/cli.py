@@ -214,8 +214,9 @@ def _check_perf_args(s, batch: int | None, context: int | None, verify: int | No
     if verify is not None:
         lo, hi = s.verify_sequences
         if not 1 <= verify <= s.verify_rows:
+            builds = f"up to {s.verify_rows} rows" if s.verify_rows else "none"
             diags.append(Diagnostic("E-PERF", f"--verify {verify} is not a verify step this spec "
-                                    f"builds ({'up to ' + str(s.verify_rows) + ' rows' if s.verify_rows else 'none'})",
+                                    f"builds ({builds})",
                                     verify_span, hint="declare `verify R` in the spec, and pass "
                                     "--verify between 1 and R"))
         elif batch is not None and not lo <= batch <= hi:

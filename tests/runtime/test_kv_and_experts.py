@@ -1,8 +1,9 @@
 """``mkc.runtime.kv`` and ``mkc.runtime.experts`` in small grid-less kernels in TPU interpret mode
 (both DMA modes and with race detection), against numpy: the KV row writes land at each row's
 position inside aligned tiles (a verify step's rows of one sequence sharing and straddling
-tiles) and the tile fold visits exactly the tokens up to each row's position; the expert slots list the distinct picked experts of this rank's group in ascending
-order and cycle more experts than slots through them."""
+tiles) and the tile fold visits exactly the tokens up to each row's position; the expert
+slots list the distinct picked experts of this rank's group in ascending order and cycle more
+experts than slots through them."""
 from __future__ import annotations
 
 import jax
@@ -54,8 +55,8 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, 
             out = []
             for b in range(B):
                 visible = (tokens <= pos_ref[b]).astype(F32)          # [1, tokens]
-                out.append(carry[b] + jnp.dot(visible, k_tile[seq[b]].astype(F32) + v_tile[seq[b]].astype(F32),
-                                              preferred_element_type=F32))
+                tile = k_tile[seq[b]].astype(F32) + v_tile[seq[b]].astype(F32)
+                out.append(carry[b] + jnp.dot(visible, tile, preferred_element_type=F32))
             return tuple(out)
 
         sums = kv.stream(tiles, caches, si, pos_ref, B, body, tuple(jnp.zeros((1, W), F32) for _ in range(B)))
