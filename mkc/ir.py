@@ -194,6 +194,9 @@ class KvStream:
     tokens: int
     ahead: int
     op: str                      # the op that consumes the tiles (scope of the tile buffers)
+    caches: tuple[str, ...] = ()         # the kind's cache families, in graph order
+    tile_buffers: tuple[str, ...] = ()   # each cache's scoped tile buffer
+    rows_buffer: str = ""                # the new rows' read-modify-write tiles
     span: Span = field(compare=False, default_factory=Span.unknown)
 
 

@@ -41,8 +41,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
             exchanges.append((kind, ex.after_op, ex.wire_dtype))
         for state, (_, dtype) in ks.states.items():
             storage.append((kind, state, dtype))
-        if f"{kind}_kv_rows" in buffers:
-            storage.append((kind, "kv", buffers[f"{kind}_kv_rows"].dtype))
+        if ks.kv is not None:
+            storage.append((kind, "kv", buffers[ks.kv.rows_buffer].dtype))
     if schedule.embed_reduce is not None:
         e = schedule.embed_reduce
         reduces.append(("embed", "embed", Reduce(tuple(map(tuple, e.stages)), e.wire_dtype)))

@@ -723,17 +723,20 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
             raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
                        hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")
         reader = kind.cache_reader()
-        kv = ir.KvStream(k.slots, k.tokens, k.ahead, reader, span=k.span)
+        kv = ir.KvStream(k.slots, k.tokens, k.ahead, reader,
+                         caches=tuple(c.name for c in caches),
+                         tile_buffers=tuple(f"{kname}_kv_{c.name}" for c in caches),
+                         rows_buffer=f"{kname}_kv_rows", span=k.span)
         a = ops.index(reader)
         width = 1
         for dim in caches[0].shape:
             width *= dim
-        for c in caches:
-            buffers[f"kv_{c.name}"] = ir.Buffer(f"{kname}_kv_{c.name}", "kv",
+        for c, name in zip(caches, kv.tile_buffers):
+            buffers[f"kv_{c.name}"] = ir.Buffer(name, "kv",
                                                 (k.slots, B, k.tokens, width), "bf16",
                                                 (kname, a, a), batch_axis=1)
         # The new token's K/V rows are written by read-modify-write of an aligned bf16 tile.
-        buffers["kv_rows"] = ir.Buffer(f"{kname}_kv_rows", "kv",
+        buffers["kv_rows"] = ir.Buffer(kv.rows_buffer, "kv",
                                        (2, B, ir.SUBLANE_TILE["bf16"], width), "bf16",
                                        batch_axis=1)
     elif caches:

@@ -152,14 +152,14 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
             states[t.state] = t.buffer
             sems.append(sem)
             drains += [(kname, cname, t)] * t.drain
-        # KV caches: one tile buffer `<kind>_kv_<cache>` each, in graph order.
-        kv_bufs = [b for b in s.buffers if b.name.startswith(f"{kname}_kv_") and b.name != f"{kname}_kv_rows"]
-        caches = tuple(f"{kname}__{b.name[len(kname) + 4:]}" for b in kv_bufs)
+        # KV caches (HBM `<kind>__<cache>`), each streamed through its tile buffer.
+        caches = tuple(f"{kname}__{c}" for c in k.kv.caches) if k.kv else ()
+        kv_bufs = [s.buffer(b) for b in k.kv.tile_buffers] if k.kv else []
         kv_plan = {}
         if k.kv is not None:
             kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead),
-                           kv_rows=f"{kname}_kv_rows", kv_sem=f"sem__{kname}_kv_rows")
-            sems.append(f"sem__{kname}_kv_rows")
+                           kv_rows=k.kv.rows_buffer, kv_sem=f"sem__{k.kv.rows_buffer}")
+            sems.append(f"sem__{k.kv.rows_buffer}")
         kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states, copies=copies, **kv_plan)
         for sname in sorted(k.states):
             if any(t.state == sname for t in k.transfers):
