@@ -188,9 +188,9 @@ def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) 
     out = {}
     for name, a in ours.items():
         a = np.array(a, np.float32)
-        axes = [i for i, n in enumerate(a.shape) if i > 0 and n == context]
         if name.endswith("_cache"):
-            t = np.arange(context).reshape([-1 if i + 1 == axes[0] else 1 for i in range(a.ndim - 1)])
+            axis = next(i for i, n in enumerate(a.shape) if i > 0 and n == context)
+            t = np.arange(context).reshape([-1 if i + 1 == axis else 1 for i in range(a.ndim - 1)])
             for s, start in enumerate(np.asarray(starts)):
                 a[s] = np.where(t >= start + accepted, np.asarray(ref[name], np.float32)[s], a[s])
         out[name] = a

@@ -53,6 +53,12 @@ def tile_rows(rows: int, dtype: str) -> int:
     return tile
 
 
+def kv_window_tiles(rows: int) -> int:
+    """Aligned bf16 row tiles (16 tokens) that `rows` consecutive positions of one sequence can
+    touch: what a KV row write reads and writes back (`mkc.runtime.kv.write_rows`)."""
+    return 1 + -(-(rows - 1) // SUBLANE_TILE["bf16"])
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 

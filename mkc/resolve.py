@@ -980,9 +980,13 @@ def _resolve_verify(sched, b_lo: int, b_hi: int, context: int) -> tuple[int, tup
         raise fail("E-VERIFY", f"verify {rows} checks no drafts: a verify step takes an anchor "
                    "and at least one draft per sequence", setting.span,
                    hint="write `verify 8` (1 anchor + 7 drafts), or drop the line to decode only")
-    if rows >= context:
-        raise fail("E-VERIFY", f"verify {rows} rows do not fit the context of {context} tokens",
-                   setting.span, hint=f"verify at most {context - 1} rows, e.g. `verify 8`")
+    window = ir.kv_window_tiles(rows) * ir.SUBLANE_TILE["bf16"]
+    if rows >= context or window > context:
+        # A sequence's new K/V rows are written through a window of aligned 16-token tiles.
+        raise fail("E-VERIFY", f"verify {rows} rows do not fit the context of {context} tokens"
+                   + (f" (their K/V rows are written through a {window}-token window)"
+                      if rows < context else ""),
+                   setting.span, hint=_verify_rows_hint(context, window))
     if not 1 <= s_lo <= s_hi:
         raise fail("E-VERIFY", f"verify sequences {s_lo} to {s_hi} is empty or starts below 1",
                    setting.span, hint=f"write `verify {rows} sequences 1`")
@@ -991,6 +995,14 @@ def _resolve_verify(sched, b_lo: int, b_hi: int, context: int) -> tuple[int, tup
                    f"{b_lo} to {b_hi}: the decode step continues from a verify step's state",
                    setting.span, hint=f"use sequences within {b_lo} to {b_hi}, or widen `batch`")
     return rows, (s_lo, s_hi)
+
+
+def _verify_rows_hint(context: int, window: int) -> str:
+    tile = ir.SUBLANE_TILE["bf16"]
+    most = min(context - 1, tile * (context // tile - 1) + 1)    # the widest window that fits
+    if most >= 2:
+        return f"verify at most {most} rows, e.g. `verify {min(most, 8)}`"
+    return f"a verify step needs a context of at least {window} tokens"
 
 
 def _hbm_bytes(graph: DecodeGraph, stream: ir.Stream, parity: ir.Parity, pools: list[ir.Pool],

@@ -22,13 +22,15 @@ STREAM_LINE = "stream weights ahead 12 {"
 def _ir(tmp_path, slots: int, tokens: int, ahead: int, context: int,
         ring: tuple[int, int, int] = (12, 12, 1024)):
     ring_slots, ring_ahead, bound = ring
-    text = (SPEC.read_text()
+    # Decode steps only: the spec's verify step needs a context of at least its KV row window,
+    # which some variants here (one 16-token tile) are shorter than.
+    text = (SPEC.read_text().replace("verify  8 sequences 1 to 2\n", "")
             .replace(KV_LINE, f"kv tiles {slots} slots of {tokens} tokens ahead {ahead}")
             .replace("context 4096", f"context {context}")
             .replace(RING_LINE, f"ring weights: {ring_slots} slots of bf16 tiles up to {bound} x "
                                 f"{bound}")
             .replace(STREAM_LINE, f"stream weights ahead {ring_ahead} {{"))
-    assert f"context {context}" in text and f"up to {bound} x" in text
+    assert f"context {context}" in text and f"up to {bound} x" in text and "\n  verify " not in text
     return resolve(parse(text, str(tmp_path / "variant.sched")), "qwen3_8_mini")
 
 

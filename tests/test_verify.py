@@ -17,8 +17,6 @@ from conftest import run_python
 from mkc import numerics
 from tests_support import ROOT, run_example
 
-sys.path.insert(0, str(ROOT / "examples"))
-
 
 def _judged(summary: dict, rows: int) -> None:
     assert summary["verify"] and len(summary["steps"]) == rows
@@ -74,6 +72,7 @@ def test_speculative_generation_equals_greedy_decoding():
 
 
 def test_prompt_lookup_drafts_the_continuation_of_the_last_ngram():
+    sys.path.insert(0, str(ROOT / "examples"))
     from speculative import prompt_lookup
     assert prompt_lookup([5, 17, 99, 5, 17, 42, 5, 17], 3) == [42, 5, 17]    # the latest match
     assert prompt_lookup([1, 2, 3, 9, 3], 2) == [9, 3]                      # a 1-gram fallback

@@ -138,8 +138,11 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
         # Decoding fits: the verify step's rows are what overflow.
         rows = _largest_batch_that_fits(s, events, budget, s.batch_max, s.rows_max)
         span = s.setting_spans.get("verify", span)
-        hint = (f"a kernel of up to {rows} rows fits: verify at most {rows // s.verify_sequences[1]} "
-                f"rows for {s.verify_sequences[1]} sequences; or shrink {largest}")
+        sequences, per_sequence = s.verify_sequences[1], rows // s.verify_sequences[1]
+        fix = (f"verify at most {per_sequence} rows for {sequences} sequences"
+               if per_sequence >= 2 else
+               f"verify {s.verify_rows} rows for at most {max(1, rows // s.verify_rows)} sequences")
+        hint = f"a kernel of up to {rows} rows fits: {fix}; or shrink {largest}"
     elif (fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min, s.batch_max)) is not None:
         # The batch range is what overflows: point at it.
         span = s.setting_spans.get("batch", span)

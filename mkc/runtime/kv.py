@@ -19,8 +19,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mkc import ir
+
 BF16 = jnp.bfloat16
-ROW_TILE = 16            # bf16 rows per (16, 128) tile
+ROW_TILE = ir.SUBLANE_TILE["bf16"]    # bf16 rows per (16, 128) tile
 
 
 @dataclass(frozen=True)
@@ -30,20 +32,15 @@ class KvTiles:
     ahead: int
 
 
-def window_tiles(R: int) -> int:
-    """Aligned 16-row tiles a run of R consecutive positions can touch."""
-    return 1 + -(-(R - 1) // ROW_TILE)
-
-
 def write_rows(caches: Sequence, rows_buf, sem, si, positions, new: Sequence[jax.Array],
                S: int, R: int = 1) -> None:
     """Write row b of new[c] ([S * R, width]) at position positions[b] of cache c (layer si) in
     its sequence b % S. Each sequence's rows are consecutive positions, inside W =
-    window_tiles(R) aligned tiles: all tiles are read, the rows replaced, and all written back,
-    so rows sharing a tile never overwrite each other. rows_buf is [len(caches), S * R, 16,
+    ir.kv_window_tiles(R) aligned tiles: all tiles are read, the rows replaced, and all written
+    back, so rows sharing a tile never overwrite each other. rows_buf is [len(caches), S * R, 16,
     width]; sequence s's tiles use its entries s + w * S (W <= R). The window is clamped to end
     at the context, which holds every row because the last position is below it."""
-    W = window_tiles(R)
+    W = ir.kv_window_tiles(R)
     context = caches[0].shape[2]
     row = lax.broadcasted_iota(jnp.int32, rows_buf.shape[2:], 0)
     for phase in ("read", "write"):
