@@ -1,0 +1,128 @@
+"""The plug-in boundary (issue 8), checked on the source: the compiler core names no family and
+branches on none, its imports form no cycle, and checking a spec (model, resolve) reaches no
+family's ops, lowering, weights or reference, nor the in-kernel runtime."""
+import ast
+import re
+
+from mkc import families
+from tests_support import ROOT
+
+# The generic core: language, model interface, resolve, IR, trace, checks, codegen (templates
+# too), the runtime mechanisms, and the numerics and checkpoint code every family shares.
+CORE = ("mkc/lang", "mkc/model", "mkc/resolve.py", "mkc/ir.py", "mkc/trace.py", "mkc/checks",
+        "mkc/codegen", "mkc/runtime", "mkc/numerics.py", "mkc/reference", "mkc/checkpoint.py",
+        "mkc/compiler.py")
+FAMILY_WORD = re.compile(r"kimi|qwen|(^|_)k3($|_)", re.I)
+
+
+def _files(suffix: str):
+    for part in CORE:
+        path = ROOT / part
+        yield from ([path] * (path.suffix == suffix) if path.is_file() else sorted(path.rglob(f"*{suffix}")))
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            out.add(id(body[0].value))
+    return out
+
+
+def _imports(tree: ast.AST, modules=()) -> set[str]:
+    """What a module imports: `from m import n` is m.n when that is one of `modules`, else m."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                       else node.module for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def _module(path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def _families():
+    return {families.for_model_type(t) for t in families.model_types()}
+
+
+def _identifier(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.arg):
+        return node.arg
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    return None
+
+
+def test_the_core_names_no_family_and_branches_on_none():
+    """No identifier, import or string value of the core (docstrings and comments aside: they
+    give shipped models as examples) is a family's name, model type or package."""
+    fams = _families()
+    assert len(fams) >= 3
+    names = set(families.model_types()) | {f.name for f in fams}
+    packages = {f.package for f in fams}
+    found = []
+    for path in _files(".py"):
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                    and (node.value in names or node.value in packages):
+                found.append((path.name, node.lineno, node.value))
+            ident = _identifier(node)
+            if ident and FAMILY_WORD.search(ident):
+                found.append((path.name, node.lineno, ident))
+        found += [(path.name, 0, m) for m in _imports(tree) if m.startswith(tuple(packages))]
+    for path in _files(".j2"):
+        found += [(path.name, i + 1, line.strip()) for i, line in enumerate(path.read_text().splitlines())
+                  if FAMILY_WORD.search(line)]
+    assert found == []
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module(p): p for p in (ROOT / "mkc").rglob("*.py")}
+    return {m: {d for d in _imports(ast.parse(p.read_text()), paths) if d in paths and d != m}
+            for m, p in paths.items()}
+
+
+def test_mkc_imports_form_no_cycle():
+    """Every import counts, function-local ones too (the family registry's are by name)."""
+    graph = _graph()
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done:
+            return
+        for d in graph[m]:
+            visit(d, path + [m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_model_and_resolve_reach_no_ops_lowering_or_runtime():
+    """What checking a spec imports (statically, transitively from mkc.model and mkc.resolve)
+    holds no family compute module and no in-kernel runtime mechanism."""
+    graph = _graph()
+    seen: set[str] = set()
+    todo = [m for m in graph if m.startswith("mkc.model") or m == "mkc.resolve"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    compute = (".ops", ".lowering", ".weights", ".reference")
+    assert [m for m in seen if m.endswith(compute) or m.startswith("mkc.runtime")] == []
