@@ -5,6 +5,7 @@ the pure-JAX reference.
     .venv/bin/python examples/run_k3_mini.py --steps 2 --mode on_wait
     .venv/bin/python examples/run_k3_mini.py --mode eager --races
     .venv/bin/python examples/run_k3_mini.py --verify --steps 3 --batch 1   # one verify step
+    .venv/bin/python examples/run_k3_mini.py --spec schedules/kimi_k3_64.sched  # heads over 8 of 16
 
 The MINI config (16 heads, 32 experts) needs 16 cores: the spec's topology is rewritten from
 2x2x4 to 2x2x2, which also re-derives the collectives' groups (2 hosts instead of 4). Prints
@@ -79,6 +80,8 @@ def _routing_margins(hf, cfg, tokens, positions, steps: int, context: int) -> np
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default=str(ROOT / "schedules" / "kimi_k3.sched"),
+                    help="a K3 spec, moved to 16 cores (generated_module.k3_mini_spec)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)
     hf = reference.init_params(cfg, seed=0)
-    spec = k3_mini_spec()
+    spec = k3_mini_spec(Path(args.spec))
     if args.expert_slots:
         text = spec.read_text()
         assert "view experts: 6 slots of expert" in text

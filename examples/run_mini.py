@@ -1,5 +1,5 @@
 """Compile a schedule against a MINI config and run decode steps in TPU interpret mode on
-virtual CPU devices (Qwen3.5 by default; any family on the generic module, e.g.
+virtual CPU devices (16 of them; Qwen3.5 by default; any family on the generic module, e.g.
 `--spec schedules/qwen3_5_35b_a3b.sched --model qwen3_5_moe_mini`), checking every step
 against the family's pure-JAX reference: plainly (f32, the independent oracle) and in its
 rounding-emulating mode (rounding where the kernel rounds, taken from the spec's schedule IR),
@@ -32,7 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+                           + " --xla_force_host_platform_device_count=16").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

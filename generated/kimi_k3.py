@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from mkc.families.kimi_k3 import lowering as lower
 from mkc.families.kimi_k3 import weights as hf_layout
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, ring, vectors
 from mkc.runtime import pool as pool_layout
 from mkc.runtime.collectives import Stage
@@ -82,8 +83,14 @@ PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 7
             'host_cores': 8, 'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 4096,
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
             'up_cols': 896, 'vocab': 5120}
+# Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
+SHARDS = ShardTable(ranks=32,
+                    rules=(('expert_mlp', 4, 1), ('experts', 8, 4), ('heads', 32, 1),
+                           ('latent_down', 32, 1), ('latent_up', 8, 1), ('mlp', 32, 1),
+                           ('router', 2, 1), ('vocab', 32, 1)))
 HIDDEN = DIMS.hidden_size
 VOCAB_LOCAL = PER_RANK["vocab"]
+VOCAB_HOLDERS = SHARDS.holders("vocab")    # one rank per vocab part, in vocab order
 
 # The layer loop: each layer's kind, first ring tile and index among the layers of its kind.
 N_LAYERS = 186
@@ -403,7 +410,8 @@ def _kernel(*refs, B, R=1, verify=False):
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
     head_norm_copy.start()
-    r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL, EMBED_REDUCE, AXIS, B)
+    r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL,
+                                 SHARDS.rule("vocab"), EMBED_REDUCE, AXIS, B)
     lower.prologue(k)
 
     def layer_step(layer, carry):
@@ -595,8 +603,9 @@ def _sharded(mesh: Mesh, B: int, interpret, verify_rows=None):
                        *[host[n] for n in _vmem_input_shapes(B)],
                        *[weights[n] for n in hbm_names], *[state[n] for n in names])
         tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
-        logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, RANKS, -1)[:, :, :VOCAB_LOCAL]
-        return logits.reshape(B, RANKS * VOCAB_LOCAL), dict(zip(names, outs[1:]))
+        parts = len(VOCAB_HOLDERS)
+        logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, parts, -1)[:, :, :VOCAB_LOCAL]
+        return logits.reshape(B, parts * VOCAB_LOCAL), dict(zip(names, outs[1:]))
     return run
 
 
@@ -691,31 +700,31 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
         kind, si = kinds[LAYER_KIND[layer]], STATE_INDEX[layer]
         t = LAYER_TILE_OFFSET[layer]
         for m in STREAM_ORDER[kind]:
-            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, m.name, rank, RANKS)
+            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, m.name, rank, SHARDS)
             t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
         for name in VIEW.matrices.get(kind, {}):
-            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, name, rank, RANKS)
+            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)
             packed[f"pool__{kind}__{name}"][si] = pool_layout.pack_for_pool(matrix.astype(BF16))
         if kind == "moe":
             for e in range(EXPERTS.local_experts):
-                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, RANKS).items():
+                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, SHARDS).items():
                     packed[f"expert__{name}"][si, e] = pool_layout.pack_for_pool(a)
         for name, (row, rows, width) in VECTORS.layout[kind].items():
-            vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, RANKS)
+            vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)
             packed["vectors_hbm"][layer, row:row + rows, :width] = vector
     t = TAIL_TILE_OFFSET
     for m in STREAM_ORDER["tail"]:
-        matrix = hf_layout.matrix(hf, DIMS, PER_RANK, -1, "tail", m.name, rank, RANKS)
+        matrix = hf_layout.matrix(hf, DIMS, PER_RANK, -1, "tail", m.name, rank, SHARDS)
         t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
-    head = hf_layout.head_vectors(hf, DIMS, rank, RANKS)
+    head = hf_layout.head_vectors(hf, DIMS, rank, SHARDS)
     packed["head_norm_hbm"][:head.shape[0]] = head
-    packed["embed"] = hf_layout.embedding(hf, DIMS, rank, RANKS).astype(BF16)
+    packed["embed"] = hf_layout.embedding(hf, DIMS, rank, SHARDS).astype(BF16)
     return packed
 
 
 def reference_states(state) -> dict[str, np.ndarray]:
     """The decode state gathered over ranks into the reference's (upstream) layouts."""
-    return hf_layout.reference_states(state, DIMS, PER_RANK, RANKS, KIND_LAYERS)
+    return hf_layout.reference_states(state, DIMS, PER_RANK, SHARDS, KIND_LAYERS)
 
 
 def init_state(B: int) -> dict[str, np.ndarray]:

@@ -392,6 +392,8 @@ class ScheduleIR:
     globals: dict[str, tuple[tuple[int, ...], str]]
     hbm_bytes_per_rank: dict[str, int]
     per_rank: dict[str, int] = field(default_factory=dict)          # from the model graph
+    # Shard rules: dimension class -> (ways, stride); rank r holds part (r // stride) % ways.
+    shards: dict[str, tuple[int, int]] = field(default_factory=dict)
     embed_reduce: AllReduce | None = None      # the embedding lookup's exact all-reduce
     pools: list[Pool] = field(default_factory=list)
     experts: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # per expert

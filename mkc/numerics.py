@@ -15,6 +15,7 @@ import numpy as np
 
 from mkc import families
 from mkc import ir as mir
+from mkc.model.sharding import ShardTable
 from mkc.reference.rounding import Reduce, Rounding
 
 
@@ -46,7 +47,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
     if schedule.embed_reduce is not None:
         e = schedule.embed_reduce
         reduces.append(("embed", "embed", Reduce(tuple(map(tuple, e.stages)), e.wire_dtype)))
-    return Rounding(ranks=schedule.ranks, reduces=tuple(reduces), gathers=tuple(gathers),
+    return Rounding(ranks=schedule.ranks, reduces=tuple(reduces),
+                    shards=ShardTable.of(schedule.shards, schedule.ranks), gathers=tuple(gathers),
                     exchanges=tuple(exchanges), storage=tuple(storage),
                     shard=tuple(sorted(schedule.per_rank.items())), tiles=tuple(tiles),
                     kv_tiles=tuple(kv_tiles))

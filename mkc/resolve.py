@@ -15,6 +15,7 @@ from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
 from mkc.model.config import dims_from_config, read_config, resolve_config_path
 from mkc.model.graph import DecodeGraph, ShardingError, build_graph
+from mkc.model.sharding import ShardTable
 
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
@@ -104,6 +105,32 @@ def _group(g: ast.Group, axis: str, topo: target.Topology) -> tuple[int, int]:
     if text == "chip":
         return (topo.chip.cores_per_chip, 1)
     raise _unknown("rank group", g.name, [axis, "host", "chip"])
+
+
+def _group_spellings(axis: str, topo: target.Topology) -> dict[str, tuple[int, int]]:
+    """Every way to write a rank group on this mesh, with the (ways, stride) it means."""
+    n = topo.num_cores
+    divisors = [d for d in range(2, n) if n % d == 0]
+    out = {axis: (n, 1)}
+    out |= {str(w): (w, 1) for w in reversed(divisors)}
+    out |= {f"{axis} / {d}": (n // d, d) for d in divisors}
+    out |= {name: (w, 1) for name, w in (("host", topo.cores_per_host),
+                                          ("chip", topo.chip.cores_per_chip)) if 1 < w < n}
+    return out
+
+
+def _valid_spellings(cls: str, rules: dict[str, tuple[int, int]], family, dims, axis: str,
+                     topo: target.Topology) -> list[str]:
+    """The groups `cls` could be sharded over on this mesh, other rules unchanged, for which
+    the family's graph builds (only on the failure path: a build costs microseconds)."""
+    valid = []
+    for text, group in _group_spellings(axis, topo).items():
+        try:
+            family.build(dims, rules | {cls: group}, topo.num_cores)
+        except ShardingError:
+            continue
+        valid.append((-group[0], group[1], text))
+    return [text for *_, text in sorted(valid)]      # the widest split first
 
 
 def _resolve_target(tgt: ast.Setting) -> target.Topology:
@@ -252,11 +279,17 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         raise fail("E-SHARD", f"{', '.join(unsharded)} must be sharded: the {dims.family} "
                    "lowering places every dimension class", sched.name.span,
                    hint=f"add `shard {unsharded[0]} over {axis}`")
+    shards = ShardTable.of(rules, ranks)
     try:
         graph = build_graph(dims, family.build(dims, rules, ranks), ranks)
     except ShardingError as e:
         span = shard_span.get(e.dim_class or "", next(iter(shard_span.values()), sched.name.span))
-        hint = "choose a mesh whose size divides the model's head and width counts"
+        valid = (_valid_spellings(e.dim_class, rules, family, dims, axis, topo)
+                 if e.dim_class in rules else [])
+        hint = (f"on these {ranks} ranks, with the other rules as written, write "
+                f"`shard {e.dim_class} over {valid[0]}`"
+                + (f" (or over {', '.join(valid[1:])})" if valid[1:] else "")
+                if valid else "choose a mesh whose size divides the model's head and width counts")
         raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
                    hint=with_smallest_topology(hint, sched, model_override) if suggest
                    else hint) from None
@@ -316,7 +349,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         if kname not in dims.layer_kinds:
             continue
         ks, kbufs = _resolve_phase(phase_by_kind[kname], graph, topo, B, context.value, axis,
-                                   rules, pools, pooled.get(kname, {}))
+                                   shards, pools, pooled.get(kname, {}))
         kinds[kname] = ks
         buffers.extend(kbufs)
         for a in ks.allreduces:
@@ -324,11 +357,14 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
                 key = (a.wire_dtype, size, stride)
                 stage_width[key] = max(stage_width.get(key, 0), a.width)
     _check_view_copies(dims.layer_kinds, kinds, phase_by_kind, pools)
-    # The vocab-sharded embedding lookup is an exact all-reduce (one rank holds each row): it
-    # reuses the first layer's first all-reduce, so it adds no receive buffer.
-    first = kinds[dims.layer_kinds[0]].allreduces
-    embed_reduce = (dataclasses.replace(first[0], after_op="embed", width=H) if first else
-                    ir.AllReduce("embed", "direct", "bf16", ((ranks, 1),), H))
+    # The vocab-sharded embedding lookup is an exact all-reduce over the vocab group (one rank
+    # of it holds each row): it reuses the first all-reduce over that group (the first
+    # layer's first, on a whole-mesh vocabulary), so it adds no receive buffer.
+    vocab_group = shards.rule("vocab")
+    same_group = [a for k in dict.fromkeys(dims.layer_kinds) for a in kinds[k].allreduces
+                  if _group_of(a.stages) == vocab_group]
+    embed_reduce = (dataclasses.replace(same_group[0], after_op="embed", width=H) if same_group
+                    else ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H))
     for size, stride in embed_reduce.stages:
         key = (embed_reduce.wire_dtype, size, stride)
         stage_width[key] = max(stage_width.get(key, 0), H)
@@ -358,6 +394,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         parity=parity,
         globals={n: (t.shape, t.dtype) for n, t in graph.globals.items()},
         hbm_bytes_per_rank=hbm, per_rank=dict(graph.per_rank), pools=pools,
+        shards={c: (w, st) for c, w, st in shards.rules},
         embed_reduce=embed_reduce,
         experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
         top_k=graph.top_k, experts_total=graph.experts_total,
@@ -582,13 +619,28 @@ def _resolve_parity(sched: ast.Schedule, graph: DecodeGraph) -> ir.Parity:
                      span=p.span)
 
 
-def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], ...]:
+def _two_level(size: int, stride: int, level_cores: int) -> tuple[tuple[int, int], ...] | None:
+    """The stages of a two-level all-reduce over the group (size, stride) whose first level
+    is the group's members within each `level_cores` consecutive ranks (a chip, a host), or
+    None when that level would hold one member or the whole group."""
+    if level_cores % stride:
+        return None
+    first = level_cores // stride
+    if first <= 1 or first >= size or size % first:
+        return None
+    return ((first, stride), (size // first, level_cores))
+
+
+def _stages(ar: ast.AllReduce, topo: target.Topology, group: tuple[int, int], op: str
+            ) -> tuple[tuple[int, int], ...]:
+    """The direct stages of `ar` reducing `op`'s partial sums over the rank group `group`."""
     n = topo.num_cores
+    size, stride = group
     if ar.algorithm.text == "direct":
         if ar.level is not None:
             raise fail("E-COLLECTIVE", f"a direct all-reduce takes no group ('{ar.level.text}')",
                        ar.level.span, hint="write `direct wire bf16`, or `two_level chip`")
-        return ((n, 1),)
+        return (group,)
     if ar.level is None or ar.level.text not in TWO_LEVEL_GROUPS:
         where = ar.level.span if ar.level else ar.algorithm.span
         raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
@@ -599,17 +651,34 @@ def _stages(ar: ast.AllReduce, topo: target.Topology) -> tuple[tuple[int, int], 
                    ar.level.span,
                    hint="use `direct`" + (" or `two_level host`" if 1 < topo.cores_per_host < n
                                           else ""))
-    group = (topo.chip.cores_per_chip if ar.level.text == "chip"
-             else topo.cores_per_host)
-    if group in (1, n):
-        raise fail("E-COLLECTIVE", f"two_level {ar.level.text} has a single level on this "
-                   f"topology ({group} of {n} cores per {ar.level.text})", ar.level.span,
-                   hint="use `direct`, or a group that splits the mesh")
-    return ((group, 1), (n // group, group))
+    level_cores = (topo.chip.cores_per_chip if ar.level.text == "chip"
+                   else topo.cores_per_host)
+    stages = _two_level(size, stride, level_cores)
+    if stages is None:
+        valid = [lv for lv, c in (("chip", topo.chip.cores_per_chip),
+                                  ("host", topo.cores_per_host)) if _two_level(size, stride, c)]
+        where = (f"on this topology ({level_cores} of {n} cores per {ar.level.text})"
+                 if group == (n, 1) else
+                 f"for {op} on this topology: its parts are on {size} ranks"
+                 + (f" of stride {stride}" if stride > 1 else "")
+                 + f", {level_cores} cores per {ar.level.text}")
+        raise fail("E-COLLECTIVE", f"two_level {ar.level.text} has a single level {where}",
+                   ar.level.span,
+                   hint="use `direct`" + "".join(f" or `two_level {lv}`" for lv in valid)
+                   + (f"; or reduce {op} on a line of its own" if group != (n, 1) else ""))
+    return stages
+
+
+def _group_of(stages: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """The rank group (size, stride) a sequence of all-reduce stages reduces over."""
+    size = 1
+    for s, _ in stages:
+        size *= s
+    return (size, stages[0][1])
 
 
 def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, B: int,
-                   context: int, axis: str, rules: dict[str, tuple[int, int]],
+                   context: int, axis: str, shards: ShardTable,
                    pools: list[ir.Pool], pooled: dict[str, str]
                    ) -> tuple[ir.KindSchedule, list[ir.Buffer]]:
     kname = phase.kind.text
@@ -743,8 +812,9 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         raise fail("E-KV", f"layer kind {kname} reads a KV cache but the phase does not say how",
                    phase.kind.span, hint="add `kv tiles 2 slots of 128 tokens ahead 1`")
 
-    partial_ops = [o.name for o in kind.ops
-                   if o.partial or (o.matmul and kind.tensors[o.matmul].partial_out)]
+    partial_over = {o.name: o.partial or (kind.tensors[o.matmul].partial_out if o.matmul else ())
+                    for o in kind.ops}
+    partial_ops = [o for o, classes in partial_over.items() if classes]
     width_of = {o.name: o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
                 for o in kind.ops}
     allreduces: list[ir.AllReduce] = []
@@ -763,8 +833,15 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
             if any(a.after_op == n.text for a in allreduces):
                 raise fail("E-DUPLICATE", f"{n.text} is all-reduced twice", n.span,
                            hint="list each op in one allreduce")
+            try:
+                group = shards.reduction_group(partial_over[n.text])
+            except ShardingError as e:
+                raise fail("E-SHARD", f"{kname}.{n.text}: {e}", n.span,
+                           hint="shard those classes over nested groups (one `tp / N`, the "
+                                "other `over N`)") from None
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
-                                           _stages(ar, topo), width_of[n.text], ar.span))
+                                           _stages(ar, topo, group, n.text), width_of[n.text],
+                                           ar.span))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             # Point at the allreduce line to extend, or the phase to add one to.
@@ -772,7 +849,8 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
                        phase.allreduces[0].span if phase.allreduces else phase.kind.span,
                        hint=f"add `allreduce {', '.join(partial_ops)} direct wire bf16`")
 
-    gathers, exchanges, gather_bufs = _resolve_gathers(phase, kind, topo, axis, B, rules)
+    gathers, exchanges, gather_bufs = _resolve_gathers(phase, kind, topo, axis, B,
+                                                       dict((c, (w, st)) for c, w, st in shards.rules))
     fetch, prefetch = _resolve_view_copies(phase, kind, pools)
     # What an op passes and returns in registers: not a tensor, not a VMEM activation buffer.
     not_values = set(kind.tensors) | set(graph.activations) | {"x"}

@@ -58,3 +58,11 @@ def test_a_slice_too_small_or_indivisible_names_the_smallest_that_works(name, sl
     with pytest.raises(MkcError) as e:
         check_spec(Path(__file__).parent / "broken_specs" / f"{name}.sched")
     assert any(f"the smallest slice that works: {slice_}" in d.hint for d in e.value.diagnostics)
+
+
+def test_indivisible_rule_names_the_spellings_that_divide_on_this_mesh():
+    """Besides the smallest slice, the hint offers the groups the class could split over on
+    the mesh as written (tests/test_resolve.py checks that exactly those resolve)."""
+    with pytest.raises(MkcError) as e:
+        check_spec(Path(__file__).parent / "broken_specs" / "shard_not_divisible.sched")
+    assert "write `shard heads over 8` (or over host, tp / 4, 4," in e.value.diagnostics[0].hint

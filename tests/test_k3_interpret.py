@@ -1,4 +1,4 @@
-"""MINI Kimi K3, compiled from the shipped K3 spec on 2 hosts (16 cores: EP4 x TP4 experts,
+"""MINI Kimi K3, compiled from the shipped K3 specs on 2 hosts (16 cores: EP4 x TP4 experts,
 two-level host all-reduces, 16-way and host all-gathers, sibling exchanges), runs in TPU
 interpret mode on 16 virtual CPU devices and matches the pure-JAX reference: logits, next
 tokens, KDA conv and recurrent states and the MLA latent cache, on every row whose routing is
@@ -9,7 +9,7 @@ sublayer kind is rejected."""
 import pytest
 
 from mkc import numerics
-from tests_support import run_example
+from tests_support import ROOT, run_example
 
 
 def _run(*args: str) -> dict:
@@ -49,13 +49,16 @@ K3_MUTANTS = ("kda.gated_norm", "mla.o_proj", "dense.down", "moe.expert")
 
 @pytest.mark.slow
 def test_two_on_wait_steps_then_one_op_off_by_one_percent_is_rejected():
-    """One process (one compilation), batch 2: the module passes two steps (the second within
-    the measured sensitivity of the first's state error), then copies of it with one op scaled
-    by 1.01 (one per sublayer kind: the KDA gated norm, the MLA output projection, the dense
-    MLP's down projection, the routed experts) are each rejected on the first step by the exact
-    rounding-emulation comparison, which the 3 % plain comparison would let through."""
-    summary = _run("--mode", "on_wait", "--steps", "2", "--batch", "2", "--emulation-check",
-                   "exact", "--mutants", ",".join(K3_MUTANTS), "--mutant-steps", "1")
+    """One process (one compilation), batch 2, on the 64-core layout (`kimi_k3_64.sched`, moved
+    to 16 cores: heads over 8 ranks, replicated twice, everything else over all 16): the module
+    passes two steps (measured: both bit-equal to the emulation), then copies of it with one op
+    scaled by 1.01 (one per sublayer kind: the KDA gated norm, the MLA output projection, the
+    dense MLP's down projection, the routed experts) are each rejected on the first step by the
+    exact rounding-emulation comparison, which the 3 % plain comparison would let through."""
+    summary = _run("--spec", str(ROOT / "schedules" / "kimi_k3_64.sched"), "--mode", "on_wait",
+                   "--steps", "2", "--batch", "2", "--emulation-check", "exact",
+                   "--mutants", ",".join(K3_MUTANTS), "--mutant-steps", "1")
+    assert summary["steps"][0]["emulation"]["logits"] == 0.0
     _assert_matches_reference(summary)
     assert len(summary["steps"]) == 2
     assert summary["failures"] == []

@@ -8,6 +8,7 @@ import dataclasses
 from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, copy_name, gather_name, layer_source, reduce_name
 from mkc.model.family import Family
+from mkc.model.sharding import ShardTable
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
 from mkc.runtime.experts import ExpertSlots
@@ -240,6 +241,8 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         "family": family, "dims_import": family.dims_import,
         "dims_literal": literal(dims_class(**dims_fields), 7),
         "per_rank_literal": literal(dict(sorted(s.per_rank.items())), 11),
+        "shards_literal": literal(ShardTable.of(s.shards, s.ranks), 9),
+        "vocab_replicated": s.shards["vocab"][0] != s.ranks,
         "kind_ids": kind_ids,
         "kind_layers_literal": literal(kind_layers, 14),
         "layer_kind_literal": literal(layer_kind, 13),

@@ -23,7 +23,9 @@ class Tensor:
     role: str              # "matrix" | "vector" | "state" | "cache" | "table"
     shape: tuple[int, ...]  # matrices are [in, out] (HF Linear weights transposed)
     dtype: str
-    partial_out: bool = False   # a row-parallel matrix: its product is a partial sum over tp
+    # A row-parallel matrix: its product is a partial sum over the ranks holding the parts of
+    # these shard classes (`ShardTable.reduction_group`); () for a whole product.
+    partial_out: tuple[str, ...] = ()
     split_out: str | None = None    # the shard class that leaves its product column-split
     mxu: MatrixFacts | None = None  # how it enters the MXU, when not as plain bf16 values
     # A state's leading dims that go before the batch axis in its buffers (a conv state's
@@ -46,7 +48,7 @@ class Op:
     reads: tuple[str, ...] = ()     # tensor families read
     writes: tuple[str, ...] = ()
     matmul: str | None = None       # the matrix family this op multiplies by, if any
-    partial: bool = False           # a non-matmul op whose output is a partial sum over ranks
+    partial: tuple[str, ...] = ()   # a non-matmul op whose output is a partial sum over these classes
     width: int = 0                  # that output's columns
     facts: OpFacts = OpFacts()      # compute work beyond its matrix (for the step-time model)
     picks_experts: bool = False     # the router step: routed experts are known after it
@@ -132,7 +134,7 @@ def lane_pad(n: int) -> int:
 def split(total: int, ways: int, what: str, dim_class: str | None = None) -> int:
     """total / ways, or a ShardingError naming the dimension that does not divide."""
     if ways <= 0 or total % ways:
-        raise ShardingError(f"{what} = {total} does not divide over {ways} ranks", dim_class)
+        raise ShardingError(f"{what} = {total} does not divide into {ways} parts", dim_class)
     return total // ways
 
 

@@ -5,7 +5,8 @@ Given a ``Rounding`` it instead rounds where the generated kernel does, so that 
 the reference agree to about f32 rounding rather than bf16 rounding:
 
 * every matmul's activation input is rounded to ``matmul_input`` (bf16: the kernels stage
-  activations as bf16 for the MXU; the weights are bf16 already);
+  activations as bf16 for the MXU; the weights are bf16 already), and the product is the dot
+  of those operands the kernel issues (``Rounding.linear``), not an f32 dot of their values;
 * a row-parallel matmul (the contraction split over ranks) becomes per-rank partial sums, each
   all-reduced through the stages the spec gives: a stage ``(size, stride)`` sums, in f32 and in
   group order, the group members' values rounded to the wire dtype (``allreduce``);
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from mkc.model.sharding import ShardTable
 
 _DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -62,6 +65,7 @@ class Rounding:
 
     ranks: int
     reduces: tuple[tuple[str, str, Reduce], ...]
+    shards: ShardTable | None = None     # which part of each shard class every rank holds
     gathers: tuple[tuple[str, str, str], ...] = ()
     exchanges: tuple[tuple[str, str, str], ...] = ()
     storage: tuple[tuple[str, str, str], ...] = ()
@@ -98,6 +102,17 @@ class Rounding:
     def size(self, name: str) -> int:
         return dict(self.shard)[name]
 
+    def part(self, cls: str, rank: int) -> int:
+        """The part of shard class `cls` rank `rank` holds (its rank, with no shard table)."""
+        return rank if self.shards is None else self.shards.part(cls, rank)
+
+    def rank_ranges(self, cls: str, total: int, width: int) -> list[tuple[int, int]]:
+        """Each rank's contiguous range of a `total`-long dimension of shard class `cls` split
+        in `width`-wide parts (replicas of a part hold the same range)."""
+        parts = chunks(total, width)
+        return [parts[p] if p < len(parts) else (0, 0)
+                for p in (self.part(cls, r) for r in range(self.ranks))]
+
     def tile_rows(self, kind: str, family: str) -> int | None:
         """Input rows of one ring tile of streamed matrix ``kind.family`` (the kernel sums its
         contraction tile by tile in f32), or None when the family is not streamed (a pooled
@@ -116,6 +131,12 @@ class Rounding:
     def mm_in(self, x: jax.Array) -> jax.Array:
         """A matmul's activation input as the kernel feeds it to the MXU."""
         return round_to(x, self.matmul_input)
+
+    def linear(self, x: jax.Array, w: jax.Array, rows: int | None = None) -> jax.Array:
+        """``x @ w.T`` (PyTorch ``[out, in]`` w, bf16 values) as the kernel multiplies an
+        activation by a weight: the input rounded for the MXU, the dot of those operands
+        (``chunked_linear``, by chunks of ``rows`` inputs when the matrix streams in tiles)."""
+        return chunked_linear(self.mm_in(x), w, rows, self.matmul_input)
 
 
 def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:
@@ -149,17 +170,31 @@ def chunks(total: int, width: int) -> list[tuple[int, int]]:
     return [(r * width, min((r + 1) * width, total)) for r in range(n)]
 
 
-def chunked_linear(x: jax.Array, w: jax.Array, rows: int | None = None) -> jax.Array:
-    """``x @ w.T`` (PyTorch ``[out, in]`` w) in f32, summed as a kernel that splits the
-    contraction into consecutive chunks of ``rows`` inputs (ring tiles, MXFP4 pack groups) sums
-    it: one dot per chunk, added in order. None, or one chunk: a single dot."""
+def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
+    """``x @ w.T`` with f32 accumulation, as one dot of ``operands`` ("bf16": the dot a kernel
+    issues to the MXU, bf16 operands accumulated in f32; x and w must hold bf16 values)."""
+    if operands == "bf16":
+        return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def chunked_linear(x: jax.Array, w: jax.Array, rows: int | None = None,
+                   operands: str = "f32") -> jax.Array:
+    """``x @ w.T`` (PyTorch ``[out, in]`` w) accumulated in f32, summed as a kernel that splits
+    the contraction into consecutive chunks of ``rows`` inputs (ring tiles, MXFP4 pack groups)
+    sums it: one dot per chunk, added in order. None, or one chunk: a single dot.
+
+    ``operands`` "bf16" multiplies as the kernel's bf16 dot does. XLA need not sum that dot in
+    the order of the f32 dot of the same values: on a CPU with AVX512-BF16 it does not (1e-5
+    apart on a [2, 256] x [256, 512] product), and the flips that follow grow to the size of a
+    1 % op error within a few layers."""
     width = x.shape[-1]
     if rows is None or rows >= width:
-        return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+        return _dot(x, w, operands)
     total = None
     for lo in range(0, width, rows):
-        part = jnp.einsum("...i,oi->...o", x[..., lo:lo + rows], w[:, lo:lo + rows],
-                          precision=jax.lax.Precision.HIGHEST)
+        part = _dot(x[..., lo:lo + rows], w[:, lo:lo + rows], operands)
         total = part if total is None else total + part
     return total
 
@@ -178,7 +213,8 @@ def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], rank
         if hi <= lo:
             partials.append(zero)
             continue
-        partials.append(chunked_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows))
+        partials.append(chunked_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows,
+                                       rounding.matmul_input))
     return allreduce(partials, reduce)
 
 

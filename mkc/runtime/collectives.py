@@ -142,15 +142,15 @@ def gather(refs, shard: jax.Array, st: Stage, axis: str) -> jax.Array:
     return allgather(shard, *_stage_refs(refs, st), axis, st.size, st.stride)
 
 
-def embed(refs, table, rows_buf, sem, vocab_local: int, stages: tuple[Stage, ...], axis: str,
-          B: int) -> jax.Array:
+def embed(refs, table, rows_buf, sem, vocab_local: int, vocab: tuple[int, int],
+          stages: tuple[Stage, ...], axis: str, B: int) -> jax.Array:
     """Vocab-sharded embedding lookup of `refs.tokens` -> [B, hidden] f32: each rank copies the
     aligned 16-row bf16 block holding each token (a single bf16 row is not a legal DMA on TPU),
-    keeps the row if it owns the token, and the ranks all-reduce (exact: one rank contributes
-    each row, the others zeros)."""
+    keeps the row if its vocab part (rule `vocab` = (ways, stride)) owns the token, and the
+    vocab group all-reduces (exact: one rank contributes each row, the others zeros)."""
     hidden = table.shape[-1]
-    me = lax.axis_index(axis)
-    lo = me * vocab_local
+    ways, stride = vocab
+    lo = lax.rem(lax.axis_index(axis) // stride, ways) * vocab_local
     copies, owned, offset = [], [], []
     for b in range(B):
         tok = refs.tokens[b]

@@ -20,7 +20,7 @@ MX_BLOCK = 32                    # MXFP4: one E8M0 scale per 32 values
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
-_WHOLE_MESH = ("heads", "mlp", "vocab", "latent_down")
+_WHOLE_MESH = ("mlp", "vocab", "latent_down")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,17 @@ class KimiSharding:
     expert_tp: int = 4           # ranks sharing one expert's width (TP); EP = ranks / this
     host_cores: int = 8          # latent_up is split over a host's cores
     router_split: int = 2        # sibling cores each score a share of the experts
+    # Attention heads split over groups of this many consecutive ranks, replicated across the
+    # groups (0: every rank): 96 heads over 32 of 64 cores.
+    head_parts: int = 0
+
+    @property
+    def head_ways(self) -> int:
+        return self.head_parts or self.ranks
+
+    def head_part(self, rank: int) -> int:
+        """The part of the attention heads rank `rank` holds."""
+        return rank % self.head_ways
 
     @property
     def expert_groups(self) -> int:
@@ -40,6 +51,11 @@ class KimiSharding:
     def from_rules(rules: dict[str, tuple[int, int]], ranks: int) -> "KimiSharding":
         """Check shard rules {class: (ways, stride)} against the K3 lowering; ShardingError says
         which rule does not fit and how to write it."""
+        heads, heads_stride = rules["heads"]
+        if heads_stride != 1 or ranks % heads:
+            raise ShardingError(f"the kimi_k3 lowering splits heads over consecutive ranks (a "
+                                f"number dividing {ranks}, replicated across the rest), not "
+                                f"{heads} ways of stride {heads_stride}", "heads")
         for cls in _WHOLE_MESH:
             if rules[cls] != (ranks, 1):
                 raise ShardingError(f"the kimi_k3 lowering splits {cls} over every core: write "
@@ -57,7 +73,8 @@ class KimiSharding:
                                     f"a number dividing {ranks}), not {ways} ways of stride {stride}",
                                     cls)
         return KimiSharding(ranks=ranks, expert_tp=tp, host_cores=rules["latent_up"][0],
-                            router_split=rules["router"][0])
+                            router_split=rules["router"][0],
+                            head_parts=0 if heads == ranks else heads)
 
 
 def _ceil_split(total: int, ways: int) -> int:
@@ -65,7 +82,7 @@ def _ceil_split(total: int, ways: int) -> int:
     return -(-total // ways)
 
 
-def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: bool = False,
+def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: tuple[str, ...] = (),
        split: str | None = None, mxu: MatrixFacts | None = None) -> Tensor:
     return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split,
                   mxu=mxu)
@@ -104,7 +121,7 @@ class KimiGeometry:
 def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
     if sh.ranks % sh.expert_tp:
         raise ShardingError(f"{sh.ranks} ranks do not form groups of expert_tp = {sh.expert_tp}")
-    heads = split(d.heads, sh.ranks, "attention heads", "heads")
+    heads = split(d.heads, sh.head_ways, "attention heads", "heads")
     local = split(d.experts, sh.expert_groups, "routed experts", "experts")
     width = split(d.expert_width, sh.expert_tp, "expert width", "expert_mlp")
     if width % (2 * MX_BLOCK):
@@ -137,7 +154,7 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding) -> dict[str, dict[str, Tenso
             "gate_down": _m("gate_down", H, 128),                  # low-rank decay gate, full
             "gate_up": _m("gate_up", 128, P),
             "projection": _m("projection", H, g.kda_cols),        # q, k, v | g | b
-            "o_proj": _m("o_proj", P, H, partial=True),
+            "o_proj": _m("o_proj", P, H, partial=("heads",)),
         },
         "mla": {
             "q_down": _m("q_down", H, d.q_lora),                   # replicated
@@ -146,18 +163,18 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding) -> dict[str, dict[str, Tenso
             "key_up": _m("key_up", P, d.kv_lora),                  # absorbed into the query
             "value_up": _m("value_up", d.kv_lora, P),
             "gate": _m("gate", H, P),
-            "o_proj": _m("o_proj", P, H, partial=True),
+            "o_proj": _m("o_proj", P, H, partial=("heads",)),
         },
         "moe": {
             "router": _m("router", H, g.router_cols, split="router"),
             "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down"),
             "shared_gate_up": _m("shared_gate_up", H, 2 * g.shared),
-            "shared_down": _m("shared_down", g.shared, H, partial=True),
+            "shared_down": _m("shared_down", g.shared, H, partial=("mlp",)),
             "latent_up": _m("latent_up", d.latent, g.up_cols, split="latent_up"),
         },
         "dense": {
             "gate_up": _m("gate_up", H, 2 * g.dense),
-            "down": _m("down", g.dense, H, partial=True),
+            "down": _m("down", g.dense, H, partial=("mlp",)),
         },
         # One routed expert's width slice, MXFP4, K-major: codes hold two input rows per byte,
         # one E8M0 scale per 32 input rows (`pack_mxfp4_for_kernel`).
@@ -253,7 +270,8 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
         Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
         Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights"),
-           writes=("routed_out",), partial=True, width=d.latent, runs_experts=True),
+           writes=("routed_out",), partial=("experts", "expert_mlp"), width=d.latent,
+           runs_experts=True),
         Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
         Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
         Op("mlp_residual", reads=("mlp_out", "shared_out", "blocks"), writes=("blocks",)),

@@ -105,7 +105,7 @@ import ml_dtypes
 import numpy as np
 
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import (Rounding, allreduce, chunked_linear, chunks, one_row_as_two,
+from mkc.reference.rounding import (Rounding, allreduce, one_row_as_two,
                                    round_to, row_parallel)
 
 KDA = "linear_attention"
@@ -473,24 +473,24 @@ def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 
 
-def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, family: str
-            ) -> jax.Array:
-    """``x @ w.T``: plain, or from bf16 inputs summed as the kernel sums it (ring tile by ring
-    tile when ``kind.family`` streams through the ring, else one dot)."""
+def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str = "",
+            family: str = "") -> jax.Array:
+    """``x @ w.T``: plain, or as the kernel multiplies (``Rounding.linear``): ring tile by ring
+    tile when ``kind.family`` streams through the ring, else one dot (a pooled matrix)."""
     if rounding is None:
         return linear(x, w)
-    return chunked_linear(rounding.mm_in(x), w, rounding.tile_rows(kind, family))
+    return rounding.linear(x, w, rounding.tile_rows(kind, family) if family else None)
 
 
 def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
-                    per_rank: int) -> jax.Array:
-    """``x @ w.T`` whose input is split over ranks in contiguous ``per_rank`` ranges: plain, or
-    per-rank partial sums (tile by tile when the matrix streams) all-reduced as the schedule
-    says."""
+                    per_rank: int, cls: str) -> jax.Array:
+    """``x @ w.T`` whose input, of shard class ``cls``, is split in contiguous ``per_rank``
+    ranges: plain, or per-rank partial sums (tile by tile when the matrix streams) all-reduced
+    as the schedule says."""
     if rounding is None:
         return linear(x, w)
-    return row_parallel(x, w, chunks(x.shape[-1], per_rank), rounding.ranks, rounding,
-                        rounding.reduce(kind, op), rounding.tile_rows(kind, op))
+    return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
+                        rounding, rounding.reduce(kind, op), rounding.tile_rows(kind, op))
 
 
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
@@ -505,7 +505,7 @@ def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
                   _matmul(x, p["up_proj.weight"], rounding, kind, gate_up),
                   cfg.situ_beta, cfg.situ_linear_beta)
     per_rank = None if rounding is None else rounding.size(shard)
-    return _out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank)
+    return _out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank, "mlp")
 
 
 def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
@@ -728,7 +728,7 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     """
     b, nh, d = x.shape[0], cfg.kda_num_heads, cfg.kda_head_dim
     x = _mm_input(x, rounding)
-    mixed = jnp.concatenate([linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
+    mixed = jnp.concatenate([_matmul(x, p[f"{n}_proj.weight"], rounding) for n in "qkv"], axis=-1)
     if rounding is not None:   # q|k|v enter the conv state as bf16, then its storage dtype
         mixed = round_to(round_to(mixed, "bf16"), rounding.stored("kda", "conv"))
     mixed = mixed.astype(conv_state.dtype)
@@ -743,12 +743,12 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
         v_pre, v_gate = (t.reshape(b, nh, d) for t in (pre[:, 2 * nh * d:], gates[:, 2 * nh * d:]))
     q, k, v = (t.reshape(b, nh, d) for t in jnp.split(conv, 3, axis=-1))
 
-    gate = linear(_mm_input(linear(x, p["f_a_proj.weight"]), rounding), p["f_b_proj.weight"])
+    gate = _matmul(_matmul(x, p["f_a_proj.weight"], rounding), p["f_b_proj.weight"], rounding)
     gate = gate + p["dt_bias"]
     rate = jnp.exp(p["A_log"])[None, :, None]
     decay = cfg.gate_lower_bound * jax.nn.sigmoid(rate * gate.reshape(b, nh, d))
-    beta = jax.nn.sigmoid(linear(x, p["b_proj.weight"]))
-    g = linear(x, p["g_proj.weight"]).reshape(b, nh, d)
+    beta = jax.nn.sigmoid(_matmul(x, p["b_proj.weight"], rounding))
+    g = _matmul(x, p["g_proj.weight"], rounding).reshape(b, nh, d)
     if rounding is None:
         q = l2_normalize(q) * d ** -0.5
         k = l2_normalize(k)
@@ -761,7 +761,7 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
         recurrent_state = round_to(recurrent_state, rounding.stored("kda", "recurrent"))
     per_rank = None if rounding is None else rounding.size("heads") * d
     out = _out_projection(o.reshape(b, nh * d), p["o_proj.weight"], rounding, "kda", "o_proj",
-                          per_rank)
+                          per_rank, "heads")
     return out, window[:, :, 1:], recurrent_state
 
 
@@ -779,12 +779,12 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     nope, vd, kvl = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     eps = cfg.rms_norm_eps
     x = _mm_input(x, rounding)
-    q_latent = rms_norm(linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], eps)
+    q_latent = rms_norm(_matmul(x, p["q_a_proj.weight"], rounding), p["q_a_layernorm.weight"], eps)
     q = _matmul(_mm_input(q_latent, rounding), p["q_b_proj.weight"], rounding, "mla", "q_up")
     q = q.reshape(b, nh, cfg.qk_head_dim)
     q_nope, q_extra = q[..., :nope], q[..., nope:]
 
-    compressed = linear(x, p["kv_a_proj_with_mqa.weight"])
+    compressed = _matmul(x, p["kv_a_proj_with_mqa.weight"], rounding)
     row = jnp.concatenate([rms_norm(compressed[:, :kvl], p["kv_a_layernorm.weight"], eps),
                            compressed[:, kvl:]], axis=-1)
     if rounding is not None:
@@ -816,7 +816,8 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
         attn = jnp.concatenate(parts, axis=-1)
     attn = attn * jax.nn.sigmoid(_matmul(x, p["g_proj.weight"], rounding, "mla", "gate"))
     per_rank = None if rounding is None else rounding.size("heads") * vd
-    return _out_projection(attn, p["o_proj.weight"], rounding, "mla", "o_proj", per_rank), latent_cache
+    return (_out_projection(attn, p["o_proj.weight"], rounding, "mla", "o_proj", per_rank, "heads"),
+            latent_cache)
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
@@ -863,10 +864,10 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
         acc = jnp.zeros((b, cfg.routed_expert_hidden_size), jnp.float32)
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
             w1, w3, w2 = w[e]
-            hidden = situ(chunked_linear(lat, w1[cols], groups["gate_up"]),
-                          chunked_linear(lat, w3[cols], groups["gate_up"]), cfg.situ_beta,
+            hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"]),
+                          rounding.linear(lat, w3[cols], groups["gate_up"]), cfg.situ_beta,
                           cfg.situ_linear_beta)
-            out = chunked_linear(rounding.mm_in(hidden), w2[:, cols], groups["down"])
+            out = rounding.linear(hidden, w2[:, cols], groups["down"])
             acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out)
         partials.append(acc)
     return allreduce(partials, rounding.reduce("moe", "routed_experts"))

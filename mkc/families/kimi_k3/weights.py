@@ -15,6 +15,7 @@ import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import KimiGeometry, KimiSharding, kimi_k3_geometry
+from mkc.model.sharding import ShardTable
 from mkc.families.kimi_k3.ops import expand_a_log, pack_mxfp4_for_kernel, split_kv_b_proj, split_q_b_proj
 
 MX_BLOCK = 32
@@ -33,12 +34,13 @@ def _block(m: np.ndarray, axis: int, index: int, width: int) -> np.ndarray:
     return np.pad(part, pad)
 
 
-def _heads(rank: int, g: KimiGeometry) -> list[int]:
-    return list(range(rank * g.heads, (rank + 1) * g.heads))
+def _heads(part: int, g: KimiGeometry) -> list[int]:
+    """The attention heads of heads part `part` (`KimiSharding.head_part`)."""
+    return list(range(part * g.heads, (part + 1) * g.heads))
 
 
-def _head_rows(m: np.ndarray, rank: int, g: KimiGeometry, per_head: int) -> np.ndarray:
-    return m[rank * g.heads * per_head:(rank + 1) * g.heads * per_head]
+def _head_rows(m: np.ndarray, part: int, g: KimiGeometry, per_head: int) -> np.ndarray:
+    return m[part * g.heads * per_head:(part + 1) * g.heads * per_head]
 
 
 def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
@@ -46,33 +48,34 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     """One rank's [in, out] matrix of a sublayer kind's family, as f32."""
     p = f"model.layers.{layer}."
     a, hd = p + "self_attn.", d.head_dim
+    part = sh.head_part(rank)           # the attention heads this rank holds
     if kind == "kda":
         if family == "projection":
-            cols = [_head_rows(_w(hf, a + f"{x}_proj.weight"), rank, g, hd) for x in "qkvg"]
-            beta = _head_rows(_w(hf, a + "b_proj.weight"), rank, g, 1)
+            cols = [_head_rows(_w(hf, a + f"{x}_proj.weight"), part, g, hd) for x in "qkvg"]
+            beta = _head_rows(_w(hf, a + "b_proj.weight"), part, g, 1)
             beta = np.pad(beta, ((0, g.kda_cols - 4 * g.heads * hd - beta.shape[0]), (0, 0)))
             return np.concatenate(cols + [beta], axis=0).T
         if family == "gate_down":
             return _w(hf, a + "f_a_proj.weight").T
         if family == "gate_up":
-            return _head_rows(_w(hf, a + "f_b_proj.weight"), rank, g, hd).T
+            return _head_rows(_w(hf, a + "f_b_proj.weight"), part, g, hd).T
         if family == "o_proj":
-            return _head_rows(_w(hf, a + "o_proj.weight").T, rank, g, hd)
+            return _head_rows(_w(hf, a + "o_proj.weight").T, part, g, hd)
     if kind == "mla":
         if family == "q_down":
             return _w(hf, a + "q_a_proj.weight").T
         if family == "kv_down":
             return _block(_w(hf, a + "kv_a_proj_with_mqa.weight").T, 1, 0, g.cache_width)
         if family == "q_up":
-            nope, extra = split_q_b_proj(_w(hf, a + "q_b_proj.weight"), d.heads, hd, _heads(rank, g))
+            nope, extra = split_q_b_proj(_w(hf, a + "q_b_proj.weight"), d.heads, hd, _heads(part, g))
             return np.concatenate([nope, extra], axis=1)
         if family in ("key_up", "value_up"):
-            uk, uv = split_kv_b_proj(_w(hf, a + "kv_b_proj.weight"), d.heads, hd, _heads(rank, g))
+            uk, uv = split_kv_b_proj(_w(hf, a + "kv_b_proj.weight"), d.heads, hd, _heads(part, g))
             return uk if family == "key_up" else uv
         if family == "gate":
-            return _head_rows(_w(hf, a + "g_proj.weight"), rank, g, hd).T
+            return _head_rows(_w(hf, a + "g_proj.weight"), part, g, hd).T
         if family == "o_proj":
-            return _head_rows(_w(hf, a + "o_proj.weight").T, rank, g, hd)
+            return _head_rows(_w(hf, a + "o_proj.weight").T, part, g, hd)
     m = p + "block_sparse_moe."
     if kind == "moe":
         if family == "router":
@@ -133,15 +136,15 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
            "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
     if name in res:
         return _w(hf, p + res[name]).reshape(1, -1)
-    hd = d.head_dim
+    hd, part = d.head_dim, sh.head_part(rank)
     if kind == "kda":
         if name == "conv_weight":                      # [taps, 3P]: row t multiplies tap t
-            return np.concatenate([_head_rows(_w(hf, a + f"{x}_conv1d.weight")[:, 0, :], rank, g, hd)
+            return np.concatenate([_head_rows(_w(hf, a + f"{x}_conv1d.weight")[:, 0, :], part, g, hd)
                                    for x in "qkv"], axis=0).T
         if name == "a_log":
-            return expand_a_log(_w(hf, a + "A_log")[rank * g.heads:(rank + 1) * g.heads], hd)
+            return expand_a_log(_w(hf, a + "A_log")[part * g.heads:(part + 1) * g.heads], hd)
         if name == "dt_bias":
-            return _head_rows(_w(hf, a + "dt_bias"), rank, g, hd).reshape(1, -1)
+            return _head_rows(_w(hf, a + "dt_bias"), part, g, hd).reshape(1, -1)
         if name == "o_norm":
             return _w(hf, a + "o_norm.weight").reshape(1, -1)
     if kind == "mla":
@@ -172,60 +175,62 @@ def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, n
 
 
 # ---- the host layout API the generic module template calls ---------------------------------
-def _layout(d: KimiDims, per_rank: dict[str, int], ranks: int) -> tuple[KimiGeometry, KimiSharding]:
-    sh = KimiSharding(ranks=ranks, expert_tp=per_rank["expert_tp"], host_cores=per_rank["host_cores"],
-                      router_split=per_rank["router_split"])
+def _layout(d: KimiDims, shards: ShardTable) -> tuple[KimiGeometry, KimiSharding]:
+    """The K3 geometry of the schedule's shard table, as the graph derived it."""
+    sh = KimiSharding.from_rules({c: (w, s) for c, w, s in shards.rules}, shards.ranks)
     return kimi_k3_geometry(d, sh), sh
 
 
 def matrix(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int, kind: str,
-           name: str, rank: int, ranks: int) -> np.ndarray:
+           name: str, rank: int, shards: ShardTable) -> np.ndarray:
     """Matrix `name` of loop layer `layer` (a sublayer: model layer layer // 2), or of the tail."""
-    g, sh = _layout(d, per_rank, ranks)
+    g, sh = _layout(d, shards)
     if kind == "tail":
         return global_tensor(hf, d, sh, name, rank)
     return family_matrix(hf, d, g, sh, layer // 2, kind, name, rank)
 
 
 def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
-                 kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
-    g, sh = _layout(d, per_rank, ranks)
+                 kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
+    g, sh = _layout(d, shards)
     return vector(hf, d, g, sh, layer // 2, kind, name, rank)
 
 
 def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
-           local: int, rank: int, ranks: int) -> dict[str, np.ndarray]:
+           local: int, rank: int, shards: ShardTable) -> dict[str, np.ndarray]:
     """Local expert `local` of `rank`'s group as the pool holds it: MXFP4 codes and scales."""
-    g, sh = _layout(d, per_rank, ranks)
+    g, sh = _layout(d, shards)
     group = rank // sh.expert_tp
     return expert_arrays(hf, d, g, sh, layer // 2, group * g.local_experts + local, rank)
 
 
-def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, ranks: int) -> np.ndarray:
+def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:
     """The final norm, then the output mixture's norm and projection."""
-    sh = KimiSharding(ranks=ranks)
+    _, sh = _layout(d, shards)
     return np.concatenate([global_tensor(hf, d, sh, name, rank)
                            for name in ("final_norm", "output_res_norm", "output_res_proj")])
 
 
-def embedding(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, ranks: int) -> np.ndarray:
-    return np.asarray(global_tensor(hf, d, KimiSharding(ranks=ranks), "embed", rank))
+def embedding(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:
+    return np.asarray(global_tensor(hf, d, _layout(d, shards)[1], "embed", rank))
 
 
-def reference_states(state, d: KimiDims, per_rank: dict[str, int], ranks: int,
+def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: ShardTable,
                      kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
     """The decode state gathered over ranks into the reference's layouts: conv_state
     [B, 3 * heads * head_dim, K-1] with channels [q | k | v], recurrent_state [B, heads, D, D]
     and latent_cache [B, T, kv_lora + extra] (replicated: rank 0's)."""
     width = per_rank["heads"] * d.head_dim
+    holders = shards.holders("heads")      # one rank per heads part
     out = {}
     conv = np.asarray(state["kda__conv"], np.float32)     # [ranks, layers, K-1, B, 3 * width]
     rec = np.asarray(state["kda__recurrent"])            # [ranks, layers, B, heads, D, D]
     for i, layer in enumerate(kind_layers["kda"]):
-        shards = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(ranks)]   # [B, 3 * width, K-1]
-        parts = [np.concatenate([c[:, j * width:(j + 1) * width] for c in shards], axis=1) for j in range(3)]
+        pieces = [np.transpose(conv[r, i], (1, 2, 0)) for r in holders]   # [B, 3 * width, K-1]
+        parts = [np.concatenate([c[:, j * width:(j + 1) * width] for c in pieces], axis=1) for j in range(3)]
         out[f"layers.{layer // 2}.conv_state"] = np.concatenate(parts, axis=1)
-        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
+        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate([rec[r, i] for r in holders],
+                                                                     axis=1)
     cache = np.asarray(state["mla__latent"], np.float32)
     for i, layer in enumerate(kind_layers["mla"]):
         out[f"layers.{layer // 2}.latent_cache"] = cache[0, i, :, :, :d.kv_lora + d.qk_extra]

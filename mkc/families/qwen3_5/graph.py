@@ -1,9 +1,11 @@
 """The Qwen3.5 text decode graph: gated delta net (`gdn`) and gated attention (`gqa`) layers,
-each followed by a SwiGLU MLP, tensor parallel over the whole mesh."""
+each followed by a SwiGLU MLP, tensor parallel. Each class (attention heads, MLP width,
+vocabulary) splits over its own rank group and is replicated across the rest
+(`mkc.model.sharding`): 24 heads over 8 ranks of a 16-rank mesh, the MLP over all 16."""
 from __future__ import annotations
 
 from mkc.ir import OpFacts
-from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split, with_facts
+from mkc.model.graph import FamilyGraph, LayerKind, Op, Tensor, lane_pad, split, with_facts
 from mkc.families.qwen3_5.config import Qwen35Dims
 
 SHARD_CLASSES = ("heads", "mlp", "vocab")
@@ -12,20 +14,16 @@ SHARD_CLASSES = ("heads", "mlp", "vocab")
 def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
                     ) -> tuple[dict[str, LayerKind], dict[str, int]]:
     """The gdn and gqa kinds with their dense SwiGLU MLP, or (with_mlp=False) the attention
-    half alone, up to the residual add, for a family whose MLP is its own sublayer kind."""
+    half alone, up to the residual add, for a family whose MLP is its own sublayer kind;
+    `heads` and `mlp` are the ways those classes split."""
     H = d.hidden_size
-    nk = split(d.linear_num_key_heads, heads, "linear_num_key_heads")
-    nv = split(d.linear_num_value_heads, heads, "linear_num_value_heads")
+    nk = split(d.linear_num_key_heads, heads, "linear_num_key_heads", "heads")
+    nv = split(d.linear_num_value_heads, heads, "linear_num_value_heads", "heads")
     dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
     conv_ch = 2 * nk * dk + nv * dv
-    inter = split(d.intermediate_size, mlp, "intermediate_size") if with_mlp else 0
-    nq = split(d.num_attention_heads, heads, "num_attention_heads")
-    # KV heads split when there are enough, else each rank holds a replica of its group's head.
-    if d.num_key_value_heads >= heads:
-        nkv = split(d.num_key_value_heads, heads, "num_key_value_heads")
-    else:
-        split(heads, d.num_key_value_heads, "ranks per num_key_value_heads")
-        nkv = 1
+    inter = split(d.intermediate_size, mlp, "intermediate_size", "mlp") if with_mlp else 0
+    nq = split(d.num_attention_heads, heads, "num_attention_heads", "heads")
+    nkv = kv_heads_per_part(d, heads)
     hd = d.head_dim
 
     def mlp_tensors() -> dict[str, Tensor]:
@@ -33,7 +31,7 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
             return {"input_norm": Tensor("input_norm", "vector", (H,), "f32")}
         return {
             "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
-            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=True),
+            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=("mlp",)),
             "input_norm": Tensor("input_norm", "vector", (H,), "f32"),
             "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
         }
@@ -57,7 +55,7 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
         # Columns [q | k | v | z | b | a]; b and a each padded to a lane tile so every
         # section starts on a 128-lane boundary in the kernel.
         "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * lane_pad(nv)), "bf16"),
-        "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=True),
+        "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=("heads",)),
         "conv_weight": Tensor("conv_weight", "vector", (d.linear_conv_kernel_dim, conv_ch), "f32"),
         "A_log": Tensor("A_log", "vector", (nv,), "f32"),
         "dt_bias": Tensor("dt_bias", "vector", (nv,), "f32"),
@@ -77,7 +75,7 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
         Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
     ) + mlp_ops, tensors={
         "qkv_gate": Tensor("qkv_gate", "matrix", (H, 2 * nq * hd + 2 * nkv * hd), "bf16"),
-        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=True),
+        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",)),
         "q_norm": Tensor("q_norm", "vector", (hd,), "f32"),
         "k_norm": Tensor("k_norm", "vector", (hd,), "f32"),
         "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token; [ctx, ...] in HBM
@@ -110,17 +108,27 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
     return {"gdn": gdn, "gqa": gqa}, per_rank
 
 
-def tensor_parallel(rules: dict[str, tuple[int, int]], ranks: int, classes=SHARD_CLASSES) -> None:
-    """The lowering splits every class over the whole mesh."""
-    for cls in classes:
-        if rules[cls] != (ranks, 1):
-            raise ShardingError(f"the Qwen3.5 lowering is tensor parallel over the whole mesh: "
-                                f"write `shard {cls} over tp`", cls)
+def kv_heads_per_part(d: Qwen35Dims, heads: int) -> int:
+    """KV heads each heads part holds: a split when there are enough, else one, the replica of
+    the KV head its query heads share (`kv_heads_of`)."""
+    if d.num_key_value_heads >= heads:
+        return split(d.num_key_value_heads, heads, "num_key_value_heads", "heads")
+    split(heads, d.num_key_value_heads, "heads parts per num_key_value_heads", "heads")
+    return 1
 
 
-def vocab_globals(d, ranks: int) -> tuple[dict[str, Tensor], dict[str, OpFacts], int]:
-    """Embedding, final norm and the vocab-split lm_head, with their compute facts."""
-    v_local = split(d.vocab_size, ranks, "vocab_size")
+def kv_heads_of(d: Qwen35Dims, part: int, heads: int) -> list[int]:
+    """The KV heads heads part `part` of `heads` holds."""
+    n = kv_heads_per_part(d, heads)
+    if d.num_key_value_heads >= heads:
+        return list(range(part * n, (part + 1) * n))
+    return [part * d.num_key_value_heads // heads]
+
+
+def vocab_globals(d, ways: int) -> tuple[dict[str, Tensor], dict[str, OpFacts], int]:
+    """Embedding, final norm and the lm_head split `ways` ways over the vocabulary, with their
+    compute facts."""
+    v_local = split(d.vocab_size, ways, "vocab_size", "vocab")
     H = d.hidden_size
     glob = {
         "embed": Tensor("embed", "table", (v_local, H), "bf16"),
@@ -133,7 +141,6 @@ def vocab_globals(d, ranks: int) -> tuple[dict[str, Tensor], dict[str, OpFacts],
 
 
 def build(d: Qwen35Dims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
-    tensor_parallel(rules, ranks)
-    kinds, per_rank = attention_kinds(d, ranks, ranks)
-    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, ranks)
+    kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0])
+    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, tail_facts=tail_facts)

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from mkc.reference.rounding import Rounding, allreduce, chunks, round_to, row_parallel
+from mkc.reference.rounding import Rounding, allreduce, round_to, row_parallel
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -390,14 +390,20 @@ def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 
 
+def _linear(x: jax.Array, w: jax.Array, rounding: Rounding | None) -> jax.Array:
+    """An activation times a weight: in f32, or as the kernel multiplies (``Rounding.linear``)."""
+    return linear(x, w) if rounding is None else rounding.linear(x, w)
+
+
 def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
-                    per_rank: int) -> jax.Array:
-    """A projection back to the hidden size whose input is split over ranks in contiguous
-    ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule says."""
+                    per_rank: int, cls: str) -> jax.Array:
+    """A projection back to the hidden size whose input, of shard class ``cls``, is split in
+    contiguous ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule
+    says."""
     if rounding is None:
         return linear(x, w)
-    return row_parallel(x, w, chunks(x.shape[-1], per_rank), rounding.ranks, rounding,
-                        rounding.reduce(kind, op))
+    return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
+                        rounding, rounding.reduce(kind, op))
 
 
 def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
@@ -414,7 +420,7 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
-    mixed = linear(x, p["in_proj_qkv.weight"])
+    mixed = _linear(x, p["in_proj_qkv.weight"], rounding)
     if rounding is not None:   # the kernel rounds conv inputs to bf16 whatever holds the state
         mixed = round_to(mixed, "bf16")
     mixed = mixed.astype(conv_state.dtype)
@@ -430,11 +436,12 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
     group = hv // hk
     q, k = jnp.repeat(q, group, axis=1), jnp.repeat(k, group, axis=1)
 
-    beta = jax.nn.sigmoid(linear(x, p["in_proj_b.weight"]))
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_proj_a.weight"]) + p["dt_bias"])
+    beta = jax.nn.sigmoid(_linear(x, p["in_proj_b.weight"], rounding))
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(_linear(x, p["in_proj_a.weight"], rounding)
+                                               + p["dt_bias"])
     o, recurrent_state = gated_delta_step(recurrent_state, q, k, v, g, beta)
 
-    z = linear(x, p["in_proj_z.weight"]).reshape(b, hv, dv)
+    z = _linear(x, p["in_proj_z.weight"], rounding).reshape(b, hv, dv)
     o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps)
     conv_state = window[:, :, 1:]
     if rounding is not None:
@@ -443,7 +450,7 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
         recurrent_state = round_to(recurrent_state, rounding.stored("gdn", "recurrent"))
     per_rank = None if rounding is None else rounding.size("nv") * dv
     out = _out_projection(o.reshape(b, hv * dv), p["out_proj.weight"], rounding, "gdn", "out_proj",
-                          per_rank)
+                          per_rank, "heads")
     return out, conv_state, recurrent_state
 
 
@@ -459,10 +466,10 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     b = x.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = _mm_input(x, rounding)
-    q_and_gate = linear(x, p["q_proj.weight"]).reshape(b, hq, 2 * d)
+    q_and_gate = _linear(x, p["q_proj.weight"], rounding).reshape(b, hq, 2 * d)
     q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
-    k = linear(x, p["k_proj.weight"]).reshape(b, hkv, d)
-    v = linear(x, p["v_proj.weight"]).reshape(b, hkv, d)
+    k = _linear(x, p["k_proj.weight"], rounding).reshape(b, hkv, d)
+    v = _linear(x, p["v_proj.weight"], rounding).reshape(b, hkv, d)
 
     q = rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps)
@@ -486,7 +493,7 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32), precision=_HIGHEST)
     attn = attn.reshape(b, hq * d) * jax.nn.sigmoid(gate.reshape(b, hq * d))
     per_rank = None if rounding is None else rounding.size("nq") * d
-    out = _out_projection(attn, p["o_proj.weight"], rounding, "gqa", "o_proj", per_rank)
+    out = _out_projection(attn, p["o_proj.weight"], rounding, "gqa", "o_proj", per_rank, "heads")
     return out, key_cache, value_cache
 
 
@@ -495,9 +502,10 @@ def mlp_block(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | Non
     """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``p`` keys are relative to ``mlp.``. With
     ``rounding``, ``kind`` names the layer kind whose ``down`` all-reduce applies."""
     x = _mm_input(x, rounding)
-    act = jax.nn.silu(linear(x, p["gate_proj.weight"])) * linear(x, p["up_proj.weight"])
+    act = (jax.nn.silu(_linear(x, p["gate_proj.weight"], rounding))
+           * _linear(x, p["up_proj.weight"], rounding))
     per_rank = None if rounding is None else rounding.size("inter")
-    return _out_projection(act, p["down_proj.weight"], rounding, kind, "down", per_rank)
+    return _out_projection(act, p["down_proj.weight"], rounding, kind, "down", per_rank, "mlp")
 
 
 def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
@@ -516,7 +524,8 @@ def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | Non
     if rounding is None:
         return x
     owner = tokens // rounding.size("vocab")
-    partials = [jnp.where((owner == r)[:, None], x, 0.0) for r in range(rounding.ranks)]
+    partials = [jnp.where((owner == rounding.part("vocab", r))[:, None], x, 0.0)
+                for r in range(rounding.ranks)]
     return allreduce(partials, rounding.reduce("embed", "embed"))
 
 
@@ -567,4 +576,4 @@ def decode_step(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return linear(_mm_input(x, rounding), jnp.asarray(head).astype(jnp.float32)), new_cache
+    return _linear(x, jnp.asarray(head).astype(jnp.float32), rounding), new_cache

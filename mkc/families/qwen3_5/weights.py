@@ -1,7 +1,8 @@
 """Where each per-rank weight family of qwen3_5_text comes from in the HF checkpoint.
 
 `family_matrix` returns the [in, out] matrix one rank multiplies by (HF Linear weights are
-[out, in]); `vector` returns a per-rank vector family. Generated `pack_weights` functions
+[out, in]); `vector` returns a per-rank vector family. A rank's share is its part of each
+class in the schedule's shard table, the one the graph split the shapes by. Generated `pack_weights` functions
 tile and order these as their schedule says.
 """
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from mkc.families.qwen3_5.config import AttentionDims as ModelDims
+from mkc.families.qwen3_5.graph import kv_heads_of
 from mkc.model.graph import lane_pad
+from mkc.model.sharding import ShardTable
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -22,66 +25,64 @@ def _pad_cols(m: np.ndarray, width: int) -> np.ndarray:
     return np.pad(m, ((0, 0), (0, width - m.shape[1])))
 
 
-def _kv_head(d: ModelDims, rank: int, ranks: int) -> list[int]:
-    """KV heads held by a rank: a split when there are enough, else its group's replica."""
-    if d.num_key_value_heads >= ranks:
-        n = d.num_key_value_heads // ranks
-        return list(range(rank * n, (rank + 1) * n))
-    return [rank * d.num_key_value_heads // ranks]
-
-
 def family_matrix(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family: str,
-                  rank: int, ranks: int) -> np.ndarray:
+                  rank: int, shards: ShardTable) -> np.ndarray:
+    """The [in, out] matrix `family` of model layer `layer` on `rank`: its part of the class
+    the family splits (`shards`, the schedule's shard table, as the graph splits it)."""
     p = f"model.layers.{layer}."
     H = d.hidden_size
     if family in ("gate_up", "down"):
-        n = d.intermediate_size // ranks
-        cols = slice(rank * n, (rank + 1) * n)
+        n = d.intermediate_size // shards.ways("mlp")
+        part = shards.part("mlp", rank)
+        cols = slice(part * n, (part + 1) * n)
         if family == "gate_up":
             return np.concatenate([_w(hf, p + "mlp.gate_proj.weight")[cols].T,
                                    _w(hf, p + "mlp.up_proj.weight")[cols].T], axis=1)
         return _w(hf, p + "mlp.down_proj.weight")[:, cols].T
+    heads, part = shards.ways("heads"), shards.part("heads", rank)
     if family in ("in_proj", "out_proj"):
-        nk = d.linear_num_key_heads // ranks
-        nv = d.linear_num_value_heads // ranks
+        nk = d.linear_num_key_heads // heads
+        nv = d.linear_num_value_heads // heads
         dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
         if family == "out_proj":
-            return _w(hf, p + "linear_attn.out_proj.weight")[:, rank * nv * dv:(rank + 1) * nv * dv].T
+            return _w(hf, p + "linear_attn.out_proj.weight")[:, part * nv * dv:(part + 1) * nv * dv].T
         qkv = _w(hf, p + "linear_attn.in_proj_qkv.weight")
         key_dim = d.linear_num_key_heads * dk
-        q = qkv[rank * nk * dk:(rank + 1) * nk * dk]
-        k = qkv[key_dim + rank * nk * dk:key_dim + (rank + 1) * nk * dk]
-        v = qkv[2 * key_dim + rank * nv * dv:2 * key_dim + (rank + 1) * nv * dv]
-        z = _w(hf, p + "linear_attn.in_proj_z.weight")[rank * nv * dv:(rank + 1) * nv * dv]
-        b = _w(hf, p + "linear_attn.in_proj_b.weight")[rank * nv:(rank + 1) * nv]
-        a = _w(hf, p + "linear_attn.in_proj_a.weight")[rank * nv:(rank + 1) * nv]
+        q = qkv[part * nk * dk:(part + 1) * nk * dk]
+        k = qkv[key_dim + part * nk * dk:key_dim + (part + 1) * nk * dk]
+        v = qkv[2 * key_dim + part * nv * dv:2 * key_dim + (part + 1) * nv * dv]
+        z = _w(hf, p + "linear_attn.in_proj_z.weight")[part * nv * dv:(part + 1) * nv * dv]
+        b = _w(hf, p + "linear_attn.in_proj_b.weight")[part * nv:(part + 1) * nv]
+        a = _w(hf, p + "linear_attn.in_proj_a.weight")[part * nv:(part + 1) * nv]
         return np.concatenate([q.T, k.T, v.T, z.T, _pad_cols(b.T, lane_pad(nv)),
                                _pad_cols(a.T, lane_pad(nv))], axis=1)
     if family in ("qkv_gate", "o_proj"):
-        nq = d.num_attention_heads // ranks
+        nq = d.num_attention_heads // heads
         hd = d.head_dim
         if family == "o_proj":
-            return _w(hf, p + "self_attn.o_proj.weight")[:, rank * nq * hd:(rank + 1) * nq * hd].T
+            return _w(hf, p + "self_attn.o_proj.weight")[:, part * nq * hd:(part + 1) * nq * hd].T
         qg = _w(hf, p + "self_attn.q_proj.weight").reshape(d.num_attention_heads, 2, hd, H)
-        mine = qg[rank * nq:(rank + 1) * nq]                       # [nq, 2, hd, H]
+        mine = qg[part * nq:(part + 1) * nq]                       # [nq, 2, hd, H]
         q = mine[:, 0].reshape(nq * hd, H)
         gate = mine[:, 1].reshape(nq * hd, H)
-        heads = _kv_head(d, rank, ranks)
-        kw = _w(hf, p + "self_attn.k_proj.weight").reshape(d.num_key_value_heads, hd, H)[heads]
-        vw = _w(hf, p + "self_attn.v_proj.weight").reshape(d.num_key_value_heads, hd, H)[heads]
+        kv = kv_heads_of(d, part, heads)
+        kw = _w(hf, p + "self_attn.k_proj.weight").reshape(d.num_key_value_heads, hd, H)[kv]
+        vw = _w(hf, p + "self_attn.v_proj.weight").reshape(d.num_key_value_heads, hd, H)[kv]
         return np.concatenate([q.T, gate.T, kw.reshape(-1, H).T, vw.reshape(-1, H).T], axis=1)
     if family == "lm_head":
-        n = d.vocab_size // ranks
-        return _w(hf, "lm_head.weight")[rank * n:(rank + 1) * n].T
+        n = d.vocab_size // shards.ways("vocab")
+        part = shards.part("vocab", rank)
+        return _w(hf, "lm_head.weight")[part * n:(part + 1) * n].T
     raise KeyError(f"no HF source for weight family {family!r}")
 
 
 def vector(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family: str,
-           rank: int, ranks: int) -> np.ndarray:
+           rank: int, shards: ShardTable) -> np.ndarray:
     """A per-layer vector family, 2-D [rows, width] f32."""
     p = f"model.layers.{layer}."
-    nk = d.linear_num_key_heads // ranks
-    nv = d.linear_num_value_heads // ranks
+    heads, part = shards.ways("heads"), shards.part("heads", rank)
+    nk = d.linear_num_key_heads // heads
+    nv = d.linear_num_value_heads // heads
     dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
     simple = {
         "input_norm": p + "input_layernorm.weight",
@@ -93,72 +94,76 @@ def vector(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family: str,
     if family in simple:
         return _w(hf, simple[family])[None, :]
     if family in ("A_log", "dt_bias"):
-        return _w(hf, p + f"linear_attn.{family}")[rank * nv:(rank + 1) * nv][None, :]
+        return _w(hf, p + f"linear_attn.{family}")[part * nv:(part + 1) * nv][None, :]
     if family == "conv_weight":
         w = _w(hf, p + "linear_attn.conv1d.weight")[:, 0, :]          # [C, K]
         key_dim = d.linear_num_key_heads * dk
         ch = np.concatenate([
-            np.arange(rank * nk * dk, (rank + 1) * nk * dk),
-            key_dim + np.arange(rank * nk * dk, (rank + 1) * nk * dk),
-            2 * key_dim + np.arange(rank * nv * dv, (rank + 1) * nv * dv)])
+            np.arange(part * nk * dk, (part + 1) * nk * dk),
+            key_dim + np.arange(part * nk * dk, (part + 1) * nk * dk),
+            2 * key_dim + np.arange(part * nv * dv, (part + 1) * nv * dv)])
         return w[ch].T                                                  # [K, C_local]
     raise KeyError(f"no HF source for vector family {family!r}")
 
 
 def global_tensor(hf: Mapping[str, np.ndarray], d: ModelDims, name: str, rank: int,
-                  ranks: int) -> np.ndarray:
+                  shards: ShardTable) -> np.ndarray:
     if name == "embed":
-        n = d.vocab_size // ranks
-        return np.asarray(hf["model.embed_tokens.weight"])[rank * n:(rank + 1) * n]
+        n = d.vocab_size // shards.ways("vocab")
+        part = shards.part("vocab", rank)
+        return np.asarray(hf["model.embed_tokens.weight"])[part * n:(part + 1) * n]
     if name == "final_norm":
         return _w(hf, "model.norm.weight")[None, :]
     raise KeyError(name)
 
 
-def reference_states(state, d: ModelDims, per_rank: dict[str, int], ranks: int,
+def reference_states(state, d: ModelDims, per_rank: dict[str, int], shards: ShardTable,
                      kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's (upstream) layouts:
-    recurrent [B, Hv, Dk, Dv] f32, conv [B, conv_dim, K-1] with channels [q | k | v], and the
-    KV caches [B, Hkv, T, D] (from the first rank holding each KV head)."""
+    """The decode state gathered over one holder of each heads part into the reference's
+    (upstream) layouts: recurrent [B, Hv, Dk, Dv] f32, conv [B, conv_dim, K-1] with channels
+    [q | k | v], and the KV caches [B, Hkv, T, D] (from the first part holding each KV head)."""
     nk, dk, nkv, hd = per_rank["nk"], per_rank["dk"], per_rank["nkv"], d.head_dim
+    holders = shards.holders("heads")
     out = {}
     rec = np.asarray(state["gdn__recurrent"])            # [ranks, layers, B, nv, dk, dv]
     conv = np.asarray(state["gdn__conv"], np.float32)    # [ranks, layers, K-1, B, conv channels]
     for i, layer in enumerate(kind_layers.get("gdn", [])):
-        out[f"layers.{layer}.recurrent_state"] = np.concatenate(list(rec[:, i]), axis=1)
-        shards = [np.transpose(conv[r, i], (1, 2, 0)) for r in range(ranks)]   # [B, C, K-1]
-        q = [c[:, :nk * dk] for c in shards]
-        k = [c[:, nk * dk:2 * nk * dk] for c in shards]
-        v = [c[:, 2 * nk * dk:] for c in shards]
+        out[f"layers.{layer}.recurrent_state"] = np.concatenate([rec[r, i] for r in holders], axis=1)
+        parts = [np.transpose(conv[r, i], (1, 2, 0)) for r in holders]   # [B, C, K-1]
+        q = [c[:, :nk * dk] for c in parts]
+        k = [c[:, nk * dk:2 * nk * dk] for c in parts]
+        v = [c[:, 2 * nk * dk:] for c in parts]
         out[f"layers.{layer}.conv_state"] = np.concatenate(q + k + v, axis=1)
-    holder = [h * ranks // d.num_key_value_heads for h in range(d.num_key_value_heads)]
+    ways = len(holders)
+    first_holder = [holders[h * ways // d.num_key_value_heads] for h in range(d.num_key_value_heads)]
     for c, name in (("key", "key_cache"), ("value", "value_cache")):
         for i, layer in enumerate(kind_layers.get("gqa", [])):
             cache = np.asarray(state[f"gqa__{c}"], np.float32)   # [ranks, layers, B, T, nkv * hd]
-            if nkv * ranks == d.num_key_value_heads:           # heads split: rank r holds nkv
-                heads = [cache[r, i, :, :, j * hd:(j + 1) * hd] for r in range(ranks) for j in range(nkv)]
-            else:                                              # replicated: one head per rank
-                heads = [cache[r, i] for r in holder]
+            if nkv * ways == d.num_key_value_heads:            # heads split: each part holds nkv
+                heads = [cache[r, i, :, :, j * hd:(j + 1) * hd] for r in holders for j in range(nkv)]
+            else:                                              # replicated: one head per part
+                heads = [cache[r, i] for r in first_holder]
             out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1)
     return out
 
 
 # ---- the host layout API the generic module template calls ---------------------------------
 def matrix(hf: Mapping[str, np.ndarray], d: ModelDims, per_rank: dict[str, int], layer: int, kind: str,
-           name: str, rank: int, ranks: int) -> np.ndarray:
+           name: str, rank: int, shards: ShardTable) -> np.ndarray:
     """Matrix `name` of loop layer `layer` (kind `kind`; -1 and "tail" after the last layer)."""
-    return family_matrix(hf, d, layer, name, rank, ranks)
+    return family_matrix(hf, d, layer, name, rank, shards)
 
 
 def layer_vector(hf: Mapping[str, np.ndarray], d: ModelDims, per_rank: dict[str, int], layer: int,
-                 kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
-    return vector(hf, d, layer, name, rank, ranks)
+                 kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
+    return vector(hf, d, layer, name, rank, shards)
 
 
-def head_vectors(hf: Mapping[str, np.ndarray], d: ModelDims, rank: int, ranks: int) -> np.ndarray:
+def head_vectors(hf: Mapping[str, np.ndarray], d: ModelDims, rank: int,
+                 shards: ShardTable) -> np.ndarray:
     """The rows of the `head_norm` block the final compute body reads: the final norm."""
-    return global_tensor(hf, d, "final_norm", rank, ranks)
+    return global_tensor(hf, d, "final_norm", rank, shards)
 
 
-def embedding(hf: Mapping[str, np.ndarray], d: ModelDims, rank: int, ranks: int) -> np.ndarray:
-    return np.asarray(global_tensor(hf, d, "embed", rank, ranks))
+def embedding(hf: Mapping[str, np.ndarray], d: ModelDims, rank: int, shards: ShardTable) -> np.ndarray:
+    return np.asarray(global_tensor(hf, d, "embed", rank, shards))

@@ -2,8 +2,8 @@
 attention (Qwen3.5's gated delta net `gdn` or gated attention `gqa`, up to the residual add),
 then the sparse MoE (`moe`): router, routed experts and a gated shared expert.
 
-Sharding: attention heads, the shared expert's width and the vocabulary over every core, as
-Qwen3.5 does; routed experts expert-parallel over every core (each core holds whole experts,
+Sharding: attention heads, the shared expert's width (`mlp`) and the vocabulary each over their
+rank group, as Qwen3.5 does; routed experts expert-parallel over every core (each core holds whole experts,
 `experts / ranks` of them) and fetched into a pool's expert slots as routing picks them. The
 router is replicated: every core scores every expert, so all route alike.
 """
@@ -17,9 +17,11 @@ from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, s
 SHARD_CLASSES = ("heads", "mlp", "vocab", "experts")
 
 
-def moe_kind(d: Qwen35MoeDims, ranks: int) -> tuple[LayerKind, dict[str, Tensor], dict[str, int]]:
+def moe_kind(d: Qwen35MoeDims, ranks: int, mlp: int
+             ) -> tuple[LayerKind, dict[str, Tensor], dict[str, int]]:
+    """The moe sublayer: the shared expert split `mlp` ways, routed experts over `ranks`."""
     H, E, inter = d.hidden_size, d.experts, d.moe_intermediate_size
-    shared = split(d.shared_expert_intermediate_size, ranks, "shared_expert_intermediate_size", "mlp")
+    shared = split(d.shared_expert_intermediate_size, mlp, "shared_expert_intermediate_size", "mlp")
     local = split(E, ranks, "num_experts", "experts")
     kind = LayerKind("moe", ops=(
         Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
@@ -29,14 +31,14 @@ def moe_kind(d: Qwen35MoeDims, ranks: int) -> tuple[LayerKind, dict[str, Tensor]
         Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
         Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
         Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
-           partial=True, width=H, runs_experts=True),
+           partial=("experts",), width=H, runs_experts=True),
         Op("mlp_residual", reads=("shared_out", "routed_out", "h", "shared_gate", "x"), writes=("x",)),
     ), tensors={
         "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
         "shared_gate": Tensor("shared_gate", "vector", (H,), "f32"),   # shared_expert_gate [1, H]
         "router": Tensor("router", "matrix", (H, E), "bf16"),
         "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16"),
-        "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=True),
+        "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",)),
     })
     kind = with_facts(kind, {
         "post_norm": OpFacts(vector_per_row=4 * H),
@@ -54,14 +56,13 @@ def moe_kind(d: Qwen35MoeDims, ranks: int) -> tuple[LayerKind, dict[str, Tensor]
 
 
 def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
-    for cls in SHARD_CLASSES:
-        if rules[cls] != (ranks, 1):
-            raise ShardingError(f"the Qwen3.5 MoE lowering splits {cls} over every core: write "
-                                f"`shard {cls} over tp`", cls)
-    kinds, per_rank = attention_kinds(d, ranks, ranks, with_mlp=False)
-    moe, experts, moe_sizes = moe_kind(d, ranks)
+    if rules["experts"] != (ranks, 1):
+        raise ShardingError("the Qwen3.5 MoE lowering splits experts over every core: write "
+                            "`shard experts over tp`", "experts")
+    kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0], with_mlp=False)
+    moe, experts, moe_sizes = moe_kind(d, ranks, rules["mlp"][0])
     kinds["moe"] = moe
-    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, ranks)
+    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank | moe_sizes,
                        tail_facts=tail_facts, experts=experts, experts_total=d.experts,
                        top_k=d.top_k)

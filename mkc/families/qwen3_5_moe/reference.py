@@ -260,9 +260,9 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x
         cols = slice(part * width, (part + 1) * width)
         acc = jnp.zeros((b, cfg.hidden_size), jnp.float32)
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
-            act = (jax.nn.silu(linear(xin, gate_up[e, :inter][cols]))
-                   * linear(xin, gate_up[e, inter:][cols]))
-            acc = acc + dense[:, e:e + 1] * linear(rounding.mm_in(act), down[e][:, cols])
+            act = (jax.nn.silu(rounding.linear(xin, gate_up[e, :inter][cols]))
+                   * rounding.linear(xin, gate_up[e, inter:][cols]))
+            acc = acc + dense[:, e:e + 1] * rounding.linear(act, down[e][:, cols])
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
 
@@ -274,7 +274,8 @@ def moe_block(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x: jax.Array,
     layer kind (``gdn``/``gqa``) whose MoE all-reduces apply."""
     inter = cfg.moe_intermediate_size
     xin = _mm_input(x, rounding)
-    ids, weights = route(linear(xin, p["gate.weight"]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    ids, weights = route(qwen._linear(xin, p["gate.weight"], rounding), cfg.num_experts_per_tok,
+                         cfg.norm_topk_prob)
     if rounding is None:
         hidden = jnp.einsum("bh,bkoh->bko", xin, p["experts.gate_up_proj"][ids], precision=_HIGHEST)
         act = jax.nn.silu(hidden[..., :inter]) * hidden[..., inter:]
@@ -293,10 +294,9 @@ def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding 
     schedule's ``shared_down`` of ``kind``, split over ranks in ``shared``-wide ranges."""
     if rounding is None:
         return mlp_block(p, x)
-    x = _mm_input(x, rounding)
-    act = jax.nn.silu(linear(x, p["gate_proj.weight"])) * linear(x, p["up_proj.weight"])
+    act = jax.nn.silu(rounding.linear(x, p["gate_proj.weight"])) * rounding.linear(x, p["up_proj.weight"])
     return qwen._out_projection(act, p["down_proj.weight"], rounding, kind, "shared_down",
-                                rounding.size("shared"))
+                                rounding.size("shared"), "mlp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,4 +325,4 @@ def decode_step(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return linear(_mm_input(x, rounding), jnp.asarray(head).astype(jnp.float32)), new_cache
+    return qwen._linear(x, jnp.asarray(head).astype(jnp.float32), rounding), new_cache

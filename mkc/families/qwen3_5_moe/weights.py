@@ -14,6 +14,7 @@ import numpy as np
 
 from mkc.families.qwen3_5 import weights as qwen
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
+from mkc.model.sharding import ShardTable
 
 global_tensor = qwen.global_tensor
 head_vectors, embedding = qwen.head_vectors, qwen.embedding
@@ -24,34 +25,35 @@ def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
 
 
 def family_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, family: str,
-                  rank: int, ranks: int) -> np.ndarray:
+                  rank: int, shards: ShardTable) -> np.ndarray:
     """The [in, out] matrix `family` of sublayer `layer` (-1: the tail) on `rank`."""
     if layer < 0:
-        return qwen.family_matrix(hf, d, layer, family, rank, ranks)
+        return qwen.family_matrix(hf, d, layer, family, rank, shards)
     p = f"model.layers.{layer // 2}.mlp."
     if family == "router":
         return _w(hf, p + "gate.weight").T                                   # [H, E]
-    n = d.shared_expert_intermediate_size // ranks
-    cols = slice(rank * n, (rank + 1) * n)
+    n = d.shared_expert_intermediate_size // shards.ways("mlp")
+    part = shards.part("mlp", rank)
+    cols = slice(part * n, (part + 1) * n)
     if family == "shared_gate_up":
         return np.concatenate([_w(hf, p + "shared_expert.gate_proj.weight")[cols].T,
                                _w(hf, p + "shared_expert.up_proj.weight")[cols].T], axis=1)
     if family == "shared_down":
         return _w(hf, p + "shared_expert.down_proj.weight")[:, cols].T
-    return qwen.family_matrix(hf, d, layer // 2, family, rank, ranks)
+    return qwen.family_matrix(hf, d, layer // 2, family, rank, shards)
 
 
 def vector(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, family: str,
-           rank: int, ranks: int) -> np.ndarray:
+           rank: int, shards: ShardTable) -> np.ndarray:
     if family == "shared_gate":
         return _w(hf, f"model.layers.{layer // 2}.mlp.shared_expert_gate.weight")   # [1, H]
-    return qwen.vector(hf, d, layer // 2, family, rank, ranks)
+    return qwen.vector(hf, d, layer // 2, family, rank, shards)
 
 
 def expert_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, local: int,
-                  name: str, rank: int, ranks: int) -> np.ndarray:
+                  name: str, rank: int, shards: ShardTable) -> np.ndarray:
     """Local expert `local` of `rank`'s share ([in, out]): experts split evenly over the ranks."""
-    e = rank * (d.experts // ranks) + local
+    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
     p = f"model.layers.{layer // 2}.mlp.experts."
     if name == "gate_up":
         return np.asarray(hf[p + "gate_up_proj"][e]).astype(np.float32).T   # [H, 2I]: gate | up
@@ -61,24 +63,24 @@ def expert_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, lo
 
 
 def matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
-           kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
-    return family_matrix(hf, d, layer, name, rank, ranks)
+           kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
+    return family_matrix(hf, d, layer, name, rank, shards)
 
 
 def layer_vector(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
-                 kind: str, name: str, rank: int, ranks: int) -> np.ndarray:
-    return vector(hf, d, layer, name, rank, ranks)
+                 kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
+    return vector(hf, d, layer, name, rank, shards)
 
 
 def expert(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
-           local: int, rank: int, ranks: int) -> dict[str, np.ndarray]:
+           local: int, rank: int, shards: ShardTable) -> dict[str, np.ndarray]:
     """Local expert `local` of `rank` as the pool holds it: bf16 [in, out] matrices by name."""
-    return {name: expert_matrix(hf, d, layer, local, name, rank, ranks).astype(ml_dtypes.bfloat16)
+    return {name: expert_matrix(hf, d, layer, local, name, rank, shards).astype(ml_dtypes.bfloat16)
             for name in ("gate_up", "down")}
 
 
-def reference_states(state, d: Qwen35MoeDims, per_rank: dict[str, int], ranks: int,
+def reference_states(state, d: Qwen35MoeDims, per_rank: dict[str, int], shards: ShardTable,
                      kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
     """Qwen3.5's state layouts, keyed by model layer (sublayer // 2)."""
     by_model_layer = {k: [i // 2 for i in v] for k, v in kind_layers.items()}
-    return qwen.reference_states(state, d, per_rank, ranks, by_model_layer)
+    return qwen.reference_states(state, d, per_rank, shards, by_model_layer)

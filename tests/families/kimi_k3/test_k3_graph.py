@@ -53,7 +53,7 @@ def test_graph_from_rules_has_four_sublayer_kinds():
 
 @pytest.mark.parametrize("change, words, cls", [
     ({"experts": (4, 8)}, "must tile the 32 ranks", "experts"),
-    ({"heads": (16, 2)}, "splits heads over every core", "heads"),
+    ({"heads": (16, 2)}, "splits heads over consecutive ranks", "heads"),
     ({"latent_up": (8, 4)}, "latent_up must split over consecutive ranks", "latent_up"),
     ({"expert_mlp": (32, 1), "experts": (1, 32)}, "width slice of 96 is not a multiple of 64",
      "expert_mlp"),
@@ -67,9 +67,9 @@ def test_infeasible_rules_name_the_rule(change, words, cls):
 
 
 @pytest.mark.parametrize("sharding, words", [
-    (KimiSharding(ranks=20, expert_tp=4), "attention heads = 96 does not divide over 20"),
+    (KimiSharding(ranks=20, expert_tp=4), "attention heads = 96 does not divide into 20 parts"),
     (KimiSharding(ranks=32, expert_tp=5), "do not form groups of expert_tp = 5"),
-    (KimiSharding(ranks=12, expert_tp=4), "routed experts = 896 does not divide over 3"),
+    (KimiSharding(ranks=12, expert_tp=4), "routed experts = 896 does not divide into 3 parts"),
 ])
 def test_infeasible_shardings_name_the_dimension(sharding, words):
     with pytest.raises(ShardingError) as e:

@@ -28,7 +28,10 @@ def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected():
     assert summary["steps"] and numerics.failures(summary) == []
     assert summary["steps"][0]["emulation"]["logits"] == 0.0      # measured: bit-equal at step 0
     for name in MUTANTS:
-        assert summary["mutants"][name]["failures"], f"mutant {name} was not rejected"
+        # rejected by the emulation, not only by the plain check (which the mutants pass:
+        # 0.27 % to 0.42 % of the largest logit, measured)
+        fails = summary["mutants"][name]["failures"]
+        assert any("rounding emulation" in f for f in fails), (name, fails)
 
 
 @pytest.mark.slow

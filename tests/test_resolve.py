@@ -1,0 +1,106 @@
+"""Resolving shard rules: classes split over a subgroup of the mesh and replicated across the
+rest, the collective groups that follow from them, and hints that name only spellings that
+work."""
+import re
+from pathlib import Path
+
+import pytest
+
+from mkc.compiler import check_spec
+from mkc.diagnostics import MkcError
+from tests_support import ROOT
+
+SPEC16 = ROOT / "schedules" / "qwen3_8_27b_16.sched"
+SPEC8 = ROOT / "schedules" / "qwen3_8_27b.sched"
+
+
+def _variant(tmp_path: Path, text: str, *edits: tuple[str, str]) -> Path:
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "variant.sched"
+    path.write_text(text)
+    return path
+
+
+def _error(path: Path, model: str | None = None):
+    with pytest.raises(MkcError) as e:
+        check_spec(path, model)
+    return e.value.diagnostics[0]
+
+
+@pytest.fixture(scope="module")
+def qwen16():
+    return check_spec(SPEC16).ir
+
+
+def test_heads_over_8_of_16_ranks_replicate_attention(qwen16):
+    s8 = check_spec(SPEC8).ir
+    assert qwen16.shards == {"heads": (8, 1), "mlp": (16, 1), "vocab": (16, 1)}
+    # attention is split as on 8 cores; the MLP and vocabulary twice as finely
+    for name in ("nq", "nkv", "nk", "nv", "conv_ch"):
+        assert qwen16.per_rank[name] == s8.per_rank[name], name
+    assert qwen16.per_rank["inter"] * 2 == s8.per_rank["inter"]
+    assert qwen16.per_rank["vocab"] * 2 == s8.per_rank["vocab"]
+    rows = {(f.kind, f.name): (f.rows, f.cols) for fs in qwen16.stream.families.values() for f in fs}
+    rows8 = {(f.kind, f.name): (f.rows, f.cols) for fs in s8.stream.families.values() for f in fs}
+    assert rows["gqa", "qkv_gate"] == rows8["gqa", "qkv_gate"]
+    assert rows["gdn", "down"][0] * 2 == rows8["gdn", "down"][0]
+    # the HBM budget counts each rank's copy: the replicated attention weights stay per rank
+    assert qwen16.hbm_bytes_per_rank["streamed weights"] < s8.hbm_bytes_per_rank["streamed weights"]
+
+
+def test_all_reduces_run_within_each_partial_sums_group(qwen16):
+    stages = {(k, a.after_op): a.stages for k, ks in qwen16.kinds.items() for a in ks.allreduces}
+    # two_level chip: the sibling core, then the chips holding the other parts
+    assert stages["gdn", "out_proj"] == ((2, 1), (4, 2))      # heads: 8 ranks
+    assert stages["gqa", "o_proj"] == ((2, 1), (4, 2))
+    assert stages["gdn", "down"] == ((2, 1), (8, 2))          # mlp: all 16
+    # the embedding's exact all-reduce spans the vocab group: it reuses down's stages
+    assert qwen16.embed_reduce.stages == ((2, 1), (8, 2))
+
+
+def test_direct_all_reduce_over_the_heads_group(tmp_path):
+    text = SPEC16.read_text()
+    s = check_spec(_variant(tmp_path, text, ("allreduce o_proj, down two_level chip",
+                                             "allreduce o_proj, down direct"))).ir
+    stages = {a.after_op: a.stages for a in s.kinds["gqa"].allreduces}
+    assert stages == {"o_proj": ((8, 1),), "down": ((16, 1),)}
+
+
+def test_strided_group_two_level_needs_a_level_holding_several_parts(tmp_path):
+    """heads over tp / 2 on 16 ranks: parts on every other rank, so a chip's two cores hold the
+    same part: two_level chip has no first level; two_level host does (4 of a host's 8)."""
+    text = SPEC16.read_text().replace("shard heads over 8", "shard heads over tp / 2")
+    d = _error(_variant(tmp_path, text))
+    assert d.code == "E-COLLECTIVE" and "for out_proj" in d.message and "stride 2" in d.message
+    assert "`direct`" in d.hint and "`two_level host`" in d.hint and "`two_level chip`" not in d.hint
+    s = check_spec(_variant(tmp_path, text, ("two_level chip", "two_level host"))).ir
+    stages = {(k, a.after_op): a.stages for k, ks in s.kinds.items() for a in ks.allreduces}
+    assert stages["gdn", "out_proj"] == ((4, 2), (2, 8))
+    assert stages["gdn", "down"] == ((8, 1), (2, 8))
+
+
+def test_hint_lists_exactly_the_spellings_that_resolve(tmp_path):
+    """24 heads over 16 ranks do not divide; the hint's spellings are the ones that resolve
+    (tried one by one), and the other spellings of a group on this mesh do not."""
+    text = SPEC16.read_text().replace("shard heads over 8", "shard heads over tp")
+    d = _error(_variant(tmp_path, text))
+    assert d.code == "E-SHARD" and "24 does not divide into 16 parts" in d.message
+    m = re.search(r"write `shard heads over ([^`]+)`(?: \(or over ([^)]*)\))?", d.hint)
+    assert m, d.hint
+    offered = [m.group(1)] + (m.group(2).split(", ") if m.group(2) else [])
+    assert offered[0] == "8"                        # the widest split first
+    every = ["tp", "8", "4", "2", "tp / 2", "tp / 4", "tp / 8", "host", "chip"]
+    assert set(offered) < set(every)
+    for spelling in every:
+        # direct all-reduces, so that the collective algorithm does not decide
+        path = _variant(tmp_path, text, ("shard heads over tp", f"shard heads over {spelling}"),
+                        ("two_level chip", "direct"))
+        try:
+            check_spec(path)
+            works = True
+        except MkcError as e:
+            assert e.diagnostics[0].code == "E-SHARD", e.diagnostics[0]
+            works = False
+        assert works == (spelling in offered), spelling
