@@ -69,6 +69,16 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   caches; also steps 1 and 2), and so is K3 MINI (below). EMULATION_FIRST_STEP is 2**-17
 #   (about 7.6e-6, 128 f32 ulps): near f32 rounding, and about 1/1000 of what one op off by
 #   1 % does to its own output.
+#   Host. The kernel runs on XLA's CPU backend, and "the same order" includes the op: on a
+#   CPU with AVX512-BF16 (an AMD EPYC here) XLA sums a bf16 x bf16 -> f32 dot in another order
+#   than the f32 dot of the same values ([2, 256] x [256, 512]: 1.1e-5 apart), which put the
+#   unmutated kernels as far from an emulation of f32 dots as a 1 % error (Qwen B2 logits
+#   1.0e-3, K3 5.2e-3). So the emulation multiplies activations by weights with the kernel's
+#   op, bf16 operands accumulated in f32 (``Rounding.linear``), whatever the host; measured
+#   on that host: Qwen, Qwen3.5 MoE and K3 at batch 2 bit-equal at step 0 again.
+#   Past 2 rows the Qwen kernels leave the emulation's order on both kinds of host (batch 4,
+#   step 0: logits bit-equal, recurrent 5.8e-8, key cache 1.0e-6, within the bound; step 1:
+#   logits 1.9e-3, within the measured sensitivity); not found yet.
 #   K3 MINI (16 ranks), how its orders came to agree. Where the kernel sums in another f32
 #   order than the emulation, a bf16 rounding downstream can flip by one ulp, and a flip
 #   spreads: it moves every output of the next matmul by about 2**-8 / sqrt(width) of their
