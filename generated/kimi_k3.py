@@ -435,11 +435,11 @@ def _kernel(*refs, B, R=1, verify=False):
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    # the last kda layer's store of state.recurrent drains
+    # spec line 51: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
-    head_norm_copy.wait()
+    head_norm_copy.wait()   # the final norm weight (not in the spec: every step loads it at entry)
     h = lower.final_hidden(k, r.head_norm)
     logits = ring.matmul(RING, k.ring_refs, h, TAIL_TILE_OFFSET, TAIL_LM_HEAD)
     for j in range(TAIL_LM_HEAD.col_tiles):
