@@ -36,7 +36,9 @@ def test_eager_dma_mode_at_the_largest_batch():
 
 @pytest.mark.slow
 def test_no_races_with_race_detection():
-    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1",
+    # Batch 2: at batch 1 the kernel's one-row bf16 dots leave the emulation's order on an
+    # AVX512-BF16 host (mkc.numerics); measured at batch 2 with races: bit-equal, 85 s a step.
+    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "2",
                    "--emulation-check", "exact")
     _assert_matches_reference(summary)
     assert summary["races_found"] is False

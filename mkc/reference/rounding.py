@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
 from mkc.model.sharding import ShardTable
 
@@ -137,6 +139,14 @@ class Rounding:
         activation by a weight: the input rounded for the MXU, the dot of those operands
         (``chunked_linear``, by chunks of ``rows`` inputs when the matrix streams in tiles)."""
         return chunked_linear(self.mm_in(x), w, rows, self.matmul_input)
+
+
+def bf16_weights(w: np.ndarray) -> np.ndarray:
+    """Weights drawn in f64, as bf16 values that are the same on every ml_dtypes version: rounded
+    through f32. ml_dtypes 0.7 rounds f64 to bf16 directly, earlier versions through f32; the
+    two differ in about 5 of 10**6 values, and a MINI model's weights must not move with a
+    dependency's patch release (the exact emulation checks were measured on these values)."""
+    return np.asarray(w, np.float32).astype(ml_dtypes.bfloat16)
 
 
 def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:

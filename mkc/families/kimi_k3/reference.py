@@ -101,11 +101,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import (Rounding, allreduce, one_row_as_two,
+from mkc.reference.rounding import (Rounding, allreduce, bf16_weights, one_row_as_two,
                                    round_to, row_parallel)
 
 KDA = "linear_attention"
@@ -425,7 +424,7 @@ def init_params(cfg: KimiK3Config, seed: int) -> dict[str, np.ndarray]:
             elif name.endswith("f_b_proj.weight"):
                 std *= 0.2  # keep the decay gate input small so A * (g + dt_bias) does not saturate
             w = rng.normal(0.0, std, shape)
-        out[name] = w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
+        out[name] = bf16_weights(w) if dtype == "bfloat16" else w.astype(np.dtype(dtype))
     return out
 
 

@@ -57,10 +57,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-from mkc.reference.rounding import Rounding, allreduce, round_to, row_parallel
+from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -300,7 +299,7 @@ def init_params(cfg: Qwen35Config, seed: int) -> dict[str, np.ndarray]:
             elif name.endswith("in_proj_a.weight"):
                 std *= 0.5  # keep softplus(a + dt_bias) near dt rather than saturating
             w = rng.normal(0.0, std, shape)
-        out[name] = w.astype(ml_dtypes.bfloat16)
+        out[name] = bf16_weights(w)
     return out
 
 

@@ -62,7 +62,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from mkc.families.qwen3_5 import reference as qwen
@@ -70,7 +69,7 @@ from mkc.families.qwen3_5.reference import (FULL, LINEAR, Qwen35Config, embed,
                                             init_cache, linear,
                                             mlp_block, rms_norm)
 from mkc.families.qwen3_5_moe.config import MODEL_TYPES, check_moe_keys
-from mkc.reference.rounding import Rounding, allreduce, one_row_as_two
+from mkc.reference.rounding import Rounding, allreduce, bf16_weights, one_row_as_two
 
 # The layer-loop kind of the MoE sublayer: the schedule's all-reduces of its ops live there.
 MOE_KIND = "moe"
@@ -208,7 +207,7 @@ def init_params(cfg: Qwen35MoeConfig, seed: int) -> dict[str, np.ndarray]:
         std = 1.0 / math.sqrt(shape[-1])
         if name.endswith(("experts.down_proj", "shared_expert.down_proj.weight")):
             std *= residual_scale
-        out[name] = rng.normal(0.0, std, shape).astype(ml_dtypes.bfloat16)
+        out[name] = bf16_weights(rng.normal(0.0, std, shape))
     return out
 
 
