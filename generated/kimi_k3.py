@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): dea24361131684ac
+Input digest (spec, model config, mkc version): ee17f71dbbae7748
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
@@ -220,7 +220,7 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
 # at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=6, slot_rows=17344,
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=17344,
                       matrices={'gate_up_codes': (0, 1792, 1536),
                                 'gate_up_scales': (10752, 112, 1536),
                                 'down_codes': (11520, 384, 3584), 'down_scales': (16896, 24, 3584)},
@@ -253,7 +253,7 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21,
          'mla': KindPlan(streamed={'q_up': (0, MLA_Q_UP), 'gate': (2, MLA_GATE),
                                    'o_proj': (9, MLA_O_PROJ)},
                          states={}, copies={}, caches=('mla__latent',),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='mla_kv_rows',
+                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='mla_kv_rows',
                          kv_sem='sem__mla_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
                                    'shared_gate_up': (14, MOE_SHARED_GATE_UP),
@@ -286,11 +286,11 @@ def _layer_dense(k: Kernel, layer):
     c = k.layer("dense", layer)
     B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 62: prefetch next staging.attention
+    c.prefetch_view()   # spec line 71: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 63: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 72: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -302,13 +302,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 51: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 58: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 49: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 56: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 49: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 56: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -316,13 +316,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 49: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 49: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 56: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 56: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 50: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 57: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 50: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 51: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 57: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 58: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -332,7 +332,7 @@ def _layer_kda(k: Kernel, layer):
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 53: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 60: two_level, wire bf16
     # the pool view staging.attention is free from here
     lower.attn_residual(c, attn_out)
 
@@ -360,7 +360,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 58: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 67: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -372,22 +372,22 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 67: swap with the sibling core, wire f32
+    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 76: swap with the sibling core, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 68: fetch experts -> staging.experts, the first slots now
+    # spec line 77: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 69: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 78: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 70: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 79: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 70: two_level, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 79: two_level, wire bf16
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 71: prefetch next staging.attention
+    c.prefetch_view()   # spec line 80: prefetch next staging.attention
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 72: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 81: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -435,7 +435,7 @@ def _kernel(*refs, B, R=1, verify=False):
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    # spec line 51: the last kda layer's store of state.recurrent drains
+    # spec line 58: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -544,7 +544,7 @@ def build_kernel(B, interpret=None, verify_rows=None):
         pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 receive
         pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
         pltpu.SemaphoreType.DMA((4,)),   # pooled matrix copies
-        pltpu.SemaphoreType.DMA((6, 4)),   # expert slot copies
+        pltpu.SemaphoreType.DMA((2, 4)),   # expert slot copies
         pltpu.SMEM((EXPERTS.local_experts,), jnp.int32),   # picked local experts
         pltpu.SMEM((1,), jnp.int32),   # how many
     ]
