@@ -9,9 +9,8 @@ step times are modelled, not measured.
     .venv/bin/python benchmarks/perf_sim.py --tuned [--json]
 
 --tuned compares each tuned candidate in benchmarks/data/tuned/ (written by `mkc tune`) with
-the spec it was tuned from (benchmarks/data/tuned/inputs/, or for K3 the layout as measured,
-benchmarks/data/as_measured/; the shipped specs have since taken some of the changes), at the
-spec's smallest and largest batch, under every DMA queue count of the
+the spec it was tuned from (benchmarks/data/untuned/: the shipped specs have since taken some
+of the changes), at the spec's smallest and largest batch, under every DMA queue count of the
 calibration's sweep, each with the constants fitted for that count
 (`calibration.dma_queues_sweep` in mkc/perf/data/tpu7x.json): a gain that holds for one queue
 only is the single in-order queue's, not the schedule's.
@@ -111,15 +110,6 @@ def main() -> int:
     return 0
 
 
-def _tuned_from(name: str) -> Path:
-    """The spec a candidate in benchmarks/data/tuned/ was tuned from."""
-    data = ROOT / "benchmarks" / "data"
-    for folder in (data / "tuned" / "inputs", data / "as_measured"):
-        if (folder / name).is_file():
-            return folder / name
-    return ROOT / "schedules" / name
-
-
 def tuned(as_json: bool) -> int:
     """Each tuned spec against its input, modelled at each batch and DMA queue count (module docstring)."""
     from mkc.compiler import check_spec
@@ -132,7 +122,7 @@ def tuned(as_json: bool) -> int:
         cand = ROOT / "benchmarks" / "data" / "tuned" / Path(spec).name
         if not cand.is_file():
             continue
-        origin = _tuned_from(Path(spec).name)
+        origin = ROOT / "benchmarks" / "data" / "untuned" / Path(spec).name
         base, tuned_ = check_spec(origin).ir, check_spec(cand).ir
         traces: dict = {id(base): {}, id(tuned_): {}}
         for fit in sweep:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -107,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = reference.init_params(cfg, seed=0)
     spec = k3_mini_spec(Path(args.spec))
     if args.expert_slots:
-        text = spec.read_text()
-        assert "view experts: 6 slots of expert" in text
-        spec.write_text(text.replace("view experts: 6 slots", f"view experts: {args.expert_slots} slots"))
+        text, n = re.subn(r"view experts: \d+ slots", f"view experts: {args.expert_slots} slots",
+                          spec.read_text())
+        assert n == 1, "the spec has no expert slot view"
+        spec.write_text(text)
     gen = load_generated(spec, "kimi_k3_mini", args.mutate)
     rounding = rounding_for(spec, "kimi_k3_mini")
 
