@@ -12,7 +12,7 @@ from mkc.lang.parser import parse
 from mkc.resolve import resolve
 from tests_support import SPEC
 
-KV_LINE = "kv tiles 2 slots of 128 tokens ahead 1"
+KV_LINE = "kv tiles 3 slots of 128 tokens ahead 3"
 
 
 RING_LINE = "ring weights: 12 slots of bf16 tiles up to 1024 x 1280"
@@ -31,6 +31,7 @@ def _ir(tmp_path, slots: int, tokens: int, ahead: int, context: int,
                                 f"{bound}")
             .replace(STREAM_LINE, f"stream weights ahead {ring_ahead} {{"))
     assert f"context {context}" in text and f"up to {bound} x" in text and "\n  verify " not in text
+    assert f"kv tiles {slots} slots of {tokens} tokens ahead {ahead}" in text
     return resolve(parse(text, str(tmp_path / "variant.sched")), "qwen3_8_mini")
 
 
