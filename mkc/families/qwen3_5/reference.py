@@ -48,6 +48,7 @@ Without it (the default) the math is the plain f32 oracle above.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -405,6 +406,56 @@ def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind:
                         rounding, rounding.reduce(kind, op))
 
 
+@jax.jit
+def _conv_silu(window: jax.Array, taps: jax.Array) -> jax.Array:
+    """The depthwise causal conv and SiLU of one step as the kernel sums it: window [B, C, K]
+    oldest first, taps [C, 1, K]; tap by tap, ``acc + window_j * tap_j`` (one FMA each), where
+    a sum over the tap axis adds in another order."""
+    acc = window[:, :, 0] * taps[None, :, 0, 0]
+    for j in range(1, window.shape[-1]):
+        acc = acc + window[:, :, j] * taps[None, :, 0, j]
+    return jax.nn.silu(acc)
+
+
+@jax.jit
+def _decay_gate(a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """g = -exp(A_log) * softplus(a + dt_bias), softplus written as the kernel writes it."""
+    x = a + dt_bias
+    return -jnp.exp(a_log) * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
+
+
+@jax.jit
+def _delta_rule_head(state, q, k, v, g, beta):
+    """One row's and head's gated delta rule in the kernel's formulation and shapes: state
+    [Dk, Dv]; q, k [1, Dk] before their l2 norm; v [1, Dv]; g, beta [1, 1]."""
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    k = l2_normalize(k)
+    state = state * jnp.exp(g)
+    predicted = jnp.dot(k, state, preferred_element_type=jnp.float32)
+    state = state + jnp.transpose(k) * ((v - predicted) * beta)
+    return jnp.dot(q, state, preferred_element_type=jnp.float32), state
+
+
+def _delta_rule_rows(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                     beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule row by row and value head by value head, as the kernel runs it (a
+    batched product sums in another f32 order once there are more than 2 rows). state
+    [B, Hv, Dk, Dv]; q, k [B, Hk, Dk] (value head h reads key head h // (Hv / Hk)); v
+    [B, Hv, Dv]; g, beta [B, Hv] -> (o [B, Hv, Dv], new state)."""
+    b, hv = v.shape[:2]
+    group = hv // q.shape[1]
+    outs, states = [], []
+    for row in range(b):
+        for h in range(hv):
+            o, s = _delta_rule_head(state[row, h], q[row, h // group][None],
+                                    k[row, h // group][None], v[row, h][None],
+                                    g[row, h].reshape(1, 1), beta[row, h].reshape(1, 1))
+            outs.append(o[0])
+            states.append(s)
+    return (jnp.stack(outs).reshape(b, hv, -1),
+            jnp.stack(states).reshape(b, hv, *state.shape[2:]))
+
+
 def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
                            conv_state: jax.Array, recurrent_state: jax.Array,
                            rounding: Rounding | None = None
@@ -424,21 +475,30 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
         mixed = round_to(mixed, "bf16")
     mixed = mixed.astype(conv_state.dtype)
     window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, C, K], oldest first
-    conv = jnp.sum(window.astype(jnp.float32) * p["conv1d.weight"][:, 0, :], axis=-1)
-    conv = jax.nn.silu(conv)
+    if rounding is not None:
+        conv = _conv_silu(window.astype(jnp.float32), jnp.asarray(p["conv1d.weight"], jnp.float32))
+    else:
+        conv = jnp.sum(window.astype(jnp.float32) * p["conv1d.weight"][:, 0, :], axis=-1)
+        conv = jax.nn.silu(conv)
 
     q, k, v = jnp.split(conv, [cfg.linear_key_dim, 2 * cfg.linear_key_dim], axis=-1)
-    q = l2_normalize(q.reshape(b, hk, dk)) * dk ** -0.5
-    k = l2_normalize(k.reshape(b, hk, dk))
-    v = v.reshape(b, hv, dv)
-    # Consecutive grouping, as torch.repeat_interleave: value head h reads key head h // group.
-    group = hv // hk
-    q, k = jnp.repeat(q, group, axis=1), jnp.repeat(k, group, axis=1)
-
-    beta = jax.nn.sigmoid(_linear(x, p["in_proj_b.weight"], rounding))
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(_linear(x, p["in_proj_a.weight"], rounding)
-                                               + p["dt_bias"])
-    o, recurrent_state = gated_delta_step(recurrent_state, q, k, v, g, beta)
+    if rounding is not None:
+        a = _linear(x, p["in_proj_a.weight"], rounding)
+        beta = jax.nn.sigmoid(_linear(x, p["in_proj_b.weight"], rounding))
+        g = _decay_gate(a, jnp.asarray(p["A_log"], jnp.float32)[None],
+                        jnp.asarray(p["dt_bias"], jnp.float32)[None])
+        o, recurrent_state = _delta_rule_rows(recurrent_state, q.reshape(b, hk, dk),
+                                              k.reshape(b, hk, dk), v.reshape(b, hv, dv), g, beta)
+    else:
+        q = l2_normalize(q.reshape(b, hk, dk)) * dk ** -0.5
+        k = l2_normalize(k.reshape(b, hk, dk))
+        v = v.reshape(b, hv, dv)
+        # Consecutive grouping, as torch.repeat_interleave: value head h reads key head h // group.
+        group = hv // hk
+        q, k = jnp.repeat(q, group, axis=1), jnp.repeat(k, group, axis=1)
+        beta = jax.nn.sigmoid(linear(x, p["in_proj_b.weight"]))
+        g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_proj_a.weight"]) + p["dt_bias"])
+        o, recurrent_state = gated_delta_step(recurrent_state, q, k, v, g, beta)
 
     z = _linear(x, p["in_proj_z.weight"], rounding).reshape(b, hv, dv)
     o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps)
@@ -470,11 +530,16 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     k = _linear(x, p["k_proj.weight"], rounding).reshape(b, hkv, d)
     v = _linear(x, p["v_proj.weight"], rounding).reshape(b, hkv, d)
 
-    q = rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps)
-    k = rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps)
-    cos, sin = rope_cos_sin(cfg, positions, f32_frequencies=rounding is not None)
-    q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
-    k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
+    if rounding is not None:
+        cos, sin = _rope_table(positions, cfg.rope_theta, cfg.rotary_dim, d)
+        q, k = (_head_norm_rope(t, p[f"{n}_norm.weight"], cos, sin, cfg.rotary_dim, cfg.rms_norm_eps)
+                for t, n in ((q, "q"), (k, "k")))
+    else:
+        cos, sin = rope_cos_sin(cfg, positions)
+        q = rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps)
+        q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
+        k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
 
     rows = jnp.arange(b)
     if rounding is not None:   # the kernel's KV storage dtype, then the reference's container
@@ -482,18 +547,106 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     key_cache = key_cache.at[rows, :, positions].set(k.astype(key_cache.dtype))
     value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
 
-    # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
-    qg = q.reshape(b, hkv, hq // hkv, d)
-    scores = jnp.einsum("bgrd,bgtd->bgrt", qg, key_cache.astype(jnp.float32), precision=_HIGHEST)
-    scores = scores * d ** -0.5
-    visible = jnp.arange(key_cache.shape[2])[None, :] <= positions[:, None]  # [B, T]
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32), precision=_HIGHEST)
+    if rounding is not None:
+        attn = _tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile("gqa"))
+    else:
+        # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
+        qg = q.reshape(b, hkv, hq // hkv, d)
+        scores = jnp.einsum("bgrd,bgtd->bgrt", qg, key_cache.astype(jnp.float32),
+                            precision=_HIGHEST) * d ** -0.5
+        visible = jnp.arange(key_cache.shape[2])[None, :] <= positions[:, None]  # [B, T]
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32),
+                          precision=_HIGHEST)
     attn = attn.reshape(b, hq * d) * jax.nn.sigmoid(gate.reshape(b, hq * d))
     per_rank = None if rounding is None else rounding.size("nq") * d
     out = _out_projection(attn, p["o_proj.weight"], rounding, "gqa", "o_proj", per_rank, "heads")
     return out, key_cache, value_cache
+
+
+@jax.jit
+def _norm_rope(x, w, cos, sin, rotation, eps):
+    """One head's zero-centred RMS norm and rotary embedding in the kernel's formulation and
+    shapes: x [B, D]; cos, sin [B, D] (1 and 0 past the rotary dims); the rotation as a product
+    with the rotate-half matrix, ``y * cos + (y @ R) * sin``, which XLA fuses into FMAs."""
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+    return y * cos + jnp.dot(y, rotation, preferred_element_type=jnp.float32) * sin
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _rope_table(positions: jax.Array, theta: float, rot: int, d: int):
+    """cos, sin [B, d] (1 and 0 past the ``rot`` rotary dims) in f32 as the kernel's host wrapper
+    computes them, jitted as it is: XLA's fused cos and sin differ from the eager ones in the
+    last bit for some angles."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    ones = jnp.ones((positions.shape[0], d - rot), jnp.float32)
+    return (jnp.concatenate([jnp.cos(ang), ones], axis=-1),
+            jnp.concatenate([jnp.sin(ang), 0 * ones], axis=-1))
+
+
+def _head_norm_rope(t: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, rot: int,
+                    eps: float) -> jax.Array:
+    """``_norm_rope`` head by head, as the kernel applies it (a norm over one head's [B, D]
+    reduces in another f32 order than over [B, heads, D]). t [B, heads, D]; cos, sin [B, D]
+    from ``_rope_table``."""
+    d, half = t.shape[-1], rot // 2
+    i, j = np.arange(d)[:, None], np.arange(d)[None, :]   # y @ R == rotate_half(y[:rot]), 0...
+    rotation = np.where((j >= half) & (j < rot) & (i == j - half), 1.0,
+                        np.where((j < half) & (i == j + half), -1.0, 0.0)).astype(np.float32)
+    w = jnp.asarray(w, jnp.float32)[None, :]
+    return jnp.stack([_norm_rope(t[:, h], w, cos, sin, rotation, eps) for h in range(t.shape[1])],
+                     axis=1)
+
+
+@jax.jit
+def _attention_tile(q, k, v, visible, m, denom, acc):
+    """One KV tile's online-softmax update for one query row and head, in the kernel's
+    formulation and shapes (q [1, D] f32; k, v [T, D] bf16; visible [1, T]; m, denom [1, 1];
+    acc [1, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
+    + p @ v`` is one FMA there)."""
+    d = q.shape[-1]
+    s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * d ** -0.5
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
+    acc_new = alpha * acc + jnp.dot(p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+    return m_new, denom_new, acc_new
+
+
+def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                     positions: jax.Array, tile: int) -> jax.Array:
+    """Gated GQA's softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and query head an
+    online softmax over the cache in tiles of ``tile`` tokens, every row over the tiles up to
+    the largest position of the batch (a tile past a row's position changes nothing). A
+    softmax over the whole cache at once sums in another f32 order, and a bf16 rounding
+    downstream can flip (measured before: Qwen MINI batch 2, one weight draw, 1.5e-3 in the
+    logits at step 0). q [B, Hq, D] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = key_cache.shape[1]
+    n_tiles = int(jnp.max(positions)) // tile + 1
+    keys = key_cache.astype(jnp.bfloat16)
+    values = value_cache.astype(jnp.bfloat16)
+    rows = []
+    for row in range(b):
+        heads = []
+        for h in range(hq):
+            kvh = (h * hkv) // hq
+            carry = (jnp.full((1, 1), -1e30, jnp.float32), jnp.zeros((1, 1), jnp.float32),
+                     jnp.zeros((1, d), jnp.float32))
+            for t in range(n_tiles):
+                tokens = t * tile + jnp.arange(tile)[None, :]
+                carry = _attention_tile(q[row, h][None], keys[row, kvh, t * tile:(t + 1) * tile],
+                                        values[row, kvh, t * tile:(t + 1) * tile],
+                                        tokens <= positions[row], *carry)
+            heads.append(carry[2] / carry[1])
+        rows.append(jnp.concatenate(heads, axis=0))
+    return jnp.stack(rows)
 
 
 def mlp_block(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None = None,
