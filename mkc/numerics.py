@@ -76,22 +76,31 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   1.0e-3, K3 5.2e-3). So the emulation multiplies activations by weights with the kernel's
 #   op, bf16 operands accumulated in f32 (``Rounding.linear``), whatever the host; measured
 #   on that host: Qwen, Qwen3.5 MoE and K3 at batch 2 bit-equal at step 0 again.
-#   Past 2 rows the Qwen kernels leave the emulation's order on both kinds of host (batch 4,
-#   step 0: logits bit-equal, recurrent 5.8e-8, key cache 1.0e-6, within the bound; step 1:
-#   logits 1.9e-3, within the measured sensitivity); not found yet. At one row they leave it
-#   too on the AVX512-BF16 host: XLA picks its bf16 dot routine by shape, and the kernel's
-#   [1, K] x [K, N] dot (weight rows contiguous) sums otherwise than the emulation's two-row
-#   dot (K3 MINI, seed 3, batch 1, step 0: logits 5.1e-3, states up to 4.0e-3), so the exact
-#   tests run at 2 rows or more. Not emulated yet: the one-row dot of that routine matches a
-#   dot with the weight transposed behind an optimisation barrier, the two-row one does not.
+#   Qwen MINI, how its orders came to agree. The emulation held for the shipped weights at
+#   batch 2 but not for every weight draw or batch: with ml_dtypes 0.7's weights (below) the
+#   kernel was 1.5e-3 from it in the logits at step 0, and at batch 4 the key cache 1.0e-6.
+#   Capturing the kernel's values (as for K3, below) found the first difference in one
+#   layer's rotary embedding: a few cos/sin entries of the host's jitted rope table differ in
+#   the last bit from eager ones. The flip it caused surfaced three layers later. Then came
+#   four sums in other orders: a softmax over the whole cache against the kernel's online
+#   softmax over KV tiles (rows past 2 tiles), q/k norms over all heads at once against per
+#   head, the conv as a sum over taps against a chain of FMAs, and a batched delta rule
+#   against per row and head. ``mkc.families.qwen3_5.reference`` now writes these as the
+#   kernel does, jitted, in its shapes. Measured at step 0: batch 2 bit-equal for weight
+#   seeds 0 to 3, for ml_dtypes 0.7's weights, and with two-level or direct all-reduces;
+#   batch 4 bit-equal (was key cache 1.0e-6). Past step 0 the recurrent state is 4e-8 to 5e-8
+#   from the kernel at batch 2 (the delta rule on a nonzero state; not found yet), and at
+#   batch 4 step 1 the logits move 1.7e-3, within the measured sensitivity.
+#   One row. On the AVX512-BF16 host XLA picks its bf16 dot routine by shape, and the
+#   kernel's [1, K] x [K, N] dot (weight rows contiguous) sums otherwise than the
+#   emulation's two-row dot (K3 MINI, seed 3, batch 1, step 0: logits 5.1e-3, states up to
+#   4.0e-3), so the exact tests run at 2 rows or more. Not emulated yet: the one-row dot of
+#   that routine matches a dot with the weight transposed behind an optimisation barrier,
+#   the two-row one does not.
 #   Weights. The MINI weights are drawn in f64 and rounded to bf16 through f32
 #   (``mkc.reference.rounding.bf16_weights``): ml_dtypes 0.7 rounds f64 to bf16 directly,
-#   0.5 through f32, which moved about 5 in 10**6 weights by an ulp; with those weights the
-#   Qwen kernel at batch 2 left the emulation by 1.5e-3 at step 0 (logits; states up to
-#   1.2e-3). So the exact check holds for the shipped seeds' weights, not for every weight
-#   draw: most likely some f32 sum of the emulation
-#   still takes another order than the kernel's, and a draw that puts a value near a bf16 tie
-#   there flips it (the plain check passes either way). Not found yet.
+#   0.5 through f32, which moves about 5 in 10**6 weights by an ulp. Same seed, same weights,
+#   on every version the dependency range admits.
 #   K3 MINI (16 ranks), how its orders came to agree. Where the kernel sums in another f32
 #   order than the emulation, a bf16 rounding downstream can flip by one ulp, and a flip
 #   spreads: it moves every output of the next matmul by about 2**-8 / sqrt(width) of their

@@ -175,7 +175,7 @@ def _rounding(cfg: ref.Qwen35MoeConfig, expert_tp: int, matmul_input: str, wire:
     """An 8-rank schedule's rounding facts, written by hand (no graph exists for this family):
     heads, the shared expert and the vocabulary split over all ranks; the experts in
     ``8 // expert_tp`` groups, each expert's width split ``expert_tp`` ways inside its group;
-    one direct all-reduce stage over the 8 ranks."""
+    one direct all-reduce stage over the 8 ranks; the KV cache read in 16-token tiles."""
     ranks = 8
     direct = Reduce(((ranks, 1),), wire)
     reduces = tuple((kind, op, direct) for kind, ops in (
@@ -187,7 +187,8 @@ def _rounding(cfg: ref.Qwen35MoeConfig, expert_tp: int, matmul_input: str, wire:
              "local_experts": cfg.num_experts // (ranks // expert_tp)}
     return Rounding(ranks=ranks, reduces=reduces, storage=(("gdn", "conv", "bf16"),
                     ("gdn", "recurrent", "f32"), ("gqa", "kv", "bf16")),
-                    shard=tuple(sorted(shard.items())), matmul_input=matmul_input)
+                    shard=tuple(sorted(shard.items())), matmul_input=matmul_input,
+                    kv_tiles=(("gqa", 16),))
 
 
 @pytest.mark.parametrize("expert_tp", [1, 2])
