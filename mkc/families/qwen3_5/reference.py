@@ -42,7 +42,10 @@ Kernel rounding emulation: every function that computes takes an optional ``roun
 matmul activations to bf16; ``out_proj``/``o_proj``/``down`` as per-rank partial sums (heads
 and MLP columns split evenly over the ranks, ``per_rank`` sizes of the schedule) all-reduced
 stage by stage on the spec's wire dtype; the embedding's exact all-reduce likewise; RoPE
-frequencies computed in f32 as the kernel's host wrapper does; states in their storage dtype.
+tables computed in f32 as the kernel's host wrapper does; states in their storage dtype. It
+also sums in the kernel's f32 order (``mkc.numerics``): attention as an online softmax over the
+schedule's KV tiles, norms, rotary embedding and the delta rule head by head and row by row,
+the conv tap by tap, each jitted in the kernel's formulation and shapes.
 Layer kinds are the schedule's names: linear attention is ``gdn``, full attention ``gqa``.
 Without it (the default) the math is the plain f32 oracle above.
 """
@@ -344,18 +347,14 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
 
 
-def rope_cos_sin(cfg: Qwen35Config, positions: jax.Array,
-                 f32_frequencies: bool = False) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(cfg: Qwen35Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form).
 
-    Frequencies are computed in f64 and rounded once; ``f32_frequencies`` computes them in f32
-    instead, as the kernels' host wrappers do (they may differ in the last bit)."""
+    Frequencies are computed in f64 and rounded once (the emulation uses the kernels' f32
+    table instead, ``_rope_table``)."""
     rot = cfg.rotary_dim
-    if f32_frequencies:
-        inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
-    else:
-        inv_freq = jnp.asarray(cfg.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot),
-                               jnp.float32)
+    inv_freq = jnp.asarray(cfg.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot),
+                           jnp.float32)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
