@@ -5,14 +5,15 @@ process with a timeout and a memory cap, every outcome classified.
         [--timeout 10] [--mem-gib 4] [--compile-fraction 0.2] [--json OUT]
     .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--emit DIR]   # one case
 
-Mutants start from `schedules/qwen3_8_27b.sched` (checked with `qwen3_8_mini`, and some with
-its own full config) and `schedules/kimi_k3.sched` moved to 2 hosts (`2x2x2`, `tp = 16`, checked
-with `kimi_k3_mini`). Mutation kinds: token deletes, replacements and duplications; numbers
-replaced by extreme values; non-UTF-8 bytes and odd unicode; topologies, tile bounds and
-contexts at the edges; duplicated, swapped, deleted and repeated lines and blocks; truncation;
-odd model paths (devices, directories, a FIFO, a symlink loop); config.json files with extreme
-or mistyped values for each key and malformed documents; schedule and model names that make
-bad module names.
+Mutants start from every shipped spec (`bases()`): checked with a MINI config where one divides
+the spec's mesh (the K3 specs moved to 2 hosts, `2x2x2`, `tp = 16`, as the tests run them), and
+the 27B Qwen and 397B MoE specs with their own full configs. Mutation kinds: token deletes,
+replacements and duplications; numbers replaced by extreme values; non-UTF-8 bytes and odd
+unicode; topologies, tile bounds and contexts at the edges (and generations, 2-D and 3-D);
+duplicated, swapped, deleted and repeated lines and blocks; truncation; odd model paths
+(devices, directories, a FIFO, a symlink loop); config.json files with extreme or mistyped
+values for each key and malformed documents; schedule and model names that make bad module
+names.
 
 Each case runs `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
 model-path and name case) also `compile_spec`, writing the module into a package directory and
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import random
 import re
@@ -53,8 +55,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QWEN_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
-K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 CONFIG_DIR = ROOT / "mkc" / "model" / "configs"
 FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic")
 CLASSES = ("ok", "diagnostic") + FAILURE_CLASSES
@@ -71,15 +71,31 @@ class Base:
 
 
 def bases() -> dict[str, Base]:
-    qwen = QWEN_SPEC.read_text()
-    # The K3 spec on 2 hosts (16 cores), checked with the MINI config: small traces, every construct.
-    k3 = K3_SPEC.read_text().replace("topology 2x2x4", "topology 2x2x2").replace("tp = 32", "tp = 16")
-    return {"qwen_mini": Base("qwen_mini", qwen, "qwen3_8_mini", "qwen3_8_mini"),
-            "qwen_full": Base("qwen_full", qwen, None, "qwen3_8_27b"),
-            "k3_mini": Base("k3_mini", k3, "kimi_k3_mini", "kimi_k3_mini")}
+    """Every shipped spec, checked with a MINI config where one divides its mesh (small traces,
+    every construct) and with its own full config where that checks in about a second."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import k3_mini_text     # the K3 specs on 2 hosts, as the tests run them
+    spec = {p.stem: p.read_text() for p in sorted((ROOT / "schedules").glob("*.sched"))}
+    return {"qwen_mini": Base("qwen_mini", spec["qwen3_8_27b"], "qwen3_8_mini", "qwen3_8_mini"),
+            "qwen_full": Base("qwen_full", spec["qwen3_8_27b"], None, "qwen3_8_27b"),
+            "k3_mini": Base("k3_mini", k3_mini_text(spec["kimi_k3"]), "kimi_k3_mini",
+                            "kimi_k3_mini"),
+            # replicated sharding: heads over 8 of 16 ranks
+            "k3_64_mini": Base("k3_64_mini", k3_mini_text(spec["kimi_k3_64"]), "kimi_k3_mini",
+                               "kimi_k3_mini"),
+            "qwen16_mini": Base("qwen16_mini", spec["qwen3_8_27b_16"], "qwen3_8_mini",
+                                "qwen3_8_mini"),
+            # another generation: v6e, a 2-D torus of one-core chips
+            "qwen_v6e_mini": Base("qwen_v6e_mini", spec["qwen3_8_27b_v6e"], "qwen3_8_mini",
+                                  "qwen3_8_mini"),
+            "moe_mini": Base("moe_mini", spec["qwen3_5_35b_a3b"], "qwen3_5_moe_mini",
+                             "qwen3_5_moe_mini"),
+            "moe_397b_full": Base("moe_397b_full", spec["qwen3_5_397b_a17b"], None,
+                                  "qwen3_5_397b_a17b")}
 
 
-BASE_WEIGHTS = {"qwen_mini": 45, "qwen_full": 15, "k3_mini": 40}
+BASE_WEIGHTS = {"qwen_mini": 25, "qwen_full": 8, "k3_mini": 20, "k3_64_mini": 10,
+                "qwen16_mini": 10, "qwen_v6e_mini": 8, "moe_mini": 14, "moe_397b_full": 5}
 
 # ---- a case --------------------------------------------------------------------------------
 
@@ -116,7 +132,7 @@ class Case:
 
 # ---- mutation generators -------------------------------------------------------------------
 
-TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|\d+x\d+x\d+|\d+|->|\"[^\"]*\"|[{}:;,=()/]")
+TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|\d+x\d+(?:x\d+)?|\d+|->|\"[^\"]*\"|[{}:;,=()/]")
 REPLACEMENTS = ["0", "1", "3", "7", "999999999", "x", "gdn", "gqa", "start", "end", "next",
                 "wait", "load", "store", "{", "}", ";", ",", "->", '"qwen3_8_mini"', "bf16",
                 "f32", "tp", "state.conv", "before", "after", "two_level", "host", "chip",
@@ -125,7 +141,10 @@ REPLACEMENTS = ["0", "1", "3", "7", "999999999", "x", "gdn", "gqa", "start", "en
                 "staging.attention", "/", "(", ")", "route", "routed_experts", "over", "scoped",
                 "kv", "tiles", "ring", "stream", "then", "lm_head", "parity", "vectors", "mesh",
                 "shard", "phase", "schedule", "model", "target", "batch", "context", "vmem",
-                "limit", "reserve", "MiB", "GiB", "KiB", "2x2x1", "direct", "wire", "with"]
+                "limit", "reserve", "MiB", "GiB", "KiB", "2x2x1", "direct", "wire", "with",
+                "verify", "sequences", "to", "8", "16", "32", "heads", "mlp", "vocab",
+                "expert_mlp", "latent_up", "tpu7x", "v6e", "v5e", "v5p", "v4", "2x4", "2x2x8",
+                "moe", "shared_gate_up", "router", "gate_up", "down", "attention"]
 HUGE_DIGITS = "1" + "0" * 4300                     # 4301 digits: past int()'s default limit
 EXTREME_INTS = ["0", "1", "2", "127", "128", "129", "255", "2147483647", "2147483648",
                 "4294967296", "9223372036854775807", "9223372036854775808",
@@ -133,7 +152,11 @@ EXTREME_INTS = ["0", "1", "2", "127", "128", "129", "255", "2147483647", "214748
                 "9" * 5000, "00", "0008"]
 TOPOLOGIES = ["99999999x2x1", "0x0x0", "0x2x2", "2x2x0", "1x1x1", "1x1x2", "2x1x1", "4x4x4",
               "2x2x8", "16x16x16", "2147483648x1x1", "9223372036854775808x1x1", "1x1x99999999",
-              "2x2x1", "2x2x2", "2x2x4", "1" * 30 + "x1x1"]
+              "2x2x1", "2x2x2", "2x2x4", "1" * 30 + "x1x1", "2x4", "4x4", "1x1", "2x2", "8x16",
+              "0x4", "2x4x1x1", "2", "4x8", "16x16", "99999999x99999999"]
+# generations JAX knows, ones it refuses (v2, v3, v4i) and ones that do not exist
+GENERATIONS = ["tpu7x", "v6e", "v5e", "v5p", "v4", "v4i", "v3", "v2", "v7", "tpu8", "TPU7X",
+               "v5litepod", "v6 lite"]
 TILE_BOUNDS = ["2147483648 x 1280", "1024 x 2147483648", "0 x 0", "1 x 1", "128 x 128",
                "127 x 1280", "1024 x 127", "9223372036854775808 x 9223372036854775808",
                "99999999 x 99999999", "256 x 256", "4096 x 4096", "65536 x 65536", "129 x 129"]
@@ -214,13 +237,16 @@ def mut_number_extreme(rng, b: Base, case: Case):
 
 
 def mut_topology(rng, b: Base, case: Case):
-    m = re.search(r"topology (\d+x\d+x\d+)", b.spec)
+    m = re.search(r"target\s+(\S+)\s+topology\s+(\S+)", b.spec)
     topo = rng.choice(TOPOLOGIES)
-    text = _sub(b.spec, m.span(1), topo)
-    case.desc = f"topology {m.group(1)} -> {_show(topo, 40)}"
+    text = _sub(b.spec, m.span(2), topo)
+    case.desc = f"topology {m.group(2)} -> {_show(topo, 40)}"
+    if rng.random() < 0.3:                      # and another generation
+        gen = rng.choice(GENERATIONS)
+        text = _sub(text, m.span(1), gen)
+        case.desc = f"target {m.group(1)} -> {gen}, " + case.desc
     if rng.random() < 0.5:                      # and a mesh over every core of it
-        dims = [int(v) for v in topo.split("x")]
-        cores = 2 * dims[0] * dims[1] * dims[2]
+        cores = rng.choice([1, 2]) * math.prod(int(v) for v in topo.split("x") if v.isdigit())
         text = re.sub(r"tp = \d+", f"tp = {cores}", text)
         case.desc += f", mesh tp = {_show(str(cores), 40)}"
     return text
@@ -938,11 +964,12 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
 def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str | None = None) -> dict:
     by_class = {c: 0 for c in CLASSES}
     by_kind: dict[str, dict[str, int]] = {}
+    by_base: dict[str, dict[str, int]] = {}
     sigs: dict[str, dict] = {}
     for r in results:
         by_class[r["cls"]] += 1
-        row = by_kind.setdefault(r["kind"], {c: 0 for c in CLASSES})
-        row[r["cls"]] += 1
+        for table, key in ((by_kind, r["kind"]), (by_base, r["base"])):
+            table.setdefault(key, {c: 0 for c in CLASSES})[r["cls"]] += 1
         if r["cls"] in FAILURE_CLASSES:
             key = f"{r['cls']}: {r['sig']}"
             case = make_case(seed, r["index"], compile_fraction, r.get("forced_kind", kind))
@@ -955,7 +982,8 @@ def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str
                 s["best"] = (size, r["index"], r.get("detail", ""), reproducer(case))
     slow = sorted((r for r in results if r.get("seconds") and r["cls"] != "hang"),
                   key=lambda r: -r["seconds"])[:5]
-    return {"by_class": by_class, "by_kind": by_kind, "signatures": sigs, "slowest": slow}
+    return {"by_class": by_class, "by_kind": by_kind, "by_base": by_base, "signatures": sigs,
+            "slowest": slow}
 
 
 def print_report(summary: dict, results: list[dict], args, wall: float) -> None:
@@ -970,6 +998,11 @@ def print_report(summary: dict, results: list[dict], args, wall: float) -> None:
         row = summary["by_kind"].get(kind)
         if row:
             print(f"{kind:<17}" + "".join(f"{row[c]:>15}" for c in cols))
+    print(f"\n{'base':<17}" + "".join(f"{c:>15}" for c in cols))
+    for base in BASE_WEIGHTS:
+        row = summary["by_base"].get(base)
+        if row:
+            print(f"{base:<17}" + "".join(f"{row[c]:>15}" for c in cols))
     sigs = summary["signatures"]
     print(f"\n{len(sigs)} distinct failure signatures")
     for key, s in sorted(sigs.items(), key=lambda kv: -kv[1]["count"]):
@@ -1032,7 +1065,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k, s in summary["signatures"].items()}
         Path(args.json).write_text(json.dumps({
             "cases": len(results), "seed": args.seed, "wall_seconds": round(wall, 2),
-            "by_class": summary["by_class"], "by_kind": summary["by_kind"], "signatures": sigs,
+            "by_class": summary["by_class"], "by_kind": summary["by_kind"],
+            "by_base": summary["by_base"], "signatures": sigs,
             "failures": [r for r in results if r["cls"] in FAILURE_CLASSES]}, indent=2))
     return 1 if any(summary["by_class"][c] for c in FAILURE_CLASSES) else 0
 

@@ -94,12 +94,11 @@ def rounding_for(spec: Path, model: str):
     return numerics.rounding_from_ir(compiler.check_spec(spec, model).ir)
 
 
-def k3_mini_spec(spec: Path = ROOT / "schedules" / "kimi_k3.sched") -> Path:
-    """A shipped K3 spec moved to 2 hosts (tpu7x 2x2x2, 16 cores), for the MINI config (16
-    heads): the topology change re-derives per-rank shapes and collective groups; heads split
+def k3_mini_text(text: str) -> str:
+    """A shipped K3 spec's text moved to 2 hosts (tpu7x 2x2x2, 16 cores), for the MINI config
+    (16 heads): the topology change re-derives per-rank shapes and collective groups; heads split
     over a numbered subgroup keep their share of the mesh (`kimi_k3_64.sched`'s heads over 32
     of 64 become heads over 8 of 16, within one host: o_proj then reduces chip by chip)."""
-    text = Path(spec).read_text()
     ranks = int(re.search(r"mesh\s+tp\s*=\s*(\d+)", text).group(1))
     text = re.sub(r"topology \S+", "topology 2x2x2", text, count=1)
     text = re.sub(r"(mesh\s+tp\s*=\s*)\d+", r"\g<1>16", text, count=1)
@@ -107,8 +106,13 @@ def k3_mini_spec(spec: Path = ROOT / "schedules" / "kimi_k3.sched") -> Path:
                              lambda m: f"{m.group(1)}{int(m.group(2)) * 16 // ranks}", text)
     if subgroup:    # the heads group now fits in one host: reduce it over chips and then hosts
         text = text.replace("allreduce o_proj two_level host", "allreduce o_proj two_level chip")
+    return text
+
+
+def k3_mini_spec(spec: Path = ROOT / "schedules" / "kimi_k3.sched") -> Path:
+    """`k3_mini_text` of a spec file, written to a temporary directory under its name."""
     path = Path(tempfile.mkdtemp(prefix="mkc-k3-")) / Path(spec).name
-    path.write_text(text)
+    path.write_text(k3_mini_text(Path(spec).read_text()))
     return path
 
 

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="write the modelled step as a Chrome/Perfetto trace-event JSON "
                                 "file (open it at ui.perfetto.dev or chrome://tracing)")
             p.add_argument("--plot", metavar="FILE",
-                           help="write a PNG of the modelled step for one rank: VMEM by class, "
+                           help="write a picture (.png, .svg or .pdf) of the modelled step for one "
+                                "rank: VMEM by class, "
                                 "a DMA Gantt chart, HBM bandwidth utilisation")
     return ap
 
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "perf":
             from mkc import perf
             c = compiler.check_spec(args.spec, args.model)
-            _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance)
+            _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
+                             args.trace, args.plot)
             result["perf"] = perf.run(c.ir, args.batch, args.context, args.verify, args.acceptance)
             if not as_json:
                 from mkc.perf.run import table
@@ -115,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(compiler.check_spec(args.spec, args.model).ir.to_json())
     except MkcError as e:
-        return _fail(result, e.diagnostics, as_json, _source(args.spec))
+        return _fail(result, e.diagnostics, as_json)
     except BrokenPipeError:            # e.g. `mkc ir SPEC | head`
         sys.stderr.close()
         return 0
     except OSError as e:               # e.g. an output directory that cannot be written
         d = Diagnostic("E-IO", f"{e.strerror}: {e.filename}", Span.unknown(str(e.filename)),
                        hint="check the path and its permissions")
-        return _fail(result, [d], as_json, None)
+        return _fail(result, [d], as_json, excerpts=False)
     if as_json:
         print(json.dumps(result, indent=1, sort_keys=True))
     return 0
@@ -168,6 +170,8 @@ def _tune(args, as_json: bool) -> dict:
     if args.budget < 1:
         raise MkcError(Diagnostic("E-TUNE", f"--budget {args.budget} allows no evaluation",
                                   Span.unknown(args.spec), hint="pass --budget 1 or more"))
+    if d := _not_a_file("-o", args.out):
+        raise MkcError(d)
     out = Path(args.out)
     if out.exists() and out.resolve() == Path(args.spec).resolve():
         raise MkcError(Diagnostic("E-TUNE", "-o names the input spec; mkc tune never changes "
@@ -205,8 +209,17 @@ def _tune(args, as_json: bool) -> dict:
                      "after": k.show(b)} for k, a, b in res.changed()]}}
 
 
+def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:
+    """An output path that names a directory, device or FIFO: refused before any work is done."""
+    if path is None or not Path(path).exists() or Path(path).is_file():
+        return None
+    return Diagnostic("E-IO", f"{flag} {path} exists and is not a regular file (mkc replaces only "
+                      "regular files)", Span.unknown(path), hint=f"give {flag} a file path")
+
+
 def _check_perf_args(s, batch: int | None, context: int | None, verify: int | None = None,
-                     acceptance: float | None = None) -> None:
+                     acceptance: float | None = None, trace: str | None = None,
+                     plot: str | None = None) -> None:
     """A batch the spec does not build, more cached tokens than its KV cache holds, or a verify
     step it does not declare, is a diagnostic at the spec's setting."""
     diags = []
@@ -228,6 +241,19 @@ def _check_perf_args(s, batch: int | None, context: int | None, verify: int | No
                                     f"{verify} tokens per launch", verify_span,
                                     hint="a launch accepts the anchor's token and at most every draft"))
         batch = None
+    elif acceptance is not None:
+        diags.append(Diagnostic("E-PERF", f"--acceptance {acceptance:g} needs --verify R: only a "
+                                "verify step accepts drafted tokens", verify_span,
+                                hint="pass --verify R as well, or drop --acceptance"))
+    diags += [d for flag, path in (("--trace", trace), ("--plot", plot))
+              if (d := _not_a_file(flag, path))]
+    if plot is not None:
+        from mkc.perf.plot import picture_format
+        try:
+            picture_format(plot)
+        except ValueError as e:
+            diags.append(Diagnostic("E-PERF", f"--plot {e}", Span.unknown(plot),
+                                    hint="name the picture with one of these suffixes"))
     if batch is not None and not s.batch_min <= batch <= s.batch_max:
         diags.append(Diagnostic("E-PERF", f"--batch {batch} is outside the batches this spec "
                                 f"builds ({s.batch_min} to {s.batch_max})",
@@ -256,11 +282,14 @@ def _perf_data(chip: str, span: Span) -> list[Diagnostic]:
                             "tpu7x.json: each constant with its source), or model a tpu7x spec")]
 
 
-def _fail(result: dict, diagnostics: list[Diagnostic], as_json: bool, source: str | None) -> int:
+def _fail(result: dict, diagnostics: list[Diagnostic], as_json: bool, excerpts: bool = True) -> int:
+    """Report the diagnostics; each excerpt comes from the file its span names (the spec, a
+    config.json), none from an output path or a file that is not text."""
     from mkc.report import diagnostic_json
     if as_json:
         result |= {"verdict": "error", "diagnostics": [diagnostic_json(d) for d in diagnostics]}
         print(json.dumps(result, indent=1, sort_keys=True))
     else:
-        print(MkcError(diagnostics).render(source), file=sys.stderr)
+        sources = {f: _source(f) if excerpts else None for f in {d.span.file for d in diagnostics}}
+        print("\n\n".join(d.render(sources[d.span.file]) for d in diagnostics), file=sys.stderr)
     return 1

@@ -1,6 +1,7 @@
 """The pipeline in one place: parse -> resolve -> checks -> codegen, and atomic output."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
@@ -56,8 +57,14 @@ def module_name(c: Compiled) -> str:
     return f"{c.ir.name}__{model}"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write via a temp file and rename, so a failed run never leaves a partial file."""
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Write via a temp file and rename, so a failed run never leaves a partial file. Only a
+    regular file is ever replaced: renaming over a device, FIFO or directory would replace it
+    (as root, even /dev/null), so such a path is an OSError the CLI reports."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EEXIST, "exists and is not a regular file (mkc replaces only regular "
+                      "files)", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -66,8 +73,8 @@ def write_atomically(path: Path, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -12,6 +12,7 @@ HBM peak. Times are modelled; the title says so.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from mkc import ir
@@ -116,11 +117,24 @@ def _gantt_rows(s: ir.ScheduleIR, res: Result) -> tuple[list, dict[str, str]]:
     return rows, kind_colour
 
 
+# Picture formats by file suffix, each with the metadata keys that would make bytes differ.
+PICTURE_FORMATS = {"png": {"Software": None}, "svg": {"Date": None, "Creator": None},
+                   "pdf": {"CreationDate": None, "Creator": None, "Producer": None}}
+
+
+def picture_format(path: str | Path) -> str:
+    """The format a picture path asks for by its suffix; ValueError if mkc does not draw it."""
+    fmt = Path(path).suffix.lower().lstrip(".")
+    if fmt not in PICTURE_FORMATS:
+        raise ValueError(f"{path}: mkc draws {', '.join('.' + f for f in PICTURE_FORMATS)} files")
+    return fmt
+
+
 def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: int,
          peak_bytes_per_s: float, floor_s: float | None = None) -> None:
-    """Write the PNG: the whole step on the left, a steady-state stretch of a few layers
-    (every recurring layer kind) on the right, on the same three panels. An expectation over
-    routing is drawn as the simulated step it holds for pictures (`Result.concrete()`)."""
+    """Write the picture (PNG, SVG or PDF by suffix): the whole step on the left, a steady-state
+    stretch of a few layers (every recurring layer kind) on the right, on the same three panels.
+    An expectation over routing is drawn as the simulated step it holds for pictures (`Result.concrete()`)."""
     expected = res
     res = res.concrete()
     import matplotlib
@@ -237,7 +251,12 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
                  f"rank 0 -- modelled step {step_ms:.3f} ms, {batch / res.step_s:.0f} tok/s "
                  f"(modelled, not measured){experts}", fontsize=13)
     fig.subplots_adjust(left=0.13, right=0.86, top=0.90 if experts else 0.93, bottom=0.06)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={"Software": None})
+    # Rendered in memory and written atomically: a failed run leaves no partial picture, and
+    # the metadata that would carry a date or version is dropped (same step, same bytes).
+    fmt = picture_format(path)
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.hashsalt": "mkc"}):
+        fig.savefig(buf, format=fmt, dpi=100, metadata=PICTURE_FORMATS[fmt])
     plt.close(fig)
+    from mkc.compiler import write_atomically
+    write_atomically(Path(path), buf.getvalue())

@@ -1,5 +1,6 @@
 """`mkc perf`: text and JSON, every time labelled modelled, bad input as diagnostics."""
 import json
+from pathlib import Path
 
 from mkc.cli import main
 from tests_support import ROOT, SPEC
@@ -77,3 +78,28 @@ def test_perf_verify_the_spec_does_not_build_is_a_diagnostic(capsys):
     assert "E-PERF" in err and "--verify 9 is not a verify step this spec builds (up to 8 rows)" in err
     assert main(["perf", str(SPEC), "--verify", "8", "--batch", "3"]) == 1
     assert "--batch 3 sequences is outside the spec's verify sequences (1 to 2)" in capsys.readouterr().err
+
+
+def test_perf_acceptance_without_verify_is_a_diagnostic(capsys):
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--acceptance", "3"]) == 1
+    assert "--acceptance 3 needs --verify R" in capsys.readouterr().err
+
+
+def test_perf_outputs_that_are_not_regular_files_are_refused_before_the_model_runs(tmp_path, capsys):
+    """A trace or picture path naming a directory or device is an E-IO diagnostic up front;
+    the atomic write never renames over it (as root that would replace /dev/null)."""
+    for flag in ("--trace", "--plot"):
+        assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", flag, "/dev/null"]) == 1
+        out, err = capsys.readouterr()
+        assert f"error[E-IO]: {flag} /dev/null exists and is not a regular file" in err
+        assert "modelled step" not in out
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--plot", str(tmp_path)]) == 1
+    assert tmp_path.is_dir()
+    assert Path("/dev/null").is_char_device()
+
+
+def test_perf_plot_with_a_suffix_mkc_does_not_draw_is_a_diagnostic(tmp_path, capsys):
+    out = tmp_path / "step.foo"
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--plot", str(out)]) == 1
+    assert "mkc draws .png, .svg, .pdf files" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
