@@ -27,7 +27,7 @@ from mkc.families.qwen3_5 import lowering as lower
 from mkc.families.qwen3_5 import weights as hf_layout
 from mkc.families.qwen3_5.config import Qwen35Dims
 from mkc.model.sharding import ShardTable
-from mkc.runtime import collectives, ring, vectors
+from mkc.runtime import collectives, inputs, ring, vectors
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.kv import KvTiles
@@ -594,15 +594,23 @@ _STEPS: dict = {}
 def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, interpret=None):
     """One decode step; builds (and caches) the jitted step for this batch, mesh and mode.
 
-    mesh defaults to make_mesh(); interpret is None on TPU, or InterpretParams."""
+    mesh defaults to make_mesh(); interpret is None on TPU, or InterpretParams. Inputs that do
+    not fit this module are a ValueError (`_check_inputs`)."""
+    B = _check_inputs(weights, state, tokens, positions)
     if mesh is None:
         mesh = make_mesh()
-    key = (len(tokens), mesh, interpret)
+    key = (B, mesh, interpret)
     if key not in _STEPS:
-        _STEPS[key] = make_decode_step(mesh, len(tokens), interpret)
+        _STEPS[key] = make_decode_step(mesh, B, interpret)
     return _STEPS[key](weights, state, tokens, positions)
 
 
+def _check_inputs(weights, state, tokens, positions, rows=None) -> int:
+    """Shapes and dtypes of a step's inputs, and host-side token and position values, against
+    this schedule (mkc.runtime.inputs); the number of sequences."""
+    return inputs.check_step_inputs(weights, state, tokens, positions, weight_shapes=_hbm_shapes(),
+                                    state_shapes=state_shapes, ranks=RANKS, context=CONTEXT,
+                                    vocab=DIMS.vocab_size, rows=rows)
 
 
 _VERIFY_STEPS: dict = {}
@@ -612,9 +620,10 @@ def verify_step(weights, state, tokens, starts, *, mesh: Mesh | None = None, int
     """One verify step (`make_verify_step`) of tokens [S, R] at starts [S]; builds and caches the
     jitted step per shape, mesh and mode. The state's KV caches are donated: continue from
     `commit(state, verified, accepted)`."""
+    R = np.shape(tokens)[-1] if np.ndim(tokens) == 2 else VERIFY_ROWS
+    S = _check_inputs(weights, state, tokens, starts, rows=R)
     if mesh is None:
         mesh = make_mesh()
-    S, R = np.shape(tokens)
     key = (S, R, mesh, interpret)
     if key not in _VERIFY_STEPS:
         _VERIFY_STEPS[key] = make_verify_step(mesh, S, R, interpret)
