@@ -557,7 +557,11 @@ def commit(state, verified, accepted):
     """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
     from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
     KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step)."""
+    position and overwritten by the next step). Host-side counts outside 0..R are a ValueError."""
+    if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
+        name, axis = next(iter(ROW_STATES.items()))
+        S = np.shape(state[name])[axis + 2]
+        inputs.check_accepted(accepted, S, np.shape(verified[name])[axis + 2] // S)
     accepted = jnp.asarray(accepted, jnp.int32)
     rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
                           accepted)

@@ -46,6 +46,18 @@ def check_step_inputs(weights: Mapping, state: Mapping, tokens, positions, *,
     return S
 
 
+def check_accepted(accepted, sequences: int, rows: int) -> None:
+    """A verify step's accepted row counts: integers, one per sequence, each 0..rows when they
+    are host values (a count past the rows would gather a clamped, wrong state)."""
+    shape = _integers("accepted", accepted)
+    if shape != (sequences,):
+        raise ValueError(f"accepted has shape {shape}; {sequences} sequences need accepted"
+                         f"[{sequences}]")
+    if not isinstance(accepted, jax.Array):
+        _within("accepted", np.asarray(accepted), 0, rows + 1,
+                f"a sequence accepts 0 to {rows} rows of the verify step")
+
+
 def _integers(name: str, values) -> tuple[int, ...]:
     dtype = getattr(values, "dtype", None)
     if dtype is None:

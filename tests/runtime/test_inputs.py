@@ -93,3 +93,15 @@ def test_a_generated_modules_steps_check_before_they_trace():
         qwen.decode_step(weights, qwen.init_state(2), tokens, np.array([0, qwen.CONTEXT]))
     with pytest.raises(ValueError, match="starts\\[0\\] = -1 is outside"):
         qwen.verify_step(weights, qwen.init_state(1), np.zeros((1, 8), np.int32), [-1])
+
+
+def test_accepted_counts():
+    from mkc.runtime.inputs import check_accepted
+    check_accepted([0, 8], 2, 8)
+    check_accepted(jnp.array([9, 1]), 2, 8)        # on a device: not read back
+    for accepted, message in (([0, 9], "accepted[1] = 9 is outside 0 to 8"),
+                              ([1], "accepted has shape (1,); 2 sequences need accepted[2]"),
+                              ([0.0, 1.0], "accepted must be integers")):
+        with pytest.raises(ValueError) as e:
+            check_accepted(accepted, 2, 8)
+        assert message in str(e.value)
