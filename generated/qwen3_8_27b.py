@@ -506,6 +506,7 @@ def commit(state, verified, accepted):
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     per-layer vector blocks, the head vectors and the embedding shard."""
+    inputs.check_hf_weights(hf, DIMS)
     shapes = _hbm_shapes()
     packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
     kinds = {v: kname for kname, v in KIND_IDS.items()}

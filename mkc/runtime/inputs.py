@@ -8,6 +8,7 @@ already on a device are not read back, since that would stall the step behind th
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 
 import jax
@@ -56,6 +57,37 @@ def check_accepted(accepted, sequences: int, rows: int) -> None:
     if not isinstance(accepted, jax.Array):
         _within("accepted", np.asarray(accepted), 0, rows + 1,
                 f"a sequence accepts 0 to {rows} rows of the verify step")
+
+
+EMBEDDING = "model.embed_tokens.weight"
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_hf_weights(hf: Mapping, dims) -> None:
+    """HF-named weights for the model a module was compiled for: its embedding's shape and its
+    layer count (weights of another config would otherwise fail deep in the packing with a
+    broadcast error, or, with more layers, pack silently)."""
+    layers = {int(m.group(1)) for name in hf if (m := _LAYER.match(name))}
+    embedding = tuple(np.shape(hf[EMBEDDING])) if EMBEDDING in hf else None
+    want = (dims.vocab_size, dims.hidden_size)
+    if embedding != want or layers != set(range(dims.num_hidden_layers)):
+        found = "no embedding" if embedding is None else f"an embedding of {list(embedding)}"
+        raise ValueError(
+            f"the weights are not {dims.name}'s: they hold {found} and layers "
+            f"{_ranges(sorted(layers))}; this module was compiled for vocabulary x hidden "
+            f"{list(want)} and layers 0-{dims.num_hidden_layers - 1}. Compile the spec against "
+            "the checkpoint (`mkc compile SPEC --model DIR`), or load the one its config describes")
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    runs, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ", ".join(runs)
 
 
 def _integers(name: str, values) -> tuple[int, ...]:

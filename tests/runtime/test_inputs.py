@@ -105,3 +105,27 @@ def test_accepted_counts():
         with pytest.raises(ValueError) as e:
             check_accepted(accepted, 2, 8)
         assert message in str(e.value)
+
+
+@pytest.mark.parametrize("config", ["qwen3_8_mini", "qwen3_5_moe_mini", "kimi_k3_mini", "kimi_k3"])
+def test_hf_weights_of_the_compiled_config_pass_and_of_another_do_not(config):
+    """Every family's upstream parameter names (`param_shapes`) pass for the dims they were made
+    from; dropping a layer, adding one or changing the hidden size is refused."""
+    import json
+
+    from mkc import families
+    from mkc.runtime.inputs import check_hf_weights
+    raw = json.loads((ROOT / "mkc" / "model" / "configs" / f"{config}.json").read_text())
+    family = families.for_model_type(raw.get("model_type"))
+    dims = family.read_dims(raw, config)
+    reference = family.module("reference")
+    shapes = reference.param_shapes(reference.load_config(raw))
+    hf = {name: np.empty(shape, np.int8) if name.endswith("embed_tokens.weight") else 0
+          for name, (shape, _) in shapes.items()}
+    check_hf_weights(hf, dims)
+    last = dims.num_hidden_layers - 1
+    for bad in ({n: v for n, v in hf.items() if not n.startswith(f"model.layers.{last}.")},
+                dict(hf, **{f"model.layers.{last + 1}.mlp.down_proj.weight": 0}),
+                dict(hf, **{"model.embed_tokens.weight": np.empty((dims.vocab_size, 8))})):
+        with pytest.raises(ValueError, match=f"the weights are not {config}'s"):
+            check_hf_weights(bad, dims)
