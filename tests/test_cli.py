@@ -98,9 +98,12 @@ def test_check_confirm_reports_libtpus_verdict_beside_mkcs():
 
 
 @pytest.mark.parametrize("cmd", [["perf"], ["tune", "-o", "/nonexistent/tuned.sched"]])
-def test_perf_and_tune_on_a_generation_without_step_time_constants(cmd, capsys):
-    """The step-time model's constants are data per generation (tpu7x only so far): a v6e
-    spec checks, but `mkc perf` and `mkc tune` say what is missing instead of a KeyError."""
+def test_perf_and_tune_on_a_generation_without_step_time_constants(cmd, capsys, tmp_path,
+                                                                    monkeypatch):
+    """The step-time model's constants are data per generation: without its file a spec still
+    checks, but `mkc perf` and `mkc tune` say what is missing instead of a KeyError."""
+    from mkc.perf import constants
+    monkeypatch.setattr(constants, "DATA", tmp_path)
     spec = ROOT / "schedules" / "qwen3_8_27b_v6e.sched"
     assert main([cmd[0], str(spec), *cmd[1:]]) == 1
     err = capsys.readouterr().err

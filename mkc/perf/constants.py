@@ -76,10 +76,20 @@ def data_path(chip: str) -> Path:
 
 @lru_cache(maxsize=None)
 def load_data(chip: str) -> dict:
+    """A generation's data file. A file that names `carried_from` gives only what is known of
+    its own generation (ICI and the like); every other constant, fitted ones included, is the
+    named generation's, and its source says it was carried over, not measured here."""
     p = data_path(chip)
     if not p.is_file():
         raise KeyError(chip)
-    return json.loads(p.read_text())
+    data = json.loads(p.read_text())
+    data["own"] = sorted(data["constants"])
+    if base := data.get("carried_from"):
+        carried = {k: {"value": v["value"], "source": f"carried from {base} (not measured on "
+                                                      f"{chip}): {v['source']}"}
+                   for k, v in load_data(base)["constants"].items()}
+        data["constants"] = carried | data["constants"]
+    return data
 
 
 def rates(chip: str, overrides: dict | None = None) -> Rates:
@@ -94,10 +104,17 @@ def rates(chip: str, overrides: dict | None = None) -> Rates:
         if getattr(info, attr, 0):
             mxu[dtype] = float(getattr(info, attr))
     prov = {k: v["source"] for k, v in data["constants"].items()}
-    prov |= {"hbm_bytes_per_s": "jax: mem_bw_bytes_per_second",
+    # A rank's HBM bandwidth is the HBM floor's (mkc.target.chip): JAX's per-TensorCore
+    # figure times the TensorCores a device drives. On a megacore (v5p) the kernel computes on
+    # one TensorCore, and whether its DMAs reach the other's share too is not verified.
+    per_rank = target.chip(chip)
+    prov |= {"hbm_bytes_per_s": "jax: mem_bw_bytes_per_second"
+                                + (f" x {per_rank.tensorcores_per_rank} TensorCores per rank "
+                                   "(megacore; unverified that one core's DMAs reach it)"
+                                   if per_rank.tensorcores_per_rank > 1 else ""),
              "mxu_ops_per_s": "jax: bf16/fp8/int8 ops_per_second",
              "mxu_column": "jax: mxu_column_size", "num_mxus": "jax: num_mxus"}
-    return Rates(chip=chip, hbm_bytes_per_s=float(info.mem_bw_bytes_per_second),
+    return Rates(chip=chip, hbm_bytes_per_s=per_rank.hbm_bytes_per_s,
                  mxu_ops_per_s=mxu, mxu_column=int(info.mxu_column_size),
                  num_mxus=int(info.num_mxus), provenance=prov,
                  **{f.name: consts[f.name] for f in dataclasses.fields(Rates)
@@ -105,5 +122,11 @@ def rates(chip: str, overrides: dict | None = None) -> Rates:
 
 
 def calibration(chip: str) -> dict:
-    """The recorded fit: method, points, fitted values and errors (see benchmarks/calibrate_perf.py)."""
+    """The recorded fit: method, points, fitted values and errors (see benchmarks/calibrate_perf.py);
+    empty for a generation without a fit of its own."""
     return load_data(chip).get("calibration", {})
+
+
+def carried_from(chip: str) -> str | None:
+    """The generation whose constants (and fit) `chip` borrows, if any."""
+    return load_data(chip).get("carried_from")

@@ -84,6 +84,12 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
 
 def calibration_note(chip: str) -> str:
     cal = constants.calibration(chip)
+    if not cal and (base := constants.carried_from(chip)):
+        fitted = ", ".join(constants.calibration(base).get("fitted", [])) or "none"
+        own = ", ".join(constants.load_data(chip)["own"])
+        return (f"uncalibrated on {chip}: {own} from {chip}'s published figures; every other "
+                f"constant (fitted {fitted} too) carried from {base}, fitted to {base} step "
+                f"times (mkc/perf/data/{chip}.json)")
     if not cal:
         return f"uncalibrated: {chip} constants are priors (mkc/perf/data/{chip}.json)"
     pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "

@@ -276,6 +276,8 @@ class Model:
         dims = tuple(int(x) for x in self.s.topology.split("=")[1].split("x"))
         self.grid = dims
         self.cores_per_host = self._cores_per_host()
+        from mkc import target
+        self.chip_coords = target.rank_chip_coords(self.s.chip, dims)
         self.kv_buffers = {b.name: b for b in self.s.buffers if b.cls == "kv" and b.scope}
 
     def _cores_per_host(self) -> int:
@@ -309,11 +311,6 @@ class Model:
         return max(feed, flops) + dequant
 
     # ---- collectives ---------------------------------------------------------------------
-    def _chip_xyz(self, rank: int) -> tuple[int, int, int]:
-        c = rank // self.s.cores_per_chip
-        dx, dy, _ = self.grid
-        return c % dx, (c // dx) % dy, c // (dx * dy)
-
     def stage_seconds(self, size: int, stride: int, nbytes: float) -> float:
         """One round over the group of `size` ranks `stride` apart that holds this rank: send
         `nbytes` to every peer (siblings over the on-chip link, the others over ICI, in
@@ -328,8 +325,8 @@ class Model:
         if sib:
             t = len(sib) * nbytes / r.sibling_bytes_per_s
         if far:
-            x0 = self._chip_xyz(self.rank)
-            hops = max(sum(abs(a - b) for a, b in zip(x0, self._chip_xyz(p))) for p in far)
+            x0 = self.chip_coords[self.rank]
+            hops = max(sum(abs(a - b) for a, b in zip(x0, self.chip_coords[p])) for p in far)
             bw = min(len(far) * r.ici_link_bytes_per_s, r.ici_core_bytes_per_s)
             t = max(t, hops * r.latency("ici_hop_s") + len(far) * nbytes / bw)
         return r.latency("collective_round_s") + t

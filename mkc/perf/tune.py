@@ -19,6 +19,7 @@ Times are modelled (`mkc.perf`), not measured.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -165,7 +166,7 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
                                   lambda v: (str(v[0]),), slots_nb,
                                   lambda v: f"{v[0]} slots"))
     grid = tuple(int(x) for x in s.topology.split("=")[1].split("x"))
-    chips = grid[0] * grid[1] * grid[2]
+    chips = math.prod(grid)
     hosts = s.ranks // target.topology(s.chip, grid).cores_per_host
     algorithms = ["direct"]
     if s.cores_per_chip > 1 and chips > 1:

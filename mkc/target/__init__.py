@@ -209,6 +209,13 @@ def _check_shape(g: Generation, dims: tuple[int, ...]) -> None:
 
 
 @lru_cache(maxsize=256)
+def rank_chip_coords(chip_name: str, dims: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each rank's chip coordinates in the slice, as libtpu lays the ranks out (3 per chip,
+    2-D grids too)."""
+    g = _GENERATIONS[chip_name]
+    return tuple(coords for coords, _, _ in _devices(f"{g.prefix}={'x'.join(map(str, dims))}"))
+
+
 def topology(chip_name: str, dims: tuple[int, ...]) -> Topology:
     """The generation's slice `dims` as libtpu lays it out; TargetError if it cannot exist."""
     g = _GENERATIONS[chip_name]
