@@ -17,7 +17,7 @@ names.
 
 Each case runs `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
 model-path and name case) also `compile_spec`, writing the module into a package directory and
-importing it. Outcome classes:
+importing it; for a sample of the others the step-time model (`mkc perf`'s `perf.run`). Outcome classes:
 
     ok             accepted (and, when compiled, the module imports)
     diagnostic     MkcError whose diagnostics all have file, line, column and hint, and render
@@ -94,6 +94,7 @@ def bases() -> dict[str, Base]:
                                   "qwen3_5_397b_a17b")}
 
 
+PERF_FRACTION = 0.3          # accepted, uncompiled cases whose steps are also modelled
 BASE_WEIGHTS = {"qwen_mini": 25, "qwen_full": 8, "k3_mini": 20, "k3_64_mini": 10,
                 "qwen16_mini": 10, "qwen_v6e_mini": 8, "moe_mini": 14, "moe_397b_full": 5}
 
@@ -111,6 +112,7 @@ class Case:
     desc: str                        # the mutation, in words
     files: list = field(default_factory=list)   # (op, relpath, payload): see materialize()
     compile: bool = False            # also compile, write and import when the check passes
+    perf: bool = False               # else also model its steps (mkc perf) when it passes
 
     def materialize(self, d: Path) -> Path:
         """Write the spec and the case's files under directory d; the spec path."""
@@ -561,6 +563,8 @@ def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | 
     text = MUTATIONS[kind][0](rng, b, case)
     case.spec = text if isinstance(text, bytes) else text.encode("utf-8")
     case.compile = case.compile or rng.random() < compile_fraction
+    # drawn apart from the mutation's stream, so adding it kept every earlier case as it was
+    case.perf = random.Random(f"mkc-fuzz-perf:{seed}:{index}").random() < PERF_FRACTION
     return case
 
 
@@ -649,6 +653,9 @@ def run_case(case: Case, work: Path) -> dict:
             stage = "write"
             res.update(_write_and_import(case, c, d))
             return res
+        if case.perf:
+            stage = "perf"
+            _model_steps(c.ir)
         res["cls"] = "ok"
     except MkcError as e:
         source = case.spec.decode("utf-8", errors="replace")
@@ -688,6 +695,15 @@ def run_case(case: Case, work: Path) -> dict:
         os.chdir(work)
         shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+def _model_steps(s) -> None:
+    """`mkc perf` on an accepted spec: its smallest and largest batch, and its verify step."""
+    from mkc import perf
+    perf.run(s, s.batch_min, min(s.context, 64))
+    perf.run(s, s.batch_max)
+    if s.verify_rows:
+        perf.run(s, None, None, s.verify_rows)
 
 
 class CaseTimeout(BaseException):
