@@ -69,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                            help="write the modelled step as a Chrome/Perfetto trace-event JSON "
                                 "file (open it at ui.perfetto.dev or chrome://tracing)")
             p.add_argument("--plot", metavar="FILE",
-                           help="write a picture (.png, .svg or .pdf) of the modelled step for one "
-                                "rank: VMEM by class, "
-                                "a DMA Gantt chart, HBM bandwidth utilisation")
+                           help="write a picture (.png, .svg or .pdf by suffix) of the modelled "
+                                "step for one rank: VMEM by class, a DMA Gantt chart, HBM "
+                                "bandwidth utilisation")
     return ap
 
 
@@ -221,7 +221,8 @@ def _check_perf_args(s, batch: int | None, context: int | None, verify: int | No
                      acceptance: float | None = None, trace: str | None = None,
                      plot: str | None = None) -> None:
     """A batch the spec does not build, more cached tokens than its KV cache holds, or a verify
-    step it does not declare, is a diagnostic at the spec's setting."""
+    step it does not declare, is a diagnostic at the spec's setting; so are output paths that
+    are not files and a picture format mkc does not draw (before any modelling)."""
     diags = []
     verify_span = s.setting_spans.get("verify", s.setting_spans.get("batch", Span.unknown(s.source)))
     if verify is not None:
