@@ -2,10 +2,10 @@
 
 Schedule kimi_k3_64: model kimi_k3 (kimi_k3) on tpu7x=2x2x8, mesh tp = 64,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 84d752ce79283c0d
+Input digest (spec, model config, mkc version): c849e3b5dec8f1c8
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
+through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.kimi_k3.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -162,7 +162,7 @@ MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=
                                tile_rows=896, tile_cols=896)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=2560, row_tiles=7, col_tiles=4,
                               tile_rows=1024, tile_cols=640)
-RING = Ring(slots=4, ahead=4, total_tiles=3377,
+RING = Ring(slots=5, ahead=5, total_tiles=3377,
             tile_shapes=((128, 1024), (384, 1024), (640, 1024), (768, 640), (896, 896), (1024, 128),
                          (1024, 256), (1024, 384), (1024, 512), (1024, 640)))
 TAIL_TILE_OFFSET = 3349
@@ -220,7 +220,7 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
 # at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=6, slot_rows=17344,
+EXPERTS = ExpertSlots(pool='staging', slots=4, slot_rows=17344,
                       matrices={'gate_up_codes': (0, 1792, 1536),
                                 'gate_up_scales': (10752, 112, 1536),
                                 'down_codes': (11520, 384, 3584), 'down_scales': (16896, 24, 3584)},
@@ -253,7 +253,7 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (14,
          'mla': KindPlan(streamed={'q_up': (0, MLA_Q_UP), 'gate': (2, MLA_GATE),
                                    'o_proj': (9, MLA_O_PROJ)},
                          states={}, copies={}, caches=('mla__latent',),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='mla_kv_rows',
+                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='mla_kv_rows',
                          kv_sem='sem__mla_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
                                    'shared_gate_up': (14, MOE_SHARED_GATE_UP),
@@ -287,11 +287,11 @@ def _layer_dense(k: Kernel, layer):
     c = k.layer("dense", layer)
     B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 68: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 69: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 72: two_level, wire bf16
+    c.prefetch_view()   # spec line 71: prefetch next staging.attention
     lower.mlp_residual(c, mlp_out)
 
 
@@ -303,13 +303,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 57: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 60: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 55: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 58: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 55: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 58: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -317,13 +317,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 55: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 55: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 58: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 58: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 56: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 59: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 56: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 57: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 59: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 60: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -333,7 +333,7 @@ def _layer_kda(k: Kernel, layer):
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 59: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 62: two_level, wire bf16
     # the pool view staging.attention is free from here
     lower.attn_residual(c, attn_out)
 
@@ -361,7 +361,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 64: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 67: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -373,22 +373,22 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 73: swap with the sibling core, wire f32
+    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 76: swap with the sibling core, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 74: fetch experts -> staging.experts, the first slots now
+    # spec line 77: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 75: all-gather over 64 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 78: all-gather over 64 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 76: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 79: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 76: two_level, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 79: two_level, wire bf16
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 77: prefetch next staging.attention
+    c.prefetch_view()   # spec line 80: prefetch next staging.attention
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 78: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 81: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -436,7 +436,7 @@ def _kernel(*refs, B, R=1, verify=False):
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    # spec line 57: the last kda layer's store of state.recurrent drains
+    # spec line 60: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -507,7 +507,7 @@ def build_kernel(B, interpret=None, verify_rows=None):
     states = state_shapes(S, R)
     n_vmem_inputs = len(_vmem_input_shapes(B))
     scratch = [
-        pltpu.VMEM((4, 1024, 1024), BF16),   # weights (ring)
+        pltpu.VMEM((5, 1024, 1024), BF16),   # weights (ring)
         pltpu.VMEM((2, 16, 7168), F32),   # vectors (parity)
         pltpu.VMEM((B, 7168), F32),   # x (activation)
         pltpu.VMEM((B, 16, 7168), BF16),   # embed_rows (activation)
@@ -525,7 +525,7 @@ def build_kernel(B, interpret=None, verify_rows=None):
         pltpu.VMEM((2, 4, B, 7168), BF16),   # recv__bf16_4x8 (collective)
         pltpu.VMEM((2, 8, B, 7168), BF16),   # recv__bf16_8x1 (collective)
         pltpu.VMEM((2, 8, B, 7168), BF16),   # recv__bf16_8x8 (collective)
-        pltpu.SemaphoreType.DMA((4,)),   # ring_sem
+        pltpu.SemaphoreType.DMA((5,)),   # ring_sem
         pltpu.SemaphoreType.DMA((2,)),   # vectors_sem
         pltpu.SemaphoreType.DMA(()),   # sem__head_norm
         pltpu.SemaphoreType.DMA(()),   # sem__embed
@@ -548,7 +548,7 @@ def build_kernel(B, interpret=None, verify_rows=None):
         pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x8 receive
         pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
         pltpu.SemaphoreType.DMA((4,)),   # pooled matrix copies
-        pltpu.SemaphoreType.DMA((6, 4)),   # expert slot copies
+        pltpu.SemaphoreType.DMA((4, 4)),   # expert slot copies
         pltpu.SMEM((EXPERTS.local_experts,), jnp.int32),   # picked local experts
         pltpu.SMEM((1,), jnp.int32),   # how many
     ]

@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b_16: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 8e88005b711cb297
+Input digest (spec, model config, mkc version): 44bb5abc4338d02b
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
+through a ring of 10 VMEM slots of 1280x1152 bf16 tiles, 10 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -83,37 +83,37 @@ KIND_LAYERS = {'gdn': [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 2
 LAYER_KIND = (0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0,
               0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0,
               0, 1, 0, 0, 0, 1)
-LAYER_TILE_OFFSET = (0, 36, 72, 108, 144, 180, 216, 252, 288, 324, 360, 396, 432, 468, 504, 540,
-                     576, 612, 648, 684, 720, 756, 792, 828, 864, 900, 936, 972, 1008, 1044, 1080,
-                     1116, 1152, 1188, 1224, 1260, 1296, 1332, 1368, 1404, 1440, 1476, 1512, 1548,
-                     1584, 1620, 1656, 1692, 1728, 1764, 1800, 1836, 1872, 1908, 1944, 1980, 2016,
-                     2052, 2088, 2124, 2160, 2196, 2232, 2268)
+LAYER_TILE_OFFSET = (0, 26, 52, 78, 104, 130, 156, 182, 208, 234, 260, 286, 312, 338, 364, 390, 416,
+                     442, 468, 494, 520, 546, 572, 598, 624, 650, 676, 702, 728, 754, 780, 806, 832,
+                     858, 884, 910, 936, 962, 988, 1014, 1040, 1066, 1092, 1118, 1144, 1170, 1196,
+                     1222, 1248, 1274, 1300, 1326, 1352, 1378, 1404, 1430, 1456, 1482, 1508, 1534,
+                     1560, 1586, 1612, 1638)
 STATE_INDEX = (0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 8, 2, 9, 10, 11, 3, 12, 13, 14, 4, 15, 16, 17, 5, 18,
                19, 20, 6, 21, 22, 23, 7, 24, 25, 26, 8, 27, 28, 29, 9, 30, 31, 32, 10, 33, 34, 35,
                11, 36, 37, 38, 12, 39, 40, 41, 13, 42, 43, 44, 14, 45, 46, 47, 15)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=2,
-                             tile_rows=1024, tile_cols=1152)
-GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
-                              tile_rows=768, tile_cols=1280)
-GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=2176, row_tiles=5, col_tiles=2,
-                             tile_rows=1024, tile_cols=1152)
-GDN_DOWN = StreamedMatrix(name='down', rows=1088, cols=5120, row_tiles=3, col_tiles=4,
-                          tile_rows=384, tile_cols=1280)
-GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=5, col_tiles=2,
-                              tile_rows=1024, tile_cols=1024)
-GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
-                            tile_rows=768, tile_cols=1280)
-GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=2176, row_tiles=5, col_tiles=2,
-                             tile_rows=1024, tile_cols=1152)
-GQA_DOWN = StreamedMatrix(name='down', rows=1088, cols=5120, row_tiles=3, col_tiles=4,
-                          tile_rows=384, tile_cols=1280)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=15520, row_tiles=5, col_tiles=14,
-                              tile_rows=1024, tile_cols=1152)
-RING = Ring(slots=12, ahead=12, total_tiles=2374,
-            tile_shapes=((384, 1280), (768, 1280), (1024, 1024), (1024, 1152)))
-TAIL_TILE_OFFSET = 2304
+GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=4, col_tiles=2,
+                             tile_rows=1280, tile_cols=1152)
+GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=5,
+                              tile_rows=768, tile_cols=1024)
+GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=2176, row_tiles=4, col_tiles=2,
+                             tile_rows=1280, tile_cols=1152)
+GDN_DOWN = StreamedMatrix(name='down', rows=1088, cols=5120, row_tiles=1, col_tiles=5,
+                          tile_rows=1152, tile_cols=1024)
+GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=4, col_tiles=2,
+                              tile_rows=1280, tile_cols=1024)
+GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=5,
+                            tile_rows=768, tile_cols=1024)
+GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=2176, row_tiles=4, col_tiles=2,
+                             tile_rows=1280, tile_cols=1152)
+GQA_DOWN = StreamedMatrix(name='down', rows=1088, cols=5120, row_tiles=1, col_tiles=5,
+                          tile_rows=1152, tile_cols=1024)
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=15520, row_tiles=4, col_tiles=14,
+                              tile_rows=1280, tile_cols=1152)
+RING = Ring(slots=10, ahead=10, total_tiles=1720,
+            tile_shapes=((768, 1024), (1152, 1024), (1280, 1024), (1280, 1152)))
+TAIL_TILE_OFFSET = 1664
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gdn': [GDN_IN_PROJ, GDN_OUT_PROJ, GDN_GATE_UP, GDN_DOWN],
                 'gqa': [GQA_QKV_GATE, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
@@ -128,21 +128,19 @@ VECTORS = Parity(ahead=1, rows=16, cols=5120,
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
 EMBED_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                Stage(buffer='recv__bf16_8x2', counter=2, size=8, stride=2))
+                Stage(buffer='recv__bf16_8x2', counter=3, size=8, stride=2))
 GDN_OUT_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
                        Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
 GDN_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                   Stage(buffer='recv__bf16_8x2', counter=2, size=8, stride=2))
-GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                     Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
-GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                   Stage(buffer='recv__bf16_8x2', counter=2, size=8, stride=2))
-N_COLLECTIVE_COUNTERS = 3
+                   Stage(buffer='recv__bf16_8x2', counter=3, size=8, stride=2))
+GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=2, size=8, stride=1),)
+GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_16x1', counter=4, size=16, stride=1),)
+N_COLLECTIVE_COUNTERS = 5
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10, GDN_OUT_PROJ),
-                                   'gate_up': (14, GDN_GATE_UP), 'down': (24, GDN_DOWN)},
+KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (8, GDN_OUT_PROJ),
+                                   'gate_up': (13, GDN_GATE_UP), 'down': (21, GDN_DOWN)},
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
                          copies={'load_gdn_conv_buf': StateCopy(direction='load', hbm='gdn__conv',
                                                                 buffer='gdn_conv_buf',
@@ -163,10 +161,10 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10,
                                                                 sem='sem__store_gdn_rec_buf',
                                                                 batch_axis=0)},
                          caches=(), kv=None, kv_rows='', kv_sem=''),
-         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
-                                   'gate_up': (14, GQA_GATE_UP), 'down': (24, GQA_DOWN)},
+         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (8, GQA_O_PROJ),
+                                   'gate_up': (13, GQA_GATE_UP), 'down': (21, GQA_DOWN)},
                          states={}, copies={}, caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows',
+                         kv=KvTiles(tokens=256, slots=3, ahead=2), kv_rows='gqa_kv_rows',
                          kv_sem='sem__gqa_kv_rows')}
 
 _INPUTS = ('tokens', 'positions', 'tables', 'tile_class', 'rope', 'embed', 'ring_hbm',
@@ -174,12 +172,14 @@ _INPUTS = ('tokens', 'positions', 'tables', 'tile_class', 'rope', 'embed', 'ring
            'gqa__value_in')
 _OUTPUTS = ('logits', 'gdn__conv', 'gdn__recurrent', 'gqa__key', 'gqa__value')
 _SCRATCH = ('weights', 'vectors', 'x', 'embed_rows', 'head_norm', 'stage', 'acc', 'gdn_rec_buf',
-            'gqa_kv_rows', 'recv__bf16_2x1', 'recv__bf16_4x2', 'recv__bf16_8x2', 'ring_sem',
-            'vectors_sem', 'sem__head_norm', 'sem__embed', 'sem__load_gdn_conv_buf',
-            'sem__load_gdn_rec_buf', 'sem__store_gdn_conv_buf', 'sem__store_gdn_rec_buf',
-            'sem__gqa_kv_rows', 'recv__bf16_2x1__send', 'recv__bf16_2x1__recv',
-            'recv__bf16_4x2__send', 'recv__bf16_4x2__recv', 'recv__bf16_8x2__send',
-            'recv__bf16_8x2__recv', 'collective_count')
+            'gqa_kv_rows', 'recv__bf16_2x1', 'recv__bf16_4x2', 'recv__bf16_8x1', 'recv__bf16_8x2',
+            'recv__bf16_16x1', 'ring_sem', 'vectors_sem', 'sem__head_norm', 'sem__embed',
+            'sem__load_gdn_conv_buf', 'sem__load_gdn_rec_buf', 'sem__store_gdn_conv_buf',
+            'sem__store_gdn_rec_buf', 'sem__gqa_kv_rows', 'recv__bf16_2x1__send',
+            'recv__bf16_2x1__recv', 'recv__bf16_4x2__send', 'recv__bf16_4x2__recv',
+            'recv__bf16_8x1__send', 'recv__bf16_8x1__recv', 'recv__bf16_8x2__send',
+            'recv__bf16_8x2__recv', 'recv__bf16_16x1__send', 'recv__bf16_16x1__recv',
+            'collective_count')
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -191,22 +191,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 39: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 41: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 37: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 39: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 37: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 39: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 37: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 37: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 39: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 39: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 38: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 40: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 38: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 39: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 40: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 41: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -215,12 +215,12 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 43: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 45: two_level, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 43: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 45: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -237,12 +237,12 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 48: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 54: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 48: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 54: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -281,7 +281,7 @@ def _kernel(*refs, B, R=1, verify=False):
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    # spec line 39: the last gdn layer's store of state.recurrent drains
+    # spec line 41: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -342,19 +342,21 @@ def build_kernel(B, interpret=None, verify_rows=None):
     states = state_shapes(S, R)
     n_vmem_inputs = len(_vmem_input_shapes(B))
     scratch = [
-        pltpu.VMEM((12, 1024, 1280), BF16),   # weights (ring)
+        pltpu.VMEM((10, 1280, 1152), BF16),   # weights (ring)
         pltpu.VMEM((2, 16, 5120), F32),   # vectors (parity)
         pltpu.VMEM((B, 5120), F32),   # x (activation)
         pltpu.VMEM((B, 16, 5120), BF16),   # embed_rows (activation)
         pltpu.VMEM((8, 5120), F32),   # head_norm (parity)
-        pltpu.VMEM((5, B, 1024), BF16),   # stage (activation)
-        pltpu.VMEM((14, B, 1280), F32),   # acc (activation)
+        pltpu.VMEM((4, B, 1280), BF16),   # stage (activation)
+        pltpu.VMEM((14, B, 1152), F32),   # acc (activation)
         pltpu.VMEM((B, 6, 128, 128), F32),   # gdn_rec_buf (state)
         pltpu.VMEM((2, B, 16, 256), BF16),   # gqa_kv_rows (kv)
         pltpu.VMEM((2, 2, B, 5120), BF16),   # recv__bf16_2x1 (collective)
         pltpu.VMEM((2, 4, B, 5120), BF16),   # recv__bf16_4x2 (collective)
+        pltpu.VMEM((2, 8, B, 5120), BF16),   # recv__bf16_8x1 (collective)
         pltpu.VMEM((2, 8, B, 5120), BF16),   # recv__bf16_8x2 (collective)
-        pltpu.SemaphoreType.DMA((12,)),   # ring_sem
+        pltpu.VMEM((2, 16, B, 5120), BF16),   # recv__bf16_16x1 (collective)
+        pltpu.SemaphoreType.DMA((10,)),   # ring_sem
         pltpu.SemaphoreType.DMA((2,)),   # vectors_sem
         pltpu.SemaphoreType.DMA(()),   # sem__head_norm
         pltpu.SemaphoreType.DMA(()),   # sem__embed
@@ -367,8 +369,12 @@ def build_kernel(B, interpret=None, verify_rows=None):
         pltpu.SemaphoreType.DMA((2, 2)),   # recv__bf16_2x1 receive
         pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x2 send
         pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x2 receive
+        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send
+        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 receive
         pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x2 send
         pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x2 receive
+        pltpu.SemaphoreType.DMA((2, 16)),   # recv__bf16_16x1 send
+        pltpu.SemaphoreType.DMA((2, 16)),   # recv__bf16_16x1 receive
         pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     ]
     out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
