@@ -1,4 +1,6 @@
-"""A generated module's step inputs checked against its schedule before anything is traced.
+"""A generated module's inputs checked against what it was compiled for, before anything is
+traced: a step's weights, state, tokens and positions, a verify step's accepted counts, and
+the HF weights it packs.
 
 A state made for another batch, weights from another module, float tokens or a position past
 the KV cache would otherwise surface as an XLA shape error from inside the jitted step or, on a
@@ -23,16 +25,15 @@ def check_step_inputs(weights: Mapping, state: Mapping, tokens, positions, *,
     """The number of sequences S of a decode step (tokens [S], positions [S]) or, with `rows`
     R, of a verify step (tokens [S, R], starts [S]); ValueError saying what is wrong and what
     to pass otherwise."""
-    token_shape, position_shape = _integers("tokens", tokens), _integers(
-        "positions" if rows is None else "starts", positions)
+    where = "positions" if rows is None else "starts"
+    token_shape, position_shape = _integers("tokens", tokens), _integers(where, positions)
     want_ndim = 1 if rows is None else 2
     if len(token_shape) != want_ndim or (rows is not None and token_shape[1] != rows):
         form = "[S]" if rows is None else f"[S, {rows}]"
         raise ValueError(f"tokens has shape {token_shape}; this step takes tokens{form}")
     S = token_shape[0]
     if position_shape != (S,):
-        name = "positions" if rows is None else "starts"
-        raise ValueError(f"{name} has shape {position_shape}; {S} sequences need {name}[{S}]")
+        raise ValueError(f"{where} has shape {position_shape}; {S} sequences need {where}[{S}]")
     _same_arrays("weights", weights, weight_shapes, ranks,
                  "pass what this module's place_weights or pack_weights returned")
     _same_arrays("state", state, state_shapes(S), ranks,
@@ -41,7 +42,7 @@ def check_step_inputs(weights: Mapping, state: Mapping, tokens, positions, *,
         _within("tokens", np.asarray(tokens), 0, vocab, f"the vocabulary has {vocab} tokens")
     if not isinstance(positions, jax.Array):
         what = "a row's position" if rows is None else f"a sequence's {rows} rows from starts[s]"
-        _within("positions" if rows is None else "starts", np.asarray(positions), 0,
+        _within(where, np.asarray(positions), 0,
                 context - (rows or 1) + 1, f"{what} must stay within the KV cache of {context} "
                 "tokens (the spec's context)")
     return S
