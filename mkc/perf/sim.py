@@ -24,7 +24,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from mkc import ir
+from mkc import ir, target
 from mkc.perf.constants import Rates
 from mkc.trace import Event
 
@@ -275,15 +275,9 @@ class Model:
     def __post_init__(self) -> None:
         dims = tuple(int(x) for x in self.s.topology.split("=")[1].split("x"))
         self.grid = dims
-        self.cores_per_host = self._cores_per_host()
-        from mkc import target
-        self.chip_coords = target.rank_chip_coords(self.s.chip, dims)
+        self.cores_per_host = target.topology(self.s.chip, dims).cores_per_host
+        self.chip_coords = target.rank_chip_coords(self.s.chip, dims)    # as libtpu lays them
         self.kv_buffers = {b.name: b for b in self.s.buffers if b.cls == "kv" and b.scope}
-
-    def _cores_per_host(self) -> int:
-        from mkc import target
-        topo = target.topology(self.s.chip, self.grid)
-        return topo.cores_per_host
 
     # ---- op costs ------------------------------------------------------------------------
     def op_seconds(self, facts: ir.OpFacts) -> float:
