@@ -210,11 +210,13 @@ def _tune(args, as_json: bool) -> dict:
 
 
 def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:
-    """An output path that names a directory, device or FIFO: refused before any work is done."""
-    if path is None or not Path(path).exists() or Path(path).is_file():
+    """An output path that names a directory, device or FIFO: refused before any work is done
+    (the write itself refuses it too, `compiler.write_atomically`)."""
+    from mkc import compiler
+    if path is None or compiler.replaceable(path):
         return None
-    return Diagnostic("E-IO", f"{flag} {path} exists and is not a regular file (mkc replaces only "
-                      "regular files)", Span.unknown(path), hint=f"give {flag} a file path")
+    return Diagnostic("E-IO", f"{flag} {path} {compiler.NOT_REPLACEABLE}", Span.unknown(path),
+                      hint=f"give {flag} a file path")
 
 
 def _check_perf_args(s, batch: int | None, context: int | None, verify: int | None = None,

@@ -57,14 +57,21 @@ def module_name(c: Compiled) -> str:
     return f"{c.ir.name}__{model}"
 
 
+NOT_REPLACEABLE = "exists and is not a regular file (mkc replaces only regular files)"
+
+
+def replaceable(path: str | os.PathLike) -> bool:
+    """Whether mkc may write `path`: it does not exist, or it is a regular file. Renaming over a
+    device, FIFO or directory would replace it (as root, even /dev/null)."""
+    return not Path(path).exists() or Path(path).is_file()
+
+
 def write_atomically(path: Path, content: str | bytes) -> None:
-    """Write via a temp file and rename, so a failed run never leaves a partial file. Only a
-    regular file is ever replaced: renaming over a device, FIFO or directory would replace it
-    (as root, even /dev/null), so such a path is an OSError the CLI reports."""
+    """Write via a temp file and rename, so a failed run never leaves a partial file; a path
+    that is not `replaceable` is an OSError the CLI reports."""
     path = Path(path)
-    if path.exists() and not path.is_file():
-        raise OSError(errno.EEXIST, "exists and is not a regular file (mkc replaces only regular "
-                      "files)", str(path))
+    if not replaceable(path):
+        raise OSError(errno.EEXIST, NOT_REPLACEABLE, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -38,6 +38,18 @@ def test_unwritable_output_is_an_error_not_a_traceback(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr and "error[E-IO]" in r.stderr
 
 
+def test_compile_never_replaces_a_fifo_at_the_modules_path(tmp_path, capsys):
+    """The module's path is a FIFO: the atomic write refuses it (a rename would have replaced it
+    with a regular file) and says so, leaving no temp file."""
+    import os
+    out = tmp_path / "qwen3_8_27b__qwen3_8_mini.py"
+    os.mkfifo(out)
+    assert main(["compile", str(SPEC), "--model", "qwen3_8_mini", "-o", str(tmp_path)]) == 1
+    assert "exists and is not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(out.stat().st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
 def test_version(capsys):
     try:
         main(["--version"])
