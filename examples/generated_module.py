@@ -9,6 +9,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,13 +61,58 @@ MUTANTS: dict[str, tuple[str, str]] = {
 }
 
 
+# State-only mutants: a 1.01 scale on an op that acts only on carried state, so a step from a
+# zeroed state (step 0) cannot see it. Each is a textual edit of one lowering function (the
+# family's `lower.NAME`), made in a copy of that function bound into the mutant module alone:
+# (function, old, new). A decay scaled by 1.01 is its log plus log(1.01).
+LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
+    # Qwen3.5 and Qwen3.5 MoE (the gated delta net's and gated attention's lowering)
+    "gdn.decay": ("delta_rule", "g[b:b + 1, h:h + 1],", "g[b:b + 1, h:h + 1] + jnp.log(1.01),"),
+    "gdn.conv_state": ("conv", "window = [state[j, source] for j in range(taps - 1)]",
+                       "window = [1.01 * state[j, source] for j in range(taps - 1)]"),
+    # the values of the cached tokens before each row's position (not the row's own new entry)
+    "gqa.kv_read": ("attention", "kt, vt = keys[c.sequence(b)], values[c.sequence(b)]\n",
+                    "kt, vt = keys[c.sequence(b)], values[c.sequence(b)]\n"
+                    "            vt = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
+                    "1.01 * vt.astype(F32), vt.astype(F32))\n"),
+    # Kimi K3
+    "kda.decay": ("delta_rule", "decay[b:b + 1, lanes], beta", "decay[b:b + 1, lanes] + jnp.log(1.01), beta"),
+    "kda.conv_state": ("conv", "window = [state[j, source] for j in range(taps - 1)]",
+                       "window = [(1.01 * state[j, source].astype(F32)).astype(BF16) "
+                       "for j in range(taps - 1)]"),
+    "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
+                    "cached = latent[c.sequence(b)].astype(F32)\n"
+                    "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
+                    "1.01 * cached, cached)\n"),
+}
+
+
+def _replace_once(text: str, old: str, new: str, name: str, where: str) -> str:
+    count = text.count(old)
+    if count != 1:
+        raise ValueError(f"mutant {name}: its text occurs {count} times in {where}, not once: {old!r}")
+    return text.replace(old, new)
+
+
 def mutate(source: str, name: str) -> str:
     old, new = MUTANTS[name]
-    count = source.count(old)
-    if count != 1:
-        raise ValueError(f"mutant {name}: its text occurs {count} times in the generated module, "
-                         f"not once: {old!r}")
-    return source.replace(old, new)
+    return _replace_once(source, old, new, name, "the generated module")
+
+
+def _mutate_lowering(module, name: str) -> None:
+    """Bind into `module` (alone) a `lower` whose function of LOWERING_MUTANTS[name] is an edited
+    copy, compiled in the globals of the module that defines the original."""
+    import inspect
+    import textwrap
+    import types
+
+    func, old, new = LOWERING_MUTANTS[name]
+    original = getattr(module.lower, func)
+    source = _replace_once(textwrap.dedent(inspect.getsource(original)), old, new, name,
+                           f"{original.__module__}.{func}")
+    namespace = dict(vars(sys.modules[original.__module__]))
+    exec(compile(source, f"<mutant {name} of {original.__module__}.{func}>", "exec"), namespace)
+    module.lower = types.SimpleNamespace(**{**vars(module.lower), func: namespace[func]})
 
 
 _COMPILED: dict[tuple[str, str, str], object] = {}
@@ -79,13 +125,16 @@ def load_generated(spec: Path, model: str, mutant: str | None = None):
     if key not in _COMPILED:
         _COMPILED[key] = compiler.compile_spec(spec, model)
     c = _COMPILED[key]
-    source = c.module_source if mutant is None else mutate(c.module_source, mutant)
+    source = c.module_source if mutant is None or mutant in LOWERING_MUTANTS else mutate(
+        c.module_source, mutant)
     stem = compiler.module_name(c) + ("" if mutant is None else "__" + mutant.replace(".", "_"))
     out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{stem}.py"
     compiler.write_atomically(out, source)
     mod_spec = importlib.util.spec_from_file_location(out.stem, out)
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
+    if mutant in LOWERING_MUTANTS:
+        _mutate_lowering(module, mutant)
     return module
 
 
@@ -116,80 +165,190 @@ def k3_mini_spec(spec: Path = ROOT / "schedules" / "kimi_k3.sched") -> Path:
     return path
 
 
-def reference_trajectory(reference, hf, cfg, rounding, batch: int, context: int, tokens,
-                         positions, steps: int, rows=None, judged: bool = True) -> list[dict]:
-    """Both references over `steps` steps, teacher-forced by the plain reference's next tokens:
-    per step the inputs, the plain and the emulated logits and caches, and (after the first,
-    when the emulation is `judged`: only its bounds need them) the measured sensitivity gains
-    of the emulated step (`numerics.measure_sensitivity`)."""
+def plain_trajectory(reference, hf, cfg, batch: int, context: int, tokens, positions,
+                     steps: int) -> list[dict]:
+    """The plain reference alone over `steps` steps from a zeroed state, teacher-forced by its own
+    next tokens: every step's inputs, and the logits and caches of an independent run, which the
+    drift report compares the kernel with (reported, never judged: a step is judged from the
+    kernel's own state, `reference_step`)."""
     import jax.numpy as jnp
 
-    plain = reference.init_cache(cfg, batch, context)
-    emulated = reference.init_cache(cfg, batch, context)
+    cache = reference.init_cache(cfg, batch, context)
     out = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        gains = None
-        if i > 0 and judged:
-            def step(cache, tokens, positions):
-                return reference.decode_step(hf, cfg, cache, tokens, positions, rounding)
-            gains = numerics.measure_sensitivity(step, emulated, tokens, positions, rows)
-        plain_logits, plain = reference.decode_step(hf, cfg, plain, tokens, positions)
-        # The emulation of a batch of one runs as two rows (its f32 order; the K3 reference
-        # does this itself, the Qwen one is wrapped here).
-        emu_logits, emulated = one_row_as_two(
-            lambda c, t, p: reference.decode_step(hf, cfg, c, t, p, rounding), emulated, tokens,
-            positions)
-        out.append({"tokens": tokens, "positions": positions, "gains": gains,
-                    "plain_logits": np.asarray(plain_logits), "plain": dict(plain),
-                    "emu_logits": np.asarray(emu_logits), "emulated": dict(emulated),
-                    "seconds": time.perf_counter() - t0})
-        tokens = jnp.asarray(np.argmax(np.asarray(plain_logits), axis=-1), jnp.int32)
+    for _ in range(steps):
+        logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
+        out.append({"tokens": tokens, "positions": positions, "logits": np.asarray(logits),
+                    "states": dict(cache)})
+        tokens = jnp.asarray(np.argmax(np.asarray(logits), axis=-1), jnp.int32)
         positions = positions + 1
     return out
 
 
+def reference_cache(reference, cfg, states: dict, batch: int, context: int) -> dict:
+    """The kernel's state (``gen.reference_states``: the reference's names and layouts) as the
+    reference's cache, in its dtypes (the kernel stores bf16 values where the reference does)."""
+    import jax.numpy as jnp
+
+    template = reference.init_cache(cfg, batch, context)
+    return {name: jnp.asarray(np.asarray(states[name], np.float32), zero.dtype)
+            for name, zero in template.items()}
+
+
+class RouteRecorder:
+    """While active, records each MoE layer's expert-selection scores ``[B, E]`` and its k, of a
+    family reference whose ``route(*args)`` picks the top k of ``selection_scores(*args)`` (the
+    K3 and Qwen3.5 MoE references; the others route nothing and record nothing)."""
+
+    def __init__(self, reference):
+        self.reference = reference
+        self.scores: list[tuple[np.ndarray, int]] = []
+
+    def __enter__(self):
+        ref = self.reference
+        self.route = getattr(ref, "route", None)
+        if self.route is not None and hasattr(ref, "selection_scores"):
+            def recording(*args, **kwargs):
+                scores, k = ref.selection_scores(*args, **kwargs)
+                self.scores.append((np.asarray(scores, np.float32), k))
+                return self.route(*args, **kwargs)
+            ref.route = recording
+        return self
+
+    def __exit__(self, *exc):
+        if self.route is not None:
+            self.reference.route = self.route
+
+
+def top_margins(scores: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the gap between the k-th and the (k+1)-th largest of ``scores [B, N]``."""
+    top = np.sort(scores, axis=-1)
+    return top[:, -k] - top[:, -k - 1]
+
+
+def near_ties(emu_scores: list, plain_scores: list, emu_logits, plain_logits
+              ) -> dict[str, dict[int, str]]:
+    """Rows the plain reference may legitimately decide otherwise than the kernel, with why:
+    "routing" (an expert pick: the row then differs at O(1), so it is not compared plainly at
+    all) and "token" (the next token only).
+
+    The kernel equals the rounding emulation exactly (checked separately), so a row's expert
+    picks and next token are the emulation's. The plain reference, run from the same state,
+    differs from the emulation by its f32 arithmetic: measured per row as d, the largest
+    difference of any selection score (or logit) between the two runs. If the emulation's k-th
+    choice wins by more than 2 d, no score can have crossed it, so the plain picks are the same;
+    a row is a near-tie only where some margin is at most 2 d, and every other row must match."""
+    routing: dict[int, str] = {}
+    for layer, ((e, k), (p, _)) in enumerate(zip(emu_scores, plain_scores)):
+        margin, d = top_margins(e, k), np.max(np.abs(e - p), axis=-1)
+        for b in np.flatnonzero(margin <= 2 * d):
+            routing.setdefault(int(b), f"routing, MoE call {layer}: margin {margin[b]:.2e} <= "
+                                       f"2 x {d[b]:.2e}")
+    emu_logits, plain_logits = np.asarray(emu_logits, np.float32), np.asarray(plain_logits, np.float32)
+    margin = top_margins(emu_logits, 1)
+    d = np.max(np.abs(emu_logits - plain_logits), axis=-1)
+    token = {int(b): f"next token: top-2 margin {margin[b]:.2e} <= 2 x {d[b]:.2e}"
+             for b in np.flatnonzero(margin <= 2 * d) if int(b) not in routing}
+    return {"routing": routing, "token": token}
+
+
+def reference_step(reference, hf, cfg, rounding, start: dict, tokens, positions) -> dict:
+    """Both references for one step from ``start`` (the kernel's own state before the step, as
+    ``reference_cache``): the emulated and the plain logits and caches, and the rows where the
+    plain reference may decide otherwise (``near_ties``)."""
+    t0 = time.perf_counter()
+    with RouteRecorder(reference) as emu_routes:
+        # The emulation of a batch of one runs as two rows (its f32 order; the K3 reference
+        # does this itself, the Qwen one is wrapped here).
+        emu_logits, emulated = one_row_as_two(
+            lambda c, t, p: reference.decode_step(hf, cfg, c, t, p, rounding), start, tokens,
+            positions)
+    with RouteRecorder(reference) as plain_routes:
+        plain_logits, plain = reference.decode_step(hf, cfg, start, tokens, positions)
+    emu_logits, plain_logits = np.asarray(emu_logits), np.asarray(plain_logits)
+    batch = emu_logits.shape[0]
+    # a batch of one ran as two rows in the emulation: its first row's scores
+    emu_scores = [(s[:batch], k) for s, k in emu_routes.scores]
+    ties = near_ties(emu_scores, plain_routes.scores, emu_logits, plain_logits)
+    return {"emu_logits": emu_logits, "emulated": dict(emulated), "plain_logits": plain_logits,
+            "plain": dict(plain), "near_ties": ties, "seconds": time.perf_counter() - t0}
+
+
 def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, ref: dict,
-            rows_list=None, what: str = "step") -> dict:
-    """One step (or verify row) of the kernel compared with both references, printed."""
-    pick = (lambda a: a) if rows_list is None else (lambda a: np.asarray(a)[rows_list])
+            drift: dict | None = None, what: str = "step") -> dict:
+    """One step (or verify row) of the kernel compared with both references from the kernel's
+    own state before it (``reference_step``): the emulation on every row, the plain reference on
+    the rows that are not near-ties. ``drift``: the independent plain run's step, reported."""
+    batch = np.asarray(logits).shape[0]
+    ties = ref["near_ties"]
+    plain_rows = np.array([b for b in range(batch) if b not in ties["routing"]], np.int64)
+    token_rows = np.array([b for b in plain_rows if b not in ties["token"]], np.int64)
+    pick = lambda a: np.asarray(a)[plain_rows]  # noqa: E731
     plain_logits = ref["plain_logits"]
-    rec = {"step": i, "seconds": seconds,
-           "logits_max_abs_err": float(np.max(np.abs(pick(logits) - pick(plain_logits)))),
-           "logits_max_abs": float(np.max(np.abs(pick(plain_logits)))),
-           "next_token": pick(np.asarray(next_token)).tolist(),
-           "ref_next_token": pick(np.argmax(plain_logits, axis=-1)).tolist(),
-           "state_rel_err": numerics.state_errors(ours, ref["plain"], rows_list),
-           "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"], rows_list),
-                         "logits_frob": numerics.logits_frob(logits, ref["emu_logits"], rows_list),
-                         "states": numerics.state_errors(ours, ref["emulated"], rows_list)},
-           "gains": ref["gains"], "reference_seconds": ref["seconds"]}
+    rec = {"step": i, "seconds": seconds, "plain_rows": plain_rows.tolist(),
+           "token_rows": token_rows.tolist(),
+           "near_ties": {str(b): why for kind in ("routing", "token") for b, why in ties[kind].items()},
+           "logits_max_abs_err": float(np.max(np.abs(pick(logits) - pick(plain_logits)), initial=0.0)),
+           "logits_max_abs": float(np.max(np.abs(pick(plain_logits)), initial=0.0)),
+           "next_token": np.asarray(next_token)[token_rows].tolist(),
+           "ref_next_token": np.argmax(plain_logits, axis=-1)[token_rows].tolist(),
+           "state_rel_err": numerics.state_errors(ours, ref["plain"], plain_rows),
+           "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"]),
+                         "logits_frob": numerics.logits_frob(logits, ref["emu_logits"]),
+                         "states": numerics.state_errors(ours, ref["emulated"])},
+           "reference_seconds": ref["seconds"]}
+    if drift is not None:
+        rec["drift"] = {"logits": numerics.logits_error(logits, drift["logits"]),
+                        "states": numerics.state_errors(ours, drift["states"])}
     emu = rec["emulation"]
-    gains = "" if rec["gains"] is None else (
-        f"; measured gains: logits {rec['gains']['logits']:.3g}, states {rec['gains']['states']:.3g}")
-    print(f"{label}{what} {i}: {seconds:.1f} s; plain reference: logits |err| "
-          f"{rec['logits_max_abs_err']:.4f} of {rec['logits_max_abs']:.2f}, states "
+    ties = "".join(f"; row {b} a near-tie ({why})" for b, why in rec["near_ties"].items())
+    drifted = "" if drift is None else (
+        f"; drift from the independent plain run: logits {rec['drift']['logits']:.2e}, states "
+        + ", ".join(f"{k} {v:.1e}" for k, v in rec["drift"]["states"].items()))
+    print(f"{label}{what} {i}: {seconds:.1f} s; from the kernel's state, plain reference: logits "
+          f"|err| {rec['logits_max_abs_err']:.4f} of {rec['logits_max_abs']:.2f}, states "
           + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items())
           + f"; rounding emulation: logits {emu['logits']:.2e} "
           + f"(Frobenius {emu['logits_frob']:.2e}), states "
           + ", ".join(f"{k} {v:.1e}" for k, v in emu["states"].items())
-          + f"{gains}; next {rec['next_token']} (reference {rec['ref_next_token']})", flush=True)
+          + f"{drifted}; next {np.asarray(next_token).tolist()} (reference "
+          + f"{np.argmax(plain_logits, axis=-1).tolist()}){ties}", flush=True)
     return rec
 
 
-def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, rows=None,
-               label: str = "") -> list[dict]:
-    """Run the kernel along `trajectory` and compare every step with both references."""
-    rows_list = None if rows is None else np.asarray(rows)
+def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, refs: Callable,
+               label: str = "", first: int = 0, states: list | None = None) -> list[dict]:
+    """Run the kernel along `trajectory`'s inputs (its steps `first`, `first` + 1, ...); judge
+    every step from the kernel's own state before it: ``refs(states, tokens, positions)`` gives
+    both references' step from ``gen.reference_states(state)`` (``reference_step``), and the
+    trajectory's own step is the drift report. `states`, if given, collects the kernel's state
+    before each step."""
     out = []
-    for i, ref in enumerate(trajectory):
+    for i, step in enumerate(trajectory[first:], start=first):
+        if states is not None:       # a host copy: the step donates the state's buffers
+            states.append({n: np.asarray(a) for n, a in state.items()})
+        ref = refs(gen.reference_states(state), step["tokens"], step["positions"])
         t0 = time.perf_counter()
-        logits, next_token, state = gen.decode_step(weights, state, ref["tokens"], ref["positions"],
+        logits, next_token, state = gen.decode_step(weights, state, step["tokens"], step["positions"],
                                                     mesh=mesh, interpret=interpret)
         logits = np.asarray(logits)
         seconds = time.perf_counter() - t0
         out.append(_record(i, label, seconds, logits, next_token, gen.reference_states(state), ref,
-                           rows_list))
+                           step))
+    return out
+
+
+def run_mutants(load: Callable, names: list[str], weights, states: list, trajectory: list[dict],
+                mesh, interpret, refs: Callable, first: int, steps: int | None) -> dict:
+    """Each mutant (``load(name)`` -> its module) run for `steps` steps (default: to the end)
+    from step `first`, starting from the unmutated kernel's state before that step (`states`,
+    collected by ``run_kernel``): from step 1 on the state is not zero, so a state-only mutant
+    shows there, and every mutant is judged like the kernel, from its own state."""
+    end = len(trajectory) if steps is None else first + steps
+    out = {}
+    for name in names:
+        mutant = load(name)
+        out[name] = {"steps": run_kernel(mutant, weights, states[first], trajectory[:end], mesh,
+                                         interpret, refs, label=f"[{name}] ", first=first)}
     return out
 
 
@@ -210,14 +369,14 @@ def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) 
     return out
 
 
-def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, rows=None,
+def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, refs: Callable,
                label: str = "") -> list[dict]:
     """One verify step over the trajectory's tokens (row r: step r's tokens, one per sequence,
-    at consecutive positions), compared row by row with the trajectory's steps: row r's logits
-    with step r's, and the state committed after r + 1 accepted rows with step r's states.
-    Committing 0 rows must give back the state before the step, exactly. `rows`: the sequences
-    to compare (default all)."""
-    tokens = np.stack([np.asarray(ref["tokens"]) for ref in trajectory], axis=1)   # [S, R]
+    at consecutive positions), judged row by row like the decode steps they replace: row r from
+    the state the verify step commits after its first r rows (r = 0: the state before it),
+    its logits and the state committed after r + 1 rows against both references' step from
+    there. Committing 0 rows must give back the state before the step, exactly."""
+    tokens = np.stack([np.asarray(step["tokens"]) for step in trajectory], axis=1)   # [S, R]
     starts = np.asarray(trajectory[0]["positions"])
     before = {n: np.asarray(a) for n, a in state.items()}
     t0 = time.perf_counter()
@@ -225,18 +384,25 @@ def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, row
                                                    interpret=interpret)
     logits, next_token = np.asarray(logits), np.asarray(next_token)
     seconds = time.perf_counter() - t0
-    none = gen.commit({n: before[n] for n in gen.ROW_STATES}, verified, np.zeros(len(starts), np.int32))
+
+    def committed(rows: int) -> dict:
+        return gen.commit({n: before[n] for n in gen.ROW_STATES}, verified,
+                          np.full(len(starts), rows, np.int32))
+
+    none = committed(0)
     for n in gen.ROW_STATES:
         if not np.array_equal(np.asarray(none[n]), before[n]):
             raise AssertionError(f"{label}committing 0 rows changed {n}")
     out = []
-    for r, ref in enumerate(trajectory):
-        committed = gen.commit({n: before[n] for n in gen.ROW_STATES}, verified,
-                               np.full(len(starts), r + 1, np.int32))
-        ours = _past_committed(gen.reference_states(committed), ref["plain"], starts, r + 1,
-                               gen.CONTEXT)
+    start = {n: before[n] for n in state}
+    for r, step in enumerate(trajectory):
+        # The committed state's cache entries past its rows are the verify step's later rows,
+        # which a decode step from there masks by position and overwrites.
+        ref = refs(gen.reference_states(start), step["tokens"], step["positions"])
+        start = committed(r + 1)
+        ours = _past_committed(gen.reference_states(start), ref["plain"], starts, r + 1, gen.CONTEXT)
         out.append(_record(r, label, seconds if r == 0 else 0.0, logits[:, r], next_token[:, r],
-                           ours, ref, None if rows is None else np.asarray(rows), what="verify row"))
+                           ours, ref, step, what="verify row"))
     return out
 
 

@@ -39,6 +39,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16").strip()
+from mkc.numerics import pin_cpu_isa  # noqa: E402
+
+pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -47,35 +50,28 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (finish, k3_mini_spec, load_generated,  # noqa: E402
-                              reference_trajectory, rounding_for, run_kernel, run_verify)
+from generated_module import (RouteRecorder, finish, k3_mini_spec, load_generated,  # noqa: E402
+                              plain_trajectory, reference_cache, reference_step, rounding_for,
+                              run_kernel, run_mutants, run_verify, top_margins)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
+from mkc.numerics import host_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _routing_margins(hf, cfg, tokens, positions, steps: int, context: int) -> np.ndarray:
     """Per row, the smallest gap over every MoE layer and step between the top_k-th and the
-    next expert's selection score in the reference. Activations enter the MXU as bf16 in the
-    kernel, which moves scores by about 1e-3: a row with a smaller gap may legitimately pick
-    another expert (and then differ at O(1)), so such rows are reported, not compared."""
+    next expert's selection score in the plain reference: used only to draw tokens whose rows
+    are mostly decisive (which rows are compared plainly is decided at each step by
+    `generated_module.near_ties`)."""
     margins = []
-    route = reference.route
-
-    def recording_route(logits, bias, top_k, scaling=1.0):
-        top = jnp.sort(jax.nn.sigmoid(logits) + bias, axis=-1)
-        margins.append(np.asarray(top[:, -top_k] - top[:, -top_k - 1]))
-        return route(logits, bias, top_k, scaling)
-
-    reference.route = recording_route
-    try:
-        cache = reference.init_cache(cfg, len(tokens), context)
-        for _ in range(steps):
+    cache = reference.init_cache(cfg, len(tokens), context)
+    for _ in range(steps):
+        with RouteRecorder(reference) as routes:
             logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
-            tokens, positions = jnp.argmax(logits, axis=-1).astype(jnp.int32), positions + 1
-    finally:
-        reference.route = route
+        margins += [top_margins(scores, k) for scores, k in routes.scores]
+        tokens, positions = jnp.argmax(logits, axis=-1).astype(jnp.int32), positions + 1
     return np.min(np.stack(margins), axis=0)
 
 
@@ -89,19 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
     ap.add_argument("--expert-slots", type=int, help="override the spec's expert slot count")
     ap.add_argument("--min-routing-margin", type=float, default=0.005,
-                    help="compare rows whose every expert choice wins by at least this much")
+                    help="draw tokens until half the rows' expert choices win by this much in "
+                         "the plain reference")
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
     ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
-    ap.add_argument("--emulation-check", choices=("flips", "exact", "none"), default="none",
-                    help="how the rounding emulation judges the kernel (mkc.numerics): 'exact' "
-                         "(f32 rounding at the first step), 'flips' (a few bf16 roundings may "
-                         "flip), or not at all (default: reported only)")
+    ap.add_argument("--emulation-check", choices=("flips", "exact", "none"), default="exact",
+                    help="how the rounding emulation judges every step, from the kernel's own "
+                         "state (mkc.numerics): 'exact' (to f32 rounding, the default), 'flips' "
+                         "(a few bf16 roundings may flip), or 'none' (reported only)")
     ap.add_argument("--strict-emulation", action="store_true", help="same as --emulation-check exact")
     ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
+    ap.add_argument("--mutants-from", type=int, default=0,
+                    help="start mutants at this step, from the kernel's own state before it (1: "
+                         "a nonzero state, where state-only mutants show)")
     ap.add_argument("--verify", action="store_true",
                     help="one verify step of --steps rows per sequence instead of decode steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
+        ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
 
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)
@@ -137,26 +139,28 @@ def main(argv: list[str] | None = None) -> int:
         if len(rows) >= max(1, B // 2):
             break
     seed, tokens, margins, rows = best
-    print(f"tokens from seed {seed}, routing margins per row "
-          f"{[round(float(m), 4) for m in margins]}: comparing rows {rows.tolist()}", flush=True)
+    print(f"tokens from seed {seed}, plain routing margins per row "
+          f"{[round(float(m), 4) for m in margins]} (decisive: rows {rows.tolist()})", flush=True)
     run = run_verify if args.verify else run_kernel
-    trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
-                                      positions, args.steps, rows,
-                                      judged=args.strict_emulation or args.emulation_check != "none")
+    kernel_states: list = []       # the kernel's state before each decode step (for mutants)
+    trajectory = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
+
+    def refs(states, tokens, positions):
+        start = reference_cache(reference, cfg, states, B, gen.CONTEXT)
+        return reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+
+    check = "exact" if args.strict_emulation else (
+        None if args.emulation_check == "none" else args.emulation_check)
     summary = {"family": "kimi_k3", "mode": args.mode, "races": args.races, "batch": B,
-               "mutant": args.mutate, "strict_emulation": args.strict_emulation,
-               "emulation_check": "exact" if args.strict_emulation else (
-                   None if args.emulation_check == "none" else args.emulation_check),
-               "pack_seconds": pack_seconds, "routing_margins": margins.tolist(), "token_seed": seed,
-               "compared_rows": rows.tolist(), "verify": args.verify,
-               "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, rows)}
+               "mutant": args.mutate, "emulation_check": check, "pack_seconds": pack_seconds,
+               "routing_margins": margins.tolist(), "token_seed": seed, "verify": args.verify,
+               "host": host_facts(),
+               "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
+                            **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:
-        summary["mutants"] = {}
-        for name in args.mutants.split(","):
-            mutant = load_generated(spec, "kimi_k3_mini", name)
-            steps = run(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
-                        mesh, params, rows, label=f"[{name}] ")
-            summary["mutants"][name] = {"steps": steps}
+        summary["mutants"] = run_mutants(lambda name: load_generated(spec, "kimi_k3_mini", name),
+                                         args.mutants.split(","), weights, kernel_states, trajectory,
+                                         mesh, params, refs, args.mutants_from, args.mutant_steps)
     return finish(summary, args.races, args.json)
 
 

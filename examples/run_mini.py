@@ -33,6 +33,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16").strip()
+from mkc.numerics import pin_cpu_isa  # noqa: E402
+
+pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,10 +44,12 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (finish, load_generated, reference_trajectory,  # noqa: E402
-                              rounding_for, run_kernel, run_verify)
+from generated_module import (finish, load_generated, plain_trajectory,  # noqa: E402
+                              reference_cache, reference_step, rounding_for, run_kernel,
+                              run_mutants, run_verify)
 
 from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
+from mkc.numerics import host_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,14 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
     ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
     ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
-    ap.add_argument("--strict-emulation", action="store_true",
-                    help="also fail when the kernel leaves the rounding emulation's bounds")
-    ap.add_argument("--emulation-check", choices=("exact", "flips"),
-                    help="judge the emulation this way (mkc.numerics; --strict-emulation: exact)")
+    ap.add_argument("--mutants-from", type=int, default=0,
+                    help="start mutants at this step, from the kernel's own state before it (1: "
+                         "a nonzero state, where state-only mutants show)")
+    ap.add_argument("--emulation-check", choices=("exact", "flips", "none"), default="exact",
+                    help="how the rounding emulation judges every step, from the kernel's own "
+                         "state (mkc.numerics): 'exact' (to f32 rounding, the default), 'flips' "
+                         "(a few bf16 roundings may flip), or 'none' (reported only)")
+    ap.add_argument("--strict-emulation", action="store_true", help="same as --emulation-check exact")
     ap.add_argument("--verify", action="store_true",
                     help="one verify step of --steps rows per sequence instead of decode steps")
+    ap.add_argument("--first-position", type=int,
+                    help="row 0's position (rows b > 0: + 131 b); default 136, 141 with --verify")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
+        ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
 
     if args.checkpoint:
         config, hf = load_checkpoint(args.checkpoint)
@@ -94,24 +107,28 @@ def main(argv: list[str] | None = None) -> int:
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
     # Rows start at different positions, past the first KV tile, so per-row masking, cache
     # writes inside a 16-row block and multi-tile KV streaming are all exercised.
-    # A verify step's rows start 3 before a 16-row block ends, so they straddle two blocks.
-    first = 141 if args.verify else 136
+    # A verify step's rows start 3 before a 16-row block ends (141, 142, 143 | 144).
+    first = args.first_position if args.first_position is not None else (141 if args.verify else 136)
     positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
-    trajectory = reference_trajectory(reference, hf, cfg, rounding, B, gen.CONTEXT, tokens,
-                                      positions, args.steps,
-                                      judged=args.strict_emulation or bool(args.emulation_check))
+    trajectory = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
+
+    def refs(states, tokens, positions):
+        start = reference_cache(reference, cfg, states, B, gen.CONTEXT)
+        return reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+
     run = run_verify if args.verify else run_kernel
+    kernel_states: list = []       # the kernel's state before each decode step (for mutants)
+    check = "exact" if args.strict_emulation else (
+        None if args.emulation_check == "none" else args.emulation_check)
     summary = {"family": family.name, "mode": args.mode, "races": args.races, "batch": B,
-               "verify": args.verify, "mutant": args.mutate, "strict_emulation": args.strict_emulation,
-               "emulation_check": args.emulation_check,
-               "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params)}
+               "verify": args.verify, "mutant": args.mutate, "emulation_check": check,
+               "host": host_facts(),
+               "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
+                            **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:
-        summary["mutants"] = {}
-        for name in args.mutants.split(","):
-            mutant = load_generated(spec, model, name)
-            steps = run(mutant, weights, mutant.init_state(B), trajectory[:args.mutant_steps],
-                        mesh, params, label=f"[{name}] ")
-            summary["mutants"][name] = {"steps": steps}
+        summary["mutants"] = run_mutants(lambda name: load_generated(spec, model, name),
+                                         args.mutants.split(","), weights, kernel_states, trajectory,
+                                         mesh, params, refs, args.mutants_from, args.mutant_steps)
     return finish(summary, args.races, args.json)
 
 

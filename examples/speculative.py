@@ -29,6 +29,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
+from mkc.numerics import pin_cpu_isa  # noqa: E402
+
+pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -13,6 +13,7 @@ this module holds the schedule: buffers, copies, semaphores, the layer loop and 
 from __future__ import annotations
 
 import functools
+import json
 import types
 
 import jax
@@ -79,6 +80,26 @@ DIMS = KimiDims(family='kimi_k3', name='kimi_k3', hidden_size=7168, num_hidden_l
                              'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
                              'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
                              'kda', 'moe', 'mla', 'moe', 'mla', 'moe'))
+# The config.json this module was compiled for: pack_rank checks the HF weights against its
+# family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
+HF_CONFIG = json.loads(
+    '{"activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "attn_res_block_size"'
+    ': 12, "dtype": "bfloat16", "first_k_dense_replace": 1, "hidden_act": "situ", "hidden_siz'
+    'e": 7168, "intermediate_size": 33792, "kv_lora_rank": 512, "latent_moe_use_norm": true, '
+    '"linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48'
+    ', 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 93], "gate_lower_bound": -5.0, "head_dim":'
+    ' 128, "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25'
+    ', 26, 27, 29, 30, 31, 33, 34, 35, 37, 38, 39, 41, 42, 43, 45, 46, 47, 49, 50, 51, 53, 54'
+    ', 55, 57, 58, 59, 61, 62, 63, 65, 66, 67, 69, 70, 71, 73, 74, 75, 77, 78, 79, 81, 82, 83'
+    ', 85, 86, 87, 89, 90, 91], "num_heads": 96, "short_conv_kernel_size": 4, "use_full_rank_'
+    'gate": true}, "mla_use_nope": true, "mla_use_output_gate": true, "model_type": "kimi_k3"'
+    ', "moe_intermediate_size": 3072, "moe_layer_freq": 1, "moe_renormalize": true, "moe_rout'
+    'er_activation_func": "sigmoid", "num_attention_heads": 96, "num_expert_group": 1, "num_e'
+    'xperts": 896, "num_experts_per_token": 16, "num_hidden_layers": 93, "num_key_value_heads'
+    '": 96, "num_shared_experts": 2, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_h'
+    'ead_dim": 64, "rms_norm_eps": 1e-05, "routed_expert_hidden_size": 3584, "routed_scaling_'
+    'factor": 1.0, "tie_word_embeddings": false, "topk_group": 1, "v_head_dim": 128, "vocab_s'
+    'ize": 163840}')
 PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 768, 'heads': 3,
             'host_cores': 8, 'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 4096,
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
@@ -670,7 +691,9 @@ def _keep_accepted(states, verified, accepted):
     out = {}
     for name, axis in ROW_STATES.items():
         axis += 2                                           # past the rank and layer axes
-        entry = (jnp.maximum(accepted, 1) - 1) * S + jnp.arange(S)
+        R = verified[name].shape[axis] // S
+        # device-held counts are not read back: clamped to 0..R, as documented in commit
+        entry = (jnp.clip(accepted, 1, R) - 1) * S + jnp.arange(S)
         picked = jnp.take(verified[name], entry, axis=axis)
         shape = [1] * picked.ndim
         shape[axis] = S
@@ -682,11 +705,12 @@ def commit(state, verified, accepted):
     """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
     from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
     KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step). Host-side counts outside 0..R are a ValueError."""
+    position and overwritten by the next step). A state and a verify output of other batches,
+    and host-side counts outside 0..R, are a ValueError; counts already on a device are not read
+    back (that would stall), and are clamped to 0..R."""
     if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
-        name, axis = next(iter(ROW_STATES.items()))
-        S = np.shape(state[name])[axis + 2]
-        inputs.check_accepted(accepted, S, np.shape(verified[name])[axis + 2] // S)
+        inputs.check_commit(state, verified, accepted, state_shapes=state_shapes, ranks=RANKS,
+                            row_states=ROW_STATES, verify_rows=VERIFY_ROWS)
     accepted = jnp.asarray(accepted, jnp.int32)
     rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
                           accepted)
@@ -697,7 +721,7 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     pooled matrices and experts in pool form, per-layer vector blocks, the head vectors and
     the embedding shard."""
-    inputs.check_hf_weights(hf, DIMS)
+    inputs.check_hf_weights(hf, DIMS, HF_CONFIG)
     shapes = _hbm_shapes()
     packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
     kinds = {v: kname for kname, v in KIND_IDS.items()}

@@ -13,6 +13,7 @@ this module holds the schedule: buffers, copies, semaphores, the layer loop and 
 from __future__ import annotations
 
 import functools
+import json
 import types
 
 import jax
@@ -70,6 +71,32 @@ DIMS = Qwen35MoeDims(family='qwen3_5_moe_text', name='qwen3_5_35b_a3b', hidden_s
                      linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                      experts=256, top_k=8, moe_intermediate_size=512,
                      shared_expert_intermediate_size=512, norm_topk_prob=True)
+# The config.json this module was compiled for: pack_rank checks the HF weights against its
+# family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
+HF_CONFIG = json.loads(
+    '{"architectures": ["Qwen3_5MoeForCausalLM"], "attention_bias": false, "attention_dropout'
+    '": 0.0, "attn_output_gate": true, "bos_token_id": null, "dtype": "bfloat16", "eos_token_'
+    'id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidde'
+    'n_size": 2048, "initializer_range": 0.02, "layer_types": ["linear_attention", "linear_at'
+    'tention", "linear_attention", "full_attention", "linear_attention", "linear_attention", '
+    '"linear_attention", "full_attention", "linear_attention", "linear_attention", "linear_at'
+    'tention", "full_attention", "linear_attention", "linear_attention", "linear_attention", '
+    '"full_attention", "linear_attention", "linear_attention", "linear_attention", "full_atte'
+    'ntion", "linear_attention", "linear_attention", "linear_attention", "full_attention", "l'
+    'inear_attention", "linear_attention", "linear_attention", "full_attention", "linear_atte'
+    'ntion", "linear_attention", "linear_attention", "full_attention", "linear_attention", "l'
+    'inear_attention", "linear_attention", "full_attention", "linear_attention", "linear_atte'
+    'ntion", "linear_attention", "full_attention"], "linear_conv_kernel_dim": 4, "linear_key_'
+    'head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_'
+    'head_dim": 128, "mamba_ssm_dtype": "float32", "max_position_embeddings": 262144, "model_'
+    'type": "qwen3_5_moe_text", "moe_intermediate_size": 512, "mtp_num_hidden_layers": 1, "nu'
+    'm_attention_heads": 16, "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers'
+    '": 40, "num_key_value_heads": 2, "output_router_logits": false, "pad_token_id": null, "p'
+    'artial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_parameters": {"mrope_interleav'
+    'ed": true, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta": 1'
+    '0000000, "rope_type": "default"}, "router_aux_loss_coef": 0.001, "shared_expert_intermed'
+    'iate_size": 512, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache": t'
+    'rue, "vocab_size": 248320}')
 PER_RANK = {'a_off': 1664, 'b_off': 1536, 'conv_ch': 1024, 'dk': 128, 'dv': 128, 'expert_tp': 1,
             'expert_width': 512, 'inter': 0, 'local_experts': 32, 'nk': 2, 'nkv': 1, 'nq': 2,
             'nv': 4, 'shared': 64, 'vocab': 31040}
@@ -518,7 +545,9 @@ def _keep_accepted(states, verified, accepted):
     out = {}
     for name, axis in ROW_STATES.items():
         axis += 2                                           # past the rank and layer axes
-        entry = (jnp.maximum(accepted, 1) - 1) * S + jnp.arange(S)
+        R = verified[name].shape[axis] // S
+        # device-held counts are not read back: clamped to 0..R, as documented in commit
+        entry = (jnp.clip(accepted, 1, R) - 1) * S + jnp.arange(S)
         picked = jnp.take(verified[name], entry, axis=axis)
         shape = [1] * picked.ndim
         shape[axis] = S
@@ -530,11 +559,12 @@ def commit(state, verified, accepted):
     """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
     from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
     KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step). Host-side counts outside 0..R are a ValueError."""
+    position and overwritten by the next step). A state and a verify output of other batches,
+    and host-side counts outside 0..R, are a ValueError; counts already on a device are not read
+    back (that would stall), and are clamped to 0..R."""
     if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
-        name, axis = next(iter(ROW_STATES.items()))
-        S = np.shape(state[name])[axis + 2]
-        inputs.check_accepted(accepted, S, np.shape(verified[name])[axis + 2] // S)
+        inputs.check_commit(state, verified, accepted, state_shapes=state_shapes, ranks=RANKS,
+                            row_states=ROW_STATES, verify_rows=VERIFY_ROWS)
     accepted = jnp.asarray(accepted, jnp.int32)
     rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
                           accepted)
@@ -545,7 +575,7 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     pooled matrices and experts in pool form, per-layer vector blocks, the head vectors and
     the embedding shard."""
-    inputs.check_hf_weights(hf, DIMS)
+    inputs.check_hf_weights(hf, DIMS, HF_CONFIG)
     shapes = _hbm_shapes()
     packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
     kinds = {v: kname for kname, v in KIND_IDS.items()}

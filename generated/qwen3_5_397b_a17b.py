@@ -13,6 +13,7 @@ this module holds the schedule: buffers, copies, semaphores, the layer loop and 
 from __future__ import annotations
 
 import functools
+import json
 import types
 
 import jax
@@ -75,6 +76,35 @@ DIMS = Qwen35MoeDims(family='qwen3_5_moe_text', name='qwen3_5_397b_a17b', hidden
                      linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                      experts=512, top_k=10, moe_intermediate_size=1024,
                      shared_expert_intermediate_size=1024, norm_topk_prob=True)
+# The config.json this module was compiled for: pack_rank checks the HF weights against its
+# family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
+HF_CONFIG = json.loads(
+    '{"architectures": ["Qwen3_5MoeForCausalLM"], "attention_bias": false, "attention_dropout'
+    '": 0.0, "attn_output_gate": true, "dtype": "bfloat16", "eos_token_id": 248044, "full_att'
+    'ention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 4096, "initia'
+    'lizer_range": 0.02, "layer_types": ["linear_attention", "linear_attention", "linear_atte'
+    'ntion", "full_attention", "linear_attention", "linear_attention", "linear_attention", "f'
+    'ull_attention", "linear_attention", "linear_attention", "linear_attention", "full_attent'
+    'ion", "linear_attention", "linear_attention", "linear_attention", "full_attention", "lin'
+    'ear_attention", "linear_attention", "linear_attention", "full_attention", "linear_attent'
+    'ion", "linear_attention", "linear_attention", "full_attention", "linear_attention", "lin'
+    'ear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attent'
+    'ion", "linear_attention", "full_attention", "linear_attention", "linear_attention", "lin'
+    'ear_attention", "full_attention", "linear_attention", "linear_attention", "linear_attent'
+    'ion", "full_attention", "linear_attention", "linear_attention", "linear_attention", "ful'
+    'l_attention", "linear_attention", "linear_attention", "linear_attention", "full_attentio'
+    'n", "linear_attention", "linear_attention", "linear_attention", "full_attention", "linea'
+    'r_attention", "linear_attention", "linear_attention", "full_attention", "linear_attentio'
+    'n", "linear_attention", "linear_attention", "full_attention"], "linear_conv_kernel_dim":'
+    ' 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 64'
+    ', "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": []'
+    ', "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 1024, "mtp_num_hidden_layer'
+    's": 1, "mtp_use_dedicated_embeddings": false, "num_attention_heads": 32, "num_experts": '
+    '512, "num_experts_per_tok": 10, "num_hidden_layers": 60, "num_key_value_heads": 2, "part'
+    'ial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_parameters": {"mrope_interleaved"'
+    ': true, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta": 1000'
+    '0000, "rope_type": "default"}, "router_aux_loss_coef": 0.001, "shared_expert_intermediat'
+    'e_size": 1024, "tie_word_embeddings": false, "use_cache": true, "vocab_size": 248320}')
 PER_RANK = {'a_off': 1408, 'b_off': 1280, 'conv_ch': 768, 'dk': 128, 'dv': 128, 'expert_tp': 1,
             'expert_width': 1024, 'inter': 0, 'local_experts': 32, 'nk': 1, 'nkv': 1, 'nq': 2,
             'nv': 4, 'shared': 64, 'vocab': 15520}
@@ -545,7 +575,9 @@ def _keep_accepted(states, verified, accepted):
     out = {}
     for name, axis in ROW_STATES.items():
         axis += 2                                           # past the rank and layer axes
-        entry = (jnp.maximum(accepted, 1) - 1) * S + jnp.arange(S)
+        R = verified[name].shape[axis] // S
+        # device-held counts are not read back: clamped to 0..R, as documented in commit
+        entry = (jnp.clip(accepted, 1, R) - 1) * S + jnp.arange(S)
         picked = jnp.take(verified[name], entry, axis=axis)
         shape = [1] * picked.ndim
         shape[axis] = S
@@ -557,11 +589,12 @@ def commit(state, verified, accepted):
     """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
     from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
     KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step). Host-side counts outside 0..R are a ValueError."""
+    position and overwritten by the next step). A state and a verify output of other batches,
+    and host-side counts outside 0..R, are a ValueError; counts already on a device are not read
+    back (that would stall), and are clamped to 0..R."""
     if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
-        name, axis = next(iter(ROW_STATES.items()))
-        S = np.shape(state[name])[axis + 2]
-        inputs.check_accepted(accepted, S, np.shape(verified[name])[axis + 2] // S)
+        inputs.check_commit(state, verified, accepted, state_shapes=state_shapes, ranks=RANKS,
+                            row_states=ROW_STATES, verify_rows=VERIFY_ROWS)
     accepted = jnp.asarray(accepted, jnp.int32)
     rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
                           accepted)
@@ -572,7 +605,7 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     pooled matrices and experts in pool form, per-layer vector blocks, the head vectors and
     the embedding shard."""
-    inputs.check_hf_weights(hf, DIMS)
+    inputs.check_hf_weights(hf, DIMS, HF_CONFIG)
     shapes = _hbm_shapes()
     packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
     kinds = {v: kname for kname, v in KIND_IDS.items()}

@@ -13,6 +13,7 @@ this module holds the schedule: buffers, copies, semaphores, the layer loop and 
 from __future__ import annotations
 
 import functools
+import json
 import types
 
 import jax
@@ -65,6 +66,35 @@ DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, n
                   rope_theta=10000000.0, linear_num_key_heads=16, linear_num_value_heads=48,
                   linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
                   intermediate_size=17408)
+# The config.json this module was compiled for: pack_rank checks the HF weights against its
+# family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
+HF_CONFIG = json.loads(
+    '{"architectures": ["Qwen3_5ForCausalLM"], "attention_bias": false, "attention_dropout": '
+    '0.0, "attn_output_gate": true, "bos_token_id": null, "dtype": "bfloat16", "eos_token_id"'
+    ': 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_s'
+    'ize": 5120, "initializer_range": 0.02, "intermediate_size": 17408, "layer_types": ["line'
+    'ar_attention", "linear_attention", "linear_attention", "full_attention", "linear_attenti'
+    'on", "linear_attention", "linear_attention", "full_attention", "linear_attention", "line'
+    'ar_attention", "linear_attention", "full_attention", "linear_attention", "linear_attenti'
+    'on", "linear_attention", "full_attention", "linear_attention", "linear_attention", "line'
+    'ar_attention", "full_attention", "linear_attention", "linear_attention", "linear_attenti'
+    'on", "full_attention", "linear_attention", "linear_attention", "linear_attention", "full'
+    '_attention", "linear_attention", "linear_attention", "linear_attention", "full_attention'
+    '", "linear_attention", "linear_attention", "linear_attention", "full_attention", "linear'
+    '_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention'
+    '", "linear_attention", "linear_attention", "full_attention", "linear_attention", "linear'
+    '_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention'
+    '", "linear_attention", "full_attention", "linear_attention", "linear_attention", "linear'
+    '_attention", "full_attention", "linear_attention", "linear_attention", "linear_attention'
+    '", "full_attention", "linear_attention", "linear_attention", "linear_attention", "full_a'
+    'ttention"], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_hea'
+    'ds": 16, "linear_num_value_heads": 48, "linear_value_head_dim": 128, "mamba_ssm_dtype": '
+    '"float32", "max_position_embeddings": 262144, "model_type": "qwen3_5_text", "num_attenti'
+    'on_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4, "pad_token_id": null, '
+    '"partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_parameters": {"mrope_interle'
+    'aved": true, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta":'
+    ' 10000000, "rope_type": "default"}, "tie_word_embeddings": false, "torch_dtype": "bfloat'
+    '16", "use_cache": true, "vocab_size": 248320}')
 PER_RANK = {'a_off': 2176, 'b_off': 2048, 'conv_ch': 1280, 'dk': 128, 'dv': 128, 'inter': 2176,
             'nk': 2, 'nkv': 1, 'nq': 3, 'nv': 6, 'vocab': 31040}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
@@ -480,7 +510,9 @@ def _keep_accepted(states, verified, accepted):
     out = {}
     for name, axis in ROW_STATES.items():
         axis += 2                                           # past the rank and layer axes
-        entry = (jnp.maximum(accepted, 1) - 1) * S + jnp.arange(S)
+        R = verified[name].shape[axis] // S
+        # device-held counts are not read back: clamped to 0..R, as documented in commit
+        entry = (jnp.clip(accepted, 1, R) - 1) * S + jnp.arange(S)
         picked = jnp.take(verified[name], entry, axis=axis)
         shape = [1] * picked.ndim
         shape[axis] = S
@@ -492,11 +524,12 @@ def commit(state, verified, accepted):
     """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
     from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
     KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step). Host-side counts outside 0..R are a ValueError."""
+    position and overwritten by the next step). A state and a verify output of other batches,
+    and host-side counts outside 0..R, are a ValueError; counts already on a device are not read
+    back (that would stall), and are clamped to 0..R."""
     if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
-        name, axis = next(iter(ROW_STATES.items()))
-        S = np.shape(state[name])[axis + 2]
-        inputs.check_accepted(accepted, S, np.shape(verified[name])[axis + 2] // S)
+        inputs.check_commit(state, verified, accepted, state_shapes=state_shapes, ranks=RANKS,
+                            row_states=ROW_STATES, verify_rows=VERIFY_ROWS)
     accepted = jnp.asarray(accepted, jnp.int32)
     rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
                           accepted)
@@ -506,7 +539,7 @@ def commit(state, verified, accepted):
 def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
     """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
     per-layer vector blocks, the head vectors and the embedding shard."""
-    inputs.check_hf_weights(hf, DIMS)
+    inputs.check_hf_weights(hf, DIMS, HF_CONFIG)
     shapes = _hbm_shapes()
     packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
     kinds = {v: kname for kname, v in KIND_IDS.items()}

@@ -81,12 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"mkc_version": mkc.__version__, "command": args.cmd, "spec": args.spec,
                     "verdict": "ok", "diagnostics": []}
 
-    from mkc import compiler, report
+    from mkc import compiler      # its stages load as they run: a syntax error loads no JAX
     try:
         if args.cmd == "compile":
             c = compiler.compile_spec(args.spec, args.model)
             out = Path(args.out) / f"{compiler.module_name(c)}.py"
             compiler.write_atomically(out, c.module_source)
+            from mkc import report
             result |= {"output": str(out), "budget": report.budget(c.ir, c.events)}
             if not as_json:
                 print(f"wrote {out}")
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:            # libtpu's verdict matters most when mkc rejects a spec for VMEM
                 if args.confirm:
                     result["confirm"] = _confirm(args.spec, args.model, as_json)
+            from mkc import report
             result["budget"] = report.budget(c.ir, c.events)
             if not as_json:
                 print(f"{args.spec}: ok")
@@ -288,7 +290,7 @@ def _perf_data(chip: str, span: Span) -> list[Diagnostic]:
 def _fail(result: dict, diagnostics: list[Diagnostic], as_json: bool, excerpts: bool = True) -> int:
     """Report the diagnostics; each excerpt comes from the file its span names (the spec, a
     config.json), none from an output path or a file that is not text."""
-    from mkc.report import diagnostic_json
+    from mkc.diagnostics import diagnostic_json
     if as_json:
         result |= {"verdict": "error", "diagnostics": [diagnostic_json(d) for d in diagnostics]}
         print(json.dumps(result, indent=1, sort_keys=True))

@@ -8,12 +8,15 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mkc import ir
-from mkc.checks import run_checks
-from mkc.codegen.emit import render
+from typing import TYPE_CHECKING
+
 from mkc.diagnostics import MkcError
-from mkc.lang.parser import parse_file
-from mkc.resolve import resolve, with_smallest_topology
+
+if TYPE_CHECKING:
+    from mkc import ir
+
+# Each stage is imported when the pipeline reaches it: a spec with a syntax error is reported
+# before resolve (networkx, numpy) or codegen (JAX, through the runtime it emits calls to) load.
 
 
 @dataclass
@@ -26,8 +29,11 @@ class Compiled:
 
 def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
     """Parse, resolve and check; raises MkcError with diagnostics on a bad spec."""
+    from mkc.lang.parser import parse_file
     sched, text = parse_file(spec)
+    from mkc.resolve import resolve, with_smallest_topology
     schedule_ir = resolve(sched, model)
+    from mkc.checks import run_checks
     try:
         events = run_checks(schedule_ir)
     except MkcError as e:
@@ -42,6 +48,7 @@ def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
 
 def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:
     c = check_spec(spec, model)
+    from mkc.codegen.emit import render
     c.module_source = render(c.ir, c.spec_text)
     return c
 

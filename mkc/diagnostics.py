@@ -67,3 +67,10 @@ class MkcError(Exception):
 def fail(code: str, message: str, span: Span, hint: str = "", notes: list[str] | None = None) -> MkcError:
     """Build (not raise) an error with a single diagnostic: `raise fail(...)`."""
     return MkcError(Diagnostic(code, message, span, hint, list(notes or [])))
+
+
+def diagnostic_json(d: Diagnostic) -> dict:
+    """A diagnostic as `--json` prints it."""
+    return {"code": d.code, "file": d.span.file, "line": d.span.line, "column": d.span.column,
+            "end_line": d.span.end_line, "end_column": d.span.end_column, "message": d.message,
+            "hint": d.hint, "notes": list(d.notes)}

@@ -404,6 +404,9 @@ class ScheduleIR:
     # "kind.family" (or "expert.family") -> MXU facts, for matrices that are not plain bf16
     matrix_facts: dict[str, MatrixFacts] = field(default_factory=dict)
     tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # final_norm, lm_head, embed
+    # The config.json object the model was read from: a module checks the HF weights it packs
+    # against its family's tensor table of this config (mkc.runtime.inputs.check_hf_weights).
+    model_config: dict = field(default_factory=dict)
     verify_rows: int = 0         # rows per sequence of the verify step (0: none)
     verify_sequences: tuple[int, int] = (0, 0)
 

@@ -6,7 +6,6 @@ from typing import Any
 from mkc import cost, ir, target
 from mkc.checks import vmem_budget
 from mkc.checks.capacity import compiler_overhead_bytes, usable_vmem_bytes, vmem_budget_bytes
-from mkc.diagnostics import Diagnostic
 
 
 def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
@@ -77,8 +76,3 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
                      + ")")
     return "\n".join(lines)
 
-
-def diagnostic_json(d: Diagnostic) -> dict[str, Any]:
-    return {"code": d.code, "file": d.span.file, "line": d.span.line, "column": d.span.column,
-            "end_line": d.span.end_line, "end_column": d.span.end_column, "message": d.message,
-            "hint": d.hint, "notes": list(d.notes)}

@@ -385,6 +385,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
     return ir.ScheduleIR(
         name=sched.name.text, source=sched.source_file, model=dims.name,
         family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
+        model_config=config,
         chip=chip_name, topology=topo.spec, mesh_axis=axis, ranks=ranks,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
         verify_rows=verify_rows, verify_sequences=verify_sequences,

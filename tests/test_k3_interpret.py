@@ -17,36 +17,39 @@ def _run(*args: str) -> dict:
 
 
 def _assert_matches_reference(summary: dict) -> None:
-    """Rows whose expert choice is a near-tie in the reference (margin < 0.005, about the bf16
-    noise of the kernel's activations and wire) may legitimately route differently; the
-    harness compares the others and draws tokens so that at least half the rows qualify."""
-    assert summary["steps"]
-    assert len(summary["compared_rows"]) >= max(1, summary["batch"] // 2), summary
-    assert summary["emulation_check"] == "exact"
+    """Every step is judged from the kernel's own state: exactly against the emulation, on every
+    row, and plainly on the rows that are not near-ties (a row whose expert pick or next token
+    the emulation decides by a margin the plain reference's measured difference could cross:
+    `generated_module.near_ties`; measured at batch 8: 3 to 5 rows of 8 are near-ties, the plain
+    and emulated selection scores differ by up to 7e-3 and many margins are smaller)."""
+    assert summary["steps"] and summary["emulation_check"] == "exact"
+    for step in summary["steps"]:
+        assert step["plain_rows"], step["near_ties"]
     # mkc.numerics: the plain comparison (3 % logits, tokens, states) and the emulation's
-    # exact check (step 0 near f32 rounding, later steps within the measured sensitivity).
+    # exact check (f32 rounding at every step).
     assert numerics.failures(summary) == [], summary
 
 
 @pytest.mark.slow
-def test_eager_dma_mode_at_the_largest_batch():
-    _assert_matches_reference(_run("--mode", "eager", "--steps", "1", "--batch", "8",
-                                   "--emulation-check", "exact"))
+def test_eager_dma_mode_at_the_largest_batch_for_two_steps():
+    """Batch 8, two steps: the second from a nonzero recurrent, conv and latent state."""
+    _assert_matches_reference(_run("--mode", "eager", "--steps", "2", "--batch", "8"))
 
 
 @pytest.mark.slow
 def test_no_races_with_race_detection():
     # Batch 2: at batch 1 the kernel's one-row bf16 dots leave the emulation's order on an
     # AVX512-BF16 host (mkc.numerics); measured at batch 2 with races: bit-equal, 85 s a step.
-    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "2",
-                   "--emulation-check", "exact")
+    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "2")
     _assert_matches_reference(summary)
     assert summary["races_found"] is False
 
 
-# One op per sublayer kind (each mutant run costs about a minute of interpret mode);
+# One op per sublayer kind, and the state-only ops: the KDA decay and conv taps, a read of an
+# earlier latent cache entry (each mutant run costs about a minute of interpret mode);
 # mla.kv_norm and moe.shared_down are in MUTANTS for `run_k3_mini.py --mutants` by hand.
-K3_MUTANTS = ("kda.gated_norm", "mla.o_proj", "dense.down", "moe.expert")
+K3_MUTANTS = ("kda.gated_norm", "mla.o_proj", "dense.down", "moe.expert", "kda.decay",
+              "kda.conv_state", "mla.kv_read")
 
 
 @pytest.mark.slow
@@ -55,11 +58,13 @@ def test_two_on_wait_steps_then_one_op_off_by_one_percent_is_rejected():
     to 16 cores: heads over 8 ranks, replicated twice, everything else over all 16): the module
     passes two steps (measured: both bit-equal to the emulation), then copies of it with one op
     scaled by 1.01 (one per sublayer kind: the KDA gated norm, the MLA output projection, the
-    dense MLP's down projection, the routed experts) are each rejected on the first step by the
-    exact rounding-emulation comparison, which the 3 % plain comparison would let through."""
+    dense MLP's down projection, the routed experts; and the state-only KDA decay, conv taps and
+    latent cache read) each run step 1 from the module's own state after step 0 and are each
+    rejected by the exact rounding-emulation comparison, which the 3 % plain comparison would
+    let through."""
     summary = _run("--spec", str(ROOT / "schedules" / "kimi_k3_64.sched"), "--mode", "on_wait",
-                   "--steps", "2", "--batch", "2", "--emulation-check", "exact",
-                   "--mutants", ",".join(K3_MUTANTS), "--mutant-steps", "1")
+                   "--steps", "2", "--batch", "2", "--mutants", ",".join(K3_MUTANTS),
+                   "--mutants-from", "1")
     assert summary["steps"][0]["emulation"]["logits"] == 0.0
     _assert_matches_reference(summary)
     assert len(summary["steps"]) == 2

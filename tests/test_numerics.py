@@ -1,7 +1,11 @@
 """mkc.numerics: how a run summary is judged against the rounding emulation (the "exact" and
-"flips" checks, the sensitivity bound of later steps), and the batch-of-one emulation. The
+"flips" checks, the same at every step: each starts from the kernel's own state), the harness's
+near-tie rule, and the batch-of-one emulation. The
 interpret-mode runs that produce real summaries are in test_interpret_mini.py and
 test_k3_interpret.py (slow tier)."""
+import importlib
+import inspect
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,12 +14,11 @@ from mkc import numerics
 from mkc.reference.rounding import one_row_as_two
 
 
-def _step(i: int, logits: float, logits_frob: float, states: float, gains=None) -> dict:
+def _step(i: int, logits: float, logits_frob: float, states: float) -> dict:
     return {"step": i, "logits_max_abs_err": 0.0, "logits_max_abs": 1.0, "next_token": [1],
             "ref_next_token": [1], "state_rel_err": {"conv_state": 1e-3},
             "emulation": {"logits": logits, "logits_frob": logits_frob,
-                          "states": {"conv_state": states, "latent_cache": 0.0}},
-            "gains": gains}
+                          "states": {"conv_state": states, "latent_cache": 0.0}}}
 
 
 def _summary(check, *steps) -> dict:
@@ -44,16 +47,71 @@ def test_exact_check_is_f32_rounding_and_no_check_only_reports():
         numerics.failures(_summary("loose", sparse))
 
 
-def test_later_steps_add_the_measured_gain_times_the_carried_state_error():
-    gains = {"logits": 1e3, "logits_frob": 1e3, "states": 2e2}
-    first = _step(0, 0, 0, 1e-6)
-    bounds = numerics.emulation_bounds(1, gains, 1e-6, "flips")
-    assert bounds["logits_frob"] == pytest.approx(
-        numerics.EMULATION_FLIPS["logits_frob"] + numerics.SENSITIVITY_SAFETY * 1e3 * 1e-6)
-    inside = _step(1, 0, 0.9 * bounds["logits_frob"], 0.9 * bounds["states"], gains)
-    outside = _step(1, 0, 1.1 * bounds["logits_frob"], 0.9 * bounds["states"], gains)
-    assert numerics.failures(_summary("flips", first, inside)) == []
-    assert numerics.failures(_summary("flips", first, outside))
+def test_every_step_is_held_to_the_first_steps_bound():
+    """A later step starts from the kernel's own state, so it gets no drift allowance: a 1 %
+    error that shows only from step 1 on (a state-only op) fails there as it would at step 0."""
+    exact = numerics.EMULATION_EXACT
+    assert numerics.emulation_bounds("exact") == {"logits": exact, "states": exact}
+    fine = [_step(i, 0.5 * exact, 0, 0.5 * exact) for i in range(4)]
+    assert numerics.failures(_summary("exact", *fine)) == []
+    late = fine[:3] + [_step(3, 0, 0, 2 * exact)]
+    fails = numerics.failures(_summary("exact", *late))
+    assert fails == [f"step 3: conv_state differs from the rounding emulation by {2 * exact:.3g} "
+                     f"(x2 the exact bound {exact:.3g})"], fails
+    with pytest.raises(ValueError):
+        numerics.emulation_bounds("loose")
+
+
+def test_a_step_with_every_row_a_near_tie_is_not_judged_plainly_but_by_the_emulation():
+    step = {**_step(0, 0, 0, 0), "logits_max_abs_err": 0.0, "logits_max_abs": 0.0,
+            "next_token": [], "ref_next_token": []}
+    assert numerics.failures(_summary("exact", step)) == []
+    assert numerics.failures(_summary("exact", {**step, "emulation": _step(0, 1e-3, 0, 0)["emulation"]}))
+
+
+def _harness():
+    import sys
+
+    from tests_support import ROOT
+    sys.path.insert(0, str(ROOT / "examples"))
+    import generated_module
+    return generated_module
+
+
+def test_near_ties_are_the_rows_whose_margin_a_measured_difference_could_cross():
+    """The plain reference may pick otherwise only where the emulation's margin is at most twice
+    the largest difference between the two runs' scores in that row; other rows must match."""
+    near_ties = _harness().near_ties
+    emu = np.array([[0.9, 0.5, 0.1], [0.6, 0.59, 0.1], [0.6, 0.55, 0.1]], np.float32)
+    plain = emu + np.array([[0.01, 0, 0], [0.001, 0, 0], [0, 0.03, 0]], np.float32)
+    logits = np.array([[3.0, 1.0], [3.0, 1.0], [3.0, 1.0]], np.float32)
+    ties = near_ties([(emu, 1)], [(plain, 1)], logits, logits)
+    # row 0: margin 0.4 > 2 x 0.01; row 1: 0.01 > 2 x 0.001; row 2: 0.05 <= 2 x 0.03
+    assert sorted(ties["routing"]) == [2] and ties["token"] == {}
+    assert "margin 5.00e-02 <= 2 x 3.00e-02" in ties["routing"][2]
+    close = np.array([[2.0, 1.99], [3.0, 1.0], [2.0, 1.99]], np.float32)
+    ties = near_ties([], [], close, close + np.float32([[0.01, 0], [0.01, 0], [0.01, 0]]))
+    assert sorted(ties["token"]) == [0, 2] and ties["routing"] == {}
+
+
+def test_a_state_only_mutant_edits_one_lowering_function_of_its_own_module_only():
+    """LOWERING_MUTANTS bind an edited copy of one lowering function into the mutant module;
+    the family's lowering module, and so an unmutated module in the same process, keep theirs."""
+    gm = _harness()
+    from mkc.families.qwen3_5_moe import lowering
+    from tests_support import ROOT
+
+    original = lowering.delta_rule
+    mutant = gm.load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini",
+                               "gdn.decay")
+    plain = gm.load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini")
+    assert lowering.delta_rule is original and plain.lower.delta_rule is original
+    assert mutant.lower.delta_rule is not original and mutant.lower.conv is lowering.conv
+    assert mutant.lower.delta_rule.__code__.co_filename.startswith("<mutant gdn.decay of ")
+    for name, (func, old, _) in gm.LOWERING_MUTANTS.items():   # each edit matches exactly once
+        family = {"gdn": "qwen3_5", "gqa": "qwen3_5"}.get(name.split(".")[0], "kimi_k3")
+        module = importlib.import_module(f"mkc.families.{family}.lowering")
+        assert inspect.getsource(getattr(module, func)).count(old) == 1, name
 
 
 def test_a_batch_of_one_runs_as_two_rows():

@@ -4,6 +4,7 @@ literals (named dataclasses of `mkc.runtime`, wrapped at 100 columns), the layer
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, copy_name, gather_name, layer_source, reduce_name
@@ -18,6 +19,14 @@ from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.vectors import Parity
 
 WIDTH = 100
+
+
+def json_chunks(value, width: int = 88) -> list[str]:
+    """`value` as sorted JSON, cut into Python string literals of at most about `width`
+    characters, to be concatenated: any config value (non-finite floats too, as JSON spells
+    them) becomes source by repr alone."""
+    text = json.dumps(value, sort_keys=True)
+    return [repr(text[i:i + width]) for i in range(0, len(text), width)]
 
 
 def literal(value, col: int = 0, base: int = 0) -> str:
@@ -240,6 +249,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
     return {
         "family": family, "dims_import": family.dims_import,
         "dims_literal": literal(dims_class(**dims_fields), 7),
+        "config_chunks": json_chunks(s.model_config),
         "per_rank_literal": literal(dict(sorted(s.per_rank.items())), 11),
         "shards_literal": literal(ShardTable.of(s.shards, s.ranks), 9),
         "vocab_replicated": s.shards["vocab"][0] != s.ranks,

@@ -35,8 +35,10 @@ _SCHEDULE_LISTS = {ast.Shard: "shards", ast.Ring: "rings", ast.Stream: "streams"
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
+    # cache: lark keeps the LALR tables in the temp directory, keyed by the grammar's digest
+    # (building them is most of a syntax error's answer time: 0.4 s of 0.6).
     return lark.Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True,
-                     maybe_placeholders=False)
+                     maybe_placeholders=False, cache=True)
 
 
 def _span(file: str, meta_or_token) -> Span:

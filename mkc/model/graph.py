@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from mkc.ir import MatrixFacts, OpFacts
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class FamilyGraph:
 def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
     """The decode-step graph: the family's layer kinds instantiated per layer, between the
     embedding and the final norm and lm_head."""
+    import networkx as nx     # loaded once a graph is built: a spec's early errors need none
     g = nx.DiGraph()
     g.add_node("embed", op="embed", layer=None, kind=None, reads=("embed",), writes=("x",))
     prev = "embed"

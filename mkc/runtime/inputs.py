@@ -10,10 +10,12 @@ already on a device are not read back, since that would stall the step behind th
 """
 from __future__ import annotations
 
-import re
+import functools
+import json
 from collections.abc import Callable, Mapping
 
 import jax
+import ml_dtypes
 import numpy as np
 
 Shapes = Mapping[str, tuple[tuple[int, ...], object]]
@@ -60,35 +62,135 @@ def check_accepted(accepted, sequences: int, rows: int) -> None:
                 f"a sequence accepts 0 to {rows} rows of the verify step")
 
 
-EMBEDDING = "model.embed_tokens.weight"
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+def check_commit(state: Mapping, verified: Mapping, accepted, *, state_shapes: Callable[..., Shapes],
+                 ranks: int, row_states: Mapping[str, int], verify_rows: int) -> int:
+    """A commit's inputs: the row states of a decode state of S sequences, the output of a
+    verify step of R rows for those S sequences, and S accepted counts (``check_accepted``);
+    R. A verify output of another batch would otherwise gather a malformed state."""
+    name, axis = next(iter(row_states.items()))
+    if name not in state or name not in verified:
+        raise ValueError(f"commit needs the row states {sorted(row_states)} in both the state and "
+                         "the verify step's output")
+    S = np.shape(state[name])[axis + 2]                    # past the rank and layer axes
+    _same_arrays("state", {n: state[n] for n in row_states if n in state},
+                 {n: state_shapes(S)[n] for n in row_states}, ranks,
+                 f"pass the state of {S} sequences the verify step started from")
+    entries = np.shape(verified[name])[axis + 2]
+    R = entries // S
+    if entries % S or not 1 <= R <= verify_rows:
+        raise ValueError(f"the verify output holds {entries} rows of {name}, not R rows (1 to "
+                         f"{verify_rows}) of the state's {S} sequences: commit the output of the "
+                         "verify step that started from this state")
+    _same_arrays("verify output", verified, state_shapes(S, R), ranks,
+                 f"pass what verify_step returned for these {S} sequences")
+    check_accepted(accepted, S, R)
+    return R
 
 
-def check_hf_weights(hf: Mapping, dims) -> None:
-    """HF-named weights for the model a module was compiled for: its embedding's shape and its
-    layer count (weights of another config would otherwise fail deep in the packing with a
-    broadcast error, or, with more layers, pack silently)."""
-    layers = {int(m.group(1)) for name in hf if (m := _LAYER.match(name))}
-    embedding = tuple(np.shape(hf[EMBEDDING])) if EMBEDDING in hf else None
-    want = (dims.vocab_size, dims.hidden_size)
-    if embedding != want or layers != set(range(dims.num_hidden_layers)):
-        found = "no embedding" if embedding is None else f"an embedding of {list(embedding)}"
-        raise ValueError(
-            f"the weights are not {dims.name}'s: they hold {found} and layers "
-            f"{_ranges(sorted(layers))}; this module was compiled for vocabulary x hidden "
-            f"{list(want)} and layers 0-{dims.num_hidden_layers - 1}. Compile the spec against "
-            "the checkpoint (`mkc compile SPEC --model DIR`), or load the one its config describes")
+_FLOATS = (ml_dtypes.bfloat16, np.float16, np.float32)
+_MAX_LISTED = 12
 
 
-def _ranges(values: list[int]) -> str:
-    if not values:
-        return "none"
-    runs, start = [], values[0]
-    for a, b in zip(values, values[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}-{a}" if a > start else f"{a}")
-            start = b
-    return ", ".join(runs)
+def expected_hf_weights(dims, config: Mapping) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The HF tensors a module compiled for `config` packs: name -> (shape, dtype), from its
+    family reference's table (``param_shapes``), whose upstream names the packing reads."""
+    return _table(dims.family, json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _table(family: str, config_json: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    # cached: pack_rank checks once per rank, and full K3's table has 497,052 tensors (2.4 s)
+    from mkc import families
+    reference = families.get(family).module("reference")
+    return reference.param_shapes(reference.load_config(json.loads(config_json)))
+
+
+def _integer_fields(config: Mapping, prefix: str = "") -> list[tuple[str, int]]:
+    out = []
+    for key, value in config.items():
+        if type(value) is int and value > 0:
+            out.append((prefix + key, value))
+        elif isinstance(value, Mapping):
+            out += _integer_fields(value, f"{prefix}{key}.")
+    return out
+
+
+def _with(config: Mapping, path: str, value: int) -> dict:
+    head, _, rest = path.partition(".")
+    out = dict(config)
+    out[head] = _with(config[head], rest, value) if rest else value
+    return out
+
+
+def deciding_fields(dims, config: Mapping, names: list[str]) -> dict[str, dict[int, list[str]]]:
+    """For each of `names`, per axis of its shape, the config fields that set it: measured, not
+    listed by hand, by changing each integer field (doubled, else plus one, where the family
+    accepts it) and seeing which axes of which tensors move."""
+    base = expected_hf_weights(dims, config)
+    out: dict[str, dict[int, list[str]]] = {n: {} for n in names}
+    for path, value in _integer_fields(config):
+        for trial in (2 * value, value + 1):
+            try:
+                shapes = expected_hf_weights(dims, _with(config, path, trial))
+            except Exception:       # a value the family refuses (divisibility, ranges): next
+                continue
+            for n in names:
+                if n in shapes:
+                    for axis, (a, b) in enumerate(zip(shapes[n][0], base[n][0])):
+                        if a != b:
+                            out[n].setdefault(axis, []).append(path)
+            break
+    return out
+
+
+def check_hf_weights(hf: Mapping, dims, config: Mapping) -> None:
+    """HF-named weights against the config a module was compiled for, before anything is packed:
+    every tensor its family's table names present, no other, each of its shape, integer codes
+    (MXFP4) as uint8 and floats as bf16, f16 or f32. Every mismatch is listed in one
+    ValueError, a wrong shape with the config fields that decide it (a tensor one column off
+    would otherwise be padded or truncated into the kernel, and a transposed or missing one end
+    in a broadcast or KeyError deep in the packing)."""
+    expected = expected_hf_weights(dims, config)
+    missing = [n for n in expected if n not in hf]
+    unexpected = sorted(n for n in hf if n not in expected)
+    wrong: dict[str, str] = {}
+    accepted = {d: frozenset(map(np.dtype, ("uint8",) if np.dtype(d) == np.uint8 else _FLOATS))
+                for d in {dtype for _, dtype in expected.values()}}
+    for name, (shape, dtype) in expected.items():      # 497,052 tensors for full K3: kept lean
+        a = hf.get(name)
+        if a is None:
+            continue
+        if not hasattr(a, "dtype"):
+            a = np.asarray(a)
+        if a.shape != tuple(shape):
+            wrong[name] = f"shape {list(a.shape)}, expected {list(shape)}"
+        elif a.dtype not in accepted[dtype]:
+            wanted = " or ".join(sorted(d.name for d in accepted[dtype]))
+            wrong[name] = f"dtype {a.dtype.name}, expected {wanted}"
+    if not (missing or unexpected or wrong):
+        return
+    shown = list(wrong.items())[:_MAX_LISTED]
+    fields = deciding_fields(dims, config, [n for n, why in shown if why.startswith("shape")])
+    lines = []
+    for name, why in shown:
+        want, got = expected[name][0], tuple(np.shape(hf[name]))
+        axes = fields.get(name, {})
+        # the axes that differ (all of them when the rank does)
+        off = [a for a in axes if len(got) != len(want) or got[a] != want[a]]
+        decided = sorted({f for a in off for f in axes[a]})
+        lines.append(f"{name}: {why}" + (f" (set by {', '.join(decided)})" if decided else ""))
+    if len(wrong) > _MAX_LISTED:
+        lines.append(f"... and {len(wrong) - _MAX_LISTED} more of the wrong shape or dtype")
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            shown = ", ".join(names[:_MAX_LISTED])
+            more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+            lines.append(f"{len(names)} {what} tensor(s): {shown}{more}")
+    raise ValueError(
+        f"the weights do not match {dims.name}, the config this module was compiled for "
+        f"({dims.num_hidden_layers} layers, hidden {dims.hidden_size}); nothing was packed:\n  "
+        + "\n  ".join(lines) + "\nCompile the spec against the checkpoint's config (`mkc compile "
+        "SPEC --model DIR`), or load the weights its config describes")
 
 
 def _integers(name: str, values) -> tuple[int, ...]:

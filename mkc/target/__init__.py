@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from jax.experimental.pallas import tpu as pltpu
 
 
 @dataclass(frozen=True)
@@ -139,6 +138,7 @@ def chip(name: str) -> Chip:
     g = _GENERATIONS[name]
     one = _devices(f"{g.prefix}={'x'.join(['1'] * g.ndims)}")
     tcs = one[0][2]
+    from jax.experimental.pallas import tpu as pltpu    # JAX loads only once a chip is needed
     info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, g.version), tcs)
     # JAX's facts are per TensorCore; a rank (device) owns `tcs` of them. VMEM stays per
     # TensorCore: a grid-less kernel runs on one.

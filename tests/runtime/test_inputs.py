@@ -107,25 +107,104 @@ def test_accepted_counts():
         assert message in str(e.value)
 
 
-@pytest.mark.parametrize("config", ["qwen3_8_mini", "qwen3_5_moe_mini", "kimi_k3_mini", "kimi_k3"])
-def test_hf_weights_of_the_compiled_config_pass_and_of_another_do_not(config):
-    """Every family's upstream parameter names (`param_shapes`) pass for the dims they were made
-    from; dropping a layer, adding one or changing the hidden size is refused."""
+def _hf_of(config: str):
+    """(dims, raw config, HF weights of that config's table as zero-memory views)."""
     import json
 
     from mkc import families
-    from mkc.runtime.inputs import check_hf_weights
+    from mkc.runtime.inputs import expected_hf_weights
     raw = json.loads((ROOT / "mkc" / "model" / "configs" / f"{config}.json").read_text())
-    family = families.for_model_type(raw.get("model_type"))
-    dims = family.read_dims(raw, config)
-    reference = family.module("reference")
-    shapes = reference.param_shapes(reference.load_config(raw))
-    hf = {name: np.empty(shape, np.int8) if name.endswith("embed_tokens.weight") else 0
-          for name, (shape, _) in shapes.items()}
-    check_hf_weights(hf, dims)
+    dims = families.for_model_type(raw.get("model_type")).read_dims(raw, config)
+    hf = {name: np.broadcast_to(np.zeros((), dtype), shape)
+          for name, (shape, dtype) in expected_hf_weights(dims, raw).items()}
+    return dims, raw, hf
+
+
+@pytest.mark.parametrize("config", ["qwen3_8_mini", "qwen3_5_moe_mini", "kimi_k3_mini", "kimi_k3"])
+def test_hf_weights_of_the_compiled_config_pass_and_of_another_do_not(config):
+    """Every family's upstream tensors (`param_shapes`) pass for the config they were made from;
+    dropping a layer, adding one or another hidden size is refused, naming the tensors."""
+    from mkc.runtime.inputs import check_hf_weights
+    dims, raw, hf = _hf_of(config)
+    check_hf_weights(hf, dims, raw)
     last = dims.num_hidden_layers - 1
-    for bad in ({n: v for n, v in hf.items() if not n.startswith(f"model.layers.{last}.")},
-                dict(hf, **{f"model.layers.{last + 1}.mlp.down_proj.weight": 0}),
-                dict(hf, **{"model.embed_tokens.weight": np.empty((dims.vocab_size, 8))})):
-        with pytest.raises(ValueError, match=f"the weights are not {config}'s"):
-            check_hf_weights(bad, dims)
+    dropped = {n: v for n, v in hf.items() if not n.startswith(f"model.layers.{last}.")}
+    added = dict(hf, **{f"model.layers.{last + 1}.mlp.down_proj.weight": np.zeros((2, 2))})
+    narrow = dict(hf, **{"model.embed_tokens.weight": np.empty((dims.vocab_size, 8), np.float32)})
+    cases = [(dropped, f"missing tensor(s): model.layers.{last}."),
+             (added, f"1 unexpected tensor(s): model.layers.{last + 1}.mlp.down_proj.weight")]
+    if config != "kimi_k3":     # a wrong shape measures its fields on 497,052-tensor tables
+        cases.append((narrow, f"model.embed_tokens.weight: shape [{dims.vocab_size}, 8], expected "
+                              f"[{dims.vocab_size}, {dims.hidden_size}] (set by hidden_size)"))
+    for bad, says in cases:
+        with pytest.raises(ValueError, match=f"the weights do not match {config}, the config") as e:
+            check_hf_weights(bad, dims, raw)
+        assert says in str(e.value)
+
+
+def test_every_wrong_tensor_is_named_in_one_error_with_the_fields_that_set_its_shape():
+    """One column short, transposed, 1-D, of an integer dtype, missing: all in one error,
+    nothing packed; a checkpoint made with another intermediate_size names every MLP matrix."""
+    from mkc.runtime.inputs import check_hf_weights
+    dims, raw, hf = _hf_of("qwen3_8_mini")
+    down = "model.layers.0.mlp.down_proj.weight"
+    gate = "model.layers.1.mlp.gate_proj.weight"
+    norm = "model.layers.2.input_layernorm.weight"
+    out, inp = hf[down].shape
+    bad = dict(hf, **{down: np.zeros((out, inp - 1), np.float32), gate: hf[gate].T,
+                      norm: np.zeros((hf[norm].shape[0], 1), np.float32),
+                      "model.norm.weight": hf["model.norm.weight"].astype(np.int32)})
+    del bad["model.layers.3.mlp.up_proj.weight"]
+    with pytest.raises(ValueError) as e:
+        check_hf_weights(bad, dims, raw)
+    text = str(e.value)
+    assert f"{down}: shape [{out}, {inp - 1}], expected [{out}, {inp}] (set by " in text
+    assert "intermediate_size" in text.split(down)[1].splitlines()[0]
+    assert f"{gate}: shape {list(hf[gate].T.shape)}" in text and f"{norm}: shape" in text
+    assert "model.norm.weight: dtype int32, expected bfloat16 or float16 or float32" in text
+    assert "1 missing tensor(s)" in text and "nothing was packed" in text
+
+    from mkc.runtime.inputs import expected_hf_weights
+    other = dict(raw, intermediate_size=raw["intermediate_size"] * 2)
+    theirs = {n: np.broadcast_to(np.zeros((), d), shape)
+              for n, (shape, d) in expected_hf_weights(dims, other).items()}
+    with pytest.raises(ValueError) as e:
+        check_hf_weights(theirs, dims, raw)
+    mlp = [n for n in hf if ".mlp." in n]
+    assert f"and {len(mlp) - 12} more of the wrong shape" in str(e.value)
+    assert str(e.value).count("(set by intermediate_size)") == 12
+
+
+def test_commit_refuses_a_verify_output_of_other_batches_and_clamps_device_counts():
+    """`commit` checks its state and verify output against each other (S sequences, R rows)
+    and its host-side counts; counts on a device are not read back but clamped to 0..R, as its
+    docstring says (a count past R gathered past the rows: NaN states)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import load_generated
+    qwen = load_generated(SPEC, "qwen3_8_mini")
+
+    def arrays(S, R=1):
+        out = {}
+        for name, (shape, dtype) in qwen.state_shapes(S, R).items():
+            a = np.zeros((qwen.RANKS, *shape), dtype)
+            if name in qwen.ROW_STATES:      # entry e of a row state holds e + 1
+                axis = qwen.ROW_STATES[name] + 2
+                index = [None] * a.ndim
+                index[axis] = slice(None)
+                a[...] = (np.arange(shape[axis - 1]) + 1)[tuple(index)]
+            out[name] = a
+        return out
+
+    state, verified = arrays(2), arrays(2, 3)
+    rows = {n: state[n] for n in qwen.ROW_STATES}
+    exact = qwen.commit(rows, verified, np.array([3, 1]))
+    clamped = qwen.commit(rows, verified, jnp.array([9, 1]))
+    for name in qwen.ROW_STATES:
+        np.testing.assert_array_equal(np.asarray(clamped[name]), np.asarray(exact[name]))
+        assert np.all(np.isfinite(np.asarray(clamped[name], np.float32)))
+    with pytest.raises(ValueError, match="accepted\\[0\\] = 4 is outside 0 to 3"):
+        qwen.commit(rows, verified, np.array([4, 1]))
+    with pytest.raises(ValueError, match="pass what verify_step returned for these 1 sequences"):
+        qwen.commit({n: arrays(1)[n] for n in qwen.ROW_STATES}, verified, np.array([1]))
+    with pytest.raises(ValueError, match="holds 6 rows of .*, not R rows \\(1 to 8\\) of the state's 4"):
+        qwen.commit({n: arrays(4)[n] for n in qwen.ROW_STATES}, verified, np.array([1, 1, 1, 1]))

@@ -824,9 +824,16 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     """Sigmoid routing ``[..., E] -> (ids [..., k], weights [..., k])``: the correction bias only
     picks the experts; the weights are the uncorrected scores renormalised over the chosen k."""
     scores = jax.nn.sigmoid(logits)
-    _, ids = jax.lax.top_k(scores + bias, top_k)
+    _, ids = jax.lax.top_k(selection_scores(logits, bias, top_k)[0], top_k)
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
     return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True) * scaling
+
+
+def selection_scores(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float = 1.0
+                     ) -> tuple[jax.Array, int]:
+    """What ``route`` (same arguments) takes the top k of, and that k: the sigmoid scores plus
+    the correction bias. The harness's near-tie rule reads it (``examples/generated_module``)."""
+    return jax.nn.sigmoid(logits) + bias, top_k
 
 
 def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> jax.Array:

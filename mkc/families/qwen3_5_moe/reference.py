@@ -232,11 +232,18 @@ def count_parameters(cfg: Qwen35MoeConfig, active: bool = False) -> int:
 def route(logits: jax.Array, top_k: int, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
     """Softmax routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first: the top-k
     softmax probabilities over all experts, divided by their sum when ``renormalize``."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    probs, _ = selection_scores(logits, top_k)
     weights, ids = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return ids, weights
+
+
+def selection_scores(logits: jax.Array, top_k: int, renormalize: bool = True
+                     ) -> tuple[jax.Array, int]:
+    """What ``route`` (same arguments) takes the top k of, and that k: the softmax
+    probabilities. The harness's near-tie rule reads it (``examples/generated_module``)."""
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k
 
 
 def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
