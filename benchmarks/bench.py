@@ -1,6 +1,8 @@
-"""Benchmarks, for the Qwen 3.8 27B and Kimi K3 schedules: mkc compile time of the full spec
-(in process and as the CLI), libtpu compile time of the generated full-size kernel at batch 1
-and 8, interpret-mode time per MINI decode step, and the VMEM peaks. Prints medians and the
+"""Benchmarks, for the Qwen 3.8 27B and Kimi K3 schedules: how fast `mkc check` answers a spec
+with a syntax error and one with a resolve error (CLI wall time: the diagnostics' latency), mkc
+compile time of the full spec (in process and as the CLI), libtpu compile time of the
+generated full-size kernel at batch 1 and 8, interpret-mode time per MINI decode step, and the
+VMEM peaks. Prints medians and the
 command that reproduces each number.
 
     ./dev bench            (or .venv/bin/python benchmarks/bench.py [--repeats N])
@@ -52,6 +54,78 @@ def bench_cli_compile(spec: str, repeats: int) -> list[float]:
     return times
 
 
+def bench_check_latency(spec: str, broken: tuple[str, str], repeats: int) -> list[float]:
+    """Wall time of `mkc check` on `spec` with one edit (old, new) that makes it wrong: the
+    answer must come before any stage it does not need loads (JAX above all)."""
+    import re
+    import tempfile
+    pattern, new = broken
+    text, n = re.subn(pattern, new, (ROOT / spec).read_text(), count=1, flags=re.M)
+    assert n == 1, pattern
+    path = Path(tempfile.mkdtemp(prefix="mkc-bench-")) / Path(spec).name
+    path.write_text(text)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "mkc", "check", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        times.append(time.perf_counter() - t0)
+        assert r.returncode == 1 and "error[" in r.stderr, r.stderr
+    return times
+
+
+# (what, (line pattern, replacement)): a syntax error, and an error resolve finds (a model
+# config that does not exist)
+BROKEN = (("syntax error", (r"^schedule ", "schedul ")),
+          ("resolve error", (r'^(\s*model\s+)"[^"]*"', r'\1"no_such_model"')))
+
+
+def synthetic_checkpoint(config_name: str, root: Path) -> int:
+    """A full-size checkpoint of zeros for a shipped config, written as a sparse safetensors
+    file (header, then a hole: no disk blocks, reads as zeros); its size in bytes."""
+    import struct
+
+    from mkc.checkpoint import family_of
+    config = json.loads((ROOT / "mkc" / "model" / "configs" / f"{config_name}.json").read_text())
+    reference = family_of(config).module("reference")
+    codes = {"bfloat16": ("BF16", 2), "float32": ("F32", 4), "uint8": ("U8", 1)}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (shape, dtype) in reference.param_shapes(reference.load_config(config)).items():
+        code, size = codes[str(dtype)]
+        n = size
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    with open(root / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)
+    return offset
+
+
+def bench_pack_rss(config_name: str, module: str) -> dict:
+    """Peak RSS of packing rank 0 of a full-size checkpoint loaded lazily (a fresh process)."""
+    import shutil
+    import tempfile
+    root = Path(tempfile.mkdtemp(prefix="mkc-ckpt-"))
+    try:
+        size = synthetic_checkpoint(config_name, root)
+        code = (f"import importlib, resource, time; from mkc.checkpoint import load_checkpoint; "
+                f"gen = importlib.import_module('generated.{Path(module).stem}'); "
+                f"t0 = time.perf_counter(); _, hf = load_checkpoint({str(root)!r}, lazy=True); "
+                "packed = gen.pack_rank(hf, 0); s = time.perf_counter() - t0; "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "
+                "sum(a.nbytes for a in packed.values()), s)")
+        rss, packed, seconds = _py(["-c", code]).split()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"checkpoint": size, "rss": int(rss), "packed": int(packed), "seconds": float(seconds)}
+
+
 def bench_tpu_compile(module: str, repeats: int, batch: int) -> list[float]:
     times = []
     for _ in range(repeats):   # a fresh process each time: no compile cache between runs
@@ -84,6 +158,10 @@ def main() -> int:
     for model, (spec, module, script, devices) in MODELS.items():
         if args.model and model != args.model:
             continue
+        for what, edit in BROKEN:
+            rows.append((f"{model}: mkc check of the spec with a {what}, CLI wall time",
+                         bench_check_latency(spec, edit, args.repeats),
+                         f"(edit {spec}: {edit[0]!r} -> {edit[1]!r}) .venv/bin/mkc check SPEC"))
         rows.append((f"{model}: mkc compile of the full spec, in process (parse to module text)",
                      bench_mkc_compile(spec, args.repeats),
                      f".venv/bin/python -c 'from mkc import compiler; compiler.compile_spec(\"{spec}\")'"))
@@ -100,6 +178,13 @@ def main() -> int:
     for name, times, cmd in rows:
         print(f"{name}: median {statistics.median(times):.3f} s over {len(times)} "
               f"(min {min(times):.3f}, max {max(times):.3f})\n    reproduce: {cmd}")
+    pack = bench_pack_rss("qwen3_8_27b", "generated/qwen3_8_27b.py")
+    print(f"Qwen 3.8 27B: packing rank 0 of a lazily loaded full-size checkpoint "
+          f"({pack['checkpoint'] / 2**30:.1f} GiB of zeros, sparse): peak RSS "
+          f"{pack['rss'] / 2**30:.2f} GiB for {pack['packed'] / 2**30:.2f} GiB packed, "
+          f"{pack['seconds']:.0f} s\n    reproduce: .venv/bin/python -c 'import sys; "
+          "sys.path.insert(0, \"benchmarks\"); import bench; "
+          "print(bench.bench_pack_rss(\"qwen3_8_27b\", \"generated/qwen3_8_27b.py\"))'")
     for model, by_batch in peaks.items():
         spec = MODELS[model][0]
         print(f"{model} VMEM peak: " + ", ".join(f"batch {b}: {mib:.2f} MiB"

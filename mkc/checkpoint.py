@@ -89,11 +89,45 @@ def _weight_files(root: Path) -> dict[Path, list[str] | None]:
     return {p: None for p in found}
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+_NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8}
+
+
+class StoredTensor:
+    """One tensor of a safetensors file, read only when used: its shape and dtype come from the
+    file's header; ``np.asarray`` reads it whole, and indexing (``t[e]``, ``t[:, a:b]``) reads
+    just that part. A generated module's ``place_weights`` packs rank by rank, so with these a
+    full-size checkpoint is never held in memory at once (``load_checkpoint(lazy=True)``)."""
+
+    __slots__ = ("file", "name", "shape", "dtype")
+
+    def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: np.dtype):
+        self.file, self.name, self.shape, self.dtype = file, name, shape, np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        with safe_open(self.file, framework="np") as f:
+            a = f.get_tensor(self.name)
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        with safe_open(self.file, framework="np") as f:
+            return f.get_slice(self.name)[index]
+
+    def __repr__(self) -> str:
+        return f"StoredTensor({self.file.name}:{self.name}, {self.dtype}{list(self.shape)})"
+
+
+def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
+                    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read an HF checkpoint directory into (config.json as a dict, HF name -> numpy array).
 
     Arrays keep their stored dtype (bf16 as ``ml_dtypes.bfloat16``, or f32 where the checkpoint
     stores f32); names are the ForCausalLM ones of the family reference's ``param_shapes``.
+    ``lazy``: each value is a ``StoredTensor`` instead, read when packed (for full-size models:
+    ``place_weights`` then holds one rank's packed bytes and one tensor at a time).
     """
     root = Path(path)
     if not root.is_dir():
@@ -112,6 +146,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
 
     # Pass 1: names, shapes and dtypes from the headers only.
     located: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, stored name)
+    stored_dtypes: dict[str, str] = {}          # canonical name -> safetensors dtype
     problems: list[str] = []
     unexpected: list[str] = []
     for file, promised in _weight_files(root).items():
@@ -134,6 +169,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
                     located[name] = (file, stored_name)
                     view = f.get_slice(stored_name)
                     shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                    stored_dtypes[name] = dtype
                     want = expected[name][0]
                     if shape != want:
                         problems.append(f"{name}: shape {list(shape)}, expected {list(want)}")
@@ -151,6 +187,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
         raise CheckpointError(f"{root} does not match its config "
                               f"({cfg.num_hidden_layers} layers):\n  " + "\n  ".join(problems))
 
+    if lazy:
+        return config, {name: StoredTensor(*located[name], expected[name][0],
+                                           _NUMPY_DTYPES[stored_dtypes[name]])
+                        for name in expected}
     # Pass 2: the data, file by file so each file is opened once.
     params: dict[str, np.ndarray] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}

@@ -10,8 +10,6 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from mkc.diagnostics import Span
 
 DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1, "u8": 1, "u32": 4}
@@ -434,20 +432,24 @@ POOL_TILE_ROWS = SUBLANE_TILE["bf16"]    # bf16 pool rows per (16, 128) tile
 POOL_ROW_BYTES = LANES * 2               # bytes per pool row
 
 
-def pool_itemsize(dtype: str | np.dtype | type) -> int:
+def pool_itemsize(dtype: object) -> int:
     """Bytes per element of an IR dtype name ("bf16", "u8", ...) or a numpy/jax dtype."""
-    size = DTYPE_BYTES[dtype] if isinstance(dtype, str) else np.dtype(dtype).itemsize
+    if isinstance(dtype, str):
+        size = DTYPE_BYTES[dtype]
+    else:       # a numpy or jax dtype (from the runtime); numpy loads only then
+        import numpy as np
+        size = np.dtype(dtype).itemsize
     if size not in (1, 2):
         raise ValueError(f"a pool holds bf16 or 1-byte (uint8) matrices, not {dtype}")
     return size
 
 
-def panel_rows(rows: int, dtype: str | np.dtype | type) -> int:
+def panel_rows(rows: int, dtype: object) -> int:
     """Pool (bf16) rows of one column panel of a [rows, *] matrix: 1-byte data two rows per
     pool row, rounded up to whole (16, 128) tiles."""
     return _round_up(-(-rows * pool_itemsize(dtype) // 2), POOL_TILE_ROWS)
 
 
-def pooled_rows(rows: int, cols: int, dtype: str | np.dtype | type) -> int:
+def pooled_rows(rows: int, cols: int, dtype: object) -> int:
     """Pool rows a [rows, cols] matrix occupies (its bytes / 256)."""
     return -(-cols // LANES) * panel_rows(rows, dtype)

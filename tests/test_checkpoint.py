@@ -47,6 +47,32 @@ def test_round_trip_sharded(tmp_path: Path, config: dict, params: dict[str, np.n
     _assert_same(load_checkpoint(tmp_path)[1], params)
 
 
+def test_a_lazy_load_reads_tensors_when_packed_and_packs_the_same_bytes(
+        tmp_path: Path, config: dict, params: dict[str, np.ndarray]) -> None:
+    """`lazy=True` gives StoredTensors: shape and dtype from the header, the data read on use
+    (whole by np.asarray, a part by indexing); a generated module packs them byte for byte as
+    the arrays themselves, and checks their shapes without reading them."""
+    import sys
+
+    from mkc.checkpoint import StoredTensor
+    from tests_support import ROOT, SPEC
+    save_checkpoint(tmp_path, config, params, max_shard_bytes=1 << 20)
+    _, lazy = load_checkpoint(tmp_path, lazy=True)
+    name = "model.embed_tokens.weight"
+    assert isinstance(lazy[name], StoredTensor) and lazy[name].shape == params[name].shape
+    assert lazy[name].dtype == params[name].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(np.asarray(lazy[name]).view(np.uint16), params[name].view(np.uint16))
+    np.testing.assert_array_equal(lazy[name][3:5, 7:9].view(np.uint16), params[name][3:5, 7:9].view(np.uint16))
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import load_generated
+    qwen = load_generated(SPEC, "qwen3_8_mini")
+    for rank in (0, qwen.RANKS - 1):
+        want, got = qwen.pack_rank(params, rank), qwen.pack_rank(lazy, rank)
+        for key, a in want.items():
+            np.testing.assert_array_equal(np.asarray(got[key]).view(np.uint8), np.asarray(a).view(np.uint8),
+                                          err_msg=key)
+
+
 def test_multimodal_layout_is_renamed_and_filtered(tmp_path: Path, config: dict,
                                                    params: dict[str, np.ndarray]) -> None:
     """Published Qwen3.5 layout: text under model.language_model., f32 A_log, vision and MTP extras."""

@@ -166,7 +166,8 @@ def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, n
                   rank: int) -> np.ndarray:
     vocab = d.vocab_size // sh.ranks
     if name == "embed":
-        return np.asarray(hf["model.embed_tokens.weight"])[rank * vocab:(rank + 1) * vocab]
+        # indexed before it is an array: a lazily loaded checkpoint reads just this part
+        return np.asarray(hf["model.embed_tokens.weight"][rank * vocab:(rank + 1) * vocab])
     if name == "lm_head":
         return _w(hf, "lm_head.weight")[rank * vocab:(rank + 1) * vocab].T
     names = {"final_norm": "model.norm.weight", "output_res_norm": "model.output_attn_res_norm.weight",

@@ -17,8 +17,10 @@ from mkc.model.graph import lane_pad
 from mkc.model.sharding import ShardTable
 
 
-def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    return np.asarray(hf[name]).astype(np.float32)
+def _w(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
+    """Tensor `name` (its part `index`) as f32, indexed before it is converted: a lazily loaded
+    checkpoint (`mkc.checkpoint.StoredTensor`) then reads only this rank's part."""
+    return np.asarray(hf[name] if index is None else hf[name][index]).astype(np.float32)
 
 
 def _pad_cols(m: np.ndarray, width: int) -> np.ndarray:
@@ -36,33 +38,35 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family
         part = shards.part("mlp", rank)
         cols = slice(part * n, (part + 1) * n)
         if family == "gate_up":
-            return np.concatenate([_w(hf, p + "mlp.gate_proj.weight")[cols].T,
-                                   _w(hf, p + "mlp.up_proj.weight")[cols].T], axis=1)
-        return _w(hf, p + "mlp.down_proj.weight")[:, cols].T
+            return np.concatenate([_w(hf, p + "mlp.gate_proj.weight", cols).T,
+                                   _w(hf, p + "mlp.up_proj.weight", cols).T], axis=1)
+        return _w(hf, p + "mlp.down_proj.weight", (slice(None), cols)).T
     heads, part = shards.ways("heads"), shards.part("heads", rank)
     if family in ("in_proj", "out_proj"):
         nk = d.linear_num_key_heads // heads
         nv = d.linear_num_value_heads // heads
         dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
         if family == "out_proj":
-            return _w(hf, p + "linear_attn.out_proj.weight")[:, part * nv * dv:(part + 1) * nv * dv].T
-        qkv = _w(hf, p + "linear_attn.in_proj_qkv.weight")
+            return _w(hf, p + "linear_attn.out_proj.weight",
+                      (slice(None), slice(part * nv * dv, (part + 1) * nv * dv))).T
+        qkv = p + "linear_attn.in_proj_qkv.weight"
         key_dim = d.linear_num_key_heads * dk
-        q = qkv[part * nk * dk:(part + 1) * nk * dk]
-        k = qkv[key_dim + part * nk * dk:key_dim + (part + 1) * nk * dk]
-        v = qkv[2 * key_dim + part * nv * dv:2 * key_dim + (part + 1) * nv * dv]
-        z = _w(hf, p + "linear_attn.in_proj_z.weight")[part * nv * dv:(part + 1) * nv * dv]
-        b = _w(hf, p + "linear_attn.in_proj_b.weight")[part * nv:(part + 1) * nv]
-        a = _w(hf, p + "linear_attn.in_proj_a.weight")[part * nv:(part + 1) * nv]
+        q = _w(hf, qkv, slice(part * nk * dk, (part + 1) * nk * dk))
+        k = _w(hf, qkv, slice(key_dim + part * nk * dk, key_dim + (part + 1) * nk * dk))
+        v = _w(hf, qkv, slice(2 * key_dim + part * nv * dv, 2 * key_dim + (part + 1) * nv * dv))
+        z = _w(hf, p + "linear_attn.in_proj_z.weight", slice(part * nv * dv, (part + 1) * nv * dv))
+        b = _w(hf, p + "linear_attn.in_proj_b.weight", slice(part * nv, (part + 1) * nv))
+        a = _w(hf, p + "linear_attn.in_proj_a.weight", slice(part * nv, (part + 1) * nv))
         return np.concatenate([q.T, k.T, v.T, z.T, _pad_cols(b.T, lane_pad(nv)),
                                _pad_cols(a.T, lane_pad(nv))], axis=1)
     if family in ("qkv_gate", "o_proj"):
         nq = d.num_attention_heads // heads
         hd = d.head_dim
         if family == "o_proj":
-            return _w(hf, p + "self_attn.o_proj.weight")[:, part * nq * hd:(part + 1) * nq * hd].T
-        qg = _w(hf, p + "self_attn.q_proj.weight").reshape(d.num_attention_heads, 2, hd, H)
-        mine = qg[part * nq:(part + 1) * nq]                       # [nq, 2, hd, H]
+            return _w(hf, p + "self_attn.o_proj.weight",
+                      (slice(None), slice(part * nq * hd, (part + 1) * nq * hd))).T
+        mine = _w(hf, p + "self_attn.q_proj.weight",               # [nq, 2, hd, H]
+                  slice(part * nq * 2 * hd, (part + 1) * nq * 2 * hd)).reshape(nq, 2, hd, H)
         q = mine[:, 0].reshape(nq * hd, H)
         gate = mine[:, 1].reshape(nq * hd, H)
         kv = kv_heads_of(d, part, heads)
@@ -72,7 +76,7 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: ModelDims, layer: int, family
     if family == "lm_head":
         n = d.vocab_size // shards.ways("vocab")
         part = shards.part("vocab", rank)
-        return _w(hf, "lm_head.weight")[part * n:(part + 1) * n].T
+        return _w(hf, "lm_head.weight", slice(part * n, (part + 1) * n)).T
     raise KeyError(f"no HF source for weight family {family!r}")
 
 
@@ -111,7 +115,8 @@ def global_tensor(hf: Mapping[str, np.ndarray], d: ModelDims, name: str, rank: i
     if name == "embed":
         n = d.vocab_size // shards.ways("vocab")
         part = shards.part("vocab", rank)
-        return np.asarray(hf["model.embed_tokens.weight"])[part * n:(part + 1) * n]
+        # indexed before it is an array: a lazily loaded checkpoint reads just this part
+        return np.asarray(hf["model.embed_tokens.weight"][part * n:(part + 1) * n])
     if name == "final_norm":
         return _w(hf, "model.norm.weight")[None, :]
     raise KeyError(name)
