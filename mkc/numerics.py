@@ -9,6 +9,8 @@ any failure) and the tests use these, so a tolerance changes in one place.
 """
 from __future__ import annotations
 
+import os
+import platform
 from collections.abc import Mapping
 
 import numpy as np
@@ -194,7 +196,6 @@ def pin_cpu_isa() -> None:
     claim here was measured (K3 at batch 8 left the emulation there). Pinned, both run the
     AVX2 routines everywhere. Measured only on AVX2 hosts (where it changes nothing); not yet
     run on an AVX512 one."""
-    import os
     if "avx2" not in host_facts()["isa"]:
         return
     flags = os.environ.get("XLA_FLAGS", "")
@@ -208,8 +209,6 @@ def host_facts() -> dict[str, object]:
     by. Each exactness claim holds where it was measured: the runners put this in their summary.
     Measured exact (every step, as the tests run them): AMD EPYC with avx avx2 fma (no
     avx512), December 2026."""
-    import platform
-    import os
     facts: dict[str, object] = {"machine": platform.machine(), "model": platform.processor(), "isa": [],
                                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
