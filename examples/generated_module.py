@@ -273,6 +273,15 @@ def reference_step(reference, hf, cfg, rounding, start: dict, tokens, positions)
             "plain": dict(plain), "near_ties": ties, "seconds": time.perf_counter() - t0}
 
 
+def step_references(reference, hf, cfg, rounding, batch: int, context: int) -> Callable:
+    """``refs(states, tokens, positions)`` for ``run_kernel`` and ``run_verify``: both
+    references' step (``reference_step``) from the kernel's state in the reference's layouts."""
+    def refs(states: dict, tokens, positions) -> dict:
+        start = reference_cache(reference, cfg, states, batch, context)
+        return reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+    return refs
+
+
 def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, ref: dict,
             drift: dict | None = None, what: str = "step") -> dict:
     """One step (or verify row) of the kernel compared with both references from the kernel's

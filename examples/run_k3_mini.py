@@ -51,7 +51,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (RouteRecorder, finish, k3_mini_spec, load_generated,  # noqa: E402
-                              plain_trajectory, reference_cache, reference_step, rounding_for,
+                              plain_trajectory, rounding_for, step_references,
                               run_kernel, run_mutants, run_verify, top_margins)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
@@ -144,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     run = run_verify if args.verify else run_kernel
     kernel_states: list = []       # the kernel's state before each decode step (for mutants)
     trajectory = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
-
-    def refs(states, tokens, positions):
-        start = reference_cache(reference, cfg, states, B, gen.CONTEXT)
-        return reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+    refs = step_references(reference, hf, cfg, rounding, B, gen.CONTEXT)
 
     check = "exact" if args.strict_emulation else (
         None if args.emulation_check == "none" else args.emulation_check)

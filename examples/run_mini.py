@@ -45,7 +45,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (finish, load_generated, plain_trajectory,  # noqa: E402
-                              reference_cache, reference_step, rounding_for, run_kernel,
+                              rounding_for, step_references, run_kernel,
                               run_mutants, run_verify)
 
 from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
@@ -111,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     first = args.first_position if args.first_position is not None else (141 if args.verify else 136)
     positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
     trajectory = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
-
-    def refs(states, tokens, positions):
-        start = reference_cache(reference, cfg, states, B, gen.CONTEXT)
-        return reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+    refs = step_references(reference, hf, cfg, rounding, B, gen.CONTEXT)
 
     run = run_verify if args.verify else run_kernel
     kernel_states: list = []       # the kernel's state before each decode step (for mutants)
