@@ -85,14 +85,16 @@ def synthetic_checkpoint(config_name: str, root: Path) -> int:
     file (header, then a hole: no disk blocks, reads as zeros); its size in bytes."""
     import struct
 
-    from mkc.checkpoint import family_of
+    import numpy as np
+
+    from mkc.checkpoint import _NUMPY_DTYPES, family_of
     config = json.loads((ROOT / "mkc" / "model" / "configs" / f"{config_name}.json").read_text())
     reference = family_of(config).module("reference")
-    codes = {"bfloat16": ("BF16", 2), "float32": ("F32", 4), "uint8": ("U8", 1)}
+    codes = {np.dtype(d): code for code, d in _NUMPY_DTYPES.items()}    # the loader's table
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, (shape, dtype) in reference.param_shapes(reference.load_config(config)).items():
-        code, size = codes[str(dtype)]
-        n = size
+        code = codes[np.dtype(dtype)]
+        n = np.dtype(dtype).itemsize
         for d in shape:
             n *= d
         header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
