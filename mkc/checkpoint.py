@@ -21,14 +21,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mkc import families
-from mkc.model.family import Family
+from mkc.model.family import Family, stored_dtypes
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# Float formats accepted as stored; Qwen3.5 ships A_log and linear_attn.norm.weight as F32.
-_FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _MAX_LISTED = 8
 
 
@@ -146,7 +144,7 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
 
     # Pass 1: names, shapes and dtypes from the headers only.
     located: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, stored name)
-    stored_dtypes: dict[str, str] = {}          # canonical name -> safetensors dtype
+    stored_codes: dict[str, str] = {}           # canonical name -> safetensors dtype code
     problems: list[str] = []
     unexpected: list[str] = []
     for file, promised in _weight_files(root).items():
@@ -169,12 +167,14 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
                     located[name] = (file, stored_name)
                     view = f.get_slice(stored_name)
                     shape, dtype = tuple(view.get_shape()), view.get_dtype()
-                    stored_dtypes[name] = dtype
+                    stored_codes[name] = dtype
                     want = expected[name][0]
                     if shape != want:
                         problems.append(f"{name}: shape {list(shape)}, expected {list(want)}")
-                    if dtype not in _FLOAT_DTYPES:
-                        problems.append(f"{name}: dtype {dtype}, expected one of {sorted(_FLOAT_DTYPES)}")
+                    accepted = stored_dtypes(expected[name][1])
+                    if dtype not in _NUMPY_DTYPES or np.dtype(_NUMPY_DTYPES[dtype]).name not in accepted:
+                        codes = sorted(c for c, d in _NUMPY_DTYPES.items() if np.dtype(d).name in accepted)
+                        problems.append(f"{name}: dtype {dtype}, expected {' or '.join(codes)}")
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
 
@@ -189,7 +189,7 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
 
     if lazy:
         return config, {name: StoredTensor(*located[name], expected[name][0],
-                                           _NUMPY_DTYPES[stored_dtypes[name]])
+                                           _NUMPY_DTYPES[stored_codes[name]])
                         for name in expected}
     # Pass 2: the data, file by file so each file is opened once.
     params: dict[str, np.ndarray] = {}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -11,7 +12,8 @@ import pytest
 from mkc.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from mkc.families.qwen3_5 import reference as ref
 
-MINI_JSON = Path(__file__).resolve().parents[1] / "mkc" / "model" / "configs" / "qwen3_8_mini.json"
+ROOT = Path(__file__).resolve().parents[1]
+MINI_JSON = ROOT / "mkc" / "model" / "configs" / "qwen3_8_mini.json"
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +156,19 @@ def test_sharded_index_errors(tmp_path: Path, config: dict, params: dict[str, np
     index_path.write_text("{not json")
     with pytest.raises(CheckpointError, match="not a valid safetensors index"):
         load_checkpoint(tmp_path)
+
+
+def test_k3_mxfp4_codes_round_trip_as_uint8_and_floats_in_their_place_are_refused(tmp_path: Path) -> None:
+    """Integer codes (MXFP4 blocks, E8M0 scales) load as stored; a float where the table says
+    uint8 is named with the dtype expected (one rule: `mkc.model.family.stored_dtypes`)."""
+    from mkc.families.kimi_k3 import reference as k3
+    config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
+    params = k3.init_params(k3.load_config(config), seed=0)
+    codes = [n for n, a in params.items() if a.dtype == np.uint8]
+    assert codes
+    save_checkpoint(tmp_path / "good", config, params, max_shard_bytes=4 << 20)
+    _assert_same(load_checkpoint(tmp_path / "good")[1], params)
+    bad = {**params, codes[0]: params[codes[0]].astype(np.float32)}
+    save_checkpoint(tmp_path / "bad", config, bad)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(codes[0])}: dtype F32, expected U8"):
+        load_checkpoint(tmp_path / "bad")

@@ -28,6 +28,18 @@ def identifier(stem: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model"
 
 
+# A family's weight table (`reference.param_shapes`) gives each tensor's dtype; what may be
+# stored for it: integer codes (MXFP4 blocks and E8M0 scales) exactly, floats in any of these
+# (Qwen3.5 ships A_log and linear_attn.norm.weight as f32, the rest as bf16).
+STORED_FLOATS = frozenset({"bfloat16", "float16", "float32"})
+
+
+def stored_dtypes(table_dtype: str) -> frozenset[str]:
+    """The numpy dtype names a checkpoint may hold for a tensor its family's table types as
+    `table_dtype` (the checkpoint loader and the module's weight check both ask this)."""
+    return STORED_FLOATS if table_dtype in STORED_FLOATS else frozenset({table_dtype})
+
+
 @dataclass(frozen=True)
 class Family:
     name: str                          # the dims' `family`, the IR's `family`

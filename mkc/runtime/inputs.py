@@ -15,8 +15,9 @@ import json
 from collections.abc import Callable, Mapping
 
 import jax
-import ml_dtypes
 import numpy as np
+
+from mkc.model.family import stored_dtypes
 
 Shapes = Mapping[str, tuple[tuple[int, ...], object]]
 
@@ -87,7 +88,6 @@ def check_commit(state: Mapping, verified: Mapping, accepted, *, state_shapes: C
     return R
 
 
-_FLOATS = (ml_dtypes.bfloat16, np.float16, np.float32)
 _MAX_LISTED = 12
 
 
@@ -154,8 +154,7 @@ def check_hf_weights(hf: Mapping, dims, config: Mapping) -> None:
     missing = [n for n in expected if n not in hf]
     unexpected = sorted(n for n in hf if n not in expected)
     wrong: dict[str, str] = {}
-    accepted = {d: frozenset(map(np.dtype, ("uint8",) if np.dtype(d) == np.uint8 else _FLOATS))
-                for d in {dtype for _, dtype in expected.values()}}
+    accepted = {d: stored_dtypes(d) for d in {dtype for _, dtype in expected.values()}}
     for name, (shape, dtype) in expected.items():      # 497,052 tensors for full K3: kept lean
         a = hf.get(name)
         if a is None:
@@ -164,8 +163,8 @@ def check_hf_weights(hf: Mapping, dims, config: Mapping) -> None:
             a = np.asarray(a)
         if a.shape != tuple(shape):
             wrong[name] = f"shape {list(a.shape)}, expected {list(shape)}"
-        elif a.dtype not in accepted[dtype]:
-            wanted = " or ".join(sorted(d.name for d in accepted[dtype]))
+        elif np.dtype(a.dtype).name not in accepted[dtype]:
+            wanted = " or ".join(sorted(accepted[dtype]))
             wrong[name] = f"dtype {a.dtype.name}, expected {wanted}"
     if not (missing or unexpected or wrong):
         return
