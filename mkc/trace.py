@@ -14,7 +14,7 @@ from mkc.diagnostics import Span
 from mkc.program import layer_program
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)      # not frozen: 30k events a K3 trace, and frozen init is 2x slower
 class Event:
     seq: int
     op: str                    # alloc | free | start | wait | read | write | exit
@@ -41,7 +41,8 @@ class TraceOptions:
     experts: int | None = None     # routed experts each MoE layer runs (None: the worst case)
     kv_tokens: int | None = None   # unroll the whole KV stream over this many cached tokens
     compute: bool = False          # add `op` and `collective` events, bytes on weight reads
-    whole_ring: bool = False       # unroll every ring tile (the checks read a summary)
+    whole_runs: bool = False       # unroll every ring tile and routed expert (the checks read
+                                   # a whole period of each run: `periodic_tiles_traced`)
 
 
 class TraceBuilder:
@@ -117,7 +118,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
 
     def traced(tiles: int) -> int:
         """Tiles of one family's run the trace unrolls (all of them for the step-time model)."""
-        return tiles if opts.whole_ring else periodic_tiles_traced(tiles, st.slots, st.ahead)
+        return tiles if opts.whole_runs else periodic_tiles_traced(tiles, st.slots, st.ahead)
 
     # The ring stream as traced: each family's run shortened by whole periods of slots, so the
     # trace's size does not grow with smaller tiles (same residues, same hazards).
@@ -189,13 +190,16 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
 
     def run_experts(view_id: str, layer: int, where: str, span: Span) -> None:
         v = views[view_id]
-        for k in range(expert_count):
+        # Expert k is fetched `slots` ahead into slot k % slots: as periodic as a ring's tiles.
+        count = expert_count if opts.whole_runs else periodic_tiles_traced(expert_count, v.slots,
+                                                                           v.slots)
+        for k in range(count):
             for m in v.matrices["expert"]:
                 tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where,
                         span=span)
                 tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span,
                         m.nbytes if opts.compute else 0)
-            if k + v.slots < expert_count:
+            if k + v.slots < count:
                 start_expert(view_id, layer, k + v.slots, where, span)
 
     # ---- prologue ------------------------------------------------------------------------
@@ -356,7 +360,8 @@ def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: in
 
 
 def periodic_tiles_traced(n_tiles: int, slots: int, ahead: int) -> int:
-    """How many tiles of a uniform run (KV tiles; one family's weight tiles) the trace unrolls
+    """How many tiles of a uniform run (KV tiles; one family's weight tiles; a layer's routed
+    experts through their slots) the trace unrolls
     to show every pattern of a run of `n_tiles` through `slots` slots, `ahead` tiles ahead.
 
     The events of tile t depend on t only through t % slots, whether t is issued in the

@@ -2,6 +2,7 @@
 template (`templates/module.py.j2`), whatever the model family."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from mkc.codegen import generic
 _TEMPLATES = Path(__file__).with_name("templates")
 
 
+@functools.cache          # templates compile once a process (0.2 s), not once a module
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,

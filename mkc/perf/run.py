@@ -34,7 +34,7 @@ def perf_trace(s: ir.ScheduleIR, batch: int, tokens: int, experts: int | None = 
     if experts is None:
         experts = experts_per_layer(s, batch)
     return build_trace(s, TraceOptions(batch=batch, sequences=sequences, experts=experts,
-                                       kv_tokens=tokens, compute=True, whole_ring=True))
+                                       kv_tokens=tokens, compute=True, whole_runs=True))
 
 
 def expert_mix(s: ir.ScheduleIR, batch: int) -> list[tuple[int, float]]:

@@ -5,7 +5,7 @@ import pytest
 from mkc.checks import vmem_budget
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from mkc.trace import build_trace
+from mkc.trace import TraceOptions, build_trace, periodic_tiles_traced
 from tests_support import K3_SPEC
 
 
@@ -43,14 +43,24 @@ def test_views_of_the_pool_alternate_attention_experts_attention(k3):
 
 
 def test_worst_case_routed_experts_cycle_through_the_slots(k3):
+    """The checks' trace keeps a whole period of the worst case's 112 experts a layer, with its
+    residue (`periodic_tiles_traced`); the step-time model's unrolls every one."""
     s, events = k3
     local = s.per_rank["local_experts"]
     count = min(s.top_k * s.batch_max, local)          # every row picks 16 local experts
-    reads = [e for e in events if e.op == "read" and e.buffer == "staging.experts"
-             and e.tag[1] == 3]                        # layer 3 is the first MoE sublayer
-    assert count == 112 and len(reads) == count * len(s.experts)
     slots = s.pools[0].view("experts").slots
+    traced = periodic_tiles_traced(count, slots, slots)
+    assert count == 112 and traced < count and traced % slots == count % slots
+
+    def layer3(events):                                # layer 3 is the first MoE sublayer
+        return [e for e in events if e.op == "read" and e.buffer == "staging.experts"
+                and e.tag[1] == 3]
+    reads = layer3(events)
+    assert len(reads) == traced * len(s.experts)
     assert {e.slot[0] for e in reads} == set(range(slots))
+    assert [e.tag[2] for e in reads][-1] == traced - 1
+    whole = layer3(build_trace(s, TraceOptions(whole_runs=True)))
+    assert len(whole) == count * len(s.experts)
 
 
 def test_prefetch_during_routing_is_an_overlap():
