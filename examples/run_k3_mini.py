@@ -39,6 +39,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16").strip()
+from mkc.interpret import lean_interpreter  # noqa: E402
 from mkc.numerics import pin_cpu_isa  # noqa: E402
 
 pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
@@ -100,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                          "a nonzero state, where state-only mutants show)")
     ap.add_argument("--verify", action="store_true",
                     help="one verify step of --steps rows per sequence instead of decode steps")
+    ap.add_argument("--jax-callbacks", action="store_true",
+                    help="interpret mode through JAX's own io_callback path (about 3x slower; "
+                         "the default makes its host side lean: mkc.interpret)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if not args.jax_callbacks:
+        lean_interpreter()
     if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
         ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
 

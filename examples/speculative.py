@@ -29,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
+from mkc.interpret import lean_interpreter  # noqa: E402
 from mkc.numerics import pin_cpu_isa  # noqa: E402
 
 pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
@@ -140,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, help="rows per verify step (default: the spec's verify width)")
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
     ap.add_argument("--drafter", choices=("lookup", "oracle"), default="lookup")
+    ap.add_argument("--jax-callbacks", action="store_true",
+                    help="interpret mode through JAX's own io_callback path (about 3x slower; "
+                         "the default makes its host side lean: mkc.interpret)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if not args.jax_callbacks:
+        lean_interpreter()
 
     config = json.loads((ROOT / f"mkc/model/configs/{args.model}.json").read_text())
     reference = family_of(config).module("reference")

@@ -1,7 +1,9 @@
 """A deliberately racy 2-device kernel: a remote copy lands in a buffer the receiver reads
 without waiting. The race tests of the generated kernels are only meaningful if the
-interpret-mode detector flags this one; prints RACES=<bool>."""
+interpret-mode detector flags this one; prints RACES=<bool>. With the argument `lean`, under
+`mkc.interpret.lean_interpreter` (as the runners run)."""
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -14,6 +16,10 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # noq
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+if sys.argv[1:] == ["lean"]:
+    from mkc.interpret import lean_interpreter
+    assert len(lean_interpreter()) == 2
 
 
 def kernel(x_ref, o_ref, recv, send_sem, recv_sem):

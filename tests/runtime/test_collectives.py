@@ -4,7 +4,8 @@ called twice in a row so the buffer parity alternates. Runs in TPU interpret mod
 CPU devices (on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2.
 
 Every run is a subprocess (the device count is fixed when jax initialises):
-``python tests/ops/test_collectives.py on_wait|eager|races|races_eager|compile`` prints one ``JSON`` line."""
+``python tests/runtime/test_collectives.py on_wait|eager|races|races_eager|compile [lean]`` prints one
+``JSON`` line."""
 from __future__ import annotations
 
 import functools
@@ -111,7 +112,9 @@ def expected(x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def run_interpret(mode: str) -> dict:
-    """Exact-equality verdict per output and whether the race detector fired."""
+    """Exact-equality verdict per output, a digest of their bytes and whether the race
+    detector fired."""
+    import hashlib
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     params = {"on_wait": pltpu.InterpretParams(),
               "eager": pltpu.InterpretParams(dma_execution_mode="eager"),
@@ -124,7 +127,8 @@ def run_interpret(mode: str) -> dict:
     want = expected(x)
     ok = {name: bool(np.array_equal(np.asarray(g, np.float32), want[name]))
           for name, g in zip(OUTPUTS, got)}
-    return {"mode": mode, "ok": ok, "races_found": bool(ipc.races.races_found)}
+    digest = hashlib.sha256(b"".join(np.asarray(g).tobytes() for g in got)).hexdigest()
+    return {"mode": mode, "ok": ok, "digest": digest, "races_found": bool(ipc.races.races_found)}
 
 
 def run_compile() -> dict:
@@ -142,9 +146,10 @@ def run_compile() -> dict:
 
 # ---- pytest side: one subprocess per mode, shared by the checks of that mode -------------------
 @functools.cache
-def _run(mode: str) -> dict:
+def _run(mode: str, lean: bool = False) -> dict:
+    """`lean`: with `mkc.interpret.lean_interpreter` (tests/test_interpret.py)."""
     from conftest import run_python
-    r = run_python([__file__, mode], timeout=600)
+    r = run_python([__file__, mode] + ["lean"] * lean, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
 
@@ -186,5 +191,9 @@ def test_all_three_compile_for_tpu7x_2x2x2():
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    result = run_compile() if mode == "compile" else run_interpret(mode)
+    lean = []
+    if sys.argv[2:] == ["lean"]:
+        from mkc.interpret import lean_interpreter
+        lean = lean_interpreter()
+    result = run_compile() if mode == "compile" else {**run_interpret(mode), "lean": lean}
     print("JSON " + json.dumps(result))
