@@ -21,43 +21,45 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Mutants: one op's output scaled by 1.01, as a textual edit of the generated module that must
 # match exactly once (so a template change that moves the text fails loudly, not silently).
-# Each is an edit of a MINI module copy; the shipped generated/ files are never touched.
+# Each is an edit of a MINI module copy; the shipped generated/ files are never touched. In the
+# edit, `{scale}(x)` scales x by 1.01 (on the mutant's row of axis 0 only, when mutants share a
+# run: `load_generated`), and `{factor}(b)` is 1.01 for that row b (1.0 for the others).
 MUTANTS: dict[str, tuple[str, str]] = {
     # Qwen (generic module: one line per op, so a mutant scales that op's output)
     "gdn.gated_norm": ("    core = lower.gated_norm(c, core, proj)\n",
-                       "    core = 1.01 * lower.gated_norm(c, core, proj)\n"),
+                       "    core = {scale}(lower.gated_norm(c, core, proj))\n"),
     "gqa.o_proj": ("    attn_out = lower.o_proj(c, core)\n",
-                   "    attn_out = 1.01 * lower.o_proj(c, core)\n"),
+                   "    attn_out = {scale}(lower.o_proj(c, core))\n"),
     "gqa.k_norm": ("    q, k_new = lower.qk_norm_rope(c, proj)\n",
-                   "    q, k_new = lower.qk_norm_rope(c, proj)\n    k_new = [1.01 * k for k in k_new]\n"),
+                   "    q, k_new = lower.qk_norm_rope(c, proj)\n    k_new = [{scale}(k) for k in k_new]\n"),
     # Qwen3.5 MoE (generic module)
     "qwen_moe.routed_experts": (
         "    routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)\n",
-        "    routed_out = 1.01 * lower.routed_experts(c, h, expert_ids, expert_weights)\n"),
+        "    routed_out = {scale}(lower.routed_experts(c, h, expert_ids, expert_weights))\n"),
     "qwen_moe.shared_down": ("    shared_out = lower.shared_down(c, shared_act)\n",
-                             "    shared_out = 1.01 * lower.shared_down(c, shared_act)\n"),
+                             "    shared_out = {scale}(lower.shared_down(c, shared_act))\n"),
     "qwen_moe.router": ("    router_logits = lower.router(c, h)\n",
-                        "    router_logits = 1.01 * lower.router(c, h)\n"),
+                        "    router_logits = {scale}(lower.router(c, h))\n"),
     # Kimi K3 (generic module)
     "kda.gated_norm": ("    core = lower.gated_norm(c, core, proj)\n",
-                       "    core = 1.01 * lower.gated_norm(c, core, proj)\n"),
+                       "    core = {scale}(lower.gated_norm(c, core, proj))\n"),
     # the kv_norm output: the normed latent part of the new cache row
     "mla.kv_norm": ("    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n",
                     "    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n"
-                    "    kv_row = kv_row.at[:, :DIMS.kv_lora].multiply(1.01)\n"),
+                    "    kv_row = kv_row.at[:, :DIMS.kv_lora].set({scale}(kv_row[:, :DIMS.kv_lora]))\n"),
     "mla.o_proj": ("    core = lower.out_gate(c, core, gate_logits)\n"
                    "    attn_out = lower.o_proj(c, core)\n",
                    "    core = lower.out_gate(c, core, gate_logits)\n"
-                   "    attn_out = 1.01 * lower.o_proj(c, core)\n"),
-    "dense.down": ("    mlp_out = lower.down(c, act)\n", "    mlp_out = 1.01 * lower.down(c, act)\n"),
+                   "    attn_out = {scale}(lower.o_proj(c, core))\n"),
+    "dense.down": ("    mlp_out = lower.down(c, act)\n", "    mlp_out = {scale}(lower.down(c, act))\n"),
     # The routed experts are RMS-normed after their sum, so scaling all of them is invisible by
     # design: scale the routing weight of every even-numbered expert.
     "moe.expert": ("    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n",
                    "    even = lax.rem(lax.broadcasted_iota(jnp.int32, expert_weights.shape, 1), 2) == 0\n"
-                   "    expert_weights = jnp.where(even, 1.01 * expert_weights, expert_weights)\n"
+                   "    expert_weights = jnp.where(even, {scale}(expert_weights), expert_weights)\n"
                    "    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n"),
     "moe.shared_down": ("    shared_out = lower.shared_down(c, shared_act)\n",
-                        "    shared_out = 1.01 * lower.shared_down(c, shared_act)\n"),
+                        "    shared_out = {scale}(lower.shared_down(c, shared_act))\n"),
 }
 
 
@@ -67,24 +69,46 @@ MUTANTS: dict[str, tuple[str, str]] = {
 # (function, old, new). A decay scaled by 1.01 is its log plus log(1.01).
 LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
     # Qwen3.5 and Qwen3.5 MoE (the gated delta net's and gated attention's lowering)
-    "gdn.decay": ("delta_rule", "g[b:b + 1, h:h + 1],", "g[b:b + 1, h:h + 1] + jnp.log(1.01),"),
+    "gdn.decay": ("delta_rule", "g[b:b + 1, h:h + 1],", "g[b:b + 1, h:h + 1] + jnp.log({factor}(b)),"),
     "gdn.conv_state": ("conv", "window = [state[j, source] for j in range(taps - 1)]",
-                       "window = [1.01 * state[j, source] for j in range(taps - 1)]"),
+                       "window = [{scale}(state[j, source]) for j in range(taps - 1)]"),
     # the values of the cached tokens before each row's position (not the row's own new entry)
     "gqa.kv_read": ("attention", "kt, vt = keys[c.sequence(b)], values[c.sequence(b)]\n",
                     "kt, vt = keys[c.sequence(b)], values[c.sequence(b)]\n"
                     "            vt = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
-                    "1.01 * vt.astype(F32), vt.astype(F32))\n"),
+                    "{factor}(b) * vt.astype(F32), vt.astype(F32))\n"),
     # Kimi K3
-    "kda.decay": ("delta_rule", "decay[b:b + 1, lanes], beta", "decay[b:b + 1, lanes] + jnp.log(1.01), beta"),
+    "kda.decay": ("delta_rule", "decay[b:b + 1, lanes], beta",
+                  "decay[b:b + 1, lanes] + jnp.log({factor}(b)), beta"),
     "kda.conv_state": ("conv", "window = [state[j, source] for j in range(taps - 1)]",
-                       "window = [(1.01 * state[j, source].astype(F32)).astype(BF16) "
-                       "for j in range(taps - 1)]"),
+                       "window = [{scale}(state[j, source]) for j in range(taps - 1)]"),
     "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
                     "cached = latent[c.sequence(b)].astype(F32)\n"
                     "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
-                    "1.01 * cached, cached)\n"),
+                    "{factor}(b) * cached, cached)\n"),
 }
+MUTANT_FACTOR = 1.01
+
+
+def mutant_scale(row: int | None) -> Callable:
+    """`{scale}` of a mutant: x times 1.01 (in f32, back to x's dtype) on row `row` of axis 0,
+    or on every row (None); every other row is x exactly."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def scale(x):
+        x = jnp.asarray(x)
+        factor = jnp.float32(MUTANT_FACTOR)
+        if row is not None:
+            rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+            factor = jnp.where(rows == row, factor, jnp.float32(1.0))
+        return (x.astype(jnp.float32) * factor).astype(x.dtype)
+    return scale
+
+
+def mutant_factor(row: int | None) -> Callable:
+    """`{factor}(b)` of a mutant: 1.01 for row b == `row` (every row for None), else 1.0."""
+    return lambda b: MUTANT_FACTOR if row is None or b == row else 1.0
 
 
 def _replace_once(text: str, old: str, new: str, name: str, where: str) -> str:
@@ -94,47 +118,82 @@ def _replace_once(text: str, old: str, new: str, name: str, where: str) -> str:
     return text.replace(old, new)
 
 
-def mutate(source: str, name: str) -> str:
-    old, new = MUTANTS[name]
-    return _replace_once(source, old, new, name, "the generated module")
+def _bind(new: str, index: int) -> str:
+    return new.replace("{scale}", f"_mutant_scale_{index}").replace("{factor}", f"_mutant_factor_{index}")
 
 
-def _mutate_lowering(module, name: str) -> None:
-    """Bind into `module` (alone) a `lower` whose function of LOWERING_MUTANTS[name] is an edited
-    copy, compiled in the globals of the module that defines the original."""
+def _helpers(mutants: dict[str, int | None]) -> dict[str, Callable]:
+    out = {}
+    for index, row in enumerate(mutants.values()):
+        out[f"_mutant_scale_{index}"] = mutant_scale(row)
+        out[f"_mutant_factor_{index}"] = mutant_factor(row)
+    return out
+
+
+def mutate(source: str, mutants: dict[str, int | None]) -> str:
+    """The module text with every mutant of MUTANTS in `mutants` applied (name -> its row)."""
+    for index, name in enumerate(mutants):
+        if name in MUTANTS:
+            old, new = MUTANTS[name]
+            source = _replace_once(source, old, _bind(new, index), name, "the generated module")
+    return source
+
+
+def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
+    """Bind into `module` (alone) a `lower` whose functions named by the LOWERING_MUTANTS in
+    `mutants` are edited copies, compiled in the globals of the module that defines each."""
     import inspect
     import textwrap
     import types
 
-    func, old, new = LOWERING_MUTANTS[name]
-    original = getattr(module.lower, func)
-    source = _replace_once(textwrap.dedent(inspect.getsource(original)), old, new, name,
-                           f"{original.__module__}.{func}")
-    namespace = dict(vars(sys.modules[original.__module__]))
-    exec(compile(source, f"<mutant {name} of {original.__module__}.{func}>", "exec"), namespace)
-    module.lower = types.SimpleNamespace(**{**vars(module.lower), func: namespace[func]})
+    edited: dict[str, str] = {}                     # function -> its edited source
+    for index, name in enumerate(mutants):
+        if name not in LOWERING_MUTANTS:
+            continue
+        func, old, new = LOWERING_MUTANTS[name]
+        original = getattr(module.lower, func)
+        source = edited.get(func) or textwrap.dedent(inspect.getsource(original))
+        edited[func] = _replace_once(source, old, _bind(new, index), name,
+                                     f"{original.__module__}.{func}")
+    if not edited:
+        return
+    replaced = {}
+    for func, source in edited.items():
+        original = getattr(module.lower, func)
+        namespace = dict(vars(sys.modules[original.__module__])) | _helpers(mutants)
+        names = "+".join(n for n in mutants if n in LOWERING_MUTANTS and LOWERING_MUTANTS[n][0] == func)
+        exec(compile(source, f"<mutant {names} of {original.__module__}.{func}>", "exec"), namespace)
+        replaced[func] = namespace[func]
+    module.lower = types.SimpleNamespace(**{**vars(module.lower), **replaced})
 
 
 _COMPILED: dict[tuple[str, str, str], object] = {}
 
 
-def load_generated(spec: Path, model: str, mutant: str | None = None):
-    """Compile `spec` for `model` and import the generated module (with `mutant` applied). The
-    compilation is reused while the spec text is unchanged (mutants of one module)."""
+def load_generated(spec: Path, model: str, mutants: str | dict[str, int | None] | None = None):
+    """Compile `spec` for `model` and import the generated module, with `mutants` applied: a
+    name, or names each with the batch row it acts on (None: every row), so several share one
+    run, each on its own row. The compilation is reused while the spec text is unchanged."""
+    if isinstance(mutants, str):
+        mutants = {mutants: None}
+    mutants = dict(mutants or {})
+    unknown = [n for n in mutants if n not in MUTANTS and n not in LOWERING_MUTANTS]
+    if unknown:
+        raise ValueError(f"unknown mutants {unknown}: choose from "
+                         f"{sorted(MUTANTS) + sorted(LOWERING_MUTANTS)}")
     key = (str(spec), Path(spec).read_text(), model)
     if key not in _COMPILED:
         _COMPILED[key] = compiler.compile_spec(spec, model)
     c = _COMPILED[key]
-    source = c.module_source if mutant is None or mutant in LOWERING_MUTANTS else mutate(
-        c.module_source, mutant)
-    stem = compiler.module_name(c) + ("" if mutant is None else "__" + mutant.replace(".", "_"))
+    source = mutate(c.module_source, mutants)
+    stem = compiler.module_name(c) + "".join("__" + n.replace(".", "_") for n in mutants)
     out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{stem}.py"
     compiler.write_atomically(out, source)
     mod_spec = importlib.util.spec_from_file_location(out.stem, out)
     module = importlib.util.module_from_spec(mod_spec)
+    vars(module).update(_helpers(mutants))
     mod_spec.loader.exec_module(module)
-    if mutant in LOWERING_MUTANTS:
-        _mutate_lowering(module, mutant)
+    _mutate_lowering(module, mutants)
     return module
 
 
@@ -170,15 +229,21 @@ def plain_trajectory(reference, hf, cfg, batch: int, context: int, tokens, posit
     """The plain reference alone over `steps` steps from a zeroed state, teacher-forced by its own
     next tokens: every step's inputs, and the logits and caches of an independent run, which the
     drift report compares the kernel with (reported, never judged: a step is judged from the
-    kernel's own state, `reference_step`)."""
+    kernel's own state, `reference_step`). Each step also has "route_margins": per row, the
+    smallest gap of any MoE layer between the k-th and the next expert's selection score (inf
+    where the family routes nothing)."""
     import jax.numpy as jnp
 
     cache = reference.init_cache(cfg, batch, context)
     out = []
     for _ in range(steps):
-        logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
+        with RouteRecorder(reference) as routes:
+            logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
+        margins = [top_margins(scores, k) for scores, k in routes.scores]
         out.append({"tokens": tokens, "positions": positions, "logits": np.asarray(logits),
-                    "states": dict(cache)})
+                    "states": dict(cache),
+                    "route_margins": np.min(np.stack(margins), axis=0) if margins
+                    else np.full(batch, np.inf)})
         tokens = jnp.asarray(np.argmax(np.asarray(logits), axis=-1), jnp.int32)
         positions = positions + 1
     return out
@@ -275,39 +340,61 @@ def reference_step(reference, hf, cfg, rounding, start: dict, tokens, positions)
 
 def step_references(reference, hf, cfg, rounding, batch: int, context: int) -> Callable:
     """``refs(states, tokens, positions)`` for ``run_kernel`` and ``run_verify``: both
-    references' step (``reference_step``) from the kernel's state in the reference's layouts."""
+    references' step (``reference_step``) from the kernel's state in the reference's layouts.
+    A step asked again from the same bytes (every mutant starts from the module's own state) is
+    answered from the first answer."""
+    import hashlib
+    answered: dict[str, dict] = {}
+
     def refs(states: dict, tokens, positions) -> dict:
+        digest = hashlib.sha256()
+        for name in sorted(states):
+            digest.update(name.encode() + np.ascontiguousarray(states[name]).tobytes())
+        for a in (tokens, positions):
+            digest.update(np.ascontiguousarray(a).tobytes())
+        key = digest.hexdigest()
+        if key in answered:
+            return {**answered[key], "seconds": 0.0}
         start = reference_cache(reference, cfg, states, batch, context)
-        return reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+        answered[key] = reference_step(reference, hf, cfg, rounding, start, tokens, positions)
+        return answered[key]
     return refs
 
 
 def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, ref: dict,
-            drift: dict | None = None, what: str = "step") -> dict:
+            drift: dict | None = None, what: str = "step", rows: list[int] | None = None) -> dict:
     """One step (or verify row) of the kernel compared with both references from the kernel's
     own state before it (``reference_step``): the emulation on every row, the plain reference on
-    the rows that are not near-ties. ``drift``: the independent plain run's step, reported."""
+    the rows that are not near-ties. ``drift``: the independent plain run's step, reported.
+    ``rows``: judge these batch rows only (default all), as if they had run alone."""
     batch = np.asarray(logits).shape[0]
+    rows = list(range(batch)) if rows is None else list(rows)
     ties = ref["near_ties"]
-    plain_rows = np.array([b for b in range(batch) if b not in ties["routing"]], np.int64)
+    plain_rows = np.array([b for b in rows if b not in ties["routing"]], np.int64)
     token_rows = np.array([b for b in plain_rows if b not in ties["token"]], np.int64)
     pick = lambda a: np.asarray(a)[plain_rows]  # noqa: E731
     plain_logits = ref["plain_logits"]
-    rec = {"step": i, "seconds": seconds, "plain_rows": plain_rows.tolist(),
+    rec = {"step": i, "seconds": seconds, "rows": rows, "plain_rows": plain_rows.tolist(),
            "token_rows": token_rows.tolist(),
-           "near_ties": {str(b): why for kind in ("routing", "token") for b, why in ties[kind].items()},
+           "near_ties": {str(b): why for kind in ("routing", "token") for b, why in ties[kind].items()
+                         if b in rows},
            "logits_max_abs_err": float(np.max(np.abs(pick(logits) - pick(plain_logits)), initial=0.0)),
            "logits_max_abs": float(np.max(np.abs(pick(plain_logits)), initial=0.0)),
            "next_token": np.asarray(next_token)[token_rows].tolist(),
            "ref_next_token": np.argmax(plain_logits, axis=-1)[token_rows].tolist(),
            "state_rel_err": numerics.state_errors(ours, ref["plain"], plain_rows),
-           "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"]),
-                         "logits_frob": numerics.logits_frob(logits, ref["emu_logits"]),
-                         "states": numerics.state_errors(ours, ref["emulated"])},
+           "emulation": {"logits": numerics.logits_error(logits, ref["emu_logits"], rows),
+                         "logits_frob": numerics.logits_frob(logits, ref["emu_logits"], rows),
+                         "states": numerics.state_errors(ours, ref["emulated"], rows)},
            "reference_seconds": ref["seconds"]}
+    # the rows past the exact bound, each alone (a diagnosis: the step is judged on them all)
+    exact = numerics.emulation_bounds("exact")["logits"]
+    per_row = {b: max(numerics.logits_error(logits, ref["emu_logits"], [b]),
+                      *numerics.state_errors(ours, ref["emulated"], [b]).values()) for b in rows}
+    rec["emulation"]["rows_off"] = {str(b): e for b, e in per_row.items() if e > exact}
     if drift is not None:
-        rec["drift"] = {"logits": numerics.logits_error(logits, drift["logits"]),
-                        "states": numerics.state_errors(ours, drift["states"])}
+        rec["drift"] = {"logits": numerics.logits_error(logits, drift["logits"], rows),
+                        "states": numerics.state_errors(ours, drift["states"], rows)}
     emu = rec["emulation"]
     ties = "".join(f"; row {b} a near-tie ({why})" for b, why in rec["near_ties"].items())
     drifted = "" if drift is None else (
@@ -319,19 +406,23 @@ def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, 
           + f"; rounding emulation: logits {emu['logits']:.2e} "
           + f"(Frobenius {emu['logits_frob']:.2e}), states "
           + ", ".join(f"{k} {v:.1e}" for k, v in emu["states"].items())
+          + (f" (rows off it: {sorted(map(int, emu['rows_off']))})" if emu["rows_off"] else "")
           + f"{drifted}; next {np.asarray(next_token).tolist()} (reference "
           + f"{np.argmax(plain_logits, axis=-1).tolist()}){ties}", flush=True)
     return rec
 
 
 def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, refs: Callable,
-               label: str = "", first: int = 0, states: list | None = None) -> list[dict]:
+               label: str = "", first: int = 0, states: list | None = None,
+               judged: dict[str, list[int]] | None = None) -> list[dict] | dict[str, list[dict]]:
     """Run the kernel along `trajectory`'s inputs (its steps `first`, `first` + 1, ...); judge
     every step from the kernel's own state before it: ``refs(states, tokens, positions)`` gives
     both references' step from ``gen.reference_states(state)`` (``reference_step``), and the
     trajectory's own step is the drift report. `states`, if given, collects the kernel's state
-    before each step."""
-    out = []
+    before each step. `judged` ({label: batch rows}): the steps of each group of rows judged
+    alone, by label, instead of one list for the whole batch."""
+    groups = {"": None} if judged is None else judged
+    out: dict[str, list[dict]] = {g: [] for g in groups}
     for i, step in enumerate(trajectory[first:], start=first):
         if states is not None:       # a host copy: the step donates the state's buffers
             states.append({n: np.asarray(a) for n, a in state.items()})
@@ -341,24 +432,41 @@ def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
                                                     mesh=mesh, interpret=interpret)
         logits = np.asarray(logits)
         seconds = time.perf_counter() - t0
-        out.append(_record(i, label, seconds, logits, next_token, gen.reference_states(state), ref,
-                           step))
-    return out
+        ours = gen.reference_states(state)
+        for group, rows in groups.items():
+            out[group].append(_record(i, label + (f"[{group}] " if group else ""), seconds, logits,
+                                      next_token, ours, ref, step, rows=rows))
+    return out[""] if judged is None else out
 
 
 def run_mutants(load: Callable, names: list[str], weights, states: list, trajectory: list[dict],
-                mesh, interpret, refs: Callable, first: int, steps: int | None) -> dict:
-    """Each mutant (``load(name)`` -> its module) run for `steps` steps (default: to the end)
-    from step `first`, starting from the unmutated kernel's state before that step (`states`,
-    collected by ``run_kernel``): from step 1 on the state is not zero, so a state-only mutant
-    shows there, and every mutant is judged like the kernel, from its own state."""
+                mesh, interpret, refs: Callable, first: int, steps: int | None,
+                by_row: bool = False) -> dict:
+    """Each mutant (``load({name: row})`` -> its module) run for `steps` steps (default: to the
+    end) from step `first`, starting from the unmutated kernel's state before that step
+    (`states`, collected by ``run_kernel``): from step 1 on the state is not zero, so a
+    state-only mutant shows there, and every mutant is judged like the kernel, from its own
+    state. `by_row`: all mutants in one module and one run, mutant i acting on batch row i
+    only and judged on that row alone (rows are independent sequences: what a run of that
+    mutant gives for that row); the rows past the last mutant are controls, judged like the
+    kernel, so a mutant that leaks into another row fails loudly. Returns the summary's
+    "mutants" (and, by row, "mutant_controls")."""
     end = len(trajectory) if steps is None else first + steps
-    out = {}
-    for name in names:
-        mutant = load(name)
-        out[name] = {"steps": run_kernel(mutant, weights, states[first], trajectory[:end], mesh,
-                                         interpret, refs, label=f"[{name}] ", first=first)}
-    return out
+    if not by_row:
+        return {"mutants": {name: {"steps": run_kernel(load({name: None}), weights, states[first],
+                                                       trajectory[:end], mesh, interpret, refs,
+                                                       label=f"[{name}] ", first=first)}
+                            for name in names}}
+    batch = np.asarray(trajectory[0]["tokens"]).shape[0]
+    if len(names) >= batch:
+        raise ValueError(f"{len(names)} mutants by row need a batch of at least {len(names) + 1} "
+                         f"(one row each and a control row), not {batch}")
+    judged = {name: [row] for row, name in enumerate(names)}
+    judged["controls"] = list(range(len(names), batch))
+    run = run_kernel(load({name: row for row, name in enumerate(names)}), weights, states[first],
+                     trajectory[:end], mesh, interpret, refs, first=first, judged=judged)
+    return {"mutants": {name: {"row": row, "steps": run[name]} for row, name in enumerate(names)},
+            "mutant_controls": {"rows": judged["controls"], "steps": run["controls"]}}
 
 
 def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) -> dict:
@@ -427,6 +535,14 @@ def finish(summary: dict, races: bool, as_json: bool) -> int:
     summary["failures"] = failed
     for line in failed:
         print("FAIL " + line, file=sys.stderr)
+    if "mutant_controls" in summary:     # the unmutated rows of a by-row mutant run
+        controls = summary["mutant_controls"]
+        controls["failures"] = numerics.failures({**summary, "steps": controls["steps"]})
+        for line in controls["failures"]:
+            print(f"FAIL rows {controls['rows']} of the mutant run (no mutant): " + line,
+                  file=sys.stderr)
+        failed = failed + [f"mutant run, control rows: {f}" for f in controls["failures"]]
+        summary["failures"] = failed
     survivors = []
     for name, m in summary.get("mutants", {}).items():
         m["failures"] = numerics.failures({**summary, "steps": m["steps"]})

@@ -51,29 +51,14 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (RouteRecorder, finish, k3_mini_spec, load_generated,  # noqa: E402
+from generated_module import (finish, k3_mini_spec, load_generated,  # noqa: E402
                               plain_trajectory, rounding_for, step_references,
-                              run_kernel, run_mutants, run_verify, top_margins)
+                              run_kernel, run_mutants, run_verify)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
 from mkc.numerics import host_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _routing_margins(hf, cfg, tokens, positions, steps: int, context: int) -> np.ndarray:
-    """Per row, the smallest gap over every MoE layer and step between the top_k-th and the
-    next expert's selection score in the plain reference: used only to draw tokens whose rows
-    are mostly decisive (which rows are compared plainly is decided at each step by
-    `generated_module.near_ties`)."""
-    margins = []
-    cache = reference.init_cache(cfg, len(tokens), context)
-    for _ in range(steps):
-        with RouteRecorder(reference) as routes:
-            logits, cache = reference.decode_step(hf, cfg, cache, tokens, positions)
-        margins += [top_margins(scores, k) for scores, k in routes.scores]
-        tokens, positions = jnp.argmax(logits, axis=-1).astype(jnp.int32), positions + 1
-    return np.min(np.stack(margins), axis=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(a few bf16 roundings may flip), or 'none' (reported only)")
     ap.add_argument("--strict-emulation", action="store_true", help="same as --emulation-check exact")
     ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
+    ap.add_argument("--mutants-by-row", action="store_true",
+                    help="run every mutant in one kernel run, mutant i on batch row i alone (the "
+                         "batch must exceed the mutant count: the rows past them are controls)")
     ap.add_argument("--mutants-from", type=int, default=0,
                     help="start mutants at this step, from the kernel's own state before it (1: "
                          "a nonzero state, where state-only mutants show)")
@@ -110,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         lean_interpreter()
     if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
         ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
+    if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
+        ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
+                 "(a row each and a control row)")
 
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)
@@ -135,21 +126,24 @@ def main(argv: list[str] | None = None) -> int:
     # A verify step's rows start 3 before a 16-row block ends, so they straddle two blocks.
     first = 141 if args.verify else 136
     positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
-    best = None      # the first token draw with at least half the rows decisive, else the best
+    # The first token draw whose plain run has at least half the rows' expert choices decisive
+    # (else the best): used only to draw rows that are mostly decisive (which rows are compared
+    # plainly is decided at each step by `generated_module.near_ties`).
+    best = None
     for seed in range(1, 25):
         tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, B), jnp.int32)
-        margins = _routing_margins(hf, cfg, tokens, positions, args.steps, gen.CONTEXT)
+        run = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
+        margins = np.min(np.stack([s["route_margins"] for s in run]), axis=0)
         rows = np.array([b for b in range(B) if margins[b] >= args.min_routing_margin], np.int32)
         if best is None or len(rows) > len(best[3]):
-            best = (seed, tokens, margins, rows)
+            best = (seed, run, margins, rows)
         if len(rows) >= max(1, B // 2):
             break
-    seed, tokens, margins, rows = best
+    seed, trajectory, margins, rows = best
     print(f"tokens from seed {seed}, plain routing margins per row "
           f"{[round(float(m), 4) for m in margins]} (decisive: rows {rows.tolist()})", flush=True)
     run = run_verify if args.verify else run_kernel
     kernel_states: list = []       # the kernel's state before each decode step (for mutants)
-    trajectory = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
     refs = step_references(reference, hf, cfg, rounding, B, gen.CONTEXT)
 
     check = "exact" if args.strict_emulation else (
@@ -161,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
                             **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:
-        summary["mutants"] = run_mutants(lambda name: load_generated(spec, "kimi_k3_mini", name),
-                                         args.mutants.split(","), weights, kernel_states, trajectory,
-                                         mesh, params, refs, args.mutants_from, args.mutant_steps)
+        summary.update(run_mutants(lambda mutants: load_generated(spec, "kimi_k3_mini", mutants),
+                                   args.mutants.split(","), weights, kernel_states, trajectory,
+                                   mesh, params, refs, args.mutants_from, args.mutant_steps,
+                                   by_row=args.mutants_by_row))
     return finish(summary, args.races, args.json)
 
 

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
     ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
     ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
+    ap.add_argument("--mutants-by-row", action="store_true",
+                    help="run every mutant in one kernel run, mutant i on batch row i alone (the "
+                         "batch must exceed the mutant count: the rows past them are controls)")
     ap.add_argument("--mutants-from", type=int, default=0,
                     help="start mutants at this step, from the kernel's own state before it (1: "
                          "a nonzero state, where state-only mutants show)")
@@ -88,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         lean_interpreter()
     if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
         ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
+    if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
+        ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
+                 "(a row each and a control row)")
 
     if args.checkpoint:
         config, hf = load_checkpoint(args.checkpoint)
@@ -129,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
                             **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:
-        summary["mutants"] = run_mutants(lambda name: load_generated(spec, model, name),
-                                         args.mutants.split(","), weights, kernel_states, trajectory,
-                                         mesh, params, refs, args.mutants_from, args.mutant_steps)
+        summary.update(run_mutants(lambda mutants: load_generated(spec, model, mutants),
+                                   args.mutants.split(","), weights, kernel_states, trajectory,
+                                   mesh, params, refs, args.mutants_from, args.mutant_steps,
+                                   by_row=args.mutants_by_row))
     return finish(summary, args.races, args.json)
 
 

@@ -32,43 +32,41 @@ def _assert_matches_reference(summary: dict) -> None:
 
 
 @pytest.mark.slow
-def test_eager_dma_mode_at_the_largest_batch_for_two_steps():
-    """Batch 8, two steps: the second from a nonzero recurrent, conv and latent state."""
-    _assert_matches_reference(_run("--mode", "eager", "--steps", "2", "--batch", "8"))
-
-
-@pytest.mark.slow
-def test_no_races_with_race_detection():
-    # Batch 2: at batch 1 the kernel's one-row bf16 dots leave the emulation's order on an
-    # AVX512-BF16 host (mkc.numerics); measured at batch 2 with races: bit-equal, 85 s a step.
-    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "2")
+def test_eager_dma_mode_with_race_detection():
+    """Eager DMAs land as soon as issued, so a write racing a read before its wait shows (on-wait
+    mode would run the copy at the wait and hide it): batch 2, measured bit-equal."""
+    summary = _run("--mode", "eager", "--races", "--steps", "1", "--batch", "2")
     _assert_matches_reference(summary)
     assert summary["races_found"] is False
 
 
-# One op per sublayer kind, and a state-only op, the KDA decay (each mutant run costs two to
-# three minutes of interpret mode here); mla.kv_norm and moe.shared_down, and the state-only
-# kda.conv_state and mla.kv_read, are for `run_k3_mini.py --mutants ... --mutants-from 1` by
-# hand (measured: each rejected at step 1, 0.0 from the emulation at step 0).
-K3_MUTANTS = ("kda.gated_norm", "mla.o_proj", "dense.down", "moe.expert", "kda.decay")
+# One op per sublayer kind and the state-only ops (the KDA decay, the conv state's taps, a read
+# of an earlier latent cache entry); mla.kv_norm and moe.shared_down are for
+# `run_k3_mini.py --mutants ... --mutants-by-row` by hand (measured: rejected at step 1).
+K3_MUTANTS = ("kda.gated_norm", "mla.o_proj", "dense.down", "moe.expert", "kda.decay",
+              "kda.conv_state", "mla.kv_read")
 
 
 @pytest.mark.slow
-def test_two_on_wait_steps_then_one_op_off_by_one_percent_is_rejected():
-    """One process (one compilation), batch 2, on the 64-core layout (`kimi_k3_64.sched`, moved
-    to 16 cores: heads over 8 ranks, replicated twice, everything else over all 16): the module
-    passes two steps (measured: both bit-equal to the emulation), then copies of it with one op
-    scaled by 1.01 (one per sublayer kind: the KDA gated norm, the MLA output projection, the
-    dense MLP's down projection, the routed experts; and the state-only KDA decay) each run
-    step 1 from the module's own state after step 0 and are each rejected by the exact
-    rounding-emulation comparison, which the 3 % plain comparison would let through."""
+def test_two_steps_at_the_largest_batch_then_each_mutant_rejected_on_its_row():
+    """One process, batch 8, on the 64-core layout (`kimi_k3_64.sched`, moved to 16 cores: heads
+    over 8 ranks, replicated twice, everything else over all 16): the module passes two steps,
+    the second from a nonzero recurrent, conv and latent state (measured: both bit-equal to the
+    emulation); then one module with all seven mutants (one op scaled by 1.01 each: one per
+    sublayer kind and the three state-only ops), mutant i acting on row i alone, runs step 1
+    from the module's own state after step 0 (`--mutants-by-row`). Each mutant's row is
+    rejected by the exact emulation comparison (which the 3 % plain comparison would let
+    through), and row 7, which no mutant touches, stays bit-equal: the rows are independent."""
     summary = _run("--spec", str(ROOT / "schedules" / "kimi_k3_64.sched"), "--mode", "on_wait",
-                   "--steps", "2", "--batch", "2", "--mutants", ",".join(K3_MUTANTS),
-                   "--mutants-from", "1")
+                   "--steps", "2", "--batch", "8", "--mutants", ",".join(K3_MUTANTS),
+                   "--mutants-from", "1", "--mutants-by-row")
     assert summary["steps"][0]["emulation"]["logits"] == 0.0
     _assert_matches_reference(summary)
-    assert len(summary["steps"]) == 2
-    assert summary["failures"] == []
-    for name in K3_MUTANTS:
-        fails = summary["mutants"][name]["failures"]
-        assert any("rounding emulation" in f for f in fails), (name, fails)
+    assert len(summary["steps"]) == 2 and summary["failures"] == []
+    controls = summary["mutant_controls"]
+    assert controls["rows"] == [7] and controls["failures"] == []
+    assert controls["steps"][0]["emulation"]["logits"] == 0.0
+    for row, name in enumerate(K3_MUTANTS):
+        mutant = summary["mutants"][name]
+        assert mutant["row"] == row and [s["step"] for s in mutant["steps"]] == [1]
+        assert any("rounding emulation" in f for f in mutant["failures"]), (name, mutant["failures"])

@@ -173,3 +173,27 @@ def test_k3_emulation_pack_groups_follow_the_kernels_layout():
         geometry = kimi_k3_geometry(dims, sharding)
         assert reference.pack_groups(dims.latent, geometry.expert_width) == \
             weights.pack_groups(dims, geometry)
+
+
+def test_mutants_by_row_scale_their_own_row_only():
+    """`--mutants-by-row`: `{scale}` scales row `row` of axis 0 by 1.01 (in f32, back to the
+    dtype), every other row bit for bit; `{factor}(b)` is 1.01 for that row only; one module
+    takes several mutants, each edit bound to its own row."""
+    gm = _harness()
+    from tests_support import ROOT
+
+    x = jnp.asarray(np.arange(24, dtype=np.float32).reshape(4, 6) + 1.0, jnp.bfloat16)
+    got = np.asarray(gm.mutant_scale(2)(x), np.float32)
+    want = np.asarray(x, np.float32)
+    np.testing.assert_array_equal(np.delete(got, 2, axis=0), np.delete(want, 2, axis=0))
+    assert np.all(got[2] > want[2])
+    assert np.all(np.asarray(gm.mutant_scale(None)(x), np.float32) > want)
+    assert [gm.mutant_factor(1)(b) for b in range(3)] == [1.0, 1.01, 1.0]
+    module = gm.load_generated(ROOT / "schedules" / "qwen3_8_27b.sched", "qwen3_8_mini",
+                               {"gqa.o_proj": 0, "gdn.decay": 1})
+    source = open(module.__file__).read()
+    assert "attn_out = _mutant_scale_0(lower.o_proj(c, core))" in source
+    assert module._mutant_scale_0 is not module._mutant_scale_1
+    assert "<mutant gdn.decay of " in module.lower.delta_rule.__code__.co_filename
+    with pytest.raises(ValueError, match="unknown mutants"):
+        gm.load_generated(ROOT / "schedules" / "qwen3_8_27b.sched", "qwen3_8_mini", "gqa.typo")
