@@ -1,11 +1,11 @@
 """Benchmarks, for the Qwen 3.8 27B and Kimi K3 schedules: how fast `mkc check` answers a spec
 with a syntax error and one with a resolve error (CLI wall time: the diagnostics' latency), mkc
 compile time of the full spec (in process and as the CLI), libtpu compile time of the
-generated full-size kernel at batch 1 and 8, interpret-mode time per MINI decode step, and the
-VMEM peaks. Prints medians and the
-command that reproduces each number.
+generated full-size kernel at batch 1 and 8, interpret-mode time per MINI decode step (with the
+lean host side the runners use and with JAX's own, side by side), and the VMEM peaks. Prints
+medians and the command that reproduces each number. `--tiers` times the test tiers instead.
 
-    ./dev bench            (or .venv/bin/python benchmarks/bench.py [--repeats N])
+    ./dev bench            (or .venv/bin/python benchmarks/bench.py [--repeats N] [--tiers])
 """
 from __future__ import annotations
 
@@ -136,10 +136,21 @@ def bench_tpu_compile(module: str, repeats: int, batch: int) -> list[float]:
     return times
 
 
-def bench_interpret(script: str, steps: int) -> list[float]:
-    out = _py([script, "--json", "--steps", str(steps), "--batch", "1"])
+def bench_interpret(script: str, steps: int, *extra: str) -> list[float]:
+    out = _py([script, "--json", "--steps", str(steps), "--batch", "1", *extra])
     summary = json.loads(next(ln for ln in out.splitlines() if ln.startswith("JSON "))[5:])
     return [s["seconds"] for s in summary["steps"][1:]]     # step 0 includes tracing
+
+
+def bench_tiers() -> list[tuple[str, float, str]]:
+    """Wall time of each test tier as `./dev` runs it (every core), with its last line."""
+    out = []
+    for tier in ("quick", "test"):
+        t0 = time.perf_counter()
+        r = subprocess.run(["./dev", tier], cwd=ROOT, capture_output=True, text=True)
+        last = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+        out.append((tier, time.perf_counter() - t0, last))
+    return out
 
 
 def vmem_peaks(spec: str) -> dict[int, float]:
@@ -155,7 +166,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", choices=list(MODELS), help="one model only (default: both)")
+    ap.add_argument("--tiers", action="store_true",
+                    help="only time the test tiers, `./dev quick` and `./dev test` (half an hour)")
     args = ap.parse_args()
+    if args.tiers:
+        for tier, seconds, last in bench_tiers():
+            print(f"./dev {tier}: {seconds / 60:.1f} min wall ({last})\n    reproduce: ./dev {tier}")
+        return 0
     rows, peaks = [], {}
     for model, (spec, module, script, devices) in MODELS.items():
         if args.model and model != args.model:
@@ -173,9 +190,11 @@ def main() -> int:
             rows.append((f"{model}: libtpu compile of the full-size kernel, batch {batch}",
                          bench_tpu_compile(module, max(1, args.repeats // 2), batch),
                          f".venv/bin/python benchmarks/tpu_compile.py {module} {batch}"))
-        rows.append((f"{model}: interpret mode, MINI decode step, {devices} CPU devices, on_wait, "
-                     "batch 1", bench_interpret(script, steps=3),
-                     f".venv/bin/python {script} --steps 3 --batch 1"))
+        # side by side: the lean host side the runners use (mkc.interpret) and JAX's own
+        for how, extra in (("lean host side", ()), ("JAX's own callbacks", ("--jax-callbacks",))):
+            rows.append((f"{model}: interpret mode, MINI decode step, {devices} CPU devices, "
+                         f"on_wait, batch 1, {how}", bench_interpret(script, 3, *extra),
+                         f".venv/bin/python {script} --steps 3 --batch 1 {' '.join(extra)}"))
         peaks[model] = vmem_peaks(spec)
     for name, times, cmd in rows:
         print(f"{name}: median {statistics.median(times):.3f} s over {len(times)} "

@@ -146,8 +146,9 @@ def run_compile() -> dict:
 
 # ---- pytest side: one subprocess per mode, shared by the checks of that mode -------------------
 @functools.cache
-def _run(mode: str, lean: bool = False) -> dict:
-    """`lean`: with `mkc.interpret.lean_interpreter` (tests/test_interpret.py)."""
+def _run(mode: str, lean: bool = True) -> dict:
+    """`lean`: with `mkc.interpret.lean_interpreter`, as the runners run (tests/test_interpret.py
+    compares it with JAX's own)."""
     from conftest import run_python
     r = run_python([__file__, mode] + ["lean"] * lean, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
