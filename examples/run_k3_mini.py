@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the default makes its host side lean: mkc.interpret)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if not args.jax_callbacks:
-        lean_interpreter()
+    replaced = [] if args.jax_callbacks else lean_interpreter()
     if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
         ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
     if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"family": "kimi_k3", "mode": args.mode, "races": args.races, "batch": B,
                "mutant": args.mutate, "emulation_check": check, "pack_seconds": pack_seconds,
                "routing_margins": margins.tolist(), "token_seed": seed, "verify": args.verify,
-               "host": host_facts(),
+               "host": host_facts(), "interpret_host_replaced": replaced,
                "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
                             **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:
