@@ -167,6 +167,40 @@ def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
     module.lower = types.SimpleNamespace(**{**vars(module.lower), **replaced})
 
 
+def add_mutant_options(ap) -> None:
+    """The runners' mutant options (run_mini.py, run_k3_mini.py); `check_mutant_options` after
+    parsing."""
+    ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
+    ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
+    ap.add_argument("--mutants-by-row", action="store_true",
+                    help="run every mutant in one kernel run, mutant i on batch row i alone (the "
+                         "batch must exceed the mutant count: the rows past them are controls)")
+    ap.add_argument("--mutants-from", type=int, default=0,
+                    help="start mutants at this step, from the kernel's own state before it (1: "
+                         "a nonzero state, where state-only mutants show)")
+
+
+def check_mutant_options(ap, args) -> None:
+    if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
+        ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
+    if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
+        ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
+                 "(a row each and a control row)")
+
+
+def add_interpret_host_option(ap) -> None:
+    """Every runner's choice of interpret mode's host side; `interpret_host` after parsing."""
+    ap.add_argument("--jax-callbacks", action="store_true",
+                    help="interpret mode through JAX's own io_callback path (about 3x slower; "
+                         "the default makes its host side lean: mkc.interpret)")
+
+
+def interpret_host(args) -> list[str]:
+    """Make interpret mode's host side lean unless --jax-callbacks; what was replaced."""
+    from mkc.interpret import lean_interpreter
+    return [] if args.jax_callbacks else lean_interpreter()
+
+
 _COMPILED: dict[tuple[str, str, str], object] = {}
 
 

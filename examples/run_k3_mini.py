@@ -39,7 +39,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16").strip()
-from mkc.interpret import lean_interpreter  # noqa: E402
 from mkc.numerics import pin_cpu_isa  # noqa: E402
 
 pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
@@ -51,8 +50,9 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (finish, k3_mini_spec, load_generated,  # noqa: E402
-                              plain_trajectory, rounding_for, step_references,
+from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
+                              check_mutant_options, finish, interpret_host, k3_mini_spec,
+                              load_generated, plain_trajectory, rounding_for, step_references,
                               run_kernel, run_mutants, run_verify)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
@@ -74,32 +74,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="draw tokens until half the rows' expert choices win by this much in "
                          "the plain reference")
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
-    ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
     ap.add_argument("--emulation-check", choices=("flips", "exact", "none"), default="exact",
                     help="how the rounding emulation judges every step, from the kernel's own "
                          "state (mkc.numerics): 'exact' (to f32 rounding, the default), 'flips' "
                          "(a few bf16 roundings may flip), or 'none' (reported only)")
     ap.add_argument("--strict-emulation", action="store_true", help="same as --emulation-check exact")
-    ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
-    ap.add_argument("--mutants-by-row", action="store_true",
-                    help="run every mutant in one kernel run, mutant i on batch row i alone (the "
-                         "batch must exceed the mutant count: the rows past them are controls)")
-    ap.add_argument("--mutants-from", type=int, default=0,
-                    help="start mutants at this step, from the kernel's own state before it (1: "
-                         "a nonzero state, where state-only mutants show)")
     ap.add_argument("--verify", action="store_true",
                     help="one verify step of --steps rows per sequence instead of decode steps")
-    ap.add_argument("--jax-callbacks", action="store_true",
-                    help="interpret mode through JAX's own io_callback path (about 3x slower; "
-                         "the default makes its host side lean: mkc.interpret)")
+    add_mutant_options(ap)
+    add_interpret_host_option(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    replaced = [] if args.jax_callbacks else lean_interpreter()
-    if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
-        ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
-    if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
-        ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
-                 "(a row each and a control row)")
+    check_mutant_options(ap, args)
+    replaced = interpret_host(args)
 
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)

@@ -33,7 +33,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=16").strip()
-from mkc.interpret import lean_interpreter  # noqa: E402
 from mkc.numerics import pin_cpu_isa  # noqa: E402
 
 pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
@@ -45,8 +44,9 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (finish, load_generated, plain_trajectory,  # noqa: E402
-                              rounding_for, step_references, run_kernel,
+from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
+                              check_mutant_options, finish, interpret_host, load_generated,
+                              plain_trajectory, rounding_for, step_references, run_kernel,
                               run_mutants, run_verify)
 
 from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
@@ -65,14 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
-    ap.add_argument("--mutants", help="comma-separated mutants to run after the module, one process")
-    ap.add_argument("--mutant-steps", type=int, help="run mutants for only this many steps")
-    ap.add_argument("--mutants-by-row", action="store_true",
-                    help="run every mutant in one kernel run, mutant i on batch row i alone (the "
-                         "batch must exceed the mutant count: the rows past them are controls)")
-    ap.add_argument("--mutants-from", type=int, default=0,
-                    help="start mutants at this step, from the kernel's own state before it (1: "
-                         "a nonzero state, where state-only mutants show)")
     ap.add_argument("--emulation-check", choices=("exact", "flips", "none"), default="exact",
                     help="how the rounding emulation judges every step, from the kernel's own "
                          "state (mkc.numerics): 'exact' (to f32 rounding, the default), 'flips' "
@@ -82,17 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="one verify step of --steps rows per sequence instead of decode steps")
     ap.add_argument("--first-position", type=int,
                     help="row 0's position (rows b > 0: + 131 b); default 136, 141 with --verify")
-    ap.add_argument("--jax-callbacks", action="store_true",
-                    help="interpret mode through JAX's own io_callback path (about 3x slower; "
-                         "the default makes its host side lean: mkc.interpret)")
+    add_mutant_options(ap)
+    add_interpret_host_option(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    replaced = [] if args.jax_callbacks else lean_interpreter()
-    if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
-        ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
-    if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
-        ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
-                 "(a row each and a control row)")
+    check_mutant_options(ap, args)
+    replaced = interpret_host(args)
 
     if args.checkpoint:
         config, hf = load_checkpoint(args.checkpoint)

@@ -29,7 +29,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
-from mkc.interpret import lean_interpreter  # noqa: E402
 from mkc.numerics import pin_cpu_isa  # noqa: E402
 
 pin_cpu_isa()      # the same vector routines on every x86 host (mkc.numerics)
@@ -41,7 +40,8 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import load_generated, rounding_for  # noqa: E402
+from generated_module import (add_interpret_host_option, interpret_host,  # noqa: E402
+                              load_generated, rounding_for)
 
 from mkc.checkpoint import family_of  # noqa: E402
 from mkc.reference.rounding import one_row_as_two  # noqa: E402
@@ -141,13 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, help="rows per verify step (default: the spec's verify width)")
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
     ap.add_argument("--drafter", choices=("lookup", "oracle"), default="lookup")
-    ap.add_argument("--jax-callbacks", action="store_true",
-                    help="interpret mode through JAX's own io_callback path (about 3x slower; "
-                         "the default makes its host side lean: mkc.interpret)")
+    add_interpret_host_option(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if not args.jax_callbacks:
-        lean_interpreter()
+    interpret_host(args)
 
     config = json.loads((ROOT / f"mkc/model/configs/{args.model}.json").read_text())
     reference = family_of(config).module("reference")

@@ -88,6 +88,7 @@ def _weight_files(root: Path) -> dict[Path, list[str] | None]:
 
 
 _NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8}
+_DTYPE_NAMES = {code: np.dtype(d).name for code, d in _NUMPY_DTYPES.items()}   # as stored_dtypes names them
 
 
 class StoredTensor:
@@ -172,8 +173,8 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
                     if shape != want:
                         problems.append(f"{name}: shape {list(shape)}, expected {list(want)}")
                     accepted = stored_dtypes(expected[name][1])
-                    if dtype not in _NUMPY_DTYPES or np.dtype(_NUMPY_DTYPES[dtype]).name not in accepted:
-                        codes = sorted(c for c, d in _NUMPY_DTYPES.items() if np.dtype(d).name in accepted)
+                    if _DTYPE_NAMES.get(dtype) not in accepted:
+                        codes = sorted(c for c, d in _DTYPE_NAMES.items() if d in accepted)
                         problems.append(f"{name}: dtype {dtype}, expected {' or '.join(codes)}")
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e

@@ -228,19 +228,22 @@ def _kind(name: str) -> str:
     return next(k for k in STATE_KINDS if name.endswith(k))
 
 
+def _rows(a, rows, dtype) -> np.ndarray:
+    """`a`'s batch rows `rows` (all for None) as `dtype`: sliced before converting, since a
+    step's record asks for each row alone."""
+    a = np.asarray(a)
+    return (a if rows is None else a[rows]).astype(dtype, copy=False)
+
+
 def logits_error(ours, ref, rows=None) -> float:
-    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
-    if rows is not None:
-        ours, ref = ours[rows], ref[rows]
+    ours, ref = _rows(ours, rows, np.float32), _rows(ref, rows, np.float32)
     return float(np.max(np.abs(ours - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
 
 def logits_frob(ours, ref, rows=None) -> float:
     """||ours - ref|| / ||ref|| over the logits (of ``rows``): the statistic of the "flips"
     check, which grows with the number of differing elements, not with the largest one."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    if rows is not None:
-        ours, ref = ours[rows], ref[rows]
+    ours, ref = _rows(ours, rows, np.float64), _rows(ref, rows, np.float64)
     return float(np.linalg.norm(ours - ref) / max(float(np.linalg.norm(ref)), 1e-300))
 
 
@@ -251,10 +254,7 @@ def state_errors(ours: Mapping[str, np.ndarray], ref: Mapping[str, object], rows
     diff: dict[str, float] = {}
     norm: dict[str, float] = {}
     for name, value in ours.items():
-        a = np.asarray(value, np.float32)
-        b = np.asarray(ref[name], np.float32)
-        if rows is not None:
-            a, b = a[rows], b[rows]
+        a, b = _rows(value, rows, np.float32), _rows(ref[name], rows, np.float32)
         kind = _kind(name)
         diff[kind] = diff.get(kind, 0.0) + float(np.sum(np.square(a - b, dtype=np.float64)))
         norm[kind] = norm.get(kind, 0.0) + float(np.sum(np.square(b, dtype=np.float64)))
