@@ -95,6 +95,16 @@ def bases() -> dict[str, Base]:
 
 
 PERF_FRACTION = 0.3          # accepted, uncompiled cases whose steps are also modelled
+# The step-time model traces the emitted kernel at each batch it models (JAX's tracing, about
+# 2 CPU seconds each for a K3 MINI kernel), so a case that models its steps gets this many
+# times the timeout.
+PERF_TIMEOUT_FACTOR = 3.0
+
+
+def models_steps(seed: int, index: int) -> bool:
+    """Whether case `index` also runs the step-time model when accepted (drawn apart from the
+    mutation's stream, so adding it kept every earlier case as it was)."""
+    return random.Random(f"mkc-fuzz-perf:{seed}:{index}").random() < PERF_FRACTION
 BASE_WEIGHTS = {"qwen_mini": 25, "qwen_full": 8, "k3_mini": 20, "k3_64_mini": 10,
                 "qwen16_mini": 10, "qwen_v6e_mini": 8, "moe_mini": 14, "moe_397b_full": 5}
 
@@ -563,8 +573,7 @@ def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | 
     text = MUTATIONS[kind][0](rng, b, case)
     case.spec = text if isinstance(text, bytes) else text.encode("utf-8")
     case.compile = case.compile or rng.random() < compile_fraction
-    # drawn apart from the mutation's stream, so adding it kept every earlier case as it was
-    case.perf = random.Random(f"mkc-fuzz-perf:{seed}:{index}").random() < PERF_FRACTION
+    case.perf = models_steps(seed, index)
     return case
 
 
@@ -809,6 +818,7 @@ class _Worker:
         self.ready = False
         self.cpu0 = 0.0
         self.interrupted = False         # SIGUSR2 sent for the current case
+        self.case_timeout = 0.0          # CPU seconds the current case may take
 
     def cpu(self) -> float:
         """CPU seconds the worker has used: the machine may be shared, so a hang is measured
@@ -823,12 +833,13 @@ class _Worker:
         now = time.monotonic()
         if not self.ready:
             return now > self.deadline
-        return self.cpu() - self.cpu0 > timeout or now > self.deadline
+        return self.cpu() - self.cpu0 > max(timeout, self.case_timeout) or now > self.deadline
 
     def send(self, seed: int, index: int, kind: str | None, timeout: float) -> None:
         self.current = index
         self.interrupted = False
         self.cpu0 = self.cpu()
+        self.case_timeout = timeout
         self.deadline = time.monotonic() + max(30.0, 3 * timeout)
         self.proc.stdin.write(f"{seed} {index} {kind or ''}\n".encode())
         self.proc.stdin.flush()
@@ -908,7 +919,8 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
             for w in list(pool):
                 if w.ready and w.current is None and todo:
                     idx = todo.pop()
-                    w.send(seed, idx, kinds.get(idx, kind), timeout)
+                    w.send(seed, idx, kinds.get(idx, kind),
+                           timeout * (PERF_TIMEOUT_FACTOR if models_steps(seed, idx) else 1.0))
             for key, _ in sel.select(timeout=0.25):
                 w = key.data
                 chunk = os.read(w.proc.stdout.fileno(), 1 << 16)

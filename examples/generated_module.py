@@ -141,7 +141,8 @@ def mutate(source: str, mutants: dict[str, int | None]) -> str:
 
 def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
     """Bind into `module` (alone) a `lower` whose functions named by the LOWERING_MUTANTS in
-    `mutants` are edited copies, compiled in the globals of the module that defines each."""
+    `mutants` are edited copies, compiled in the globals of the module that defines each (and
+    run in their op's scope, as the module's own `lower` runs the family's)."""
     import inspect
     import textwrap
     import types
@@ -151,7 +152,7 @@ def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
         if name not in LOWERING_MUTANTS:
             continue
         func, old, new = LOWERING_MUTANTS[name]
-        original = getattr(module.lower, func)
+        original = getattr(module.lowering, func)
         source = edited.get(func) or textwrap.dedent(inspect.getsource(original))
         edited[func] = _replace_once(source, old, _bind(new, index), name,
                                      f"{original.__module__}.{func}")
@@ -159,12 +160,13 @@ def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
         return
     replaced = {}
     for func, source in edited.items():
-        original = getattr(module.lower, func)
+        original = getattr(module.lowering, func)
         namespace = dict(vars(sys.modules[original.__module__])) | _helpers(mutants)
         names = "+".join(n for n in mutants if n in LOWERING_MUTANTS and LOWERING_MUTANTS[n][0] == func)
         exec(compile(source, f"<mutant {names} of {original.__module__}.{func}>", "exec"), namespace)
         replaced[func] = namespace[func]
-    module.lower = types.SimpleNamespace(**{**vars(module.lower), **replaced})
+    from mkc.runtime import scopes
+    module.lower = scopes.named_ops(types.SimpleNamespace(**{**vars(module.lowering), **replaced}))
 
 
 def add_mutant_options(ap) -> None:

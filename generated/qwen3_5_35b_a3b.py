@@ -24,11 +24,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.families.qwen3_5_moe import lowering as lower
+from mkc.families.qwen3_5_moe import lowering
 from mkc.families.qwen3_5_moe import weights as hf_layout
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
 from mkc.model.sharding import ShardTable
-from mkc.runtime import collectives, inputs, ring, vectors
+from mkc.runtime import collectives, inputs, ring, scopes, vectors
 from mkc.runtime import pool as pool_layout
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
@@ -36,6 +36,10 @@ from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
 from mkc.runtime.vectors import Parity, VectorRefs
+
+# Each compute body runs in its op's name scope (mkc.runtime.scopes): the step-time model
+# counts an op's work from the equations traced under it.
+lower = scopes.named_ops(lowering)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -312,9 +316,10 @@ def _kernel(*refs, B, R=1, verify=False):
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
     head_norm_copy.start()
-    r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL,
-                                 SHARDS.rule("vocab"), EMBED_REDUCE, AXIS, B)
-    lower.prologue(k)
+    with scopes.op(scopes.TAIL, "embed"):
+        r.x[...] = collectives.embed(r, r.embed, r.embed_rows, r.sem__embed, VOCAB_LOCAL,
+                                     SHARDS.rule("vocab"), EMBED_REDUCE, AXIS, B)
+        lower.prologue(k)
 
     def layer_step(layer, carry):
         kind = r.tables[0, layer]
@@ -338,10 +343,12 @@ def _kernel(*refs, B, R=1, verify=False):
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
     head_norm_copy.wait()   # the final norm weight (not in the spec: every step loads it at entry)
-    h = lower.final_hidden(k, r.head_norm)
-    logits = ring.matmul(RING, k.ring_refs, h, TAIL_TILE_OFFSET, TAIL_LM_HEAD)
-    for j in range(TAIL_LM_HEAD.col_tiles):
-        r.logits[j] = logits[:, j * TAIL_LM_HEAD.tile_cols:(j + 1) * TAIL_LM_HEAD.tile_cols]
+    with scopes.op(scopes.TAIL, "final_norm"):
+        h = lower.final_hidden(k, r.head_norm)
+    with scopes.op(scopes.TAIL, "lm_head"):
+        logits = ring.matmul(RING, k.ring_refs, h, TAIL_TILE_OFFSET, TAIL_LM_HEAD)
+        for j in range(TAIL_LM_HEAD.col_tiles):
+            r.logits[j] = logits[:, j * TAIL_LM_HEAD.tile_cols:(j + 1) * TAIL_LM_HEAD.tile_cols]
 
 
 # ---- host side ---------------------------------------------------------------------------

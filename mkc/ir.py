@@ -307,27 +307,12 @@ class ViewCopy:
 
 
 @dataclass(frozen=True)
-class OpFacts:
-    """What the step-time model (`mkc.perf`) needs about one op's compute, per rank and per
-    batch row, beyond the matrices it multiplies by (those are counted from the weights it
-    reads): elementwise work on the VPU, row-specific operands fed through the MXU (a
-    recurrent state), and KV-cache elements fed through the MXU per cached token."""
-
-    vector_per_row: int = 0      # VPU element operations per batch row
-    mxu_per_row: int = 0         # elements fed to the MXU per batch row (not weights)
-    cache_per_token: int = 0     # cache elements fed to the MXU per cached token, per row
-    vector_per_token: int = 0    # VPU element operations per cached token, per row
-
-
-@dataclass(frozen=True)
 class MatrixFacts:
-    """How a stored matrix enters the MXU: `values_per_byte` logical values per stored byte
-    (0: not fed to the MXU, e.g. MXFP4 scales), the MXU dtype of its products and the
-    dequantisation (if any) the VPU runs first."""
+    """How a stored matrix's bytes count as matrix values: `values_per_byte` logical values per
+    stored byte (0: not multiplied, e.g. MXFP4 scales). What multiplying by them costs is
+    counted from the emitted kernel (`mkc.perf.work`)."""
 
-    mxu_dtype: str = "bf16"
     values_per_byte: float = 0.5
-    dequant: str = ""
 
 
 @dataclass(frozen=True)
@@ -350,7 +335,6 @@ class KindSchedule:
     pooled: dict[str, str] = field(default_factory=dict)   # matrix family -> "pool.view"
     prefetch: ViewCopy | None = None
     fetch: ViewCopy | None = None
-    op_facts: dict[str, OpFacts] = field(default_factory=dict)   # op -> compute facts
 
 
 @dataclass(frozen=True)
@@ -401,7 +385,6 @@ class ScheduleIR:
     config_digest: str = ""      # sha256 of the model config's JSON, canonicalised
     # "kind.family" (or "expert.family") -> MXU facts, for matrices that are not plain bf16
     matrix_facts: dict[str, MatrixFacts] = field(default_factory=dict)
-    tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # final_norm, lm_head, embed
     # The config.json object the model was read from: a module checks the HF weights it packs
     # against its family's tensor table of this config (mkc.runtime.inputs.check_hf_weights).
     model_config: dict = field(default_factory=dict)

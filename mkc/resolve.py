@@ -403,8 +403,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         matrix_facts={f"{prefix}.{t.name}": t.mxu for prefix, tensors in
                       [(k, kd.tensors) for k, kd in graph.kinds.items()] + [("expert", graph.experts)]
-                      for t in tensors.values() if t.mxu is not None},
-        tail_facts=dict(graph.tail_facts))
+                      for t in tensors.values() if t.mxu is not None})
 
 
 def _pooled_bytes(rows: int, cols: int, dtype: str) -> int:
@@ -865,7 +864,7 @@ def _resolve_phase(phase: ast.Phase, graph: DecodeGraph, topo: target.Topology, 
         op_values={o.name: ([n for n in o.reads if n not in not_values],
                             [n for n in o.writes if n not in not_values]) for o in kind.ops},
         allgathers=gathers, exchanges=exchanges, pooled=dict(pooled), prefetch=prefetch,
-        fetch=fetch, op_facts={o.name: o.facts for o in kind.ops})
+        fetch=fetch)
     return ks, list(buffers.values()) + gather_bufs
 
 

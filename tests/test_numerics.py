@@ -105,9 +105,12 @@ def test_a_state_only_mutant_edits_one_lowering_function_of_its_own_module_only(
     mutant = gm.load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini",
                                "gdn.decay")
     plain = gm.load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini")
-    assert lowering.delta_rule is original and plain.lower.delta_rule is original
-    assert mutant.lower.delta_rule is not original and mutant.lower.conv is lowering.conv
-    assert mutant.lower.delta_rule.__code__.co_filename.startswith("<mutant gdn.decay of ")
+    # the modules call their lowering through `lower`, which runs each function in its op's
+    # name scope (mkc.runtime.scopes): __wrapped__ is the function it runs
+    assert lowering.delta_rule is original and plain.lower.delta_rule.__wrapped__ is original
+    assert mutant.lower.delta_rule.__wrapped__ is not original
+    assert mutant.lower.conv.__wrapped__ is lowering.conv
+    assert mutant.lower.delta_rule.__wrapped__.__code__.co_filename.startswith("<mutant gdn.decay of ")
     for name, (func, old, _) in gm.LOWERING_MUTANTS.items():   # each edit matches exactly once
         family = {"gdn": "qwen3_5", "gqa": "qwen3_5"}.get(name.split(".")[0], "kimi_k3")
         module = importlib.import_module(f"mkc.families.{family}.lowering")
@@ -194,6 +197,6 @@ def test_mutants_by_row_scale_their_own_row_only():
     source = open(module.__file__).read()
     assert "attn_out = _mutant_scale_0(lower.o_proj(c, core))" in source
     assert module._mutant_scale_0 is not module._mutant_scale_1
-    assert "<mutant gdn.decay of " in module.lower.delta_rule.__code__.co_filename
+    assert "<mutant gdn.decay of " in module.lower.delta_rule.__wrapped__.__code__.co_filename
     with pytest.raises(ValueError, match="unknown mutants"):
         gm.load_generated(ROOT / "schedules" / "qwen3_8_27b.sched", "qwen3_8_mini", "gqa.typo")

@@ -6,11 +6,10 @@ builds its kinds, and `build_graph` strings them into one step.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mkc.ir import MatrixFacts, OpFacts
+from mkc.ir import MatrixFacts
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -51,7 +50,6 @@ class Op:
     matmul: str | None = None       # the matrix family this op multiplies by, if any
     partial: tuple[str, ...] = ()   # a non-matmul op whose output is a partial sum over these classes
     width: int = 0                  # that output's columns
-    facts: OpFacts = OpFacts()      # compute work beyond its matrix (for the step-time model)
     picks_experts: bool = False     # the router step: routed experts are known after it
     runs_experts: bool = False      # reads the routed experts' weights (from expert slots)
 
@@ -99,7 +97,6 @@ class DecodeGraph:
     experts: dict[str, Tensor] = field(default_factory=dict)   # one routed expert's families
     # Model-specific VMEM activations: name -> (shape with -1 for the batch dim, dtype).
     activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-    tail_facts: dict[str, OpFacts] = field(default_factory=dict)   # embed, final_norm, lm_head
 
     experts_total: int = 0       # routed experts of the model (0: none)
     top_k: int = 0               # experts each row picks
@@ -121,13 +118,6 @@ class ShardingError(ValueError):
         self.dim_class = dim_class      # the shard rule to point at, when one is to blame
 
 
-def with_facts(kind: LayerKind, facts: dict[str, OpFacts]) -> LayerKind:
-    """The kind with each named op's compute facts filled in (estimates of the work each op's
-    body does per rank: element operations per batch row and per cached token)."""
-    ops = tuple(dataclasses.replace(o, facts=facts.get(o.name, o.facts)) for o in kind.ops)
-    return dataclasses.replace(kind, ops=ops)
-
-
 def lane_pad(n: int) -> int:
     return -(-n // 128) * 128
 
@@ -146,7 +136,6 @@ class FamilyGraph:
     kinds: dict[str, LayerKind]
     globals: dict[str, Tensor]           # embed, final_norm, lm_head
     per_rank: dict[str, int]             # sizes its compute bodies index by
-    tail_facts: dict[str, OpFacts]       # compute facts of embed, final_norm, lm_head
     experts: dict[str, Tensor] = field(default_factory=dict)   # one routed expert's families
     # Model-specific VMEM activations: name -> (shape with -1 for the batch dim, dtype).
     activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
@@ -177,4 +166,4 @@ def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
     g.add_edge("final_norm", "lm_head")
     return DecodeGraph(dims=dims, ranks=ranks, kinds=fg.kinds, globals=fg.globals, graph=g,
                        per_rank=fg.per_rank, experts=fg.experts, activations=fg.activations,
-                       tail_facts=fg.tail_facts, experts_total=fg.experts_total, top_k=fg.top_k)
+                       experts_total=fg.experts_total, top_k=fg.top_k)

@@ -33,8 +33,9 @@ class Rates:
     dma_queues: float            # in-order HBM<->VMEM DMA queues per core sharing its bandwidth
     mxu_feed_scale: float        # weight-load rate of the MXUs relative to peak / (2 * column)
     op_overhead_s: float         # per op: fixed cost of a compute body
-    vpu_ops_per_s: float         # elementwise f32 operations per second
-    mxfp4_dequant_ops: float     # VPU operations per MXFP4 value dequantised to bf16
+    vpu_ops_per_s: float         # VPU element operations per second (32-bit, whole registers)
+    eup_ops_per_s: float         # transcendental element operations per second
+    f32_matmul_passes: float     # bf16 MXU passes a matmul with an f32 operand takes
     ici_link_bytes_per_s: float  # one remote DMA stream to another chip, one direction
     ici_core_bytes_per_s: float  # all of a core's outgoing cross-chip streams together
     sibling_bytes_per_s: float   # a remote DMA to the other core of the same chip
@@ -50,12 +51,21 @@ class Rates:
     def hbm_stream_bytes_per_s(self) -> float:
         return self.hbm_bytes_per_s * self.hbm_efficiency
 
+    def mxu_rate(self, dtype: str) -> float:
+        """Peak MXU ops per second for inputs of `dtype` (f32: bf16 over its passes)."""
+        if dtype == "f32":
+            return self.mxu_ops_per_s["bf16"] / self.f32_matmul_passes
+        if dtype not in self.mxu_ops_per_s:
+            raise KeyError(f"{self.chip} has no {dtype} matrix unit (JAX gives "
+                           f"{', '.join(sorted(self.mxu_ops_per_s))})")
+        return self.mxu_ops_per_s[dtype]
+
     def feed_values_per_s(self, dtype: str) -> float:
         """Weight values the MXUs take in per second. At decode batch (<= 8 rows) a matmul is
         bound by loading weight tiles into the systolic arrays, not by FLOPs: a tile of
         column x column values takes about `column` cycles to load, while the peak rate does
         column x column multiply-adds per cycle, so loading runs at peak / (2 * column)."""
-        return self.mxu_feed_scale * self.mxu_ops_per_s[dtype] / (2 * self.mxu_column)
+        return self.mxu_feed_scale * self.mxu_rate(dtype) / (2 * self.mxu_column)
 
     def latency(self, name: str) -> float:
         """A fixed latency (`dma_issue_s`, `op_overhead_s`, `ici_hop_s`, `collective_round_s`)

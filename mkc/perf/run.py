@@ -7,6 +7,7 @@ from typing import Any
 from mkc import cost, ir, target
 from mkc.perf import constants, routing
 from mkc.perf.sim import CAUSES, Model, Result, blend, simulate
+from mkc.perf.work import kernel_work
 from mkc.trace import TraceOptions, build_trace
 
 
@@ -63,8 +64,10 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
     weighed (`sim.blend`; a picture shows the nearer one, `Result.concrete()`). `traces`, if
     given, caches the traces built, by (batch, tokens, experts per layer)."""
     rates = rates or constants.rates(s.chip)
+    work = kernel_work(s, batch, batch // sequences if sequences else None)
     if events is not None:
-        return simulate(Model(s, batch, tokens, rates), events, keep_timeline=keep_timeline)
+        return simulate(Model(s, batch, tokens, rates, work=work), events,
+                        keep_timeline=keep_timeline)
     mix = expert_mix(s, batch)
     parts = []
     for n, w in mix:
@@ -74,7 +77,7 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
             ev = perf_trace(s, batch, tokens, experts=n or None, sequences=sequences)
             if traces is not None:
                 traces[key] = ev
-        res = simulate(Model(s, batch, tokens, rates), ev, keep_timeline=keep_timeline)
+        res = simulate(Model(s, batch, tokens, rates, work=work), ev, keep_timeline=keep_timeline)
         res.experts = n if n else None
         parts.append((n, w, res))
     if len(parts) == 1:
@@ -92,6 +95,11 @@ def calibration_note(chip: str) -> str:
                 f"times (mkc/perf/data/{chip}.json)")
     if not cal:
         return f"uncalibrated: {chip} constants are priors (mkc/perf/data/{chip}.json)"
+    if blocked := cal.get("blocked"):
+        now = "; ".join(f"B{p['batch']} {p['modelled_step_s'] * 1e3:.2f} ms modelled now, "
+                        f"{p['published_step_s'] * 1e3:.2f} published" for p in blocked["points"])
+        return (f"calibration blocked: {', '.join(cal['fitted'])} keep an earlier fit to "
+                f"{cal['reference']} ({now}): {blocked['reason']}; mkc/perf/data/{chip}.json")
     pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "
                     f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
                     for p in cal["points"])
@@ -145,12 +153,37 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         "stalls": [{"buffer": st.buffer, "file": st.file, "line": st.line, "kind": st.kind,
                     "seconds": st.seconds, "count": st.count, "first_at": st.where}
                    for st in res.stalls],
+        "op_costs": op_costs(res, batch),
         "hbm_bytes": res.hbm_bytes, "copies": res.copies,
         "hbm_busy_fraction": res.hbm_busy_s / res.step_s,
         "constants": {k: {"value": getattr(rates, k), "source": rates.provenance.get(k, "")}
                       for k in constants.Rates.__dataclass_fields__
                       if k not in ("chip", "provenance")},
     }
+
+
+def op_costs(res: Result, batch: int) -> list[dict[str, Any]]:
+    """One entry per op and layer kind, costliest first: its work as counted from the emitted
+    kernel (per call: per batch row for vector work, matrix values as loaded into the MXU),
+    where that count came from, and its modelled compute over the step."""
+    work = res.work
+    out = []
+    for (kind, op), c in res.op_costs.items():
+        if not c.calls:
+            continue
+        ow = work.op(kind, op)
+        source = work.source_of(kind, op)
+        if ow.dynamic_loop:
+            source += " (a loop of run-time length inside it counted once per call)"
+        out.append({
+            "op": op, "layer_kind": kind, "calls": c.calls, "source": source,
+            "vector_ops_per_row": c.vector / (c.calls * batch),
+            "transcendental_ops_per_row": c.transcendental / (c.calls * batch),
+            "matrix_values": c.matrix_values / c.calls,
+            "weight_values_read": c.weight_values / c.calls,
+            "kv_tiles": c.kv_tiles / c.calls,
+            "seconds": c.seconds, "seconds_per_call": c.seconds / c.calls})
+    return sorted(out, key=lambda e: (-e["seconds"], e["layer_kind"], e["op"]))
 
 
 def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
@@ -188,6 +221,12 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
                  + f"{ms(step):>10}")
     lines.append("  weight streaming: compute with HBM copies in flight under it; exposed compute: "
                  "compute with HBM idle; stalls: waits that blocked compute")
+    if rep.get("op_costs"):
+        lines.append("costliest ops (modelled compute over the step, counted from the emitted kernel):")
+        for e in rep["op_costs"][:3]:
+            lines.append(f"  {ms(e['seconds'])} ms  {e['layer_kind']}.{e['op']:<18} "
+                         f"{e['vector_ops_per_row']:12.0f} vector ops/row, "
+                         f"{e['matrix_values']:12.0f} MXU values a call  ({e['source']})")
     if rep["stalls"]:
         lines.append("largest stalls (modelled; waits that blocked compute):")
         for st in rep["stalls"][:top_stalls]:

@@ -7,9 +7,12 @@ waits its issue cost (overlapping the copies ahead of it), then moves its bytes 
 per-copy overhead (so small copies are less efficient). A wait stalls compute until its copy
 lands.
 
-Ops cost a fixed overhead, their elementwise work on the VPU, and their matmuls: the weight
-values each weight read brings, fed into the MXU (at decode batch the MXU is bound by
-loading weights, not by FLOPs), after dequantisation on the VPU where a matrix is MXFP4.
+Ops cost a fixed overhead plus the work counted from the kernel mkc emits for them
+(`mkc.perf.work`): vector and transcendental operations, and matmuls as the values they load
+into the MXU or their FLOPs, whichever takes longer (at decode batch loading weights bounds
+them). Work an op does per weight value it reads (the matmul of a ring tile, pooled matrix or
+expert slot, with any in-kernel decode) is charged where the trace reads those weights, work
+per KV tile where it reads a KV tile, the rest where the op begins.
 Collectives are remote DMAs over ICI (or the on-chip sibling link) and block compute: a
 round's latency, per-hop latency and the bytes over the links. Ranks are symmetric, so one
 core (rank 0) stands for the step.
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from mkc import ir, target
 from mkc.perf.constants import Rates
+from mkc.perf.work import KernelWork, OpWork, Work, kernel_work
 from mkc.trace import Event
 
 CAUSES = ("weight streaming", "exposed compute", "stalls", "collectives", "prologue/epilogue")
@@ -70,6 +74,27 @@ class Stall:
 
 
 @dataclass
+class OpCost:
+    """One op's modelled compute over the step, summed over its calls (layers)."""
+
+    kind: str
+    op: str
+    calls: float = 0.0
+    seconds: float = 0.0
+    vector: float = 0.0              # counted VPU element operations charged
+    transcendental: float = 0.0
+    matrix_values: float = 0.0       # values loaded into the MXU
+    weight_values: float = 0.0       # weight values read (priced per value)
+    kv_tiles: float = 0.0            # KV tiles read (priced per tile)
+
+    def charge(self, w: Work, times: float, seconds: float) -> None:
+        self.vector += times * w.vector
+        self.transcendental += times * w.transcendental
+        self.matrix_values += times * w.matrix_values
+        self.seconds += seconds
+
+
+@dataclass
 class Result:
     step_s: float
     by_cause: dict[str, float]
@@ -87,6 +112,8 @@ class Result:
     experts: float | None = None
     parts: tuple[tuple[int, float], ...] = ()
     pictured: "Result | None" = field(default=None, repr=False)
+    op_costs: dict[tuple[str, str], OpCost] = field(default_factory=dict)
+    work: KernelWork | None = field(default=None, repr=False)
 
     def concrete(self) -> "Result":
         """The simulated step behind this result: itself, or the one a picture shows."""
@@ -116,6 +143,13 @@ def blend(parts: list[tuple[int, float, Result]], experts: float, keep_timeline:
     for st in stalls.values():
         st.count = round(st.count)
     heaviest = max(parts, key=lambda p: (p[1], -p[0]))[2]
+    op_costs: dict[tuple[str, str], OpCost] = {}
+    for _, w, r in parts:
+        for key, c in r.op_costs.items():
+            acc = op_costs.setdefault(key, OpCost(*key))
+            for f in ("calls", "seconds", "vector", "transcendental", "matrix_values",
+                      "weight_values", "kv_tiles"):
+                setattr(acc, f, getattr(acc, f) + w * getattr(c, f))
     return Result(
         step_s=sum(w * r.step_s for _, w, r in parts),
         by_cause={c: sum(w * r.by_cause[c] for _, w, r in parts) for c in first.by_cause},
@@ -125,7 +159,7 @@ def blend(parts: list[tuple[int, float, Result]], experts: float, keep_timeline:
         hbm_busy_s=sum(w * r.hbm_busy_s for _, w, r in parts),
         copies=round(sum(w * r.copies for _, w, r in parts)),
         experts=experts, parts=tuple((n, w) for n, w, _ in parts),
-        pictured=heaviest if keep_timeline else None)
+        pictured=heaviest if keep_timeline else None, op_costs=op_costs, work=first.work)
 
 
 class DmaEngine:
@@ -262,17 +296,27 @@ class DmaEngine:
                 return
 
 
+_BF16 = ir.MatrixFacts()
+
+
 @dataclass
 class Model:
-    """What the simulator reads besides the trace: the IR, the batch, cached tokens, rates."""
+    """What the simulator reads besides the trace: the IR, the batch, cached tokens, rates, and
+    the work counted from the emitted kernel at that batch (counted here if not given; a verify
+    step's kernel with `verify_rows`)."""
 
     s: ir.ScheduleIR
     batch: int
     tokens: int
     rates: Rates
     rank: int = 0
+    work: KernelWork | None = None
+    verify_rows: int | None = None
 
     def __post_init__(self) -> None:
+        if self.work is None:
+            self.work = kernel_work(self.s, self.batch, self.verify_rows)
+        self._prices: dict[tuple[str, str], tuple[float, Work, float, Work, float]] = {}
         dims = tuple(int(x) for x in self.s.topology.split("=")[1].split("x"))
         self.grid = dims
         self.cores_per_host = target.topology(self.s.chip, dims).cores_per_host
@@ -280,29 +324,26 @@ class Model:
         self.kv_buffers = {b.name: b for b in self.s.buffers if b.cls == "kv" and b.scope}
 
     # ---- op costs ------------------------------------------------------------------------
-    def op_seconds(self, facts: ir.OpFacts) -> float:
-        r, B = self.rates, self.batch
-        vec = facts.vector_per_row * B / r.vpu_ops_per_s
-        mxu = facts.mxu_per_row * B / r.feed_values_per_s("bf16")
-        return r.latency("op_overhead_s") + vec + mxu
+    def seconds(self, w: Work) -> float:
+        """Counted work priced: VPU and EUP operations at their rates, each matmul class at the
+        longer of loading its values into the MXU and its FLOPs."""
+        r = self.rates
+        t = w.vector / r.vpu_ops_per_s + w.transcendental / r.eup_ops_per_s
+        for (dtype, rows), values in w.matrix.items():
+            t += max(values / r.feed_values_per_s(dtype), 2 * rows * values / r.mxu_rate(dtype))
+        return t
 
-    def kv_tile_seconds(self, facts: ir.OpFacts, tokens: int) -> float:
-        r, B = self.rates, self.batch
-        return B * tokens * (facts.cache_per_token / r.feed_values_per_s("bf16")
-                             + facts.vector_per_token / r.vpu_ops_per_s)
-
-    def matmul_seconds(self, nbytes: int, mf: ir.MatrixFacts | None) -> float:
-        """The MXU time of one weight read: load its values into the MXU (or run its FLOPs,
-        whichever is longer), after dequantising them on the VPU if they are packed."""
-        r, B = self.rates, self.batch
-        mf = mf or _BF16
-        values = nbytes * mf.values_per_byte
-        if not values:
-            return 0.0
-        feed = values / r.feed_values_per_s(mf.mxu_dtype)
-        flops = 2 * B * values / r.mxu_ops_per_s[mf.mxu_dtype]
-        dequant = values * r.mxfp4_dequant_ops / r.vpu_ops_per_s if mf.dequant else 0.0
-        return max(feed, flops) + dequant
+    def op_prices(self, kind: str, op: str) -> tuple[float, Work, float, Work, float]:
+        """(seconds where the op begins (with its fixed overhead), work per weight value,
+        seconds per weight value, work per KV tile, seconds per KV tile)."""
+        got = self._prices.get((kind, op))
+        if got is None:
+            ow: OpWork = self.work.op(kind, op)
+            per_value = ow.per_weight_value()
+            got = (self.rates.latency("op_overhead_s") + self.seconds(ow.at_op), per_value,
+                   self.seconds(per_value), ow.kv_tile, self.seconds(ow.kv_tile))
+            self._prices[kind, op] = got
+        return got
 
     # ---- collectives ---------------------------------------------------------------------
     def stage_seconds(self, size: int, stride: int, nbytes: float) -> float:
@@ -343,8 +384,6 @@ class Model:
         raise ValueError(what)
 
 
-_BF16 = ir.MatrixFacts()
-
 
 def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Result:
     s, r = m.s, m.rates
@@ -360,10 +399,10 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
     marks: list[Mark] = []
     hbm_bytes = 0
     layer, kind = -1, "prologue"
-    facts: ir.OpFacts = ir.OpFacts()
-    kv_tile_s = 0.0
     op_name = ""
-    kv_tokens = {k.name: k.kv.tokens for k in s.kinds.values() if k.kv}
+    op_costs: dict[tuple[str, str], OpCost] = {}
+    current = OpCost("", "")
+    per_value, per_value_s, kv_tile, kv_tile_s = Work(), 0.0, Work(), 0.0
     kv_bufs: dict[str, int] = defaultdict(int)
     for b in m.kv_buffers.values():
         kv_bufs[b.scope[0]] += 1
@@ -425,21 +464,26 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
                     mf = s.matrix_facts.get(f"{kind}.{e.slot}")
                 else:
                     mf = None
-                compute(m.matmul_seconds(e.nbytes, mf))
+                values = e.nbytes * (mf or _BF16).values_per_byte
+                if values:
+                    current.weight_values += values
+                    current.charge(per_value, values, values * per_value_s)
+                    compute(values * per_value_s)
             elif e.buffer in m.kv_buffers and kv_tile_s:
-                compute(kv_tile_s)
+                share = 1.0 / kv_bufs[kind]            # the tile's work, over its caches' reads
+                current.kv_tiles += share
+                current.charge(kv_tile, share, share * kv_tile_s)
+                compute(share * kv_tile_s)
         elif op == "op":
             k, name, lay = e.tag
-            if k == "tail":
-                facts = s.tail_facts.get(name, ir.OpFacts())
-            else:
-                facts = s.kinds[k].op_facts.get(name, ir.OpFacts())
-                if k in kv_tokens and (facts.cache_per_token or facts.vector_per_token):
-                    kv_tile_s = m.kv_tile_seconds(facts, kv_tokens[k]) / kv_bufs[k]
-                else:
-                    kv_tile_s = 0.0
+            at_op_s, per_value, per_value_s, kv_tile, kv_tile_s = m.op_prices(k, name)
+            current = op_costs.get((k, name))
+            if current is None:
+                current = op_costs[k, name] = OpCost(k, name)
+            current.calls += 1
+            current.charge(m.work.op(k, name).at_op, 1.0, at_op_s)
             op_name = f"{k}.{name}"
-            compute(m.op_seconds(facts))
+            compute(at_op_s)
         elif op == "collective":
             what, entry = e.tag
             dt = m.collective_seconds(what, entry)
@@ -453,10 +497,10 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
             if keep_timeline:
                 marks.append(Mark(t, op, e.buffer, layer))
         elif op == "layer":
-            op_name = ""
+            op_name, current = "", OpCost("", "")
             kind, layer = e.tag
         elif op == "epilogue":
-            op_name = ""
+            op_name, current = "", OpCost("", "")
             kind, layer = "epilogue", -1
     hbm_busy_s = eng.busy(t)
     if keep_timeline:
@@ -472,5 +516,5 @@ def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Resul
     return Result(step_s=t, by_cause=by_cause, by_kind={k: dict(v) for k, v in by_kind.items()},
                   stalls=sorted(stalls.values(), key=lambda x: -x.seconds), hbm_bytes=hbm_bytes,
                   hbm_busy_s=hbm_busy_s, copies=eng.copies, timeline=timeline,
-                  marks=marks)
+                  marks=marks, op_costs=op_costs, work=m.work)
 

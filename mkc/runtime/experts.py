@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from mkc.runtime import pool
+from mkc.runtime import pool, scopes
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ def fold(es: ExpertSlots, refs, si, body: Callable, init):
     def one(k, carry):
         for hbm, row, sem in _copies(es, refs, si, k):
             pool.wait_pooled_copy(hbm, getattr(refs, es.pool), row, sem)
-        out = body(k, carry)
+        with scopes.weights():        # an expert's work grows with the weights it reads
+            out = body(k, carry)
 
         @pl.when(k + es.slots < refs.expert_count[0])
         def _():

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkc import ir
+from mkc.runtime import scopes
 
 BF16 = jnp.bfloat16
 ROW_TILE = ir.SUBLANE_TILE["bf16"]    # bf16 rows per (16, 128) tile
@@ -99,8 +100,9 @@ def stream(kv: KvTiles, caches: Sequence, si, positions, B: int,
             for cp in copies(t):
                 cp.wait()
             slot = lax.rem(t, kv.slots)
-            tokens = t * kv.tokens + lax.broadcasted_iota(jnp.int32, (1, kv.tokens), 1)
-            out = body(t, [buf.at[slot] for buf in bufs], tokens, carry)
+            with scopes.kv_tile():
+                tokens = t * kv.tokens + lax.broadcasted_iota(jnp.int32, (1, kv.tokens), 1)
+                out = body(t, [buf.at[slot] for buf in bufs], tokens, carry)
 
             @pl.when(t + kv.ahead < n_tiles)
             def _():

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkc import ir
+from mkc.runtime import scopes
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -104,9 +105,11 @@ def pooled_matmul(h: jax.Array, pool_ref, row_offset: int | jax.Array, rows: int
     column panel, reading only data rows (padding may hold stale or NaN bytes)."""
     h = h.astype(BF16)
     pr = panel_rows(rows, "bf16")
-    outs = [jnp.dot(h, pool_ref[pl.ds(_row(row_offset + p * pr), rows), :], preferred_element_type=F32)
-            for p in range(-(-cols // LANES))]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    with scopes.weights():
+        outs = [jnp.dot(h, pool_ref[pl.ds(_row(row_offset + p * pr), rows), :],
+                        preferred_element_type=F32)
+                for p in range(-(-cols // LANES))]
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out if cols % LANES == 0 else out[:, :cols]
 
 

@@ -21,6 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mkc.runtime import scopes
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
@@ -112,15 +114,16 @@ def matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatr
         slot = lax.rem(t, ring.slots)
         i, j = lax.rem(k, m.row_tiles), k // m.row_tiles
         _copy(ring, refs, t, slot, tr, tc).wait()
-        part = jnp.dot(refs.stage[i, :, :tr], refs.slots[slot, :tr, :tc], preferred_element_type=F32)
+        with scopes.weights():
+            part = jnp.dot(refs.stage[i, :, :tr], refs.slots[slot, :tr, :tc], preferred_element_type=F32)
 
-        @pl.when(i == 0)
-        def _():
-            refs.acc[j, :, :tc] = part
+            @pl.when(i == 0)
+            def _():
+                refs.acc[j, :, :tc] = part
 
-        @pl.when(i != 0)
-        def _():
-            refs.acc[j, :, :tc] = refs.acc[j, :, :tc] + part
+            @pl.when(i != 0)
+            def _():
+                refs.acc[j, :, :tc] = refs.acc[j, :, :tc] + part
 
         @pl.when(t + ring.ahead < ring.total_tiles)
         def _():

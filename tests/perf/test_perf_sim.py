@@ -1,11 +1,11 @@
 """The step-time simulator against analytic answers on small synthetic traces."""
 import pytest
 
-from mkc import ir
 from mkc.compiler import check_spec
 from mkc.diagnostics import Span
 from mkc.perf import constants
 from mkc.perf.sim import DmaEngine, Model, simulate
+from mkc.perf.work import KernelWork, OpWork, Work
 from mkc.trace import Event
 from tests_support import SPEC
 
@@ -25,12 +25,20 @@ def _rates(**kw):
     return base.replace(hbm_bytes_per_s=BW, **kw)
 
 
+def _feed_only(batch: int) -> KernelWork:
+    """Work of a kernel whose one op (gdn.matmul) only multiplies by the weights it reads: a
+    weight value costs its MXU load, nothing else."""
+    op = OpWork("gdn", "matmul", weights=Work(matrix={("bf16", batch): 1.0}))
+    return KernelWork(batch, {("gdn", "matmul"): op}, Work(), "synthetic")
+
+
 class _Trace:
-    """Build synthetic events: starts, waits and weight reads (compute)."""
+    """Build synthetic events: starts, waits and weight reads (compute) of one op."""
 
     def __init__(self):
         self.events = []
         self._add(op="layer", tag=("gdn", 0))       # inside a layer (not the prologue)
+        self._add(op="op", tag=("gdn", "matmul", 0))
 
     def _add(self, **kw):
         self.events.append(Event(seq=len(self.events), span=Span.unknown("t.sched"), **kw))
@@ -47,7 +55,7 @@ class _Trace:
 
 
 def _run(s, trace, batch=1, **kw):
-    return simulate(Model(s, batch, 0, _rates(**kw)), trace.events)
+    return simulate(Model(s, batch, 0, _rates(**kw), work=_feed_only(batch)), trace.events)
 
 
 def test_one_copy_takes_its_bytes_over_bandwidth_plus_issue_cost(qwen_ir):
@@ -231,22 +239,25 @@ def test_deeper_ring_in_a_real_spec_is_hardly_slower(tmp_path):
     assert steps[-1] < steps[0]
 
 
-def test_matmul_is_bound_by_weight_feed_at_decode_batch(qwen_ir):
+def test_counted_work_is_priced_by_the_unit_that_runs_it(qwen_ir):
+    """A matmul class costs the longer of loading its values into the MXU and its FLOPs (at
+    decode rows loading bounds it); f32 operands take their bf16 passes; vector and
+    transcendental work go at the VPU and EUP rates."""
     r = _rates()
-    m1, m8 = Model(qwen_ir, 1, 0, r), Model(qwen_ir, 8, 0, r)
-    nbytes = 1 << 20
-    feed = (nbytes / 2) / r.feed_values_per_s("bf16")
-    assert m1.matmul_seconds(nbytes, None) == pytest.approx(feed)
-    assert m8.matmul_seconds(nbytes, None) == pytest.approx(feed)
-    big = Model(qwen_ir, 4096, 0, r)          # a large batch is FLOP-bound
-    assert big.matmul_seconds(nbytes, None) == pytest.approx(
-        2 * 4096 * (nbytes / 2) / r.mxu_ops_per_s["bf16"])
-    mx = ir.MatrixFacts(mxu_dtype="bf16", values_per_byte=2.0, dequant="mxfp4")
-    assert m1.matmul_seconds(nbytes, mx) == pytest.approx(
-        2 * nbytes / r.feed_values_per_s("bf16") + 2 * nbytes * r.mxfp4_dequant_ops / r.vpu_ops_per_s)
-    assert m1.matmul_seconds(nbytes, ir.MatrixFacts(mxu_dtype="", values_per_byte=0.0)) == 0
-    fp8 = ir.MatrixFacts(mxu_dtype="fp8", values_per_byte=1.0)
-    assert m1.matmul_seconds(nbytes, fp8) == pytest.approx(nbytes / r.feed_values_per_s("fp8"))
+    m = Model(qwen_ir, 1, 0, r, work=_feed_only(1))
+    values = float(1 << 20)
+    feed = values / r.feed_values_per_s("bf16")
+    assert m.seconds(Work(matrix={("bf16", 1): values})) == pytest.approx(feed)
+    assert m.seconds(Work(matrix={("bf16", 8): values})) == pytest.approx(feed)
+    assert m.seconds(Work(matrix={("bf16", 4096): values})) == pytest.approx(
+        2 * 4096 * values / r.mxu_ops_per_s["bf16"])          # many rows: FLOP-bound
+    assert m.seconds(Work(matrix={("f32", 1): values})) == pytest.approx(feed * r.f32_matmul_passes)
+    assert m.seconds(Work(matrix={("fp8", 1): values})) == pytest.approx(
+        values / r.feed_values_per_s("fp8"))
+    assert m.seconds(Work(vector=3e6, transcendental=1e6)) == pytest.approx(
+        3e6 / r.vpu_ops_per_s + 1e6 / r.eup_ops_per_s)
+    with pytest.raises(KeyError, match="no fp4 matrix unit"):
+        constants.rates("v5e").mxu_rate("fp4")
 
 
 def test_sibling_exchange_is_cheaper_than_a_cross_chip_round(qwen_ir):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mkc.ir import MatrixFacts, OpFacts
+from mkc.ir import MatrixFacts
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split, with_facts
+from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
 
 MX_BLOCK = 32                    # MXFP4: one E8M0 scale per 32 values
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
@@ -90,8 +90,8 @@ def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: tuple[str,
 
 # MXFP4 codes hold two values per byte, dequantised on the VPU to bf16 for the MXU; their E8M0
 # scales are read by the dequantisation only.
-_MXFP4_CODES = MatrixFacts(mxu_dtype="bf16", values_per_byte=2.0, dequant="mxfp4")
-_MXFP4_SCALES = MatrixFacts(mxu_dtype="", values_per_byte=0.0)
+_MXFP4_CODES = MatrixFacts(values_per_byte=2.0)
+_MXFP4_SCALES = MatrixFacts(values_per_byte=0.0)
 
 
 def _v(name: str, *shape: int) -> Tensor:
@@ -287,7 +287,6 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
         Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
         mlp_residual,
     ), tensors={**fam["dense"], **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
-    kda, mla, moe, dense = _with_k3_facts(d, sh, g, kda, mla, moe, dense)
     vocab = split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
     glob = {
         "embed": Tensor("embed", "table", (vocab, H), "bf16"),
@@ -298,52 +297,6 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}
     return ({"kda": kda, "mla": mla, "moe": moe, "dense": dense}, fam["expert"], glob, per_rank)
-
-
-def _mix_elems(d: KimiDims) -> int:
-    """VPU work of one attention-residual mixture per row: score, mean square and accumulate
-    over every residual source, then an RMSNorm."""
-    sources = 2 + -(-d.num_hidden_layers // d.block)
-    return (6 * sources + 4) * d.hidden_size
-
-
-def _with_k3_facts(d: KimiDims, sh: KimiSharding, g: KimiGeometry, *kinds: LayerKind
-                   ) -> tuple[LayerKind, ...]:
-    """Per-rank compute facts of the K3 ops (element operations per row and per cached token),
-    estimated from what each op's body computes; matrices are counted from their weights."""
-    H, hd, P = d.hidden_size, d.head_dim, g.heads * d.head_dim
-    state = g.heads * hd * hd
-    mix, residual = OpFacts(vector_per_row=_mix_elems(d)), OpFacts(vector_per_row=2 * H)
-    local_per_row = d.top_k * sh.expert_tp / sh.ranks      # routed experts a row runs here
-    facts = {
-        "kda": {"input_mix": mix, "attn_residual": residual,
-                "gate_up": OpFacts(vector_per_row=12 * P),                 # the decay
-                "conv": OpFacts(vector_per_row=3 * P * (2 * d.conv_taps + 6) + 8 * P),
-                "delta_rule": OpFacts(vector_per_row=4 * state + 16 * P, mxu_per_row=2 * state),
-                "gated_norm": OpFacts(vector_per_row=10 * P)},
-        "mla": {"input_mix": mix, "attn_residual": residual,
-                "latent_norms": OpFacts(vector_per_row=4 * (d.q_lora + d.kv_lora)),
-                "kv_write": OpFacts(vector_per_row=2 * g.cache_width),
-                "attention": OpFacts(cache_per_token=g.cache_width + d.kv_lora,
-                                     vector_per_token=6 * g.heads),
-                "out_gate": OpFacts(vector_per_row=6 * P)},
-        "moe": {"mlp_mix": mix, "mlp_residual": residual,
-                "route": OpFacts(vector_per_row=d.experts * (4 + 2 * d.top_k)),
-                "shared_gate_up": OpFacts(vector_per_row=24 * g.shared),     # SiTU
-                "routed_experts": OpFacts(vector_per_row=round(
-                    local_per_row * (24 * g.expert_width + 2 * d.latent))),
-                "latent_norm": OpFacts(vector_per_row=4 * d.latent)},
-        "dense": {"mlp_mix": mix, "mlp_residual": residual,
-                  "gate_up": OpFacts(vector_per_row=24 * g.dense)},
-    }
-    return tuple(with_facts(k, facts[k.name]) for k in kinds)
-
-
-def kimi_k3_tail_facts(d: KimiDims, sh: KimiSharding) -> dict[str, OpFacts]:
-    vocab = split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
-    return {"embed": OpFacts(vector_per_row=2 * d.hidden_size),
-            "final_norm": OpFacts(vector_per_row=_mix_elems(d)),
-            "lm_head": OpFacts(vector_per_row=4 * vocab)}
 
 
 def family_bytes(families: dict[str, Tensor]) -> int:
@@ -369,6 +322,5 @@ def build(d: KimiDims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyG
     sharding = KimiSharding.from_rules(rules, ranks)
     kinds, experts, glob, per_rank = kimi_k3_kinds(d, sharding)
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, experts=experts,
-                       activations=kimi_k3_activations(d, sharding),
-                       tail_facts=kimi_k3_tail_facts(d, sharding), experts_total=d.experts,
+                       activations=kimi_k3_activations(d, sharding), experts_total=d.experts,
                        top_k=d.top_k)

@@ -4,8 +4,7 @@ vocabulary) splits over its own rank group and is replicated across the rest
 (`mkc.model.sharding`): 24 heads over 8 ranks of a 16-rank mesh, the MLP over all 16."""
 from __future__ import annotations
 
-from mkc.ir import OpFacts
-from mkc.model.graph import FamilyGraph, LayerKind, Op, Tensor, lane_pad, split, with_facts
+from mkc.model.graph import FamilyGraph, LayerKind, Op, Tensor, lane_pad, split
 from mkc.families.qwen3_5.config import Qwen35Dims
 
 SHARD_CLASSES = ("heads", "mlp", "vocab")
@@ -82,25 +81,6 @@ def attention_kinds(d: Qwen35Dims, heads: int, mlp: int, with_mlp: bool = True
         "value": Tensor("value", "cache", (nkv, hd), "bf16"),
         **mlp_tensors(),
     })
-    norm = OpFacts(vector_per_row=4 * H)
-    mlp_facts = {"post_norm": norm, "gate_up": OpFacts(vector_per_row=8 * inter),   # SiLU * up
-                 "mlp_residual": OpFacts(vector_per_row=2 * H)} if with_mlp else {}
-    state = nv * dk * dv
-    gdn = with_facts(gdn, mlp_facts | {
-        "input_norm": norm,
-        "conv": OpFacts(vector_per_row=(2 * d.linear_conv_kernel_dim + 6) * conv_ch),
-        # decay and rank-1 update on the state (VPU); k.S and q.S through the MXU
-        "delta_rule": OpFacts(vector_per_row=4 * state + 16 * (nk * dk + nv * dv),
-                              mxu_per_row=2 * state),
-        "gated_norm": OpFacts(vector_per_row=10 * nv * dv),
-        "attn_residual": OpFacts(vector_per_row=2 * H)})
-    gqa = with_facts(gqa, mlp_facts | {
-        "input_norm": norm,
-        "qk_norm_rope": OpFacts(vector_per_row=10 * (nq + nkv) * hd),
-        "kv_write": OpFacts(vector_per_row=2 * nkv * hd),
-        "attention": OpFacts(cache_per_token=2 * nkv * hd, vector_per_token=6 * nq),
-        "out_gate": OpFacts(vector_per_row=6 * nq * hd),
-        "attn_residual": OpFacts(vector_per_row=2 * H)})
     per_rank = {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "conv_ch": conv_ch, "nq": nq,
                 "nkv": nkv, "inter": inter,
                 # lane offsets of in_proj's b and a sections ([q | k | v | z | b | a])
@@ -125,9 +105,8 @@ def kv_heads_of(d: Qwen35Dims, part: int, heads: int) -> list[int]:
     return [part * d.num_key_value_heads // heads]
 
 
-def vocab_globals(d, ways: int) -> tuple[dict[str, Tensor], dict[str, OpFacts], int]:
-    """Embedding, final norm and the lm_head split `ways` ways over the vocabulary, with their
-    compute facts."""
+def vocab_globals(d, ways: int) -> tuple[dict[str, Tensor], int]:
+    """Embedding, final norm and the lm_head split `ways` ways over the vocabulary."""
     v_local = split(d.vocab_size, ways, "vocab_size", "vocab")
     H = d.hidden_size
     glob = {
@@ -135,12 +114,10 @@ def vocab_globals(d, ways: int) -> tuple[dict[str, Tensor], dict[str, OpFacts], 
         "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
         "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
     }
-    facts = {"embed": OpFacts(vector_per_row=2 * H), "final_norm": OpFacts(vector_per_row=4 * H),
-             "lm_head": OpFacts(vector_per_row=4 * v_local)}   # logits, argmax
-    return glob, facts, v_local
+    return glob, v_local
 
 
 def build(d: Qwen35Dims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
     kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0])
-    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
-    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, tail_facts=tail_facts)
+    glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from mkc.families.qwen3_5.graph import attention_kinds, vocab_globals
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
-from mkc.ir import OpFacts
-from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, split, with_facts
+from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, split
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "experts")
 
@@ -40,13 +39,6 @@ def moe_kind(d: Qwen35MoeDims, ranks: int, mlp: int
         "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16"),
         "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",)),
     })
-    kind = with_facts(kind, {
-        "post_norm": OpFacts(vector_per_row=4 * H),
-        "route": OpFacts(vector_per_row=(8 + 4 * d.top_k) * E),     # softmax, top-k rounds
-        "shared_gate_up": OpFacts(vector_per_row=8 * shared),
-        # per picked expert: SwiGLU of its width and the weighted sum of its output
-        "routed_experts": OpFacts(vector_per_row=d.top_k * (8 * inter + 2 * H)),
-        "mlp_residual": OpFacts(vector_per_row=6 * H)})
     experts = {
         "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
         "down": Tensor("down", "matrix", (inter, H), "bf16"),
@@ -62,7 +54,7 @@ def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int) -> Fa
     kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0], with_mlp=False)
     moe, experts, moe_sizes = moe_kind(d, ranks, rules["mlp"][0])
     kinds["moe"] = moe
-    glob, tail_facts, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
+    glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank | moe_sizes,
-                       tail_facts=tail_facts, experts=experts, experts_total=d.experts,
+                       experts=experts, experts_total=d.experts,
                        top_k=d.top_k)

@@ -1,0 +1,149 @@
+"""Work counted from the emitted kernel (`mkc.perf.work`): the counting rules on small traced
+functions, and the model priced by what the lowering does: more work in one compute body makes
+the modelled step longer, no MXFP4 decode makes K3's shorter."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from mkc.compiler import check_spec
+from mkc.perf import work
+from mkc.perf.run import run
+from mkc.runtime import scopes
+from tests_support import K3_SPEC, ROOT, SPEC
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def test_vector_work_is_whole_registers():
+    assert work.vreg_values((8, 128), F32) == 1024
+    assert work.vreg_values((1, 128), F32) == 1024          # one row fills no more than a register
+    assert work.vreg_values((9, 128), F32) == 2048
+    assert work.vreg_values((1, 129), F32) == 2048
+    assert work.vreg_values((16, 128), BF16) == 1024        # bf16 packs 16 rows a register
+    assert work.vreg_values((3, 8, 256), F32) == 3 * 2048
+    assert work.vreg_values((), F32) == 0                   # scalars: the scalar unit
+
+
+def _count(fn, *args):
+    return work.count_kernel(jax.make_jaxpr(fn)(*args), 8, "test")
+
+
+def test_counting_rules_by_op_and_region():
+    x = jax.ShapeDtypeStruct((8, 128), F32)
+    w = jax.ShapeDtypeStruct((128, 256), BF16)
+
+    def fn(x, w, n):
+        with scopes.op("k", "a"):
+            y = jnp.exp(x) + 1.0                                        # 1 EUP, 1 VPU
+            y = lax.fori_loop(0, 5, lambda i, acc: acc * 2.0, y)        # static: 5 VPU
+            y = lax.cond(n > 0, lambda v: v * 3.0, lambda v: v * 3.0 + 1.0, y)   # the costlier: 2
+            y = lax.fori_loop(0, n, lambda i, acc: acc - 1.0, y)        # run-time length: once
+            with scopes.weights():
+                z = jnp.dot(y.astype(BF16), w, preferred_element_type=F32)   # 1 cast, 128 x 256
+        with scopes.op("k", "b"):
+            z = z * 2.0                                                  # [8, 256]: 2 registers
+        return z + 1.0                                                   # in no op
+
+    kw = _count(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32))
+    a, b = kw.ops["k", "a"], kw.ops["k", "b"]
+    assert a.at_op.transcendental == 1024
+    assert a.at_op.vector == (1 + 5 + 2 + 1) * 1024
+    assert a.dynamic_loop
+    assert a.weights.vector == 1024 and a.weights.matrix == {("bf16", 8): 128 * 256}
+    assert a.weight_values == 128 * 256
+    assert a.per_weight_value().vector == pytest.approx(1024 / (128 * 256))
+    assert b.at_op.vector == 2048 and not b.dynamic_loop
+    assert kw.outside.vector == 2048
+
+
+def test_a_dot_loads_its_larger_operand_and_streams_the_smaller():
+    def fn(q, k):
+        with scopes.op("k", "attn"), scopes.kv_tile():
+            return jnp.einsum("hd,td->ht", q, k, preferred_element_type=F32)
+
+    kw = _count(fn, jax.ShapeDtypeStruct((64, 128), BF16), jax.ShapeDtypeStruct((512, 128), BF16))
+    assert kw.ops["k", "attn"].kv_tile.matrix == {("bf16", 64): 512 * 128}
+
+
+@pytest.fixture
+def fresh_counts():
+    work.clear_cache()
+    yield
+    work.clear_cache()
+
+
+def _entry(rep: dict, kind: str, op: str) -> dict:
+    return next(e for e in rep["op_costs"] if (e["layer_kind"], e["op"]) == (kind, op))
+
+
+def test_more_work_in_one_lowering_function_lengthens_the_modelled_step(monkeypatch, fresh_counts):
+    from mkc.families.qwen3_5 import lowering
+    s = check_spec(SPEC).ir
+    base = run(s, 8)
+    original = lowering.gated_norm
+
+    def heavier(c, *args):
+        out = original(c, *args)
+        for _ in range(20):
+            out = out * 1.0001 + 0.5
+        return out
+
+    monkeypatch.setattr(lowering, "gated_norm", heavier)
+    work.clear_cache()
+    more = run(s, 8)
+    before, after = _entry(base, "gdn", "gated_norm"), _entry(more, "gdn", "gated_norm")
+    shape_ops = 40 * after["calls"]          # two ops a round, twenty rounds, every gdn layer
+    assert after["vector_ops_per_row"] > before["vector_ops_per_row"]
+    added = (after["vector_ops_per_row"] - before["vector_ops_per_row"]) * 8 * after["calls"]
+    assert added % shape_ops == 0            # whole registers of the op's output, per op added
+    assert more["step_seconds"] > base["step_seconds"]
+    assert after["source"] == "mkc.families.qwen3_5.lowering.gated_norm"
+
+
+@pytest.mark.slow
+def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
+    from mkc.families.kimi_k3 import ops
+    s = check_spec(K3_SPEC).ir
+    base = run(s, 1)
+
+    def no_decode(codes, scales, dtype=F32):
+        # the shape the decode returns ([rows, cols] of values), with no work on the values
+        return jnp.broadcast_to(scales[:1, :].astype(dtype), (2 * codes.shape[0], codes.shape[1]))
+
+    monkeypatch.setattr(ops, "mxfp4_dequantize_tile", no_decode)
+    work.clear_cache()
+    cheaper = run(s, 1)
+    before = _entry(base, "moe", "routed_experts")
+    after = _entry(cheaper, "moe", "routed_experts")
+    assert after["vector_ops_per_row"] < before["vector_ops_per_row"] / 4
+    assert after["matrix_values"] == pytest.approx(before["matrix_values"])
+    assert cheaper["step_seconds"] < base["step_seconds"] - (before["seconds"] - after["seconds"]) / 2
+
+
+SHIPPED = sorted(Path(ROOT / "schedules").glob("*.sched"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_op_of_a_shipped_spec_is_priced_from_the_emitted_kernel(spec):
+    """Every op the trace runs has counted work with its source; an op whose weights work is
+    priced per value read reads weights, one priced per KV tile reads KV tiles."""
+    s = check_spec(spec).ir
+    rep = run(s, s.batch_max)
+    kw = work.kernel_work(s, s.batch_max)
+    traced = {(e["layer_kind"], e["op"]) for e in rep["op_costs"]}
+    expected = {(k, op) for k in set(s.layer_kinds) for op in s.kinds[k].ops}
+    assert expected | {("tail", "embed"), ("tail", "final_norm"), ("tail", "lm_head")} == traced
+    for e in rep["op_costs"]:
+        ow = kw.op(e["layer_kind"], e["op"])
+        assert not e["source"].startswith("assumed")
+        if ow.weight_values:
+            assert e["weight_values_read"] > 0, e
+        if ow.kv_tile.size:
+            assert e["kv_tiles"] > 0, e
+    assert set(kw.ops) <= traced                 # nothing counted under a name the trace lacks
+    assert np.isfinite(rep["step_seconds"])
