@@ -108,6 +108,8 @@ PER_RANK = {'cache_width': 640, 'dense': 640, 'expert_tp': 4, 'expert_width': 76
             'host_cores': 8, 'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 8192,
             'local_experts': 56, 'router_cols': 512, 'router_split': 2, 'shared': 96,
             'up_cols': 896, 'vocab': 2560}
+# How each matrix class with a choice of format is stored (the spec's `format` lines).
+FORMATS = {'expert.down': 'mxfp4', 'expert.gate_up': 'mxfp4'}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=64,
                     rules=(('expert_mlp', 4, 1), ('experts', 16, 4), ('heads', 32, 1),
@@ -423,7 +425,7 @@ def _kernel(*refs, B, R=1, verify=False):
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
                experts=EXPERTS, view=VIEW, kind_ids=KIND_IDS,
-               R=R, verify=verify)
+               R=R, verify=verify, formats=FORMATS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
     for counter in range(N_COLLECTIVE_COUNTERS):
@@ -747,7 +749,8 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
             packed[f"pool__{kind}__{name}"][si] = pool_layout.pack_for_pool(matrix.astype(BF16))
         if kind == "moe":
             for e in range(EXPERTS.local_experts):
-                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, SHARDS).items():
+                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, SHARDS,
+                                                FORMATS).items():
                     packed[f"expert__{name}"][si, e] = pool_layout.pack_for_pool(a)
         for name, (row, rows, width) in VECTORS.layout[kind].items():
             vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)

@@ -112,6 +112,8 @@ HF_CONFIG = json.loads(
 PER_RANK = {'a_off': 1408, 'b_off': 1280, 'conv_ch': 768, 'dk': 128, 'dv': 128, 'expert_tp': 1,
             'expert_width': 1024, 'inter': 0, 'local_experts': 32, 'nk': 1, 'nkv': 1, 'nq': 2,
             'nv': 4, 'shared': 64, 'vocab': 15520}
+# How each matrix class with a choice of format is stored (the spec's `format` lines).
+FORMATS = {}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=16,
                     rules=(('experts', 16, 1), ('heads', 16, 1), ('mlp', 16, 1), ('vocab', 16, 1)))
@@ -328,7 +330,7 @@ def _kernel(*refs, B, R=1, verify=False):
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
                experts=EXPERTS, view=None, kind_ids=KIND_IDS,
-               R=R, verify=verify)
+               R=R, verify=verify, formats=FORMATS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
     for counter in range(N_COLLECTIVE_COUNTERS):
@@ -624,7 +626,8 @@ def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
             t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
         if kind == "moe":
             for e in range(EXPERTS.local_experts):
-                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, SHARDS).items():
+                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, SHARDS,
+                                                FORMATS).items():
                     packed[f"expert__{name}"][si, e] = pool_layout.pack_for_pool(a)
         for name, (row, rows, width) in VECTORS.layout[kind].items():
             vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)

@@ -101,6 +101,8 @@ HF_CONFIG = json.loads(
     '16", "use_cache": true, "vocab_size": 248320}')
 PER_RANK = {'a_off': 2176, 'b_off': 2048, 'conv_ch': 1280, 'dk': 128, 'dv': 128, 'inter': 2176,
             'nk': 2, 'nkv': 1, 'nq': 3, 'nv': 6, 'vocab': 31040}
+# How each matrix class with a choice of format is stored (the spec's `format` lines).
+FORMATS = {}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=8, rules=(('heads', 8, 1), ('mlp', 8, 1), ('vocab', 8, 1)))
 HIDDEN = DIMS.hidden_size
@@ -279,7 +281,7 @@ def _kernel(*refs, B, R=1, verify=False):
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
                experts=None, view=None, kind_ids=KIND_IDS,
-               R=R, verify=verify)
+               R=R, verify=verify, formats=FORMATS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.barrier(AXIS, RANKS)
     for counter in range(N_COLLECTIVE_COUNTERS):

@@ -390,6 +390,9 @@ class ScheduleIR:
     model_config: dict = field(default_factory=dict)
     verify_rows: int = 0         # rows per sequence of the verify step (0: none)
     verify_sequences: tuple[int, int] = (0, 0)
+    # Matrix classes with a choice of format -> the format chosen (`format` lines, else the
+    # checkpoint's): how they sit in HBM and VMEM and reach the MXU.
+    weight_formats: dict[str, str] = field(default_factory=dict)
 
     @property
     def rows_max(self) -> int:

@@ -119,14 +119,42 @@ def _group_spellings(axis: str, topo: target.Topology) -> dict[str, tuple[int, i
     return out
 
 
+def _resolve_formats(sched: ast.Schedule, family) -> dict[str, str]:
+    """Every matrix class with a choice of format -> the one the spec picks (`format CLASS
+    FORMAT`), else the checkpoint's."""
+    offered = dict(family.weight_formats)
+    chosen = family.default_formats()
+    seen: dict[str, Span] = {}
+    for f in sched.formats:
+        cls = f.matrix.text
+        if cls not in offered:
+            if not offered:
+                raise fail("E-FORMAT", f"the {family.name} family stores every matrix one way: "
+                           f"{cls} has no other format", f.matrix.span,
+                           hint="remove the `format` line")
+            raise _unknown(f"matrix class with a choice of format in {family.name}", f.matrix,
+                           list(offered))
+        if cls in seen:
+            raise fail("E-DUPLICATE", f"the format of {cls} is set twice", f.span,
+                       hint=f"keep one `format {cls}` line (the first is at line "
+                            f"{seen[cls].line})")
+        if f.format.text not in offered[cls]:
+            raise fail("E-FORMAT", f"{cls} cannot be stored as {f.format.text!r}", f.format.span,
+                       hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
+                            "checkpoint's)")
+        seen[cls] = f.span
+        chosen[cls] = f.format.text
+    return chosen
+
+
 def _valid_spellings(cls: str, rules: dict[str, tuple[int, int]], family, dims, axis: str,
-                     topo: target.Topology) -> list[str]:
+                     topo: target.Topology, formats: dict[str, str]) -> list[str]:
     """The groups `cls` could be sharded over on this mesh, other rules unchanged, for which
     the family's graph builds (only on the failure path: a build costs microseconds)."""
     valid = []
     for text, group in _group_spellings(axis, topo).items():
         try:
-            family.build(dims, rules | {cls: group}, topo.num_cores)
+            family.build(dims, rules | {cls: group}, topo.num_cores, formats)
         except ShardingError:
             continue
         valid.append((-group[0], group[1], text))
@@ -280,11 +308,12 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
                    "lowering places every dimension class", sched.name.span,
                    hint=f"add `shard {unsharded[0]} over {axis}`")
     shards = ShardTable.of(rules, ranks)
+    formats = _resolve_formats(sched, family)
     try:
-        graph = build_graph(dims, family.build(dims, rules, ranks), ranks)
+        graph = build_graph(dims, family.build(dims, rules, ranks, formats), ranks)
     except ShardingError as e:
         span = shard_span.get(e.dim_class or "", next(iter(shard_span.values()), sched.name.span))
-        valid = (_valid_spellings(e.dim_class, rules, family, dims, axis, topo)
+        valid = (_valid_spellings(e.dim_class, rules, family, dims, axis, topo, formats)
                  if e.dim_class in rules else [])
         hint = (f"on these {ranks} ranks, with the other rules as written, write "
                 f"`shard {e.dim_class} over {valid[0]}`"
@@ -388,7 +417,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         model_config=config,
         chip=chip_name, topology=topo.spec, mesh_axis=axis, ranks=ranks,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
-        verify_rows=verify_rows, verify_sequences=verify_sequences,
+        verify_rows=verify_rows, verify_sequences=verify_sequences, weight_formats=formats,
         context=context.value, vmem_limit=limit.value, vmem_reserve=reserve.value,
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,

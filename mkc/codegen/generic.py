@@ -251,6 +251,7 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         "dims_literal": literal(dims_class(**dims_fields), 7),
         "config_chunks": json_chunks(s.model_config),
         "per_rank_literal": literal(dict(sorted(s.per_rank.items())), 11),
+        "formats_literal": literal(dict(sorted(s.weight_formats.items())), 10),
         "shards_literal": literal(ShardTable.of(s.shards, s.ranks), 9),
         "vocab_replicated": s.shards["vocab"][0] != s.ranks,
         "kind_ids": kind_ids,

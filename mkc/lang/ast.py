@@ -186,6 +186,15 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Format:
+    """`format <matrix class> <format>`: how a matrix class is stored and fed to the MXU."""
+
+    matrix: Name         # e.g. expert.gate_up
+    format: Name
+    span: Span
+
+
+@dataclass(frozen=True)
 class Setting:
     """A header value with its span, so resolution errors can point at it."""
 
@@ -199,6 +208,7 @@ class Schedule:
     source_file: str
     settings: dict[str, Setting] = field(default_factory=dict)   # model, target, mesh, ...
     shards: list[Shard] = field(default_factory=list)
+    formats: list[Format] = field(default_factory=list)
     rings: list[Ring] = field(default_factory=list)
     streams: list[Stream] = field(default_factory=list)
     parities: list[Parity] = field(default_factory=list)

@@ -29,7 +29,7 @@ _SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "verify", "context", "v
 _PHASE_LISTS = {ast.Scoped: "scoped", ast.Transfer: "transfers", ast.KvTiles: "kv_tiles",
                 ast.AllReduce: "allreduces", ast.AllGather: "allgathers",
                 ast.Exchange: "exchanges", ast.Fetch: "fetches", ast.Prefetch: "prefetches"}
-_SCHEDULE_LISTS = {ast.Shard: "shards", ast.Ring: "rings", ast.Stream: "streams",
+_SCHEDULE_LISTS = {ast.Shard: "shards", ast.Format: "formats", ast.Ring: "rings", ast.Stream: "streams",
                    ast.Parity: "parities", ast.Pool: "pools", ast.Phase: "phases"}
 
 
@@ -158,6 +158,10 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def shard_stmt(self, meta, items):
         return ast.Shard(self._name(items[0]), items[1], _span(self.file, meta))
+
+    @v_args(meta=True)
+    def format_stmt(self, meta, items):
+        return ast.Format(items[0], self._name(items[1]), _span(self.file, meta))
 
     def view_kind(self, items):
         return ast.ViewKind(self._name(items[0]), items[1])

@@ -47,9 +47,9 @@ class Family:
     # (raw config, model name) -> dims; raises ConfigError, KeyError, ValueError or TypeError.
     read_dims: Callable[[dict, str], Any]
     shard_classes: tuple[str, ...]     # the classes a spec places with `shard CLASS over GROUP`
-    # (dims, shard rules {class: (ways, stride)}, ranks) -> mkc.model.graph.FamilyGraph;
-    # raises mkc.model.graph.ShardingError.
-    build: Callable[[Any, dict, int], Any]
+    # (dims, shard rules {class: (ways, stride)}, ranks, weight formats {class: format}) ->
+    # mkc.model.graph.FamilyGraph; raises mkc.model.graph.ShardingError.
+    build: Callable[[Any, dict, int, dict], Any]
     package: str                       # e.g. "mkc.families.qwen3_5"
     lowered_ops: frozenset[str]        # the ops its `lowering` module has compute bodies for
     # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
@@ -63,6 +63,12 @@ class Family:
     skipped_prefixes: tuple[str, ...] = ()
     # The generated module imports the dims class from (module, name).
     dims_import: tuple[str, str] = ("", "")
+    # Matrix classes a spec may store in another format (`format CLASS FORMAT`): class ->
+    # the formats its lowering and packing take, the checkpoint's (the default) first.
+    weight_formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def default_formats(self) -> dict[str, str]:
+        return {cls: formats[0] for cls, formats in self.weight_formats}
 
     def module(self, part: str) -> ModuleType:
         """One of its modules by role: "ops", "weights", "lowering", "reference"."""

@@ -78,6 +78,7 @@ class Kernel:
     kind_ids: Mapping[str, int] | None = None
     R: int = 1                                 # rows per sequence
     verify: bool = False
+    formats: Mapping[str, str] = dataclasses.field(default_factory=dict)   # matrix class -> format
 
     @property
     def S(self) -> int:

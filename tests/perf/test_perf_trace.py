@@ -48,6 +48,9 @@ def test_model_trace_is_sized_at_the_batch_with_the_whole_kv_stream():
 
 
 def test_matrix_facts_say_how_stored_bytes_count_as_values():
-    c = check_spec(K3_SPEC)
-    assert c.ir.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0   # MXFP4 codes
-    assert c.ir.matrix_facts["expert.gate_up_scales"].values_per_byte == 0    # not multiplied
+    fp8 = check_spec(K3_SPEC).ir                                       # format expert.* fp8
+    mx = check_spec(K3_SPEC.with_name("kimi_k3_64.sched")).ir          # the checkpoint's MXFP4
+    assert fp8.matrix_facts["expert.gate_up_codes"].values_per_byte == 1.0
+    assert mx.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0
+    for s in (fp8, mx):
+        assert s.matrix_facts["expert.gate_up_scales"].values_per_byte == 0   # not multiplied

@@ -2,7 +2,7 @@
 layers with MXFP4 routed experts and block attention residuals. Lowered by the generic module
 template with its compute bodies in `lowering.py`."""
 from mkc.families.kimi_k3.config import read_dims
-from mkc.families.kimi_k3.graph import SHARD_CLASSES, build
+from mkc.families.kimi_k3.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family
 
 FAMILY = Family(
@@ -17,4 +17,5 @@ FAMILY = Family(
                            "latent_norm", "latent_up", "down"}),
     compiler_scratch=((1, 1229783), (8, 1229783), (16, 1627914)),
     plain_state_tolerance=3e-2,
+    weight_formats=WEIGHT_FORMATS,
 )

@@ -143,10 +143,13 @@ def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
         cache_width=lane_pad(d.kv_lora + d.qk_extra))
 
 
-def kimi_k3_families(d: KimiDims, sh: KimiSharding) -> dict[str, dict[str, Tensor]]:
+def kimi_k3_families(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | None = None
+                     ) -> dict[str, dict[str, Tensor]]:
     """Per-rank weight families of each sublayer kind (kda, mla, moe, dense) and of one routed
-    expert ("expert"), in HBM layout. Raises ShardingError for an infeasible sharding."""
+    expert ("expert", in the `formats` chosen), in HBM layout. Raises ShardingError for an
+    infeasible sharding."""
     g = kimi_k3_geometry(d, sh)
+    formats = FORMATS_DEFAULT | (formats or {})
     H, hd, P = d.hidden_size, d.head_dim, g.heads * d.head_dim
     w = g.expert_width
     return {
@@ -176,16 +179,29 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding) -> dict[str, dict[str, Tenso
             "gate_up": _m("gate_up", H, 2 * g.dense),
             "down": _m("down", g.dense, H, partial=("mlp",)),
         },
-        # One routed expert's width slice, MXFP4, K-major: codes hold two input rows per byte,
-        # one E8M0 scale per 32 input rows (`pack_mxfp4_for_kernel`).
+        # One routed expert's width slice, K-major, in its format (`expert_codes`), one E8M0
+        # scale per 32 input rows.
         "expert": {
-            "gate_up_codes": _m("gate_up_codes", d.latent // 2, 2 * w, "u8", mxu=_MXFP4_CODES),
-            "gate_up_scales": _m("gate_up_scales", d.latent // MX_BLOCK, 2 * w, "u8",
-                                 mxu=_MXFP4_SCALES),
-            "down_codes": _m("down_codes", w // 2, d.latent, "u8", mxu=_MXFP4_CODES),
-            "down_scales": _m("down_scales", w // MX_BLOCK, d.latent, "u8", mxu=_MXFP4_SCALES),
+            **expert_codes("gate_up", d.latent, 2 * w, formats["expert.gate_up"]),
+            **expert_codes("down", w, d.latent, formats["expert.down"]),
         },
     }
+
+
+# The formats a routed expert's matrices take (`format expert.gate_up fp8`): the checkpoint's
+# MXFP4, decoded in the kernel, or FP8 e4m3 codes with the same E8M0 block scales, which the
+# kernel only converts. Every e2m1 value is an e4m3 value, so the requantization is exact.
+WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))
+FORMATS_DEFAULT = {cls: formats[0] for cls, formats in WEIGHT_FORMATS}
+_FP8_CODES = MatrixFacts(values_per_byte=1.0)
+
+
+def expert_codes(name: str, rows: int, cols: int, fmt: str) -> dict[str, Tensor]:
+    """An expert matrix [rows (in), cols (out)] as stored: MXFP4 codes hold two input rows per
+    byte (`pack_mxfp4_for_kernel`), FP8 codes one (bytes of float8_e4m3fn); E8M0 scales."""
+    code_rows, facts = (rows // 2, _MXFP4_CODES) if fmt == "mxfp4" else (rows, _FP8_CODES)
+    return {f"{name}_codes": _m(f"{name}_codes", code_rows, cols, "u8", mxu=facts),
+            f"{name}_scales": _m(f"{name}_scales", rows // MX_BLOCK, cols, "u8", mxu=_MXFP4_SCALES)}
 
 
 def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:
@@ -205,11 +221,11 @@ def kimi_k3_activations(d: KimiDims, sh: KimiSharding) -> dict[str, tuple[tuple[
     }
 
 
-def kimi_k3_kinds(d: KimiDims, sh: KimiSharding
+def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | None = None
                   ) -> tuple[dict[str, LayerKind], dict[str, Tensor], dict[str, Tensor],
                              dict[str, int]]:
     """(sublayer kinds, routed expert families, globals, per-rank sizes)."""
-    fam = kimi_k3_families(d, sh)
+    fam = kimi_k3_families(d, sh, formats)
     g = kimi_k3_geometry(d, sh)
     H, P = d.hidden_size, g.heads * d.head_dim
     attn_mix = Op("input_mix", reads=("blocks", "attn_res_norm", "attn_res_proj", "input_norm"),
@@ -303,9 +319,10 @@ def family_bytes(families: dict[str, Tensor]) -> int:
     return sum(t.nbytes for t in families.values())
 
 
-def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding) -> dict[str, int]:
+def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | None = None
+                       ) -> dict[str, int]:
     """Weight bytes one rank holds in HBM, by class (states and caches come with a batch)."""
-    fam = kimi_k3_families(d, sh)
+    fam = kimi_k3_families(d, sh, formats)
     kinds = d.layer_kinds
     moe_layers = kinds.count("moe")
     vocab = split(d.vocab_size, sh.ranks, "vocab")
@@ -318,9 +335,10 @@ def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding) -> dict[str, int]:
     }
 
 
-def build(d: KimiDims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
+def build(d: KimiDims, rules: dict[str, tuple[int, int]], ranks: int,
+          formats: dict[str, str] | None = None) -> FamilyGraph:
     sharding = KimiSharding.from_rules(rules, ranks)
-    kinds, experts, glob, per_rank = kimi_k3_kinds(d, sharding)
+    kinds, experts, glob, per_rank = kimi_k3_kinds(d, sharding, formats)
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, experts=experts,
                        activations=kimi_k3_activations(d, sharding), experts_total=d.experts,
                        top_k=d.top_k)

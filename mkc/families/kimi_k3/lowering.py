@@ -258,17 +258,25 @@ def down(c: Layer, act: jax.Array) -> jax.Array:
     return c.matmul("down", act)[:, :c.dims.hidden_size]
 
 
-def _mxfp4_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array:
-    """x @ selected expert k's MXFP4 matrix `name` (codes and scales in its slot), one pack
-    group of `group` input rows dequantised at a time."""
+def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array:
+    """x @ selected expert k's matrix `name` (codes and scales in its slot), one group of
+    `group` input rows decoded at a time: MXFP4 codes two rows a byte, FP8 codes one (the
+    spec's `format expert.<name>`); the same bf16 values and dots either way."""
     slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
     s_row, s_rows, s_cols = expert_slots.matrix(slots, c.refs, k, name + "_scales")
     scales = pool.pooled_u8(buf, s_row, s_rows, s_cols)
+    fp8 = c.kernel.formats.get(f"expert.{name}", "mxfp4") == "fp8"
     out = None
     for g in range(x.shape[1] // group):
-        codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // 2, count=group // 2)
-        w = ops.mxfp4_dequantize_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
+        block_scales = scales[g * group // 32:(g + 1) * group // 32]
+        if fp8:
+            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
+            w = ops.fp8_block_scaled_tile(codes, block_scales, BF16)
+        else:
+            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // 2,
+                                   count=group // 2)
+            w = ops.mxfp4_dequantize_tile(codes, block_scales, BF16)
         part = jnp.dot(x[:, g * group:(g + 1) * group].astype(BF16), w, preferred_element_type=F32)
         out = part if out is None else out + part
     return out
@@ -282,9 +290,9 @@ def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
     x = latent_in[:, :latent]
 
     def expert(k, acc):
-        gate_up = _mxfp4_matmul(c, k, x, "gate_up", min(latent, 512))
+        gate_up = _expert_matmul(c, k, x, "gate_up", min(latent, 512))
         act = ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
-        return acc + c.expert_weight(expert_weights, k) * _mxfp4_matmul(c, k, act, "down", min(width, 128))
+        return acc + c.expert_weight(expert_weights, k) * _expert_matmul(c, k, act, "down", min(width, 128))
 
     return c.fold_experts(expert, jnp.zeros((c.B, latent), F32))
 

@@ -211,14 +211,35 @@ def mxfp4_dequantize_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
     # exponent/mantissa plus a bias of 126 give 2**(e-1) * (1 + m/2); e == 0 is 0 or 0.5.
     magnitude = jnp.where((nib & 6) == 0, (nib & 1) * (126 << 23), ((nib & 7) << 22) + (126 << 23))
     values = lax.bitcast_convert_type(magnitude | ((nib & 8) << 28), F32)
-    s = scales.astype(jnp.int32)
-    scale = lax.bitcast_convert_type(s << 23, F32)                          # 2**(s - 127), s 1..254
-    # Scale 0 (2**-127) is itself subnormal, which TPUs flush; say so rather than rely on it.
-    scale = jnp.where(s == 0, 0.0, scale)
-    scale = jnp.where(s == MX_SCALE_NAN, F32(jnp.nan), scale)
+    scale = _e8m0_scale(scales)
     rows, cols = values.shape
     blocked = values.reshape(rows // MX_BLOCK, MX_BLOCK, cols) * scale[:, None, :]
     return blocked.reshape(rows, cols).astype(dtype)
+
+
+def _e8m0_scale(scales: jax.Array) -> jax.Array:
+    """E8M0 scales (uint8) -> f32 2**(s - 127) for s 1..254; 255 is NaN, and 0 (2**-127, itself
+    subnormal, which TPUs flush) is zero, said here rather than left to the hardware."""
+    s = scales.astype(jnp.int32)
+    scale = lax.bitcast_convert_type(s << 23, F32)
+    scale = jnp.where(s == 0, 0.0, scale)
+    return jnp.where(s == MX_SCALE_NAN, F32(jnp.nan), scale)
+
+
+def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype = jnp.bfloat16
+                          ) -> jax.Array:
+    """Decode FP8 codes with E8M0 block scales -> [G, N] of ``dtype``.
+
+    codes uint8 [G, N], the bytes of float8_e4m3fn values, one input row per row; scales uint8
+    [G/32, N]. A reinterpretation, a conversion and one multiply a value: the values are e2m1
+    values (``fp8_codes_from_kernel_mxfp4``), so the result is bit-equal to
+    ``mxfp4_dequantize_tile`` of the MXFP4 codes they came from, with its edge cases (scale 0
+    decodes to zero, 255 to NaN)."""
+    values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(dtype)
+    scale = _e8m0_scale(scales).astype(dtype)            # powers of two: exact in bf16
+    rows, cols = values.shape
+    blocked = values.reshape(rows // MX_BLOCK, MX_BLOCK, cols) * scale[:, None, :]
+    return blocked.reshape(rows, cols)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +343,21 @@ def pack_mxfp4_for_kernel(codes: np.ndarray, scales: np.ndarray,
     rows = nibbles.T.reshape(n_in // group, 2, group // 2, n_out)        # [group, half, j, out]
     packed = (rows[:, 0] | (rows[:, 1] << 4)).astype(np.uint8)
     return packed.reshape(n_in // 2, n_out), np.ascontiguousarray(scales.T)
+
+
+def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, group: int) -> np.ndarray:
+    """Kernel-layout MXFP4 codes ([in/2, out], ``pack_mxfp4_for_kernel`` with ``group``) ->
+    FP8 codes [in, out]: the bytes of each value as float8_e4m3fn, one input row per row (the
+    E8M0 scales stay as they are). Exact: every e2m1 value is an e4m3 value."""
+    import ml_dtypes
+
+    from mkc.model.mxfp4 import E2M1_VALUES
+    codes = np.asarray(codes, np.uint8)
+    n_in, n_out = 2 * codes.shape[0], codes.shape[1]
+    _check_group(n_in, group)
+    grouped = codes.reshape(n_in // group, 1, group // 2, n_out)
+    nibbles = np.concatenate([grouped & 0xF, grouped >> 4], axis=1).reshape(n_in, n_out)
+    return E2M1_VALUES[nibbles].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
 def unpack_mxfp4_from_kernel(codes: np.ndarray, scales: np.ndarray,

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import KimiGeometry, KimiSharding, kimi_k3_geometry
+from mkc.families.kimi_k3.graph import FORMATS_DEFAULT, KimiGeometry, KimiSharding, kimi_k3_geometry
 from mkc.model.sharding import ShardTable
-from mkc.families.kimi_k3.ops import expand_a_log, pack_mxfp4_for_kernel, split_kv_b_proj, split_q_b_proj
+from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
+                                      split_kv_b_proj, split_q_b_proj)
 
 MX_BLOCK = 32
 
@@ -106,8 +107,10 @@ def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
 
 
 def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
-                  layer: int, expert: int, rank: int) -> dict[str, np.ndarray]:
-    """One rank's width slice of a routed expert: gate|up and down codes and scales, K-major."""
+                  layer: int, expert: int, rank: int,
+                  formats: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+    """One rank's width slice of a routed expert: gate|up and down codes and scales, K-major,
+    each matrix in its format (`mkc.families.kimi_k3.graph.expert_codes`)."""
     e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     part, w = rank % sh.expert_tp, g.expert_width
     groups = pack_groups(d, g)
@@ -120,9 +123,14 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     codes = np.asarray(hf[e + "w2.weight_packed"])[:, part * w // 2:(part + 1) * w // 2]
     scales = np.asarray(hf[e + "w2.weight_scale"])[:, part * w // MX_BLOCK:(part + 1) * w // MX_BLOCK]
     down_codes, down_scales = pack_mxfp4_for_kernel(codes, scales, groups["down"])
-    return {"gate_up_codes": np.concatenate([gate_up[0][0], gate_up[1][0]], axis=1),
-            "gate_up_scales": np.concatenate([gate_up[0][1], gate_up[1][1]], axis=1),
-            "down_codes": down_codes, "down_scales": down_scales}
+    out = {"gate_up_codes": np.concatenate([gate_up[0][0], gate_up[1][0]], axis=1),
+           "gate_up_scales": np.concatenate([gate_up[0][1], gate_up[1][1]], axis=1),
+           "down_codes": down_codes, "down_scales": down_scales}
+    formats = FORMATS_DEFAULT | dict(formats or {})
+    for name in ("gate_up", "down"):
+        if formats[f"expert.{name}"] == "fp8":
+            out[f"{name}_codes"] = fp8_codes_from_kernel_mxfp4(out[f"{name}_codes"], groups[name])
+    return out
 
 
 def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
@@ -198,11 +206,14 @@ def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, 
 
 
 def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
-           local: int, rank: int, shards: ShardTable) -> dict[str, np.ndarray]:
-    """Local expert `local` of `rank`'s group as the pool holds it: MXFP4 codes and scales."""
+           local: int, rank: int, shards: ShardTable,
+           formats: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank`'s group as the pool holds it: codes (in their formats)
+    and scales."""
     g, sh = _layout(d, shards)
     group = rank // sh.expert_tp
-    return expert_arrays(hf, d, g, sh, layer // 2, group * g.local_experts + local, rank)
+    return expert_arrays(hf, d, g, sh, layer // 2, group * g.local_experts + local, rank,
+                         formats)
 
 
 def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:

@@ -47,7 +47,8 @@ def moe_kind(d: Qwen35MoeDims, ranks: int, mlp: int
     return kind, experts, per_rank
 
 
-def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int) -> FamilyGraph:
+def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
+          formats: dict[str, str] | None = None) -> FamilyGraph:
     if rules["experts"] != (ranks, 1):
         raise ShardingError("the Qwen3.5 MoE lowering splits experts over every core: write "
                             "`shard experts over tp`", "experts")

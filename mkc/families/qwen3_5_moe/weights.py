@@ -73,8 +73,10 @@ def layer_vector(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[
 
 
 def expert(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
-           local: int, rank: int, shards: ShardTable) -> dict[str, np.ndarray]:
-    """Local expert `local` of `rank` as the pool holds it: bf16 [in, out] matrices by name."""
+           local: int, rank: int, shards: ShardTable,
+           formats: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank` as the pool holds it: bf16 [in, out] matrices by name
+    (the family offers no other format)."""
     return {name: expert_matrix(hf, d, layer, local, name, rank, shards).astype(ml_dtypes.bfloat16)
             for name in ("gate_up", "down")}
 

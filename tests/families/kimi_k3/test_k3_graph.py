@@ -34,6 +34,21 @@ def test_per_rank_bytes_match_the_reference_kernel():
     assert fam["dense"]["down"].shape == (1152, 7168)      # 33792 / 32 = 1056, padded
 
 
+def test_fp8_experts_hold_a_byte_a_value_and_the_same_scales():
+    """`format expert.gate_up fp8` (the reference kernel's choice): FP8 gate/up and MXFP4 down
+    make an expert of ~7.0 MB per rank, as MODELS.md gives once the scales are counted as that
+    kernel keeps them (one per 256 rows of gate/up; mkc keeps the checkpoint's per 32); all
+    FP8 a byte a value."""
+    gate_up = kimi_k3_families(FULL, KimiSharding(), {"expert.gate_up": "fp8"})["expert"]
+    assert gate_up["gate_up_codes"].shape == (3584, 2 * 768)
+    assert gate_up["gate_up_scales"].shape == (3584 // 32, 2 * 768)
+    assert gate_up["gate_up_codes"].mxu.values_per_byte == 1.0
+    finer_scales = 3584 // 32 * 1536 - 3584 // 256 * 1536
+    assert (family_bytes(gate_up) - finer_scales) / 1e6 == pytest.approx(7.0, abs=0.05)
+    both = kimi_k3_families(FULL, KimiSharding(), {"expert.gate_up": "fp8", "expert.down": "fp8"})
+    assert family_bytes(both["expert"]) == 3 * 3584 * 768 * 33 // 32
+
+
 def test_hbm_per_chip_fits_16_chips_but_not_4():
     chip = target.chip("tpu7x")
     per_chip = sum(hbm_bytes_per_rank(FULL, KimiSharding()).values()) * chip.cores_per_chip

@@ -425,3 +425,30 @@ def test_all_ops_compile_for_tpu7x(tmp_path: Path) -> None:
     r = run_python([str(script)], timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "compiled for tpu7x" in r.stdout
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_fp8_codes_decode_to_the_same_bf16_weights_as_their_mxfp4(group) -> None:
+    """`format expert.* fp8`: the packed FP8 codes (the e2m1 values as e4m3 bytes, same E8M0
+    scales) decode in the kernel to exactly the bf16 weights the MXFP4 decode gives, for every
+    code and for scales 2..255 (inf on overflow, NaN at 255), and with whole (G, 128) tiles."""
+    rng = np.random.default_rng(11)
+    n_out, n_in = 128, 256
+    codes, scales = _random_mxfp4(rng, n_out, n_in, (2, 255))
+    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
+    fp8 = ops.fp8_codes_from_kernel_mxfp4(codes_k, group)
+    assert fp8.shape == (n_in, n_out) and fp8.dtype == np.uint8
+
+    def fn(c, s):
+        blocks = group // 32
+        return jnp.concatenate([ops.fp8_block_scaled_tile(c[g * group:(g + 1) * group],
+                                                          s[g * blocks:(g + 1) * blocks])
+                                for g in range(n_in // group)], axis=0)
+    got = values_in_kernel(fn, [jnp.asarray(fp8), jnp.asarray(scales_k)],
+                           sds((n_in, n_out), jnp.bfloat16))
+    want = _dequantize_groups(jnp.asarray(codes_k), jnp.asarray(scales_k), group, jnp.bfloat16)
+    got, want = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+    nan = np.isnan(np.asarray(want.view(jnp.bfloat16), np.float32))
+    assert nan.any()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(np.asarray(got.view(jnp.bfloat16), np.float32)[nan]).all()

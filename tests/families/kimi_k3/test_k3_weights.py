@@ -73,3 +73,24 @@ def test_expert_slices_decode_to_the_checkpoint_expert(hf):
         want = mxfp4_dequantize(hf[e + "w2.weight_packed"], hf[e + "w2.weight_scale"],
                                 (MINI.latent, MINI.expert_width))[:, rank * w:(rank + 1) * w]
         np.testing.assert_array_equal(down, want)
+
+
+def test_fp8_experts_hold_the_checkpoint_values_a_byte_each(hf):
+    """`format expert.* fp8`: codes [in, out] of float8_e4m3fn bytes whose values times the
+    unchanged E8M0 scales are exactly the checkpoint's MXFP4 values; shapes as the graph's."""
+    import ml_dtypes
+
+    formats = {"expert.gate_up": "fp8", "expert.down": "fp8"}
+    graph = build_graph(MINI, build(MINI, RULES, 16, formats), 16)
+    e = "model.layers.2.block_sparse_moe.experts.5."
+    w = G.expert_width
+    mx = kw.expert_arrays(hf, MINI, G, SH, 2, 5, 1)
+    a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, 1, formats)
+    assert {n: x.shape for n, x in a.items()} == {n: t.shape for n, t in graph.experts.items()}
+    np.testing.assert_array_equal(a["down_scales"], mx["down_scales"])
+    values = a["down_codes"].view(ml_dtypes.float8_e4m3fn).astype(np.float32)     # [w, latent]
+    scales = np.exp2(a["down_scales"].astype(np.float32) - 127)
+    down = (values.reshape(w // 32, 32, -1) * scales[:, None, :]).reshape(w, -1)
+    want = mxfp4_dequantize(hf[e + "w2.weight_packed"], hf[e + "w2.weight_scale"],
+                            (MINI.latent, MINI.expert_width))[:, w:2 * w]
+    np.testing.assert_array_equal(down, want.T)
