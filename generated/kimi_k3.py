@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): c85c5cbd58517967
+Input digest (spec, model config, mkc version): 344dec84ccf3423c
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from mkc.families.kimi_k3 import lowering
 from mkc.families.kimi_k3 import weights as hf_layout
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, inputs, ring, scopes, vectors
 from mkc.runtime import pool as pool_layout
@@ -109,7 +110,8 @@ PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 7
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
             'up_cols': 896, 'vocab': 5120}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {'expert.down': 'fp8', 'expert.gate_up': 'fp8'}
+FORMATS = {'expert.down': WeightFormat(name='fp8', block=128),
+           'expert.gate_up': WeightFormat(name='fp8', block=512)}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=32,
                     rules=(('expert_mlp', 4, 1), ('experts', 8, 4), ('heads', 32, 1),
@@ -247,10 +249,10 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
 # at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=33472,
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=32896,
                       matrices={'gate_up_codes': (0, 3584, 1536),
-                                'gate_up_scales': (21504, 112, 1536),
-                                'down_codes': (22272, 768, 3584), 'down_scales': (33024, 24, 3584)},
+                                'gate_up_scales': (21504, 7, 1536),
+                                'down_codes': (21696, 768, 3584), 'down_scales': (32448, 6, 3584)},
                       local_experts=112, group_size=4, top_k=16)
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
@@ -313,11 +315,11 @@ def _layer_dense(k: Kernel, layer):
     c = k.layer("dense", layer)
     B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 79: prefetch next staging.attention
+    c.prefetch_view()   # spec line 81: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 80: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 82: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -329,13 +331,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 66: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 68: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 64: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 66: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 64: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 66: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -343,13 +345,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 64: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 64: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 66: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 66: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 65: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 67: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 65: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 66: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 67: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 68: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -359,7 +361,7 @@ def _layer_kda(k: Kernel, layer):
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 68: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 70: two_level, wire bf16
     # the pool view staging.attention is free from here
     lower.attn_residual(c, attn_out)
 
@@ -387,7 +389,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 75: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 77: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -399,22 +401,22 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 84: swap with the sibling core, wire f32
+    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 86: swap with the sibling core, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 85: fetch experts -> staging.experts, the first slots now
+    # spec line 87: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 86: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 88: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 87: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 89: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 87: two_level, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89: two_level, wire bf16
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 88: prefetch next staging.attention
+    c.prefetch_view()   # spec line 90: prefetch next staging.attention
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 89: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 91: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -463,7 +465,7 @@ def _kernel(*refs, B, R=1, verify=False):
         return carry
 
     lax.fori_loop(0, N_LAYERS, layer_step, 0)
-    # spec line 66: the last kda layer's store of state.recurrent drains
+    # spec line 68: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -493,7 +495,7 @@ def _hbm_shapes():
         "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), *(384, 512)), BF16),
         "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), *(512, 384)), BF16),
         "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(1792, 1536)), BF16),
-        "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(64, 1536)), BF16),
+        "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(16, 1536)), BF16),
         "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(384, 3584)), BF16),
         "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(16, 3584)), BF16),
     }

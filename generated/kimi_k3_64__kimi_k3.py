@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from mkc.families.kimi_k3 import lowering
 from mkc.families.kimi_k3 import weights as hf_layout
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, inputs, ring, scopes, vectors
 from mkc.runtime import pool as pool_layout
@@ -109,7 +110,8 @@ PER_RANK = {'cache_width': 640, 'dense': 640, 'expert_tp': 4, 'expert_width': 76
             'local_experts': 56, 'router_cols': 512, 'router_split': 2, 'shared': 96,
             'up_cols': 896, 'vocab': 2560}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {'expert.down': 'mxfp4', 'expert.gate_up': 'mxfp4'}
+FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32),
+           'expert.gate_up': WeightFormat(name='mxfp4', block=32)}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=64,
                     rules=(('expert_mlp', 4, 1), ('experts', 16, 4), ('heads', 32, 1),

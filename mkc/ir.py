@@ -307,6 +307,15 @@ class ViewCopy:
 
 
 @dataclass(frozen=True)
+class WeightFormat:
+    """How a matrix class is stored (`format CLASS NAME [block ROWS]`): the format and the
+    input rows one scale covers (0: the format's own)."""
+
+    name: str
+    block: int = 0
+
+
+@dataclass(frozen=True)
 class MatrixFacts:
     """How a stored matrix's bytes count as matrix values: `values_per_byte` logical values per
     stored byte (0: not multiplied, e.g. MXFP4 scales). What multiplying by them costs is
@@ -392,7 +401,7 @@ class ScheduleIR:
     verify_sequences: tuple[int, int] = (0, 0)
     # Matrix classes with a choice of format -> the format chosen (`format` lines, else the
     # checkpoint's): how they sit in HBM and VMEM and reach the MXU.
-    weight_formats: dict[str, str] = field(default_factory=dict)
+    weight_formats: dict[str, WeightFormat] = field(default_factory=dict)
 
     @property
     def rows_max(self) -> int:

@@ -14,6 +14,7 @@ from mkc import families, ir, target
 from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
 from mkc.model.config import dims_from_config, read_config, resolve_config_path
+from mkc.model.family import FormatError
 from mkc.model.graph import DecodeGraph, ShardingError, build_graph
 from mkc.model.sharding import ShardTable
 
@@ -119,7 +120,7 @@ def _group_spellings(axis: str, topo: target.Topology) -> dict[str, tuple[int, i
     return out
 
 
-def _resolve_formats(sched: ast.Schedule, family) -> dict[str, str]:
+def _resolve_formats(sched: ast.Schedule, family) -> dict[str, ir.WeightFormat]:
     """Every matrix class with a choice of format -> the one the spec picks (`format CLASS
     FORMAT`), else the checkpoint's."""
     offered = dict(family.weight_formats)
@@ -142,20 +143,28 @@ def _resolve_formats(sched: ast.Schedule, family) -> dict[str, str]:
             raise fail("E-FORMAT", f"{cls} cannot be stored as {f.format.text!r}", f.format.span,
                        hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
                             "checkpoint's)")
+        if f.block is not None and f.block < 1:
+            raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
+                       hint="a block is the input rows one scale covers: e.g. `block 512`")
         seen[cls] = f.span
-        chosen[cls] = f.format.text
+        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0)
     return chosen
 
 
+def _format_error(e: FormatError, sched: ast.Schedule) -> MkcError:
+    span = next((f.span for f in sched.formats if f.matrix.text == e.cls), sched.name.span)
+    return fail("E-FORMAT", str(e), span, hint=e.hint)
+
+
 def _valid_spellings(cls: str, rules: dict[str, tuple[int, int]], family, dims, axis: str,
-                     topo: target.Topology, formats: dict[str, str]) -> list[str]:
+                     topo: target.Topology, formats: dict[str, ir.WeightFormat]) -> list[str]:
     """The groups `cls` could be sharded over on this mesh, other rules unchanged, for which
     the family's graph builds (only on the failure path: a build costs microseconds)."""
     valid = []
     for text, group in _group_spellings(axis, topo).items():
         try:
             family.build(dims, rules | {cls: group}, topo.num_cores, formats)
-        except ShardingError:
+        except (ShardingError, FormatError):
             continue
         valid.append((-group[0], group[1], text))
     return [text for *_, text in sorted(valid)]      # the widest split first
@@ -322,6 +331,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         raise fail("E-SHARD", f"cannot shard {dims.name} over {ranks} ranks: {e}", span,
                    hint=with_smallest_topology(hint, sched, model_override) if suggest
                    else hint) from None
+    except FormatError as e:
+        raise _format_error(e, sched) from None
 
     missing_kinds = [k for k in sorted(set(dims.layer_kinds))
                      if k not in {p.kind.text for p in sched.phases}]
@@ -417,7 +428,8 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         model_config=config,
         chip=chip_name, topology=topo.spec, mesh_axis=axis, ranks=ranks,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
-        verify_rows=verify_rows, verify_sequences=verify_sequences, weight_formats=formats,
+        verify_rows=verify_rows, verify_sequences=verify_sequences,
+        weight_formats=dict(graph.formats),
         context=context.value, vmem_limit=limit.value, vmem_reserve=reserve.value,
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,

@@ -192,6 +192,7 @@ class Format:
     matrix: Name         # e.g. expert.gate_up
     format: Name
     span: Span
+    block: int | None = None     # input rows one scale covers, if the spec says
 
 
 @dataclass(frozen=True)

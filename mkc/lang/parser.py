@@ -161,7 +161,8 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def format_stmt(self, meta, items):
-        return ast.Format(items[0], self._name(items[1]), _span(self.file, meta))
+        return ast.Format(items[0], self._name(items[1]), _span(self.file, meta),
+                          block=int(items[2]) if len(items) > 2 else None)
 
     def view_kind(self, items):
         return ast.ViewKind(self._name(items[0]), items[1])

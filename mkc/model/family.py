@@ -15,6 +15,15 @@ from types import ModuleType
 from typing import Any
 
 
+class FormatError(ValueError):
+    """A family's graph builder cannot store matrix class `cls` as the spec asks (message and
+    hint); resolve points at the spec's `format` line."""
+
+    def __init__(self, cls: str, message: str, hint: str):
+        super().__init__(message)
+        self.cls, self.hint = cls, hint
+
+
 class ConfigError(ValueError):
     """A family's config reader met a value its lowering does not take (message and hint)."""
 
@@ -47,8 +56,8 @@ class Family:
     # (raw config, model name) -> dims; raises ConfigError, KeyError, ValueError or TypeError.
     read_dims: Callable[[dict, str], Any]
     shard_classes: tuple[str, ...]     # the classes a spec places with `shard CLASS over GROUP`
-    # (dims, shard rules {class: (ways, stride)}, ranks, weight formats {class: format}) ->
-    # mkc.model.graph.FamilyGraph; raises mkc.model.graph.ShardingError.
+    # (dims, shard rules {class: (ways, stride)}, ranks, {class: mkc.ir.WeightFormat}) ->
+    # mkc.model.graph.FamilyGraph; raises mkc.model.graph.ShardingError or FormatError.
     build: Callable[[Any, dict, int, dict], Any]
     package: str                       # e.g. "mkc.families.qwen3_5"
     lowered_ops: frozenset[str]        # the ops its `lowering` module has compute bodies for
@@ -67,8 +76,9 @@ class Family:
     # the formats its lowering and packing take, the checkpoint's (the default) first.
     weight_formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
-    def default_formats(self) -> dict[str, str]:
-        return {cls: formats[0] for cls, formats in self.weight_formats}
+    def default_formats(self) -> dict:
+        from mkc.ir import WeightFormat
+        return {cls: WeightFormat(formats[0]) for cls, formats in self.weight_formats}
 
     def module(self, part: str) -> ModuleType:
         """One of its modules by role: "ops", "weights", "lowering", "reference"."""

@@ -100,6 +100,7 @@ class DecodeGraph:
 
     experts_total: int = 0       # routed experts of the model (0: none)
     top_k: int = 0               # experts each row picks
+    formats: dict = field(default_factory=dict)   # class -> mkc.ir.WeightFormat, as built
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -141,6 +142,8 @@ class FamilyGraph:
     activations: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     experts_total: int = 0               # routed experts of the model (0: none)
     top_k: int = 0                       # experts each row picks
+    # Matrix classes with a choice of format -> the format, its block resolved to rows.
+    formats: dict = field(default_factory=dict)
 
 
 def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
@@ -166,4 +169,4 @@ def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
     g.add_edge("final_norm", "lm_head")
     return DecodeGraph(dims=dims, ranks=ranks, kinds=fg.kinds, globals=fg.globals, graph=g,
                        per_rank=fg.per_rank, experts=fg.experts, activations=fg.activations,
-                       experts_total=fg.experts_total, top_k=fg.top_k)
+                       experts_total=fg.experts_total, top_k=fg.top_k, formats=fg.formats)

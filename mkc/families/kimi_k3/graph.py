@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mkc.ir import MatrixFacts
+from mkc.ir import MatrixFacts, WeightFormat
+from mkc.model.family import FormatError
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
 
@@ -143,13 +144,13 @@ def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
         cache_width=lane_pad(d.kv_lora + d.qk_extra))
 
 
-def kimi_k3_families(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | None = None
-                     ) -> dict[str, dict[str, Tensor]]:
+def kimi_k3_families(d: KimiDims, sh: KimiSharding,
+                     formats: dict[str, WeightFormat] | None = None) -> dict[str, dict[str, Tensor]]:
     """Per-rank weight families of each sublayer kind (kda, mla, moe, dense) and of one routed
     expert ("expert", in the `formats` chosen), in HBM layout. Raises ShardingError for an
     infeasible sharding."""
     g = kimi_k3_geometry(d, sh)
-    formats = FORMATS_DEFAULT | (formats or {})
+    formats = expert_formats(d, g, formats)
     H, hd, P = d.hidden_size, d.head_dim, g.heads * d.head_dim
     w = g.expert_width
     return {
@@ -188,20 +189,57 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | No
     }
 
 
-# The formats a routed expert's matrices take (`format expert.gate_up fp8`): the checkpoint's
-# MXFP4, decoded in the kernel, or FP8 e4m3 codes with the same E8M0 block scales, which the
-# kernel only converts. Every e2m1 value is an e4m3 value, so the requantization is exact.
+# The formats a routed expert's matrices take (`format expert.gate_up fp8 [block N]`): the
+# checkpoint's MXFP4, decoded in the kernel; or FP8 e4m3 codes, which the kernel converts,
+# with an E8M0 scale per 32 input rows (the checkpoint's: every e2m1 value is an e4m3 value,
+# so always exact) or per `block` rows, a whole number of pack groups (one scale multiplies a
+# pack group's partial product; exact where a block's 32-row scales span at most 8 octaves,
+# which packing checks).
 WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))
-FORMATS_DEFAULT = {cls: formats[0] for cls, formats in WEIGHT_FORMATS}
+FORMATS_DEFAULT = {cls: WeightFormat(formats[0]) for cls, formats in WEIGHT_FORMATS}
 _FP8_CODES = MatrixFacts(values_per_byte=1.0)
 
 
-def expert_codes(name: str, rows: int, cols: int, fmt: str) -> dict[str, Tensor]:
+def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
+    """Input rows per pack group of an expert matrix: the rows the kernel decodes and
+    multiplies at a time (`mkc.families.kimi_k3.reference.pack_groups` restates it)."""
+    return {"gate_up": min(d.latent, 512), "down": min(g.expert_width, 128)}
+
+
+def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat] | None
+                   ) -> dict[str, WeightFormat]:
+    """Each expert matrix class's format with its block resolved to rows (32 for MXFP4 and
+    plain FP8; a block past the matrix's rows is the whole matrix); FormatError for a block the
+    kernel cannot use."""
+    rows = {"gate_up": d.latent, "down": g.expert_width}
+    groups = pack_groups(d, g)
+    out = {}
+    for cls, fmt in (FORMATS_DEFAULT | (formats or {})).items():
+        name = cls.split(".")[1]
+        block = fmt.block or MX_BLOCK
+        if fmt.name == "mxfp4" and block != MX_BLOCK:
+            raise FormatError(cls, f"MXFP4 keeps the checkpoint's scale per {MX_BLOCK} rows, not "
+                              f"{block}", f"drop the block, or store it as FP8 (`format {cls} fp8 "
+                              "block N`, N whole pack groups)")
+        block = min(block, rows[name])
+        if block != MX_BLOCK and (block % groups[name] or rows[name] % block):
+            raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its "
+                              f"{rows[name]} input rows (per rank) run as pack groups of "
+                              f"{groups[name]}", f"use {MX_BLOCK}, or a multiple of "
+                              f"{groups[name]} that divides {rows[name]} (e.g. "
+                              f"{groups[name]})")
+        out[cls] = WeightFormat(fmt.name, block)
+    return out
+
+
+def expert_codes(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str, Tensor]:
     """An expert matrix [rows (in), cols (out)] as stored: MXFP4 codes hold two input rows per
-    byte (`pack_mxfp4_for_kernel`), FP8 codes one (bytes of float8_e4m3fn); E8M0 scales."""
-    code_rows, facts = (rows // 2, _MXFP4_CODES) if fmt == "mxfp4" else (rows, _FP8_CODES)
+    byte (`pack_mxfp4_for_kernel`), FP8 codes one (bytes of float8_e4m3fn); an E8M0 scale per
+    `fmt.block` input rows."""
+    code_rows, facts = (rows // 2, _MXFP4_CODES) if fmt.name == "mxfp4" else (rows, _FP8_CODES)
     return {f"{name}_codes": _m(f"{name}_codes", code_rows, cols, "u8", mxu=facts),
-            f"{name}_scales": _m(f"{name}_scales", rows // MX_BLOCK, cols, "u8", mxu=_MXFP4_SCALES)}
+            f"{name}_scales": _m(f"{name}_scales", rows // fmt.block, cols, "u8",
+                                 mxu=_MXFP4_SCALES)}
 
 
 def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:
@@ -221,7 +259,7 @@ def kimi_k3_activations(d: KimiDims, sh: KimiSharding) -> dict[str, tuple[tuple[
     }
 
 
-def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | None = None
+def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat] | None = None
                   ) -> tuple[dict[str, LayerKind], dict[str, Tensor], dict[str, Tensor],
                              dict[str, int]]:
     """(sublayer kinds, routed expert families, globals, per-rank sizes)."""
@@ -319,7 +357,8 @@ def family_bytes(families: dict[str, Tensor]) -> int:
     return sum(t.nbytes for t in families.values())
 
 
-def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | None = None
+def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding,
+                       formats: dict[str, WeightFormat] | None = None
                        ) -> dict[str, int]:
     """Weight bytes one rank holds in HBM, by class (states and caches come with a batch)."""
     fam = kimi_k3_families(d, sh, formats)
@@ -336,9 +375,10 @@ def hbm_bytes_per_rank(d: KimiDims, sh: KimiSharding, formats: dict[str, str] | 
 
 
 def build(d: KimiDims, rules: dict[str, tuple[int, int]], ranks: int,
-          formats: dict[str, str] | None = None) -> FamilyGraph:
+          formats: dict[str, WeightFormat] | None = None) -> FamilyGraph:
     sharding = KimiSharding.from_rules(rules, ranks)
     kinds, experts, glob, per_rank = kimi_k3_kinds(d, sharding, formats)
+    resolved = expert_formats(d, kimi_k3_geometry(d, sharding), formats)
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, experts=experts,
                        activations=kimi_k3_activations(d, sharding), experts_total=d.experts,
-                       top_k=d.top_k)
+                       top_k=d.top_k, formats=resolved)

@@ -259,25 +259,33 @@ def down(c: Layer, act: jax.Array) -> jax.Array:
 
 
 def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array:
-    """x @ selected expert k's matrix `name` (codes and scales in its slot), one group of
-    `group` input rows decoded at a time: MXFP4 codes two rows a byte, FP8 codes one (the
-    spec's `format expert.<name>`); the same bf16 values and dots either way."""
+    """x @ selected expert k's matrix `name` (codes and scales in its slot), one pack group of
+    `group` input rows at a time, in the spec's `format expert.<name>`: MXFP4 codes (two rows a
+    byte) decoded with their 32-row scales; FP8 codes (one) converted and scaled per 32 rows;
+    or, with FP8 blocks of whole pack groups, converted only, their block's scale multiplying
+    the group's partial product. The dots see the same values times powers of two, so every
+    format gives the same f32 sums."""
     slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
     s_row, s_rows, s_cols = expert_slots.matrix(slots, c.refs, k, name + "_scales")
     scales = pool.pooled_u8(buf, s_row, s_rows, s_cols)
-    fp8 = c.kernel.formats.get(f"expert.{name}", "mxfp4") == "fp8"
+    fmt = c.kernel.formats[f"expert.{name}"]
     out = None
     for g in range(x.shape[1] // group):
-        block_scales = scales[g * group // 32:(g + 1) * group // 32]
-        if fp8:
-            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
-            w = ops.fp8_block_scaled_tile(codes, block_scales, BF16)
-        else:
+        xg = x[:, g * group:(g + 1) * group].astype(BF16)
+        if fmt.name == "mxfp4":
             codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // 2,
                                    count=group // 2)
-            w = ops.mxfp4_dequantize_tile(codes, block_scales, BF16)
-        part = jnp.dot(x[:, g * group:(g + 1) * group].astype(BF16), w, preferred_element_type=F32)
+            w = ops.mxfp4_dequantize_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
+            part = jnp.dot(xg, w, preferred_element_type=F32)
+        elif fmt.block == ops.MX_BLOCK:
+            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
+            w = ops.fp8_block_scaled_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
+            part = jnp.dot(xg, w, preferred_element_type=F32)
+        else:
+            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
+            b = g * group // fmt.block
+            part = ops.fp8_group_matmul(xg, codes, scales[b:b + 1])
         out = part if out is None else out + part
     return out
 

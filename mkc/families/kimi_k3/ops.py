@@ -242,6 +242,14 @@ def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
     return blocked.reshape(rows, cols)
 
 
+def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the E8M0
+    ``scale`` [1, N] -> f32 [B, N]: the codes converted (exactly) to bf16, the power-of-two
+    scale applied to the partial product rather than to every value."""
+    w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    return jnp.dot(x, w, preferred_element_type=F32) * _e8m0_scale(scale)
+
+
 # ---------------------------------------------------------------------------------------------
 # Block attention residuals
 
@@ -345,19 +353,46 @@ def pack_mxfp4_for_kernel(codes: np.ndarray, scales: np.ndarray,
     return packed.reshape(n_in // 2, n_out), np.ascontiguousarray(scales.T)
 
 
-def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, group: int) -> np.ndarray:
-    """Kernel-layout MXFP4 codes ([in/2, out], ``pack_mxfp4_for_kernel`` with ``group``) ->
-    FP8 codes [in, out]: the bytes of each value as float8_e4m3fn, one input row per row (the
-    E8M0 scales stay as they are). Exact: every e2m1 value is an e4m3 value."""
+def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, scales: np.ndarray, group: int,
+                                block: int = MX_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Kernel-layout MXFP4 (codes [in/2, out] and E8M0 scales [in/32, out],
+    ``pack_mxfp4_for_kernel`` with ``group``) -> FP8 codes [in, out], the bytes of
+    float8_e4m3fn values one input row per row, and E8M0 scales [in/block, out].
+
+    With ``block`` 32 the values are the e2m1 values and the scales the checkpoint's: exact,
+    every e2m1 value being an e4m3 value. With a larger block each block of rows takes its
+    largest 32-row scale S and a value v of a 32-row block of scale s becomes v * 2**(s - S):
+    exact while s - S >= -8 for every value (e4m3 reaches 2**-9), else a ValueError says
+    where. A 32-row scale of 0 reads as zero, as the kernel's MXFP4 decode reads it; 255 (NaN)
+    is refused for a larger block."""
     import ml_dtypes
 
     from mkc.model.mxfp4 import E2M1_VALUES
-    codes = np.asarray(codes, np.uint8)
+    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
     n_in, n_out = 2 * codes.shape[0], codes.shape[1]
     _check_group(n_in, group)
     grouped = codes.reshape(n_in // group, 1, group // 2, n_out)
     nibbles = np.concatenate([grouped & 0xF, grouped >> 4], axis=1).reshape(n_in, n_out)
-    return E2M1_VALUES[nibbles].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    values = E2M1_VALUES[nibbles]
+    fp8 = ml_dtypes.float8_e4m3fn
+    if block == MX_BLOCK:
+        return values.astype(fp8).view(np.uint8), scales
+    if block % MX_BLOCK or n_in % block:
+        raise ValueError(f"a block of {block} rows does not tile {n_in} input rows in {MX_BLOCK}s")
+    if (scales == MX_SCALE_NAN).any():
+        raise ValueError("a scale of 255 (NaN) cannot be folded into a larger block")
+    per_block = scales.reshape(n_in // block, block // MX_BLOCK, n_out).astype(np.int32)
+    top = per_block.max(axis=1)                                        # [in/block, out]
+    shift = np.repeat(per_block - top[:, None, :], MX_BLOCK, axis=1).reshape(n_in, n_out)
+    exact = np.where(np.repeat(scales, MX_BLOCK, axis=0) == 0, 0.0, values * np.exp2(shift))
+    out = exact.astype(fp8)
+    wrong = out.astype(np.float64) != exact
+    if wrong.any():
+        r, c = np.argwhere(wrong)[0]
+        raise ValueError(f"{int(wrong.sum())} values fall below FP8's range: the 32-row scales "
+                         f"of a {block}-row block span {int(-shift.min())} octaves (at most 8 "
+                         f"keep every value), first at input row {r}, column {c}")
+    return out.view(np.uint8), top.astype(np.uint8)
 
 
 def unpack_mxfp4_from_kernel(codes: np.ndarray, scales: np.ndarray,

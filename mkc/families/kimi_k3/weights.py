@@ -14,7 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import FORMATS_DEFAULT, KimiGeometry, KimiSharding, kimi_k3_geometry
+from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_formats, kimi_k3_geometry,
+                                        pack_groups)
+from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
                                       split_kv_b_proj, split_q_b_proj)
@@ -101,14 +103,9 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     raise KeyError(f"no {kind} weight family {family!r}")
 
 
-def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    """Input rows per MXFP4 pack group (the rows the kernel dequantises at a time)."""
-    return {"gate_up": min(d.latent, 512), "down": min(g.expert_width, 128)}
-
-
 def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
                   layer: int, expert: int, rank: int,
-                  formats: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+                  formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
     """One rank's width slice of a routed expert: gate|up and down codes and scales, K-major,
     each matrix in its format (`mkc.families.kimi_k3.graph.expert_codes`)."""
     e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
@@ -126,10 +123,16 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     out = {"gate_up_codes": np.concatenate([gate_up[0][0], gate_up[1][0]], axis=1),
            "gate_up_scales": np.concatenate([gate_up[0][1], gate_up[1][1]], axis=1),
            "down_codes": down_codes, "down_scales": down_scales}
-    formats = FORMATS_DEFAULT | dict(formats or {})
-    for name in ("gate_up", "down"):
-        if formats[f"expert.{name}"] == "fp8":
-            out[f"{name}_codes"] = fp8_codes_from_kernel_mxfp4(out[f"{name}_codes"], groups[name])
+    for cls, fmt in expert_formats(d, g, dict(formats or {})).items():
+        name = cls.split(".")[1]
+        if fmt.name == "fp8":
+            try:
+                out[f"{name}_codes"], out[f"{name}_scales"] = fp8_codes_from_kernel_mxfp4(
+                    out[f"{name}_codes"], out[f"{name}_scales"], groups[name], fmt.block)
+            except ValueError as e:
+                raise ValueError(f"layer {layer} expert {expert} {cls}, rank {rank}'s slice: {e}; "
+                                 f"write `format {cls} fp8` (a scale per {MX_BLOCK} rows, "
+                                 "always exact) or a smaller block") from None
     return out
 
 
@@ -207,7 +210,7 @@ def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, 
 
 def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
            local: int, rank: int, shards: ShardTable,
-           formats: Mapping[str, str] | None = None) -> dict[str, np.ndarray]:
+           formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
     """Local expert `local` of `rank`'s group as the pool holds it: codes (in their formats)
     and scales."""
     g, sh = _layout(d, shards)

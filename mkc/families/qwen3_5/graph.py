@@ -118,7 +118,7 @@ def vocab_globals(d, ways: int) -> tuple[dict[str, Tensor], int]:
 
 
 def build(d: Qwen35Dims, rules: dict[str, tuple[int, int]], ranks: int,
-          formats: dict[str, str] | None = None) -> FamilyGraph:
+          formats: dict | None = None) -> FamilyGraph:
     kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0])
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank)

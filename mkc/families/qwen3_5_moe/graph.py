@@ -48,7 +48,7 @@ def moe_kind(d: Qwen35MoeDims, ranks: int, mlp: int
 
 
 def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
-          formats: dict[str, str] | None = None) -> FamilyGraph:
+          formats: dict | None = None) -> FamilyGraph:
     if rules["experts"] != (ranks, 1):
         raise ShardingError("the Qwen3.5 MoE lowering splits experts over every core: write "
                             "`shard experts over tp`", "experts")

@@ -2,6 +2,8 @@
 the same), and infeasible shardings are rejected with the rule to blame."""
 import pytest
 
+from mkc.ir import WeightFormat
+from mkc.model.family import FormatError
 from mkc import target
 from mkc.model.config import CONFIG_DIR
 from mkc.model.graph import ShardingError, build_graph
@@ -39,14 +41,27 @@ def test_fp8_experts_hold_a_byte_a_value_and_the_same_scales():
     make an expert of ~7.0 MB per rank, as MODELS.md gives once the scales are counted as that
     kernel keeps them (one per 256 rows of gate/up; mkc keeps the checkpoint's per 32); all
     FP8 a byte a value."""
-    gate_up = kimi_k3_families(FULL, KimiSharding(), {"expert.gate_up": "fp8"})["expert"]
+    gate_up = kimi_k3_families(FULL, KimiSharding(), {"expert.gate_up": WeightFormat("fp8")})["expert"]
     assert gate_up["gate_up_codes"].shape == (3584, 2 * 768)
     assert gate_up["gate_up_scales"].shape == (3584 // 32, 2 * 768)
     assert gate_up["gate_up_codes"].mxu.values_per_byte == 1.0
     finer_scales = 3584 // 32 * 1536 - 3584 // 256 * 1536
     assert (family_bytes(gate_up) - finer_scales) / 1e6 == pytest.approx(7.0, abs=0.05)
-    both = kimi_k3_families(FULL, KimiSharding(), {"expert.gate_up": "fp8", "expert.down": "fp8"})
+    both = kimi_k3_families(FULL, KimiSharding(), dict.fromkeys(("expert.gate_up", "expert.down"),
+                                                                WeightFormat("fp8")))
     assert family_bytes(both["expert"]) == 3 * 3584 * 768 * 33 // 32
+    blocked = kimi_k3_families(FULL, KimiSharding(), {"expert.gate_up": WeightFormat("fp8", 512),
+                                                      "expert.down": WeightFormat("fp8", 1 << 20)})
+    assert blocked["expert"]["gate_up_scales"].shape == (3584 // 512, 1536)
+    assert blocked["expert"]["down_scales"].shape == (1, 3584)       # a block past the rows: one
+
+
+def test_a_block_must_be_whole_pack_groups():
+    for cls, block in (("expert.gate_up", 256), ("expert.down", 192), ("expert.down", 64)):
+        with pytest.raises(FormatError, match="does not tile"):
+            kimi_k3_families(FULL, KimiSharding(), {cls: WeightFormat("fp8", block)})
+    with pytest.raises(FormatError, match="MXFP4 keeps"):
+        kimi_k3_families(FULL, KimiSharding(), {"expert.down": WeightFormat("mxfp4", 128)})
 
 
 def test_hbm_per_chip_fits_16_chips_but_not_4():

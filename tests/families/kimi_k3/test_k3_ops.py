@@ -436,8 +436,9 @@ def test_fp8_codes_decode_to_the_same_bf16_weights_as_their_mxfp4(group) -> None
     n_out, n_in = 128, 256
     codes, scales = _random_mxfp4(rng, n_out, n_in, (2, 255))
     codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
-    fp8 = ops.fp8_codes_from_kernel_mxfp4(codes_k, group)
+    fp8, fp8_scales = ops.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group)
     assert fp8.shape == (n_in, n_out) and fp8.dtype == np.uint8
+    np.testing.assert_array_equal(fp8_scales, scales_k)
 
     def fn(c, s):
         blocks = group // 32
@@ -452,3 +453,40 @@ def test_fp8_codes_decode_to_the_same_bf16_weights_as_their_mxfp4(group) -> None
     assert nan.any()
     np.testing.assert_array_equal(got[~nan], want[~nan])
     assert np.isnan(np.asarray(got.view(jnp.bfloat16), np.float32)[nan]).all()
+
+
+def test_fp8_blocks_of_whole_groups_give_the_same_f32_sums() -> None:
+    """`format expert.* fp8 block N`: a block's 32-row scales folded into the codes (exactly:
+    spreads up to 8 octaves) and its one scale applied to each group's partial product: the
+    same f32 sums, bit for bit, as the MXFP4 decode and dot; a wider spread is refused."""
+    rng = np.random.default_rng(12)
+    n_out, n_in, group, block, batch = 128, 512, 128, 256, 8
+    codes, scales = _random_mxfp4(rng, n_out, n_in, (110, 118))      # spreads up to 8 octaves
+    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
+    fp8, top = ops.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group, block)
+    assert top.shape == (n_in // block, n_out)
+    x = jnp.asarray(rng.standard_normal((batch, n_in)), jnp.bfloat16)
+
+    def blocked(x, c, s):
+        parts = [ops.fp8_group_matmul(x[:, g * group:(g + 1) * group], c[g * group:(g + 1) * group],
+                                      s[g * group // block:g * group // block + 1])
+                 for g in range(n_in // group)]
+        return sum(parts[1:], parts[0])
+
+    def decoded(x, c, s):
+        parts = [jnp.dot(x[:, g * group:(g + 1) * group],
+                         ops.mxfp4_dequantize_tile(c[g * group // 2:(g + 1) * group // 2],
+                                                   s[g * group // 32:(g + 1) * group // 32],
+                                                   jnp.bfloat16), preferred_element_type=F32)
+                 for g in range(n_in // group)]
+        return sum(parts[1:], parts[0])
+
+    out = sds((batch, n_out), F32)
+    got = values_in_kernel(blocked, [x, jnp.asarray(fp8), jnp.asarray(top)], out)
+    want = values_in_kernel(decoded, [x, jnp.asarray(codes_k), jnp.asarray(scales_k)], out)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    wide = scales.copy()
+    wide[0, 0] = 100                                   # one block spans 10 octaves or more
+    wide_k = ops.pack_mxfp4_for_kernel(codes, wide, group)[1]
+    with pytest.raises(ValueError, match=r"fall below FP8's range: .* span 1[0-8] octaves"):
+        ops.fp8_codes_from_kernel_mxfp4(codes_k, wide_k, group, block)

@@ -3,6 +3,7 @@ the ranks' partial products (or joining their column shards) gives the full laye
 import numpy as np
 import pytest
 
+from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.graph import build_graph
 from mkc.families.kimi_k3.config import KimiDims
@@ -80,7 +81,7 @@ def test_fp8_experts_hold_the_checkpoint_values_a_byte_each(hf):
     unchanged E8M0 scales are exactly the checkpoint's MXFP4 values; shapes as the graph's."""
     import ml_dtypes
 
-    formats = {"expert.gate_up": "fp8", "expert.down": "fp8"}
+    formats = dict.fromkeys(("expert.gate_up", "expert.down"), WeightFormat("fp8"))
     graph = build_graph(MINI, build(MINI, RULES, 16, formats), 16)
     e = "model.layers.2.block_sparse_moe.experts.5."
     w = G.expert_width
