@@ -162,13 +162,54 @@ def vmem_peaks(spec: str) -> dict[int, float]:
     return {b: vmem_budget(s, events, b)[0] / 2**20 for b in (s.batch_min, s.batch_max)}
 
 
+def bench_modelled() -> list[str]:
+    """Modelled steps (`mkc perf`, every op priced by the work counted from the kernel mkc
+    emits) of each shipped spec at batch 1 and 8 and its verify step, and, for K3, the same
+    spec with its experts in the checkpoint's MXFP4 (before the FP8 format): a table."""
+    import re
+    import tempfile
+
+    from mkc import compiler
+    from mkc.perf.run import run
+    lines = ["| spec | formats | batch | modelled step | modelled tok/s | % of HBM floor | copies |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = []
+        for path in sorted((ROOT / "schedules").glob("*.sched")):
+            text = path.read_text()
+            label = ", ".join(f"{m.group(1)} {m.group(2)}" for m in
+                              re.finditer(r"^  format (\S+) (\S+(?: block \d+)?)$", text, re.M))
+            specs.append((path, label or "as checkpointed"))
+            if label:
+                mx = Path(tmp) / path.name
+                mx.write_text(re.sub(r"^  format (\S+) .*$", r"  format \1 mxfp4", text, flags=re.M))
+                specs.append((mx, "mxfp4 (before)"))
+        for path, label in specs:
+            s = compiler.check_spec(path).ir
+            rows = [(b, None) for b in (1, 8)] + ([(None, s.verify_rows)] if s.verify_rows else [])
+            for batch, verify in rows:
+                rep = run(s, batch, None, verify)
+                what = f"verify {verify}" if verify else str(batch)
+                lines.append(f"| `{path.name}` | {label} | {what} | {rep['step_seconds'] * 1e3:.2f} ms "
+                             f"| {rep['tokens_per_s']:.0f} | {rep['percent_of_hbm_floor']:.1f} | "
+                             f"{rep['copies']} |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", choices=list(MODELS), help="one model only (default: both)")
     ap.add_argument("--tiers", action="store_true",
                     help="only time the test tiers, `./dev quick` and `./dev test` (half an hour)")
+    ap.add_argument("--modelled", action="store_true",
+                    help="only the modelled steps of every shipped spec (and K3 before FP8)")
     args = ap.parse_args()
+    if args.modelled:
+        print("Modelled, not measured (tpu7x constants as recorded; mkc perf):")
+        print("\n".join(bench_modelled()))
+        print("    reproduce: ./dev bench --modelled")
+        return 0
     if args.tiers:
         for tier, seconds, last in bench_tiers():
             print(f"./dev {tier}: {seconds / 60:.1f} min wall ({last})\n    reproduce: ./dev {tier}")

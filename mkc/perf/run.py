@@ -203,7 +203,7 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
         f"{rep['percent_of_hbm_floor']:.1f}% of the HBM floor ({rep['hbm_floor_seconds'] * 1e3:.3f} ms"
         + (f"; the slowest core's {rep['slowest_core_hbm_floor_seconds'] * 1e3:.3f} ms"
            if rep["routed_experts_per_layer"] else "") + "); "
-        f"HBM busy {100 * rep['hbm_busy_fraction']:.0f}% of the step",
+        f"HBM busy {100 * rep['hbm_busy_fraction']:.0f}% of the step, {rep['copies']} HBM copies",
         f"  {rep['calibration']}",
         "modelled time by layer kind and cause (ms):",
         f"  {'kind':<10}" + "".join(f"{c:>19}" for c in CAUSES) + f"{'total':>10}",
