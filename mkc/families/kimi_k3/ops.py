@@ -204,17 +204,36 @@ def mxfp4_dequantize_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
     that TPUs flush subnormals: scale 0 (2**-127) decodes to zero, scale 1 flushes its +-0.5
     codes (2**-127); quantizers emit scales 1..254 and such blocks are zero to the MXU anyway.
     bf16 output is exact: the values carry 2 significant bits and bf16 has f32's exponent range.
+
+    The values are built as bf16 bits in 16-bit lanes with the block's scale folded into the
+    exponent, so no multiply: 13 operations on [G, N] 16-bit registers and 3 on the packed
+    bytes, about 7 counted VPU operations a value (`mkc.perf.work`; in 32-bit lanes with a
+    multiply it was 14.8).
     """
-    c = codes.astype(jnp.int32)
-    nib = jnp.concatenate([c & 0xF, c >> 4], axis=0)                     # [G, N] 4-bit codes
-    # e2m1 ``s e e m`` -> f32 bits: for e > 0 the code's e,m bits placed at the top of the f32
-    # exponent/mantissa plus a bias of 126 give 2**(e-1) * (1 + m/2); e == 0 is 0 or 0.5.
-    magnitude = jnp.where((nib & 6) == 0, (nib & 1) * (126 << 23), ((nib & 7) << 22) + (126 << 23))
-    values = lax.bitcast_convert_type(magnitude | ((nib & 8) << 28), F32)
-    scale = _e8m0_scale(scales)
-    rows, cols = values.shape
-    blocked = values.reshape(rows // MX_BLOCK, MX_BLOCK, cols) * scale[:, None, :]
-    return blocked.reshape(rows, cols).astype(dtype)
+    c = codes.astype(jnp.uint16)
+    nib = jnp.concatenate([c & 0xF, c >> 4], axis=0)                     # [G, N] codes s e e m
+    mag = nib & 7
+    rows, cols = nib.shape
+    s = scales.astype(jnp.uint16)
+
+    def per_row(block: jax.Array) -> jax.Array:         # [G/32, N] -> [G, N], each row's block
+        return jnp.broadcast_to(block[:, None, :], (rows // MX_BLOCK, MX_BLOCK, cols)).reshape(rows, cols)
+
+    # A code e,m (e > 0) is 2**(e-1) * (1 + m/2): its bits at the bottom of the bf16 exponent
+    # and the top of the mantissa, plus the bits of 2**(s-128) (the block's scale times the
+    # e2m1 bias) give exponent e - 1 + s; code 1 (0.5) is those bits alone, code 0 zero.
+    bias = per_row((s - 1) << 7)
+    bits = jnp.where(mag < 2, bias * mag, (mag << 6) + bias)
+    # Past the exponent's range (e - 1 + s >= 255, only where s > 252) is inf. Compared on the
+    # code, not the bits: Mosaic has no 16-bit min, which a clamp of the bits becomes.
+    overflow = per_row(jnp.where(s > 252, (256 - s) * 2, jnp.uint16(8)))
+    bits = jnp.where(mag >= overflow, jnp.uint16(0x7F80), bits)
+    bits = bits | ((nib & 8) << 12)
+    # Scale 0 (2**-127, itself subnormal, which TPUs flush) is zero; 255 is NaN; both said here
+    # rather than left to the hardware (quantizers emit 1..254).
+    keep = per_row(jnp.where(s == 0, jnp.uint16(0), jnp.uint16(0xFFFF)))
+    nan = per_row(jnp.where(s == MX_SCALE_NAN, jnp.uint16(0x7FC0), jnp.uint16(0)))
+    return lax.bitcast_convert_type((bits & keep) | nan, jnp.bfloat16).astype(dtype)
 
 
 def _e8m0_scale(scales: jax.Array) -> jax.Array:
