@@ -13,7 +13,7 @@ from tests_support import ROOT, run_example
 
 
 def _run(*args: str) -> dict:
-    return run_example("examples/run_k3_mini.py", *args, timeout=2400)   # the batch-8 mutant run: ~4 min here
+    return run_example("examples/run_k3_mini.py", *args, timeout=2400)   # batch-8 mutant run: ~2 min
 
 
 def _assert_matches_reference(summary: dict) -> None:

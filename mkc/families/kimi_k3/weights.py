@@ -17,7 +17,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_formats, kimi_k3_geometry,
                                         pack_groups)
 from mkc.ir import WeightFormat
-from mkc.model.sharding import ShardTable
+from mkc.model.sharding import ShardTable, rank_parts
 from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
                                       split_kv_b_proj, split_q_b_proj)
 
@@ -238,15 +238,18 @@ def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: Shard
     width = per_rank["heads"] * d.head_dim
     holders = shards.holders("heads")      # one rank per heads part
     out = {}
-    conv = np.asarray(state["kda__conv"], np.float32)     # [ranks, layers, K-1, B, 3 * width]
-    rec = np.asarray(state["kda__recurrent"])            # [ranks, layers, B, heads, D, D]
+    # only the ranks read are copied, each converted after it is sliced (`rank_parts`)
+    conv = rank_parts(state["kda__conv"], holders)       # rank -> [layers, K-1, B, 3 * width]
+    rec = rank_parts(state["kda__recurrent"], holders)   # rank -> [layers, B, heads, D, D]
     for i, layer in enumerate(kind_layers["kda"]):
-        pieces = [np.transpose(conv[r, i], (1, 2, 0)) for r in holders]   # [B, 3 * width, K-1]
+        # [B, 3 * width, K-1] each
+        pieces = [np.transpose(conv[r][i].astype(np.float32), (1, 2, 0)) for r in holders]
         parts = [np.concatenate([c[:, j * width:(j + 1) * width] for c in pieces], axis=1) for j in range(3)]
         out[f"layers.{layer // 2}.conv_state"] = np.concatenate(parts, axis=1)
-        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate([rec[r, i] for r in holders],
+        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate([rec[r][i] for r in holders],
                                                                      axis=1)
-    cache = np.asarray(state["mla__latent"], np.float32)
+    cache = rank_parts(state["mla__latent"], [0])[0]     # [layers, B, T, latent row]
     for i, layer in enumerate(kind_layers["mla"]):
-        out[f"layers.{layer // 2}.latent_cache"] = cache[0, i, :, :, :d.kv_lora + d.qk_extra]
+        out[f"layers.{layer // 2}.latent_cache"] = (
+            cache[i, :, :, :d.kv_lora + d.qk_extra].astype(np.float32))
     return out

@@ -14,7 +14,7 @@ import numpy as np
 from mkc.families.qwen3_5.config import AttentionDims as ModelDims
 from mkc.families.qwen3_5.graph import kv_heads_of
 from mkc.model.graph import lane_pad
-from mkc.model.sharding import ShardTable
+from mkc.model.sharding import ShardTable, rank_parts
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
@@ -130,25 +130,30 @@ def reference_states(state, d: ModelDims, per_rank: dict[str, int], shards: Shar
     nk, dk, nkv, hd = per_rank["nk"], per_rank["dk"], per_rank["nkv"], d.head_dim
     holders = shards.holders("heads")
     out = {}
-    rec = np.asarray(state["gdn__recurrent"])            # [ranks, layers, B, nv, dk, dv]
-    conv = np.asarray(state["gdn__conv"], np.float32)    # [ranks, layers, K-1, B, conv channels]
+    # only the ranks read are copied, each converted after it is sliced (`rank_parts`)
+    rec = rank_parts(state["gdn__recurrent"], holders)   # rank -> [layers, B, nv, dk, dv]
+    conv = rank_parts(state["gdn__conv"], holders)       # rank -> [layers, K-1, B, conv channels]
     for i, layer in enumerate(kind_layers.get("gdn", [])):
-        out[f"layers.{layer}.recurrent_state"] = np.concatenate([rec[r, i] for r in holders], axis=1)
-        parts = [np.transpose(conv[r, i], (1, 2, 0)) for r in holders]   # [B, C, K-1]
+        out[f"layers.{layer}.recurrent_state"] = np.concatenate([rec[r][i] for r in holders], axis=1)
+        parts = [np.transpose(conv[r][i].astype(np.float32), (1, 2, 0)) for r in holders]  # [B, C, K-1]
         q = [c[:, :nk * dk] for c in parts]
         k = [c[:, nk * dk:2 * nk * dk] for c in parts]
         v = [c[:, 2 * nk * dk:] for c in parts]
         out[f"layers.{layer}.conv_state"] = np.concatenate(q + k + v, axis=1)
     ways = len(holders)
     first_holder = [holders[h * ways // d.num_key_value_heads] for h in range(d.num_key_value_heads)]
+    split = nkv * ways == d.num_key_value_heads     # heads split: each part holds nkv
     for c, name in (("key", "key_cache"), ("value", "value_cache")):
-        for i, layer in enumerate(kind_layers.get("gqa", [])):
-            cache = np.asarray(state[f"gqa__{c}"], np.float32)   # [ranks, layers, B, T, nkv * hd]
-            if nkv * ways == d.num_key_value_heads:            # heads split: each part holds nkv
-                heads = [cache[r, i, :, :, j * hd:(j + 1) * hd] for r in holders for j in range(nkv)]
+        if not kind_layers.get("gqa"):
+            continue
+        # rank -> [layers, B, T, nkv * hd]
+        cache = rank_parts(state[f"gqa__{c}"], holders if split else first_holder)
+        for i, layer in enumerate(kind_layers["gqa"]):
+            if split:
+                heads = [cache[r][i, :, :, j * hd:(j + 1) * hd] for r in holders for j in range(nkv)]
             else:                                              # replicated: one head per part
-                heads = [cache[r, i] for r in first_holder]
-            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1)
+                heads = [cache[r][i] for r in first_holder]
+            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1).astype(np.float32)
     return out
 
 
