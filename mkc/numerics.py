@@ -190,21 +190,17 @@ _ISA_PREFIXES = ("avx", "amx", "fma", "sse4")
 
 def pin_cpu_isa() -> None:
     """Cap the vector ISA XLA's CPU backend (and the oneDNN it calls) may use at AVX2 on an
-    x86 host that has it, and keep XLA from handing fusions to YNNPACK, for the kernel and its
-    emulation alike; call before JAX's backend starts (it reads XLA_FLAGS then). XLA picks dot
-    routines by ISA, and on an AVX512-BF16 host its bf16 dots summed in other orders than on
-    the AVX2 hosts where the exactness claims were first measured. The ISA cap alone does not
-    reach YNNPACK, which picks its kernels by the CPU it finds: measured on an AMD EPYC with
-    AVX512-BF16 (December 2026), the Qwen3.5 MoE MINI step at batch 8 (eager) was 1.2e-4 off
-    its emulation in the logits with the cap and exact with YNNPACK's fusions off too."""
+    x86 host that has it, for the kernel and its emulation alike; call before JAX's backend
+    starts (it reads XLA_FLAGS then). XLA picks dot routines by ISA, and on an AVX512-BF16
+    host its bf16 dots summed in other orders than on the AVX2 hosts where every exactness
+    claim here was measured (K3 at batch 8 left the emulation there). Pinned, both run the
+    AVX2 routines everywhere. Measured only on AVX2 hosts (where it changes nothing); not yet
+    run on an AVX512 one."""
     if "avx2" not in host_facts()["isa"]:
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_cpu_max_isa" not in flags:
-        flags += " --xla_cpu_max_isa=AVX2"
-    if "--xla_cpu_experimental_ynn_fusion_type" not in flags:
-        flags += " --xla_cpu_experimental_ynn_fusion_type="
-    os.environ["XLA_FLAGS"] = flags.strip()
+        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_max_isa=AVX2").strip()
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 
@@ -212,7 +208,7 @@ def host_facts() -> dict[str, object]:
     """The CPU a kernel ran on: model name and the vector ISA flags XLA may choose its routines
     by. Each exactness claim holds where it was measured: the runners put this in their summary.
     Measured exact (every step, as the tests run them): AMD EPYC with avx avx2 fma (no
-    avx512), and AMD EPYC with avx512f/bw/vl/bf16 under `pin_cpu_isa`, December 2026."""
+    avx512), December 2026."""
     facts: dict[str, object] = {"machine": platform.machine(), "model": platform.processor(), "isa": [],
                                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
