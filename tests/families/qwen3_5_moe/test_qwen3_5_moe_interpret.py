@@ -34,7 +34,17 @@ def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected():
         assert any("rounding emulation" in f for f in fails), (name, fails)
 
 
+# Open (issue 20): on an AMD EPYC with AVX512-BF16 this step's rows 6 and 7 are 1.2e-4 off the
+# emulation in the logits (ISA capped at AVX2). Turning off XLA's YNNPACK fusions, which pick
+# kernels by the CPU found, makes it exact but puts the Qwen and K3 runs 1e-3 off, so the
+# emulation does not follow YNNPACK's batch-8 expert dots yet. Strict: it must fail there (and
+# pass on AVX2 hosts), so a change either way is seen.
+_AVX512_BF16 = "avx512_bf16" in numerics.host_facts()["isa"]
+
+
 @pytest.mark.slow
+@pytest.mark.xfail(_AVX512_BF16, strict=True, reason="AVX512-BF16 host: YNNPACK's batch-8 expert "
+                   "dots sum in another order than the emulation (issue 20, open)")
 def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
     """Batch 8 with top 4 of 16 experts: each rank's 2 local experts are both picked in most
     layers, and with the 4 slots every expert copy overlaps; eager DMAs land as soon as issued."""
