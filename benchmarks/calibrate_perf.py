@@ -139,6 +139,21 @@ def _row(p: dict, g: float) -> dict:
             "error_percent": 100 * (g / p["step_s"] - 1)}
 
 
+def speculative_holdout(cfg: dict, c_ir, rates) -> dict | None:
+    """The published speculative step (never fitted) against the model's verify step of the
+    same rows, at `rates`: {rows, sequences, published_step_s, modelled_step_s, error_percent}."""
+    h = cfg.get("speculative_holdout")
+    if not h:
+        return None
+    from mkc.perf.run import step_model as model
+    rows, seqs = h["rows"], h["sequences"]
+    got = model(c_ir, rows * seqs, cfg.get("tokens_in_cache") or c_ir.context, rates,
+                keep_timeline=False, sequences=seqs).step_s
+    return {"rows": rows, "sequences": seqs, "published_step_s": h["step_s"],
+            "modelled_step_s": float(f"{got:.6g}"),
+            "error_percent": round(100 * (got / h["step_s"] - 1), 3)}
+
+
 def record_blocked(cfg: dict, reason: str, c_ir, traces: dict, dry_run: bool) -> int:
     """No fit while the calibration spec cannot describe the reference kernel (`blocked` in the
     inputs says why): record what the current model gives at the points with the constants as
@@ -150,6 +165,11 @@ def record_blocked(cfg: dict, reason: str, c_ir, traces: dict, dry_run: bool) ->
     for p in points:
         print(f"  batch {p['batch']}: published {p['published_step_s'] * 1e3:.3f} ms, modelled "
               f"now {p['modelled_step_s'] * 1e3:.3f} ms ({p['error_percent']:+.1f}%)")
+    spec = speculative_holdout(cfg, c_ir, constants.rates(cfg["chip"]))
+    if spec:
+        print(f"  hold-out, speculative step of {spec['rows']} rows: published "
+              f"{spec['published_step_s'] * 1e3:.2f} ms, modelled now "
+              f"{spec['modelled_step_s'] * 1e3:.2f} ms ({spec['error_percent']:+.1f}%)")
     if dry_run:
         return 0
     path = constants.data_path(cfg["chip"])
@@ -158,6 +178,7 @@ def record_blocked(cfg: dict, reason: str, c_ir, traces: dict, dry_run: bool) ->
         "reason": reason,
         "points": [p | {"modelled_step_s": float(f"{p['modelled_step_s']:.6g}"),
                         "error_percent": round(p["error_percent"], 3)} for p in points],
+        "speculative_holdout": spec,
         "command": ".venv/bin/python benchmarks/calibrate_perf.py"}
     path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")

@@ -98,6 +98,10 @@ def calibration_note(chip: str) -> str:
     if blocked := cal.get("blocked"):
         now = "; ".join(f"B{p['batch']} {p['modelled_step_s'] * 1e3:.2f} ms modelled now, "
                         f"{p['published_step_s'] * 1e3:.2f} published" for p in blocked["points"])
+        if h := blocked.get("speculative_holdout"):
+            now += (f"; hold-out, never fitted: the speculative step of {h['rows']} rows "
+                    f"{h['modelled_step_s'] * 1e3:.2f} ms modelled now, ~"
+                    f"{h['published_step_s'] * 1e3:.1f} published ({h['error_percent']:+.0f} %)")
         return (f"calibration blocked: {', '.join(cal['fitted'])} keep an earlier fit to "
                 f"{cal['reference']} ({now}): {blocked['reason']}; mkc/perf/data/{chip}.json")
     pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "

@@ -86,3 +86,23 @@ def test_the_dma_queue_sweep_covers_the_chosen_count(recorded):
                                                  rel=1e-4)
     for row in sweep.values():
         assert all(abs(e) < 0.1 for e in row["fit_error_percent"])
+
+
+def test_the_speculative_step_is_a_hold_out_never_fitted(recorded):
+    """The hand kernel's speculative step (8 rows, ~8.5 ms) is not a calibration point: the
+    record reports the model's verify step of those rows beside it, which the model still
+    gives, and `mkc perf` prints it."""
+    cal, inputs = recorded
+    h = inputs["speculative_holdout"]
+    assert h["step_s"] not in {p["step_s"] for p in inputs["points"]}      # not a fitted point
+    if "blocked" not in cal:
+        pytest.skip("recorded with the blocked record only so far")
+    got = cal["blocked"]["speculative_holdout"]
+    assert (got["rows"], got["sequences"], got["published_step_s"]) == (h["rows"], h["sequences"],
+                                                                       h["step_s"])
+    c = check_spec(ROOT / inputs["spec"], inputs["model"])
+    step = step_model(c.ir, h["rows"] * h["sequences"], inputs["tokens_in_cache"],
+                      keep_timeline=False, sequences=h["sequences"]).step_s
+    assert step == pytest.approx(got["modelled_step_s"], rel=1e-4)
+    from mkc.perf.run import calibration_note
+    assert f"speculative step of {h['rows']} rows" in calibration_note("tpu7x")
