@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import math
 import sys
+import time
 import types
 import warnings
 from collections import defaultdict
@@ -36,7 +37,7 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from mkc import ir
+from mkc import families, ir
 from mkc.runtime import scopes
 
 ELEMENTWISE = frozenset({
@@ -324,18 +325,13 @@ def clear_cache() -> None:
 def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) -> KernelWork:
     """The counted work of the kernel mkc emits for `s` at `batch` rows (cached per module
     source and batch)."""
-    import time
-
-    from mkc.codegen.emit import render
+    from mkc.codegen.emit import render          # codegen loads JAX's Pallas: only when priced
     source = render(s, "")
     key = (hashlib.sha256(source.encode()).hexdigest(), batch, verify_rows)
     if key not in _COUNTED:
         t0 = time.perf_counter()
-        module = _module(source)
-        closed = trace_module(module, batch, verify_rows)
-        import mkc.families
-        lowering = f"{mkc.families.get(s.family).package}.lowering"
-        kw = count_kernel(closed, batch, lowering)
+        closed = trace_module(_module(source), batch, verify_rows)
+        kw = count_kernel(closed, batch, f"{families.get(s.family).package}.lowering")
         kw.trace_seconds = time.perf_counter() - t0
         _COUNTED[key] = kw
     return _COUNTED[key]
