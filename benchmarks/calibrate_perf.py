@@ -145,10 +145,9 @@ def speculative_holdout(cfg: dict, c_ir, rates) -> dict | None:
     h = cfg.get("speculative_holdout")
     if not h:
         return None
-    from mkc.perf.run import step_model as model
     rows, seqs = h["rows"], h["sequences"]
-    got = model(c_ir, rows * seqs, cfg.get("tokens_in_cache") or c_ir.context, rates,
-                keep_timeline=False, sequences=seqs).step_s
+    got = step_model(c_ir, rows * seqs, cfg.get("tokens_in_cache") or c_ir.context, rates,
+                     keep_timeline=False, sequences=seqs).step_s
     return {"rows": rows, "sequences": seqs, "published_step_s": h["step_s"],
             "modelled_step_s": float(f"{got:.6g}"),
             "error_percent": round(100 * (got / h["step_s"] - 1), 3)}

@@ -23,6 +23,7 @@ copies) for exporters, and the time by layer kind and by cause.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -147,9 +148,8 @@ def blend(parts: list[tuple[int, float, Result]], experts: float, keep_timeline:
     for _, w, r in parts:
         for key, c in r.op_costs.items():
             acc = op_costs.setdefault(key, OpCost(*key))
-            for f in ("calls", "seconds", "vector", "transcendental", "matrix_values",
-                      "weight_values", "kv_tiles"):
-                setattr(acc, f, getattr(acc, f) + w * getattr(c, f))
+            for f in dataclasses.fields(OpCost)[2:]:          # every figure after kind, op
+                setattr(acc, f.name, getattr(acc, f.name) + w * getattr(c, f.name))
     return Result(
         step_s=sum(w * r.step_s for _, w, r in parts),
         by_cause={c: sum(w * r.by_cause[c] for _, w, r in parts) for c in first.by_cause},

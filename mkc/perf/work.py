@@ -62,7 +62,7 @@ def vreg_values(shape: tuple[int, ...], dtype) -> float:
     (the last two dims tiled (8, 128) for 32-bit values, (16, 128) for 16-bit, ...) x 1024."""
     if not shape:
         return 0.0
-    itemsize = max(1, min(4, np.dtype(dtype).itemsize)) if dtype != jax.dtypes.float0 else 4
+    itemsize = min(4, np.dtype(dtype).itemsize)
     sublanes = 8 * (4 // itemsize)
     rows, cols = (1, shape[-1]) if len(shape) == 1 else shape[-2:]
     lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
@@ -298,13 +298,11 @@ def trace_module(module: types.ModuleType, batch: int,
     traced for one rank from abstract inputs."""
     rows = jax.ShapeDtypeStruct((batch,), np.int32)
     R = verify_rows or 1
-    weights, state = module.abstract_inputs(batch // R)
-    per_rank = lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)   # noqa: E731
     states = module.state_shapes(batch // R, R) if verify_rows else module.state_shapes(batch)
     args = [rows, rows, jax.ShapeDtypeStruct(module._tables().shape, np.int32),
             jax.ShapeDtypeStruct(module._tile_classes().shape, np.int32),
             *[jax.ShapeDtypeStruct(*v) for v in module._vmem_input_shapes(batch).values()],
-            *[per_rank(weights[n]) for n in module._hbm_shapes()],
+            *[jax.ShapeDtypeStruct(*v) for v in module._hbm_shapes().values()],
             *[jax.ShapeDtypeStruct(*v) for v in states.values()]]
     call = module.build_kernel(batch, verify_rows=verify_rows)
     with warnings.catch_warnings():

@@ -200,10 +200,15 @@ FORMATS_DEFAULT = {cls: WeightFormat(formats[0]) for cls, formats in WEIGHT_FORM
 _FP8_CODES = MatrixFacts(values_per_byte=1.0)
 
 
+def expert_pack_groups(latent: int, width: int) -> dict[str, int]:
+    """Input rows per pack group of an expert matrix (gate|up takes the latent, down the
+    per-rank width): the rows the kernel decodes and multiplies at a time
+    (`mkc.families.kimi_k3.reference.pack_groups` restates it)."""
+    return {"gate_up": min(latent, 512), "down": min(width, 128)}
+
+
 def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    """Input rows per pack group of an expert matrix: the rows the kernel decodes and
-    multiplies at a time (`mkc.families.kimi_k3.reference.pack_groups` restates it)."""
-    return {"gate_up": min(d.latent, 512), "down": min(g.expert_width, 128)}
+    return expert_pack_groups(d.latent, g.expert_width)
 
 
 def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat] | None

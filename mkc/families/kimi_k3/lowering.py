@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mkc.families.kimi_k3 import ops
+from mkc.families.kimi_k3.graph import expert_pack_groups
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
 from mkc.runtime.context import Kernel, Layer
@@ -270,20 +271,17 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     s_row, s_rows, s_cols = expert_slots.matrix(slots, c.refs, k, name + "_scales")
     scales = pool.pooled_u8(buf, s_row, s_rows, s_cols)
     fmt = c.kernel.formats[f"expert.{name}"]
+    rows_per_byte = 2 if fmt.name == "mxfp4" else 1
     out = None
     for g in range(x.shape[1] // group):
         xg = x[:, g * group:(g + 1) * group].astype(BF16)
-        if fmt.name == "mxfp4":
-            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // 2,
-                                   count=group // 2)
-            w = ops.mxfp4_dequantize_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
+        codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // rows_per_byte,
+                               count=group // rows_per_byte)
+        if fmt.block == ops.MX_BLOCK:            # a scale per 32 rows: scale every value
+            decode = ops.mxfp4_dequantize_tile if fmt.name == "mxfp4" else ops.fp8_block_scaled_tile
+            w = decode(codes, scales[g * group // ops.MX_BLOCK:(g + 1) * group // ops.MX_BLOCK], BF16)
             part = jnp.dot(xg, w, preferred_element_type=F32)
-        elif fmt.block == ops.MX_BLOCK:
-            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
-            w = ops.fp8_block_scaled_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
-            part = jnp.dot(xg, w, preferred_element_type=F32)
-        else:
-            codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
+        else:                                    # one scale for the group's partial product
             b = g * group // fmt.block
             part = ops.fp8_group_matmul(xg, codes, scales[b:b + 1])
         out = part if out is None else out + part
@@ -297,10 +295,13 @@ def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
     latent, width = c.dims.latent, c.per_rank["expert_width"]
     x = latent_in[:, :latent]
 
+    groups = expert_pack_groups(latent, width)
+
     def expert(k, acc):
-        gate_up = _expert_matmul(c, k, x, "gate_up", min(latent, 512))
+        gate_up = _expert_matmul(c, k, x, "gate_up", groups["gate_up"])
         act = ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
-        return acc + c.expert_weight(expert_weights, k) * _expert_matmul(c, k, act, "down", min(width, 128))
+        return acc + c.expert_weight(expert_weights, k) * _expert_matmul(c, k, act, "down",
+                                                                          groups["down"])
 
     return c.fold_experts(expert, jnp.zeros((c.B, latent), F32))
 
