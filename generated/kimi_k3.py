@@ -12,27 +12,22 @@ this module holds the schedule: buffers, copies, semaphores, the layer loop and 
 """
 from __future__ import annotations
 
-import functools
 import json
-import types
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import Mesh, PartitionSpec as P
 
 from mkc.families.kimi_k3 import lowering
 from mkc.families.kimi_k3 import weights as hf_layout
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
-from mkc.runtime import collectives, inputs, ring, scopes, vectors
-from mkc.runtime import pool as pool_layout
+from mkc.runtime import collectives, host, ring, scopes, vectors
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
+from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.pool import WeightView
@@ -61,50 +56,48 @@ ROW_STATES = {'kda__conv': 1, 'kda__recurrent': 0}
 # every row's entry, as a kernel cannot load a slice of a tile (mkc.runtime.context.spread_on_host).
 SPREAD_ROW_STATES = ('kda__conv',)
 VMEM_LIMIT_BYTES = 67108864
-DIMS = KimiDims(family='kimi_k3', name='kimi_k3', hidden_size=7168, num_hidden_layers=93,
-                vocab_size=163840, rms_norm_eps=1e-05, dense_width=33792, heads=96, head_dim=128,
-                conv_taps=4, gate_lower_bound=-5.0, q_lora=1536, kv_lora=512, qk_extra=64,
-                experts=896, top_k=16, shared_experts=2, expert_width=3072, latent=3584, block=12,
-                situ_beta=4.0, situ_linear_beta=25.0, routed_scaling=1.0,
-                layer_kinds=('kda', 'dense', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe',
-                             'kda', 'moe', 'mla', 'moe', 'mla', 'moe'))
+DIMS = KimiDims(
+    family='kimi_k3', name='kimi_k3', hidden_size=7168, num_hidden_layers=93, vocab_size=163840,
+    rms_norm_eps=1e-05, dense_width=33792, heads=96, head_dim=128, conv_taps=4,
+    gate_lower_bound=-5.0, q_lora=1536, kv_lora=512, qk_extra=64, experts=896, top_k=16,
+    shared_experts=2, expert_width=3072, latent=3584, block=12, situ_beta=4.0,
+    situ_linear_beta=25.0, routed_scaling=1.0,
+    layer_kinds=('kda', 'dense', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
+                 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
+                 'moe', 'kda', 'moe', 'mla', 'moe', 'mla', 'moe')
+)
 # The config.json this module was compiled for: pack_rank checks the HF weights against its
 # family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
 HF_CONFIG = json.loads(
-    '{"activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "attn_res_block_size"'
-    ': 12, "dtype": "bfloat16", "first_k_dense_replace": 1, "hidden_act": "situ", "hidden_siz'
-    'e": 7168, "intermediate_size": 33792, "kv_lora_rank": 512, "latent_moe_use_norm": true, '
-    '"linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48'
-    ', 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 93], "gate_lower_bound": -5.0, "head_dim":'
-    ' 128, "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25'
-    ', 26, 27, 29, 30, 31, 33, 34, 35, 37, 38, 39, 41, 42, 43, 45, 46, 47, 49, 50, 51, 53, 54'
-    ', 55, 57, 58, 59, 61, 62, 63, 65, 66, 67, 69, 70, 71, 73, 74, 75, 77, 78, 79, 81, 82, 83'
-    ', 85, 86, 87, 89, 90, 91], "num_heads": 96, "short_conv_kernel_size": 4, "use_full_rank_'
-    'gate": true}, "mla_use_nope": true, "mla_use_output_gate": true, "model_type": "kimi_k3"'
-    ', "moe_intermediate_size": 3072, "moe_layer_freq": 1, "moe_renormalize": true, "moe_rout'
-    'er_activation_func": "sigmoid", "num_attention_heads": 96, "num_expert_group": 1, "num_e'
-    'xperts": 896, "num_experts_per_token": 16, "num_hidden_layers": 93, "num_key_value_heads'
-    '": 96, "num_shared_experts": 2, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_h'
-    'ead_dim": 64, "rms_norm_eps": 1e-05, "routed_expert_hidden_size": 3584, "routed_scaling_'
-    'factor": 1.0, "tie_word_embeddings": false, "topk_group": 1, "v_head_dim": 128, "vocab_s'
-    'ize": 163840}')
+    '{"activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "attn_res_block_size": 12'
+    ', "dtype": "bfloat16", "first_k_dense_replace": 1, "hidden_act": "situ", "hidden_size": 7168'
+    ', "intermediate_size": 33792, "kv_lora_rank": 512, "latent_moe_use_norm": true, "linear_attn'
+    '_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64'
+    ', 68, 72, 76, 80, 84, 88, 92, 93], "gate_lower_bound": -5.0, "head_dim": 128, "kda_layers": '
+    '[1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26, 27, 29, 30, 31, 33'
+    ', 34, 35, 37, 38, 39, 41, 42, 43, 45, 46, 47, 49, 50, 51, 53, 54, 55, 57, 58, 59, 61, 62, 63'
+    ', 65, 66, 67, 69, 70, 71, 73, 74, 75, 77, 78, 79, 81, 82, 83, 85, 86, 87, 89, 90, 91], "num_'
+    'heads": 96, "short_conv_kernel_size": 4, "use_full_rank_gate": true}, "mla_use_nope": true, '
+    '"mla_use_output_gate": true, "model_type": "kimi_k3", "moe_intermediate_size": 3072, "moe_la'
+    'yer_freq": 1, "moe_renormalize": true, "moe_router_activation_func": "sigmoid", "num_attenti'
+    'on_heads": 96, "num_expert_group": 1, "num_experts": 896, "num_experts_per_token": 16, "num_'
+    'hidden_layers": 93, "num_key_value_heads": 96, "num_shared_experts": 2, "q_lora_rank": 1536,'
+    ' "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "routed_expert_hidd'
+    'en_size": 3584, "routed_scaling_factor": 1.0, "tie_word_embeddings": false, "topk_group": 1,'
+    ' "v_head_dim": 128, "vocab_size": 163840}')
 PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 768, 'heads': 3,
             'host_cores': 8, 'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 4096,
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
@@ -119,24 +112,10 @@ SHARDS = ShardTable(ranks=32,
                            ('router', 2, 1), ('vocab', 32, 1)))
 HIDDEN = DIMS.hidden_size
 VOCAB_LOCAL = PER_RANK["vocab"]
-VOCAB_HOLDERS = SHARDS.holders("vocab")    # one rank per vocab part, in vocab order
 
-# The layer loop: each layer's kind, first ring tile and index among the layers of its kind.
+# The layer loop: each layer's kind and first ring tile.
 N_LAYERS = 186
 KIND_IDS = {"dense": 0, "kda": 1, "mla": 2, "moe": 3}
-KIND_LAYERS = {'dense': [1],
-               'kda': [0, 2, 4, 8, 10, 12, 16, 18, 20, 24, 26, 28, 32, 34, 36, 40, 42, 44, 48, 50,
-                       52, 56, 58, 60, 64, 66, 68, 72, 74, 76, 80, 82, 84, 88, 90, 92, 96, 98, 100,
-                       104, 106, 108, 112, 114, 116, 120, 122, 124, 128, 130, 132, 136, 138, 140,
-                       144, 146, 148, 152, 154, 156, 160, 162, 164, 168, 170, 172, 176, 178, 180],
-               'mla': [6, 14, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142,
-                       150, 158, 166, 174, 182, 184],
-               'moe': [3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41,
-                       43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79,
-                       81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113,
-                       115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137, 139, 141, 143,
-                       145, 147, 149, 151, 153, 155, 157, 159, 161, 163, 165, 167, 169, 171, 173,
-                       175, 177, 179, 181, 183, 185]}
 LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1,
               3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3,
               1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2,
@@ -144,29 +123,20 @@ LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 
               1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1,
               3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3,
               2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
-LAYER_TILE_OFFSET = (0, 0, 42, 42, 74, 74, 106, 122, 154, 154, 186, 186, 218, 218, 250, 266, 298,
-                     298, 330, 330, 362, 362, 394, 410, 442, 442, 474, 474, 506, 506, 538, 554, 586,
-                     586, 618, 618, 650, 650, 682, 698, 730, 730, 762, 762, 794, 794, 826, 842, 874,
-                     874, 906, 906, 938, 938, 970, 986, 1018, 1018, 1050, 1050, 1082, 1082, 1114,
-                     1130, 1162, 1162, 1194, 1194, 1226, 1226, 1258, 1274, 1306, 1306, 1338, 1338,
-                     1370, 1370, 1402, 1418, 1450, 1450, 1482, 1482, 1514, 1514, 1546, 1562, 1594,
-                     1594, 1626, 1626, 1658, 1658, 1690, 1706, 1738, 1738, 1770, 1770, 1802, 1802,
-                     1834, 1850, 1882, 1882, 1914, 1914, 1946, 1946, 1978, 1994, 2026, 2026, 2058,
-                     2058, 2090, 2090, 2122, 2138, 2170, 2170, 2202, 2202, 2234, 2234, 2266, 2282,
-                     2314, 2314, 2346, 2346, 2378, 2378, 2410, 2426, 2458, 2458, 2490, 2490, 2522,
-                     2522, 2554, 2570, 2602, 2602, 2634, 2634, 2666, 2666, 2698, 2714, 2746, 2746,
-                     2778, 2778, 2810, 2810, 2842, 2858, 2890, 2890, 2922, 2922, 2954, 2954, 2986,
-                     3002, 3034, 3034, 3066, 3066, 3098, 3098, 3130, 3146, 3178, 3178, 3210, 3210,
-                     3242, 3242, 3274, 3290, 3322, 3338)
-STATE_INDEX = (0, 0, 1, 0, 2, 1, 0, 2, 3, 3, 4, 4, 5, 5, 1, 6, 6, 7, 7, 8, 8, 9, 2, 10, 9, 11, 10,
-               12, 11, 13, 3, 14, 12, 15, 13, 16, 14, 17, 4, 18, 15, 19, 16, 20, 17, 21, 5, 22, 18,
-               23, 19, 24, 20, 25, 6, 26, 21, 27, 22, 28, 23, 29, 7, 30, 24, 31, 25, 32, 26, 33, 8,
-               34, 27, 35, 28, 36, 29, 37, 9, 38, 30, 39, 31, 40, 32, 41, 10, 42, 33, 43, 34, 44,
-               35, 45, 11, 46, 36, 47, 37, 48, 38, 49, 12, 50, 39, 51, 40, 52, 41, 53, 13, 54, 42,
-               55, 43, 56, 44, 57, 14, 58, 45, 59, 46, 60, 47, 61, 15, 62, 48, 63, 49, 64, 50, 65,
-               16, 66, 51, 67, 52, 68, 53, 69, 17, 70, 54, 71, 55, 72, 56, 73, 18, 74, 57, 75, 58,
-               76, 59, 77, 19, 78, 60, 79, 61, 80, 62, 81, 20, 82, 63, 83, 64, 84, 65, 85, 21, 86,
-               66, 87, 67, 88, 68, 89, 22, 90, 23, 91)
+KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
+LAYER_TILE_OFFSET = (
+    0, 0, 42, 42, 74, 74, 106, 122, 154, 154, 186, 186, 218, 218, 250, 266, 298, 298, 330, 330, 362,
+    362, 394, 410, 442, 442, 474, 474, 506, 506, 538, 554, 586, 586, 618, 618, 650, 650, 682, 698,
+    730, 730, 762, 762, 794, 794, 826, 842, 874, 874, 906, 906, 938, 938, 970, 986, 1018, 1018,
+    1050, 1050, 1082, 1082, 1114, 1130, 1162, 1162, 1194, 1194, 1226, 1226, 1258, 1274, 1306, 1306,
+    1338, 1338, 1370, 1370, 1402, 1418, 1450, 1450, 1482, 1482, 1514, 1514, 1546, 1562, 1594, 1594,
+    1626, 1626, 1658, 1658, 1690, 1706, 1738, 1738, 1770, 1770, 1802, 1802, 1834, 1850, 1882, 1882,
+    1914, 1914, 1946, 1946, 1978, 1994, 2026, 2026, 2058, 2058, 2090, 2090, 2122, 2138, 2170, 2170,
+    2202, 2202, 2234, 2234, 2266, 2282, 2314, 2314, 2346, 2346, 2378, 2378, 2410, 2426, 2458, 2458,
+    2490, 2490, 2522, 2522, 2554, 2570, 2602, 2602, 2634, 2634, 2666, 2666, 2698, 2714, 2746, 2746,
+    2778, 2778, 2810, 2810, 2842, 2858, 2890, 2890, 2922, 2922, 2954, 2954, 2986, 3002, 3034, 3034,
+    3066, 3066, 3098, 3098, 3130, 3146, 3178, 3178, 3210, 3210, 3242, 3242, 3274, 3290, 3322, 3338
+)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=7, col_tiles=3,
@@ -203,20 +173,19 @@ STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [],
                 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
-VECTORS = Parity(ahead=1, rows=16, cols=7168,
-                 layout={'dense': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
-                                   'post_norm': (2, 1, 7168)},
-                         'kda': {
-                             'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
-                             'input_norm': (2, 1, 7168), 'conv_weight': (3, 4, 1152),
-                             'a_log': (7, 1, 384), 'dt_bias': (8, 1, 384), 'o_norm': (9, 1, 128)
-                         },
-                         'mla': {'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
-                                 'input_norm': (2, 1, 7168), 'q_norm': (3, 1, 1536),
-                                 'kv_norm': (4, 1, 512)},
-                         'moe': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
-                                 'post_norm': (2, 1, 7168), 'router_bias': (3, 1, 1024),
-                                 'latent_norm': (4, 1, 3584)}})
+VECTORS = Parity(
+    ahead=1, rows=16, cols=7168,
+    layout={'dense': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
+                      'post_norm': (2, 1, 7168)},
+            'kda': {'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
+                    'input_norm': (2, 1, 7168), 'conv_weight': (3, 4, 1152), 'a_log': (7, 1, 384),
+                    'dt_bias': (8, 1, 384), 'o_norm': (9, 1, 128)},
+            'mla': {'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
+                    'input_norm': (2, 1, 7168), 'q_norm': (3, 1, 1536), 'kv_norm': (4, 1, 512)},
+            'moe': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
+                    'post_norm': (2, 1, 7168), 'router_bias': (3, 1, 1024),
+                    'latent_norm': (4, 1, 3584)}}
+)
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
 EMBED_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
@@ -258,55 +227,25 @@ EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=32896,
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
 KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21, DENSE_DOWN)},
-                           states={}, copies={}, caches=(), kv=None, kv_rows='', kv_sem=''),
+                           states={}, copies=()),
          'kda': KindPlan(streamed={}, states={'conv': 'kda_conv_buf', 'recurrent': 'kda_rec_buf'},
-                         copies={'load_kda_conv_buf': StateCopy(direction='load', hbm='kda__conv',
-                                                                buffer='kda_conv_buf',
-                                                                sem='sem__load_kda_conv_buf',
-                                                                batch_axis=1),
-                                 'load_kda_rec_buf': StateCopy(direction='load',
-                                                               hbm='kda__recurrent',
-                                                               buffer='kda_rec_buf',
-                                                               sem='sem__load_kda_rec_buf',
-                                                               batch_axis=0),
-                                 'store_kda_conv_buf': StateCopy(direction='store', hbm='kda__conv',
-                                                                 buffer='kda_conv_buf',
-                                                                 sem='sem__store_kda_conv_buf',
-                                                                 batch_axis=1),
-                                 'store_kda_rec_buf': StateCopy(direction='store',
-                                                                hbm='kda__recurrent',
-                                                                buffer='kda_rec_buf',
-                                                                sem='sem__store_kda_rec_buf',
-                                                                batch_axis=0)},
-                         caches=(), kv=None, kv_rows='', kv_sem=''),
+                         copies=(StateCopy(direction='load', hbm='kda__conv', buffer='kda_conv_buf',
+                                           batch_axis=1),
+                                 StateCopy(direction='load', hbm='kda__recurrent',
+                                           buffer='kda_rec_buf'),
+                                 StateCopy(direction='store', hbm='kda__conv',
+                                           buffer='kda_conv_buf', batch_axis=1),
+                                 StateCopy(direction='store', hbm='kda__recurrent',
+                                           buffer='kda_rec_buf'))),
          'mla': KindPlan(streamed={'q_up': (0, MLA_Q_UP), 'gate': (2, MLA_GATE),
                                    'o_proj': (9, MLA_O_PROJ)},
-                         states={}, copies={}, caches=('mla__latent',),
-                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='mla_kv_rows',
-                         kv_sem='sem__mla_kv_rows'),
+                         states={}, copies=(), caches=('mla__latent',),
+                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='mla_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
                                    'shared_gate_up': (14, MOE_SHARED_GATE_UP),
                                    'shared_down': (21, MOE_SHARED_DOWN),
                                    'latent_up': (28, MOE_LATENT_UP)},
-                         states={}, copies={}, caches=(), kv=None, kv_rows='', kv_sem='')}
-
-_INPUTS = ('tokens', 'positions', 'tables', 'tile_class', 'embed', 'ring_hbm', 'vectors_hbm',
-           'head_norm_hbm', 'pool__kda__gate_down', 'pool__kda__gate_up', 'pool__kda__projection',
-           'pool__kda__o_proj', 'pool__mla__q_down', 'pool__mla__kv_down', 'pool__mla__key_up',
-           'pool__mla__value_up', 'expert__gate_up_codes', 'expert__gate_up_scales',
-           'expert__down_codes', 'expert__down_scales', 'kda__conv_in', 'kda__recurrent_in',
-           'mla__latent_in')
-_OUTPUTS = ('logits', 'kda__conv', 'kda__recurrent', 'mla__latent')
-_SCRATCH = ('weights', 'vectors', 'x', 'embed_rows', 'head_norm', 'stage', 'acc', 'blocks',
-            'latent', 'staging', 'kda_rec_buf', 'mla_kv_rows', 'gather__latent_down',
-            'gather__latent_up', 'exchange__router', 'recv__bf16_4x8', 'recv__bf16_8x1', 'ring_sem',
-            'vectors_sem', 'sem__head_norm', 'sem__embed', 'sem__load_kda_conv_buf',
-            'sem__load_kda_rec_buf', 'sem__store_kda_conv_buf', 'sem__store_kda_rec_buf',
-            'sem__mla_kv_rows', 'gather__latent_down__send', 'gather__latent_down__recv',
-            'gather__latent_up__send', 'gather__latent_up__recv', 'exchange__router__send',
-            'exchange__router__recv', 'recv__bf16_4x8__send', 'recv__bf16_4x8__recv',
-            'recv__bf16_8x1__send', 'recv__bf16_8x1__recv', 'collective_count', 'pool_sem',
-            'expert_sem', 'expert_list', 'expert_count')
+                         states={}, copies=())}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -420,20 +359,17 @@ def _layer_moe(k: Kernel, layer):
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
-def _kernel(*refs, B, R=1, verify=False):
-    r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
+def _kernel(r, *, B, R=1, verify=False):
+    """One decode (or verify) step on one rank: `r` holds the operands by name (HOST binds)."""
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
-               experts=EXPERTS, view=VIEW, kind_ids=KIND_IDS,
-               R=R, verify=verify, formats=FORMATS)
+               kind_ids=KIND_IDS, R=R, verify=verify, formats=FORMATS, experts=EXPERTS, view=VIEW)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
-    collectives.barrier(AXIS, RANKS)
-    for counter in range(N_COLLECTIVE_COUNTERS):
-        r.collective_count[counter] = 0
+    collectives.enter(AXIS, RANKS, r.collective_count)
 
-    # prologue: the first layer's pooled matrices, fill the ring, issue the first layers' vectors and the
-    # head vectors, embed
+    # prologue: the first layer's pooled matrices, fill the ring, issue the first layers'
+    # vectors and the head vectors, embed
     k.start_view(0)
     ring.fill(RING, k.ring_refs)
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
@@ -478,26 +414,28 @@ def _kernel(*refs, B, R=1, verify=False):
             r.logits[j] = logits[:, j * TAIL_LM_HEAD.tile_cols:(j + 1) * TAIL_LM_HEAD.tile_cols]
 
 
-# ---- host side ---------------------------------------------------------------------------
-def _hbm_shapes():
+# ---- shapes, and the host side (mkc.runtime.host) bound to this module ------------------
+def hbm_shapes():
     """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
     return {
         "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
         "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
         "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
         "head_norm_hbm": ((8, HIDDEN), F32),
-        "pool__kda__gate_down": ((len(KIND_LAYERS["kda"]), *(7168, 128)), BF16),
-        "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), *(128, 384)), BF16),
-        "pool__kda__projection": ((len(KIND_LAYERS["kda"]), *(7168, 1664)), BF16),
-        "pool__kda__o_proj": ((len(KIND_LAYERS["kda"]), *(384, 7168)), BF16),
-        "pool__mla__q_down": ((len(KIND_LAYERS["mla"]), *(7168, 1536)), BF16),
-        "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), *(7168, 640)), BF16),
-        "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), *(384, 512)), BF16),
-        "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), *(512, 384)), BF16),
-        "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(1792, 1536)), BF16),
-        "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(16, 1536)), BF16),
-        "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(384, 3584)), BF16),
-        "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, *(16, 3584)), BF16),
+        "pool__kda__gate_down": ((len(KIND_LAYERS["kda"]), 7168, 128), BF16),
+        "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), 128, 384), BF16),
+        "pool__kda__projection": ((len(KIND_LAYERS["kda"]), 7168, 1664), BF16),
+        "pool__kda__o_proj": ((len(KIND_LAYERS["kda"]), 384, 7168), BF16),
+        "pool__mla__q_down": ((len(KIND_LAYERS["mla"]), 7168, 1536), BF16),
+        "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
+        "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
+        "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
+        "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts,
+                                   1792, 1536), BF16),
+        "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts,
+                                    16, 1536), BF16),
+        "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 384, 3584), BF16),
+        "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 3584), BF16),
     }
 
 
@@ -507,366 +445,79 @@ def state_shapes(S, R=1):
     the state after every row, S * R entries (row r * S + s: sequence s after its row r)."""
     B = S * R
     return {
-        "kda__conv": ((len(KIND_LAYERS["kda"]), *(3, B, 1152)), BF16),
-        "kda__recurrent": ((len(KIND_LAYERS["kda"]), *(B, 3, 128, 128)), F32),
-        "mla__latent": ((len(KIND_LAYERS["mla"]), *(S, CONTEXT, 640)), BF16),
+        "kda__conv": ((len(KIND_LAYERS["kda"]), 3, B, 1152), BF16),
+        "kda__recurrent": ((len(KIND_LAYERS["kda"]), B, 3, 128, 128), F32),
+        "mla__latent": ((len(KIND_LAYERS["mla"]), S, CONTEXT, 640), BF16),
     }
 
 
-def _vmem_input_shapes(B):
+def vmem_input_shapes(B):
+    """Host-computed VMEM inputs of a step at B rows (lowering.host_inputs)."""
     return {
     }
 
 
-def build_kernel(B, interpret=None, verify_rows=None):
-    """The pallas_call for one rank at batch B (interpret: None for TPU, or InterpretParams).
-
-    With verify_rows R it is a verify kernel: B rows as B / R sequences of R consecutive
-    positions (row r * S + s is sequence s's row r), which reads the states it is given and
-    writes the state after every row (`state_shapes(S, R)`); KV caches are updated in place."""
-    R = verify_rows or 1
-    S = B // R
-    if verify_rows is None:
-        if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
-            raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
-    elif not (1 <= R <= VERIFY_ROWS and S * R == B and VERIFY_SEQUENCES[0] <= S <= VERIFY_SEQUENCES[1]):
-        raise ValueError(f"a verify step of {B} rows as {R} per sequence is outside the schedule's "
-                         f"verify {VERIFY_ROWS} rows for {VERIFY_SEQUENCES} sequences")
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    states = state_shapes(S, R)
-    n_vmem_inputs = len(_vmem_input_shapes(B))
-    scratch = [
-        pltpu.VMEM((4, 1024, 1024), BF16),   # weights (ring)
-        pltpu.VMEM((2, 16, 7168), F32),   # vectors (parity)
-        pltpu.VMEM((B, 7168), F32),   # x (activation)
-        pltpu.VMEM((B, 16, 7168), BF16),   # embed_rows (activation)
-        pltpu.VMEM((8, 7168), F32),   # head_norm (parity)
-        pltpu.VMEM((7, B, 1024), BF16),   # stage (activation)
-        pltpu.VMEM((7, B, 1024), F32),   # acc (activation)
-        pltpu.VMEM((10, B, 7168), F32),   # blocks (activation)
-        pltpu.VMEM((B, 4096), F32),   # latent (activation)
-        pltpu.VMEM((124928, 128), BF16),   # staging (pool)
-        pltpu.VMEM((B, 3, 128, 128), F32),   # kda_rec_buf (state)
-        pltpu.VMEM((2, B, 16, 640), BF16),   # mla_kv_rows (kv)
-        pltpu.VMEM((2, 32, B, 128), BF16),   # gather__latent_down (collective)
-        pltpu.VMEM((2, 8, B, 896), BF16),   # gather__latent_up (collective)
-        pltpu.VMEM((2, 2, B, 512), F32),   # exchange__router (collective)
-        pltpu.VMEM((2, 4, B, 7168), BF16),   # recv__bf16_4x8 (collective)
-        pltpu.VMEM((2, 8, B, 7168), BF16),   # recv__bf16_8x1 (collective)
-        pltpu.SemaphoreType.DMA((4,)),   # ring_sem
-        pltpu.SemaphoreType.DMA((2,)),   # vectors_sem
-        pltpu.SemaphoreType.DMA(()),   # sem__head_norm
-        pltpu.SemaphoreType.DMA(()),   # sem__embed
-        pltpu.SemaphoreType.DMA(()),   # sem__load_kda_conv_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__load_kda_rec_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__store_kda_conv_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__store_kda_rec_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__mla_kv_rows
-        pltpu.SemaphoreType.DMA((2, 32)),   # gather__latent_down send
-        pltpu.SemaphoreType.DMA((2, 32)),   # gather__latent_down receive
-        pltpu.SemaphoreType.DMA((2, 8)),   # gather__latent_up send
-        pltpu.SemaphoreType.DMA((2, 8)),   # gather__latent_up receive
-        pltpu.SemaphoreType.DMA((2, 2)),   # exchange__router send
-        pltpu.SemaphoreType.DMA((2, 2)),   # exchange__router receive
-        pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x8 send
-        pltpu.SemaphoreType.DMA((2, 4)),   # recv__bf16_4x8 receive
-        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send
-        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 receive
-        pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-        pltpu.SemaphoreType.DMA((4,)),   # pooled matrix copies
-        pltpu.SemaphoreType.DMA((2, 4)),   # expert slot copies
-        pltpu.SMEM((EXPERTS.local_experts,), jnp.int32),   # picked local experts
-        pltpu.SMEM((1,), jnp.int32),   # how many
-    ]
-    out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
-                 *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
-    first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
-    # A decode step updates every state in place; a verify step its KV caches and the states
-    # it is handed spread over every row (`_spread`).
-    in_place = [i for i, name in enumerate(states) if verify_rows is None or name not in ROW_STATES
-                or name in SPREAD_ROW_STATES]
-    return pl.pallas_call(
-        functools.partial(_kernel, B=B, R=R, verify=verify_rows is not None),
-        out_shape=out_shape,
-        in_specs=[smem] * 4 + [vmem] * n_vmem_inputs + [any_spec] * (len(_hbm_shapes()) + len(states)),
-        out_specs=(vmem, *[any_spec] * len(states)),
-        scratch_shapes=scratch,
-        input_output_aliases={first_state + i: 1 + i for i in in_place},
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES, collective_id=0,
-                                             has_side_effects=True),
-        interpret=interpret if interpret is not None else False,
-    )
+def scratch_shapes(B):
+    """The kernel's scratch at B rows, by the name its body reads (`r.<name>`)."""
+    return {
+        "weights": pltpu.VMEM((RING.slots, *RING.slot_shape), BF16),   # ring
+        "vectors": pltpu.VMEM((2, VECTORS.rows, VECTORS.cols), F32),   # parity
+        "x": pltpu.VMEM((B, HIDDEN), F32),   # activation
+        "embed_rows": pltpu.VMEM((B, 16, HIDDEN), BF16),   # activation
+        "head_norm": pltpu.VMEM((8, HIDDEN), F32),   # parity
+        "stage": pltpu.VMEM((7, B, 1024), BF16),   # activation
+        "acc": pltpu.VMEM((7, B, 1024), F32),   # activation
+        "blocks": pltpu.VMEM((10, B, 7168), F32),   # activation
+        "latent": pltpu.VMEM((B, 4096), F32),   # activation
+        "staging": pltpu.VMEM((124928, 128), BF16),   # pool
+        "kda_rec_buf": pltpu.VMEM((B, 3, 128, 128), F32),   # state
+        "mla_kv_rows": pltpu.VMEM((2, B, 16, 640), BF16),   # kv
+        "gather__latent_down": pltpu.VMEM((2, 32, B, 128), BF16),   # collective
+        "gather__latent_up": pltpu.VMEM((2, 8, B, 896), BF16),   # collective
+        "exchange__router": pltpu.VMEM((2, 2, B, 512), F32),   # collective
+        "recv__bf16_4x8": pltpu.VMEM((2, 4, B, 7168), BF16),   # collective
+        "recv__bf16_8x1": pltpu.VMEM((2, 8, B, 7168), BF16),   # collective
+        "ring_sem": pltpu.SemaphoreType.DMA((RING.slots,)),
+        "vectors_sem": pltpu.SemaphoreType.DMA((2,)),
+        "sem__head_norm": pltpu.SemaphoreType.DMA(()),
+        "sem__embed": pltpu.SemaphoreType.DMA(()),
+        "sem__load_kda_conv_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__load_kda_rec_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__store_kda_conv_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__store_kda_rec_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__mla_kv_rows": pltpu.SemaphoreType.DMA(()),
+        "gather__latent_down__send": pltpu.SemaphoreType.DMA((2, 32)),
+        "gather__latent_down__recv": pltpu.SemaphoreType.DMA((2, 32)),
+        "gather__latent_up__send": pltpu.SemaphoreType.DMA((2, 8)),
+        "gather__latent_up__recv": pltpu.SemaphoreType.DMA((2, 8)),
+        "exchange__router__send": pltpu.SemaphoreType.DMA((2, 2)),
+        "exchange__router__recv": pltpu.SemaphoreType.DMA((2, 2)),
+        "recv__bf16_4x8__send": pltpu.SemaphoreType.DMA((2, 4)),
+        "recv__bf16_4x8__recv": pltpu.SemaphoreType.DMA((2, 4)),
+        "recv__bf16_8x1__send": pltpu.SemaphoreType.DMA((2, 8)),
+        "recv__bf16_8x1__recv": pltpu.SemaphoreType.DMA((2, 8)),
+        "collective_count": pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+        "pool_sem": pltpu.SemaphoreType.DMA((4,)),   # pooled matrix copies
+        "expert_sem": pltpu.SemaphoreType.DMA((2, 4)),   # expert slot copies
+        "expert_list": pltpu.SMEM((EXPERTS.local_experts,), jnp.int32),   # picked local experts
+        "expert_count": pltpu.SMEM((1,), jnp.int32),   # how many
+    }
 
 
-def _tables():
-    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
-
-
-def _tile_classes():
-    """The tile class of every tile of the step, in stream order (an SMEM table)."""
-    kinds = {v: kname for kname, v in KIND_IDS.items()}
-    sequence = [m for layer in range(N_LAYERS) for m in STREAM_ORDER[kinds[LAYER_KIND[layer]]]]
-    return ring.tile_classes(RING, sequence + STREAM_ORDER["tail"])
-
-
-def _sharded(mesh: Mesh, B: int, interpret, verify_rows=None):
-    """The kernel at B rows over `mesh`, on host-computed inputs -> (vocab-major logits
-    [B, vocab], state outputs in `state_shapes` order)."""
-    call = build_kernel(B, interpret, verify_rows)
-    names = list(state_shapes(1))
-    hbm_names = list(_hbm_shapes())
-    n_vmem = len(_vmem_input_shapes(B))
-
-    def per_rank(*args):
-        smem, vmem_in, rest = args[:4], args[4:4 + n_vmem], args[4 + n_vmem:]
-        outs = call(*smem, *vmem_in, *[a[0] for a in rest])
-        return tuple(o[None] for o in outs)
-
-    rank_spec = P(AXIS)
-    sharded = jax.shard_map(per_rank, mesh=mesh,
-                            in_specs=(P(),) * (4 + n_vmem) + (rank_spec,) * (len(hbm_names) + len(names)),
-                            out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
-
-    def run(weights, state, tokens, positions):
-        host = lower.host_inputs(DIMS, positions)
-        outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
-                       *[host[n] for n in _vmem_input_shapes(B)],
-                       *[weights[n] for n in hbm_names], *[state[n] for n in names])
-        tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
-        parts = len(VOCAB_HOLDERS)
-        logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, parts, -1)[:, :, :VOCAB_LOCAL]
-        return logits.reshape(B, parts * VOCAB_LOCAL), dict(zip(names, outs[1:]))
-    return run
-
-
-def make_decode_step(mesh: Mesh, B: int, interpret=None):
-    """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
-
-    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
-    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
-    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
-    run = _sharded(mesh, B, interpret)
-
-    def step(weights, state, tokens, positions):
-        logits, state = run(weights, state, tokens, positions)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), state
-
-    # Logits and next tokens come back replicated, so every process (host) can read them.
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
-    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
-
-
-def make_verify_step(mesh: Mesh, S: int, R: int, interpret=None):
-    """A jitted verify step over `mesh`: R rows (an anchor and R - 1 drafts) for each of S
-    sequences in one kernel launch, every matrix streamed once for all S * R rows.
-
-    step(weights, caches, states, tokens[S, R], starts[S]) -> (logits f32[S, R, vocab],
-    next_token [S, R], verified): sequence s's row r sits at position starts[s] + r, attends
-    causally to its cache and its earlier rows, and writes its K/V. `verified` holds the KV
-    caches (updated in place: `caches` is donated) and, per recurrent state, the state after
-    every row; `commit` keeps the accepted rows' states. starts[s] + R must not pass CONTEXT."""
-    run = _sharded(mesh, S * R, interpret, verify_rows=R)
-
-    def step(weights, caches, states, tokens, starts):
-        states = {n: _spread(n, a, R) if n in SPREAD_ROW_STATES else a for n, a in states.items()}
-        rows = jnp.transpose(tokens).reshape(-1)            # wave-major: row r * S + s
-        positions = (starts[None, :] + jnp.arange(R, dtype=jnp.int32)[:, None]).reshape(-1)
-        logits, verified = run(weights, caches | states, rows, positions)
-        logits = jnp.transpose(logits.reshape(R, S, -1), (1, 0, 2))
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), verified
-
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
-    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
-
-
-def _spread(name, state, R):
-    """A row state of S entries padded to the S * R of a verify kernel's rows (the S first):
-    for states whose rows are a tiled dim, which the kernel cannot load S of (they are small:
-    conv taps)."""
-    axis = ROW_STATES[name] + 2                             # past the rank and layer axes
-    pad = [(0, 0)] * state.ndim
-    pad[axis] = (0, state.shape[axis] * (R - 1))
-    return jnp.pad(state, pad)
-
-
-@jax.jit
-def _keep_accepted(states, verified, accepted):
-    """Per row state: sequence s's entry after its accepted[s]-th row, or (none accepted) its
-    state before the verify step. One gather of S entries per layer: the rejected rows' states
-    are never copied."""
-    S = accepted.shape[0]
-    out = {}
-    for name, axis in ROW_STATES.items():
-        axis += 2                                           # past the rank and layer axes
-        R = verified[name].shape[axis] // S
-        # device-held counts are not read back: clamped to 0..R, as documented in commit
-        entry = (jnp.clip(accepted, 1, R) - 1) * S + jnp.arange(S)
-        picked = jnp.take(verified[name], entry, axis=axis)
-        shape = [1] * picked.ndim
-        shape[axis] = S
-        out[name] = jnp.where((accepted == 0).reshape(shape), states[name], picked)
-    return out
-
-
-def commit(state, verified, accepted):
-    """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
-    from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
-    KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step). A state and a verify output of other batches,
-    and host-side counts outside 0..R, are a ValueError; counts already on a device are not read
-    back (that would stall), and are clamped to 0..R."""
-    if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
-        inputs.check_commit(state, verified, accepted, state_shapes=state_shapes, ranks=RANKS,
-                            row_states=ROW_STATES, verify_rows=VERIFY_ROWS)
-    accepted = jnp.asarray(accepted, jnp.int32)
-    rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
-                          accepted)
-    return {n: rows[n] if n in ROW_STATES else verified[n] for n in verified}
-
-
-def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
-    """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
-    pooled matrices and experts in pool form, per-layer vector blocks, the head vectors and
-    the embedding shard."""
-    inputs.check_hf_weights(hf, DIMS, HF_CONFIG)
-    shapes = _hbm_shapes()
-    packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
-    kinds = {v: kname for kname, v in KIND_IDS.items()}
-    for layer in range(N_LAYERS):
-        kind, si = kinds[LAYER_KIND[layer]], STATE_INDEX[layer]
-        t = LAYER_TILE_OFFSET[layer]
-        for m in STREAM_ORDER[kind]:
-            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, m.name, rank, SHARDS)
-            t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
-        for name in VIEW.matrices.get(kind, {}):
-            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)
-            packed[f"pool__{kind}__{name}"][si] = pool_layout.pack_for_pool(matrix.astype(BF16))
-        if kind == "moe":
-            for e in range(EXPERTS.local_experts):
-                for name, a in hf_layout.expert(hf, DIMS, PER_RANK, layer, e, rank, SHARDS,
-                                                FORMATS).items():
-                    packed[f"expert__{name}"][si, e] = pool_layout.pack_for_pool(a)
-        for name, (row, rows, width) in VECTORS.layout[kind].items():
-            vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)
-            packed["vectors_hbm"][layer, row:row + rows, :width] = vector
-    t = TAIL_TILE_OFFSET
-    for m in STREAM_ORDER["tail"]:
-        matrix = hf_layout.matrix(hf, DIMS, PER_RANK, -1, "tail", m.name, rank, SHARDS)
-        t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
-    head = hf_layout.head_vectors(hf, DIMS, rank, SHARDS)
-    packed["head_norm_hbm"][:head.shape[0]] = head
-    packed["embed"] = hf_layout.embedding(hf, DIMS, rank, SHARDS).astype(BF16)
-    return packed
-
-
-def reference_states(state) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's (upstream) layouts."""
-    return hf_layout.reference_states(state, DIMS, PER_RANK, SHARDS, KIND_LAYERS)
-
-
-def init_state(B: int) -> dict[str, np.ndarray]:
-    """Zeroed decode state, with the leading rank axis."""
-    return {n: np.zeros((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
-
-
-def abstract_inputs(B: int):
-    """ShapeDtypeStructs of (weights, state) with the leading rank axis: for compile-only use."""
-    weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
-    state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
-    return weights, state
-
-
-def make_mesh(devices=None) -> Mesh:
-    """The mesh of RANKS devices in rank order: by process (one per host under
-    jax.distributed), then device id, which keeps the cores of a chip and the chips of a host
-    adjacent, as the schedule's collective groups assume. Every process builds the same mesh."""
-    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
-    if len(devices) < RANKS:
-        raise ValueError(f"the schedule needs {RANKS} devices, {len(devices)} are visible")
-    devices = devices[:RANKS]
-    hosts = sorted({d.process_index for d in devices})
-    if RANKS % len(hosts) or any(hosts.index(d.process_index) != rank // (RANKS // len(hosts))
-                                 for rank, d in enumerate(devices)):
-        raise ValueError(f"processes {hosts} do not each hold {RANKS // len(hosts)} consecutive ranks")
-    return Mesh(np.array(devices), (AXIS,))
-
-
-def place_state(B: int, mesh: Mesh) -> dict[str, jax.Array]:
-    """Zeroed decode state on `mesh`, each process creating only its own ranks' shards (the
-    multi-host counterpart of init_state)."""
-    sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-
-    def zeros(shape, dtype):
-        return jax.make_array_from_callback((RANKS, *shape), sharding,
-                                            lambda index: np.zeros((1, *shape), dtype))
-    return {n: zeros(shape, dtype) for n, (shape, dtype) in state_shapes(B).items()}
-
-
-def pack_weights(hf) -> dict[str, np.ndarray]:
-    """All ranks' HBM layouts stacked on a leading rank axis (host memory: every rank's copy;
-    for full-size models use place_weights)."""
-    ranks = [pack_rank(hf, rank) for rank in range(RANKS)]
-    return {name: np.stack([r[name] for r in ranks]) for name in ranks[0]}
-
-
-def place_weights(hf, mesh: Mesh) -> dict[str, jax.Array]:
-    """Pack and place weights rank by rank onto `mesh` (only this process's devices), so the
-    host holds one rank's packed copy at a time."""
-    sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-    shapes = _hbm_shapes()
-    pieces: dict[str, list] = {name: [] for name in shapes}
-    for device, index in sharding.addressable_devices_indices_map((RANKS,)).items():
-        packed = pack_rank(hf, index[0].start or 0)
-        for name in shapes:
-            pieces[name].append(jax.device_put(packed[name][None], device))
-    return {name: jax.make_array_from_single_device_arrays((RANKS, *shape), sharding, pieces[name])
-            for name, (shape, _) in shapes.items()}
-
-
-_STEPS: dict = {}
-
-
-def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, interpret=None):
-    """One decode step; builds (and caches) the jitted step for this batch, mesh and mode.
-
-    mesh defaults to make_mesh(); interpret is None on TPU, or InterpretParams. Inputs that do
-    not fit this module are a ValueError (`_check_inputs`)."""
-    B = _check_inputs(weights, state, tokens, positions)
-    if mesh is None:
-        mesh = make_mesh()
-    key = (B, mesh, interpret)
-    if key not in _STEPS:
-        _STEPS[key] = make_decode_step(mesh, B, interpret)
-    return _STEPS[key](weights, state, tokens, positions)
-
-
-def _check_inputs(weights, state, tokens, positions, rows=None) -> int:
-    """Shapes and dtypes of a step's inputs, and host-side token and position values, against
-    this schedule (mkc.runtime.inputs); the number of sequences."""
-    return inputs.check_step_inputs(weights, state, tokens, positions, weight_shapes=_hbm_shapes(),
-                                    state_shapes=state_shapes, ranks=RANKS, context=CONTEXT,
-                                    vocab=DIMS.vocab_size, rows=rows)
-
-
-_VERIFY_STEPS: dict = {}
-
-
-def verify_step(weights, state, tokens, starts, *, mesh: Mesh | None = None, interpret=None):
-    """One verify step (`make_verify_step`) of tokens [S, R] at starts [S]; builds and caches the
-    jitted step per shape, mesh and mode. The state's KV caches are donated: continue from
-    `commit(state, verified, accepted)`."""
-    R = np.shape(tokens)[-1] if np.ndim(tokens) == 2 else VERIFY_ROWS
-    S = _check_inputs(weights, state, tokens, starts, rows=R)
-    if mesh is None:
-        mesh = make_mesh()
-    key = (S, R, mesh, interpret)
-    if key not in _VERIFY_STEPS:
-        _VERIFY_STEPS[key] = make_verify_step(mesh, S, R, interpret)
-    caches = {n: a for n, a in state.items() if n not in ROW_STATES}
-    states = {n: a for n, a in state.items() if n in ROW_STATES}
-    return _VERIFY_STEPS[key](weights, caches, states, jnp.asarray(tokens, jnp.int32),
-                              jnp.asarray(starts, jnp.int32))
+HOST = Host(kernel=_kernel, hbm_shapes=hbm_shapes, state_shapes=state_shapes,
+            vmem_input_shapes=vmem_input_shapes, scratch_shapes=scratch_shapes,
+            host_inputs=lowering.host_inputs, hf_layout=hf_layout, axis=AXIS, ranks=RANKS,
+            context=CONTEXT, batch_range=BATCH_RANGE, vmem_limit_bytes=VMEM_LIMIT_BYTES, dims=DIMS,
+            hf_config=HF_CONFIG, per_rank=PER_RANK, formats=FORMATS, shards=SHARDS,
+            kind_ids=KIND_IDS, layer_kind=LAYER_KIND, layer_tile_offset=LAYER_TILE_OFFSET,
+            ring=RING, stream_order=STREAM_ORDER, tail_tile_offset=TAIL_TILE_OFFSET,
+            vectors=VECTORS, view=VIEW, experts=EXPERTS,
+            expert_kind="moe",
+            verify_rows=VERIFY_ROWS, verify_sequences=VERIFY_SEQUENCES, row_states=ROW_STATES,
+            spread_row_states=SPREAD_ROW_STATES)
+build_kernel, make_decode_step = HOST.build_kernel, HOST.make_decode_step
+decode_step, abstract_inputs = HOST.decode_step, HOST.abstract_inputs
+make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step, HOST.commit
+pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
+init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
+reference_states = HOST.reference_states

@@ -12,25 +12,21 @@ this module holds the schedule: buffers, copies, semaphores, the layer loop and 
 """
 from __future__ import annotations
 
-import functools
 import json
-import types
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import Mesh, PartitionSpec as P
 
 from mkc.families.qwen3_5 import lowering
 from mkc.families.qwen3_5 import weights as hf_layout
 from mkc.families.qwen3_5.config import Qwen35Dims
 from mkc.model.sharding import ShardTable
-from mkc.runtime import collectives, inputs, ring, scopes, vectors
+from mkc.runtime import collectives, host, ring, scopes, vectors
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
+from mkc.runtime.host import Host
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
 from mkc.runtime.vectors import Parity, VectorRefs
@@ -59,46 +55,38 @@ SPREAD_ROW_STATES = ('gdn__conv',)
 VMEM_LIMIT_BYTES = 67108864
 DIMS = Qwen35Dims(family='qwen3_5_text', name='qwen3_8_27b', hidden_size=5120, num_hidden_layers=64,
                   vocab_size=248320, rms_norm_eps=1e-06,
-                  layer_kinds=('gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
-                               'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
-                               'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
-                               'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
-                               'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn',
-                               'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa', 'gdn', 'gdn', 'gdn', 'gqa',
-                               'gdn', 'gdn', 'gdn', 'gqa'),
-                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, rotary_dim=64,
-                  rope_theta=10000000.0, linear_num_key_heads=16, linear_num_value_heads=48,
-                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                  intermediate_size=17408)
+                  layer_kinds=('gdn', 'gdn', 'gdn', 'gqa') * 16, num_attention_heads=24,
+                  num_key_value_heads=4, head_dim=256, rotary_dim=64, rope_theta=10000000.0,
+                  linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=17408)
 # The config.json this module was compiled for: pack_rank checks the HF weights against its
 # family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
 HF_CONFIG = json.loads(
-    '{"architectures": ["Qwen3_5ForCausalLM"], "attention_bias": false, "attention_dropout": '
-    '0.0, "attn_output_gate": true, "bos_token_id": null, "dtype": "bfloat16", "eos_token_id"'
-    ': 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_s'
-    'ize": 5120, "initializer_range": 0.02, "intermediate_size": 17408, "layer_types": ["line'
-    'ar_attention", "linear_attention", "linear_attention", "full_attention", "linear_attenti'
-    'on", "linear_attention", "linear_attention", "full_attention", "linear_attention", "line'
-    'ar_attention", "linear_attention", "full_attention", "linear_attention", "linear_attenti'
-    'on", "linear_attention", "full_attention", "linear_attention", "linear_attention", "line'
-    'ar_attention", "full_attention", "linear_attention", "linear_attention", "linear_attenti'
-    'on", "full_attention", "linear_attention", "linear_attention", "linear_attention", "full'
-    '_attention", "linear_attention", "linear_attention", "linear_attention", "full_attention'
-    '", "linear_attention", "linear_attention", "linear_attention", "full_attention", "linear'
-    '_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention'
-    '", "linear_attention", "linear_attention", "full_attention", "linear_attention", "linear'
-    '_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention'
-    '", "linear_attention", "full_attention", "linear_attention", "linear_attention", "linear'
-    '_attention", "full_attention", "linear_attention", "linear_attention", "linear_attention'
-    '", "full_attention", "linear_attention", "linear_attention", "linear_attention", "full_a'
-    'ttention"], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_hea'
-    'ds": 16, "linear_num_value_heads": 48, "linear_value_head_dim": 128, "mamba_ssm_dtype": '
-    '"float32", "max_position_embeddings": 262144, "model_type": "qwen3_5_text", "num_attenti'
-    'on_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4, "pad_token_id": null, '
-    '"partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_parameters": {"mrope_interle'
-    'aved": true, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta":'
-    ' 10000000, "rope_type": "default"}, "tie_word_embeddings": false, "torch_dtype": "bfloat'
-    '16", "use_cache": true, "vocab_size": 248320}')
+    '{"architectures": ["Qwen3_5ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,'
+    ' "attn_output_gate": true, "bos_token_id": null, "dtype": "bfloat16", "eos_token_id": 248044'
+    ', "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 5120, '
+    '"initializer_range": 0.02, "intermediate_size": 17408, "layer_types": ["linear_attention", "'
+    'linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attenti'
+    'on", "linear_attention", "full_attention", "linear_attention", "linear_attention", "linear_a'
+    'ttention", "full_attention", "linear_attention", "linear_attention", "linear_attention", "fu'
+    'll_attention", "linear_attention", "linear_attention", "linear_attention", "full_attention",'
+    ' "linear_attention", "linear_attention", "linear_attention", "full_attention", "linear_atten'
+    'tion", "linear_attention", "linear_attention", "full_attention", "linear_attention", "linear'
+    '_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention", "'
+    'linear_attention", "full_attention", "linear_attention", "linear_attention", "linear_attenti'
+    'on", "full_attention", "linear_attention", "linear_attention", "linear_attention", "full_att'
+    'ention", "linear_attention", "linear_attention", "linear_attention", "full_attention", "line'
+    'ar_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention",'
+    ' "linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_atten'
+    'tion", "linear_attention", "full_attention", "linear_attention", "linear_attention", "linear'
+    '_attention", "full_attention"], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "li'
+    'near_num_key_heads": 16, "linear_num_value_heads": 48, "linear_value_head_dim": 128, "mamba_'
+    'ssm_dtype": "float32", "max_position_embeddings": 262144, "model_type": "qwen3_5_text", "num'
+    '_attention_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4, "pad_token_id": nu'
+    'll, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_parameters": {"mrope_interle'
+    'aved": true, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta": 100'
+    '00000, "rope_type": "default"}, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "us'
+    'e_cache": true, "vocab_size": 248320}')
 PER_RANK = {'a_off': 2176, 'b_off': 2048, 'conv_ch': 1280, 'dk': 128, 'dv': 128, 'inter': 2176,
             'nk': 2, 'nkv': 1, 'nq': 3, 'nv': 6, 'vocab': 31040}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
@@ -107,26 +95,13 @@ FORMATS = {}
 SHARDS = ShardTable(ranks=8, rules=(('heads', 8, 1), ('mlp', 8, 1), ('vocab', 8, 1)))
 HIDDEN = DIMS.hidden_size
 VOCAB_LOCAL = PER_RANK["vocab"]
-VOCAB_HOLDERS = SHARDS.holders("vocab")    # one rank per vocab part, in vocab order
 
-# The layer loop: each layer's kind, first ring tile and index among the layers of its kind.
+# The layer loop: each layer's kind and first ring tile.
 N_LAYERS = 64
 KIND_IDS = {"gdn": 0, "gqa": 1}
-KIND_LAYERS = {'gdn': [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 21, 22, 24, 25, 26,
-                       28, 29, 30, 32, 33, 34, 36, 37, 38, 40, 41, 42, 44, 45, 46, 48, 49, 50, 52,
-                       53, 54, 56, 57, 58, 60, 61, 62],
-               'gqa': [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63]}
-LAYER_KIND = (0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0,
-              0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0,
-              0, 1, 0, 0, 0, 1)
-LAYER_TILE_OFFSET = (0, 51, 102, 153, 204, 255, 306, 357, 408, 459, 510, 561, 612, 663, 714, 765,
-                     816, 867, 918, 969, 1020, 1071, 1122, 1173, 1224, 1275, 1326, 1377, 1428, 1479,
-                     1530, 1581, 1632, 1683, 1734, 1785, 1836, 1887, 1938, 1989, 2040, 2091, 2142,
-                     2193, 2244, 2295, 2346, 2397, 2448, 2499, 2550, 2601, 2652, 2703, 2754, 2805,
-                     2856, 2907, 2958, 3009, 3060, 3111, 3162, 3213)
-STATE_INDEX = (0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 8, 2, 9, 10, 11, 3, 12, 13, 14, 4, 15, 16, 17, 5, 18,
-               19, 20, 6, 21, 22, 23, 7, 24, 25, 26, 8, 27, 28, 29, 9, 30, 31, 32, 10, 33, 34, 35,
-               11, 36, 37, 38, 12, 39, 40, 41, 13, 42, 43, 44, 14, 45, 46, 47, 15)
+LAYER_KIND = (0, 0, 0, 1) * 16
+KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
+LAYER_TILE_OFFSET = tuple(range(0, 3264, 51))
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=2,
@@ -175,40 +150,18 @@ N_COLLECTIVE_COUNTERS = 1
 KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10, GDN_OUT_PROJ),
                                    'gate_up': (14, GDN_GATE_UP), 'down': (39, GDN_DOWN)},
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
-                         copies={'load_gdn_conv_buf': StateCopy(direction='load', hbm='gdn__conv',
-                                                                buffer='gdn_conv_buf',
-                                                                sem='sem__load_gdn_conv_buf',
-                                                                batch_axis=1),
-                                 'load_gdn_rec_buf': StateCopy(direction='load',
-                                                               hbm='gdn__recurrent',
-                                                               buffer='gdn_rec_buf',
-                                                               sem='sem__load_gdn_rec_buf',
-                                                               batch_axis=0),
-                                 'store_gdn_conv_buf': StateCopy(direction='store', hbm='gdn__conv',
-                                                                 buffer='gdn_conv_buf',
-                                                                 sem='sem__store_gdn_conv_buf',
-                                                                 batch_axis=1),
-                                 'store_gdn_rec_buf': StateCopy(direction='store',
-                                                                hbm='gdn__recurrent',
-                                                                buffer='gdn_rec_buf',
-                                                                sem='sem__store_gdn_rec_buf',
-                                                                batch_axis=0)},
-                         caches=(), kv=None, kv_rows='', kv_sem=''),
+                         copies=(StateCopy(direction='load', hbm='gdn__conv', buffer='gdn_conv_buf',
+                                           batch_axis=1),
+                                 StateCopy(direction='load', hbm='gdn__recurrent',
+                                           buffer='gdn_rec_buf'),
+                                 StateCopy(direction='store', hbm='gdn__conv',
+                                           buffer='gdn_conv_buf', batch_axis=1),
+                                 StateCopy(direction='store', hbm='gdn__recurrent',
+                                           buffer='gdn_rec_buf'))),
          'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
                                    'gate_up': (14, GQA_GATE_UP), 'down': (39, GQA_DOWN)},
-                         states={}, copies={}, caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=3, ahead=3), kv_rows='gqa_kv_rows',
-                         kv_sem='sem__gqa_kv_rows')}
-
-_INPUTS = ('tokens', 'positions', 'tables', 'tile_class', 'rope', 'embed', 'ring_hbm',
-           'vectors_hbm', 'head_norm_hbm', 'gdn__conv_in', 'gdn__recurrent_in', 'gqa__key_in',
-           'gqa__value_in')
-_OUTPUTS = ('logits', 'gdn__conv', 'gdn__recurrent', 'gqa__key', 'gqa__value')
-_SCRATCH = ('weights', 'vectors', 'x', 'embed_rows', 'head_norm', 'stage', 'acc', 'gdn_rec_buf',
-            'gqa_kv_rows', 'recv__bf16_8x1', 'ring_sem', 'vectors_sem', 'sem__head_norm',
-            'sem__embed', 'sem__load_gdn_conv_buf', 'sem__load_gdn_rec_buf',
-            'sem__store_gdn_conv_buf', 'sem__store_gdn_rec_buf', 'sem__gqa_kv_rows',
-            'recv__bf16_8x1__send', 'recv__bf16_8x1__recv', 'collective_count')
+                         states={}, copies=(), caches=('gqa__key', 'gqa__value'),
+                         kv=KvTiles(tokens=128, slots=3, ahead=3), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -275,20 +228,16 @@ def _layer_gqa(k: Kernel, layer):
     lower.mlp_residual(c, mlp_out)
 
 
-def _kernel(*refs, B, R=1, verify=False):
-    r = types.SimpleNamespace(**dict(zip(_INPUTS + _OUTPUTS + _SCRATCH, refs)))
+def _kernel(r, *, B, R=1, verify=False):
+    """One decode (or verify) step on one rank: `r` holds the operands by name (HOST binds)."""
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
-               experts=None, view=None, kind_ids=KIND_IDS,
-               R=R, verify=verify, formats=FORMATS)
+               kind_ids=KIND_IDS, R=R, verify=verify, formats=FORMATS)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
-    collectives.barrier(AXIS, RANKS)
-    for counter in range(N_COLLECTIVE_COUNTERS):
-        r.collective_count[counter] = 0
+    collectives.enter(AXIS, RANKS, r.collective_count)
 
-    # prologue: fill the ring, issue the first layers' vectors and the
-    # head vectors, embed
+    # prologue: fill the ring, issue the first layers' vectors and the head vectors, embed
     ring.fill(RING, k.ring_refs)
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
@@ -324,8 +273,8 @@ def _kernel(*refs, B, R=1, verify=False):
             r.logits[j] = logits[:, j * TAIL_LM_HEAD.tile_cols:(j + 1) * TAIL_LM_HEAD.tile_cols]
 
 
-# ---- host side ---------------------------------------------------------------------------
-def _hbm_shapes():
+# ---- shapes, and the host side (mkc.runtime.host) bound to this module ------------------
+def hbm_shapes():
     """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
     return {
         "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
@@ -341,340 +290,61 @@ def state_shapes(S, R=1):
     the state after every row, S * R entries (row r * S + s: sequence s after its row r)."""
     B = S * R
     return {
-        "gdn__conv": ((len(KIND_LAYERS["gdn"]), *(3, B, 1280)), F32),
-        "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), *(B, 6, 128, 128)), F32),
-        "gqa__key": ((len(KIND_LAYERS["gqa"]), *(S, CONTEXT, 256)), BF16),
-        "gqa__value": ((len(KIND_LAYERS["gqa"]), *(S, CONTEXT, 256)), BF16),
+        "gdn__conv": ((len(KIND_LAYERS["gdn"]), 3, B, 1280), F32),
+        "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), B, 6, 128, 128), F32),
+        "gqa__key": ((len(KIND_LAYERS["gqa"]), S, CONTEXT, 256), BF16),
+        "gqa__value": ((len(KIND_LAYERS["gqa"]), S, CONTEXT, 256), BF16),
     }
 
 
-def _vmem_input_shapes(B):
+def vmem_input_shapes(B):
+    """Host-computed VMEM inputs of a step at B rows (lowering.host_inputs)."""
     return {
         "rope": ((2, B, 256), F32),
     }
 
 
-def build_kernel(B, interpret=None, verify_rows=None):
-    """The pallas_call for one rank at batch B (interpret: None for TPU, or InterpretParams).
-
-    With verify_rows R it is a verify kernel: B rows as B / R sequences of R consecutive
-    positions (row r * S + s is sequence s's row r), which reads the states it is given and
-    writes the state after every row (`state_shapes(S, R)`); KV caches are updated in place."""
-    R = verify_rows or 1
-    S = B // R
-    if verify_rows is None:
-        if not BATCH_RANGE[0] <= B <= BATCH_RANGE[1]:
-            raise ValueError(f"batch {B} is outside the schedule's range {BATCH_RANGE}")
-    elif not (1 <= R <= VERIFY_ROWS and S * R == B and VERIFY_SEQUENCES[0] <= S <= VERIFY_SEQUENCES[1]):
-        raise ValueError(f"a verify step of {B} rows as {R} per sequence is outside the schedule's "
-                         f"verify {VERIFY_ROWS} rows for {VERIFY_SEQUENCES} sequences")
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    states = state_shapes(S, R)
-    n_vmem_inputs = len(_vmem_input_shapes(B))
-    scratch = [
-        pltpu.VMEM((12, 1024, 1280), BF16),   # weights (ring)
-        pltpu.VMEM((2, 16, 5120), F32),   # vectors (parity)
-        pltpu.VMEM((B, 5120), F32),   # x (activation)
-        pltpu.VMEM((B, 16, 5120), BF16),   # embed_rows (activation)
-        pltpu.VMEM((8, 5120), F32),   # head_norm (parity)
-        pltpu.VMEM((5, B, 1024), BF16),   # stage (activation)
-        pltpu.VMEM((27, B, 1280), F32),   # acc (activation)
-        pltpu.VMEM((B, 6, 128, 128), F32),   # gdn_rec_buf (state)
-        pltpu.VMEM((2, B, 16, 256), BF16),   # gqa_kv_rows (kv)
-        pltpu.VMEM((2, 8, B, 5120), BF16),   # recv__bf16_8x1 (collective)
-        pltpu.SemaphoreType.DMA((12,)),   # ring_sem
-        pltpu.SemaphoreType.DMA((2,)),   # vectors_sem
-        pltpu.SemaphoreType.DMA(()),   # sem__head_norm
-        pltpu.SemaphoreType.DMA(()),   # sem__embed
-        pltpu.SemaphoreType.DMA(()),   # sem__load_gdn_conv_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__load_gdn_rec_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__store_gdn_conv_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__store_gdn_rec_buf
-        pltpu.SemaphoreType.DMA(()),   # sem__gqa_kv_rows
-        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 send
-        pltpu.SemaphoreType.DMA((2, 8)),   # recv__bf16_8x1 receive
-        pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    ]
-    out_shape = (jax.ShapeDtypeStruct((TAIL_LM_HEAD.col_tiles, B, TAIL_LM_HEAD.tile_cols), F32),
-                 *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in states.values()])
-    first_state = 4 + n_vmem_inputs + len(_hbm_shapes())
-    # A decode step updates every state in place; a verify step its KV caches and the states
-    # it is handed spread over every row (`_spread`).
-    in_place = [i for i, name in enumerate(states) if verify_rows is None or name not in ROW_STATES
-                or name in SPREAD_ROW_STATES]
-    return pl.pallas_call(
-        functools.partial(_kernel, B=B, R=R, verify=verify_rows is not None),
-        out_shape=out_shape,
-        in_specs=[smem] * 4 + [vmem] * n_vmem_inputs + [any_spec] * (len(_hbm_shapes()) + len(states)),
-        out_specs=(vmem, *[any_spec] * len(states)),
-        scratch_shapes=scratch,
-        input_output_aliases={first_state + i: 1 + i for i in in_place},
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=VMEM_LIMIT_BYTES, collective_id=0,
-                                             has_side_effects=True),
-        interpret=interpret if interpret is not None else False,
-    )
+def scratch_shapes(B):
+    """The kernel's scratch at B rows, by the name its body reads (`r.<name>`)."""
+    return {
+        "weights": pltpu.VMEM((RING.slots, *RING.slot_shape), BF16),   # ring
+        "vectors": pltpu.VMEM((2, VECTORS.rows, VECTORS.cols), F32),   # parity
+        "x": pltpu.VMEM((B, HIDDEN), F32),   # activation
+        "embed_rows": pltpu.VMEM((B, 16, HIDDEN), BF16),   # activation
+        "head_norm": pltpu.VMEM((8, HIDDEN), F32),   # parity
+        "stage": pltpu.VMEM((5, B, 1024), BF16),   # activation
+        "acc": pltpu.VMEM((27, B, 1280), F32),   # activation
+        "gdn_rec_buf": pltpu.VMEM((B, 6, 128, 128), F32),   # state
+        "gqa_kv_rows": pltpu.VMEM((2, B, 16, 256), BF16),   # kv
+        "recv__bf16_8x1": pltpu.VMEM((2, 8, B, 5120), BF16),   # collective
+        "ring_sem": pltpu.SemaphoreType.DMA((RING.slots,)),
+        "vectors_sem": pltpu.SemaphoreType.DMA((2,)),
+        "sem__head_norm": pltpu.SemaphoreType.DMA(()),
+        "sem__embed": pltpu.SemaphoreType.DMA(()),
+        "sem__load_gdn_conv_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__load_gdn_rec_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__store_gdn_conv_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__store_gdn_rec_buf": pltpu.SemaphoreType.DMA(()),
+        "sem__gqa_kv_rows": pltpu.SemaphoreType.DMA(()),
+        "recv__bf16_8x1__send": pltpu.SemaphoreType.DMA((2, 8)),
+        "recv__bf16_8x1__recv": pltpu.SemaphoreType.DMA((2, 8)),
+        "collective_count": pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+    }
 
 
-def _tables():
-    return np.array([LAYER_KIND, LAYER_TILE_OFFSET, STATE_INDEX], np.int32)
-
-
-def _tile_classes():
-    """The tile class of every tile of the step, in stream order (an SMEM table)."""
-    kinds = {v: kname for kname, v in KIND_IDS.items()}
-    sequence = [m for layer in range(N_LAYERS) for m in STREAM_ORDER[kinds[LAYER_KIND[layer]]]]
-    return ring.tile_classes(RING, sequence + STREAM_ORDER["tail"])
-
-
-def _sharded(mesh: Mesh, B: int, interpret, verify_rows=None):
-    """The kernel at B rows over `mesh`, on host-computed inputs -> (vocab-major logits
-    [B, vocab], state outputs in `state_shapes` order)."""
-    call = build_kernel(B, interpret, verify_rows)
-    names = list(state_shapes(1))
-    hbm_names = list(_hbm_shapes())
-    n_vmem = len(_vmem_input_shapes(B))
-
-    def per_rank(*args):
-        smem, vmem_in, rest = args[:4], args[4:4 + n_vmem], args[4 + n_vmem:]
-        outs = call(*smem, *vmem_in, *[a[0] for a in rest])
-        return tuple(o[None] for o in outs)
-
-    rank_spec = P(AXIS)
-    sharded = jax.shard_map(per_rank, mesh=mesh,
-                            in_specs=(P(),) * (4 + n_vmem) + (rank_spec,) * (len(hbm_names) + len(names)),
-                            out_specs=(rank_spec,) * (1 + len(names)), check_vma=False)
-
-    def run(weights, state, tokens, positions):
-        host = lower.host_inputs(DIMS, positions)
-        outs = sharded(tokens, positions, jnp.asarray(_tables()), jnp.asarray(_tile_classes()),
-                       *[host[n] for n in _vmem_input_shapes(B)],
-                       *[weights[n] for n in hbm_names], *[state[n] for n in names])
-        tiles = outs[0]                                       # [RANKS, col_tiles, B, tile_cols]
-        parts = len(VOCAB_HOLDERS)
-        logits = jnp.transpose(tiles, (2, 0, 1, 3)).reshape(B, parts, -1)[:, :, :VOCAB_LOCAL]
-        return logits.reshape(B, parts * VOCAB_LOCAL), dict(zip(names, outs[1:]))
-    return run
-
-
-def make_decode_step(mesh: Mesh, B: int, interpret=None):
-    """A jitted decode step over `mesh` (one axis named AXIS of RANKS devices).
-
-    step(weights, state, tokens[B], positions[B]) -> (logits f32[B, vocab], next_token, state).
-    Row b writes its K/V at positions[b] and attends to 0..positions[b]: positions must be
-    below CONTEXT and tokens below the vocabulary size (neither is checked on device)."""
-    run = _sharded(mesh, B, interpret)
-
-    def step(weights, state, tokens, positions):
-        logits, state = run(weights, state, tokens, positions)
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), state
-
-    # Logits and next tokens come back replicated, so every process (host) can read them.
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
-    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
-
-
-def make_verify_step(mesh: Mesh, S: int, R: int, interpret=None):
-    """A jitted verify step over `mesh`: R rows (an anchor and R - 1 drafts) for each of S
-    sequences in one kernel launch, every matrix streamed once for all S * R rows.
-
-    step(weights, caches, states, tokens[S, R], starts[S]) -> (logits f32[S, R, vocab],
-    next_token [S, R], verified): sequence s's row r sits at position starts[s] + r, attends
-    causally to its cache and its earlier rows, and writes its K/V. `verified` holds the KV
-    caches (updated in place: `caches` is donated) and, per recurrent state, the state after
-    every row; `commit` keeps the accepted rows' states. starts[s] + R must not pass CONTEXT."""
-    run = _sharded(mesh, S * R, interpret, verify_rows=R)
-
-    def step(weights, caches, states, tokens, starts):
-        states = {n: _spread(n, a, R) if n in SPREAD_ROW_STATES else a for n, a in states.items()}
-        rows = jnp.transpose(tokens).reshape(-1)            # wave-major: row r * S + s
-        positions = (starts[None, :] + jnp.arange(R, dtype=jnp.int32)[:, None]).reshape(-1)
-        logits, verified = run(weights, caches | states, rows, positions)
-        logits = jnp.transpose(logits.reshape(R, S, -1), (1, 0, 2))
-        return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), verified
-
-    replicated = jax.sharding.NamedSharding(mesh, P())
-    ranked = jax.sharding.NamedSharding(mesh, P(AXIS))
-    return jax.jit(step, donate_argnums=(1,), out_shardings=(replicated, replicated, ranked))
-
-
-def _spread(name, state, R):
-    """A row state of S entries padded to the S * R of a verify kernel's rows (the S first):
-    for states whose rows are a tiled dim, which the kernel cannot load S of (they are small:
-    conv taps)."""
-    axis = ROW_STATES[name] + 2                             # past the rank and layer axes
-    pad = [(0, 0)] * state.ndim
-    pad[axis] = (0, state.shape[axis] * (R - 1))
-    return jnp.pad(state, pad)
-
-
-@jax.jit
-def _keep_accepted(states, verified, accepted):
-    """Per row state: sequence s's entry after its accepted[s]-th row, or (none accepted) its
-    state before the verify step. One gather of S entries per layer: the rejected rows' states
-    are never copied."""
-    S = accepted.shape[0]
-    out = {}
-    for name, axis in ROW_STATES.items():
-        axis += 2                                           # past the rank and layer axes
-        R = verified[name].shape[axis] // S
-        # device-held counts are not read back: clamped to 0..R, as documented in commit
-        entry = (jnp.clip(accepted, 1, R) - 1) * S + jnp.arange(S)
-        picked = jnp.take(verified[name], entry, axis=axis)
-        shape = [1] * picked.ndim
-        shape[axis] = S
-        out[name] = jnp.where((accepted == 0).reshape(shape), states[name], picked)
-    return out
-
-
-def commit(state, verified, accepted):
-    """The decode state after each sequence's first accepted[s] rows (0..R) of a verify step
-    from `state`: recurrent states from `verified`'s per-row entries (or `state`'s, for 0),
-    KV caches as the verify step left them (entries past the accepted rows are masked by
-    position and overwritten by the next step). A state and a verify output of other batches,
-    and host-side counts outside 0..R, are a ValueError; counts already on a device are not read
-    back (that would stall), and are clamped to 0..R."""
-    if ROW_STATES:               # S sequences in `state`, S * R entries per row state in `verified`
-        inputs.check_commit(state, verified, accepted, state_shapes=state_shapes, ranks=RANKS,
-                            row_states=ROW_STATES, verify_rows=VERIFY_ROWS)
-    accepted = jnp.asarray(accepted, jnp.int32)
-    rows = _keep_accepted({n: state[n] for n in ROW_STATES}, {n: verified[n] for n in ROW_STATES},
-                          accepted)
-    return {n: rows[n] if n in ROW_STATES else verified[n] for n in verified}
-
-
-def pack_rank(hf, rank: int) -> dict[str, np.ndarray]:
-    """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
-    per-layer vector blocks, the head vectors and the embedding shard."""
-    inputs.check_hf_weights(hf, DIMS, HF_CONFIG)
-    shapes = _hbm_shapes()
-    packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
-    kinds = {v: kname for kname, v in KIND_IDS.items()}
-    for layer in range(N_LAYERS):
-        kind, si = kinds[LAYER_KIND[layer]], STATE_INDEX[layer]
-        t = LAYER_TILE_OFFSET[layer]
-        for m in STREAM_ORDER[kind]:
-            matrix = hf_layout.matrix(hf, DIMS, PER_RANK, layer, kind, m.name, rank, SHARDS)
-            t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
-        for name, (row, rows, width) in VECTORS.layout[kind].items():
-            vector = hf_layout.layer_vector(hf, DIMS, PER_RANK, layer, kind, name, rank, SHARDS)
-            packed["vectors_hbm"][layer, row:row + rows, :width] = vector
-    t = TAIL_TILE_OFFSET
-    for m in STREAM_ORDER["tail"]:
-        matrix = hf_layout.matrix(hf, DIMS, PER_RANK, -1, "tail", m.name, rank, SHARDS)
-        t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
-    head = hf_layout.head_vectors(hf, DIMS, rank, SHARDS)
-    packed["head_norm_hbm"][:head.shape[0]] = head
-    packed["embed"] = hf_layout.embedding(hf, DIMS, rank, SHARDS).astype(BF16)
-    return packed
-
-
-def reference_states(state) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's (upstream) layouts."""
-    return hf_layout.reference_states(state, DIMS, PER_RANK, SHARDS, KIND_LAYERS)
-
-
-def init_state(B: int) -> dict[str, np.ndarray]:
-    """Zeroed decode state, with the leading rank axis."""
-    return {n: np.zeros((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
-
-
-def abstract_inputs(B: int):
-    """ShapeDtypeStructs of (weights, state) with the leading rank axis: for compile-only use."""
-    weights = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in _hbm_shapes().items()}
-    state = {n: jax.ShapeDtypeStruct((RANKS, *shape), dtype) for n, (shape, dtype) in state_shapes(B).items()}
-    return weights, state
-
-
-def make_mesh(devices=None) -> Mesh:
-    """The mesh of RANKS devices in rank order: by process (one per host under
-    jax.distributed), then device id, which keeps the cores of a chip and the chips of a host
-    adjacent, as the schedule's collective groups assume. Every process builds the same mesh."""
-    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
-    if len(devices) < RANKS:
-        raise ValueError(f"the schedule needs {RANKS} devices, {len(devices)} are visible")
-    devices = devices[:RANKS]
-    hosts = sorted({d.process_index for d in devices})
-    if RANKS % len(hosts) or any(hosts.index(d.process_index) != rank // (RANKS // len(hosts))
-                                 for rank, d in enumerate(devices)):
-        raise ValueError(f"processes {hosts} do not each hold {RANKS // len(hosts)} consecutive ranks")
-    return Mesh(np.array(devices), (AXIS,))
-
-
-def place_state(B: int, mesh: Mesh) -> dict[str, jax.Array]:
-    """Zeroed decode state on `mesh`, each process creating only its own ranks' shards (the
-    multi-host counterpart of init_state)."""
-    sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-
-    def zeros(shape, dtype):
-        return jax.make_array_from_callback((RANKS, *shape), sharding,
-                                            lambda index: np.zeros((1, *shape), dtype))
-    return {n: zeros(shape, dtype) for n, (shape, dtype) in state_shapes(B).items()}
-
-
-def pack_weights(hf) -> dict[str, np.ndarray]:
-    """All ranks' HBM layouts stacked on a leading rank axis (host memory: every rank's copy;
-    for full-size models use place_weights)."""
-    ranks = [pack_rank(hf, rank) for rank in range(RANKS)]
-    return {name: np.stack([r[name] for r in ranks]) for name in ranks[0]}
-
-
-def place_weights(hf, mesh: Mesh) -> dict[str, jax.Array]:
-    """Pack and place weights rank by rank onto `mesh` (only this process's devices), so the
-    host holds one rank's packed copy at a time."""
-    sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
-    shapes = _hbm_shapes()
-    pieces: dict[str, list] = {name: [] for name in shapes}
-    for device, index in sharding.addressable_devices_indices_map((RANKS,)).items():
-        packed = pack_rank(hf, index[0].start or 0)
-        for name in shapes:
-            pieces[name].append(jax.device_put(packed[name][None], device))
-    return {name: jax.make_array_from_single_device_arrays((RANKS, *shape), sharding, pieces[name])
-            for name, (shape, _) in shapes.items()}
-
-
-_STEPS: dict = {}
-
-
-def decode_step(weights, state, tokens, positions, *, mesh: Mesh | None = None, interpret=None):
-    """One decode step; builds (and caches) the jitted step for this batch, mesh and mode.
-
-    mesh defaults to make_mesh(); interpret is None on TPU, or InterpretParams. Inputs that do
-    not fit this module are a ValueError (`_check_inputs`)."""
-    B = _check_inputs(weights, state, tokens, positions)
-    if mesh is None:
-        mesh = make_mesh()
-    key = (B, mesh, interpret)
-    if key not in _STEPS:
-        _STEPS[key] = make_decode_step(mesh, B, interpret)
-    return _STEPS[key](weights, state, tokens, positions)
-
-
-def _check_inputs(weights, state, tokens, positions, rows=None) -> int:
-    """Shapes and dtypes of a step's inputs, and host-side token and position values, against
-    this schedule (mkc.runtime.inputs); the number of sequences."""
-    return inputs.check_step_inputs(weights, state, tokens, positions, weight_shapes=_hbm_shapes(),
-                                    state_shapes=state_shapes, ranks=RANKS, context=CONTEXT,
-                                    vocab=DIMS.vocab_size, rows=rows)
-
-
-_VERIFY_STEPS: dict = {}
-
-
-def verify_step(weights, state, tokens, starts, *, mesh: Mesh | None = None, interpret=None):
-    """One verify step (`make_verify_step`) of tokens [S, R] at starts [S]; builds and caches the
-    jitted step per shape, mesh and mode. The state's KV caches are donated: continue from
-    `commit(state, verified, accepted)`."""
-    R = np.shape(tokens)[-1] if np.ndim(tokens) == 2 else VERIFY_ROWS
-    S = _check_inputs(weights, state, tokens, starts, rows=R)
-    if mesh is None:
-        mesh = make_mesh()
-    key = (S, R, mesh, interpret)
-    if key not in _VERIFY_STEPS:
-        _VERIFY_STEPS[key] = make_verify_step(mesh, S, R, interpret)
-    caches = {n: a for n, a in state.items() if n not in ROW_STATES}
-    states = {n: a for n, a in state.items() if n in ROW_STATES}
-    return _VERIFY_STEPS[key](weights, caches, states, jnp.asarray(tokens, jnp.int32),
-                              jnp.asarray(starts, jnp.int32))
+HOST = Host(kernel=_kernel, hbm_shapes=hbm_shapes, state_shapes=state_shapes,
+            vmem_input_shapes=vmem_input_shapes, scratch_shapes=scratch_shapes,
+            host_inputs=lowering.host_inputs, hf_layout=hf_layout, axis=AXIS, ranks=RANKS,
+            context=CONTEXT, batch_range=BATCH_RANGE, vmem_limit_bytes=VMEM_LIMIT_BYTES, dims=DIMS,
+            hf_config=HF_CONFIG, per_rank=PER_RANK, formats=FORMATS, shards=SHARDS,
+            kind_ids=KIND_IDS, layer_kind=LAYER_KIND, layer_tile_offset=LAYER_TILE_OFFSET,
+            ring=RING, stream_order=STREAM_ORDER, tail_tile_offset=TAIL_TILE_OFFSET,
+            vectors=VECTORS,
+            verify_rows=VERIFY_ROWS, verify_sequences=VERIFY_SEQUENCES, row_states=ROW_STATES,
+            spread_row_states=SPREAD_ROW_STATES)
+build_kernel, make_decode_step = HOST.build_kernel, HOST.make_decode_step
+decode_step, abstract_inputs = HOST.decode_step, HOST.abstract_inputs
+make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step, HOST.commit
+pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
+init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
+reference_states = HOST.reference_states

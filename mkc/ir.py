@@ -402,6 +402,14 @@ class ScheduleIR:
     # Matrix classes with a choice of format -> the format chosen (`format` lines, else the
     # checkpoint's): how they sit in HBM and VMEM and reach the MXU.
     weight_formats: dict[str, WeightFormat] = field(default_factory=dict)
+    # What the family contributes past resolve, copied here so that no later stage goes back
+    # to the family registry: its package (lowering, weights), the module and name of its
+    # dims class, libtpu's measured scratch as (batch, bytes) points, and the kernel inputs
+    # its module passes in VMEM (at batch_max; `Buffer.at_batch` for others).
+    family_package: str = ""
+    dims_class: tuple[str, str] = ("", "")
+    compiler_scratch: tuple[tuple[int, int], ...] = ()
+    vmem_inputs: tuple[Buffer, ...] = ()
 
     @property
     def rows_max(self) -> int:

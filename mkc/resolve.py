@@ -397,6 +397,9 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
                 key = (a.wire_dtype, size, stride)
                 stage_width[key] = max(stage_width.get(key, 0), a.width)
     _check_view_copies(dims.layer_kinds, kinds, phase_by_kind, pools)
+    unlowered = sorted({op for k in kinds.values() for op in k.ops} - family.lowered_ops)
+    if unlowered:        # the family's graph and lowering disagree: a family's bug, not the spec's
+        raise ValueError(f"the {family.name} lowering has no compute body for ops {unlowered}")
     # The vocab-sharded embedding lookup is an exact all-reduce over the vocab group (one rank
     # of it holds each row): it reuses the first all-reduce over that group (the first
     # layer's first, on a whole-mesh vocabulary), so it adds no receive buffer.
@@ -430,6 +433,9 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
         verify_rows=verify_rows, verify_sequences=verify_sequences,
         weight_formats=dict(graph.formats),
+        family_package=family.package, dims_class=family.dims_import,
+        compiler_scratch=family.compiler_scratch,
+        vmem_inputs=tuple(family.vmem_inputs(dims, b_hi)),
         context=context.value, vmem_limit=limit.value, vmem_reserve=reserve.value,
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
         layer_kinds=list(dims.layer_kinds), kinds=kinds, buffers=buffers, stream=stream,

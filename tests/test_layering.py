@@ -126,3 +126,27 @@ def test_model_and_resolve_reach_no_ops_lowering_or_runtime():
             todo += graph[m]
     compute = (".ops", ".lowering", ".weights", ".reference")
     assert [m for m in seen if m.endswith(compute) or m.startswith("mkc.runtime")] == []
+
+
+# The stages after resolve: they read the IR, which carries what the family contributes.
+AFTER_RESOLVE = ("mkc.checks", "mkc.trace", "mkc.program", "mkc.codegen", "mkc.perf", "mkc.runtime",
+                 "mkc.report", "mkc.cost")
+
+
+def test_nothing_after_resolve_goes_back_to_the_family_registry():
+    """Checks, trace, codegen, perf and the runtime import neither the registry (mkc.families)
+    nor a family package, directly or through another module: statically, transitively. A
+    driver that runs resolve again (`mkc tune`'s candidates) reaches the registry through
+    resolve only, which is not followed."""
+    graph = _graph()
+    later = [m for m in graph if m.startswith(AFTER_RESOLVE)]
+    assert len(later) >= 20
+    for start in later:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += [] if m in ("mkc.resolve", "mkc.compiler") else graph[m]
+        back = sorted(m for m in seen if m == "mkc.families" or m.startswith("mkc.families."))
+        assert back == [], (start, back)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 
-from mkc import families, ir
+from mkc import ir
 from mkc.diagnostics import Diagnostic, Span
 from mkc.trace import Event
 
@@ -75,7 +75,7 @@ def _interpolate(points: list[tuple[int, int]], batch: int) -> int:
 def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
     """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest)."""
     batch = batch or s.rows_max
-    n = _interpolate(families.get(s.family).compiler_scratch, batch)
+    n = _interpolate(list(s.compiler_scratch), batch)
     tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=KV_BASE_TOKENS)
     n += KV_TOKEN_SCRATCH * max(0, tokens - KV_BASE_TOKENS) + COMPILER_SCRATCH_MARGIN
     return -(-n // 1024) * 1024
@@ -84,7 +84,7 @@ def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
 def vmem_inputs(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
     """Kernel inputs the family's module passes in VMEM (outputs are IR buffers, class
     "output")."""
-    return families.get(s.family).vmem_inputs(s, batch)
+    return [b.at_batch(batch) for b in s.vmem_inputs]
 
 
 def vmem_window_bytes(s: ir.ScheduleIR, batch: int) -> int:

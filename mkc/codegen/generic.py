@@ -7,8 +7,7 @@ import dataclasses
 import json
 
 from mkc import ir
-from mkc.codegen.layers import DTYPE_SOURCE, copy_name, gather_name, layer_source, reduce_name
-from mkc.model.family import Family
+from mkc.codegen.layers import DTYPE_SOURCE, gather_name, layer_source, reduce_name
 from mkc.model.sharding import ShardTable
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
@@ -21,7 +20,7 @@ from mkc.runtime.vectors import Parity
 WIDTH = 100
 
 
-def json_chunks(value, width: int = 88) -> list[str]:
+def json_chunks(value, width: int = 92) -> list[str]:
     """`value` as sorted JSON, cut into Python string literals of at most about `width`
     characters, to be concatenated: any config value (non-finite floats too, as JSON spells
     them) becomes source by repr alone."""
@@ -39,7 +38,7 @@ def literal(value, col: int = 0, base: int = 0) -> str:
         return flat
     if dataclasses.is_dataclass(value):
         opening, closing = type(value).__name__ + "(", ")"
-        items = [(f"{f.name}=", getattr(value, f.name)) for f in dataclasses.fields(value)]
+        items = [(f"{name}=", v) for name, v in _set_fields(value)]
     elif isinstance(value, dict):
         opening, closing = "{", "}"
         items = [(f"{k!r}: ", v) for k, v in value.items()]
@@ -52,10 +51,12 @@ def literal(value, col: int = 0, base: int = 0) -> str:
         return flat
     hanging = col + len(opening)
     text = opening + _pack(items, hanging) + closing
-    if _fits(text, col):
-        return text
     inner = base + 4
-    return opening + "\n" + " " * inner + _pack(items, inner) + "\n" + " " * base + closing
+    block = opening + "\n" + " " * inner + _pack(items, inner) + "\n" + " " * base + closing
+    # hang under the bracket where that fits in as few lines as a block would take
+    if _fits(text, col) and text.count("\n") <= block.count("\n"):
+        return text
+    return block
 
 
 def _pack(items: list[tuple[str, object]], inner: int) -> str:
@@ -73,13 +74,46 @@ def _pack(items: list[tuple[str, object]], inner: int) -> str:
     return ("\n" + " " * inner).join(lines)
 
 
+def _set_fields(value) -> list[tuple[str, object]]:
+    """A dataclass's fields by name, those at their default left out (the call gives them)."""
+    def default(f: dataclasses.Field) -> object:
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return f.default
+    return [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)
+            if not (f.init and getattr(value, f.name) == default(f))]
+
+
 def _fits(text: str, col: int) -> bool:
     return all(col * (i == 0) + len(line) <= WIDTH for i, line in enumerate(text.splitlines()))
 
 
+def _repeating(value: tuple) -> str | None:
+    """A long tuple as a short expression where it has one (a layer pattern repeated, an
+    arithmetic run of tile offsets), after a prefix of at most 3 items: else None."""
+    if len(value) < 8:
+        return None
+    for first in range(4):
+        head, rest = value[:first], value[first:]
+        body = None
+        for period in range(1, len(rest) // 2 + 1):
+            times, extra = divmod(len(rest), period)
+            if rest == rest[:period] * times + rest[:extra]:
+                body = f"{_flat(rest[:period])} * {times}" + (f" + {_flat(rest[:extra])}" if extra else "")
+                break
+        step = rest[1] - rest[0] if all(type(v) is int for v in rest) else 0
+        if body is None and step > 0 and all(b - a == step for a, b in zip(rest, rest[1:])):
+            body = f"tuple(range({rest[0]}, {rest[-1] + step}, {step}))"
+        if body is not None:
+            return f"{_flat(head)} + {body}" if head else body
+    return None
+
+
 def _flat(value) -> str:
+    if isinstance(value, tuple) and (short := _repeating(value)) is not None:
+        return short
     if dataclasses.is_dataclass(value):
-        args = ", ".join(f"{f.name}={_flat(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        args = ", ".join(f"{name}={_flat(v)}" for name, v in _set_fields(value))
         return f"{type(value).__name__}({args})"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_flat(v)}" for k, v in value.items()) + "}"
@@ -105,9 +139,27 @@ class _Name(str):
         return str(self)
 
 
-def context(s: ir.ScheduleIR, family: Family) -> dict:
+# The core's resident buffers whose last dim is the hidden size (mkc.resolve makes them).
+_HIDDEN_WIDE = ("x", "embed_rows", "head_norm")
+
+
+def _scratch_shape(b: ir.Buffer, s: ir.ScheduleIR) -> str:
+    """A resident buffer's shape as source: in the module's named constants where it follows
+    one (the ring's slots, the vector blocks, the hidden size), else its numbers."""
+    st = s.stream
+    if b.cls == "ring" and b.shape == (st.slots, *Ring(st.slots, st.ahead, st.total_tiles,
+                                                        tuple(map(tuple, st.tile_shapes))).slot_shape):
+        return "(RING.slots, *RING.slot_shape)"
+    if b.name == "vectors" and b.shape == (2, s.parity.rows, s.parity.cols):
+        return "(2, VECTORS.rows, VECTORS.cols)"
+    source = b.shape_expr()
+    if b.name in _HIDDEN_WIDE and b.shape[-1] == s.dims["hidden_size"]:
+        source = source[:-1].rsplit(", ", 1)[0] + ", HIDDEN)"
+    return source
+
+
+def context(s: ir.ScheduleIR) -> dict:
     kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
-    kind_layers = {k: [i for i, kk in enumerate(s.layer_kinds) if kk == k] for k in sorted(s.kinds)}
     st = s.stream
 
     matrix_literals = []
@@ -152,25 +204,25 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
             buf = ir.Exchange.buffer_name(e.after_op)
             name = gather_name(kname, e.after_op)
             gather_literals.append((name, literal(Stage(buf, counter[buf], 2, 1), len(name) + 3)))
-        copies = {}
+        copies = []
         states = {}
         for t in k.transfers:
-            cname = copy_name(t)
-            sem = f"sem__{t.direction}_{t.buffer}"
-            copies[cname] = StateCopy(t.direction, f"{kname}__{t.state}", t.buffer, sem,
-                                      s.buffer(t.buffer).batch_axis or 0)
+            copies.append(StateCopy(t.direction, f"{kname}__{t.state}", t.buffer,
+                                    s.buffer(t.buffer).batch_axis or 0))
             states[t.state] = t.buffer
-            sems.append(sem)
-            drains += [(kname, cname, t)] * t.drain
+            sems.append(copies[-1].sem)
+            drains += [(kname, copies[-1].name, t)] * t.drain
         # KV caches (HBM `<kind>__<cache>`), each streamed through its tile buffer.
         caches = tuple(f"{kname}__{c}" for c in k.kv.caches) if k.kv else ()
         kv_bufs = [s.buffer(b) for b in k.kv.tile_buffers] if k.kv else []
         kv_plan = {}
         if k.kv is not None:
             kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead),
-                           kv_rows=k.kv.rows_buffer, kv_sem=f"sem__{k.kv.rows_buffer}")
-            sems.append(f"sem__{k.kv.rows_buffer}")
-        kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states, copies=copies, **kv_plan)
+                           kv_rows=k.kv.rows_buffer)
+        kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states, copies=tuple(copies),
+                                **kv_plan)
+        if k.kv is not None:
+            sems.append(kinds[kname].kv_sem)
         for sname in sorted(k.states):
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
@@ -182,19 +234,17 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
             state_arrays.append((c, kname, f"(S, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
 
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
-    scratch_names = [b.name for b in resident] + ["ring_sem", "vectors_sem"] + sems
-    # (source, comment) per scratch operand, in _SCRATCH order
-    scratch_shapes = [(f"pltpu.VMEM({b.shape_expr()}, {DTYPE_SOURCE[b.dtype]})", f"{b.name} ({b.cls})")
+    # (name, source, comment) per scratch operand, in operand order
+    scratch_shapes = [(b.name, f"pltpu.VMEM({_scratch_shape(b, s)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
                       for b in resident]
-    scratch_shapes += [(f"pltpu.SemaphoreType.DMA(({st.slots},))", "ring_sem"),
-                       ("pltpu.SemaphoreType.DMA((2,))", "vectors_sem")]
-    scratch_shapes += [("pltpu.SemaphoreType.DMA(())", n) for n in sems]
+    scratch_shapes += [("ring_sem", "pltpu.SemaphoreType.DMA((RING.slots,))", ""),
+                       ("vectors_sem", "pltpu.SemaphoreType.DMA((2,))", "")]
+    scratch_shapes += [(n, "pltpu.SemaphoreType.DMA(())", "") for n in sems]
     for b in collectives:
-        scratch_names += [b.name + "__send", b.name + "__recv"]
-        scratch_shapes += [(f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", f"{b.name} send"),
-                           (f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", f"{b.name} receive")]
-    scratch_names.append("collective_count")
-    scratch_shapes.append(("pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)", "use counters"))
+        scratch_shapes += [(b.name + "__send", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", ""),
+                           (b.name + "__recv", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", "")]
+    scratch_shapes.append(("collective_count", "pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
+                           "use counters"))
 
     # A weight view: each kind's pooled matrices, prefetched by the layer before.
     weight_views = [v for p in s.pools for v in p.views if v.slots == 0]
@@ -209,8 +259,8 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         pooled_inputs = [(f"pool__{kind}__{m.name}", kind,
                           (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES))
                          for kind, mats in sorted(v.matrices.items()) for m in mats]
-        scratch_names.append("pool_sem")
-        scratch_shapes.append((f"pltpu.SemaphoreType.DMA(({max(len(m) for m in v.matrices.values())},))",
+        copies = max(len(m) for m in v.matrices.values())
+        scratch_shapes.append(("pool_sem", f"pltpu.SemaphoreType.DMA(({copies},))",
                                "pooled matrix copies"))
 
     # Routed experts: one kind fetches them into a pool's slot view.
@@ -228,38 +278,29 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
                                    group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
         expert_inputs = [(f"expert__{m.name}", fetching[0],
                           (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES)) for m in mats]
-        scratch_names += ["expert_sem", "expert_list", "expert_count"]
-        scratch_shapes += [(f"pltpu.SemaphoreType.DMA(({view.slots}, {len(mats)}))", "expert slot copies"),
-                           ("pltpu.SMEM((EXPERTS.local_experts,), jnp.int32)", "picked local experts"),
-                           ("pltpu.SMEM((1,), jnp.int32)", "how many")]
+        scratch_shapes += [("expert_sem", f"pltpu.SemaphoreType.DMA(({view.slots}, {len(mats)}))",
+                            "expert slot copies"),
+                           ("expert_list", "pltpu.SMEM((EXPERTS.local_experts,), jnp.int32)",
+                            "picked local experts"),
+                           ("expert_count", "pltpu.SMEM((1,), jnp.int32)", "how many")]
 
-    vmem_inputs = family.vmem_inputs(s, s.batch_max)
-    state_names = [a[0] for a in state_arrays]
-    inputs = (["tokens", "positions", "tables", "tile_class"] + [b.name for b in vmem_inputs]
-              + ["embed", "ring_hbm", "vectors_hbm", "head_norm_hbm"]
-              + [n for n, _, _ in pooled_inputs] + [n for n, _, _ in expert_inputs]
-              + [n + "_in" for n in state_names])
-    outputs = ["logits"] + state_names
+    vmem_inputs = s.vmem_inputs
 
     dims = s.dims
     dims_fields = {key: (tuple(v) if isinstance(v, list) else v) for key, v in dims.items()}
-    dims_class = dataclasses.make_dataclass(family.dims_import[1], list(dims_fields))
+    dims_class = dataclasses.make_dataclass(s.dims_class[1], list(dims_fields))
     parity = s.parity
     layer_kind = tuple(kind_ids[k] for k in s.layer_kinds)
     return {
-        "family": family, "dims_import": family.dims_import,
+        "family_package": s.family_package, "dims_import": s.dims_class,
         "dims_literal": literal(dims_class(**dims_fields), 7),
         "config_chunks": json_chunks(s.model_config),
         "per_rank_literal": literal(dict(sorted(s.per_rank.items())), 11),
         "formats_literal": literal(dict(sorted(s.weight_formats.items())), 10),
         "shards_literal": literal(ShardTable.of(s.shards, s.ranks), 9),
-        "vocab_replicated": s.shards["vocab"][0] != s.ranks,
         "kind_ids": kind_ids,
-        "kind_layers_literal": literal(kind_layers, 14),
         "layer_kind_literal": literal(layer_kind, 13),
         "tile_offset_literal": literal(tuple(st.layer_tile_offset), 20),
-        "state_index_literal": literal(tuple(kind_layers[k].index(i)
-                                             for i, k in enumerate(s.layer_kinds)), 14),
         "matrix_literals": matrix_literals,
         "ring_literal": literal(Ring(st.slots, st.ahead, st.total_tiles,
                                      tuple(tuple(t) for t in st.tile_shapes)), 7),
@@ -270,9 +311,6 @@ def context(s: ir.ScheduleIR, family: Family) -> dict:
         "reduce_literals": reduce_literals,
         "collectives": collectives,
         "kinds_literal": literal(kinds, 8),
-        "inputs_literal": literal(tuple(inputs), 10),
-        "outputs_literal": literal(tuple(outputs), 11),
-        "scratch_literal": literal(tuple(scratch_names), 11),
         "scratch_shapes": scratch_shapes,
         "layer_bodies": [(kname, layer_source(s, kname)) for kname in s.kinds],
         "drains": drains,

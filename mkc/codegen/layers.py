@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from mkc import ir
 from mkc.program import Step, layer_program
+from mkc.runtime.context import copy_name
 
 # An IR dtype as the generated module spells it (it defines BF16 and F32).
 DTYPE_SOURCE = {"bf16": "BF16", "f32": "F32", "int32": "jnp.int32"}
-
-
-def copy_name(t: ir.Transfer) -> str:
-    """The name of a state copy: its direction and VMEM buffer (unique within a kind)."""
-    return f"{t.direction}_{t.buffer}"
 
 
 def gather_name(kind: str, op: str) -> str:
@@ -122,15 +118,15 @@ class _Emitter:
             t = step.transfer
             arrow = (f"state.{t.state} -> {t.buffer}" if t.direction == "load"
                      else f"{t.buffer} -> state.{t.state}")
-            self._line(indent, f'c.copy("{copy_name(t)}").{step.kind}()   # {_where(t.span)}: '
-                               f"{t.direction} {arrow}")
+            name = copy_name(t.direction, t.buffer)
+            self._line(indent, f'c.copy("{name}").{step.kind}()   # {_where(t.span)}: {t.direction} {arrow}')
         elif step.kind == "drain":
             t = step.transfer
             self._line("", "")
             self._line(indent, "@pl.when(c.si > 0)")
             self._line(indent, f"def _():   # {_where(t.span)}: the previous {kind} layer's {t.direction} "
                                f"of state.{t.state} drains here")
-            self._line(indent, f'    c.copy("{copy_name(t)}", previous=True).wait()')
+            self._line(indent, f'    c.copy("{copy_name(t.direction, t.buffer)}", previous=True).wait()')
         elif step.kind == "op":
             reads, writes = k.op_values.get(step.op, ([], []))
             call = f"lower.{step.op}({', '.join(['c', *reads])})"

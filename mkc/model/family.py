@@ -64,8 +64,9 @@ class Family:
     # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
     # benchmarks/vmem_probe.py, interpolated over batch.
     compiler_scratch: tuple[tuple[int, int], ...]
-    # (IR, batch) -> the kernel inputs its module passes in VMEM, as IR buffers.
-    vmem_inputs: Callable[[Any, int], list] = lambda s, batch: []
+    # (dims, batch) -> the kernel inputs its module passes in VMEM, as IR buffers with their
+    # batch axis.
+    vmem_inputs: Callable[[Any, int], list] = lambda dims, batch: []
     plain_state_tolerance: float = 1.5e-2   # vs the plain reference (mkc.numerics)
     # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
     renamed_prefixes: tuple[tuple[str, str], ...] = ()

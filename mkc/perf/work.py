@@ -37,7 +37,7 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from mkc import families, ir
+from mkc import ir
 from mkc.runtime import scopes
 
 ELEMENTWISE = frozenset({
@@ -299,10 +299,10 @@ def trace_module(module: types.ModuleType, batch: int,
     rows = jax.ShapeDtypeStruct((batch,), np.int32)
     R = verify_rows or 1
     states = module.state_shapes(batch // R, R) if verify_rows else module.state_shapes(batch)
-    args = [rows, rows, jax.ShapeDtypeStruct(module._tables().shape, np.int32),
-            jax.ShapeDtypeStruct(module._tile_classes().shape, np.int32),
-            *[jax.ShapeDtypeStruct(*v) for v in module._vmem_input_shapes(batch).values()],
-            *[jax.ShapeDtypeStruct(*v) for v in module._hbm_shapes().values()],
+    args = [rows, rows, jax.ShapeDtypeStruct(module.HOST.tables().shape, np.int32),
+            jax.ShapeDtypeStruct(module.HOST.tile_classes().shape, np.int32),
+            *[jax.ShapeDtypeStruct(*v) for v in module.vmem_input_shapes(batch).values()],
+            *[jax.ShapeDtypeStruct(*v) for v in module.hbm_shapes().values()],
             *[jax.ShapeDtypeStruct(*v) for v in states.values()]]
     call = module.build_kernel(batch, verify_rows=verify_rows)
     with warnings.catch_warnings():
@@ -329,7 +329,7 @@ def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) ->
     if key not in _COUNTED:
         t0 = time.perf_counter()
         closed = trace_module(_module(source), batch, verify_rows)
-        kw = count_kernel(closed, batch, f"{families.get(s.family).package}.lowering")
+        kw = count_kernel(closed, batch, f"{s.family_package}.lowering")
         kw.trace_seconds = time.perf_counter() - t0
         _COUNTED[key] = kw
     return _COUNTED[key]

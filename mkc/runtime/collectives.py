@@ -47,6 +47,14 @@ def barrier(axis: str, ranks: int) -> None:
     pl.semaphore_wait(sem, ranks - 1)
 
 
+def enter(axis: str, ranks: int, counters) -> None:
+    """Start a step's collectives: every peer inside the kernel (`barrier`), then every use
+    counter of the SMEM ref `counters` at zero."""
+    barrier(axis, ranks)
+    for counter in range(counters.shape[0]):
+        counters[counter] = 0
+
+
 def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
               size: int, stride: int) -> jax.Array:
     """Send ``value`` to every group peer and wait for all their shares; returns the parity

@@ -29,16 +29,28 @@ def spread_on_host(batch_axis: int, ndim: int) -> bool:
     return batch_axis >= ndim - 2
 
 
+def copy_name(direction: str, buffer: str) -> str:
+    """How layer bodies name a state copy (unique within a kind: one a direction and buffer)."""
+    return f"{direction}_{buffer}"
+
+
 @dataclass(frozen=True)
 class StateCopy:
     """A state copy the schedule names: HBM array `hbm` (one slice per layer of the kind) to or
-    from VMEM buffer `buffer`, signalling semaphore `sem`."""
+    from VMEM buffer `buffer`, signalling its own semaphore (`sem`)."""
 
     direction: str       # "load" | "store"
     hbm: str
     buffer: str
-    sem: str
     batch_axis: int = 0  # the buffer's batch (row) axis
+
+    @property
+    def name(self) -> str:
+        return copy_name(self.direction, self.buffer)
+
+    @property
+    def sem(self) -> str:
+        return f"sem__{self.name}"
 
 
 @dataclass(frozen=True)
@@ -47,11 +59,17 @@ class KindPlan:
 
     streamed: Mapping[str, tuple[int, ring.StreamedMatrix]]   # family -> (first tile in layer, tiling)
     states: Mapping[str, str]                 # state family -> VMEM buffer
-    copies: Mapping[str, StateCopy]           # "load_conv_buf" -> the copy
+    copies: tuple[StateCopy, ...]             # by name (`StateCopy.name`, "load_conv_buf")
     caches: tuple[str, ...] = ()              # HBM caches, in the order bodies pass new rows
     kv: kv.KvTiles | None = None
     kv_rows: str = ""                         # VMEM tile buffer of the KV row writes
-    kv_sem: str = ""
+
+    @property
+    def kv_sem(self) -> str:
+        return f"sem__{self.kv_rows}"
+
+    def copy(self, name: str) -> StateCopy:
+        return next(c for c in self.copies if c.name == name)
 
 
 @dataclass(frozen=True)
@@ -175,7 +193,7 @@ class Layer:
 
     def copy(self, name: str, previous: bool = False):
         """The state copy `name` of this layer (or of the previous layer of the kind)."""
-        cp = self.plan.copies[name]
+        cp = self.plan.copy(name)
         vmem, sem = getattr(self.refs, cp.buffer), getattr(self.refs, cp.sem)
         si = self.si - 1 if previous else self.si
         if cp.direction == "store":

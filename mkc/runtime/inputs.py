@@ -11,6 +11,7 @@ already on a device are not read back, since that would stall the step behind th
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 from collections.abc import Callable, Mapping
 
@@ -91,17 +92,17 @@ def check_commit(state: Mapping, verified: Mapping, accepted, *, state_shapes: C
 _MAX_LISTED = 12
 
 
-def expected_hf_weights(dims, config: Mapping) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The HF tensors a module compiled for `config` packs: name -> (shape, dtype), from its
-    family reference's table (``param_shapes``), whose upstream names the packing reads."""
-    return _table(dims.family, json.dumps(config, sort_keys=True))
+def expected_hf_weights(package: str, config: Mapping) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The HF tensors a module compiled for `config` packs: name -> (shape, dtype), from the
+    table (``param_shapes``) of the reference of the family in `package`, whose upstream names
+    the packing reads."""
+    return _table(package, json.dumps(config, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
-def _table(family: str, config_json: str) -> dict[str, tuple[tuple[int, ...], str]]:
+def _table(package: str, config_json: str) -> dict[str, tuple[tuple[int, ...], str]]:
     # cached: pack_rank checks once per rank, and full K3's table has 497,052 tensors (2.4 s)
-    from mkc import families
-    reference = families.get(family).module("reference")
+    reference = importlib.import_module(f"{package}.reference")
     return reference.param_shapes(reference.load_config(json.loads(config_json)))
 
 
@@ -122,16 +123,16 @@ def _with(config: Mapping, path: str, value: int) -> dict:
     return out
 
 
-def deciding_fields(dims, config: Mapping, names: list[str]) -> dict[str, dict[int, list[str]]]:
+def deciding_fields(package: str, config: Mapping, names: list[str]) -> dict[str, dict[int, list[str]]]:
     """For each of `names`, per axis of its shape, the config fields that set it: measured, not
     listed by hand, by changing each integer field (doubled, else plus one, where the family
     accepts it) and seeing which axes of which tensors move."""
-    base = expected_hf_weights(dims, config)
+    base = expected_hf_weights(package, config)
     out: dict[str, dict[int, list[str]]] = {n: {} for n in names}
     for path, value in _integer_fields(config):
         for trial in (2 * value, value + 1):
             try:
-                shapes = expected_hf_weights(dims, _with(config, path, trial))
+                shapes = expected_hf_weights(package, _with(config, path, trial))
             except Exception:       # a value the family refuses (divisibility, ranges): next
                 continue
             for n in names:
@@ -143,14 +144,14 @@ def deciding_fields(dims, config: Mapping, names: list[str]) -> dict[str, dict[i
     return out
 
 
-def check_hf_weights(hf: Mapping, dims, config: Mapping) -> None:
+def check_hf_weights(hf: Mapping, package: str, dims, config: Mapping) -> None:
     """HF-named weights against the config a module was compiled for, before anything is packed:
     every tensor its family's table names present, no other, each of its shape, integer codes
     (MXFP4) as uint8 and floats as bf16, f16 or f32. Every mismatch is listed in one
     ValueError, a wrong shape with the config fields that decide it (a tensor one column off
     would otherwise be padded or truncated into the kernel, and a transposed or missing one end
     in a broadcast or KeyError deep in the packing)."""
-    expected = expected_hf_weights(dims, config)
+    expected = expected_hf_weights(package, config)
     missing = [n for n in expected if n not in hf]
     unexpected = sorted(n for n in hf if n not in expected)
     wrong: dict[str, str] = {}
@@ -173,7 +174,7 @@ def check_hf_weights(hf: Mapping, dims, config: Mapping) -> None:
     shown = list(wrong.items())[:_MAX_LISTED]
     misshapen = [n for n, why in shown if why.startswith("shape")]
     # each field perturbed costs a whole table (0.7 s for full K3): only when a shape is wrong
-    fields = deciding_fields(dims, config, misshapen) if misshapen else {}
+    fields = deciding_fields(package, config, misshapen) if misshapen else {}
     lines = []
     for name, why in shown:
         want, got = expected[name][0], tuple(np.shape(hf[name]))

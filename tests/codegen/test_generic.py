@@ -24,14 +24,19 @@ def test_literals_evaluate_to_the_value_and_fit_the_line(indent):
     matrix = StreamedMatrix("in_proj", 5120, 2304, 5, 2, 1024, 1152)
     value = {"gdn": KindPlan(streamed={"in_proj": (0, matrix)},
                              states={"conv": "gdn_conv_buf"},
-                             copies={"load_gdn_conv_buf": StateCopy("load", "gdn__conv", "gdn_conv_buf",
-                                                                    "sem__load_gdn_conv_buf")},
+                             copies=(StateCopy("load", "gdn__conv", "gdn_conv_buf", 1),),
                              caches=("gqa__key",), kv=KvTiles(128, 2, 1)),
-             "layers": tuple(range(200)), "single": (Stage("recv__bf16_8x1", 2, 8, 1),)}
+             "layers": tuple(range(200)), "single": (Stage("recv__bf16_8x1", 2, 8, 1),),
+             "kinds": ("dense",) + ("kda", "kda", "kda", "mla") * 23 + ("kda",),
+             "offsets": (0, 7) + tuple(range(19, 1039, 51)), "flags": (1, 0, 1, 1, 0, 0, 1, 0, 1)}
     text = generic.literal(value, indent)
     assert eval(text, dict(NAMES)) == value
     # continuation lines carry their indentation; the first starts at column `indent`
     assert max(indent * (i == 0) + len(line) for i, line in enumerate(text.splitlines())) <= generic.WIDTH
+    # repeats print as such; fields at their default are left to the call
+    assert "('kda', 'kda', 'kda', 'mla') * 23 + ('kda',)" in text
+    assert "tuple(range(19, 1039, 51))" in text and "(1, 0, 1, 1, 0, 0, 1, 0, 1)" in text
+    assert "kv_rows=" not in text and "batch_axis=1" in text
 
 
 def test_a_scope_returns_only_values_read_after_it():

@@ -85,7 +85,7 @@ def test_a_generated_modules_steps_check_before_they_trace():
     from generated_module import load_generated
     qwen = load_generated(SPEC, "qwen3_8_mini")
     weights = {n: np.zeros((qwen.RANKS, *shape), dtype) for n, (shape, dtype)
-               in qwen._hbm_shapes().items()}
+               in qwen.hbm_shapes().items()}
     tokens = np.array([1, 2], np.int32)
     with pytest.raises(ValueError, match="a state for 2 sequences comes from init_state"):
         qwen.decode_step(weights, qwen.init_state(4), tokens, np.array([0, 1]))
@@ -108,16 +108,18 @@ def test_accepted_counts():
 
 
 def _hf_of(config: str):
-    """(dims, raw config, HF weights of that config's table as zero-memory views)."""
+    """(family package, dims, raw config, HF weights of that config's table as zero-memory
+    views)."""
     import json
 
     from mkc import families
     from mkc.runtime.inputs import expected_hf_weights
     raw = json.loads((ROOT / "mkc" / "model" / "configs" / f"{config}.json").read_text())
-    dims = families.for_model_type(raw.get("model_type")).read_dims(raw, config)
+    family = families.for_model_type(raw.get("model_type"))
+    dims = family.read_dims(raw, config)
     hf = {name: np.broadcast_to(np.zeros((), dtype), shape)
-          for name, (shape, dtype) in expected_hf_weights(dims, raw).items()}
-    return dims, raw, hf
+          for name, (shape, dtype) in expected_hf_weights(family.package, raw).items()}
+    return family.package, dims, raw, hf
 
 
 @pytest.mark.parametrize("config", ["qwen3_8_mini", "qwen3_5_moe_mini", "kimi_k3_mini", "kimi_k3"])
@@ -125,8 +127,8 @@ def test_hf_weights_of_the_compiled_config_pass_and_of_another_do_not(config):
     """Every family's upstream tensors (`param_shapes`) pass for the config they were made from;
     dropping a layer, adding one or another hidden size is refused, naming the tensors."""
     from mkc.runtime.inputs import check_hf_weights
-    dims, raw, hf = _hf_of(config)
-    check_hf_weights(hf, dims, raw)
+    package, dims, raw, hf = _hf_of(config)
+    check_hf_weights(hf, package, dims, raw)
     last = dims.num_hidden_layers - 1
     dropped = {n: v for n, v in hf.items() if not n.startswith(f"model.layers.{last}.")}
     added = dict(hf, **{f"model.layers.{last + 1}.mlp.down_proj.weight": np.zeros((2, 2))})
@@ -138,7 +140,7 @@ def test_hf_weights_of_the_compiled_config_pass_and_of_another_do_not(config):
                               f"[{dims.vocab_size}, {dims.hidden_size}] (set by hidden_size)"))
     for bad, says in cases:
         with pytest.raises(ValueError, match=f"the weights do not match {config}, the config") as e:
-            check_hf_weights(bad, dims, raw)
+            check_hf_weights(bad, package, dims, raw)
         assert says in str(e.value)
 
 
@@ -146,7 +148,7 @@ def test_every_wrong_tensor_is_named_in_one_error_with_the_fields_that_set_its_s
     """One column short, transposed, 1-D, of an integer dtype, missing: all in one error,
     nothing packed; a checkpoint made with another intermediate_size names every MLP matrix."""
     from mkc.runtime.inputs import check_hf_weights
-    dims, raw, hf = _hf_of("qwen3_8_mini")
+    package, dims, raw, hf = _hf_of("qwen3_8_mini")
     down = "model.layers.0.mlp.down_proj.weight"
     gate = "model.layers.1.mlp.gate_proj.weight"
     norm = "model.layers.2.input_layernorm.weight"
@@ -156,7 +158,7 @@ def test_every_wrong_tensor_is_named_in_one_error_with_the_fields_that_set_its_s
                       "model.norm.weight": hf["model.norm.weight"].astype(np.int32)})
     del bad["model.layers.3.mlp.up_proj.weight"]
     with pytest.raises(ValueError) as e:
-        check_hf_weights(bad, dims, raw)
+        check_hf_weights(bad, package, dims, raw)
     text = str(e.value)
     assert f"{down}: shape [{out}, {inp - 1}], expected [{out}, {inp}] (set by " in text
     assert "intermediate_size" in text.split(down)[1].splitlines()[0]
@@ -167,9 +169,9 @@ def test_every_wrong_tensor_is_named_in_one_error_with_the_fields_that_set_its_s
     from mkc.runtime.inputs import expected_hf_weights
     other = dict(raw, intermediate_size=raw["intermediate_size"] * 2)
     theirs = {n: np.broadcast_to(np.zeros((), d), shape)
-              for n, (shape, d) in expected_hf_weights(dims, other).items()}
+              for n, (shape, d) in expected_hf_weights(package, other).items()}
     with pytest.raises(ValueError) as e:
-        check_hf_weights(theirs, dims, raw)
+        check_hf_weights(theirs, package, dims, raw)
     mlp = [n for n in hf if ".mlp." in n]
     assert f"and {len(mlp) - 12} more of the wrong shape" in str(e.value)
     assert str(e.value).count("(set by intermediate_size)") == 12

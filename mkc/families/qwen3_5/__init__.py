@@ -1,13 +1,13 @@
 """Qwen3.5 text (`qwen3_5_text`): gated delta net and gated attention layers, dense SwiGLU MLPs."""
 from mkc import ir
-from mkc.families.qwen3_5.config import read_dims
+from mkc.families.qwen3_5.config import AttentionDims, read_dims
 from mkc.families.qwen3_5.graph import SHARD_CLASSES, build
 from mkc.model.family import Family
 
 
-def rope_input(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
+def rope_input(dims: AttentionDims, batch: int) -> list[ir.Buffer]:
     """The module passes the rotary table [2, B, head_dim] f32 in VMEM."""
-    return [ir.Buffer("rope", "input", (2, batch, s.dims["head_dim"]), "f32", batch_axis=1)]
+    return [ir.Buffer("rope", "input", (2, batch, dims.head_dim), "f32", batch_axis=1)]
 
 
 FAMILY = Family(
