@@ -17,16 +17,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fuzz_campaign as fc  # noqa: E402
 
 SEED = 9
-PER_KIND = 12
+PER_KIND = 12              # cases of every mutation kind: QUICK in the quick tier, the rest slow
+QUICK = 4
 CPU_SECONDS = 3.0          # per case; a clean MINI check takes well under 0.5 s
-# (case number, forced kind): case numbers are unique, so each is reproducible on its own.
-CASES = [(k * 1000 + j, kind) for k, kind in enumerate(fc.MUTATIONS) for j in range(PER_KIND)]
+
+
+def _cases(first: int, last: int) -> list[tuple[int, str]]:
+    """(case number, forced kind): case numbers are unique, so each is reproducible alone."""
+    return [(k * 1000 + j, kind) for k, kind in enumerate(fc.MUTATIONS) for j in range(first, last)]
+
+
+def _campaign(cases: list[tuple[int, str]]) -> list[dict]:
+    return fc.run_campaign(SEED, cases, workers=2, timeout=CPU_SECONDS, mem_gib=4.0,
+                           compile_fraction=0.25)
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict]:
-    return fc.run_campaign(SEED, CASES, workers=2, timeout=CPU_SECONDS, mem_gib=4.0,
-                           compile_fraction=0.25)
+    return _campaign(_cases(0, QUICK))
+
+
+@pytest.fixture(scope="module")
+def more_outcomes() -> list[dict]:
+    return _campaign(_cases(QUICK, PER_KIND))
 
 
 def _describe(failures: list[dict]) -> str:
@@ -41,12 +54,22 @@ def _describe(failures: list[dict]) -> str:
     return "\n\n".join(out)
 
 
-@pytest.mark.parametrize("kind", list(fc.MUTATIONS))
-def test_mutants_give_diagnostics_not_crashes(outcomes, kind):
+def _judge(outcomes: list[dict], kind: str, count: int) -> None:
     mine = [r for r in outcomes if r["kind"] == kind]
-    assert len(mine) == PER_KIND
+    assert len(mine) == count
     failures = [r for r in mine if r["cls"] in fc.FAILURE_CLASSES]
     assert not failures, f"{len(failures)} of {len(mine)} {kind} mutants failed:\n" + _describe(failures)
+
+
+@pytest.mark.parametrize("kind", list(fc.MUTATIONS))
+def test_mutants_give_diagnostics_not_crashes(outcomes, kind):
+    _judge(outcomes, kind, QUICK)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(fc.MUTATIONS))
+def test_more_mutants_give_diagnostics_not_crashes(more_outcomes, kind):
+    _judge(more_outcomes, kind, PER_KIND - QUICK)
 
 
 def test_the_campaign_sees_both_outcomes(outcomes):

@@ -1,9 +1,12 @@
 """`mkc.interpret.lean_interpreter`: the runners' lean host side of TPU interpret mode computes
 what JAX's own does, byte for byte, and the race detector still fires under it."""
+import pytest
+
 from conftest import run_python
 from runtime.test_collectives import _run
 
 
+@pytest.mark.slow
 def test_a_multi_device_kernel_gives_the_same_bytes_lean_and_not():
     """The collectives kernel (16 devices: remote DMAs, semaphores, barriers) both ways (its
     other modes run lean in tests/runtime/test_collectives.py)."""
