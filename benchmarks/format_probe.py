@@ -4,8 +4,13 @@ expert-matmul body (`mkc.families.kimi_k3.ops`) on one pack group and is compile
 one-chip slice of each generation.
 
     .venv/bin/python benchmarks/format_probe.py [GENERATION ...]    # default: every one
+    .venv/bin/python benchmarks/format_probe.py --bundles tpu7x v6e v5e
 
 Prints one line per generation and format: "compiles" or the compiler's first error line.
+With --bundles, each compile also dumps libtpu's final instruction bundles (LLO) and the line
+gives the kernel's scheduled bundles and its FP8/FP4 unpack instructions on the codes: what
+the format costs in the code libtpu makes of mkc's expert matmul (a static schedule, not a
+timing; 8 rows of one 512-row pack group, 256 columns).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 GROUP, COLS, ROWS = 512, 256, 8
 
 
-def _kernel(fmt: str):
+def _kernel(fmt: str, fp8_operand: bool):
     import jax.numpy as jnp
 
     from mkc.families.kimi_k3 import ops
@@ -34,8 +39,9 @@ def _kernel(fmt: str):
         elif fmt == "fp8":
             w = ops.fp8_block_scaled_tile(codes, scales, BF16)
             o_ref[...] = jnp.dot(x, w, preferred_element_type=F32)
-        else:                                           # fp8 with a scale per pack group
-            o_ref[...] = ops.fp8_group_matmul(x, codes, scales[:1])
+        else:                   # fp8 with a scale per pack group: codes fed where the MXU takes them
+            o_ref[...] = ops.fp8_group_matmul(x, codes, scales[:1],
+                                              fp8_operand or fmt == "fp8 codes")
     return kernel
 
 
@@ -54,8 +60,10 @@ def probe(generation: str, fmt: str) -> str:
                                         platform="tpu")
     code_rows = GROUP // 2 if fmt == "mxfp4" else GROUP
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    call = pl.pallas_call(_kernel(fmt), out_shape=jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
-                          in_specs=[vmem] * 3, out_specs=vmem)
+    call = pl.pallas_call(_kernel(fmt, gen.fp8_operand),
+                          out_shape=jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
+                          in_specs=[vmem] * 3, out_specs=vmem,
+                          name="probe_" + fmt.replace(" ", "_"))
     one = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), P())
     args = [jax.ShapeDtypeStruct((ROWS, GROUP), jnp.bfloat16, sharding=one),
             jax.ShapeDtypeStruct((code_rows, COLS), jnp.uint8, sharding=one),
@@ -68,17 +76,54 @@ def probe(generation: str, fmt: str) -> str:
 
 
 FORMATS = ("mxfp4", "fp8", "fp8 block")
+# Not a format: the codes fed to a mixed bf16 x fp8 dot whatever the generation, which must
+# compile exactly where `mkc.target.Generation.fp8_operand` says the MXU takes FP8 operands.
+CODES = "fp8 codes"
+
+
+# libtpu's dumps of one compile: Mosaic's passes, and the final LLO with its bundle schedule
+_DUMP_FLAGS = "--xla_mosaic_dump_to={0}/mosaic --xla_jf_dump_to={0}/jf --xla_jf_dump_llo_text=true"
+
+
+def bundles(generation: str, fmt: str) -> str:
+    """`probe` in a fresh process that dumps libtpu's LLO: its verdict, the scheduled bundles
+    of the kernel and how many unpack (FP8/FP4 -> wider) instructions the bundles hold."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mkc-llo-") as d:
+        env = dict(os.environ, LIBTPU_INIT_ARGS=_DUMP_FLAGS.format(d), TF_CPP_MIN_LOG_LEVEL="3")
+        r = subprocess.run([sys.executable, __file__, "--one", generation, fmt], env=env,
+                           capture_output=True, text=True, timeout=600)
+        verdict = (r.stdout.strip().splitlines() or [f"fails: exit {r.returncode}"])[-1]
+        schedule = [f for f in Path(d, "jf").glob("*schedule-analysis_final_bundles.txt")
+                    if "probe_" in f.name]
+        final = [f for f in Path(d, "jf").glob("*final_bundles.txt")
+                 if "probe_" in f.name and "schedule-analysis" not in f.name]
+        if verdict != "compiles" or not schedule or not final:
+            return verdict if verdict != "compiles" else "compiles (no LLO dump found)"
+        total = re.search(r"total scheduled bundles:\s+(\d+)", schedule[0].read_text())
+        unpacks = len(re.findall(r"\bvunpack\S*", final[0].read_text()))
+        return f"{total.group(1) if total else '?'} bundles, {unpacks} unpack instructions"
 
 
 def main(argv: list[str]) -> int:
     from mkc import target
-    generations = argv or sorted(target.known_chips())
+    if argv[:1] == ["--one"]:                           # bundles' child: one compile
+        print(probe(argv[1], argv[2]))
+        return 0
+    counted = argv[:1] == ["--bundles"]
+    generations = argv[counted:] or sorted(target.known_chips())
     failed = False
     for g in generations:
-        for fmt in FORMATS:
-            verdict = probe(g, fmt)
-            failed |= verdict != "compiles"
-            print(f"{g} {fmt}: {verdict}")
+        for fmt in (*FORMATS, CODES):
+            verdict = bundles(g, fmt) if counted else probe(g, fmt)
+            compiles = verdict.startswith("compiles") or "bundles" in verdict
+            expected = target.generation(g).fp8_operand if fmt == CODES else True
+            failed |= compiles != expected
+            print(f"{g} {fmt}: {verdict}" + ("" if compiles == expected else
+                                              f" (expected {'to compile' if expected else 'to fail'})"))
     return 1 if failed else 0
 
 

@@ -32,6 +32,8 @@ if __name__ == "__main__":
         i = args.index("--verify")
         verify_rows = int(args[i + 1])
         del args[i:i + 2]
+    if len(args) != 2 or not args[1].isdigit():
+        sys.exit(__doc__)
     path, batch = args[0], int(args[1])
     if "--vmem" in sys.argv:
         r = run_compile(path, batch)

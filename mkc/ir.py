@@ -308,11 +308,14 @@ class ViewCopy:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a matrix class is stored (`format CLASS NAME [block ROWS]`): the format and the
-    input rows one scale covers (0: the format's own)."""
+    """How a matrix class is stored (`format CLASS NAME [block ROWS]`): the format, the input
+    rows one scale covers (0: the format's own) and whether the target's MXU takes FP8 values
+    as a matmul operand (`mkc.target.Generation.fp8_operand`), so codes can reach it as they
+    are."""
 
     name: str
     block: int = 0
+    fp8_operand: bool = True
 
 
 @dataclass(frozen=True)

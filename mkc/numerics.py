@@ -53,7 +53,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
                     shards=ShardTable.of(schedule.shards, schedule.ranks), gathers=tuple(gathers),
                     exchanges=tuple(exchanges), storage=tuple(storage),
                     shard=tuple(sorted(schedule.per_rank.items())), tiles=tuple(tiles),
-                    kv_tiles=tuple(kv_tiles))
+                    kv_tiles=tuple(kv_tiles),
+                    formats=tuple(sorted(schedule.weight_formats.items())))
 
 
 # ---- judging a kernel run ------------------------------------------------------------------

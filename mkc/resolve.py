@@ -120,11 +120,13 @@ def _group_spellings(axis: str, topo: target.Topology) -> dict[str, tuple[int, i
     return out
 
 
-def _resolve_formats(sched: ast.Schedule, family) -> dict[str, ir.WeightFormat]:
+def _resolve_formats(sched: ast.Schedule, family, chip: str) -> dict[str, ir.WeightFormat]:
     """Every matrix class with a choice of format -> the one the spec picks (`format CLASS
-    FORMAT`), else the checkpoint's."""
+    FORMAT`), else the checkpoint's; each with what the target's MXU takes."""
     offered = dict(family.weight_formats)
-    chosen = family.default_formats()
+    fp8_operand = target.generation(chip).fp8_operand
+    chosen = {cls: dataclasses.replace(f, fp8_operand=fp8_operand)
+              for cls, f in family.default_formats().items()}
     seen: dict[str, Span] = {}
     for f in sched.formats:
         cls = f.matrix.text
@@ -147,7 +149,7 @@ def _resolve_formats(sched: ast.Schedule, family) -> dict[str, ir.WeightFormat]:
             raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
                        hint="a block is the input rows one scale covers: e.g. `block 512`")
         seen[cls] = f.span
-        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0)
+        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand)
     return chosen
 
 
@@ -317,7 +319,7 @@ def resolve(sched: ast.Schedule, model_override: str | None = None, *,
                    "lowering places every dimension class", sched.name.span,
                    hint=f"add `shard {unsharded[0]} over {axis}`")
     shards = ShardTable.of(rules, ranks)
-    formats = _resolve_formats(sched, family)
+    formats = _resolve_formats(sched, family, chip_name)
     try:
         graph = build_graph(dims, family.build(dims, rules, ranks, formats), ranks)
     except ShardingError as e:

@@ -8,7 +8,7 @@ import pytest
 
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from tests_support import ROOT
+from tests_support import K3_SPEC, ROOT
 
 SPEC16 = ROOT / "schedules" / "qwen3_8_27b_16.sched"
 SPEC8 = ROOT / "schedules" / "qwen3_8_27b.sched"
@@ -103,3 +103,21 @@ def test_hint_lists_exactly_the_spellings_that_resolve(tmp_path):
             assert e.diagnostics[0].code == "E-SHARD", e.diagnostics[0]
             works = False
         assert works == (spelling in offered), spelling
+
+
+@pytest.mark.parametrize("target, fp8_operand", [("target v4 topology 2x2x2", False),
+                                                 ("target  tpu7x topology 2x2x2", True)])
+def test_a_format_records_whether_the_target_takes_fp8_operands(target, fp8_operand):
+    """K3 MINI's FP8 experts on v4, whose Mosaic refuses an FP8 matmul operand (so its kernel
+    converts the codes first), and on tpu7x (as shipped), which takes them (`mkc.target`)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import k3_mini_text
+    from mkc.lang.parser import parse
+    from mkc.resolve import resolve
+    text = re.sub(r"vmem\s+limit \d+ MiB reserve \d+ MiB", "vmem limit 16 MiB reserve 2 MiB",
+                  k3_mini_text(K3_SPEC.read_text()))
+    s = resolve(parse(re.sub(r"target\s+tpu7x topology \S+", target, text)), "kimi_k3_mini")
+    assert {f.name for f in s.weight_formats.values()} == {"fp8"}
+    assert {f.fp8_operand for f in s.weight_formats.values()} == {fp8_operand}

@@ -52,9 +52,12 @@ class Rates:
         return self.hbm_bytes_per_s * self.hbm_efficiency
 
     def mxu_rate(self, dtype: str) -> float:
-        """Peak MXU ops per second for inputs of `dtype` (f32: bf16 over its passes)."""
+        """Peak MXU ops per second for inputs of `dtype` (f32: bf16 over its passes; bf16
+        rows through fp8 weights: the bf16 rate)."""
         if dtype == "f32":
             return self.mxu_ops_per_s["bf16"] / self.f32_matmul_passes
+        if dtype == "bf16xfp8":
+            return self.mxu_ops_per_s["bf16"]
         if dtype not in self.mxu_ops_per_s:
             raise KeyError(f"{self.chip} has no {dtype} matrix unit (JAX gives "
                            f"{', '.join(sorted(self.mxu_ops_per_s))})")
@@ -65,6 +68,11 @@ class Rates:
         bound by loading weight tiles into the systolic arrays, not by FLOPs: a tile of
         column x column values takes about `column` cycles to load, while the peak rate does
         column x column multiply-adds per cycle, so loading runs at peak / (2 * column)."""
+        if dtype == "bf16xfp8":
+            # fp8 weights pushed as they are (libtpu's LLO of a bf16 x fp8 dot: tpu7x pushes
+            # f8e4m3, half the pushes of bf16; v6e and v5e convert inside the push): loaded at
+            # the chip's fp8 rate where JAX gives one, else at bf16's
+            dtype = "fp8" if "fp8" in self.mxu_ops_per_s else "bf16"
         return self.mxu_feed_scale * self.mxu_rate(dtype) / (2 * self.mxu_column)
 
     def latency(self, name: str) -> float:

@@ -27,6 +27,7 @@ its matmuls is which op of which layer kind.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +76,8 @@ class Rounding:
     matmul_input: str = "bf16"
     tiles: tuple[tuple[str, str, int], ...] = ()
     kv_tiles: tuple[tuple[str, int], ...] = ()
+    # (matrix class, mkc.ir.WeightFormat): how the classes with a choice are stored
+    formats: tuple[tuple[str, Any], ...] = ()
 
     def reduce(self, kind: str, op: str) -> Reduce:
         for k, o, r in self.reduces:
@@ -130,15 +133,21 @@ class Rounding:
                 return tokens
         raise KeyError(f"the schedule streams no KV cache tiles for {kind}")
 
+    def weight_format(self, cls: str):
+        """The ``mkc.ir.WeightFormat`` of matrix class `cls`, or None where there is no choice."""
+        return dict(self.formats).get(cls)
+
     def mm_in(self, x: jax.Array) -> jax.Array:
         """A matmul's activation input as the kernel feeds it to the MXU."""
         return round_to(x, self.matmul_input)
 
-    def linear(self, x: jax.Array, w: jax.Array, rows: int | None = None) -> jax.Array:
+    def linear(self, x: jax.Array, w: jax.Array, rows: int | None = None,
+               operands: str | None = None) -> jax.Array:
         """``x @ w.T`` (PyTorch ``[out, in]`` w, bf16 values) as the kernel multiplies an
         activation by a weight: the input rounded for the MXU, the dot of those operands
-        (``chunked_linear``, by chunks of ``rows`` inputs when the matrix streams in tiles)."""
-        return chunked_linear(self.mm_in(x), w, rows, self.matmul_input)
+        (``chunked_linear``, by chunks of ``rows`` inputs when the matrix streams in tiles;
+        ``operands`` "mixed_fp8" where the kernel feeds the weight as FP8 codes)."""
+        return chunked_linear(self.mm_in(x), w, rows, operands or self.matmul_input)
 
 
 def bf16_weights(w: np.ndarray) -> np.ndarray:
@@ -182,7 +191,14 @@ def chunks(total: int, width: int) -> list[tuple[int, int]]:
 
 def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
     """``x @ w.T`` with f32 accumulation, as one dot of ``operands`` ("bf16": the dot a kernel
-    issues to the MXU, bf16 operands accumulated in f32; x and w must hold bf16 values)."""
+    issues to the MXU, bf16 operands accumulated in f32; x and w must hold bf16 values;
+    "mixed_fp8": a kernel's bf16 x fp8 dot, w holding the fp8 values times a power of two)."""
+    if operands == "mixed_fp8":
+        # XLA's CPU runs a bf16 x fp8 dot as an f32 dot of the weight as the kernel holds it,
+        # [in, out]: the transpose stays a value of its own (a transposed operand sums in
+        # another order), and w's power of two scales every partial sum exactly.
+        w_in_out = jax.lax.optimization_barrier(jnp.transpose(w.astype(jnp.float32)))
+        return jnp.dot(x.astype(jnp.float32), w_in_out, precision=jax.lax.Precision.HIGHEST)
     if operands == "bf16":
         return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                           preferred_element_type=jnp.float32)

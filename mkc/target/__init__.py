@@ -26,6 +26,10 @@ class Generation:
     ndims: int             # the grid's dimensions, as JAX writes the generation's topologies
     max_chips: int         # the largest slice (a bigger grid cannot exist)
     unsupported: str = ""  # why mkc refuses the generation, if it does
+    # Whether Mosaic takes FP8 (e4m3) values as a matmul operand (a bf16 x fp8 dot), measured
+    # by benchmarks/format_probe.py: v4 refuses it (E2001 CompileTimeMosaicUnsupportedRhsType
+    # vector<..xf8E4M3FN>); v5e, v5p, v6e and tpu7x compile it.
+    fp8_operand: bool = True
 
 
 # Every generation both JAX's chip table and libtpu's compile-only topologies know (jax 0.12,
@@ -43,7 +47,7 @@ _GENERATIONS = {g.name: g for g in (
     Generation("v3", "TPU_V3", "v3", 2, 1024, _NO_BF16_MATMUL.format("v3")),
     Generation("v4i", "TPU_V4I", "v4 lite", 2, 1,
                "an inference chip Cloud TPU does not offer: no slice shapes to check against"),
-    Generation("v4", "TPU_V4", "v4", 3, 4096),
+    Generation("v4", "TPU_V4", "v4", 3, 4096, fp8_operand=False),
     Generation("v5e", "TPU_V5E", "v5e", 2, 256),
     Generation("v5p", "TPU_V5P", "v5p", 3, 8960),
     Generation("v6e", "TPU_V6E", "v6e", 2, 256),

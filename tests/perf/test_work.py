@@ -72,6 +72,25 @@ def test_a_dot_loads_its_larger_operand_and_streams_the_smaller():
     assert kw.ops["k", "attn"].kv_tile.matrix == {("bf16", 64): 512 * 128}
 
 
+def test_a_bf16_by_fp8_dot_loads_fp8_where_the_chip_multiplies_fp8():
+    """A mixed dot (bf16 rows, FP8 codes as the weight) is its own MXU input type: its weights
+    load at the chip's fp8 rate where JAX gives one (tpu7x: about twice bf16's, as its LLO pushes
+    f8e4m3 at half the pushes), else at bf16's (v5e converts in the push); its FLOPs at bf16's."""
+    def fn(x, w):
+        with scopes.op("moe", "experts"):
+            return jnp.dot(x, w, preferred_element_type=F32)
+
+    kw = _count(fn, jax.ShapeDtypeStruct((8, 512), BF16),
+                jax.ShapeDtypeStruct((512, 256), jnp.float8_e4m3fn))
+    assert kw.ops["moe", "experts"].at_op.matrix == {(work.MIXED_FP8, 8): 512 * 256}
+    from mkc.perf.constants import rates
+    r7, r5 = rates("tpu7x"), rates("v5e")
+    assert r7.feed_values_per_s(work.MIXED_FP8) == r7.feed_values_per_s("fp8")
+    assert r7.feed_values_per_s("fp8") > 1.9 * r7.feed_values_per_s("bf16")
+    assert r7.mxu_rate(work.MIXED_FP8) == r7.mxu_rate("bf16")
+    assert r5.feed_values_per_s(work.MIXED_FP8) == r5.feed_values_per_s("bf16")
+
+
 @pytest.fixture
 def fresh_counts():
     work.clear_cache()
@@ -131,10 +150,11 @@ def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
 
 @pytest.mark.slow
 def test_each_expert_format_is_priced_by_its_own_lowering(tmp_path):
-    """Counted from the kernel, a routed expert's weight value costs MXFP4's decode (about 15
+    """Counted from the kernel, a routed expert's weight value costs MXFP4's decode (about 8
     VPU operations), FP8 with 32-row scales a conversion and a multiply, FP8 with a scale per
-    pack group (the shipped spec) a conversion alone; the step follows, although FP8 streams
-    twice MXFP4's code bytes."""
+    pack group (the shipped spec) no conversion (the codes go to the MXU as they are: only the
+    group's scale on its partial product); the step follows, although FP8 streams twice
+    MXFP4's code bytes."""
     shipped = check_spec(K3_SPEC).ir
     assert shipped.weight_formats == {"expert.down": WeightFormat("fp8", 128),
                                       "expert.gate_up": WeightFormat("fp8", 512)}

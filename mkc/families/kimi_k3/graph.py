@@ -10,6 +10,7 @@ of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes and E8M0 scales, 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mkc.ir import MatrixFacts, WeightFormat
@@ -233,7 +234,7 @@ def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat
                               f"{groups[name]}", f"use {MX_BLOCK}, or a multiple of "
                               f"{groups[name]} that divides {rows[name]} (e.g. "
                               f"{groups[name]})")
-        out[cls] = WeightFormat(fmt.name, block)
+        out[cls] = dataclasses.replace(fmt, block=block)
     return out
 
 

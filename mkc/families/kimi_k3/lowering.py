@@ -263,9 +263,9 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     """x @ selected expert k's matrix `name` (codes and scales in its slot), one pack group of
     `group` input rows at a time, in the spec's `format expert.<name>`: MXFP4 codes (two rows a
     byte) decoded with their 32-row scales; FP8 codes (one) converted and scaled per 32 rows;
-    or, with FP8 blocks of whole pack groups, converted only, their block's scale multiplying
-    the group's partial product. The dots see the same values times powers of two, so every
-    format gives the same f32 sums."""
+    or, with FP8 blocks of whole pack groups, fed to the MXU as they are in a mixed bf16 x fp8
+    dot, their block's scale multiplying the group's partial product. The dots see the same
+    values times powers of two."""
     slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
     s_row, s_rows, s_cols = expert_slots.matrix(slots, c.refs, k, name + "_scales")
@@ -283,7 +283,7 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
             part = jnp.dot(xg, w, preferred_element_type=F32)
         else:                                    # one scale for the group's partial product
             b = g * group // fmt.block
-            part = ops.fp8_group_matmul(xg, codes, scales[b:b + 1])
+            part = ops.fp8_group_matmul(xg, codes, scales[b:b + 1], ops.feeds_codes(fmt))
         out = part if out is None else out + part
     return out
 

@@ -261,12 +261,29 @@ def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
     return blocked.reshape(rows, cols)
 
 
-def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
+def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes: bool = True
+                     ) -> jax.Array:
     """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the E8M0
-    ``scale`` [1, N] -> f32 [B, N]: the codes converted (exactly) to bf16, the power-of-two
-    scale applied to the partial product rather than to every value."""
-    w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    ``scale`` [1, N] -> f32 [B, N]: one mixed bf16 x fp8 dot (the codes reach the MXU as they
+    are; `as_codes` False: converted to bf16 first, where the MXU takes no FP8 operand), the
+    power-of-two scale applied to the partial product rather than to every value.
+
+    Measured from libtpu's output (benchmarks/fp8_feed_probe.py): TPU7x pushes the codes into
+    its MXUs as f8e4m3 with no vector work on them; v6e and v5e convert them inside the push
+    (bias-11 reinterpretation, the result multiplied by 16) with about three VPU operations a
+    weight register, against about thirty for converting to bf16 first. On a CPU (interpret
+    mode) XLA multiplies both operands as f32, which `mixed_fp8` in
+    ``mkc.reference.rounding`` follows."""
+    w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    w = w if as_codes else w.astype(jnp.bfloat16)
     return jnp.dot(x, w, preferred_element_type=F32) * _e8m0_scale(scale)
+
+
+def feeds_codes(fmt) -> bool:
+    """Whether a matrix stored in `fmt` (an ``mkc.ir.WeightFormat``) reaches the MXU as FP8
+    codes: FP8 with one scale per pack group's partial product (a block past 32 rows) on a
+    target whose MXU takes FP8 operands. The lowering and the reference's emulation both ask."""
+    return fmt.name == "fp8" and fmt.block > MX_BLOCK and fmt.fp8_operand
 
 
 # ---------------------------------------------------------------------------------------------

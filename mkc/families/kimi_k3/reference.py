@@ -103,6 +103,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mkc.families.kimi_k3.ops import feeds_codes
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import (Rounding, allreduce, bf16_weights, one_row_as_two,
                                    round_to, row_parallel)
@@ -845,6 +846,13 @@ def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> 
     return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling
 
 
+def _expert_operands(rounding: Rounding, matrix: str) -> str | None:
+    """How the kernel's dots take expert matrix `matrix` in the spec's format: FP8 codes fed as
+    they are (`mkc.families.kimi_k3.ops.feeds_codes`) in a mixed dot, else bf16 values."""
+    fmt = rounding.weight_format(f"expert.{matrix}")
+    return "mixed_fp8" if fmt is not None and feeds_codes(fmt) else None
+
+
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,
                              dense: jax.Array, rounding: Rounding) -> jax.Array:
     """The routed experts as the kernel computes them: rank r (expert group r // expert_tp,
@@ -856,6 +864,7 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
     tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
     groups = pack_groups(cfg.routed_expert_hidden_size, width)
     lat = rounding.mm_in(latent)
+    operands = {m: _expert_operands(rounding, m) for m in ("gate_up", "down")}
 
     def decoded(e: int, matrix: str) -> jax.Array:
         return mxfp4_dequantize_jax(p[f"experts.{e}.{matrix}.weight_packed"],
@@ -870,10 +879,10 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
         acc = jnp.zeros((b, cfg.routed_expert_hidden_size), jnp.float32)
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
             w1, w3, w2 = w[e]
-            hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"]),
-                          rounding.linear(lat, w3[cols], groups["gate_up"]), cfg.situ_beta,
-                          cfg.situ_linear_beta)
-            out = rounding.linear(hidden, w2[:, cols], groups["down"])
+            hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"], operands["gate_up"]),
+                          rounding.linear(lat, w3[cols], groups["gate_up"], operands["gate_up"]),
+                          cfg.situ_beta, cfg.situ_linear_beta)
+            out = rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"])
             acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out)
         partials.append(acc)
     return allreduce(partials, rounding.reduce("moe", "routed_experts"))

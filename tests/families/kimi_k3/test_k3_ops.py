@@ -18,9 +18,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import run_python
+from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.families.kimi_k3 import ops as ops
+from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
 
@@ -361,6 +363,7 @@ from jax import lax
 from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
 from mkc.families.kimi_k3 import ops as ops
+from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 
 F32, BF16, U8, I32 = jnp.float32, jnp.bfloat16, jnp.uint8, jnp.int32
@@ -457,34 +460,37 @@ def test_fp8_codes_decode_to_the_same_bf16_weights_as_their_mxfp4(group) -> None
 
 def test_fp8_blocks_of_whole_groups_give_the_same_f32_sums() -> None:
     """`format expert.* fp8 block N`: a block's 32-row scales folded into the codes (exactly:
-    spreads up to 8 octaves) and its one scale applied to each group's partial product: the
-    same f32 sums, bit for bit, as the MXFP4 decode and dot; a wider spread is refused."""
+    spreads up to 8 octaves), the codes fed to one mixed bf16 x fp8 dot per pack group and the
+    block's scale applied to its partial product. In interpret mode that is, bit for bit, what
+    the emulation's "mixed_fp8" dot of the decoded values gives (and not its bf16 dot: the
+    choice matters); a wider spread is refused."""
     rng = np.random.default_rng(12)
-    n_out, n_in, group, block, batch = 128, 512, 128, 256, 8
+    n_out, n_in, group, block, batch = 384, 1024, 512, 512, 8
     codes, scales = _random_mxfp4(rng, n_out, n_in, (110, 118))      # spreads up to 8 octaves
     codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
     fp8, top = ops.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group, block)
     assert top.shape == (n_in // block, n_out)
+    assert ops.feeds_codes(WeightFormat("fp8", block))
+    assert not ops.feeds_codes(WeightFormat("fp8", block, fp8_operand=False))     # v4
     x = jnp.asarray(rng.standard_normal((batch, n_in)), jnp.bfloat16)
 
-    def blocked(x, c, s):
-        parts = [ops.fp8_group_matmul(x[:, g * group:(g + 1) * group], c[g * group:(g + 1) * group],
-                                      s[g * group // block:g * group // block + 1])
-                 for g in range(n_in // group)]
-        return sum(parts[1:], parts[0])
+    def blocked(as_codes):
+        def fn(x, c, s):
+            parts = [ops.fp8_group_matmul(x[:, g * group:(g + 1) * group],
+                                          c[g * group:(g + 1) * group],
+                                          s[g * group // block:g * group // block + 1], as_codes)
+                     for g in range(n_in // group)]
+            return sum(parts[1:], parts[0])
+        return fn
 
-    def decoded(x, c, s):
-        parts = [jnp.dot(x[:, g * group:(g + 1) * group],
-                         ops.mxfp4_dequantize_tile(c[g * group // 2:(g + 1) * group // 2],
-                                                   s[g * group // 32:(g + 1) * group // 32],
-                                                   jnp.bfloat16), preferred_element_type=F32)
-                 for g in range(n_in // group)]
-        return sum(parts[1:], parts[0])
-
-    out = sds((batch, n_out), F32)
-    got = values_in_kernel(blocked, [x, jnp.asarray(fp8), jnp.asarray(top)], out)
-    want = values_in_kernel(decoded, [x, jnp.asarray(codes_k), jnp.asarray(scales_k)], out)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    args = [x, jnp.asarray(fp8), jnp.asarray(top)]
+    fed = values_in_kernel(blocked(True), args, sds((batch, n_out), F32))
+    converted = values_in_kernel(blocked(False), args, sds((batch, n_out), F32))
+    values = _dequantize_groups(jnp.asarray(codes_k), jnp.asarray(scales_k), group, F32)   # [in, out]
+    w = jnp.transpose(values)                                                             # [out, in]
+    np.testing.assert_array_equal(np.asarray(fed), np.asarray(chunked_linear(x, w, group, "mixed_fp8")))
+    np.testing.assert_array_equal(np.asarray(converted), np.asarray(chunked_linear(x, w, group, "bf16")))
+    assert not np.array_equal(np.asarray(fed), np.asarray(converted))
     wide = scales.copy()
     wide[0, 0] = 100                                   # one block spans 10 octaves or more
     wide_k = ops.pack_mxfp4_for_kernel(codes, wide, group)[1]
