@@ -11,25 +11,10 @@ opens and closes always nest (each is one `pl.run_scoped` in the generated code)
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from mkc import ir
-
-
-@dataclass(frozen=True)
-class Step:
-    kind: str                              # scope_open | scope_close | vectors | drain | start |
-                                           # wait | op | allreduce | allgather | exchange |
-                                           # prefetch | fetch | pool_wait | view_close
-    point: int
-    op: str = ""
-    transfer: ir.Transfer | None = None
-    allreduce: ir.AllReduce | None = None
-    buffers: tuple[ir.Buffer, ...] = ()
-    scope: int = 0                         # scope_open, scope_close: the scope's index
-    family: str = ""                       # pool_wait: the pooled matrix waited for
-    view: str = ""                         # pool_wait, view_close: "pool.view"
-    collective: ir.AllGather | ir.Exchange | None = None
+from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, Op, PoolWait, Prefetch,
+                       ScopeClose, ScopeOpen, Start, Step, Vectors, ViewClose, Wait)
 
 
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
@@ -45,23 +30,23 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
 
     def transfers_at(p: int, buffers: set[str], inside: bool) -> None:
         mine = [t for t in k.transfers if t.start == p and (t.buffer in buffers) == inside]
-        steps.extend(Step("start", p, transfer=t) for t in mine)
-        steps.extend(Step("wait", p, transfer=t) for t in mine if p in t.waits)
+        steps.extend(Start(p, transfer=t) for t in mine)
+        steps.extend(Wait(p, transfer=t) for t in mine if p in t.waits)
 
     def point(p: int) -> None:
         if p == 0:
-            steps.append(Step("vectors", p))
+            steps.append(Vectors(p))
             # copies of the previous layer of this kind that drain here
-            steps.extend(Step("drain", p, transfer=t) for t in k.transfers
+            steps.extend(Drain(p, transfer=t) for t in k.transfers
                          for _ in range(t.drain))
-        steps.extend(Step("wait", p, transfer=t) for t in k.transfers
+        steps.extend(Wait(p, transfer=t) for t in k.transfers
                      if t.start < p and p in t.waits)
         opening = [(i, sc) for i, sc in enumerate(scopes) if sc[1] == p]
         opening_buffers = {b.name for _, sc in opening for b in scoped(sc)}
         transfers_at(p, opening_buffers, inside=False)
-        steps.extend(Step("scope_close", p, buffers=scoped(sc), scope=i)
+        steps.extend(ScopeClose(p, buffers=scoped(sc), scope=i)
                      for i, sc in reversed(list(enumerate(scopes))) if sc[2] + 1 == p)
-        steps.extend(Step("scope_open", p, buffers=scoped(sc), scope=i) for i, sc in opening)
+        steps.extend(ScopeOpen(p, buffers=scoped(sc), scope=i) for i, sc in opening)
         transfers_at(p, opening_buffers, inside=True)
 
     # A pooled matrix is waited before the first op that reads it; a view closes after the
@@ -77,25 +62,23 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
         last_reader[f"{k.fetch.pool}.{k.fetch.view}"] = k.ops.index(k.fetch.consumer)
 
     def copies(p: int) -> None:
-        for name, vc in (("prefetch", k.prefetch), ("fetch", k.fetch)):
+        for step, vc in ((Prefetch, k.prefetch), (Fetch, k.fetch)):
             if vc is not None and vc.start == p:
-                steps.append(Step(name, p, view=f"{vc.pool}.{vc.view}"))
+                steps.append(step(p, view=f"{vc.pool}.{vc.view}"))
 
-    after = {a.after_op: Step("allreduce", 0, op=a.after_op, allreduce=a) for a in k.allreduces}
-    gathers = {g.after_op: Step("allgather", 0, op=g.after_op, collective=g)
-               for g in k.allgathers}
-    gathers |= {e.after_op: Step("exchange", 0, op=e.after_op, collective=e)
-                for e in k.exchanges}
+    after = {a.after_op: AllReduce(0, op=a.after_op, entry=a) for a in k.allreduces}
+    gathers = {g.after_op: AllGather(0, op=g.after_op, entry=g) for g in k.allgathers}
+    gathers |= {e.after_op: Exchange(0, op=e.after_op, entry=e) for e in k.exchanges}
     for i, op in enumerate(k.ops):
         point(i)
         copies(i)
-        steps.extend(Step("pool_wait", i, family=fam, view=k.pooled[fam])
+        steps.extend(PoolWait(i, family=fam, view=k.pooled[fam])
                      for fam in first_reader.get(i, []))
-        steps.append(Step("op", i, op=op))
+        steps.append(Op(i, op=op))
         for table in (after, gathers):
             if op in table:
                 steps.append(dataclasses.replace(table[op], point=i))
-        steps.extend(Step("view_close", i, view=v) for v, last in sorted(last_reader.items())
+        steps.extend(ViewClose(i, view=v) for v, last in sorted(last_reader.items())
                      if last == i)
     point(len(k.ops))
     copies(len(k.ops))

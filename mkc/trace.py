@@ -94,6 +94,170 @@ def layer_label(s: ir.ScheduleIR, layer: int) -> str:
     return f"layer {layer // per_layer} {s.layer_kinds[layer]}"
 
 
+class StepTracer:
+    """One decode step's trace under construction: the stream, vector, pool-view, expert and
+    KV mechanisms' events, which the steps of every layer (`mkc.steps`) and the prologue and
+    epilogue call."""
+
+    def __init__(self, s: ir.ScheduleIR, opts: TraceOptions) -> None:
+        self.s, self.opts, self.tb = s, opts, TraceBuilder()
+        st = s.stream
+        # The ring stream as traced: each family's run shortened by whole periods of slots, so
+        # the trace's size does not grow with smaller tiles (same residues, same hazards).
+        self.tile_bytes: list[int] = []
+        self.layer_tile_offset: list[int] = []
+        for kname in s.layer_kinds:
+            self.layer_tile_offset.append(len(self.tile_bytes))
+            for f in st.families[kname]:
+                self.tile_bytes += [f.tile_bytes] * self.traced(f.tiles)
+        self.tail_tile_offset = len(self.tile_bytes)
+        for f in st.tail:
+            self.tile_bytes += [f.tile_bytes] * self.traced(f.tiles)
+        self.total_tiles = len(self.tile_bytes)
+        self.vec_bytes = s.parity.rows * s.parity.cols * 4
+        self.views = {f"{p.name}.{v.name}": v for p in s.pools for v in p.views}
+        # Worst case for routed experts: every row picks top_k experts of this rank's group.
+        local = s.per_rank.get("local_experts", 0)
+        self.expert_count = min(s.top_k * s.rows_max if opts.experts is None else opts.experts, local)
+
+    def sized(self, b: ir.Buffer) -> int:
+        return _nbytes(b.at_batch(self.opts.batch) if self.opts.batch else b)
+
+    def op_event(self, kind: str, op: str, layer: int, where: str) -> None:
+        if self.opts.compute:
+            self.tb._add(op="op", tag=(kind, op, layer), where=where, span=Span.unknown(self.s.source))
+
+    def collective_event(self, what: str, entry, where: str) -> None:
+        if self.opts.compute:
+            self.tb._add(op="collective", tag=(what, entry), where=where, span=entry.span)
+
+    def traced(self, tiles: int) -> int:
+        """Tiles of one family's run the trace unrolls (all of them for the step-time model)."""
+        st = self.s.stream
+        return tiles if self.opts.whole_runs else periodic_tiles_traced(tiles, st.slots, st.ahead)
+
+    # ---- the ring stream and the parity vectors ----------------------------------------------
+    def start_tile(self, t: int, where: str) -> None:
+        st = self.s.stream
+        if t < self.total_tiles:
+            self.tb.start(dst=st.ring, slot=t % st.slots, sem=("ring", t % st.slots),
+                          nbytes=self.tile_bytes[t], tag=("tile", t), where=where, span=st.span)
+
+    def consume_tiles(self, family: ir.Family, first: int, where: str) -> int:
+        """Consume the family's run of tiles from `first`; returns the next tile."""
+        st, tb = self.s.stream, self.tb
+        for t in range(first, first + self.traced(family.tiles)):
+            # The consumer waits for its own family's tile size.
+            tb.wait(sem=("ring", t % st.slots), nbytes=family.tile_bytes, where=where, span=st.span)
+            tb.read(st.ring, t % st.slots, ("tile", t), where, st.span,
+                    self.tile_bytes[t] if self.opts.compute else 0)
+            self.start_tile(t + st.ahead, where)
+        return first + self.traced(family.tiles)
+
+    def start_vectors(self, layer: int, where: str) -> None:
+        self.tb.start(dst="vectors", slot=layer % 2, sem=("vectors", layer % 2),
+                      nbytes=self.vec_bytes, tag=("vectors", layer), where=where,
+                      span=self.s.parity.span)
+
+    # ---- pool views ----------------------------------------------------------------------
+    def pooled_bytes(self, view_id: str, kname: str, fam: str) -> int:
+        return next(m.nbytes for m in self.views[view_id].matrices[kname] if m.name == fam)
+
+    def open_view(self, view_id: str, layer: int, where: str, span: Span) -> None:
+        """`span` is the statement whose copy opens the view: a pool overlap points there."""
+        self.tb.view("view_open", view_id, layer, layer_label(self.s, layer), where, span)
+
+    def start_weights(self, view_id: str, layer: int, where: str, span: Span) -> None:
+        """Copy layer `layer`'s matrices of this weight view (if its kind has any)."""
+        mats = self.views[view_id].matrices.get(self.s.layer_kinds[layer], [])
+        if not mats:
+            return
+        self.open_view(view_id, layer, where, span)
+        for m in mats:
+            self.tb.start(dst=view_id, slot=m.name, sem=(view_id, m.name), nbytes=m.nbytes,
+                          tag=("pool", layer, m.name), where=where, span=span)
+
+    def start_expert(self, view_id: str, layer: int, k: int, where: str, span: Span) -> None:
+        v = self.views[view_id]
+        for m in v.matrices["expert"]:
+            self.tb.start(dst=view_id, slot=(k % v.slots, m.name), sem=(view_id, k % v.slots, m.name),
+                          nbytes=m.nbytes, tag=("expert", layer, k), where=where, span=span)
+
+    def run_experts(self, view_id: str, layer: int, where: str, span: Span) -> None:
+        v, tb = self.views[view_id], self.tb
+        # Expert k is fetched `slots` ahead into slot k % slots: as periodic as a ring's tiles.
+        count = (self.expert_count if self.opts.whole_runs
+                 else periodic_tiles_traced(self.expert_count, v.slots, v.slots))
+        for k in range(count):
+            for m in v.matrices["expert"]:
+                tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where, span=span)
+                tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span,
+                        m.nbytes if self.opts.compute else 0)
+            if k + v.slots < count:
+                self.start_expert(view_id, layer, k + v.slots, where, span)
+
+    # ---- KV tiles ------------------------------------------------------------------------
+    def kv_events(self, k: ir.KindSchedule, layer: int, where: str) -> None:
+        s, opts, tb, kv = self.s, self.opts, self.tb, k.kv
+        bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
+        if opts.kv_tokens is None:
+            n_tiles = periodic_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
+        else:
+            n_tiles = -(-opts.kv_tokens // kv.tokens)
+        if opts.sequences or opts.batch:
+            bufs = [b.at_batch(opts.sequences or opts.batch) for b in bufs]
+        nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
+        for b in bufs:
+            tb.alloc(b.name, where, kv.span)
+
+        def start(t: int) -> None:
+            if t < n_tiles:
+                for b in bufs:
+                    tb.start(dst=b.name, slot=t % kv.slots, sem=(b.name, t % kv.slots),
+                             nbytes=nbytes[b.name], tag=("kv", layer, t), where=where, span=kv.span)
+
+        for t in range(min(kv.ahead, n_tiles)):
+            start(t)
+        for t in range(n_tiles):
+            for b in bufs:
+                tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where, span=kv.span)
+                tb.read(b.name, t % kv.slots, ("kv", layer, t), where, kv.span)
+            start(t + kv.ahead)
+        for b in bufs:
+            tb.free(b.name, where, kv.span)
+
+
+@dataclass
+class LayerTrace:
+    """One iteration of the layer loop as its steps trace it (`mkc.steps`: `step.trace(t)`)."""
+
+    tracer: StepTracer
+    layer: int
+    kname: str
+    seen: int                     # layers of this kind already run
+    tile: int                     # the next ring tile this layer consumes
+    holds: dict = field(default_factory=dict)    # the tag each state buffer holds
+
+    def __post_init__(self) -> None:
+        s = self.tracer.s
+        self.s, self.tb, self.k = s, self.tracer.tb, s.kinds[self.kname]
+        self.label = layer_label(s, self.layer)
+        self.families = {f.name: f for f in s.stream.families[self.kname]}
+        self.vector_families = {name for name, _ in self.k.vectors}
+        self.loaded = {t.state: t.buffer for t in self.k.transfers if t.direction == "load"}
+        self.holds = {t.buffer: ("state", self.layer) for t in self.k.transfers}
+
+    def where(self, p: int) -> str:
+        if p == 0:
+            return f"{self.label} at start"
+        if p == len(self.k.ops):
+            return f"{self.label} at end"
+        return f"{self.label} before {self.k.ops[p]}"
+
+    def sized(self, buffer: str) -> int:
+        return self.tracer.sized(self.s.buffer(buffer))
+
+
 def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[Event]:
     """The event trace of one step. With `options.compute` it also carries an `op` event as
     each op begins (tag: (kind, op, layer); kind "tail" for embed, final_norm, lm_head), a
@@ -101,213 +265,36 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     a `layer` event as each layer begins (tag: (kind, layer)), an `epilogue` event, and the
     bytes of every weight read: what the step-time model needs on top of the checks'."""
     opts = options or TraceOptions()
-    tb = TraceBuilder()
-
-    def sized(b: ir.Buffer) -> int:
-        return _nbytes(b.at_batch(opts.batch) if opts.batch else b)
-
-    def op_event(kind: str, op: str, layer: int, where: str) -> None:
-        if opts.compute:
-            tb._add(op="op", tag=(kind, op, layer), where=where, span=Span.unknown(s.source))
-
-    def collective_event(what: str, entry, where: str) -> None:
-        if opts.compute:
-            tb._add(op="collective", tag=(what, entry), where=where, span=entry.span)
-
-    st, par = s.stream, s.parity
-
-    def traced(tiles: int) -> int:
-        """Tiles of one family's run the trace unrolls (all of them for the step-time model)."""
-        return tiles if opts.whole_runs else periodic_tiles_traced(tiles, st.slots, st.ahead)
-
-    # The ring stream as traced: each family's run shortened by whole periods of slots, so the
-    # trace's size does not grow with smaller tiles (same residues, same hazards).
-    tile_bytes: list[int] = []
-    layer_tile_offset: list[int] = []
-    for kname in s.layer_kinds:
-        layer_tile_offset.append(len(tile_bytes))
-        for f in st.families[kname]:
-            tile_bytes += [f.tile_bytes] * traced(f.tiles)
-    tail_tile_offset = len(tile_bytes)
-    for f in st.tail:
-        tile_bytes += [f.tile_bytes] * traced(f.tiles)
-    total_tiles = len(tile_bytes)
-    vec_bytes = par.rows * par.cols * 4
+    tracer = StepTracer(s, opts)
+    tb, st, par = tracer.tb, s.stream, s.parity
     n_layers = len(s.layer_kinds)
-    ring_sem = lambda slot: ("ring", slot)                       # noqa: E731
-    vec_sem = lambda slot: ("vectors", slot)                     # noqa: E731
-
-    def start_tile(t: int, where: str) -> None:
-        if t < total_tiles:
-            tb.start(dst=st.ring, slot=t % st.slots, sem=ring_sem(t % st.slots),
-                     nbytes=tile_bytes[t], tag=("tile", t), where=where, span=st.span)
-
-    def consume_tiles(family: ir.Family, first: int, where: str) -> int:
-        """Consume the family's run of tiles from `first`; returns the next tile."""
-        for t in range(first, first + traced(family.tiles)):
-            # The consumer waits for its own family's tile size.
-            tb.wait(sem=ring_sem(t % st.slots), nbytes=family.tile_bytes, where=where,
-                    span=st.span)
-            tb.read(st.ring, t % st.slots, ("tile", t), where, st.span,
-                    tile_bytes[t] if opts.compute else 0)
-            start_tile(t + st.ahead, where)
-        return first + traced(family.tiles)
-
-    def start_vectors(layer: int, where: str) -> None:
-        tb.start(dst="vectors", slot=layer % 2, sem=vec_sem(layer % 2), nbytes=vec_bytes,
-                 tag=("vectors", layer), where=where, span=par.span)
-
-    # ---- pool views ----------------------------------------------------------------------
-    views = {f"{p.name}.{v.name}": v for p in s.pools for v in p.views}
-    # Worst case for routed experts: every row picks top_k experts of this rank's group.
-    expert_count = min(s.top_k * s.rows_max, s.per_rank.get("local_experts", 0))
-    if opts.experts is not None:
-        expert_count = min(opts.experts, s.per_rank.get("local_experts", 0))
-
-    def pooled_bytes(view_id: str, kname: str, fam: str) -> int:
-        return next(m.nbytes for m in views[view_id].matrices[kname] if m.name == fam)
-
-    def open_view(view_id: str, layer: int, where: str, span: Span) -> None:
-        """`span` is the statement whose copy opens the view: a pool overlap points there."""
-        tb.view("view_open", view_id, layer, layer_label(s, layer), where, span)
-
-    def start_weights(view_id: str, layer: int, where: str, span: Span) -> None:
-        """Copy layer `layer`'s matrices of this weight view (if its kind has any)."""
-        kname = s.layer_kinds[layer]
-        mats = views[view_id].matrices.get(kname, [])
-        if not mats:
-            return
-        open_view(view_id, layer, where, span)
-        for m in mats:
-            tb.start(dst=view_id, slot=m.name, sem=(view_id, m.name), nbytes=m.nbytes,
-                     tag=("pool", layer, m.name), where=where, span=span)
-
-    def start_expert(view_id: str, layer: int, k: int, where: str, span: Span) -> None:
-        v = views[view_id]
-        for m in v.matrices["expert"]:
-            tb.start(dst=view_id, slot=(k % v.slots, m.name), sem=(view_id, k % v.slots, m.name),
-                     nbytes=m.nbytes, tag=("expert", layer, k), where=where, span=span)
-
-    def run_experts(view_id: str, layer: int, where: str, span: Span) -> None:
-        v = views[view_id]
-        # Expert k is fetched `slots` ahead into slot k % slots: as periodic as a ring's tiles.
-        count = expert_count if opts.whole_runs else periodic_tiles_traced(expert_count, v.slots,
-                                                                           v.slots)
-        for k in range(count):
-            for m in v.matrices["expert"]:
-                tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where,
-                        span=span)
-                tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span,
-                        m.nbytes if opts.compute else 0)
-            if k + v.slots < count:
-                start_expert(view_id, layer, k + v.slots, where, span)
 
     # ---- prologue ------------------------------------------------------------------------
-    for view_id, v in views.items():
+    for view_id, v in tracer.views.items():
         if v.slots == 0 and s.layer_kinds:
-            start_weights(view_id, 0, "prologue", v.span)
-    for t in range(min(st.ahead, total_tiles)):
-        start_tile(t, "prologue")
+            tracer.start_weights(view_id, 0, "prologue", v.span)
+    for t in range(min(st.ahead, tracer.total_tiles)):
+        tracer.start_tile(t, "prologue")
     for layer in range(min(par.ahead, n_layers)):
-        start_vectors(layer, "prologue")
-    op_event("tail", "embed", -1, "prologue: embedding")
+        tracer.start_vectors(layer, "prologue")
+    tracer.op_event("tail", "embed", -1, "prologue: embedding")
     tb.write("x", None, ("x", -1), "prologue: embedding", Span.unknown(s.source))
     if s.embed_reduce is not None:
-        collective_event("allreduce", s.embed_reduce, "prologue: embedding")
+        tracer.collective_event("allreduce", s.embed_reduce, "prologue: embedding")
     head_norm_bytes = s.buffer("head_norm").vmem_bytes
     tb.start(dst="head_norm", slot=None, sem=("head_norm",), nbytes=head_norm_bytes,
              tag=("head_norm",), where="prologue", span=Span.unknown(s.source))
 
-    # ---- layers --------------------------------------------------------------------------
+    # ---- layers: each step of the kind's program adds its events ------------------------
     programs = {kname: layer_program(s, kname) for kname in s.kinds}
-    seen_kind = {kname: 0 for kname in s.kinds}      # layers of each kind already run
+    seen_kind = {kname: 0 for kname in s.kinds}
     for layer, kname in enumerate(s.layer_kinds):
-        k = s.kinds[kname]
-        label = layer_label(s, layer)
         if opts.compute:
-            tb._add(op="layer", tag=(kname, layer), where=label, span=Span.unknown(s.source))
-        tile = layer_tile_offset[layer]
-        families = {f.name: f for f in st.families[kname]}
-        vector_families = {name for name, _ in k.vectors}
-        loaded = {t.state: t.buffer for t in k.transfers if t.direction == "load"}
-        holds = {t.buffer: ("state", layer) for t in k.transfers}   # tag each state buffer holds
-
-        def where(p: int) -> str:
-            if p == 0:
-                return f"{label} at start"
-            if p == len(k.ops):
-                return f"{label} at end"
-            return f"{label} before {k.ops[p]}"
-
+            tb._add(op="layer", tag=(kname, layer), where=layer_label(s, layer),
+                    span=Span.unknown(s.source))
+        lt = LayerTrace(tracer, layer, kname, seen_kind[kname], tracer.layer_tile_offset[layer])
         for step in programs[kname]:
-            t = step.transfer
-            if step.kind == "scope_open":
-                for b in step.buffers:
-                    tb.alloc(b.name, where(step.point), b.span)
-            elif step.kind == "scope_close":
-                for b in step.buffers:
-                    tb.free(b.name, where(step.point), b.span)
-            elif step.kind == "vectors":
-                if par.ahead == 0:
-                    start_vectors(layer, where(0))
-                tb.wait(sem=vec_sem(layer % 2), nbytes=vec_bytes, where=where(0), span=par.span)
-                if par.ahead > 0 and layer + par.ahead < n_layers:
-                    start_vectors(layer + par.ahead, where(0))
-            elif step.kind == "start" and t.direction == "load":
-                tb.start(dst=t.buffer, slot=None, sem=(t.direction, t.buffer),
-                         nbytes=sized(s.buffer(t.buffer)), tag=("state", layer),
-                         hbm=(("state", t.state, layer), "read"),
-                         where=where(step.point), span=t.span)
-            elif step.kind == "start":
-                tb.start(dst="", slot=None, sem=(t.direction, t.buffer),
-                         nbytes=sized(s.buffer(t.buffer)), tag=None,
-                         src=(t.buffer, None, ("state-updated", layer)),
-                         hbm=(("state", t.state, layer), "write"),
-                         where=where(step.point), span=t.span)
-            elif step.kind == "wait" or (step.kind == "drain" and seen_kind[kname] > 0):
-                tb.wait(sem=(t.direction, t.buffer), nbytes=sized(s.buffer(t.buffer)),
-                        where=where(step.point), span=t.span)
-            elif step.kind == "prefetch":
-                if layer + 1 < n_layers:
-                    start_weights(step.view, layer + 1, where(step.point), k.prefetch.span)
-            elif step.kind == "fetch":
-                open_view(step.view, layer, where(step.point), k.fetch.span)
-                for e in range(min(views[step.view].slots, expert_count)):
-                    start_expert(step.view, layer, e, where(step.point), k.fetch.span)
-            elif step.kind == "pool_wait":
-                m = next(m for m in views[step.view].matrices[kname] if m.name == step.family)
-                tb.wait(sem=(step.view, m.name), nbytes=m.nbytes, where=where(step.point),
-                        span=views[step.view].span)
-            elif step.kind == "view_close":
-                tb.view("view_close", step.view, layer, label, f"{label} after {k.ops[step.point]}",
-                        views[step.view].span)
-            elif step.kind in ("allreduce", "allgather", "exchange"):
-                collective_event(step.kind, step.allreduce or step.collective,
-                                 f"{label} after {step.op}")
-            elif step.kind == "op":
-                op = step.op
-                w = f"{label} {op}"
-                op_event(kname, op, layer, w)
-                if op in k.matmuls and k.matmuls[op] not in k.pooled:
-                    family = families[k.matmuls[op]]
-                    tile = consume_tiles(family, tile, w)
-                for fam, view_id in sorted(k.pooled.items()):
-                    if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
-                        tb.read(view_id, fam, ("pool", layer, fam), w, views[view_id].span,
-                                pooled_bytes(view_id, kname, fam) if opts.compute else 0)
-                if k.fetch is not None and op == k.fetch.consumer:
-                    run_experts(f"{k.fetch.pool}.{k.fetch.view}", layer, w, k.fetch.span)
-                if vector_families & set(k.op_reads[op]):
-                    tb.read("vectors", layer % 2, ("vectors", layer), w, par.span)
-                for sname in k.op_reads[op]:
-                    if sname in loaded:
-                        b = s.buffer(loaded[sname])
-                        tb.read(b.name, None, holds[b.name], w, b.span)
-                        if sname in k.op_writes[op]:
-                            holds[b.name] = ("state-updated", layer)
-                            tb.write(b.name, None, holds[b.name], w, b.span)
-                if k.kv is not None and op == k.kv.op:
-                    _kv_events(tb, s, k, layer, w, opts)
+            step.trace(lt)
         seen_kind[kname] += 1
 
     # ---- epilogue ------------------------------------------------------------------------
@@ -316,47 +303,16 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     for kname, k in s.kinds.items():
         for t in k.transfers:
             for _ in range(t.drain if seen_kind[kname] else 0):
-                tb.wait(sem=(t.direction, t.buffer), nbytes=sized(s.buffer(t.buffer)),
+                tb.wait(sem=(t.direction, t.buffer), nbytes=tracer.sized(s.buffer(t.buffer)),
                         where="epilogue: drain", span=t.span)
     tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
             span=Span.unknown(s.source))
-    op_event("tail", "final_norm", -1, "epilogue final_norm")
+    tracer.op_event("tail", "final_norm", -1, "epilogue final_norm")
     tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))
-    op_event("tail", "lm_head", -1, "epilogue lm_head")
-    consume_tiles(st.tail[0], tail_tile_offset, "epilogue lm_head")
+    tracer.op_event("tail", "lm_head", -1, "epilogue lm_head")
+    tracer.consume_tiles(st.tail[0], tracer.tail_tile_offset, "epilogue lm_head")
     tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))
     return tb.events
-
-
-def _kv_events(tb: TraceBuilder, s: ir.ScheduleIR, k: ir.KindSchedule, layer: int,
-               where: str, opts: TraceOptions) -> None:
-    kv = k.kv
-    bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
-    if opts.kv_tokens is None:
-        n_tiles = periodic_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
-    else:
-        n_tiles = -(-opts.kv_tokens // kv.tokens)
-    if opts.sequences or opts.batch:
-        bufs = [b.at_batch(opts.sequences or opts.batch) for b in bufs]
-    nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
-    for b in bufs:
-        tb.alloc(b.name, where, kv.span)
-
-    def start(t: int) -> None:
-        if t < n_tiles:
-            for b in bufs:
-                tb.start(dst=b.name, slot=t % kv.slots, sem=(b.name, t % kv.slots),
-                         nbytes=nbytes[b.name], tag=("kv", layer, t), where=where, span=kv.span)
-
-    for t in range(min(kv.ahead, n_tiles)):
-        start(t)
-    for t in range(n_tiles):
-        for b in bufs:
-            tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where, span=kv.span)
-            tb.read(b.name, t % kv.slots, ("kv", layer, t), where, kv.span)
-        start(t + kv.ahead)
-    for b in bufs:
-        tb.free(b.name, where, kv.span)
 
 
 def periodic_tiles_traced(n_tiles: int, slots: int, ahead: int) -> int:

@@ -7,7 +7,8 @@ import dataclasses
 import json
 
 from mkc import ir
-from mkc.codegen.layers import DTYPE_SOURCE, gather_name, layer_source, reduce_name
+from mkc.codegen.layers import DTYPE_SOURCE, layer_source
+from mkc.steps.collectives import gather_name, reduce_name
 from mkc.model.sharding import ShardTable
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host

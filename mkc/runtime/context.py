@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkc.runtime import collectives, experts, kv, pool, ring, vectors
+from mkc.steps.copies import copy_name
 
 
 def spread_on_host(batch_axis: int, ndim: int) -> bool:
@@ -27,11 +28,6 @@ def spread_on_host(batch_axis: int, ndim: int) -> bool:
     first S. The kernel cannot load S entries when rows are a tiled (last two) dim: a slice
     of a tile is no DMA target (Mosaic: "slice sizes along tiled dimensions must be aligned")."""
     return batch_axis >= ndim - 2
-
-
-def copy_name(direction: str, buffer: str) -> str:
-    """How layer bodies name a state copy (unique within a kind: one a direction and buffer)."""
-    return f"{direction}_{buffer}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,31 @@
+"""The steps of a layer's program (`mkc.program.layer_program`), one module per statement or
+mechanism, each step kind a class that owns its meaning at every stage after the IR:
+
+* ``trace(t)``: the events it adds to the step's trace (`mkc.trace.LayerTrace`), which the
+  checks read for hazards and capacity and the step-time model prices;
+* ``emit(e, indent)``: the lines it adds to the layer function (`mkc.codegen.layers`);
+* ``values(k)``: the register values it reads and defines, which emitted scopes pass on.
+
+Dispatch is by type (``step.trace(t)``), as Pallas registers a lowering rule per primitive:
+a new step kind is a new class here, not a branch in each stage.
+
+| module | steps | from the spec |
+| --- | --- | --- |
+| `copies` | `Start`, `Wait`, `Drain` | `load` / `store` of state, `wait`, drains |
+| `scopes` | `ScopeOpen`, `ScopeClose` | `scoped BUFFER from OP to OP` |
+| `vectors` | `Vectors` | the parity vectors (`parity vectors ahead N`) |
+| `views` | `Prefetch`, `Fetch`, `PoolWait`, `ViewClose` | pools, views, `prefetch`, `fetch experts` |
+| `collectives` | `AllReduce`, `AllGather`, `Exchange` | `allreduce`, `allgather`, `exchange` |
+| `compute` | `Op` | the model graph's ops (ring tiles, pooled and expert reads, KV tiles) |
+"""
+from mkc.steps.base import Step, spec_line
+from mkc.steps.collectives import AllGather, AllReduce, Exchange
+from mkc.steps.compute import Op
+from mkc.steps.copies import Drain, Start, Wait
+from mkc.steps.scopes import ScopeClose, ScopeOpen
+from mkc.steps.vectors import Vectors
+from mkc.steps.views import Fetch, PoolWait, Prefetch, ViewClose
+
+__all__ = ["Step", "spec_line", "AllGather", "AllReduce", "Exchange", "Op", "Drain", "Start",
+           "Wait", "ScopeClose", "ScopeOpen", "Vectors", "Fetch", "PoolWait", "Prefetch",
+           "ViewClose"]
