@@ -687,11 +687,14 @@ def _dense_mlp(mlp: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
 
 def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
                   tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None,
-                  mlp: Any = _dense_mlp) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  mlp: Any = _dense_mlp, mlp_residual: Any = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
     norm, new cache). ``decode_step`` adds the final norm and the LM head. ``mlp(params under
     mlp., cfg, normed x, rounding, layer type)`` is each layer's MLP (a family with another MLP,
-    such as Qwen3.5 MoE, passes its own)."""
+    such as Qwen3.5 MoE, passes its own), added to the residual stream; or, when given,
+    ``mlp_residual(params under mlp., cfg, residual, normed x, rounding, layer type)`` returns
+    the residual stream after the MLP (for a kernel that adds the MLP's parts to it one by one)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     x = embed(params, tokens, rounding)
@@ -712,7 +715,9 @@ def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[s
                                      cache[f"layers.{i}.value_cache"], positions, rounding))
         x = x + out
         sub = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
-        x = x + mlp(sub, cfg, rms_norm(x, lp["post_attention_layernorm.weight"], eps), rounding, kind)
+        h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
+        x = (x + mlp(sub, cfg, h, rounding, kind) if mlp_residual is None
+             else mlp_residual(sub, cfg, x, h, rounding, kind))
     return x, new_cache
 
 
