@@ -90,16 +90,23 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   against per row and head. ``mkc.families.qwen3_5.reference`` now writes these as the
 #   kernel does, jitted, in its shapes. Measured at step 0: batch 2 bit-equal for weight
 #   seeds 0 to 3, for ml_dtypes 0.7's weights, and with two-level or direct all-reduces;
-#   batch 4 bit-equal (was key cache 1.0e-6). Open: past step 0, from the kernel's own state,
-#   the recurrent state is 4e-8 (relative) from the emulation: in Qwen MINI's layer 0 at step
-#   1, 15 % to 25 % of every head's [128, 128] state elements are one f32 ulp apart. It is not
-#   the delta rule's arithmetic as written: eager or jitted, barriers around the decay and the
-#   update, an FMA or a correctly rounded exp, and seven formulations of k S (dot, transposed,
-#   einsum, two rows, sums) leave it or make it larger. Mostly it stays there (logits
-#   bit-equal), but where a downstream bf16 rounding sits on an edge it flips and spreads:
-#   Qwen MINI from position 141, batch 1, step 1 (and verify row 1 from there) is 1.3e-3 from
-#   the emulation in the logits and 6e-4 to 1.2e-3 in every state; from 136 (the decode tests)
-#   and verify rows from 142 it stays exact. The Qwen3.5 MoE emulation shares it.
+#   batch 4 bit-equal (was key cache 1.0e-6). Past step 0, from the kernel's own state, two
+#   more (found on the AVX512-BF16 host below, by the same captures). The one-ulp gap: the
+#   recurrent state was 4e-8 (relative) from the emulation, at batch 2, step 1, 16 % to 17 %
+#   of every layer's state elements one f32 ulp apart. It was not the delta rule's arithmetic
+#   (eager or jitted, barriers around the decay and the update, an FMA or a correctly rounded
+#   exp, seven formulations of k S left it or made it larger) but its values: capturing the
+#   kernel's conv output made the kernel itself bit-equal to the emulation (capturing its
+#   state, in_proj output or decay did not), because uncaptured XLA fuses the conv's SiLU
+#   product into ``v - k S``, one FMA, as in K3 (below); at step 0, where k S is zero, that
+#   rounds as v does. And the gated norm: the emulation ran it eagerly over all heads at once,
+#   the kernel head by head, 9.5e-7 apart; from position 141 (batch 2, step 1) that flipped a
+#   bf16 input of layer 4's out_proj: logits up to 7.1e-3 (absolute) from the emulation (verify
+#   row 1 from 141 likewise: 1.7e-3; before, the decode tests from 136 happened to stay
+#   exact). ``mkc.families.qwen3_5.reference`` now passes the values to the delta rule as their
+#   SiLU factors and runs the gated norm head by head, jitted; measured there: batch 2 steps 0
+#   and 1 from 136 and from 141, and the three verify rows from 141, bit-equal (logits and
+#   every state). The Qwen3.5 MoE emulation shares both.
 #   Qwen3.5 MoE MINI at batch 8 (issue 20). On the AVX512-BF16 host (AMD EPYC; avx512f, bw,
 #   dq, vl, vnni, bf16; XLA_FLAGS --xla_cpu_max_isa=AVX2, YNNPACK fusions on), the eager step
 #   of the shipped spec was 1.2e-4 from the emulation in row 6's logits and 1.8e-5 in row 7's
