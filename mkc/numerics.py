@@ -221,8 +221,11 @@ def pin_cpu_isa() -> None:
     starts (it reads XLA_FLAGS then). XLA picks dot routines by ISA, and on an AVX512-BF16
     host its bf16 dots summed in other orders than on the AVX2 hosts where every exactness
     claim here was measured (K3 at batch 8 left the emulation there). Pinned, both run the
-    AVX2 routines everywhere. Measured only on AVX2 hosts (where it changes nothing); not yet
-    run on an AVX512 one."""
+    AVX2 routines everywhere (but XLA's YNNPACK fusions pick their kernels by the CPU found,
+    whatever the cap). Measured on AVX2 hosts (where it changes nothing) and on an AVX512-BF16
+    one (AMD EPYC, December 2026), where the exact tests pass with it; there the Qwen3.5 MoE
+    batch-8 step is bit-equal with the cap, without YNNPACK fusions, and with
+    ``--xla_cpu_max_isa=AVX512_BF16`` instead (issue 20)."""
     if "avx2" not in host_facts()["isa"]:
         return
     flags = os.environ.get("XLA_FLAGS", "")
@@ -235,7 +238,9 @@ def host_facts() -> dict[str, object]:
     """The CPU a kernel ran on: model name and the vector ISA flags XLA may choose its routines
     by. Each exactness claim holds where it was measured: the runners put this in their summary.
     Measured exact (every step, as the tests run them): AMD EPYC with avx avx2 fma (no
-    avx512), December 2026."""
+    avx512), December 2026; and AMD EPYC with avx512 (f, bw, dq, vl, vnni, bf16), ISA capped at
+    AVX2 (``pin_cpu_isa``), December 2026 (issue 20: the Qwen and Qwen3.5 MoE interpret and
+    verify tests, and K3 MINI's ``--steps 2 --batch 2`` run)."""
     facts: dict[str, object] = {"machine": platform.machine(), "model": platform.processor(), "isa": [],
                                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
