@@ -223,9 +223,10 @@ def pin_cpu_isa() -> None:
     claim here was measured (K3 at batch 8 left the emulation there). Pinned, both run the
     AVX2 routines everywhere (but XLA's YNNPACK fusions pick their kernels by the CPU found,
     whatever the cap). Measured on AVX2 hosts (where it changes nothing) and on an AVX512-BF16
-    one (AMD EPYC, December 2026), where the exact tests pass with it; there the Qwen3.5 MoE
-    batch-8 step is bit-equal with the cap, without YNNPACK fusions, and with
-    ``--xla_cpu_max_isa=AVX512_BF16`` instead (issue 20)."""
+    one (AMD EPYC, December 2026), where the Qwen and Qwen3.5 MoE exact tests pass with it (and
+    K3 MINI two steps at batch 2); there the Qwen3.5 MoE batch-8 step is bit-equal with the
+    cap, without YNNPACK fusions, and with ``--xla_cpu_max_isa=AVX512_BF16`` instead (issue
+    20)."""
     if "avx2" not in host_facts()["isa"]:
         return
     flags = os.environ.get("XLA_FLAGS", "")
