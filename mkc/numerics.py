@@ -91,16 +91,43 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   against per row and head. ``mkc.families.qwen3_5.reference`` now writes these as the
 #   kernel does, jitted, in its shapes. Measured at step 0: batch 2 bit-equal for weight
 #   seeds 0 to 3, for ml_dtypes 0.7's weights, and with two-level or direct all-reduces;
-#   batch 4 bit-equal (was key cache 1.0e-6). Open: past step 0, from the kernel's own state,
-#   the recurrent state is 4e-8 (relative) from the emulation: in Qwen MINI's layer 0 at step
-#   1, 15 % to 25 % of every head's [128, 128] state elements are one f32 ulp apart. It is not
-#   the delta rule's arithmetic as written: eager or jitted, barriers around the decay and the
-#   update, an FMA or a correctly rounded exp, and seven formulations of k S (dot, transposed,
-#   einsum, two rows, sums) leave it or make it larger. Mostly it stays there (logits
-#   bit-equal), but where a downstream bf16 rounding sits on an edge it flips and spreads:
-#   Qwen MINI from position 141, batch 1, step 1 (and verify row 1 from there) is 1.3e-3 from
-#   the emulation in the logits and 6e-4 to 1.2e-3 in every state; from 136 (the decode tests)
-#   and verify rows from 142 it stays exact. The Qwen3.5 MoE emulation shares it.
+#   batch 4 bit-equal (was key cache 1.0e-6). Past step 0, from the kernel's own state, two
+#   more (found on the AVX512-BF16 host below, by the same captures). The one-ulp gap: the
+#   recurrent state was 4e-8 (relative) from the emulation, at batch 2, step 1, 16 % to 17 %
+#   of every layer's state elements one f32 ulp apart. It was not the delta rule's arithmetic
+#   (eager or jitted, barriers around the decay and the update, an FMA or a correctly rounded
+#   exp, seven formulations of k S left it or made it larger) but its values: capturing the
+#   kernel's conv output made the kernel itself bit-equal to the emulation (capturing its
+#   state, in_proj output or decay did not), because uncaptured XLA fuses the conv's SiLU
+#   product into ``v - k S``, one FMA, as in K3 (below); at step 0, where k S is zero, that
+#   rounds as v does. And the gated norm: the emulation ran it eagerly over all heads at once,
+#   the kernel head by head, 9.5e-7 apart; from position 141 (batch 2, step 1) that flipped a
+#   bf16 input of layer 4's out_proj: logits up to 7.1e-3 (absolute) from the emulation (verify
+#   row 1 from 141 likewise: 1.7e-3; before, the decode tests from 136 happened to stay
+#   exact). ``mkc.families.qwen3_5.reference`` now passes the values to the delta rule as their
+#   SiLU factors and runs the gated norm head by head, jitted; measured there: batch 2 steps 0
+#   and 1 from 136 and from 141, and the three verify rows from 141, bit-equal (logits and
+#   every state). The Qwen3.5 MoE emulation shares both.
+#   Qwen3.5 MoE MINI at batch 8 (issue 20). On the AVX512-BF16 host (AMD EPYC; avx512f, bw,
+#   dq, vl, vnni, bf16; XLA_FLAGS --xla_cpu_max_isa=AVX2, YNNPACK fusions on), the eager step
+#   of the shipped spec was 1.2e-4 from the emulation in row 6's logits and 1.8e-5 in row 7's
+#   states (relative, all rows: conv 6.5e-6, recurrent 9.0e-7). Captured op by op, every dot
+#   of the MoE block (router, shared and routed experts) agreed with the emulation's from the
+#   same inputs; two sums did not. The routing weights: the kernel divides the picked
+#   probabilities, zero elsewhere, by their sum over all 16 lanes, the emulation divided them by
+#   their sum over the 4 picks; one ulp apart in 2 to 4 of the 8 rows of every MoE layer, and
+#   in row 6 of the first that flipped a bf16 wire rounding of the routed experts' all-reduce
+#   (2.4e-4 in the block's output). And the residual add: the kernel adds the routed sum to
+#   the stream, then the shared expert times its gate (an FMA; the gate a lane sum of the bf16
+#   input times the gate vector), the emulation added the block's own sum, gated by an f32 dot:
+#   one or two ulps in every row, which flipped one conv input of row 7 in the next layer.
+#   (Also a weighted expert added without the kernel's FMA: 1.5e-8 in two rows of one rank's
+#   partial sum.) ``mkc.families.qwen3_5_moe.reference`` now writes the three in the kernel's
+#   expressions and shapes, jitted; measured there: logits and every state bit-equal, with
+#   YNNPACK fusions on or off (``--xla_cpu_experimental_ynn_fusion_type=``). The expressions
+#   being the kernel's, XLA compiles the same ones on an AVX2 host. (The old sums' orders do
+#   not depend on the batch: where the earlier runs were bit-equal, their ulps flipped no
+#   downstream rounding.)
 #   One row. On the AVX512-BF16 host XLA picks its bf16 dot routine by shape, and the
 #   kernel's [1, K] x [K, N] dot (weight rows contiguous) sums otherwise than the
 #   emulation's two-row dot (K3 MINI, seed 3, batch 1, step 0: logits 5.1e-3, states up to
@@ -195,8 +222,12 @@ def pin_cpu_isa() -> None:
     starts (it reads XLA_FLAGS then). XLA picks dot routines by ISA, and on an AVX512-BF16
     host its bf16 dots summed in other orders than on the AVX2 hosts where every exactness
     claim here was measured (K3 at batch 8 left the emulation there). Pinned, both run the
-    AVX2 routines everywhere. Measured only on AVX2 hosts (where it changes nothing); not yet
-    run on an AVX512 one."""
+    AVX2 routines everywhere (but XLA's YNNPACK fusions pick their kernels by the CPU found,
+    whatever the cap). Measured on AVX2 hosts (where it changes nothing) and on an AVX512-BF16
+    one (AMD EPYC, December 2026), where the Qwen and Qwen3.5 MoE exact tests pass with it (and
+    K3 MINI two steps at batch 2); there the Qwen3.5 MoE batch-8 step is bit-equal with the
+    cap, without YNNPACK fusions, and with ``--xla_cpu_max_isa=AVX512_BF16`` instead (issue
+    20)."""
     if "avx2" not in host_facts()["isa"]:
         return
     flags = os.environ.get("XLA_FLAGS", "")
@@ -209,7 +240,9 @@ def host_facts() -> dict[str, object]:
     """The CPU a kernel ran on: model name and the vector ISA flags XLA may choose its routines
     by. Each exactness claim holds where it was measured: the runners put this in their summary.
     Measured exact (every step, as the tests run them): AMD EPYC with avx avx2 fma (no
-    avx512), December 2026."""
+    avx512), December 2026; and AMD EPYC with avx512 (f, bw, dq, vl, vnni, bf16), ISA capped at
+    AVX2 (``pin_cpu_isa``), December 2026 (issue 20: the Qwen and Qwen3.5 MoE interpret and
+    verify tests, and K3 MINI's ``--steps 2 --batch 2`` run)."""
     facts: dict[str, object] = {"machine": platform.machine(), "model": platform.processor(), "isa": [],
                                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:

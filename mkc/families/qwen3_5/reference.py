@@ -44,8 +44,9 @@ and MLP columns split evenly over the ranks, ``per_rank`` sizes of the schedule)
 stage by stage on the spec's wire dtype; the embedding's exact all-reduce likewise; RoPE
 tables computed in f32 as the kernel's host wrapper does; states in their storage dtype. It
 also sums in the kernel's f32 order (``mkc.numerics``): attention as an online softmax over the
-schedule's KV tiles, norms, rotary embedding and the delta rule head by head and row by row,
-the conv tap by tap, each jitted in the kernel's formulation and shapes.
+schedule's KV tiles, norms, rotary embedding, the delta rule and its gated norm head by head
+and row by row, the conv tap by tap (its SiLU's two factors go to the delta rule, which fuses
+them into ``v - k S`` as the kernel does), each jitted in the kernel's formulation and shapes.
 Layer kinds are the schedule's names: linear attention is ``gdn``, full attention ``gqa``.
 Without it (the default) the math is the plain f32 oracle above.
 """
@@ -406,14 +407,17 @@ def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind:
 
 
 @jax.jit
-def _conv_silu(window: jax.Array, taps: jax.Array) -> jax.Array:
+def _conv_silu(window: jax.Array, taps: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The depthwise causal conv and SiLU of one step as the kernel sums it: window [B, C, K]
     oldest first, taps [C, 1, K]; tap by tap, ``acc + window_j * tap_j`` (one FMA each), where
-    a sum over the tap axis adds in another order."""
+    a sum over the tap axis adds in another order. Returns (``silu(acc)``, and its two factors
+    ``acc`` and ``sigmoid(acc)``: the values enter the delta rule as the factors,
+    ``_delta_rule_head``)."""
     acc = window[:, :, 0] * taps[None, :, 0, 0]
     for j in range(1, window.shape[-1]):
         acc = acc + window[:, :, j] * taps[None, :, 0, j]
-    return jax.nn.silu(acc)
+    gate = jax.nn.sigmoid(acc)
+    return acc * gate, acc, gate
 
 
 @jax.jit
@@ -424,31 +428,46 @@ def _decay_gate(a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array
 
 
 @jax.jit
-def _delta_rule_head(state, q, k, v, g, beta):
+def _delta_rule_head(state, q, k, v_pre, v_gate, g, beta):
     """One row's and head's gated delta rule in the kernel's formulation and shapes: state
-    [Dk, Dv]; q, k [1, Dk] before their l2 norm; v [1, Dv]; g, beta [1, 1]."""
+    [Dk, Dv]; q, k [1, Dk] before their l2 norm; the values [1, Dv] as their SiLU factors
+    ``v = v_pre * v_gate``; g, beta [1, 1]. The kernel's conv SiLU is fused into its
+    ``v - k S``, one multiply-add: a rounded v there is an ulp off in about 1/6 of the state
+    from step 1 on (where ``k S`` is not zero)."""
     q = l2_normalize(q) * q.shape[-1] ** -0.5
     k = l2_normalize(k)
     state = state * jnp.exp(g)
     predicted = jnp.dot(k, state, preferred_element_type=jnp.float32)
-    state = state + jnp.transpose(k) * ((v - predicted) * beta)
+    state = state + jnp.transpose(k) * ((v_pre * v_gate - predicted) * beta)
     return jnp.dot(q, state, preferred_element_type=jnp.float32), state
 
 
-def _delta_rule_rows(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
-                     beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _gated_norm_heads(o: jax.Array, z: jax.Array, w: jax.Array, *, eps: float) -> jax.Array:
+    """``gated_rms_norm`` as the kernel runs it, jitted: head by head on ``[B, Dv]`` (o, z
+    ``[B, Hv, Dv]``). Eager over all heads at once it rounds otherwise: measured, Qwen MINI
+    from position 141, batch 2, step 1, 9.5e-7 apart, which flipped a bf16 input of layer 4's
+    out_proj (logits up to 7.1e-3 from the kernel's)."""
+    return jnp.stack([gated_rms_norm(o[:, h], z[:, h], w, eps) for h in range(o.shape[1])], axis=1)
+
+
+def _delta_rule_rows(state: jax.Array, q: jax.Array, k: jax.Array, v_pre: jax.Array,
+                     v_gate: jax.Array, g: jax.Array, beta: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule row by row and value head by value head, as the kernel runs it (a
     batched product sums in another f32 order once there are more than 2 rows). state
-    [B, Hv, Dk, Dv]; q, k [B, Hk, Dk] (value head h reads key head h // (Hv / Hk)); v
-    [B, Hv, Dv]; g, beta [B, Hv] -> (o [B, Hv, Dv], new state)."""
-    b, hv = v.shape[:2]
+    [B, Hv, Dk, Dv]; q, k [B, Hk, Dk] (value head h reads key head h // (Hv / Hk)); the values
+    v_pre, v_gate [B, Hv, Dv] (their SiLU factors); g, beta [B, Hv] -> (o [B, Hv, Dv], new
+    state)."""
+    b, hv = v_pre.shape[:2]
     group = hv // q.shape[1]
     outs, states = [], []
     for row in range(b):
         for h in range(hv):
             o, s = _delta_rule_head(state[row, h], q[row, h // group][None],
-                                    k[row, h // group][None], v[row, h][None],
-                                    g[row, h].reshape(1, 1), beta[row, h].reshape(1, 1))
+                                    k[row, h // group][None], v_pre[row, h][None],
+                                    v_gate[row, h][None], g[row, h].reshape(1, 1),
+                                    beta[row, h].reshape(1, 1))
             outs.append(o[0])
             states.append(s)
     return (jnp.stack(outs).reshape(b, hv, -1),
@@ -475,7 +494,8 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
     mixed = mixed.astype(conv_state.dtype)
     window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, C, K], oldest first
     if rounding is not None:
-        conv = _conv_silu(window.astype(jnp.float32), jnp.asarray(p["conv1d.weight"], jnp.float32))
+        conv, pre, gate = _conv_silu(window.astype(jnp.float32),
+                                     jnp.asarray(p["conv1d.weight"], jnp.float32))
     else:
         conv = jnp.sum(window.astype(jnp.float32) * p["conv1d.weight"][:, 0, :], axis=-1)
         conv = jax.nn.silu(conv)
@@ -486,8 +506,11 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
         beta = jax.nn.sigmoid(_linear(x, p["in_proj_b.weight"], rounding))
         g = _decay_gate(a, jnp.asarray(p["A_log"], jnp.float32)[None],
                         jnp.asarray(p["dt_bias"], jnp.float32)[None])
+        values = 2 * cfg.linear_key_dim
         o, recurrent_state = _delta_rule_rows(recurrent_state, q.reshape(b, hk, dk),
-                                              k.reshape(b, hk, dk), v.reshape(b, hv, dv), g, beta)
+                                              k.reshape(b, hk, dk),
+                                              pre[:, values:].reshape(b, hv, dv),
+                                              gate[:, values:].reshape(b, hv, dv), g, beta)
     else:
         q = l2_normalize(q.reshape(b, hk, dk)) * dk ** -0.5
         k = l2_normalize(k.reshape(b, hk, dk))
@@ -500,7 +523,10 @@ def linear_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax
         o, recurrent_state = gated_delta_step(recurrent_state, q, k, v, g, beta)
 
     z = _linear(x, p["in_proj_z.weight"], rounding).reshape(b, hv, dv)
-    o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps)
+    if rounding is None:
+        o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps)
+    else:
+        o = _gated_norm_heads(o, z, jnp.asarray(p["norm.weight"], jnp.float32), eps=cfg.rms_norm_eps)
     conv_state = window[:, :, 1:]
     if rounding is not None:
         conv_state = round_to(conv_state.astype(jnp.float32),
@@ -687,11 +713,14 @@ def _dense_mlp(mlp: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
 
 def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],
                   tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None,
-                  mlp: Any = _dense_mlp) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  mlp: Any = _dense_mlp, mlp_residual: Any = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All decoder layers for one token per row: (residual stream ``[B, H]`` before the final
     norm, new cache). ``decode_step`` adds the final norm and the LM head. ``mlp(params under
     mlp., cfg, normed x, rounding, layer type)`` is each layer's MLP (a family with another MLP,
-    such as Qwen3.5 MoE, passes its own)."""
+    such as Qwen3.5 MoE, passes its own), added to the residual stream; or, when given,
+    ``mlp_residual(params under mlp., cfg, residual, normed x, rounding, layer type)`` returns
+    the residual stream after the MLP (for a kernel that adds the MLP's parts to it one by one)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     x = embed(params, tokens, rounding)
@@ -712,7 +741,9 @@ def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[s
                                      cache[f"layers.{i}.value_cache"], positions, rounding))
         x = x + out
         sub = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
-        x = x + mlp(sub, cfg, rms_norm(x, lp["post_attention_layernorm.weight"], eps), rounding, kind)
+        h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
+        x = (x + mlp(sub, cfg, h, rounding, kind) if mlp_residual is None
+             else mlp_residual(sub, cfg, x, h, rounding, kind))
     return x, new_cache
 
 

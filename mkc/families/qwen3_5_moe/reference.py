@@ -39,16 +39,21 @@ mapping) is not read: ``mkc.checkpoint`` only renames prefixes, so it refuses su
 and lists the per-expert names as unexpected.
 
 Kernel rounding emulation (``rounding``, as in the Qwen3.5 reference): the mixers round as
-Qwen3.5's do (layer kinds ``gdn`` and ``gqa``). In the MoE block every matmul takes bf16
-activations; the routed experts become per-rank partial sums: rank r belongs to expert group
-``r // expert_tp`` (experts ``group * local_experts ...`` in id order) and holds width slice
-``r % expert_tp`` (``expert_width`` columns) of each; it weights each expert's output by the
-row's routing weight (0 where the row did not pick it), sums in expert-id order, and the
-partials are all-reduced as ``(kind, "routed_experts")``; the shared expert is Qwen3.5's dense
-MLP emulation (``inter`` columns per rank, all-reduced as ``(kind, "down")``), and its sigmoid
-gate scales the all-reduced output. These op and per-rank size names are PROVISIONAL: no graph
-for this family exists yet; when it does, this emulation must use the names and the split it
-declares.
+Qwen3.5's do (layer kinds ``gdn`` and ``gqa``). In the MoE block (kind ``moe``) every matmul
+takes bf16 activations; the routed experts become per-rank partial sums: rank r belongs to
+expert group ``r // expert_tp`` (experts ``group * local_experts ...`` in id order) and holds
+width slice ``r % expert_tp`` (``expert_width`` columns) of each; it adds each expert's output
+times the row's routing weight (0 where the row did not pick it) in expert-id order, one fused
+multiply-add each, and the partials are all-reduced as ``(kind, "routed_experts")``; the
+routing weights are the kernel's: the picked softmax probabilities over all E lanes, zero
+elsewhere, divided by their lane sum (``_kernel_route_weights``). The shared expert is
+Qwen3.5's dense MLP emulation (``shared`` columns per rank, all-reduced as
+``(kind, "shared_down")``). The block is added to the residual stream as the kernel's
+``mlp_residual`` adds it (``moe_residual``): the routed sum first, then the shared expert
+times its sigmoid gate, a lane sum of the bf16 input times the gate vector. Each of these is
+written in the kernel's expression and shapes, jitted, since XLA's f32 order depends on both
+(``mkc.numerics``: measured at batch 8, where the sums over the k picks and the block's own
+sum were off).
 """
 from __future__ import annotations
 
@@ -76,7 +81,7 @@ MOE_KIND = "moe"
 
 __all__ = ["FULL", "LINEAR", "Qwen35MoeConfig", "count_parameters", "decode_hidden",
            "decode_step", "embed", "init_cache", "init_params", "load_config", "moe_block",
-           "param_shapes", "route"]
+           "moe_residual", "param_shapes", "route"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -250,14 +255,35 @@ def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 
 
+@jax.jit
+def _kernel_route_weights(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Routing weights over every expert ``[B, E]`` as the kernel forms them
+    (``mkc.families.qwen3_5_moe.ops.route``), jitted: the softmax probabilities of the picked
+    ``ids`` (zero elsewhere) divided by their sum over all E lanes. Their sum over the k picks
+    (``route``) adds the same values in another f32 order: a weight one ulp apart flips a bf16
+    wire rounding of the routed experts' all-reduce (measured, batch 8: 2.4e-4 in one row's
+    MoE output, 1.2e-4 in its logits)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    kept = jnp.zeros_like(probs).at[rows, ids].set(jnp.take_along_axis(probs, ids, axis=-1))
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+@jax.jit
+def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> jax.Array:
+    """``acc + weight * out`` as the kernel's expert loop adds one weighted expert (fused: one
+    FMA; a multiply and an add apart round twice)."""
+    return acc + weight * out
+
+
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, xin: jax.Array,
-                             ids: jax.Array, weights: jax.Array, rounding: Rounding,
-                             kind: str) -> jax.Array:
+                             dense: jax.Array, rounding: Rounding, kind: str) -> jax.Array:
     """The routed experts as an expert-parallel kernel computes them (module docstring): each
-    rank's part of its group's experts on every row, weighted (0 where not picked), summed in
-    expert-id order, the ranks' partial sums all-reduced."""
+    rank's part of its group's experts on every row, weighted by the row's routing weight
+    (``dense [B, E]``, ``_kernel_route_weights``: 0 where not picked, and such an expert adds
+    exactly nothing, as one the kernel skips), summed in expert-id order, the ranks' partial
+    sums all-reduced."""
     b, inter = xin.shape[0], cfg.moe_intermediate_size
-    dense = jnp.zeros((b, cfg.num_experts), jnp.float32).at[jnp.arange(b)[:, None], ids].set(weights)
     tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
     gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
     partials = []
@@ -268,30 +294,67 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
             act = (jax.nn.silu(rounding.linear(xin, gate_up[e, :inter][cols]))
                    * rounding.linear(xin, gate_up[e, inter:][cols]))
-            acc = acc + dense[:, e:e + 1] * rounding.linear(act, down[e][:, cols])
+            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], rounding.linear(act, down[e][:, cols]))
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
 
 
-def moe_block(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x: jax.Array,
-              rounding: Rounding | None = None, kind: str = "") -> jax.Array:
-    """Qwen3_5MoeSparseMoeBlock for the normed ``x [B, H]``; ``p`` maps names relative to
-    ``mlp.`` (e.g. ``"experts.gate_up_proj"``) to f32 arrays. With ``rounding``, ``kind`` is the
-    layer kind (``gdn``/``gqa``) whose MoE all-reduces apply."""
+def _moe_parts(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x: jax.Array,
+               rounding: Rounding | None, kind: str) -> tuple[jax.Array, jax.Array]:
+    """The MoE block's routed experts (summed) and shared expert (before its gate), each
+    all-reduced as the schedule says when ``rounding`` is given."""
     inter = cfg.moe_intermediate_size
     xin = _mm_input(x, rounding)
-    ids, weights = route(qwen._linear(xin, p["gate.weight"], rounding), cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob)
+    router = qwen._linear(xin, p["gate.weight"], rounding)
+    ids, weights = route(router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if rounding is None:
         hidden = jnp.einsum("bh,bkoh->bko", xin, p["experts.gate_up_proj"][ids], precision=_HIGHEST)
         act = jax.nn.silu(hidden[..., :inter]) * hidden[..., inter:]
         out = jnp.einsum("bki,bkoi->bko", act, p["experts.down_proj"][ids], precision=_HIGHEST)
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=_HIGHEST)
     else:
-        routed = _routed_experts_per_rank(p, cfg, xin, ids, weights, rounding, kind)
+        if not cfg.norm_topk_prob:
+            raise ValueError("the kernel always renormalises its routing weights "
+                             "(norm_topk_prob): no emulation without it")
+        routed = _routed_experts_per_rank(p, cfg, xin, _kernel_route_weights(router, ids),
+                                          rounding, kind)
     shared = {n[len("shared_expert."):]: w for n, w in p.items() if n.startswith("shared_expert.")}
-    gate = jax.nn.sigmoid(linear(xin, p["shared_expert_gate.weight"]))   # [B, 1]
-    return routed + gate * _shared_expert(shared, x, rounding, kind)
+    return routed, _shared_expert(shared, x, rounding, kind)
+
+
+@jax.jit
+def _kernel_mlp_residual(resid: jax.Array, routed: jax.Array, h: jax.Array, gate_w: jax.Array,
+                         shared: jax.Array) -> jax.Array:
+    """The residual stream after the MoE block as the kernel's ``mlp_residual`` adds it, jitted:
+    ``resid + routed`` first, then the gated shared expert (fused: one FMA), the gate
+    ``sigmoid`` of a lane sum of the bf16-rounded ``h`` times ``gate_w [1, H]`` (not a dot).
+    Adding the block's sum ``routed + gate * shared`` instead is an ulp or two off in most
+    rows (measured, batch 8: every row of every MoE layer's output)."""
+    hb = h.astype(jnp.bfloat16).astype(jnp.float32)
+    gate = jax.nn.sigmoid(jnp.sum(hb * gate_w, axis=-1, keepdims=True))
+    return resid + routed + gate * shared
+
+
+def moe_block(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x: jax.Array,
+              rounding: Rounding | None = None, kind: str = "") -> jax.Array:
+    """Qwen3_5MoeSparseMoeBlock for the normed ``x [B, H]``; ``p`` maps names relative to
+    ``mlp.`` (e.g. ``"experts.gate_up_proj"``) to f32 arrays. With ``rounding``, ``kind`` is the
+    layer kind (``gdn``/``gqa``) whose MoE all-reduces apply. (The emulation adds the block to
+    the residual stream as the kernel does: ``moe_residual``.)"""
+    routed, shared = _moe_parts(p, cfg, x, rounding, kind)
+    gate = jax.nn.sigmoid(linear(_mm_input(x, rounding), p["shared_expert_gate.weight"]))   # [B, 1]
+    return routed + gate * shared
+
+
+def moe_residual(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, resid: jax.Array,
+                 x: jax.Array, rounding: Rounding | None = None, kind: str = "") -> jax.Array:
+    """The residual stream ``resid`` after the MoE block of the normed ``x`` (``moe_block``):
+    plainly ``resid + moe_block(...)``; with ``rounding`` in the kernel's order
+    (``_kernel_mlp_residual``)."""
+    if rounding is None:
+        return resid + moe_block(p, cfg, x)
+    routed, shared = _moe_parts(p, cfg, x, rounding, kind)
+    return _kernel_mlp_residual(resid, routed, x, p["shared_expert_gate.weight"], shared)
 
 
 def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None,
@@ -313,8 +376,10 @@ def decode_hidden(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mappin
                   tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Qwen3.5's decoder layers with the MoE block as each layer's MLP."""
-    return qwen.decode_hidden(params, cfg, cache, tokens, positions, rounding,
-                              mlp=lambda p, cfg, x, rounding, kind: moe_block(p, cfg, x, rounding, MOE_KIND))
+    return qwen.decode_hidden(
+        params, cfg, cache, tokens, positions, rounding,
+        mlp_residual=lambda p, cfg, resid, x, rounding, kind: moe_residual(p, cfg, resid, x, rounding,
+                                                                           MOE_KIND))
 
 
 def decode_step(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[str, jax.Array],
