@@ -123,7 +123,7 @@ class Buffer:
 
 
 @dataclass(frozen=True)
-class Family:
+class StreamFamily:
     """A streamed matrix family of one layer kind (or the tail): its per-rank tiling."""
 
     kind: str                    # layer kind or "tail"
@@ -158,8 +158,8 @@ class Stream:
     dtype: str
     tile_rows: int               # slot shape: the largest family tile
     tile_cols: int
-    families: dict[str, list[Family]]      # per kind, in consumption order
-    tail: list[Family]
+    families: dict[str, list[StreamFamily]]      # per kind, in consumption order
+    tail: list[StreamFamily]
     layer_tile_offset: list[int]           # first global tile index of each layer
     tail_tile_offset: int
     total_tiles: int
@@ -168,9 +168,9 @@ class Stream:
     tile_shapes: list[tuple[int, int]]     # distinct family tile shapes ("tile classes")
     span: Span = field(compare=False, default_factory=Span.unknown)
 
-    def tile_sequence(self, layer_kinds: list[str]) -> list[Family]:
+    def tile_sequence(self, layer_kinds: list[str]) -> list[StreamFamily]:
         """The family of every tile of the step, in stream order."""
-        seq: list[Family] = []
+        seq: list[StreamFamily] = []
         for kind in layer_kinds:
             for f in self.families[kind]:
                 seq += [f] * f.tiles

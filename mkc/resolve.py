@@ -559,7 +559,7 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
             raise fail("E-DUPLICATE", f"the stream lists {sk.kind.text} twice", sk.kind.span,
                        hint=f"keep one `{sk.kind.text}: ...` line")
         listed[sk.kind.text] = sk.families
-    families: dict[str, list[ir.Family]] = {}
+    families: dict[str, list[ir.StreamFamily]] = {}
     mats: list[tuple[int, int, int]] = []
     used_kinds = sorted(set(graph.layer_kinds))
     for kname in used_kinds:
@@ -609,9 +609,9 @@ def _resolve_stream(sched: ast.Schedule, graph: DecodeGraph,
                    bad.span if bad else st.span, hint=f"add `then {then}` as the stream's last line")
     mats += [(m.shape[0], m.shape[1], 1) for m in tail]
 
-    def fam(kname: str, t) -> ir.Family:
+    def fam(kname: str, t) -> ir.StreamFamily:
         tr, tc = _choose_tile(t.shape[0], t.shape[1], ring.max_rows, ring.max_cols)
-        return ir.Family(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
+        return ir.StreamFamily(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
                          -(-t.shape[1] // tc), t.partial_out, tr, tc)
 
     for kname in used_kinds:

@@ -143,7 +143,7 @@ class StepTracer:
             self.tb.start(dst=st.ring, slot=t % st.slots, sem=("ring", t % st.slots),
                           nbytes=self.tile_bytes[t], tag=("tile", t), where=where, span=st.span)
 
-    def consume_tiles(self, family: ir.Family, first: int, where: str) -> int:
+    def consume_tiles(self, family: ir.StreamFamily, first: int, where: str) -> int:
         """Consume the family's run of tiles from `first`; returns the next tile."""
         st, tb = self.s.stream, self.tb
         for t in range(first, first + self.traced(family.tiles)):

@@ -125,7 +125,7 @@ def _flat(value) -> str:
     return repr(value)
 
 
-def _streamed(f: ir.Family) -> StreamedMatrix:
+def _streamed(f: ir.StreamFamily) -> StreamedMatrix:
     return StreamedMatrix(f.name, f.rows, f.cols, f.row_tiles, f.col_tiles, f.tile_rows, f.tile_cols)
 
 
