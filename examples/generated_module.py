@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 
 from mkc import compiler, numerics
-from mkc.reference.rounding import one_row_as_two
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -387,18 +386,11 @@ def reference_step(reference, hf, cfg, rounding, start: dict, tokens, positions,
     and the rows where the plain reference may decide otherwise (``near_ties``)."""
     t0 = time.perf_counter()
     with RouteRecorder(reference) as emu_routes:
-        # The emulation of a batch of one runs as two rows (its f32 order; the K3 reference
-        # does this itself, the Qwen one is wrapped here).
-        emu_logits, emulated = one_row_as_two(
-            lambda c, t, p: reference.decode_step(hf, cfg, c, t, p, rounding), start, tokens,
-            positions)
+        emu_logits, emulated = reference.decode_step(hf, cfg, start, tokens, positions, rounding)
     with RouteRecorder(reference) as plain_routes:
         plain_logits, plain = plain_step(reference, hf, cfg, start, tokens, positions, context)
     emu_logits, plain_logits = np.asarray(emu_logits), np.asarray(plain_logits)
-    batch = emu_logits.shape[0]
-    # a batch of one ran as two rows in the emulation: its first row's scores
-    emu_scores = [(s[:batch], k) for s, k in emu_routes.scores]
-    ties = near_ties(emu_scores, plain_routes.scores, emu_logits, plain_logits)
+    ties = near_ties(emu_routes.scores, plain_routes.scores, emu_logits, plain_logits)
     return {"emu_logits": emu_logits, "emulated": dict(emulated), "plain_logits": plain_logits,
             "plain": dict(plain), "near_ties": ties, "seconds": time.perf_counter() - t0}
 

@@ -44,7 +44,6 @@ from generated_module import (add_interpret_host_option, interpret_host,  # noqa
                               load_generated, rounding_for)
 
 from mkc.checkpoint import family_of  # noqa: E402
-from mkc.reference.rounding import one_row_as_two  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,15 +116,13 @@ def speculative_generate(gen, weights, prompt: list[int], new_tokens: int, rows:
 
 def reference_greedy(reference, hf, cfg, rounding, prompt: list[int], new_tokens: int,
                      context: int) -> list[int]:
-    """Greedy decoding by the reference in its rounding-emulating mode (a batch of one runs as
-    two rows: its f32 order, `mkc.reference.rounding.one_row_as_two`)."""
+    """Greedy decoding by the reference in its rounding-emulating mode."""
     cache = reference.init_cache(cfg, 1, context)
     out: list[int] = []
     for position in range(len(prompt) + new_tokens - 1):
         token = prompt[position] if position < len(prompt) else out[-1]
-        logits, cache = one_row_as_two(
-            lambda c, t, p: reference.decode_step(hf, cfg, c, t, p, rounding), cache,
-            jnp.array([token], jnp.int32), jnp.array([position], jnp.int32))
+        logits, cache = reference.decode_step(hf, cfg, cache, jnp.array([token], jnp.int32),
+                                              jnp.array([position], jnp.int32), rounding)
         if position >= len(prompt) - 1:
             out.append(int(np.argmax(np.asarray(logits)[0])))
     return out

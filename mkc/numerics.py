@@ -128,12 +128,30 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   being the kernel's, XLA compiles the same ones on an AVX2 host. (The old sums' orders do
 #   not depend on the batch: where the earlier runs were bit-equal, their ulps flipped no
 #   downstream rounding.)
-#   One row. On the AVX512-BF16 host XLA picks its bf16 dot routine by shape, and the
-#   kernel's [1, K] x [K, N] dot (weight rows contiguous) sums otherwise than the
-#   emulation's two-row dot (K3 MINI, seed 3, batch 1, step 0: logits 5.1e-3, states up to
-#   4.0e-3), so the exact tests run at 2 rows or more. Not emulated yet: the one-row dot of
-#   that routine matches a dot with the weight transposed behind an optimisation barrier,
-#   the two-row one does not.
+#   One row (issue 20). XLA on CPU picks a dot's routine by its shapes and its operands'
+#   layouts. On the AVX512-BF16 host (AMD EPYC; avx512 f, bw, dq, vl, vnni, bf16; XLA_FLAGS
+#   --xla_cpu_max_isa=AVX2, as ``pin_cpu_isa`` sets), a bf16 dot of two or more rows runs in
+#   YNNPACK whatever the weight's layout, but a one-row dot runs as an f32 matrix-vector
+#   product whose order follows the weight's layout: the kernel's [1, K] x [K, N] dot (its
+#   weight tile [in, out], rows contiguous) summed otherwise than the emulation's dot of the
+#   [out, in] weight (1.1e-5 apart on [1, 256] x [256, 512]). The emulation ran a batch of one
+#   as two copies of its row, which matched the kernel on AVX2 hosts but not there: K3 MINI,
+#   seed 3, batch 1, step 0: logits 5.1e-3, states up to 4.0e-3; Qwen MINI batch 1 from 136:
+#   step 0 logits 1.7e-7 (recurrent state 3.7e-8), step 1 logits 2.2e-3, states up to 1.3e-3;
+#   Qwen3.5 MoE batch 1: 1.5e-7 / 7.8e-7 (conv state, step 1); K3 MINI seed 14 (the runner's
+#   batch-1 draw): 4.2e-7 / 5.6e-6. The emulation now multiplies by the weight as the kernel's
+#   dot reads it, [in, out], a buffer the host wrote (``rounding.in_out``: a host callback
+#   under a trace, as interpret mode loads the kernel's tiles; a transpose inside the program,
+#   even behind an optimisation barrier, is laid out as XLA likes: it matched the kernel's
+#   one-row dot of one tile, not of several tiles, nor its two-row dot), so XLA compiles the
+#   kernel's own op at every batch and no batch runs as two rows. Measured there, logits and
+#   every state bit-equal (errors 0): Qwen MINI batch 1 (with race detection too) and batch 2,
+#   steps 0 and 1, batch 8 (eager) step 0; Qwen3.5 MoE batch 1 and 2, steps 0 and 1, batch 8
+#   (eager) step 0; K3 MINI batch 1 (seed 14) and batch 2 (seed 4), steps 0 and 1. Not
+#   measured since on an AVX2 host, where the op is the kernel's too; on this one the dot alone
+#   (``tests/test_numerics.py``, one, two and eight rows of a three-tile matmul) is bit-equal
+#   with and without the ISA cap and with YNNPACK fusions off, and the old emulation's is not
+#   at one row.
 #   Weights. The MINI weights are drawn in f64 and rounded to bf16 through f32
 #   (``mkc.reference.rounding.bf16_weights``): ml_dtypes 0.7 rounds f64 to bf16 directly,
 #   0.5 through f32, which moves about 5 in 10**6 weights by an ulp. Same seed, same weights,
@@ -161,9 +179,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   contractions the emulation summed in one dot. ``mkc.families.kimi_k3.reference`` now
 #   writes the kernel's formulation in the kernel's shapes, jitted whole, with the tile rows
 #   and KV tile tokens from the schedule IR (``Rounding.tiles``, ``kv_tiles``). Measured with
-#   it (and a batch of one run as two rows, ``rounding.one_row_as_two``: the kernel's step is
-#   batch-invariant, XLA's one-row dot is not), logits and every state family bit-equal to
-#   the kernel (errors 0):
+#   it (a batch of one then ran as two rows; see "One row" above), logits and every state
+#   family bit-equal to the kernel (errors 0):
 #       seed 4, batch 2, on_wait, steps 0 and 1 (both rows, near-tie row 0 too);
 #       seed 3, batch 2 with race detection; seed 2, batch 8, eager; seed 1, batch 4 with
 #       2 expert slots (the compared rows); all at step 0;
@@ -242,7 +259,8 @@ def host_facts() -> dict[str, object]:
     Measured exact (every step, as the tests run them): AMD EPYC with avx avx2 fma (no
     avx512), December 2026; and AMD EPYC with avx512 (f, bw, dq, vl, vnni, bf16), ISA capped at
     AVX2 (``pin_cpu_isa``), December 2026 (issue 20: the Qwen and Qwen3.5 MoE interpret and
-    verify tests, and K3 MINI's ``--steps 2 --batch 2`` run)."""
+    verify tests, K3 MINI's ``--steps 2 --batch 2`` run, and all three at batch 1: "One row"
+    in the module comment)."""
     facts: dict[str, object] = {"machine": platform.machine(), "model": platform.processor(), "isa": [],
                                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:

@@ -1,17 +1,17 @@
 """mkc.numerics: how a run summary is judged against the rounding emulation (the "exact" and
 "flips" checks, the same at every step: each starts from the kernel's own state), the harness's
-near-tie rule, and the batch-of-one emulation. The
+near-tie rule, and the emulation's dot at any batch. The
 interpret-mode runs that produce real summaries are in test_interpret_mini.py and
 test_k3_interpret.py (slow tier)."""
 import importlib
 import inspect
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mkc import numerics
-from mkc.reference.rounding import one_row_as_two
 
 
 def _step(i: int, logits: float, logits_frob: float, states: float) -> dict:
@@ -117,18 +117,37 @@ def test_a_state_only_mutant_edits_one_lowering_function_of_its_own_module_only(
         assert inspect.getsource(getattr(module, func)).count(old) == 1, name
 
 
-def test_a_batch_of_one_runs_as_two_rows():
-    seen = []
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_the_emulations_dot_is_the_kernels_at_any_batch(batch):
+    """A ring-tiled matmul as the kernel runs it in interpret mode (bf16 activation tiles times
+    [in, out] weight tiles, f32 partial sums added tile by tile) equals the emulation's
+    ``chunked_linear`` bit for bit, at one row as at several: XLA's CPU picks its dot routine
+    by shape and operand layout (on an AVX512-BF16 host a one-row dot of an [out, in] weight
+    sums otherwise), and the emulation's dot reads the weight as the kernel's does, traced or
+    not."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
 
-    def step(cache, tokens, positions):
-        seen.append(tokens.shape[0])
-        return tokens[:, None] * 1.0 + positions[:, None], {"s": cache["s"] + tokens[:, None]}
+    from mkc.reference.rounding import chunked_linear
 
-    logits, cache = one_row_as_two(step, {"s": jnp.ones((1, 3))}, [5], [2])
-    assert seen == [2] and logits.shape == (1, 1) and cache["s"].shape == (1, 3)
-    np.testing.assert_array_equal(cache["s"], 6.0)
-    one_row_as_two(step, {"s": jnp.ones((3, 3))}, [5, 6, 7], [2, 2, 2])
-    assert seen == [2, 3]
+    rows, n_in, n_out = 128, 384, 256
+    rng = np.random.default_rng(batch)
+    x = jnp.asarray(rng.normal(size=(batch, n_in)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(n_out, n_in)) / 16, jnp.bfloat16)        # [out, in]
+
+    def body(x_ref, w_ref, o_ref):
+        for i in range(n_in // rows):
+            part = jnp.dot(x_ref[:, i * rows:(i + 1) * rows], w_ref[i * rows:(i + 1) * rows, :],
+                           preferred_element_type=jnp.float32)
+            o_ref[...] = part if i == 0 else o_ref[...] + part
+
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    kernel = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((batch, n_out), jnp.float32),
+                            in_specs=[vmem, vmem], out_specs=vmem,
+                            interpret=pltpu.InterpretParams())(x, jnp.transpose(w))
+    traced = jax.jit(chunked_linear, static_argnums=(2, 3))
+    for emulated in (chunked_linear(x, w, rows, "bf16"), traced(x, w, rows, "bf16")):
+        np.testing.assert_array_equal(np.asarray(kernel), np.asarray(emulated))
 
 
 def test_rounding_carries_the_kernels_tiles_from_the_ir():

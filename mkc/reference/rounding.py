@@ -6,7 +6,10 @@ the reference agree to about f32 rounding rather than bf16 rounding:
 
 * every matmul's activation input is rounded to ``matmul_input`` (bf16: the kernels stage
   activations as bf16 for the MXU; the weights are bf16 already), and the product is the dot
-  of those operands the kernel issues (``Rounding.linear``), not an f32 dot of their values;
+  of those operands the kernel issues (``Rounding.linear``), not an f32 dot of their values,
+  with the weight as the kernel's dot reads it: ``[in, out]``, a buffer the host wrote
+  (``in_out``; XLA on CPU picks its dot routine by shape and operand layout, and on an
+  AVX512-BF16 host a one-row dot of an ``[out, in]`` weight sums in another order);
 * a row-parallel matmul (the contraction split over ranks) becomes per-rank partial sums, each
   all-reduced through the stages the spec gives: a stage ``(size, stride)`` sums, in f32 and in
   group order, the group members' values rounded to the wire dtype (``allreduce``);
@@ -15,10 +18,7 @@ the reference agree to about f32 rounding rather than bf16 rounding:
 * a contraction the kernel splits is summed as it sums it: a streamed matrix of several ring
   tiles of ``tiles`` input rows each, one f32 dot per tile added in order
   (``chunked_linear``), and a KV cache read in tiles of ``kv_tiles`` tokens (the family's
-  reference runs its online softmax tile by tile);
-* a batch of one row runs as row 0 of two copies (``one_row_as_two``): XLA on CPU sums a
-  one-row (matrix-vector) product in another f32 order than a matrix product, and the kernel,
-  whose dots always have many rows, is bit-equal to the latter.
+  reference runs its online softmax tile by tile).
 
 The facts come from the schedule IR (``mkc.numerics.rounding_from_ir``); this module only holds
 them and the arithmetic, and knows nothing of a family's layout: each reference says which of
@@ -189,19 +189,39 @@ def chunks(total: int, width: int) -> list[tuple[int, int]]:
     return [(r * width, min((r + 1) * width, total)) for r in range(n)]
 
 
+def in_out(w: jax.Array) -> jax.Array:
+    """PyTorch ``[out, in]`` w as the kernel's dot reads it: ``[in, out]`` with rows contiguous,
+    a buffer the host wrote (in interpret mode every weight tile a kernel loads comes from a
+    host callback), so that XLA compiles the emulation's dot to the kernel's op.
+
+    XLA on CPU picks a dot's routine by its shapes and its operands' layouts. On an AVX512-BF16
+    host a bf16 dot of two or more rows runs in YNNPACK whatever the weight's layout, but a
+    one-row dot runs as an f32 matrix-vector product whose order follows the layout: with the
+    ``[out, in]`` weight, 1e-5 from the kernel's on a [1, 256] x [256, 512] product. A transpose
+    inside the program does not fix the layout, even behind ``optimization_barrier``: XLA lays
+    the transposed value out as it likes (there, as the ``[out, in]`` bytes, and it fused the
+    dot into a loop: equal to the kernel's one-row dot, not to its two-row dot (the operands
+    converted to f32 first), nor to its one-row dot of several ring tiles). A callback's
+    result has the row-major layout the kernel's tile has (outside a trace, where a callback
+    costs a dispatch, the host transposes the value itself: the same bytes)."""
+    if not isinstance(w, jax.core.Tracer):     # a value: the host writes it now
+        return jnp.asarray(np.ascontiguousarray(np.asarray(w).T))
+    return jax.pure_callback(lambda a: np.ascontiguousarray(np.asarray(a).T),
+                             jax.ShapeDtypeStruct(w.shape[::-1], w.dtype), w)
+
+
 def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
     """``x @ w.T`` with f32 accumulation, as one dot of ``operands`` ("bf16": the dot a kernel
     issues to the MXU, bf16 operands accumulated in f32; x and w must hold bf16 values;
     "mixed_fp8": a kernel's bf16 x fp8 dot, w holding the fp8 values times a power of two)."""
     if operands == "mixed_fp8":
         # XLA's CPU runs a bf16 x fp8 dot as an f32 dot of the weight as the kernel holds it,
-        # [in, out]: the transpose stays a value of its own (a transposed operand sums in
-        # another order), and w's power of two scales every partial sum exactly.
-        w_in_out = jax.lax.optimization_barrier(jnp.transpose(w.astype(jnp.float32)))
-        return jnp.dot(x.astype(jnp.float32), w_in_out, precision=jax.lax.Precision.HIGHEST)
+        # [in, out] (``in_out``), and w's power of two scales every partial sum exactly.
+        return jnp.dot(x.astype(jnp.float32), in_out(w.astype(jnp.float32)),
+                       precision=jax.lax.Precision.HIGHEST)
     if operands == "bf16":
-        return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                          preferred_element_type=jnp.float32)
+        return jnp.dot(x.astype(jnp.bfloat16), in_out(w.astype(jnp.bfloat16)),
+                       preferred_element_type=jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -242,21 +262,3 @@ def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], rank
         partials.append(chunked_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows,
                                        rounding.matmul_input))
     return allreduce(partials, reduce)
-
-
-def one_row_as_two(step, cache, tokens, positions):
-    """``step(cache, tokens, positions) -> (logits, cache)`` (batch-first caches, independent
-    rows) run on a batch of one as row 0 of a batch of two copies, else as is.
-
-    The emulation's f32 sums must follow the kernel's order, or a few bf16 roundings flip and
-    the flips spread through the model (measured on K3 MINI, batch 1, before this: logits 7.9e-3
-    and states 2.9e-3 to 5.5e-3 from the kernel, as far as a 1 % op error). XLA on CPU sums a
-    one-row matmul (a matrix-vector product) in another order than a matrix product; from two
-    rows on the emulation is bit-equal whatever the batch (measured: K3 MINI rows at batch 2, 3,
-    4, 8, 17), and so is the kernel (its batch-1 step equals row 0 of its batch-2 step)."""
-    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
-    if tokens.shape[0] != 1:
-        return step(cache, tokens, positions)
-    twice = {k: jnp.concatenate([jnp.asarray(v)] * 2) for k, v in cache.items()}
-    logits, new = step(twice, jnp.concatenate([tokens] * 2), jnp.concatenate([positions] * 2))
-    return logits[:1], {k: v[:1] for k, v in new.items()}

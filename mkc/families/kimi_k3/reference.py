@@ -105,8 +105,7 @@ import numpy as np
 
 from mkc.families.kimi_k3.ops import feeds_codes
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import (Rounding, allreduce, bf16_weights, one_row_as_two,
-                                   round_to, row_parallel)
+from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
 
 KDA = "linear_attention"
 MLA = "full_attention"
@@ -1016,12 +1015,8 @@ def decode_step(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str
     """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
 
     jit with ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy arrays.
-    ``rounding`` switches on the kernel rounding emulation (module docstring); a batch of one
-    then runs as two copies of its row (``rounding.one_row_as_two``: the f32 summation order).
+    ``rounding`` switches on the kernel rounding emulation (module docstring).
     """
-    if rounding is not None and jnp.shape(tokens)[0] == 1:
-        return one_row_as_two(
-            lambda c, t, p: decode_step(params, cfg, c, t, p, rounding), cache, tokens, positions)
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]

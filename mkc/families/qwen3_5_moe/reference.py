@@ -74,7 +74,7 @@ from mkc.families.qwen3_5.reference import (FULL, LINEAR, Qwen35Config, embed,
                                             init_cache, linear,
                                             mlp_block, rms_norm)
 from mkc.families.qwen3_5_moe.config import MODEL_TYPES, check_moe_keys
-from mkc.reference.rounding import Rounding, allreduce, bf16_weights, one_row_as_two
+from mkc.reference.rounding import Rounding, allreduce, bf16_weights
 
 # The layer-loop kind of the MoE sublayer: the schedule's all-reduces of its ops live there.
 MOE_KIND = "moe"
@@ -388,11 +388,7 @@ def decode_step(params: Mapping[str, Any], cfg: Qwen35MoeConfig, cache: Mapping[
     """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
 
     jit with ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy bf16
-    arrays. ``rounding`` switches on the kernel rounding emulation (module docstring); a batch
-    of one then runs as two copies of its row (``one_row_as_two``: the f32 summation order)."""
-    if rounding is not None and jnp.shape(tokens)[0] == 1:
-        return one_row_as_two(
-            lambda c, t, p: decode_step(params, cfg, c, t, p, rounding), cache, tokens, positions)
+    arrays. ``rounding`` switches on the kernel rounding emulation (module docstring)."""
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
