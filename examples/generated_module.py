@@ -379,32 +379,55 @@ def near_ties(emu_scores: list, plain_scores: list, emu_logits, plain_logits
     return {"routing": routing, "token": token}
 
 
-def reference_step(reference, hf, cfg, rounding, start: dict, tokens, positions, context: int
-                   ) -> dict:
+def emulated_step(reference, hf, cfg, rounding, start: dict, tokens, positions,
+                  launch_rows: int | None = None) -> tuple:
+    """The rounding emulation's step (logits, cache) from ``start``, its dots as wide as the
+    kernel's launch: a verify kernel multiplies all its ``launch_rows`` rows at once, and XLA on
+    CPU sums a dot's rows in an order that depends on how many there are (one row otherwise
+    than several), so a verify row judged alone runs as the first of that many copies (the
+    caches batch-first, the rows independent)."""
+    import jax.numpy as jnp
+
+    batch = np.shape(tokens)[0]
+    copies = -(-(launch_rows or batch) // batch)
+    if copies > 1:
+        start = {k: jnp.concatenate([jnp.asarray(v)] * copies) for k, v in start.items()}
+        tokens, positions = (jnp.concatenate([jnp.asarray(a, jnp.int32)] * copies)
+                             for a in (tokens, positions))
+    logits, cache = reference.decode_step(hf, cfg, start, tokens, positions, rounding)
+    return logits[:batch], {k: v[:batch] for k, v in cache.items()}
+
+
+def reference_step(reference, hf, cfg, rounding, start: dict, tokens, positions, context: int,
+                   launch_rows: int | None = None) -> dict:
     """Both references for one step from ``start`` (the kernel's own state before the step, as
-    ``reference_cache``, of `context` tokens): the emulated and the plain logits and caches,
-    and the rows where the plain reference may decide otherwise (``near_ties``)."""
+    ``reference_cache``, of `context` tokens): the emulated (``emulated_step``, as wide as the
+    kernel's launch of ``launch_rows``) and the plain logits and caches, and the rows where the
+    plain reference may decide otherwise (``near_ties``)."""
     t0 = time.perf_counter()
+    batch = np.shape(tokens)[0]
     with RouteRecorder(reference) as emu_routes:
-        emu_logits, emulated = reference.decode_step(hf, cfg, start, tokens, positions, rounding)
+        emu_logits, emulated = emulated_step(reference, hf, cfg, rounding, start, tokens,
+                                             positions, launch_rows)
     with RouteRecorder(reference) as plain_routes:
         plain_logits, plain = plain_step(reference, hf, cfg, start, tokens, positions, context)
     emu_logits, plain_logits = np.asarray(emu_logits), np.asarray(plain_logits)
-    ties = near_ties(emu_routes.scores, plain_routes.scores, emu_logits, plain_logits)
+    emu_scores = [(s[:batch], k) for s, k in emu_routes.scores]     # the rows judged
+    ties = near_ties(emu_scores, plain_routes.scores, emu_logits, plain_logits)
     return {"emu_logits": emu_logits, "emulated": dict(emulated), "plain_logits": plain_logits,
             "plain": dict(plain), "near_ties": ties, "seconds": time.perf_counter() - t0}
 
 
 def step_references(reference, hf, cfg, rounding, batch: int, context: int) -> Callable:
-    """``refs(states, tokens, positions)`` for ``run_kernel`` and ``run_verify``: both
+    """``refs(states, tokens, positions[, launch_rows])`` for ``run_kernel`` and ``run_verify``: both
     references' step (``reference_step``) from the kernel's state in the reference's layouts.
     A step asked again from the same bytes (every mutant starts from the module's own state) is
     answered from the first answer."""
     import hashlib
     answered: dict[str, dict] = {}
 
-    def refs(states: dict, tokens, positions) -> dict:
-        digest = hashlib.sha256()
+    def refs(states: dict, tokens, positions, launch_rows: int | None = None) -> dict:
+        digest = hashlib.sha256(str(launch_rows).encode())
         for name in sorted(states):
             digest.update(name.encode() + np.ascontiguousarray(states[name]).tobytes())
         for a in (tokens, positions):
@@ -414,7 +437,7 @@ def step_references(reference, hf, cfg, rounding, batch: int, context: int) -> C
             return {**answered[key], "seconds": 0.0}
         start = reference_cache(reference, cfg, states, batch, context)
         answered[key] = reference_step(reference, hf, cfg, rounding, start, tokens, positions,
-                                       context)
+                                       context, launch_rows)
         return answered[key]
     return refs
 
@@ -580,7 +603,7 @@ def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
     for r, step in enumerate(trajectory):
         # The committed state's cache entries past its rows are the verify step's later rows,
         # which a decode step from there masks by position and overwrites.
-        ref = refs(gen.reference_states(start), step["tokens"], step["positions"])
+        ref = refs(gen.reference_states(start), step["tokens"], step["positions"], tokens.size)
         start = committed(r + 1)
         ours = _past_committed(gen.reference_states(start), ref["plain"], starts, r + 1, gen.CONTEXT)
         out.append(_record(r, label, seconds if r == 0 else 0.0, logits[:, r], next_token[:, r],
