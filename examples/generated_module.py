@@ -181,6 +181,20 @@ def add_mutant_options(ap) -> None:
                          "a nonzero state, where state-only mutants show)")
 
 
+def check_spec_and_model(ap, args) -> None:
+    """The runners' --spec must be a file and --model (where they take one) a shipped MINI
+    config: said as a usage error, not a traceback from deep in the loader."""
+    if not Path(args.spec).is_file():
+        ap.error(f"--spec {args.spec}: no such file (the shipped specs are in schedules/)")
+    model = getattr(args, "model", None)
+    shipped = sorted(p.stem for p in (ROOT / "mkc" / "model" / "configs").glob("*.json"))
+    if model is not None and model not in shipped:
+        minis = [m for m in shipped if m.endswith("_mini")]
+        ap.error(f"--model {model}: not a shipped config; choose one of {', '.join(minis)} "
+                 f"(full-size: {', '.join(m for m in shipped if m not in minis)})"
+                 + (", or pass --checkpoint DIR" if hasattr(args, "checkpoint") else ""))
+
+
 def check_mutant_options(ap, args) -> None:
     if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
         ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")

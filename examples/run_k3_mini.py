@@ -51,7 +51,8 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_mutant_options, finish, interpret_host, k3_mini_spec,
+                              check_mutant_options, check_spec_and_model, finish, interpret_host,
+                              k3_mini_spec,
                               load_generated, plain_trajectory, rounding_for, step_references,
                               run_kernel, run_mutants, run_verify)
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     add_interpret_host_option(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    check_spec_and_model(ap, args)
     check_mutant_options(ap, args)
     replaced = interpret_host(args)
 

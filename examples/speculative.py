@@ -40,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (add_interpret_host_option, interpret_host,  # noqa: E402
+from generated_module import (add_interpret_host_option, check_spec_and_model, interpret_host,  # noqa: E402
                               load_generated, rounding_for)
 
 from mkc.checkpoint import family_of  # noqa: E402
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     add_interpret_host_option(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    check_spec_and_model(ap, args)
     interpret_host(args)
 
     config = json.loads((ROOT / f"mkc/model/configs/{args.model}.json").read_text())

@@ -121,3 +121,14 @@ def test_perf_and_tune_on_a_generation_without_step_time_constants(cmd, capsys, 
     err = capsys.readouterr().err
     assert "error[E-PERF]: the step-time model has no constants for v6e" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["examples/run_mini.py", "--spec", "nope.sched"], "--spec nope.sched: no such file"),
+    (["examples/run_mini.py", "--model", "typo"], "--model typo: not a shipped config; choose one of"),
+    (["examples/run_k3_mini.py", "--spec", "nope.sched"], "--spec nope.sched: no such file"),
+    (["examples/speculative.py", "--model", "typo"], "qwen3_8_mini"),
+])
+def test_the_runners_refuse_a_missing_spec_or_unknown_model_with_a_usage_error(args, says):
+    r = run_python(args, timeout=300)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
