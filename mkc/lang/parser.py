@@ -1,6 +1,8 @@
 """Parse .sched text into the typed AST (mkc.lang.ast), with spans and friendly syntax errors."""
 from __future__ import annotations
 
+import difflib
+
 from functools import lru_cache
 from pathlib import Path
 
@@ -302,6 +304,11 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
         hint = f"expected {_expected_words(set(e.expected))}"
         if str(tok) in _SETTING_KEYWORDS or tok.type == "NAME":
             hint += f"; '{tok}' cannot start or continue a statement here"
+            # a misspelt keyword: the closest of the keywords that may stand here
+            keywords = sorted({x.lower() for x in e.expected if x.isupper() and x.isalpha()})
+            close = difflib.get_close_matches(str(tok), keywords, n=1, cutoff=0.75)
+            if close:
+                hint = f"did you mean '{close[0]}'? " + hint
         raise fail("E-SYNTAX", f"unexpected {str(tok)!r}", span, hint=hint) from None
     try:
         return _ToAst(file).transform(tree)

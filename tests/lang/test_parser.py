@@ -38,3 +38,22 @@ def test_unterminated_schedule_reports_end_of_file():
     with pytest.raises(MkcError) as e:
         parse("schedule x { context 4", "t.sched")
     assert "ends in the middle" in e.value.diagnostics[0].message
+
+
+@pytest.mark.parametrize("typo, keyword", [("alreduce", "allreduce"), ("laod", "load"),
+                                           ("scopd", "scoped")])
+def test_a_misspelt_keyword_gets_the_closest_keyword_that_may_stand_there(typo, keyword):
+    text = SPEC.read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith(keyword + " "))
+    with pytest.raises(MkcError) as e:
+        parse(text.replace(line, line.replace(keyword, typo, 1), 1))
+    d = e.value.diagnostics[0]
+    assert d.code == "E-SYNTAX" and d.hint.startswith(f"did you mean '{keyword}'? "), d.hint
+
+
+def test_a_word_near_no_keyword_gets_no_guess():
+    text = SPEC.read_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("allreduce "))
+    with pytest.raises(MkcError) as e:
+        parse(text.replace(line, line.replace("allreduce", "xyzzy", 1), 1))
+    assert "did you mean" not in e.value.diagnostics[0].hint
