@@ -655,4 +655,9 @@ def finish(summary: dict, races: bool, as_json: bool) -> int:
             print(f"FAIL mutant {name} was not rejected", file=sys.stderr)
     if as_json:
         print("JSON " + json.dumps(summary))
-    return 1 if failed or survivors or summary.get("races_found") else 0
+    code = 1 if failed or survivors or summary.get("races_found") else 0
+    print("PASS: every step matches both references" + (", every mutant rejected" if
+                                                         summary.get("mutants") else "")
+          if code == 0 else f"FAIL: {len(failed) + len(survivors)} failure(s), listed above"
+          + ("; races found" if summary.get("races_found") else ""))
+    return code

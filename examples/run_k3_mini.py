@@ -63,12 +63,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=str(ROOT / "schedules" / "kimi_k3.sched"),
                     help="a K3 spec, moved to 16 cores (generated_module.k3_mini_spec)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
+    ap.add_argument("--batch", type=int, default=2, help="rows (sequences) per step")
+    ap.add_argument("--steps", type=int, default=2, help="decode steps to run and judge")
+    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
+                    help="when interpret mode's DMAs land: at their wait, or as soon as issued")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
     ap.add_argument("--expert-slots", type=int, help="override the spec's expert slot count")
     ap.add_argument("--min-routing-margin", type=float, default=0.005,
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="one verify step of --steps rows per sequence instead of decode steps")
     add_mutant_options(ap)
     add_interpret_host_option(ap)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     args = ap.parse_args(argv)
     check_spec_and_model(ap, args)
     check_mutant_options(ap, args)

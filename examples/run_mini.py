@@ -57,13 +57,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"))
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"),
+                    help="the schedule to compile (default: the shipped Qwen 3.8 27B spec)")
     ap.add_argument("--model", default="qwen3_8_mini", help="a shipped MINI config (random weights)")
     ap.add_argument("--checkpoint", help="HF-format checkpoint dir (instead of --model)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
+    ap.add_argument("--batch", type=int, default=2, help="rows (sequences) per step")
+    ap.add_argument("--steps", type=int, default=3, help="decode steps to run and judge")
+    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
+                    help="when interpret mode's DMAs land: at their wait, or as soon as issued")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
     ap.add_argument("--mutate", help="run this mutant (one op scaled by 1.01) instead of the module")
     ap.add_argument("--emulation-check", choices=("exact", "flips", "none"), default="exact",
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="row 0's position (rows b > 0: + 131 b); default 136, 141 with --verify")
     add_mutant_options(ap)
     add_interpret_host_option(ap)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     args = ap.parse_args(argv)
     check_spec_and_model(ap, args)
     check_mutant_options(ap, args)

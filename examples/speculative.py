@@ -129,17 +129,22 @@ def reference_greedy(reference, hf, cfg, rounding, prompt: list[int], new_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"))
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", default=str(ROOT / "schedules" / "qwen3_8_27b.sched"),
+                    help="a schedule with `verify R` (default: the shipped Qwen 3.8 27B spec)")
     ap.add_argument("--model", default="qwen3_8_mini", help="a shipped MINI config (random weights)")
     ap.add_argument("--prompt", default="5,17,99,5,17,42,5,17",
                     help="comma-separated prompt token ids")
     ap.add_argument("--tokens", type=int, default=12, help="tokens to generate")
     ap.add_argument("--rows", type=int, help="rows per verify step (default: the spec's verify width)")
-    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait")
-    ap.add_argument("--drafter", choices=("lookup", "oracle"), default="lookup")
+    ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
+                    help="when interpret mode's DMAs land: at their wait, or as soon as issued")
+    ap.add_argument("--drafter", choices=("lookup", "oracle"), default="lookup",
+                    help="drafts from the prompt's last n-gram (lookup) or the reference's greedy "
+                         "text with one wrong draft a launch (oracle, to show acceptance)")
     add_interpret_host_option(ap)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     args = ap.parse_args(argv)
     check_spec_and_model(ap, args)
     interpret_host(args)
