@@ -149,10 +149,19 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
         hint = (f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to "
                 f"{fits_up_to}`; for larger batches shrink {largest}")
     usable = usable_vmem_bytes(s)
+    if s.vmem_limit < usable:
+        bound = f"the spec's limit {s.vmem_limit / 2**20:.2f} MiB"
+        if peak <= usable - s.vmem_reserve:     # the chip has the room: the limit is the cap
+            raise_to = -(-(peak + s.vmem_reserve) // 2**20)
+            hint = (f"raise the limit: `vmem limit {raise_to} MiB` fits (the chip has "
+                    f"{usable / 2**20:.2f} MiB usable); or {hint}")
+            span = s.setting_spans.get("vmem", span)
+    else:
+        bound = f"{usable / 2**20:.2f} MiB usable"
     return [Diagnostic(
         "E-VMEM-CAPACITY",
         f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s)}), over the budget "
-        f"of {budget / 2**20:.2f} MiB ({usable / 2**20:.2f} MiB usable minus reserve "
+        f"of {budget / 2**20:.2f} MiB ({bound} minus reserve "
         f"{s.vmem_reserve / 2**20:.2f} MiB)", span, hint=hint,
         notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
         + notes)]

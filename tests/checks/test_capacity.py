@@ -151,3 +151,17 @@ def test_no_false_fit_in_the_sweep():
             n += 1
             agree += m["fits"] == (tpu == "fits")
     assert n and agree / n >= 0.95
+
+
+def test_a_limit_below_the_chips_vmem_is_named_and_raising_it_is_offered(tmp_path):
+    """v6e has 128 MiB of VMEM a core: a spec capped at 40 MiB that needs 41.5 MiB at batch 8
+    is told the limit is the cap and which limit fits, at the vmem line."""
+    from mkc.diagnostics import MkcError
+    text = (ROOT / "schedules" / "qwen3_8_27b_v6e.sched").read_text()
+    spec = tmp_path / "capped.sched"
+    spec.write_text(text.replace("vmem    limit 128 MiB reserve 6 MiB", "vmem    limit 40 MiB reserve 6 MiB"))
+    with pytest.raises(MkcError) as e:
+        check_spec(spec)
+    d = next(d for d in e.value.diagnostics if d.code == "E-VMEM-CAPACITY")
+    assert "the spec's limit 40.00 MiB minus reserve 6.00 MiB" in d.message
+    assert d.hint.startswith("raise the limit: `vmem limit 48 MiB` fits") and d.span.line == 16
