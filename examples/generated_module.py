@@ -187,7 +187,8 @@ def check_spec_and_model(ap, args) -> None:
     if not Path(args.spec).is_file():
         ap.error(f"--spec {args.spec}: no such file (the shipped specs are in schedules/)")
     model = getattr(args, "model", None)
-    shipped = sorted(p.stem for p in (ROOT / "mkc" / "model" / "configs").glob("*.json"))
+    from mkc.model.config import CONFIG_DIR
+    shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
     if model is not None and model not in shipped:
         minis = [m for m in shipped if m.endswith("_mini")]
         ap.error(f"--model {model}: not a shipped config; choose one of {', '.join(minis)} "

@@ -236,7 +236,7 @@ class LayerTrace:
     kname: str
     seen: int                     # layers of this kind already run
     tile: int                     # the next ring tile this layer consumes
-    holds: dict = field(default_factory=dict)    # the tag each state buffer holds
+    holds: dict = field(init=False)     # the tag each state buffer holds, as ops update it
 
     def __post_init__(self) -> None:
         s = self.tracer.s

@@ -144,12 +144,10 @@ class _Name(str):
 _HIDDEN_WIDE = ("x", "embed_rows", "head_norm")
 
 
-def _scratch_shape(b: ir.Buffer, s: ir.ScheduleIR) -> str:
+def _scratch_shape(b: ir.Buffer, s: ir.ScheduleIR, ring: Ring) -> str:
     """A resident buffer's shape as source: in the module's named constants where it follows
     one (the ring's slots, the vector blocks, the hidden size), else its numbers."""
-    st = s.stream
-    if b.cls == "ring" and b.shape == (st.slots, *Ring(st.slots, st.ahead, st.total_tiles,
-                                                        tuple(map(tuple, st.tile_shapes))).slot_shape):
+    if b.cls == "ring" and b.shape == (ring.slots, *ring.slot_shape):
         return "(RING.slots, *RING.slot_shape)"
     if b.name == "vectors" and b.shape == (2, s.parity.rows, s.parity.cols):
         return "(2, VECTORS.rows, VECTORS.cols)"
@@ -236,7 +234,8 @@ def context(s: ir.ScheduleIR) -> dict:
 
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
     # (name, source, comment) per scratch operand, in operand order
-    scratch_shapes = [(b.name, f"pltpu.VMEM({_scratch_shape(b, s)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
+    ring = Ring(st.slots, st.ahead, st.total_tiles, tuple(tuple(t) for t in st.tile_shapes))
+    scratch_shapes = [(b.name, f"pltpu.VMEM({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
                       for b in resident]
     scratch_shapes += [("ring_sem", "pltpu.SemaphoreType.DMA((RING.slots,))", ""),
                        ("vectors_sem", "pltpu.SemaphoreType.DMA((2,))", "")]
@@ -303,8 +302,7 @@ def context(s: ir.ScheduleIR) -> dict:
         "layer_kind_literal": literal(layer_kind, 13),
         "tile_offset_literal": literal(tuple(st.layer_tile_offset), 20),
         "matrix_literals": matrix_literals,
-        "ring_literal": literal(Ring(st.slots, st.ahead, st.total_tiles,
-                                     tuple(tuple(t) for t in st.tile_shapes)), 7),
+        "ring_literal": literal(ring, 7),
         "stream_order_literal": literal({k: v for k, v in stream_order.items()}, 15),
         "vectors_literal": literal(Parity(parity.ahead, parity.rows, parity.cols,
                                           {k: {n: tuple(v) for n, v in fams.items()}
