@@ -517,15 +517,8 @@ def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
     trajectory's own step is the drift report. `states`, if given, collects the kernel's state
     before each step. `judged` ({label: batch rows}): the steps of each group of rows judged
     alone, by label, instead of one list for the whole batch."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
     groups = {"": None} if judged is None else judged
     out: dict[str, list[dict]] = {g: [] for g in groups}
-    # The state placed as the step returns it, by rank over the mesh: from a host state the
-    # first step would be compiled for other input shardings than the next ones, and the
-    # step compiled twice (K3 MINI at batch 8: 16 s of XLA compilation again at step 1).
-    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec(gen.AXIS)))
     for i, step in enumerate(trajectory[first:], start=first):
         if states is not None:       # a host copy: the step donates the state's buffers
             states.append({n: np.asarray(a) for n, a in state.items()})

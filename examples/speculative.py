@@ -1,11 +1,14 @@
 """Speculative greedy generation with a generated module's verify step, in TPU interpret mode
 on virtual CPU devices (MINI config, random weights).
 
-Each launch verifies the anchor (the last token, not yet in the state) and up to R - 1 drafts
-from a prompt-lookup drafter (no second model: the continuation of the most recent earlier
-occurrence of the context's last n-gram). Greedy acceptance keeps the drafts the model itself
-would have produced, plus the model's own token after them; `commit` keeps the state after the
-accepted rows. The prompt is fed the same way, R tokens per launch, all accepted.
+Each launch verifies the anchor (the last token, not yet in the state) and up to R - 1 drafts.
+By default a draft model proposes them (`draft_model`: with random MINI weights no small model
+agrees with the kernel, so the same model in the reference's plain f32 stands in for one);
+`--drafter lookup` proposes the continuation of the most recent earlier occurrence of the
+context's last n-gram (no second model, but random weights rarely repeat themselves). Greedy
+acceptance keeps the drafts the model itself would have produced, plus the model's own token
+after them; `commit` keeps the state after the accepted rows. The prompt is fed the same way,
+R tokens per launch, all accepted.
 
     .venv/bin/python examples/speculative.py --tokens 12
     .venv/bin/python examples/speculative.py --spec schedules/qwen3_5_35b_a3b.sched --model qwen3_5_moe_mini
@@ -75,6 +78,33 @@ def oracle(greedy: list[int], prompt_len: int):
     return draft
 
 
+def draft_model(reference, hf, cfg, context: int):
+    """A drafter that runs a draft model greedily: the same MINI model computed by the family's
+    pure-JAX reference in plain f32 (random weights have no smaller model that agrees with them,
+    so it stands in for one; it differs from the kernel's bf16 rounding where the top two
+    logits nearly tie, and those drafts are rejected). Its cache follows the context: each call
+    feeds only the tokens added since the last one, then drafts from a copy."""
+    step = jax.jit(reference.decode_step, static_argnums=(1, 5))
+    fed = {"cache": reference.init_cache(cfg, 1, context), "tokens": 0}
+
+    def advance(cache, token: int, position: int):
+        logits, cache = step(hf, cfg, cache, jnp.array([token], jnp.int32),
+                             jnp.array([position], jnp.int32), None)
+        return int(np.argmax(np.asarray(logits)[0])), cache
+
+    def draft(tokens: list[int], drafts: int) -> list[int]:
+        cache = fed["cache"]
+        for position in range(fed["tokens"], len(tokens) - 1):   # the anchor is not yet fed
+            _, cache = advance(cache, tokens[position], position)
+        fed.update(cache=cache, tokens=len(tokens) - 1)
+        out, token = [], tokens[-1]
+        for position in range(len(tokens) - 1, len(tokens) - 1 + drafts):
+            token, cache = advance(cache, token, position)
+            out.append(token)
+        return out
+    return draft
+
+
 def speculative_generate(gen, weights, prompt: list[int], new_tokens: int, rows: int, mesh,
                          interpret, drafter=prompt_lookup) -> tuple[list[int], list[int]]:
     """Greedy generation of `new_tokens` after `prompt` (one sequence) -> (tokens, tokens
@@ -140,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, help="rows per verify step (default: the spec's verify width)")
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
                     help="when interpret mode's DMAs land: at their wait, or as soon as issued")
-    ap.add_argument("--drafter", choices=("lookup", "oracle"), default="lookup",
-                    help="drafts from the prompt's last n-gram (lookup) or the reference's greedy "
-                         "text with one wrong draft a launch (oracle, to show acceptance)")
+    ap.add_argument("--drafter", choices=("model", "lookup", "oracle"), default="model",
+                    help="drafts from a draft model (model: the reference in plain f32, standing "
+                         "in for a small model), from the context's last n-gram (lookup: "
+                         "random weights rarely repeat, so few drafts land), or the reference's "
+                         "greedy text with one wrong draft a launch (oracle, for tests)")
     add_interpret_host_option(ap)
     ap.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     args = ap.parse_args(argv)
@@ -164,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
 
     greedy = reference_greedy(reference, hf, cfg, rounding_for(Path(args.spec), args.model), prompt,
                               args.tokens, gen.CONTEXT)
-    drafter = prompt_lookup if args.drafter == "lookup" else oracle(greedy, len(prompt))
+    drafter = {"model": lambda: draft_model(reference, hf, cfg, gen.CONTEXT),
+               "lookup": lambda: prompt_lookup,
+               "oracle": lambda: oracle(greedy, len(prompt))}[args.drafter]()
     t0 = time.perf_counter()
     tokens, per_launch = speculative_generate(gen, weights, prompt, args.tokens, rows, mesh,
                                               pltpu.InterpretParams(dma_execution_mode=args.mode),

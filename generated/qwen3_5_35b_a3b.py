@@ -376,4 +376,4 @@ decode_step, abstract_inputs = HOST.decode_step, HOST.abstract_inputs
 make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step, HOST.commit
 pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
 init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
-reference_states = HOST.reference_states
+reference_states, random_weights = HOST.reference_states, HOST.random_weights

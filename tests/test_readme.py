@@ -1,75 +1,82 @@
-"""Doc test: the README's "Using a generated module" snippet runs as written.
+"""Doc test: the README's "Using a generated module" section runs as written.
 
-The python block under that heading is run verbatim in a fresh interpreter on CPU, with the
-device count it needs (`XLA_FLAGS=--xla_force_host_platform_device_count=RANKS`), against the
-MINI config compiled from the same spec into a temporary `generated/` package under the module
-name the snippet imports. Before it, a preamble defines the names the README says the reader
-provides: `hf_params` (small random HF-named weights from `mkc.families.qwen3_5.reference.init_params`),
-`B`, `tokens`, `positions`, and `interpret` (interpret mode with eager DMAs, as on CPU).
+Its shell block (the `mkc compile` line) and then its python block run verbatim in a fresh
+directory, the python in a fresh interpreter on CPU with nothing set but `JAX_PLATFORMS=cpu`:
+the snippet sets the device count itself. `schedules/` is linked into the directory and the
+venv's `mkc` is on PATH, as for a reader in the repository's root.
 """
-import json
 import os
 import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests_support import ROOT
 
 HEADING = "## Using a generated module"
-MODEL = "qwen3_8_mini"
-
-PREAMBLE = f"""\
-# The names the README's snippet expects the reader to provide.
-import json
-import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
-from mkc.families.qwen3_5 import reference as qwen3_5
-
-_config = json.loads(open({str(ROOT / "mkc/model/configs" / (MODEL + ".json"))!r}).read())
-hf_params = qwen3_5.init_params(qwen3_5.load_config(_config), seed=0)
-B = 2
-tokens = jnp.array([3, 1000], jnp.int32)
-positions = jnp.array([0, 9], jnp.int32)
-interpret = pltpu.InterpretParams(dma_execution_mode="eager")
-"""
-
-EPILOGUE = """
-# The snippet's results: logits over the whole vocabulary and a next token per row.
-import numpy as _np
-assert logits.shape == (B, _config["vocab_size"]), logits.shape
-assert _np.isfinite(_np.asarray(logits)).all()
-assert next_token.shape == (B,)
-print("README snippet ran")
-"""
 
 
-def readme_snippet() -> str:
+def readme_blocks() -> tuple[str, str]:
+    """The (shell, python) blocks of the README's section."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index(HEADING):]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
-    assert m, f"no python block under {HEADING!r}"
-    return m.group(1)
+    section = section[:section.find("\n## ", 1)]
+    sh = re.search(r"```sh\n(.*?)```", section, re.S)
+    py = re.search(r"```python\n(.*?)```", section, re.S)
+    assert sh and py, f"a sh and a python block under {HEADING!r}"
+    return sh.group(1), py.group(1)
+
+
+def test_readme_shell_block_is_one_compile_into_the_module_the_snippet_imports():
+    sh, py = readme_blocks()
+    argv = shlex.split(sh.strip())
+    assert argv[:2] == [".venv/bin/mkc", "compile"], argv
+    out = argv[argv.index("-o") + 1]
+    m = re.search(rf"^import {out}\.(\w+) as \w+", py, re.M)
+    assert m, f"the snippet imports a module from {out}/"
+    spec, model = Path(argv[2]).stem, argv[argv.index("--model") + 1]
+    assert m.group(1) == f"{spec}__{model}", "the README's naming rule and the import agree"
 
 
 @pytest.mark.slow
 def test_readme_generated_module_snippet_runs(tmp_path):
-    from mkc import compiler
-    snippet = readme_snippet()
-    m = re.search(r"^import generated\.(\w+) as \w+", snippet, re.M)
-    assert m, "the snippet imports a module from generated/"
-    c = compiler.compile_spec(ROOT / "schedules" / f"{m.group(1)}.sched", MODEL)
-    package = tmp_path / "generated"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    compiler.write_atomically(package / f"{m.group(1)}.py", c.module_source)
-    script = tmp_path / "readme_snippet.py"
-    script.write_text(PREAMBLE + "\n# ---- the README snippet, verbatim ----\n" + snippet + EPILOGUE)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={c.ir.ranks}")
-    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=900)
+    sh, py = readme_blocks()
+    (tmp_path / "schedules").symlink_to(ROOT / "schedules")
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"JAX_PLATFORMS": "cpu", "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"}
+    # `.venv/bin/mkc` as a reader types it, run with this interpreter's venv.
+    argv = shlex.split(sh.strip())
+    argv = [sys.executable, "-m", "mkc", *argv[1:]]
+    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "readme_snippet.py").write_text(py)
+    r = subprocess.run([sys.executable, "readme_snippet.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "README snippet ran" in r.stdout
-    json.dumps(r.stdout)   # the run printed only text
+    steps = re.findall(r"^step (\d) next tokens \[(\d+) (\d+)\]$", r.stdout, re.M)
+    assert [s[0] for s in steps] == ["0", "1"], r.stdout
+    # init_state's host arrays are placed before the step donates them: no JAX warning
+    assert "donated buffers were not usable" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_mesh_of_the_wrong_size_names_the_device_flag(tmp_path):
+    """What a reader who forgot XLA_FLAGS meets: a ValueError naming it, not JAX's shard-shape
+    error from inside sharding."""
+    from mkc import compiler
+    c = compiler.compile_spec(ROOT / "schedules" / "qwen3_8_27b.sched", "qwen3_8_mini")
+    (tmp_path / "mod.py").write_text(c.module_source)
+    script = ("import mod, jax, numpy as np\nfrom jax.sharding import Mesh\n"
+              "mesh = Mesh(np.array(jax.devices()[:1]), (mod.AXIS,))\n"
+              "try:\n    mod.place_weights({}, mesh)\nexcept ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"of {c.ir.ranks} devices" in r.stdout and \
+        f"--xla_force_host_platform_device_count={c.ir.ranks}" in r.stdout, r.stdout

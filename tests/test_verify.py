@@ -66,6 +66,15 @@ def test_speculative_generation_equals_greedy_decoding():
     assert 1 in summary["per_launch"] and max(summary["per_launch"]) >= 3
 
 
+@pytest.mark.slow
+def test_speculative_generation_with_the_default_draft_model_speculates():
+    """The example as a user first runs it: the draft model's drafts are accepted (more than
+    one token a launch on average), and the text is still greedy decoding's."""
+    summary = run_example("examples/speculative.py", "--tokens", "8", "--rows", "4", timeout=1500)
+    assert summary["tokens"] == summary["greedy"]
+    assert summary["mean_acceptance"] > 2, summary["per_launch"]
+
+
 def test_prompt_lookup_drafts_the_continuation_of_the_last_ngram():
     sys.path.insert(0, str(ROOT / "examples"))
     from speculative import prompt_lookup

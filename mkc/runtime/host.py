@@ -11,6 +11,7 @@ the kernel body is handed them as attributes of one namespace.
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -159,6 +160,7 @@ class Host:
     def _sharded(self, mesh: Mesh, B: int, interpret, verify_rows: int | None = None):
         """The kernel at B rows over `mesh`, on host-computed inputs -> (vocab-major logits
         [B, vocab], state outputs in `state_shapes` order)."""
+        self.check_mesh(mesh)
         call = self.build_kernel(B, interpret, verify_rows)
         names = list(self.state_shapes(1))
         hbm_names = list(self.hbm_shapes())
@@ -299,6 +301,7 @@ class Host:
     def place_weights(self, hf, mesh: Mesh) -> dict[str, jax.Array]:
         """Pack and place weights rank by rank onto `mesh` (only this process's devices), so
         the host holds one rank's packed copy at a time."""
+        self.check_mesh(mesh)
         sharding = jax.sharding.NamedSharding(mesh, P(self.axis))
         shapes = self.hbm_shapes()
         pieces: dict[str, list] = {name: [] for name in shapes}
@@ -308,6 +311,13 @@ class Host:
                 pieces[name].append(jax.device_put(packed[name][None], device))
         return {name: jax.make_array_from_single_device_arrays((self.ranks, *shape), sharding, pieces[name])
                 for name, (shape, _) in shapes.items()}
+
+    def random_weights(self, seed: int = 0) -> dict[str, np.ndarray]:
+        """HF-named random weights for the config this module was compiled for (the family
+        reference's `init_params`, scaled to keep activations O(1)): for trying a module
+        without a checkpoint. Real weights: `mkc.checkpoint.load_checkpoint(dir)[1]`."""
+        reference = importlib.import_module(f"{self.hf_layout.__package__}.reference")
+        return reference.init_params(reference.load_config(dict(self.hf_config)), seed)
 
     def reference_states(self, state) -> dict[str, np.ndarray]:
         """The decode state gathered over ranks into the reference's (upstream) layouts."""
@@ -322,6 +332,7 @@ class Host:
     def place_state(self, B: int, mesh: Mesh) -> dict[str, jax.Array]:
         """Zeroed decode state on `mesh`, each process creating only its own ranks' shards (the
         multi-host counterpart of init_state)."""
+        self.check_mesh(mesh)
         sharding = jax.sharding.NamedSharding(mesh, P(self.axis))
 
         def zeros(shape, dtype):
@@ -344,7 +355,7 @@ class Host:
         same mesh."""
         devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
         if len(devices) < self.ranks:
-            raise ValueError(f"the schedule needs {self.ranks} devices, {len(devices)} are visible")
+            raise ValueError(f"the schedule needs {self.ranks} devices." + self._device_hint(len(devices)))
         devices = devices[:self.ranks]
         hosts = sorted({d.process_index for d in devices})
         per_host = self.ranks // len(hosts)
@@ -352,6 +363,23 @@ class Host:
                                           for rank, d in enumerate(devices)):
             raise ValueError(f"processes {hosts} do not each hold {per_host} consecutive ranks")
         return Mesh(np.array(devices), (self.axis,))
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """A mesh this module's steps and placements can use: one axis named AXIS of RANKS
+        devices (else JAX fails later, deep inside sharding, with shard shapes that differ)."""
+        sizes = dict(mesh.shape)
+        if sizes == {self.axis: self.ranks}:
+            return
+        have = ", ".join(f"{a!r}: {n}" for a, n in sizes.items())
+        raise ValueError(f"this module runs on a mesh of one axis {self.axis!r} of {self.ranks} "
+                         f"devices; the mesh given has {{{have}}}. Build it with make_mesh()."
+                         + self._device_hint(len(jax.devices())))
+
+    def _device_hint(self, visible: int) -> str:
+        if visible >= self.ranks:
+            return ""
+        return (f" Only {visible} devices are visible: on CPU set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={self.ranks} before jax is imported.")
 
     # ---- one-call steps ------------------------------------------------------------------
     def check_inputs(self, weights, state, tokens, positions, rows: int | None = None) -> int:
@@ -373,7 +401,15 @@ class Host:
         key = ("decode", B, mesh, interpret)
         if key not in self._steps:
             self._steps[key] = self.make_decode_step(mesh, B, interpret)
-        return self._steps[key](weights, state, tokens, positions)
+        return self._steps[key](weights, self._on_mesh(state, mesh), tokens, positions)
+
+    def _on_mesh(self, state, mesh: Mesh):
+        """Host-held state arrays (init_state's) placed rank by rank on `mesh`, as the step
+        returns them: the step donates its state, and only an input sharded as the output can
+        be updated in place (from a host array JAX warns that the donation was not usable, and
+        the next step, on the returned state, compiles again: 16 s for K3 MINI at batch 8)."""
+        ranked = jax.sharding.NamedSharding(mesh, P(self.axis))
+        return {n: a if isinstance(a, jax.Array) else jax.device_put(a, ranked) for n, a in state.items()}
 
     def verify_step(self, weights, state, tokens, starts, *, mesh: Mesh | None = None,
                     interpret=None):
@@ -388,6 +424,7 @@ class Host:
         key = ("verify", S, R, mesh, interpret)
         if key not in self._steps:
             self._steps[key] = self.make_verify_step(mesh, S, R, interpret)
+        state = self._on_mesh(state, mesh)
         caches = {n: a for n, a in state.items() if n not in self.row_states}
         states = {n: a for n, a in state.items() if n in self.row_states}
         return self._steps[key](weights, caches, states, jnp.asarray(tokens, jnp.int32),
