@@ -1,4 +1,5 @@
-"""The `mkc` command line: compile, check, ir and perf, for people (text) and machines (--json)."""
+"""The `mkc` command line: compile, check, ir, perf, tune and fmt, for people (text) and machines
+(--json)."""
 from __future__ import annotations
 
 import argparse
@@ -72,11 +73,45 @@ def _parser() -> argparse.ArgumentParser:
                            help="write a picture (.png, .svg or .pdf by suffix) of the modelled "
                                 "step for one rank: VMEM by class, a DMA Gantt chart, HBM "
                                 "bandwidth utilisation")
+    p = sub.add_parser("fmt", help="rewrite specs in the canonical layout, keeping comments")
+    p.add_argument("specs", nargs="+", metavar="spec",
+                   help="paths to .sched files, rewritten in place; '-' reads stdin and writes stdout")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; list the specs not in canonical layout and exit 1 if any")
     return ap
+
+
+def _fmt(args) -> int:
+    """`mkc fmt`: each spec in place (atomically, only if it changes), or --check."""
+    from mkc import compiler
+    from mkc.lang.fmt import format_text
+    from mkc.lang.parser import parse_bytes, parse_file
+    changed = []
+    for spec in args.specs:
+        result: dict = {"command": "fmt", "spec": spec}
+        try:
+            if spec == "-":
+                _, text = parse_bytes(sys.stdin.buffer.read(), "<stdin>")
+                sys.stdout.write(format_text(text, "<stdin>"))
+                continue
+            _, text = parse_file(spec)
+            formatted = format_text(text, spec)
+        except MkcError as e:
+            return _fail(result, e.diagnostics, False)
+        if formatted != text:
+            changed.append(spec)
+            if not args.check:
+                compiler.write_atomically(Path(spec), formatted)
+    for spec in changed:
+        print(f"{'would reformat' if args.check else 'reformatted'} {spec}",
+              file=sys.stderr if args.check else sys.stdout)
+    return 1 if args.check and changed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "fmt":
+        return _fmt(args)
     as_json = getattr(args, "json", False)
     result: dict = {"mkc_version": mkc.__version__, "command": args.cmd, "spec": args.spec,
                     "verdict": "ok", "diagnostics": []}
