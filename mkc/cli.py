@@ -1,5 +1,5 @@
-"""The `mkc` command line: compile, check, ir, perf, tune and fmt, for people (text) and machines
-(--json)."""
+"""The `mkc` command line: compile, check, ir, perf, tune, fmt and lsp, for people (text) and
+machines (--json)."""
 from __future__ import annotations
 
 import argparse
@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="paths to .sched files, rewritten in place; '-' reads stdin and writes stdout")
     p.add_argument("--check", action="store_true",
                    help="change nothing; list the specs not in canonical layout and exit 1 if any")
+    sub.add_parser("lsp", help="run the language server over stdio (for editors; see README)")
     return ap
 
 
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "fmt":
         return _fmt(args)
+    if args.cmd == "lsp":
+        from mkc.lsp import main as lsp_main
+        return lsp_main()
     as_json = getattr(args, "json", False)
     result: dict = {"mkc_version": mkc.__version__, "command": args.cmd, "spec": args.spec,
                     "verdict": "ok", "diagnostics": []}

@@ -31,6 +31,17 @@ def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
     """Parse, resolve and check; raises MkcError with diagnostics on a bad spec."""
     from mkc.lang.parser import parse_file
     sched, text = parse_file(spec)
+    return _check_parsed(sched, text, model)
+
+
+def check_source(text: str, file: str, model: str | None = None) -> Compiled:
+    """`check_spec` of a spec's text (an editor's unsaved buffer); `file` names it in
+    diagnostics and anchors a relative `model` path."""
+    from mkc.lang.parser import parse
+    return _check_parsed(parse(text, file), text, model)
+
+
+def _check_parsed(sched, text: str, model: str | None = None) -> Compiled:
     from mkc.resolve import resolve, with_smallest_topology
     schedule_ir = resolve(sched, model)
     from mkc.checks import run_checks

@@ -23,6 +23,7 @@ budget = min(limit, usable VMEM) - reserve.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 
 from mkc import ir
 from mkc.diagnostics import Diagnostic, Span
@@ -97,11 +98,12 @@ def _compiler_buffer(nbytes: int) -> ir.Buffer:
     return ir.Buffer("compiler_scratch", "compiler", (nbytes,), "u8")
 
 
-def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
-                ) -> tuple[int, str, list[ir.Buffer]]:
-    """(peak bytes, where, buffers live there) for the kernel built at `batch` (default: the
-    widest, `ScheduleIR.rows_max`): resident buffers, VMEM inputs and compiler scratch, plus the
-    scoped buffers open."""
+def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
+                  ) -> Iterator[tuple[Event | None, int, list[ir.Buffer]]]:
+    """(event, bytes, buffers live) at kernel start (event None) and after each scoped
+    allocation or free, for the kernel built at `batch` (default: the widest,
+    `ScheduleIR.rows_max`): resident buffers, VMEM inputs and compiler scratch, plus the scoped
+    buffers open."""
     batch = batch or s.rows_max
     buffers = [b.at_batch(batch) for b in s.buffers]
     resident = ([b for b in buffers if b.scope is None] + vmem_inputs(s, batch)
@@ -109,15 +111,25 @@ def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
     by_name = {b.name: b for b in buffers}
     base = sum(b.vmem_bytes for b in resident)
     live: dict[str, ir.Buffer] = {}
-    peak, where, at_peak = base, "kernel start", list(resident)
+    yield None, base, list(resident)
     for e in events:
         if e.op == "alloc":
             live[e.buffer] = by_name[e.buffer]
-            total = base + sum(b.vmem_bytes for b in live.values())
-            if total > peak:
-                peak, where, at_peak = total, e.where, resident + list(live.values())
         elif e.op == "free":
             live.pop(e.buffer, None)
+        else:
+            continue
+        yield e, base + sum(b.vmem_bytes for b in live.values()), resident + list(live.values())
+
+
+def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
+                ) -> tuple[int, str, list[ir.Buffer]]:
+    """(peak bytes, where, buffers live there) for the kernel built at `batch` (see
+    `vmem_timeline`); the first point of the peak."""
+    peak, where, at_peak = -1, "", []
+    for e, total, live in vmem_timeline(s, events, batch):
+        if total > peak:
+            peak, where, at_peak = total, e.where if e else "kernel start", live
     return peak, where, at_peak
 
 
