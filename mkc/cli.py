@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "compile":
             c = compiler.compile_spec(args.spec, args.model)
-            out = Path(args.out) / f"{compiler.module_name(c)}.py"
+            out = compiler.module_path(c, args.out)
             compiler.write_atomically(out, c.module_source)
             from mkc import report
             result |= {"output": str(out), "budget": report.budget(c.ir, c.events)}

@@ -132,3 +132,22 @@ def test_perf_and_tune_on_a_generation_without_step_time_constants(cmd, capsys, 
 def test_the_runners_refuse_a_missing_spec_or_unknown_model_with_a_usage_error(args, says):
     r = run_python(args, timeout=300)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_two_specs_with_one_schedule_name_do_not_overwrite_each_other(tmp_path, capsys):
+    """A spec copied to retarget it keeps its `schedule` name: compiling both into one
+    directory is refused at the second's schedule line, not a silent overwrite; recompiling
+    the first replaces its own module."""
+    text = SPEC.read_text()
+    (tmp_path / "a.sched").write_text(text)
+    (tmp_path / "b.sched").write_text(text.replace("verify  8 sequences 1 to 2", "verify  4"))
+    out = tmp_path / "out"
+    assert main(["compile", str(tmp_path / "a.sched"), "--model", "qwen3_8_mini", "-o", str(out)]) == 0
+    module = next(out.iterdir())
+    first = module.read_text()
+    assert main(["compile", str(tmp_path / "b.sched"), "--model", "qwen3_8_mini", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if t.startswith("schedule "))
+    assert f"b.sched:{line}:1: error[E-OUTPUT]" in err and "generated from a.sched" in err
+    assert module.read_text() == first
+    assert main(["compile", str(tmp_path / "a.sched"), "--model", "qwen3_8_mini", "-o", str(out)]) == 0
