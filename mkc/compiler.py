@@ -84,11 +84,13 @@ def module_path(c: Compiled, out_dir: str | Path) -> Path:
     another spec file (another spec with the same `schedule` name, say one retargeted by
     copying) is an E-OUTPUT diagnostic at the schedule line, not silently overwritten."""
     path = Path(out_dir) / f"{module_name(c)}.py"
+    if not path.is_file():               # absent, or not replaceable (the write reports it)
+        return path
     try:
         with path.open(encoding="utf-8", errors="replace") as f:
             first = f.readline()
     except OSError:
-        return path                      # absent (or unreadable: the write reports it)
+        return path                      # unreadable: the write reports it
     m = _GENERATED_FROM.match(first)
     this = Path(c.ir.source).name
     if m and m.group(1) != this:
