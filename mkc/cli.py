@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
         if name != "ir":
             p.add_argument("--json", action="store_true",
                            help="print one JSON object: verdict, diagnostics and budget")
+        else:
+            p.add_argument("--after", metavar="PASS", type=_resolve_pass,
+                           help="print what resolve has resolved after pass PASS instead (no "
+                                "checks run); an unknown PASS lists the passes")
         if name == "compile":
             p.add_argument("-o", "--out", default="generated", help="output directory")
         if name == "check":
@@ -73,6 +77,15 @@ def _parser() -> argparse.ArgumentParser:
                                 "step for one rank: VMEM by class, a DMA Gantt chart, HBM "
                                 "bandwidth utilisation")
     return ap
+
+
+def _resolve_pass(name: str) -> str:
+    """`--after`'s value: a resolve pass's name (the driver loads only when it is given)."""
+    from mkc.resolve.driver import PASS_NAMES
+    if name not in PASS_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown resolve pass '{name}'; the passes, in "
+                                         f"order: {', '.join(PASS_NAMES)}")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
         elif args.cmd == "tune":
             result |= _tune(args, as_json)
+        elif args.after is not None:
+            print(compiler.resolve_spec(args.spec, args.model, after=args.after).to_json())
         else:
             print(compiler.check_spec(args.spec, args.model).ir.to_json())
     except MkcError as e:
