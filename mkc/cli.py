@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
         if name != "ir":
             p.add_argument("--json", action="store_true",
                            help="print one JSON object: verdict, diagnostics and budget")
+        else:
+            p.add_argument("--after", metavar="PASS", type=_resolve_pass,
+                           help="print what resolve has resolved after pass PASS instead (no "
+                                "checks run); an unknown PASS lists the passes")
         if name == "compile":
             p.add_argument("-o", "--out", default="generated", help="output directory")
         if name == "check":
@@ -109,6 +113,15 @@ def _fmt(args) -> int:
     return 1 if args.check and changed else 0
 
 
+def _resolve_pass(name: str) -> str:
+    """`--after`'s value: a resolve pass's name (the driver loads only when it is given)."""
+    from mkc.resolve.driver import PASS_NAMES
+    if name not in PASS_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown resolve pass '{name}'; the passes, in "
+                                         f"order: {', '.join(PASS_NAMES)}")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "fmt":
@@ -155,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
         elif args.cmd == "tune":
             result |= _tune(args, as_json)
+        elif args.after is not None:
+            print(compiler.resolve_spec(args.spec, args.model, after=args.after).to_json())
         else:
             print(compiler.check_spec(args.spec, args.model).ir.to_json())
     except MkcError as e:

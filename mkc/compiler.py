@@ -15,6 +15,7 @@ from mkc.diagnostics import MkcError, Span, fail
 
 if TYPE_CHECKING:
     from mkc import ir
+    from mkc.resolve import ResolveState
 
 # Each stage is imported when the pipeline reaches it: a spec with a syntax error is reported
 # before resolve (networkx, numpy) or codegen (JAX, through the runtime it emits calls to) load.
@@ -43,7 +44,7 @@ def check_source(text: str, file: str, model: str | None = None) -> Compiled:
 
 
 def _check_parsed(sched, text: str, model: str | None = None) -> Compiled:
-    from mkc.resolve import resolve, with_smallest_topology
+    from mkc.resolve import name_smallest_slice, resolve
     schedule_ir = resolve(sched, model)
     from mkc.checks import run_checks
     try:
@@ -51,11 +52,18 @@ def _check_parsed(sched, text: str, model: str | None = None) -> Compiled:
     except MkcError as e:
         # HBM is the one capacity a bigger slice of the same generation fixes: name the
         # smallest that would do.
-        for d in e.diagnostics:
-            if d.code == "E-HBM-CAPACITY":
-                d.hint = with_smallest_topology(d.hint, sched, model)
+        name_smallest_slice(e, sched, model)
         raise
     return Compiled(schedule_ir, text, events=events)
+
+
+def resolve_spec(spec: str | Path, model: str | None = None, *, after: str | None = None
+                 ) -> ResolveState:
+    """Parse and resolve, stopping after resolve pass `after` (`mkc ir --after PASS`)."""
+    from mkc.lang.parser import parse_file
+    sched, _ = parse_file(spec)
+    from mkc.resolve import resolve_state
+    return resolve_state(sched, model, after=after)
 
 
 def compile_spec(spec: str | Path, model: str | None = None) -> Compiled:

@@ -1,6 +1,7 @@
 """Resolving shard rules: classes split over a subgroup of the mesh and replicated across the
 rest, the collective groups that follow from them, and hints that name only spellings that
-work."""
+work. And the resolve driver: a flat list of passes, each printable with `mkc ir --after`."""
+import json
 import re
 from pathlib import Path
 
@@ -121,3 +122,61 @@ def test_a_format_records_whether_the_target_takes_fp8_operands(target, fp8_oper
     s = resolve(parse(re.sub(r"target\s+tpu7x topology \S+", target, text)), "kimi_k3_mini")
     assert {f.name for f in s.weight_formats.values()} == {"fp8"}
     assert {f.fp8_operand for f in s.weight_formats.values()} == {fp8_operand}
+
+
+# ---- the driver: a flat list of passes, and `mkc ir --after PASS` ----------------------------
+
+MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"     # pools and views: every pass adds
+
+
+def test_the_driver_runs_each_pass_once_in_one_flat_list():
+    """Every pass is a function of a pass module, none the driver's, run once, in order; the
+    last one's IR is what `resolve` returns."""
+    from mkc.lang.parser import parse_file
+    from mkc.resolve import driver, resolve
+    assert isinstance(driver.PASSES, tuple) and len(driver.PASSES) >= 10
+    assert len(set(driver.PASS_NAMES)) == len(driver.PASS_NAMES)
+    for p in driver.PASSES:
+        assert callable(p.run) and p.run.__module__.startswith("mkc.resolve."), p
+        assert p.run.__module__ != driver.__name__, p
+    sched = parse_file(MOE_SPEC)[0]
+    state = driver.run(sched)
+    assert state.passes == driver.PASS_NAMES
+    assert state.schedule_ir.to_json() == resolve(sched).to_json()
+    assert driver.run(sched, after="pools").passes == driver.PASS_NAMES[:10]
+
+
+def test_ir_after_each_pass_prints_what_it_resolved(capsys):
+    """`mkc ir --after PASS`: the passes run up to PASS, and each pass adds to (or changes)
+    what the one before it printed; after the last, the IR `mkc ir` prints."""
+    from mkc.cli import main
+    from mkc.resolve import PASS_NAMES
+    before = {}
+    for name in PASS_NAMES:
+        assert main(["ir", str(MOE_SPEC), "--after", name]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc.pop("passes") == list(PASS_NAMES[:PASS_NAMES.index(name) + 1])
+        assert doc != before, f"pass {name} resolved nothing"
+        before = doc
+    assert main(["ir", str(MOE_SPEC)]) == 0
+    assert before["schedule_ir"] == json.loads(capsys.readouterr().out)
+
+
+def test_ir_after_stops_before_a_later_pass_refuses_the_spec(capsys):
+    from mkc.cli import main
+    broken = ROOT / "tests" / "broken_specs" / "shard_not_divisible.sched"
+    assert main(["ir", str(broken), "--after", "formats"]) == 0
+    assert json.loads(capsys.readouterr().out)["passes"][-1] == "formats"
+    assert main(["ir", str(broken), "--after", "graph"]) == 1
+    assert "error[E-SHARD]" in capsys.readouterr().err
+
+
+def test_ir_after_an_unknown_pass_is_a_usage_error_listing_the_passes(capsys):
+    from mkc.cli import main
+    from mkc.resolve import PASS_NAMES
+    with pytest.raises(SystemExit) as e:
+        main(["ir", str(SPEC8), "--after", "stream_tiles"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown resolve pass 'stream_tiles'" in err and "Traceback" not in err
+    assert ", ".join(PASS_NAMES) in err

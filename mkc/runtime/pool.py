@@ -12,7 +12,7 @@ A pool is one ``pltpu.VMEM((pool_rows, 128), bfloat16)`` scratch time-shared by 
   which is how ``pltpu.bitcast(value, uint8)`` unpacks [n, 128] bf16 into [2n, 128] uint8;
 * ``panel_rows`` rounds up to whole (16, 128) bf16 tiles so every panel starts tile aligned.
 
-Bytes per matrix are ``pooled_rows * 256``, equal to ``mkc.resolve._pooled_bytes``
+Bytes per matrix are ``pooled_rows * 256``, equal to ``mkc.resolve.pools.pooled_bytes``
 (the geometry lives in ``mkc.ir``, which the checks read).
 
 A DMA cannot change dtype (uint8 HBM -> bf16 VMEM is rejected) and cannot transpose, so the

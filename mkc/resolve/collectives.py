@@ -1,0 +1,246 @@
+"""Pass `collectives`: each phase's all-reduces of partial sums, all-gathers and sibling
+exchanges of column-split products, the embedding's exact all-reduce, and the receive
+buffers they use."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mkc import ir, target
+from mkc.diagnostics import Span, fail
+from mkc.lang import ast
+from mkc.model.graph import LayerKind, ShardingError
+from mkc.model.sharding import ShardTable
+from mkc.resolve.names import unknown
+from mkc.resolve.sharding import group
+from mkc.resolve.state import ResolveState
+
+ALLREDUCE_ALGORITHMS = ("direct", "two_level")
+TWO_LEVEL_GROUPS = ("chip", "host")
+WIRE_DTYPES = ("bf16", "f32")
+
+
+def resolve_collectives(s: ResolveState) -> ResolveState:
+    B = s.batch[1]
+    rules = {c: (w, st) for c, w, st in s.shards.rules}
+    kinds, kind_buffers = dict(s.kinds), dict(s.kind_buffers)
+    for kname, ks in s.kinds.items():
+        phase, kind = s.phases[kname], s.graph.kinds[kname]
+        allreduces = _allreduces(phase, kind, s.topology, s.shards)
+        gathers, exchanges, buffers = _gathers(phase, kind, s.topology, s.mesh_axis, B, rules)
+        kinds[kname] = replace(ks, allreduces=allreduces, allgathers=gathers, exchanges=exchanges)
+        kind_buffers[kname] += tuple(buffers)
+    embed_reduce = _embed_reduce(s, kinds)
+    return replace(s, kinds=kinds, kind_buffers=kind_buffers, embed_reduce=embed_reduce,
+                   reduce_buffers=_receive_buffers(kinds, embed_reduce, B))
+
+
+def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllReduce:
+    """The vocab-sharded embedding lookup is an exact all-reduce over the vocab group (one rank
+    of it holds each row): it reuses the first all-reduce over that group (the first layer's
+    first, on a whole-mesh vocabulary), so it adds no receive buffer."""
+    H = s.dims.hidden_size
+    vocab_group = s.shards.rule("vocab")
+    same_group = [a for k in dict.fromkeys(s.dims.layer_kinds) for a in kinds[k].allreduces
+                  if _group_of(a.stages) == vocab_group]
+    return (replace(same_group[0], after_op="embed", width=H) if same_group
+            else ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H))
+
+
+def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllReduce, B: int
+                     ) -> tuple[ir.Buffer, ...]:
+    """Receive buffers per all-reduce stage shape, as wide as the widest payload."""
+    width: dict[tuple[str, int, int], int] = {}
+    for a in [a for k in kinds.values() for a in k.allreduces] + [embed_reduce]:
+        for size, stride in a.stages:
+            key = (a.wire_dtype, size, stride)
+            width[key] = max(width.get(key, 0), a.width)
+    return tuple(ir.Buffer(ir.AllReduce.buffer_name(wire, size, stride), "collective",
+                           (2, size, B, w), wire, batch_axis=2)
+                 for (wire, size, stride), w in sorted(width.items()))
+
+
+def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards: ShardTable
+                ) -> list[ir.AllReduce]:
+    """`allreduce OPS ALGORITHM wire DTYPE`: every op leaving partial sums is reduced once,
+    over the ranks holding its parts."""
+    kname, ops = kind.name, kind.op_names()
+    partial_over = {o.name: o.partial or (kind.tensors[o.matmul].partial_out if o.matmul else ())
+                    for o in kind.ops}
+    partial_ops = [o for o, classes in partial_over.items() if classes]
+    width_of = {o.name: o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
+                for o in kind.ops}
+    allreduces: list[ir.AllReduce] = []
+    for ar in phase.allreduces:
+        if ar.algorithm.text not in ALLREDUCE_ALGORITHMS:
+            raise unknown("all-reduce algorithm", ar.algorithm, list(ALLREDUCE_ALGORITHMS))
+        if ar.wire_dtype.text not in WIRE_DTYPES:
+            raise unknown("wire dtype", ar.wire_dtype, list(WIRE_DTYPES))
+        for n in ar.ops:
+            if n.text not in ops:
+                raise unknown(f"op of layer kind {kname}", n, ops)
+            if n.text not in partial_ops:
+                raise fail("E-COLLECTIVE", f"{n.text} does not produce partial sums; nothing to "
+                           "all-reduce", n.span,
+                           hint=f"ops of {kname} with partial outputs: {', '.join(partial_ops)}")
+            if any(a.after_op == n.text for a in allreduces):
+                raise fail("E-DUPLICATE", f"{n.text} is all-reduced twice", n.span,
+                           hint="list each op in one allreduce")
+            try:
+                over = shards.reduction_group(partial_over[n.text])
+            except ShardingError as e:
+                raise fail("E-SHARD", f"{kname}.{n.text}: {e}", n.span,
+                           hint="shard those classes over nested groups (one `tp / N`, the "
+                                "other `over N`)") from None
+            allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
+                                           _stages(ar, topo, over, n.text), width_of[n.text],
+                                           ar.span))
+    for p_op in partial_ops:
+        if not any(a.after_op == p_op for a in allreduces):
+            # Point at the allreduce line to extend, or the phase to add one to.
+            raise fail("E-COLLECTIVE", f"{kname}.{p_op} leaves partial sums that nothing reduces",
+                       phase.allreduces[0].span if phase.allreduces else phase.kind.span,
+                       hint=f"add `allreduce {', '.join(partial_ops)} direct wire bf16`")
+    return allreduces
+
+
+def _two_level(size: int, stride: int, level_cores: int) -> tuple[tuple[int, int], ...] | None:
+    """The stages of a two-level all-reduce over the group (size, stride) whose first level
+    is the group's members within each `level_cores` consecutive ranks (a chip, a host), or
+    None when that level would hold one member or the whole group."""
+    if level_cores % stride:
+        return None
+    first = level_cores // stride
+    if first <= 1 or first >= size or size % first:
+        return None
+    return ((first, stride), (size // first, level_cores))
+
+
+def _stages(ar: ast.AllReduce, topo: target.Topology, over: tuple[int, int], op: str
+            ) -> tuple[tuple[int, int], ...]:
+    """The direct stages of `ar` reducing `op`'s partial sums over the rank group `over`."""
+    n = topo.num_cores
+    size, stride = over
+    if ar.algorithm.text == "direct":
+        if ar.level is not None:
+            raise fail("E-COLLECTIVE", f"a direct all-reduce takes no group ('{ar.level.text}')",
+                       ar.level.span, hint="write `direct wire bf16`, or `two_level chip`")
+        return (over,)
+    if ar.level is None or ar.level.text not in TWO_LEVEL_GROUPS:
+        where = ar.level.span if ar.level else ar.algorithm.span
+        raise fail("E-COLLECTIVE", "a two_level all-reduce needs its first-level group",
+                   where, hint="write `two_level chip` or `two_level host`")
+    if ar.level.text == "chip" and topo.chip.cores_per_chip == 1:
+        raise fail("E-COLLECTIVE", f"two_level chip reduces over the sibling cores of a chip, "
+                   f"but a {topo.chip.name} chip is one rank: there is no sibling level",
+                   ar.level.span,
+                   hint="use `direct`" + (" or `two_level host`" if 1 < topo.cores_per_host < n
+                                          else ""))
+    level_cores = (topo.chip.cores_per_chip if ar.level.text == "chip"
+                   else topo.cores_per_host)
+    stages = _two_level(size, stride, level_cores)
+    if stages is None:
+        valid = [lv for lv, c in (("chip", topo.chip.cores_per_chip),
+                                  ("host", topo.cores_per_host)) if _two_level(size, stride, c)]
+        where = (f"on this topology ({level_cores} of {n} cores per {ar.level.text})"
+                 if over == (n, 1) else
+                 f"for {op} on this topology: its parts are on {size} ranks"
+                 + (f" of stride {stride}" if stride > 1 else "")
+                 + f", {level_cores} cores per {ar.level.text}")
+        raise fail("E-COLLECTIVE", f"two_level {ar.level.text} has a single level {where}",
+                   ar.level.span,
+                   hint="use `direct`" + "".join(f" or `two_level {lv}`" for lv in valid)
+                   + (f"; or reduce {op} on a line of its own" if over != (n, 1) else ""))
+    return stages
+
+
+def _group_of(stages: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """The rank group (size, stride) a sequence of all-reduce stages reduces over."""
+    size = 1
+    for s, _ in stages:
+        size *= s
+    return (size, stages[0][1])
+
+
+def _gathers(phase: ast.Phase, kind: LayerKind, topo: target.Topology, axis: str, B: int,
+             rules: dict[str, tuple[int, int]]
+             ) -> tuple[list[ir.AllGather], list[ir.Exchange], list[ir.Buffer]]:
+    """All-gathers and sibling exchanges: every op whose product is column-split by a shard
+    rule needs exactly one, over exactly that rule's group."""
+    split = {o.name: kind.tensors[o.matmul].split_out for o in kind.ops
+             if o.matmul and kind.tensors[o.matmul].split_out}
+    done: dict[str, Span] = {}          # op -> the line that gathers it
+    gathers, gather_buffers = _allgathers(phase, kind, split, done, topo, axis, B, rules)
+    exchanges, exchange_buffers = _exchanges(phase, kind, split, done, topo, B, rules)
+    for op_name, cls in split.items():
+        if op_name not in done:
+            sibling = rules[cls] == (topo.chip.cores_per_chip, 1)
+            how = (f"exchange {op_name} with sibling wire f32" if sibling else
+                   f"allgather {op_name} over ...")
+            lines = phase.exchanges if sibling else phase.allgathers
+            raise fail("E-COLLECTIVE", f"{kind.name}.{op_name} leaves its output split "
+                       f"{rules[cls][0]} ways (`shard {cls}`) and nothing gathers it",
+                       lines[0].span if lines else phase.kind.span, hint=f"add `{how}`")
+    return gathers, exchanges, gather_buffers + exchange_buffers
+
+
+def _gathered_op(n: ast.Name, span: Span, kind: LayerKind, split: dict[str, str],
+                 done: dict[str, Span]) -> tuple[str, int]:
+    """(shard class, width) of an op a gather line names; records it in `done`."""
+    ops = kind.op_names()
+    if n.text not in ops:
+        raise unknown(f"op of layer kind {kind.name}", n, ops)
+    if n.text not in split:
+        raise fail("E-COLLECTIVE", f"{n.text} does not produce column shards; nothing to "
+                   "gather", n.span, hint=f"ops of {kind.name} with split outputs: "
+                   + (", ".join(split) or "none"))
+    if n.text in done:
+        raise fail("E-DUPLICATE", f"{n.text} is gathered twice", n.span,
+                   hint=f"the first is at line {done[n.text].line}")
+    done[n.text] = span
+    return split[n.text], kind.tensors[kind.ops[ops.index(n.text)].matmul].shape[1]
+
+
+def _allgathers(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: dict[str, Span],
+                topo: target.Topology, axis: str, B: int, rules: dict[str, tuple[int, int]]
+                ) -> tuple[list[ir.AllGather], list[ir.Buffer]]:
+    gathers, buffers = [], []
+    for ag in phase.allgathers:
+        size, stride = group(ag.group, axis, topo)
+        for n in ag.ops:
+            cls, width = _gathered_op(n, ag.span, kind, split, done)
+            if (size, stride) != rules[cls]:
+                raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
+                           f"`shard {cls}`, but this gathers over {size} ranks", ag.group.span,
+                           hint="gather over the group the shard rule names")
+            gathers.append(ir.AllGather(n.text, size, stride, width, ag.span))
+            buffers.append(ir.Buffer(ir.AllGather.buffer_name(n.text), "collective",
+                                     (2, size, B, width), "bf16", batch_axis=2, span=ag.span))
+    return gathers, buffers
+
+
+def _exchanges(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: dict[str, Span],
+               topo: target.Topology, B: int, rules: dict[str, tuple[int, int]]
+               ) -> tuple[list[ir.Exchange], list[ir.Buffer]]:
+    cores = topo.chip.cores_per_chip
+    exchanges, buffers = [], []
+    for ex in phase.exchanges:
+        if ex.peer.text != "sibling":
+            raise unknown("exchange peer", ex.peer, ["sibling"])
+        if cores == 1:
+            raise fail("E-COLLECTIVE", f"a {topo.chip.name} chip is one rank: it has no sibling "
+                       "core to exchange with", ex.peer.span,
+                       hint="shard the op over a rank group and `allgather` it over that group")
+        if ex.wire_dtype.text not in WIRE_DTYPES:
+            raise unknown("wire dtype", ex.wire_dtype, list(WIRE_DTYPES))
+        for n in ex.ops:
+            cls, width = _gathered_op(n, ex.span, kind, split, done)
+            if rules[cls] != (cores, 1):
+                raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
+                           f"`shard {cls}`; a sibling exchange joins the {cores} cores of a "
+                           "chip", ex.span,
+                           hint=f"write `shard {cls} over chip`, or gather over the rule's group")
+            exchanges.append(ir.Exchange(n.text, width, ex.wire_dtype.text, ex.span))
+            buffers.append(ir.Buffer(ir.Exchange.buffer_name(n.text), "collective",
+                                     (2, cores, B, width), ex.wire_dtype.text,
+                                     batch_axis=2, span=ex.span))
+    return exchanges, buffers

@@ -1,0 +1,52 @@
+"""Pass `formats`: `format CLASS FORMAT [block ROWS]`, how each matrix class with a choice of
+format is stored."""
+from __future__ import annotations
+
+import dataclasses
+
+from mkc import ir, target
+from mkc.diagnostics import MkcError, Span, fail
+from mkc.lang import ast
+from mkc.model.family import FormatError
+from mkc.resolve.names import unknown
+from mkc.resolve.state import ResolveState
+
+
+def resolve_formats(s: ResolveState) -> ResolveState:
+    """Every matrix class with a choice of format -> the one the spec picks, else the
+    checkpoint's; each with what the target's MXU takes."""
+    family = s.family
+    offered = dict(family.weight_formats)
+    fp8_operand = target.generation(s.topology.chip.name).fp8_operand
+    chosen = {cls: dataclasses.replace(f, fp8_operand=fp8_operand)
+              for cls, f in family.default_formats().items()}
+    seen: dict[str, Span] = {}
+    for f in s.sched.formats:
+        cls = f.matrix.text
+        if cls not in offered:
+            if not offered:
+                raise fail("E-FORMAT", f"the {family.name} family stores every matrix one way: "
+                           f"{cls} has no other format", f.matrix.span,
+                           hint="remove the `format` line")
+            raise unknown(f"matrix class with a choice of format in {family.name}", f.matrix,
+                          list(offered))
+        if cls in seen:
+            raise fail("E-DUPLICATE", f"the format of {cls} is set twice", f.span,
+                       hint=f"keep one `format {cls}` line (the first is at line "
+                            f"{seen[cls].line})")
+        if f.format.text not in offered[cls]:
+            raise fail("E-FORMAT", f"{cls} cannot be stored as {f.format.text!r}", f.format.span,
+                       hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
+                            "checkpoint's)")
+        if f.block is not None and f.block < 1:
+            raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
+                       hint="a block is the input rows one scale covers: e.g. `block 512`")
+        seen[cls] = f.span
+        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand)
+    return dataclasses.replace(s, formats=chosen)
+
+
+def format_error(e: FormatError, sched: ast.Schedule) -> MkcError:
+    """A format the family's graph build refuses, at the spec's `format` line of its class."""
+    span = next((f.span for f in sched.formats if f.matrix.text == e.cls), sched.name.span)
+    return fail("E-FORMAT", str(e), span, hint=e.hint)

@@ -1,0 +1,66 @@
+"""Pass `graph`: the family's decode graph, built under the shard rules and weight formats; a
+rule the model's sizes do not divide is refused with the spellings that would."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mkc.diagnostics import MkcError, fail
+from mkc.model.family import FormatError
+from mkc.model.graph import ShardingError, build_graph
+from mkc.resolve.formats import format_error
+from mkc.resolve.sharding import group_spellings
+from mkc.resolve.state import ResolveState
+
+
+class IndivisibleShards(MkcError):
+    """Shard rules the model's sizes do not divide on this mesh: a slice of another size may
+    take them (`mkc.resolve.slices` names the smallest)."""
+
+
+def resolve_graph(s: ResolveState) -> ResolveState:
+    dims, family, ranks = s.dims, s.family, s.topology.num_cores
+    rules = _rules(s)
+    try:
+        graph = build_graph(dims, family.build(dims, rules, ranks, s.formats), ranks)
+    except ShardingError as e:
+        raise _indivisible(s, rules, e) from None
+    except FormatError as e:
+        raise format_error(e, s.sched) from None
+    ops = {o.name for k in set(graph.layer_kinds) for o in graph.kinds[k].ops}
+    unlowered = sorted(ops - family.lowered_ops)
+    if unlowered:        # the family's graph and lowering disagree: a family's bug, not the spec's
+        raise ValueError(f"the {family.name} lowering has no compute body for ops {unlowered}")
+    return replace(s, graph=graph)
+
+
+def _rules(s: ResolveState) -> dict[str, tuple[int, int]]:
+    """The shard rules {class: (ways, stride)}, in the spec's order."""
+    return {rule.dim.text: s.shards.rule(rule.dim.text) for rule in s.sched.shards}
+
+
+def _indivisible(s: ResolveState, rules: dict[str, tuple[int, int]],
+                 e: ShardingError) -> IndivisibleShards:
+    spans = {rule.dim.text: rule.span for rule in s.sched.shards}
+    span = spans.get(e.dim_class or "", next(iter(spans.values()), s.sched.name.span))
+    ranks = s.topology.num_cores
+    valid = _valid_spellings(s, e.dim_class, rules) if e.dim_class in rules else []
+    hint = (f"on these {ranks} ranks, with the other rules as written, write "
+            f"`shard {e.dim_class} over {valid[0]}`"
+            + (f" (or over {', '.join(valid[1:])})" if valid[1:] else "")
+            if valid else "choose a mesh whose size divides the model's head and width counts")
+    error = fail("E-SHARD", f"cannot shard {s.dims.name} over {ranks} ranks: {e}", span,
+                 hint=hint)
+    return IndivisibleShards(error.diagnostics)
+
+
+def _valid_spellings(s: ResolveState, cls: str, rules: dict[str, tuple[int, int]]) -> list[str]:
+    """The groups `cls` could be sharded over on this mesh, other rules unchanged, for which
+    the family's graph builds (only on the failure path: a build costs microseconds)."""
+    valid = []
+    for text, group in group_spellings(s.mesh_axis, s.topology).items():
+        try:
+            s.family.build(s.dims, rules | {cls: group}, s.topology.num_cores, s.formats)
+        except (ShardingError, FormatError):
+            continue
+        valid.append((-group[0], group[1], text))
+    return [text for *_, text in sorted(valid)]      # the widest split first

@@ -1,0 +1,70 @@
+"""How a spec's names are judged: identifiers that become generated names, names that must be
+one of a known set, and header settings a schedule must have."""
+from __future__ import annotations
+
+import builtins
+import difflib
+import keyword
+import re
+import sys
+
+from mkc.diagnostics import MkcError, fail
+from mkc.lang import ast
+from mkc.model.graph import DecodeGraph
+
+# No "__": generated code joins names with a double underscore, so user names cannot collide.
+IDENT = re.compile(r"^[a-z](?:_?[a-z0-9])*$")
+# Names the generated module defines itself; a spec buffer may not shadow them.
+# (A family's VMEM activations, e.g. K3's `blocks`, are reserved too: see validate_identifier.)
+RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start", "end",
+            "embed", "embed_rows", "head_norm", "tables", "tokens", "positions", "rope",
+            "ring_hbm", "vectors_hbm", "head_norm_hbm", "ring_sem", "vectors_sem", "sems",
+            "send_sem", "recv_sem", "collective_count", "tile_class", "pool_sem", "expert_sem",
+            "expert_list", "expert_count"}
+MAX_NAME = 64          # a schedule's name becomes a file name, with the model's appended
+
+
+def did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
+def unknown(what: str, name: ast.Name, options: list[str]) -> MkcError:
+    return fail("E-UNKNOWN", f"unknown {what} '{name.text}'", name.span,
+                hint=did_you_mean(name.text, options) + f"known: {', '.join(options) or 'none'}")
+
+
+def require(sched: ast.Schedule, key: str, example: str) -> ast.Setting:
+    if key not in sched.settings:
+        raise fail("E-MISSING", f"the schedule does not set '{key}'", sched.name.span,
+                   hint=f"add a line like `{example}`")
+    return sched.settings[key]
+
+
+def validate_identifier(name: ast.Name, what: str, graph: DecodeGraph | None = None) -> str:
+    """A spec name that becomes a generated identifier; with the graph, the family's VMEM
+    activation buffers are taken too."""
+    text = name.text
+    reserved = RESERVED | (set(graph.activations) if graph is not None else set())
+    if not IDENT.match(text) or keyword.iskeyword(text) or text in reserved:
+        raise fail("E-NAME", f"'{text}' cannot name a {what}", name.span,
+                   hint="use lower-case letters and digits joined by single '_', starting with "
+                        "a letter, not a Python keyword or one of: "
+                        + ", ".join(sorted(reserved)))
+    return text
+
+
+def validate_module_name(name: ast.Name) -> str:
+    """The schedule's name becomes a Python module (`generated/NAME.py`): it must be importable
+    and must not shadow the standard library, a builtin or what the module itself imports."""
+    text = name.text
+    taken = (keyword.iskeyword(text) or keyword.issoftkeyword(text)
+             or text in sys.stdlib_module_names or text in dir(builtins)
+             or text in ("mkc", "jax", "jaxlib", "numpy", "ml_dtypes", "generated"))
+    if not IDENT.match(text) or taken or len(text) > MAX_NAME:
+        raise fail("E-NAME", f"'{text}' cannot name a schedule: it becomes the generated module's "
+                   "name" + (", which would shadow a module or name Python already has" if taken
+                             else ""), name.span,
+                   hint=f"use at most {MAX_NAME} lower-case letters and digits joined by single "
+                        "'_', starting with a letter, e.g. `schedule qwen_decode`")
+    return text

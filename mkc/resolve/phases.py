@@ -1,0 +1,268 @@
+"""Passes `layer_kinds` (a phase block per layer kind the model runs) and `phases` (each
+phase's state copies, scoped ranges and KV tiles, as the layer kind's schedule)."""
+from __future__ import annotations
+
+import dataclasses
+
+from mkc import ir
+from mkc.diagnostics import fail
+from mkc.lang import ast
+from mkc.model.graph import LayerKind
+from mkc.resolve.names import unknown, validate_identifier
+from mkc.resolve.state import ResolveState
+
+
+def resolve_layer_kinds(s: ResolveState) -> ResolveState:
+    sched, graph = s.sched, s.graph
+    written = {p.kind.text for p in sched.phases}
+    missing = [k for k in sorted(set(s.dims.layer_kinds)) if k not in written]
+    phases: dict[str, ast.Phase] = {}
+    for p in sched.phases:
+        if p.kind.text not in graph.kinds:
+            raise unknown("layer kind", p.kind, sorted(graph.kinds))
+        if p.kind.text in phases:
+            raise fail("E-DUPLICATE", f"phase {p.kind.text} is written twice", p.kind.span,
+                       hint="merge the two phase blocks")
+        phases[p.kind.text] = p
+    if missing:
+        raise fail("E-MISSING", f"no phase for layer kind(s) {', '.join(missing)} of "
+                   f"{s.dims.name}", sched.name.span,
+                   hint=f"add `phase {missing[0]} {{ ... }}` with its allreduces and state copies")
+    return dataclasses.replace(s, phases=phases)
+
+
+def resolve_phases(s: ResolveState) -> ResolveState:
+    """Each layer kind's schedule without its collectives and view copies (later passes add
+    them), and the VMEM buffers its state copies and KV tiles use."""
+    kinds: dict[str, ir.KindSchedule] = {}
+    kind_buffers: dict[str, tuple[ir.Buffer, ...]] = {}
+    for kname in sorted(s.graph.kinds):
+        if kname not in s.dims.layer_kinds:
+            continue
+        phase, kind = s.phases[kname], s.graph.kinds[kname]
+        transfers, buffers = _transfers(phase, kind, s.batch[1])
+        buffers = _scoped(phase, kind, buffers)
+        kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
+        kinds[kname] = _kind_schedule(kind, s, transfers, kv)
+        kind_buffers[kname] = tuple((buffers | kv_buffers).values())
+    return dataclasses.replace(s, kinds=kinds, kind_buffers=kind_buffers)
+
+
+def point(p: ast.Point, ops: list[str], kind: str) -> int:
+    """A program point of layer kind `kind`: before op p is p, the end is len(ops)."""
+    a = p.anchor.text
+    if p.where == "at":
+        if a == "start":
+            return 0
+        if a == "end":
+            return len(ops)
+        raise fail("E-UNKNOWN", f"unknown program point 'at {a}'", p.anchor.span,
+                   hint="use 'at start', 'at end', 'before OP' or 'after OP'")
+    if a not in ops:
+        raise unknown(f"op of layer kind {kind}", p.anchor, ops)
+    i = ops.index(a)
+    return i if p.where == "before" else i + 1
+
+
+def _states(kind: LayerKind) -> dict:
+    return {t.name: t for t in kind.states() if t.role == "state"}
+
+
+def _kind_schedule(kind: LayerKind, s: ResolveState, transfers: list[ir.Transfer],
+                   kv: ir.KvStream | None) -> ir.KindSchedule:
+    # What an op passes and returns in registers: not a tensor, not a VMEM activation buffer.
+    not_values = set(kind.tensors) | set(s.graph.activations) | {"x"}
+    return ir.KindSchedule(
+        name=kind.name, ops=kind.op_names(),
+        matmuls={o.name: o.matmul for o in kind.ops if o.matmul},
+        transfers=transfers, kv=kv, allreduces=[],
+        vectors=[(t.name, t.shape) for t in kind.vectors()],
+        states={n: (t.shape, t.dtype) for n, t in _states(kind).items()},
+        op_reads={o.name: list(o.reads) for o in kind.ops},
+        op_writes={o.name: list(o.writes) for o in kind.ops},
+        op_values={o.name: ([n for n in o.reads if n not in not_values],
+                            [n for n in o.writes if n not in not_values]) for o in kind.ops},
+        pooled=dict(s.pooled.get(kind.name, {})))
+
+
+def _transfers(phase: ast.Phase, kind: LayerKind, B: int
+               ) -> tuple[list[ir.Transfer], dict[str, ir.Buffer]]:
+    """`load`/`store` lines: each binds a state family in HBM to a VMEM buffer of the phase."""
+    kname, ops, states = kind.name, kind.op_names(), _states(kind)
+    buffers: dict[str, ir.Buffer] = {}
+    bound: dict[str, str] = {}          # buffer -> state family
+    transfers: list[ir.Transfer] = []
+    for tr in phase.transfers:
+        for b in tr.bindings:
+            sname, bname, vmem_side = _binding(tr, b, kname, states)
+            if bname in bound and bound[bname] != sname:
+                raise fail("E-TRANSFER", f"buffer '{bname}' is bound to state.{bound[bname]} "
+                           f"and state.{sname}", vmem_side.span,
+                           hint="use one VMEM buffer per state family")
+            bound[bname] = sname
+            t = states[sname]
+            # Leading dims of a state (conv taps) go first so the kernel indexes them cheaply.
+            shape = (*t.shape[:t.lead_dims], B, *t.shape[t.lead_dims:])
+            buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
+                                       batch_axis=t.lead_dims, span=tr.span)
+            drains = _drains(tr, kname)
+            if any((t.direction, t.state, t.buffer) == (tr.direction, sname, f"{kname}_{bname}")
+                   for t in transfers):
+                raise fail("E-DUPLICATE", f"state.{sname} is "
+                           f"{'loaded' if tr.direction == 'load' else 'stored'} "
+                           f"{'into' if tr.direction == 'load' else 'from'} {bname} twice",
+                           b.src.span, hint=f"keep one `{tr.direction}` of state.{sname}")
+            transfers.append(ir.Transfer(
+                tr.direction, sname, f"{kname}_{bname}", point(tr.start, ops, kname),
+                tuple(point(w, ops, kname) for w in tr.waits if w.where != "before next"),
+                drain=drains, span=tr.span))
+    _check_every_state_copied(phase, kname, states, transfers)
+    return transfers, buffers
+
+
+def _binding(tr: ast.Transfer, b: ast.Binding, kname: str, states: dict
+             ) -> tuple[str, str, ast.Name]:
+    """(state family, buffer name, the buffer's name in the spec) of one `A -> B` binding."""
+    hbm_side, vmem_side = (b.src, b.dst) if tr.direction == "load" else (b.dst, b.src)
+    if not hbm_side.text.startswith("state."):
+        raise fail("E-TRANSFER", f"the HBM side of a {tr.direction} must name "
+                   f"`state.<family>`, got '{hbm_side.text}'", hbm_side.span,
+                   hint=f"{kname} state families: " + ", ".join(f"state.{s}" for s in states))
+    sname = hbm_side.text.split(".", 1)[1]
+    if sname not in states:
+        raise unknown(f"state of layer kind {kname}", ast.Name(sname, hbm_side.span),
+                      sorted(states))
+    return sname, validate_identifier(vmem_side, "buffer"), vmem_side
+
+
+def _drains(tr: ast.Transfer, kname: str) -> int:
+    """How many `wait before next KIND` drains a copy has, its start and waits checked."""
+    if tr.start.where == "before next":
+        raise fail("E-TRANSFER", "a copy cannot start `before next ...`",
+                   tr.start.anchor.span, hint="start it at a point of this layer")
+    points = [(w.where, w.anchor.text) for w in tr.waits]
+    dup = next((w for i, w in enumerate(tr.waits) if (w.where, w.anchor.text) in points[:i]),
+               None)
+    if dup is not None:
+        raise fail("E-DUPLICATE", f"the {tr.direction} is waited twice at "
+                   f"`{dup.where} {dup.anchor.text}`", dup.anchor.span,
+                   hint="wait for each copy once: remove the repeated `wait`")
+    drains = [w for w in tr.waits if w.where == "before next"]
+    for w in drains:
+        if w.anchor.text != kname:
+            raise fail("E-TRANSFER", f"phase {kname} can only drain before the next "
+                       f"{kname} layer, not '{w.anchor.text}'", w.anchor.span,
+                       hint=f"write `wait before next {kname}`")
+    return len(drains)
+
+
+def _check_every_state_copied(phase: ast.Phase, kname: str, states: dict,
+                              transfers: list[ir.Transfer]) -> None:
+    for sname in states:
+        for direction in ("load", "store"):
+            if not any(t.state == sname and t.direction == direction for t in transfers):
+                raise fail("E-TRANSFER", f"state.{sname} of {kname} is never "
+                           f"{'loaded' if direction == 'load' else 'stored'}",
+                           phase.kind.span,
+                           hint=f"add `{direction} ...` for state.{sname} in phase {kname}")
+
+
+def _scoped(phase: ast.Phase, kind: LayerKind, buffers: dict[str, ir.Buffer]
+            ) -> dict[str, ir.Buffer]:
+    """`scoped BUFFERS from OP to OP`: the buffers, each held only over its range."""
+    kname, ops = kind.name, kind.op_names()
+    buffers = dict(buffers)
+    ranges: list[tuple[int, int, ast.Scoped]] = []
+    for sc in phase.scoped:
+        first, last = (_scope_end(sc.first, "start", 0, ops, kname),
+                       _scope_end(sc.last, "end", len(ops) - 1, ops, kname))
+        if last < first:
+            raise fail("E-SCOPE", f"scope ends at {sc.last.text} before it starts at "
+                       f"{sc.first.text}", sc.span, hint="swap the two ends")
+        for n in sc.buffers:
+            if n.text not in buffers:
+                raise unknown(f"buffer of phase {kname}", n, sorted(buffers))
+            b = buffers[n.text]
+            if b.scope is not None:
+                raise fail("E-DUPLICATE", f"{n.text} is scoped twice", n.span,
+                           hint=f"the first `scoped` range of it is at line {b.span.line}")
+            buffers[n.text] = dataclasses.replace(b, scope=(kname, first, last), span=sc.span)
+        ranges.append((first, last, sc))
+    _check_scopes_nest(ranges, ops)
+    return buffers
+
+
+def _scope_end(name: ast.Name, word: str, at_word: int, ops: list[str], kname: str) -> int:
+    """The op index a scoped range's end names: an op, or `start`/`end` of the layer."""
+    if name.text == word:
+        return at_word
+    if name.text not in ops:
+        raise unknown(f"op of layer kind {kname}", name, ops)
+    return ops.index(name.text)
+
+
+def _check_scopes_nest(ranges: list[tuple[int, int, ast.Scoped]], ops: list[str]) -> None:
+    """Scoped ranges must nest or be disjoint: each lowers to one `pl.run_scoped` block, and
+    blocks cannot cross. A range from op a to op b holds its buffers over points a..b+1."""
+    for i, (f1, l1, a) in enumerate(ranges):
+        for f2, l2, b in ranges[i + 1:]:
+            if (f1, l1) == (f2, l2) or l1 < f2 or l2 < f1:
+                continue
+            if (f1 <= f2 and l2 <= l1) or (f2 <= f1 and l1 <= l2):
+                continue
+            first, second = (a, b) if f1 <= f2 else (b, a)
+            raise fail("E-SCOPE", "two scoped ranges cross: each must lie inside the other or "
+                       "end before the other starts", second.span,
+                       notes=[f"the other range is at line {first.span.line}"],
+                       hint=f"nest them, or end `{first.last.text}` range before "
+                            f"`{second.first.text}` (ops in order: {', '.join(ops)})")
+
+
+def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
+              ) -> tuple[ir.KvStream | None, dict[str, ir.Buffer]]:
+    """`kv tiles N slots of T tokens ahead A`: how the KV cache streams through VMEM, with
+    its tile buffers and the buffer the new token's K/V rows are written through."""
+    kname, caches = kind.name, kind.caches()
+    if len(phase.kv_tiles) > 1:
+        raise fail("E-DUPLICATE", "kv tiles declared twice", phase.kv_tiles[1].span,
+                   hint="keep one `kv tiles` line")
+    if not phase.kv_tiles:
+        if caches:
+            raise fail("E-KV", f"layer kind {kname} reads a KV cache but the phase does not "
+                       "say how", phase.kind.span,
+                       hint="add `kv tiles 2 slots of 128 tokens ahead 1`")
+        return None, {}
+    k = phase.kv_tiles[0]
+    _check_kv_tiles(k, kname, bool(caches), context)
+    reader = kind.cache_reader()
+    kv = ir.KvStream(k.slots, k.tokens, k.ahead, reader, caches=tuple(c.name for c in caches),
+                     tile_buffers=tuple(f"{kname}_kv_{c.name}" for c in caches),
+                     rows_buffer=f"{kname}_kv_rows", span=k.span)
+    a = kind.op_names().index(reader)
+    width = 1
+    for dim in caches[0].shape:
+        width *= dim
+    buffers = {f"kv_{c.name}": ir.Buffer(name, "kv", (k.slots, B, k.tokens, width), "bf16",
+                                         (kname, a, a), batch_axis=1)
+               for c, name in zip(caches, kv.tile_buffers)}
+    # The new token's K/V rows are written by read-modify-write of an aligned bf16 tile.
+    buffers["kv_rows"] = ir.Buffer(kv.rows_buffer, "kv", (2, B, ir.SUBLANE_TILE["bf16"], width),
+                                   "bf16", batch_axis=1)
+    return kv, buffers
+
+
+def _check_kv_tiles(k: ast.KvTiles, kname: str, has_caches: bool, context: int) -> None:
+    if not has_caches:
+        raise fail("E-KV", f"layer kind {kname} has no KV cache to tile", k.span,
+                   hint="remove the `kv tiles` line")
+    sub = ir.SUBLANE_TILE["bf16"]
+    if k.tokens <= 0 or k.tokens % sub:
+        raise fail("E-ALIGN", f"a KV tile of {k.tokens} tokens is not a multiple of the "
+                   f"{sub}-row bf16 tile", k.span,
+                   hint=f"use a multiple of {sub}, e.g. {max(sub, k.tokens // sub * sub)}")
+    if context % k.tokens:
+        raise fail("E-ALIGN", f"context {context} is not a whole number of {k.tokens}-token "
+                   f"KV tiles", k.span, hint="make the context a multiple of the tile")
+    if k.slots < 1 or k.ahead < 1:
+        raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
+                   hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")

@@ -1,0 +1,151 @@
+"""Pass `stream`: the weight ring (`ring NAME: N slots of bf16 tiles up to R x C`) and the
+stream through it (`stream NAME ahead A { kind: families... then lm_head }`)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mkc import ir
+from mkc.diagnostics import fail
+from mkc.lang import ast
+from mkc.model.graph import DecodeGraph, LayerKind
+from mkc.resolve.names import unknown, validate_identifier
+from mkc.resolve.state import ResolveState
+
+RING_DTYPES = ("bf16",)
+# Cost-model constant for choosing the ring tile: what one extra DMA costs, in bytes moved.
+TILE_OVERHEAD_BYTES = 64 * 1024
+
+
+def resolve_stream(s: ResolveState) -> ResolveState:
+    sched, graph = s.sched, s.graph
+    ring, st = _ring_and_stream(sched, graph)
+    listed: dict[str, list[ast.Name]] = {}
+    for sk in st.per_kind:
+        if sk.kind.text not in graph.kinds:
+            raise unknown("layer kind", sk.kind, sorted(graph.kinds))
+        if sk.kind.text in listed:
+            raise fail("E-DUPLICATE", f"the stream lists {sk.kind.text} twice", sk.kind.span,
+                       hint=f"keep one `{sk.kind.text}: ...` line")
+        listed[sk.kind.text] = sk.families
+    for kname in sorted(set(graph.layer_kinds)):
+        _check_kind_listed(graph.kinds[kname], s.pooled.get(kname, {}), listed, st)
+    tail = graph.tail_matrices()
+    if [n.text for n in st.tail] != [m.name for m in tail]:
+        then = ", ".join(m.name for m in tail)
+        raise fail("E-STREAM", f"the stream must end with `then {then}`",
+                   st.tail[0].span if st.tail else st.span,
+                   hint=f"add `then {then}` as the stream's last line")
+    return replace(s, stream=_stream(ring, st, graph, s.pooled))
+
+
+def _ring_and_stream(sched: ast.Schedule, graph: DecodeGraph) -> tuple[ast.Ring, ast.Stream]:
+    """The one ring and the one stream through it, each checked on its own."""
+    if len(sched.rings) != 1 or len(sched.streams) != 1:
+        span = (sched.rings[1].span if len(sched.rings) > 1 else
+                sched.streams[1].span if len(sched.streams) > 1 else sched.name.span)
+        raise fail("E-STREAM", "a schedule needs exactly one weight ring and one stream through it",
+                   span, hint="declare `ring NAME: N slots of bf16 tiles up to R x C` and "
+                              "`stream NAME ahead A { kind: families... then lm_head }`")
+    ring, st = sched.rings[0], sched.streams[0]
+    validate_identifier(ring.name, "ring", graph)
+    if ring.dtype.text not in RING_DTYPES:
+        raise unknown("ring dtype", ring.dtype, list(RING_DTYPES))
+    for what, v in (("rows", ring.max_rows), ("columns", ring.max_cols)):
+        if v <= 0 or v % ir.LANES:
+            raise fail("E-ALIGN", f"ring tile {what} {v} is not a multiple of {ir.LANES}",
+                       ring.span, hint=f"TPU tiles are (16, 128) for bf16 and activations put tile "
+                                       f"rows on lanes: use {max(128, v // 128 * 128)} or "
+                                       f"{(v // 128 + 1) * 128}")
+    if ring.slots < 1:
+        raise fail("E-STREAM", "a ring needs at least one slot", ring.span, hint="use 2 or more")
+    if st.ring.text != ring.name.text:
+        raise unknown("ring", st.ring, [ring.name.text])
+    if st.ahead < 1:
+        raise fail("E-STREAM", "stream distance must be at least 1 tile", st.span,
+                   hint=f"`ahead {ring.slots}` keeps every slot busy")
+    return ring, st
+
+
+def _check_kind_listed(kind: LayerKind, in_pool: dict[str, str],
+                       listed: dict[str, list[ast.Name]], st: ast.Stream) -> None:
+    """A layer kind's matrices not held in a pool stream in consumption order; a matrix an op
+    reads whole (not by a matmul) cannot stream in tiles."""
+    kname = kind.name
+    multiplied = {o.matmul for o in kind.ops if o.matmul}
+    for t in kind.tensors.values():
+        if t.role == "matrix" and t.name not in multiplied and t.name not in in_pool:
+            readers = ", ".join(kind.ops[i].name for i in kind.readers(t.name))
+            raise fail("E-POOL", f"{kname}.{t.name} is read whole by {readers}, so it cannot "
+                       "stream through the ring in tiles", st.span,
+                       hint=f"hold it in a pool view: `view NAME: {kname}({t.name}, ...)`")
+    order = [t.name for t in kind.matrices() if t.name not in in_pool]
+    names = listed.get(kname, [])
+    if not order and not names:
+        return
+    if kname not in listed:
+        raise fail("E-STREAM", f"stream lists no weights for layer kind {kname}", st.span,
+                   hint=f"add `{kname}: {', '.join(order)}`")
+    for n in names:
+        if n.text in in_pool:
+            raise fail("E-STREAM", f"{kname}.{n.text} is held in pool view {in_pool[n.text]}; "
+                       "it cannot also stream", n.span, hint="list each matrix in one place")
+        if n.text not in order:
+            raise unknown(f"matrix family of {kname}", n, order)
+    got = [n.text for n in names]
+    missing = [o for o in order if o not in got]
+    if missing:
+        raise fail("E-STREAM", f"{kname} matrices {', '.join(missing)} are not streamed",
+                   names[-1].span, hint=f"list them in consumption order: {', '.join(order)}")
+    if got != order:
+        bad = next(n for n, o in zip(names, order) if n.text != o)
+        raise fail("E-STREAM-ORDER", f"{kname} weights are listed out of consumption order",
+                   bad.span, hint=f"the layer multiplies by them in this order: "
+                                  f"{', '.join(order)}")
+
+
+def _stream(ring: ast.Ring, st: ast.Stream, graph: DecodeGraph,
+            pooled: dict[str, dict[str, str]]) -> ir.Stream:
+    """The stream's families with their tiles, and where each layer's tiles start."""
+    def family(kname: str, t) -> ir.StreamFamily:
+        tr, tc = choose_tile(t.shape[0], t.shape[1], ring.max_rows, ring.max_cols)
+        return ir.StreamFamily(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
+                               -(-t.shape[1] // tc), t.partial_out, tr, tc)
+
+    layer_kinds = graph.layer_kinds
+    families = {kname: [family(kname, t) for t in graph.kinds[kname].matrices()
+                        if t.name not in pooled.get(kname, {})]
+                for kname in sorted(set(layer_kinds))}
+    tail = [family("tail", m) for m in graph.tail_matrices()]
+    offsets, t = [], 0
+    for kname in layer_kinds:
+        offsets.append(t)
+        t += sum(f.tiles for f in families[kname])
+    useful = sum(f.rows * f.cols * 2 * layer_kinds.count(k)
+                 for k, fs in families.items() for f in fs) + sum(f.rows * f.cols * 2 for f in tail)
+    streamed = sum(f.tiles * f.tile_bytes * layer_kinds.count(k)
+                   for k, fs in families.items() for f in fs) + sum(f.tiles * f.tile_bytes
+                                                                     for f in tail)
+    every = [f for fs in families.values() for f in fs] + tail
+    return ir.Stream(ring=ring.name.text, slots=ring.slots, ahead=st.ahead, dtype=ring.dtype.text,
+                     tile_rows=max(f.tile_rows for f in every),
+                     tile_cols=max(f.tile_cols for f in every), families=families, tail=tail,
+                     layer_tile_offset=offsets, tail_tile_offset=t,
+                     total_tiles=t + sum(f.tiles for f in tail),
+                     useful_bytes=useful, streamed_bytes=streamed,
+                     tile_shapes=sorted({(f.tile_rows, f.tile_cols) for f in every}),
+                     span=st.span)
+
+
+def choose_tile(rows: int, cols: int, max_rows: int, max_cols: int) -> tuple[int, int]:
+    """A family's tile: multiples of 128 within the ring bound, minimising the bytes its
+    copies move (padding included) plus a per-copy overhead; ties go to larger tiles."""
+    best = None
+    # A tile larger than the matrix rounded up to 128 only adds padding, so the search stops
+    # there: its cost is bounded by the matrix, not by the ring's bound.
+    for r in range(128, min(max_rows, max(128, -(-rows // 128) * 128)) + 1, 128):
+        for c in range(128, min(max_cols, max(128, -(-cols // 128) * 128)) + 1, 128):
+            n = -(-rows // r) * -(-cols // c)
+            key = (n * (r * c * 2 + TILE_OVERHEAD_BYTES), -r * c, -c)
+            if best is None or key < best[0]:
+                best = (key, (r, c))
+    return best[1]
