@@ -10,9 +10,10 @@ import re
 import sys
 from pathlib import Path
 
-from mkc import families, ir, target
+from mkc import ir, target
 from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
+from mkc.model import registry as families
 from mkc.model.config import dims_from_config, read_config, resolve_config_path
 from mkc.model.family import FormatError
 from mkc.model.graph import DecodeGraph, ShardingError, build_graph

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mkc import families
+from mkc.model import registry
 from mkc.diagnostics import Span, fail
 from mkc.model.family import ConfigError
 
@@ -82,10 +82,10 @@ def load_dims(path: Path, span: Span | None = None) -> Any:
 def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     """The family's dims for a config (its `model_type` picks the family), checked in range."""
     model_type = raw.get("model_type")
-    family = families.for_model_type(model_type)
+    family = registry.for_model_type(model_type)
     if family is None:
         raise fail("E-MODEL", f"model family {model_type!r} is not supported", where,
-                   hint=f"supported families: {', '.join(families.model_types())}")
+                   hint=f"supported families: {', '.join(registry.model_types())}")
     layers = raw.get("num_hidden_layers")
     if not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
         raise fail("E-MODEL", f"model config {path}: num_hidden_layers is {layers!r}", where,

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from mkc import compiler, families
+from mkc import compiler
+from mkc.model import registry
 from mkc.codegen import generic
 from mkc.codegen.layers import layer_source
 from mkc.runtime.collectives import Stage
@@ -57,7 +58,7 @@ def test_every_op_of_a_family_has_a_compute_body(spec, model):
     body takes the layer and the op's register values, as the generated call passes them."""
     import inspect
     c = compiler.check_spec(ROOT / "schedules" / spec, model)
-    family = families.get(c.ir.family)
+    family = registry.get(c.ir.family)
     lower = family.module("lowering")
     for kind in c.ir.kinds.values():
         for op in kind.ops:

@@ -6,18 +6,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, identifier
 
 
 @dataclass(frozen=True)
-class KimiDims:
+class KimiDims(Dims):
     """The K3 dimensions mkc needs, read from upstream-style config keys."""
 
-    family: str
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
     rms_norm_eps: float
     dense_width: int             # layer 0's MLP (first_k_dense_replace = 1)
     heads: int                   # KDA and MLA heads

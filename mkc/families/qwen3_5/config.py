@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, identifier
 
 # Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
@@ -10,15 +11,10 @@ LAYER_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
 
 
 @dataclass(frozen=True)
-class AttentionDims:
+class AttentionDims(Dims):
     """What every Qwen3.5-style model has: the decoder and its gated delta net and gated
     attention layers. Names follow the upstream config keys."""
 
-    family: str
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
     rms_norm_eps: float
     layer_kinds: tuple[str, ...]
     # gated GQA
