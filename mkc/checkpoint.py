@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mkc import families
+from mkc.model import registry
 from mkc.model.family import Family, stored_dtypes
 
 CONFIG_FILE = "config.json"
@@ -54,10 +54,10 @@ def family_of(config: Mapping[str, Any]) -> Family:
     """The family whose `model_type` the config (or its text_config) names."""
     text = config.get("text_config")
     for model_type in (config.get("model_type"), isinstance(text, Mapping) and text.get("model_type")):
-        family = families.for_model_type(model_type)
+        family = registry.for_model_type(model_type)
         if family is not None:
             return family
-    raise ValueError(f"model_type {config.get('model_type')!r} is not one of {families.model_types()}")
+    raise ValueError(f"model_type {config.get('model_type')!r} is not one of {registry.model_types()}")
 
 
 def _weight_files(root: Path) -> dict[Path, list[str] | None]:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from mkc import families
+from mkc.model import registry
 from mkc import ir as mir
 from mkc.model.sharding import ShardTable
 from mkc.reference.rounding import Reduce, Rounding
@@ -351,7 +351,7 @@ def failures(summary: Mapping) -> list[str]:
     steps = summary.get("steps") or []
     if not steps:
         return ["no steps ran"]
-    plain_state = families.get(summary["family"]).plain_state_tolerance
+    plain_state = registry.get(summary["family"]).plain_state_tolerance
     check = emulation_check(summary)
     bounds = None if check is None else emulation_bounds(check)
     for s in steps:

@@ -1,10 +1,11 @@
 """The plug-in boundary (issue 8), checked on the source: the compiler core names no family and
-branches on none, its imports form no cycle, and checking a spec (model, resolve) reaches no
-family's ops, lowering, weights or reference, nor the in-kernel runtime."""
+branches on none, its imports form no cycle, nothing outside the family packages imports them
+(the registry finds them by name), and checking a spec (model, resolve) reaches no family's
+ops, lowering, weights or reference, nor the in-kernel runtime."""
 import ast
 import re
 
-from mkc import families
+from mkc.model import registry
 from tests_support import ROOT
 
 # The generic core: language, model interface, resolve, IR, trace, checks, codegen (templates
@@ -49,7 +50,7 @@ def _module(path) -> str:
 
 
 def _families():
-    return {families.for_model_type(t) for t in families.model_types()}
+    return set(registry.all_families())
 
 
 def _identifier(node: ast.AST) -> str | None:
@@ -69,7 +70,7 @@ def test_the_core_names_no_family_and_branches_on_none():
     give shipped models as examples) is a family's name, model type or package."""
     fams = _families()
     assert len(fams) >= 3
-    names = set(families.model_types()) | {f.name for f in fams}
+    names = set(registry.model_types()) | {f.name for f in fams}
     packages = {f.package for f in fams}
     found = []
     for path in _files(".py"):
@@ -93,6 +94,22 @@ def _graph() -> dict[str, set[str]]:
     paths = {_module(p): p for p in (ROOT / "mkc").rglob("*.py")}
     return {m: {d for d in _imports(ast.parse(p.read_text()), paths) if d in paths and d != m}
             for m, p in paths.items()}
+
+
+def _is_family_package(module: str) -> bool:
+    return module == registry.PACKAGE or module.startswith(registry.PACKAGE + ".")
+
+
+def test_nothing_outside_the_families_imports_them():
+    """The import arrows point from the family packages to the model interface, never back:
+    no module of mkc outside mkc/families (mkc.model and its registry included) imports the
+    families' package or any family, anywhere in its body. The registry finds them by name
+    (`importlib`), which is no import statement."""
+    graph = _graph()
+    assert "mkc.model.registry" in graph
+    back = {m: sorted(d for d in deps if _is_family_package(d))
+            for m, deps in graph.items() if not _is_family_package(m)}
+    assert {m: d for m, d in back.items() if d} == {}
 
 
 def test_mkc_imports_form_no_cycle():
@@ -134,10 +151,10 @@ AFTER_RESOLVE = ("mkc.checks", "mkc.trace", "mkc.program", "mkc.codegen", "mkc.p
 
 
 def test_nothing_after_resolve_goes_back_to_the_family_registry():
-    """Checks, trace, codegen, perf and the runtime import neither the registry (mkc.families)
-    nor a family package, directly or through another module: statically, transitively. A
-    driver that runs resolve again (`mkc tune`'s candidates) reaches the registry through
-    resolve only, which is not followed."""
+    """Checks, trace, codegen, perf and the runtime import neither the registry
+    (mkc.model.registry) nor a family package, directly or through another module: statically,
+    transitively. A driver that runs resolve again (`mkc tune`'s candidates) reaches the
+    registry through resolve only, which is not followed."""
     graph = _graph()
     later = [m for m in graph if m.startswith(AFTER_RESOLVE)]
     assert len(later) >= 20
@@ -148,5 +165,5 @@ def test_nothing_after_resolve_goes_back_to_the_family_registry():
             if m not in seen:
                 seen.add(m)
                 todo += [] if m == "mkc.compiler" or m.split(".")[:2] == ["mkc", "resolve"] else graph[m]
-        back = sorted(m for m in seen if m == "mkc.families" or m.startswith("mkc.families."))
+        back = sorted(m for m in seen if m == "mkc.model.registry" or _is_family_package(m))
         assert back == [], (start, back)

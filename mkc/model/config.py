@@ -4,10 +4,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mkc import families
+from mkc.model import registry
 from mkc.diagnostics import Span, fail
 from mkc.model.family import ConfigError
 
@@ -39,6 +41,25 @@ def _probe(test) -> bool:
 
 def shipped_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def model_name(path: Path) -> str:
+    """A model's name: its config file's stem, or its checkpoint directory's for a config.json."""
+    path = Path(path)
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
+def upstream_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Mapping, str]:
+    """(the text model's config object, the model's name), for a family's reference: from a
+    dict, a config.json path or a checkpoint directory; a composite config's `text_config`."""
+    if isinstance(path_or_dict, Mapping):
+        raw, name = path_or_dict, "model"
+    else:
+        path = Path(path_or_dict)
+        path = path / "config.json" if path.is_dir() else path
+        raw, name = json.loads(path.read_text(encoding="utf-8")), model_name(path)
+    text = raw.get("text_config")
+    return (text if isinstance(text, Mapping) else raw), name
 
 
 def _reject_constant(name: str) -> float:
@@ -82,17 +103,16 @@ def load_dims(path: Path, span: Span | None = None) -> Any:
 def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     """The family's dims for a config (its `model_type` picks the family), checked in range."""
     model_type = raw.get("model_type")
-    family = families.for_model_type(model_type)
+    family = registry.for_model_type(model_type)
     if family is None:
         raise fail("E-MODEL", f"model family {model_type!r} is not supported", where,
-                   hint=f"supported families: {', '.join(families.model_types())}")
+                   hint=f"supported families: {', '.join(registry.model_types())}")
     layers = raw.get("num_hidden_layers")
-    if not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
+    if layers is not None and not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
         raise fail("E-MODEL", f"model config {path}: num_hidden_layers is {layers!r}", where,
                    hint=f"a whole number of layers from 1 to {MAX_LAYERS}")
-    stem = Path(path).stem if Path(path).name != "config.json" else Path(path).parent.name
     try:
-        dims = family.read_dims(raw, stem)
+        dims = family.read_dims(raw, model_name(path))
     except ConfigError as e:
         raise fail("E-MODEL", f"model config {path}: {e}", where, hint=e.hint) from None
     except KeyError as e:
@@ -105,6 +125,23 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
 
 
 def _checked(dims, path: Path, where: Span):
+    """The dims, or a located diagnostic for a value out of range (`out_of_range`)."""
+    error = out_of_range(dims)
+    if error is not None:
+        raise fail("E-MODEL", f"model config {path}: {error}", where, hint=error.hint)
+    return dims
+
+
+def in_range(dims: Any) -> Any:
+    """The dims, or ConfigError for a value out of range: what a family's reference runs after
+    `read_dims`, so it refuses what `mkc check` refuses."""
+    error = out_of_range(dims)
+    if error is not None:
+        raise error
+    return dims
+
+
+def out_of_range(dims) -> ConfigError | None:
     """Every dimension a whole number in range and every constant finite and positive (or of
     any sign, for a dims field marked `metadata={"any_sign": True}`): a bad value must not
     reach the generated module (`EPS = nan`) or a loop bound."""
@@ -113,14 +150,12 @@ def _checked(dims, path: Path, where: Span):
         if f.name in ("family", "name", "layer_kinds"):
             continue
         if isinstance(v, int) and not 1 <= v <= MAX_DIM:
-            bad = f"{f.name} = {v}", f"a whole number from 1 to {MAX_DIM}"
-        elif isinstance(v, float) and not (math.isfinite(v) and (v > 0 or f.metadata.get("any_sign"))):
-            bad = f"{f.name} = {v}", "a finite positive number"
-        else:
-            continue
-        raise fail("E-MODEL", f"model config {path}: {bad[0]} is out of range", where,
-                   hint=f"{f.name} must be {bad[1]}")
+            return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a whole number "
+                               f"from 1 to {MAX_DIM}")
+        if isinstance(v, float) and not (math.isfinite(v) and (v > 0 or f.metadata.get("any_sign"))):
+            return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a finite "
+                               "positive number")
     if getattr(dims, "top_k", 0) > getattr(dims, "experts", 0):
-        raise fail("E-MODEL", f"model config {path}: top-k {dims.top_k} exceeds the "
-                   f"{dims.experts} experts", where, hint="num_experts_per_token <= num_experts")
-    return dims
+        return ConfigError(f"top-k {dims.top_k} exceeds the {dims.experts} experts",
+                           "num_experts_per_token <= num_experts")
+    return None

@@ -2,17 +2,21 @@
 
 A family package (`mkc/families/<name>/`) defines `FAMILY = Family(...)`. The core reads
 configs, builds graphs, checks and lowers schedules through these fields only, so it holds no
-family names. Modules that import jax (ops, weights, reference) are named, not imported, so
-checking a spec never loads them.
+family names. Modules that import jax (ops, lowering, weights, reference) are named, not
+imported, so checking a spec never loads them; `module` checks each against its role's
+contract (`mkc.model.contracts`) when it imports it.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+from mkc.model.contracts import ROLES, ContractError, declared_ops, missing_members, registered_ops
 
 
 class FormatError(ValueError):
@@ -60,7 +64,6 @@ class Family:
     # mkc.model.graph.FamilyGraph; raises mkc.model.graph.ShardingError or FormatError.
     build: Callable[[Any, dict, int, dict], Any]
     package: str                       # e.g. "mkc.families.qwen3_5"
-    lowered_ops: frozenset[str]        # the ops its `lowering` module has compute bodies for
     # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
     # benchmarks/vmem_probe.py, interpolated over batch.
     compiler_scratch: tuple[tuple[int, int], ...]
@@ -81,6 +84,23 @@ class Family:
         from mkc.ir import WeightFormat
         return {cls: WeightFormat(formats[0]) for cls, formats in self.weight_formats}
 
+    @functools.cached_property
+    def lowered_ops(self) -> frozenset[str]:
+        """The ops its `lowering` module has compute bodies for (`@lowers`), read from the
+        module's source: checking a spec does not import it (nor jax)."""
+        return declared_ops(f"{self.package}.lowering")
+
     def module(self, part: str) -> ModuleType:
-        """One of its modules by role: "ops", "weights", "lowering", "reference"."""
-        return importlib.import_module(f"{self.package}.{part}")
+        """One of its modules by role: "ops", "weights", "lowering", "reference"; a role with a
+        contract (`mkc.model.contracts.ROLES`) is checked against it: ContractError names the
+        family, the role and what is missing."""
+        module = importlib.import_module(f"{self.package}.{part}")
+        if part in ROLES and (missing := missing_members(module, ROLES[part])):
+            raise ContractError(f"family {self.name}: its {part} module {module.__name__} lacks "
+                                f"{', '.join(missing)} (see mkc.model.contracts.{ROLES[part].__name__})")
+        if part == "lowering" and registered_ops(module) != self.lowered_ops:
+            raise ContractError(f"family {self.name}: its lowering module registers ops "
+                                f"{sorted(registered_ops(module))} at import but its source declares "
+                                f"{sorted(self.lowered_ops)}: register each body with @lowers(\"op\") "
+                                "on a top-level def, or import it from another .lowering module")
+        return module

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from mkc import families
+from mkc.model import registry
 from mkc.model.config import dims_from_config, read_config, resolve_config_path
 from mkc.resolve.names import require, validate_module_name
 from mkc.resolve.state import ResolveState
@@ -21,4 +21,4 @@ def resolve_model(s: ResolveState) -> ResolveState:
                                spec_dir if not s.model_override else None)
     config = read_config(path, setting.span)
     dims = dims_from_config(config, path, setting.span)
-    return replace(s, model_config=config, dims=dims, family=families.get(dims.family))
+    return replace(s, model_config=config, dims=dims, family=registry.get(dims.family))

@@ -112,10 +112,10 @@ def _hf_of(config: str):
     views)."""
     import json
 
-    from mkc import families
+    from mkc.model import registry
     from mkc.runtime.inputs import expected_hf_weights
     raw = json.loads((ROOT / "mkc" / "model" / "configs" / f"{config}.json").read_text())
-    family = families.for_model_type(raw.get("model_type"))
+    family = registry.for_model_type(raw.get("model_type"))
     dims = family.read_dims(raw, config)
     hf = {name: np.broadcast_to(np.zeros((), dtype), shape)
           for name, (shape, dtype) in expected_hf_weights(family.package, raw).items()}

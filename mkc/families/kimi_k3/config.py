@@ -1,23 +1,49 @@
 """Kimi K3 dimensions from an upstream Kimi Linear-style config.json, and the shapes the
-K3 lowering supports."""
+K3 lowering supports: the one config reader, which the compiler and the reference share."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, identifier
+
+BLOCK_SIZE = 32       # MXFP4 values per E8M0 scale (mkc.model.mxfp4's, which imports jax)
+
+# Upstream KimiLinearConfig defaults, for keys a config.json omits (as HF does).
+UPSTREAM_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu", "mla_use_nope": False, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1, "num_expert_group": 1,
+    "tie_word_embeddings": False, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+}
+# Settings mkc computes only one value of (the K3 values, in the lowering and the reference):
+# anything else is refused rather than silently computed as K3.
+REQUIRED: dict[str, Any] = {
+    "hidden_act": "situ",
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "latent_moe_use_norm": True,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "moe_layer_freq": 1,
+    "num_expert_group": 1,
+    "tie_word_embeddings": False,
+}
+
+
+def setting(raw: Mapping, key: str) -> Any:
+    """A config value, or the upstream default for a key it omits; KeyError without one."""
+    value = raw.get(key)
+    return UPSTREAM_DEFAULTS[key] if value is None else value
 
 
 @dataclass(frozen=True)
-class KimiDims:
+class KimiDims(Dims):
     """The K3 dimensions mkc needs, read from upstream-style config keys."""
 
-    family: str
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    vocab_size: int
     rms_norm_eps: float
     dense_width: int             # layer 0's MLP (first_k_dense_replace = 1)
     heads: int                   # KDA and MLA heads
@@ -39,34 +65,6 @@ class KimiDims:
     layer_kinds: tuple[str, ...]   # one per sublayer: attention kind, then MLP kind
 
     @staticmethod
-    def from_config(raw: dict, name: str = "kimi_k3") -> "KimiDims":
-        """The dimensions as upstream keys give them, unchecked (`read_dims` checks)."""
-        lin = raw["linear_attn_config"]
-        n = int(raw["num_hidden_layers"])
-        mla = {int(i) - 1 for i in lin["full_attn_layers"]}     # 1-based upstream
-        dense = int(raw.get("first_k_dense_replace", 0))
-        kinds: list[str] = []
-        for i in range(n):
-            kinds += ["mla" if i in mla else "kda", "dense" if i < dense else "moe"]
-        return KimiDims(
-            family="kimi_k3", name=identifier(name),
-            hidden_size=int(raw["hidden_size"]), num_hidden_layers=n,
-            vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
-            dense_width=int(raw["intermediate_size"]), heads=int(raw["num_attention_heads"]),
-            head_dim=int(lin["head_dim"]), conv_taps=int(lin["short_conv_kernel_size"]),
-            gate_lower_bound=float(lin["gate_lower_bound"]),
-            q_lora=int(raw["q_lora_rank"]), kv_lora=int(raw["kv_lora_rank"]),
-            qk_extra=int(raw["qk_rope_head_dim"]), experts=int(raw["num_experts"]),
-            top_k=int(raw["num_experts_per_token"]),
-            shared_experts=int(raw["num_shared_experts"]),
-            expert_width=int(raw["moe_intermediate_size"]),
-            latent=int(raw["routed_expert_hidden_size"]),
-            block=int(raw["attn_res_block_size"]),
-            situ_beta=float(raw["activation_situ_beta"]),
-            situ_linear_beta=float(raw["activation_situ_linear_beta"]),
-            routed_scaling=float(raw.get("routed_scaling_factor", 1.0)), layer_kinds=tuple(kinds))
-
-    @staticmethod
     def load(path: str | Path) -> "KimiDims":
         return read_dims(json.loads(Path(path).read_text()), Path(path).stem)
 
@@ -76,19 +74,92 @@ class KimiDims:
         return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
 
 
-def read_dims(raw: dict, name: str) -> KimiDims:
-    """The dimensions; ConfigError for a shape the K3 lowering does not take, KeyError /
-    ValueError / TypeError for a malformed config."""
-    dims = KimiDims.from_config(raw, name)
-    if dims.num_hidden_layers < 2 or dims.layer_kinds[1] != "dense" or "dense" in dims.layer_kinds[2:]:
+def read_dims(raw: Mapping, name: str) -> KimiDims:
+    """The dimensions; ConfigError for a setting or shape mkc does not compute (the reference
+    builds its config from these dims, so it refuses the same), KeyError / ValueError /
+    TypeError for a malformed config."""
+    check_settings(raw)
+    lin = raw["linear_attn_config"]
+    n = int(raw["num_hidden_layers"])
+    kinds = []
+    for attention, mlp in zip(attention_kinds(lin, n), mlp_kinds(raw, n)):
+        kinds += [attention, mlp]
+    dims = KimiDims(
+        family="kimi_k3", name=identifier(name),
+        hidden_size=int(raw["hidden_size"]), num_hidden_layers=n,
+        vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
+        dense_width=int(raw["intermediate_size"]), heads=int(raw["num_attention_heads"]),
+        head_dim=int(lin["head_dim"]), conv_taps=int(lin["short_conv_kernel_size"]),
+        gate_lower_bound=float(lin["gate_lower_bound"]),
+        q_lora=int(raw["q_lora_rank"]), kv_lora=int(raw["kv_lora_rank"]),
+        qk_extra=int(raw["qk_rope_head_dim"]), experts=int(raw["num_experts"]),
+        top_k=int(raw["num_experts_per_token"]),
+        shared_experts=int(raw["num_shared_experts"]),
+        expert_width=int(raw["moe_intermediate_size"]),
+        latent=int(raw["routed_expert_hidden_size"]),
+        block=int(raw["attn_res_block_size"]),
+        situ_beta=float(raw["activation_situ_beta"]),
+        situ_linear_beta=float(raw["activation_situ_linear_beta"]),
+        routed_scaling=float(setting(raw, "routed_scaling_factor")), layer_kinds=tuple(kinds))
+    check_shapes(dims, raw)
+    return dims
+
+
+def check_settings(raw: Mapping) -> None:
+    for key, want in REQUIRED.items():
+        got = setting(raw, key) if key in UPSTREAM_DEFAULTS else raw.get(key)
+        if got != want:
+            raise ConfigError(f"unsupported Kimi K3 setting {key} = {got!r} (mkc implements {want!r})",
+                              f"write \"{key}\": {json.dumps(want)}, as K3 does")
+    if not raw["linear_attn_config"].get("use_full_rank_gate", False):
+        raise ConfigError("only the full-rank KDA output gate (use_full_rank_gate) is supported",
+                          "set linear_attn_config.use_full_rank_gate to true, as K3 does")
+
+
+def attention_kinds(lin: Mapping, n: int) -> list[str]:
+    """Per layer "mla" or "kda", from `full_attn_layers` and `kda_layers` (1-based), which must
+    partition the layers."""
+    full, kda = list(lin["full_attn_layers"]), list(lin["kda_layers"])
+    if not all(type(i) is int for i in full + kda):
+        raise ConfigError("full_attn_layers and kda_layers must list 1-based layer numbers",
+                          "as upstream Kimi configs do, e.g. [4, 8, ...]")
+    if not full or set(range(1, n + 1)) <= set(full):
+        raise ConfigError(f"it has no {'mla' if not full else 'kda'} layer; the K3 lowering runs both "
+                          "KDA and MLA layers", "list some but not all layers in full_attn_layers")
+    twice = sorted(set(full) & set(kda))
+    if twice or len(set(full)) != len(full) or len(set(kda)) != len(kda):
+        raise ConfigError(f"layers listed twice in full_attn_layers / kda_layers: {twice or 'repeats'}",
+                          "list each layer once, in one of the two")
+    listed, wanted = set(full) | set(kda), set(range(1, n + 1))
+    if listed != wanted:
+        raise ConfigError(f"full_attn_layers / kda_layers (1-based) must cover 1..{n}: in neither "
+                          f"{sorted(wanted - listed)}, out of range {sorted(listed - wanted)}",
+                          "list every layer once, in one of the two")
+    return ["mla" if i + 1 in set(full) else "kda" for i in range(n)]
+
+
+def mlp_kinds(raw: Mapping, n: int) -> list[str]:
+    """Per layer "dense" or "moe": exactly one dense layer, the first (first_k_dense_replace)."""
+    if n < 2 or setting(raw, "first_k_dense_replace") != 1:
         raise ConfigError("mkc lowers K3 with exactly one dense layer (first_k_dense_replace = 1) "
                           "before the MoE layers", "set first_k_dense_replace to 1")
-    listed = raw["linear_attn_config"]["full_attn_layers"]
-    if not all(type(i) is int and 1 <= i <= dims.num_hidden_layers for i in listed):
-        raise ConfigError(f"full_attn_layers must list 1-based layer numbers from 1 to "
-                          f"{dims.num_hidden_layers}", "as upstream Kimi configs do, e.g. [4, 8, ...]")
-    missing = [k for k in ("kda", "mla") if k not in dims.layer_kinds]
-    if missing:
-        raise ConfigError(f"it has no {missing[0]} layer; the K3 lowering runs both KDA and MLA "
-                          "layers", "list some but not all layers in linear_attn_config.full_attn_layers")
-    return dims
+    return ["dense"] + ["moe"] * (n - 1)
+
+
+def check_shapes(d: KimiDims, raw: Mapping) -> None:
+    """ConfigError for shapes the K3 lowering does not take: one head count and one head width
+    for KDA and MLA, MXFP4-blockable expert widths."""
+    same = {"linear_attn_config.num_heads": raw["linear_attn_config"].get("num_heads", d.heads),
+            "qk_nope_head_dim": raw.get("qk_nope_head_dim", d.head_dim),
+            "v_head_dim": raw.get("v_head_dim", d.head_dim)}
+    for key, value in same.items():
+        want = d.heads if key.endswith("num_heads") else d.head_dim
+        if value != want:
+            raise ConfigError(f"{key} = {value!r} differs from {want}: mkc lowers K3 with one head "
+                              "count (num_attention_heads) and one head width (linear_attn_config."
+                              "head_dim) for KDA and MLA", f"set {key} to {want}, as K3 does")
+    if d.latent % BLOCK_SIZE or d.expert_width % BLOCK_SIZE:
+        raise ConfigError(f"MXFP4 experts need latent and expert widths that are multiples of "
+                          f"{BLOCK_SIZE}", "routed_expert_hidden_size and moe_intermediate_size")
+    if d.conv_taps < 2:
+        raise ConfigError("short_conv_kernel_size must be at least 2", "K3 uses 4")

@@ -19,6 +19,7 @@ from mkc.families.kimi_k3 import ops
 from mkc.families.kimi_k3.graph import expert_pack_groups
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
+from mkc.model.contracts import lowers
 from mkc.runtime.context import Kernel, Layer
 
 F32 = jnp.float32
@@ -61,18 +62,22 @@ def _add_output(c: Layer, out: jax.Array) -> None:
         blocks[n] = blocks[n] + out
 
 
+@lowers("input_mix")
 def input_mix(c: Layer) -> jax.Array:
     return _mix(c, "attn", "input_norm")
 
 
+@lowers("mlp_mix")
 def mlp_mix(c: Layer) -> jax.Array:
     return _mix(c, "mlp", "post_norm")
 
 
+@lowers("attn_residual")
 def attn_residual(c: Layer, attn_out: jax.Array) -> None:
     _add_output(c, attn_out)
 
 
+@lowers("mlp_residual")
 def mlp_residual(c: Layer, mlp_out: jax.Array, *shared_out: jax.Array) -> None:
     """dense: the MLP output; moe: the gathered latent_up (its first `hidden` columns) plus the
     shared experts'."""
@@ -82,6 +87,7 @@ def mlp_residual(c: Layer, mlp_out: jax.Array, *shared_out: jax.Array) -> None:
         _add_output(c, mlp_out)
 
 
+@lowers("o_proj")
 def o_proj(c: Layer, core: jax.Array) -> jax.Array:
     return c.matmul("o_proj", core)[:, :c.dims.hidden_size]
 
@@ -91,10 +97,12 @@ def _cols(c: Layer, name: str) -> int:
 
 
 # ---- Kimi Delta Attention -------------------------------------------------------------------
+@lowers("gate_down")
 def gate_down(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("gate_down", h)
 
 
+@lowers("gate_up")
 def gate_up(c: Layer, x: jax.Array) -> jax.Array:
     """kda: the decay gate's up projection (pooled); dense: the SiTU MLP's gate|up (streamed)."""
     if c.kind == "kda":
@@ -103,10 +111,12 @@ def gate_up(c: Layer, x: jax.Array) -> jax.Array:
                            c.dims.situ_linear_beta)
 
 
+@lowers("projection")
 def projection(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("projection", h)
 
 
+@lowers("conv")
 def conv(c: Layer, proj: jax.Array) -> jax.Array:
     """Causal depthwise conv + SiLU over q|k|v; they enter the conv state as bf16, as the
     reference caches them."""
@@ -127,6 +137,7 @@ def conv(c: Layer, proj: jax.Array) -> jax.Array:
     return jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
 
 
+@lowers("delta_rule")
 def delta_rule(c: Layer, qkv: jax.Array, gate: jax.Array, proj: jax.Array) -> jax.Array:
     heads, hd = c.per_rank["heads"], c.dims.head_dim
     width = heads * hd
@@ -148,6 +159,7 @@ def delta_rule(c: Layer, qkv: jax.Array, gate: jax.Array, proj: jax.Array) -> ja
     return jnp.concatenate(rows, axis=0) if c.B > 1 else rows[0]
 
 
+@lowers("gated_norm")
 def gated_norm(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
     heads, hd = c.per_rank["heads"], c.dims.head_dim
     w, g_off = c.vector("o_norm"), 3 * heads * hd
@@ -158,14 +170,17 @@ def gated_norm(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
 
 
 # ---- MLA --------------------------------------------------------------------------------------
+@lowers("q_down")
 def q_down(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("q_down", h)
 
 
+@lowers("kv_down")
 def kv_down(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("kv_down", h)
 
 
+@lowers("latent_norms")
 def latent_norms(c: Layer, q_low: jax.Array, kv_row: jax.Array) -> tuple[jax.Array, jax.Array]:
     eps, lora = c.dims.rms_norm_eps, c.dims.kv_lora
     normed = ops.rms_norm(kv_row[:, :lora], c.vector("kv_norm"), eps)
@@ -173,14 +188,17 @@ def latent_norms(c: Layer, q_low: jax.Array, kv_row: jax.Array) -> tuple[jax.Arr
             jnp.concatenate([normed, kv_row[:, lora:]], axis=-1))
 
 
+@lowers("kv_write")
 def kv_write(c: Layer, kv_row: jax.Array) -> None:
     c.kv_write([kv_row])
 
 
+@lowers("q_up")
 def q_up(c: Layer, q_low: jax.Array) -> jax.Array:
     return c.matmul("q_up", q_low)[:, :_cols(c, "q_up")]
 
 
+@lowers("absorb_query")
 def absorb_query(c: Layer, q: jax.Array) -> list:
     """Per row: the query's nope part absorbed into the latent space by key_up, and its extra
     (shared-key) part."""
@@ -191,6 +209,7 @@ def absorb_query(c: Layer, q: jax.Array) -> list:
                                  w_uk, heads) for b in range(c.B)]
 
 
+@lowers("attention")
 def attention(c: Layer, q_lat: list) -> list:
     """Online softmax per row over this rank's heads and its sequence's cached latent tokens up
     to the row's position -> per row (latent average accumulator, denominator)."""
@@ -213,25 +232,30 @@ def attention(c: Layer, q_lat: list) -> list:
     return [(acc, denom) for m, denom, acc in c.kv_fold(tile, init)]
 
 
+@lowers("values_out")
 def values_out(c: Layer, lat_avg: list) -> jax.Array:
     w_uv = c.pooled("value_up")
     outs = [ops.mla_value_up(acc, denom, w_uv, c.per_rank["heads"]) for acc, denom in lat_avg]
     return jnp.concatenate(outs, axis=0) if c.B > 1 else outs[0]
 
 
+@lowers("gate")
 def gate(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("gate", h)[:, :_cols(c, "gate")]
 
 
+@lowers("out_gate")
 def out_gate(c: Layer, core: jax.Array, gate_logits: jax.Array) -> jax.Array:
     return core * jax.nn.sigmoid(gate_logits)
 
 
 # ---- latent MoE -----------------------------------------------------------------------------
+@lowers("router")
 def router(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("router", h)[:, :_cols(c, "router")]
 
 
+@lowers("route")
 def route(c: Layer, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sigmoid top-k with the score-correction bias; this rank's picked local experts go to
     SMEM for their copies."""
@@ -242,19 +266,23 @@ def route(c: Layer, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids, weights
 
 
+@lowers("latent_down")
 def latent_down(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("latent_down", h)[:, :_cols(c, "latent_down")]
 
 
+@lowers("shared_gate_up")
 def shared_gate_up(c: Layer, h: jax.Array) -> jax.Array:
     return ops.situ_packed(c.matmul("shared_gate_up", h), c.per_rank["shared"], c.dims.situ_beta,
                            c.dims.situ_linear_beta)
 
 
+@lowers("shared_down")
 def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
     return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
 
 
+@lowers("down")
 def down(c: Layer, act: jax.Array) -> jax.Array:
     return c.matmul("down", act)[:, :c.dims.hidden_size]
 
@@ -288,6 +316,7 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     return out
 
 
+@lowers("routed_experts")
 def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
                    expert_weights: jax.Array) -> jax.Array:
     """This rank's width slice of its group's picked experts on every row, each weighted by
@@ -306,10 +335,12 @@ def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
     return c.fold_experts(expert, jnp.zeros((c.B, latent), F32))
 
 
+@lowers("latent_norm")
 def latent_norm(c: Layer, routed_out: jax.Array) -> jax.Array:
     return ops.rms_norm(routed_out, c.vector("latent_norm"), c.dims.rms_norm_eps)
 
 
+@lowers("latent_up")
 def latent_up(c: Layer, routed_out: jax.Array) -> jax.Array:
     return c.matmul("latent_up", routed_out)[:, :_cols(c, "latent_up")]
 

@@ -92,7 +92,6 @@ the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -103,7 +102,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mkc.families.kimi_k3.config import KimiDims, read_dims
 from mkc.families.kimi_k3.ops import feeds_codes
+from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
 
@@ -117,24 +118,6 @@ _EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
 # Projections whose output is summed into a residual block (scaled down by init_params).
 _WRITES_RESIDUAL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
                     "shared_experts.down_proj.weight", "routed_expert_up_proj.weight")
-
-# Settings this reference implements only one value of (the K3 values); anything else is refused
-# rather than silently computed as K3. A missing key takes the upstream KimiLinearConfig default.
-_UPSTREAM_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu", "mla_use_nope": False, "moe_renormalize": True,
-    "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1, "num_expert_group": 1,
-}
-_REQUIRED = {
-    "hidden_act": "situ",
-    "mla_use_nope": True,
-    "mla_use_output_gate": True,
-    "latent_moe_use_norm": True,
-    "moe_renormalize": True,
-    "moe_router_activation_func": "sigmoid",
-    "moe_layer_freq": 1,
-    "num_expert_group": 1,
-}
-
 
 @dataclass(frozen=True)
 class KimiK3Config:
@@ -204,89 +187,34 @@ class KimiK3Config:
 
 
 def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> KimiK3Config:
-    """Parse a Kimi K3 config (dict, config.json path, or checkpoint directory).
-
-    A composite config's ``text_config`` is used. Layer kinds come from
-    ``linear_attn_config.full_attn_layers`` / ``kda_layers`` (1-based), which must partition the
-    layers. Settings the reference does not implement are rejected (see ``_REQUIRED``).
-    """
-    if isinstance(path_or_dict, Mapping):
-        raw: Mapping[str, Any] = path_or_dict
-    else:
-        path = os.fspath(path_or_dict)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    if raw.get("model_type") not in MODEL_TYPES:
+    """The config of a Kimi K3 model (dict, config.json path, or checkpoint directory; a
+    composite config's ``text_config``), read by the family's one config reader
+    (``config.read_dims``): settings mkc does not compute are refused there (ConfigError, a
+    ValueError with its hint; see ``config.REQUIRED``)."""
+    raw, name = upstream_config(path_or_dict)
+    if raw.get("model_type", "kimi_linear") not in MODEL_TYPES:
         raise ValueError(f"expected model_type in {MODEL_TYPES}, got {raw.get('model_type')!r}")
-    if isinstance(raw.get("text_config"), Mapping):
-        raw = raw["text_config"]
-        if raw.get("model_type", "kimi_linear") not in MODEL_TYPES:
-            raise ValueError(f"unexpected text_config model_type {raw.get('model_type')!r}")
+    return config_of(in_range(read_dims(raw, name)))
 
-    def need(key: str, where: Mapping[str, Any] = raw) -> Any:
-        if where.get(key) is None:
-            raise ValueError(f"config lacks {key!r}")
-        return where[key]
 
-    for key, want in _REQUIRED.items():
-        got = raw.get(key, _UPSTREAM_DEFAULTS.get(key))
-        if got != want:
-            raise ValueError(f"unsupported Kimi K3 setting {key}={got!r} (this reference implements "
-                             f"{want!r})")
-    lin = need("linear_attn_config")
-    if not lin.get("use_full_rank_gate", False):
-        raise ValueError("only the full-rank KDA output gate (use_full_rank_gate) is supported")
-
-    n_layers = int(need("num_hidden_layers"))
-    full = [int(i) for i in need("full_attn_layers", lin)]
-    kda = [int(i) for i in need("kda_layers", lin)]
-    twice = sorted(set(full) & set(kda))
-    if twice or len(set(full)) != len(full) or len(set(kda)) != len(kda):
-        raise ValueError(f"layers listed twice in full_attn_layers / kda_layers: {twice or 'repeats'}")
-    listed, wanted = set(full) | set(kda), set(range(1, n_layers + 1))
-    if listed != wanted:
-        raise ValueError(f"full_attn_layers / kda_layers (1-based) must cover 1..{n_layers}: "
-                         f"in neither {sorted(wanted - listed)}, out of range {sorted(listed - wanted)}")
-    kinds = tuple(MLA if i + 1 in set(full) else KDA for i in range(n_layers))
-
-    cfg = KimiK3Config(
-        vocab_size=int(need("vocab_size")),
-        hidden_size=int(need("hidden_size")),
-        intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=n_layers,
-        layer_kinds=kinds,
-        rms_norm_eps=float(need("rms_norm_eps")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        situ_beta=float(need("activation_situ_beta")),
-        situ_linear_beta=float(need("activation_situ_linear_beta")),
-        attn_res_block_size=int(need("attn_res_block_size")),
-        num_attention_heads=int(need("num_attention_heads")),
-        q_lora_rank=int(need("q_lora_rank")),
-        kv_lora_rank=int(need("kv_lora_rank")),
-        qk_nope_head_dim=int(need("qk_nope_head_dim")),
-        qk_rope_head_dim=int(need("qk_rope_head_dim")),
-        v_head_dim=int(need("v_head_dim")),
-        kda_num_heads=int(need("num_heads", lin)),
-        kda_head_dim=int(need("head_dim", lin)),
-        conv_kernel_size=int(need("short_conv_kernel_size", lin)),
-        gate_lower_bound=float(need("gate_lower_bound", lin)),
-        num_experts=int(need("num_experts")),
-        num_experts_per_token=int(need("num_experts_per_token")),
-        num_shared_experts=int(need("num_shared_experts")),
-        moe_intermediate_size=int(need("moe_intermediate_size")),
-        routed_expert_hidden_size=int(need("routed_expert_hidden_size")),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-    )
-    if not 0 < cfg.num_experts_per_token <= cfg.num_experts:
-        raise ValueError("num_experts_per_token must be in 1..num_experts")
-    if cfg.attn_res_block_size < 1 or cfg.conv_kernel_size < 2:
-        raise ValueError("attn_res_block_size must be >= 1 and short_conv_kernel_size >= 2")
-    if cfg.routed_expert_hidden_size % BLOCK_SIZE or cfg.moe_intermediate_size % BLOCK_SIZE:
-        raise ValueError(f"MXFP4 experts need latent and expert widths that are multiples of {BLOCK_SIZE}")
-    return cfg
+def config_of(d: KimiDims) -> KimiK3Config:
+    """The reference's config of a model's dims: KDA and MLA share the head count and width,
+    and the dense layers are the first ``first_k_dense_replace``."""
+    attention = {"kda": KDA, "mla": MLA}
+    return KimiK3Config(
+        vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.dense_width,
+        num_hidden_layers=d.num_hidden_layers,
+        layer_kinds=tuple(attention[a] for a, _ in d.layer_plan()),
+        rms_norm_eps=d.rms_norm_eps, tie_word_embeddings=False,
+        situ_beta=d.situ_beta, situ_linear_beta=d.situ_linear_beta, attn_res_block_size=d.block,
+        num_attention_heads=d.heads, q_lora_rank=d.q_lora, kv_lora_rank=d.kv_lora,
+        qk_nope_head_dim=d.head_dim, qk_rope_head_dim=d.qk_extra, v_head_dim=d.head_dim,
+        kda_num_heads=d.heads, kda_head_dim=d.head_dim, conv_kernel_size=d.conv_taps,
+        gate_lower_bound=d.gate_lower_bound, num_experts=d.experts,
+        num_experts_per_token=d.top_k, num_shared_experts=d.shared_experts,
+        moe_intermediate_size=d.expert_width, routed_expert_hidden_size=d.latent,
+        routed_scaling_factor=d.routed_scaling,
+        first_k_dense_replace=sum(mlp == "dense" for _, mlp in d.layer_plan()))
 
 
 def param_shapes(cfg: KimiK3Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -296,79 +224,90 @@ def param_shapes(cfg: KimiK3Config) -> dict[str, tuple[tuple[int, ...], str]]:
     ``[out, in/2]``) and ``.weight_scale`` (uint8 E8M0, ``[out, in/32]``). The KDA scalars
     (``A_log``, ``dt_bias``, conv filters, ``o_norm``) and the router correction bias are f32.
     """
-    h, bf16, f32, u8 = cfg.hidden_size, "bfloat16", "float32", "uint8"
+    h = cfg.hidden_size
     shapes: dict[str, tuple[tuple[int, ...], str]] = {
-        "model.embed_tokens.weight": ((cfg.vocab_size, h), bf16),
+        "model.embed_tokens.weight": ((cfg.vocab_size, h), _BF16),
     }
-
-    def mix(prefix: str) -> None:  # one attention-residual query: norm weight + [1, H] projection
-        shapes[prefix + "_norm.weight"] = ((h,), bf16)
-        shapes[prefix + "_proj.weight"] = ((1, h), bf16)
-
     for i, kind in enumerate(cfg.layer_kinds):
         p = f"model.layers.{i}."
-        mix(p + "self_attention_res")
-        mix(p + "mlp_res")
-        shapes[p + "input_layernorm.weight"] = ((h,), bf16)
-        shapes[p + "post_attention_layernorm.weight"] = ((h,), bf16)
-        a = p + "self_attn."
-        if kind == KDA:
-            pd, d, k = cfg.kda_dim, cfg.kda_head_dim, cfg.conv_kernel_size
-            for x in "qkv":
-                shapes[a + f"{x}_proj.weight"] = ((pd, h), bf16)
-                shapes[a + f"{x}_conv1d.weight"] = ((pd, 1, k), f32)
-            shapes |= {
-                a + "f_a_proj.weight": ((d, h), bf16),
-                a + "f_b_proj.weight": ((pd, d), bf16),
-                a + "b_proj.weight": ((cfg.kda_num_heads, h), bf16),
-                a + "g_proj.weight": ((pd, h), bf16),
-                a + "A_log": ((cfg.kda_num_heads,), f32),
-                a + "dt_bias": ((pd,), f32),
-                a + "o_norm.weight": ((d,), f32),
-                a + "o_proj.weight": ((h, pd), bf16),
-            }
+        shapes |= _mix_shapes(cfg, p + "self_attention_res") | _mix_shapes(cfg, p + "mlp_res")
+        shapes[p + "input_layernorm.weight"] = ((h,), _BF16)
+        shapes[p + "post_attention_layernorm.weight"] = ((h,), _BF16)
+        shapes |= (_kda_shapes if kind == KDA else _mla_shapes)(cfg, p + "self_attn.")
+        if cfg.is_moe(i):
+            shapes |= _moe_shapes(cfg, p + "block_sparse_moe.")
         else:
-            nh = cfg.num_attention_heads
-            shapes |= {
-                a + "q_a_proj.weight": ((cfg.q_lora_rank, h), bf16),
-                a + "q_a_layernorm.weight": ((cfg.q_lora_rank,), bf16),
-                a + "q_b_proj.weight": ((nh * cfg.qk_head_dim, cfg.q_lora_rank), bf16),
-                a + "kv_a_proj_with_mqa.weight": ((cfg.latent_cache_dim, h), bf16),
-                a + "kv_a_layernorm.weight": ((cfg.kv_lora_rank,), bf16),
-                a + "kv_b_proj.weight": ((nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                                         bf16),
-                a + "g_proj.weight": ((nh * cfg.v_head_dim, h), bf16),
-                a + "o_proj.weight": ((h, nh * cfg.v_head_dim), bf16),
-            }
-        if not cfg.is_moe(i):
-            m = p + "mlp."
-            shapes |= {
-                m + "gate_proj.weight": ((cfg.intermediate_size, h), bf16),
-                m + "up_proj.weight": ((cfg.intermediate_size, h), bf16),
-                m + "down_proj.weight": ((h, cfg.intermediate_size), bf16),
-            }
-            continue
-        m = p + "block_sparse_moe."
-        lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-        shared = cfg.shared_intermediate_size
-        shapes |= {
-            m + "gate.weight": ((cfg.num_experts, h), bf16),
-            m + "gate.e_score_correction_bias": ((cfg.num_experts,), f32),
-            m + "routed_expert_down_proj.weight": ((lat, h), bf16),
-            m + "routed_expert_norm.weight": ((lat,), bf16),
-            m + "routed_expert_up_proj.weight": ((h, lat), bf16),
-            m + "shared_experts.gate_proj.weight": ((shared, h), bf16),
-            m + "shared_experts.up_proj.weight": ((shared, h), bf16),
-            m + "shared_experts.down_proj.weight": ((h, shared), bf16),
-        }
-        for e in range(cfg.num_experts):
-            for w, (out, inp) in zip(_EXPERT_MATRICES, ((inter, lat), (inter, lat), (lat, inter))):
-                shapes[m + f"experts.{e}.{w}.weight_packed"] = ((out, inp // 2), u8)
-                shapes[m + f"experts.{e}.{w}.weight_scale"] = ((out, inp // BLOCK_SIZE), u8)
-    mix("model.output_attn_res")
-    shapes["model.norm.weight"] = ((h,), bf16)
+            inter, m = cfg.intermediate_size, p + "mlp."
+            shapes |= {m + "gate_proj.weight": ((inter, h), _BF16),
+                       m + "up_proj.weight": ((inter, h), _BF16),
+                       m + "down_proj.weight": ((h, inter), _BF16)}
+    shapes |= _mix_shapes(cfg, "model.output_attn_res")
+    shapes["model.norm.weight"] = ((h,), _BF16)
     if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = ((cfg.vocab_size, h), bf16)
+        shapes["lm_head.weight"] = ((cfg.vocab_size, h), _BF16)
+    return shapes
+
+
+_BF16, _F32, _U8 = "bfloat16", "float32", "uint8"
+_Shapes = dict[str, tuple[tuple[int, ...], str]]
+
+
+def _mix_shapes(cfg: KimiK3Config, prefix: str) -> _Shapes:
+    """One attention-residual query: a norm weight and a [1, H] projection."""
+    return {prefix + "_norm.weight": ((cfg.hidden_size,), _BF16),
+            prefix + "_proj.weight": ((1, cfg.hidden_size), _BF16)}
+
+
+def _kda_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
+    h, pd, d, k = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.conv_kernel_size
+    shapes: _Shapes = {}
+    for x in "qkv":
+        shapes[a + f"{x}_proj.weight"] = ((pd, h), _BF16)
+        shapes[a + f"{x}_conv1d.weight"] = ((pd, 1, k), _F32)
+    return shapes | {
+        a + "f_a_proj.weight": ((d, h), _BF16),
+        a + "f_b_proj.weight": ((pd, d), _BF16),
+        a + "b_proj.weight": ((cfg.kda_num_heads, h), _BF16),
+        a + "g_proj.weight": ((pd, h), _BF16),
+        a + "A_log": ((cfg.kda_num_heads,), _F32),
+        a + "dt_bias": ((pd,), _F32),
+        a + "o_norm.weight": ((d,), _F32),
+        a + "o_proj.weight": ((h, pd), _BF16),
+    }
+
+
+def _mla_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    return {
+        a + "q_a_proj.weight": ((cfg.q_lora_rank, h), _BF16),
+        a + "q_a_layernorm.weight": ((cfg.q_lora_rank,), _BF16),
+        a + "q_b_proj.weight": ((nh * cfg.qk_head_dim, cfg.q_lora_rank), _BF16),
+        a + "kv_a_proj_with_mqa.weight": ((cfg.latent_cache_dim, h), _BF16),
+        a + "kv_a_layernorm.weight": ((cfg.kv_lora_rank,), _BF16),
+        a + "kv_b_proj.weight": ((nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                                 _BF16),
+        a + "g_proj.weight": ((nh * cfg.v_head_dim, h), _BF16),
+        a + "o_proj.weight": ((h, nh * cfg.v_head_dim), _BF16),
+    }
+
+
+def _moe_shapes(cfg: KimiK3Config, m: str) -> _Shapes:
+    h, lat, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    shared = cfg.shared_intermediate_size
+    shapes: _Shapes = {
+        m + "gate.weight": ((cfg.num_experts, h), _BF16),
+        m + "gate.e_score_correction_bias": ((cfg.num_experts,), _F32),
+        m + "routed_expert_down_proj.weight": ((lat, h), _BF16),
+        m + "routed_expert_norm.weight": ((lat,), _BF16),
+        m + "routed_expert_up_proj.weight": ((h, lat), _BF16),
+        m + "shared_experts.gate_proj.weight": ((shared, h), _BF16),
+        m + "shared_experts.up_proj.weight": ((shared, h), _BF16),
+        m + "shared_experts.down_proj.weight": ((h, shared), _BF16),
+    }
+    for e in range(cfg.num_experts):
+        for w, (out, inp) in zip(_EXPERT_MATRICES, ((inter, lat), (inter, lat), (lat, inter))):
+            shapes[m + f"experts.{e}.{w}.weight_packed"] = ((out, inp // 2), _U8)
+            shapes[m + f"experts.{e}.{w}.weight_scale"] = ((out, inp // BLOCK_SIZE), _U8)
     return shapes
 
 

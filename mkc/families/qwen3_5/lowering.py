@@ -3,15 +3,17 @@
 Each body is `op(c, *values) -> values`: `c` is the layer (`mkc.runtime.context.Layer`); the
 values are the op's graph reads and writes that are not tensors (weights, vectors, states,
 caches) or the residual stream `x` (a VMEM buffer the body reads and writes itself), in graph
-order. Shapes are per rank; sizes come from `c.per_rank` (the graph's) and `c.dims`.
+order. Shapes are per rank; sizes come from `c.per_rank` (the graph's) and `c.dims`. Each body
+is registered for its op with `@lowers("op")` (`mkc.model.contracts`): the family's lowered ops
+are read from those decorators.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-
 from mkc.families.qwen3_5 import ops
+from mkc.model.contracts import lowers
 from mkc.runtime.context import Kernel, Layer
 
 F32 = jnp.float32
@@ -22,47 +24,58 @@ def _norm(c: Layer, name: str) -> jax.Array:
     return ops.rms_norm_zero_centred(c.refs.x[...], c.vector(name), c.dims.rms_norm_eps)
 
 
+@lowers("input_norm")
 def input_norm(c: Layer) -> jax.Array:
     return _norm(c, "input_norm")
 
 
+@lowers("post_norm")
 def post_norm(c: Layer) -> jax.Array:
     return _norm(c, "post_norm")
 
 
+@lowers("in_proj")
 def in_proj(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("in_proj", h)
 
 
+@lowers("qkv_gate")
 def qkv_gate(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("qkv_gate", h)
 
 
+@lowers("gate_up")
 def gate_up(c: Layer, h: jax.Array) -> jax.Array:
     return ops.swiglu(c.matmul("gate_up", h), c.per_rank["inter"])
 
 
+@lowers("down")
 def down(c: Layer, act: jax.Array) -> jax.Array:
     return c.matmul("down", act)[:, :c.dims.hidden_size]
 
 
+@lowers("out_proj")
 def out_proj(c: Layer, core: jax.Array) -> jax.Array:
     return c.matmul("out_proj", core)[:, :c.dims.hidden_size]
 
 
+@lowers("o_proj")
 def o_proj(c: Layer, core: jax.Array) -> jax.Array:
     return c.matmul("o_proj", core)[:, :c.dims.hidden_size]
 
 
+@lowers("attn_residual")
 def attn_residual(c: Layer, attn_out: jax.Array) -> None:
     c.refs.x[...] = c.refs.x[...] + attn_out
 
 
+@lowers("mlp_residual")
 def mlp_residual(c: Layer, mlp_out: jax.Array) -> None:
     c.refs.x[...] = c.refs.x[...] + mlp_out
 
 
 # ---- gated delta net ------------------------------------------------------------------------
+@lowers("conv")
 def conv(c: Layer, proj: jax.Array) -> jax.Array:
     """Causal depthwise conv + SiLU over the conv state's taps and this token, a wave of rows at
     a time (a verify step's rows of one sequence follow each other); each row's state entry
@@ -80,6 +93,7 @@ def conv(c: Layer, proj: jax.Array) -> jax.Array:
     return jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
 
 
+@lowers("delta_rule")
 def delta_rule(c: Layer, qkv: jax.Array, proj: jax.Array) -> jax.Array:
     """The gated delta rule, row by row and head by head, on the recurrent state (each row
     starts from its sequence's previous row: `Layer.state_source`)."""
@@ -104,6 +118,7 @@ def delta_rule(c: Layer, qkv: jax.Array, proj: jax.Array) -> jax.Array:
     return jnp.concatenate(rows, axis=0) if c.B > 1 else rows[0]
 
 
+@lowers("gated_norm")
 def gated_norm(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
     """Per-head RMS norm gated by SiLU(z); z follows q|k|v in in_proj's columns."""
     nv, dv, z_off = c.per_rank["nv"], c.per_rank["dv"], c.per_rank["conv_ch"]
@@ -114,6 +129,7 @@ def gated_norm(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
 
 
 # ---- gated attention ------------------------------------------------------------------------
+@lowers("qk_norm_rope")
 def qk_norm_rope(c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
     """Per-head RMS norm and partial rotary embedding of q and the new k -> per-head lists."""
     d, nq, nkv = c.dims, c.per_rank["nq"], c.per_rank["nkv"]
@@ -129,6 +145,7 @@ def qk_norm_rope(c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.A
     return q, k_new
 
 
+@lowers("kv_write")
 def kv_write(c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
     nq, nkv, hd = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim
     v_off = 2 * nq * hd + nkv * hd
@@ -136,6 +153,7 @@ def kv_write(c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
     c.kv_write([key, proj[:, v_off:v_off + nkv * hd]])
 
 
+@lowers("attention")
 def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
     """Online softmax per (row, query head) over its sequence's cached tokens up to the row's
     position (a verify step's rows see each other's new entries, written before: causal)."""
@@ -165,6 +183,7 @@ def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
     return jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
 
 
+@lowers("out_gate")
 def out_gate(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
     nq, hd = c.per_rank["nq"], c.dims.head_dim
     return core * jax.nn.sigmoid(proj[:, nq * hd:2 * nq * hd])

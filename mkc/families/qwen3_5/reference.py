@@ -53,7 +53,6 @@ Without it (the default) the math is the plain f32 oracle above.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -64,35 +63,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, read_dims
+from mkc.model.config import in_range, upstream_config
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-KIND_NAMES = {LINEAR: "gdn", FULL: "gqa"}   # the layer kinds of the schedule IR
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm, not tied to rms_norm_eps
-
-# Upstream Qwen3_5TextConfig defaults, used only for keys a config.json omits (as HF does).
-_UPSTREAM_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 248320,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "head_dim": 256,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-}
-
 
 @dataclass(frozen=True)
 class Qwen35Config:
@@ -110,7 +89,7 @@ class Qwen35Config:
     num_key_value_heads: int
     head_dim: int
     rope_theta: float
-    partial_rotary_factor: float
+    rotary_dim: int               # the rotated dims of each head (partial RoPE)
     # gated delta net (linear attention)
     linear_num_key_heads: int
     linear_num_value_heads: int
@@ -119,8 +98,8 @@ class Qwen35Config:
     linear_conv_kernel_dim: int
 
     @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+    def partial_rotary_factor(self) -> float:
+        return self.rotary_dim / self.head_dim
 
     @property
     def linear_key_dim(self) -> int:
@@ -144,82 +123,36 @@ class Qwen35Config:
 
 
 def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Qwen35Config:
-    """Parse an HF config (dict, config.json path, or checkpoint directory) of the qwen3_5_text family.
-
-    A composite ``qwen3_5`` config is accepted and its ``text_config`` used. Layer kinds come from
-    ``layer_types`` when present, else from ``full_attention_interval`` (default 4) as upstream:
-    layer i is full attention iff ``(i + 1) % interval == 0``.
-    """
-    if isinstance(path_or_dict, Mapping):
-        raw: Mapping[str, Any] = path_or_dict
-    else:
-        path = os.fspath(path_or_dict)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    if isinstance(raw.get("text_config"), Mapping):
-        raw = raw["text_config"]
+    """The config of a qwen3_5_text model (dict, config.json path, or checkpoint directory; a
+    composite ``qwen3_5`` config's ``text_config``), read by the family's one config reader
+    (``config.read_dims``: upstream defaults for omitted keys, ConfigError, a ValueError, for
+    settings mkc does not compute)."""
+    raw, name = upstream_config(path_or_dict)
     model_type = raw.get("model_type", "qwen3_5_text")
     if model_type != "qwen3_5_text":
         raise ValueError(f"expected model_type 'qwen3_5_text', got {model_type!r}")
+    return config_of(in_range(read_dims(raw, name)))
 
-    def get(key: str) -> Any:
-        return raw[key] if raw.get(key) is not None else _UPSTREAM_DEFAULTS[key]
 
-    if get("hidden_act") != "silu":
-        raise ValueError(f"only hidden_act 'silu' is supported, got {get('hidden_act')!r}")
-    if get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported (no Qwen3.5 checkpoint uses it)")
-
-    n_layers = int(get("num_hidden_layers"))
-    if raw.get("layer_types") is not None:
-        kinds = tuple(raw["layer_types"])
-        if len(kinds) != n_layers:
-            raise ValueError(f"layer_types has {len(kinds)} entries but num_hidden_layers is {n_layers}")
-        bad = sorted({k for k in kinds if k not in (LINEAR, FULL)})
-        if bad:
-            raise ValueError(f"unsupported layer_types {bad}; expected {LINEAR!r} or {FULL!r}")
-    else:
-        interval = int(raw.get("full_attention_interval") or 4)
-        kinds = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
-
-    # Newer configs nest RoPE settings in rope_parameters; older ones keep them top level.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"only rope_type 'default' is supported, got {rope_type!r}")
-    theta = rope.get("rope_theta", raw.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config has no rope_theta (looked in rope_parameters and at top level)")
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
-
-    cfg = Qwen35Config(
-        vocab_size=int(get("vocab_size")),
-        hidden_size=int(get("hidden_size")),
-        intermediate_size=int(get("intermediate_size")),
-        num_hidden_layers=n_layers,
-        layer_kinds=kinds,
-        rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")),
-        num_attention_heads=int(get("num_attention_heads")),
-        num_key_value_heads=int(get("num_key_value_heads")),
-        head_dim=int(get("head_dim")),
-        rope_theta=float(theta),
-        partial_rotary_factor=float(partial),
-        linear_num_key_heads=int(get("linear_num_key_heads")),
-        linear_num_value_heads=int(get("linear_num_value_heads")),
-        linear_key_head_dim=int(get("linear_key_head_dim")),
-        linear_value_head_dim=int(get("linear_value_head_dim")),
-        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
-    )
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
-        raise ValueError(f"rotary dim {cfg.rotary_dim} must be even and in (0, head_dim]")
-    return cfg
+def config_of(dims: AttentionDims, intermediate_size: int | None = None) -> Qwen35Config:
+    """The reference's config of a model's dims (``intermediate_size``: the dense MLP's width,
+    the dims' own if not given): its attention layers' kinds by their upstream names (an MoE
+    model's dims list its ``moe`` sublayers too)."""
+    upstream = {kind: t for t, kind in LAYER_KINDS.items()}
+    return Qwen35Config(
+        vocab_size=dims.vocab_size, hidden_size=dims.hidden_size,
+        intermediate_size=getattr(dims, "intermediate_size", 0) if intermediate_size is None
+        else intermediate_size,
+        num_hidden_layers=dims.num_hidden_layers,
+        layer_kinds=tuple(upstream[k] for k in dims.layer_kinds if k in upstream),
+        rms_norm_eps=dims.rms_norm_eps, tie_word_embeddings=False,
+        num_attention_heads=dims.num_attention_heads, num_key_value_heads=dims.num_key_value_heads,
+        head_dim=dims.head_dim, rope_theta=dims.rope_theta, rotary_dim=dims.rotary_dim,
+        linear_num_key_heads=dims.linear_num_key_heads,
+        linear_num_value_heads=dims.linear_num_value_heads,
+        linear_key_head_dim=dims.linear_key_head_dim,
+        linear_value_head_dim=dims.linear_value_head_dim,
+        linear_conv_kernel_dim=dims.linear_conv_kernel_dim)
 
 
 def param_shapes(cfg: Qwen35Config) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -708,7 +641,7 @@ def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | Non
 
 def _dense_mlp(mlp: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,
                rounding: Rounding | None, kind: str) -> jax.Array:
-    return mlp_block(mlp, x, rounding, KIND_NAMES[kind])
+    return mlp_block(mlp, x, rounding, LAYER_KINDS[kind])
 
 
 def decode_hidden(params: Mapping[str, Any], cfg: Qwen35Config, cache: Mapping[str, jax.Array],

@@ -11,10 +11,6 @@ FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.qwen3_5_moe.config", "Qwen35MoeDims"),
-    lowered_ops=frozenset({"input_norm", "in_proj", "qkv_gate", "out_proj", "o_proj", "attn_residual",
-                           "conv", "delta_rule", "gated_norm", "qk_norm_rope", "kv_write", "attention",
-                           "out_gate", "post_norm", "router", "route", "shared_gate_up", "shared_down",
-                           "routed_experts", "mlp_residual"}),
     # Not yet measured by benchmarks/vmem_probe.py: Qwen3.5's points, whose attention bodies
     # these layers share (the MoE bodies unroll per row like its MLP).
     compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),

@@ -41,9 +41,11 @@ layers among sparse ones: upstream Qwen3.5 MoE ignores them and routes every lay
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, attention_fields, layer_types
+from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, attention_fields, layer_types, setting
 from mkc.model.family import ConfigError
 
 FAMILY_NAME = "qwen3_5_moe_text"
@@ -56,6 +58,30 @@ MODEL_TYPES = ("qwen3_5_moe_text",)   # the composite `qwen3_5_moe` nests one as
 # transformers' conversion mapping for qwen3_5_moe_text starts with qwen3_5_text's prefix change).
 RENAMED_PREFIXES = (("model.language_model.", "model."),)
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+
+# Upstream Qwen3_5MoeTextConfig defaults, for keys a config.json omits (as HF does): the one
+# table the compiler and the reference read (through `read_dims`).
+UPSTREAM_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
 
 
 @dataclass(frozen=True)
@@ -72,7 +98,7 @@ class Qwen35MoeDims(AttentionDims):
     norm_topk_prob: bool          # always True: upstream renormalises the top-k weights
 
 
-def check_moe_keys(raw: dict) -> None:
+def check_moe_keys(raw: Mapping) -> None:
     """ConfigError for MoE settings upstream Qwen3.5 MoE does not compute."""
     dense_layers = raw.get("mlp_only_layers") or []
     if dense_layers:
@@ -89,21 +115,24 @@ def check_moe_keys(raw: dict) -> None:
                           "are always renormalised",
                           "upstream Qwen3_5MoeTopKRouter divides the chosen probabilities by their "
                           "sum unconditionally; write \"norm_topk_prob\": true or leave the key out")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act = {raw['hidden_act']!r} is not supported",
-                          "Qwen3.5 MoE experts are SwiGLU: \"hidden_act\": \"silu\"")
 
 
-def read_dims(raw: dict, name: str) -> Qwen35MoeDims:
-    """The dimensions; ConfigError for unsupported settings, KeyError / ValueError / TypeError
-    for a malformed config."""
+def read_dims(raw: Mapping, name: str) -> Qwen35MoeDims:
+    """The dimensions, the one reader of a config (the reference builds its config from them);
+    ConfigError for unsupported settings, KeyError / ValueError / TypeError for a malformed
+    config."""
     check_moe_keys(raw)
+    moe = {key: int(setting(raw, key, UPSTREAM_DEFAULTS)) for key in (
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}
+    if not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
+        raise ConfigError(f"num_experts_per_tok = {moe['num_experts_per_tok']} must be in 1..num_experts "
+                          f"({moe['num_experts']})", "each token picks some of the experts")
     return Qwen35MoeDims(
-        family=FAMILY_NAME, **attention_fields(raw, name),
+        family=FAMILY_NAME, **attention_fields(raw, name, UPSTREAM_DEFAULTS),
         # Two sublayers per layer: its attention kind, then the MoE.
-        layer_kinds=tuple(k for t in layer_types(raw) for k in (LAYER_KINDS[t], "moe")),
-        experts=int(raw["num_experts"]), top_k=int(raw["num_experts_per_tok"]),
-        moe_intermediate_size=int(raw["moe_intermediate_size"]),
-        shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"]),
+        layer_kinds=tuple(k for t in layer_types(raw, UPSTREAM_DEFAULTS) for k in (LAYER_KINDS[t], "moe")),
+        experts=moe["num_experts"], top_k=moe["num_experts_per_tok"],
+        moe_intermediate_size=moe["moe_intermediate_size"],
+        shared_expert_intermediate_size=moe["shared_expert_intermediate_size"],
         norm_topk_prob=True,
     )

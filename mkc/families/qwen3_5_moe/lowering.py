@@ -11,16 +11,19 @@ from mkc.families.qwen3_5.lowering import (attention, attn_residual, conv, delta
                                            kv_write, o_proj, out_gate, out_proj, post_norm, prologue,
                                            qk_norm_rope, qkv_gate)
 from mkc.families.qwen3_5_moe import ops
+from mkc.model.contracts import lowers
 from mkc.runtime.context import Layer
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
+@lowers("router")
 def router(c: Layer, h: jax.Array) -> jax.Array:
     return c.matmul("router", h)[:, :c.dims.experts]
 
 
+@lowers("route")
 def route(c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Softmax top-k; this rank's picked local experts go to SMEM for their copies."""
     weights, ids = ops.route(router_logits, c.dims.top_k)
@@ -28,14 +31,17 @@ def route(c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids, weights
 
 
+@lowers("shared_gate_up")
 def shared_gate_up(c: Layer, h: jax.Array) -> jax.Array:
     return qwen_ops.swiglu(c.matmul("shared_gate_up", h), c.per_rank["shared"])
 
 
+@lowers("shared_down")
 def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
     return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
 
 
+@lowers("routed_experts")
 def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array) -> jax.Array:
     """This rank's picked experts on every row, each weighted by its routing weight (zero for
     rows that did not pick it), summed in ascending expert order: a partial sum over ranks."""
@@ -48,6 +54,7 @@ def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights
     return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
 
 
+@lowers("mlp_residual")
 def mlp_residual(c: Layer, shared_out: jax.Array, routed_out: jax.Array, h: jax.Array) -> None:
     """x += routed + sigmoid(h . shared_gate) * shared (the gate's input rounded to bf16, as
     the MXU would take it)."""

@@ -58,7 +58,6 @@ sum were off).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -73,7 +72,8 @@ from mkc.families.qwen3_5 import reference as qwen
 from mkc.families.qwen3_5.reference import (FULL, LINEAR, Qwen35Config, embed,
                                             init_cache, linear,
                                             mlp_block, rms_norm)
-from mkc.families.qwen3_5_moe.config import MODEL_TYPES, check_moe_keys
+from mkc.families.qwen3_5_moe.config import MODEL_TYPES, read_dims
+from mkc.model.config import in_range, upstream_config
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights
 
 # The layer-loop kind of the MoE sublayer: the schedule's all-reduces of its ops live there.
@@ -84,30 +84,6 @@ __all__ = ["FULL", "LINEAR", "Qwen35MoeConfig", "count_parameters", "decode_hidd
            "moe_residual", "param_shapes", "route"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-# Upstream Qwen3_5MoeTextConfig defaults, used only for keys a config.json omits (as HF does).
-_UPSTREAM_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 248320,
-    "hidden_size": 2048,
-    "num_hidden_layers": 40,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "head_dim": 256,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "num_experts": 256,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-}
-
 
 @dataclass(frozen=True)
 class Qwen35MoeConfig(Qwen35Config):
@@ -123,45 +99,23 @@ class Qwen35MoeConfig(Qwen35Config):
     norm_topk_prob: bool = True
 
 
-def _raw_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(path_or_dict, Mapping):
-        return path_or_dict
-    path = os.fspath(path_or_dict)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Qwen35MoeConfig:
-    """Parse an HF config (dict, config.json path, or checkpoint directory) of the
-    qwen3_5_moe_text family; a composite ``qwen3_5_moe`` config's ``text_config`` is used.
-
-    Missing keys take the upstream ``Qwen3_5MoeTextConfig`` defaults; the mixers' keys are then
-    parsed and checked by the Qwen3.5 reference's ``load_config``. Raises ValueError (a
-    ``ConfigError``, with its hint, for settings upstream's MoE does not compute)."""
-    raw = _raw_config(path_or_dict)
-    if isinstance(raw.get("text_config"), Mapping):
-        raw = raw["text_config"]
+    """The config of a qwen3_5_moe_text model (dict, config.json path, or checkpoint directory;
+    a composite ``qwen3_5_moe`` config's ``text_config``), read by the family's one config
+    reader (``config.read_dims``: upstream ``Qwen3_5MoeTextConfig`` defaults for omitted keys,
+    ConfigError, a ValueError with its hint, for settings mkc does not compute)."""
+    raw, name = upstream_config(path_or_dict)
     model_type = raw.get("model_type", MODEL_TYPES[0])
     if model_type not in MODEL_TYPES:
         raise ValueError(f"expected model_type {MODEL_TYPES[0]!r}, got {model_type!r}")
-    check_moe_keys(dict(raw))
-    filled = _UPSTREAM_DEFAULTS | {k: v for k, v in raw.items() if v is not None}
-    mixers = qwen.load_config(filled | {"model_type": "qwen3_5_text", "intermediate_size": 0})
-    cfg = Qwen35MoeConfig(
+    dims = in_range(read_dims(raw, name))
+    mixers = qwen.config_of(dims, intermediate_size=0)
+    return Qwen35MoeConfig(
         **{f.name: getattr(mixers, f.name) for f in dataclasses.fields(mixers)},
-        num_experts=int(filled["num_experts"]),
-        num_experts_per_tok=int(filled["num_experts_per_tok"]),
-        moe_intermediate_size=int(filled["moe_intermediate_size"]),
-        shared_expert_intermediate_size=int(filled["shared_expert_intermediate_size"]),
+        num_experts=dims.experts, num_experts_per_tok=dims.top_k,
+        moe_intermediate_size=dims.moe_intermediate_size,
+        shared_expert_intermediate_size=dims.shared_expert_intermediate_size,
     )
-    if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
-        raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} must be in "
-                         f"1..num_experts ({cfg.num_experts})")
-    if cfg.moe_intermediate_size <= 0 or cfg.shared_expert_intermediate_size <= 0:
-        raise ValueError("moe_intermediate_size and shared_expert_intermediate_size must be positive")
-    return cfg
 
 
 def _moe_shapes(cfg: Qwen35MoeConfig, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -1,4 +1,4 @@
-"""The Kimi K3 reference: config parsing, MXFP4 expert storage, decode sanity, and independent
+"""The Kimi K3 reference: config parsing, MXFP4 expert storage, and independent
 numpy re-derivations of routing, the attention-residual schedule, one KDA layer, cached MLA and
 the latent MoE."""
 from __future__ import annotations
@@ -16,13 +16,10 @@ import pytest
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.families.kimi_k3 import reference as ref
-from tests_support import assert_rows_step_like_alone
 
 CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "kimi_k3.json"
 MINI_JSON = CONFIGS / "kimi_k3_mini.json"
-
-decode = jax.jit(ref.decode_step, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +156,8 @@ def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: ref.Kimi
 
 
 def test_init_params(mini: ref.KimiK3Config, mini_params: dict[str, np.ndarray]) -> None:
-    shapes = ref.param_shapes(mini)
-    assert list(mini_params) == list(shapes)
-    for name, (shape, dtype) in shapes.items():
-        assert mini_params[name].shape == shape and mini_params[name].dtype == np.dtype(dtype), name
-    again = ref.init_params(mini, seed=0)
-    assert all(np.array_equal(again[n], mini_params[n]) for n in shapes)
-
+    """MXFP4 experts and KDA gates in K3's ranges (tests/families/test_conformance.py checks
+    the table, dtypes and seed)."""
     prefix = "model.layers.2.block_sparse_moe.experts.7.w2."
     scales = mini_params[prefix + "weight_scale"]
     assert scales.min() >= 1 and scales.max() <= 254
@@ -418,31 +410,3 @@ def test_moe_matches_numpy_loop(mini: ref.KimiK3Config, mini_params: dict[str, n
 # Whole-model decode
 
 
-def test_decode_is_finite_deterministic_and_well_scaled(mini: ref.KimiK3Config,
-                                                        mini_params: dict[str, np.ndarray]) -> None:
-    def run() -> list[np.ndarray]:
-        cache = ref.init_cache(mini, batch=2, context=8)
-        tokens = jnp.array([3, 1500], jnp.int32)
-        out = []
-        for t in range(4):
-            logits, cache = decode(mini_params, mini, cache, tokens, jnp.full((2,), t, jnp.int32))
-            assert logits.shape == (2, mini.vocab_size) and logits.dtype == jnp.float32
-            out.append(np.asarray(logits))
-            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return out
-
-    first, second = run(), run()
-    for a, b in zip(first, second):
-        assert np.all(np.isfinite(a))
-        np.testing.assert_array_equal(a, b)
-        assert 0.3 < a.std() < 5.0  # logits neither flat nor exploding
-        assert np.asarray(jax.nn.softmax(a, axis=-1)).max() < 0.5
-    assert not np.allclose(first[0][0], first[0][1])  # rows are independent
-    assert not np.allclose(first[0], first[1])  # the caches carry state between steps
-
-
-def test_rows_at_different_positions(mini: ref.KimiK3Config, mini_params: dict[str, np.ndarray]) -> None:
-    """A joint step of rows at positions 4 and 2 equals stepping each row alone."""
-    assert_rows_step_like_alone(lambda c, t, p: decode(mini_params, mini, c, t, p),
-                                lambda b, n: ref.init_cache(mini, batch=b, context=n),
-                                [[7, 8, 9, 10], [100, 200]], [12, 400])
