@@ -8,7 +8,7 @@ import json
 
 from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, layer_source
-from mkc.steps.collectives import gather_name, reduce_name
+from mkc.steps.collectives import exchange_name, gather_name, reduce_name
 from mkc.model.sharding import ShardTable
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
@@ -204,7 +204,7 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
             gather_literals.append((name, literal(Stage(buf, counter[buf], g.size, g.stride), len(name) + 3)))
         for e in k.exchanges:
             buf = ir.Exchange.buffer_name(e.after_op)
-            name = gather_name(kname, e.after_op)
+            name = exchange_name(kname, e.after_op)
             gather_literals.append((name, literal(Stage(buf, counter[buf], 2, 1), len(name) + 3)))
     return reduce_literals, gather_literals
 

@@ -16,8 +16,13 @@ def reduce_name(kind: str, op: str) -> str:
 
 
 def gather_name(kind: str, op: str) -> str:
-    """The module constant of the all-gather (or sibling exchange) of `op`'s output in `kind`."""
+    """The module constant of the all-gather of `op`'s output in `kind`."""
     return f"{kind}_{op}_gather".upper()
+
+
+def exchange_name(kind: str, op: str) -> str:
+    """The module constant of the sibling exchange of `op`'s output in `kind`."""
+    return f"{kind}_{op}_exchange".upper()
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ class AllGather(_Collective):
 
     def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
         g = self.entry
-        return (Round(g.size, g.stride, batch * g.width * 4),)       # f32 shards
+        return (Round(g.size, g.stride, batch * g.width * 4),)   # priced at 4 bytes a value
 
     def emit(self, e, indent: str) -> None:
         self._emit(e, indent, "allgather", gather_name(e.kind, self.op),
@@ -86,7 +91,8 @@ class AllGather(_Collective):
 
 @dataclass(frozen=True)
 class Exchange(_Collective):
-    """A sibling exchange: the two cores of a chip swap their halves (an all-gather of 2)."""
+    """A sibling exchange: the two cores of a chip swap their halves (an all-gather of 2,
+    `mkc.runtime.context.Kernel.exchange`)."""
 
     kind = "exchange"
 
@@ -96,5 +102,5 @@ class Exchange(_Collective):
                       batch * x.width * ir.DTYPE_BYTES[x.wire_dtype] / cores_per_chip),)
 
     def emit(self, e, indent: str) -> None:
-        self._emit(e, indent, "allgather", gather_name(e.kind, self.op),
-                   f"swap with the sibling core, wire {self.entry.wire_dtype}")
+        self._emit(e, indent, "exchange", exchange_name(e.kind, self.op),
+                   f"exchange with sibling, wire {self.entry.wire_dtype}")
