@@ -203,7 +203,7 @@ MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, s
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
-MOE_ROUTER_GATHER = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
+MOE_ROUTER_EXCHANGE = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
 N_COLLECTIVE_COUNTERS = 5
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
@@ -340,7 +340,7 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.allgather(scores, MOE_ROUTER_GATHER)   # spec line 86: swap with the sibling core, wire f32
+    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 86: exchange with sibling, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
     # spec line 87: fetch experts -> staging.experts, the first slots now
     c.start_experts()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -131,23 +132,58 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    config, family, cfg = _read_config(root)
+    expected = family.module("reference").param_shapes(cfg)
+    # Pass 1: names, shapes and dtypes from the headers only.
+    headers = _read_headers(root, family, expected)
+    headers.raise_mismatches(root, cfg.num_hidden_layers, expected)
+    if lazy:
+        return config, {name: StoredTensor(*headers.located[name], expected[name][0],
+                                           _NUMPY_DTYPES[headers.stored_codes[name]])
+                        for name in expected}
+    # Pass 2: the data.
+    return config, _read_tensors(headers.located, expected)
+
+
+def _read_config(root: Path) -> tuple[dict[str, Any], Family, Any]:
+    """(config.json as a dict, its family, the family reference's config)."""
     config_path = root / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{root}: missing {CONFIG_FILE}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         family = family_of(config)
-        reference = family.module("reference")
-        cfg = reference.load_config(config)
+        cfg = family.module("reference").load_config(config)
     except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{config_path}: unusable config ({e})") from e
-    expected = reference.param_shapes(cfg)
+    return config, family, cfg
 
-    # Pass 1: names, shapes and dtypes from the headers only.
-    located: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, stored name)
-    stored_codes: dict[str, str] = {}           # canonical name -> safetensors dtype code
-    problems: list[str] = []
-    unexpected: list[str] = []
+
+@dataclass
+class _Headers:
+    """What the safetensors headers say against the tensors the config expects."""
+
+    located: dict[str, tuple[Path, str]] = field(default_factory=dict)  # name -> (file, stored name)
+    stored_codes: dict[str, str] = field(default_factory=dict)          # name -> safetensors dtype code
+    problems: list[str] = field(default_factory=list)                   # wrong shapes and dtypes
+    unexpected: list[str] = field(default_factory=list)                 # stored names not expected
+
+    def raise_mismatches(self, root: Path, layers: int, expected: dict) -> None:
+        """Every missing, unexpected or mis-shaped tensor in one error (none: return)."""
+        problems = list(self.problems)
+        missing = [n for n in expected if n not in self.located]
+        if missing:
+            problems.insert(0, f"missing {len(missing)} tensor(s): {_listing(missing)}")
+        if self.unexpected:
+            problems.insert(0, f"{len(self.unexpected)} unexpected tensor(s): "
+                               f"{_listing(self.unexpected)}")
+        if problems:
+            raise CheckpointError(f"{root} does not match its config "
+                                  f"({layers} layers):\n  " + "\n  ".join(problems))
+
+
+def _read_headers(root: Path, family: Family, expected: dict) -> _Headers:
+    headers = _Headers()
     for file, promised in _weight_files(root).items():
         try:
             with safe_open(file, framework="np") as f:
@@ -160,39 +196,33 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
                     if name is None:
                         continue
                     if name not in expected:
-                        unexpected.append(stored_name)
+                        headers.unexpected.append(stored_name)
                         continue
-                    if name in located:
+                    if name in headers.located:
                         raise CheckpointError(f"{root}: tensor {name} is stored twice "
-                                              f"({located[name][0].name} and {file.name})")
-                    located[name] = (file, stored_name)
+                                              f"({headers.located[name][0].name} and {file.name})")
+                    headers.located[name] = (file, stored_name)
                     view = f.get_slice(stored_name)
-                    shape, dtype = tuple(view.get_shape()), view.get_dtype()
-                    stored_codes[name] = dtype
-                    want = expected[name][0]
-                    if shape != want:
-                        problems.append(f"{name}: shape {list(shape)}, expected {list(want)}")
-                    accepted = stored_dtypes(expected[name][1])
-                    if _DTYPE_NAMES.get(dtype) not in accepted:
-                        codes = sorted(c for c, d in _DTYPE_NAMES.items() if d in accepted)
-                        problems.append(f"{name}: dtype {dtype}, expected {' or '.join(codes)}")
+                    _check_header(headers, name, tuple(view.get_shape()), view.get_dtype(),
+                                  expected[name])
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
+    return headers
 
-    missing = [n for n in expected if n not in located]
-    if missing:
-        problems.insert(0, f"missing {len(missing)} tensor(s): {_listing(missing)}")
-    if unexpected:
-        problems.insert(0, f"{len(unexpected)} unexpected tensor(s): {_listing(unexpected)}")
-    if problems:
-        raise CheckpointError(f"{root} does not match its config "
-                              f"({cfg.num_hidden_layers} layers):\n  " + "\n  ".join(problems))
 
-    if lazy:
-        return config, {name: StoredTensor(*located[name], expected[name][0],
-                                           _NUMPY_DTYPES[stored_codes[name]])
-                        for name in expected}
-    # Pass 2: the data, file by file so each file is opened once.
+def _check_header(headers: _Headers, name: str, shape: tuple, dtype: str, want: tuple) -> None:
+    """Note a stored tensor's dtype code, and a problem if its shape or dtype is not `want`'s."""
+    headers.stored_codes[name] = dtype
+    if shape != want[0]:
+        headers.problems.append(f"{name}: shape {list(shape)}, expected {list(want[0])}")
+    accepted = stored_dtypes(want[1])
+    if _DTYPE_NAMES.get(dtype) not in accepted:
+        codes = sorted(c for c, d in _DTYPE_NAMES.items() if d in accepted)
+        headers.problems.append(f"{name}: dtype {dtype}, expected {' or '.join(codes)}")
+
+
+def _read_tensors(located: dict[str, tuple[Path, str]], expected: dict) -> dict[str, np.ndarray]:
+    """The located tensors' data in `expected`'s order, file by file so each file is opened once."""
     params: dict[str, np.ndarray] = {}
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, (file, stored_name) in located.items():
@@ -201,7 +231,7 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
         with safe_open(file, framework="np") as f:
             for name, stored_name in names:
                 params[name] = f.get_tensor(stored_name)
-    return config, {name: params[name] for name in expected}
+    return {name: params[name] for name in expected}
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],

@@ -23,7 +23,7 @@ from mkc.reference.rounding import Reduce, Rounding
 
 def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
     """Where the kernel compiled from ``schedule`` rounds: its all-reduce stages and wire dtypes
-    (per layer kind and op, and the embedding's), all-gather and exchange buffer dtypes, state
+    (per layer kind and op, and the embedding's), the dtypes gathered columns travel in, state
     and KV cache storage dtypes, and the per-rank shard sizes; and how it splits contractions
     it sums in f32: the ring tile rows of every streamed matrix family and the KV cache tile
     tokens of every layer kind that streams one."""

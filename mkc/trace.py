@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 from mkc import ir
 from mkc.diagnostics import Span
 from mkc.program import layer_program
+from mkc.steps import AllReduce, Step
+from mkc.tags import (Content, ExpertMatrix, KvTile, LayerBegins, LayerMatrix, LayerVectors, LayerState,
+                      OpBegins, RingTile, ViewLayer, WholeBuffer)
+
+
+# What an event is about: content for copies and reads; the op, layer or view that begins or
+# ends; a collective's step.
+Tag = Content | ViewLayer | OpBegins | LayerBegins | Step
 
 
 @dataclass(slots=True)      # not frozen: 30k events a K3 trace, and frozen init is 2x slower
@@ -23,9 +31,10 @@ class Event:
     dma: int | None = None
     sem: tuple = ()
     nbytes: int = 0
-    tag: object = None         # content delivered (start/write) or expected (read)
+    tag: Tag | None = None     # what it is about (`mkc.tags`): content delivered (start,
+                               # write) or expected (read); the op, layer, view, collective
     src: tuple | None = None   # for a start reading VMEM: (buffer, slot, expected tag)
-    hbm: tuple | None = None   # for a start touching HBM state: (region, "read" | "write")
+    hbm: tuple | None = None   # for a start touching HBM state: (StateRegion, "read" | "write")
     where: str = ""
     span: Span = field(default_factory=Span.unknown)
 
@@ -61,7 +70,7 @@ class TraceBuilder:
     def free(self, buffer: str, where: str, span: Span) -> None:
         self._add(op="free", buffer=buffer, where=where, span=span)
 
-    def start(self, *, dst: str, slot: int | None, sem: tuple, nbytes: int, tag: object,
+    def start(self, *, dst: str, slot: int | None, sem: tuple, nbytes: int, tag: Content | None,
               where: str, span: Span, src: tuple | None = None, hbm: tuple | None = None
               ) -> None:
         self._dma += 1
@@ -71,18 +80,18 @@ class TraceBuilder:
     def wait(self, *, sem: tuple, nbytes: int, where: str, span: Span) -> None:
         self._add(op="wait", sem=sem, nbytes=nbytes, where=where, span=span)
 
-    def read(self, buffer: str, slot: int | None, tag: object, where: str, span: Span,
+    def read(self, buffer: str, slot: int | None, tag: Content, where: str, span: Span,
              nbytes: int = 0) -> None:
         self._add(op="read", buffer=buffer, slot=slot, tag=tag, where=where, span=span,
                   nbytes=nbytes)
 
-    def write(self, buffer: str, slot: int | None, tag: object, where: str, span: Span) -> None:
+    def write(self, buffer: str, slot: int | None, tag: Content, where: str, span: Span) -> None:
         self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
 
     def view(self, op: str, view_id: str, layer: int, label: str, where: str, span: Span
              ) -> None:
         """A pool view becoming live (`view_open`) or dead (`view_close`) for a layer."""
-        self._add(op=op, buffer=view_id, tag=("view", label, layer), where=where, span=span)
+        self._add(op=op, buffer=view_id, tag=ViewLayer(layer, label), where=where, span=span)
 
 
 def layer_label(s: ir.ScheduleIR, layer: int) -> str:
@@ -125,11 +134,13 @@ class StepTracer:
 
     def op_event(self, kind: str, op: str, layer: int, where: str) -> None:
         if self.opts.compute:
-            self.tb._add(op="op", tag=(kind, op, layer), where=where, span=Span.unknown(self.s.source))
+            self.tb._add(op="op", tag=OpBegins(kind, op, layer), where=where,
+                         span=Span.unknown(self.s.source))
 
-    def collective_event(self, what: str, entry, where: str) -> None:
+    def collective_event(self, step, where: str) -> None:
+        """A collective step (`mkc.steps.collectives`) runs: its tag, which prices it."""
         if self.opts.compute:
-            self.tb._add(op="collective", tag=(what, entry), where=where, span=entry.span)
+            self.tb._add(op="collective", tag=step, where=where, span=step.entry.span)
 
     def traced(self, tiles: int) -> int:
         """Tiles of one family's run the trace unrolls (all of them for the step-time model)."""
@@ -141,7 +152,7 @@ class StepTracer:
         st = self.s.stream
         if t < self.total_tiles:
             self.tb.start(dst=st.ring, slot=t % st.slots, sem=("ring", t % st.slots),
-                          nbytes=self.tile_bytes[t], tag=("tile", t), where=where, span=st.span)
+                          nbytes=self.tile_bytes[t], tag=RingTile(t), where=where, span=st.span)
 
     def consume_tiles(self, family: ir.StreamFamily, first: int, where: str) -> int:
         """Consume the family's run of tiles from `first`; returns the next tile."""
@@ -149,14 +160,14 @@ class StepTracer:
         for t in range(first, first + self.traced(family.tiles)):
             # The consumer waits for its own family's tile size.
             tb.wait(sem=("ring", t % st.slots), nbytes=family.tile_bytes, where=where, span=st.span)
-            tb.read(st.ring, t % st.slots, ("tile", t), where, st.span,
+            tb.read(st.ring, t % st.slots, RingTile(t), where, st.span,
                     self.tile_bytes[t] if self.opts.compute else 0)
             self.start_tile(t + st.ahead, where)
         return first + self.traced(family.tiles)
 
     def start_vectors(self, layer: int, where: str) -> None:
         self.tb.start(dst="vectors", slot=layer % 2, sem=("vectors", layer % 2),
-                      nbytes=self.vec_bytes, tag=("vectors", layer), where=where,
+                      nbytes=self.vec_bytes, tag=LayerVectors(layer), where=where,
                       span=self.s.parity.span)
 
     # ---- pool views ----------------------------------------------------------------------
@@ -175,13 +186,13 @@ class StepTracer:
         self.open_view(view_id, layer, where, span)
         for m in mats:
             self.tb.start(dst=view_id, slot=m.name, sem=(view_id, m.name), nbytes=m.nbytes,
-                          tag=("pool", layer, m.name), where=where, span=span)
+                          tag=LayerMatrix(layer, m.name), where=where, span=span)
 
     def start_expert(self, view_id: str, layer: int, k: int, where: str, span: Span) -> None:
         v = self.views[view_id]
         for m in v.matrices["expert"]:
             self.tb.start(dst=view_id, slot=(k % v.slots, m.name), sem=(view_id, k % v.slots, m.name),
-                          nbytes=m.nbytes, tag=("expert", layer, k), where=where, span=span)
+                          nbytes=m.nbytes, tag=ExpertMatrix(layer, k, m.name), where=where, span=span)
 
     def run_experts(self, view_id: str, layer: int, where: str, span: Span) -> None:
         v, tb = self.views[view_id], self.tb
@@ -191,7 +202,7 @@ class StepTracer:
         for k in range(count):
             for m in v.matrices["expert"]:
                 tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where, span=span)
-                tb.read(view_id, (k % v.slots, m.name), ("expert", layer, k), where, span,
+                tb.read(view_id, (k % v.slots, m.name), ExpertMatrix(layer, k, m.name), where, span,
                         m.nbytes if self.opts.compute else 0)
             if k + v.slots < count:
                 self.start_expert(view_id, layer, k + v.slots, where, span)
@@ -214,14 +225,14 @@ class StepTracer:
             if t < n_tiles:
                 for b in bufs:
                     tb.start(dst=b.name, slot=t % kv.slots, sem=(b.name, t % kv.slots),
-                             nbytes=nbytes[b.name], tag=("kv", layer, t), where=where, span=kv.span)
+                             nbytes=nbytes[b.name], tag=KvTile(layer, t), where=where, span=kv.span)
 
         for t in range(min(kv.ahead, n_tiles)):
             start(t)
         for t in range(n_tiles):
             for b in bufs:
                 tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where, span=kv.span)
-                tb.read(b.name, t % kv.slots, ("kv", layer, t), where, kv.span)
+                tb.read(b.name, t % kv.slots, KvTile(layer, t), where, kv.span)
             start(t + kv.ahead)
         for b in bufs:
             tb.free(b.name, where, kv.span)
@@ -245,7 +256,7 @@ class LayerTrace:
         self.families = {f.name: f for f in s.stream.families[self.kname]}
         self.vector_families = {name for name, _ in self.k.vectors}
         self.loaded = {t.state: t.buffer for t in self.k.transfers if t.direction == "load"}
-        self.holds = {t.buffer: ("state", self.layer) for t in self.k.transfers}
+        self.holds = {t.buffer: LayerState(self.layer) for t in self.k.transfers}
 
     def where(self, p: int) -> str:
         if p == 0:
@@ -260,9 +271,8 @@ class LayerTrace:
 
 def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[Event]:
     """The event trace of one step. With `options.compute` it also carries an `op` event as
-    each op begins (tag: (kind, op, layer); kind "tail" for embed, final_norm, lm_head), a
-    `collective` event where each collective runs (tag: (kind of collective, its IR entry)),
-    a `layer` event as each layer begins (tag: (kind, layer)), an `epilogue` event, and the
+    each op begins (tag: `OpBegins`), a `collective` event where each collective runs (tag:
+    its step), a `layer` event as each layer begins (tag: `LayerBegins`), an `epilogue` event, and the
     bytes of every weight read: what the step-time model needs on top of the checks'."""
     opts = options or TraceOptions()
     tracer = StepTracer(s, opts)
@@ -278,19 +288,19 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     for layer in range(min(par.ahead, n_layers)):
         tracer.start_vectors(layer, "prologue")
     tracer.op_event("tail", "embed", -1, "prologue: embedding")
-    tb.write("x", None, ("x", -1), "prologue: embedding", Span.unknown(s.source))
+    tb.write("x", None, WholeBuffer("x"), "prologue: embedding", Span.unknown(s.source))
     if s.embed_reduce is not None:
-        tracer.collective_event("allreduce", s.embed_reduce, "prologue: embedding")
+        tracer.collective_event(AllReduce(0, op="embed", entry=s.embed_reduce), "prologue: embedding")
     head_norm_bytes = s.buffer("head_norm").vmem_bytes
     tb.start(dst="head_norm", slot=None, sem=("head_norm",), nbytes=head_norm_bytes,
-             tag=("head_norm",), where="prologue", span=Span.unknown(s.source))
+             tag=WholeBuffer("head_norm"), where="prologue", span=Span.unknown(s.source))
 
     # ---- layers: each step of the kind's program adds its events ------------------------
     programs = {kname: layer_program(s, kname) for kname in s.kinds}
     seen_kind = {kname: 0 for kname in s.kinds}
     for layer, kname in enumerate(s.layer_kinds):
         if opts.compute:
-            tb._add(op="layer", tag=(kname, layer), where=layer_label(s, layer),
+            tb._add(op="layer", tag=LayerBegins(kname, layer), where=layer_label(s, layer),
                     span=Span.unknown(s.source))
         lt = LayerTrace(tracer, layer, kname, seen_kind[kname], tracer.layer_tile_offset[layer])
         for step in programs[kname]:
@@ -308,7 +318,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     tb.wait(sem=("head_norm",), nbytes=head_norm_bytes, where="epilogue",
             span=Span.unknown(s.source))
     tracer.op_event("tail", "final_norm", -1, "epilogue final_norm")
-    tb.read("head_norm", None, ("head_norm",), "epilogue final_norm", Span.unknown(s.source))
+    tb.read("head_norm", None, WholeBuffer("head_norm"), "epilogue final_norm", Span.unknown(s.source))
     tracer.op_event("tail", "lm_head", -1, "epilogue lm_head")
     tracer.consume_tiles(st.tail[0], tracer.tail_tile_offset, "epilogue lm_head")
     tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))

@@ -10,10 +10,6 @@ from mkc.diagnostics import Diagnostic
 from mkc.trace import Event
 
 
-def _what(view_id: str, tag: tuple) -> str:
-    return f"{view_id} of {tag[1]}"
-
-
 def check_pools(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     live: dict[str, tuple[str, Event]] = {}       # pool -> (view id, its open event)
     first: dict[tuple[str, str], Diagnostic] = {}  # (view, other view) -> its first overlap
@@ -31,14 +27,14 @@ def check_pools(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
             key = (e.buffer, other)
             repeats[key] = repeats.get(key, 0) + 1
             # Blame the copy made for the later layer: it is the one issued too early.
-            early, fine = (opened, e) if opened.tag[2] > e.tag[2] else (e, opened)
+            early, fine = (opened, e) if opened.tag.layer > e.tag.layer else (e, opened)
             first.setdefault(key, Diagnostic(
                 "E-POOL-OVERLAP",
-                f"{_what(e.buffer, e.tag)} is copied into pool {pool} at {e.where}, while "
-                f"{_what(other, opened.tag)} (opened at {opened.where}) is still live",
+                f"{e.buffer} of {e.tag} is copied into pool {pool} at {e.where}, while "
+                f"{other} of {opened.tag} (opened at {opened.where}) is still live",
                 early.span, hint="start the copy after the last op that reads the other view, "
                                  "or give the views separate buffers",
-                notes=[f"{fine.buffer} of {fine.tag[1]} is opened by the copy at line "
+                notes=[f"{fine.buffer} of {fine.tag} is opened by the copy at line "
                        f"{fine.span.line}", f"trace events {opened.seq} and {e.seq}"]))
         live[pool] = (e.buffer, e)
     diags = []

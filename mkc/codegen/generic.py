@@ -8,7 +8,7 @@ import json
 
 from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, layer_source
-from mkc.steps.collectives import gather_name, reduce_name
+from mkc.steps.collectives import exchange_name, gather_name, reduce_name
 from mkc.model.sharding import ShardTable
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
@@ -157,25 +157,34 @@ def _scratch_shape(b: ir.Buffer, s: ir.ScheduleIR, ring: Ring) -> str:
     return source
 
 
-def context(s: ir.ScheduleIR) -> dict:
-    kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
-    st = s.stream
+@dataclasses.dataclass
+class _StreamPlan:
+    """The ring stream's matrix families as the module names them."""
 
-    matrix_literals = []
-    stream_order: dict[str, list[_Name]] = {}
-    streamed: dict[str, dict[str, tuple[int, _Name]]] = {}
+    matrix_literals: list[tuple[str, str]]                 # (constant, its StreamedMatrix)
+    order: dict[str, list[_Name]]                          # kind ("tail" last) -> its families
+    streamed: dict[str, dict[str, tuple[int, _Name]]]      # kind -> family -> (first tile, name)
+
+
+def _stream_plan(s: ir.ScheduleIR) -> _StreamPlan:
+    st = s.stream
+    plan = _StreamPlan([], {}, {})
     for kname, fams in list(st.families.items()) + [("tail", st.tail)]:
         offset = 0
         for f in fams:
             name = _matrix_name(kname, f.name)
-            matrix_literals.append((name, literal(_streamed(f), len(name) + 3)))
-            stream_order.setdefault(kname, []).append(_Name(name))
-            streamed.setdefault(kname, {})[f.name] = (offset, _Name(name))
+            plan.matrix_literals.append((name, literal(_streamed(f), len(name) + 3)))
+            plan.order.setdefault(kname, []).append(_Name(name))
+            plan.streamed.setdefault(kname, {})[f.name] = (offset, _Name(name))
             offset += f.tiles
-    stream_order = {kname: stream_order.get(kname, []) for kname in [*sorted(s.kinds), "tail"]}
+    plan.order = {kname: plan.order.get(kname, []) for kname in [*sorted(s.kinds), "tail"]}
+    return plan
 
-    collectives = [b for b in s.buffers if b.cls == "collective"]
-    counter = {b.name: i for i, b in enumerate(collectives)}
+
+def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
+                         ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The module constants of the all-reduce stages (the embedding's first) and of the
+    gathers, each stage naming its receive buffer and use counter."""
 
     def stages(a: ir.AllReduce) -> tuple[Stage, ...]:
         return tuple(Stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride),
@@ -184,12 +193,6 @@ def context(s: ir.ScheduleIR) -> dict:
 
     reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
     gather_literals = []
-    kinds: dict[str, KindPlan] = {}
-    state_arrays = []
-    row_states = []              # (state array, its batch axis): one entry per row when verifying
-    spread_states = []
-    sems: list[str] = ["sem__head_norm", "sem__embed"]
-    drains = []
     for kname in sorted(s.kinds):
         k = s.kinds[kname]
         for a in k.allreduces:
@@ -201,16 +204,35 @@ def context(s: ir.ScheduleIR) -> dict:
             gather_literals.append((name, literal(Stage(buf, counter[buf], g.size, g.stride), len(name) + 3)))
         for e in k.exchanges:
             buf = ir.Exchange.buffer_name(e.after_op)
-            name = gather_name(kname, e.after_op)
+            name = exchange_name(kname, e.after_op)
             gather_literals.append((name, literal(Stage(buf, counter[buf], 2, 1), len(name) + 3)))
+    return reduce_literals, gather_literals
+
+
+@dataclasses.dataclass
+class _KindPlans:
+    """Each layer kind's plan and what its state copies and KV caches add to the module."""
+
+    kinds: dict[str, KindPlan] = dataclasses.field(default_factory=dict)
+    state_arrays: list[tuple] = dataclasses.field(default_factory=list)   # HBM state and caches
+    row_states: list[tuple] = dataclasses.field(default_factory=list)     # (array, batch axis)
+    spread_states: list[str] = dataclasses.field(default_factory=list)
+    sems: list[str] = dataclasses.field(default_factory=lambda: ["sem__head_norm", "sem__embed"])
+    drains: list[tuple] = dataclasses.field(default_factory=list)
+
+
+def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name]]]) -> _KindPlans:
+    plans = _KindPlans()
+    for kname in sorted(s.kinds):
+        k = s.kinds[kname]
         copies = []
         states = {}
         for t in k.transfers:
             copies.append(StateCopy(t.direction, f"{kname}__{t.state}", t.buffer,
                                     s.buffer(t.buffer).batch_axis or 0))
             states[t.state] = t.buffer
-            sems.append(copies[-1].sem)
-            drains += [(kname, copies[-1].name, t)] * t.drain
+            plans.sems.append(copies[-1].sem)
+            plans.drains += [(kname, copies[-1].name, t)] * t.drain
         # KV caches (HBM `<kind>__<cache>`), each streamed through its tile buffer.
         caches = tuple(f"{kname}__{c}" for c in k.kv.caches) if k.kv else ()
         kv_bufs = [s.buffer(b) for b in k.kv.tile_buffers] if k.kv else []
@@ -218,79 +240,98 @@ def context(s: ir.ScheduleIR) -> dict:
         if k.kv is not None:
             kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead),
                            kv_rows=k.kv.rows_buffer)
-        kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states, copies=tuple(copies),
-                                **kv_plan)
+        plans.kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states,
+                                      copies=tuple(copies), **kv_plan)
         if k.kv is not None:
-            sems.append(kinds[kname].kv_sem)
+            plans.sems.append(plans.kinds[kname].kv_sem)
         for sname in sorted(k.states):
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
-                state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(), DTYPE_SOURCE[buf.dtype]))
-                row_states.append((f"{kname}__{sname}", buf.batch_axis))
+                plans.state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(),
+                                           DTYPE_SOURCE[buf.dtype]))
+                plans.row_states.append((f"{kname}__{sname}", buf.batch_axis))
                 if spread_on_host(buf.batch_axis, len(buf.shape)):
-                    spread_states.append(f"{kname}__{sname}")
+                    plans.spread_states.append(f"{kname}__{sname}")
         for c, b in zip(caches, kv_bufs):
-            state_arrays.append((c, kname, f"(S, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
+            plans.state_arrays.append((c, kname, f"(S, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
+    return plans
 
+
+def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: list[ir.Buffer]
+                    ) -> list[tuple[str, str, str]]:
+    """(name, source, comment) of the resident VMEM buffers, the ring's, vectors' and copies'
+    semaphores and the collectives' send and receive semaphores, in operand order."""
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
-    # (name, source, comment) per scratch operand, in operand order
-    ring = Ring(st.slots, st.ahead, st.total_tiles, tuple(tuple(t) for t in st.tile_shapes))
-    scratch_shapes = [(b.name, f"pltpu.VMEM({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
-                      for b in resident]
-    scratch_shapes += [("ring_sem", "pltpu.SemaphoreType.DMA((RING.slots,))", ""),
-                       ("vectors_sem", "pltpu.SemaphoreType.DMA((2,))", "")]
-    scratch_shapes += [(n, "pltpu.SemaphoreType.DMA(())", "") for n in sems]
+    scratch = [(b.name, f"pltpu.VMEM({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
+               for b in resident]
+    scratch += [("ring_sem", "pltpu.SemaphoreType.DMA((RING.slots,))", ""),
+                ("vectors_sem", "pltpu.SemaphoreType.DMA((2,))", "")]
+    scratch += [(n, "pltpu.SemaphoreType.DMA(())", "") for n in sems]
     for b in collectives:
-        scratch_shapes += [(b.name + "__send", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", ""),
-                           (b.name + "__recv", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", "")]
-    scratch_shapes.append(("collective_count", "pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
-                           "use counters"))
+        scratch += [(b.name + "__send", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", ""),
+                    (b.name + "__recv", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", "")]
+    scratch.append(("collective_count", "pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
+                    "use counters"))
+    return scratch
 
-    # A weight view: each kind's pooled matrices, prefetched by the layer before.
+
+def _weight_view(s: ir.ScheduleIR) -> tuple[WeightView | None, list[tuple], list[tuple]]:
+    """A weight view: each kind's pooled matrices, prefetched by the layer before. Returns the
+    view, its HBM inputs and its scratch (none without one)."""
     weight_views = [v for p in s.pools for v in p.views if v.slots == 0]
-    weight_view = None
-    pooled_inputs = []
-    if weight_views:
-        v = weight_views[0]
-        row = ir.POOL_ROW_BYTES
-        weight_view = WeightView(v.pool, {kind: {m.name: (m.offset // row, m.rows, m.cols, i)
-                                                 for i, m in enumerate(mats)}
-                                          for kind, mats in sorted(v.matrices.items())})
-        pooled_inputs = [(f"pool__{kind}__{m.name}", kind,
-                          (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES))
-                         for kind, mats in sorted(v.matrices.items()) for m in mats]
-        copies = max(len(m) for m in v.matrices.values())
-        scratch_shapes.append(("pool_sem", f"pltpu.SemaphoreType.DMA(({copies},))",
-                               "pooled matrix copies"))
+    if not weight_views:
+        return None, [], []
+    v = weight_views[0]
+    row = ir.POOL_ROW_BYTES
+    weight_view = WeightView(v.pool, {kind: {m.name: (m.offset // row, m.rows, m.cols, i)
+                                             for i, m in enumerate(mats)}
+                                      for kind, mats in sorted(v.matrices.items())})
+    pooled_inputs = [(f"pool__{kind}__{m.name}", kind,
+                      (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES))
+                     for kind, mats in sorted(v.matrices.items()) for m in mats]
+    copies = max(len(m) for m in v.matrices.values())
+    return weight_view, pooled_inputs, [("pool_sem", f"pltpu.SemaphoreType.DMA(({copies},))",
+                                         "pooled matrix copies")]
 
-    # Routed experts: one kind fetches them into a pool's slot view.
+
+def _expert_slots(s: ir.ScheduleIR) -> tuple[ExpertSlots | None, list[tuple], list[tuple]]:
+    """Routed experts: one kind fetches them into a pool's slot view. Returns the slots, their
+    HBM inputs and their scratch (none without routed experts)."""
     fetching = [kname for kname, k in s.kinds.items() if k.fetch is not None]
-    expert_slots = None
-    expert_inputs = []
-    if fetching:
-        f = s.kinds[fetching[0]].fetch
-        view = s.pool_view(f"{f.pool}.{f.view}")
-        mats = view.matrices["expert"]
-        row = ir.POOL_ROW_BYTES
-        expert_slots = ExpertSlots(pool=f.pool, slots=view.slots, slot_rows=view.slot_bytes // row,
-                                   matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
-                                   local_experts=s.per_rank["local_experts"],
-                                   group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
-        expert_inputs = [(f"expert__{m.name}", fetching[0],
-                          (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES)) for m in mats]
-        scratch_shapes += [("expert_sem", f"pltpu.SemaphoreType.DMA(({view.slots}, {len(mats)}))",
-                            "expert slot copies"),
-                           ("expert_list", "pltpu.SMEM((EXPERTS.local_experts,), jnp.int32)",
-                            "picked local experts"),
-                           ("expert_count", "pltpu.SMEM((1,), jnp.int32)", "how many")]
+    if not fetching:
+        return None, [], []
+    f = s.kinds[fetching[0]].fetch
+    view = s.pool_view(f"{f.pool}.{f.view}")
+    mats = view.matrices["expert"]
+    row = ir.POOL_ROW_BYTES
+    expert_slots = ExpertSlots(pool=f.pool, slots=view.slots, slot_rows=view.slot_bytes // row,
+                               matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
+                               local_experts=s.per_rank["local_experts"],
+                               group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
+    expert_inputs = [(f"expert__{m.name}", fetching[0],
+                      (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES)) for m in mats]
+    scratch = [("expert_sem", f"pltpu.SemaphoreType.DMA(({view.slots}, {len(mats)}))",
+                "expert slot copies"),
+               ("expert_list", "pltpu.SMEM((EXPERTS.local_experts,), jnp.int32)",
+                "picked local experts"),
+               ("expert_count", "pltpu.SMEM((1,), jnp.int32)", "how many")]
+    return expert_slots, expert_inputs, scratch
 
-    vmem_inputs = s.vmem_inputs
 
-    dims = s.dims
-    dims_fields = {key: (tuple(v) if isinstance(v, list) else v) for key, v in dims.items()}
+def context(s: ir.ScheduleIR) -> dict:
+    kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
+    st = s.stream
+    stream = _stream_plan(s)
+    collectives = [b for b in s.buffers if b.cls == "collective"]
+    reduce_literals, gather_literals = _collective_literals(
+        s, {b.name: i for i, b in enumerate(collectives)})
+    plans = _kind_plans(s, stream.streamed)
+    ring = Ring(st.slots, st.ahead, st.total_tiles, tuple(tuple(t) for t in st.tile_shapes))
+    weight_view, pooled_inputs, view_scratch = _weight_view(s)
+    expert_slots, expert_inputs, expert_scratch = _expert_slots(s)
+    dims_fields = {key: (tuple(v) if isinstance(v, list) else v) for key, v in s.dims.items()}
     dims_class = dataclasses.make_dataclass(s.dims_class[1], list(dims_fields))
     parity = s.parity
-    layer_kind = tuple(kind_ids[k] for k in s.layer_kinds)
     return {
         "family_package": s.family_package, "dims_import": s.dims_class,
         "dims_literal": literal(dims_class(**dims_fields), 7),
@@ -299,25 +340,26 @@ def context(s: ir.ScheduleIR) -> dict:
         "formats_literal": literal(dict(sorted(s.weight_formats.items())), 10),
         "shards_literal": literal(ShardTable.of(s.shards, s.ranks), 9),
         "kind_ids": kind_ids,
-        "layer_kind_literal": literal(layer_kind, 13),
+        "layer_kind_literal": literal(tuple(kind_ids[k] for k in s.layer_kinds), 13),
         "tile_offset_literal": literal(tuple(st.layer_tile_offset), 20),
-        "matrix_literals": matrix_literals,
+        "matrix_literals": stream.matrix_literals,
         "ring_literal": literal(ring, 7),
-        "stream_order_literal": literal({k: v for k, v in stream_order.items()}, 15),
+        "stream_order_literal": literal(stream.order, 15),
         "vectors_literal": literal(Parity(parity.ahead, parity.rows, parity.cols,
                                           {k: {n: tuple(v) for n, v in fams.items()}
                                            for k, fams in parity.layout.items()}), 10),
         "reduce_literals": reduce_literals,
         "collectives": collectives,
-        "kinds_literal": literal(kinds, 8),
-        "scratch_shapes": scratch_shapes,
+        "kinds_literal": literal(plans.kinds, 8),
+        "scratch_shapes": (_scratch_shapes(s, ring, plans.sems, collectives)
+                           + view_scratch + expert_scratch),
         "layer_bodies": [(kname, layer_source(s, kname)) for kname in s.kinds],
-        "drains": drains,
+        "drains": plans.drains,
         "tail_name": _matrix_name("tail", st.tail[0].name),
-        "state_arrays": state_arrays,
-        "row_states_literal": literal(dict(row_states), 13),
-        "spread_states_literal": literal(tuple(spread_states), 20),
-        "vmem_inputs": [(b.name, b.shape_expr(), DTYPE_SOURCE[b.dtype]) for b in vmem_inputs],
+        "state_arrays": plans.state_arrays,
+        "row_states_literal": literal(dict(plans.row_states), 13),
+        "spread_states_literal": literal(tuple(plans.spread_states), 20),
+        "vmem_inputs": [(b.name, b.shape_expr(), DTYPE_SOURCE[b.dtype]) for b in s.vmem_inputs],
         "experts_literal": literal(expert_slots, 10),
         "expert_inputs": expert_inputs,
         "view_literal": literal(weight_view, 7),

@@ -20,6 +20,7 @@ from mkc.perf.perfetto import dma_class, vmem_series
 from mkc.perf.sim import Result
 
 MIB = 2 ** 20
+_MS = 1e3                    # seconds to the axes' milliseconds
 # layer kinds: none of the buffer-class colours (tab20) nor the stall red
 _KIND_COLOURS = ["#6a3d9a", "#e6ab02", "#1b9e77", "#b15928", "#7570b3", "#a6761d", "#666666"]
 
@@ -88,7 +89,6 @@ def zoom_window(res: Result) -> tuple[float, float, list[int]]:
 
 def _gantt_rows(s: ir.ScheduleIR, res: Result) -> tuple[list, dict[str, str]]:
     """[(label, [(start ms, width ms)], colours)] top to bottom, and the layer-kind colours."""
-    ms = 1e3
     kinds = sorted({iv.kind for iv in res.timeline if iv.track != "dma" and iv.layer >= 0})
     kind_colour = {k: _KIND_COLOURS[i % len(_KIND_COLOURS)] for i, k in enumerate(kinds)}
     spans: dict[int, list] = {}
@@ -96,18 +96,18 @@ def _gantt_rows(s: ir.ScheduleIR, res: Result) -> tuple[list, dict[str, str]]:
         if iv.track != "dma" and iv.layer >= 0:
             sp = spans.setdefault(iv.layer, [iv.start, iv.end, iv.kind])
             sp[0], sp[1] = min(sp[0], iv.start), max(sp[1], iv.end)
-    rows = [("layers (by kind)", [(a * ms, (b - a) * ms) for a, b, _ in spans.values()],
+    rows = [("layers (by kind)", [(a * _MS, (b - a) * _MS) for a, b, _ in spans.values()],
              [kind_colour[k] for _, _, k in spans.values()])]
     for track, label, colour in (("stall", "compute stalled", "crimson"),
                                  ("collective", "collectives (ICI)", "#555555")):
-        bars = [(iv.start * ms, (iv.end - iv.start) * ms) for iv in res.timeline
+        bars = [(iv.start * _MS, (iv.end - iv.start) * _MS) for iv in res.timeline
                 if iv.track == track]
         rows.append((f"{label}: {sum(w for _, w in bars):.2f} ms", bars, [colour] * len(bars)))
     dma: dict[str, list] = {}
     moved: dict[str, int] = {}
     for iv in res.timeline:
         if iv.track == "dma":
-            dma.setdefault(iv.name, []).append((iv.start * ms, (iv.end - iv.start) * ms))
+            dma.setdefault(iv.name, []).append((iv.start * _MS, (iv.end - iv.start) * _MS))
             moved[iv.name] = moved.get(iv.name, 0) + iv.nbytes
     base = {n: dma_class(s, n).replace(" store", "") for n in dma}
     colours = _class_colours(sorted(set(base.values())))
@@ -140,96 +140,16 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    ms = 1e3
-    step_ms = res.step_s * ms
     fig, axes = plt.subplots(3, 2, figsize=(19, 11), sharex="col",
                              gridspec_kw={"height_ratios": [3, 4, 2], "width_ratios": [3, 2],
                                           "hspace": 0.14, "wspace": 0.04})
     z0, z1, zlayers = zoom_window(res)
-    windows = [(0.0, res.step_s), (z0, z1)]
-
-    # 1. VMEM stacked by class ---------------------------------------------------------------
-    vs = vmem_series(s, res, batch)
-    xs: list[float] = []
-    for i, t in enumerate(vs.times):
-        xs += [t * ms, (vs.times[i + 1] if i + 1 < len(vs.times) else t) * ms]
-    classes = [c for c in vs.classes if any(r[c] for r in vs.rows)]
-    # Steady classes at the bottom, largest first; the ones that change (views, scoped) on top.
-    steady = sorted((c for c in classes if len({r[c] for r in vs.rows}) == 1),
-                    key=lambda c: (-vs.rows[0][c], c))
-    order = steady + [c for c in classes if c not in steady]
-    colours = _class_colours(order)
-    ys = [[v / MIB for r in vs.rows for v in (r[c], r[c])] for c in order]
-    peak = max(vs.totals())
-    labels = [f"{c} ({max(r[c] for r in vs.rows) / MIB:.2f} MiB max)" for c in order]
-    for col, ax in enumerate(axes[0]):
-        ax.stackplot(xs, ys, labels=labels, colors=[colours[c] for c in order], linewidth=0)
-        ax.axhline(vs.budget / MIB, color="crimson", ls="--", lw=1.2)
-        ax.axhline(vs.limit / MIB, color="black", ls=":", lw=1.0)
-        ax.axhline(peak / MIB, color="black", ls="-", lw=0.6)
-        ax.set_ylim(0, vs.limit / MIB * 1.1)
-    ax = axes[0][0]
-    ax.text(0.005, vs.budget / MIB, f"budget {vs.budget / MIB:.2f} MiB (usable - reserve)",
-            color="crimson", va="bottom", fontsize=8, transform=ax.get_yaxis_transform())
-    ax.text(0.005, vs.limit / MIB, f"usable {vs.limit / MIB:.2f} MiB (limit within what XLA "
-            "gives)", va="bottom", fontsize=8,
-            transform=ax.get_yaxis_transform())
-    ax.set_ylabel("VMEM live (MiB)")
-    ax.set_title(f"VMEM live by buffer class: peak {peak / MIB:.2f} MiB (solid line; the "
-                 f"checker's peak at batch {batch})", fontsize=10, loc="left")
-    axes[0][1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-
-    # 2. Gantt ------------------------------------------------------------------------------
-    rows, kind_colour = _gantt_rows(s, res)
-    for col, ax in enumerate(axes[1]):
-        for i, (label, bars, cols) in enumerate(rows):
-            y = len(rows) - 1 - i
-            # an edge as wide as a line keeps short copies visible at the whole-step scale
-            edge = "white" if i == 0 else cols        # layers: a gap between neighbours
-            ax.broken_barh(bars, (y - 0.38, 0.76), facecolors=cols, edgecolors=edge,
-                           linewidth=0.4 if col == 0 else 0.2)
-        ax.set_ylim(-0.6, len(rows) - 0.4)
-        ax.axhline(len(rows) - 3.5, color="#999999", lw=0.6)
-    axes[1][0].set_yticks(range(len(rows)))
-    axes[1][0].set_yticklabels([r[0] for r in reversed(rows)], fontsize=8)
-    axes[1][1].set_yticks(range(len(rows)))
-    axes[1][1].tick_params(labelleft=False)
-    queues = 1 + max((iv.queue for iv in res.timeline if iv.track == "dma"), default=0)
-    axes[1][0].set_title("Gantt: layers, compute stalls, collectives; one row per DMA "
-                         "destination (bar: bytes flowing; "
-                         + ("the queue drains in issue order)" if queues == 1 else
-                            f"{queues} queues, each in issue order, share the bandwidth)"),
-                         fontsize=10, loc="left")
-    axes[1][1].legend(handles=[Patch(color=c, label=f"layer kind {k}")
-                               for k, c in kind_colour.items()],
-                      loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-
-    # 3. HBM utilisation --------------------------------------------------------------------
-    mean = 100 * res.hbm_bytes / (res.step_s * peak_bytes_per_s)
-    for col, ax in enumerate(axes[2]):
-        lo, hi = windows[col]
-        starts, pct = utilisation(res, peak_bytes_per_s, bins=400 if col == 0 else 200,
-                                  window=(lo, hi))
-        width = (hi - lo) / len(starts) * ms
-        ax.bar([t * ms for t in starts], pct, width=width, align="edge", color="#4e79a7",
-               linewidth=0)
-        ax.axhline(mean, color="black", ls="--", lw=1.0)
-        ax.set_ylim(0, 110)
-        ax.set_xlabel("time in the step (ms, modelled)")
-    axes[2][0].text(0.995, 0.97, f"dashed: step mean {mean:.0f}% of peak", ha="right",
-                    va="top", fontsize=8, transform=axes[2][0].transAxes,
-                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85})
-    axes[2][0].set_ylabel("HBM bandwidth\n(% of peak)")
-    axes[2][1].tick_params(labelleft=False)
-    note = (f"; HBM floor {floor_s * ms:.2f} ms = {100 * floor_s / res.step_s:.0f}% of the step"
-            if floor_s else "")
-    axes[2][0].set_title(f"HBM bandwidth utilisation ({peak_bytes_per_s / 1e12:.2f} TB/s peak "
-                         f"per core; {res.hbm_bytes / 1e9:.3f} GB moved{note})", fontsize=10,
-                         loc="left")
-    axes[0][0].set_xlim(0, step_ms)
-    axes[0][1].set_xlim(z0 * ms, z1 * ms)
+    _draw_vmem(axes[0], s, res, batch)
+    _draw_gantt(axes[1], s, res)
+    _draw_hbm(axes[2], res, peak_bytes_per_s, floor_s, [(0.0, res.step_s), (z0, z1)])
+    axes[0][0].set_xlim(0, res.step_s * _MS)
+    axes[0][1].set_xlim(z0 * _MS, z1 * _MS)
     if zlayers:
         kinds = ", ".join(s.layer_kinds[i] for i in zlayers)
         axes[0][1].set_title(f"close-up of the steady state: layer-loop iterations "
@@ -239,20 +159,121 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
             ax.grid(axis="x", color="#eeeeee", lw=0.6)
             ax.set_axisbelow(True)
         row[1].sharey(row[0])
-
-    experts = ""
-    if expected is not res:
-        experts = (f"\na step whose slowest expert group runs {res.experts} routed experts per "
-                   f"MoE layer; the expected step over routing ({expected.experts:.2f} experts): "
-                   f"{expected.step_s * ms:.3f} ms")
-    elif res.experts:
-        experts = f"\nthe slowest expert group runs {res.experts} routed experts per MoE layer"
+    experts = _experts_note(expected, res)
     fig.suptitle(f"{s.source} ({s.model}, {s.topology}): batch {batch}, {tokens} cached tokens, "
-                 f"rank 0 -- modelled step {step_ms:.3f} ms, {batch / res.step_s:.0f} tok/s "
+                 f"rank 0 -- modelled step {res.step_s * _MS:.3f} ms, {batch / res.step_s:.0f} tok/s "
                  f"(modelled, not measured){experts}", fontsize=13)
     fig.subplots_adjust(left=0.13, right=0.86, top=0.90 if experts else 0.93, bottom=0.06)
-    # Rendered in memory and written atomically: a failed run leaves no partial picture, and
-    # the metadata that would carry a date or version is dropped (same step, same bytes).
+    _save(fig, path)
+
+
+
+def _draw_vmem(axes, s: ir.ScheduleIR, res: Result, batch: int) -> None:
+    """Panel 1: VMEM live, stacked by buffer class, with the budget, the limit and the peak."""
+    vs = vmem_series(s, res, batch)
+    xs: list[float] = []
+    for i, t in enumerate(vs.times):
+        xs += [t * _MS, (vs.times[i + 1] if i + 1 < len(vs.times) else t) * _MS]
+    classes = [c for c in vs.classes if any(r[c] for r in vs.rows)]
+    # Steady classes at the bottom, largest first; the ones that change (views, scoped) on top.
+    steady = sorted((c for c in classes if len({r[c] for r in vs.rows}) == 1),
+                    key=lambda c: (-vs.rows[0][c], c))
+    order = steady + [c for c in classes if c not in steady]
+    colours = _class_colours(order)
+    ys = [[v / MIB for r in vs.rows for v in (r[c], r[c])] for c in order]
+    peak = max(vs.totals())
+    labels = [f"{c} ({max(r[c] for r in vs.rows) / MIB:.2f} MiB max)" for c in order]
+    for ax in axes:
+        ax.stackplot(xs, ys, labels=labels, colors=[colours[c] for c in order], linewidth=0)
+        ax.axhline(vs.budget / MIB, color="crimson", ls="--", lw=1.2)
+        ax.axhline(vs.limit / MIB, color="black", ls=":", lw=1.0)
+        ax.axhline(peak / MIB, color="black", ls="-", lw=0.6)
+        ax.set_ylim(0, vs.limit / MIB * 1.1)
+    ax = axes[0]
+    ax.text(0.005, vs.budget / MIB, f"budget {vs.budget / MIB:.2f} MiB (usable - reserve)",
+            color="crimson", va="bottom", fontsize=8, transform=ax.get_yaxis_transform())
+    ax.text(0.005, vs.limit / MIB, f"usable {vs.limit / MIB:.2f} MiB (limit within what XLA "
+            "gives)", va="bottom", fontsize=8,
+            transform=ax.get_yaxis_transform())
+    ax.set_ylabel("VMEM live (MiB)")
+    ax.set_title(f"VMEM live by buffer class: peak {peak / MIB:.2f} MiB (solid line; the "
+                 f"checker's peak at batch {batch})", fontsize=10, loc="left")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def _draw_gantt(axes, s: ir.ScheduleIR, res: Result) -> None:
+    """Panel 2: the layers, stalls and collectives of compute, then a row per DMA destination."""
+    from matplotlib.patches import Patch
+
+    rows, kind_colour = _gantt_rows(s, res)
+    for col, ax in enumerate(axes):
+        for i, (label, bars, cols) in enumerate(rows):
+            y = len(rows) - 1 - i
+            # an edge as wide as a line keeps short copies visible at the whole-step scale
+            edge = "white" if i == 0 else cols        # layers: a gap between neighbours
+            ax.broken_barh(bars, (y - 0.38, 0.76), facecolors=cols, edgecolors=edge,
+                           linewidth=0.4 if col == 0 else 0.2)
+        ax.set_ylim(-0.6, len(rows) - 0.4)
+        ax.axhline(len(rows) - 3.5, color="#999999", lw=0.6)
+    axes[0].set_yticks(range(len(rows)))
+    axes[0].set_yticklabels([r[0] for r in reversed(rows)], fontsize=8)
+    axes[1].set_yticks(range(len(rows)))
+    axes[1].tick_params(labelleft=False)
+    queues = 1 + max((iv.queue for iv in res.timeline if iv.track == "dma"), default=0)
+    axes[0].set_title("Gantt: layers, compute stalls, collectives; one row per DMA "
+                      "destination (bar: bytes flowing; "
+                      + ("the queue drains in issue order)" if queues == 1 else
+                         f"{queues} queues, each in issue order, share the bandwidth)"),
+                      fontsize=10, loc="left")
+    axes[1].legend(handles=[Patch(color=c, label=f"layer kind {k}")
+                            for k, c in kind_colour.items()],
+                   loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def _draw_hbm(axes, res: Result, peak_bytes_per_s: float, floor_s: float | None,
+              windows: list[tuple[float, float]]) -> None:
+    """Panel 3: HBM bandwidth utilisation per time bin of each column's window."""
+    mean = 100 * res.hbm_bytes / (res.step_s * peak_bytes_per_s)
+    for col, ax in enumerate(axes):
+        lo, hi = windows[col]
+        starts, pct = utilisation(res, peak_bytes_per_s, bins=400 if col == 0 else 200,
+                                  window=(lo, hi))
+        width = (hi - lo) / len(starts) * _MS
+        ax.bar([t * _MS for t in starts], pct, width=width, align="edge", color="#4e79a7",
+               linewidth=0)
+        ax.axhline(mean, color="black", ls="--", lw=1.0)
+        ax.set_ylim(0, 110)
+        ax.set_xlabel("time in the step (ms, modelled)")
+    axes[0].text(0.995, 0.97, f"dashed: step mean {mean:.0f}% of peak", ha="right",
+                 va="top", fontsize=8, transform=axes[0].transAxes,
+                 bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+    axes[0].set_ylabel("HBM bandwidth\n(% of peak)")
+    axes[1].tick_params(labelleft=False)
+    note = (f"; HBM floor {floor_s * _MS:.2f} ms = {100 * floor_s / res.step_s:.0f}% of the step"
+            if floor_s else "")
+    axes[0].set_title(f"HBM bandwidth utilisation ({peak_bytes_per_s / 1e12:.2f} TB/s peak "
+                      f"per core; {res.hbm_bytes / 1e9:.3f} GB moved{note})", fontsize=10,
+                      loc="left")
+
+
+def _experts_note(expected: Result, res: Result) -> str:
+    """The title's line on routed experts: the pictured step's count and, for an expectation
+    over routing, the expected step ("" without routed experts)."""
+    if expected is not res:
+        return (f"\na step whose slowest expert group runs {res.experts} routed experts per "
+                f"MoE layer; the expected step over routing ({expected.experts:.2f} experts): "
+                f"{expected.step_s * _MS:.3f} ms")
+    if res.experts:
+        return f"\nthe slowest expert group runs {res.experts} routed experts per MoE layer"
+    return ""
+
+
+def _save(fig, path: str | Path) -> None:
+    """Rendered in memory and written atomically: a failed run leaves no partial picture, and
+    the metadata that would carry a date or version is dropped (same step, same bytes)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
     fmt = picture_format(path)
     buf = io.BytesIO()
     with matplotlib.rc_context({"svg.hashsalt": "mkc"}):

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from mkc import ir, target
 from mkc.perf.constants import Rates
 from mkc.perf.work import KernelWork, OpWork, Work, kernel_work
+from mkc.steps.collectives import Round
+from mkc.tags import ReadCost
 from mkc.trace import Event
 
 CAUSES = ("weight streaming", "exposed compute", "stalls", "collectives", "prologue/epilogue")
@@ -366,155 +368,182 @@ class Model:
             t = max(t, hops * r.latency("ici_hop_s") + len(far) * nbytes / bw)
         return r.latency("collective_round_s") + t
 
-    def collective_seconds(self, what: str, entry) -> float:
-        B, r = self.batch, self.rates
-        if what == "allreduce":
-            wire = ir.DTYPE_BYTES[entry.wire_dtype]
-            total = 0.0
-            for size, stride in entry.stages:
-                total += self.stage_seconds(size, stride, B * entry.width * wire)
-                total += (size - 1) * B * entry.width / r.vpu_ops_per_s     # the sums
-            return total
-        if what == "allgather":
-            return self.stage_seconds(entry.size, entry.stride, B * entry.width * 4)
-        if what == "exchange":
-            return self.stage_seconds(self.s.cores_per_chip, 1,
-                                      B * entry.width * ir.DTYPE_BYTES[entry.wire_dtype]
-                                      / self.s.cores_per_chip)
-        raise ValueError(what)
-
+    def collective_seconds(self, rounds: tuple[Round, ...]) -> float:
+        """A collective's rounds, one after another: each round's sends, then its sums."""
+        total = 0.0
+        for rd in rounds:
+            total += self.stage_seconds(rd.size, rd.stride, rd.nbytes)
+            total += rd.sums / self.rates.vpu_ops_per_s
+        return total
 
 
 def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Result:
-    s, r = m.s, m.rates
-    eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"), r.dma_overhead_bytes,
-                    queues=int(r.dma_queues))
-    sem_copies: dict[tuple, deque] = defaultdict(deque)
-    copy_info: dict[int, tuple] = {}         # id -> (buffer, issued, where, line, bytes)
-    copy_buf: dict[int, str] = {}
-    t = r.step_fixed_s
-    by_kind: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CAUSES, 0.0))
-    stalls: dict[tuple, Stall] = {}
-    timeline: list[Interval] = []
-    marks: list[Mark] = []
-    hbm_bytes = 0
-    layer, kind = -1, "prologue"
-    op_name = ""
-    op_costs: dict[tuple[str, str], OpCost] = {}
-    current = OpCost("", "")
-    per_value, per_value_s, kv_tile, kv_tile_s = Work(), 0.0, Work(), 0.0
-    kv_bufs: dict[str, int] = defaultdict(int)
-    for b in m.kv_buffers.values():
-        kv_bufs[b.scope[0]] += 1
-    by_kind["prologue"]["prologue/epilogue"] += r.step_fixed_s
+    replay = _Replay(m, keep_timeline)
+    handlers = {"start": replay.start_copy, "wait": replay.wait_copy, "read": replay.read,
+                "op": replay.begin_op, "collective": replay.run_collective,
+                "layer": replay.begin_layer, "epilogue": replay.begin_epilogue,
+                "alloc": replay.mark, "free": replay.mark, "view_open": replay.mark,
+                "view_close": replay.mark}
+    for e in events:
+        handle = handlers.get(e.op)
+        if handle is not None:
+            handle(e)
+    return replay.result()
 
-    def compute(dt: float) -> None:
+
+class _Replay:
+    """The simulator's state as it replays a trace: the time compute has reached, the DMA
+    engine, the copies each semaphore waits for, the op being charged, and the figures kept."""
+
+    def __init__(self, m: Model, keep_timeline: bool) -> None:
+        r = m.rates
+        self.m, self.keep_timeline = m, keep_timeline
+        self.eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"),
+                             r.dma_overhead_bytes, queues=int(r.dma_queues))
+        self.sem_copies: dict[tuple, deque] = defaultdict(deque)
+        self.copy_info: dict[int, tuple] = {}    # id -> (buffer, issued, where, line, bytes)
+        self.copy_buf: dict[int, str] = {}
+        self.t = r.step_fixed_s
+        self.by_kind: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CAUSES, 0.0))
+        self.by_kind["prologue"]["prologue/epilogue"] += r.step_fixed_s
+        self.stalls: dict[tuple, Stall] = {}
+        self.timeline: list[Interval] = []
+        self.marks: list[Mark] = []
+        self.hbm_bytes = 0
+        self.layer, self.kind, self.op_name = -1, "prologue", ""
+        self.op_costs: dict[tuple[str, str], OpCost] = {}
+        self.current = OpCost("", "")
+        self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = Work(), 0.0, Work(), 0.0
+        self.kv_bufs: dict[str, int] = defaultdict(int)      # layer kind -> its KV caches
+        for b in m.kv_buffers.values():
+            self.kv_bufs[b.scope[0]] += 1
+
+    def _in_tail(self) -> bool:
+        return self.kind in ("prologue", "epilogue")
+
+    def compute(self, dt: float) -> None:
         """Advance compute by dt, splitting it by whether HBM streams under it."""
-        nonlocal t
         if dt <= 0:
             return
-        if keep_timeline:
+        t, kind, timeline = self.t, self.kind, self.timeline
+        if self.keep_timeline:
             last = timeline[-1] if timeline else None
-            if last is not None and last.track == "compute" and last.name == op_name \
-                    and last.end == t and last.layer == layer:
-                timeline[-1] = Interval("compute", op_name, last.start, t + dt, layer, kind)
+            if last is not None and last.track == "compute" and last.name == self.op_name \
+                    and last.end == t and last.layer == self.layer:
+                timeline[-1] = Interval("compute", self.op_name, last.start, t + dt, self.layer, kind)
             else:
-                timeline.append(Interval("compute", op_name or kind, t, t + dt, layer, kind))
-        hidden = min(eng.busy(t + dt) - eng.busy(t), dt)
-        t += dt
-        if kind in ("prologue", "epilogue"):
-            by_kind[kind]["prologue/epilogue"] += dt
+                timeline.append(Interval("compute", self.op_name or kind, t, t + dt, self.layer, kind))
+        hidden = min(self.eng.busy(t + dt) - self.eng.busy(t), dt)
+        self.t = t + dt
+        if self._in_tail():
+            self.by_kind[kind]["prologue/epilogue"] += dt
             return
-        by_kind[kind]["weight streaming"] += hidden
-        by_kind[kind]["exposed compute"] += dt - hidden
+        self.by_kind[kind]["weight streaming"] += hidden
+        self.by_kind[kind]["exposed compute"] += dt - hidden
 
-    for e in events:
-        op = e.op
-        if op == "start":
-            cid = eng.issue(t, e.nbytes)
-            hbm_bytes += e.nbytes
-            sem_copies[e.sem].append(cid)
-            buf = e.buffer or (f"{e.src[0]} (store)" if e.src else "")
-            copy_buf[cid] = buf
-            if keep_timeline:
-                copy_info[cid] = (buf, t, e.where, e.span.line, e.nbytes)
-        elif op == "wait":
-            cid = sem_copies[e.sem].popleft()
-            done = eng.landing(cid)
-            if done > t:
-                dt = done - t
-                cause = "prologue/epilogue" if kind in ("prologue", "epilogue") else "stalls"
-                by_kind[kind][cause] += dt
-                buf = copy_buf[cid]
-                key = (buf, e.span.line, e.span.file, kind)
-                st = stalls.get(key)
-                if st is None:
-                    st = stalls[key] = Stall(buf, e.span.line, e.span.file, kind, where=e.where)
-                st.seconds += dt
-                st.count += 1
-                if keep_timeline:
-                    timeline.append(Interval("stall", buf, t, done, layer, kind,
-                                             line=e.span.line))
-                t = done
-        elif op == "read":
-            if e.nbytes:
-                if isinstance(e.slot, tuple):           # a routed expert's matrix
-                    mf = s.matrix_facts.get(f"expert.{e.slot[1]}")
-                elif e.slot is not None and isinstance(e.slot, str):
-                    mf = s.matrix_facts.get(f"{kind}.{e.slot}")
-                else:
-                    mf = None
-                values = e.nbytes * (mf or _BF16).values_per_byte
-                if values:
-                    current.weight_values += values
-                    current.charge(per_value, values, values * per_value_s)
-                    compute(values * per_value_s)
-            elif e.buffer in m.kv_buffers and kv_tile_s:
-                share = 1.0 / kv_bufs[kind]            # the tile's work, over its caches' reads
-                current.kv_tiles += share
-                current.charge(kv_tile, share, share * kv_tile_s)
-                compute(share * kv_tile_s)
-        elif op == "op":
-            k, name, lay = e.tag
-            at_op_s, per_value, per_value_s, kv_tile, kv_tile_s = m.op_prices(k, name)
-            current = op_costs.get((k, name))
-            if current is None:
-                current = op_costs[k, name] = OpCost(k, name)
-            current.calls += 1
-            current.charge(m.work.op(k, name).at_op, 1.0, at_op_s)
-            op_name = f"{k}.{name}"
-            compute(at_op_s)
-        elif op == "collective":
-            what, entry = e.tag
-            dt = m.collective_seconds(what, entry)
-            if keep_timeline:
-                timeline.append(Interval("collective", f"{what} {entry.after_op}", t, t + dt,
-                                         layer, kind, line=entry.span.line))
-            t += dt
-            cause = "prologue/epilogue" if kind in ("prologue", "epilogue") else "collectives"
-            by_kind[kind][cause] += dt
-        elif op in ("alloc", "free", "view_open", "view_close"):
-            if keep_timeline:
-                marks.append(Mark(t, op, e.buffer, layer))
-        elif op == "layer":
-            op_name, current = "", OpCost("", "")
-            kind, layer = e.tag
-        elif op == "epilogue":
-            op_name, current = "", OpCost("", "")
-            kind, layer = "epilogue", -1
-    hbm_busy_s = eng.busy(t)
-    if keep_timeline:
+    # ---- copies ----------------------------------------------------------------------------
+    def start_copy(self, e: Event) -> None:
+        cid = self.eng.issue(self.t, e.nbytes)
+        self.hbm_bytes += e.nbytes
+        self.sem_copies[e.sem].append(cid)
+        buf = e.buffer or (f"{e.src[0]} (store)" if e.src else "")
+        self.copy_buf[cid] = buf
+        if self.keep_timeline:
+            self.copy_info[cid] = (buf, self.t, e.where, e.span.line, e.nbytes)
+
+    def wait_copy(self, e: Event) -> None:
+        cid = self.sem_copies[e.sem].popleft()
+        done = self.eng.landing(cid)
+        if done > self.t:
+            self._stall(e, self.copy_buf[cid], done)
+
+    def _stall(self, e: Event, buf: str, done: float) -> None:
+        """Compute waits from now until `done` for a copy into (or out of) `buf`."""
+        dt, kind = done - self.t, self.kind
+        self.by_kind[kind]["prologue/epilogue" if self._in_tail() else "stalls"] += dt
+        key = (buf, e.span.line, e.span.file, kind)
+        st = self.stalls.get(key)
+        if st is None:
+            st = self.stalls[key] = Stall(buf, e.span.line, e.span.file, kind, where=e.where)
+        st.seconds += dt
+        st.count += 1
+        if self.keep_timeline:
+            self.timeline.append(Interval("stall", buf, self.t, done, self.layer, kind,
+                                          line=e.span.line))
+        self.t = done
+
+    def mark(self, e: Event) -> None:
+        if self.keep_timeline:
+            self.marks.append(Mark(self.t, e.op, e.buffer, self.layer))
+
+    # ---- compute ---------------------------------------------------------------------------
+    def read(self, e: Event) -> None:
+        """A read charges the current op's work per weight value or per KV tile it reads."""
+        cost = e.tag.cost
+        if cost is ReadCost.WEIGHTS:
+            facts = self.m.s.matrix_facts.get(e.tag.matrix(self.kind)) or _BF16
+            values = e.nbytes * facts.values_per_byte
+            if values:
+                self.current.weight_values += values
+                self.current.charge(self.per_value, values, values * self.per_value_s)
+                self.compute(values * self.per_value_s)
+        elif cost is ReadCost.KV_TILE and self.kv_tile_s:
+            share = 1.0 / self.kv_bufs[self.kind]    # the tile's work, over its caches' reads
+            self.current.kv_tiles += share
+            self.current.charge(self.kv_tile, share, share * self.kv_tile_s)
+            self.compute(share * self.kv_tile_s)
+
+    def begin_op(self, e: Event) -> None:
+        k, name = e.tag.kind, e.tag.op
+        at_op_s, self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = \
+            self.m.op_prices(k, name)
+        current = self.op_costs.get((k, name))
+        if current is None:
+            current = self.op_costs[k, name] = OpCost(k, name)
+        self.current = current
+        current.calls += 1
+        current.charge(self.m.work.op(k, name).at_op, 1.0, at_op_s)
+        self.op_name = str(e.tag)
+        self.compute(at_op_s)
+
+    def run_collective(self, e: Event) -> None:
+        dt = self.m.collective_seconds(e.tag.rounds(self.m.batch, self.m.s.cores_per_chip))
+        if self.keep_timeline:
+            self.timeline.append(Interval("collective", str(e.tag), self.t, self.t + dt,
+                                          self.layer, self.kind, line=e.span.line))
+        self.t += dt
+        self.by_kind[self.kind]["prologue/epilogue" if self._in_tail() else "collectives"] += dt
+
+    def begin_layer(self, e: Event) -> None:
+        self._enter(e.tag.kind, e.tag.layer)
+
+    def begin_epilogue(self, e: Event) -> None:
+        self._enter("epilogue", -1)
+
+    def _enter(self, kind: str, layer: int) -> None:
+        self.op_name, self.current = "", OpCost("", "")
+        self.kind, self.layer = kind, layer
+
+    # ---- the result ------------------------------------------------------------------------
+    def result(self) -> Result:
+        hbm_busy_s = self.eng.busy(self.t)
+        if self.keep_timeline:
+            self.timeline += self._copy_intervals()
+        by_cause = dict.fromkeys(CAUSES, 0.0)
+        for causes in self.by_kind.values():
+            for c, v in causes.items():
+                by_cause[c] += v
+        return Result(step_s=self.t, by_cause=by_cause,
+                      by_kind={k: dict(v) for k, v in self.by_kind.items()},
+                      stalls=sorted(self.stalls.values(), key=lambda x: -x.seconds),
+                      hbm_bytes=self.hbm_bytes, hbm_busy_s=hbm_busy_s, copies=self.eng.copies,
+                      timeline=self.timeline, marks=self.marks, op_costs=self.op_costs,
+                      work=self.m.work)
+
+    def _copy_intervals(self) -> list[Interval]:
+        """Every copy's interval on its DMA queue, once the engine has landed them all."""
+        eng = self.eng
         eng.drain()
-        for cid, (buf, issued, where, line, nbytes) in copy_info.items():
-            timeline.append(Interval("dma", buf, eng.begins[cid], eng.ends[cid], -1, where,
-                                     line=line, nbytes=nbytes, issued=issued,
-                                     queue=eng.queue_of[cid]))
-    by_cause = dict.fromkeys(CAUSES, 0.0)
-    for causes in by_kind.values():
-        for c, v in causes.items():
-            by_cause[c] += v
-    return Result(step_s=t, by_cause=by_cause, by_kind={k: dict(v) for k, v in by_kind.items()},
-                  stalls=sorted(stalls.values(), key=lambda x: -x.seconds), hbm_bytes=hbm_bytes,
-                  hbm_busy_s=hbm_busy_s, copies=eng.copies, timeline=timeline,
-                  marks=marks, op_costs=op_costs, work=m.work)
-
+        return [Interval("dma", buf, eng.begins[cid], eng.ends[cid], -1, where, line=line,
+                         nbytes=nbytes, issued=issued, queue=eng.queue_of[cid])
+                for cid, (buf, issued, where, line, nbytes) in self.copy_info.items()]

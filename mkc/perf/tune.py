@@ -109,7 +109,21 @@ def _mult128(v: int) -> bool:
 
 
 def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
-    """Every tunable setting of the spec, with its source runs and neighbourhoods."""
+    """Every tunable setting of the spec, with its source runs and neighbourhoods: the rings',
+    the pools' expert slots, then each phase's KV tiles, all-reduce algorithms and prefetches."""
+    knobs = _ring_knobs(sched, src) + _pool_knobs(sched, src)
+    algorithms = _allreduce_algorithms(s)
+    for phase in sched.phases:
+        kname = phase.kind.text
+        knobs += _kv_knobs(phase, kname, src, s)
+        knobs += _allreduce_knobs(phase, kname, src, algorithms)
+        knobs += _prefetch_knobs(phase, kname, src, s)
+    return knobs
+
+
+def _ring_knobs(sched: ast.Schedule, src: SpecSource) -> list[Knob]:
+    """Each ring's depth (its slots, with the stream's distance ahead when the stream gives
+    one) and its tile bound."""
     knobs: list[Knob] = []
     streams = {st.ring.text: st for st in sched.streams}
     for ring in sched.rings:
@@ -119,52 +133,82 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
             continue
         if st is not None and src.ints(st.span):
             ahead_slot = src.ints(st.span)[0]
-
-            def depth_nb(v):
-                slots, ahead = v
-                out = []
-                for d in (-2, -1, 1, 2, 4):
-                    if slots + d >= 2:
-                        out.append((slots + d, max(1, min(ahead + d, slots + d))))
-                for a in (ahead - 2, ahead - 1, ahead + 1):
-                    if 1 <= a <= slots and a != ahead:
-                        out.append((slots, a))
-                return list(dict.fromkeys(o for o in out if o != v))
-
             knobs.append(Knob(
                 f"ring {ring.name.text} slots / stream ahead", ring.span.line,
                 (ring.slots, st.ahead), (ints[0], ahead_slot),
-                lambda v: (str(v[0]), str(v[1])), depth_nb,
+                lambda v: (str(v[0]), str(v[1])), _depth_neighbours,
                 lambda v: f"{v[0]} slots, ahead {v[1]}"))
         else:
             knobs.append(Knob(f"ring {ring.name.text} slots", ring.span.line, (ring.slots,),
                               (ints[0],), lambda v: (str(v[0]),),
                               lambda v: [(v[0] + d,) for d in (-2, -1, 1, 2) if v[0] + d >= 2],
                               lambda v: f"{v[0]} slots"))
-
-        def tile_nb(v):
-            r, c = v
-            cands = [(r + 128, c), (r - 128, c), (r, c + 128), (r, c - 128), (2 * r, c),
-                     (r, 2 * c), (r // 2, c), (r, c // 2)]
-            return list(dict.fromkeys(x for x in cands if _mult128(x[0]) and _mult128(x[1])
-                                      and x != v))
-
         knobs.append(Knob(f"ring {ring.name.text} tile bound", ring.span.line,
                           (ring.max_rows, ring.max_cols), (ints[1], ints[2]),
-                          lambda v: (str(v[0]), str(v[1])), tile_nb,
+                          lambda v: (str(v[0]), str(v[1])), _tile_neighbours,
                           lambda v: f"up to {v[0]} x {v[1]}"))
+    return knobs
+
+
+def _depth_neighbours(v: tuple[int, int]) -> list[tuple[int, int]]:
+    """(slots, ahead) near a ring's: more or fewer slots with the distance moved along, then
+    the distance alone."""
+    slots, ahead = v
+    out = []
+    for d in (-2, -1, 1, 2, 4):
+        if slots + d >= 2:
+            out.append((slots + d, max(1, min(ahead + d, slots + d))))
+    for a in (ahead - 2, ahead - 1, ahead + 1):
+        if 1 <= a <= slots and a != ahead:
+            out.append((slots, a))
+    return list(dict.fromkeys(o for o in out if o != v))
+
+
+def _tile_neighbours(v: tuple[int, int]) -> list[tuple[int, int]]:
+    """Tile bounds (rows, cols) a lane width or a factor of two away, multiples of 128."""
+    r, c = v
+    cands = [(r + 128, c), (r - 128, c), (r, c + 128), (r, c - 128), (2 * r, c),
+             (r, 2 * c), (r // 2, c), (r, c // 2)]
+    return list(dict.fromkeys(x for x in cands if _mult128(x[0]) and _mult128(x[1]) and x != v))
+
+
+def _pool_knobs(sched: ast.Schedule, src: SpecSource) -> list[Knob]:
+    """The slots of each pool view that has slots (routed experts)."""
+    knobs: list[Knob] = []
     for pool in sched.pools:
         for view in pool.views:
             if view.slots:
                 ints = src.ints(view.span)
-
-                def slots_nb(v):
-                    return [(v[0] + d,) for d in (-2, -1, 1, 2) if v[0] + d >= 1]
-
                 knobs.append(Knob(f"pool {pool.name.text}.{view.name.text} slots",
                                   view.span.line, (view.slots,), (ints[0],),
-                                  lambda v: (str(v[0]),), slots_nb,
+                                  lambda v: (str(v[0]),),
+                                  lambda v: [(v[0] + d,) for d in (-2, -1, 1, 2) if v[0] + d >= 1],
                                   lambda v: f"{v[0]} slots"))
+    return knobs
+
+
+def _kv_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
+    """A phase's KV tile streams: (slots, tokens per tile, ahead), tiles dividing the context."""
+
+    def kv_neighbours(v: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+        slots, tokens, ahead = v
+        cands = [(slots, tokens * 2, ahead), (slots, tokens // 2, ahead),
+                 (slots + 1, tokens, ahead), (slots + 1, tokens, ahead + 1),
+                 (slots - 1, tokens, min(ahead, slots - 1)),
+                 (slots, tokens, ahead + 1), (slots, tokens, ahead - 1)]
+        return list(dict.fromkeys(
+            c for c in cands if c != v and c[0] >= 1 and 0 <= c[2] <= c[0]
+            and c[1] >= 16 and s.context % c[1] == 0))
+
+    return [Knob(f"kv tiles of {kname}", kv.span.line, (kv.slots, kv.tokens, kv.ahead),
+                 tuple(src.ints(kv.span)[:3]), lambda v: tuple(str(x) for x in v), kv_neighbours,
+                 lambda v: f"{v[0]} slots of {v[1]} tokens ahead {v[2]}")
+            for kv in phase.kv_tiles]
+
+
+def _allreduce_algorithms(s: ir.ScheduleIR) -> list[str]:
+    """The all-reduce algorithms the topology offers: direct, and two_level within a chip or a
+    host where it has more than one."""
     grid = tuple(int(x) for x in s.topology.split("=")[1].split("x"))
     chips = math.prod(grid)
     hosts = s.ranks // target.topology(s.chip, grid).cores_per_host
@@ -173,50 +217,43 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
         algorithms.append("two_level chip")
     if hosts > 1:
         algorithms.append("two_level host")
-    for phase in sched.phases:
-        kname = phase.kind.text
-        for kv in phase.kv_tiles:
-            ints = src.ints(kv.span)
+    return algorithms
 
-            def kv_nb(v):
-                slots, tokens, ahead = v
-                cands = [(slots, tokens * 2, ahead), (slots, tokens // 2, ahead),
-                         (slots + 1, tokens, ahead), (slots + 1, tokens, ahead + 1),
-                         (slots - 1, tokens, min(ahead, slots - 1)),
-                         (slots, tokens, ahead + 1), (slots, tokens, ahead - 1)]
-                return list(dict.fromkeys(
-                    c for c in cands if c != v and c[0] >= 1 and 0 <= c[2] <= c[0]
-                    and c[1] >= 16 and s.context % c[1] == 0))
 
-            knobs.append(Knob(f"kv tiles of {kname}", kv.span.line,
-                              (kv.slots, kv.tokens, kv.ahead), tuple(ints[:3]),
-                              lambda v: tuple(str(x) for x in v), kv_nb,
-                              lambda v: f"{v[0]} slots of {v[1]} tokens ahead {v[2]}"))
-        for ar in phase.allreduces:
-            a = src.span_range(ar.algorithm.span)[0]
-            b = src.span_range((ar.level or ar.algorithm).span)[1]
-            cur = f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text
-            opts = list(dict.fromkeys([cur] + algorithms))
-            if len(opts) > 1:
-                ops = ", ".join(o.text for o in ar.ops)
-                knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, (cur,),
-                                  (Slot(a, b),), lambda v: (v[0],),
-                                  lambda v, opts=opts: [(o,) for o in opts if o != v[0]],
-                                  lambda v: v[0]))
-        for pf in phase.prefetches:
-            toks = src.tokens(pf.span)
-            _, view_end = src.span_range(pf.view.span)
-            a = next(t[1] for t in toks if t[1] >= view_end)
-            b = src.span_range(pf.start.anchor.span)[1]
-            ops = s.kinds[kname].ops if kname in s.kinds else []
-            points = ["at start"] + [f"after {op}" for op in ops[:-1]]
-            cur = str(pf.start)
-            if cur not in points:
-                points.insert(0, cur)
-            knobs.append(Knob(f"prefetch next {pf.view.text} in {kname}", pf.span.line,
-                              (cur,), (Slot(a, b),), lambda v: (v[0],),
-                              lambda v, points=points: _point_nb(points, v[0]),
+def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: list[str]) -> list[Knob]:
+    """A phase's all-reduces with another algorithm to try: the algorithm (and level) tokens."""
+    knobs: list[Knob] = []
+    for ar in phase.allreduces:
+        a = src.span_range(ar.algorithm.span)[0]
+        b = src.span_range((ar.level or ar.algorithm).span)[1]
+        cur = f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text
+        opts = list(dict.fromkeys([cur] + algorithms))
+        if len(opts) > 1:
+            ops = ", ".join(o.text for o in ar.ops)
+            knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, (cur,),
+                              (Slot(a, b),), lambda v: (v[0],),
+                              lambda v, opts=opts: [(o,) for o in opts if o != v[0]],
                               lambda v: v[0]))
+    return knobs
+
+
+def _prefetch_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
+    """Where each `prefetch next` of a phase starts: any program point of the kind."""
+    knobs: list[Knob] = []
+    for pf in phase.prefetches:
+        toks = src.tokens(pf.span)
+        _, view_end = src.span_range(pf.view.span)
+        a = next(t[1] for t in toks if t[1] >= view_end)
+        b = src.span_range(pf.start.anchor.span)[1]
+        ops = s.kinds[kname].ops if kname in s.kinds else []
+        points = ["at start"] + [f"after {op}" for op in ops[:-1]]
+        cur = str(pf.start)
+        if cur not in points:
+            points.insert(0, cur)
+        knobs.append(Knob(f"prefetch next {pf.view.text} in {kname}", pf.span.line,
+                          (cur,), (Slot(a, b),), lambda v: (v[0],),
+                          lambda v, points=points: _point_nb(points, v[0]),
+                          lambda v: v[0]))
     return knobs
 
 

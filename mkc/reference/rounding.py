@@ -92,7 +92,8 @@ class Rounding:
         raise KeyError(f"the schedule all-gathers no {kind}.{op}")
 
     def exchange_wire(self, kind: str, op: str) -> str | None:
-        """The wire dtype of a sibling exchange of op's columns, or None when op is not split."""
+        """The wire dtype in which the cores of a chip share op's split columns, or None when op
+        is not split between them."""
         for k, o, w in self.exchanges:
             if (k, o) == (kind, op):
                 return w

@@ -146,7 +146,7 @@ def allreduce(refs, partial: jax.Array, stages: tuple[Stage, ...], axis: str) ->
 
 
 def gather(refs, shard: jax.Array, st: Stage, axis: str) -> jax.Array:
-    """`allgather` of `shard` through a named stage (a sibling exchange is the stage (2, 1))."""
+    """`allgather` of `shard` through a named stage (the cores of one chip: the stage (2, 1))."""
     return allgather(shard, *_stage_refs(refs, st), axis, st.size, st.stride)
 
 

@@ -113,9 +113,13 @@ class Kernel:
         return collectives.allreduce(self.refs, partial, stages, self.axis)
 
     def allgather(self, shard: jax.Array, stage: collectives.Stage) -> jax.Array:
-        """The group's shards of `shard` concatenated in group order (a sibling exchange is
-        the group of the two cores of a chip)."""
+        """The group's shards of `shard` concatenated in group order."""
         return collectives.gather(self.refs, shard, stage, self.axis)
+
+    def exchange(self, share: jax.Array, stage: collectives.Stage) -> jax.Array:
+        """`exchange OP with sibling`: the cores of a chip swap their shares of the op's columns,
+        an all-gather over the group of the chip's cores (`stage`)."""
+        return self.allgather(share, stage)
 
     def start_view(self, layer) -> None:
         """Copy loop layer `layer`'s pooled matrices into the weight view."""

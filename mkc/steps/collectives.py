@@ -1,6 +1,7 @@
 """Collectives after an op (`allreduce OP ...`, `allgather OP ...`, `exchange OP with
 sibling ...`): the op's output value is replaced by the reduced or gathered one, in-kernel by
-remote DMA (`mkc.runtime.collectives`)."""
+remote DMA (`mkc.runtime.collectives`). A collective's trace event carries its step, which
+says what it sends (`rounds`) for the step-time model to price."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,24 @@ def reduce_name(kind: str, op: str) -> str:
 
 
 def gather_name(kind: str, op: str) -> str:
-    """The module constant of the all-gather (or sibling exchange) of `op`'s output in `kind`."""
+    """The module constant of the all-gather of `op`'s output in `kind`."""
     return f"{kind}_{op}_gather".upper()
+
+
+def exchange_name(kind: str, op: str) -> str:
+    """The module constant of the sibling exchange of `op`'s output in `kind`."""
+    return f"{kind}_{op}_exchange".upper()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of a collective as this rank runs it: `nbytes` to every peer of the rank group
+    (size, stride) holding it, then `sums` additions of what arrived."""
+
+    size: int
+    stride: int
+    nbytes: float
+    sums: int = 0
 
 
 @dataclass(frozen=True)
@@ -29,7 +46,14 @@ class _Collective(Step):
         return [value], [value]
 
     def trace(self, t) -> None:
-        t.tracer.collective_event(self.kind, self.entry, f"{t.label} after {self.op}")
+        t.tracer.collective_event(self, f"{t.label} after {self.op}")
+
+    def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
+        """What it sends at `batch` rows, round by round."""
+        raise NotImplementedError(type(self).__name__)
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.entry.after_op}"
 
     def _emit(self, e, indent: str, method: str, constant: str, what: str) -> None:
         value = e.k.op_values[self.op][1][0]
@@ -39,6 +63,12 @@ class _Collective(Step):
 @dataclass(frozen=True)
 class AllReduce(_Collective):
     kind = "allreduce"
+
+    def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
+        a = self.entry
+        wire = ir.DTYPE_BYTES[a.wire_dtype]
+        return tuple(Round(size, stride, batch * a.width * wire, (size - 1) * batch * a.width)
+                     for size, stride in a.stages)
 
     def emit(self, e, indent: str) -> None:
         a = self.entry
@@ -50,6 +80,10 @@ class AllReduce(_Collective):
 class AllGather(_Collective):
     kind = "allgather"
 
+    def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
+        g = self.entry
+        return (Round(g.size, g.stride, batch * g.width * 4),)   # priced at 4 bytes a value
+
     def emit(self, e, indent: str) -> None:
         self._emit(e, indent, "allgather", gather_name(e.kind, self.op),
                    f"all-gather over {self.entry.size} ranks")
@@ -57,10 +91,16 @@ class AllGather(_Collective):
 
 @dataclass(frozen=True)
 class Exchange(_Collective):
-    """A sibling exchange: the two cores of a chip swap their halves (an all-gather of 2)."""
+    """A sibling exchange: the two cores of a chip swap their halves (an all-gather of 2,
+    `mkc.runtime.context.Kernel.exchange`)."""
 
     kind = "exchange"
 
+    def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
+        x = self.entry
+        return (Round(cores_per_chip, 1,
+                      batch * x.width * ir.DTYPE_BYTES[x.wire_dtype] / cores_per_chip),)
+
     def emit(self, e, indent: str) -> None:
-        self._emit(e, indent, "allgather", gather_name(e.kind, self.op),
-                   f"swap with the sibling core, wire {self.entry.wire_dtype}")
+        self._emit(e, indent, "exchange", exchange_name(e.kind, self.op),
+                   f"exchange with sibling, wire {self.entry.wire_dtype}")

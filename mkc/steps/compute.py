@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mkc import ir
 from mkc.steps.base import Step
+from mkc.tags import LayerMatrix, LayerState, LayerVectors
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,18 @@ class Op(Step):
             t.tile = tracer.consume_tiles(t.families[k.matmuls[op]], t.tile, w)
         for fam, view_id in sorted(k.pooled.items()):
             if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
-                tb.read(view_id, fam, ("pool", layer, fam), w, tracer.views[view_id].span,
+                tb.read(view_id, fam, LayerMatrix(layer, fam), w, tracer.views[view_id].span,
                         tracer.pooled_bytes(view_id, t.kname, fam) if tracer.opts.compute else 0)
         if k.fetch is not None and op == k.fetch.consumer:
             tracer.run_experts(f"{k.fetch.pool}.{k.fetch.view}", layer, w, k.fetch.span)
         if t.vector_families & set(k.op_reads[op]):
-            tb.read("vectors", layer % 2, ("vectors", layer), w, t.s.parity.span)
+            tb.read("vectors", layer % 2, LayerVectors(layer), w, t.s.parity.span)
         for sname in k.op_reads[op]:
             if sname in t.loaded:
                 b = t.s.buffer(t.loaded[sname])
                 tb.read(b.name, None, t.holds[b.name], w, b.span)
                 if sname in k.op_writes[op]:
-                    t.holds[b.name] = ("state-updated", layer)
+                    t.holds[b.name] = LayerState(layer, updated=True)
                     tb.write(b.name, None, t.holds[b.name], w, b.span)
         if k.kv is not None and op == k.kv.op:
             tracer.kv_events(k, layer, w)

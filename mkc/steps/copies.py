@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mkc import ir
 from mkc.steps.base import Step, spec_line
+from mkc.tags import LayerState, StateRegion
 
 
 def copy_name(direction: str, buffer: str) -> str:
@@ -39,14 +40,14 @@ class Start(_Copy):
 
     def trace(self, t) -> None:
         tr = self.transfer
-        region = ("state", tr.state, t.layer)
+        region = StateRegion(tr.state, t.layer)
         if tr.direction == "load":
             t.tb.start(dst=tr.buffer, slot=None, sem=self.sem, nbytes=t.sized(tr.buffer),
-                       tag=("state", t.layer), hbm=(region, "read"), where=t.where(self.point),
+                       tag=LayerState(t.layer), hbm=(region, "read"), where=t.where(self.point),
                        span=tr.span)
         else:
             t.tb.start(dst="", slot=None, sem=self.sem, nbytes=t.sized(tr.buffer), tag=None,
-                       src=(tr.buffer, None, ("state-updated", t.layer)), hbm=(region, "write"),
+                       src=(tr.buffer, None, LayerState(t.layer, updated=True)), hbm=(region, "write"),
                        where=t.where(self.point), span=tr.span)
 
     def emit(self, e, indent: str) -> None:

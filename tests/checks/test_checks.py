@@ -37,10 +37,10 @@ def test_trace_covers_every_layer_and_transition(full):
     assert len(vector_waits) == len(full.layer_kinds)
     tiles = [e for e in events if e.op == "read" and e.buffer == "weights"]
     # the checks read each family's run cut to warm-up, a period and tail (tests/test_trace.py)
-    assert [e.tag[1] for e in tiles] == list(range(len(tiles)))
+    assert [e.tag.index for e in tiles] == list(range(len(tiles)))
     whole = build_trace(full, TraceOptions(whole_runs=True))
     tiles = [e for e in whole if e.op == "read" and e.buffer == "weights"]
-    assert [e.tag[1] for e in tiles] == list(range(full.stream.total_tiles))
+    assert [e.tag.index for e in tiles] == list(range(full.stream.total_tiles))
 
 
 def test_capacity_check_fails_when_limit_shrinks(full):

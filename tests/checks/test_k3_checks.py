@@ -38,7 +38,7 @@ def test_views_of_the_pool_alternate_attention_experts_attention(k3):
     # Layer L+1's attention is opened inside layer L's MoE sublayer (a prefetch).
     attention = [e for e in events if e.op == "view_open" and e.buffer == "staging.attention"]
     assert attention[0].where == "prologue"
-    assert [e.tag[1] for e in attention[:3]] == ["layer 0 kda", "layer 1 kda", "layer 2 kda"]
+    assert [str(e.tag) for e in attention[:3]] == ["layer 0 kda", "layer 1 kda", "layer 2 kda"]
     assert all(" moe " in e.where or " dense " in e.where for e in attention[1:])
 
 
@@ -54,11 +54,11 @@ def test_worst_case_routed_experts_cycle_through_the_slots(k3):
 
     def layer3(events):                                # layer 3 is the first MoE sublayer
         return [e for e in events if e.op == "read" and e.buffer == "staging.experts"
-                and e.tag[1] == 3]
+                and e.tag.layer == 3]
     reads = layer3(events)
     assert len(reads) == traced * len(s.experts)
     assert {e.slot[0] for e in reads} == set(range(slots))
-    assert [e.tag[2] for e in reads][-1] == traced - 1
+    assert [e.tag.expert for e in reads][-1] == traced - 1
     whole = layer3(build_trace(s, TraceOptions(whole_runs=True)))
     assert len(whole) == count * len(s.experts)
 

@@ -6,6 +6,7 @@ from mkc.diagnostics import Span
 from mkc.perf import constants
 from mkc.perf.sim import DmaEngine, Model, simulate
 from mkc.perf.work import KernelWork, OpWork, Work
+from mkc.tags import LayerBegins, OpBegins, RingTile
 from mkc.trace import Event
 from tests_support import SPEC
 
@@ -37,8 +38,8 @@ class _Trace:
 
     def __init__(self):
         self.events = []
-        self._add(op="layer", tag=("gdn", 0))       # inside a layer (not the prologue)
-        self._add(op="op", tag=("gdn", "matmul", 0))
+        self._add(op="layer", tag=LayerBegins("gdn", 0))       # inside a layer (not the prologue)
+        self._add(op="op", tag=OpBegins("gdn", "matmul", 0))
 
     def _add(self, **kw):
         self.events.append(Event(seq=len(self.events), span=Span.unknown("t.sched"), **kw))
@@ -51,7 +52,7 @@ class _Trace:
 
     def compute(self, nbytes):
         """A weight read of `nbytes` bf16: nbytes / 2 values fed to the MXU."""
-        self._add(op="read", buffer="weights", slot=0, nbytes=nbytes)
+        self._add(op="read", buffer="weights", slot=0, nbytes=nbytes, tag=RingTile(0))
 
 
 def _run(s, trace, batch=1, **kw):

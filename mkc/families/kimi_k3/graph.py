@@ -271,15 +271,35 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
     """(sublayer kinds, routed expert families, globals, per-rank sizes)."""
     fam = kimi_k3_families(d, sh, formats)
     g = kimi_k3_geometry(d, sh)
+    H = d.hidden_size
+    vocab = split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
+    glob = {
+        "embed": Tensor("embed", "table", (vocab, H), "bf16"),
+        "final_norm": _v("final_norm", H),
+        **_mix_vectors(H, "output"),
+        "lm_head": _m("lm_head", H, vocab),
+    }
+    per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
+                              "host_cores": sh.host_cores, "router_split": sh.router_split}
+    kinds = {"kda": _kda_kind(d, g, fam["kda"]), "mla": _mla_kind(d, g, fam["mla"]),
+             "moe": _moe_kind(d, sh, g, fam["moe"]), "dense": _dense_kind(d, fam["dense"])}
+    return kinds, fam["expert"], glob, per_rank
+
+
+# The block attention residual around each sublayer (`lowering`): the sublayer's input mixes the
+# completed blocks, and its output is added to the block being filled.
+_ATTN_MIX = Op("input_mix", reads=("blocks", "attn_res_norm", "attn_res_proj", "input_norm"),
+               writes=("h",))
+_ATTN_RESIDUAL = Op("attn_residual", reads=("attn_out", "blocks"), writes=("blocks",))
+_MLP_MIX = Op("mlp_mix", reads=("blocks", "mlp_res_norm", "mlp_res_proj", "post_norm"),
+              writes=("h",))
+
+
+def _kda_kind(d: KimiDims, g: KimiGeometry, matrices: dict[str, Tensor]) -> LayerKind:
+    """Kimi delta attention: a gated delta rule over a short convolution, recurrent state."""
     H, P = d.hidden_size, g.heads * d.head_dim
-    attn_mix = Op("input_mix", reads=("blocks", "attn_res_norm", "attn_res_proj", "input_norm"),
-                  writes=("h",))
-    attn_residual = Op("attn_residual", reads=("attn_out", "blocks"), writes=("blocks",))
-    mlp_mix = Op("mlp_mix", reads=("blocks", "mlp_res_norm", "mlp_res_proj", "post_norm"),
-                 writes=("h",))
-    mlp_residual = Op("mlp_residual", reads=("mlp_out", "blocks"), writes=("blocks",))
-    kda = LayerKind("kda", ops=(
-        attn_mix,
+    return LayerKind("kda", ops=(
+        _ATTN_MIX,
         Op("gate_down", reads=("h",), writes=("gate_low",), matmul="gate_down"),
         Op("gate_up", reads=("gate_low",), writes=("gate",), matmul="gate_up"),
         Op("projection", reads=("h",), writes=("proj",), matmul="projection"),
@@ -288,9 +308,9 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
            writes=("core", "recurrent")),
         Op("gated_norm", reads=("core", "proj", "o_norm"), writes=("core",)),
         Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-        attn_residual,
+        _ATTN_RESIDUAL,
     ), tensors={
-        **fam["kda"], **_mix_vectors(H, "attn"),
+        **matrices, **_mix_vectors(H, "attn"),
         "input_norm": _v("input_norm", H),
         "conv_weight": _v("conv_weight", d.conv_taps, 3 * P),
         "a_log": _v("a_log", P),                     # per head, expanded over its channels
@@ -299,8 +319,13 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
         "conv": Tensor("conv", "state", (d.conv_taps - 1, 3 * P), "bf16", lead_dims=1),
         "recurrent": Tensor("recurrent", "state", (g.heads, d.head_dim, d.head_dim), "f32"),
     })
-    mla = LayerKind("mla", ops=(
-        attn_mix,
+
+
+def _mla_kind(d: KimiDims, g: KimiGeometry, matrices: dict[str, Tensor]) -> LayerKind:
+    """Multi-head latent attention over a cache of compressed latents (absorbed up-projections)."""
+    H = d.hidden_size
+    return LayerKind("mla", ops=(
+        _ATTN_MIX,
         Op("q_down", reads=("h",), writes=("q_low",), matmul="q_down"),
         Op("kv_down", reads=("h",), writes=("kv_row",), matmul="kv_down"),
         Op("latent_norms", reads=("q_low", "kv_row", "q_norm", "kv_norm"),
@@ -313,16 +338,22 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
         Op("gate", reads=("h",), writes=("gate_logits",), matmul="gate"),
         Op("out_gate", reads=("core", "gate_logits"), writes=("core",)),
         Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-        attn_residual,
+        _ATTN_RESIDUAL,
     ), tensors={
-        **fam["mla"], **_mix_vectors(H, "attn"),
+        **matrices, **_mix_vectors(H, "attn"),
         "input_norm": _v("input_norm", H),
         "q_norm": _v("q_norm", d.q_lora),
         "kv_norm": _v("kv_norm", d.kv_lora),
         "latent": Tensor("latent", "cache", (g.cache_width,), "bf16"),   # per token
     })
-    moe = LayerKind("moe", ops=(
-        mlp_mix,
+
+
+def _moe_kind(d: KimiDims, sh: KimiSharding, g: KimiGeometry, matrices: dict[str, Tensor]
+              ) -> LayerKind:
+    """The MoE MLP: routed experts in a latent space, and the shared experts."""
+    H = d.hidden_size
+    return LayerKind("moe", ops=(
+        _MLP_MIX,
         Op("router", reads=("h",), writes=("scores",), matmul="router"),
         Op("route", reads=("scores", "router_bias"), writes=("expert_ids", "expert_weights"),
            picks_experts=True),
@@ -336,27 +367,22 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
         Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
         Op("mlp_residual", reads=("mlp_out", "shared_out", "blocks"), writes=("blocks",)),
     ), tensors={
-        **fam["moe"], **_mix_vectors(H, "mlp"),
+        **matrices, **_mix_vectors(H, "mlp"),
         "post_norm": _v("post_norm", H),
         "router_bias": _v("router_bias", g.router_cols * sh.router_split),
         "latent_norm": _v("latent_norm", d.latent),
     })
-    dense = LayerKind("dense", ops=(
-        mlp_mix,
+
+
+def _dense_kind(d: KimiDims, matrices: dict[str, Tensor]) -> LayerKind:
+    """The dense MLP of layer 0."""
+    H = d.hidden_size
+    return LayerKind("dense", ops=(
+        _MLP_MIX,
         Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
         Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
-        mlp_residual,
-    ), tensors={**fam["dense"], **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
-    vocab = split(d.vocab_size, sh.ranks, "vocab_size", "vocab")
-    glob = {
-        "embed": Tensor("embed", "table", (vocab, H), "bf16"),
-        "final_norm": _v("final_norm", H),
-        **_mix_vectors(H, "output"),
-        "lm_head": _m("lm_head", H, vocab),
-    }
-    per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
-                              "host_cores": sh.host_cores, "router_split": sh.router_split}
-    return ({"kda": kda, "mla": mla, "moe": moe, "dense": dense}, fam["expert"], glob, per_rank)
+        Op("mlp_residual", reads=("mlp_out", "blocks"), writes=("blocks",)),
+    ), tensors={**matrices, **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
 
 
 def family_bytes(families: dict[str, Tensor]) -> int:
