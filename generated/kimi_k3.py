@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -32,6 +31,7 @@ from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.pool import WeightView
 from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
+from mkc.runtime.shapes import ROWS, SEQS, dma_sems, smem, vmem
 from mkc.runtime.vectors import Parity, VectorRefs
 
 # Each compute body runs in its op's name scope (mkc.runtime.scopes): the step-time model
@@ -252,7 +252,6 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21,
 def _layer_dense(k: Kernel, layer):
     """One dense layer: mlp_mix, gate_up, down, mlp_residual."""
     c = k.layer("dense", layer)
-    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     c.prefetch_view()   # spec line 81: prefetch next staging.attention
     h = lower.mlp_mix(c)
@@ -309,7 +308,6 @@ def _layer_mla(k: Kernel, layer):
     """One mla layer: input_mix, q_down, kv_down, latent_norms, kv_write, q_up, absorb_query,
     attention, values_out, gate, out_gate, o_proj, attn_residual."""
     c = k.layer("mla", layer)
-    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_mix(c)
     c.wait_pooled("q_down")   # staging.attention: before its first reader
@@ -336,7 +334,6 @@ def _layer_moe(k: Kernel, layer):
     """One moe layer: mlp_mix, router, route, latent_down, shared_gate_up, shared_down,
     routed_experts, latent_norm, latent_up, mlp_residual."""
     c = k.layer("moe", layer)
-    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
@@ -380,27 +377,8 @@ def _kernel(r, *, B, R=1, verify=False):
                                      SHARDS.rule("vocab"), EMBED_REDUCE, AXIS, B)
         lower.prologue(k)
 
-    def layer_step(layer, carry):
-        kind = r.tables[0, layer]
-
-        @pl.when(kind == KIND_IDS["dense"])
-        def _():
-            _layer_dense(k, layer)
-
-        @pl.when(kind == KIND_IDS["kda"])
-        def _():
-            _layer_kda(k, layer)
-
-        @pl.when(kind == KIND_IDS["mla"])
-        def _():
-            _layer_mla(k, layer)
-
-        @pl.when(kind == KIND_IDS["moe"])
-        def _():
-            _layer_moe(k, layer)
-        return carry
-
-    lax.fori_loop(0, N_LAYERS, layer_step, 0)
+    # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
+    k.run_layers({"dense": _layer_dense, "kda": _layer_kda, "mla": _layer_mla, "moe": _layer_moe})
     # spec line 68: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
@@ -415,97 +393,90 @@ def _kernel(r, *, B, R=1, verify=False):
 
 
 # ---- shapes, and the host side (mkc.runtime.host) bound to this module ------------------
-def hbm_shapes():
-    """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
-    return {
-        "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
-        "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
-        "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
-        "head_norm_hbm": ((8, HIDDEN), F32),
-        "pool__kda__gate_down": ((len(KIND_LAYERS["kda"]), 7168, 128), BF16),
-        "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), 128, 384), BF16),
-        "pool__kda__projection": ((len(KIND_LAYERS["kda"]), 7168, 1664), BF16),
-        "pool__kda__o_proj": ((len(KIND_LAYERS["kda"]), 384, 7168), BF16),
-        "pool__mla__q_down": ((len(KIND_LAYERS["mla"]), 7168, 1536), BF16),
-        "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
-        "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
-        "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
-        "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts,
-                                   1792, 1536), BF16),
-        "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts,
-                                    16, 1536), BF16),
-        "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 384, 3584), BF16),
-        "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 3584), BF16),
-    }
+# Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype).
+HBM_SHAPES = {
+    "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
+    "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
+    "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
+    "head_norm_hbm": ((8, HIDDEN), F32),
+    "pool__kda__gate_down": ((len(KIND_LAYERS["kda"]), 7168, 128), BF16),
+    "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), 128, 384), BF16),
+    "pool__kda__projection": ((len(KIND_LAYERS["kda"]), 7168, 1664), BF16),
+    "pool__kda__o_proj": ((len(KIND_LAYERS["kda"]), 384, 7168), BF16),
+    "pool__mla__q_down": ((len(KIND_LAYERS["mla"]), 7168, 1536), BF16),
+    "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
+    "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
+    "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
+    "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 1792, 1536), BF16),
+    "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 1536), BF16),
+    "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 384, 3584), BF16),
+    "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 3584), BF16),
+}
 
 
-def state_shapes(S, R=1):
-    """Per-rank decode state arrays of S sequences (without the leading rank axis): name ->
-    (shape, dtype). With R rows per sequence (a verify step's output) the recurrent states hold
-    the state after every row, S * R entries (row r * S + s: sequence s after its row r)."""
-    B = S * R
-    return {
-        "kda__conv": ((len(KIND_LAYERS["kda"]), 3, B, 1152), BF16),
-        "kda__recurrent": ((len(KIND_LAYERS["kda"]), B, 3, 128, 128), F32),
-        "mla__latent": ((len(KIND_LAYERS["mla"]), S, CONTEXT, 640), BF16),
-    }
+# Per-rank decode state of SEQS sequences (without the leading rank axis): name -> (shape,
+# dtype). A verify step's output of R rows a sequence holds the recurrent states after every
+# row: ROWS = SEQS * R entries (row r * SEQS + s: sequence s after its row r).
+STATE_SHAPES = {
+    "kda__conv": ((len(KIND_LAYERS["kda"]), 3, ROWS, 1152), BF16),
+    "kda__recurrent": ((len(KIND_LAYERS["kda"]), ROWS, 3, 128, 128), F32),
+    "mla__latent": ((len(KIND_LAYERS["mla"]), SEQS, CONTEXT, 640), BF16),
+}
 
 
-def vmem_input_shapes(B):
-    """Host-computed VMEM inputs of a step at B rows (lowering.host_inputs)."""
-    return {
-    }
+# Host-computed VMEM inputs of a step at ROWS rows (lowering.host_inputs).
+VMEM_INPUT_SHAPES = {
+}
 
 
-def scratch_shapes(B):
-    """The kernel's scratch at B rows, by the name its body reads (`r.<name>`)."""
-    return {
-        "weights": pltpu.VMEM((RING.slots, *RING.slot_shape), BF16),   # ring
-        "vectors": pltpu.VMEM((2, VECTORS.rows, VECTORS.cols), F32),   # parity
-        "x": pltpu.VMEM((B, HIDDEN), F32),   # activation
-        "embed_rows": pltpu.VMEM((B, 16, HIDDEN), BF16),   # activation
-        "head_norm": pltpu.VMEM((8, HIDDEN), F32),   # parity
-        "stage": pltpu.VMEM((7, B, 1024), BF16),   # activation
-        "acc": pltpu.VMEM((7, B, 1024), F32),   # activation
-        "blocks": pltpu.VMEM((10, B, 7168), F32),   # activation
-        "latent": pltpu.VMEM((B, 4096), F32),   # activation
-        "staging": pltpu.VMEM((124928, 128), BF16),   # pool
-        "kda_rec_buf": pltpu.VMEM((B, 3, 128, 128), F32),   # state
-        "mla_kv_rows": pltpu.VMEM((2, B, 16, 640), BF16),   # kv
-        "gather__latent_down": pltpu.VMEM((2, 32, B, 128), BF16),   # collective
-        "gather__latent_up": pltpu.VMEM((2, 8, B, 896), BF16),   # collective
-        "exchange__router": pltpu.VMEM((2, 2, B, 512), F32),   # collective
-        "recv__bf16_4x8": pltpu.VMEM((2, 4, B, 7168), BF16),   # collective
-        "recv__bf16_8x1": pltpu.VMEM((2, 8, B, 7168), BF16),   # collective
-        "ring_sem": pltpu.SemaphoreType.DMA((RING.slots,)),
-        "vectors_sem": pltpu.SemaphoreType.DMA((2,)),
-        "sem__head_norm": pltpu.SemaphoreType.DMA(()),
-        "sem__embed": pltpu.SemaphoreType.DMA(()),
-        "sem__load_kda_conv_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__load_kda_rec_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__store_kda_conv_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__store_kda_rec_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__mla_kv_rows": pltpu.SemaphoreType.DMA(()),
-        "gather__latent_down__send": pltpu.SemaphoreType.DMA((2, 32)),
-        "gather__latent_down__recv": pltpu.SemaphoreType.DMA((2, 32)),
-        "gather__latent_up__send": pltpu.SemaphoreType.DMA((2, 8)),
-        "gather__latent_up__recv": pltpu.SemaphoreType.DMA((2, 8)),
-        "exchange__router__send": pltpu.SemaphoreType.DMA((2, 2)),
-        "exchange__router__recv": pltpu.SemaphoreType.DMA((2, 2)),
-        "recv__bf16_4x8__send": pltpu.SemaphoreType.DMA((2, 4)),
-        "recv__bf16_4x8__recv": pltpu.SemaphoreType.DMA((2, 4)),
-        "recv__bf16_8x1__send": pltpu.SemaphoreType.DMA((2, 8)),
-        "recv__bf16_8x1__recv": pltpu.SemaphoreType.DMA((2, 8)),
-        "collective_count": pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-        "pool_sem": pltpu.SemaphoreType.DMA((4,)),   # pooled matrix copies
-        "expert_sem": pltpu.SemaphoreType.DMA((2, 4)),   # expert slot copies
-        "expert_list": pltpu.SMEM((EXPERTS.local_experts,), jnp.int32),   # picked local experts
-        "expert_count": pltpu.SMEM((1,), jnp.int32),   # how many
-    }
+# The kernel's scratch at ROWS rows, by the name its body reads (`r.<name>`).
+SCRATCH_SHAPES = {
+    "weights": vmem((RING.slots, *RING.slot_shape), BF16),   # ring
+    "vectors": vmem((2, VECTORS.rows, VECTORS.cols), F32),   # parity
+    "x": vmem((ROWS, HIDDEN), F32),   # activation
+    "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
+    "head_norm": vmem((8, HIDDEN), F32),   # parity
+    "stage": vmem((7, ROWS, 1024), BF16),   # activation
+    "acc": vmem((7, ROWS, 1024), F32),   # activation
+    "blocks": vmem((10, ROWS, 7168), F32),   # activation
+    "latent": vmem((ROWS, 4096), F32),   # activation
+    "staging": vmem((124928, 128), BF16),   # pool
+    "kda_rec_buf": vmem((ROWS, 3, 128, 128), F32),   # state
+    "mla_kv_rows": vmem((2, ROWS, 16, 640), BF16),   # kv
+    "gather__latent_down": vmem((2, 32, ROWS, 128), BF16),   # collective
+    "gather__latent_up": vmem((2, 8, ROWS, 896), BF16),   # collective
+    "exchange__router": vmem((2, 2, ROWS, 512), F32),   # collective
+    "recv__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16),   # collective
+    "recv__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16),   # collective
+    "ring_sem": dma_sems((RING.slots,)),
+    "vectors_sem": dma_sems((2,)),
+    "sem__head_norm": dma_sems(),
+    "sem__embed": dma_sems(),
+    "sem__load_kda_conv_buf": dma_sems(),
+    "sem__load_kda_rec_buf": dma_sems(),
+    "sem__store_kda_conv_buf": dma_sems(),
+    "sem__store_kda_rec_buf": dma_sems(),
+    "sem__mla_kv_rows": dma_sems(),
+    "gather__latent_down__send": dma_sems((2, 32)),
+    "gather__latent_down__recv": dma_sems((2, 32)),
+    "gather__latent_up__send": dma_sems((2, 8)),
+    "gather__latent_up__recv": dma_sems((2, 8)),
+    "exchange__router__send": dma_sems((2, 2)),
+    "exchange__router__recv": dma_sems((2, 2)),
+    "recv__bf16_4x8__send": dma_sems((2, 4)),
+    "recv__bf16_4x8__recv": dma_sems((2, 4)),
+    "recv__bf16_8x1__send": dma_sems((2, 8)),
+    "recv__bf16_8x1__recv": dma_sems((2, 8)),
+    "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+    "pool_sem": dma_sems((4,)),   # pooled matrix copies
+    "expert_sem": dma_sems((2, 4)),   # expert slot copies
+    "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
+    "expert_count": smem((1,), jnp.int32),   # how many
+}
 
 
-HOST = Host(kernel=_kernel, hbm_shapes=hbm_shapes, state_shapes=state_shapes,
-            vmem_input_shapes=vmem_input_shapes, scratch_shapes=scratch_shapes,
+HOST = Host(kernel=_kernel, hbm_table=HBM_SHAPES, state_table=STATE_SHAPES,
+            vmem_input_table=VMEM_INPUT_SHAPES, scratch_table=SCRATCH_SHAPES,
             host_inputs=lowering.host_inputs, hf_layout=hf_layout, axis=AXIS, ranks=RANKS,
             context=CONTEXT, batch_range=BATCH_RANGE, vmem_limit_bytes=VMEM_LIMIT_BYTES, dims=DIMS,
             hf_config=HF_CONFIG, per_rank=PER_RANK, formats=FORMATS, shards=SHARDS,
@@ -521,3 +492,5 @@ make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step,
 pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
 init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
 reference_states, random_weights = HOST.reference_states, HOST.random_weights
+hbm_shapes, state_shapes = HOST.hbm_shapes, HOST.state_shapes
+vmem_input_shapes, scratch_shapes = HOST.vmem_input_shapes, HOST.scratch_shapes

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -29,6 +28,7 @@ from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
+from mkc.runtime.shapes import ROWS, SEQS, dma_sems, smem, vmem
 from mkc.runtime.vectors import Parity, VectorRefs
 
 # Each compute body runs in its op's name scope (mkc.runtime.scopes): the step-time model
@@ -210,7 +210,6 @@ def _layer_gqa(k: Kernel, layer):
     """One gqa layer: input_norm, qkv_gate, qk_norm_rope, kv_write, attention, out_gate, o_proj,
     attn_residual, post_norm, gate_up, down, mlp_residual."""
     c = k.layer("gqa", layer)
-    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_norm(c)
     proj = lower.qkv_gate(c, h)
@@ -247,19 +246,8 @@ def _kernel(r, *, B, R=1, verify=False):
                                      SHARDS.rule("vocab"), EMBED_REDUCE, AXIS, B)
         lower.prologue(k)
 
-    def layer_step(layer, carry):
-        kind = r.tables[0, layer]
-
-        @pl.when(kind == KIND_IDS["gdn"])
-        def _():
-            _layer_gdn(k, layer)
-
-        @pl.when(kind == KIND_IDS["gqa"])
-        def _():
-            _layer_gqa(k, layer)
-        return carry
-
-    lax.fori_loop(0, N_LAYERS, layer_step, 0)
+    # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
+    k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa})
     # spec line 35: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
@@ -274,66 +262,61 @@ def _kernel(r, *, B, R=1, verify=False):
 
 
 # ---- shapes, and the host side (mkc.runtime.host) bound to this module ------------------
-def hbm_shapes():
-    """Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype)."""
-    return {
-        "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
-        "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
-        "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
-        "head_norm_hbm": ((8, HIDDEN), F32),
-    }
+# Per-rank HBM inputs (without the leading rank axis): name -> (shape, dtype).
+HBM_SHAPES = {
+    "embed": ((VOCAB_LOCAL, HIDDEN), BF16),
+    "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
+    "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
+    "head_norm_hbm": ((8, HIDDEN), F32),
+}
 
 
-def state_shapes(S, R=1):
-    """Per-rank decode state arrays of S sequences (without the leading rank axis): name ->
-    (shape, dtype). With R rows per sequence (a verify step's output) the recurrent states hold
-    the state after every row, S * R entries (row r * S + s: sequence s after its row r)."""
-    B = S * R
-    return {
-        "gdn__conv": ((len(KIND_LAYERS["gdn"]), 3, B, 1280), F32),
-        "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), B, 6, 128, 128), F32),
-        "gqa__key": ((len(KIND_LAYERS["gqa"]), S, CONTEXT, 256), BF16),
-        "gqa__value": ((len(KIND_LAYERS["gqa"]), S, CONTEXT, 256), BF16),
-    }
+# Per-rank decode state of SEQS sequences (without the leading rank axis): name -> (shape,
+# dtype). A verify step's output of R rows a sequence holds the recurrent states after every
+# row: ROWS = SEQS * R entries (row r * SEQS + s: sequence s after its row r).
+STATE_SHAPES = {
+    "gdn__conv": ((len(KIND_LAYERS["gdn"]), 3, ROWS, 1280), F32),
+    "gdn__recurrent": ((len(KIND_LAYERS["gdn"]), ROWS, 6, 128, 128), F32),
+    "gqa__key": ((len(KIND_LAYERS["gqa"]), SEQS, CONTEXT, 256), BF16),
+    "gqa__value": ((len(KIND_LAYERS["gqa"]), SEQS, CONTEXT, 256), BF16),
+}
 
 
-def vmem_input_shapes(B):
-    """Host-computed VMEM inputs of a step at B rows (lowering.host_inputs)."""
-    return {
-        "rope": ((2, B, 256), F32),
-    }
+# Host-computed VMEM inputs of a step at ROWS rows (lowering.host_inputs).
+VMEM_INPUT_SHAPES = {
+    "rope": ((2, ROWS, 256), F32),
+}
 
 
-def scratch_shapes(B):
-    """The kernel's scratch at B rows, by the name its body reads (`r.<name>`)."""
-    return {
-        "weights": pltpu.VMEM((RING.slots, *RING.slot_shape), BF16),   # ring
-        "vectors": pltpu.VMEM((2, VECTORS.rows, VECTORS.cols), F32),   # parity
-        "x": pltpu.VMEM((B, HIDDEN), F32),   # activation
-        "embed_rows": pltpu.VMEM((B, 16, HIDDEN), BF16),   # activation
-        "head_norm": pltpu.VMEM((8, HIDDEN), F32),   # parity
-        "stage": pltpu.VMEM((5, B, 1024), BF16),   # activation
-        "acc": pltpu.VMEM((27, B, 1280), F32),   # activation
-        "gdn_rec_buf": pltpu.VMEM((B, 6, 128, 128), F32),   # state
-        "gqa_kv_rows": pltpu.VMEM((2, B, 16, 256), BF16),   # kv
-        "recv__bf16_8x1": pltpu.VMEM((2, 8, B, 5120), BF16),   # collective
-        "ring_sem": pltpu.SemaphoreType.DMA((RING.slots,)),
-        "vectors_sem": pltpu.SemaphoreType.DMA((2,)),
-        "sem__head_norm": pltpu.SemaphoreType.DMA(()),
-        "sem__embed": pltpu.SemaphoreType.DMA(()),
-        "sem__load_gdn_conv_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__load_gdn_rec_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__store_gdn_conv_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__store_gdn_rec_buf": pltpu.SemaphoreType.DMA(()),
-        "sem__gqa_kv_rows": pltpu.SemaphoreType.DMA(()),
-        "recv__bf16_8x1__send": pltpu.SemaphoreType.DMA((2, 8)),
-        "recv__bf16_8x1__recv": pltpu.SemaphoreType.DMA((2, 8)),
-        "collective_count": pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    }
+# The kernel's scratch at ROWS rows, by the name its body reads (`r.<name>`).
+SCRATCH_SHAPES = {
+    "weights": vmem((RING.slots, *RING.slot_shape), BF16),   # ring
+    "vectors": vmem((2, VECTORS.rows, VECTORS.cols), F32),   # parity
+    "x": vmem((ROWS, HIDDEN), F32),   # activation
+    "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
+    "head_norm": vmem((8, HIDDEN), F32),   # parity
+    "stage": vmem((5, ROWS, 1024), BF16),   # activation
+    "acc": vmem((27, ROWS, 1280), F32),   # activation
+    "gdn_rec_buf": vmem((ROWS, 6, 128, 128), F32),   # state
+    "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
+    "recv__bf16_8x1": vmem((2, 8, ROWS, 5120), BF16),   # collective
+    "ring_sem": dma_sems((RING.slots,)),
+    "vectors_sem": dma_sems((2,)),
+    "sem__head_norm": dma_sems(),
+    "sem__embed": dma_sems(),
+    "sem__load_gdn_conv_buf": dma_sems(),
+    "sem__load_gdn_rec_buf": dma_sems(),
+    "sem__store_gdn_conv_buf": dma_sems(),
+    "sem__store_gdn_rec_buf": dma_sems(),
+    "sem__gqa_kv_rows": dma_sems(),
+    "recv__bf16_8x1__send": dma_sems((2, 8)),
+    "recv__bf16_8x1__recv": dma_sems((2, 8)),
+    "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+}
 
 
-HOST = Host(kernel=_kernel, hbm_shapes=hbm_shapes, state_shapes=state_shapes,
-            vmem_input_shapes=vmem_input_shapes, scratch_shapes=scratch_shapes,
+HOST = Host(kernel=_kernel, hbm_table=HBM_SHAPES, state_table=STATE_SHAPES,
+            vmem_input_table=VMEM_INPUT_SHAPES, scratch_table=SCRATCH_SHAPES,
             host_inputs=lowering.host_inputs, hf_layout=hf_layout, axis=AXIS, ranks=RANKS,
             context=CONTEXT, batch_range=BATCH_RANGE, vmem_limit_bytes=VMEM_LIMIT_BYTES, dims=DIMS,
             hf_config=HF_CONFIG, per_rank=PER_RANK, formats=FORMATS, shards=SHARDS,
@@ -348,3 +331,5 @@ make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step,
 pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
 init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
 reference_states, random_weights = HOST.reference_states, HOST.random_weights
+hbm_shapes, state_shapes = HOST.hbm_shapes, HOST.state_shapes
+vmem_input_shapes, scratch_shapes = HOST.vmem_input_shapes, HOST.scratch_shapes

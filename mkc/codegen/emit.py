@@ -23,6 +23,8 @@ def _env() -> jinja2.Environment:
                              trim_blocks=True, lstrip_blocks=True)
     # Free text (file names) only reaches the module docstring, restricted to safe characters.
     env.filters["safe_text"] = lambda t: re.sub(r"[^A-Za-z0-9_.\-]", "_", str(t))
+    # Whether generated text uses a name (an import or a local is emitted only if it does).
+    env.tests["using"] = lambda text, name: re.search(rf"(?<![\w.]){re.escape(name)}\b", text) is not None
     return env
 
 

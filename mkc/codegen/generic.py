@@ -151,7 +151,7 @@ def _scratch_shape(b: ir.Buffer, s: ir.ScheduleIR, ring: Ring) -> str:
         return "(RING.slots, *RING.slot_shape)"
     if b.name == "vectors" and b.shape == (2, s.parity.rows, s.parity.cols):
         return "(2, VECTORS.rows, VECTORS.cols)"
-    source = b.shape_expr()
+    source = b.shape_expr("ROWS")
     if b.name in _HIDDEN_WIDE and b.shape[-1] == s.dims["hidden_size"]:
         source = source[:-1].rsplit(", ", 1)[0] + ", HIDDEN)"
     return source
@@ -247,13 +247,13 @@ def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name
         for sname in sorted(k.states):
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
-                plans.state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr(),
+                plans.state_arrays.append((f"{kname}__{sname}", kname, buf.shape_expr("ROWS"),
                                            DTYPE_SOURCE[buf.dtype]))
                 plans.row_states.append((f"{kname}__{sname}", buf.batch_axis))
                 if spread_on_host(buf.batch_axis, len(buf.shape)):
                     plans.spread_states.append(f"{kname}__{sname}")
         for c, b in zip(caches, kv_bufs):
-            plans.state_arrays.append((c, kname, f"(S, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
+            plans.state_arrays.append((c, kname, f"(SEQS, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
     return plans
 
 
@@ -262,15 +262,15 @@ def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: 
     """(name, source, comment) of the resident VMEM buffers, the ring's, vectors' and copies'
     semaphores and the collectives' send and receive semaphores, in operand order."""
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
-    scratch = [(b.name, f"pltpu.VMEM({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
+    scratch = [(b.name, f"vmem({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
                for b in resident]
-    scratch += [("ring_sem", "pltpu.SemaphoreType.DMA((RING.slots,))", ""),
-                ("vectors_sem", "pltpu.SemaphoreType.DMA((2,))", "")]
-    scratch += [(n, "pltpu.SemaphoreType.DMA(())", "") for n in sems]
+    scratch += [("ring_sem", "dma_sems((RING.slots,))", ""),
+                ("vectors_sem", "dma_sems((2,))", "")]
+    scratch += [(n, "dma_sems()", "") for n in sems]
     for b in collectives:
-        scratch += [(b.name + "__send", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", ""),
-                    (b.name + "__recv", f"pltpu.SemaphoreType.DMA((2, {b.shape[1]}))", "")]
-    scratch.append(("collective_count", "pltpu.SMEM((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
+        scratch += [(b.name + "__send", f"dma_sems((2, {b.shape[1]}))", ""),
+                    (b.name + "__recv", f"dma_sems((2, {b.shape[1]}))", "")]
+    scratch.append(("collective_count", "smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
                     "use counters"))
     return scratch
 
@@ -290,7 +290,7 @@ def _weight_view(s: ir.ScheduleIR) -> tuple[WeightView | None, list[tuple], list
                       (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES))
                      for kind, mats in sorted(v.matrices.items()) for m in mats]
     copies = max(len(m) for m in v.matrices.values())
-    return weight_view, pooled_inputs, [("pool_sem", f"pltpu.SemaphoreType.DMA(({copies},))",
+    return weight_view, pooled_inputs, [("pool_sem", f"dma_sems(({copies},))",
                                          "pooled matrix copies")]
 
 
@@ -310,11 +310,11 @@ def _expert_slots(s: ir.ScheduleIR) -> tuple[ExpertSlots | None, list[tuple], li
                                group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
     expert_inputs = [(f"expert__{m.name}", fetching[0],
                       (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES)) for m in mats]
-    scratch = [("expert_sem", f"pltpu.SemaphoreType.DMA(({view.slots}, {len(mats)}))",
+    scratch = [("expert_sem", f"dma_sems(({view.slots}, {len(mats)}))",
                 "expert slot copies"),
-               ("expert_list", "pltpu.SMEM((EXPERTS.local_experts,), jnp.int32)",
+               ("expert_list", "smem((EXPERTS.local_experts,), jnp.int32)",
                 "picked local experts"),
-               ("expert_count", "pltpu.SMEM((1,), jnp.int32)", "how many")]
+               ("expert_count", "smem((1,), jnp.int32)", "how many")]
     return expert_slots, expert_inputs, scratch
 
 
@@ -359,7 +359,7 @@ def context(s: ir.ScheduleIR) -> dict:
         "state_arrays": plans.state_arrays,
         "row_states_literal": literal(dict(plans.row_states), 13),
         "spread_states_literal": literal(tuple(plans.spread_states), 20),
-        "vmem_inputs": [(b.name, b.shape_expr(), DTYPE_SOURCE[b.dtype]) for b in s.vmem_inputs],
+        "vmem_inputs": [(b.name, b.shape_expr("ROWS"), DTYPE_SOURCE[b.dtype]) for b in s.vmem_inputs],
         "experts_literal": literal(expert_slots, 10),
         "expert_inputs": expert_inputs,
         "view_literal": literal(weight_view, 7),

@@ -9,12 +9,14 @@ view) is the schedule's choice, not the body's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -103,6 +105,17 @@ class Kernel:
     def layers(self) -> int:
         """Iterations of the layer loop."""
         return len(self.dims.layer_kinds)
+
+    def run_layers(self, bodies: Mapping[str, Callable[["Kernel", Any], None]]) -> None:
+        """Every layer in order, each by its kind's body: the SMEM layer table's kind column
+        picks one of `bodies` (kind -> body(kernel, layer)) per iteration of one loop."""
+        tables = self.refs.tables
+
+        def layer_step(layer, carry):
+            for kind, body in bodies.items():
+                pl.when(tables[0, layer] == self.kind_ids[kind])(functools.partial(body, self, layer))
+            return carry
+        lax.fori_loop(0, self.layers, layer_step, 0)
 
     def layer(self, kind: str, index) -> "Layer":
         tables = self.refs.tables

@@ -23,11 +23,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.runtime import inputs, pool, ring
+from mkc.runtime import inputs, pool, ring, shapes
 from mkc.runtime.ring import Ring, StreamedMatrix
+from mkc.runtime.shapes import Scratch, Shapes
 from mkc.runtime.vectors import Parity
 
-Shapes = dict[str, tuple[tuple[int, ...], Any]]
 # The kernel's SMEM inputs, before the module's VMEM inputs, HBM weights and states.
 SMEM_INPUTS = ("tokens", "positions", "tables", "tile_class")
 
@@ -47,10 +47,11 @@ class Host:
     """One generated module's host side, from its constants (see the module for each)."""
 
     kernel: Callable[..., None]                 # kernel(refs namespace, B=, R=, verify=)
-    hbm_shapes: Callable[[], Shapes]            # per-rank HBM weights, no rank axis
-    state_shapes: Callable[..., Shapes]         # state_shapes(S, R=1)
-    vmem_input_shapes: Callable[[int], Shapes]  # host-computed VMEM inputs at B rows
-    scratch_shapes: Callable[[int], dict[str, Any]]
+    # The module's shape tables (mkc.runtime.shapes: ROWS and SEQS fixed per kernel).
+    hbm_table: Shapes                           # per-rank HBM weights, no rank axis
+    state_table: Mapping[str, tuple]            # per-rank states of SEQS sequences
+    vmem_input_table: Mapping[str, tuple]       # host-computed VMEM inputs at ROWS rows
+    scratch_table: Mapping[str, Scratch]
     host_inputs: Callable                       # the lowering's host_inputs(dims, positions)
     hf_layout: types.ModuleType                 # the family's weights module (in its package)
     axis: str
@@ -78,6 +79,24 @@ class Host:
     row_states: Mapping[str, int] = field(default_factory=dict)
     spread_row_states: tuple[str, ...] = ()
     _steps: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- shapes ----------------------------------------------------------------------------
+    def hbm_shapes(self) -> Shapes:
+        """Per-rank HBM inputs (no rank axis): name -> (shape, dtype)."""
+        return dict(self.hbm_table)
+
+    def state_shapes(self, S: int, R: int = 1) -> Shapes:
+        """Per-rank decode state of S sequences (no rank axis); with R rows per sequence (a
+        verify step's output) the recurrent states hold S * R entries, one after every row."""
+        return shapes.table_at(self.state_table, S * R, S)
+
+    def vmem_input_shapes(self, B: int) -> Shapes:
+        """Host-computed VMEM inputs of a step at B rows (the lowering's host_inputs)."""
+        return shapes.table_at(self.vmem_input_table, B)
+
+    def scratch_shapes(self, B: int) -> dict[str, Any]:
+        """The kernel's scratch at B rows, by the name its body reads (`r.<name>`)."""
+        return {name: scratch.at(B) for name, scratch in self.scratch_table.items()}
 
     # ---- the kernel ----------------------------------------------------------------------
     @property
@@ -343,9 +362,9 @@ class Host:
     def abstract_inputs(self, B: int):
         """ShapeDtypeStructs of (weights, state) with the leading rank axis: for compile-only
         use."""
-        def structs(shapes: Shapes) -> dict:
+        def structs(table: Shapes) -> dict:
             return {n: jax.ShapeDtypeStruct((self.ranks, *shape), dtype)
-                    for n, (shape, dtype) in shapes.items()}
+                    for n, (shape, dtype) in table.items()}
         return structs(self.hbm_shapes()), structs(self.state_shapes(B))
 
     def make_mesh(self, devices=None) -> Mesh:
