@@ -138,3 +138,22 @@ def test_a_misshapen_expert_and_mixed_layouts_are_named(tmp_path: Path,
     assert ("model.layers.3.mlp.experts.down_proj: stored both fused (model.layers.3.mlp.experts.down_proj)"
             " and per expert (model.layers.3.mlp.experts.0.down_proj.weight") in msg
     assert "keep one layout" in msg
+
+
+def test_a_lazy_per_expert_load_packs_the_same_bytes(tmp_path: Path, params: dict[str, np.ndarray]) -> None:
+    """The generated module packs a lazily loaded per-expert checkpoint (its fused experts read
+    one expert at a time) byte for byte as the fused arrays."""
+    import sys
+
+    from tests_support import ROOT
+    stored = per_expert(params)
+    save_checkpoint(tmp_path, MINI, stored, max_shard_bytes=two_shards(stored))
+    _, lazy = load_checkpoint(tmp_path, lazy=True)
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import load_generated
+    module = load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini")
+    for rank in (0, module.RANKS - 1):
+        want, got = module.pack_rank(params, rank), module.pack_rank(lazy, rank)
+        for key, a in want.items():
+            np.testing.assert_array_equal(np.asarray(got[key]).view(np.uint8), np.asarray(a).view(np.uint8),
+                                          err_msg=key)
