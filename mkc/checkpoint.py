@@ -5,7 +5,9 @@ tensor names and shapes against the family reference's ``param_shapes`` before r
 tensor data, so a wrong or partial download fails fast with a message naming the offending
 tensors. A family may rename stored prefixes and skip parts the decode step does not use (Qwen3.5
 checkpoints are multimodal: ``model.language_model.`` becomes ``model.``, and the vision tower
-and multi-token-prediction head are skipped, as upstream's ForCausalLM does).
+and multi-token-prediction head are skipped, as upstream's ForCausalLM does), and declare routed
+expert tensors a checkpoint may store fused or per expert (``Family.expert_layouts``): the
+loader converts the stored layout into the one the table names, exactly.
 """
 from __future__ import annotations
 
