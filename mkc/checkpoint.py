@@ -5,13 +5,19 @@ tensor names and shapes against the family reference's ``param_shapes`` before r
 tensor data, so a wrong or partial download fails fast with a message naming the offending
 tensors. A family may rename stored prefixes and skip parts the decode step does not use (Qwen3.5
 checkpoints are multimodal: ``model.language_model.`` becomes ``model.``, and the vision tower
-and multi-token-prediction head are skipped, as upstream's ForCausalLM does).
+and multi-token-prediction head are skipped, as upstream's ForCausalLM does), and declare routed
+expert tensors a checkpoint may store fused or per expert (``Family.expert_layouts``): the
+loader converts the stored layout into the one the table names, exactly.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
+import re
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mkc.model import registry
-from mkc.model.family import Family, stored_dtypes
+from mkc.model.family import ExpertLayout, Family, stored_dtypes
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -92,32 +98,105 @@ _NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float3
 _DTYPE_NAMES = {code: np.dtype(d).name for code, d in _NUMPY_DTYPES.items()}   # as stored_dtypes names them
 
 
+class _OpenFiles:
+    """Safetensors files opened on first use and kept open until the block ends, so reading
+    many tensors (an expert stack's parts) opens each shard once."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._files: dict[Path, Any] = {}
+
+    def __enter__(self) -> _OpenFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def __call__(self, path: Path):
+        if path not in self._files:
+            self._files[path] = self._stack.enter_context(safe_open(path, framework="np"))
+        return self._files[path]
+
+
 class StoredTensor:
     """One tensor of a safetensors file, read only when used: its shape and dtype come from the
     file's header; ``np.asarray`` reads it whole, and indexing (``t[e]``, ``t[:, a:b]``) reads
     just that part. A generated module's ``place_weights`` packs rank by rank, so with these a
-    full-size checkpoint is never held in memory at once (``load_checkpoint(lazy=True)``)."""
+    full-size checkpoint is never held in memory at once (``load_checkpoint(lazy=True)``).
+    ``part``: the tensor is that index of the stored one (one expert's rows of a fused tensor)."""
 
-    __slots__ = ("file", "name", "shape", "dtype")
+    __slots__ = ("file", "name", "shape", "dtype", "part")
 
-    def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: np.dtype):
+    def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
+                 part: tuple | None = None):
         self.file, self.name, self.shape, self.dtype = file, name, shape, np.dtype(dtype)
+        self.part = part
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
+    def read(self, open_file: _OpenFiles) -> np.ndarray:
+        f = open_file(self.file)
+        return f.get_tensor(self.name) if self.part is None else f.get_slice(self.name)[self.part]
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        with safe_open(self.file, framework="np") as f:
-            a = f.get_tensor(self.name)
+        with _OpenFiles() as open_file:
+            a = self.read(open_file)
         return a if dtype is None else a.astype(dtype)
 
     def __getitem__(self, index) -> np.ndarray:
+        if self.part is not None:
+            return np.asarray(self)[index]
         with safe_open(self.file, framework="np") as f:
             return f.get_slice(self.name)[index]
 
     def __repr__(self) -> str:
-        return f"StoredTensor({self.file.name}:{self.name}, {self.dtype}{list(self.shape)})"
+        part = "" if self.part is None else f"[{self.part}]"
+        return f"StoredTensor({self.file.name}:{self.name}{part}, {self.dtype}{list(self.shape)})"
+
+
+class StackedExperts:
+    """A fused ``[E, rows, ...]`` expert tensor of a checkpoint that stores it per expert
+    (``mkc.model.family.ExpertLayout``): expert e is its parts concatenated along their rows.
+    ``np.asarray`` stacks every expert; ``t[e]`` and ``t[e, ...]`` read expert e's parts only
+    (how a generated module packs experts), so a lazy load stays one expert at a time."""
+
+    __slots__ = ("experts", "shape", "dtype")
+
+    def __init__(self, experts: list[list[StoredTensor]], shape: tuple[int, ...], dtype: np.dtype):
+        self.experts, self.shape, self.dtype = experts, shape, np.dtype(dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _expert(self, e: int, open_file: _OpenFiles) -> np.ndarray:
+        return np.concatenate([p.read(open_file) for p in self.experts[e]], axis=0)
+
+    def read(self, open_file: _OpenFiles) -> np.ndarray:
+        return np.stack([self._expert(e, open_file) for e in range(len(self.experts))])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        with _OpenFiles() as open_file:
+            a = self.read(open_file)
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if not isinstance(first, (int, np.integer)):
+            return np.asarray(self)[index]
+        e = range(len(self.experts))[first]            # negative ids, and IndexError past E
+        with _OpenFiles() as open_file:
+            a = self._expert(e, open_file)
+        return a[rest] if rest else a
+
+    def __repr__(self) -> str:
+        first = self.experts[0][0]
+        return f"StackedExperts({first.file.name}:{first.name} ..., {self.dtype}{list(self.shape)})"
+
+
+Source = StoredTensor | StackedExperts
 
 
 def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
@@ -125,8 +204,10 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
     """Read an HF checkpoint directory into (config.json as a dict, HF name -> numpy array).
 
     Arrays keep their stored dtype (bf16 as ``ml_dtypes.bfloat16``, or f32 where the checkpoint
-    stores f32); names are the ForCausalLM ones of the family reference's ``param_shapes``.
-    ``lazy``: each value is a ``StoredTensor`` instead, read when packed (for full-size models:
+    stores f32); names are the ForCausalLM ones of the family reference's ``param_shapes``,
+    routed experts in the layout that table names whichever the checkpoint stores (the
+    family's ``expert_layouts``). ``lazy``: each value is a ``StoredTensor`` (or, for experts
+    stored per expert, a ``StackedExperts``) instead, read when packed (for full-size models:
     ``place_weights`` then holds one rank's packed bytes and one tensor at a time).
     """
     root = Path(path)
@@ -136,13 +217,13 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
     expected = family.module("reference").param_shapes(cfg)
     # Pass 1: names, shapes and dtypes from the headers only.
     headers = _read_headers(root, family, expected)
+    _convert_layouts(headers, family, expected)
     headers.raise_mismatches(root, cfg.num_hidden_layers, expected)
     if lazy:
-        return config, {name: StoredTensor(*headers.located[name], expected[name][0],
-                                           _NUMPY_DTYPES[headers.stored_codes[name]])
-                        for name in expected}
-    # Pass 2: the data.
-    return config, _read_tensors(headers.located, expected)
+        return config, {name: headers.sources[name] for name in expected}
+    # Pass 2: the data, each shard opened once.
+    with _OpenFiles() as open_file:
+        return config, {name: headers.sources[name].read(open_file) for name in expected}
 
 
 def _read_config(root: Path) -> tuple[dict[str, Any], Family, Any]:
@@ -163,15 +244,18 @@ def _read_config(root: Path) -> tuple[dict[str, Any], Family, Any]:
 class _Headers:
     """What the safetensors headers say against the tensors the config expects."""
 
-    located: dict[str, tuple[Path, str]] = field(default_factory=dict)  # name -> (file, stored name)
-    stored_codes: dict[str, str] = field(default_factory=dict)          # name -> safetensors dtype code
+    sources: dict[str, Source] = field(default_factory=dict)           # name -> where its data is
     problems: list[str] = field(default_factory=list)                   # wrong shapes and dtypes
     unexpected: list[str] = field(default_factory=list)                 # stored names not expected
+    # Tensors stored in the other expert layout than the table's (`_convert_layouts`):
+    # name the table expects -> the stored tensors it is made of, with their layout.
+    other_layout: dict[str, list[tuple[tuple, StoredTensor, str]]] = field(default_factory=dict)
+    explained: set[str] = field(default_factory=set)   # absent with a problem that says why
 
     def raise_mismatches(self, root: Path, layers: int, expected: dict) -> None:
         """Every missing, unexpected or mis-shaped tensor in one error (none: return)."""
         problems = list(self.problems)
-        missing = [n for n in expected if n not in self.located]
+        missing = [n for n in expected if n not in self.sources and n not in self.explained]
         if missing:
             problems.insert(0, f"missing {len(missing)} tensor(s): {_listing(missing)}")
         if self.unexpected:
@@ -195,43 +279,144 @@ def _read_headers(root: Path, family: Family, expected: dict) -> _Headers:
                     name = _canonical(family, stored_name)
                     if name is None:
                         continue
-                    if name not in expected:
-                        headers.unexpected.append(stored_name)
-                        continue
-                    if name in headers.located:
-                        raise CheckpointError(f"{root}: tensor {name} is stored twice "
-                                              f"({headers.located[name][0].name} and {file.name})")
-                    headers.located[name] = (file, stored_name)
                     view = f.get_slice(stored_name)
-                    _check_header(headers, name, tuple(view.get_shape()), view.get_dtype(),
-                                  expected[name])
+                    shape, code = tuple(view.get_shape()), view.get_dtype()
+                    tensor = StoredTensor(file, stored_name, shape, _NUMPY_DTYPES.get(code, np.uint8))
+                    if name in expected:
+                        _locate(headers, root, name, tensor, code, expected[name])
+                    elif (other := _other_layout(family, name, expected)) is not None:
+                        headers.other_layout.setdefault(other[0], []).append((other[1], tensor, code))
+                    else:
+                        headers.unexpected.append(stored_name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
     return headers
 
 
-def _check_header(headers: _Headers, name: str, shape: tuple, dtype: str, want: tuple) -> None:
-    """Note a stored tensor's dtype code, and a problem if its shape or dtype is not `want`'s."""
-    headers.stored_codes[name] = dtype
-    if shape != want[0]:
-        headers.problems.append(f"{name}: shape {list(shape)}, expected {list(want[0])}")
-    accepted = stored_dtypes(want[1])
-    if _DTYPE_NAMES.get(dtype) not in accepted:
-        codes = sorted(c for c, d in _DTYPE_NAMES.items() if d in accepted)
-        headers.problems.append(f"{name}: dtype {dtype}, expected {' or '.join(codes)}")
+def _locate(headers: _Headers, root: Path, name: str, tensor: StoredTensor, code: str,
+            want: tuple) -> None:
+    """Record a stored tensor of the table's own name, and a problem if its shape or dtype is
+    not `want`'s."""
+    if name in headers.sources:
+        raise CheckpointError(f"{root}: tensor {name} is stored twice "
+                              f"({headers.sources[name].file.name} and {tensor.file.name})")
+    headers.sources[name] = tensor
+    if tensor.shape != want[0]:
+        headers.problems.append(f"{name}: shape {list(tensor.shape)}, expected {list(want[0])}")
+    if (problem := _dtype_problem(code, want[1])) is not None:
+        headers.problems.append(f"{name}: {problem}")
 
 
-def _read_tensors(located: dict[str, tuple[Path, str]], expected: dict) -> dict[str, np.ndarray]:
-    """The located tensors' data in `expected`'s order, file by file so each file is opened once."""
-    params: dict[str, np.ndarray] = {}
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (file, stored_name) in located.items():
-        by_file.setdefault(file, []).append((name, stored_name))
-    for file, names in by_file.items():
-        with safe_open(file, framework="np") as f:
-            for name, stored_name in names:
-                params[name] = f.get_tensor(stored_name)
-    return {name: params[name] for name in expected}
+def _dtype_problem(code: str, table_dtype: str) -> str | None:
+    accepted = stored_dtypes(table_dtype)
+    if _DTYPE_NAMES.get(code) in accepted:
+        return None
+    codes = sorted(c for c, d in _DTYPE_NAMES.items() if d in accepted)
+    return f"dtype {code}, expected {' or '.join(codes)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts stored in the other layout than the family's table (fused or per expert).
+
+
+@functools.cache
+def _part_pattern(part: str) -> re.Pattern:
+    """`layer prefix` + a per-expert name, `{e}` the expert id."""
+    return re.compile("(?P<layer>.*)" + re.escape(part).replace(r"\{e\}", r"(?P<e>\d+)") + "$")
+
+
+def _other_layout(family: Family, name: str, expected: dict
+                  ) -> tuple[str, tuple[ExpertLayout, tuple[int, int] | None]] | None:
+    """Whether stored tensor `name` (not in the table) is an expert tensor in the layout the
+    table does not use: (the fused name it belongs to, (its layout, (expert, part) or None
+    for a fused one)); None if it is not."""
+    for layout in family.expert_layouts:
+        for p, part in enumerate(layout.parts):
+            if (m := _part_pattern(part).match(name)) and m["layer"] + layout.fused in expected:
+                return m["layer"] + layout.fused, (layout, (int(m["e"]), p))
+        layer = name.removesuffix(layout.fused)
+        if layer != name and layer + layout.parts[0].format(e=0) in expected:
+            return name, (layout, None)
+    return None
+
+
+def _convert_layouts(headers: _Headers, family: Family, expected: dict) -> None:
+    """Sources for the table's expert tensors from the stored ones of the other layout: a
+    per-expert set stacked into the fused tensor, or a fused tensor sliced per expert; a
+    partial set, a wrong shape or dtype, or both layouts of one tensor is a problem naming it."""
+    for fused, pieces in headers.other_layout.items():
+        if fused in expected:
+            _stack(headers, fused, pieces, expected[fused])
+        else:
+            _split(headers, fused, pieces, expected)
+
+
+def _stack(headers: _Headers, fused: str, pieces: list, want: tuple) -> None:
+    """The table's fused `[E, rows, ...]` tensor from its per-expert parts."""
+    layout: ExpertLayout = pieces[0][0][0]
+    layer, count, n = fused.removesuffix(layout.fused), want[0][0], len(layout.parts)
+    part_shape = (want[0][1] // n, *want[0][2:])
+    problems: list[str] = []
+    if fused in headers.sources:
+        names = [t.name for _, t, _ in pieces]
+        problems.append(f"{fused}: stored both fused ({headers.sources.pop(fused).name}) and per "
+                        f"expert ({_listing(names)}): keep one layout")
+    grid: dict[tuple[int, int], StoredTensor] = {}
+    for (_, (e, p)), tensor, code in pieces:
+        if e >= count:
+            headers.unexpected.append(tensor.name)
+            continue
+        if (e, p) in grid:
+            problems.append(f"{tensor.name}: stored twice ({grid[e, p].file.name} and {tensor.file.name})")
+        grid[e, p] = tensor
+        if tensor.shape != part_shape:
+            problems.append(f"{tensor.name}: shape {list(tensor.shape)}, expected {list(part_shape)} "
+                            f"(expert {e} of {fused} {list(want[0])})")
+        if (problem := _dtype_problem(code, want[1])) is not None:
+            problems.append(f"{tensor.name}: {problem}")
+    if len({t.dtype for t in grid.values()}) > 1:
+        problems.append(f"{fused}: its per-expert tensors mix dtypes "
+                        f"{sorted({t.dtype.name for t in grid.values()})}: store them in one")
+    absent = [layer + part.format(e=e) for e in range(count) for p, part in enumerate(layout.parts)
+              if (e, p) not in grid]
+    if absent:
+        problems.append(f"{fused}: stored per expert, but {len(absent)} of its {count * n} "
+                        f"per-expert tensors are missing: {_listing(absent)}")
+    if problems:
+        headers.problems += problems
+        headers.explained.add(fused)
+        return
+    experts = [[grid[e, p] for p in range(n)] for e in range(count)]
+    headers.sources[fused] = StackedExperts(experts, want[0], experts[0][0].dtype)
+
+
+def _split(headers: _Headers, fused: str, pieces: list, expected: dict) -> None:
+    """The table's per-expert tensors as slices of a stored fused one."""
+    (layout, _), tensor, code = pieces[0]
+    layer = fused.removesuffix(layout.fused)
+    count = next(e for e in itertools.count() if layer + layout.parts[0].format(e=e) not in expected)
+    names = [[layer + part.format(e=e) for part in layout.parts] for e in range(count)]
+    part_shape, table_dtype = expected[names[0][0]]
+    rows = part_shape[0]
+    want = (count, rows * len(layout.parts), *part_shape[1:])
+    headers.explained.update(n for per_expert in names for n in per_expert)
+    stored_per_expert = [n for per_expert in names for n in per_expert if n in headers.sources]
+    if len(pieces) > 1:
+        headers.problems.append(f"{fused}: stored twice ({pieces[0][1].file.name} and "
+                                f"{pieces[1][1].file.name})")
+    elif stored_per_expert:
+        headers.problems.append(f"{fused}: stored both fused ({tensor.name}) and per expert "
+                                f"({_listing(stored_per_expert)}): keep one layout")
+    elif tensor.shape != want:
+        headers.problems.append(f"{tensor.name}: shape {list(tensor.shape)}, expected {list(want)} "
+                                f"(the fused form of {count} experts' {', '.join(layout.parts)})")
+    elif (problem := _dtype_problem(code, table_dtype)) is not None:
+        headers.problems.append(f"{tensor.name}: {problem}")
+    else:
+        for e, per_expert in enumerate(names):
+            for p, name in enumerate(per_expert):
+                headers.sources[name] = StoredTensor(tensor.file, tensor.name, part_shape, tensor.dtype,
+                                                     part=(e, slice(p * rows, (p + 1) * rows)))
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],

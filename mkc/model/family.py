@@ -54,6 +54,20 @@ def stored_dtypes(table_dtype: str) -> frozenset[str]:
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """One routed-expert tensor a checkpoint may store in either of two layouts: fused, all
+    experts in one `[E, rows, ...]` tensor named `fused`, or per expert, the tensors `parts`
+    (`{e}` stands for the expert id) of `[rows / len(parts), ...]` each, expert e's parts
+    concatenated in order along its rows (transformers' `MergeModulelist(dim=0)` then
+    `Concatenate(dim=1)`). Both are names under a layer's prefix (`model.layers.{i}.`). The
+    checkpoint loader hands out the layout the family's weight table names and converts the
+    other into it, exactly (a copy of the same bytes)."""
+
+    fused: str
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Family:
     name: str                          # the dims' `family`, the IR's `family`
     model_types: tuple[str, ...]       # config.json `model_type` values it reads
@@ -74,6 +88,8 @@ class Family:
     # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
+    # Routed-expert tensors a checkpoint may store fused or per expert (either loads).
+    expert_layouts: tuple[ExpertLayout, ...] = ()
     # The generated module imports the dims class from (module, name).
     dims_import: tuple[str, str] = ("", "")
     # Matrix classes a spec may store in another format (`format CLASS FORMAT`): class ->

@@ -1,7 +1,7 @@
 """Kimi K3 (`kimi_k3`): Kimi Delta Attention and MLA layers, a dense first MLP, then latent MoE
 layers with MXFP4 routed experts and block attention residuals. Lowered by the generic module
 template with its compute bodies in `lowering.py`."""
-from mkc.families.kimi_k3.config import read_dims
+from mkc.families.kimi_k3.config import EXPERT_LAYOUTS, RENAMED_PREFIXES, SKIPPED_PREFIXES, read_dims
 from mkc.families.kimi_k3.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family
 
@@ -12,4 +12,5 @@ FAMILY = Family(
     compiler_scratch=((1, 1229783), (8, 1229783), (16, 1627914)),
     plain_state_tolerance=3e-2,
     weight_formats=WEIGHT_FORMATS,
+    renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
 )

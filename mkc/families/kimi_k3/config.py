@@ -9,9 +9,31 @@ from pathlib import Path
 from typing import Any
 
 from mkc.model.contracts import Dims
-from mkc.model.family import ConfigError, identifier
+from mkc.model.family import ConfigError, ExpertLayout, identifier
 
 BLOCK_SIZE = 32       # MXFP4 values per E8M0 scale (mkc.model.mxfp4's, which imports jax)
+
+# Checkpoint layout. The released checkpoint is a composite: the text tower under
+# `language_model.model.` and `language_model.lm_head.` (the reference loader, Inferact/
+# tpu-megakernels kimi/load.py: PREFIX and the lm_head key); the family's table names the
+# text-only ones. The composite's other parts are skipped: `vision_tower.` and `mm_projector.`
+# are Kimi-K2.5's (KimiK25ForConditionalGeneration), assumed for K3, not seen in its files.
+RENAMED_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
+# Routed experts load per expert (the released layout and the table's: MXFP4 pairs
+# `block_sparse_moe.experts.{e}.w{1,3,2}.weight_packed / .weight_scale`, w1 gate, w3 up, w2 down,
+# kimi/load.py) or fused as transformers fuses a Kimi Linear's experts (`KimiLinearExperts`, a
+# `DeepseekV3Experts`: `experts.gate_up_proj [E, 2I, in]`, gate rows first, and
+# `experts.down_proj [E, out, I]`, by qwen2_moe's MergeModulelist(dim=0), Concatenate(dim=1) in
+# src/transformers/conversion_mapping.py), each of the pair fused alike (compressed-tensors'
+# fused `experts.gate_up_proj.weight_packed` naming). The MXFP4 codes pack along the input axis,
+# so stacking and concatenating rows moves whole bytes: exact. No published K3 checkpoint with
+# fused experts was seen; this is the form a fusing exporter writes.
+EXPERT_LAYOUTS = tuple(
+    ExpertLayout(f"block_sparse_moe.experts.{fused}.{kind}",
+                 tuple(f"block_sparse_moe.experts.{{e}}.{w}.{kind}" for w in parts))
+    for fused, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))
+    for kind in ("weight_packed", "weight_scale"))
 
 # Upstream KimiLinearConfig defaults, for keys a config.json omits (as HF does).
 UPSTREAM_DEFAULTS: dict[str, Any] = {

@@ -3,7 +3,8 @@ followed by a sparse MoE (softmax top-k router, many small SwiGLU experts, a sig
 shared expert). Lowered by the generic module template: its own code is its config reader,
 graph, weight layout, routing op and compute bodies."""
 from mkc.families.qwen3_5 import rope_input
-from mkc.families.qwen3_5_moe.config import FAMILY_NAME, RENAMED_PREFIXES, SKIPPED_PREFIXES, read_dims
+from mkc.families.qwen3_5_moe.config import (EXPERT_LAYOUTS, FAMILY_NAME, RENAMED_PREFIXES, SKIPPED_PREFIXES,
+                                             read_dims)
 from mkc.families.qwen3_5_moe.graph import SHARD_CLASSES, build
 from mkc.model.family import Family
 
@@ -16,5 +17,5 @@ FAMILY = Family(
     compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
     vmem_inputs=rope_input,
     plain_state_tolerance=1.5e-2,
-    renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES,
+    renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
 )

@@ -34,9 +34,9 @@ tensors are what the modeling file declares; that the published BF16 checkpoint 
 (under ``model.language_model.``, 693 text tensors for the 35B, as this table has) was
 established from third-party manifests of its safetensors, not from the Hub files themselves.
 A checkpoint with per-expert tensors (``mlp.experts.{e}.gate_proj.weight`` ..., the Qwen2/3-MoE
-layout, which transformers also loads by fusing them through its ``qwen2_moe`` conversion
-mapping) is not read: ``mkc.checkpoint`` only renames prefixes, so it refuses such a checkpoint
-and lists the per-expert names as unexpected.
+layout, which transformers fuses through its ``qwen2_moe`` conversion mapping on load and writes
+back on ``save_pretrained``) loads too: ``mkc.checkpoint`` fuses them into this table's tensors
+(the family's ``EXPERT_LAYOUTS``, ``config.py``).
 
 Kernel rounding emulation (``rounding``, as in the Qwen3.5 reference): the mixers round as
 Qwen3.5's do (layer kinds ``gdn`` and ``gqa``). In the MoE block (kind ``moe``) every matmul

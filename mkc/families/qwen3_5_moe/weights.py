@@ -2,8 +2,10 @@
 
 The layer loop runs two sublayers per model layer (attention, then MoE), so `layer` here is a
 sublayer index; model layer = layer // 2. Attention families and the norms are Qwen3.5's
-(`mkc.families.qwen3_5.weights`). Routed experts are stored fused upstream:
-`mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and `mlp.experts.down_proj [E, H, I]`.
+(`mkc.families.qwen3_5.weights`). Routed experts come fused, as upstream declares them:
+`mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and `mlp.experts.down_proj [E, H, I]`
+(`mkc.checkpoint` fuses a per-expert checkpoint's into these; with a lazy load each
+`hf[name][e]` reads one expert).
 """
 from __future__ import annotations
 

@@ -3,10 +3,17 @@ of its own), runs in TPU interpret mode on 8 virtual CPU devices and matches the
 reference: plainly (tokens, logits, states and caches) and bit for bit against its rounding
 emulation; routed experts cycle through the pool's expert slots; race-free; and a 1 % error
 in a gated delta net or gated attention op, the router, the routed experts or the shared
-expert is rejected."""
+expert is rejected; and a checkpoint as transformers saves it (experts per expert) runs equal
+to the emulation."""
+import json
+
 import pytest
+from test_qwen3_5_moe_checkpoint import per_expert, two_shards
 
 from mkc import numerics
+from mkc.checkpoint import save_checkpoint
+from mkc.families.qwen3_5_moe import reference
+from mkc.model.config import CONFIG_DIR
 from tests_support import ROOT, run_example
 
 SPEC = str(ROOT / "schedules" / "qwen3_5_35b_a3b.sched")
@@ -57,3 +64,23 @@ def test_no_races_with_race_detection():
     summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1")
     assert summary["steps"] and numerics.failures(summary) == []
     assert summary["races_found"] is False
+
+
+@pytest.mark.slow
+def test_a_per_expert_checkpoint_runs_equal_to_the_emulation(tmp_path):
+    """The MINI model saved as transformers' default `save_pretrained` writes it (experts per
+    expert, text-only names, two shards and an index) loads through `mkc.checkpoint`, fused,
+    and the kernel's step is bit-equal to the emulation's; the step is the `--model` run's (the
+    same seed-0 weights), so a wrongly fused expert would show even where both sides agree."""
+    config = json.loads((CONFIG_DIR / "qwen3_5_moe_mini.json").read_text())
+    stored = per_expert(reference.init_params(reference.load_config(config), seed=0))
+    save_checkpoint(tmp_path, config, stored, max_shard_bytes=two_shards(stored))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    summary = run_example("examples/run_mini.py", "--spec", SPEC, "--checkpoint", str(tmp_path),
+                          "--mode", "on_wait", "--steps", "1", "--batch", "2", timeout=1200)
+    assert summary["steps"] and numerics.failures(summary) == []
+    assert summary["steps"][0]["emulation"]["logits"] == 0.0
+    fused = run_example("examples/run_mini.py", "--spec", SPEC, "--model", "qwen3_5_moe_mini",
+                        "--mode", "on_wait", "--steps", "1", "--batch", "2", timeout=1200)
+    for key in ("logits_max_abs", "logits_max_abs_err", "next_token", "state_rel_err"):
+        assert summary["steps"][0][key] == fused["steps"][0][key], key
