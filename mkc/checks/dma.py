@@ -44,7 +44,8 @@ class _DmaChecker:
     def __init__(self, s: ir.ScheduleIR, events: list[Event]) -> None:
         self.diags: list[Diagnostic] = []
         self._reported: set[tuple] = set()
-        self.first_about: dict[object, Diagnostic] = {}   # buffer or semaphore -> its first diagnostic
+        # buffer, semaphore or scoped range -> the first diagnostic about it
+        self.first_about: dict[object, Diagnostic] = {}
         # The last read expecting each (region, tag): a slot's content is needed until then.
         self.last_read: dict[tuple, int] = {}
         for e in events:
@@ -65,9 +66,9 @@ class _DmaChecker:
             lambda: {"read": {}, "write": {}})                               # HBM region -> DMAs on it
 
     def report(self, code: str, msg: str, e: Event, hint: str, span=None, about=None) -> None:
-        """Report once per code and statement. A problem `about` a buffer (or semaphore)
-        already reported is a consequence of the first (a read finding what an overwrite
-        left, say): it becomes a note of that diagnostic, not one of its own."""
+        """Report once per code and statement. A problem `about` a buffer (a semaphore, a
+        scoped range) already reported is a consequence of the first (a read finding what an
+        overwrite left, say): it becomes a note of that diagnostic, not one of its own."""
         span = span or e.span
         key = (code, span)
         if key in self._reported:
@@ -200,7 +201,7 @@ class _DmaChecker:
             for dma in q:
                 self.report("E-DMA-EXIT", f"a copy ({_held(dma.tag) if dma.buffer else 'store'}, "
                             f"started at {dma.where}) is still in flight at kernel exit", e,
-                            span=dma.span, about=dma.buffer or dma.src[0],
+                            span=dma.span, about=dma.buffer or (dma.src or (None,))[0],
                             hint="add a wait for every copy before the step ends")
 
     # ---- compute ---------------------------------------------------------------------------

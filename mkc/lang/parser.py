@@ -288,8 +288,10 @@ def _copy_statement(e: lark.UnexpectedToken) -> tuple[lark.Token, lark.Token, st
                     and stack[i].type in ("LOAD", "STORE", "SEMICOLON", "LBRACE")), None)
     if keyword is None or stack[keyword].type not in ("LOAD", "STORE"):
         return None
-    last = list(stack[-1].scan_values(lambda v: isinstance(v, lark.Token))) \
-        if isinstance(stack[-1], lark.Tree) else [stack[-1]]
+    last = (list(stack[-1].scan_values(lambda v: isinstance(v, lark.Token)))
+            if isinstance(stack[-1], lark.Tree) else [stack[-1]])
+    if not last:
+        return None
     phase = next((stack[i + 1] for i in range(keyword - 1, -1, -1)
                   if isinstance(stack[i], lark.Token) and stack[i].type == "PHASE"), "KIND")
     return stack[keyword], last[-1], str(phase)
