@@ -1,4 +1,6 @@
-"""The broken-spec corpus: each file names the diagnostic it must produce on its first line."""
+"""The broken-spec corpus: each file names the diagnostic it must produce on its first line
+(`# expect: CODE: text in the message`), and may name text its hint must hold on the second
+(`# expect hint: text`)."""
 from pathlib import Path
 
 import pytest
@@ -10,10 +12,11 @@ from mkc.diagnostics import MkcError
 CORPUS = sorted((Path(__file__).parent / "broken_specs").glob("*.sched"))
 
 
-def _expectation(path: Path) -> tuple[str, str]:
-    head = path.read_text().splitlines()[0]
+def _expectation(path: Path) -> tuple[str, str, str]:
+    head, second = path.read_text().splitlines()[:2]
     code, text = head.removeprefix("# expect: ").split(": ", 1)
-    return code, text
+    hint = second.removeprefix("# expect hint: ") if second.startswith("# expect hint: ") else ""
+    return code, text, hint
 
 
 def test_corpus_is_large_enough():
@@ -22,14 +25,44 @@ def test_corpus_is_large_enough():
 
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
 def test_broken_spec_is_rejected_with_expected_diagnostic(path):
-    code, text = _expectation(path)
+    code, text, hint = _expectation(path)
     with pytest.raises(MkcError) as e:
         check_spec(path)
-    found = [(d.code, d.message) for d in e.value.diagnostics]
-    assert any(c == code and text in m for c, m in found), found
+    found = [(d.code, d.message, d.hint) for d in e.value.diagnostics]
+    assert any(c == code and text in m and hint in h for c, m, h in found), found
     for d in e.value.diagnostics:
         assert d.hint, f"{d.code} has no hint"
         assert d.span.file == str(path)
+
+
+# Mistakes with one cause each (issue 21 and its kin): one diagnostic, at the cause, with what
+# follows from it (a read finding what an overwrite left, the other buffer of one `scoped`
+# line, the value tiles after the key tiles) as its notes.
+ONE_CAUSE = ["store_wait_before_start", "store_rec_wait_before_start", "load_wait_before_start",
+             "state_reload_while_storing", "load_after_reader",
+             "load_after_reader_waited_before_start", "read_before_wait",
+             "load_waited_only_before_next", "store_before_its_writer", "load_without_wait",
+             "store_without_wait", "wait_without_keyword", "wait_after_end",
+             "syntax_missing_semicolon", "keyword_misspelt", "v6e_vmem_limit_below_chip",
+             "v6e_ring_over_vmem_limit", "scope_escape", "ring_slot_reuse_in_flight",
+             "kv_slot_reuse_in_flight", "parity_reuse_while_read", "kv_slots_beyond_vmem"]
+
+
+@pytest.mark.parametrize("name", ONE_CAUSE)
+def test_one_cause_is_one_diagnostic(name):
+    with pytest.raises(MkcError) as e:
+        check_spec(Path(__file__).parent / "broken_specs" / f"{name}.sched")
+    assert len(e.value.diagnostics) == 1, [d.message for d in e.value.diagnostics]
+
+
+def test_follow_on_errors_are_notes_of_the_first():
+    """A ring slot overwritten before it is read: the read that then finds the wrong tile is a
+    note of the overwrite, not a second error."""
+    with pytest.raises(MkcError) as e:
+        check_spec(Path(__file__).parent / "broken_specs" / "ring_slot_reuse_in_flight.sched")
+    [d] = e.value.diagnostics
+    assert d.code == "E-DMA-INFLIGHT"
+    assert any(n.startswith("then E-READ-BEFORE-WAIT at line 18: ") for n in d.notes), d.notes
 
 
 def test_cli_exits_1_without_traceback(tmp_path):

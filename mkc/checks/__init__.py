@@ -5,7 +5,7 @@ from mkc import ir
 from mkc.checks.capacity import check_each_buffer_fits, check_hbm, check_vmem, vmem_budget
 from mkc.checks.dma import check_dma
 from mkc.checks.pool import check_pools
-from mkc.diagnostics import MkcError
+from mkc.diagnostics import Diagnostic, MkcError
 from mkc.trace import Event, build_trace
 
 __all__ = ["run_checks", "vmem_budget"]
@@ -19,12 +19,27 @@ def run_checks(s: ir.ScheduleIR) -> list[Event]:
     size is bounded only for schedules whose every buffer fits (KV slots, say)."""
     diags = check_hbm(s) + check_each_buffer_fits(s)
     if diags:
-        raise MkcError(diags)
+        raise MkcError(one_per_statement(diags))
     events = build_trace(s)
     diags += check_vmem(s, events)
     diags += check_dma(s, events)
     diags += check_pools(s, events)
     if diags:
-        raise MkcError(diags)
+        raise MkcError(one_per_statement(diags))
     return events
+
+
+def one_per_statement(diags: list[Diagnostic]) -> list[Diagnostic]:
+    """One diagnostic per code and statement: the same problem found again there (the KV
+    cache's value tiles after its key tiles, say) is a note of the first."""
+    first: dict[tuple, Diagnostic] = {}
+    kept = []
+    for d in diags:
+        same = first.get((d.code, d.span))
+        if same is None:
+            first[(d.code, d.span)] = d
+            kept.append(d)
+        else:
+            same.notes.append(f"also: {d.message}")
+    return kept
 

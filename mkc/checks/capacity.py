@@ -160,21 +160,14 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
         span = s.setting_spans.get("batch", span)
         hint = (f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to "
                 f"{fits_up_to}`; for larger batches shrink {largest}")
-    usable = usable_vmem_bytes(s)
-    if s.vmem_limit < usable:
-        bound = f"the spec's limit {s.vmem_limit / 2**20:.2f} MiB"
-        if peak <= usable - s.vmem_reserve:     # the chip has the room: the limit is the cap
-            raise_to = -(-(peak + s.vmem_reserve) // 2**20)
-            hint = (f"raise the limit: `vmem limit {raise_to} MiB` fits (the chip has "
-                    f"{usable / 2**20:.2f} MiB usable); or {hint}")
-            span = s.setting_spans.get("vmem", span)
-    else:
-        bound = f"{usable / 2**20:.2f} MiB usable"
+    if (limit_to := _limit_that_fits(s, peak)) is not None:   # the limit is the cap
+        hint = (f"raise the limit: `vmem limit {limit_to} MiB` fits (the chip has "
+                f"{usable_vmem_bytes(s) / 2**20:.2f} MiB usable); or {hint}")
+        span = s.setting_spans.get("vmem", span)
     return [Diagnostic(
         "E-VMEM-CAPACITY",
         f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s)}), over the budget "
-        f"of {budget / 2**20:.2f} MiB ({bound} minus reserve "
-        f"{s.vmem_reserve / 2**20:.2f} MiB)", span, hint=hint,
+        f"of {_budget_words(s)}", span, hint=hint,
         notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
         + notes)]
 
@@ -187,12 +180,36 @@ def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
     for b in s.buffers:
         b = b.at_batch(s.rows_max)
         if b.vmem_bytes > budget:
+            hint = "fewer slots, smaller tiles or a smaller batch"
+            if (limit_to := _limit_that_fits(s, b.vmem_bytes)) is not None:
+                hint = (f"raise the limit (the chip has {usable_vmem_bytes(s) / 2**20:.2f} MiB "
+                        f"usable): this buffer alone needs `vmem limit {limit_to} MiB`, the "
+                        f"whole kernel more; or {hint}")
             diags.append(Diagnostic(
                 "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
-                f"at {_width(s)}, over the budget of {budget / 2**20:.2f} MiB",
-                _buffer_span(s, b), hint="fewer slots, smaller tiles or a smaller batch",
+                f"at {_width(s)}, over the budget of {_budget_words(s)}",
+                _buffer_span(s, b), hint=hint,
                 notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
     return diags
+
+
+def _budget_words(s: ir.ScheduleIR) -> str:
+    """The budget and how it is reached: the spec's limit (or the chip's usable VMEM, when
+    that is smaller) minus the reserve."""
+    usable = usable_vmem_bytes(s)
+    bound = (f"the spec's limit {s.vmem_limit / 2**20:.2f} MiB" if s.vmem_limit < usable
+             else f"{usable / 2**20:.2f} MiB usable")
+    return (f"{vmem_budget_bytes(s) / 2**20:.2f} MiB ({bound} minus reserve "
+            f"{s.vmem_reserve / 2**20:.2f} MiB)")
+
+
+def _limit_that_fits(s: ir.ScheduleIR, need: int) -> int | None:
+    """The `vmem limit` (whole MiB) that fits `need` bytes, when the spec's limit is below the
+    chip's usable VMEM and the chip has the room; else None."""
+    usable = usable_vmem_bytes(s)
+    if s.vmem_limit < usable and need <= usable - s.vmem_reserve:
+        return -(-(need + s.vmem_reserve) // 2**20)
+    return None
 
 
 def _buffer_span(s: ir.ScheduleIR, b: ir.Buffer):

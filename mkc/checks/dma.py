@@ -44,6 +44,8 @@ class _DmaChecker:
     def __init__(self, s: ir.ScheduleIR, events: list[Event]) -> None:
         self.diags: list[Diagnostic] = []
         self._reported: set[tuple] = set()
+        # buffer, semaphore or scoped range -> the first diagnostic about it
+        self.first_about: dict[object, Diagnostic] = {}
         # The last read expecting each (region, tag): a slot's content is needed until then.
         self.last_read: dict[tuple, int] = {}
         for e in events:
@@ -51,7 +53,8 @@ class _DmaChecker:
                 self.last_read[(e.buffer, e.slot, e.tag)] = e.seq
             if e.op == "start" and e.src is not None:
                 self.last_read[(e.src[0], e.src[1], e.src[2])] = e.seq
-        self.scoped = {b.name for b in s.buffers if b.scope is not None}
+        # Scoped buffer -> its range: the buffers of one `scoped` line outside it are one cause.
+        self.scoped = {b.name: b.scope for b in s.buffers if b.scope is not None}
         self.open_scopes: set[str] = set()
         self.content: dict[tuple, object] = {}          # region -> tag it holds
         self.filling: dict[tuple, Event] = {}           # region -> DMA writing it
@@ -62,16 +65,28 @@ class _DmaChecker:
         self.hbm_flight: dict[tuple, dict[str, dict[int, Event]]] = defaultdict(
             lambda: {"read": {}, "write": {}})                               # HBM region -> DMAs on it
 
-    def report(self, code: str, msg: str, e: Event, hint: str, span=None) -> None:
-        key = (code, (span or e.span))
-        if key not in self._reported and len(self.diags) < 8:
-            self._reported.add(key)
-            self.diags.append(Diagnostic(code, msg, span or e.span, hint=hint,
-                                         notes=[f"at {e.where} (trace event {e.seq})"]))
+    def report(self, code: str, msg: str, e: Event, hint: str, span=None, about=None) -> None:
+        """Report once per code and statement. A problem `about` a buffer (a semaphore, a
+        scoped range) already reported is a consequence of the first (a read finding what an
+        overwrite left, say): it becomes a note of that diagnostic, not one of its own."""
+        span = span or e.span
+        key = (code, span)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        first = self.first_about.get(about) if about is not None else None
+        if first is not None:
+            first.notes.append(f"then {code} at line {span.line}: {msg}")
+        elif len(self.diags) < 8:
+            d = Diagnostic(code, msg, span, hint=hint, notes=[f"at {e.where} (trace event {e.seq})"])
+            self.diags.append(d)
+            if about is not None:
+                self.first_about[about] = d
 
     def usable(self, buffer: str, e: Event) -> bool:
         if buffer and buffer in self.scoped and buffer not in self.open_scopes:
             self.report("E-SCOPE", f"{buffer} is used outside its scope", e,
+                        about=self.scoped[buffer],
                         hint="move the copy or its wait inside the `scoped` range, or widen the "
                              "range to cover it")
             return False
@@ -85,12 +100,13 @@ class _DmaChecker:
         for region, dma in list(self.filling.items()):
             if region[0] == e.buffer:
                 self.report("E-SCOPE", f"a copy into {e.buffer} is still in flight when its scope "
-                            "ends", e, span=dma.span,
+                            "ends", e, span=dma.span, about=self.scoped.get(e.buffer),
                             hint="wait for it before the end of the `scoped` range")
         for region, readers in self.dma_readers.items():
             if region[0] == e.buffer and readers:
                 self.report("E-SCOPE", f"a copy out of {e.buffer} is still in flight when its "
                             "scope ends", e, span=next(iter(readers.values())).span,
+                            about=self.scoped.get(e.buffer),
                             hint="wait for it before the end of the `scoped` range")
         self.open_scopes.discard(e.buffer)
 
@@ -111,11 +127,12 @@ class _DmaChecker:
             return
         if src in self.filling:
             self.report("E-READ-BEFORE-WAIT", f"a copy reads {_region(*src)} while "
-                        f"{_held(self.filling[src].tag)} is still arriving", e,
+                        f"{_held(self.filling[src].tag)} is still arriving", e, about=src[0],
                         hint="wait for the load before starting the store")
         elif self.content.get(src) != e.src[2]:
             self.report("E-READ-BEFORE-WAIT", f"a copy reads {_region(*src)} expecting "
                         f"{_held(e.src[2])} but it holds {_held(self.content.get(src))}", e,
+                        about=src[0],
                         hint="start the store after the op that produces the data")
         self.dma_readers[src][e.seq] = e
 
@@ -125,17 +142,18 @@ class _DmaChecker:
         if dst in self.filling:
             self.report("E-DMA-INFLIGHT", f"copy of {_held(e.tag)} into {_region(*dst)} "
                         f"starts while {_held(self.filling[dst].tag)} is still filling it", e,
+                        about=dst[0],
                         hint="wait for the earlier copy first, or add slots so the stream "
                              "distance ('ahead') is at most the slot count")
         elif self.dma_readers.get(dst):
             self.report("E-DMA-INFLIGHT", f"copy into {_region(*dst)} starts while a copy "
-                        "out of it is still in flight", e,
+                        "out of it is still in flight", e, about=dst[0],
                         hint="wait for the store before reloading the buffer")
         else:
             old = self.content.get(dst)
             if old is not None and self.last_read.get((dst[0], dst[1], old), -1) > e.seq:
                 self.report("E-DMA-INFLIGHT", f"copy of {_held(e.tag)} into {_region(*dst)} "
-                            f"overwrites {_held(old)} before it is read", e,
+                            f"overwrites {_held(old)} before it is read", e, about=dst[0],
                             hint="the slot is still being read: use 'ahead' no larger than "
                                  "the number of slots, or more slots")
         self.filling[dst] = e
@@ -160,12 +178,13 @@ class _DmaChecker:
         if not q:
             self.report("E-DMA-WAIT", f"wait on {e.sem[0]} with no copy in flight on its "
                         "semaphore (a double wait or a wait before the start): it would hang", e,
+                        about=e.sem,
                         hint="wait for each copy exactly once, after it starts")
             return
         dma = q.popleft()
         if dma.nbytes != e.nbytes:
             self.report("E-DMA-BYTES", f"wait for {e.nbytes} bytes on a semaphore signalled by a "
-                        f"{dma.nbytes}-byte copy", e,
+                        f"{dma.nbytes}-byte copy", e, about=e.sem,
                         hint="the wait must describe a copy of the same size")
         if dma.buffer:
             region = (dma.buffer, dma.slot)
@@ -182,7 +201,8 @@ class _DmaChecker:
             for dma in q:
                 self.report("E-DMA-EXIT", f"a copy ({_held(dma.tag) if dma.buffer else 'store'}, "
                             f"started at {dma.where}) is still in flight at kernel exit", e,
-                            span=dma.span, hint="add a wait for every copy before the step ends")
+                            span=dma.span, about=dma.buffer or (dma.src or (None,))[0],
+                            hint="add a wait for every copy before the step ends")
 
     # ---- compute ---------------------------------------------------------------------------
     def read(self, e: Event) -> None:
@@ -192,12 +212,12 @@ class _DmaChecker:
         if region in self.filling:
             self.report("E-READ-BEFORE-WAIT", f"{e.where} reads {_region(*region)} while the copy "
                         f"of {_held(self.filling[region].tag)} into it has not been waited", e,
-                        span=self.filling[region].span,
+                        span=self.filling[region].span, about=e.buffer,
                         hint="move the wait before this read")
         elif self.content.get(region) != e.tag:
             self.report("E-READ-BEFORE-WAIT", f"{e.where} reads {_region(*region)} expecting "
                         f"{_held(e.tag)} but it holds {_held(self.content.get(region))}", e,
-                        hint="the copy that fills it is never started or waited in time")
+                        about=e.buffer, hint="the copy that fills it is never started or waited in time")
 
     def write(self, e: Event) -> None:
         if not self.usable(e.buffer, e):
@@ -206,10 +226,11 @@ class _DmaChecker:
         if region in self.filling:
             self.report("E-DMA-INFLIGHT", f"{e.where} writes {_region(*region)} while a copy "
                         "into it is in flight", e, span=self.filling[region].span,
+                        about=e.buffer,
                         hint="wait for the load before the op that updates the buffer")
         elif self.dma_readers.get(region):
             self.report("E-DMA-INFLIGHT", f"{e.where} overwrites {_region(*region)} while a copy "
                         "out of it is still in flight", e,
-                        span=next(iter(self.dma_readers[region].values())).span,
+                        span=next(iter(self.dma_readers[region].values())).span, about=e.buffer,
                         hint="wait for the store before the buffer is written again")
         self.content[region] = e.tag

@@ -278,6 +278,55 @@ def _expected_words(expected: set[str]) -> str:
     return ", ".join(words)
 
 
+def _copy_statement(e: lark.UnexpectedToken) -> tuple[lark.Token, lark.Token, str] | None:
+    """When the parser stopped in a `load`/`store` before its `;`: its keyword, its last token
+    so far and the phase's layer kind (from the parser's stack)."""
+    if getattr(e, "interactive_parser", None) is None:
+        return None
+    stack = e.interactive_parser.parser_state.value_stack
+    keyword = next((i for i in range(len(stack) - 1, -1, -1) if isinstance(stack[i], lark.Token)
+                    and stack[i].type in ("LOAD", "STORE", "SEMICOLON", "LBRACE")), None)
+    if keyword is None or stack[keyword].type not in ("LOAD", "STORE"):
+        return None
+    last = (list(stack[-1].scan_values(lambda v: isinstance(v, lark.Token)))
+            if isinstance(stack[-1], lark.Tree) else [stack[-1]])
+    if not last:
+        return None
+    phase = next((stack[i + 1] for i in range(keyword - 1, -1, -1)
+                  if isinstance(stack[i], lark.Token) and stack[i].type == "PHASE"), "KIND")
+    return stack[keyword], last[-1], str(phase)
+
+
+def _rest_of_line(text: str, tok: lark.Token) -> str:
+    """The source from `tok` to the end of its line, without a comment."""
+    end = text.find("\n", tok.start_pos)
+    return text[tok.start_pos:None if end < 0 else end].split("#", 1)[0].strip()
+
+
+def _copy_without_wait(e: lark.UnexpectedToken, text: str, file: str) -> MkcError | None:
+    """A `load`/`store` that ends (or runs into `wait`) without `; wait POINT`: a diagnostic
+    at the statement, not at the next line's first word."""
+    if "SEMICOLON" not in e.expected or (found := _copy_statement(e)) is None:
+        return None
+    keyword, last, kind = found
+    written = " ".join(text[keyword.start_pos:last.end_pos].split())
+    tok = e.token
+    if tok.type == "WAIT":
+        return fail("E-SYNTAX", "unexpected 'wait': a ';' must separate the start point from "
+                    "the waits", Span(file, tok.line, tok.column, tok.end_line, tok.end_column),
+                    hint=f"write `{written}; {_rest_of_line(text, tok)}`")
+    if tok.line == last.end_line and tok.type != "RBRACE":
+        return None            # something else follows on the statement's line
+    direction = keyword.type.lower()
+    example = ("; wait before OP` (OP the first op reading the state)" if direction == "load"
+               else f"; wait before next {kind}` (it drains behind the rest of the layer) or "
+                    "`; wait after OP`")
+    return fail("E-SYNTAX", f"the {direction} is never waited: a {direction} needs `; wait "
+                "POINT` after its start point",
+                Span(file, keyword.line, keyword.column, last.end_line, last.end_column),
+                hint=f"write `{written}{example}")
+
+
 def parse(text: str, file: str = "<spec>") -> ast.Schedule:
     """Parse a whole .sched source; raise MkcError (never a lark exception) on bad input."""
     try:
@@ -301,7 +350,12 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
                        hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
         span = Span(file, tok.line, tok.column, tok.end_line or tok.line,
                     tok.end_column or tok.column + len(str(tok)))
+        if (no_wait := _copy_without_wait(e, text, file)) is not None:
+            raise no_wait from None
         hint = f"expected {_expected_words(set(e.expected))}"
+        if set(e.expected) == {"WAIT"}:
+            hint = (f"write `wait {_rest_of_line(text, tok)}`: each wait point of a load or "
+                    "store starts with `wait`")
         if str(tok) in _SETTING_KEYWORDS or tok.type == "NAME":
             hint += f"; '{tok}' cannot start or continue a statement here"
             # a misspelt keyword: the closest of the keywords that may stand here

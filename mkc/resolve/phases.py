@@ -3,6 +3,7 @@ phase's state copies, scoped ranges and KV tiles, as the layer kind's schedule).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from mkc import ir
 from mkc.diagnostics import fail
@@ -58,6 +59,9 @@ def point(p: ast.Point, ops: list[str], kind: str) -> int:
             return len(ops)
         raise fail("E-UNKNOWN", f"unknown program point 'at {a}'", p.anchor.span,
                    hint="use 'at start', 'at end', 'before OP' or 'after OP'")
+    if a in ("start", "end") and a not in ops:
+        raise fail("E-UNKNOWN", f"'{p.where} {a}' is not a program point: {a} is not an op",
+                   p.anchor.span, hint=f"write `at {a}`")
     if a not in ops:
         raise unknown(f"op of layer kind {kind}", p.anchor, ops)
     i = ops.index(a)
@@ -92,9 +96,15 @@ def _transfers(phase: ast.Phase, kind: LayerKind, B: int
     buffers: dict[str, ir.Buffer] = {}
     bound: dict[str, str] = {}          # buffer -> state family
     transfers: list[ir.Transfer] = []
+    # The ops read a state from the buffer it is loaded into: only a state loaded once has
+    # readers its load alone must precede (more than one load is the trace's to judge).
+    loads = Counter(b.src.text for tr in phase.transfers if tr.direction == "load"
+                    for b in tr.bindings)
     for tr in phase.transfers:
+        copied: list[str] = []          # the statement's state families
         for b in tr.bindings:
             sname, bname, vmem_side = _binding(tr, b, kname, states)
+            copied.append(sname)
             if bname in bound and bound[bname] != sname:
                 raise fail("E-TRANSFER", f"buffer '{bname}' is bound to state.{bound[bname]} "
                            f"and state.{sname}", vmem_side.span,
@@ -116,6 +126,7 @@ def _transfers(phase: ast.Phase, kind: LayerKind, B: int
                 tr.direction, sname, f"{kname}_{bname}", point(tr.start, ops, kname),
                 tuple(point(w, ops, kname) for w in tr.waits if w.where != "before next"),
                 drain=drains, span=tr.span))
+        _check_copy_order(tr, kind, [n for n in copied if loads[f"state.{n}"] <= 1])
     _check_every_state_copied(phase, kname, states, transfers)
     return transfers, buffers
 
@@ -154,6 +165,82 @@ def _drains(tr: ast.Transfer, kname: str) -> int:
                        f"{kname} layer, not '{w.anchor.text}'", w.anchor.span,
                        hint=f"write `wait before next {kname}`")
     return len(drains)
+
+
+def _check_copy_order(tr: ast.Transfer, kind: LayerKind, copied: list[str]) -> None:
+    """A copy is waited after it starts; a load of `copied` states starts and is waited before
+    the first op reading one, and a store of them starts after the last op updating it. Each
+    mistake is one diagnostic at its cause: the trace would show only its consequences, at the
+    ops and copies downstream (or, for a wait before the start, none: the layer program never
+    reaches such a wait)."""
+    kname, ops = kind.name, kind.op_names()
+    start = point(tr.start, ops, kname)
+    waits = [(w, point(w, ops, kname)) for w in tr.waits if w.where != "before next"]
+    first_read = min(((kind.readers(s)[0], s) for s in copied if kind.readers(s)), default=None)
+    if tr.direction == "load" and first_read is not None:
+        _check_load_starts_in_time(tr, ops, start, first_read)
+    if tr.direction == "store":
+        _check_store_starts_in_time(tr, kind, start, copied)
+    for w, p in waits:
+        if p < start:
+            raise fail("E-DMA-WAIT", f"the {tr.direction} is waited `{w}`, before it starts "
+                       f"`{tr.start}`: there is no copy in flight to wait for", w.anchor.span,
+                       hint=_wait_hint(tr, ops, first_read, kname))
+    if tr.direction == "load" and first_read is not None:
+        reader, sname = ops[first_read[0]], first_read[1]
+        if not any(p <= first_read[0] for _, p in waits):
+            late = waits[0][0] if waits else tr.waits[0]
+            why = (f"its wait `{late}` comes after it" if waits else
+                   f"`wait before next {kname}` waits for it only at the next {kname} layer")
+            raise fail("E-READ-BEFORE-WAIT", f"{reader} reads state.{sname} while the load "
+                       f"into its buffer has not been waited: {why}", late.anchor.span,
+                       hint=f"wait for the load before {reader}: write `wait before {reader}`")
+
+
+def _check_load_starts_in_time(tr: ast.Transfer, ops: list[str], start: int,
+                               first_read: tuple[int, str]) -> None:
+    i, sname = first_read
+    if start > i:
+        raise fail("E-READ-BEFORE-WAIT", f"the load of state.{sname} starts `{tr.start}`, "
+                   f"after {ops[i]} reads it: {ops[i]} would read a buffer the load has not "
+                   "filled", tr.span,
+                   hint=f"start the load before {ops[i]}, its first reader, and wait for it "
+                        f"there: e.g. `{_copy_text(tr)} at start; wait before {ops[i]}`")
+
+
+def _check_store_starts_in_time(tr: ast.Transfer, kind: LayerKind, start: int,
+                                copied: list[str]) -> None:
+    """A store copies out the state as the layer's ops left it: it starts after the last op
+    that updates it."""
+    ops = kind.op_names()
+    for sname in copied:
+        writers = [i for i, o in enumerate(kind.ops) if sname in o.writes]
+        if writers and start <= writers[-1]:
+            op = ops[writers[-1]]
+            raise fail("E-READ-BEFORE-WAIT", f"the store of state.{sname} starts `{tr.start}`, "
+                       f"before {op} updates it: it would copy out the state as loaded, not "
+                       "as this layer leaves it", tr.span,
+                       hint=f"start the store after {op}, the last op updating state.{sname}: "
+                            f"`{_copy_text(tr)} after {op}; wait ...`")
+
+
+def _wait_hint(tr: ast.Transfer, ops: list[str], first_read: tuple[int, str] | None,
+               kname: str) -> str:
+    """How to fix a wait placed before its copy starts."""
+    if tr.direction == "load" and first_read is not None:
+        return (f"wait after the load starts and before {ops[first_read[0]]} reads it: "
+                f"`wait before {ops[first_read[0]]}`")
+    if any(w.where == "before next" for w in tr.waits):
+        return f"remove it: the {tr.direction} is also waited `before next {kname}`"
+    start = point(tr.start, ops, kname)
+    later = f"after {ops[start]}" if start < len(ops) else "at end"
+    return (f"wait at or after its start, e.g. `wait {later}`, or `wait before next {kname}` "
+            "to let it drain behind the rest of the layer")
+
+
+def _copy_text(tr: ast.Transfer) -> str:
+    """`load A -> B, C -> D`: a copy statement up to its start point, for hints."""
+    return f"{tr.direction} " + ", ".join(f"{b.src.text} -> {b.dst.text}" for b in tr.bindings)
 
 
 def _check_every_state_copied(phase: ast.Phase, kname: str, states: dict,

@@ -57,3 +57,40 @@ def test_a_word_near_no_keyword_gets_no_guess():
     with pytest.raises(MkcError) as e:
         parse(text.replace(line, line.replace("allreduce", "xyzzy", 1), 1))
     assert "did you mean" not in e.value.diagnostics[0].hint
+
+
+@pytest.mark.parametrize("statement, followed_by", [
+    ("load  state.conv -> conv_buf at start", "\n    store"),
+    ("store rec_buf -> state.recurrent after delta_rule", "\n    # a comment\n  }"),
+    ("store rec_buf -> state.recurrent\n        after delta_rule", "\n  }")])
+def test_a_copy_without_wait_is_reported_at_the_statement(statement, followed_by):
+    """Not as `unexpected 'store'` on the next line: the copy's own span, and the fix."""
+    src = f"schedule x {{\n  phase gdn {{\n    {statement}{followed_by}\n  }}\n}}\n"
+    with pytest.raises(MkcError) as e:
+        parse(src, "t.sched")
+    [d] = e.value.diagnostics
+    direction = statement.split()[0]
+    assert d.code == "E-SYNTAX" and f"the {direction} is never waited" in d.message
+    lines = src.splitlines()[d.span.line - 1:d.span.end_line]
+    lines[-1] = lines[-1][:d.span.end_column - 1]
+    lines[0] = lines[0][d.span.column - 1:]
+    assert "\n".join(lines) == statement
+    assert d.hint.startswith(f"write `{' '.join(statement.split())}; wait before ")
+    if direction == "store":
+        assert "; wait before next gdn`" in d.hint
+
+
+def test_a_wait_without_its_semicolon_shows_the_statement_with_it():
+    src = "schedule x {\n  phase gdn {\n    load state.conv -> c at start wait before conv  # x\n  }\n}\n"
+    with pytest.raises(MkcError) as e:
+        parse(src, "t.sched")
+    d = e.value.diagnostics[0]
+    assert d.message.startswith("unexpected 'wait': a ';' must separate")
+    assert d.hint == "write `load state.conv -> c at start; wait before conv`"
+
+
+def test_a_wait_point_without_wait_names_the_keyword():
+    src = "schedule x {\n  phase gdn {\n    store c -> state.conv after conv; wait after conv, before end\n  }\n}\n"
+    with pytest.raises(MkcError) as e:
+        parse(src, "t.sched")
+    assert e.value.diagnostics[0].hint.startswith("write `wait before end`: each wait point")
