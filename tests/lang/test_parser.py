@@ -90,7 +90,8 @@ def test_a_wait_without_its_semicolon_shows_the_statement_with_it():
 
 
 def test_a_wait_point_without_wait_names_the_keyword():
-    src = "schedule x {\n  phase gdn {\n    store c -> state.conv after conv; wait after conv, before end\n  }\n}\n"
+    src = ("schedule x {\n  phase gdn {\n    store c -> state.conv after conv; wait after conv, before end\n"
+           "  }\n}\n")
     with pytest.raises(MkcError) as e:
         parse(src, "t.sched")
     assert e.value.diagnostics[0].hint.startswith("write `wait before end`: each wait point")
