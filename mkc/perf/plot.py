@@ -196,7 +196,7 @@ def figure(s: ir.ScheduleIR, res: Result, batch: int, tokens: int, peak_bytes_pe
 
     fig, axes = plt.subplots(3, 2, figsize=(19, 11), sharex="col",
                              gridspec_kw={"height_ratios": [3, 4, 2], "width_ratios": [3, 2],
-                                          "hspace": 0.16, "wspace": 0.04})
+                                          "hspace": 0.16, "wspace": 0.1})
     z0, z1, zlayers = zoom_window(res)
     vs = vmem_series(s, res, batch)
     colours = picture_palette(s, res, vs)
