@@ -869,6 +869,29 @@ def _stack_signature(path: Path, mkc_dir: str) -> tuple[str, str]:
     return " > ".join(f"mkc/{os.path.relpath(f, mkc_dir)}:{fn}" for f, _, fn in outer), detail
 
 
+class _Progress:
+    """The campaign's progress when asked: a bar on stderr on a terminal; otherwise (a log) a
+    line on stdout every 30 s."""
+
+    def __init__(self, total: int, show: bool):
+        from mkc.progress import bar
+        self.bar = bar(total=total, desc="fuzz cases", unit="case", show=show)
+        self.lines, self.total, self.t_last = show and self.bar.disable, total, time.monotonic()
+
+    def advance(self, results: list[dict]) -> None:
+        def bad() -> int:
+            return sum(r["cls"] in FAILURE_CLASSES for r in results)
+        if len(results) > self.bar.n:
+            self.bar.set_postfix_str(f"{bad()} failures", refresh=False)
+            self.bar.update(len(results) - self.bar.n)
+        if self.lines and time.monotonic() - self.t_last > 30:
+            self.t_last = time.monotonic()
+            print(f"  ... {len(results)}/{self.total} cases, {bad()} failures", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10.0,
                  mem_gib: float = 4.0, compile_fraction: float = 0.2, kind: str | None = None,
                  progress: bool = False) -> list[dict]:
@@ -893,11 +916,11 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
         w.mkdir()
         return _Worker(args, w, root / f"w{n_started}.log")
 
+    shown = _Progress(total, progress)
     pool = [start() for _ in range(max(1, min(workers, total)))]
     sel = selectors.DefaultSelector()
     for w in pool:
         sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-    t_last = time.monotonic()
 
     def replace(w: _Worker) -> None:
         sel.unregister(w.proc.stdout)
@@ -967,13 +990,11 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
                                     "seconds": timeout})
                     w.current = None
                     replace(w)
-            if progress and time.monotonic() - t_last > 30:
-                t_last = time.monotonic()
-                bad = sum(r["cls"] in FAILURE_CLASSES for r in results)
-                print(f"  ... {len(results)}/{total} cases, {bad} failures", flush=True)
+            shown.advance(results)
     except KeyboardInterrupt:            # Ctrl-C (or kill -INT): report the cases done so far
         print(f"  interrupted after {len(results)} of {total} cases", flush=True)
     finally:
+        shown.close()
         for w in pool:
             w.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -1076,6 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {spec}")
         return 0
     indices = [args.only] if args.only is not None else list(range(args.cases))
+    sys.path.insert(0, str(ROOT))        # this checkout's mkc, as the workers import it
 
     def stop(*_):
         raise KeyboardInterrupt

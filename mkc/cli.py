@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _confirm(spec: str, model: str | None, as_json: bool) -> dict:
     from mkc.confirm import confirm_vmem
-    r = confirm_vmem(spec, model)
+    r = confirm_vmem(spec, model, progress=True)
     if not as_json:
         print(r.summary(), file=sys.stdout if r.agree else sys.stderr)
     return r.to_json()

@@ -3,7 +3,8 @@
 API (what `mkc check --confirm` calls)::
 
     confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
-                 batch: int | None = None, timeout: float = 900.0) -> VmemConfirmation
+                 batch: int | None = None, timeout: float = 900.0,
+                 progress: bool = False) -> VmemConfirmation
 
 It checks the spec with mkc (the VMEM verdict at `batch`, default the spec's largest), renders
 its module even when mkc rejects it for VMEM, and compiles the kernel for `batch` against the
@@ -241,37 +242,57 @@ def _worker(path: str, batch: int) -> int:
     return 0
 
 
-def run_compile(module_path: str | os.PathLike, batch: int, timeout: float = 900.0) -> dict:
+def run_compile(module_path: str | os.PathLike, batch: int, timeout: float = 900.0,
+                tick=None) -> dict:
     """Compile a generated module at `batch` in a fresh subprocess; libtpu's verdict as a dict
-    (see `parse_compile_error`, plus "seconds")."""
+    (see `parse_compile_error`, plus "seconds"). `tick()`, if given, is called about once a
+    second while the compile runs (a progress bar's refresh)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run([sys.executable, "-m", "mkc.confirm", "--worker", str(module_path),
-                            str(batch)], capture_output=True, text=True, timeout=timeout,
-                           env=env, cwd=root)
-    except subprocess.TimeoutExpired:
-        return {"libtpu": "timeout", "used_bytes": None, "limit_bytes": None,
-                "message": f"no verdict within {timeout:.0f} s", "allocations": [],
-                "seconds": time.perf_counter() - t0}
+    with subprocess.Popen([sys.executable, "-m", "mkc.confirm", "--worker", str(module_path),
+                           str(batch)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=root) as p:
+        while True:
+            left = t0 + timeout - time.perf_counter()
+            try:
+                stdout, stderr = p.communicate(timeout=max(0.0, min(1.0, left)))
+                break
+            except subprocess.TimeoutExpired:
+                if left <= 1.0:
+                    p.kill()
+                    p.communicate()
+                    return {"libtpu": "timeout", "used_bytes": None, "limit_bytes": None,
+                            "message": f"no verdict within {timeout:.0f} s", "allocations": [],
+                            "seconds": time.perf_counter() - t0}
+                if tick:
+                    tick()
     seconds = time.perf_counter() - t0
-    for line in reversed(p.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         if line.startswith("MKC_CONFIRM "):
             return json.loads(line[len("MKC_CONFIRM "):]) | {"seconds": seconds}
     return {"libtpu": "error", "used_bytes": None, "limit_bytes": None,
             "message": f"compile process exited with {p.returncode}: "
-                       + _first_lines(p.stderr, _error_start(p.stderr)),
+                       + _first_lines(stderr, _error_start(stderr)),
             "allocations": [], "seconds": seconds}
 
 
 # ---- the API -----------------------------------------------------------------------------
 def confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
-                 batch: int | None = None, timeout: float = 900.0) -> VmemConfirmation:
+                 batch: int | None = None, timeout: float = 900.0,
+                 progress: bool = False) -> VmemConfirmation:
     """mkc's VMEM verdict and libtpu's for the spec's kernel at `batch` (default: the largest).
-    Raises MkcError only when the spec cannot be parsed or resolved."""
+    Raises MkcError only when the spec cannot be parsed or resolved. With `progress`, the
+    stage and the time taken show on stderr when it is a terminal (a compile takes minutes)."""
+    from mkc.progress import bar
+    with bar(desc="confirm: checking the spec", show=progress,
+             bar_format="{desc} [{elapsed}]") as shown:
+        return _confirm_vmem(spec_path, model, batch, timeout, shown)
+
+
+def _confirm_vmem(spec_path, model, batch, timeout, shown) -> VmemConfirmation:
     from mkc.checks import capacity, run_checks
     from mkc.codegen.emit import render
     from mkc.diagnostics import MkcError
@@ -302,12 +323,15 @@ def confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
         peak += max((x.at_batch(b).vmem_bytes for x in s.buffers if x.scope), default=0)
     with tempfile.TemporaryDirectory(prefix="mkc_confirm_") as tmp:
         path = Path(tmp) / f"{s.name}.py"
+        shown.set_description_str("confirm: rendering the module")
         try:
             path.write_text(render(s, text))
         except Exception as e:  # noqa: BLE001 - report, never crash the CLI
             r = {"libtpu": "error", "message": f"codegen failed: {type(e).__name__}: {e}"}
         else:
-            r = run_compile(path, b, timeout)
+            shown.set_description_str(f"confirm: compiling the kernel at batch {b} with libtpu "
+                                      f"(gives up after {timeout:.0f} s)")
+            r = run_compile(path, b, timeout, tick=shown.refresh)
     return VmemConfirmation(
         **base, mkc_fits=peak <= budget, mkc_peak_bytes=peak, libtpu=r["libtpu"],
         used_bytes=r.get("used_bytes"), limit_bytes=r.get("limit_bytes"),
@@ -326,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = confirm_vmem(a.spec, a.model, a.batch, a.timeout)
+    r = confirm_vmem(a.spec, a.model, a.batch, a.timeout, progress=True)
     print(json.dumps(r.to_json(), indent=1) if a.json else r.summary())
     return 0 if r.agree else 1
 

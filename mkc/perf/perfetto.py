@@ -8,7 +8,8 @@ Counters carry the VMEM bytes live by buffer class (the resident buffers, scoped
 the trace allocates and frees them, each pool split into its open view and the rest) and
 their total, whose maximum is the checker's VMEM peak at that batch.
 
-Times are modelled. Output is deterministic: same spec, batch and context, same bytes.
+Times are modelled; the process name says how far the chip's constants are calibrated, and
+otherData gives the whole calibration note. Output is deterministic: same spec, batch and context, same bytes.
 """
 from __future__ import annotations
 
@@ -42,16 +43,19 @@ def _dur(start: float, end: float) -> float:
     return (_ns(end) - _ns(start)) / 1000
 
 
+def buffer_class(s: ir.ScheduleIR, name: str) -> str:
+    """The VMEM class of a buffer or pool view ("P.V"), as the VMEM counters name it: a view's
+    is "pool P.V"; "other" for a name the schedule does not hold."""
+    classes = {b.name: b.cls for b in s.buffers}
+    classes |= {f"{p.name}.{v.name}": f"pool {p.name}.{v.name}" for p in s.pools for v in p.views}
+    return classes.get(name, "other")
+
+
 def dma_class(s: ir.ScheduleIR, name: str) -> str:
     """The buffer class a copy's destination belongs to (a store is its source's class)."""
-    store = name.endswith(" (store)")
-    base = name[: -len(" (store)")] if store else name
-    classes = {b.name: b.cls for b in s.buffers}
-    for p in s.pools:
-        for v in p.views:
-            classes[f"{p.name}.{v.name}"] = f"pool {v.name}"
-    cls = classes.get(base, "other")
-    return f"{cls} store" if store else cls
+    if name.endswith(" (store)"):
+        return f"{buffer_class(s, name[: -len(' (store)')])} store"
+    return buffer_class(s, name)
 
 
 @dataclass
@@ -153,9 +157,11 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
         ev.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index",
                    "args": {"sort_index": sort}})
 
+    from mkc.perf.run import calibration_caveat, calibration_note
+    # the process is the trace's first and outermost track: its name carries the caveat
     ev.append({"ph": "M", "pid": PID, "tid": 0, "name": "process_name",
                "args": {"name": f"{s.name} rank 0, batch {batch}, {tokens} cached tokens "
-                                f"(modelled, not measured)"}})
+                                f"(modelled, not measured; {calibration_caveat(s.chip)})"}})
     meta(T_LAYERS, "layers", 0)
     meta(T_COMPUTE, "compute (ops)", 1)
     meta(T_STALL, "stalls (waits that blocked compute)", 2)
@@ -205,6 +211,7 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
         "traceEvents": ev,
         "displayTimeUnit": "ns",
         "otherData": {"modelled": "times are modelled by mkc perf, not measured",
+                      "calibration": calibration_note(s.chip),
                       "schedule": s.name, "spec": spec, "model": s.model,
                       "topology": s.topology, "batch": batch, "tokens_in_cache": tokens,
                       "step_us": _us(res.step_s), "vmem_budget_bytes": vs.budget,

@@ -111,6 +111,24 @@ def calibration_note(chip: str) -> str:
             f"mkc/perf/data/{chip}.json")
 
 
+def calibration_caveat(chip: str) -> str:
+    """One line on how far to trust the constants, for every picture and trace of a step
+    (`calibration_note` is the whole story)."""
+    data = f"mkc/perf/data/{chip}.json"
+    cal = constants.calibration(chip)
+    if not cal:
+        base = constants.carried_from(chip)
+        return (f"uncalibrated on {chip}: constants not fitted to a {chip} measurement ("
+                + (f"carried from {base}, fitted there; " if base else "priors; ") + f"{data})")
+    if blocked := cal.get("blocked"):
+        now = ", ".join(f"B{p['batch']} {p['modelled_step_s'] * 1e3:.2f} ms modelled vs "
+                        f"{p['published_step_s'] * 1e3:.2f} published" for p in blocked["points"])
+        return f"calibration blocked on {chip}: constants keep an earlier fit ({now}; {data})"
+    worst = max(abs(p["error_percent"]) for p in cal["points"])
+    return (f"calibrated on {chip}: constants fitted to published step times (within "
+            f"{worst:.0f}%; {data})")
+
+
 def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         verify_rows: int | None = None, acceptance: float | None = None) -> dict[str, Any]:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
@@ -151,6 +169,7 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         "tokens_per_s": emitted / res.step_s,
         "hbm_floor_seconds": floor,
         "percent_of_hbm_floor": 100 * floor / res.step_s,
+        "percent_of_peak_bandwidth": 100 * res.hbm_bytes / (res.step_s * bw),
         "slowest_core_hbm_floor_seconds": slowest_floor,
         "by_cause_seconds": res.by_cause,
         "by_kind_seconds": res.by_kind,
@@ -190,6 +209,13 @@ def op_costs(res: Result, batch: int) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: (-e["seconds"], e["layer_kind"], e["op"]))
 
 
+# What the table's and the picture's two HBM percentages are (they differ by the bytes the
+# floor does not count: re-reads, the slowest core's extra experts, per-copy overhead).
+HBM_PERCENTAGES = ("% of the HBM floor: the floor (the step's bytes at peak bandwidth) over the "
+                   "modelled step; % of peak bandwidth: bytes moved over (step x peak); busy: "
+                   "time with a copy in flight")
+
+
 def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     ms = lambda x: f"{x * 1e3:8.3f}"     # noqa: E731
     step = rep["step_seconds"]
@@ -203,11 +229,13 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
            f"core (expected under uniform routing; mean core "
            f"{rep['routed_experts_per_layer_mean']:.2f})"
            if rep["routed_experts_per_layer"] else ""),
-        f"modelled step: {step * 1e3:.3f} ms, {rep['tokens_per_s']:.0f} tok/s (modelled), "
+        f"modelled step: {step * 1e3:.3f} ms, {rep['tokens_per_s']:.0f} tok/s (modelled); "
         f"{rep['percent_of_hbm_floor']:.1f}% of the HBM floor ({rep['hbm_floor_seconds'] * 1e3:.3f} ms"
         + (f"; the slowest core's {rep['slowest_core_hbm_floor_seconds'] * 1e3:.3f} ms"
            if rep["routed_experts_per_layer"] else "") + "); "
+        f"{rep['percent_of_peak_bandwidth']:.1f}% of peak bandwidth; "
         f"HBM busy {100 * rep['hbm_busy_fraction']:.0f}% of the step, {rep['copies']} HBM copies",
+        f"  {HBM_PERCENTAGES}",
         f"  {rep['calibration']}",
         "modelled time by layer kind and cause (ms):",
         f"  {'kind':<10}" + "".join(f"{c:>19}" for c in CAUSES) + f"{'total':>10}",

@@ -46,7 +46,7 @@ def test_trace_tracks_and_vmem_counter_peak_is_the_checkers(spec, model, batch, 
     assert {"layers", "compute (ops)", "stalls (waits that blocked compute)",
             "collectives (ICI)", "DMA queue: ring", "DMA queue: kv"} <= tracks
     if c.ir.pools:
-        assert "DMA queue: pool experts" in tracks
+        assert "DMA queue: pool staging.experts" in tracks
     events = doc["traceEvents"]
     totals = [e["args"]["live"] for e in events if e["ph"] == "C" and e["name"] == VMEM_TOTAL]
     by_class = [e["args"] for e in events if e["ph"] == "C" and e["name"] == VMEM_COUNTER]
