@@ -149,8 +149,8 @@ def yarn(raw: Mapping, head_dim: int) -> dict[str, float]:
     params = rope_parameters(raw)
     theta = float(params.get("rope_theta") or setting(raw, "rope_theta"))
     original = float(params["original_max_position_embeddings"])
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else float(setting(raw, "max_position_embeddings")) / original
+    factor = params.get("factor")       # upstream's fallback: the context's extension ratio
+    factor = float(setting(raw, "max_position_embeddings")) / original if factor is None else float(factor)
     attention = params.get("attention_factor")
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
     if attention is None:

@@ -80,7 +80,8 @@ def param_shapes(cfg: GptOssDims) -> dict[str, tuple[tuple[int, ...], str]]:
     h, d, e = cfg.hidden_size, cfg.head_dim, cfg.experts
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     bf16, u8 = "bfloat16", "uint8"
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((cfg.vocab_size, h), bf16)}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, h), bf16)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         for proj, out in (("q_proj", hq * d), ("k_proj", hkv * d), ("v_proj", hkv * d)):
