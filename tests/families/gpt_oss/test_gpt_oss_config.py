@@ -1,0 +1,91 @@
+"""The GPT-OSS config reader (mkc.families.gpt_oss.config, through the reference's
+load_config): the published facts of the shipped configs, the MINI's layer pattern, the settings
+it refuses, and `mkc check` refusing a model of a family with no kernel yet."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from mkc.compiler import check_spec
+from mkc.diagnostics import MkcError
+from mkc.families.gpt_oss import reference as ref
+from mkc.model.config import CONFIG_DIR
+from tests_support import ROOT
+
+MINI_RAW = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
+MINI = ref.load_config(MINI_RAW)
+
+
+# ---- the shipped configs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,layers,experts,total,active", [
+    ("gpt_oss_120b", 36, 128, 116.83e9, 5.13e9), ("gpt_oss_20b", 24, 32, 20.91e9, 3.61e9)])
+def test_shipped_configs_hold_the_published_facts(name, layers, experts, total, active):
+    """The published config.json values, and the parameter counts of the gpt-oss model card
+    (total; active: the routed experts a token picks, the lm_head, not the embedding), counted
+    from the weights table with two values a MXFP4 byte."""
+    c = ref.load_config(CONFIG_DIR / f"{name}.json")
+    assert (c.num_hidden_layers, c.experts, c.top_k) == (layers, experts, 4)
+    assert (c.hidden_size, c.intermediate_size, c.vocab_size) == (2880, 2880, 201088)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 8, 64)
+    assert (c.sliding_window, c.rms_norm_eps, c.swiglu_alpha, c.swiglu_limit) == (128, 1e-5, 1.702, 7.0)
+    assert c.attention_types == ("sliding_attention", "full_attention") * (layers // 2)
+    assert (c.rope_theta, c.yarn_factor) == (150000.0, 32.0)
+    # ramp bounds D ln(4096 / (2 pi beta)) / (2 ln theta) for beta 32 and 1, not truncated
+    assert c.yarn_low == pytest.approx(8.0928, abs=1e-4) and c.yarn_high == pytest.approx(17.3980, abs=1e-4)
+    assert c.yarn_attention_factor == pytest.approx(1 + 0.1 * math.log(32))
+    counts = {"total": 0, "active": 0}
+    for tensor, (shape, _) in ref.param_shapes(c).items():
+        n = math.prod(shape) * (2 if tensor.endswith("_blocks") else 0 if tensor.endswith("_scales") else 1)
+        counts["total"] += n
+        counts["active"] += (n // experts * 4 if ".experts." in tensor
+                             else 0 if tensor == "model.embed_tokens.weight" else n)
+    assert counts["total"] == pytest.approx(total, abs=0.005e9)     # as the card rounds
+    assert counts["active"] == pytest.approx(active, abs=0.005e9)
+
+
+def test_mini_has_both_layer_types_and_both_transitions():
+    assert MINI.attention_types == ("sliding_attention", "full_attention") * 2
+    assert MINI.layer_kinds == ("swa", "moe", "gqa", "moe") * 2
+    assert MINI.sliding_window == 8 and (MINI.experts, MINI.top_k) == (8, 2)
+
+
+@pytest.mark.parametrize("edit,words", [
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "chunked_attention"),
+    ({"layer_types": ["sliding_attention"] * 3}, "3 entries"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+    ({"attention_bias": False}, "attention_bias"),
+    ({"sliding_window": None}, "sliding_window"),
+    ({"quantization_config": None}, "MXFP4"),
+    ({"intermediate_size": 100}, "multiple of 32"),
+    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+])
+def test_unsupported_settings_are_refused(edit, words):
+    with pytest.raises(ValueError, match=words):
+        ref.load_config(MINI_RAW | edit)
+
+
+def test_truncate_floors_and_ceils_the_ramp_bounds():
+    rope = MINI_RAW["rope_scaling"] | {"truncate": True}
+    c = ref.load_config(MINI_RAW | {"rope_scaling": rope})
+    assert (c.yarn_low, c.yarn_high) == (8.0, 18.0)
+
+
+def test_mkc_check_refuses_a_model_of_a_family_without_a_kernel_at_its_model_line(tmp_path):
+    """gpt_oss declares kernel_ready=False: a spec of its MINI model is refused at the `model`
+    line, naming the family and the families it could schedule instead."""
+    text = (ROOT / "schedules" / "qwen3_8_27b.sched").read_text()
+    text, n = re.subn(r'^(\s*model\s+)"[^"]+"', r'\1"gpt_oss_mini"', text, count=1, flags=re.M)
+    assert n == 1
+    spec = tmp_path / "gpt_oss.sched"
+    spec.write_text(text)
+    with pytest.raises(MkcError) as e:
+        check_spec(spec)
+    (d,) = e.value.diagnostics
+    line = text[:text.index('"gpt_oss_mini"')].count("\n") + 1
+    assert (d.code, d.span.file, d.span.line) == ("E-MODEL", str(spec), line)
+    assert "'gpt_oss' has no kernel yet" in d.message and "qwen3_5_text" in d.hint
