@@ -216,8 +216,8 @@ VIEW = WeightView(pool='staging',
                                     'key_up': (121856, 384, 512, 2),
                                     'value_up': (123392, 512, 384, 3)}})
 
-# Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
-# at (first pool row in its slot, rows, cols).
+# Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
+# every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
 EXPERTS = ExpertSlots(pool='staging', slots=4, slot_rows=17344,
                       matrices={'gate_up_codes': (0, 1792, 1536),
                                 'gate_up_scales': (10752, 112, 1536),
@@ -407,10 +407,7 @@ HBM_SHAPES = {
     "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
     "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
     "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
-    "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 896, 1536), BF16),
-    "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 64, 1536), BF16),
-    "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 192, 3584), BF16),
-    "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 3584), BF16),
+    "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
 
@@ -472,7 +469,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_8x8__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((4,)),   # pooled matrix copies
-    "expert_sem": dma_sems((4, 4)),   # expert slot copies
+    "expert_sem": dma_sems((4,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }
