@@ -299,8 +299,8 @@ def _layer_kda(k: Kernel, layer):
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 70: two_level, wire bf16
     # the pool view staging.attention is free from here
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 70: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -347,9 +347,9 @@ def _layer_moe(k: Kernel, layer):
     shared_out = lower.shared_down(c, shared_act)
     shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 89: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89: two_level, wire bf16
     # the pool view staging.experts is free from here
     c.prefetch_view()   # spec line 90: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
     mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 91: all-gather over 8 ranks

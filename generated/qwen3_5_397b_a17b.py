@@ -246,8 +246,8 @@ def _layer_moe(k: Kernel, layer):
     shared_out = lower.shared_down(c, shared_act)
     shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 75: two_level, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75: two_level, wire bf16
     # the pool view experts_pool.experts is free from here
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75: two_level, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
