@@ -216,8 +216,8 @@ VIEW = WeightView(pool='staging',
                                     'key_up': (121856, 384, 512, 2),
                                     'value_up': (123392, 512, 384, 3)}})
 
-# Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
-# at (first pool row in its slot, rows, cols).
+# Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
+# every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
 EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=32896,
                       matrices={'gate_up_codes': (0, 3584, 1536),
                                 'gate_up_scales': (21504, 7, 1536),
@@ -299,8 +299,8 @@ def _layer_kda(k: Kernel, layer):
     core = lower.gated_norm(c, core, proj)
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 70: two_level, wire bf16
     # the pool view staging.attention is free from here
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 70: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -347,9 +347,9 @@ def _layer_moe(k: Kernel, layer):
     shared_out = lower.shared_down(c, shared_act)
     shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 89: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89: two_level, wire bf16
     # the pool view staging.experts is free from here
     c.prefetch_view()   # spec line 90: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
     mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 91: all-gather over 8 ranks
@@ -407,10 +407,7 @@ HBM_SHAPES = {
     "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
     "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
     "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
-    "expert__gate_up_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 1792, 1536), BF16),
-    "expert__gate_up_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 1536), BF16),
-    "expert__down_codes": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 384, 3584), BF16),
-    "expert__down_scales": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 16, 3584), BF16),
+    "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
 
@@ -469,7 +466,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_8x1__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((4,)),   # pooled matrix copies
-    "expert_sem": dma_sems((2, 4)),   # expert slot copies
+    "expert_sem": dma_sems((2,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }

@@ -147,8 +147,8 @@ MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stri
 MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
 N_COLLECTIVE_COUNTERS = 1
 
-# Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
-# at (first pool row in its slot, rows, cols).
+# Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
+# every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
 EXPERTS = ExpertSlots(pool='experts_pool', slots=4, slot_rows=24576,
                       matrices={'gate_up': (0, 2048, 1024), 'down': (16384, 512, 2048)},
                       local_experts=32, group_size=1, top_k=8)
@@ -239,8 +239,8 @@ def _layer_moe(k: Kernel, layer):
     shared_out = lower.shared_down(c, shared_act)
     shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 63: direct, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 63: direct, wire bf16
     # the pool view experts_pool.experts is free from here
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 63: direct, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -285,8 +285,7 @@ HBM_SHAPES = {
     "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
-    "expert__gate_up": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 2048, 1024), BF16),
-    "expert__down": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 512, 2048), BF16),
+    "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
 
@@ -332,7 +331,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_8x1__send": dma_sems((2, 8)),
     "recv__bf16_8x1__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "expert_sem": dma_sems((4, 2)),   # expert slot copies
+    "expert_sem": dma_sems((4,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }

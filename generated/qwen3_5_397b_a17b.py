@@ -154,8 +154,8 @@ MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, s
                              Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
 N_COLLECTIVE_COUNTERS = 3
 
-# Routed experts, copied into the pool's slots as routing picks them: each expert's matrices
-# at (first pool row in its slot, rows, cols).
+# Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
+# every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
 EXPERTS = ExpertSlots(pool='experts_pool', slots=1, slot_rows=98304,
                       matrices={'gate_up': (0, 4096, 2048), 'down': (65536, 1024, 4096)},
                       local_experts=32, group_size=1, top_k=10)
@@ -246,8 +246,8 @@ def _layer_moe(k: Kernel, layer):
     shared_out = lower.shared_down(c, shared_act)
     shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 75: two_level, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75: two_level, wire bf16
     # the pool view experts_pool.experts is free from here
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75: two_level, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -292,8 +292,7 @@ HBM_SHAPES = {
     "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
-    "expert__gate_up": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 4096, 2048), BF16),
-    "expert__down": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, 1024, 4096), BF16),
+    "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
 
@@ -345,7 +344,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_16x1__send": dma_sems((2, 16)),
     "recv__bf16_16x1__recv": dma_sems((2, 16)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "expert_sem": dma_sems((1, 2)),   # expert slot copies
+    "expert_sem": dma_sems((1,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }

@@ -61,25 +61,29 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     if k.fetch is not None:
         last_reader[f"{k.fetch.pool}.{k.fetch.view}"] = k.ops.index(k.fetch.consumer)
 
-    def copies(p: int) -> None:
-        for step, vc in ((Prefetch, k.prefetch), (Fetch, k.fetch)):
+    def copies(p: int, which: tuple) -> None:
+        for step, vc in which:
             if vc is not None and vc.start == p:
                 steps.append(step(p, view=f"{vc.pool}.{vc.view}"))
 
+    prefetch, fetch = ((Prefetch, k.prefetch),), ((Fetch, k.fetch),)
     after = {a.after_op: AllReduce(0, op=a.after_op, entry=a) for a in k.allreduces}
     gathers = {g.after_op: AllGather(0, op=g.after_op, entry=g) for g in k.allgathers}
     gathers |= {e.after_op: Exchange(0, op=e.after_op, entry=e) for e in k.exchanges}
     for i, op in enumerate(k.ops):
         point(i)
-        copies(i)
+        copies(i, prefetch + fetch if i == 0 else fetch)
         steps.extend(PoolWait(i, family=fam, view=k.pooled[fam])
                      for fam in first_reader.get(i, []))
         steps.append(Op(i, op=op))
+        steps.extend(ViewClose(i, view=v) for v, last in sorted(last_reader.items())
+                     if last == i)
+        # A prefetch from the next point starts before this op's collectives: it needs no
+        # value, only its view free (no collective reads a pool), and HBM idles under them.
+        copies(i + 1, prefetch)
         for table in (after, gathers):
             if op in table:
                 steps.append(dataclasses.replace(table[op], point=i))
-        steps.extend(ViewClose(i, view=v) for v, last in sorted(last_reader.items())
-                     if last == i)
     point(len(k.ops))
-    copies(len(k.ops))
+    copies(len(k.ops), fetch)
     return steps

@@ -32,6 +32,10 @@ class Content:
         """The `ScheduleIR.matrix_facts` entry of the weights read (None: priced as bf16)."""
         return None
 
+    def weights(self, kind: str, nbytes: int) -> tuple[tuple[str | None, int], ...]:
+        """What a read of `nbytes` of it reads, as (`matrix_facts` entry, bytes) per matrix."""
+        return ((self.matrix(kind), nbytes),)
+
 
 @dataclass(frozen=True, slots=True)
 class RingTile(Content):
@@ -60,16 +64,19 @@ class LayerMatrix(Content):
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertMatrix(Content):
-    """One matrix of the `expert`-th routed expert a layer runs (in the order it runs them)."""
+class RoutedExpert(Content):
+    """The `expert`-th routed expert a layer runs (in the order it runs them): all its matrices,
+    which one copy brings into its slot. `matrices` gives each one's name and bytes: a read
+    prices them apart (FP8 codes are multiplied, their scales are not)."""
 
     layer: int
     expert: int
-    name: str
+    matrices: tuple[tuple[str, int], ...] = ()
     cost: ClassVar[ReadCost] = ReadCost.WEIGHTS
 
-    def matrix(self, kind: str) -> str | None:
-        return f"expert.{self.name}"
+    def weights(self, kind: str, nbytes: int) -> tuple[tuple[str | None, int], ...]:
+        """A read of the expert reads each matrix (none for a read of 0 bytes: the checks')."""
+        return tuple((f"expert.{name}", n) for name, n in self.matrices) if nbytes else ()
 
     def __str__(self) -> str:
         return f"routed expert {self.expert} of layer {self.layer}"

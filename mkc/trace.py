@@ -13,8 +13,8 @@ from mkc import ir
 from mkc.diagnostics import Span
 from mkc.program import layer_program
 from mkc.steps import AllReduce, Step
-from mkc.tags import (Content, ExpertMatrix, KvTile, LayerBegins, LayerMatrix, LayerVectors, LayerState,
-                      OpBegins, RingTile, ViewLayer, WholeBuffer)
+from mkc.tags import (Content, KvTile, LayerBegins, LayerMatrix, LayerVectors, LayerState, OpBegins,
+                      RingTile, RoutedExpert, ViewLayer, WholeBuffer)
 
 
 # What an event is about: content for copies and reads; the op, layer or view that begins or
@@ -188,11 +188,18 @@ class StepTracer:
             self.tb.start(dst=view_id, slot=m.name, sem=(view_id, m.name), nbytes=m.nbytes,
                           tag=LayerMatrix(layer, m.name), where=where, span=span)
 
+    def routed_expert(self, view_id: str, layer: int, k: int) -> RoutedExpert:
+        """What selected expert k's slot holds: each of its matrices with its bytes."""
+        return RoutedExpert(layer, k, tuple((m.name, m.nbytes)
+                                            for m in self.views[view_id].matrices["expert"]))
+
     def start_expert(self, view_id: str, layer: int, k: int, where: str, span: Span) -> None:
+        """Selected expert k's one copy: its slot's image, all its matrices, into slot k % slots
+        (`mkc.runtime.experts`)."""
         v = self.views[view_id]
-        for m in v.matrices["expert"]:
-            self.tb.start(dst=view_id, slot=(k % v.slots, m.name), sem=(view_id, k % v.slots, m.name),
-                          nbytes=m.nbytes, tag=ExpertMatrix(layer, k, m.name), where=where, span=span)
+        self.tb.start(dst=view_id, slot=k % v.slots, sem=(view_id, k % v.slots),
+                      nbytes=v.slot_bytes, tag=self.routed_expert(view_id, layer, k), where=where,
+                      span=span)
 
     def run_experts(self, view_id: str, layer: int, where: str, span: Span) -> None:
         v, tb = self.views[view_id], self.tb
@@ -200,10 +207,9 @@ class StepTracer:
         count = (self.expert_count if self.opts.whole_runs
                  else periodic_tiles_traced(self.expert_count, v.slots, v.slots))
         for k in range(count):
-            for m in v.matrices["expert"]:
-                tb.wait(sem=(view_id, k % v.slots, m.name), nbytes=m.nbytes, where=where, span=span)
-                tb.read(view_id, (k % v.slots, m.name), ExpertMatrix(layer, k, m.name), where, span,
-                        m.nbytes if self.opts.compute else 0)
+            tb.wait(sem=(view_id, k % v.slots), nbytes=v.slot_bytes, where=where, span=span)
+            tb.read(view_id, k % v.slots, self.routed_expert(view_id, layer, k), where, span,
+                    v.slot_bytes if self.opts.compute else 0)
             if k + v.slots < count:
                 self.start_expert(view_id, layer, k + v.slots, where, span)
 

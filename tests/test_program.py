@@ -89,3 +89,16 @@ def test_scope_shapes_run_in_interpret_mode(tmp_path, gdn):
     for s in summary["steps"]:
         assert s["next_token"] == s["ref_next_token"], s
         assert s["logits_max_abs_err"] < 0.03 * s["logits_max_abs"], s
+
+
+def test_a_prefetch_after_an_op_starts_before_its_collectives():
+    """K3's `prefetch next staging.attention after routed_experts`: the experts' view closes
+    and the next layer's attention starts copying as soon as the experts' compute ends, so
+    HBM streams under the experts' all-reduce instead of idling."""
+    from mkc.steps import AllReduce, Prefetch, ViewClose
+    from tests_support import K3_SPEC
+
+    steps = layer_program(compiler.check_spec(K3_SPEC).ir, "moe")
+    order = [type(st).__name__ + ("" if isinstance(st, Prefetch) else f" {getattr(st, 'op', '')}")
+             for st in steps if isinstance(st, (AllReduce, Prefetch, ViewClose))]
+    assert order[-3:] == ["ViewClose ", "Prefetch", "AllReduce routed_experts"]

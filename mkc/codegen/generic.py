@@ -12,6 +12,7 @@ from mkc.steps.collectives import exchange_name, gather_name, reduce_name
 from mkc.model.sharding import ShardTable
 from mkc.runtime.collectives import Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
+from mkc.runtime import experts
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.pool import WeightView
@@ -308,10 +309,9 @@ def _expert_slots(s: ir.ScheduleIR) -> tuple[ExpertSlots | None, list[tuple], li
                                matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
                                local_experts=s.per_rank["local_experts"],
                                group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
-    expert_inputs = [(f"expert__{m.name}", fetching[0],
-                      (ir.panel_rows(m.rows, m.dtype), -(-m.cols // ir.LANES) * ir.LANES)) for m in mats]
-    scratch = [("expert_sem", f"dma_sems(({view.slots}, {len(mats)}))",
-                "expert slot copies"),
+    # One HBM array of every local expert's slot image: one copy, one semaphore per slot.
+    expert_inputs = [(experts.HBM, fetching[0], ("EXPERTS.slot_rows", str(ir.LANES)))]
+    scratch = [("expert_sem", f"dma_sems(({view.slots},))", "expert slot copies"),
                ("expert_list", "smem((EXPERTS.local_experts,), jnp.int32)",
                 "picked local experts"),
                ("expert_count", "smem((1,), jnp.int32)", "how many")]

@@ -481,8 +481,9 @@ class _Replay:
         """A read charges the current op's work per weight value or per KV tile it reads."""
         cost = e.tag.cost
         if cost is ReadCost.WEIGHTS:
-            facts = self.m.s.matrix_facts.get(e.tag.matrix(self.kind)) or _BF16
-            values = e.nbytes * facts.values_per_byte
+            facts = self.m.s.matrix_facts
+            values = sum(n * (facts.get(name) or _BF16).values_per_byte
+                         for name, n in e.tag.weights(self.kind, e.nbytes))
             if values:
                 self.current.weight_values += values
                 self.current.charge(self.per_value, values, values * self.per_value_s)

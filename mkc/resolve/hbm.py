@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mkc.resolve.pools import expert_slot_bytes
 from mkc.resolve.state import ResolveState
 
 
 def resolve_hbm(s: ResolveState) -> ResolveState:
-    """Weights padded to ring slots, as packed; a verify step's output adds a recurrent state
-    per row."""
+    """Weights padded as packed (ring slots, pool forms, routed experts' slot images); a verify
+    step's output adds a recurrent state per row."""
     graph, stream, B, context = s.graph, s.stream, s.batch[1], s.context
     verify_rows = s.verify_rows * s.verify_sequences[1]
     state = cache = row_state = 0
@@ -29,8 +30,7 @@ def resolve_hbm(s: ResolveState) -> ResolveState:
         consumers = [k for k in set(graph.layer_kinds)
                      if any(o.runs_experts for o in graph.kinds[k].ops)]
         layers = sum(graph.layer_kinds.count(k) for k in consumers)
-        out["routed experts"] = (layers * graph.per_rank["local_experts"]
-                                 * sum(t.nbytes for t in graph.experts.values()))
+        out["routed experts"] = layers * graph.per_rank["local_experts"] * expert_slot_bytes(graph)
     out |= {"embedding": graph.globals["embed"].nbytes,
             "vectors": len(graph.layer_kinds) * s.parity.rows * s.parity.cols * 4,
             "recurrent state": state, "kv cache": cache}

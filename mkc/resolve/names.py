@@ -20,7 +20,7 @@ RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start", 
             "embed", "embed_rows", "head_norm", "tables", "tokens", "positions", "rope",
             "ring_hbm", "vectors_hbm", "head_norm_hbm", "ring_sem", "vectors_sem", "sems",
             "send_sem", "recv_sem", "collective_count", "tile_class", "pool_sem", "expert_sem",
-            "expert_list", "expert_count"}
+            "experts_hbm", "expert_list", "expert_count"}
 MAX_NAME = 64          # a schedule's name becomes a file name, with the model's appended
 
 

@@ -18,6 +18,12 @@ def pooled_bytes(rows: int, cols: int, dtype: str) -> int:
     return ir.pooled_rows(rows, cols, dtype) * ir.POOL_ROW_BYTES
 
 
+def expert_slot_bytes(graph: DecodeGraph) -> int:
+    """Bytes of one routed expert's slot: its matrices one after another, each in pool form.
+    HBM holds each local expert as this image (`mkc.runtime.experts.pack_expert`)."""
+    return sum(pooled_bytes(*t.shape, t.dtype) for t in graph.experts.values())
+
+
 def resolve_pools(s: ResolveState) -> ResolveState:
     """The pools and, per layer kind, which matrix family lives in which `pool.view`."""
     graph = s.graph

@@ -8,7 +8,9 @@ and `fold` runs them in order, starting expert k + slots into expert k's slot as
 been consumed (the slot protocol `mkc.checks` proves race-free).
 
 An expert's matrices sit at fixed row offsets inside its slot, in the pool layout of
-`mkc.runtime.pool`; HBM holds each matrix as [layers of the kind, local experts, pool form].
+`mkc.runtime.pool`. HBM holds the slot's image (`experts_hbm`, [layers of the kind, local
+experts, slot rows, 128] bf16: `pack_expert`), so fetching an expert is one contiguous DMA on
+one semaphore per slot, whatever its matrices' widths.
 """
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from mkc.runtime import pool, scopes
 
@@ -32,6 +37,25 @@ class ExpertSlots:
     local_experts: int                          # experts per group
     group_size: int                             # ranks sharing one group's experts
     top_k: int
+
+
+HBM = "experts_hbm"       # the kernel input holding every local expert's slot image
+
+
+def pack_expert(es: ExpertSlots, matrices: dict[str, np.ndarray]) -> np.ndarray:
+    """Host side: one expert's matrices (name -> [rows, cols] bf16 or uint8) -> its HBM form,
+    bf16 [slot_rows, 128], each matrix in pool rows (`pool.pack_rows`) at its row in the slot:
+    byte for byte what the slot holds once the expert's one copy lands (padding zero)."""
+    if set(matrices) != set(es.matrices):
+        raise ValueError(f"an expert's matrices are {sorted(es.matrices)}, got {sorted(matrices)}")
+    out = np.zeros((es.slot_rows, pool.LANES), ml_dtypes.bfloat16)
+    for name, (row, rows, cols) in es.matrices.items():
+        if np.shape(matrices[name]) != (rows, cols):
+            raise ValueError(f"expert matrix {name} is {np.shape(matrices[name])}, the slot "
+                             f"holds ({rows}, {cols})")
+        packed = pool.pack_rows(matrices[name])
+        out[row:row + packed.shape[0]] = packed
+    return out
 
 
 def top_k(pick: jax.Array, values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -99,17 +123,20 @@ def global_id(es: ExpertSlots, refs, k, axis: str):
     return refs.expert_list[k] + es.local_experts * group(es, axis)
 
 
-def _copies(es: ExpertSlots, refs, si, k) -> list:
-    slot = lax.rem(k, es.slots)
-    expert = refs.expert_list[k]
-    base = slot * es.slot_rows
-    return [(getattr(refs, f"expert__{name}").at[si, expert], base + row, refs.expert_sem.at[slot, j])
-            for j, (name, (row, rows, cols)) in enumerate(es.matrices.items())]
+def _slot_row(es: ExpertSlots, k):
+    """The first pool row of selected expert k's slot, k % slots (a whole tile in)."""
+    return pl.multiple_of(lax.rem(k, es.slots) * es.slot_rows, pool.TILE_ROWS)
+
+
+def _copy(es: ExpertSlots, refs, si, k):
+    """Selected expert k's one copy: its slot image in HBM into its slot of the pool."""
+    return pltpu.make_async_copy(getattr(refs, HBM).at[si, refs.expert_list[k]],
+                                 getattr(refs, es.pool).at[pl.ds(_slot_row(es, k), es.slot_rows)],
+                                 refs.expert_sem.at[lax.rem(k, es.slots)])
 
 
 def start(es: ExpertSlots, refs, si, k) -> None:
-    for hbm, row, sem in _copies(es, refs, si, k):
-        pool.start_pooled_copy(hbm, getattr(refs, es.pool), row, sem)
+    _copy(es, refs, si, k).start()
 
 
 def start_first(es: ExpertSlots, refs, si) -> None:
@@ -123,16 +150,14 @@ def start_first(es: ExpertSlots, refs, si) -> None:
 def matrix(es: ExpertSlots, refs, k, name: str) -> tuple[int, int, int]:
     """(first pool row, rows, cols) of selected expert k's matrix `name` in its slot."""
     row, rows, cols = es.matrices[name]
-    base = pl.multiple_of(lax.rem(k, es.slots) * es.slot_rows, pool.TILE_ROWS)
-    return base + row, rows, cols
+    return _slot_row(es, k) + row, rows, cols
 
 
 def fold(es: ExpertSlots, refs, si, body: Callable, init):
-    """Fold body(k, carry) -> carry over the selected experts in order, each after its copies
-    land; expert k + slots is started into k's slot once k is consumed."""
+    """Fold body(k, carry) -> carry over the selected experts in order, each after its copy
+    lands; expert k + slots is started into k's slot once k is consumed."""
     def one(k, carry):
-        for hbm, row, sem in _copies(es, refs, si, k):
-            pool.wait_pooled_copy(hbm, getattr(refs, es.pool), row, sem)
+        _copy(es, refs, si, k).wait()
         with scopes.weights():        # an expert's work grows with the weights it reads
             out = body(k, carry)
 

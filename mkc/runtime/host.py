@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mkc.runtime import inputs, pool, ring, shapes
+from mkc.runtime import experts as expert_slots, inputs, pool, ring, shapes
 from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.shapes import Scratch, Shapes
 from mkc.runtime.vectors import Parity
@@ -279,8 +279,9 @@ class Host:
     # ---- weights and states --------------------------------------------------------------
     def pack_rank(self, hf, rank: int) -> dict[str, np.ndarray]:
         """HF-named weights -> one rank's HBM layout: the ring stream in consumption order,
-        pooled matrices and experts in pool form, per-layer vector blocks, the head vectors
-        and the embedding shard. The weights are first checked against the compiled config."""
+        pooled matrices in pool form, each routed expert as its slot's image, per-layer vector
+        blocks, the head vectors and the embedding shard. The weights are first checked against
+        the compiled config."""
         inputs.check_hf_weights(hf, self.hf_layout.__package__, self.dims, self.hf_config)
         layout, dims, per_rank, shards = self.hf_layout, self.dims, self.per_rank, self.shards
         packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.hbm_shapes().items()}
@@ -296,9 +297,9 @@ class Host:
                 packed[f"pool__{kind}__{name}"][si] = pool.pack_for_pool(matrix.astype(jnp.bfloat16))
             if kind == self.expert_kind:
                 for e in range(self.experts.local_experts):
-                    for name, a in layout.expert(hf, dims, per_rank, layer, e, rank, shards,
-                                                 self.formats).items():
-                        packed[f"expert__{name}"][si, e] = pool.pack_for_pool(a)
+                    packed[expert_slots.HBM][si, e] = expert_slots.pack_expert(
+                        self.experts, layout.expert(hf, dims, per_rank, layer, e, rank, shards,
+                                                    self.formats))
             for name, (row, rows, width) in self.vectors.layout[kind].items():
                 vector = layout.layer_vector(hf, dims, per_rank, layer, kind, name, rank, shards)
                 packed["vectors_hbm"][layer, row:row + rows, :width] = vector

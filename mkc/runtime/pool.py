@@ -18,7 +18,9 @@ Bytes per matrix are ``pooled_rows * 256``, equal to ``mkc.resolve.pools.pooled_
 A DMA cannot change dtype (uint8 HBM -> bf16 VMEM is rejected) and cannot transpose, so the
 HBM form (``pack_for_pool``) is the natural [rows, cols] layout in pool rows: bf16 as is,
 uint8 packed in pairs of rows, padded to whole panels. ``start_pooled_copy`` moves it with
-one strided DMA per column panel; ``wait_pooled_copy`` waits for all of them at once.
+one strided DMA per column panel; ``wait_pooled_copy`` waits for all of them at once. Matrices
+always fetched together (a routed expert's) are instead packed as they sit in the pool
+(``pack_rows``: the panels one after another), so one contiguous DMA moves them all.
 """
 from __future__ import annotations
 
@@ -64,6 +66,16 @@ def pack_for_pool(a: np.ndarray) -> np.ndarray:
     # Rows 2r and 2r + 1 become the (low, high) bytes of one bf16 element (little endian).
     pairs = np.ascontiguousarray(a.reshape(pr, 2, padded[1]).transpose(0, 2, 1))
     return pairs.view(ml_dtypes.bfloat16).reshape(pr, padded[1])
+
+
+def pack_rows(a: np.ndarray) -> np.ndarray:
+    """Host side: a [rows, cols] bf16 or uint8 matrix as it sits in a pool, bf16
+    [pooled_rows, 128]: its column panels (``pack_for_pool``'s) one after another. Matrices
+    packed so into one HBM array at their pool row offsets come in with one contiguous DMA
+    (`mkc.runtime.experts`), whatever their widths."""
+    packed = pack_for_pool(a)
+    pr, width = packed.shape
+    return packed.reshape(pr, width // LANES, LANES).transpose(1, 0, 2).reshape(-1, LANES)
 
 
 def _row(offset: int | jax.Array) -> int | jax.Array:

@@ -56,11 +56,28 @@ def test_worst_case_routed_experts_cycle_through_the_slots(k3):
         return [e for e in events if e.op == "read" and e.buffer == "staging.experts"
                 and e.tag.layer == 3]
     reads = layer3(events)
-    assert len(reads) == traced * len(s.experts)
-    assert {e.slot[0] for e in reads} == set(range(slots))
+    assert len(reads) == traced
+    assert {e.slot for e in reads} == set(range(slots))
     assert [e.tag.expert for e in reads][-1] == traced - 1
     whole = layer3(build_trace(s, TraceOptions(whole_runs=True)))
-    assert len(whole) == count * len(s.experts)
+    assert len(whole) == count
+
+
+def test_each_routed_expert_is_one_copy_of_its_slot_image(k3):
+    """Fetching an expert is one copy of all its matrices (`mkc.runtime.experts`): one start
+    and one wait a fetched expert, each of the slot's bytes, which HBM holds for every local
+    expert of every MoE layer, as the capacity check counts them."""
+    s, events = k3
+    view = s.pools[0].view("experts")
+    starts = [e for e in events if e.op == "start" and e.buffer == "staging.experts"]
+    waits = [e for e in events if e.op == "wait" and e.sem[0] == "staging.experts"]
+    fetched = {(e.tag.layer, e.tag.expert) for e in starts}
+    assert len(starts) == len(waits) == len(fetched) > 92 * view.slots
+    assert {e.nbytes for e in starts + waits} == {view.slot_bytes}
+    assert [name for name, _ in starts[0].tag.matrices] == list(s.experts)
+    moe_layers = s.layer_kinds.count("moe")
+    assert s.hbm_bytes_per_rank["routed experts"] == (moe_layers * s.per_rank["local_experts"]
+                                                      * view.slot_bytes)
 
 
 def test_prefetch_during_routing_is_an_overlap():

@@ -111,3 +111,22 @@ def test_generated_modules_pass_pyflakes_rules():
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache",
                         str(ROOT / "generated")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("spec", [p for p in SCHEDULES if "fetch experts" in p.read_text()],
+                         ids=lambda p: p.stem)
+def test_routed_experts_in_hbm_are_the_bytes_the_checks_count(spec):
+    """The module's one HBM array of routed experts (every local expert's slot image) holds
+    exactly the bytes `mkc check` counts against the chip's HBM."""
+    import math
+
+    import numpy as np
+
+    c = compiler.compile_spec(spec)
+    module = types.ModuleType("m")
+    exec(compile(c.module_source, "m.py", "exec"), module.__dict__)
+    expert_arrays = [n for n in module.HOST.hbm_shapes() if "expert" in n]
+    assert expert_arrays == ["experts_hbm"]
+    shape, dtype = module.HOST.hbm_shapes()["experts_hbm"]
+    assert shape[-2:] == (module.EXPERTS.slot_rows, 128)
+    assert math.prod(shape) * np.dtype(dtype).itemsize == c.ir.hbm_bytes_per_rank["routed experts"]

@@ -92,36 +92,42 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, 
 @pytest.mark.parametrize("mode", MODES)
 def test_expert_slots_cycle_the_picked_experts_of_this_group(mode):
     """Rank 0 of two, one rank per group, 4 experts per group, 2 slots: the rows pick 3 of this
-    group's experts (and some of the other group's), so the third cycles into slot 0."""
-    B, H, N, local, slots = 2, 128, 128, 4, 2
-    es = experts.ExpertSlots(pool="pool", slots=slots, slot_rows=pool.pooled_rows(H, N, "bf16"),
-                             matrices={"w": (0, H, N)}, local_experts=local, group_size=1, top_k=3)
+    group's experts (and some of the other group's), so the third cycles into slot 0. Each
+    expert is two matrices of different widths, fetched by one copy of its slot image."""
+    B, H, local, slots = 2, 128, 4, 2
+    widths = {"a": 256, "b": 128}
+    rows_a = pool.pooled_rows(H, widths["a"], "bf16")
+    es = experts.ExpertSlots(pool="pool", slots=slots, slot_rows=rows_a + pool.pooled_rows(H, 128, "bf16"),
+                             matrices={"a": (0, H, widths["a"]), "b": (rows_a, H, widths["b"])},
+                             local_experts=local, group_size=1, top_k=3)
     ids = np.array([[3, 5, 0], [0, 6, 2]], np.int32)    # experts 5 and 6 are the other group's
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((1, local, H, N)).astype(ml_dtypes.bfloat16)
+    w = {n: rng.standard_normal((local, H, c)).astype(ml_dtypes.bfloat16) for n, c in widths.items()}
     x = rng.standard_normal((B, H)).astype(np.float32)
-    hbm = np.stack([np.stack([pool.pack_for_pool(w[0, e]) for e in range(local)])])
+    hbm = np.stack([np.stack([experts.pack_expert(es, {n: w[n][e] for n in w}) for e in range(local)])])
 
     def kernel(ids_ref, x_ref, w_hbm, out_ref, order_ref, pool_ref, expert_sem, expert_list, expert_count):
-        refs = type("Refs", (), dict(pool=pool_ref, expert_sem=expert_sem, expert_list=expert_list,
-                                     expert_count=expert_count, expert__w=w_hbm))
+        refs = type("Refs", (), {"pool": pool_ref, "expert_sem": expert_sem, "expert_list": expert_list,
+                                 "expert_count": expert_count, experts.HBM: w_hbm})
         experts.select_local(es, refs, ids_ref[...], "ranks", B)
         experts.start_first(es, refs, 0)
 
         def body(k, acc):
-            row, rows, cols = experts.matrix(es, refs, k, "w")
             scale = (experts.global_id(es, refs, k, "ranks") + 1).astype(F32)
-            return acc + scale * pool.pooled_matmul(x_ref[...], pool_ref, row, rows, cols)
+            outs = [pool.pooled_matmul(x_ref[...], pool_ref, *experts.matrix(es, refs, k, n))
+                    for n in widths]
+            return acc + scale * jnp.concatenate(outs, axis=1)
 
-        out_ref[...] = experts.fold(es, refs, 0, body, jnp.zeros((B, N), F32))
+        out_ref[...] = experts.fold(es, refs, 0, body, jnp.zeros((B, sum(widths.values())), F32))
         for i in range(local):
             order_ref[i] = jnp.where(i < expert_count[0], expert_list[i], -1)
 
     vmem, smem = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pltpu.SMEM)
     call = pl.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((B, N), F32), jax.ShapeDtypeStruct((local,), jnp.int32)),
+        kernel, out_shape=(jax.ShapeDtypeStruct((B, sum(widths.values())), F32),
+                           jax.ShapeDtypeStruct((local,), jnp.int32)),
         in_specs=[vmem, vmem, pl.BlockSpec(memory_space=pl.ANY)], out_specs=(vmem, smem),
-        scratch_shapes=[pltpu.VMEM((slots * es.slot_rows, 128), BF16), pltpu.SemaphoreType.DMA((slots, 1)),
+        scratch_shapes=[pltpu.VMEM((slots * es.slot_rows, 128), BF16), pltpu.SemaphoreType.DMA((slots,)),
                         pltpu.SMEM((local,), jnp.int32), pltpu.SMEM((1,), jnp.int32)],
         interpret=pltpu.InterpretParams(**MODES[mode]))
     mesh = Mesh(np.array(jax.devices()[:1]), ("ranks",))
@@ -131,7 +137,8 @@ def test_expert_slots_cycle_the_picked_experts_of_this_group(mode):
 
     assert np.asarray(order).tolist() == [0, 2, 3, -1]       # distinct, ascending, ours only
     xb = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-    want = sum((e + 1) * (xb @ w[0, e].astype(np.float32)) for e in (0, 2, 3))
+    want = sum((e + 1) * np.concatenate([xb @ w[n][e].astype(np.float32) for n in widths], axis=1)
+               for e in (0, 2, 3))
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-2)
     if mode == "races":
         assert not _races_found()

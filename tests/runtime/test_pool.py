@@ -127,6 +127,20 @@ def test_pack_for_pool_u8_pairs_rows_low_byte_first() -> None:
         pool.pack_for_pool(np.ones((4, 4), np.float32))
 
 
+@pytest.mark.parametrize("rows, cols, dtype", [(100, 200, "bf16"), (33, 300, "u8"), (7, 1536, "u8")])
+def test_pack_rows_is_the_pool_image_of_the_panels(rows: int, cols: int, dtype: str) -> None:
+    """A matrix as it sits in the pool: `pack_for_pool`'s column panels one after another, so
+    one contiguous copy of it lands what a copy per panel would."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bf16" else np.uint8
+    a = np.random.default_rng(0).integers(0, 250, (rows, cols)).astype(np_dtype)
+    panels, image = pool.pack_for_pool(a), pool.pack_rows(a)
+    pr = pool.panel_rows(rows, dtype)
+    assert image.shape == (pool.pooled_rows(rows, cols, dtype), pool.LANES)
+    for p in range(panels.shape[1] // pool.LANES):
+        np.testing.assert_array_equal(image[p * pr:(p + 1) * pr].view(np.uint16),
+                                      panels[:, p * pool.LANES:(p + 1) * pool.LANES].view(np.uint16))
+
+
 def compile_full_size() -> None:
     """Lower and compile the pool kernel at Kimi K3 size for tpu7x (no TPU needed)."""
     from jax.experimental import topologies
