@@ -3,7 +3,7 @@ verdict and the modelled step of the spec written, as a Markdown table (README, 
 schedule"). Times are modelled (`mkc.perf`), not measured.
 
     .venv/bin/python benchmarks/retarget_table.py [--out benchmarks/data/retarget_table.jsonl]
-        [--specs schedules/kimi_k3.sched ...] [--gens tpu7x v6e] [--markdown]
+        [--specs schedules/kimi_k3.sched ...] [--gens tpu7x v6e] [--max-chips 64] [--markdown]
 
 Each result is appended to the JSONL file as it is found, and a (spec, slice) already there is
 not run again, so the sweep resumes where it stopped. --markdown prints the table from the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from mkc.retarget import Checked, retarget  # noqa: E402
 from mkc.retarget.fit import check  # noqa: E402
 
 
-def slices(gens: list[str]) -> list[str]:
-    return [f"{g} topology {s}" for g in gens for s in target.standard_shapes(g)]
+def slices(gens: list[str], max_chips: int) -> list[str]:
+    return [f"{g} topology {s}" for g in gens for s in target.standard_shapes(g)
+            if math.prod(int(d) for d in s.split("x")) <= max_chips]
 
 
 def run(spec: Path, slice_text: str, before: Checked) -> dict:
@@ -48,12 +50,12 @@ def run(spec: Path, slice_text: str, before: Checked) -> dict:
     return row
 
 
-def sweep(specs: list[Path], gens: list[str], out: Path) -> None:
+def sweep(specs: list[Path], gens: list[str], max_chips: int, out: Path) -> None:
     done = set()
     if out.exists():
         done = {(r["spec"], r["slice"]) for r in map(json.loads, out.read_text().splitlines())}
     for spec in specs:
-        todo = [s for s in slices(gens) if (spec.stem, s) not in done]
+        todo = [s for s in slices(gens, max_chips) if (spec.stem, s) not in done]
         if not todo:
             continue
         text = format_text(spec.read_text())
@@ -106,13 +108,15 @@ def main() -> None:
     ap.add_argument("--specs", nargs="*", type=Path,
                     default=sorted((ROOT / "schedules").glob("*.sched")))
     ap.add_argument("--gens", nargs="*", default=target.known_chips())
+    ap.add_argument("--max-chips", type=int, default=64,
+                    help="the largest slices swept (default 64 chips)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     specs = [s.resolve() for s in args.specs]
     if args.markdown:
         print(markdown(args.out, specs))
     else:
-        sweep(specs, args.gens, args.out)
+        sweep(specs, args.gens, args.max_chips, args.out)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--budget", type=int, default=80,
                            help="most specs to check and time, the input included (default 80; "
                                 "about a second each for Kimi K3)")
+            p.add_argument("--min-headroom", type=float, default=1.0, metavar="MIB",
+                           help="refuse a candidate that leaves less VMEM than this under the "
+                                "budget at any kernel width (default 1 MiB)")
         if name == "retarget":
             _retarget_args(p)
         if name == "perf":
@@ -232,6 +235,10 @@ def _tune(args, as_json: bool) -> dict:
     if args.budget < 1:
         raise MkcError(Diagnostic("E-TUNE", f"--budget {args.budget} allows no evaluation",
                                   Span.unknown(args.spec), hint="pass --budget 1 or more"))
+    if not args.min_headroom >= 0:
+        raise MkcError(Diagnostic("E-TUNE", f"--min-headroom {args.min_headroom} MiB is "
+                                  "negative", Span.unknown(args.spec),
+                                  hint="pass a margin of 0 MiB or more"))
     if d := _not_a_file("-o", args.out):
         raise MkcError(d)
     out = Path(args.out)
@@ -248,8 +255,9 @@ def _tune(args, as_json: bool) -> dict:
     log = None if as_json else (lambda m: print(f"  {m}", flush=True))
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
-    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log)
-    compiler.write_atomically(out, res.best.text)
+    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
+                    min_headroom=int(args.min_headroom * 2**20))
+    compiler.write_atomically(out, res.text)
     compiler.check_spec(out, _model_of(args, sched))
     if not as_json:
         print(tune.table(res, args.spec))
@@ -260,6 +268,8 @@ def _tune(args, as_json: bool) -> dict:
         "seconds": res.seconds,
         "before_step_seconds": {str(b): t for b, t in res.before.steps.items()},
         "after_step_seconds": {str(b): t for b, t in res.best.steps.items()},
+        "min_headroom_bytes": res.min_headroom, "refused_for_headroom": res.short_of_headroom,
+        "headroom_bytes": {str(w): h for w, h in res.best.headroom.items()},
         "changed": [{"setting": k.name, "line": k.line, "before": k.show(a),
                      "after": k.show(b)} for k, a, b in res.changed()]}}
 

@@ -89,7 +89,7 @@ class RetargetResult:
     source: Slice
     new: Slice
     text: str                      # the spec written
-    before: Checked                # the input on its own slice, modelled
+    before: Checked | None         # the input on its own slice, modelled (None: it fails there)
     after: Checked                 # the candidate written, modelled
     label: str                     # which candidate it is
     tried: list[tuple[str, str]]   # (candidate, verdict) for each candidate checked
@@ -124,9 +124,7 @@ def retarget(text: str, file: str, new_target: str, model: str | None = None,
     canonical = format_text(text, file)
     sched = parse(canonical, file)
     if before is None:
-        log(f"checking {file} on {spec_slice(sched)}")
-        before = Checked(canonical, *check(canonical, file, model))   # the input must pass
-        before.model()
+        before = _before(canonical, file, model, sched, log)
     name = name or default_name(sched.name.text, new)
     attempt = candidates(sched, canonical, file, model, new, name, max_models, log)
     if not attempt.passed:
@@ -138,6 +136,21 @@ def retarget(text: str, file: str, new_target: str, model: str | None = None,
         [(lbl, f"{d.code}: {d.message}") for lbl, d in attempt.failed]
     return RetargetResult(file, spec_slice(sched), new, final.text, before, final, label, tried,
                           time.perf_counter() - t0, text)
+
+
+def _before(text: str, file: str, model: str | None, sched: ast.Schedule,
+            log: Callable[[str], None]) -> Checked | None:
+    """The input on its own slice, modelled; None where it does not pass there (a spec whose
+    target line was edited by hand, say: retargeting it is what fixes it)."""
+    log(f"checking {file} on {spec_slice(sched)}")
+    try:
+        before = Checked(text, *check(text, file, model))
+    except MkcError as e:
+        log(f"{file} does not pass on {spec_slice(sched)} ({e.diagnostics[0].code}): no "
+            "modelled step before")
+        return None
+    before.model()
+    return before
 
 
 def default_name(old: str, new: Slice) -> str:
@@ -256,7 +269,7 @@ def _steps_text(c: Checked) -> str:
 
 
 def finish(original: str, best: Checked, file: str, model: str | None, sched: ast.Schedule,
-           new: Slice, before: Checked) -> Checked:
+           new: Slice, before: Checked | None) -> Checked:
     """The chosen candidate with its changed statements' stale comments dropped and the
     provenance note at the schedule line, checked again (comments only changed)."""
     old_lines, new_lines = original.split("\n"), best.text.split("\n")
@@ -276,10 +289,11 @@ def finish(original: str, best: Checked, file: str, model: str | None, sched: as
     return Checked(text, *check(text, file, model), best.notes, best.steps)
 
 
-def note(sched: ast.Schedule, new: Slice, before: Checked, after: Checked) -> str:
+def note(sched: ast.Schedule, new: Slice, before: Checked | None, after: Checked) -> str:
     """The header comment of a retargeted spec (the tool's own numbers, labelled modelled)."""
-    steps = "; ".join(f"batch {b} {before.steps[b] * 1e3:.3f} -> {after.steps[b] * 1e3:.3f} ms"
-                      for b in after.steps if b in before.steps)
+    was = before.steps if before else {}
+    steps = "; ".join(f"batch {b} " + (f"{was[b] * 1e3:.3f} -> " if b in was else "")
+                      + f"{t * 1e3:.3f} ms" for b, t in after.steps.items())
     text = (f"{sched.name.text} retargeted by `mkc retarget` from {spec_slice(sched)} to {new} "
             f"({after.ir.ranks} ranks). Modelled step: {steps}."
             + "".join(f" {n}." for n in after.notes))
@@ -348,7 +362,7 @@ def summary(res: RetargetResult) -> str:
     lines += [f"  {n}" for n in res.after.notes]
     lines.append(f"  {'batch':>5} {'before ms':>10} {'after ms':>10}")
     for b, t in res.after.steps.items():
-        was = res.before.steps.get(b)
+        was = res.before.steps.get(b) if res.before else None
         lines.append(f"  {b:>5} {was * 1e3 if was else float('nan'):10.3f} {t * 1e3:10.3f}")
     return "\n".join(lines)
 
@@ -357,6 +371,7 @@ def result_json(res: RetargetResult) -> dict:
     return {"modelled": True, "from": str(res.source), "to": str(res.new), "chosen": res.label,
             "candidates": [{"candidate": c, "verdict": v} for c, v in res.tried],
             "notes": res.after.notes, "seconds": res.seconds,
-            "before_step_seconds": {str(b): t for b, t in res.before.steps.items()},
+            "before_step_seconds": {str(b): t for b, t in
+                                    (res.before.steps if res.before else {}).items()},
             "after_step_seconds": {str(b): t for b, t in res.after.steps.items()},
             "diff": res.diff()}

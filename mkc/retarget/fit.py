@@ -53,21 +53,24 @@ def check(text: str, file: str, model: str | None) -> tuple[ir.ScheduleIR, list]
 def fit(text: str, file: str, model: str | None) -> Checked:
     """The candidate as checked, shrunk until it fits VMEM; the MkcError of the last attempt
     when it cannot be made to pass."""
-    notes: list[str] = []
+    changes: dict[str, list[str]] = {}    # setting -> [first value, last value]
     tried: set[str] = set()
     for _ in range(MAX_SHRINKS):
         try:
             s, events = check(text, file, model)
-            return Checked(text, s, events, notes)
+            break
         except MkcError as e:
             if any(d.code != "E-VMEM-CAPACITY" for d in e.diagnostics):
                 raise
             step = _shrink(text, file, model, tried)
             if step is None:
                 raise
-            text, note = step
-            notes.append(note)
-    return Checked(text, *check(text, file, model), notes)
+            text, setting, old, new = step
+            changes.setdefault(setting, [old, new])[1] = new
+    else:
+        s, events = check(text, file, model)
+    notes = [f"VMEM: {setting} {old} -> {new}" for setting, (old, new) in changes.items()]
+    return Checked(text, s, events, notes)
 
 
 def class_bytes(s: ir.ScheduleIR) -> dict[str, int]:
@@ -79,8 +82,9 @@ def class_bytes(s: ir.ScheduleIR) -> dict[str, int]:
 
 
 def _shrink(text: str, file: str, model: str | None, tried: set[str]
-            ) -> tuple[str, str] | None:
-    """One step (module docstring): the new text and its note, or None."""
+            ) -> tuple[str, str, str, str] | None:
+    """One step (module docstring): the new text, the setting, its old and new value; None
+    when nothing is left to shrink."""
     sched = parse(text, file)
     s = resolve(sched, model)
     knobs = tune.find_knobs(sched, tune.SpecSource(text), s)
@@ -97,7 +101,7 @@ def _shrink(text: str, file: str, model: str | None, tried: set[str]
             except MkcError:
                 continue         # e.g. two levels over hosts where an op's group has one
             if after.get(cls, 0) < before[cls]:
-                return cand, f"VMEM: {knob.name} {knob.show(knob.value)} -> {knob.show(value)}"
+                return cand, knob.name, knob.show(knob.value), knob.show(value)
     return _shrink_rows(sched, text)
 
 
@@ -124,9 +128,9 @@ def _class_steps(cls: str, knobs: list[tune.Knob]) -> list[tuple[tune.Knob, tupl
     return [(k, v) for _, k, v in sorted(out, key=lambda t: t[0])]
 
 
-def _shrink_rows(sched, text: str) -> tuple[str, str] | None:
+def _shrink_rows(sched, text: str) -> tuple[str, str, str, str] | None:
     """The last resort: fewer verify sequences, then half the batch range's top, then half
-    the verify rows."""
+    the verify rows (each changes what the kernel serves)."""
     ed = TextEdits(tune.SpecSource(text))
     batch, verify = sched.settings["batch"], sched.settings.get("verify")
     lo, hi = batch.value
@@ -134,16 +138,16 @@ def _shrink_rows(sched, text: str) -> tuple[str, str] | None:
         rows, (vlo, vhi) = verify.value
         if vhi > vlo:
             ed.replace(verify.span, _verify_text(rows, vlo, vhi - 1))
-            return ed.apply(), f"VMEM: verify sequences {vlo} to {vhi} -> {vlo} to {vhi - 1}"
+            return ed.apply(), "verify sequences", f"{vlo} to {vhi}", f"{vlo} to {vhi - 1}"
     if hi > lo:
         new = max(lo, hi // 2)
         ed.replace(batch.span, f"batch   {lo} to {new}")
-        return ed.apply(), f"VMEM: batch {lo} to {hi} -> {lo} to {new} (the kernel no longer " \
-                           f"serves batches over {new})"
+        return ed.apply(), "batch (the kernel serves fewer rows)", f"{lo} to {hi}", \
+            f"{lo} to {new}"
     if verify is not None and verify.value[0] > 2:
         rows, (vlo, vhi) = verify.value
         ed.replace(verify.span, _verify_text(rows // 2, vlo, vhi))
-        return ed.apply(), f"VMEM: verify {rows} -> {rows // 2} rows (fewer drafts per launch)"
+        return ed.apply(), "verify rows (fewer drafts per launch)", str(rows), str(rows // 2)
     return None
 
 
