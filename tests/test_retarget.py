@@ -162,7 +162,7 @@ def test_stale_comments_of_changed_statements_go():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["qwen3_8_27b", "qwen3_5_35b_a3b", "kimi_k3"])
-@pytest.mark.parametrize("slice_text", ["tpu7x topology 2x2x8", "v6e topology 8x8",
+@pytest.mark.parametrize("slice_text", ["tpu7x topology 2x2x8", "v6e topology 8x16",
                                         "v5p topology 2x4x4"])
 def test_full_size_families_retarget(spec, slice_text):
     res, s = _retargeted(spec, slice_text, None)
