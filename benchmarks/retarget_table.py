@@ -93,7 +93,8 @@ def _cell(r: dict) -> str:
     if r["verdict"] == "ok":
         ms = r["step_ms"]
         text = " / ".join(f"{ms[b]:.2f}" for b in sorted(ms, key=int))
-        return text + ("*" if r["notes"] else "")
+        serves_less = any("batch" in n or "verify" in n for n in r["notes"])
+        return text + ("*" if serves_less else "")
     why = r["why"]
     if "HBM short" in why:
         return "HBM"
