@@ -1,5 +1,5 @@
-"""The `mkc` command line: compile, check, ir, perf, tune, fmt and lsp, for people (text) and
-machines (--json)."""
+"""The `mkc` command line: compile, check, ir, perf, tune, retarget, fmt and lsp, for people
+(text) and machines (--json)."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                         ("ir", "print the resolved schedule IR as JSON"),
                         ("perf", "check a spec and print its modelled step time"),
                         ("tune", "search a spec's geometry for a shorter modelled step and "
-                                 "write the best spec")):
+                                 "write the best spec"),
+                        ("retarget", "derive a spec's layout for another TPU slice and write "
+                                     "the checked spec")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("spec", help="path to a .sched file")
         p.add_argument("--model", help="override the spec's model: a shipped config name, a "
@@ -60,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--budget", type=int, default=80,
                            help="most specs to check and time, the input included (default 80; "
                                 "about a second each for Kimi K3)")
+            p.add_argument("--min-headroom", type=float, default=1.0, metavar="MIB",
+                           help="refuse a candidate that leaves less VMEM than this under the "
+                                "budget at any kernel width (default 1 MiB)")
+        if name == "retarget":
+            _retarget_args(p)
         if name == "perf":
             p.add_argument("--batch", type=int, help="rows per step (default: the spec's largest)")
             p.add_argument("--context", type=int,
@@ -168,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
         elif args.cmd == "tune":
             result |= _tune(args, as_json)
+        elif args.cmd == "retarget":
+            result |= _retarget(args, as_json)
         elif args.after is not None:
             print(compiler.resolve_spec(args.spec, args.model, after=args.after).to_json())
         else:
@@ -226,6 +235,10 @@ def _tune(args, as_json: bool) -> dict:
     if args.budget < 1:
         raise MkcError(Diagnostic("E-TUNE", f"--budget {args.budget} allows no evaluation",
                                   Span.unknown(args.spec), hint="pass --budget 1 or more"))
+    if not args.min_headroom >= 0:
+        raise MkcError(Diagnostic("E-TUNE", f"--min-headroom {args.min_headroom} MiB is "
+                                  "negative", Span.unknown(args.spec),
+                                  hint="pass a margin of 0 MiB or more"))
     if d := _not_a_file("-o", args.out):
         raise MkcError(d)
     out = Path(args.out)
@@ -242,16 +255,10 @@ def _tune(args, as_json: bool) -> dict:
     log = None if as_json else (lambda m: print(f"  {m}", flush=True))
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
-    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log)
-    compiler.write_atomically(out, res.best.text)
-    # The written file passes every check on its own (a model given as a path relative to the
-    # spec is resolved from the spec's directory, as the tuner did).
-    from mkc.model.config import CONFIG_DIR, resolve_config_path
-    model = args.model
-    if model is None:
-        path = resolve_config_path(sched.settings["model"].value, Path(args.spec).parent)
-        model = None if path.parent == CONFIG_DIR else str(path.resolve())
-    compiler.check_spec(out, model)
+    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
+                    min_headroom=int(args.min_headroom * 2**20))
+    compiler.write_atomically(out, res.text)
+    compiler.check_spec(out, _model_of(args, sched))
     if not as_json:
         print(tune.table(res, args.spec))
         print(f"wrote {out}")
@@ -261,8 +268,59 @@ def _tune(args, as_json: bool) -> dict:
         "seconds": res.seconds,
         "before_step_seconds": {str(b): t for b, t in res.before.steps.items()},
         "after_step_seconds": {str(b): t for b, t in res.best.steps.items()},
+        "min_headroom_bytes": res.min_headroom, "refused_for_headroom": res.short_of_headroom,
+        "headroom_bytes": {str(w): h for w, h in res.best.headroom.items()},
         "changed": [{"setting": k.name, "line": k.line, "before": k.show(a),
                      "after": k.show(b)} for k, a, b in res.changed()]}}
+
+
+def _model_of(args, sched) -> str | None:
+    """The model a written spec is checked with on its own: a model given as a path relative
+    to the input spec is resolved from the spec's directory, as the tool that wrote it did."""
+    from mkc.model.config import CONFIG_DIR, resolve_config_path
+    if args.model is not None:
+        return args.model
+    path = resolve_config_path(sched.settings["model"].value, Path(args.spec).parent)
+    return None if path.parent == CONFIG_DIR else str(path.resolve())
+
+
+def _retarget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, metavar="'GEN topology GRID'",
+                   help="the slice to retarget to, as a spec's target line writes it, e.g. "
+                        "'v6e topology 4x8'")
+    p.add_argument("-o", "--out", required=True,
+                   help="where to write the retargeted spec (the input is never changed); its "
+                        "file name, if an identifier, names the schedule")
+    p.add_argument("--models", type=int, default=3, metavar="N",
+                   help="most candidate layouts to model (default 3; the shortest modelled step "
+                        "of those is written)")
+
+
+def _retarget(args, as_json: bool) -> dict:
+    """Retarget, check the text, write it atomically, check the written file, print the diff
+    and the modelled step before and after."""
+    from mkc import compiler, retarget
+    from mkc.lang.parser import parse_file
+    from mkc.resolve.names import IDENT
+    if d := _not_a_file("-o", args.out):
+        raise MkcError(d)
+    out = Path(args.out)
+    if out.exists() and out.resolve() == Path(args.spec).resolve():
+        raise MkcError(Diagnostic("E-RETARGET", "-o names the input spec; mkc retarget never "
+                                  "changes its input", Span.unknown(args.spec),
+                                  hint="write the retargeted spec elsewhere"))
+    sched, text = parse_file(args.spec)
+    name = out.stem if IDENT.match(out.stem) else None
+    log = None if as_json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    res = retarget.retarget(text, args.spec, args.target, args.model, name,
+                            max(1, args.models), log)
+    compiler.check_source(res.text, str(out), _model_of(args, sched))   # before any write
+    compiler.write_atomically(out, res.text)
+    if not as_json:
+        print(res.diff(), end="")
+        print(retarget.summary(res))
+        print(f"wrote {out}")
+    return {"output": str(out), "retarget": retarget.result_json(res)}
 
 
 def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:

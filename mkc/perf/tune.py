@@ -5,7 +5,7 @@ the weight ring's slots, its tile bound and how far the stream runs ahead; each 
 stream (slots, tokens per tile, ahead); each pool's expert slots; where each `prefetch next`
 starts; and each all-reduce's algorithm (direct, or two_level within a chip or a host where the
 topology has more than one). Knobs are found in the spec's AST and each is edited in place, as
-the few tokens of its statement that change: comments, layout and every other token stay.
+the few tokens of its statement that change: layout and every other token stay.
 
 The objective is the mean of the modelled step times at the spec's smallest and largest batch
 (its `batch A to B`; one batch if A == B), at its context. Every candidate is parsed, resolved
@@ -15,10 +15,18 @@ current best and keeps the best improvement, until a pass improves nothing or th
 budget is spent. Each evaluation costs one check plus one simulation per batch (about a second
 for Kimi K3), and the same text is never evaluated twice.
 
+A candidate must also leave `min_headroom` (1 MiB unless told) of VMEM under the budget at
+every kernel width it builds (its smallest and largest batch and its verify step's rows); one
+that leaves less is refused, and the table prints the headroom of the spec written at each.
+The spec written is the best candidate's text with, for each statement a change touched, the
+comments it owns that state numbers (they quote the old value or its modelled figures)
+replaced by one note of the change (`mkc.perf.comments` has the rule); other comments stay.
+
 Times are modelled (`mkc.perf`), not measured.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import time
@@ -26,13 +34,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mkc import ir, target
-from mkc.checks import run_checks
+from mkc.checks import run_checks, vmem_budget
+from mkc.checks.capacity import vmem_budget_bytes
 from mkc.diagnostics import MkcError, Span
 from mkc.lang import ast
 from mkc.lang.parser import parse
+from mkc.perf.comments import drop_stale_comments
 from mkc.perf.run import step_model
 from mkc.resolve import resolve
 
+# Issue 18: every shipped spec keeps at least 1 MiB of VMEM headroom at its widest kernel.
+MIN_HEADROOM = 1 << 20
 _TOKEN = re.compile(r"#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|\d+|->|\S")
 
 
@@ -77,6 +89,7 @@ class Evaluation:
     ok: bool
     steps: dict[int, float] = field(default_factory=dict)     # batch -> modelled seconds
     error: str = ""
+    headroom: dict[int, int] = field(default_factory=dict)    # kernel width -> VMEM bytes
 
     @property
     def objective(self) -> float:
@@ -284,9 +297,21 @@ def render(text: str, knobs: list[Knob], config: tuple) -> str:
 
 def check_text(text: str, file: str, model: str | None) -> ir.ScheduleIR:
     """`mkc check` on text as if it were the file at `file`: parse, resolve, every check."""
+    return checked_text(text, file, model)[0]
+
+
+def checked_text(text: str, file: str, model: str | None) -> tuple[ir.ScheduleIR, list]:
+    """`check_text`, with the checked trace (the VMEM peaks are read from it)."""
     s = resolve(parse(text, file), model)
-    run_checks(s)
-    return s
+    return s, run_checks(s)
+
+
+def headroom(s: ir.ScheduleIR, events: list) -> dict[int, int]:
+    """VMEM bytes left under the budget at every kernel width the spec builds: its smallest
+    and largest batch and its verify step's rows."""
+    budget = vmem_budget_bytes(s)
+    return {b: budget - vmem_budget(s, events, b)[0]
+            for b in sorted({s.batch_min, s.batch_max, s.rows_max})}
 
 
 @dataclass
@@ -299,17 +324,36 @@ class TuneResult:
     seconds: float
     batches: list[int]
     history: list[str]
+    min_headroom: int = 0           # VMEM bytes a candidate must leave at every width
+    short_of_headroom: int = 0      # candidates refused for leaving less
 
     def changed(self) -> list[tuple[Knob, tuple, tuple]]:
         return [(k, k.value, v) for k, v in zip(self.knobs, self.best.config) if v != k.value]
 
+    @property
+    def text(self) -> str:
+        """The spec to write: the best candidate, each changed statement's comments that
+        state numbers (of the old value) replaced by a note of the change
+        (`mkc.perf.comments`)."""
+        notes: dict[int, list[str]] = {}
+        lines = SpecSource(self.before.text).lines      # the knobs' offsets are the input's
+        changed: dict[int, str | None] = {}
+        for k, old, new in self.changed():
+            changed.update({bisect.bisect_right(lines, sl.start): None for sl in k.slots})
+            notes.setdefault(k.line, []).append(f"{k.name} {k.show(old)} -> {k.show(new)}")
+        changed.update({line: "# `mkc tune`: " + "; ".join(n) + " (modelled faster)"
+                        for line, n in notes.items()})
+        return drop_stale_comments(self.best.text, changed)
+
 
 def tune(text: str, file: str, model: str | None = None, budget: int = 80,
          log: Callable[[str], None] | None = None,
-         select: Callable[[Knob], bool] | None = None) -> TuneResult:
+         select: Callable[[Knob], bool] | None = None,
+         min_headroom: int = MIN_HEADROOM) -> TuneResult:
     """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
     evaluations (the first, of the spec as written, included); `select` keeps only some
-    knobs."""
+    knobs; a candidate leaving less than `min_headroom` bytes of VMEM at a kernel width is
+    refused."""
     t0 = time.perf_counter()
     log = log or (lambda _: None)
     sched = parse(text, file)
@@ -318,17 +362,25 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     knobs = [k for k in find_knobs(sched, src, s0) if select is None or select(k)]
     batches = sorted({s0.batch_min, s0.batch_max})
     cache: dict[tuple, Evaluation] = {}
-    rejected = 0
+    rejected = short = 0
     history: list[str] = []
+    start = tuple(k.value for k in knobs)
 
     def evaluate(config: tuple) -> Evaluation:
-        nonlocal rejected
+        nonlocal rejected, short
         if config in cache:
             return cache[config]
         cand = render(text, knobs, config)
         ev = Evaluation(config, cand, ok=False)
         try:
-            s = check_text(cand, file, model)
+            s, events = checked_text(cand, file, model)
+            ev.headroom = headroom(s, events)
+            # The input is the baseline whatever its headroom; a change must keep the margin.
+            if config != start and min(ev.headroom.values()) < min_headroom:
+                ev.error, short = "headroom", short + 1
+                rejected += 1
+                cache[config] = ev
+                return ev
             ev.ok = True
             ev.steps = {b: step_model(s, b, s.context, keep_timeline=False).step_s
                         for b in batches}
@@ -338,7 +390,6 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         cache[config] = ev
         return ev
 
-    start = tuple(k.value for k in knobs)
     before = evaluate(start)
     best = before
     log(f"start: {_ms(before)}")
@@ -364,7 +415,7 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
                 history.append(msg)
                 log(msg)
     return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
-                      batches, history)
+                      batches, history, min_headroom, short)
 
 
 def _ms(ev: Evaluation) -> str:
@@ -374,7 +425,9 @@ def _ms(ev: Evaluation) -> str:
 def table(res: TuneResult, spec: str) -> str:
     """The before/after table: changed settings, then the modelled step per batch."""
     lines = [f"mkc tune {spec}: {res.evaluations} evaluations ({res.rejected} rejected by the "
-             f"checks) in {res.seconds:.1f} s; objective: mean modelled step over batches "
+             f"checks, {res.short_of_headroom} of them for leaving under "
+             f"{res.min_headroom / 2**20:.2f} MiB of VMEM headroom) in {res.seconds:.1f} s; "
+             f"objective: mean modelled step over batches "
              f"{', '.join(map(str, res.batches))} (modelled, not measured)"]
     changed = res.changed()
     if not changed:
@@ -390,4 +443,10 @@ def table(res: TuneResult, spec: str) -> str:
         t0, t1 = res.before.steps[b], res.best.steps[b]
         lines.append(f"  {b:>5} {t0 * 1e3:10.3f} {t1 * 1e3:10.3f} {b / t0:13.0f} {b / t1:12.0f} "
                      f"{100 * (t0 / t1 - 1):+6.1f}%")
+    lines.append("  VMEM headroom of the spec written, at each kernel width: " + ", ".join(
+        f"{w} rows {h / 2**20:.2f} MiB" for w, h in res.best.headroom.items())
+        + f" (margin {res.min_headroom / 2**20:.2f} MiB)")
+    if min(res.best.headroom.values()) < res.min_headroom:
+        lines.append("  the input itself leaves less than the margin: it is written unchanged "
+                     "(no candidate met the margin and was faster)")
     return "\n".join(lines)

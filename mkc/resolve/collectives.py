@@ -103,7 +103,7 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
     return allreduces
 
 
-def _two_level(size: int, stride: int, level_cores: int) -> tuple[tuple[int, int], ...] | None:
+def two_level_stages(size: int, stride: int, level_cores: int) -> tuple[tuple[int, int], ...] | None:
     """The stages of a two-level all-reduce over the group (size, stride) whose first level
     is the group's members within each `level_cores` consecutive ranks (a chip, a host), or
     None when that level would hold one member or the whole group."""
@@ -137,10 +137,10 @@ def _stages(ar: ast.AllReduce, topo: target.Topology, over: tuple[int, int], op:
                                           else ""))
     level_cores = (topo.chip.cores_per_chip if ar.level.text == "chip"
                    else topo.cores_per_host)
-    stages = _two_level(size, stride, level_cores)
+    stages = two_level_stages(size, stride, level_cores)
     if stages is None:
         valid = [lv for lv, c in (("chip", topo.chip.cores_per_chip),
-                                  ("host", topo.cores_per_host)) if _two_level(size, stride, c)]
+                                  ("host", topo.cores_per_host)) if two_level_stages(size, stride, c)]
         where = (f"on this topology ({level_cores} of {n} cores per {ar.level.text})"
                  if over == (n, 1) else
                  f"for {op} on this topology: its parts are on {size} ranks"

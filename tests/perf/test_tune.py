@@ -84,14 +84,58 @@ def test_tune_cli_writes_a_checked_spec_not_slower(tmp_path, capsys):
     assert sum(after.values()) <= sum(before.values())
     text, tuned = SPEC.read_text(), out.read_text()
     check_spec(out, MINI)                                # re-parses and passes every check
-    assert [ln for ln in text.splitlines() if "#" in ln] == \
-        [ln for ln in tuned.splitlines() if "#" in ln]   # comments kept, where they were
+    # Comments: the input's, less those of changed statements that state numbers, plus one
+    # note per changed statement (mkc.perf.comments).
+    notes = [ln.strip() for ln in tuned.splitlines() if ln.strip().startswith("# `mkc tune`:")]
+    assert all(ln.strip() in text or ln.strip() in notes
+               for ln in tuned.splitlines() if ln.strip().startswith("#"))
+    assert len(notes) == len({c["line"] for c in t["changed"]})
+    assert all(c["setting"] in " ".join(notes) for c in t["changed"])
+    # Statements: only the changed settings' tokens differ.
+    strip = [ln.split("#")[0].rstrip() for ln in text.splitlines() if not ln.strip().startswith("#")]
+    strip_t = [ln.split("#")[0].rstrip() for ln in tuned.splitlines()
+               if not ln.strip().startswith("#")]
+    assert len(strip) == len(strip_t)
     changed_lines = {c["line"] for c in t["changed"]}
-    s = tune.check_text(text, str(SPEC), MINI)
-    knobs = tune.find_knobs(parse(text, str(SPEC)), tune.SpecSource(text), s)
-    ranges = [(sl.start, sl.end) for k in knobs if k.line in changed_lines for sl in k.slots]
-    _changed_only_inside(text, tuned, ranges)
+    for i, (a, b) in enumerate(zip(strip, strip_t)):
+        if a != b:        # a changed statement: a knob's line or its stream's header
+            assert any(0 <= i - line_index(text, ln) <= 1 for ln in changed_lines), (a, b)
+    assert sum(a != b for a, b in zip(strip, strip_t)) <= 2 * len(t["changed"])
     assert (tuned != text) == bool(t["changed"])
+    headroom = t["headroom_bytes"]
+    assert set(headroom) == {"1", "8", "16"}                # batches 1, 8 and 16 verify rows
+    assert min(headroom.values()) >= t["min_headroom_bytes"] == 1 << 20
+
+
+def test_a_candidate_short_of_the_headroom_margin_is_refused():
+    """A margin no candidate meets: every change is refused, the input is kept (the baseline),
+    and the table names the margin and the headroom at every kernel width."""
+    res = tune.tune(SPEC.read_text(), str(SPEC), MINI, budget=5, min_headroom=1 << 40)
+    assert not res.changed() and res.best is res.before
+    assert res.short_of_headroom == res.evaluations - 1 >= 1
+    assert set(res.best.headroom) == {1, 8, 16}
+    table = tune.table(res, "x")
+    assert "1048576.00 MiB" in table and "16 rows" in table and "less than the margin" in table
+
+
+def test_a_changed_statement_gets_a_note_in_place_of_its_numbered_comment():
+    text = SPEC.read_text()
+    res = tune.tune(text, str(SPEC), MINI, budget=2,
+                    select=lambda k: k.name == "kv tiles of gqa")
+    knob = res.knobs[0]
+    config = (knob.neighbours(knob.value)[0],)        # a change, as if the search kept it
+    res.best = tune.Evaluation(config, tune.render(text, res.knobs, config), ok=True,
+                               steps=res.before.steps, headroom=res.before.headroom)
+    out = res.text
+    assert "Three KV tiles of each cache in flight" in text
+    assert "Three KV tiles of each cache in flight" not in out      # stated the old numbers
+    assert "# `mkc tune`: kv tiles of gqa 3 slots of 128 tokens ahead 3 ->" in out
+    assert "The conv state lives only from the layer start" in out   # another statement's
+
+
+def line_index(text: str, line: int) -> int:
+    """The index of 1-based `line` among the statement lines (comment-only lines left out)."""
+    return sum(1 for ln in text.splitlines()[:line - 1] if not ln.strip().startswith("#"))
 
 
 def test_tune_text_output_has_the_table(tmp_path, capsys):

@@ -1,0 +1,179 @@
+"""`mkc retarget`: shipped specs derived for other slices pass every check with the targets asked
+for; a slice without the HBM is one diagnostic naming a slice that works; a spec retargeted to
+its own slice keeps its layout; the stale-comment rule it shares with `mkc tune`."""
+import json
+
+import pytest
+
+from mkc import retarget
+from mkc.cli import main
+from mkc.compiler import check_source, check_spec
+from mkc.diagnostics import MkcError
+from mkc.lang import ast
+from mkc.lang.parser import parse
+from mkc.perf.comments import drop_stale_comments
+from mkc.retarget.layout import carried_over, mesh_groups, spell
+from mkc import target
+from tests_support import ROOT
+
+SCHEDULES = ROOT / "schedules"
+# Each family's shipped spec with its MINI model (the quick tier) and its full model (slow).
+FAMILIES = [("qwen3_8_27b", "qwen3_8_mini"), ("qwen3_5_35b_a3b", "qwen3_5_moe_mini"),
+            ("kimi_k3", "kimi_k3_mini")]
+# Slices of different shapes: another tpu7x size, a v6e 2-D slice, a v5p.
+SLICES = ["tpu7x topology 2x2x2", "v6e topology 4x4", "v5p topology 2x2x4"]
+
+
+def _plain(v):
+    """A setting's value without spans."""
+    if isinstance(v, (ast.Setting,)):
+        return _plain(v.value)
+    if isinstance(v, ast.Name):
+        return v.text
+    return tuple(map(_plain, v)) if isinstance(v, tuple) else v
+
+
+def _layout(text: str, file: str) -> tuple:
+    """What a spec means, names and comments aside: settings, rules and phase statements."""
+    s = parse(text, file)
+    settings = {k: _plain(v) for k, v in s.settings.items()}
+    rules = [(r.dim.text, repr((r.group.name and r.group.name.text, r.group.divisor, r.group.ways)))
+             for r in s.shards]
+    phases = [(p.kind.text, [(a.algorithm.text, a.level and a.level.text, [o.text for o in a.ops])
+                             for a in p.allreduces],
+               [[o.text for o in g.ops] for g in p.allgathers + p.exchanges]) for p in s.phases]
+    rings = [(r.slots, r.max_rows, r.max_cols) for r in s.rings]
+    return settings, rules, phases, rings
+
+
+def _retargeted(spec: str, slice_text: str, model: str | None):
+    path = SCHEDULES / f"{spec}.sched"
+    res = retarget.retarget(path.read_text(), str(path), slice_text, model, max_models=1)
+    c = check_source(res.text, str(path), model)          # passes every check, as written
+    return res, c.ir
+
+
+@pytest.mark.parametrize("spec,mini", FAMILIES)
+@pytest.mark.parametrize("slice_text", SLICES)
+def test_each_family_retargets_to_slices_of_every_shape(spec, mini, slice_text):
+    res, s = _retargeted(spec, slice_text, mini)
+    gen, _, shape = slice_text.split()
+    assert s.chip == gen and s.topology.endswith("=" + shape)
+    assert s.ranks == target.topology(gen, tuple(int(d) for d in shape.split("x"))).num_cores
+    assert s.name == f"{spec}_{gen}_{shape}"
+    assert "modelled" in res.text.split("schedule")[0].lower()
+    assert res.after.steps and all(t > 0 for t in res.after.steps.values())
+    assert "+++" in res.diff() and f"target  {gen} topology {shape}" in res.text
+
+
+# K3's MINI model has 16 heads, which its spec's 32 ranks do not divide: the retarget rightly
+# changes that rule (the slow test below retargets the full-size K3 to its own slice).
+@pytest.mark.parametrize("spec,mini", FAMILIES[:2])
+def test_retargeting_to_the_own_slice_keeps_the_layout(spec, mini):
+    path = SCHEDULES / f"{spec}.sched"
+    gen, (grid, _) = parse(path.read_text(), str(path)).settings["target"].value
+    own = f"{gen.text} topology {grid.text}"
+    res = retarget.retarget(path.read_text(), str(path), own, mini)
+    assert _layout(res.text, str(path)) == _layout(path.read_text(), str(path))
+
+
+@pytest.mark.slow
+def test_a_slice_short_of_hbm_is_one_diagnostic_naming_a_slice_that_works():
+    path = SCHEDULES / "qwen3_8_27b.sched"
+    with pytest.raises(MkcError) as e:
+        retarget.retarget(path.read_text(), str(path), "v6e topology 1x1")
+    [d] = e.value.diagnostics
+    assert d.code == "E-RETARGET" and "HBM short by" in d.message and "GiB" in d.message
+    assert d.span.line == 4                                  # the spec's target line
+    assert "the nearest slice that works: `v6e topology 2x2`" in d.hint
+    # ... and that slice does work
+    retarget.retarget(path.read_text(), str(path), "v6e topology 2x2", max_models=1)
+
+
+@pytest.mark.parametrize("bad,word", [("v6e 4x8", "not a slice"), ("v9 topology 2x2", "v9"),
+                                      ("v6e topology 3x3", "3x3"), ("v6e topology 2x2x1", "2")])
+def test_a_bad_target_is_a_located_diagnostic(bad, word):
+    with pytest.raises(MkcError) as e:
+        retarget.parse_target(bad)
+    [d] = e.value.diagnostics
+    assert d.code == "E-TARGET" and word in d.message and d.span.file == "--target"
+
+
+def test_groups_carry_over_by_meaning():
+    topo = target.topology("v6e", (4, 8))          # 32 ranks, 4 a host, 1 a chip
+    g = parse((SCHEDULES / "kimi_k3.sched").read_text()).shards
+    by = {r.dim.text: r.group for r in g}
+    assert carried_over(by["heads"], "tp", topo) == (32, 1)
+    assert carried_over(by["experts"], "tp", topo) == (8, 4)
+    assert carried_over(by["latent_up"], "tp", topo) == (4, 1)
+    assert carried_over(by["router"], "tp", topo) == (1, 1)
+    assert spell((4, 1), "tp", topo, "host") == "host" and spell((4, 1), "tp", topo) == "4"
+    assert spell((8, 4), "tp", topo) == "tp / 4" and spell((32, 1), "tp", topo, "32") == "tp"
+    groups = mesh_groups(32)
+    assert groups[0] == (32, 1) and (1, 1) in groups and (8, 4) in groups
+    assert [w for w, _ in groups] == sorted((w for w, _ in groups), reverse=True)
+
+
+def test_k3_rules_on_a_one_core_chip_slice_need_no_sibling():
+    """v6e chips are one rank: the router's `chip` rule and sibling exchange must go."""
+    res, s = _retargeted("kimi_k3", "v6e topology 4x8", "kimi_k3_mini")
+    assert "with sibling" not in res.text and s.chip == "v6e"
+    assert not any(k.exchanges for k in s.kinds.values())
+
+
+def test_cli_writes_only_a_checked_spec(tmp_path, capsys):
+    out = tmp_path / "q_v6e.sched"
+    spec = str(SCHEDULES / "qwen3_8_27b.sched")
+    assert main(["retarget", spec, "--model", "qwen3_8_mini", "--target", "v6e topology 2x4",
+                 "-o", str(out), "--json", "--models", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "ok" and doc["retarget"]["modelled"]
+    assert doc["retarget"]["to"] == "v6e topology 2x4" and "+++" in doc["retarget"]["diff"]
+    check_spec(out, "qwen3_8_mini")
+    assert "schedule q_v6e {" in out.read_text()
+    bad = tmp_path / "never.sched"
+    assert main(["retarget", spec, "--target", "v6e 2x4", "-o", str(bad)]) == 1
+    assert "E-TARGET" in capsys.readouterr().err and not bad.exists()
+    assert main(["retarget", spec, "--target", "v6e topology 2x4", "-o", spec]) == 1
+
+
+def test_stale_comments_of_changed_statements_go():
+    text = "\n".join([
+        "schedule s {",
+        "  # Explains the rules, no figures.",
+        "  shard heads over tp",
+        "  shard mlp over tp",
+        "",
+        "  # Eight slots: 12.5 MiB at batch 8.",
+        "  ring weights: 8 slots of bf16 tiles up to 1024 x 1024  # two ahead",
+        "  pool p {",
+        "    view a: 2 slots of expert",
+        "  }",
+        "}"])
+    out = drop_stale_comments(text, {4: None, 7: "# `mkc tune`: ring 8 -> 6"})
+    assert "# Explains the rules" in out                        # no number: kept
+    assert "Eight slots" not in out and "# two ahead" not in out
+    assert "  # `mkc tune`: ring 8 -> 6\n  ring weights" in out
+    # A statement inside a pool owns the comment above the pool's header.
+    text2 = text.replace("  pool p {", "  # Two expert slots.\n  pool p {")
+    assert "Two expert slots" not in drop_stale_comments(text2, {10: None})
+    assert drop_stale_comments(text, {}) == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["qwen3_8_27b", "qwen3_5_35b_a3b", "kimi_k3"])
+@pytest.mark.parametrize("slice_text", ["tpu7x topology 2x2x8", "v6e topology 8x16",
+                                        "v5p topology 2x4x4"])
+def test_full_size_families_retarget(spec, slice_text):
+    res, s = _retargeted(spec, slice_text, None)
+    assert s.chip == slice_text.split()[0] and res.after.steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", sorted(p.stem for p in SCHEDULES.glob("*.sched")))
+def test_full_size_retarget_to_own_slice_keeps_the_layout(spec):
+    path = SCHEDULES / f"{spec}.sched"
+    s = parse(path.read_text(), str(path))
+    gen, (grid, _) = s.settings["target"].value
+    res = retarget.retarget(path.read_text(), str(path), f"{gen.text} topology {grid.text}")
+    assert _layout(res.text, str(path)) == _layout(path.read_text(), str(path))
