@@ -122,7 +122,10 @@ def _bind(new: str, index: int) -> str:
 
 
 def _helpers(mutants: dict[str, int | None]) -> dict[str, Callable]:
-    out = {}
+    """The names mutant texts use: their scale and factor functions, and `lax` (a module
+    imports it only if its own bodies use it)."""
+    from jax import lax
+    out: dict = {"lax": lax}
     for index, row in enumerate(mutants.values()):
         out[f"_mutant_scale_{index}"] = mutant_scale(row)
         out[f"_mutant_factor_{index}"] = mutant_factor(row)
