@@ -244,3 +244,9 @@ def _exchanges(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: d
                                      (2, cores, B, width), ex.wire_dtype.text,
                                      batch_axis=2, span=ex.span))
     return exchanges, buffers
+
+
+def sibling_swap_text(wire: str) -> str:
+    """The spec text of the statement that swaps shares with the sibling core, `{}` for its op
+    list (written by `mkc retarget`; this module is the statement's home)."""
+    return "exchange {} with sibling wire " + wire

@@ -3,8 +3,8 @@
 The new slice fixes the target and the mesh (every rank). From the model's sizes and the slice
 the retarget derives the rest (`mkc.retarget.layout`): shard rules the family builds under
 (the spec's own carried over first, then the widest that build), each phase's all-reduce
-algorithms and gathers under those rules (a sibling exchange only where a chip has two
-cores), the VMEM limit (the generation's, where the spec used its chip's whole VMEM) and
+algorithms and gathers under those rules (a swap with the sibling core only where a chip
+has two cores), the VMEM limit (the generation's, where the spec used its chip's whole VMEM) and
 reserve, and what VMEM forces smaller (`mkc.retarget.fit`). The candidates, a few: the spec's
 rules carried over, the widest rules, each with all-reduces over hosts made two-level. Each
 is checked like `mkc check`; of those that pass, the shortest modelled step (mean over the

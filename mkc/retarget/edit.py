@@ -9,6 +9,7 @@ from mkc.lang import ast
 from mkc.model.graph import FamilyGraph
 from mkc.model.sharding import ShardTable
 from mkc.perf.tune import SpecSource
+from mkc.resolve.collectives import sibling_swap_text
 from mkc.retarget.layout import Group, choose_algorithm, partial_classes, spell, split_classes
 
 MIB = 1 << 20
@@ -96,12 +97,12 @@ def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: Fami
 def _gather_form(op: str, cls: str, line: ast.AllGather | ast.Exchange, plan: Plan,
                  axis: str) -> str:
     """The statement that gathers `op` (`{}` for its op list): as written if it still gathers
-    over the rule's group, a sibling exchange where the group is a chip's cores and the line
-    exchanged, else an allgather over the rule's spelling."""
+    over the rule's group, a swap with the sibling core where the group is a chip's cores and
+    the line swapped, else an allgather over the rule's spelling."""
     group, cores = plan.rules[cls], plan.topo.chip.cores_per_chip
     sibling = cores > 1 and group == (cores, 1)
     if isinstance(line, ast.Exchange) and sibling:
-        return "exchange {} with sibling wire " + line.wire_dtype.text
+        return sibling_swap_text(line.wire_dtype.text)
     return "allgather {} over " + plan.spelled.get(cls, spell(group, axis, plan.topo))
 
 

@@ -8,8 +8,8 @@ group of the mesh, widest first. A rule the family refuses (a ShardingError name
 is replaced by the first group that moves the failure elsewhere; coupled rules (K3's experts
 and expert_mlp must tile the mesh together) are searched in pairs. Collectives follow the
 rules: every op leaving partial sums is all-reduced over its reduction group with an
-algorithm valid there, every column-split op is gathered over its rule's group (a sibling
-exchange where that group is the two cores of a chip).
+algorithm valid there, every column-split op is gathered over its rule's group (a swap with
+the sibling core where that group is the two cores of a chip).
 """
 from __future__ import annotations
 
