@@ -15,6 +15,7 @@ from mkc.diagnostics import MkcError, Span, fail
 
 if TYPE_CHECKING:
     from mkc import ir
+    from mkc.lang import ast
     from mkc.resolve import ResolveState
 
 # Each stage is imported when the pipeline reaches it: a spec with a syntax error is reported
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 class Compiled:
     ir: ir.ScheduleIR
     spec_text: str
+    schedule: ast.Schedule | None = None                     # the parsed spec
     module_source: str | None = None
     events: list = field(default_factory=list, repr=False)   # the checked trace
 
@@ -54,7 +56,7 @@ def _check_parsed(sched, text: str, model: str | None = None) -> Compiled:
         # smallest that would do.
         name_smallest_slice(e, sched, model)
         raise
-    return Compiled(schedule_ir, text, events=events)
+    return Compiled(schedule_ir, text, sched, events=events)
 
 
 def resolve_spec(spec: str | Path, model: str | None = None, *, after: str | None = None

@@ -53,12 +53,11 @@ class Analysis:
 def analyse(text: str, path: str) -> Analysis:
     """Check `text` as the spec at `path` (no file is read but the model's config)."""
     from mkc import compiler
-    from mkc.lang.parser import parse
     try:
         c = compiler.check_source(text, path)
     except MkcError as e:
         return Analysis(e.diagnostics)
-    sched = parse(text, path)
+    sched = c.schedule
     phases = [(p.kind.text, p.span.line, p.span.end_line) for p in sched.phases]
     return Analysis([], c, _definitions(sched, c.ir), phases)
 

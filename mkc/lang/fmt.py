@@ -13,6 +13,7 @@ statement positions, so it follows the grammar and never rewrites a spec it cann
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import lark
@@ -79,12 +80,16 @@ class _Writer:
 
     def __init__(self, text: str, words: list[lark.Token], comments: list[_Comment]):
         self.source_lines, self.words, self.comments = text.splitlines(), words, comments
+        self.word_starts = [w.start_pos for w in words]     # in source order: bisected
+        self.comment_lines = [c.line for c in comments]
+        self.next_comment = 0                                # comments before it are emitted
         self.lines: list[str] = []
         self.done_line = 0          # the last source line emitted
         self.open_block = True      # no blank line right after a `{` (or at the file's start)
 
     def _words_in(self, start: int, end: int) -> list[lark.Token]:
-        return [w for w in self.words if start <= w.start_pos < end]
+        return self.words[bisect.bisect_left(self.word_starts, start):
+                          bisect.bisect_left(self.word_starts, end)]
 
     def _blank_before(self, line: int) -> None:
         """One blank line if the source has one between the last emitted line and `line`."""
@@ -92,10 +97,16 @@ class _Writer:
         if not self.open_block and any(not s.strip() for s in between):
             self.lines.append("")
 
+    def _take_comments(self, before_line: int) -> list[_Comment]:
+        """The comments not yet emitted that sit before source line `before_line` (they come
+        in source order, so always a prefix of what is left)."""
+        end = bisect.bisect_left(self.comment_lines, before_line, lo=self.next_comment)
+        taken, self.next_comment = self.comments[self.next_comment:end], end
+        return taken
+
     def _leading(self, line: int, depth: int) -> None:
         """The comment lines before source line `line`, at `depth`."""
-        while self.comments and self.comments[0].line < line:
-            c = self.comments.pop(0)
+        for c in self._take_comments(line):
             self._blank_before(c.line)
             self.lines.append(INDENT * depth + c.text)
             self.done_line, self.open_block = c.line, False
@@ -104,9 +115,7 @@ class _Writer:
         self._leading(first_line, depth)
         self._blank_before(first_line)
         # trailing comments of the statement's lines (a comment line inside it moves above)
-        inner = [c for c in self.comments if c.line <= last_line]
-        for c in inner:
-            self.comments.remove(c)
+        inner = self._take_comments(last_line + 1)
         above = [c.text for c in inner if not c.trailing or c.line < last_line]
         after = [c.text for c in inner if c.trailing and c.line == last_line]
         self.lines += [INDENT * depth + c for c in above]
