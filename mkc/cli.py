@@ -239,13 +239,7 @@ def _tune(args, as_json: bool) -> dict:
         raise MkcError(Diagnostic("E-TUNE", f"--min-headroom {args.min_headroom} MiB is "
                                   "negative", Span.unknown(args.spec),
                                   hint="pass a margin of 0 MiB or more"))
-    if d := _not_a_file("-o", args.out):
-        raise MkcError(d)
-    out = Path(args.out)
-    if out.exists() and out.resolve() == Path(args.spec).resolve():
-        raise MkcError(Diagnostic("E-TUNE", "-o names the input spec; mkc tune never changes "
-                                  "its input", Span.unknown(args.spec),
-                                  hint="write the tuned spec elsewhere and compare them"))
+    out = _spec_output(args, "E-TUNE", "tune", "write the tuned spec elsewhere and compare them")
     sched, text = parse_file(args.spec)
     from mkc.target import known_chips
     tgt = sched.settings.get("target")
@@ -302,13 +296,7 @@ def _retarget(args, as_json: bool) -> dict:
     from mkc import compiler, retarget
     from mkc.lang.parser import parse_file
     from mkc.resolve.names import IDENT
-    if d := _not_a_file("-o", args.out):
-        raise MkcError(d)
-    out = Path(args.out)
-    if out.exists() and out.resolve() == Path(args.spec).resolve():
-        raise MkcError(Diagnostic("E-RETARGET", "-o names the input spec; mkc retarget never "
-                                  "changes its input", Span.unknown(args.spec),
-                                  hint="write the retargeted spec elsewhere"))
+    out = _spec_output(args, "E-RETARGET", "retarget", "write the retargeted spec elsewhere")
     sched, text = parse_file(args.spec)
     name = out.stem if IDENT.match(out.stem) else None
     log = None if as_json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
@@ -321,6 +309,17 @@ def _retarget(args, as_json: bool) -> dict:
         print(retarget.summary(res))
         print(f"wrote {out}")
     return {"output": str(out), "retarget": retarget.result_json(res)}
+
+
+def _spec_output(args, code: str, command: str, hint: str) -> Path:
+    """`-o` of a command that writes a new spec: a writable file path, never the input."""
+    if d := _not_a_file("-o", args.out):
+        raise MkcError(d)
+    out = Path(args.out)
+    if out.exists() and out.resolve() == Path(args.spec).resolve():
+        raise MkcError(Diagnostic(code, f"-o names the input spec; mkc {command} never changes "
+                                  "its input", Span.unknown(args.spec), hint=hint))
+    return out
 
 
 def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:
