@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="change nothing; list the specs not in canonical layout and exit 1 if any")
     sub.add_parser("lsp", help="run the language server over stdio (for editors; see README)")
+    sub.add_parser("grammar", help="print the schedule language's whole grammar (lark), each "
+                                   "statement's rules with their comments")
     return ap
 
 
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "fmt":
         return _fmt(args)
+    if args.cmd == "grammar":
+        from mkc.lang.syntax import grammar
+        sys.stdout.write(grammar())
+        return 0
     if args.cmd == "lsp":
         from mkc.lsp import main as lsp_main
         return lsp_main()

@@ -15,19 +15,29 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import lru_cache
 
 import lark
 
-from mkc.lang import parser
+from mkc.lang import parser, syntax
 
 INDENT = "  "
-# Keywords padded to a column when they start a statement: (keywords, width).
-_PADDED = ((("model", "target", "mesh", "batch", "verify", "context", "vmem"), 8),
-           (("load", "store"), 6))
 _NO_SPACE_BEFORE = {",", ";", ":", ")", ".", "("}
 _NO_SPACE_AFTER = {".", "("}
-# Statements that open a block: their header runs to the `{`.
-_BLOCKS = {"pool_stmt", "stream_stmt", "phase_stmt", "schedule"}
+
+
+@lru_cache(maxsize=1)
+def _padded() -> tuple[tuple[tuple[str, ...], int], ...]:
+    """Keywords padded to one column when they start a statement, with the column's width:
+    the settings', and a copy's direction."""
+    settings = tuple(s.keyword for s in syntax.statements() if s.setting)
+    return ((settings, max(map(len, settings)) + 1), (("load", "store"), 6))
+
+
+@lru_cache(maxsize=1)
+def _blocks() -> set[str]:
+    """Statements that open a block: their header runs to the `{`."""
+    return {s.rule for s in syntax.statements() if s.block} | {"schedule"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ def _join(words: list[lark.Token]) -> str:
         if i and s not in _NO_SPACE_BEFORE and str(words[i - 1]) not in _NO_SPACE_AFTER:
             out += " "
         out += s
-    for keywords, width in _PADDED:
+    for keywords, width in _padded():
         first = str(words[0])
         if first in keywords and len(words) > 1:
             out = first.ljust(width - 1) + out[len(first):]
@@ -123,7 +133,7 @@ class _Writer:
         self.done_line, self.open_block = last_line, False
 
     def statement(self, node: lark.Tree, depth: int) -> None:
-        if getattr(node, "data", None) in _BLOCKS:
+        if getattr(node, "data", None) in _blocks():
             return self.block(node, depth)
         words = self._words_in(node.meta.start_pos, node.meta.end_pos)
         self._line(words[0].line, words[-1].end_line, depth, _join(words))

@@ -10,53 +10,51 @@ import lark
 from lark import Transformer, v_args
 
 from mkc.diagnostics import MkcError, Span, fail
-from mkc.lang import ast
-
-_GRAMMAR = Path(__file__).with_name("sched.lark")
+from mkc.lang import ast, syntax
 
 # Token names as a user would call them, for "expected ..." hints.
 _TOKEN_WORDS = {
     "NAME": "a name", "INT": "an integer", "STRING": 'a quoted string like "qwen3_8_27b"',
     "TOPOLOGY": "a topology like 2x4 or 2x2x1", "UNIT": "a unit (KiB, MiB, GiB)",
     "LBRACE": "'{'", "RBRACE": "'}'", "COLON": "':'", "SEMICOLON": "';'", "COMMA": "','",
-    "EQUAL": "'='", "DOT": "'.'", "__ANON_0": "'->'", "SLASH": "'/'", "LPAR": "'('",
+    "EQUAL": "'='", "DOT": "'.'", "_ARROW": "'->'", "SLASH": "'/'", "LPAR": "'('",
     "RPAR": "')'",
 }
 _MAX_DIGITS = 12
 _MAX_TOPOLOGY_DIMS = 8     # TPU slices are 2-D or 3-D; resolve says which per generation
 MAX_SPEC_BYTES = 256 << 10    # a schedule is a few KiB; parsing costs ~10 us a byte
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-_SETTING_KEYWORDS = ("model", "target", "mesh", "batch", "verify", "context", "vmem")
-# Which list of the parent node each statement node joins.
-_PHASE_LISTS = {ast.Scoped: "scoped", ast.Transfer: "transfers", ast.KvTiles: "kv_tiles",
-                ast.AllReduce: "allreduces", ast.AllGather: "allgathers",
-                ast.Exchange: "exchanges", ast.Fetch: "fetches", ast.Prefetch: "prefetches"}
-_SCHEDULE_LISTS = {ast.Shard: "shards", ast.Format: "formats", ast.Ring: "rings", ast.Stream: "streams",
-                   ast.Parity: "parities", ast.Pool: "pools", ast.Phase: "phases"}
 
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
     # cache: lark keeps the LALR tables in the temp directory, keyed by the grammar's digest
     # (building them is most of a syntax error's answer time: 0.4 s of 0.6).
-    return lark.Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True,
+    return lark.Lark(syntax.grammar(), parser="lalr", propagate_positions=True,
                      maybe_placeholders=False, cache=True)
 
 
-def _span(file: str, meta_or_token) -> Span:
-    m = meta_or_token
-    if getattr(m, "empty", False) or getattr(m, "line", None) is None:
-        return Span.unknown(file)
-    return Span(file, m.line, m.column, m.end_line, m.end_column)
+@lru_cache(maxsize=1)
+def _statement_rules() -> dict[str, syntax.Statement]:
+    return {s.rule: s for s in syntax.statements()}
 
 
 class _ToAst(Transformer):
+    """The base grammar's rules here; every statement's rules by its module's builders."""
+
     def __init__(self, file: str):
         super().__init__()
+        self.b = syntax.Builder(file)
         self.file = file
+        self.builders = syntax.builders()
 
-    def _name(self, tok: lark.Token) -> ast.Name:
-        return ast.Name(str(tok), _span(self.file, tok))
+    def __default__(self, data, children, meta):
+        build = self.builders.get(str(data))
+        if build is None:
+            return super().__default__(data, children, meta)
+        node = build(self.b, meta, children)
+        statement = _statement_rules().get(str(data))
+        return node if statement is None else syntax.Placed(statement, node)
 
     # --- leaves -------------------------------------------------------------------
     def INT(self, tok: lark.Token) -> int:
@@ -64,7 +62,7 @@ class _ToAst(Transformer):
         # no size in a schedule comes near 12.
         if len(tok) > _MAX_DIGITS:
             raise fail("E-RANGE", f"the number {str(tok)[:20]}... has {len(tok)} digits",
-                       _span(self.file, tok),
+                       self.b.span(tok),
                        hint=f"numbers in a schedule have at most {_MAX_DIGITS} digits")
         return int(tok)
 
@@ -75,13 +73,13 @@ class _ToAst(Transformer):
         if len(parts) > _MAX_TOPOLOGY_DIMS or any(len(p) > _MAX_DIGITS for p in parts):
             what = (f"has {len(parts)} dimensions" if len(parts) > _MAX_TOPOLOGY_DIMS
                     else "has an absurdly large dimension")
-            raise fail("E-RANGE", f"topology {str(tok)[:40]} {what}", _span(self.file, tok),
+            raise fail("E-RANGE", f"topology {str(tok)[:40]} {what}", self.b.span(tok),
                        hint="write the chip grid as the generation does, e.g. 2x4 (v6e) or "
                             "2x2x1 (tpu7x)")
-        return self._name(tok), tuple(int(p) for p in parts)
+        return self.b.name(tok), tuple(int(p) for p in parts)
 
     def name_list(self, items):
-        return [self._name(t) for t in items]
+        return [self.b.name(t) for t in items]
 
     def dotted(self, items):
         first, last = items[0], items[-1]
@@ -90,181 +88,42 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def size(self, meta, items):
-        return ast.Setting(int(items[0]) * _UNIT_BYTES[str(items[1])], _span(self.file, meta))
+        return ast.Setting(int(items[0]) * _UNIT_BYTES[str(items[1])], self.b.span(meta))
 
     def point_at(self, items):
-        return ast.Point("at", self._name(items[0]))
+        return ast.Point("at", self.b.name(items[0]))
 
     def point_before(self, items):
-        return ast.Point("before", self._name(items[0]))
+        return ast.Point("before", self.b.name(items[0]))
 
     def point_before_next(self, items):
-        return ast.Point("before next", self._name(items[0]))
+        return ast.Point("before next", self.b.name(items[0]))
 
     def point_after(self, items):
-        return ast.Point("after", self._name(items[0]))
+        return ast.Point("after", self.b.name(items[0]))
 
-    def binding(self, items):
-        return ast.Binding(items[0], items[1])
-
-    def binding_list(self, items):
-        return list(items)
-
-    def wait_list(self, items):
-        return list(items)
-
-    # --- header settings ----------------------------------------------------------
-    @v_args(meta=True)
-    def model_stmt(self, meta, items):
-        return ("model", ast.Setting(str(items[0])[1:-1], _span(self.file, meta)))
-
-    @v_args(meta=True)
-    def target_stmt(self, meta, items):
-        # (generation, (topology text with its span, dimensions))
-        return ("target", ast.Setting((self._name(items[0]), items[1]), _span(self.file, meta)))
-
-    @v_args(meta=True)
-    def mesh_stmt(self, meta, items):
-        return ("mesh", ast.Setting((self._name(items[0]), int(items[1])), _span(self.file, meta)))
-
-    @v_args(meta=True)
-    def batch_stmt(self, meta, items):
-        lo = int(items[0])
-        hi = int(items[1]) if len(items) > 1 else lo
-        return ("batch", ast.Setting((lo, hi), _span(self.file, meta)))
-
-    @v_args(meta=True)
-    def verify_stmt(self, meta, items):
-        lo = int(items[1]) if len(items) > 1 else 1
-        hi = int(items[2]) if len(items) > 2 else lo
-        return ("verify", ast.Setting((int(items[0]), (lo, hi)), _span(self.file, meta)))
-
-    @v_args(meta=True)
-    def context_stmt(self, meta, items):
-        return ("context", ast.Setting(int(items[0]), _span(self.file, meta)))
-
-    @v_args(meta=True)
-    def vmem_stmt(self, meta, items):
-        return ("vmem", ast.Setting((items[0], items[1]), _span(self.file, meta)))
-
-    # --- memory statements --------------------------------------------------------
     @v_args(meta=True)
     def group_named(self, meta, items):
-        return ast.Group(self._name(items[0]), divisor=int(items[1]) if len(items) > 1 else None,
-                         span=_span(self.file, meta))
+        return ast.Group(self.b.name(items[0]), divisor=int(items[1]) if len(items) > 1 else None,
+                         span=self.b.span(meta))
 
     @v_args(meta=True)
     def group_ways(self, meta, items):
-        return ast.Group(None, ways=int(items[0]), span=_span(self.file, meta))
-
-    @v_args(meta=True)
-    def shard_stmt(self, meta, items):
-        return ast.Shard(self._name(items[0]), items[1], _span(self.file, meta))
-
-    @v_args(meta=True)
-    def format_stmt(self, meta, items):
-        return ast.Format(items[0], self._name(items[1]), _span(self.file, meta),
-                          block=int(items[2]) if len(items) > 2 else None)
-
-    def view_kind(self, items):
-        return ast.ViewKind(self._name(items[0]), items[1])
-
-    @v_args(meta=True)
-    def view_weights(self, meta, items):
-        return ast.PoolView(self._name(items[0]), list(items[1:]), span=_span(self.file, meta))
-
-    @v_args(meta=True)
-    def view_slots(self, meta, items):
-        return ast.PoolView(self._name(items[0]), [], slots=int(items[1]),
-                            slot_of=self._name(items[2]), span=_span(self.file, meta))
-
-    @v_args(meta=True)
-    def pool_stmt(self, meta, items):
-        return ast.Pool(self._name(items[0]), list(items[1:]), _span(self.file, meta))
-
-    @v_args(meta=True)
-    def ring_stmt(self, meta, items):
-        name, slots, dtype, rows, cols = items
-        return ast.Ring(self._name(name), int(slots), self._name(dtype), int(rows), int(cols),
-                        _span(self.file, meta))
-
-    def stream_kind(self, items):
-        return ast.StreamKind(self._name(items[0]), items[1])
-
-    def stream_tail(self, items):
-        return ("tail", items[0])
-
-    @v_args(meta=True)
-    def stream_stmt(self, meta, items):
-        ring, ahead, *rest = items
-        per_kind = [r for r in rest if isinstance(r, ast.StreamKind)]
-        tail = [n for r in rest if isinstance(r, tuple) for n in r[1]]
-        return ast.Stream(self._name(ring), int(ahead), per_kind, tail, _span(self.file, meta))
-
-    @v_args(meta=True)
-    def parity_stmt(self, meta, items):
-        return ast.Parity(self._name(items[0]), int(items[1]), _span(self.file, meta))
-
-    # --- phases -------------------------------------------------------------------
-    @v_args(meta=True)
-    def scoped_item(self, meta, items):
-        return ast.Scoped(items[0], self._name(items[1]), self._name(items[2]), _span(self.file, meta))
-
-    @v_args(meta=True)
-    def load_item(self, meta, items):
-        return ast.Transfer("load", items[0], items[1], items[2], _span(self.file, meta))
-
-    @v_args(meta=True)
-    def store_item(self, meta, items):
-        return ast.Transfer("store", items[0], items[1], items[2], _span(self.file, meta))
-
-    @v_args(meta=True)
-    def kv_item(self, meta, items):
-        return ast.KvTiles(int(items[0]), int(items[1]), int(items[2]), _span(self.file, meta))
-
-    @v_args(meta=True)
-    def allreduce_item(self, meta, items):
-        level = self._name(items[2]) if len(items) == 4 else None
-        return ast.AllReduce(items[0], self._name(items[1]), level, self._name(items[-1]),
-                             _span(self.file, meta))
-
-    @v_args(meta=True)
-    def allgather_item(self, meta, items):
-        return ast.AllGather(items[0], items[1], _span(self.file, meta))
-
-    @v_args(meta=True)
-    def exchange_item(self, meta, items):
-        return ast.Exchange(items[0], self._name(items[1]), self._name(items[2]),
-                            _span(self.file, meta))
-
-    @v_args(meta=True)
-    def fetch_item(self, meta, items):
-        return ast.Fetch(items[0], items[1], _span(self.file, meta))
-
-    @v_args(meta=True)
-    def prefetch_item(self, meta, items):
-        return ast.Prefetch(items[0], items[1], _span(self.file, meta))
-
-    @v_args(meta=True)
-    def phase_stmt(self, meta, items):
-        phase = ast.Phase(self._name(items[0]), span=_span(self.file, meta))
-        for item in items[1:]:
-            getattr(phase, _PHASE_LISTS[type(item)]).append(item)
-        return phase
+        return ast.Group(None, ways=int(items[0]), span=self.b.span(meta))
 
     @v_args(meta=True)
     def schedule(self, meta, items):
-        sched = ast.Schedule(self._name(items[0]), self.file)
+        sched = ast.Schedule(self.b.name(items[0]), self.file, syntax.empty_lists("schedule"))
         for item in items[1:]:
-            if isinstance(item, tuple):
-                key, setting = item
-                if key in sched.settings:
-                    first = sched.settings[key].span
-                    raise fail("E-DUPLICATE", f"'{key}' is set twice", setting.span,
-                               hint=f"keep one '{key}' line (the first is at line {first.line})")
-                sched.settings[key] = setting
+            key = item.statement.joins
+            if not item.statement.setting:
+                sched.lists[key].append(item.node)
+            elif key in sched.settings:
+                first = sched.settings[key].span
+                raise fail("E-DUPLICATE", f"'{key}' is set twice", item.node.span,
+                           hint=f"keep one '{key}' line (the first is at line {first.line})")
             else:
-                getattr(sched, _SCHEDULE_LISTS[type(item)]).append(item)
+                sched.settings[key] = item.node
         return sched
 
     def start(self, items):
@@ -356,7 +215,8 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
         if set(e.expected) == {"WAIT"}:
             hint = (f"write `wait {_rest_of_line(text, tok)}`: each wait point of a load or "
                     "store starts with `wait`")
-        if str(tok) in _SETTING_KEYWORDS or tok.type == "NAME":
+        if tok.type == "NAME" or any(str(tok) == st.keyword for st in syntax.statements()
+                                       if st.setting):
             hint += f"; '{tok}' cannot start or continue a statement here"
             # a misspelt keyword: the closest of the keywords that may stand here
             keywords = sorted({x.lower() for x in e.expected if x.isupper() and x.isalpha()})

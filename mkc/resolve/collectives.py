@@ -8,6 +8,7 @@ from dataclasses import replace
 from mkc import ir, target
 from mkc.diagnostics import Span, fail
 from mkc.lang import ast
+from mkc.lang.statements.collectives import AllReduce
 from mkc.model.graph import LayerKind, ShardingError
 from mkc.model.sharding import ShardTable
 from mkc.resolve.names import unknown
@@ -115,7 +116,7 @@ def two_level_stages(size: int, stride: int, level_cores: int) -> tuple[tuple[in
     return ((first, stride), (size // first, level_cores))
 
 
-def _stages(ar: ast.AllReduce, topo: target.Topology, over: tuple[int, int], op: str
+def _stages(ar: AllReduce, topo: target.Topology, over: tuple[int, int], op: str
             ) -> tuple[tuple[int, int], ...]:
     """The direct stages of `ar` reducing `op`'s partial sums over the rank group `over`."""
     n = topo.num_cores

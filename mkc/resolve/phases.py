@@ -8,6 +8,9 @@ from collections import Counter
 from mkc import ir
 from mkc.diagnostics import fail
 from mkc.lang import ast
+from mkc.lang.statements.copies import Binding, Transfer
+from mkc.lang.statements.kv import KvTiles
+from mkc.lang.statements.scoped import Scoped
 from mkc.model.graph import LayerKind
 from mkc.resolve.names import unknown, validate_identifier
 from mkc.resolve.state import ResolveState
@@ -131,7 +134,7 @@ def _transfers(phase: ast.Phase, kind: LayerKind, B: int
     return transfers, buffers
 
 
-def _binding(tr: ast.Transfer, b: ast.Binding, kname: str, states: dict
+def _binding(tr: Transfer, b: Binding, kname: str, states: dict
              ) -> tuple[str, str, ast.Name]:
     """(state family, buffer name, the buffer's name in the spec) of one `A -> B` binding."""
     hbm_side, vmem_side = (b.src, b.dst) if tr.direction == "load" else (b.dst, b.src)
@@ -146,7 +149,7 @@ def _binding(tr: ast.Transfer, b: ast.Binding, kname: str, states: dict
     return sname, validate_identifier(vmem_side, "buffer"), vmem_side
 
 
-def _drains(tr: ast.Transfer, kname: str) -> int:
+def _drains(tr: Transfer, kname: str) -> int:
     """How many `wait before next KIND` drains a copy has, its start and waits checked."""
     if tr.start.where == "before next":
         raise fail("E-TRANSFER", "a copy cannot start `before next ...`",
@@ -167,7 +170,7 @@ def _drains(tr: ast.Transfer, kname: str) -> int:
     return len(drains)
 
 
-def _check_copy_order(tr: ast.Transfer, kind: LayerKind, copied: list[str]) -> None:
+def _check_copy_order(tr: Transfer, kind: LayerKind, copied: list[str]) -> None:
     """A copy is waited after it starts; a load of `copied` states starts and is waited before
     the first op reading one, and a store of them starts after the last op updating it. Each
     mistake is one diagnostic at its cause: the trace would show only its consequences, at the
@@ -197,7 +200,7 @@ def _check_copy_order(tr: ast.Transfer, kind: LayerKind, copied: list[str]) -> N
                        hint=f"wait for the load before {reader}: write `wait before {reader}`")
 
 
-def _check_load_starts_in_time(tr: ast.Transfer, ops: list[str], start: int,
+def _check_load_starts_in_time(tr: Transfer, ops: list[str], start: int,
                                first_read: tuple[int, str]) -> None:
     i, sname = first_read
     if start > i:
@@ -208,7 +211,7 @@ def _check_load_starts_in_time(tr: ast.Transfer, ops: list[str], start: int,
                         f"there: e.g. `{_copy_text(tr)} at start; wait before {ops[i]}`")
 
 
-def _check_store_starts_in_time(tr: ast.Transfer, kind: LayerKind, start: int,
+def _check_store_starts_in_time(tr: Transfer, kind: LayerKind, start: int,
                                 copied: list[str]) -> None:
     """A store copies out the state as the layer's ops left it: it starts after the last op
     that updates it."""
@@ -224,7 +227,7 @@ def _check_store_starts_in_time(tr: ast.Transfer, kind: LayerKind, start: int,
                             f"`{_copy_text(tr)} after {op}; wait ...`")
 
 
-def _wait_hint(tr: ast.Transfer, ops: list[str], first_read: tuple[int, str] | None,
+def _wait_hint(tr: Transfer, ops: list[str], first_read: tuple[int, str] | None,
                kname: str) -> str:
     """How to fix a wait placed before its copy starts."""
     if tr.direction == "load" and first_read is not None:
@@ -238,7 +241,7 @@ def _wait_hint(tr: ast.Transfer, ops: list[str], first_read: tuple[int, str] | N
             "to let it drain behind the rest of the layer")
 
 
-def _copy_text(tr: ast.Transfer) -> str:
+def _copy_text(tr: Transfer) -> str:
     """`load A -> B, C -> D`: a copy statement up to its start point, for hints."""
     return f"{tr.direction} " + ", ".join(f"{b.src.text} -> {b.dst.text}" for b in tr.bindings)
 
@@ -259,7 +262,7 @@ def _scoped(phase: ast.Phase, kind: LayerKind, buffers: dict[str, ir.Buffer]
     """`scoped BUFFERS from OP to OP`: the buffers, each held only over its range."""
     kname, ops = kind.name, kind.op_names()
     buffers = dict(buffers)
-    ranges: list[tuple[int, int, ast.Scoped]] = []
+    ranges: list[tuple[int, int, Scoped]] = []
     for sc in phase.scoped:
         first, last = (_scope_end(sc.first, "start", 0, ops, kname),
                        _scope_end(sc.last, "end", len(ops) - 1, ops, kname))
@@ -288,7 +291,7 @@ def _scope_end(name: ast.Name, word: str, at_word: int, ops: list[str], kname: s
     return ops.index(name.text)
 
 
-def _check_scopes_nest(ranges: list[tuple[int, int, ast.Scoped]], ops: list[str]) -> None:
+def _check_scopes_nest(ranges: list[tuple[int, int, Scoped]], ops: list[str]) -> None:
     """Scoped ranges must nest or be disjoint: each lowers to one `pl.run_scoped` block, and
     blocks cannot cross. A range from op a to op b holds its buffers over points a..b+1."""
     for i, (f1, l1, a) in enumerate(ranges):
@@ -338,7 +341,7 @@ def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
     return kv, buffers
 
 
-def _check_kv_tiles(k: ast.KvTiles, kname: str, has_caches: bool, context: int) -> None:
+def _check_kv_tiles(k: KvTiles, kname: str, has_caches: bool, context: int) -> None:
     if not has_caches:
         raise fail("E-KV", f"layer kind {kname} has no KV cache to tile", k.span,
                    hint="remove the `kv tiles` line")

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from mkc import ir
 from mkc.diagnostics import fail
-from mkc.lang import ast
+from mkc.lang.statements.pool import PoolView
 from mkc.model.graph import DecodeGraph
 from mkc.resolve.names import unknown, validate_identifier
 from mkc.resolve.state import ResolveState
@@ -48,7 +48,7 @@ def resolve_pools(s: ResolveState) -> ResolveState:
     return replace(s, pools=pools, pooled=pooled)
 
 
-def _slot_view(v: ast.PoolView, vname: str, pname: str, graph: DecodeGraph) -> ir.PoolView:
+def _slot_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph) -> ir.PoolView:
     """`view NAME: N slots of expert`: room for N routed experts' matrices."""
     if v.slot_of.text != "expert":
         raise unknown("slot content", v.slot_of, ["expert"])
@@ -65,7 +65,7 @@ def _slot_view(v: ast.PoolView, vname: str, pname: str, graph: DecodeGraph) -> i
     return ir.PoolView(vname, pname, {"expert": mats}, v.slots, off, off * v.slots, v.span)
 
 
-def _weight_view(v: ast.PoolView, vname: str, pname: str, graph: DecodeGraph,
+def _weight_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph,
                  pooled: dict[str, dict[str, str]]) -> ir.PoolView:
     """`view NAME: KIND(FAMILIES), ...`: one layer's matrices of each kind listed, at a
     time. Records in `pooled` where each matrix lives."""

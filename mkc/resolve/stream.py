@@ -7,6 +7,8 @@ from dataclasses import replace
 from mkc import ir
 from mkc.diagnostics import fail
 from mkc.lang import ast
+from mkc.lang.statements.ring import Ring
+from mkc.lang.statements.stream import Stream
 from mkc.model.graph import DecodeGraph, LayerKind
 from mkc.resolve.names import unknown, validate_identifier
 from mkc.resolve.state import ResolveState
@@ -38,7 +40,7 @@ def resolve_stream(s: ResolveState) -> ResolveState:
     return replace(s, stream=_stream(ring, st, graph, s.pooled))
 
 
-def _ring_and_stream(sched: ast.Schedule, graph: DecodeGraph) -> tuple[ast.Ring, ast.Stream]:
+def _ring_and_stream(sched: ast.Schedule, graph: DecodeGraph) -> tuple[Ring, Stream]:
     """The one ring and the one stream through it, each checked on its own."""
     if len(sched.rings) != 1 or len(sched.streams) != 1:
         span = (sched.rings[1].span if len(sched.rings) > 1 else
@@ -67,7 +69,7 @@ def _ring_and_stream(sched: ast.Schedule, graph: DecodeGraph) -> tuple[ast.Ring,
 
 
 def _check_kind_listed(kind: LayerKind, in_pool: dict[str, str],
-                       listed: dict[str, list[ast.Name]], st: ast.Stream) -> None:
+                       listed: dict[str, list[ast.Name]], st: Stream) -> None:
     """A layer kind's matrices not held in a pool stream in consumption order; a matrix an op
     reads whole (not by a matmul) cannot stream in tiles."""
     kname = kind.name
@@ -103,7 +105,7 @@ def _check_kind_listed(kind: LayerKind, in_pool: dict[str, str],
                                   f"{', '.join(order)}")
 
 
-def _stream(ring: ast.Ring, st: ast.Stream, graph: DecodeGraph,
+def _stream(ring: Ring, st: Stream, graph: DecodeGraph,
             pooled: dict[str, dict[str, str]]) -> ir.Stream:
     """The stream's families with their tiles, and where each layer's tiles start."""
     def family(kname: str, t) -> ir.StreamFamily:

@@ -172,7 +172,8 @@ def new_state(sched: ast.Schedule, new: Slice, model: str | None) -> ResolveStat
         vmem_setting(sched, topo.chip, spec_chip(sched)), vmem.value)), vmem.span)
     shards = [replace(r, group=ast.Group(ast.Name(axis.text, r.span), span=r.span))
               for r in sched.shards]
-    return run(replace(sched, settings=settings, shards=shards), model, after="formats")
+    return run(replace(sched, settings=settings, lists={**sched.lists, "shards": shards}), model,
+               after="formats")
 
 
 def plans(sched: ast.Schedule, st: ResolveState, new: Slice, name: str, same: bool

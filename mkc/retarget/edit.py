@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from mkc import target
 from mkc.lang import ast
+from mkc.lang.statements.collectives import AllGather, Exchange
 from mkc.model.graph import FamilyGraph
 from mkc.model.sharding import ShardTable
 from mkc.perf.tune import SpecSource
@@ -94,14 +95,14 @@ def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: Fami
         _gather_edits(ed, phase, split_classes(kind), plan, axis)
 
 
-def _gather_form(op: str, cls: str, line: ast.AllGather | ast.Exchange, plan: Plan,
+def _gather_form(op: str, cls: str, line: AllGather | Exchange, plan: Plan,
                  axis: str) -> str:
     """The statement that gathers `op` (`{}` for its op list): as written if it still gathers
     over the rule's group, a swap with the sibling core where the group is a chip's cores and
     the line swapped, else an allgather over the rule's spelling."""
     group, cores = plan.rules[cls], plan.topo.chip.cores_per_chip
     sibling = cores > 1 and group == (cores, 1)
-    if isinstance(line, ast.Exchange) and sibling:
+    if isinstance(line, Exchange) and sibling:
         return sibling_swap_text(line.wire_dtype.text)
     return "allgather {} over " + plan.spelled.get(cls, spell(group, axis, plan.topo))
 

@@ -1,0 +1,58 @@
+"""The collectives a layer runs: `allreduce`, `allgather`, `exchange`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mkc.diagnostics import Span
+from mkc.lang.ast import Group, Name
+from mkc.lang.syntax import Builder, Meta, Syntax
+
+SYNTAX = Syntax(r'''
+// `direct`: every rank sends to every peer. `two_level chip|host`: reduce within each chip
+// (or host) first, then across chips (hosts) among ranks with the same local index.
+allreduce_item: "allreduce" name_list NAME NAME? "wire" NAME
+// Column shards of an op's output gathered over the group its weight is split over.
+allgather_item: "allgather" name_list "over" shard_group
+// Each core of a chip computes a share; `with sibling` swaps the shares over the on-chip link.
+exchange_item:  "exchange" name_list "with" NAME "wire" NAME
+''')
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    ops: list[Name]
+    algorithm: Name
+    level: Name | None          # the grouping of a two_level all-reduce: chip or host
+    wire_dtype: Name
+    span: Span
+
+
+@dataclass(frozen=True)
+class AllGather:
+    ops: list[Name]
+    group: Group
+    span: Span
+
+
+@dataclass(frozen=True)
+class Exchange:
+    ops: list[Name]
+    peer: Name                  # `sibling`: the other core of the chip
+    wire_dtype: Name
+    span: Span
+
+
+@SYNTAX.statement("allreduce_item", "phase", "allreduces")
+def allreduce_item(b: Builder, meta: Meta, items: list) -> AllReduce:
+    level = b.name(items[2]) if len(items) == 4 else None
+    return AllReduce(items[0], b.name(items[1]), level, b.name(items[-1]), b.span(meta))
+
+
+@SYNTAX.statement("allgather_item", "phase", "allgathers")
+def allgather_item(b: Builder, meta: Meta, items: list) -> AllGather:
+    return AllGather(items[0], items[1], b.span(meta))
+
+
+@SYNTAX.statement("exchange_item", "phase", "exchanges")
+def exchange_item(b: Builder, meta: Meta, items: list) -> Exchange:
+    return Exchange(items[0], b.name(items[1]), b.name(items[2]), b.span(meta))
