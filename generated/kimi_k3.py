@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): be06e1178550fdda
+Input digest (spec, model config, mkc version): d17a34749470c73b
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
@@ -253,11 +253,11 @@ def _layer_dense(k: Kernel, layer):
     """One dense layer: mlp_mix, gate_up, down, mlp_residual."""
     c = k.layer("dense", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 81: prefetch next staging.attention
+    c.prefetch_view()   # spec line 83: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 82: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 84: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -269,13 +269,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 68: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 70: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 66: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 68: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 66: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 68: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -283,13 +283,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 66: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 66: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 68: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 68: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 67: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 69: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 67: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 68: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 69: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 70: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -300,7 +300,7 @@ def _layer_kda(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.attention is free from here
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 70: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 72: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -326,7 +326,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 77: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 79: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -337,22 +337,22 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 86: exchange with sibling, wire f32
+    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 88: exchange with sibling, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 87: fetch experts -> staging.experts, the first slots now
+    # spec line 89: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 88: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 90: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 89: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 91: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 90: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89: two_level, wire bf16
+    c.prefetch_view()   # spec line 92: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 91: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 91: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 93: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -379,7 +379,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"dense": _layer_dense, "kda": _layer_kda, "mla": _layer_mla, "moe": _layer_moe})
-    # spec line 68: the last kda layer's store of state.recurrent drains
+    # spec line 70: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream

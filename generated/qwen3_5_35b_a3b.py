@@ -2,7 +2,7 @@
 
 Schedule qwen3_5_35b_a3b: model qwen3_5_35b_a3b (qwen3_5_moe_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 454314aa3ffabc26
+Input digest (spec, model config, mkc version): e580fe9090afaee6
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
@@ -181,22 +181,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 46: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 48: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 44: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 46: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 44: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 46: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 44: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 44: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 46: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 46: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 45: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 47: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 45: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 46: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 47: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 48: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -205,7 +205,7 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 49: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 51: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -221,7 +221,7 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 56: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 58: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -233,14 +233,14 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 62: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 64: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 63: direct, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 65: direct, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 63: direct, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 65: direct, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -265,7 +265,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa, "moe": _layer_moe})
-    # spec line 46: the last gdn layer's store of state.recurrent drains
+    # spec line 48: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream

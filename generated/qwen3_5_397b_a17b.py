@@ -2,7 +2,7 @@
 
 Schedule qwen3_5_397b_a17b: model qwen3_5_397b_a17b (qwen3_5_moe_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 68273400151202dc
+Input digest (spec, model config, mkc version): 44676083c6f66d17
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
@@ -188,22 +188,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 61: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 63: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 59: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 61: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 59: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 61: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 59: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 59: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 61: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 61: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 60: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 62: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 60: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 61: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 62: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 63: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -212,7 +212,7 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 62: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 64: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -228,7 +228,7 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 68: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 70: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -240,14 +240,14 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 74: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 76: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 75: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 77: two_level, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75: two_level, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 77: two_level, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -272,7 +272,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa, "moe": _layer_moe})
-    # spec line 61: the last gdn layer's store of state.recurrent drains
+    # spec line 63: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream

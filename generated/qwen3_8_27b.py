@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): efde3ad614783130
+Input digest (spec, model config, mkc version): dfa87da4b5c17403
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
@@ -173,22 +173,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 35: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 37: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 33: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 35: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 33: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 35: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 33: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 33: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 35: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 35: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 34: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 36: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 34: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 35: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 36: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 37: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -197,12 +197,12 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 40: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 42: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 40: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 42: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -218,12 +218,12 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 48: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 50: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 48: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 50: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -248,7 +248,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa})
-    # spec line 35: the last gdn layer's store of state.recurrent drains
+    # spec line 37: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream

@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b_v6e: model qwen3_8_27b (qwen3_5_text) on v6e=2x4, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 128 MiB.
-Input digest (spec, model config, mkc version): 462e1ac1e212dfb0
+Input digest (spec, model config, mkc version): 50dd5e17217de599
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
@@ -173,22 +173,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 42: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 44: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 40: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 42: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 40: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 42: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 40: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 40: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 42: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 42: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 41: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 43: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 41: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 42: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 43: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 44: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -197,12 +197,12 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 45: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 47: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 45: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 47: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -218,12 +218,12 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 50: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 52: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 50: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 52: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -248,7 +248,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa})
-    # spec line 42: the last gdn layer's store of state.recurrent drains
+    # spec line 44: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream

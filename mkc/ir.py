@@ -359,6 +359,20 @@ class Parity:
     span: Span = field(compare=False, default_factory=Span.unknown)
 
 
+# What `expect RESOURCE headroom` can name: VMEM under the budget (at every kernel width),
+# HBM per chip.
+EXPECTABLE = ("vmem", "hbm")
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """`expect RESOURCE headroom at least N`: bytes the spec promises to leave free."""
+
+    resource: str                # one of EXPECTABLE
+    at_least: int
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+
 @dataclass(frozen=True)
 class ScheduleIR:
     name: str
@@ -413,6 +427,7 @@ class ScheduleIR:
     dims_class: tuple[str, str] = ("", "")
     compiler_scratch: tuple[tuple[int, int], ...] = ()
     vmem_inputs: tuple[Buffer, ...] = ()
+    expectations: tuple[Expectation, ...] = ()
 
     @property
     def rows_max(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from mkc import ir
 from mkc.checks.capacity import check_each_buffer_fits, check_hbm, check_vmem, vmem_budget
 from mkc.checks.dma import check_dma
+from mkc.checks.expect import check_expectations
 from mkc.checks.pool import check_pools
 from mkc.diagnostics import Diagnostic, MkcError
 from mkc.trace import Event, build_trace
@@ -24,6 +25,7 @@ def run_checks(s: ir.ScheduleIR) -> list[Event]:
     diags += check_vmem(s, events)
     diags += check_dma(s, events)
     diags += check_pools(s, events)
+    diags += check_expectations(s, events)
     if diags:
         raise MkcError(one_per_statement(diags))
     return events

@@ -18,6 +18,7 @@ for Kimi K3), and the same text is never evaluated twice.
 A candidate must also leave `min_headroom` (1 MiB unless told) of VMEM under the budget at
 every kernel width it builds (its smallest and largest batch and its verify step's rows); one
 that leaves less is refused, and the table prints the headroom of the spec written at each.
+A spec's own `expect` lines are checks like any other: a candidate that breaks one is refused.
 The spec written is the best candidate's text with, for each statement a change touched, the
 comments it owns that state numbers (they quote the old value or its modelled figures)
 replaced by one note of the change (`mkc.perf.comments` has the rule); other comments stay.
@@ -34,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mkc import ir, target
-from mkc.checks import run_checks, vmem_budget
-from mkc.checks.capacity import vmem_budget_bytes
+from mkc.checks import run_checks
+from mkc.checks.expect import vmem_headroom
 from mkc.diagnostics import MkcError, Span
 from mkc.lang import ast
 from mkc.lang.parser import parse
@@ -306,14 +307,6 @@ def checked_text(text: str, file: str, model: str | None) -> tuple[ir.ScheduleIR
     return s, run_checks(s)
 
 
-def headroom(s: ir.ScheduleIR, events: list) -> dict[int, int]:
-    """VMEM bytes left under the budget at every kernel width the spec builds: its smallest
-    and largest batch and its verify step's rows."""
-    budget = vmem_budget_bytes(s)
-    return {b: budget - vmem_budget(s, events, b)[0]
-            for b in sorted({s.batch_min, s.batch_max, s.rows_max})}
-
-
 @dataclass
 class TuneResult:
     knobs: list[Knob]
@@ -374,7 +367,7 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         ev = Evaluation(config, cand, ok=False)
         try:
             s, events = checked_text(cand, file, model)
-            ev.headroom = headroom(s, events)
+            ev.headroom = vmem_headroom(s, events)
             # The input is the baseline whatever its headroom; a change must keep the margin.
             if config != start and min(ev.headroom.values()) < min_headroom:
                 ev.error, short = "headroom", short + 1

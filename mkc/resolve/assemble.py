@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from mkc import ir
 from mkc.resolve.state import ResolveState
+
+# A state field named as a ScheduleIR field holds the same thing and is copied as it is (so a
+# new statement's pass reaches the IR by naming its state field after its IR field); these
+# share a name but not a shape, and are converted below.
+_CONVERTED = {"dims", "family", "shards", "topology"}
+_COPIED = tuple(sorted({f.name for f in fields(ResolveState)}
+                       & {f.name for f in fields(ir.ScheduleIR)} - _CONVERTED))
 
 
 def resolve_ir(s: ResolveState) -> ResolveState:
@@ -17,26 +24,22 @@ def resolve_ir(s: ResolveState) -> ResolveState:
     return replace(s, schedule_ir=ir.ScheduleIR(
         name=sched.name.text, source=sched.source_file, model=dims.name,
         family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
-        model_config=config,
-        chip=topo.chip.name, topology=topo.spec, mesh_axis=s.mesh_axis, ranks=topo.num_cores,
+        chip=topo.chip.name, topology=topo.spec, ranks=topo.num_cores,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
-        verify_rows=s.verify_rows, verify_sequences=s.verify_sequences,
         weight_formats=dict(graph.formats),
         family_package=family.package, dims_class=family.dims_import,
         compiler_scratch=family.compiler_scratch,
         vmem_inputs=tuple(family.vmem_inputs(dims, b_hi)),
-        context=s.context, vmem_limit=s.vmem_limit, vmem_reserve=s.vmem_reserve,
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
-        layer_kinds=list(dims.layer_kinds), kinds=s.kinds, buffers=s.buffers, stream=s.stream,
-        parity=s.parity,
+        layer_kinds=list(dims.layer_kinds),
         globals={n: (t.shape, t.dtype) for n, t in graph.globals.items()},
-        hbm_bytes_per_rank=s.hbm_bytes_per_rank, per_rank=dict(graph.per_rank), pools=s.pools,
+        per_rank=dict(graph.per_rank),
         shards={c: (w, st) for c, w, st in s.shards.rules},
-        embed_reduce=s.embed_reduce,
         experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
         top_k=graph.top_k, experts_total=graph.experts_total,
         setting_spans={k: v.span for k, v in sched.settings.items()},
         config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         matrix_facts={f"{prefix}.{t.name}": t.mxu for prefix, tensors in
                       [(k, kd.tensors) for k, kd in graph.kinds.items()] + [("expert", graph.experts)]
-                      for t in tensors.values() if t.mxu is not None}))
+                      for t in tensors.values() if t.mxu is not None},
+        **{name: getattr(s, name) for name in _COPIED}))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from mkc import ir, target
 from mkc.diagnostics import Span, fail
 from mkc.lang import ast
-from mkc.lang.statements.collectives import AllReduce
+from mkc.lang.statements.collectives import AllReduce, sibling_swap_text
 from mkc.model.graph import LayerKind, ShardingError
 from mkc.model.sharding import ShardTable
 from mkc.resolve.names import unknown
@@ -175,12 +175,11 @@ def _gathers(phase: ast.Phase, kind: LayerKind, topo: target.Topology, axis: str
     for op_name, cls in split.items():
         if op_name not in done:
             sibling = rules[cls] == (topo.chip.cores_per_chip, 1)
-            how = (f"exchange {op_name} with sibling wire f32" if sibling else
-                   f"allgather {op_name} over ...")
+            how = sibling_swap_text("f32") if sibling else "allgather {} over ..."
             lines = phase.exchanges if sibling else phase.allgathers
             raise fail("E-COLLECTIVE", f"{kind.name}.{op_name} leaves its output split "
                        f"{rules[cls][0]} ways (`shard {cls}`) and nothing gathers it",
-                       lines[0].span if lines else phase.kind.span, hint=f"add `{how}`")
+                       lines[0].span if lines else phase.kind.span, hint=f"add `{how.format(op_name)}`")
     return gathers, exchanges, gather_buffers + exchange_buffers
 
 
@@ -246,8 +245,3 @@ def _exchanges(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: d
                                      batch_axis=2, span=ex.span))
     return exchanges, buffers
 
-
-def sibling_swap_text(wire: str) -> str:
-    """The spec text of the statement that swaps shares with the sibling core, `{}` for its op
-    list (written by `mkc retarget`; this module is the statement's home)."""
-    return "exchange {} with sibling wire " + wire

@@ -13,6 +13,7 @@ from mkc.lang import ast
 from mkc.resolve.assemble import resolve_ir
 from mkc.resolve.buffers import resolve_buffers
 from mkc.resolve.collectives import resolve_collectives
+from mkc.resolve.expect import resolve_expect
 from mkc.resolve.formats import resolve_formats
 from mkc.resolve.graph import resolve_graph
 from mkc.resolve.hbm import resolve_hbm
@@ -53,6 +54,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("views", resolve_views),              # copies into pool views
     Pass("buffers", resolve_buffers),          # every VMEM buffer, names unique
     Pass("hbm", resolve_hbm),                  # HBM bytes per rank
+    Pass("expect", resolve_expect),            # the headroom the spec promises to leave
     Pass("ir", resolve_ir),                    # the schedule IR
 )
 PASS_NAMES: tuple[str, ...] = tuple(p.name for p in PASSES)

@@ -65,6 +65,7 @@ class ResolveState:
     reduce_buffers: tuple[ir.Buffer, ...] | None = None   # all-reduce receive buffers
     buffers: list[ir.Buffer] | None = None        # every VMEM buffer of the kernel
     hbm_bytes_per_rank: dict[str, int] | None = None
+    expectations: tuple[ir.Expectation, ...] | None = None   # expect: headroom promised
     schedule_ir: ir.ScheduleIR | None = None      # the last pass's: everything above, assembled
 
     def to_json(self) -> str:

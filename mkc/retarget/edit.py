@@ -6,11 +6,10 @@ from dataclasses import dataclass, field
 
 from mkc import target
 from mkc.lang import ast
-from mkc.lang.statements.collectives import AllGather, Exchange
+from mkc.lang.statements.collectives import AllGather, Exchange, sibling_swap_text
 from mkc.model.graph import FamilyGraph
 from mkc.model.sharding import ShardTable
 from mkc.perf.tune import SpecSource
-from mkc.resolve.collectives import sibling_swap_text
 from mkc.retarget.layout import Group, choose_algorithm, partial_classes, spell, split_classes
 
 MIB = 1 << 20

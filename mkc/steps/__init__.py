@@ -9,14 +9,14 @@ mechanism, each step kind a class that owns its meaning at every stage after the
 Dispatch is by type (``step.trace(t)``), as Pallas registers a lowering rule per primitive:
 a new step kind is a new class here, not a branch in each stage.
 
-| module | steps | from the spec |
+| module | steps | the statements' syntax (`mkc/lang/statements/`) |
 | --- | --- | --- |
-| `copies` | `Start`, `Wait`, `Drain` | `load` / `store` of state, `wait`, drains |
-| `scopes` | `ScopeOpen`, `ScopeClose` | `scoped BUFFER from OP to OP` |
-| `vectors` | `Vectors` | the parity vectors (`parity vectors ahead N`) |
-| `views` | `Prefetch`, `Fetch`, `PoolWait`, `ViewClose` | pools, views, `prefetch`, `fetch experts` |
-| `collectives` | `AllReduce`, `AllGather`, `Exchange` | `allreduce`, `allgather`, `exchange` |
-| `compute` | `Op` | the model graph's ops (ring tiles, pooled and expert reads, KV tiles) |
+| `copies` | `Start`, `Wait`, `Drain` | `copies` (state loads and stores, their waits) |
+| `scopes` | `ScopeOpen`, `ScopeClose` | `scoped` |
+| `vectors` | `Vectors` | `parity` |
+| `views` | `Prefetch`, `Fetch`, `PoolWait`, `ViewClose` | `pool`, `experts` |
+| `collectives` | `AllReduce`, `AllGather`, `Exchange` | `collectives` |
+| `compute` | `Op` | none: the model graph's ops (ring tiles, pooled and expert reads, KV tiles) |
 """
 from mkc.steps.base import Step, spec_line
 from mkc.steps.collectives import AllGather, AllReduce, Exchange

@@ -42,6 +42,12 @@ class Exchange:
     span: Span
 
 
+def sibling_swap_text(wire: str) -> str:
+    """The text of the statement that swaps shares with the sibling core, `{}` for its op list
+    (what resolve's hints suggest and `mkc retarget` writes)."""
+    return "exchange {} with sibling wire " + wire
+
+
 @SYNTAX.statement("allreduce_item", "phase", "allreduces")
 def allreduce_item(b: Builder, meta: Meta, items: list) -> AllReduce:
     level = b.name(items[2]) if len(items) == 4 else None
