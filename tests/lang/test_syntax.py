@@ -74,3 +74,15 @@ def test_without_the_module_the_statement_is_a_syntax_error():
 def test_a_module_naming_a_rule_its_grammar_lacks_is_refused():
     with pytest.raises(ValueError, match="gadget_stmt"):
         _TOY.statement("gadget_stmt", "schedule", "gadgets")
+
+
+def test_mkc_grammar_prints_a_language_lark_builds_with_every_statement(capsys):
+    import lark
+
+    from mkc.cli import main
+    assert main(["grammar"]) == 0
+    text = capsys.readouterr().out
+    lark.Lark(text, parser="lalr")
+    for s in syntax.statements():
+        assert f'{s.rule}:' in text and f'"{s.keyword}"' in text
+    assert all(f"// {m.module}\n" in text for m in syntax.modules())
