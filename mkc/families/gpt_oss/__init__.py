@@ -3,11 +3,12 @@ layer between a sliding window and the full context, with a learned sink logit p
 biased projections, then a biased top-k MoE of MXFP4 experts with a clamped SwiGLU.
 
 So far the family is its config reader (`config.py`), its pure-JAX reference (`reference.py`),
-its graph (`graph.py`), the kernel-shaped math its compute bodies will call (`ops.py`) and its
-configs (`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`).
+its graph (`graph.py`), the kernel-shaped math its compute bodies will call (`ops.py`), its
+weights packer (`weights.py`: the published checkpoint cut per rank) and its configs
+(`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`).
 It has no lowering yet, so it declares `kernel_ready=False`: `mkc check` refuses its models at
 the spec's `model` line and the conformance suite skips, by name and with the reason, the
-checks that need a lowering or a shipped spec. Next: weights (packing), lowering, the
+checks that need a lowering or a shipped spec. Next: the lowering, the
 sliding-window KV mechanism (a statement declaring a layer kind's KV ring) and specs.
 
 Facts, and where they were read (transformers `main` as stored in the huggingface/transformers

@@ -85,11 +85,12 @@ def attention_kind(d: GptOssDims, name: str, heads: int) -> tuple[LayerKind, dic
 
 
 def cache_slots(d: GptOssDims, kind: str, context: int) -> int:
-    """Token slots of a layer's KV cache: the context on a full layer, the window (or the
-    context, if shorter) on a sliding one: the reference's `init_cache`."""
+    """Token slots of a layer's KV cache: the context on a full layer, the window on a sliding
+    one, whatever the context (the reference's `init_cache`; a verify step's R rows of a
+    sequence need W + R - 1, `ops.ring_visible`)."""
     if kind not in ATTENTION_KINDS:
         raise KeyError(f"{kind!r} is not an attention kind of {d.family} ({ATTENTION_KINDS})")
-    return min(d.sliding_window, context) if kind == "swa" else context
+    return d.sliding_window if kind == "swa" else context
 
 
 def pack_groups(d: GptOssDims) -> dict[str, int]:
