@@ -95,9 +95,10 @@ class Family:
     # Matrix classes a spec may store in another format (`format CLASS FORMAT`): class ->
     # the formats its lowering and packing take, the checkpoint's (the default) first.
     weight_formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # False for a family that so far has a config reader and a reference only (no graph,
-    # lowering or weights packer): `mkc check` refuses its models at the spec's `model` line
-    # and the conformance suite skips, with this reason, the checks that need a kernel.
+    # False for a family built in steps that has no lowering yet (a config reader and a
+    # reference, perhaps its graph and weights packer): `mkc check` refuses its models at the
+    # spec's `model` line and the conformance suite skips, with this reason, the checks that
+    # need a kernel.
     kernel_ready: bool = True
 
     def default_formats(self) -> dict:

@@ -2,12 +2,14 @@
 layer between a sliding window and the full context, with a learned sink logit per head and
 biased projections, then a biased top-k MoE of MXFP4 experts with a clamped SwiGLU.
 
-So far the family is its config reader (`config.py`), its pure-JAX reference (`reference.py`)
-and its configs (`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`): it declares
-`kernel_ready=False`, so `mkc check` refuses its models at the spec's `model` line and the
-conformance suite skips, by name and with the reason, the checks that need a graph, a
-lowering, a weights packer or a shipped spec. Next: graph, weights (packing), ops, lowering,
-the sliding-window KV mechanism and specs.
+So far the family is its config reader (`config.py`), its pure-JAX reference (`reference.py`),
+its graph (`graph.py`), the kernel-shaped math its compute bodies will call (`ops.py`), its
+weights packer (`weights.py`: the published checkpoint cut per rank) and its configs
+(`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`).
+It has no lowering yet, so it declares `kernel_ready=False`: `mkc check` refuses its models at
+the spec's `model` line and the conformance suite skips, by name and with the reason, the
+checks that need a lowering or a shipped spec. Next: the lowering, the
+sliding-window KV mechanism (a statement declaring a layer kind's KV ring) and specs.
 
 Facts, and where they were read (transformers `main` as stored in the huggingface/transformers
 index; "upstream" below is that file):
@@ -77,18 +79,14 @@ rotary factor, a checkpoint not quantized as mxfp4, hidden / intermediate sizes 
 of the MXFP4 block.
 """
 from mkc.families.gpt_oss.config import FAMILY_NAME, read_dims
+from mkc.families.gpt_oss.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family
-
-
-def build(dims, rules, ranks, formats):
-    """No graph yet: `mkc check` refuses the family's models before resolve builds one."""
-    raise NotImplementedError(f"family {FAMILY_NAME} has no graph yet (kernel_ready=False)")
-
 
 FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
-    shard_classes=(), build=build, package=__name__,
+    shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
     compiler_scratch=(),
+    weight_formats=WEIGHT_FORMATS,
     kernel_ready=False,
 )

@@ -1,0 +1,187 @@
+"""The GPT-OSS decode graph: each model layer runs as two sublayers of the layer loop, its
+attention (`swa` on `sliding_attention` layers, `gqa` on `full_attention` ones), up to the
+residual add, then its MoE (`moe`): a biased router and biased MXFP4 experts.
+
+The two attention kinds have the same ops and tensors; they differ in what their KV cache holds
+(`cache_slots`): a full layer's holds every position of the context, a sliding layer's only its
+window, a ring of W slots (slot p % W holds position p), as the reference keeps it. The graph's
+cache tensors are per token, like every family's; the ring itself (its W slots, their tiles and
+their visibility) is for the schedule to declare, not yet a mechanism of the core.
+
+Sharding (three classes, all split over their own rank group):
+
+* `heads`: query heads, with their sinks, their q columns and their part of o_proj's rows
+  (a partial sum over the heads group, all-reduced before the residual add, so o_proj's bias
+  is added once, there); KV heads split with them, or, with fewer KV heads than parts, each
+  part holds the one its query heads read (Qwen3.5's `kv_heads_per_part` / `kv_heads_of`);
+* `vocab`: the embedding and lm_head rows (Qwen3.5's `vocab_globals`);
+* `experts`: routed experts expert-parallel over every core, whole experts (`experts / ranks`
+  each, in id order), fetched into a pool's expert slots as routing picks them, as Qwen3.5
+  MoE's are. The router (and its bias) is replicated: every core scores every expert.
+
+One routed expert as its slot holds it (`expert_families`), K-major (`[in, out]`):
+gate_up's output columns de-interleaved from the checkpoint's (gate = even rows of
+`gate_up_proj`, up = odd ones) into `[gate | up]`, each half padded with zero columns to whole
+128-lane tiles (`expert_half` = lane_pad(I): 2944 for I = 2880), so the clamped SwiGLU reads
+two lane-aligned halves; down's input rows padded to match (zero codes). A padded column is
+zero with a zero bias, so its activation `(up + 1) * gate * sigmoid(alpha * gate)` is zero
+and multiplies zero rows of down: the padding changes no value. The MXFP4 codes and E8M0
+scales are `mkc.families.kimi_k3.graph.expert_codes`' layout (two input rows a byte, a scale
+per 32 rows) in the format the spec chooses (`format expert.gate_up fp8`); the biases are
+one bf16 row each (the checkpoint's dtype: exact).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
+from mkc.families.kimi_k3.graph import expert_codes
+from mkc.families.qwen3_5.graph import kv_heads_per_part, vocab_globals
+from mkc.ir import WeightFormat
+from mkc.model.family import FormatError
+from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
+
+SHARD_CLASSES = ("heads", "vocab", "experts")
+ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, full
+MX_BLOCK = 32                         # MXFP4: one E8M0 scale per 32 input rows
+# A routed expert's matrix classes and the formats they take (`format CLASS NAME [block N]`),
+# the checkpoint's first: MXFP4 decoded in the kernel, or FP8 e4m3 codes (every e2m1 value is
+# an e4m3 value: exact at the checkpoint's 32-row scales; a larger block folds the 32-row
+# scales into one, exact where they span at most 8 octaves, which packing checks).
+WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))
+MAX_PACK_GROUP = 512                  # input rows decoded at a time (Kimi K3's gate|up group)
+
+
+def _v(name: str, *shape: int) -> Tensor:
+    return Tensor(name, "vector", tuple(shape), "f32")
+
+
+def attention_kind(d: GptOssDims, name: str, heads: int) -> tuple[LayerKind, dict[str, int]]:
+    """An attention sublayer (`swa` or `gqa`) with the heads split `heads` ways: its kind and
+    per-rank sizes. qkv's columns are `[q | k | v]`, this part's heads in order."""
+    H, hd = d.hidden_size, d.head_dim
+    nq = split(d.num_attention_heads, heads, "num_attention_heads", "heads")
+    nkv = kv_heads_per_part(d, heads)
+    qkv = (nq + 2 * nkv) * hd
+    kind = LayerKind(name, ops=(
+        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
+        Op("qkv", reads=("h", "qkv_bias"), writes=("proj",), matmul="qkv"),
+        Op("rope", reads=("proj",), writes=("q", "k_new")),
+        Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
+        Op("attention", reads=("q", "key", "value", "sinks"), writes=("core",)),
+        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
+        Op("attn_residual", reads=("attn_out", "o_bias", "x"), writes=("x",)),
+    ), tensors={
+        "qkv": Tensor("qkv", "matrix", (H, qkv), "bf16"),
+        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",)),
+        "input_norm": _v("input_norm", H),
+        "qkv_bias": _v("qkv_bias", qkv),
+        "sinks": _v("sinks", nq),                 # one logit per query head of this part
+        "o_bias": _v("o_bias", H),                # added once, after the all-reduce
+        "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token, after RoPE
+        "value": Tensor("value", "cache", (nkv, hd), "bf16"),
+    })
+    return kind, {"nq": nq, "nkv": nkv, "qkv_cols": qkv}
+
+
+def cache_slots(d: GptOssDims, kind: str, context: int) -> int:
+    """Token slots of a layer's KV cache: the context on a full layer, the window on a sliding
+    one, whatever the context (the reference's `init_cache`; a verify step's R rows of a
+    sequence need W + R - 1, `ops.ring_visible`)."""
+    if kind not in ATTENTION_KINDS:
+        raise KeyError(f"{kind!r} is not an attention kind of {d.family} ({ATTENTION_KINDS})")
+    return d.sliding_window if kind == "swa" else context
+
+
+def pack_groups(d: GptOssDims) -> dict[str, int]:
+    """Input rows an expert matrix is decoded and multiplied in at a time: the largest multiple
+    of 64 (two 32-row MXFP4 blocks, one a nibble each) dividing its rows, at most 512; 320 for
+    gate_up's 2880 hidden rows, 128 for down's lane-padded rows. FormatError if none does."""
+    out = {}
+    for name, rows in (("gate_up", d.hidden_size), ("down", lane_pad(d.intermediate_size))):
+        group = max((g for g in range(2 * MX_BLOCK, min(rows, MAX_PACK_GROUP) + 1, 2 * MX_BLOCK)
+                     if rows % g == 0), default=0)
+        if not group:
+            raise FormatError(f"expert.{name}", f"expert.{name}'s {rows} input rows are not a "
+                              f"multiple of {2 * MX_BLOCK}: the kernel decodes MXFP4 two 32-row "
+                              "blocks at a time", "use a model whose hidden size is a multiple of 64")
+        out[name] = group
+    return out
+
+
+def expert_formats(d: GptOssDims, formats: dict[str, WeightFormat] | None = None
+                   ) -> dict[str, WeightFormat]:
+    """Each expert matrix class's format, its block resolved to input rows (32 for MXFP4 and
+    plain FP8; a block past the matrix's rows is the whole matrix); FormatError for a block the
+    kernel cannot use (the rule of Kimi K3's experts: whole pack groups tiling the rows)."""
+    rows = {"gate_up": d.hidden_size, "down": lane_pad(d.intermediate_size)}
+    groups = pack_groups(d)
+    out = {}
+    for cls, fmt in ({c: WeightFormat(f[0]) for c, f in WEIGHT_FORMATS} | (formats or {})).items():
+        name = cls.split(".")[1]
+        block = min(fmt.block or MX_BLOCK, rows[name])
+        if fmt.name == "mxfp4" and block != MX_BLOCK:
+            raise FormatError(cls, f"MXFP4 keeps the checkpoint's scale per {MX_BLOCK} rows, not "
+                              f"{fmt.block}", f"drop the block, or store it as FP8 (`format {cls} "
+                              "fp8 block N`, N whole pack groups)")
+        if block != MX_BLOCK and (block % groups[name] or rows[name] % block):
+            raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its "
+                              f"{rows[name]} input rows run as pack groups of {groups[name]}",
+                              f"use {MX_BLOCK}, or a multiple of {groups[name]} that divides "
+                              f"{rows[name]}")
+        out[cls] = dataclasses.replace(fmt, block=block)
+    return out
+
+
+def expert_families(d: GptOssDims, formats: dict[str, WeightFormat]) -> dict[str, Tensor]:
+    """One routed expert as its slot holds it (module docstring), in the resolved formats."""
+    H, half = d.hidden_size, lane_pad(d.intermediate_size)
+    return {
+        **expert_codes("gate_up", H, 2 * half, formats["expert.gate_up"]),
+        "gate_up_bias": Tensor("gate_up_bias", "matrix", (1, 2 * half), "bf16"),
+        **expert_codes("down", half, H, formats["expert.down"]),
+        "down_bias": Tensor("down_bias", "matrix", (1, H), "bf16"),
+    }
+
+
+def moe_kind(d: GptOssDims) -> LayerKind:
+    """The MoE sublayer: the biased router, top-k, the picked experts (each with its biases,
+    weighted and summed on the rank holding it: a partial sum over the experts group)."""
+    H, E = d.hidden_size, d.experts
+    return LayerKind(MOE_KIND, ops=(
+        Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
+        Op("router", reads=("h", "router_bias"), writes=("router_logits",), matmul="router"),
+        Op("route", reads=("router_logits",), writes=("expert_ids", "expert_weights"),
+           picks_experts=True),
+        Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
+           partial=("experts",), width=H, runs_experts=True),
+        Op("mlp_residual", reads=("routed_out", "x"), writes=("x",)),
+    ), tensors={
+        "router": Tensor("router", "matrix", (H, E), "bf16"),      # replicated
+        "post_norm": _v("post_norm", H),
+        "router_bias": _v("router_bias", E),
+    })
+
+
+def build(d: GptOssDims, rules: dict[str, tuple[int, int]], ranks: int,
+          formats: dict[str, WeightFormat] | None = None) -> FamilyGraph:
+    """The family graph under the spec's shard rules {class: (ways, stride)} over `ranks`;
+    ShardingError names the rule that does not fit, FormatError the expert format."""
+    if rules["experts"] != (ranks, 1):
+        raise ShardingError("the GPT-OSS graph holds whole experts, split over every core: "
+                            "write `shard experts over tp`", "experts")
+    heads = rules["heads"][0]
+    kinds, per_rank = {}, {}
+    for name in ATTENTION_KINDS:
+        kinds[name], per_rank = attention_kind(d, name, heads)
+    kinds[MOE_KIND] = moe_kind(d)
+    resolved = expert_formats(d, formats)
+    glob, vocab = vocab_globals(d, rules["vocab"][0])
+    groups = pack_groups(d)
+    per_rank |= {"vocab": vocab, "window": d.sliding_window,
+                 "local_experts": split(d.experts, ranks, "num_local_experts", "experts"),
+                 "expert_width": d.intermediate_size, "expert_half": lane_pad(d.intermediate_size),
+                 "expert_tp": 1, "gate_up_group": groups["gate_up"], "down_group": groups["down"]}
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank,
+                       experts=expert_families(d, resolved), experts_total=d.experts,
+                       top_k=d.top_k, formats=resolved)

@@ -1,0 +1,166 @@
+"""GPT-OSS compute pieces over in-kernel values, for the family's compute bodies (a lowering to
+come): f32 on 2-D values ([rows, lanes]) with only ops Mosaic lowers (no ``lax.top_k``, no
+gathers, no lane reshapes), plus the host-side tables and numpy packers they read.
+
+The math is upstream transformers' ``models/gpt_oss/modeling_gpt_oss.py``, as the package
+docstring cites it, in the shapes a kernel computes it in: attention as an online softmax over
+KV tiles that starts from the head's sink (``sink_start``), a window's ring of cache slots
+(``ring_visible``), top-k routing as weights over every expert lane, the clamped SwiGLU on the
+kernel's ``[gate | up]`` halves. As for the other families, the reference
+(``mkc.families.gpt_oss.reference``) is the oracle the kernel is judged against and shares no
+code with it; ``tests/families/gpt_oss/test_gpt_oss_ops.py`` checks each piece against an
+independent numpy derivation of upstream's expression.
+
+The attention tile and RoPE rotation are Qwen3.5's (``mkc.families.qwen3_5.ops``): the same
+online softmax and the same halves convention (pair ``(i, i + D/2)``), which GPT-OSS rotates
+over whole heads.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mkc.families.gpt_oss.config import GptOssDims
+from mkc.families.qwen3_5.ops import apply_rope, attention_tile, rotate_half_matrix  # noqa: F401
+from mkc.runtime import experts
+
+F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm and rotary embedding
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """GptOssRMSNorm: ``w * x * rsqrt(mean(x^2) + eps)`` (plain weight); x [B, H], w [1, H]."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def yarn_inv_freq(d: GptOssDims) -> np.ndarray:
+    """The ``D/2`` rotary frequencies (``_compute_yarn_parameters``): ``theta^(-2i/D)`` blended
+    with it divided by the YaRN factor, by a ramp over pair indices ``yarn_low .. yarn_high``
+    (1 where the interpolated frequency is taken). In f64, rounded once to f32."""
+    i = np.arange(d.head_dim // 2, dtype=np.float64)
+    extrapolated = d.rope_theta ** (-2.0 * i / d.head_dim)
+    high = d.yarn_high + (0.001 if d.yarn_high == d.yarn_low else 0.0)   # upstream's guard
+    interpolated_share = np.clip((i - d.yarn_low) / (high - d.yarn_low), 0.0, 1.0)
+    return (extrapolated * (1 - interpolated_share)
+            + extrapolated / d.yarn_factor * interpolated_share).astype(np.float32)
+
+
+def rope_table(d: GptOssDims, positions: jax.Array) -> jax.Array:
+    """The host-computed ``rope`` input: cos and sin ``[2, B, D]`` at each row's position, the
+    ``D/2`` angles repeated over both halves (``apply_rope``'s layout), times the YaRN
+    attention factor (upstream scales cos and sin, so q and k each carry it)."""
+    angles = positions.astype(F32)[:, None] * jnp.asarray(yarn_inv_freq(d))[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * d.yarn_attention_factor
+
+
+def rope_heads(x: jax.Array, heads: int, head_dim: int, cos: jax.Array, sin: jax.Array
+               ) -> list[jax.Array]:
+    """Rotate each of ``heads`` consecutive heads of ``x [B, heads * D]`` -> a list of
+    ``[B, D]``; cos, sin ``[B, D]`` (``rope_table``)."""
+    rot = rotate_half_matrix(head_dim, head_dim)
+    return [apply_rope(x[:, j * head_dim:(j + 1) * head_dim], cos, sin, rot) for j in range(heads)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention with sinks over a full context or a window's ring
+
+
+def sink_start(sink: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online softmax's carry (running max, denominator, accumulator) for query heads with
+    sink logits ``sink [n, 1]``, before any KV tile: the sink as a key of score ``sink`` and a
+    zero value. Upstream concatenates the sink to each score row and drops its column after
+    the softmax, so it adds ``exp(sink)`` to the denominator only; starting from it is exact
+    and, unlike adding ``exp(sink - m)`` at the end, cannot overflow (the max includes it)."""
+    n = sink.shape[0]
+    return sink.astype(F32), jnp.ones((n, 1), F32), jnp.zeros((n, head_dim), F32)
+
+
+def attention_finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
+    """The heads' outputs ``[n, D]`` from the final carry."""
+    return acc / denom
+
+
+def full_visible(tokens: jax.Array, position: jax.Array) -> jax.Array:
+    """A full layer's cache: slot t holds position t, visible to a row at ``position`` when
+    ``t <= position`` (upstream's causal mask)."""
+    return tokens <= position
+
+
+def ring_slot(position: jax.Array, slots: int) -> jax.Array:
+    """The slot a window's ring of ``slots`` slots writes position ``position`` to."""
+    return lax.rem(position, slots)
+
+
+def ring_visible(slot: jax.Array, position: jax.Array, window: int, slots: int) -> jax.Array:
+    """Whether ring slot ``slot`` (ints, any shape) is visible to a row at ``position`` of a
+    sliding layer: the slot holds the latest position ``q = position - ((position - slot) mod
+    slots)`` written to it, and upstream's sliding mask admits ``position - window < q <=
+    position``, so: written (``q >= 0``) and within the window. With ``slots == window`` every
+    written slot is; a ring of ``window + R - 1`` slots lets a verify step's R consecutive
+    rows of a sequence each see its own window after all R wrote (the last would otherwise
+    overwrite slots the first still reads)."""
+    age = lax.rem(position - slot + slots, slots)          # position - q, in 0 .. slots - 1
+    return (position - age >= 0) & (age < window)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE: router, clamped SwiGLU, one expert
+
+
+def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """GptOssTopKRouter on the biased logits ``[B, E]`` -> (weights ``[B, E]``, ids ``[B, top_k]``
+    int32): the ``top_k`` largest logits, their softmax over those k only, placed at their
+    lanes (zero elsewhere: upstream's ``router_scores``); ids best first, ties to the lowest
+    lane (``mkc.runtime.experts.top_k``). The row max is the largest pick's logit, so
+    ``exp(logit - max)`` over the picks is upstream's softmax of the k values."""
+    scaled = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    kept, ids = experts.top_k(logits, scaled, top_k)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True), ids
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GptOssExperts' activation: ``gate`` clamped from above only, ``up`` on both sides,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def swiglu_halves(gate_up: jax.Array, half: int, alpha: float, limit: float) -> jax.Array:
+    """The activation of a gate|up product in the kernel's layout ``[B, 2 * half]`` (gate
+    lanes first, then up, each ``half`` lanes: ``deinterleave_gate_up``) -> ``[B, half]``."""
+    return clamped_swiglu(gate_up[:, :half], gate_up[:, half:2 * half], alpha, limit)
+
+
+def expert_ffn(x: jax.Array, gate_up: jax.Array, gate_up_bias: jax.Array, down: jax.Array,
+               down_bias: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """One expert on ``x [B, H]`` in the kernel's layout: ``gate_up [H, 2 * half]`` and its
+    bias ``[1, 2 * half]`` de-interleaved, ``down [half, H]`` and its bias ``[1, H]``, all f32
+    values (a lowering multiplies decoded tiles instead) -> ``[B, H]``."""
+    half = down.shape[0]
+    act = swiglu_halves(jnp.dot(x, gate_up, preferred_element_type=F32) + gate_up_bias, half,
+                        alpha, limit)
+    return jnp.dot(act, down, preferred_element_type=F32) + down_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side packing of the checkpoint's interleaved gate|up
+
+
+def deinterleave_gate_up(rows: np.ndarray, half: int) -> np.ndarray:
+    """The checkpoint's gate|up along axis 0 (``[2I, ...]``: gate at even indices, up at odd,
+    upstream's ``gate_up[..., ::2]`` and ``[..., 1::2]``) -> ``[2 * half, ...]``: the gate rows,
+    zeros up to ``half``, the up rows, zeros up to ``2 * half``. Works on any trailing axes (a
+    weight's MXFP4 codes or scales, a bias), so packing moves bytes and rounds nothing."""
+    rows = np.asarray(rows)
+    width = rows.shape[0] // 2
+    if rows.shape[0] % 2 or half < width:
+        raise ValueError(f"{rows.shape[0]} gate|up rows do not make two halves of at most {half}")
+    pad = [(0, half - width)] + [(0, 0)] * (rows.ndim - 1)
+    return np.concatenate([np.pad(rows[0::2], pad), np.pad(rows[1::2], pad)], axis=0)
