@@ -230,6 +230,7 @@ class AllGather:
     size: int
     stride: int
     width: int                   # columns each rank contributes
+    wire_dtype: str              # what each share travels (and is received) in
     span: Span = field(compare=False, default_factory=Span.unknown)
 
     @staticmethod
