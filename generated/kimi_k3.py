@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): d17a34749470c73b
+Input digest (spec, model config, mkc version): fcf900a7b4a339c1
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
@@ -218,11 +218,12 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=32896,
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=32400,
                       matrices={'gate_up_codes': (0, 3584, 1536),
                                 'gate_up_scales': (21504, 7, 1536),
-                                'down_codes': (21696, 768, 3584), 'down_scales': (32448, 6, 3584)},
-                      local_experts=112, group_size=4, top_k=16)
+                                'down_codes': (21552, 768, 3584), 'down_scales': (32304, 6, 3584)},
+                      local_experts=112, group_size=4, top_k=16,
+                      stacked=('gate_up_scales', 'down_scales'))
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.

@@ -218,11 +218,12 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=4, slot_rows=17344,
+EXPERTS = ExpertSlots(pool='staging', slots=4, slot_rows=17136,
                       matrices={'gate_up_codes': (0, 1792, 1536),
                                 'gate_up_scales': (10752, 112, 1536),
-                                'down_codes': (11520, 384, 3584), 'down_scales': (16896, 24, 3584)},
-                      local_experts=56, group_size=4, top_k=16)
+                                'down_codes': (11424, 384, 3584), 'down_scales': (16800, 24, 3584)},
+                      local_experts=56, group_size=4, top_k=16,
+                      stacked=('gate_up_scales', 'down_scales'))
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.

@@ -230,6 +230,7 @@ class AllGather:
     size: int
     stride: int
     width: int                   # columns each rank contributes
+    wire_dtype: str              # what each share travels (and is received) in
     span: Span = field(compare=False, default_factory=Span.unknown)
 
     @staticmethod
@@ -263,6 +264,7 @@ class PooledMatrix:
     cols: int
     dtype: str
     offset: int
+    stacked: bool = False        # its panels stacked without tile padding (`stacked_rows`)
 
     @property
     def nbytes(self) -> int:
@@ -471,6 +473,17 @@ def panel_rows(rows: int, dtype: object) -> int:
     return _round_up(-(-rows * pool_itemsize(dtype) // 2), POOL_TILE_ROWS)
 
 
-def pooled_rows(rows: int, cols: int, dtype: object) -> int:
-    """Pool rows a [rows, cols] matrix occupies (its bytes / 256)."""
+def stacked_rows(rows: int, cols: int, dtype: object) -> int:
+    """Pool rows of a matrix stored stacked: its column panels one under another with no
+    padding between them (1-byte data two rows per pool row), rounded up to whole tiles once.
+    For small matrices read whole (block scales: a few rows, many panels), whose panels would
+    each be mostly tile padding."""
+    return _round_up(-(-(-(-cols // LANES) * rows * pool_itemsize(dtype)) // 2), POOL_TILE_ROWS)
+
+
+def pooled_rows(rows: int, cols: int, dtype: object, stacked: bool = False) -> int:
+    """Pool rows a [rows, cols] matrix occupies (its bytes / 256): whole-tile panels, or
+    `stacked_rows`."""
+    if stacked:
+        return stacked_rows(rows, cols, dtype)
     return -(-cols // LANES) * panel_rows(rows, dtype)

@@ -308,7 +308,8 @@ def _expert_slots(s: ir.ScheduleIR) -> tuple[ExpertSlots | None, list[tuple], li
     expert_slots = ExpertSlots(pool=f.pool, slots=view.slots, slot_rows=view.slot_bytes // row,
                                matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
                                local_experts=s.per_rank["local_experts"],
-                               group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k)
+                               group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k,
+                               stacked=tuple(m.name for m in mats if m.stacked))
     # One HBM array of every local expert's slot image: one copy, one semaphore per slot.
     expert_inputs = [(experts.HBM, fetching[0], ("EXPERTS.slot_rows", str(ir.LANES)))]
     scratch = [("expert_sem", f"dma_sems(({view.slots},))", "expert slot copies"),

@@ -31,6 +31,9 @@ class Tensor:
     # A state's leading dims that go before the batch axis in its buffers (a conv state's
     # taps, so the kernel shifts the window by whole [B, channels] slices).
     lead_dims: int = 0
+    # A routed expert's small matrix read whole (block scales): its column panels stacked in
+    # the expert's slot without per-panel tile padding (`mkc.ir.stacked_rows`).
+    stacked: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -18,6 +18,9 @@ from mkc.resolve.state import ResolveState
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
 WIRE_DTYPES = ("bf16", "f32")
+# An all-gathered product travels and is received in bf16 (the spec has no wire word for it);
+# its receive buffer and the step-time model's bytes both follow this.
+GATHER_WIRE = "bf16"
 
 
 def resolve_collectives(s: ResolveState) -> ResolveState:
@@ -212,9 +215,9 @@ def _allgathers(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: 
                 raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
                            f"`shard {cls}`, but this gathers over {size} ranks", ag.group.span,
                            hint="gather over the group the shard rule names")
-            gathers.append(ir.AllGather(n.text, size, stride, width, ag.span))
+            gathers.append(ir.AllGather(n.text, size, stride, width, GATHER_WIRE, ag.span))
             buffers.append(ir.Buffer(ir.AllGather.buffer_name(n.text), "collective",
-                                     (2, size, B, width), "bf16", batch_axis=2, span=ag.span))
+                                     (2, size, B, width), GATHER_WIRE, batch_axis=2, span=ag.span))
     return gathers, buffers
 
 

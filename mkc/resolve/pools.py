@@ -12,16 +12,16 @@ from mkc.resolve.names import unknown, validate_identifier
 from mkc.resolve.state import ResolveState
 
 
-def pooled_bytes(rows: int, cols: int, dtype: str) -> int:
-    """Bytes of a matrix in a pool; the layout (128-lane bf16 column panels of whole tiles,
-    u8 data two rows per element) is defined once, in `mkc.runtime.pool`."""
-    return ir.pooled_rows(rows, cols, dtype) * ir.POOL_ROW_BYTES
+def pooled_bytes(rows: int, cols: int, dtype: str, stacked: bool = False) -> int:
+    """Bytes of a matrix in a pool; the layout (128-lane bf16 column panels of whole tiles, or
+    stacked; u8 data two rows per element) is defined once, in `mkc.runtime.pool`."""
+    return ir.pooled_rows(rows, cols, dtype, stacked) * ir.POOL_ROW_BYTES
 
 
 def expert_slot_bytes(graph: DecodeGraph) -> int:
     """Bytes of one routed expert's slot: its matrices one after another, each in pool form.
     HBM holds each local expert as this image (`mkc.runtime.experts.pack_expert`)."""
-    return sum(pooled_bytes(*t.shape, t.dtype) for t in graph.experts.values())
+    return sum(pooled_bytes(*t.shape, t.dtype, t.stacked) for t in graph.experts.values())
 
 
 def resolve_pools(s: ResolveState) -> ResolveState:
@@ -60,8 +60,9 @@ def _slot_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph) -> ir.Po
                    hint="e.g. `view experts: 4 slots of expert`")
     mats, off = [], 0
     for t in graph.experts.values():
-        mats.append(ir.PooledMatrix("expert", t.name, t.shape[0], t.shape[1], t.dtype, off))
-        off += pooled_bytes(*t.shape, t.dtype)
+        mats.append(ir.PooledMatrix("expert", t.name, t.shape[0], t.shape[1], t.dtype, off,
+                                    t.stacked))
+        off += pooled_bytes(*t.shape, t.dtype, t.stacked)
     return ir.PoolView(vname, pname, {"expert": mats}, v.slots, off, off * v.slots, v.span)
 
 

@@ -8,9 +8,10 @@ and `fold` runs them in order, starting expert k + slots into expert k's slot as
 been consumed (the slot protocol `mkc.checks` proves race-free).
 
 An expert's matrices sit at fixed row offsets inside its slot, in the pool layout of
-`mkc.runtime.pool`. HBM holds the slot's image (`experts_hbm`, [layers of the kind, local
-experts, slot rows, 128] bf16: `pack_expert`), so fetching an expert is one contiguous DMA on
-one semaphore per slot, whatever its matrices' widths.
+`mkc.runtime.pool` (the `stacked` ones, block scales, in its stacked form). HBM holds the
+slot's image (`experts_hbm`, [layers of the kind, local experts, slot rows, 128] bf16:
+`pack_expert`), so fetching an expert is one contiguous DMA on one semaphore per slot,
+whatever its matrices' widths.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class ExpertSlots:
     local_experts: int                          # experts per group
     group_size: int                             # ranks sharing one group's experts
     top_k: int
+    stacked: tuple[str, ...] = ()               # matrices stored stacked (`pool.pack_stacked`)
 
 
 HBM = "experts_hbm"       # the kernel input holding every local expert's slot image
@@ -44,8 +46,9 @@ HBM = "experts_hbm"       # the kernel input holding every local expert's slot i
 
 def pack_expert(es: ExpertSlots, matrices: dict[str, np.ndarray]) -> np.ndarray:
     """Host side: one expert's matrices (name -> [rows, cols] bf16 or uint8) -> its HBM form,
-    bf16 [slot_rows, 128], each matrix in pool rows (`pool.pack_rows`) at its row in the slot:
-    byte for byte what the slot holds once the expert's one copy lands (padding zero)."""
+    bf16 [slot_rows, 128], each matrix in pool rows (`pool.pack_rows`, or `pool.pack_stacked`)
+    at its row in the slot: byte for byte what the slot holds once the expert's one copy lands
+    (padding zero)."""
     if set(matrices) != set(es.matrices):
         raise ValueError(f"an expert's matrices are {sorted(es.matrices)}, got {sorted(matrices)}")
     out = np.zeros((es.slot_rows, pool.LANES), ml_dtypes.bfloat16)
@@ -53,7 +56,7 @@ def pack_expert(es: ExpertSlots, matrices: dict[str, np.ndarray]) -> np.ndarray:
         if np.shape(matrices[name]) != (rows, cols):
             raise ValueError(f"expert matrix {name} is {np.shape(matrices[name])}, the slot "
                              f"holds ({rows}, {cols})")
-        packed = pool.pack_rows(matrices[name])
+        packed = (pool.pack_stacked if name in es.stacked else pool.pack_rows)(matrices[name])
         out[row:row + packed.shape[0]] = packed
     return out
 
@@ -151,6 +154,13 @@ def matrix(es: ExpertSlots, refs, k, name: str) -> tuple[int, int, int]:
     """(first pool row, rows, cols) of selected expert k's matrix `name` in its slot."""
     row, rows, cols = es.matrices[name]
     return _slot_row(es, k) + row, rows, cols
+
+
+def read_u8(es: ExpertSlots, refs, k, name: str) -> jax.Array:
+    """Selected expert k's whole uint8 matrix `name` as a value, in whichever layout it has."""
+    row, rows, cols = matrix(es, refs, k, name)
+    read = pool.pooled_stacked if name in es.stacked else pool.pooled_u8
+    return read(getattr(refs, es.pool), row, rows, cols)
 
 
 def fold(es: ExpertSlots, refs, si, body: Callable, init):

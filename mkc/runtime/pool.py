@@ -21,6 +21,10 @@ uint8 packed in pairs of rows, padded to whole panels. ``start_pooled_copy`` mov
 one strided DMA per column panel; ``wait_pooled_copy`` waits for all of them at once. Matrices
 always fetched together (a routed expert's) are instead packed as they sit in the pool
 (``pack_rows``: the panels one after another), so one contiguous DMA moves them all.
+
+A routed expert's block scales (a few rows over many panels) are stored stacked instead
+(``pack_stacked``, ``pooled_stacked``, ``mkc.ir.stacked_rows``): the panels' rows one under
+another with no tile padding between panels, read whole from the tiles covering each panel.
 """
 from __future__ import annotations
 
@@ -42,30 +46,54 @@ LANES = ir.LANES
 TILE_ROWS = ir.POOL_TILE_ROWS
 ROW_BYTES = ir.POOL_ROW_BYTES
 _itemsize, _round_up = ir.pool_itemsize, ir._round_up
-panel_rows, pooled_rows = ir.panel_rows, ir.pooled_rows
+panel_rows, pooled_rows, stacked_rows = ir.panel_rows, ir.pooled_rows, ir.stacked_rows
 
 
 def pack_for_pool(a: np.ndarray) -> np.ndarray:
     """Host side: a [rows, cols] bf16 or uint8 matrix -> its HBM form, bf16
     [panel_rows, panels * 128] (see the module doc). Aligned bf16 comes back unchanged;
     padding is zeros."""
-    a = np.asarray(a)
-    if a.ndim != 2:
-        raise ValueError(f"pack_for_pool takes a 2-D matrix, got shape {a.shape}")
-    size = _itemsize(a.dtype)
-    if size == 2 and a.dtype != ml_dtypes.bfloat16:
-        raise ValueError(f"2-byte pooled data must be bfloat16, not {a.dtype}")
+    a, size = _checked(a)
     rows, cols = a.shape
     pr = panel_rows(rows, a.dtype)
     data_rows = pr * (2 // size)
     padded = (data_rows, _round_up(cols, LANES))
     if padded != a.shape:
         a = np.pad(a, [(0, padded[0] - rows), (0, padded[1] - cols)])
-    if size == 2:
-        return a
-    # Rows 2r and 2r + 1 become the (low, high) bytes of one bf16 element (little endian).
-    pairs = np.ascontiguousarray(a.reshape(pr, 2, padded[1]).transpose(0, 2, 1))
-    return pairs.view(ml_dtypes.bfloat16).reshape(pr, padded[1])
+    return a if size == 2 else _pairs(a)
+
+
+def _pairs(a: np.ndarray) -> np.ndarray:
+    """uint8 [2n, w] -> bf16 [n, w]: rows 2r and 2r + 1 become the (low, high) bytes of one
+    bf16 element (little endian)."""
+    n, w = a.shape[0] // 2, a.shape[1]
+    pairs = np.ascontiguousarray(a.reshape(n, 2, w).transpose(0, 2, 1))
+    return pairs.view(ml_dtypes.bfloat16).reshape(n, w)
+
+
+def _checked(a: np.ndarray) -> tuple[np.ndarray, int]:
+    a = np.asarray(a)
+    if a.ndim != 2:
+        raise ValueError(f"a pooled matrix is 2-D, got shape {a.shape}")
+    size = _itemsize(a.dtype)
+    if size == 2 and a.dtype != ml_dtypes.bfloat16:
+        raise ValueError(f"2-byte pooled data must be bfloat16, not {a.dtype}")
+    return a, size
+
+
+def pack_stacked(a: np.ndarray) -> np.ndarray:
+    """Host side: a [rows, cols] bf16 or uint8 matrix as it sits in a pool stacked, bf16
+    [stacked_rows, 128]: its 128-lane column panels one under another (row i of panel p is
+    matrix row p * rows + i of the stack; uint8 packed two rows per pool row as in
+    ``pack_for_pool``), zero padded to whole tiles once at the end."""
+    a, size = _checked(a)
+    rows, cols = a.shape
+    panels = -(-cols // LANES)
+    a = np.pad(a, [(0, 0), (0, panels * LANES - cols)])
+    stack = a.reshape(rows, panels, LANES).transpose(1, 0, 2).reshape(panels * rows, LANES)
+    n = stacked_rows(rows, cols, a.dtype) * (2 // size)
+    stack = np.pad(stack, [(0, n - stack.shape[0]), (0, 0)])
+    return stack if size == 2 else _pairs(stack)
 
 
 def pack_rows(a: np.ndarray) -> np.ndarray:
@@ -149,6 +177,26 @@ def pooled_u8(pool_ref, row_offset: int | jax.Array, rows: int, cols: int, *, fi
     for p in range(-(-cols // LANES)):
         packed = pool_ref[pl.ds(_row(row_offset + p * pr + first // 2), n), :]
         panels.append(pltpu.bitcast(packed, jnp.uint8)[:count])
+    out = panels[0] if len(panels) == 1 else jnp.concatenate(panels, axis=1)
+    return out if cols % LANES == 0 else out[:, :cols]
+
+
+def pooled_stacked(pool_ref, row_offset: int | jax.Array, rows: int, cols: int,
+                   dtype=jnp.uint8) -> jax.Array:
+    """In a kernel: the [rows, cols] matrix of ``dtype`` (uint8 or bf16) stored stacked at
+    ``row_offset`` (``pack_stacked``) as a value. Each panel is read from the whole tiles
+    covering it, then cut out of them at its (static) row."""
+    per_row = 2 // _itemsize(dtype)               # matrix rows per pool row
+    panels = []
+    for p in range(-(-cols // LANES)):
+        first, end = p * rows, (p + 1) * rows    # the panel's matrix rows in the stack
+        lo = first // per_row // TILE_ROWS * TILE_ROWS
+        hi = _round_up(-(-end // per_row), TILE_ROWS)
+        tiles = pool_ref[pl.ds(_row(row_offset + lo), hi - lo), :]
+        if per_row == 2:
+            tiles = pltpu.bitcast(tiles, jnp.uint8)
+        start = first - lo * per_row
+        panels.append(tiles[start:start + rows])
     out = panels[0] if len(panels) == 1 else jnp.concatenate(panels, axis=1)
     return out if cols % LANES == 0 else out[:, :cols]
 

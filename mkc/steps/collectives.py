@@ -82,7 +82,8 @@ class AllGather(_Collective):
 
     def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
         g = self.entry
-        return (Round(g.size, g.stride, batch * g.width * 4),)   # priced at 4 bytes a value
+        # each rank sends its [batch, width] share, cast to the receive buffer's dtype
+        return (Round(g.size, g.stride, batch * g.width * ir.DTYPE_BYTES[g.wire_dtype]),)
 
     def emit(self, e, indent: str) -> None:
         self._emit(e, indent, "allgather", gather_name(e.kind, self.op),
@@ -98,8 +99,9 @@ class Exchange(_Collective):
 
     def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
         x = self.entry
-        return (Round(cores_per_chip, 1,
-                      batch * x.width * ir.DTYPE_BYTES[x.wire_dtype] / cores_per_chip),)
+        # `width` is one core's share of the columns (the receive buffer's last dim), and each
+        # core sends all of it to its sibling
+        return (Round(cores_per_chip, 1, batch * x.width * ir.DTYPE_BYTES[x.wire_dtype]),)
 
     def emit(self, e, indent: str) -> None:
         self._emit(e, indent, "exchange", exchange_name(e.kind, self.op),

@@ -141,6 +141,59 @@ def test_pack_rows_is_the_pool_image_of_the_panels(rows: int, cols: int, dtype: 
                                       panels[:, p * pool.LANES:(p + 1) * pool.LANES].view(np.uint16))
 
 
+def stacked_kernel(rows: int, cols: int, dtype, interpret: bool):
+    """pallas_call(offset, image_hbm) -> the [rows, cols] matrix read back with
+    `pooled_stacked` after one copy of its stacked image (`pack_stacked`) into a pool at a
+    dynamic row offset (SMEM, a tile multiple)."""
+    n = pool.stacked_rows(rows, cols, np.dtype(dtype))
+
+    def kernel(off_ref, hbm, out, pool_ref, sem):
+        off = pl.multiple_of(off_ref[0], 16)
+        cp = pltpu.make_async_copy(hbm, pool_ref.at[pl.ds(off, n)], sem)
+        cp.start()
+        cp.wait()
+        out[...] = pool.pooled_stacked(pool_ref, off, rows, cols, dtype)
+
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, cols), dtype),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM((n + 3 * GAP, 128), BF16), pltpu.SemaphoreType.DMA(())],
+        interpret=pltpu.InterpretParams() if interpret else False)
+
+
+STACKED = [(7, 300, "u8"), (6, 512, "u8"), (33, 129, "u8"), (1, 1, "u8"), (64, 384, "u8"),
+           (5, 200, "bf16"), (17, 256, "bf16")]
+
+
+@pytest.mark.parametrize("rows, cols, dtype", STACKED)
+def test_a_stacked_matrix_reads_back_whole(rows: int, cols: int, dtype: str) -> None:
+    """`pack_stacked` then `pooled_stacked` (interpret mode) is the identity, bit for bit; the
+    image is `stacked_rows` pool rows, the panels one under another in its leading rows."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bf16" else np.uint8
+    a = np.random.default_rng(rows * cols).integers(0, 250, (rows, cols)).astype(np_dtype)
+    image = pool.pack_stacked(a)
+    assert image.shape == (pool.pooled_rows(rows, cols, dtype, stacked=True), pool.LANES)
+    stack = np.pad(a, [(0, 0), (0, -cols % 128)]).reshape(rows, -1, 128).transpose(1, 0, 2)
+    stack = stack.reshape(-1, 128)
+    as_rows = image.view(np.uint8).reshape(-1, 128, 2).transpose(0, 2, 1).reshape(-1, 128) \
+        if dtype == "u8" else image
+    np.testing.assert_array_equal(as_rows[:stack.shape[0]].view(np.uint8),
+                                  stack.view(np.uint8))
+    assert not as_rows[stack.shape[0]:].view(np.uint8).any()
+    got = stacked_kernel(rows, cols, np_dtype, True)(jnp.asarray([2 * GAP], jnp.int32),
+                                                     jnp.asarray(image))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), a.view(np.uint8))
+
+
+def test_stacked_k3_scales_drop_the_panel_padding() -> None:
+    """K3's FP8 expert scales per rank (gate|up [7, 1536], down [6, 3584]): 640 pool rows as
+    whole-tile panels (160 KiB an expert copy), 144 stacked (36 KiB, for 31.5 KiB of scales)."""
+    shapes = [(7, 1536), (6, 3584)]
+    assert sum(pool.pooled_rows(r, c, "u8") for r, c in shapes) == 640
+    assert sum(pool.pooled_rows(r, c, "u8", stacked=True) for r, c in shapes) == 144
+
+
 def compile_full_size() -> None:
     """Lower and compile the pool kernel at Kimi K3 size for tpu7x (no TPU needed)."""
     from jax.experimental import topologies
@@ -159,6 +212,11 @@ def compile_full_size() -> None:
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     step = jax.shard_map(call, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False)
     jax.jit(step).lower(*args).compile()
+    for rows, cols in ((7, 1536), (6, 3584), (112, 1536), (24, 3584)):   # K3's expert scales
+        image = (pool.stacked_rows(rows, cols, "u8"), 128)
+        jax.jit(stacked_kernel(rows, cols, np.uint8, False)).lower(
+            jax.ShapeDtypeStruct((1,), I32, sharding=sharding),
+            jax.ShapeDtypeStruct(image, BF16, sharding=sharding)).compile()
     print("compiled for tpu7x")
 
 

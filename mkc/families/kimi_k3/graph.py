@@ -85,9 +85,9 @@ def _ceil_split(total: int, ways: int) -> int:
 
 
 def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: tuple[str, ...] = (),
-       split: str | None = None, mxu: MatrixFacts | None = None) -> Tensor:
+       split: str | None = None, mxu: MatrixFacts | None = None, stacked: bool = False) -> Tensor:
     return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split,
-                  mxu=mxu)
+                  mxu=mxu, stacked=stacked)
 
 
 # MXFP4 codes hold two values per byte, dequantised on the VPU to bf16 for the MXU; their E8M0
@@ -241,11 +241,13 @@ def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat
 def expert_codes(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str, Tensor]:
     """An expert matrix [rows (in), cols (out)] as stored: MXFP4 codes hold two input rows per
     byte (`pack_mxfp4_for_kernel`), FP8 codes one (bytes of float8_e4m3fn); an E8M0 scale per
-    `fmt.block` input rows."""
+    `fmt.block` input rows. The scales are stacked in the slot: a few rows over many panels,
+    which whole-tile panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy
+    for 32 KB of scales)."""
     code_rows, facts = (rows // 2, _MXFP4_CODES) if fmt.name == "mxfp4" else (rows, _FP8_CODES)
     return {f"{name}_codes": _m(f"{name}_codes", code_rows, cols, "u8", mxu=facts),
             f"{name}_scales": _m(f"{name}_scales", rows // fmt.block, cols, "u8",
-                                 mxu=_MXFP4_SCALES)}
+                                 mxu=_MXFP4_SCALES, stacked=True)}
 
 
 def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:

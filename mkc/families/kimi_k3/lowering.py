@@ -296,8 +296,7 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     values times powers of two."""
     slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
-    s_row, s_rows, s_cols = expert_slots.matrix(slots, c.refs, k, name + "_scales")
-    scales = pool.pooled_u8(buf, s_row, s_rows, s_cols)
+    scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
     fmt = c.kernel.formats[f"expert.{name}"]
     rows_per_byte = 2 if fmt.name == "mxfp4" else 1
     out = None

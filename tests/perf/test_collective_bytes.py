@@ -1,0 +1,60 @@
+"""The step-time model prices each collective by the bytes the emitted kernel sends: every
+round's payload in the dtype of the receive buffer the generated module declares (a share is
+cast to that dtype and copied slot to slot, `mkc.runtime.collectives._exchange`)."""
+import numpy as np
+import pytest
+
+from mkc import ir
+from mkc.codegen.emit import render
+from mkc.compiler import check_spec
+from mkc.perf.run import perf_trace
+from mkc.perf.work import _module
+from mkc.steps.collectives import AllGather, AllReduce, Exchange
+from tests_support import K3_SPEC
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def k3():
+    s = check_spec(K3_SPEC).ir
+    return s, _module(render(s, "")), perf_trace(s, BATCH, 256)
+
+
+def _scratch(module, name: str) -> tuple[int, int]:
+    """(columns per row, bytes per value) of a receive buffer as the emitted module declares it."""
+    got = module.SCRATCH_SHAPES[name]
+    return got.shape[-1], np.dtype(got.dtype).itemsize
+
+
+def test_every_collective_round_moves_its_payload_in_the_emitted_buffer_dtype(k3):
+    s, module, events = k3
+    steps = [e.tag for e in events if e.op == "collective"]
+    assert {type(t) for t in steps} == {AllReduce, AllGather, Exchange}
+    for step in steps:
+        rounds = step.rounds(BATCH, s.cores_per_chip)
+        x = step.entry
+        if isinstance(step, AllReduce):
+            assert len(rounds) == len(x.stages)
+            for rd, (size, stride) in zip(rounds, x.stages):
+                _, itemsize = _scratch(module, ir.AllReduce.buffer_name(x.wire_dtype, size, stride))
+                assert rd.nbytes == BATCH * x.width * itemsize, step
+            continue
+        # a gather or exchange sends its whole [B, width] share: the receive slot's width
+        name = (ir.AllGather if isinstance(step, AllGather) else ir.Exchange).buffer_name(x.after_op)
+        cols, itemsize = _scratch(module, name)
+        (rd,) = rounds
+        assert cols == x.width
+        assert rd.nbytes == BATCH * cols * itemsize, step
+
+
+def test_k3_gathers_are_priced_as_bf16(k3):
+    """K3's latent all-gathers receive bf16: 2 bytes a value on the wire, not 4."""
+    s, module, events = k3
+    gathers = {e.tag.entry.after_op: e.tag for e in events
+               if e.op == "collective" and isinstance(e.tag, AllGather)}
+    assert set(gathers) == {"latent_down", "latent_up"}
+    for op, step in gathers.items():
+        assert _scratch(module, ir.AllGather.buffer_name(op))[1] == 2
+        (rd,) = step.rounds(BATCH, s.cores_per_chip)
+        assert rd.nbytes == BATCH * step.entry.width * 2
