@@ -34,11 +34,12 @@ def check_expectations(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic
             left = vmem_headroom(s, events)
             rows, least = min(left.items(), key=lambda kv: (kv[1], kv[0]))
             if least < e.at_least:
-                widths = ", ".join(f"{_width(s, r)} {v / MIB:.2f} MiB" for r, v in left.items())
+                unit, scale = ("MiB", MIB) if e.at_least - least >= MIB // 100 else ("KiB", 1024)
+                widths = ", ".join(f"{_width(s, r)} {v / scale:.2f} {unit}" for r, v in left.items())
                 diags.append(Diagnostic(
-                    "E-EXPECT", f"at {_width(s, rows)} the kernel leaves {least / MIB:.2f} MiB of VMEM "
-                    f"under the budget, less than the {e.at_least / MIB:.2f} MiB this spec "
-                    "expects", e.span, notes=[f"VMEM left at each kernel width: {widths}"],
+                    "E-EXPECT", f"at {_width(s, rows)} the kernel leaves {least / scale:.2f} "
+                    f"{unit} of VMEM under the budget, less than the {e.at_least / scale:.2f} "
+                    f"{unit} this spec expects", e.span, notes=[f"VMEM left at each kernel width: {widths}"],
                     hint="free VMEM (fewer ring slots, smaller tiles or batch, tighter scopes) "
                          "or expect less"))
         else:
