@@ -80,13 +80,14 @@ of the MXFP4 block.
 """
 from mkc.families.gpt_oss.config import FAMILY_NAME, read_dims
 from mkc.families.gpt_oss.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
+from mkc.families.qwen3_5 import rope_input
 from mkc.model.family import Family
 
 FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
-    compiler_scratch=(),
+    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
+    vmem_inputs=rope_input,
     weight_formats=WEIGHT_FORMATS,
-    kernel_ready=False,
 )
