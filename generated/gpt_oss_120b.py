@@ -2,7 +2,7 @@
 
 Schedule gpt_oss_120b: model gpt_oss_120b (gpt_oss) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 128, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 8de25dc7c091eaba
+Input digest (spec, model config, mkc version): cbf2796191034c11
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
@@ -24,10 +24,11 @@ from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
 from mkc.runtime.collectives import Stage
-from mkc.runtime.context import Kernel, KindPlan, StateCopy
+from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
+from mkc.runtime.pool import WeightView
 from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
 from mkc.runtime.shapes import ROWS, SEQS, dma_sems, smem, vmem
 from mkc.runtime.vectors import Parity, VectorRefs
@@ -100,31 +101,20 @@ N_LAYERS = 72
 KIND_IDS = {"gqa": 0, "moe": 1, "swa": 2}
 LAYER_KIND = (2, 1, 0, 1) * 18
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 6, 9, 15, 18, 24, 27, 33, 36, 42, 45, 51, 54, 60, 63, 69, 72, 78, 81, 87,
-                     90, 96, 99, 105, 108, 114, 117, 123, 126, 132, 135, 141, 144, 150, 153, 159,
-                     162, 168, 171, 177, 180, 186, 189, 195, 198, 204, 207, 213, 216, 222, 225, 231,
-                     234, 240, 243, 249, 252, 258, 261, 267, 270, 276, 279, 285, 288, 294, 297, 303,
-                     306, 312, 315, 321)
+LAYER_TILE_OFFSET = (0, 0, 3, 3, 6, 6, 9, 9, 12, 12, 15, 15, 18, 18, 21, 21, 24, 24, 27, 27, 30, 30,
+                     33, 33, 36, 36, 39, 39, 42, 42, 45, 45, 48, 48, 51, 51, 54, 54, 57, 57, 60, 60,
+                     63, 63, 66, 66, 69, 69, 72, 72, 75, 75, 78, 78, 81, 81, 84, 84, 87, 87, 90, 90,
+                     93, 93, 96, 96, 99, 99, 102, 102, 105, 105)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-GQA_QKV = StreamedMatrix(name='qkv', rows=2880, cols=640, row_tiles=3, col_tiles=1, tile_rows=1024,
-                         tile_cols=640)
-GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=512, cols=2880, row_tiles=1, col_tiles=3,
-                            tile_rows=512, tile_cols=1024)
 MOE_ROUTER = StreamedMatrix(name='router', rows=2880, cols=128, row_tiles=3, col_tiles=1,
                             tile_rows=1024, tile_cols=128)
-SWA_QKV = StreamedMatrix(name='qkv', rows=2880, cols=640, row_tiles=3, col_tiles=1, tile_rows=1024,
-                         tile_cols=640)
-SWA_O_PROJ = StreamedMatrix(name='o_proj', rows=512, cols=2880, row_tiles=1, col_tiles=3,
-                            tile_rows=512, tile_cols=1024)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2880, cols=25136, row_tiles=3, col_tiles=25,
                               tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=8, ahead=8, total_tiles=399,
-            tile_shapes=((512, 1024), (1024, 128), (1024, 640), (1024, 1024)))
-TAIL_TILE_OFFSET = 324
+RING = Ring(slots=8, ahead=8, total_tiles=183, tile_shapes=((1024, 128), (1024, 1024)))
+TAIL_TILE_OFFSET = 108
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'gqa': [GQA_QKV, GQA_O_PROJ], 'moe': [MOE_ROUTER], 'swa': [SWA_QKV, SWA_O_PROJ],
-                'tail': [TAIL_LM_HEAD]}
+STREAM_ORDER = {'gqa': [], 'moe': [MOE_ROUTER], 'swa': [], 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
 VECTORS = Parity(ahead=1, rows=8, cols=2944,
@@ -141,9 +131,15 @@ MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, s
 SWA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
 N_COLLECTIVE_COUNTERS = 1
 
+# The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
+# semaphore), copied in by the layer before.
+VIEW = WeightView(pool='staging',
+                  matrices={'gqa': {'qkv': (0, 2880, 640, 0), 'o_proj': (14400, 512, 2880, 1)},
+                            'swa': {'qkv': (0, 2880, 640, 0), 'o_proj': (14400, 512, 2880, 1)}})
+
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='experts_pool', slots=2, slot_rows=54304,
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=54304,
                       matrices={'gate_up_codes': (0, 1440, 5888),
                                 'gate_up_scales': (33120, 90, 5888),
                                 'gate_up_bias': (35200, 1, 5888), 'down_codes': (35936, 1472, 2880),
@@ -153,12 +149,10 @@ EXPERTS = ExpertSlots(pool='experts_pool', slots=2, slot_rows=54304,
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (3, GQA_O_PROJ)}, states={},
-                         copies=(), caches=('gqa__key', 'gqa__value'),
+KINDS = {'gqa': KindPlan(streamed={}, states={}, copies=(), caches=('gqa__key', 'gqa__value'),
                          kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER)}, states={}, copies=()),
-         'swa': KindPlan(streamed={'qkv': (0, SWA_QKV), 'o_proj': (3, SWA_O_PROJ)}, states={},
-                         copies=(), caches=('swa__key', 'swa__value'),
+         'swa': KindPlan(streamed={}, states={}, copies=(), caches=('swa__key', 'swa__value'),
                          kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='swa_kv_rows')}
 
 
@@ -168,12 +162,15 @@ def _layer_gqa(k: Kernel, layer):
     c = k.layer("gqa", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_norm(c)
+    c.wait_pooled("qkv")   # staging.attention: before its first reader
     proj = lower.qkv(c, h)
     q, k_new = lower.rope(c, proj)
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
+    c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 50: direct, wire bf16
+    # the pool view staging.attention is free from here
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 52: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -184,11 +181,12 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 55: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 57: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
-    # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 56: direct, wire bf16
+    # the pool view staging.experts is free from here
+    c.prefetch_view()   # spec line 60: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 58: direct, wire bf16
     lower.mlp_residual(c, routed_out)
 
 
@@ -197,12 +195,15 @@ def _layer_swa(k: Kernel, layer):
     c = k.layer("swa", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_norm(c)
+    c.wait_pooled("qkv")   # staging.attention: before its first reader
     proj = lower.qkv(c, h)
     q, k_new = lower.rope(c, proj)
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
+    c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 45: direct, wire bf16
+    # the pool view staging.attention is free from here
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 47: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -211,11 +212,13 @@ def _kernel(r, *, B, R=1, verify=False):
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
-               kind_ids=KIND_IDS, R=R, verify=verify, formats=FORMATS, experts=EXPERTS)
+               kind_ids=KIND_IDS, R=R, verify=verify, formats=FORMATS, experts=EXPERTS, view=VIEW)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.enter(AXIS, RANKS, r.collective_count)
 
-    # prologue: fill the ring, issue the first layers' vectors and the head vectors, embed
+    # prologue: the first layer's pooled matrices, fill the ring, issue the first layers'
+    # vectors and the head vectors, embed
+    k.start_view(0)
     ring.fill(RING, k.ring_refs)
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
@@ -245,6 +248,10 @@ HBM_SHAPES = {
     "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
+    "pool__gqa__qkv": ((len(KIND_LAYERS["gqa"]), 2880, 640), BF16),
+    "pool__gqa__o_proj": ((len(KIND_LAYERS["gqa"]), 512, 2944), BF16),
+    "pool__swa__qkv": ((len(KIND_LAYERS["swa"]), 2880, 640), BF16),
+    "pool__swa__o_proj": ((len(KIND_LAYERS["swa"]), 512, 2944), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
@@ -275,7 +282,7 @@ SCRATCH_SHAPES = {
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((3, ROWS, 1024), BF16),   # activation
     "acc": vmem((25, ROWS, 1024), F32),   # activation
-    "experts_pool": vmem((108608, 128), BF16),   # pool
+    "staging": vmem((108608, 128), BF16),   # pool
     "gqa_kv_rows": vmem((2, ROWS, 16, 64), BF16),   # kv
     "swa_kv_rows": vmem((2, ROWS, 16, 64), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 2880), BF16),   # collective
@@ -288,6 +295,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_8x1__send": dma_sems((2, 8)),
     "recv__bf16_8x1__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+    "pool_sem": dma_sems((2,)),   # pooled matrix copies
     "expert_sem": dma_sems((2,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
@@ -301,7 +309,7 @@ HOST = Host(kernel=_kernel, hbm_table=HBM_SHAPES, state_table=STATE_SHAPES,
             hf_config=HF_CONFIG, per_rank=PER_RANK, formats=FORMATS, shards=SHARDS,
             kind_ids=KIND_IDS, layer_kind=LAYER_KIND, layer_tile_offset=LAYER_TILE_OFFSET,
             ring=RING, stream_order=STREAM_ORDER, tail_tile_offset=TAIL_TILE_OFFSET,
-            vectors=VECTORS, experts=EXPERTS,
+            vectors=VECTORS, view=VIEW, experts=EXPERTS,
             expert_kind="moe",
             verify_rows=VERIFY_ROWS, verify_sequences=VERIFY_SEQUENCES, row_states=ROW_STATES,
             spread_row_states=SPREAD_ROW_STATES)

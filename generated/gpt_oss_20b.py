@@ -24,7 +24,7 @@ from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
 from mkc.runtime.collectives import Stage
-from mkc.runtime.context import Kernel, KindPlan, StateCopy
+from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
