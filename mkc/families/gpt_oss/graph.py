@@ -6,7 +6,9 @@ The two attention kinds have the same ops and tensors; they differ in what their
 (`cache_slots`): a full layer's holds every position of the context, a sliding layer's only its
 window, a ring of W slots (slot p % W holds position p), as the reference keeps it. The graph's
 cache tensors are per token, like every family's; the ring itself (its W slots, their tiles and
-their visibility) is for the schedule to declare, not yet a mechanism of the core.
+their visibility) is for the schedule to declare, not yet a mechanism of the core. Until it is,
+the sliding kind declares a `ContextLimit` of the window (`window_limit`): its cache is the
+per-token cache of a context at most the window, where slot t holds position t as in the ring.
 
 Sharding (three classes, all split over their own rank group):
 
