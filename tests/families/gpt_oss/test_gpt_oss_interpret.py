@@ -54,3 +54,21 @@ def test_no_races_with_race_detection():
     summary = _run("--mode", "on_wait", "--races", "--steps", "2", "--batch", "1")
     _assert_bit_equal(summary)
     assert summary["races_found"] is False
+
+
+@pytest.mark.slow
+def test_the_120b_spec_with_an_eight_head_mini_checkpoint(tmp_path):
+    """The 120b spec (8 cores, attention projections pooled with the experts, KV heads
+    replicated: 2 over 8 head parts) on the MINI with 8 query heads, saved as a checkpoint
+    (MXFP4 blocks and scales through mkc.checkpoint): bit-equal to the emulation."""
+    import json
+
+    from mkc.checkpoint import save_checkpoint
+    from mkc.families.gpt_oss import reference
+    from mkc.model.config import CONFIG_DIR
+    config = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text()) | {"num_attention_heads": 8}
+    save_checkpoint(tmp_path, config, reference.init_params(reference.load_config(config), seed=0))
+    summary = run_example("examples/run_mini.py", "--spec", str(ROOT / "schedules" / "gpt_oss_120b.sched"),
+                          "--checkpoint", str(tmp_path), "--first-position", "20", "--steps", "2",
+                          "--batch", "2", timeout=1800)
+    _assert_bit_equal(summary)
