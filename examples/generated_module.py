@@ -81,6 +81,17 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
                   "decay[b:b + 1, lanes] + jnp.log({factor}(b)), beta"),
     "kda.conv_state": ("conv", "window = [state[j, source] for j in range(taps - 1)]",
                        "window = [{scale}(state[j, source]) for j in range(taps - 1)]"),
+    # GPT-OSS: each head's sink logit (which only grows the softmax denominator), and the
+    # biases of the q/k/v projection, of o_proj (added once, after its all-reduce), of the
+    # router and of the experts' down projection
+    "oss.sink": ("attention", "ops.sink_start(sinks[:, j:j + 1], hd)",
+                 "ops.sink_start({scale}(sinks[:, j:j + 1]), hd)"),
+    "oss.qkv_bias": ("qkv", '+ c.vector("qkv_bias")', '+ {scale}(c.vector("qkv_bias"))'),
+    "oss.o_bias": ("attn_residual", '(attn_out + c.vector("o_bias"))',
+                   '(attn_out + {scale}(c.vector("o_bias")))'),
+    "oss.router_bias": ("router", '+ c.vector("router_bias")', '+ {scale}(c.vector("router_bias"))'),
+    "oss.expert_bias": ("routed_experts", '_expert_bias(c, k, "down_bias")',
+                        '{scale}(_expert_bias(c, k, "down_bias"))'),
     "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
                     "cached = latent[c.sequence(b)].astype(F32)\n"
                     "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "

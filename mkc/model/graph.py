@@ -58,10 +58,22 @@ class Op:
 
 
 @dataclass(frozen=True)
+class ContextLimit:
+    """The longest context a layer kind's lowering computes correctly, where a longer one needs
+    a mechanism not built yet (GPT-OSS's sliding layers: a KV ring of the window's slots).
+    Resolve refuses a spec whose `context` exceeds it, at that line, with `reason` and `hint`."""
+
+    tokens: int
+    reason: str
+    hint: str
+
+
+@dataclass(frozen=True)
 class LayerKind:
     name: str
     ops: tuple[Op, ...]
     tensors: dict[str, Tensor] = field(hash=False)
+    context_limit: ContextLimit | None = None
 
     def op_names(self) -> list[str]:
         return [o.name for o in self.ops]

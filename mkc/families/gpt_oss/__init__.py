@@ -2,14 +2,21 @@
 layer between a sliding window and the full context, with a learned sink logit per head and
 biased projections, then a biased top-k MoE of MXFP4 experts with a clamped SwiGLU.
 
-So far the family is its config reader (`config.py`), its pure-JAX reference (`reference.py`),
-its graph (`graph.py`), the kernel-shaped math its compute bodies will call (`ops.py`), its
-weights packer (`weights.py`: the published checkpoint cut per rank) and its configs
-(`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`).
-It has no lowering yet, so it declares `kernel_ready=False`: `mkc check` refuses its models at
-the spec's `model` line and the conformance suite skips, by name and with the reason, the
-checks that need a lowering or a shipped spec. Next: the lowering, the
-sliding-window KV mechanism (a statement declaring a layer kind's KV ring) and specs.
+The family: its config reader (`config.py`), its pure-JAX reference with the kernel's rounding
+emulation (`reference.py`), its graph (`graph.py`), the kernel-shaped math (`ops.py`), its
+compute bodies (`lowering.py`), its weights packer (`weights.py`: the published checkpoint cut
+per rank), its configs (`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`) and specs
+(`schedules/gpt_oss_{20b,120b}.sched`). The MINI runs on the 20b spec in interpret mode,
+bit-equal to the emulation at every step (`tests/families/gpt_oss/test_gpt_oss_interpret.py`).
+
+Within the window only, for now: a sliding layer's KV cache is the core's per-token cache of
+the whole context, which computes upstream's window exactly while no position reaches past it.
+The swa layer kind declares that limit (`graph.window_limit`, a `mkc.model.graph.ContextLimit`:
+the one core addition, a field of `LayerKind` that resolve's graph pass checks), so `mkc check`
+refuses a spec whose context exceeds the window at its `context` line (E-CONTEXT), the hint
+naming the sliding-window KV statement. Next: that statement (a layer kind's KV ring of the
+window's slots: `ops.ring_slot` and `ops.ring_visible` are its math, `graph.cache_slots` its
+size), which lifts the limit.
 
 Facts, and where they were read (transformers `main` as stored in the huggingface/transformers
 index; "upstream" below is that file):
@@ -80,13 +87,14 @@ of the MXFP4 block.
 """
 from mkc.families.gpt_oss.config import FAMILY_NAME, read_dims
 from mkc.families.gpt_oss.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
+from mkc.families.qwen3_5 import rope_input
 from mkc.model.family import Family
 
 FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
-    compiler_scratch=(),
+    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
+    vmem_inputs=rope_input,
     weight_formats=WEIGHT_FORMATS,
-    kernel_ready=False,
 )

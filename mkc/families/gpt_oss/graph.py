@@ -6,7 +6,9 @@ The two attention kinds have the same ops and tensors; they differ in what their
 (`cache_slots`): a full layer's holds every position of the context, a sliding layer's only its
 window, a ring of W slots (slot p % W holds position p), as the reference keeps it. The graph's
 cache tensors are per token, like every family's; the ring itself (its W slots, their tiles and
-their visibility) is for the schedule to declare, not yet a mechanism of the core.
+their visibility) is for the schedule to declare, not yet a mechanism of the core. Until it is,
+the sliding kind declares a `ContextLimit` of the window (`window_limit`): its cache is the
+per-token cache of a context at most the window, where slot t holds position t as in the ring.
 
 Sharding (three classes, all split over their own rank group):
 
@@ -39,7 +41,8 @@ from mkc.families.kimi_k3.graph import expert_codes
 from mkc.families.qwen3_5.graph import kv_heads_per_part, vocab_globals
 from mkc.ir import WeightFormat
 from mkc.model.family import FormatError
-from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
+from mkc.model.graph import (ContextLimit, FamilyGraph, LayerKind, Op, ShardingError, Tensor,
+                             lane_pad, split)
 
 SHARD_CLASSES = ("heads", "vocab", "experts")
 ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, full
@@ -80,8 +83,21 @@ def attention_kind(d: GptOssDims, name: str, heads: int) -> tuple[LayerKind, dic
         "o_bias": _v("o_bias", H),                # added once, after the all-reduce
         "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token, after RoPE
         "value": Tensor("value", "cache", (nkv, hd), "bf16"),
-    })
+    }, context_limit=window_limit(d) if name == "swa" else None)
     return kind, {"nq": nq, "nkv": nkv, "qkv_cols": qkv}
+
+
+def window_limit(d: GptOssDims) -> ContextLimit:
+    """A sliding layer's cache is, for now, the core's per-token cache of the whole context: it
+    computes upstream's window only while no position reaches past it (slot t holds position t
+    and every written slot is inside the window). A longer context needs the window's ring."""
+    W = d.sliding_window
+    return ContextLimit(
+        W, f"its KV cache would have to hold the last {W} positions as a ring of slots, and that "
+           "mechanism is not built yet",
+        f"write `context {W}` or less (a multiple of the KV tile); a longer context waits for the "
+        "sliding-window KV statement (a ring of the window's slots, declared in the swa phase), "
+        "which is not built yet")
 
 
 def cache_slots(d: GptOssDims, kind: str, context: int) -> int:

@@ -1,6 +1,7 @@
-"""GPT-OSS compute pieces over in-kernel values, for the family's compute bodies (a lowering to
-come): f32 on 2-D values ([rows, lanes]) with only ops Mosaic lowers (no ``lax.top_k``, no
-gathers, no lane reshapes), plus the host-side tables and numpy packers they read.
+"""GPT-OSS compute pieces over in-kernel values, for the family's compute bodies
+(``mkc.families.gpt_oss.lowering``): f32 on 2-D values ([rows, lanes]) with only ops Mosaic
+lowers (no ``lax.top_k``, no gathers, no lane reshapes), plus the host-side tables and numpy
+packers they read.
 
 The math is upstream transformers' ``models/gpt_oss/modeling_gpt_oss.py``, as the package
 docstring cites it, in the shapes a kernel computes it in: attention as an online softmax over

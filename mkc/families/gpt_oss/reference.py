@@ -27,11 +27,33 @@ position t) and ``[B, Hkv, W, D]`` on sliding layers, a ring of the last W posit
 after RoPE. The new token's k and v are written first and read back, so a token sees the same
 bf16 values whether it is the current one or a past one. Positions must be < T.
 
-No kernel computes this family yet, so there is no kernel rounding emulation: ``rounding`` must
-be None.
+Kernel rounding emulation (``rounding``, ``mkc.reference.rounding.Rounding`` from a compiled
+schedule, as in the Qwen3.5 references): the step rounds and sums where the generated kernel
+(``mkc.families.gpt_oss.lowering``) does, each piece written in the kernel's expression and
+shapes and jitted, since XLA's f32 order depends on both (``mkc.numerics``):
+
+* the embedding's exact vocab all-reduce (Qwen3.5's ``embed``); norms as
+  ``x * rsqrt(mean(x^2) + eps) * w`` (``_kernel_norm``);
+* every matmul's activation rounded to bf16 and multiplied by the bf16 dot the kernel issues
+  (``Rounding.linear``); q, k, v, the router and the experts' biases added to the f32 product;
+* RoPE from the host's f32 table (``_rope_table``: the YaRN angles' cos and sin times the
+  attention factor) head by head as ``x cos + (x R) sin`` with the rotate-half matrix R;
+* keys and values stored in the KV cache's dtype; attention per row and query head as an
+  online softmax over the schedule's KV tiles (Qwen3.5's ``_attention_tile``) whose carry
+  starts from the head's sink (max = sink, denominator 1, accumulator 0); a sliding layer's
+  window as a mask over slots that are positions (the kernel's context is at most the window);
+* ``o_proj`` as per-rank partial sums over the heads all-reduced as the schedule says, then
+  its bias added to the reduced sum, which is added to x;
+* the router's top k of the biased logits, the weights ``exp(logit - max)`` of the picks
+  divided by their sum over all E lanes (``_kernel_route_weights``); the routed experts per
+  rank (``local_experts`` whole experts each, in id order), gate|up de-interleaved into the
+  kernel's padded ``[gate | up]`` halves, each matrix pack group by pack group
+  (``graph.pack_groups``), bias, clamped SwiGLU, down and its bias, each expert added as one
+  fused ``acc + weight * out``; the partial sums all-reduced, then added to x.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -42,9 +64,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.gpt_oss.config import FAMILY_NAME, GptOssDims, read_dims
+from mkc.families.qwen3_5.reference import _attention_tile, embed
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import bf16_weights
+from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -254,6 +277,12 @@ def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     return ids, jax.nn.softmax(top, axis=-1)
 
 
+def selection_scores(logits: jax.Array, top_k: int) -> tuple[jax.Array, int]:
+    """What ``route`` (same arguments) takes the top k of, and that k: the biased logits. The
+    harness's near-tie rule reads it (``examples/generated_module``)."""
+    return logits, top_k
+
+
 def picked_experts(p: Mapping[str, jax.Array], cfg: GptOssDims, matrix: str, ids: jax.Array
                    ) -> jax.Array:
     """The ``ids`` experts' ``matrix`` decoded from MXFP4: ``[..., out, in]`` f32."""
@@ -286,12 +315,13 @@ def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
 
 
 def decode_step(params: Mapping[str, Any], cfg: GptOssDims, cache: Mapping[str, jax.Array],
-                tokens: jax.Array, positions: jax.Array, rounding: Any = None
+                tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One decode token per row: (logits f32 ``[B, vocab]``, new cache). jit with
-    ``jax.jit(decode_step, static_argnums=1)``; ``params`` may be numpy arrays."""
+    ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy arrays.
+    ``rounding`` switches on the kernel rounding emulation (module docstring)."""
     if rounding is not None:
-        raise ValueError("gpt_oss has no kernel yet, so no kernel rounding emulation: pass rounding=None")
+        return _emulated_step(params, cfg, cache, tokens, positions, rounding)
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     x = jnp.asarray(params["model.embed_tokens.weight"])[tokens].astype(jnp.float32)
@@ -308,3 +338,209 @@ def decode_step(params: Mapping[str, Any], cfg: GptOssDims, cache: Mapping[str, 
         x = x + moe_block(mlp, cfg, rms_norm(x, lp["post_attention_layernorm.weight"], cfg.rms_norm_eps))
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     return linear(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32)), new_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel rounding emulation (module docstring): each piece in the kernel's expression and
+# shapes, jitted.
+
+ATTENTION_KINDS = {SLIDING: "swa", FULL: "gqa"}     # the schedule's layer kinds
+MOE_KIND = "moe"
+
+
+@jax.jit
+def _kernel_norm(x: jax.Array, w: jax.Array, eps: jax.Array) -> jax.Array:
+    """The kernel's RMS norm: ``x * rsqrt(mean(x^2) + eps) * w``; x [B, H], w [1, H]."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _rope_table(cfg: GptOssDims, positions: jax.Array) -> jax.Array:
+    """The host's rotary table [2, B, D] in f32: cos and sin of the YaRN angles (the ``D/2``
+    frequencies repeated over both halves), times the attention factor; jitted as the module
+    computes it."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn_inv_freq(cfg))[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * cfg.yarn_attention_factor
+
+
+def _rotate_half(d: int) -> np.ndarray:
+    """R with ``x @ R == [-x2, x1]`` (halves of a D-wide head)."""
+    half = d // 2
+    i, j = np.arange(d)[:, None], np.arange(d)[None, :]
+    return np.where((j >= half) & (i == j - half), 1.0,
+                    np.where((j < half) & (i == j + half), -1.0, 0.0)).astype(np.float32)
+
+
+@jax.jit
+def _kernel_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotation: jax.Array) -> jax.Array:
+    """One head's rotation as the kernel applies it: x [B, D], ``x cos + (x R) sin``."""
+    return x * cos + jnp.dot(x, rotation, preferred_element_type=jnp.float32) * sin
+
+
+def _heads_rope(t: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``_kernel_rope`` head by head: t [B, heads, D]."""
+    rotation = jnp.asarray(_rotate_half(t.shape[-1]))
+    return jnp.stack([_kernel_rope(t[:, h], cos, sin, rotation) for h in range(t.shape[1])], axis=1)
+
+
+def _sink_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                    positions: jax.Array, sinks: jax.Array, tile: int, window: int | None
+                    ) -> jax.Array:
+    """Attention with sinks as the kernel sums it: per row and query head an online softmax
+    over the cache in tiles of ``tile`` tokens (up to the batch's largest position), its carry
+    started from the head's sink; slots are positions, masked causally and, on a sliding layer
+    (``window``), to the window. q [B, Hq, D] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = key_cache.shape[1]
+    n_tiles = int(jnp.max(positions)) // tile + 1
+    keys, values = key_cache.astype(jnp.bfloat16), value_cache.astype(jnp.bfloat16)
+    rows = []
+    for row in range(b):
+        p = positions[row]
+        heads = []
+        for h in range(hq):
+            kvh = (h * hkv) // hq
+            carry = (sinks[h].reshape(1, 1).astype(jnp.float32), jnp.ones((1, 1), jnp.float32),
+                     jnp.zeros((1, d), jnp.float32))
+            for t in range(n_tiles):
+                tokens = t * tile + jnp.arange(tile)[None, :]
+                visible = tokens <= p
+                if window is not None:
+                    visible = visible & (tokens > p - window)
+                carry = _attention_tile(q[row, h][None], keys[row, kvh, t * tile:(t + 1) * tile],
+                                        values[row, kvh, t * tile:(t + 1) * tile], visible, *carry)
+            heads.append(carry[2] / carry[1])
+        rows.append(jnp.concatenate(heads, axis=0))
+    return jnp.stack(rows)
+
+
+@jax.jit
+def _kernel_attn_residual(x: jax.Array, out: jax.Array, bias: jax.Array) -> jax.Array:
+    """``x + (o_proj's reduced product + bias)``, as ``attn_residual`` adds it."""
+    return x + (out + bias)
+
+
+def _emulated_attention(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, h: jax.Array,
+                        key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array,
+                        rounding: Rounding) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention sublayer up to o_proj's all-reduced product (before its bias)."""
+    b, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    sched = ATTENTION_KINDS[kind]
+    xin = rounding.mm_in(h)
+    q = (rounding.linear(xin, p["q_proj.weight"]) + p["q_proj.bias"]).reshape(b, hq, d)
+    k = (rounding.linear(xin, p["k_proj.weight"]) + p["k_proj.bias"]).reshape(b, hkv, d)
+    v = (rounding.linear(xin, p["v_proj.weight"]) + p["v_proj.bias"]).reshape(b, hkv, d)
+    cos, sin = _rope_table(cfg, positions)
+    q, k = _heads_rope(q, cos, sin), _heads_rope(k, cos, sin)
+    k, v = (round_to(t, rounding.stored(sched, "kv")) for t in (k, v))
+    slot, _ = cache_slots(kind, key_cache.shape[2], positions, cfg.sliding_window)
+    rows = jnp.arange(b)
+    key_cache = key_cache.at[rows, :, slot].set(k.astype(key_cache.dtype))
+    value_cache = value_cache.at[rows, :, slot].set(v.astype(value_cache.dtype))
+    if kind == SLIDING and int(jnp.max(positions)) >= cfg.sliding_window:
+        raise ValueError(f"the kernel's sliding layers compute positions below the window "
+                         f"({cfg.sliding_window}) only: no emulation past it yet")
+    attn = _sink_attention(q, key_cache, value_cache, positions, p["sinks"],
+                           rounding.kv_tile(sched), cfg.sliding_window if kind == SLIDING else None)
+    out = row_parallel(attn.reshape(b, hq * d), p["o_proj.weight"],
+                       rounding.rank_ranges("heads", hq * d, rounding.size("nq") * d),
+                       rounding.ranks, rounding, rounding.reduce(sched, "o_proj"))
+    return out, key_cache, value_cache
+
+
+@jax.jit
+def _kernel_route_weights(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Routing weights over every expert ``[B, E]`` as the kernel forms them
+    (``mkc.families.gpt_oss.ops.route``): ``exp(logit - row max)`` at the picked ``ids``, zero
+    elsewhere, divided by their sum over all E lanes."""
+    scaled = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    rows = jnp.arange(logits.shape[0])[:, None]
+    kept = jnp.zeros_like(scaled).at[rows, ids].set(jnp.take_along_axis(scaled, ids, axis=-1))
+    return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _kernel_swiglu(gate_up: jax.Array, bias: jax.Array, half: int, alpha: float,
+                   limit: float) -> jax.Array:
+    """The kernel's gate|up product plus its bias, then the clamped SwiGLU on its halves
+    ``[B, 2 * half]`` -> ``[B, half]``."""
+    gate_up = gate_up + bias
+    gate = jnp.minimum(gate_up[:, :half], limit)
+    up = jnp.clip(gate_up[:, half:2 * half], -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+@jax.jit
+def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array, bias: jax.Array
+                         ) -> jax.Array:
+    """``acc + weight * (down product + bias)``, as the kernel's expert loop adds one expert."""
+    return acc + weight * (out + bias)
+
+
+def _kernel_expert(p: Mapping[str, jax.Array], cfg: GptOssDims, e: int) -> dict[str, jax.Array]:
+    """Expert e as the kernel's slot holds it, decoded, in ``[out, in]``: gate_up's rows
+    de-interleaved into ``[gate | up]`` halves of ``lane_pad(I)`` rows each (zero padded), its
+    bias likewise; down's input columns padded to the same width."""
+    inter, half = cfg.intermediate_size, -(-cfg.intermediate_size // 128) * 128
+    w = {}
+    for matrix in EXPERT_MATRICES:
+        out, k = expert_shapes(cfg)[matrix]
+        codes = jnp.asarray(p[f"experts.{matrix}_blocks"][e]).reshape(out, -1)
+        w[matrix] = mxfp4_dequantize_jax(codes, jnp.asarray(p[f"experts.{matrix}_scales"][e]), (out, k))
+    gu, bias = w["gate_up_proj"], p["experts.gate_up_proj_bias"][e]
+    pad = half - inter
+    return {"gate_up": jnp.concatenate([jnp.pad(gu[0::2], ((0, pad), (0, 0))),
+                                        jnp.pad(gu[1::2], ((0, pad), (0, 0)))]),
+            "gate_up_bias": jnp.concatenate([jnp.pad(bias[0::2], (0, pad)),
+                                             jnp.pad(bias[1::2], (0, pad))])[None, :],
+            "down": jnp.pad(w["down_proj"], ((0, 0), (0, pad))),
+            "down_bias": p["experts.down_proj_bias"][e][None, :]}
+
+
+def _emulated_moe(p: Mapping[str, jax.Array], cfg: GptOssDims, h: jax.Array,
+                  rounding: Rounding) -> jax.Array:
+    """The MoE sublayer's all-reduced routed sum (module docstring)."""
+    from mkc.families.gpt_oss.graph import pack_groups       # the kernel's pack group rule
+    b, half = h.shape[0], -(-cfg.intermediate_size // 128) * 128
+    xin = rounding.mm_in(h)
+    logits = rounding.linear(xin, p["router.weight"]) + p["router.bias"]
+    ids, _ = route(logits, cfg.top_k)
+    dense = _kernel_route_weights(logits, ids)
+    groups = pack_groups(cfg)
+    local = rounding.size("local_experts")
+    partials = []
+    for r in range(rounding.ranks):
+        part = rounding.part("experts", r)
+        acc = jnp.zeros((b, cfg.hidden_size), jnp.float32)
+        for e in range(part * local, min((part + 1) * local, cfg.experts)):
+            w = _kernel_expert(p, cfg, e)
+            act = _kernel_swiglu(rounding.linear(xin, w["gate_up"], groups["gate_up"]),
+                                 w["gate_up_bias"], half, cfg.swiglu_alpha, cfg.swiglu_limit)
+            out = rounding.linear(act, w["down"], groups["down"])
+            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out, w["down_bias"])
+        partials.append(acc)
+    return allreduce(partials, rounding.reduce(MOE_KIND, "routed_experts"))
+
+
+def _emulated_step(params: Mapping[str, Any], cfg: GptOssDims, cache: Mapping[str, jax.Array],
+                   tokens: jax.Array, positions: jax.Array, rounding: Rounding
+                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    eps = jnp.float32(cfg.rms_norm_eps)
+    x = embed(params, tokens, rounding)
+    new_cache = dict(cache)
+    for i, kind in enumerate(cfg.attention_types):
+        lp = _sub_params(params, f"model.layers.{i}.")
+        attn = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
+        keys, values = f"layers.{i}.key_cache", f"layers.{i}.value_cache"
+        h = _kernel_norm(x, lp["input_layernorm.weight"][None, :], eps)
+        out, new_cache[keys], new_cache[values] = _emulated_attention(
+            attn, cfg, kind, h, cache[keys], cache[values], positions, rounding)
+        x = _kernel_attn_residual(x, out, attn["o_proj.bias"][None, :])
+        mlp = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
+        h = _kernel_norm(x, lp["post_attention_layernorm.weight"][None, :], eps)
+        x = x + _emulated_moe(mlp, cfg, h, rounding)
+    x = _kernel_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32)[None, :], eps)
+    return rounding.linear(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32)), new_cache

@@ -51,7 +51,9 @@ def test_shipped_configs_hold_the_published_facts(name, layers, experts, total, 
 def test_mini_has_both_layer_types_and_both_transitions():
     assert MINI.attention_types == ("sliding_attention", "full_attention") * 2
     assert MINI.layer_kinds == ("swa", "moe", "gqa", "moe") * 2
-    assert MINI.sliding_window == 8 and (MINI.experts, MINI.top_k) == (8, 2)
+    # the window of the 20b and 120b (128): the shipped specs' context of 128 runs the MINI
+    # within it, the longest a sliding layer computes until its KV ring is built
+    assert MINI.sliding_window == 128 and (MINI.experts, MINI.top_k) == (8, 2)
 
 
 @pytest.mark.parametrize("edit,words", [
@@ -75,17 +77,22 @@ def test_truncate_floors_and_ceils_the_ramp_bounds():
     assert (c.yarn_low, c.yarn_high) == (8.0, 18.0)
 
 
-def test_mkc_check_refuses_a_model_of_a_family_without_a_kernel_at_its_model_line(tmp_path):
-    """gpt_oss declares kernel_ready=False: a spec of its MINI model is refused at the `model`
-    line, naming the family and the families it could schedule instead."""
-    text = (ROOT / "schedules" / "qwen3_8_27b.sched").read_text()
-    text, n = re.subn(r'^(\s*model\s+)"[^"]+"', r'\1"gpt_oss_mini"', text, count=1, flags=re.M)
+def test_mkc_check_refuses_a_context_past_the_window_at_its_context_line(tmp_path):
+    """A sliding layer computes upstream's window only while the context is within it (its KV
+    cache is the per-token cache of the context; the window's ring is not built yet): a spec
+    with a longer context is refused at its `context` line, the hint naming the sliding-window
+    statement; the shipped spec (context 128 = the window) checks, for its model and the MINI."""
+    shipped = ROOT / "schedules" / "gpt_oss_20b.sched"
+    for model in (None, "gpt_oss_mini"):
+        check_spec(shipped, model)
+    text, n = re.subn(r"^(\s*context\s+)128\b", r"\g<1>256", shipped.read_text(), count=1, flags=re.M)
     assert n == 1
-    spec = tmp_path / "gpt_oss.sched"
+    spec = tmp_path / "gpt_oss_256.sched"
     spec.write_text(text)
     with pytest.raises(MkcError) as e:
         check_spec(spec)
     (d,) = e.value.diagnostics
-    line = text[:text.index('"gpt_oss_mini"')].count("\n") + 1
-    assert (d.code, d.span.file, d.span.line) == ("E-MODEL", str(spec), line)
-    assert "'gpt_oss' has no kernel yet" in d.message and "qwen3_5_text" in d.hint
+    line = text[:text.index("context 256")].count("\n") + 1
+    assert (d.code, d.span.file, d.span.line) == ("E-CONTEXT", str(spec), line)
+    assert "swa" in d.message and "128" in d.message
+    assert "sliding-window KV statement" in d.hint and "not built yet" in d.hint

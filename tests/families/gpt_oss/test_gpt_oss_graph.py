@@ -123,8 +123,8 @@ def test_kv_heads_are_replicated_when_fewer_than_the_head_parts():
 
 def test_a_sliding_layer_caches_its_window_a_full_layer_the_context():
     assert g.cache_slots(BIG, "swa", 4096) == 128 and g.cache_slots(BIG, "gqa", 4096) == 4096
-    assert g.cache_slots(MINI, "swa", 5) == 8 == MINI.sliding_window
-    assert ref.init_cache(MINI, 1, 5)["layers.0.key_cache"].shape[2] == 8     # as the reference
+    assert g.cache_slots(MINI, "swa", 5) == 128 == MINI.sliding_window
+    assert ref.init_cache(MINI, 1, 5)["layers.0.key_cache"].shape[2] == 128   # as the reference
     assert g.build(BIG, rules(8), 8).per_rank["window"] == 128
     with pytest.raises(KeyError):
         g.cache_slots(BIG, "moe", 4096)

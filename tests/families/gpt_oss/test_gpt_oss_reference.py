@@ -17,7 +17,9 @@ import pytest
 from mkc.families.gpt_oss import reference as ref
 from mkc.model.config import CONFIG_DIR
 
-MINI_RAW = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
+# The shipped MINI with a window of 8 instead of 128 (the full models'), so that short
+# sequences run past it: the window's mechanics are what these tests judge.
+MINI_RAW = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text()) | {"sliding_window": 8}
 MINI = ref.load_config(MINI_RAW)
 DECODE = jax.jit(ref.decode_step, static_argnums=1)
 
@@ -313,7 +315,15 @@ def test_decode_is_finite_and_deterministic(params):
     np.testing.assert_array_equal(first, np.asarray(_prefix_cache(params, [1, 2, 3, 4, 5])[0]))
 
 
-def test_rounding_emulation_is_refused_until_a_kernel_exists(params):
-    with pytest.raises(ValueError, match="no kernel"):
-        ref.decode_step(params, MINI, ref.init_cache(MINI, 1, 4), jnp.asarray([1]), jnp.asarray([0]),
-                        rounding=object())
+def test_the_rounding_emulation_refuses_a_sliding_position_past_the_window(params):
+    """The kernel's sliding layers compute positions within the window only (their KV ring is
+    not built yet), so the emulation of it refuses a step past the window rather than emulate
+    a kernel that does not exist."""
+    from mkc.reference.rounding import Reduce, Rounding
+    rounding = Rounding(ranks=1, reduces=(("embed", "embed", Reduce((), "bf16")),
+                                          ("swa", "o_proj", Reduce((), "bf16"))),
+                        storage=(("swa", "kv", "bf16"),), kv_tiles=(("swa", 16),),
+                        shard=(("nq", MINI.num_attention_heads), ("vocab", MINI.vocab_size)))
+    with pytest.raises(ValueError, match="below the window"):
+        ref.decode_step(params, MINI, ref.init_cache(MINI, 1, 16), jnp.asarray([1]),
+                        jnp.asarray([MINI.sliding_window]), rounding=rounding)
