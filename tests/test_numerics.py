@@ -112,7 +112,7 @@ def test_a_state_only_mutant_edits_one_lowering_function_of_its_own_module_only(
     assert mutant.lower.conv.__wrapped__ is lowering.conv
     assert mutant.lower.delta_rule.__wrapped__.__code__.co_filename.startswith("<mutant gdn.decay of ")
     for name, (func, old, _) in gm.LOWERING_MUTANTS.items():   # each edit matches exactly once
-        family = {"gdn": "qwen3_5", "gqa": "qwen3_5"}.get(name.split(".")[0], "kimi_k3")
+        family = {"gdn": "qwen3_5", "gqa": "qwen3_5", "oss": "gpt_oss"}.get(name.split(".")[0], "kimi_k3")
         module = importlib.import_module(f"mkc.families.{family}.lowering")
         assert inspect.getsource(getattr(module, func)).count(old) == 1, name
 
