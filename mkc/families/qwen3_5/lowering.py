@@ -155,10 +155,18 @@ def kv_write(c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
 
 @lowers("attention")
 def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
-    """Online softmax per (row, query head) over its sequence's cached tokens up to the row's
-    position (a verify step's rows see each other's new entries, written before: causal)."""
+    """Online softmax per (row, KV head) over its sequence's cached tokens up to the row's
+    position (a verify step's rows see each other's new entries, written before: causal). The
+    query heads reading one KV head (j * nkv // nq, upstream's `repeat_kv`) go through each
+    tile together: its keys and values are converted to f32 and loaded into the MXU once for
+    the group, not once per head."""
     nq, nkv, hd, B = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim, c.B
     scale = hd ** -0.5
+    groups = [[j for j in range(nq) if (j * nkv) // nq == g] for g in range(nkv)]
+    groups = [g for g in groups if g]
+    kvh = [(g[0] * nkv) // nq for g in groups]
+    qs = [[jnp.concatenate([q[j][b:b + 1] for j in g], axis=0) if len(g) > 1 else q[g[0]][b:b + 1]
+           for g in groups] for b in range(B)]
 
     def tile(t, tiles, tokens, carry):
         keys, values = tiles
@@ -166,19 +174,22 @@ def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
         for b in range(B):
             visible = tokens <= c.refs.positions[b]
             kt, vt = keys[c.sequence(b)], values[c.sequence(b)]
-            for j in range(nq):
-                kvh = (j * nkv) // nq
-                m, denom, acc = carry[b * nq + j]
-                out.append(ops.attention_tile(q[j][b:b + 1], kt[:, kvh * hd:(kvh + 1) * hd],
-                                              vt[:, kvh * hd:(kvh + 1) * hd], visible, m, denom, acc, scale))
+            for i, h in enumerate(kvh):
+                m, denom, acc = carry[b * len(groups) + i]
+                out.append(ops.attention_tile(qs[b][i], kt[:, h * hd:(h + 1) * hd],
+                                              vt[:, h * hd:(h + 1) * hd], visible, m, denom, acc, scale))
         return tuple(out)
 
-    init = tuple((jnp.full((1, 1), -1e30, F32), jnp.zeros((1, 1), F32), jnp.zeros((1, hd), F32))
-                 for _ in range(B * nq))
+    init = tuple((jnp.full((len(g), 1), -1e30, F32), jnp.zeros((len(g), 1), F32),
+                  jnp.zeros((len(g), hd), F32)) for _ in range(B) for g in groups)
     final = c.kv_fold(tile, init)
     rows = []
     for b in range(B):
-        heads = [final[b * nq + j][2] / final[b * nq + j][1] for j in range(nq)]
+        heads = []
+        for i, g in enumerate(groups):
+            _, denom, acc = final[b * len(groups) + i]
+            out = acc / denom
+            heads += [out[n:n + 1] for n in range(len(g))]
         rows.append(jnp.concatenate(heads, axis=-1) if nq > 1 else heads[0])
     return jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
 

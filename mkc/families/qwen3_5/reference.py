@@ -506,7 +506,8 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
     value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
 
     if rounding is not None:
-        attn = _tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile("gqa"))
+        attn = _tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile("gqa"),
+                                rounding.size("nq"))
     else:
         # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
         qg = q.reshape(b, hkv, hq // hkv, d)
@@ -561,9 +562,9 @@ def _head_norm_rope(t: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, 
 
 @jax.jit
 def _attention_tile(q, k, v, visible, m, denom, acc):
-    """One KV tile's online-softmax update for one query row and head, in the kernel's
-    formulation and shapes (q [1, D] f32; k, v [T, D] bf16; visible [1, T]; m, denom [1, 1];
-    acc [1, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
+    """One KV tile's online-softmax update for one query row and the n heads reading one KV
+    head, in the kernel's formulation and shapes (q [n, D] f32; k, v [T, D] bf16; visible
+    [1, T]; m, denom [n, 1]; acc [n, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
     + p @ v`` is one FMA there)."""
     d = q.shape[-1]
     s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
@@ -578,7 +579,7 @@ def _attention_tile(q, k, v, visible, m, denom, acc):
 
 
 def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-                     positions: jax.Array, tile: int) -> jax.Array:
+                     positions: jax.Array, tile: int, per_rank: int | None = None) -> jax.Array:
     """Gated GQA's softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and query head an
     online softmax over the cache in tiles of ``tile`` tokens, every row over the tiles up to
     the largest position of the batch (a tile past a row's position changes nothing). A
@@ -590,16 +591,25 @@ def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
     n_tiles = int(jnp.max(positions)) // tile + 1
     keys = key_cache.astype(jnp.bfloat16)
     values = value_cache.astype(jnp.bfloat16)
+    # a rank's query heads (`per_rank` of them, consecutive) that read one KV head go through
+    # each tile together, as the kernel's do
+    per_rank = per_rank or hq
+    groups = [[h for h in range(r, min(r + per_rank, hq)) if (h * hkv) // hq == g]
+              for r in range(0, hq, per_rank) for g in range(hkv)]
     rows = []
     for row in range(b):
         heads = []
-        for h in range(hq):
-            kvh = (h * hkv) // hq
-            carry = (jnp.full((1, 1), -1e30, jnp.float32), jnp.zeros((1, 1), jnp.float32),
-                     jnp.zeros((1, d), jnp.float32))
+        for group in groups:
+            if not group:
+                continue
+            kvh = (group[0] * hkv) // hq
+            n = len(group)
+            carry = (jnp.full((n, 1), -1e30, jnp.float32), jnp.zeros((n, 1), jnp.float32),
+                     jnp.zeros((n, d), jnp.float32))
             for t in range(n_tiles):
                 tokens = t * tile + jnp.arange(tile)[None, :]
-                carry = _attention_tile(q[row, h][None], keys[row, kvh, t * tile:(t + 1) * tile],
+                carry = _attention_tile(q[row, group[0]:group[-1] + 1],
+                                        keys[row, kvh, t * tile:(t + 1) * tile],
                                         values[row, kvh, t * tile:(t + 1) * tile],
                                         tokens <= positions[row], *carry)
             heads.append(carry[2] / carry[1])
