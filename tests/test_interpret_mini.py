@@ -89,6 +89,23 @@ def test_heads_replicated_across_groups_of_8_of_16_ranks():
     assert first["logits"] == 0.0 and set(first["states"].values()) == {0.0}, first
 
 
+@pytest.mark.slow
+def test_query_heads_sharing_a_kv_head_attend_together(tmp_path):
+    """Heads over 4 ranks: each rank holds 2 query heads reading one KV head, which go through
+    every KV tile together (one [2, D] dot per tile), as the rounding emulation groups them.
+    Rows start past the first tile, so the online softmax folds two tiles. Bit-equal to the
+    emulation (measured: logits and every state 0.0)."""
+    spec = tmp_path / "qwen_heads_over_4.sched"
+    text = (ROOT / "schedules" / "qwen3_8_27b.sched").read_text()
+    assert "shard heads over tp" in text
+    spec.write_text(text.replace("shard heads over tp", "shard heads over 4"))
+    summary = _run("--spec", str(spec), "--mode", "eager", "--steps", "1", "--batch", "4",
+                   "--first-position", "130")
+    _assert_matches_reference(summary)
+    first = summary["steps"][0]["emulation"]
+    assert first["logits"] == 0.0 and set(first["states"].values()) == {0.0}, first
+
+
 # One op per layer kind, an op that only shows in the KV cache, and the state-only ops: the
 # decay and the conv taps of the gated delta net, a read of an earlier KV entry (invisible at
 # step 0, whose state is zero).

@@ -197,3 +197,18 @@ def test_every_op_of_a_shipped_spec_is_priced_from_the_emitted_kernel(spec):
             assert e["kv_tiles"] > 0, e
     assert set(kw.ops) <= traced                 # nothing counted under a name the trace lacks
     assert np.isfinite(rep["step_seconds"])
+
+
+def test_qwen_attention_loads_each_kv_tile_once_per_kv_head_not_per_query_head():
+    """The 27B's 3 query heads a rank holds read one KV head: each row's K and V tile go into
+    the MXU once for the 3 (which stream past them), and are converted to f32 once."""
+    s = check_spec(SPEC).ir
+    nq, nkv, hd = s.per_rank["nq"], s.per_rank["nkv"], s.dims["head_dim"]
+    tokens = s.kinds["gqa"].kv.tokens
+    assert nq == 3 and nkv == 1
+    B = 8
+    tile = work.kernel_work(s, B).op("gqa", "attention").kv_tile
+    assert tile.matrix == {("f32", nq // nkv): float(B * nkv * 2 * tokens * hd)}
+    # the K and V tiles' f32 conversion is B x 2 x (tokens x hd) values, not nq times that
+    conversions = B * 2 * work.vreg_values((tokens, hd), F32)
+    assert conversions <= tile.vector < 2 * conversions
