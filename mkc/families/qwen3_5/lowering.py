@@ -158,15 +158,16 @@ def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
     """Online softmax per (row, KV head) over its sequence's cached tokens up to the row's
     position (a verify step's rows see each other's new entries, written before: causal). The
     query heads reading one KV head (j * nkv // nq, upstream's `repeat_kv`) go through each
-    tile together: its keys and values are converted to f32 and loaded into the MXU once for
-    the group, not once per head."""
+    tile together: its keys and values are loaded into the MXU once for the group, not once
+    per head, and as bf16, as the cache holds them (no f32 copy of the tile), with the f32
+    queries and probabilities split in three bf16 parts (`ops.split_bf16x3`)."""
     nq, nkv, hd, B = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim, c.B
     scale = hd ** -0.5
     groups = [[j for j in range(nq) if (j * nkv) // nq == g] for g in range(nkv)]
     groups = [g for g in groups if g]
     kvh = [(g[0] * nkv) // nq for g in groups]
-    qs = [[jnp.concatenate([q[j][b:b + 1] for j in g], axis=0) if len(g) > 1 else q[g[0]][b:b + 1]
-           for g in groups] for b in range(B)]
+    qs = [[ops.split_bf16x3(jnp.concatenate([q[j][b:b + 1] for j in g], axis=0) if len(g) > 1
+                            else q[g[0]][b:b + 1]) for g in groups] for b in range(B)]
 
     def tile(t, tiles, tokens, carry):
         keys, values = tiles
@@ -176,8 +177,9 @@ def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
             kt, vt = keys[c.sequence(b)], values[c.sequence(b)]
             for i, h in enumerate(kvh):
                 m, denom, acc = carry[b * len(groups) + i]
-                out.append(ops.attention_tile(qs[b][i], kt[:, h * hd:(h + 1) * hd],
-                                              vt[:, h * hd:(h + 1) * hd], visible, m, denom, acc, scale))
+                out.append(ops.attention_tile_bf16x3(qs[b][i], kt[:, h * hd:(h + 1) * hd],
+                                                     vt[:, h * hd:(h + 1) * hd], visible, m, denom,
+                                                     acc, scale))
         return tuple(out)
 
     init = tuple((jnp.full((len(g), 1), -1e30, F32), jnp.zeros((len(g), 1), F32),

@@ -94,3 +94,39 @@ def attention_tile(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
     acc_new = alpha * acc + jnp.dot(p, v.astype(F32), preferred_element_type=F32)
     return m_new, denom_new, acc_new
+
+
+def split_bf16x3(x: jax.Array) -> jax.Array:
+    """f32 x [n, D] as three bf16 parts stacked on rows [3n, D] (high, middle, low): their sum
+    is x to f32 precision (8 + 8 + 8 significand bits), so a dot of the parts with a bf16
+    operand, summed, is an f32 dot that loads the bf16 operand into the MXU once, as bf16."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(F32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(F32)).astype(jnp.bfloat16)
+    return jnp.concatenate([hi, mid, lo], axis=0)
+
+
+def sum_parts(y: jax.Array, n: int) -> jax.Array:
+    """The three parts' products [3n, W] -> [n, W]: high + middle + low."""
+    return (y[:n] + y[n:2 * n]) + y[2 * n:]
+
+
+def attention_tile_bf16x3(q3: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                          m: jax.Array, denom: jax.Array, acc: jax.Array, scale: float
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`attention_tile` with the bf16 tile fed to the MXU as it is: q3 [3n, D] bf16 is the n
+    query heads' `split_bf16x3`, k, v [T, D] bf16 are loaded once each (no f32 copy of the
+    tile), and the probabilities go through v split the same way. Each part's products are
+    exact in f32; the parts are summed in f32."""
+    n = m.shape[0]
+    s = sum_parts(lax.dot_general(q3, k, (((1,), (1,)), ((), ())), preferred_element_type=F32),
+                  n) * scale                                                 # [n, T]
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
+    pv = sum_parts(jnp.dot(split_bf16x3(p), v, preferred_element_type=F32), n)
+    acc_new = alpha * acc + pv
+    return m_new, denom_new, acc_new

@@ -562,9 +562,9 @@ def _head_norm_rope(t: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, 
 
 @jax.jit
 def _attention_tile(q, k, v, visible, m, denom, acc):
-    """One KV tile's online-softmax update for one query row and the n heads reading one KV
-    head, in the kernel's formulation and shapes (q [n, D] f32; k, v [T, D] bf16; visible
-    [1, T]; m, denom [n, 1]; acc [n, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
+    """One KV tile's online-softmax update for one query row and head, in the kernel's
+    formulation and shapes (GPT-OSS's; q [1, D] f32; k, v [T, D] bf16; visible [1, T]; m,
+    denom [1, 1]; acc [1, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
     + p @ v`` is one FMA there)."""
     d = q.shape[-1]
     s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
@@ -578,10 +578,40 @@ def _attention_tile(q, k, v, visible, m, denom, acc):
     return m_new, denom_new, acc_new
 
 
+def _split_bf16x3(x):
+    """f32 [n, D] -> its high, middle and low bf16 parts stacked on rows [3n, D], as the
+    kernel feeds an f32 operand against a bf16 one."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.concatenate([hi, mid, lo], axis=0)
+
+
+@jax.jit
+def _attention_tile_bf16x3(q, k, v, visible, m, denom, acc):
+    """`_attention_tile` as the Qwen kernel computes it: the bf16 tile fed as it is, the f32
+    queries (q [n, D]) and probabilities split in three bf16 parts whose products are summed
+    high + middle + low in f32."""
+    n, d = q.shape
+    s3 = jax.lax.dot_general(_split_bf16x3(q), k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    s = ((s3[:n] + s3[n:2 * n]) + s3[2 * n:]) * d ** -0.5
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
+    pv3 = jnp.dot(_split_bf16x3(p), v, preferred_element_type=jnp.float32)
+    acc_new = alpha * acc + ((pv3[:n] + pv3[n:2 * n]) + pv3[2 * n:])
+    return m_new, denom_new, acc_new
+
+
 def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                      positions: jax.Array, tile: int, per_rank: int | None = None) -> jax.Array:
-    """Gated GQA's softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and query head an
-    online softmax over the cache in tiles of ``tile`` tokens, every row over the tiles up to
+    """Gated GQA's softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and group of a
+    rank's query heads sharing a KV head (``per_rank`` heads a rank) an online softmax over the
+    cache in tiles of ``tile`` tokens (`_attention_tile_bf16x3`), every row over the tiles up to
     the largest position of the batch (a tile past a row's position changes nothing). A
     softmax over the whole cache at once sums in another f32 order, and a bf16 rounding
     downstream can flip (measured before: Qwen MINI batch 2, one weight draw, 1.5e-3 in the
@@ -608,10 +638,10 @@ def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                      jnp.zeros((n, d), jnp.float32))
             for t in range(n_tiles):
                 tokens = t * tile + jnp.arange(tile)[None, :]
-                carry = _attention_tile(q[row, group[0]:group[-1] + 1],
-                                        keys[row, kvh, t * tile:(t + 1) * tile],
-                                        values[row, kvh, t * tile:(t + 1) * tile],
-                                        tokens <= positions[row], *carry)
+                carry = _attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
+                                               keys[row, kvh, t * tile:(t + 1) * tile],
+                                               values[row, kvh, t * tile:(t + 1) * tile],
+                                               tokens <= positions[row], *carry)
             heads.append(carry[2] / carry[1])
         rows.append(jnp.concatenate(heads, axis=0))
     return jnp.stack(rows)
