@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): dfa87da4b5c17403
+Input digest (spec, model config, mkc version): 5841eb9fb360019d
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
+through a ring of 14 VMEM slots of 1024x640 bf16 tiles, 14 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -101,30 +101,34 @@ N_LAYERS = 64
 KIND_IDS = {"gdn": 0, "gqa": 1}
 LAYER_KIND = (0, 0, 0, 1) * 16
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = tuple(range(0, 3264, 51))
+LAYER_TILE_OFFSET = (0, 97, 194, 291, 378, 475, 572, 669, 756, 853, 950, 1047, 1134, 1231, 1328,
+                     1425, 1512, 1609, 1706, 1803, 1890, 1987, 2084, 2181, 2268, 2365, 2462, 2559,
+                     2646, 2743, 2840, 2937, 3024, 3121, 3218, 3315, 3402, 3499, 3596, 3693, 3780,
+                     3877, 3974, 4071, 4158, 4255, 4352, 4449, 4536, 4633, 4730, 4827, 4914, 5011,
+                     5108, 5205, 5292, 5389, 5486, 5583, 5670, 5767, 5864, 5961)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=2,
-                             tile_rows=1024, tile_cols=1152)
-GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
-                              tile_rows=768, tile_cols=1280)
-GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=5,
-                             tile_rows=1024, tile_cols=896)
-GDN_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=4,
-                          tile_rows=768, tile_cols=1280)
-GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=5, col_tiles=2,
-                              tile_rows=1024, tile_cols=1024)
-GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
-                            tile_rows=768, tile_cols=1280)
-GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=5,
-                             tile_rows=1024, tile_cols=896)
-GQA_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=4,
-                          tile_rows=768, tile_cols=1280)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=31040, row_tiles=5, col_tiles=27,
-                              tile_rows=1024, tile_cols=1152)
-RING = Ring(slots=12, ahead=12, total_tiles=3399,
-            tile_shapes=((768, 1280), (1024, 896), (1024, 1024), (1024, 1152)))
-TAIL_TILE_OFFSET = 3264
+GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=6,
+                             tile_rows=1024, tile_cols=384)
+GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=8,
+                              tile_rows=768, tile_cols=640)
+GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=7,
+                             tile_rows=1024, tile_cols=640)
+GDN_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=8,
+                          tile_rows=768, tile_cols=640)
+GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=5, col_tiles=4,
+                              tile_rows=1024, tile_cols=512)
+GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=8,
+                            tile_rows=768, tile_cols=640)
+GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=7,
+                             tile_rows=1024, tile_cols=640)
+GQA_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=8,
+                          tile_rows=768, tile_cols=640)
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=31040, row_tiles=5, col_tiles=49,
+                              tile_rows=1024, tile_cols=640)
+RING = Ring(slots=14, ahead=14, total_tiles=6293,
+            tile_shapes=((768, 640), (1024, 384), (1024, 512), (1024, 640)))
+TAIL_TILE_OFFSET = 6048
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gdn': [GDN_IN_PROJ, GDN_OUT_PROJ, GDN_GATE_UP, GDN_DOWN],
                 'gqa': [GQA_QKV_GATE, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
@@ -147,8 +151,8 @@ N_COLLECTIVE_COUNTERS = 1
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10, GDN_OUT_PROJ),
-                                   'gate_up': (14, GDN_GATE_UP), 'down': (39, GDN_DOWN)},
+KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (30, GDN_OUT_PROJ),
+                                   'gate_up': (38, GDN_GATE_UP), 'down': (73, GDN_DOWN)},
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
                          copies=(StateCopy(direction='load', hbm='gdn__conv', buffer='gdn_conv_buf',
                                            batch_axis=1),
@@ -158,10 +162,10 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10,
                                            buffer='gdn_conv_buf', batch_axis=1),
                                  StateCopy(direction='store', hbm='gdn__recurrent',
                                            buffer='gdn_rec_buf'))),
-         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
-                                   'gate_up': (14, GQA_GATE_UP), 'down': (39, GQA_DOWN)},
+         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (20, GQA_O_PROJ),
+                                   'gate_up': (28, GQA_GATE_UP), 'down': (63, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=3, ahead=3), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -173,36 +177,36 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 37: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 43: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 35: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 41: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 35: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 41: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 35: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 35: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 41: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 41: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 36: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 42: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 36: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 37: store gdn_rec_buf -> state.recurrent
-        return proj, core
+        c.copy("store_gdn_rec_buf").start()   # spec line 43: store gdn_rec_buf -> state.recurrent
+        core = lower.gated_norm(c, core, proj)
+        attn_out = lower.out_proj(c, core)
+        attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 48: direct, wire bf16
+        c.copy("store_gdn_conv_buf").wait()   # spec line 42: store gdn_conv_buf -> state.conv
+        return attn_out,
 
-    proj, core = pl.run_scoped(
+    attn_out, = pl.run_scoped(
         lambda conv_buf: _scope_0(c.scoped(gdn_conv_buf=conv_buf)),
         pltpu.VMEM((3, B, 1280), F32),   # gdn_conv_buf
     )
-    core = lower.gated_norm(c, core, proj)
-    attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 42: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 42: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 48: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -218,12 +222,12 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 50: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 56: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 50: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 56: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -248,7 +252,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa})
-    # spec line 37: the last gdn layer's store of state.recurrent drains
+    # spec line 43: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -296,7 +300,7 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((5, ROWS, 1024), BF16),   # activation
-    "acc": vmem((27, ROWS, 1280), F32),   # activation
+    "acc": vmem((49, ROWS, 640), F32),   # activation
     "gdn_rec_buf": vmem((ROWS, 6, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 5120), BF16),   # collective
