@@ -2,10 +2,10 @@
 
 Schedule qwen3_5_35b_a3b: model qwen3_5_35b_a3b (qwen3_5_moe_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): e580fe9090afaee6
+Input digest (spec, model config, mkc version): acb39ab37f3e0502
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
+through a ring of 12 VMEM slots of 1024x1152 bf16 tiles, 12 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5_moe.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -120,11 +120,11 @@ MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=2048, cols=128, 
                                     col_tiles=1, tile_rows=1024, tile_cols=128)
 MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=64, cols=2048, row_tiles=1, col_tiles=2,
                                  tile_rows=128, tile_cols=1024)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2048, cols=31040, row_tiles=2, col_tiles=35,
-                              tile_rows=1024, tile_cols=896)
-RING = Ring(slots=8, ahead=8, total_tiles=550,
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2048, cols=31040, row_tiles=2, col_tiles=27,
+                              tile_rows=1024, tile_cols=1152)
+RING = Ring(slots=12, ahead=12, total_tiles=534,
             tile_shapes=((128, 1024), (512, 1024), (1024, 128), (1024, 256), (1024, 768),
-                         (1024, 896)))
+                         (1024, 896), (1024, 1152)))
 TAIL_TILE_OFFSET = 480
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gdn': [GDN_IN_PROJ, GDN_OUT_PROJ], 'gqa': [GQA_QKV_GATE, GQA_O_PROJ],
@@ -149,7 +149,7 @@ N_COLLECTIVE_COUNTERS = 1
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='experts_pool', slots=4, slot_rows=24576,
+EXPERTS = ExpertSlots(pool='experts_pool', slots=3, slot_rows=24576,
                       matrices={'gate_up': (0, 2048, 1024), 'down': (16384, 512, 2048)},
                       local_experts=32, group_size=1, top_k=8)
 
@@ -166,7 +166,7 @@ KINDS = {
     ),
     'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (4, GQA_O_PROJ)}, states={},
                     copies=(), caches=('gqa__key', 'gqa__value'),
-                    kv=KvTiles(tokens=128, slots=3, ahead=3), kv_rows='gqa_kv_rows'),
+                    kv=KvTiles(tokens=128, slots=4, ahead=4), kv_rows='gqa_kv_rows'),
     'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'shared_gate_up': (2, MOE_SHARED_GATE_UP),
                               'shared_down': (4, MOE_SHARED_DOWN)},
                     states={}, copies=())
@@ -181,31 +181,31 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 48: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 54: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 46: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 52: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 46: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 52: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 46: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 46: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 52: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 52: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 47: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 53: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 47: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 48: store gdn_rec_buf -> state.recurrent
-        return proj, core
+        c.copy("store_gdn_rec_buf").start()   # spec line 54: store gdn_rec_buf -> state.recurrent
+        core = lower.gated_norm(c, core, proj)
+        attn_out = lower.out_proj(c, core)
+        attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 57: direct, wire bf16
+        c.copy("store_gdn_conv_buf").wait()   # spec line 53: store gdn_conv_buf -> state.conv
+        return attn_out,
 
-    proj, core = pl.run_scoped(
+    attn_out, = pl.run_scoped(
         lambda conv_buf: _scope_0(c.scoped(gdn_conv_buf=conv_buf)),
         pltpu.VMEM((3, B, 1024), F32),   # gdn_conv_buf
     )
-    core = lower.gated_norm(c, core, proj)
-    attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 51: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -221,7 +221,7 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 58: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 64: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -233,14 +233,14 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 64: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 70: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 65: direct, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 71: direct, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 65: direct, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 71: direct, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -265,7 +265,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa, "moe": _layer_moe})
-    # spec line 48: the last gdn layer's store of state.recurrent drains
+    # spec line 54: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -314,8 +314,8 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((2, ROWS, 1024), BF16),   # activation
-    "acc": vmem((35, ROWS, 1024), F32),   # activation
-    "experts_pool": vmem((98304, 128), BF16),   # pool
+    "acc": vmem((27, ROWS, 1152), F32),   # activation
+    "experts_pool": vmem((73728, 128), BF16),   # pool
     "gdn_rec_buf": vmem((ROWS, 4, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 2048), BF16),   # collective
@@ -331,7 +331,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_8x1__send": dma_sems((2, 8)),
     "recv__bf16_8x1__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "expert_sem": dma_sems((4,)),   # expert slot copies
+    "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }
