@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): e8c1a8f91460950c
+Input digest (spec, model config, mkc version): 9c3141d7433442c6
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 14 VMEM slots of 1024x640 bf16 tiles, 14 tiles ahead, across layers and
@@ -165,7 +165,7 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (30,
          'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (20, GQA_O_PROJ),
                                    'gate_up': (28, GQA_GATE_UP), 'down': (63, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=128, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
