@@ -10,9 +10,9 @@ from mkc.diagnostics import MkcError
 from mkc.program import layer_program
 from tests_support import SPEC, run_example
 
-GDN_STATE = """    scoped conv_buf from start to delta_rule
+GDN_STATE = """    scoped conv_buf from start to out_proj
     load  state.conv -> conv_buf, state.recurrent -> rec_buf at start; wait before conv
-    store conv_buf -> state.conv after conv; wait after delta_rule
+    store conv_buf -> state.conv after conv; wait after out_proj
     store rec_buf -> state.recurrent after delta_rule; wait before next gdn
 """
 GDN_OPS = ["input_norm", "in_proj", "conv", "delta_rule", "gated_norm", "out_proj",

@@ -127,10 +127,10 @@ def test_a_changed_statement_gets_a_note_in_place_of_its_numbered_comment():
     res.best = tune.Evaluation(config, tune.render(text, res.knobs, config), ok=True,
                                steps=res.before.steps, headroom=res.before.headroom)
     out = res.text
-    assert "Three KV tiles of each cache in flight" in text
-    assert "Three KV tiles of each cache in flight" not in out      # stated the old numbers
-    assert "# `mkc tune`: kv tiles of gqa 3 slots of 128 tokens ahead 3 ->" in out
-    assert "The conv state lives only from the layer start" in out   # another statement's
+    assert "Four KV tiles of each cache in flight" in text
+    assert "Four KV tiles of each cache in flight" not in out      # stated the old numbers
+    assert "# `mkc tune`: kv tiles of gqa 4 slots of 128 tokens ahead 4 ->" in out
+    assert "The conv state lives from the layer start" in out   # another statement's
 
 
 def line_index(text: str, line: int) -> int:
