@@ -208,3 +208,61 @@ def test_an_exactly_requantizable_checkpoint_packs_without_rounded(hf):
 
 def _shards() -> ShardTable:
     return ShardTable.of(RULES, 16)
+
+
+def _mini_fp4_spec(tmp_path, rounded: bool):
+    """The shipped K3 spec on the MINI layout (16 cores), both expert classes fp4, its model a
+    MINI checkpoint directory beside it (Gaussian draws: not exactly requantizable)."""
+    import json
+    import re
+    import sys
+
+    from mkc.checkpoint import save_checkpoint
+    from tests_support import K3_SPEC, ROOT
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import k3_mini_text
+    ckpt = tmp_path / "k3_mini_ckpt"
+    if not ckpt.exists():
+        config = json.loads((CONFIG_DIR / "kimi_k3_mini.json").read_text())
+        save_checkpoint(ckpt, config, reference.init_params(reference.load_config(config), 0))
+    word = " rounded" if rounded else ""
+    text = re.sub(r"format expert\.(\w+) \w+ block (\d+)( rounded)?",
+                  lambda m: f"format expert.{m.group(1)} fp4 block {m.group(2)}{word}",
+                  k3_mini_text(K3_SPEC.read_text()))
+    text = re.sub(r'model\s+"kimi_k3"', 'model   "k3_mini_ckpt"', text)
+    spec = tmp_path / f"k3_fp4{'_rounded' * rounded}.sched"
+    spec.write_text(text)
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if "format expert.gate_up" in ln)
+    return spec, line
+
+
+@pytest.mark.slow
+def test_compile_with_a_checkpoint_refuses_or_reports_the_requantization(tmp_path):
+    """`mkc compile SPEC` whose model is a checkpoint directory requantizes it as packing will:
+    without `rounded`, a located diagnostic at the spec's format line (the expert, rows and
+    scale spread; the hint names `rounded`), no traceback, no output written; with it, the
+    error per matrix class in the text and in --json."""
+    import re
+
+    from conftest import run_python
+    spec, line = _mini_fp4_spec(tmp_path, rounded=False)
+    out = tmp_path / "gen"
+    r = run_python(["-m", "mkc", "compile", str(spec), "-o", str(out), "--json"], timeout=900)
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
+    import json
+    [d] = json.loads(r.stdout)["diagnostics"]
+    assert (d["code"], d["line"], d["column"]) == ("E-FORMAT", line, 3), d
+    assert re.match(r"`format expert\.gate_up fp4 block 256` cannot hold layer 1 expert 0's "
+                    r"gate \(w1\) exactly: output \d+, input rows 0-255 take 32-row scales "
+                    r"spanning [1-9] octaves? \(E8M0 \d+\.\.\d+\)", d["message"]), d["message"]
+    assert "fp4 block 256 rounded" in d["hint"] and not out.exists()
+    spec, _ = _mini_fp4_spec(tmp_path, rounded=True)
+    r = run_python(["-m", "mkc", "compile", str(spec), "-o", str(out), "--json"], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)["requantization"]
+    assert set(rep) == {"expert.gate_up", "expert.down"}
+    for cls, x in rep.items():
+        assert x["measured"] and not x["exact"] and 0 < x["changed"] < x["values"], (cls, x)
+        assert 0.01 < x["relative_rms_error"] < 0.1 and x["max_abs_error"] > 0
+    r = run_python(["-m", "mkc", "compile", str(spec), "-o", str(out)], timeout=900)
+    assert r.returncode == 0 and "requantization: expert.gate_up (fp4 block 256 rounded): " in r.stdout
