@@ -51,12 +51,14 @@ def resolve_formats(s: ResolveState) -> ResolveState:
         if f.format.text in _NATIVE and not getattr(gen, _NATIVE[f.format.text]):
             accepted = [x for x in offered[cls]
                         if x not in _NATIVE or getattr(gen, _NATIVE[x])]
+            takers = [g for g in target.known_chips()
+                      if getattr(target.generation(g), _NATIVE[f.format.text])]
             raise fail("E-FORMAT", f"{gen.name}'s matrix units take no {f.format.text} operand "
                        f"(measured with libtpu: benchmarks/format_probe.py), so {cls} cannot "
                        f"be stored as {f.format.text!r} on {gen.name}", f.format.span,
-                       hint=f"on {gen.name} {cls} takes {', '.join(accepted)}; fp4 needs a "
-                            f"target whose MXU takes it "
-                            f"({', '.join(g for g in target.known_chips() if target.generation(g).fp4_operand)})")
+                       hint=f"on {gen.name} {cls} takes {', '.join(accepted)}; "
+                            f"{f.format.text} needs a target whose MXU takes it "
+                            f"({', '.join(takers)})")
         if f.block is not None and f.block < 1:
             raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
                        hint="a block is the input rows one scale covers: e.g. `block 512`")

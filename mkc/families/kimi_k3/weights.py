@@ -3,10 +3,10 @@
 Names are the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists. Matrices
 come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
 `mkc.families.kimi_k3.graph` shapes it; routed experts come back as MXFP4 codes and scales in the
-kernel's K-major layout (`pack_mxfp4_for_kernel`), or in the spec's format (FP8 codes; FP4
-codes requantized to one scale per block: `requantized`, `requantization`). A split that does not fill the last ranks
-(the latent, latent_up's columns, the router's experts) leaves zeros there, so the all-gathered
-result is the real width followed by zero padding.
+kernel's K-major layout (`pack_mxfp4_for_kernel`), or in the spec's format (FP8 codes;
+FP4 codes requantized to one scale per block: `requantized`, `requantization`). A split that
+does not fill the last ranks (the latent, latent_up's columns, the router's experts) leaves
+zeros there, so the all-gathered result is the real width followed by zero padding.
 """
 from __future__ import annotations
 
@@ -210,8 +210,11 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
                 out[p + f"{x}.weight_packed"] = r.codes
                 out[p + f"{x}.weight_scale"] = r.scales_per_32()
                 t = totals[_EXPERT_CLASS[x]]
-                t[0] += r.values; t[1] += r.changed; t[2] += r.blocks; t[3] += r.inexact_blocks
-                t[4] = max(t[4], r.max_abs); t[5] += r.sq_err; t[6] += r.sq_ref
+                for i, v in enumerate((r.values, r.changed, r.blocks, r.inexact_blocks)):
+                    t[i] += v
+                t[4] = max(t[4], r.max_abs)
+                t[5] += r.sq_err
+                t[6] += r.sq_ref
     report = {cls: {"format": f"fp4 block {fmt.block}" + (" rounded" if fmt.rounded else ""),
                     "values": t[0], "changed": t[1], "blocks": t[2], "inexact_blocks": t[3],
                     "exact": t[1] == 0, "max_abs_error": t[4],
