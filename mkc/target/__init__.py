@@ -32,7 +32,8 @@ class Generation:
     fp8_operand: bool = True
     # Whether Mosaic takes FP4 (e2m1) values as a matmul operand (a bf16 x fp4 dot, the codes
     # two a byte, `format CLASS fp4 block N`), measured by benchmarks/format_probe.py: tpu7x
-    # compiles it (libtpu converts the codes to e4m3 and pushes them as FP8: `--bundles`);
+    # compiles it (its LLO unpacks the nibbles to bytes, `vunpack.c.{l,u}.s4.s8`, and pushes
+    # them as f8e4m3, `vmatpush1.f8e4m3`: `--bundles`);
     # v4, v5e, v5p and v6e refuse it (Mosaic: "Bad lhs/rhs type: 'vector<16x..xbf16>'
     # 'vector<..xf4E2M1FN>'").
     fp4_operand: bool = False
