@@ -165,7 +165,8 @@ def vmem_peaks(spec: str) -> dict[int, float]:
 def bench_modelled() -> list[str]:
     """Modelled steps (`mkc perf`, every op priced by the work counted from the kernel mkc
     emits) of each shipped spec at batch 1 and 8 and its verify step, and, for K3, the same
-    spec with its experts in the checkpoint's MXFP4 (before the FP8 format): a table."""
+    spec with its experts in the checkpoint's MXFP4 (before the FP8 format) and, where it ships
+    FP4 blocks, in the exact FP8 blocks they replaced: a table."""
     import re
     import tempfile
 
@@ -178,8 +179,15 @@ def bench_modelled() -> list[str]:
         for path in sorted((ROOT / "schedules").glob("*.sched")):
             text = path.read_text()
             label = ", ".join(f"{m.group(1)} {m.group(2)}" for m in
-                              re.finditer(r"^  format (\S+) (\S+(?: block \d+)?)$", text, re.M))
+                              re.finditer(r"^  format (\S+) (\S+(?: block \d+)?(?: rounded)?)$",
+                                          text, re.M))
             specs.append((path, label or "as checkpointed"))
+            if " fp4 block " in label:    # the exact FP8 blocks the FP4 ones replaced
+                fp8 = Path(tmp) / "fp8" / path.name
+                fp8.parent.mkdir(exist_ok=True)
+                fp8.write_text(re.sub(r"^(  format \S+) fp4 (block \d+) rounded$", r"\1 fp8 \2",
+                                      text, flags=re.M))
+                specs.append((fp8, "fp8 blocks (exact; before fp4)"))
             if label:
                 mx = Path(tmp) / path.name
                 mx.write_text(re.sub(r"^  format (\S+) .*$", r"  format \1 mxfp4", text, flags=re.M))

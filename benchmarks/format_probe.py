@@ -10,7 +10,8 @@ Prints one line per generation and format: "compiles" or the compiler's first er
 With --bundles, each compile also dumps libtpu's final instruction bundles (LLO) and the line
 gives the kernel's scheduled bundles and its FP8/FP4 unpack instructions on the codes: what
 the format costs in the code libtpu makes of mkc's expert matmul (a static schedule, not a
-timing; 8 rows of one 512-row pack group, 256 columns).
+timing; 8 rows of one 512-row pack group, 256 columns). FP4 compiles on tpu7x only: the
+generations without it are refused by the spec check (`mkc.target.Generation.fp4_operand`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def _kernel(fmt: str, fp8_operand: bool):
         elif fmt == "fp8":
             w = ops.fp8_block_scaled_tile(codes, scales, BF16)
             o_ref[...] = jnp.dot(x, w, preferred_element_type=F32)
+        elif fmt == FP4:        # e2m1 codes, two a byte, fed as they are (one scale a group)
+            o_ref[...] = ops.fp4_group_matmul(x, codes, scales[:1])
         else:                   # fp8 with a scale per pack group: codes fed where the MXU takes them
             o_ref[...] = ops.fp8_group_matmul(x, codes, scales[:1],
                                               fp8_operand or fmt == "fp8 codes")
@@ -58,7 +61,7 @@ def probe(generation: str, fmt: str) -> str:
     gen = target.generation(generation)
     topo = topologies.get_topology_desc(f"{gen.prefix}={'x'.join(['1'] * gen.ndims)}",
                                         platform="tpu")
-    code_rows = GROUP // 2 if fmt == "mxfp4" else GROUP
+    code_rows = GROUP // 2 if fmt in ("mxfp4", FP4) else GROUP
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     call = pl.pallas_call(_kernel(fmt, gen.fp8_operand),
                           out_shape=jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
@@ -79,6 +82,10 @@ FORMATS = ("mxfp4", "fp8", "fp8 block")
 # Not a format: the codes fed to a mixed bf16 x fp8 dot whatever the generation, which must
 # compile exactly where `mkc.target.Generation.fp8_operand` says the MXU takes FP8 operands.
 CODES = "fp8 codes"
+# FP4 e2m1 codes with a scale per pack group (`format CLASS fp4 block N`), which must compile
+# exactly where `mkc.target.Generation.fp4_operand` says the MXU takes FP4 operands (tpu7x;
+# v6e and older: "Bad lhs/rhs type ... f4E2M1FN").
+FP4 = "fp4 block"
 
 
 # libtpu's dumps of one compile: Mosaic's passes, and the final LLO with its bundle schedule
@@ -117,10 +124,11 @@ def main(argv: list[str]) -> int:
     generations = argv[counted:] or sorted(target.known_chips())
     failed = False
     for g in generations:
-        for fmt in (*FORMATS, CODES):
+        for fmt in (*FORMATS, CODES, FP4):
             verdict = bundles(g, fmt) if counted else probe(g, fmt)
             compiles = verdict.startswith("compiles") or "bundles" in verdict
-            expected = target.generation(g).fp8_operand if fmt == CODES else True
+            gen = target.generation(g)
+            expected = {CODES: gen.fp8_operand, FP4: gen.fp4_operand}.get(fmt, True)
             failed |= compiles != expected
             print(f"{g} {fmt}: {verdict}" + ("" if compiles == expected else
                                               f" (expected {'to compile' if expected else 'to fail'})"))

@@ -103,6 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         spec.write_text(text)
     gen = load_generated(spec, "kimi_k3_mini", args.mutate)
     rounding = rounding_for(spec, "kimi_k3_mini")
+    # The checkpoint as the kernel holds it (a format that requantizes, `fp4 block N`, rounds
+    # the MXFP4 draws' 32-row scales to one per block): the references run on these values,
+    # while the kernel's weights are packed from the checkpoint itself.
+    ref_hf, requantization = gen.requantized_weights(hf)
+    for cls, r in sorted(requantization.items()):
+        print(f"requantized {cls} ({r['format']}): {r['changed']} of {r['values']} values moved "
+              f"in {r['inexact_blocks']} of {r['blocks']} blocks, max abs error "
+              f"{r['max_abs_error']:.3g}, relative RMS {r['relative_rms_error']:.3g}"
+              + (" (exact)" if r["exact"] else ""), flush=True)
 
     B = args.batch
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
@@ -122,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     best = None
     for seed in range(1, 25):
         tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, B), jnp.int32)
-        run = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
+        run = plain_trajectory(reference, ref_hf, cfg, B, gen.CONTEXT, tokens, positions,
+                               args.steps)
         margins = np.min(np.stack([s["route_margins"] for s in run]), axis=0)
         rows = np.array([b for b in range(B) if margins[b] >= args.min_routing_margin], np.int32)
         if best is None or len(rows) > len(best[3]):
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{[round(float(m), 4) for m in margins]} (decisive: rows {rows.tolist()})", flush=True)
     run = run_verify if args.verify else run_kernel
     kernel_states: list = []       # the kernel's state before each decode step (for mutants)
-    refs = step_references(reference, hf, cfg, rounding, B, gen.CONTEXT)
+    refs = step_references(reference, ref_hf, cfg, rounding, B, gen.CONTEXT)
 
     check = "exact" if args.strict_emulation else (
         None if args.emulation_check == "none" else args.emulation_check)
@@ -142,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                "mutant": args.mutate, "emulation_check": check, "pack_seconds": pack_seconds,
                "routing_margins": margins.tolist(), "token_seed": seed, "verify": args.verify,
                "host": host_facts(), "interpret_host_replaced": replaced,
+               "requantization": requantization,
                "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
                             **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:

@@ -2,10 +2,10 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): fcf900a7b4a339c1
+Input digest (spec, model config, mkc version): 1be629da72ea8469
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
+through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.kimi_k3.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -103,8 +103,10 @@ PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 7
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
             'up_cols': 896, 'vocab': 5120}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {'expert.down': WeightFormat(name='fp8', block=128),
-           'expert.gate_up': WeightFormat(name='fp8', block=512)}
+FORMATS = {
+    'expert.down': WeightFormat(name='fp4', block=128, rounded=True, where='kimi_k3.sched:43'),
+    'expert.gate_up': WeightFormat(name='fp4', block=512, rounded=True, where='kimi_k3.sched:42')
+}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=32,
                     rules=(('expert_mlp', 4, 1), ('experts', 8, 4), ('heads', 32, 1),
@@ -161,7 +163,7 @@ MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=
                                tile_rows=896, tile_cols=896)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7, col_tiles=5,
                               tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=4, ahead=4, total_tiles=3405,
+RING = Ring(slots=5, ahead=5, total_tiles=3405,
             tile_shapes=((256, 1024), (384, 1024), (768, 640), (896, 896), (1024, 128), (1024, 384),
                          (1024, 512), (1024, 768), (1024, 1024)))
 TAIL_TILE_OFFSET = 3370
@@ -218,10 +220,10 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=32400,
-                      matrices={'gate_up_codes': (0, 3584, 1536),
-                                'gate_up_scales': (21504, 7, 1536),
-                                'down_codes': (21552, 768, 3584), 'down_scales': (32304, 6, 3584)},
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=16272,
+                      matrices={'gate_up_codes': (0, 1792, 1536),
+                                'gate_up_scales': (10752, 7, 1536),
+                                'down_codes': (10800, 384, 3584), 'down_scales': (16176, 6, 3584)},
                       local_experts=112, group_size=4, top_k=16,
                       stacked=('gate_up_scales', 'down_scales'))
 
@@ -254,11 +256,11 @@ def _layer_dense(k: Kernel, layer):
     """One dense layer: mlp_mix, gate_up, down, mlp_residual."""
     c = k.layer("dense", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 83: prefetch next staging.attention
+    c.prefetch_view()   # spec line 86: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 84: two_level, wire bf16
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 87: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -270,13 +272,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 70: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 73: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 68: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 71: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 68: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 71: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -284,13 +286,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 68: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 68: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 71: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 71: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 69: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 72: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 69: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 70: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 72: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 73: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -301,7 +303,7 @@ def _layer_kda(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.attention is free from here
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 72: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 75: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -327,7 +329,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 79: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 82: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -338,22 +340,22 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 88: exchange with sibling, wire f32
+    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 91: exchange with sibling, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 89: fetch experts -> staging.experts, the first slots now
+    # spec line 92: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 90: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 93: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 91: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 94: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 92: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 91: two_level, wire bf16
+    c.prefetch_view()   # spec line 95: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 94: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 93: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 96: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -380,7 +382,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"dense": _layer_dense, "kda": _layer_kda, "mla": _layer_mla, "moe": _layer_moe})
-    # spec line 70: the last kda layer's store of state.recurrent drains
+    # spec line 73: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -490,5 +492,6 @@ make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step,
 pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
 init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
 reference_states, random_weights = HOST.reference_states, HOST.random_weights
+requantized_weights = HOST.requantized_weights
 hbm_shapes, state_shapes = HOST.hbm_shapes, HOST.state_shapes
 vmem_input_shapes, scratch_shapes = HOST.vmem_input_shapes, HOST.scratch_shapes

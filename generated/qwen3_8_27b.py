@@ -335,5 +335,6 @@ make_verify_step, verify_step, commit = HOST.make_verify_step, HOST.verify_step,
 pack_rank, pack_weights, place_weights = HOST.pack_rank, HOST.pack_weights, HOST.place_weights
 init_state, place_state, make_mesh = HOST.init_state, HOST.place_state, HOST.make_mesh
 reference_states, random_weights = HOST.reference_states, HOST.random_weights
+requantized_weights = HOST.requantized_weights
 hbm_shapes, state_shapes = HOST.hbm_shapes, HOST.state_shapes
 vmem_input_shapes, scratch_shapes = HOST.vmem_input_shapes, HOST.scratch_shapes

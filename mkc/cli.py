@@ -154,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             compiler.write_atomically(out, c.module_source)
             from mkc import report
             result |= {"output": str(out), "budget": report.budget(c.ir, c.events)}
+            if c.requantization:
+                result["requantization"] = c.requantization
             if not as_json:
                 print(f"wrote {out}")
+                _print_requantization(c.requantization)
         elif args.cmd == "check":
             try:
                 c = compiler.check_spec(args.spec, args.model)
@@ -164,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                     result["confirm"] = _confirm(args.spec, args.model, as_json)
             from mkc import report
             result["budget"] = report.budget(c.ir, c.events)
+            if c.requantization:
+                result["requantization"] = c.requantization
             if not as_json:
                 print(f"{args.spec}: ok")
                 print(report.budget_table(c.ir, result["budget"]))
+                _print_requantization(c.requantization)
         elif args.cmd == "perf":
             from mkc import perf
             c = compiler.check_spec(args.spec, args.model)
@@ -199,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         print(json.dumps(result, indent=1, sort_keys=True))
     return 0
+
+
+def _print_requantization(rep: dict) -> None:
+    from mkc.requantize import lines
+    for line in lines(rep):
+        print(f"requantization: {line}")
 
 
 def _confirm(spec: str, model: str | None, as_json: bool) -> dict:

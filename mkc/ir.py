@@ -310,14 +310,20 @@ class ViewCopy:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a matrix class is stored (`format CLASS NAME [block ROWS]`): the format, the input
-    rows one scale covers (0: the format's own) and whether the target's MXU takes FP8 values
-    as a matmul operand (`mkc.target.Generation.fp8_operand`), so codes can reach it as they
-    are."""
+    """How a matrix class is stored (`format CLASS NAME [block ROWS] [rounded]`): the format,
+    the input rows one scale covers (0: the format's own) and whether the target's MXU takes
+    FP8 values as a matmul operand (`mkc.target.Generation.fp8_operand`), so codes can reach it
+    as they are. FP4 codes always reach it as they are: resolve refuses `fp4` on a target
+    whose MXU does not take them (`mkc.target.Generation.fp4_operand`)."""
 
     name: str
     block: int = 0
     fp8_operand: bool = True
+    # `rounded`: packing may round values the format cannot hold exactly (an fp4 block's
+    # e2m1 codes under one scale) to the nearest it holds; without it it refuses them.
+    rounded: bool = False
+    # The spec's `format` line ("kimi_k3.sched:40"), for what packing refuses or reports.
+    where: str = ""
 
 
 @dataclass(frozen=True)

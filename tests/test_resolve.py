@@ -119,9 +119,35 @@ def test_a_format_records_whether_the_target_takes_fp8_operands(target, fp8_oper
     from mkc.resolve import resolve
     text = re.sub(r"vmem\s+limit \d+ MiB reserve \d+ MiB", "vmem limit 16 MiB reserve 2 MiB",
                   k3_mini_text(K3_SPEC.read_text()))
+    text = re.sub(r"(format \S+) fp4 (block \d+) rounded", r"\1 fp8 \2", text)   # shipped: fp4
     s = resolve(parse(re.sub(r"target\s+tpu7x topology \S+", target, text)), "kimi_k3_mini")
     assert {f.name for f in s.weight_formats.values()} == {"fp8"}
     assert {f.fp8_operand for f in s.weight_formats.values()} == {fp8_operand}
+
+
+def test_fp4_resolves_where_the_mxu_takes_it_and_is_refused_elsewhere():
+    """The shipped K3 spec's rounded FP4 experts resolve on tpu7x (the format line recorded for
+    packing's diagnostics); moved to v4, whose MXU takes no FP4 operand, the format line is a
+    diagnostic at the format name that names what v4 takes."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import k3_mini_text
+    from mkc.lang.parser import parse
+    from mkc.resolve import resolve
+    text = re.sub(r"vmem\s+limit \d+ MiB reserve \d+ MiB", "vmem limit 16 MiB reserve 2 MiB",
+                  k3_mini_text(K3_SPEC.read_text()))
+    s = resolve(parse(text, "kimi_k3.sched"), "kimi_k3_mini")
+    assert {(f.name, f.rounded) for f in s.weight_formats.values()} == {("fp4", True)}
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if "format expert.gate_up" in ln)
+    assert s.weight_formats["expert.gate_up"].where == f"kimi_k3.sched:{line}"
+    with pytest.raises(MkcError) as e:
+        resolve(parse(re.sub(r"target\s+tpu7x topology \S+", "target v4 topology 2x2x2", text)),
+                "kimi_k3_mini")
+    [d] = e.value.diagnostics
+    assert (d.code, d.span.line, d.span.column) == ("E-FORMAT", line, 25)
+    assert "v4's matrix units take no fp4 operand" in d.message
+    assert d.hint.startswith("on v4 expert.gate_up takes mxfp4, fp8;")
 
 
 # ---- the driver: a flat list of passes, and `mkc ir --after PASS` ----------------------------

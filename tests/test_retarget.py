@@ -119,6 +119,9 @@ def test_k3_rules_on_a_one_core_chip_slice_need_no_sibling():
     res, s = _retargeted("kimi_k3", "v6e topology 4x8", "kimi_k3_mini")
     assert "with sibling" not in res.text and s.chip == "v6e"
     assert not any(k.exchanges for k in s.kinds.values())
+    # v6e's MXU takes no FP4 operand: the shipped FP4 blocks become (exact) FP8 blocks
+    assert "  format expert.gate_up fp8 block 512\n  format expert.down fp8 block 128\n" in res.text
+    assert {f.name for f in s.weight_formats.values()} == {"fp8"}
 
 
 def test_cli_writes_only_a_checked_spec(tmp_path, capsys):

@@ -83,14 +83,19 @@ def test_every_generation_compiles_every_expert_format():
     """Measured, not assumed: the K3 lowering's expert-matmul body in each weight format
     (MXFP4 decode, FP8 with 32-row scales, FP8 with a scale per pack group) compiles with
     libtpu on every generation (benchmarks/format_probe.py), so no target refuses a format;
-    and FP8 codes fed to the MXU as they are compile exactly where the target table says the
-    MXU takes FP8 operands (v4's Mosaic refuses them: there the codes are converted first)."""
+    FP8 codes fed to the MXU as they are compile exactly where the target table says the
+    MXU takes FP8 operands (v4's Mosaic refuses them: there the codes are converted first);
+    FP4 codes (`fp4 block N`) exactly where it says the MXU takes FP4 (tpu7x only: the spec
+    check refuses fp4 elsewhere)."""
     r = run_python(["benchmarks/format_probe.py"], timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     lines = [ln for ln in r.stdout.splitlines() if ": " in ln]
-    assert len(lines) == 4 * len(target.known_chips())
-    formats = [ln for ln in lines if " fp8 codes: " not in ln]
+    assert len(lines) == 5 * len(target.known_chips())
+    formats = [ln for ln in lines if " fp8 codes: " not in ln and " fp4 block: " not in ln]
     assert all(ln.endswith(": compiles") for ln in formats), formats
     for chip in target.known_chips():
         codes = next(ln for ln in lines if ln.startswith(f"{chip} fp8 codes: "))
         assert codes.endswith(": compiles") == target.generation(chip).fp8_operand, codes
+        fp4 = next(ln for ln in lines if ln.startswith(f"{chip} fp4 block: "))
+        assert fp4.endswith(": compiles") == target.generation(chip).fp4_operand, fp4
+    assert [c for c in target.known_chips() if target.generation(c).fp4_operand] == ["tpu7x"]

@@ -21,6 +21,8 @@ Quantized scales stay in 1..254 (the normal range that checkpoint loaders accept
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,15 +50,15 @@ def _check_layout(codes_shape: tuple[int, ...], scales_shape: tuple[int, ...],
                          f"{want_scales}, got {tuple(codes_shape)} and {tuple(scales_shape)}")
 
 
-def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Encode a float array ``[..., K]`` (K a multiple of 32) as (codes uint8 ``[..., K/2]``,
-    scales uint8 ``[..., K/32]``). Raises on non-finite input."""
+def mxfp4_quantize(w: np.ndarray, block: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Encode a float array ``[..., K]`` (K a multiple of ``block``, 32 for MXFP4) as (codes
+    uint8 ``[..., K/2]``, scales uint8 ``[..., K/block]``). Raises on non-finite input."""
     w = np.asarray(w)
-    if w.ndim == 0 or w.shape[-1] % BLOCK_SIZE or w.shape[-1] == 0:
-        raise ValueError(f"the last axis of {w.shape} must be a positive multiple of {BLOCK_SIZE}")
+    if w.ndim == 0 or w.shape[-1] % block or w.shape[-1] == 0 or block % 2:
+        raise ValueError(f"the last axis of {w.shape} must be a positive multiple of {block}")
     if not np.all(np.isfinite(w)):
         raise ValueError("cannot quantize non-finite values to MXFP4")
-    x = w.astype(np.float64).reshape(*w.shape[:-1], w.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    x = w.astype(np.float64).reshape(*w.shape[:-1], w.shape[-1] // block, block)
 
     # Smallest s with amax <= 6 * 2**s, exactly: with amax = m * 2**e (m in [0.5, 1)),
     # 6 * 2**s >= amax  <=>  s - e >= log2(m / 6), i.e. s = e - 3 when m <= 0.75 else e - 2.
@@ -110,3 +112,75 @@ def mxfp4_dequantize_jax(codes: jax.Array, scales: jax.Array, shape: tuple[int, 
     scale = jnp.where(exponent == SCALE_NAN, jnp.float32(jnp.nan), scale)
     blocked = values.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
     return (blocked * scale[..., None]).reshape(shape)
+
+
+# ---- requantization to one scale per larger block (`format CLASS fp4 block N`) --------------
+
+@dataclass(frozen=True)
+class Requantized:
+    """MXFP4 values (a scale per 32) requantized to e2m1 codes under one scale per ``block``
+    values along the last axis, and how far they moved.
+
+    ``codes`` keep the checkpoint's layout (``[..., K/2]``, element 2j in the low nibble);
+    ``scales`` hold one E8M0 scale per block (``[..., K/block]``). The checkpoint's values are
+    read as the kernel's MXFP4 decode reads them (a 32-value scale of 0, 2**-127 and itself
+    subnormal, is zero)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    block: int
+    values: int            # values compared
+    changed: int           # values the requantization moved
+    blocks: int
+    inexact_blocks: int
+    max_abs: float         # largest |requantized - checkpoint|
+    sq_err: float          # sum of squared errors
+    sq_ref: float          # sum of the checkpoint's squared values
+    first: tuple[int, ...] | None = None     # index (leading axes, then block) of the first inexact block
+    first_scales: tuple[int, int] = (0, 0)   # its 32-value scales, smallest and largest
+
+    @property
+    def exact(self) -> bool:
+        return self.changed == 0
+
+    def scales_per_32(self) -> np.ndarray:
+        """The block scales repeated per 32 values: the requantized values as MXFP4."""
+        return np.repeat(self.scales, self.block // BLOCK_SIZE, axis=-1)
+
+
+def requantize_blocks(codes: np.ndarray, scales: np.ndarray, block: int) -> Requantized:
+    """MXFP4 ``codes [..., K/2]`` and ``scales [..., K/32]`` -> e2m1 codes with one E8M0 scale
+    per ``block`` values (a multiple of 32 dividing K): each block takes the smallest scale
+    that holds its largest magnitude (|v| <= 6 * scale, so nothing overflows) and every value
+    is rounded to the nearest e2m1 value under it, ties to the even code (``mxfp4_quantize``
+    over the block). Exact where every value of a block is an e2m1 value times that scale:
+    always where the block's 32-value scales are equal; a 32-value block k octaves below the
+    block's scale keeps only the values whose codes are multiples of 2**k (one octave: 0, 1,
+    2, 3, 4 and 6 halve exactly, 0.5 and 1.5 do not). A scale of 255 (NaN) is refused."""
+    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
+    k = 2 * codes.shape[-1]
+    if block % BLOCK_SIZE or k % block or block <= 0:
+        raise ValueError(f"a block of {block} values does not tile {k} in {BLOCK_SIZE}s")
+    if (scales == SCALE_NAN).any():
+        raise ValueError("a scale of 255 (NaN) cannot be requantized")
+    shape = (*codes.shape[:-1], k)
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(shape)
+    per32 = np.where(scales == 0, 0.0, np.ldexp(1.0, scales.astype(np.int64) - SCALE_BIAS))
+    values = (E2M1_VALUES[nibbles].astype(np.float64).reshape(*shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE)
+              * per32[..., None]).reshape(shape)
+    new_codes, new_scales = mxfp4_quantize(values, block)
+    new_nibbles = np.stack([new_codes & 0xF, new_codes >> 4], axis=-1).reshape(shape)
+    new = (E2M1_VALUES[new_nibbles].astype(np.float64).reshape(*shape[:-1], k // block, block)
+           * np.ldexp(1.0, new_scales.astype(np.int64) - SCALE_BIAS)[..., None]).reshape(shape)
+    err = np.abs(new - values)
+    moved = (err != 0).reshape(*shape[:-1], k // block, block).any(axis=-1)
+    first, spread = None, (0, 0)
+    if moved.any():
+        first = tuple(int(i) for i in np.argwhere(moved)[0])
+        s32 = scales[first[:-1]].reshape(k // block, block // BLOCK_SIZE)[first[-1]]
+        spread = (int(s32.min()), int(s32.max()))
+    return Requantized(codes=new_codes, scales=new_scales, block=block, values=int(err.size),
+                       changed=int(np.count_nonzero(err)), blocks=int(moved.size),
+                       inexact_blocks=int(moved.sum()), max_abs=float(err.max(initial=0.0)),
+                       sq_err=float(np.sum(err * err)), sq_ref=float(np.sum(values * values)),
+                       first=first, first_scales=spread)

@@ -56,7 +56,7 @@ class Rates:
         rows through fp8 weights: the bf16 rate)."""
         if dtype == "f32":
             return self.mxu_ops_per_s["bf16"] / self.f32_matmul_passes
-        if dtype == "bf16xfp8":
+        if dtype in ("bf16xfp8", "bf16xfp4"):
             return self.mxu_ops_per_s["bf16"]
         if dtype not in self.mxu_ops_per_s:
             raise KeyError(f"{self.chip} has no {dtype} matrix unit (JAX gives "
@@ -73,6 +73,12 @@ class Rates:
             # f8e4m3, half the pushes of bf16; v6e and v5e convert inside the push): loaded at
             # the chip's fp8 rate where JAX gives one, else at bf16's
             dtype = "fp8" if "fp8" in self.mxu_ops_per_s else "bf16"
+        if dtype == "bf16xfp4":
+            # fp4 weights: JAX gives no fp4 rate (tpu7x: bf16, fp8; int4 and int8 zero), and
+            # libtpu's LLO of a bf16 x fp4 dot converts the codes to e4m3 and pushes them as
+            # fp8 (benchmarks/format_probe.py --bundles): assumed loaded at the fp8 rate
+            dtype = "fp4" if "fp4" in self.mxu_ops_per_s else (
+                "fp8" if "fp8" in self.mxu_ops_per_s else "bf16")
         return self.mxu_feed_scale * self.mxu_rate(dtype) / (2 * self.mxu_column)
 
     def latency(self, name: str) -> float:

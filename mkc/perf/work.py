@@ -70,11 +70,13 @@ def vreg_values(shape: tuple[int, ...], dtype) -> float:
 
 
 MIXED_FP8 = "bf16xfp8"
+MIXED_FP4 = "bf16xfp4"
 
 
 def mxu_type(a, b) -> str:
     """The MXU input type of a dot of dtypes a and b: the wider of the two, except bf16 with
-    fp8 ("bf16xfp8"): bf16 rows through fp8 weights pushed as they are (`Rates.mxu_rate`)."""
+    fp8 ("bf16xfp8") or fp4 ("bf16xfp4"): bf16 rows through fp8 or fp4 weights pushed as they
+    are (`Rates.mxu_rate`)."""
     names = {np.dtype(jax.numpy.bfloat16): "bf16", np.dtype(np.float32): "f32",
              np.dtype(np.int8): "int8", np.dtype(np.uint8): "int8"}
     kinds = []
@@ -89,6 +91,8 @@ def mxu_type(a, b) -> str:
             kinds.append("f32")
     if sorted(kinds) == ["bf16", "fp8"]:
         return MIXED_FP8
+    if sorted(kinds) == ["bf16", "fp4"]:
+        return MIXED_FP4
     order = ["fp4", "int8", "fp8", "bf16", "f32"]
     return max(kinds, key=order.index)
 

@@ -214,10 +214,20 @@ def in_out(w: jax.Array) -> jax.Array:
 def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
     """``x @ w.T`` with f32 accumulation, as one dot of ``operands`` ("bf16": the dot a kernel
     issues to the MXU, bf16 operands accumulated in f32; x and w must hold bf16 values;
-    "mixed_fp8": a kernel's bf16 x fp8 dot, w holding the fp8 values times a power of two)."""
-    if operands == "mixed_fp8":
-        # XLA's CPU runs a bf16 x fp8 dot as an f32 dot of the weight as the kernel holds it,
-        # [in, out] (``in_out``), and w's power of two scales every partial sum exactly.
+    "mixed_fp8" / "mixed_fp4": a kernel's bf16 x fp8 (fp4) dot, w holding the fp8 (e2m1)
+    values times a power of two)."""
+    if operands == "mixed_fp4" and x.size > x.shape[-1]:
+        # A bf16 x fp4 dot: interpret mode unpacks the codes (``pltpu.bitcast``) by moving the
+        # input axis last, a view XLA lays out [out, in]; with two or more rows XLA's CPU dot of
+        # that weight sums as the f32 dot of the [out, in] values (measured bit-equal at 2, 3,
+        # 8 and 16 rows, 128 to 1024 inputs: tests/families/kimi_k3/test_k3_fp4.py), and one
+        # row as the matrix-vector product of the [in, out] weight (below).
+        return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+    if operands in ("mixed_fp8", "mixed_fp4"):
+        # XLA's CPU runs a bf16 x fp8 dot (and a one-row bf16 x fp4 dot) as an f32 dot of the
+        # weight as the kernel holds it, [in, out] (``in_out``), and w's power of two scales
+        # every partial sum exactly.
         return jnp.dot(x.astype(jnp.float32), in_out(w.astype(jnp.float32)),
                        precision=jax.lax.Precision.HIGHEST)
     if operands == "bf16":

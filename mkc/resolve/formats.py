@@ -3,6 +3,7 @@ format is stored."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from mkc import ir, target
 from mkc.diagnostics import MkcError, Span, fail
@@ -12,12 +13,24 @@ from mkc.resolve.names import unknown
 from mkc.resolve.state import ResolveState
 
 
+# Formats whose values reach the MXU as they are, each with the `mkc.target.Generation` fact
+# (measured) that says whether the target's MXU takes them.
+NATIVE = {"fp4": "fp4_operand"}
+# Where the target's MXU lacks a native format, the format that holds the same blocks on any
+# target (exactly, where the checkpoint allows: `mkc retarget` rewrites to it).
+FALLBACK = {"fp4": "fp8"}
+# Formats whose requantization may round (`rounded`): an fp4 block cannot hold every value of
+# the checkpoint's MXFP4 blocks under one scale.
+ROUNDS = ("fp4",)
+
+
 def resolve_formats(s: ResolveState) -> ResolveState:
     """Every matrix class with a choice of format -> the one the spec picks, else the
     checkpoint's; each with what the target's MXU takes."""
     family = s.family
     offered = dict(family.weight_formats)
-    fp8_operand = target.generation(s.topology.chip.name).fp8_operand
+    gen = target.generation(s.topology.chip.name)
+    fp8_operand = gen.fp8_operand
     chosen = {cls: dataclasses.replace(f, fp8_operand=fp8_operand)
               for cls, f in family.default_formats().items()}
     seen: dict[str, Span] = {}
@@ -38,11 +51,28 @@ def resolve_formats(s: ResolveState) -> ResolveState:
             raise fail("E-FORMAT", f"{cls} cannot be stored as {f.format.text!r}", f.format.span,
                        hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
                             "checkpoint's)")
+        if f.format.text in NATIVE and not getattr(gen, NATIVE[f.format.text]):
+            accepted = [x for x in offered[cls]
+                        if x not in NATIVE or getattr(gen, NATIVE[x])]
+            takers = [g for g in target.known_chips()
+                      if getattr(target.generation(g), NATIVE[f.format.text])]
+            raise fail("E-FORMAT", f"{gen.name}'s matrix units take no {f.format.text} operand "
+                       f"(measured with libtpu: benchmarks/format_probe.py), so {cls} cannot "
+                       f"be stored as {f.format.text!r} on {gen.name}", f.format.span,
+                       hint=f"on {gen.name} {cls} takes {', '.join(accepted)}; "
+                            f"{f.format.text} needs a target whose MXU takes it "
+                            f"({', '.join(takers)})")
         if f.block is not None and f.block < 1:
             raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
                        hint="a block is the input rows one scale covers: e.g. `block 512`")
+        if f.rounded is not None and f.format.text not in ROUNDS:
+            raise fail("E-FORMAT", f"{f.format.text} needs no rounding: `rounded` applies to "
+                       f"{', '.join(ROUNDS)}, whose blocks may not hold the checkpoint's values",
+                       f.rounded.span, hint="remove `rounded`")
         seen[cls] = f.span
-        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand)
+        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand,
+                                      rounded=f.rounded is not None,
+                                      where=f"{Path(f.span.file).name}:{f.span.line}")
     return dataclasses.replace(s, formats=chosen)
 
 

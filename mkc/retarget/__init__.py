@@ -37,7 +37,8 @@ from mkc.perf.comments import drop_stale_comments
 from mkc.perf.tune import SpecSource
 from mkc.resolve.driver import run
 from mkc.resolve.state import ResolveState
-from mkc.retarget.edit import Plan, TextEdits, collective_edits, header_edits, shard_edits
+from mkc.retarget.edit import (Plan, TextEdits, collective_edits, format_edits, header_edits,
+                               shard_edits)
 from mkc.retarget.fit import Checked, check, fit
 from mkc.retarget.layout import Builder, carried_over, mesh_groups, search_rules, spell, spelling
 
@@ -125,6 +126,10 @@ def retarget(text: str, file: str, new_target: str, model: str | None = None,
     sched = parse(canonical, file)
     if before is None:
         before = _before(canonical, file, model, sched, log)
+    if (moved := format_edits(canonical, sched, new.gen)) != canonical:
+        log(f"{new.gen} takes no FP4 operand: its `format` lines become FP8 blocks")
+        canonical = format_text(moved, file)
+        sched = parse(canonical, file)
     name = name or default_name(sched.name.text, new)
     attempt = candidates(sched, canonical, file, model, new, name, max_models, log)
     if not attempt.passed:

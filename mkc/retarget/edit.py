@@ -122,3 +122,22 @@ def _gather_edits(ed: TextEdits, phase: ast.Phase, split: dict[str, str], plan: 
         ed.replace(line.span, texts[0])
         if texts[1:]:
             ed.insert_lines_after(line.span, texts[1:])
+
+
+def format_edits(text: str, sched: ast.Schedule, gen: str) -> str:
+    """The spec's `format` lines on generation `gen`: a format whose values the new target's
+    MXU does not take as they are (FP4 off tpu7x, `mkc.target.Generation.fp4_operand`) becomes
+    its fallback with the same block (`fp8 block N`: exact while a block's 32-row scales span
+    at most 8 octaves, which packing checks), and `rounded`, which only FP4 takes, goes."""
+    from mkc.resolve.formats import FALLBACK, NATIVE
+    g = target.generation(gen)
+    ed = TextEdits(SpecSource(text))
+    for f in sched.formats:
+        native = NATIVE.get(f.format.text)
+        if native is None or getattr(g, native):
+            continue
+        ed.replace(f.format.span, FALLBACK[f.format.text])
+        if f.rounded is not None:
+            a, b = ed.src.span_range(f.rounded.span)
+            ed.edits.append((a - 1 if ed.src.text[a - 1] == " " else a, b, ""))
+    return ed.apply()

@@ -339,6 +339,21 @@ class Host:
         reference = importlib.import_module(f"{self.hf_layout.__package__}.reference")
         return reference.init_params(reference.load_config(dict(self.hf_config)), seed)
 
+    def requantized_weights(self, hf) -> tuple[dict, dict[str, dict]]:
+        """The checkpoint as the kernel holds its values, and how far they moved: `hf` with the
+        matrices of every class whose format requantizes them (K3's `fp4 block N`) replaced by
+        their requantized tensors in the checkpoint's own format (the reference and its
+        rounding emulation run on these; packing either gives the same kernel weights), and
+        per matrix class the error against the checkpoint's values (values changed, inexact
+        blocks, max abs, relative RMS). `hf` itself and an empty report where no format
+        requantizes; a FormatError (naming the spec's `format` line, the matrix and the block)
+        where a class without `rounded` cannot be held exactly."""
+        fn = getattr(self.hf_layout, "requantization", None)
+        if fn is None:
+            return hf, {}
+        changed, report = fn(hf, self.dims, self.formats, self.shards)
+        return ({**hf, **changed} if changed else hf), report
+
     def reference_states(self, state) -> dict[str, np.ndarray]:
         """The decode state gathered over ranks into the reference's (upstream) layouts."""
         return self.hf_layout.reference_states(state, self.dims, self.per_rank, self.shards,

@@ -30,6 +30,13 @@ class Generation:
     # by benchmarks/format_probe.py: v4 refuses it (E2001 CompileTimeMosaicUnsupportedRhsType
     # vector<..xf8E4M3FN>); v5e, v5p, v6e and tpu7x compile it.
     fp8_operand: bool = True
+    # Whether Mosaic takes FP4 (e2m1) values as a matmul operand (a bf16 x fp4 dot, the codes
+    # two a byte, `format CLASS fp4 block N`), measured by benchmarks/format_probe.py: tpu7x
+    # compiles it (its LLO unpacks the nibbles to bytes, `vunpack.c.{l,u}.s4.s8`, and pushes
+    # them as f8e4m3, `vmatpush1.f8e4m3`: `--bundles`);
+    # v4, v5e, v5p and v6e refuse it (Mosaic: "Bad lhs/rhs type: 'vector<16x..xbf16>'
+    # 'vector<..xf4E2M1FN>'").
+    fp4_operand: bool = False
 
 
 # Every generation both JAX's chip table and libtpu's compile-only topologies know (jax 0.12,
@@ -51,7 +58,7 @@ _GENERATIONS = {g.name: g for g in (
     Generation("v5e", "TPU_V5E", "v5e", 2, 256),
     Generation("v5p", "TPU_V5P", "v5p", 3, 8960),
     Generation("v6e", "TPU_V6E", "v6e", 2, 256),
-    Generation("tpu7x", "TPU_7X", "tpu7x", 3, 9216),
+    Generation("tpu7x", "TPU_7X", "tpu7x", 3, 9216, fp4_operand=True),
 )}
 
 

@@ -1,5 +1,7 @@
 """The model's trace is the checked trace: same builder, same program order, plus op and
 collective events; op facts reach the IR from the graph."""
+import re
+
 from mkc.compiler import check_spec
 from mkc.perf.run import perf_trace
 from mkc.trace import TraceOptions, build_trace
@@ -47,10 +49,15 @@ def test_model_trace_is_sized_at_the_batch_with_the_whole_kv_stream():
     assert state8 == 8 * state1
 
 
-def test_matrix_facts_say_how_stored_bytes_count_as_values():
-    fp8 = check_spec(K3_SPEC).ir                                       # format expert.* fp8
+def test_matrix_facts_say_how_stored_bytes_count_as_values(tmp_path):
+    fp4 = check_spec(K3_SPEC).ir                                       # format expert.* fp4 block
     mx = check_spec(K3_SPEC.with_name("kimi_k3_64.sched")).ir          # the checkpoint's MXFP4
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(re.sub(r"(format \S+) fp4 (block \d+) rounded", r"\1 fp8 \2",
+                           K3_SPEC.read_text()))
+    fp8 = check_spec(spec).ir                                          # format expert.* fp8 block
     assert fp8.matrix_facts["expert.gate_up_codes"].values_per_byte == 1.0
+    assert fp4.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0   # two codes a byte
     assert mx.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0
-    for s in (fp8, mx):
+    for s in (fp8, fp4, mx):
         assert s.matrix_facts["expert.gate_up_scales"].values_per_byte == 0   # not multiplied

@@ -195,8 +195,11 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
 # with an E8M0 scale per 32 input rows (the checkpoint's: every e2m1 value is an e4m3 value,
 # so always exact) or per `block` rows, a whole number of pack groups (one scale multiplies a
 # pack group's partial product; exact where a block's 32-row scales span at most 8 octaves,
-# which packing checks).
-WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))
+# which packing checks); or FP4 e2m1 codes (two rows a byte), fed to the MXU as they are, with
+# one scale per `block` rows, whole pack groups (exact where the checkpoint's values fit one
+# scale per block, which packing checks and otherwise refuses unless the spec says `rounded`).
+WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8", "fp4")),
+                  ("expert.down", ("mxfp4", "fp8", "fp4")))
 FORMATS_DEFAULT = {cls: WeightFormat(formats[0]) for cls, formats in WEIGHT_FORMATS}
 _FP8_CODES = MatrixFacts(values_per_byte=1.0)
 
@@ -227,11 +230,18 @@ def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat
             raise FormatError(cls, f"MXFP4 keeps the checkpoint's scale per {MX_BLOCK} rows, not "
                               f"{block}", f"drop the block, or store it as FP8 (`format {cls} fp8 "
                               "block N`, N whole pack groups)")
+        if fmt.name == "fp4" and not fmt.block:
+            raise FormatError(cls, "FP4 takes one scale per block of whole pack groups (its "
+                              "codes reach the MXU as they are, the scale multiplying a pack "
+                              "group's partial product)", f"write `format {cls} fp4 block "
+                              f"{groups[name]}` (a multiple of {groups[name]} rows)")
         block = min(block, rows[name])
-        if block != MX_BLOCK and (block % groups[name] or rows[name] % block):
+        if (block != MX_BLOCK or fmt.name == "fp4") and (block % groups[name]
+                                                          or rows[name] % block):
+            first = "" if fmt.name == "fp4" else f"{MX_BLOCK}, or "
             raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its "
                               f"{rows[name]} input rows (per rank) run as pack groups of "
-                              f"{groups[name]}", f"use {MX_BLOCK}, or a multiple of "
+                              f"{groups[name]}", f"use {first}a multiple of "
                               f"{groups[name]} that divides {rows[name]} (e.g. "
                               f"{groups[name]})")
         out[cls] = dataclasses.replace(fmt, block=block)
@@ -244,7 +254,8 @@ def expert_codes(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str
     `fmt.block` input rows. The scales are stacked in the slot: a few rows over many panels,
     which whole-tile panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy
     for 32 KB of scales)."""
-    code_rows, facts = (rows // 2, _MXFP4_CODES) if fmt.name == "mxfp4" else (rows, _FP8_CODES)
+    code_rows, facts = ((rows // 2, _MXFP4_CODES) if fmt.name in ("mxfp4", "fp4")
+                        else (rows, _FP8_CODES))
     return {f"{name}_codes": _m(f"{name}_codes", code_rows, cols, "u8", mxu=facts),
             f"{name}_scales": _m(f"{name}_scales", rows // fmt.block, cols, "u8",
                                  mxu=_MXFP4_SCALES, stacked=True)}

@@ -291,14 +291,14 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     """x @ selected expert k's matrix `name` (codes and scales in its slot), one pack group of
     `group` input rows at a time, in the spec's `format expert.<name>`: MXFP4 codes (two rows a
     byte) decoded with their 32-row scales; FP8 codes (one) converted and scaled per 32 rows;
-    or, with FP8 blocks of whole pack groups, fed to the MXU as they are in a mixed bf16 x fp8
-    dot, their block's scale multiplying the group's partial product. The dots see the same
-    values times powers of two."""
+    or, with FP8 or FP4 blocks of whole pack groups, fed to the MXU as they are in a mixed
+    bf16 x fp8 (fp4) dot, their block's scale multiplying the group's partial product. The dots
+    see the same values times powers of two (FP4: the values packing requantized them to)."""
     slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
     scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
     fmt = c.kernel.formats[f"expert.{name}"]
-    rows_per_byte = 2 if fmt.name == "mxfp4" else 1
+    rows_per_byte = 2 if fmt.name in ("mxfp4", "fp4") else 1
     out = None
     for g in range(x.shape[1] // group):
         xg = x[:, g * group:(g + 1) * group].astype(BF16)
@@ -308,6 +308,9 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
             decode = ops.mxfp4_dequantize_tile if fmt.name == "mxfp4" else ops.fp8_block_scaled_tile
             w = decode(codes, scales[g * group // ops.MX_BLOCK:(g + 1) * group // ops.MX_BLOCK], BF16)
             part = jnp.dot(xg, w, preferred_element_type=F32)
+        elif fmt.name == "fp4":                  # e2m1 codes as they are, one scale a block
+            b = g * group // fmt.block
+            part = ops.fp4_group_matmul(xg, codes, scales[b:b + 1])
         else:                                    # one scale for the group's partial product
             b = g * group // fmt.block
             part = ops.fp8_group_matmul(xg, codes, scales[b:b + 1], ops.feeds_codes(fmt))

@@ -279,6 +279,22 @@ def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes:
     return jnp.dot(x, w, preferred_element_type=F32) * _e8m0_scale(scale)
 
 
+def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [B, G] bf16 @ FP4 codes (uint8 [G/2, N]: byte row a holds input row 2a in its low
+    nibble and 2a + 1 in its high one, the e2m1 bits of ``jnp.float4_e2m1fn``) whose rows share
+    the E8M0 ``scale`` [1, N] -> f32 [B, N]: one mixed bf16 x fp4 dot, the codes reinterpreted
+    where they sit (``pltpu.bitcast`` unpacks the byte rows' nibbles into consecutive rows), the
+    power-of-two scale applied to the partial product.
+
+    Measured (benchmarks/format_probe.py): libtpu compiles it for tpu7x only, converting the
+    codes to e4m3 and pushing them as FP8; v6e and older refuse an fp4 operand. On a CPU
+    (interpret mode) XLA multiplies both operands as f32, which the reference's emulation
+    follows (``mkc.reference.rounding``, operands "mixed_fp4")."""
+    from jax.experimental.pallas import tpu as pltpu
+    w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
+    return jnp.dot(x, w, preferred_element_type=F32) * _e8m0_scale(scale)
+
+
 def feeds_codes(fmt) -> bool:
     """Whether a matrix stored in `fmt` (an ``mkc.ir.WeightFormat``) reaches the MXU as FP8
     codes: FP8 with one scale per pack group's partial product (a block past 32 rows) on a

@@ -786,8 +786,12 @@ def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> 
 
 def _expert_operands(rounding: Rounding, matrix: str) -> str | None:
     """How the kernel's dots take expert matrix `matrix` in the spec's format: FP8 codes fed as
-    they are (`mkc.families.kimi_k3.ops.feeds_codes`) in a mixed dot, else bf16 values."""
+    they are (`mkc.families.kimi_k3.ops.feeds_codes`) or FP4 codes (always fed as they are) in
+    a mixed dot, else bf16 values. FP4's values are the requantized ones: the caller passes
+    the checkpoint as the kernel holds it (the generated module's `requantized_weights`)."""
     fmt = rounding.weight_format(f"expert.{matrix}")
+    if fmt is not None and fmt.name == "fp4":
+        return "mixed_fp4"
     return "mixed_fp8" if fmt is not None and feeds_codes(fmt) else None
 
 

@@ -3,13 +3,14 @@
 Names are the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists. Matrices
 come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
 `mkc.families.kimi_k3.graph` shapes it; routed experts come back as MXFP4 codes and scales in the
-kernel's K-major layout (`pack_mxfp4_for_kernel`). A split that does not fill the last ranks
-(the latent, latent_up's columns, the router's experts) leaves zeros there, so the all-gathered
-result is the real width followed by zero padding.
+kernel's K-major layout (`pack_mxfp4_for_kernel`), or in the spec's format (FP8 codes;
+FP4 codes requantized to one scale per block: `requantized`, `requantization`). A split that
+does not fill the last ranks (the latent, latent_up's columns, the router's experts) leaves
+zeros there, so the all-gathered result is the real width followed by zero padding.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -17,6 +18,8 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_formats, kimi_k3_geometry,
                                         pack_groups)
 from mkc.ir import WeightFormat
+from mkc.model.family import FormatError
+from mkc.model.mxfp4 import Requantized, requantize_blocks
 from mkc.model.sharding import ShardTable, rank_parts
 from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
                                       split_kv_b_proj, split_q_b_proj)
@@ -111,19 +114,28 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     part, w = rank % sh.expert_tp, g.expert_width
     groups = pack_groups(d, g)
-    gate_up = []
-    for x in ("w1", "w3"):                     # gate, up: output rows part*w ... (part+1)*w
-        codes = np.asarray(hf[e + f"{x}.weight_packed"])[part * w:(part + 1) * w]
-        scales = np.asarray(hf[e + f"{x}.weight_scale"])[part * w:(part + 1) * w]
-        gate_up.append(pack_mxfp4_for_kernel(codes, scales, groups["gate_up"]))
-    # down: input columns part*w ... (part+1)*w, two per code byte, one scale per 32
-    codes = np.asarray(hf[e + "w2.weight_packed"])[:, part * w // 2:(part + 1) * w // 2]
-    scales = np.asarray(hf[e + "w2.weight_scale"])[:, part * w // MX_BLOCK:(part + 1) * w // MX_BLOCK]
-    down_codes, down_scales = pack_mxfp4_for_kernel(codes, scales, groups["down"])
-    out = {"gate_up_codes": np.concatenate([gate_up[0][0], gate_up[1][0]], axis=1),
-           "gate_up_scales": np.concatenate([gate_up[0][1], gate_up[1][1]], axis=1),
-           "down_codes": down_codes, "down_scales": down_scales}
-    for cls, fmt in expert_formats(d, g, dict(formats or {})).items():
+    resolved = expert_formats(d, g, dict(formats or {}))
+    # The checkpoint's MXFP4 slices of this rank, [out, in/2] codes and [out, in/32] scales:
+    # gate and up: output rows part*w ... (part+1)*w; down: input columns part*w ... (part+1)*w.
+    sliced = {x: (np.asarray(hf[e + f"{x}.weight_packed"])[part * w:(part + 1) * w],
+                  np.asarray(hf[e + f"{x}.weight_scale"])[part * w:(part + 1) * w])
+              for x in ("w1", "w3")}
+    sliced["w2"] = (np.asarray(hf[e + "w2.weight_packed"])[:, part * w // 2:(part + 1) * w // 2],
+                    np.asarray(hf[e + "w2.weight_scale"])[:, part * w // MX_BLOCK:(part + 1) * w // MX_BLOCK])
+    out = {}
+    for name, matrices in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
+        fmt = resolved[f"expert.{name}"]
+        if fmt.name == "fp4":      # e2m1 codes as the checkpoint orders them, [in/2, out]
+            parts = [requantized(*sliced[x], fmt, layer, expert, x,
+                                 *((0, part * w) if x == "w2" else (part * w, 0)))
+                     for x in matrices]
+            packed = [(np.ascontiguousarray(r.codes.T), np.ascontiguousarray(r.scales.T))
+                      for r in parts]
+        else:
+            packed = [pack_mxfp4_for_kernel(*sliced[x], groups[name]) for x in matrices]
+        out[f"{name}_codes"] = np.concatenate([c for c, _ in packed], axis=1)
+        out[f"{name}_scales"] = np.concatenate([sc for _, sc in packed], axis=1)
+    for cls, fmt in resolved.items():
         name = cls.split(".")[1]
         if fmt.name == "fp8":
             try:
@@ -134,6 +146,81 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
                                  f"write `format {cls} fp8` (a scale per {MX_BLOCK} rows, "
                                  "always exact) or a smaller block") from None
     return out
+
+
+_EXPERT_CLASS = {"w1": "expert.gate_up", "w3": "expert.gate_up", "w2": "expert.down"}
+_MATRIX_NAME = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+def requantized(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, layer: int,
+                expert: int, matrix: str, out0: int = 0, in0: int = 0) -> Requantized:
+    """Checkpoint MXFP4 ``[out, in/2]`` codes and ``[out, in/32]`` scales of routed expert
+    matrix `matrix` (w1, w3, w2) requantized to `fmt`'s fp4 blocks of input rows
+    (``mkc.model.mxfp4.requantize_blocks``). Where a block's values do not fit one scale and
+    the spec did not say `rounded`, a FormatError names the block and its scales' spread."""
+    r = requantize_blocks(codes, scales, fmt.block)
+    if not r.exact and not fmt.rounded:
+        cls = _EXPERT_CLASS[matrix]
+        out, blk = r.first
+        lo, hi = r.first_scales
+        first = in0 + blk * fmt.block
+        raise FormatError(
+            cls, f"{fmt.where + ': ' if fmt.where else ''}`format {cls} fp4 block {fmt.block}` "
+            f"cannot hold layer {layer} expert {expert}'s {_MATRIX_NAME[matrix]} ({matrix}) "
+            f"exactly: output {out0 + out}, input rows {first}-{first + fmt.block - 1} take "
+            f"32-row scales spanning {hi - lo} octave{'s' * (hi - lo != 1)} (E8M0 {lo}..{hi}), "
+            f"and under one scale {r.changed} of {r.values} values in {r.inexact_blocks} of "
+            f"{r.blocks} blocks have no e2m1 code (max error {r.max_abs:.3g}, relative RMS "
+            f"{_rel_rms(r.sq_err, r.sq_ref):.3g})",
+            f"write `format {cls} fp4 block {fmt.block} rounded` to round them to the nearest "
+            f"(the error is reported per matrix class), or store {cls} as `fp8 block "
+            f"{fmt.block}` (exact while a block's 32-row scales span at most 8 octaves)")
+    return r
+
+
+def _rel_rms(sq_err: float, sq_ref: float) -> float:
+    return (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
+
+
+def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
+                   formats: Mapping[str, WeightFormat], shards: ShardTable,
+                   layers: Sequence[int] | None = None
+                   ) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The routed experts as the kernel holds them, at the checkpoint level: each fp4 class's
+    matrices requantized (their blocks of input rows are those of every rank's slice: a block
+    divides the slice), as MXFP4 tensors whose 32-row scales are equal within a block (so the
+    reference decodes the kernel's values exactly), and per class the error against the
+    checkpoint's values: values, changed, blocks, inexact blocks, max abs, relative RMS.
+    FormatError where a class without `rounded` cannot be held exactly."""
+    g, _ = _layout(d, shards)
+    fp4 = {cls: f for cls, f in expert_formats(d, g, dict(formats)).items() if f.name == "fp4"}
+    out: dict[str, np.ndarray] = {}
+    totals = {cls: [0, 0, 0, 0, 0.0, 0.0, 0.0] for cls in fp4}
+    moe_layers = ([i for i, (_, mlp) in enumerate(d.layer_plan()) if mlp == "moe"]
+                  if layers is None else layers)
+    for layer in moe_layers:
+        for e in range(d.experts):
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+            for x in ("w1", "w3", "w2"):
+                fmt = fp4.get(_EXPERT_CLASS[x])
+                if fmt is None:
+                    continue
+                r = requantized(np.asarray(hf[p + f"{x}.weight_packed"]),
+                                np.asarray(hf[p + f"{x}.weight_scale"]), fmt, layer, e, x)
+                out[p + f"{x}.weight_packed"] = r.codes
+                out[p + f"{x}.weight_scale"] = r.scales_per_32()
+                t = totals[_EXPERT_CLASS[x]]
+                for i, v in enumerate((r.values, r.changed, r.blocks, r.inexact_blocks)):
+                    t[i] += v
+                t[4] = max(t[4], r.max_abs)
+                t[5] += r.sq_err
+                t[6] += r.sq_ref
+    report = {cls: {"format": f"fp4 block {fmt.block}" + (" rounded" if fmt.rounded else ""),
+                    "values": t[0], "changed": t[1], "blocks": t[2], "inexact_blocks": t[3],
+                    "exact": t[1] == 0, "max_abs_error": t[4],
+                    "relative_rms_error": _rel_rms(t[5], t[6])}
+              for cls, fmt in fp4.items() for t in [totals[cls]]}
+    return out, report
 
 
 def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
