@@ -92,6 +92,11 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
     "oss.router_bias": ("router", '+ c.vector("router_bias")', '+ {scale}(c.vector("router_bias"))'),
     "oss.expert_bias": ("routed_experts", '_expert_bias(c, k, "down_bias")',
                         '{scale}(_expert_bias(c, k, "down_bias"))'),
+    # GPT-OSS's sliding window one position too wide (p - W <= q instead of p - W < q): the
+    # position that just left a row's window, still in the layer's KV ring, stays visible
+    "oss.window": ("attention", "visible = _visible(c, tokens, c.refs.positions[b])\n",
+                   "visible = _visible(c, tokens, c.refs.positions[b]) | (c.kv_positions("
+                   "tokens, c.refs.positions[b]) == c.refs.positions[b] - c.dims.sliding_window)\n"),
     "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
                     "cached = latent[c.sequence(b)].astype(F32)\n"
                     "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
