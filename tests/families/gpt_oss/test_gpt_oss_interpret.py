@@ -72,3 +72,53 @@ def test_the_120b_spec_with_an_eight_head_mini_checkpoint(tmp_path):
                           "--checkpoint", str(tmp_path), "--first-position", "20", "--steps", "2",
                           "--batch", "2", timeout=1800)
     _assert_bit_equal(summary)
+
+
+# ---- the window's KV ring, past the window --------------------------------------------------
+# The shipped 20b spec with the MINI's window cut to 8 (a checkpoint of `sliding_window` 8): its
+# swa phase's ring of 32 slots in two 16-token KV tiles, so rows run past the window (position
+# >= 8) and past the ring's wrap (>= 32), where each slot holds a position other than itself.
+RING_LINES = ("    kv ring 256 slots\n    kv tiles 2 slots of 128 tokens ahead 1\n",
+              "    kv ring 32 slots\n    kv tiles 2 slots of 16 tokens ahead 1\n")
+WINDOW = 8
+
+
+def _ring_run(tmp_path, *args: str) -> dict:
+    import json
+
+    from mkc.checkpoint import save_checkpoint
+    from mkc.families.gpt_oss import reference
+    from mkc.model.config import CONFIG_DIR
+    text = (ROOT / "schedules" / "gpt_oss_20b.sched").read_text()
+    assert text.count(RING_LINES[0]) == 1
+    spec = tmp_path / "gpt_oss_20b_ring.sched"
+    spec.write_text(text.replace(*RING_LINES))
+    config = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text()) | {"sliding_window": WINDOW}
+    checkpoint = tmp_path / "mini_window_8"
+    save_checkpoint(checkpoint, config, reference.init_params(reference.load_config(config), seed=0))
+    # rows at positions 26 + 131 b: row 0 runs 26 .. past the ring's wrap at 32, row 1 from 157
+    return run_example("examples/run_mini.py", "--spec", str(spec), "--checkpoint", str(checkpoint),
+                       "--first-position", "26", *args, timeout=3000)
+
+
+@pytest.mark.slow
+def test_the_ring_past_the_window_on_wait_bit_equal_and_a_window_off_by_one_is_rejected(tmp_path):
+    """window + 2 steps and more, every step bit-equal; the window one position too wide (the
+    position that just left it, still in the ring, seen) fails the emulation."""
+    summary = _ring_run(tmp_path, "--mode", "on_wait", "--steps", str(WINDOW + 4), "--batch", "2",
+                        "--mutants", "oss.window,oss.sink", "--mutants-from", "1",
+                        "--mutant-steps", "1")
+    assert len(summary["steps"]) == WINDOW + 4
+    _assert_bit_equal(summary)
+    for name in ("oss.window", "oss.sink"):
+        fails = summary["mutants"][name]["failures"]
+        assert any("rounding emulation" in f for f in fails), (name, fails)
+
+
+@pytest.mark.slow
+def test_the_ring_past_the_window_eager_with_race_detection(tmp_path):
+    summary = _ring_run(tmp_path, "--mode", "eager", "--races", "--steps", str(WINDOW + 2),
+                        "--batch", "2")
+    assert len(summary["steps"]) == WINDOW + 2
+    _assert_bit_equal(summary)
+    assert summary["races_found"] is False
