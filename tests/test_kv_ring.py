@@ -15,6 +15,12 @@ from tests_support import ROOT
 
 SPEC = ROOT / "schedules" / "gpt_oss_20b.sched"
 RING = "    kv ring 256 slots\n"
+SWA_TILES = ("kv tiles 2 slots of 128 tokens ahead 1\n    allreduce o_proj direct wire bf16\n  }\n\n"
+             "  phase gqa")
+
+
+def _swa_tiles(tokens: int) -> tuple[str, str]:
+    return SWA_TILES, SWA_TILES.replace("of 128 tokens", f"of {tokens} tokens")
 
 
 def _variant(tmp_path: Path, *edits: tuple[str, str]) -> Path:
@@ -87,9 +93,7 @@ def test_generated_module_sizes_the_ring_cache_and_passes_the_ring():
 def test_the_check_needs_the_window_plus_the_verify_rows(tmp_path, slots, verify, ok):
     """W + R - 1 slots: a ring of 128 slots holds the 128-token window when decoding, not
     with a verify step of 8 rows a sequence (135 needed; slots in whole 16-token tiles)."""
-    edits = [(RING, f"    kv ring {slots} slots\n"),
-             ("kv tiles 2 slots of 128 tokens ahead 1\n    allreduce o_proj direct wire bf16\n  }\n\n  phase gqa",
-              "kv tiles 2 slots of 16 tokens ahead 1\n    allreduce o_proj direct wire bf16\n  }\n\n  phase gqa")]
+    edits = [(RING, f"    kv ring {slots} slots\n"), _swa_tiles(16)]
     if verify is None:
         edits.append(("  verify  8\n", ""))
     path = _variant(tmp_path, *edits)
@@ -124,9 +128,7 @@ def test_without_the_ring_the_context_limit_holds_and_the_tile_must_divide_the_c
     d = _error(_variant(tmp_path, (RING, "")))
     assert d.code == "E-CONTEXT" and "kv ring" in d.hint
     # with the ring, the sliding kind's tile divides the ring, not the context
-    path = _variant(tmp_path, (RING, "    kv ring 144 slots\n"),
-                    ("kv tiles 2 slots of 128 tokens ahead 1\n    allreduce o_proj direct wire bf16\n  }\n\n  phase gqa",
-                     "kv tiles 2 slots of 48 tokens ahead 1\n    allreduce o_proj direct wire bf16\n  }\n\n  phase gqa"))
+    path = _variant(tmp_path, (RING, "    kv ring 144 slots\n"), _swa_tiles(48))
     assert check_spec(path).ir.kinds["swa"].kv.ring == 144
 
 
