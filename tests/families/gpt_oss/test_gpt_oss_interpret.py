@@ -5,9 +5,10 @@ plainly on the rows that are not near-ties; in both DMA modes, race-free; and a 
 sink logit or in a bias (q/k/v, o_proj, router, an expert's down projection) is rejected by
 the emulation.
 
-The spec's context (128) is the window: a sliding layer's KV cache is, for now, the per-token
-cache of a context at most its window (`mkc.families.gpt_oss.graph.window_limit`), so the rows
-run at positions below it. Positions past the window need the window's KV ring."""
+The spec's sliding layers keep their KV cache as the window's ring (`kv ring 256 slots`, the
+core's mechanism): with the MINI's 128-token window, row 1 (position 151 and on) runs past it.
+The ring tests below cut the window to 8 and the ring to 32 slots, so every row runs past the
+window and past the ring's wrap, for window + 2 steps and more."""
 import pytest
 
 from mkc import numerics
@@ -18,7 +19,7 @@ MUTANTS = ("oss.sink", "oss.qkv_bias", "oss.o_bias", "oss.router_bias", "oss.exp
 
 
 def _run(*args: str) -> dict:
-    # rows b at positions 20 + 131 b (mod 128 - steps): inside the window, one KV tile
+    # rows b at positions 20 + 131 b: row 0 inside the window, row 1 past it
     return run_example("examples/run_mini.py", "--spec", SPEC, "--model", "gpt_oss_mini",
                        "--first-position", "20", *args, timeout=1800)
 
