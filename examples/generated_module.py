@@ -589,19 +589,27 @@ def run_mutants(load: Callable, names: list[str], weights, states: list, traject
             "mutant_controls": {"rows": judged["controls"], "steps": run["controls"]}}
 
 
-def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) -> dict:
+def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int,
+                    rows: int) -> dict:
     """`ours` with every cache entry at or past each sequence's committed positions (starts +
     accepted) taken from `ref`: the verify step wrote the later rows there, which the next step
     overwrites and masks until then, so they are not part of the committed state. A cache is a
-    reference array named `*_cache`: sequences first, then its first `context`-long axis."""
+    reference array named `*_cache`: sequences first, then its first `context`-long axis; one
+    without (a sliding window's KV ring of n slots, its slot axis second to last) has the
+    verify step's later rows, positions starts + accepted .. starts + rows - 1, in slots p % n
+    (what those slots held before, positions out of every later row's window, is masked)."""
     out = {}
     for name, a in ours.items():
         a = np.array(a, np.float32)
         if name.endswith("_cache"):
-            axis = next(i for i, n in enumerate(a.shape) if i > 0 and n == context)
-            t = np.arange(context).reshape([-1 if i + 1 == axis else 1 for i in range(a.ndim - 1)])
+            ring = context not in a.shape[1:]
+            axis = a.ndim - 2 if ring else next(i for i, n in enumerate(a.shape) if i > 0 and n == context)
+            n = a.shape[axis]
+            t = np.arange(n).reshape([-1 if i + 1 == axis else 1 for i in range(a.ndim - 1)])
             for s, start in enumerate(np.asarray(starts)):
-                a[s] = np.where(t >= start + accepted, np.asarray(ref[name], np.float32)[s], a[s])
+                later = (np.isin(t, (start + np.arange(accepted, rows)) % n) if ring
+                         else t >= start + accepted)
+                a[s] = np.where(later, np.asarray(ref[name], np.float32)[s], a[s])
         out[name] = a
     return out
 
@@ -637,7 +645,8 @@ def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
         # which a decode step from there masks by position and overwrites.
         ref = refs(gen.reference_states(start), step["tokens"], step["positions"], tokens.size)
         start = committed(r + 1)
-        ours = _past_committed(gen.reference_states(start), ref["plain"], starts, r + 1, gen.CONTEXT)
+        ours = _past_committed(gen.reference_states(start), ref["plain"], starts, r + 1, gen.CONTEXT,
+                               len(trajectory))
         out.append(_record(r, label, seconds if r == 0 else 0.0, logits[:, r], next_token[:, r],
                            ours, ref, step, what="verify row"))
     return out
