@@ -37,20 +37,21 @@ def resolve_kv_ring(s: ResolveState) -> ResolveState:
                             f"{kind.window}: e.g. {-(-kind.window // kv.tokens) * kv.tokens}")
         kinds[kname] = dataclasses.replace(kinds[kname], kv=dataclasses.replace(
             kv, ring=ring.slots, window=kind.window, ring_span=ring.span))
-    _check_context_limits(s, kinds)
-    return dataclasses.replace(s, kinds=kinds)
+    return dataclasses.replace(s, kinds=kinds, context_limits=_check_context_limits(s, kinds))
 
 
-def _check_context_limits(s: ResolveState, kinds) -> None:
-    """E-CONTEXT at the spec's `context` line when a layer kind the model runs computes a
-    shorter context correctly (`mkc.model.graph.ContextLimit`: a mechanism it needs is not
-    declared), unless the phase keeps the kind's KV cache as a ring of its window."""
+def _check_context_limits(s: ResolveState, kinds) -> dict[str, int]:
+    """The longest context each layer kind computes correctly (0: any): its `ContextLimit`
+    (`mkc.model.graph`: a mechanism it needs is not declared) unless the phase keeps its KV
+    cache as a ring of its window. E-CONTEXT at the spec's `context` line past one."""
+    limits = {}
     for name in dict.fromkeys(s.graph.layer_kinds):
         limit = s.graph.kinds[name].context_limit
         kv = kinds[name].kv if name in kinds else None
-        if limit is None or s.context <= limit.tokens or (kv is not None and kv.ring):
-            continue
-        setting = s.sched.settings["context"]
-        raise fail("E-CONTEXT", f"context {s.context} is longer than layer kind {name} of "
-                   f"{s.dims.name} computes correctly ({limit.tokens} tokens): {limit.reason}",
-                   setting.span, hint=limit.hint)
+        limits[name] = 0 if limit is None or (kv is not None and kv.ring) else limit.tokens
+        if limits[name] and s.context > limits[name]:
+            setting = s.sched.settings["context"]
+            raise fail("E-CONTEXT", f"context {s.context} is longer than layer kind {name} of "
+                       f"{s.dims.name} computes correctly ({limit.tokens} tokens): {limit.reason}",
+                       setting.span, hint=limit.hint)
+    return limits
