@@ -123,3 +123,13 @@ def test_the_ring_past_the_window_eager_with_race_detection(tmp_path):
     assert len(summary["steps"]) == WINDOW + 2
     _assert_bit_equal(summary)
     assert summary["races_found"] is False
+
+
+@pytest.mark.slow
+def test_the_ring_verify_step_of_eight_rows_across_its_wrap_is_each_decode_step(tmp_path):
+    """One verify step of 8 rows (positions 26 .. 33: past the window, across the 32-slot
+    ring's wrap, its rows in two row tiles 16 .. 31 and 0 .. 15), judged row by row as the decode
+    steps it replaces, bit-equal to the emulation from each committed state."""
+    summary = _ring_run(tmp_path, "--mode", "on_wait", "--verify", "--steps", "8", "--batch", "1")
+    assert summary["verify"] and len(summary["steps"]) == 8
+    _assert_bit_equal(summary)
