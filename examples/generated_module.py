@@ -92,6 +92,11 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
     "oss.router_bias": ("router", '+ c.vector("router_bias")', '+ {scale}(c.vector("router_bias"))'),
     "oss.expert_bias": ("routed_experts", '_expert_bias(c, k, "down_bias")',
                         '{scale}(_expert_bias(c, k, "down_bias"))'),
+    # GPT-OSS's sliding window one position too wide (p - W <= q instead of p - W < q): the
+    # position that just left a row's window, still in the layer's KV ring, stays visible
+    "oss.window": ("attention", "visible = _visible(c, tokens, c.refs.positions[b])\n",
+                   "visible = _visible(c, tokens, c.refs.positions[b]) | (c.kv_positions("
+                   "tokens, c.refs.positions[b]) == c.refs.positions[b] - c.dims.sliding_window)\n"),
     "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
                     "cached = latent[c.sequence(b)].astype(F32)\n"
                     "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
@@ -304,8 +309,10 @@ def plain_step(reference, hf, cfg, cache: dict, tokens, positions, context: int)
     import jax.numpy as jnp
 
     used = min(context, -(-(int(np.max(np.asarray(positions))) + 1) // PLAIN_PREFIX) * PLAIN_PREFIX)
+    # (a cache without a context-long axis, a sliding window's ring, is read whole)
     axes = {name: next(i for i, n in enumerate(np.shape(a)) if i > 0 and n == context)
-            for name, a in cache.items() if name.endswith("_cache")} if used < context else {}
+            for name, a in cache.items() if name.endswith("_cache") and context in np.shape(a)[1:]
+            } if used < context else {}
     cut = {name: jnp.asarray(a)[(slice(None),) * axes[name] + (slice(0, used),)] if name in axes else a
            for name, a in cache.items()}
     logits, new = reference.decode_step(hf, cfg, cut, tokens, positions)
@@ -503,8 +510,11 @@ def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, 
                       *numerics.state_errors(ours, ref["emulated"], [b]).values()) for b in rows}
     rec["emulation"]["rows_off"] = {str(b): e for b, e in per_row.items() if e > exact}
     if drift is not None:
+        # a kernel's window KV ring may keep more slots than the independent run's ring of
+        # the window: those caches are not slot for slot comparable (the logits are)
+        alike = {n: v for n, v in ours.items() if np.shape(v) == np.shape(drift["states"][n])}
         rec["drift"] = {"logits": numerics.logits_error(logits, drift["logits"], rows),
-                        "states": numerics.state_errors(ours, drift["states"], rows)}
+                        "states": numerics.state_errors(alike, drift["states"], rows)}
     emu = rec["emulation"]
     ties = "".join(f"; row {b} a near-tie ({why})" for b, why in rec["near_ties"].items())
     drifted = "" if drift is None else (
@@ -579,19 +589,27 @@ def run_mutants(load: Callable, names: list[str], weights, states: list, traject
             "mutant_controls": {"rows": judged["controls"], "steps": run["controls"]}}
 
 
-def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int) -> dict:
+def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int,
+                    rows: int) -> dict:
     """`ours` with every cache entry at or past each sequence's committed positions (starts +
     accepted) taken from `ref`: the verify step wrote the later rows there, which the next step
     overwrites and masks until then, so they are not part of the committed state. A cache is a
-    reference array named `*_cache`: sequences first, then its first `context`-long axis."""
+    reference array named `*_cache`: sequences first, then its first `context`-long axis; one
+    without (a sliding window's KV ring of n slots, its slot axis second to last) has the
+    verify step's later rows, positions starts + accepted .. starts + rows - 1, in slots p % n
+    (what those slots held before, positions out of every later row's window, is masked)."""
     out = {}
     for name, a in ours.items():
         a = np.array(a, np.float32)
         if name.endswith("_cache"):
-            axis = next(i for i, n in enumerate(a.shape) if i > 0 and n == context)
-            t = np.arange(context).reshape([-1 if i + 1 == axis else 1 for i in range(a.ndim - 1)])
+            ring = context not in a.shape[1:]
+            axis = a.ndim - 2 if ring else next(i for i, n in enumerate(a.shape) if i > 0 and n == context)
+            n = a.shape[axis]
+            t = np.arange(n).reshape([-1 if i + 1 == axis else 1 for i in range(a.ndim - 1)])
             for s, start in enumerate(np.asarray(starts)):
-                a[s] = np.where(t >= start + accepted, np.asarray(ref[name], np.float32)[s], a[s])
+                later = (np.isin(t, (start + np.arange(accepted, rows)) % n) if ring
+                         else t >= start + accepted)
+                a[s] = np.where(later, np.asarray(ref[name], np.float32)[s], a[s])
         out[name] = a
     return out
 
@@ -627,7 +645,8 @@ def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
         # which a decode step from there masks by position and overwrites.
         ref = refs(gen.reference_states(start), step["tokens"], step["positions"], tokens.size)
         start = committed(r + 1)
-        ours = _past_committed(gen.reference_states(start), ref["plain"], starts, r + 1, gen.CONTEXT)
+        ours = _past_committed(gen.reference_states(start), ref["plain"], starts, r + 1, gen.CONTEXT,
+                               len(trajectory))
         out.append(_record(r, label, seconds if r == 0 else 0.0, logits[:, r], next_token[:, r],
                            ours, ref, step, what="verify row"))
     return out

@@ -22,7 +22,8 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int,
         k = s.kinds[kname]
         if k.kv:
             caches = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == kname]
-            tiles = -(-tokens_in_cache // k.kv.tokens)
+            # a window's KV ring holds at most its slots, whatever the context
+            tiles = -(-min(tokens_in_cache, k.kv.cache_tokens(tokens_in_cache)) // k.kv.tokens)
             kv += sum(sequences * tiles * k.kv.tokens * b.shape[-1] * ir.DTYPE_BYTES[b.dtype]
                       for b in caches)
     traffic = {"weights": st.streamed_bytes}

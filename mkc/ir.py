@@ -202,6 +202,16 @@ class KvStream:
     tile_buffers: tuple[str, ...] = ()   # each cache's scoped tile buffer
     rows_buffer: str = ""                # the new rows' read-modify-write tiles
     span: Span = field(compare=False, default_factory=Span.unknown)
+    # `kv ring N slots` (`mkc.resolve.kv_ring`): the cache in HBM is a ring of N token slots,
+    # position p in slot p % N, holding the kind's attention window of `window` positions;
+    # 0: one slot per token of the context.
+    ring: int = 0
+    window: int = 0
+    ring_span: Span = field(compare=False, default_factory=Span.unknown)
+
+    def cache_tokens(self, context: int) -> int:
+        """Token slots of the cache in HBM: the ring's, or the context."""
+        return self.ring or context
 
 
 @dataclass(frozen=True)

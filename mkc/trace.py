@@ -217,10 +217,12 @@ class StepTracer:
     def kv_events(self, k: ir.KindSchedule, layer: int, where: str) -> None:
         s, opts, tb, kv = self.s, self.opts, self.tb, k.kv
         bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
+        # the cache's tiles: the context's, or a window's KV ring's (all of it once wrapped)
+        tiles = kv.cache_tokens(s.context) // kv.tokens
         if opts.kv_tokens is None:
-            n_tiles = periodic_tiles_traced(s.context // kv.tokens, kv.slots, kv.ahead)
+            n_tiles = periodic_tiles_traced(tiles, kv.slots, kv.ahead)
         else:
-            n_tiles = -(-opts.kv_tokens // kv.tokens)
+            n_tiles = min(-(-opts.kv_tokens // kv.tokens), tiles)
         if opts.sequences or opts.batch:
             bufs = [b.at_batch(opts.sequences or opts.batch) for b in bufs]
         nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}

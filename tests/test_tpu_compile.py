@@ -1,7 +1,8 @@
 """The generated kernels compile with libtpu for their compile-only topologies: the full-size
 Qwen and Qwen3.5 MoE on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices), Qwen on
 v6e=2x4 (8 chips of one core), the replicated-heads layouts (Qwen on 16 tpu7x cores, K3 on
-64), and the MINI Qwen kernel on every generation mkc compiles for."""
+64), GPT-OSS 120b on tpu7x=2x2x1 and 20b on one chip (1x1x1), and the MINI Qwen kernel
+on every generation mkc compiles for."""
 import pytest
 
 from conftest import run_python
@@ -16,7 +17,9 @@ from tests_support import SPEC
                                               ("kimi_k3", "tpu7x=2x2x4"),
                                               ("qwen3_8_27b_v6e__qwen3_8_27b", "v6e=2x4"),
                                               ("qwen3_8_27b_16__qwen3_8_27b", "tpu7x=2x2x2"),
-                                              ("kimi_k3_64__kimi_k3", "tpu7x=2x2x8")])
+                                              ("kimi_k3_64__kimi_k3", "tpu7x=2x2x8"),
+                                              ("gpt_oss_120b", "tpu7x=2x2x1"),
+                                              ("gpt_oss_20b", "tpu7x=1x1x1")])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_full_size_kernel_compiles(module, topology, batch):
     r = run_python(["benchmarks/tpu_compile.py", f"generated/{module}.py", str(batch)],

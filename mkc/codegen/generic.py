@@ -239,7 +239,8 @@ def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name
         kv_bufs = [s.buffer(b) for b in k.kv.tile_buffers] if k.kv else []
         kv_plan = {}
         if k.kv is not None:
-            kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead),
+            kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead,
+                                                     k.kv.ring),
                            kv_rows=k.kv.rows_buffer)
         plans.kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states,
                                       copies=tuple(copies), **kv_plan)
@@ -254,7 +255,8 @@ def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name
                 if spread_on_host(buf.batch_axis, len(buf.shape)):
                     plans.spread_states.append(f"{kname}__{sname}")
         for c, b in zip(caches, kv_bufs):
-            plans.state_arrays.append((c, kname, f"(SEQS, CONTEXT, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
+            tokens = k.kv.ring or "CONTEXT"       # a window's KV ring: its slots, not the context
+            plans.state_arrays.append((c, kname, f"(SEQS, {tokens}, {b.shape[-1]})", DTYPE_SOURCE[b.dtype]))
     return plans
 
 

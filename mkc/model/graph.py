@@ -74,6 +74,10 @@ class LayerKind:
     ops: tuple[Op, ...]
     tensors: dict[str, Tensor] = field(hash=False)
     context_limit: ContextLimit | None = None
+    # The attention window in tokens of a kind that attends to its last `window` positions
+    # only (0: the whole context). Such a kind may keep its KV cache as a ring of the window
+    # (`kv ring N slots`, `mkc.resolve.kv_ring`), which lifts its `context_limit`.
+    window: int = 0
 
     def op_names(self) -> list[str]:
         return [o.name for o in self.ops]

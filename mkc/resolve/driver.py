@@ -17,6 +17,7 @@ from mkc.resolve.expect import resolve_expect
 from mkc.resolve.formats import resolve_formats
 from mkc.resolve.graph import resolve_graph
 from mkc.resolve.hbm import resolve_hbm
+from mkc.resolve.kv_ring import resolve_kv_ring
 from mkc.resolve.model import resolve_model
 from mkc.resolve.parity import resolve_parity
 from mkc.resolve.phases import resolve_layer_kinds, resolve_phases
@@ -50,6 +51,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("stream", resolve_stream),            # the weight ring and the stream through it
     Pass("parity", resolve_parity),            # the per-layer vector block
     Pass("phases", resolve_phases),            # state copies, scoped ranges, KV tiles
+    Pass("kv_ring", resolve_kv_ring),          # windows' KV rings; layer kinds' context limits
     Pass("collectives", resolve_collectives),  # all-reduces, gathers, the embedding's reduce
     Pass("views", resolve_views),              # copies into pool views
     Pass("buffers", resolve_buffers),          # every VMEM buffer, names unique

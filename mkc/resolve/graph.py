@@ -30,21 +30,7 @@ def resolve_graph(s: ResolveState) -> ResolveState:
     unlowered = sorted(ops - family.lowered_ops)
     if unlowered:        # the family's graph and lowering disagree: a family's bug, not the spec's
         raise ValueError(f"the {family.name} lowering has no compute body for ops {unlowered}")
-    _check_context_limits(s, graph)
     return replace(s, graph=graph)
-
-
-def _check_context_limits(s: ResolveState, graph) -> None:
-    """E-CONTEXT at the spec's `context` line when a layer kind the model runs computes a
-    shorter context correctly (`mkc.model.graph.ContextLimit`: a mechanism it needs is not
-    built yet)."""
-    for name in dict.fromkeys(graph.layer_kinds):
-        limit = graph.kinds[name].context_limit
-        if limit is not None and s.context > limit.tokens:
-            setting = s.sched.settings["context"]
-            raise fail("E-CONTEXT", f"context {s.context} is longer than layer kind {name} of "
-                       f"{s.dims.name} computes correctly ({limit.tokens} tokens): {limit.reason}",
-                       setting.span, hint=limit.hint)
 
 
 def _rules(s: ResolveState) -> dict[str, tuple[int, int]]:

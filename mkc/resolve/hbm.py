@@ -19,8 +19,9 @@ def resolve_hbm(s: ResolveState) -> ResolveState:
             if t.role == "state":
                 state += B * t.nbytes
                 row_state += verify_rows * t.nbytes
-            else:
-                cache += B * context * t.nbytes
+            else:       # one slot per token of the context, or of the window's KV ring
+                kv = s.kinds[kname].kv if kname in s.kinds else None
+                cache += B * (kv.cache_tokens(context) if kv else context) * t.nbytes
     out = {"streamed weights": stream.total_tiles * stream.tile_rows * stream.tile_cols * 2}
     pooled = sum(m.nbytes * graph.layer_kinds.count(kname) for p in s.pools for v in p.views
                  for kname, ms in v.matrices.items() if kname in graph.kinds for m in ms)

@@ -323,7 +323,8 @@ def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
                        hint="add `kv tiles 2 slots of 128 tokens ahead 1`")
         return None, {}
     k = phase.kv_tiles[0]
-    _check_kv_tiles(k, kname, bool(caches), context)
+    # a window's KV ring (`kv ring`, `mkc.resolve.kv_ring`) holds whole tiles, not the context
+    _check_kv_tiles(k, kname, bool(caches), 0 if phase.kv_rings else context)
     reader = kind.cache_reader()
     kv = ir.KvStream(k.slots, k.tokens, k.ahead, reader, caches=tuple(c.name for c in caches),
                      tile_buffers=tuple(f"{kname}_kv_{c.name}" for c in caches),

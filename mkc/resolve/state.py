@@ -60,6 +60,9 @@ class ResolveState:
     parity: ir.Parity | None = None
     # phases, collectives, views: each layer kind's schedule, and the VMEM buffers it adds
     kinds: dict[str, ir.KindSchedule] | None = None
+    # kv_ring: the longest context each layer kind computes correctly (0: any; a kind's
+    # `ContextLimit` unless its phase keeps its KV cache as a window's ring)
+    context_limits: dict[str, int] | None = None
     kind_buffers: dict[str, tuple[ir.Buffer, ...]] | None = None
     embed_reduce: ir.AllReduce | None = None
     reduce_buffers: tuple[ir.Buffer, ...] | None = None   # all-reduce receive buffers

@@ -249,7 +249,13 @@ class Layer:
         """Write each row's new cache entries (one [B, width] array per cache) at its position."""
         kv.write_rows(self._caches(), getattr(self.refs, self.plan.kv_rows),
                       getattr(self.refs, self.plan.kv_sem), self.si, self.refs.positions, new,
-                      self.S, self.R)
+                      self.S, self.R, self.plan.kv.ring)
+
+    def kv_positions(self, tokens: jax.Array, position) -> jax.Array:
+        """The position each cache slot of a KV tile's `tokens` holds for a row at `position`
+        (the slot, or in a window's KV ring the latest position written to it; negative:
+        none yet): what a body masks by (mkc.runtime.kv.held)."""
+        return kv.held(self.plan.kv, tokens, position)
 
     def kv_fold(self, body: Callable, init):
         """Fold body(t, tiles, tokens, carry) over this layer's cached tokens (mkc.runtime.kv)."""

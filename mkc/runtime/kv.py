@@ -2,7 +2,11 @@
 aligned tile, and the cached tokens streamed through scoped VMEM slots, a few tiles ahead of a
 tile body (the op's online softmax).
 
-A cache is HBM ``[layers of the kind, S, context, width]`` bf16: one per sequence. A kernel runs
+A cache is HBM ``[layers of the kind, S, context, width]`` bf16: one per sequence. A layer kind
+that attends to its last W positions only may keep it as a window's KV ring (`kv ring N slots`,
+``KvTiles.ring``): ``[layers, S, N, width]``, position p in slot p % N, whatever the context;
+its tiles stream the whole ring once it has wrapped, and `held` gives the position each slot
+holds for a row, which the compute body masks by. A kernel runs
 R rows per sequence (1 when decoding, R when verifying drafts), ordered row-major by wave: row
 ``r * S + s`` is sequence s's r-th row, at consecutive positions. A single bf16 row is not a
 legal DMA target on TPU, so a sequence's new rows are written by copying the aligned 16-row
@@ -31,26 +35,49 @@ class KvTiles:
     tokens: int          # tokens per tile
     slots: int
     ahead: int
+    ring: int = 0        # a window's KV ring of this many token slots (0: the context's)
+
+
+def held(kv: KvTiles, tokens: jax.Array, position) -> jax.Array:
+    """The position each cache slot of `tokens` holds for a row at `position`: the slot
+    itself, or in a window's ring of N slots the latest position q <= position written to it
+    (q % N == slot; negative while the ring has not reached the slot)."""
+    if not kv.ring:
+        return tokens
+    return position - lax.rem(position - tokens + kv.ring, kv.ring)
 
 
 def write_rows(caches: Sequence, rows_buf, sem, si, positions, new: Sequence[jax.Array],
-               S: int, R: int = 1) -> None:
+               S: int, R: int = 1, ring: int = 0) -> None:
     """Write row b of new[c] ([S * R, width]) at position positions[b] of cache c (layer si) in
     its sequence b % S. Each sequence's rows are consecutive positions, inside W =
     ir.kv_window_tiles(R) aligned tiles: all tiles are read, the rows replaced, and all written
     back, so rows sharing a tile never overwrite each other. rows_buf is [len(caches), S * R, 16,
     width]; sequence s's tiles use its entries s + w * S (W <= R). The window is clamped to end
-    at the context, which holds every row because the last position is below it."""
+    at the context, which holds every row because the last position is below it. In a window's
+    KV ring of `ring` slots (a multiple of the tile) row b goes to slot positions[b] % ring and
+    the tiles wrap: tile w is the (first tile + w) % (ring / 16)-th, at most the ring's tiles,
+    so none is read twice."""
     W = ir.kv_window_tiles(R)
-    context = caches[0].shape[2]
+    context = caches[0].shape[2]        # token slots: the context, or the ring's
+    if ring:
+        W = min(W, ring // ROW_TILE)
     row = lax.broadcasted_iota(jnp.int32, rows_buf.shape[2:], 0)
+
+    def slot(b):
+        return lax.rem(positions[b], ring) if ring else positions[b]
+
     for phase in ("read", "write"):
         copies = []
         for s in range(S):
-            first = positions[s]
-            base = jnp.minimum((first // ROW_TILE) * ROW_TILE, context - W * ROW_TILE)
+            first = slot(s)
+            if ring:
+                base = (first // ROW_TILE) * ROW_TILE
+            else:
+                base = jnp.minimum((first // ROW_TILE) * ROW_TILE, context - W * ROW_TILE)
             for w in range(W):
-                start = pl.multiple_of(base + w * ROW_TILE, ROW_TILE)
+                at = lax.rem(base + w * ROW_TILE, ring) if ring else base + w * ROW_TILE
+                start = pl.multiple_of(at, ROW_TILE)
                 for c, cache in enumerate(caches):
                     hbm = cache.at[si, s, pl.ds(start, ROW_TILE)]
                     tile = rows_buf.at[c, s + w * S]
@@ -60,7 +87,7 @@ def write_rows(caches: Sequence, rows_buf, sem, si, positions, new: Sequence[jax
                         block = rows_buf[c, s + w * S]
                         for r in range(R):
                             value = new[c][r * S + s:r * S + s + 1].astype(rows_buf.dtype)
-                            block = jnp.where(row == positions[r * S + s] - start,
+                            block = jnp.where(row == slot(r * S + s) - start,
                                               jnp.broadcast_to(value, block.shape), block)
                         rows_buf[c, s + w * S] = block
                         cp = pltpu.make_async_copy(tile, hbm, sem)
@@ -75,11 +102,15 @@ def stream(kv: KvTiles, caches: Sequence, si, positions, B: int,
     """Fold `body(t, tiles, tokens, carry) -> carry` over the cache tiles up to the largest
     position of the B rows: `tiles[c]` is cache c's tile t in VMEM ([S, tokens, width], one per
     sequence), `tokens` the token index of each of its rows ([1, tokens]). Tiles stream through
-    kv.slots scoped slots per cache, kv.ahead tiles ahead."""
+    kv.slots scoped slots per cache, kv.ahead tiles ahead. A window's KV ring streams its tiles
+    up to the largest position, or all of them once it has wrapped; `tokens` are its slots then
+    (`held` gives their positions)."""
     last = positions[0]
     for b in range(1, B):
         last = jnp.maximum(last, positions[b])
     n_tiles = last // kv.tokens + 1
+    if kv.ring:
+        n_tiles = jnp.minimum(n_tiles, kv.ring // kv.tokens)
 
     def scoped(*scratch):
         bufs, sems = scratch[:len(caches)], scratch[len(caches):]

@@ -9,14 +9,19 @@ per rank), its configs (`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`) and sp
 (`schedules/gpt_oss_{20b,120b}.sched`). The MINI runs on the 20b spec in interpret mode,
 bit-equal to the emulation at every step (`tests/families/gpt_oss/test_gpt_oss_interpret.py`).
 
-Within the window only, for now: a sliding layer's KV cache is the core's per-token cache of
-the whole context, which computes upstream's window exactly while no position reaches past it.
-The swa layer kind declares that limit (`graph.window_limit`, a `mkc.model.graph.ContextLimit`:
-the one core addition, a field of `LayerKind` that resolve's graph pass checks), so `mkc check`
-refuses a spec whose context exceeds the window at its `context` line (E-CONTEXT), the hint
-naming the sliding-window KV statement. Next: that statement (a layer kind's KV ring of the
-window's slots: `ops.ring_slot` and `ops.ring_visible` are its math, `graph.cache_slots` its
-size), which lifts the limit.
+The sliding window's KV cache is a core mechanism the spec declares, not family code: `kv ring
+N slots` in the swa phase (`mkc/lang/statements/kv_ring.py`, `mkc/resolve/kv_ring.py`,
+`mkc/checks/kv_ring.py`, `mkc.runtime.kv`) keeps a sliding layer's cache in HBM as a ring of N
+token slots (position p in slot p % N, HBM sized by N, not the context), streams the ring's
+tiles (all of them once it has wrapped) and hands the compute body the position each slot holds
+(`Layer.kv_positions`), which `lowering._visible` masks to the window (`p - W < q <= p`). The
+swa kind declares its window (`LayerKind.window`) and a `ContextLimit` of it (`graph.
+window_limit`): without the ring its cache is the per-token cache of the context, exact only
+within the window, and resolve refuses a longer context at the spec's `context` line
+(E-CONTEXT); with it, the checks prove the ring holds every row's window (N >= W + R - 1 for a
+verify step of R rows a sequence; E-KV-RING). The shipped specs: context 4096, a ring of 256
+slots (128 + 7 needed at verify 8) in two 128-token tiles; the full layers read the context.
+The core additions the family needed: `ContextLimit` and `LayerKind.window` (`mkc.model.graph`).
 
 Facts, and where they were read (transformers `main` as stored in the huggingface/transformers
 index; "upstream" below is that file):

@@ -4,11 +4,11 @@ residual add, then its MoE (`moe`): a biased router and biased MXFP4 experts.
 
 The two attention kinds have the same ops and tensors; they differ in what their KV cache holds
 (`cache_slots`): a full layer's holds every position of the context, a sliding layer's only its
-window, a ring of W slots (slot p % W holds position p), as the reference keeps it. The graph's
-cache tensors are per token, like every family's; the ring itself (its W slots, their tiles and
-their visibility) is for the schedule to declare, not yet a mechanism of the core. Until it is,
-the sliding kind declares a `ContextLimit` of the window (`window_limit`): its cache is the
-per-token cache of a context at most the window, where slot t holds position t as in the ring.
+window. The graph's cache tensors are per token, like every family's; the sliding kind declares
+its window (`LayerKind.window`), and the spec keeps its cache as the window's KV ring (`kv ring
+N slots` in the swa phase, the core's mechanism: position p in slot p % N, N >= W, checked by
+`mkc.checks.kv_ring`). Without the ring the kind's `ContextLimit` of the window holds
+(`window_limit`): its cache is then the per-token cache of a context at most the window.
 
 Sharding (three classes, all split over their own rank group):
 
@@ -83,21 +83,23 @@ def attention_kind(d: GptOssDims, name: str, heads: int) -> tuple[LayerKind, dic
         "o_bias": _v("o_bias", H),                # added once, after the all-reduce
         "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token, after RoPE
         "value": Tensor("value", "cache", (nkv, hd), "bf16"),
-    }, context_limit=window_limit(d) if name == "swa" else None)
+    }, context_limit=window_limit(d) if name == "swa" else None,
+        window=d.sliding_window if name == "swa" else 0)
     return kind, {"nq": nq, "nkv": nkv, "qkv_cols": qkv}
 
 
 def window_limit(d: GptOssDims) -> ContextLimit:
-    """A sliding layer's cache is, for now, the core's per-token cache of the whole context: it
-    computes upstream's window only while no position reaches past it (slot t holds position t
-    and every written slot is inside the window). A longer context needs the window's ring."""
+    """Without the window's KV ring a sliding layer's cache is the core's per-token cache of the
+    whole context: it computes upstream's window only while no position reaches past it (slot t
+    holds position t and every written slot is inside the window). A longer context needs the
+    ring (`kv ring N slots`), which lifts this limit."""
     W = d.sliding_window
     return ContextLimit(
-        W, f"its KV cache would have to hold the last {W} positions as a ring of slots, and that "
-           "mechanism is not built yet",
-        f"write `context {W}` or less (a multiple of the KV tile); a longer context waits for the "
-        "sliding-window KV statement (a ring of the window's slots, declared in the swa phase), "
-        "which is not built yet")
+        W, f"without a KV ring its per-token KV cache computes its {W}-token window only while "
+           "the context is within it",
+        f"keep the swa phase's KV cache as the window's ring (`kv ring {max(W, 16)} slots`, a "
+        f"multiple of its KV tile; {W} + R - 1 with a verify step of R rows), or write "
+        f"`context {W}` or less")
 
 
 def cache_slots(d: GptOssDims, kind: str, context: int) -> int:

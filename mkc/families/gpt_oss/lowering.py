@@ -14,10 +14,10 @@ added once, after the heads' all-reduce (`attn_residual`); the router's bias and
 softmax over the picked logits only; each expert's biases and the clamped SwiGLU on its
 de-interleaved `[gate | up]` halves.
 
-A sliding layer's KV cache is the core's per-token cache of the whole context, so its body
-masks to the window (`p - W < t <= p`) over cache slot t = position t: exact while the
-context is at most the window, which resolve enforces (`graph.window_limit`); the window's
-ring of slots is the next mechanism (`ops.ring_slot`, `ops.ring_visible` are its math).
+A sliding layer's KV cache is the window's KV ring when its phase declares one (`kv ring N
+slots`: position p in slot p % N, the core's mechanism, `mkc.runtime.kv`), else the core's
+per-token cache of a context at most the window (`graph.window_limit`); either way its body
+masks each slot by the absolute position it holds to the window (`p - W < q <= p`).
 """
 from __future__ import annotations
 
@@ -73,11 +73,13 @@ def kv_write(c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
 
 
 def _visible(c: Layer, tokens: jax.Array, position) -> jax.Array:
-    """Cache slots (= positions, `window_limit`) row `position` attends: upstream's causal
-    mask, and on a sliding layer its window too."""
-    visible = ops.full_visible(tokens, position)
+    """Cache slots row `position` attends, by the absolute position each holds
+    (`Layer.kv_positions`: the slot itself, or in a sliding layer's KV ring the latest position
+    written to it): written, upstream's causal mask, and on a sliding layer its window."""
+    held = c.kv_positions(tokens, position)
+    visible = (held >= 0) & ops.full_visible(held, position)
     if c.kind == "swa":
-        visible = visible & (tokens > position - c.dims.sliding_window)
+        visible = visible & (held > position - c.dims.sliding_window)
     return visible
 
 

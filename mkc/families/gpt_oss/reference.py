@@ -23,7 +23,9 @@ docstring lists the facts and where they were read. Per layer, on the residual `
 Decode state (``init_cache``; B batch, T context, W window), bf16 like upstream's cache:
 ``layers.{i}.key_cache`` / ``value_cache`` ``[B, Hkv, T, D]`` on full layers (slot t holds
 position t) and ``[B, Hkv, W, D]`` on sliding layers, a ring of the last W positions (slot
-``p % W`` holds position p; the slots a new row has not yet written are masked). Keys are stored
+``p % W`` holds position p; the slots a new row has not yet written are masked). A sliding
+cache of N > W slots (a kernel's `kv ring N slots`, gathered by ``weights.reference_states``)
+is the same ring with slot ``p % N``, each slot masked by the position it holds. Keys are stored
 after RoPE. The new token's k and v are written first and read back, so a token sees the same
 bf16 values whether it is the current one or a past one. Positions must be < T.
 
@@ -41,7 +43,8 @@ shapes and jitted, since XLA's f32 order depends on both (``mkc.numerics``):
 * keys and values stored in the KV cache's dtype; attention per row and query head as an
   online softmax over the schedule's KV tiles (Qwen3.5's ``_attention_tile``) whose carry
   starts from the head's sink (max = sink, denominator 1, accumulator 0); a sliding layer's
-  window as a mask over slots that are positions (the kernel's context is at most the window);
+  cache as the kernel's ring (its slots, up to all of them once wrapped), each slot masked by
+  the position it holds (written, causal, within the window);
 * ``o_proj`` as per-rank partial sums over the heads all-reduced as the schedule says, then
   its bias added to the reduced sum, which is added to x;
 * the router's top k of the biased logits, the weights ``exp(logit - max)`` of the picks
@@ -232,13 +235,16 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
 def cache_slots(kind: str, slots: int, positions: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
     """(the slot each row's new token is written to ``[B]``, which slots it may attend ``[B, T]``)
     of a layer's cache of ``slots`` slots. Full attention: slot t holds position t, visible when
-    ``t <= p``. Sliding: a ring, slot ``s`` holding the latest position ``q = p - ((p - s) mod
-    W)``, which lies in ``(p - W, p]`` by construction, visible once written (``q >= 0``)."""
+    ``t <= p``. Sliding: a ring of ``slots >= W`` slots (``init_cache`` keeps W; a kernel's ring
+    may keep more, `kv ring N slots`), slot ``s`` holding the latest position ``q = p - ((p - s)
+    mod slots)``, visible once written (``q >= 0``) and within the window (``q > p - W``, always
+    true when ``slots == W``)."""
     slot = jnp.arange(slots)[None, :]
     p = positions[:, None]
     if kind == FULL:
         return positions, slot <= p
-    return positions % window, p - jnp.mod(p - slot, window) >= 0
+    held = p - jnp.mod(p - slot, slots)
+    return positions % slots, (held >= 0) & (held > p - window)
 
 
 def attention_block(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, x: jax.Array,
@@ -388,12 +394,16 @@ def _sink_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                     positions: jax.Array, sinks: jax.Array, tile: int, window: int | None
                     ) -> jax.Array:
     """Attention with sinks as the kernel sums it: per row and query head an online softmax
-    over the cache in tiles of ``tile`` tokens (up to the batch's largest position), its carry
-    started from the head's sink; slots are positions, masked causally and, on a sliding layer
-    (``window``), to the window. q [B, Hq, D] -> [B, Hq, D]."""
+    over the cache in tiles of ``tile`` tokens (up to the batch's largest position; on a
+    sliding layer at most the ring's tiles), its carry started from the head's sink. A full
+    layer's slots are positions, masked causally; a sliding layer's (``window``) are its ring
+    (`mkc.runtime.kv`: slot s holds ``q = p - ((p - s) mod slots)``), masked by q: written,
+    causal and within the window. q [B, Hq, D] -> [B, Hq, D]."""
     b, hq, d = q.shape
-    hkv = key_cache.shape[1]
+    hkv, slots = key_cache.shape[1], key_cache.shape[2]
     n_tiles = int(jnp.max(positions)) // tile + 1
+    if window is not None:
+        n_tiles = min(n_tiles, slots // tile)
     keys, values = key_cache.astype(jnp.bfloat16), value_cache.astype(jnp.bfloat16)
     rows = []
     for row in range(b):
@@ -405,9 +415,11 @@ def _sink_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                      jnp.zeros((1, d), jnp.float32))
             for t in range(n_tiles):
                 tokens = t * tile + jnp.arange(tile)[None, :]
-                visible = tokens <= p
-                if window is not None:
-                    visible = visible & (tokens > p - window)
+                if window is None:
+                    visible = tokens <= p
+                else:
+                    held = p - jnp.mod(p - tokens, slots)
+                    visible = (held >= 0) & (held <= p) & (held > p - window)
                 carry = _attention_tile(q[row, h][None], keys[row, kvh, t * tile:(t + 1) * tile],
                                         values[row, kvh, t * tile:(t + 1) * tile], visible, *carry)
             heads.append(carry[2] / carry[1])
@@ -438,9 +450,6 @@ def _emulated_attention(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, 
     rows = jnp.arange(b)
     key_cache = key_cache.at[rows, :, slot].set(k.astype(key_cache.dtype))
     value_cache = value_cache.at[rows, :, slot].set(v.astype(value_cache.dtype))
-    if kind == SLIDING and int(jnp.max(positions)) >= cfg.sliding_window:
-        raise ValueError(f"the kernel's sliding layers compute positions below the window "
-                         f"({cfg.sliding_window}) only: no emulation past it yet")
     attn = _sink_attention(q, key_cache, value_cache, positions, p["sinks"],
                            rounding.kv_tile(sched), cfg.sliding_window if kind == SLIDING else None)
     out = row_parallel(attn.reshape(b, hq * d), p["o_proj.weight"],

@@ -174,10 +174,10 @@ def reference_states(state, d: GptOssDims, per_rank: dict[str, int], shards: Sha
     """The KV caches gathered over one holder of each heads part into the reference's
     layouts, `layers.{i}.key_cache` / `value_cache` `[B, Hkv, T, D]` (model layer i): a
     kind's state `{kind}__key` is `[layers of the kind, B, slots, nkv * D]` per rank. A full
-    layer's slots are its context. The reference keeps a sliding layer's as its window's ring
-    (slot p % W, `graph.cache_slots`); the kernel's, for now, is the per-token cache of a
-    context at most the window (`graph.window_limit`), where slot p holds position p as in the
-    ring: it is padded with unwritten (zero) slots to the window. More slots are refused."""
+    layer's slots are its context. A sliding layer's are the kernel's window's KV ring of N >= W
+    slots (`kv ring N slots`: slot p % N), which the reference computes as it is; without a
+    ring, the per-token cache of a context at most the window (`graph.window_limit`), where
+    slot p holds position p as in a ring of W: padded with unwritten (zero) slots to W."""
     hd, nkv = d.head_dim, per_rank["nkv"]
     holders = shards.holders("heads")
     ways = len(holders)
@@ -192,15 +192,12 @@ def reference_states(state, d: GptOssDims, per_rank: dict[str, int], shards: Sha
                 continue
             cache = rank_parts(state[f"{kind}__{c}"], ranks)    # rank -> [layers, B, T, nkv * D]
             slots = cache[ranks[0]].shape[2]
-            if kind == "swa" and slots > d.sliding_window:
-                raise ValueError(f"a sliding layer's {c} cache has {slots} slots; the reference "
-                                 f"keeps the ring of its window's {d.sliding_window}")
             for i, layer in enumerate(kind_layers[kind]):
                 heads = ([cache[r][i, :, :, j * hd:(j + 1) * hd] for r in ranks for j in range(nkv)]
                          if split else [cache[r][i] for r in ranks])
                 stacked = np.stack(heads, axis=1).astype(np.float32)
-                if kind == "swa":       # a context within the window: slot t holds position t,
-                    pad = d.sliding_window - slots       # as in the ring; the rest is unwritten
+                if kind == "swa" and slots < d.sliding_window:   # a context within the window:
+                    pad = d.sliding_window - slots   # slot t holds position t as in a ring of W
                     stacked = np.pad(stacked, ((0, 0), (0, 0), (0, pad), (0, 0)))
                 out[f"layers.{layer // 2}.{name}"] = stacked
     return out

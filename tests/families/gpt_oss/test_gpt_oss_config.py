@@ -77,22 +77,28 @@ def test_truncate_floors_and_ceils_the_ramp_bounds():
     assert (c.yarn_low, c.yarn_high) == (8.0, 18.0)
 
 
-def test_mkc_check_refuses_a_context_past_the_window_at_its_context_line(tmp_path):
-    """A sliding layer computes upstream's window only while the context is within it (its KV
-    cache is the per-token cache of the context; the window's ring is not built yet): a spec
-    with a longer context is refused at its `context` line, the hint naming the sliding-window
-    statement; the shipped spec (context 128 = the window) checks, for its model and the MINI."""
+def test_mkc_check_refuses_a_context_past_the_window_without_the_ring_at_its_context_line(tmp_path):
+    """Without its KV ring a sliding layer's cache is the per-token cache of the context, which
+    computes upstream's window only while the context is within it: a spec with a longer
+    context and no `kv ring` is refused at its `context` line, the hint naming the ring; the
+    shipped spec (context 4096, its swa phase's ring declared) checks, for its model and the
+    MINI, and so does a context of the window without the ring."""
     shipped = ROOT / "schedules" / "gpt_oss_20b.sched"
     for model in (None, "gpt_oss_mini"):
         check_spec(shipped, model)
-    text, n = re.subn(r"^(\s*context\s+)128\b", r"\g<1>256", shipped.read_text(), count=1, flags=re.M)
-    assert n == 1
-    spec = tmp_path / "gpt_oss_256.sched"
-    spec.write_text(text)
+    text = shipped.read_text()
+    assert text.count("    kv ring 256 slots\n") == 1
+    no_ring = text.replace("    kv ring 256 slots\n", "")
+    spec = tmp_path / "gpt_oss_no_ring.sched"
+    spec.write_text(no_ring)
     with pytest.raises(MkcError) as e:
         check_spec(spec)
     (d,) = e.value.diagnostics
-    line = text[:text.index("context 256")].count("\n") + 1
+    line = no_ring[:no_ring.index("context 4096")].count("\n") + 1
     assert (d.code, d.span.file, d.span.line) == ("E-CONTEXT", str(spec), line)
     assert "swa" in d.message and "128" in d.message
-    assert "sliding-window KV statement" in d.hint and "not built yet" in d.hint
+    assert "kv ring" in d.hint
+    within, n = re.subn(r"^(\s*context\s+)4096\b", r"\g<1>128", no_ring, count=1, flags=re.M)
+    assert n == 1
+    spec.write_text(within)
+    check_spec(spec)

@@ -315,15 +315,20 @@ def test_decode_is_finite_and_deterministic(params):
     np.testing.assert_array_equal(first, np.asarray(_prefix_cache(params, [1, 2, 3, 4, 5])[0]))
 
 
-def test_the_rounding_emulation_refuses_a_sliding_position_past_the_window(params):
-    """The kernel's sliding layers compute positions within the window only (their KV ring is
-    not built yet), so the emulation of it refuses a step past the window rather than emulate
-    a kernel that does not exist."""
-    from mkc.reference.rounding import Reduce, Rounding
-    rounding = Rounding(ranks=1, reduces=(("embed", "embed", Reduce((), "bf16")),
-                                          ("swa", "o_proj", Reduce((), "bf16"))),
-                        storage=(("swa", "kv", "bf16"),), kv_tiles=(("swa", 16),),
-                        shard=(("nq", MINI.num_attention_heads), ("vocab", MINI.vocab_size)))
-    with pytest.raises(ValueError, match="below the window"):
-        ref.decode_step(params, MINI, ref.init_cache(MINI, 1, 16), jnp.asarray([1]),
-                        jnp.asarray([MINI.sliding_window]), rounding=rounding)
+def test_the_emulations_sliding_attention_reads_a_ring_past_its_wrap_as_the_reference_masks_it():
+    """The emulation's sliding attention over a kernel's window KV ring (N = 32 slots in
+    16-token tiles, window 8, rows past the ring's wrap: slot s holds p - ((p - s) mod N)) is
+    the reference's `attend` under its `cache_slots` mask, to f32 rounding; a window one
+    position wider is not."""
+    rng = np.random.default_rng(3)
+    b, hq, hkv, d, slots, window = 3, 4, 2, 64, 32, 8
+    q = jnp.asarray(rng.normal(size=(b, hq, d)), jnp.float32)
+    keys, values = (jnp.asarray(rng.normal(size=(b, hkv, slots, d)), jnp.bfloat16) for _ in range(2))
+    sinks = jnp.asarray(rng.normal(size=(hq,)), jnp.float32)
+    positions = jnp.asarray([5, 37, 70])            # before the window, past one and two wraps
+    _, visible = ref.cache_slots(ref.SLIDING, slots, positions, window)
+    want = ref.attend(q, keys.astype(jnp.float32), values.astype(jnp.float32), visible, sinks)
+    got = ref._sink_attention(q, keys, values, positions, sinks, 16, window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    wide = ref._sink_attention(q, keys, values, positions, sinks, 16, window + 1)
+    assert np.max(np.abs(np.asarray(wide) - np.asarray(want))[1:]) > 1e-3

@@ -201,7 +201,8 @@ def test_fp8_experts_hold_the_same_values(hf):
 def test_kv_caches_gather_back_to_the_reference_layout(ranks):
     """Per-rank caches `[layers of the kind, B, slots, nkv * D]`, rank r holding its part's KV
     heads (at 4 parts, the replica of head r // 2), gather into `[B, Hkv, slots, D]` per
-    model layer; a sliding cache that is not the window's ring is refused."""
+    model layer; a sliding cache of a kernel's larger KV ring (`kv ring N slots`) keeps its N
+    slots, and one of a context within the window is padded with unwritten slots to it."""
     fg = g.build(MINI, rules(ranks), ranks)
     shards = ShardTable.of(rules(ranks), ranks)
     rng = np.random.default_rng(5)
@@ -224,6 +225,13 @@ def test_kv_caches_gather_back_to_the_reference_layout(ranks):
             np.testing.assert_array_equal(out[f"layers.{layer // 2}.value_cache"], full[i] + 1)
     assert out["layers.0.key_cache"].shape == (B, hkv, MINI.sliding_window, hd)
     assert out["layers.1.key_cache"].shape == (B, hkv, 16, hd)
-    state["swa__key"] = np.concatenate([state["swa__key"]] * 2, axis=3)
-    with pytest.raises(ValueError, match="window"):
-        gw.reference_states(state, MINI, fg.per_rank, shards, kind_layers)
+    ring = {n: np.concatenate([state[n]] * 2, axis=3) for n in ("swa__key", "swa__value")}
+    out = gw.reference_states(state | ring, MINI, fg.per_rank, shards, kind_layers)
+    np.testing.assert_array_equal(out["layers.0.key_cache"],
+                                  np.concatenate([caches["swa"][0]] * 2, axis=2))
+    short = {n: state[n][:, :, :, :16] for n in ("swa__key", "swa__value")}
+    out = gw.reference_states(state | short, MINI, fg.per_rank, shards, kind_layers)
+    padded = out["layers.2.value_cache"]
+    assert padded.shape == (B, hkv, MINI.sliding_window, hd)
+    np.testing.assert_array_equal(padded[:, :, :16], caches["swa"][1][:, :, :16] + 1)
+    assert not padded[:, :, 16:].any()

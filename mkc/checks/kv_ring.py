@@ -1,0 +1,39 @@
+"""Capacity of a window's KV ring (`kv ring N slots`, `mkc.resolve.kv_ring`): the ring must
+hold, at the moment a row attends, every position of that row's window.
+
+A kernel writes a sequence's R new rows (consecutive positions p .. p + R - 1; R = 1 when
+decoding, the verify step's rows otherwise) into the ring before any of them attends, position
+q into slot q % N. Row p's window is p - W + 1 .. p, and the write of p + R - 1 lands on the
+slot of p + R - 1 - N, so the window survives exactly when p + R - 1 - N < p - W + 1, that is
+N >= W + R - 1. Checked over every kernel the spec builds (decode, and verify when declared)."""
+from __future__ import annotations
+
+from mkc import ir
+from mkc.diagnostics import Diagnostic
+
+
+def ring_needs(window: int, rows: int) -> int:
+    """Slots a ring needs to keep each of a sequence's `rows` consecutive new rows' window of
+    `window` positions after all of them are written."""
+    return window + rows - 1
+
+
+def check_kv_rings(s: ir.ScheduleIR) -> list[Diagnostic]:
+    diags = []
+    rows = max(1, s.verify_rows)
+    for kname in sorted(s.kinds):
+        kv = s.kinds[kname].kv
+        if kv is None or not kv.ring:
+            continue
+        need = ring_needs(kv.window, rows)
+        if kv.ring < need:
+            step = (f", plus {rows - 1} for the verify step's {rows} rows a sequence (each row's "
+                    "window must survive the later rows' writes)") if rows > 1 else ""
+            fit = -(-need // kv.tokens) * kv.tokens
+            diags.append(Diagnostic(
+                "E-KV-RING", f"a KV ring of {kv.ring} slots cannot hold layer kind {kname}'s "
+                f"window of {kv.window} positions{step}: it needs {need} slots", kv.ring_span,
+                notes=[f"a row at position p reads positions p - {kv.window - 1} .. p; the write "
+                       f"of position p + {rows - 1} lands in the slot of p + {rows - 1} - {kv.ring}"],
+                hint=f"write `kv ring {fit} slots` (whole {kv.tokens}-token KV tiles)"))
+    return diags
