@@ -150,29 +150,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "compile":
             c = compiler.compile_spec(args.spec, args.model)
+            requantization = _requantization(c, args.model)     # may refuse: before writing
             out = compiler.module_path(c, args.out)
             compiler.write_atomically(out, c.module_source)
             from mkc import report
             result |= {"output": str(out), "budget": report.budget(c.ir, c.events)}
-            if c.requantization:
-                result["requantization"] = c.requantization
+            if requantization:
+                result["requantization"] = requantization
             if not as_json:
                 print(f"wrote {out}")
-                _print_requantization(c.requantization)
+                _print_requantization(requantization)
         elif args.cmd == "check":
             try:
                 c = compiler.check_spec(args.spec, args.model)
+                requantization = _requantization(c, args.model)
             finally:            # libtpu's verdict matters most when mkc rejects a spec for VMEM
                 if args.confirm:
                     result["confirm"] = _confirm(args.spec, args.model, as_json)
             from mkc import report
             result["budget"] = report.budget(c.ir, c.events)
-            if c.requantization:
-                result["requantization"] = c.requantization
+            if requantization:
+                result["requantization"] = requantization
             if not as_json:
                 print(f"{args.spec}: ok")
                 print(report.budget_table(c.ir, result["budget"]))
-                _print_requantization(c.requantization)
+                _print_requantization(requantization)
         elif args.cmd == "perf":
             from mkc import perf
             c = compiler.check_spec(args.spec, args.model)
@@ -205,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     if as_json:
         print(json.dumps(result, indent=1, sort_keys=True))
     return 0
+
+
+def _requantization(c, model: str | None) -> dict:
+    """What packing does to a checkpoint model's values in the spec's requantizing formats
+    (MkcError at the format line where it cannot hold them as asked). Only `check` and
+    `compile` measure it: it reads every expert matrix of the checkpoint."""
+    from mkc.requantize import report
+    return report(c.ir, c.schedule, model)
 
 
 def _print_requantization(rep: dict) -> None:

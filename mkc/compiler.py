@@ -29,8 +29,6 @@ class Compiled:
     schedule: ast.Schedule | None = None                     # the parsed spec
     module_source: str | None = None
     events: list = field(default_factory=list, repr=False)   # the checked trace
-    # matrix class -> what packing does to the checkpoint's values (mkc.requantize.report)
-    requantization: dict = field(default_factory=dict)
 
 
 def check_spec(spec: str | Path, model: str | None = None) -> Compiled:
@@ -58,9 +56,7 @@ def _check_parsed(sched, text: str, model: str | None = None) -> Compiled:
         # smallest that would do.
         name_smallest_slice(e, sched, model)
         raise
-    from mkc import requantize
-    return Compiled(schedule_ir, text, sched, events=events,
-                    requantization=requantize.report(schedule_ir, sched, model))
+    return Compiled(schedule_ir, text, sched, events=events)
 
 
 def resolve_spec(spec: str | Path, model: str | None = None, *, after: str | None = None

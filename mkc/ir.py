@@ -335,6 +335,12 @@ class WeightFormat:
     # The spec's `format` line ("kimi_k3.sched:40"), for what packing refuses or reports.
     where: str = ""
 
+    @property
+    def spelled(self) -> str:
+        """The format as a spec writes it after the class: `fp4 block 512 rounded`."""
+        return " ".join([self.name, *([f"block {self.block}"] if self.block else []),
+                         *(["rounded"] if self.rounded else [])])
+
 
 @dataclass(frozen=True)
 class MatrixFacts:

@@ -37,7 +37,7 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
         return {}
     root = checkpoint_dir(sched, model)
     if root is None:
-        return {cls: {"format": _spelled(f), "measured": False,
+        return {cls: {"format": f.spelled, "measured": False,
                       "note": "its error against the checkpoint is measured when weights are "
                               "packed (the module's requantized_weights), or here with "
                               "--model CHECKPOINT_DIR"}
@@ -59,10 +59,6 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
         text = str(e)[len(where):] if str(e).startswith(where) else str(e)
         raise format_error(FormatError(e.cls, text, e.hint), sched) from None
     return {cls: {**r, "measured": True, "checkpoint": str(root)} for cls, r in measured.items()}
-
-
-def _spelled(f: ir.WeightFormat) -> str:
-    return f"{f.name} block {f.block}" + (" rounded" if f.rounded else "")
 
 
 def lines(rep: dict[str, dict]) -> list[str]:

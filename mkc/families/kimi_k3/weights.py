@@ -215,7 +215,7 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
                 t[4] = max(t[4], r.max_abs)
                 t[5] += r.sq_err
                 t[6] += r.sq_ref
-    report = {cls: {"format": f"fp4 block {fmt.block}" + (" rounded" if fmt.rounded else ""),
+    report = {cls: {"format": fmt.spelled,
                     "values": t[0], "changed": t[1], "blocks": t[2], "inexact_blocks": t[3],
                     "exact": t[1] == 0, "max_abs_error": t[4],
                     "relative_rms_error": _rel_rms(t[5], t[6])}
