@@ -35,7 +35,7 @@ def _kernel(fmt: str, fp8_operand: bool):
     def kernel(x_ref, codes_ref, scales_ref, o_ref):
         x, codes, scales = x_ref[...], codes_ref[...], scales_ref[...]
         if fmt == "mxfp4":
-            w = ops.mxfp4_dequantize_tile(codes, scales, BF16)
+            w = ops.mxfp4_dequantize_tile(codes, ops.mxfp4_scale_bias(scales), BF16)
             o_ref[...] = jnp.dot(x, w, preferred_element_type=F32)
         elif fmt == "fp8":
             w = ops.fp8_block_scaled_tile(codes, scales, BF16)

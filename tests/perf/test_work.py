@@ -170,9 +170,9 @@ def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
 
 @pytest.mark.slow
 def test_each_expert_format_is_priced_by_its_own_lowering(tmp_path):
-    """Counted from the kernel, a routed expert's weight value costs MXFP4's decode (about 8
-    VPU operations), FP8 with 32-row scales a conversion and a multiply, FP8 or FP4 with a
-    scale per pack group (FP4: the shipped spec) no conversion (the codes go to the MXU as
+    """Counted from the kernel, a routed expert's weight value costs MXFP4's decode (at most 3
+    VPU operations with its dot's share), FP8 with 32-row scales a conversion and a multiply,
+    FP8 or FP4 with a scale per pack group (FP4: the shipped spec) no conversion (the codes go to the MXU as
     they are: only the group's scale on its partial product); the step follows, although FP8
     streams twice MXFP4's code bytes, and FP4 (MXFP4's bytes, loaded at the fp8 rate) is the
     shortest."""
@@ -192,12 +192,13 @@ def test_each_expert_format_is_priced_by_its_own_lowering(tmp_path):
     per_value = {label: work.kernel_work(s, 1).op("moe", "routed_experts").per_weight_value().vector
                  for label, s in irs.items()}
     assert per_value["fp4 block"] < 1 and per_value["fp8 block"] < 1
-    assert per_value["fp8 block"] < 1 < per_value["fp8"] <= 3 < 4 * per_value["fp8"] < per_value["mxfp4"]
+    # Issue 18: where no generation feeds FP4 codes, the in-kernel MXFP4 decode costs at most 3.
+    assert per_value["fp8 block"] < 1 < per_value["fp8"] < per_value["mxfp4"] <= 3
     steps = {label: run(s, 1) for label, s in irs.items()}
     assert steps["fp8"]["hbm_bytes"] > steps["mxfp4"]["hbm_bytes"]
     assert steps["fp4 block"]["hbm_bytes"] < steps["fp8 block"]["hbm_bytes"]
     assert (steps["fp4 block"]["step_seconds"] < steps["fp8 block"]["step_seconds"]
-            < steps["fp8"]["step_seconds"] < steps["mxfp4"]["step_seconds"] / 2)
+            < steps["fp8"]["step_seconds"] < steps["mxfp4"]["step_seconds"])
 
 
 SHIPPED = sorted(Path(ROOT / "schedules").glob("*.sched"))

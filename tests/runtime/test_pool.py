@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.runtime import pool
-from mkc.families.kimi_k3.ops import mxfp4_dequantize_tile, pack_mxfp4_for_kernel
+from mkc.families.kimi_k3.ops import mxfp4_dequantize_tile, mxfp4_scale_bias, pack_mxfp4_for_kernel
 
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 GAP = 16   # pool rows left between matrices, so no offset is 0 or back to back
@@ -54,11 +54,11 @@ def pool_kernel(mats: list[tuple[int, int]], n_in: int, n_out: int, group: int, 
         for i, (k, c) in enumerate(mats):
             outs[i][...] = pool.pooled_matmul(xs[i][...], pool_ref, offs[i], k, c)
         scales = pool.pooled_u8(pool_ref, offs[n + 1], n_in // 32, n_out)
-        acc = jnp.zeros((batch, n_out), F32)
+        acc, bias = jnp.zeros((batch, n_out), F32), mxfp4_scale_bias(scales)
         for g in range(n_in // group):      # one pack group of input rows at a time
             codes = pool.pooled_u8(pool_ref, offs[n], n_in // 2, n_out, first=g * group // 2,
                                    count=group // 2)
-            w = mxfp4_dequantize_tile(codes, scales[g * group // 32:(g + 1) * group // 32], BF16)
+            w = mxfp4_dequantize_tile(codes, bias[g * group // 32:(g + 1) * group // 32], BF16)
             acc += jnp.dot(xe[:, g * group:(g + 1) * group].astype(BF16), w, preferred_element_type=F32)
             if emit_weights:
                 outs[n + 1][g * group:(g + 1) * group, :] = w.astype(F32)

@@ -299,14 +299,16 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
     fmt = c.kernel.formats[f"expert.{name}"]
     rows_per_byte = 2 if fmt.name in ("mxfp4", "fp4") else 1
+    bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
     out = None
     for g in range(x.shape[1] // group):
         xg = x[:, g * group:(g + 1) * group].astype(BF16)
         codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // rows_per_byte,
                                count=group // rows_per_byte)
         if fmt.block == ops.MX_BLOCK:            # a scale per 32 rows: scale every value
-            decode = ops.mxfp4_dequantize_tile if fmt.name == "mxfp4" else ops.fp8_block_scaled_tile
-            w = decode(codes, scales[g * group // ops.MX_BLOCK:(g + 1) * group // ops.MX_BLOCK], BF16)
+            blocks = slice(g * group // ops.MX_BLOCK, (g + 1) * group // ops.MX_BLOCK)
+            w = (ops.mxfp4_dequantize_tile(codes, bias[blocks], BF16) if fmt.name == "mxfp4"
+                 else ops.fp8_block_scaled_tile(codes, scales[blocks], BF16))
             part = jnp.dot(xg, w, preferred_element_type=F32)
         elif fmt.name == "fp4":                  # e2m1 codes as they are, one scale a block
             b = g * group // fmt.block

@@ -16,10 +16,9 @@ this module build it from checkpoint tensors at load time:
   (``split_kv_b_proj``). Each per-head product then becomes one 2-D matmul against a
   block-diagonal operand built with an iota mask, with no in-kernel reshape of head rows.
 * MXFP4 experts are stored K-major like every mkc weight tile (``[in, out]``, so the MX blocks
-  of 32 run down the rows): ``codes [in/2, out]`` where, within each pack group of ``group``
-  input rows, byte row j holds input row j in its low nibble and row ``group/2 + j`` in its high
-  nibble, and ``scales [in/32, out]``. Unpacking is an aligned sublane concat and the scale
-  broadcast a sublane broadcast (``pack_mxfp4_for_kernel``).
+  of 32 run down the rows): ``codes [in/2, out]``, each pack group of ``group`` input rows as
+  uint32 words whose bits sit where a shift and a mask put them into bf16s (``MXFP4_LAYOUT``),
+  and ``scales [in/32, out]`` (``pack_mxfp4_for_kernel``).
 * KDA's per-head ``A_log`` is repeated over each head's key channels (``expand_a_log``).
 """
 from __future__ import annotations
@@ -194,46 +193,71 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
 # MXFP4 expert tiles
 
 
-def mxfp4_dequantize_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype = F32) -> jax.Array:
-    """Decode one pack group of a kernel-layout MXFP4 weight -> [G, N] (``[in, out]`` rows).
+# The kernel layout of MXFP4 codes (`pack_mxfp4_for_kernel`): a pack group of G input rows is
+# G/8 little-endian uint32 words a column, 8 codes a word. Its rows are four quarters of G/4;
+# row 2a + h of quarter q sits in word a, at the bits MXFP4_LAYOUT[q] gives (sign, then the
+# three magnitude bits high to low) plus 16 h. Each quarter comes out of the word with one
+# mask after a shift (q 0..2) or a shift, mask and multiply (q 3: one copy of its bits per
+# term of the multiplier, no two overlapping), already where a bf16 keeps them: the sign at
+# bit 15 (31), the magnitude at bits 8..6 (24..22), the bottom of the exponent and the top of
+# the mantissa. The magnitude is stored re-coded so that adding the block's exponent bias
+# makes the value: c = 0 is 0.5, c = 1 zero, c = 2..7 are 1, 1.5, 2, 3, 4, 6 (the e2m1 code).
+MXFP4_LAYOUT = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
+MXFP4_BF16_BITS = 0x81C081C0          # sign and magnitude bits of both bf16 halves of a word
+MXFP4_ZERO_BITS = 1 << 6              # c = 1 (zero) where a bf16 keeps it
+_QUARTER_SHIFT = (0, 3, 6)            # quarters 0..2: word << shift, masked
+_LAST_RIGHT_SHIFT, _LAST_BITS, _LAST_COPIES = 7, 0x00D800D8, 1 + (1 << 5) + (1 << 11)
 
-    codes uint8 [G/2, N]: byte row j holds input row j (low nibble) and row G/2 + j (high);
-    scales uint8 [G/32, N], E8M0 per 32 input rows. G is the ``group`` of
-    ``pack_mxfp4_for_kernel`` (a multiple of 64). Bit-equal to ``mxfp4_dequantize``
-    (transposed) for scales 2..255: normal values, inf on overflow, NaN for scale 255. Below
-    that TPUs flush subnormals: scale 0 (2**-127) decodes to zero, scale 1 flushes its +-0.5
-    codes (2**-127); quantizers emit scales 1..254 and such blocks are zero to the MXU anyway.
-    bf16 output is exact: the values carry 2 significant bits and bf16 has f32's exponent range.
 
-    The values are built as bf16 bits in 16-bit lanes with the block's scale folded into the
-    exponent, so no multiply: 13 operations on [G, N] 16-bit registers and 3 on the packed
-    bytes, about 7 counted VPU operations a value (`mkc.perf.work`; in 32-bit lanes with a
-    multiply it was 14.8).
-    """
-    c = codes.astype(jnp.uint16)
-    nib = jnp.concatenate([c & 0xF, c >> 4], axis=0)                     # [G, N] codes s e e m
-    mag = nib & 7
-    rows, cols = nib.shape
-    s = scales.astype(jnp.uint16)
+def mxfp4_scale_bias(scales: jax.Array) -> jax.Array:
+    """E8M0 scales uint8 [K/32, N] -> uint32 [K/32, N]: in each bf16 half, the exponent bits
+    of 2**(s - 128) (the block's scale times the e2m1 bias), which added to a re-coded
+    magnitude (c >= 2: exponent e and mantissa m) give 2**(e - 1 + s - 127) * (1 + m/2); c = 0
+    alone is 2**(s - 128), the code 0.5 times the scale. Computed once per matrix."""
+    half = (scales.astype(jnp.uint32) << 7) - jnp.uint32(1 << 7)
+    return half * jnp.uint32(0x10001)
 
-    def per_row(block: jax.Array) -> jax.Array:         # [G/32, N] -> [G, N], each row's block
-        return jnp.broadcast_to(block[:, None, :], (rows // MX_BLOCK, MX_BLOCK, cols)).reshape(rows, cols)
 
-    # A code e,m (e > 0) is 2**(e-1) * (1 + m/2): its bits at the bottom of the bf16 exponent
-    # and the top of the mantissa, plus the bits of 2**(s-128) (the block's scale times the
-    # e2m1 bias) give exponent e - 1 + s; code 1 (0.5) is those bits alone, code 0 zero.
-    bias = per_row((s - 1) << 7)
-    bits = jnp.where(mag < 2, bias * mag, (mag << 6) + bias)
-    # Past the exponent's range (e - 1 + s >= 255, only where s > 252) is inf. Compared on the
-    # code, not the bits: Mosaic has no 16-bit min, which a clamp of the bits becomes.
-    overflow = per_row(jnp.where(s > 252, (256 - s) * 2, jnp.uint16(8)))
-    bits = jnp.where(mag >= overflow, jnp.uint16(0x7F80), bits)
-    bits = bits | ((nib & 8) << 12)
-    # Scale 0 (2**-127, itself subnormal, which TPUs flush) is zero; 255 is NaN; both said here
-    # rather than left to the hardware (quantizers emit 1..254).
-    keep = per_row(jnp.where(s == 0, jnp.uint16(0), jnp.uint16(0xFFFF)))
-    nan = per_row(jnp.where(s == MX_SCALE_NAN, jnp.uint16(0x7FC0), jnp.uint16(0)))
-    return lax.bitcast_convert_type((bits & keep) | nan, jnp.bfloat16).astype(dtype)
+def mxfp4_dequantize_tile(codes: jax.Array, bias: jax.Array, dtype: jnp.dtype = F32) -> jax.Array:
+    """Decode one pack group of kernel-layout MXFP4 codes -> [G, N] (``[in, out]`` rows).
+
+    codes uint8 [G/2, N] (``pack_mxfp4_for_kernel``'s layout, read as G/8 uint32 words);
+    bias uint32 [G/32, N], ``mxfp4_scale_bias`` of the group's E8M0 scales. Bit-equal to
+    ``mxfp4_dequantize`` (transposed) for scales 2..252; packing zeroes the codes of a block
+    of scale 0 (2**-127, itself subnormal) and refuses scales past 252 where a value
+    overflows bf16, and 255 (NaN). With scale 1 the codes +-0.5 (2**-127) flush to zero, as
+    TPUs flush subnormals. bf16 output is exact (two significant bits, f32's exponent range).
+
+    Counted (`mkc.perf.work`): 9 operations on quarter-size uint32 words to place the bits,
+    then a bias add, a zero test and a select on each quarter: 21 eighths of a VPU operation a
+    value, 2.6 (it was about 7.6)."""
+    from jax.experimental.pallas import tpu as pltpu
+    words = pltpu.bitcast(codes, jnp.uint32)                               # [G/8, N]
+    rows, cols = words.shape
+    groups = rows * 8
+    mask = jnp.uint32(MXFP4_BF16_BITS)
+    placed = [(words << s) & mask if s else words & mask for s in _QUARTER_SHIFT]
+    placed.append((((words >> _LAST_RIGHT_SHIFT) & jnp.uint32(_LAST_BITS))
+                   * jnp.uint32(_LAST_COPIES)) & mask)
+    quarters = []
+    for q, bits in enumerate(placed):
+        value = pltpu.bitcast(bits + _quarter_bias(bias, q, groups, cols), jnp.uint16)
+        zero = pltpu.bitcast(bits, jnp.uint16) == jnp.uint16(MXFP4_ZERO_BITS)
+        quarters.append(jnp.where(zero, jnp.uint16(0), value))
+    out = lax.bitcast_convert_type(jnp.concatenate(quarters, axis=0), jnp.bfloat16)
+    return out if dtype == jnp.bfloat16 else out.astype(dtype)
+
+
+def _quarter_bias(bias: jax.Array, q: int, groups: int, cols: int) -> jax.Array:
+    """Quarter q's bias words [G/8, N]: word a of the quarter holds input rows q G/4 + 2a and
+    + 1, whose 32-row block's bias it takes (runs of whole blocks, broadcast down the rows)."""
+    first, quarter = q * groups // 4, groups // 4
+    runs, r = [], first
+    while r < first + quarter:                      # blocks meet the quarter at 16-row steps
+        end = min(first + quarter, (r // MX_BLOCK + 1) * MX_BLOCK)
+        runs.append(jnp.broadcast_to(bias[r // MX_BLOCK][None, :], ((end - r) // 2, cols)))
+        r = end
+    return runs[0] if len(runs) == 1 else jnp.concatenate(runs, axis=0)
 
 
 def _e8m0_scale(scales: jax.Array) -> jax.Array:
@@ -390,19 +414,72 @@ def pack_mxfp4_for_kernel(codes: np.ndarray, scales: np.ndarray,
     """Checkpoint MXFP4 (``mkc.model.mxfp4``: codes [out, in/2] with element 2j low / 2j+1 high,
     scales [out, in/32]) -> kernel layout (codes [in/2, out], scales [in/32, out]).
 
-    Rows are input rows (K-major). Input rows are cut into groups of ``group``; in group g, byte
-    row g*group/2 + j holds row g*group + j in its low nibble and g*group + group/2 + j in its
-    high nibble, so ``mxfp4_dequantize_tile`` on one group's rows needs no lane interleave.
-    """
+    Rows are input rows (K-major), cut into pack groups of ``group``; each group's codes are
+    G/8 little-endian uint32 words a column (four byte rows each) laid out as
+    ``MXFP4_LAYOUT`` says, so ``mxfp4_dequantize_tile`` places every value with a shift and a
+    mask. The values are kept except where the kernel cannot: a block of scale 0 is zero
+    (its codes become zero), -0 becomes +0, and a scale of 255 (NaN) or one under which a
+    value overflows bf16 (past 252) is refused with a ValueError saying where."""
     codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
     n_out, n_in = codes.shape[0], 2 * codes.shape[1]
     _check_group(n_in, group)
     if scales.shape != (n_out, n_in // MX_BLOCK):
         raise ValueError(f"scales {scales.shape} do not match codes {codes.shape}")
     nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(n_out, n_in)
-    rows = nibbles.T.reshape(n_in // group, 2, group // 2, n_out)        # [group, half, j, out]
-    packed = (rows[:, 0] | (rows[:, 1] << 4)).astype(np.uint8)
-    return packed.reshape(n_in // 2, n_out), np.ascontiguousarray(scales.T)
+    per_value = np.repeat(scales, MX_BLOCK, axis=1)
+    _refuse_unrepresentable(nibbles, per_value)
+    nibbles = np.where(per_value == 0, 0, nibbles).astype(np.uint8)
+    return _kernel_words(nibbles.T, group), np.ascontiguousarray(scales.T)
+
+
+def _refuse_unrepresentable(nibbles: np.ndarray, scales: np.ndarray) -> None:
+    """Scales (one a value, [out, in]) the kernel's decode cannot represent -> ValueError."""
+    nan = scales == MX_SCALE_NAN
+    # A nonzero code's bf16 exponent is s - 1 + mag // 2 (mag 1..7: 0.5, 1, 1.5, 2, 3, 4, 6).
+    mag = (nibbles & 7).astype(np.int32)
+    over = (mag > 0) & (scales.astype(np.int32) - 1 + mag // 2 >= 0xFF)
+    for bad, what in ((nan, "a scale of 255 (NaN)"), (over & ~nan, "a value past bf16's range")):
+        if bad.any():
+            out, col = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"MXFP4 weight row {out}, input {col} (block {col // MX_BLOCK}, "
+                             f"scale {int(scales[out, col])}): {what}; the kernel decodes scales "
+                             "up to 252 (the checkpoint's weights there are not finite)")
+
+
+def _kernel_words(nibbles: np.ndarray, group: int) -> np.ndarray:
+    """Codes ``s e e m`` [in, out] (no -0) -> kernel-layout bytes [in/2, out] (MXFP4_LAYOUT)."""
+    n_in, n_out = nibbles.shape
+    mag = nibbles & 7
+    recoded = np.where(mag < 2, mag ^ 1, mag).astype(np.uint32)
+    sign = ((nibbles >> 3) & (mag > 0)).astype(np.uint32)
+    quarters = recoded.reshape(n_in // group, 4, group // 8, 2, n_out)   # [g, q, a, h, out]
+    signs = sign.reshape(quarters.shape)
+    words = np.zeros((n_in // group, group // 8, n_out), np.uint32)
+    for q, (s_bit, *m_bits) in enumerate(MXFP4_LAYOUT):
+        for h in (0, 1):
+            c, lift = quarters[:, q, :, h], 16 * h
+            words |= signs[:, q, :, h] << (s_bit + lift)
+            for i, bit in enumerate(m_bits):
+                words |= ((c >> (2 - i)) & 1) << (bit + lift)
+    # little-endian: word a of a column is byte rows 4a .. 4a + 3
+    as_bytes = words.astype("<u4").view(np.uint8).reshape(n_in // group, group // 8, n_out, 4)
+    return np.ascontiguousarray(as_bytes.transpose(0, 1, 3, 2).reshape(n_in // 2, n_out))
+
+
+def _kernel_nibbles(codes: np.ndarray, group: int) -> np.ndarray:
+    """Inverse of ``_kernel_words``: kernel-layout bytes [in/2, out] -> codes [in, out]."""
+    n_in, n_out = 2 * codes.shape[0], codes.shape[1]
+    _check_group(n_in, group)
+    as_bytes = codes.reshape(n_in // group, group // 8, 4, n_out).transpose(0, 1, 3, 2)
+    words = np.ascontiguousarray(as_bytes).view("<u4")[..., 0].astype(np.uint32)   # [g, a, out]
+    out = np.zeros((n_in // group, 4, group // 8, 2, n_out), np.uint8)
+    for q, (s_bit, *m_bits) in enumerate(MXFP4_LAYOUT):
+        for h in (0, 1):
+            lift = 16 * h
+            c = sum(((words >> (bit + lift)) & 1) << (2 - i) for i, bit in enumerate(m_bits))
+            mag = np.where(c < 2, c ^ 1, c)
+            out[:, q, :, h] = mag | (((words >> (s_bit + lift)) & 1) << 3)
+    return out.reshape(n_in, n_out)
 
 
 def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, scales: np.ndarray, group: int,
@@ -422,9 +499,7 @@ def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, scales: np.ndarray, group: in
     from mkc.model.mxfp4 import E2M1_VALUES
     codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
     n_in, n_out = 2 * codes.shape[0], codes.shape[1]
-    _check_group(n_in, group)
-    grouped = codes.reshape(n_in // group, 1, group // 2, n_out)
-    nibbles = np.concatenate([grouped & 0xF, grouped >> 4], axis=1).reshape(n_in, n_out)
+    nibbles = _kernel_nibbles(codes, group)
     values = E2M1_VALUES[nibbles]
     fp8 = ml_dtypes.float8_e4m3fn
     if block == MX_BLOCK:
@@ -451,10 +526,6 @@ def unpack_mxfp4_from_kernel(codes: np.ndarray, scales: np.ndarray,
                              group: int) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of ``pack_mxfp4_for_kernel``: back to checkpoint (codes [out, in/2], scales)."""
     codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
-    n_in, n_out = 2 * codes.shape[0], codes.shape[1]
-    _check_group(n_in, group)
-    grouped = codes.reshape(n_in // group, 1, group // 2, n_out)
-    rows = np.concatenate([grouped & 0xF, grouped >> 4], axis=1).reshape(n_in, n_out)
-    nibbles = rows.T
+    nibbles = _kernel_nibbles(codes, group).T
     packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).astype(np.uint8)
     return packed, np.ascontiguousarray(scales.T)
