@@ -107,8 +107,24 @@ def calibration_note(chip: str) -> str:
     pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "
                     f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
                     for p in cal["points"])
-    return (f"calibrated: {', '.join(cal['fitted'])} fitted to {cal['reference']} ({pts}); "
-            f"mkc/perf/data/{chip}.json")
+    return (f"calibrated: {', '.join(cal['fitted'])} fitted to {cal['reference']} ({pts}"
+            f"{_holdouts(cal)}); mkc/perf/data/{chip}.json")
+
+
+def _holdouts(cal: dict) -> str:
+    """The calibration's tests of prediction, points it was not fitted to."""
+    out = ""
+    if h := cal.get("speculative_holdout"):
+        out += (f"; hold-out, never fitted: the speculative step of {h['rows']} rows "
+                f"{h['modelled_step_s'] * 1e3:.2f} ms modelled, ~{h['published_step_s'] * 1e3:.1f} "
+                f"published ({h['error_percent']:+.1f}%)")
+    for p in (cal.get("holdout") or {}).get("points", []):
+        if p.get("role") == "predicted":
+            ho = cal["holdout"]
+            out += (f"; with {', '.join(ho['fit'])} fitted on B{', B'.join(map(str, ho['on']))} "
+                    f"alone and {', '.join(f'{k} {v:g}' for k, v in ho['fixed'].items())}, B"
+                    f"{p['batch']} is predicted {p['error_percent']:+.0f}%")
+    return out
 
 
 def calibration_caveat(chip: str) -> str:
@@ -125,8 +141,10 @@ def calibration_caveat(chip: str) -> str:
                         f"{p['published_step_s'] * 1e3:.2f} published" for p in blocked["points"])
         return f"calibration blocked on {chip}: constants keep an earlier fit ({now}; {data})"
     worst = max(abs(p["error_percent"]) for p in cal["points"])
+    h = cal.get("speculative_holdout")
+    held = f", a held-out point within {abs(h['error_percent']):.0f}%" if h else ""
     return (f"calibrated on {chip}: constants fitted to published step times (within "
-            f"{worst:.0f}%; {data})")
+            f"{worst:.0f}%{held}; {data})")
 
 
 def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,

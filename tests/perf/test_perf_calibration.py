@@ -91,13 +91,13 @@ def test_the_dma_queue_sweep_covers_the_chosen_count(recorded):
 def test_the_speculative_step_is_a_hold_out_never_fitted(recorded):
     """The hand kernel's speculative step (8 rows, ~8.5 ms) is not a calibration point: the
     record reports the model's verify step of those rows beside it, which the model still
-    gives, and `mkc perf` prints it."""
+    gives, and `mkc perf` prints it. Fitted, the model predicts it within 10 % (issue 18)."""
     cal, inputs = recorded
     h = inputs["speculative_holdout"]
     assert h["step_s"] not in {p["step_s"] for p in inputs["points"]}      # not a fitted point
+    got = (cal["blocked"] if "blocked" in cal else cal)["speculative_holdout"]
     if "blocked" not in cal:
-        pytest.skip("recorded with the blocked record only so far")
-    got = cal["blocked"]["speculative_holdout"]
+        assert abs(got["error_percent"]) <= 10
     assert (got["rows"], got["sequences"], got["published_step_s"]) == (h["rows"], h["sequences"],
                                                                        h["step_s"])
     c = check_spec(ROOT / inputs["spec"], inputs["model"])
