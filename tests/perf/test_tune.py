@@ -7,6 +7,8 @@ import json
 import re
 from types import SimpleNamespace
 
+import pytest
+
 from mkc.cli import main
 from mkc.compiler import check_spec
 from mkc.lang.parser import parse
@@ -148,3 +150,18 @@ def test_tune_text_output_has_the_table(tmp_path, capsys):
     assert "E-TUNE" in capsys.readouterr().err
     assert main(["tune", str(SPEC), "-o", str(SPEC)]) == 1     # never over its input
     assert "E-TUNE" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tune_runs_on_the_gpt_oss_120b_spec_and_its_kv_ring(tmp_path, capsys):
+    """GPT-OSS (issue 22): the spec it writes keeps the sliding layers' `kv ring`, passes
+    every check and is not slower (modelled)."""
+    from tests_support import ROOT
+    spec = ROOT / "schedules" / "gpt_oss_120b.sched"
+    out = tmp_path / "tuned.sched"
+    assert main(["tune", str(spec), "-o", str(out), "--budget", "3", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)["tune"]
+    assert t["evaluations"] <= 3 and set(t["before_step_seconds"]) == {"1", "8"}
+    assert sum(t["after_step_seconds"].values()) <= sum(t["before_step_seconds"].values())
+    assert "kv ring 256 slots" in out.read_text()
+    check_spec(out)
