@@ -113,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     # A verify step's rows start 3 before a 16-row block ends (141, 142, 143 | 144).
     first = args.first_position if args.first_position is not None else (141 if args.verify else 136)
     positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
-    trajectory = plain_trajectory(reference, hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
-    refs = step_references(reference, hf, cfg, rounding, B, gen.CONTEXT)
+    # The checkpoint as the kernel holds it (a format that requantizes, e.g. Qwen3.5 MoE's
+    # `fp8 block N rounded`, rounds its values): the references run on it; hf itself otherwise.
+    ref_hf, requantization = gen.requantized_weights(hf)
+    trajectory = plain_trajectory(reference, ref_hf, cfg, B, gen.CONTEXT, tokens, positions, args.steps)
+    refs = step_references(reference, ref_hf, cfg, rounding, B, gen.CONTEXT)
 
     run = run_verify if args.verify else run_kernel
     kernel_states: list = []       # the kernel's state before each decode step (for mutants)
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"family": family.name, "mode": args.mode, "races": args.races, "batch": B,
                "verify": args.verify, "mutant": args.mutate, "emulation_check": check,
                "host": host_facts(), "interpret_host_replaced": replaced,
+               "requantization": requantization,
                "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
                             **({} if args.verify else {"states": kernel_states}))}
     if args.mutants:

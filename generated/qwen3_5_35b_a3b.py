@@ -2,10 +2,10 @@
 
 Schedule qwen3_5_35b_a3b: model qwen3_5_35b_a3b (qwen3_5_moe_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): acb39ab37f3e0502
+Input digest (spec, model config, mkc version): 1b9b8ffc79e5b10f
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 12 VMEM slots of 1024x1152 bf16 tiles, 12 tiles ahead, across layers and
+through a ring of 10 VMEM slots of 1024x1152 bf16 tiles, 10 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5_moe.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkc.families.qwen3_5_moe import lowering
 from mkc.families.qwen3_5_moe import weights as hf_layout
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
+from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
 from mkc.runtime.collectives import Stage
@@ -87,11 +88,14 @@ HF_CONFIG = json.loads(
     'pe_theta": 10000000, "rope_type": "default"}, "router_aux_loss_coef": 0.001, "shared_expert_'
     'intermediate_size": 512, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache'
     '": true, "vocab_size": 248320}')
-PER_RANK = {'a_off': 1664, 'b_off': 1536, 'conv_ch': 1024, 'dk': 128, 'dv': 128, 'expert_tp': 1,
-            'expert_width': 512, 'inter': 0, 'local_experts': 32, 'nk': 2, 'nkv': 1, 'nq': 2,
-            'nv': 4, 'shared': 64, 'vocab': 31040}
+PER_RANK = {'a_off': 1664, 'b_off': 1536, 'conv_ch': 1024, 'dk': 128, 'down_group': 128, 'dv': 128,
+            'expert_tp': 1, 'expert_width': 512, 'gate_up_group': 512, 'inter': 0,
+            'local_experts': 32, 'nk': 2, 'nkv': 1, 'nq': 2, 'nv': 4, 'shared': 64, 'vocab': 31040}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {}
+FORMATS = {'expert.down': WeightFormat(name='fp8', block=128, rounded=True,
+                                       where='qwen3_5_35b_a3b.sched:31'),
+           'expert.gate_up': WeightFormat(name='fp8', block=512, rounded=True,
+                                          where='qwen3_5_35b_a3b.sched:30')}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=8,
                     rules=(('experts', 8, 1), ('heads', 8, 1), ('mlp', 8, 1), ('vocab', 8, 1)))
@@ -122,7 +126,7 @@ MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=64, cols=2048, row_til
                                  tile_rows=128, tile_cols=1024)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2048, cols=31040, row_tiles=2, col_tiles=27,
                               tile_rows=1024, tile_cols=1152)
-RING = Ring(slots=12, ahead=12, total_tiles=534,
+RING = Ring(slots=10, ahead=10, total_tiles=534,
             tile_shapes=((128, 1024), (512, 1024), (1024, 128), (1024, 256), (1024, 768),
                          (1024, 896), (1024, 1152)))
 TAIL_TILE_OFFSET = 480
@@ -149,9 +153,11 @@ N_COLLECTIVE_COUNTERS = 1
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='experts_pool', slots=3, slot_rows=24576,
-                      matrices={'gate_up': (0, 2048, 1024), 'down': (16384, 512, 2048)},
-                      local_experts=32, group_size=1, top_k=8)
+EXPERTS = ExpertSlots(pool='experts_pool', slots=3, slot_rows=12336,
+                      matrices={'gate_up_codes': (0, 2048, 1024), 'gate_up_scales': (8192, 4, 1024),
+                                'down_codes': (8208, 512, 2048), 'down_scales': (12304, 4, 2048)},
+                      local_experts=32, group_size=1, top_k=8,
+                      stacked=('gate_up_scales', 'down_scales'))
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
@@ -181,25 +187,25 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 54: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 61: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 52: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 59: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 52: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 59: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 52: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 52: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 59: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 59: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 53: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 60: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_rec_buf").start()   # spec line 54: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_rec_buf").start()   # spec line 61: store gdn_rec_buf -> state.recurrent
         core = lower.gated_norm(c, core, proj)
         attn_out = lower.out_proj(c, core)
-        attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 57: direct, wire bf16
-        c.copy("store_gdn_conv_buf").wait()   # spec line 53: store gdn_conv_buf -> state.conv
+        attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 64: direct, wire bf16
+        c.copy("store_gdn_conv_buf").wait()   # spec line 60: store gdn_conv_buf -> state.conv
         return attn_out,
 
     attn_out, = pl.run_scoped(
@@ -221,7 +227,7 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 64: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 71: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -233,14 +239,14 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 70: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 77: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 71: direct, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 78: direct, wire bf16
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 71: direct, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 78: direct, wire bf16
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -265,7 +271,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa, "moe": _layer_moe})
-    # spec line 54: the last gdn layer's store of state.recurrent drains
+    # spec line 61: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -315,7 +321,7 @@ SCRATCH_SHAPES = {
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((2, ROWS, 1024), BF16),   # activation
     "acc": vmem((27, ROWS, 1152), F32),   # activation
-    "experts_pool": vmem((73728, 128), BF16),   # pool
+    "experts_pool": vmem((37008, 128), BF16),   # pool
     "gdn_rec_buf": vmem((ROWS, 4, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 2048), BF16),   # collective

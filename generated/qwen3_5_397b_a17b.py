@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkc.families.qwen3_5_moe import lowering
 from mkc.families.qwen3_5_moe import weights as hf_layout
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
+from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
 from mkc.runtime.collectives import Stage
@@ -90,11 +91,11 @@ HF_CONFIG = json.loads(
     ': true, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta": 10000000'
     ', "rope_type": "default"}, "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size":'
     ' 1024, "tie_word_embeddings": false, "use_cache": true, "vocab_size": 248320}')
-PER_RANK = {'a_off': 1408, 'b_off': 1280, 'conv_ch': 768, 'dk': 128, 'dv': 128, 'expert_tp': 1,
-            'expert_width': 1024, 'inter': 0, 'local_experts': 32, 'nk': 1, 'nkv': 1, 'nq': 2,
-            'nv': 4, 'shared': 64, 'vocab': 15520}
+PER_RANK = {'a_off': 1408, 'b_off': 1280, 'conv_ch': 768, 'dk': 128, 'down_group': 128, 'dv': 128,
+            'expert_tp': 1, 'expert_width': 1024, 'gate_up_group': 512, 'inter': 0,
+            'local_experts': 32, 'nk': 1, 'nkv': 1, 'nq': 2, 'nv': 4, 'shared': 64, 'vocab': 15520}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {}
+FORMATS = {'expert.down': WeightFormat(name='bf16'), 'expert.gate_up': WeightFormat(name='bf16')}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=16,
                     rules=(('experts', 16, 1), ('heads', 16, 1), ('mlp', 16, 1), ('vocab', 16, 1)))

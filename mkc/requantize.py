@@ -1,5 +1,6 @@
 """What packing a checkpoint into the spec's weight formats does to its values (`format CLASS
-fp4 block N [rounded]`): with a checkpoint directory as the model, `mkc check` and `mkc
+fp4 block N [rounded]` on K3, `fp8 block N rounded` on Qwen3.5 MoE: the family's
+`rounding_formats`): with a checkpoint directory as the model, `mkc check` and `mkc
 compile` requantize its matrices as packing will, refuse (at the spec's `format` line) a class
 that cannot be held exactly without `rounded`, and report the error per matrix class against
 the checkpoint's values; with a config alone they say when it will be measured."""
@@ -12,8 +13,11 @@ from mkc import ir
 
 
 def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
-    """The matrix classes whose format requantizes the checkpoint's values (FP4 blocks)."""
-    return {cls: f for cls, f in sorted(s.weight_formats.items()) if f.name == "fp4"}
+    """The matrix classes whose format requantizes the checkpoint's values and may round them
+    (the family's `rounding_formats`: K3's FP4 blocks, Qwen3.5 MoE's FP8 blocks)."""
+    from mkc.model import registry
+    rounds = registry.get(s.family).rounding_formats
+    return {cls: f for cls, f in sorted(s.weight_formats.items()) if f.name in rounds}
 
 
 def checkpoint_dir(sched, model: str | None) -> Path | None:
@@ -66,8 +70,8 @@ def lines(rep: dict[str, dict]) -> list[str]:
     out = []
     for cls, r in rep.items():
         if not r.get("measured"):
-            out.append(f"{cls} ({r['format']}): requantized from the checkpoint's MXFP4 when "
-                       f"weights are packed; {r['note']}")
+            out.append(f"{cls} ({r['format']}): requantized from the checkpoint's values "
+                       f"when weights are packed; {r['note']}")
             continue
         out.append(f"{cls} ({r['format']}): " + (
             "exact (every block's values fit one scale)" if r["exact"] else

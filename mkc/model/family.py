@@ -95,6 +95,11 @@ class Family:
     # Matrix classes a spec may store in another format (`format CLASS FORMAT`): class ->
     # the formats its lowering and packing take, the checkpoint's (the default) first.
     weight_formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Formats whose packing requantizes the checkpoint's values and may round them, so a spec
+    # may (or must) say `format CLASS NAME ... rounded`; the family's `weights.requantization`
+    # requantizes them and reports the error (`mkc.requantize`). K3's fp4 (from MXFP4), Qwen3.5
+    # MoE's fp8 (from bf16).
+    rounding_formats: tuple[str, ...] = ()
     # False for a family built in steps that has no lowering yet (a config reader and a
     # reference, perhaps its graph and weights packer): `mkc check` refuses its models at the
     # spec's `model` line and the conformance suite skips, with this reason, the checks that

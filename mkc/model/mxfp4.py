@@ -184,3 +184,88 @@ def requantize_blocks(codes: np.ndarray, scales: np.ndarray, block: int) -> Requ
                        inexact_blocks=int(moved.sum()), max_abs=float(err.max(initial=0.0)),
                        sq_err=float(np.sum(err * err)), sq_ref=float(np.sum(values * values)),
                        first=first, first_scales=spread)
+
+
+# ---- requantization of bf16 values to FP8 blocks (`format CLASS fp8 block N rounded`) --------
+E4M3_MAX = 448.0      # float8_e4m3fn's largest finite value
+
+
+def requantize_fp8_blocks(values: np.ndarray, block: int) -> Requantized:
+    """Values ``[..., K]`` (bf16 weights, as any float) -> FP8 e4m3 codes (``[..., K]``, the
+    bytes of ``float8_e4m3fn`` values) under one E8M0 scale per ``block`` values along the
+    last axis (``[..., K/block]``), and how far they moved: each block takes the smallest
+    power-of-two scale that holds its largest magnitude (|v| <= 448 * scale, so nothing
+    overflows), every value rounds to the nearest e4m3 value under it (ties to even; below
+    2**-6 of the scale e4m3 is subnormal, below 2**-10 zero). An all-zero block takes scale
+    1 (127). Scales are kept in 1..254; a non-finite value is refused (ValueError).
+
+    Requantizing its own result is exact: a block's largest value stays within its scale's
+    range and every value is an e4m3 value times it."""
+    import ml_dtypes
+    v = np.asarray(values, np.float64)
+    k = v.shape[-1]
+    if block <= 0 or k % block:
+        raise ValueError(f"a block of {block} values does not tile {k}")
+    if not np.isfinite(v).all():
+        raise ValueError("a value that is not finite cannot be requantized to FP8")
+    blocked = v.reshape(*v.shape[:-1], k // block, block)
+    top = np.abs(blocked).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(top / E4M3_MAX))
+    e = np.where(top == 0, 0.0, e)
+    # log2 of a quotient may land an ulp off a power of two: settle on the smallest that holds
+    e = np.where(top > np.ldexp(E4M3_MAX, e.astype(np.int64)), e + 1, e)
+    e = np.where((top > 0) & (top <= np.ldexp(E4M3_MAX, e.astype(np.int64) - 1)), e - 1, e)
+    e = np.clip(e, 1 - SCALE_BIAS, SCALE_NAN - 1 - SCALE_BIAS).astype(np.int64)
+    scaled = (blocked / np.ldexp(1.0, e)[..., None]).astype(np.float32)   # exact: a power of two
+    codes = scaled.astype(ml_dtypes.float8_e4m3fn)
+    new = codes.astype(np.float64) * np.ldexp(1.0, e)[..., None]
+    err = np.abs(new - blocked)
+    moved = (err != 0).any(axis=-1)
+    first = tuple(int(i) for i in np.argwhere(moved)[0]) if moved.any() else None
+    shape = v.shape
+    return Requantized(codes=codes.view(np.uint8).reshape(shape),
+                       scales=(e + SCALE_BIAS).astype(np.uint8), block=block,
+                       values=int(err.size), changed=int(np.count_nonzero(err)),
+                       blocks=int(moved.size), inexact_blocks=int(moved.sum()),
+                       max_abs=float(err.max(initial=0.0)), sq_err=float(np.sum(err * err)),
+                       sq_ref=float(np.sum(blocked * blocked)), first=first)
+
+
+def fp8_block_values(r: Requantized) -> np.ndarray:
+    """The values a requantized FP8 result holds (codes times their block's scale), f64."""
+    import ml_dtypes
+    codes = r.codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    k = codes.shape[-1]
+    scale = np.ldexp(1.0, r.scales.astype(np.int64) - SCALE_BIAS)
+    return (codes.reshape(*codes.shape[:-1], k // r.block, r.block) * scale[..., None]).reshape(codes.shape)
+
+
+class RequantizationError:
+    """A matrix class's requantization error summed over its matrices (`add` each
+    ``Requantized``), reported as `mkc compile` and the module's `requantized_weights` give it:
+    values, changed, blocks, inexact blocks, max abs error, relative RMS error against the
+    checkpoint's values."""
+
+    def __init__(self) -> None:
+        self.values = self.changed = self.blocks = self.inexact_blocks = 0
+        self.max_abs = self.sq_err = self.sq_ref = 0.0
+
+    def add(self, r: Requantized) -> None:
+        self.values += r.values
+        self.changed += r.changed
+        self.blocks += r.blocks
+        self.inexact_blocks += r.inexact_blocks
+        self.max_abs = max(self.max_abs, r.max_abs)
+        self.sq_err += r.sq_err
+        self.sq_ref += r.sq_ref
+
+    @property
+    def relative_rms(self) -> float:
+        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
+
+    def report(self, spelled: str) -> dict:
+        return {"format": spelled, "values": self.values, "changed": self.changed,
+                "blocks": self.blocks, "inexact_blocks": self.inexact_blocks,
+                "exact": self.changed == 0, "max_abs_error": self.max_abs,
+                "relative_rms_error": self.relative_rms}

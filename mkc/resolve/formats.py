@@ -19,9 +19,6 @@ NATIVE = {"fp4": "fp4_operand"}
 # Where the target's MXU lacks a native format, the format that holds the same blocks on any
 # target (exactly, where the checkpoint allows: `mkc retarget` rewrites to it).
 FALLBACK = {"fp4": "fp8"}
-# Formats whose requantization may round (`rounded`): an fp4 block cannot hold every value of
-# the checkpoint's MXFP4 blocks under one scale.
-ROUNDS = ("fp4",)
 
 
 def resolve_formats(s: ResolveState) -> ResolveState:
@@ -65,9 +62,13 @@ def resolve_formats(s: ResolveState) -> ResolveState:
         if f.block is not None and f.block < 1:
             raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
                        hint="a block is the input rows one scale covers: e.g. `block 512`")
-        if f.rounded is not None and f.format.text not in ROUNDS:
+        # Which formats may round is the family's (`Family.rounding_formats`): K3's fp4 blocks
+        # may not hold its MXFP4 values, Qwen3.5 MoE's fp8 cannot hold its bf16 ones.
+        rounds = family.rounding_formats
+        if f.rounded is not None and f.format.text not in rounds:
             raise fail("E-FORMAT", f"{f.format.text} needs no rounding: `rounded` applies to "
-                       f"{', '.join(ROUNDS)}, whose blocks may not hold the checkpoint's values",
+                       f"{', '.join(rounds) or 'no format of ' + family.name}, whose blocks "
+                       "may not hold the checkpoint's values",
                        f.rounded.span, hint="remove `rounded`")
         seen[cls] = f.span
         chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand,

@@ -11,6 +11,6 @@ FAMILY = Family(
     dims_import=("mkc.families.kimi_k3.config", "KimiDims"),
     compiler_scratch=((1, 1229783), (8, 1229783), (16, 1627914)),
     plain_state_tolerance=3e-2,
-    weight_formats=WEIGHT_FORMATS,
+    weight_formats=WEIGHT_FORMATS, rounding_formats=("fp4",),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
 )

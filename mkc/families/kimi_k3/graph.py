@@ -236,16 +236,22 @@ def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat
                               "group's partial product)", f"write `format {cls} fp4 block "
                               f"{groups[name]}` (a multiple of {groups[name]} rows)")
         block = min(block, rows[name])
-        if (block != MX_BLOCK or fmt.name == "fp4") and (block % groups[name]
-                                                          or rows[name] % block):
-            first = "" if fmt.name == "fp4" else f"{MX_BLOCK}, or "
-            raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its "
-                              f"{rows[name]} input rows (per rank) run as pack groups of "
-                              f"{groups[name]}", f"use {first}a multiple of "
-                              f"{groups[name]} that divides {rows[name]} (e.g. "
-                              f"{groups[name]})")
+        if block != MX_BLOCK or fmt.name == "fp4":
+            check_block(cls, block, rows[name], groups[name],
+                        "" if fmt.name == "fp4" else f"{MX_BLOCK}, or ")
         out[cls] = dataclasses.replace(fmt, block=block)
     return out
+
+
+def check_block(cls: str, block: int, rows: int, group: int, other: str = "") -> None:
+    """A block of `block` input rows under one scale must be whole pack groups of `group` that
+    tile the matrix's `rows` (per rank): the kernel multiplies a pack group's partial product
+    by its block's scale. FormatError otherwise, its hint naming `other` (a block also taken,
+    "32, or ") and the multiples that fit. Every family storing expert blocks asks this."""
+    if block % group or rows % block:
+        raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its {rows} input "
+                          f"rows (per rank) run as pack groups of {group}",
+                          f"use {other}a multiple of {group} that divides {rows} (e.g. {group})")
 
 
 def expert_codes(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str, Tensor]:

@@ -300,6 +300,8 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     fmt = c.kernel.formats[f"expert.{name}"]
     rows_per_byte = 2 if fmt.name in ("mxfp4", "fp4") else 1
     bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
+    # FP8 blocks: every block's scale decoded at once (a row at a time costs as many registers)
+    decoded = ops.e8m0_scale(scales) if fmt.name == "fp8" and fmt.block != ops.MX_BLOCK else None
     out = None
     for g in range(x.shape[1] // group):
         xg = x[:, g * group:(g + 1) * group].astype(BF16)
@@ -315,7 +317,7 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
             part = ops.fp4_group_matmul(xg, codes, scales[b:b + 1])
         else:                                    # one scale for the group's partial product
             b = g * group // fmt.block
-            part = ops.fp8_group_matmul(xg, codes, scales[b:b + 1], ops.feeds_codes(fmt))
+            part = ops.fp8_group_matmul(xg, codes, decoded[b:b + 1], ops.feeds_codes(fmt))
         out = part if out is None else out + part
     return out
 

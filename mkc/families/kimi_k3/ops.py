@@ -260,7 +260,7 @@ def _quarter_bias(bias: jax.Array, q: int, groups: int, cols: int) -> jax.Array:
     return runs[0] if len(runs) == 1 else jnp.concatenate(runs, axis=0)
 
 
-def _e8m0_scale(scales: jax.Array) -> jax.Array:
+def e8m0_scale(scales: jax.Array) -> jax.Array:
     """E8M0 scales (uint8) -> f32 2**(s - 127) for s 1..254; 255 is NaN, and 0 (2**-127, itself
     subnormal, which TPUs flush) is zero, said here rather than left to the hardware."""
     s = scales.astype(jnp.int32)
@@ -279,7 +279,7 @@ def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
     ``mxfp4_dequantize_tile`` of the MXFP4 codes they came from, with its edge cases (scale 0
     decodes to zero, 255 to NaN)."""
     values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(dtype)
-    scale = _e8m0_scale(scales).astype(dtype)            # powers of two: exact in bf16
+    scale = e8m0_scale(scales).astype(dtype)            # powers of two: exact in bf16
     rows, cols = values.shape
     blocked = values.reshape(rows // MX_BLOCK, MX_BLOCK, cols) * scale[:, None, :]
     return blocked.reshape(rows, cols)
@@ -288,7 +288,9 @@ def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
 def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes: bool = True
                      ) -> jax.Array:
     """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the E8M0
-    ``scale`` [1, N] -> f32 [B, N]: one mixed bf16 x fp8 dot (the codes reach the MXU as they
+    ``scale`` [1, N] (uint8, or f32 as ``e8m0_scale`` decodes it: a caller multiplying many
+    groups decodes a matrix's scales once, a one-row decode costing whole vector registers)
+    -> f32 [B, N]: one mixed bf16 x fp8 dot (the codes reach the MXU as they
     are; `as_codes` False: converted to bf16 first, where the MXU takes no FP8 operand), the
     power-of-two scale applied to the partial product rather than to every value.
 
@@ -300,7 +302,8 @@ def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes:
     ``mkc.reference.rounding`` follows."""
     w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     w = w if as_codes else w.astype(jnp.bfloat16)
-    return jnp.dot(x, w, preferred_element_type=F32) * _e8m0_scale(scale)
+    scale = scale if scale.dtype == F32 else e8m0_scale(scale)
+    return jnp.dot(x, w, preferred_element_type=F32) * scale
 
 
 def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
@@ -316,7 +319,7 @@ def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Ar
     follows (``mkc.reference.rounding``, operands "mixed_fp4")."""
     from jax.experimental.pallas import tpu as pltpu
     w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
-    return jnp.dot(x, w, preferred_element_type=F32) * _e8m0_scale(scale)
+    return jnp.dot(x, w, preferred_element_type=F32) * e8m0_scale(scale)
 
 
 def feeds_codes(fmt) -> bool:

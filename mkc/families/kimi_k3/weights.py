@@ -19,7 +19,7 @@ from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_forma
                                         pack_groups)
 from mkc.ir import WeightFormat
 from mkc.model.family import FormatError
-from mkc.model.mxfp4 import Requantized, requantize_blocks
+from mkc.model.mxfp4 import RequantizationError, Requantized, requantize_blocks
 from mkc.model.sharding import ShardTable, rank_parts
 from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
                                       split_kv_b_proj, split_q_b_proj)
@@ -195,7 +195,7 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
     g, _ = _layout(d, shards)
     fp4 = {cls: f for cls, f in expert_formats(d, g, dict(formats)).items() if f.name == "fp4"}
     out: dict[str, np.ndarray] = {}
-    totals = {cls: [0, 0, 0, 0, 0.0, 0.0, 0.0] for cls in fp4}
+    totals = {cls: RequantizationError() for cls in fp4}
     moe_layers = ([i for i, (_, mlp) in enumerate(d.layer_plan()) if mlp == "moe"]
                   if layers is None else layers)
     for layer in moe_layers:
@@ -209,17 +209,8 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
                                 np.asarray(hf[p + f"{x}.weight_scale"]), fmt, layer, e, x)
                 out[p + f"{x}.weight_packed"] = r.codes
                 out[p + f"{x}.weight_scale"] = r.scales_per_32()
-                t = totals[_EXPERT_CLASS[x]]
-                for i, v in enumerate((r.values, r.changed, r.blocks, r.inexact_blocks)):
-                    t[i] += v
-                t[4] = max(t[4], r.max_abs)
-                t[5] += r.sq_err
-                t[6] += r.sq_ref
-    report = {cls: {"format": fmt.spelled,
-                    "values": t[0], "changed": t[1], "blocks": t[2], "inexact_blocks": t[3],
-                    "exact": t[1] == 0, "max_abs_error": t[4],
-                    "relative_rms_error": _rel_rms(t[5], t[6])}
-              for cls, fmt in fp4.items() for t in [totals[cls]]}
+                totals[_EXPERT_CLASS[x]].add(r)
+    report = {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp4.items()}
     return out, report
 
 

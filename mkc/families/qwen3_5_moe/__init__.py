@@ -5,7 +5,7 @@ graph, weight layout, routing op and compute bodies."""
 from mkc.families.qwen3_5 import rope_input
 from mkc.families.qwen3_5_moe.config import (EXPERT_LAYOUTS, FAMILY_NAME, RENAMED_PREFIXES, SKIPPED_PREFIXES,
                                              read_dims)
-from mkc.families.qwen3_5_moe.graph import SHARD_CLASSES, build
+from mkc.families.qwen3_5_moe.graph import ROUNDING_FORMATS, SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family
 
 FAMILY = Family(
@@ -17,5 +17,6 @@ FAMILY = Family(
     compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
     vmem_inputs=rope_input,
     plain_state_tolerance=1.5e-2,
+    weight_formats=WEIGHT_FORMATS, rounding_formats=ROUNDING_FORMATS,
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
 )

@@ -6,18 +6,89 @@ Sharding: attention heads, the shared expert's width (`mlp`) and the vocabulary 
 rank group, as Qwen3.5 does; routed experts expert-parallel over every core (each core holds whole experts,
 `experts / ranks` of them) and fetched into a pool's expert slots as routing picks them. The
 router is replicated: every core scores every expert, so all route alike.
+
+Routed experts are stored as the spec's `format expert.gate_up|expert.down` says: bf16, the
+checkpoint's, or FP8 e4m3 codes under one E8M0 scale per block of whole pack groups
+(`fp8 block N rounded`), Kimi K3's layout (`mkc.families.kimi_k3.graph.expert_codes`), whose
+codes the kernel feeds to the MXU as they are, one mixed bf16 x fp8 dot a pack group, the
+block's scale multiplying the group's partial product (K3's `_expert_matmul`). FP8 halves an
+expert's bytes; requantizing bf16 to it rounds (3 mantissa bits, not 7), so the spec must say
+`rounded`, and packing reports the error (`weights.requantization`).
 """
 from __future__ import annotations
 
+import dataclasses
+
+from mkc.families.kimi_k3.graph import check_block, expert_codes, expert_pack_groups
 from mkc.families.qwen3_5.graph import attention_kinds, vocab_globals
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
+from mkc.ir import WeightFormat
+from mkc.model.family import FormatError
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, split
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "experts")
+# A routed expert's matrix classes and the formats they take (`format CLASS NAME block N
+# rounded`), the checkpoint's first.
+WEIGHT_FORMATS = (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8")))
+# Formats whose packing rounds the checkpoint's values (`Family.rounding_formats`).
+ROUNDING_FORMATS = ("fp8",)
+
+
+def expert_rows(d: Qwen35MoeDims) -> dict[str, int]:
+    """Input rows of each routed expert matrix (whole experts on every rank)."""
+    return {"gate_up": d.hidden_size, "down": d.moe_intermediate_size}
+
+
+def pack_groups(d: Qwen35MoeDims) -> dict[str, int]:
+    """Input rows an FP8 expert matrix is multiplied in at a time: Kimi K3's pack groups (512
+    rows of gate|up, 128 of down, or the whole matrix when smaller)."""
+    rows = expert_rows(d)
+    return expert_pack_groups(rows["gate_up"], rows["down"])
+
+
+def expert_formats(d: Qwen35MoeDims, formats: dict[str, WeightFormat] | None = None
+                   ) -> dict[str, WeightFormat]:
+    """Each routed expert class's format, an FP8 block resolved to input rows (past the matrix's
+    rows: the whole matrix). FormatError for FP8 without a block or without `rounded`, or a
+    block that is not whole pack groups tiling the rows."""
+    rows, groups = expert_rows(d), pack_groups(d)
+    out = {}
+    for cls, fmt in ({c: WeightFormat(f[0]) for c, f in WEIGHT_FORMATS} | (formats or {})).items():
+        name = cls.split(".")[1]
+        if fmt.name == "fp8":
+            example = f"`format {cls} fp8 block {groups[name]} rounded`"
+            if not fmt.block:
+                raise FormatError(cls, "FP8 experts take one scale per block of whole pack groups "
+                                  "(their codes reach the MXU as they are, the scale multiplying a "
+                                  "pack group's partial product)", f"write {example} (a multiple "
+                                  f"of {groups[name]} rows dividing {rows[name]})")
+            block = min(fmt.block, rows[name])
+            check_block(cls, block, rows[name], groups[name])
+            if not fmt.rounded:
+                raise FormatError(cls, f"the checkpoint's {cls} is bf16 (8 significant bits), "
+                                  "and e4m3 keeps 4: requantizing it to FP8 rounds almost every "
+                                  "value, so the spec must accept the rounding", f"write `format "
+                                  f"{cls} fp8 block {block} rounded` (the error is reported per "
+                                  "matrix class), or keep it bf16 (drop the `format` line)")
+            fmt = dataclasses.replace(fmt, block=block)
+        out[cls] = fmt
+    return out
+
+
+def expert_families(d: Qwen35MoeDims, formats: dict[str, WeightFormat]) -> dict[str, Tensor]:
+    """One routed expert as its slot holds it, K-major ([in, out]): each matrix bf16 by its
+    name, or FP8 codes and block scales (`expert_codes`)."""
+    H, inter = d.hidden_size, d.moe_intermediate_size
+    out: dict[str, Tensor] = {}
+    for name, rows, cols in (("gate_up", H, 2 * inter), ("down", inter, H)):
+        fmt = formats[f"expert.{name}"]
+        out |= (expert_codes(name, rows, cols, fmt) if fmt.name == "fp8"
+                else {name: Tensor(name, "matrix", (rows, cols), "bf16")})
+    return out
 
 
 def moe_kind(d: Qwen35MoeDims, ranks: int, mlp: int
-             ) -> tuple[LayerKind, dict[str, Tensor], dict[str, int]]:
+             ) -> tuple[LayerKind, dict[str, int]]:
     """The moe sublayer: the shared expert split `mlp` ways, routed experts over `ranks`."""
     H, E, inter = d.hidden_size, d.experts, d.moe_intermediate_size
     shared = split(d.shared_expert_intermediate_size, mlp, "shared_expert_intermediate_size", "mlp")
@@ -39,12 +110,8 @@ def moe_kind(d: Qwen35MoeDims, ranks: int, mlp: int
         "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16"),
         "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",)),
     })
-    experts = {
-        "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
-        "down": Tensor("down", "matrix", (inter, H), "bf16"),
-    }
     per_rank = {"shared": shared, "local_experts": local, "expert_width": inter, "expert_tp": 1}
-    return kind, experts, per_rank
+    return kind, per_rank
 
 
 def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
@@ -53,9 +120,12 @@ def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
         raise ShardingError("the Qwen3.5 MoE lowering splits experts over every core: write "
                             "`shard experts over tp`", "experts")
     kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0], with_mlp=False)
-    moe, experts, moe_sizes = moe_kind(d, ranks, rules["mlp"][0])
+    moe, moe_sizes = moe_kind(d, ranks, rules["mlp"][0])
     kinds["moe"] = moe
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
+    resolved = expert_formats(d, formats)
+    groups = pack_groups(d)
+    moe_sizes |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank | moe_sizes,
-                       experts=experts, experts_total=d.experts,
-                       top_k=d.top_k)
+                       experts=expert_families(d, resolved), experts_total=d.experts,
+                       top_k=d.top_k, formats=resolved)

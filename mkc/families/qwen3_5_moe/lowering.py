@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mkc.families.kimi_k3.lowering import _expert_matmul as _coded_expert_matmul
 from mkc.families.qwen3_5 import ops as qwen_ops
 from mkc.families.qwen3_5.lowering import (attention, attn_residual, conv, delta_rule,  # noqa: F401
                                            final_hidden, gated_norm, host_inputs, in_proj, input_norm,
@@ -41,6 +42,15 @@ def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
     return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
 
 
+def _expert_matmul(c: Layer, k, name: str, x: jax.Array) -> jax.Array:
+    """x @ selected expert k's matrix `name` in the spec's format: bf16 from its slot, or FP8
+    codes fed to the MXU as they are, one mixed bf16 x fp8 dot a pack group, the block's scale
+    multiplying its partial product (Kimi K3's expert matmul, the one home of that dot)."""
+    if c.kernel.formats[f"expert.{name}"].name == "bf16":
+        return c.expert_matmul(k, name, x)
+    return _coded_expert_matmul(c, k, x, name, c.per_rank[f"{name}_group"])
+
+
 @lowers("routed_experts")
 def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array) -> jax.Array:
     """This rank's picked experts on every row, each weighted by its routing weight (zero for
@@ -48,8 +58,8 @@ def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights
     width = c.dims.moe_intermediate_size
 
     def expert(k, acc):
-        act = qwen_ops.swiglu(c.expert_matmul(k, "gate_up", h), width)
-        return acc + c.expert_weight(expert_weights, k) * c.expert_matmul(k, "down", act)
+        act = qwen_ops.swiglu(_expert_matmul(c, k, "gate_up", h), width)
+        return acc + c.expert_weight(expert_weights, k) * _expert_matmul(c, k, "down", act)
 
     return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
 

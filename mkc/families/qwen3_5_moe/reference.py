@@ -68,6 +68,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mkc.families.kimi_k3.graph import expert_pack_groups as pack_groups
+from mkc.families.kimi_k3.reference import _expert_operands
 from mkc.families.qwen3_5 import reference as qwen
 from mkc.families.qwen3_5.reference import (FULL, LINEAR, Qwen35Config, embed,
                                             init_cache, linear,
@@ -240,15 +242,26 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x
     b, inter = xin.shape[0], cfg.moe_intermediate_size
     tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
     gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
+    # FP8 experts: one mixed bf16 x fp8 dot a pack group (K3's rule), on the requantized values
+    # the caller passes (the module's `requantized_weights`); bf16 experts: one bf16 dot.
+    operands = {m: _expert_operands(rounding, m) for m in ("gate_up", "down")}
+    fp8 = {m for m in ("gate_up", "down")
+           if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
+    rows = {m: pack_groups(cfg.hidden_size, inter)[m] if m in fp8 else None
+            for m in ("gate_up", "down")}
+
+    def linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
+        return rounding.linear(x, w, rows[m], operands[m])
+
     partials = []
     for r in range(rounding.ranks):
         group, part = r // tp, r % tp
         cols = slice(part * width, (part + 1) * width)
         acc = jnp.zeros((b, cfg.hidden_size), jnp.float32)
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
-            act = (jax.nn.silu(rounding.linear(xin, gate_up[e, :inter][cols]))
-                   * rounding.linear(xin, gate_up[e, inter:][cols]))
-            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], rounding.linear(act, down[e][:, cols]))
+            act = (jax.nn.silu(linear(xin, gate_up[e, :inter][cols], "gate_up"))
+                   * linear(xin, gate_up[e, inter:][cols], "gate_up"))
+            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], linear(act, down[e][:, cols], "down"))
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
 
