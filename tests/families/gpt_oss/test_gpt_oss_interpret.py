@@ -51,13 +51,6 @@ def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
 
 
 @pytest.mark.slow
-def test_no_races_with_race_detection():
-    summary = _run("--mode", "on_wait", "--races", "--steps", "2", "--batch", "1")
-    _assert_bit_equal(summary)
-    assert summary["races_found"] is False
-
-
-@pytest.mark.slow
 def test_the_120b_spec_with_an_eight_head_mini_checkpoint(tmp_path):
     """The 120b spec (8 cores, attention projections pooled with the experts, KV heads
     replicated: 2 over 8 head parts) on the MINI with 8 query heads, saved as a checkpoint
@@ -118,6 +111,9 @@ def test_the_ring_past_the_window_on_wait_bit_equal_and_a_window_off_by_one_is_r
 
 @pytest.mark.slow
 def test_the_ring_past_the_window_eager_with_race_detection(tmp_path):
+    """GPT-OSS's race-detection run: eager DMAs (which land as soon as issued, so a write
+    racing a read shows) through the ring's wrap, on the shipped 20b spec with the window's
+    ring lines (the rest of the kernel is the shipped one's)."""
     summary = _ring_run(tmp_path, "--mode", "eager", "--races", "--steps", str(WINDOW + 2),
                         "--batch", "2")
     assert len(summary["steps"]) == WINDOW + 2
