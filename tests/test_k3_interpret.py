@@ -9,7 +9,7 @@ sublayer kind is rejected."""
 import pytest
 
 from mkc import numerics
-from tests_support import ROOT, run_example
+from tests_support import ROOT, assert_each_mutant_rejected_on_its_row, run_example
 
 
 def _run(*args: str) -> dict:
@@ -77,10 +77,4 @@ def test_two_steps_at_the_largest_batch_then_each_mutant_rejected_on_its_row():
     assert summary["steps"][0]["emulation"]["logits"] == 0.0
     _assert_matches_reference(summary)
     assert len(summary["steps"]) == 2 and summary["failures"] == []
-    controls = summary["mutant_controls"]
-    assert controls["rows"] == [7] and controls["failures"] == []
-    assert controls["steps"][0]["emulation"]["logits"] == 0.0
-    for row, name in enumerate(K3_MUTANTS):
-        mutant = summary["mutants"][name]
-        assert mutant["row"] == row and [s["step"] for s in mutant["steps"]] == [1]
-        assert any("rounding emulation" in f for f in mutant["failures"]), (name, mutant["failures"])
+    assert_each_mutant_rejected_on_its_row(summary, K3_MUTANTS)

@@ -15,6 +15,18 @@ def run_example(script: str, *args: str, timeout: int) -> dict:
     return json.loads(line[5:])
 
 
+def assert_each_mutant_rejected_on_its_row(summary: dict, mutants: tuple[str, ...]) -> None:
+    """A `--mutants-by-row` run: mutant i acted on row i alone at step 1 and the rounding
+    emulation rejected it; the row no mutant touched (the last) stayed bit-equal."""
+    controls = summary["mutant_controls"]
+    assert controls["rows"] == [len(mutants)] and controls["failures"] == [], controls
+    assert controls["steps"][0]["emulation"]["logits"] == 0.0
+    for row, name in enumerate(mutants):
+        mutant = summary["mutants"][name]
+        assert mutant["row"] == row and [s["step"] for s in mutant["steps"]] == [1]
+        assert any("rounding emulation" in f for f in mutant["failures"]), (name, mutant["failures"])
+
+
 def assert_rows_step_like_alone(decode, init_cache, rows: list[list[int]],
                                 next_tokens: list[int], context: int = 8) -> None:
     """A joint decode step of rows at different positions equals stepping each row alone.
