@@ -241,6 +241,11 @@ def fp8_block_values(r: Requantized) -> np.ndarray:
     return (codes.reshape(*codes.shape[:-1], k // r.block, r.block) * scale[..., None]).reshape(codes.shape)
 
 
+def relative_rms(sq_err: float, sq_ref: float) -> float:
+    """Root of the squared error over the squared reference (0 for an all-zero reference)."""
+    return (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
+
+
 class RequantizationError:
     """A matrix class's requantization error summed over its matrices (`add` each
     ``Requantized``), reported as `mkc compile` and the module's `requantized_weights` give it:
@@ -262,7 +267,7 @@ class RequantizationError:
 
     @property
     def relative_rms(self) -> float:
-        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref else 0.0
+        return relative_rms(self.sq_err, self.sq_ref)
 
     def report(self, spelled: str) -> dict:
         return {"format": spelled, "values": self.values, "changed": self.changed,

@@ -19,7 +19,7 @@ from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_forma
                                         pack_groups)
 from mkc.ir import WeightFormat
 from mkc.model.family import FormatError
-from mkc.model.mxfp4 import RequantizationError, Requantized, requantize_blocks
+from mkc.model.mxfp4 import RequantizationError, Requantized, relative_rms, requantize_blocks
 from mkc.model.sharding import ShardTable, rank_parts
 from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
                                       split_kv_b_proj, split_q_b_proj)
@@ -171,15 +171,11 @@ def requantized(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, layer:
             f"32-row scales spanning {hi - lo} octave{'s' * (hi - lo != 1)} (E8M0 {lo}..{hi}), "
             f"and under one scale {r.changed} of {r.values} values in {r.inexact_blocks} of "
             f"{r.blocks} blocks have no e2m1 code (max error {r.max_abs:.3g}, relative RMS "
-            f"{_rel_rms(r.sq_err, r.sq_ref):.3g})",
+            f"{relative_rms(r.sq_err, r.sq_ref):.3g})",
             f"write `format {cls} fp4 block {fmt.block} rounded` to round them to the nearest "
             f"(the error is reported per matrix class), or store {cls} as `fp8 block "
             f"{fmt.block}` (exact while a block's 32-row scales span at most 8 octaves)")
     return r
-
-
-def _rel_rms(sq_err: float, sq_ref: float) -> float:
-    return (sq_err / sq_ref) ** 0.5 if sq_ref else 0.0
 
 
 def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
