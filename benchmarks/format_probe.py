@@ -41,9 +41,9 @@ def _kernel(fmt: str, fp8_operand: bool):
             w = ops.fp8_block_scaled_tile(codes, scales, BF16)
             o_ref[...] = jnp.dot(x, w, preferred_element_type=F32)
         elif fmt == FP4:        # e2m1 codes, two a byte, fed as they are (one scale a group)
-            o_ref[...] = ops.fp4_group_matmul(x, codes, scales[:1])
+            o_ref[...] = ops.fp4_group_matmul(x, codes, ops.e8m0_scale(scales[:1]))
         else:                   # fp8 with a scale per pack group: codes fed where the MXU takes them
-            o_ref[...] = ops.fp8_group_matmul(x, codes, scales[:1],
+            o_ref[...] = ops.fp8_group_matmul(x, codes, ops.e8m0_scale(scales[:1]),
                                               fp8_operand or fmt == "fp8 codes")
     return kernel
 

@@ -300,8 +300,9 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
     fmt = c.kernel.formats[f"expert.{name}"]
     rows_per_byte = 2 if fmt.name in ("mxfp4", "fp4") else 1
     bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
-    # FP8 blocks: every block's scale decoded at once (a row at a time costs as many registers)
-    decoded = ops.e8m0_scale(scales) if fmt.name == "fp8" and fmt.block != ops.MX_BLOCK else None
+    # FP8 and FP4 blocks: every block's scale decoded at once (a row at a time costs as many
+    # registers)
+    decoded = ops.e8m0_scale(scales) if fmt.block != ops.MX_BLOCK else None
     out = None
     for g in range(x.shape[1] // group):
         xg = x[:, g * group:(g + 1) * group].astype(BF16)
@@ -314,7 +315,7 @@ def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Arra
             part = jnp.dot(xg, w, preferred_element_type=F32)
         elif fmt.name == "fp4":                  # e2m1 codes as they are, one scale a block
             b = g * group // fmt.block
-            part = ops.fp4_group_matmul(xg, codes, scales[b:b + 1])
+            part = ops.fp4_group_matmul(xg, codes, decoded[b:b + 1])
         else:                                    # one scale for the group's partial product
             b = g * group // fmt.block
             part = ops.fp8_group_matmul(xg, codes, decoded[b:b + 1], ops.feeds_codes(fmt))

@@ -287,12 +287,12 @@ def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype 
 
 def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes: bool = True
                      ) -> jax.Array:
-    """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the E8M0
-    ``scale`` [1, N] (uint8, or f32 as ``e8m0_scale`` decodes it: a caller multiplying many
-    groups decodes a matrix's scales once, a one-row decode costing whole vector registers)
-    -> f32 [B, N]: one mixed bf16 x fp8 dot (the codes reach the MXU as they
-    are; `as_codes` False: converted to bf16 first, where the MXU takes no FP8 operand), the
-    power-of-two scale applied to the partial product rather than to every value.
+    """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the
+    ``scale`` [1, N] (f32, ``e8m0_scale`` of the E8M0 byte: a matrix's scales are decoded once,
+    a one-row decode costing whole vector registers) -> f32 [B, N]: one mixed bf16 x fp8 dot
+    (the codes reach the MXU as they are; `as_codes` False: converted to bf16 first, where the
+    MXU takes no FP8 operand), the power-of-two scale applied to the partial product rather
+    than to every value.
 
     Measured from libtpu's output (benchmarks/fp8_feed_probe.py): TPU7x pushes the codes into
     its MXUs as f8e4m3 with no vector work on them; v6e and v5e convert them inside the push
@@ -302,14 +302,14 @@ def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes:
     ``mkc.reference.rounding`` follows."""
     w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     w = w if as_codes else w.astype(jnp.bfloat16)
-    scale = scale if scale.dtype == F32 else e8m0_scale(scale)
     return jnp.dot(x, w, preferred_element_type=F32) * scale
 
 
 def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
     """x [B, G] bf16 @ FP4 codes (uint8 [G/2, N]: byte row a holds input row 2a in its low
     nibble and 2a + 1 in its high one, the e2m1 bits of ``jnp.float4_e2m1fn``) whose rows share
-    the E8M0 ``scale`` [1, N] -> f32 [B, N]: one mixed bf16 x fp4 dot, the codes reinterpreted
+    the ``scale`` [1, N] (f32, ``e8m0_scale`` of the E8M0 byte, as for ``fp8_group_matmul``)
+    -> f32 [B, N]: one mixed bf16 x fp4 dot, the codes reinterpreted
     where they sit (``pltpu.bitcast`` unpacks the byte rows' nibbles into consecutive rows), the
     power-of-two scale applied to the partial product.
 
@@ -319,7 +319,7 @@ def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Ar
     follows (``mkc.reference.rounding``, operands "mixed_fp4")."""
     from jax.experimental.pallas import tpu as pltpu
     w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
-    return jnp.dot(x, w, preferred_element_type=F32) * e8m0_scale(scale)
+    return jnp.dot(x, w, preferred_element_type=F32) * scale
 
 
 def feeds_codes(fmt) -> bool:

@@ -137,7 +137,7 @@ def test_the_mixed_fp4_dot_equals_the_emulations_dot_of_the_requantized_values(
     def fn(x, c, s):
         parts = [ops.fp4_group_matmul(x[:, g * group:(g + 1) * group],
                                       c[g * group // 2:(g + 1) * group // 2],
-                                      s[g * group // block:g * group // block + 1])
+                                      ops.e8m0_scale(s[g * group // block:g * group // block + 1]))
                  for g in range(n_in // group)]
         return sum(parts[1:], parts[0])
 
