@@ -220,7 +220,7 @@ def compile_module(path: str, batch: int, verify_rows: int | None = None) -> dic
             "compile_s": t2 - t1}
 
 
-def _worker(path: str, batch: int) -> int:
+def _worker(path: str, batch: int, verify_rows: int | None = None) -> int:
     """Compile in this process and print one JSON line: the verdict."""
     dump = tempfile.mkdtemp(prefix="mkc_confirm_dump_")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
@@ -228,7 +228,7 @@ def _worker(path: str, batch: int) -> int:
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     try:
         try:
-            info = compile_module(path, batch)
+            info = compile_module(path, batch, verify_rows)
         except Exception as e:  # noqa: BLE001 - the verdict is the point
             out = parse_compile_error(f"{type(e).__name__}: {e}")
         else:
@@ -243,18 +243,20 @@ def _worker(path: str, batch: int) -> int:
 
 
 def run_compile(module_path: str | os.PathLike, batch: int, timeout: float = 900.0,
-                tick=None) -> dict:
-    """Compile a generated module at `batch` in a fresh subprocess; libtpu's verdict as a dict
-    (see `parse_compile_error`, plus "seconds"). `tick()`, if given, is called about once a
-    second while the compile runs (a progress bar's refresh)."""
+                tick=None, verify_rows: int | None = None) -> dict:
+    """Compile a generated module at `batch` in a fresh subprocess (with `verify_rows` R: its
+    verify step of R rows for `batch` sequences); libtpu's verdict as a dict (see
+    `parse_compile_error`, plus "seconds"). `tick()`, if given, is called about once a second
+    while the compile runs (a progress bar's refresh)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    with subprocess.Popen([sys.executable, "-m", "mkc.confirm", "--worker", str(module_path),
-                           str(batch)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env, cwd=root) as p:
+    argv = [sys.executable, "-m", "mkc.confirm", "--worker", str(module_path), str(batch)]
+    argv += [str(verify_rows)] if verify_rows else []
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=root) as p:
         while True:
             left = t0 + timeout - time.perf_counter()
             try:
@@ -342,7 +344,7 @@ def _confirm_vmem(spec_path, model, batch, timeout, shown) -> VmemConfirmation:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return _worker(argv[1], int(argv[2]))
+        return _worker(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else None)
     ap = argparse.ArgumentParser(prog="python -m mkc.confirm", description=__doc__.splitlines()[0])
     ap.add_argument("spec")
     ap.add_argument("--model")

@@ -319,6 +319,25 @@ class ViewCopy:
 
 
 @dataclass(frozen=True)
+class ScratchMeasure:
+    """VMEM libtpu allocates for one compiled kernel beyond what mkc counts (the register
+    allocator's spill slots, Mosaic's internal scratch, allocation rounding): its use read from
+    the compiled HLO minus mkc's peak of buffers and windows, for the kernel of `rows` rows of
+    a geometry (`key`: `mkc.checks.capacity.scratch_key`). Measured by
+    benchmarks/compiler_scratch.py; a family ships its measures in `compiler_scratch.json`."""
+
+    key: tuple[tuple[str, str], ...]
+    model: str                   # the measured model, for people (the key's dims digest decides)
+    kernel: str                  # "decode" or "verify R x S"
+    rows: int
+    kv_tokens: int               # the longest KV tile of the measured spec
+    bytes: int                   # libtpu's use minus mkc's count (at least the spill slots)
+    spill_bytes: int             # the spill slots' peak in libtpu's LLO (-1: not read)
+    used_bytes: int              # libtpu's VMEM use of the kernel
+    libtpu: str                  # libtpu version measured with
+
+
+@dataclass(frozen=True)
 class WeightFormat:
     """How a matrix class is stored (`format CLASS NAME [block ROWS] [rounded]`): the format,
     the input rows one scale covers (0: the format's own) and whether the target's MXU takes
@@ -445,11 +464,11 @@ class ScheduleIR:
     weight_formats: dict[str, WeightFormat] = field(default_factory=dict)
     # What the family contributes past resolve, copied here so that no later stage goes back
     # to the family registry: its package (lowering, weights), the module and name of its
-    # dims class, libtpu's measured scratch as (batch, bytes) points, and the kernel inputs
+    # dims class, libtpu's measured scratch (every geometry the family measured), and the kernel inputs
     # its module passes in VMEM (at batch_max; `Buffer.at_batch` for others).
     family_package: str = ""
     dims_class: tuple[str, str] = ("", "")
-    compiler_scratch: tuple[tuple[int, int], ...] = ()
+    compiler_scratch: tuple[ScratchMeasure, ...] = ()
     vmem_inputs: tuple[Buffer, ...] = ()
     expectations: tuple[Expectation, ...] = ()
 

@@ -5,7 +5,8 @@ from typing import Any
 
 from mkc import cost, ir, target
 from mkc.checks import vmem_budget
-from mkc.checks.capacity import compiler_overhead_bytes, usable_vmem_bytes, vmem_budget_bytes
+from mkc.checks.capacity import (compiler_overhead_bytes, compiler_scratch, usable_vmem_bytes,
+                                 vmem_budget_bytes)
 
 
 def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
@@ -29,6 +30,7 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
         "vmem_usable_bytes": usable_vmem_bytes(s), "vmem_budget_bytes": vmem_budget_bytes(s),
         "vmem_compiler_scratch_bytes": {str(b["batch"]): compiler_overhead_bytes(s, b["batch"])
                                         for b in vmem},
+        "vmem_compiler_scratch_source": compiler_scratch(s).source,
         "vmem": vmem,
         "stream": {"tiles": st.total_tiles, "tile_shapes": [list(t) for t in st.tile_shapes],
                    "dtype": st.dtype, "slots": st.slots, "slot_shape": [st.tile_rows, st.tile_cols],
@@ -57,6 +59,8 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
                      f"{v['budget_bytes'] / 2**20:.2f} MiB (usable "
                      f"{(v['budget_bytes'] + s.vmem_reserve) / 2**20:.2f} - reserve "
                      f"{s.vmem_reserve / 2**20:.2f})")
+    lines.append(f"Compiler scratch (spill slots, internal scratch): "
+                 f"{report['vmem_compiler_scratch_source']}")
     st = report["stream"]
     shapes = ", ".join(f"{r}x{c}" for r, c in st["tile_shapes"])
     lines.append(f"Weight stream: {st['tiles']} tiles ({shapes}) {st['dtype']} through "

@@ -136,3 +136,48 @@ def test_the_ring_reaches_resolve_after_its_pass(capsys):
     from mkc.cli import main
     main(["ir", str(SPEC), "--after", "kv_ring"])
     assert '"ring": 256' in capsys.readouterr().out
+
+
+# ---- the ring holds its tiles: every accepted ring / tile combination traces ---------------
+GRID_RINGS = (128, 256, 512)
+GRID_TILES = [(slots, tokens, ahead) for tokens in (128, 256) for slots in (2, 4)
+              for ahead in (1, 3) if ahead < slots]
+
+
+def test_a_ring_shorter_than_its_tiles_is_refused_at_the_ring_line(tmp_path):
+    """4 slots of 256 tokens stream 1024 positions: a ring of 512 would have its tiles started
+    ahead copy from past its end (the module fails to trace: "Out of bound slice")."""
+    path = _variant(tmp_path, (RING, "    kv ring 512 slots\n"),
+                    _swa_tiles(256)[0:1] + (SWA_TILES.replace("2 slots of 128 tokens ahead 1",
+                                                              "4 slots of 256 tokens ahead 3"),))
+    d = _error(path, "gpt_oss_mini")
+    assert d.code == "E-KV-RING" and d.span.line == _line(path, "kv ring 512 slots")
+    assert "span 1024 positions" in d.message and "kv ring 1024 slots" in d.hint
+
+
+@pytest.mark.slow
+def test_every_accepted_ring_and_tile_combination_traces(tmp_path):
+    """A small grid of `kv ring` x `kv tiles` on the 20b spec (MINI GPT-OSS, window 128, verify
+    8): mkc accepts a combination only where its module traces, and accepts some of each ring."""
+    from conftest import run_python
+    from mkc.compiler import compile_spec, module_name, write_atomically
+    modules, accepted = [], {}
+    for ring in GRID_RINGS:
+        for slots, tokens, ahead in GRID_TILES:
+            tiles = SWA_TILES.replace("2 slots of 128 tokens ahead 1",
+                                      f"{slots} slots of {tokens} tokens ahead {ahead}")
+            path = _variant(tmp_path, (RING, f"    kv ring {ring} slots\n"), (SWA_TILES, tiles))
+            try:
+                c = compile_spec(path, "gpt_oss_mini")
+            except MkcError as e:
+                assert all(d.span.file == str(path) for d in e.diagnostics)
+                continue
+            out = tmp_path / f"{module_name(c)}_{ring}_{slots}_{tokens}_{ahead}.py"
+            write_atomically(out, c.module_source)
+            modules += [str(out), "2"]
+            accepted[str(out)] = (ring, slots, tokens, ahead)
+    assert {r for r, *_ in accepted.values()} == {256, 512}   # 128 < window + verify rows
+    r = run_python(["tests/trace_worker.py", *modules], timeout=900)
+    failed = [line for line in r.stdout.splitlines() if line.startswith("FAILED")]
+    assert r.returncode == 0 and not failed, (failed, r.stderr[-2000:])
+    assert r.stdout.count("TRACED") == len(accepted)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from mkc import ir
-from mkc.checks.capacity import check_each_buffer_fits, check_hbm, check_vmem, vmem_budget
+from mkc.checks.capacity import (check_compiler_scratch, check_each_buffer_fits, check_hbm, check_vmem,
+                                 vmem_budget)
 from mkc.checks.dma import check_dma
 from mkc.checks.expect import check_expectations
 from mkc.checks.kv_ring import check_kv_rings
@@ -19,7 +20,8 @@ def run_checks(s: ir.ScheduleIR) -> list[Event]:
 
     Checks on the IR alone run first and stop before the trace when they fail: the trace's
     size is bounded only for schedules whose every buffer fits (KV slots, say)."""
-    diags = check_hbm(s) + check_each_buffer_fits(s) + check_kv_rings(s)
+    diags = (check_hbm(s) + check_compiler_scratch(s) + check_each_buffer_fits(s)
+             + check_kv_rings(s))
     if diags:
         raise MkcError(one_per_statement(diags))
     events = build_trace(s)

@@ -9,8 +9,11 @@ whole kernels; data in benchmarks/data/):
   is open (scopes that never overlap share memory);
 - kernel inputs and outputs held in VMEM (their windows, `ir.window_bytes`);
 - compiler scratch: the register allocator's spill slots and Mosaic's internal scratch, which
-  grow with the batch (the kernel unrolls its per-row loops). Modelled per model family from
-  the sweep (`compiler_overhead_bytes`), an upper envelope of what libtpu allocated;
+  grow with the rows (the kernel unrolls its per-row loops) and with the per-rank shapes (a
+  GPT-OSS 20b attention holds 32 heads' online-softmax state a core and spills 9.5 MiB of it at
+  8 rows). Measured by libtpu for each geometry a family ships (`scratch_key`: chip, ranks,
+  model dims, weight formats) and kernel width (benchmarks/compiler_scratch.py, data in each
+  family's compiler_scratch.json), interpolated over rows (`compiler_scratch`);
 - semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
   VMEM.
 
@@ -23,7 +26,10 @@ budget = min(limit, usable VMEM) - reserve.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from mkc import ir
 from mkc.diagnostics import Diagnostic, Span
@@ -35,10 +41,13 @@ from mkc.trace import Event
 XLA_RESERVED_VMEM = 64 << 10
 
 # Longer KV tiles add spill slots in the attention (Qwen: +417 KB at B8 from 128 to 512 tokens,
-# +113 KB at B16 from 128 to 256): bytes per token of the longest KV tile past 128.
+# +113 KB at B16 from 128 to 256): bytes per token of the longest KV tile past the measured one.
 KV_TOKEN_SCRATCH = 1100
-KV_BASE_TOKENS = 128
 COMPILER_SCRATCH_MARGIN = 64 << 10
+# A geometry the family has not measured (another model, chip, mesh or format): this many times
+# the largest scratch measured for the family at that width. The family's own measures are the
+# only evidence; the factor covers a geometry up to half again as heavy in registers.
+UNMEASURED_SCRATCH_FACTOR = 1.5
 
 
 def usable_vmem_bytes(s: ir.ScheduleIR) -> int:
@@ -58,28 +67,105 @@ def vmem_budget_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
     return min(usable_vmem_bytes(s), s.vmem_limit) - s.vmem_reserve
 
 
-def _interpolate(points: list[tuple[int, int]], batch: int) -> int:
-    xs = [b for b, _ in points]
-    i = bisect.bisect_left(xs, batch)
-    if i < len(points) and points[i][0] == batch:
-        return points[i][1]
+def scratch_key(s: ir.ScheduleIR) -> tuple[tuple[str, str], ...]:
+    """What libtpu's spill slots and internal scratch depend on besides the rows: the chip, the
+    mesh, the model's dims (its per-rank shapes) and the weight formats (their decode). Ring
+    depth, tile bounds and limits change buffers mkc counts, not the compiler's scratch."""
+    dims = {k: v for k, v in s.dims.items() if k != "name"}
+    digest = hashlib.sha256(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:16]
+    formats = ",".join(f"{c}={f.name}" + (f"/{f.block}" if f.block else "")
+                       for c, f in sorted(s.weight_formats.items()))
+    return (("chip", s.chip), ("ranks", str(s.ranks)), ("dims", digest), ("formats", formats))
+
+
+def _interpolate(points: list[tuple[int, int]], rows: int) -> int:
+    """The upper envelope of (rows, bytes) points (never falling as rows grow), linear between
+    them and past the last along its last rising segment."""
+    env: list[tuple[int, int]] = []
+    for r, n in sorted(points):
+        n = max([n] + [m for _, m in env])
+        if env and env[-1][0] == r:
+            env[-1] = (r, n)
+        else:
+            env.append((r, n))
+    xs = [r for r, _ in env]
+    i = bisect.bisect_left(xs, rows)
+    if i < len(env) and env[i][0] == rows:
+        return env[i][1]
     if i == 0:
-        return points[0][1]
-    if i == len(points):
-        (b0, y0), (b1, y1) = points[-2:] if len(points) > 1 else (points[-1], points[-1])
-        slope = (y1 - y0) / (b1 - b0) if b1 != b0 else 0
-        return round(y1 + max(0.0, slope) * (batch - b1))
-    (b0, y0), (b1, y1) = points[i - 1], points[i]
-    return round(y0 + (y1 - y0) * (batch - b0) / (b1 - b0))
+        return env[0][1]
+    if i == len(env):
+        if len(env) == 1:
+            return env[-1][1]
+        (r0, y0), (r1, y1) = env[-2:]
+        return round(y1 + (y1 - y0) / (r1 - r0) * (rows - r1))
+    (r0, y0), (r1, y1) = env[i - 1], env[i]
+    return round(y0 + (y1 - y0) * (rows - r0) / (r1 - r0))
+
+
+@dataclass(frozen=True)
+class CompilerScratch:
+    bytes: int
+    measured: bool          # this geometry's own measures (else the family's bound, or none)
+    source: str             # how the figure was reached, for the budget table
+
+
+def compiler_scratch(s: ir.ScheduleIR, batch: int | None = None) -> CompilerScratch:
+    """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest):
+    libtpu's measure for this geometry, interpolated over rows, plus spill of KV tiles longer
+    than the measured ones; a geometry the family has not measured gets
+    `UNMEASURED_SCRATCH_FACTOR` times the family's largest measure at that width. A family
+    with no measure at all gets 0 and `check_compiler_scratch` refuses the spec."""
+    rows = batch or s.rows_max
+    if not s.compiler_scratch:
+        return CompilerScratch(0, False, f"family {s.family} has no measured compiler scratch")
+    key = scratch_key(s)
+    tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=0)
+    own = [m for m in s.compiler_scratch if m.key == key]
+    if own:
+        n = _interpolate([(m.rows, m.bytes) for m in own], rows)
+        n += KV_TOKEN_SCRATCH * max(0, tokens - max(m.kv_tokens for m in own))
+        widths = sorted({m.rows for m in own})
+        source = (f"measured by libtpu for this geometry at {', '.join(map(str, widths))} rows "
+                  f"({own[0].libtpu})")
+        measured = True
+    else:
+        by_key: dict = {}
+        for m in s.compiler_scratch:
+            by_key.setdefault(m.key, []).append(m)
+        n = max(round(UNMEASURED_SCRATCH_FACTOR * _interpolate([(m.rows, m.bytes) for m in ms], rows))
+                + KV_TOKEN_SCRATCH * max(0, tokens - max(m.kv_tokens for m in ms))
+                for ms in by_key.values())
+        source = (f"not measured for this geometry ({_key_words(key)}): "
+                  f"{UNMEASURED_SCRATCH_FACTOR}x the largest of family {s.family}'s "
+                  f"{len(by_key)} measured geometries; measure it with "
+                  f"benchmarks/compiler_scratch.py --spec {s.source}")
+        measured = False
+    n = max(0, n) + COMPILER_SCRATCH_MARGIN
+    return CompilerScratch(-(-n // 1024) * 1024, measured, source)
+
+
+def _key_words(key: tuple[tuple[str, str], ...]) -> str:
+    k = dict(key)
+    return f"{k['chip']}, {k['ranks']} ranks, formats {k['formats'] or 'as checkpointed'}"
 
 
 def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
     """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest)."""
-    batch = batch or s.rows_max
-    n = _interpolate(list(s.compiler_scratch), batch)
-    tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=KV_BASE_TOKENS)
-    n += KV_TOKEN_SCRATCH * max(0, tokens - KV_BASE_TOKENS) + COMPILER_SCRATCH_MARGIN
-    return -(-n // 1024) * 1024
+    return compiler_scratch(s, batch).bytes
+
+
+def check_compiler_scratch(s: ir.ScheduleIR) -> list[Diagnostic]:
+    """A family that has never measured what libtpu allocates beyond its buffers cannot
+    promise a fit: refused at the spec's `model` line."""
+    if s.compiler_scratch:
+        return []
+    return [Diagnostic(
+        "E-VMEM-SCRATCH", f"family {s.family} has no measured compiler scratch: mkc cannot "
+        "say whether its kernels fit in VMEM (libtpu's spill slots are not modelled for it)",
+        s.setting_spans.get("model", Span.unknown()),
+        hint=f"measure it: `.venv/bin/python benchmarks/compiler_scratch.py --spec {s.source}` "
+             "writes the family's compiler_scratch.json (docs/extending.md, 'Compiler scratch')")]
 
 
 def vmem_inputs(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.resources
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,9 +80,6 @@ class Family:
     # mkc.model.graph.FamilyGraph; raises mkc.model.graph.ShardingError or FormatError.
     build: Callable[[Any, dict, int, dict], Any]
     package: str                       # e.g. "mkc.families.qwen3_5"
-    # Compiler scratch libtpu allocates beyond mkc's buffers: (batch, bytes) points measured by
-    # benchmarks/vmem_probe.py, interpolated over batch.
-    compiler_scratch: tuple[tuple[int, int], ...]
     # (dims, batch) -> the kernel inputs its module passes in VMEM, as IR buffers with their
     # batch axis.
     vmem_inputs: Callable[[Any, int], list] = lambda dims, batch: []
@@ -106,6 +105,12 @@ class Family:
     # need a kernel.
     kernel_ready: bool = True
 
+    def measured_scratch(self) -> tuple:
+        """What libtpu allocated beyond mkc's buffers for each kernel the family measured
+        (`mkc.ir.ScratchMeasure`s from the package's compiler_scratch.json, written by
+        benchmarks/compiler_scratch.py); () when it has measured none."""
+        return _measured_scratch(self.package)
+
     def default_formats(self) -> dict:
         from mkc.ir import WeightFormat
         return {cls: WeightFormat(formats[0]) for cls, formats in self.weight_formats}
@@ -130,3 +135,17 @@ class Family:
                                 f"{sorted(self.lowered_ops)}: register each body with @lowers(\"op\") "
                                 "on a top-level def, or import it from another .lowering module")
         return module
+
+
+SCRATCH_FILE = "compiler_scratch.json"
+
+
+@functools.cache
+def _measured_scratch(package: str) -> tuple:
+    from mkc.ir import ScratchMeasure
+    try:
+        text = importlib.resources.files(package).joinpath(SCRATCH_FILE).read_text()
+    except (FileNotFoundError, ModuleNotFoundError):
+        return ()
+    return tuple(ScratchMeasure(**(m | {"key": tuple(tuple(kv) for kv in m["key"])}))
+                 for m in json.loads(text)["measures"])

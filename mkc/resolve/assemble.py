@@ -28,7 +28,7 @@ def resolve_ir(s: ResolveState) -> ResolveState:
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
         weight_formats=dict(graph.formats),
         family_package=family.package, dims_class=family.dims_import,
-        compiler_scratch=family.compiler_scratch,
+        compiler_scratch=family.measured_scratch(),
         vmem_inputs=tuple(family.vmem_inputs(dims, b_hi)),
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,
         layer_kinds=list(dims.layer_kinds),

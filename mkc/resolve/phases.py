@@ -357,3 +357,8 @@ def _check_kv_tiles(k: KvTiles, kname: str, has_caches: bool, context: int) -> N
     if k.slots < 1 or k.ahead < 1:
         raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
                    hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")
+    if context and k.ahead * k.tokens > context:
+        # The first `ahead` tiles are started before the loop: each must lie inside the cache.
+        raise fail("E-KV", f"kv tiles ahead {k.ahead} of {k.tokens} tokens start copies "
+                   f"{k.ahead * k.tokens} positions into a cache of context {context}", k.span,
+                   hint=f"ahead at most {context // k.tokens}, or smaller tiles")

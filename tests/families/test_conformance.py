@@ -97,6 +97,39 @@ def test_kernel_modules_provide_their_contracts(family: Family, checked):
         assert callable(getattr(family.module("weights"), "expert", None))
 
 
+def test_every_shipped_spec_of_the_family_has_measured_compiler_scratch(family: Family):
+    """What libtpu allocates beyond mkc's buffers (spill slots) is measured for each geometry
+    the family ships (benchmarks/compiler_scratch.py), never borrowed from another family: a
+    spec of a family with no measure is refused, so `mkc check` never promises a fit it has no
+    evidence for."""
+    from mkc.checks.capacity import compiler_scratch, scratch_key
+    from mkc.lang.parser import parse_file
+    from mkc.resolve import resolve
+    needs_kernel(family)
+    measures = family.measured_scratch()
+    assert measures, f"family {family.name} has no compiler_scratch.json: measure it"
+    assert {m.key for m in measures} and all(m.bytes >= 0 and m.used_bytes > m.bytes for m in measures)
+    for path in sorted((ROOT / "schedules").glob("*.sched")):
+        s = resolve(parse_file(path)[0], None)
+        if s.family == family.name:
+            assert any(m.key == scratch_key(s) for m in measures), path.name
+            assert compiler_scratch(s).measured, path.name
+
+
+def test_a_family_without_measured_scratch_is_refused_at_the_model_line(family: Family,
+                                                                        monkeypatch):
+    needs_kernel(family)
+    monkeypatch.setattr(Family, "measured_scratch", lambda self: ())
+    with pytest.raises(MkcError) as e:
+        check_spec(shipped_spec(family))
+    d = next(d for d in e.value.diagnostics if d.code == "E-VMEM-SCRATCH")
+    assert d.span.line == _model_line(shipped_spec(family)) and "compiler_scratch.py" in d.hint
+
+
+def _model_line(path: Path) -> int:
+    return path.read_text()[:MODEL_LINE.search(path.read_text()).start(1)].count("\n") + 1
+
+
 def test_lowered_ops_are_the_graph_ops_and_take_their_values(family: Family, checked):
     """The ops read from the `@lowers` decorators are the graph's, and each body binds the
     layer and the op's register values (a TypeError if not)."""

@@ -99,7 +99,6 @@ FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
-    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
     vmem_inputs=rope_input,
     weight_formats=WEIGHT_FORMATS,
 )

@@ -9,7 +9,6 @@ FAMILY = Family(
     name="kimi_k3", model_types=("kimi_k3",), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.kimi_k3.config", "KimiDims"),
-    compiler_scratch=((1, 1229783), (8, 1229783), (16, 1627914)),
     plain_state_tolerance=3e-2,
     weight_formats=WEIGHT_FORMATS, rounding_formats=("fp4",),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,

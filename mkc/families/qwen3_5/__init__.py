@@ -14,7 +14,6 @@ FAMILY = Family(
     name="qwen3_5_text", model_types=("qwen3_5_text",), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.qwen3_5.config", "Qwen35Dims"),
-    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
     vmem_inputs=rope_input,
     plain_state_tolerance=1.5e-2,
     # Qwen3.5 checkpoints nest the text model under model.language_model. and carry a

@@ -14,7 +14,6 @@ FAMILY = Family(
     dims_import=("mkc.families.qwen3_5_moe.config", "Qwen35MoeDims"),
     # Not yet measured by benchmarks/vmem_probe.py: Qwen3.5's points, whose attention bodies
     # these layers share (the MoE bodies unroll per row like its MLP).
-    compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
     vmem_inputs=rope_input,
     plain_state_tolerance=1.5e-2,
     weight_formats=WEIGHT_FORMATS, rounding_formats=ROUNDING_FORMATS,

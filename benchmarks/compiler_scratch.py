@@ -1,0 +1,252 @@
+"""Measure the VMEM libtpu allocates beyond mkc's buffers (the register allocator's spill slots,
+Mosaic's internal scratch, allocation rounding) for the kernels each family ships, and write it
+into the family's `compiler_scratch.json`, which `mkc check` reads (mkc.checks.capacity).
+
+Each point is a spec (a shipped one, or one with its weight formats edited) and a kernel: the
+decode step at a batch, or the verify step of R rows for S sequences. The spec's reserve is set
+to 0 and its `expect` lines dropped; the module is rendered and compiled with libtpu
+compile-only for the spec's topology in a fresh subprocess (mkc.confirm.run_compile). The
+kernel's VMEM use is read exactly from the compiled HLO; mkc's count is its peak of buffers and
+windows at the kernel's rows (`capacity.vmem_budget` less the modelled scratch). The measure is
+the difference. A kernel that does not fit at the chip's VMEM is measured with its weight ring 2
+slots shallower (the scratch does not depend on the ring's depth). With --llo, libtpu's final
+LLO is dumped and the spill slots' peak read from its allocations (`spill_bytes`; slower).
+
+    .venv/bin/python benchmarks/compiler_scratch.py                 # every point (~40 min)
+    .venv/bin/python benchmarks/compiler_scratch.py --only gpt_oss  # points whose name has it
+    .venv/bin/python benchmarks/compiler_scratch.py --spec SPEC     # a spec of your own, at
+                                                       # batch 1, its largest and its verify step
+    .venv/bin/python benchmarks/compiler_scratch.py --list          # the points, no compiling
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+COMMAND = ".venv/bin/python benchmarks/compiler_scratch.py"
+MIB = 2**20
+SCHEDULES = ROOT / "schedules"
+# K3's routed experts in FP8 blocks (exact for an MXFP4 checkpoint) instead of the shipped FP4.
+K3_FP8 = (("format expert.gate_up fp4 block 512 rounded", "format expert.gate_up fp8 block 512"),
+          ("format expert.down fp4 block 128 rounded", "format expert.down fp8 block 128"))
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    spec: Path
+    kernel: str                     # "decode" | "verify"
+    batch: int                      # decode rows, or verify sequences
+    edits: tuple[tuple[str, str], ...] = ()
+
+
+def _spec_points(name: str, spec: Path, widths: tuple[int, ...] | None = None,
+                 edits: tuple[tuple[str, str], ...] = ()) -> list[Point]:
+    """Decode at batch 1 and the spec's largest (or `widths`), and its verify step if any."""
+    s = _resolve(_edited(spec, edits))
+    points = [Point(f"{name} decode B{b}", spec, "decode", b, edits)
+              for b in widths or sorted({1, s.batch_max})]
+    if s.verify_rows:
+        S = s.verify_sequences[1]
+        points.append(Point(f"{name} verify {s.verify_rows}x{S}", spec, "verify", S, edits))
+    return points
+
+
+def points() -> list[Point]:
+    p = []
+    for spec in sorted(SCHEDULES.glob("*.sched")):
+        p += _spec_points(spec.stem, spec)
+    p += _spec_points("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP8)
+    return p
+
+
+# ---- mkc's side -----------------------------------------------------------------------------
+def _edited(spec: Path, edits) -> str:
+    text = spec.read_text()
+    for old, new in edits:
+        if old not in text:
+            raise ValueError(f"{spec.name}: '{old}' is not in it")
+        text = text.replace(old, new)
+    return text
+
+
+def _resolve(text: str, name: str = "spec.sched"):
+    from mkc.lang.parser import parse
+    from mkc.resolve import resolve
+    return resolve(parse(text, name), None)
+
+
+def measured_text(p: Point, ring_shrink: int = 0) -> str:
+    """The point's spec as compiled: reserve 0, no `expect` lines; a decode point at its batch
+    with no verify step; the weight ring `ring_shrink` slots shallower."""
+    text = _edited(p.spec, p.edits)
+    text = re.sub(r"(vmem\s+limit \S+ \w+) reserve \S+ \w+", r"\1 reserve 0 MiB", text)
+    text = re.sub(r"^ *expect .*\n", "", text, flags=re.M)
+    if p.kernel == "decode":
+        text = re.sub(r"^ *verify .*\n", "", text, flags=re.M)
+        text = re.sub(r"^( *batch +)1 to \d+", rf"\g<1>1 to {p.batch}" if p.batch > 1 else r"\g<1>1",
+                      text, count=1, flags=re.M)
+    if ring_shrink:
+        m = re.search(r"ring weights: (\d+) slots", text)
+        slots = max(1, int(m.group(1)) - ring_shrink)
+        text = text.replace(m.group(0), f"ring weights: {slots} slots")
+        text = re.sub(r"stream weights ahead (\d+)",
+                      lambda a: f"stream weights ahead {min(slots, int(a.group(1)))}", text)
+    return text
+
+
+def mkc_count(s, rows: int) -> int:
+    """mkc's peak of buffers and windows for the kernel of `rows` rows: its modelled peak less
+    its modelled compiler scratch (a constant, resident all kernel)."""
+    from mkc.checks import capacity
+    from mkc.trace import build_trace
+    peak, _, _ = capacity.vmem_budget(s, build_trace(s), rows)
+    return peak - capacity.compiler_overhead_bytes(s, rows)
+
+
+# ---- libtpu's side --------------------------------------------------------------------------
+def _spill_peak(llo_dir: Path) -> int:
+    """The spill slots' peak in the kernel's post-register-allocation LLO: allocations tagged
+    'spilled vreg' in VMEM, a region's own plus the largest of its sub-regions' (sibling regions
+    run one after another and share memory)."""
+    files = sorted((f for f in llo_dir.glob("*-post-ra.txt") if re.search(r"-\d+-post-ra\.txt$", f.name)),
+                   key=lambda f: f.stat().st_size)
+    if not files:
+        return -1
+    own: dict[int, int] = collections.Counter()
+    kids: dict[int, list[int]] = collections.defaultdict(list)
+    region = None
+    with open(files[-1]) as f:
+        for line in f:
+            m = re.match(r"\s*\$region(\d+): #\{[^}]*\}(?: parent=(\d+))?", line)
+            if m:
+                region = int(m.group(1))
+                if m.group(2):
+                    kids[int(m.group(2))].append(region)
+                continue
+            m = re.match(r"\s+#allocation\w* \[shape = '[^']*', space=vmem, size = (0x[0-9a-f]+)"
+                         r".*tag = 'spilled vreg", line)
+            if m and region is not None:
+                own[region] += int(m.group(1), 16)
+
+    def peak(r: int) -> int:
+        return own[r] + max((peak(k) for k in kids[r]), default=0)
+    sys.setrecursionlimit(100000)
+    return peak(0)
+
+
+def compile_point(p: Point, text: str, s, llo: bool, timeout: float) -> dict:
+    from mkc.codegen.emit import render
+    from mkc.confirm import run_compile
+    with tempfile.TemporaryDirectory(prefix="mkc-scratch-") as tmp:
+        module = Path(tmp) / f"{s.name}.py"
+        module.write_text(render(s, text))
+        old = os.environ.get("LIBTPU_INIT_ARGS")
+        if llo:
+            os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_to={tmp}/jf "
+                                              "--xla_jf_dump_llo_text=true")
+        try:
+            r = run_compile(module, p.batch, timeout,
+                            verify_rows=s.verify_rows if p.kernel == "verify" else None)
+        finally:
+            if old is None:
+                os.environ.pop("LIBTPU_INIT_ARGS", None)
+            else:
+                os.environ["LIBTPU_INIT_ARGS"] = old
+        r["spill_bytes"] = _spill_peak(Path(tmp) / "jf") if llo and r["libtpu"] == "fits" else -1
+    return r
+
+
+def measure(p: Point, llo: bool, timeout: float) -> dict | None:
+    from importlib.metadata import version
+
+    from mkc.checks import capacity
+    for shrink in (0, 2, 4, 6):
+        text = measured_text(p, shrink)
+        s = _resolve(text, p.spec.name)
+        rows = p.batch * (s.verify_rows if p.kernel == "verify" else 1)
+        counted = mkc_count(s, rows)
+        if counted > capacity.usable_vmem_bytes(s) - (1 << 20):
+            continue                  # hopeless: a shallower ring first
+        r = compile_point(p, text, s, llo, timeout)
+        print(f"  {p.name} ring -{shrink}: libtpu {r['libtpu']} "
+              f"{(r.get('used_bytes') or 0) / MIB:.2f} MiB, mkc counts {counted / MIB:.2f} MiB "
+              f"({r.get('seconds', 0):.0f} s)", flush=True)
+        if r["libtpu"] == "out_of_vmem":
+            continue
+        if r["libtpu"] != "fits" or not r.get("used_bytes"):
+            print(f"  {p.name}: {r['libtpu']}: {r.get('message', '')[:300]}", flush=True)
+            return None
+        tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=0)
+        kernel = "decode" if p.kernel == "decode" else f"verify {s.verify_rows} x {p.batch}"
+        return {"key": [list(kv) for kv in capacity.scratch_key(s)], "model": s.model,
+                "kernel": kernel, "rows": rows, "kv_tokens": tokens,
+                "bytes": r["used_bytes"] - counted, "spill_bytes": r["spill_bytes"],
+                "used_bytes": r["used_bytes"], "libtpu": f"libtpu {version('libtpu')}",
+                "family": s.family, "point": p.name, "family_package": s.family_package}
+    return None
+
+
+# ---- the data -------------------------------------------------------------------------------
+def family_file(package: str) -> Path:
+    from mkc.model.family import SCRATCH_FILE
+    return ROOT / Path(*package.split(".")) / SCRATCH_FILE
+
+
+def save(m: dict) -> Path:
+    """Add (or replace) a measure in its family's file, kept sorted so it is reproducible."""
+    from mkc.ir import ScratchMeasure
+    path = family_file(m["family_package"])
+    data = json.loads(path.read_text()) if path.exists() else {}
+    fields = {f for f in ScratchMeasure.__dataclass_fields__}
+    new = {k: v for k, v in m.items() if k in fields}
+    keep = [x for x in data.get("measures", [])
+            if (x["key"], x["kernel"], x["rows"]) != (new["key"], new["kernel"], new["rows"])]
+    measures = sorted(keep + [new], key=lambda x: (json.dumps(x["key"]), x["rows"], x["kernel"]))
+    path.write_text(json.dumps({
+        "what": "VMEM libtpu allocates beyond mkc's count of buffers and windows (spill slots, "
+                "internal scratch), per geometry (mkc.checks.capacity.scratch_key) and kernel",
+        "command": COMMAND, "measures": measures}, indent=1) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="points whose name contains this")
+    ap.add_argument("--spec", type=Path, help="measure this spec (batch 1, largest, verify)")
+    ap.add_argument("--llo", action="store_true", help="also read the spill slots from the LLO")
+    ap.add_argument("--list", action="store_true", help="list the points and stop")
+    ap.add_argument("--timeout", type=float, default=1200.0)
+    a = ap.parse_args(argv)
+    todo = _spec_points(a.spec.stem, a.spec) if a.spec else points()
+    todo = [p for p in todo if not a.only or a.only in p.name]
+    for p in todo:
+        print(p.name)
+    if a.list:
+        return 0
+    failed = 0
+    for i, p in enumerate(todo):
+        print(f"[{i + 1}/{len(todo)}] {p.name}", flush=True)
+        m = measure(p, a.llo, a.timeout)
+        if m is None:
+            failed += 1
+            continue
+        path = save(m)
+        spill = f", spill slots {m['spill_bytes'] / MIB:.2f} MiB" if m["spill_bytes"] >= 0 else ""
+        print(f"  scratch {m['bytes'] / MIB:.3f} MiB at {m['rows']} rows{spill} -> "
+              f"{path.relative_to(ROOT)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
