@@ -11,7 +11,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from mkc.diagnostics import MkcError, Span, fail
+from mkc.diagnostics import MkcError, Span, fail, source_lines
 
 if TYPE_CHECKING:
     from mkc import ir
@@ -104,11 +104,11 @@ def module_path(c: Compiled, out_dir: str | Path) -> Path:
     m = _GENERATED_FROM.match(first)
     this = Path(c.ir.source).name
     if m and m.group(1) != this:
-        line = next((i for i, text in enumerate(c.spec_text.splitlines(), 1)
+        line = next((i for i, text in enumerate(source_lines(c.spec_text), 1)
                      if re.match(r"\s*schedule\b", text)), 1)
         raise fail("E-OUTPUT", f"{path} holds the module generated from {m.group(1)}, another "
                    f"spec with this schedule name; writing {this}'s would overwrite it",
-                   Span(c.ir.source, line, 1, line, len(c.spec_text.splitlines()[line - 1]) + 1),
+                   Span(c.ir.source, line, 1, line, len(source_lines(c.spec_text)[line - 1]) + 1),
                    hint=f"give this spec its own name (`schedule {c.ir.name}_...`), or compile it "
                         "into another directory (-o)")
     return path

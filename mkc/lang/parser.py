@@ -9,7 +9,7 @@ from pathlib import Path
 import lark
 from lark import Transformer, v_args
 
-from mkc.diagnostics import MkcError, Span, fail
+from mkc.diagnostics import MkcError, Span, fail, source_lines
 from mkc.lang import ast, syntax
 
 # Token names as a user would call them, for "expected ..." hints.
@@ -196,14 +196,14 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
         raise fail("E-SYNTAX", f"unexpected character {char!r}", span,
                    hint=f"expected {_expected_words(set(e.allowed or ()))}") from None
     except lark.UnexpectedEOF as e:
-        lines = text.splitlines() or [""]
+        lines = source_lines(text) or [""]
         span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
         raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
                    hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
     except lark.UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
-            lines = text.splitlines() or [""]
+            lines = source_lines(text) or [""]
             span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
             raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
                        hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
