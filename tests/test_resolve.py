@@ -150,6 +150,16 @@ def test_fp4_resolves_where_the_mxu_takes_it_and_is_refused_elsewhere():
     assert d.hint.startswith("on v4 expert.gate_up takes mxfp4, fp8;")
 
 
+def test_every_offered_format_is_known_as_block_scaled_or_not():
+    """`block N` is refused for a format that stores values unscaled; each family's formats are
+    either block-scaled (`BLOCK_SCALED`) or bf16, so no new format slips through unjudged."""
+    from mkc.model import registry
+    from mkc.resolve.formats import BLOCK_SCALED
+    offered = {x for family in registry.all_families()
+               for _, formats in family.weight_formats for x in formats}
+    assert offered and offered <= set(BLOCK_SCALED) | {"bf16"}, offered
+
+
 # ---- the driver: a flat list of passes, and `mkc ir --after PASS` ----------------------------
 
 MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"     # pools and views: every pass adds
