@@ -119,3 +119,12 @@ def test_hidden_size_true_is_refused_by_name(tmp_path):
     _rejects(tmp_path, json.dumps(QWEN | {"hidden_size": True}), "hidden_size = true is not a whole number")
     _rejects(tmp_path, json.dumps(QWEN | {"hidden_size": 256.5}), "hidden_size = 256.5 is not a whole number")
     _rejects(tmp_path, json.dumps(QWEN | {"rms_norm_eps": "1e-6"}), 'rms_norm_eps = "1e-6" is not a number')
+
+
+def test_a_zero_in_a_config_formula_is_a_diagnostic_not_a_traceback(tmp_path):
+    """GPT-OSS's YaRN divides by log(rope_theta); Qwen3.5's layer pattern by the interval."""
+    gpt = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
+    _rejects(tmp_path, json.dumps(gpt | {"rope_theta": 1}), "malformed")
+    pattern_only = {k: v for k, v in QWEN.items() if k != "layer_types"}
+    _rejects(tmp_path, json.dumps(pattern_only | {"full_attention_interval": 0}),
+             "full_attention_interval = 0 must be at least 1")
