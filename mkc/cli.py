@@ -12,6 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")   # mkc itself never needs an acce
 
 import mkc  # noqa: E402
 from mkc.diagnostics import Diagnostic, MkcError, Span  # noqa: E402
+from mkc.arguments import float_at_least, int_at_least  # noqa: E402
 
 
 def _source(path: str) -> str | None:
@@ -59,22 +60,23 @@ def _parser() -> argparse.ArgumentParser:
         if name == "tune":
             p.add_argument("-o", "--out", required=True,
                            help="where to write the tuned spec (the input is never changed)")
-            p.add_argument("--budget", type=int, default=80,
+            p.add_argument("--budget", type=int_at_least(1), default=80,
                            help="most specs to check and time, the input included (default 80; "
                                 "about a second each for Kimi K3)")
-            p.add_argument("--min-headroom", type=float, default=1.0, metavar="MIB",
+            p.add_argument("--min-headroom", type=float_at_least(0), default=1.0, metavar="MIB",
                            help="refuse a candidate that leaves less VMEM than this under the "
                                 "budget at any kernel width (default 1 MiB)")
         if name == "retarget":
             _retarget_args(p)
         if name == "perf":
-            p.add_argument("--batch", type=int, help="rows per step (default: the spec's largest)")
-            p.add_argument("--context", type=int,
+            p.add_argument("--batch", type=int_at_least(1),
+                           help="rows per step (default: the spec's largest)")
+            p.add_argument("--context", type=int_at_least(0),
                            help="tokens in the KV cache (default: the spec's context)")
-            p.add_argument("--verify", type=int, metavar="R",
+            p.add_argument("--verify", type=int_at_least(1), metavar="R",
                            help="model the verify step of R rows per sequence instead (--batch: "
                                 "sequences, default the spec's fewest)")
-            p.add_argument("--acceptance", type=float, metavar="A",
+            p.add_argument("--acceptance", type=float_at_least(1), metavar="A",
                            help="with --verify: tokens accepted per sequence and launch, for tok/s "
                                 "(default R)")
             p.add_argument("--trace", metavar="FILE",
@@ -260,13 +262,6 @@ def _tune(args, as_json: bool) -> dict:
     from mkc import compiler
     from mkc.lang.parser import parse_file
     from mkc.perf import tune
-    if args.budget < 1:
-        raise MkcError(Diagnostic("E-TUNE", f"--budget {args.budget} allows no evaluation",
-                                  Span.unknown(args.spec), hint="pass --budget 1 or more"))
-    if not args.min_headroom >= 0:
-        raise MkcError(Diagnostic("E-TUNE", f"--min-headroom {args.min_headroom} MiB is "
-                                  "negative", Span.unknown(args.spec),
-                                  hint="pass a margin of 0 MiB or more"))
     out = _spec_output(args, "E-TUNE", "tune", "write the tuned spec elsewhere and compare them")
     sched, text = parse_file(args.spec)
     from mkc.target import known_chips
@@ -313,7 +308,7 @@ def _retarget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", required=True,
                    help="where to write the retargeted spec (the input is never changed); its "
                         "file name, if an identifier, names the schedule")
-    p.add_argument("--models", type=int, default=3, metavar="N",
+    p.add_argument("--models", type=int_at_least(1), default=3, metavar="N",
                    help="most candidate layouts to model (default 3; the shortest modelled step "
                         "of those is written)")
 
@@ -329,7 +324,7 @@ def _retarget(args, as_json: bool) -> dict:
     name = out.stem if IDENT.match(out.stem) else None
     log = None if as_json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     res = retarget.retarget(text, args.spec, args.target, args.model, name,
-                            max(1, args.models), log)
+                            args.models, log)
     compiler.check_source(res.text, str(out), _model_of(args, sched))   # before any write
     compiler.write_atomically(out, res.text)
     if not as_json:

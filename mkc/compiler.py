@@ -5,13 +5,14 @@ import errno
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from mkc.diagnostics import MkcError, Span, fail
+from mkc.diagnostics import MkcError, Span, fail, source_lines
 
 if TYPE_CHECKING:
     from mkc import ir
@@ -104,11 +105,11 @@ def module_path(c: Compiled, out_dir: str | Path) -> Path:
     m = _GENERATED_FROM.match(first)
     this = Path(c.ir.source).name
     if m and m.group(1) != this:
-        line = next((i for i, text in enumerate(c.spec_text.splitlines(), 1)
+        line = next((i for i, text in enumerate(source_lines(c.spec_text), 1)
                      if re.match(r"\s*schedule\b", text)), 1)
         raise fail("E-OUTPUT", f"{path} holds the module generated from {m.group(1)}, another "
                    f"spec with this schedule name; writing {this}'s would overwrite it",
-                   Span(c.ir.source, line, 1, line, len(c.spec_text.splitlines()[line - 1]) + 1),
+                   Span(c.ir.source, line, 1, line, len(source_lines(c.spec_text)[line - 1]) + 1),
                    hint=f"give this spec its own name (`schedule {c.ir.name}_...`), or compile it "
                         "into another directory (-o)")
     return path
@@ -125,18 +126,24 @@ def replaceable(path: str | os.PathLike) -> bool:
 
 def write_atomically(path: Path, content: str | bytes) -> None:
     """Write via a temp file and rename, so a failed run never leaves a partial file; a path
-    that is not `replaceable` is an OSError the CLI reports."""
-    path = Path(path)
+    that is not `replaceable` is an OSError the CLI reports. What is replaced is the file's
+    content, not the file: a symlink's target is written (the link stays) and an existing file
+    keeps its mode (a read-only spec stays read-only)."""
+    path = Path(os.path.realpath(path))
     if not replaceable(path):
         raise OSError(errno.EEXIST, NOT_REPLACEABLE, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # mkstemp makes the file 0600; a generated module gets the usual mode (0644 under the
-        # common umask), like any file the user writes.
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        # A new file gets the usual mode (0644 under the common umask), like any file the user
+        # writes, not mkstemp's 0600.
         umask = os.umask(0)
         os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as f:
             f.write(content)
         os.replace(tmp, path)

@@ -345,11 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return _worker(argv[1], int(argv[2]), int(argv[3]) if len(argv) > 3 else None)
+    from mkc.arguments import float_at_least, int_at_least
     ap = argparse.ArgumentParser(prog="python -m mkc.confirm", description=__doc__.splitlines()[0])
     ap.add_argument("spec")
     ap.add_argument("--model")
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--batch", type=int_at_least(1))
+    ap.add_argument("--timeout", type=float_at_least(1), default=900.0, metavar="SECONDS")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     r = confirm_vmem(a.spec, a.model, a.batch, a.timeout, progress=True)

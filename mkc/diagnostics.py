@@ -4,6 +4,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def source_lines(text: str) -> list[str]:
+    """A spec's lines as its parser numbers them. The lexer counts only '\n' as a line break
+    ('\r' and '\f' are whitespace to it, and a comment runs to the '\n' over any '\r',
+    '\v', '\u2028' ...), so `str.splitlines()`, which breaks at all of those, would number
+    lines differently. Like splitlines, a final '\n' ends the last line rather than starting
+    an empty one, and a line's trailing '\r' (CRLF files) is not part of its text."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
 @dataclass(frozen=True)
 class Span:
     """A region of a source file; lines and columns are 1-based."""
@@ -33,7 +45,7 @@ class Diagnostic:
         loc = f"{self.span.file}:{self.span.line}:{self.span.column}"
         out = [f"{loc}: error[{self.code}]: {self.message}"]
         if source is not None:
-            lines = source.splitlines()
+            lines = source_lines(source)
             if 1 <= self.span.line <= len(lines):
                 text = lines[self.span.line - 1]
                 gutter = f"{self.span.line:>5} | "

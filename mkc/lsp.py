@@ -25,7 +25,7 @@ from lsprotocol import types
 from pygls.lsp.server import LanguageServer
 
 import mkc
-from mkc.diagnostics import Diagnostic, MkcError, Span
+from mkc.diagnostics import Diagnostic, MkcError, Span, source_lines
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MIB = 1 << 20
@@ -98,7 +98,7 @@ def lsp_diagnostic(d: Diagnostic, path: str, model_span: Span | None) -> types.D
 
 
 def _model_span(text: str, path: str) -> Span | None:
-    for i, line in enumerate(text.splitlines(), start=1):
+    for i, line in enumerate(source_lines(text), start=1):
         m = re.match(r"\s*model\b", line)
         if m:
             return Span(path, i, m.end() - 4, i, len(line.rstrip()) + 1)

@@ -151,3 +151,32 @@ def test_two_specs_with_one_schedule_name_do_not_overwrite_each_other(tmp_path, 
     assert f"b.sched:{line}:1: error[E-OUTPUT]" in err and "generated from a.sched" in err
     assert module.read_text() == first
     assert main(["compile", str(tmp_path / "a.sched"), "--model", "qwen3_8_mini", "-o", str(out)]) == 0
+
+
+# Each numeric option's values that mean nothing: usage errors naming the option, before any
+# work (0 or a negative count, a non-finite or negative number, a number too long to convert).
+MEANINGLESS = [("perf", "--batch", "0"), ("perf", "--batch", "-1"), ("perf", "--context", "-1"),
+               ("perf", "--verify", "0"), ("perf", "--acceptance", "inf"),
+               ("perf", "--batch", "9" * 5000), ("tune", "--budget", "-3"),
+               ("tune", "--min-headroom", "inf"), ("tune", "--min-headroom", "nan"),
+               ("tune", "--min-headroom", "-1"), ("retarget", "--models", "0")]
+
+
+@pytest.mark.parametrize("command, option, value", MEANINGLESS)
+def test_a_meaningless_number_is_a_usage_error(tmp_path, capsys, command, option, value):
+    extra = {"tune": ["-o", str(tmp_path / "t.sched")],
+             "retarget": ["-o", str(tmp_path / "r.sched"), "--target", "v6e topology 2x4"]}
+    with pytest.raises(SystemExit) as e:
+        main([command, str(SPEC), *extra.get(command, []), option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: expected a" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_confirm_refuses_a_meaningless_batch_or_timeout(capsys):
+    from mkc.confirm import main as confirm_main
+    for args in (["--batch", "0"], ["--timeout", "nan"], ["--timeout", "-5"]):
+        with pytest.raises(SystemExit) as e:
+            confirm_main([str(SPEC), *args])
+        assert e.value.code == 2 and f"argument {args[0]}: expected a" in capsys.readouterr().err

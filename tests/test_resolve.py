@@ -150,6 +150,16 @@ def test_fp4_resolves_where_the_mxu_takes_it_and_is_refused_elsewhere():
     assert d.hint.startswith("on v4 expert.gate_up takes mxfp4, fp8;")
 
 
+def test_every_offered_format_is_known_as_block_scaled_or_not():
+    """`block N` is refused for a format that stores values unscaled; each family's formats are
+    either block-scaled (`BLOCK_SCALED`) or bf16, so no new format slips through unjudged."""
+    from mkc.model import registry
+    from mkc.resolve.formats import BLOCK_SCALED
+    offered = {x for family in registry.all_families()
+               for _, formats in family.weight_formats for x in formats}
+    assert offered and offered <= set(BLOCK_SCALED) | {"bf16"}, offered
+
+
 # ---- the driver: a flat list of passes, and `mkc ir --after PASS` ----------------------------
 
 MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"     # pools and views: every pass adds
@@ -206,3 +216,17 @@ def test_ir_after_an_unknown_pass_is_a_usage_error_listing_the_passes(capsys):
     err = capsys.readouterr().err
     assert "unknown resolve pass 'stream_tiles'" in err and "Traceback" not in err
     assert ", ".join(PASS_NAMES) in err
+
+
+@pytest.mark.parametrize("line, code, column", [
+    ("gqa: qkv_gate, o_proj, gate_up, down, down", "E-DUPLICATE", 43),     # repeated at the end
+    ("gqa: qkv_gate, qkv_gate, o_proj, gate_up, down", "E-DUPLICATE", 20),  # repeated early
+    ("gqa: qkv_gate, o_proj, gate_up", "E-STREAM", 28),                    # one left out
+    ("gqa: qkv_gate, gate_up, o_proj, down", "E-STREAM-ORDER", 20),        # reordered
+])
+def test_a_stream_line_reports_its_first_wrong_item_where_it_is(tmp_path, line, code, column):
+    """Each stream line is matched item by item against the layer's consumption order: the
+    diagnostic sits on the item that is repeated, out of place, or after which names are
+    missing."""
+    d = _error(_variant(tmp_path, SPEC8.read_text(), ("gqa: qkv_gate, o_proj, gate_up, down", line)))
+    assert (d.code, d.span.column) == (code, column), d

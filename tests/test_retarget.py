@@ -99,6 +99,35 @@ def test_a_bad_target_is_a_located_diagnostic(bad, word):
     assert d.code == "E-TARGET" and word in d.message and d.span.file == "--target"
 
 
+@pytest.mark.parametrize("bad", ["tpu7x topology " + "9" * 5000 + "x1x1",
+                                 "tpu7x topology 2x2x" + "1" * 13,
+                                 "tpu7x topology " + "x".join(["1"] * 50_000)])
+def test_a_target_with_a_huge_number_is_a_range_error_not_a_traceback(bad):
+    """Its numbers are bounded as a spec's are, before any conversion to int (Python refuses
+    integers of over 4300 digits)."""
+    with pytest.raises(MkcError) as e:
+        retarget.parse_target(bad)
+    [d] = e.value.diagnostics
+    assert d.code == "E-RANGE" and d.span.file == "--target"
+    assert "digits" in d.message or "dimensions" in d.message
+
+
+def test_a_target_in_non_ascii_digits_is_not_a_slice():
+    with pytest.raises(MkcError) as e:
+        retarget.parse_target("tpu7x topology \u0662x\u0662x\u0661")   # Arabic-Indic 2x2x1
+    assert e.value.diagnostics[0].code == "E-TARGET"
+
+
+@pytest.mark.parametrize("models", ["0", "-1", "x", "9" * 5000])
+def test_models_must_be_a_positive_count(models, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["retarget", str(SCHEDULES / "qwen3_8_27b.sched"), "--target", "v6e topology 2x4",
+              "-o", str(tmp_path / "r.sched"), "--models", models])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --models: expected an integer of at least 1" in err and "Traceback" not in err
+
+
 def test_groups_carry_over_by_meaning():
     topo = target.topology("v6e", (4, 8))          # 32 ranks, 4 a host, 1 a chip
     g = parse((SCHEDULES / "kimi_k3.sched").read_text()).shards

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from mkc.diagnostics import Span
 
+# Digits a number in a schedule (or given for one on the command line) may have: no size comes
+# near it, and it keeps every conversion far below Python's 4300-digit limit.
+MAX_DIGITS = 12
+
 
 @dataclass(frozen=True)
 class Name:

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import lark
 
+from mkc.diagnostics import source_lines
 from mkc.lang import parser, syntax
 
 INDENT = "  "
@@ -89,7 +90,7 @@ class _Writer:
     """Emits statements and the comments before them in source order."""
 
     def __init__(self, text: str, words: list[lark.Token], comments: list[_Comment]):
-        self.source_lines, self.words, self.comments = text.splitlines(), words, comments
+        self.source_lines, self.words, self.comments = source_lines(text), words, comments
         self.word_starts = [w.start_pos for w in words]     # in source order: bisected
         self.comment_lines = [c.line for c in comments]
         self.next_comment = 0                                # comments before it are emitted

@@ -9,7 +9,7 @@ from pathlib import Path
 import lark
 from lark import Transformer, v_args
 
-from mkc.diagnostics import MkcError, Span, fail
+from mkc.diagnostics import MkcError, Span, fail, source_lines
 from mkc.lang import ast, syntax
 
 # Token names as a user would call them, for "expected ..." hints.
@@ -20,10 +20,30 @@ _TOKEN_WORDS = {
     "EQUAL": "'='", "DOT": "'.'", "_ARROW": "'->'", "SLASH": "'/'", "LPAR": "'('",
     "RPAR": "')'",
 }
-_MAX_DIGITS = 12
 _MAX_TOPOLOGY_DIMS = 8     # TPU slices are 2-D or 3-D; resolve says which per generation
 MAX_SPEC_BYTES = 256 << 10    # a schedule is a few KiB; parsing costs ~10 us a byte
 _UNIT_BYTES = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def parse_int(digits: str, span: Span) -> int:
+    """A number written in a spec (or given for one on the command line): bounded before
+    conversion, since Python refuses integers of over 4300 digits and no size in a schedule
+    comes near 12."""
+    if len(digits) > ast.MAX_DIGITS:
+        raise fail("E-RANGE", f"the number {digits[:20]}... has {len(digits)} digits", span,
+                   hint=f"numbers in a schedule are 0 to {10 ** ast.MAX_DIGITS - 1:,} (at most "
+                        f"{ast.MAX_DIGITS} digits)")
+    return int(digits)
+
+
+def parse_topology(grid: str, span: Span) -> tuple[int, ...]:
+    """A chip grid `2x2x1` as its dimensions, each a bounded number."""
+    parts = grid.split("x")
+    if len(parts) > _MAX_TOPOLOGY_DIMS:
+        raise fail("E-RANGE", f"topology {grid[:40]} has {len(parts)} dimensions", span,
+                   hint="write the chip grid as the generation does, e.g. 2x4 (v6e) or "
+                        "2x2x1 (tpu7x)")
+    return tuple(parse_int(p, span) for p in parts)
 
 
 @lru_cache(maxsize=1)
@@ -58,25 +78,12 @@ class _ToAst(Transformer):
 
     # --- leaves -------------------------------------------------------------------
     def INT(self, tok: lark.Token) -> int:
-        # Bounded before conversion: Python refuses to parse integers of over 4300 digits, and
-        # no size in a schedule comes near 12.
-        if len(tok) > _MAX_DIGITS:
-            raise fail("E-RANGE", f"the number {str(tok)[:20]}... has {len(tok)} digits",
-                       self.b.span(tok),
-                       hint=f"numbers in a schedule have at most {_MAX_DIGITS} digits")
-        return int(tok)
+        return parse_int(str(tok), self.b.span(tok))
 
     def TOPOLOGY(self, tok: lark.Token) -> tuple[ast.Name, tuple[int, ...]]:
         """The grid's text (for messages) and its dimensions; how many a generation takes is
         resolve's business."""
-        parts = str(tok).split("x")
-        if len(parts) > _MAX_TOPOLOGY_DIMS or any(len(p) > _MAX_DIGITS for p in parts):
-            what = (f"has {len(parts)} dimensions" if len(parts) > _MAX_TOPOLOGY_DIMS
-                    else "has an absurdly large dimension")
-            raise fail("E-RANGE", f"topology {str(tok)[:40]} {what}", self.b.span(tok),
-                       hint="write the chip grid as the generation does, e.g. 2x4 (v6e) or "
-                            "2x2x1 (tpu7x)")
-        return self.b.name(tok), tuple(int(p) for p in parts)
+        return self.b.name(tok), parse_topology(str(tok), self.b.span(tok))
 
     def name_list(self, items):
         return [self.b.name(t) for t in items]
@@ -196,14 +203,14 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
         raise fail("E-SYNTAX", f"unexpected character {char!r}", span,
                    hint=f"expected {_expected_words(set(e.allowed or ()))}") from None
     except lark.UnexpectedEOF as e:
-        lines = text.splitlines() or [""]
+        lines = source_lines(text) or [""]
         span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
         raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
                    hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
     except lark.UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
-            lines = text.splitlines() or [""]
+            lines = source_lines(text) or [""]
             span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
             raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
                        hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None

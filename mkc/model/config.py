@@ -118,7 +118,7 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     except KeyError as e:
         raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
                    hint=f"the config must use the upstream {model_type} key names") from None
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:   # e.g. a zero width
         raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
                    hint="compare with a shipped config in mkc/model/configs") from None
     dims = _checked(dims, path, where)

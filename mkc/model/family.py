@@ -38,6 +38,32 @@ class ConfigError(ValueError):
         self.hint = hint
 
 
+def config_int(value: object, key: str) -> int:
+    """A config value that must be a whole number: a JSON integer, nothing Python would also
+    take (`true` is an int to it, and int() reads "4096" and truncates 4096.5)."""
+    if type(value) is not int:
+        raise ConfigError(f"{key} = {_json(value)} is not a whole number",
+                          f"write {key} as a JSON integer, as upstream configs do")
+    return value
+
+
+def config_float(value: object, key: str) -> float:
+    """A config value that must be a number: a JSON integer or fraction, not `true` or text."""
+    if type(value) not in (int, float):
+        raise ConfigError(f"{key} = {_json(value)} is not a number",
+                          f"write {key} as a JSON number, as upstream configs do")
+    return float(value)
+
+
+def _json(value: object) -> str:
+    """A config value as its JSON spells it, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def identifier(stem: str) -> str:
     """A model name safe for file names and generated source: identifier characters only."""
     return re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model"

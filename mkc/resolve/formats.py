@@ -16,6 +16,9 @@ from mkc.resolve.state import ResolveState
 # Formats whose values reach the MXU as they are, each with the `mkc.target.Generation` fact
 # (measured) that says whether the target's MXU takes them.
 NATIVE = {"fp4": "fp4_operand"}
+# Formats that store codes under a scale per block of input rows: `block N` sizes those blocks.
+# Any other (bf16) stores values as they are, so a block means nothing to it.
+BLOCK_SCALED = ("fp8", "fp4", "mxfp4")
 # Where the target's MXU lacks a native format, the format that holds the same blocks on any
 # target (exactly, where the checkpoint allows: `mkc retarget` rewrites to it).
 FALLBACK = {"fp4": "fp8"}
@@ -59,6 +62,13 @@ def resolve_formats(s: ResolveState) -> ResolveState:
                        hint=f"on {gen.name} {cls} takes {', '.join(accepted)}; "
                             f"{f.format.text} needs a target whose MXU takes it "
                             f"({', '.join(takers)})")
+        if f.block is not None and f.format.text not in BLOCK_SCALED:
+            scaled = [x for x in offered[cls] if x in BLOCK_SCALED]
+            raise fail("E-FORMAT", f"{f.format.text} stores values unscaled: `block {f.block}` "
+                       "means nothing for it", f.span,
+                       hint=f"remove `block {f.block}`" + (f", or store {cls} in a block-scaled "
+                                                          f"format: {', '.join(scaled)}"
+                                                          if scaled else ""))
         if f.block is not None and f.block < 1:
             raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
                        hint="a block is the input rows one scale covers: e.g. `block 512`")

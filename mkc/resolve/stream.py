@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mkc import ir
-from mkc.diagnostics import fail
+from mkc.diagnostics import Span, fail
 from mkc.lang import ast
 from mkc.lang.statements.ring import Ring
 from mkc.lang.statements.stream import Stream
@@ -31,12 +31,12 @@ def resolve_stream(s: ResolveState) -> ResolveState:
         listed[sk.kind.text] = sk.families
     for kname in sorted(set(graph.layer_kinds)):
         _check_kind_listed(graph.kinds[kname], s.pooled.get(kname, {}), listed, st)
-    tail = graph.tail_matrices()
-    if [n.text for n in st.tail] != [m.name for m in tail]:
-        then = ", ".join(m.name for m in tail)
-        raise fail("E-STREAM", f"the stream must end with `then {then}`",
-                   st.tail[0].span if st.tail else st.span,
-                   hint=f"add `then {then}` as the stream's last line")
+    tail = [m.name for m in graph.tail_matrices()]
+    if not st.tail:
+        raise fail("E-STREAM", f"the stream must end with `then {', '.join(tail)}`", st.span,
+                   hint=f"add `then {', '.join(tail)}` as the stream's last line")
+    _check_listed_in_order(st.tail, tail, "tail", st.span, hint=f"end the stream with `then "
+                                                                f"{', '.join(tail)}`")
     return replace(s, stream=_stream(ring, st, graph, s.pooled))
 
 
@@ -91,18 +91,33 @@ def _check_kind_listed(kind: LayerKind, in_pool: dict[str, str],
         if n.text in in_pool:
             raise fail("E-STREAM", f"{kname}.{n.text} is held in pool view {in_pool[n.text]}; "
                        "it cannot also stream", n.span, hint="list each matrix in one place")
-        if n.text not in order:
-            raise unknown(f"matrix family of {kname}", n, order)
-    got = [n.text for n in names]
-    missing = [o for o in order if o not in got]
+    _check_listed_in_order(names, order, kname, st.span,
+                           hint=f"list them in consumption order: {', '.join(order)}")
+
+
+def _check_listed_in_order(names: list[ast.Name], expected: list[str], owner: str,
+                           empty_span: Span, hint: str) -> None:
+    """A stream line must name each of `owner`'s `expected` matrices once, in that order. The
+    first problem is reported at its item: a name not expected, a name listed again, names left
+    out (at the line's last item) or, the line then being a reordering, the first item out of
+    place."""
+    seen: set[str] = set()
+    for n in names:
+        if n.text not in expected:
+            raise unknown(f"matrix family of {owner}", n, expected)
+        if n.text in seen:
+            raise fail("E-DUPLICATE", f"the stream lists {owner}.{n.text} twice", n.span,
+                       hint=f"keep one {n.text}; " + hint)
+        seen.add(n.text)
+    missing = [e for e in expected if e not in seen]
     if missing:
-        raise fail("E-STREAM", f"{kname} matrices {', '.join(missing)} are not streamed",
-                   names[-1].span, hint=f"list them in consumption order: {', '.join(order)}")
-    if got != order:
-        bad = next(n for n, o in zip(names, order) if n.text != o)
-        raise fail("E-STREAM-ORDER", f"{kname} weights are listed out of consumption order",
-                   bad.span, hint=f"the layer multiplies by them in this order: "
-                                  f"{', '.join(order)}")
+        raise fail("E-STREAM", f"{owner} matrices {', '.join(missing)} are not streamed",
+                   names[-1].span if names else empty_span, hint=hint)
+    # Every name listed once and none missing: `names` is a reordering of `expected`.
+    for n, e in zip(names, expected, strict=True):
+        if n.text != e:
+            raise fail("E-STREAM-ORDER", f"{owner} weights are listed out of consumption order",
+                       n.span, hint=hint)
 
 
 def _stream(ring: Ring, st: Stream, graph: DecodeGraph,

@@ -31,7 +31,7 @@ from mkc import target
 from mkc.diagnostics import Diagnostic, MkcError, Span, fail
 from mkc.lang import ast
 from mkc.lang.fmt import format_text
-from mkc.lang.parser import parse
+from mkc.lang.parser import parse, parse_topology
 from mkc.model.graph import FamilyGraph, ShardingError
 from mkc.perf.comments import drop_stale_comments
 from mkc.perf.tune import SpecSource
@@ -42,7 +42,7 @@ from mkc.retarget.edit import (Plan, TextEdits, collective_edits, format_edits, 
 from mkc.retarget.fit import Checked, check, fit
 from mkc.retarget.layout import Builder, carried_over, mesh_groups, search_rules, spell, spelling
 
-_TARGET = re.compile(r"^\s*([A-Za-z0-9_]+)\s+topology\s+(\d+(?:x\d+)*)\s*$")
+_TARGET = re.compile(r"^\s*([A-Za-z0-9_]+)\s+topology\s+([0-9]+(?:x[0-9]+)*)\s*$")
 MAX_NEAREST = 6         # slices tried when naming the nearest that works
 
 
@@ -66,7 +66,7 @@ def parse_target(text: str) -> Slice:
     if m is None:
         raise fail("E-TARGET", f"--target '{text}' is not a slice", where,
                    hint="write it as a spec's target line does: 'v6e topology 4x8'")
-    gen, dims = m.group(1), tuple(int(d) for d in m.group(2).split("x"))
+    gen, dims = m.group(1), parse_topology(m.group(2), where)
     if gen not in target.known_chips():
         why = (target.generation(gen).unsupported if gen in target.all_generations()
                else "unknown generation")

@@ -167,3 +167,68 @@ def test_mkc_fmt_rewrites_in_place_and_check_says_which(tmp_path):
     r = subprocess.run(mkc + [str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and "error[E-SYNTAX]" in r.stderr and "Traceback" not in r.stderr
     assert bad.read_text().startswith("schedule s {\n  alreduce")
+
+
+# What Python's str.splitlines() breaks lines at besides '\n'; to the lexer, '\r' and '\f' are
+# whitespace and every one of them is comment text inside a comment.
+ODD_BREAKS = ["\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def _assert_formats_stably(text: str) -> str:
+    once = format_text(text)
+    assert format_text(once) == once
+    assert meaning(parser.parse(once)) == meaning(parser.parse(text))
+    assert comments(once) == comments(text)
+    return once
+
+
+def test_the_reported_bare_cr_text_keeps_its_blank_lines_and_is_stable():
+    text = ('schedule s {\n  # a\r# b\n  model   "qwen3_8_27b"\r  context 4096\n  batch   1 to 8\n\n'
+            '  mesh    tp = 8\n\n  verify  8\n}\n')
+    assert _assert_formats_stably(text) == (
+        'schedule s {\n  # a\r# b\n  model   "qwen3_8_27b"\n  context 4096\n  batch   1 to 8\n\n'
+        '  mesh    tp = 8\n\n  verify  8\n}\n')
+
+
+@pytest.mark.parametrize("char", ODD_BREAKS, ids=lambda c: f"U+{ord(c):04X}")
+def test_an_odd_line_break_in_comments_formats_idempotently(char):
+    """Lines are the lexer's: only '\\n' ends one. A character str.splitlines() also breaks at,
+    inside comments (and, for the lexer's whitespace, between words), moves no blank line."""
+    for seed in range(3):
+        rng = random.Random(seed)
+        path = SHIPPED[(seed + ord(char)) % len(SHIPPED)]
+        lines = []
+        for line in path.read_text().split("\n"):
+            code, hash_, comment = line.partition("#")
+            if hash_:
+                at = rng.randint(0, len(comment))
+                comment = comment[:at] + char + comment[at:]
+            if char in "\r\x0c" and '"' not in code and code.strip():
+                code = code.replace(" ", char, 1)        # whitespace to the lexer
+            lines.append(code + hash_ + comment)
+            if not line.strip() and rng.random() < 0.5:
+                lines.append("")
+        _assert_formats_stably("\n".join(lines))
+
+
+def test_a_symlinked_spec_is_formatted_at_its_target_and_stays_a_link(tmp_path):
+    target = tmp_path / "real.sched"
+    canonical = SHIPPED[0].read_text()
+    target.write_text(canonical.replace("  shard", "      shard"))
+    link = tmp_path / "link.sched"
+    link.symlink_to(target.name)
+    r = subprocess.run([sys.executable, "-m", "mkc", "fmt", str(link)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and link.readlink().name == target.name
+    assert target.read_text() == canonical
+
+
+def test_formatting_keeps_a_read_only_spec_read_only(tmp_path):
+    spec = tmp_path / "a.sched"
+    spec.write_text(SHIPPED[0].read_text().replace("  shard", "      shard"))
+    spec.chmod(0o444)
+    r = subprocess.run([sys.executable, "-m", "mkc", "fmt", str(spec)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert spec.read_text() == SHIPPED[0].read_text()
+    assert spec.stat().st_mode & 0o777 == 0o444
+    assert [p.name for p in tmp_path.iterdir()] == ["a.sched"]      # no temp file left

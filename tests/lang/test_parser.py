@@ -40,6 +40,21 @@ def test_unterminated_schedule_reports_end_of_file():
     assert "ends in the middle" in e.value.diagnostics[0].message
 
 
+@pytest.mark.parametrize("char", ["\r", "\x0c", "\x1c", "\x85", "\u2028"])
+def test_a_diagnostic_shows_the_line_the_lexer_counted(char):
+    """Only '\n' ends a line for the lexer: a comment holding a character str.splitlines()
+    breaks at neither shifts the excerpt under the caret nor the end-of-file position."""
+    src = f"# one{char}more\nschedule x {{\n  contxt 4\n}}\n"
+    with pytest.raises(MkcError) as e:
+        parse(src, "t.sched")
+    assert e.value.diagnostics[0].span.line == 3
+    assert "    3 |   contxt 4\n" in e.value.render(src)
+    src = f"# one{char}more\nschedule x {{ context 4"
+    with pytest.raises(MkcError) as e:
+        parse(src, "t.sched")
+    assert (e.value.diagnostics[0].span.line, e.value.diagnostics[0].span.column) == (2, 23)
+
+
 @pytest.mark.parametrize("typo, keyword", [("alreduce", "allreduce"), ("laod", "load"),
                                            ("scopd", "scoped")])
 def test_a_misspelt_keyword_gets_the_closest_keyword_that_may_stand_there(typo, keyword):

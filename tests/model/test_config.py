@@ -78,4 +78,53 @@ def test_k3_needs_both_attention_kinds_at_real_layers(tmp_path, mla_layers, word
 
 def test_overflowing_integer_is_rejected(tmp_path):
     text = json.dumps(QWEN).replace('"intermediate_size": 1024', '"intermediate_size": -1e400')
-    _rejects(tmp_path, text, "cannot convert float infinity")
+    _rejects(tmp_path, text, "intermediate_size = -Infinity is not a whole number")
+
+
+MINIS = ["qwen3_8_mini", "qwen3_5_moe_mini", "gpt_oss_mini", "kimi_k3_mini"]
+
+
+def _numeric_keys(config: dict) -> list[tuple[str, ...]]:
+    """Paths of the config's numbers (not booleans), at the top level and one object deep."""
+    paths = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            paths += [(key, k) for k, v in value.items() if type(v) in (int, float)]
+        elif type(value) in (int, float):
+            paths.append((key,))
+    return paths
+
+
+@pytest.mark.parametrize("name", MINIS)
+@pytest.mark.parametrize("value", [True, False, "4096"])
+def test_a_number_key_never_reads_a_boolean_or_text_as_a_number(tmp_path, name, value):
+    """JSON `true` is an int to Python (int(True) == 1) and int() reads "4096": a key mkc reads
+    as a number refuses both, naming the key; a key it does not read changes nothing."""
+    config = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+    plain = _load(tmp_path, json.dumps(config))
+    for path in _numeric_keys(config):
+        changed = json.loads(json.dumps(config))
+        parent = changed if len(path) == 1 else changed[path[0]]
+        parent[path[-1]] = value
+        try:
+            dims = _load(tmp_path, json.dumps(changed))
+        except MkcError as e:
+            (d,) = e.diagnostics
+            assert d.code == "E-MODEL" and path[-1] in d.message and d.hint, (path, d)
+        else:
+            assert dims == plain, f"{'.'.join(path)} = {value!r} was read as a number"
+
+
+def test_hidden_size_true_is_refused_by_name(tmp_path):
+    _rejects(tmp_path, json.dumps(QWEN | {"hidden_size": True}), "hidden_size = true is not a whole number")
+    _rejects(tmp_path, json.dumps(QWEN | {"hidden_size": 256.5}), "hidden_size = 256.5 is not a whole number")
+    _rejects(tmp_path, json.dumps(QWEN | {"rms_norm_eps": "1e-6"}), 'rms_norm_eps = "1e-6" is not a number')
+
+
+def test_a_zero_in_a_config_formula_is_a_diagnostic_not_a_traceback(tmp_path):
+    """GPT-OSS's YaRN divides by log(rope_theta); Qwen3.5's layer pattern by the interval."""
+    gpt = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
+    _rejects(tmp_path, json.dumps(gpt | {"rope_theta": 1}), "malformed")
+    pattern_only = {k: v for k, v in QWEN.items() if k != "layer_types"}
+    _rejects(tmp_path, json.dumps(pattern_only | {"full_attention_interval": 0}),
+             "full_attention_interval = 0 must be at least 1")

@@ -146,8 +146,9 @@ def test_tune_text_output_has_the_table(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "3 evaluations" in text and "modelled" in text and f"wrote {out}" in text
     assert "before ms" in text and "after tok/s" in text
-    assert main(["tune", str(SPEC), "-o", str(out), "--budget", "0"]) == 1
-    assert "E-TUNE" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:                       # a usage error
+        main(["tune", str(SPEC), "-o", str(out), "--budget", "0"])
+    assert e.value.code == 2 and "--budget: expected an integer of at least 1" in capsys.readouterr().err
     assert main(["tune", str(SPEC), "-o", str(SPEC)]) == 1     # never over its input
     assert "E-TUNE" in capsys.readouterr().err
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mkc.model.contracts import Dims
-from mkc.model.family import ConfigError, identifier
+from mkc.model.family import ConfigError, config_float, config_int, identifier
 
 FAMILY_NAME = "gpt_oss"
 MXFP4_BLOCK = 32      # values per E8M0 scale: the contraction axes of both expert matrices
@@ -134,7 +134,7 @@ def rope_parameters(raw: Mapping) -> Mapping:
     if rope_type != "yarn":
         raise ConfigError(f"rope_type = {rope_type!r} is not supported",
                           "GPT-OSS uses YaRN: \"rope_type\": \"yarn\", as the published configs do")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if config_float(params.get("partial_rotary_factor", 1.0), "rope_scaling.partial_rotary_factor") != 1.0:
         raise ConfigError("partial_rotary_factor must be 1: GPT-OSS rotates whole heads",
                           "leave partial_rotary_factor out")
     if params.get("original_max_position_embeddings") is None:
@@ -147,12 +147,19 @@ def yarn(raw: Mapping, head_dim: int) -> dict[str, float]:
     """rope_theta and the YaRN fields of GptOssDims, as upstream's `_compute_yarn_parameters`
     derives them (modeling_rope_utils.py)."""
     params = rope_parameters(raw)
-    theta = float(params.get("rope_theta") or setting(raw, "rope_theta"))
-    original = float(params["original_max_position_embeddings"])
-    factor = params.get("factor")       # upstream's fallback: the context's extension ratio
-    factor = float(setting(raw, "max_position_embeddings")) / original if factor is None else float(factor)
-    attention = params.get("attention_factor")
-    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+
+    def number(key: str, default: float | None = None) -> float | None:
+        """A rope_scaling number, or `default` where it is absent (or null)."""
+        value = params.get(key)
+        return default if value is None else config_float(value, f"rope_scaling.{key}")
+
+    theta = number("rope_theta") or config_float(setting(raw, "rope_theta"), "rope_theta")
+    original = number("original_max_position_embeddings")
+    factor = number("factor")       # upstream's fallback: the context's extension ratio
+    if factor is None:
+        factor = config_float(setting(raw, "max_position_embeddings"), "max_position_embeddings") / original
+    attention = number("attention_factor")
+    mscale, mscale_all = number("mscale"), number("mscale_all_dim")
     if attention is None:
         attention = (_mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all
                      else _mscale(factor, 1.0))
@@ -160,8 +167,8 @@ def yarn(raw: Mapping, head_dim: int) -> dict[str, float]:
     def correction_dim(rotations: float) -> float:
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = correction_dim(float(params.get("beta_fast") or 32.0))
-    high = correction_dim(float(params.get("beta_slow") or 1.0))
+    low = correction_dim(number("beta_fast") or 32.0)
+    high = correction_dim(number("beta_slow") or 1.0)
     if params.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     return dict(rope_theta=theta, yarn_factor=factor, yarn_low=float(max(low, 0)),
@@ -176,7 +183,7 @@ def read_dims(raw: Mapping, name: str) -> GptOssDims:
     """The dimensions, the one reader of a config; ConfigError for a setting mkc does not
     compute, KeyError / ValueError / TypeError for a malformed config."""
     check_settings(raw)
-    ints = {key: int(setting(raw, key)) for key in (
+    ints = {key: config_int(setting(raw, key), key) for key in (
         "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
         "num_key_value_heads", "head_dim", "sliding_window", "num_local_experts",
         "num_experts_per_tok", "intermediate_size")}
@@ -198,12 +205,12 @@ def read_dims(raw: Mapping, name: str) -> GptOssDims:
     return GptOssDims(
         family=FAMILY_NAME, name=identifier(name), hidden_size=ints["hidden_size"],
         num_hidden_layers=ints["num_hidden_layers"], vocab_size=ints["vocab_size"],
-        rms_norm_eps=float(setting(raw, "rms_norm_eps")),
+        rms_norm_eps=config_float(setting(raw, "rms_norm_eps"), "rms_norm_eps"),
         layer_kinds=tuple(k for t in types for k in (LAYER_KINDS[t], MOE_KIND)),
         num_attention_heads=ints["num_attention_heads"],
         num_key_value_heads=ints["num_key_value_heads"], head_dim=ints["head_dim"],
         sliding_window=ints["sliding_window"], **yarn(raw, ints["head_dim"]),
         experts=ints["num_local_experts"], top_k=ints["num_experts_per_tok"],
         intermediate_size=ints["intermediate_size"],
-        swiglu_alpha=float(setting(raw, "swiglu_alpha")),
-        swiglu_limit=float(setting(raw, "swiglu_limit")))
+        swiglu_alpha=config_float(setting(raw, "swiglu_alpha"), "swiglu_alpha"),
+        swiglu_limit=config_float(setting(raw, "swiglu_limit"), "swiglu_limit"))

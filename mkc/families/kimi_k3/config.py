@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mkc.model.contracts import Dims
-from mkc.model.family import ConfigError, ExpertLayout, identifier
+from mkc.model.family import ConfigError, ExpertLayout, config_float, config_int, identifier
 
 BLOCK_SIZE = 32       # MXFP4 values per E8M0 scale (mkc.model.mxfp4's, which imports jax)
 
@@ -102,27 +102,32 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
     TypeError for a malformed config."""
     check_settings(raw)
     lin = raw["linear_attn_config"]
-    n = int(raw["num_hidden_layers"])
+    n = config_int(raw["num_hidden_layers"], "num_hidden_layers")
     kinds = []
     for attention, mlp in zip(attention_kinds(lin, n), mlp_kinds(raw, n)):
         kinds += [attention, mlp]
+    ints = {key: config_int(raw[key], key) for key in (
+        "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "q_lora_rank",
+        "kv_lora_rank", "qk_rope_head_dim", "num_experts", "num_experts_per_token",
+        "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
+        "attn_res_block_size")}
+    floats = {key: config_float(raw[key], key) for key in (
+        "rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta")}
     dims = KimiDims(
         family="kimi_k3", name=identifier(name),
-        hidden_size=int(raw["hidden_size"]), num_hidden_layers=n,
-        vocab_size=int(raw["vocab_size"]), rms_norm_eps=float(raw["rms_norm_eps"]),
-        dense_width=int(raw["intermediate_size"]), heads=int(raw["num_attention_heads"]),
-        head_dim=int(lin["head_dim"]), conv_taps=int(lin["short_conv_kernel_size"]),
-        gate_lower_bound=float(lin["gate_lower_bound"]),
-        q_lora=int(raw["q_lora_rank"]), kv_lora=int(raw["kv_lora_rank"]),
-        qk_extra=int(raw["qk_rope_head_dim"]), experts=int(raw["num_experts"]),
-        top_k=int(raw["num_experts_per_token"]),
-        shared_experts=int(raw["num_shared_experts"]),
-        expert_width=int(raw["moe_intermediate_size"]),
-        latent=int(raw["routed_expert_hidden_size"]),
-        block=int(raw["attn_res_block_size"]),
-        situ_beta=float(raw["activation_situ_beta"]),
-        situ_linear_beta=float(raw["activation_situ_linear_beta"]),
-        routed_scaling=float(setting(raw, "routed_scaling_factor")), layer_kinds=tuple(kinds))
+        hidden_size=ints["hidden_size"], num_hidden_layers=n, vocab_size=ints["vocab_size"],
+        rms_norm_eps=floats["rms_norm_eps"], dense_width=ints["intermediate_size"],
+        heads=ints["num_attention_heads"],
+        head_dim=config_int(lin["head_dim"], "linear_attn_config.head_dim"),
+        conv_taps=config_int(lin["short_conv_kernel_size"], "linear_attn_config.short_conv_kernel_size"),
+        gate_lower_bound=config_float(lin["gate_lower_bound"], "linear_attn_config.gate_lower_bound"),
+        q_lora=ints["q_lora_rank"], kv_lora=ints["kv_lora_rank"], qk_extra=ints["qk_rope_head_dim"],
+        experts=ints["num_experts"], top_k=ints["num_experts_per_token"],
+        shared_experts=ints["num_shared_experts"], expert_width=ints["moe_intermediate_size"],
+        latent=ints["routed_expert_hidden_size"], block=ints["attn_res_block_size"],
+        situ_beta=floats["activation_situ_beta"], situ_linear_beta=floats["activation_situ_linear_beta"],
+        routed_scaling=config_float(setting(raw, "routed_scaling_factor"), "routed_scaling_factor"),
+        layer_kinds=tuple(kinds))
     check_shapes(dims, raw)
     return dims
 
@@ -130,7 +135,7 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
 def check_settings(raw: Mapping) -> None:
     for key, want in REQUIRED.items():
         got = setting(raw, key) if key in UPSTREAM_DEFAULTS else raw.get(key)
-        if got != want:
+        if type(got) is not type(want) or got != want:     # `true` is not 1, nor 0 false
             raise ConfigError(f"unsupported Kimi K3 setting {key} = {got!r} (mkc implements {want!r})",
                               f"write \"{key}\": {json.dumps(want)}, as K3 does")
     if not raw["linear_attn_config"].get("use_full_rank_gate", False):
@@ -162,7 +167,7 @@ def attention_kinds(lin: Mapping, n: int) -> list[str]:
 
 def mlp_kinds(raw: Mapping, n: int) -> list[str]:
     """Per layer "dense" or "moe": exactly one dense layer, the first (first_k_dense_replace)."""
-    if n < 2 or setting(raw, "first_k_dense_replace") != 1:
+    if n < 2 or config_int(setting(raw, "first_k_dense_replace"), "first_k_dense_replace") != 1:
         raise ConfigError("mkc lowers K3 with exactly one dense layer (first_k_dense_replace = 1) "
                           "before the MoE layers", "set first_k_dense_replace to 1")
     return ["dense"] + ["moe"] * (n - 1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.model.contracts import Dims
-from mkc.model.family import ConfigError, identifier
+from mkc.model.family import ConfigError, config_float, config_int, identifier
 
 # Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
 LAYER_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
@@ -75,11 +75,15 @@ def setting(raw: Mapping, key: str, defaults: Mapping[str, Any]) -> Any:
 
 def layer_types(raw: Mapping, defaults: Mapping[str, Any] = UPSTREAM_DEFAULTS) -> list[str]:
     """Upstream layer_types, or the full-attention interval's pattern when the config omits it."""
-    n_layers = int(setting(raw, "num_hidden_layers", defaults))
+    n_layers = config_int(setting(raw, "num_hidden_layers", defaults), "num_hidden_layers")
     if raw.get("layer_types") is not None:
         types = list(raw["layer_types"])
     else:
-        interval = int(raw.get("full_attention_interval") or 4)
+        interval = config_int(setting(raw, "full_attention_interval", {"full_attention_interval": 4}),
+                              "full_attention_interval")
+        if interval < 1:
+            raise ConfigError(f"full_attention_interval = {interval} must be at least 1",
+                              "every Nth layer is full attention: upstream Qwen3.5 uses 4")
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                  for i in range(n_layers)]
     bad = sorted({str(t) for t in types if t not in LAYER_KINDS})
@@ -104,12 +108,13 @@ def rope(raw: Mapping, head_dim: int) -> tuple[int, float]:
     if theta is None:
         raise ConfigError("it has no rope_theta (looked in rope_parameters and at top level)",
                           "give rope_parameters.rope_theta, as upstream configs do (10000000)")
-    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    factor = config_float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)),
+                          "partial_rotary_factor")
     rotary_dim = int(head_dim * factor)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ConfigError(f"the rotary dims ({rotary_dim}: head_dim x partial_rotary_factor) must be "
                           "even and in (0, head_dim]", "Qwen3.5 rotates a quarter of each head: 0.25")
-    return rotary_dim, float(theta)
+    return rotary_dim, config_float(theta, "rope_theta")
 
 
 def check_settings(raw: Mapping, defaults: Mapping[str, Any]) -> None:
@@ -129,7 +134,7 @@ def attention_fields(raw: Mapping, name: str, defaults: Mapping[str, Any]) -> di
     """The AttentionDims fields of a config but `family` and `layer_kinds`, keys the config
     omits taken from `defaults` (the model's upstream config class)."""
     check_settings(raw, defaults)
-    fields = {key: int(setting(raw, key, defaults)) for key in (
+    fields = {key: config_int(setting(raw, key, defaults), key) for key in (
         "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
         "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")}
@@ -139,8 +144,8 @@ def attention_fields(raw: Mapping, name: str, defaults: Mapping[str, Any]) -> di
             raise ConfigError(f"{heads} ({fields[heads]}) must be a multiple of {groups} "
                               f"({fields[groups]})", "each head group shares one key head")
     rotary_dim, theta = rope(raw, fields["head_dim"])
-    return fields | dict(name=identifier(name), rms_norm_eps=float(setting(raw, "rms_norm_eps", defaults)),
-                         rotary_dim=rotary_dim, rope_theta=theta)
+    eps = config_float(setting(raw, "rms_norm_eps", defaults), "rms_norm_eps")
+    return fields | dict(name=identifier(name), rms_norm_eps=eps, rotary_dim=rotary_dim, rope_theta=theta)
 
 
 def read_dims(raw: Mapping, name: str) -> Qwen35Dims:
@@ -148,5 +153,6 @@ def read_dims(raw: Mapping, name: str) -> Qwen35Dims:
     ConfigError for a setting mkc does not compute, KeyError / ValueError / TypeError for a
     malformed config."""
     return Qwen35Dims(family="qwen3_5_text", layer_kinds=tuple(LAYER_KINDS[t] for t in layer_types(raw)),
-                      intermediate_size=int(setting(raw, "intermediate_size", UPSTREAM_DEFAULTS)),
+                      intermediate_size=config_int(setting(raw, "intermediate_size", UPSTREAM_DEFAULTS),
+                                                     "intermediate_size"),
                       **attention_fields(raw, name, UPSTREAM_DEFAULTS))

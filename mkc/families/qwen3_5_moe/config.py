@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, attention_fields, layer_types, setting
-from mkc.model.family import ConfigError, ExpertLayout
+from mkc.model.family import ConfigError, ExpertLayout, config_int
 
 FAMILY_NAME = "qwen3_5_moe_text"
 MODEL_TYPES = ("qwen3_5_moe_text",)   # the composite `qwen3_5_moe` nests one as text_config
@@ -119,7 +119,8 @@ def check_moe_keys(raw: Mapping) -> None:
         raise ConfigError(f"mlp_only_layers = {dense_layers!r}: dense MLP layers are not supported",
                           "upstream Qwen3.5 MoE has a sparse MoE block in every layer; "
                           "write \"mlp_only_layers\": [] or leave the key out")
-    step = raw.get("decoder_sparse_step", 1)
+    step = raw.get("decoder_sparse_step")
+    step = 1 if step is None else config_int(step, "decoder_sparse_step")
     if step != 1:
         raise ConfigError(f"decoder_sparse_step = {step!r}: only every layer sparse (1) is supported",
                           "upstream Qwen3.5 MoE has a sparse MoE block in every layer; "
@@ -136,7 +137,7 @@ def read_dims(raw: Mapping, name: str) -> Qwen35MoeDims:
     ConfigError for unsupported settings, KeyError / ValueError / TypeError for a malformed
     config."""
     check_moe_keys(raw)
-    moe = {key: int(setting(raw, key, UPSTREAM_DEFAULTS)) for key in (
+    moe = {key: config_int(setting(raw, key, UPSTREAM_DEFAULTS), key) for key in (
         "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}
     if not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
         raise ConfigError(f"num_experts_per_tok = {moe['num_experts_per_tok']} must be in 1..num_experts "
