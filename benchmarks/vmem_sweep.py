@@ -168,8 +168,10 @@ def boundary_variant(name: str, width: str, kind: str) -> Variant:
     return found[1] if kind == "ring N" and len(found) == 3 else found[-1]
 
 
-def variants() -> list[Variant]:
-    return [v for name, spec, formats in SWEPT for v in variants_of(name, spec, formats)]
+def variants(only: str | None = None) -> list[Variant]:
+    """Every swept spec's variants (with `only`: of specs whose name holds it or is in it)."""
+    return [v for name, spec, formats in SWEPT if not only or only in name or name in only
+            for v in variants_of(name, spec, formats) if not only or only in v.name]
 
 
 def compile_variant(v: Variant, timeout: float) -> dict:
@@ -241,11 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the variants and stop")
     ap.add_argument("--timeout", type=float, default=1200.0)
     a = ap.parse_args(argv)
-    old = {r["var"]["name"]: r for r in json.loads(DATA.read_text())["results"]} \
-        if DATA.exists() else {}
+    old = {r["var"]["name"]: r for r in json.loads(DATA.read_text())["results"]
+           if "spec" in r["var"]} if DATA.exists() else {}
     if not a.report:
-        todo = [v for v in variants() if (not a.only or a.only in v.name)
-                and not (a.missing and v.name in old)]
+        todo = [v for v in variants(a.only) if not (a.missing and v.name in old)]
         if a.list:
             print("\n".join(v.name for v in todo))
             return 0

@@ -13,7 +13,9 @@ whole kernels; data in benchmarks/data/):
   GPT-OSS 20b attention holds 32 heads' online-softmax state a core and spills 9.5 MiB of it at
   8 rows). Measured by libtpu for each geometry a family ships (`scratch_key`: chip, ranks,
   model dims, weight formats) and kernel width (benchmarks/compiler_scratch.py, data in each
-  family's compiler_scratch.json), interpolated over rows (`compiler_scratch`);
+  family's compiler_scratch.json), interpolated over rows (`compiler_scratch`). Measured at the
+  chip's whole VMEM, where libtpu spills most: under a tighter limit it rematerialises instead
+  (120b at 8 rows: 49.18 MiB at a 64 MiB limit, 48.39 at 49), so the measure bounds it;
 - semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
   VMEM.
 
