@@ -1,9 +1,20 @@
 import json
+import types
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+
+
+def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:
+    """A stand-in for the `Layer` (`mkc.runtime.context`) a family's lowering body is called
+    with, so a test calls the body the generated module calls (not a neighbour in `ops`), on
+    values: `dims`, `vector(name)` from `vectors`, and whatever else the body reads (`fields`:
+    `B`, `per_rank`, `kernel`, `index`, `select_experts`, ...). A body reading anything else
+    fails with AttributeError, naming it."""
+    return types.SimpleNamespace(dims=dims, vector=lambda name: vectors[name], **fields)
 
 
 def run_example(script: str, *args: str, timeout: int) -> dict:
