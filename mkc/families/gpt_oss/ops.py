@@ -139,17 +139,6 @@ def swiglu_halves(gate_up: jax.Array, half: int, alpha: float, limit: float) -> 
     return clamped_swiglu(gate_up[:, :half], gate_up[:, half:2 * half], alpha, limit)
 
 
-def expert_ffn(x: jax.Array, gate_up: jax.Array, gate_up_bias: jax.Array, down: jax.Array,
-               down_bias: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """One expert on ``x [B, H]`` in the kernel's layout: ``gate_up [H, 2 * half]`` and its
-    bias ``[1, 2 * half]`` de-interleaved, ``down [half, H]`` and its bias ``[1, H]``, all f32
-    values (a lowering multiplies decoded tiles instead) -> ``[B, H]``."""
-    half = down.shape[0]
-    act = swiglu_halves(jnp.dot(x, gate_up, preferred_element_type=F32) + gate_up_bias, half,
-                        alpha, limit)
-    return jnp.dot(act, down, preferred_element_type=F32) + down_bias
-
-
 # ---------------------------------------------------------------------------------------------
 # Host-side packing of the checkpoint's interleaved gate|up
 

@@ -2,9 +2,12 @@
 upstream transformers' gpt_oss expressions (modeling_gpt_oss.py, as the package docstring cites
 them): attention with sinks over a full context and over a window's ring, past the window; the
 ring's visibility against a simulated ring; the biased top-k router; the clamped SwiGLU on the
-kernel's de-interleaved, lane-padded halves; one expert with its biases; YaRN RoPE. Tolerances
-are f32 rounding (1e-5 relative or tighter): a 1% error in any op fails, and each test shows a
-mutant (no sink, a window one off, no bias, a symmetric gate clamp) is caught."""
+kernel's de-interleaved, lane-padded halves; the routed experts with their biases; YaRN RoPE.
+Tolerances are f32 rounding (1e-5 relative or tighter): a 1% error in any op fails, and each
+test shows a mutant (no sink, a window one off, no bias, a symmetric gate clamp, a limit off by
+1 %) is caught. Where a lowered body (mkc.families.gpt_oss.lowering) does more than call one op
+(the routed experts, which cache slots a row sees), the test calls the body itself on a
+stand-in layer (tests_support.body_layer), with inputs where what it passes acts."""
 from __future__ import annotations
 
 import math
@@ -16,8 +19,10 @@ import pytest
 from mkc.families.gpt_oss import ops
 from mkc.families.gpt_oss import reference as ref
 from mkc.model.config import CONFIG_DIR
+from tests_support import gpt_oss_lowered_experts
 
 BIG = ref.load_config(CONFIG_DIR / "gpt_oss_120b.json")
+MINI = ref.load_config(CONFIG_DIR / "gpt_oss_mini.json")
 F32 = np.float32
 
 
@@ -246,29 +251,42 @@ def test_the_clamped_swiglu_on_the_kernels_halves():
     _close(mutant[gate >= -7], want[gate >= -7])
 
 
-def test_one_expert_with_its_biases_in_the_kernels_layout():
-    """Upstream's expert on checkpoint-form weights (gate_up [2I, H] interleaved rows, down
-    [H, I], f64) against expert_ffn on the packed layout ([H, 2 * half], [half, H], width 96
-    padded to 128): the padding changes nothing; dropping either bias is caught."""
+def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
+    """Upstream's experts (checkpoint-form weights: gate_up [2I, H] interleaved rows, down
+    [H, I], f64) weighted by their routing weights, against the lowered routed_experts body on
+    the packed layout ([H, 2 * half], [half, H], width 96 padded to 128) with the MINI's alpha
+    and limit: equal, on products a tenth of whose gates lie past 1.01 times the limit and as
+    many ups past either side of it, so a limit off by 1 % is caught; dropping either bias is
+    too, and the padding changes nothing."""
     rng = np.random.default_rng(6)
-    b, h, i, half = 3, 64, 96, 128
+    b, h, i, half, experts = 3, MINI.hidden_size, 96, 128, 2
+    limit, alpha = MINI.swiglu_limit, MINI.swiglu_alpha
     x = rng.normal(0, 1, (b, h))
-    w_gu = rng.normal(0, 0.4, (2 * i, h))
-    b_gu = rng.normal(0, 0.5, 2 * i)
-    w_d = rng.normal(0, 0.1, (h, i))
-    b_d = rng.normal(0, 0.5, h)
-    want = upstream_swiglu(x @ w_gu.T + b_gu) @ w_d.T + b_d
-    packed = dict(gate_up=ops.deinterleave_gate_up(w_gu, half).T,
-                  gate_up_bias=ops.deinterleave_gate_up(b_gu, half)[None],
-                  down=np.pad(w_d.T, ((0, half - i), (0, 0))), down_bias=b_d[None])
-    args = {n: jnp.asarray(a, F32) for n, a in packed.items()}
-    got = ops.expert_ffn(jnp.asarray(x, F32), **args, alpha=1.702, limit=7.0)
+    w_gu = rng.normal(0, 0.5, (experts, 2 * i, h))
+    b_gu = rng.normal(0, 0.5, (experts, 2 * i))
+    w_d = rng.normal(0, 0.1, (experts, h, i))
+    b_d = rng.normal(0, 0.5, (experts, h))
+    weights = rng.uniform(0.2, 0.8, (b, experts))
+    products = np.einsum("bh,eoh->ebo", x, w_gu) + b_gu[:, None]
+    assert np.mean(products[..., ::2] > 1.01 * limit) > 0.1
+    assert np.mean(np.abs(products[..., 1::2]) > 1.01 * limit) > 0.2
+
+    def upstream(limit=limit, gate_up_bias=1.0, down_bias=1.0):
+        act = [upstream_swiglu(x @ w_gu[e].T + gate_up_bias * b_gu[e], alpha, limit) for e in range(experts)]
+        return sum(weights[:, e:e + 1] * (act[e] @ w_d[e].T + down_bias * b_d[e]) for e in range(experts))
+
+    packed = [{n: jnp.asarray(a, F32) for n, a in
+               dict(gate_up=ops.deinterleave_gate_up(w_gu[e], half).T,
+                    gate_up_bias=ops.deinterleave_gate_up(b_gu[e], half)[None],
+                    down=np.pad(w_d[e].T, ((0, half - i), (0, 0))), down_bias=b_d[e][None]).items()}
+              for e in range(experts)]
+    want = upstream()
+    got = gpt_oss_lowered_experts(MINI, packed, jnp.asarray(x, F32), jnp.asarray(weights, F32), half)
     _close(got, want, rtol=2e-5, atol=2e-5)
-    for name in ("gate_up_bias", "down_bias"):
-        _far(ops.expert_ffn(jnp.asarray(x, F32), **(args | {name: jnp.zeros_like(args[name])}),
-                            alpha=1.702, limit=7.0), want)
+    for mutant in (upstream(limit=1.01 * limit), upstream(gate_up_bias=0.0), upstream(down_bias=0.0)):
+        _far(mutant, want)
     with pytest.raises(ValueError, match="two halves"):
-        ops.deinterleave_gate_up(w_gu, 64)
+        ops.deinterleave_gate_up(w_gu[0], 64)
 
 
 # ---- YaRN RoPE ---------------------------------------------------------------------------------------
