@@ -10,16 +10,18 @@ test shows a mutant (no sink, a window one off, no bias, a symmetric gate clamp,
 stand-in layer (tests_support.body_layer), with inputs where what it passes acts."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkc.families.gpt_oss import ops
+from mkc.families.gpt_oss import lowering, ops
 from mkc.families.gpt_oss import reference as ref
 from mkc.model.config import CONFIG_DIR
-from tests_support import gpt_oss_lowered_experts
+from mkc.runtime import kv as kv_cache
+from tests_support import body_layer, gpt_oss_lowered_experts
 
 BIG = ref.load_config(CONFIG_DIR / "gpt_oss_120b.json")
 MINI = ref.load_config(CONFIG_DIR / "gpt_oss_mini.json")
@@ -91,11 +93,23 @@ def _qkv(rng, positions: int, hq: int = 4, hkv: int = 2, d: int = 64):
 WINDOW = 8
 
 
+def kernel_visible(kind: str, window: int = WINDOW, slots: int = 0):
+    """``visible(slots, position)`` as the lowered attention masks a KV tile of a ``kind``
+    layer (``lowering._visible``): its cache slots' positions from the core (``mkc.runtime.kv``:
+    a window's ring of ``slots`` slots, or the context's), upstream's causal mask, and on a
+    sliding layer the MINI's window cut to ``window``."""
+    tiles = kv_cache.KvTiles(tokens=16, slots=2, ahead=1, ring=slots)
+    c = body_layer(dataclasses.replace(MINI, sliding_window=window), kind=kind,
+                   kv_positions=lambda tokens, position: kv_cache.held(tiles, tokens, position))
+    return lambda tokens, position: lowering._visible(c, tokens, position)
+
+
 @pytest.mark.parametrize("position", [0, 3, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 5, 37])
 @pytest.mark.parametrize("extra", [0, 3])
 def test_sliding_attention_over_the_ring_is_upstreams_window(position, extra):
     """A ring of W (or W + 3, a verify step's) slots, slot p % slots holding position p, written
-    for positions 0..p: the kernel's tiles with ring_visible give upstream's sliding window,
+    for positions 0..p: the kernel's tiles, masked as the lowered attention masks them, give
+    upstream's sliding window,
     also once positions have wrapped the ring (past the window)."""
     rng = np.random.default_rng(position * 7 + extra)
     slots = WINDOW + extra
@@ -107,12 +121,12 @@ def test_sliding_attention_over_the_ring_is_upstreams_window(position, extra):
     want = upstream_attention(q, keys, values, sinks, position, WINDOW)
     tile = 4 if slots % 4 == 0 else slots
     got = kernel_attention(q, ring_k, ring_v, sinks, position, tile,
-                           lambda s, p: ops.ring_visible(s, p, WINDOW, slots))
+                           kernel_visible("swa", WINDOW, slots))
     _close(got, want)
     if position >= WINDOW:         # a window one too short or too long is caught
         for wrong in (WINDOW - 1, WINDOW + 1) if extra else (WINDOW - 1,):
             _far(kernel_attention(q, ring_k, ring_v, sinks, position, tile,
-                                  lambda s, p, w=wrong: ops.ring_visible(s, p, w, slots)), want)
+                                  kernel_visible("swa", wrong, slots)), want)
 
 
 def test_full_attention_and_the_sink_that_changes_it():
@@ -126,7 +140,7 @@ def test_full_attention_and_the_sink_that_changes_it():
     want = upstream_attention(q, keys, values, sinks, position)
 
     def run(s):
-        return kernel_attention(q, keys, values, s, position, 8, ops.full_visible)
+        return kernel_attention(q, keys, values, s, position, 8, kernel_visible("gqa"))
 
     _close(run(sinks), want)
     _far(run(np.full(4, -1e30)), want)
@@ -141,7 +155,7 @@ def test_a_sink_far_above_every_score_does_not_overflow():
     rng = np.random.default_rng(2)
     q, keys, values = _qkv(rng, 4)
     sinks = np.full(4, 200.0)
-    got = kernel_attention(q, keys, values, sinks, 3, 4, ops.full_visible)
+    got = kernel_attention(q, keys, values, sinks, 3, 4, kernel_visible("gqa"))
     assert np.all(np.isfinite(got))
     _close(got, upstream_attention(q, keys, values, sinks, 3), rtol=1e-5, atol=1e-40)
 
@@ -159,10 +173,9 @@ def test_the_kernel_attention_agrees_with_the_reference_attend():
     want = ref.attend(jnp.asarray(q)[None], jnp.asarray(ring_k.transpose(1, 0, 2), F32)[None],
                       jnp.asarray(ring_v.transpose(1, 0, 2), F32)[None], visible,
                       jnp.asarray(sinks, F32))[0]
-    got = kernel_attention(q, ring_k, ring_v, sinks, position, 4,
-                           lambda s, p: ops.ring_visible(s, p, WINDOW, slots))
+    got = kernel_attention(q, ring_k, ring_v, sinks, position, 4, kernel_visible("swa", WINDOW, slots))
     _close(got, np.asarray(want, np.float64))
-    assert int(slot[0]) == int(ops.ring_slot(jnp.int32(position), slots)) == position % slots
+    assert int(slot[0]) == position % slots
 
 
 @pytest.mark.parametrize("window,slots", [(8, 8), (8, 11), (1, 1), (4, 6)])
@@ -174,7 +187,7 @@ def test_ring_visibility_is_a_simulated_rings(window, slots):
     for p in range(3 * slots + 2):
         held[p % slots] = p
         want = (held >= 0) & (held > p - window) & (held <= p)
-        got = np.asarray(ops.ring_visible(slot, jnp.int32(p), window, slots))[0]
+        got = np.asarray(kernel_visible("swa", window, slots)(slot, jnp.int32(p)))[0]
         np.testing.assert_array_equal(got, want, err_msg=f"position {p}")
 
 
