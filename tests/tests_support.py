@@ -1,3 +1,4 @@
+import contextlib
 import json
 import types
 from collections.abc import Mapping
@@ -17,18 +18,17 @@ def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.Simp
     return types.SimpleNamespace(dims=dims, vector=lambda name: vectors[name], **fields)
 
 
-def gpt_oss_lowered_experts(dims, experts: list[Mapping[str, object]], x, weights, half: int):
-    """GPT-OSS's lowered `routed_experts` body (the clamped SwiGLU with the config's alpha and
-    limit, the biases, the routing weights) on `x [B, H]`, every expert of `experts` selected:
-    each a dict of f32 values in the kernel's layout (`gate_up [H, 2 * half]` de-interleaved,
-    `gate_up_bias [1, 2 * half]`, `down [half, H]`, `down_bias [1, H]`); `weights [B, E]`. The
-    slot reads the body makes (its decoded matmuls and bias rows) are replaced by dense f32
-    ones on those values; the rest is the body's own."""
+def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts: list[Mapping[str, object]],
+                           x, weights):
+    """A family's lowered `routed_experts` body (`lowering`, its module: activation, biases,
+    routing weights as the body applies them) on `x [B, in]`, every expert of `experts`
+    selected, each a dict of f32 values in the kernel's layout (`gate_up [in, 2 * half]`,
+    `down [half, out]`, and GPT-OSS's `gate_up_bias`, `down_bias` rows); `weights [B, E]`. The
+    slot reads the body makes (its decoded matmuls, and bias rows where it has them) are
+    replaced by dense f32 ones on those values; the rest is the body's own."""
     from unittest import mock
 
     import jax.numpy as jnp
-
-    from mkc.families.gpt_oss import lowering
 
     def fold(body, acc):
         for k in range(len(experts)):
@@ -38,10 +38,15 @@ def gpt_oss_lowered_experts(dims, experts: list[Mapping[str, object]], x, weight
     def matmul(c, k, h, name, group):
         return jnp.dot(h, experts[k][name], preferred_element_type=jnp.float32)
 
-    c = body_layer(dims, B=x.shape[0], per_rank={"expert_half": half, "gate_up_group": 0, "down_group": 0},
-                   fold_experts=fold, expert_weight=lambda w, k: w[:, k:k + 1])
-    with mock.patch.object(lowering, "_expert_matmul", matmul), \
-            mock.patch.object(lowering, "_expert_bias", lambda c, k, name: experts[k][name]):
+    def bias(c, k, name):
+        return experts[k][name]
+
+    c = body_layer(dims, B=x.shape[0], per_rank=per_rank, fold_experts=fold,
+                   expert_weight=lambda w, k: w[:, k:k + 1])
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(lowering, "_expert_matmul", matmul))
+        if hasattr(lowering, "_expert_bias"):
+            patches.enter_context(mock.patch.object(lowering, "_expert_bias", bias))
         return lowering.routed_experts(c, x, None, weights)
 
 

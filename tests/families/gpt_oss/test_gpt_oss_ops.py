@@ -21,7 +21,7 @@ from mkc.families.gpt_oss import lowering, ops
 from mkc.families.gpt_oss import reference as ref
 from mkc.model.config import CONFIG_DIR
 from mkc.runtime import kv as kv_cache
-from tests_support import body_layer, gpt_oss_lowered_experts
+from tests_support import body_layer, lowered_routed_experts
 
 BIG = ref.load_config(CONFIG_DIR / "gpt_oss_120b.json")
 MINI = ref.load_config(CONFIG_DIR / "gpt_oss_mini.json")
@@ -294,7 +294,8 @@ def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
                     down=np.pad(w_d[e].T, ((0, half - i), (0, 0))), down_bias=b_d[e][None]).items()}
               for e in range(experts)]
     want = upstream()
-    got = gpt_oss_lowered_experts(MINI, packed, jnp.asarray(x, F32), jnp.asarray(weights, F32), half)
+    got = lowered_routed_experts(lowering, MINI, {"expert_half": half, "gate_up_group": 0, "down_group": 0},
+                                 packed, jnp.asarray(x, F32), jnp.asarray(weights, F32))
     _close(got, want, rtol=2e-5, atol=2e-5)
     for mutant in (upstream(limit=1.01 * limit), upstream(gate_up_bias=0.0), upstream(down_bias=0.0)):
         _far(mutant, want)

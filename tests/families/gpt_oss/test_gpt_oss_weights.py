@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mkc.families.gpt_oss import graph as g
+from mkc.families.gpt_oss import lowering
 from mkc.families.gpt_oss import reference as ref
 from mkc.families.gpt_oss import weights as gw
 from mkc.families.kimi_k3.ops import unpack_mxfp4_from_kernel
@@ -20,7 +21,7 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.model.sharding import ShardTable
-from tests_support import gpt_oss_lowered_experts
+from tests_support import lowered_routed_experts
 
 MINI_RAW = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
 MINI = ref.load_config(MINI_RAW)
@@ -172,8 +173,9 @@ def test_a_packed_expert_computes_upstreams_expert(dims, params, request):
                   down=decoded(arrays, "down", groups["down"]), down_bias=f32(arrays["down_bias"]))
     i = dims.intermediate_size
     assert not packed["gate_up"][:, i:half].any() and not packed["down"][i:].any()
-    got = gpt_oss_lowered_experts(dims, [{n: jnp.asarray(a, jnp.float32) for n, a in packed.items()}],
-                                  jnp.asarray(x, jnp.float32), jnp.ones((len(x), 1), jnp.float32), half)
+    got = lowered_routed_experts(lowering, dims, fg.per_rank,
+                                 [{n: jnp.asarray(a, jnp.float32) for n, a in packed.items()}],
+                                 jnp.asarray(x, jnp.float32), jnp.ones((len(x), 1), jnp.float32))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     # another expert's bytes (expert 5, rank 1's local 1) compute something else
     other = upstream_expert(hf, dims, 1, 5, x)

@@ -31,7 +31,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
-from tests_support import body_layer
+from tests_support import body_layer, lowered_routed_experts
 
 MINI_JSON = CONFIG_DIR / "kimi_k3_mini.json"
 VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -101,6 +101,40 @@ def test_situ_matches_reference() -> None:
     want = ref.situ(gate, up, 4.0, 25.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(packed, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_lowered_situ_bodies_take_the_configs_betas_where_they_saturate() -> None:
+    """shared_gate_up and routed_experts (its matmuls dense on f32 values) apply SiTU with the
+    config's betas (here not the op's defaults) to products large enough that both tanh
+    saturate: a beta off by 1 % is caught."""
+    dims = dataclasses.replace(KimiDims.load(MINI_JSON), situ_beta=3.0, situ_linear_beta=20.0)
+    rng = np.random.default_rng(13)
+    b, latent, width, experts_n = 3, dims.latent, 128, 2
+    gate, up = rng.normal(0, 8, (b, width)), rng.normal(0, 40, (b, width))
+    gate_up = jnp.asarray(np.concatenate([gate, up], 1), F32)
+
+    def want_situ(gate, up, beta=dims.situ_beta, linear_beta=dims.situ_linear_beta):
+        return np.asarray(ref.situ(jnp.asarray(gate, F32), jnp.asarray(up, F32), beta, linear_beta))
+
+    want = want_situ(gate, up)
+    for mutant in (want_situ(gate, up, beta=1.01 * dims.situ_beta),
+                   want_situ(gate, up, linear_beta=1.01 * dims.situ_linear_beta)):
+        assert np.max(np.abs(mutant - want)) > 1e-3 * np.max(np.abs(want))
+    c = body_layer(dims, per_rank={"shared": width}, matmul=lambda name, h: h)   # h is the product
+    np.testing.assert_allclose(lowering.shared_gate_up(c, gate_up), want, rtol=1e-5, atol=1e-5)
+
+    x = rng.normal(0, 1, (b, latent))
+    w_gu = [np.concatenate([rng.normal(0, 0.5, (latent, width)), rng.normal(0, 2.5, (latent, width))], 1)
+            for _ in range(experts_n)]
+    w_d = [rng.normal(0, 0.05, (width, latent)) for _ in range(experts_n)]
+    weights = rng.uniform(0.2, 0.8, (b, experts_n))
+    act = [want_situ(x @ w[:, :width], x @ w[:, width:]) for w in w_gu]
+    want = sum(weights[:, k:k + 1] * (act[k] @ w_d[k]) for k in range(experts_n))
+    packed = [{"gate_up": jnp.asarray(w_gu[k], F32), "down": jnp.asarray(w_d[k], F32)}
+              for k in range(experts_n)]
+    got = lowered_routed_experts(lowering, dims, {"expert_width": width}, packed, jnp.asarray(x, F32),
+                                 jnp.asarray(weights, F32))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_kda_head_step_matches_reference_recurrence() -> None:
