@@ -1,9 +1,53 @@
+import contextlib
 import json
+import types
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+
+
+def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:
+    """A stand-in for the `Layer` (`mkc.runtime.context`) a family's lowering body is called
+    with, so a test calls the body the generated module calls (not a neighbour in `ops`), on
+    values: `dims`, `vector(name)` from `vectors`, and whatever else the body reads (`fields`:
+    `B`, `per_rank`, `kernel`, `index`, `select_experts`, ...). A body reading anything else
+    fails with AttributeError, naming it."""
+    return types.SimpleNamespace(dims=dims, vector=lambda name: vectors[name], **fields)
+
+
+def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts: list[Mapping[str, object]],
+                           x, weights):
+    """A family's lowered `routed_experts` body (`lowering`, its module: activation, biases,
+    routing weights as the body applies them) on `x [B, in]`, every expert of `experts`
+    selected, each a dict of f32 values in the kernel's layout (`gate_up [in, 2 * half]`,
+    `down [half, out]`, and GPT-OSS's `gate_up_bias`, `down_bias` rows); `weights [B, E]`. The
+    slot reads the body makes (its decoded matmuls, and bias rows where it has them) are
+    replaced by dense f32 ones on those values; the rest is the body's own."""
+    from unittest import mock
+
+    import jax.numpy as jnp
+
+    def fold(body, acc):
+        for k in range(len(experts)):
+            acc = body(k, acc)
+        return acc
+
+    def matmul(c, k, h, name, group):
+        return jnp.dot(h, experts[k][name], preferred_element_type=jnp.float32)
+
+    def bias(c, k, name):
+        return experts[k][name]
+
+    c = body_layer(dims, B=x.shape[0], per_rank=per_rank, fold_experts=fold,
+                   expert_weight=lambda w, k: w[:, k:k + 1])
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(lowering, "_expert_matmul", matmul))
+        if hasattr(lowering, "_expert_bias"):
+            patches.enter_context(mock.patch.object(lowering, "_expert_bias", bias))
+        return lowering.routed_experts(c, x, None, weights)
 
 
 def run_example(script: str, *args: str, timeout: int) -> dict:

@@ -105,7 +105,8 @@ def window_limit(d: GptOssDims) -> ContextLimit:
 def cache_slots(d: GptOssDims, kind: str, context: int) -> int:
     """Token slots of a layer's KV cache: the context on a full layer, the window on a sliding
     one, whatever the context (the reference's `init_cache`; a verify step's R rows of a
-    sequence need W + R - 1, `ops.ring_visible`)."""
+    sequence need a ring of W + R - 1, or the last row would overwrite slots the first still
+    reads)."""
     if kind not in ATTENTION_KINDS:
         raise KeyError(f"{kind!r} is not an attention kind of {d.family} ({ATTENTION_KINDS})")
     return d.sliding_window if kind == "swa" else context

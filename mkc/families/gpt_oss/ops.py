@@ -5,12 +5,13 @@ packers they read.
 
 The math is upstream transformers' ``models/gpt_oss/modeling_gpt_oss.py``, as the package
 docstring cites it, in the shapes a kernel computes it in: attention as an online softmax over
-KV tiles that starts from the head's sink (``sink_start``), a window's ring of cache slots
-(``ring_visible``), top-k routing as weights over every expert lane, the clamped SwiGLU on the
-kernel's ``[gate | up]`` halves. As for the other families, the reference
-(``mkc.families.gpt_oss.reference``) is the oracle the kernel is judged against and shares no
-code with it; ``tests/families/gpt_oss/test_gpt_oss_ops.py`` checks each piece against an
-independent numpy derivation of upstream's expression.
+KV tiles that starts from the head's sink (``sink_start``), top-k routing as weights over every
+expert lane, the clamped SwiGLU on the kernel's ``[gate | up]`` halves. As for the other
+families, the reference (``mkc.families.gpt_oss.reference``) is the oracle the kernel is judged
+against and shares no code with it; ``tests/families/gpt_oss/test_gpt_oss_ops.py`` checks
+each piece, and the lowered bodies that combine them (a window's ring masked by the positions
+its slots hold, the routed experts), against an independent numpy derivation of upstream's
+expression.
 
 The attention tile and RoPE rotation are Qwen3.5's (``mkc.families.qwen3_5.ops``): the same
 online softmax and the same halves convention (pair ``(i, i + D/2)``), which GPT-OSS rotates
@@ -93,25 +94,8 @@ def full_visible(tokens: jax.Array, position: jax.Array) -> jax.Array:
     return tokens <= position
 
 
-def ring_slot(position: jax.Array, slots: int) -> jax.Array:
-    """The slot a window's ring of ``slots`` slots writes position ``position`` to."""
-    return lax.rem(position, slots)
-
-
-def ring_visible(slot: jax.Array, position: jax.Array, window: int, slots: int) -> jax.Array:
-    """Whether ring slot ``slot`` (ints, any shape) is visible to a row at ``position`` of a
-    sliding layer: the slot holds the latest position ``q = position - ((position - slot) mod
-    slots)`` written to it, and upstream's sliding mask admits ``position - window < q <=
-    position``, so: written (``q >= 0``) and within the window. With ``slots == window`` every
-    written slot is; a ring of ``window + R - 1`` slots lets a verify step's R consecutive
-    rows of a sequence each see its own window after all R wrote (the last would otherwise
-    overwrite slots the first still reads)."""
-    age = lax.rem(position - slot + slots, slots)          # position - q, in 0 .. slots - 1
-    return (position - age >= 0) & (age < window)
-
-
 # ---------------------------------------------------------------------------------------------
-# MoE: router, clamped SwiGLU, one expert
+# MoE: router, clamped SwiGLU
 
 
 def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -137,17 +121,6 @@ def swiglu_halves(gate_up: jax.Array, half: int, alpha: float, limit: float) -> 
     """The activation of a gate|up product in the kernel's layout ``[B, 2 * half]`` (gate
     lanes first, then up, each ``half`` lanes: ``deinterleave_gate_up``) -> ``[B, half]``."""
     return clamped_swiglu(gate_up[:, :half], gate_up[:, half:2 * half], alpha, limit)
-
-
-def expert_ffn(x: jax.Array, gate_up: jax.Array, gate_up_bias: jax.Array, down: jax.Array,
-               down_bias: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """One expert on ``x [B, H]`` in the kernel's layout: ``gate_up [H, 2 * half]`` and its
-    bias ``[1, 2 * half]`` de-interleaved, ``down [half, H]`` and its bias ``[1, H]``, all f32
-    values (a lowering multiplies decoded tiles instead) -> ``[B, H]``."""
-    half = down.shape[0]
-    act = swiglu_halves(jnp.dot(x, gate_up, preferred_element_type=F32) + gate_up_bias, half,
-                        alpha, limit)
-    return jnp.dot(act, down, preferred_element_type=F32) + down_bias
 
 
 # ---------------------------------------------------------------------------------------------

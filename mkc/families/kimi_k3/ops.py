@@ -333,31 +333,12 @@ def feeds_codes(fmt) -> bool:
 # Block attention residuals
 
 
-def attention_residual_mix(sources: Sequence[jax.Array] | jax.Array, norm_w: jax.Array,
-                           proj_w: jax.Array, eps: float) -> jax.Array:
-    """Softmax mixture of the residual sources with score_i = proj . rms(v_i, norm).
-
-    sources: a sequence of [B, H] f32 blocks (completed block sums, then the partial sum) ->
-    [B, H]; or one row's sources stacked as [n, H] -> [1, H]. norm_w, proj_w [1, H].
-    """
-    if not isinstance(sources, Sequence):
-        sources = [sources[i:i + 1] for i in range(sources.shape[0])]
-    scores = [jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True) for v in sources]
-    top = scores[0]
-    for s in scores[1:]:
-        top = jnp.maximum(top, s)
-    exps = [jnp.exp(s - top) for s in scores]
-    total = sum(exps[1:], exps[0])
-    mixed = (exps[0] / total) * sources[0]
-    for e, v in zip(exps[1:], sources[1:]):
-        mixed = mixed + (e / total) * v
-    return mixed
-
-
 def residual_mix(sources: Sequence[jax.Array], count: jax.Array | int, norm_w: jax.Array,
                  proj_w: jax.Array, eps: float) -> jax.Array:
-    """``attention_residual_mix`` over the first ``count`` (a traced scalar) of ``sources``; the
-    rest are masked out before they can touch the result (they may hold stale memory)."""
+    """Softmax mixture of the first ``count`` (a traced scalar) of the residual ``sources``
+    ([B, H] f32 blocks: completed block sums, then the partial sum) -> [B, H], with score_i =
+    proj . rms(v_i, norm); norm_w, proj_w [1, H]. The other sources are masked out before they
+    can touch the result (they may hold stale memory)."""
     scores = [jnp.where(i < count, jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True),
                         -jnp.inf) for i, v in enumerate(sources)]
     top = scores[0]

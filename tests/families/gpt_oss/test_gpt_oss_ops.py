@@ -2,22 +2,29 @@
 upstream transformers' gpt_oss expressions (modeling_gpt_oss.py, as the package docstring cites
 them): attention with sinks over a full context and over a window's ring, past the window; the
 ring's visibility against a simulated ring; the biased top-k router; the clamped SwiGLU on the
-kernel's de-interleaved, lane-padded halves; one expert with its biases; YaRN RoPE. Tolerances
-are f32 rounding (1e-5 relative or tighter): a 1% error in any op fails, and each test shows a
-mutant (no sink, a window one off, no bias, a symmetric gate clamp) is caught."""
+kernel's de-interleaved, lane-padded halves; the routed experts with their biases; YaRN RoPE.
+Tolerances are f32 rounding (1e-5 relative or tighter): a 1% error in any op fails, and each
+test shows a mutant (no sink, a window one off, no bias, a symmetric gate clamp, a limit off by
+1 %) is caught. Where a lowered body (mkc.families.gpt_oss.lowering) does more than call one op
+(the routed experts, which cache slots a row sees), the test calls the body itself on a
+stand-in layer (tests_support.body_layer), with inputs where what it passes acts."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkc.families.gpt_oss import ops
+from mkc.families.gpt_oss import lowering, ops
 from mkc.families.gpt_oss import reference as ref
 from mkc.model.config import CONFIG_DIR
+from mkc.runtime import kv as kv_cache
+from tests_support import body_layer, lowered_routed_experts
 
 BIG = ref.load_config(CONFIG_DIR / "gpt_oss_120b.json")
+MINI = ref.load_config(CONFIG_DIR / "gpt_oss_mini.json")
 F32 = np.float32
 
 
@@ -86,11 +93,23 @@ def _qkv(rng, positions: int, hq: int = 4, hkv: int = 2, d: int = 64):
 WINDOW = 8
 
 
+def kernel_visible(kind: str, window: int = WINDOW, slots: int = 0):
+    """``visible(slots, position)`` as the lowered attention masks a KV tile of a ``kind``
+    layer (``lowering._visible``): its cache slots' positions from the core (``mkc.runtime.kv``:
+    a window's ring of ``slots`` slots, or the context's), upstream's causal mask, and on a
+    sliding layer the MINI's window cut to ``window``."""
+    tiles = kv_cache.KvTiles(tokens=16, slots=2, ahead=1, ring=slots)
+    c = body_layer(dataclasses.replace(MINI, sliding_window=window), kind=kind,
+                   kv_positions=lambda tokens, position: kv_cache.held(tiles, tokens, position))
+    return lambda tokens, position: lowering._visible(c, tokens, position)
+
+
 @pytest.mark.parametrize("position", [0, 3, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 5, 37])
 @pytest.mark.parametrize("extra", [0, 3])
 def test_sliding_attention_over_the_ring_is_upstreams_window(position, extra):
     """A ring of W (or W + 3, a verify step's) slots, slot p % slots holding position p, written
-    for positions 0..p: the kernel's tiles with ring_visible give upstream's sliding window,
+    for positions 0..p: the kernel's tiles, masked as the lowered attention masks them, give
+    upstream's sliding window,
     also once positions have wrapped the ring (past the window)."""
     rng = np.random.default_rng(position * 7 + extra)
     slots = WINDOW + extra
@@ -102,12 +121,12 @@ def test_sliding_attention_over_the_ring_is_upstreams_window(position, extra):
     want = upstream_attention(q, keys, values, sinks, position, WINDOW)
     tile = 4 if slots % 4 == 0 else slots
     got = kernel_attention(q, ring_k, ring_v, sinks, position, tile,
-                           lambda s, p: ops.ring_visible(s, p, WINDOW, slots))
+                           kernel_visible("swa", WINDOW, slots))
     _close(got, want)
     if position >= WINDOW:         # a window one too short or too long is caught
         for wrong in (WINDOW - 1, WINDOW + 1) if extra else (WINDOW - 1,):
             _far(kernel_attention(q, ring_k, ring_v, sinks, position, tile,
-                                  lambda s, p, w=wrong: ops.ring_visible(s, p, w, slots)), want)
+                                  kernel_visible("swa", wrong, slots)), want)
 
 
 def test_full_attention_and_the_sink_that_changes_it():
@@ -121,7 +140,7 @@ def test_full_attention_and_the_sink_that_changes_it():
     want = upstream_attention(q, keys, values, sinks, position)
 
     def run(s):
-        return kernel_attention(q, keys, values, s, position, 8, ops.full_visible)
+        return kernel_attention(q, keys, values, s, position, 8, kernel_visible("gqa"))
 
     _close(run(sinks), want)
     _far(run(np.full(4, -1e30)), want)
@@ -136,7 +155,7 @@ def test_a_sink_far_above_every_score_does_not_overflow():
     rng = np.random.default_rng(2)
     q, keys, values = _qkv(rng, 4)
     sinks = np.full(4, 200.0)
-    got = kernel_attention(q, keys, values, sinks, 3, 4, ops.full_visible)
+    got = kernel_attention(q, keys, values, sinks, 3, 4, kernel_visible("gqa"))
     assert np.all(np.isfinite(got))
     _close(got, upstream_attention(q, keys, values, sinks, 3), rtol=1e-5, atol=1e-40)
 
@@ -154,10 +173,9 @@ def test_the_kernel_attention_agrees_with_the_reference_attend():
     want = ref.attend(jnp.asarray(q)[None], jnp.asarray(ring_k.transpose(1, 0, 2), F32)[None],
                       jnp.asarray(ring_v.transpose(1, 0, 2), F32)[None], visible,
                       jnp.asarray(sinks, F32))[0]
-    got = kernel_attention(q, ring_k, ring_v, sinks, position, 4,
-                           lambda s, p: ops.ring_visible(s, p, WINDOW, slots))
+    got = kernel_attention(q, ring_k, ring_v, sinks, position, 4, kernel_visible("swa", WINDOW, slots))
     _close(got, np.asarray(want, np.float64))
-    assert int(slot[0]) == int(ops.ring_slot(jnp.int32(position), slots)) == position % slots
+    assert int(slot[0]) == position % slots
 
 
 @pytest.mark.parametrize("window,slots", [(8, 8), (8, 11), (1, 1), (4, 6)])
@@ -169,7 +187,7 @@ def test_ring_visibility_is_a_simulated_rings(window, slots):
     for p in range(3 * slots + 2):
         held[p % slots] = p
         want = (held >= 0) & (held > p - window) & (held <= p)
-        got = np.asarray(ops.ring_visible(slot, jnp.int32(p), window, slots))[0]
+        got = np.asarray(kernel_visible("swa", window, slots)(slot, jnp.int32(p)))[0]
         np.testing.assert_array_equal(got, want, err_msg=f"position {p}")
 
 
@@ -246,29 +264,43 @@ def test_the_clamped_swiglu_on_the_kernels_halves():
     _close(mutant[gate >= -7], want[gate >= -7])
 
 
-def test_one_expert_with_its_biases_in_the_kernels_layout():
-    """Upstream's expert on checkpoint-form weights (gate_up [2I, H] interleaved rows, down
-    [H, I], f64) against expert_ffn on the packed layout ([H, 2 * half], [half, H], width 96
-    padded to 128): the padding changes nothing; dropping either bias is caught."""
+def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
+    """Upstream's experts (checkpoint-form weights: gate_up [2I, H] interleaved rows, down
+    [H, I], f64) weighted by their routing weights, against the lowered routed_experts body on
+    the packed layout ([H, 2 * half], [half, H], width 96 padded to 128) with the MINI's alpha
+    and limit: equal, on products a tenth of whose gates lie past 1.01 times the limit and as
+    many ups past either side of it, so a limit off by 1 % is caught; dropping either bias is
+    too, and the padding changes nothing."""
     rng = np.random.default_rng(6)
-    b, h, i, half = 3, 64, 96, 128
+    b, h, i, half, experts = 3, MINI.hidden_size, 96, 128, 2
+    limit, alpha = MINI.swiglu_limit, MINI.swiglu_alpha
     x = rng.normal(0, 1, (b, h))
-    w_gu = rng.normal(0, 0.4, (2 * i, h))
-    b_gu = rng.normal(0, 0.5, 2 * i)
-    w_d = rng.normal(0, 0.1, (h, i))
-    b_d = rng.normal(0, 0.5, h)
-    want = upstream_swiglu(x @ w_gu.T + b_gu) @ w_d.T + b_d
-    packed = dict(gate_up=ops.deinterleave_gate_up(w_gu, half).T,
-                  gate_up_bias=ops.deinterleave_gate_up(b_gu, half)[None],
-                  down=np.pad(w_d.T, ((0, half - i), (0, 0))), down_bias=b_d[None])
-    args = {n: jnp.asarray(a, F32) for n, a in packed.items()}
-    got = ops.expert_ffn(jnp.asarray(x, F32), **args, alpha=1.702, limit=7.0)
+    w_gu = rng.normal(0, 0.5, (experts, 2 * i, h))
+    b_gu = rng.normal(0, 0.5, (experts, 2 * i))
+    w_d = rng.normal(0, 0.1, (experts, h, i))
+    b_d = rng.normal(0, 0.5, (experts, h))
+    weights = rng.uniform(0.2, 0.8, (b, experts))
+    products = np.einsum("bh,eoh->ebo", x, w_gu) + b_gu[:, None]
+    assert np.mean(products[..., ::2] > 1.01 * limit) > 0.1
+    assert np.mean(np.abs(products[..., 1::2]) > 1.01 * limit) > 0.2
+
+    def upstream(limit=limit, gate_up_bias=1.0, down_bias=1.0):
+        act = [upstream_swiglu(x @ w_gu[e].T + gate_up_bias * b_gu[e], alpha, limit) for e in range(experts)]
+        return sum(weights[:, e:e + 1] * (act[e] @ w_d[e].T + down_bias * b_d[e]) for e in range(experts))
+
+    packed = [{n: jnp.asarray(a, F32) for n, a in
+               dict(gate_up=ops.deinterleave_gate_up(w_gu[e], half).T,
+                    gate_up_bias=ops.deinterleave_gate_up(b_gu[e], half)[None],
+                    down=np.pad(w_d[e].T, ((0, half - i), (0, 0))), down_bias=b_d[e][None]).items()}
+              for e in range(experts)]
+    want = upstream()
+    got = lowered_routed_experts(lowering, MINI, {"expert_half": half, "gate_up_group": 0, "down_group": 0},
+                                 packed, jnp.asarray(x, F32), jnp.asarray(weights, F32))
     _close(got, want, rtol=2e-5, atol=2e-5)
-    for name in ("gate_up_bias", "down_bias"):
-        _far(ops.expert_ffn(jnp.asarray(x, F32), **(args | {name: jnp.zeros_like(args[name])}),
-                            alpha=1.702, limit=7.0), want)
+    for mutant in (upstream(limit=1.01 * limit), upstream(gate_up_bias=0.0), upstream(down_bias=0.0)):
+        _far(mutant, want)
     with pytest.raises(ValueError, match="two halves"):
-        ops.deinterleave_gate_up(w_gu, 64)
+        ops.deinterleave_gate_up(w_gu[0], 64)
 
 
 # ---- YaRN RoPE ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mkc.families.gpt_oss import graph as g
-from mkc.families.gpt_oss import ops
+from mkc.families.gpt_oss import lowering
 from mkc.families.gpt_oss import reference as ref
 from mkc.families.gpt_oss import weights as gw
 from mkc.families.kimi_k3.ops import unpack_mxfp4_from_kernel
@@ -21,6 +21,7 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.model.sharding import ShardTable
+from tests_support import lowered_routed_experts
 
 MINI_RAW = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
 MINI = ref.load_config(MINI_RAW)
@@ -157,7 +158,7 @@ def upstream_expert(hf, d, layer: int, e: int, x: np.ndarray) -> np.ndarray:
 def test_a_packed_expert_computes_upstreams_expert(dims, params, request):
     """Rank 1's local expert 2 at 2 ranks is expert 1 * 4 + 2 = 6 of the layer: its packed
     bytes decode to the checkpoint's matrices (de-interleaved, padded with zeros) and, through
-    ops.expert_ffn with its bf16 biases, give upstream's expert output."""
+    the lowered routed_experts body with its bf16 biases, give upstream's expert output."""
     hf = request.getfixturevalue(params)
     fg = g.build(dims, rules(2), 2)
     shards = ShardTable.of(rules(2), 2)
@@ -172,9 +173,9 @@ def test_a_packed_expert_computes_upstreams_expert(dims, params, request):
                   down=decoded(arrays, "down", groups["down"]), down_bias=f32(arrays["down_bias"]))
     i = dims.intermediate_size
     assert not packed["gate_up"][:, i:half].any() and not packed["down"][i:].any()
-    got = ops.expert_ffn(jnp.asarray(x, jnp.float32),
-                         **{n: jnp.asarray(a, jnp.float32) for n, a in packed.items()},
-                         alpha=dims.swiglu_alpha, limit=dims.swiglu_limit)
+    got = lowered_routed_experts(lowering, dims, fg.per_rank,
+                                 [{n: jnp.asarray(a, jnp.float32) for n, a in packed.items()}],
+                                 jnp.asarray(x, jnp.float32), jnp.ones((len(x), 1), jnp.float32))
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     # another expert's bytes (expert 5, rank 1's local 1) compute something else
     other = upstream_expert(hf, dims, 1, 5, x)
