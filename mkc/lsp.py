@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import logging
 import re
@@ -41,7 +42,7 @@ from cattrs.errors import ClassValidationError
 from lsprotocol import types
 from lsprotocol.types import ResponseErrorMessage
 from pygls.exceptions import (JsonRpcException, JsonRpcInternalError, JsonRpcInvalidParams,
-                              JsonRpcInvalidRequest, JsonRpcParseError)
+                              JsonRpcInvalidRequest, JsonRpcParseError, JsonRpcServerNotInitialized)
 from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
@@ -267,6 +268,9 @@ class _Protocol(LanguageServerProtocol):
             return
         if is_request and self._shutdown and data["method"] != types.EXIT:
             return self.answer_error(data["id"], JsonRpcInvalidRequest("the server is shut down"))
+        if is_request and self._workspace is None and data["method"] != types.INITIALIZE:
+            return self.answer_error(data["id"], JsonRpcServerNotInitialized(
+                "the server is not initialized: send `initialize` first"))
         self.handle_message(message)
 
     def structure_message(self, data: dict) -> object:
@@ -326,7 +330,7 @@ def _answering(handler: Callable) -> Callable:
             return e
         return JsonRpcInternalError(f"mkc lsp failed: {type(e).__name__}: {e}")
 
-    if asyncio.iscoroutinefunction(handler):
+    if inspect.iscoroutinefunction(handler):
         @functools.wraps(handler)
         async def guarded(*args):
             try:

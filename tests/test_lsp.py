@@ -189,6 +189,17 @@ def test_bad_requests_get_errors_and_unopened_documents_are_not_read(tmp_path):
     assert len(answers[10]["result"]["items"]) > 10
 
 
+def test_a_request_before_initialize_is_refused_and_the_session_goes_on(tmp_path):
+    uri = (tmp_path / "q.sched").as_uri()
+    report = run_session([frame(request(1, "textDocument/hover", position(uri, 0, 0))),
+                          frame(request(0, "initialize", {"processId": None, "capabilities": {}})),
+                          frame(request(2, "shutdown", None))], ANSWER_S)
+    assert report["unanswered"] == [] and not report["tracebacks"], report
+    early, init, shutdown = (report["answers"][i] for i in range(3))
+    assert early["error"]["code"] == -32002 and "initialize" in early["error"]["message"]
+    assert "capabilities" in init["result"] and shutdown["result"] is None
+
+
 def _initialized(server: LspProcess) -> None:
     server.send(frame(request(0, "initialize", {"processId": None, "rootUri": None, "capabilities": {}}))
                 + frame(notification("initialized", {})))
