@@ -87,7 +87,10 @@ def hostile_session(rng: random.Random, count: int = 16) -> list[bytes]:
         "bad_length": lambda: frame(valid(), rng.choice(
             [b"Content-Length: abc\r\n", b"Content-Length: -5\r\n", b"Content-Length: 1e3\r\n",
              b"Content-Length:\r\n", b"Content-Length: 99999999999999999999\r\n"])),
-        "no_length": lambda: frame(valid(), rng.choice([b"", b"Content-Type: application/json\r\n"])),
+        # (a frame with no header line at all is not here: after a bad frame, whose body the
+        # server skips up to the next Content-Length, it reads as the rest of that body)
+        "no_length": lambda: frame(valid(), rng.choice([b"Content-Type: application/json\r\n",
+                                                        b"Content-Lenght: 12\r\n"])),
         "invalid_json": lambda: frame(rng.choice(
             [b'{"jsonrpc": "2.0", "id": 1, "method": ', b"not json", b"\xff\xfe{}", b"[" * 100000])),
         "not_an_object": lambda: frame(rng.choice([b"[]", b"42", b'"x"', b"null", b'[{"jsonrpc": "2.0"}]'])),

@@ -192,7 +192,7 @@ def _path(uri: str) -> str:
 
 MAX_FRAME_BYTES = 64 * MIB       # a message longer than this is refused unread
 _LINE_BYTES = MIB                # header lines (and bytes skipped between frames) are read in pieces
-_CONTENT_LENGTH = re.compile(rb"content-length:", re.I)
+_CONTENT_LENGTH = b"content-length:"
 logger = logging.getLogger(__name__)
 
 
@@ -216,8 +216,9 @@ def read_frames(stdin: BinaryIO, on_body: Callable[[bytes], None], on_bad_frame:
     leaves the reader out of step with the frames that follow."""
     length: bytes | None = None          # the Content-Length value of the block so far
     while line := stdin.readline(_LINE_BYTES):
-        if header := _CONTENT_LENGTH.search(line):
-            length = line[header.end():].strip()     # a new block starts at each length header
+        if (at := line.lower().rfind(_CONTENT_LENGTH)) >= 0:
+            # a length header starts a block (the line's last: skipped bytes may hold the words)
+            length = line[at + len(_CONTENT_LENGTH):].strip()
         elif not line.strip():
             body_length, length = _frame_length(length), None
             if isinstance(body_length, str):
@@ -227,6 +228,10 @@ def read_frames(stdin: BinaryIO, on_body: Callable[[bytes], None], on_bad_frame:
             if len(body) < body_length:
                 return
             on_body(body)
+
+
+_MESSAGE = ('an object with "jsonrpc": "2.0", a string "method" and, for a request, an integer or '
+            'string "id"')
 
 
 def _valid_id(msg_id: object) -> bool:
@@ -252,11 +257,15 @@ class _Protocol(LanguageServerProtocol):
             return self.answer_error(None, JsonRpcParseError(f"the frame's body is not JSON: {e}"))
         except RecursionError:
             return self.answer_error(None, JsonRpcParseError("the frame's body is nested too deeply"))
-        if not isinstance(data, dict) or data.get("jsonrpc") != "2.0" \
-                or ("id" in data and not _valid_id(data["id"])) or not ({"id", "method"} & data.keys()):
-            return self.answer_error(None, JsonRpcInvalidRequest(
-                "not a JSON-RPC 2.0 message: an object with \"jsonrpc\": \"2.0\", a \"method\" and, "
-                "for a request, an integer or string \"id\""))
+        if not isinstance(data, dict):
+            return self.answer_error(None, JsonRpcInvalidRequest(f"not a JSON-RPC message: {_MESSAGE}"))
+        msg_id = data.get("id") if _valid_id(data.get("id")) else None
+        if "method" not in data and "id" in data:            # a response to a request of the server's
+            if data.get("jsonrpc") != "2.0" or msg_id is None:
+                return logger.warning("dropped a response that is not JSON-RPC 2.0 with a valid id")
+        elif data.get("jsonrpc") != "2.0" or not isinstance(data.get("method"), str) \
+                or ("id" in data and msg_id is None):
+            return self.answer_error(msg_id, JsonRpcInvalidRequest(f"not a JSON-RPC 2.0 message: {_MESSAGE}"))
         is_request = "method" in data and "id" in data
         try:
             message = self.structure_message(data)

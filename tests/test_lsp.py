@@ -122,14 +122,15 @@ STARTUP_S = 60.0
 def test_a_frame_without_a_valid_length_is_reported_and_the_next_frame_read():
     first, second = frame(request(1, "a", None)), frame(request(2, "b", None))
     stream = (b"Content-Length: abc\r\n" + second[second.index(b"\r\n") + 2:]      # body unread
+              + b'Content-Length: x\r\n\r\n{"text": "Content-Length: 5"}'
               + first + b"Content-Type: x\r\n\r\n{}" + second
               + frame(b"x" * 10, b"Content-Length: 999999999999\r\n") + frame(b"{}"))
     bodies, bad = [], []
     read_frames(io.BytesIO(stream), bodies.append, bad.append)
     assert [b[:30] for b in bodies] == [first.partition(b"\r\n\r\n")[2][:30],
                                         second.partition(b"\r\n\r\n")[2][:30], b"{}"]
-    assert len(bad) == 3 and "'abc' is not a number" in bad[0] and "without a Content-Length" in bad[1]
-    assert "over the 64 MiB" in bad[2]
+    assert len(bad) == 4 and "'abc' is not a number" in bad[0] and "without a Content-Length" in bad[2]
+    assert "over the 64 MiB" in bad[3]
 
 
 def _hostile_session(uri: str, frames: list[bytes]) -> dict[int, dict]:
@@ -160,12 +161,13 @@ def test_malformed_frames_are_answered_with_parse_errors_and_skipped(tmp_path):
         frame(b"[" * 100000),
         frame(b"[]"),
         frame(request({"a": 1}, hover, position(uri, 0, 0))),
-        frame(request(6, "textDocument/completion", position(uri, 0, 0))),
+        frame(b'{"id": 6, "method": "textDocument/hover"}'),
+        frame(request(7, "textDocument/completion", position(uri, 0, 0))),
     ])
     assert _errors(answers) == {3: (None, -32700), 5: (None, -32700), 7: (None, -32700), 8: (None, -32700),
-                                9: (None, -32600), 10: (None, -32600)}
+                                9: (None, -32600), 10: (None, -32600), 11: (6, -32600)}
     assert answers[4]["id"] == 2 and len(answers[6]["result"]["items"]) > 10
-    assert len(answers[11]["result"]["items"]) > 10
+    assert len(answers[12]["result"]["items"]) > 10
 
 
 def test_bad_requests_get_errors_and_unopened_documents_are_not_read(tmp_path):
