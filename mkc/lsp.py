@@ -41,8 +41,9 @@ from cattrs import transform_error
 from cattrs.errors import ClassValidationError
 from lsprotocol import types
 from lsprotocol.types import ResponseErrorMessage
-from pygls.exceptions import (JsonRpcException, JsonRpcInternalError, JsonRpcInvalidParams,
-                              JsonRpcInvalidRequest, JsonRpcParseError, JsonRpcServerNotInitialized)
+from pygls.exceptions import (JsonRpcContentModified, JsonRpcException, JsonRpcInternalError,
+                              JsonRpcInvalidParams, JsonRpcInvalidRequest, JsonRpcParseError,
+                              JsonRpcServerNotInitialized)
 from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
@@ -487,6 +488,8 @@ def build_server() -> LanguageServer:
             formatted = await asyncio.get_running_loop().run_in_executor(analyses.worker, format_text, text)
         except MkcError:
             return None                  # the diagnostics already say why
+        if open_document(ls, params.text_document.uri) is not doc or doc.source != text:
+            raise JsonRpcContentModified("the document changed while it was formatted")
         if formatted == text:
             return []
         end = types.Position(line=len(text.splitlines()) + 1, character=0)
