@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import json
 import logging
 import re
@@ -372,11 +373,12 @@ class Analyses:
         self.server = server
         self.checked: dict[str, Analysis] = {}      # uri -> its last analysis that checked
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mkc-lsp-analysis")
-        self._changes: dict[str, int] = {}          # uri -> its changes so far
+        self._changes: dict[str, int] = {}          # uri -> the number of its newest change
+        self._count = itertools.count(1)             # changes numbered across documents and reopenings
         self._pending: set[asyncio.Task] = set()
 
     def changed(self, uri: str, delay: float = ANALYSIS_DELAY_S) -> None:
-        change = self._changes[uri] = self._changes.get(uri, 0) + 1
+        change = self._changes[uri] = next(self._count)
         task = asyncio.get_running_loop().create_task(self._analyse(uri, change, delay))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
