@@ -1,14 +1,21 @@
 """`mkc lsp`: a real LSP client session over stdio against `python -m mkc lsp` (pygls'
-client): diagnostics as the text changes, hover, go to definition, completion, formatting."""
+client): diagnostics as the text changes, hover, go to definition, completion, formatting; and
+raw frames (benchmarks/fuzz_lsp.py's driver): malformed frames and params, a burst of edits, a
+huge document."""
 import asyncio
+import io
 import os
 import sys
 
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-from mkc.lsp import word_at
+from mkc.lsp import read_frames, word_at
 from tests_support import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from fuzz_lsp import (LspProcess, frame, notification, opening, position, request,  # noqa: E402
+                      run_session)
 
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 
@@ -104,3 +111,149 @@ def test_word_at_finds_the_name_under_the_cursor():
     assert word_at("  store rec_buf -> x", 0, 15) == "rec_buf"   # just past its end
     assert word_at("  store rec_buf -> x", 0, 0) is None
     assert word_at("", 3, 0) is None
+
+
+# Bounds far above what the server takes (tens of milliseconds an answer): before, these
+# requests were never answered, or only after the minute the edits' analyses took.
+ANSWER_S = 5.0
+STARTUP_S = 60.0
+
+
+def test_a_frame_without_a_valid_length_is_reported_and_the_next_frame_read():
+    first, second = frame(request(1, "a", None)), frame(request(2, "b", None))
+    stream = (b"Content-Length: abc\r\n" + second[second.index(b"\r\n") + 2:]      # body unread
+              + b'Content-Length: x\r\n\r\n{"text": "Content-Length: 5"}'
+              + first + b"Content-Type: x\r\n\r\n{}" + second
+              + frame(b"x" * 10, b"Content-Length: 999999999999\r\n") + frame(b"{}"))
+    bodies, bad = [], []
+    read_frames(io.BytesIO(stream), bodies.append, bad.append)
+    assert [b[:30] for b in bodies] == [first.partition(b"\r\n\r\n")[2][:30],
+                                        second.partition(b"\r\n\r\n")[2][:30], b"{}"]
+    assert len(bad) == 4 and "'abc' is not a number" in bad[0] and "without a Content-Length" in bad[2]
+    assert "over the 64 MiB" in bad[3]
+
+
+def _hostile_session(uri: str, frames: list[bytes]) -> dict[int, dict]:
+    """Initialize, open the spec at `uri`, send `frames`, shut down: the answers by frame index
+    (`frames[0]` is 3), once every request got one and no traceback showed."""
+    report = run_session([
+        frame(request(0, "initialize", {"processId": None, "rootUri": None, "capabilities": {}})),
+        frame(notification("initialized", {})), frame(opening(uri, SPEC.read_text())), *frames,
+        frame(request("last", "shutdown", None))], ANSWER_S)
+    assert report["unanswered"] == [] and report["tracebacks"] == [] and not report["died"], report
+    assert report["exit_code"] == 0 and "Traceback" not in report["stderr"]
+    assert report["answers"][len(frames) + 3]["result"] is None            # shutdown
+    return report["answers"]
+
+
+def _errors(answers: dict[int, dict]) -> dict[int, tuple]:
+    return {i: (a["id"], a["error"]["code"]) for i, a in answers.items() if "error" in a}
+
+
+def test_malformed_frames_are_answered_with_parse_errors_and_skipped(tmp_path):
+    uri, hover = (tmp_path / "q.sched").as_uri(), "textDocument/hover"
+    answers = _hostile_session(uri, [
+        frame(request(1, hover, position(uri, 0, 0)), b"Content-Length: abc\r\n"),
+        frame(request(2, hover, position(uri, 0, 0))),
+        frame(request(3, hover, position(uri, 0, 0)), b"Content-Type: application/json\r\n"),
+        frame(request(4, "textDocument/completion", position(uri, 0, 0))),
+        frame(b'{"jsonrpc": "2.0", "id": 5, "method": '),
+        frame(b"[" * 100000),
+        frame(b"[]"),
+        frame(request({"a": 1}, hover, position(uri, 0, 0))),
+        frame(b'{"id": 6, "method": "textDocument/hover"}'),
+        frame(request(7, "textDocument/completion", position(uri, 0, 0))),
+    ])
+    assert _errors(answers) == {3: (None, -32700), 5: (None, -32700), 7: (None, -32700), 8: (None, -32700),
+                                9: (None, -32600), 10: (None, -32600), 11: (6, -32600)}
+    assert answers[4]["id"] == 2 and len(answers[6]["result"]["items"]) > 10
+    assert len(answers[12]["result"]["items"]) > 10
+
+
+def test_bad_requests_get_errors_and_unopened_documents_are_not_read(tmp_path):
+    uri, hover = (tmp_path / "q.sched").as_uri(), "textDocument/hover"
+    messy = tmp_path / "messy.sched"          # on disk, never opened: not to be read
+    messy.write_text(SPEC.read_text().replace("  mesh    tp = 8", "mesh tp=8"))
+    answers = _hostile_session(uri, [
+        frame(request(6, hover, None)),
+        frame(request(7, hover, position(uri, -1, 0))),
+        frame(request(8, "textDocument/definition", {"textDocument": {"uri": uri}})),
+        frame(request(9, "mkc/nope", {})),
+        frame(request(10, hover, position("file:///nonexistent/x.sched", 0, 0))),
+        frame(request(11, "textDocument/formatting", {"textDocument": {"uri": messy.as_uri()},
+                                                      "options": {"tabSize": 2, "insertSpaces": True}})),
+        frame(notification("textDocument/didChange", None)),
+        frame(request(12, "textDocument/completion", position(uri, 0, 0))),
+    ])
+    assert _errors(answers) == {3: (6, -32602), 4: (7, -32602), 5: (8, -32602), 6: (9, -32601)}
+    assert "position" in answers[4]["error"]["message"] and "position" in answers[5]["error"]["message"]
+    assert answers[7]["result"] is None and answers[8]["result"] is None      # unopened: not read
+    assert len(answers[10]["result"]["items"]) > 10
+
+
+def test_a_request_before_initialize_is_refused_and_the_session_goes_on(tmp_path):
+    uri = (tmp_path / "q.sched").as_uri()
+    report = run_session([frame(request(1, "textDocument/hover", position(uri, 0, 0))),
+                          frame(request(0, "initialize", {"processId": None, "capabilities": {}})),
+                          frame(request(2, "shutdown", None))], ANSWER_S)
+    assert report["unanswered"] == [] and not report["tracebacks"], report
+    early, init, shutdown = (report["answers"][i] for i in range(3))
+    assert early["error"]["code"] == -32002 and "initialize" in early["error"]["message"]
+    assert "capabilities" in init["result"] and shutdown["result"] is None
+
+
+def _initialized(server: LspProcess) -> None:
+    server.send(frame(request(0, "initialize", {"processId": None, "rootUri": None, "capabilities": {}}))
+                + frame(notification("initialized", {})))
+    assert server.answer(0, STARTUP_S) is not None
+
+
+def _diagnostics(server: LspProcess, uri: str, version: int, timeout: float) -> dict | None:
+    return server.wait_for(lambda m: m.get("method") == "textDocument/publishDiagnostics"
+                           and m["params"]["uri"] == uri and m["params"].get("version") == version, timeout)
+
+
+def _published(server: LspProcess, uri: str) -> list[dict]:
+    return [m["params"] for m in server.received
+            if m.get("method") == "textDocument/publishDiagnostics" and m["params"]["uri"] == uri]
+
+
+def test_a_burst_of_edits_is_analysed_at_its_newest_text_while_requests_answer(tmp_path):
+    server = LspProcess()
+    try:
+        _initialized(server)
+        uri, text = (tmp_path / "q.sched").as_uri(), SPEC.read_text()
+        server.send(frame(opening(uri, text)))
+        assert _diagnostics(server, uri, 1, STARTUP_S)["params"]["diagnostics"] == []
+        typo = text.replace("allreduce o_proj", "alreduce o_proj")
+        edits = [frame(notification("textDocument/didChange", {
+            "textDocument": {"uri": uri, "version": version},
+            "contentChanges": [{"text": typo if version % 2 else text}]})) for version in range(2, 202)]
+        line = _line_of(text, "load  state.conv")
+        col = text.splitlines()[line].index("conv_buf") + 2
+        server.send(b"".join(edits) + frame(request(1, "textDocument/hover", position(uri, line, col))))
+        hover = server.answer(1, ANSWER_S)      # from the analysis of version 1, not waiting for one
+        assert hover is not None and "**gdn_conv_buf**" in hover["result"]["contents"]["value"]
+        last = _diagnostics(server, uri, 201, STARTUP_S)
+        assert [d["code"] for d in last["params"]["diagnostics"]] == ["E-SYNTAX"]
+        versions = [p["version"] for p in _published(server, uri)]
+        assert versions[0] == 1 and versions[-1] == 201 and len(versions) < 10, versions
+    finally:
+        server.close()
+
+
+def test_a_huge_document_gets_a_size_diagnostic_not_an_analysis(tmp_path):
+    server = LspProcess()
+    try:
+        _initialized(server)
+        uri = (tmp_path / "huge.sched").as_uri()
+        text = SPEC.read_text() + "  # padding padding padding padding\n" * ((5 << 20) // 36)
+        server.send(frame(opening(uri, text)) + frame(request(1, "textDocument/hover", position(uri, 3, 3))))
+        assert server.answer(1, ANSWER_S)["result"] is None
+        published = _diagnostics(server, uri, 1, ANSWER_S)
+        assert published is not None
+        [d] = published["params"]["diagnostics"]
+        assert d["code"] == "E-IO" and "larger than 256 KiB" in d["message"]
+        assert d["range"]["start"]["line"] == 0
+    finally:
+        server.close()

@@ -195,6 +195,7 @@ def _copy_without_wait(e: lark.UnexpectedToken, text: str, file: str) -> MkcErro
 
 def parse(text: str, file: str = "<spec>") -> ast.Schedule:
     """Parse a whole .sched source; raise MkcError (never a lark exception) on bad input."""
+    refuse_oversized(len(text.encode("utf-8", "replace")), file)
     try:
         tree = _parser().parse(text)
     except lark.UnexpectedCharacters as e:
@@ -253,10 +254,16 @@ def parse_file(path: str | Path) -> tuple[ast.Schedule, str]:
     except OSError as e:
         raise fail("E-IO", f"cannot read spec: {e.strerror}", Span.unknown(str(p)),
                    hint="check the path") from None
-    if len(data) > MAX_SPEC_BYTES:
-        raise fail("E-IO", f"the spec is larger than {MAX_SPEC_BYTES >> 10} KiB",
-                   Span.unknown(str(p)), hint="a schedule is a few hundred lines of text")
+    refuse_oversized(len(data), str(p))
     return parse_bytes(data, str(p))
+
+
+def refuse_oversized(size: int, file: str) -> None:
+    """A spec of `size` bytes over MAX_SPEC_BYTES is refused before it is parsed, whoever hands
+    it over (a file, stdin, an editor's buffer): its parse would take seconds and gigabytes."""
+    if size > MAX_SPEC_BYTES:
+        raise fail("E-IO", f"the spec is larger than {MAX_SPEC_BYTES >> 10} KiB",
+                   Span.unknown(file), hint="a schedule is a few hundred lines of text")
 
 
 def parse_bytes(data: bytes, file: str = "<spec>") -> tuple[ast.Schedule, str]:

@@ -110,3 +110,14 @@ def test_a_wait_point_without_wait_names_the_keyword():
     with pytest.raises(MkcError) as e:
         parse(src, "t.sched")
     assert e.value.diagnostics[0].hint.startswith("write `wait before end`: each wait point")
+
+
+def test_an_oversized_text_is_refused_before_it_is_parsed():
+    """An editor's buffer or stdin gets the size limit a spec file gets (its parse would take
+    seconds a KiB and gigabytes)."""
+    from mkc.lang.parser import MAX_SPEC_BYTES
+    text = SPEC.read_text() + "# padding\n" * (MAX_SPEC_BYTES // 10)
+    with pytest.raises(MkcError) as e:
+        parse(text, "t.sched")
+    [d] = e.value.diagnostics
+    assert d.code == "E-IO" and "larger than 256 KiB" in d.message and d.span.file == "t.sched"
