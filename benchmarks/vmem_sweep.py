@@ -114,6 +114,8 @@ def mkc_view(v: Variant) -> dict:
         s = _resolve(v.text(), Path(v.spec).name)
     except MkcError as e:
         return {"error": f"{e.diagnostics[0].code}: {e.diagnostics[0].message}"}
+    except ValueError as e:               # the spec changed since the variant was compiled
+        return {"error": f"stale: {e}"}
     rows = v.batch * (s.verify_rows if v.kernel == "verify" else 1)
     peak, _, _ = capacity.vmem_budget(s, build_trace(s), rows)
     budget = capacity.vmem_budget_bytes(s)

@@ -186,6 +186,18 @@ def _compiler_buffer(nbytes: int) -> ir.Buffer:
     return ir.Buffer("compiler_scratch", "compiler", (nbytes,), "u8")
 
 
+def kernel_buffers(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
+    """The IR's buffers as the kernel of `batch` rows allocates them. Past the largest decode
+    batch that kernel is the verify step, R rows for each of batch / R sequences: its KV tiles
+    hold one entry a sequence (they stream each sequence's cache once), every other buffer one
+    a row."""
+    sequences = batch
+    if batch > s.batch_max and s.verify_rows:
+        sequences = -(-batch // s.verify_rows)
+    tiles = {n for k in s.kinds.values() if k.kv for n in k.kv.tile_buffers}
+    return [b.at_batch(sequences if b.name in tiles else batch) for b in s.buffers]
+
+
 def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
                   ) -> Iterator[tuple[Event | None, int, list[ir.Buffer]]]:
     """(event, bytes, buffers live) at kernel start (event None) and after each scoped
@@ -193,7 +205,7 @@ def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = Non
     `ScheduleIR.rows_max`): resident buffers, VMEM inputs and compiler scratch, plus the scoped
     buffers open."""
     batch = batch or s.rows_max
-    buffers = [b.at_batch(batch) for b in s.buffers]
+    buffers = kernel_buffers(s, batch)
     resident = ([b for b in buffers if b.scope is None] + vmem_inputs(s, batch)
                 + [_compiler_buffer(compiler_overhead_bytes(s, batch))])
     by_name = {b.name: b for b in buffers}
@@ -265,8 +277,7 @@ def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
     trace, whose size is bounded only for schedules that pass it (KV slots, say)."""
     budget = vmem_budget_bytes(s)
     diags = []
-    for b in s.buffers:
-        b = b.at_batch(s.rows_max)
+    for b in kernel_buffers(s, s.rows_max):
         if b.vmem_bytes > budget:
             hint = "fewer slots, smaller tiles or a smaller batch"
             if (limit_to := _limit_that_fits(s, b.vmem_bytes)) is not None:
