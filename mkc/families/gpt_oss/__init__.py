@@ -101,5 +101,5 @@ FAMILY = Family(
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
     compiler_scratch=((1, 60826), (8, 860324), (16, 2031288)),
     vmem_inputs=rope_input,
-    weight_formats=WEIGHT_FORMATS,
+    weight_formats=WEIGHT_FORMATS, e8m0_suffixes=("_scales",),
 )
