@@ -6,11 +6,12 @@ tensor data, so a wrong or partial download fails fast with a message naming the
 tensors. Every file it opens is a regular file inside the checkpoint directory
 (`checkpoint_file`: index entries, symlinks and `..` included) and size-capped before it is
 read; every value it reads is checked where it enters (`StoredTensor`): a non-finite float
-or a NaN E8M0 scale is refused, naming the tensor. A family may rename stored prefixes and skip parts the decode step does not use (Qwen3.5
-checkpoints are multimodal: ``model.language_model.`` becomes ``model.``, and the vision tower
-and multi-token-prediction head are skipped, as upstream's ForCausalLM does), and declare routed
-expert tensors a checkpoint may store fused or per expert (``Family.expert_layouts``): the
-loader converts the stored layout into the one the table names, exactly.
+or a NaN E8M0 scale is refused, naming the tensor. A family may rename stored prefixes and
+skip parts the decode step does not use (Qwen3.5 checkpoints are multimodal:
+``model.language_model.`` becomes ``model.``, and the vision tower and multi-token-prediction
+head are skipped, as upstream's ForCausalLM does), and declare routed expert tensors a
+checkpoint may store fused or per expert (``Family.expert_layouts``): the loader converts the
+stored layout into the one the table names, exactly.
 """
 from __future__ import annotations
 

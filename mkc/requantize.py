@@ -80,7 +80,8 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
             text = str(e)[len(where):] if str(e).startswith(where) else str(e)
             raise format_error(FormatError(e.cls, text, e.hint), sched) from None
         except CheckpointError as e:
-            raise fail("E-CHECKPOINT", f"`format {cls} {fmt.spelled}` cannot requantize the checkpoint: {e}", format_span(sched, cls), hint=e.hint) from None
+            raise fail("E-CHECKPOINT", f"`format {cls} {fmt.spelled}` cannot requantize the "
+                       f"checkpoint: {e}", format_span(sched, cls), hint=e.hint) from None
         measured |= one
         read |= set(held)
     try:
