@@ -62,7 +62,7 @@ def upstream_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) ->
     else:
         path = Path(path_or_dict)
         path = path / "config.json" if path.is_dir() else path
-        raw, name = json.loads(path.read_text(encoding="utf-8")), model_name(path)
+        raw, name = read_json(path, MAX_CONFIG_BYTES), model_name(path)
     text = raw.get("text_config")
     return (text if isinstance(text, Mapping) else raw), name
 
