@@ -203,7 +203,8 @@ def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path: Path, config
     bad = params[name].copy()
     bad[5, 7] = value
     save_checkpoint(tmp_path, config, {**params, name: bad}, max_shard_bytes=1 << 20)
-    want = rf"tensor {re.escape(name)} holds 1 non-finite value\(s\), the first \(-?(nan|inf)\) at index \[5, 7\]"
+    want = (rf"tensor {re.escape(name)} holds 1 non-finite value\(s\), the first \(-?(nan|inf)\) "
+            r"at index \[5, 7\]")
     with pytest.raises(CheckpointError, match=want):
         load_checkpoint(tmp_path)
     _, lazy = load_checkpoint(tmp_path, lazy=True)
@@ -214,8 +215,8 @@ def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path: Path, config
     from tests_support import SPEC
     for cmd in ("check", "compile"):
         out = tmp_path / "out"
-        d = _cli_diagnostic([cmd, str(SPEC), "--model", str(tmp_path), *(["-o", str(out)] if cmd == "compile" else [])],
-                            capsys)
+        output = ["-o", str(out)] if cmd == "compile" else []
+        d = _cli_diagnostic([cmd, str(SPEC), "--model", str(tmp_path), *output], capsys)
         assert d["code"] == "E-CHECKPOINT" and re.search(want, d["message"]), d
         assert (d["file"], d["line"]) == (str(SPEC), _line_of(SPEC, "model")) and "re-download" in d["hint"]
         assert not out.exists()
@@ -283,7 +284,7 @@ def test_oversized_json_and_headers_are_refused_before_they_are_read(
         load_checkpoint(tmp_path)
     index.write_bytes(good)
     _sparse(tmp_path / "config.json", 2 << 30)
-    with pytest.raises(CheckpointError, match=r"config.json as a Hugging Face config: it is larger than 4 MiB"):
+    with pytest.raises(CheckpointError, match="as a Hugging Face config: it is larger than 4 MiB"):
         load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
     shard = tmp_path / json.loads(good)["weight_map"]["model.norm.weight"]
