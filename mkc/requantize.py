@@ -72,7 +72,8 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     weights = importlib.import_module(f"{s.family_package}.weights")
     measured: dict[str, dict] = {}
     read: set[str] = set()
-    for cls, fmt in classes.items():       # one class at a time: an error is at its line
+    # one class at a time, in the spec's order: an error is at its class's line
+    for cls, fmt in sorted(classes.items(), key=lambda c: format_span(sched, c[0]).line):
         try:
             held, one = weights.requantization(hf, dims, {cls: fmt}, ShardTable.of(s.shards, s.ranks))
         except FormatError as e:
@@ -88,7 +89,7 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
         verify_values(hf, skip=read)
     except CheckpointError as e:
         raise fail("E-CHECKPOINT", str(e), model_line, hint=e.hint) from None
-    return {cls: {**r, "measured": True, "checkpoint": str(root)} for cls, r in measured.items()}
+    return {cls: {**measured[cls], "measured": True, "checkpoint": str(root)} for cls in classes}
 
 
 def lines(rep: dict[str, dict]) -> list[str]:
