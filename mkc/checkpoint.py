@@ -3,11 +3,15 @@
 The config's ``model_type`` (or its ``text_config``'s) picks the family. Loading validates the
 tensor names and shapes against the family reference's ``param_shapes`` before reading any
 tensor data, so a wrong or partial download fails fast with a message naming the offending
-tensors. A family may rename stored prefixes and skip parts the decode step does not use (Qwen3.5
-checkpoints are multimodal: ``model.language_model.`` becomes ``model.``, and the vision tower
-and multi-token-prediction head are skipped, as upstream's ForCausalLM does), and declare routed
-expert tensors a checkpoint may store fused or per expert (``Family.expert_layouts``): the
-loader converts the stored layout into the one the table names, exactly.
+tensors. Every file it opens is a regular file inside the checkpoint directory
+(`checkpoint_file`: index entries, symlinks and `..` included) and size-capped before it is
+read; every value it reads is checked where it enters (`StoredTensor`): a non-finite float
+or a NaN E8M0 scale is refused, naming the tensor. A family may rename stored prefixes and
+skip parts the decode step does not use (Qwen3.5 checkpoints are multimodal:
+``model.language_model.`` becomes ``model.``, and the vision tower and multi-token-prediction
+head are skipped, as upstream's ForCausalLM does), and declare routed expert tensors a
+checkpoint may store fused or per expert (``Family.expert_layouts``): the loader converts the
+stored layout into the one the table names, exactly.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import itertools
 import json
 import os
 import re
-from collections.abc import Mapping
+import stat
+from collections.abc import Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mkc.model import registry
+from mkc.model.config import MAX_CONFIG_BYTES, read_json
 from mkc.model.family import ExpertLayout, Family, stored_dtypes
 
 CONFIG_FILE = "config.json"
@@ -35,10 +41,25 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _MAX_LISTED = 8
+# Caps on what is read of a file before it is trusted: full K3's index (497,052 tensors) is
+# about 60 MB; a safetensors header as long as safetensors itself accepts.
+MAX_INDEX_BYTES = 128 << 20
+MAX_HEADER_BYTES = 100_000_000
+_VERIFY_CHUNK_BYTES = 64 << 20      # `verify_values` reads a tensor this much at a time
+
+_FIX_FILES = "re-download the checkpoint, or re-export it (config.json and its safetensors files)"
 
 
 class CheckpointError(Exception):
-    """A checkpoint directory is unreadable or does not match its config."""
+    """A checkpoint directory is unreadable or does not match its config; `hint`: how to fix it."""
+
+    def __init__(self, message: str, hint: str = _FIX_FILES):
+        super().__init__(message)
+        self.hint = hint
+
+
+class _MissingFile(CheckpointError):
+    """A file the checkpoint names does not exist (listed together, not one by one)."""
 
 
 def _listing(names: list[str]) -> str:
@@ -67,31 +88,99 @@ def family_of(config: Mapping[str, Any]) -> Family:
     raise ValueError(f"model_type {config.get('model_type')!r} is not one of {registry.model_types()}")
 
 
+def _containing_dirs(root: Path) -> tuple[Path, ...]:
+    """Where a checkpoint's files may resolve to: its directory and, for a Hugging Face hub
+    cache snapshot (`models--ORG--NAME/snapshots/REV/FILE`, a symlink to `../../blobs/SHA`),
+    its repository's blobs."""
+    real = root.resolve()
+    blobs = real.parent.parent / "blobs"
+    if real.parent.name == "snapshots" and blobs.is_dir():
+        return real, blobs.resolve()
+    return (real,)
+
+
+def checkpoint_file(root: Path, given: object, entry: str = "") -> Path:
+    """The file a checkpoint names (`given`, relative to its directory `root`), resolved:
+    CheckpointError unless it is a regular file inside the checkpoint after resolving `..`,
+    absolute paths and symlinks (`_MissingFile` if absent). `entry`: what gave the path, for
+    the message (an index's weight_map entry). Every file the loader opens comes from here."""
+    what = f"{entry} -> {given!r}" if entry else repr(given)
+    if not isinstance(given, str) or not given:
+        raise CheckpointError(f"{root}: {what} is not a file name",
+                              hint=f"an index maps each tensor name to a file name in {root}")
+    try:
+        path = (root / given).resolve()
+        inside = any(path.is_relative_to(d) for d in _containing_dirs(root))
+    except (OSError, ValueError, RuntimeError) as e:      # NUL bytes, symlink loops
+        raise CheckpointError(f"{root}: {what} is not a usable path ({e})") from None
+    if not inside:
+        raise CheckpointError(f"{root}: {what} resolves to {path}, outside the checkpoint directory",
+                              hint="a checkpoint reads only files inside its directory: name them "
+                                   "relative to it, with no `..`, absolute path or symlink out")
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise _MissingFile(f"{root}: {what} does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"{root}: {what} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{root}: {what} is not a regular file")
+    return path
+
+
+def _read_json(root: Path, name: str, max_bytes: int, what: str) -> Any:
+    """A JSON file of the checkpoint (`what` it is), read no further than `max_bytes`."""
+    path = checkpoint_file(root, name)
+    try:
+        return read_json(path, max_bytes)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:                   # JSON, UTF-8, nesting and size errors
+        raise CheckpointError(f"cannot read {path} as {what}: {e}") from None
+
+
+def _exists(path: Path) -> bool:
+    return path.is_symlink() or path.exists()
+
+
 def _weight_files(root: Path) -> dict[Path, list[str] | None]:
     """Safetensors files to read -> the tensor names the index promises in each (None: no index)."""
-    index_path = root / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+    if _exists(root / INDEX_FILE):
+        index = _read_json(root, INDEX_FILE, MAX_INDEX_BYTES, "a safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_path}: weight_map is not a name -> file mapping")
+            raise CheckpointError(f"{root / INDEX_FILE}: not a valid safetensors index (no weight_map "
+                                  "mapping tensor names to files)")
         files: dict[Path, list[str]] = {}
+        missing: list[str] = []
         for name, file in weight_map.items():
-            files.setdefault(root / file, []).append(name)
-        missing = [p.name for p in files if not p.is_file()]
+            try:
+                files.setdefault(checkpoint_file(root, file, f"{INDEX_FILE} entry {name!r}"), []).append(name)
+            except _MissingFile:
+                missing.append(file)
         if missing:
             raise CheckpointError(f"{root}: {INDEX_FILE} lists shard files that do not exist: "
-                                  f"{_listing(missing)}")
-        return {p: names for p, names in files.items()}
-    single = root / SINGLE_FILE
-    if single.is_file():
-        return {single: None}
-    found = sorted(root.glob("*.safetensors"))
+                                  f"{_listing(sorted(set(missing)))}")
+        return files
+    if _exists(root / SINGLE_FILE):
+        return {checkpoint_file(root, SINGLE_FILE): None}
+    found = sorted(p.name for p in root.glob("*.safetensors"))
     if not found:
         raise CheckpointError(f"{root}: no {SINGLE_FILE}, no {INDEX_FILE} and no other *.safetensors file")
-    return {p: None for p in found}
+    return {checkpoint_file(root, name): None for name in found}
+
+
+def _open_safetensors(path: Path):
+    """`safe_open` of a checkpoint's safetensors file (a `checkpoint_file`), its header length
+    (the first 8 bytes) checked first: at most MAX_HEADER_BYTES and within the file."""
+    with path.open("rb") as f:
+        head, size = f.read(8), os.fstat(f.fileno()).st_size
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+        raise CheckpointError(f"{path}: not a safetensors file (its header length "
+                              f"{'is missing' if length < 0 else f'is {length} bytes'}; at most "
+                              f"{MAX_HEADER_BYTES} and within the file's {size} bytes)")
+    return safe_open(path, framework="np")
 
 
 _NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8}
@@ -114,7 +203,7 @@ class _OpenFiles:
 
     def __call__(self, path: Path):
         if path not in self._files:
-            self._files[path] = self._stack.enter_context(safe_open(path, framework="np"))
+            self._files[path] = self._stack.enter_context(_open_safetensors(path))
         return self._files[path]
 
 
@@ -123,22 +212,56 @@ class StoredTensor:
     file's header; ``np.asarray`` reads it whole, and indexing (``t[e]``, ``t[:, a:b]``) reads
     just that part. A generated module's ``place_weights`` packs rank by rank, so with these a
     full-size checkpoint is never held in memory at once (``load_checkpoint(lazy=True)``).
-    ``part``: the tensor is that index of the stored one (one expert's rows of a fused tensor)."""
+    ``part``: the tensor is that index of the stored one (one expert's rows of a fused tensor).
+    Every read is checked (`_checked`): values enter mkc only through here.
+    ``e8m0``: its uint8 values are E8M0 scales (``Family.e8m0_suffixes``), 255 being NaN."""
 
-    __slots__ = ("file", "name", "shape", "dtype", "part")
+    __slots__ = ("file", "name", "shape", "dtype", "part", "e8m0")
 
     def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
-                 part: tuple | None = None):
+                 part: tuple | None = None, e8m0: bool = False):
         self.file, self.name, self.shape, self.dtype = file, name, shape, np.dtype(dtype)
-        self.part = part
+        self.part, self.e8m0 = part, e8m0
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
-    def read(self, open_file: _OpenFiles) -> np.ndarray:
+    def read(self, open_file: _OpenFiles, rows: slice | None = None) -> np.ndarray:
+        """The tensor (its `part`), or of a whole stored tensor just `rows`."""
         f = open_file(self.file)
-        return f.get_tensor(self.name) if self.part is None else f.get_slice(self.name)[self.part]
+        region = self.part if self.part is not None else None if rows is None else (rows,)
+        a = f.get_tensor(self.name) if region is None else f.get_slice(self.name)[region]
+        return self._checked(a, region)
+
+    def _checked(self, a: np.ndarray, region: tuple | None) -> np.ndarray:
+        """`a` (the stored tensor's `region`), or CheckpointError naming the tensor and the
+        first bad value's index: a non-finite float, or an E8M0 scale of 255 (NaN), is never
+        a weight a model can serve."""
+        if self.e8m0 and a.dtype == np.uint8:
+            bad, what = a == 255, "E8M0 scale(s) of 255 (NaN)"
+        elif a.dtype != np.uint8:
+            bad, what = ~np.isfinite(a), "non-finite value(s)"
+        else:
+            return a
+        if not bad.any():
+            return a
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = "" if a.dtype == np.uint8 else f" ({a[first]})"
+        raise CheckpointError(
+            f"{self.file}: tensor {self.name} holds {int(bad.sum())} {what}, the first{value} "
+            f"at index {list(_absolute(region, first))}",
+            hint="a non-finite weight cannot be served: " + _FIX_FILES)
+
+    def verify(self, open_file: _OpenFiles) -> None:
+        """Read (and so check) every value, at most `_VERIFY_CHUNK_BYTES` at a time."""
+        if self.part is not None or not self.shape:
+            self.read(open_file)
+            return
+        row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        step = max(1, _VERIFY_CHUNK_BYTES // max(1, row_bytes))
+        for start in range(0, self.shape[0], step):
+            self.read(open_file, slice(start, min(start + step, self.shape[0])))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         with _OpenFiles() as open_file:
@@ -148,12 +271,27 @@ class StoredTensor:
     def __getitem__(self, index) -> np.ndarray:
         if self.part is not None:
             return np.asarray(self)[index]
-        with safe_open(self.file, framework="np") as f:
-            return f.get_slice(self.name)[index]
+        region = index if isinstance(index, tuple) else (index,)
+        with _OpenFiles() as open_file:
+            return self._checked(open_file(self.file).get_slice(self.name)[index], region)
 
     def __repr__(self) -> str:
         part = "" if self.part is None else f"[{self.part}]"
         return f"StoredTensor({self.file.name}:{self.name}{part}, {self.dtype}{list(self.shape)})"
+
+
+def _absolute(region: tuple | None, index: tuple[int, ...]) -> tuple[int, ...]:
+    """`index` into the part `region` of a tensor read (ints and slices from 0 up, as the
+    loader reads them), as an index into the whole tensor; else `index` as it is."""
+    if region is None:
+        return index
+    if not all(isinstance(r, (int, np.integer)) and r >= 0 or isinstance(r, slice)
+               and (r.start or 0) >= 0 and r.step in (None, 1) for r in region):
+        return index
+    out, rest = [], iter(index)
+    for r in region:
+        out.append(int(r) if not isinstance(r, slice) else (r.start or 0) + next(rest))
+    return (*out, *rest)
 
 
 class StackedExperts:
@@ -173,6 +311,12 @@ class StackedExperts:
 
     def _expert(self, e: int, open_file: _OpenFiles) -> np.ndarray:
         return np.concatenate([p.read(open_file) for p in self.experts[e]], axis=0)
+
+    def verify(self, open_file: _OpenFiles) -> None:
+        """Read (and so check) every value, one part at a time."""
+        for parts in self.experts:
+            for p in parts:
+                p.verify(open_file)
 
     def read(self, open_file: _OpenFiles) -> np.ndarray:
         return np.stack([self._expert(e, open_file) for e in range(len(self.experts))])
@@ -197,6 +341,16 @@ class StackedExperts:
 
 
 Source = StoredTensor | StackedExperts
+
+
+def verify_values(hf: Mapping[str, Source], skip: Collection[str] = ()) -> None:
+    """Read every value of a lazy load (`load_checkpoint(lazy=True)`) but those of `skip`'s
+    tensors (read already), so each is checked; CheckpointError names the first bad tensor.
+    Memory stays at one chunk of one tensor."""
+    with _OpenFiles() as open_file:
+        for name, source in hf.items():
+            if name not in skip:
+                source.verify(open_file)
 
 
 def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
@@ -228,15 +382,18 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
 
 def _read_config(root: Path) -> tuple[dict[str, Any], Family, Any]:
     """(config.json as a dict, its family, the family reference's config)."""
-    config_path = root / CONFIG_FILE
-    if not config_path.is_file():
+    if not _exists(root / CONFIG_FILE):
         raise CheckpointError(f"{root}: missing {CONFIG_FILE}")
+    config = _read_json(root, CONFIG_FILE, MAX_CONFIG_BYTES, "a Hugging Face config")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise TypeError("not a JSON object")
         family = family_of(config)
         cfg = family.module("reference").load_config(config)
-    except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{config_path}: unusable config ({e})") from e
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"{root / CONFIG_FILE}: unusable config ({e})",
+                              hint=getattr(e, "hint", "") or "compare it with a shipped config in "
+                                                             "mkc/model/configs") from None
     return config, family, cfg
 
 
@@ -270,7 +427,7 @@ def _read_headers(root: Path, family: Family, expected: dict) -> _Headers:
     headers = _Headers()
     for file, promised in _weight_files(root).items():
         try:
-            with safe_open(file, framework="np") as f:
+            with _open_safetensors(file) as f:
                 stored = set(f.keys())
                 if promised is not None and (absent := sorted(set(promised) - stored)):
                     raise CheckpointError(f"{file}: tensors listed for it in {INDEX_FILE} are not in "
@@ -281,7 +438,8 @@ def _read_headers(root: Path, family: Family, expected: dict) -> _Headers:
                         continue
                     view = f.get_slice(stored_name)
                     shape, code = tuple(view.get_shape()), view.get_dtype()
-                    tensor = StoredTensor(file, stored_name, shape, _NUMPY_DTYPES.get(code, np.uint8))
+                    tensor = StoredTensor(file, stored_name, shape, _NUMPY_DTYPES.get(code, np.uint8),
+                                          e8m0=name.endswith(family.e8m0_suffixes))
                     if name in expected:
                         _locate(headers, root, name, tensor, code, expected[name])
                     elif (other := _other_layout(family, name, expected)) is not None:
@@ -416,7 +574,8 @@ def _split(headers: _Headers, fused: str, pieces: list, expected: dict) -> None:
         for e, per_expert in enumerate(names):
             for p, name in enumerate(per_expert):
                 headers.sources[name] = StoredTensor(tensor.file, tensor.name, part_shape, tensor.dtype,
-                                                     part=(e, slice(p * rows, (p + 1) * rows)))
+                                                     part=(e, slice(p * rows, (p + 1) * rows)),
+                                                     e8m0=tensor.e8m0)
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],

@@ -213,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _requantization(c, model: str | None) -> dict:
     """What packing does to a checkpoint model's values in the spec's requantizing formats
-    (MkcError at the format line where it cannot hold them as asked). Only `check` and
-    `compile` measure it: it reads every expert matrix of the checkpoint."""
+    (MkcError at the format line where it cannot hold them as asked), and a checkpoint's
+    every name, shape and value checked (MkcError at the model line). Only `check` and
+    `compile` do it: it reads every value of the checkpoint."""
     from mkc.requantize import report
     return report(c.ir, c.schedule, model)
 

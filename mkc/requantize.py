@@ -3,7 +3,8 @@ fp4 block N [rounded]` on K3, `fp8 block N rounded` on Qwen3.5 MoE: the family's
 `rounding_formats`): with a checkpoint directory as the model, `mkc check` and `mkc
 compile` requantize its matrices as packing will, refuse (at the spec's `format` line) a class
 that cannot be held exactly without `rounded`, and report the error per matrix class against
-the checkpoint's values; with a config alone they say when it will be measured."""
+the checkpoint's values; with a config alone they say when it will be measured. With a
+checkpoint they also check every value of it, as packing reads them."""
 from __future__ import annotations
 
 import importlib
@@ -21,7 +22,9 @@ def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
 
 
 def checkpoint_dir(sched, model: str | None) -> Path | None:
-    """The model's checkpoint directory (a config.json beside safetensors files), or None."""
+    """The model's checkpoint directory (a config.json beside safetensors files or an index
+    of them), or None."""
+    from mkc.checkpoint import INDEX_FILE
     from mkc.model.config import resolve_config_path
     setting = sched.settings.get("model")
     if model is None and setting is None:
@@ -29,16 +32,23 @@ def checkpoint_dir(sched, model: str | None) -> Path | None:
     path = resolve_config_path(model or setting.value,
                                None if model else Path(sched.source_file).parent)
     root = path.parent if path.name == "config.json" else None
-    return root if root is not None and any(root.glob("*.safetensors")) else None
+    try:
+        holds_weights = root is not None and (any(root.glob("*.safetensors")) or
+                                              (root / INDEX_FILE).exists())
+    except OSError:
+        holds_weights = False
+    return root if holds_weights else None
 
 
 def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     """Per requantizing class: its format and, with a checkpoint, the measured error (values
-    moved, inexact blocks, max abs, relative RMS). MkcError at the class's `format` line where
-    the checkpoint cannot be held exactly and the spec did not say `rounded`."""
+    moved, inexact blocks, max abs, relative RMS). With a checkpoint directory as the model,
+    the checkpoint is checked as packing will read it: its names, shapes and dtypes, and
+    every value (`mkc.checkpoint.verify_values`: no non-finite float, no NaN E8M0 scale).
+    MkcError at the class's `format` line where its matrices cannot be held exactly and the
+    spec did not say `rounded`, or hold a value that cannot be requantized; at the `model`
+    line for any other problem of the checkpoint."""
     classes = requantizing(s)
-    if not classes:
-        return {}
     root = checkpoint_dir(sched, model)
     if root is None:
         return {cls: {"format": f.spelled, "measured": False,
@@ -46,23 +56,40 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
                               "packed (the module's requantized_weights), or here with "
                               "--model CHECKPOINT_DIR"}
                 for cls, f in classes.items()}
-    from mkc.checkpoint import load_checkpoint
+    from mkc.checkpoint import CheckpointError, load_checkpoint, verify_values
+    from mkc.diagnostics import fail
     from mkc.model import registry
     from mkc.model.family import FormatError
     from mkc.model.sharding import ShardTable
-    from mkc.resolve.formats import format_error
-    _, hf = load_checkpoint(root, lazy=True)
+    from mkc.resolve.formats import format_error, format_span
+    model_line = sched.settings["model"].span
+    try:
+        _, hf = load_checkpoint(root, lazy=True)
+    except CheckpointError as e:
+        raise fail("E-CHECKPOINT", str(e), model_line, hint=e.hint) from None
     family = registry.get(s.family)
     dims = family.read_dims(s.model_config, s.model)
     weights = importlib.import_module(f"{s.family_package}.weights")
+    measured: dict[str, dict] = {}
+    read: set[str] = set()
+    # one class at a time, in the spec's order: an error is at its class's line
+    for cls, fmt in sorted(classes.items(), key=lambda c: format_span(sched, c[0]).line):
+        try:
+            held, one = weights.requantization(hf, dims, {cls: fmt}, ShardTable.of(s.shards, s.ranks))
+        except FormatError as e:
+            where = fmt.where + ": "
+            text = str(e)[len(where):] if str(e).startswith(where) else str(e)
+            raise format_error(FormatError(e.cls, text, e.hint), sched) from None
+        except CheckpointError as e:
+            raise fail("E-CHECKPOINT", f"`format {cls} {fmt.spelled}` cannot requantize the "
+                       f"checkpoint: {e}", format_span(sched, cls), hint=e.hint) from None
+        measured |= one
+        read |= set(held)
     try:
-        _, measured = weights.requantization(hf, dims, s.weight_formats,
-                                             ShardTable.of(s.shards, s.ranks))
-    except FormatError as e:
-        where = s.weight_formats[e.cls].where + ": "
-        text = str(e)[len(where):] if str(e).startswith(where) else str(e)
-        raise format_error(FormatError(e.cls, text, e.hint), sched) from None
-    return {cls: {**r, "measured": True, "checkpoint": str(root)} for cls, r in measured.items()}
+        verify_values(hf, skip=read)
+    except CheckpointError as e:
+        raise fail("E-CHECKPOINT", str(e), model_line, hint=e.hint) from None
+    return {cls: {**measured[cls], "measured": True, "checkpoint": str(root)} for cls in classes}
 
 
 def lines(rep: dict[str, dict]) -> list[str]:

@@ -154,7 +154,7 @@ def test_sharded_index_errors(tmp_path: Path, config: dict, params: dict[str, np
         load_checkpoint(tmp_path)
 
     index_path.write_text("{not json")
-    with pytest.raises(CheckpointError, match="not a valid safetensors index"):
+    with pytest.raises(CheckpointError, match="as a safetensors index: Expecting property name"):
         load_checkpoint(tmp_path)
 
 
@@ -172,3 +172,226 @@ def test_k3_mxfp4_codes_round_trip_as_uint8_and_floats_in_their_place_are_refuse
     save_checkpoint(tmp_path / "bad", config, bad)
     with pytest.raises(CheckpointError, match=rf"{re.escape(codes[0])}: dtype F32, expected U8"):
         load_checkpoint(tmp_path / "bad")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile checkpoints: every file opened is inside the checkpoint and size-capped before it is
+# read, every value read is checked, and each failure is a located diagnostic through the CLI.
+
+QWEN_MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
+
+
+def _cli_diagnostic(argv: list[str], capsys) -> dict:
+    """The one diagnostic of an `mkc ... --json` run that fails (exit 1, no exception)."""
+    from mkc.cli import main
+    assert main([*argv, "--json"]) == 1
+    [d] = json.loads(capsys.readouterr().out)["diagnostics"]
+    return d
+
+
+def _line_of(spec: Path, start: str) -> int:
+    return next(i for i, t in enumerate(spec.read_text().splitlines(), 1) if t.strip().startswith(start))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path: Path, config: dict, params: dict,
+                                                          value: float, capsys) -> None:
+    """A dense Qwen checkpoint with one non-finite weight: the eager load, the lazy load's
+    reads (whole, a part) and `mkc check`/`mkc compile --model DIR` all refuse it, naming the
+    tensor and the index (they loaded, and packed, it silently)."""
+    name = "model.layers.2.mlp.up_proj.weight"
+    bad = params[name].copy()
+    bad[5, 7] = value
+    save_checkpoint(tmp_path, config, {**params, name: bad}, max_shard_bytes=1 << 20)
+    want = (rf"tensor {re.escape(name)} holds 1 non-finite value\(s\), the first \(-?(nan|inf)\) "
+            r"at index \[5, 7\]")
+    with pytest.raises(CheckpointError, match=want):
+        load_checkpoint(tmp_path)
+    _, lazy = load_checkpoint(tmp_path, lazy=True)
+    for read in (np.asarray, lambda t: t[4:6], lambda t: t[5]):
+        with pytest.raises(CheckpointError, match=want):
+            read(lazy[name])
+    np.testing.assert_array_equal(lazy[name][:5].view(np.uint16), params[name][:5].view(np.uint16))
+    from tests_support import SPEC
+    for cmd in ("check", "compile"):
+        out = tmp_path / "out"
+        output = ["-o", str(out)] if cmd == "compile" else []
+        d = _cli_diagnostic([cmd, str(SPEC), "--model", str(tmp_path), *output], capsys)
+        assert d["code"] == "E-CHECKPOINT" and re.search(want, d["message"]), d
+        assert (d["file"], d["line"]) == (str(SPEC), _line_of(SPEC, "model")) and "re-download" in d["hint"]
+        assert not out.exists()
+
+
+def test_a_non_finite_expert_weight_is_located_at_its_format_line(tmp_path: Path, capsys) -> None:
+    """NaN in Qwen3.5 MoE's fused gate_up experts, which `format expert.gate_up fp8 block N
+    rounded` requantizes: a diagnostic at that line naming the tensor (was: ValueError
+    'a value that is not finite cannot be requantized to FP8')."""
+    from mkc.families.qwen3_5_moe import reference as moe
+    config = json.loads((ROOT / "mkc/model/configs/qwen3_5_moe_mini.json").read_text())
+    params = moe.init_params(moe.load_config(config), seed=0)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    bad = params[name].copy()
+    bad[3, 2, 1] = np.nan
+    save_checkpoint(tmp_path, config, {**params, name: bad})
+    d = _cli_diagnostic(["check", str(QWEN_MOE_SPEC), "--model", str(tmp_path)], capsys)
+    assert d["code"] == "E-CHECKPOINT" and d["line"] == _line_of(QWEN_MOE_SPEC, "format expert.gate_up")
+    assert d["message"].startswith("`format expert.gate_up fp8 block")
+    assert f"tensor {name} holds 1 non-finite value(s), the first (nan) at index [3, 2, 1]" in d["message"]
+
+
+def test_a_nan_e8m0_scale_is_refused_at_the_format_line(tmp_path: Path, capsys) -> None:
+    """K3 MINI with one MXFP4 scale of 255 (E8M0's NaN): the loader names the tensor; `mkc
+    check` of the K3 spec locates it at the requantizing class's `format` line (was:
+    ValueError 'a scale of 255 (NaN) cannot be requantized')."""
+    import sys
+
+    from mkc.families.kimi_k3 import reference as k3
+    from tests_support import K3_SPEC
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import k3_mini_text
+    config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
+    params = k3.init_params(k3.load_config(config), seed=0)
+    name = "model.layers.1.block_sparse_moe.experts.0.w2.weight_scale"
+    bad = params[name].copy()
+    bad[4, 1] = 255
+    save_checkpoint(tmp_path / "ckpt", config, {**params, name: bad})
+    want = f"tensor {name} holds 1 E8M0 scale(s) of 255 (NaN), the first at index [4, 1]"
+    with pytest.raises(CheckpointError, match=re.escape(want)):
+        load_checkpoint(tmp_path / "ckpt")
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(k3_mini_text(K3_SPEC.read_text()))
+    d = _cli_diagnostic(["check", str(spec), "--model", str(tmp_path / "ckpt")], capsys)
+    assert (d["code"], d["line"]) == ("E-CHECKPOINT", _line_of(spec, "format expert.down")), d
+    assert want in d["message"] and d["message"].startswith("`format expert.down fp4 block")
+
+
+def _sparse(path: Path, size: int) -> None:
+    with path.open("r+b" if path.exists() else "wb") as f:
+        f.truncate(size)
+
+
+def test_oversized_json_and_headers_are_refused_before_they_are_read(
+        tmp_path: Path, config: dict, params: dict) -> None:
+    """A 2 GB (sparse) index or config and a safetensors header length past the cap: an error
+    naming the file and the cap, nothing read (was: the whole file read, MemoryError)."""
+    from mkc.checkpoint import MAX_HEADER_BYTES
+    save_checkpoint(tmp_path, config, params, max_shard_bytes=1 << 20)
+    index = tmp_path / "model.safetensors.index.json"
+    good = index.read_bytes()
+    _sparse(index, 2 << 30)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(index))} as a safetensors index: it is "
+                                              r"larger than 128 MiB, the most mkc reads of it"):
+        load_checkpoint(tmp_path)
+    index.write_bytes(good)
+    _sparse(tmp_path / "config.json", 2 << 30)
+    with pytest.raises(CheckpointError, match="as a Hugging Face config: it is larger than 4 MiB"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shard = tmp_path / json.loads(good)["weight_map"]["model.norm.weight"]
+    data = bytearray(shard.read_bytes())
+    data[:8] = (MAX_HEADER_BYTES + 1).to_bytes(8, "little")
+    shard.write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(shard))}: not a safetensors file \(its "
+                                              rf"header length is {MAX_HEADER_BYTES + 1} bytes; at most "
+                                              rf"{MAX_HEADER_BYTES}"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_sparse_2gb_index_is_a_diagnostic_under_a_4gib_address_space(tmp_path: Path, config: dict,
+                                                                       params: dict) -> None:
+    """`mkc check --model DIR` under `ulimit -v 4194304` (was: MemoryError traceback)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from tests_support import SPEC
+    save_checkpoint(tmp_path, config, params, max_shard_bytes=1 << 20)
+    _sparse(tmp_path / "model.safetensors.index.json", 2 << 30)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    r = subprocess.run([sys.executable, "-m", "mkc", "check", str(SPEC), "--model", str(tmp_path)],
+                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), preexec_fn=cap,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "error[E-CHECKPOINT]" in r.stderr and "larger than 128 MiB" in r.stderr
+
+
+@pytest.mark.parametrize("family_config, key", [("qwen3_5_moe_mini", "num_experts"),
+                                                ("kimi_k3_mini", "num_experts"),
+                                                ("gpt_oss_mini", "num_local_experts")])
+def test_a_config_asking_for_a_million_experts_is_refused_before_a_table_is_built(
+        tmp_path: Path, family_config: str, key: str) -> None:
+    """(was: K3's per-expert table built for 10**6 experts, 35 s and then MemoryError)"""
+    config = json.loads((ROOT / f"mkc/model/configs/{family_config}.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: 10 ** 6}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"experts = 1000000 is out of range") as e:
+        load_checkpoint(tmp_path)
+    assert "at most 16384 routed experts" in e.value.hint
+
+
+def _first_shard_entry(root: Path) -> tuple[Path, dict, str, str]:
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name, file = next(iter(index["weight_map"].items()))
+    return index_path, index, name, file
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink_out", "symlink_system_file", "directory"])
+def test_an_index_entry_cannot_read_outside_the_checkpoint(tmp_path: Path, config: dict, params: dict,
+                                                           how: str) -> None:
+    """`../x`, an absolute path, a symlink inside the directory to a file outside it (or to
+    /etc/passwd), or a directory: refused, naming the index entry (tensor and path), before
+    anything is opened (was: tensors loaded from outside, /etc/passwd parsed as a header)."""
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, config, params, max_shard_bytes=1 << 20)
+    index_path, index, name, file = _first_shard_entry(root)
+    outside = tmp_path / "outside.safetensors"
+    (root / file).rename(outside)
+    given = file
+    if how == "dotdot":
+        given = "../outside.safetensors"
+    elif how == "absolute":
+        given = str(outside)
+    elif how == "symlink_out":
+        (root / file).symlink_to(outside)
+    elif how == "symlink_system_file":
+        (root / file).symlink_to("/etc/passwd")
+    else:
+        (root / file).mkdir()
+    index["weight_map"] = {n: given if f == file else f for n, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    problem = "is not a regular file" if how == "directory" else "outside the checkpoint directory"
+    with pytest.raises(CheckpointError, match=re.escape(f"model.safetensors.index.json entry {name!r} -> "
+                                                        f"{given!r}") + ".*" + problem):
+        load_checkpoint(root)
+
+
+def test_config_and_single_file_symlinked_out_are_refused(tmp_path: Path, config: dict, params: dict) -> None:
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, config, params)
+    (root / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (root / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match="'model.safetensors' resolves to .*outside the checkpoint"):
+        load_checkpoint(root)
+    (root / "config.json").rename(tmp_path / "config.json")
+    (root / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="'config.json' resolves to .*outside the checkpoint"):
+        load_checkpoint(root)
+
+
+def test_a_hugging_face_hub_snapshot_loads_through_its_blob_symlinks(tmp_path: Path, config: dict,
+                                                                     params: dict) -> None:
+    """The hub cache's layout (`snapshots/REV/FILE` -> `../../blobs/SHA`) stays loadable: its
+    blobs are the checkpoint's own files."""
+    save_checkpoint(tmp_path / "plain", config, params, max_shard_bytes=1 << 20)
+    repo = tmp_path / "models--org--mini"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted((tmp_path / "plain").iterdir())):
+        f.rename(blobs / f"sha{i}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"sha{i}")
+    _assert_same(load_checkpoint(snapshot)[1], params)

@@ -17,7 +17,12 @@ CONFIG_DIR = Path(__file__).with_name("configs")
 
 MAX_CONFIG_BYTES = 4 << 20
 MAX_LAYERS = 1024
-MAX_DIM = 1 << 24          # far above any real width, head or expert count; keeps loops bounded
+MAX_DIM = 1 << 24          # far above any real width or head count; keeps loops bounded
+# A checkpoint's weight table has a few tensors per layer per routed expert (per-expert
+# layouts: 497,052 for full K3, 93 x 896 expert-layers), so the product is bounded, not just
+# each factor: a config asking for 10**6 experts is refused before any table is built.
+MAX_EXPERTS = 1 << 14
+MAX_EXPERT_LAYERS = 1 << 18
 
 
 def resolve_config_path(model: str, relative_to: Path | None = None) -> Path:
@@ -57,13 +62,30 @@ def upstream_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) ->
     else:
         path = Path(path_or_dict)
         path = path / "config.json" if path.is_dir() else path
-        raw, name = json.loads(path.read_text(encoding="utf-8")), model_name(path)
+        raw, name = read_json(path, MAX_CONFIG_BYTES), model_name(path)
     text = raw.get("text_config")
     return (text if isinstance(text, Mapping) else raw), name
 
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number a model dimension can take")
+
+
+def read_json(path: Path, max_bytes: int) -> Any:
+    """A JSON file of at most `max_bytes`, strict (no NaN or Infinity), read no further than
+    the cap: ValueError (JSON, UTF-8, nesting and size alike) or OSError."""
+    with Path(path).open("rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"it is larger than {_bytes(max_bytes)}, the most mkc reads of it")
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("it nests too deeply") from None
+
+
+def _bytes(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
 
 
 def read_config(path: Path, where: Span) -> dict:
@@ -77,15 +99,11 @@ def read_config(path: Path, where: Span) -> dict:
         raise fail("E-MODEL", f"model config {path} is not a regular file", where,
                    hint="point `model` at a config.json or a checkpoint directory holding one")
     try:
-        with p.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ValueError(f"it is larger than {MAX_CONFIG_BYTES >> 20} MiB")
-        raw = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        raw = read_json(p, MAX_CONFIG_BYTES)
     except OSError as e:
         raise fail("E-MODEL", f"cannot read model config {path}: {e.strerror}", where,
                    hint="check the path and its permissions") from None
-    except (ValueError, RecursionError) as e:    # JSON, UTF-8 and size errors are ValueErrors
+    except ValueError as e:                     # JSON, UTF-8, nesting and size errors
         raise fail("E-MODEL", f"cannot read model config {path}: {e}", where,
                    hint="the file must be a Hugging Face style config.json") from None
     if not isinstance(raw, dict):
@@ -162,6 +180,14 @@ def out_of_range(dims) -> ConfigError | None:
         if isinstance(v, float) and not (math.isfinite(v) and (v > 0 or f.metadata.get("any_sign"))):
             return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a finite "
                                "positive number")
+    experts = getattr(dims, "experts", 1)
+    if experts > MAX_EXPERTS:
+        return ConfigError(f"experts = {experts} is out of range", f"a model of at most {MAX_EXPERTS} "
+                           "routed experts")
+    if experts * dims.num_hidden_layers > MAX_EXPERT_LAYERS:
+        return ConfigError(f"{dims.num_hidden_layers} layers of {experts} routed experts are "
+                           f"{experts * dims.num_hidden_layers} expert-layers, more than mkc reads "
+                           f"({MAX_EXPERT_LAYERS})", "check num_hidden_layers and the expert count")
     if getattr(dims, "top_k", 0) > getattr(dims, "experts", 0):
         return ConfigError(f"top-k {dims.top_k} exceeds the {dims.experts} experts",
                            "num_experts_per_token <= num_experts")

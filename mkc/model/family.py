@@ -115,6 +115,9 @@ class Family:
     skipped_prefixes: tuple[str, ...] = ()
     # Routed-expert tensors a checkpoint may store fused or per expert (either loads).
     expert_layouts: tuple[ExpertLayout, ...] = ()
+    # Name suffixes of the uint8 tensors that hold E8M0 scales (MXFP4's), where 255 is NaN:
+    # the checkpoint loader refuses such a scale as it refuses a non-finite float.
+    e8m0_suffixes: tuple[str, ...] = ()
     # The generated module imports the dims class from (module, name).
     dims_import: tuple[str, str] = ("", "")
     # Matrix classes a spec may store in another format (`format CLASS FORMAT`): class ->

@@ -87,7 +87,11 @@ def resolve_formats(s: ResolveState) -> ResolveState:
     return dataclasses.replace(s, formats=chosen)
 
 
+def format_span(sched: ast.Schedule, cls: str) -> Span:
+    """The spec's `format` line of a matrix class (else its name)."""
+    return next((f.span for f in sched.formats if f.matrix.text == cls), sched.name.span)
+
+
 def format_error(e: FormatError, sched: ast.Schedule) -> MkcError:
     """A format the family's graph build refuses, at the spec's `format` line of its class."""
-    span = next((f.span for f in sched.formats if f.matrix.text == e.cls), sched.name.span)
-    return fail("E-FORMAT", str(e), span, hint=e.hint)
+    return fail("E-FORMAT", str(e), format_span(sched, e.cls), hint=e.hint)

@@ -46,6 +46,19 @@ def test_out_of_range_values_are_rejected(tmp_path, config, key, value, words):
     _rejects(tmp_path, text, words)
 
 
+MOE = json.loads((CONFIG_DIR / "qwen3_5_moe_mini.json").read_text())
+
+
+@pytest.mark.parametrize("config,change,words", [
+    (K3, {"num_experts": 10**6}, "experts = 1000000 is out of range"),
+    # each factor in range, their product (the weight table's expert tensors) not
+    (MOE, {"num_experts": 16384, "num_hidden_layers": 20, "layer_types": MOE["layer_types"] * 5},
+     "20 layers of 16384 routed experts are 327680 expert-layers"),
+])
+def test_expert_counts_are_bounded_before_any_table_is_built(tmp_path, config, change, words):
+    _rejects(tmp_path, json.dumps(config | change), words)
+
+
 def test_k3_gate_floor_may_be_negative(tmp_path):
     assert _load(tmp_path, json.dumps(K3)).gate_lower_bound == -5.0
 

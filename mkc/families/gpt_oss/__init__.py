@@ -100,5 +100,5 @@ FAMILY = Family(
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
     vmem_inputs=rope_input,
-    weight_formats=WEIGHT_FORMATS,
+    weight_formats=WEIGHT_FORMATS, e8m0_suffixes=("_scales",),
 )

@@ -12,4 +12,5 @@ FAMILY = Family(
     plain_state_tolerance=3e-2,
     weight_formats=WEIGHT_FORMATS, rounding_formats=("fp4",),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
+    e8m0_suffixes=(".weight_scale",),
 )

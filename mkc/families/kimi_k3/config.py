@@ -88,7 +88,8 @@ class KimiDims(Dims):
 
     @staticmethod
     def load(path: str | Path) -> "KimiDims":
-        return read_dims(json.loads(Path(path).read_text()), Path(path).stem)
+        from mkc.model.config import MAX_CONFIG_BYTES, read_json   # (it imports the registry)
+        return read_dims(read_json(Path(path), MAX_CONFIG_BYTES), Path(path).stem)
 
     def layer_plan(self) -> list[tuple[str, str]]:
         """(attention kind, MLP kind) per layer."""
