@@ -633,10 +633,10 @@ HUGE_TOPOLOGIES = ["9" * 5000 + "x1x1", "1x1x" + "9" * 5000, HUGE_DIGITS + "x2",
 RETARGET_TOPOLOGIES = TOPOLOGIES + ["-1x2x2", "2x-2x2", "0", "00x02x02", "2x2x2x2x2", "1x" * 300 + "1",
                                     "２x2x2", "2x2x2 ", "2X2X2", "2x2x", "x2x2", "2xx2", ""]
 MALFORMED_TARGETS = ["", " ", "tpu7x", "topology 2x2x2", "tpu7x topology", "tpu7x 2x2x2",
-                     "tpu7x topology 2x2x2 extra", "tpu7x\ttopology\t2x2x2", "tpu7x topology 2x2x2\n",
-                     "TPU7X topology 2x2x2", "tpu7x Topology 2x2x2", "tpu7x topology 2x2x2;",
-                     "--json", "-", "tpu7x topology topology 2x2x2", "target tpu7x topology 2x2x2",
-                     "tpu7x topology 2x2x2 # a comment", '"tpu7x topology 2x2x2"', "v6e topology 4x4,8"]
+                     "tpu7x topology 2x2x2 extra", "TPU7X topology 2x2x2", "tpu7x Topology 2x2x2",
+                     "tpu7x topology 2x2x2;", "--json", "-", "tpu7x topology topology 2x2x2",
+                     "target tpu7x topology 2x2x2", "tpu7x topology 2x2x2 # a comment",
+                     '"tpu7x topology 2x2x2"', "v6e topology 4x4,8", "tpu7x topology 2x2x2\n\n1"]
 MODELS_VALUES = ["0", "-1", "1", "2", "3", "100", "2147483648", "9" * 5000, "-" + "9" * 30, "1e3",
                  "", "３", " 2", "0x10"]
 # (no absolute device paths: a regression in the guard must not replace one on the machine)
@@ -660,19 +660,39 @@ def rt_generation(rng, b: Base, case: Case):
 
 def rt_topology(rng, b: Base, case: Case):
     gen = rng.choice(["tpu7x", "v6e", "v5p", "v5e"])
-    grid = rng.choice(HUGE_TOPOLOGIES if rng.random() < 0.3 else RETARGET_TOPOLOGIES)
+    grid = rng.choice(RETARGET_TOPOLOGIES)
     _retarget_argv(case, f"{gen} topology {grid}")
     case.desc = f"--target '{gen} topology {_show(grid, 40)}'"
     return b.spec
 
 
+def rt_huge(rng, b: Base, case: Case):
+    """Numbers past int()'s default limit of 4300 digits: in the topology or in --models."""
+    if rng.random() < 0.7:
+        gen, grid = rng.choice(["tpu7x", "v6e", "v5p"]), rng.choice(HUGE_TOPOLOGIES)
+        _retarget_argv(case, f"{gen} topology {grid}")
+        case.desc = f"--target '{gen} topology {_show(grid, 40)}'"
+        return b.spec
+    models = rng.choice(["9" * 5000, "-" + HUGE_DIGITS])
+    _retarget_argv(case, rng.choice(GOOD_SLICES), models)
+    case.desc = f"--models {_show(models, 30)}"
+    return b.spec
+
+
 def rt_malformed(rng, b: Base, case: Case):
-    if rng.random() < 0.5:
-        text = rng.choice(MALFORMED_TARGETS)
-    else:                                       # an odd character in a slice that works
-        good = rng.choice(GOOD_SLICES)
-        pos = rng.randrange(len(good) + 1)
-        text = good[:pos] + rng.choice(ODD_UNICODE[:-1] + LINE_BREAKS).replace("\x00", "") + good[pos:]
+    text = rng.choice(MALFORMED_TARGETS)
+    _retarget_argv(case, text)
+    case.desc = f"--target {_show(text, 50)}"
+    return b.spec
+
+
+def rt_spacing(rng, b: Base, case: Case):
+    """An odd character or run of white space in a slice that works (some are still that
+    slice: white space between its words)."""
+    good = rng.choice(GOOD_SLICES)
+    pos = rng.randrange(len(good) + 1)
+    odd = rng.choice([c for c in ODD_UNICODE + LINE_BREAKS if c != "\x00"] + ["\t", "   ", "\n"])
+    text = good[:pos] + odd + good[pos:]
     _retarget_argv(case, text)
     case.desc = f"--target {_show(text, 50)}"
     return b.spec
@@ -707,8 +727,10 @@ def rt_mutant(rng, b: Base, case: Case):
 
 RETARGET_KINDS = {
     "rt_generation": (rt_generation, 3),
-    "rt_topology": (rt_topology, 5),
-    "rt_malformed": (rt_malformed, 5),
+    "rt_topology": (rt_topology, 4),
+    "rt_huge": (rt_huge, 2),
+    "rt_malformed": (rt_malformed, 3),
+    "rt_spacing": (rt_spacing, 3),
     "rt_models": (rt_models, 2),
     "rt_output": (rt_output, 2),
     "rt_mutant": (rt_mutant, 3),
