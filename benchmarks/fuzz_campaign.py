@@ -1,38 +1,68 @@
-"""Fuzz campaign for the checker: seeded mutants of the shipped specs, each checked in a worker
-process with a timeout and a memory cap, every outcome classified.
+"""Fuzz campaign for mkc: seeded mutants of the shipped specs (and hostile arguments,
+checkpoints and editor sessions), each run by a target in a worker process with a timeout and
+a memory cap, every outcome classified.
 
     .venv/bin/python benchmarks/fuzz_campaign.py [--cases 10000] [--seed 0] [--workers 2]
         [--timeout 10] [--mem-gib 4] [--compile-fraction 0.2] [--json OUT]
-    .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--emit DIR]   # one case
+        [--target check|fmt|retarget|checkpoint|lsp|all] [--kind K]
+    .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--target T] [--emit DIR]
 
 Mutants start from every shipped spec (`bases()`): checked with a MINI config where one divides
 the spec's mesh (the K3 specs moved to 2 hosts, `2x2x2`, `tp = 16`, as the tests run them), and
 the 27B Qwen and 397B MoE specs with their own full configs. Mutation kinds: token deletes,
 replacements and duplications; numbers replaced by extreme values; non-UTF-8 bytes and odd
 unicode; topologies, tile bounds and contexts at the edges (and generations, 2-D and 3-D);
-duplicated, swapped, deleted and repeated lines and blocks; truncation; odd model paths
-(devices, directories, a FIFO, a symlink loop); config.json files with extreme or mistyped
-values for each key and malformed documents; schedule and model names that make bad module
-names.
+duplicated, swapped, deleted and repeated lines and blocks; truncation; an item of a list
+written twice (`gqa: qkv_gate, o_proj, gate_up, down, down`); runs of line breaks other than
+"\n" (`\r`, `\u2028`, `\u2029`, `\f`, `\x0b`, `\x85`) inside comments, at line ends or in
+place of a line feed; odd model paths (devices, directories, a FIFO, a symlink loop);
+config.json files with extreme or mistyped values for each key and malformed documents;
+schedule and model names that make bad module names.
 
-Each case runs `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
-model-path and name case) also `compile_spec`, writing the module into a package directory and
-importing it; for a sample of the others the step-time model (`mkc perf`'s `perf.run`). Outcome classes:
+Targets (`--target`; `all` draws one per case, apart from the mutation's stream, among those
+available; `TARGETS` is the registry, each with its kinds, its run function and its share of
+the timeout):
+
+    check       `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
+                model-path and name case) also `compile_spec`, writing the module into a package
+                directory and importing it; for a sample of the others the step-time model
+                (`mkc perf`'s `perf.run`)
+    fmt         `mkc fmt -` on the spec-text mutants: what the parser accepts must format to
+                text that parses to the same AST (`mkc.lang.ast.meaning`) with the same
+                comments, and formatting that text again must change nothing
+    retarget    `mkc retarget` as the command line runs it, with hostile --target strings
+                (generations, topologies at the edges and with numbers of 5000 digits,
+                malformed text, odd white space), --models values and -o paths, and spec
+                mutants to a slice that works; what it writes must pass `mkc check`
+    checkpoint  `mkc check SPEC --model ckpt` (and the requantization report) on a checkpoint
+                directory written by a writer of benchmarks/fuzz_checkpoint.py's
+                CHECKPOINT_WRITERS (`(rng, dir) -> description`)
+    lsp         a hostile session from benchmarks/fuzz_lsp.py (`hostile_session(rng)` frames,
+                `run_session(frames, timeout)` an outcome dict)
+
+A target whose module is missing is reported as unavailable (`--target all` skips it).
+Outcome classes:
 
     ok             accepted (and, when compiled, the module imports)
     diagnostic     MkcError whose diagnostics all have file, line, column and hint, and render
+                   (retarget: also argparse's usage error and `mkc`'s E-IO for an OSError)
     bad_diagnostic MkcError with a diagnostic lacking a location or hint, or failing to render
     traceback      any other exception (signature: type and innermost mkc frame)
     bad_output     accepted, but the written module fails on import, overwrites a file it did
-                   not create, or has a name that is not a safe module name
-    hang           more CPU seconds than the timeout, or 3x the timeout (at least 30 s) of wall
-                   time (signature: the outermost mkc frames of a stack dump taken at the
-                   deadline); the worker is restarted
+                   not create, or has a name that is not a safe module name; a retargeted spec
+                   that fails `mkc check`, or a retarget that changed its input
+    fmt_unstable   formatting the formatted text changes it again
+    fmt_changed_meaning  the formatted text does not parse, or parses to another AST, or its
+                   comments differ (trailing white space aside)
+    hang           more CPU seconds than the case's timeout (--timeout times its target's
+                   factor), or 3x that (at least 30 s) of wall time (signature: the outermost
+                   mkc frames of a stack dump taken at the deadline); the worker is restarted
     memory         MemoryError under the address-space cap
     crash          the worker process died
 
-A case is a pure function of (seed, index), so `--only I` reproduces it and `--emit DIR` writes
-its spec and files for `mkc check`. The exit status is 1 if any case is outside ok/diagnostic.
+A case is a pure function of (seed, index) and the --target and --kind asked for, so `--only I`
+reproduces it and `--emit DIR` writes its spec and files. Signatures of targets other than
+check start with `[target]`. The exit status is 1 if any case is outside ok/diagnostic.
 `tests/test_fuzz_specs.py` runs a smaller seeded campaign through the same generators.
 """
 from __future__ import annotations
