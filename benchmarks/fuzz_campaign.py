@@ -1,38 +1,68 @@
-"""Fuzz campaign for the checker: seeded mutants of the shipped specs, each checked in a worker
-process with a timeout and a memory cap, every outcome classified.
+"""Fuzz campaign for mkc: seeded mutants of the shipped specs (and hostile arguments,
+checkpoints and editor sessions), each run by a target in a worker process with a timeout and
+a memory cap, every outcome classified.
 
     .venv/bin/python benchmarks/fuzz_campaign.py [--cases 10000] [--seed 0] [--workers 2]
         [--timeout 10] [--mem-gib 4] [--compile-fraction 0.2] [--json OUT]
-    .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--emit DIR]   # one case
+        [--target check|fmt|retarget|checkpoint|lsp|all] [--kind K]
+    .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--target T] [--emit DIR]
 
 Mutants start from every shipped spec (`bases()`): checked with a MINI config where one divides
 the spec's mesh (the K3 specs moved to 2 hosts, `2x2x2`, `tp = 16`, as the tests run them), and
 the 27B Qwen and 397B MoE specs with their own full configs. Mutation kinds: token deletes,
 replacements and duplications; numbers replaced by extreme values; non-UTF-8 bytes and odd
 unicode; topologies, tile bounds and contexts at the edges (and generations, 2-D and 3-D);
-duplicated, swapped, deleted and repeated lines and blocks; truncation; odd model paths
-(devices, directories, a FIFO, a symlink loop); config.json files with extreme or mistyped
-values for each key and malformed documents; schedule and model names that make bad module
-names.
+duplicated, swapped, deleted and repeated lines and blocks; truncation; an item of a list
+written twice (`gqa: qkv_gate, o_proj, gate_up, down, down`); runs of line breaks other than
+"\n" (`\r`, `\u2028`, `\u2029`, `\f`, `\x0b`, `\x85`) inside comments, at line ends or in
+place of a line feed; odd model paths (devices, directories, a FIFO, a symlink loop);
+config.json files with extreme or mistyped values for each key and malformed documents;
+schedule and model names that make bad module names.
 
-Each case runs `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
-model-path and name case) also `compile_spec`, writing the module into a package directory and
-importing it; for a sample of the others the step-time model (`mkc perf`'s `perf.run`). Outcome classes:
+Targets (`--target`; `all` draws one per case, apart from the mutation's stream, among those
+available; `TARGETS` is the registry, each with its kinds, its run function and its share of
+the timeout):
+
+    check       `mkc.compiler.check_spec`; for a sample of accepted cases (and every config,
+                model-path and name case) also `compile_spec`, writing the module into a package
+                directory and importing it; for a sample of the others the step-time model
+                (`mkc perf`'s `perf.run`)
+    fmt         `mkc fmt -` on the spec-text mutants: what the parser accepts must format to
+                text that parses to the same AST (`mkc.lang.ast.meaning`) with the same
+                comments, and formatting that text again must change nothing
+    retarget    `mkc retarget` as the command line runs it, with hostile --target strings
+                (generations, topologies at the edges and with numbers of 5000 digits,
+                malformed text, odd white space), --models values and -o paths, and spec
+                mutants to a slice that works; what it writes must pass `mkc check`
+    checkpoint  `mkc check SPEC --model ckpt` (and the requantization report) on a checkpoint
+                directory written by a writer of benchmarks/fuzz_checkpoint.py's
+                CHECKPOINT_WRITERS (`(rng, dir) -> description`)
+    lsp         a hostile session from benchmarks/fuzz_lsp.py (`hostile_session(rng)` frames,
+                `run_session(frames, timeout)` an outcome dict)
+
+A target whose module is missing is reported as unavailable (`--target all` skips it).
+Outcome classes:
 
     ok             accepted (and, when compiled, the module imports)
     diagnostic     MkcError whose diagnostics all have file, line, column and hint, and render
+                   (retarget: also argparse's usage error and `mkc`'s E-IO for an OSError)
     bad_diagnostic MkcError with a diagnostic lacking a location or hint, or failing to render
     traceback      any other exception (signature: type and innermost mkc frame)
     bad_output     accepted, but the written module fails on import, overwrites a file it did
-                   not create, or has a name that is not a safe module name
-    hang           more CPU seconds than the timeout, or 3x the timeout (at least 30 s) of wall
-                   time (signature: the outermost mkc frames of a stack dump taken at the
-                   deadline); the worker is restarted
+                   not create, or has a name that is not a safe module name; a retargeted spec
+                   that fails `mkc check`, or a retarget that changed its input
+    fmt_unstable   formatting the formatted text changes it again
+    fmt_changed_meaning  the formatted text does not parse, or parses to another AST, or its
+                   comments differ (trailing white space aside)
+    hang           more CPU seconds than the case's timeout (--timeout times its target's
+                   factor), or 3x that (at least 30 s) of wall time (signature: the outermost
+                   mkc frames of a stack dump taken at the deadline); the worker is restarted
     memory         MemoryError under the address-space cap
     crash          the worker process died
 
-A case is a pure function of (seed, index), so `--only I` reproduces it and `--emit DIR` writes
-its spec and files for `mkc check`. The exit status is 1 if any case is outside ok/diagnostic.
+A case is a pure function of (seed, index) and the --target and --kind asked for, so `--only I`
+reproduces it and `--emit DIR` writes its spec and files. Signatures of targets other than
+check start with `[target]`. The exit status is 1 if any case is outside ok/diagnostic.
 `tests/test_fuzz_specs.py` runs a smaller seeded campaign through the same generators.
 """
 from __future__ import annotations
@@ -56,7 +86,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "mkc" / "model" / "configs"
-FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic")
+FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic",
+                   "fmt_unstable", "fmt_changed_meaning")
 CLASSES = ("ok", "diagnostic") + FAILURE_CLASSES
 
 # ---- the base specs ------------------------------------------------------------------------
@@ -123,6 +154,8 @@ class Case:
     files: list = field(default_factory=list)   # (op, relpath, payload): see materialize()
     compile: bool = False            # also compile, write and import when the check passes
     perf: bool = False               # else also model its steps (mkc perf) when it passes
+    target: str = "check"            # what runs the case (TARGETS)
+    argv: list = field(default_factory=list)    # the target's command-line options
 
     def materialize(self, d: Path) -> Path:
         """Write the spec and the case's files under directory d; the spec path."""
@@ -137,6 +170,11 @@ class Case:
                 os.mkfifo(p)
             elif op == "symlink":
                 os.symlink(payload, p)
+            elif op == "checkpoint":             # payload: the name of a fuzz_checkpoint writer
+                (writers,) = _external("fuzz_checkpoint", "CHECKPOINT_WRITERS")
+                p.mkdir(exist_ok=True)
+                self.desc += ": " + str(writers[payload](
+                    random.Random(f"mkc-fuzz-checkpoint:{self.seed}:{self.index}"), p))
         spec = d / "spec.sched"
         spec.write_bytes(self.spec)
         return spec
@@ -388,6 +426,64 @@ def mut_truncate(rng, b: Base, case: Case):
     return b.spec[:pos]
 
 
+
+_ITEM = r"[A-Za-z_][\w.]*(?:\s*->\s*[A-Za-z_][\w.]*)?"        # `o_proj`, `state.conv -> conv_buf`
+# a comma-separated list (two or more items), or one item alone after `KEY:` (a stream line)
+_LIST = re.compile(rf"{_ITEM}(?:[ \t]*,[ \t]*{_ITEM})+|(?<=:)[ \t]*{_ITEM}(?=[ \t]*(?:#|$))", re.M)
+
+
+def _lists(text: str) -> list[tuple[int, int]]:
+    """Spans of the item lists outside comments and strings."""
+    skip = [m.span() for m in re.finditer(r'"[^"\n]*"|#[^\n]*', text)]
+    return [m.span() for m in _LIST.finditer(text)
+            if not any(a <= m.start() < b or a < m.end() <= b for a, b in skip)]
+
+
+def mut_list_duplicate(rng, b: Base, case: Case):
+    """An item of a list written twice: at the list's end (`..., down, down`) or beside itself."""
+    lo, hi = rng.choice(_lists(b.spec))
+    items = [m for m in re.finditer(_ITEM, b.spec[lo:hi])]
+    item = rng.choice(items)
+    word = item.group()
+    if rng.random() < 0.5:
+        case.desc = f"list at {_where(b.spec, lo)}: {word!r} again at the end"
+        return b.spec[:hi] + ", " + word + b.spec[hi:]
+    at = lo + item.end()
+    case.desc = f"list at {_where(b.spec, lo)}: {word!r} again after itself"
+    return b.spec[:at] + ", " + word + b.spec[at:]
+
+
+# what str.splitlines() (and editors) break lines at, besides "\n"; lark counts only "\n"
+LINE_BREAKS = ["\r", "\u2028", "\u2029", "\f", "\x0b", "\x85"]
+
+
+def mut_line_break(rng, b: Base, case: Case):
+    """A run of odd line-break characters inside a comment, at a line's end, in place of a
+    line's "\n", or every line end written "\r" or "\r\n"."""
+    run = "".join(rng.choice(LINE_BREAKS) for _ in range(rng.choice([1, 1, 2, 3])))
+    lines = _lines(b.spec)
+    comment = [i for i, ln in enumerate(lines) if "#" in ln]
+    mode = rng.randrange(6)
+    if mode == 5:
+        end = rng.choice(["\r", "\r\n"])
+        case.desc = f"every line ends in {end!r}"
+        return b.spec.replace("\n", end)
+    i = rng.choice(comment if mode in (0, 1, 3) else _code_lines(b.spec))
+    ln = lines[i]
+    body = ln.rstrip("\n")
+    if mode == 0:                                       # inside a comment
+        pos = rng.randrange(ln.index("#") + 1, len(body) + 1)
+        lines[i] = ln[:pos] + run + ln[pos:]
+        case.desc = f"{run!r} inside the comment on line {i + 1}"
+    elif mode in (1, 2):                                # at the end of a (comment or code) line
+        lines[i] = body + run + ln[len(body):]
+        case.desc = f"{run!r} at the end of line {i + 1}"
+    else:                                               # in place of the line's "\n"
+        lines[i] = body + run
+        case.desc = f"{run!r} in place of line {i + 1}'s line feed"
+    return "".join(lines)
+
+
 MODEL_PATHS = ["/dev/zero", "/dev/null", "/dev/urandom", "/", ".", "..", "", "emptydir",
                "dir_with_dir_config", "fifo", "loop", "dangling", "/etc/passwd", "/etc",
                "/proc/self/status", "qwen3_8_mini\x00", "x" * 5000, "a/" * 3000 + "config.json",
@@ -549,31 +645,246 @@ MUTATIONS = {
     "line_repeat": (mut_line_repeat, 2),
     "block": (mut_block, 3),
     "truncate": (mut_truncate, 2),
+    "list_duplicate": (mut_list_duplicate, 5),
+    "line_break": (mut_line_break, 5),
     "model_path": (mut_model_path, 4),
     "config_value": (mut_config_value, 10),
     "config_document": (mut_config_document, 2),
     "names": (mut_names, 4),
 }
-# Kinds that need a model: always checked against the base's model (a mutated spec never holds
-# the only copy of it).
+# ---- retarget's arguments -----------------------------------------------------------------
+
+# slices each shipped family retargets to (mkc's tests check them): a case that gets past the
+# arguments models its candidates
+GOOD_SLICES = ["tpu7x topology 2x2x2", "v6e topology 4x4", "v5p topology 2x2x4", "v6e topology 2x4",
+               "tpu7x topology 2x2x1"]
+# numbers past int()'s default limit of 4300 digits
+HUGE_TOPOLOGIES = ["9" * 5000 + "x1x1", "1x1x" + "9" * 5000, HUGE_DIGITS + "x2", "2x" + "0" * 4400 + "2"]
+RETARGET_TOPOLOGIES = TOPOLOGIES + ["-1x2x2", "2x-2x2", "0", "00x02x02", "2x2x2x2x2", "1x" * 300 + "1",
+                                    "２x2x2", "2x2x2 ", "2X2X2", "2x2x", "x2x2", "2xx2", ""]
+MALFORMED_TARGETS = ["", " ", "tpu7x", "topology 2x2x2", "tpu7x topology", "tpu7x 2x2x2",
+                     "tpu7x topology 2x2x2 extra", "TPU7X topology 2x2x2", "tpu7x Topology 2x2x2",
+                     "tpu7x topology 2x2x2;", "--json", "-", "tpu7x topology topology 2x2x2",
+                     "target tpu7x topology 2x2x2", "tpu7x topology 2x2x2 # a comment",
+                     '"tpu7x topology 2x2x2"', "v6e topology 4x4,8", "tpu7x topology 2x2x2\n\n1"]
+MODELS_VALUES = ["0", "-1", "1", "2", "3", "100", "2147483648", "9" * 5000, "-" + "9" * 30, "1e3",
+                 "", "３", " 2", "0x10"]
+# (no absolute device paths: a regression in the guard must not replace one on the machine)
+OUTPUT_NAMES = ["spec.sched", ".", "out/", "missing/dir/out.sched", "fifo_link", "class.sched",
+                "__init__.sched", "a" * 300 + ".sched", "x y.sched", "-.sched",
+                "out.sched/", "spec.sched/../spec.sched", "fifo"]
+
+
+def _retarget_argv(case: Case, slice_text: str, models: str = "3", out: str = "out.sched") -> None:
+    # `--opt=value`: a value that starts with '-' is a value, as a shell user would quote it
+    case.argv = [f"--target={slice_text}", f"--models={models}", f"--out={out}"]
+
+
+def rt_generation(rng, b: Base, case: Case):
+    gen = rng.choice(GENERATIONS)
+    grid = rng.choice(GOOD_SLICES).split()[-1]
+    _retarget_argv(case, f"{gen} topology {grid}")
+    case.desc = f"--target '{gen} topology {grid}'"
+    return b.spec
+
+
+def rt_topology(rng, b: Base, case: Case):
+    gen = rng.choice(["tpu7x", "v6e", "v5p", "v5e"])
+    grid = rng.choice(RETARGET_TOPOLOGIES)
+    _retarget_argv(case, f"{gen} topology {grid}")
+    case.desc = f"--target '{gen} topology {_show(grid, 40)}'"
+    return b.spec
+
+
+def rt_huge(rng, b: Base, case: Case):
+    """Numbers past int()'s default limit of 4300 digits: in the topology or in --models."""
+    if rng.random() < 0.7:
+        gen, grid = rng.choice(["tpu7x", "v6e", "v5p"]), rng.choice(HUGE_TOPOLOGIES)
+        _retarget_argv(case, f"{gen} topology {grid}")
+        case.desc = f"--target '{gen} topology {_show(grid, 40)}'"
+        return b.spec
+    models = rng.choice(["9" * 5000, "-" + HUGE_DIGITS])
+    _retarget_argv(case, rng.choice(GOOD_SLICES), models)
+    case.desc = f"--models {_show(models, 30)}"
+    return b.spec
+
+
+def rt_malformed(rng, b: Base, case: Case):
+    text = rng.choice(MALFORMED_TARGETS)
+    _retarget_argv(case, text)
+    case.desc = f"--target {_show(text, 50)}"
+    return b.spec
+
+
+def rt_spacing(rng, b: Base, case: Case):
+    """An odd character or run of white space in a slice that works (some are still that
+    slice: white space between its words)."""
+    good = rng.choice(GOOD_SLICES)
+    pos = rng.randrange(len(good) + 1)
+    odd = rng.choice([c for c in ODD_UNICODE + LINE_BREAKS if c != "\x00"] + ["\t", "   ", "\n"])
+    text = good[:pos] + odd + good[pos:]
+    _retarget_argv(case, text)
+    case.desc = f"--target {_show(text, 50)}"
+    return b.spec
+
+
+def rt_models(rng, b: Base, case: Case):
+    models = rng.choice(MODELS_VALUES)
+    slice_text = rng.choice(GOOD_SLICES)
+    _retarget_argv(case, slice_text, models)
+    case.desc = f"--target '{slice_text}' --models {_show(models, 30)}"
+    return b.spec
+
+
+def rt_output(rng, b: Base, case: Case):
+    out = rng.choice(OUTPUT_NAMES)
+    slice_text = rng.choice(GOOD_SLICES)
+    case.files += [("fifo", "fifo", None), ("symlink", "fifo_link", "fifo")]
+    _retarget_argv(case, slice_text, "1", out)
+    case.desc = f"--target '{slice_text}' -o {_show(out, 40)}"
+    return b.spec
+
+
+def rt_mutant(rng, b: Base, case: Case):
+    """A mutant of the spec (one of the spec-text kinds) retargeted to a slice that works."""
+    kind = rng.choice(SPEC_TEXT_KINDS)
+    text = MUTATIONS[kind][0](rng, b, case)
+    slice_text = rng.choice(GOOD_SLICES)
+    _retarget_argv(case, slice_text, "1")
+    case.desc = f"{kind}: {case.desc}; --target '{slice_text}'"
+    return text
+
+
+RETARGET_KINDS = {
+    "rt_generation": (rt_generation, 3),
+    "rt_topology": (rt_topology, 4),
+    "rt_huge": (rt_huge, 2),
+    "rt_malformed": (rt_malformed, 3),
+    "rt_spacing": (rt_spacing, 3),
+    "rt_models": (rt_models, 2),
+    "rt_output": (rt_output, 2),
+    "rt_mutant": (rt_mutant, 3),
+}
+# the kinds that change only the spec's text (what `mkc fmt` reads)
+SPEC_TEXT_KINDS = [k for k in MUTATIONS if k not in ("model_path", "config_value", "config_document")]
+
+
+# ---- the targets ---------------------------------------------------------------------------
+
+
+class TargetUnavailable(Exception):
+    """An external target's module is missing or lacks what the campaign calls."""
+
+
+def _external(module: str, *names: str):
+    """benchmarks/<module>.py's attributes `names`; TargetUnavailable says what is missing."""
+    import importlib
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise TargetUnavailable(f"benchmarks/{module}.py cannot be imported ({e})") from None
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        raise TargetUnavailable(f"benchmarks/{module}.py lacks {', '.join(missing)}")
+    return [getattr(mod, n) for n in names]
+
+
+def _checkpoint_kinds() -> dict:
+    """fuzz_checkpoint's writers, each `(rng, dir) -> description`, as kinds: the case's spec is
+    its base unchanged, checked with `--model ckpt`, a directory the writer fills."""
+    (writers,) = _external("fuzz_checkpoint", "CHECKPOINT_WRITERS")
+
+    def kind(name):
+        def make(rng, b: Base, case: Case):
+            case.files.append(("checkpoint", "ckpt", name))
+            case.model = "ckpt"
+            case.desc = f"checkpoint written by {name}"
+            return b.spec
+        return make
+    return {name: (kind(name), 1) for name in writers}
+
+
+def _lsp_kinds() -> dict:
+    """One kind: a hostile session (fuzz_lsp.hostile_session) drawn in the worker."""
+    _external("fuzz_lsp", "hostile_session", "run_session")
+
+    def make(rng, b: Base, case: Case):
+        case.desc = "a hostile LSP session (benchmarks/fuzz_lsp.py)"
+        return b.spec
+    return {"lsp_session": (make, 1)}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a case runs, in the worker: its mutation kinds, how it runs a case (a partial
+    outcome, or MkcError/any exception for the shared classification) and its share of
+    `--target all`."""
+    name: str
+    kinds: object                    # () -> {kind: (generator, weight)}; may raise TargetUnavailable
+    run: object                      # (case, case directory, outcome so far) -> outcome fields
+    weight: int
+    timeout_factor: float = 1.0      # the case's CPU seconds: this times --timeout
+    base_weights: dict = field(default_factory=lambda: BASE_WEIGHTS)
+    command: str = "mkc check spec.sched"      # for the reproducer
+
+
+MINI_BASES = {k: v for k, v in BASE_WEIGHTS.items() if k.endswith("_mini")}
+TARGETS: dict[str, Target] = {}      # filled below the worker's run functions
+
+
+def target_of(seed: int, index: int, target: str = "check") -> str:
+    """The target case `index` runs: `target`, or under "all" one drawn apart from the mutation's
+    stream among the available targets."""
+    if target != "all":
+        return target
+    names = available_targets()
+    return random.Random(f"mkc-fuzz-target:{seed}:{index}").choices(
+        names, weights=[TARGETS[n].weight for n in names])[0]
+
+
+def available_targets() -> list[str]:
+    """The targets whose modules are present (check, fmt and retarget always are)."""
+    return [name for name in TARGETS if _unavailable(name) is None]
+
+
+def _unavailable(name: str) -> str | None:
+    """Why target `name` cannot run here, or None."""
+    try:
+        TARGETS[name].kinds()
+    except TargetUnavailable as e:
+        return str(e)
+    return None
+
+
 _BASES = None
 
 
-def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | None = None) -> Case:
-    """Case `index` of the campaign with this seed: a pure function of its arguments."""
+def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | None = None,
+              target: str = "check") -> Case:
+    """Case `index` of the campaign with this seed (and --kind, --target): a pure function of
+    its arguments."""
     global _BASES
     if _BASES is None:
         _BASES = bases()
+    target = target_of(seed, index, target)
+    t = TARGETS[target]
+    generators = t.kinds()
     rng = random.Random(f"mkc-fuzz:{seed}:{index}")
-    kinds = list(MUTATIONS)
-    kind = kind or rng.choices(kinds, weights=[MUTATIONS[k][1] for k in kinds])[0]
-    base = rng.choices(list(BASE_WEIGHTS), weights=list(BASE_WEIGHTS.values()))[0]
+    kinds = list(generators)
+    kind = kind or rng.choices(kinds, weights=[generators[k][1] for k in kinds])[0]
+    base = rng.choices(list(t.base_weights), weights=list(t.base_weights.values()))[0]
     b = _BASES[base]
-    case = Case(seed, index, kind, base, b"", b.model, "")
-    text = MUTATIONS[kind][0](rng, b, case)
+    case = Case(seed, index, kind, base, b"", b.model, "", target=target)
+    text = generators[kind][0](rng, b, case)
     case.spec = text if isinstance(text, bytes) else text.encode("utf-8")
-    case.compile = case.compile or rng.random() < compile_fraction
-    case.perf = models_steps(seed, index)
+    if target == "check":
+        case.compile = case.compile or rng.random() < compile_fraction
+        case.perf = models_steps(seed, index)
+    else:
+        case.compile = False
     return case
 
 
@@ -590,7 +901,8 @@ def reproducer(case: Case, limit: int = 200) -> str:
             j = i
             while j + 1 < len(diff) and diff[j + 1] == diff[i]:
                 j += 1
-            ln = diff[i] if len(diff[i]) <= limit else f"{diff[i][:limit]}...({len(diff[i])} chars)"
+            ln = diff[i] if diff[i].isprintable() else repr(diff[i])      # odd characters shown
+            ln = ln if len(ln) <= limit else f"{ln[:limit]}...({len(ln)} chars)"
             out.append(ln + (f"   [this line {j - i + 1} times]" if j > i else ""))
             i = j + 1
     for op, rel, payload in case.files:
@@ -604,11 +916,13 @@ def reproducer(case: Case, limit: int = 200) -> str:
                                              _lines(text), b.config + ".json", rel, n=0))
             body = diff if len(diff) < 12 else [f"+ {_show(text, limit)}"]
             out += [ln.rstrip("\n")[:limit] for ln in body]
-    model = f" --model {case.model!r}" if case.model else ""
+    model = f" --model {case.model!r}" if case.model and case.target != "fmt" else ""
+    command = TARGETS[case.target].command.replace(" check ", " compile ") if case.compile else \
+        TARGETS[case.target].command
+    options = "".join(f" {_show(a, limit // 2)}" for a in case.argv)
     out.append(f"# base {case.base}; {case.desc}")
-    out.append(f"# mkc {'compile' if case.compile else 'check'} spec.sched{model}"
-               f"   (files: benchmarks/fuzz_campaign.py --seed {case.seed} --only {case.index}"
-               " --emit DIR)")
+    out.append(f"# {command}{model}{options}   (files: benchmarks/fuzz_campaign.py --seed "
+               f"{case.seed} --only {case.index} --target {case.target} --emit DIR)")
     return "\n".join(out)
 
 
@@ -640,51 +954,24 @@ def _safe_module_name(name: str) -> str | None:
 
 
 def run_case(case: Case, work: Path) -> dict:
-    """Check (and maybe compile and import) one case in the current process; its outcome."""
+    """Run one case in the current process with its target; its outcome."""
     import traceback
 
     import mkc
-    from mkc import compiler
     from mkc.diagnostics import MkcError
     mkc_dir = os.path.dirname(mkc.__file__) + os.sep
     d = work / f"case{case.index}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     os.chdir(d)
-    res = {"index": case.index, "kind": case.kind, "base": case.base}
-    stage = "check"
+    res = {"index": case.index, "kind": case.kind, "base": case.base, "target": case.target,
+           "stage": "check"}
     try:
-        spec = case.materialize(d)
-        c = compiler.check_spec(spec, case.model)
-        if case.compile:
-            stage = "compile"
-            c = compiler.compile_spec(spec, case.model)
-            stage = "write"
-            res.update(_write_and_import(case, c, d))
-            return res
-        if case.perf:
-            stage = "perf"
-            _model_steps(c.ir)
-        res["cls"] = "ok"
+        res.update(TARGETS[case.target].run(case, d, res))
     except MkcError as e:
-        source = case.spec.decode("utf-8", errors="replace")
-        bad = []
-        for dg in e.diagnostics:
-            s = dg.span
-            if not (s.file and s.line >= 1 and s.column >= 1 and dg.hint and dg.code):
-                bad.append(f"{dg.code}: file={s.file!r} line={s.line} column={s.column} "
-                           f"hint={bool(dg.hint)}")
-        try:
-            e.render(source)
-        except Exception as r:          # noqa: BLE001 - classify, do not crash the worker
-            bad.append(f"render raises {type(r).__name__}")
-        res["codes"] = e.codes
-        if bad:
-            res.update(cls="bad_diagnostic", sig=f"{stage}: {bad[0].split(':')[0]} "
-                       f"{_norm(bad[0].split(':', 1)[1]) if ':' in bad[0] else ''}",
-                       detail="; ".join(bad) + f" | {str(e)[:300]}")
-        else:
-            res["cls"] = "diagnostic"
+        res.update(_diagnostic_outcome(e, case.spec.decode("utf-8", errors="replace"), res["stage"]))
+    except TargetUnavailable as e:
+        res.update(cls="crash", sig=f"target {case.target} unavailable", detail=str(e))
     except CaseTimeout as e:             # the pool's SIGUSR2 at the deadline: where it was
         frames = traceback.extract_tb(e.__traceback__)
         mk = [f for f in frames if f.filename.startswith(mkc_dir)
@@ -694,16 +981,177 @@ def run_case(case: Case, work: Path) -> dict:
             detail=_frames_text(frames, 6))
     except MemoryError as e:
         frames = traceback.extract_tb(e.__traceback__)
-        res.update(cls="memory", sig=f"{stage}: MemoryError @ {_mkc_frame(frames, mkc_dir)}",
+        res.update(cls="memory", sig=f"{res['stage']}: MemoryError @ {_mkc_frame(frames, mkc_dir)}",
                    detail=_frames_text(frames), restart=True)
     except BaseException as e:          # noqa: BLE001 - RecursionError, SystemExit, anything
         frames = traceback.extract_tb(e.__traceback__)
-        res.update(cls="traceback", sig=f"{stage}: {type(e).__name__} @ {_mkc_frame(frames, mkc_dir)}",
+        res.update(cls="traceback",
+                   sig=f"{res['stage']}: {type(e).__name__} @ {_mkc_frame(frames, mkc_dir)}",
                    detail=f"{type(e).__name__}: {str(e)[:300]}\n{_frames_text(frames)}")
     finally:
         os.chdir(work)
         shutil.rmtree(d, ignore_errors=True)
-    return res
+    if case.target != "check" and res.get("sig"):      # signatures name their target
+        res["sig"] = f"[{case.target}] {res['sig']}"
+    res.pop("stage")
+    return {k: v for k, v in res.items() if v is not None}
+
+
+def _diagnostic_outcome(e, source: str, stage: str) -> dict:
+    """An MkcError's class: diagnostic if every diagnostic has a file, line, column, code and
+    hint and the error renders; else bad_diagnostic."""
+    bad = []
+    for dg in e.diagnostics:
+        s = dg.span
+        if not (s.file and s.line >= 1 and s.column >= 1 and dg.hint and dg.code):
+            bad.append(f"{dg.code}: file={s.file!r} line={s.line} column={s.column} "
+                       f"hint={bool(dg.hint)}")
+    try:
+        e.render(source)
+    except Exception as r:              # noqa: BLE001 - classify, do not crash the worker
+        bad.append(f"render raises {type(r).__name__}")
+    if not bad:
+        return {"cls": "diagnostic", "codes": e.codes}
+    return {"cls": "bad_diagnostic", "codes": e.codes,
+            "sig": f"{stage}: {bad[0].split(':')[0]} "
+                   f"{_norm(bad[0].split(':', 1)[1]) if ':' in bad[0] else ''}",
+            "detail": "; ".join(bad) + f" | {str(e)[:300]}"}
+
+
+def run_check(case: Case, d: Path, res: dict) -> dict:
+    """`mkc check` (and, for a sample, `mkc compile` and an import, or the step-time model)."""
+    from mkc import compiler
+    spec = case.materialize(d)
+    c = compiler.check_spec(spec, case.model)
+    if case.compile:
+        res["stage"] = "compile"
+        c = compiler.compile_spec(spec, case.model)
+        res["stage"] = "write"
+        return _write_and_import(case, c, d)
+    if case.perf:
+        res["stage"] = "perf"
+        _model_steps(c.ir)
+    return {"cls": "ok"}
+
+
+def _comment_texts(text: str) -> list[str]:
+    """The comments as the grammar reads them (`#` to the line feed, outside strings), their
+    trailing whitespace aside (fmt drops it)."""
+    return [m.group().rstrip() for m in re.finditer(r'"[^"\n]*"|#[^\n]*', text)
+            if m.group().startswith("#")]
+
+
+def _fmt_failure(cls: str, what: str, text: str, a: str, b: str) -> dict:
+    """A fmt failure: its signature (what differs, and whether the source has line breaks other
+    than "\n", which lark and str.splitlines() count differently) and a diff."""
+    odd = sorted({repr(c) for c in text if c in LINE_BREAKS})
+    diff = [ln.rstrip("\n") for ln in difflib.unified_diff(_lines(a), _lines(b), n=0)][2:14]
+    return {"cls": cls, "sig": f"{what}" + (" (odd line breaks in the source)" if odd else ""),
+            "detail": (f"line breaks {' '.join(odd)}\n" if odd else "") + "\n".join(map(repr, diff))}
+
+
+def run_fmt(case: Case, d: Path, res: dict) -> dict:
+    """`mkc fmt -`: a spec the parser accepts formats to text that parses to the same AST with
+    the same comments, and formatting that text again changes nothing."""
+    from mkc.diagnostics import MkcError
+    from mkc.lang import ast, parser
+    from mkc.lang.fmt import format_text
+    res["stage"] = "parse"
+    sched, text = parser.parse_bytes(case.spec, "spec.sched")       # MkcError: a diagnostic
+    res["stage"] = "fmt"
+    once = format_text(text, "spec.sched")
+    res["stage"] = "fmt again"
+    try:
+        again = parser.parse(once, "spec.sched")
+    except MkcError as e:
+        return {"cls": "fmt_changed_meaning", "sig": f"formatted text does not parse ({e.codes[0]})",
+                "detail": str(e)[:400]}
+    if ast.meaning(again) != ast.meaning(sched):
+        return _fmt_failure("fmt_changed_meaning", "AST differs after fmt", text, text, once)
+    if _comment_texts(once) != _comment_texts(text):
+        before, after = _comment_texts(text), _comment_texts(once)
+        return _fmt_failure("fmt_changed_meaning", "comments differ after fmt", text,
+                            "\n".join(before) + "\n", "\n".join(after) + "\n")
+    twice = format_text(once, "spec.sched")
+    if twice != once:
+        blank_only = [ln.strip() for ln in _lines(once) if ln.strip()] == \
+            [ln.strip() for ln in _lines(twice) if ln.strip()]
+        return _fmt_failure("fmt_unstable", "formatting its output again changes "
+                            + ("blank lines" if blank_only else "text"), text, once, twice)
+    return {"cls": "ok"}
+
+
+def run_retarget(case: Case, d: Path, res: dict) -> dict:
+    """`mkc retarget spec.sched --target ... --models ... -o ...` as the command line runs it:
+    its argument errors are argparse's usage messages; the input must be left as it was and
+    what it writes must pass `mkc check`."""
+    from mkc import cli, compiler
+    from mkc.diagnostics import MkcError
+    spec = case.materialize(d)
+    argv = ["retarget", str(spec), "--json", *case.argv] + (
+        [f"--model={case.model}"] if case.model else [])
+    res["stage"] = "arguments"
+    try:
+        args = cli._parser().parse_args(argv)
+    except SystemExit as e:             # argparse's usage error: a message and exit status 2
+        if e.code == 2:
+            return {"cls": "diagnostic", "codes": ["usage"]}
+        raise
+    res["stage"] = "retarget"
+    try:
+        cli._retarget(args, True)
+    except OSError as e:                # `mkc` reports it as an E-IO diagnostic
+        return {"cls": "diagnostic", "codes": ["E-IO"], "detail": str(e)[:200]}
+    if spec.read_bytes() != case.spec:
+        return {"cls": "bad_output", "sig": "retarget changed its input spec"}
+    res["stage"] = "check the written spec"
+    try:
+        compiler.check_spec(args.out, case.model)
+    except MkcError as e:
+        return {"cls": "bad_output", "sig": f"the written spec fails mkc check ({e.codes[0]})",
+                "detail": str(e)[:400]}
+    return {"cls": "ok"}
+
+
+def run_checkpoint(case: Case, d: Path, res: dict) -> dict:
+    """`mkc check spec.sched --model ckpt` on a hostile checkpoint (benchmarks/fuzz_checkpoint.py
+    writes it): the check and the requantization report `mkc check` prints."""
+    from mkc import compiler
+    from mkc.requantize import report
+    res["stage"] = "write checkpoint"
+    spec = case.materialize(d)
+    res["stage"] = "check"
+    c = compiler.check_spec(spec, case.model)
+    res["stage"] = "requantization"
+    report(c.ir, c.schedule, case.model)
+    return {"cls": "ok"}
+
+
+def run_lsp(case: Case, d: Path, res: dict) -> dict:
+    """A hostile session with `mkc lsp` (benchmarks/fuzz_lsp.py): run_session's dict names the
+    outcome ("cls" one of CLASSES, "sig", "detail")."""
+    hostile_session, run_session = _external("fuzz_lsp", "hostile_session", "run_session")
+    res["stage"] = "session"
+    frames = hostile_session(random.Random(f"mkc-fuzz-lsp:{case.seed}:{case.index}"))
+    out = run_session(frames, LSP_SESSION_SECONDS)
+    if out.get("cls") not in CLASSES:
+        return {"cls": "crash", "sig": "run_session gave no outcome class", "detail": repr(out)[:400]}
+    return {k: out[k] for k in ("cls", "sig", "detail") if k in out}
+
+
+LSP_SESSION_SECONDS = 10.0
+TARGETS.update({
+    "check": Target("check", lambda: MUTATIONS, run_check, 10),
+    "fmt": Target("fmt", lambda: {k: MUTATIONS[k] for k in SPEC_TEXT_KINDS}, run_fmt, 4,
+                  command="mkc fmt - < spec.sched (then fmt its output again)"),
+    # a retarget that gets past its arguments checks and models a few candidate layouts: seconds
+    "retarget": Target("retarget", lambda: RETARGET_KINDS, run_retarget, 2, timeout_factor=6.0,
+                       base_weights={**MINI_BASES, "qwen_full": 5},
+                       command="mkc retarget spec.sched"),
+    "checkpoint": Target("checkpoint", _checkpoint_kinds, run_checkpoint, 2, base_weights=MINI_BASES,
+                         command="mkc check spec.sched"),
+    "lsp": Target("lsp", _lsp_kinds, run_lsp, 2, timeout_factor=2.0, command="mkc lsp < session"),
+})
 
 
 def _model_steps(s) -> None:
@@ -787,11 +1235,11 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
     signal.signal(signal.SIGUSR2, overran)               # the pool interrupts an overrunning case
     proto.write("READY\n")
     for line in sys.stdin:
-        seed, index, *kind = line.split()
+        seed, index, target, *kind = line.split()
         t0 = time.perf_counter()
         try:
-            res = run_case(make_case(int(seed), int(index), compile_fraction, kind[0] if kind else None),
-                           workdir)
+            res = run_case(make_case(int(seed), int(index), compile_fraction, kind[0] if kind else None,
+                                     target), workdir)
         except MemoryError:
             res = {"index": int(index), "cls": "memory", "sig": "MemoryError in the harness",
                    "restart": True}
@@ -835,13 +1283,13 @@ class _Worker:
             return now > self.deadline
         return self.cpu() - self.cpu0 > max(timeout, self.case_timeout) or now > self.deadline
 
-    def send(self, seed: int, index: int, kind: str | None, timeout: float) -> None:
+    def send(self, seed: int, index: int, kind: str | None, target: str, timeout: float) -> None:
         self.current = index
         self.interrupted = False
         self.cpu0 = self.cpu()
         self.case_timeout = timeout
         self.deadline = time.monotonic() + max(30.0, 3 * timeout)
-        self.proc.stdin.write(f"{seed} {index} {kind or ''}\n".encode())
+        self.proc.stdin.write(f"{seed} {index} {target} {kind or ''}\n".encode())
         self.proc.stdin.flush()
 
     def stop(self) -> None:
@@ -892,13 +1340,23 @@ class _Progress:
         self.bar.close()
 
 
+def case_timeout(seed: int, index: int, target: str, timeout: float) -> float:
+    """CPU seconds case `index` may take: its target's share of `timeout` (and more for a
+    check case that models its steps)."""
+    name = target_of(seed, index, target)
+    factor = PERF_TIMEOUT_FACTOR if name == "check" and models_steps(seed, index) else 1.0
+    return timeout * TARGETS[name].timeout_factor * factor
+
+
 def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10.0,
                  mem_gib: float = 4.0, compile_fraction: float = 0.2, kind: str | None = None,
-                 progress: bool = False) -> list[dict]:
+                 progress: bool = False, target: str = "check") -> list[dict]:
     """Run cases on a pool of long-lived workers (at most `workers` processes at a time).
 
-    indices: case numbers, or (number, kind) pairs forcing a mutation kind per case."""
+    indices: case numbers, or (number, kind) or (number, kind, target) tuples forcing a
+    mutation kind (and a target) per case."""
     kinds = {i[0]: i[1] for i in indices if isinstance(i, tuple)}
+    targets = {i[0]: i[2] for i in indices if isinstance(i, tuple) and len(i) > 2}
     indices = [i[0] if isinstance(i, tuple) else i for i in indices]
     mkc_dir = str(ROOT / "mkc") + os.sep           # the workers import mkc from ROOT
     todo = list(reversed(indices))
@@ -942,8 +1400,8 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
             for w in list(pool):
                 if w.ready and w.current is None and todo:
                     idx = todo.pop()
-                    w.send(seed, idx, kinds.get(idx, kind),
-                           timeout * (PERF_TIMEOUT_FACTOR if models_steps(seed, idx) else 1.0))
+                    tgt = targets.get(idx, target)
+                    w.send(seed, idx, kinds.get(idx, kind), tgt, case_timeout(seed, idx, tgt, timeout))
             for key, _ in sel.select(timeout=0.25):
                 w = key.data
                 chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
@@ -984,10 +1442,13 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
                     w.proc.send_signal(signal.SIGUSR1)
                     time.sleep(0.5)
                     sig, detail = _stack_signature(w.work / "stack.txt", mkc_dir)
-                    case = make_case(seed, idx, compile_fraction, kinds.get(idx, kind))
+                    case = make_case(seed, idx, compile_fraction, kinds.get(idx, kind),
+                                     targets.get(idx, target))
+                    prefix = "" if case.target == "check" else f"[{case.target}] "
                     results.append({"index": idx, "kind": case.kind, "base": case.base,
-                                    "cls": "hang", "sig": f"hang @ {sig}", "detail": detail,
-                                    "seconds": timeout})
+                                    "target": case.target, "cls": "hang",
+                                    "sig": f"{prefix}hang @ {sig}", "detail": detail,
+                                    "seconds": w.case_timeout})
                     w.current = None
                     replace(w)
             shown.advance(results)
@@ -998,30 +1459,37 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
         for w in pool:
             w.stop()
         shutil.rmtree(root, ignore_errors=True)
-    for r in results:                    # crash records lack kind/base: fill them in
+    for r in results:                    # crash records lack kind/base/target: fill them in
         if "kind" not in r:
-            case = make_case(seed, r["index"], compile_fraction, kinds.get(r["index"], kind))
-            r["kind"], r["base"] = case.kind, case.base
+            case = make_case(seed, r["index"], compile_fraction, kinds.get(r["index"], kind),
+                             targets.get(r["index"], target))
+            r["kind"], r["base"], r["target"] = case.kind, case.base, case.target
         if r["index"] in kinds:
             r["forced_kind"] = kinds[r["index"]]
+        if r["index"] in targets:
+            r["forced_target"] = targets[r["index"]]
     results.sort(key=lambda r: r["index"])
     return results
 
 
 # ---- the report ----------------------------------------------------------------------------
 
-def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str | None = None) -> dict:
+def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str | None = None,
+              target: str = "check") -> dict:
     by_class = {c: 0 for c in CLASSES}
-    by_kind: dict[str, dict[str, int]] = {}
+    by_target: dict[str, dict[str, int]] = {}
+    by_kind: dict[str, dict[str, int]] = {}      # "kind" for check's cases, else "target/kind"
     by_base: dict[str, dict[str, int]] = {}
     sigs: dict[str, dict] = {}
     for r in results:
         by_class[r["cls"]] += 1
-        for table, key in ((by_kind, r["kind"]), (by_base, r["base"])):
+        kind_key = r["kind"] if r["target"] == "check" else f"{r['target']}/{r['kind']}"
+        for table, key in ((by_target, r["target"]), (by_kind, kind_key), (by_base, r["base"])):
             table.setdefault(key, {c: 0 for c in CLASSES})[r["cls"]] += 1
         if r["cls"] in FAILURE_CLASSES:
             key = f"{r['cls']}: {r['sig']}"
-            case = make_case(seed, r["index"], compile_fraction, r.get("forced_kind", kind))
+            case = make_case(seed, r["index"], compile_fraction, r.get("forced_kind", kind),
+                             r.get("forced_target", target))
             size = (len(reproducer(case)), len(case.spec))
             s = sigs.setdefault(key, {"count": 0, "kinds": {}, "bases": {}, "best": None})
             s["count"] += 1
@@ -1031,8 +1499,20 @@ def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str
                 s["best"] = (size, r["index"], r.get("detail", ""), reproducer(case))
     slow = sorted((r for r in results if r.get("seconds") and r["cls"] != "hang"),
                   key=lambda r: -r["seconds"])[:5]
-    return {"by_class": by_class, "by_kind": by_kind, "by_base": by_base, "signatures": sigs,
-            "slowest": slow}
+    return {"by_class": by_class, "by_target": by_target, "by_kind": by_kind, "by_base": by_base,
+            "signatures": sigs, "slowest": slow}
+
+
+def _row_order(title: str, key: str) -> tuple:
+    """Report rows in the registries' order: targets, their kinds, bases."""
+    names = list(TARGETS)
+    if title == "target":
+        return (names.index(key),)
+    if title == "base":
+        return (list(BASE_WEIGHTS).index(key),)
+    target, _, kind = key.rpartition("/")
+    kinds = list(TARGETS[target or "check"].kinds())
+    return (names.index(target or "check"), kinds.index(kind) if kind in kinds else len(kinds), kind)
 
 
 def print_report(summary: dict, results: list[dict], args, wall: float) -> None:
@@ -1042,16 +1522,11 @@ def print_report(summary: dict, results: list[dict], args, wall: float) -> None:
     print(f"wall time {wall:.1f} s, {n / wall:.1f} cases/s")
     print("\noutcomes: " + ", ".join(f"{c} {v}" for c, v in summary["by_class"].items()))
     cols = [c for c in CLASSES if summary["by_class"][c]]
-    print(f"\n{'kind':<17}" + "".join(f"{c:>15}" for c in cols))
-    for kind in MUTATIONS:
-        row = summary["by_kind"].get(kind)
-        if row:
-            print(f"{kind:<17}" + "".join(f"{row[c]:>15}" for c in cols))
-    print(f"\n{'base':<17}" + "".join(f"{c:>15}" for c in cols))
-    for base in BASE_WEIGHTS:
-        row = summary["by_base"].get(base)
-        if row:
-            print(f"{base:<17}" + "".join(f"{row[c]:>15}" for c in cols))
+    for title, table in (("target", "by_target"), ("kind", "by_kind"), ("base", "by_base")):
+        width = max([17] + [len(k) + 2 for k in summary[table]])
+        print(f"\n{title:<{width}}" + "".join(f"{c:>15}" for c in cols))
+        for key, row in sorted(summary[table].items(), key=lambda kv: _row_order(title, kv[0])):
+            print(f"{key:<{width}}" + "".join(f"{row[c]:>15}" for c in cols))
     sigs = summary["signatures"]
     print(f"\n{len(sigs)} distinct failure signatures")
     for key, s in sorted(sigs.items(), key=lambda kv: -kv[1]["count"]):
@@ -1065,7 +1540,7 @@ def print_report(summary: dict, results: list[dict], args, wall: float) -> None:
             f"#{r['index']} {r['kind']} {r['seconds']:.2f} s" for r in summary["slowest"]))
     print(f"\nreproduce: .venv/bin/python benchmarks/fuzz_campaign.py --cases {args.cases} "
           f"--seed {args.seed} --workers {args.workers} --timeout {args.timeout} "
-          f"--compile-fraction {args.compile_fraction}")
+          f"--compile-fraction {args.compile_fraction} --target {args.target}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1083,13 +1558,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-gib", type=float, default=4.0, help="address-space cap per worker")
     ap.add_argument("--compile-fraction", type=float, default=0.2,
                     help="share of cases also compiled, written and imported when accepted")
-    ap.add_argument("--kind", choices=list(MUTATIONS), help="only this mutation kind")
+    ap.add_argument("--target", choices=[*TARGETS, "all"], default="check",
+                    help="what runs each case (default check; all: every available target)")
+    ap.add_argument("--kind", help="only this mutation kind (of the target's kinds)")
     ap.add_argument("--json", help="write the summary and every failing case here")
     ap.add_argument("--only", type=int, help="run (or --emit) only case I")
     ap.add_argument("--emit", help="with --only: write the case's spec and files to this directory")
     args = ap.parse_args(argv)
+    if args.target == "all":
+        missing = [n for n in TARGETS if n not in available_targets()]
+        if missing:
+            print(f"--target all skips {', '.join(missing)}: {_unavailable(missing[0])}", flush=True)
+    elif why := _unavailable(args.target):
+        ap.error(f"--target {args.target}: {why}")
+    if args.kind is not None:
+        known = sorted({k for n in available_targets() for k in TARGETS[n].kinds()}
+                       if args.target == "all" else TARGETS[args.target].kinds())
+        if args.kind not in known:
+            ap.error(f"--kind {args.kind}: not a kind of --target {args.target}; its kinds: "
+                     f"{', '.join(known)}")
     if args.emit is not None:
-        case = make_case(args.seed, args.only, args.compile_fraction, args.kind)
+        case = make_case(args.seed, args.only, args.compile_fraction, args.kind, args.target)
         d = Path(args.emit)
         d.mkdir(parents=True, exist_ok=True)
         spec = case.materialize(d)
@@ -1105,9 +1594,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)  # kill PID: stop and report the cases done so far
     t0 = time.perf_counter()
     results = run_campaign(args.seed, indices, args.workers, args.timeout, args.mem_gib,
-                           args.compile_fraction, args.kind, progress=True)
+                           args.compile_fraction, args.kind, progress=True, target=args.target)
     wall = time.perf_counter() - t0
-    summary = summarize(results, args.seed, args.compile_fraction, args.kind)
+    summary = summarize(results, args.seed, args.compile_fraction, args.kind, args.target)
     print_report(summary, results, args, wall)
     if args.json:
         sigs = {k: {"count": s["count"], "kinds": s["kinds"], "bases": s["bases"],
@@ -1115,7 +1604,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k, s in summary["signatures"].items()}
         Path(args.json).write_text(json.dumps({
             "cases": len(results), "seed": args.seed, "wall_seconds": round(wall, 2),
-            "by_class": summary["by_class"], "by_kind": summary["by_kind"],
+            "target": args.target, "by_class": summary["by_class"],
+            "by_target": summary["by_target"], "by_kind": summary["by_kind"],
             "by_base": summary["by_base"], "signatures": sigs,
             "failures": [r for r in results if r["cls"] in FAILURE_CLASSES]}, indent=2))
     return 1 if any(summary["by_class"][c] for c in FAILURE_CLASSES) else 0

@@ -1,11 +1,13 @@
-"""A seeded fuzz campaign: mutants of both shipped specs, their model configs and paths never
+"""A seeded fuzz campaign: mutants of the shipped specs, their model configs and paths never
 crash, hang or blow up mkc. Every outcome is a clean check (and, for the compiled ones, a
-module that imports) or an MkcError whose diagnostics have a location and a hint.
+module that imports) or an MkcError whose diagnostics have a location and a hint. The same
+generators feed `mkc fmt` (idempotent, the same AST and comments) and `mkc retarget` gets
+hostile --target, --models and -o values (diagnostics, never tracebacks).
 
-The generators, the worker pool (CPU-time limit, memory cap) and the outcome classes are
-`benchmarks/fuzz_campaign.py`'s; this runs a few cases of every mutation kind. A failure names
-each signature with a reproducer: `benchmarks/fuzz_campaign.py --seed SEED --only I --kind K
---emit DIR` writes the case's files.
+The generators, the targets, the worker pool (CPU-time limit, memory cap) and the outcome
+classes are `benchmarks/fuzz_campaign.py`'s; this runs a few cases of every mutation kind of
+each target. A failure names each signature with a reproducer: `benchmarks/fuzz_campaign.py
+--seed SEED --only I --target T --kind K --emit DIR` writes the case's files.
 """
 import sys
 
@@ -20,26 +22,55 @@ SEED = 9
 PER_KIND = 12              # cases of every mutation kind: QUICK in the quick tier, the rest slow
 QUICK = 4
 CPU_SECONDS = 3.0          # per case; a clean MINI check takes well under 0.5 s
+# Cases per (target, kind) in the quick tier besides QUICK of each check kind: the new
+# operators and a few others under fmt (hundredths of a second a case; fmt's line_break
+# finds a blank-line instability in about 1 case of 25); retarget's kinds refused at the
+# arguments (a retarget past them models candidate layouts, seconds: the slow tier).
+QUICK_MORE = {("fmt", kind): QUICK for kind in ("list_duplicate", "unicode", "token_replace",
+                                                "line_swap", "truncate")} | {
+    ("fmt", "line_break"): 40, ("retarget", "rt_huge"): QUICK, ("retarget", "rt_malformed"): QUICK}
+SLOW_MORE = {("retarget", kind): 3 for kind in fc.RETARGET_KINDS}
+# Bugs the campaign finds that are being fixed apart from it (issue 36): the cases still run,
+# a failure is expected until the fix is merged.
+KNOWN_BUGS = {
+    ("check", "list_duplicate"): "StopIteration in mkc/resolve/stream.py on a list item written "
+                                 "twice in a stream line",
+    ("fmt", "line_break"): "mkc fmt is not idempotent (blank lines) where line breaks other than "
+                           "\\n sit in comment lines: lark and str.splitlines() count lines apart",
+    ("retarget", "rt_huge"): "retarget --target with a topology of 5000 digits raises ValueError "
+                             "(int()'s digit limit)",
+}
+TARGET_OFFSET = {"check": 0, "fmt": 100_000, "retarget": 200_000}   # unique case numbers
 
 
-def _cases(first: int, last: int) -> list[tuple[int, str]]:
-    """(case number, forced kind): case numbers are unique, so each is reproducible alone."""
-    return [(k * 1000 + j, kind) for k, kind in enumerate(fc.MUTATIONS) for j in range(first, last)]
+def _cases(target: str, counts: dict, first: int = 0) -> list[tuple[int, str, str]]:
+    """(case number, forced kind, target): case numbers are unique, so each is reproducible alone."""
+    kinds = list(fc.TARGETS[target].kinds())
+    return [(TARGET_OFFSET[target] + kinds.index(kind) * 1000 + j, kind, target)
+            for kind, n in counts.items() for j in range(first, first + n)]
 
 
-def _campaign(cases: list[tuple[int, str]]) -> list[dict]:
+def _counts(table: dict, target: str) -> dict:
+    return {kind: n for (t, kind), n in table.items() if t == target}
+
+
+def _campaign(cases: list[tuple[int, str, str]]) -> list[dict]:
     return fc.run_campaign(SEED, cases, workers=2, timeout=CPU_SECONDS, mem_gib=4.0,
                            compile_fraction=0.25)
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict]:
-    return _campaign(_cases(0, QUICK))
+    return _campaign(_cases("check", {kind: QUICK for kind in fc.MUTATIONS})
+                     + _cases("fmt", _counts(QUICK_MORE, "fmt"))
+                     + _cases("retarget", _counts(QUICK_MORE, "retarget")))
 
 
 @pytest.fixture(scope="module")
 def more_outcomes() -> list[dict]:
-    return _campaign(_cases(QUICK, PER_KIND))
+    return _campaign(_cases("check", {kind: PER_KIND - QUICK for kind in fc.MUTATIONS}, QUICK)
+                     + _cases("fmt", {kind: PER_KIND - QUICK for kind in fc.SPEC_TEXT_KINDS}, 100)
+                     + _cases("retarget", _counts(SLOW_MORE, "retarget"), 100))
 
 
 def _describe(failures: list[dict]) -> str:
@@ -48,32 +79,45 @@ def _describe(failures: list[dict]) -> str:
         by_sig.setdefault(f"{r['cls']}: {r.get('sig', '')}", r)
     out = []
     for sig, r in by_sig.items():
-        case = fc.make_case(SEED, r["index"], 0.25, r["kind"])
+        case = fc.make_case(SEED, r["index"], 0.25, r["kind"], r["target"])
         out.append(f"{sig}\n{r.get('detail', '')[:400]}\n{fc.reproducer(case)}"
-                   f"\n(--seed {SEED} --only {r['index']} --kind {r['kind']})")
+                   f"\n(--seed {SEED} --only {r['index']} --target {r['target']} --kind {r['kind']})")
     return "\n\n".join(out)
 
 
-def _judge(outcomes: list[dict], kind: str, count: int) -> None:
-    mine = [r for r in outcomes if r["kind"] == kind]
+def _judge(outcomes: list[dict], target: str, kind: str, count: int) -> None:
+    mine = [r for r in outcomes if r["target"] == target and r["kind"] == kind]
     assert len(mine) == count
     failures = [r for r in mine if r["cls"] in fc.FAILURE_CLASSES]
-    assert not failures, f"{len(failures)} of {len(mine)} {kind} mutants failed:\n" + _describe(failures)
+    assert not failures, (f"{len(failures)} of {len(mine)} {target} {kind} mutants failed:\n"
+                          + _describe(failures))
 
 
-@pytest.mark.parametrize("kind", list(fc.MUTATIONS))
-def test_mutants_give_diagnostics_not_crashes(outcomes, kind):
-    _judge(outcomes, kind, QUICK)
+def _params(pairs) -> list:
+    return [pytest.param(t, k, id=f"{t}-{k}", marks=[pytest.mark.xfail(strict=False, reason=KNOWN_BUGS[t, k])]
+                         if (t, k) in KNOWN_BUGS else []) for t, k in pairs]
+
+
+QUICK_COUNTS = {("check", kind): QUICK for kind in fc.MUTATIONS} | QUICK_MORE
+SLOW_COUNTS = ({("check", kind): PER_KIND - QUICK for kind in fc.MUTATIONS}
+               | {("fmt", kind): PER_KIND - QUICK for kind in fc.SPEC_TEXT_KINDS} | SLOW_MORE)
+
+
+@pytest.mark.parametrize("target,kind", _params(QUICK_COUNTS))
+def test_mutants_give_diagnostics_not_crashes(outcomes, target, kind):
+    _judge(outcomes, target, kind, QUICK_COUNTS[target, kind])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(fc.MUTATIONS))
-def test_more_mutants_give_diagnostics_not_crashes(more_outcomes, kind):
-    _judge(more_outcomes, kind, PER_KIND - QUICK)
+@pytest.mark.parametrize("target,kind", _params(SLOW_COUNTS))
+def test_more_mutants_give_diagnostics_not_crashes(more_outcomes, target, kind):
+    _judge(more_outcomes, target, kind, SLOW_COUNTS[target, kind])
 
 
 def test_the_campaign_sees_both_outcomes(outcomes):
-    """The mutants reach the checker: many are rejected with diagnostics, some pass."""
-    classes = [r["cls"] for r in outcomes]
-    assert classes.count("diagnostic") > len(classes) // 3
-    assert classes.count("ok") > 0
+    """The mutants reach the checker, the formatter and retarget's checks: many are rejected
+    with diagnostics, some pass."""
+    for target in ("check", "fmt", "retarget"):
+        classes = [r["cls"] for r in outcomes if r["target"] == target]
+        assert classes.count("diagnostic") > len(classes) // 4, target
+        assert target == "retarget" or classes.count("ok") > 0, target

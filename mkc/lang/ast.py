@@ -3,6 +3,7 @@ its phases). Each statement's own node lives with its syntax in `mkc/lang/statem
 node keeps the span it was parsed from."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from mkc.diagnostics import Span
@@ -75,3 +76,18 @@ class Schedule(_Statements):
     lists: dict[str, list]
     settings: dict[str, Setting] = field(default_factory=dict)   # model, target, mesh, ...
 
+
+
+def meaning(node: object) -> object:
+    """A node without its positions (spans and file names), as nested tuples: what two layouts
+    of one spec share, so what `mkc fmt` must keep."""
+    if isinstance(node, Span):
+        return None
+    if dataclasses.is_dataclass(node):
+        return (type(node).__name__, tuple((f.name, meaning(getattr(node, f.name)))
+                                           for f in dataclasses.fields(node) if f.name != "file"))
+    if isinstance(node, (list, tuple)):
+        return tuple(meaning(x) for x in node)
+    if isinstance(node, dict):
+        return tuple(sorted((k, meaning(v)) for k, v in node.items()))
+    return node

@@ -1,6 +1,5 @@
 """`mkc fmt`: canonical, idempotent, meaning-preserving, comment-keeping; the shipped specs
 are in canonical layout (CI fails otherwise)."""
-import dataclasses
 import random
 import re
 import subprocess
@@ -8,8 +7,9 @@ import sys
 
 import pytest
 
-from mkc.diagnostics import MkcError, Span
+from mkc.diagnostics import MkcError
 from mkc.lang import parser
+from mkc.lang.ast import meaning
 from mkc.lang.fmt import format_text
 from tests_support import ROOT
 
@@ -26,20 +26,6 @@ def _parses(path) -> bool:
 
 
 PARSING = [p for p in ALL_SPECS if _parses(p)]
-
-
-def meaning(node):
-    """The AST without positions: what formatting must not change."""
-    if isinstance(node, Span):
-        return None
-    if dataclasses.is_dataclass(node):
-        return (type(node).__name__, tuple((f.name, meaning(getattr(node, f.name)))
-                                           for f in dataclasses.fields(node) if f.name != "file"))
-    if isinstance(node, (list, tuple)):
-        return tuple(meaning(x) for x in node)
-    if isinstance(node, dict):
-        return tuple(sorted((k, meaning(v)) for k, v in node.items()))
-    return node
 
 
 def comments(text: str) -> list[str]:
