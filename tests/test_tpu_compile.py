@@ -44,7 +44,11 @@ def test_full_size_kernel_fits_where_mkc_says_it_fits(name, width):
     margin = (mkc["peak"] - r["used_bytes"]) / 2**20
     print(f"{v.name}: mkc {mkc['peak'] / 2**20:.2f} MiB, libtpu {r['used_bytes'] / 2**20:.2f} "
           f"MiB, margin {margin:+.2f} MiB")
-    assert -0.01 <= margin <= 1.0 or not mkc["measured"], (v.name, margin)
+    assert margin >= -1 / 1024, (v.name, margin)       # never under libtpu's use by a KiB
+    if kind == "ring N" and mkc["measured"]:
+        # at the chip's whole VMEM, where the scratch was measured; under a limit at mkc's peak
+        # libtpu spills less (Qwen's verify step: 33.91 MiB at 35.92, 35.86 at 63.94)
+        assert margin <= 1.0, (v.name, margin)
 
 
 # An 8-rank slice of each generation (the MINI config's 8 heads divide over it).

@@ -42,6 +42,10 @@ def _hazards(s) -> set:
 @pytest.mark.parametrize("slots,ahead", list(itertools.product((1, 2, 3), (1, 2, 3, 4))))
 def test_summarised_kv_stream_has_the_hazards_of_the_whole_stream(tmp_path, monkeypatch, slots, ahead):
     for n_tiles in (1, 2, 5, 17, 40, 41):
+        if n_tiles < ahead:     # its first tiles would be started past the cache: refused
+            with pytest.raises(MkcError, match="start copies"):
+                _ir(tmp_path, slots, 16, ahead, 16 * n_tiles)
+            continue
         s = _ir(tmp_path, slots, 16, ahead, 16 * n_tiles)
         summarised = _hazards(s)
         with monkeypatch.context() as m:

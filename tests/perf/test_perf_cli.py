@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from mkc.cli import main
 from mkc.perf import constants
 from tests_support import ROOT, SPEC
@@ -54,9 +56,9 @@ def test_perf_batch_outside_the_spec_is_a_diagnostic(capsys):
     assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "9"]) == 1
     err = capsys.readouterr().err
     assert "error[E-PERF]" in err and "--batch 9" in err
-    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--context", "-1", "--json"]) == 1
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["diagnostics"][0]["code"] == "E-PERF"
+    with pytest.raises(SystemExit) as e:        # a usage error, before any spec is read
+        main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--context", "-1", "--json"])
+    assert e.value.code == 2 and "--context" in capsys.readouterr().err
 
 
 def test_perf_verify_models_one_launch_of_rows_over_fewer_caches(capsys):
