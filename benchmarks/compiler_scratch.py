@@ -62,11 +62,21 @@ def _spec_points(name: str, spec: Path, widths: tuple[int, ...] | None = None,
     return points
 
 
+# Each family's KV tiles at twice the shipped length (its bytes a token past a measure).
+KV_256 = {"qwen3_8_27b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of 256 tokens"),
+          "qwen3_5_35b_a3b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of 256 tokens"),
+          "kimi_k3": ("kv tiles 2 slots of 128 tokens", "kv tiles 2 slots of 256 tokens"),
+          **{name: ("phase gqa {\n    kv tiles 2 slots of 128", "phase gqa {\n    kv tiles 2 slots of 256")
+             for name in ("gpt_oss_20b", "gpt_oss_120b")}}
+
+
 def points() -> list[Point]:
     p = []
     for spec in sorted(SCHEDULES.glob("*.sched")):
         p += _spec_points(spec.stem, spec)
     p += _spec_points("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP8)
+    p += [Point(f"{name} kv 256 decode B8", SCHEDULES / f"{name}.sched", "decode", 8, (edit,))
+          for name, edit in KV_256.items()]
     return p
 
 
@@ -210,9 +220,10 @@ def save(m: dict) -> Path:
     data = json.loads(path.read_text()) if path.exists() else {}
     fields = {f for f in ScratchMeasure.__dataclass_fields__}
     new = {k: v for k, v in m.items() if k in fields}
-    keep = [x for x in data.get("measures", [])
-            if (x["key"], x["kernel"], x["rows"]) != (new["key"], new["kernel"], new["rows"])]
-    measures = sorted(keep + [new], key=lambda x: (json.dumps(x["key"]), x["rows"], x["kernel"]))
+    ident = ("key", "kernel", "rows", "kv_tokens")
+    keep = [x for x in data.get("measures", []) if [x[k] for k in ident] != [new[k] for k in ident]]
+    measures = sorted(keep + [new], key=lambda x: (json.dumps(x["key"]), x["kv_tokens"], x["rows"],
+                                                   x["kernel"]))
     path.write_text(json.dumps({
         "what": "VMEM libtpu allocates beyond mkc's count of buffers and windows (spill slots, "
                 "internal scratch), per geometry (mkc.checks.capacity.scratch_key) and kernel",

@@ -42,9 +42,6 @@ from mkc.trace import Event
 # grants a kernel asked for 64 MiB).
 XLA_RESERVED_VMEM = 64 << 10
 
-# Longer KV tiles add spill slots in the attention (Qwen: +417 KB at B8 from 128 to 512 tokens,
-# +113 KB at B16 from 128 to 256): bytes per token of the longest KV tile past the measured one.
-KV_TOKEN_SCRATCH = 1100
 COMPILER_SCRATCH_MARGIN = 64 << 10
 # A geometry the family has not measured (another model, chip, mesh or format): this many times
 # the largest scratch measured for the family at that width. The family's own measures are the
@@ -114,37 +111,58 @@ class CompilerScratch:
 
 def compiler_scratch(s: ir.ScheduleIR, batch: int | None = None) -> CompilerScratch:
     """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest):
-    libtpu's measure for this geometry, interpolated over rows, plus spill of KV tiles longer
-    than the measured ones; a geometry the family has not measured gets
-    `UNMEASURED_SCRATCH_FACTOR` times the family's largest measure at that width. A family
-    with no measure at all gets 0 and `check_compiler_scratch` refuses the spec."""
+    libtpu's measure for this geometry at the longest measured KV tile not longer than the
+    spec's, interpolated over rows, plus the family's measured bytes per KV-tile token for
+    tiles longer than that (`kv_token_bytes`). A geometry the family has not measured (or KV
+    tiles longer than measured, in a family that has not measured their cost) gets
+    `UNMEASURED_SCRATCH_FACTOR` times the family's largest measure at that width. A family with
+    no measure at all gets 0 and `check_compiler_scratch` refuses the spec."""
     rows = batch or s.rows_max
     if not s.compiler_scratch:
         return CompilerScratch(0, False, f"family {s.family} has no measured compiler scratch")
     key = scratch_key(s)
     tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=0)
+    per_token = kv_token_bytes(s.compiler_scratch)
     own = [m for m in s.compiler_scratch if m.key == key]
     if own:
-        n = _interpolate([(m.rows, m.bytes) for m in own], rows)
-        n += KV_TOKEN_SCRATCH * max(0, tokens - max(m.kv_tokens for m in own))
-        widths = sorted({m.rows for m in own})
-        source = (f"measured by libtpu for this geometry at {', '.join(map(str, widths))} rows "
-                  f"({own[0].libtpu})")
-        measured = True
-    else:
-        by_key: dict = {}
-        for m in s.compiler_scratch:
-            by_key.setdefault(m.key, []).append(m)
-        n = max(round(UNMEASURED_SCRATCH_FACTOR * _interpolate([(m.rows, m.bytes) for m in ms], rows))
-                + KV_TOKEN_SCRATCH * max(0, tokens - max(m.kv_tokens for m in ms))
-                for ms in by_key.values())
-        source = (f"not measured for this geometry ({_key_words(key)}): "
-                  f"{UNMEASURED_SCRATCH_FACTOR}x the largest of family {s.family}'s "
-                  f"{len(by_key)} measured geometries; measure it with "
-                  f"benchmarks/compiler_scratch.py --spec {s.source}")
-        measured = False
+        base = max((m.kv_tokens for m in own if m.kv_tokens <= tokens),
+                   default=min(m.kv_tokens for m in own))
+        if tokens <= base or per_token is not None:
+            at = [m for m in own if m.kv_tokens == base]
+            n = _interpolate([(m.rows, m.bytes) for m in at], rows)
+            n += round((per_token or 0) * max(0, tokens - base))
+            widths = ", ".join(map(str, sorted({m.rows for m in at})))
+            source = (f"measured by libtpu for this geometry at {widths} rows, KV tiles of {base} "
+                      f"tokens" + (f" (+{per_token:.0f} bytes a token past them, measured)"
+                                   if tokens > base else "") + f" ({at[0].libtpu})")
+            return _with_margin(n, True, source)
+    by_key: dict = {}
+    for m in s.compiler_scratch:
+        by_key.setdefault(m.key, []).append(m)
+    n = max(round(UNMEASURED_SCRATCH_FACTOR * _interpolate([(m.rows, m.bytes) for m in ms], rows))
+            + round((per_token or 0) * max(0, tokens - max(m.kv_tokens for m in ms)))
+            for ms in by_key.values())
+    what = (f"KV tiles of {tokens} tokens" if own else _key_words(key))
+    source = (f"not measured for this geometry ({what}): {UNMEASURED_SCRATCH_FACTOR}x the largest "
+              f"of family {s.family}'s {len(by_key)} measured geometries; measure it with "
+              f"benchmarks/compiler_scratch.py --spec {s.source}")
+    return _with_margin(n, False, source)
+
+
+def _with_margin(n: int, measured: bool, source: str) -> CompilerScratch:
     n = max(0, n) + COMPILER_SCRATCH_MARGIN
     return CompilerScratch(-(-n // 1024) * 1024, measured, source)
+
+
+def kv_token_bytes(measures) -> float | None:
+    """The family's scratch per KV-tile token: the steepest rise between two measures of one
+    geometry and kernel at two tile lengths (None: it never measured two)."""
+    groups: dict = {}
+    for m in measures:
+        groups.setdefault((m.key, m.kernel, m.rows), {})[m.kv_tokens] = m.bytes
+    slopes = [(by[t1] - by[t0]) / (t1 - t0) for by in groups.values()
+              for t0, t1 in zip(sorted(by), sorted(by)[1:])]
+    return max(0.0, *slopes) if slopes else None
 
 
 def _key_words(key: tuple[tuple[str, str], ...]) -> str:

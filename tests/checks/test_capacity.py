@@ -1,5 +1,6 @@
 """The VMEM capacity model pinned to what libtpu allocates (benchmarks/vmem_probe.py and
 benchmarks/vmem_sweep.py measured these; the JSON data beside them is the evidence)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -196,3 +197,21 @@ def test_a_limit_below_the_chips_vmem_is_named_and_raising_it_is_offered(tmp_pat
     d = next(d for d in e.value.diagnostics if d.code == "E-VMEM-CAPACITY")
     assert "the spec's limit 40.00 MiB minus reserve 6.00 MiB" in d.message
     assert d.hint.startswith("raise the limit: `vmem limit 47 MiB` fits") and d.span.line == 16
+
+
+def test_longer_kv_tiles_add_the_familys_own_measured_bytes_a_token():
+    """Qwen measured 128- and 256-token KV tiles at 8 rows: a spec with 512-token tiles gets the
+    256-token measure plus the family's own bytes a token for the 256 more."""
+    from mkc.ir import ScratchMeasure
+    s = _ir("qwen3_8_27b")
+    per_token = capacity.kv_token_bytes(s.compiler_scratch)
+    assert per_token is not None and 0 < per_token < 4096
+    longer = dataclasses.replace(s, kinds={k: dataclasses.replace(v, kv=dataclasses.replace(
+        v.kv, tokens=512)) if v.kv else v for k, v in s.kinds.items()})
+    base, long = capacity.compiler_scratch(s, 8), capacity.compiler_scratch(longer, 8)
+    assert long.measured and "KV tiles of 256 tokens" in long.source and "a token past" in long.source
+    assert long.bytes >= base.bytes + 256 * per_token - 1024
+    # the steepest rise between two tile lengths of one geometry, kernel and width; none: None
+    m = ScratchMeasure((("chip", "x"),), "m", "decode", 8, 128, 1000, -1, 2000, "libtpu t")
+    assert capacity.kv_token_bytes([m]) is None
+    assert capacity.kv_token_bytes([m, dataclasses.replace(m, kv_tokens=256, bytes=1256)]) == 2.0
