@@ -87,7 +87,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "mkc" / "model" / "configs"
 FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic",
-                   "fmt_unstable", "fmt_changed_meaning")
+                   "fmt_unstable", "fmt_changed_meaning", "lsp_unanswered")
 CLASSES = ("ok", "diagnostic") + FAILURE_CLASSES
 
 # ---- the base specs ------------------------------------------------------------------------
@@ -170,11 +170,15 @@ class Case:
                 os.mkfifo(p)
             elif op == "symlink":
                 os.symlink(payload, p)
-            elif op == "checkpoint":             # payload: the name of a fuzz_checkpoint writer
-                (writers,) = _external("fuzz_checkpoint", "CHECKPOINT_WRITERS")
-                p.mkdir(exist_ok=True)
-                self.desc += ": " + str(writers[payload](
-                    random.Random(f"mkc-fuzz-checkpoint:{self.seed}:{self.index}"), p))
+            elif op == "checkpoint":             # payload: the name of a fuzz_checkpoint generator
+                generators, spec_text = _external("fuzz_checkpoint", "GENERATORS", "spec_text")
+                described = generators[payload](
+                    random.Random(f"mkc-fuzz-checkpoint:{self.seed}:{self.index}"), p)
+                # the generator picks the MINI config: the spec and base are the ones it names
+                self.desc += f": {described}"
+                self.spec = spec_text(described).encode()
+                self.base = next(n for n, b in (_BASES or bases()).items()
+                                 if b.config == described.split(":", 1)[0])
         spec = d / "spec.sched"
         spec.write_bytes(self.spec)
         return spec
@@ -793,9 +797,10 @@ def _external(module: str, *names: str):
 
 
 def _checkpoint_kinds() -> dict:
-    """fuzz_checkpoint's writers, each `(rng, dir) -> description`, as kinds: the case's spec is
-    its base unchanged, checked with `--model ckpt`, a directory the writer fills."""
-    (writers,) = _external("fuzz_checkpoint", "CHECKPOINT_WRITERS")
+    """fuzz_checkpoint's generators, each `(rng, dir) -> description`, as kinds: the case checks
+    `--model ckpt`, a directory the generator fills when the case is written, with the spec of
+    the MINI config it picked (`spec_text(description)`, which also sets the case's base)."""
+    (generators,) = _external("fuzz_checkpoint", "GENERATORS")
 
     def kind(name):
         def make(rng, b: Base, case: Case):
@@ -804,7 +809,7 @@ def _checkpoint_kinds() -> dict:
             case.desc = f"checkpoint written by {name}"
             return b.spec
         return make
-    return {name: (kind(name), 1) for name in writers}
+    return {name: (kind(name), 1) for name in generators}
 
 
 def _lsp_kinds() -> dict:
@@ -1120,6 +1125,7 @@ def run_checkpoint(case: Case, d: Path, res: dict) -> dict:
     from mkc.requantize import report
     res["stage"] = "write checkpoint"
     spec = case.materialize(d)
+    res["base"] = case.base
     res["stage"] = "check"
     c = compiler.check_spec(spec, case.model)
     res["stage"] = "requantization"
@@ -1128,15 +1134,28 @@ def run_checkpoint(case: Case, d: Path, res: dict) -> dict:
 
 
 def run_lsp(case: Case, d: Path, res: dict) -> dict:
-    """A hostile session with `mkc lsp` (benchmarks/fuzz_lsp.py): run_session's dict names the
-    outcome ("cls" one of CLASSES, "sig", "detail")."""
+    """A hostile session with `mkc lsp` (benchmarks/fuzz_lsp.py's `run_session`): a server that
+    died or exited badly is a crash, one that did not exit on `exit` a hang, a traceback on its
+    stderr or in an answer a traceback, a request it left unanswered lsp_unanswered."""
     hostile_session, run_session = _external("fuzz_lsp", "hostile_session", "run_session")
     res["stage"] = "session"
     frames = hostile_session(random.Random(f"mkc-fuzz-lsp:{case.seed}:{case.index}"))
     out = run_session(frames, LSP_SESSION_SECONDS)
-    if out.get("cls") not in CLASSES:
-        return {"cls": "crash", "sig": "run_session gave no outcome class", "detail": repr(out)[:400]}
-    return {k: out[k] for k in ("cls", "sig", "detail") if k in out}
+    if out["died"] or out["exit_code"] not in (0, None):
+        return {"cls": "crash", "sig": f"server died (exit status {out['exit_code']})",
+                "detail": out["stderr"][-400:]}
+    if out["tracebacks"]:
+        first = json.dumps(out["tracebacks"][0])        # its innermost mkc frame is the signature
+        where = re.findall(r'/(mkc/[\w/]+\.py)\\?", line \d+, in (\w+)', first)
+        return {"cls": "traceback", "detail": first[-600:],
+                "sig": "traceback @ " + (":".join(where[-1]) if where else "no mkc frame")}
+    if out["unanswered"]:
+        return {"cls": "lsp_unanswered", "sig": f"{len(out['unanswered'])} requests unanswered",
+                "detail": "\n".join(out["unanswered"][:4])}
+    if out["exit_code"] is None:
+        return {"cls": "hang", "sig": "server did not exit after shutdown and exit",
+                "detail": out["stderr"][-400:]}
+    return {"cls": "ok"}
 
 
 LSP_SESSION_SECONDS = 10.0
@@ -1148,9 +1167,13 @@ TARGETS.update({
     "retarget": Target("retarget", lambda: RETARGET_KINDS, run_retarget, 2, timeout_factor=6.0,
                        base_weights={**MINI_BASES, "qwen_full": 5},
                        command="mkc retarget spec.sched"),
-    "checkpoint": Target("checkpoint", _checkpoint_kinds, run_checkpoint, 2, base_weights=MINI_BASES,
-                         command="mkc check spec.sched"),
-    "lsp": Target("lsp", _lsp_kinds, run_lsp, 2, timeout_factor=2.0, command="mkc lsp < session"),
+    # writing and checking a K3 MINI checkpoint (114 MB; the requantization report reads every
+    # expert) takes about 6 CPU seconds
+    "checkpoint": Target("checkpoint", _checkpoint_kinds, run_checkpoint, 2, timeout_factor=4.0,
+                         base_weights=MINI_BASES, command="mkc check spec.sched"),
+    # the session opens schedules/qwen3_8_27b.sched with its own model line
+    "lsp": Target("lsp", _lsp_kinds, run_lsp, 2, timeout_factor=2.0, base_weights={"qwen_full": 1},
+                  command="mkc lsp < session"),
 })
 
 
