@@ -34,11 +34,12 @@ the timeout):
                 (generations, topologies at the edges and with numbers of 5000 digits,
                 malformed text, odd white space), --models values and -o paths, and spec
                 mutants to a slice that works; what it writes must pass `mkc check`
-    checkpoint  `mkc check SPEC --model ckpt` (and the requantization report) on a checkpoint
-                directory written by a writer of benchmarks/fuzz_checkpoint.py's
-                CHECKPOINT_WRITERS (`(rng, dir) -> description`)
-    lsp         a hostile session from benchmarks/fuzz_lsp.py (`hostile_session(rng)` frames,
-                `run_session(frames, timeout)` an outcome dict)
+    checkpoint  `mkc check SPEC --model ckpt` (and the requantization report) on a MINI
+                checkpoint directory made hostile by a generator of
+                benchmarks/fuzz_checkpoint.py's GENERATORS (`(rng, dir) -> description`; one
+                kind each), SPEC the spec of the MINI config it picked (`spec_text`)
+    lsp         `mkc lsp` fed a hostile session (benchmarks/fuzz_lsp.py: `hostile_session(rng)`
+                frames, sent one at a time by `run_session`, each owed answer awaited 10 s)
 
 A target whose module is missing is reported as unavailable (`--target all` skips it).
 Outcome classes:
@@ -47,7 +48,8 @@ Outcome classes:
     diagnostic     MkcError whose diagnostics all have file, line, column and hint, and render
                    (retarget: also argparse's usage error and `mkc`'s E-IO for an OSError)
     bad_diagnostic MkcError with a diagnostic lacking a location or hint, or failing to render
-    traceback      any other exception (signature: type and innermost mkc frame)
+    traceback      any other exception (signature: type and innermost mkc frame); lsp: a
+                   traceback on the server's stderr or in an answer
     bad_output     accepted, but the written module fails on import, overwrites a file it did
                    not create, or has a name that is not a safe module name; a retargeted spec
                    that fails `mkc check`, or a retarget that changed its input
@@ -56,9 +58,11 @@ Outcome classes:
                    comments differ (trailing white space aside)
     hang           more CPU seconds than the case's timeout (--timeout times its target's
                    factor), or 3x that (at least 30 s) of wall time (signature: the outermost
-                   mkc frames of a stack dump taken at the deadline); the worker is restarted
+                   mkc frames of a stack dump taken at the deadline); the worker is restarted;
+                   lsp: a server that does not exit after shutdown and exit
     memory         MemoryError under the address-space cap
-    crash          the worker process died
+    crash          the worker process died; lsp: the server died or exited with a nonzero status
+    lsp_unanswered a request of the session got no answer (result or JSON-RPC error)
 
 A case is a pure function of (seed, index) and the --target and --kind asked for, so `--only I`
 reproduces it and `--emit DIR` writes its spec and files. Signatures of targets other than
@@ -676,7 +680,7 @@ MODELS_VALUES = ["0", "-1", "1", "2", "3", "100", "2147483648", "9" * 5000, "-" 
 # (no absolute device paths: a regression in the guard must not replace one on the machine)
 OUTPUT_NAMES = ["spec.sched", ".", "out/", "missing/dir/out.sched", "fifo_link", "class.sched",
                 "__init__.sched", "a" * 300 + ".sched", "x y.sched", "-.sched",
-                "out.sched/", "spec.sched/../spec.sched", "fifo"]
+                "out.sched/", "spec.sched/../spec.sched", "missing/../spec.sched", "fifo"]
 
 
 def _retarget_argv(case: Case, slice_text: str, models: str = "3", out: str = "out.sched") -> None:
@@ -806,7 +810,7 @@ def _checkpoint_kinds() -> dict:
         def make(rng, b: Base, case: Case):
             case.files.append(("checkpoint", "ckpt", name))
             case.model = "ckpt"
-            case.desc = f"checkpoint written by {name}"
+            case.desc = f"checkpoint from fuzz_checkpoint.{name} (the MINI config it picks sets the spec)"
             return b.spec
         return make
     return {name: (kind(name), 1) for name in generators}
