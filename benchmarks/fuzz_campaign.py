@@ -34,11 +34,12 @@ the timeout):
                 (generations, topologies at the edges and with numbers of 5000 digits,
                 malformed text, odd white space), --models values and -o paths, and spec
                 mutants to a slice that works; what it writes must pass `mkc check`
-    checkpoint  `mkc check SPEC --model ckpt` (and the requantization report) on a checkpoint
-                directory written by a writer of benchmarks/fuzz_checkpoint.py's
-                CHECKPOINT_WRITERS (`(rng, dir) -> description`)
-    lsp         a hostile session from benchmarks/fuzz_lsp.py (`hostile_session(rng)` frames,
-                `run_session(frames, timeout)` an outcome dict)
+    checkpoint  `mkc check SPEC --model ckpt` (and the requantization report) on a MINI
+                checkpoint directory made hostile by a generator of
+                benchmarks/fuzz_checkpoint.py's GENERATORS (`(rng, dir) -> description`; one
+                kind each), SPEC the spec of the MINI config it picked (`spec_text`)
+    lsp         `mkc lsp` fed a hostile session (benchmarks/fuzz_lsp.py: `hostile_session(rng)`
+                frames, sent one at a time by `run_session`, each owed answer awaited 10 s)
 
 A target whose module is missing is reported as unavailable (`--target all` skips it).
 Outcome classes:
@@ -47,7 +48,8 @@ Outcome classes:
     diagnostic     MkcError whose diagnostics all have file, line, column and hint, and render
                    (retarget: also argparse's usage error and `mkc`'s E-IO for an OSError)
     bad_diagnostic MkcError with a diagnostic lacking a location or hint, or failing to render
-    traceback      any other exception (signature: type and innermost mkc frame)
+    traceback      any other exception (signature: type and innermost mkc frame); lsp: a
+                   traceback on the server's stderr or in an answer
     bad_output     accepted, but the written module fails on import, overwrites a file it did
                    not create, or has a name that is not a safe module name; a retargeted spec
                    that fails `mkc check`, or a retarget that changed its input
@@ -56,9 +58,11 @@ Outcome classes:
                    comments differ (trailing white space aside)
     hang           more CPU seconds than the case's timeout (--timeout times its target's
                    factor), or 3x that (at least 30 s) of wall time (signature: the outermost
-                   mkc frames of a stack dump taken at the deadline); the worker is restarted
+                   mkc frames of a stack dump taken at the deadline); the worker is restarted;
+                   lsp: a server that does not exit after shutdown and exit
     memory         MemoryError under the address-space cap
-    crash          the worker process died
+    crash          the worker process died; lsp: the server died or exited with a nonzero status
+    lsp_unanswered a request of the session got no answer (result or JSON-RPC error)
 
 A case is a pure function of (seed, index) and the --target and --kind asked for, so `--only I`
 reproduces it and `--emit DIR` writes its spec and files. Signatures of targets other than
@@ -87,7 +91,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "mkc" / "model" / "configs"
 FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic",
-                   "fmt_unstable", "fmt_changed_meaning")
+                   "fmt_unstable", "fmt_changed_meaning", "lsp_unanswered")
 CLASSES = ("ok", "diagnostic") + FAILURE_CLASSES
 
 # ---- the base specs ------------------------------------------------------------------------
@@ -170,11 +174,15 @@ class Case:
                 os.mkfifo(p)
             elif op == "symlink":
                 os.symlink(payload, p)
-            elif op == "checkpoint":             # payload: the name of a fuzz_checkpoint writer
-                (writers,) = _external("fuzz_checkpoint", "CHECKPOINT_WRITERS")
-                p.mkdir(exist_ok=True)
-                self.desc += ": " + str(writers[payload](
-                    random.Random(f"mkc-fuzz-checkpoint:{self.seed}:{self.index}"), p))
+            elif op == "checkpoint":             # payload: the name of a fuzz_checkpoint generator
+                generators, spec_text = _external("fuzz_checkpoint", "GENERATORS", "spec_text")
+                described = generators[payload](
+                    random.Random(f"mkc-fuzz-checkpoint:{self.seed}:{self.index}"), p)
+                # the generator picks the MINI config: the spec and base are the ones it names
+                self.desc += f": {described}"
+                self.spec = spec_text(described).encode()
+                self.base = next(n for n, b in (_BASES or bases()).items()
+                                 if b.config == described.split(":", 1)[0])
         spec = d / "spec.sched"
         spec.write_bytes(self.spec)
         return spec
@@ -672,7 +680,7 @@ MODELS_VALUES = ["0", "-1", "1", "2", "3", "100", "2147483648", "9" * 5000, "-" 
 # (no absolute device paths: a regression in the guard must not replace one on the machine)
 OUTPUT_NAMES = ["spec.sched", ".", "out/", "missing/dir/out.sched", "fifo_link", "class.sched",
                 "__init__.sched", "a" * 300 + ".sched", "x y.sched", "-.sched",
-                "out.sched/", "spec.sched/../spec.sched", "fifo"]
+                "out.sched/", "spec.sched/../spec.sched", "missing/../spec.sched", "fifo"]
 
 
 def _retarget_argv(case: Case, slice_text: str, models: str = "3", out: str = "out.sched") -> None:
@@ -793,18 +801,19 @@ def _external(module: str, *names: str):
 
 
 def _checkpoint_kinds() -> dict:
-    """fuzz_checkpoint's writers, each `(rng, dir) -> description`, as kinds: the case's spec is
-    its base unchanged, checked with `--model ckpt`, a directory the writer fills."""
-    (writers,) = _external("fuzz_checkpoint", "CHECKPOINT_WRITERS")
+    """fuzz_checkpoint's generators, each `(rng, dir) -> description`, as kinds: the case checks
+    `--model ckpt`, a directory the generator fills when the case is written, with the spec of
+    the MINI config it picked (`spec_text(description)`, which also sets the case's base)."""
+    (generators,) = _external("fuzz_checkpoint", "GENERATORS")
 
     def kind(name):
         def make(rng, b: Base, case: Case):
             case.files.append(("checkpoint", "ckpt", name))
             case.model = "ckpt"
-            case.desc = f"checkpoint written by {name}"
+            case.desc = f"checkpoint from fuzz_checkpoint.{name} (the MINI config it picks sets the spec)"
             return b.spec
         return make
-    return {name: (kind(name), 1) for name in writers}
+    return {name: (kind(name), 1) for name in generators}
 
 
 def _lsp_kinds() -> dict:
@@ -1120,6 +1129,7 @@ def run_checkpoint(case: Case, d: Path, res: dict) -> dict:
     from mkc.requantize import report
     res["stage"] = "write checkpoint"
     spec = case.materialize(d)
+    res["base"] = case.base
     res["stage"] = "check"
     c = compiler.check_spec(spec, case.model)
     res["stage"] = "requantization"
@@ -1128,15 +1138,28 @@ def run_checkpoint(case: Case, d: Path, res: dict) -> dict:
 
 
 def run_lsp(case: Case, d: Path, res: dict) -> dict:
-    """A hostile session with `mkc lsp` (benchmarks/fuzz_lsp.py): run_session's dict names the
-    outcome ("cls" one of CLASSES, "sig", "detail")."""
+    """A hostile session with `mkc lsp` (benchmarks/fuzz_lsp.py's `run_session`): a server that
+    died or exited badly is a crash, one that did not exit on `exit` a hang, a traceback on its
+    stderr or in an answer a traceback, a request it left unanswered lsp_unanswered."""
     hostile_session, run_session = _external("fuzz_lsp", "hostile_session", "run_session")
     res["stage"] = "session"
     frames = hostile_session(random.Random(f"mkc-fuzz-lsp:{case.seed}:{case.index}"))
     out = run_session(frames, LSP_SESSION_SECONDS)
-    if out.get("cls") not in CLASSES:
-        return {"cls": "crash", "sig": "run_session gave no outcome class", "detail": repr(out)[:400]}
-    return {k: out[k] for k in ("cls", "sig", "detail") if k in out}
+    if out["died"] or out["exit_code"] not in (0, None):
+        return {"cls": "crash", "sig": f"server died (exit status {out['exit_code']})",
+                "detail": out["stderr"][-400:]}
+    if out["tracebacks"]:
+        first = json.dumps(out["tracebacks"][0])        # its innermost mkc frame is the signature
+        where = re.findall(r'/(mkc/[\w/]+\.py)\\?", line \d+, in (\w+)', first)
+        return {"cls": "traceback", "detail": first[-600:],
+                "sig": "traceback @ " + (":".join(where[-1]) if where else "no mkc frame")}
+    if out["unanswered"]:
+        return {"cls": "lsp_unanswered", "sig": f"{len(out['unanswered'])} requests unanswered",
+                "detail": "\n".join(out["unanswered"][:4])}
+    if out["exit_code"] is None:
+        return {"cls": "hang", "sig": "server did not exit after shutdown and exit",
+                "detail": out["stderr"][-400:]}
+    return {"cls": "ok"}
 
 
 LSP_SESSION_SECONDS = 10.0
@@ -1148,9 +1171,13 @@ TARGETS.update({
     "retarget": Target("retarget", lambda: RETARGET_KINDS, run_retarget, 2, timeout_factor=6.0,
                        base_weights={**MINI_BASES, "qwen_full": 5},
                        command="mkc retarget spec.sched"),
-    "checkpoint": Target("checkpoint", _checkpoint_kinds, run_checkpoint, 2, base_weights=MINI_BASES,
-                         command="mkc check spec.sched"),
-    "lsp": Target("lsp", _lsp_kinds, run_lsp, 2, timeout_factor=2.0, command="mkc lsp < session"),
+    # writing and checking a K3 MINI checkpoint (114 MB; the requantization report reads every
+    # expert) takes about 6 CPU seconds
+    "checkpoint": Target("checkpoint", _checkpoint_kinds, run_checkpoint, 2, timeout_factor=4.0,
+                         base_weights=MINI_BASES, command="mkc check spec.sched"),
+    # the session opens schedules/qwen3_8_27b.sched with its own model line
+    "lsp": Target("lsp", _lsp_kinds, run_lsp, 2, timeout_factor=2.0, base_weights={"qwen_full": 1},
+                  command="mkc lsp < session"),
 })
 
 

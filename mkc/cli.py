@@ -337,10 +337,11 @@ def _retarget(args, as_json: bool) -> dict:
 
 def _spec_output(args, code: str, command: str, hint: str) -> Path:
     """`-o` of a command that writes a new spec: a writable file path, never the input."""
+    from mkc import compiler
     if d := _not_a_file("-o", args.out):
         raise MkcError(d)
     out = Path(args.out)
-    if out.exists() and out.resolve() == Path(args.spec).resolve():
+    if compiler.written_path(out) == compiler.written_path(args.spec):
         raise MkcError(Diagnostic(code, f"-o names the input spec; mkc {command} never changes "
                                   "its input", Span.unknown(args.spec), hint=hint))
     return out

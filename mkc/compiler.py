@@ -115,13 +115,28 @@ def module_path(c: Compiled, out_dir: str | Path) -> Path:
     return path
 
 
-NOT_REPLACEABLE = "exists and is not a regular file (mkc replaces only regular files)"
+NOT_REPLACEABLE = ("is not a regular file mkc may write (mkc replaces only regular files; a path "
+                   "through a file names none)")
 
 
 def replaceable(path: str | os.PathLike) -> bool:
-    """Whether mkc may write `path`: it does not exist, or it is a regular file. Renaming over a
-    device, FIFO or directory would replace it (as root, even /dev/null)."""
-    return not Path(path).exists() or Path(path).is_file()
+    """Whether mkc may write `path`, as the OS looks it up: a regular file, or nothing yet (the
+    write makes the directories on the way). Renaming over a device, FIFO or directory would
+    replace it (as root, even /dev/null); a path through a file (`spec.sched/../x`, ENOTDIR)
+    names no file, though `written_path` would make one of it."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):        # ENOTDIR, ELOOP, a name too long, a NUL byte
+        return False
+
+
+def written_path(path: str | os.PathLike) -> Path:
+    """The file `write_atomically(path)` replaces: `path` with its symlinks followed (and `..`
+    taken lexically after them: `missing/../x` is `x`). What a command that must not write
+    over its input compares."""
+    return Path(os.path.realpath(path))
 
 
 def write_atomically(path: Path, content: str | bytes) -> None:
@@ -129,7 +144,10 @@ def write_atomically(path: Path, content: str | bytes) -> None:
     that is not `replaceable` is an OSError the CLI reports. What is replaced is the file's
     content, not the file: a symlink's target is written (the link stays) and an existing file
     keeps its mode (a read-only spec stays read-only)."""
-    path = Path(os.path.realpath(path))
+    # both the path as given (`f/..` is no path) and the file it leads to (`missing/../fifo`)
+    if not replaceable(path):
+        raise OSError(errno.EEXIST, NOT_REPLACEABLE, str(path))
+    path = written_path(path)
     if not replaceable(path):
         raise OSError(errno.EEXIST, NOT_REPLACEABLE, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,9 +45,27 @@ def test_compile_never_replaces_a_fifo_at_the_modules_path(tmp_path, capsys):
     out = tmp_path / "qwen3_8_27b__qwen3_8_mini.py"
     os.mkfifo(out)
     assert main(["compile", str(SPEC), "--model", "qwen3_8_mini", "-o", str(tmp_path)]) == 1
-    assert "exists and is not a regular file" in capsys.readouterr().err
+    assert "is not a regular file mkc may write" in capsys.readouterr().err
     assert stat.S_ISFIFO(out.stat().st_mode)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+@pytest.mark.parametrize("command", [["retarget", "--target", "v6e topology 2x4", "--models", "1"],
+                                     ["tune", "--budget", "1"]])
+@pytest.mark.parametrize("out,says", [("spec.sched/../spec.sched", "E-IO"),      # through a file
+                                      ("missing/../spec.sched", "names the input spec")])
+def test_an_output_path_that_leads_back_to_the_input_is_refused(tmp_path, monkeypatch, capsys,
+                                                                 command, out, says):
+    """-o is the file the write would replace, as the OS resolves it: `spec.sched/..` is no
+    directory (os.path.realpath alone would make it one) and `missing/..` is the input's own
+    directory. Either is refused before any work, the input as it was."""
+    monkeypatch.chdir(tmp_path)
+    spec = tmp_path / "spec.sched"
+    spec.write_bytes(SPEC.read_bytes())
+    assert main([command[0], "spec.sched", "--model", "qwen3_8_mini", *command[1:], "-o", out]) == 1
+    assert says in capsys.readouterr().err
+    assert spec.read_bytes() == SPEC.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.sched"]
 
 
 def test_version(capsys):

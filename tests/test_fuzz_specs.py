@@ -1,8 +1,9 @@
 """A seeded fuzz campaign: mutants of the shipped specs, their model configs and paths never
 crash, hang or blow up mkc. Every outcome is a clean check (and, for the compiled ones, a
 module that imports) or an MkcError whose diagnostics have a location and a hint. The same
-generators feed `mkc fmt` (idempotent, the same AST and comments) and `mkc retarget` gets
-hostile --target, --models and -o values (diagnostics, never tracebacks).
+generators feed `mkc fmt` (idempotent, the same AST and comments); `mkc retarget` gets
+hostile --target, --models and -o values, `mkc check --model` hostile checkpoints (diagnostics,
+never tracebacks) and `mkc lsp` hostile sessions (every request answered, no traceback).
 
 The generators, the targets, the worker pool (CPU-time limit, memory cap) and the outcome
 classes are `benchmarks/fuzz_campaign.py`'s; this runs a few cases of every mutation kind of
@@ -23,24 +24,19 @@ PER_KIND = 12              # cases of every mutation kind: QUICK in the quick ti
 QUICK = 4
 CPU_SECONDS = 3.0          # per case; a clean MINI check takes well under 0.5 s
 # Cases per (target, kind) in the quick tier besides QUICK of each check kind: the new
-# operators and a few others under fmt (hundredths of a second a case; fmt's line_break
-# finds a blank-line instability in about 1 case of 25); retarget's kinds refused at the
-# arguments (a retarget past them models candidate layouts, seconds: the slow tier).
+# operators and a few others under fmt (hundredths of a second a case), retarget's kinds
+# refused at the arguments (a retarget past them models candidate layouts, seconds: the slow
+# tier), one checkpoint of each hostile kind (a K3 MINI one takes about 6 CPU seconds) and two
+# editor sessions (about 2 s each).
 QUICK_MORE = {("fmt", kind): QUICK for kind in ("list_duplicate", "unicode", "token_replace",
                                                 "line_swap", "truncate")} | {
-    ("fmt", "line_break"): 40, ("retarget", "rt_huge"): QUICK, ("retarget", "rt_malformed"): QUICK}
-SLOW_MORE = {("retarget", kind): 3 for kind in fc.RETARGET_KINDS}
-# Bugs the campaign finds that are being fixed apart from it (issue 36): the cases still run,
-# a failure is expected until the fix is merged.
-KNOWN_BUGS = {
-    ("check", "list_duplicate"): "StopIteration in mkc/resolve/stream.py on a list item written "
-                                 "twice in a stream line",
-    ("fmt", "line_break"): "mkc fmt is not idempotent (blank lines) where line breaks other than "
-                           "\\n sit in comment lines: lark and str.splitlines() count lines apart",
-    ("retarget", "rt_huge"): "retarget --target with a topology of 5000 digits raises ValueError "
-                             "(int()'s digit limit)",
-}
-TARGET_OFFSET = {"check": 0, "fmt": 100_000, "retarget": 200_000}   # unique case numbers
+    ("fmt", "line_break"): 40, ("retarget", "rt_huge"): QUICK, ("retarget", "rt_malformed"): QUICK,
+    ("lsp", "lsp_session"): 2} | {("checkpoint", kind): 1 for kind in fc.TARGETS["checkpoint"].kinds()}
+SLOW_MORE = ({("retarget", kind): 3 for kind in fc.RETARGET_KINDS}
+             | {("checkpoint", kind): 2 for kind in fc.TARGETS["checkpoint"].kinds()}
+             | {("lsp", "lsp_session"): 4})
+TARGET_OFFSET = {"check": 0, "fmt": 100_000, "retarget": 200_000, "checkpoint": 300_000,
+                 "lsp": 400_000}                                    # unique case numbers
 
 
 def _cases(target: str, counts: dict, first: int = 0) -> list[tuple[int, str, str]]:
@@ -63,14 +59,18 @@ def _campaign(cases: list[tuple[int, str, str]]) -> list[dict]:
 def outcomes() -> list[dict]:
     return _campaign(_cases("check", {kind: QUICK for kind in fc.MUTATIONS})
                      + _cases("fmt", _counts(QUICK_MORE, "fmt"))
-                     + _cases("retarget", _counts(QUICK_MORE, "retarget")))
+                     + _cases("retarget", _counts(QUICK_MORE, "retarget"))
+                     + _cases("checkpoint", _counts(QUICK_MORE, "checkpoint"))
+                     + _cases("lsp", _counts(QUICK_MORE, "lsp")))
 
 
 @pytest.fixture(scope="module")
 def more_outcomes() -> list[dict]:
     return _campaign(_cases("check", {kind: PER_KIND - QUICK for kind in fc.MUTATIONS}, QUICK)
                      + _cases("fmt", {kind: PER_KIND - QUICK for kind in fc.SPEC_TEXT_KINDS}, 100)
-                     + _cases("retarget", _counts(SLOW_MORE, "retarget"), 100))
+                     + _cases("retarget", _counts(SLOW_MORE, "retarget"), 100)
+                     + _cases("checkpoint", _counts(SLOW_MORE, "checkpoint"), 100)
+                     + _cases("lsp", _counts(SLOW_MORE, "lsp"), 100))
 
 
 def _describe(failures: list[dict]) -> str:
@@ -94,8 +94,7 @@ def _judge(outcomes: list[dict], target: str, kind: str, count: int) -> None:
 
 
 def _params(pairs) -> list:
-    return [pytest.param(t, k, id=f"{t}-{k}", marks=[pytest.mark.xfail(strict=False, reason=KNOWN_BUGS[t, k])]
-                         if (t, k) in KNOWN_BUGS else []) for t, k in pairs]
+    return [pytest.param(t, k, id=f"{t}-{k}") for t, k in pairs]
 
 
 QUICK_COUNTS = {("check", kind): QUICK for kind in fc.MUTATIONS} | QUICK_MORE
@@ -116,8 +115,34 @@ def test_more_mutants_give_diagnostics_not_crashes(more_outcomes, target, kind):
 
 def test_the_campaign_sees_both_outcomes(outcomes):
     """The mutants reach the checker, the formatter and retarget's checks: many are rejected
-    with diagnostics, some pass."""
+    with diagnostics, some pass. Every hostile checkpoint is refused with a diagnostic; every
+    session ends with each request answered."""
     for target in ("check", "fmt", "retarget"):
         classes = [r["cls"] for r in outcomes if r["target"] == target]
         assert classes.count("diagnostic") > len(classes) // 4, target
         assert target == "retarget" or classes.count("ok") > 0, target
+    assert {r["cls"] for r in outcomes if r["target"] == "checkpoint"} == {"diagnostic"}
+    assert {r["cls"] for r in outcomes if r["target"] == "lsp"} == {"ok"}
+
+
+SESSION_OK = {"unanswered": [], "tracebacks": [], "died": False, "exit_code": 0, "stderr": ""}
+
+
+@pytest.mark.parametrize("report,cls", [
+    ({}, "ok"),
+    ({"unanswered": ["frame 5: no answer in 10 s"]}, "lsp_unanswered"),
+    ({"tracebacks": [{"stderr": 'Traceback (most recent call last):\n  File "/x/mkc/lsp.py", line 9, '
+                                'in hover\nKeyError: 1'}]}, "traceback"),
+    ({"died": True, "exit_code": -11}, "crash"),
+    ({"exit_code": 1}, "crash"),
+    ({"exit_code": None}, "hang"),
+])
+def test_an_lsp_session_is_classified(monkeypatch, tmp_path, report, cls):
+    """run_session's report becomes the case's class; a traceback's signature is its mkc frame."""
+    import fuzz_lsp
+    monkeypatch.setattr(fuzz_lsp, "run_session", lambda frames, timeout: SESSION_OK | report)
+    case = fc.make_case(SEED, 0, target="lsp")
+    outcome = fc.run_lsp(case, tmp_path, {})
+    assert outcome["cls"] == cls
+    if cls == "traceback":
+        assert outcome["sig"] == "traceback @ mkc/lsp.py:hover"
