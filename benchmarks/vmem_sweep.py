@@ -46,11 +46,14 @@ COMMAND = ".venv/bin/python benchmarks/vmem_sweep.py"
 MIB = 2**20
 KINDS = ("peak", "ring N", "ring N+1")
 
-from compiler_scratch import K3_FP8, SCHEDULES  # noqa: E402
+from compiler_scratch import K3_FP8, KV_256, SCHEDULES  # noqa: E402
 
-# Every family and expert format: (name, spec, format edits).
+# Every family and expert format: (name, spec, edits); and KV tiles 4x the measured length
+# (never measured: the family's bytes a token extrapolate to them).
 SWEPT = [(p.stem, p, ()) for p in sorted(SCHEDULES.glob("*.sched"))] + [
-    ("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", K3_FP8)]
+    ("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", K3_FP8)] + [
+    (f"{name} kv 512", SCHEDULES / f"{name}.sched",
+     ((KV_256[name][0], KV_256[name][1].replace("256", "512")),)) for name in ("gpt_oss_20b", "kimi_k3")]
 
 
 @dataclass(frozen=True)

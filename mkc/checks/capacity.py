@@ -111,38 +111,38 @@ class CompilerScratch:
 
 def compiler_scratch(s: ir.ScheduleIR, batch: int | None = None) -> CompilerScratch:
     """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest):
-    libtpu's measure for this geometry at the longest measured KV tile not longer than the
-    spec's, interpolated over rows, plus the family's measured bytes per KV-tile token for
-    tiles longer than that (`kv_token_bytes`). A geometry the family has not measured (or KV
-    tiles longer than measured, in a family that has not measured their cost) gets
-    `UNMEASURED_SCRATCH_FACTOR` times the family's largest measure at that width. A family with
-    no measure at all gets 0 and `check_compiler_scratch` refuses the spec."""
+    libtpu's measure for this geometry at its shortest measured KV tiles, interpolated over
+    rows, plus the family's steepest measured bytes a KV-tile token (`kv_token_bytes`) up to
+    the spec's tiles, as long as they are no longer than a measured one (spill grows faster
+    than linearly past that: GPT-OSS 20b at 512-token tiles). A geometry the family has not
+    measured, or KV tiles longer than it measured, gets `UNMEASURED_SCRATCH_FACTOR` times the
+    family's largest measure at that width. A family with no measure at all gets 0 and
+    `check_compiler_scratch` refuses the spec."""
     rows = batch or s.rows_max
     if not s.compiler_scratch:
         return CompilerScratch(0, False, f"family {s.family} has no measured compiler scratch")
     key = scratch_key(s)
     tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=0)
-    per_token = kv_token_bytes(s.compiler_scratch)
     own = [m for m in s.compiler_scratch if m.key == key]
-    if own:
-        base = max((m.kv_tokens for m in own if m.kv_tokens <= tokens),
-                   default=min(m.kv_tokens for m in own))
-        if tokens <= base or per_token is not None:
-            at = [m for m in own if m.kv_tokens == base]
-            n = _interpolate([(m.rows, m.bytes) for m in at], rows)
-            n += round((per_token or 0) * max(0, tokens - base))
-            widths = ", ".join(map(str, sorted({m.rows for m in at})))
-            source = (f"measured by libtpu for this geometry at {widths} rows, KV tiles of {base} "
-                      f"tokens" + (f" (+{per_token:.0f} bytes a token past them, measured)"
-                                   if tokens > base else "") + f" ({at[0].libtpu})")
-            return _with_margin(n, True, source)
+    if own and tokens <= max(m.kv_tokens for m in own):
+        base = min(m.kv_tokens for m in own)
+        at = [m for m in own if m.kv_tokens == base]
+        n = _interpolate([(m.rows, m.bytes) for m in at], rows)
+        past = max(0, tokens - base)
+        if past:
+            n += round(kv_token_bytes(own) * past)
+        widths = ", ".join(map(str, sorted({m.rows for m in at})))
+        source = (f"measured by libtpu for this geometry at {widths} rows, KV tiles of {base} "
+                  f"tokens" + (f" (+{kv_token_bytes(own):.0f} bytes a token past them, measured "
+                               f"up to {max(m.kv_tokens for m in own)})" if past else "")
+                  + f" ({at[0].libtpu})")
+        return _with_margin(n, True, source)
     by_key: dict = {}
     for m in s.compiler_scratch:
         by_key.setdefault(m.key, []).append(m)
     n = max(round(UNMEASURED_SCRATCH_FACTOR * _interpolate([(m.rows, m.bytes) for m in ms], rows))
-            + round((per_token or 0) * max(0, tokens - max(m.kv_tokens for m in ms)))
             for ms in by_key.values())
-    what = (f"KV tiles of {tokens} tokens" if own else _key_words(key))
+    what = (f"KV tiles of {tokens} tokens, longer than measured" if own else _key_words(key))
     source = (f"not measured for this geometry ({what}): {UNMEASURED_SCRATCH_FACTOR}x the largest "
               f"of family {s.family}'s {len(by_key)} measured geometries; measure it with "
               f"benchmarks/compiler_scratch.py --spec {s.source}")
@@ -154,15 +154,15 @@ def _with_margin(n: int, measured: bool, source: str) -> CompilerScratch:
     return CompilerScratch(-(-n // 1024) * 1024, measured, source)
 
 
-def kv_token_bytes(measures) -> float | None:
-    """The family's scratch per KV-tile token: the steepest rise between two measures of one
-    geometry and kernel at two tile lengths (None: it never measured two)."""
+def kv_token_bytes(measures) -> float:
+    """Scratch per KV-tile token: the steepest rise between two measures of one geometry,
+    kernel and width at two tile lengths (0 when none was measured at two)."""
     groups: dict = {}
     for m in measures:
         groups.setdefault((m.key, m.kernel, m.rows), {})[m.kv_tokens] = m.bytes
     slopes = [(by[t1] - by[t0]) / (t1 - t0) for by in groups.values()
               for t0, t1 in zip(sorted(by), sorted(by)[1:])]
-    return max(0.0, *slopes) if slopes else None
+    return max([0.0, *slopes])
 
 
 def _key_words(key: tuple[tuple[str, str], ...]) -> str:
