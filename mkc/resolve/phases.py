@@ -3,6 +3,7 @@ phase's state copies, scoped ranges and KV tiles, as the layer kind's schedule).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections import Counter
 
 from mkc import ir
@@ -44,12 +45,46 @@ def resolve_phases(s: ResolveState) -> ResolveState:
         if kname not in s.dims.layer_kinds:
             continue
         phase, kind = s.phases[kname], s.graph.kinds[kname]
+        _resolve_buffer_names(phase, kname)
         transfers, buffers = _transfers(phase, kind, s.batch[1])
         buffers = _scoped(phase, kind, buffers)
         kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
         kinds[kname] = _kind_schedule(kind, s, transfers, kv)
         kind_buffers[kname] = tuple((buffers | kv_buffers).values())
     return dataclasses.replace(s, kinds=kinds, kind_buffers=kind_buffers)
+
+
+def _resolve_buffer_names(phase: ast.Phase, kname: str) -> None:
+    """Every name of a phase's VMEM buffer, as its statements write it: a `load` makes the
+    buffer it fills; a `store` copies out of, and a `scoped` line holds, one a load fills. A
+    misspelling is the spelling fewer statements give: a load's name no other statement gives,
+    close to one that several others give but no load fills, is the misspelt one; otherwise a
+    name a load does not fill is (`did you mean` either way, at the name)."""
+    named: list[tuple[ast.Name, str, int]] = []     # (name, statement kind, statement index)
+    for i, tr in enumerate(phase.transfers):
+        named += [((b.dst if tr.direction == "load" else b.src), tr.direction, i)
+                  for b in tr.bindings]
+    named += [(n, "scoped", len(phase.transfers) + i) for i, sc in enumerate(phase.scoped)
+              for n in sc.buffers]
+    statements: dict[str, set[int]] = {}
+    for n, _, i in named:
+        statements.setdefault(n.text, set()).add(i)
+    loaded = sorted({n.text for n, role, _ in named if role == "load"})
+    for n, role, i in named:
+        others = sorted({m.text for m, _, j in named if j != i})
+        close = difflib.get_close_matches(n.text, others, n=1)
+        if (role == "load" and statements[n.text] == {i} and close and close[0] not in loaded
+                and len(statements[close[0]]) > 1):
+            lines = sorted({m.span.line for m, _, _ in named if m.text == close[0]})
+            raise unknown(f"buffer of phase {kname}", n, others,
+                          notes=[f"no other statement names '{n.text}'; lines "
+                                 f"{', '.join(map(str, lines))} name '{close[0]}', which no load "
+                                 "fills"])
+    for n, role, _ in sorted(named, key=lambda x: (x[0].span.line, x[0].span.column)):
+        if role != "load" and n.text not in loaded:
+            raise unknown(f"buffer of phase {kname}", n, loaded,
+                          notes=[f"a `{role}` line names a buffer that a `load` of phase "
+                                 f"{kname} fills"])
 
 
 def point(p: ast.Point, ops: list[str], kind: str) -> int:
@@ -264,14 +299,12 @@ def _scoped(phase: ast.Phase, kind: LayerKind, buffers: dict[str, ir.Buffer]
     buffers = dict(buffers)
     ranges: list[tuple[int, int, Scoped]] = []
     for sc in phase.scoped:
-        first, last = (_scope_end(sc.first, "start", 0, ops, kname),
-                       _scope_end(sc.last, "end", len(ops) - 1, ops, kname))
+        first, last = (_scope_end(sc, sc.first, "start", 0, ops, kname),
+                       _scope_end(sc, sc.last, "end", len(ops) - 1, ops, kname))
         if last < first:
             raise fail("E-SCOPE", f"scope ends at {sc.last.text} before it starts at "
                        f"{sc.first.text}", sc.span, hint="swap the two ends")
-        for n in sc.buffers:
-            if n.text not in buffers:
-                raise unknown(f"buffer of phase {kname}", n, sorted(buffers))
+        for n in sc.buffers:       # each a buffer a load fills (`_resolve_buffer_names`)
             b = buffers[n.text]
             if b.scope is not None:
                 raise fail("E-DUPLICATE", f"{n.text} is scoped twice", n.span,
@@ -282,10 +315,22 @@ def _scoped(phase: ast.Phase, kind: LayerKind, buffers: dict[str, ir.Buffer]
     return buffers
 
 
-def _scope_end(name: ast.Name, word: str, at_word: int, ops: list[str], kname: str) -> int:
-    """The op index a scoped range's end names: an op, or `start`/`end` of the layer."""
+def _scope_end(sc: Scoped, name: ast.Name, word: str, at_word: int, ops: list[str],
+               kname: str) -> int:
+    """The op index a scoped range's end names: an op, or `start` (first end only) / `end`
+    (last end only) of the layer."""
     if name.text == word:
         return at_word
+    other = {"start": "end", "end": "start"}[word]
+    if name.text == other:
+        # Swapped, `other` stands where it belongs: the range is reversed unless both ends are it.
+        reversed_ = sc.first.text != sc.last.text
+        buffers = ", ".join(n.text for n in sc.buffers)
+        raise fail("E-SCOPE", f"a scoped range runs from an op or `start` to an op or `end`: "
+                   f"`{other}` cannot {'end' if word == 'end' else 'begin'} it", name.span,
+                   hint=(f"the range is reversed: write `scoped {buffers} from {sc.last.text} "
+                         f"to {sc.first.text}`") if reversed_ else
+                   f"write `{word}` or an op of {kname} ({', '.join(ops)})")
     if name.text not in ops:
         raise unknown(f"op of layer kind {kname}", name, ops)
     return ops.index(name.text)
