@@ -239,11 +239,11 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     if peak <= budget:
         return []
     biggest = sorted(live, key=lambda b: -b.vmem_bytes)
-    notes = [f"{b.name:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
+    notes = [f"{b.label:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
              f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
     shrink = next(b for b in biggest if b.cls not in ("compiler", "input"))
     span = _buffer_span(s, shrink)
-    largest = f"the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
+    largest = f"the largest buffer ({shrink.label}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
     hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
             "tightly")
     if s.rows_max > s.batch_max and vmem_budget(s, events, s.batch_max)[0] <= budget:
@@ -285,10 +285,10 @@ def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
                         f"usable): this buffer alone needs `vmem limit {limit_to} MiB`, the "
                         f"whole kernel more; or {hint}")
             diags.append(Diagnostic(
-                "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
+                "E-VMEM-CAPACITY", f"{b.label} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
                 f"at {_width(s)}, over the budget of {_budget_words(s)}",
                 _buffer_span(s, b), hint=hint,
-                notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
+                notes=[f"{b.label}: {b.cls} {list(b.shape)} {b.dtype}"]))
     return diags
 
 

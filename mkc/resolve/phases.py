@@ -152,7 +152,7 @@ def _transfers(phase: ast.Phase, kind: LayerKind, B: int
             # Leading dims of a state (conv taps) go first so the kernel indexes them cheaply.
             shape = (*t.shape[:t.lead_dims], B, *t.shape[t.lead_dims:])
             buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
-                                       batch_axis=t.lead_dims, span=tr.span)
+                                       batch_axis=t.lead_dims, span=tr.span, written=bname)
             drains = _drains(tr, kname)
             if any((t.direction, t.state, t.buffer) == (tr.direction, sname, f"{kname}_{bname}")
                    for t in transfers):
