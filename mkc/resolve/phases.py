@@ -397,8 +397,12 @@ def _check_kv_tiles(k: KvTiles, kname: str, has_caches: bool, context: int) -> N
                    f"{sub}-row bf16 tile", k.span,
                    hint=f"use a multiple of {sub}, e.g. {max(sub, k.tokens // sub * sub)}")
     if context % k.tokens:
+        dividing = [t for t in range(sub, context + 1, sub) if context % t == 0]
+        sizes = (f"tiles of {', '.join(map(str, dividing))} tokens divide it" if dividing else
+                 f"no multiple of {sub} tokens divides it")
         raise fail("E-ALIGN", f"context {context} is not a whole number of {k.tokens}-token "
-                   f"KV tiles", k.span, hint="make the context a multiple of the tile")
+                   f"KV tiles", k.span,
+                   hint=f"{sizes}; or make the context a multiple of {k.tokens}")
     if k.slots < 1 or k.ahead < 1:
         raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
                    hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")
