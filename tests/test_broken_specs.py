@@ -81,7 +81,7 @@ def test_follow_on_errors_are_notes_of_the_first():
         check_spec(Path(__file__).parent / "broken_specs" / "ring_slot_reuse_in_flight.sched")
     [d] = e.value.diagnostics
     assert d.code == "E-DMA-INFLIGHT"
-    assert any(n.startswith("then E-READ-BEFORE-WAIT at line 18: ") for n in d.notes), d.notes
+    assert any(n.startswith("then E-READ-BEFORE-WAIT at line 19: ") for n in d.notes), d.notes
 
 
 def test_cli_exits_1_without_traceback(tmp_path):

@@ -379,11 +379,11 @@ def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
     for dim in caches[0].shape:
         width *= dim
     buffers = {f"kv_{c.name}": ir.Buffer(name, "kv", (k.slots, B, k.tokens, width), "bf16",
-                                         (kname, a, a), batch_axis=1)
+                                         (kname, a, a), batch_axis=1, span=k.span)
                for c, name in zip(caches, kv.tile_buffers)}
     # The new token's K/V rows are written by read-modify-write of an aligned bf16 tile.
     buffers["kv_rows"] = ir.Buffer(kv.rows_buffer, "kv", (2, B, ir.SUBLANE_TILE["bf16"], width),
-                                   "bf16", batch_axis=1)
+                                   "bf16", batch_axis=1, span=k.span)
     return kv, buffers
 
 
