@@ -45,7 +45,7 @@ def resolve_phases(s: ResolveState) -> ResolveState:
         if kname not in s.dims.layer_kinds:
             continue
         phase, kind = s.phases[kname], s.graph.kinds[kname]
-        _resolve_buffer_names(phase, kname)
+        _resolve_buffer_names(phase, kind)
         transfers, buffers = _transfers(phase, kind, s.batch[1])
         buffers = _scoped(phase, kind, buffers)
         kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
@@ -54,12 +54,16 @@ def resolve_phases(s: ResolveState) -> ResolveState:
     return dataclasses.replace(s, kinds=kinds, kind_buffers=kind_buffers)
 
 
-def _resolve_buffer_names(phase: ast.Phase, kname: str) -> None:
+def _resolve_buffer_names(phase: ast.Phase, kind: LayerKind) -> None:
     """Every name of a phase's VMEM buffer, as its statements write it: a `load` makes the
     buffer it fills; a `store` copies out of, and a `scoped` line holds, one a load fills. A
     misspelling is the spelling fewer statements give: a load's name no other statement gives,
     close to one that several others give but no load fills, is the misspelt one; otherwise a
     name a load does not fill is (`did you mean` either way, at the name)."""
+    kname, states = kind.name, _states(kind)
+    for tr in phase.transfers:          # each binding's sides first: which is the buffer
+        for b in tr.bindings:
+            _binding(tr, b, kname, states)
     named: list[tuple[ast.Name, str, int]] = []     # (name, statement kind, statement index)
     for i, tr in enumerate(phase.transfers):
         named += [((b.dst if tr.direction == "load" else b.src), tr.direction, i)
