@@ -520,9 +520,7 @@ def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, 
     drifted = "" if drift is None else (
         f"; drift from the independent plain run: logits {rec['drift']['logits']:.2e}, states "
         + ", ".join(f"{k} {v:.1e}" for k, v in rec["drift"]["states"].items()))
-    print(f"{label}{what} {i}: {seconds:.1f} s; from the kernel's state, plain reference: logits "
-          f"|err| {rec['logits_max_abs_err']:.4f} of {rec['logits_max_abs']:.2f}, states "
-          + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items())
+    print(f"{label}{what} {i}: {seconds:.1f} s; from the kernel's state, {plain_summary(rec)}"
           + f"; rounding emulation: logits {emu['logits']:.2e} "
           + f"(Frobenius {emu['logits_frob']:.2e}), states "
           + ", ".join(f"{k} {v:.1e}" for k, v in emu["states"].items())
@@ -530,6 +528,18 @@ def _record(i: int, label: str, seconds: float, logits, next_token, ours: dict, 
           + f"{drifted}; next {np.asarray(next_token).tolist()} (reference "
           + f"{np.argmax(plain_logits, axis=-1).tolist()}){ties}", flush=True)
     return rec
+
+
+def plain_summary(rec: dict) -> str:
+    """The plain reference's comparison as a step's line says it, with the rows it covered
+    when near-ties (judged by the emulation alone) left some out: none, then no figures."""
+    judged, rows = len(rec["plain_rows"]), len(rec["rows"])
+    if not judged:
+        return f"plain reference: 0 of {rows} rows (near-ties)"
+    covered = "" if judged == rows else f" ({judged} of {rows} rows, the rest near-ties)"
+    return (f"plain reference{covered}: logits |err| {rec['logits_max_abs_err']:.4f} of "
+            f"{rec['logits_max_abs']:.2f}, states "
+            + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items()))
 
 
 def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, refs: Callable,

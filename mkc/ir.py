@@ -99,6 +99,13 @@ class Buffer:
     scope: tuple[str, int, int] | None = None
     batch_axis: int | None = None   # the dim that is the batch (sized per compiled batch)
     span: Span = field(compare=False, default_factory=Span.unknown)   # where the spec made it
+    # The name as the spec writes it, when the IR's differs (a phase's `conv_buf` is
+    # `gdn_conv_buf`): what diagnostics and hovers say.
+    written: str = field(compare=False, default="")
+
+    @property
+    def label(self) -> str:
+        return self.written or self.name
 
     def shape_expr(self, batch: str = "B") -> str:
         """The shape as Python source with the batch dim as a variable."""
@@ -485,6 +492,10 @@ class ScheduleIR:
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
+
+    def label(self, name: str) -> str:
+        """A buffer's name as the spec writes it (any other name as it is)."""
+        return next((b.label for b in self.buffers if b.name == name), name)
 
     def pool_view(self, dotted: str) -> PoolView:
         pool, view = dotted.split(".")

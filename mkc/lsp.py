@@ -158,7 +158,7 @@ def hover_text(analysis: Analysis, word: str | None, line: int) -> str | None:
     if buffer is not None:
         b = buffer.at_batch(c.ir.rows_max)
         scope = f", scoped in `{b.scope[0]}`" if b.scope else ", kernel lifetime"
-        parts.append(f"**{b.name}**: {b.cls} buffer {list(b.shape)} {b.dtype}, "
+        parts.append(f"**{b.label}**: {b.cls} buffer {list(b.shape)} {b.dtype}, "
                      f"{b.vmem_bytes / MIB:.2f} MiB of VMEM at {c.ir.rows_max} rows{scope}")
     point = vmem_at_line(c, line)
     if point:

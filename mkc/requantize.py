@@ -11,6 +11,7 @@ import importlib
 from pathlib import Path
 
 from mkc import ir
+from mkc.diagnostics import MkcError
 
 
 def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
@@ -40,6 +41,28 @@ def checkpoint_dir(sched, model: str | None) -> Path | None:
     return root if holds_weights else None
 
 
+def check_headers(sched, model: str | None) -> None:
+    """With a checkpoint directory as the model, its tensors' names, shapes and dtypes against
+    the family's weight table, from the safetensors headers alone (no value is read): MkcError
+    at the `model` line, one note per tensor missing, unexpected or mis-shaped."""
+    root = checkpoint_dir(sched, model)
+    if root is None:
+        return
+    from mkc.checkpoint import CheckpointError, load_checkpoint
+    try:
+        load_checkpoint(root, lazy=True)
+    except CheckpointError as e:
+        raise checkpoint_error(e, sched) from None
+
+
+def checkpoint_error(e, sched) -> MkcError:
+    """A CheckpointError as a diagnostic at the spec's `model` line: its first line the
+    message, each listed problem (a tensor and what is wrong with it) a note."""
+    from mkc.diagnostics import fail
+    first, *problems = str(e).split("\n  ")
+    return fail("E-CHECKPOINT", first.rstrip(":"), sched.settings["model"].span, hint=e.hint, notes=problems)
+
+
 def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     """Per requantizing class: its format and, with a checkpoint, the measured error (values
     moved, inexact blocks, max abs, relative RMS). With a checkpoint directory as the model,
@@ -62,11 +85,10 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     from mkc.model.family import FormatError
     from mkc.model.sharding import ShardTable
     from mkc.resolve.formats import format_error, format_span
-    model_line = sched.settings["model"].span
     try:
         _, hf = load_checkpoint(root, lazy=True)
     except CheckpointError as e:
-        raise fail("E-CHECKPOINT", str(e), model_line, hint=e.hint) from None
+        raise checkpoint_error(e, sched) from None
     family = registry.get(s.family)
     dims = family.read_dims(s.model_config, s.model)
     weights = importlib.import_module(f"{s.family_package}.weights")
@@ -88,7 +110,7 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     try:
         verify_values(hf, skip=read)
     except CheckpointError as e:
-        raise fail("E-CHECKPOINT", str(e), model_line, hint=e.hint) from None
+        raise checkpoint_error(e, sched) from None
     return {cls: {**measured[cls], "measured": True, "checkpoint": str(root)} for cls in classes}
 
 

@@ -1,6 +1,8 @@
 """The broken-spec corpus: each file names the diagnostic it must produce on its first line
-(`# expect: CODE: text in the message`), and may name text its hint must hold on the second
-(`# expect hint: text`)."""
+(`# expect: CODE: text in the message`), may name text its hint must hold on the next
+(`# expect hint: text`), and names where its caret must be, the cause, on a header line
+`# expect at: LINE:COL` (or at the end of the first: `# expect: CODE: text at LINE:COL`)."""
+import re
 from pathlib import Path
 
 import pytest
@@ -12,24 +14,41 @@ from mkc.diagnostics import MkcError
 CORPUS = sorted((Path(__file__).parent / "broken_specs").glob("*.sched"))
 
 
-def _expectation(path: Path) -> tuple[str, str, str]:
-    head, second = path.read_text().splitlines()[:2]
+_AT = re.compile(r"(?:^# expect at: | at )(\d+):(\d+)$")
+
+
+def _expectation(path: Path) -> tuple[str, str, str, tuple[int, int] | None]:
+    """(code, message text, hint text, (line, column) or None) from the file's header."""
+    head, *rest = path.read_text().splitlines()[:3]
     code, text = head.removeprefix("# expect: ").split(": ", 1)
-    hint = second.removeprefix("# expect hint: ") if second.startswith("# expect hint: ") else ""
-    return code, text, hint
+    hint, at = "", None
+    if m := _AT.search(text):
+        text, at = text[:m.start()], (int(m[1]), int(m[2]))
+    for line in rest:
+        if line.startswith("# expect hint: "):
+            hint = line.removeprefix("# expect hint: ")
+        elif line.startswith("# expect at: "):
+            m = _AT.search(line)
+            at = (int(m[1]), int(m[2]))
+    return code, text, hint, at
 
 
 def test_corpus_is_large_enough():
     assert len(CORPUS) >= 25
 
 
+def test_every_corpus_file_says_where_its_caret_is():
+    assert [p.stem for p in CORPUS if _expectation(p)[3] is None] == []
+
+
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
 def test_broken_spec_is_rejected_with_expected_diagnostic(path):
-    code, text, hint = _expectation(path)
+    code, text, hint, at = _expectation(path)
     with pytest.raises(MkcError) as e:
         check_spec(path)
-    found = [(d.code, d.message, d.hint) for d in e.value.diagnostics]
-    assert any(c == code and text in m and hint in h for c, m, h in found), found
+    found = [(d.code, d.message, d.hint, (d.span.line, d.span.column)) for d in e.value.diagnostics]
+    assert any(c == code and text in m and hint in h and (at is None or where == at)
+               for c, m, h, where in found), found
     for d in e.value.diagnostics:
         assert d.hint, f"{d.code} has no hint"
         assert d.span.file == str(path)
@@ -62,7 +81,7 @@ def test_follow_on_errors_are_notes_of_the_first():
         check_spec(Path(__file__).parent / "broken_specs" / "ring_slot_reuse_in_flight.sched")
     [d] = e.value.diagnostics
     assert d.code == "E-DMA-INFLIGHT"
-    assert any(n.startswith("then E-READ-BEFORE-WAIT at line 18: ") for n in d.notes), d.notes
+    assert any(n.startswith("then E-READ-BEFORE-WAIT at line 19: ") for n in d.notes), d.notes
 
 
 def test_cli_exits_1_without_traceback(tmp_path):

@@ -395,3 +395,33 @@ def test_a_hugging_face_hub_snapshot_loads_through_its_blob_symlinks(tmp_path: P
         f.rename(blobs / f"sha{i}")
         (snapshot / f.name).symlink_to(Path("../../blobs") / f"sha{i}")
     _assert_same(load_checkpoint(snapshot)[1], params)
+
+
+def test_a_checkpoint_missing_a_tensor_and_holding_one_transposed_is_refused_at_the_model_line(
+        tmp_path: Path, config: dict, params: dict, capsys) -> None:
+    """Its headers are checked against the family's weight table wherever a spec is checked
+    (the library's check_spec and the editor's analysis too, not only the CLI's requantization
+    pass): one diagnostic at the `model` line, a note per tensor with what was expected."""
+    from mkc.compiler import check_source, check_spec
+    from mkc.diagnostics import MkcError
+    from mkc.lsp import analyse
+    from tests_support import SPEC
+    up, down = "model.layers.2.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, config, {**{n: v for n, v in params.items() if n != down},
+                                   up: params[up].T.copy()}, max_shard_bytes=1 << 20)
+    rows, cols = params[up].shape
+    want = [f"missing 1 tensor(s): {down}", f"{up}: shape [{cols}, {rows}], expected [{rows}, {cols}]"]
+    with pytest.raises(MkcError) as e:
+        check_spec(SPEC, str(ckpt))
+    [d] = e.value.diagnostics
+    assert d.code == "E-CHECKPOINT" and "does not match its config" in d.message
+    assert d.notes == want and (d.span.file, d.span.line) == (str(SPEC), _line_of(SPEC, "model"))
+    text = SPEC.read_text().replace('model   "qwen3_8_27b"', f'model   "{ckpt}"')
+    with pytest.raises(MkcError) as e:
+        check_source(text, str(SPEC))
+    assert e.value.diagnostics[0].notes == want
+    [d] = analyse(text, str(SPEC)).diagnostics
+    assert d.code == "E-CHECKPOINT" and d.notes == want
+    d = _cli_diagnostic(["check", str(SPEC), "--model", str(ckpt)], capsys)
+    assert d["notes"] == want and d["line"] == _line_of(SPEC, "model")

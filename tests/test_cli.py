@@ -93,7 +93,7 @@ def test_json_diagnostics_carry_location_and_hint(capsys):
     assert doc["verdict"] == "error" and "budget" not in doc
     (d,) = doc["diagnostics"]
     assert d["code"] == "E-DMA-WAIT" and d["file"] == str(broken)
-    assert d["line"] == 29 and d["column"] == 5 and d["hint"]
+    assert d["line"] == 30 and d["column"] == 5 and d["hint"]
 
 
 def test_generated_file_has_the_usual_mode(tmp_path):

@@ -96,7 +96,7 @@ def test_an_editor_session_over_stdio(tmp_path):
     assert typo.code == "E-SYNTAX" and "did you mean 'allreduce'" in typo.message
     assert typo.range.start.line == _line_of(text, "allreduce o_proj")
     hover = r["hover"].contents.value
-    assert "**gdn_conv_buf**: state buffer" in hover and "scoped in `gdn`" in hover
+    assert "**conv_buf**: state buffer" in hover and "scoped in `gdn`" in hover
     assert "VMEM live here" in hover and "budget" in hover
     # the phase's conv_buf is made by its `scoped` line
     assert r["definition"].range.start.line == _line_of(text, "scoped conv_buf")
@@ -233,7 +233,7 @@ def test_a_burst_of_edits_is_analysed_at_its_newest_text_while_requests_answer(t
         col = text.splitlines()[line].index("conv_buf") + 2
         server.send(b"".join(edits) + frame(request(1, "textDocument/hover", position(uri, line, col))))
         hover = server.answer(1, ANSWER_S)      # from the analysis of version 1, not waiting for one
-        assert hover is not None and "**gdn_conv_buf**" in hover["result"]["contents"]["value"]
+        assert hover is not None and "**conv_buf**" in hover["result"]["contents"]["value"]
         last = _diagnostics(server, uri, 201, STARTUP_S)
         assert [d["code"] for d in last["params"]["diagnostics"]] == ["E-SYNTAX"]
         versions = [p["version"] for p in _published(server, uri)]

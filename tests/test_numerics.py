@@ -78,6 +78,20 @@ def _harness():
     return generated_module
 
 
+def test_a_step_line_says_how_many_rows_the_plain_reference_covered():
+    """Every row a near-tie: the plain comparison covered none, and the line says so rather
+    than print an error of 0 of 0; some: it names how many."""
+    plain_summary = _harness().plain_summary
+    rec = {"rows": [0, 1], "plain_rows": [], "logits_max_abs_err": 0.0, "logits_max_abs": 0.0,
+           "state_rel_err": {}}
+    assert plain_summary(rec) == "plain reference: 0 of 2 rows (near-ties)"
+    rec = {**rec, "plain_rows": [1], "logits_max_abs_err": 0.01, "logits_max_abs": 9.5,
+           "state_rel_err": {"conv": 2e-3}}
+    assert plain_summary(rec) == ("plain reference (1 of 2 rows, the rest near-ties): logits "
+                                  "|err| 0.0100 of 9.50, states conv 2.0e-03")
+    assert plain_summary({**rec, "plain_rows": [0, 1]}).startswith("plain reference: logits")
+
+
 def test_near_ties_are_the_rows_whose_margin_a_measured_difference_could_cross():
     """The plain reference may pick otherwise only where the emulation's margin is at most twice
     the largest difference between the two runs' scores in that row; other rows must match."""

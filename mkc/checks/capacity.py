@@ -252,61 +252,83 @@ def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
 
 
 def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
+    """The peak within the budget. Over it, the caret is at the statement that makes the largest
+    buffer live there (what to shrink); the settings that would also fit it (`verify`, `batch`,
+    `vmem limit`) are notes at their own lines, with what to write."""
     budget = vmem_budget_bytes(s)
     peak, where, live = vmem_budget(s, events)
     if peak <= budget:
         return []
     biggest = sorted(live, key=lambda b: -b.vmem_bytes)
-    notes = [f"{b.name:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
-             f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
-    shrink = next(b for b in biggest if b.cls not in ("compiler", "input"))
+    listing = [f"{b.label:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
+               f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
+    shrink = _largest_the_spec_makes(s, biggest)
     span = _buffer_span(s, shrink)
-    largest = f"the largest buffer ({shrink.name}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
+    largest = f"the largest buffer ({shrink.label}, {shrink.vmem_bytes / 2**20:.2f} MiB)"
     hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
             "tightly")
+    settings: list[str] = []
     if s.rows_max > s.batch_max and vmem_budget(s, events, s.batch_max)[0] <= budget:
         # Decoding fits: the verify step's rows are what overflow.
         rows = _largest_batch_that_fits(s, events, budget, s.batch_max, s.rows_max)
-        span = s.setting_spans.get("verify", span)
         sequences, per_sequence = s.verify_sequences[1], rows // s.verify_sequences[1]
         fix = (f"verify at most {per_sequence} rows for {sequences} sequences"
                if per_sequence >= 2 else
                f"verify {s.verify_rows} rows for at most {max(1, rows // s.verify_rows)} sequences")
+        settings.append(_setting_note(s, "verify", f"a kernel of up to {rows} rows fits: {fix}"))
         hint = f"a kernel of up to {rows} rows fits: {fix}; or shrink {largest}"
     elif (fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min, s.batch_max)) is not None:
-        # The batch range is what overflows: point at it.
-        span = s.setting_spans.get("batch", span)
-        hint = (f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to "
-                f"{fits_up_to}`; for larger batches shrink {largest}")
+        # The batch range is what overflows.
+        fix = f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to {fits_up_to}`"
+        settings.append(_setting_note(s, "batch", fix))
+        hint = f"{fix}; for larger batches shrink {largest}"
     if (limit_to := _limit_that_fits(s, peak)) is not None:   # the limit is the cap
-        hint = (f"raise the limit: `vmem limit {limit_to} MiB` fits (the chip has "
-                f"{usable_vmem_bytes(s) / 2**20:.2f} MiB usable); or {hint}")
-        span = s.setting_spans.get("vmem", span)
+        raise_it = (f"raise the limit: `vmem limit {limit_to} MiB` fits (the chip has "
+                    f"{usable_vmem_bytes(s) / 2**20:.2f} MiB usable)")
+        settings.append(_setting_note(s, "vmem", raise_it))
+        hint = f"{raise_it}; or {hint}"
     return [Diagnostic(
         "E-VMEM-CAPACITY",
         f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s)}), over the budget "
         f"of {_budget_words(s)}", span, hint=hint,
-        notes=["live at the peak (as Mosaic allocates them, compiler scratch modelled):"]
-        + notes)]
+        notes=[n for n in settings if n]
+        + ["live at the peak (as Mosaic allocates them, compiler scratch modelled):"] + listing)]
+
+
+def _largest_the_spec_makes(s: ir.ScheduleIR, biggest: list[ir.Buffer]) -> ir.Buffer:
+    """The largest of `biggest` (largest first) a statement of the spec makes (a ring, KV
+    tiles, a state buffer, a pool...); else the largest buffer mkc adds itself."""
+    own = [b for b in biggest if b.cls not in ("compiler", "input")]
+    return next((b for b in own if b.span.file == s.source), own[0])
+
+
+def _setting_note(s: ir.ScheduleIR, key: str, fix: str) -> str:
+    """A note at a header setting's line: what to write there instead."""
+    span = s.setting_spans.get(key)
+    written = {"vmem": "vmem limit"}.get(key, key)
+    return f"line {span.line} (`{written}`): {fix}" if span is not None else ""
 
 
 def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
     """Every buffer alone within the budget at the widest kernel: checked on the IR before the
-    trace, whose size is bounded only for schedules that pass it (KV slots, say)."""
+    trace, whose size is bounded only for schedules that pass it (KV slots, say). The caret is
+    at the statement that makes the buffer; a limit that would fit it is a note at its line."""
     budget = vmem_budget_bytes(s)
     diags = []
     for b in kernel_buffers(s, s.rows_max):
         if b.vmem_bytes > budget:
             hint = "fewer slots, smaller tiles or a smaller batch"
+            notes = [f"{b.label}: {b.cls} {list(b.shape)} {b.dtype}"]
             if (limit_to := _limit_that_fits(s, b.vmem_bytes)) is not None:
-                hint = (f"raise the limit (the chip has {usable_vmem_bytes(s) / 2**20:.2f} MiB "
-                        f"usable): this buffer alone needs `vmem limit {limit_to} MiB`, the "
-                        f"whole kernel more; or {hint}")
+                raise_it = (f"raise the limit (the chip has {usable_vmem_bytes(s) / 2**20:.2f} MiB "
+                            f"usable): this buffer alone needs `vmem limit {limit_to} MiB`, the "
+                            "whole kernel more")
+                hint = f"{raise_it}; or {hint}"
+                notes.append(_setting_note(s, "vmem", raise_it))
             diags.append(Diagnostic(
-                "E-VMEM-CAPACITY", f"{b.name} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
+                "E-VMEM-CAPACITY", f"{b.label} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
                 f"at {_width(s)}, over the budget of {_budget_words(s)}",
-                _buffer_span(s, b), hint=hint,
-                notes=[f"{b.name}: {b.cls} {list(b.shape)} {b.dtype}"]))
+                _buffer_span(s, b), hint=hint, notes=[n for n in notes if n]))
     return diags
 
 

@@ -18,10 +18,11 @@ def _held(tag) -> str:
     return "nothing" if tag is None else str(tag)
 
 
-def _region(buffer: str, slot) -> str:
+def _region(label: str, slot) -> str:
+    """A VMEM region as diagnostics say it: the buffer as the spec names it, and the slot."""
     if isinstance(slot, tuple):
         slot = ", ".join(map(str, slot))
-    return buffer if slot is None else f"{buffer}[{slot}]"
+    return label if slot is None else f"{label}[{slot}]"
 
 
 def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
@@ -43,6 +44,7 @@ class _DmaChecker:
 
     def __init__(self, s: ir.ScheduleIR, events: list[Event]) -> None:
         self.diags: list[Diagnostic] = []
+        self.label = s.label
         self._reported: set[tuple] = set()
         # buffer, semaphore or scoped range -> the first diagnostic about it
         self.first_about: dict[object, Diagnostic] = {}
@@ -83,9 +85,12 @@ class _DmaChecker:
             if about is not None:
                 self.first_about[about] = d
 
+    def region(self, buffer: str, slot) -> str:
+        return _region(self.label(buffer), slot)
+
     def usable(self, buffer: str, e: Event) -> bool:
         if buffer and buffer in self.scoped and buffer not in self.open_scopes:
-            self.report("E-SCOPE", f"{buffer} is used outside its scope", e,
+            self.report("E-SCOPE", f"{self.label(buffer)} is used outside its scope", e,
                         about=self.scoped[buffer],
                         hint="move the copy or its wait inside the `scoped` range, or widen the "
                              "range to cover it")
@@ -99,13 +104,13 @@ class _DmaChecker:
     def free(self, e: Event) -> None:
         for region, dma in list(self.filling.items()):
             if region[0] == e.buffer:
-                self.report("E-SCOPE", f"a copy into {e.buffer} is still in flight when its scope "
-                            "ends", e, span=dma.span, about=self.scoped.get(e.buffer),
+                self.report("E-SCOPE", f"a copy into {self.label(e.buffer)} is still in flight "
+                            "when its scope ends", e, span=dma.span, about=self.scoped.get(e.buffer),
                             hint="wait for it before the end of the `scoped` range")
         for region, readers in self.dma_readers.items():
             if region[0] == e.buffer and readers:
-                self.report("E-SCOPE", f"a copy out of {e.buffer} is still in flight when its "
-                            "scope ends", e, span=next(iter(readers.values())).span,
+                self.report("E-SCOPE", f"a copy out of {self.label(e.buffer)} is still in "
+                            "flight when its scope ends", e, span=next(iter(readers.values())).span,
                             about=self.scoped.get(e.buffer),
                             hint="wait for it before the end of the `scoped` range")
         self.open_scopes.discard(e.buffer)
@@ -126,11 +131,11 @@ class _DmaChecker:
         if not self.usable(e.src[0], e):
             return
         if src in self.filling:
-            self.report("E-READ-BEFORE-WAIT", f"a copy reads {_region(*src)} while "
+            self.report("E-READ-BEFORE-WAIT", f"a copy reads {self.region(*src)} while "
                         f"{_held(self.filling[src].tag)} is still arriving", e, about=src[0],
                         hint="wait for the load before starting the store")
         elif self.content.get(src) != e.src[2]:
-            self.report("E-READ-BEFORE-WAIT", f"a copy reads {_region(*src)} expecting "
+            self.report("E-READ-BEFORE-WAIT", f"a copy reads {self.region(*src)} expecting "
                         f"{_held(e.src[2])} but it holds {_held(self.content.get(src))}", e,
                         about=src[0],
                         hint="start the store after the op that produces the data")
@@ -140,19 +145,19 @@ class _DmaChecker:
         """A copy into VMEM must not land on a slot still filling, being copied out or unread."""
         dst = (e.buffer, e.slot)
         if dst in self.filling:
-            self.report("E-DMA-INFLIGHT", f"copy of {_held(e.tag)} into {_region(*dst)} "
+            self.report("E-DMA-INFLIGHT", f"copy of {_held(e.tag)} into {self.region(*dst)} "
                         f"starts while {_held(self.filling[dst].tag)} is still filling it", e,
                         about=dst[0],
                         hint="wait for the earlier copy first, or add slots so the stream "
                              "distance ('ahead') is at most the slot count")
         elif self.dma_readers.get(dst):
-            self.report("E-DMA-INFLIGHT", f"copy into {_region(*dst)} starts while a copy "
+            self.report("E-DMA-INFLIGHT", f"copy into {self.region(*dst)} starts while a copy "
                         "out of it is still in flight", e, about=dst[0],
                         hint="wait for the store before reloading the buffer")
         else:
             old = self.content.get(dst)
             if old is not None and self.last_read.get((dst[0], dst[1], old), -1) > e.seq:
-                self.report("E-DMA-INFLIGHT", f"copy of {_held(e.tag)} into {_region(*dst)} "
+                self.report("E-DMA-INFLIGHT", f"copy of {_held(e.tag)} into {self.region(*dst)} "
                             f"overwrites {_held(old)} before it is read", e, about=dst[0],
                             hint="the slot is still being read: use 'ahead' no larger than "
                                  "the number of slots, or more slots")
@@ -210,12 +215,12 @@ class _DmaChecker:
             return
         region = (e.buffer, e.slot)
         if region in self.filling:
-            self.report("E-READ-BEFORE-WAIT", f"{e.where} reads {_region(*region)} while the copy "
-                        f"of {_held(self.filling[region].tag)} into it has not been waited", e,
+            self.report("E-READ-BEFORE-WAIT", f"{e.where} reads {self.region(*region)} while the "
+                        f"copy of {_held(self.filling[region].tag)} into it has not been waited", e,
                         span=self.filling[region].span, about=e.buffer,
                         hint="move the wait before this read")
         elif self.content.get(region) != e.tag:
-            self.report("E-READ-BEFORE-WAIT", f"{e.where} reads {_region(*region)} expecting "
+            self.report("E-READ-BEFORE-WAIT", f"{e.where} reads {self.region(*region)} expecting "
                         f"{_held(e.tag)} but it holds {_held(self.content.get(region))}", e,
                         about=e.buffer, hint="the copy that fills it is never started or waited in time")
 
@@ -224,12 +229,12 @@ class _DmaChecker:
             return
         region = (e.buffer, e.slot)
         if region in self.filling:
-            self.report("E-DMA-INFLIGHT", f"{e.where} writes {_region(*region)} while a copy "
+            self.report("E-DMA-INFLIGHT", f"{e.where} writes {self.region(*region)} while a copy "
                         "into it is in flight", e, span=self.filling[region].span,
                         about=e.buffer,
                         hint="wait for the load before the op that updates the buffer")
         elif self.dma_readers.get(region):
-            self.report("E-DMA-INFLIGHT", f"{e.where} overwrites {_region(*region)} while a copy "
+            self.report("E-DMA-INFLIGHT", f"{e.where} overwrites {self.region(*region)} while a copy "
                         "out of it is still in flight", e,
                         span=next(iter(self.dma_readers[region].values())).span, about=e.buffer,
                         hint="wait for the store before the buffer is written again")

@@ -29,9 +29,11 @@ def did_you_mean(word: str, options: list[str]) -> str:
     return f"did you mean '{close[0]}'? " if close else ""
 
 
-def unknown(what: str, name: ast.Name, options: list[str]) -> MkcError:
+def unknown(what: str, name: ast.Name, options: list[str], notes: list[str] | None = None
+            ) -> MkcError:
     return fail("E-UNKNOWN", f"unknown {what} '{name.text}'", name.span,
-                hint=did_you_mean(name.text, options) + f"known: {', '.join(options) or 'none'}")
+                hint=did_you_mean(name.text, options) + f"known: {', '.join(options) or 'none'}",
+                notes=notes)
 
 
 def require(sched: ast.Schedule, key: str, example: str) -> ast.Setting:

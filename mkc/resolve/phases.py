@@ -3,6 +3,7 @@ phase's state copies, scoped ranges and KV tiles, as the layer kind's schedule).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections import Counter
 
 from mkc import ir
@@ -44,12 +45,50 @@ def resolve_phases(s: ResolveState) -> ResolveState:
         if kname not in s.dims.layer_kinds:
             continue
         phase, kind = s.phases[kname], s.graph.kinds[kname]
+        _resolve_buffer_names(phase, kind)
         transfers, buffers = _transfers(phase, kind, s.batch[1])
         buffers = _scoped(phase, kind, buffers)
         kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
         kinds[kname] = _kind_schedule(kind, s, transfers, kv)
         kind_buffers[kname] = tuple((buffers | kv_buffers).values())
     return dataclasses.replace(s, kinds=kinds, kind_buffers=kind_buffers)
+
+
+def _resolve_buffer_names(phase: ast.Phase, kind: LayerKind) -> None:
+    """Every name of a phase's VMEM buffer, as its statements write it: a `load` makes the
+    buffer it fills; a `store` copies out of, and a `scoped` line holds, one a load fills. A
+    misspelling is the spelling fewer statements give: a load's name no other statement gives,
+    close to one that several others give but no load fills, is the misspelt one; otherwise a
+    name a load does not fill is (`did you mean` either way, at the name)."""
+    kname, states = kind.name, _states(kind)
+    for tr in phase.transfers:          # each binding's sides first: which is the buffer
+        for b in tr.bindings:
+            _binding(tr, b, kname, states)
+    named: list[tuple[ast.Name, str, int]] = []     # (name, statement kind, statement index)
+    for i, tr in enumerate(phase.transfers):
+        named += [((b.dst if tr.direction == "load" else b.src), tr.direction, i)
+                  for b in tr.bindings]
+    named += [(n, "scoped", len(phase.transfers) + i) for i, sc in enumerate(phase.scoped)
+              for n in sc.buffers]
+    statements: dict[str, set[int]] = {}
+    for n, _, i in named:
+        statements.setdefault(n.text, set()).add(i)
+    loaded = sorted({n.text for n, role, _ in named if role == "load"})
+    for n, role, i in named:
+        others = sorted({m.text for m, _, j in named if j != i})
+        close = difflib.get_close_matches(n.text, others, n=1)
+        if (role == "load" and statements[n.text] == {i} and close and close[0] not in loaded
+                and len(statements[close[0]]) > 1):
+            lines = sorted({m.span.line for m, _, _ in named if m.text == close[0]})
+            raise unknown(f"buffer of phase {kname}", n, others,
+                          notes=[f"no other statement names '{n.text}'; lines "
+                                 f"{', '.join(map(str, lines))} name '{close[0]}', which no load "
+                                 "fills"])
+    for n, role, _ in sorted(named, key=lambda x: (x[0].span.line, x[0].span.column)):
+        if role != "load" and n.text not in loaded:
+            raise unknown(f"buffer of phase {kname}", n, loaded,
+                          notes=[f"a `{role}` line names a buffer that a `load` of phase "
+                                 f"{kname} fills"])
 
 
 def point(p: ast.Point, ops: list[str], kind: str) -> int:
@@ -117,7 +156,7 @@ def _transfers(phase: ast.Phase, kind: LayerKind, B: int
             # Leading dims of a state (conv taps) go first so the kernel indexes them cheaply.
             shape = (*t.shape[:t.lead_dims], B, *t.shape[t.lead_dims:])
             buffers[bname] = ir.Buffer(f"{kname}_{bname}", "state", shape, t.dtype,
-                                       batch_axis=t.lead_dims, span=tr.span)
+                                       batch_axis=t.lead_dims, span=tr.span, written=bname)
             drains = _drains(tr, kname)
             if any((t.direction, t.state, t.buffer) == (tr.direction, sname, f"{kname}_{bname}")
                    for t in transfers):
@@ -264,14 +303,12 @@ def _scoped(phase: ast.Phase, kind: LayerKind, buffers: dict[str, ir.Buffer]
     buffers = dict(buffers)
     ranges: list[tuple[int, int, Scoped]] = []
     for sc in phase.scoped:
-        first, last = (_scope_end(sc.first, "start", 0, ops, kname),
-                       _scope_end(sc.last, "end", len(ops) - 1, ops, kname))
+        first, last = (_scope_end(sc, sc.first, "start", 0, ops, kname),
+                       _scope_end(sc, sc.last, "end", len(ops) - 1, ops, kname))
         if last < first:
             raise fail("E-SCOPE", f"scope ends at {sc.last.text} before it starts at "
                        f"{sc.first.text}", sc.span, hint="swap the two ends")
-        for n in sc.buffers:
-            if n.text not in buffers:
-                raise unknown(f"buffer of phase {kname}", n, sorted(buffers))
+        for n in sc.buffers:       # each a buffer a load fills (`_resolve_buffer_names`)
             b = buffers[n.text]
             if b.scope is not None:
                 raise fail("E-DUPLICATE", f"{n.text} is scoped twice", n.span,
@@ -282,10 +319,22 @@ def _scoped(phase: ast.Phase, kind: LayerKind, buffers: dict[str, ir.Buffer]
     return buffers
 
 
-def _scope_end(name: ast.Name, word: str, at_word: int, ops: list[str], kname: str) -> int:
-    """The op index a scoped range's end names: an op, or `start`/`end` of the layer."""
+def _scope_end(sc: Scoped, name: ast.Name, word: str, at_word: int, ops: list[str],
+               kname: str) -> int:
+    """The op index a scoped range's end names: an op, or `start` (first end only) / `end`
+    (last end only) of the layer."""
     if name.text == word:
         return at_word
+    other = {"start": "end", "end": "start"}[word]
+    if name.text == other:
+        # Swapped, `other` stands where it belongs: the range is reversed unless both ends are it.
+        reversed_ = sc.first.text != sc.last.text
+        buffers = ", ".join(n.text for n in sc.buffers)
+        raise fail("E-SCOPE", f"a scoped range runs from an op or `start` to an op or `end`: "
+                   f"`{other}` cannot {'end' if word == 'end' else 'begin'} it", name.span,
+                   hint=(f"the range is reversed: write `scoped {buffers} from {sc.last.text} "
+                         f"to {sc.first.text}`") if reversed_ else
+                   f"write `{word}` or an op of {kname} ({', '.join(ops)})")
     if name.text not in ops:
         raise unknown(f"op of layer kind {kname}", name, ops)
     return ops.index(name.text)
@@ -334,11 +383,11 @@ def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
     for dim in caches[0].shape:
         width *= dim
     buffers = {f"kv_{c.name}": ir.Buffer(name, "kv", (k.slots, B, k.tokens, width), "bf16",
-                                         (kname, a, a), batch_axis=1)
+                                         (kname, a, a), batch_axis=1, span=k.span)
                for c, name in zip(caches, kv.tile_buffers)}
     # The new token's K/V rows are written by read-modify-write of an aligned bf16 tile.
     buffers["kv_rows"] = ir.Buffer(kv.rows_buffer, "kv", (2, B, ir.SUBLANE_TILE["bf16"], width),
-                                   "bf16", batch_axis=1)
+                                   "bf16", batch_axis=1, span=k.span)
     return kv, buffers
 
 
@@ -352,8 +401,12 @@ def _check_kv_tiles(k: KvTiles, kname: str, has_caches: bool, context: int) -> N
                    f"{sub}-row bf16 tile", k.span,
                    hint=f"use a multiple of {sub}, e.g. {max(sub, k.tokens // sub * sub)}")
     if context % k.tokens:
+        dividing = [t for t in range(sub, context + 1, sub) if context % t == 0]
+        sizes = (f"tiles of {', '.join(map(str, dividing))} tokens divide it" if dividing else
+                 f"no multiple of {sub} tokens divides it")
         raise fail("E-ALIGN", f"context {context} is not a whole number of {k.tokens}-token "
-                   f"KV tiles", k.span, hint="make the context a multiple of the tile")
+                   f"KV tiles", k.span,
+                   hint=f"{sizes}; or make the context a multiple of {k.tokens}")
     if k.slots < 1 or k.ahead < 1:
         raise fail("E-KV", "kv tiles need at least one slot and ahead >= 1", k.span,
                    hint="e.g. `kv tiles 2 slots of 128 tokens ahead 1`")

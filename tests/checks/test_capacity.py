@@ -187,7 +187,8 @@ def test_the_issues_false_fits_are_refused():
 
 def test_a_limit_below_the_chips_vmem_is_named_and_raising_it_is_offered(tmp_path):
     """v6e has 128 MiB of VMEM a core: a spec capped at 40 MiB that needs 40.85 MiB at batch 8
-    is told the limit is the cap and which limit fits, at the vmem line."""
+    is told the limit is the cap and which limit fits: the caret at the largest buffer's
+    statement (the ring), the vmem line a note with the limit to write."""
     from mkc.diagnostics import MkcError
     text = (ROOT / "schedules" / "qwen3_8_27b_v6e.sched").read_text()
     spec = tmp_path / "capped.sched"
@@ -196,7 +197,10 @@ def test_a_limit_below_the_chips_vmem_is_named_and_raising_it_is_offered(tmp_pat
         check_spec(spec)
     d = next(d for d in e.value.diagnostics if d.code == "E-VMEM-CAPACITY")
     assert "the spec's limit 40.00 MiB minus reserve 6.00 MiB" in d.message
-    assert d.hint.startswith("raise the limit: `vmem limit 47 MiB` fits") and d.span.line == 16
+    assert d.hint.startswith("raise the limit: `vmem limit 47 MiB` fits")
+    assert text.splitlines()[d.span.line - 1].lstrip().startswith("ring weights:")
+    assert any(n.startswith("line 16 (`vmem limit`): raise the limit: `vmem limit 47 MiB` fits")
+               for n in d.notes), d.notes
 
 
 def test_kv_tiles_up_to_the_measured_length_add_the_measured_bytes_a_token_and_past_it_are_bounded():
