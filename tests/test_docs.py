@@ -4,8 +4,10 @@ every relative link of the README and docs/ against the files in the repository.
 import re
 from pathlib import Path
 
+import pytest
 from tests_support import ROOT
 
+from mkc.diagnostics import MkcError
 from mkc.lang import syntax
 
 README = ROOT / "README.md"
@@ -128,3 +130,21 @@ def test_the_calibration_table_is_what_calibrate_perf_recorded():
         assert fit == " / ".join(f"{abs(e):.1f} %" for e in record["fit_error_percent"])
         assert held == f"{record['holdout']['values']['mxu_feed_scale']:.1f}"
         assert held_error == f"{holdout[8]:+.1f} % / {holdout[1]:+.1f} %"
+
+
+def test_the_first_spec_walkthrough_checks(tmp_path):
+    """The README's first spec passes `mkc check`, and its diagnostic example is what a wait
+    after the read gives, at the line and column shown."""
+    from mkc import compiler
+    text = README.read_text()
+    section = text[text.index("## Your first spec"):]
+    spec = re.search(r"```sched\n(.*?)```", section, re.S).group(1)
+    path = tmp_path / "my_qwen.sched"
+    path.write_text(spec)
+    compiler.check_spec(path)
+    shown = re.search(r"^my_qwen\.sched:(\d+):(\d+): error\[([\w-]+)\]", section, re.M)
+    path.write_text(spec.replace("wait before conv\n", "wait after conv\n"))
+    with pytest.raises(MkcError) as err:
+        compiler.check_spec(path)
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.column, d.code) == (int(shown[1]), int(shown[2]), shown[3])
