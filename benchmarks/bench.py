@@ -165,8 +165,7 @@ def vmem_peaks(spec: str) -> dict[int, float]:
 def bench_modelled() -> list[str]:
     """Modelled steps (`mkc perf`, every op priced by the work counted from the kernel mkc
     emits) of each shipped spec at batch 1 and 8 and its verify step, and, for K3, the same
-    spec with its experts in the checkpoint's MXFP4 (before the FP8 format) and, where it ships
-    FP4 blocks, in the exact FP8 blocks they replaced: a table."""
+    spec with its experts in the exact FP8 blocks and in the checkpoint's MXFP4: a table."""
     import re
     import tempfile
 
@@ -182,16 +181,15 @@ def bench_modelled() -> list[str]:
                               re.finditer(r"^  format (\S+) (\S+(?: block \d+)?(?: rounded)?)$",
                                           text, re.M))
             specs.append((path, label or "as checkpointed"))
-            if " fp4 block " in label:    # the exact FP8 blocks the FP4 ones replaced
+            if " fp4 block " in label:    # K3's other expert formats: exact FP8 blocks, MXFP4
                 fp8 = Path(tmp) / "fp8" / path.name
                 fp8.parent.mkdir(exist_ok=True)
                 fp8.write_text(re.sub(r"^(  format \S+) fp4 (block \d+) rounded$", r"\1 fp8 \2",
                                       text, flags=re.M))
-                specs.append((fp8, "fp8 blocks (exact; before fp4)"))
-            if label:
+                specs.append((fp8, "fp8 blocks (exact)"))
                 mx = Path(tmp) / path.name
                 mx.write_text(re.sub(r"^  format (\S+) .*$", r"  format \1 mxfp4", text, flags=re.M))
-                specs.append((mx, "mxfp4 (before)"))
+                specs.append((mx, "mxfp4 (the checkpoint's)"))
         for path, label in specs:
             s = compiler.check_spec(path).ir
             rows = [(b, None) for b in (1, 8)] + ([(None, s.verify_rows)] if s.verify_rows else [])
@@ -211,7 +209,7 @@ def main() -> int:
     ap.add_argument("--tiers", action="store_true",
                     help="only time the test tiers, `./dev quick` and `./dev test` (half an hour)")
     ap.add_argument("--modelled", action="store_true",
-                    help="only the modelled steps of every shipped spec (and K3 before FP8)")
+                    help="only the modelled steps of every shipped spec (and K3 in its other expert formats)")
     args = ap.parse_args()
     if args.modelled:
         print("Modelled, not measured (tpu7x constants as recorded; mkc perf):")

@@ -1,6 +1,6 @@
 """Every shipped spec retargeted (`mkc retarget`) to every slice of the topology table: the
-verdict and the modelled step of the spec written, as a Markdown table (README, "Retargeting a
-schedule"). Times are modelled (`mkc.perf`), not measured.
+verdict and the modelled step of the spec written, as a Markdown table (see docs/targets.md).
+Times are modelled (`mkc.perf`), not measured.
 
     .venv/bin/python benchmarks/retarget_table.py [--out benchmarks/data/retarget_table.jsonl]
         [--specs schedules/kimi_k3.sched ...] [--gens tpu7x v6e] [--max-chips 64] [--markdown]

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="paths to .sched files, rewritten in place; '-' reads stdin and writes stdout")
     p.add_argument("--check", action="store_true",
                    help="change nothing; list the specs not in canonical layout and exit 1 if any")
-    sub.add_parser("lsp", help="run the language server over stdio (for editors; see README)")
+    sub.add_parser("lsp", help="run the language server over stdio (for editors; see docs/editor.md)")
     sub.add_parser("grammar", help="print the schedule language's whole grammar (lark), each "
                                    "statement's rules with their comments")
     return ap

@@ -1,0 +1,150 @@
+"""Doc tests that keep the README a short front door and docs/ in step with the code: the
+README's length and tone, the language reference against the grammar's statement registry, and
+every relative link of the README and docs/ against the files in the repository."""
+import re
+from pathlib import Path
+
+import pytest
+from tests_support import ROOT
+
+from mkc.diagnostics import MkcError
+from mkc.lang import syntax
+
+README = ROOT / "README.md"
+LANGUAGE = ROOT / "docs" / "language.md"
+MAX_README_LINES = 260
+# Changelog prose: history belongs in git, not in the README.
+CHANGELOG_PHRASES = (r"\bissue \d+", r"\bwas \d", r"\bbefore this\b")
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_is_short():
+    lines = README.read_text().count("\n")
+    assert lines < MAX_README_LINES, f"README.md has {lines} lines; move reference material to docs/"
+
+
+def test_readme_and_docs_have_no_changelog_prose():
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in doc_files()
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             for phrase in CHANGELOG_PHRASES if re.search(phrase, line, re.I)]
+    assert not found, "changelog prose (history belongs in git):\n" + "\n".join(found)
+
+
+def rule_definitions(grammar: str) -> dict[str, str]:
+    """Each rule of a lark grammar text with its alternatives, whitespace-normalised, by name."""
+    rules: dict[str, list[str]] = {}
+    current = None
+    for line in grammar.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("//"):
+            current = None
+            continue
+        m = re.match(r"^([?!]?[a-z_][a-z0-9_]*)\s*:", stripped)
+        if m and not line[0].isspace():
+            current = m.group(1)
+            rules[current] = [stripped]
+        elif current and stripped.startswith("|"):
+            rules[current].append(stripped)
+        else:
+            current = None
+    return {name: " ".join(" ".join(parts).split()) for name, parts in rules.items()}
+
+
+def reference_sections() -> dict[str, dict[str, str]]:
+    """The language reference's `###` sections: each heading's rules quoted in ```lark blocks."""
+    sections = {}
+    for block in re.split(r"^### ", LANGUAGE.read_text(), flags=re.M)[1:]:
+        heading, _, body = block.partition("\n")
+        quoted = "\n".join(re.findall(r"```lark\n(.*?)```", body, re.S))
+        sections[heading.strip()] = rule_definitions(quoted)
+    return sections
+
+
+def test_language_reference_has_one_section_per_statement():
+    statements = {s.rule: s for s in syntax.statements()}
+    sections = reference_sections()
+    first_rules = {heading: next(iter(rules), None) for heading, rules in sections.items()}
+    assert all(first_rules.values()), \
+        f"sections without a ```lark block: {[h for h, r in first_rules.items() if not r]}"
+    documented = sorted(first_rules.values())
+    assert documented == sorted(set(documented)), "a statement has two sections"
+    missing = sorted(set(statements) - set(documented))
+    assert not missing, f"statements without a section in {LANGUAGE.name}: {missing}"
+    stale = sorted(set(documented) - set(statements))
+    assert not stale, f"sections in {LANGUAGE.name} for rules that are not statements: {stale}"
+    for heading, rule in first_rules.items():
+        assert heading.strip("`").split()[0] == statements[rule].keyword, (heading, rule)
+
+
+def test_language_reference_quotes_the_grammar_as_it_is():
+    grammar = rule_definitions(syntax.grammar())
+    for heading, rules in reference_sections().items():
+        for name, text in rules.items():
+            assert name in grammar, f"{heading}: rule {name!r} is not in the grammar"
+            assert text == grammar[name], f"{heading}: {name} differs from the grammar:\n{grammar[name]}"
+
+
+def test_every_relative_link_points_at_a_file():
+    broken = []
+    for path in doc_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue
+            file = target.split("#", 1)[0]
+            if not (path.parent / file).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+
+
+def test_every_relative_link_anchor_names_a_heading():
+    """`page.md#anchor` links name a heading of that page (GitHub's slug rule)."""
+    def slugs(page: Path) -> set[str]:
+        headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+        return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+    broken = []
+    for path in doc_files():
+        for file, anchor in re.findall(r"\]\(([^)\s#:]*)#([^)\s]+)\)", path.read_text()):
+            page = path.parent / file if file else path
+            if page.exists() and anchor not in slugs(page):
+                broken.append(f"{path.relative_to(ROOT)}: {file}#{anchor}")
+    assert not broken, "links to missing headings:\n" + "\n".join(broken)
+
+
+def test_the_calibration_table_is_what_calibrate_perf_recorded():
+    """docs/perf.md's DMA-queue table against `calibration.dma_queues_sweep` in tpu7x.json."""
+    import json
+    sweep = json.loads((ROOT / "mkc" / "perf" / "data" / "tpu7x.json").read_text())["calibration"]
+    text = (ROOT / "docs" / "perf.md").read_text()
+    table = text[text.index("| DMA queues |"):]
+    rows = re.findall(r"^\| (\d) \|(.*)\|$", table[:table.index("\n\n")], re.M)
+    assert [int(q) for q, _ in rows] == [s["dma_queues"] for s in sweep["dma_queues_sweep"]]
+    for (_, cells), record in zip(rows, sweep["dma_queues_sweep"]):
+        feed, latency, fit, held, held_error = [c.strip() for c in cells.split("|")]
+        holdout = {p["batch"]: p["error_percent"] for p in record["holdout"]["points"]}
+        assert feed == f"{record['fit']['mxu_feed_scale']:.2f}"
+        assert latency == f"{record['fit']['latency_scale']:.3f}"
+        assert fit == " / ".join(f"{abs(e):.1f} %" for e in record["fit_error_percent"])
+        assert held == f"{record['holdout']['values']['mxu_feed_scale']:.1f}"
+        assert held_error == f"{holdout[8]:+.1f} % / {holdout[1]:+.1f} %"
+
+
+def test_the_first_spec_walkthrough_checks(tmp_path):
+    """The README's first spec passes `mkc check`, and its diagnostic example is what a wait
+    after the read gives, at the line and column shown."""
+    from mkc import compiler
+    text = README.read_text()
+    section = text[text.index("## Your first spec"):]
+    spec = re.search(r"```sched\n(.*?)```", section, re.S).group(1)
+    path = tmp_path / "my_qwen.sched"
+    path.write_text(spec)
+    compiler.check_spec(path)
+    shown = re.search(r"^my_qwen\.sched:(\d+):(\d+): error\[([\w-]+)\]", section, re.M)
+    path.write_text(spec.replace("wait before conv\n", "wait after conv\n"))
+    with pytest.raises(MkcError) as err:
+        compiler.check_spec(path)
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.column, d.code) == (int(shown[1]), int(shown[2]), shown[3])
