@@ -1,0 +1,246 @@
+"""Continuous batching of independent requests into a generated module's B kernel rows.
+
+One thread owns the device state and runs decode steps while any row is busy. Each in-flight
+request holds one row for its whole life; a waiting request takes a free row before the next
+step, and a finished or cancelled one gives its row back as soon as the step it was in ends.
+Rows sit at their own positions in one step (the kernel takes a position per row); an idle
+row computes on token 0 at position 0, and its output is ignored.
+
+Prefill feeds the prompt through the decode step, one token a step in the request's row, while
+the other rows keep decoding: the row's KV entries and recurrent and conv states are written
+by the same kernel, in the layout the decode step reads. A row taken over by a new request has
+its recurrent and conv states zeroed first (its KV entries need no clearing: the new request
+rewrites each position before it attends to it, and positions past its own are masked).
+
+Events go back to the request's asyncio loop through `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mkc.serve.sampling import SamplingParams, row_arrays, sample_rows
+
+log = logging.getLogger("mkc.serve")
+
+
+class QueueFull(Exception):
+    """Every row is busy and the waiting queue is at its bound."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What the engine tells a request: a token (`token` set), or the end (`finish_reason`:
+    "stop", "length", or "error" with `error` saying why)."""
+
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: its prompt's token ids, its sampling, and where its events go."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0                     # tokens fed to the kernel so far (prompt, then generated)
+    row: int | None = None
+    cancelled: bool = False
+    finished: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    busy_row_steps: int = 0
+    requests_done: int = 0
+
+
+class Engine:
+    """Serves one generated module on `mesh` at B rows.
+
+    `gen`: the generated module; `weights`: its placed weights; `interpret`: None on TPU, or
+    Pallas' InterpretParams on CPU; `max_queue`: requests that may wait for a row before
+    `submit` refuses more (QueueFull)."""
+
+    def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
+                 max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset()):
+        low, high = gen.BATCH_RANGE
+        if not low <= batch <= high:
+            raise ValueError(f"--batch {batch}: the module is built for batches {low} to {high}")
+        self.gen, self.weights, self.mesh, self.batch = gen, weights, mesh, batch
+        self.context: int = gen.CONTEXT
+        self.vocab: int = gen.DIMS.vocab_size
+        self.max_queue = max_queue
+        self.eos_token_ids = eos_token_ids
+        self.stats = EngineStats()
+        self._step = gen.make_decode_step(mesh, batch, interpret)
+        self._ranked = NamedSharding(mesh, P(gen.AXIS))
+        self._state = self._zero_state()
+        self._row_states = tuple(dict(gen.ROW_STATES).items())
+        self._rows: list[Request | None] = [None] * batch
+        self._waiting: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the request side (any thread) ---------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request for the next free row; QueueFull past B busy rows and `max_queue`
+        waiting ones."""
+        with self._wake:
+            if len(self._waiting) >= self.max_queue + self._free_rows():
+                raise QueueFull(f"all {self.batch} rows are busy and {len(self._waiting)} requests "
+                                f"wait (the queue holds {self.max_queue})")
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request: its row is freed before the next step."""
+        with self._wake:
+            request.cancelled = True
+            self._wake.notify()
+
+    def busy_rows(self) -> int:
+        with self._wake:
+            return self.batch - self._free_rows()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mkc-serve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def warm_up(self) -> float:
+        """Compile and run one step on idle rows (so the first request does not wait for the
+        compile); its seconds."""
+        t0 = time.perf_counter()
+        self._run_step()
+        return time.perf_counter() - t0
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _free_rows(self) -> int:
+        return sum(r is None for r in self._rows)
+
+    def _zero_state(self) -> dict:
+        return {n: jax.device_put(a, self._ranked) for n, a in self.gen.init_state(self.batch).items()}
+
+    def _admit(self) -> list[int]:
+        """Under the lock: free the rows of cancelled requests, drop cancelled waiters, give
+        free rows to waiters in arrival order; the rows taken over."""
+        for b, req in enumerate(self._rows):
+            if req is not None and req.cancelled:
+                self._finish(req, Event(finish_reason="cancelled"))
+        self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        taken = []
+        for b in range(self.batch):
+            if self._rows[b] is None and self._waiting:
+                req = self._waiting.popleft()
+                req.row = b
+                self._rows[b] = req
+                taken.append(b)
+        return taken
+
+    def _finish(self, req: Request, event: Event) -> None:
+        req.finished = True
+        if req.row is not None and self._rows[req.row] is req:
+            self._rows[req.row] = None
+        self.stats.requests_done += 1
+        req.emit(event)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and all(r is None for r in self._rows):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                taken = self._admit()
+                if all(r is None for r in self._rows):
+                    continue
+            if taken:
+                mask = np.zeros(self.batch, bool)
+                mask[taken] = True
+                self._state = _clear_rows(self._state, jnp.asarray(mask), self._row_states)
+            try:
+                self._run_step()
+            except Exception as e:          # noqa: BLE001 - every request must hear of it
+                log.exception("decode step failed")
+                with self._wake:
+                    for req in self._rows:
+                        if req is not None:
+                            self._finish(req, Event(finish_reason="error", error=f"decode step failed: {e}"))
+                self._state = self._zero_state()      # the failed step may have consumed it
+
+    def _run_step(self) -> None:
+        """One decode step over all rows, then one on-device sample of every row."""
+        rows = list(self._rows)
+        tokens = np.zeros(self.batch, np.int32)
+        positions = np.zeros(self.batch, np.int32)
+        for b, req in enumerate(rows):
+            if req is None:
+                continue
+            history = req.prompt + req.generated
+            tokens[b], positions[b] = history[req.fed], req.fed
+        t0 = time.perf_counter()
+        logits, _, self._state = self._step(self.weights, self._state, tokens, positions)
+        params = [req.sampling if req is not None else None for req in rows]
+        sampled = np.asarray(sample_rows(logits, *map(jnp.asarray, row_arrays(
+            params, [len(req.generated) if req is not None else 0 for req in rows]))))
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        self.stats.busy_row_steps += sum(req is not None for req in rows)
+        with self._wake:
+            for b, req in enumerate(rows):
+                if req is None or req.finished:
+                    continue
+                req.fed += 1
+                if req.fed < len(req.prompt):           # still prefilling: the output is ignored
+                    continue
+                token = int(sampled[b])
+                req.generated.append(token)
+                req.emit(Event(token=token))
+                if token in req.sampling.stop_token_ids:
+                    self._finish(req, Event(finish_reason="stop"))
+                elif (len(req.generated) >= req.sampling.max_tokens
+                      or len(req.prompt) + len(req.generated) > self.context):
+                    self._finish(req, Event(finish_reason="length"))
+
+
+@functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
+def _clear_rows(state: dict, rows: jax.Array, row_states: tuple[tuple[str, int], ...]) -> dict:
+    """The state with the recurrent and conv entries of the masked rows zeroed. row_states:
+    (name, the row axis after the layer axis) of each per-row state; the others (KV caches)
+    are kept."""
+    out = dict(state)
+    for name, axis in row_states:
+        a = state[name]
+        shape = [1] * a.ndim
+        shape[axis + 2] = rows.shape[0]          # past the rank and layer axes
+        out[name] = jnp.where(rows.reshape(shape), jnp.zeros((), a.dtype), a)
+    return out
