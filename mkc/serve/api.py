@@ -154,7 +154,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
             else:
                 problems.append(f"{where}: {err['msg']}" if where else err["msg"])
         first = e.errors()[0] if e.errors() else {}
-        param = None if first.get("type") == "json_invalid" else ".".join(str(p) for p in first.get("loc", ())[1:])
+        param = (None if first.get("type") == "json_invalid"
+                 else ".".join(str(p) for p in first.get("loc", ())[1:]))
         return JSONResponse(_error_body(400, "; ".join(problems), param or None, "invalid_request_error"),
                             status_code=400)
 
