@@ -124,14 +124,7 @@ def _serve(args) -> int:
     from mkc.serve.api import serve
     from mkc.serve.engine import Engine
     from mkc.serve.model import load_served
-    served = load_served(args.spec, args.model, args.seed)
-    low, high = served.gen.BATCH_RANGE
-    batch = high if args.batch is None else args.batch
-    if not low <= batch <= high:
-        raise MkcError(Diagnostic("E-SERVE", f"--batch {batch}: the spec builds its kernel for "
-                                  f"batches {low} to {high}", Span.unknown(args.spec),
-                                  hint=f"pass --batch between {low} and {high}, or change the "
-                                       "spec's `batch` line"))
+    served, batch = load_served(args.spec, args.model, args.batch, args.seed)
     engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
                     max_queue=args.queue, eos_token_ids=served.eos_token_ids)
     mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"

@@ -102,13 +102,23 @@ def _eos_ids(config: dict) -> frozenset[int]:
     return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
-def load_served(spec: str, model: str, seed: int = 0) -> Served:
+def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0) -> tuple[Served, int]:
     """Compile `spec` for `model` (a shipped config name, a config.json, or a checkpoint
     directory), import it and place its weights: the checkpoint's for a directory, else
-    `random_weights(seed)`. Raises MkcError for a bad spec or model."""
+    `random_weights(seed)`; and the batch to serve (default the spec's largest). Raises
+    MkcError for a bad spec or model, or a batch the spec does not build (before any weight
+    is read)."""
     from mkc import compiler
+    from mkc.diagnostics import Diagnostic, MkcError, Span
     c = compiler.compile_spec(spec, model)
     gen = import_generated(c.module_source, compiler.module_name(c))
+    low, high = gen.BATCH_RANGE
+    batch = high if batch is None else batch
+    if not low <= batch <= high:
+        raise MkcError(Diagnostic("E-SERVE", f"--batch {batch}: the spec builds its kernel for "
+                                  f"batches {low} to {high}", Span.unknown(spec),
+                                  hint=f"pass --batch between {low} and {high}, or change the "
+                                       "spec's `batch` line"))
 
     import jax
     from jax.experimental.pallas import tpu as pltpu
@@ -128,5 +138,5 @@ def load_served(spec: str, model: str, seed: int = 0) -> Served:
         interpret = pltpu.InterpretParams(dma_execution_mode="on_wait")
     tokenizer = Tokenizer.load(directory) if directory is not None else None
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
-                  tokenizer=tokenizer, eos_token_ids=_eos_ids(config))
+                  tokenizer=tokenizer, eos_token_ids=_eos_ids(config)), batch
 
