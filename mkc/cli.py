@@ -115,6 +115,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a row; past them a request gets a 429 (default 64)")
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="the random weights' seed, for a config name (default 0)")
+    p.add_argument("--prefill", choices=("decode", "verify"), default="decode",
+                   help="how prompts are fed: through the decode step a token a step beside the "
+                        "other rows (default), or through the spec's verify step R tokens a "
+                        "launch, the other rows waiting (docs/serving.md)")
 
 
 def _serve(args) -> int:
@@ -125,8 +129,12 @@ def _serve(args) -> int:
     from mkc.serve.engine import Engine
     from mkc.serve.model import load_served
     served, batch = load_served(args.spec, args.model, args.batch, args.seed)
-    engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
-                    max_queue=args.queue, eos_token_ids=served.eos_token_ids)
+    try:
+        engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
+                        max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill)
+    except ValueError as e:
+        raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec),
+                                  hint="serve with --prefill decode")) from None
     mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"
     print(f"mkc serve: compiling the step at batch {batch} ({mode})", file=sys.stderr, flush=True)
     seconds = engine.warm_up()

@@ -6,11 +6,15 @@ step, and a finished or cancelled one gives its row back as soon as the step it 
 Rows sit at their own positions in one step (the kernel takes a position per row); an idle
 row computes on token 0 at position 0, and its output is ignored.
 
-Prefill feeds the prompt through the decode step, one token a step in the request's row, while
-the other rows keep decoding: the row's KV entries and recurrent and conv states are written
-by the same kernel, in the layout the decode step reads. A row taken over by a new request has
-its recurrent and conv states zeroed first (its KV entries need no clearing: the new request
-rewrites each position before it attends to it, and positions past its own are masked).
+Prefill writes a prompt's KV entries and recurrent and conv states with the module's own
+kernels, in the layout the decode step reads. `decode` (the default) feeds the prompt through
+the decode step, one token a step in the request's row, while the other rows keep decoding.
+`verify` runs the module's verify step on the row alone, R prompt tokens a launch (its state
+taken out of the batch's, the accepted rows committed and put back), before the next decode
+step: fewer launches for a long prompt, while the other rows wait. A row taken over by a new
+request has its recurrent and conv states zeroed first (its KV entries need no clearing: the
+new request rewrites each position before it attends to it, and positions past its own are
+masked).
 
 Events go back to the request's asyncio loop through `call_soon_threadsafe`.
 """
@@ -74,6 +78,8 @@ class EngineStats:
     step_seconds: float = 0.0
     busy_row_steps: int = 0
     requests_done: int = 0
+    prefill_launches: int = 0          # verify-step launches of prefill (--prefill verify)
+    prefill_seconds: float = 0.0
 
 
 class Engine:
@@ -81,10 +87,11 @@ class Engine:
 
     `gen`: the generated module; `weights`: its placed weights; `interpret`: None on TPU, or
     Pallas' InterpretParams on CPU; `max_queue`: requests that may wait for a row before
-    `submit` refuses more (QueueFull)."""
+    `submit` refuses more (QueueFull); `prefill`: "decode" or "verify" (module docstring)."""
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
-                 max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset()):
+                 max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset(),
+                 prefill: str = "decode"):
         low, high = gen.BATCH_RANGE
         if not low <= batch <= high:
             raise ValueError(f"--batch {batch}: the module is built for batches {low} to {high}")
@@ -98,6 +105,20 @@ class Engine:
         self._ranked = NamedSharding(mesh, P(gen.AXIS))
         self._state = self._zero_state()
         self._row_states = tuple(dict(gen.ROW_STATES).items())
+        self.prefill = prefill
+        if prefill == "verify":
+            rows = getattr(gen, "VERIFY_ROWS", 0)
+            if not rows or gen.VERIFY_SEQUENCES[0] > 1:
+                raise ValueError("--prefill verify needs a verify step of one sequence: add "
+                                 "`verify R sequences 1 to N` to the spec")
+            self.verify_rows = rows
+            self._verify = gen.make_verify_step(mesh, 1, rows, interpret)
+            one, two = gen.state_shapes(1), gen.state_shapes(2)
+            # each state's sequence (or row) axis, with the rank axis: where 1 and 2 differ
+            self._seq_axes = tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0]))
+                                                if x != y)) for n in one)
+        elif prefill != "decode":
+            raise ValueError(f"prefill {prefill!r}: choose decode or verify")
         self._rows: list[Request | None] = [None] * batch
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -141,6 +162,9 @@ class Engine:
         compile); its seconds."""
         t0 = time.perf_counter()
         self._run_step()
+        if self.prefill == "verify":
+            self._verify_chunk(0, [0], 0)
+            self._state = self._zero_state()
         return time.perf_counter() - t0
 
     # ---- the engine thread ---------------------------------------------------------------
@@ -188,7 +212,11 @@ class Engine:
                 mask[taken] = True
                 self._state = _clear_rows(self._state, jnp.asarray(mask), self._row_states)
             try:
-                self._run_step()
+                if self.prefill == "verify":
+                    for b in taken:
+                        self._prefill_verify(self._rows[b])
+                if any(r is not None for r in self._rows):
+                    self._run_step()
             except Exception as e:          # noqa: BLE001 - every request must hear of it
                 log.exception("decode step failed")
                 with self._wake:
@@ -220,16 +248,64 @@ class Engine:
                 if req is None or req.finished:
                     continue
                 req.fed += 1
-                if req.fed < len(req.prompt):           # still prefilling: the output is ignored
-                    continue
-                token = int(sampled[b])
-                req.generated.append(token)
-                req.emit(Event(token=token))
-                if token in req.sampling.stop_token_ids:
-                    self._finish(req, Event(finish_reason="stop"))
-                elif (len(req.generated) >= req.sampling.max_tokens
-                      or len(req.prompt) + len(req.generated) > self.context):
-                    self._finish(req, Event(finish_reason="length"))
+                if req.fed >= len(req.prompt):         # still prefilling: the output is ignored
+                    self._accept(req, int(sampled[b]))
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Under the lock: a request's next token, and its end if that was its last."""
+        req.generated.append(token)
+        req.emit(Event(token=token))
+        if token in req.sampling.stop_token_ids:
+            self._finish(req, Event(finish_reason="stop"))
+        elif (len(req.generated) >= req.sampling.max_tokens
+              or len(req.prompt) + len(req.generated) > self.context):
+            self._finish(req, Event(finish_reason="length"))
+
+    def _verify_chunk(self, row: int, chunk: list[int], start: int):
+        """One verify launch of `chunk` (up to R tokens at positions start...) on row `row`
+        alone, its accepted rows committed back into the batch's state; the last token's
+        logits [1, vocab]."""
+        R = self.verify_rows
+        one = _take_row(self._state, jnp.int32(row), self._seq_axes)
+        caches = {n: a for n, a in one.items() if n not in self.gen.ROW_STATES}
+        states = {n: a for n, a in one.items() if n in self.gen.ROW_STATES}
+        tokens = np.array([chunk + [chunk[-1]] * (R - len(chunk))], np.int32)
+        logits, _, verified = self._verify(self.weights, caches, states, tokens, np.array([start], np.int32))
+        one = self.gen.commit(one, verified, np.array([len(chunk)], np.int32))
+        self._state = _put_row(self._state, one, jnp.int32(row), self._seq_axes)
+        return logits[:, len(chunk) - 1]
+
+    def _prefill_verify(self, req: Request) -> None:
+        """A newly admitted request's prompt through the verify step, R tokens a launch (the
+        tail that would pass the context, if any, is left to decode steps); its first token
+        sampled from the last prompt token's logits."""
+        t0 = time.perf_counter()
+        logits = None
+        while len(req.prompt) - req.fed > 0 and req.fed + self.verify_rows <= self.context:
+            chunk = req.prompt[req.fed:req.fed + self.verify_rows]
+            logits = self._verify_chunk(req.row, chunk, req.fed)
+            req.fed += len(chunk)
+            self.stats.prefill_launches += 1
+        if logits is not None and req.fed == len(req.prompt):
+            params = map(jnp.asarray, row_arrays([req.sampling], [0]))
+            token = int(np.asarray(sample_rows(logits, *params))[0])
+            with self._wake:
+                self._accept(req, token)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _take_row(state: dict, row: jax.Array, axes: tuple[tuple[str, int], ...]) -> dict:
+    """One row's state (a state of one sequence) out of a batch's; axes: (name, the sequence
+    axis with the rank axis)."""
+    return {n: jax.lax.dynamic_slice_in_dim(state[n], row, 1, axis) for n, axis in axes}
+
+
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _put_row(state: dict, one: dict, row: jax.Array, axes: tuple[tuple[str, int], ...]) -> dict:
+    """The batch's state with one row's state written back at `row`."""
+    return {n: jax.lax.dynamic_update_slice_in_dim(state[n], one[n].astype(state[n].dtype), row, axis)
+            for n, axis in axes}
 
 
 @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 VOCAB = 64
 CONTEXT = 32
 EOS = VOCAB - 1
+VERIFY_ROWS = 3
 
 
 def _next(total, position):
@@ -34,10 +35,28 @@ def fake_module(batch_range=(1, 4)):
             return logits, nxt, {"rec": rec}
         return step
 
+    def state_shapes(S, R=1):
+        return {"rec": ((1, S * R, 1), np.float32)}
+
+    def make_verify_step(mesh, S, R, interpret=None):
+        # R rows a sequence at consecutive positions; the state after every row (row r * S + s)
+        @jax.jit
+        def step(weights, caches, states, tokens, starts):
+            totals = states["rec"].reshape(1, S) + jnp.cumsum(tokens.astype(jnp.float32), axis=1).T
+            nxt = _next(totals.T.astype(jnp.int32), starts[:, None] + jnp.arange(R)[None, :])
+            return jax.nn.one_hot(nxt, VOCAB) * 10.0, nxt, {"rec": totals.reshape(1, 1, R * S, 1)}
+        return step
+
+    def commit(state, verified, accepted):
+        S = state["rec"].shape[2]
+        rows = [(int(a) - 1) * S + s for s, a in enumerate(np.asarray(accepted))]
+        return {"rec": verified["rec"][:, :, np.array(rows)]}
+
     return types.SimpleNamespace(
         BATCH_RANGE=batch_range, CONTEXT=CONTEXT, AXIS="tp", ROW_STATES={"rec": 0},
         DIMS=types.SimpleNamespace(vocab_size=VOCAB), init_state=init_state,
-        make_decode_step=make_decode_step)
+        make_decode_step=make_decode_step, VERIFY_ROWS=VERIFY_ROWS, VERIFY_SEQUENCES=(1, 2),
+        state_shapes=state_shapes, make_verify_step=make_verify_step, commit=commit)
 
 
 def fake_mesh():

@@ -7,7 +7,7 @@ import asyncio
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serve_fakes import VOCAB, fake_greedy, fake_mesh, fake_module
+from serve_fakes import VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module
 
 from mkc.serve.engine import Engine, QueueFull, Request
 from mkc.serve.sampling import SamplingParams, row_arrays, sample_rows
@@ -40,11 +40,12 @@ def run(engine: Engine, *coroutines):
         engine.stop()
 
 
-def test_requests_share_rows_and_reuse_them_from_a_clean_state():
+@pytest.mark.parametrize("prefill", ["decode", "verify"])
+def test_requests_share_rows_and_reuse_them_from_a_clean_state(prefill):
     # 5 requests on 2 rows, arriving at different times, so rows are reused mid-run and sit at
-    # different positions in one step
-    engine = make_engine(batch=2)
-    prompts = [([3, 5, 7], 4), ([11], 6), ([2, 2], 3), ([9, 1, 4, 4], 2), ([6], 5)]
+    # different positions in one step; with verify prefill, prompts of 1 to 2 chunks
+    engine = make_engine(batch=2, prefill=prefill)
+    prompts = [([3, 5, 7], 4), ([11], 6), ([2, 2], 3), ([9, 1, 4, 4, 8], 2), ([6], 5)]
     out = run(engine, *(generate(engine, p, n, delay=0.01 * i) for i, (p, n) in enumerate(prompts)))
     for (prompt, n), (req, finish) in zip(prompts, out):
         assert req.generated == fake_greedy(prompt, n), prompt
@@ -52,6 +53,8 @@ def test_requests_share_rows_and_reuse_them_from_a_clean_state():
     assert engine.busy_rows() == 0
     # every row was shared: fewer steps than running the requests one after another
     assert engine.stats.steps < sum(len(p) + n - 1 for p, n in prompts)
+    if prefill == "verify":         # a launch per chunk of up to VERIFY_ROWS prompt tokens
+        assert engine.stats.prefill_launches == sum(-(-len(p) // VERIFY_ROWS) for p, _ in prompts)
 
 
 def test_without_clearing_a_reused_row_the_output_differs(monkeypatch):
@@ -96,6 +99,13 @@ def test_a_full_queue_refuses():
 def test_batch_outside_the_module_range():
     with pytest.raises(ValueError, match="batches 1 to 4"):
         make_engine(batch=5)
+
+
+def test_verify_prefill_needs_a_verify_step():
+    gen = fake_module()
+    del gen.VERIFY_ROWS
+    with pytest.raises(ValueError, match="add `verify R sequences 1 to N`"):
+        Engine(gen, {}, fake_mesh(), 2, None, prefill="verify")
 
 
 def test_sampling_per_row_on_device():

@@ -1,8 +1,9 @@
 """`mkc serve` for real: the MINI Qwen module (schedules/qwen3_8_27b.sched for qwen3_8_mini) in
-TPU interpret mode at batch 2, one server process for the module, driven by OpenAI's own
-client. Every greedy completion must equal the family reference's greedy decoding of its
-prompt (in its rounding-emulating mode, as examples/speculative.py compares) token for token,
-whichever rows the requests share and in whatever order they arrive."""
+TPU interpret mode at batch 2, one server process for each prefill (through the decode step,
+and through the verify step), driven by OpenAI's own client. Every greedy completion must
+equal the family reference's greedy decoding of its prompt (in its rounding-emulating mode, as
+examples/speculative.py compares) token for token, whichever rows the requests share and in
+whatever order they arrive."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,7 +25,7 @@ pin_cpu_isa()       # the same vector routines as the server's kernel (mkc.numer
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-pytestmark = pytest.mark.slow      # interpret-mode decode steps: about a minute in all
+pytestmark = pytest.mark.slow      # interpret-mode steps: about a minute per server
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
@@ -39,14 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=["decode", "verify"])
+def server(request):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "mkc", "serve", str(SPEC), "--model", MODEL,
-                             "--batch", str(BATCH), "--queue", "4", "--port", str(port)],
+                             "--batch", str(BATCH), "--queue", "4", "--port", str(port),
+                             "--prefill", request.param],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_SECONDS
