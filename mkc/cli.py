@@ -115,10 +115,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a row; past them a request gets a 429 (default 64)")
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="the random weights' seed, for a config name (default 0)")
-    p.add_argument("--prefill", choices=("decode", "verify"), default="decode",
-                   help="how prompts are fed: through the decode step a token a step beside the "
-                        "other rows (default), or through the spec's verify step R tokens a "
-                        "launch, the other rows waiting (docs/serving.md)")
+    p.add_argument("--prefill", choices=("auto", "decode", "verify"), default="auto",
+                   help="how prompts are fed: through the spec's verify step R tokens a launch, "
+                        "the other rows waiting, or through the decode step a token a step beside "
+                        "the other rows; auto (default): verify if the spec has a verify step "
+                        "(docs/serving.md)")
 
 
 def _serve(args) -> int:

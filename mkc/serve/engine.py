@@ -7,11 +7,13 @@ Rows sit at their own positions in one step (the kernel takes a position per row
 row computes on token 0 at position 0, and its output is ignored.
 
 Prefill writes a prompt's KV entries and recurrent and conv states with the module's own
-kernels, in the layout the decode step reads. `decode` (the default) feeds the prompt through
+kernels, in the layout the decode step reads. `decode` feeds the prompt through
 the decode step, one token a step in the request's row, while the other rows keep decoding.
 `verify` runs the module's verify step on the row alone, R prompt tokens a launch (its state
 taken out of the batch's, the accepted rows committed and put back), before the next decode
-step: fewer launches for a long prompt, while the other rows wait. A row taken over by a new
+step: a launch per R prompt tokens instead of a step per token (each streams every weight
+once), while the other rows wait. `auto`, the default, is `verify` where the module has a
+verify step of one sequence (docs/serving.md has the measurements). A row taken over by a new
 request has its recurrent and conv states zeroed first (its KV entries need no clearing: the
 new request rewrites each position before it attends to it, and positions past its own are
 masked).
@@ -87,11 +89,12 @@ class Engine:
 
     `gen`: the generated module; `weights`: its placed weights; `interpret`: None on TPU, or
     Pallas' InterpretParams on CPU; `max_queue`: requests that may wait for a row before
-    `submit` refuses more (QueueFull); `prefill`: "decode" or "verify" (module docstring)."""
+    `submit` refuses more (QueueFull); `prefill`: "decode", "verify" or "auto" (verify where
+    the module has a verify step of one sequence, else decode; module docstring)."""
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
                  max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset(),
-                 prefill: str = "decode"):
+                 prefill: str = "auto"):
         low, high = gen.BATCH_RANGE
         if not low <= batch <= high:
             raise ValueError(f"--batch {batch}: the module is built for batches {low} to {high}")
@@ -105,20 +108,21 @@ class Engine:
         self._ranked = NamedSharding(mesh, P(gen.AXIS))
         self._state = self._zero_state()
         self._row_states = tuple(dict(gen.ROW_STATES).items())
+        if prefill == "auto":
+            prefill = "verify" if _verifies_one_sequence(gen) else "decode"
         self.prefill = prefill
         if prefill == "verify":
-            rows = getattr(gen, "VERIFY_ROWS", 0)
-            if not rows or gen.VERIFY_SEQUENCES[0] > 1:
+            if not _verifies_one_sequence(gen):
                 raise ValueError("--prefill verify needs a verify step of one sequence: add "
                                  "`verify R sequences 1 to N` to the spec")
-            self.verify_rows = rows
-            self._verify = gen.make_verify_step(mesh, 1, rows, interpret)
+            self.verify_rows = gen.VERIFY_ROWS
+            self._verify = gen.make_verify_step(mesh, 1, self.verify_rows, interpret)
             one, two = gen.state_shapes(1), gen.state_shapes(2)
             # each state's sequence (or row) axis, with the rank axis: where 1 and 2 differ
             self._seq_axes = tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0]))
                                                 if x != y)) for n in one)
         elif prefill != "decode":
-            raise ValueError(f"prefill {prefill!r}: choose decode or verify")
+            raise ValueError(f"prefill {prefill!r}: choose auto, decode or verify")
         self._rows: list[Request | None] = [None] * batch
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -292,6 +296,10 @@ class Engine:
             with self._wake:
                 self._accept(req, token)
         self.stats.prefill_seconds += time.perf_counter() - t0
+
+
+def _verifies_one_sequence(gen: Any) -> bool:
+    return bool(getattr(gen, "VERIFY_ROWS", 0)) and gen.VERIFY_SEQUENCES[0] <= 1
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

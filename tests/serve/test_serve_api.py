@@ -99,3 +99,23 @@ def test_text_endpoints_without_a_tokenizer(client):
         r = client.post(path, json=body)
         assert r.status_code == 400 and "needs a tokenizer" in r.json()["error"]["message"]
     assert complete(client, prompt=[2], max_tokens=1).status_code == 200     # still serving
+
+
+def test_a_full_server_answers_429():
+    import asyncio
+
+    from mkc.serve.engine import Request
+    from mkc.serve.sampling import SamplingParams
+    gen = fake_module()
+    served = Served(name=NAME, gen=gen, weights={}, mesh=fake_mesh(), interpret=None, tokenizer=None,
+                    eos_token_ids=frozenset())
+    engine = Engine(gen, {}, served.mesh, 1, None, max_queue=0)     # never started: stays full
+    loop = asyncio.new_event_loop()
+    try:
+        engine.submit(Request(prompt=[1], sampling=SamplingParams(max_tokens=1), loop=loop))
+        with TestClient(create_app(served, engine)) as c:
+            r = c.post("/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 1})
+        assert r.status_code == 429
+        assert "the server is busy: all 1 rows are busy" in r.json()["error"]["message"]
+    finally:
+        loop.close()

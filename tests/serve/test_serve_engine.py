@@ -13,8 +13,8 @@ from mkc.serve.engine import Engine, QueueFull, Request
 from mkc.serve.sampling import SamplingParams, row_arrays, sample_rows
 
 
-def make_engine(batch=2, max_queue=8, **kw) -> Engine:
-    return Engine(fake_module(), {}, fake_mesh(), batch, None, max_queue=max_queue, **kw)
+def make_engine(batch=2, max_queue=8, prefill="decode", **kw) -> Engine:
+    return Engine(fake_module(), {}, fake_mesh(), batch, None, max_queue=max_queue, prefill=prefill, **kw)
 
 
 async def generate(engine: Engine, prompt, max_tokens, *, delay=0.0, cancel_after=None, **sampling):
@@ -101,9 +101,11 @@ def test_batch_outside_the_module_range():
         make_engine(batch=5)
 
 
-def test_verify_prefill_needs_a_verify_step():
+def test_verify_prefill_needs_a_verify_step_and_auto_chooses_it_where_there_is_one():
+    assert Engine(fake_module(), {}, fake_mesh(), 2, None).prefill == "verify"
     gen = fake_module()
     del gen.VERIFY_ROWS
+    assert Engine(gen, {}, fake_mesh(), 2, None).prefill == "decode"
     with pytest.raises(ValueError, match="add `verify R sequences 1 to N`"):
         Engine(gen, {}, fake_mesh(), 2, None, prefill="verify")
 
