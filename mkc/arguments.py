@@ -23,6 +23,20 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def int_in_range(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `minimum` to `maximum` (a port, say)."""
+    at_least = int_at_least(minimum)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an integer from {minimum} to {maximum}, "
+                                             f"got '{text[:20]}'")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
 def float_at_least(minimum: float) -> Callable[[str], float]:
     """An argparse type: a finite number of at least `minimum`."""
     def parse(text: str) -> float:

@@ -1,5 +1,5 @@
-"""The `mkc` command line: compile, check, ir, perf, tune, retarget, fmt and lsp, for people
-(text) and machines (--json)."""
+"""The `mkc` command line: compile, check, ir, perf, tune, retarget, fmt, lsp and serve, for
+people (text) and machines (--json)."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")   # mkc itself never needs an accelerator
+if sys.argv[1:2] != ["serve"]:     # `mkc serve` runs the kernels on the host's accelerator
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the compiler itself never needs one
 
 import mkc  # noqa: E402
 from mkc.diagnostics import Diagnostic, MkcError, Span  # noqa: E402
-from mkc.arguments import float_at_least, int_at_least  # noqa: E402
+from mkc.arguments import float_at_least, int_at_least, int_in_range  # noqa: E402
 
 
 def _source(path: str) -> str | None:
@@ -94,7 +95,54 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("lsp", help="run the language server over stdio (for editors; see docs/editor.md)")
     sub.add_parser("grammar", help="print the schedule language's whole grammar (lark), each "
                                    "statement's rules with their comments")
+    _serve_args(sub.add_parser(
+        "serve", help="serve a spec's kernel over an OpenAI-compatible HTTP API (continuous "
+                      "batching into its rows; interpret mode on a CPU host, see docs/serving.md)"))
     return ap
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="path to a .sched file")
+    p.add_argument("--model", required=True,
+                   help="a shipped config name (random weights: for MINI configs on a CPU host) or "
+                        "an HF checkpoint directory (its weights, and its tokenizer if it has one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int_in_range(0, 65535), default=8000,
+                   help="port to listen on (default 8000)")
+    p.add_argument("--batch", type=int_at_least(1),
+                   help="kernel rows, one per in-flight request (default: the spec's largest batch)")
+    p.add_argument("--queue", type=int_at_least(0), default=64,
+                   help="requests that may wait for a row; past them a request gets a 429 (default 64)")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="the random weights' seed, for a config name (default 0)")
+    p.add_argument("--prefill", choices=("auto", "decode", "verify"), default="auto",
+                   help="how prompts are fed: through the spec's verify step R tokens a launch, "
+                        "the other rows waiting, or through the decode step a token a step beside "
+                        "the other rows; auto (default): verify if the spec has a verify step "
+                        "(docs/serving.md)")
+
+
+def _serve(args) -> int:
+    """`mkc serve`: compile, place the weights, warm the step up, then serve until interrupted."""
+    from mkc.serve.model import prepare_devices
+    prepare_devices(args.spec)              # before JAX starts
+    from mkc.serve.api import serve
+    from mkc.serve.engine import Engine
+    from mkc.serve.model import load_served
+    served, batch = load_served(args.spec, args.model, args.batch, args.seed)
+    try:
+        engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
+                        max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill)
+    except ValueError as e:
+        raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec),
+                                  hint="serve with --prefill decode")) from None
+    mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"
+    print(f"mkc serve: compiling the step at batch {batch} ({mode})", file=sys.stderr, flush=True)
+    seconds = engine.warm_up()
+    print(f"mkc serve: {served.name} ready at http://{args.host}:{args.port} (first step "
+          f"{seconds:.1f} s)", file=sys.stderr, flush=True)
+    serve(served, engine, args.host, args.port)
+    return 0
 
 
 def _fmt(args) -> int:
@@ -144,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "lsp":
         from mkc.lsp import main as lsp_main
         return lsp_main()
+    if args.cmd == "serve":
+        try:
+            return _serve(args)
+        except MkcError as e:
+            return _fail({"command": "serve", "spec": args.spec}, e.diagnostics, False)
     as_json = getattr(args, "json", False)
     result: dict = {"mkc_version": mkc.__version__, "command": args.cmd, "spec": args.spec,
                     "verdict": "ok", "diagnostics": []}

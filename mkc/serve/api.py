@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP API over an `Engine` (FastAPI; SSE streaming through Starlette's
+StreamingResponse): /health, /v1/models, /v1/completions, /v1/chat/completions, /tokenize and
+/detokenize.
+
+Request and response bodies follow OpenAI's schema (and vLLM's extensions `top_k`,
+`stop_token_ids`, `ignore_eos`); every choice also carries its `token_ids`, since a model
+served without a tokenizer has no text to give. Errors are OpenAI's `{"error": {...}}` with a
+message that says what to change: 400 for a bad request, 404 for an unknown model, 429 when
+the queue is full.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from mkc.serve.engine import Engine, Event, QueueFull, Request
+from mkc.serve.model import Served
+from mkc.serve.sampling import SamplingParams
+
+DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
+DISCONNECT_POLL_SECONDS = 1.0       # how often a non-streaming request checks its client
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def _error_body(status: int, message: str, param: str | None, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class _Body(BaseModel):
+    # NaN and infinities are not numbers a request may carry (JSON has none; Python's parser
+    # accepts them)
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    logprobs: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[list[int]] | list[str]
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    echo: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class _Text:
+    """A request's generated text as its tokens arrive, with its stop strings: what may be
+    sent so far (holding back a tail that could still begin a stop string) and whether a stop
+    string has appeared (the text is cut before it)."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.text, self.sent, self.stopped = "", 0, False
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token: int) -> str:
+        """Take a token; the text that may now be sent."""
+        self.ids.append(token)
+        if self.tokenizer is None:
+            return ""
+        self.text = self.tokenizer.decode(self.ids)
+        for s in self.stop:
+            if (at := self.text.find(s)) >= 0:
+                self.text, self.stopped = self.text[:at], True
+                return self.flush()
+        ready = len(self.text) - self._hold
+        if self.text.endswith("\ufffd"):     # an incomplete UTF-8 sequence: wait for the rest
+            ready = min(ready, len(self.text) - 1)
+        return self._take(ready)
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+def create_app(served: Served, engine: Engine) -> FastAPI:
+    app = FastAPI(title="mkc serve", description=f"{served.name} on a generated megakernel")
+    tokenizer = served.tokenizer
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: HttpRequest, e: ApiError) -> JSONResponse:
+        return JSONResponse(_error_body(e.status, e.message, e.param, e.kind), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HttpRequest, e: HTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body it cannot parse: not UTF-8; an unknown path or method)
+        message = str(e.detail)
+        if e.status_code == 400 and "parsing the body" in message:
+            message = "the body could not be parsed: it must be UTF-8 JSON"
+        return JSONResponse(_error_body(e.status_code, message, None, "invalid_request_error"),
+                            status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: HttpRequest, e: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            if err.get("type") == "json_invalid":
+                problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
+            else:
+                problems.append(f"{where}: {err['msg']}" if where else err["msg"])
+        first = e.errors()[0] if e.errors() else {}
+        param = (None if first.get("type") == "json_invalid"
+                 else ".".join(str(p) for p in first.get("loc", ())[1:]))
+        return JSONResponse(_error_body(400, "; ".join(problems), param or None, "invalid_request_error"),
+                            status_code=400)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served.name:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves "
+                                f"'{served.name}' (GET /v1/models)", "model", "not_found_error")
+
+    def need_tokenizer(what: str):
+        if tokenizer is None:
+            raise ApiError(400, f"{what} needs a tokenizer, and '{served.name}' has none (serve a "
+                                "checkpoint directory with tokenizer.json and the `tokenizers` or "
+                                "`transformers` package); pass the prompt as token ids instead")
+        return tokenizer
+
+    def check_ids(ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise ApiError(400, "the prompt is empty: give at least one token", param)
+        bad = [t for t in ids if not 0 <= t < engine.vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
+                                f"{engine.vocab - 1})", param)
+        return ids
+
+    def prompt_ids(prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            raise ApiError(400, f"{len(prompt)} prompts in one request; send one prompt per "
+                                "request (they are batched on the server)", "prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "the prompt is empty: give at least one token", "prompt")
+            return check_ids(need_tokenizer("a text prompt").encode(prompt), "prompt")
+        return check_ids(list(prompt), "prompt")
+
+    def sampling_of(body: _Sampling, prompt: list[int], max_tokens: int | None) -> SamplingParams:
+        if body.n != 1:
+            raise ApiError(400, f"n = {body.n}: one choice per request is served (send n "
+                                "requests)", "n")
+        if body.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not served yet", "logprobs")
+        room = engine.context - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
+                                f"{engine.context}, and at least one must be left to generate",
+                           "prompt")
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens = {max_tokens} with a prompt of {len(prompt)} "
+                                f"tokens passes the context of {engine.context}: at most {room}",
+                           "max_tokens")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if stops:
+            need_tokenizer("a stop string")
+        stop_ids = set(body.stop_token_ids or [])
+        if not body.ignore_eos:
+            stop_ids |= served.eos_token_ids
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        return SamplingParams(max_tokens=max_tokens,
+                              temperature=1.0 if body.temperature is None else body.temperature,
+                              top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                              seed=seed % (1 << 31), stop_token_ids=frozenset(stop_ids))
+
+    def submit(prompt: list[int], sampling: SamplingParams) -> Request:
+        req = Request(prompt=prompt, sampling=sampling, loop=asyncio.get_running_loop())
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}; retry later", None, "rate_limit_error")
+        return req
+
+    async def events(req: Request, http: HttpRequest) -> AsyncIterator[Event]:
+        """The request's events until its end; the request is cancelled if the consumer stops
+        early (a streaming client went away) or a waiting client disconnects."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(req.events.get(), DISCONNECT_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not req.finished:
+                engine.cancel(req)
+
+    def usage(req: Request, completion: int) -> dict:
+        return {"prompt_tokens": len(req.prompt), "completion_tokens": completion,
+                "total_tokens": len(req.prompt) + completion}
+
+    def error_of(event: Event) -> ApiError:
+        return ApiError(500, event.error or "generation failed", None, "server_error")
+
+    async def generate(http: HttpRequest, body: _Sampling, prompt: list[int], max_tokens: int | None,
+                       chat: bool):
+        sampling = sampling_of(body, prompt, max_tokens)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        req = submit(prompt, sampling)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion" if chat else "text_completion"
+        head = {"id": rid, "created": int(time.time()), "model": served.name}
+
+        def choice(text: str, ids: list[int], finish: str | None, first: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
+                        "finish_reason": finish}
+            delta = ({"role": "assistant", "content": text} if first else {"content": text})
+            return {"index": 0, "delta": delta, "token_ids": ids, "logprobs": None,
+                    "finish_reason": finish}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def sse() -> AsyncIterator[str]:
+                text = _Text(tokenizer, stops)
+                first, finish = True, None
+                async for event in events(req, http):
+                    if event.error is not None:
+                        err = error_of(event)
+                        yield f"data: {json.dumps(_error_body(500, err.message, None, err.kind))}\n\n"
+                        break
+                    if event.token is not None:
+                        delta = text.add(event.token)
+                        chunk = {**head, "object": obj + (".chunk" if chat else ""),
+                                 "choices": [choice(delta, [event.token], None, first)]}
+                        first = False
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                        if text.stopped:
+                            finish = "stop"
+                            break
+                    else:
+                        finish = event.finish_reason
+                if finish is not None:
+                    chunk = {**head, "object": obj + (".chunk" if chat else ""),
+                             "choices": [choice(text.flush(), [], finish, first)]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    if include_usage:
+                        tail = {**head, "object": obj, "choices": [], "usage": usage(req, len(text.ids))}
+                        yield f"data: {json.dumps(tail)}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        text = _Text(tokenizer, stops)
+        finish = None
+        async for event in events(req, http):
+            if event.error is not None:
+                raise error_of(event)
+            if event.token is not None:
+                text.add(event.token)
+                if text.stopped:
+                    finish = "stop"
+                    break
+            else:
+                finish = event.finish_reason
+        content = text.flush()
+        if chat:
+            out = {"index": 0, "message": {"role": "assistant", "content": content},
+                   "token_ids": text.ids, "logprobs": None, "finish_reason": finish}
+        else:
+            out = {"index": 0, "text": content, "token_ids": text.ids, "logprobs": None,
+                   "finish_reason": finish}
+        return {**head, "object": obj, "choices": [out], "usage": usage(req, len(text.ids))}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        s = engine.stats
+        return {"batch": engine.batch, "busy_rows": engine.busy_rows(), "steps": s.steps,
+                "step_seconds": s.step_seconds, "busy_row_steps": s.busy_row_steps,
+                "requests_done": s.requests_done, "prefill": engine.prefill,
+                "prefill_launches": s.prefill_launches, "prefill_seconds": s.prefill_seconds}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
+                                            "owned_by": "mkc", "max_model_len": engine.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        check_model(body.model)
+        if body.echo:
+            raise ApiError(400, "echo is not served yet", "echo")
+        return await generate(http, body, prompt_ids(body.prompt), body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, http: HttpRequest):
+        check_model(body.model)
+        if tokenizer is None or tokenizer.chat is None:
+            raise ApiError(400, f"'{served.name}' has no chat template: chat needs a checkpoint "
+                                "directory with a tokenizer and a chat template (and the "
+                                "`transformers` package); use /v1/completions with token ids")
+        if not body.messages:
+            raise ApiError(400, "messages is empty: give at least one message", "messages")
+        prompt = check_ids(tokenizer.chat(body.messages), "messages")
+        return await generate(http, body, prompt, body.max_completion_tokens or body.max_tokens, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        tok = need_tokenizer("/tokenize")
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt (text) or messages (chat)")
+        if body.messages is not None:
+            if tok.chat is None:
+                raise ApiError(400, f"'{served.name}' has no chat template", "messages")
+            ids = tok.chat(body.messages)
+        else:
+            ids = tok.encode(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        tok = need_tokenizer("/detokenize")
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
+                                f"{engine.vocab - 1})", "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    return app
+
+
+def serve(served: Served, engine: Engine, host: str, port: int, log_level: str = "info") -> None:
+    """Run the API with uvicorn until interrupted, the engine's thread beside it."""
+    import uvicorn
+    engine.start()
+    try:
+        uvicorn.run(create_app(served, engine), host=host, port=port, log_level=log_level)
+    finally:
+        engine.stop()

@@ -1,0 +1,142 @@
+"""What `mkc serve` serves: a spec compiled for a model, imported, with its weights placed on
+the mesh, and the checkpoint's tokenizer when it has one.
+
+JAX is imported only after `prepare_devices` has set the CPU device count (on a CPU host the
+module's ranks are virtual devices).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def prepare_devices(spec: str) -> None:
+    """Before JAX starts: on a CPU host, as many virtual devices as the spec's mesh has ranks
+    (the flag only affects JAX's CPU platform), and the pinned vector ISA of mkc.numerics."""
+    from mkc.lang.parser import parse_file
+    from mkc.numerics import pin_cpu_isa
+    sched, _ = parse_file(spec)
+    mesh = sched.settings.get("mesh")
+    ranks = mesh.value[1] if mesh is not None else 1
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={ranks}".strip()
+    pin_cpu_isa()
+
+
+def import_generated(source: str, name: str) -> Any:
+    """Import a generated module's text from a private temporary directory."""
+    path = Path(tempfile.mkdtemp(prefix="mkc-serve-")) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: transformers' AutoTokenizer when transformers is installed
+    (it brings the chat template), else `tokenizers`' tokenizer.json (text, no chat)."""
+
+    def __init__(self, directory: Path):
+        self.chat = None
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            AutoTokenizer = None
+        if AutoTokenizer is not None:
+            self._hf = AutoTokenizer.from_pretrained(str(directory))
+            self._encode = lambda text: self._hf.encode(text, add_special_tokens=False)
+            self._decode = lambda ids: self._hf.decode(ids)
+            if getattr(self._hf, "chat_template", None):
+                self.chat = lambda messages: list(self._hf.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True))
+        else:
+            from tokenizers import Tokenizer as Raw
+            raw = Raw.from_file(str(directory / "tokenizer.json"))
+            self._encode = lambda text: raw.encode(text, add_special_tokens=False).ids
+            self._decode = lambda ids: raw.decode(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(list(ids))
+
+    @staticmethod
+    def load(directory: Path) -> "Tokenizer | None":
+        """The directory's tokenizer, or None when it has none or no tokenizer library is
+        installed (text requests are then refused with a 400 that says so)."""
+        if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        try:
+            return Tokenizer(directory)
+        except ImportError:
+            return None
+
+
+@dataclass
+class Served:
+    """A compiled module ready to serve: the module, its placed weights, the mesh, the
+    interpret parameters (None on TPU), the tokenizer (or None) and the model's EOS ids."""
+
+    name: str
+    gen: Any
+    weights: dict
+    mesh: Any
+    interpret: Any
+    tokenizer: Tokenizer | None
+    eos_token_ids: frozenset[int]
+
+
+def _eos_ids(config: dict) -> frozenset[int]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0) -> tuple[Served, int]:
+    """Compile `spec` for `model` (a shipped config name, a config.json, or a checkpoint
+    directory), import it and place its weights: the checkpoint's for a directory, else
+    `random_weights(seed)`; and the batch to serve (default the spec's largest). Raises
+    MkcError for a bad spec or model, or a batch the spec does not build (before any weight
+    is read)."""
+    from mkc import compiler
+    from mkc.diagnostics import Diagnostic, MkcError, Span
+    c = compiler.compile_spec(spec, model)
+    gen = import_generated(c.module_source, compiler.module_name(c))
+    low, high = gen.BATCH_RANGE
+    batch = high if batch is None else batch
+    if not low <= batch <= high:
+        raise MkcError(Diagnostic("E-SERVE", f"--batch {batch}: the spec builds its kernel for "
+                                  f"batches {low} to {high}", Span.unknown(spec),
+                                  hint=f"pass --batch between {low} and {high}, or change the "
+                                       "spec's `batch` line"))
+
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+    directory = Path(model) if Path(model).is_dir() else None
+    if directory is not None:
+        from mkc.checkpoint import load_checkpoint
+        config, hf = load_checkpoint(directory)
+    else:
+        config = dict(gen.HF_CONFIG)
+        hf = gen.random_weights(seed)
+    mesh = gen.make_mesh()
+    weights = gen.place_weights(hf, mesh)
+    interpret = None
+    if jax.default_backend() == "cpu":
+        from mkc.interpret import lean_interpreter
+        lean_interpreter()
+        interpret = pltpu.InterpretParams(dma_execution_mode="on_wait")
+    tokenizer = Tokenizer.load(directory) if directory is not None else None
+    return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
+                  tokenizer=tokenizer, eos_token_ids=_eos_ids(config)), batch
+

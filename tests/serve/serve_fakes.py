@@ -1,0 +1,75 @@
+"""A stand-in for a generated module, for testing the serving engine and API without running a
+kernel: one rank, one per-row recurrent state, and a step whose next token depends on the
+row's whole history (so a row reused without its state cleared, or a row fed another row's
+token, gives other tokens than `fake_greedy`)."""
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+VOCAB = 64
+CONTEXT = 32
+EOS = VOCAB - 1
+VERIFY_ROWS = 3
+
+
+def _next(total, position):
+    # never EOS on its own: the tests choose when a request stops
+    return (total * 7 + position * 3 + 1) % (VOCAB - 1)
+
+
+def fake_module(batch_range=(1, 4)):
+    def init_state(B):
+        return {"rec": np.zeros((1, 1, B, 1), np.float32)}   # rank, layer, row, value
+
+    def make_decode_step(mesh, B, interpret=None):
+        @jax.jit
+        def step(weights, state, tokens, positions):
+            rec = state["rec"] + tokens.astype(jnp.float32).reshape(1, 1, B, 1)
+            nxt = _next(rec.reshape(B).astype(jnp.int32), positions)
+            logits = jax.nn.one_hot(nxt, VOCAB) * 10.0
+            return logits, nxt, {"rec": rec}
+        return step
+
+    def state_shapes(S, R=1):
+        return {"rec": ((1, S * R, 1), np.float32)}
+
+    def make_verify_step(mesh, S, R, interpret=None):
+        # R rows a sequence at consecutive positions; the state after every row (row r * S + s)
+        @jax.jit
+        def step(weights, caches, states, tokens, starts):
+            totals = states["rec"].reshape(1, S) + jnp.cumsum(tokens.astype(jnp.float32), axis=1).T
+            nxt = _next(totals.T.astype(jnp.int32), starts[:, None] + jnp.arange(R)[None, :])
+            return jax.nn.one_hot(nxt, VOCAB) * 10.0, nxt, {"rec": totals.reshape(1, 1, R * S, 1)}
+        return step
+
+    def commit(state, verified, accepted):
+        S = state["rec"].shape[2]
+        rows = [(int(a) - 1) * S + s for s, a in enumerate(np.asarray(accepted))]
+        return {"rec": verified["rec"][:, :, np.array(rows)]}
+
+    return types.SimpleNamespace(
+        BATCH_RANGE=batch_range, CONTEXT=CONTEXT, AXIS="tp", ROW_STATES={"rec": 0},
+        DIMS=types.SimpleNamespace(vocab_size=VOCAB), init_state=init_state,
+        make_decode_step=make_decode_step, VERIFY_ROWS=VERIFY_ROWS, VERIFY_SEQUENCES=(1, 2),
+        state_shapes=state_shapes, make_verify_step=make_verify_step, commit=commit)
+
+
+def fake_mesh():
+    return Mesh(np.array(jax.devices()[:1]), ("tp",))
+
+
+def fake_greedy(prompt: list[int], n: int) -> list[int]:
+    """What the fake model generates greedily after `prompt` from a clean state."""
+    total, out = 0, []
+    history = list(prompt)
+    for position in range(len(prompt) + n - 1):
+        total += history[position]
+        if position >= len(prompt) - 1:
+            out.append(int(_next(total, position)))
+            history.append(out[-1])
+    return out

@@ -1,0 +1,22 @@
+"""`mkc serve`'s refusals before it serves: a diagnostic and exit status 1 (or argparse's usage
+error, 2), never a traceback; each in a fresh process, as the server sets JAX's device count
+before JAX starts."""
+from __future__ import annotations
+
+import pytest
+from conftest import SPEC, run_python
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["missing.sched", "--model", "qwen3_8_mini"], 1, "missing.sched"),
+    ([str(SPEC), "--model", "no_such_model"], 1, "no_such_model"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--batch", "9"], 1,
+     "error[E-SERVE]: --batch 9: the spec builds its kernel for batches 1 to 8"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--port", "70000"], 2, "expected an integer from 0 to 65535"),
+    ([str(SPEC)], 2, "the following arguments are required: --model"),
+])
+def test_serve_refuses_before_serving(args, status, message):
+    r = run_python(["-m", "mkc", "serve", *args], timeout=120)
+    assert r.returncode == status, r.stderr
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,181 @@
+"""`mkc serve` for real: the MINI Qwen module (schedules/qwen3_8_27b.sched for qwen3_8_mini) in
+TPU interpret mode at batch 2, one server process for each prefill (through the decode step,
+and through the verify step), driven by OpenAI's own client. Every greedy completion must
+equal the family reference's greedy decoding of its prompt (in its rounding-emulating mode, as
+examples/speculative.py compares) token for token, whichever rows the requests share and in
+whatever order they arrive."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from mkc.numerics import pin_cpu_isa
+
+pin_cpu_isa()       # the same vector routines as the server's kernel (mkc.numerics)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+pytestmark = pytest.mark.slow      # interpret-mode steps: about a minute per server
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+MODEL = "qwen3_8_mini"
+BATCH = 2
+STARTUP_SECONDS = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["decode", "verify"])
+def server(request):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "mkc", "serve", str(SPEC), "--model", MODEL,
+                             "--batch", str(BATCH), "--queue", "4", "--port", str(port),
+                             "--prefill", request.param],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"mkc serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("mkc serve did not come up")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    """prompt, n -> (the reference's greedy tokens, finish reason), stopping at EOS as the
+    server does."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mkc import compiler, numerics
+    from mkc.checkpoint import family_of
+    config = json.loads((ROOT / f"mkc/model/configs/{MODEL}.json").read_text())
+    reference = family_of(config).module("reference")
+    cfg = reference.load_config(config)
+    hf = reference.init_params(cfg, seed=0)          # what the server's random_weights(0) gives
+    ir = compiler.check_spec(SPEC, MODEL).ir
+    rounding = numerics.rounding_from_ir(ir)
+
+    def run(prompt: list[int], n: int) -> tuple[list[int], str]:
+        cache = reference.init_cache(cfg, 1, ir.context)
+        out: list[int] = []
+        for position in range(len(prompt) + n - 1):
+            token = prompt[position] if position < len(prompt) else out[-1]
+            logits, cache = reference.decode_step(hf, cfg, cache, jnp.array([token], jnp.int32),
+                                                  jnp.array([position], jnp.int32), rounding)
+            if position >= len(prompt) - 1:
+                out.append(int(np.argmax(np.asarray(logits)[0])))
+                if out[-1] == config["eos_token_id"]:
+                    return out, "stop"
+        return out, "length"
+    return run
+
+
+def _tokens(choice) -> list[int]:
+    return list(choice.model_extra["token_ids"])
+
+
+PROMPTS = [([5, 17, 99], 3), ([1000], 3), ([7, 7], 2)]
+
+
+def test_concurrent_requests_equal_greedy_decoding(client, greedy):
+    # three requests on two rows: they sit at different positions in one step, and the third
+    # takes over a freed row (whose recurrent state must start clean)
+    def complete(i):
+        time.sleep(0.2 * i)          # arrival order: as listed
+        prompt, n = PROMPTS[i]
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(complete, range(len(PROMPTS))))
+    for (prompt, n), result in zip(PROMPTS, results):
+        expected, finish = greedy(prompt, n)
+        assert _tokens(result.choices[0]) == expected, prompt
+        assert result.choices[0].finish_reason == finish
+        assert result.usage.prompt_tokens == len(prompt)
+        assert result.usage.completion_tokens == len(expected)
+
+
+def test_streaming_equals_greedy_decoding(client, greedy):
+    prompt, n = [7, 7], 3
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    tokens = [t for c in chunks for choice in c.choices for t in _tokens(choice)]
+    expected, finish = greedy(prompt, n)
+    assert tokens == expected
+    assert [choice.finish_reason for c in chunks for choice in c.choices][-1] == finish
+    assert chunks[-1].usage.completion_tokens == len(expected)
+
+
+def test_cancel_mid_stream_frees_the_row(client, server, greedy):
+    stream = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=40, temperature=0,
+                                       stream=True)
+    first = next(iter(stream))
+    assert _tokens(first.choices[0])
+    stream.close()
+    prompt, n = [42], 2
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+    assert _tokens(result.choices[0]) == greedy(prompt, n)[0]
+    deadline = time.monotonic() + 120
+    while httpx.get(server + "/stats").json()["busy_rows"]:
+        assert time.monotonic() < deadline, "the cancelled request still holds its row"
+        time.sleep(0.5)
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(client, server):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt=[1], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="passes the context"):
+        client.completions.create(model=MODEL, prompt=[1], max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="the model's context is 4096"):
+        client.completions.create(model=MODEL, prompt=[1] * 4097, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="the prompt is empty"):
+        client.completions.create(model=MODEL, prompt=[], max_tokens=1)
+    r = httpx.post(server + "/v1/completions", content=b'{"model": "qwen3_8_mini", "prompt": [1], '
+                   b'"temperature": NaN}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
+    assert [m.id for m in client.models.list()] == [MODEL]
