@@ -209,3 +209,16 @@ def test_full_size_retarget_to_own_slice_keeps_the_layout(spec):
     gen, (grid, _) = s.settings["target"].value
     res = retarget.retarget(path.read_text(), str(path), f"{gen.text} topology {grid.text}")
     assert _layout(res.text, str(path)) == _layout(path.read_text(), str(path))
+
+
+def test_fit_shrinks_vmem_until_the_specs_own_headroom_promise_holds():
+    """A candidate that fits but leaves less VMEM than its `expect vmem headroom` promises is
+    shrunk like one over the budget (K3 retargeted to 64 ranks, under the measured-scratch
+    bound, left 0.36 of its promised 1 MiB)."""
+    import importlib
+    fit = importlib.import_module("mkc.retarget.fit")
+    text = (ROOT / "schedules" / "qwen3_8_27b.sched").read_text().replace(
+        "expect vmem headroom at least 1 MiB", "expect vmem headroom at least 30 MiB")
+    checked = fit.fit(text, "promise.sched", None)
+    assert any(n.startswith("VMEM: ") for n in checked.notes), checked.notes
+    assert "expect vmem headroom at least 30 MiB" in checked.text
