@@ -1,6 +1,7 @@
 """Sweep mkc's VMEM verdict against libtpu's at the boundary, for every family and expert format.
 
-For each swept spec (every shipped spec, and K3 with FP8 experts) and each kernel width (batch 1
+For each swept spec (every shipped spec, K3 with FP8 experts, and GPT-OSS 20b and K3 with KV
+tiles 4x the measured length) and each kernel width (batch 1
 and the widest kernel the spec builds: its largest decode batch, or its verify step when that
 has more rows) three variants sit at mkc's own boundary, with reserve 0 and no `expect` lines:
 
@@ -16,7 +17,7 @@ benchmarks/data/vmem_sweep.json. The report recomputes mkc's verdict with the cu
 a model change is judged against the same compiles: a false fit is mkc saying fits where libtpu
 runs out of VMEM; the margin is mkc's peak minus libtpu's use on the points both say fit.
 
-    .venv/bin/python benchmarks/vmem_sweep.py                 # compile every variant (~60 min)
+    .venv/bin/python benchmarks/vmem_sweep.py                 # compile every variant (~40 min)
     .venv/bin/python benchmarks/vmem_sweep.py --only gpt_oss  # variants whose name has it
     .venv/bin/python benchmarks/vmem_sweep.py --missing       # only variants not in the data yet
     .venv/bin/python benchmarks/vmem_sweep.py --report        # table and totals from the data
