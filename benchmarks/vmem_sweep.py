@@ -1,9 +1,9 @@
 """Sweep mkc's VMEM verdict against libtpu's at the boundary, for every family and expert format.
 
 For each swept spec (every shipped spec, K3 with FP8 experts, and GPT-OSS 20b and K3 with KV
-tiles 4x the measured length) and each kernel width (batch 1
-and the widest kernel the spec builds: its largest decode batch, or its verify step when that
-has more rows) three variants sit at mkc's own boundary, with reserve 0 and no `expect` lines:
+tiles 4x the measured length) and each kernel width (batch 1 and the widest kernel the spec
+builds: its largest decode batch, or its verify step when that has more rows) three variants
+sit at mkc's own boundary, with reserve 0 and no `expect` lines:
 
     peak       the spec as shipped with `vmem limit` set to mkc's own peak (rounded up to a KiB):
                mkc says it fits with nothing to spare
