@@ -145,8 +145,9 @@ def speculative_generate(gen, weights, prompt: list[int], new_tokens: int, rows:
 
 
 def reference_greedy(reference, hf, cfg, rounding, prompt: list[int], new_tokens: int,
-                     context: int) -> list[int]:
-    """Greedy decoding by the reference in its rounding-emulating mode."""
+                     context: int, stop_token: int | None = None) -> list[int]:
+    """Greedy decoding by the reference in its rounding-emulating mode (ending after
+    `stop_token`, when it is generated)."""
     cache = reference.init_cache(cfg, 1, context)
     out: list[int] = []
     for position in range(len(prompt) + new_tokens - 1):
@@ -155,6 +156,8 @@ def reference_greedy(reference, hf, cfg, rounding, prompt: list[int], new_tokens
                                               jnp.array([position], jnp.int32), rounding)
         if position >= len(prompt) - 1:
             out.append(int(np.argmax(np.asarray(logits)[0])))
+            if out[-1] == stop_token:
+                break
     return out
 
 

@@ -86,31 +86,23 @@ def greedy():
     """prompt, n -> (the reference's greedy tokens, finish reason), stopping at EOS as the
     server does."""
     import json
-
-    import jax.numpy as jnp
-    import numpy as np
+    import sys
 
     from mkc import compiler, numerics
     from mkc.checkpoint import family_of
+    sys.path.insert(0, str(ROOT / "examples"))
+    from speculative import reference_greedy
     config = json.loads((ROOT / f"mkc/model/configs/{MODEL}.json").read_text())
     reference = family_of(config).module("reference")
     cfg = reference.load_config(config)
     hf = reference.init_params(cfg, seed=0)          # what the server's random_weights(0) gives
     ir = compiler.check_spec(SPEC, MODEL).ir
     rounding = numerics.rounding_from_ir(ir)
+    eos = config["eos_token_id"]
 
     def run(prompt: list[int], n: int) -> tuple[list[int], str]:
-        cache = reference.init_cache(cfg, 1, ir.context)
-        out: list[int] = []
-        for position in range(len(prompt) + n - 1):
-            token = prompt[position] if position < len(prompt) else out[-1]
-            logits, cache = reference.decode_step(hf, cfg, cache, jnp.array([token], jnp.int32),
-                                                  jnp.array([position], jnp.int32), rounding)
-            if position >= len(prompt) - 1:
-                out.append(int(np.argmax(np.asarray(logits)[0])))
-                if out[-1] == config["eos_token_id"]:
-                    return out, "stop"
-        return out, "length"
+        out = reference_greedy(reference, hf, cfg, rounding, prompt, n, ir.context, stop_token=eos)
+        return out, "stop" if out[-1] == eos else "length"
     return run
 
 
