@@ -53,7 +53,7 @@ class Point:
 def _spec_points(name: str, spec: Path, widths: tuple[int, ...] | None = None,
                  edits: tuple[tuple[str, str], ...] = ()) -> list[Point]:
     """Decode at batch 1 and the spec's largest (or `widths`), and its verify step if any."""
-    s = _resolve(_edited(spec, edits))
+    s = resolve_text(_edited(spec, edits))
     points = [Point(f"{name} decode B{b}", spec, "decode", b, edits)
               for b in widths or sorted({1, s.batch_max})]
     if s.verify_rows:
@@ -90,7 +90,7 @@ def _edited(spec: Path, edits) -> str:
     return text
 
 
-def _resolve(text: str, name: str = "spec.sched"):
+def resolve_text(text: str, name: str = "spec.sched"):
     from mkc.lang.parser import parse
     from mkc.resolve import resolve
     return resolve(parse(text, name), None)
@@ -155,7 +155,17 @@ def _spill_peak(llo_dir: Path) -> int:
     return peak(0)
 
 
-def compile_point(p: Point, text: str, s, llo: bool, timeout: float) -> dict:
+def kernel_rows(s, kernel: str, batch: int) -> int:
+    """Rows of the kernel: a decode step's batch, or a verify step's R rows for `batch`
+    sequences."""
+    return batch * (s.verify_rows if kernel == "verify" else 1)
+
+
+def compile_kernel(text: str, s, kernel: str, batch: int, timeout: float, llo: bool = False
+                   ) -> dict:
+    """The spec's module rendered and its kernel ("decode" at `batch` rows, or "verify" for
+    `batch` sequences) compiled by libtpu in a subprocess: `mkc.confirm.run_compile`'s verdict,
+    and with `llo` the spill slots' peak from the dumped LLO ("spill_bytes", else -1)."""
     from mkc.codegen.emit import render
     from mkc.confirm import run_compile
     with tempfile.TemporaryDirectory(prefix="mkc-scratch-") as tmp:
@@ -166,8 +176,8 @@ def compile_point(p: Point, text: str, s, llo: bool, timeout: float) -> dict:
             os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_to={tmp}/jf "
                                               "--xla_jf_dump_llo_text=true")
         try:
-            r = run_compile(module, p.batch, timeout,
-                            verify_rows=s.verify_rows if p.kernel == "verify" else None)
+            r = run_compile(module, batch, timeout,
+                            verify_rows=s.verify_rows if kernel == "verify" else None)
         finally:
             if old is None:
                 os.environ.pop("LIBTPU_INIT_ARGS", None)
@@ -183,12 +193,12 @@ def measure(p: Point, llo: bool, timeout: float) -> dict | None:
     from mkc.checks import capacity
     for shrink in (0, 2, 4, 6):
         text = measured_text(p, shrink)
-        s = _resolve(text, p.spec.name)
-        rows = p.batch * (s.verify_rows if p.kernel == "verify" else 1)
+        s = resolve_text(text, p.spec.name)
+        rows = kernel_rows(s, p.kernel, p.batch)
         counted = mkc_count(s, rows)
         if counted > capacity.usable_vmem_bytes(s) - (1 << 20):
             continue                  # hopeless: a shallower ring first
-        r = compile_point(p, text, s, llo, timeout)
+        r = compile_kernel(text, s, p.kernel, p.batch, timeout, llo)
         print(f"  {p.name} ring -{shrink}: libtpu {r['libtpu']} "
               f"{(r.get('used_bytes') or 0) / MIB:.2f} MiB, mkc counts {counted / MIB:.2f} MiB "
               f"({r.get('seconds', 0):.0f} s)", flush=True)

@@ -34,7 +34,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,7 +46,8 @@ COMMAND = ".venv/bin/python benchmarks/vmem_sweep.py"
 MIB = 2**20
 KINDS = ("peak", "ring N", "ring N+1")
 
-from compiler_scratch import K3_FP8, KV_256, SCHEDULES  # noqa: E402
+from compiler_scratch import (K3_FP8, KV_256, SCHEDULES, compile_kernel, kernel_rows,  # noqa: E402
+                              resolve_text)
 
 # Every family and expert format: (name, spec, edits); and KV tiles 4x the measured length
 # (never measured: the family's bytes a token extrapolate to them).
@@ -74,12 +74,6 @@ class Variant:
         if self.kernel == "decode":
             text = re.sub(r"^ *verify .*\n", "", text, flags=re.M)
         return text
-
-
-def _resolve(text: str, name: str):
-    from mkc.lang.parser import parse
-    from mkc.resolve import resolve
-    return resolve(parse(text, name), None)
 
 
 def _line(text: str, pattern: str) -> str:
@@ -115,12 +109,12 @@ def mkc_view(v: Variant) -> dict:
     from mkc.diagnostics import MkcError
     from mkc.trace import build_trace
     try:
-        s = _resolve(v.text(), Path(v.spec).name)
+        s = resolve_text(v.text(), Path(v.spec).name)
     except MkcError as e:
         return {"error": f"{e.diagnostics[0].code}: {e.diagnostics[0].message}"}
     except ValueError as e:               # the spec changed since the variant was compiled
         return {"error": f"stale: {e}"}
-    rows = v.batch * (s.verify_rows if v.kernel == "verify" else 1)
+    rows = kernel_rows(s, v.kernel, v.batch)
     peak, _, _ = capacity.vmem_budget(s, build_trace(s), rows)
     budget = capacity.vmem_budget_bytes(s)
     scratch = capacity.compiler_scratch(s, rows)
@@ -133,7 +127,7 @@ def variants_of(name: str, spec: Path, formats) -> list[Variant]:
     text = spec.read_text()
     for old, new in formats:
         text = text.replace(old, new)
-    shipped = _resolve(text, spec.name)
+    shipped = resolve_text(text, spec.name)
     widths = [("decode", 1)]
     if shipped.verify_rows and shipped.rows_max > shipped.batch_max:
         widths.append(("verify", shipped.verify_sequences[1]))
@@ -181,15 +175,8 @@ def variants(only: str | None = None) -> list[Variant]:
 
 
 def compile_variant(v: Variant, timeout: float) -> dict:
-    from mkc.codegen.emit import render
-    from mkc.confirm import run_compile
     text = v.text()
-    s = _resolve(text, Path(v.spec).name)
-    with tempfile.TemporaryDirectory(prefix="mkc-sweep-") as tmp:
-        module = Path(tmp) / f"{s.name}.py"
-        module.write_text(render(s, text))
-        r = run_compile(module, v.batch, timeout,
-                        verify_rows=s.verify_rows if v.kernel == "verify" else None)
+    r = compile_kernel(text, resolve_text(text, Path(v.spec).name), v.kernel, v.batch, timeout)
     r["seconds"] = round(r.get("seconds", 0.0), 1)
     return r
 

@@ -127,13 +127,11 @@ def compiler_scratch(s: ir.ScheduleIR, batch: int | None = None) -> CompilerScra
     if own and tokens <= max(m.kv_tokens for m in own):
         base = min(m.kv_tokens for m in own)
         at = [m for m in own if m.kv_tokens == base]
-        n = _interpolate([(m.rows, m.bytes) for m in at], rows)
-        past = max(0, tokens - base)
-        if past:
-            n += round(kv_token_bytes(own) * past)
+        past, per_token = max(0, tokens - base), kv_token_bytes(own)
+        n = _interpolate([(m.rows, m.bytes) for m in at], rows) + round(per_token * past)
         widths = ", ".join(map(str, sorted({m.rows for m in at})))
         source = (f"measured by libtpu for this geometry at {widths} rows, KV tiles of {base} "
-                  f"tokens" + (f" (+{kv_token_bytes(own):.0f} bytes a token past them, measured "
+                  f"tokens" + (f" (+{per_token:.0f} bytes a token past them, measured "
                                f"up to {max(m.kv_tokens for m in own)})" if past else "")
                   + f" ({at[0].libtpu})")
         return _with_margin(n, True, source)
