@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
                            help="write a picture (.png, .svg or .pdf by suffix) of the modelled "
                                 "step for one rank: VMEM by class, a DMA Gantt chart, HBM "
                                 "bandwidth utilisation")
+            p.add_argument("--bundles", action="store_true",
+                           help="report what libtpu compiles instead: the kernel's instruction "
+                                "bundles per op, collective and copy, from its final LLO "
+                                "(compile-only; cached, compiled when missing)")
+            p.add_argument("--op", metavar="ROW",
+                           help="with --bundles: also show this row's (e.g. gdn.in_proj) slot "
+                                "use and hottest bundle region")
     p = sub.add_parser("fmt", help="rewrite specs in the canonical layout, keeping comments")
     p.add_argument("specs", nargs="+", metavar="spec",
                    help="paths to .sched files, rewritten in place; '-' reads stdin and writes stdout")
@@ -230,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.spec}: ok")
                 print(report.budget_table(c.ir, result["budget"]))
                 _print_requantization(requantization)
+        elif args.cmd == "perf" and (args.bundles or args.op is not None):
+            c = compiler.check_spec(args.spec, args.model)
+            _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
+                             args.trace, args.plot)
+            result["bundles"] = _bundles(c.ir, args, as_json)
         elif args.cmd == "perf":
             from mkc import perf
             c = compiler.check_spec(args.spec, args.model)
@@ -408,6 +420,44 @@ def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:
         return None
     return Diagnostic("E-IO", f"{flag} {path} {compiler.NOT_REPLACEABLE}", Span.unknown(path),
                       hint=f"give {flag} a file path")
+
+
+def _bundles(s, args, as_json: bool) -> dict:
+    """`mkc perf --bundles`: the compiled kernel's bundles per row (mkc.perf.bundles)."""
+    import difflib
+
+    from mkc.perf import bundles
+    span = s.setting_spans.get("target", Span.unknown(s.source))
+    if not args.bundles:
+        raise MkcError([Diagnostic("E-PERF", "--op needs --bundles: it names a row of the "
+                                   "bundle report", Span.unknown(s.source),
+                                   hint="pass --bundles --op ROW")])
+    if args.verify is not None and args.verify != s.verify_rows:
+        raise MkcError([Diagnostic("E-PERF", f"--bundles --verify {args.verify}: the module "
+                                   f"builds its verify kernel at {s.verify_rows} rows a sequence",
+                                   s.setting_spans.get("verify", span),
+                                   hint=f"pass --verify {s.verify_rows}")])
+    kernel = "verify" if args.verify else "decode"
+    if not as_json and bundles.cached(s, kernel, args.batch or (
+            s.verify_sequences[1] if args.verify else s.batch_max)) is None:
+        print(f"compiling the {kernel} kernel with libtpu for {s.topology} (compile-only; "
+              "seconds to a few minutes)...", file=sys.stderr)
+    try:
+        entry = bundles.bundle_report(s, kernel, args.batch)
+    except bundles.BundleError as e:
+        raise MkcError([Diagnostic("E-BUNDLES", str(e), span,
+                                   hint="mkc perf without --bundles models the step from the "
+                                        "traced kernel instead")]) from None
+    keys = bundles.row_keys(entry)
+    if args.op is not None and args.op not in keys:
+        near = difflib.get_close_matches(args.op, keys, n=1)
+        raise MkcError([Diagnostic("E-PERF", f"--op {args.op!r} is not a row of the bundle "
+                                   "report" + (f"; did you mean {near[0]!r}?" if near else ""),
+                                   Span.unknown(s.source),
+                                   hint="rows: " + ", ".join(sorted(keys)))])
+    if not as_json:
+        print(bundles.text(entry, args.op))
+    return entry
 
 
 def _check_perf_args(s, batch: int | None, context: int | None, verify: int | None = None,

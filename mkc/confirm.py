@@ -220,12 +220,21 @@ def compile_module(path: str, batch: int, verify_rows: int | None = None) -> dic
             "compile_s": t2 - t1}
 
 
+# Set in a worker's environment: locate the kernel's instructions in the generated module.
+LOCATE_IN_MODULE = "MKC_LOCATE_IN_MODULE"
+
+
 def _worker(path: str, batch: int, verify_rows: int | None = None) -> int:
     """Compile in this process and print one JSON line: the verdict."""
     dump = tempfile.mkdtemp(prefix="mkc_confirm_dump_")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    if os.environ.get(LOCATE_IN_MODULE):
+        # Every instruction located at the generated module's line that called into mkc (an
+        # op's call, a collective, a copy), not at the mkc line that emitted it.
+        from jax._src import source_info_util
+        source_info_util.register_exclusion(str(Path(__file__).resolve().parent) + os.sep)
     try:
         try:
             info = compile_module(path, batch, verify_rows)
@@ -243,13 +252,14 @@ def _worker(path: str, batch: int, verify_rows: int | None = None) -> int:
 
 
 def run_compile(module_path: str | os.PathLike, batch: int, timeout: float = 900.0,
-                tick=None, verify_rows: int | None = None) -> dict:
+                tick=None, verify_rows: int | None = None, env: dict | None = None) -> dict:
     """Compile a generated module at `batch` in a fresh subprocess (with `verify_rows` R: its
     verify step of R rows for `batch` sequences); libtpu's verdict as a dict (see
     `parse_compile_error`, plus "seconds"). `tick()`, if given, is called about once a second
-    while the compile runs (a progress bar's refresh)."""
+    while the compile runs (a progress bar's refresh). `env` adds to the worker's environment
+    (libtpu's flags, `LOCATE_IN_MODULE`)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-               TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
+               TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3")) | (env or {})
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()

@@ -1,0 +1,484 @@
+"""What libtpu makes of the kernel mkc emits, per op: the kernel compiled (compile-only, for the
+spec's topology), its final LLO read (`mkc.perf.llo`) and every bundle charged to the op, the
+collective, the copy or the kernel statement it was lowered from.
+
+The compile runs with libtpu's source annotations and with mkc's own files excluded from JAX's
+source locations (`mkc.confirm.LOCATE_IN_MODULE`), so an instruction's location is the line of
+the generated module that called into mkc: an op's call (`lower.in_proj(c, h)`), a collective
+(`k.allreduce(...)  # spec line 47`), a copy, or the kernel's own statements (the entry
+barrier, the ring's fill, the layer loop). Those lines are read from the module's AST. An
+instruction libtpu left without a location (MXU pushes of a matmul, spill code) is charged to
+the located instruction before it in program order. A bundle issues in one cycle of the static
+schedule: its cycle is shared among the rows of its instructions.
+
+Per row: its bundles as compiled (each loop body once), and its cycles per call with every loop
+inside it whose trip count is a constant expanded (`llo.Loop.trips`); a loop whose count is
+decided at run time (the routed experts, the KV tiles) is reported per iteration. Slot use is
+counted the same way; the bound is the slot kind closest to its capacity (the most a bundle of
+this kernel issues), or the dependency chain when no unit is half busy.
+
+Results are cached by the module's source, kernel, rows and libtpu version: the shipped specs'
+in `mkc/perf/data/bundles/` (`benchmarks/bundles.py` writes them), others in the user's cache.
+"""
+from __future__ import annotations
+
+import ast
+import bisect
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from mkc import ir
+from mkc.perf import llo
+
+DATA = Path(__file__).parent / "data" / "bundles"
+SCHEMA = 1
+HOTTEST_BUNDLES = 16          # bundles of an op's hottest region kept for the report
+_DUMP = ("--xla_jf_dump_to={0} --xla_jf_dump_llo_text=true "
+         "--xla_mosaic_enable_llo_source_annotations=true")
+# Calls of the kernel object (`k.`) and a layer (`c.`) that move data rather than compute.
+_COLLECTIVES = {"allreduce": "all-reduce", "allgather": "all-gather", "exchange": "exchange"}
+_COPIES = frozenset({"copy", "start_experts", "wait_pooled", "prefetch_view", "start_view",
+                     "vectors_arrive", "start", "wait"})
+_KERNEL_CALLS = {"enter": "entry barrier", "fill": "prologue copies", "run_layers": "layer loop",
+                 "layer": "layer setup", "run_scoped": "scoped allocation"}
+_SPEC_LINE = re.compile(r"#\s*spec line (\d+)")
+
+
+class BundleError(Exception):
+    """A bundle report that cannot be made (no libtpu for the generation, a failed compile)."""
+
+
+def libtpu_version() -> str:
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Label:
+    """What a line of the generated module runs: an op of a layer kind, a collective, copies or
+    the kernel's own statements."""
+
+    group: str                   # "op" | "collective" | "copies" | "kernel"
+    kind: str                    # layer kind, "tail", or "" (kernel)
+    name: str                    # op name, collective, or the kernel statement
+    spec_line: int = 0
+
+    @property
+    def key(self) -> str:
+        if self.group == "op":
+            return f"{self.kind}.{self.name}"
+        where = f"{self.kind}: " if self.kind else ""
+        return f"{where}{self.name}" + (f" (spec line {self.spec_line})" if self.spec_line else "")
+
+
+def line_labels(source: str) -> dict[int, Label]:
+    """Line -> what it runs, for every line of the kernel's functions (`_kernel`, `_layer_<kind>`
+    and the functions they nest)."""
+    tree = ast.parse(source)
+    text = source.splitlines()
+    labels: dict[int, Label] = {}
+    for fn in tree.body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        if fn.name.startswith("_layer_"):
+            kind = fn.name[len("_layer_"):]
+        elif fn.name == "_kernel":
+            kind = ""
+        else:
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.stmt) and not isinstance(
+                    node, (ast.FunctionDef, ast.With, ast.If, ast.For, ast.While)):
+                label = _statement(node, kind, text)
+                for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                    labels.setdefault(line, label)
+        for node in ast.walk(fn):            # a tail op's `with scopes.op(TAIL, "name"):` block
+            if isinstance(node, ast.With) and (name := _tail_op(node)):
+                for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                    labels[line] = Label("op", "tail", name)
+    return labels
+
+
+def _statement(node: ast.stmt, kind: str, text: list[str]) -> Label:
+    calls = [c.func for c in ast.walk(node) if isinstance(c, ast.Call)
+             and isinstance(c.func, ast.Attribute)]
+    owners = [(c.value.id if isinstance(c.value, ast.Name) else "", c.attr) for c in calls]
+    spec = _SPEC_LINE.search(text[node.lineno - 1])
+    spec_line = int(spec.group(1)) if spec else 0
+    for owner, attr in owners:
+        if owner == "lower":
+            return Label("op", kind, attr)
+    for owner, attr in owners:
+        if owner == "k" and attr in _COLLECTIVES:
+            return Label("collective", kind, _COLLECTIVES[attr], spec_line)
+    for owner, attr in owners:
+        if attr in _COPIES:
+            return Label("copies", kind, "copies", spec_line)
+    for owner, attr in owners:
+        if attr in _KERNEL_CALLS:
+            return Label("kernel", kind, _KERNEL_CALLS[attr])
+    return Label("kernel", kind, "other")
+
+
+def _tail_op(node: ast.With) -> str | None:
+    for item in node.items:
+        c = item.context_expr
+        if (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "op"
+                and len(c.args) == 2 and isinstance(c.args[1], ast.Constant)):
+            return str(c.args[1].value)
+    return None
+
+
+# ---- charging bundles to rows --------------------------------------------------------------
+@dataclass
+class Row:
+    """One op, collective, copy group or kernel statement of the compiled kernel."""
+
+    key: str
+    group: str
+    kind: str
+    name: str
+    spec_line: int = 0
+    bundles: float = 0.0                 # as compiled: each loop body once
+    cycles: float = 0.0                  # per call: counted loops expanded
+    per_iteration: float = 0.0           # per iteration of its run-time loops
+    slots: dict[str, float] = field(default_factory=dict)   # instructions per call, by kind
+    bound: str = ""
+    busiest: float = 0.0                 # the bound's share of its capacity
+    run_time_loops: int = 0
+    hottest: dict = field(default_factory=dict)   # first/last address, trips, bundles
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.Loop | None
+           ) -> list[list[tuple[Label, llo.Instruction]]]:
+    """Each bundle's instructions with the row each is charged to.
+
+    A location is trusted only where it agrees with program order. libtpu keeps the location
+    of the first of equal instructions it merges (constants, address arithmetic), so a later
+    op's loop carries an earlier op's line; and the generated module's lines run in the order
+    the kernel executes them. The trusted locations are the longest run of them whose lines
+    never decrease (inside the layer loop, and outside it, separately), with a layer kind's
+    rows only inside the layer loop and the kernel's and tail's only outside. Every other
+    instruction is charged to the trusted row before it (after it, at the kernel's start)."""
+    located: list[tuple[int, int, int, Label]] = []        # (bundle, instruction, line, row)
+    for i, b in enumerate(bundles):
+        inside = layer_loop is not None and i in layer_loop
+        for j, ins in enumerate(b.instructions):
+            line = next((ln for ln in ins.lines if ln in labels), None)
+            if ins.slot is None or line is None:
+                continue
+            lab = labels[line]
+            if layer_loop is None or inside == (lab.kind not in ("", "tail")
+                                                or lab.name == "layer loop"):
+                located.append((i, j, line, lab))
+    trusted: dict[tuple[int, int], Label] = {}
+    for inside in (True, False):
+        run = [x for x in located if (layer_loop is not None and x[0] in layer_loop) == inside]
+        for i, j, _, lab in _non_decreasing(run):
+            trusted[i, j] = lab
+    owners: list[list[tuple[Label | None, llo.Instruction]]] = []
+    last = None
+    for i, b in enumerate(bundles):
+        mine = []
+        for j, ins in enumerate(b.instructions):
+            if ins.slot is None:
+                continue
+            last = trusted.get((i, j), last)
+            mine.append((last, ins))
+        owners.append(mine)
+    first = next((lab for mine in owners for lab, _ in mine if lab is not None),
+                 Label("kernel", "", "unlocated"))
+    return [[(lab or first, ins) for lab, ins in mine] for mine in owners]
+
+
+def _non_decreasing(seq: list[tuple[int, int, int, Label]]) -> list[tuple[int, int, int, Label]]:
+    """The longest subsequence whose lines (third field) never decrease (patience sorting)."""
+    tails: list[int] = []                  # smallest last line of a run of each length
+    ends: list[int] = []                   # index in seq of that run's last element
+    back = [-1] * len(seq)
+    for n, x in enumerate(seq):
+        k = bisect.bisect_right(tails, x[2])
+        back[n] = ends[k - 1] if k else -1
+        if k == len(tails):
+            tails.append(x[2])
+            ends.append(n)
+        else:
+            tails[k], ends[k] = x[2], n
+    out, n = [], ends[-1] if ends else -1
+    while n >= 0:
+        out.append(seq[n])
+        n = back[n]
+    return out[::-1]
+
+
+def _depth(layer_loop: llo.Loop | None, in_layers: bool) -> int:
+    """The loop depth ops are called at: inside the layer loop, its depth; else the kernel's."""
+    return layer_loop.depth if layer_loop is not None and in_layers else 0
+
+
+def find_layer_loop(bundles: list[llo.Bundle], loops: list[llo.Loop], layers: int
+                    ) -> llo.Loop | None:
+    """The loop over the layers: the largest loop of `layers` iterations."""
+    fit = [lp for lp in loops if lp.trips == layers]
+    return max(fit, key=lambda lp: lp.last - lp.first) if fit else None
+
+
+def _shares(owners: list[list[tuple[Label, llo.Instruction]]]) -> list[dict[Label, float]]:
+    """A bundle's cycle split over its rows by their instructions (an empty bundle, a delay,
+    goes with the bundle before it)."""
+    shares, prev = [], {}
+    for mine in owners:
+        if mine:
+            per: dict[Label, float] = defaultdict(float)
+            for lab, _ in mine:
+                per[lab] += 1.0 / len(mine)
+            prev = dict(per)
+        shares.append(prev)
+    return shares
+
+
+def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int) -> list[Row]:
+    """The kernel's rows, costliest per call first (`layers`: the model's layer count, the
+    trips of the layer loop)."""
+    body = llo.loops(bundles)
+    layer_loop = find_layer_loop(bundles, body, layers)
+    owners = charge(bundles, labels, layer_loop)
+    shares = _shares(owners)
+    enclosing: list[list[llo.Loop]] = [[] for _ in bundles]
+    for loop in body:
+        for i in range(loop.first, loop.last + 1):
+            enclosing[i].append(loop)
+    cap = llo.slot_capacity(bundles)
+    out: dict[Label, Row] = {}
+    touched: dict[Label, float] = defaultdict(float)
+    hottest: dict[Label, llo.Loop] = {}
+    for i, (b, sh) in enumerate(zip(bundles, shares)):
+        base = _depth(layer_loop, layer_loop is not None and i in layer_loop)
+        inner = [lp for lp in enclosing[i] if lp.depth > base]
+        times = 1.0
+        for lp in inner:
+            times *= lp.trips or 1
+        run_time = any(lp.trips is None for lp in inner)
+        mine = {lab for lab, _ in owners[i]}
+        for lab, share in sh.items():
+            row = out.get(lab)
+            if row is None:
+                row = out[lab] = Row(lab.key, lab.group, lab.kind, lab.name, lab.spec_line)
+            row.bundles += share
+            if run_time:
+                row.per_iteration += share * times
+            else:
+                row.cycles += share * times
+            if lab in mine:
+                touched[lab] += times
+            if inner:
+                lp, hot = inner[-1], hottest.get(lab)
+                if hot is None or _weight(lp) > _weight(hot):
+                    hottest[lab] = lp
+        for lab, ins in owners[i]:
+            row = out[lab]
+            row.slots[ins.slot] = row.slots.get(ins.slot, 0.0) + times
+    for lab, row in out.items():
+        use = {k: v / (touched[lab] * cap[k]) for k, v in row.slots.items() if touched[lab]}
+        if use:
+            k = max(use, key=use.get)
+            row.bound, row.busiest = (k, use[k]) if use[k] >= 0.5 else ("dependencies", use[k])
+        row.run_time_loops = len({(lp.first, lp.last) for i, sh in enumerate(shares) if lab in sh
+                                  for lp in enclosing[i] if lp.trips is None
+                                  and lp.depth > _depth(layer_loop, i in (layer_loop or ()))})
+        lp = hottest.get(lab)
+        first, last = (lp.first, lp.last) if lp else _longest_run(shares, lab)
+        row.hottest = {"first": bundles[first].address, "last": bundles[last].address,
+                       "trips": lp.trips if lp else 1, "depth": bundles[first].depth,
+                       "bundles": [" ;; ".join(ins.text for _, ins in owners[j])
+                                   for j in range(first, min(last + 1, first + HOTTEST_BUNDLES))]}
+    return sorted(out.values(), key=lambda r: -(r.cycles + r.per_iteration))
+
+
+def _weight(lp: llo.Loop) -> int:
+    return (lp.trips or 1) * (lp.last - lp.first + 1)
+
+
+def _longest_run(shares: list[dict[Label, float]], lab: Label) -> tuple[int, int]:
+    """The longest run of bundles mostly the row's (its hottest straight-line region)."""
+    best, start = (0, 0), None
+    for i, sh in enumerate([*shares, {}]):
+        if sh.get(lab, 0.0) > 0.5:
+            start = i if start is None else start
+        elif start is not None:
+            if i - 1 - start > best[1] - best[0]:
+                best = (start, i - 1)
+            start = None
+    return best
+
+
+# ---- compiling, caching, reporting ---------------------------------------------------------
+def cache_key(source: str, kernel: str, batch: int, libtpu: str) -> str:
+    """What a measure depends on: the module's source and the code it runs (mkc's runtime and
+    the family package it imports), kernel, rows and libtpu's version."""
+    h = hashlib.sha256()
+    for part in (source, kernel, str(batch), libtpu):
+        h.update(part.encode() + b"\0")
+    package = Path(__file__).resolve().parent.parent
+    code = sorted((package / "runtime").glob("*.py"))
+    for family in sorted(set(re.findall(r"mkc\.families\.(\w+)", source))):
+        code += [package / "families" / family / f for f in ("lowering.py", "ops.py")]
+    for f in code:
+        h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()[:20]
+
+
+def layer_calls(s: ir.ScheduleIR) -> dict[str, int]:
+    """Calls of each layer kind's body a step (the tail, once)."""
+    calls: dict[str, int] = defaultdict(int)
+    for kind in s.layer_kinds:
+        calls[kind] += 1
+    return dict(calls) | {"tail": 1, "": 1}
+
+
+def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
+            timeout: float = 1800.0, source: str | None = None, tick=None) -> dict:
+    """Compile the module mkc emits for `s` (or `source`) with libtpu and read its bundles:
+    the decode kernel at `batch` rows (default: the spec's largest), or the verify kernel for
+    `batch` sequences. Raises BundleError when libtpu cannot."""
+    from mkc.codegen.emit import render
+    from mkc.confirm import LOCATE_IN_MODULE, run_compile
+    source = source if source is not None else render(s, "")
+    verify_rows = s.verify_rows if kernel == "verify" else None
+    batch = batch or (s.verify_sequences[1] if verify_rows else s.batch_max)
+    with tempfile.TemporaryDirectory(prefix="mkc-bundles-") as tmp:
+        module = Path(tmp) / f"mkc_bundles_{s.name}.py"
+        module.write_text(source)
+        r = run_compile(module, batch, timeout, tick=tick, verify_rows=verify_rows,
+                        env={"LIBTPU_INIT_ARGS": _DUMP.format(Path(tmp) / "jf"),
+                             LOCATE_IN_MODULE: "1"})
+        if r["libtpu"] != "fits":
+            raise BundleError(f"libtpu did not compile the {kernel} kernel of {s.name} for "
+                              f"{s.topology}: {r['libtpu']}: {r['message']}")
+        dumped = llo.kernel_file(Path(tmp) / "jf", module.name)
+        if dumped is None:
+            raise BundleError(f"libtpu wrote no located LLO for the {kernel} kernel of {s.name}")
+        text = dumped.read_text(errors="replace")
+    parsed = llo.parse(text, module.name)
+    layers = len(s.layer_kinds)
+    found = rows(parsed, line_labels(source), layers)
+    calls = layer_calls(s)
+    lib = libtpu_version()
+    return {"schema": SCHEMA, "key": cache_key(source, kernel, batch, lib), "spec": s.name,
+            "chip": s.chip, "topology": s.topology, "kernel": kernel, "batch": batch,
+            "verify_rows": verify_rows, "libtpu": lib, "bundles": len(parsed),
+            "slot_capacity": llo.slot_capacity(parsed),
+            "layer_loop": find_layer_loop(parsed, llo.loops(parsed), layers) is not None,
+            "calls": calls, "compile_seconds": round(r.get("seconds", 0.0), 1),
+            "rows": [row.to_json() for row in found]}
+
+
+def user_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mkc" / "bundles"
+
+
+def cached(s: ir.ScheduleIR, kernel: str, batch: int, source: str | None = None) -> dict | None:
+    """A measure of this exact module, kernel, rows and libtpu, from the shipped data or the
+    user's cache."""
+    from mkc.codegen.emit import render
+    source = source if source is not None else render(s, "")
+    key = cache_key(source, kernel, batch, libtpu_version())
+    for path in (DATA / f"{s.name}.json", user_cache() / f"{s.name}.json"):
+        try:
+            entries = json.loads(path.read_text())["measures"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for e in entries:
+            if isinstance(e, dict) and e.get("key") == key and e.get("schema") == SCHEMA:
+                return e
+    return None
+
+
+def save(entry: dict, directory: Path | None = None) -> Path:
+    """Keep a measure beside the others of its spec (one per key), atomically."""
+    from mkc.compiler import write_atomically
+    path = (directory or user_cache()) / f"{entry['spec']}.json"
+    try:
+        entries = json.loads(path.read_text())["measures"]
+    except (OSError, ValueError, KeyError, TypeError):
+        entries = []
+    same = (entry["kernel"], entry["batch"])
+    entries = [e for e in entries if isinstance(e, dict) and (e.get("kernel"), e.get("batch")) != same]
+    entries = sorted(entries + [entry], key=lambda e: (e["kernel"], e["batch"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps({"measures": entries}, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def bundle_report(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
+                  compile_missing: bool = True, tick=None) -> dict:
+    """The measure for `s`: cached, or compiled now (and cached) when `compile_missing`."""
+    from mkc.codegen.emit import render
+    verify = kernel == "verify"
+    batch = batch or (s.verify_sequences[1] if verify else s.batch_max)
+    source = render(s, "")
+    got = cached(s, kernel, batch, source)
+    if got is None:
+        if not compile_missing:
+            raise BundleError(f"no bundles measured for the {kernel} kernel of {s.name} at "
+                              f"{batch} {'sequences' if verify else 'rows'} with libtpu "
+                              f"{libtpu_version() or '(not installed)'}")
+        got = measure(s, kernel, batch, source=source, tick=tick)
+        save(got)
+    return got
+
+
+def per_step(entry: dict, row: dict) -> float:
+    """A row's cycles over a step: per call times its kind's calls (run-time loops once)."""
+    return (row["cycles"] + row["per_iteration"]) * entry["calls"].get(row["kind"], 1)
+
+
+def text(entry: dict, op: str | None = None, top: int = 25) -> str:
+    """The report: rows ranked by cycles a step, and with `op` that row's hottest region."""
+    rows_ = sorted(entry["rows"], key=lambda r: -per_step(entry, r))
+    total = sum(per_step(entry, r) for r in rows_)
+    lines = [f"{entry['spec']}: {entry['kernel']} kernel at {entry['batch']} "
+             f"{'sequences' if entry['verify_rows'] else 'rows'}, compiled by libtpu "
+             f"{entry['libtpu']} for {entry['topology']} (compile-only; static schedule, "
+             f"not a timing)",
+             f"  {entry['bundles']} bundles as compiled; {total:,.0f} issue cycles a step with "
+             f"counted loops expanded (run-time loops, the routed experts and KV tiles, once)",
+             "",
+             f"  {'row':<40} {'calls':>5} {'cycles/call':>12} {'per iter':>9} {'share':>6}  "
+             f"{'bound':<13} busy"]
+    for r in rows_[:top]:
+        calls = entry["calls"].get(r["kind"], 1)
+        lines.append(f"  {r['key']:<40} {calls:>5} {r['cycles']:>12,.0f} "
+                     f"{r['per_iteration']:>9,.0f} {100 * per_step(entry, r) / total:>5.1f}%  "
+                     f"{r['bound']:<13} {100 * r['busiest']:.0f}%")
+    if len(rows_) > top:
+        lines.append(f"  ... {len(rows_) - top} more rows (--json has every one)")
+    if op is not None:
+        r = next(x for x in rows_ if x["key"] == op)
+        hot = r["hottest"]
+        slots = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(r["slots"].items(), key=lambda kv: -kv[1]))
+        lines += ["", f"{op}: {r['bundles']:.0f} bundles as compiled, {r['cycles']:,.0f} cycles a "
+                      f"call" + (f" + {r['per_iteration']:,.0f} per run-time iteration"
+                                 if r["run_time_loops"] else ""),
+                  f"  instructions a call by slot: {slots}",
+                  f"  hottest region: bundles {hot['first']:#x}..{hot['last']:#x} at loop depth "
+                  f"{hot['depth']}, " + (f"{hot['trips']} trips" if hot["trips"] else
+                                        "trips decided at run time")]
+        lines += [f"    {b}" for b in hot["bundles"]]
+    return "\n".join(lines)
+
+
+def row_keys(entry: dict) -> list[str]:
+    return [r["key"] for r in entry["rows"]]
