@@ -80,6 +80,17 @@ class Label:
         return f"{where}{self.name}" + (f" (spec line {self.spec_line})" if self.spec_line else "")
 
 
+def kind_order(source: str) -> dict[str, int]:
+    """The order the layer loop's body runs each kind's body in (`k.run_layers({...})`'s)."""
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "run_layers" and node.args
+                and isinstance(node.args[0], ast.Dict)):
+            return {k.value: n for n, k in enumerate(node.args[0].keys)
+                    if isinstance(k, ast.Constant)}
+    return {}
+
+
 def line_labels(source: str) -> dict[int, Label]:
     """Line -> what it runs, for every line of the kernel's functions (`_kernel`, `_layer_<kind>`
     and the functions they nest)."""
@@ -161,18 +172,19 @@ class Row:
         return asdict(self)
 
 
-def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.Loop | None
-           ) -> list[list[tuple[Label, llo.Instruction]]]:
+def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.Loop | None,
+           kinds: dict[str, int] | None = None) -> list[list[tuple[Label, llo.Instruction]]]:
     """Each bundle's instructions with the row each is charged to.
 
     A location is trusted only where it agrees with program order. libtpu keeps the location
     of the first of equal instructions it merges (constants, address arithmetic), so a later
     op's loop carries an earlier op's line; and the generated module's lines run in the order
-    the kernel executes them. The trusted locations are the longest run of them whose lines
-    never decrease (inside the layer loop, and outside it, separately), with a layer kind's
+    the kernel executes them (inside the layer loop, kind by kind in `kinds`' order). The
+    trusted locations are the longest run of them that never goes back in that order (inside
+    the layer loop, and outside it, separately), with a layer kind's
     rows only inside the layer loop and the kernel's and tail's only outside. Every other
     instruction is charged to the trusted row before it (after it, at the kernel's start)."""
-    located: list[tuple[int, int, int, Label]] = []        # (bundle, instruction, line, row)
+    located: list[tuple[int, int, tuple[int, int], Label]] = []   # (bundle, instr, order, row)
     for i, b in enumerate(bundles):
         inside = layer_loop is not None and i in layer_loop
         for j, ins in enumerate(b.instructions):
@@ -182,12 +194,25 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
             lab = labels[line]
             if layer_loop is None or inside == (lab.kind not in ("", "tail")
                                                 or lab.name == "layer loop"):
-                located.append((i, j, line, lab))
+                order = (kinds or {}).get(lab.kind, -1) if inside else -1
+                located.append((i, j, (order, line), lab))
+    # Kinds whose bodies run the same code share it (JAX lowers an equal loop body once), and
+    # it keeps the first kind's locations: inside the layer loop a location names an op (or
+    # collective, copy) of any kind that has it, and the run picks which.
+    same: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for line, lab in labels.items():
+        if lab.kind not in ("", "tail"):
+            same[lab.group, lab.name, lab.spec_line].append(((kinds or {}).get(lab.kind, -1), line))
     trusted: dict[tuple[int, int], Label] = {}
     for inside in (True, False):
-        run = [x for x in located if (layer_loop is not None and x[0] in layer_loop) == inside]
-        for i, j, _, lab in _non_decreasing(run):
-            trusted[i, j] = lab
+        run = []
+        for i, j, order, lab in located:
+            if (layer_loop is not None and i in layer_loop) != inside:
+                continue
+            options = same[lab.group, lab.name, lab.spec_line] if inside else [order]
+            run.append((i, j, sorted(set(options), reverse=True)))
+        for i, j, order in _non_decreasing(run):
+            trusted[i, j] = labels[order[1]]
     owners: list[list[tuple[Label | None, llo.Instruction]]] = []
     last = None
     for i, b in enumerate(bundles):
@@ -203,23 +228,26 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
     return [[(lab or first, ins) for lab, ins in mine] for mine in owners]
 
 
-def _non_decreasing(seq: list[tuple[int, int, int, Label]]) -> list[tuple[int, int, int, Label]]:
-    """The longest subsequence whose lines (third field) never decrease (patience sorting)."""
-    tails: list[int] = []                  # smallest last line of a run of each length
-    ends: list[int] = []                   # index in seq of that run's last element
-    back = [-1] * len(seq)
-    for n, x in enumerate(seq):
-        k = bisect.bisect_right(tails, x[2])
-        back[n] = ends[k - 1] if k else -1
-        if k == len(tails):
-            tails.append(x[2])
-            ends.append(n)
-        else:
-            tails[k], ends[k] = x[2], n
-    out, n = [], ends[-1] if ends else -1
-    while n >= 0:
-        out.append(seq[n])
-        n = back[n]
+def _non_decreasing(seq: list[tuple[int, int, list]]) -> list[tuple[int, int, tuple]]:
+    """The longest run through `seq` that never decreases, each element taking one of its
+    options (largest first; patience sorting): [(bundle, instruction, option taken)]."""
+    tails: list = []                       # smallest last option of a run of each length
+    ends: list[int] = []                   # node of that run's last element
+    nodes: list[tuple[int, int, int, tuple]] = []      # (seq index, back node, option)
+    for n, (_, _, options) in enumerate(seq):
+        for opt in options:
+            k = bisect.bisect_right(tails, opt)
+            nodes.append((n, ends[k - 1] if k else -1, opt))
+            if k == len(tails):
+                tails.append(opt)
+                ends.append(len(nodes) - 1)
+            else:
+                tails[k], ends[k] = opt, len(nodes) - 1
+    out, node = [], ends[-1] if ends else -1
+    while node >= 0:
+        n, back, opt = nodes[node]
+        out.append((seq[n][0], seq[n][1], opt))
+        node = back
     return out[::-1]
 
 
@@ -249,12 +277,13 @@ def _shares(owners: list[list[tuple[Label, llo.Instruction]]]) -> list[dict[Labe
     return shares
 
 
-def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int) -> list[Row]:
-    """The kernel's rows, costliest per call first (`layers`: the model's layer count, the
-    trips of the layer loop)."""
+def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
+         kinds: dict[str, int] | None = None) -> list[Row]:
+    """The kernel's rows, costliest per call first (`layers`: the trips of the layer loop;
+    `kinds`: the order its body runs the kinds in, `kind_order`)."""
     body = llo.loops(bundles)
     layer_loop = find_layer_loop(bundles, body, layers)
-    owners = charge(bundles, labels, layer_loop)
+    owners = charge(bundles, labels, layer_loop, kinds)
     shares = _shares(owners)
     enclosing: list[list[llo.Loop]] = [[] for _ in bundles]
     for loop in body:
@@ -332,7 +361,8 @@ def cache_key(source: str, kernel: str, batch: int, libtpu: str) -> str:
     for part in (source, kernel, str(batch), libtpu):
         h.update(part.encode() + b"\0")
     package = Path(__file__).resolve().parent.parent
-    code = sorted((package / "runtime").glob("*.py"))
+    code = sorted((package / "runtime").glob("*.py")) + [Path(__file__).resolve(),
+                                                          Path(llo.__file__).resolve()]
     for family in sorted(set(re.findall(r"mkc\.families\.(\w+)", source))):
         code += [package / "families" / family / f for f in ("lowering.py", "ops.py")]
     for f in code:
@@ -373,7 +403,7 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
         text = dumped.read_text(errors="replace")
     parsed = llo.parse(text, module.name)
     layers = len(s.layer_kinds)
-    found = rows(parsed, line_labels(source), layers)
+    found = rows(parsed, line_labels(source), layers, kind_order(source))
     calls = layer_calls(s)
     lib = libtpu_version()
     return {"schema": SCHEMA, "key": cache_key(source, kernel, batch, lib), "spec": s.name,

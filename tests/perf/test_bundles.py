@@ -1,0 +1,130 @@
+"""The bundle report: libtpu's final LLO read (mkc.perf.llo) and charged per op
+(mkc.perf.bundles). The parsing and charging are checked on LLO text written here; one slow
+test compiles a shipped kernel with libtpu and checks the report against the schedule."""
+# ruff: noqa: E501  (LLO text is quoted as libtpu prints it, lines and all)
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mkc import compiler
+from mkc.perf import bundles, llo
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = ROOT / "generated" / "qwen3_8_27b.py"
+
+# A kernel of three bundles before a loop of two bundles that runs 30 times, then an empty
+# bundle (a delay, printed without its nesting) and one more: the shape libtpu prints.
+LLO_TEXT = '''= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %v1_v0 = vld [vmem:[#allocation1] sm:$0xff] /* loc("m.py":10:4 to :9) */  ;;  %s2_s1 = smov 0 }
+   0x1   :  { %v3_v1 = vexp2.f32 %v1_v0 /* loc("m.py":10:4 to :9) */ }
+   0x2   :  { %v4_v2 = vpop.eup %3 }
+   0x3 LB: > { %5 = vmatpush1.bf16.msra.mxu0 %v4_v2 /* loc("m.py":11:4 to :9) */  ;;  %s6_s2 = sadd.s32 1, %s2_s1  ;;  %s2_s1 = sphi %s0, %s6_s2 }
+   0x4   : > { %p7_p0 = scmp.ge.s32.totalorder %s6_s2, 30  ;;  %v8_v3 = vrot.lane.b32.xlu0 %v4_v2, %s6_s2 /* loc("m.py":11:4 to :9) */ }
+   0x5   :  {}
+   0x6   :  { %9 = vst [vmem:[#allocation2] sm:$0xff] /*vst_source=*/%v8_v3 /* loc("m.py":10:4 to :9) */ }
+'''
+
+
+def test_llo_bundles_loops_and_slots_are_read():
+    b = llo.parse(LLO_TEXT, "m.py")
+    assert [x.address for x in b] == [0, 1, 2, 3, 4, 5, 6]
+    assert [x.depth for x in b] == [0, 0, 0, 1, 1, 1, 0]        # the delay keeps its depth
+    assert [i.slot for i in b[3].instructions] == [llo.MXU, llo.SCALAR, None]
+    assert [i.slot for i in b[1].instructions + b[2].instructions] == [llo.EUP, llo.EUP]
+    assert b[4].instructions[1].slot == llo.XLU and b[6].instructions[0].slot == llo.VSTORE
+    assert b[0].instructions[0].lines == (10,) and b[0].instructions[1].lines == ()
+    (loop,) = llo.loops(b)
+    assert (loop.first, loop.last, loop.depth, loop.trips) == (3, 5, 1, 30)
+    assert llo.slot_capacity(b)[llo.VLOAD] == 1
+
+
+def test_a_loop_without_a_constant_bound_has_run_time_trips():
+    text = LLO_TEXT.replace("%s6_s2, 30", "%s6_s2, %s9_s3")
+    assert llo.loops(llo.parse(text, "m.py"))[0].trips is None
+
+
+def test_bundles_are_charged_by_location_and_program_order():
+    labels = {10: bundles.Label("op", "tail", "first"), 11: bundles.Label("op", "tail", "second")}
+    rows = {r.key: r for r in bundles.rows(llo.parse(LLO_TEXT, "m.py"), labels, layers=4)}
+    first, second = rows["tail.first"], rows["tail.second"]
+    # the loop's unlocated scalar work follows its located push; the store after the loop is
+    # located back at line 10, which program order does not allow: it stays with `second`
+    assert first.bundles == 3 and second.bundles == 4
+    assert first.cycles == 3 and second.cycles == 1 + 30 * 3
+    assert second.slots[llo.MXU] == 30 and second.slots[llo.VSTORE] == 1
+    assert sum(r.bundles for r in rows.values()) == 7
+
+
+def test_lines_of_a_generated_module_name_what_they_run():
+    source = GENERATED.read_text()
+    labels = bundles.line_labels(source)
+    lines = source.splitlines()
+    at = {text.strip(): n + 1 for n, text in enumerate(lines)}
+    assert labels[at["proj = lower.in_proj(c, h)"]].key == "gdn.in_proj"
+    assert labels[at["core = lower.attention(c, q)"]].key == "gqa.attention"
+    reduce = next(n + 1 for n, t in enumerate(lines) if "k.allreduce(attn_out, GDN_OUT" in t)
+    assert labels[reduce].key == "gdn: all-reduce (spec line 47)"
+    lm_head = next(n + 1 for n, t in enumerate(lines) if "ring.matmul(RING, k.ring_refs, h" in t)
+    assert labels[lm_head].key == "tail.lm_head"
+    enter = next(n + 1 for n, t in enumerate(lines) if "collectives.enter(" in t)
+    assert labels[enter].key == "entry barrier"
+
+
+def test_a_stale_or_foreign_cache_entry_is_not_used(tmp_path, monkeypatch):
+    s = compiler.check_spec(str(ROOT / "schedules" / "qwen3_8_27b.sched")).ir
+    monkeypatch.setattr(bundles, "DATA", tmp_path / "shipped")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    entry = {"schema": bundles.SCHEMA, "key": "0" * 20, "spec": s.name, "kernel": "decode",
+             "batch": 1, "rows": []}
+    bundles.save(entry)
+    assert bundles.cached(s, "decode", 1) is None
+    with pytest.raises(bundles.BundleError, match="no bundles measured"):
+        bundles.bundle_report(s, "decode", 1, compile_missing=False)
+    path = tmp_path / "cache" / "mkc" / "bundles" / f"{s.name}.json"
+    path.write_text("{not json")
+    assert bundles.cached(s, "decode", 1) is None
+
+
+@pytest.mark.slow
+def test_the_compiled_kernel_is_reported_per_op_and_grows_with_an_op_s_work():
+    """Qwen 3.8 27B's decode kernel at batch 1 compiled by libtpu: every op of both layer
+    kinds has a row, the streamed matmuls' tile loops run as many trips as the schedule has
+    tiles, the bundles add up, and work added at one op's call shows in that row alone."""
+    from mkc.codegen.emit import render
+    s = compiler.check_spec(str(ROOT / "schedules" / "qwen3_8_27b.sched")).ir
+    source = render(s, "")
+    entry = bundles.measure(s, "decode", 1, source=source)
+    rows = {r["key"]: r for r in entry["rows"]}
+    for kind, ops in (("gdn", ("in_proj", "delta_rule", "out_proj", "gate_up", "down")),
+                      ("gqa", ("qkv_gate", "attention", "o_proj", "gate_up", "down"))):
+        for op in ops:
+            assert f"{kind}.{op}" in rows, sorted(rows)
+    for key, matrix in (("gdn.in_proj", "GDN_IN_PROJ"), ("gdn.gate_up", "GDN_GATE_UP"),
+                        ("gqa.down", "GQA_DOWN"), ("tail.lm_head", "TAIL_LM_HEAD")):
+        hot = rows[key]["hottest"]
+        assert hot["trips"] == _tiles(source, matrix), (key, hot)
+    assert sum(r["bundles"] for r in entry["rows"]) == pytest.approx(entry["bundles"], abs=1)
+    assert rows["gqa.attention"]["per_iteration"] > 0          # its KV-tile loop
+    json.dumps(entry)
+
+    heavier = source.replace("    h = lower.post_norm(c)\n    act = lower.gate_up(c, h)",
+                             "    h = lower.post_norm(c); h = jnp.tanh(jnp.tanh(jnp.tanh(h)))\n"
+                             "    act = lower.gate_up(c, h)", 1)
+    assert heavier != source
+    grown = {r["key"]: r for r in bundles.measure(s, "decode", 1, source=heavier)["rows"]}
+    assert grown["gdn.post_norm"]["slots"].get(llo.EUP, 0) >= \
+        rows["gdn.post_norm"]["slots"].get(llo.EUP, 0) + 3 * 5    # 3 tanh of 5 dense registers
+    assert grown["gdn.post_norm"]["cycles"] > rows["gdn.post_norm"]["cycles"] + 20
+    assert grown["gqa.post_norm"]["cycles"] == pytest.approx(rows["gqa.post_norm"]["cycles"], rel=0.2)
+
+
+def _tiles(source: str, matrix: str) -> int:
+    import re
+    m = re.search(matrix + r" = StreamedMatrix\(.*?row_tiles=(\d+), col_tiles=(\d+)", source, re.S)
+    return int(m.group(1)) * int(m.group(2))
