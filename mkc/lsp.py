@@ -5,14 +5,19 @@ What an editor gets while a spec is written:
   hazards, scopes), each with its code, span and hint; a problem in another file (the model's
   config.json) is shown at the `model` line with that file named;
 - hover on a buffer: its class, shape, dtype and VMEM bytes at the widest kernel; on a
-  statement inside a phase: the VMEM live at that program point against the budget;
-- go to definition of buffers (where the spec makes them), phases, rings, streams and views;
-- completion of the language's keywords and the spec's buffer names;
+  statement inside a phase: the VMEM live at that program point against the budget; on a
+  keyword: the statement's description and grammar, from its module in mkc/lang/statements;
+- go to definition of buffers (where the spec makes them), phases, rings, pools and views;
+- completion by the grammar's context at the cursor: the keywords that may stand there, and
+  where a name goes, the names a spec may write there (the model's ops after `before` /
+  `after`, its states after `state.`, the phase's buffers in a `load` / `store` / `scoped`,
+  layer kinds where a kind goes, generations after `target`), never an IR-internal name;
 - formatting: `mkc fmt`'s canonical layout.
 
-Hover and definition read the last analysis that passed the checks, so they keep working
-while the text is mid-edit (positions may then be a few characters off until it checks
-again).
+While the text has an error, hover and definition answer from the last text that parsed
+(definitions) and the last that checked (buffers, VMEM), their lines mapped onto the current
+text where it kept them; completion needs no parse of the whole text (the grammar context of
+the cursor's statement, the model's names of the last text that resolved them).
 
 Analyses run on a worker thread ANALYSIS_DELAY_S after a document's last change, on its newest
 text only, so requests never wait for one; a text over the parser's size limit gets that one
@@ -23,7 +28,9 @@ the editor has not opened is never read from disk.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
+import importlib
 import inspect
 import itertools
 import json
@@ -33,7 +40,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlparse
@@ -53,55 +60,163 @@ from pygls.workspace import TextDocument
 
 import mkc
 from mkc import compiler
+from mkc import target as targets
 from mkc.checks.capacity import vmem_budget_bytes, vmem_timeline
 from mkc.diagnostics import Diagnostic, MkcError, Span, source_lines
-from mkc.lang import parser
+from mkc.lang import ast, parser, syntax
 from mkc.lang.fmt import format_text
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MIB = 1 << 20
 
 
+@dataclass(frozen=True)
+class ModelNames:
+    """The names of the model a spec runs that a spec may write: the layer kinds it runs, and
+    each kind's ops (program points) and state families (`state.NAME`)."""
+
+    layer_kinds: tuple[str, ...]
+    ops: dict[str, list[str]]
+    states: dict[str, list[str]]
+
+
 @dataclass
 class Analysis:
-    """What the server knows of one document: its diagnostics and, once it checks, the IR, the
-    checked trace and the names it defines (name -> span)."""
+    """What the server knows of one text: its diagnostics; once it parses, the AST and the
+    names it defines (name -> span; a phase's buffer as `KIND_name`, as in the IR); once it
+    resolves through the model's graph, the model's names; once it checks, the IR and trace."""
 
     diagnostics: list[Diagnostic]
     compiled: object | None = None             # mkc.compiler.Compiled
     definitions: dict[str, Span] = field(default_factory=dict)
-    phase_lines: list[tuple[str, int, int]] = field(default_factory=list)   # kind, first, last
-
-    def name_at(self, word: str | None, line: int) -> str | None:
-        """The defined name `word` means at 1-based `line`: inside `phase K`, a buffer the
-        phase makes is `K_word` in the IR."""
-        for kind, first, last in self.phase_lines:
-            if first <= line <= last and f"{kind}_{word}" in self.definitions:
-                return f"{kind}_{word}"
-        return word
+    text: str = ""
+    sched: ast.Schedule | None = None
+    model: ModelNames | None = None
 
 
 def analyse(text: str, path: str) -> Analysis:
     """Check `text` as the spec at `path` (no file is read but the model's config)."""
     try:
-        c = compiler.check_source(text, path)
+        sched = parser.parse(text, path)
     except MkcError as e:
-        return Analysis(e.diagnostics)
-    sched = c.schedule
-    phases = [(p.kind.text, p.span.line, p.span.end_line) for p in sched.phases]
-    return Analysis([], c, _definitions(sched, c.ir), phases)
+        return Analysis(e.diagnostics, text=text)
+    found = Analysis([], text=text, sched=sched, definitions=_definitions(sched),
+                     model=model_names(sched))
+    try:
+        found.compiled = compiler.check_source(text, path)
+    except MkcError as e:
+        found.diagnostics = e.diagnostics
+        return found
+    for b in found.compiled.ir.buffers:          # buffers the spec makes without naming them
+        if b.span != Span.unknown(b.span.file):
+            found.definitions.setdefault(b.name, b.span)
+    return found
 
 
-def _definitions(sched, schedule_ir) -> dict[str, Span]:
-    """Where the spec defines each name: rings, parities, pools and their views, phases (by
-    kind), and buffers (where the spec makes them)."""
+def model_names(sched: ast.Schedule) -> ModelNames | None:
+    """The model's names, from resolve up to its graph; None where that does not resolve."""
+    from mkc.resolve import resolve_state
+    from mkc.resolve.phases import _states
+    try:
+        st = resolve_state(sched, after="graph", suggest=False)
+    except MkcError:
+        return None
+    kinds = st.graph.kinds
+    return ModelNames(tuple(dict.fromkeys(st.dims.layer_kinds)),
+                      {k: kind.op_names() for k, kind in kinds.items()},
+                      {k: sorted(_states(kind)) for k, kind in kinds.items()})
+
+
+def _definitions(sched: ast.Schedule) -> dict[str, Span]:
+    """Where the parsed spec defines each name: rings, parities, pools and their views, phases
+    (by kind), and a phase's buffers (`KIND_name`, at its `scoped` line, else its first load)."""
     named = [*sched.rings, *sched.parities, *sched.pools, *[v for p in sched.pools for v in p.views]]
     found = {n.name.text: n.name.span for n in named}
     found |= {p.kind.text: p.kind.span for p in sched.phases}
-    for b in schedule_ir.buffers:
-        if b.span != Span.unknown(b.span.file):
-            found.setdefault(b.name, b.span)
+    for p in sched.phases:
+        made = [n for sc in p.scoped for n in sc.buffers]
+        made += [b.dst for tr in p.transfers if tr.direction == "load" for b in tr.bindings]
+        for n in made:
+            found.setdefault(f"{p.kind.text}_{n.text}", n.span)
     return found
+
+
+# ---- positions in a text that changed since an analysis -----------------------------------
+
+def line_map(old: str, new: str) -> dict[int, int]:
+    """1-based lines of `old` that `new` keeps unchanged -> their lines in `new`."""
+    a, b = old.splitlines(), new.splitlines()
+    out = {}
+    for i, j, n in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        out.update({i + k + 1: j + k + 1 for k in range(n)})
+    return out
+
+
+def moved(span: Span, lines: dict[int, int]) -> Span | None:
+    """`span` of an old text in the new one, if the new text kept its lines."""
+    if span.line not in lines or span.end_line not in lines:
+        return None
+    return Span(span.file, lines[span.line], span.column, lines[span.end_line], span.end_column)
+
+
+# ---- blocks: where the cursor is, from the text alone ----------------------------------------
+
+_LEXEME = re.compile(r'"[^"\n]*"|#[^\n]*|[{}]|[A-Za-z_][A-Za-z0-9_]*|[0-9]+')
+
+
+@dataclass(frozen=True)
+class Block:
+    """A `schedule`, `phase`, `stream` or `pool` block: what it is, its name (a phase's layer
+    kind), and where it opens and closes (offsets; `end` None while it is not closed)."""
+
+    what: str
+    name: str
+    start: int
+    end: int | None
+
+
+def blocks(text: str) -> list[Block]:
+    """Every block of `text`, by its braces and the words before each `{` (comments and strings
+    skipped): a text with errors still has them."""
+    found: list[Block] = []
+    open_: list[int] = []                    # indexes into `found`
+    words: list[str] = []
+    for m in _LEXEME.finditer(text):
+        tok = m.group()
+        if tok[0] in '#"':
+            continue
+        if tok == "{":
+            what = next((w for back, w in ((2, "schedule"), (2, "phase"), (2, "pool"), (4, "stream"))
+                         if len(words) >= back and words[-back] == w), "block")
+            name = words[-(4 if what == "stream" else 2) + 1] if what != "block" else ""
+            found.append(Block(what, name, m.start(), None))
+            open_.append(len(found) - 1)
+            words = []
+        elif tok == "}":
+            if open_:
+                i = open_.pop()
+                found[i] = replace(found[i], end=m.end())
+            words = []
+        else:
+            words.append(tok)
+    return found
+
+
+def enclosing(text: str, offset: int) -> list[Block]:
+    """The blocks around `offset`, outermost first."""
+    return [b for b in blocks(text) if b.start < offset and (b.end is None or offset < b.end)]
+
+
+def _offset(text: str, line: int, character: int) -> int:
+    lines = text.split("\n")
+    return sum(len(x) + 1 for x in lines[:line]) + min(character, len(lines[line]) if line < len(lines)
+                                                       else 0)
+
+
+def phase_at(text: str, line: int) -> str | None:
+    """The layer kind of the phase block around 0-based `line`."""
+    return next((b.name for b in reversed(enclosing(text, _offset(text, line, 0))) if b.what == "phase"),
+                None)
 
 
 def _range(span: Span) -> types.Range:
@@ -146,21 +261,21 @@ def word_at(text: str, line: int, character: int) -> str | None:
     return None
 
 
-def hover_text(analysis: Analysis, word: str | None, line: int) -> str | None:
-    """Markdown for a hover at 1-based `line`: the buffer named, and the VMEM live at the
-    program point the line's statement sits at."""
+def hover_text(analysis: Analysis, name: str | None, line: int | None) -> str | None:
+    """Markdown for a hover on the defined `name` (a phase's buffer as `KIND_name`): the
+    buffer, and the VMEM live at the program point of the statement at 1-based `line` of the
+    analysed text (None: the line is not in it)."""
     c = analysis.compiled
     if c is None:
         return None
     parts = []
-    word = analysis.name_at(word, line)
-    buffer = next((b for b in c.ir.buffers if b.name == word), None)
+    buffer = next((b for b in c.ir.buffers if b.name == name), None)
     if buffer is not None:
         b = buffer.at_batch(c.ir.rows_max)
         scope = f", scoped in `{b.scope[0]}`" if b.scope else ", kernel lifetime"
         parts.append(f"**{b.label}**: {b.cls} buffer {list(b.shape)} {b.dtype}, "
                      f"{b.vmem_bytes / MIB:.2f} MiB of VMEM at {c.ir.rows_max} rows{scope}")
-    point = vmem_at_line(c, line)
+    point = vmem_at_line(c, line) if line is not None else None
     if point:
         parts.append(point)
     return "\n\n".join(parts) or None
@@ -179,10 +294,220 @@ def vmem_at_line(c, line: int) -> str | None:
             f"peak {peak / MIB:.2f} MiB of the {vmem_budget_bytes(c.ir) / MIB:.2f} MiB budget")
 
 
+@functools.lru_cache(maxsize=1)
+def _keyword_terminals() -> dict[str, str]:
+    """The grammar's keyword terminals: terminal name -> the word."""
+    return {t.name: t.pattern.value for t in parser._parser().terminals
+            if t.pattern.type == "str" and t.pattern.value.isalpha()}
+
+
 def keywords() -> list[str]:
     """The language's keywords, from its grammar."""
-    return sorted({t.pattern.value for t in parser._parser().terminals
-                   if t.pattern.type == "str" and t.pattern.value.isalpha()})
+    return sorted(set(_keyword_terminals().values()))
+
+
+def _rule_text(grammar: str, rule: str) -> str:
+    """A rule of a statement module's grammar with the `//` comment lines above it."""
+    lines = grammar.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split(":")[0].strip() == rule)
+    first = at
+    while first > 0 and lines[first - 1].startswith("//"):
+        first -= 1
+    last = at + 1
+    while last < len(lines) and lines[last].lstrip().startswith("|"):
+        last += 1
+    return "\n".join(lines[first:last])
+
+
+@functools.lru_cache(maxsize=1)
+def statement_docs() -> dict[str, str]:
+    """Each statement keyword's description: its module's summary (where the module holds
+    that statement alone, or a few of one meaning) and its grammar rule with its comments."""
+    out: dict[str, list[str]] = {}
+    for m in syntax.modules():
+        summary = (importlib.import_module(m.module).__doc__ or "").strip().split("\n\n")[0]
+        for st in m.statements:
+            parts = out.setdefault(st.keyword, [])
+            if summary and len(m.statements) <= 2 and summary not in parts:
+                parts.append(" ".join(summary.split()))
+            parts.append(f"```\n{_rule_text(m.grammar, st.rule)}\n```")
+    return {k: f"**{k}**" + (" (a header setting, once a spec)" if any(
+        st.setting for st in syntax.statements() if st.keyword == k) else "") + ": " + "\n\n".join(v)
+        for k, v in out.items()}
+
+
+def keyword_hover(text: str, line: int, word: str) -> str | None:
+    """The description of the statement a keyword at 0-based `line` belongs to: the line's
+    first word when it starts a statement, else the block around it (`then` of a stream)."""
+    if word not in _keyword_terminals().values():
+        return None
+    docs = statement_docs()
+    first = (text.splitlines()[line].split() or [""])[0]
+    if first in docs:
+        return docs[first]
+    around = enclosing(text, _offset(text, line, 0))
+    return docs.get(around[-1].what) if around else None
+
+
+# ---- completion by the grammar's context -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Offer:
+    label: str
+    kind: types.CompletionItemKind
+    detail: str = ""
+
+
+def _copies(text: str, phase: Block, skip_line: int) -> tuple[dict[str, set[str]], dict[str, str],
+                                                               set[str]]:
+    """A phase block's buffers as its lines write them (the cursor's line `skip_line` aside):
+    the states loaded into each, the state each is stored to, the names its `scoped` lines
+    hold."""
+    loads: dict[str, set[str]] = {}
+    stores: dict[str, str] = {}
+    scoped: set[str] = set()
+    body = text[phase.start:phase.end]
+    first_line = text.count("\n", 0, phase.start)
+    for i, line in enumerate(body.split("\n")):
+        if first_line + i == skip_line:
+            continue
+        code = line.split("#", 1)[0].strip()
+        words = code.split()
+        if not words:
+            continue
+        if words[0] in ("load", "store"):
+            for src, dst in re.findall(r"([\w.]+)\s*->\s*([\w.]+)", code.split(";")[0]):
+                if words[0] == "load" and src.startswith("state."):
+                    loads.setdefault(dst, set()).add(src[6:])
+                elif words[0] == "store" and dst.startswith("state."):
+                    stores[src] = dst[6:]
+        elif words[0] == "scoped":
+            m = re.match(r"scoped\s+(.*?)\s+from\b", code)
+            scoped |= set(re.findall(r"\w+", m.group(1))) if m else set()
+    return loads, stores, scoped
+
+
+def _settings_written(text: str, schedule: Block | None) -> set[str]:
+    """The header settings the schedule block has (a second one is refused)."""
+    settings = {st.keyword for st in syntax.statements("schedule") if st.setting}
+    if schedule is None:
+        return set()
+    body = text[schedule.start + 1:schedule.end]
+    inner = [b for b in blocks(text) if b.start > schedule.start and (schedule.end is None or
+                                                                     b.start < schedule.end)]
+    for b in sorted(inner, key=lambda b: -b.start):          # statements inside blocks aside
+        if b.end is not None:
+            body = body[:b.start - schedule.start - 1] + body[b.end - schedule.start - 1:]
+    return {w for w in re.findall(r"(?m)^\s*([a-z]+)\b", body) if w in settings}
+
+
+def _names_for(tokens: list, text: str, line: int, around: list[Block],
+               model: ModelNames | None) -> list[Offer]:
+    """The names a spec may write where the grammar wants a NAME after `tokens` (the
+    cursor's statement so far)."""
+    types_ = [t.type for t in tokens]
+    prev = types_[-1] if types_ else ""
+    inner = around[-1] if around else None
+    phase = next((b for b in reversed(around) if b.what == "phase"), None)
+    kind = phase.name if phase else None
+    op, var, kw = (types.CompletionItemKind.Function, types.CompletionItemKind.Variable,
+                   types.CompletionItemKind.Module)
+    ops = model.ops.get(kind, []) if model and kind else []
+    states = model.states.get(kind, []) if model and kind else []
+    if prev == "PHASE":
+        written = {b.name for b in blocks(text) if b.what == "phase"}
+        return [Offer(k, kw, "layer kind") for k in (model.layer_kinds if model else ())
+                if k not in written]
+    if prev == "TARGET":
+        return [Offer(g, types.CompletionItemKind.Constant, "TPU generation")
+                for g in targets.known_chips()]
+    if prev == "STREAM":
+        rings = re.findall(r"(?m)^\s*ring\s+([A-Za-z_]\w*)\s*:", text)
+        return [Offer(r, var, "ring") for r in dict.fromkeys(rings)]
+    if inner is not None and inner.what == "stream" and not tokens:
+        listed = {m.group(1) for i, x in enumerate(text[inner.start:inner.end].split("\n"))
+                  if text.count("\n", 0, inner.start) + i != line
+                  and (m := re.match(r"\s*([A-Za-z_]\w*)\s*:", x))}
+        return [Offer(k, kw, "layer kind") for k in (model.layer_kinds if model else ())
+                if k not in listed]
+    if phase is None:
+        return []
+    if prev in ("BEFORE", "AFTER"):
+        return [Offer(o, op, f"op of {kind}") for o in ops]
+    if prev == "NEXT":
+        return [Offer(kind, kw, "this phase's layer kind")]
+    if prev == "AT":
+        return [Offer(p, types.CompletionItemKind.Constant, "program point") for p in ("start", "end")]
+    if prev == "DOT" and len(tokens) > 1 and tokens[-2] == "state":
+        return [Offer(n, types.CompletionItemKind.Field, f"state of {kind}") for n in states]
+    statement = next((t.type for t in tokens if t.type in ("LOAD", "STORE", "SCOPED")), None)
+    loads, stores, scoped = _copies(text, phase, line)
+    loaded = sorted(loads)
+    if statement == "SCOPED":
+        if prev == "FROM":
+            return [Offer(o, op, f"op of {kind}") for o in ["start", *ops]]
+        if prev == "TO":
+            return [Offer(o, op, f"op of {kind}") for o in [*ops, "end"]]
+        if prev in ("SCOPED", "COMMA"):
+            held = {t.value for t in tokens if t.type == "NAME"}
+            return [Offer(n, var, "buffer a load fills") for n in loaded if n not in held]
+        return []
+    if statement is None or "SEMICOLON" in types_:
+        return []
+    as_state = [Offer(f"state.{n}", types.CompletionItemKind.Field, f"state of {kind}") for n in states]
+    if statement == "LOAD" and prev in ("LOAD", "COMMA"):
+        return as_state
+    if statement == "STORE" and prev == "_ARROW":
+        return as_state
+    if statement == "STORE" and prev in ("STORE", "COMMA"):
+        return [Offer(n, var, "buffer a load fills") for n in loaded]
+    if statement == "LOAD" and prev == "_ARROW":
+        state = tokens[-2].value if len(tokens) > 3 and tokens[-4] == "state" else ""
+        # a buffer holds one state: names of its store or `scoped` lines no other load fills
+        named = [*sorted(scoped), *sorted(stores)]
+        return [Offer(n, var, "buffer of this phase") for n in dict.fromkeys(named)
+                if n not in loads and stores.get(n, state) == state]
+    return []
+
+
+def completions(text: str, line: int, character: int, model: ModelNames | None) -> list[Offer]:
+    """What may be written at 0-based (line, character): the cursor's statement so far is fed
+    to the grammar's parser inside the blocks around it; the keywords it accepts next, and
+    where it accepts a name, the names of `_names_for`. None where a comment or a bad token
+    stands before the cursor."""
+    lines = text.split("\n")
+    if not 0 <= line < len(lines):
+        return []
+    here = lines[line][:character]
+    if "#" in here:
+        return []
+    typed = re.search(r"[A-Za-z_][A-Za-z0-9_]*$", here)
+    here = here[:typed.start()] if typed else here
+    offset = _offset(text, line, 0)
+    around = enclosing(text, offset)
+    heads = {"schedule": "schedule _ {{", "phase": "phase {name} {{", "stream": "stream {name} ahead 1 {{",
+             "pool": "pool {name} {{"}
+    prefix = " ".join(heads[b.what].format(name=b.name or "_") for b in around if b.what in heads)
+    if not prefix.startswith("schedule"):
+        prefix = ""
+    try:
+        n_prefix = len(parser._parser().parse_interactive(prefix).exhaust_lexer())
+        ip = parser._parser().parse_interactive(prefix + "\n" + here)
+        tokens = ip.exhaust_lexer()[n_prefix:]
+        accepts = ip.accepts()
+    except Exception:                     # a token the grammar refuses before the cursor
+        return []
+    offers: dict[str, Offer] = {}
+    schedule = next((b for b in around if b.what == "schedule"), None)
+    written = _settings_written(text, schedule) if not tokens else set()
+    for name in sorted(accepts):
+        word = _keyword_terminals().get(name)
+        if word and word not in written:
+            offers.setdefault(word, Offer(word, types.CompletionItemKind.Keyword))
+    if "NAME" in accepts:
+        for o in _names_for(tokens, text, line, around, model):
+            offers.setdefault(o.label, o)
+    return list(offers.values())
 
 
 def _path(uri: str) -> str:
@@ -372,6 +697,8 @@ class Analyses:
     def __init__(self, server: LanguageServer):
         self.server = server
         self.checked: dict[str, Analysis] = {}      # uri -> its last analysis that checked
+        self.parsed: dict[str, Analysis] = {}       # uri -> its last analysis that parsed
+        self.models: dict[str, ModelNames] = {}     # uri -> the model names last resolved
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mkc-lsp-analysis")
         self._changes: dict[str, int] = {}          # uri -> the number of its newest change
         self._count = itertools.count(1)             # changes numbered across documents and reopenings
@@ -385,14 +712,15 @@ class Analyses:
 
     def closed(self, uri: str) -> None:
         self._changes.pop(uri, None)
-        self.checked.pop(uri, None)
+        for known in (self.checked, self.parsed, self.models):
+            known.pop(uri, None)
 
     def _newest(self, uri: str, change: int) -> bool:
         return self._changes.get(uri) == change
 
     async def _analyse(self, uri: str, change: int, delay: float) -> None:
         await asyncio.sleep(delay)
-        doc = open_document(self.server, uri)
+        doc = self.server.workspace.text_documents.get(unquote(uri))     # oversized too
         if doc is None or not self._newest(uri, change):
             return
         version = doc.version
@@ -403,6 +731,10 @@ class Analyses:
         analysis, diagnostics = done
         if analysis.compiled is not None:
             self.checked[uri] = analysis
+        if analysis.sched is not None:
+            self.parsed[uri] = analysis
+        if analysis.model is not None:
+            self.models[uri] = analysis.model
         self.server.text_document_publish_diagnostics(types.PublishDiagnosticsParams(
             uri=uri, version=version, diagnostics=diagnostics))
 
@@ -420,10 +752,60 @@ class Analyses:
         return analysis, [lsp_diagnostic(d, path, span) for d in analysis.diagnostics]
 
 
+def definition_at(analyses: Analyses, uri: str, text: str, line: int, character: int
+                  ) -> tuple[str, Span] | None:
+    """The defined name under 0-based (line, character) of `text` (a phase's buffer as
+    `KIND_name`) and where it is defined in `text`: from the newest analysis that parsed (and
+    then the newest that checked, for buffers only the IR names), its lines mapped onto `text`
+    where they differ."""
+    word = word_at(text, line, character)
+    if word is None:
+        return None
+    kind = phase_at(text, line)
+    for known in (analyses.parsed.get(uri), analyses.checked.get(uri)):
+        if known is None:
+            continue
+        for name in ([f"{kind}_{word}"] if kind else []) + [word]:
+            span = known.definitions.get(name)
+            if span is not None and known.text != text:
+                span = moved(span, line_map(known.text, text))
+            if span is not None:
+                return name, span
+    return None
+
+
+def hover_at(analyses: Analyses, uri: str, text: str, line: int, character: int) -> str | None:
+    """Markdown for a hover at 0-based (line, character) of `text`: on a keyword, its
+    statement; on a defined name, the newest checked analysis's buffer (or where the name is
+    defined, when no analysis has checked it); the VMEM live at the line's program point
+    where the checked text has the line."""
+    word = word_at(text, line, character)
+    defined = definition_at(analyses, uri, text, line, character)
+    if defined is None and word is not None and (about := keyword_hover(text, line, word)):
+        return about
+    checked = analyses.checked.get(uri)
+    parts = []
+    if checked is not None:
+        here = line + 1 if checked.text == text else {
+            new: old for old, new in line_map(checked.text, text).items()}.get(line + 1)
+        name = defined[0] if defined else word
+        if found := hover_text(checked, name, here):
+            parts.append(found)
+    if defined is not None and not any(p.startswith("**") for p in parts):
+        name, span = defined
+        source = text.splitlines()[span.line - 1].split("#", 1)[0].strip()
+        parts.insert(0, f"**{word}**: defined at line {span.line}: `{source}`")
+    return "\n\n".join(parts) or None
+
+
 def open_document(server: LanguageServer, uri: str) -> TextDocument | None:
     """The document the editor opened at `uri`; None for any other (pygls would read it from
-    disk)."""
-    return server.workspace.text_documents.get(unquote(uri))
+    disk), and for one over the parser's size limit (its one diagnostic says so; scanning it
+    for a request would take seconds)."""
+    doc = server.workspace.text_documents.get(unquote(uri))
+    if doc is None or len(doc.source) > parser.MAX_SPEC_BYTES:
+        return None
+    return doc
 
 
 def build_server() -> LanguageServer:
@@ -453,8 +835,7 @@ def build_server() -> LanguageServer:
         doc = open_document(ls, uri)
         if doc is None:
             return None
-        found = hover_text(analyses.checked.get(uri, Analysis([])),
-                           word_at(doc.source, pos.line, pos.character), pos.line + 1)
+        found = hover_at(analyses, uri, doc.source, pos.line, pos.character)
         if not found:
             return None
         return types.Hover(contents=types.MarkupContent(kind=types.MarkupKind.Markdown, value=found))
@@ -465,19 +846,16 @@ def build_server() -> LanguageServer:
         doc = open_document(ls, uri)
         if doc is None:
             return None
-        word = word_at(doc.source, pos.line, pos.character)
-        analysis = analyses.checked.get(uri, Analysis([]))
-        span = analysis.definitions.get(analysis.name_at(word, pos.line + 1) or "")
-        return types.Location(uri=uri, range=_range(span)) if span else None
+        found = definition_at(analyses, uri, doc.source, pos.line, pos.character)
+        return types.Location(uri=uri, range=_range(found[1])) if found else None
 
     @feature(types.TEXT_DOCUMENT_COMPLETION)
     def completion(ls: LanguageServer, params: types.CompletionParams) -> types.CompletionList:
-        c = analyses.checked.get(params.text_document.uri, Analysis([])).compiled
-        items = [types.CompletionItem(label=k, kind=types.CompletionItemKind.Keyword) for k in keywords()]
-        items += [types.CompletionItem(label=b.name, kind=types.CompletionItemKind.Variable,
-                                       detail=f"{b.cls} buffer")
-                  for b in (c.ir.buffers if c else ())]
-        return types.CompletionList(is_incomplete=False, items=items)
+        uri, pos = params.text_document.uri, params.position
+        doc = open_document(ls, uri)
+        offers = completions(doc.source, pos.line, pos.character, analyses.models.get(uri)) if doc else []
+        return types.CompletionList(is_incomplete=False, items=[
+            types.CompletionItem(label=o.label, kind=o.kind, detail=o.detail or None) for o in offers])
 
     @feature(types.TEXT_DOCUMENT_FORMATTING)
     async def formatting(ls: LanguageServer, params: types.DocumentFormattingParams

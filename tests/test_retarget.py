@@ -222,3 +222,56 @@ def test_fit_shrinks_vmem_until_the_specs_own_headroom_promise_holds():
     checked = fit.fit(text, "promise.sched", None)
     assert any(n.startswith("VMEM: ") for n in checked.notes), checked.notes
     assert "expect vmem headroom at least 30 MiB" in checked.text
+
+
+def test_every_candidate_has_a_verdict_and_more_vmem_suggests_tune(tmp_path, capsys):
+    """tpu7x -> v6e (twice the VMEM a core): each of the 4 candidates says what became of it
+    (two are the same spec as an earlier one), the old slice's figures leave the comments the
+    retarget keeps, and the output suggests `mkc tune`."""
+    out = tmp_path / "q_v6e.sched"
+    spec = str(SCHEDULES / "qwen3_8_27b.sched")
+    assert main(["retarget", spec, "--model", "qwen3_8_mini", "--target", "v6e topology 2x4",
+                 "-o", str(out), "--models", "1"]) == 0
+    printed = capsys.readouterr().out
+    verdicts = [line for line in printed.splitlines() if line.startswith("  candidate ")]
+    assert [v.split(",")[0] for v in verdicts] == [f"  candidate {i} of 4" for i in range(1, 5)]
+    assert "candidate 1 of 4, the spec's rules: passes: B1 " in verdicts[0]
+    assert "not modelled (only the first 1 that pass are: --models)" in verdicts[1]
+    assert all("skipped: " in v and "so it is candidate" in v for v in verdicts[2:])
+    assert "the widest rules: skipped: its shard rules come out as the earlier" in verdicts[2]
+    assert "next: v6e has 128 MiB of VMEM a core, tpu7x 64 MiB" in printed and "`mkc tune`" in printed
+    text = out.read_text()
+    for stale in ("43.9 MiB", "-1.8 %", "-0.4 %", "-0.5 %"):
+        assert stale not in text
+    # what the comments say beside their figures stays
+    assert "# one or two sequences per launch: 16 rows fit.\n  verify" in text
+    assert "    # Four KV tiles of each cache in flight.\n    kv tiles" in text
+
+
+def test_no_tune_advice_on_a_chip_with_no_more_vmem():
+    assert retarget.vmem_advice(target.chip("v6e"), target.chip("tpu7x"),
+                                retarget.Slice("tpu7x", (2, 2, 1))) == []
+    assert retarget.vmem_advice(target.chip("tpu7x"), target.chip("tpu7x"),
+                                retarget.Slice("tpu7x", (2, 2, 2))) == []
+
+
+def test_old_figures_leave_comments_by_parenthesis_sentence_or_whole():
+    from mkc.retarget.comments import drop_old_figures
+    text = "\n".join([
+        "# 2.160 ms modelled. Kept note.",
+        "schedule s {",
+        "  # Four tiles in flight (32 of 128 tokens; modelled -0.5 % step). Two are",
+        "  # enough: the third waits. 1 anchor + 7 drafts.",
+        "  kv tiles 4 slots of 128 tokens ahead 4  # 12.5 MiB",
+        "  # 43.9 MiB of VMEM at batch 16.",
+        "  batch 1 to 8  # two ahead",
+        "}"])
+    out = drop_old_figures(text, keep_above=2).split("\n")
+    assert out == [
+        "# 2.160 ms modelled. Kept note.",           # the tool's own note, above `schedule`
+        "schedule s {",
+        "  # Four tiles in flight. Two are enough: the third waits. 1 anchor + 7",   # re-wrapped
+        "  # drafts.",
+        "  kv tiles 4 slots of 128 tokens ahead 4",
+        "  batch 1 to 8  # two ahead",
+        "}"]

@@ -37,7 +37,8 @@ from mkc.perf.comments import drop_stale_comments
 from mkc.perf.tune import SpecSource
 from mkc.resolve.driver import run
 from mkc.resolve.state import ResolveState
-from mkc.retarget.edit import (Plan, TextEdits, collective_edits, format_edits, header_edits,
+from mkc.retarget.comments import drop_old_figures
+from mkc.retarget.edit import (MIB, Plan, TextEdits, collective_edits, format_edits, header_edits,
                                shard_edits)
 from mkc.retarget.fit import Checked, check, fit
 from mkc.retarget.layout import Builder, carried_over, mesh_groups, search_rules, spell, spelling
@@ -93,9 +94,10 @@ class RetargetResult:
     before: Checked | None         # the input on its own slice, modelled (None: it fails there)
     after: Checked                 # the candidate written, modelled
     label: str                     # which candidate it is
-    tried: list[tuple[str, str]]   # (candidate, verdict) for each candidate checked
+    tried: list[tuple[str, str]]   # (candidate, verdict) for each candidate considered
     seconds: float
     original: str = ""
+    advice: list[str] = field(default_factory=list)   # what to run next (`mkc tune`)
 
     def diff(self) -> str:
         return "".join(difflib.unified_diff(
@@ -105,11 +107,13 @@ class RetargetResult:
 
 @dataclass
 class _Attempt:
-    """A slice's candidates as checked: the ones that passed, and every failure."""
+    """A slice's candidates as checked: the ones that passed, every failure, and a verdict
+    for each candidate considered, checked or not (numbered as `candidate i of n`)."""
 
     passed: list[tuple[str, Checked]] = field(default_factory=list)
     failed: list[tuple[str, Diagnostic]] = field(default_factory=list)
     refused: ShardingError | None = None
+    verdicts: list[tuple[str, str]] = field(default_factory=list)   # (candidate, verdict)
 
 
 def retarget(text: str, file: str, new_target: str, model: str | None = None,
@@ -137,10 +141,19 @@ def retarget(text: str, file: str, new_target: str, model: str | None = None,
                         log if name_nearest else None)
     label, best = min(attempt.passed, key=lambda lc: lc[1].objective)   # unmodelled: inf
     final = finish(canonical, best, file, model, sched, new, before)
-    tried = [(lbl, "ok: " + _steps_text(c)) for lbl, c in attempt.passed] + \
-        [(lbl, f"{d.code}: {d.message}") for lbl, d in attempt.failed]
-    return RetargetResult(file, spec_slice(sched), new, final.text, before, final, label, tried,
-                          time.perf_counter() - t0, text)
+    return RetargetResult(file, spec_slice(sched), new, final.text, before, final, label,
+                          attempt.verdicts, time.perf_counter() - t0, text,
+                          advice=vmem_advice(spec_chip(sched), target.chip(new.gen), new))
+
+
+def vmem_advice(old: target.Chip, chip: target.Chip, new: Slice) -> list[str]:
+    """What to run next when the new chip has more VMEM than the spec was sized for: the
+    retarget only shrinks what does not fit, so rings and tiles stay the old chip's size."""
+    if chip.vmem_bytes <= old.vmem_bytes:
+        return []
+    return [f"{new.gen} has {chip.vmem_bytes / MIB:.0f} MiB of VMEM a core, {old.name} "
+            f"{old.vmem_bytes / MIB:.0f} MiB: the rings, tiles and slots are still sized for "
+            f"{old.name}; run `mkc tune` on the written spec to use the rest"]
 
 
 def _before(text: str, file: str, model: str | None, sched: ast.Schedule,
@@ -182,8 +195,9 @@ def new_state(sched: ast.Schedule, new: Slice, model: str | None) -> ResolveStat
 
 
 def plans(sched: ast.Schedule, st: ResolveState, new: Slice, name: str, same: bool
-          ) -> list[tuple[str, Plan, FamilyGraph]] | ShardingError:
-    """The candidate layouts (module docstring), or the family's refusal when no rules build."""
+          ) -> tuple[list[tuple[str, Plan, FamilyGraph]], list[tuple[str, ShardingError]]]:
+    """The candidate layouts (module docstring), and each layout whose rules the family
+    refuses, with its refusal."""
     topo, axis = st.topology, st.mesh_axis
     builder = Builder(st)
     written = {r.dim.text: r.group for r in sched.shards}
@@ -196,8 +210,7 @@ def plans(sched: ast.Schedule, st: ResolveState, new: Slice, name: str, same: bo
         layouts.append(("the widest rules", search_rules(
             builder, {c: every[0] for c in written}, {c: every for c in written})))
     good = [(label, rules) for label, rules in layouts if not isinstance(rules, ShardingError)]
-    if not good:
-        return layouts[0][1]
+    refused = [(label, rules) for label, rules in layouts if isinstance(rules, ShardingError)]
     vmem = vmem_setting(sched, st.topology.chip, spec_chip(sched))
     out = []
     for label, rules in good:
@@ -206,7 +219,7 @@ def plans(sched: ast.Schedule, st: ResolveState, new: Slice, name: str, same: bo
         for by_span in ((False,) if same else (False, True)):
             out.append((label + (", all-reduces over hosts in two levels" if by_span else ""),
                         Plan(new.gen, topo, name, rules, spelled, by_span, vmem), graph))
-    return out
+    return out, refused
 
 
 def spec_chip(sched: ast.Schedule) -> target.Chip:
@@ -236,7 +249,8 @@ def candidates(sched: ast.Schedule, text: str, file: str, model: str | None, new
                name: str, max_models: int, log: Callable[[str], None],
                first_only: bool = False) -> _Attempt:
     """Every candidate checked (and fitted to VMEM), or up to the first that passes; the first
-    `max_models` that pass are modelled."""
+    `max_models` that pass are modelled. Each candidate gets a verdict, the ones not checked
+    too: the same text as an earlier one, rules the family refuses, one passed already."""
     attempt = _Attempt()
     same = new == spec_slice(sched)
     try:
@@ -244,33 +258,56 @@ def candidates(sched: ast.Schedule, text: str, file: str, model: str | None, new
     except MkcError as e:
         attempt.failed.append(("the spec on the new slice", e.diagnostics[0]))
         return attempt
-    found = plans(sched, st, new, name, same)
-    if isinstance(found, ShardingError):
-        attempt.refused = found
-        return attempt
-    seen: set[str] = set()
-    for i, (label, plan, graph) in enumerate(found):
+    found, refused = plans(sched, st, new, name, same)
+    if not found:
+        attempt.refused = refused[0][1]
+    total = len(found) + len(refused)
+
+    def verdict(i: int, label: str, text: str) -> None:
+        attempt.verdicts.append((f"{i} of {total}, {label}", text))
+        log(f"candidate {i} of {total} on {new}: {label}: {text}")
+
+    seen: dict[str, tuple[int, Plan]] = {}        # text -> the first candidate giving it
+    passed_at: int | None = None
+    for i, (label, plan, graph) in enumerate(found, start=1):
+        if first_only and passed_at is not None:
+            verdict(i, label, f"not checked: candidate {passed_at} passes")
+            continue
         cand = candidate_text(text, sched, plan, graph)
         if cand in seen:
+            j, first = seen[cand]
+            verdict(i, label, f"skipped: {_same_as(plan, first)}, so it is candidate {j}'s spec")
             continue
-        seen.add(cand)
-        log(f"candidate {i + 1} of {len(found)} on {new}: {label}")
+        seen[cand] = (i, plan)
+        log(f"candidate {i} of {total} on {new}: {label}: checking")
         try:
             checked = fit(cand, file, model)
         except MkcError as e:
             attempt.failed.append((label, e.diagnostics[0]))
+            verdict(i, label, f"fails {e.diagnostics[0].code}: {e.diagnostics[0].message}")
             continue
         if len(attempt.passed) < max_models:
             checked.model()
         attempt.passed.append((label, checked))
-        if first_only:
-            break
+        passed_at = i
+        verdict(i, label, "passes: " + _steps_text(checked, max_models))
+    for i, (label, why) in enumerate(refused, start=len(found) + 1):
+        verdict(i, label, f"skipped: no shard rules of this kind build ({why})")
     return attempt
 
 
-def _steps_text(c: Checked) -> str:
+def _same_as(plan: Plan, first: Plan) -> str:
+    """Why a candidate's text is an earlier one's."""
+    if plan.rules == first.rules and plan.by_span != first.by_span:
+        return "no all-reduce goes over hosts on this slice"
+    if plan.rules == first.rules:
+        return "its shard rules come out as the earlier candidate's"
+    return "its rules are written as the earlier candidate's"
+
+
+def _steps_text(c: Checked, max_models: int) -> str:
     if not c.steps:
-        return "passes the checks (not modelled: past the model budget)"
+        return f"not modelled (only the first {max_models} that pass are: --models)"
     return ", ".join(f"B{b} {t * 1e3:.3f} ms" for b, t in c.steps.items()) + " (modelled)"
 
 
@@ -291,7 +328,13 @@ def finish(original: str, best: Checked, file: str, model: str | None, sched: as
                         for x in p.allreduces + p.allgathers + p.exchanges})
     header = next(i + 1 for i, line in enumerate(new_lines) if line.startswith("schedule "))
     changed[header] = note(sched, new, before, best)
-    text = format_text(drop_stale_comments(best.text, changed), file)
+    text = drop_stale_comments(best.text, changed)
+    if new != spec_slice(sched):
+        # the kept comments' figures (bytes, step times) were the old slice's
+        header = next(i + 1 for i, line in enumerate(text.split("\n"))
+                      if line.startswith("schedule "))
+        text = drop_old_figures(text, keep_above=header)
+    text = format_text(text, file)
     return Checked(text, *check(text, file, model), best.notes, best.steps)
 
 
@@ -361,22 +404,28 @@ def nearest_slice(sched: ast.Schedule, text: str, file: str, model: str | None, 
 
 
 def summary(res: RetargetResult) -> str:
-    """The candidates tried and the modelled step before and after, per batch."""
+    """Every candidate considered with its verdict, which was written and why, the modelled
+    step before and after per batch, and what to run next."""
+    modelled = [v for _, v in res.tried if v.startswith("passes: B")]
+    why = (f"the shortest modelled step of the {len(modelled)} modelled"
+           if len(modelled) > 1 else "the one that passes" if len(modelled) == 1 else
+           "the first that passes")
     lines = [f"mkc retarget {res.spec}: {res.source} -> {res.new} in {res.seconds:.1f} s; "
-             f"written: {res.label} (times are modelled, not measured)"]
+             f"written: {res.label}, {why} (times are modelled, not measured)"]
     lines += [f"  candidate {label}: {verdict}" for label, verdict in res.tried]
     lines += [f"  {n}" for n in res.after.notes]
     lines.append(f"  {'batch':>5} {'before ms':>10} {'after ms':>10}")
     for b, t in res.after.steps.items():
         was = res.before.steps.get(b) if res.before else None
         lines.append(f"  {b:>5} {was * 1e3 if was else float('nan'):10.3f} {t * 1e3:10.3f}")
+    lines += [f"next: {a}" for a in res.advice]
     return "\n".join(lines)
 
 
 def result_json(res: RetargetResult) -> dict:
     return {"modelled": True, "from": str(res.source), "to": str(res.new), "chosen": res.label,
             "candidates": [{"candidate": c, "verdict": v} for c, v in res.tried],
-            "notes": res.after.notes, "seconds": res.seconds,
+            "notes": res.after.notes, "advice": res.advice, "seconds": res.seconds,
             "before_step_seconds": {str(b): t for b, t in
                                     (res.before.steps if res.before else {}).items()},
             "after_step_seconds": {str(b): t for b, t in res.after.steps.items()},
