@@ -127,7 +127,16 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   YNNPACK fusions on or off (``--xla_cpu_experimental_ynn_fusion_type=``). The expressions
 #   being the kernel's, XLA compiles the same ones on an AVX2 host. (The old sums' orders do
 #   not depend on the batch: where the earlier runs were bit-equal, their ulps flipped no
-#   downstream rounding.)
+#   downstream rounding.) Then step 1 of the on-wait run at batch 7 and 8: row 2's logits
+#   6.6e-5 off, every state equal. The first captured value off was one rank's routed partial
+#   sum in the third MoE layer (that row, 1.8e-5): the kernel multiplies an expert's
+#   ``[gate | up]`` in one dot, the emulation multiplied gate and up apart, and XLA's CPU f32
+#   dot, which the FP8 experts' mixed dots are, sums a 256-wide product in another order than
+#   a 128-wide one (K 256: 32 to 128 wide alike, 256 to 1024 alike; every row at 2 to 16 rows,
+#   about an ulp; not at one row; bf16 dots at no width; with or without the ISA cap; not with
+#   YNNPACK fusions off, so YNNPACK's f32 kernels, which it picks by the CPU found). An ulp in
+#   gate or up flipped one bf16 input of the down projection. The emulation now makes the
+#   kernel's one dot; measured: bit-equal, and batch 2 steps 0 and 1 still.
 #   One row (issue 20). XLA on CPU picks a dot's routine by its shapes and its operands'
 #   layouts. On the AVX512-BF16 host (AMD EPYC; avx512 f, bw, dq, vl, vnni, bf16; XLA_FLAGS
 #   --xla_cpu_max_isa=AVX2, as ``pin_cpu_isa`` sets), a bf16 dot of two or more rows runs in

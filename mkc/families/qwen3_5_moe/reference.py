@@ -42,9 +42,12 @@ Kernel rounding emulation (``rounding``, as in the Qwen3.5 reference): the mixer
 Qwen3.5's do (layer kinds ``gdn`` and ``gqa``). In the MoE block (kind ``moe``) every matmul
 takes bf16 activations; the routed experts become per-rank partial sums: rank r belongs to
 expert group ``r // expert_tp`` (experts ``group * local_experts ...`` in id order) and holds
-width slice ``r % expert_tp`` (``expert_width`` columns) of each; it adds each expert's output
-times the row's routing weight (0 where the row did not pick it) in expert-id order, one fused
-multiply-add each, and the partials are all-reduced as ``(kind, "routed_experts")``; the
+width slice ``r % expert_tp`` (``expert_width`` columns) of each, its gate and up columns
+multiplied in one dot, as the kernel's slot holds them (``[gate | up]``: XLA's CPU f32 dot,
+which the FP8 experts' mixed dots are, sums a 256-wide product in another order than two
+128-wide ones; measured, ``mkc.numerics``); it adds each expert's output times the row's
+routing weight (0 where the row did not pick it) in expert-id order, one fused multiply-add
+each, and the partials are all-reduced as ``(kind, "routed_experts")``; the
 routing weights are the kernel's: the picked softmax probabilities over all E lanes, zero
 elsewhere, divided by their lane sum (``_kernel_route_weights``). The shared expert is
 Qwen3.5's dense MLP emulation (``shared`` columns per rank, all-reduced as
@@ -259,8 +262,12 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: Qwen35MoeConfig, x
         cols = slice(part * width, (part + 1) * width)
         acc = jnp.zeros((b, cfg.hidden_size), jnp.float32)
         for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
-            act = (jax.nn.silu(linear(xin, gate_up[e, :inter][cols], "gate_up"))
-                   * linear(xin, gate_up[e, inter:][cols], "gate_up"))
+            # One dot of the rank's gate and up rows together, as its slot holds them
+            # ([gate | up]): XLA's CPU f32 dot sums a 2 * width wide product in another order
+            # than two width wide ones (module docstring).
+            fused = gate_up[e].reshape(2, inter, -1)[:, cols].reshape(2 * width, -1)
+            hidden = linear(xin, fused, "gate_up")
+            act = jax.nn.silu(hidden[:, :width]) * hidden[:, width:]
             acc = _kernel_weighted_add(acc, dense[:, e:e + 1], linear(act, down[e][:, cols], "down"))
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
