@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="report what libtpu compiles instead: the kernel's instruction "
                                 "bundles per op, collective and copy, from its final LLO "
                                 "(compile-only; cached, compiled when missing)")
+            p.add_argument("--compiled", action="store_true",
+                           help="price compute, copies and collectives by the cycles libtpu "
+                                "schedules for the kernel (its LLO, as --bundles reads it) "
+                                "rather than by the traced kernel's counted work")
             p.add_argument("--op", metavar="ROW",
                            help="with --bundles: also show this row's (e.g. gdn.in_proj) slot "
                                 "use and hottest bundle region")
@@ -247,7 +251,19 @@ def main(argv: list[str] | None = None) -> int:
             c = compiler.check_spec(args.spec, args.model)
             _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
                              args.trace, args.plot)
-            result["perf"] = perf.run(c.ir, args.batch, args.context, args.verify, args.acceptance)
+            if args.compiled and not as_json:
+                print("pricing by what libtpu compiles (compiled now if not cached; seconds to "
+                      "a few minutes)...", file=sys.stderr)
+            try:
+                result["perf"] = perf.run(c.ir, args.batch, args.context, args.verify,
+                                          args.acceptance, compiled=args.compiled)
+            except Exception as e:
+                from mkc.perf.bundles import BundleError
+                if not isinstance(e, BundleError):
+                    raise
+                raise MkcError([Diagnostic(
+                    "E-BUNDLES", str(e), c.ir.setting_spans.get("target", Span.unknown(c.ir.source)),
+                    hint="mkc perf without --compiled prices the traced kernel instead")]) from None
             if not as_json:
                 from mkc.perf.run import table
                 print(f"{args.spec}: ok (times below are modelled, not measured)")

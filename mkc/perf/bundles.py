@@ -38,8 +38,10 @@ from mkc import ir
 from mkc.perf import llo
 
 DATA = Path(__file__).parent / "data" / "bundles"
-SCHEMA = 1
-HOTTEST_BUNDLES = 16          # bundles of an op's hottest region kept for the report
+SCHEMA = 2                    # what a measure holds: raise it when the reading of the LLO changes
+HOTTEST_BUNDLES = 12          # bundles of an op's hottest region kept for the report
+HOTTEST_TEXT = 240            # characters of each
+KEEP = 12                     # measures kept per spec name
 _DUMP = ("--xla_jf_dump_to={0} --xla_jf_dump_llo_text=true "
          "--xla_mosaic_enable_llo_source_annotations=true")
 # Calls of the kernel object (`k.`) and a layer (`c.`) that move data rather than compute.
@@ -166,10 +168,14 @@ class Row:
     bound: str = ""
     busiest: float = 0.0                 # the bound's share of its capacity
     run_time_loops: int = 0
+    # Of `cycles`, those in counted loops that wait for a copy each iteration (a ring tile):
+    # the step-time model charges them per read, `reads` of them a call.
+    read_cycles: float = 0.0
+    reads: int = 0
     hottest: dict = field(default_factory=dict)   # first/last address, trips, bundles
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.Loop | None,
@@ -290,9 +296,13 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
         for i in range(loop.first, loop.last + 1):
             enclosing[i].append(loop)
     cap = llo.slot_capacity(bundles)
+    waiting = {lp for lp in body if any(ins.mnemonic == "dma.done.wait"
+                                        for b in bundles[lp.first:lp.last + 1]
+                                        for ins in b.instructions)}
     out: dict[Label, Row] = {}
     touched: dict[Label, float] = defaultdict(float)
     hottest: dict[Label, llo.Loop] = {}
+    read_loops: dict[Label, set[llo.Loop]] = defaultdict(set)
     for i, (b, sh) in enumerate(zip(bundles, shares)):
         base = _depth(layer_loop, layer_loop is not None and i in layer_loop)
         inner = [lp for lp in enclosing[i] if lp.depth > base]
@@ -310,6 +320,9 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
                 row.per_iteration += share * times
             else:
                 row.cycles += share * times
+                if inner and inner[0] in waiting:
+                    row.read_cycles += share * times
+                    read_loops[lab].add(inner[0])
             if lab in mine:
                 touched[lab] += times
             if inner:
@@ -320,6 +333,7 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
             row = out[lab]
             row.slots[ins.slot] = row.slots.get(ins.slot, 0.0) + times
     for lab, row in out.items():
+        row.reads = sum(lp.trips or 0 for lp in read_loops[lab])
         use = {k: v / (touched[lab] * cap[k]) for k, v in row.slots.items() if touched[lab]}
         if use:
             k = max(use, key=use.get)
@@ -331,7 +345,7 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
         first, last = (lp.first, lp.last) if lp else _longest_run(shares, lab)
         row.hottest = {"first": bundles[first].address, "last": bundles[last].address,
                        "trips": lp.trips if lp else 1, "depth": bundles[first].depth,
-                       "bundles": [" ;; ".join(ins.text for _, ins in owners[j])
+                       "bundles": [" ;; ".join(ins.text for _, ins in owners[j])[:HOTTEST_TEXT]
                                    for j in range(first, min(last + 1, first + HOTTEST_BUNDLES))]}
     return sorted(out.values(), key=lambda r: -(r.cycles + r.per_iteration))
 
@@ -361,8 +375,7 @@ def cache_key(source: str, kernel: str, batch: int, libtpu: str) -> str:
     for part in (source, kernel, str(batch), libtpu):
         h.update(part.encode() + b"\0")
     package = Path(__file__).resolve().parent.parent
-    code = sorted((package / "runtime").glob("*.py")) + [Path(__file__).resolve(),
-                                                          Path(llo.__file__).resolve()]
+    code = sorted((package / "runtime").glob("*.py"))
     for family in sorted(set(re.findall(r"mkc\.families\.(\w+)", source))):
         code += [package / "families" / family / f for f in ("lowering.py", "ops.py")]
     for f in code:
@@ -444,9 +457,9 @@ def save(entry: dict, directory: Path | None = None) -> Path:
         entries = json.loads(path.read_text())["measures"]
     except (OSError, ValueError, KeyError, TypeError):
         entries = []
-    same = (entry["kernel"], entry["batch"])
-    entries = [e for e in entries if isinstance(e, dict) and (e.get("kernel"), e.get("batch")) != same]
-    entries = sorted(entries + [entry], key=lambda e: (e["kernel"], e["batch"]))
+    # one per key; a spec's variants (formats, geometry) share its name and file, newest kept
+    entries = [e for e in entries if isinstance(e, dict) and e.get("key") != entry["key"]]
+    entries = sorted((entries + [entry])[-KEEP:], key=lambda e: (e["kernel"], e["batch"], e["key"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps({"measures": entries}, indent=1, sort_keys=True) + "\n")
     return path

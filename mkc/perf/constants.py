@@ -48,6 +48,17 @@ class Rates:
     provenance: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
+    def clock_hz(self) -> float:
+        """The clock JAX's chip table implies, for the compiled price (`mkc.perf.bundles`: a
+        bundle issues a cycle): peak bf16 ops/s over 2 ops per multiply-add of each of its
+        MXUs' column x column cells a cycle."""
+        return self.mxu_ops_per_s["bf16"] / (2 * self.num_mxus * self.mxu_column ** 2)
+
+    @property
+    def cycle_s(self) -> float:
+        return 1.0 / self.clock_hz
+
+    @property
     def hbm_stream_bytes_per_s(self) -> float:
         return self.hbm_bytes_per_s * self.hbm_efficiency
 
@@ -143,6 +154,31 @@ def rates(chip: str, overrides: dict | None = None) -> Rates:
                  num_mxus=int(info.num_mxus), provenance=prov,
                  **{f.name: consts[f.name] for f in dataclasses.fields(Rates)
                     if f.name in consts})
+
+
+def compiled_rates(chip: str, overrides: dict | None = None) -> Rates:
+    """The rates of the compiled price (`mkc.perf.bundles`): compute is the cycles libtpu
+    scheduled at the clock JAX's table implies (`Rates.clock_hz`); its one fitted constant is
+    the level of the fixed latencies (`latency_scale`, within 2x of their stated values,
+    `compiled_calibration`), and no MXU feed rate is fitted (the compiled cycles hold it)."""
+    cal = compiled_calibration(chip)
+    fit = {"latency_scale": cal.get("values", {}).get("latency_scale", 1.0), "mxu_feed_scale": 1.0}
+    r = rates(chip, fit | (overrides or {}))
+    source = (f"fitted for the compiled price by {cal['command']} (within "
+              f"{cal['bounds'][0]:g}-{cal['bounds'][1]:g}x of the stated latencies)" if cal else
+              "1: the stated latencies (the compiled price is not calibrated on this chip)")
+    return r.replace(provenance=r.provenance | {
+        "latency_scale": source,
+        "mxu_feed_scale": "unused by the compiled price: the compiled cycles hold the MXU feed"})
+
+
+def compiled_calibration(chip: str) -> dict:
+    """The compiled price's fit (benchmarks/calibrate_perf.py --compiled), or {}."""
+    data = load_data(chip)
+    if "compiled_calibration" in data:
+        return data["compiled_calibration"]
+    base = data.get("carried_from")
+    return load_data(base).get("compiled_calibration", {}) if base else {}
 
 
 def calibration(chip: str) -> dict:

@@ -55,18 +55,30 @@ def expert_mix(s: ir.ScheduleIR, batch: int) -> list[tuple[int, float]]:
     return [(lo, 1.0 - w), (lo + 1, w)]
 
 
+def compiled_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
+                     compile_missing: bool = False) -> dict:
+    """The `mkc.perf.bundles` measure of the kernel at `batch` rows (a verify kernel for
+    `sequences`): cached, or compiled now with `compile_missing`; else BundleError."""
+    from mkc.perf import bundles
+    kernel = "verify" if sequences else "decode"
+    return bundles.bundle_report(s, kernel, sequences or batch, compile_missing=compile_missing)
+
+
 def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates | None = None,
                events: list | None = None, keep_timeline: bool = True,
-               traces: dict | None = None, sequences: int | None = None) -> Result:
+               traces: dict | None = None, sequences: int | None = None,
+               compiled: dict | None = None) -> Result:
     """The modelled step at `batch` rows (as fewer `sequences`: a verify step) with `tokens`
     cached. With `events`, that trace simulated
     once. Otherwise the expectation over routing: the steps of `expert_mix` simulated and
     weighed (`sim.blend`; a picture shows the nearer one, `Result.concrete()`). `traces`, if
-    given, caches the traces built, by (batch, tokens, experts per layer)."""
-    rates = rates or constants.rates(s.chip)
+    given, caches the traces built, by (batch, tokens, experts per layer). With `compiled` (a
+    `compiled_measure`), work is priced by the cycles libtpu scheduled (`sim.Model.compiled`)
+    at `constants.compiled_rates` unless `rates` are given."""
+    rates = rates or (constants.compiled_rates(s.chip) if compiled else constants.rates(s.chip))
     work = kernel_work(s, batch, batch // sequences if sequences else None)
     if events is not None:
-        return simulate(Model(s, batch, tokens, rates, work=work), events,
+        return simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled), events,
                         keep_timeline=keep_timeline)
     mix = expert_mix(s, batch)
     parts = []
@@ -77,7 +89,8 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
             ev = perf_trace(s, batch, tokens, experts=n or None, sequences=sequences)
             if traces is not None:
                 traces[key] = ev
-        res = simulate(Model(s, batch, tokens, rates, work=work), ev, keep_timeline=keep_timeline)
+        res = simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled), ev,
+                       keep_timeline=keep_timeline)
         res.experts = n if n else None
         parts.append((n, w, res))
     if len(parts) == 1:
@@ -127,6 +140,29 @@ def _holdouts(cal: dict) -> str:
     return out
 
 
+def compiled_calibration_note(chip: str) -> str:
+    clock = constants.rates(chip).clock_hz
+    cal = constants.compiled_calibration(chip)
+    if not cal:
+        return (f"uncalibrated compiled price on {chip}: cycles at {clock / 1e9:.3f} GHz (JAX's "
+                "table), fixed latencies at their stated values (benchmarks/calibrate_perf.py "
+                "--compiled fits their level)")
+    (name, value), = cal["values"].items()
+    pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "
+                    f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
+                    for p in cal["points"])
+    held = "; ".join(f"B{p['batch']} predicted from B{', B'.join(map(str, p['fitted_on']))} "
+                     f"{p['error_percent']:+.1f}%" for p in cal.get("leave_one_out", []))
+    if h := cal.get("speculative_holdout"):
+        held += (f"; never fitted: the speculative step of {h['rows']} rows "
+                 f"{h['modelled_step_s'] * 1e3:.2f} ms, ~{h['published_step_s'] * 1e3:.1f} "
+                 f"published ({h['error_percent']:+.1f}%)")
+    return (f"compiled price calibrated: cycles at {clock / 1e9:.3f} GHz (JAX's table), one "
+            f"fitted constant, {name} {value:.3g} (bounds {cal['bounds'][0]:g}-"
+            f"{cal['bounds'][1]:g}{', at its bound' if cal.get('at_bound') else ''}), fitted to "
+            f"{cal['reference']} ({pts}); hold-outs: {held}; mkc/perf/data/{chip}.json")
+
+
 def calibration_caveat(chip: str) -> str:
     """One line on how far to trust the constants, for every picture and trace of a step
     (`calibration_note` is the whole story)."""
@@ -148,7 +184,8 @@ def calibration_caveat(chip: str) -> str:
 
 
 def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
-        verify_rows: int | None = None, acceptance: float | None = None) -> dict[str, Any]:
+        verify_rows: int | None = None, acceptance: float | None = None,
+        compiled: bool = False) -> dict[str, Any]:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
     (default: the spec's context), as a JSON-ready dict. With `verify_rows` R, its verify step
     of R rows for each of `batch` sequences (default: the spec's fewest), whose tokens per
@@ -159,8 +196,18 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         batch = sequences * verify_rows
     batch = batch or s.batch_max
     tokens = s.context if tokens is None else tokens
-    rates = constants.rates(s.chip)
-    res = step_model(s, batch, tokens, rates, keep_timeline=False, sequences=sequences)
+    measure = None
+    if compiled:
+        from mkc.perf import bundles
+        if verify_rows and verify_rows != s.verify_rows:
+            raise bundles.BundleError(f"the module builds its verify kernel at {s.verify_rows} "
+                                      f"rows a sequence, not {verify_rows}: pass --verify "
+                                      f"{s.verify_rows} to price it as compiled")
+        measure = bundles.bundle_report(s, "verify" if sequences else "decode",
+                                        sequences or batch)
+    rates = constants.compiled_rates(s.chip) if compiled else constants.rates(s.chip)
+    res = step_model(s, batch, tokens, rates, keep_timeline=False, sequences=sequences,
+                     compiled=measure)
     bw = target.chip(s.chip).hbm_bytes_per_s
     floor = cost.step_floor_seconds(s, bw, batch, tokens, sequences)
     emitted = batch if not verify_rows else sequences * (acceptance or verify_rows)
@@ -172,7 +219,12 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         slowest_floor += routed * (expected_experts(s, batch) / mean - 1) / bw
     return {
         "modelled": True,
-        "calibration": calibration_note(s.chip),
+        "priced_by": (f"compiled: the cycles libtpu {measure['libtpu']} scheduled for the "
+                      f"{measure['kernel']} kernel at {measure['batch']} "
+                      f"{'sequences' if sequences else 'rows'} (mkc.perf.bundles), at a "
+                      f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
+                      "counted: the traced kernel's work at the chip's rates (mkc.perf.work)"),
+        "calibration": compiled_calibration_note(s.chip) if measure else calibration_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
         "verify": ({"rows": verify_rows, "sequences": sequences, "acceptance": acceptance or verify_rows}
@@ -194,7 +246,7 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         "stalls": [{"buffer": st.buffer, "file": st.file, "line": st.line, "kind": st.kind,
                     "seconds": st.seconds, "count": st.count, "first_at": st.where}
                    for st in res.stalls],
-        "op_costs": op_costs(res, batch),
+        "op_costs": op_costs(res, batch, measure),
         "hbm_bytes": res.hbm_bytes, "copies": res.copies,
         "hbm_busy_fraction": res.hbm_busy_s / res.step_s,
         "constants": {k: {"value": getattr(rates, k), "source": rates.provenance.get(k, "")}
@@ -203,11 +255,13 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
     }
 
 
-def op_costs(res: Result, batch: int) -> list[dict[str, Any]]:
+def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[str, Any]]:
     """One entry per op and layer kind, costliest first: its work as counted from the emitted
     kernel (per call: per batch row for vector work, matrix values as loaded into the MXU),
-    where that count came from, and its modelled compute over the step."""
+    where its price came from (with `measure`, the compiled kernel's row, or why it was
+    counted), and its modelled compute over the step."""
     work = res.work
+    rows = {r["key"] for r in (measure or {}).get("rows", [])}
     out = []
     for (kind, op), c in res.op_costs.items():
         if not c.calls:
@@ -216,6 +270,10 @@ def op_costs(res: Result, batch: int) -> list[dict[str, Any]]:
         source = work.source_of(kind, op)
         if ow.dynamic_loop:
             source += " (a loop of run-time length inside it counted once per call)"
+        if measure is not None:
+            source = (f"compiled: row {kind}.{op} of libtpu {measure['libtpu']}'s LLO of the "
+                      f"{measure['kernel']} kernel ({source})" if f"{kind}.{op}" in rows else
+                      f"counted: the compiled kernel has no row {kind}.{op} ({source})")
         out.append({
             "op": op, "layer_kind": kind, "calls": c.calls, "source": source,
             "vector_ops_per_row": c.vector / (c.calls * batch),
@@ -254,6 +312,7 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
         f"{rep['percent_of_peak_bandwidth']:.1f}% of peak bandwidth; "
         f"HBM busy {100 * rep['hbm_busy_fraction']:.0f}% of the step, {rep['copies']} HBM copies",
         f"  {HBM_PERCENTAGES}",
+        f"  priced by {rep['priced_by']}",
         f"  {rep['calibration']}",
         "modelled time by layer kind and cause (ms):",
         f"  {'kind':<10}" + "".join(f"{c:>19}" for c in CAUSES) + f"{'total':>10}",

@@ -314,11 +314,32 @@ class Model:
     rank: int = 0
     work: KernelWork | None = None
     verify_rows: int | None = None
+    # A `mkc.perf.bundles` measure of this kernel: ops, copies and collectives priced by the
+    # cycles libtpu scheduled for them (ops it lacks are counted, and listed in `counted_ops`).
+    compiled: dict | None = None
 
     def __post_init__(self) -> None:
         if self.work is None:
             self.work = kernel_work(self.s, self.batch, self.verify_rows)
         self._prices: dict[tuple[str, str], tuple[float, Work, float, Work, float]] = {}
+        self.counted_ops: set[tuple[str, str]] = set()
+        self.rows = {r["key"]: r for r in (self.compiled or {}).get("rows", [])}
+        self.collective_cycles: dict[tuple[str, int], float] = defaultdict(float)
+        self.layer_cycles: dict[str, float] = defaultdict(float)     # per layer, not in an op
+        self.step_cycles = 0.0                                       # per step, not in an op
+        for r in self.rows.values():
+            cycles = r["cycles"] + r["per_iteration"]
+            if r["group"] == "collective":
+                self.collective_cycles[r["kind"], r["spec_line"]] += cycles
+            elif r["group"] == "op":
+                continue
+            elif r["name"] == "layer loop":
+                for kind in set(self.s.layer_kinds):
+                    self.layer_cycles[kind] += cycles
+            elif r["kind"]:
+                self.layer_cycles[r["kind"]] += cycles
+            else:
+                self.step_cycles += cycles
         dims = tuple(int(x) for x in self.s.topology.split("=")[1].split("x"))
         self.grid = dims
         self.cores_per_host = target.topology(self.s.chip, dims).cores_per_host
@@ -337,9 +358,22 @@ class Model:
 
     def op_prices(self, kind: str, op: str) -> tuple[float, Work, float, Work, float]:
         """(seconds where the op begins (with its fixed overhead), work per weight value,
-        seconds per weight value, work per KV tile, seconds per KV tile)."""
+        seconds per weight value, work per KV tile, seconds per KV tile). Compiled: the op's
+        cycles outside its read loops where it begins, one iteration of its copy-waiting loop
+        per weight read (`per_read`) and of its run-time loop per KV tile; the Work figures are
+        then empty."""
         got = self._prices.get((kind, op))
+        row = self.rows.get(f"{kind}.{op}")
+        if got is None and row is not None:
+            c = self.rates.cycle_s
+            per_read = (row["read_cycles"] / row["reads"] if row["reads"]
+                        else row["per_iteration"])
+            got = ((row["cycles"] - row["read_cycles"]) * c, Work(), per_read * c, Work(),
+                   row["per_iteration"] * c)
+            self._prices[kind, op] = got
         if got is None:
+            if self.compiled is not None:
+                self.counted_ops.add((kind, op))
             ow: OpWork = self.work.op(kind, op)
             per_value = ow.per_weight_value()
             got = (self.rates.latency("op_overhead_s") + self.seconds(ow.at_op), per_value,
@@ -368,12 +402,17 @@ class Model:
             t = max(t, hops * r.latency("ici_hop_s") + len(far) * nbytes / bw)
         return r.latency("collective_round_s") + t
 
-    def collective_seconds(self, rounds: tuple[Round, ...]) -> float:
-        """A collective's rounds, one after another: each round's sends, then its sums."""
+    def collective_seconds(self, rounds: tuple[Round, ...], kind: str = "", line: int = 0
+                           ) -> float:
+        """A collective's rounds, one after another: each round's sends, then its sums (as
+        compiled: the cycles of the collective's spec line in `kind`'s layers)."""
         total = 0.0
         for rd in rounds:
             total += self.stage_seconds(rd.size, rd.stride, rd.nbytes)
-            total += rd.sums / self.rates.vpu_ops_per_s
+            if self.compiled is None:
+                total += rd.sums / self.rates.vpu_ops_per_s
+        if self.compiled is not None:
+            total += self.collective_cycles.get((kind, line), 0.0) * self.rates.cycle_s
         return total
 
 
@@ -414,9 +453,11 @@ class _Replay:
         self.op_costs: dict[tuple[str, str], OpCost] = {}
         self.current = OpCost("", "")
         self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = Work(), 0.0, Work(), 0.0
+        self.compiled_op = False
         self.kv_bufs: dict[str, int] = defaultdict(int)      # layer kind -> its KV caches
         for b in m.kv_buffers.values():
             self.kv_bufs[b.scope[0]] += 1
+        self.compute(m.step_cycles * r.cycle_s)              # the entry barrier, first copies
 
     def _in_tail(self) -> bool:
         return self.kind in ("prologue", "epilogue")
@@ -486,8 +527,10 @@ class _Replay:
                          for name, n in e.tag.weights(self.kind, e.nbytes))
             if values:
                 self.current.weight_values += values
-                self.current.charge(self.per_value, values, values * self.per_value_s)
-                self.compute(values * self.per_value_s)
+                # compiled: a read is one iteration of the op's loop, whatever its size
+                dt = self.per_value_s if self.compiled_op else values * self.per_value_s
+                self.current.charge(self.per_value, values, dt)
+                self.compute(dt)
         elif cost is ReadCost.KV_TILE and self.kv_tile_s:
             share = 1.0 / self.kv_bufs[self.kind]    # the tile's work, over its caches' reads
             self.current.kv_tiles += share
@@ -498,6 +541,7 @@ class _Replay:
         k, name = e.tag.kind, e.tag.op
         at_op_s, self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = \
             self.m.op_prices(k, name)
+        self.compiled_op = f"{k}.{name}" in self.m.rows
         current = self.op_costs.get((k, name))
         if current is None:
             current = self.op_costs[k, name] = OpCost(k, name)
@@ -508,7 +552,8 @@ class _Replay:
         self.compute(at_op_s)
 
     def run_collective(self, e: Event) -> None:
-        dt = self.m.collective_seconds(e.tag.rounds(self.m.batch, self.m.s.cores_per_chip))
+        dt = self.m.collective_seconds(e.tag.rounds(self.m.batch, self.m.s.cores_per_chip),
+                                       self.kind, e.span.line)
         if self.keep_timeline:
             self.timeline.append(Interval("collective", str(e.tag), self.t, self.t + dt,
                                           self.layer, self.kind, line=e.span.line))
@@ -517,6 +562,7 @@ class _Replay:
 
     def begin_layer(self, e: Event) -> None:
         self._enter(e.tag.kind, e.tag.layer)
+        self.compute(self.m.layer_cycles.get(e.tag.kind, 0.0) * self.m.rates.cycle_s)
 
     def begin_epilogue(self, e: Event) -> None:
         self._enter("epilogue", -1)

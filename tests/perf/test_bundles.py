@@ -117,11 +117,21 @@ def test_the_compiled_kernel_is_reported_per_op_and_grows_with_an_op_s_work():
                              "    h = lower.post_norm(c); h = jnp.tanh(jnp.tanh(jnp.tanh(h)))\n"
                              "    act = lower.gate_up(c, h)", 1)
     assert heavier != source
-    grown = {r["key"]: r for r in bundles.measure(s, "decode", 1, source=heavier)["rows"]}
+    heavier_entry = bundles.measure(s, "decode", 1, source=heavier)
+    grown = {r["key"]: r for r in heavier_entry["rows"]}
     assert grown["gdn.post_norm"]["slots"].get(llo.EUP, 0) >= \
         rows["gdn.post_norm"]["slots"].get(llo.EUP, 0) + 3 * 5    # 3 tanh of 5 dense registers
     assert grown["gdn.post_norm"]["cycles"] > rows["gdn.post_norm"]["cycles"] + 20
     assert grown["gqa.post_norm"]["cycles"] == pytest.approx(rows["gqa.post_norm"]["cycles"], rel=0.2)
+    # and the compiled price of the step grows by about those cycles, 48 gdn layers of them
+    from mkc.perf import constants
+    from mkc.perf.run import step_model
+    rates = constants.compiled_rates(s.chip)
+    before, after = (step_model(s, 1, s.context, keep_timeline=False, compiled=e).op_costs
+                     for e in (entry, heavier_entry))
+    added = 48 * (grown["gdn.post_norm"]["cycles"] - rows["gdn.post_norm"]["cycles"])
+    assert after["gdn", "post_norm"].seconds - before["gdn", "post_norm"].seconds == \
+        pytest.approx(added * rates.cycle_s, rel=1e-6)
 
 
 def _tiles(source: str, matrix: str) -> int:

@@ -272,3 +272,35 @@ def test_sibling_exchange_is_cheaper_than_a_cross_chip_round(qwen_ir):
     assert cross == pytest.approx(r.latency("collective_round_s") + r.latency("ici_hop_s")
                                   + nbytes / r.ici_link_bytes_per_s)
     assert sibling < cross
+
+
+def _measure(rows: list[dict]) -> dict:
+    """A `mkc.perf.bundles` measure of a kernel with these rows (only what the model reads)."""
+    base = {"bundles": 0.0, "cycles": 0.0, "per_iteration": 0.0, "read_cycles": 0.0, "reads": 0,
+            "spec_line": 0, "group": "op"}
+    return {"rows": [base | r for r in rows], "libtpu": "test", "kernel": "decode", "batch": 1}
+
+
+def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
+    """An op's cycles outside its copy-waiting loop where it begins, one loop iteration per
+    weight read whatever its size, the layer's copies at the layer's start, the kernel's own
+    statements at the step's: all at the clock; an op the compiled kernel lacks is counted."""
+    rates = _rates()
+    c = rates.cycle_s
+    tr = _Trace()
+    for size in (4096, 1 << 20, 64):
+        tr.compute(size)
+    measure = _measure([
+        {"key": "gdn.matmul", "kind": "gdn", "name": "matmul", "cycles": 1000 + 3 * 250,
+         "read_cycles": 3 * 250, "reads": 3},
+        {"key": "gdn: copies", "group": "copies", "kind": "gdn", "name": "copies", "cycles": 40},
+        {"key": "entry barrier", "group": "kernel", "kind": "", "name": "entry barrier",
+         "cycles": 100}])
+    m = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=measure)
+    res = simulate(m, tr.events)
+    assert res.step_s == pytest.approx((100 + 40 + 1000 + 3 * 250) * c, rel=1e-9)
+    assert res.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 750) * c, rel=1e-9)
+    assert not m.counted_ops
+    counted = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=_measure([]))
+    simulate(counted, tr.events)
+    assert counted.counted_ops == {("gdn", "matmul")}
