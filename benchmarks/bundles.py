@@ -22,6 +22,25 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 COMMAND = ".venv/bin/python benchmarks/bundles.py"
 
 
+# K3's routed experts in each format libtpu's pack-group probe compares
+# (benchmarks/format_probe.py --bundles): the model's ratio of their prices must follow it.
+K3_FORMATS = {"mxfp4": ("mxfp4", "mxfp4"), "fp8": ("fp8", "fp8"),
+              "fp8 block": ("fp8 block 512", "fp8 block 128")}
+CALIBRATION = ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched"
+
+
+def k3_format_text(fmt: str) -> str:
+    """The shipped K3 spec with both expert classes in `fmt` (a K3_FORMATS key)."""
+    gate_up, down = K3_FORMATS[fmt]
+    text = (ROOT / "schedules" / "kimi_k3.sched").read_text()
+    for cls, was, now in (("gate_up", "fp4 block 512 rounded", gate_up),
+                          ("down", "fp4 block 128 rounded", down)):
+        old = f"format expert.{cls} {was}"
+        assert old in text, f"kimi_k3.sched no longer says {old!r}"
+        text = text.replace(old, f"format expert.{cls} {now}")
+    return text
+
+
 def kernels(s) -> list[tuple[str, int]]:
     out = [("decode", b) for b in sorted({1, s.batch_max})]
     if s.verify_rows:
@@ -29,30 +48,42 @@ def kernels(s) -> list[tuple[str, int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def points():
+    """(name, checked IR, kernel, rows or sequences) of every measure shipped."""
     from mkc import compiler
+    out = []
+    for spec in [*sorted((ROOT / "schedules").glob("*.sched")), CALIBRATION]:
+        s = compiler.check_spec(str(spec)).ir
+        name = spec.stem if spec != CALIBRATION else "calibration kimi_k3"
+        out += [(name, s, kernel, batch) for kernel, batch in kernels(s)]
+    for fmt in K3_FORMATS:
+        s = compiler.check_source(k3_format_text(fmt), str(ROOT / "schedules" / "kimi_k3.sched")).ir
+        out.append((f"kimi_k3 experts {fmt}", s, "decode", 8))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     from mkc.perf import bundles
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="", help="specs whose name contains this")
     ap.add_argument("--check", action="store_true", help="list stale or missing entries")
     args = ap.parse_args(argv)
     stale = 0
-    for spec in sorted((ROOT / "schedules").glob("*.sched")):
-        if args.only not in spec.stem:
+    for name, s, kernel, batch in points():
+        if args.only not in name:
             continue
-        s = compiler.check_spec(str(spec)).ir
-        for kernel, batch in kernels(s):
-            have = bundles.cached(s, kernel, batch)
-            if args.check or have is not None:
-                stale += have is None
-                print(f"{spec.stem} {kernel} {batch}: {'fresh' if have else 'stale or missing'}")
-                continue
-            t0 = time.perf_counter()
-            entry = bundles.measure(s, kernel, batch)
-            bundles.save(entry, bundles.DATA)
-            top = max(entry["rows"], key=lambda r: bundles.per_step(entry, r))
-            print(f"{spec.stem} {kernel} {batch}: {entry['bundles']} bundles, costliest row "
-                  f"{top['key']} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if args.check:
+            have = bundles.cached(s, kernel, batch, places=(bundles.DATA,))
+            stale += have is None
+            print(f"{name} {kernel} {batch}: {'fresh' if have else 'stale or missing'}")
+            continue
+        have = bundles.cached(s, kernel, batch)
+        t0 = time.perf_counter()
+        entry = have or bundles.measure(s, kernel, batch)      # the user's cache, if it has it
+        bundles.save(entry, bundles.DATA)
+        top = max(entry["rows"], key=lambda r: bundles.per_step(entry, r))
+        print(f"{name} {kernel} {batch}: {entry['bundles']} bundles, costliest row "
+              f"{top['key']} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return 1 if args.check and stale else 0
 
 

@@ -38,7 +38,7 @@ from mkc import ir
 from mkc.perf import llo
 
 DATA = Path(__file__).parent / "data" / "bundles"
-SCHEMA = 2                    # what a measure holds: raise it when the reading of the LLO changes
+SCHEMA = 3                    # what a measure holds: raise it when the reading of the LLO changes
 HOTTEST_BUNDLES = 12          # bundles of an op's hottest region kept for the report
 HOTTEST_TEXT = 240            # characters of each
 KEEP = 12                     # measures kept per spec name
@@ -179,7 +179,8 @@ class Row:
 
 
 def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.Loop | None,
-           kinds: dict[str, int] | None = None) -> list[list[tuple[Label, llo.Instruction]]]:
+           kinds: dict[str, int] | None = None, run_time_ops: set[str] | None = None
+           ) -> list[list[tuple[Label, llo.Instruction]]]:
     """Each bundle's instructions with the row each is charged to.
 
     A location is trusted only where it agrees with program order. libtpu keeps the location
@@ -231,7 +232,38 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
         owners.append(mine)
     first = next((lab for mine in owners for lab, _ in mine if lab is not None),
                  Label("kernel", "", "unlocated"))
-    return [[(lab or first, ins) for lab, ins in mine] for mine in owners]
+    owners = [[(lab or first, ins) for lab, ins in mine] for mine in owners]
+    _own_run_time_loops(bundles, owners, labels, layer_loop, run_time_ops or set())
+    return owners
+
+
+def _own_run_time_loops(bundles: list[llo.Bundle], owners: list, labels: dict[int, Label],
+                        layer_loop: llo.Loop | None, run_time_ops: set[str]) -> None:
+    """A loop decided at run time (routed experts, KV tiles) is one op's: the first op with
+    such a loop (`run_time_ops`, from the traced kernel) at or after the op that runs before
+    it, in that op's layer kind. Its few located instructions do not say so (most are merged
+    with other ops' or unlocated), so the whole loop is charged to that op."""
+    if not run_time_ops:
+        return
+    line_of = {}
+    for line, lab in sorted(labels.items()):
+        line_of.setdefault(lab, line)
+    for lp in llo.loops(bundles):
+        base = layer_loop.depth if layer_loop is not None and lp.first in layer_loop else 0
+        if lp.trips is not None or lp.depth != base + 1:
+            continue
+        before = next((lab for i in range(lp.first - 1, -1, -1) for lab, _ in owners[i][::-1]
+                       if lab.group == "op"), None)
+        if before is None:
+            continue
+        after = [lab for lab, line in line_of.items() if lab.group == "op"
+                 and lab.kind == before.kind and lab.key in run_time_ops
+                 and line >= line_of[before]]
+        if not after:
+            continue
+        owner = min(after, key=line_of.get)
+        for i in range(lp.first, lp.last + 1):
+            owners[i] = [(owner, ins) for _, ins in owners[i]]
 
 
 def _non_decreasing(seq: list[tuple[int, int, list]]) -> list[tuple[int, int, tuple]]:
@@ -284,12 +316,14 @@ def _shares(owners: list[list[tuple[Label, llo.Instruction]]]) -> list[dict[Labe
 
 
 def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
-         kinds: dict[str, int] | None = None) -> list[Row]:
+         kinds: dict[str, int] | None = None, run_time_ops: set[str] | None = None
+         ) -> list[Row]:
     """The kernel's rows, costliest per call first (`layers`: the trips of the layer loop;
-    `kinds`: the order its body runs the kinds in, `kind_order`)."""
+    `kinds`: the order its body runs the kinds in, `kind_order`; `run_time_ops`: the ops with
+    a loop decided at run time, "kind.op")."""
     body = llo.loops(bundles)
     layer_loop = find_layer_loop(bundles, body, layers)
-    owners = charge(bundles, labels, layer_loop, kinds)
+    owners = charge(bundles, labels, layer_loop, kinds, run_time_ops)
     shares = _shares(owners)
     enclosing: list[list[llo.Loop]] = [[] for _ in bundles]
     for loop in body:
@@ -416,7 +450,10 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
         text = dumped.read_text(errors="replace")
     parsed = llo.parse(text, module.name)
     layers = len(s.layer_kinds)
-    found = rows(parsed, line_labels(source), layers, kind_order(source))
+    from mkc.perf.work import kernel_work
+    traced = kernel_work(s, s.verify_rows * batch if verify_rows else batch, verify_rows)
+    run_time = {f"{k}.{o}" for (k, o), w in traced.ops.items() if w.dynamic_loop}
+    found = rows(parsed, line_labels(source), layers, kind_order(source), run_time)
     calls = layer_calls(s)
     lib = libtpu_version()
     return {"schema": SCHEMA, "key": cache_key(source, kernel, batch, lib), "spec": s.name,
@@ -432,13 +469,15 @@ def user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mkc" / "bundles"
 
 
-def cached(s: ir.ScheduleIR, kernel: str, batch: int, source: str | None = None) -> dict | None:
+def cached(s: ir.ScheduleIR, kernel: str, batch: int, source: str | None = None,
+           places: tuple[Path, ...] | None = None) -> dict | None:
     """A measure of this exact module, kernel, rows and libtpu, from the shipped data or the
-    user's cache."""
+    user's cache (or `places`)."""
     from mkc.codegen.emit import render
     source = source if source is not None else render(s, "")
     key = cache_key(source, kernel, batch, libtpu_version())
-    for path in (DATA / f"{s.name}.json", user_cache() / f"{s.name}.json"):
+    for place in places or (DATA, user_cache()):
+        path = place / f"{s.name}.json"
         try:
             entries = json.loads(path.read_text())["measures"]
         except (OSError, ValueError, KeyError, TypeError):

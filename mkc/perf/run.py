@@ -331,11 +331,19 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     lines.append("  weight streaming: compute with HBM copies in flight under it; exposed compute: "
                  "compute with HBM idle; stalls: waits that blocked compute")
     if rep.get("op_costs"):
-        lines.append("costliest ops (modelled compute over the step, counted from the emitted kernel):")
-        for e in rep["op_costs"][:3]:
-            lines.append(f"  {ms(e['seconds'])} ms  {e['layer_kind']}.{e['op']:<18} "
-                         f"{e['vector_ops_per_row']:12.0f} vector ops/row, "
-                         f"{e['matrix_values']:12.0f} MXU values a call  ({e['source']})")
+        if rep["priced_by"].startswith("compiled"):
+            lines.append("costliest ops (modelled compute over the step, priced by the cycles "
+                         "libtpu scheduled; `mkc perf --bundles --op KIND.OP` shows why):")
+            for e in rep["op_costs"][:3]:
+                lines.append(f"  {ms(e['seconds'])} ms  {e['layer_kind']}.{e['op']:<18} "
+                             f"{e['calls']:5.0f} calls  ({e['source']})")
+        else:
+            lines.append("costliest ops (modelled compute over the step, counted from the "
+                         "emitted kernel):")
+            for e in rep["op_costs"][:3]:
+                lines.append(f"  {ms(e['seconds'])} ms  {e['layer_kind']}.{e['op']:<18} "
+                             f"{e['vector_ops_per_row']:12.0f} vector ops/row, "
+                             f"{e['matrix_values']:12.0f} MXU values a call  ({e['source']})")
     if rep["stalls"]:
         lines.append("largest stalls (modelled; waits that blocked compute):")
         for st in rep["stalls"][:top_stalls]:

@@ -108,3 +108,58 @@ def test_perf_plot_with_a_suffix_mkc_does_not_draw_is_a_diagnostic(tmp_path, cap
     assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--plot", str(out)]) == 1
     assert "mkc draws .png, .svg, .pdf files" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def _seed_bundles(tmp_path, monkeypatch, rows: list[dict]) -> None:
+    """A bundle measure of qwen3_8_27b's decode kernel at batch 1, in a private user cache, as
+    `mkc perf --bundles` would have written it (so no compile runs)."""
+    from mkc.codegen.emit import render
+    from mkc.compiler import check_spec
+    from mkc.perf import bundles
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(bundles, "DATA", tmp_path / "none")
+    s = check_spec(SPEC).ir
+    key = bundles.cache_key(render(s, ""), "decode", 1, bundles.libtpu_version())
+    row = {"bundles": 10.0, "cycles": 100.0, "per_iteration": 0.0, "read_cycles": 0.0, "reads": 0,
+           "spec_line": 0, "group": "op", "slots": {"vpu": 12.0}, "bound": "dependencies",
+           "busiest": 0.1, "run_time_loops": 0,
+           "hottest": {"first": 16, "last": 17, "trips": 1, "depth": 1, "bundles": ["vadd.f32"]}}
+    bundles.save({"schema": bundles.SCHEMA, "key": key, "spec": s.name, "chip": s.chip,
+                  "topology": s.topology, "kernel": "decode", "batch": 1, "verify_rows": None,
+                  "libtpu": bundles.libtpu_version(), "bundles": 20, "slot_capacity": {},
+                  "layer_loop": True, "calls": bundles.layer_calls(s), "compile_seconds": 0.0,
+                  "rows": [row | r for r in rows]})
+
+
+def test_bundle_report_reads_the_cache_and_names_rows(tmp_path, monkeypatch, capsys):
+    _seed_bundles(tmp_path, monkeypatch, [
+        {"key": "gdn.in_proj", "kind": "gdn", "name": "in_proj", "cycles": 8000.0},
+        {"key": "gqa.attention", "kind": "gqa", "name": "attention", "per_iteration": 50.0}])
+    assert main(["perf", str(SPEC), "--bundles", "--batch", "1", "--op", "gdn.in_proj"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith("gdn.in_proj "))
+    assert row[:4] == ["gdn.in_proj", "48", "8,000", "0"] and "hottest region" in out
+    assert main(["perf", str(SPEC), "--bundles", "--batch", "1", "--op", "gdn.inproj"]) == 1
+    err = capsys.readouterr()
+    assert "did you mean 'gdn.in_proj'" in err.out + err.err
+    assert main(["perf", str(SPEC), "--op", "gdn.in_proj"]) == 1
+    err = capsys.readouterr()
+    assert "--op needs --bundles" in err.out + err.err
+    assert main(["perf", str(SPEC), "--bundles", "--batch", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["key"] for r in doc["bundles"]["rows"]] == ["gdn.in_proj", "gqa.attention"]
+
+
+def test_compiled_price_names_each_op_s_source(tmp_path, monkeypatch, capsys):
+    _seed_bundles(tmp_path, monkeypatch, [
+        {"key": "gdn.in_proj", "kind": "gdn", "name": "in_proj", "cycles": 8000.0}])
+    assert main(["perf", str(SPEC), "--compiled", "--batch", "1", "--json"]) == 0
+    perf = json.loads(capsys.readouterr().out)["perf"]
+    assert perf["priced_by"].startswith("compiled: the cycles libtpu")
+    sources = {(e["layer_kind"], e["op"]): e["source"] for e in perf["op_costs"]}
+    assert sources["gdn", "in_proj"].startswith("compiled: row gdn.in_proj of libtpu")
+    assert sources["gqa", "attention"].startswith("counted: the compiled kernel has no row")
+    assert perf["constants"]["latency_scale"]["source"].startswith(("fitted for the compiled", "1:"))
+    assert main(["perf", str(SPEC), "--compiled", "--verify", "3"]) == 1
+    err = capsys.readouterr()
+    assert "E-BUNDLES" in err.out + err.err and "pass --verify 8" in err.out + err.err
