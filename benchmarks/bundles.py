@@ -44,7 +44,7 @@ def k3_format_text(fmt: str) -> str:
 def kernels(s) -> list[tuple[str, int]]:
     out = [("decode", b) for b in sorted({1, s.batch_max})]
     if s.verify_rows:
-        out.append(("verify", s.verify_sequences[1]))
+        out.append(("verify", s.verify_sequences[0]))      # `mkc perf --verify R`'s default
     return out
 
 

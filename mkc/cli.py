@@ -455,7 +455,7 @@ def _bundles(s, args, as_json: bool) -> dict:
                                    hint=f"pass --verify {s.verify_rows}")])
     kernel = "verify" if args.verify else "decode"
     if not as_json and bundles.cached(s, kernel, args.batch or (
-            s.verify_sequences[1] if args.verify else s.batch_max)) is None:
+            s.verify_sequences[0] if args.verify else s.batch_max)) is None:
         print(f"compiling the {kernel} kernel with libtpu for {s.topology} (compile-only; "
               "seconds to a few minutes)...", file=sys.stderr)
     try:

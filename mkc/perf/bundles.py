@@ -38,7 +38,7 @@ from mkc import ir
 from mkc.perf import llo
 
 DATA = Path(__file__).parent / "data" / "bundles"
-SCHEMA = 3                    # what a measure holds: raise it when the reading of the LLO changes
+SCHEMA = 4                    # what a measure holds: raise it when the reading of the LLO changes
 HOTTEST_BUNDLES = 12          # bundles of an op's hottest region kept for the report
 HOTTEST_TEXT = 240            # characters of each
 KEEP = 12                     # measures kept per spec name
@@ -434,7 +434,7 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
     from mkc.confirm import LOCATE_IN_MODULE, run_compile
     source = source if source is not None else render(s, "")
     verify_rows = s.verify_rows if kernel == "verify" else None
-    batch = batch or (s.verify_sequences[1] if verify_rows else s.batch_max)
+    batch = batch or (s.verify_sequences[0] if verify_rows else s.batch_max)
     with tempfile.TemporaryDirectory(prefix="mkc-bundles-") as tmp:
         module = Path(tmp) / f"mkc_bundles_{s.name}.py"
         module.write_text(source)
@@ -452,7 +452,7 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
     layers = len(s.layer_kinds)
     from mkc.perf.work import kernel_work
     traced = kernel_work(s, s.verify_rows * batch if verify_rows else batch, verify_rows)
-    run_time = {f"{k}.{o}" for (k, o), w in traced.ops.items() if w.dynamic_loop}
+    run_time = {f"{k}.{o}" for k, o in traced.run_time_loop_ops}
     found = rows(parsed, line_labels(source), layers, kind_order(source), run_time)
     calls = layer_calls(s)
     lib = libtpu_version()
@@ -509,7 +509,7 @@ def bundle_report(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = 
     """The measure for `s`: cached, or compiled now (and cached) when `compile_missing`."""
     from mkc.codegen.emit import render
     verify = kernel == "verify"
-    batch = batch or (s.verify_sequences[1] if verify else s.batch_max)
+    batch = batch or (s.verify_sequences[0] if verify else s.batch_max)
     source = render(s, "")
     got = cached(s, kernel, batch, source)
     if got is None:

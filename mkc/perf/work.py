@@ -165,6 +165,7 @@ class KernelWork:
     outside: Work                  # work in no op's scope (barriers, collectives' sums, ...)
     source: str                    # where the ops' bodies live (the family's lowering module)
     trace_seconds: float = 0.0
+    run_time_loop_ops: frozenset = frozenset()   # ops with work in a loop of run-time length
 
     def op(self, kind: str, name: str) -> OpWork:
         got = self.ops.get((kind, name))
@@ -229,8 +230,8 @@ def _count(jaxpr: jcore.Jaxpr, stack: tuple[str, ...], dynamic: set) -> Tally:
             for j in subs:
                 for (key, region), w in _count(j, here, dynamic).items():
                     tally[key, region].add(w, times)
-                    if name == "while" and region == "op" and w.size:
-                        dynamic.add(key)
+                    if name == "while" and w.size:
+                        dynamic.add((key, region))
             continue
         work = _eqn_work(e)
         if work is not None:
@@ -274,10 +275,11 @@ def count_kernel(closed: jcore.ClosedJaxpr, batch: int, source: str) -> KernelWo
             continue
         ow = ops.setdefault(key, OpWork(*key))
         {"op": ow.at_op, scopes.WEIGHTS: ow.weights, scopes.KV_TILE: ow.kv_tile}[region].add(w)
-    for key in dynamic:
-        if key in ops:
+    for key, region in dynamic:
+        if key in ops and region == "op":
             ops[key].dynamic_loop = True
-    return KernelWork(batch, ops, outside, source)
+    return KernelWork(batch, ops, outside, source,
+                      run_time_loop_ops=frozenset(key for key, _ in dynamic if key in ops))
 
 
 def _kernel_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:

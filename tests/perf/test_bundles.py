@@ -138,3 +138,28 @@ def _tiles(source: str, matrix: str) -> int:
     import re
     m = re.search(matrix + r" = StreamedMatrix\(.*?row_tiles=(\d+), col_tiles=(\d+)", source, re.S)
     return int(m.group(1)) * int(m.group(2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", sorted(p.stem for p in (ROOT / "schedules").glob("*.sched")))
+def test_every_shipped_spec_has_its_compiled_measures_and_prices_each_op_from_them(spec):
+    """The shipped measures (benchmarks/bundles.py) are those of today's modules and libtpu:
+    `mkc perf --bundles` and `--compiled` need no compile on a shipped spec, every op of the
+    step has a compiled row or says why it was counted, and nearly all have rows."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bundles as shipped
+    from mkc.perf.run import run
+    s = compiler.check_spec(str(ROOT / "schedules" / f"{spec}.sched")).ir
+    for kernel, batch in shipped.kernels(s):
+        entry = bundles.cached(s, kernel, batch, places=(bundles.DATA,))
+        assert entry is not None, (f"{spec}: the shipped {kernel} measure at {batch} is stale: "
+                                   f".venv/bin/python benchmarks/bundles.py --only {spec}")
+        assert bundles.text(entry).startswith(f"{s.name}: {kernel} kernel")
+    if spec not in ("qwen3_8_27b", "gpt_oss_20b", "qwen3_5_35b_a3b"):
+        return                        # the step priced on one spec of each small family
+    rep = run(s, s.batch_max, compiled=True)
+    sources = [e["source"] for e in rep["op_costs"]]
+    assert all(src.startswith(("compiled: row", "counted: the compiled kernel has no row"))
+               for src in sources)
+    assert sum(src.startswith("compiled") for src in sources) >= 0.9 * len(sources), sources
