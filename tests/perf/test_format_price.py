@@ -22,7 +22,7 @@ def test_expert_formats_are_priced_in_libtpu_s_proportions():
     """The price of one routed expert (a read of its slot: the compiled loop's iteration) at
     batch 8 in MXFP4, FP8 with 32-row scales and FP8 blocks, against the bundles libtpu
     schedules for 8 rows through one pack group of each: within 25 %."""
-    price = {}
+    price, cycles = {}, {}
     for fmt in shipped.K3_FORMATS:
         s = compiler.check_source(shipped.k3_format_text(fmt), str(ROOT / "schedules" / "kimi_k3.sched")).ir
         measure = bundles.cached(s, "decode", 8)
@@ -31,6 +31,7 @@ def test_expert_formats_are_priced_in_libtpu_s_proportions():
         m = Model(s, 8, s.context, constants.compiled_rates(s.chip), compiled=measure)
         price[fmt] = m.op_prices("moe", "routed_experts")[2]
         assert price[fmt] > 0
+        cycles[fmt] = {r["key"]: r for r in measure["rows"]}["moe.routed_experts"]["per_iteration"]
     probe = {}
     for fmt in shipped.K3_FORMATS:
         verdict = format_probe.bundles("tpu7x", fmt)
@@ -38,3 +39,5 @@ def test_expert_formats_are_priced_in_libtpu_s_proportions():
     for fmt in ("mxfp4", "fp8"):
         assert price[fmt] / price["fp8 block"] == pytest.approx(
             probe[fmt] / probe["fp8 block"], rel=0.25), (price, probe)
+    said = " : ".join(f"{cycles[f]:.0f}" for f in ("mxfp4", "fp8", "fp8 block")) + " cycles"
+    assert said in (ROOT / "docs" / "perf.md").read_text(), said
