@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("pricing by what libtpu compiles (compiled now if not cached; seconds to "
                       "a few minutes)...", file=sys.stderr)
             try:
-                result["perf"] = perf.run(c.ir, args.batch, args.context, args.verify,
-                                          args.acceptance, compiled=args.compiled)
+                modelled = perf.model(c.ir, args.batch, args.context, args.verify,
+                                      args.acceptance, compiled=args.compiled,
+                                      keep_timeline=bool(args.trace or args.plot))
             except Exception as e:
                 from mkc.perf.bundles import BundleError
                 if not isinstance(e, BundleError):
@@ -264,12 +265,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise MkcError([Diagnostic(
                     "E-BUNDLES", str(e), c.ir.setting_spans.get("target", Span.unknown(c.ir.source)),
                     hint="mkc perf without --compiled prices the traced kernel instead")]) from None
+            result["perf"] = perf.report(modelled)
             if not as_json:
                 from mkc.perf.run import table
                 print(f"{args.spec}: ok (times below are modelled, not measured)")
                 print(table(result["perf"]))
             if args.trace or args.plot:
-                result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
+                result |= _perf_pictures(modelled, result["perf"], args.trace, args.plot,
+                                         as_json)
         elif args.cmd == "tune":
             result |= _tune(args, as_json)
         elif args.cmd == "retarget":
@@ -315,12 +318,11 @@ def _confirm(spec: str, model: str | None, as_json: bool) -> dict:
     return r.to_json()
 
 
-def _perf_pictures(s, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:
-    """Simulate the step again keeping its timeline; write the Perfetto trace and/or PNG."""
+def _perf_pictures(m, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:
+    """The Perfetto trace and/or picture of the step the text reports (`m`, a `perf.model`
+    with its timeline kept: the same simulation, so the same figures)."""
     from mkc import target
-    from mkc.perf.run import step_model
-    batch, tokens = rep["batch"], rep["tokens_in_cache"]
-    res = step_model(s, batch, tokens)
+    s, res, batch, tokens = m.s, m.res, m.batch, m.tokens
     out = {}
     if trace:
         from mkc.perf.perfetto import write_trace
