@@ -353,11 +353,14 @@ def _tune(args, as_json: bool) -> dict:
     if tgt is not None and tgt.value[0].text in known_chips():   # else the check says so
         if diags := _perf_data(tgt.value[0].text, tgt.span):
             raise MkcError(diags)
-    log = None if as_json else (lambda m: print(f"  {m}", flush=True))
+    from mkc.progress import bar
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
-    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
-                    min_headroom=int(args.min_headroom * 2**20))
+    with bar(total=args.budget, desc="tune: evaluating", unit="spec", show=not as_json) as b:
+        log = None if as_json else (lambda m: b.write(f"  {m}", file=sys.stdout))
+        res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
+                        min_headroom=int(args.min_headroom * 2**20),
+                        evaluated=lambda: b.update(1))
     compiler.write_atomically(out, res.text)
     compiler.check_spec(out, _model_of(args, sched))
     if not as_json:
@@ -406,9 +409,14 @@ def _retarget(args, as_json: bool) -> dict:
     out = _spec_output(args, "E-RETARGET", "retarget", "write the retargeted spec elsewhere")
     sched, text = parse_file(args.spec)
     name = out.stem if IDENT.match(out.stem) else None
-    log = None if as_json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
-    res = retarget.retarget(text, args.spec, args.target, args.model, name,
-                            args.models, log)
+    from mkc.progress import bar
+    with bar(desc=f"retarget: {args.spec}", show=not as_json,
+             bar_format="{desc} [{elapsed}]") as b:
+        def log(m: str) -> None:
+            b.write(f"  {m}", file=sys.stderr)
+            b.set_description_str(f"retarget: {_shorten(m)}")
+        res = retarget.retarget(text, args.spec, args.target, args.model, name,
+                                args.models, None if as_json else log)
     compiler.check_source(res.text, str(out), _model_of(args, sched))   # before any write
     compiler.write_atomically(out, res.text)
     if not as_json:
@@ -416,6 +424,11 @@ def _retarget(args, as_json: bool) -> dict:
         print(retarget.summary(res))
         print(f"wrote {out}")
     return {"output": str(out), "retarget": retarget.result_json(res)}
+
+
+def _shorten(message: str, width: int = 60) -> str:
+    """A progress message cut to fit a bar's description."""
+    return message if len(message) <= width else message[:width - 1] + "…"
 
 
 def _spec_output(args, code: str, command: str, hint: str) -> Path:
