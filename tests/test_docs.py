@@ -210,3 +210,52 @@ def test_the_shipped_specs_table_is_what_mkc_check_reports():
         assert vmem_headroom.startswith(f"{limit - max(peaks.values()):.2f} MiB"), (spec, vmem_headroom)
         assert hbm_used == f"{used:.2f} of {capacity:.1f}", (spec, hbm_used)
         assert hbm_headroom == f"{capacity - used:.1f} GB", (spec, hbm_headroom)
+
+
+def test_the_compiled_price_figures_are_what_calibrate_perf_recorded():
+    """docs/perf.md's compiled-price table, clock, fitted value and bounds against
+    `compiled_calibration` in tpu7x.json (`benchmarks/calibrate_perf.py --compiled`) and JAX's
+    chip table."""
+    from mkc.perf import constants
+    cal = constants.compiled_calibration("tpu7x")
+    text = (ROOT / "docs" / "perf.md").read_text()
+    assert f"which is {constants.rates('tpu7x').clock_hz / 1e9:.3f} GHz on tpu7x" in text
+    (name, value), = cal["values"].items()
+    assert f"The fitted value is {value:.3f}." in text and f"(`{name}`, bounded" in text
+    lo, hi = cal["bounds"]
+    assert f"to {lo:g}-{hi:g}x)" in text
+    table = text[text.index("| | published | modelled | error |"):]
+    rows = re.findall(r"^\| (.+?) \| ~?([\d.]+) ms \| ([\d.]+) ms \| ([+-][\d.]+) % \|$",
+                      table[:table.index("\n\n")], re.M)
+    held = {p["batch"]: p for p in cal["leave_one_out"]}
+    h = cal["speculative_holdout"]
+    expected = [(f"B{p['batch']} (fitted)", p) for p in cal["points"]] + [
+        (f"B{b} predicted from B{held[b]['fitted_on'][0]} alone", held[b]) for b in sorted(held)
+    ] + [(f"speculative step of {h['rows']} rows, never fitted", h)]
+    assert [r[0] for r in rows] == [label for label, _ in expected]
+    for (_, published, modelled, error), (label, p) in zip(rows, expected):
+        digits = 1 if label.startswith("speculative") else 2
+        assert published == f"{p['published_step_s'] * 1e3:.{digits}f}", label
+        assert modelled == f"{p['modelled_step_s'] * 1e3:.2f}", label
+        assert error == f"{p['error_percent']:+.1f}", label
+
+
+def test_measured_figures_in_docs_are_the_recorded_measures():
+    """The compile time of K3's bundle measure, GPT-OSS 20b's spill at 8 rows and the factor
+    on an unmeasured geometry's compiler scratch, as docs/ quotes them, against the data and
+    code that hold them."""
+    import json
+
+    from mkc.checks.capacity import UNMEASURED_SCRATCH_FACTOR
+    perf = (ROOT / "docs" / "perf.md").read_text()
+    k3 = json.loads((ROOT / "mkc" / "perf" / "data" / "bundles" / "kimi_k3.json").read_text())
+    b1 = next(m for m in k3["measures"] if m["kernel"] == "decode" and m["batch"] == 1)
+    assert f"batch 1 took {b1['compile_seconds']:.0f} s to compile" in perf
+    extending = (ROOT / "docs" / "extending.md").read_text()
+    scratch = json.loads((ROOT / "mkc" / "families" / "gpt_oss" / "compiler_scratch.json")
+                         .read_text())["measures"]
+    spill = next(m["spill_bytes"] for m in scratch if m["model"] == "gpt_oss_20b"
+                 and m["kernel"] == "decode" and m["rows"] == 8 and m["kv_tokens"] == 128)
+    assert f"GPT-OSS 20b spills {spill / 2**20:.1f} MiB at 8 rows" in extending
+    for page in ("extending.md", "verification.md"):
+        assert f"{UNMEASURED_SCRATCH_FACTOR:g}x" in (ROOT / "docs" / page).read_text(), page
