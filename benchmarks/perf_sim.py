@@ -75,7 +75,7 @@ def main() -> int:
                 trace_s.append(tt)
                 sim_s.append(ts)
                 steps.append(parts[0][2].step_s if len(parts) == 1
-                             else blend(parts, expected_experts(c.ir, batch), False).step_s)
+                             else blend(parts, expected_experts(c.ir, batch)).step_s)
             total = [a + b for a, b in zip(trace_s, sim_s)]
             rows.append({"model": name, "spec": spec, "batch": batch, "events": n,
                          "simulated_steps": [{"experts": e, "weight": round(w, 4)}

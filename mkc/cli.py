@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("pricing by what libtpu compiles (compiled now if not cached; seconds to "
                       "a few minutes)...", file=sys.stderr)
             try:
-                result["perf"] = perf.run(c.ir, args.batch, args.context, args.verify,
-                                          args.acceptance, compiled=args.compiled)
+                modelled = perf.model(c.ir, args.batch, args.context, args.verify,
+                                      args.acceptance, compiled=args.compiled,
+                                      keep_timeline=bool(args.trace or args.plot))
             except Exception as e:
                 from mkc.perf.bundles import BundleError
                 if not isinstance(e, BundleError):
@@ -264,12 +265,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise MkcError([Diagnostic(
                     "E-BUNDLES", str(e), c.ir.setting_spans.get("target", Span.unknown(c.ir.source)),
                     hint="mkc perf without --compiled prices the traced kernel instead")]) from None
+            result["perf"] = perf.report(modelled)
             if not as_json:
                 from mkc.perf.run import table
                 print(f"{args.spec}: ok (times below are modelled, not measured)")
                 print(table(result["perf"]))
             if args.trace or args.plot:
-                result |= _perf_pictures(c.ir, result["perf"], args.trace, args.plot, as_json)
+                result |= _perf_pictures(modelled, result["perf"], args.trace, args.plot,
+                                         as_json)
         elif args.cmd == "tune":
             result |= _tune(args, as_json)
         elif args.cmd == "retarget":
@@ -315,12 +318,11 @@ def _confirm(spec: str, model: str | None, as_json: bool) -> dict:
     return r.to_json()
 
 
-def _perf_pictures(s, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:
-    """Simulate the step again keeping its timeline; write the Perfetto trace and/or PNG."""
+def _perf_pictures(m, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:
+    """The Perfetto trace and/or picture of the step the text reports (`m`, a `perf.model`
+    with its timeline kept: the same simulation, so the same figures)."""
     from mkc import target
-    from mkc.perf.run import step_model
-    batch, tokens = rep["batch"], rep["tokens_in_cache"]
-    res = step_model(s, batch, tokens)
+    s, res, batch, tokens = m.s, m.res, m.batch, m.tokens
     out = {}
     if trace:
         from mkc.perf.perfetto import write_trace
@@ -351,11 +353,14 @@ def _tune(args, as_json: bool) -> dict:
     if tgt is not None and tgt.value[0].text in known_chips():   # else the check says so
         if diags := _perf_data(tgt.value[0].text, tgt.span):
             raise MkcError(diags)
-    log = None if as_json else (lambda m: print(f"  {m}", flush=True))
+    from mkc.progress import bar
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
-    res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
-                    min_headroom=int(args.min_headroom * 2**20))
+    with bar(total=args.budget, desc="tune: evaluating", unit="spec", show=not as_json) as b:
+        log = None if as_json else (lambda m: b.write(f"  {m}", file=sys.stdout))
+        res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
+                        min_headroom=int(args.min_headroom * 2**20),
+                        evaluated=lambda: b.update(1))
     compiler.write_atomically(out, res.text)
     compiler.check_spec(out, _model_of(args, sched))
     if not as_json:
@@ -404,9 +409,14 @@ def _retarget(args, as_json: bool) -> dict:
     out = _spec_output(args, "E-RETARGET", "retarget", "write the retargeted spec elsewhere")
     sched, text = parse_file(args.spec)
     name = out.stem if IDENT.match(out.stem) else None
-    log = None if as_json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
-    res = retarget.retarget(text, args.spec, args.target, args.model, name,
-                            args.models, log)
+    from mkc.progress import bar
+    with bar(desc=f"retarget: {args.spec}", show=not as_json,
+             bar_format="{desc} [{elapsed}]") as b:
+        def log(m: str) -> None:
+            b.write(f"  {m}", file=sys.stderr)
+            b.set_description_str(f"retarget: {_shorten(m)}")
+        res = retarget.retarget(text, args.spec, args.target, args.model, name,
+                                args.models, None if as_json else log)
     compiler.check_source(res.text, str(out), _model_of(args, sched))   # before any write
     compiler.write_atomically(out, res.text)
     if not as_json:
@@ -414,6 +424,11 @@ def _retarget(args, as_json: bool) -> dict:
         print(retarget.summary(res))
         print(f"wrote {out}")
     return {"output": str(out), "retarget": retarget.result_json(res)}
+
+
+def _shorten(message: str, width: int = 60) -> str:
+    """A progress message cut to fit a bar's description."""
+    return message if len(message) <= width else message[:width - 1] + "…"
 
 
 def _spec_output(args, code: str, command: str, hint: str) -> Path:

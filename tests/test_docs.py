@@ -12,7 +12,7 @@ from mkc.lang import syntax
 
 README = ROOT / "README.md"
 LANGUAGE = ROOT / "docs" / "language.md"
-MAX_README_LINES = 260
+MAX_README_LINES = 251
 # Changelog prose: history belongs in git, not in the README.
 CHANGELOG_PHRASES = (r"\bissue \d+", r"\bwas \d", r"\bbefore this\b")
 
@@ -132,6 +132,45 @@ def test_the_calibration_table_is_what_calibrate_perf_recorded():
         assert held_error == f"{holdout[8]:+.1f} % / {holdout[1]:+.1f} %"
 
 
+def walkthrough() -> str:
+    text = README.read_text()
+    section = text[text.index("## Your first spec"):]
+    return section[:section.index("\n## ", 1)]
+
+
+def excerpt_lines_missing(excerpt: str, output: str) -> list[str]:
+    """The lines of an excerpt that no line of `output` is: "..." stands for any text, and a
+    line of "..." alone for lines left out."""
+    printed = output.splitlines()
+    missing = []
+    for line in excerpt.splitlines():
+        if line.strip() in ("", "..."):
+            continue
+        pattern = re.compile(".*?".join(re.escape(piece) for piece in line.split("...")))
+        if not any(pattern.fullmatch(p) for p in printed):
+            missing.append(line)
+    return missing
+
+
+@pytest.mark.parametrize("step", ["Check it", "Model it",
+                                  pytest.param("Tune it", marks=pytest.mark.slow)])
+def test_the_walkthrough_excerpts_are_what_their_commands_print(step, tmp_path, monkeypatch,
+                                                                capsys):
+    """Each excerpt of the README's walkthrough (`mkc check`, `mkc perf`, `mkc tune`) is what
+    the command it names prints for the walkthrough's spec, line by line."""
+    import shlex
+
+    from mkc.cli import main
+    section = walkthrough()
+    spec = re.search(r"```sched\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "my_qwen.sched").write_text(spec)
+    m = re.search(rf"\*\*{step}\.\*\* `\.venv/bin/mkc ([^`]+)`.*?```\n(.*?)```", section, re.S)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(shlex.split(m.group(1))) == 0
+    assert not excerpt_lines_missing(m.group(2), capsys.readouterr().out)
+
+
 def test_the_first_spec_walkthrough_checks(tmp_path):
     """The README's first spec passes `mkc check`, and its diagnostic example is what a wait
     after the read gives, at the line and column shown."""
@@ -148,3 +187,75 @@ def test_the_first_spec_walkthrough_checks(tmp_path):
         compiler.check_spec(path)
     d = err.value.diagnostics[0]
     assert (d.span.line, d.span.column, d.code) == (int(shown[1]), int(shown[2]), shown[3])
+
+
+def test_the_shipped_specs_table_is_what_mkc_check_reports():
+    """Every VMEM and HBM figure of docs/specs.md's table, against `mkc check`'s budget for
+    that spec (a table that goes stale fails here)."""
+    from mkc import compiler, report
+    text = (ROOT / "docs" / "specs.md").read_text()
+    table = text[text.index("| spec | model | generation |"):]
+    table = table[:table.index("\n\n")]
+    rows = re.findall(r"^\| `(\w+)` \|(.*)\|$", table, re.M)
+    assert sorted(spec for spec, _ in rows) == sorted(p.stem for p in (ROOT / "schedules").glob("*.sched"))
+    for spec, cells in rows:
+        c = compiler.check_spec(ROOT / "schedules" / f"{spec}.sched")
+        budget = report.budget(c.ir, c.events)
+        peaks = {v["batch"]: v["peak_bytes"] / 2**20 for v in budget["vmem"]}
+        limit = budget["vmem_budget_bytes"] / 2**20
+        hbm = budget["hbm_per_chip"]
+        used, capacity = sum(hbm["bytes"].values()) / 1e9, hbm["capacity_bytes"] / 1e9
+        vmem, vmem_headroom, hbm_used, hbm_headroom = [x.strip() for x in cells.split("|")][-4:]
+        assert vmem.startswith(f"{peaks[1]:.2f} / {peaks[8]:.2f} of {limit:.2f}"), (spec, vmem)
+        assert vmem_headroom.startswith(f"{limit - max(peaks.values()):.2f} MiB"), (spec, vmem_headroom)
+        assert hbm_used == f"{used:.2f} of {capacity:.1f}", (spec, hbm_used)
+        assert hbm_headroom == f"{capacity - used:.1f} GB", (spec, hbm_headroom)
+
+
+def test_the_compiled_price_figures_are_what_calibrate_perf_recorded():
+    """docs/perf.md's compiled-price table, clock, fitted value and bounds against
+    `compiled_calibration` in tpu7x.json (`benchmarks/calibrate_perf.py --compiled`) and JAX's
+    chip table."""
+    from mkc.perf import constants
+    cal = constants.compiled_calibration("tpu7x")
+    text = (ROOT / "docs" / "perf.md").read_text()
+    assert f"which is {constants.rates('tpu7x').clock_hz / 1e9:.3f} GHz on tpu7x" in text
+    (name, value), = cal["values"].items()
+    assert f"The fitted value is {value:.3f}." in text and f"(`{name}`, bounded" in text
+    lo, hi = cal["bounds"]
+    assert f"to {lo:g}-{hi:g}x)" in text
+    table = text[text.index("| | published | modelled | error |"):]
+    rows = re.findall(r"^\| (.+?) \| ~?([\d.]+) ms \| ([\d.]+) ms \| ([+-][\d.]+) % \|$",
+                      table[:table.index("\n\n")], re.M)
+    held = {p["batch"]: p for p in cal["leave_one_out"]}
+    h = cal["speculative_holdout"]
+    expected = [(f"B{p['batch']} (fitted)", p) for p in cal["points"]] + [
+        (f"B{b} predicted from B{held[b]['fitted_on'][0]} alone", held[b]) for b in sorted(held)
+    ] + [(f"speculative step of {h['rows']} rows, never fitted", h)]
+    assert [r[0] for r in rows] == [label for label, _ in expected]
+    for (_, published, modelled, error), (label, p) in zip(rows, expected):
+        digits = 1 if label.startswith("speculative") else 2
+        assert published == f"{p['published_step_s'] * 1e3:.{digits}f}", label
+        assert modelled == f"{p['modelled_step_s'] * 1e3:.2f}", label
+        assert error == f"{p['error_percent']:+.1f}", label
+
+
+def test_measured_figures_in_docs_are_the_recorded_measures():
+    """The compile time of K3's bundle measure, GPT-OSS 20b's spill at 8 rows and the factor
+    on an unmeasured geometry's compiler scratch, as docs/ quotes them, against the data and
+    code that hold them."""
+    import json
+
+    from mkc.checks.capacity import UNMEASURED_SCRATCH_FACTOR
+    perf = (ROOT / "docs" / "perf.md").read_text()
+    k3 = json.loads((ROOT / "mkc" / "perf" / "data" / "bundles" / "kimi_k3.json").read_text())
+    b1 = next(m for m in k3["measures"] if m["kernel"] == "decode" and m["batch"] == 1)
+    assert f"batch 1 took {b1['compile_seconds']:.0f} s to compile" in perf
+    extending = (ROOT / "docs" / "extending.md").read_text()
+    scratch = json.loads((ROOT / "mkc" / "families" / "gpt_oss" / "compiler_scratch.json")
+                         .read_text())["measures"]
+    spill = next(m["spill_bytes"] for m in scratch if m["model"] == "gpt_oss_20b"
+                 and m["kernel"] == "decode" and m["rows"] == 8 and m["kv_tokens"] == 128)
+    assert f"GPT-OSS 20b spills {spill / 2**20:.1f} MiB at 8 rows" in extending
+    for page in ("extending.md", "verification.md"):
+        assert f"{UNMEASURED_SCRATCH_FACTOR:g}x" in (ROOT / "docs" / page).read_text(), page

@@ -86,6 +86,9 @@ def test_a_slice_short_of_hbm_is_one_diagnostic_naming_a_slice_that_works():
     assert d.code == "E-RETARGET" and "HBM short by" in d.message and "GiB" in d.message
     assert d.span.line == 4                                  # the spec's target line
     assert "the nearest slice that works: `v6e topology 2x2`" in d.hint
+    # docs/targets.md shows this diagnostic, figures and all
+    assert f":{d.span.line}:{d.span.column}: error[{d.code}]: {d.message}\n" in \
+        (ROOT / "docs" / "targets.md").read_text()
     # ... and that slice does work
     retarget.retarget(path.read_text(), str(path), "v6e topology 2x2", max_models=1)
 

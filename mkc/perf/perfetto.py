@@ -157,7 +157,7 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
         ev.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index",
                    "args": {"sort_index": sort}})
 
-    from mkc.perf.run import calibration_caveat, calibration_note
+    from mkc.perf.run import calibration_caveat, calibration_note, stall_seconds
     # the process is the trace's first and outermost track: its name carries the caveat
     ev.append({"ph": "M", "pid": PID, "tid": 0, "name": "process_name",
                "args": {"name": f"{s.name} rank 0, batch {batch}, {tokens} cached tokens "
@@ -215,6 +215,10 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
                       "schedule": s.name, "spec": spec, "model": s.model,
                       "topology": s.topology, "batch": batch, "tokens_in_cache": tokens,
                       "step_us": _us(res.step_s), "vmem_budget_bytes": vs.budget,
+                      # `mkc perf`'s stall total (`stall_seconds`): the stall track's slices
+                      # add up to the first; the text gives the second
+                      "stall_us": _us(stall_seconds(res)),
+                      "expected_stall_us": _us(stall_seconds(expected)),
                       "routed_experts_per_layer": res.experts,
                       "expected_step_us": _us(expected.step_s),
                       "expected_routed_experts_per_layer": expected.experts,

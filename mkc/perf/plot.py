@@ -125,6 +125,13 @@ def _layer_spans(res: Result) -> dict[int, list]:
     return spans
 
 
+def stall_label(res: Result) -> str:
+    """The Gantt chart's stall row: the pictured step's stall total, `mkc perf`'s definition
+    (`stall_seconds`; the title gives the expected one for an expectation over routing)."""
+    from mkc.perf.run import stall_seconds
+    return f"{STALL}: {stall_seconds(res) * _MS:.3f} ms"
+
+
 def _gantt_rows(s: ir.ScheduleIR, res: Result) -> list[tuple[str, list, list[str]]]:
     """[(label, [(start ms, width ms)], meaning of each bar)] top to bottom: the layers, stalls,
     collectives, then one row per DMA destination, most bytes first."""
@@ -134,8 +141,9 @@ def _gantt_rows(s: ir.ScheduleIR, res: Result) -> list[tuple[str, list, list[str
     for track, meaning in (("stall", STALL), ("collective", COLLECTIVES)):
         bars = [(iv.start * _MS, (iv.end - iv.start) * _MS) for iv in res.timeline
                 if iv.track == track]
-        rows.append((f"{meaning}: {sum(w for _, w in bars):.2f} ms", bars,
-                     [meaning] * len(bars)))
+        label = (stall_label(res) if track == "stall" else
+                 f"{meaning}: {sum(w for _, w in bars):.2f} ms")
+        rows.append((label, bars, [meaning] * len(bars)))
     dma: dict[str, list] = {}
     moved: dict[str, int] = {}
     for iv in res.timeline:
@@ -320,10 +328,11 @@ def _draw_hbm(axes, res: Result, peak_bytes_per_s: float, floor_s: float | None,
 def _experts_note(expected: Result, res: Result) -> str:
     """The title's line on routed experts: the pictured step's count and, for an expectation
     over routing, the expected step ("" without routed experts)."""
+    from mkc.perf.run import stall_seconds
     if expected is not res:
         return (f"\na step whose slowest expert group runs {res.experts} routed experts per "
                 f"MoE layer; the expected step over routing ({expected.experts:.2f} experts): "
-                f"{expected.step_s * _MS:.3f} ms")
+                f"{expected.step_s * _MS:.3f} ms, stalls {stall_seconds(expected) * _MS:.3f} ms")
     if res.experts:
         return f"\nthe slowest expert group runs {res.experts} routed experts per MoE layer"
     return ""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from mkc import cost, ir, target
@@ -95,7 +96,7 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
         parts.append((n, w, res))
     if len(parts) == 1:
         return parts[0][2]
-    return blend(parts, expected_experts(s, batch), keep_timeline)
+    return blend(parts, expected_experts(s, batch))
 
 
 def calibration_note(chip: str) -> str:
@@ -183,13 +184,30 @@ def calibration_caveat(chip: str) -> str:
             f"{worst:.0f}%{held}; {data})")
 
 
-def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
-        verify_rows: int | None = None, acceptance: float | None = None,
-        compiled: bool = False) -> dict[str, Any]:
+@dataclass
+class Modelled:
+    """One `mkc perf` run: the step simulated (an expectation over routing or one simulated
+    step) and what it was asked at. The text, --json, --plot and --trace all read `res`."""
+
+    s: ir.ScheduleIR
+    res: Result
+    batch: int
+    tokens: int
+    sequences: int | None
+    verify_rows: int | None
+    acceptance: float | None
+    rates: constants.Rates
+    measure: dict | None
+
+
+def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
+          verify_rows: int | None = None, acceptance: float | None = None,
+          compiled: bool = False, keep_timeline: bool = False) -> Modelled:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
-    (default: the spec's context), as a JSON-ready dict. With `verify_rows` R, its verify step
-    of R rows for each of `batch` sequences (default: the spec's fewest), whose tokens per
-    second count `acceptance` tokens per sequence and launch (default R: every draft right)."""
+    (default: the spec's context). With `verify_rows` R, its verify step of R rows for each of
+    `batch` sequences (default: the spec's fewest), whose tokens per second count `acceptance`
+    tokens per sequence and launch (default R: every draft right). `keep_timeline` for
+    pictures of that same step."""
     sequences = None
     if verify_rows:
         sequences = batch or s.verify_sequences[0]
@@ -206,17 +224,101 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         measure = bundles.bundle_report(s, "verify" if sequences else "decode",
                                         sequences or batch)
     rates = constants.compiled_rates(s.chip) if compiled else constants.rates(s.chip)
-    res = step_model(s, batch, tokens, rates, keep_timeline=False, sequences=sequences,
+    res = step_model(s, batch, tokens, rates, keep_timeline=keep_timeline, sequences=sequences,
                      compiled=measure)
+    return Modelled(s, res, batch, tokens, sequences, verify_rows, acceptance, rates, measure)
+
+
+def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
+        verify_rows: int | None = None, acceptance: float | None = None,
+        compiled: bool = False) -> dict[str, Any]:
+    """`report` of `model` (see there), as a JSON-ready dict."""
+    return report(model(s, batch, tokens, verify_rows, acceptance, compiled))
+
+
+def stall_seconds(res: Result) -> float:
+    """The stall total of a modelled step: every wait that blocked compute, the prologue's and
+    epilogue's included (`sim` books them all to "stalls"), so the table's column, the stall
+    list, the picture's stall row and the trace's stall track give one figure for one step."""
+    return res.by_cause["stalls"]
+
+
+def hbm_bytes_by_class(s: ir.ScheduleIR, batch: int, tokens: int,
+                       sequences: int | None = None) -> dict[str, int]:
+    """Bytes the slowest core moves in HBM per step, by class (`cost.hbm_traffic`), largest
+    first: with routed experts, the slowest expert group's (the step waits for it) rather than
+    the mean core's."""
+    traffic = cost.hbm_traffic(s, batch, tokens, sequences)
+    mean_key = "routed experts (uniform routing)"
+    if s.experts and mean_key in traffic:
+        mean = cost.expected_local_experts(s, batch)
+        routed = traffic.pop(mean_key)
+        traffic["routed experts (slowest core)"] = round(routed * expected_experts(s, batch) / mean)
+    return dict(sorted(((k, v) for k, v in traffic.items() if v), key=lambda kv: -kv[1]))
+
+
+# A step this close to the model's HBM ceiling is bound by streaming its bytes: the rest is
+# within what per-copy costs and the first copies' latency leave.
+HBM_BOUND_SHARE = 0.9
+# What bounds a step, by the cause that takes the most time (streaming wins whenever the step is
+# within HBM_BOUND_SHARE of the ceiling), and what can shorten it.
+BOUNDS = {
+    "weight streaming": ("HBM streaming", "only fewer bytes help"),
+    "exposed compute": ("compute", "compute runs with HBM idle: less work per row, or more "
+                                   "copies in flight under it"),
+    "stalls": ("stalls", "waits on copies that land late with HBM not saturated: start them "
+                         "earlier or deepen the ring (`mkc tune` searches both)"),
+    "collectives": ("collectives", "fewer or smaller collectives (all-reduce algorithm, wire "
+                                   "format, sharding)"),
+    "prologue/epilogue": ("the launch and the tail", "a fixed cost a step: more rows a step "
+                                                     "spread it"),
+}
+
+
+def verdict(m: Modelled) -> dict[str, Any]:
+    """What bounds the modelled step and how far it is from the model's own ceiling: the
+    slowest core's bytes at the bandwidth the model lets copies reach (peak x hbm_efficiency),
+    with those bytes by class. A step at that ceiling gets nothing from a better schedule."""
+    res, rates = m.res, m.rates
+    by_class = hbm_bytes_by_class(m.s, m.batch, m.tokens, m.sequences)
+    ceiling = sum(by_class.values()) / rates.hbm_stream_bytes_per_s
+    share = ceiling / res.step_s
+    cause = "weight streaming" if share >= HBM_BOUND_SHARE else \
+        max(CAUSES, key=lambda c: res.by_cause[c])
+    bound, advice = BOUNDS[cause]
+    gap = max(0.0, res.step_s - ceiling)
+    bytes_text = ", ".join(f"{k} {_size(v)}" for k, v in by_class.items())
+    text = (f"bound by {bound}, at {100 * share:.1f}% of the model's HBM ceiling "
+            f"({ceiling * 1e3:.3f} ms: the step's bytes at {100 * rates.hbm_efficiency:.1f}% of "
+            f"peak, hbm_efficiency"
+            + (f"; {gap * 1e3:.3f} ms above it" if cause != "weight streaming" else "")
+            + f"): {advice}; bytes by class (this core, a step): {bytes_text}")
+    return {"bound_by": bound, "cause": cause, "advice": advice,
+            "percent_of_hbm_ceiling": 100 * share, "hbm_ceiling_seconds": ceiling,
+            "hbm_efficiency": rates.hbm_efficiency, "seconds_above_ceiling": gap,
+            # largest first, as a list: JSON output sorts an object's keys
+            "hbm_bytes_by_class": [{"class": k, "bytes": v} for k, v in by_class.items()],
+            "text": text}
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n:.0f} B"
+
+
+def report(m: Modelled) -> dict[str, Any]:
+    """The modelled step as a JSON-ready dict (the text is `table` of it)."""
+    s, res, batch, tokens, sequences = m.s, m.res, m.batch, m.tokens, m.sequences
+    measure, rates, verify_rows = m.measure, m.rates, m.verify_rows
     bw = target.chip(s.chip).hbm_bytes_per_s
     floor = cost.step_floor_seconds(s, bw, batch, tokens, sequences)
-    emitted = batch if not verify_rows else sequences * (acceptance or verify_rows)
+    emitted = batch if not verify_rows else sequences * (m.acceptance or verify_rows)
     slowest_floor = floor
     if s.experts:
         # the floor counts the mean core's routed experts; the slowest core moves more
         mean = cost.expected_local_experts(s, batch)
         routed = cost.hbm_traffic(s, batch, tokens)["routed experts (uniform routing)"]
         slowest_floor += routed * (expected_experts(s, batch) / mean - 1) / bw
+    pictured = res.concrete()
     return {
         "modelled": True,
         "priced_by": (f"compiled: the cycles libtpu {measure['libtpu']} scheduled for the "
@@ -227,8 +329,9 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         "calibration": compiled_calibration_note(s.chip) if measure else calibration_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
-        "verify": ({"rows": verify_rows, "sequences": sequences, "acceptance": acceptance or verify_rows}
-                   if verify_rows else None),
+        "verify": ({"rows": verify_rows, "sequences": sequences,
+                    "acceptance": m.acceptance or verify_rows} if verify_rows else None),
+        "verdict": verdict(m),
         "routed_experts_per_layer": res.experts,
         "routed_experts_per_layer_mean": (cost.expected_local_experts(s, batch)
                                           if s.experts else None),
@@ -236,6 +339,12 @@ def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
                                     or ([{"experts": res.experts, "weight": 1.0}]
                                         if res.experts else []),
         "step_seconds": res.step_s,
+        "stall_seconds": stall_seconds(res),
+        # the one simulated step --plot and --trace draw, when the step is an expectation
+        "pictured_step": ({"routed_experts_per_layer": pictured.experts,
+                           "step_seconds": pictured.step_s,
+                           "stall_seconds": stall_seconds(pictured)}
+                          if pictured is not res else None),
         "tokens_per_s": emitted / res.step_s,
         "hbm_floor_seconds": floor,
         "percent_of_hbm_floor": 100 * floor / res.step_s,
@@ -311,6 +420,7 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
            if rep["routed_experts_per_layer"] else "") + "); "
         f"{rep['percent_of_peak_bandwidth']:.1f}% of peak bandwidth; "
         f"HBM busy {100 * rep['hbm_busy_fraction']:.0f}% of the step, {rep['copies']} HBM copies",
+        f"verdict: {rep['verdict']['text']}",
         f"  {HBM_PERCENTAGES}",
         f"  priced by {rep['priced_by']}",
         f"  {rep['calibration']}",
@@ -329,7 +439,14 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     lines.append(f"  {'total':<10}" + "".join(f"{ms(tot[c]):>19}" for c in CAUSES)
                  + f"{ms(step):>10}")
     lines.append("  weight streaming: compute with HBM copies in flight under it; exposed compute: "
-                 "compute with HBM idle; stalls: waits that blocked compute")
+                 "compute with HBM idle; stalls: every wait that blocked compute (the same "
+                 "total as --plot's and --trace's stall rows); prologue/epilogue: the launch, "
+                 "the tail's compute and collectives")
+    if pic := rep.get("pictured_step"):
+        lines.append(f"  an expectation over routing; --plot and --trace draw the step of "
+                     f"{pic['routed_experts_per_layer']} routed experts per MoE layer: "
+                     f"{ms(pic['step_seconds']).strip()} ms, stalls "
+                     f"{ms(pic['stall_seconds']).strip()} ms")
     if rep.get("op_costs"):
         if rep["priced_by"].startswith("compiled"):
             lines.append("costliest ops (modelled compute over the step, priced by the cycles "

@@ -123,10 +123,10 @@ class Result:
         return self.pictured or self
 
 
-def blend(parts: list[tuple[int, float, Result]], experts: float, keep_timeline: bool
-          ) -> Result:
+def blend(parts: list[tuple[int, float, Result]], experts: float) -> Result:
     """The expectation of steps that differ only in the routed experts per layer: each figure
-    weighted (times, bytes, stalls); the timeline is the heaviest part's."""
+    weighted (times, bytes, stalls); the pictured step (timeline, its own figures) is the
+    heaviest part."""
     first = parts[0][2]
     by_kind: dict[str, dict[str, float]] = {}
     for _, w, r in parts:
@@ -161,7 +161,7 @@ def blend(parts: list[tuple[int, float, Result]], experts: float, keep_timeline:
         hbm_busy_s=sum(w * r.hbm_busy_s for _, w, r in parts),
         copies=round(sum(w * r.copies for _, w, r in parts)),
         experts=experts, parts=tuple((n, w) for n, w, _ in parts),
-        pictured=heaviest if keep_timeline else None, op_costs=op_costs, work=first.work)
+        pictured=heaviest, op_costs=op_costs, work=first.work)
 
 
 class DmaEngine:
@@ -501,7 +501,9 @@ class _Replay:
     def _stall(self, e: Event, buf: str, done: float) -> None:
         """Compute waits from now until `done` for a copy into (or out of) `buf`."""
         dt, kind = done - self.t, self.kind
-        self.by_kind[kind]["prologue/epilogue" if self._in_tail() else "stalls"] += dt
+        # every wait that blocked compute is a stall, the tail's too: one total everywhere
+        # (the table's column, the stall list, the pictures' stall rows)
+        self.by_kind[kind]["stalls"] += dt
         key = (buf, e.span.line, e.span.file, kind)
         st = self.stalls.get(key)
         if st is None:

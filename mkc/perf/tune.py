@@ -342,13 +342,15 @@ class TuneResult:
 def tune(text: str, file: str, model: str | None = None, budget: int = 80,
          log: Callable[[str], None] | None = None,
          select: Callable[[Knob], bool] | None = None,
-         min_headroom: int = MIN_HEADROOM) -> TuneResult:
+         min_headroom: int = MIN_HEADROOM,
+         evaluated: Callable[[], None] | None = None) -> TuneResult:
     """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
     evaluations (the first, of the spec as written, included); `select` keeps only some
     knobs; a candidate leaving less than `min_headroom` bytes of VMEM at a kernel width is
-    refused."""
+    refused. `evaluated` is called after each evaluation (a progress bar's tick)."""
     t0 = time.perf_counter()
     log = log or (lambda _: None)
+    evaluated = evaluated or (lambda: None)
     sched = parse(text, file)
     s0 = check_text(text, file, model)          # the input must pass: MkcError otherwise
     src = SpecSource(text)
@@ -360,9 +362,13 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     start = tuple(k.value for k in knobs)
 
     def evaluate(config: tuple) -> Evaluation:
+        if config not in cache:
+            cache[config] = _evaluate(config)
+            evaluated()
+        return cache[config]
+
+    def _evaluate(config: tuple) -> Evaluation:
         nonlocal rejected, short
-        if config in cache:
-            return cache[config]
         cand = render(text, knobs, config)
         ev = Evaluation(config, cand, ok=False)
         try:
@@ -372,7 +378,6 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
             if config != start and min(ev.headroom.values()) < min_headroom:
                 ev.error, short = "headroom", short + 1
                 rejected += 1
-                cache[config] = ev
                 return ev
             ev.ok = True
             ev.steps = {b: step_model(s, b, s.context, keep_timeline=False).step_s
@@ -380,7 +385,6 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         except MkcError as e:
             ev.error = e.diagnostics[0].code
             rejected += 1
-        cache[config] = ev
         return ev
 
     before = evaluate(start)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from mkc.cli import main
+from mkc.compiler import check_spec
 from mkc.perf import constants
 from tests_support import ROOT, SPEC
 
@@ -160,6 +161,82 @@ def test_compiled_price_names_each_op_s_source(tmp_path, monkeypatch, capsys):
     assert sources["gdn", "in_proj"].startswith("compiled: row gdn.in_proj of libtpu")
     assert sources["gqa", "attention"].startswith("counted: the compiled kernel has no row")
     assert perf["constants"]["latency_scale"]["source"].startswith(("fitted for the compiled", "1:"))
+    # its verdict and its trace are of the step priced as compiled, not a counted one
+    assert perf["verdict"]["hbm_efficiency"] == perf["constants"]["hbm_efficiency"]["value"]
+    trace = tmp_path / "step.json"
+    assert main(["perf", str(SPEC), "--compiled", "--batch", "1", "--json", "--trace",
+                 str(trace)]) == 0
+    step = json.loads(capsys.readouterr().out)["perf"]["step_seconds"]
+    assert json.loads(trace.read_text())["otherData"]["step_us"] == pytest.approx(step * 1e6,
+                                                                                 abs=1e-3)
     assert main(["perf", str(SPEC), "--compiled", "--verify", "3"]) == 1
     err = capsys.readouterr()
     assert "E-BUNDLES" in err.out + err.err and "pass --verify 8" in err.out + err.err
+
+
+def test_perf_verdict_says_what_bounds_the_step_against_the_model_s_own_ceiling(capsys):
+    """Qwen 3.8 27B at batch 8 streams its weights at ~86 % of peak bandwidth: within a
+    percent of what the model lets any step reach (peak x hbm_efficiency), so the verdict says
+    only fewer bytes help and which bytes; the MINI model at batch 1 is far from its ceiling
+    and says what bounds it instead."""
+    assert main(["perf", str(SPEC), "--batch", "8", "--context", "1024", "--json"]) == 0
+    perf = json.loads(capsys.readouterr().out)["perf"]
+    v = perf["verdict"]
+    eff = perf["constants"]["hbm_efficiency"]["value"]
+    assert v["bound_by"] == "HBM streaming" and "only fewer bytes help" in v["text"]
+    assert v["hbm_efficiency"] == eff and v["percent_of_hbm_ceiling"] > 95
+    assert v["percent_of_hbm_ceiling"] == pytest.approx(perf["percent_of_hbm_floor"] / eff,
+                                                        rel=1e-6)
+    assert v["hbm_ceiling_seconds"] == pytest.approx(perf["hbm_floor_seconds"] / eff, rel=1e-6)
+    by_class = {c["class"]: c["bytes"] for c in v["hbm_bytes_by_class"]}
+    assert next(iter(by_class)) == "weights"
+    assert set(by_class) <= {"weights", "kv cache", "state (load + store)", "vectors"}
+    peak = perf["constants"]["hbm_bytes_per_s"]["value"]
+    assert sum(by_class.values()) / peak == pytest.approx(perf["hbm_floor_seconds"], rel=1e-9)
+    assert main(["perf", str(SPEC), "--batch", "8", "--context", "1024"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3] == f"verdict: {v['text']}"          # beside the step, before the tables
+    assert "at 99." in lines[3] or "at 98." in lines[3] or "at 97." in lines[3]
+    assert "bytes by class (this core, a step): weights " in lines[3]
+
+    assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "1", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)["perf"]["verdict"]
+    assert v["bound_by"] != "HBM streaming" and v["percent_of_hbm_ceiling"] < 90
+    assert v["seconds_above_ceiling"] > 0 and f"bound by {v['bound_by']}" in v["text"]
+
+
+def test_one_stall_total_in_the_text_the_picture_and_the_trace():
+    """A stall is every wait that blocked compute, the epilogue's included, and the text, the
+    picture and the trace give one figure for it: the expectation over routing in the text (the
+    picture's title and the trace's otherData repeat it) and, for the one routed step they
+    draw, the picture's stall row and the trace's stall slices (the text names it too)."""
+    from mkc import target
+    from mkc.perf.perfetto import trace_events
+    from mkc.perf.plot import figure
+    from mkc.perf.run import model, report, table
+    from mkc.perf.sim import CAUSES
+    s = check_spec(ROOT / "schedules" / "qwen3_5_35b_a3b.sched").ir
+    m = model(s, 8, 1024, keep_timeline=True)
+    rep = report(m)
+    expected, pictured = rep["stall_seconds"], rep["pictured_step"]["stall_seconds"]
+    assert any(st["kind"] == "epilogue" for st in rep["stalls"])
+    assert rep["by_cause_seconds"]["stalls"] == expected
+    assert sum(st["seconds"] for st in rep["stalls"]) == pytest.approx(expected, rel=1e-12)
+    text = table(rep)
+    total = next(line for line in text.splitlines() if line.startswith("  total "))
+    assert total.split()[1 + CAUSES.index("stalls")] == f"{expected * 1e3:.3f}"
+    assert f"stalls {pictured * 1e3:.3f} ms" in text
+
+    doc = trace_events(s, m.res, 8, 1024)
+    slices = [e["dur"] for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "stall"]
+    assert sum(slices) == pytest.approx(pictured * 1e6, abs=1e-3 * len(slices))
+    assert doc["otherData"]["stall_us"] == pytest.approx(pictured * 1e6, abs=1e-3)
+    assert doc["otherData"]["expected_stall_us"] == pytest.approx(expected * 1e6, abs=1e-3)
+
+    fig = figure(s, m.res, 8, 1024, target.chip(s.chip).hbm_bytes_per_s,
+                 rep["hbm_floor_seconds"])
+    labels = {t.get_text() for ax in fig.axes for t in ax.get_yticklabels()}
+    assert f"compute stalled: {pictured * 1e3:.3f} ms" in labels
+    assert f"stalls {expected * 1e3:.3f} ms" in fig.get_suptitle()
+    import matplotlib.pyplot as plt
+    plt.close(fig)
