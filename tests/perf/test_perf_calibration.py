@@ -109,30 +109,3 @@ def test_the_speculative_step_is_a_hold_out_never_fitted(recorded):
     from mkc.perf.run import calibration_note
     assert f"speculative step of {h['rows']} rows" in calibration_note("tpu7x")
 
-
-def test_the_compiled_calibration_table_is_what_calibrate_perf_recorded():
-    """docs/perf.md's table of the compiled price against `compiled_calibration` in tpu7x.json
-    (`benchmarks/calibrate_perf.py --compiled`), and the fit within its bounds."""
-    import json
-    import re
-
-    from tests_support import ROOT
-    cal = json.loads((ROOT / "mkc" / "perf" / "data" / "tpu7x.json").read_text())["compiled_calibration"]
-    (name, value), = cal["values"].items()
-    lo, hi = cal["bounds"]
-    assert name == "latency_scale" and lo <= value <= hi and hi / lo <= 4
-    text = (ROOT / "docs" / "perf.md").read_text()
-    rows = dict(re.findall(r"^\| (B\d \(fitted\)|B\d predicted from B\d alone|speculative step "
-                           r"of \d rows, never fitted) \|(.*)\|$", text, re.M))
-    expect = {f"B{p['batch']} (fitted)": p for p in cal["points"]}
-    expect |= {f"B{p['batch']} predicted from B{p['fitted_on'][0]} alone": p
-               for p in cal["leave_one_out"]}
-    h = cal["speculative_holdout"]
-    expect[f"speculative step of {h['rows']} rows, never fitted"] = h
-    assert set(rows) == set(expect)
-    for label, cells in rows.items():
-        published, modelled, error = [c.strip() for c in cells.split("|")]
-        p = expect[label]
-        assert modelled == f"{p['modelled_step_s'] * 1e3:.2f} ms", label
-        assert error == f"{p['error_percent']:+.1f} %".replace("+-", "-"), label
-    assert f"The fitted value is {value:.3f}." in text
