@@ -55,16 +55,17 @@ def test_a_full_size_model_is_refused_without_a_tpu():
 @pytest.mark.slow
 def test_the_bench_runs_end_to_end_on_cpu_and_says_it_is_not_a_tpu_timing(tmp_path):
     out = tmp_path / "points.json"
+    # the decode step only: the verify step's path differs in its inputs alone, and each
+    # kernel costs a minute of interpret-mode compile here
     r = _run(str(ROOT / "schedules" / "qwen3_8_27b.sched"), "--model", "qwen3_8_mini",
-             "--batch", "1", "--verify", "--steps", "1", "--warmup", "0", "--out", str(out),
+             "--batch", "1", "--steps", "1", "--warmup", "0", "--out", str(out),
              "--profile", str(tmp_path / "profile"))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("NOT a TPU timing") >= 3               # each kernel and the file
+    assert r.stdout.count("NOT a TPU timing") >= 2               # the kernel and the file
     record = json.loads(out.read_text())
     assert record["tpu"] is False and "NOT a TPU timing" in record["note"]
     assert record["chip"].startswith("cpu") and record["libtpu"] and record["jax"]
-    assert [(p["kernel"], p["batch"], p["rows"]) for p in record["points"]] == \
-        [("decode", 1, 1), ("verify", 1, 8)]
+    assert [(p["kernel"], p["batch"], p["rows"]) for p in record["points"]] == [("decode", 1, 1)]
     assert all(p["step_s"] > 0 and p["min_s"] <= p["step_s"] <= p["max_s"]
                for p in record["points"])
     assert "no mkc_op scopes in the trace" in r.stdout
