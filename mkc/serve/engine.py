@@ -207,10 +207,10 @@ class Engine:
         if self.prefill == "verify":
             self._verify_chunk(0, [0], 0)
         if self.drafter is not None:
-            S = self._speculative_sequences(1)
-            if S is not None and S not in self._verifiers:
-                self._launch_verify(list(range(S)), np.zeros((S, R), np.int32),
-                                    np.zeros(S, np.int32), lambda logits: np.ones(S, np.int32))
+            for S in {self._speculative_sequences(n) for n in range(1, self.batch + 1)} - {None}:
+                if S not in self._verifiers:
+                    self._launch_verify(list(range(S)), np.zeros((S, R), np.int32),
+                                        np.zeros(S, np.int32), lambda logits, S=S: np.ones(S, np.int32))
         if R:
             self._state = self._zero_state()
         return time.perf_counter() - t0

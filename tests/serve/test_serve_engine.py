@@ -244,3 +244,11 @@ def test_speculation_needs_a_verify_step():
     del gen.VERIFY_ROWS
     with pytest.raises(ValueError, match="speculative decoding needs a verify step"):
         Engine(gen, {}, fake_mesh(), 2, None, prefill="decode", drafter=oracle)
+
+
+@pytest.mark.parametrize("batch, compiled", [(1, {1}), (2, {1, 2}), (4, {1, 2})])
+def test_warm_up_compiles_every_verify_launch_speculation_uses(batch, compiled):
+    # 1 for verify prefill; the whole batch when the verify step takes it, else 1 to 2 busy rows
+    engine = make_engine(batch=batch, prefill="verify", drafter=oracle)
+    engine.warm_up()
+    assert set(engine._verifiers) == compiled
