@@ -47,19 +47,9 @@ from generated_module import (add_interpret_host_option, check_spec_and_model, i
                               load_generated, rounding_for)
 
 from mkc.checkpoint import family_of  # noqa: E402
+from mkc.serve.drafting import prompt_lookup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def prompt_lookup(context: list[int], drafts: int, ngram: int = 2) -> list[int]:
-    """Up to `drafts` tokens that followed the most recent earlier occurrence of the context's
-    last n-gram (shorter n-grams if none), or none."""
-    for n in range(min(ngram, len(context) - 1), 0, -1):
-        tail = context[-n:]
-        for i in range(len(context) - n - 1, -1, -1):
-            if context[i:i + n] == tail:
-                return context[i + n:i + n + drafts]
-    return []
 
 
 def oracle(greedy: list[int], prompt_len: int):

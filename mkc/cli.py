@@ -131,6 +131,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "the other rows waiting, or through the decode step a token a step beside "
                         "the other rows; auto (default): verify if the spec has a verify step "
                         "(docs/serving.md)")
+    p.add_argument("--speculative", choices=("prompt-lookup",),
+                   help="speculative decoding for greedy requests through the spec's verify step: "
+                        "R - 1 drafts a launch by n-gram prompt lookup, the matching ones kept "
+                        "(the text stays plain greedy's); off by default (docs/serving.md)")
 
 
 def _serve(args) -> int:
@@ -138,15 +142,18 @@ def _serve(args) -> int:
     from mkc.serve.model import prepare_devices
     prepare_devices(args.spec)              # before JAX starts
     from mkc.serve.api import serve
+    from mkc.serve.drafting import DRAFTERS
     from mkc.serve.engine import Engine
     from mkc.serve.model import load_served
     served, batch = load_served(args.spec, args.model, args.batch, args.seed)
     try:
         engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
-                        max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill)
+                        max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill,
+                        drafter=DRAFTERS[args.speculative] if args.speculative else None)
     except ValueError as e:
-        raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec),
-                                  hint="serve with --prefill decode")) from None
+        hint = ("serve without --speculative" if "speculative" in str(e)
+                else "serve with --prefill decode")
+        raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec), hint=hint)) from None
     mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"
     print(f"mkc serve: compiling the step at batch {batch} ({mode})", file=sys.stderr, flush=True)
     seconds = engine.warm_up()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import time
 import uuid
@@ -20,7 +21,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
 from mkc.serve.engine import Engine, Event, QueueFull, Request
@@ -28,6 +29,8 @@ from mkc.serve.model import Served
 from mkc.serve.sampling import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
+MAX_COMPLETION_LOGPROBS = 5         # OpenAI's bounds: the legacy `logprobs`, chat's `top_logprobs`
+MAX_TOP_LOGPROBS = 20
 DISCONNECT_POLL_SECONDS = 1.0       # how often a non-streaming request checks its client
 
 
@@ -64,19 +67,21 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    logprobs: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[list[int]] | list[str]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: bool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
 
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class TokenizeRequest(_Body):
@@ -124,6 +129,47 @@ class _Text:
             return ""
         out, self.sent = self.text[self.sent:end], end
         return out
+
+
+class _Logprobs:
+    """The logprobs of a request's tokens as they arrive (each with its offset in the text),
+    in the completions API's legacy form or chat's. A token is named by its text, or
+    `token_id:N` without a tokenizer (vLLM's form)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.entries: list[tuple[int, int, float, tuple[tuple[int, float], ...]]] = []
+
+    def add(self, event: Event, offset: int) -> None:
+        if event.logprob is not None:
+            self.entries.append((event.token, offset, event.logprob, event.top or ()))
+
+    def name(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+    def completion(self, start: int = 0) -> dict:
+        """The legacy object for the entries from `start`: each top_logprobs dict holds the
+        most likely tokens and, as OpenAI's does, the chosen one."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, offset, logprob, top in self.entries[start:]:
+            tops = {self.name(t): _finite(lp) for t, lp in top}
+            tops.setdefault(self.name(token), _finite(logprob))
+            out["tokens"].append(self.name(token))
+            out["token_logprobs"].append(_finite(logprob))
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(offset)
+        return out
+
+    def chat(self, start: int = 0) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            name = self.name(token)
+            return {"token": name, "logprob": _finite(logprob), "bytes": list(name.encode())}
+        return {"content": [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                            for token, _, logprob, top in self.entries[start:]]}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else -9999.0     # JSON has no -inf (vLLM's stand-in)
 
 
 def create_app(served: Served, engine: Engine) -> FastAPI:
@@ -192,12 +238,11 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
             return check_ids(need_tokenizer("a text prompt").encode(prompt), "prompt")
         return check_ids(list(prompt), "prompt")
 
-    def sampling_of(body: _Sampling, prompt: list[int], max_tokens: int | None) -> SamplingParams:
+    def sampling_of(body: _Sampling, prompt: list[int], max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: one choice per request is served (send n "
                                 "requests)", "n")
-        if body.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not served yet", "logprobs")
         room = engine.context - len(prompt)
         if room < 1:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
@@ -219,7 +264,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         return SamplingParams(max_tokens=max_tokens,
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                              seed=seed % (1 << 31), stop_token_ids=frozenset(stop_ids))
+                              seed=seed % (1 << 31), stop_token_ids=frozenset(stop_ids),
+                              logprobs=logprobs)
 
     def submit(prompt: list[int], sampling: SamplingParams) -> Request:
         req = Request(prompt=prompt, sampling=sampling, loop=asyncio.get_running_loop())
@@ -248,34 +294,45 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                 engine.cancel(req)
 
     def usage(req: Request, completion: int) -> dict:
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": completion,
-                "total_tokens": len(req.prompt) + completion}
+        out = {"prompt_tokens": len(req.prompt), "completion_tokens": completion,
+               "total_tokens": len(req.prompt) + completion}
+        if engine.drafter is not None:
+            spec = req.speculation
+            out["speculative"] = {"drafted": spec.drafted, "accepted": spec.accepted,
+                                  "launches": spec.launches}
+        return out
 
     def error_of(event: Event) -> ApiError:
         return ApiError(500, event.error or "generation failed", None, "server_error")
 
     async def generate(http: HttpRequest, body: _Sampling, prompt: list[int], max_tokens: int | None,
-                       chat: bool):
-        sampling = sampling_of(body, prompt, max_tokens)
+                       logprobs: int | None, chat: bool):
+        sampling = sampling_of(body, prompt, max_tokens, logprobs)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         req = submit(prompt, sampling)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": rid, "created": int(time.time()), "model": served.name}
 
-        def choice(text: str, ids: list[int], finish: str | None, first: bool = False) -> dict:
+        def logprobs_of(lp: _Logprobs, start: int) -> dict | None:
+            if logprobs is None or start >= len(lp.entries):
+                return None
+            return lp.chat(start) if chat else lp.completion(start)
+
+        def choice(text: str, ids: list[int], finish: str | None, lp: dict | None,
+                   first: bool = False) -> dict:
             if not chat:
-                return {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
+                return {"index": 0, "text": text, "token_ids": ids, "logprobs": lp,
                         "finish_reason": finish}
             delta = ({"role": "assistant", "content": text} if first else {"content": text})
-            return {"index": 0, "delta": delta, "token_ids": ids, "logprobs": None,
+            return {"index": 0, "delta": delta, "token_ids": ids, "logprobs": lp,
                     "finish_reason": finish}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def sse() -> AsyncIterator[str]:
-                text = _Text(tokenizer, stops)
+                text, lp = _Text(tokenizer, stops), _Logprobs(tokenizer)
                 first, finish = True, None
                 async for event in events(req, http):
                     if event.error is not None:
@@ -283,9 +340,11 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                         yield f"data: {json.dumps(_error_body(500, err.message, None, err.kind))}\n\n"
                         break
                     if event.token is not None:
+                        lp.add(event, len(text.text))
                         delta = text.add(event.token)
                         chunk = {**head, "object": obj + (".chunk" if chat else ""),
-                                 "choices": [choice(delta, [event.token], None, first)]}
+                                 "choices": [choice(delta, [event.token], None,
+                                                    logprobs_of(lp, len(lp.entries) - 1), first)]}
                         first = False
                         yield f"data: {json.dumps(chunk)}\n\n"
                         if text.stopped:
@@ -295,7 +354,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                         finish = event.finish_reason
                 if finish is not None:
                     chunk = {**head, "object": obj + (".chunk" if chat else ""),
-                             "choices": [choice(text.flush(), [], finish, first)]}
+                             "choices": [choice(text.flush(), [], finish, None, first)]}
                     yield f"data: {json.dumps(chunk)}\n\n"
                     if include_usage:
                         tail = {**head, "object": obj, "choices": [], "usage": usage(req, len(text.ids))}
@@ -303,24 +362,25 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        text = _Text(tokenizer, stops)
+        text, lp = _Text(tokenizer, stops), _Logprobs(tokenizer)
         finish = None
         async for event in events(req, http):
             if event.error is not None:
                 raise error_of(event)
             if event.token is not None:
+                lp.add(event, len(text.text))
                 text.add(event.token)
                 if text.stopped:
                     finish = "stop"
                     break
             else:
                 finish = event.finish_reason
-        content = text.flush()
+        content = text.text          # the whole text (cut before a stop string)
         if chat:
             out = {"index": 0, "message": {"role": "assistant", "content": content},
-                   "token_ids": text.ids, "logprobs": None, "finish_reason": finish}
+                   "token_ids": text.ids, "logprobs": logprobs_of(lp, 0), "finish_reason": finish}
         else:
-            out = {"index": 0, "text": content, "token_ids": text.ids, "logprobs": None,
+            out = {"index": 0, "text": content, "token_ids": text.ids, "logprobs": logprobs_of(lp, 0),
                    "finish_reason": finish}
         return {**head, "object": obj, "choices": [out], "usage": usage(req, len(text.ids))}
 
@@ -334,7 +394,9 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         return {"batch": engine.batch, "busy_rows": engine.busy_rows(), "steps": s.steps,
                 "step_seconds": s.step_seconds, "busy_row_steps": s.busy_row_steps,
                 "requests_done": s.requests_done, "prefill": engine.prefill,
-                "prefill_launches": s.prefill_launches, "prefill_seconds": s.prefill_seconds}
+                "prefill_launches": s.prefill_launches, "prefill_seconds": s.prefill_seconds,
+                "speculative": engine.drafter is not None, "verify_launches": s.verify_launches,
+                "verify_seconds": s.verify_seconds, "drafted": s.drafted, "accepted": s.accepted}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -346,7 +408,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not served yet", "echo")
-        return await generate(http, body, prompt_ids(body.prompt), body.max_tokens, chat=False)
+        return await generate(http, body, prompt_ids(body.prompt), body.max_tokens, body.logprobs,
+                              chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest):
@@ -357,8 +420,11 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                                 "`transformers` package); use /v1/completions with token ids")
         if not body.messages:
             raise ApiError(400, "messages is empty: give at least one message", "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt = check_ids(tokenizer.chat(body.messages), "messages")
-        return await generate(http, body, prompt, body.max_completion_tokens or body.max_tokens, chat=True)
+        return await generate(http, body, prompt, body.max_completion_tokens or body.max_tokens,
+                              (body.top_logprobs or 0) if body.logprobs else None, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from serve_fakes import CONTEXT, EOS, fake_greedy, fake_mesh, fake_module
+from serve_fakes import CONTEXT, EOS, VOCAB, fake_greedy, fake_mesh, fake_module
 
-from mkc.serve.api import create_app
+from mkc.serve.api import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, create_app
+from mkc.serve.drafting import prompt_lookup
 from mkc.serve.engine import Engine
 from mkc.serve.model import Served
 
@@ -119,3 +121,125 @@ def test_a_full_server_answers_429():
         assert "the server is busy: all 1 rows are busy" in r.json()["error"]["message"]
     finally:
         loop.close()
+
+
+def sse_chunks(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_completion_logprobs_streaming_and_not(client):
+    body = {"model": NAME, "temperature": 0, "prompt": [3, 5], "max_tokens": 4, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    ids = choice["token_ids"]
+    # the fake's logits are 10 on its token, 0 elsewhere
+    expected = -np.log(np.exp(10.0) + VOCAB - 1) + 10.0
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    assert lp["token_logprobs"] == pytest.approx([expected] * 4, abs=1e-6)
+    assert lp["text_offset"] == [0] * 4                   # no tokenizer: the text is empty
+    for token, top in zip(ids, lp["top_logprobs"]):
+        assert len(top) == 2 and list(top)[0] == f"token_id:{token}"
+    chunks = sse_chunks(client, "/v1/completions", {**body, "stream": True})
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["token_ids"]]
+    assert [s["tokens"][0] for s in streamed] == lp["tokens"]
+    assert [s["top_logprobs"][0] for s in streamed] == lp["top_logprobs"]
+    assert chunks[-1]["choices"][0]["logprobs"] is None
+    assert complete(client, prompt=[3], max_tokens=1).json()["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_zero_gives_the_chosen_token_only(client):
+    lp = complete(client, prompt=[2], max_tokens=2, logprobs=0).json()["choices"][0]["logprobs"]
+    assert [len(top) for top in lp["top_logprobs"]] == [1, 1]
+
+
+@pytest.mark.parametrize("value, message", [
+    (MAX_COMPLETION_LOGPROBS + 1,
+     f"logprobs: Input should be less than or equal to {MAX_COMPLETION_LOGPROBS}"),
+    (-1, "logprobs: Input should be greater than or equal to 0"),
+    (True, "logprobs: Input should be a valid integer"),
+])
+def test_completion_logprobs_bounds(client, value, message):
+    r = complete(client, prompt=[1], max_tokens=1, logprobs=value)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "logprobs"
+
+
+class _FakeTokenizer:
+    """Token t is the letter chr(97 + t % 26); a chat is its messages' contents."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(m["content"] for m in messages))
+
+
+@pytest.fixture(scope="module")
+def chat_client():
+    gen = fake_module()
+    served = Served(name=NAME, gen=gen, weights={}, mesh=fake_mesh(), interpret=None,
+                    tokenizer=_FakeTokenizer(), eos_token_ids=frozenset({EOS}))
+    engine = Engine(gen, {}, served.mesh, 1, None, eos_token_ids=served.eos_token_ids,
+                    drafter=prompt_lookup)
+    engine.start()
+    with TestClient(create_app(served, engine)) as c:
+        yield c
+    engine.stop()
+
+
+def test_chat_logprobs_streaming_and_not(chat_client):
+    body = {"model": NAME, "temperature": 0, "messages": [{"role": "user", "content": "dbf"}],
+            "max_tokens": 3, "logprobs": True, "top_logprobs": 3}
+    r = chat_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids = choice["token_ids"]
+    assert ids == fake_greedy([3, 1, 5], 3)
+    content = choice["logprobs"]["content"]
+    names = [chr(97 + t % 26) for t in ids]
+    assert [c["token"] for c in content] == names == list(choice["message"]["content"])
+    assert [c["bytes"] for c in content] == [[ord(n)] for n in names]
+    assert all(len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["token"] == c["token"] for c in content)
+    chunks = sse_chunks(chat_client, "/v1/chat/completions", {**body, "stream": True})
+    streamed = [e for c in chunks if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
+    assert streamed == content
+    plain = chat_client.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None})
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"logprobs": True, "top_logprobs": MAX_TOP_LOGPROBS + 1}, "top_logprobs",
+     f"top_logprobs: Input should be less than or equal to {MAX_TOP_LOGPROBS}"),
+    ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"logprobs": 3}, "logprobs", "logprobs: Input should be a valid boolean"),
+])
+def test_chat_logprobs_bounds(chat_client, extra, param, message):
+    r = chat_client.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 1, **extra,
+                                                        "messages": [{"role": "user", "content": "a"}]})
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == param
+
+
+def test_speculative_usage_counts(chat_client, client):
+    # the fake's first token after 3 1 3 1 is 3, so prompt lookup drafts 1 3 (what followed
+    # the earlier "1 3"), and the fake's next is not 1: drafts proposed and rejected, the text
+    # still greedy's
+    prompt = [3, 1, 3, 1]
+    r = chat_client.post("/v1/completions", json={"model": NAME, "temperature": 0, "prompt": prompt,
+                                                  "max_tokens": 3})
+    body = r.json()
+    assert body["choices"][0]["token_ids"] == fake_greedy(prompt, 3)
+    spec = body["usage"]["speculative"]
+    assert spec["launches"] >= 1 and spec["drafted"] >= 1 and 0 <= spec["accepted"] <= spec["drafted"]
+    stats = chat_client.get("/stats").json()
+    assert stats["speculative"] and stats["verify_launches"] >= spec["launches"]
+    assert "speculative" not in complete(client, prompt=[1], max_tokens=1).json()["usage"]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from serve_fakes import VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module
 
+from mkc.serve.drafting import prompt_lookup
 from mkc.serve.engine import Engine, QueueFull, Request
-from mkc.serve.sampling import SamplingParams, row_arrays, sample_rows
+from mkc.serve.sampling import SamplingParams, greedy_rows, logprob_width, row_arrays, sample_rows
 
 
 def make_engine(batch=2, max_queue=8, prefill="decode", **kw) -> Engine:
@@ -22,8 +24,11 @@ async def generate(engine: Engine, prompt, max_tokens, *, delay=0.0, cancel_afte
     req = Request(prompt=list(prompt), loop=asyncio.get_running_loop(),
                   sampling=SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling}))
     engine.submit(req)
+    req.seen = []                     # the token events, for the logprob tests
     while True:
         event = await req.events.get()
+        if event.token is not None:
+            req.seen.append(event)
         if event.token is not None and cancel_after is not None and len(req.generated) >= cancel_after:
             engine.cancel(req)
         if event.finish_reason is not None:
@@ -114,7 +119,7 @@ def test_sampling_per_row_on_device():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, VOCAB)), jnp.float32)
     params = [SamplingParams(1, temperature=0.0), SamplingParams(1, temperature=1.0, top_k=1, seed=3),
               SamplingParams(1, temperature=0.7, top_p=1e-6, seed=4), None]
-    tokens = np.asarray(sample_rows(logits, *map(jnp.asarray, row_arrays(params, [0, 5, 2, 0]))))
+    tokens = np.asarray(sample_rows(logits, *map(jnp.asarray, row_arrays(params, [0, 5, 2, 0]))).tokens)
     best = np.argmax(np.asarray(logits), axis=-1)
     # greedy, top-k 1 and a tiny top-p all take the most likely token; an idle row is greedy
     assert tokens.tolist() == best.tolist()
@@ -128,9 +133,122 @@ def test_sampling_is_seeded_per_request_not_per_row():
 
     def draw(params, counters):
         logits = jnp.asarray(np.stack([row] * len(params)))
-        return np.asarray(sample_rows(logits, *map(jnp.asarray, row_arrays(params, counters)))).tolist()
+        out = sample_rows(logits, *map(jnp.asarray, row_arrays(params, counters)))
+        return np.asarray(out.tokens).tolist()
 
     # the same request's draw in row 0 or row 2, beside other requests: the same token
     assert draw([hot, other, other], [3, 0, 1])[0] == draw([other, other, hot], [0, 1, 3])[2]
     # over its tokens a sampled request does not repeat one token (temperature 2 over 64)
     assert len({draw([hot], [n])[0] for n in range(20)}) > 3
+
+
+def test_logprobs_are_the_models_distribution_in_one_transfer():
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(3, VOCAB)), jnp.float32)
+    params = [SamplingParams(1, temperature=0.0, logprobs=3), SamplingParams(1, temperature=2.0, seed=5),
+              SamplingParams(1, temperature=0.5, top_k=4, seed=6, logprobs=0)]
+    assert logprob_width(params) == 5 and logprob_width([None, params[1]]) is None
+    out = sample_rows(logits, *map(jnp.asarray, row_arrays(params, [0, 0, 0])), width=5)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    tokens = np.asarray(out.tokens)
+    # the chosen token's logprob under the model's distribution, whatever the temperature
+    np.testing.assert_allclose(np.asarray(out.logprob), logp[np.arange(3), tokens], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-logp, axis=-1)[:, :5])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), -np.sort(-logp, axis=-1)[:, :5], rtol=1e-6)
+    assert sample_rows(logits, *map(jnp.asarray, row_arrays(params, [0, 0, 0]))).logprob is None
+    zero = greedy_rows(logits, width=0)
+    assert zero.top_ids.shape == (3, 0) and np.asarray(zero.tokens).tolist() == np.argmax(logp, -1).tolist()
+
+
+def test_engine_events_carry_logprobs():
+    engine = make_engine(batch=2)
+    (req, _), (plain, _) = run(engine, generate(engine, [3, 5], 3, logprobs=2),
+                               generate(engine, [4], 2))
+    logp = np.asarray(jax.nn.log_softmax(jax.nn.one_hot(np.array(req.generated), VOCAB) * 10.0))
+    for event, row in zip(req.seen, logp):
+        assert event.logprob == pytest.approx(row[event.token], rel=1e-6)
+        assert len(event.top) == 2 and event.top[0][0] == event.token
+    assert all(e.logprob is None and e.top is None for e in plain.seen)
+
+
+def oracle(context, n):
+    """The fake model's own greedy continuation: every draft is accepted."""
+    return fake_greedy(context, n)
+
+
+def corrupted(context, n):
+    """The greedy continuation with its second draft wrong: one accepted a launch."""
+    return [(t + 1) % (VOCAB - 1) if i == 1 else t for i, t in enumerate(fake_greedy(context, n))]
+
+
+@pytest.mark.parametrize("batch, prefill", [(2, "verify"), (2, "decode"), (4, "verify")])
+@pytest.mark.parametrize("drafter", [oracle, corrupted, prompt_lookup])
+def test_speculative_greedy_equals_plain_greedy(batch, prefill, drafter):
+    # batch 2: the verify step takes the whole batch (an idle row beside a busy one); batch 4:
+    # more rows than a launch takes, so the busy rows' states are taken out and put back
+    engine = make_engine(batch=batch, prefill=prefill, drafter=drafter)
+    prompts = [([3, 5, 7], 7), ([11], 8), ([2, 2], 5)]
+    out = run(engine, *(generate(engine, p, n, delay=0.01 * i) for i, (p, n) in enumerate(prompts)))
+    for (prompt, n), (req, finish) in zip(prompts, out):
+        assert req.generated == fake_greedy(prompt, n), prompt
+        assert finish == "length"
+        spec = req.speculation
+        assert spec.drafted >= spec.accepted
+        if drafter is oracle:
+            assert spec.accepted == spec.drafted and spec.launches > 0
+    if drafter is prompt_lookup:
+        return
+    rows_per_launch = VERIFY_ROWS if drafter is oracle else 2
+    assert engine.stats.verify_launches > 0
+    assert engine.stats.accepted == sum(r.speculation.accepted for r, _ in out)
+    # fewer launches than tokens: each launch gives a busy row up to `rows_per_launch` tokens
+    assert engine.stats.steps + engine.stats.verify_launches < sum(n for _, n in prompts)
+    assert rows_per_launch > 1
+
+
+def test_speculative_keeps_stop_tokens_and_max_tokens():
+    engine = make_engine(batch=1, drafter=oracle)
+    expected = fake_greedy([3, 5, 7], 9)
+    (stopped, why), = run(engine, generate(engine, [3, 5, 7], 9, stop_token_ids=frozenset({expected[4]})))
+    assert why == "stop" and stopped.generated == expected[:5]
+    engine = make_engine(batch=1, drafter=oracle)
+    (cut, why), = run(engine, generate(engine, [3, 5, 7], 4))
+    assert why == "length" and cut.generated == expected[:4]
+
+
+def test_sampled_rows_fall_back_to_decode_steps():
+    # a sampled request beside a greedy one: decode steps for both while both are busy
+    engine = make_engine(batch=2, drafter=oracle)
+    (sampled, _), (greedy, _) = run(engine, generate(engine, [1, 2], 6, temperature=1.0, seed=1),
+                                    generate(engine, [3], 3))
+    assert sampled.speculation.launches == 0 and greedy.speculation.launches == 0
+    assert greedy.generated == fake_greedy([3], 3)
+    assert engine.stats.verify_launches == 0
+
+
+def test_speculative_logprobs_equal_plain_logprobs():
+    def logprobs(drafter):
+        engine = make_engine(batch=1, drafter=drafter)
+        (req, _), = run(engine, generate(engine, [6, 1], 5, logprobs=3))
+        return [(e.token, e.logprob, e.top) for e in req.seen], engine.stats.verify_launches
+    plain, none = logprobs(None)
+    spec, launches = logprobs(oracle)
+    assert none == 0 and launches > 0
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    for (_, a, top_a), (_, b, top_b) in zip(spec, plain):
+        assert a == pytest.approx(b, abs=1e-5)
+        assert [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_speculation_needs_a_verify_step():
+    gen = fake_module()
+    del gen.VERIFY_ROWS
+    with pytest.raises(ValueError, match="speculative decoding needs a verify step"):
+        Engine(gen, {}, fake_mesh(), 2, None, prefill="decode", drafter=oracle)
+
+
+@pytest.mark.parametrize("batch, compiled", [(1, {1}), (2, {1, 2}), (4, {1, 2})])
+def test_warm_up_compiles_every_verify_launch_speculation_uses(batch, compiled):
+    # 1 for verify prefill; the whole batch when the verify step takes it, else 1 to 2 busy rows
+    engine = make_engine(batch=batch, prefill="verify", drafter=oracle)
+    engine.warm_up()
+    assert set(engine._verifiers) == compiled

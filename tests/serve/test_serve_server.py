@@ -7,14 +7,7 @@ whatever order they arrive."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,56 +17,18 @@ pin_cpu_isa()       # the same vector routines as the server's kernel (mkc.numer
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+from serve_process import MODEL, reference_greedy, running_server  # noqa: E402
+from serve_process import token_ids as _tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow      # interpret-mode steps: about a minute per server
 
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
-MODEL = "qwen3_8_mini"
 BATCH = 2
-STARTUP_SECONDS = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["decode", "verify"])
 def server(request):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "mkc", "serve", str(SPEC), "--model", MODEL,
-                             "--batch", str(BATCH), "--queue", "4", "--port", str(port),
-                             "--prefill", request.param],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_SECONDS
-    try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"mkc serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("mkc serve did not come up")
-            time.sleep(1)
+    with running_server(["--batch", str(BATCH), "--queue", "4", "--prefill", request.param]) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -83,31 +38,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def greedy():
-    """prompt, n -> (the reference's greedy tokens, finish reason), stopping at EOS as the
-    server does."""
-    import json
-    import sys
-
-    from mkc import compiler, numerics
-    from mkc.checkpoint import family_of
-    sys.path.insert(0, str(ROOT / "examples"))
-    from speculative import reference_greedy
-    config = json.loads((ROOT / f"mkc/model/configs/{MODEL}.json").read_text())
-    reference = family_of(config).module("reference")
-    cfg = reference.load_config(config)
-    hf = reference.init_params(cfg, seed=0)          # what the server's random_weights(0) gives
-    ir = compiler.check_spec(SPEC, MODEL).ir
-    rounding = numerics.rounding_from_ir(ir)
-    eos = config["eos_token_id"]
-
-    def run(prompt: list[int], n: int) -> tuple[list[int], str]:
-        out = reference_greedy(reference, hf, cfg, rounding, prompt, n, ir.context, stop_token=eos)
-        return out, "stop" if out[-1] == eos else "length"
-    return run
-
-
-def _tokens(choice) -> list[int]:
-    return list(choice.model_extra["token_ids"])
+    return reference_greedy()
 
 
 PROMPTS = [([5, 17, 99], 3), ([1000], 3), ([7, 7], 2)]

@@ -1,0 +1,93 @@
+"""The real `mkc serve` process for the slow tests: the MINI Qwen module
+(schedules/qwen3_8_27b.sched for qwen3_8_mini) in TPU interpret mode, and the family
+reference's greedy decoding (in its rounding-emulating mode, as examples/speculative.py
+compares) that its greedy completions must equal token for token."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+MODEL = "qwen3_8_mini"
+STARTUP_SECONDS = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str]) -> Iterator[str]:
+    """`mkc serve SPEC --model MODEL *args` on a free port until the block ends; its URL once
+    /health answers."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "mkc", "serve", str(SPEC), "--model", MODEL,
+                             "--port", str(port), *args],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"mkc serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("mkc serve did not come up")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def reference_greedy() -> Callable[[list[int], int], tuple[list[int], str]]:
+    """prompt, n -> (the reference's greedy tokens, finish reason), stopping at EOS as the
+    server does."""
+    from mkc import compiler, numerics
+    from mkc.checkpoint import family_of
+    sys.path.insert(0, str(ROOT / "examples"))
+    from speculative import reference_greedy as greedy
+    config = json.loads((ROOT / f"mkc/model/configs/{MODEL}.json").read_text())
+    reference = family_of(config).module("reference")
+    cfg = reference.load_config(config)
+    hf = reference.init_params(cfg, seed=0)          # what the server's random_weights(0) gives
+    ir = compiler.check_spec(SPEC, MODEL).ir
+    rounding = numerics.rounding_from_ir(ir)
+    eos = config["eos_token_id"]
+
+    def run(prompt: list[int], n: int) -> tuple[list[int], str]:
+        out = greedy(reference, hf, cfg, rounding, prompt, n, ir.context, stop_token=eos)
+        return out, "stop" if out[-1] == eos else "length"
+    return run
+
+
+def token_ids(choice) -> list[int]:
+    return list(choice.model_extra["token_ids"])
