@@ -3,6 +3,7 @@ people (text) and machines (--json)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -258,20 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             c = compiler.check_spec(args.spec, args.model)
             _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
                              args.trace, args.plot)
-            if args.compiled and not as_json:
-                print("pricing by what libtpu compiles (compiled now if not cached; seconds to "
-                      "a few minutes)...", file=sys.stderr)
-            try:
+            with _bundle_errors(c.ir, "mkc perf without --compiled prices the traced kernel "
+                                      "instead"):
                 modelled = perf.model(c.ir, args.batch, args.context, args.verify,
                                       args.acceptance, compiled=args.compiled,
-                                      keep_timeline=bool(args.trace or args.plot))
-            except Exception as e:
-                from mkc.perf.bundles import BundleError
-                if not isinstance(e, BundleError):
-                    raise
-                raise MkcError([Diagnostic(
-                    "E-BUNDLES", str(e), c.ir.setting_spans.get("target", Span.unknown(c.ir.source)),
-                    hint="mkc perf without --compiled prices the traced kernel instead")]) from None
+                                      keep_timeline=bool(args.trace or args.plot),
+                                      on_compile=_compile_notice(c.ir, as_json))
             result["perf"] = perf.report(modelled)
             if not as_json:
                 from mkc.perf.run import table
@@ -460,32 +453,41 @@ def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:
                       hint=f"give {flag} a file path")
 
 
+@contextlib.contextmanager
+def _bundle_errors(s, hint: str):
+    """A compiled measure that cannot be had (libtpu refused the kernel, a verify width the
+    module does not build) as a diagnostic at the spec setting at fault (`verify`, `target`)."""
+    from mkc.perf.bundles import BundleError
+    try:
+        yield
+    except BundleError as e:
+        span = s.setting_spans.get(e.setting) or s.setting_spans.get(
+            "target", Span.unknown(s.source))
+        raise MkcError([Diagnostic("E-BUNDLES", str(e), span, hint=hint)]) from None
+
+
+def _compile_notice(s, as_json: bool):
+    """What to say before libtpu compiles a kernel for a measure (nothing with --json)."""
+    if as_json:
+        return None
+    return lambda: print(f"compiling the kernel with libtpu for {s.topology} (compile-only; "
+                         "seconds to a few minutes)...", file=sys.stderr)
+
+
 def _bundles(s, args, as_json: bool) -> dict:
     """`mkc perf --bundles`: the compiled kernel's bundles per row (mkc.perf.bundles)."""
     import difflib
 
     from mkc.perf import bundles
-    span = s.setting_spans.get("target", Span.unknown(s.source))
     if not args.bundles:
         raise MkcError([Diagnostic("E-PERF", "--op needs --bundles: it names a row of the "
                                    "bundle report", Span.unknown(s.source),
                                    hint="pass --bundles --op ROW")])
-    if args.verify is not None and args.verify != s.verify_rows:
-        raise MkcError([Diagnostic("E-PERF", f"--bundles --verify {args.verify}: the module "
-                                   f"builds its verify kernel at {s.verify_rows} rows a sequence",
-                                   s.setting_spans.get("verify", span),
-                                   hint=f"pass --verify {s.verify_rows}")])
-    kernel = "verify" if args.verify else "decode"
-    if not as_json and bundles.cached(s, kernel, args.batch or (
-            s.verify_sequences[0] if args.verify else s.batch_max)) is None:
-        print(f"compiling the {kernel} kernel with libtpu for {s.topology} (compile-only; "
-              "seconds to a few minutes)...", file=sys.stderr)
-    try:
-        entry = bundles.bundle_report(s, kernel, args.batch)
-    except bundles.BundleError as e:
-        raise MkcError([Diagnostic("E-BUNDLES", str(e), span,
-                                   hint="mkc perf without --bundles models the step from the "
-                                        "traced kernel instead")]) from None
+    with _bundle_errors(s, "mkc perf without --bundles models the step from the traced "
+                           "kernel instead"):
+        entry = bundles.bundle_report(s, "verify" if args.verify else "decode", args.batch,
+                                      verify_rows=args.verify,
+                                      on_compile=_compile_notice(s, as_json))
     keys = bundles.row_keys(entry)
     if args.op is not None and args.op not in keys:
         near = difflib.get_close_matches(args.op, keys, n=1)

@@ -54,7 +54,12 @@ _SPEC_LINE = re.compile(r"#\s*spec line (\d+)")
 
 
 class BundleError(Exception):
-    """A bundle report that cannot be made (no libtpu for the generation, a failed compile)."""
+    """A bundle report that cannot be made (no libtpu for the generation, a failed compile);
+    `setting` names the spec setting at fault, if one is."""
+
+    def __init__(self, message: str, setting: str = "target") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 def libtpu_version() -> str:
@@ -294,8 +299,7 @@ def _depth(layer_loop: llo.Loop | None, in_layers: bool) -> int:
     return layer_loop.depth if layer_loop is not None and in_layers else 0
 
 
-def find_layer_loop(bundles: list[llo.Bundle], loops: list[llo.Loop], layers: int
-                    ) -> llo.Loop | None:
+def find_layer_loop(loops: list[llo.Loop], layers: int) -> llo.Loop | None:
     """The loop over the layers: the largest loop of `layers` iterations."""
     fit = [lp for lp in loops if lp.trips == layers]
     return max(fit, key=lambda lp: lp.last - lp.first) if fit else None
@@ -316,13 +320,13 @@ def _shares(owners: list[list[tuple[Label, llo.Instruction]]]) -> list[dict[Labe
 
 
 def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
-         kinds: dict[str, int] | None = None, run_time_ops: set[str] | None = None
-         ) -> list[Row]:
+         kinds: dict[str, int] | None = None, run_time_ops: set[str] | None = None,
+         body: list[llo.Loop] | None = None) -> list[Row]:
     """The kernel's rows, costliest per call first (`layers`: the trips of the layer loop;
     `kinds`: the order its body runs the kinds in, `kind_order`; `run_time_ops`: the ops with
-    a loop decided at run time, "kind.op")."""
-    body = llo.loops(bundles)
-    layer_loop = find_layer_loop(bundles, body, layers)
+    a loop decided at run time, "kind.op"; `body`: the kernel's `llo.loops`, if read)."""
+    body = llo.loops(bundles) if body is None else body
+    layer_loop = find_layer_loop(body, layers)
     owners = charge(bundles, labels, layer_loop, kinds, run_time_ops)
     shares = _shares(owners)
     enclosing: list[list[llo.Loop]] = [[] for _ in bundles]
@@ -337,6 +341,7 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
     touched: dict[Label, float] = defaultdict(float)
     hottest: dict[Label, llo.Loop] = {}
     read_loops: dict[Label, set[llo.Loop]] = defaultdict(set)
+    run_time_loops: dict[Label, set[llo.Loop]] = defaultdict(set)
     for i, (b, sh) in enumerate(zip(bundles, shares)):
         base = _depth(layer_loop, layer_loop is not None and i in layer_loop)
         inner = [lp for lp in enclosing[i] if lp.depth > base]
@@ -352,6 +357,7 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
             row.bundles += share
             if run_time:
                 row.per_iteration += share * times
+                run_time_loops[lab].update(lp for lp in inner if lp.trips is None)
             else:
                 row.cycles += share * times
                 if inner and inner[0] in waiting:
@@ -372,9 +378,7 @@ def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,
         if use:
             k = max(use, key=use.get)
             row.bound, row.busiest = (k, use[k]) if use[k] >= 0.5 else ("dependencies", use[k])
-        row.run_time_loops = len({(lp.first, lp.last) for i, sh in enumerate(shares) if lab in sh
-                                  for lp in enclosing[i] if lp.trips is None
-                                  and lp.depth > _depth(layer_loop, i in (layer_loop or ()))})
+        row.run_time_loops = len(run_time_loops[lab])
         lp = hottest.get(lab)
         first, last = (lp.first, lp.last) if lp else _longest_run(shares, lab)
         row.hottest = {"first": bundles[first].address, "last": bundles[last].address,
@@ -449,18 +453,19 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
             raise BundleError(f"libtpu wrote no located LLO for the {kernel} kernel of {s.name}")
         text = dumped.read_text(errors="replace")
     parsed = llo.parse(text, module.name)
+    body = llo.loops(parsed)
     layers = len(s.layer_kinds)
     from mkc.perf.work import kernel_work
     traced = kernel_work(s, s.verify_rows * batch if verify_rows else batch, verify_rows)
     run_time = {f"{k}.{o}" for k, o in traced.run_time_loop_ops}
-    found = rows(parsed, line_labels(source), layers, kind_order(source), run_time)
+    found = rows(parsed, line_labels(source), layers, kind_order(source), run_time, body)
     calls = layer_calls(s)
     lib = libtpu_version()
     return {"schema": SCHEMA, "key": cache_key(source, kernel, batch, lib), "spec": s.name,
             "chip": s.chip, "topology": s.topology, "kernel": kernel, "batch": batch,
             "verify_rows": verify_rows, "libtpu": lib, "bundles": len(parsed),
             "slot_capacity": llo.slot_capacity(parsed),
-            "layer_loop": find_layer_loop(parsed, llo.loops(parsed), layers) is not None,
+            "layer_loop": find_layer_loop(body, layers) is not None,
             "calls": calls, "compile_seconds": round(r.get("seconds", 0.0), 1),
             "rows": [row.to_json() for row in found]}
 
@@ -505,10 +510,17 @@ def save(entry: dict, directory: Path | None = None) -> Path:
 
 
 def bundle_report(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
-                  compile_missing: bool = True, tick=None) -> dict:
-    """The measure for `s`: cached, or compiled now (and cached) when `compile_missing`."""
+                  compile_missing: bool = True, tick=None, verify_rows: int | None = None,
+                  on_compile=None) -> dict:
+    """The measure for `s`: cached, or compiled now (and cached) when `compile_missing`, after
+    `on_compile()` if given. A verify kernel is the module's, of the spec's R rows a sequence:
+    another `verify_rows` is a BundleError."""
     from mkc.codegen.emit import render
     verify = kernel == "verify"
+    if verify and verify_rows is not None and verify_rows != s.verify_rows:
+        raise BundleError(f"the module builds its verify kernel at {s.verify_rows} rows a "
+                          f"sequence, not {verify_rows}: pass --verify {s.verify_rows}",
+                          setting="verify")
     batch = batch or (s.verify_sequences[0] if verify else s.batch_max)
     source = render(s, "")
     got = cached(s, kernel, batch, source)
@@ -517,6 +529,8 @@ def bundle_report(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = 
             raise BundleError(f"no bundles measured for the {kernel} kernel of {s.name} at "
                               f"{batch} {'sequences' if verify else 'rows'} with libtpu "
                               f"{libtpu_version() or '(not installed)'}")
+        if on_compile is not None:
+            on_compile()
         got = measure(s, kernel, batch, source=source, tick=tick)
         save(got)
     return got

@@ -202,12 +202,13 @@ class Modelled:
 
 def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
           verify_rows: int | None = None, acceptance: float | None = None,
-          compiled: bool = False, keep_timeline: bool = False) -> Modelled:
+          compiled: bool = False, keep_timeline: bool = False, on_compile=None) -> Modelled:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
     (default: the spec's context). With `verify_rows` R, its verify step of R rows for each of
     `batch` sequences (default: the spec's fewest), whose tokens per second count `acceptance`
     tokens per sequence and launch (default R: every draft right). `keep_timeline` for
-    pictures of that same step."""
+    pictures of that same step. With `compiled`, priced by the kernel's compiled measure
+    (`mkc.perf.bundles`; `on_compile()` runs before a compile the cache cannot spare)."""
     sequences = None
     if verify_rows:
         sequences = batch or s.verify_sequences[0]
@@ -217,12 +218,9 @@ def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
     measure = None
     if compiled:
         from mkc.perf import bundles
-        if verify_rows and verify_rows != s.verify_rows:
-            raise bundles.BundleError(f"the module builds its verify kernel at {s.verify_rows} "
-                                      f"rows a sequence, not {verify_rows}: pass --verify "
-                                      f"{s.verify_rows} to price it as compiled")
         measure = bundles.bundle_report(s, "verify" if sequences else "decode",
-                                        sequences or batch)
+                                        sequences or batch, verify_rows=verify_rows,
+                                        on_compile=on_compile)
     rates = constants.compiled_rates(s.chip) if compiled else constants.rates(s.chip)
     res = step_model(s, batch, tokens, rates, keep_timeline=keep_timeline, sequences=sequences,
                      compiled=measure)

@@ -169,9 +169,11 @@ def test_compiled_price_names_each_op_s_source(tmp_path, monkeypatch, capsys):
     step = json.loads(capsys.readouterr().out)["perf"]["step_seconds"]
     assert json.loads(trace.read_text())["otherData"]["step_us"] == pytest.approx(step * 1e6,
                                                                                  abs=1e-3)
-    assert main(["perf", str(SPEC), "--compiled", "--verify", "3"]) == 1
-    err = capsys.readouterr()
-    assert "E-BUNDLES" in err.out + err.err and "pass --verify 8" in err.out + err.err
+    for flag in ("--compiled", "--bundles"):           # one check, at the spec's verify line
+        assert main(["perf", str(SPEC), flag, "--verify", "3"]) == 1
+        err = capsys.readouterr()
+        said = err.out + err.err
+        assert "E-BUNDLES" in said and "pass --verify 8" in said and ".sched:9:3:" in said
 
 
 def test_perf_verdict_says_what_bounds_the_step_against_the_model_s_own_ceiling(capsys):
