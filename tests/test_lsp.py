@@ -25,6 +25,16 @@ def _line_of(text: str, needle: str) -> int:
     return next(i for i, line in enumerate(text.splitlines()) if needle in line)
 
 
+
+async def _start(client, tmp_path) -> None:
+    """`mkc lsp` started under `client` over stdio and initialized for `tmp_path`."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    await client.start_io(sys.executable, "-m", "mkc", "lsp", env=env)
+    await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(),
+                                                         root_uri=tmp_path.as_uri()))
+    client.initialized(types.InitializedParams())
+
 async def _session(tmp_path):
     client = LanguageClient("mkc-test", "1")
     published: list[types.PublishDiagnosticsParams] = []
@@ -41,12 +51,7 @@ async def _session(tmp_path):
         await asyncio.wait_for(arrived.wait(), 120)
         return published[-1].diagnostics
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    await client.start_io(sys.executable, "-m", "mkc", "lsp", env=env)
-    await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(),
-                                                         root_uri=tmp_path.as_uri()))
-    client.initialized(types.InitializedParams())
+    await _start(client, tmp_path)
     spec = tmp_path / "q.sched"
     text = SPEC.read_text()
     uri = spec.as_uri()
@@ -162,12 +167,7 @@ async def _error_session(tmp_path, edits: list[tuple[str, list]]):
     def on_diagnostics(params: types.PublishDiagnosticsParams) -> None:
         arrived.set()
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    await client.start_io(sys.executable, "-m", "mkc", "lsp", env=env)
-    await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities(),
-                                                         root_uri=tmp_path.as_uri()))
-    client.initialized(types.InitializedParams())
+    await _start(client, tmp_path)
     uri = (tmp_path / "q.sched").as_uri()
     doc = types.TextDocumentIdentifier(uri=uri)
     client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=types.TextDocumentItem(
