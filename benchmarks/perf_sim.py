@@ -7,13 +7,15 @@ step times are modelled, not measured.
 
     .venv/bin/python benchmarks/perf_sim.py [--repeats N] [--timeline] [--json]
     .venv/bin/python benchmarks/perf_sim.py --tuned [--json]
+    .venv/bin/python benchmarks/perf_sim.py --transfer [MODEL ...] [--json]
 
 --tuned compares each tuned candidate in benchmarks/data/tuned/ (written by `mkc tune`) with
 the spec it was tuned from (benchmarks/data/untuned/: the shipped specs have since taken some
 of the changes), at the spec's smallest and largest batch, under every DMA queue count of the
-calibration's sweep, each with the constants fitted for that count
+calibration's sweep, each with latency_scale fitted for that count
 (`calibration.dma_queues_sweep` in mkc/perf/data/tpu7x.json): a gain that holds for one queue
-only is the single in-order queue's, not the schedule's.
+only is the single in-order queue's, not the schedule's. Both are priced by the shipped spec's
+compiled measure (per weight value read, as `mkc tune` prices candidates).
 """
 from __future__ import annotations
 
@@ -44,9 +46,15 @@ def main() -> int:
     ap.add_argument("--tuned", action="store_true",
                     help="compare the tuned specs in benchmarks/data/tuned/ with their inputs per DMA queue "
                          "count")
+    ap.add_argument("--transfer", nargs="*", metavar="MODEL",
+                    help="test how `mkc tune` prices a candidate: each untuned and tuned spec "
+                         "priced by the shipped spec's compiled measure against its own compile "
+                         "(compiles each; default models: Qwen 3.8 27B)")
     args = ap.parse_args()
     if args.tuned:
         return tuned(args.json)
+    if args.transfer is not None:
+        return transfer(args.transfer or ["Qwen 3.8 27B"], args.json)
     from mkc.compiler import check_spec
     from mkc.perf import constants
     from mkc.perf.run import expected_experts, expert_mix, perf_trace, step_model
@@ -110,11 +118,53 @@ def main() -> int:
     return 0
 
 
+def transfer(models: list[str], as_json: bool) -> int:
+    """A geometry priced by another's compiled measure (as `mkc tune` prices its candidates)
+    against its own compiled measure: the untuned and tuned specs of each model, at its
+    smallest and largest batch, by the shipped spec's measure and by their own (compiled now,
+    then cached)."""
+    from mkc.compiler import check_spec
+    from mkc.perf.run import kernel_measure, step_model
+    from mkc.perf.work import kernel_work
+
+    rows = []
+    for name in models:
+        spec = SPECS[name]
+        shipped = check_spec(ROOT / spec).ir
+        for variant in ("untuned", "tuned"):
+            path = ROOT / "benchmarks" / "data" / variant / Path(spec).name
+            if not path.is_file():
+                continue
+            cand = check_spec(path).ir
+            for batch in sorted({shipped.batch_min, shipped.batch_max}):
+                measure, _ = kernel_measure(shipped, batch)
+                own, _ = kernel_measure(cand, batch, compiled=True)
+                lent = step_model(cand, batch, cand.context, keep_timeline=False, compiled=measure,
+                                  compiled_work=kernel_work(shipped, batch)).step_s
+                true = step_model(cand, batch, cand.context, keep_timeline=False,
+                                  compiled=own).step_s
+                rows.append({"model": name, "spec": str(path.relative_to(ROOT)), "batch": batch,
+                             "priced_by_shipped_s": lent, "priced_by_own_s": true,
+                             "error_percent": 100 * (lent / true - 1)})
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print("a geometry priced by the shipped spec's compiled measure (as `mkc tune` prices "
+          "candidates) against its own compile (modelled, not measured)")
+    for r in rows:
+        print(f"  {r['spec']:<44} B{r['batch']:<3} {r['priced_by_shipped_s'] * 1e3:8.3f} ms "
+              f"vs {r['priced_by_own_s'] * 1e3:8.3f} ms  {r['error_percent']:+.2f}%")
+    print("reproduce: .venv/bin/python benchmarks/perf_sim.py --transfer " +
+          " ".join(f"'{m}'" for m in models))
+    return 0
+
+
 def tuned(as_json: bool) -> int:
     """Each tuned spec against its input, modelled at each batch and DMA queue count (module docstring)."""
     from mkc.compiler import check_spec
     from mkc.perf import constants
-    from mkc.perf.run import step_model
+    from mkc.perf.run import kernel_measure, step_model
+    from mkc.perf.work import kernel_work
 
     sweep = constants.calibration("tpu7x")["dma_queues_sweep"]
     rows = []
@@ -124,22 +174,30 @@ def tuned(as_json: bool) -> int:
             continue
         origin = ROOT / "benchmarks" / "data" / "untuned" / Path(spec).name
         base, tuned_ = check_spec(origin).ir, check_spec(cand).ir
+        shipped = check_spec(ROOT / spec).ir
         traces: dict = {id(base): {}, id(tuned_): {}}
         for fit in sweep:
             q = fit["dma_queues"]
-            rates = constants.rates(base.chip, {"dma_queues": q} | fit["fit"])
+            rates = constants.rates(base.chip, {"dma_queues": q,
+                                                "latency_scale": fit["latency_scale"]})
             for batch in sorted({base.batch_min, base.batch_max}):
+                # both priced by the shipped spec's compiled kernel (cached), per weight value
+                measure, _ = kernel_measure(shipped, batch)
+                work = kernel_work(shipped, batch)
                 t0, t1 = (step_model(s, batch, s.context, rates, keep_timeline=False,
-                                     traces=traces[id(s)]).step_s for s in (base, tuned_))
+                                     traces=traces[id(s)], compiled=measure,
+                                     compiled_work=work).step_s for s in (base, tuned_))
                 rows.append({"model": name, "tuned_from": str(origin.relative_to(ROOT)),
                              "tuned": str(cand.relative_to(ROOT)), "dma_queues": q,
-                             "constants": fit["fit"], "batch": batch, "from_step_s": t0,
+                             "latency_scale": fit["latency_scale"], "batch": batch,
+                             "priced_by": "compiled (the shipped spec's measure)" if measure
+                             else "counted", "from_step_s": t0,
                              "tuned_step_s": t1, "gain_percent": 100 * (t0 / t1 - 1)})
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
     print("tuned spec against the spec it was tuned from, modelled step per DMA queue count "
-          "(constants refitted for each count; modelled, not measured)")
+          "(latency_scale refitted for each count; modelled, not measured)")
     print(f"  {'model':<18}{'queues':>7}{'batch':>6}{'from':>11}{'tuned':>11}{'gain':>8}")
     for r in rows:
         print(f"  {r['model']:<18}{r['dma_queues']:>7}{r['batch']:>6}"

@@ -70,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
                                 "budget at any kernel width (default 1 MiB)")
         if name == "retarget":
             _retarget_args(p)
+        if name in ("perf", "tune"):
+            price = p.add_mutually_exclusive_group()
+            price.add_argument("--compiled", action="store_const", const=True, dest="price",
+                               help="compile the spec's kernels with libtpu when no measure of "
+                                    "them is cached (by default steps are priced by the cycles "
+                                    "libtpu schedules where a measure is cached or shipped, "
+                                    "else counted)")
+            price.add_argument("--counted", action="store_const", const=False, dest="price",
+                               help="price the traced kernel's counted work at the chip's "
+                                    "rates, even where a compiled measure is cached")
         if name == "perf":
             p.add_argument("--batch", type=int_at_least(1),
                            help="rows per step (default: the spec's largest)")
@@ -92,10 +102,6 @@ def _parser() -> argparse.ArgumentParser:
                            help="report what libtpu compiles instead: the kernel's instruction "
                                 "bundles per op, collective and copy, from its final LLO "
                                 "(compile-only; cached, compiled when missing)")
-            p.add_argument("--compiled", action="store_true",
-                           help="price compute, copies and collectives by the cycles libtpu "
-                                "schedules for the kernel (its LLO, as --bundles reads it) "
-                                "rather than by the traced kernel's counted work")
             p.add_argument("--op", metavar="ROW",
                            help="with --bundles: also show this row's (e.g. gdn.in_proj) slot "
                                 "use and hottest bundle region")
@@ -259,12 +265,11 @@ def main(argv: list[str] | None = None) -> int:
             c = compiler.check_spec(args.spec, args.model)
             _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
                              args.trace, args.plot)
-            with _bundle_errors(c.ir, "mkc perf without --compiled prices the traced kernel "
-                                      "instead"):
+            with _bundle_errors(c.ir, "mkc perf --counted prices the traced kernel instead"):
                 modelled = perf.model(c.ir, args.batch, args.context, args.verify,
-                                      args.acceptance, compiled=args.compiled,
+                                      args.acceptance, compiled=args.price,
                                       keep_timeline=bool(args.trace or args.plot),
-                                      on_compile=_compile_notice(c.ir, as_json))
+                                      on_compile=_compile_notice(args.spec, as_json))
             result["perf"] = perf.report(modelled)
             if not as_json:
                 from mkc.perf.run import table
@@ -360,7 +365,8 @@ def _tune(args, as_json: bool) -> dict:
         log = None if as_json else (lambda m: b.write(f"  {m}", file=sys.stdout))
         res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
                         min_headroom=int(args.min_headroom * 2**20),
-                        evaluated=lambda: b.update(1))
+                        evaluated=lambda: b.update(1), compiled=args.price,
+                        on_compile=_compile_notice(args.spec, as_json))
     compiler.write_atomically(out, res.text)
     compiler.check_spec(out, _model_of(args, sched))
     if not as_json:
@@ -369,7 +375,7 @@ def _tune(args, as_json: bool) -> dict:
     return {"output": str(out), "tune": {
         "modelled": True, "objective": "mean modelled step over the batches",
         "batches": res.batches, "evaluations": res.evaluations, "rejected": res.rejected,
-        "seconds": res.seconds,
+        "seconds": res.seconds, "priced_by": res.priced_by,
         "before_step_seconds": {str(b): t for b, t in res.before.steps.items()},
         "after_step_seconds": {str(b): t for b, t in res.best.steps.items()},
         "min_headroom_bytes": res.min_headroom, "refused_for_headroom": res.short_of_headroom,
@@ -466,12 +472,12 @@ def _bundle_errors(s, hint: str):
         raise MkcError([Diagnostic("E-BUNDLES", str(e), span, hint=hint)]) from None
 
 
-def _compile_notice(s, as_json: bool):
-    """What to say before libtpu compiles a kernel for a measure (nothing with --json)."""
+def _compile_notice(what: str, as_json: bool):
+    """What to say before libtpu compiles `what`'s kernel for a measure (nothing with --json)."""
     if as_json:
         return None
-    return lambda: print(f"compiling the kernel with libtpu for {s.topology} (compile-only; "
-                         "seconds to a few minutes)...", file=sys.stderr)
+    return lambda: print(f"compiling {what}'s kernel with libtpu (compile-only; seconds to a "
+                         "few minutes)...", file=sys.stderr)
 
 
 def _bundles(s, args, as_json: bool) -> dict:
@@ -487,7 +493,7 @@ def _bundles(s, args, as_json: bool) -> dict:
                            "kernel instead"):
         entry = bundles.bundle_report(s, "verify" if args.verify else "decode", args.batch,
                                       verify_rows=args.verify,
-                                      on_compile=_compile_notice(s, as_json))
+                                      on_compile=_compile_notice(args.spec, as_json))
     keys = bundles.row_keys(entry)
     if args.op is not None and args.op not in keys:
         near = difflib.get_close_matches(args.op, keys, n=1)

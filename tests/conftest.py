@@ -1,12 +1,17 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+
+# Compiled measures of unshipped kernels go to a cache of this test session's own, so what a
+# test prices does not depend on what the machine's user cache holds.
+os.environ["MKC_BUNDLE_CACHE"] = tempfile.mkdtemp(prefix="mkc-bundles-")
 
 
 def run_python(args: list[str], timeout: float) -> subprocess.CompletedProcess:

@@ -114,22 +114,34 @@ def test_every_relative_link_anchor_names_a_heading():
     assert not broken, "links to missing headings:\n" + "\n".join(broken)
 
 
+def test_the_readme_s_performance_figures_are_what_calibrate_perf_recorded():
+    from mkc.perf import constants
+    cal = constants.calibration("tpu7x")
+    text = README.read_text()
+    section = " ".join(text[text.index("## Performance: modelled, not measured"):].split("\n## ")[0].split())
+    pts = {p["batch"]: p for p in cal["points"]}
+    held = {p["batch"]: p for p in cal["leave_one_out"]}
+    for figure in (f"`latency_scale` {cal['values']['latency_scale']:.3f}",
+                   f"bounds {cal['bounds'][0]:g}-{cal['bounds'][1]:g}x",
+                   f"residuals B1 {pts[1]['error_percent']:+.1f} %, B8 {pts[8]['error_percent']:+.1f} %",
+                   f"B1 from B8 alone {held[1]['error_percent']:+.1f} %",
+                   f"B8 from B1 {held[8]['error_percent']:+.1f} %",
+                   f"(never fitted) {cal['speculative_holdout']['error_percent']:+.1f} %"):
+        assert figure in section, figure
+
+
 def test_the_calibration_table_is_what_calibrate_perf_recorded():
     """docs/perf.md's DMA-queue table against `calibration.dma_queues_sweep` in tpu7x.json."""
-    import json
-    sweep = json.loads((ROOT / "mkc" / "perf" / "data" / "tpu7x.json").read_text())["calibration"]
+    from mkc.perf import constants
+    sweep = constants.calibration("tpu7x")["dma_queues_sweep"]
     text = (ROOT / "docs" / "perf.md").read_text()
     table = text[text.index("| DMA queues |"):]
     rows = re.findall(r"^\| (\d) \|(.*)\|$", table[:table.index("\n\n")], re.M)
-    assert [int(q) for q, _ in rows] == [s["dma_queues"] for s in sweep["dma_queues_sweep"]]
-    for (_, cells), record in zip(rows, sweep["dma_queues_sweep"]):
-        feed, latency, fit, held, held_error = [c.strip() for c in cells.split("|")]
-        holdout = {p["batch"]: p["error_percent"] for p in record["holdout"]["points"]}
-        assert feed == f"{record['fit']['mxu_feed_scale']:.2f}"
-        assert latency == f"{record['fit']['latency_scale']:.3f}"
-        assert fit == " / ".join(f"{abs(e):.1f} %" for e in record["fit_error_percent"])
-        assert held == f"{record['holdout']['values']['mxu_feed_scale']:.1f}"
-        assert held_error == f"{holdout[8]:+.1f} % / {holdout[1]:+.1f} %"
+    assert [int(q) for q, _ in rows] == [s["dma_queues"] for s in sweep]
+    for (_, cells), record in zip(rows, sweep):
+        latency, errors = [c.strip() for c in cells.split("|")]
+        assert latency == f"{record['latency_scale']:.3f}"
+        assert errors == " / ".join(f"{e:+.1f} %" for e in record["error_percent"])
 
 
 def walkthrough() -> str:
@@ -214,10 +226,9 @@ def test_the_shipped_specs_table_is_what_mkc_check_reports():
 
 def test_the_compiled_price_figures_are_what_calibrate_perf_recorded():
     """docs/perf.md's compiled-price table, clock, fitted value and bounds against
-    `compiled_calibration` in tpu7x.json (`benchmarks/calibrate_perf.py --compiled`) and JAX's
-    chip table."""
+    `calibration` in tpu7x.json (`benchmarks/calibrate_perf.py`) and JAX's chip table."""
     from mkc.perf import constants
-    cal = constants.compiled_calibration("tpu7x")
+    cal = constants.calibration("tpu7x")
     text = (ROOT / "docs" / "perf.md").read_text()
     assert f"which is {constants.rates('tpu7x').clock_hz / 1e9:.3f} GHz on tpu7x" in text
     (name, value), = cal["values"].items()

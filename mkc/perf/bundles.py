@@ -471,6 +471,9 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
 
 
 def user_cache() -> Path:
+    """Where measures of specs mkc does not ship are kept (MKC_BUNDLE_CACHE overrides)."""
+    if own := os.environ.get("MKC_BUNDLE_CACHE"):
+        return Path(own)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mkc" / "bundles"
 
 

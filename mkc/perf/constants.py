@@ -31,7 +31,6 @@ class Rates:
     dma_issue_s: float           # per copy: from start until its bytes flow (overlaps others)
     dma_overhead_bytes: float    # per copy: bandwidth it costs beyond its bytes (small copies)
     dma_queues: float            # in-order HBM<->VMEM DMA queues per core sharing its bandwidth
-    mxu_feed_scale: float        # weight-load rate of the MXUs relative to peak / (2 * column)
     op_overhead_s: float         # per op: fixed cost of a compute body
     vpu_ops_per_s: float         # VPU element operations per second (32-bit, whole registers)
     eup_ops_per_s: float         # transcendental element operations per second
@@ -44,7 +43,7 @@ class Rates:
     step_fixed_s: float          # per step: launch, embedding gather, sampling on the host
     latency_scale: float         # multiplies every fixed latency above (dma_issue_s, op_overhead_s,
                                  # ici_hop_s, collective_round_s): their ratios are assumed,
-                                 # their level is fitted
+                                 # their level is the model's one fitted constant
     provenance: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -78,7 +77,8 @@ class Rates:
         """Weight values the MXUs take in per second. At decode batch (<= 8 rows) a matmul is
         bound by loading weight tiles into the systolic arrays, not by FLOPs: a tile of
         column x column values takes about `column` cycles to load, while the peak rate does
-        column x column multiply-adds per cycle, so loading runs at peak / (2 * column)."""
+        column x column multiply-adds per cycle, so loading runs at peak / (2 * column). Used by
+        the counted price only (`mkc.perf.work`); the compiled price has libtpu's cycles."""
         if dtype == "bf16xfp8":
             # fp8 weights pushed as they are (libtpu's LLO of a bf16 x fp8 dot: tpu7x pushes
             # f8e4m3, half the pushes of bf16; v6e and v5e convert inside the push): loaded at
@@ -90,7 +90,7 @@ class Rates:
             # fp8 (benchmarks/format_probe.py --bundles): assumed loaded at the fp8 rate
             dtype = "fp4" if "fp4" in self.mxu_ops_per_s else (
                 "fp8" if "fp8" in self.mxu_ops_per_s else "bf16")
-        return self.mxu_feed_scale * self.mxu_rate(dtype) / (2 * self.mxu_column)
+        return self.mxu_rate(dtype) / (2 * self.mxu_column)
 
     def latency(self, name: str) -> float:
         """A fixed latency (`dma_issue_s`, `op_overhead_s`, `ici_hop_s`, `collective_round_s`)
@@ -99,10 +99,6 @@ class Rates:
 
     def replace(self, **kw) -> "Rates":
         return dataclasses.replace(self, **kw)
-
-
-FITTABLE = ("mxu_feed_scale", "latency_scale", "op_overhead_s", "vpu_ops_per_s",
-            "collective_round_s", "step_fixed_s", "dma_issue_s", "ici_hop_s")
 
 
 def data_path(chip: str) -> Path:
@@ -156,34 +152,10 @@ def rates(chip: str, overrides: dict | None = None) -> Rates:
                     if f.name in consts})
 
 
-def compiled_rates(chip: str, overrides: dict | None = None) -> Rates:
-    """The rates of the compiled price (`mkc.perf.bundles`): compute is the cycles libtpu
-    scheduled at the clock JAX's table implies (`Rates.clock_hz`); its one fitted constant is
-    the level of the fixed latencies (`latency_scale`, within 2x of their stated values,
-    `compiled_calibration`), and no MXU feed rate is fitted (the compiled cycles hold it)."""
-    cal = compiled_calibration(chip)
-    fit = {"latency_scale": cal.get("values", {}).get("latency_scale", 1.0), "mxu_feed_scale": 1.0}
-    r = rates(chip, fit | (overrides or {}))
-    source = (f"fitted for the compiled price by {cal['command']} (within "
-              f"{cal['bounds'][0]:g}-{cal['bounds'][1]:g}x of the stated latencies)" if cal else
-              "1: the stated latencies (the compiled price is not calibrated on this chip)")
-    return r.replace(provenance=r.provenance | {
-        "latency_scale": source,
-        "mxu_feed_scale": "unused by the compiled price: the compiled cycles hold the MXU feed"})
-
-
-def compiled_calibration(chip: str) -> dict:
-    """The compiled price's fit (benchmarks/calibrate_perf.py --compiled), or {}."""
-    data = load_data(chip)
-    if "compiled_calibration" in data:
-        return data["compiled_calibration"]
-    base = data.get("carried_from")
-    return load_data(base).get("compiled_calibration", {}) if base else {}
-
-
 def calibration(chip: str) -> dict:
-    """The recorded fit: method, points, fitted values and errors (see benchmarks/calibrate_perf.py);
-    empty for a generation without a fit of its own."""
+    """The recorded fit of `latency_scale` under the compiled price: method, points, value,
+    bounds, residuals and hold-outs (benchmarks/calibrate_perf.py); empty for a generation
+    without a fit of its own."""
     return load_data(chip).get("calibration", {})
 
 

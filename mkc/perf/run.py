@@ -8,7 +8,7 @@ from typing import Any
 from mkc import cost, ir, target
 from mkc.perf import constants, routing
 from mkc.perf.sim import CAUSES, Model, Result, blend, simulate
-from mkc.perf.work import kernel_work
+from mkc.perf.work import KernelWork, kernel_work
 from mkc.trace import TraceOptions, build_trace
 
 
@@ -68,18 +68,20 @@ def compiled_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
 def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates | None = None,
                events: list | None = None, keep_timeline: bool = True,
                traces: dict | None = None, sequences: int | None = None,
-               compiled: dict | None = None) -> Result:
+               compiled: dict | None = None, compiled_work: KernelWork | None = None) -> Result:
     """The modelled step at `batch` rows (as fewer `sequences`: a verify step) with `tokens`
     cached. With `events`, that trace simulated
     once. Otherwise the expectation over routing: the steps of `expert_mix` simulated and
     weighed (`sim.blend`; a picture shows the nearer one, `Result.concrete()`). `traces`, if
     given, caches the traces built, by (batch, tokens, experts per layer). With `compiled` (a
     `compiled_measure`), work is priced by the cycles libtpu scheduled (`sim.Model.compiled`)
-    at `constants.compiled_rates` unless `rates` are given."""
-    rates = rates or (constants.compiled_rates(s.chip) if compiled else constants.rates(s.chip))
+    at the chip's rates unless `rates` are given; `compiled_work` is the counted work of the
+    kernel `compiled` measured when that is another geometry of `s` (`sim.Model`)."""
+    rates = rates or constants.rates(s.chip)
     work = kernel_work(s, batch, batch // sequences if sequences else None)
     if events is not None:
-        return simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled), events,
+        return simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled,
+                             compiled_work=compiled_work), events,
                         keep_timeline=keep_timeline)
     mix = expert_mix(s, batch)
     parts = []
@@ -90,7 +92,8 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
             ev = perf_trace(s, batch, tokens, experts=n or None, sequences=sequences)
             if traces is not None:
                 traces[key] = ev
-        res = simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled), ev,
+        res = simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled,
+                             compiled_work=compiled_work), ev,
                        keep_timeline=keep_timeline)
         res.experts = n if n else None
         parts.append((n, w, res))
@@ -100,54 +103,18 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
 
 
 def calibration_note(chip: str) -> str:
+    """How the chip's constants were calibrated: the one fitted constant, its bounds, the
+    residuals at the published points and the hold-outs (or where they were carried from)."""
     cal = constants.calibration(chip)
-    if not cal and (base := constants.carried_from(chip)):
-        fitted = ", ".join(constants.calibration(base).get("fitted", [])) or "none"
-        own = ", ".join(constants.load_data(chip)["own"])
-        return (f"uncalibrated on {chip}: {own} from {chip}'s published figures; every other "
-                f"constant (fitted {fitted} too) carried from {base}, fitted to {base} step "
-                f"times (mkc/perf/data/{chip}.json)")
-    if not cal:
-        return f"uncalibrated: {chip} constants are priors (mkc/perf/data/{chip}.json)"
-    if blocked := cal.get("blocked"):
-        now = "; ".join(f"B{p['batch']} {p['modelled_step_s'] * 1e3:.2f} ms modelled now, "
-                        f"{p['published_step_s'] * 1e3:.2f} published" for p in blocked["points"])
-        if h := blocked.get("speculative_holdout"):
-            now += (f"; hold-out, never fitted: the speculative step of {h['rows']} rows "
-                    f"{h['modelled_step_s'] * 1e3:.2f} ms modelled now, ~"
-                    f"{h['published_step_s'] * 1e3:.1f} published ({h['error_percent']:+.0f} %)")
-        return (f"calibration blocked: {', '.join(cal['fitted'])} keep an earlier fit to "
-                f"{cal['reference']} ({now}): {blocked['reason']}; mkc/perf/data/{chip}.json")
-    pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "
-                    f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
-                    for p in cal["points"])
-    return (f"calibrated: {', '.join(cal['fitted'])} fitted to {cal['reference']} ({pts}"
-            f"{_holdouts(cal)}); mkc/perf/data/{chip}.json")
-
-
-def _holdouts(cal: dict) -> str:
-    """The calibration's tests of prediction, points it was not fitted to."""
-    out = ""
-    if h := cal.get("speculative_holdout"):
-        out += (f"; hold-out, never fitted: the speculative step of {h['rows']} rows "
-                f"{h['modelled_step_s'] * 1e3:.2f} ms modelled, ~{h['published_step_s'] * 1e3:.1f} "
-                f"published ({h['error_percent']:+.1f}%)")
-    for p in (cal.get("holdout") or {}).get("points", []):
-        if p.get("role") == "predicted":
-            ho = cal["holdout"]
-            out += (f"; with {', '.join(ho['fit'])} fitted on B{', B'.join(map(str, ho['on']))} "
-                    f"alone and {', '.join(f'{k} {v:g}' for k, v in ho['fixed'].items())}, B"
-                    f"{p['batch']} is predicted {p['error_percent']:+.0f}%")
-    return out
-
-
-def compiled_calibration_note(chip: str) -> str:
+    data = f"mkc/perf/data/{chip}.json"
     clock = constants.rates(chip).clock_hz
-    cal = constants.compiled_calibration(chip)
     if not cal:
-        return (f"uncalibrated compiled price on {chip}: cycles at {clock / 1e9:.3f} GHz (JAX's "
-                "table), fixed latencies at their stated values (benchmarks/calibrate_perf.py "
-                "--compiled fits their level)")
+        base = constants.carried_from(chip)
+        own = ", ".join(constants.load_data(chip)["own"])
+        return (f"uncalibrated on {chip}: compute at the {clock / 1e9:.3f} GHz clock JAX's table "
+                f"implies; {own} from {chip}'s published figures; every other constant"
+                + (f" (latency_scale, fitted on {base}, too) carried from {base}"
+                   if base else " a prior") + f" ({data})")
     (name, value), = cal["values"].items()
     pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "
                     f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
@@ -158,10 +125,10 @@ def compiled_calibration_note(chip: str) -> str:
         held += (f"; never fitted: the speculative step of {h['rows']} rows "
                  f"{h['modelled_step_s'] * 1e3:.2f} ms, ~{h['published_step_s'] * 1e3:.1f} "
                  f"published ({h['error_percent']:+.1f}%)")
-    return (f"compiled price calibrated: cycles at {clock / 1e9:.3f} GHz (JAX's table), one "
+    return (f"calibrated: compute at the {clock / 1e9:.3f} GHz clock JAX's table implies; one "
             f"fitted constant, {name} {value:.3g} (bounds {cal['bounds'][0]:g}-"
             f"{cal['bounds'][1]:g}{', at its bound' if cal.get('at_bound') else ''}), fitted to "
-            f"{cal['reference']} ({pts}); hold-outs: {held}; mkc/perf/data/{chip}.json")
+            f"{cal['reference']} under the compiled price ({pts}); hold-outs: {held}; {data}")
 
 
 def calibration_caveat(chip: str) -> str:
@@ -173,14 +140,10 @@ def calibration_caveat(chip: str) -> str:
         base = constants.carried_from(chip)
         return (f"uncalibrated on {chip}: constants not fitted to a {chip} measurement ("
                 + (f"carried from {base}, fitted there; " if base else "priors; ") + f"{data})")
-    if blocked := cal.get("blocked"):
-        now = ", ".join(f"B{p['batch']} {p['modelled_step_s'] * 1e3:.2f} ms modelled vs "
-                        f"{p['published_step_s'] * 1e3:.2f} published" for p in blocked["points"])
-        return f"calibration blocked on {chip}: constants keep an earlier fit ({now}; {data})"
     worst = max(abs(p["error_percent"]) for p in cal["points"])
     h = cal.get("speculative_holdout")
     held = f", a held-out point within {abs(h['error_percent']):.0f}%" if h else ""
-    return (f"calibrated on {chip}: constants fitted to published step times (within "
+    return (f"calibrated on {chip}: one constant fitted to published step times (within "
             f"{worst:.0f}%{held}; {data})")
 
 
@@ -198,38 +161,55 @@ class Modelled:
     acceptance: float | None
     rates: constants.Rates
     measure: dict | None
+    counted_because: str = ""      # why the step is counted, not priced by a compiled measure
+
+
+def kernel_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
+                   verify_rows: int | None = None, compiled: bool | None = None,
+                   on_compile=None) -> tuple[dict | None, str]:
+    """The compiled measure that prices the kernel at `batch` rows (a verify kernel for
+    `sequences`), or None and why: with `compiled` None, the cached or shipped measure if there
+    is one (no compile); True, compiled when missing (`on_compile()` first); False, none."""
+    if compiled is False:
+        return None, "asked for (--counted)"
+    from mkc.perf import bundles
+    try:
+        return bundles.bundle_report(s, "verify" if sequences else "decode", sequences or batch,
+                                     compile_missing=bool(compiled), verify_rows=verify_rows,
+                                     on_compile=on_compile), ""
+    except bundles.BundleError as e:
+        if compiled:
+            raise
+        return None, str(e) + ("" if e.setting == "verify" else " (--compiled compiles it)")
 
 
 def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
           verify_rows: int | None = None, acceptance: float | None = None,
-          compiled: bool = False, keep_timeline: bool = False, on_compile=None) -> Modelled:
+          compiled: bool | None = None, keep_timeline: bool = False,
+          on_compile=None) -> Modelled:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
     (default: the spec's context). With `verify_rows` R, its verify step of R rows for each of
     `batch` sequences (default: the spec's fewest), whose tokens per second count `acceptance`
     tokens per sequence and launch (default R: every draft right). `keep_timeline` for
-    pictures of that same step. With `compiled`, priced by the kernel's compiled measure
-    (`mkc.perf.bundles`; `on_compile()` runs before a compile the cache cannot spare)."""
+    pictures of that same step. Priced by the kernel's compiled measure (`mkc.perf.bundles`)
+    where one is cached, else counted; `compiled` as `kernel_measure` takes it."""
     sequences = None
     if verify_rows:
         sequences = batch or s.verify_sequences[0]
         batch = sequences * verify_rows
     batch = batch or s.batch_max
     tokens = s.context if tokens is None else tokens
-    measure = None
-    if compiled:
-        from mkc.perf import bundles
-        measure = bundles.bundle_report(s, "verify" if sequences else "decode",
-                                        sequences or batch, verify_rows=verify_rows,
-                                        on_compile=on_compile)
-    rates = constants.compiled_rates(s.chip) if compiled else constants.rates(s.chip)
+    measure, why = kernel_measure(s, batch, sequences, verify_rows, compiled, on_compile)
+    rates = constants.rates(s.chip)
     res = step_model(s, batch, tokens, rates, keep_timeline=keep_timeline, sequences=sequences,
                      compiled=measure)
-    return Modelled(s, res, batch, tokens, sequences, verify_rows, acceptance, rates, measure)
+    return Modelled(s, res, batch, tokens, sequences, verify_rows, acceptance, rates, measure,
+                    why)
 
 
 def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
         verify_rows: int | None = None, acceptance: float | None = None,
-        compiled: bool = False) -> dict[str, Any]:
+        compiled: bool | None = None) -> dict[str, Any]:
     """`report` of `model` (see there), as a JSON-ready dict."""
     return report(model(s, batch, tokens, verify_rows, acceptance, compiled))
 
@@ -323,8 +303,9 @@ def report(m: Modelled) -> dict[str, Any]:
                       f"{measure['kernel']} kernel at {measure['batch']} "
                       f"{'sequences' if sequences else 'rows'} (mkc.perf.bundles), at a "
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
-                      "counted: the traced kernel's work at the chip's rates (mkc.perf.work)"),
-        "calibration": compiled_calibration_note(s.chip) if measure else calibration_note(s.chip),
+                      "counted: the traced kernel's work at the chip's rates (mkc.perf.work; "
+                      f"the MXUs loading weights at peak / (2 x column)), {m.counted_because}"),
+        "calibration": calibration_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
         "verify": ({"rows": verify_rows, "sequences": sequences,

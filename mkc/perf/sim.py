@@ -317,12 +317,18 @@ class Model:
     # A `mkc.perf.bundles` measure of this kernel: ops, copies and collectives priced by the
     # cycles libtpu scheduled for them (ops it lacks are counted, and listed in `counted_ops`).
     compiled: dict | None = None
+    # The counted work of the kernel `compiled` measured, when that is another geometry of the
+    # same spec (a tuner's candidate priced by its input's measure): a weight read is priced
+    # at the measured op's cycles per weight value, so a bigger or smaller tile costs its
+    # values. Default: this kernel's own work.
+    compiled_work: KernelWork | None = None
 
     def __post_init__(self) -> None:
         if self.work is None:
             self.work = kernel_work(self.s, self.batch, self.verify_rows)
         self._prices: dict[tuple[str, str], tuple[float, Work, float, Work, float]] = {}
         self.counted_ops: set[tuple[str, str]] = set()
+        self._per_read_s: dict[tuple[str, str], float] = {}
         self.rows = {r["key"]: r for r in (self.compiled or {}).get("rows", [])}
         self.collective_cycles: dict[tuple[str, int], float] = defaultdict(float)
         self.layer_cycles: dict[str, float] = defaultdict(float)     # per layer, not in an op
@@ -365,11 +371,7 @@ class Model:
         got = self._prices.get((kind, op))
         row = self.rows.get(f"{kind}.{op}")
         if got is None and row is not None:
-            c = self.rates.cycle_s
-            per_read = (row["read_cycles"] / row["reads"] if row["reads"]
-                        else row["per_iteration"])
-            got = ((row["cycles"] - row["read_cycles"]) * c, Work(), per_read * c, Work(),
-                   row["per_iteration"] * c)
+            got = self._compiled_prices(row, (self.compiled_work or self.work).op(kind, op))
             self._prices[kind, op] = got
         if got is None:
             if self.compiled is not None:
@@ -380,6 +382,27 @@ class Model:
                    self.seconds(per_value), ow.kv_tile, self.seconds(ow.kv_tile))
             self._prices[kind, op] = got
         return got
+
+    def _compiled_prices(self, row: dict, measured: OpWork) -> tuple:
+        """An op's prices from its compiled row (see `op_prices`). A weight read costs its
+        values at the row's cycles per weight value: its copy-waiting loops' cycles over the
+        values a call reads, or, with none, its run-time loop's iteration (an expert) over the
+        values one iteration reads (a loop of run-time length is counted once). Without
+        counted weight values, a read costs one loop iteration whatever its size
+        (`per_value` is then flagged by a zero-value Work and `read` charges it per read)."""
+        c = self.rates.cycle_s
+        per_read = row["read_cycles"] / row["reads"] if row["reads"] else row["per_iteration"]
+        loop = row["read_cycles"] if row["reads"] else row["per_iteration"]
+        values = measured.weight_values
+        per_value_s = loop * c / values if values else 0.0
+        self._per_read_s[measured.kind, measured.op] = 0.0 if values else per_read * c
+        return ((row["cycles"] - row["read_cycles"]) * c, Work(), per_value_s, Work(),
+                row["per_iteration"] * c)
+
+    def per_read_seconds(self, kind: str, op: str) -> float:
+        """A compiled op's price per weight read when it has no counted weight values (else 0:
+        priced per value)."""
+        return self._per_read_s.get((kind, op), 0.0)
 
     # ---- collectives ---------------------------------------------------------------------
     def stage_seconds(self, size: int, stride: int, nbytes: float) -> float:
@@ -404,16 +427,16 @@ class Model:
 
     def collective_seconds(self, rounds: tuple[Round, ...], kind: str = "", line: int = 0
                            ) -> float:
-        """A collective's rounds, one after another: each round's sends, then its sums (as
-        compiled: the cycles of the collective's spec line in `kind`'s layers)."""
+        """A collective's rounds, one after another: each round's sends, then its sums: as
+        compiled, the cycles of the collective's spec line in `kind`'s layers; counted where
+        the measure has no row for that line."""
+        compiled = self.collective_cycles.get((kind, line))
         total = 0.0
         for rd in rounds:
             total += self.stage_seconds(rd.size, rd.stride, rd.nbytes)
-            if self.compiled is None:
+            if compiled is None:
                 total += rd.sums / self.rates.vpu_ops_per_s
-        if self.compiled is not None:
-            total += self.collective_cycles.get((kind, line), 0.0) * self.rates.cycle_s
-        return total
+        return total + (compiled or 0.0) * self.rates.cycle_s
 
 
 def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Result:
@@ -453,7 +476,7 @@ class _Replay:
         self.op_costs: dict[tuple[str, str], OpCost] = {}
         self.current = OpCost("", "")
         self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = Work(), 0.0, Work(), 0.0
-        self.compiled_op = False
+        self.per_read_s = 0.0
         self.kv_bufs: dict[str, int] = defaultdict(int)      # layer kind -> its KV caches
         for b in m.kv_buffers.values():
             self.kv_bufs[b.scope[0]] += 1
@@ -529,8 +552,7 @@ class _Replay:
                          for name, n in e.tag.weights(self.kind, e.nbytes))
             if values:
                 self.current.weight_values += values
-                # compiled: a read is one iteration of the op's loop, whatever its size
-                dt = self.per_value_s if self.compiled_op else values * self.per_value_s
+                dt = values * self.per_value_s + self.per_read_s
                 self.current.charge(self.per_value, values, dt)
                 self.compute(dt)
         elif cost is ReadCost.KV_TILE and self.kv_tile_s:
@@ -543,7 +565,7 @@ class _Replay:
         k, name = e.tag.kind, e.tag.op
         at_op_s, self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = \
             self.m.op_prices(k, name)
-        self.compiled_op = f"{k}.{name}" in self.m.rows
+        self.per_read_s = self.m.per_read_seconds(k, name)
         current = self.op_costs.get((k, name))
         if current is None:
             current = self.op_costs[k, name] = OpCost(k, name)

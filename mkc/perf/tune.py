@@ -23,6 +23,11 @@ The spec written is the best candidate's text with, for each statement a change 
 comments it owns that state numbers (they quote the old value or its modelled figures)
 replaced by one note of the change (`mkc.perf.comments` has the rule); other comments stay.
 
+Candidates are priced by the input's compiled measures (`mkc.perf.bundles`, cached or shipped;
+`--compiled` compiles them when missing): each op's cycles a call as libtpu scheduled them for
+the input, and a weight read at its op's cycles per weight value, so a candidate's tiles cost
+their values; a collective's sums keep the input's cycles. The written spec's own kernel is not
+compiled (`mkc perf --compiled OUT` prices it). Without a measure, candidates are counted.
 Times are modelled (`mkc.perf`), not measured.
 """
 from __future__ import annotations
@@ -41,7 +46,8 @@ from mkc.diagnostics import MkcError, Span
 from mkc.lang import ast
 from mkc.lang.parser import parse
 from mkc.perf.comments import drop_stale_comments
-from mkc.perf.run import step_model
+from mkc.perf.run import kernel_measure, step_model
+from mkc.perf.work import kernel_work
 from mkc.resolve import resolve
 
 # Issue 18: every shipped spec keeps at least 1 MiB of VMEM headroom at its widest kernel.
@@ -319,6 +325,7 @@ class TuneResult:
     history: list[str]
     min_headroom: int = 0           # VMEM bytes a candidate must leave at every width
     short_of_headroom: int = 0      # candidates refused for leaving less
+    priced_by: str = ""             # the compiled measures every candidate is priced by, or why counted
 
     def changed(self) -> list[tuple[Knob, tuple, tuple]]:
         return [(k, k.value, v) for k, v in zip(self.knobs, self.best.config) if v != k.value]
@@ -343,11 +350,16 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
          log: Callable[[str], None] | None = None,
          select: Callable[[Knob], bool] | None = None,
          min_headroom: int = MIN_HEADROOM,
-         evaluated: Callable[[], None] | None = None) -> TuneResult:
+         evaluated: Callable[[], None] | None = None, compiled: bool | None = None,
+         on_compile: Callable[[], None] | None = None) -> TuneResult:
     """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
     evaluations (the first, of the spec as written, included); `select` keeps only some
     knobs; a candidate leaving less than `min_headroom` bytes of VMEM at a kernel width is
-    refused. `evaluated` is called after each evaluation (a progress bar's tick)."""
+    refused. `evaluated` is called after each evaluation (a progress bar's tick). Every
+    candidate is priced by the input's compiled measures (`compiled` as
+    `run.kernel_measure` takes it): an op's cycles a call, and a weight read at the op's
+    cycles per weight value, so a candidate's tiles cost their values; without a measure,
+    counted."""
     t0 = time.perf_counter()
     log = log or (lambda _: None)
     evaluated = evaluated or (lambda: None)
@@ -356,6 +368,10 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     src = SpecSource(text)
     knobs = [k for k in find_knobs(sched, src, s0) if select is None or select(k)]
     batches = sorted({s0.batch_min, s0.batch_max})
+    measures = {b: kernel_measure(s0, b, compiled=compiled, on_compile=on_compile)
+                for b in batches}
+    works = {b: kernel_work(s0, b) for b in batches}
+    priced_by = _priced_by(measures)
     cache: dict[tuple, Evaluation] = {}
     rejected = short = 0
     history: list[str] = []
@@ -380,7 +396,8 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
                 rejected += 1
                 return ev
             ev.ok = True
-            ev.steps = {b: step_model(s, b, s.context, keep_timeline=False).step_s
+            ev.steps = {b: step_model(s, b, s.context, keep_timeline=False,
+                                      compiled=measures[b][0], compiled_work=works[b]).step_s
                         for b in batches}
         except MkcError as e:
             ev.error = e.diagnostics[0].code
@@ -412,7 +429,19 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
                 history.append(msg)
                 log(msg)
     return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
-                      batches, history, min_headroom, short)
+                      batches, history, min_headroom, short, priced_by)
+
+
+def _priced_by(measures: dict[int, tuple[dict | None, str]]) -> str:
+    """What the candidates' steps are priced by, per batch."""
+    if not any(m for m, _ in measures.values()):
+        return ("counted: no compiled measure of the input's kernels is cached (--compiled "
+                "compiles them)")
+    parts = []
+    for b, (m, why) in measures.items():
+        parts.append(f"B{b}: libtpu {m['libtpu']}'s cycles for the input's kernel, a weight "
+                     "read at its op's cycles per weight value" if m else f"B{b}: counted, {why}")
+    return "; ".join(parts)
 
 
 def _ms(ev: Evaluation) -> str:
@@ -425,7 +454,8 @@ def table(res: TuneResult, spec: str) -> str:
              f"checks, {res.short_of_headroom} of them for leaving under "
              f"{res.min_headroom / 2**20:.2f} MiB of VMEM headroom) in {res.seconds:.1f} s; "
              f"objective: mean modelled step over batches "
-             f"{', '.join(map(str, res.batches))} (modelled, not measured)"]
+             f"{', '.join(map(str, res.batches))} (modelled, not measured)",
+             f"  priced by {res.priced_by}"]
     changed = res.changed()
     if not changed:
         lines.append("no change found that shortens the modelled step; the spec is kept as is")

@@ -403,6 +403,12 @@ def nearest_slice(sched: ast.Schedule, text: str, file: str, model: str | None, 
     return None
 
 
+# Candidates are new layouts, none compiled: both slices' steps are counted (`mkc.perf.work`).
+PRICED_BY = ("counted: a candidate is a layout no compiled measure exists for, so the step "
+             "before and after are both the traced kernel's counted work at the chips' rates; "
+             "`mkc perf --compiled OUT` prices the written spec by the cycles libtpu schedules")
+
+
 def summary(res: RetargetResult) -> str:
     """Every candidate considered with its verdict, which was written and why, the modelled
     step before and after per batch, and what to run next."""
@@ -412,6 +418,7 @@ def summary(res: RetargetResult) -> str:
            "the first that passes")
     lines = [f"mkc retarget {res.spec}: {res.source} -> {res.new} in {res.seconds:.1f} s; "
              f"written: {res.label}, {why} (times are modelled, not measured)"]
+    lines.append(f"  priced: {PRICED_BY}")
     lines += [f"  candidate {label}: {verdict}" for label, verdict in res.tried]
     lines += [f"  {n}" for n in res.after.notes]
     lines.append(f"  {'batch':>5} {'before ms':>10} {'after ms':>10}")
@@ -423,7 +430,8 @@ def summary(res: RetargetResult) -> str:
 
 
 def result_json(res: RetargetResult) -> dict:
-    return {"modelled": True, "from": str(res.source), "to": str(res.new), "chosen": res.label,
+    return {"modelled": True, "priced_by": PRICED_BY,
+            "from": str(res.source), "to": str(res.new), "chosen": res.label,
             "candidates": [{"candidate": c, "verdict": v} for c, v in res.tried],
             "notes": res.after.notes, "advice": res.advice, "seconds": res.seconds,
             "before_step_seconds": {str(b): t for b, t in

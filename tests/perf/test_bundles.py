@@ -79,14 +79,14 @@ def test_lines_of_a_generated_module_name_what_they_run():
 def test_a_stale_or_foreign_cache_entry_is_not_used(tmp_path, monkeypatch):
     s = compiler.check_spec(str(ROOT / "schedules" / "qwen3_8_27b.sched")).ir
     monkeypatch.setattr(bundles, "DATA", tmp_path / "shipped")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("MKC_BUNDLE_CACHE", str(tmp_path / "cache"))
     entry = {"schema": bundles.SCHEMA, "key": "0" * 20, "spec": s.name, "kernel": "decode",
              "batch": 1, "rows": []}
     bundles.save(entry)
     assert bundles.cached(s, "decode", 1) is None
     with pytest.raises(bundles.BundleError, match="no bundles measured"):
         bundles.bundle_report(s, "decode", 1, compile_missing=False)
-    path = tmp_path / "cache" / "mkc" / "bundles" / f"{s.name}.json"
+    path = tmp_path / "cache" / f"{s.name}.json"
     path.write_text("{not json")
     assert bundles.cached(s, "decode", 1) is None
 
@@ -126,7 +126,7 @@ def test_the_compiled_kernel_is_reported_per_op_and_grows_with_an_op_s_work():
     # and the compiled price of the step grows by about those cycles, 48 gdn layers of them
     from mkc.perf import constants
     from mkc.perf.run import step_model
-    rates = constants.compiled_rates(s.chip)
+    rates = constants.rates(s.chip)
     before, after = (step_model(s, 1, s.context, keep_timeline=False, compiled=e).op_costs
                      for e in (entry, heavier_entry))
     added = 48 * (grown["gdn.post_norm"]["cycles"] - rows["gdn.post_norm"]["cycles"])

@@ -28,7 +28,7 @@ def test_expert_formats_are_priced_in_libtpu_s_proportions():
         measure = bundles.cached(s, "decode", 8)
         assert measure is not None, (f"no compiled measure of K3 with {fmt} experts for this "
                                      "code: .venv/bin/python benchmarks/bundles.py --only experts")
-        m = Model(s, 8, s.context, constants.compiled_rates(s.chip), compiled=measure)
+        m = Model(s, 8, s.context, constants.rates(s.chip), compiled=measure)
         price[fmt] = m.op_prices("moe", "routed_experts")[2]
         assert price[fmt] > 0
         cycles[fmt] = {r["key"]: r for r in measure["rows"]}["moe.routed_experts"]["per_iteration"]

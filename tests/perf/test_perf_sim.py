@@ -282,25 +282,37 @@ def _measure(rows: list[dict]) -> dict:
 
 
 def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
-    """An op's cycles outside its copy-waiting loop where it begins, one loop iteration per
-    weight read whatever its size, the layer's copies at the layer's start, the kernel's own
-    statements at the step's: all at the clock; an op the compiled kernel lacks is counted."""
+    """An op's cycles outside its copy-waiting loop where it begins, its loop's cycles where
+    its weights are read (at its cycles per weight value of the kernel measured), the layer's
+    copies at the layer's start, the kernel's own statements at the step's: all at the clock;
+    an op the compiled kernel lacks is counted."""
     rates = _rates()
     c = rates.cycle_s
     tr = _Trace()
-    for size in (4096, 1 << 20, 64):
+    sizes = (4096, 1 << 20, 64)
+    for size in sizes:
         tr.compute(size)
+    values = sum(sizes) / 2                 # bf16: what one call of the measured op reads
+
+    def work(call_values: float) -> KernelWork:
+        return KernelWork(1, {("gdn", "matmul"): OpWork(
+            "gdn", "matmul", weights=Work(matrix={("bf16", 1): call_values}))}, Work(), "synthetic")
     measure = _measure([
         {"key": "gdn.matmul", "kind": "gdn", "name": "matmul", "cycles": 1000 + 3 * 250,
          "read_cycles": 3 * 250, "reads": 3},
         {"key": "gdn: copies", "group": "copies", "kind": "gdn", "name": "copies", "cycles": 40},
         {"key": "entry barrier", "group": "kernel", "kind": "", "name": "entry barrier",
          "cycles": 100}])
-    m = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=measure)
+    m = Model(qwen_ir, 1, 0, rates, work=work(values), compiled=measure)
     res = simulate(m, tr.events)
     assert res.step_s == pytest.approx((100 + 40 + 1000 + 3 * 250) * c, rel=1e-9)
     assert res.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 750) * c, rel=1e-9)
     assert not m.counted_ops
+    # another geometry priced by this measure (a tuner's candidate): the measured call read
+    # twice these values, so these reads cost half its loop
+    other = simulate(Model(qwen_ir, 1, 0, rates, work=work(values), compiled=measure,
+                           compiled_work=work(2 * values)), tr.events)
+    assert other.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 375) * c, rel=1e-9)
     counted = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=_measure([]))
     simulate(counted, tr.events)
     assert counted.counted_ops == {("gdn", "matmul")}

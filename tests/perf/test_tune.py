@@ -57,7 +57,7 @@ def test_knobs_edit_only_their_tokens():
 def test_coordinate_descent_finds_the_optimum_of_a_tiny_space(monkeypatch):
     """A fake step time with its minimum at ring 7 slots, ahead 7, KV tiles of 256 tokens: the
     search reaches it through candidates that all pass the real checks."""
-    def fake_step(s, batch, tokens, keep_timeline=False):
+    def fake_step(s, batch, tokens, keep_timeline=False, **priced_by):
         kv = s.kinds["gqa"].kv
         t = abs(s.stream.slots - 7) + abs(s.stream.ahead - 7) + (kv.tokens != 256) + batch
         return SimpleNamespace(step_s=t * 1e-3)

@@ -127,7 +127,7 @@ def test_more_work_in_one_lowering_function_lengthens_the_modelled_step(monkeypa
     ROUNDS = 5000
     from mkc.families.qwen3_5 import lowering
     s = check_spec(SPEC).ir
-    base = run(s, 8)
+    base = run(s, 8, compiled=False)
     original = lowering.gated_norm
 
     def heavier(c, *args):
@@ -136,7 +136,7 @@ def test_more_work_in_one_lowering_function_lengthens_the_modelled_step(monkeypa
 
     monkeypatch.setattr(lowering, "gated_norm", heavier)
     work.clear_cache()
-    more = run(s, 8)
+    more = run(s, 8, compiled=False)
     before, after = _entry(base, "gdn", "gated_norm"), _entry(more, "gdn", "gated_norm")
     shape_ops = 2 * ROUNDS * after["calls"]  # two ops a round, every gdn layer
     assert after["vector_ops_per_row"] > before["vector_ops_per_row"]
@@ -152,7 +152,7 @@ def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
     s = check_spec(K3_64_SPEC).ir                 # its experts in the checkpoint's MXFP4
     assert s.weight_formats == dict.fromkeys(("expert.down", "expert.gate_up"),
                                              WeightFormat("mxfp4", 32))
-    base = run(s, 1)
+    base = run(s, 1, compiled=False)
 
     def no_decode(codes, scales, dtype=F32):
         # the shape the decode returns ([rows, cols] of values), with no work on the values
@@ -160,7 +160,7 @@ def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
 
     monkeypatch.setattr(ops, "mxfp4_dequantize_tile", no_decode)
     work.clear_cache()
-    cheaper = run(s, 1)
+    cheaper = run(s, 1, compiled=False)
     before = _entry(base, "moe", "routed_experts")
     after = _entry(cheaper, "moe", "routed_experts")
     assert after["vector_ops_per_row"] < before["vector_ops_per_row"] / 4
@@ -194,7 +194,7 @@ def test_each_expert_format_is_priced_by_its_own_lowering(tmp_path):
     assert per_value["fp4 block"] < 1 and per_value["fp8 block"] < 1
     # Issue 18: where no generation feeds FP4 codes, the in-kernel MXFP4 decode costs at most 3.
     assert per_value["fp8 block"] < 1 < per_value["fp8"] < per_value["mxfp4"] <= 3
-    steps = {label: run(s, 1) for label, s in irs.items()}
+    steps = {label: run(s, 1, compiled=False) for label, s in irs.items()}
     assert steps["fp8"]["hbm_bytes"] > steps["mxfp4"]["hbm_bytes"]
     assert steps["fp4 block"]["hbm_bytes"] < steps["fp8 block"]["hbm_bytes"]
     assert (steps["fp4 block"]["step_seconds"] < steps["fp8 block"]["step_seconds"]
@@ -210,7 +210,7 @@ def test_every_op_of_a_shipped_spec_is_priced_from_the_emitted_kernel(spec):
     """Every op the trace runs has counted work with its source; an op whose weights work is
     priced per value read reads weights, one priced per KV tile reads KV tiles."""
     s = check_spec(spec).ir
-    rep = run(s, s.batch_max)
+    rep = run(s, s.batch_max, compiled=False)
     kw = work.kernel_work(s, s.batch_max)
     traced = {(e["layer_kind"], e["op"]) for e in rep["op_costs"]}
     expected = {(k, op) for k in set(s.layer_kinds) for op in s.kinds[k].ops}
