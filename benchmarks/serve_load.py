@@ -27,17 +27,15 @@ import random
 import shlex
 import sys
 import time
-import urllib.parse
 from dataclasses import dataclass, field
-from pathlib import Path
 
 try:
     import httpx
 except ImportError:            # main() says how to install it
     httpx = None
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from serve_common import (HarnessError, against_server, at_least, parse_server_args, served_model,
+                          server_parser, server_stats)
 
 PROMPT_TOKEN_IDS = 1000     # default --token-ids: prompt ids below it fit every vocabulary served here
 ERRORS_KEPT = 5             # distinct failure messages kept for the report
@@ -201,37 +199,6 @@ def summarize(outcomes: list[Outcome], seconds: float) -> dict:
     }
 
 
-class LoadError(Exception):
-    """A run that cannot start: the message says why and what to do."""
-
-
-async def probe(client: httpx.AsyncClient, url: str) -> tuple[str, int | None, dict | None]:
-    """The served model's name and context (GET /v1/models), and mkc serve's /stats (None from
-    a server without it)."""
-    try:
-        r = await client.get(url + "/v1/models")
-    except httpx.HTTPError as e:
-        raise LoadError(f"cannot reach the server at {url} ({type(e).__name__}: {e}); is it "
-                        "running? (start it with `mkc serve SPEC --model NAME`, or give SPEC and "
-                        "--model instead of --url)") from None
-    try:
-        data = r.json()["data"][0] if r.status_code == 200 else None
-    except (ValueError, KeyError, IndexError, TypeError):
-        data = None
-    if data is None:
-        raise LoadError(f"{url}/v1/models answered {r.status_code} without a model: is this an "
-                        "OpenAI-compatible server?")
-    return data["id"], data.get("max_model_len"), await server_stats(client, url)
-
-
-async def server_stats(client: httpx.AsyncClient, url: str) -> dict | None:
-    try:
-        r = await client.get(url + "/stats")
-        return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 def _server_part(before: dict | None, after: dict | None) -> dict | None:
     """What mkc serve's /stats says of the run: its decode steps, their mean seconds and busy rows."""
     if not before or not after or "steps" not in after:
@@ -244,18 +211,19 @@ def _server_part(before: dict | None, after: dict | None) -> dict | None:
 
 async def measure(url: str, args: argparse.Namespace, command: str) -> dict:
     """The whole run against the server at `url`: the report."""
+    model, context = served_model(url)
+    longest = args.prompt_tokens[1] + args.output_tokens[1]
+    if context is not None and longest > context:
+        raise HarnessError(f"--prompt-tokens up to {args.prompt_tokens[1]} and --output-tokens up "
+                           f"to {args.output_tokens[1]} make {longest} tokens, past the model's "
+                           f"context of {context}: lower them")
+    jobs = workload(args.requests, args.prompt_tokens, args.output_tokens, args.seed, args.token_ids)
+    before = server_stats(url)
     timeout = httpx.Timeout(args.timeout, connect=10)
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model, context, before = await probe(client, url)
-        longest = args.prompt_tokens[1] + args.output_tokens[1]
-        if context is not None and longest > context:
-            raise LoadError(f"--prompt-tokens up to {args.prompt_tokens[1]} and --output-tokens up "
-                            f"to {args.output_tokens[1]} make {longest} tokens, past the model's "
-                            f"context of {context}: lower them")
-        jobs = workload(args.requests, args.prompt_tokens, args.output_tokens, args.seed, args.token_ids)
         outcomes, seconds = await run_load(client, url, model, jobs, args.concurrency, args.temperature)
-        after = await server_stats(client, url)
+    after = server_stats(url)
     interpret = (before or {}).get("interpret")
     return {"command": command, "url": url, "model": model, "requests": args.requests,
             "concurrency": args.concurrency, "prompt_tokens_range": list(args.prompt_tokens),
@@ -295,18 +263,6 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _url(text: str) -> str:
-    try:
-        parts = urllib.parse.urlsplit(text)
-        _ = parts.port                  # raises ValueError for a port out of range
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a URL ({e})")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an http:// or https:// URL (e.g. "
-                                         "http://127.0.0.1:8000)")
-    return text.rstrip("/")
-
-
 def _length_range(text: str) -> tuple[int, int]:
     try:
         low, _, high = text.partition(":")
@@ -318,35 +274,17 @@ def _length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = low - 1
-        if v < low:
-            raise argparse.ArgumentTypeError(f"expected a whole number of at least {low}, got '{text}'")
-        return v
-    return parse
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options; what follows `--` goes to `mkc serve` (as `serve_args`)."""
-    ours, serve_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 usage="%(prog)s (--url URL | SPEC --model NAME) [options] "
-                                       "[-- mkc serve options]")
-    ap.add_argument("spec", nargs="?", help="a .sched file: start `mkc serve SPEC --model NAME` here")
-    ap.add_argument("--model", help="with SPEC: the model to serve (a config name or checkpoint directory)")
-    ap.add_argument("--url", type=_url, help="a running server, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--requests", type=_at_least(1), default=200, help="requests in all (default 200)")
-    ap.add_argument("--concurrency", type=_at_least(1), default=16,
+    ap = server_parser(__doc__)
+    ap.add_argument("--requests", type=at_least(1), default=200, help="requests in all (default 200)")
+    ap.add_argument("--concurrency", type=at_least(1), default=16,
                     help="requests in flight at once (default 16)")
     ap.add_argument("--prompt-tokens", type=_length_range, default=(16, 512), metavar="LOW:HIGH",
                     help="prompt lengths, drawn log-uniformly (default 16:512)")
     ap.add_argument("--output-tokens", type=_length_range, default=(16, 256), metavar="LOW:HIGH",
                     help="output lengths (max_tokens, EOS ignored), drawn log-uniformly (default 16:256)")
-    ap.add_argument("--token-ids", type=_at_least(1), default=PROMPT_TOKEN_IDS, metavar="N",
+    ap.add_argument("--token-ids", type=at_least(1), default=PROMPT_TOKEN_IDS, metavar="N",
                     help=f"prompt token ids are drawn from 0 to N - 1 (default {PROMPT_TOKEN_IDS}: "
                          "inside the vocabulary of every model served here)")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -355,16 +293,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds a request may wait for its next chunk (default 600)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = ap.parse_args(ours)
-    if (args.url is None) == (args.spec is None):
-        ap.error("give either --url (a running server) or SPEC and --model (start one here)")
-    if args.spec is not None and args.model is None:
-        ap.error("SPEC needs --model NAME (the model mkc serve serves)")
-    if args.url is not None and (args.model is not None or serve_args):
-        ap.error("--model and `-- mkc serve options` start a server: not with --url")
+    args = parse_server_args(ap, argv)
     if not 0 <= args.temperature <= 2:
         ap.error("--temperature must be from 0 to 2")
-    args.serve_args = serve_args
     return args
 
 
@@ -377,21 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = shlex.join(["benchmarks/serve_load.py", *argv])
     try:
-        if args.url is not None:
-            report = asyncio.run(measure(args.url, args, command))
-        else:
-            from mkc.serve.launch import ServerError, running_server
-            if not Path(args.spec).is_file():
-                raise LoadError(f"{args.spec}: no such spec file")
-            print(f"serve_load: starting mkc serve {args.spec} --model {args.model} "
-                  f"{shlex.join(args.serve_args)} (a MINI model compiles for minutes in interpret "
-                  "mode)", file=sys.stderr, flush=True)
-            try:
-                with running_server(args.spec, args.model, args.serve_args) as url:
-                    report = asyncio.run(measure(url, args, command))
-            except ServerError as e:
-                raise LoadError(str(e)) from None
-    except LoadError as e:
+        report = against_server(args, lambda url: asyncio.run(measure(url, args, command)), "serve_load")
+    except HarnessError as e:
         print(f"serve_load: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,14 +21,24 @@ SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 MODEL = "qwen3_8_mini"
 
 
+def cpu_env() -> dict[str, str]:
+    """The environment of a child that runs mkc serve on CPU (it sets its own device count)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+
+
+def run_benchmark(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """benchmarks/<script> *argv in a child on CPU (the servers it starts too)."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv],
+                          capture_output=True, text=True, timeout=timeout, env=cpu_env(), cwd=ROOT)
+
+
 @contextlib.contextmanager
 def running_server(args: list[str]) -> Iterator[str]:
     """`mkc serve SPEC --model MODEL *args` on CPU until the block ends; its URL once /health
     answers (a server that does not come up fails the test with its output)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     try:
-        with launch.running_server(SPEC, MODEL, args, env=env) as url:
+        with launch.running_server(SPEC, MODEL, args, env=cpu_env()) as url:
             yield url
     except launch.ServerError as e:
         pytest.fail(str(e))

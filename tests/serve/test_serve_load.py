@@ -5,24 +5,14 @@ itself, whose report must say it is interpret mode."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
-import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import pytest
-from serve_fakes import EOS, VOCAB, fake_mesh, fake_module
-from serve_process import MODEL, ROOT, SPEC
-
-from mkc.serve.api import create_app
-from mkc.serve.engine import Engine
-from mkc.serve.launch import free_port
-from mkc.serve.model import Served
+from serve_fakes import VOCAB, fake_server
+from serve_process import MODEL, ROOT, SPEC, run_benchmark
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import serve_load  # noqa: E402
@@ -55,32 +45,6 @@ def test_workload_is_seeded_bounded_and_mixed():
     assert max(t for j in serve_load.workload(50, (8, 8), (1, 1), 0, token_ids=5) for t in j.prompt) == 4
     assert len({j.seed for j in jobs}) == len(jobs)
     assert serve_load.length_mix(50, 7, 7, random.Random(0)) == [7] * 50
-
-
-@contextlib.contextmanager
-def fake_server(batch: int = 2, queue: int = 8):
-    """The API over the stand-in module, on uvicorn in a thread: its URL."""
-    import uvicorn
-    gen = fake_module()
-    served = Served(name="fake_mini", gen=gen, weights={}, mesh=fake_mesh(), interpret=None,
-                    tokenizer=None, eos_token_ids=frozenset({EOS}))
-    engine = Engine(gen, {}, served.mesh, batch, None, max_queue=queue, eos_token_ids=served.eos_token_ids)
-    engine.start()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        engine.stop()
 
 
 def check_report(report: dict, requests: int) -> None:
@@ -173,13 +137,6 @@ def test_an_error_in_the_stream_is_a_failure():
     assert not out.completed and not out.rejected and out.error == "in the stream: step failed"
 
 
-def _run_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), *argv],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-
-
 @pytest.mark.parametrize("argv, message", [
     ([], "give either --url"),
     (["--url", "localhost:8000"], "is not an http:// or https:// URL"),
@@ -191,18 +148,18 @@ def _run_script(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     (["missing.sched", "--model", MODEL], "missing.sched: no such spec file"),
 ])
 def test_bad_arguments_and_no_server_are_clear_errors(argv, message):
-    r = _run_script(*argv, timeout=60)
+    r = run_benchmark("serve_load.py", *argv, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
 @pytest.mark.slow
 def test_the_script_starts_a_mini_server_and_measures_it():
-    # decode prefill: no verify-step compile at start-up; tiny prompts and outputs: each request
-    # is a few interpret-mode steps
-    r = _run_script(str(SPEC), "--model", MODEL, "--requests", "8", "--concurrency", "4",
-                    "--prompt-tokens", "1:2", "--output-tokens", "1:3", "--json",
-                    "--", "--batch", "4", "--prefill", "decode", timeout=900)
+    # decode prefill: no verify-step compile at start-up; prompts of 1 or 2 tokens and outputs
+    # of 2: each request is 2 or 3 interpret-mode steps, 4 of them in each step
+    r = run_benchmark("serve_load.py", str(SPEC), "--model", MODEL, "--requests", "8",
+                      "--concurrency", "4", "--prompt-tokens", "1:2", "--output-tokens", "2:2", "--json",
+                      "--", "--batch", "4", "--prefill", "decode", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     check_report(report, 8)
