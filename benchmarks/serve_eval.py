@@ -134,8 +134,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-gen-toks", type=at_least(1),
                     help="tokens a generation may have (default: the task's)")
     ap.add_argument("--num-concurrent", type=at_least(1), default=1,
-                    help="requests lm-eval keeps in flight (default 1; the server's --batch at most "
-                         "is useful)")
+                    help="requests lm-eval keeps in flight (default 1; past the server's --batch "
+                         "they only wait for a row)")
     ap.add_argument("--timeout", type=at_least(1), default=600,
                     help="seconds lm-eval waits for a request (default 600: interpret mode is slow)")
     ap.add_argument("--output-path", help="lm-eval's --output_path (results and samples as JSON)")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if find_spec("lm_eval") is None:
         print(f"serve_eval: lm-eval is not installed (it is not a dependency of mkc); install it "
-              f"into this Python ({sys.executable}) with:\n    {INSTALL}", file=sys.stderr)
+              f"into this Python with:\n    {sys.executable} -m {INSTALL}", file=sys.stderr)
         return 2
     if args.url is None and not Path(args.model).is_dir() and "--tokenizer" not in args.serve_args:
         args.serve_args += ["--tokenizer", "bytes"]     # a config name: random weights, no tokenizer

@@ -258,6 +258,8 @@ def render(report: dict) -> str:
         lines.append(f"  server      {s['steps']} decode steps, {_seconds(s['step_s'])} a step, "
                      f"{s['busy_rows']:.2f} of {s['batch']} rows busy a step")
     lines += [f"  error       {e}" for e in r["errors"]]
+    if any("outside the vocabulary" in e for e in r["errors"]):
+        lines.append("  (prompts draw ids below --token-ids: lower it under the model's vocabulary)")
     if r["note"]:
         lines.append(f"  NOTE: {r['note']}")
     return "\n".join(lines)
@@ -296,6 +298,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parse_server_args(ap, argv)
     if not 0 <= args.temperature <= 2:
         ap.error("--temperature must be from 0 to 2")
+    if not args.timeout > 0:
+        ap.error("--timeout must be positive")
     return args
 
 
