@@ -138,6 +138,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "the other rows waiting, or through the decode step a token a step beside "
                         "the other rows; auto (default): verify if the spec has a verify step "
                         "(docs/serving.md)")
+    p.add_argument("--tokenizer", choices=("bytes",),
+                   help="bytes: a stand-in tokenizer for a model without one (a MINI config): UTF-8 "
+                        "bytes as token ids and a plain chat template, so text and chat requests "
+                        "(and lm-eval) run; the text means nothing (docs/serving.md)")
     p.add_argument("--speculative", choices=("prompt-lookup",),
                    help="speculative decoding for greedy requests through the spec's verify step: "
                         "R - 1 drafts a launch by n-gram prompt lookup, the matching ones kept "
@@ -152,7 +156,7 @@ def _serve(args) -> int:
     from mkc.serve.drafting import DRAFTERS
     from mkc.serve.engine import Engine
     from mkc.serve.model import load_served
-    served, batch = load_served(args.spec, args.model, args.batch, args.seed)
+    served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer)
     try:
         engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
                         max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill,

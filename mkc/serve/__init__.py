@@ -1,3 +1,3 @@
 """`mkc serve`: an OpenAI-compatible server over a generated module, with continuous batching
 of requests into the kernel's rows (engine), on-device sampling (sampling), the HTTP API
-(api) and loading what is served (model)."""
+(api), loading what is served (model), and starting it in a child process (launch)."""

@@ -391,7 +391,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
     @app.get("/stats")
     async def stats() -> dict:
         s = engine.stats
-        return {"batch": engine.batch, "busy_rows": engine.busy_rows(), "steps": s.steps,
+        return {"interpret": served.interpret is not None, "batch": engine.batch,
+                "busy_rows": engine.busy_rows(), "steps": s.steps,
                 "step_seconds": s.step_seconds, "busy_row_steps": s.busy_row_steps,
                 "requests_done": s.requests_done, "prefill": engine.prefill,
                 "prefill_launches": s.prefill_launches, "prefill_seconds": s.prefill_seconds,

@@ -1,5 +1,6 @@
 """What `mkc serve` serves: a spec compiled for a model, imported, with its weights placed on
-the mesh, and the checkpoint's tokenizer when it has one.
+the mesh, and the checkpoint's tokenizer when it has one (or the byte-level stand-in,
+`--tokenizer bytes`).
 
 JAX is imported only after `prepare_devices` has set the CPU device count (on a CPU host the
 module's ranks are virtual devices).
@@ -81,6 +82,34 @@ class Tokenizer:
             return None
 
 
+class ByteTokenizer:
+    """A stand-in tokenizer for a model without one (a MINI config's random weights), so text
+    and chat requests, and harnesses that send text (lm-eval), run against it: each UTF-8 byte
+    is its token id (0 to 255; ids past 255 decode to nothing), and chat is "role: content"
+    lines, then "assistant: ". The text means nothing; the plumbing is what it exercises."""
+
+    def __init__(self):
+        self.chat = lambda messages: self.encode(
+            "".join(f"{m.get('role', 'user')}: {_text_of(m.get('content'))}\n" for m in messages)
+            + "assistant: ")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
+
+
+def _text_of(content: Any) -> str:
+    """A chat message's text: a string, or OpenAI's list of parts (their text parts)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+TOKENIZERS = {"bytes": ByteTokenizer}       # `mkc serve --tokenizer`
+
+
 @dataclass
 class Served:
     """A compiled module ready to serve: the module, its placed weights, the mesh, the
@@ -91,7 +120,7 @@ class Served:
     weights: dict
     mesh: Any
     interpret: Any
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | ByteTokenizer | None
     eos_token_ids: frozenset[int]
 
 
@@ -102,12 +131,14 @@ def _eos_ids(config: dict) -> frozenset[int]:
     return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
-def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0) -> tuple[Served, int]:
+def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
+                tokenizer: str | None = None) -> tuple[Served, int]:
     """Compile `spec` for `model` (a shipped config name, a config.json, or a checkpoint
     directory), import it and place its weights: the checkpoint's for a directory, else
-    `random_weights(seed)`; and the batch to serve (default the spec's largest). Raises
-    MkcError for a bad spec or model, or a batch the spec does not build (before any weight
-    is read)."""
+    `random_weights(seed)`; and the batch to serve (default the spec's largest). `tokenizer`:
+    a name in TOKENIZERS to serve in place of the checkpoint's. Raises MkcError for a bad spec
+    or model, a batch the spec does not build, or a vocabulary the byte tokenizer does not fit
+    (before any weight is read)."""
     from mkc import compiler
     from mkc.diagnostics import Diagnostic, MkcError, Span
     c = compiler.compile_spec(spec, model)
@@ -119,6 +150,10 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0) 
                                   f"batches {low} to {high}", Span.unknown(spec),
                                   hint=f"pass --batch between {low} and {high}, or change the "
                                        "spec's `batch` line"))
+    if tokenizer == "bytes" and gen.DIMS.vocab_size < 256:
+        raise MkcError(Diagnostic("E-SERVE", f"--tokenizer bytes needs a vocabulary of at least 256 "
+                                  f"token ids; {model}'s has {gen.DIMS.vocab_size}", Span.unknown(spec),
+                                  hint="serve without --tokenizer (token-id prompts)"))
 
     import jax
     from jax.experimental.pallas import tpu as pltpu
@@ -136,7 +171,10 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0) 
         from mkc.interpret import lean_interpreter
         lean_interpreter()
         interpret = pltpu.InterpretParams(dma_execution_mode="on_wait")
-    tokenizer = Tokenizer.load(directory) if directory is not None else None
+    if tokenizer is not None:
+        tok = TOKENIZERS[tokenizer]()
+    else:
+        tok = Tokenizer.load(directory) if directory is not None else None
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
-                  tokenizer=tokenizer, eos_token_ids=_eos_ids(config)), batch
+                  tokenizer=tok, eos_token_ids=_eos_ids(config)), batch
 

@@ -4,7 +4,11 @@ row's whole history (so a row reused without its state cleared, or a row fed ano
 token, gives other tokens than `fake_greedy`)."""
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 import types
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -73,3 +77,35 @@ def fake_greedy(prompt: list[int], n: int) -> list[int]:
             out.append(int(_next(total, position)))
             history.append(out[-1])
     return out
+
+
+@contextlib.contextmanager
+def fake_server(batch: int = 2, queue: int = 8, tokenizer=None, name: str = "fake_mini") -> Iterator[str]:
+    """The HTTP API over the stand-in module, on uvicorn in a thread of this process: its URL
+    (for clients that need a real socket: the load and eval scripts)."""
+    import uvicorn
+
+    from mkc.serve.api import create_app
+    from mkc.serve.engine import Engine
+    from mkc.serve.launch import free_port
+    from mkc.serve.model import Served
+    gen = fake_module()
+    served = Served(name=name, gen=gen, weights={}, mesh=fake_mesh(), interpret=None,
+                    tokenizer=tokenizer, eos_token_ids=frozenset({EOS}))
+    engine = Engine(gen, {}, served.mesh, batch, None, max_queue=queue, eos_token_ids=served.eos_token_ids)
+    engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.stop()

@@ -7,65 +7,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-import httpx
 import pytest
+
+from mkc.serve import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 MODEL = "qwen3_8_mini"
-STARTUP_SECONDS = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def cpu_env() -> dict[str, str]:
+    """The environment of a child that runs mkc serve on CPU (it sets its own device count)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+
+
+def run_benchmark(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """benchmarks/<script> *argv in a child on CPU (the servers it starts too)."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv],
+                          capture_output=True, text=True, timeout=timeout, env=cpu_env(), cwd=ROOT)
 
 
 @contextlib.contextmanager
 def running_server(args: list[str]) -> Iterator[str]:
-    """`mkc serve SPEC --model MODEL *args` on a free port until the block ends; its URL once
-    /health answers."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "mkc", "serve", str(SPEC), "--model", MODEL,
-                             "--port", str(port), *args],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_SECONDS
+    """`mkc serve SPEC --model MODEL *args` on CPU until the block ends; its URL once /health
+    answers (a server that does not come up fails the test with its output)."""
     try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"mkc serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("mkc serve did not come up")
-            time.sleep(1)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        with launch.running_server(SPEC, MODEL, args, env=cpu_env()) as url:
+            yield url
+    except launch.ServerError as e:
+        pytest.fail(str(e))
 
 
 def reference_greedy() -> Callable[[list[int], int], tuple[list[int], str]]:

@@ -60,6 +60,7 @@ def test_models_and_health(client):
     assert client.get("/health").status_code == 200
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [NAME] and data[0]["max_model_len"] == CONTEXT
+    assert client.get("/stats").json()["interpret"] is False
 
 
 @pytest.mark.parametrize("body, status, message", [

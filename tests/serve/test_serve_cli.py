@@ -14,6 +14,7 @@ from conftest import SPEC, run_python
      "error[E-SERVE]: --batch 9: the spec builds its kernel for batches 1 to 8"),
     ([str(SPEC), "--model", "qwen3_8_mini", "--port", "70000"], 2, "expected an integer from 0 to 65535"),
     ([str(SPEC)], 2, "the following arguments are required: --model"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--tokenizer", "words"], 2, "invalid choice: 'words'"),
 ])
 def test_serve_refuses_before_serving(args, status, message):
     r = run_python(["-m", "mkc", "serve", *args], timeout=120)

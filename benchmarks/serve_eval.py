@@ -1,0 +1,164 @@
+"""Run lm-eval (EleutherAI's lm-evaluation-harness) against an OpenAI-compatible server (`mkc
+serve`) on a small task, through lm-eval's own `local-completions` or `local-chat-completions`
+model.
+
+    python benchmarks/serve_eval.py --url http://127.0.0.1:8000 [--api completions|chat]
+        [--task arith|gsm8k|...] [--limit N] [--num-concurrent N]
+    python benchmarks/serve_eval.py SPEC --model NAME [options] [-- mkc serve options]
+
+lm-eval is not a dependency of mkc: install it where this runs with `pip install "lm-eval[api]"`.
+The server tokenizes: lm-eval sends text (`tokenizer_backend=none`, `tokenized_requests=False`),
+so it needs no tokenizer of its own, and the server needs one: a checkpoint directory's, or for
+a model without one (a MINI config) `mkc serve --tokenizer bytes`, a byte-level stand-in (when
+this script starts the server for a config name it adds that). Only generation tasks run (the
+server does not serve `echo`, which lm-eval's loglikelihood requests need).
+
+`--task arith` (the default) is a bundled task of eight short sums, made here and run offline:
+short prompts, a few generated tokens, so a MINI model in interpret mode gets through it in
+minutes. Any lm-eval task name works too (`gsm8k` downloads its dataset). On a MINI model the
+scores mean nothing: the harness working is the point.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
+
+from serve_common import (HarnessError, against_server, at_least, get_json, parse_server_args,
+                          served_model, server_parser, server_stats)
+
+INSTALL = 'pip install "lm-eval[api]"'
+ARITH = [(2, 3), (7, 5), (12, 30), (9, 9), (41, 17), (6, 58), (23, 23), (80, 11)]
+ARITH_TASK = "arith"
+ARITH_NAME = "mkc_arith"          # the task's name inside lm-eval (not to clash with its own)
+MODELS = {"completions": ("local-completions", "/v1/completions"),
+          "chat": ("local-chat-completions", "/v1/chat/completions")}
+
+
+def write_arith_task(directory: Path) -> None:
+    """The bundled task into `directory` (for lm-eval's --include_path): its data as JSON
+    lines, its config (JSON, which YAML reads) naming the data by absolute path."""
+    data = directory / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a} + {b} =", "answer": str(a + b)}) + "\n"
+                            for a, b in ARITH))
+    config = {"task": ARITH_NAME, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
+              "output_type": "generate_until", "doc_to_text": "Question: {{question}}\nAnswer:",
+              "doc_to_target": "{{answer}}",
+              "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False,
+                                    "temperature": 0},
+              "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                               "ignore_case": True, "ignore_punctuation": True}],
+              "metadata": {"version": 1.0}}
+    (directory / "mkc_arith.yaml").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def probe(url: str, api: str) -> tuple[str, int | None, bool]:
+    """The served model's name and context, and whether mkc serve runs it in interpret mode;
+    HarnessError when the server cannot be reached or (mkc serve's /tokenize says) has no
+    tokenizer or chat template for what lm-eval will send."""
+    model, context = served_model(url)
+    check = {"messages": [{"role": "user", "content": "1"}]} if api == "chat" else {"prompt": "1"}
+    try:
+        status, answer = get_json(url + "/tokenize", check)
+    except OSError:
+        status, answer = None, None
+    if status == 400 and isinstance(answer, dict):
+        said = (answer.get("error") or {}).get("message", "").split(" (")[0]    # not its own hints
+        raise HarnessError(f"the server cannot take lm-eval's text ({said}); lm-eval sends text, "
+                           "so the server needs a tokenizer (and a chat template for --api chat): "
+                           "serve a checkpoint directory that has one, or a model without one (a "
+                           "MINI config) with `mkc serve ... --tokenizer bytes`")
+    return model, context, bool((server_stats(url) or {}).get("interpret"))
+
+
+def lm_eval_command(url: str, model: str, context: int | None, args: argparse.Namespace,
+                    include: Path | None) -> list[str]:
+    """The lm-eval command line for the server at `url`."""
+    kind, path = MODELS[args.api]
+    model_args = {"model": model, "base_url": url + path, "tokenizer_backend": "none",
+                  "tokenized_requests": "False", "num_concurrent": args.num_concurrent,
+                  "max_retries": 3, "timeout": args.timeout}
+    if context is not None:
+        model_args["max_length"] = context
+    cmd = [sys.executable, "-m", "lm_eval", "--model", kind,
+           "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
+           "--tasks", ARITH_NAME if args.task == ARITH_TASK else args.task]
+    if args.limit is not None:
+        cmd += ["--limit", str(args.limit)]
+    if args.num_fewshot is not None:
+        cmd += ["--num_fewshot", str(args.num_fewshot)]
+    if args.max_gen_toks is not None:
+        cmd += ["--gen_kwargs", f"max_gen_toks={args.max_gen_toks}"]
+    if args.api == "chat":
+        cmd.append("--apply_chat_template")
+    if include is not None:
+        cmd += ["--include_path", str(include)]
+    if args.output_path:
+        cmd += ["--output_path", args.output_path, "--log_samples"]
+    return cmd
+
+
+def evaluate(url: str, args: argparse.Namespace) -> int:
+    """Probe the server, run lm-eval against it (its output passes through); lm-eval's status."""
+    model, context, interpret = probe(url, args.api)
+    with tempfile.TemporaryDirectory(prefix="mkc-eval-") as tmp:
+        include = None
+        if args.task == ARITH_TASK:
+            include = Path(tmp)
+            write_arith_task(include)
+        cmd = lm_eval_command(url, model, context, args, include)
+        print(f"serve_eval: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        status = subprocess.run(cmd).returncode
+    if interpret:
+        print("serve_eval: NOTE: the server runs in TPU interpret mode on CPU (a MINI model): the "
+              "scores mean nothing; the harness ran", file=sys.stderr)
+    return status
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options; what follows `--` goes to `mkc serve` (as `serve_args`)."""
+    ap = server_parser(__doc__)
+    ap.add_argument("--api", choices=tuple(MODELS), default="completions",
+                    help="lm-eval's local-completions (default) or local-chat-completions")
+    ap.add_argument("--task", default=ARITH_TASK,
+                    help=f"an lm-eval task, or '{ARITH_TASK}' (default): eight short sums, bundled")
+    ap.add_argument("--limit", type=at_least(1), default=4,
+                    help="samples of the task (default 4; lm-eval's --limit)")
+    ap.add_argument("--num-fewshot", type=at_least(0), help="lm-eval's --num_fewshot (default: the task's)")
+    ap.add_argument("--max-gen-toks", type=at_least(1),
+                    help="tokens a generation may have (default: the task's)")
+    ap.add_argument("--num-concurrent", type=at_least(1), default=1,
+                    help="requests lm-eval keeps in flight (default 1; past the server's --batch "
+                         "they only wait for a row)")
+    ap.add_argument("--timeout", type=at_least(1), default=600,
+                    help="seconds lm-eval waits for a request (default 600: interpret mode is slow)")
+    ap.add_argument("--output-path", help="lm-eval's --output_path (results and samples as JSON)")
+    return parse_server_args(ap, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if find_spec("lm_eval") is None:
+        print(f"serve_eval: lm-eval is not installed (it is not a dependency of mkc); install it "
+              f"into this Python with:\n    {sys.executable} -m {INSTALL}", file=sys.stderr)
+        return 2
+    if args.url is None and not Path(args.model).is_dir() and "--tokenizer" not in args.serve_args:
+        args.serve_args += ["--tokenizer", "bytes"]     # a config name: random weights, no tokenizer
+    try:
+        return against_server(args, lambda url: evaluate(url, args), "serve_eval")
+    except HarnessError as e:
+        print(f"serve_eval: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("serve_eval: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""benchmarks/serve_eval.py: without lm-eval it says how to install it; its probe of the server
+(over the stand-in module on uvicorn: quick) refuses a server that cannot take text; the lm-eval
+command line and the bundled task. lm-eval itself is not installed here: the slow test runs only
+where it is."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+from serve_fakes import fake_server
+from serve_process import MODEL, ROOT, SPEC, run_benchmark
+
+from mkc.serve.model import ByteTokenizer
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import serve_eval  # noqa: E402
+
+
+def test_without_lm_eval_it_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setattr(serve_eval, "find_spec", lambda name: None)
+    assert serve_eval.main(["--url", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install "lm-eval[api]"' in err and "not a dependency of mkc" in err
+    assert "Traceback" not in err
+
+
+def test_a_server_without_a_tokenizer_is_refused_with_what_to_do():
+    with fake_server() as url:
+        with pytest.raises(serve_eval.HarnessError, match="--tokenizer bytes") as e:
+            serve_eval.probe(url, "completions")
+    assert "(/tokenize needs a tokenizer, and 'fake_mini' has none)" in str(e.value)
+
+
+def test_the_probe_reads_the_model_and_its_context():
+    with fake_server(tokenizer=ByteTokenizer()) as url:
+        assert serve_eval.probe(url, "completions") == ("fake_mini", 32, False)
+        assert serve_eval.probe(url, "chat") == ("fake_mini", 32, False)
+
+
+def test_an_unreachable_server_is_a_clear_error():
+    with pytest.raises(serve_eval.HarnessError, match="cannot reach the server at http://127.0.0.1:1"):
+        serve_eval.probe("http://127.0.0.1:1", "completions")
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(api="completions", task="arith", limit=4, num_fewshot=None, max_gen_toks=None,
+                num_concurrent=2, timeout=600, output_path=None)
+    return argparse.Namespace(**(base | kw))
+
+
+def test_the_lm_eval_command_sends_text_for_the_server_to_tokenize(tmp_path):
+    cmd = serve_eval.lm_eval_command("http://h:1", "m", 4096, _args(), tmp_path)
+    assert cmd[1:5] == ["-m", "lm_eval", "--model", "local-completions"]
+    model_args = dict(kv.split("=", 1) for kv in cmd[cmd.index("--model_args") + 1].split(","))
+    assert model_args["base_url"] == "http://h:1/v1/completions" and model_args["model"] == "m"
+    assert model_args["tokenizer_backend"] == "none" and model_args["tokenized_requests"] == "False"
+    assert model_args["max_length"] == "4096" and model_args["num_concurrent"] == "2"
+    assert cmd[cmd.index("--tasks") + 1] == serve_eval.ARITH_NAME
+    assert cmd[cmd.index("--include_path") + 1] == str(tmp_path)
+    chat = serve_eval.lm_eval_command("http://h:1", "m", None, _args(api="chat", task="gsm8k",
+                                                                     max_gen_toks=8), None)
+    assert chat[chat.index("--model") + 1] == "local-chat-completions" and "--apply_chat_template" in chat
+    assert "/v1/chat/completions" in chat[chat.index("--model_args") + 1]
+    assert chat[chat.index("--tasks") + 1] == "gsm8k" and "--include_path" not in chat
+    assert chat[chat.index("--gen_kwargs") + 1] == "max_gen_toks=8"
+
+
+def test_the_bundled_task(tmp_path):
+    serve_eval.write_arith_task(tmp_path)
+    config = json.loads((tmp_path / "mkc_arith.yaml").read_text())        # JSON is YAML
+    assert config["task"] == serve_eval.ARITH_NAME and config["output_type"] == "generate_until"
+    rows = [json.loads(line) for line in open(config["dataset_kwargs"]["data_files"]["test"])]
+    assert len(rows) == len(serve_eval.ARITH) and rows[0] == {"question": "2 + 3 =", "answer": "5"}
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_against_a_mini_server():
+    # only where lm-eval is installed (it is not a dependency): one sum through local-completions
+    pytest.importorskip("lm_eval")
+    r = run_benchmark("serve_eval.py", str(SPEC), "--model", MODEL, "--limit", "1", "--", "--batch", "1",
+                      timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert serve_eval.ARITH_NAME in r.stdout and "exact_match" in r.stdout
+    assert "scores mean nothing" in r.stderr
