@@ -38,7 +38,7 @@ def test_on_wait_from_an_hf_checkpoint(tmp_path):
     _assert_matches_reference(summary)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_eager_dma_mode_at_the_largest_batch():
     # One step: the exact check at 8 rows (measured: logits, states and caches bit-equal; past
     # step 0 the recurrent state leaves the emulation's order, mkc.numerics).
@@ -62,7 +62,7 @@ def test_race_detector_flags_a_known_race():
     assert "RACES=True" in r.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_f32_wire_all_reduce(tmp_path):
     """The other wire dtype: gqa layers reduce in f32 over the wire, and the emulation, which
     reads the wire from the spec, rounds the gqa partial sums to f32 (not at all) to match."""
@@ -75,7 +75,7 @@ def test_f32_wire_all_reduce(tmp_path):
     assert summary["steps"][0]["emulation"]["logits"] == 0.0      # measured: bit-equal
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_heads_replicated_across_groups_of_8_of_16_ranks():
     """The shipped 16-core layout (`schedules/qwen3_8_27b_16.sched`): heads over 8 ranks,
     replicated twice, the MLP and vocabulary over all 16, on 16 virtual devices. Attention
@@ -89,7 +89,7 @@ def test_heads_replicated_across_groups_of_8_of_16_ranks():
     assert first["logits"] == 0.0 and set(first["states"].values()) == {0.0}, first
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_query_heads_sharing_a_kv_head_attend_together(tmp_path):
     """Heads over 4 ranks: each rank holds 2 query heads reading one KV head, which go through
     every KV tile together (one [2, D] dot per tile), as the rounding emulation groups them.

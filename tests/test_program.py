@@ -82,7 +82,8 @@ def test_every_accepted_pair_of_scopes_nests_and_generates_valid_python(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gdn", [NESTED, ABUTTING], ids=["nested", "abutting"])
+@pytest.mark.parametrize("gdn", [NESTED, pytest.param(ABUTTING, marks=pytest.mark.extended)],
+                         ids=["nested", "abutting"])
 def test_scope_shapes_run_in_interpret_mode(tmp_path, gdn):
     summary = run_example("examples/run_mini.py", "--spec", str(_variant(tmp_path, gdn)),
                           "--steps", "1", "--batch", "2", "--mode", "on_wait", timeout=1200)

@@ -34,7 +34,7 @@ def test_qwen_verify_of_two_sequences_in_eager_mode_is_race_free():
     assert summary["races_found"] is False
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_qwen_moe_verify_rows_equal_decode_steps():
     """Every row judged exactly from the state committed before it."""
     summary = run_example("examples/run_mini.py", "--spec", str(ROOT / "schedules/qwen3_5_35b_a3b.sched"),
@@ -66,7 +66,7 @@ def test_speculative_generation_equals_greedy_decoding():
     assert 1 in summary["per_launch"] and max(summary["per_launch"]) >= 3
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_speculative_generation_with_the_default_draft_model_speculates():
     """The example as a user first runs it: the draft model's drafts are accepted (more than
     one token a launch on average), and the text is still greedy decoding's."""

@@ -43,14 +43,14 @@ def test_on_wait_three_steps_bit_equal_and_mutants_are_rejected():
         assert any("rounding emulation" in f for f in fails), (name, fails)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
     """Batch 8 with top 2 of 8 experts: each core's 4 local experts cycle through the spec's 2
     slots; eager DMAs land as soon as issued."""
     _assert_bit_equal(_run("--mode", "eager", "--steps", "2", "--batch", "8"))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_120b_spec_with_an_eight_head_mini_checkpoint(tmp_path):
     """The 120b spec (8 cores, attention projections pooled with the experts, KV heads
     replicated: 2 over 8 head parts) on the MINI with 8 query heads, saved as a checkpoint
@@ -121,7 +121,7 @@ def test_the_ring_past_the_window_eager_with_race_detection(tmp_path):
     assert summary["races_found"] is False
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_ring_verify_step_of_eight_rows_across_its_wrap_is_each_decode_step(tmp_path):
     """One verify step of 8 rows (positions 26 .. 33: past the window, across the 32-slot
     ring's wrap, its rows in two row tiles 16 .. 31 and 0 .. 15), judged row by row as the decode

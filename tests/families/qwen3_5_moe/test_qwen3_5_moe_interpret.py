@@ -59,7 +59,7 @@ def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected():
 # emulation now makes the kernel's one dot; measured: bit-equal.
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
     """Batch 8 with top 4 of 16 experts: each rank's 2 local experts are both picked in most
     layers, and with the 4 slots every expert copy overlaps; eager DMAs land as soon as issued."""
@@ -74,7 +74,7 @@ def test_no_races_with_race_detection():
     assert summary["races_found"] is False
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_per_expert_checkpoint_runs_equal_to_the_emulation(tmp_path):
     """The MINI model saved as transformers' default `save_pretrained` writes it (experts per
     expert, text-only names, two shards and an index) loads through `mkc.checkpoint`, fused,
