@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CPU_DEVICES = 64          # virtual CPU devices (interpret mode): the largest MINI mesh
 
 
 def _version(pkg: str) -> str:
@@ -121,14 +119,18 @@ def op_times(trace_dir: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
+    from mkc.diagnostics import MkcError
+    from mkc.serve.model import prepare_devices
+    try:
+        prepare_devices(args.spec)     # on a CPU host, a virtual device per rank of the spec's mesh
+    except MkcError as e:
+        print(e.render(Path(args.spec).read_text(errors="replace")), file=sys.stderr)
+        return 2
     import jax
     import numpy as np
     from jax.experimental.pallas import tpu as pltpu
 
     from mkc import compiler
-    from mkc.diagnostics import MkcError
 
     on_tpu = jax.default_backend() == "tpu"
     label = "TPU" if on_tpu else "NOT a TPU timing: TPU interpret mode on CPU"

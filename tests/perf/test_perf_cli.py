@@ -174,6 +174,29 @@ def test_compiled_price_names_each_op_s_source(tmp_path, monkeypatch, capsys):
         assert "E-BUNDLES" in said and "pass --verify 8" in said and ".sched:9:3:" in said
 
 
+def test_a_kernel_libtpu_does_not_compile_is_a_diagnostic_at_the_target_line(tmp_path, monkeypatch,
+                                                                            capsys):
+    """--bundles and --compiled on a kernel with no measure whose compile fails (a generation
+    this libtpu lacks, a Mosaic error): E-BUNDLES at the spec's target line, with what to run
+    instead; the default price counts it and says why."""
+    from mkc.perf import bundles
+
+    def refuse(s, kernel, batch, **kw):
+        raise bundles.BundleError(f"libtpu did not compile the {kernel} kernel of {s.name} for "
+                                  f"{s.topology}: no such generation")
+    monkeypatch.setattr(bundles, "measure", refuse)
+    monkeypatch.setattr(bundles, "DATA", tmp_path / "shipped")
+    monkeypatch.setenv("MKC_BUNDLE_CACHE", str(tmp_path / "cache"))
+    for flag, hint in (("--bundles", "without --bundles"), ("--compiled", "--counted")):
+        assert main(["perf", str(SPEC), flag, "--batch", "1"]) == 1
+        err = capsys.readouterr()
+        said = err.out + err.err
+        assert "E-BUNDLES" in said and "libtpu did not compile the decode kernel" in said
+        assert ".sched:4:3:" in said and hint in said, said
+    assert main(["perf", str(SPEC), "--batch", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["perf"]["priced_by"].startswith("counted:")
+
+
 def test_the_step_is_priced_as_compiled_where_a_measure_is_shipped_and_counted_elsewhere(capsys):
     """By default no compile: a shipped spec's kernels are priced by their shipped measures; a
     kernel without one (another model, a verify width the module does not build) is counted
