@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fuzz_campaign as fc  # noqa: E402
 
 SEED = 9
-PER_KIND = 8               # cases of every mutation kind: QUICK in the quick tier, the rest slow
+PER_KIND = 6               # cases of every mutation kind: QUICK in the quick tier, the rest slow
 QUICK = 4
 CPU_SECONDS = 3.0          # per case; a clean MINI check takes well under 0.5 s
 # Cases per (target, kind) in the quick tier besides QUICK of each check kind: the new

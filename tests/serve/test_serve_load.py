@@ -153,7 +153,7 @@ def test_bad_arguments_and_no_server_are_clear_errors(argv, message):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_script_starts_a_mini_server_and_measures_it():
     # decode prefill: no verify-step compile at start-up; prompts of 1 or 2 tokens and outputs
     # of 2: each request is 2 or 3 interpret-mode steps, 4 of them in each step

@@ -31,6 +31,15 @@ def server(request):
         yield url
 
 
+@pytest.fixture
+def decode_server(server, request):
+    """Streaming, cancelling and refusing do not depend on how a prompt is prefilled: they run
+    on the decode-prefill server only."""
+    if request.node.callspec.params["server"] != "decode":
+        pytest.skip("prefill-independent: run on the decode-prefill server")
+    return server
+
+
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -62,7 +71,7 @@ def test_concurrent_requests_equal_greedy_decoding(client, greedy):
         assert result.usage.completion_tokens == len(expected)
 
 
-def test_streaming_equals_greedy_decoding(client, greedy):
+def test_streaming_equals_greedy_decoding(client, decode_server, greedy):
     prompt, n = [7, 7], 3
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
@@ -74,7 +83,7 @@ def test_streaming_equals_greedy_decoding(client, greedy):
     assert chunks[-1].usage.completion_tokens == len(expected)
 
 
-def test_cancel_mid_stream_frees_the_row(client, server, greedy):
+def test_cancel_mid_stream_frees_the_row(client, decode_server, greedy):
     stream = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=40, temperature=0,
                                        stream=True)
     first = next(iter(stream))
@@ -84,12 +93,12 @@ def test_cancel_mid_stream_frees_the_row(client, server, greedy):
     result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
     assert _tokens(result.choices[0]) == greedy(prompt, n)[0]
     deadline = time.monotonic() + 120
-    while httpx.get(server + "/stats").json()["busy_rows"]:
+    while httpx.get(decode_server + "/stats").json()["busy_rows"]:
         assert time.monotonic() < deadline, "the cancelled request still holds its row"
         time.sleep(0.5)
 
 
-def test_bad_requests_get_4xx_and_the_server_keeps_serving(client, server):
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(client, decode_server):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt=[1], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="passes the context"):
@@ -98,7 +107,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(client, server):
         client.completions.create(model=MODEL, prompt=[1] * 4097, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="the prompt is empty"):
         client.completions.create(model=MODEL, prompt=[], max_tokens=1)
-    r = httpx.post(server + "/v1/completions", content=b'{"model": "qwen3_8_mini", "prompt": [1], '
+    r = httpx.post(decode_server + "/v1/completions", content=b'{"model": "qwen3_8_mini", "prompt": [1], '
                    b'"temperature": NaN}', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
     assert [m.id for m in client.models.list()] == [MODEL]

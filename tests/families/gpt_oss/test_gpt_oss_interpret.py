@@ -95,7 +95,7 @@ def _ring_run(tmp_path, *args: str) -> dict:
                        "--first-position", "26", *args, timeout=3000)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_ring_past_the_window_on_wait_bit_equal_and_a_window_off_by_one_is_rejected(tmp_path):
     """window + 2 steps and more, every step bit-equal; the window one position too wide (the
     position that just left it, still in the ring, seen) fails the emulation."""
