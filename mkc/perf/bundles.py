@@ -17,7 +17,8 @@ decided at run time (the routed experts, the KV tiles) is reported per iteration
 counted the same way; the bound is the slot kind closest to its capacity (the most a bundle of
 this kernel issues), or the dependency chain when no unit is half busy.
 
-Results are cached by the module's source, kernel, rows and libtpu version: the shipped specs'
+Results are cached by the module's source, the kernel it traces to, rows and the JAX and libtpu
+versions (`cache_key`): the shipped specs'
 in `mkc/perf/data/bundles/` (`benchmarks/bundles.py` writes them), others in the user's cache.
 """
 from __future__ import annotations
@@ -62,11 +63,15 @@ class BundleError(Exception):
         self.setting = setting
 
 
-def libtpu_version() -> str:
+def _version(package: str) -> str:
     try:
-        return version("libtpu")
+        return version(package)
     except PackageNotFoundError:
         return ""
+
+
+def libtpu_version() -> str:
+    return _version("libtpu")
 
 
 @dataclass(frozen=True)
@@ -406,18 +411,18 @@ def _longest_run(shares: list[dict[Label, float]], lab: Label) -> tuple[int, int
 
 
 # ---- compiling, caching, reporting ---------------------------------------------------------
-def cache_key(source: str, kernel: str, batch: int, libtpu: str) -> str:
-    """What a measure depends on: the module's source and the code it runs (mkc's runtime and
-    the family package it imports), kernel, rows and libtpu's version."""
+def cache_key(source: str, kernel: str, batch: int, libtpu: str,
+              verify_rows: int | None = None) -> str:
+    """What a measure depends on: the module's source (its lines label the LLO), the kernel it
+    traces to (`work.kernel_digest`: what libtpu compiles, so mkc's own code may be rewritten
+    without a new compile as long as it emits the same kernel), kernel, rows, and the JAX and
+    libtpu versions that lower and compile it."""
+    from mkc.perf.work import kernel_digest
+    rows = verify_rows * batch if verify_rows else batch
     h = hashlib.sha256()
-    for part in (source, kernel, str(batch), libtpu):
+    for part in (source, kernel_digest(source, rows, verify_rows), kernel, str(batch),
+                 _version("jax"), libtpu):
         h.update(part.encode() + b"\0")
-    package = Path(__file__).resolve().parent.parent
-    code = sorted((package / "runtime").glob("*.py"))
-    for family in sorted(set(re.findall(r"mkc\.families\.(\w+)", source))):
-        code += [package / "families" / family / f for f in ("lowering.py", "ops.py")]
-    for f in code:
-        h.update(f.read_bytes() + b"\0")
     return h.hexdigest()[:20]
 
 
@@ -461,7 +466,7 @@ def measure(s: ir.ScheduleIR, kernel: str = "decode", batch: int | None = None,
     found = rows(parsed, line_labels(source), layers, kind_order(source), run_time, body)
     calls = layer_calls(s)
     lib = libtpu_version()
-    return {"schema": SCHEMA, "key": cache_key(source, kernel, batch, lib), "spec": s.name,
+    return {"schema": SCHEMA, "key": cache_key(source, kernel, batch, lib, verify_rows), "spec": s.name,
             "chip": s.chip, "topology": s.topology, "kernel": kernel, "batch": batch,
             "verify_rows": verify_rows, "libtpu": lib, "bundles": len(parsed),
             "slot_capacity": llo.slot_capacity(parsed),
@@ -483,7 +488,8 @@ def cached(s: ir.ScheduleIR, kernel: str, batch: int, source: str | None = None,
     user's cache (or `places`)."""
     from mkc.codegen.emit import render
     source = source if source is not None else render(s, "")
-    key = cache_key(source, kernel, batch, libtpu_version())
+    key = cache_key(source, kernel, batch, libtpu_version(),
+                    s.verify_rows if kernel == "verify" else None)
     for place in places or (DATA, user_cache()):
         path = place / f"{s.name}.json"
         try:

@@ -326,10 +326,24 @@ def trace_module(module: types.ModuleType, batch: int,
 _COUNTED: dict[tuple[str, int, int | None], KernelWork] = {}
 
 
+@lru_cache(maxsize=4)
+def _traced(source: str, batch: int, verify_rows: int | None) -> jcore.ClosedJaxpr:
+    return trace_module(_module(source), batch, verify_rows)
+
+
 def clear_cache() -> None:
-    """Forget counted kernels (their key is the module's source: a changed lowering function
-    is not seen until then)."""
+    """Forget counted and traced kernels (their key is the module's source: a changed lowering
+    function is not seen until then)."""
     _COUNTED.clear()
+    _traced.cache_clear()
+
+
+def kernel_digest(source: str, batch: int, verify_rows: int | None = None) -> str:
+    """A digest of what libtpu is given to compile: the module's kernel at `batch` rows, traced,
+    with its named scopes and without source locations. A lowering function rewritten to emit
+    the same operations (moved, renamed, shared between families) leaves it unchanged."""
+    text = _traced(source, batch, verify_rows).pretty_print(source_info=False, name_stack=True)
+    return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()
 
 
 def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) -> KernelWork:
@@ -340,7 +354,7 @@ def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) ->
     key = (hashlib.sha256(source.encode()).hexdigest(), batch, verify_rows)
     if key not in _COUNTED:
         t0 = time.perf_counter()
-        closed = trace_module(_module(source), batch, verify_rows)
+        closed = _traced(source, batch, verify_rows)
         kw = count_kernel(closed, batch, f"{s.family_package}.lowering")
         kw.trace_seconds = time.perf_counter() - t0
         _COUNTED[key] = kw

@@ -91,6 +91,23 @@ def test_a_stale_or_foreign_cache_entry_is_not_used(tmp_path, monkeypatch):
     assert bundles.cached(s, "decode", 1) is None
 
 
+def test_a_lowering_function_rewritten_to_emit_the_same_kernel_keeps_its_measure(monkeypatch):
+    """The key is what libtpu compiles, not mkc's code: a body moved behind another function
+    (as a shared layer library does) keeps the shipped measure; one more operation loses it."""
+    from mkc.families.qwen3_5 import lowering
+    from mkc.perf import work
+    s = compiler.check_spec(str(ROOT / "schedules" / "qwen3_8_27b.sched")).ir
+    original = lowering.gated_norm
+    work.clear_cache()
+    monkeypatch.setattr(lowering, "gated_norm", lambda c, *args: original(c, *args))
+    assert bundles.cached(s, "decode", 1, places=(bundles.DATA,)) is not None
+    monkeypatch.setattr(lowering, "gated_norm", lambda c, *args: original(c, *args) * 1.01)
+    work.clear_cache()
+    assert bundles.cached(s, "decode", 1, places=(bundles.DATA,)) is None
+    monkeypatch.undo()
+    work.clear_cache()
+
+
 @pytest.mark.slow
 def test_the_compiled_kernel_is_reported_per_op_and_grows_with_an_op_s_work():
     """Qwen 3.8 27B's decode kernel at batch 1 compiled by libtpu: every op of both layer
