@@ -2,8 +2,9 @@
 on virtual CPU devices (MINI config, random weights).
 
 Each launch verifies the anchor (the last token, not yet in the state) and up to R - 1 drafts.
-By default a draft model proposes them (`draft_model`: with random MINI weights no small model
-agrees with the kernel, so the same model in the reference's plain f32 stands in for one);
+By default a draft model proposes them (`mkc.serve.drafting.DraftModel`, as `mkc serve
+--speculative draft-model`: with random MINI weights no small model agrees with the kernel, so
+the same model in the reference's plain f32 stands in for one);
 `--drafter lookup` proposes the continuation of the most recent earlier occurrence of the
 context's last n-gram (no second model, but random weights rarely repeat themselves). Greedy
 acceptance keeps the drafts the model itself would have produced, plus the model's own token
@@ -47,7 +48,7 @@ from generated_module import (add_interpret_host_option, check_spec_and_model, i
                               load_generated, rounding_for)
 
 from mkc.checkpoint import family_of  # noqa: E402
-from mkc.serve.drafting import prompt_lookup  # noqa: E402
+from mkc.serve.drafting import DraftModel, prompt_lookup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,33 +65,6 @@ def oracle(greedy: list[int], prompt_len: int):
         if bad < len(out):
             out[bad] = (out[bad] + 1) % 7
         launches.append(bad)
-        return out
-    return draft
-
-
-def draft_model(reference, hf, cfg, context: int):
-    """A drafter that runs a draft model greedily: the same MINI model computed by the family's
-    pure-JAX reference in plain f32 (random weights have no smaller model that agrees with them,
-    so it stands in for one; it differs from the kernel's bf16 rounding where the top two
-    logits nearly tie, and those drafts are rejected). Its cache follows the context: each call
-    feeds only the tokens added since the last one, then drafts from a copy."""
-    step = jax.jit(reference.decode_step, static_argnums=(1, 5))
-    fed = {"cache": reference.init_cache(cfg, 1, context), "tokens": 0}
-
-    def advance(cache, token: int, position: int):
-        logits, cache = step(hf, cfg, cache, jnp.array([token], jnp.int32),
-                             jnp.array([position], jnp.int32), None)
-        return int(np.argmax(np.asarray(logits)[0])), cache
-
-    def draft(tokens: list[int], drafts: int) -> list[int]:
-        cache = fed["cache"]
-        for position in range(fed["tokens"], len(tokens) - 1):   # the anchor is not yet fed
-            _, cache = advance(cache, tokens[position], position)
-        fed.update(cache=cache, tokens=len(tokens) - 1)
-        out, token = [], tokens[-1]
-        for position in range(len(tokens) - 1, len(tokens) - 1 + drafts):
-            token, cache = advance(cache, token, position)
-            out.append(token)
         return out
     return draft
 
@@ -189,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     greedy = reference_greedy(reference, hf, cfg, rounding_for(Path(args.spec), args.model), prompt,
                               args.tokens, gen.CONTEXT)
-    drafter = {"model": lambda: draft_model(reference, hf, cfg, gen.CONTEXT),
+    drafter = {"model": lambda: DraftModel(config, hf, gen.CONTEXT),
                "lookup": lambda: prompt_lookup,
                "oracle": lambda: oracle(greedy, len(prompt))}[args.drafter]()
     t0 = time.perf_counter()

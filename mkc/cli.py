@@ -142,10 +142,38 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="bytes: a stand-in tokenizer for a model without one (a MINI config): UTF-8 "
                         "bytes as token ids and a plain chat template, so text and chat requests "
                         "(and lm-eval) run; the text means nothing (docs/serving.md)")
-    p.add_argument("--speculative", choices=("prompt-lookup",),
+    p.add_argument("--speculative", choices=("prompt-lookup", "draft-model"),
                    help="speculative decoding for greedy requests through the spec's verify step: "
-                        "R - 1 drafts a launch by n-gram prompt lookup, the matching ones kept "
-                        "(the text stays plain greedy's); off by default (docs/serving.md)")
+                        "R - 1 drafts a launch, by n-gram prompt lookup or by a draft model "
+                        "(--draft-model), the matching ones kept (the text stays plain greedy's); "
+                        "off by default (docs/serving.md)")
+    p.add_argument("--draft-model", metavar="NAME|CHECKPOINT_DIR",
+                   help="with --speculative draft-model: the model that drafts, run greedily by "
+                        "its family's JAX reference (f32, XLA) on JAX's default device; a "
+                        "checkpoint directory, or a config name with random weights from --seed; "
+                        "its vocabulary must be the served model's (default: --model itself)")
+
+
+def _drafter(args, served, batch: int):
+    """The drafter `--speculative` names (None without it): a draft model checked to share the
+    served model's vocabulary, with a kept cache for each row and as many finished requests."""
+    from mkc.checkpoint import CheckpointError
+    from mkc.serve.drafting import DraftModel, prompt_lookup
+    if args.speculative != "draft-model":
+        return prompt_lookup if args.speculative else None
+    model = args.draft_model or args.model
+    where = Span.unknown(args.spec)
+    try:
+        draft = DraftModel.load(model, args.seed, served.gen.CONTEXT, keep=2 * batch)
+    except (OSError, ValueError, KeyError, CheckpointError) as e:
+        raise MkcError(Diagnostic("E-SERVE", f"--draft-model {model}: {e}", where,
+                                  hint="a shipped config name or an HF checkpoint directory")) from None
+    if draft.vocab_size != served.gen.DIMS.vocab_size:
+        raise MkcError(Diagnostic("E-SERVE", f"--draft-model {model} has a vocabulary of "
+                                  f"{draft.vocab_size} tokens, the served model "
+                                  f"{served.gen.DIMS.vocab_size}", where,
+                                  hint="draft with a model of the served model's tokenizer"))
+    return draft
 
 
 def _serve(args) -> int:
@@ -153,14 +181,18 @@ def _serve(args) -> int:
     from mkc.serve.model import prepare_devices
     prepare_devices(args.spec)              # before JAX starts
     from mkc.serve.api import serve
-    from mkc.serve.drafting import DRAFTERS
     from mkc.serve.engine import Engine
     from mkc.serve.model import load_served
+    if args.draft_model is not None and args.speculative != "draft-model":
+        raise MkcError(Diagnostic("E-SERVE", "--draft-model drafts only with --speculative "
+                                  "draft-model", Span.unknown(args.spec),
+                                  hint="add --speculative draft-model, or drop --draft-model"))
     served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer)
+    drafter = _drafter(args, served, batch)
     try:
         engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
                         max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill,
-                        drafter=DRAFTERS[args.speculative] if args.speculative else None)
+                        drafter=drafter)
     except ValueError as e:
         hint = ("serve without --speculative" if "speculative" in str(e)
                 else "serve with --prefill decode")

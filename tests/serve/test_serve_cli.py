@@ -15,6 +15,13 @@ from conftest import SPEC, run_python
     ([str(SPEC), "--model", "qwen3_8_mini", "--port", "70000"], 2, "expected an integer from 0 to 65535"),
     ([str(SPEC)], 2, "the following arguments are required: --model"),
     ([str(SPEC), "--model", "qwen3_8_mini", "--tokenizer", "words"], 2, "invalid choice: 'words'"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--draft-model", "qwen3_8_mini"], 1,
+     "error[E-SERVE]: --draft-model drafts only with --speculative draft-model"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--speculative", "draft-model", "--draft-model",
+      "qwen3_5_moe_mini"], 1, "--draft-model qwen3_5_moe_mini has a vocabulary of 1024 tokens, "
+     "the served model 2048"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--speculative", "draft-model", "--draft-model",
+      "no_such_draft"], 1, "--draft-model no_such_draft:"),
 ])
 def test_serve_refuses_before_serving(args, status, message):
     r = run_python(["-m", "mkc", "serve", *args], timeout=120)

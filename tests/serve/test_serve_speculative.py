@@ -1,7 +1,7 @@
 """`mkc serve --speculative prompt-lookup` for real: the MINI Qwen module in TPU interpret mode
 at batch 1, through OpenAI's client. Greedy completions equal the family reference's greedy
 decoding token for token with drafts accepted and rejected; logprobs come back with them; a
-sampled request falls back to decode steps."""
+sampled request falls back to decode steps. `--speculative draft-model` in the extended tier."""
 from __future__ import annotations
 
 import math
@@ -61,3 +61,15 @@ def test_sampled_requests_decode_plainly(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=1.0, seed=3)
     assert len(token_ids(r.choices[0])) == r.usage.completion_tokens
     assert r.usage.model_extra["speculative"]["launches"] == 0
+
+
+@pytest.mark.extended
+def test_a_draft_model_speculates_and_greedy_stays_greedy(greedy):
+    """`--speculative draft-model` with the served model itself as the draft (its reference in
+    plain f32): most drafts are kept, and the text is still plain greedy decoding's."""
+    with running_server(["--batch", "1", "--speculative", "draft-model"]) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.completions.create(model=MODEL, prompt=[5, 17, 99], max_tokens=6, temperature=0)
+    assert token_ids(r.choices[0]) == greedy([5, 17, 99], 6)[0]
+    spec = r.usage.model_extra["speculative"]
+    assert spec["accepted"] >= 2 and spec["launches"] < 6, spec

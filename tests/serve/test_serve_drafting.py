@@ -1,0 +1,37 @@
+"""The drafters (mkc.serve.drafting): a draft model's drafts are its greedy continuation, from
+a kept cache that follows each request's context or from scratch alike."""
+from __future__ import annotations
+
+from mkc.serve.drafting import DraftModel
+
+MODEL = "qwen3_8_mini"
+
+
+def test_a_draft_model_drafts_its_greedy_continuation_and_feeds_each_token_once():
+    kept = DraftModel.load(MODEL, seed=0, context=64, keep=4)
+    calls = []
+    step = kept._step
+    kept._step = lambda *a: calls.append(int(a[4][0])) or step(*a)   # positions fed
+    context = [5, 17, 99]
+    drafted = kept(context, 3)
+    assert len(drafted) == 3 and calls == [0, 1, 2, 3, 4]     # 2 tokens fed, then 3 drafts
+    # the request accepted the first draft and the model's own next token: the kept cache is
+    # found and only the two new tokens are fed before drafting again
+    context += [drafted[0], 1000]
+    calls.clear()
+    again = kept(context, 2)
+    assert calls == [2, 3, 4, 5]
+    fresh = DraftModel.load(MODEL, seed=0, context=64, keep=4)
+    assert fresh(context, 2) == again                     # from scratch: the same drafts
+    # greedy: each draft is the next token after the ones before it
+    assert fresh(context + again[:1], 1) == again[1:2]
+
+
+def test_kept_caches_are_bounded_and_the_context_limit_stops_drafts():
+    draft = DraftModel.load(MODEL, seed=0, context=8, keep=2)
+    for first in (1, 2, 3):
+        draft([first, 7], 1)
+    assert len(draft._kept) == 2 and (1,) not in draft._kept     # least recently used dropped
+    assert len(draft([4, 5, 6, 7, 8, 9], 5)) == 3                 # positions 5..7 of 8
+    assert draft(list(range(9)), 2) == []
+
