@@ -166,9 +166,11 @@ def bench_modelled() -> list[str]:
     """Modelled steps (`mkc perf`: priced by libtpu's cycles where the kernel's measure is
     shipped or cached, and `--counted`, by the work counted from the kernel mkc emits) of each
     shipped spec at batch 1 and 8 and its verify step, and, for K3, the same spec with its
-    experts in the exact FP8 blocks and in the checkpoint's MXFP4: a table."""
+    experts in each other format `bundles.K3_FORMATS` names: a table."""
     import re
     import tempfile
+
+    from bundles import K3_FORMATS, K3_SPEC, k3_format_text
 
     from mkc import compiler
     from mkc.perf.run import run
@@ -178,21 +180,18 @@ def bench_modelled() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         specs = []
         for path in sorted((ROOT / "schedules").glob("*.sched")):
-            text = path.read_text()
+            specs.append(path)
+            for fmt in K3_FORMATS if path == K3_SPEC else ():
+                text = k3_format_text(fmt)
+                if text != path.read_text():
+                    variant = Path(tmp) / fmt.replace(" ", "_") / path.name
+                    variant.parent.mkdir()
+                    variant.write_text(text)
+                    specs.append(variant)
+        for path in specs:
             label = ", ".join(f"{m.group(1)} {m.group(2)}" for m in
                               re.finditer(r"^  format (\S+) (\S+(?: block \d+)?(?: rounded)?)$",
-                                          text, re.M))
-            specs.append((path, label or "as checkpointed"))
-            if " fp4 block " in label:    # K3's other expert formats: exact FP8 blocks, MXFP4
-                fp8 = Path(tmp) / "fp8" / path.name
-                fp8.parent.mkdir(exist_ok=True)
-                fp8.write_text(re.sub(r"^(  format \S+) fp4 (block \d+) rounded$", r"\1 fp8 \2",
-                                      text, flags=re.M))
-                specs.append((fp8, "fp8 blocks (exact)"))
-                mx = Path(tmp) / path.name
-                mx.write_text(re.sub(r"^  format (\S+) .*$", r"  format \1 mxfp4", text, flags=re.M))
-                specs.append((mx, "mxfp4 (the checkpoint's)"))
-        for path, label in specs:
+                                          path.read_text(), re.M)) or "as checkpointed"
             s = compiler.check_spec(path).ir
             rows = [(b, None) for b in (1, 8)] + ([(None, s.verify_rows)] if s.verify_rows else [])
             for batch, verify in rows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,21 +24,33 @@ COMMAND = ".venv/bin/python benchmarks/bundles.py"
 
 
 # K3's routed experts in each format libtpu's pack-group probe compares
-# (benchmarks/format_probe.py --bundles): the model's ratio of their prices must follow it.
+# (benchmarks/format_probe.py --bundles): the model's ratio of their prices must follow it. The
+# shipped spec's are the checkpoint's MXFP4 (exact); "fp4 block" rounds (docs/formats.md).
 K3_FORMATS = {"mxfp4": ("mxfp4", "mxfp4"), "fp8": ("fp8", "fp8"),
-              "fp8 block": ("fp8 block 512", "fp8 block 128")}
+              "fp8 block": ("fp8 block 512", "fp8 block 128"),
+              "fp4 block": ("fp4 block 512 rounded", "fp4 block 128 rounded")}
+K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 CALIBRATION = ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched"
 
 
-def k3_format_text(fmt: str) -> str:
-    """The shipped K3 spec with both expert classes in `fmt` (a K3_FORMATS key)."""
-    gate_up, down = K3_FORMATS[fmt]
-    text = (ROOT / "schedules" / "kimi_k3.sched").read_text()
-    for cls, was, now in (("gate_up", "fp4 block 512 rounded", gate_up),
-                          ("down", "fp4 block 128 rounded", down)):
-        old = f"format expert.{cls} {was}"
-        assert old in text, f"kimi_k3.sched no longer says {old!r}"
-        text = text.replace(old, f"format expert.{cls} {now}")
+def k3_format_edits(formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """(old, new) line edits taking the shipped K3 spec's routed experts to `formats`: a
+    K3_FORMATS key, or the (gate_up, down) formats as a spec writes them after the class. The
+    lines keep their place, so the spec's other lines keep their numbers."""
+    text = K3_SPEC.read_text()
+    edits = []
+    for cls, now in zip(("gate_up", "down"), K3_FORMATS.get(formats, formats)):
+        m = re.search(rf"^ *format expert\.{cls} .*$", text, flags=re.M)
+        assert m, f"kimi_k3.sched has no `format expert.{cls}` line"
+        edits.append((m.group(0), re.sub(r"format (\S+) .*", rf"format \1 {now}", m.group(0))))
+    return tuple(edits)
+
+
+def k3_format_text(formats: str | tuple[str, str]) -> str:
+    """The shipped K3 spec with its routed experts in `formats` (as `k3_format_edits`)."""
+    text = K3_SPEC.read_text()
+    for old, new in k3_format_edits(formats):
+        text = text.replace(old, new)
     return text
 
 
@@ -57,7 +70,7 @@ def points():
         name = spec.stem if spec != CALIBRATION else "calibration kimi_k3"
         out += [(name, s, kernel, batch) for kernel, batch in kernels(s)]
     for fmt in K3_FORMATS:
-        s = compiler.check_source(k3_format_text(fmt), str(ROOT / "schedules" / "kimi_k3.sched")).ir
+        s = compiler.check_source(k3_format_text(fmt), str(K3_SPEC)).ir
         out.append((f"kimi_k3 experts {fmt}", s, "decode", 8))
     return out
 

@@ -32,13 +32,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from bundles import k3_format_edits  # noqa: E402
 COMMAND = ".venv/bin/python benchmarks/compiler_scratch.py"
 MIB = 2**20
 SCHEDULES = ROOT / "schedules"
-# K3's routed experts in FP8 blocks (exact for an MXFP4 checkpoint) instead of the shipped FP4.
-K3_FP8 = (("format expert.gate_up fp4 block 512 rounded", "format expert.gate_up fp8 block 512"),
-          ("format expert.down fp4 block 128 rounded", "format expert.down fp8 block 128"))
+# K3's routed experts in FP8 blocks (exact while packing's check passes) and in rounded FP4
+# blocks instead of the shipped MXFP4.
+K3_FP8, K3_FP4 = k3_format_edits("fp8 block"), k3_format_edits("fp4 block")
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,11 @@ def points() -> list[Point]:
     for spec in sorted(SCHEDULES.glob("*.sched")):
         p += _spec_points(spec.stem, spec)
     p += _spec_points("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP8)
+    p += _spec_points("kimi_k3 fp4 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP4)
     p += [Point(f"{name} kv 256 decode B8", SCHEDULES / f"{name}.sched", "decode", 8, (edit,))
           for name, edit in KV_256.items()]
+    p.append(Point("kimi_k3 fp4 experts kv 256 decode B8", SCHEDULES / "kimi_k3.sched", "decode", 8,
+                   (KV_256["kimi_k3"], *K3_FP4)))
     return p
 
 

@@ -103,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         spec.write_text(text)
     gen = load_generated(spec, "kimi_k3_mini", args.mutate)
     rounding = rounding_for(spec, "kimi_k3_mini")
-    # The checkpoint as the kernel holds it (a format that requantizes, `fp4 block N`, rounds
-    # the MXFP4 draws' 32-row scales to one per block): the references run on these values,
-    # while the kernel's weights are packed from the checkpoint itself.
+    # The checkpoint as the kernel holds it (itself in the shipped MXFP4; a format that
+    # requantizes, `fp4 block N rounded`, rounds the MXFP4 draws' 32-row scales to one per
+    # block): the references run on these values, while the kernel's weights are packed from
+    # the checkpoint itself.
     ref_hf, requantization = gen.requantized_weights(hf)
     for cls, r in sorted(requantization.items()):
         print(f"requantized {cls} ({r['format']}): {r['changed']} of {r['values']} values moved "

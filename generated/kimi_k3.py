@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 5016ed6708eb549b
+Input digest (spec, model config, mkc version): 9a6bb9b9f9537af6
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
@@ -103,10 +103,8 @@ PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 7
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
             'up_cols': 896, 'vocab': 5120}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {
-    'expert.down': WeightFormat(name='fp4', block=128, rounded=True, where='kimi_k3.sched:43'),
-    'expert.gate_up': WeightFormat(name='fp4', block=512, rounded=True, where='kimi_k3.sched:42')
-}
+FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:43'),
+           'expert.gate_up': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:42')}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=32,
                     rules=(('expert_mlp', 4, 1), ('experts', 8, 4), ('heads', 32, 1),
@@ -220,10 +218,10 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=16272,
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=17136,
                       matrices={'gate_up_codes': (0, 1792, 1536),
-                                'gate_up_scales': (10752, 7, 1536),
-                                'down_codes': (10800, 384, 3584), 'down_scales': (16176, 6, 3584)},
+                                'gate_up_scales': (10752, 112, 1536),
+                                'down_codes': (11424, 384, 3584), 'down_scales': (16800, 24, 3584)},
                       local_experts=112, group_size=4, top_k=16,
                       stacked=('gate_up_scales', 'down_scales'))
 

@@ -241,12 +241,12 @@ def test_a_non_finite_expert_weight_is_located_at_its_format_line(tmp_path: Path
 
 def test_a_nan_e8m0_scale_is_refused_at_the_format_line(tmp_path: Path, capsys) -> None:
     """K3 MINI with one MXFP4 scale of 255 (E8M0's NaN): the loader names the tensor; `mkc
-    check` of the K3 spec locates it at the requantizing class's `format` line (was:
-    ValueError 'a scale of 255 (NaN) cannot be requantized')."""
+    check` of the K3 spec with rounded FP4 experts locates it at the requantizing class's
+    `format` line (was: ValueError 'a scale of 255 (NaN) cannot be requantized')."""
     import sys
 
     from mkc.families.kimi_k3 import reference as k3
-    from tests_support import K3_SPEC
+    from tests_support import k3_format_text
     sys.path.insert(0, str(ROOT / "examples"))
     from generated_module import k3_mini_text
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
@@ -259,7 +259,7 @@ def test_a_nan_e8m0_scale_is_refused_at_the_format_line(tmp_path: Path, capsys) 
     with pytest.raises(CheckpointError, match=re.escape(want)):
         load_checkpoint(tmp_path / "ckpt")
     spec = tmp_path / "kimi_k3.sched"
-    spec.write_text(k3_mini_text(K3_SPEC.read_text()))
+    spec.write_text(k3_mini_text(k3_format_text("fp4 block")))
     d = _cli_diagnostic(["check", str(spec), "--model", str(tmp_path / "ckpt")], capsys)
     assert (d["code"], d["line"]) == ("E-CHECKPOINT", _line_of(spec, "format expert.down")), d
     assert want in d["message"] and d["message"].startswith("`format expert.down fp4 block")

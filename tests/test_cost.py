@@ -28,7 +28,7 @@ def test_k3_floor_counts_pooled_attention_and_expected_experts():
     assert 2.8e9 < t1["pooled weights"] < 3.0e9
     # Uniform routing: 16 of 896 experts per row, 112 in this rank's group -> 2 at batch 1.
     assert cost.expected_local_experts(s, 1) == pytest.approx(2.0)
-    # FP4 codes, two values a byte, and a scale per 512 rows of gate|up, per 128 of down
-    per_expert = 3 * 3584 * 768 // 2 + 3584 // 512 * 1536 + 768 // 128 * 3584
+    # MXFP4 codes, two values a byte, and a scale per 32 rows of gate|up and of down
+    per_expert = 3 * 3584 * 768 // 2 + 3584 // 32 * 1536 + 768 // 32 * 3584
     assert t1["routed experts (uniform routing)"] == pytest.approx(92 * 2 * per_expert)
     assert t1["routed experts (uniform routing)"] < t8["routed experts (uniform routing)"]

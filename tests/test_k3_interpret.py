@@ -9,7 +9,7 @@ sublayer kind is rejected."""
 import pytest
 
 from mkc import numerics
-from tests_support import ROOT, assert_each_mutant_rejected_on_its_row, run_example
+from tests_support import ROOT, assert_each_mutant_rejected_on_its_row, k3_format_text, run_example
 
 
 def _run(*args: str) -> dict:
@@ -32,18 +32,21 @@ def _assert_matches_reference(summary: dict) -> None:
 
 
 @pytest.mark.slow
-def test_eager_dma_mode_with_race_detection_and_rounded_fp4_experts():
+def test_eager_dma_mode_with_race_detection_and_rounded_fp4_experts(tmp_path):
     """Eager DMAs land as soon as issued, so a write racing a read before its wait shows (on-wait
     mode would run the copy at the wait and hide it; the batch-8 test below runs on-wait).
-    The shipped spec's experts are `fp4 block N rounded`: the MINI checkpoint's Gaussian MXFP4
-    draws (32-row scales that differ within a block) do not requantize exactly, so packing
-    rounds them (the error reported per class), and the kernel, packed from the checkpoint
-    itself, is bit-equal to the rounding emulation of the requantized weights
+    The shipped spec with its experts as `fp4 block N rounded` (it ships the checkpoint's
+    exact MXFP4: the test below and tests/test_verify.py run that): the MINI checkpoint's
+    Gaussian MXFP4 draws (32-row scales that differ within a block) do not requantize exactly,
+    so packing rounds them (the error reported per class), and the kernel, packed from the
+    checkpoint itself, is bit-equal to the rounding emulation of the requantized weights
     (`requantized_weights`) and within the plain tolerance of the plain reference on them.
     Batch 2, token draws with routing margins of at least 0.02 (measured: seed 24, both rows
     compared plainly; at the default 0.005 both rows were routing near-ties)."""
-    summary = _run("--mode", "eager", "--races", "--steps", "1", "--batch", "2",
-                   "--min-routing-margin", "0.02")
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(k3_format_text("fp4 block"))
+    summary = _run("--spec", str(spec), "--mode", "eager", "--races", "--steps", "1",
+                   "--batch", "2", "--min-routing-margin", "0.02")
     _assert_matches_reference(summary)
     assert summary["races_found"] is False
     step = summary["steps"][0]

@@ -9,7 +9,7 @@ import pytest
 
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from tests_support import K3_SPEC, ROOT
+from tests_support import ROOT, k3_format_text
 
 SPEC16 = ROOT / "schedules" / "qwen3_8_27b_16.sched"
 SPEC8 = ROOT / "schedules" / "qwen3_8_27b.sched"
@@ -118,15 +118,14 @@ def test_a_format_records_whether_the_target_takes_fp8_operands(target, fp8_oper
     from mkc.lang.parser import parse
     from mkc.resolve import resolve
     text = re.sub(r"vmem\s+limit \d+ MiB reserve \d+ MiB", "vmem limit 16 MiB reserve 2 MiB",
-                  k3_mini_text(K3_SPEC.read_text()))
-    text = re.sub(r"(format \S+) fp4 (block \d+) rounded", r"\1 fp8 \2", text)   # shipped: fp4
+                  k3_mini_text(k3_format_text("fp8 block")))
     s = resolve(parse(re.sub(r"target\s+tpu7x topology \S+", target, text)), "kimi_k3_mini")
     assert {f.name for f in s.weight_formats.values()} == {"fp8"}
     assert {f.fp8_operand for f in s.weight_formats.values()} == {fp8_operand}
 
 
 def test_fp4_resolves_where_the_mxu_takes_it_and_is_refused_elsewhere():
-    """The shipped K3 spec's rounded FP4 experts resolve on tpu7x (the format line recorded for
+    """The K3 spec with rounded FP4 experts resolves on tpu7x (the format line recorded for
     packing's diagnostics); moved to v4, whose MXU takes no FP4 operand, the format line is a
     diagnostic at the format name that names what v4 takes."""
     import sys
@@ -136,7 +135,7 @@ def test_fp4_resolves_where_the_mxu_takes_it_and_is_refused_elsewhere():
     from mkc.lang.parser import parse
     from mkc.resolve import resolve
     text = re.sub(r"vmem\s+limit \d+ MiB reserve \d+ MiB", "vmem limit 16 MiB reserve 2 MiB",
-                  k3_mini_text(K3_SPEC.read_text()))
+                  k3_mini_text(k3_format_text("fp4 block")))
     s = resolve(parse(text, "kimi_k3.sched"), "kimi_k3_mini")
     assert {(f.name, f.rounded) for f in s.weight_formats.values()} == {("fp4", True)}
     line = next(i for i, ln in enumerate(text.splitlines(), 1) if "format expert.gate_up" in ln)

@@ -46,9 +46,9 @@ def _layout(text: str, file: str) -> tuple:
     return settings, rules, phases, rings
 
 
-def _retargeted(spec: str, slice_text: str, model: str | None):
+def _retargeted(spec: str, slice_text: str, model: str | None, text: str | None = None):
     path = SCHEDULES / f"{spec}.sched"
-    res = retarget.retarget(path.read_text(), str(path), slice_text, model, max_models=1)
+    res = retarget.retarget(text or path.read_text(), str(path), slice_text, model, max_models=1)
     c = check_source(res.text, str(path), model)          # passes every check, as written
     return res, c.ir
 
@@ -147,11 +147,16 @@ def test_groups_carry_over_by_meaning():
 
 
 def test_k3_rules_on_a_one_core_chip_slice_need_no_sibling():
-    """v6e chips are one rank: the router's `chip` rule and sibling exchange must go."""
+    """v6e chips are one rank: the router's `chip` rule and sibling exchange must go. Every
+    generation takes the shipped MXFP4 experts; v6e's MXU takes no FP4 operand, so the rounded
+    FP4 blocks variant's become FP8 blocks (not rounded: exact where packing accepts them)."""
+    from tests_support import k3_format_text
     res, s = _retargeted("kimi_k3", "v6e topology 4x8", "kimi_k3_mini")
     assert "with sibling" not in res.text and s.chip == "v6e"
     assert not any(k.exchanges for k in s.kinds.values())
-    # v6e's MXU takes no FP4 operand: the shipped FP4 blocks become (exact) FP8 blocks
+    assert "  format expert.gate_up mxfp4\n  format expert.down mxfp4\n" in res.text
+    assert {f.name for f in s.weight_formats.values()} == {"mxfp4"}
+    res, s = _retargeted("kimi_k3", "v6e topology 4x8", "kimi_k3_mini", k3_format_text("fp4 block"))
     assert "  format expert.gate_up fp8 block 512\n  format expert.down fp8 block 128\n" in res.text
     assert {f.name for f in s.weight_formats.values()} == {"fp8"}
 

@@ -16,12 +16,12 @@ from tests_support import SPEC
 # step, where it has one, is compiled in tests/test_verify.py). Each compiles at mkc's VMEM
 # boundary (benchmarks/vmem_sweep.py): the spec with its limit at mkc's own peak, or with the
 # deepest weight ring mkc accepts at the chip's whole VMEM, a different one each day (K3's
-# FP8-expert variant at batch 1 or 8, in turn); libtpu must fit it (no false fit), and the
-# margin (mkc's peak minus libtpu's use) is printed.
+# FP8- and rounded FP4-expert variants at batch 1 or 8: one compile, in turn); libtpu must fit
+# it (no false fit), and the margin (mkc's peak minus libtpu's use) is printed.
 FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
              ("qwen3_5_35b_a3b", "decode B1"), ("qwen3_5_35b_a3b", "decode B8"),
              ("kimi_k3", "decode B1"), ("kimi_k3", "decode B8"),
-             ("kimi_k3 fp8 experts", "decode B1 | decode B8"),
+             ("kimi_k3 fp8 experts | kimi_k3 fp4 experts", "decode B1 | decode B8"),
              ("gpt_oss_120b", "decode B1"), ("gpt_oss_120b", "decode B8"),
              ("gpt_oss_20b", "decode B1"), ("gpt_oss_20b", "decode B8"),
              ("qwen3_5_397b_a17b", "decode B8"), ("qwen3_8_27b_v6e", "decode B8"),
@@ -52,8 +52,9 @@ def test_full_size_kernel_fits_where_mkc_says_it_fits(name, width):
     import vmem_sweep
     day = _today() + FULL_SIZE.index((name, width))
     kind = vmem_sweep.FITTING_KINDS[day % len(vmem_sweep.FITTING_KINDS)]
-    widths = width.split(" | ")         # a format variant: one width a day, in turn
-    width = widths[day // len(vmem_sweep.FITTING_KINDS) % len(widths)]
+    # format variants: one variant and width a day, in turn, each at every kind
+    turns = [(n, w) for w in width.split(" | ") for n in name.split(" | ")]
+    name, width = turns[day // len(vmem_sweep.FITTING_KINDS) % len(turns)]
     v = vmem_sweep.boundary_variant(name, width, kind)
     mkc = vmem_sweep.mkc_view(v)
     assert mkc["fits"], mkc

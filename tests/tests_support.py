@@ -9,6 +9,16 @@ SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 
 
+def k3_format_text(formats: str | tuple[str, str]) -> str:
+    """The shipped K3 spec (the checkpoint's MXFP4 experts) with its routed experts in
+    `formats`: benchmarks/bundles.py's rewrite of its format lines (a K3_FORMATS key, e.g.
+    "fp4 block" for rounded FP4 blocks, or the (gate_up, down) formats), line numbers kept."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bundles import k3_format_text as text
+    return text(formats)
+
+
 def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:
     """A stand-in for the `Layer` (`mkc.runtime.context`) a family's lowering body is called
     with, so a test calls the body the generated module calls (not a neighbour in `ops`), on

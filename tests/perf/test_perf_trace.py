@@ -1,11 +1,9 @@
 """The model's trace is the checked trace: same builder, same program order, plus op and
 collective events; op facts reach the IR from the graph."""
-import re
-
 from mkc.compiler import check_spec
 from mkc.perf.run import perf_trace
 from mkc.trace import TraceOptions, build_trace
-from tests_support import K3_SPEC, SPEC
+from tests_support import K3_SPEC, SPEC, k3_format_text
 
 NEW = ("op", "collective", "layer", "epilogue")
 
@@ -50,12 +48,14 @@ def test_model_trace_is_sized_at_the_batch_with_the_whole_kv_stream():
 
 
 def test_matrix_facts_say_how_stored_bytes_count_as_values(tmp_path):
-    fp4 = check_spec(K3_SPEC).ir                                       # format expert.* fp4 block
-    mx = check_spec(K3_SPEC.with_name("kimi_k3_64.sched")).ir          # the checkpoint's MXFP4
-    spec = tmp_path / "kimi_k3.sched"
-    spec.write_text(re.sub(r"(format \S+) fp4 (block \d+) rounded", r"\1 fp8 \2",
-                           K3_SPEC.read_text()))
-    fp8 = check_spec(spec).ir                                          # format expert.* fp8 block
+    mx = check_spec(K3_SPEC).ir                                        # the checkpoint's MXFP4
+    ir = {}
+    for fmt in ("fp4 block", "fp8 block"):                             # format expert.* FMT N
+        spec = tmp_path / fmt.replace(" ", "_") / "kimi_k3.sched"
+        spec.parent.mkdir()
+        spec.write_text(k3_format_text(fmt))
+        ir[fmt] = check_spec(spec).ir
+    fp4, fp8 = ir["fp4 block"], ir["fp8 block"]
     assert fp8.matrix_facts["expert.gate_up_codes"].values_per_byte == 1.0
     assert fp4.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0   # two codes a byte
     assert mx.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0

@@ -14,7 +14,7 @@ from mkc.ir import WeightFormat
 from mkc.perf import work
 from mkc.perf.run import run
 from mkc.runtime import scopes
-from tests_support import K3_SPEC, ROOT, SPEC
+from tests_support import K3_SPEC, ROOT, SPEC, k3_format_text
 
 K3_64_SPEC = ROOT / "schedules" / "kimi_k3_64.sched"
 
@@ -170,24 +170,20 @@ def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
 
 @pytest.mark.slow
 def test_each_expert_format_is_priced_by_its_own_lowering(tmp_path):
-    """Counted from the kernel, a routed expert's weight value costs MXFP4's decode (at most 3
-    VPU operations with its dot's share), FP8 with 32-row scales a conversion and a multiply,
-    FP8 or FP4 with a scale per pack group (FP4: the shipped spec) no conversion (the codes go to the MXU as
-    they are: only the group's scale on its partial product); the step follows, although FP8
-    streams twice MXFP4's code bytes, and FP4 (MXFP4's bytes, loaded at the fp8 rate) is the
-    shortest."""
+    """Counted from the kernel, a routed expert's weight value costs MXFP4's decode (the
+    shipped spec's; at most 3 VPU operations with its dot's share), FP8 with 32-row scales a
+    conversion and a multiply, FP8 or rounded FP4 with a scale per pack group no conversion
+    (the codes go to the MXU as they are: only the group's scale on its partial product); the
+    step follows, although FP8 streams twice MXFP4's code bytes, and FP4 (MXFP4's bytes, loaded
+    at the fp8 rate) is the shortest."""
     shipped = check_spec(K3_SPEC).ir
     assert shipped.weight_formats == {
-        "expert.down": WeightFormat("fp4", 128, rounded=True, where="kimi_k3.sched:43"),
-        "expert.gate_up": WeightFormat("fp4", 512, rounded=True, where="kimi_k3.sched:42")}
-    text = K3_SPEC.read_text()
-    irs = {"fp4 block": shipped}
-    for label, up, down in (("fp8 block", "fp8 block 512", "fp8 block 128"), ("fp8", "fp8", "fp8"),
-                            ("mxfp4", "mxfp4", "mxfp4")):
+        "expert.down": WeightFormat("mxfp4", 32, where="kimi_k3.sched:43"),
+        "expert.gate_up": WeightFormat("mxfp4", 32, where="kimi_k3.sched:42")}
+    irs = {"mxfp4": shipped}
+    for label in ("fp4 block", "fp8 block", "fp8"):
         spec = tmp_path / f"{label.replace(' ', '_')}.sched"
-        spec.write_text(text.replace("format expert.gate_up fp4 block 512 rounded",
-                                     f"format expert.gate_up {up}")
-                        .replace("format expert.down fp4 block 128 rounded", f"format expert.down {down}"))
+        spec.write_text(k3_format_text(label))
         irs[label] = check_spec(spec, "kimi_k3").ir
     per_value = {label: work.kernel_work(s, 1).op("moe", "routed_experts").per_weight_value().vector
                  for label, s in irs.items()}

@@ -212,14 +212,15 @@ def _shards() -> ShardTable:
 
 
 def _mini_fp4_spec(tmp_path, rounded: bool):
-    """The shipped K3 spec on the MINI layout (16 cores), both expert classes fp4, its model a
-    MINI checkpoint directory beside it (Gaussian draws: not exactly requantizable)."""
+    """The shipped K3 spec on the MINI layout (16 cores), both expert classes fp4 blocks (with
+    `rounded` or not), its model a MINI checkpoint directory beside it (Gaussian draws: not
+    exactly requantizable)."""
     import json
     import re
     import sys
 
     from mkc.checkpoint import save_checkpoint
-    from tests_support import K3_SPEC, ROOT
+    from tests_support import ROOT, k3_format_text
     sys.path.insert(0, str(ROOT / "examples"))
     from generated_module import k3_mini_text
     ckpt = tmp_path / "k3_mini_ckpt"
@@ -227,9 +228,7 @@ def _mini_fp4_spec(tmp_path, rounded: bool):
         config = json.loads((CONFIG_DIR / "kimi_k3_mini.json").read_text())
         save_checkpoint(ckpt, config, reference.init_params(reference.load_config(config), 0))
     word = " rounded" if rounded else ""
-    text = re.sub(r"format expert\.(\w+) \w+ block (\d+)( rounded)?",
-                  lambda m: f"format expert.{m.group(1)} fp4 block {m.group(2)}{word}",
-                  k3_mini_text(K3_SPEC.read_text()))
+    text = k3_mini_text(k3_format_text((f"fp4 block 512{word}", f"fp4 block 128{word}")))
     text = re.sub(r'model\s+"kimi_k3"', 'model   "k3_mini_ckpt"', text)
     spec = tmp_path / f"k3_fp4{'_rounded' * rounded}.sched"
     spec.write_text(text)
