@@ -17,8 +17,8 @@ decided at run time (the routed experts, the KV tiles) is reported per iteration
 counted the same way; the bound is the slot kind closest to its capacity (the most a bundle of
 this kernel issues), or the dependency chain when no unit is half busy.
 
-Results are cached by the module's source, the kernel it traces to, rows and the JAX and libtpu
-versions (`cache_key`): the shipped specs'
+Results are cached by the kernel the module traces to, the rows its lines are charged to, kernel,
+rows and the JAX and libtpu versions (`cache_key`): the shipped specs'
 in `mkc/perf/data/bundles/` (`benchmarks/bundles.py` writes them), others in the user's cache.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from mkc import ir
 from mkc.perf import llo
 
 DATA = Path(__file__).parent / "data" / "bundles"
-SCHEMA = 4                    # what a measure holds: raise it when the reading of the LLO changes
+SCHEMA = 5                    # what a measure holds: raise it when the reading of the LLO changes
 HOTTEST_BUNDLES = 12          # bundles of an op's hottest region kept for the report
 HOTTEST_TEXT = 240            # characters of each
 KEEP = 12                     # measures kept per spec name
@@ -413,14 +413,16 @@ def _longest_run(shares: list[dict[Label, float]], lab: Label) -> tuple[int, int
 # ---- compiling, caching, reporting ---------------------------------------------------------
 def cache_key(source: str, kernel: str, batch: int, libtpu: str,
               verify_rows: int | None = None) -> str:
-    """What a measure depends on: the module's source (its lines label the LLO), the kernel it
-    traces to (`work.kernel_digest`: what libtpu compiles, so mkc's own code may be rewritten
-    without a new compile as long as it emits the same kernel), kernel, rows, and the JAX and
-    libtpu versions that lower and compile it."""
+    """What a measure depends on: the kernel the module traces to (`work.kernel_digest`: what
+    libtpu compiles), the rows its statements are charged to (`line_labels`, in order: its
+    comments and host code may change, and mkc's own code be rewritten, without a compile as
+    long as both stay), kernel, rows, and the JAX and libtpu versions."""
     from mkc.perf.work import kernel_digest
     rows = verify_rows * batch if verify_rows else batch
+    labels = [lab for _, lab in sorted(line_labels(source).items())]
+    named = [lab for n, lab in enumerate(labels) if n == 0 or lab != labels[n - 1]]
     h = hashlib.sha256()
-    for part in (source, kernel_digest(source, rows, verify_rows), kernel, str(batch),
+    for part in (kernel_digest(source, rows, verify_rows), repr(named), kernel, str(batch),
                  _version("jax"), libtpu):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:20]
@@ -510,8 +512,10 @@ def save(entry: dict, directory: Path | None = None) -> Path:
         entries = json.loads(path.read_text())["measures"]
     except (OSError, ValueError, KeyError, TypeError):
         entries = []
-    # one per key; a spec's variants (formats, geometry) share its name and file, newest kept
-    entries = [e for e in entries if isinstance(e, dict) and e.get("key") != entry["key"]]
+    # one per key, of this schema; a spec's variants (formats, geometry) share its name and
+    # file, newest kept
+    entries = [e for e in entries if isinstance(e, dict) and e.get("key") != entry["key"]
+               and e.get("schema") == SCHEMA]
     entries = sorted((entries + [entry])[-KEEP:], key=lambda e: (e["kernel"], e["batch"], e["key"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps({"measures": entries}, indent=1, sort_keys=True) + "\n")

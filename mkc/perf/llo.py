@@ -93,7 +93,7 @@ _MNEMONIC = re.compile(r"\s*(?:%[\w.]+\s*=\s*)?([A-Za-z_][\w.\-]*)")
 _LOC = re.compile(r'loc\("([^"]+)":(\d+)')
 _COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _STEP = re.compile(r"(%s[\w]+) = sadd\.s32 1, %s")
-_EXIT = re.compile(r"scmp\.ge\.s32\.totalorder (%s[\w]+), (\d+)$")
+_EXIT = re.compile(r"scmp\.ge\.s32\.totalorder (%s[\w]+), (\d+|%s[\w]+)$")
 
 
 def parse(text: str, located: str | None = None) -> list[Bundle]:
@@ -136,14 +136,16 @@ def loops(bundles: list[Bundle]) -> list[Loop]:
 
 def _trips(body: list[Bundle]) -> int | None:
     """A counted loop's iterations: its counter steps by one (`sadd.s32 1`) from 0, as Mosaic
-    lowers `fori_loop(0, n)`, and it exits when the counter reaches the constant n."""
-    counters = {m.group(1) for b in body for i in b.instructions
-                if (m := _STEP.match(i.text))}
-    for b in reversed(body):
+    lowers `fori_loop(0, n)`, and it exits when the counter reaches the constant n; None when
+    it exits at a register's value (decided at run time). Only the loop's own bundles are read:
+    a loop nested in it has its own counter and exit test."""
+    own = [b for b in body if b.depth == body[0].depth]
+    counters = {m.group(1) for b in own for i in b.instructions if (m := _STEP.match(i.text))}
+    for b in reversed(own):
         for i in b.instructions:
             m = _EXIT.search(i.text)
             if m and m.group(1) in counters:
-                return int(m.group(2))
+                return int(m.group(2)) if m.group(2).isdigit() else None
     return None
 
 
