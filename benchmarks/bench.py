@@ -165,12 +165,12 @@ def vmem_peaks(spec: str) -> dict[int, float]:
 def bench_modelled() -> list[str]:
     """Modelled steps (`mkc perf`: priced by libtpu's cycles where the kernel's measure is
     shipped or cached, and `--counted`, by the work counted from the kernel mkc emits) of each
-    shipped spec at batch 1 and 8 and its verify step, and, for K3, the same spec with its
-    experts in each other format `bundles.K3_FORMATS` names: a table."""
+    shipped spec at batch 1 and 8 and its verify step, and, for K3 and Qwen3.5-35B-A3B, the same
+    spec with its experts in each other format `bundles.EXPERT_FORMATS` names: a table."""
     import re
     import tempfile
 
-    from bundles import K3_FORMATS, K3_SPEC, k3_format_text
+    from bundles import EXPERT_FORMATS, format_text
 
     from mkc import compiler
     from mkc.perf.run import run
@@ -181,8 +181,8 @@ def bench_modelled() -> list[str]:
         specs = []
         for path in sorted((ROOT / "schedules").glob("*.sched")):
             specs.append(path)
-            for fmt in K3_FORMATS if path == K3_SPEC else ():
-                text = k3_format_text(fmt)
+            for fmt in EXPERT_FORMATS.get(path, ()):
+                text = format_text(path, fmt)
                 if text != path.read_text():
                     variant = Path(tmp) / fmt.replace(" ", "_") / path.name
                     variant.parent.mkdir()

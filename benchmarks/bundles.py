@@ -30,26 +30,32 @@ K3_FORMATS = {"mxfp4": ("mxfp4", "mxfp4"), "fp8": ("fp8", "fp8"),
               "fp8 block": ("fp8 block 512", "fp8 block 128"),
               "fp4 block": ("fp4 block 512 rounded", "fp4 block 128 rounded")}
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+# Qwen3.5-35B-A3B's: the shipped spec's are the checkpoint's bf16; "fp8 block" rounds.
+QWEN_MOE_FORMATS = {"bf16": ("bf16", "bf16"),
+                    "fp8 block": ("fp8 block 512 rounded", "fp8 block 128 rounded")}
+QWEN_MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
+# Each shipped spec whose routed experts are offered in other formats: those formats by name.
+EXPERT_FORMATS = {K3_SPEC: K3_FORMATS, QWEN_MOE_SPEC: QWEN_MOE_FORMATS}
 CALIBRATION = ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched"
 
 
-def k3_format_edits(formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
-    """(old, new) line edits taking the shipped K3 spec's routed experts to `formats`: a
-    K3_FORMATS key, or the (gate_up, down) formats as a spec writes them after the class. The
+def format_edits(spec: Path, formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """(old, new) line edits taking a shipped spec's routed experts to `formats`: a key of its
+    EXPERT_FORMATS, or the (gate_up, down) formats as a spec writes them after the class. The
     lines keep their place, so the spec's other lines keep their numbers."""
-    text = K3_SPEC.read_text()
+    text = spec.read_text()
     edits = []
-    for cls, now in zip(("gate_up", "down"), K3_FORMATS.get(formats, formats)):
+    for cls, now in zip(("gate_up", "down"), EXPERT_FORMATS[spec].get(formats, formats)):
         m = re.search(rf"^ *format expert\.{cls} .*$", text, flags=re.M)
-        assert m, f"kimi_k3.sched has no `format expert.{cls}` line"
+        assert m, f"{spec.name} has no `format expert.{cls}` line"
         edits.append((m.group(0), re.sub(r"format (\S+) .*", rf"format \1 {now}", m.group(0))))
     return tuple(edits)
 
 
-def k3_format_text(formats: str | tuple[str, str]) -> str:
-    """The shipped K3 spec with its routed experts in `formats` (as `k3_format_edits`)."""
-    text = K3_SPEC.read_text()
-    for old, new in k3_format_edits(formats):
+def format_text(spec: Path, formats: str | tuple[str, str]) -> str:
+    """The shipped spec with its routed experts in `formats` (as `format_edits`)."""
+    text = spec.read_text()
+    for old, new in format_edits(spec, formats):
         text = text.replace(old, new)
     return text
 
@@ -70,7 +76,7 @@ def points():
         name = spec.stem if spec != CALIBRATION else "calibration kimi_k3"
         out += [(name, s, kernel, batch) for kernel, batch in kernels(s)]
     for fmt in K3_FORMATS:
-        s = compiler.check_source(k3_format_text(fmt), str(K3_SPEC)).ir
+        s = compiler.check_source(format_text(K3_SPEC, fmt), str(K3_SPEC)).ir
         out.append((f"kimi_k3 experts {fmt}", s, "decode", 8))
     return out
 

@@ -34,13 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from bundles import k3_format_edits  # noqa: E402
+from bundles import K3_SPEC, QWEN_MOE_SPEC, format_edits  # noqa: E402
 COMMAND = ".venv/bin/python benchmarks/compiler_scratch.py"
 MIB = 2**20
 SCHEDULES = ROOT / "schedules"
 # K3's routed experts in FP8 blocks (exact while packing's check passes) and in rounded FP4
-# blocks instead of the shipped MXFP4.
-K3_FP8, K3_FP4 = k3_format_edits("fp8 block"), k3_format_edits("fp4 block")
+# blocks instead of the shipped MXFP4; Qwen3.5-35B-A3B's in rounded FP8 blocks instead of bf16.
+K3_FP8, K3_FP4 = format_edits(K3_SPEC, "fp8 block"), format_edits(K3_SPEC, "fp4 block")
+QWEN_MOE_FP8 = format_edits(QWEN_MOE_SPEC, "fp8 block")
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,13 @@ def points() -> list[Point]:
         p += _spec_points(spec.stem, spec)
     p += _spec_points("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP8)
     p += _spec_points("kimi_k3 fp4 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP4)
+    p += _spec_points("qwen3_5_35b_a3b fp8 experts", QWEN_MOE_SPEC, edits=QWEN_MOE_FP8)
     p += [Point(f"{name} kv 256 decode B8", SCHEDULES / f"{name}.sched", "decode", 8, (edit,))
           for name, edit in KV_256.items()]
     p.append(Point("kimi_k3 fp4 experts kv 256 decode B8", SCHEDULES / "kimi_k3.sched", "decode", 8,
                    (KV_256["kimi_k3"], *K3_FP4)))
+    p.append(Point("qwen3_5_35b_a3b fp8 experts kv 256 decode B8", QWEN_MOE_SPEC, "decode", 8,
+                   (KV_256["qwen3_5_35b_a3b"], *QWEN_MOE_FP8)))
     return p
 
 

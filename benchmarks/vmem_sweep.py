@@ -1,7 +1,8 @@
 """Sweep mkc's VMEM verdict against libtpu's at the boundary, for every family and expert format.
 
-For each swept spec (every shipped spec, K3 with FP8 and with rounded FP4 experts, and GPT-OSS
-20b and K3 with KV tiles 4x the measured length) and each kernel width (batch 1 and the widest
+For each swept spec (every shipped spec, K3 with FP8 and with rounded FP4 experts,
+Qwen3.5-35B-A3B with rounded FP8 experts, and GPT-OSS 20b and K3 with KV tiles 4x the measured
+length) and each kernel width (batch 1 and the widest
 kernel the spec builds: its largest decode batch, or its verify step when that has more rows)
 three variants sit at mkc's own boundary, with reserve 0 and no `expect` lines:
 
@@ -46,14 +47,15 @@ COMMAND = ".venv/bin/python benchmarks/vmem_sweep.py"
 MIB = 2**20
 KINDS = ("peak", "ring N", "ring N+1")
 
-from compiler_scratch import (K3_FP4, K3_FP8, KV_256, SCHEDULES, compile_kernel,  # noqa: E402
-                              kernel_rows, resolve_text)
+from compiler_scratch import (K3_FP4, K3_FP8, KV_256, QWEN_MOE_FP8, SCHEDULES,  # noqa: E402
+                              compile_kernel, kernel_rows, resolve_text)
 
 # Every family and expert format: (name, spec, edits); and KV tiles 4x the measured length
 # (never measured: the family's bytes a token extrapolate to them).
 SWEPT = [(p.stem, p, ()) for p in sorted(SCHEDULES.glob("*.sched"))] + [
     ("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", K3_FP8),
-    ("kimi_k3 fp4 experts", SCHEDULES / "kimi_k3.sched", K3_FP4)] + [
+    ("kimi_k3 fp4 experts", SCHEDULES / "kimi_k3.sched", K3_FP4),
+    ("qwen3_5_35b_a3b fp8 experts", SCHEDULES / "qwen3_5_35b_a3b.sched", QWEN_MOE_FP8)] + [
     (f"{name} kv 512", SCHEDULES / f"{name}.sched",
      ((KV_256[name][0], KV_256[name][1].replace("256", "512")),)) for name in ("gpt_oss_20b", "kimi_k3")]
 

@@ -224,17 +224,22 @@ def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path: Path, config
 
 def test_a_non_finite_expert_weight_is_located_at_its_format_line(tmp_path: Path, capsys) -> None:
     """NaN in Qwen3.5 MoE's fused gate_up experts, which `format expert.gate_up fp8 block N
-    rounded` requantizes: a diagnostic at that line naming the tensor (was: ValueError
-    'a value that is not finite cannot be requantized to FP8')."""
+    rounded` (the shipped spec's rounded FP8 variant) requantizes: a diagnostic at that line
+    naming the tensor (was: ValueError 'a value that is not finite cannot be requantized to
+    FP8')."""
     from mkc.families.qwen3_5_moe import reference as moe
+    from tests_support import format_text
     config = json.loads((ROOT / "mkc/model/configs/qwen3_5_moe_mini.json").read_text())
     params = moe.init_params(moe.load_config(config), seed=0)
     name = "model.layers.1.mlp.experts.gate_up_proj"
     bad = params[name].copy()
     bad[3, 2, 1] = np.nan
     save_checkpoint(tmp_path, config, {**params, name: bad})
-    d = _cli_diagnostic(["check", str(QWEN_MOE_SPEC), "--model", str(tmp_path)], capsys)
-    assert d["code"] == "E-CHECKPOINT" and d["line"] == _line_of(QWEN_MOE_SPEC, "format expert.gate_up")
+    spec = tmp_path / "spec" / QWEN_MOE_SPEC.name
+    spec.parent.mkdir()
+    spec.write_text(format_text(QWEN_MOE_SPEC, "fp8 block"))
+    d = _cli_diagnostic(["check", str(spec), "--model", str(tmp_path)], capsys)
+    assert d["code"] == "E-CHECKPOINT" and d["line"] == _line_of(spec, "format expert.gate_up")
     assert d["message"].startswith("`format expert.gate_up fp8 block")
     assert f"tensor {name} holds 1 non-finite value(s), the first (nan) at index [3, 2, 1]" in d["message"]
 

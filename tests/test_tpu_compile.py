@@ -15,11 +15,13 @@ from tests_support import SPEC
 # the one VMEM is closest at (batch 1 of each was compiled when it was added, and its verify
 # step, where it has one, is compiled in tests/test_verify.py). Each compiles at mkc's VMEM
 # boundary (benchmarks/vmem_sweep.py): the spec with its limit at mkc's own peak, or with the
-# deepest weight ring mkc accepts at the chip's whole VMEM, a different one each day (K3's
-# FP8- and rounded FP4-expert variants at batch 1 or 8: one compile, in turn); libtpu must fit
-# it (no false fit), and the margin (mkc's peak minus libtpu's use) is printed.
+# deepest weight ring mkc accepts at the chip's whole VMEM, a different one each day (the
+# expert-format variants, Qwen3.5-35B-A3B's rounded FP8 and K3's FP8 and rounded FP4, at batch
+# 1 or 8: one compile each, in turn); libtpu must fit it (no false fit), and the margin (mkc's
+# peak minus libtpu's use) is printed.
 FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
              ("qwen3_5_35b_a3b", "decode B1"), ("qwen3_5_35b_a3b", "decode B8"),
+             ("qwen3_5_35b_a3b fp8 experts", "decode B1 | decode B8"),
              ("kimi_k3", "decode B1"), ("kimi_k3", "decode B8"),
              ("kimi_k3 fp8 experts | kimi_k3 fp4 experts", "decode B1 | decode B8"),
              ("gpt_oss_120b", "decode B1"), ("gpt_oss_120b", "decode B8"),

@@ -7,16 +7,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+QWEN_MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
+
+
+def format_text(spec: Path, formats: str | tuple[str, str]) -> str:
+    """A shipped spec (K3: the checkpoint's MXFP4 experts; Qwen3.5-35B-A3B: its bf16) with its
+    routed experts in `formats`: benchmarks/bundles.py's rewrite of its format lines (a key of
+    its `EXPERT_FORMATS`, e.g. "fp4 block" for K3's rounded FP4 blocks, "fp8 block" for Qwen's
+    rounded FP8 blocks, or the (gate_up, down) formats), line numbers kept."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bundles import format_text as text
+    return text(spec, formats)
 
 
 def k3_format_text(formats: str | tuple[str, str]) -> str:
-    """The shipped K3 spec (the checkpoint's MXFP4 experts) with its routed experts in
-    `formats`: benchmarks/bundles.py's rewrite of its format lines (a K3_FORMATS key, e.g.
-    "fp4 block" for rounded FP4 blocks, or the (gate_up, down) formats), line numbers kept."""
-    import sys
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bundles import k3_format_text as text
-    return text(formats)
+    return format_text(K3_SPEC, formats)
 
 
 def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:

@@ -24,7 +24,7 @@ def test_expert_formats_are_priced_in_libtpu_s_proportions():
     schedules for 8 rows through one pack group of each: within 25 %."""
     price, cycles = {}, {}
     for fmt in shipped.K3_FORMATS:
-        s = compiler.check_source(shipped.k3_format_text(fmt), str(ROOT / "schedules" / "kimi_k3.sched")).ir
+        s = compiler.check_source(shipped.format_text(shipped.K3_SPEC, fmt), str(shipped.K3_SPEC)).ir
         measure = bundles.cached(s, "decode", 8)
         assert measure is not None, (f"no compiled measure of K3 with {fmt} experts for this "
                                      "code: .venv/bin/python benchmarks/bundles.py --only experts")

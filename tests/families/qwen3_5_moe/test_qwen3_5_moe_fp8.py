@@ -20,19 +20,14 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import E4M3_MAX, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
-from tests_support import ROOT
-
-SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
-FP8_LINES = ("  format expert.gate_up fp8 block 512 rounded\n"
-             "  format expert.down fp8 block 128 rounded\n")
+from tests_support import QWEN_MOE_SPEC as SPEC
+from tests_support import format_text
 
 
 def _spec(tmp_path: Path, gate_up: str, down: str = "fp8 block 128 rounded") -> Path:
-    text = SPEC.read_text().replace(FP8_LINES, f"  format expert.gate_up {gate_up}\n"
-                                              f"  format expert.down {down}\n")
-    assert text != SPEC.read_text() or gate_up == "fp8 block 512 rounded"
+    """The shipped spec (bf16 experts) with its format lines rewritten in place."""
     path = tmp_path / SPEC.name
-    path.write_text(text)
+    path.write_text(format_text(SPEC, (gate_up, down)))
     return path
 
 
@@ -102,7 +97,13 @@ def test_bad_fp8_formats_are_located_diagnostics(tmp_path, gate_up, message, hin
     assert (d.span.file, d.span.line) == (str(path), line)
 
 
-def test_the_shipped_spec_stores_experts_as_fp8():
-    ir = check_spec(SPEC).ir
-    assert {c: f.spelled for c, f in ir.weight_formats.items()} == {
+def test_the_shipped_spec_stores_the_checkpoint_s_bf16_and_fp8_is_a_variant(tmp_path):
+    """Exact by default: the shipped spec keeps the checkpoint's bf16 experts; the rounded FP8
+    blocks are the variant `format_text` writes, on the same lines."""
+    shipped = check_spec(SPEC).ir.weight_formats
+    assert {c: (f.name, f.rounded) for c, f in shipped.items()} == {
+        "expert.gate_up": ("bf16", False), "expert.down": ("bf16", False)}
+    fp8 = check_spec(_spec(tmp_path, "fp8 block 512 rounded")).ir.weight_formats
+    assert {c: f.spelled for c, f in fp8.items()} == {
         "expert.gate_up": "fp8 block 512 rounded", "expert.down": "fp8 block 128 rounded"}
+    assert {c: f.where for c, f in fp8.items()} == {c: f.where for c, f in shipped.items()}

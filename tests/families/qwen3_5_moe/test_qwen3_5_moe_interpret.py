@@ -4,7 +4,8 @@ reference: plainly (tokens, logits, states and caches) and bit for bit against i
 emulation; routed experts cycle through the pool's expert slots; race-free; and a 1 % error
 in a gated delta net or gated attention op, the router, the routed experts or the shared
 expert is rejected; and a checkpoint as transformers saves it (experts per expert) runs equal
-to the emulation."""
+to the emulation. The mutant and race runs take the shipped bf16 experts and the opt-in
+rounded FP8 blocks (the spec's format lines rewritten in place: `tests_support.format_text`)."""
 import json
 
 import pytest
@@ -14,28 +15,42 @@ from mkc import numerics
 from mkc.checkpoint import save_checkpoint
 from mkc.families.qwen3_5_moe import reference
 from mkc.model.config import CONFIG_DIR
-from tests_support import ROOT, assert_each_mutant_rejected_on_its_row, run_example
+from tests_support import (QWEN_MOE_SPEC, assert_each_mutant_rejected_on_its_row, format_text,
+                           run_example)
 
-SPEC = str(ROOT / "schedules" / "qwen3_5_35b_a3b.sched")
+SPEC = str(QWEN_MOE_SPEC)
 # One op or more per layer kind: the attention kinds' (Qwen3.5's texts, the same lines in this
 # module) and the MoE's; and a state-only one, the gated delta net's decay.
 MUTANTS = ("gdn.gated_norm", "gqa.o_proj", "qwen_moe.routed_experts", "qwen_moe.shared_down",
            "qwen_moe.router", "gdn.decay")
 
 
-def _run(*args: str) -> dict:
-    return run_example("examples/run_mini.py", "--spec", SPEC, "--model", "qwen3_5_moe_mini", *args,
+def _run(*args: str, spec: str = SPEC) -> dict:
+    return run_example("examples/run_mini.py", "--spec", spec, "--model", "qwen3_5_moe_mini", *args,
                        timeout=1200)
 
 
+@pytest.fixture(params=["bf16", "fp8 block"])
+def expert_spec(request, tmp_path) -> str:
+    """The shipped spec (the checkpoint's bf16 experts), or its rounded FP8 blocks variant."""
+    if request.param == "bf16":
+        return SPEC
+    path = tmp_path / QWEN_MOE_SPEC.name
+    path.write_text(format_text(QWEN_MOE_SPEC, request.param))
+    return str(path)
+
+
 @pytest.mark.slow
-def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected():
+def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected(expert_spec):
     """Batch 7: two steps bit-equal, then one module with the six mutants, mutant i on row i
     alone, from the module's own state after step 0 (measured: 45 s, against 111 s for six
     mutant modules at batch 2)."""
     summary = _run("--mode", "on_wait", "--steps", "2", "--batch", str(len(MUTANTS) + 1),
-                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutants-by-row")
+                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutants-by-row",
+                   spec=expert_spec)
     assert summary["steps"] and numerics.failures(summary) == []
+    # the rounded format's error is reported per class; bf16 requantizes nothing
+    assert bool(summary["requantization"]) == (expert_spec != SPEC), summary["requantization"]
     assert summary["steps"][0]["emulation"]["logits"] == 0.0      # measured: bit-equal at step 0
     # rejected by the emulation at step 1, from the kernel's own state, not only by the plain
     # check (which the mutants pass: 0.27 % to 0.42 % of the largest logit, measured)
@@ -68,8 +83,8 @@ def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
 
 
 @pytest.mark.slow
-def test_no_races_with_race_detection():
-    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1")
+def test_no_races_with_race_detection(expert_spec):
+    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1", spec=expert_spec)
     assert summary["steps"] and numerics.failures(summary) == []
     assert summary["races_found"] is False
 
