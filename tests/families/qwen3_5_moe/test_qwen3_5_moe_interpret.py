@@ -30,14 +30,18 @@ def _run(*args: str, spec: str = SPEC) -> dict:
                        timeout=1200)
 
 
-@pytest.fixture(params=["bf16", "fp8 block"])
-def expert_spec(request, tmp_path) -> str:
+def _expert_spec(formats: str, tmp_path) -> str:
     """The shipped spec (the checkpoint's bf16 experts), or its rounded FP8 blocks variant."""
-    if request.param == "bf16":
+    if formats == "bf16":
         return SPEC
     path = tmp_path / QWEN_MOE_SPEC.name
-    path.write_text(format_text(QWEN_MOE_SPEC, request.param))
+    path.write_text(format_text(QWEN_MOE_SPEC, formats))
     return str(path)
+
+
+@pytest.fixture(params=["bf16", "fp8 block"])
+def expert_spec(request, tmp_path) -> str:
+    return _expert_spec(request.param, tmp_path)
 
 
 @pytest.mark.slow
@@ -83,8 +87,10 @@ def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
 
 
 @pytest.mark.slow
-def test_no_races_with_race_detection(expert_spec):
-    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1", spec=expert_spec)
+@pytest.mark.parametrize("formats", ["bf16", pytest.param("fp8 block", marks=pytest.mark.extended)])
+def test_no_races_with_race_detection(formats, tmp_path):
+    summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1",
+                   spec=_expert_spec(formats, tmp_path))
     assert summary["steps"] and numerics.failures(summary) == []
     assert summary["races_found"] is False
 
