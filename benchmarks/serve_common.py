@@ -119,6 +119,18 @@ def parse_server_args(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.
     return args
 
 
+def exit_status(script: str, body: Callable[[], int]) -> int:
+    """`body()`'s exit status; a HarnessError is said on stderr and exits 2, an interrupt 130."""
+    try:
+        return body()
+    except HarnessError as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{script}: interrupted", file=sys.stderr)
+        return 130
+
+
 def against_server(args: argparse.Namespace, run: Callable[[str], T], script: str) -> T:
     """`run(url)` against --url, or against `mkc serve SPEC --model NAME serve_args` started
     here (and stopped after); HarnessError when the server does not come up."""

@@ -29,8 +29,8 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
-from serve_common import (HarnessError, against_server, at_least, get_json, parse_server_args,
-                          served_model, server_parser, server_stats)
+from serve_common import (HarnessError, against_server, at_least, exit_status, get_json,
+                          parse_server_args, served_model, server_parser, server_stats)
 
 INSTALL = 'pip install "lm-eval[api]"'
 ARITH = [(2, 3), (7, 5), (12, 30), (9, 9), (41, 17), (6, 58), (23, 23), (80, 11)]
@@ -150,14 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.url is None and not Path(args.model).is_dir() and "--tokenizer" not in args.serve_args:
         args.serve_args += ["--tokenizer", "bytes"]     # a config name: random weights, no tokenizer
-    try:
-        return against_server(args, lambda url: evaluate(url, args), "serve_eval")
-    except HarnessError as e:
-        print(f"serve_eval: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("serve_eval: interrupted", file=sys.stderr)
-        return 130
+    return exit_status("serve_eval", lambda: against_server(args, lambda url: evaluate(url, args),
+                                                           "serve_eval"))
 
 
 if __name__ == "__main__":

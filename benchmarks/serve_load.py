@@ -34,8 +34,8 @@ try:
 except ImportError:            # main() says how to install it
     httpx = None
 
-from serve_common import (HarnessError, against_server, at_least, parse_server_args, served_model,
-                          server_parser, server_stats)
+from serve_common import (HarnessError, against_server, at_least, exit_status, parse_server_args,
+                          served_model, server_parser, server_stats)
 
 PROMPT_TOKEN_IDS = 1000     # default --token-ids: prompt ids below it fit every vocabulary served here
 ERRORS_KEPT = 5             # distinct failure messages kept for the report
@@ -311,16 +311,12 @@ def main(argv: list[str] | None = None) -> int:
               "\".[test]\")", file=sys.stderr)
         return 2
     command = shlex.join(["benchmarks/serve_load.py", *argv])
-    try:
+
+    def run() -> int:
         report = against_server(args, lambda url: asyncio.run(measure(url, args, command)), "serve_load")
-    except HarnessError as e:
-        print(f"serve_load: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("serve_load: interrupted", file=sys.stderr)
-        return 130
-    print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["completed"] and not report["failed"] else 1
+        print(json.dumps(report, indent=2) if args.json else render(report))
+        return 0 if report["completed"] and not report["failed"] else 1
+    return exit_status("serve_load", run)
 
 
 if __name__ == "__main__":
