@@ -336,8 +336,10 @@ def clear_cache() -> None:
     function is not seen until then)."""
     _COUNTED.clear()
     _traced.cache_clear()
+    kernel_digest.cache_clear()
 
 
+@lru_cache(maxsize=8)
 def kernel_digest(source: str, batch: int, verify_rows: int | None = None) -> str:
     """A digest of what libtpu is given to compile: the module's kernel at `batch` rows, traced,
     with its named scopes and without source locations. A lowering function rewritten to emit
