@@ -31,6 +31,9 @@ MUTANTS: dict[str, tuple[str, str]] = {
                    "    attn_out = {scale}(lower.o_proj(c, core))\n"),
     "gqa.k_norm": ("    q, k_new = lower.qk_norm_rope(c, proj)\n",
                    "    q, k_new = lower.qk_norm_rope(c, proj)\n    k_new = [{scale}(k) for k in k_new]\n"),
+    # Llama (the library's GQA without q/k norms): the new key after its rotary embedding
+    "gqa.k_rope": ("    q, k_new = lower.rope(c, proj)\n",
+                   "    q, k_new = lower.rope(c, proj)\n    k_new = [{scale}(k) for k in k_new]\n"),
     # Qwen3.5 MoE (generic module)
     "qwen_moe.routed_experts": (
         "    routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)\n",
@@ -157,10 +160,21 @@ def mutate(source: str, mutants: dict[str, int | None]) -> str:
     return source
 
 
+def lowering_function(lowering, func: str) -> Callable:
+    """The Python function behind the family's body `func`: a composed kind's (the function a
+    `BODIES` entry binds its options to, `mkc.layers.sublayer.Sublayer.bodies`) or the
+    lowering module's own."""
+    for (_, op), body in getattr(lowering, "BODIES", {}).items():
+        if op == func:
+            return getattr(body, "func", body)
+    return getattr(lowering, func)
+
+
 def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
-    """Bind into `module` (alone) a `lower` whose functions named by the LOWERING_MUTANTS in
+    """Bind into `module` (alone) a `lower` whose bodies named by the LOWERING_MUTANTS in
     `mutants` are edited copies, compiled in the globals of the module that defines each (and
     run in their op's scope, as the module's own `lower` runs the family's)."""
+    import functools
     import inspect
     import textwrap
     import types
@@ -170,21 +184,26 @@ def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
         if name not in LOWERING_MUTANTS:
             continue
         func, old, new = LOWERING_MUTANTS[name]
-        original = getattr(module.lowering, func)
+        original = lowering_function(module.lowering, func)
         source = edited.get(func) or textwrap.dedent(inspect.getsource(original))
         edited[func] = _replace_once(source, old, _bind(new, index), name,
                                      f"{original.__module__}.{func}")
     if not edited:
         return
-    replaced = {}
+    replaced = {}                                   # original function -> its mutant
     for func, source in edited.items():
-        original = getattr(module.lowering, func)
+        original = lowering_function(module.lowering, func)
         namespace = dict(vars(sys.modules[original.__module__])) | _helpers(mutants)
         names = "+".join(n for n in mutants if n in LOWERING_MUTANTS and LOWERING_MUTANTS[n][0] == func)
         exec(compile(source, f"<mutant {names} of {original.__module__}.{func}>", "exec"), namespace)
-        replaced[func] = namespace[func]
+        replaced[original] = namespace[func]
+    bodies = {key: functools.partial(replaced[body.func], *body.args)
+              if isinstance(body, functools.partial) and body.func in replaced else body
+              for key, body in getattr(module.lowering, "BODIES", {}).items()}
+    own = {n: replaced[f] for n, f in vars(module.lowering).items() if callable(f) and f in replaced}
     from mkc.runtime import scopes
-    module.lower = scopes.named_ops(types.SimpleNamespace(**{**vars(module.lowering), **replaced}))
+    module.lower = scopes.named_ops(types.SimpleNamespace(
+        **{**vars(module.lowering), **own, "BODIES": bodies, "__name__": module.lowering.__name__}))
 
 
 def add_mutant_options(ap) -> None:

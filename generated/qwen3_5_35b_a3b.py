@@ -89,8 +89,8 @@ HF_CONFIG = json.loads(
     'intermediate_size": 512, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "use_cache'
     '": true, "vocab_size": 248320}')
 PER_RANK = {'a_off': 1664, 'b_off': 1536, 'conv_ch': 1024, 'dk': 128, 'down_group': 128, 'dv': 128,
-            'expert_tp': 1, 'expert_width': 512, 'gate_up_group': 512, 'inter': 0,
-            'local_experts': 32, 'nk': 2, 'nkv': 1, 'nq': 2, 'nv': 4, 'shared': 64, 'vocab': 31040}
+            'expert_tp': 1, 'expert_width': 512, 'gate_up_group': 512, 'local_experts': 32, 'nk': 2,
+            'nkv': 1, 'nq': 2, 'nv': 4, 'shared': 64, 'vocab': 31040}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
 FORMATS = {'expert.down': WeightFormat(name='bf16', where='qwen3_5_35b_a3b.sched:31'),
            'expert.gate_up': WeightFormat(name='bf16', where='qwen3_5_35b_a3b.sched:30')}

@@ -92,8 +92,8 @@ HF_CONFIG = json.loads(
     ', "rope_type": "default"}, "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size":'
     ' 1024, "tie_word_embeddings": false, "use_cache": true, "vocab_size": 248320}')
 PER_RANK = {'a_off': 1408, 'b_off': 1280, 'conv_ch': 768, 'dk': 128, 'down_group': 128, 'dv': 128,
-            'expert_tp': 1, 'expert_width': 1024, 'gate_up_group': 512, 'inter': 0,
-            'local_experts': 32, 'nk': 1, 'nkv': 1, 'nq': 2, 'nv': 4, 'shared': 64, 'vocab': 15520}
+            'expert_tp': 1, 'expert_width': 1024, 'gate_up_group': 512, 'local_experts': 32,
+            'nk': 1, 'nkv': 1, 'nq': 2, 'nv': 4, 'shared': 64, 'vocab': 15520}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
 FORMATS = {'expert.down': WeightFormat(name='bf16'), 'expert.gate_up': WeightFormat(name='bf16')}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.

@@ -10,7 +10,7 @@ from tests_support import ROOT
 
 # The generic core: language, model interface, resolve, IR, trace, checks, codegen (templates
 # too), the runtime mechanisms, and the numerics and checkpoint code every family shares.
-CORE = ("mkc/lang", "mkc/model", "mkc/resolve", "mkc/ir.py", "mkc/trace.py", "mkc/checks",
+CORE = ("mkc/lang", "mkc/model", "mkc/layers", "mkc/resolve", "mkc/ir.py", "mkc/trace.py", "mkc/checks",
         "mkc/codegen", "mkc/runtime", "mkc/numerics.py", "mkc/reference", "mkc/checkpoint.py",
         "mkc/compiler.py")
 FAMILY_WORD = re.compile(r"kimi|qwen|(^|_)k3($|_)", re.I)

@@ -112,23 +112,24 @@ def test_a_state_only_mutant_edits_one_lowering_function_of_its_own_module_only(
     """LOWERING_MUTANTS bind an edited copy of one lowering function into the mutant module;
     the family's lowering module, and so an unmutated module in the same process, keep theirs."""
     gm = _harness()
-    from mkc.families.qwen3_5_moe import lowering
+    from mkc.layers.gated_delta_net import lowering
     from tests_support import ROOT
 
     original = lowering.delta_rule
     mutant = gm.load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini",
                                "gdn.decay")
     plain = gm.load_generated(ROOT / "schedules" / "qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini")
-    # the modules call their lowering through `lower`, which runs each function in its op's
-    # name scope (mkc.runtime.scopes): __wrapped__ is the function it runs
-    assert lowering.delta_rule is original and plain.lower.delta_rule.__wrapped__ is original
-    assert mutant.lower.delta_rule.__wrapped__ is not original
-    assert mutant.lower.conv.__wrapped__ is lowering.conv
-    assert mutant.lower.delta_rule.__wrapped__.__code__.co_filename.startswith("<mutant gdn.decay of ")
+    # the modules call their lowering through `lower`, which runs each body in its op's name
+    # scope (mkc.runtime.scopes); a composed kind's body is the library function, options bound
+    assert lowering.delta_rule is original and plain.lower.body("gdn", "delta_rule").func is original
+    assert mutant.lower.body("gdn", "delta_rule").func is not original
+    assert mutant.lower.body("gdn", "conv").func is lowering.conv
+    edited = mutant.lower.body("gdn", "delta_rule").func
+    assert edited.__code__.co_filename.startswith("<mutant gdn.decay of ")
     for name, (func, old, _) in gm.LOWERING_MUTANTS.items():   # each edit matches exactly once
         family = {"gdn": "qwen3_5", "gqa": "qwen3_5", "oss": "gpt_oss"}.get(name.split(".")[0], "kimi_k3")
         module = importlib.import_module(f"mkc.families.{family}.lowering")
-        assert inspect.getsource(getattr(module, func)).count(old) == 1, name
+        assert inspect.getsource(gm.lowering_function(module, func)).count(old) == 1, name
 
 
 @pytest.mark.parametrize("batch", [1, 2, 8])
@@ -230,6 +231,6 @@ def test_mutants_by_row_scale_their_own_row_only():
     source = open(module.__file__).read()
     assert "attn_out = _mutant_scale_0(lower.o_proj(c, core))" in source
     assert module._mutant_scale_0 is not module._mutant_scale_1
-    assert "<mutant gdn.decay of " in module.lower.delta_rule.__wrapped__.__code__.co_filename
+    assert "<mutant gdn.decay of " in module.lower.body("gdn", "delta_rule").func.__code__.co_filename
     with pytest.raises(ValueError, match="unknown mutants"):
         gm.load_generated(ROOT / "schedules" / "qwen3_8_27b.sched", "qwen3_8_mini", "gqa.typo")

@@ -116,6 +116,14 @@ def lowers(op: str) -> Callable[[F], F]:
     return register
 
 
+def body_of(module: Any, kind: str, op: str) -> Callable[..., Any] | None:
+    """The compute body of op `op` in layer kind `kind`: the module's `BODIES[(kind, op)]` (a
+    kind composed from the layer library), else its function named after the op; None if it
+    has neither."""
+    body = getattr(module, "BODIES", {}).get((kind, op))
+    return body if body is not None else getattr(module, op, None)
+
+
 def registered_ops(module: ModuleType) -> frozenset[str]:
     """The ops whose bodies an imported lowering module holds (its own and re-exported)."""
     return frozenset(n for n, v in vars(module).items() if getattr(v, _TAG, None) == n)

@@ -14,7 +14,7 @@ import importlib.resources
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -133,6 +133,10 @@ class Family:
     # spec's `model` line and the conformance suite skips, with this reason, the checks that
     # need a kernel.
     kernel_ready: bool = True
+    # Its layer kinds composed from the layer library (`mkc.layers.sublayer.Composition`: kind
+    # -> sublayers); their bodies are the lowering module's `BODIES` table. A kind not composed
+    # has module-level `@lowers` bodies.
+    layers: Any = field(default=None, hash=False)
 
     def measured_scratch(self) -> tuple:
         """What libtpu allocated beyond mkc's buffers for each kernel the family measured
@@ -146,9 +150,11 @@ class Family:
 
     @functools.cached_property
     def lowered_ops(self) -> frozenset[str]:
-        """The ops its `lowering` module has compute bodies for (`@lowers`), read from the
-        module's source: checking a spec does not import it (nor jax)."""
-        return declared_ops(f"{self.package}.lowering")
+        """The ops its `lowering` module has compute bodies for: its composed sublayers' and its
+        own (`@lowers`, read from the module's source): checking a spec imports no jax."""
+        from mkc.layers.sublayer import lowered_ops
+        composed = lowered_ops(self.layers) if self.layers else frozenset()
+        return declared_ops(f"{self.package}.lowering") | composed
 
     def module(self, part: str) -> ModuleType:
         """One of its modules by role: "ops", "weights", "lowering", "reference"; a role with a
@@ -158,11 +164,14 @@ class Family:
         if part in ROLES and (missing := missing_members(module, ROLES[part])):
             raise ContractError(f"family {self.name}: its {part} module {module.__name__} lacks "
                                 f"{', '.join(missing)} (see mkc.model.contracts.{ROLES[part].__name__})")
-        if part == "lowering" and registered_ops(module) != self.lowered_ops:
-            raise ContractError(f"family {self.name}: its lowering module registers ops "
-                                f"{sorted(registered_ops(module))} at import but its source declares "
-                                f"{sorted(self.lowered_ops)}: register each body with @lowers(\"op\") "
-                                "on a top-level def, or import it from another .lowering module")
+        if part == "lowering":
+            registered = registered_ops(module) | {op for _, op in getattr(module, "BODIES", {})}
+            if registered != self.lowered_ops:
+                raise ContractError(f"family {self.name}: its lowering module registers ops "
+                                    f"{sorted(registered)} at import but its source and composition "
+                                    f"declare {sorted(self.lowered_ops)}: register each body with "
+                                    "@lowers(\"op\") on a top-level def, or import it from another "
+                                    ".lowering module, and build BODIES from FAMILY.layers")
         return module
 
 

@@ -166,17 +166,20 @@ class KernelWork:
     source: str                    # where the ops' bodies live (the family's lowering module)
     trace_seconds: float = 0.0
     run_time_loop_ops: frozenset = frozenset()   # ops with work in a loop of run-time length
+    # (kind, op) -> the function its body is (module.qualname), where the module says
+    sources: dict = field(default_factory=dict)
 
     def op(self, kind: str, name: str) -> OpWork:
         got = self.ops.get((kind, name))
         return got if got is not None else OpWork(kind, name)
 
     def source_of(self, kind: str, name: str) -> str:
-        """Where an op's counted work was traced from: its compute body in the family's
-        lowering, or, for the tail, the module's epilogue and prologue."""
+        """Where an op's counted work was traced from: its compute body (a layer library
+        function, or the family lowering's own), or, for the tail, the module's epilogue and
+        prologue."""
         if kind == scopes.TAIL:
             return TAIL_SOURCES.get(name, "the generated module")
-        return f"{self.source}.{name}"
+        return self.sources.get((kind, name), f"{self.source}.{name}")
 
 
 # ---- counting --------------------------------------------------------------------------------
@@ -348,6 +351,11 @@ def kernel_digest(source: str, batch: int, verify_rows: int | None = None) -> st
     return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()
 
 
+def _function_name(body) -> str:
+    fn = getattr(body, "func", body)          # a composed kind's body: options bound by partial
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
 def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) -> KernelWork:
     """The counted work of the kernel mkc emits for `s` at `batch` rows (cached per module
     source and batch)."""
@@ -358,6 +366,9 @@ def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) ->
         t0 = time.perf_counter()
         closed = _traced(source, batch, verify_rows)
         kw = count_kernel(closed, batch, f"{s.family_package}.lowering")
+        lower = _module(source).lower
+        kw.sources = {(kind, op): _function_name(lower.body(kind, op))
+                      for kind, op in kw.ops if kind != scopes.TAIL}
         kw.trace_seconds = time.perf_counter() - t0
         _COUNTED[key] = kw
     return _COUNTED[key]

@@ -11,11 +11,12 @@ model charges those where the trace reads weights and KV tiles, the rest where t
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 from collections.abc import Iterator
 
 import jax
+
+from mkc.model.contracts import body_of
 
 OP = "mkc_op"
 WEIGHTS = "mkc_weights"
@@ -46,23 +47,34 @@ def kv_tile() -> contextlib.AbstractContextManager:
 
 class NamedOps:
     """A family's lowering module whose functions, called with a layer context (anything with
-    a `kind`) first, run in their op's scope; other attributes pass through unchanged."""
+    a `kind`) first, run in their op's scope; other attributes pass through unchanged. A body
+    is the module's `BODIES[(kind, op)]` (a composed kind's, `mkc.layers.sublayer.body_table`)
+    or else its function named after the op."""
 
     def __init__(self, module: types.ModuleType) -> None:
         self._module = module
 
+    def body(self, kind: str, name: str):
+        """The function op `name` of layer kind `kind` runs (unwrapped from its scope)."""
+        return body_of(self._module, kind, name)
+
     def __getattr__(self, name: str):
-        fn = getattr(self._module, name)
-        if not callable(fn) or isinstance(fn, type):
+        fn = getattr(self._module, name, None)
+        if fn is None and not any(op == name for _, op in getattr(self._module, "BODIES", {})):
+            raise AttributeError(f"{self._module.__name__} has no body or attribute {name}")
+        if fn is not None and (not callable(fn) or isinstance(fn, type)):
             return fn
 
-        @functools.wraps(fn)
         def in_scope(c, *args, **kwargs):
             kind = getattr(c, "kind", None)
+            body = body_of(self._module, kind, name)
+            if body is None:
+                raise AttributeError(f"{self._module.__name__} has no body of {kind}.{name}")
             if not isinstance(kind, str):
-                return fn(c, *args, **kwargs)
+                return body(c, *args, **kwargs)
             with op(kind, name):
-                return fn(c, *args, **kwargs)
+                return body(c, *args, **kwargs)
+        in_scope.__name__ = name
         return in_scope
 
 

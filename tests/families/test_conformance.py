@@ -29,6 +29,7 @@ import pytest
 
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError, Span
+from mkc.model.contracts import body_of
 from mkc.model import registry
 from mkc.model.config import CONFIG_DIR, dims_from_config
 from mkc.model.contracts import ROLES, Dims
@@ -131,16 +132,16 @@ def _model_line(path: Path) -> int:
 
 
 def test_lowered_ops_are_the_graph_ops_and_take_their_values(family: Family, checked):
-    """The ops read from the `@lowers` decorators are the graph's, and each body binds the
-    layer and the op's register values (a TypeError if not)."""
+    """The ops read from the `@lowers` decorators and the composition are the graph's, and each
+    kind's body of each op binds the layer and the op's register values (a TypeError if not)."""
     compiled = checked
     graph_ops = {op for kind in compiled.ir.kinds.values() for op in kind.ops}
     assert graph_ops == family.lowered_ops
     lowering = family.module("lowering")
-    for kind in compiled.ir.kinds.values():
+    for name, kind in compiled.ir.kinds.items():
         for op in kind.ops:
             reads, _ = kind.op_values[op]
-            inspect.signature(getattr(lowering, op)).bind("layer", *reads)
+            inspect.signature(body_of(lowering, name, op)).bind("layer", *reads)
 
 
 # ---- one config reader ---------------------------------------------------------------------------

@@ -115,15 +115,15 @@ def test_a_lowering_function_rewritten_to_emit_the_same_kernel_keeps_its_measure
     from mkc.families.qwen3_5 import lowering
     from mkc.perf import work
     s = compiler.check_spec(str(ROOT / "schedules" / "qwen3_8_27b.sched")).ir
-    original = lowering.gated_norm
+    original = lowering.BODIES["gdn", "gated_norm"]
     work.clear_cache()
-    monkeypatch.setattr(lowering, "gated_norm", lambda c, *args: original(c, *args))
+    monkeypatch.setitem(lowering.BODIES, ("gdn", "gated_norm"), lambda c, *args: original(c, *args))
     assert bundles.cached(s, "decode", 1, places=(bundles.DATA,)) is not None
     from mkc.codegen.emit import render
     source = render(s, "")
     commented = source.replace("\ndef _kernel(", "\n# a comment\ndef _kernel(", 1)
     assert commented != source and bundles.cached(s, "decode", 1, commented, (bundles.DATA,))
-    monkeypatch.setattr(lowering, "gated_norm", lambda c, *args: original(c, *args) * 1.01)
+    monkeypatch.setitem(lowering.BODIES, ("gdn", "gated_norm"), lambda c, *args: original(c, *args) * 1.01)
     work.clear_cache()
     assert bundles.cached(s, "decode", 1, places=(bundles.DATA,)) is None
     monkeypatch.undo()

@@ -92,7 +92,7 @@ of the MXFP4 block.
 """
 from mkc.families.gpt_oss.config import FAMILY_NAME, read_dims
 from mkc.families.gpt_oss.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
-from mkc.families.qwen3_5 import rope_input
+from mkc.layers.rope import rope_input
 from mkc.model.family import Family
 
 FAMILY = Family(

@@ -15,8 +15,8 @@ Sharding (three classes, all split over their own rank group):
 * `heads`: query heads, with their sinks, their q columns and their part of o_proj's rows
   (a partial sum over the heads group, all-reduced before the residual add, so o_proj's bias
   is added once, there); KV heads split with them, or, with fewer KV heads than parts, each
-  part holds the one its query heads read (Qwen3.5's `kv_heads_per_part` / `kv_heads_of`);
-* `vocab`: the embedding and lm_head rows (Qwen3.5's `vocab_globals`);
+  part holds the one its query heads read (`mkc.layers.gqa.kv_heads_per_part` / `kv_heads_of`);
+* `vocab`: the embedding and lm_head rows (`mkc.layers.decoder.vocab_globals`);
 * `experts`: routed experts expert-parallel over every core, whole experts (`experts / ranks`
   each, in id order), fetched into a pool's expert slots as routing picks them, as Qwen3.5
   MoE's are. The router (and its bias) is replicated: every core scores every expert.
@@ -38,7 +38,8 @@ import dataclasses
 
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
 from mkc.families.kimi_k3.graph import expert_codes
-from mkc.families.qwen3_5.graph import kv_heads_per_part, vocab_globals
+from mkc.layers.decoder import vocab_globals
+from mkc.layers.gqa import kv_heads_per_part
 from mkc.ir import WeightFormat
 from mkc.model.family import FormatError
 from mkc.model.graph import (ContextLimit, FamilyGraph, LayerKind, Op, ShardingError, Tensor,

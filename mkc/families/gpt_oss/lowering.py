@@ -2,10 +2,8 @@
 (`mkc.families.qwen3_5.lowering` has the convention).
 
 A model layer runs as two sublayers of the layer loop: attention (`swa` on sliding layers,
-`gqa` on full ones: the same bodies), then the MoE (`moe`). Bodies reused from the other
-families where they compute the same thing: Qwen3.5's `o_proj` (the ring's product cut to the
-hidden size) and `mlp_residual` (the routed experts' all-reduced sum added to x), Kimi K3's
-expert matmul (MXFP4 or FP8 codes decoded from an expert slot, pack group by pack group).
+`gqa` on full ones: the same bodies), then the MoE (`moe`). Kimi K3's expert matmul (MXFP4
+or FP8 codes decoded from an expert slot, pack group by pack group) is reused.
 
 What is GPT-OSS's own (`ops`): the plain-weight RMS norm; q, k and v biases added to the
 projection; YaRN RoPE from the host's table (`host_inputs`) on whole heads; attention as an
@@ -26,7 +24,6 @@ import jax.numpy as jnp
 
 from mkc.families.gpt_oss import ops
 from mkc.families.kimi_k3.lowering import _expert_matmul
-from mkc.families.qwen3_5.lowering import mlp_residual, o_proj  # noqa: F401
 from mkc.model.contracts import lowers
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
@@ -115,6 +112,11 @@ def attention(c: Layer, q: list[jax.Array]) -> jax.Array:
     return jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
 
 
+@lowers("o_proj")
+def o_proj(c: Layer, core: jax.Array) -> jax.Array:
+    return c.matmul("o_proj", core)[:, :c.dims.hidden_size]
+
+
 @lowers("attn_residual")
 def attn_residual(c: Layer, attn_out: jax.Array) -> None:
     """x += o_proj's all-reduced product plus its bias (added once, after the reduce)."""
@@ -159,6 +161,11 @@ def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array,
         return acc + c.expert_weight(expert_weights, k) * out
 
     return c.fold_experts(expert, jnp.zeros((c.B, d.hidden_size), F32))
+
+
+@lowers("mlp_residual")
+def mlp_residual(c: Layer, mlp_out: jax.Array) -> None:
+    c.refs.x[...] = c.refs.x[...] + mlp_out
 
 
 # ---- around the layers ----------------------------------------------------------------------

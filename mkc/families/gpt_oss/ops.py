@@ -13,19 +13,18 @@ each piece, and the lowered bodies that combine them (a window's ring masked by 
 its slots hold, the routed experts), against an independent numpy derivation of upstream's
 expression.
 
-The attention tile and RoPE rotation are Qwen3.5's (``mkc.families.qwen3_5.ops``): the same
-online softmax and the same halves convention (pair ``(i, i + D/2)``), which GPT-OSS rotates
-over whole heads.
+The RMS norm (GptOssRMSNorm, a plain weight), attention tile and RoPE rotation are the layer
+library's (``mkc.layers.ops``): the same online softmax and the same halves convention (pair
+``(i, i + D/2)``), which GPT-OSS rotates over whole heads.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from mkc.families.gpt_oss.config import GptOssDims
-from mkc.families.qwen3_5.ops import apply_rope, attention_tile, rotate_half_matrix  # noqa: F401
+from mkc.layers.ops import apply_rope, attention_tile, rms_norm, rotate_half_matrix  # noqa: F401
 from mkc.runtime import experts
 
 F32 = jnp.float32
@@ -33,11 +32,6 @@ F32 = jnp.float32
 
 # ---------------------------------------------------------------------------------------------
 # Norm and rotary embedding
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """GptOssRMSNorm: ``w * x * rsqrt(mean(x^2) + eps)`` (plain weight); x [B, H], w [1, H]."""
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
 def yarn_inv_freq(d: GptOssDims) -> np.ndarray:

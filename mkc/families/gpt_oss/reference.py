@@ -41,7 +41,7 @@ shapes and jitted, since XLA's f32 order depends on both (``mkc.numerics``):
 * RoPE from the host's f32 table (``_rope_table``: the YaRN angles' cos and sin times the
   attention factor) head by head as ``x cos + (x R) sin`` with the rotate-half matrix R;
 * keys and values stored in the KV cache's dtype; attention per row and query head as an
-  online softmax over the schedule's KV tiles (Qwen3.5's ``_attention_tile``) whose carry
+  online softmax over the schedule's KV tiles (the layer library's ``attention_tile``) whose carry
   starts from the head's sink (max = sink, denominator 1, accumulator 0); a sliding layer's
   cache as the kernel's ring (its slots, up to all of them once wrapped), each slot masked by
   the position it holds (written, causal, within the window);
@@ -67,7 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.gpt_oss.config import FAMILY_NAME, GptOssDims, read_dims
-from mkc.families.qwen3_5.reference import _attention_tile, embed
+from mkc.layers.reference import attention_tile as _attention_tile
+from mkc.layers.reference import embed
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel

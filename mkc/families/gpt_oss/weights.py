@@ -7,7 +7,7 @@ sublayer index; model layer = layer // 2. Matrices come back `[in, out]` f32 (Li
 are `[out, in]`), vectors `[1, n]` f32:
 
 * attention (`swa` and `gqa` alike): `qkv` = this heads part's rows of `q_proj` then those of
-  `k_proj` and `v_proj` for the KV heads it holds (`mkc.families.qwen3_5.graph.kv_heads_of`),
+  `k_proj` and `v_proj` for the KV heads it holds (`mkc.layers.gqa.kv_heads_of`),
   transposed; `qkv_bias` the same rows of the three biases; `sinks` this part's heads;
   `o_proj` this part's input columns; `o_bias`, the norms whole;
 * MoE: `router` and `router_bias` whole (every core scores every expert);
@@ -32,7 +32,7 @@ from mkc.families.gpt_oss.config import GptOssDims
 from mkc.families.gpt_oss.graph import ATTENTION_KINDS, expert_formats, pack_groups
 from mkc.families.gpt_oss.ops import deinterleave_gate_up
 from mkc.families.kimi_k3.ops import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
-from mkc.families.qwen3_5.graph import kv_heads_of
+from mkc.layers.gqa import kv_heads_of
 from mkc.ir import WeightFormat
 from mkc.model.graph import lane_pad
 from mkc.model.sharding import ShardTable, rank_parts

@@ -30,26 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mkc.layers.ops import l2_normalize, rms_norm  # noqa: F401  (KimiRMSNorm: a plain weight)
 from mkc.runtime import experts
 
 F32 = jnp.float32
-L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
 MX_BLOCK = 32      # values per E8M0 scale
 MX_SCALE_NAN = 255
 
 
 # ---------------------------------------------------------------------------------------------
 # Norms and activations
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """KimiRMSNorm (plain weight, not zero-centred): x [B, H], w [1, H]."""
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-    """KDA query/key normalisation over lanes: x * rsqrt(sum x^2 + 1e-6)."""
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def situ(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:

@@ -64,8 +64,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, read_dims
+from mkc.families.qwen3_5.graph import GATED_ATTENTION
+from mkc.layers.gqa import reference as gqa
+from mkc.layers.reference import embed, linear  # noqa: F401
+from mkc.layers.reference import matmul as _linear
+from mkc.layers.reference import mm_input as _mm_input
+from mkc.layers.reference import out_projection as _out_projection
+from mkc.layers.reference import rms_norm_zero_centred as rms_norm
+from mkc.layers.reference import sub_params as _sub_params
+from mkc.layers.swiglu.reference import block as mlp_block
 from mkc.model.config import in_range, upstream_config
-from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
+from mkc.reference.rounding import Rounding, bf16_weights, round_to
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -262,16 +271,6 @@ def init_cache(cfg: Qwen35Config, batch: int, context: int) -> dict[str, jax.Arr
 # Building blocks (public so tests can check them in isolation).
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, in full f32."""
-    return jnp.einsum("...i,oi->...o", x, w, precision=_HIGHEST)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred Qwen3_5RMSNorm over the last axis."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
-
-
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """Qwen3_5RMSNormGated: plain (not zero-centred) weight, then the SiLU gate."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w * jax.nn.silu(z)
@@ -279,28 +278,6 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.
 
 def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
-
-
-def rope_cos_sin(cfg: Qwen35Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form).
-
-    Frequencies are computed in f64 and rounded once (the emulation uses the kernels' f32
-    table instead, ``_rope_table``)."""
-    rot = cfg.rotary_dim
-    inv_freq = jnp.asarray(cfg.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot),
-                           jnp.float32)
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate the first ``cos.shape[-1]`` dims of x (rotate-half convention); pass the rest."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
 def gated_delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -317,26 +294,6 @@ def gated_delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
     state = state + k[..., :, None] * delta[..., None, :]
     o = jnp.einsum("...kv,...k->...v", state, q, precision=_HIGHEST)
     return o, state
-
-
-def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
-    return x if rounding is None else rounding.mm_in(x)
-
-
-def _linear(x: jax.Array, w: jax.Array, rounding: Rounding | None) -> jax.Array:
-    """An activation times a weight: in f32, or as the kernel multiplies (``Rounding.linear``)."""
-    return linear(x, w) if rounding is None else rounding.linear(x, w)
-
-
-def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
-                    per_rank: int, cls: str) -> jax.Array:
-    """A projection back to the hidden size whose input, of shard class ``cls``, is split in
-    contiguous ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule
-    says."""
-    if rounding is None:
-        return linear(x, w)
-    return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
-                        rounding, rounding.reduce(kind, op))
 
 
 @jax.jit
@@ -475,208 +432,10 @@ def full_attention_block(p: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.A
                          key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array,
                          rounding: Rounding | None = None
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Qwen3_5Attention (gated GQA) for one token per row at its own position.
-
-    ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes k/v at ``positions[b]``,
-    then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``, key_cache, value_cache).
-    """
-    b = x.shape[0]
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    x = _mm_input(x, rounding)
-    q_and_gate = _linear(x, p["q_proj.weight"], rounding).reshape(b, hq, 2 * d)
-    q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
-    k = _linear(x, p["k_proj.weight"], rounding).reshape(b, hkv, d)
-    v = _linear(x, p["v_proj.weight"], rounding).reshape(b, hkv, d)
-
-    if rounding is not None:
-        cos, sin = _rope_table(positions, cfg.rope_theta, cfg.rotary_dim, d)
-        q, k = (_head_norm_rope(t, p[f"{n}_norm.weight"], cos, sin, cfg.rotary_dim, cfg.rms_norm_eps)
-                for t, n in ((q, "q"), (k, "k")))
-    else:
-        cos, sin = rope_cos_sin(cfg, positions)
-        q = rms_norm(q, p["q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm.weight"], cfg.rms_norm_eps)
-        q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
-        k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
-
-    rows = jnp.arange(b)
-    if rounding is not None:   # the kernel's KV storage dtype, then the reference's container
-        k, v = (round_to(t, rounding.stored("gqa", "kv")) for t in (k, v))
-    key_cache = key_cache.at[rows, :, positions].set(k.astype(key_cache.dtype))
-    value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
-
-    if rounding is not None:
-        attn = _tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile("gqa"),
-                                rounding.size("nq"))
-    else:
-        # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
-        qg = q.reshape(b, hkv, hq // hkv, d)
-        scores = jnp.einsum("bgrd,bgtd->bgrt", qg, key_cache.astype(jnp.float32),
-                            precision=_HIGHEST) * d ** -0.5
-        visible = jnp.arange(key_cache.shape[2])[None, :] <= positions[:, None]  # [B, T]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32),
-                          precision=_HIGHEST)
-    attn = attn.reshape(b, hq * d) * jax.nn.sigmoid(gate.reshape(b, hq * d))
-    per_rank = None if rounding is None else rounding.size("nq") * d
-    out = _out_projection(attn, p["o_proj.weight"], rounding, "gqa", "o_proj", per_rank, "heads")
-    return out, key_cache, value_cache
-
-
-@jax.jit
-def _norm_rope(x, w, cos, sin, rotation, eps):
-    """One head's zero-centred RMS norm and rotary embedding in the kernel's formulation and
-    shapes: x [B, D]; cos, sin [B, D] (1 and 0 past the rotary dims); the rotation as a product
-    with the rotate-half matrix, ``y * cos + (y @ R) * sin``, which XLA fuses into FMAs."""
-    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
-    return y * cos + jnp.dot(y, rotation, preferred_element_type=jnp.float32) * sin
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _rope_table(positions: jax.Array, theta: float, rot: int, d: int):
-    """cos, sin [B, d] (1 and 0 past the ``rot`` rotary dims) in f32 as the kernel's host wrapper
-    computes them, jitted as it is: XLA's fused cos and sin differ from the eager ones in the
-    last bit for some angles."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    ones = jnp.ones((positions.shape[0], d - rot), jnp.float32)
-    return (jnp.concatenate([jnp.cos(ang), ones], axis=-1),
-            jnp.concatenate([jnp.sin(ang), 0 * ones], axis=-1))
-
-
-def _head_norm_rope(t: jax.Array, w: jax.Array, cos: jax.Array, sin: jax.Array, rot: int,
-                    eps: float) -> jax.Array:
-    """``_norm_rope`` head by head, as the kernel applies it (a norm over one head's [B, D]
-    reduces in another f32 order than over [B, heads, D]). t [B, heads, D]; cos, sin [B, D]
-    from ``_rope_table``."""
-    d, half = t.shape[-1], rot // 2
-    i, j = np.arange(d)[:, None], np.arange(d)[None, :]   # y @ R == rotate_half(y[:rot]), 0...
-    rotation = np.where((j >= half) & (j < rot) & (i == j - half), 1.0,
-                        np.where((j < half) & (i == j + half), -1.0, 0.0)).astype(np.float32)
-    w = jnp.asarray(w, jnp.float32)[None, :]
-    return jnp.stack([_norm_rope(t[:, h], w, cos, sin, rotation, eps) for h in range(t.shape[1])],
-                     axis=1)
-
-
-@jax.jit
-def _attention_tile(q, k, v, visible, m, denom, acc):
-    """One KV tile's online-softmax update for one query row and head, in the kernel's
-    formulation and shapes (GPT-OSS's; q [1, D] f32; k, v [T, D] bf16; visible [1, T]; m,
-    denom [1, 1]; acc [1, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
-    + p @ v`` is one FMA there)."""
-    d = q.shape[-1]
-    s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * d ** -0.5
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new)
-    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
-    acc_new = alpha * acc + jnp.dot(p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
-    return m_new, denom_new, acc_new
-
-
-def _split_bf16x3(x):
-    """f32 [n, D] -> its high, middle and low bf16 parts stacked on rows [3n, D], as the
-    kernel feeds an f32 operand against a bf16 one."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.concatenate([hi, mid, lo], axis=0)
-
-
-@jax.jit
-def _attention_tile_bf16x3(q, k, v, visible, m, denom, acc):
-    """`_attention_tile` as the Qwen kernel computes it: the bf16 tile fed as it is, the f32
-    queries (q [n, D]) and probabilities split in three bf16 parts whose products are summed
-    high + middle + low in f32."""
-    n, d = q.shape
-    s3 = jax.lax.dot_general(_split_bf16x3(q), k, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    s = ((s3[:n] + s3[n:2 * n]) + s3[2 * n:]) * d ** -0.5
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new)
-    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
-    pv3 = jnp.dot(_split_bf16x3(p), v, preferred_element_type=jnp.float32)
-    acc_new = alpha * acc + ((pv3[:n] + pv3[n:2 * n]) + pv3[2 * n:])
-    return m_new, denom_new, acc_new
-
-
-def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-                     positions: jax.Array, tile: int, per_rank: int | None = None) -> jax.Array:
-    """Gated GQA's softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and group of a
-    rank's query heads sharing a KV head (``per_rank`` heads a rank) an online softmax over the
-    cache in tiles of ``tile`` tokens (`_attention_tile_bf16x3`), every row over the tiles up to
-    the largest position of the batch (a tile past a row's position changes nothing). A
-    softmax over the whole cache at once sums in another f32 order, and a bf16 rounding
-    downstream can flip (measured before: Qwen MINI batch 2, one weight draw, 1.5e-3 in the
-    logits at step 0). q [B, Hq, D] -> [B, Hq, D]."""
-    b, hq, d = q.shape
-    hkv = key_cache.shape[1]
-    n_tiles = int(jnp.max(positions)) // tile + 1
-    keys = key_cache.astype(jnp.bfloat16)
-    values = value_cache.astype(jnp.bfloat16)
-    # a rank's query heads (`per_rank` of them, consecutive) that read one KV head go through
-    # each tile together, as the kernel's do
-    per_rank = per_rank or hq
-    groups = [[h for h in range(r, min(r + per_rank, hq)) if (h * hkv) // hq == g]
-              for r in range(0, hq, per_rank) for g in range(hkv)]
-    rows = []
-    for row in range(b):
-        heads = []
-        for group in groups:
-            if not group:
-                continue
-            kvh = (group[0] * hkv) // hq
-            n = len(group)
-            carry = (jnp.full((n, 1), -1e30, jnp.float32), jnp.zeros((n, 1), jnp.float32),
-                     jnp.zeros((n, d), jnp.float32))
-            for t in range(n_tiles):
-                tokens = t * tile + jnp.arange(tile)[None, :]
-                carry = _attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
-                                               keys[row, kvh, t * tile:(t + 1) * tile],
-                                               values[row, kvh, t * tile:(t + 1) * tile],
-                                               tokens <= positions[row], *carry)
-            heads.append(carry[2] / carry[1])
-        rows.append(jnp.concatenate(heads, axis=0))
-    return jnp.stack(rows)
-
-
-def mlp_block(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None = None,
-              kind: str = "") -> jax.Array:
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``p`` keys are relative to ``mlp.``. With
-    ``rounding``, ``kind`` names the layer kind whose ``down`` all-reduce applies."""
-    x = _mm_input(x, rounding)
-    act = (jax.nn.silu(_linear(x, p["gate_proj.weight"], rounding))
-           * _linear(x, p["up_proj.weight"], rounding))
-    per_rank = None if rounding is None else rounding.size("inter")
-    return _out_projection(act, p["down_proj.weight"], rounding, kind, "down", per_rank, "mlp")
-
-
-def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
-    """Parameters under ``prefix``, renamed relative to it and upcast to f32."""
-    return {name[len(prefix):]: jnp.asarray(w).astype(jnp.float32)
-            for name, w in params.items() if name.startswith(prefix)}
-
-
-def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | None = None
-          ) -> jax.Array:
-    """Token embeddings ``[B, H]`` f32. With ``rounding``: as the vocab-sharded kernel forms
-    them, each rank contributing the rows it owns (zeros elsewhere) to the embedding all-reduce
-    (exact for bf16 rows on a bf16 or f32 wire, emulated all the same)."""
-    table = jnp.asarray(params["model.embed_tokens.weight"])
-    x = table[tokens].astype(jnp.float32)
-    if rounding is None:
-        return x
-    owner = tokens // rounding.size("vocab")
-    partials = [jnp.where((owner == rounding.part("vocab", r))[:, None], x, 0.0)
-                for r in range(rounding.ranks)]
-    return allreduce(partials, rounding.reduce("embed", "embed"))
+    """Qwen3_5Attention (the layer library's GQA with its output gate and zero-centred q/k
+    norms): ``p`` maps names relative to ``self_attn.`` to f32 arrays; returns (output
+    ``[B, H]``, key_cache, value_cache)."""
+    return gqa.block(GATED_ATTENTION, p, cfg, x, key_cache, value_cache, positions, rounding)
 
 
 def _dense_mlp(mlp: Mapping[str, jax.Array], cfg: Qwen35Config, x: jax.Array,

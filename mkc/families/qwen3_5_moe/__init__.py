@@ -2,10 +2,10 @@
 followed by a sparse MoE (softmax top-k router, many small SwiGLU experts, a sigmoid-gated
 shared expert). Lowered by the generic module template: its own code is its config reader,
 graph, weight layout, routing op and compute bodies."""
-from mkc.families.qwen3_5 import rope_input
+from mkc.layers.rope import rope_input
 from mkc.families.qwen3_5_moe.config import (EXPERT_LAYOUTS, FAMILY_NAME, RENAMED_PREFIXES, SKIPPED_PREFIXES,
                                              read_dims)
-from mkc.families.qwen3_5_moe.graph import ROUNDING_FORMATS, SHARD_CLASSES, WEIGHT_FORMATS, build
+from mkc.families.qwen3_5_moe.graph import LAYERS, ROUNDING_FORMATS, SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family
 
 FAMILY = Family(
@@ -14,7 +14,7 @@ FAMILY = Family(
     dims_import=("mkc.families.qwen3_5_moe.config", "Qwen35MoeDims"),
     # Not yet measured by benchmarks/vmem_probe.py: Qwen3.5's points, whose attention bodies
     # these layers share (the MoE bodies unroll per row like its MLP).
-    vmem_inputs=rope_input,
+    vmem_inputs=rope_input, layers=LAYERS,
     plain_state_tolerance=1.5e-2,
     weight_formats=WEIGHT_FORMATS, rounding_formats=ROUNDING_FORMATS,
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,

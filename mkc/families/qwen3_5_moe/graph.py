@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 
 from mkc.families.kimi_k3.graph import check_block, expert_codes, expert_pack_groups
-from mkc.families.qwen3_5.graph import attention_kinds, vocab_globals
+from mkc.families.qwen3_5.graph import DELTA_NET, GATED_ATTENTION
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
 from mkc.ir import WeightFormat
+from mkc.layers.decoder import vocab_globals
+from mkc.layers.sublayer import layer_kinds
 from mkc.model.family import FormatError
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, split
 
@@ -32,6 +34,8 @@ SHARD_CLASSES = ("heads", "mlp", "vocab", "experts")
 WEIGHT_FORMATS = (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8")))
 # Formats whose packing rounds the checkpoint's values (`Family.rounding_formats`).
 ROUNDING_FORMATS = ("fp8",)
+# Qwen3.5's attention kinds, each up to its residual add; the `moe` sublayer is the family's own.
+LAYERS = {"gdn": (DELTA_NET,), "gqa": (GATED_ATTENTION,)}
 
 
 def expert_rows(d: Qwen35MoeDims) -> dict[str, int]:
@@ -119,7 +123,7 @@ def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
     if rules["experts"] != (ranks, 1):
         raise ShardingError("the Qwen3.5 MoE lowering splits experts over every core: write "
                             "`shard experts over tp`", "experts")
-    kinds, per_rank = attention_kinds(d, rules["heads"][0], rules["mlp"][0], with_mlp=False)
+    kinds, per_rank = layer_kinds(LAYERS, d, {"heads": rules["heads"][0]})
     moe, moe_sizes = moe_kind(d, ranks, rules["mlp"][0])
     kinds["moe"] = moe
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])

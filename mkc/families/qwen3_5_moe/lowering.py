@@ -1,22 +1,28 @@
 """The compute body of every Qwen3.5 MoE decode op (`mkc.families.qwen3_5.lowering` has the
-convention). Attention sublayers are Qwen3.5's bodies; the MoE sublayer's are here."""
+convention). The attention sublayers are the layer library's, composed as Qwen3.5's
+(`graph.LAYERS`, `BODIES`); the MoE sublayer's bodies are here."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from mkc.families.kimi_k3.lowering import _expert_matmul as _coded_expert_matmul
-from mkc.families.qwen3_5 import ops as qwen_ops
-from mkc.families.qwen3_5.lowering import (attention, attn_residual, conv, delta_rule,  # noqa: F401
-                                           final_hidden, gated_norm, host_inputs, in_proj, input_norm,
-                                           kv_write, o_proj, out_gate, out_proj, post_norm, prologue,
-                                           qk_norm_rope, qkv_gate)
+from mkc.families.qwen3_5.lowering import final_hidden, host_inputs, prologue  # noqa: F401
 from mkc.families.qwen3_5_moe import ops
+from mkc.families.qwen3_5_moe.graph import LAYERS
+from mkc.layers import ops as qwen_ops
+from mkc.layers.sublayer import body_table
 from mkc.model.contracts import lowers
 from mkc.runtime.context import Layer
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+BODIES = body_table(LAYERS)
+
+
+@lowers("post_norm")
+def post_norm(c: Layer) -> jax.Array:
+    return qwen_ops.pre_norm("zero_centred", c, "post_norm")
 
 
 @lowers("router")

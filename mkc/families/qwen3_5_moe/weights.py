@@ -1,13 +1,14 @@
 """Where each per-rank weight family of Qwen3.5 MoE comes from in the HF checkpoint.
 
 The layer loop runs two sublayers per model layer (attention, then MoE), so `layer` here is a
-sublayer index; model layer = layer // 2. Attention families and the norms are Qwen3.5's
-(`mkc.families.qwen3_5.weights`). Routed experts come fused, as upstream declares them:
-`mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and `mlp.experts.down_proj [E, H, I]`
-(`mkc.checkpoint` fuses a per-expert checkpoint's into these; with a lazy load each
-`hf[name][e]` reads one expert). A class the spec stores as FP8 (`format expert.gate_up fp8
-block N rounded`) is requantized here, block by block of input rows (`requantization`,
-`mkc.model.mxfp4.requantize_fp8_blocks`), into Kimi K3's codes-and-scales layout.
+sublayer index; model layer = layer // 2. The attention sublayers' tensors, the norms and the
+vocabulary's are the layer library's (`mkc.layers.weights`). Routed experts come fused, as
+upstream declares them: `mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and
+`mlp.experts.down_proj [E, H, I]` (`mkc.checkpoint` fuses a per-expert checkpoint's into
+these; with a lazy load each `hf[name][e]` reads one expert). A class the spec stores as FP8
+(`format expert.gate_up fp8 block N rounded`) is requantized here, block by block of input
+rows (`requantization`, `mkc.model.mxfp4.requantize_fp8_blocks`), into Kimi K3's
+codes-and-scales layout.
 """
 from __future__ import annotations
 
@@ -16,29 +17,27 @@ from collections.abc import Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
-from mkc.families.qwen3_5 import weights as qwen
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
-from mkc.families.qwen3_5_moe.graph import expert_formats
+from mkc.families.qwen3_5_moe.graph import LAYERS, expert_formats
 from mkc.ir import WeightFormat
+from mkc.layers.weights import DecoderWeights
 from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
 
 # Checkpoint tensors of each routed-expert class ([E, out, in], fused), under `mlp.experts.`.
 _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
-global_tensor = qwen.global_tensor
-head_vectors, embedding = qwen.head_vectors, qwen.embedding
+_ATTENTION = DecoderWeights(LAYERS, model_layer=lambda layer: layer // 2)
+head_vectors, embedding = _ATTENTION.head_vectors, _ATTENTION.embedding
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
     return np.asarray(hf[name]).astype(np.float32)
 
 
-def family_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, family: str,
-                  rank: int, shards: ShardTable) -> np.ndarray:
-    """The [in, out] matrix `family` of sublayer `layer` (-1: the tail) on `rank`."""
-    if layer < 0:
-        return qwen.family_matrix(hf, d, layer, family, rank, shards)
+def moe_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, family: str,
+               rank: int, shards: ShardTable) -> np.ndarray:
+    """The [in, out] matrix `family` of MoE sublayer `layer` on `rank`."""
     p = f"model.layers.{layer // 2}.mlp."
     if family == "router":
         return _w(hf, p + "gate.weight").T                                   # [H, E]
@@ -50,14 +49,7 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, fa
                                _w(hf, p + "shared_expert.up_proj.weight")[cols].T], axis=1)
     if family == "shared_down":
         return _w(hf, p + "shared_expert.down_proj.weight")[:, cols].T
-    return qwen.family_matrix(hf, d, layer // 2, family, rank, shards)
-
-
-def vector(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, family: str,
-           rank: int, shards: ShardTable) -> np.ndarray:
-    if family == "shared_gate":
-        return _w(hf, f"model.layers.{layer // 2}.mlp.shared_expert_gate.weight")   # [1, H]
-    return qwen.vector(hf, d, layer // 2, family, rank, shards)
+    raise KeyError(f"no HF source for MoE matrix {family!r}")
 
 
 def expert_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, local: int,
@@ -74,12 +66,20 @@ def expert_matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, layer: int, lo
 
 def matrix(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
            kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
-    return family_matrix(hf, d, layer, name, rank, shards)
+    """Matrix `name` of loop layer `layer` (kind `kind`; -1 and "tail" after the last layer)."""
+    if kind == "moe":
+        return moe_matrix(hf, d, layer, name, rank, shards)
+    return _ATTENTION.matrix(hf, d, per_rank, layer, kind, name, rank, shards)
 
 
 def layer_vector(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
                  kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
-    return vector(hf, d, layer, name, rank, shards)
+    p = f"model.layers.{layer // 2}."
+    if name == "shared_gate":
+        return _w(hf, p + "mlp.shared_expert_gate.weight")   # [1, H]
+    if name == "post_norm":
+        return _w(hf, p + "post_attention_layernorm.weight")[None, :]
+    return _ATTENTION.layer_vector(hf, d, per_rank, layer, kind, name, rank, shards)
 
 
 def expert(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims, per_rank: dict[str, int], layer: int,
@@ -128,5 +128,4 @@ def requantization(hf: Mapping[str, np.ndarray], d: Qwen35MoeDims,
 def reference_states(state, d: Qwen35MoeDims, per_rank: dict[str, int], shards: ShardTable,
                      kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
     """Qwen3.5's state layouts, keyed by model layer (sublayer // 2)."""
-    by_model_layer = {k: [i // 2 for i in v] for k, v in kind_layers.items()}
-    return qwen.reference_states(state, d, per_rank, shards, by_model_layer)
+    return _ATTENTION.reference_states(state, d, per_rank, shards, kind_layers)

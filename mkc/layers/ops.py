@@ -1,8 +1,10 @@
-"""Compute bodies for the qwen3_5_text family, as functions over in-kernel values.
+"""The kernel-side math the layer kinds share: norms, activations, rotary embedding and the
+online-softmax attention tile, as functions over in-kernel values.
 
-Generated kernels call these between the DMAs mkc schedules; nothing here touches a
-semaphore or decides when memory moves. Everything computes in f32; shapes are per rank and
-kept 2-D ([rows, lanes]) so Mosaic lowers them without relayouts.
+Compute bodies (`mkc.layers.<kind>.lowering` and the families' own) call these between the
+DMAs mkc schedules; nothing here touches a semaphore or decides when memory moves. Everything
+computes in f32; shapes are per rank and kept 2-D ([rows, lanes]) so Mosaic lowers them without
+relayouts.
 """
 from __future__ import annotations
 
@@ -11,12 +13,28 @@ import jax.numpy as jnp
 from jax import lax
 
 F32 = jnp.float32
-L2NORM_EPS = 1e-6
+L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm (Qwen3.5's gated delta net, Kimi's KDA)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMS norm with a plain weight (LlamaRMSNorm, GptOssRMSNorm, KimiRMSNorm):
+    ``x * rsqrt(mean(x^2) + eps) * w``; x [B, H], w [1, H]."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
 def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Qwen3_5RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w); x [B, H], w [1, H]."""
+    """RMS norm with a zero-centred weight (Qwen3_5RMSNorm):
+    ``x * rsqrt(mean(x^2) + eps) * (1 + w)``; x [B, H], w [1, H]."""
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+NORM = {"plain": rms_norm, "zero_centred": rms_norm_zero_centred}
+
+
+def pre_norm(norm: str, c, name: str) -> jax.Array:
+    """A layer's RMS norm of its residual stream by its vector `name`, with a `norm` weight
+    ("plain": w, "zero_centred": 1 + w); `c` is the layer (`mkc.runtime.context.Layer`)."""
+    return NORM[norm](c.refs.x[...], c.vector(name), c.dims.rms_norm_eps)
 
 
 def gated_rms_norm(o: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -36,30 +54,6 @@ def softplus(x: jax.Array) -> jax.Array:
 def swiglu(gate_up: jax.Array, width: int) -> jax.Array:
     """gate_up [B, 2*width] packed as [gate | up] -> silu(gate) * up."""
     return jax.nn.silu(gate_up[:, :width]) * gate_up[:, width:2 * width]
-
-
-def causal_conv_silu(window: list[jax.Array], taps: jax.Array) -> jax.Array:
-    """Depthwise causal conv of one new step: window[j] [B, C] oldest first, taps [K, C]."""
-    acc = window[0] * taps[0:1, :]
-    for j in range(1, len(window)):
-        acc = acc + window[j] * taps[j:j + 1, :]
-    return jax.nn.silu(acc)
-
-
-def delta_rule_head(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                    g: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One token of the gated delta rule for one head and one batch row.
-
-    state [Dk, Dv] f32; q, k [1, Dk] (normalised, q scaled); v [1, Dv]; g, beta [1, 1].
-    S *= exp(g); S += k^T ((v - k S) * beta); o = q S.
-    """
-    state = state * jnp.exp(g)
-    predicted = jnp.dot(k, state, preferred_element_type=F32)            # [1, Dv]
-    delta = (v - predicted) * beta
-    # Outer product as a broadcast of the transposed key (Mosaic has no outer-product dot).
-    state = state + jnp.transpose(k) * delta
-    o = jnp.dot(q, state, preferred_element_type=F32)
-    return o, state
 
 
 def rotate_half_matrix(head_dim: int, rotary_dim: int) -> jax.Array:

@@ -1,0 +1,72 @@
+"""Llama dimensions from an upstream `LlamaConfig`-style config.json (transformers 5.x,
+`models/llama/configuration_llama.py`; defaults below are that class's)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mkc.layers.rope import read_rope
+from mkc.model.contracts import Dims
+from mkc.model.family import ConfigError, config_float, config_int, identifier
+
+FAMILY_NAME = "llama"
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+}
+# Settings the kernel and the reference do not compute: key -> (the value they compute, hint).
+REFUSED = {
+    "hidden_act": ("silu", "Llama MLPs are SwiGLU: \"hidden_act\": \"silu\""),
+    "attention_bias": (False, "Llama 3 projections have no biases: \"attention_bias\": false"),
+    "mlp_bias": (False, "Llama 3 MLPs have no biases: \"mlp_bias\": false"),
+    "tie_word_embeddings": (False, "the kernel streams its own lm_head.weight (Llama 3.1 8B and 70B "
+                                   "untie it; 3.2 1B and 3B tie it and are not supported)"),
+}
+
+
+@dataclass(frozen=True)
+class LlamaDims(Dims):
+    rms_norm_eps: float
+    layer_kinds: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rotary_dim: int
+    rope_theta: float
+    rope_type: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position: int
+
+
+def setting(raw: Mapping, key: str) -> Any:
+    value = raw.get(key)
+    return DEFAULTS[key] if value is None else value
+
+
+def read_dims(raw: Mapping, name: str) -> LlamaDims:
+    """The one reader of a Llama config; ConfigError for a setting mkc does not compute."""
+    for key, (wanted, hint) in REFUSED.items():
+        if setting(raw, key) != wanted:
+            raise ConfigError(f"{key} = {raw[key]!r} is not supported", hint)
+    ints = {key: config_int(setting(raw, key), key) for key in (
+        "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")}
+    heads = ints["num_attention_heads"]
+    kv_heads = config_int(raw.get("num_key_value_heads") or heads, "num_key_value_heads")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                          f"({kv_heads})", "each group of query heads shares one KV head")
+    if heads < 1 or raw.get("head_dim") is None and ints["hidden_size"] % heads:
+        raise ConfigError(f"hidden_size ({ints['hidden_size']}) is not a multiple of num_attention_heads "
+                          f"({heads})", "give head_dim, or heads that divide the hidden size")
+    head_dim = config_int(raw.get("head_dim") or ints["hidden_size"] // heads, "head_dim")
+    if head_dim % 2:
+        raise ConfigError(f"head_dim = {head_dim} is odd", "rotary embedding pairs a head's dims")
+    eps = config_float(setting(raw, "rms_norm_eps"), "rms_norm_eps")
+    return LlamaDims(family=FAMILY_NAME, name=identifier(name), num_key_value_heads=kv_heads,
+                     head_dim=head_dim, rms_norm_eps=eps, layer_kinds=("gqa",) * ints["num_hidden_layers"],
+                     **ints, **read_rope(raw, head_dim, DEFAULTS["rope_theta"]))

@@ -1,0 +1,13 @@
+"""The layer library: the layer kinds families compose, each owning its graph ops and tensors,
+compute bodies, reference math with the kernel's rounding emulation, and where its weights come
+from in an upstream checkpoint.
+
+* `sublayer`: a kind configured by its options (`Sublayer`), a family's layer kinds composed of
+  them (`layer_kinds`), and the bodies table keyed by (layer kind, op) (`body_table`).
+* Kinds, one package each (`__init__`: options, ops and tensors, importing no jax; `lowering`,
+  `reference`, `weights`): `gqa` (grouped-query attention and its variants), `swiglu` (a dense
+  SwiGLU MLP), `gated_delta_net` (Qwen3.5's linear attention).
+* Shared pieces: `ops` (kernel math), `reference` (reference math), `rope` (config reading, the
+  host's table), `decoder` (the vocabulary-split globals), `weights` (`DecoderWeights`),
+  `decode` (`DecoderReference`: a composed family's reference decode step).
+"""

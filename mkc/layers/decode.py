@@ -1,0 +1,93 @@
+"""The reference decode step of a family composed from the library (`DecoderReference`): the
+embedding, each layer's sublayers in order (each owns its pre-norm, its block and its residual
+add: `mkc.layers.<kind>.reference.forward`), the final norm and the lm_head, for one token per
+row at its own position. The f32 oracle by default; with a `Rounding`, the kernel's rounding
+emulation (`mkc.reference.rounding`). Also the upstream weight table, random weights for MINI
+runs, and zeroed caches in the reference's (upstream) layouts."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mkc.layers.reference import NORM, embed, matmul, sub_params
+from mkc.layers.sublayer import Composition
+from mkc.model.config import in_range, upstream_config
+from mkc.reference.rounding import Rounding, bf16_weights
+
+RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+class DecoderReference:
+    """The `contracts.Reference` functions of a composition; the config is the family's dims."""
+
+    def __init__(self, layers: Composition, read_dims: Callable[[Mapping, str], Any],
+                 model_types: tuple[str, ...], final_norm: str = "plain"):
+        self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
+        self.final_norm = final_norm
+
+    def load_config(self, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
+        """The model's dims (dict, config.json path or checkpoint directory), read by the
+        family's one config reader."""
+        raw, name = upstream_config(path_or_dict)
+        if raw.get("model_type", self.model_types[0]) not in self.model_types:
+            raise ValueError(f"expected model_type {self.model_types[0]!r}, got {raw.get('model_type')!r}")
+        return in_range(self.read_dims(raw, name))
+
+    def param_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every upstream parameter name -> (PyTorch shape, dtype name)."""
+        bf16 = "bfloat16"
+        shapes = {"model.embed_tokens.weight": ((d.vocab_size, d.hidden_size), bf16)}
+        for i, kind in enumerate(d.layer_kinds):
+            for sub in self.layers[kind]:
+                shapes |= sub.module("reference").param_shapes(sub, d, f"model.layers.{i}.")
+        shapes["model.norm.weight"] = ((d.hidden_size,), bf16)
+        shapes["lm_head.weight"] = ((d.vocab_size, d.hidden_size), bf16)
+        return shapes
+
+    def init_params(self, d: Any, seed: int) -> dict[str, np.ndarray]:
+        """Random bf16 weights scaled so the residual stream and logits stay O(1) at any depth:
+        projections N(0, 1/fan_in), those writing the residual stream further by 1/sqrt(2
+        layers); norm weights near their gain of 1 (1 + w for a zero-centred norm)."""
+        rng = np.random.default_rng(seed)
+        residual_scale = 1.0 / math.sqrt(2 * d.num_hidden_layers)
+        out = {}
+        for name, (shape, _) in self.param_shapes(d).items():
+            if name == "model.embed_tokens.weight":
+                w = rng.normal(0.0, 1.0, shape)
+            elif name.endswith("norm.weight"):
+                w = rng.normal(0.0, 0.1, shape) + (self.final_norm == "plain")
+            else:
+                std = 1.0 / math.sqrt(shape[-1])
+                w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
+            out[name] = bf16_weights(w)
+        return out
+
+    def init_cache(self, d: Any, batch: int, context: int) -> dict[str, jax.Array]:
+        cache: dict[str, jax.Array] = {}
+        for i, kind in enumerate(d.layer_kinds):
+            for sub in self.layers[kind]:
+                cache |= sub.module("reference").init_cache(sub, d, i, batch, context)
+        return cache
+
+    def decode_step(self, params: Mapping[str, Any], d: Any, cache: Mapping[str, jax.Array],
+                    tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One decode token per row: (logits f32 ``[B, vocab]``, new cache). jit with
+        ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy bf16 arrays."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        positions = jnp.asarray(positions, jnp.int32)
+        x = embed(params, tokens, rounding)
+        new_cache = dict(cache)
+        for i, kind in enumerate(d.layer_kinds):
+            lp = sub_params(params, f"model.layers.{i}.")
+            for sub in self.layers[kind]:
+                x = sub.module("reference").forward(sub, lp, d, x, new_cache, i, positions, rounding, kind)
+        x = NORM[self.final_norm](x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32),
+                                  d.rms_norm_eps)
+        return matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding), new_cache

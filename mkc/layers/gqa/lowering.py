@@ -1,0 +1,120 @@
+"""The compute bodies of `GQA`, each `op(s, c, *values)` with the kind's options `s` bound by
+`Sublayer.bodies` (`c`: `mkc.runtime.context.Layer`; the convention is
+`mkc.families.qwen3_5.lowering`'s). The rotary table is the module's `rope` VMEM input
+(`mkc.layers.rope.host_inputs`)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mkc.layers import ops
+from mkc.layers.gqa import GQA
+from mkc.runtime.context import Layer
+
+F32 = jnp.float32
+
+
+def input_norm(s: GQA, c: Layer) -> jax.Array:
+    return ops.pre_norm(s.norm, c, "input_norm")
+
+
+def qkv(s: GQA, c: Layer, h: jax.Array) -> jax.Array:
+    return c.matmul("qkv", h)
+
+
+def qkv_gate(s: GQA, c: Layer, h: jax.Array) -> jax.Array:
+    return c.matmul("qkv_gate", h)
+
+
+def _k_offset(s: GQA, c: Layer) -> int:
+    return (2 if s.output_gate else 1) * c.per_rank["nq"] * c.dims.head_dim
+
+
+def qk_norm_rope(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per-head RMS norm and (partial) rotary embedding of q and the new k -> per-head lists."""
+    d, nq, nkv = c.dims, c.per_rank["nq"], c.per_rank["nkv"]
+    hd, eps, norm = d.head_dim, d.rms_norm_eps, ops.NORM[s.qk_norm]
+    rot = ops.rotate_half_matrix(hd, d.rotary_dim)
+    cos, sin = c.refs.rope[0], c.refs.rope[1]
+    qn, kn = c.vector("q_norm"), c.vector("k_norm")
+    q = [ops.apply_rope(norm(proj[:, j * hd:(j + 1) * hd], qn, eps), cos, sin, rot)
+         for j in range(nq)]
+    k_off = _k_offset(s, c)
+    k_new = [ops.apply_rope(norm(proj[:, k_off + j * hd:k_off + (j + 1) * hd], kn, eps),
+                            cos, sin, rot) for j in range(nkv)]
+    return q, k_new
+
+
+def rope(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Rotary embedding of q and the new k, head by head -> per-head lists."""
+    d, nq, nkv = c.dims, c.per_rank["nq"], c.per_rank["nkv"]
+    hd = d.head_dim
+    rot = ops.rotate_half_matrix(hd, d.rotary_dim)
+    cos, sin = c.refs.rope[0], c.refs.rope[1]
+    q = [ops.apply_rope(proj[:, j * hd:(j + 1) * hd], cos, sin, rot) for j in range(nq)]
+    k_off = _k_offset(s, c)
+    k_new = [ops.apply_rope(proj[:, k_off + j * hd:k_off + (j + 1) * hd], cos, sin, rot)
+             for j in range(nkv)]
+    return q, k_new
+
+
+def kv_write(s: GQA, c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
+    nkv, hd = c.per_rank["nkv"], c.dims.head_dim
+    v_off = _k_offset(s, c) + nkv * hd
+    key = jnp.concatenate(k_new, axis=-1) if nkv > 1 else k_new[0]
+    c.kv_write([key, proj[:, v_off:v_off + nkv * hd]])
+
+
+def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
+    """Online softmax per (row, KV head) over its sequence's cached tokens up to the row's
+    position (a verify step's rows see each other's new entries, written before: causal). The
+    query heads reading one KV head (j * nkv // nq, upstream's `repeat_kv`) go through each
+    tile together: its keys and values are loaded into the MXU once for the group, not once
+    per head, and as bf16, as the cache holds them (no f32 copy of the tile), with the f32
+    queries and probabilities split in three bf16 parts (`ops.split_bf16x3`)."""
+    nq, nkv, hd, B = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim, c.B
+    scale = hd ** -0.5
+    groups = [[j for j in range(nq) if (j * nkv) // nq == g] for g in range(nkv)]
+    groups = [g for g in groups if g]
+    kvh = [(g[0] * nkv) // nq for g in groups]
+    qs = [[ops.split_bf16x3(jnp.concatenate([q[j][b:b + 1] for j in g], axis=0) if len(g) > 1
+                            else q[g[0]][b:b + 1]) for g in groups] for b in range(B)]
+
+    def tile(t, tiles, tokens, carry):
+        keys, values = tiles
+        out = []
+        for b in range(B):
+            visible = tokens <= c.refs.positions[b]
+            kt, vt = keys[c.sequence(b)], values[c.sequence(b)]
+            for i, h in enumerate(kvh):
+                m, denom, acc = carry[b * len(groups) + i]
+                out.append(ops.attention_tile_bf16x3(qs[b][i], kt[:, h * hd:(h + 1) * hd],
+                                                     vt[:, h * hd:(h + 1) * hd], visible, m, denom,
+                                                     acc, scale))
+        return tuple(out)
+
+    init = tuple((jnp.full((len(g), 1), -1e30, F32), jnp.zeros((len(g), 1), F32),
+                  jnp.zeros((len(g), hd), F32)) for _ in range(B) for g in groups)
+    final = c.kv_fold(tile, init)
+    rows = []
+    for b in range(B):
+        heads = []
+        for i, g in enumerate(groups):
+            _, denom, acc = final[b * len(groups) + i]
+            out = acc / denom
+            heads += [out[n:n + 1] for n in range(len(g))]
+        rows.append(jnp.concatenate(heads, axis=-1) if nq > 1 else heads[0])
+    return jnp.concatenate(rows, axis=0) if B > 1 else rows[0]
+
+
+def out_gate(s: GQA, c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
+    nq, hd = c.per_rank["nq"], c.dims.head_dim
+    return core * jax.nn.sigmoid(proj[:, nq * hd:2 * nq * hd])
+
+
+def o_proj(s: GQA, c: Layer, core: jax.Array) -> jax.Array:
+    return c.matmul("o_proj", core)[:, :c.dims.hidden_size]
+
+
+def attn_residual(s: GQA, c: Layer, attn_out: jax.Array) -> None:
+    c.refs.x[...] = c.refs.x[...] + attn_out

@@ -1,0 +1,228 @@
+"""The reference of `GQA`, as transformers computes grouped-query attention for one decode
+token per row (`modeling_llama.py`'s `LlamaAttention`, `eager_attention_forward`, `repeat_kv`;
+Qwen3.5's `Qwen3_5Attention` with its output gate; Qwen3-MoE's q/k norms):
+
+* q, k, v = x W^T (q_proj rows per head `[query | gate]` with the output gate); with a q/k
+  norm, an RMS norm over each head's dims; rotate-half RoPE on each head's first `rotary_dim`
+  dims; k and v written to the cache at the row's position (bf16, as stored) and read back;
+* query head h reads KV head `h // (Hq // Hkv)`; softmax(q k^T / sqrt(D)) over slots
+  `0..position`; output `* sigmoid(gate)` with the gate; o_proj.
+
+Parameters are named under the layer's `s.prefix` (`self_attn.`); the pre-norm weight is the
+layer's `input_layernorm.weight`. Caches: `layers.{i}.key_cache` / `value_cache` bf16
+`[B, Hkv, T, D]`, slot t holding position t, keys after norm and RoPE.
+
+With a `Rounding` it rounds and sums as the kernel (`mkc.layers.reference`): RoPE from the
+host's f32 table (`mkc.layers.rope.rope_table`, jitted as the host runs it), norm and rotation
+head by head, the attention an online softmax over the schedule's KV tiles by group of a
+rank's query heads (`_tiled_attention`), o_proj as per-rank partial sums all-reduced.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mkc.layers import rope
+from mkc.layers.gqa import GQA
+from mkc.layers.reference import (HIGHEST, NORM, attention_tile_bf16x3, matmul, mm_input,
+                                  out_projection)
+from mkc.reference.rounding import Rounding, round_to
+
+
+def inv_freq(d: Any) -> np.ndarray:
+    """The rotary frequencies [rotary_dim / 2] in f64 (`modeling_rope_utils.py`), rounded once
+    by the caller."""
+    rot = d.rotary_dim
+    freq = d.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
+    if getattr(d, "rope_type", "default") == "default":
+        return freq
+    factor, low, high = d.rope_factor, d.rope_low_freq_factor, d.rope_high_freq_factor
+    original = d.rope_original_max_position
+    wavelength = 2 * math.pi / freq
+    out = np.where(wavelength > original / low, freq / factor, freq)
+    smooth = (original / wavelength - low) / (high - low)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return np.where(medium, (1 - smooth) * out / factor + smooth * out, out)
+
+
+def rope_cos_sin(d: Any, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form).
+
+    Frequencies are computed in f64 and rounded once (the emulation uses the kernels' f32
+    table instead, ``_rope_table``)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(d), jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the first ``cos.shape[-1]`` dims of x (rotate-half convention); pass the rest."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("norm",))
+def _norm_rope(x, w, cos, sin, rotation, eps, norm: str = ""):
+    """One head's RMS norm (`norm`'s weight; none for "") and rotary embedding in the kernel's
+    formulation and shapes: x [B, D]; cos, sin [B, D] (1 and 0 past the rotary dims); the
+    rotation as a product with the rotate-half matrix, ``y * cos + (y @ R) * sin``, which XLA
+    fuses into FMAs."""
+    y = NORM[norm](x, w, eps) if norm else x
+    return y * cos + jnp.dot(y, rotation, preferred_element_type=jnp.float32) * sin
+
+
+_rope_table = jax.jit(rope.rope_table, static_argnums=0)
+
+
+def _head_norm_rope(t: jax.Array, w: jax.Array | None, cos: jax.Array, sin: jax.Array, rot: int,
+                    eps: float, norm: str) -> jax.Array:
+    """``_norm_rope`` head by head, as the kernel applies it (a norm over one head's [B, D]
+    reduces in another f32 order than over [B, heads, D]). t [B, heads, D]; cos, sin [B, D]
+    from ``_rope_table``."""
+    d, half = t.shape[-1], rot // 2
+    i, j = np.arange(d)[:, None], np.arange(d)[None, :]   # y @ R == rotate_half(y[:rot]), 0...
+    rotation = np.where((j >= half) & (j < rot) & (i == j - half), 1.0,
+                        np.where((j < half) & (i == j + half), -1.0, 0.0)).astype(np.float32)
+    w = jnp.zeros((1, d), jnp.float32) if w is None else jnp.asarray(w, jnp.float32)[None, :]
+    return jnp.stack([_norm_rope(t[:, h], w, cos, sin, rotation, eps, norm=norm)
+                      for h in range(t.shape[1])], axis=1)
+
+
+def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                     positions: jax.Array, tile: int, per_rank: int | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and group of a rank's query
+    heads sharing a KV head (``per_rank`` heads a rank) an online softmax over the cache in
+    tiles of ``tile`` tokens (`attention_tile_bf16x3`), every row over the tiles up to the
+    largest position of the batch (a tile past a row's position changes nothing). A softmax
+    over the whole cache at once sums in another f32 order, and a bf16 rounding downstream can
+    flip (measured before: Qwen MINI batch 2, one weight draw, 1.5e-3 in the logits at step
+    0). q [B, Hq, D] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    hkv = key_cache.shape[1]
+    n_tiles = int(jnp.max(positions)) // tile + 1
+    keys = key_cache.astype(jnp.bfloat16)
+    values = value_cache.astype(jnp.bfloat16)
+    # a rank's query heads (`per_rank` of them, consecutive) that read one KV head go through
+    # each tile together, as the kernel's do
+    per_rank = per_rank or hq
+    groups = [[h for h in range(r, min(r + per_rank, hq)) if (h * hkv) // hq == g]
+              for r in range(0, hq, per_rank) for g in range(hkv)]
+    rows = []
+    for row in range(b):
+        heads = []
+        for group in groups:
+            if not group:
+                continue
+            kvh = (group[0] * hkv) // hq
+            n = len(group)
+            carry = (jnp.full((n, 1), -1e30, jnp.float32), jnp.zeros((n, 1), jnp.float32),
+                     jnp.zeros((n, d), jnp.float32))
+            for t in range(n_tiles):
+                tokens = t * tile + jnp.arange(tile)[None, :]
+                carry = attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
+                                              keys[row, kvh, t * tile:(t + 1) * tile],
+                                              values[row, kvh, t * tile:(t + 1) * tile],
+                                              tokens <= positions[row], *carry)
+            heads.append(carry[2] / carry[1])
+        rows.append(jnp.concatenate(heads, axis=0))
+    return jnp.stack(rows)
+
+
+def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: jax.Array,
+          value_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None,
+          kind: str = "gqa") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention of one token per row at its own position, from its normed input x.
+
+    ``p`` maps names relative to ``s.prefix`` to f32 arrays. Writes k/v at ``positions[b]``,
+    then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``, key_cache,
+    value_cache). ``kind`` names the layer kind whose KV tiles and o_proj all-reduce apply."""
+    b = x.shape[0]
+    hq, hkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    x = mm_input(x, rounding)
+    q = matmul(x, p["q_proj.weight"], rounding)
+    if s.output_gate:
+        q_and_gate = q.reshape(b, hq, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
+    else:
+        q = q.reshape(b, hq, hd)
+    k = matmul(x, p["k_proj.weight"], rounding).reshape(b, hkv, hd)
+    v = matmul(x, p["v_proj.weight"], rounding).reshape(b, hkv, hd)
+
+    if rounding is not None:
+        cos, sin = _rope_table(d, positions)
+        q, k = (_head_norm_rope(t, p[f"{n}_norm.weight"] if s.qk_norm else None, cos, sin,
+                                d.rotary_dim, d.rms_norm_eps, s.qk_norm) for t, n in ((q, "q"), (k, "k")))
+    else:
+        cos, sin = rope_cos_sin(d, positions)
+        if s.qk_norm:
+            q = NORM[s.qk_norm](q, p["q_norm.weight"], d.rms_norm_eps)
+            k = NORM[s.qk_norm](k, p["k_norm.weight"], d.rms_norm_eps)
+        q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
+        k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
+
+    rows = jnp.arange(b)
+    if rounding is not None:   # the kernel's KV storage dtype, then the reference's container
+        k, v = (round_to(t, rounding.stored(kind, "kv")) for t in (k, v))
+    key_cache = key_cache.at[rows, :, positions].set(k.astype(key_cache.dtype))
+    value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
+
+    if rounding is not None:
+        attn = _tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(kind),
+                                rounding.size("nq"))
+    else:
+        # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
+        qg = q.reshape(b, hkv, hq // hkv, hd)
+        scores = jnp.einsum("bgrd,bgtd->bgrt", qg, key_cache.astype(jnp.float32),
+                            precision=HIGHEST) * hd ** -0.5
+        visible = jnp.arange(key_cache.shape[2])[None, :] <= positions[:, None]  # [B, T]
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32),
+                          precision=HIGHEST)
+    attn = attn.reshape(b, hq * hd)
+    if s.output_gate:
+        attn = attn * jax.nn.sigmoid(gate.reshape(b, hq * hd))
+    per_rank = None if rounding is None else rounding.size("nq") * hd
+    out = out_projection(attn, p["o_proj.weight"], rounding, kind, "o_proj", per_rank, "heads")
+    return out, key_cache, value_cache
+
+
+def forward(s: GQA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: dict, layer: int,
+            positions: jax.Array, rounding: Rounding | None, kind: str) -> jax.Array:
+    """The residual stream after the layer's attention (its pre-norm, the block, the residual
+    add); updates `cache` (this layer's KV caches) in place."""
+    h = NORM[s.norm](x, lp["input_layernorm.weight"], d.rms_norm_eps)
+    sub = {n[len(s.prefix):]: w for n, w in lp.items() if n.startswith(s.prefix)}
+    names = f"layers.{layer}.key_cache", f"layers.{layer}.value_cache"
+    out, cache[names[0]], cache[names[1]] = block(s, sub, d, h, cache[names[0]], cache[names[1]],
+                                                  positions, rounding, kind)
+    return x + out
+
+
+def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Its upstream parameters under layer prefix `prefix` -> (PyTorch shape, dtype)."""
+    H, hd, hq, hkv = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads
+    p, bf16 = prefix + s.prefix, "bfloat16"
+    return {
+        p + "q_proj.weight": (((2 if s.output_gate else 1) * hq * hd, H), bf16),
+        p + "k_proj.weight": ((hkv * hd, H), bf16),
+        p + "v_proj.weight": ((hkv * hd, H), bf16),
+        p + "o_proj.weight": ((H, hq * hd), bf16),
+        **({p + "q_norm.weight": ((hd,), bf16), p + "k_norm.weight": ((hd,), bf16)} if s.qk_norm else {}),
+        prefix + "input_layernorm.weight": ((H,), bf16),
+    }
+
+
+def init_cache(s: GQA, d: Any, layer: int, batch: int, context: int) -> dict[str, jax.Array]:
+    kv_shape = (batch, d.num_key_value_heads, context, d.head_dim)
+    return {f"layers.{layer}.key_cache": jnp.zeros(kv_shape, jnp.bfloat16),
+            f"layers.{layer}.value_cache": jnp.zeros(kv_shape, jnp.bfloat16)}

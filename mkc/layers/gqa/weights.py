@@ -1,0 +1,67 @@
+"""Where `GQA`'s per-rank tensors come from in an upstream checkpoint: q/k/v_proj cut to a
+heads part's query heads and the KV heads it holds (`kv_heads_of`), concatenated as the
+projection's columns `[q | gate? | k | v]`; o_proj's rows of those query heads; the norms."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mkc.layers.gqa import GQA, kv_heads_of
+from mkc.layers.weights import tensor
+from mkc.model.sharding import ShardTable, rank_parts
+
+
+def tensor_names(s: GQA, d: Any) -> tuple[str, ...]:
+    return (s.projection, "o_proj", "input_norm", *(("q_norm", "k_norm") if s.qk_norm else ()))
+
+
+def matrix(s: GQA, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
+           ) -> np.ndarray:
+    heads, part = shards.ways("heads"), shards.part("heads", rank)
+    nq, hd, H = d.num_attention_heads // heads, d.head_dim, d.hidden_size
+    p = prefix + s.prefix
+    if name == "o_proj":
+        return tensor(hf, p + "o_proj.weight", (slice(None), slice(part * nq * hd, (part + 1) * nq * hd))).T
+    if s.output_gate:   # q_proj rows per head: [query | gate]
+        mine = tensor(hf, p + "q_proj.weight",
+                      slice(part * nq * 2 * hd, (part + 1) * nq * 2 * hd)).reshape(nq, 2, hd, H)
+        q = [mine[:, 0].reshape(nq * hd, H), mine[:, 1].reshape(nq * hd, H)]
+    else:
+        q = [tensor(hf, p + "q_proj.weight", slice(part * nq * hd, (part + 1) * nq * hd))]
+    kv = kv_heads_of(d, part, heads)
+    k, v = (tensor(hf, p + f"{n}_proj.weight").reshape(d.num_key_value_heads, hd, H)[kv].reshape(-1, H)
+            for n in "kv")
+    return np.concatenate([w.T for w in (*q, k, v)], axis=1)
+
+
+def vector(s: GQA, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
+           ) -> np.ndarray:
+    source = {"input_norm": prefix + "input_layernorm.weight",
+              "q_norm": prefix + s.prefix + "q_norm.weight", "k_norm": prefix + s.prefix + "k_norm.weight"}
+    return tensor(hf, source[name])[None, :]
+
+
+def reference_states(s: GQA, state: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
+                     layers: list[int]) -> dict[str, np.ndarray]:
+    """The KV caches [B, Hkv, T, D] of the kind's layers, each KV head from the first heads part
+    holding it."""
+    if not layers:
+        return {}
+    nkv, hd = per_rank["nkv"], d.head_dim
+    holders = shards.holders("heads")
+    ways = len(holders)
+    first_holder = [holders[h * ways // d.num_key_value_heads] for h in range(d.num_key_value_heads)]
+    split = nkv * ways == d.num_key_value_heads     # heads split: each part holds nkv
+    out = {}
+    for c, name in (("key", "key_cache"), ("value", "value_cache")):
+        # rank -> [layers, B, T, nkv * hd]; only the ranks read are copied (`rank_parts`)
+        cache = rank_parts(state[f"{kind}__{c}"], holders if split else first_holder)
+        for i, layer in enumerate(layers):
+            if split:
+                heads = [cache[r][i, :, :, j * hd:(j + 1) * hd] for r in holders for j in range(nkv)]
+            else:                                              # replicated: one head per part
+                heads = [cache[r][i] for r in first_holder]
+            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1).astype(np.float32)
+    return out

@@ -1,0 +1,126 @@
+"""The reference math the layer kinds share: the f32 oracle's linear maps and norms, and the
+pieces of the kernel rounding emulation (`mkc.reference.rounding`) every kind's reference
+calls the same way.
+
+A kind's reference (`mkc.layers.<kind>.reference`) is the oracle the kernels are judged
+against: it shares no code with the kernel's bodies (`mkc.layers.ops`) and favours plain,
+readable math. With a `Rounding` it rounds where the generated kernel does, summing in the
+kernel's f32 order, each piece jitted in the kernel's formulation and shapes.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mkc.reference.rounding import Rounding, allreduce, row_parallel
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, in full f32."""
+    return jnp.einsum("...i,oi->...o", x, w, precision=HIGHEST)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMS norm over the last axis with a plain weight (LlamaRMSNorm, Qwen3MoeRMSNorm)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMS norm over the last axis with a zero-centred weight, ``1 + w`` (Qwen3_5RMSNorm)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+NORM = {"plain": rms_norm, "zero_centred": rms_norm_zero_centred}
+
+
+def mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
+    return x if rounding is None else rounding.mm_in(x)
+
+
+def matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None) -> jax.Array:
+    """An activation times a weight: in f32, or as the kernel multiplies (``Rounding.linear``)."""
+    return linear(x, w) if rounding is None else rounding.linear(x, w)
+
+
+def out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
+                   per_rank: int, cls: str) -> jax.Array:
+    """A projection back to the hidden size whose input, of shard class ``cls``, is split in
+    contiguous ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule
+    says."""
+    if rounding is None:
+        return linear(x, w)
+    return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
+                        rounding, rounding.reduce(kind, op))
+
+
+def sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
+    """Parameters under ``prefix``, renamed relative to it and upcast to f32."""
+    return {name[len(prefix):]: jnp.asarray(w).astype(jnp.float32)
+            for name, w in params.items() if name.startswith(prefix)}
+
+
+def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | None = None
+          ) -> jax.Array:
+    """Token embeddings ``[B, H]`` f32. With ``rounding``: as the vocab-sharded kernel forms
+    them, each rank contributing the rows it owns (zeros elsewhere) to the embedding all-reduce
+    (exact for bf16 rows on a bf16 or f32 wire, emulated all the same)."""
+    table = jnp.asarray(params["model.embed_tokens.weight"])
+    x = table[tokens].astype(jnp.float32)
+    if rounding is None:
+        return x
+    owner = tokens // rounding.size("vocab")
+    partials = [jnp.where((owner == rounding.part("vocab", r))[:, None], x, 0.0)
+                for r in range(rounding.ranks)]
+    return allreduce(partials, rounding.reduce("embed", "embed"))
+
+
+@jax.jit
+def attention_tile(q, k, v, visible, m, denom, acc):
+    """One KV tile's online-softmax update for one query row and head, in the kernel's
+    formulation and shapes (GPT-OSS's; q [1, D] f32; k, v [T, D] bf16; visible [1, T]; m,
+    denom [1, 1]; acc [1, D]): jitted, so XLA fuses it as it fuses the kernel's (the rescaling ``alpha * acc
+    + p @ v`` is one FMA there)."""
+    d = q.shape[-1]
+    s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * d ** -0.5
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
+    acc_new = alpha * acc + jnp.dot(p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+    return m_new, denom_new, acc_new
+
+
+def split_bf16x3(x):
+    """f32 [n, D] -> its high, middle and low bf16 parts stacked on rows [3n, D], as the
+    kernel feeds an f32 operand against a bf16 one."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.concatenate([hi, mid, lo], axis=0)
+
+
+@jax.jit
+def attention_tile_bf16x3(q, k, v, visible, m, denom, acc):
+    """`attention_tile` as the GQA kernel computes it: the bf16 tile fed as it is, the f32
+    queries (q [n, D]) and probabilities split in three bf16 parts whose products are summed
+    high + middle + low in f32."""
+    n, d = q.shape
+    s3 = jax.lax.dot_general(split_bf16x3(q), k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    s = ((s3[:n] + s3[n:2 * n]) + s3[2 * n:]) * d ** -0.5
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
+    pv3 = jnp.dot(split_bf16x3(p), v, preferred_element_type=jnp.float32)
+    acc_new = alpha * acc + ((pv3[:n] + pv3[n:2 * n]) + pv3[2 * n:])
+    return m_new, denom_new, acc_new

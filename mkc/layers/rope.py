@@ -1,0 +1,106 @@
+"""Rotary position embedding, rotate-half form (pairs `(i, i + R/2)` of a head's first R dims):
+its config reading, the host's table the kernel reads, and the inverse frequencies.
+
+Scalings (transformers' `modeling_rope_utils.py`): "default" (`theta^(-2i/R)`) and "llama3"
+(`_compute_llama3_parameters`: frequencies whose wavelength exceeds `original_max_position_embeddings /
+low_freq_factor` divided by `factor`, those under `.. / high_freq_factor` kept, the band between
+blended by `smooth = (original / wavelength - low) / (high - low)`); neither scales cos and
+sin (attention factor 1). The dims a model gives: head_dim, rotary_dim, rope_theta and
+`rope_type`, `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
+`rope_original_max_position` (absent: "default").
+
+The table is computed on the host per step in f32 (`host_inputs`), as JAX computes it under
+`jit`; a reference emulating the kernel calls the same function.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mkc import ir
+from mkc.model.family import ConfigError, config_float, config_int
+
+ROPE_TYPES = ("default", "llama3")
+
+
+def rope_parameters(raw: Mapping) -> Mapping:
+    """The config's rope parameters (`rope_parameters` in transformers 5 configs, `rope_scaling`
+    before), {} when it has none."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"rope_parameters must be an object, not {params!r}",
+                          "write rope_parameters as upstream configs do, e.g. {\"rope_type\": \"default\"}")
+    return params
+
+
+def read_rope(raw: Mapping, head_dim: int, theta_default: float, types: tuple[str, ...] = ROPE_TYPES
+              ) -> dict[str, Any]:
+    """The rope fields of a model's dims from its config, whole heads rotated; ConfigError for a
+    rope type not in `types` or an incomplete llama3 scaling."""
+    params = rope_parameters(raw)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in types:
+        raise ConfigError(f"rope_type = {rope_type!r} is not supported",
+                          f"this family computes rope_type {' or '.join(map(repr, types))}")
+    theta = params.get("rope_theta", raw.get("rope_theta", theta_default))
+    fields: dict[str, Any] = dict(rotary_dim=head_dim, rope_theta=config_float(theta, "rope_theta"),
+                                  rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=0.0,
+                                  rope_high_freq_factor=0.0, rope_original_max_position=0)
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if params.get(k) is None]
+        if missing:
+            raise ConfigError(f"the llama3 rope scaling lacks {', '.join(missing)}",
+                              "give factor, low_freq_factor, high_freq_factor and "
+                              "original_max_position_embeddings, as Llama 3.1 configs do")
+        fields |= dict(rope_factor=config_float(params["factor"], "factor"),
+                       rope_low_freq_factor=config_float(params["low_freq_factor"], "low_freq_factor"),
+                       rope_high_freq_factor=config_float(params["high_freq_factor"], "high_freq_factor"),
+                       rope_original_max_position=config_int(params["original_max_position_embeddings"],
+                                                             "original_max_position_embeddings"))
+        if not fields["rope_high_freq_factor"] > fields["rope_low_freq_factor"] > 0:
+            raise ConfigError("the llama3 rope scaling needs high_freq_factor > low_freq_factor > 0",
+                              "Llama 3.1 uses low_freq_factor 1 and high_freq_factor 4")
+    return fields
+
+
+def rope_input(dims: Any, batch: int) -> list[ir.Buffer]:
+    """The module passes the rotary table [2, B, head_dim] f32 in VMEM (`Family.vmem_inputs`)."""
+    return [ir.Buffer("rope", "input", (2, batch, dims.head_dim), "f32", batch_axis=1)]
+
+
+def inv_freq(dims: Any):
+    """The rotary frequencies [rotary_dim / 2] f32, computed in f32 as transformers does."""
+    import jax.numpy as jnp
+    rd = dims.rotary_dim
+    freq = 1.0 / (dims.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
+    if getattr(dims, "rope_type", "default") == "default":
+        return freq
+    factor, low, high = dims.rope_factor, dims.rope_low_freq_factor, dims.rope_high_freq_factor
+    original = dims.rope_original_max_position
+    wavelength = 2 * math.pi / freq
+    scaled = jnp.where(wavelength > original / low, freq / factor, freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelength < original / high) & ~(wavelength > original / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def rope_table(dims: Any, positions):
+    """The `rope` VMEM input: cos/sin rows [2, B, head_dim] for each row's position, 1 and 0
+    past the rotary dims."""
+    import jax.numpy as jnp
+    F32 = jnp.float32
+    hd, rd = dims.head_dim, dims.rotary_dim
+    ang = positions.astype(F32)[:, None] * inv_freq(dims)[None, :]
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    pad = hd - rd
+    cos = jnp.concatenate([jnp.cos(ang), jnp.ones((positions.shape[0], pad), F32)], axis=-1)
+    sin = jnp.concatenate([jnp.sin(ang), jnp.zeros((positions.shape[0], pad), F32)], axis=-1)
+    return jnp.stack([cos, sin])
+
+
+def host_inputs(dims: Any, positions) -> dict[str, Any]:
+    """The VMEM inputs the host computes per step (`rope_input` declares their shapes)."""
+    return {"rope": rope_table(dims, positions)}

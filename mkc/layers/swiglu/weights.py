@@ -1,0 +1,35 @@
+"""Where `SwiGLU`'s per-rank tensors come from: gate_proj and up_proj rows of an `mlp` part
+side by side (`[gate | up]`), down_proj's columns of it, the post-attention norm."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mkc.layers.swiglu import SwiGLU
+from mkc.layers.weights import rows_of_part, tensor
+from mkc.model.sharding import ShardTable
+
+
+def tensor_names(s: SwiGLU, d: Any) -> tuple[str, ...]:
+    return ("gate_up", "down", "post_norm")
+
+
+def matrix(s: SwiGLU, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
+           ) -> np.ndarray:
+    cols, p = rows_of_part(d.intermediate_size, "mlp", rank, shards), prefix + s.prefix
+    if name == "gate_up":
+        return np.concatenate([tensor(hf, p + "gate_proj.weight", cols).T,
+                               tensor(hf, p + "up_proj.weight", cols).T], axis=1)
+    return tensor(hf, p + "down_proj.weight", (slice(None), cols)).T
+
+
+def vector(s: SwiGLU, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
+           ) -> np.ndarray:
+    return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
+
+
+def reference_states(s: SwiGLU, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
+                     kind: str, layers: list[int]) -> dict[str, np.ndarray]:
+    return {}

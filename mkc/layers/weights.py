@@ -1,0 +1,76 @@
+"""Where a composed family's per-rank weights come from in an upstream checkpoint: the
+`contracts.Weights` functions of a family whose layer kinds are the library's
+(`DecoderWeights(LAYERS)`), each tensor asked of the sublayer that owns it
+(`mkc.layers.<kind>.weights`), the embedding, final norm and lm_head split over `vocab`."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from mkc.layers.sublayer import Composition, Sublayer
+from mkc.model.sharding import ShardTable
+
+
+def tensor(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
+    """Tensor `name` (its part `index`) as f32, indexed before it is converted: a lazily loaded
+    checkpoint (`mkc.checkpoint.StoredTensor`) then reads only this rank's part."""
+    return np.asarray(hf[name] if index is None else hf[name][index]).astype(np.float32)
+
+
+def rows_of_part(total: int, cls: str, rank: int, shards: ShardTable) -> slice:
+    """The contiguous range of a `total`-long dimension of shard class `cls` rank `rank` holds."""
+    n = total // shards.ways(cls)
+    part = shards.part(cls, rank)
+    return slice(part * n, (part + 1) * n)
+
+
+class DecoderWeights:
+    """The weights API (`mkc.model.contracts.Weights`) of a composition."""
+
+    def __init__(self, layers: Composition, model_layer: Callable[[int], int] = lambda layer: layer):
+        # the model layer of a loop layer (a family whose sublayers are loop layers of their
+        # own, attention then MoE, runs two a model layer)
+        self.layers, self.model_layer = layers, model_layer
+
+    def _owner(self, kind: str, name: str, d: Any) -> Sublayer:
+        for sub in self.layers[kind]:
+            if name in sub.module("weights").tensor_names(sub, d):
+                return sub
+        raise KeyError(f"no sublayer of layer kind {kind} holds tensor {name!r}")
+
+    def matrix(self, hf: Mapping, d: Any, per_rank: dict, layer: int, kind: str, name: str,
+               rank: int, shards: ShardTable) -> np.ndarray:
+        """Matrix `name` of loop layer `layer` ([in, out]; the lm_head after the last layer)."""
+        if name == "lm_head":
+            return tensor(hf, "lm_head.weight", rows_of_part(d.vocab_size, "vocab", rank, shards)).T
+        sub = self._owner(kind, name, d)
+        return sub.module("weights").matrix(sub, hf, d, f"model.layers.{self.model_layer(layer)}.", name,
+                                            rank, shards)
+
+    def layer_vector(self, hf: Mapping, d: Any, per_rank: dict, layer: int, kind: str, name: str,
+                     rank: int, shards: ShardTable) -> np.ndarray:
+        """A per-layer vector, 2-D [rows, width] f32."""
+        sub = self._owner(kind, name, d)
+        return sub.module("weights").vector(sub, hf, d, f"model.layers.{self.model_layer(layer)}.", name,
+                                            rank, shards)
+
+    def head_vectors(self, hf: Mapping, d: Any, rank: int, shards: ShardTable) -> np.ndarray:
+        """The rows of the `head_norm` block the final compute body reads: the final norm."""
+        return tensor(hf, "model.norm.weight")[None, :]
+
+    def embedding(self, hf: Mapping, d: Any, rank: int, shards: ShardTable) -> np.ndarray:
+        # indexed before it is an array: a lazily loaded checkpoint reads just this part
+        return np.asarray(hf["model.embed_tokens.weight"][rows_of_part(d.vocab_size, "vocab", rank, shards)])
+
+    def reference_states(self, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
+                         kind_layers: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
+        """The decode state in the reference's (upstream) layouts, each sublayer's gathered
+        over the ranks by the sublayer."""
+        out: dict[str, np.ndarray] = {}
+        for kind, subs in self.layers.items():
+            for sub in subs:
+                layers = [self.model_layer(i) for i in kind_layers.get(kind, [])]
+                out |= sub.module("weights").reference_states(sub, state, d, per_rank, shards, kind, layers)
+        return out
