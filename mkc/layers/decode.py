@@ -68,11 +68,13 @@ class DecoderReference:
             out[name] = bf16_weights(w)
         return out
 
-    def init_cache(self, d: Any, batch: int, context: int) -> dict[str, jax.Array]:
+    def init_cache(self, d: Any, batch: int, context: int, dtype: Any = jnp.bfloat16) -> dict[str, jax.Array]:
+        """Zeroed caches; KV caches in `dtype`: bf16 as the kernel and a bf16 upstream model
+        store them, or f32 to compare with upstream's f32 model."""
         cache: dict[str, jax.Array] = {}
         for i, kind in enumerate(d.layer_kinds):
             for sub in self.layers[kind]:
-                cache |= sub.module("reference").init_cache(sub, d, i, batch, context)
+                cache |= sub.module("reference").init_cache(sub, d, i, batch, context, dtype)
         return cache
 
     def decode_step(self, params: Mapping[str, Any], d: Any, cache: Mapping[str, jax.Array],

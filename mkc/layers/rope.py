@@ -7,7 +7,7 @@ low_freq_factor` divided by `factor`, those under `.. / high_freq_factor` kept, 
 blended by `smooth = (original / wavelength - low) / (high - low)`); neither scales cos and
 sin (attention factor 1). The dims a model gives: head_dim, rotary_dim, rope_theta and
 `rope_type`, `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
-`rope_original_max_position` (absent: "default").
+`rope_original_max_position` (absent: "default"; 1 for a scaling that has no such setting).
 
 The table is computed on the host per step in f32 (`host_inputs`), as JAX computes it under
 `jit`; a reference emulating the kernel calls the same function.
@@ -45,8 +45,8 @@ def read_rope(raw: Mapping, head_dim: int, theta_default: float, types: tuple[st
                           f"this family computes rope_type {' or '.join(map(repr, types))}")
     theta = params.get("rope_theta", raw.get("rope_theta", theta_default))
     fields: dict[str, Any] = dict(rotary_dim=head_dim, rope_theta=config_float(theta, "rope_theta"),
-                                  rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=0.0,
-                                  rope_high_freq_factor=0.0, rope_original_max_position=0)
+                                  rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=1.0,
+                                  rope_high_freq_factor=1.0, rope_original_max_position=1)
     if rope_type == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings") if params.get(k) is None]

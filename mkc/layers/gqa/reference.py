@@ -222,7 +222,8 @@ def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     }
 
 
-def init_cache(s: GQA, d: Any, layer: int, batch: int, context: int) -> dict[str, jax.Array]:
+def init_cache(s: GQA, d: Any, layer: int, batch: int, context: int, dtype: Any = jnp.bfloat16
+               ) -> dict[str, jax.Array]:
     kv_shape = (batch, d.num_key_value_heads, context, d.head_dim)
-    return {f"layers.{layer}.key_cache": jnp.zeros(kv_shape, jnp.bfloat16),
-            f"layers.{layer}.value_cache": jnp.zeros(kv_shape, jnp.bfloat16)}
+    return {f"layers.{layer}.key_cache": jnp.zeros(kv_shape, dtype),
+            f"layers.{layer}.value_cache": jnp.zeros(kv_shape, dtype)}

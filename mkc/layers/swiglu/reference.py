@@ -40,5 +40,6 @@ def param_shapes(s: SwiGLU, d: Any, prefix: str) -> dict[str, tuple[tuple[int, .
             prefix + "post_attention_layernorm.weight": ((H,), bf16)}
 
 
-def init_cache(s: SwiGLU, d: Any, layer: int, batch: int, context: int) -> dict[str, jax.Array]:
+def init_cache(s: SwiGLU, d: Any, layer: int, batch: int, context: int, dtype: Any = None
+               ) -> dict[str, jax.Array]:
     return {}
