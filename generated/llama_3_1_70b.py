@@ -2,10 +2,10 @@
 
 Schedule llama_3_1_70b: model llama_3_1_70b (llama) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 9ffea5fc4f6ae229
+Input digest (spec, model config, mkc version): c13222c0c23b83f0
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 14 VMEM slots of 1024x640 bf16 tiles, 14 tiles ahead, across layers and
+through a ring of 18 VMEM slots of 1024x768 bf16 tiles, 18 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.llama.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -93,10 +93,10 @@ GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=8192, cols=7168, row_tiles=8, 
                              tile_rows=1024, tile_cols=512)
 GQA_DOWN = StreamedMatrix(name='down', rows=3584, cols=8192, row_tiles=4, col_tiles=16,
                           tile_rows=896, tile_cols=512)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=16032, row_tiles=8, col_tiles=32,
-                              tile_rows=1024, tile_cols=512)
-RING = Ring(slots=14, ahead=14, total_tiles=16896,
-            tile_shapes=((896, 512), (1024, 512), (1024, 640)))
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=16032, row_tiles=8, col_tiles=21,
+                              tile_rows=1024, tile_cols=768)
+RING = Ring(slots=18, ahead=18, total_tiles=16808,
+            tile_shapes=((896, 512), (1024, 512), (1024, 640), (1024, 768)))
 TAIL_TILE_OFFSET = 16640
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gqa': [GQA_QKV, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
@@ -116,7 +116,7 @@ N_COLLECTIVE_COUNTERS = 1
 KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (16, GQA_O_PROJ),
                                    'gate_up': (32, GQA_GATE_UP), 'down': (144, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=256, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -131,12 +131,12 @@ def _layer_gqa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 32: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 35: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 32: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 35: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -205,7 +205,7 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((8, ROWS, 1024), BF16),   # activation
-    "acc": vmem((32, ROWS, 640), F32),   # activation
+    "acc": vmem((21, ROWS, 768), F32),   # activation
     "gqa_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 8192), BF16),   # collective
     "ring_sem": dma_sems((RING.slots,)),

@@ -2,7 +2,7 @@
 
 Schedule llama_3_1_8b: model llama_3_1_8b (llama) on tpu7x=1x1x1, mesh tp = 2,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): bac6d859ce740ad4
+Input digest (spec, model config, mkc version): c0a48c15a7eb550b
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 14 VMEM slots of 1024x640 bf16 tiles, 14 tiles ahead, across layers and
@@ -115,7 +115,7 @@ N_COLLECTIVE_COUNTERS = 1
 KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (24, GQA_O_PROJ),
                                    'gate_up': (40, GQA_GATE_UP), 'down': (152, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=256, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -130,12 +130,12 @@ def _layer_gqa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 32: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 33: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 32: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 33: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 

@@ -75,6 +75,17 @@ def run_example(script: str, *args: str, timeout: int) -> dict:
     return json.loads(line[5:])
 
 
+def assert_bit_equal(summary: dict) -> None:
+    """An interpret run's every step equal to the rounding emulation to the bit, logits and
+    states, and judged against both references without failure."""
+    from mkc import numerics
+    assert summary["steps"] and summary["emulation_check"] == "exact"
+    assert numerics.failures(summary) == []
+    for step in summary["steps"]:
+        assert step["emulation"]["logits"] == 0.0, step["step"]
+        assert set(step["emulation"]["states"].values()) == {0.0}, step["step"]
+
+
 def assert_each_mutant_rejected_on_its_row(summary: dict, mutants: tuple[str, ...]) -> None:
     """A `--mutants-by-row` run: mutant i acted on row i alone at step 1 and the rounding
     emulation rejected it; the row no mutant touched (the last) stayed bit-equal."""

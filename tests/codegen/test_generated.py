@@ -92,13 +92,16 @@ def test_free_text_from_inputs_cannot_break_the_module(tmp_path):
 
 def test_no_function_is_the_same_in_two_modules():
     """What every module would repeat lives in mkc.runtime; a function (top level or nested)
-    byte-identical in two generated modules is code that belongs there."""
+    byte-identical in two generated modules is code that belongs there. Except `_kernel`, the
+    template's skeleton (the prologue, the layer loop, the epilogue), which names the module's
+    constants only: two specs of one family whose kinds copy no state (Llama's 8B and 70B)
+    emit the same one."""
     import ast
     seen: dict[str, str] = {}
     for path in sorted((ROOT / "generated").glob("*.py")):
         src = path.read_text()
         for node in ast.walk(ast.parse(src)):
-            if isinstance(node, ast.FunctionDef):
+            if isinstance(node, ast.FunctionDef) and node.name != "_kernel":
                 text = ast.get_source_segment(src, node)
                 assert text not in seen, f"{node.name} in {path.name} and {seen[text]}"
                 seen[text] = path.name

@@ -24,11 +24,16 @@ def _pad_cols(m: np.ndarray, width: int) -> np.ndarray:
     return np.pad(m, ((0, 0), (0, width - m.shape[1])))
 
 
+def _heads(d: Any, rank: int, shards: ShardTable) -> tuple[int, int, int, int, int]:
+    """(the heads part `rank` holds, its key heads, value heads, key and value head dims)."""
+    heads = shards.ways("heads")
+    return (shards.part("heads", rank), d.linear_num_key_heads // heads, d.linear_num_value_heads // heads,
+            d.linear_key_head_dim, d.linear_value_head_dim)
+
+
 def matrix(s: GatedDeltaNet, hf: Mapping, d: Any, prefix: str, name: str, rank: int,
            shards: ShardTable) -> np.ndarray:
-    heads, part = shards.ways("heads"), shards.part("heads", rank)
-    nk, nv = d.linear_num_key_heads // heads, d.linear_num_value_heads // heads
-    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+    part, nk, nv, dk, dv = _heads(d, rank, shards)
     p = prefix + s.prefix
     if name == "out_proj":
         return tensor(hf, p + "out_proj.weight", (slice(None), slice(part * nv * dv, (part + 1) * nv * dv))).T
@@ -47,9 +52,7 @@ def matrix(s: GatedDeltaNet, hf: Mapping, d: Any, prefix: str, name: str, rank: 
 def vector(s: GatedDeltaNet, hf: Mapping, d: Any, prefix: str, name: str, rank: int,
            shards: ShardTable) -> np.ndarray:
     """A per-layer vector, 2-D [rows, width] f32."""
-    heads, part = shards.ways("heads"), shards.part("heads", rank)
-    nk, nv = d.linear_num_key_heads // heads, d.linear_num_value_heads // heads
-    dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
+    part, nk, nv, dk, dv = _heads(d, rank, shards)
     p = prefix + s.prefix
     if name == "input_norm":
         return tensor(hf, prefix + "input_layernorm.weight")[None, :]

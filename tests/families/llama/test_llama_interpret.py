@@ -7,7 +7,7 @@ mutant: invisible from a zeroed state) is rejected by the emulation."""
 import pytest
 
 from mkc import numerics
-from tests_support import ROOT, run_example
+from tests_support import ROOT, assert_bit_equal, run_example
 
 SPEC = str(ROOT / "schedules" / "llama_3_1_8b.sched")
 MUTANTS = ("gqa.k_rope", "gqa.o_proj", "dense.down", "gqa.kv_read")
@@ -18,19 +18,11 @@ def _run(spec: str, *args: str) -> dict:
                        timeout=1800)
 
 
-def _assert_bit_equal(summary: dict) -> None:
-    assert summary["steps"] and summary["emulation_check"] == "exact"
-    assert numerics.failures(summary) == []
-    for step in summary["steps"]:
-        assert step["emulation"]["logits"] == 0.0, step["step"]
-        assert set(step["emulation"]["states"].values()) == {0.0}, step["step"]
-
-
 @pytest.mark.slow
 def test_on_wait_three_steps_bit_equal_and_mutants_are_rejected():
     summary = _run(SPEC, "--mode", "on_wait", "--steps", "3", "--batch", "2", "--races",
                    "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutant-steps", "1")
-    _assert_bit_equal(summary)
+    assert_bit_equal(summary)
     assert summary["races_found"] is False
     for name in MUTANTS:
         fails = summary["mutants"][name]["failures"]
@@ -40,7 +32,7 @@ def test_on_wait_three_steps_bit_equal_and_mutants_are_rejected():
 @pytest.mark.extended
 def test_eager_at_the_largest_batch_and_a_verify_step_race_free():
     summary = _run(SPEC, "--mode", "eager", "--steps", "2", "--batch", "8", "--races")
-    _assert_bit_equal(summary)
+    assert_bit_equal(summary)
     assert summary["races_found"] is False
     verify = _run(SPEC, "--mode", "eager", "--verify", "--steps", "3", "--batch", "2", "--races")
     assert verify["verify"] and verify["emulation_check"] == "exact" and numerics.failures(verify) == []
@@ -49,5 +41,5 @@ def test_eager_at_the_largest_batch_and_a_verify_step_race_free():
 @pytest.mark.extended
 def test_the_70b_spec_with_replicated_kv_heads():
     """The 70B spec's 8 cores: the MINI's 2 KV heads replicated over 8 head parts."""
-    _assert_bit_equal(_run(str(ROOT / "schedules" / "llama_3_1_70b.sched"), "--mode", "on_wait",
+    assert_bit_equal(_run(str(ROOT / "schedules" / "llama_3_1_70b.sched"), "--mode", "on_wait",
                            "--steps", "2", "--batch", "2"))
