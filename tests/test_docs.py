@@ -270,3 +270,38 @@ def test_measured_figures_in_docs_are_the_recorded_measures():
     assert f"GPT-OSS 20b spills {spill / 2**20:.1f} MiB at 8 rows" in extending
     for page in ("extending.md", "verification.md"):
         assert f"{UNMEASURED_SCRATCH_FACTOR:g}x" in (ROOT / "docs" / page).read_text(), page
+
+
+def _family_rows() -> list[tuple[str, str, str, str]]:
+    """(spec, VMEM cell, HBM cell, modelled-step cell) of the README's family table."""
+    text = README.read_text()
+    table = text[text.index("| family | spec |"):]
+    table = table[:table.index("\n\n")]
+    return [(spec, vmem.strip(), hbm.strip(), steps.strip()) for spec, vmem, hbm, steps in
+            re.findall(r"^\| [^|]+ \| `(\w+)` \| [^|]+ \|([^|]+)\|([^|]+)\|([^|]+)\|$", table, re.M)]
+
+
+def test_the_family_table_is_docs_specs_figures():
+    """The README's family table: a row per registered family, its VMEM and HBM cells those of
+    docs/specs.md's row (which test_the_shipped_specs_table_is_what_mkc_check_reports checks)."""
+    from mkc.compiler import check_spec
+    from mkc.model import registry
+    specs = (ROOT / "docs" / "specs.md").read_text()
+    rows = _family_rows()
+    families = {check_spec(ROOT / "schedules" / f"{spec}.sched").ir.family for spec, *_ in rows}
+    assert families == {f.name for f in registry.all_families()}
+    for spec, vmem, hbm, _ in rows:
+        cells = [c.strip() for c in re.search(rf"^\| `{spec}` \|(.*)\|$", specs, re.M).group(1).split("|")]
+        b8 = re.search(r"/ ([\d.]+ of [\d.]+)", cells[-4]).group(1)
+        assert vmem == b8 and cells[-2].startswith(f"{hbm} of"), spec
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("row", _family_rows(), ids=lambda r: r[0])
+def test_the_family_table_s_modelled_steps_are_mkc_perf_s(row, capsys):
+    from mkc.cli import main
+    spec, _, _, steps = row
+    for batch, cell in zip((1, 8), re.findall(r"[\d.]+", steps)):
+        assert main(["perf", str(ROOT / "schedules" / f"{spec}.sched"), "--batch", str(batch)]) == 0
+        step = float(re.search(r"modelled step: ([\d.]+) ms", capsys.readouterr().out).group(1))
+        assert f"{step:.2f}" == cell, (spec, batch, step)
