@@ -84,11 +84,13 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
                   "decay[b:b + 1, lanes] + jnp.log({factor}(b)), beta"),
     "kda.conv_state": ("conv", "window = [state[j, source] for j in range(taps - 1)]",
                        "window = [{scale}(state[j, source]) for j in range(taps - 1)]"),
-    # GPT-OSS: each head's sink logit (which only grows the softmax denominator), and the
-    # biases of the q/k/v projection, of o_proj (added once, after its all-reduce), of the
-    # router and of the experts' down projection
-    "oss.sink": ("attention", "ops.sink_start(sinks[:, j:j + 1], hd)",
-                 "ops.sink_start({scale}(sinks[:, j:j + 1]), hd)"),
+    # GPT-OSS: each head's sink logit (which only grows the softmax denominator; the edit is
+    # of the library GQA's attention, a no-op on kinds without sinks), and the biases of the
+    # q/k/v projection, of o_proj (added once, after its all-reduce), of the router and of the
+    # experts' down projection
+    "oss.sink": ("attention", "init = tuple(_start(s, c, g) for _ in range(B) for g in groups)",
+                 "init = tuple((lambda m, d, a: ({scale}(m), d, a))(*_start(s, c, g)) "
+                 "for _ in range(B) for g in groups)"),
     "oss.qkv_bias": ("qkv", '+ c.vector("qkv_bias")', '+ {scale}(c.vector("qkv_bias"))'),
     "oss.o_bias": ("attn_residual", '(attn_out + c.vector("o_bias"))',
                    '(attn_out + {scale}(c.vector("o_bias")))'),
@@ -97,8 +99,8 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
                         '{scale}(_expert_bias(c, k, "down_bias"))'),
     # GPT-OSS's sliding window one position too wide (p - W <= q instead of p - W < q): the
     # position that just left a row's window, still in the layer's KV ring, stays visible
-    "oss.window": ("attention", "visible = _visible(c, tokens, c.refs.positions[b])\n",
-                   "visible = _visible(c, tokens, c.refs.positions[b]) | (c.kv_positions("
+    "oss.window": ("attention", "visible = _visible(s, c, tokens, c.refs.positions[b])\n",
+                   "visible = _visible(s, c, tokens, c.refs.positions[b]) | (c.kv_positions("
                    "tokens, c.refs.positions[b]) == c.refs.positions[b] - c.dims.sliding_window)\n"),
     "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
                     "cached = latent[c.sequence(b)].astype(F32)\n"

@@ -91,7 +91,7 @@ rotary factor, a checkpoint not quantized as mxfp4, hidden / intermediate sizes 
 of the MXFP4 block.
 """
 from mkc.families.gpt_oss.config import FAMILY_NAME, read_dims
-from mkc.families.gpt_oss.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
+from mkc.families.gpt_oss.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.layers.rope import rope_input
 from mkc.model.family import Family
 
@@ -99,6 +99,6 @@ FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.gpt_oss.config", "GptOssDims"),
-    vmem_inputs=rope_input,
+    vmem_inputs=rope_input, layers=LAYERS,
     weight_formats=WEIGHT_FORMATS, e8m0_suffixes=("_scales",),
 )

@@ -74,6 +74,11 @@ class GptOssDims(Dims):
     swiglu_limit: float
 
     @property
+    def rotary_dim(self) -> int:
+        """RoPE rotates whole heads."""
+        return self.head_dim
+
+    @property
     def attention_types(self) -> tuple[str, ...]:
         """Upstream layer_types: "sliding_attention" or "full_attention" per layer."""
         upstream = {kind: t for t, kind in LAYER_KINDS.items()}

@@ -2,7 +2,8 @@
 attention (`swa` on `sliding_attention` layers, `gqa` on `full_attention` ones), up to the
 residual add, then its MoE (`moe`): a biased router and biased MXFP4 experts.
 
-The two attention kinds have the same ops and tensors; they differ in what their KV cache holds
+The two attention kinds are the layer library's GQA with biases and sinks (`LAYERS`), the same
+ops and tensors; they differ in what their KV cache holds
 (`cache_slots`): a full layer's holds every position of the context, a sliding layer's only its
 window. The graph's cache tensors are per token, like every family's; the sliding kind declares
 its window (`LayerKind.window`), and the spec keeps its cache as the window's KV ring (`kv ring
@@ -39,7 +40,8 @@ import dataclasses
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
 from mkc.families.kimi_k3.graph import expert_codes
 from mkc.layers.decoder import vocab_globals
-from mkc.layers.gqa import kv_heads_per_part
+from mkc.layers.gqa import GQA
+from mkc.layers.sublayer import layer_kinds
 from mkc.ir import WeightFormat
 from mkc.model.family import FormatError
 from mkc.model.graph import (ContextLimit, FamilyGraph, LayerKind, Op, ShardingError, Tensor,
@@ -54,39 +56,13 @@ MX_BLOCK = 32                         # MXFP4: one E8M0 scale per 32 input rows
 # scales into one, exact where they span at most 8 octaves, which packing checks).
 WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))
 MAX_PACK_GROUP = 512                  # input rows decoded at a time (Kimi K3's gate|up group)
+# The attention sublayers, the layer library's GQA with biases and sinks, sliding or full; the
+# `moe` sublayer is the family's own.
+LAYERS = {"swa": (GQA(bias=True, sinks=True, sliding=True),), "gqa": (GQA(bias=True, sinks=True),)}
 
 
 def _v(name: str, *shape: int) -> Tensor:
     return Tensor(name, "vector", tuple(shape), "f32")
-
-
-def attention_kind(d: GptOssDims, name: str, heads: int) -> tuple[LayerKind, dict[str, int]]:
-    """An attention sublayer (`swa` or `gqa`) with the heads split `heads` ways: its kind and
-    per-rank sizes. qkv's columns are `[q | k | v]`, this part's heads in order."""
-    H, hd = d.hidden_size, d.head_dim
-    nq = split(d.num_attention_heads, heads, "num_attention_heads", "heads")
-    nkv = kv_heads_per_part(d, heads)
-    qkv = (nq + 2 * nkv) * hd
-    kind = LayerKind(name, ops=(
-        Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
-        Op("qkv", reads=("h", "qkv_bias"), writes=("proj",), matmul="qkv"),
-        Op("rope", reads=("proj",), writes=("q", "k_new")),
-        Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
-        Op("attention", reads=("q", "key", "value", "sinks"), writes=("core",)),
-        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-        Op("attn_residual", reads=("attn_out", "o_bias", "x"), writes=("x",)),
-    ), tensors={
-        "qkv": Tensor("qkv", "matrix", (H, qkv), "bf16"),
-        "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",)),
-        "input_norm": _v("input_norm", H),
-        "qkv_bias": _v("qkv_bias", qkv),
-        "sinks": _v("sinks", nq),                 # one logit per query head of this part
-        "o_bias": _v("o_bias", H),                # added once, after the all-reduce
-        "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token, after RoPE
-        "value": Tensor("value", "cache", (nkv, hd), "bf16"),
-    }, context_limit=window_limit(d) if name == "swa" else None,
-        window=d.sliding_window if name == "swa" else 0)
-    return kind, {"nq": nq, "nkv": nkv, "qkv_cols": qkv}
 
 
 def window_limit(d: GptOssDims) -> ContextLimit:
@@ -190,10 +166,8 @@ def build(d: GptOssDims, rules: dict[str, tuple[int, int]], ranks: int,
     if rules["experts"] != (ranks, 1):
         raise ShardingError("the GPT-OSS graph holds whole experts, split over every core: "
                             "write `shard experts over tp`", "experts")
-    heads = rules["heads"][0]
-    kinds, per_rank = {}, {}
-    for name in ATTENTION_KINDS:
-        kinds[name], per_rank = attention_kind(d, name, heads)
+    kinds, per_rank = layer_kinds(LAYERS, d, {"heads": rules["heads"][0]},
+                                  swa={"context_limit": window_limit(d), "window": d.sliding_window})
     kinds[MOE_KIND] = moe_kind(d)
     resolved = expert_formats(d, formats)
     glob, vocab = vocab_globals(d, rules["vocab"][0])

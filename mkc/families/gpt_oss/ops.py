@@ -4,18 +4,17 @@ lowers (no ``lax.top_k``, no gathers, no lane reshapes), plus the host-side tabl
 packers they read.
 
 The math is upstream transformers' ``models/gpt_oss/modeling_gpt_oss.py``, as the package
-docstring cites it, in the shapes a kernel computes it in: attention as an online softmax over
-KV tiles that starts from the head's sink (``sink_start``), top-k routing as weights over every
-expert lane, the clamped SwiGLU on the kernel's ``[gate | up]`` halves. As for the other
+docstring cites it, in the shapes a kernel computes it in: YaRN's rotary table, top-k routing
+as weights over every expert lane, the clamped SwiGLU on the kernel's ``[gate | up]`` halves. As for the other
 families, the reference (``mkc.families.gpt_oss.reference``) is the oracle the kernel is judged
 against and shares no code with it; ``tests/families/gpt_oss/test_gpt_oss_ops.py`` checks
 each piece, and the lowered bodies that combine them (a window's ring masked by the positions
 its slots hold, the routed experts), against an independent numpy derivation of upstream's
 expression.
 
-The RMS norm (GptOssRMSNorm, a plain weight), attention tile and RoPE rotation are the layer
-library's (``mkc.layers.ops``): the same online softmax and the same halves convention (pair
-``(i, i + D/2)``), which GPT-OSS rotates over whole heads.
+Attention (with its sinks and the sliding window's mask), the RMS norm (GptOssRMSNorm, a plain
+weight) and the RoPE rotation (pair ``(i, i + D/2)``, over whole heads) are the layer
+library's (``mkc.layers.gqa``, ``mkc.layers.ops``).
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.gpt_oss.config import GptOssDims
-from mkc.layers.ops import apply_rope, attention_tile, rms_norm, rotate_half_matrix  # noqa: F401
+from mkc.layers.ops import rms_norm  # noqa: F401
 from mkc.runtime import experts
 
 F32 = jnp.float32
@@ -53,43 +52,6 @@ def rope_table(d: GptOssDims, positions: jax.Array) -> jax.Array:
     angles = positions.astype(F32)[:, None] * jnp.asarray(yarn_inv_freq(d))[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * d.yarn_attention_factor
-
-
-def rope_heads(x: jax.Array, heads: int, head_dim: int, cos: jax.Array, sin: jax.Array
-               ) -> list[jax.Array]:
-    """Rotate each of ``heads`` consecutive heads of ``x [B, heads * D]`` -> a list of
-    ``[B, D]``; cos, sin ``[B, D]`` (``rope_table``)."""
-    rot = rotate_half_matrix(head_dim, head_dim)
-    return [apply_rope(x[:, j * head_dim:(j + 1) * head_dim], cos, sin, rot) for j in range(heads)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Attention with sinks over a full context or a window's ring
-
-
-def sink_start(sink: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The online softmax's carry (running max, denominator, accumulator) for query heads with
-    sink logits ``sink [n, 1]``, before any KV tile: the sink as a key of score ``sink`` and a
-    zero value. Upstream concatenates the sink to each score row and drops its column after
-    the softmax, so it adds ``exp(sink)`` to the denominator only; starting from it is exact
-    and, unlike adding ``exp(sink - m)`` at the end, cannot overflow (the max includes it)."""
-    n = sink.shape[0]
-    return sink.astype(F32), jnp.ones((n, 1), F32), jnp.zeros((n, head_dim), F32)
-
-
-def attention_finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
-    """The heads' outputs ``[n, D]`` from the final carry."""
-    return acc / denom
-
-
-def full_visible(tokens: jax.Array, position: jax.Array) -> jax.Array:
-    """A full layer's cache: slot t holds position t, visible to a row at ``position`` when
-    ``t <= position`` (upstream's causal mask)."""
-    return tokens <= position
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE: router, clamped SwiGLU
 
 
 def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:

@@ -40,9 +40,10 @@ shapes and jitted, since XLA's f32 order depends on both (``mkc.numerics``):
   (``Rounding.linear``); q, k, v, the router and the experts' biases added to the f32 product;
 * RoPE from the host's f32 table (``_rope_table``: the YaRN angles' cos and sin times the
   attention factor) head by head as ``x cos + (x R) sin`` with the rotate-half matrix R;
-* keys and values stored in the KV cache's dtype; attention per row and query head as an
-  online softmax over the schedule's KV tiles (the layer library's ``attention_tile``) whose carry
-  starts from the head's sink (max = sink, denominator 1, accumulator 0); a sliding layer's
+* keys and values stored in the KV cache's dtype; attention per row and group of a rank's query
+  heads sharing a KV head as an online softmax over the schedule's KV tiles, the queries and
+  probabilities split in three bf16 parts (the layer library's ``tiled_attention``), whose
+  carry starts from the heads' sinks (max = sink, denominator 1, accumulator 0); a sliding layer's
   cache as the kernel's ring (its slots, up to all of them once wrapped), each slot masked by
   the position it holds (written, causal, within the window);
 * ``o_proj`` as per-rank partial sums over the heads all-reduced as the schedule says, then
@@ -67,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.gpt_oss.config import FAMILY_NAME, GptOssDims, read_dims
-from mkc.layers.reference import attention_tile as _attention_tile
+from mkc.layers.gqa.reference import tiled_attention
 from mkc.layers.reference import embed
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
@@ -391,43 +392,6 @@ def _heads_rope(t: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.stack([_kernel_rope(t[:, h], cos, sin, rotation) for h in range(t.shape[1])], axis=1)
 
 
-def _sink_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-                    positions: jax.Array, sinks: jax.Array, tile: int, window: int | None
-                    ) -> jax.Array:
-    """Attention with sinks as the kernel sums it: per row and query head an online softmax
-    over the cache in tiles of ``tile`` tokens (up to the batch's largest position; on a
-    sliding layer at most the ring's tiles), its carry started from the head's sink. A full
-    layer's slots are positions, masked causally; a sliding layer's (``window``) are its ring
-    (`mkc.runtime.kv`: slot s holds ``q = p - ((p - s) mod slots)``), masked by q: written,
-    causal and within the window. q [B, Hq, D] -> [B, Hq, D]."""
-    b, hq, d = q.shape
-    hkv, slots = key_cache.shape[1], key_cache.shape[2]
-    n_tiles = int(jnp.max(positions)) // tile + 1
-    if window is not None:
-        n_tiles = min(n_tiles, slots // tile)
-    keys, values = key_cache.astype(jnp.bfloat16), value_cache.astype(jnp.bfloat16)
-    rows = []
-    for row in range(b):
-        p = positions[row]
-        heads = []
-        for h in range(hq):
-            kvh = (h * hkv) // hq
-            carry = (sinks[h].reshape(1, 1).astype(jnp.float32), jnp.ones((1, 1), jnp.float32),
-                     jnp.zeros((1, d), jnp.float32))
-            for t in range(n_tiles):
-                tokens = t * tile + jnp.arange(tile)[None, :]
-                if window is None:
-                    visible = tokens <= p
-                else:
-                    held = p - jnp.mod(p - tokens, slots)
-                    visible = (held >= 0) & (held <= p) & (held > p - window)
-                carry = _attention_tile(q[row, h][None], keys[row, kvh, t * tile:(t + 1) * tile],
-                                        values[row, kvh, t * tile:(t + 1) * tile], visible, *carry)
-            heads.append(carry[2] / carry[1])
-        rows.append(jnp.concatenate(heads, axis=0))
-    return jnp.stack(rows)
-
-
 @jax.jit
 def _kernel_attn_residual(x: jax.Array, out: jax.Array, bias: jax.Array) -> jax.Array:
     """``x + (o_proj's reduced product + bias)``, as ``attn_residual`` adds it."""
@@ -451,8 +415,8 @@ def _emulated_attention(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, 
     rows = jnp.arange(b)
     key_cache = key_cache.at[rows, :, slot].set(k.astype(key_cache.dtype))
     value_cache = value_cache.at[rows, :, slot].set(v.astype(value_cache.dtype))
-    attn = _sink_attention(q, key_cache, value_cache, positions, p["sinks"],
-                           rounding.kv_tile(sched), cfg.sliding_window if kind == SLIDING else None)
+    attn = tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(sched),
+                           rounding.size("nq"), p["sinks"], cfg.sliding_window if kind == SLIDING else None)
     out = row_parallel(attn.reshape(b, hq * d), p["o_proj.weight"],
                        rounding.rank_ranges("heads", hq * d, rounding.size("nq") * d),
                        rounding.ranks, rounding, rounding.reduce(sched, "o_proj"))

@@ -6,13 +6,16 @@ residual add.
 
 Variants are options of the one kind: Llama 3 is `GQA()`, Qwen3.5's gated attention
 `GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)`, Qwen3-MoE's
-`GQA(qk_norm="plain")`. The dims a model gives it: hidden_size, num_attention_heads,
-num_key_value_heads, head_dim, rms_norm_eps, and its rotary embedding's
-(`mkc.layers.rope`). Heads split over the `heads` shard class; a part holds its KV heads, or
-one replica of the KV head its query heads share when there are fewer KV heads than parts.
+`GQA(qk_norm="plain")`, GPT-OSS's `GQA(bias=True, sinks=True)` and on its sliding layers
+`sliding=True`. The dims a model gives it: hidden_size, num_attention_heads,
+num_key_value_heads, head_dim, rms_norm_eps, `sliding_window` for a sliding kind, and its
+rotary embedding's (`mkc.layers.rope`; `rotary_dim`, the rotated dims of a head). Heads split
+over the `heads` shard class; a part holds its KV heads, or one replica of the KV head its
+query heads share when there are fewer KV heads than parts.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +33,9 @@ class GQA(Sublayer):
     norm: str = "plain"            # the input norm's weight: plain `w` or zero-centred `1 + w`
     qk_norm: str = ""              # "": none; else a per-head RMS norm of q and k of that weight
     output_gate: bool = False      # q_proj holds [query | gate] per head; out *= sigmoid(gate)
+    bias: bool = False             # q/k/v biases added to the projection, o_proj's after its reduce
+    sinks: bool = False            # a learned logit per query head joins the softmax's denominator
+    sliding: bool = False          # attends to the last `sliding_window` positions only
     prefix: str = "self_attn."     # its parameters' names under a layer's
 
     @property
@@ -49,26 +55,33 @@ class GQA(Sublayer):
         nq = split(d.num_attention_heads, ways["heads"], "num_attention_heads", "heads")
         nkv = kv_heads_per_part(d, ways["heads"])
         q_cols = (2 if self.output_gate else 1) * nq * hd
+        cols = q_cols + 2 * nkv * hd
         norms = ("q_norm", "k_norm") if self.qk_norm else ()
+        bias, o_bias = (("qkv_bias",), ("o_bias",)) if self.bias else ((), ())
+        sinks = ("sinks",) if self.sinks else ()
         ops = (
             Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
-            Op(self.projection, reads=("h",), writes=("proj",), matmul=self.projection),
+            Op(self.projection, reads=("h", *bias), writes=("proj",), matmul=self.projection),
             Op(self.rope_op, reads=("proj", *norms), writes=("q", "k_new")),
             Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
-            Op("attention", reads=("q", "key", "value"), writes=("core",)),
+            Op("attention", reads=("q", "key", "value", *sinks), writes=("core",)),
             *((Op("out_gate", reads=("core", "proj"), writes=("core",)),) if self.output_gate else ()),
             Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-            Op("attn_residual", reads=("attn_out", "x"), writes=("x",)),
+            Op("attn_residual", reads=("attn_out", *o_bias, "x"), writes=("x",)),
         )
+        vector = functools.partial(Tensor, role="vector", dtype="f32")
         tensors = {
-            self.projection: Tensor(self.projection, "matrix", (H, q_cols + 2 * nkv * hd), "bf16"),
+            self.projection: Tensor(self.projection, "matrix", (H, cols), "bf16"),
             "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",)),
-            **{n: Tensor(n, "vector", (hd,), "f32") for n in norms},
+            **{n: vector(n, shape=(hd,)) for n in norms},
+            "input_norm": vector("input_norm", shape=(H,)),
+            **({"qkv_bias": vector("qkv_bias", shape=(cols,))} if self.bias else {}),
+            **({"sinks": vector("sinks", shape=(nq,))} if self.sinks else {}),   # a logit a query head
+            **({"o_bias": vector("o_bias", shape=(H,))} if self.bias else {}),   # added after the reduce
             "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token; [ctx, ...] in HBM
             "value": Tensor("value", "cache", (nkv, hd), "bf16"),
-            "input_norm": Tensor("input_norm", "vector", (H,), "f32"),
         }
-        return Part(ops, tensors, {"nq": nq, "nkv": nkv})
+        return Part(ops, tensors, {"nq": nq, "nkv": nkv, **({"qkv_cols": cols} if self.bias else {})})
 
 
 def kv_heads_per_part(d: Any, heads: int) -> int:

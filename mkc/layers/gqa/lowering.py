@@ -19,6 +19,9 @@ def input_norm(s: GQA, c: Layer) -> jax.Array:
 
 
 def qkv(s: GQA, c: Layer, h: jax.Array) -> jax.Array:
+    """[q | k | v] of this part's heads (with their biases)."""
+    if s.bias:
+        return c.matmul("qkv", h)[:, :c.per_rank["qkv_cols"]] + c.vector("qkv_bias")
     return c.matmul("qkv", h)
 
 
@@ -65,6 +68,30 @@ def kv_write(s: GQA, c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
     c.kv_write([key, proj[:, v_off:v_off + nkv * hd]])
 
 
+def _visible(s: GQA, c: Layer, tokens: jax.Array, position) -> jax.Array:
+    """Cache slots a row at `position` attends: up to its position (upstream's causal mask);
+    on a sliding kind by the absolute position each slot holds (`Layer.kv_positions`: the
+    slot itself, or in a window's KV ring the latest position written to it), written and
+    within the window (`p - W < q <= p`)."""
+    if not s.sliding:
+        return tokens <= position
+    held = c.kv_positions(tokens, position)
+    return (held >= 0) & (held <= position) & (held > position - c.dims.sliding_window)
+
+
+def _start(s: GQA, c: Layer, group: list[int]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online softmax's carry (running max, denominator, accumulator) of a group of query
+    heads before any KV tile; with sinks, each head's sink logit as a key of a zero value (it
+    adds exp(sink) to the denominator only, as upstream's dropped sink column does; starting
+    from it cannot overflow, the max includes it)."""
+    n, hd = len(group), c.dims.head_dim
+    if not s.sinks:
+        return jnp.full((n, 1), -1e30, F32), jnp.zeros((n, 1), F32), jnp.zeros((n, hd), F32)
+    sinks = c.vector("sinks")
+    m = jnp.concatenate([sinks[:, j:j + 1] for j in group], axis=0)
+    return m.astype(F32), jnp.ones((n, 1), F32), jnp.zeros((n, hd), F32)
+
+
 def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
     """Online softmax per (row, KV head) over its sequence's cached tokens up to the row's
     position (a verify step's rows see each other's new entries, written before: causal). The
@@ -84,7 +111,7 @@ def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
         keys, values = tiles
         out = []
         for b in range(B):
-            visible = tokens <= c.refs.positions[b]
+            visible = _visible(s, c, tokens, c.refs.positions[b])
             kt, vt = keys[c.sequence(b)], values[c.sequence(b)]
             for i, h in enumerate(kvh):
                 m, denom, acc = carry[b * len(groups) + i]
@@ -93,8 +120,7 @@ def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
                                                      acc, scale))
         return tuple(out)
 
-    init = tuple((jnp.full((len(g), 1), -1e30, F32), jnp.zeros((len(g), 1), F32),
-                  jnp.zeros((len(g), hd), F32)) for _ in range(B) for g in groups)
+    init = tuple(_start(s, c, g) for _ in range(B) for g in groups)
     final = c.kv_fold(tile, init)
     rows = []
     for b in range(B):
@@ -117,4 +143,8 @@ def o_proj(s: GQA, c: Layer, core: jax.Array) -> jax.Array:
 
 
 def attn_residual(s: GQA, c: Layer, attn_out: jax.Array) -> None:
-    c.refs.x[...] = c.refs.x[...] + attn_out
+    """x += o_proj's all-reduced product (plus its bias, added once, after the reduce)."""
+    if s.bias:
+        c.refs.x[...] = c.refs.x[...] + (attn_out + c.vector("o_bias"))
+    else:
+        c.refs.x[...] = c.refs.x[...] + attn_out

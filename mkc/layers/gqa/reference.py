@@ -15,7 +15,7 @@ layer's `input_layernorm.weight`. Caches: `layers.{i}.key_cache` / `value_cache`
 With a `Rounding` it rounds and sums as the kernel (`mkc.layers.reference`): RoPE from the
 host's f32 table (`mkc.layers.rope.rope_table`, jitted as the host runs it), norm and rotation
 head by head, the attention an online softmax over the schedule's KV tiles by group of a
-rank's query heads (`_tiled_attention`), o_proj as per-rank partial sums all-reduced.
+rank's query heads (`tiled_attention`), o_proj as per-rank partial sums all-reduced.
 """
 from __future__ import annotations
 
@@ -97,18 +97,24 @@ def _head_norm_rope(t: jax.Array, w: jax.Array | None, cos: jax.Array, sin: jax.
                       for h in range(t.shape[1])], axis=1)
 
 
-def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
-                     positions: jax.Array, tile: int, per_rank: int | None = None) -> jax.Array:
+def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                    positions: jax.Array, tile: int, per_rank: int | None = None,
+                    sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and group of a rank's query
     heads sharing a KV head (``per_rank`` heads a rank) an online softmax over the cache in
     tiles of ``tile`` tokens (`attention_tile_bf16x3`), every row over the tiles up to the
-    largest position of the batch (a tile past a row's position changes nothing). A softmax
-    over the whole cache at once sums in another f32 order, and a bf16 rounding downstream can
-    flip (measured before: Qwen MINI batch 2, one weight draw, 1.5e-3 in the logits at step
-    0). q [B, Hq, D] -> [B, Hq, D]."""
+    largest position of the batch (a tile past a row's position changes nothing), its carry
+    started from the heads' ``sinks [Hq]`` when given. A softmax over the whole cache at once
+    sums in another f32 order, and a bf16 rounding downstream can flip (measured before: Qwen
+    MINI batch 2, one weight draw, 1.5e-3 in the logits at step 0). With a ``window`` the cache
+    is a sliding layer's ring of its slots (`mkc.runtime.kv`: slot s holds ``q = p - ((p - s)
+    mod slots)``, read at most once), masked by q: written, causal and within the window.
+    q [B, Hq, D] -> [B, Hq, D]."""
     b, hq, d = q.shape
-    hkv = key_cache.shape[1]
+    hkv, slots = key_cache.shape[1], key_cache.shape[2]
     n_tiles = int(jnp.max(positions)) // tile + 1
+    if window is not None:
+        n_tiles = min(n_tiles, slots // tile)
     keys = key_cache.astype(jnp.bfloat16)
     values = value_cache.astype(jnp.bfloat16)
     # a rank's query heads (`per_rank` of them, consecutive) that read one KV head go through
@@ -118,20 +124,30 @@ def _tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
               for r in range(0, hq, per_rank) for g in range(hkv)]
     rows = []
     for row in range(b):
+        p = positions[row]
         heads = []
         for group in groups:
             if not group:
                 continue
             kvh = (group[0] * hkv) // hq
             n = len(group)
-            carry = (jnp.full((n, 1), -1e30, jnp.float32), jnp.zeros((n, 1), jnp.float32),
-                     jnp.zeros((n, d), jnp.float32))
+            if sinks is None:
+                carry = (jnp.full((n, 1), -1e30, jnp.float32), jnp.zeros((n, 1), jnp.float32),
+                         jnp.zeros((n, d), jnp.float32))
+            else:
+                carry = (jnp.asarray(sinks, jnp.float32)[group[0]:group[-1] + 1, None],
+                         jnp.ones((n, 1), jnp.float32), jnp.zeros((n, d), jnp.float32))
             for t in range(n_tiles):
                 tokens = t * tile + jnp.arange(tile)[None, :]
+                if window is None:
+                    visible = tokens <= p
+                else:
+                    held = p - jnp.mod(p - tokens, slots)
+                    visible = (held >= 0) & (held <= p) & (held > p - window)
                 carry = attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
                                               keys[row, kvh, t * tile:(t + 1) * tile],
                                               values[row, kvh, t * tile:(t + 1) * tile],
-                                              tokens <= positions[row], *carry)
+                                              visible, *carry)
             heads.append(carry[2] / carry[1])
         rows.append(jnp.concatenate(heads, axis=0))
     return jnp.stack(rows)
@@ -176,8 +192,8 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
     value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
 
     if rounding is not None:
-        attn = _tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(kind),
-                                rounding.size("nq"))
+        attn = tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(kind),
+                               rounding.size("nq"))
     else:
         # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
         qg = q.reshape(b, hkv, hq // hkv, hd)

@@ -1,6 +1,7 @@
 """Where `GQA`'s per-rank tensors come from in an upstream checkpoint: q/k/v_proj cut to a
 heads part's query heads and the KV heads it holds (`kv_heads_of`), concatenated as the
-projection's columns `[q | gate? | k | v]`; o_proj's rows of those query heads; the norms."""
+projection's columns `[q | gate? | k | v]` (their biases likewise); o_proj's rows of those
+query heads; the sinks of its query heads; the norms and o_proj's bias whole."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,7 +15,15 @@ from mkc.model.sharding import ShardTable, rank_parts
 
 
 def tensor_names(s: GQA, d: Any) -> tuple[str, ...]:
-    return (s.projection, "o_proj", "input_norm", *(("q_norm", "k_norm") if s.qk_norm else ()))
+    return (s.projection, "o_proj", "input_norm", *(("q_norm", "k_norm") if s.qk_norm else ()),
+            *(("qkv_bias", "o_bias") if s.bias else ()), *(("sinks",) if s.sinks else ()))
+
+
+def _kv_rows(s: GQA, hf: Mapping, d: Any, p: str, suffix: str, part: int, heads: int) -> list[np.ndarray]:
+    """k_proj's and v_proj's rows (`suffix` "weight" or "bias") of the KV heads part holds."""
+    kv = kv_heads_of(d, part, heads)
+    return [tensor(hf, p + f"{n}_proj.{suffix}").reshape(d.num_key_value_heads, d.head_dim, -1)[kv]
+            .reshape(len(kv) * d.head_dim, -1) for n in "kv"]
 
 
 def matrix(s: GQA, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
@@ -30,23 +39,30 @@ def matrix(s: GQA, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
         q = [mine[:, 0].reshape(nq * hd, H), mine[:, 1].reshape(nq * hd, H)]
     else:
         q = [tensor(hf, p + "q_proj.weight", slice(part * nq * hd, (part + 1) * nq * hd))]
-    kv = kv_heads_of(d, part, heads)
-    k, v = (tensor(hf, p + f"{n}_proj.weight").reshape(d.num_key_value_heads, hd, H)[kv].reshape(-1, H)
-            for n in "kv")
-    return np.concatenate([w.T for w in (*q, k, v)], axis=1)
+    return np.concatenate([w.T for w in (*q, *_kv_rows(s, hf, d, p, "weight", part, heads))], axis=1)
 
 
 def vector(s: GQA, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
-    source = {"input_norm": prefix + "input_layernorm.weight",
-              "q_norm": prefix + s.prefix + "q_norm.weight", "k_norm": prefix + s.prefix + "k_norm.weight"}
+    heads, part = shards.ways("heads"), shards.part("heads", rank)
+    nq, p = d.num_attention_heads // heads, prefix + s.prefix
+    if name == "qkv_bias":
+        q = tensor(hf, p + "q_proj.bias", slice(part * nq * d.head_dim, (part + 1) * nq * d.head_dim))
+        return np.concatenate([q[:, None], *_kv_rows(s, hf, d, p, "bias", part, heads)])[:, 0][None, :]
+    if name == "sinks":
+        return tensor(hf, p + "sinks", slice(part * nq, (part + 1) * nq))[None, :]
+    source = {"input_norm": prefix + "input_layernorm.weight", "q_norm": p + "q_norm.weight",
+              "k_norm": p + "k_norm.weight", "o_bias": p + "o_proj.bias"}
     return tensor(hf, source[name])[None, :]
 
 
 def reference_states(s: GQA, state: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
                      layers: list[int]) -> dict[str, np.ndarray]:
     """The KV caches [B, Hkv, T, D] of the kind's layers, each KV head from the first heads part
-    holding it."""
+    holding it. A sliding kind's slots are the kernel's window's KV ring of N >= W slots (`kv
+    ring N slots`: slot p % N), which the reference computes as it is; without a ring, the
+    per-token cache of a context at most the window, where slot p holds position p as in a
+    ring of W: padded with unwritten (zero) slots to W."""
     if not layers:
         return {}
     nkv, hd = per_rank["nkv"], d.head_dim
@@ -63,5 +79,8 @@ def reference_states(s: GQA, state: Mapping, d: Any, per_rank: dict, shards: Sha
                 heads = [cache[r][i, :, :, j * hd:(j + 1) * hd] for r in holders for j in range(nkv)]
             else:                                              # replicated: one head per part
                 heads = [cache[r][i] for r in first_holder]
-            out[f"layers.{layer}.{name}"] = np.stack(heads, axis=1).astype(np.float32)
+            stacked = np.stack(heads, axis=1).astype(np.float32)
+            if s.sliding and stacked.shape[2] < d.sliding_window:
+                stacked = np.pad(stacked, ((0, 0), (0, 0), (0, d.sliding_window - stacked.shape[2]), (0, 0)))
+            out[f"layers.{layer}.{name}"] = stacked
     return out

@@ -19,6 +19,9 @@ import pytest
 
 from mkc.families.gpt_oss import lowering, ops
 from mkc.families.gpt_oss import reference as ref
+from mkc.families.gpt_oss.graph import LAYERS
+from mkc.layers import ops as layer_ops
+from mkc.layers.gqa import lowering as gqa_lowering
 from mkc.model.config import CONFIG_DIR
 from mkc.runtime import kv as kv_cache
 from tests_support import body_layer, lowered_routed_experts
@@ -59,22 +62,25 @@ def upstream_attention(q, keys, values, sinks, position, window=None):
 
 
 def kernel_attention(q, cache_k, cache_v, sinks, position, tile, visible):
-    """The kernel's form: per KV head group, the carry started from the sinks, folded over
-    tiles of ``tile`` cache slots with ``visible(slots)``, then finished."""
+    """The kernel's form (the library GQA's `attention` with sinks): per KV head group, the
+    carry started from the group's sinks, the group's queries split in three bf16 parts,
+    folded over tiles of ``tile`` cache slots with ``visible(slots)``, then finished."""
     hq, d = q.shape
     hkv = cache_k.shape[1]
     group = hq // hkv
     out = []
     for kv in range(hkv):
         heads = slice(kv * group, (kv + 1) * group)
-        m, denom, acc = ops.sink_start(jnp.asarray(sinks[heads], F32)[:, None], d)
+        m, denom, acc = (jnp.asarray(sinks[heads], F32)[:, None], jnp.ones((group, 1), F32),
+                         jnp.zeros((group, d), F32))
+        q3 = layer_ops.split_bf16x3(jnp.asarray(q[heads], F32))
         for t in range(0, cache_k.shape[0], tile):
             slots = jnp.arange(t, t + tile)[None, :]
-            m, denom, acc = ops.attention_tile(
-                jnp.asarray(q[heads], F32), jnp.asarray(cache_k[t:t + tile, kv], jnp.bfloat16),
+            m, denom, acc = layer_ops.attention_tile_bf16x3(
+                q3, jnp.asarray(cache_k[t:t + tile, kv], jnp.bfloat16),
                 jnp.asarray(cache_v[t:t + tile, kv], jnp.bfloat16), visible(slots, position),
                 m, denom, acc, d ** -0.5)
-        out.append(ops.attention_finish(denom, acc))
+        out.append(acc / denom)
     return np.concatenate([np.asarray(o) for o in out])
 
 
@@ -95,13 +101,13 @@ WINDOW = 8
 
 def kernel_visible(kind: str, window: int = WINDOW, slots: int = 0):
     """``visible(slots, position)`` as the lowered attention masks a KV tile of a ``kind``
-    layer (``lowering._visible``): its cache slots' positions from the core (``mkc.runtime.kv``:
+    layer (the library GQA's ``_visible``): its cache slots' positions from the core (``mkc.runtime.kv``:
     a window's ring of ``slots`` slots, or the context's), upstream's causal mask, and on a
     sliding layer the MINI's window cut to ``window``."""
     tiles = kv_cache.KvTiles(tokens=16, slots=2, ahead=1, ring=slots)
     c = body_layer(dataclasses.replace(MINI, sliding_window=window), kind=kind,
                    kv_positions=lambda tokens, position: kv_cache.held(tiles, tokens, position))
-    return lambda tokens, position: lowering._visible(c, tokens, position)
+    return lambda tokens, position: gqa_lowering._visible(LAYERS[kind][0], c, tokens, position)
 
 
 @pytest.mark.parametrize("position", [0, 3, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW + 5, 37])
@@ -329,7 +335,9 @@ def test_yarn_rope_rotates_whole_heads_as_upstream():
     x = rng.normal(0, 1, (len(positions), 2 * 64))
     first, second = x[:, :32], x[:, 32:64]                   # _apply_rotary_emb, head 0
     want0 = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=1)
-    got = ops.rope_heads(jnp.asarray(x, F32), 2, 64, jnp.asarray(table[0]), jnp.asarray(table[1]))
+    rot = layer_ops.rotate_half_matrix(64, 64)
+    got = [layer_ops.apply_rope(jnp.asarray(x[:, j * 64:(j + 1) * 64], F32), jnp.asarray(table[0]),
+                                jnp.asarray(table[1]), rot) for j in range(2)]
     assert len(got) == 2
     _close(got[0], want0, rtol=1e-5, atol=2e-5)
     # no attention factor (plain RoPE scale) is caught
