@@ -2,7 +2,7 @@
 
 Schedule gpt_oss_20b: model gpt_oss_20b (gpt_oss) on tpu7x=1x1x1, mesh tp = 2,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 0d458bd22cd6bb2f
+Input digest (spec, model config, mkc version): f803a21b06be8ffd
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
@@ -167,7 +167,7 @@ def _layer_gqa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 54: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 53: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -178,11 +178,11 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 59: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 58: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 60: direct, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 59: direct, wire bf16
     lower.mlp_residual(c, routed_out)
 
 
@@ -196,7 +196,7 @@ def _layer_swa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 49: direct, wire bf16
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 48: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 

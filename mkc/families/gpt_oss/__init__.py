@@ -14,7 +14,7 @@ N slots` in the swa phase (`mkc/lang/statements/kv_ring.py`, `mkc/resolve/kv_rin
 `mkc/checks/kv_ring.py`, `mkc.runtime.kv`) keeps a sliding layer's cache in HBM as a ring of N
 token slots (position p in slot p % N, HBM sized by N, not the context), streams the ring's
 tiles (all of them once it has wrapped) and hands the compute body the position each slot holds
-(`Layer.kv_positions`), which `lowering._visible` masks to the window (`p - W < q <= p`). The
+(`Layer.kv_positions`), which the library GQA masks to the window (`p - W < q <= p`). The
 swa kind declares its window (`LayerKind.window`) and a `ContextLimit` of it (`graph.
 window_limit`): without the ring its cache is the per-token cache of the context, exact only
 within the window, and resolve refuses a longer context at the spec's `context` line
