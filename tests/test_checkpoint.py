@@ -103,7 +103,7 @@ def test_missing_directory_and_files(tmp_path: Path, config: dict) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"no model.safetensors.*\*.safetensors"):
         load_checkpoint(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(CheckpointError, match="config.json: unusable config.*qwen3_5_text"):
         load_checkpoint(tmp_path)
 
