@@ -391,17 +391,19 @@ class RouteRecorder:
     def __enter__(self):
         ref = self.reference
         self.route = getattr(ref, "route", None)
+        # the module that calls it: a family's own, or the layer library's MoE it re-exports
+        self.home = sys.modules[self.route.__module__] if self.route is not None else ref
         if self.route is not None and hasattr(ref, "selection_scores"):
             def recording(*args, **kwargs):
                 scores, k = ref.selection_scores(*args, **kwargs)
                 self.scores.append((np.asarray(scores, np.float32), k))
                 return self.route(*args, **kwargs)
-            ref.route = recording
+            self.home.route = recording
         return self
 
     def __exit__(self, *exc):
         if self.route is not None:
-            self.reference.route = self.route
+            self.home.route = self.route
 
 
 def top_margins(scores: np.ndarray, k: int) -> np.ndarray:

@@ -122,7 +122,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   input times the gate vector), the emulation added the block's own sum, gated by an f32 dot:
 #   one or two ulps in every row, which flipped one conv input of row 7 in the next layer.
 #   (Also a weighted expert added without the kernel's FMA: 1.5e-8 in two rows of one rank's
-#   partial sum.) ``mkc.families.qwen3_5_moe.reference`` now writes the three in the kernel's
+#   partial sum.) ``mkc.layers.moe.reference`` now writes the three in the kernel's
 #   expressions and shapes, jitted; measured there: logits and every state bit-equal, with
 #   YNNPACK fusions on or off (``--xla_cpu_experimental_ynn_fusion_type=``). The expressions
 #   being the kernel's, XLA compiles the same ones on an AVX2 host. (The old sums' orders do

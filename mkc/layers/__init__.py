@@ -6,7 +6,9 @@ from in an upstream checkpoint.
   them (`layer_kinds`), and the bodies table keyed by (layer kind, op) (`body_table`).
 * Kinds, one package each (`__init__`: options, ops and tensors, importing no jax; `lowering`,
   `reference`, `weights`): `gqa` (grouped-query attention and its variants), `swiglu` (a dense
-  SwiGLU MLP), `gated_delta_net` (Qwen3.5's linear attention).
+  SwiGLU MLP), `gated_delta_net` (Qwen3.5's linear attention), `moe` (a sparse mixture of
+  experts: softmax top-k router, routed SwiGLU experts in bf16 or FP8 blocks, an optional gated
+  shared expert).
 * Shared pieces: `ops` (kernel math), `reference` (reference math), `rope` (config reading, the
   host's table), `decoder` (the vocabulary-split globals), `weights` (`DecoderWeights`),
   `decode` (`DecoderReference`: a composed family's reference decode step).

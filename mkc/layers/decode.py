@@ -20,16 +20,19 @@ from mkc.layers.sublayer import Composition
 from mkc.model.config import in_range, upstream_config
 from mkc.reference.rounding import Rounding, bf16_weights
 
-RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
 class DecoderReference:
     """The `contracts.Reference` functions of a composition; the config is the family's dims."""
 
     def __init__(self, layers: Composition, read_dims: Callable[[Mapping, str], Any],
-                 model_types: tuple[str, ...], final_norm: str = "plain"):
+                 model_types: tuple[str, ...], final_norm: str = "plain",
+                 model_layer: Callable[[int], int] = lambda layer: layer):
+        # `model_layer`: the model layer of a loop layer (a family whose sublayers are loop
+        # layers of their own, attention then MoE, runs two a model layer)
         self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
-        self.final_norm = final_norm
+        self.final_norm, self.model_layer = final_norm, model_layer
 
     def load_config(self, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
         """The model's dims (dict, config.json path or checkpoint directory), read by the
@@ -45,7 +48,7 @@ class DecoderReference:
         shapes = {"model.embed_tokens.weight": ((d.vocab_size, d.hidden_size), bf16)}
         for i, kind in enumerate(d.layer_kinds):
             for sub in self.layers[kind]:
-                shapes |= sub.module("reference").param_shapes(sub, d, f"model.layers.{i}.")
+                shapes |= sub.module("reference").param_shapes(sub, d, f"model.layers.{self.model_layer(i)}.")
         shapes["model.norm.weight"] = ((d.hidden_size,), bf16)
         shapes["lm_head.weight"] = ((d.vocab_size, d.hidden_size), bf16)
         return shapes
@@ -74,7 +77,8 @@ class DecoderReference:
         cache: dict[str, jax.Array] = {}
         for i, kind in enumerate(d.layer_kinds):
             for sub in self.layers[kind]:
-                cache |= sub.module("reference").init_cache(sub, d, i, batch, context, dtype)
+                cache |= sub.module("reference").init_cache(sub, d, self.model_layer(i), batch, context,
+                                                            dtype)
         return cache
 
     def decode_step(self, params: Mapping[str, Any], d: Any, cache: Mapping[str, jax.Array],
@@ -87,9 +91,11 @@ class DecoderReference:
         x = embed(params, tokens, rounding)
         new_cache = dict(cache)
         for i, kind in enumerate(d.layer_kinds):
-            lp = sub_params(params, f"model.layers.{i}.")
+            layer = self.model_layer(i)
+            lp = sub_params(params, f"model.layers.{layer}.")
             for sub in self.layers[kind]:
-                x = sub.module("reference").forward(sub, lp, d, x, new_cache, i, positions, rounding, kind)
+                x = sub.module("reference").forward(sub, lp, d, x, new_cache, layer, positions, rounding,
+                                                    kind)
         x = NORM[self.final_norm](x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32),
                                   d.rms_norm_eps)
         return matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding), new_cache

@@ -4,11 +4,12 @@
 (`mkc.layers.<kind>.weights`), the embedding, final norm and lm_head split over `vocab`."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from mkc.ir import WeightFormat
 from mkc.layers.sublayer import Composition, Sublayer
 from mkc.model.sharding import ShardTable
 
@@ -55,6 +56,39 @@ class DecoderWeights:
         sub = self._owner(kind, name, d)
         return sub.module("weights").vector(sub, hf, d, f"model.layers.{self.model_layer(layer)}.", name,
                                             rank, shards)
+
+    def _holding(self, role: str, kind: str) -> Sublayer:
+        """The sublayer of layer kind `kind` whose weights module has function `role`."""
+        for sub in self.layers[kind]:
+            if hasattr(sub.module("weights"), role):
+                return sub
+        raise KeyError(f"no sublayer of layer kind {kind} has {role}")
+
+    def expert(self, hf: Mapping, d: Any, per_rank: dict, layer: int, local: int, rank: int,
+               shards: ShardTable, formats: Mapping[str, WeightFormat] | None = None
+               ) -> dict[str, np.ndarray]:
+        """Routed expert `local` of `rank` in loop layer `layer`, as its slot holds it."""
+        sub = self._holding("expert", d.layer_kinds[layer])
+        return sub.module("weights").expert(sub, hf, d, f"model.layers.{self.model_layer(layer)}.", local,
+                                            rank, shards, formats)
+
+    def requantization(self, hf: Mapping, d: Any, formats: Mapping[str, WeightFormat], shards: ShardTable,
+                       layers: Sequence[int] | None = None) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+        """The checkpoint's tensors that the spec's formats requantize, as the kernel holds
+        them, and the error per matrix class, of every sublayer that requantizes (its model
+        layers, or those of `layers`)."""
+        changed: dict[str, np.ndarray] = {}
+        report: dict[str, dict] = {}
+        subs = {sub for subs in self.layers.values() for sub in subs
+                if hasattr(sub.module("weights"), "requantization")}
+        for sub in subs:
+            model_layers = sorted({self.model_layer(i) for i, kind in enumerate(d.layer_kinds)
+                                   if sub in self.layers[kind]})
+            prefixes = [f"model.layers.{i}." for i in model_layers if layers is None or i in layers]
+            out, errors = sub.module("weights").requantization(sub, hf, d, formats, prefixes)
+            changed |= out
+            report |= errors
+        return changed, report
 
     def head_vectors(self, hf: Mapping, d: Any, rank: int, shards: ShardTable) -> np.ndarray:
         """The rows of the `head_norm` block the final compute body reads: the final norm."""

@@ -174,7 +174,7 @@ def out_of_range(dims) -> ConfigError | None:
         v = getattr(dims, f.name)
         if f.name in ("family", "name", "layer_kinds"):
             continue
-        if isinstance(v, int) and not 1 <= v <= MAX_DIM:
+        if isinstance(v, int) and not isinstance(v, bool) and not 1 <= v <= MAX_DIM:   # a flag is no size
             return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a whole number "
                                f"from 1 to {MAX_DIM}")
         if isinstance(v, float) and not (math.isfinite(v) and (v > 0 or f.metadata.get("any_sign"))):

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, attention_fields, layer_types, setting
-from mkc.model.family import ConfigError, ExpertLayout, config_int
+from mkc.model.family import ConfigError, config_int
 
 FAMILY_NAME = "qwen3_5_moe_text"
 MODEL_TYPES = ("qwen3_5_moe_text",)   # the composite `qwen3_5_moe` nests one as text_config
@@ -58,20 +58,9 @@ MODEL_TYPES = ("qwen3_5_moe_text",)   # the composite `qwen3_5_moe` nests one as
 # transformers' conversion mapping for qwen3_5_moe_text starts with qwen3_5_text's prefix change).
 RENAMED_PREFIXES = (("model.language_model.", "model."),)
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
-# Routed experts load fused or per expert. `Qwen3_5MoeExperts` declares them fused:
-# `mlp.experts.gate_up_proj [E, 2I, H]` (`linear(x, gate_up_proj[e]).chunk(2)`: gate rows
-# first) and `mlp.experts.down_proj [E, H, I]`. transformers' conversion mapping for
-# qwen3_5_moe_text (qwen3_5_text's prefix change plus qwen2_moe's converters) fuses the
-# Qwen2/3-MoE per-expert tensors into them, `MergeModulelist(dim=0)` (a stack over experts in id
-# order) then `Concatenate(dim=1)` of gate and up, and `save_pretrained` reverses it, so its
-# default save writes `mlp.experts.{e}.{gate,up}_proj.weight [I, H]`, `down_proj.weight [H, I]`.
-# Checked against huggingface/transformers main: src/transformers/conversion_mapping.py and
-# src/transformers/models/qwen3_5_moe/modeling_qwen3_5_moe.py.
-EXPERT_LAYOUTS = (
-    ExpertLayout("mlp.experts.gate_up_proj",
-                 ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
-    ExpertLayout("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
-)
+# Routed experts load fused or per expert (`mkc.layers.moe.EXPERT_LAYOUTS`): checked against
+# huggingface/transformers main, src/transformers/conversion_mapping.py (qwen3_5_moe_text:
+# qwen3_5_text's prefix change plus qwen2_moe's converters) and modeling_qwen3_5_moe.py.
 
 # Upstream Qwen3_5MoeTextConfig defaults, for keys a config.json omits (as HF does): the one
 # table the compiler and the reference read (through `read_dims`).

@@ -1,0 +1,97 @@
+"""Qwen3-MoE dimensions from an upstream `Qwen3MoeConfig`-style config.json (transformers 5.x,
+`models/qwen3_moe/configuration_qwen3_moe.py`; defaults below are that class's)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mkc.layers.rope import read_rope
+from mkc.model.contracts import Dims
+from mkc.model.family import ConfigError, config_float, config_int, identifier
+
+FAMILY_NAME = "qwen3_moe"
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "use_sliding_window": False, "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
+    # `PreTrainedConfig.default_theta`: what rope standardisation gives a config without one
+    "rope_theta": 10000.0,
+}
+# Settings the kernel and the reference do not compute: key -> (the value they compute, hint).
+REFUSED = {
+    "hidden_act": ("silu", "Qwen3-MoE experts are SwiGLU: \"hidden_act\": \"silu\""),
+    "attention_bias": (False, "Qwen3-MoE projections have no biases: \"attention_bias\": false"),
+    "tie_word_embeddings": (False, "the kernel streams its own lm_head.weight (Qwen3-30B-A3B and "
+                                   "-235B-A22B untie it)"),
+    "use_sliding_window": (False, "every Qwen3-MoE layer attends to the whole context: "
+                                  "\"use_sliding_window\": false"),
+    "decoder_sparse_step": (1, "every layer's MLP is the sparse MoE block: \"decoder_sparse_step\": 1"),
+}
+
+
+@dataclass(frozen=True)
+class Qwen3MoeDims(Dims):
+    """Upstream key names, except `experts` (num_experts) and `top_k` (num_experts_per_tok),
+    the names the core reads; `layer_kinds` per sublayer: `gqa`, then `moe`."""
+
+    rms_norm_eps: float
+    layer_kinds: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rope_type: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position: int
+    experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+
+
+def setting(raw: Mapping, key: str) -> Any:
+    value = raw.get(key)
+    return DEFAULTS[key] if value is None else value
+
+
+def read_dims(raw: Mapping, name: str) -> Qwen3MoeDims:
+    """The one reader of a Qwen3-MoE config; ConfigError for a setting mkc does not compute."""
+    for key, (wanted, hint) in REFUSED.items():
+        if setting(raw, key) != wanted:
+            raise ConfigError(f"{key} = {raw[key]!r} is not supported", hint)
+    if raw.get("mlp_only_layers"):
+        raise ConfigError(f"mlp_only_layers = {raw['mlp_only_layers']!r}: dense MLP layers are not "
+                          "supported", "every layer's MLP is the sparse MoE block: write "
+                          "\"mlp_only_layers\": [] or leave the key out")
+    ints = {key: config_int(setting(raw, key), key) for key in (
+        "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+        "moe_intermediate_size", "num_experts", "num_experts_per_tok")}
+    heads, kv_heads = ints.pop("num_attention_heads"), ints.pop("num_key_value_heads")
+    if kv_heads < 1 or heads % kv_heads:
+        raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                          f"({kv_heads})", "each group of query heads shares one KV head")
+    if raw.get("head_dim") is None and ints["hidden_size"] % heads:
+        raise ConfigError(f"hidden_size ({ints['hidden_size']}) is not a multiple of num_attention_heads "
+                          f"({heads})", "give head_dim, or heads that divide the hidden size")
+    head_dim = config_int(raw.get("head_dim") or ints["hidden_size"] // heads, "head_dim")
+    if head_dim % 2:
+        raise ConfigError(f"head_dim = {head_dim} is odd", "rotary embedding pairs a head's dims")
+    experts, top_k = ints.pop("num_experts"), ints.pop("num_experts_per_tok")
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok = {top_k} must be in 1..num_experts ({experts})",
+                          "each token picks some of the experts")
+    norm_topk_prob = setting(raw, "norm_topk_prob")
+    if not isinstance(norm_topk_prob, bool):
+        raise ConfigError(f"norm_topk_prob = {norm_topk_prob!r} is not a boolean", "write true or false")
+    return Qwen3MoeDims(
+        family=FAMILY_NAME, name=identifier(name), rms_norm_eps=config_float(setting(raw, "rms_norm_eps"),
+                                                                              "rms_norm_eps"),
+        layer_kinds=("gqa", "moe") * ints["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim,
+        **read_rope(raw, head_dim, DEFAULTS["rope_theta"], types=("default",)),
+        experts=experts, top_k=top_k, norm_topk_prob=norm_topk_prob, **ints)

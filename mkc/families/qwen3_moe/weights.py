@@ -1,0 +1,9 @@
+"""Qwen3-MoE's weights: the layer library's, as `graph.LAYERS` composes them; model layer =
+loop layer // 2 (attention, then MoE)."""
+from mkc.families.qwen3_moe.graph import LAYERS
+from mkc.layers.weights import DecoderWeights
+
+_WEIGHTS = DecoderWeights(LAYERS, model_layer=lambda layer: layer // 2)
+matrix, layer_vector, reference_states = _WEIGHTS.matrix, _WEIGHTS.layer_vector, _WEIGHTS.reference_states
+head_vectors, embedding = _WEIGHTS.head_vectors, _WEIGHTS.embedding
+expert, requantization = _WEIGHTS.expert, _WEIGHTS.requantization

@@ -1,0 +1,102 @@
+"""Where `MoE`'s per-rank tensors come from in an upstream checkpoint: the router `mlp.gate`
+(replicated), the shared expert's gate and up rows of an `mlp` part side by side and its
+down_proj's columns of it, its gate vector, the post-attention norm; and each routed expert
+whole on the rank that holds it (`expert`), from the fused `mlp.experts.gate_up_proj [E, 2I,
+H]` (gate rows first) and `mlp.experts.down_proj [E, H, I]` (`mkc.checkpoint` fuses a
+per-expert checkpoint's into these; with a lazy load each `hf[name][e]` reads one expert). A
+class the spec stores as FP8 (`format expert.gate_up fp8 block N rounded`) is requantized,
+block by block of input rows (`mkc.model.mxfp4.requantize_fp8_blocks`), into codes and
+E8M0 scales (`requantization` reports the error)."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from mkc.ir import WeightFormat
+from mkc.layers.moe import MoE, expert_formats
+from mkc.layers.weights import rows_of_part, tensor
+from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
+from mkc.model.sharding import ShardTable
+
+# Checkpoint tensors of each routed-expert class ([E, out, in], fused), under `experts.`.
+_EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
+
+
+def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
+    shared = ("shared_gate", "shared_gate_up", "shared_down") if s.shared_expert else ()
+    return ("post_norm", "router", *shared)
+
+
+def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
+           ) -> np.ndarray:
+    p = prefix + s.prefix
+    if name == "router":
+        return tensor(hf, p + "gate.weight").T                                   # [H, E]
+    cols = rows_of_part(d.shared_expert_intermediate_size, "mlp", rank, shards)
+    if name == "shared_gate_up":
+        return np.concatenate([tensor(hf, p + "shared_expert.gate_proj.weight", cols).T,
+                               tensor(hf, p + "shared_expert.up_proj.weight", cols).T], axis=1)
+    return tensor(hf, p + "shared_expert.down_proj.weight", (slice(None), cols)).T
+
+
+def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
+           ) -> np.ndarray:
+    if name == "shared_gate":
+        return tensor(hf, prefix + s.prefix + "shared_expert_gate.weight")     # [1, H]
+    return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
+
+
+def expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
+                  shards: ShardTable) -> np.ndarray:
+    """Local expert `local` of `rank`'s share ([in, out]): experts split evenly over the ranks."""
+    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+    return np.asarray(hf[f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"][e]
+                      ).astype(np.float32).T          # gate_up [H, 2I]: gate | up; down [I, H]
+
+
+def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shards: ShardTable,
+           formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank` as the pool holds it, [in, out] by matrix: bf16 by its
+    name, or FP8 codes and E8M0 scales per block of input rows (`{name}_codes`,
+    `{name}_scales`)."""
+    out = {}
+    for cls, fmt in expert_formats(d, dict(formats or {})).items():
+        name = cls.split(".")[1]
+        m = expert_matrix(s, hf, d, prefix, local, name, rank, shards)
+        if fmt.name == "fp8":
+            r = requantize_fp8_blocks(m.T, fmt.block)            # blocks of input rows
+            out[f"{name}_codes"] = np.ascontiguousarray(r.codes.T)
+            out[f"{name}_scales"] = np.ascontiguousarray(r.scales.T)
+        else:
+            out[name] = m.astype(ml_dtypes.bfloat16)
+    return out
+
+
+def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightFormat],
+                   prefixes: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The routed experts of the layers under `prefixes` as the kernel holds them: each FP8
+    class's fused tensors requantized expert by expert (blocks of input rows, as packing cuts
+    them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
+    one, so the reference reads the kernel's values exactly), and per class the error against
+    the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS)."""
+    fp8 = {cls: f for cls, f in expert_formats(d, dict(formats)).items() if f.name == "fp8"}
+    out: dict[str, np.ndarray] = {}
+    totals = {cls: RequantizationError() for cls in fp8}
+    for prefix in prefixes:
+        for cls, fmt in fp8.items():
+            name = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
+            held = []
+            for e in range(d.experts):
+                r = requantize_fp8_blocks(np.asarray(hf[name][e]).astype(np.float32), fmt.block)
+                totals[cls].add(r)
+                held.append(fp8_block_values(r).astype(np.float32).astype(ml_dtypes.bfloat16))
+            out[name] = np.stack(held)
+    return out, {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp8.items()}
+
+
+def reference_states(s: MoE, state: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
+                     layers: list[int]) -> dict[str, np.ndarray]:
+    return {}

@@ -1,0 +1,63 @@
+"""MINI Qwen3-MoE, compiled from the shipped 30B-A3B spec (4 chips, 8 cores: one query head, a
+replica of one KV head and 2 of the 16 experts a core) by the generic module template, runs in
+TPU interpret mode on virtual CPU devices and matches the family's reference at every step,
+from the kernel's own state: bit for bit against its rounding emulation, and plainly on the
+rows that are not near-ties (an expert pick or a next token within the plain reference's
+error); race-free in both DMA modes; and a 1 % error in the router's logits, the routed
+experts' sum, the new key's q/k norm or the cached values attention reads (a state-only
+mutant: invisible from a zeroed state) is rejected by the emulation."""
+from pathlib import Path
+
+import pytest
+
+from mkc import numerics
+from tests_support import ROOT, run_example
+
+SPEC = str(ROOT / "schedules" / "qwen3_30b_a3b.sched")
+MUTANTS = ("qwen_moe.router", "qwen_moe.routed_experts", "gqa.k_norm", "gqa.kv_read")
+
+
+def _run(spec: str, *args: str) -> dict:
+    return run_example("examples/run_mini.py", "--spec", spec, "--model", "qwen3_moe_mini", *args,
+                       timeout=1800)
+
+
+def _assert_bit_equal(summary: dict) -> None:
+    assert summary["steps"] and summary["emulation_check"] == "exact"
+    assert numerics.failures(summary) == []
+    for step in summary["steps"]:
+        assert step["emulation"]["logits"] == 0.0, step["step"]
+        assert set(step["emulation"]["states"].values()) == {0.0}, step["step"]
+
+
+@pytest.mark.slow
+def test_on_wait_two_steps_bit_equal_and_mutants_are_rejected():
+    summary = _run(SPEC, "--mode", "on_wait", "--steps", "2", "--batch", "2", "--races",
+                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutant-steps", "1")
+    _assert_bit_equal(summary)
+    assert summary["races_found"] is False
+    for name in MUTANTS:
+        fails = summary["mutants"][name]["failures"]
+        assert any("rounding emulation" in f for f in fails), (name, fails)
+
+
+@pytest.mark.extended
+def test_eager_at_the_largest_batch_and_a_verify_step_race_free():
+    summary = _run(SPEC, "--mode", "eager", "--steps", "2", "--batch", "8", "--races")
+    _assert_bit_equal(summary)
+    assert summary["races_found"] is False
+    verify = _run(SPEC, "--mode", "eager", "--verify", "--steps", "3", "--batch", "1", "--races")
+    assert verify["verify"] and verify["emulation_check"] == "exact" and numerics.failures(verify) == []
+
+
+@pytest.mark.extended
+def test_fp8_experts_bit_equal_to_the_emulation_of_their_requantized_values(tmp_path):
+    """The 30B spec with its experts stored as rounded FP8 blocks: the kernel equals the
+    emulation run on the requantized checkpoint."""
+    spec = tmp_path / "qwen3_30b_a3b.sched"
+    spec.write_text(Path(SPEC).read_text().replace("format expert.gate_up bf16", "format expert.gate_up fp8 "
+                                                   "block 512 rounded").replace(
+        "format expert.down bf16", "format expert.down fp8 block 128 rounded"))
+    summary = _run(str(spec), "--mode", "on_wait", "--steps", "2", "--batch", "2")
+    _assert_bit_equal(summary)
+    assert summary["requantization"]
