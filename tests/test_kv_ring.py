@@ -159,7 +159,8 @@ def test_every_accepted_ring_and_tile_combination_traces(tmp_path):
     """A small grid of `kv ring` x `kv tiles` on the 20b spec (MINI GPT-OSS, window 128, verify
     8): mkc accepts a combination only where its module traces, and accepts some of each ring."""
     from conftest import run_python
-    from mkc.compiler import compile_spec, module_name, write_atomically
+    from mkc.compiler import compile_spec, module_name
+    from mkc.files import write_atomically
     modules, accepted = [], {}
     for ring in GRID_RINGS:
         for slots, tokens, ahead in GRID_TILES:

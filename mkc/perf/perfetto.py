@@ -230,6 +230,6 @@ def write_trace(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tok
                 ) -> dict:
     doc = trace_events(s, res, batch, tokens)
     text = json.dumps(doc, separators=(",", ":"), sort_keys=True)
-    from mkc.compiler import write_atomically
+    from mkc.files import write_atomically
     write_atomically(Path(path), text + "\n")
     return doc
