@@ -197,3 +197,13 @@ def test_writing_output_drags_no_compiler_stage():
     later = sorted(m for m in graph if m.startswith(AFTER_RESOLVE))
     assert [m for m in later if "mkc.compiler" in _reached(graph, m)] == []
 
+
+def test_resolve_imports_no_check():
+    """Checks read what resolve produces, never the reverse: no resolve module imports a check,
+    directly or through another module (what both need lives in a neutral module, as
+    `ScheduleIR.fits_hbm` for the HBM fit the smallest-slice search and `check_hbm` share)."""
+    graph = _graph()
+    resolve = sorted(m for m in graph if m.split(".")[:2] == ["mkc", "resolve"])
+    assert len(resolve) >= 15
+    assert {m: sorted(d for d in _reached(graph, m) if d.startswith("mkc.checks"))
+            for m in resolve} == {m: [] for m in resolve}

@@ -373,10 +373,9 @@ def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int,
 
 
 def check_hbm(s: ir.ScheduleIR) -> list[Diagnostic]:
-    per_chip = sum(s.hbm_bytes_per_rank.values()) * s.cores_per_chip
-    capacity = s.hbm_per_core * s.cores_per_chip
-    if per_chip <= capacity:
+    if s.fits_hbm:
         return []
+    per_chip, capacity = s.hbm_bytes_per_chip, s.hbm_capacity_per_chip
     parts = ", ".join(f"{k} {v * s.cores_per_chip / 1e9:.1f} GB"
                       for k, v in s.hbm_bytes_per_rank.items())
     return [Diagnostic(
