@@ -57,3 +57,34 @@ def test_mini_derives_its_own_geometry():
     assert mini.stream.tile_rows < full.stream.tile_rows
     assert mini.stream.total_tiles < full.stream.total_tiles
     assert mini.layer_kinds == ["gdn", "gdn", "gdn", "gqa"] * 2
+
+
+def test_checks_run_in_list_order_and_stop_before_the_trace(full, monkeypatch):
+    """`run_checks` runs `CHECKS` in order: a failing check on the IR alone keeps the trace
+    checks from running; a check only for sound specs is skipped once any check found a
+    problem; every diagnostic found is raised together."""
+    import mkc.checks
+    from mkc.checks import CHECKS, Check
+    from mkc.diagnostics import Diagnostic, Span
+    assert [c.name for c in CHECKS][:4] == ["hbm", "compiler_scratch", "buffer_fits", "kv_rings"]
+    assert not any(c.reads_trace for c in CHECKS[:4]) and all(c.reads_trace for c in CHECKS[4:])
+    assert len({c.name for c in CHECKS}) == len(CHECKS)
+    ran = []
+
+    def check(name, code=None, trace=False, sound=False):
+        def run(s, *events):
+            ran.append(name)
+            return [Diagnostic(code, name, Span.unknown(s.source))] if code else []
+        return Check(name, run, reads_trace=trace, only_if_sound=sound)
+
+    monkeypatch.setattr(mkc.checks, "CHECKS", (check("a"), check("b", "E-A"), check("c", trace=True)))
+    with pytest.raises(MkcError) as e:
+        run_checks(full)
+    assert ran == ["a", "b"] and e.value.codes == ["E-A"]
+    ran.clear()
+    monkeypatch.setattr(mkc.checks, "CHECKS", (check("a", trace=True), check("b", "E-B", trace=True),
+                                               check("c", "E-C", trace=True, sound=True),
+                                               check("d", "E-D", trace=True)))
+    with pytest.raises(MkcError) as e:
+        run_checks(full)
+    assert ran == ["a", "b", "d"] and e.value.codes == ["E-B", "E-D"]
