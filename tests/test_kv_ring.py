@@ -70,11 +70,11 @@ def test_the_ring_is_on_the_sliding_kinds_stream_and_sizes_its_hbm_cache():
 
 def test_the_trace_streams_the_rings_tiles_not_the_contexts():
     from mkc.tags import KvTile
-    from mkc.trace import build_trace
+    from mkc.trace import CopyStart, build_trace
     s = check_spec(SPEC).ir
     tiles = {}
     for e in build_trace(s):
-        if e.op == "start" and isinstance(e.tag, KvTile):
+        if isinstance(e, CopyStart) and isinstance(e.tag, KvTile):
             tiles.setdefault(e.buffer.split("_kv_")[0], set()).add(e.tag.tile)
     assert max(tiles["swa"]) == 256 // 128 - 1
     assert max(tiles["gqa"]) > 2

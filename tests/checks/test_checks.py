@@ -7,7 +7,7 @@ from mkc.checks import run_checks, vmem_budget
 from mkc.checks.capacity import vmem_budget_bytes
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from mkc.trace import TraceOptions, build_trace
+from mkc.trace import CopyWait, Read, TraceOptions, build_trace
 from tests_support import SPEC
 
 
@@ -33,13 +33,13 @@ def test_padding_by_dtype():
 
 def test_trace_covers_every_layer_and_transition(full):
     events = build_trace(full)
-    vector_waits = [e for e in events if e.op == "wait" and e.sem and e.sem[0] == "vectors"]
+    vector_waits = [e for e in events if isinstance(e, CopyWait) and e.sem[0] == "vectors"]
     assert len(vector_waits) == len(full.layer_kinds)
-    tiles = [e for e in events if e.op == "read" and e.buffer == "weights"]
+    tiles = [e for e in events if isinstance(e, Read) and e.buffer == "weights"]
     # the checks read each family's run cut to warm-up, a period and tail (tests/test_trace.py)
     assert [e.tag.index for e in tiles] == list(range(len(tiles)))
     whole = build_trace(full, TraceOptions(whole_runs=True))
-    tiles = [e for e in whole if e.op == "read" and e.buffer == "weights"]
+    tiles = [e for e in whole if isinstance(e, Read) and e.buffer == "weights"]
     assert [e.tag.index for e in tiles] == list(range(full.stream.total_tiles))
 
 
