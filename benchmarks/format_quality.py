@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed, "results": results}
     print(json.dumps(data, indent=1) if args.json else table(data), end="")
     if args.write:
-        from mkc.compiler import write_atomically
+        from mkc.files import write_atomically
         write_atomically(DATA, json.dumps(data, indent=1) + "\n")
     return 0
 

@@ -1205,14 +1205,14 @@ def _write_and_import(case: Case, c, d: Path) -> dict:
     import importlib.util
     import traceback
 
-    from mkc import compiler
+    from mkc import compiler, files
     name = compiler.module_name(c)
     out = d / "out"
     out.mkdir()
     (out / "__init__.py").write_text("# package marker\n")
     path = out / f"{name}.py"
     existed = path.exists()
-    compiler.write_atomically(path, c.module_source)
+    files.write_atomically(path, c.module_source)
     if existed:
         return {"cls": "bad_output", "sig": f"writes over an existing file ({path.name})",
                 "detail": f"module name {name!r}"}

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from jax.experimental.pallas import tpu as pltpu
 
-    from mkc import compiler
+    from mkc import compiler, files
 
     on_tpu = jax.default_backend() == "tpu"
     label = "TPU" if on_tpu else "NOT a TPU timing: TPU interpret mode on CPU"
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="mkc-bench-") as tmp:
         path = Path(tmp) / f"{compiler.module_name(c)}.py"
-        compiler.write_atomically(path, c.module_source)
+        files.write_atomically(path, c.module_source)
         import importlib.util
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                          for p in points],
               "op_seconds": ops}
     if args.out:
-        compiler.write_atomically(Path(args.out), json.dumps(record, indent=1) + "\n")
+        files.write_atomically(Path(args.out), json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out} [{label}]")
     return 0
 

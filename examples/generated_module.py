@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mkc import compiler, numerics
+from mkc import compiler, files, numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,7 +278,7 @@ def load_generated(spec: Path, model: str, mutants: str | dict[str, int | None] 
     source = mutate(c.module_source, mutants)
     stem = compiler.module_name(c) + "".join("__" + n.replace(".", "_") for n in mutants)
     out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{stem}.py"
-    compiler.write_atomically(out, source)
+    files.write_atomically(out, source)
     mod_spec = importlib.util.spec_from_file_location(out.stem, out)
     module = importlib.util.module_from_spec(mod_spec)
     vars(module).update(_helpers(mutants))

@@ -13,6 +13,7 @@ if sys.argv[1:2] != ["serve"]:     # `mkc serve` runs the kernels on the host's 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the compiler itself never needs one
 
 import mkc  # noqa: E402
+from mkc import files  # noqa: E402
 from mkc.diagnostics import Diagnostic, MkcError, Span  # noqa: E402
 from mkc.arguments import float_at_least, int_at_least, int_in_range  # noqa: E402
 
@@ -208,7 +209,6 @@ def _serve(args) -> int:
 
 def _fmt(args) -> int:
     """`mkc fmt`: each spec in place (atomically, only if it changes), or --check."""
-    from mkc import compiler
     from mkc.lang.fmt import format_text
     from mkc.lang.parser import parse_bytes, parse_file
     changed = []
@@ -226,7 +226,7 @@ def _fmt(args) -> int:
         if formatted != text:
             changed.append(spec)
             if not args.check:
-                compiler.write_atomically(Path(spec), formatted)
+                files.write_atomically(Path(spec), formatted)
     for spec in changed:
         print(f"{'would reformat' if args.check else 'reformatted'} {spec}",
               file=sys.stderr if args.check else sys.stdout)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             c = compiler.compile_spec(args.spec, args.model)
             requantization = _requantization(c, args.model)     # may refuse: before writing
             out = compiler.module_path(c, args.out)
-            compiler.write_atomically(out, c.module_source)
+            files.write_atomically(out, c.module_source)
             from mkc import report
             result |= {"output": str(out), "budget": report.budget(c.ir, c.events)}
             if requantization:
@@ -403,7 +403,7 @@ def _tune(args, as_json: bool) -> dict:
                         min_headroom=int(args.min_headroom * 2**20),
                         evaluated=lambda: b.update(1), compiled=args.price,
                         on_compile=_compile_notice(args.spec, as_json))
-    compiler.write_atomically(out, res.text)
+    files.write_atomically(out, res.text)
     compiler.check_spec(out, _model_of(args, sched))
     if not as_json:
         print(tune.table(res, args.spec))
@@ -460,7 +460,7 @@ def _retarget(args, as_json: bool) -> dict:
         res = retarget.retarget(text, args.spec, args.target, args.model, name,
                                 args.models, None if as_json else log)
     compiler.check_source(res.text, str(out), _model_of(args, sched))   # before any write
-    compiler.write_atomically(out, res.text)
+    files.write_atomically(out, res.text)
     if not as_json:
         print(res.diff(), end="")
         print(retarget.summary(res))
@@ -475,11 +475,10 @@ def _shorten(message: str, width: int = 60) -> str:
 
 def _spec_output(args, code: str, command: str, hint: str) -> Path:
     """`-o` of a command that writes a new spec: a writable file path, never the input."""
-    from mkc import compiler
     if d := _not_a_file("-o", args.out):
         raise MkcError(d)
     out = Path(args.out)
-    if compiler.written_path(out) == compiler.written_path(args.spec):
+    if files.written_path(out) == files.written_path(args.spec):
         raise MkcError(Diagnostic(code, f"-o names the input spec; mkc {command} never changes "
                                   "its input", Span.unknown(args.spec), hint=hint))
     return out
@@ -487,11 +486,10 @@ def _spec_output(args, code: str, command: str, hint: str) -> Path:
 
 def _not_a_file(flag: str, path: str | None) -> Diagnostic | None:
     """An output path that names a directory, device or FIFO: refused before any work is done
-    (the write itself refuses it too, `compiler.write_atomically`)."""
-    from mkc import compiler
-    if path is None or compiler.replaceable(path):
+    (the write itself refuses it too, `files.write_atomically`)."""
+    if path is None or files.replaceable(path):
         return None
-    return Diagnostic("E-IO", f"{flag} {path} {compiler.NOT_REPLACEABLE}", Span.unknown(path),
+    return Diagnostic("E-IO", f"{flag} {path} {files.NOT_REPLACEABLE}", Span.unknown(path),
                       hint=f"give {flag} a file path")
 
 

@@ -486,6 +486,21 @@ class ScheduleIR:
         tiles hold one entry per sequence), so capacity is checked at this width."""
         return max(self.batch_max, self.verify_rows * self.verify_sequences[1])
 
+    @property
+    def hbm_bytes_per_chip(self) -> int:
+        """HBM the kernel holds on each chip: every core's share (`hbm_bytes_per_rank`)."""
+        return sum(self.hbm_bytes_per_rank.values()) * self.cores_per_chip
+
+    @property
+    def hbm_capacity_per_chip(self) -> int:
+        return self.hbm_per_core * self.cores_per_chip
+
+    @property
+    def fits_hbm(self) -> bool:
+        """Whether each chip's HBM holds what the kernel keeps there (`mkc check` reports it
+        when not; the smallest-slice search tries slices until it does)."""
+        return self.hbm_bytes_per_chip <= self.hbm_capacity_per_chip
+
     def to_json(self) -> str:
         """Deterministic JSON of the whole IR (spans included, so tools can point at the spec)."""
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)

@@ -7,7 +7,9 @@ structure (same points, same slot arithmetic); this module is its executable mod
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mkc import ir
 from mkc.diagnostics import Span
@@ -17,26 +19,176 @@ from mkc.tags import (Content, KvTile, LayerBegins, LayerMatrix, LayerVectors, L
                       RingTile, RoutedExpert, ViewLayer, WholeBuffer)
 
 
-# What an event is about: content for copies and reads; the op, layer or view that begins or
-# ends; a collective's step.
-Tag = Content | ViewLayer | OpBegins | LayerBegins | Step
-
-
-@dataclass(slots=True)      # not frozen: 30k events a K3 trace, and frozen init is 2x slower
+@dataclass(frozen=True, slots=True)
 class Event:
+    """One event of the trace: its place in it (`seq`), where in the step it happens as
+    diagnostics say it, and the statement behind it. One subclass per kind of event; a consumer
+    dispatches on the type through an `EventHandlers` table, which refuses a type it does not
+    know."""
+
     seq: int
-    op: str                    # alloc | free | start | wait | read | write | exit
-    buffer: str = ""           # VMEM buffer ("" for HBM-only events)
-    slot: int | None = None
-    dma: int | None = None
-    sem: tuple = ()
+    where: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc(Event):
+    """A scoped buffer's range opens: the buffer is live (and usable) until its `Free`."""
+
+    buffer: str
+
+
+@dataclass(frozen=True, slots=True)
+class Free(Event):
+    buffer: str
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStart(Event):
+    """A DMA starts: into VMEM `buffer` (slot `slot`), or out of VMEM (`src`) into HBM state,
+    signalling `sem` with `nbytes` when it lands."""
+
+    buffer: str                # VMEM destination ("" for a copy into HBM)
+    slot: object               # the destination's slot (None: a buffer of one slot)
+    sem: tuple
+    nbytes: int
+    tag: Content | None        # the content it delivers (None: a store)
+    src: tuple | None = None   # a copy out of VMEM: (buffer, slot, the content it expects)
+    hbm: tuple | None = None   # a copy of HBM state: (StateRegion, "read" | "write")
+
+
+@dataclass(frozen=True, slots=True)
+class CopyWait(Event):
+    """Compute waits for the oldest copy on `sem`, for `nbytes`."""
+
+    sem: tuple
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Read(Event):
+    """Compute reads a VMEM region expecting `tag`; `nbytes` of weights for the step-time
+    model (0 in the checks' trace)."""
+
+    buffer: str
+    slot: object
+    tag: Content
     nbytes: int = 0
-    tag: Tag | None = None     # what it is about (`mkc.tags`): content delivered (start,
-                               # write) or expected (read); the op, layer, view, collective
-    src: tuple | None = None   # for a start reading VMEM: (buffer, slot, expected tag)
-    hbm: tuple | None = None   # for a start touching HBM state: (StateRegion, "read" | "write")
-    where: str = ""
-    span: Span = field(default_factory=Span.unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class Write(Event):
+    """Compute writes `tag` into a VMEM region."""
+
+    buffer: str
+    slot: object
+    tag: Content
+
+
+@dataclass(frozen=True, slots=True)
+class ViewOpen(Event):
+    """A pool view ("pool.view") becomes live for a layer: its first copy in."""
+
+    view: str
+    tag: ViewLayer
+
+
+@dataclass(frozen=True, slots=True)
+class ViewClose(Event):
+    """A pool view becomes dead: the last op reading it ends."""
+
+    view: str
+    tag: ViewLayer
+
+
+@dataclass(frozen=True, slots=True)
+class OpBegin(Event):
+    """(Step-time model only) a graph op begins."""
+
+    tag: OpBegins
+
+
+@dataclass(frozen=True, slots=True)
+class Collective(Event):
+    """(Step-time model only) a collective runs; its step prices it (`mkc.steps.collectives`)."""
+
+    tag: Step
+
+
+@dataclass(frozen=True, slots=True)
+class LayerBegin(Event):
+    """(Step-time model only) an iteration of the layer loop begins."""
+
+    tag: LayerBegins
+
+
+@dataclass(frozen=True, slots=True)
+class EpilogueBegin(Event):
+    """(Step-time model only) the layer loop has ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class Exit(Event):
+    """The kernel exits: nothing may be in flight."""
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (Alloc, Free, CopyStart, CopyWait, Read, Write, ViewOpen,
+                                        ViewClose, OpBegin, Collective, LayerBegin, EpilogueBegin,
+                                        Exit)
+VMEM_CHANGES: tuple[type[Event], ...] = (Alloc, Free, ViewOpen, ViewClose)
+
+
+class UnknownEventError(TypeError):
+    """A consumer of the trace met an event type it has no entry for: a compiler bug (an event
+    kind added without teaching every consumer), never a spec's."""
+
+
+EventHandler = Callable[[Any], None]
+
+
+class EventHandlers:
+    """A consumer's dispatch over trace events, keyed by event type (as Pallas keys lowering
+    rules by primitive): every type the consumer may meet (`covers`, by default every event
+    type) maps to its handler, or to None for one it passes over on purpose. A table missing
+    one of them is refused when built, and an event of a type outside it when met, naming the
+    consumer and the type, so no event is dropped silently."""
+
+    def __init__(self, consumer: str, handlers: dict[type[Event], EventHandler | None],
+                 covers: tuple[type[Event], ...] = EVENT_TYPES) -> None:
+        missing = [t.__name__ for t in covers if t not in handlers]
+        if missing:
+            raise UnknownEventError(f"{consumer} has no entry for trace event types "
+                                    f"{', '.join(missing)}: give each a handler, or None to pass "
+                                    "over it")
+        self.consumer = consumer
+        self._table = dict(handlers)
+
+    def handler(self, e: Event) -> EventHandler | None:
+        """The handler of `e`'s type (None: passed over); UnknownEventError for a type the
+        table does not hold."""
+        try:
+            return self._table[type(e)]
+        except KeyError:
+            raise self._unknown(e) from None
+
+    def replay(self, events: Iterable[Event]) -> None:
+        """Hand each event to its handler, in order."""
+        table = self._table
+        for e in events:
+            handle = table.get(type(e), _UNKNOWN)
+            if handle is None:
+                continue
+            if handle is _UNKNOWN:
+                raise self._unknown(e)
+            handle(e)
+
+    def _unknown(self, e: object) -> UnknownEventError:
+        return UnknownEventError(f"{self.consumer} does not handle trace event type "
+                                 f"{type(e).__name__} (event {getattr(e, 'seq', '?')}): add it to "
+                                 "its table")
+
+
+_UNKNOWN: Any = object()          # what `EventHandlers.replay` finds for a type not in the table
 
 
 @dataclass(frozen=True)
@@ -49,7 +201,8 @@ class TraceOptions:
                                    # are fewer sequences; None: one per row)
     experts: int | None = None     # routed experts each MoE layer runs (None: the worst case)
     kv_tokens: int | None = None   # unroll the whole KV stream over this many cached tokens
-    compute: bool = False          # add `op` and `collective` events, bytes on weight reads
+    compute: bool = False          # add `OpBegin`, `Collective`, `LayerBegin` and
+                                   # `EpilogueBegin` events, bytes on weight reads
     whole_runs: bool = False       # unroll every ring tile and routed expert (the checks read
                                    # a whole period of each run: `periodic_tiles_traced`)
 
@@ -57,41 +210,50 @@ class TraceOptions:
 class TraceBuilder:
     def __init__(self) -> None:
         self.events: list[Event] = []
-        self._dma = 0
-
-    def _add(self, **kw) -> Event:
-        e = Event(seq=len(self.events), **kw)
-        self.events.append(e)
-        return e
 
     def alloc(self, buffer: str, where: str, span: Span) -> None:
-        self._add(op="alloc", buffer=buffer, where=where, span=span)
+        self.events.append(Alloc(len(self.events), where, span, buffer))
 
     def free(self, buffer: str, where: str, span: Span) -> None:
-        self._add(op="free", buffer=buffer, where=where, span=span)
+        self.events.append(Free(len(self.events), where, span, buffer))
 
-    def start(self, *, dst: str, slot: int | None, sem: tuple, nbytes: int, tag: Content | None,
+    def start(self, *, dst: str, slot: object, sem: tuple, nbytes: int, tag: Content | None,
               where: str, span: Span, src: tuple | None = None, hbm: tuple | None = None
               ) -> None:
-        self._dma += 1
-        self._add(op="start", buffer=dst, slot=slot, dma=self._dma, sem=sem, nbytes=nbytes,
-                  tag=tag, src=src, hbm=hbm, where=where, span=span)
+        self.events.append(CopyStart(len(self.events), where, span, dst, slot, sem, nbytes, tag,
+                                     src, hbm))
 
     def wait(self, *, sem: tuple, nbytes: int, where: str, span: Span) -> None:
-        self._add(op="wait", sem=sem, nbytes=nbytes, where=where, span=span)
+        self.events.append(CopyWait(len(self.events), where, span, sem, nbytes))
 
-    def read(self, buffer: str, slot: int | None, tag: Content, where: str, span: Span,
+    def read(self, buffer: str, slot: object, tag: Content, where: str, span: Span,
              nbytes: int = 0) -> None:
-        self._add(op="read", buffer=buffer, slot=slot, tag=tag, where=where, span=span,
-                  nbytes=nbytes)
+        self.events.append(Read(len(self.events), where, span, buffer, slot, tag, nbytes))
 
-    def write(self, buffer: str, slot: int | None, tag: Content, where: str, span: Span) -> None:
-        self._add(op="write", buffer=buffer, slot=slot, tag=tag, where=where, span=span)
+    def write(self, buffer: str, slot: object, tag: Content, where: str, span: Span) -> None:
+        self.events.append(Write(len(self.events), where, span, buffer, slot, tag))
 
-    def view(self, op: str, view_id: str, layer: int, label: str, where: str, span: Span
-             ) -> None:
-        """A pool view becoming live (`view_open`) or dead (`view_close`) for a layer."""
-        self._add(op=op, buffer=view_id, tag=ViewLayer(layer, label), where=where, span=span)
+    def open_view(self, view_id: str, layer: int, label: str, where: str, span: Span) -> None:
+        """A pool view becoming live for a layer."""
+        self.events.append(ViewOpen(len(self.events), where, span, view_id, ViewLayer(layer, label)))
+
+    def close_view(self, view_id: str, layer: int, label: str, where: str, span: Span) -> None:
+        self.events.append(ViewClose(len(self.events), where, span, view_id, ViewLayer(layer, label)))
+
+    def begin_op(self, tag: OpBegins, where: str, span: Span) -> None:
+        self.events.append(OpBegin(len(self.events), where, span, tag))
+
+    def collective(self, step: Step, where: str, span: Span) -> None:
+        self.events.append(Collective(len(self.events), where, span, step))
+
+    def begin_layer(self, tag: LayerBegins, where: str, span: Span) -> None:
+        self.events.append(LayerBegin(len(self.events), where, span, tag))
+
+    def begin_epilogue(self, where: str, span: Span) -> None:
+        self.events.append(EpilogueBegin(len(self.events), where, span))
+
+    def exit(self, where: str, span: Span) -> None:
+        self.events.append(Exit(len(self.events), where, span))
 
 
 def layer_label(s: ir.ScheduleIR, layer: int) -> str:
@@ -134,13 +296,12 @@ class StepTracer:
 
     def op_event(self, kind: str, op: str, layer: int, where: str) -> None:
         if self.opts.compute:
-            self.tb._add(op="op", tag=OpBegins(kind, op, layer), where=where,
-                         span=Span.unknown(self.s.source))
+            self.tb.begin_op(OpBegins(kind, op, layer), where, Span.unknown(self.s.source))
 
-    def collective_event(self, step, where: str) -> None:
+    def collective_event(self, step: Step, where: str) -> None:
         """A collective step (`mkc.steps.collectives`) runs: its tag, which prices it."""
         if self.opts.compute:
-            self.tb._add(op="collective", tag=step, where=where, span=step.entry.span)
+            self.tb.collective(step, where, step.entry.span)
 
     def traced(self, tiles: int) -> int:
         """Tiles of one family's run the trace unrolls (all of them for the step-time model)."""
@@ -176,7 +337,7 @@ class StepTracer:
 
     def open_view(self, view_id: str, layer: int, where: str, span: Span) -> None:
         """`span` is the statement whose copy opens the view: a pool overlap points there."""
-        self.tb.view("view_open", view_id, layer, layer_label(self.s, layer), where, span)
+        self.tb.open_view(view_id, layer, layer_label(self.s, layer), where, span)
 
     def start_weights(self, view_id: str, layer: int, where: str, span: Span) -> None:
         """Copy layer `layer`'s matrices of this weight view (if its kind has any)."""
@@ -278,10 +439,10 @@ class LayerTrace:
 
 
 def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[Event]:
-    """The event trace of one step. With `options.compute` it also carries an `op` event as
-    each op begins (tag: `OpBegins`), a `collective` event where each collective runs (tag:
-    its step), a `layer` event as each layer begins (tag: `LayerBegins`), an `epilogue` event, and the
-    bytes of every weight read: what the step-time model needs on top of the checks'."""
+    """The event trace of one step. With `options.compute` it also carries an `OpBegin`
+    event as each op begins, a `Collective` event where each collective runs, a `LayerBegin`
+    event as each layer begins, an `EpilogueBegin` event, and the bytes of every weight read:
+    what the step-time model needs on top of the checks'."""
     opts = options or TraceOptions()
     tracer = StepTracer(s, opts)
     tb, st, par = tracer.tb, s.stream, s.parity
@@ -308,8 +469,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     seen_kind = {kname: 0 for kname in s.kinds}
     for layer, kname in enumerate(s.layer_kinds):
         if opts.compute:
-            tb._add(op="layer", tag=LayerBegins(kname, layer), where=layer_label(s, layer),
-                    span=Span.unknown(s.source))
+            tb.begin_layer(LayerBegins(kname, layer), layer_label(s, layer), Span.unknown(s.source))
         lt = LayerTrace(tracer, layer, kname, seen_kind[kname], tracer.layer_tile_offset[layer])
         for step in programs[kname]:
             step.trace(lt)
@@ -317,7 +477,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
 
     # ---- epilogue ------------------------------------------------------------------------
     if opts.compute:
-        tb._add(op="epilogue", where="epilogue", span=Span.unknown(s.source))
+        tb.begin_epilogue("epilogue", Span.unknown(s.source))
     for kname, k in s.kinds.items():
         for t in k.transfers:
             for _ in range(t.drain if seen_kind[kname] else 0):
@@ -329,7 +489,7 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     tb.read("head_norm", None, WholeBuffer("head_norm"), "epilogue final_norm", Span.unknown(s.source))
     tracer.op_event("tail", "lm_head", -1, "epilogue lm_head")
     tracer.consume_tiles(st.tail[0], tracer.tail_tile_offset, "epilogue lm_head")
-    tb._add(op="exit", where="kernel exit", span=Span.unknown(s.source))
+    tb.exit("kernel exit", Span.unknown(s.source))
     return tb.events
 
 

@@ -70,11 +70,11 @@ def test_the_ring_is_on_the_sliding_kinds_stream_and_sizes_its_hbm_cache():
 
 def test_the_trace_streams_the_rings_tiles_not_the_contexts():
     from mkc.tags import KvTile
-    from mkc.trace import build_trace
+    from mkc.trace import CopyStart, build_trace
     s = check_spec(SPEC).ir
     tiles = {}
     for e in build_trace(s):
-        if e.op == "start" and isinstance(e.tag, KvTile):
+        if isinstance(e, CopyStart) and isinstance(e.tag, KvTile):
             tiles.setdefault(e.buffer.split("_kv_")[0], set()).add(e.tag.tile)
     assert max(tiles["swa"]) == 256 // 128 - 1
     assert max(tiles["gqa"]) > 2
@@ -159,7 +159,8 @@ def test_every_accepted_ring_and_tile_combination_traces(tmp_path):
     """A small grid of `kv ring` x `kv tiles` on the 20b spec (MINI GPT-OSS, window 128, verify
     8): mkc accepts a combination only where its module traces, and accepts some of each ring."""
     from conftest import run_python
-    from mkc.compiler import compile_spec, module_name, write_atomically
+    from mkc.compiler import compile_spec, module_name
+    from mkc.files import write_atomically
     modules, accepted = [], {}
     for ring in GRID_RINGS:
         for slots, tokens, ahead in GRID_TILES:

@@ -9,10 +9,11 @@ from mkc.model import registry
 from tests_support import ROOT
 
 # The generic core: language, model interface, resolve, IR, trace, checks, codegen (templates
-# too), the runtime mechanisms, and the numerics and checkpoint code every family shares.
+# too), the runtime mechanisms, the numerics and checkpoint code every family shares, and the
+# drivers every `mkc check` runs (the pipeline, a checkpoint's requantization, output writing).
 CORE = ("mkc/lang", "mkc/model", "mkc/layers", "mkc/resolve", "mkc/ir.py", "mkc/trace.py", "mkc/checks",
         "mkc/codegen", "mkc/runtime", "mkc/numerics.py", "mkc/reference", "mkc/checkpoint.py",
-        "mkc/compiler.py")
+        "mkc/compiler.py", "mkc/requantize.py", "mkc/files.py")
 FAMILY_WORD = re.compile(r"kimi|qwen|(^|_)k3($|_)", re.I)
 
 
@@ -164,6 +165,45 @@ def test_nothing_after_resolve_goes_back_to_the_family_registry():
             m = todo.pop()
             if m not in seen:
                 seen.add(m)
-                todo += [] if m == "mkc.compiler" or m.split(".")[:2] == ["mkc", "resolve"] else graph[m]
+                todo += [] if m.split(".")[:2] == ["mkc", "resolve"] else graph[m]
         back = sorted(m for m in seen if m == "mkc.model.registry" or _is_family_package(m))
         assert back == [], (start, back)
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, statically and transitively (itself included)."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    return seen
+
+
+def test_requantize_reaches_no_family_module():
+    """`mkc.requantize` (every `mkc check` with a checkpoint runs it) finds the family's weights
+    module by the name the IR carries (`importlib`), never by an import: nothing it imports,
+    directly or through another module, is a family package, and no in-kernel runtime."""
+    reached = _reached(_graph(), "mkc.requantize")
+    assert [m for m in reached if _is_family_package(m) or m.startswith("mkc.runtime")] == []
+
+
+def test_writing_output_drags_no_compiler_stage():
+    """Writing a file (`mkc.files`) imports nothing of mkc, and no stage after resolve (the perf
+    exporters, plots and measures that write files) reaches the pipeline (`mkc.compiler`)."""
+    graph = _graph()
+    assert _reached(graph, "mkc.files") == {"mkc.files"}
+    later = sorted(m for m in graph if m.startswith(AFTER_RESOLVE))
+    assert [m for m in later if "mkc.compiler" in _reached(graph, m)] == []
+
+
+def test_resolve_imports_no_check():
+    """Checks read what resolve produces, never the reverse: no resolve module imports a check,
+    directly or through another module (what both need lives in a neutral module, as
+    `ScheduleIR.fits_hbm` for the HBM fit the smallest-slice search and `check_hbm` share)."""
+    graph = _graph()
+    resolve = sorted(m for m in graph if m.split(".")[:2] == ["mkc", "resolve"])
+    assert len(resolve) >= 15
+    assert {m: sorted(d for d in _reached(graph, m) if d.startswith("mkc.checks"))
+            for m in resolve} == {m: [] for m in resolve}

@@ -6,7 +6,7 @@ on every generation mkc compiles for."""
 import pytest
 
 from conftest import run_python
-from mkc import compiler, target
+from mkc import compiler, files, target
 from tests_support import SPEC
 
 
@@ -108,7 +108,7 @@ def test_mini_kernel_compiles_for_each_generation(generation, tmp_path):
     spec.write_text(mini_spec_for(generation, grid))
     c = compiler.compile_spec(spec, "qwen3_8_mini")
     out = tmp_path / f"{compiler.module_name(c)}.py"
-    compiler.write_atomically(out, c.module_source)
+    files.write_atomically(out, c.module_source)
     r = run_python(["benchmarks/tpu_compile.py", str(out), "2"], timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert f"compiled for {target.generation(generation).prefix}={grid}" in r.stdout

@@ -1,6 +1,9 @@
 """Checks over the schedule IR and its event trace; each returns diagnostics, never raises."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from mkc import ir
 from mkc.checks.capacity import (check_compiler_scratch, check_each_buffer_fits, check_hbm, check_vmem,
                                  vmem_budget)
@@ -11,28 +14,54 @@ from mkc.checks.pool import check_pools
 from mkc.diagnostics import Diagnostic, MkcError
 from mkc.trace import Event, build_trace
 
-__all__ = ["run_checks", "vmem_budget"]
+__all__ = ["CHECKS", "Check", "run_checks", "vmem_budget"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    # (ir) -> diagnostics when `reads_trace` is False, else (ir, checked trace) -> diagnostics
+    run: (Callable[[ir.ScheduleIR], list[Diagnostic]]
+          | Callable[[ir.ScheduleIR, list[Event]], list[Diagnostic]])
+    reads_trace: bool
+    only_if_sound: bool = False   # runs only when every check before it found nothing
+
+
+# In order. Checks on the IR alone come first: when any of them fails, the ones reading the
+# trace do not run, since the trace's size is bounded only for schedules whose every buffer
+# fits (KV slots, say).
+CHECKS: tuple[Check, ...] = (
+    Check("hbm", check_hbm, reads_trace=False),                    # HBM per chip
+    Check("compiler_scratch", check_compiler_scratch, reads_trace=False),   # measured for the family
+    Check("buffer_fits", check_each_buffer_fits, reads_trace=False),     # each buffer alone in VMEM
+    Check("kv_rings", check_kv_rings, reads_trace=False),          # a KV ring holds its windows
+    Check("vmem", check_vmem, reads_trace=True),                   # the VMEM peak in the budget
+    Check("dma", check_dma, reads_trace=True),                     # copy hazards, waits, scopes
+    Check("pools", check_pools, reads_trace=True),                 # no two views of a pool live
+    # a margin is news only on a spec that is otherwise sound
+    Check("expect", check_expectations, reads_trace=True, only_if_sound=True),
+)
 
 
 def run_checks(s: ir.ScheduleIR) -> list[Event]:
-    """Run every check; raise one MkcError carrying all diagnostics found. Returns the checked
-    trace, which the VMEM budget report reads.
-
-    Checks on the IR alone run first and stop before the trace when they fail: the trace's
-    size is bounded only for schedules whose every buffer fits (KV slots, say)."""
-    diags = (check_hbm(s) + check_compiler_scratch(s) + check_each_buffer_fits(s)
-             + check_kv_rings(s))
+    """Run `CHECKS` in order; raise one MkcError carrying all diagnostics found. Returns the
+    checked trace, which the VMEM budget report reads."""
+    diags: list[Diagnostic] = []
+    events: list[Event] | None = None
+    for check in CHECKS:
+        if check.only_if_sound and diags:
+            continue
+        if not check.reads_trace:
+            diags += check.run(s)
+            continue
+        if events is None:
+            if diags:
+                raise MkcError(one_per_statement(diags))
+            events = build_trace(s)
+        diags += check.run(s, events)
     if diags:
         raise MkcError(one_per_statement(diags))
-    events = build_trace(s)
-    diags += check_vmem(s, events)
-    diags += check_dma(s, events)
-    diags += check_pools(s, events)
-    if not diags:           # a margin is news only on a spec that is otherwise sound
-        diags += check_expectations(s, events)
-    if diags:
-        raise MkcError(one_per_statement(diags))
-    return events
+    return build_trace(s) if events is None else events
 
 
 def one_per_statement(diags: list[Diagnostic]) -> list[Diagnostic]:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from mkc import ir
 from mkc.diagnostics import Diagnostic, Span
-from mkc.trace import Event
+from mkc.trace import (Alloc, Collective, CopyStart, CopyWait, EpilogueBegin, Event, EventHandlers,
+                       Exit, Free, LayerBegin, OpBegin, Read, ViewClose, ViewOpen, Write)
 
 # XLA keeps 64 KiB of each TensorCore's VMEM for itself: its VMEM memory space is 67043328
 # bytes on TPU7x (the "of 63.94M" in libtpu's out-of-memory error, and the scoped memory it
@@ -227,14 +228,24 @@ def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = Non
     by_name = {b.name: b for b in buffers}
     base = sum(b.vmem_bytes for b in resident)
     live: dict[str, ir.Buffer] = {}
+
+    def allocated(e: Alloc) -> None:
+        live[e.buffer] = by_name[e.buffer]
+
+    def freed(e: Free) -> None:
+        live.pop(e.buffer, None)
+
+    # pool views share their pool's bytes, resident all step: they change nothing here
+    changes = EventHandlers("the VMEM timeline", {
+        Alloc: allocated, Free: freed,
+        CopyStart: None, CopyWait: None, Read: None, Write: None, ViewOpen: None, ViewClose: None,
+        OpBegin: None, Collective: None, LayerBegin: None, EpilogueBegin: None, Exit: None})
     yield None, base, list(resident)
     for e in events:
-        if e.op == "alloc":
-            live[e.buffer] = by_name[e.buffer]
-        elif e.op == "free":
-            live.pop(e.buffer, None)
-        else:
+        change = changes.handler(e)
+        if change is None:
             continue
+        change(e)
         yield e, base + sum(b.vmem_bytes for b in live.values()), resident + list(live.values())
 
 
@@ -373,10 +384,9 @@ def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int,
 
 
 def check_hbm(s: ir.ScheduleIR) -> list[Diagnostic]:
-    per_chip = sum(s.hbm_bytes_per_rank.values()) * s.cores_per_chip
-    capacity = s.hbm_per_core * s.cores_per_chip
-    if per_chip <= capacity:
+    if s.fits_hbm:
         return []
+    per_chip, capacity = s.hbm_bytes_per_chip, s.hbm_capacity_per_chip
     parts = ", ".join(f"{k} {v * s.cores_per_chip / 1e9:.1f} GB"
                       for k, v in s.hbm_bytes_per_rank.items())
     return [Diagnostic(

@@ -10,7 +10,8 @@ from collections import defaultdict, deque
 
 from mkc import ir
 from mkc.diagnostics import Diagnostic
-from mkc.trace import Event
+from mkc.trace import (Alloc, Collective, CopyStart, CopyWait, EpilogueBegin, Event, EventHandlers,
+                       Exit, Free, LayerBegin, OpBegin, Read, ViewClose, ViewOpen, Write)
 
 
 def _held(tag) -> str:
@@ -27,13 +28,12 @@ def _region(label: str, slot) -> str:
 
 def check_dma(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     checker = _DmaChecker(s, events)
-    handlers = {"alloc": checker.alloc, "free": checker.free, "start": checker.start,
-                "wait": checker.wait, "read": checker.read, "write": checker.write,
-                "exit": checker.exit}
-    for e in events:
-        handle = handlers.get(e.op)
-        if handle is not None:
-            handle(e)
+    EventHandlers("the DMA check", {
+        Alloc: checker.alloc, Free: checker.free, CopyStart: checker.start, CopyWait: checker.wait,
+        Read: checker.read, Write: checker.write, Exit: checker.exit,
+        # pool views are the pool check's; the rest only the step-time model's
+        ViewOpen: None, ViewClose: None, OpBegin: None, Collective: None, LayerBegin: None,
+        EpilogueBegin: None}).replay(events)
     return checker.diags
 
 
@@ -51,20 +51,20 @@ class _DmaChecker:
         # The last read expecting each (region, tag): a slot's content is needed until then.
         self.last_read: dict[tuple, int] = {}
         for e in events:
-            if e.op == "read":
+            if type(e) is Read:
                 self.last_read[(e.buffer, e.slot, e.tag)] = e.seq
-            if e.op == "start" and e.src is not None:
+            elif type(e) is CopyStart and e.src is not None:
                 self.last_read[(e.src[0], e.src[1], e.src[2])] = e.seq
         # Scoped buffer -> its range: the buffers of one `scoped` line outside it are one cause.
         self.scoped = {b.name: b.scope for b in s.buffers if b.scope is not None}
         self.open_scopes: set[str] = set()
         self.content: dict[tuple, object] = {}          # region -> tag it holds
-        self.filling: dict[tuple, Event] = {}           # region -> DMA writing it
+        self.filling: dict[tuple, CopyStart] = {}       # region -> DMA writing it
         # Keyed by event seq (insertion-ordered): adding and retiring a copy is O(1), so the
         # check stays linear in the trace however many copies a spec puts in flight.
-        self.dma_readers: dict[tuple, dict[int, Event]] = defaultdict(dict)  # region -> DMAs reading it
-        self.in_flight: dict[tuple, deque[Event]] = defaultdict(deque)      # semaphore -> started DMAs
-        self.hbm_flight: dict[tuple, dict[str, dict[int, Event]]] = defaultdict(
+        self.dma_readers: dict[tuple, dict[int, CopyStart]] = defaultdict(dict)  # region -> DMAs reading it
+        self.in_flight: dict[tuple, deque[CopyStart]] = defaultdict(deque)      # semaphore -> started DMAs
+        self.hbm_flight: dict[tuple, dict[str, dict[int, CopyStart]]] = defaultdict(
             lambda: {"read": {}, "write": {}})                               # HBM region -> DMAs on it
 
     def report(self, code: str, msg: str, e: Event, hint: str, span=None, about=None) -> None:
@@ -98,10 +98,10 @@ class _DmaChecker:
         return True
 
     # ---- scopes ----------------------------------------------------------------------------
-    def alloc(self, e: Event) -> None:
+    def alloc(self, e: Alloc) -> None:
         self.open_scopes.add(e.buffer)
 
-    def free(self, e: Event) -> None:
+    def free(self, e: Free) -> None:
         for region, dma in list(self.filling.items()):
             if region[0] == e.buffer:
                 self.report("E-SCOPE", f"a copy into {self.label(e.buffer)} is still in flight "
@@ -116,7 +116,7 @@ class _DmaChecker:
         self.open_scopes.discard(e.buffer)
 
     # ---- copies ----------------------------------------------------------------------------
-    def start(self, e: Event) -> None:
+    def start(self, e: CopyStart) -> None:
         if e.src is not None:
             self._start_reading(e)
         if e.buffer and self.usable(e.buffer, e):
@@ -125,7 +125,7 @@ class _DmaChecker:
             self._start_on_hbm(e)
         self.in_flight[e.sem].append(e)
 
-    def _start_reading(self, e: Event) -> None:
+    def _start_reading(self, e: CopyStart) -> None:
         """A copy out of VMEM (a store) must find its source waited and holding what it expects."""
         src = (e.src[0], e.src[1])
         if not self.usable(e.src[0], e):
@@ -141,7 +141,7 @@ class _DmaChecker:
                         hint="start the store after the op that produces the data")
         self.dma_readers[src][e.seq] = e
 
-    def _start_filling(self, e: Event) -> None:
+    def _start_filling(self, e: CopyStart) -> None:
         """A copy into VMEM must not land on a slot still filling, being copied out or unread."""
         dst = (e.buffer, e.slot)
         if dst in self.filling:
@@ -163,7 +163,7 @@ class _DmaChecker:
                                  "the number of slots, or more slots")
         self.filling[dst] = e
 
-    def _start_on_hbm(self, e: Event) -> None:
+    def _start_on_hbm(self, e: CopyStart) -> None:
         """Two copies of one HBM region in flight race unless both only read it."""
         region, access = e.hbm
         flight = self.hbm_flight[region]
@@ -178,7 +178,7 @@ class _DmaChecker:
                              "in flight at once race")
         flight[access][e.seq] = e
 
-    def wait(self, e: Event) -> None:
+    def wait(self, e: CopyWait) -> None:
         q = self.in_flight.get(e.sem)
         if not q:
             self.report("E-DMA-WAIT", f"wait on {e.sem[0]} with no copy in flight on its "
@@ -201,7 +201,7 @@ class _DmaChecker:
         if dma.src is not None:
             self.dma_readers[(dma.src[0], dma.src[1])].pop(dma.seq, None)
 
-    def exit(self, e: Event) -> None:
+    def exit(self, e: Exit) -> None:
         for q in self.in_flight.values():
             for dma in q:
                 self.report("E-DMA-EXIT", f"a copy ({_held(dma.tag) if dma.buffer else 'store'}, "
@@ -210,7 +210,7 @@ class _DmaChecker:
                             hint="add a wait for every copy before the step ends")
 
     # ---- compute ---------------------------------------------------------------------------
-    def read(self, e: Event) -> None:
+    def read(self, e: Read) -> None:
         if not self.usable(e.buffer, e):
             return
         region = (e.buffer, e.slot)
@@ -224,7 +224,7 @@ class _DmaChecker:
                         f"{_held(e.tag)} but it holds {_held(self.content.get(region))}", e,
                         about=e.buffer, hint="the copy that fills it is never started or waited in time")
 
-    def write(self, e: Event) -> None:
+    def write(self, e: Write) -> None:
         if not self.usable(e.buffer, e):
             return
         region = (e.buffer, e.slot)

@@ -506,7 +506,7 @@ def cached(s: ir.ScheduleIR, kernel: str, batch: int, source: str | None = None,
 
 def save(entry: dict, directory: Path | None = None) -> Path:
     """Keep a measure beside the others of its spec (one per key), atomically."""
-    from mkc.compiler import write_atomically
+    from mkc.files import write_atomically
     path = (directory or user_cache()) / f"{entry['spec']}.json"
     try:
         entries = json.loads(path.read_text())["measures"]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mkc import ir
 from mkc.perf.sim import Result
+from mkc.trace import VMEM_CHANGES, Alloc, EventHandlers, Free, ViewClose, ViewOpen
 
 PID = 1
 # thread id, name, in display order
@@ -112,16 +113,24 @@ def vmem_series(s: ir.ScheduleIR, res: Result, batch: int) -> VmemSeries:
             r[f"pool {pname} free"] += size - used
         return r
 
+    def allocated(e: Alloc) -> None:
+        live[e.buffer] = bufs[e.buffer].vmem_bytes
+
+    def freed(e: Free) -> None:
+        live.pop(e.buffer, None)
+
+    def view_opens(e: ViewOpen) -> None:
+        opened[e.view] = opened.get(e.view, 0) + 1
+
+    def view_closes(e: ViewClose) -> None:
+        opened[e.view] = max(0, opened.get(e.view, 0) - 1)
+
+    changes = EventHandlers("the Perfetto VMEM counters", {
+        Alloc: allocated, Free: freed, ViewOpen: view_opens, ViewClose: view_closes},
+        covers=VMEM_CHANGES)
     times, rows = [0.0], [row()]
     for m in res.marks:
-        if m.op == "alloc":
-            live[m.name] = bufs[m.name].vmem_bytes
-        elif m.op == "free":
-            live.pop(m.name, None)
-        elif m.op == "view_open":
-            opened[m.name] = opened.get(m.name, 0) + 1
-        elif m.op == "view_close":
-            opened[m.name] = max(0, opened.get(m.name, 0) - 1)
+        changes.handler(m.event)(m.event)
         r = row()
         if r != rows[-1]:
             times.append(m.t)
@@ -230,6 +239,6 @@ def write_trace(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tok
                 ) -> dict:
     doc = trace_events(s, res, batch, tokens)
     text = json.dumps(doc, separators=(",", ":"), sort_keys=True)
-    from mkc.compiler import write_atomically
+    from mkc.files import write_atomically
     write_atomically(Path(path), text + "\n")
     return doc

@@ -351,5 +351,5 @@ def _save(fig, path: str | Path, description: str) -> None:
     with matplotlib.rc_context({"svg.hashsalt": "mkc"}):
         fig.savefig(buf, format=fmt, dpi=100, metadata=meta)
     plt.close(fig)
-    from mkc.compiler import write_atomically
+    from mkc.files import write_atomically
     write_atomically(Path(path), buf.getvalue())

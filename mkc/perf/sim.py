@@ -33,7 +33,8 @@ from mkc.perf.constants import Rates
 from mkc.perf.work import KernelWork, OpWork, Work, kernel_work
 from mkc.steps.collectives import Round
 from mkc.tags import ReadCost
-from mkc.trace import Event
+from mkc.trace import (Alloc, Collective, CopyStart, CopyWait, EpilogueBegin, Event, EventHandlers,
+                       Exit, Free, LayerBegin, OpBegin, Read, ViewClose, ViewOpen, Write)
 
 CAUSES = ("weight streaming", "exposed compute", "stalls", "collectives", "prologue/epilogue")
 
@@ -54,12 +55,11 @@ class Interval:
 
 @dataclass(frozen=True)
 class Mark:
-    """A VMEM change at time t: a scoped buffer allocated or freed, a pool view opened or
-    closed (`op` is the trace event's: alloc, free, view_open, view_close)."""
+    """A VMEM change at time t: the trace event of a scoped buffer allocated or freed, or of a
+    pool view opened or closed (one of `mkc.trace.VMEM_CHANGES`)."""
 
     t: float
-    op: str
-    name: str                    # buffer, or "pool.view"
+    event: Alloc | Free | ViewOpen | ViewClose
     layer: int = -1
 
 
@@ -441,15 +441,14 @@ class Model:
 
 def simulate(m: Model, events: list[Event], keep_timeline: bool = True) -> Result:
     replay = _Replay(m, keep_timeline)
-    handlers = {"start": replay.start_copy, "wait": replay.wait_copy, "read": replay.read,
-                "op": replay.begin_op, "collective": replay.run_collective,
-                "layer": replay.begin_layer, "epilogue": replay.begin_epilogue,
-                "alloc": replay.mark, "free": replay.mark, "view_open": replay.mark,
-                "view_close": replay.mark}
-    for e in events:
-        handle = handlers.get(e.op)
-        if handle is not None:
-            handle(e)
+    EventHandlers("the step-time simulator", {
+        CopyStart: replay.start_copy, CopyWait: replay.wait_copy, Read: replay.read,
+        OpBegin: replay.begin_op, Collective: replay.run_collective,
+        LayerBegin: replay.begin_layer, EpilogueBegin: replay.begin_epilogue,
+        Alloc: replay.mark, Free: replay.mark, ViewOpen: replay.mark, ViewClose: replay.mark,
+        # an op's writes cost nothing of their own (its work is counted where it begins and
+        # reads), and the kernel's exit is the step's end
+        Write: None, Exit: None}).replay(events)
     return replay.result()
 
 
@@ -506,7 +505,7 @@ class _Replay:
         self.by_kind[kind]["exposed compute"] += dt - hidden
 
     # ---- copies ----------------------------------------------------------------------------
-    def start_copy(self, e: Event) -> None:
+    def start_copy(self, e: CopyStart) -> None:
         cid = self.eng.issue(self.t, e.nbytes)
         self.hbm_bytes += e.nbytes
         self.sem_copies[e.sem].append(cid)
@@ -515,13 +514,13 @@ class _Replay:
         if self.keep_timeline:
             self.copy_info[cid] = (buf, self.t, e.where, e.span.line, e.nbytes)
 
-    def wait_copy(self, e: Event) -> None:
+    def wait_copy(self, e: CopyWait) -> None:
         cid = self.sem_copies[e.sem].popleft()
         done = self.eng.landing(cid)
         if done > self.t:
             self._stall(e, self.copy_buf[cid], done)
 
-    def _stall(self, e: Event, buf: str, done: float) -> None:
+    def _stall(self, e: CopyWait, buf: str, done: float) -> None:
         """Compute waits from now until `done` for a copy into (or out of) `buf`."""
         dt, kind = done - self.t, self.kind
         # every wait that blocked compute is a stall, the tail's too: one total everywhere
@@ -538,12 +537,12 @@ class _Replay:
                                           line=e.span.line))
         self.t = done
 
-    def mark(self, e: Event) -> None:
+    def mark(self, e: Alloc | Free | ViewOpen | ViewClose) -> None:
         if self.keep_timeline:
-            self.marks.append(Mark(self.t, e.op, e.buffer, self.layer))
+            self.marks.append(Mark(self.t, e, self.layer))
 
     # ---- compute ---------------------------------------------------------------------------
-    def read(self, e: Event) -> None:
+    def read(self, e: Read) -> None:
         """A read charges the current op's work per weight value or per KV tile it reads."""
         cost = e.tag.cost
         if cost is ReadCost.WEIGHTS:
@@ -561,7 +560,7 @@ class _Replay:
             self.current.charge(self.kv_tile, share, share * self.kv_tile_s)
             self.compute(share * self.kv_tile_s)
 
-    def begin_op(self, e: Event) -> None:
+    def begin_op(self, e: OpBegin) -> None:
         k, name = e.tag.kind, e.tag.op
         at_op_s, self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = \
             self.m.op_prices(k, name)
@@ -575,7 +574,7 @@ class _Replay:
         self.op_name = str(e.tag)
         self.compute(at_op_s)
 
-    def run_collective(self, e: Event) -> None:
+    def run_collective(self, e: Collective) -> None:
         dt = self.m.collective_seconds(e.tag.rounds(self.m.batch, self.m.s.cores_per_chip),
                                        self.kind, e.span.line)
         if self.keep_timeline:
@@ -584,11 +583,11 @@ class _Replay:
         self.t += dt
         self.by_kind[self.kind]["prologue/epilogue" if self._in_tail() else "collectives"] += dt
 
-    def begin_layer(self, e: Event) -> None:
+    def begin_layer(self, e: LayerBegin) -> None:
         self._enter(e.tag.kind, e.tag.layer)
         self.compute(self.m.layer_cycles.get(e.tag.kind, 0.0) * self.m.rates.cycle_s)
 
-    def begin_epilogue(self, e: Event) -> None:
+    def begin_epilogue(self, e: EpilogueBegin) -> None:
         self._enter("epilogue", -1)
 
     def _enter(self, kind: str, layer: int) -> None:

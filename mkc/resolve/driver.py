@@ -2,7 +2,8 @@
 
 A pass takes the state the passes before it produced and returns a new one (`ResolveState`);
 none calls another. The order is the order diagnostics are found in: a spec's first problem in
-this order is the one reported.
+this order is the one reported. After each pass the state is verified (`invariants.py`): what
+the passes so far established still holds.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from mkc.resolve.expect import resolve_expect
 from mkc.resolve.formats import resolve_formats
 from mkc.resolve.graph import resolve_graph
 from mkc.resolve.hbm import resolve_hbm
+from mkc.resolve.invariants import verify_state
 from mkc.resolve.kv_ring import resolve_kv_ring
 from mkc.resolve.model import resolve_model
 from mkc.resolve.parity import resolve_parity
@@ -70,6 +72,7 @@ def run(sched: ast.Schedule, model_override: str | None = None, *,
     state = ResolveState(sched, model_override)
     for p in PASSES:
         state = replace(p.run(state), passes=state.passes + (p.name,))
+        verify_state(state, p.name)
         if p.name == after:
             break
     return state

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 from mkc import target
-from mkc.checks.capacity import check_hbm
 from mkc.diagnostics import MkcError
 from mkc.lang import ast
 from mkc.resolve.driver import run
@@ -33,7 +32,7 @@ def smallest_topology(sched: ast.Schedule, model_override: str | None = None) ->
             s = run(dataclasses.replace(sched, settings=settings), model_override).schedule_ir
         except MkcError:
             continue
-        if not check_hbm(s):
+        if s.fits_hbm:
             return f"{gen} topology {shape} (mesh {mesh.value[0].text} = {ranks})"
     return None
 

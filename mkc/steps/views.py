@@ -63,8 +63,8 @@ class ViewClose(_View):
     kind = "view_close"
 
     def trace(self, t) -> None:
-        t.tb.view("view_close", self.view, t.layer, t.label, f"{t.label} after {t.k.ops[self.point]}",
-                  t.tracer.views[self.view].span)
+        t.tb.close_view(self.view, t.layer, t.label, f"{t.label} after {t.k.ops[self.point]}",
+                        t.tracer.views[self.view].span)
 
     def emit(self, e, indent: str) -> None:
         e.line(indent, f"# the pool view {self.view} is free from here")

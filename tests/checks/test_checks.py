@@ -7,7 +7,7 @@ from mkc.checks import run_checks, vmem_budget
 from mkc.checks.capacity import vmem_budget_bytes
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from mkc.trace import TraceOptions, build_trace
+from mkc.trace import CopyWait, Read, TraceOptions, build_trace
 from tests_support import SPEC
 
 
@@ -33,13 +33,13 @@ def test_padding_by_dtype():
 
 def test_trace_covers_every_layer_and_transition(full):
     events = build_trace(full)
-    vector_waits = [e for e in events if e.op == "wait" and e.sem and e.sem[0] == "vectors"]
+    vector_waits = [e for e in events if isinstance(e, CopyWait) and e.sem[0] == "vectors"]
     assert len(vector_waits) == len(full.layer_kinds)
-    tiles = [e for e in events if e.op == "read" and e.buffer == "weights"]
+    tiles = [e for e in events if isinstance(e, Read) and e.buffer == "weights"]
     # the checks read each family's run cut to warm-up, a period and tail (tests/test_trace.py)
     assert [e.tag.index for e in tiles] == list(range(len(tiles)))
     whole = build_trace(full, TraceOptions(whole_runs=True))
-    tiles = [e for e in whole if e.op == "read" and e.buffer == "weights"]
+    tiles = [e for e in whole if isinstance(e, Read) and e.buffer == "weights"]
     assert [e.tag.index for e in tiles] == list(range(full.stream.total_tiles))
 
 
@@ -57,3 +57,34 @@ def test_mini_derives_its_own_geometry():
     assert mini.stream.tile_rows < full.stream.tile_rows
     assert mini.stream.total_tiles < full.stream.total_tiles
     assert mini.layer_kinds == ["gdn", "gdn", "gdn", "gqa"] * 2
+
+
+def test_checks_run_in_list_order_and_stop_before_the_trace(full, monkeypatch):
+    """`run_checks` runs `CHECKS` in order: a failing check on the IR alone keeps the trace
+    checks from running; a check only for sound specs is skipped once any check found a
+    problem; every diagnostic found is raised together."""
+    import mkc.checks
+    from mkc.checks import CHECKS, Check
+    from mkc.diagnostics import Diagnostic, Span
+    assert [c.name for c in CHECKS][:4] == ["hbm", "compiler_scratch", "buffer_fits", "kv_rings"]
+    assert not any(c.reads_trace for c in CHECKS[:4]) and all(c.reads_trace for c in CHECKS[4:])
+    assert len({c.name for c in CHECKS}) == len(CHECKS)
+    ran = []
+
+    def check(name, code=None, trace=False, sound=False):
+        def run(s, *events):
+            ran.append(name)
+            return [Diagnostic(code, name, Span.unknown(s.source))] if code else []
+        return Check(name, run, reads_trace=trace, only_if_sound=sound)
+
+    monkeypatch.setattr(mkc.checks, "CHECKS", (check("a"), check("b", "E-A"), check("c", trace=True)))
+    with pytest.raises(MkcError) as e:
+        run_checks(full)
+    assert ran == ["a", "b"] and e.value.codes == ["E-A"]
+    ran.clear()
+    monkeypatch.setattr(mkc.checks, "CHECKS", (check("a", trace=True), check("b", "E-B", trace=True),
+                                               check("c", "E-C", trace=True, sound=True),
+                                               check("d", "E-D", trace=True)))
+    with pytest.raises(MkcError) as e:
+        run_checks(full)
+    assert ran == ["a", "b", "d"] and e.value.codes == ["E-B", "E-D"]

@@ -2,6 +2,7 @@
 from mkc.checks.dma import check_dma
 from mkc.compiler import check_spec
 from mkc.tags import LayerState
+from mkc.diagnostics import Span
 from mkc.trace import TraceBuilder
 from tests_support import SPEC
 import pytest
@@ -16,7 +17,7 @@ LOADED, UPDATED = LayerState(0), LayerState(0, updated=True)
 
 
 def _codes(schedule, tb: TraceBuilder) -> list[str]:
-    tb._add(op="exit", where="exit")
+    tb.exit("exit", Span.unknown("t.sched"))
     return [d.code for d in check_dma(schedule, tb.events)]
 
 

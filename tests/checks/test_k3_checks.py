@@ -5,7 +5,8 @@ import pytest
 from mkc.checks import vmem_budget
 from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
-from mkc.trace import TraceOptions, build_trace, periodic_tiles_traced
+from mkc.trace import (CopyStart, CopyWait, Read, TraceOptions, ViewClose, ViewOpen, build_trace,
+                       periodic_tiles_traced)
 from tests_support import K3_SPEC
 
 
@@ -29,14 +30,14 @@ def test_budget_fits_at_batch_1_and_8_with_the_pool_as_largest_class(k3):
 
 def test_views_of_the_pool_alternate_attention_experts_attention(k3):
     s, events = k3
-    opens = [e for e in events if e.op == "view_open"]
-    closes = [e for e in events if e.op == "view_close"]
+    opens = [e for e in events if isinstance(e, ViewOpen)]
+    closes = [e for e in events if isinstance(e, ViewClose)]
     assert len(opens) == len(closes) == 93 + 92          # one attention view per layer + experts
-    seq = [e for e in events if e.op in ("view_open", "view_close")]
+    seq = [e for e in events if isinstance(e, (ViewOpen, ViewClose))]
     for a, b in zip(seq[::2], seq[1::2]):                # strictly open, close, open, close ...
-        assert (a.op, b.op) == ("view_open", "view_close") and a.buffer == b.buffer
+        assert (type(a), type(b)) == (ViewOpen, ViewClose) and a.view == b.view
     # Layer L+1's attention is opened inside layer L's MoE sublayer (a prefetch).
-    attention = [e for e in events if e.op == "view_open" and e.buffer == "staging.attention"]
+    attention = [e for e in events if isinstance(e, ViewOpen) and e.view == "staging.attention"]
     assert attention[0].where == "prologue"
     assert [str(e.tag) for e in attention[:3]] == ["layer 0 kda", "layer 1 kda", "layer 2 kda"]
     assert all(" moe " in e.where or " dense " in e.where for e in attention[1:])
@@ -53,7 +54,7 @@ def test_worst_case_routed_experts_cycle_through_the_slots(k3):
     assert count == 112 and traced < count and traced % slots == count % slots
 
     def layer3(events):                                # layer 3 is the first MoE sublayer
-        return [e for e in events if e.op == "read" and e.buffer == "staging.experts"
+        return [e for e in events if isinstance(e, Read) and e.buffer == "staging.experts"
                 and e.tag.layer == 3]
     reads = layer3(events)
     assert len(reads) == traced
@@ -69,8 +70,8 @@ def test_each_routed_expert_is_one_copy_of_its_slot_image(k3):
     expert of every MoE layer, as the capacity check counts them."""
     s, events = k3
     view = s.pools[0].view("experts")
-    starts = [e for e in events if e.op == "start" and e.buffer == "staging.experts"]
-    waits = [e for e in events if e.op == "wait" and e.sem[0] == "staging.experts"]
+    starts = [e for e in events if isinstance(e, CopyStart) and e.buffer == "staging.experts"]
+    waits = [e for e in events if isinstance(e, CopyWait) and e.sem[0] == "staging.experts"]
     fetched = {(e.tag.layer, e.tag.expert) for e in starts}
     assert len(starts) == len(waits) == len(fetched) > 92 * view.slots
     assert {e.nbytes for e in starts + waits} == {view.slot_bytes}

@@ -10,6 +10,7 @@ from mkc.compiler import check_spec
 from mkc.perf.run import perf_trace
 from mkc.perf.work import _module
 from mkc.steps.collectives import AllGather, AllReduce, Exchange
+from mkc.trace import Collective
 from tests_support import K3_SPEC
 
 BATCH = 8
@@ -29,7 +30,7 @@ def _scratch(module, name: str) -> tuple[int, int]:
 
 def test_every_collective_round_moves_its_payload_in_the_emitted_buffer_dtype(k3):
     s, module, events = k3
-    steps = [e.tag for e in events if e.op == "collective"]
+    steps = [e.tag for e in events if isinstance(e, Collective)]
     assert {type(t) for t in steps} == {AllReduce, AllGather, Exchange}
     for step in steps:
         rounds = step.rounds(BATCH, s.cores_per_chip)
@@ -52,7 +53,7 @@ def test_k3_gathers_are_priced_as_bf16(k3):
     """K3's latent all-gathers receive bf16: 2 bytes a value on the wire, not 4."""
     s, module, events = k3
     gathers = {e.tag.entry.after_op: e.tag for e in events
-               if e.op == "collective" and isinstance(e.tag, AllGather)}
+               if isinstance(e, Collective) and isinstance(e.tag, AllGather)}
     assert set(gathers) == {"latent_down", "latent_up"}
     for op, step in gathers.items():
         assert _scratch(module, ir.AllGather.buffer_name(op))[1] == 2

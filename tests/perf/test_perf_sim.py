@@ -7,9 +7,10 @@ from mkc.perf import constants
 from mkc.perf.sim import DmaEngine, Model, simulate
 from mkc.perf.work import KernelWork, OpWork, Work
 from mkc.tags import LayerBegins, OpBegins, RingTile
-from mkc.trace import Event
+from mkc.trace import TraceBuilder
 from tests_support import SPEC
 
+SPAN = Span.unknown("t.sched")
 BW = 1e12          # bytes/s after efficiency
 ISSUE = 1e-6
 
@@ -37,22 +38,21 @@ class _Trace:
     """Build synthetic events: starts, waits and weight reads (compute) of one op."""
 
     def __init__(self):
-        self.events = []
-        self._add(op="layer", tag=LayerBegins("gdn", 0))       # inside a layer (not the prologue)
-        self._add(op="op", tag=OpBegins("gdn", "matmul", 0))
-
-    def _add(self, **kw):
-        self.events.append(Event(seq=len(self.events), span=Span.unknown("t.sched"), **kw))
+        self.tb = TraceBuilder()
+        self.events = self.tb.events
+        self.tb.begin_layer(LayerBegins("gdn", 0), "", SPAN)    # inside a layer (not the prologue)
+        self.tb.begin_op(OpBegins("gdn", "matmul", 0), "", SPAN)
 
     def start(self, sem, nbytes):
-        self._add(op="start", buffer=f"buf{sem}", sem=(f"buf{sem}",), nbytes=nbytes)
+        self.tb.start(dst=f"buf{sem}", slot=None, sem=(f"buf{sem}",), nbytes=nbytes, tag=None,
+                      where="", span=SPAN)
 
     def wait(self, sem):
-        self._add(op="wait", sem=(f"buf{sem}",), where=f"wait {sem}")
+        self.tb.wait(sem=(f"buf{sem}",), nbytes=0, where=f"wait {sem}", span=SPAN)
 
     def compute(self, nbytes):
         """A weight read of `nbytes` bf16: nbytes / 2 values fed to the MXU."""
-        self._add(op="read", buffer="weights", slot=0, nbytes=nbytes, tag=RingTile(0))
+        self.tb.read("weights", 0, RingTile(0), "", SPAN, nbytes)
 
 
 def _run(s, trace, batch=1, **kw):

@@ -1,16 +1,19 @@
 """The model's trace is the checked trace: same builder, same program order, plus op and
 collective events; op facts reach the IR from the graph."""
+import dataclasses
+
 from mkc.compiler import check_spec
 from mkc.perf.run import perf_trace
-from mkc.trace import TraceOptions, build_trace
+from mkc.trace import (Collective, CopyStart, EpilogueBegin, LayerBegin, OpBegin, Read, TraceOptions,
+                       build_trace)
 from tests_support import K3_SPEC, SPEC, k3_format_text
 
-NEW = ("op", "collective", "layer", "epilogue")
+NEW = (OpBegin, Collective, LayerBegin, EpilogueBegin)
 
 
 def _key(e):
-    return (e.op, e.buffer, e.slot, e.sem, e.nbytes if e.op != "read" else 0, e.tag, e.src,
-            e.hbm, e.where, e.span)
+    """The event apart from its place in the trace, and a read's bytes (the model's only)."""
+    return dataclasses.replace(e, seq=0, **({"nbytes": 0} if isinstance(e, Read) else {}))
 
 
 def test_default_options_give_the_checked_trace():
@@ -22,16 +25,16 @@ def test_compute_events_only_add_to_the_checked_trace():
     for spec, model in ((SPEC, "qwen3_8_mini"), (K3_SPEC, None)):
         c = check_spec(spec, model)
         full = build_trace(c.ir, TraceOptions(compute=True))
-        assert [_key(e) for e in full if e.op not in NEW] == [_key(e) for e in c.events]
-        ops = [e for e in full if e.op == "op"]
+        assert [_key(e) for e in full if not isinstance(e, NEW)] == [_key(e) for e in c.events]
+        ops = [e for e in full if isinstance(e, OpBegin)]
         n_ops = sum(len(c.ir.kinds[k].ops) for k in c.ir.layer_kinds) + 3   # embed, norm, head
         assert len(ops) == n_ops
-        colls = [e for e in full if e.op == "collective"]
+        colls = [e for e in full if isinstance(e, Collective)]
         per_layer = sum(len(c.ir.kinds[k].allreduces) + len(c.ir.kinds[k].allgathers)
                         + len(c.ir.kinds[k].exchanges) for k in c.ir.layer_kinds)
         assert len(colls) == per_layer + 1                                     # + embedding
         # every weight read carries its bytes
-        assert all(e.nbytes > 0 for e in full if e.op == "read" and e.buffer == c.ir.stream.ring)
+        assert all(e.nbytes > 0 for e in full if isinstance(e, Read) and e.buffer == c.ir.stream.ring)
 
 
 def test_model_trace_is_sized_at_the_batch_with_the_whole_kv_stream():
@@ -39,11 +42,11 @@ def test_model_trace_is_sized_at_the_batch_with_the_whole_kv_stream():
     kv = next(k.kv for k in c.ir.kinds.values() if k.kv)
     b1, b8 = perf_trace(c.ir, 1, 1024), perf_trace(c.ir, 8, 1024)
     kv_bufs = {b.name for b in c.ir.buffers if b.cls == "kv" and b.scope}
-    kv_starts = [e for e in b8 if e.op == "start" and e.buffer in kv_bufs]
+    kv_starts = [e for e in b8 if isinstance(e, CopyStart) and e.buffer in kv_bufs]
     layers = sum(1 for k in c.ir.layer_kinds if c.ir.kinds[k].kv)
     assert len(kv_starts) == layers * len(kv_bufs) * (1024 // kv.tokens)
-    state1 = sum(e.nbytes for e in b1 if e.op == "start" and e.hbm)
-    state8 = sum(e.nbytes for e in b8 if e.op == "start" and e.hbm)
+    state1 = sum(e.nbytes for e in b1 if isinstance(e, CopyStart) and e.hbm)
+    state8 = sum(e.nbytes for e in b8 if isinstance(e, CopyStart) and e.hbm)
     assert state8 == 8 * state1
 
 

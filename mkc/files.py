@@ -1,0 +1,65 @@
+"""Writing mkc's outputs (modules, specs, traces, pictures, measures) atomically: a failed run
+never leaves a partial file, and only regular files are replaced. Holds no compiler stage, so a
+writer imports nothing of the pipeline."""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+
+NOT_REPLACEABLE = ("is not a regular file mkc may write (mkc replaces only regular files; a path "
+                   "through a file names none)")
+
+
+def replaceable(path: str | os.PathLike) -> bool:
+    """Whether mkc may write `path`, as the OS looks it up: a regular file, or nothing yet (the
+    write makes the directories on the way). Renaming over a device, FIFO or directory would
+    replace it (as root, even /dev/null); a path through a file (`spec.sched/../x`, ENOTDIR)
+    names no file, though `written_path` would make one of it."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):        # ENOTDIR, ELOOP, a name too long, a NUL byte
+        return False
+
+
+def written_path(path: str | os.PathLike) -> Path:
+    """The file `write_atomically(path)` replaces: `path` with its symlinks followed (and `..`
+    taken lexically after them: `missing/../x` is `x`). What a command that must not write
+    over its input compares."""
+    return Path(os.path.realpath(path))
+
+
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Write via a temp file and rename, so a failed run never leaves a partial file; a path
+    that is not `replaceable` is an OSError the CLI reports. What is replaced is the file's
+    content, not the file: a symlink's target is written (the link stays) and an existing file
+    keeps its mode (a read-only spec stays read-only)."""
+    # both the path as given (`f/..` is no path) and the file it leads to (`missing/../fifo`)
+    if not replaceable(path):
+        raise OSError(errno.EEXIST, NOT_REPLACEABLE, str(path))
+    path = written_path(path)
+    if not replaceable(path):
+        raise OSError(errno.EEXIST, NOT_REPLACEABLE, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        # A new file gets the usual mode (0644 under the common umask), like any file the user
+        # writes, not mkstemp's 0600.
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,86 @@
+"""The resolve state verified between passes (`mkc.resolve.invariants`): every shipped spec
+resolves with the verifier on after each pass, and a state a pass corrupts is refused after
+that pass, naming it and what broke."""
+import dataclasses
+
+import pytest
+
+from mkc.lang.parser import parse_file
+from mkc.resolve import driver
+from mkc.resolve.driver import PASS_NAMES, PASSES, Pass, run
+from mkc.resolve.invariants import INVARIANTS, ResolveInvariantError
+from tests_support import ROOT, SPEC
+
+SHIPPED = sorted((ROOT / "schedules").glob("*.sched"))
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_spec_resolves_with_the_state_verified_after_each_pass(spec, monkeypatch):
+    verified = []
+    real = driver.verify_state
+    monkeypatch.setattr(driver, "verify_state", lambda s, after: (verified.append(after), real(s, after)))
+    sched, _ = parse_file(spec)
+    assert run(sched).schedule_ir is not None
+    assert verified == list(PASS_NAMES)
+
+
+def test_every_invariant_is_established_by_a_pass_in_order():
+    order = [PASS_NAMES.index(inv.established_by) for inv in INVARIANTS]
+    assert order == sorted(order)
+
+
+def _corrupted_after(monkeypatch, name: str, corrupt) -> str:
+    """Resolve the Qwen spec with pass `name`'s output corrupted; the verifier's message."""
+    passes = tuple(Pass(p.name, (lambda s, p=p: corrupt(p.run(s))) if p.name == name else p.run)
+                   for p in PASSES)
+    monkeypatch.setattr(driver, "PASSES", passes)
+    sched, _ = parse_file(SPEC)
+    with pytest.raises(ResolveInvariantError) as e:
+        run(sched)
+    return str(e.value)
+
+
+def _drop_first_ring_entry(s):
+    kname = next(k for k, fams in sorted(s.stream.families.items()) if fams)
+    families = {**s.stream.families, kname: s.stream.families[kname][1:]}
+    return dataclasses.replace(s, stream=dataclasses.replace(s.stream, families=families))
+
+
+@pytest.mark.parametrize("after", ["stream", "hbm"])
+def test_a_matmul_without_its_stream_entry_is_named_after_the_pass_that_dropped_it(monkeypatch, after):
+    message = _corrupted_after(monkeypatch, after, _drop_first_ring_entry)
+    assert f"after resolve pass {after!r}" in message
+    assert "every matmul has its stream entry (ring or pool) (established by pass 'stream')" in message
+    assert "gdn.in_proj multiplies by in_proj, which has no stream entry (ring or pool)" in message
+    assert "a bug in mkc" in message
+
+
+def test_a_step_point_out_of_range_is_refused(monkeypatch):
+    def late_wait(s):
+        kname = next(k for k, ks in sorted(s.kinds.items()) if ks.transfers)
+        k = s.kinds[kname]
+        t = dataclasses.replace(k.transfers[0], waits=(len(k.ops) + 3,))
+        kinds = {**s.kinds, kname: dataclasses.replace(k, transfers=[t, *k.transfers[1:]])}
+        return dataclasses.replace(s, kinds=kinds)
+    message = _corrupted_after(monkeypatch, "collectives", late_wait)
+    assert "after resolve pass 'collectives'" in message and "outside 0.." in message
+
+
+def test_a_collective_after_an_op_the_kind_lacks_is_refused(monkeypatch):
+    def misplaced(s):
+        kname = next(k for k, ks in sorted(s.kinds.items()) if ks.allreduces)
+        k = s.kinds[kname]
+        reduce = dataclasses.replace(k.allreduces[0], after_op="no_such_op")
+        kinds = {**s.kinds, kname: dataclasses.replace(k, allreduces=[reduce, *k.allreduces[1:]])}
+        return dataclasses.replace(s, kinds=kinds)
+    message = _corrupted_after(monkeypatch, "views", misplaced)
+    assert "after resolve pass 'views'" in message and "after no_such_op, which is no op" in message
+
+
+def test_a_buffer_named_twice_or_missing_is_refused(monkeypatch):
+    twice = _corrupted_after(monkeypatch, "buffers", lambda s: dataclasses.replace(
+        s, buffers=[*s.buffers, s.buffers[0]]))
+    assert "after resolve pass 'buffers'" in twice and "is declared twice" in twice
+    missing = _corrupted_after(monkeypatch, "hbm", lambda s: dataclasses.replace(
+        s, buffers=[b for b in s.buffers if b.cls != "state"]))
+    assert "after resolve pass 'hbm'" in missing and "which is not among the kernel's buffers" in missing
