@@ -328,7 +328,7 @@ def test_the_emulations_sliding_attention_reads_a_ring_past_its_wrap_as_the_refe
     positions = jnp.asarray([5, 37, 70])            # before the window, past one and two wraps
     _, visible = ref.cache_slots(ref.SLIDING, slots, positions, window)
     want = ref.attend(q, keys.astype(jnp.float32), values.astype(jnp.float32), visible, sinks)
-    got = ref._sink_attention(q, keys, values, positions, sinks, 16, window)
+    got = ref.tiled_attention(q, keys, values, positions, 16, sinks=sinks, window=window)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
-    wide = ref._sink_attention(q, keys, values, positions, sinks, 16, window + 1)
+    wide = ref.tiled_attention(q, keys, values, positions, 16, sinks=sinks, window=window + 1)
     assert np.max(np.abs(np.asarray(wide) - np.asarray(want))[1:]) > 1e-3
