@@ -9,13 +9,14 @@ whole kernels; data in benchmarks/data/):
   is open (scopes that never overlap share memory);
 - kernel inputs and outputs held in VMEM (their windows, `ir.window_bytes`);
 - compiler scratch: the register allocator's spill slots and Mosaic's internal scratch, which
-  grow with the rows (the kernel unrolls its per-row loops) and with the per-rank shapes (a
-  GPT-OSS 20b attention holds 32 heads' online-softmax state a core and spills 9.5 MiB of it at
-  8 rows). Measured by libtpu for each geometry a family ships (`scratch_key`: chip, ranks,
+  grow with the rows (the kernel unrolls its per-row loops), with the per-rank shapes and with
+  how a body carries state (GPT-OSS 20b's attention, 32 heads' online-softmax state a core,
+  spills 1.1 MiB at 8 rows when a KV head's query heads go through each tile together, 9.5 MiB
+  one head at a time). Measured by libtpu for each geometry a family ships (`scratch_key`: chip, ranks,
   model dims, weight formats) and kernel width (benchmarks/compiler_scratch.py, data in each
   family's compiler_scratch.json), interpolated over rows (`compiler_scratch`). Measured at the
   chip's whole VMEM, where libtpu spills most: under a tighter limit it rematerialises instead
-  (120b at 8 rows: 49.18 MiB at a 64 MiB limit, 48.39 at 49), so the measure bounds it;
+  (the VMEM sweep's margins at mkc's peak as the limit), so the measure bounds it;
 - semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
   VMEM.
 
