@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mkc.layers.config import attention_heads, refuse, setting
 from mkc.layers.rope import read_rope
 from mkc.model.contracts import Dims
-from mkc.model.family import ConfigError, config_float, config_int, identifier
+from mkc.model.family import config_float, config_int, identifier
 
 FAMILY_NAME = "llama"
 DEFAULTS: dict[str, Any] = {
@@ -43,30 +44,15 @@ class LlamaDims(Dims):
     rope_original_max_position: int
 
 
-def setting(raw: Mapping, key: str) -> Any:
-    value = raw.get(key)
-    return DEFAULTS[key] if value is None else value
-
-
 def read_dims(raw: Mapping, name: str) -> LlamaDims:
     """The one reader of a Llama config; ConfigError for a setting mkc does not compute."""
-    for key, (wanted, hint) in REFUSED.items():
-        if setting(raw, key) != wanted:
-            raise ConfigError(f"{key} = {raw[key]!r} is not supported", hint)
-    ints = {key: config_int(setting(raw, key), key) for key in (
+    refuse(raw, REFUSED, DEFAULTS)
+    ints = {key: config_int(setting(raw, key, DEFAULTS), key) for key in (
         "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")}
-    heads = ints["num_attention_heads"]
-    kv_heads = config_int(raw.get("num_key_value_heads") or heads, "num_key_value_heads")
-    if kv_heads < 1 or heads % kv_heads:
-        raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
-                          f"({kv_heads})", "each group of query heads shares one KV head")
-    if heads < 1 or raw.get("head_dim") is None and ints["hidden_size"] % heads:
-        raise ConfigError(f"hidden_size ({ints['hidden_size']}) is not a multiple of num_attention_heads "
-                          f"({heads})", "give head_dim, or heads that divide the hidden size")
-    head_dim = config_int(raw.get("head_dim") or ints["hidden_size"] // heads, "head_dim")
-    if head_dim % 2:
-        raise ConfigError(f"head_dim = {head_dim} is odd", "rotary embedding pairs a head's dims")
-    eps = config_float(setting(raw, "rms_norm_eps"), "rms_norm_eps")
-    return LlamaDims(family=FAMILY_NAME, name=identifier(name), num_key_value_heads=kv_heads,
-                     head_dim=head_dim, rms_norm_eps=eps, layer_kinds=("gqa",) * ints["num_hidden_layers"],
-                     **ints, **read_rope(raw, head_dim, DEFAULTS["rope_theta"]))
+    n = ints.pop("num_attention_heads")       # LlamaConfig: KV heads default to the query heads
+    heads = attention_heads(raw, ints["hidden_size"], n,
+                            config_int(raw.get("num_key_value_heads") or n, "num_key_value_heads"))
+    return LlamaDims(family=FAMILY_NAME, name=identifier(name),
+                     rms_norm_eps=config_float(setting(raw, "rms_norm_eps", DEFAULTS), "rms_norm_eps"),
+                     layer_kinds=("gqa",) * ints["num_hidden_layers"], **heads, **ints,
+                     **read_rope(raw, heads["head_dim"], DEFAULTS["rope_theta"]))

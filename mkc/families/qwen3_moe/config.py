@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mkc.layers.config import attention_heads, refuse, setting
 from mkc.layers.rope import read_rope
 from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, config_float, config_int, identifier
@@ -54,44 +55,28 @@ class Qwen3MoeDims(Dims):
     norm_topk_prob: bool
 
 
-def setting(raw: Mapping, key: str) -> Any:
-    value = raw.get(key)
-    return DEFAULTS[key] if value is None else value
-
-
 def read_dims(raw: Mapping, name: str) -> Qwen3MoeDims:
     """The one reader of a Qwen3-MoE config; ConfigError for a setting mkc does not compute."""
-    for key, (wanted, hint) in REFUSED.items():
-        if setting(raw, key) != wanted:
-            raise ConfigError(f"{key} = {raw[key]!r} is not supported", hint)
+    refuse(raw, REFUSED, DEFAULTS)
     if raw.get("mlp_only_layers"):
         raise ConfigError(f"mlp_only_layers = {raw['mlp_only_layers']!r}: dense MLP layers are not "
                           "supported", "every layer's MLP is the sparse MoE block: write "
                           "\"mlp_only_layers\": [] or leave the key out")
-    ints = {key: config_int(setting(raw, key), key) for key in (
+    ints = {key: config_int(setting(raw, key, DEFAULTS), key) for key in (
         "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
         "moe_intermediate_size", "num_experts", "num_experts_per_tok")}
-    heads, kv_heads = ints.pop("num_attention_heads"), ints.pop("num_key_value_heads")
-    if kv_heads < 1 or heads % kv_heads:
-        raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
-                          f"({kv_heads})", "each group of query heads shares one KV head")
-    if raw.get("head_dim") is None and ints["hidden_size"] % heads:
-        raise ConfigError(f"hidden_size ({ints['hidden_size']}) is not a multiple of num_attention_heads "
-                          f"({heads})", "give head_dim, or heads that divide the hidden size")
-    head_dim = config_int(raw.get("head_dim") or ints["hidden_size"] // heads, "head_dim")
-    if head_dim % 2:
-        raise ConfigError(f"head_dim = {head_dim} is odd", "rotary embedding pairs a head's dims")
+    heads = attention_heads(raw, ints["hidden_size"], ints.pop("num_attention_heads"),
+                            ints.pop("num_key_value_heads"))
     experts, top_k = ints.pop("num_experts"), ints.pop("num_experts_per_tok")
     if not 1 <= top_k <= experts:
         raise ConfigError(f"num_experts_per_tok = {top_k} must be in 1..num_experts ({experts})",
                           "each token picks some of the experts")
-    norm_topk_prob = setting(raw, "norm_topk_prob")
+    norm_topk_prob = setting(raw, "norm_topk_prob", DEFAULTS)
     if not isinstance(norm_topk_prob, bool):
         raise ConfigError(f"norm_topk_prob = {norm_topk_prob!r} is not a boolean", "write true or false")
     return Qwen3MoeDims(
-        family=FAMILY_NAME, name=identifier(name), rms_norm_eps=config_float(setting(raw, "rms_norm_eps"),
-                                                                              "rms_norm_eps"),
-        layer_kinds=("gqa", "moe") * ints["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim,
-        **read_rope(raw, head_dim, DEFAULTS["rope_theta"], types=("default",)),
+        family=FAMILY_NAME, name=identifier(name),
+        rms_norm_eps=config_float(setting(raw, "rms_norm_eps", DEFAULTS), "rms_norm_eps"),
+        layer_kinds=("gqa", "moe") * ints["num_hidden_layers"], **heads,
+        **read_rope(raw, heads["head_dim"], DEFAULTS["rope_theta"], types=("default",)),
         experts=experts, top_k=top_k, norm_topk_prob=norm_topk_prob, **ints)

@@ -1,0 +1,37 @@
+"""Config reading the composed families share: upstream defaults for omitted keys, the
+settings a family refuses, and the attention heads a GQA kind reads."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mkc.model.family import ConfigError, config_int
+
+
+def setting(raw: Mapping, key: str, defaults: Mapping[str, Any]) -> Any:
+    """A config value, or the upstream default for a key the config omits or sets to null."""
+    value = raw.get(key)
+    return defaults[key] if value is None else value
+
+
+def refuse(raw: Mapping, refused: Mapping[str, tuple[Any, str]], defaults: Mapping[str, Any]) -> None:
+    """ConfigError for a setting nothing computes: key -> (the value computed, hint)."""
+    for key, (wanted, hint) in refused.items():
+        if setting(raw, key, defaults) != wanted:
+            raise ConfigError(f"{key} = {raw[key]!r} is not supported", hint)
+
+
+def attention_heads(raw: Mapping, hidden_size: int, heads: int, kv_heads: int) -> dict[str, int]:
+    """`num_attention_heads`, `num_key_value_heads` and `head_dim` (hidden / heads unless the
+    config gives it); ConfigError for KV heads that do not group the query heads, or an odd
+    head (rotary embedding pairs its dims)."""
+    if kv_heads < 1 or heads % kv_heads:
+        raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                          f"({kv_heads})", "each group of query heads shares one KV head")
+    if heads < 1 or raw.get("head_dim") is None and hidden_size % heads:
+        raise ConfigError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
+                          f"({heads})", "give head_dim, or heads that divide the hidden size")
+    head_dim = config_int(raw.get("head_dim") or hidden_size // heads, "head_dim")
+    if head_dim % 2:
+        raise ConfigError(f"head_dim = {head_dim} is odd", "rotary embedding pairs a head's dims")
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
