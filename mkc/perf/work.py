@@ -23,6 +23,7 @@ read. Of the two arms of a branch, the costlier is counted (per op and region).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import math
 import sys
@@ -38,6 +39,7 @@ import jax.extend.core as jcore
 import numpy as np
 
 from mkc import ir
+from mkc.model.contracts import body_of
 from mkc.runtime import scopes
 
 ELEMENTWISE = frozenset({
@@ -366,8 +368,8 @@ def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) ->
         t0 = time.perf_counter()
         closed = _traced(source, batch, verify_rows)
         kw = count_kernel(closed, batch, f"{s.family_package}.lowering")
-        lower = _module(source).lower
-        kw.sources = {(kind, op): _function_name(lower.body(kind, op))
+        lowering = importlib.import_module(kw.source)   # the module the traced kernel imported
+        kw.sources = {(kind, op): _function_name(body_of(lowering, kind, op))
                       for kind, op in kw.ops if kind != scopes.TAIL}
         kw.trace_seconds = time.perf_counter() - t0
         _COUNTED[key] = kw
