@@ -2,7 +2,7 @@
 
 Schedule gpt_oss_20b: model gpt_oss_20b (gpt_oss) on tpu7x=1x1x1, mesh tp = 2,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): f803a21b06be8ffd
+Input digest (spec, model config, mkc version): 2b677de845fdda6e
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and

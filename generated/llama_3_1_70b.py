@@ -2,7 +2,7 @@
 
 Schedule llama_3_1_70b: model llama_3_1_70b (llama) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): c13222c0c23b83f0
+Input digest (spec, model config, mkc version): 1b3222d390df1095
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 18 VMEM slots of 1024x768 bf16 tiles, 18 tiles ahead, across layers and

@@ -2,7 +2,7 @@
 
 Schedule llama_3_1_8b: model llama_3_1_8b (llama) on tpu7x=1x1x1, mesh tp = 2,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): c0a48c15a7eb550b
+Input digest (spec, model config, mkc version): d7ccda24c0fb9d28
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 14 VMEM slots of 1024x640 bf16 tiles, 14 tiles ahead, across layers and
