@@ -305,3 +305,13 @@ def test_the_family_table_s_modelled_steps_are_mkc_perf_s(row, capsys):
         assert main(["perf", str(ROOT / "schedules" / f"{spec}.sched"), "--batch", str(batch)]) == 0
         step = float(re.search(r"modelled step: ([\d.]+) ms", capsys.readouterr().out).group(1))
         assert f"{step:.2f}" == cell, (spec, batch, step)
+
+
+def test_the_llama_walkthrough_counts_the_family_s_lines():
+    """docs/extending.md's worked example gives each Llama module's length and their total."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    section = text[text.index("### From the layer library"):text.index("### A new layer kind")]
+    lengths = {p.name: p.read_text().count("\n") for p in (ROOT / "mkc" / "families" / "llama").glob("*.py")}
+    assert f"Llama, {sum(lengths.values())} lines)" in section
+    for name, n in lengths.items():
+        assert re.search(rf"`{re.escape(name)}` \({n}[ ,)]", section), (name, n)
