@@ -64,7 +64,7 @@ class DecoderReference:
             if name == "model.embed_tokens.weight":
                 w = rng.normal(0.0, 1.0, shape)
             elif name.endswith("norm.weight"):
-                w = rng.normal(0.0, 0.1, shape) + (self.final_norm == "plain")
+                w = rng.normal(0.0, 0.1, shape) + (1.0 if self.final_norm == "plain" else 0.0)
             else:
                 std = 1.0 / math.sqrt(shape[-1])
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)

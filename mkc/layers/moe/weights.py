@@ -17,7 +17,8 @@ import numpy as np
 
 from mkc.ir import WeightFormat
 from mkc.layers.moe import MoE, expert_formats
-from mkc.layers.weights import rows_of_part, tensor
+from mkc.layers.swiglu.weights import mlp_matrix
+from mkc.layers.weights import tensor
 from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
 
@@ -35,11 +36,8 @@ def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
     p = prefix + s.prefix
     if name == "router":
         return tensor(hf, p + "gate.weight").T                                   # [H, E]
-    cols = rows_of_part(d.shared_expert_intermediate_size, "mlp", rank, shards)
-    if name == "shared_gate_up":
-        return np.concatenate([tensor(hf, p + "shared_expert.gate_proj.weight", cols).T,
-                               tensor(hf, p + "shared_expert.up_proj.weight", cols).T], axis=1)
-    return tensor(hf, p + "shared_expert.down_proj.weight", (slice(None), cols)).T
+    return mlp_matrix(hf, p + "shared_expert.", d.shared_expert_intermediate_size,
+                      name.removeprefix("shared_"), rank, shards)
 
 
 def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable

@@ -18,7 +18,13 @@ def tensor_names(s: SwiGLU, d: Any) -> tuple[str, ...]:
 
 def matrix(s: SwiGLU, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
-    cols, p = rows_of_part(d.intermediate_size, "mlp", rank, shards), prefix + s.prefix
+    return mlp_matrix(hf, prefix + s.prefix, d.intermediate_size, name, rank, shards)
+
+
+def mlp_matrix(hf: Mapping, p: str, width: int, name: str, rank: int, shards: ShardTable) -> np.ndarray:
+    """`gate_up` (`[gate | up]`) or `down` of the SwiGLU MLP whose `gate_proj`, `up_proj` and
+    `down_proj` are under `p`, `width` wide, cut to `rank`'s part of the `mlp` class."""
+    cols = rows_of_part(width, "mlp", rank, shards)
     if name == "gate_up":
         return np.concatenate([tensor(hf, p + "gate_proj.weight", cols).T,
                                tensor(hf, p + "up_proj.weight", cols).T], axis=1)
