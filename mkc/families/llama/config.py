@@ -51,7 +51,8 @@ def read_dims(raw: Mapping, name: str) -> LlamaDims:
         "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size")}
     n = ints.pop("num_attention_heads")       # LlamaConfig: KV heads default to the query heads
     heads = attention_heads(raw, ints["hidden_size"], n,
-                            config_int(raw.get("num_key_value_heads") or n, "num_key_value_heads"))
+                            config_int(setting(raw, "num_key_value_heads", {"num_key_value_heads": n}),
+                                       "num_key_value_heads"))
     return LlamaDims(family=FAMILY_NAME, name=identifier(name),
                      rms_norm_eps=config_float(setting(raw, "rms_norm_eps", DEFAULTS), "rms_norm_eps"),
                      layer_kinds=("gqa",) * ints["num_hidden_layers"], **heads, **ints,

@@ -42,6 +42,7 @@ def test_defaults_are_llama_configs_and_head_dim_follows_the_hidden_size():
     ({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"), ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ({"num_key_value_heads": 0}, "multiple of num_key_value_heads"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
