@@ -182,20 +182,19 @@ def compile_module(path: str, batch: int, verify_rows: int | None = None) -> dic
     worker does that)."""
     import jax
     import numpy as np
-    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mkc.target import topology_devices
 
     spec = importlib.util.spec_from_file_location("generated_module", path)
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    topo = topologies.get_topology_desc(gen.TOPOLOGY, platform="tpu")
-    if len(topo.devices) != gen.RANKS:
+    devices = topology_devices(gen.TOPOLOGY)
+    if len(devices) != gen.RANKS:
         raise RankMismatch(f"{path}: the module runs on {gen.RANKS} ranks but topology "
-                           f"{gen.TOPOLOGY} has {len(topo.devices)} devices; recompile its "
-                           f"spec with `mesh {gen.AXIS} = {len(topo.devices)}` or a topology "
+                           f"{gen.TOPOLOGY} has {len(devices)} devices; recompile its "
+                           f"spec with `mesh {gen.AXIS} = {len(devices)}` or a topology "
                            f"of {gen.RANKS} devices")
-    # Rank order as the module's make_mesh and mkc.target order devices: by process, then id.
-    devices = sorted(topo.devices, key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices), (gen.AXIS,))
     ranked = NamedSharding(mesh, P(gen.AXIS))
     weights, state = gen.abstract_inputs(batch)
@@ -216,7 +215,7 @@ def compile_module(path: str, batch: int, verify_rows: int | None = None) -> dic
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    return {"topology": gen.TOPOLOGY, "devices": len(topo.devices), "lower_s": t1 - t0,
+    return {"topology": gen.TOPOLOGY, "devices": len(devices), "lower_s": t1 - t0,
             "compile_s": t2 - t1}
 
 

@@ -14,10 +14,12 @@ SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 os.environ["MKC_BUNDLE_CACHE"] = tempfile.mkdtemp(prefix="mkc-bundles-")
 
 
-def run_python(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run a Python script in a fresh interpreter (own XLA device count, own libtpu state)."""
+def run_python(args: list[str], timeout: float, python: str = sys.executable
+               ) -> subprocess.CompletedProcess:
+    """Run a Python script in a fresh interpreter (own XLA device count, own libtpu state), by
+    default this environment's."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([python, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -1,5 +1,6 @@
 import contextlib
 import json
+import sys
 import types
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,6 @@ def format_text(spec: Path, formats: str | tuple[str, str]) -> str:
     routed experts in `formats`: benchmarks/bundles.py's rewrite of its format lines (a key of
     its `EXPERT_FORMATS`, e.g. "fp4 block" for K3's rounded FP4 blocks, "fp8 block" for Qwen's
     rounded FP8 blocks, or the (gate_up, down) formats), line numbers kept."""
-    import sys
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bundles import format_text as text
     return text(spec, formats)
@@ -66,10 +66,11 @@ def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts:
         return lowering.routed_experts(c, x, None, weights)
 
 
-def run_example(script: str, *args: str, timeout: int) -> dict:
-    """Run an interpret-mode example script with --json in a fresh process; its summary."""
+def run_example(script: str, *args: str, timeout: int, python: str = sys.executable) -> dict:
+    """Run an interpret-mode example script with --json in a fresh process (of `python`); its
+    summary."""
     from conftest import run_python
-    r = run_python([script, "--json", *args], timeout=timeout)
+    r = run_python([script, "--json", *args], timeout=timeout, python=python)
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))
     return json.loads(line[5:])

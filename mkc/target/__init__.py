@@ -8,6 +8,7 @@ need no TPU. Capacities and rates come from `pltpu.get_tpu_info_for_chip`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,25 +122,55 @@ def _quiet_stderr():
         os.close(saved)
 
 
-@lru_cache(maxsize=256)
-def _devices(spec: str) -> tuple[tuple[tuple[int, ...], int, int], ...]:
-    """(chip coordinates, host, TensorCores) per device of a compile-only topology, in rank
-    order: by process (host), then device id, as generated modules' `make_mesh` orders them.
-    Raises TargetError with libtpu's message if libtpu refuses the topology."""
+_HOST_BOUNDS = re.compile(r'chips_per_host_bounds "(\d+(?:x\d+)*)"')
+
+
+def _within_one_host(spec: str, error: str) -> tuple[int, ...] | None:
+    """The slice's own shape as its host bounds when libtpu refused it only for being smaller
+    than a host (an older libtpu, 0.0.48 of vLLM TPU's pin, lays out tpu7x=1x1x1 only so);
+    None for any other refusal."""
+    bounds = _HOST_BOUNDS.search(error)
+    if bounds is None:
+        return None
+    dims = tuple(int(d) for d in spec.split("=")[1].split("x"))
+    host = tuple(int(d) for d in bounds.group(1).split("x"))
+    if len(host) != len(dims) or any(d > h for d, h in zip(dims, host)):
+        return None
+    return dims
+
+
+def topology_devices(spec: str) -> list:
+    """libtpu's compile-only devices of topology `spec` ("tpu7x=2x2x1"), in rank order: by
+    process (host), then device id, as generated modules' `make_mesh` orders them. Raises
+    RuntimeError (JAX's) if libtpu refuses the topology or is not installed."""
     # libtpu holds /tmp/libtpu_lockfile for the life of a process that loads it; compile-only
     # topologies touch no TPU, so a second mkc (or test worker) may load it as well.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
-    try:
-        with _quiet_stderr():
+    with _quiet_stderr():
+        try:
             devices = topologies.get_topology_desc(spec, platform="tpu").devices
+        except RuntimeError as e:
+            within = _within_one_host(spec, str(e))
+            if within is None:
+                raise
+            devices = topologies.get_topology_desc(spec, platform="tpu",
+                                                   chips_per_host_bounds=within).devices
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+@lru_cache(maxsize=256)
+def _devices(spec: str) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+    """(chip coordinates, host, TensorCores) per device of a compile-only topology, in rank
+    order. Raises TargetError with libtpu's message if libtpu refuses the topology."""
+    try:
+        devices = topology_devices(spec)
     except RuntimeError as e:   # JaxRuntimeError, or libtpu not installed
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"libtpu cannot lay out topology {spec}: {text}",
                           "write a slice shape of the generation") from None
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return tuple((tuple(d.coords), d.process_index, int(getattr(d, "num_cores", 1)))
-                 for d in ordered)
+                 for d in devices)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,62 @@
+"""Generated modules and mkc.runtime on the serving engine's JAX: vLLM TPU pins jax 0.11.2 and
+libtpu 0.0.48 (tpu-inference 0.32.0), mkc's compiler runs on its own. In a second environment
+built from those pins (`./dev engine-setup`, .venv-engine), a MINI module runs decode steps in
+interpret mode bit-equal to its rounding emulation, and libtpu 0.0.48 compiles a full-size
+kernel, a decode and a verify step."""
+import json
+import subprocess
+
+import pytest
+
+from conftest import run_python
+from tests_support import ROOT, assert_bit_equal, run_example
+
+ENGINE = {"jax": "0.11.2", "jaxlib": "0.11.2", "libtpu": "0.0.48"}
+
+
+@pytest.fixture(scope="module")
+def engine_python() -> str:
+    """.venv-engine's interpreter, built (or found current) by `./dev engine-setup`."""
+    r = subprocess.run([str(ROOT / "dev"), "engine-setup"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    python = str(ROOT / ".venv-engine" / "bin" / "python")
+    r = run_python(["-c", "import importlib.metadata as m, json; print(json.dumps("
+                    f"{{p: m.version(p) for p in {sorted(ENGINE)}}}))"], timeout=60, python=python)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout) == ENGINE
+    return python
+
+
+@pytest.mark.slow
+def test_a_mini_module_runs_bit_equal_on_the_engine_s_jax(engine_python):
+    assert_bit_equal(run_example("examples/run_mini.py", "--steps", "2", "--batch", "1",
+                                 timeout=900, python=engine_python))
+
+
+@pytest.mark.slow
+def test_the_engine_s_libtpu_compiles_a_full_size_kernel(engine_python):
+    # Llama 3.1 8B is one chip (tpu7x 1x1x1), a slice smaller than a host: libtpu 0.0.48 lays
+    # it out only with the slice's own host bounds (mkc.target.topology_devices).
+    code = ("from mkc import confirm; import json; print(json.dumps(["
+            "confirm.compile_module('generated/llama_3_1_8b.py', 1), "
+            "confirm.compile_module('generated/llama_3_1_8b.py', 2, 8)]))")
+    r = run_python(["-c", code], timeout=900, python=engine_python)
+    assert r.returncode == 0, r.stderr[-3000:]
+    decode, verify = json.loads(r.stdout.splitlines()[-1])
+    assert decode["topology"] == verify["topology"] == "tpu7x=1x1x1"
+    assert decode["devices"] == verify["devices"] == 2
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("script, args", [
+    ("examples/run_mini.py", ("--spec", "schedules/qwen3_5_35b_a3b.sched",
+                              "--model", "qwen3_5_moe_mini")),
+    ("examples/run_mini.py", ("--spec", "schedules/gpt_oss_20b.sched", "--model", "gpt_oss_mini")),
+    ("examples/run_mini.py", ("--spec", "schedules/llama_3_1_70b.sched", "--model", "llama_mini")),
+    ("examples/run_mini.py", ("--spec", "schedules/qwen3_30b_a3b.sched", "--model", "qwen3_moe_mini")),
+    ("examples/run_k3_mini.py", ()),
+], ids=["qwen3_5_moe", "gpt_oss", "llama", "qwen3_moe", "kimi_k3"])
+def test_every_family_runs_bit_equal_on_the_engine_s_jax(engine_python, script, args):
+    assert_bit_equal(run_example(script, *args, "--steps", "2", "--batch", "2",
+                                 timeout=1800, python=engine_python))
