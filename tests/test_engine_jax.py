@@ -60,3 +60,21 @@ def test_the_engine_s_libtpu_compiles_a_full_size_kernel(engine_python):
 def test_every_family_runs_bit_equal_on_the_engine_s_jax(engine_python, script, args):
     assert_bit_equal(run_example(script, *args, "--steps", "2", "--batch", "2",
                                  timeout=1800, python=engine_python))
+
+
+@pytest.mark.extended
+def test_mkc_serve_on_the_engine_s_jax_equals_greedy_decoding(engine_python):
+    import sys
+    sys.path.insert(0, str(ROOT / "tests" / "serve"))
+    import openai
+    from serve_process import MODEL, SPEC, cpu_env, reference_greedy, token_ids
+
+    from mkc.serve import launch
+    greedy = reference_greedy()
+    with launch.running_server(SPEC, MODEL, ["--batch", "2"], env=cpu_env(),
+                               python=engine_python) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        for prompt, n in [([5, 17, 99], 3), ([1000], 2)]:
+            choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n,
+                                               temperature=0).choices[0]
+            assert token_ids(choice) == greedy(prompt, n)[0]
