@@ -88,7 +88,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   four sums in other orders: a softmax over the whole cache against the kernel's online
 #   softmax over KV tiles (rows past 2 tiles), q/k norms over all heads at once against per
 #   head, the conv as a sum over taps against a chain of FMAs, and a batched delta rule
-#   against per row and head. ``mkc.families.qwen3_5.reference`` now writes these as the
+#   against per row and head. ``mkc.layers.gated_delta_net.reference`` now writes these as the
 #   kernel does, jitted, in its shapes. Measured at step 0: batch 2 bit-equal for weight
 #   seeds 0 to 3, for ml_dtypes 0.7's weights, and with two-level or direct all-reduces;
 #   batch 4 bit-equal (was key cache 1.0e-6). Past step 0, from the kernel's own state, two
@@ -104,7 +104,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   the kernel head by head, 9.5e-7 apart; from position 141 (batch 2, step 1) that flipped a
 #   bf16 input of layer 4's out_proj: logits up to 7.1e-3 (absolute) from the emulation (verify
 #   row 1 from 141 likewise: 1.7e-3; before, the decode tests from 136 happened to stay
-#   exact). ``mkc.families.qwen3_5.reference`` now passes the values to the delta rule as their
+#   exact). ``mkc.layers.gated_delta_net.reference`` now passes the values to the delta rule as their
 #   SiLU factors and runs the gated norm head by head, jitted; measured there: batch 2 steps 0
 #   and 1 from 136 and from 141, and the three verify rows from 141, bit-equal (logits and
 #   every state). The Qwen3.5 MoE emulation shares both.

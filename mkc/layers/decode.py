@@ -28,11 +28,13 @@ class DecoderReference:
 
     def __init__(self, layers: Composition, read_dims: Callable[[Mapping, str], Any],
                  model_types: tuple[str, ...], final_norm: str = "plain",
-                 model_layer: Callable[[int], int] = lambda layer: layer):
+                 model_layer: Callable[[int], int] = lambda layer: layer, norms_last: bool = False):
         # `model_layer`: the model layer of a loop layer (a family whose sublayers are loop
-        # layers of their own, attention then MoE, runs two a model layer)
+        # layers of their own, attention then MoE, runs two a model layer). `norms_last`: random
+        # weights draw each layer's layer norms after its other tensors (Qwen3.5's order, which
+        # its recorded MINI results were drawn in).
         self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
-        self.final_norm, self.model_layer = final_norm, model_layer
+        self.final_norm, self.model_layer, self.norms_last = final_norm, model_layer, norms_last
 
     def load_config(self, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
         """The model's dims (dict, config.json path or checkpoint directory), read by the
@@ -42,26 +44,40 @@ class DecoderReference:
             raise ValueError(f"expected model_type {self.model_types[0]!r}, got {raw.get('model_type')!r}")
         return in_range(self.read_dims(raw, name))
 
-    def param_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Every upstream parameter name -> (PyTorch shape, dtype name)."""
+    def _owned_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str, Any]]:
+        """Every upstream parameter -> (shape, dtype, the sublayer owning it or None)."""
         bf16 = "bfloat16"
-        shapes = {"model.embed_tokens.weight": ((d.vocab_size, d.hidden_size), bf16)}
+        out: dict[str, tuple[tuple[int, ...], str, Any]] = {
+            "model.embed_tokens.weight": ((d.vocab_size, d.hidden_size), bf16, None)}
         for i, kind in enumerate(d.layer_kinds):
             for sub in self.layers[kind]:
-                shapes |= sub.module("reference").param_shapes(sub, d, f"model.layers.{self.model_layer(i)}.")
-        shapes["model.norm.weight"] = ((d.hidden_size,), bf16)
-        shapes["lm_head.weight"] = ((d.vocab_size, d.hidden_size), bf16)
-        return shapes
+                shapes = sub.module("reference").param_shapes(sub, d, f"model.layers.{self.model_layer(i)}.")
+                out |= {name: (*spec, sub) for name, spec in shapes.items()}
+        out["model.norm.weight"] = ((d.hidden_size,), bf16, None)
+        out["lm_head.weight"] = ((d.vocab_size, d.hidden_size), bf16, None)
+        return out
+
+    def param_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every upstream parameter name -> (PyTorch shape, dtype name)."""
+        return {name: (shape, dtype) for name, (shape, dtype, _) in self._owned_shapes(d).items()}
 
     def init_params(self, d: Any, seed: int) -> dict[str, np.ndarray]:
         """Random bf16 weights scaled so the residual stream and logits stay O(1) at any depth:
         projections N(0, 1/fan_in), those writing the residual stream further by 1/sqrt(2
-        layers); norm weights near their gain of 1 (1 + w for a zero-centred norm)."""
+        layers); norm weights near their gain of 1 (1 + w for a zero-centred norm); a kind's
+        own tensors as its reference's `init_weight` draws them."""
         rng = np.random.default_rng(seed)
         residual_scale = 1.0 / math.sqrt(2 * d.num_hidden_layers)
+        owned = self._owned_shapes(d)
         out = {}
-        for name, (shape, _) in self.param_shapes(d).items():
-            if name == "model.embed_tokens.weight":
+        for name in self._draw_order(owned):
+            shape, _, sub = owned[name]
+            drawn = None
+            if sub is not None and hasattr(sub.module("reference"), "init_weight"):
+                drawn = sub.module("reference").init_weight(sub, name, shape, rng)
+            if drawn is not None:
+                w = drawn
+            elif name == "model.embed_tokens.weight":
                 w = rng.normal(0.0, 1.0, shape)
             elif name.endswith("norm.weight"):
                 w = rng.normal(0.0, 0.1, shape) + (1.0 if self.final_norm == "plain" else 0.0)
@@ -69,7 +85,21 @@ class DecoderReference:
                 std = 1.0 / math.sqrt(shape[-1])
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
             out[name] = bf16_weights(w)
-        return out
+        return {name: out[name] for name in owned}
+
+    def _draw_order(self, names: Mapping[str, Any]) -> list[str]:
+        if not self.norms_last:
+            return list(names)
+        order: list[str] = []
+        layer_norms: list[str] = []
+        prefix = None
+        for name in names:
+            here = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else None
+            if here != prefix:
+                order += layer_norms
+                layer_norms, prefix = [], here
+            (layer_norms if name.endswith("layernorm.weight") else order).append(name)
+        return order + layer_norms
 
     def init_cache(self, d: Any, batch: int, context: int, dtype: Any = jnp.bfloat16) -> dict[str, jax.Array]:
         """Zeroed caches; KV caches in `dtype`: bf16 as the kernel and a bf16 upstream model

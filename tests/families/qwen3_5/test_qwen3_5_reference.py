@@ -2,6 +2,7 @@
 of one gated-delta-net layer and of cached attention."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -11,8 +12,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkc.model.config import CONFIG_DIR
 from mkc.families.qwen3_5 import reference as ref
+from mkc.families.qwen3_5.config import Qwen35Dims
+from mkc.families.qwen3_5.graph import GATED_ATTENTION
+from mkc.layers.gated_delta_net import reference as gdn
+from mkc.layers.gqa import reference as gqa
+from mkc.model.config import CONFIG_DIR
 
 CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "qwen3_8_27b.json"
@@ -20,12 +25,12 @@ MINI_JSON = CONFIGS / "qwen3_8_mini.json"
 
 
 @pytest.fixture(scope="module")
-def mini() -> ref.Qwen35Config:
+def mini() -> Qwen35Dims:
     return ref.load_config(MINI_JSON)
 
 
 @pytest.fixture(scope="module")
-def mini_params(mini: ref.Qwen35Config) -> dict[str, np.ndarray]:
+def mini_params(mini: Qwen35Dims) -> dict[str, np.ndarray]:
     return ref.init_params(mini, seed=0)
 
 
@@ -37,6 +42,10 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
+def _layers(d: Qwen35Dims, kind: str) -> tuple[int, ...]:
+    return tuple(i for i, k in enumerate(d.layer_kinds) if k == kind)
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs
 
@@ -44,14 +53,14 @@ def _bf16_round(x: np.ndarray) -> np.ndarray:
 def test_full_config() -> None:
     cfg = ref.load_config(FULL_JSON)
     assert cfg.num_hidden_layers == 64 and len(cfg.layer_kinds) == 64
-    assert cfg.full_attention_layers == tuple(i for i in range(64) if i % 4 == 3)
-    assert len(cfg.full_attention_layers) == 16 and len(cfg.linear_attention_layers) == 48
+    assert _layers(cfg, "gqa") == tuple(i for i in range(64) if i % 4 == 3)
+    assert len(_layers(cfg, "gqa")) == 16 and len(_layers(cfg, "gdn")) == 48
     assert (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size) == (5120, 248320, 17408)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (24, 4, 256)
     assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e7 and cfg.rms_norm_eps == 1e-6
     assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 48)
-    assert cfg.linear_conv_dim == 10240 and cfg.linear_value_dim == 6144
-    assert not cfg.tie_word_embeddings
+    assert cfg.linear_conv_dim == 10240
+    assert cfg.linear_num_value_heads * cfg.linear_value_head_dim == 6144
 
     shapes = ref.param_shapes(cfg)
     assert shapes["model.layers.0.linear_attn.in_proj_qkv.weight"][0] == (10240, 5120)
@@ -78,18 +87,18 @@ def test_layer_kinds_from_interval_and_composite_config() -> None:
         ref.load_config({**raw, "rope_parameters": {"rope_type": "default"}})
 
 
-def test_mini_config_is_tp8_tile_aligned(mini: ref.Qwen35Config) -> None:
+def test_mini_config_is_tp8_tile_aligned(mini: Qwen35Dims) -> None:
     full = ref.load_config(FULL_JSON)
     assert mini.layer_kinds == full.layer_kinds[: mini.num_hidden_layers]
     kinds = mini.layer_kinds
     transitions = {(a, b) for a, b in zip(kinds, kinds[1:]) if a != b}
-    assert transitions == {(ref.LINEAR, ref.FULL), (ref.FULL, ref.LINEAR)}
-    assert (mini.rms_norm_eps, mini.rope_theta, mini.partial_rotary_factor) == (1e-6, 1e7, 0.25)
+    assert transitions == {("gdn", "gqa"), ("gqa", "gdn")}
+    assert (mini.rms_norm_eps, mini.rope_theta, mini.rotary_dim / mini.head_dim) == (1e-6, 1e7, 0.25)
     tp = 8
     per_rank = {
         "q+gate columns": 2 * mini.num_attention_heads * mini.head_dim // tp,
         "gdn conv channels": mini.linear_conv_dim // tp,
-        "gdn value columns": mini.linear_value_dim // tp,
+        "gdn value columns": mini.linear_num_value_heads * mini.linear_value_head_dim // tp,
         "mlp columns": mini.intermediate_size // tp,
         "vocab rows": mini.vocab_size // tp,
     }
@@ -132,7 +141,7 @@ def _naive_delta_rule_one_head(state: np.ndarray, q: np.ndarray, k: np.ndarray, 
     return np.array(o), np.array(s)
 
 
-def _numpy_gdn_layer(p: dict[str, np.ndarray], cfg: ref.Qwen35Config, x: np.ndarray,
+def _numpy_gdn_layer(p: dict[str, np.ndarray], cfg: Qwen35Dims, x: np.ndarray,
                      conv_state: np.ndarray, state: np.ndarray, naive_head: int
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One token of Qwen3_5GatedDeltaNet for batch 1, written from the upstream math in float64.
@@ -140,7 +149,8 @@ def _numpy_gdn_layer(p: dict[str, np.ndarray], cfg: ref.Qwen35Config, x: np.ndar
     Returns (output, new conv window tail, new state, per-head outputs); ``naive_head`` is also
     recomputed with explicit loops and checked against the vectorised recurrence."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, kd = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_key_dim
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd = hk * dk
     mixed = _bf16_round(p["in_proj_qkv.weight"] @ x)               # conv input is stored as bf16
     window = np.concatenate([conv_state, mixed[:, None]], axis=1)  # [C, K]
     conv = (window * p["conv1d.weight"][:, 0, :]).sum(axis=1)
@@ -170,9 +180,9 @@ def _numpy_gdn_layer(p: dict[str, np.ndarray], cfg: ref.Qwen35Config, x: np.ndar
     return p["out_proj.weight"] @ gated.reshape(-1), window[:, 1:], new_state, o
 
 
-def test_gated_delta_net_matches_numpy_loops(mini: ref.Qwen35Config,
+def test_gated_delta_net_matches_numpy_loops(mini: Qwen35Dims,
                                              mini_params: dict[str, np.ndarray]) -> None:
-    layer = mini.linear_attention_layers[0]
+    layer = _layers(mini, "gdn")[0]
     prefix = f"model.layers.{layer}.linear_attn."
     p64 = {n[len(prefix):]: _f64(mini_params, n) for n in mini_params if n.startswith(prefix)}
     p32 = {n: jnp.asarray(w, jnp.float32) for n, w in p64.items()}
@@ -183,7 +193,7 @@ def test_gated_delta_net_matches_numpy_loops(mini: ref.Qwen35Config,
     state = rng.normal(0, 0.3, size=(hv, dk, dv))
     jax_conv = jnp.asarray(conv_state[None], jnp.bfloat16)
     jax_state = jnp.asarray(state[None], jnp.float32)
-    block = jax.jit(ref.linear_attention_block, static_argnums=1)
+    block = jax.jit(gdn.block, static_argnums=1)
     for step, head in enumerate((5, 0, hv - 1)):  # 5 reads key head 2: exercises the grouping
         x = rng.normal(size=mini.hidden_size)
         out, jax_conv, jax_state = block(p32, mini, jnp.asarray(x[None], jnp.float32), jax_conv, jax_state)
@@ -198,7 +208,7 @@ def test_gated_delta_net_matches_numpy_loops(mini: ref.Qwen35Config,
 # Cached attention against a from-scratch causal recomputation
 
 
-def _numpy_causal_attention(p: dict[str, np.ndarray], cfg: ref.Qwen35Config, xs: np.ndarray) -> np.ndarray:
+def _numpy_causal_attention(p: dict[str, np.ndarray], cfg: Qwen35Dims, xs: np.ndarray) -> np.ndarray:
     """Gated GQA over a whole sequence ``xs [T, H]`` (prefill style), float64, from upstream's math."""
     t_len = xs.shape[0]
     hq, hkv, d, rot = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
@@ -233,9 +243,9 @@ def _numpy_causal_attention(p: dict[str, np.ndarray], cfg: ref.Qwen35Config, xs:
     return out
 
 
-def test_cached_attention_matches_full_recompute(mini: ref.Qwen35Config,
+def test_cached_attention_matches_full_recompute(mini: Qwen35Dims,
                                                  mini_params: dict[str, np.ndarray]) -> None:
-    layer = mini.full_attention_layers[0]
+    layer = _layers(mini, "gqa")[0]
     prefix = f"model.layers.{layer}.self_attn."
     p64 = {n[len(prefix):]: _f64(mini_params, n) for n in mini_params if n.startswith(prefix)}
     p32 = {n: jnp.asarray(w, jnp.float32) for n, w in p64.items()}
@@ -244,7 +254,7 @@ def test_cached_attention_matches_full_recompute(mini: ref.Qwen35Config,
     xs = rng.normal(size=(batch, t_len, mini.hidden_size))
     shape = (batch, mini.num_key_value_heads, context, mini.head_dim)
     kc, vc = jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)
-    block = jax.jit(ref.full_attention_block, static_argnums=1)
+    block = jax.jit(functools.partial(gqa.block, GATED_ATTENTION), static_argnums=1)
     got = []
     for t in range(t_len):
         out, kc, vc = block(p32, mini, jnp.asarray(xs[:, t], jnp.float32), kc, vc,

@@ -2,6 +2,7 @@
 reference's config parsing, and the parameter table (upstream names, about 35B / 3B active)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,17 +90,17 @@ def test_upstream_neutral_values_are_accepted() -> None:
 
 def test_reference_config() -> None:
     full = ref.load_config(FULL_JSON)
-    assert full.layer_kinds == (ref.LINEAR, ref.LINEAR, ref.LINEAR, ref.FULL) * 10
-    assert (full.num_experts, full.num_experts_per_tok) == (256, 8)
+    assert full.layer_kinds == ("gdn", "moe", "gdn", "moe", "gdn", "moe", "gqa", "moe") * 10
+    assert (full.experts, full.top_k) == (256, 8)
     assert (full.moe_intermediate_size, full.shared_expert_intermediate_size) == (512, 512)
-    assert full.norm_topk_prob and full.intermediate_size == 0
+    assert full.norm_topk_prob and not hasattr(full, "intermediate_size")
     assert (full.rotary_dim, full.rope_theta, full.linear_conv_dim) == (64, 1e7, 8192)
     # A composite checkpoint config: the text model under text_config.
     composite = {"model_type": "qwen3_5_moe", "text_config": FULL}
-    assert ref.load_config(composite) == full
+    assert dataclasses.replace(ref.load_config(composite), name=full.name) == full
     # Omitted keys take the upstream Qwen3_5MoeTextConfig defaults, which describe the 35B model.
     sparse = {"model_type": "qwen3_5_moe_text", "rope_parameters": {"rope_theta": 10000000}}
-    assert ref.load_config(sparse) == full
+    assert dataclasses.replace(ref.load_config(sparse), name=full.name) == full
     with pytest.raises(ValueError, match="qwen3_5_moe_text"):
         ref.load_config({**FULL, "model_type": "qwen3_5_text"})
     with pytest.raises(ValueError, match="num_experts_per_tok"):
@@ -122,7 +123,7 @@ def test_parameter_table_uses_upstream_names() -> None:
     }
     layer0 = [n[len("model.layers.0."):] for n in shapes if n.startswith("model.layers.0.")]
     assert layer0[:2] == ["linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"]
-    assert layer0[-2:] == ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    assert {"input_layernorm.weight", "post_attention_layernorm.weight"} <= set(layer0)
     assert "model.layers.3.self_attn.q_proj.weight" in shapes and "lm_head.weight" in shapes
     assert all(dtype == "bfloat16" for _, dtype in shapes.values())
     # 3 global + 30 gated-delta-net layers x 18 + 10 attention layers x 15 tensors: the count of a

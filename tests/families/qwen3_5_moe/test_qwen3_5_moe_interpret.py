@@ -68,7 +68,7 @@ def test_on_wait_two_steps_match_the_emulation_and_mutants_are_rejected(expert_s
 # a bf16 wire rounding of the routed all-reduce flipped: 2.4e-4 in its MoE output), and it
 # added the MoE block to the residual stream in another order (an ulp or two in every row, which
 # flipped a conv input of row 7 in the next layer). The reference now writes both as the kernel
-# does (`mkc.families.qwen3_5_moe.reference`); measured there: bit-equal, YNNPACK on or off.
+# does (`mkc.layers.moe.reference`); measured there: bit-equal, YNNPACK on or off.
 # Then step 1 at batch 7 and 8 (same host and flags): row 2's logits 6.6e-5 off (8.6x the exact
 # bound), every state equal. Captured op by op, the first value off was rank 1's routed partial
 # sum in the third MoE layer (row 2, 1.8e-5 in every element): the kernel multiplies an

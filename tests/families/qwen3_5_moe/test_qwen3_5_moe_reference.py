@@ -4,6 +4,7 @@ and the rounding emulation's expert-parallel decomposition."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,22 +12,26 @@ import numpy as np
 import pytest
 
 from mkc.families.qwen3_5_moe import reference as ref
+from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
+from mkc.families.qwen3_5_moe.graph import LAYERS
+from mkc.layers.moe import reference as moe_reference
+from mkc.layers.reference import linear
 from mkc.model.config import CONFIG_DIR
 from mkc.reference.rounding import Reduce, Rounding
 
 MINI_JSON = CONFIG_DIR / "qwen3_5_moe_mini.json"
 
 decode = jax.jit(ref.decode_step, static_argnums=(1, 5))
-moe = jax.jit(ref.moe_block, static_argnums=(1, 3, 4))
+moe = jax.jit(functools.partial(moe_reference.block, LAYERS["moe"][0]), static_argnums=(1, 3, 4))
 
 
 @pytest.fixture(scope="module")
-def mini() -> ref.Qwen35MoeConfig:
+def mini() -> Qwen35MoeDims:
     return ref.load_config(MINI_JSON)
 
 
 @pytest.fixture(scope="module")
-def mini_params(mini: ref.Qwen35MoeConfig) -> dict[str, np.ndarray]:
+def mini_params(mini: Qwen35MoeDims) -> dict[str, np.ndarray]:
     return ref.init_params(mini, seed=0)
 
 
@@ -85,7 +90,7 @@ def test_route(renormalize: bool) -> None:
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_block_matches_numpy(mini: ref.Qwen35MoeConfig, mini_params: dict[str, np.ndarray],
+def test_moe_block_matches_numpy(mini: Qwen35MoeDims, mini_params: dict[str, np.ndarray],
                                  renormalize: bool) -> None:
     cfg = dataclasses.replace(mini, norm_topk_prob=renormalize)
     rng = np.random.default_rng(4)
@@ -95,13 +100,13 @@ def test_moe_block_matches_numpy(mini: ref.Qwen35MoeConfig, mini_params: dict[st
         got = np.asarray(moe({n: jnp.asarray(w, jnp.float32) for n, w in p64.items()}, cfg,
                              jnp.asarray(x, jnp.float32), None, ""))
         for b in range(x.shape[0]):
-            want, ids, weights = _numpy_moe(p64, x[b], mini.num_experts_per_tok, renormalize)
-            assert len(set(ids)) == mini.num_experts_per_tok and 0 < weights.min()
+            want, ids, weights = _numpy_moe(p64, x[b], mini.top_k, renormalize)
+            assert len(set(ids)) == mini.top_k and 0 < weights.min()
             np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
                                        err_msg=f"layer {layer} row {b}")
 
 
-def test_renormalisation_changes_the_output(mini: ref.Qwen35MoeConfig,
+def test_renormalisation_changes_the_output(mini: Qwen35MoeDims,
                                             mini_params: dict[str, np.ndarray]) -> None:
     """Without renormalisation the routed part shrinks by the chosen experts' total probability
     (below 1); the shared expert is untouched. Zeroing the shared expert isolates the routed part."""
@@ -111,7 +116,7 @@ def test_renormalisation_changes_the_output(mini: ref.Qwen35MoeConfig,
     x = jnp.asarray(np.random.default_rng(5).normal(size=(3, mini.hidden_size)), jnp.float32)
     on = moe(p, mini, x, None, "")
     off = moe(p, dataclasses.replace(mini, norm_topk_prob=False), x, None, "")
-    _, weights = ref.route(ref.linear(x, p["gate.weight"]), mini.num_experts_per_tok, False)
+    _, weights = ref.route(linear(x, p["gate.weight"]), mini.top_k, False)
     mass = np.asarray(weights).sum(-1)
     assert np.all((mass > 0.05) & (mass < 0.95)), mass
     np.testing.assert_allclose(np.asarray(off), np.asarray(on) * mass[:, None], rtol=1e-4, atol=1e-6)
@@ -125,7 +130,7 @@ def test_renormalisation_changes_the_output(mini: ref.Qwen35MoeConfig,
 # Rounding emulation
 
 
-def _rounding(cfg: ref.Qwen35MoeConfig, expert_tp: int, matmul_input: str, wire: str) -> Rounding:
+def _rounding(cfg: Qwen35MoeDims, expert_tp: int, matmul_input: str, wire: str) -> Rounding:
     """An 8-rank schedule's rounding facts, written by hand (no graph exists for this family):
     heads, the shared expert and the vocabulary split over all ranks; the experts in
     ``8 // expert_tp`` groups, each expert's width split ``expert_tp`` ways inside its group;
@@ -138,7 +143,7 @@ def _rounding(cfg: ref.Qwen35MoeConfig, expert_tp: int, matmul_input: str, wire:
     shard = {"nv": cfg.linear_num_value_heads // ranks, "nq": cfg.num_attention_heads // ranks,
              "shared": cfg.shared_expert_intermediate_size // ranks, "vocab": cfg.vocab_size // ranks,
              "expert_tp": expert_tp, "expert_width": cfg.moe_intermediate_size // expert_tp,
-             "local_experts": cfg.num_experts // (ranks // expert_tp)}
+             "local_experts": cfg.experts // (ranks // expert_tp)}
     return Rounding(ranks=ranks, reduces=reduces, storage=(("gdn", "conv", "bf16"),
                     ("gdn", "recurrent", "f32"), ("gqa", "kv", "bf16")),
                     shard=tuple(sorted(shard.items())), matmul_input=matmul_input,
@@ -146,7 +151,7 @@ def _rounding(cfg: ref.Qwen35MoeConfig, expert_tp: int, matmul_input: str, wire:
 
 
 @pytest.mark.parametrize("expert_tp", [1, 2])
-def test_expert_parallel_split_sums_to_the_plain_block(mini: ref.Qwen35MoeConfig,
+def test_expert_parallel_split_sums_to_the_plain_block(mini: Qwen35MoeDims,
                                                        mini_params: dict[str, np.ndarray],
                                                        expert_tp: int) -> None:
     """Without bf16 anywhere, the per-rank partial sums of the emulation add up to the plain
@@ -158,7 +163,7 @@ def test_expert_parallel_split_sums_to_the_plain_block(mini: ref.Qwen35MoeConfig
     np.testing.assert_allclose(split, plain, rtol=1e-5, atol=1e-6 * np.abs(plain).max())
 
 
-def test_rounding_emulation_decode_is_close_to_plain(mini: ref.Qwen35MoeConfig,
+def test_rounding_emulation_decode_is_close_to_plain(mini: Qwen35MoeDims,
                                                      mini_params: dict[str, np.ndarray]) -> None:
     """bf16 matmul inputs and a bf16 wire move the logits at bf16 scale, no more. (Run eagerly:
     the emulation's per-rank loops make a graph that takes far longer to compile than to run.)"""
