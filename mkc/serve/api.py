@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
 from mkc.serve.engine import Engine, Event, QueueFull, Request
-from mkc.serve.model import Served
+from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
@@ -216,6 +216,19 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                                 "checkpoint directory with tokenizer.json and the `tokenizers` or "
                                 "`transformers` package); pass the prompt as token ids instead")
         return tokenizer
+
+    def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
+        """The conversation's prompt through the chat template; a template's refusal is a 400."""
+        if tokenizer is None or tokenizer.chat is None:
+            raise ApiError(400, f"'{served.name}' has no chat template: chat needs a checkpoint "
+                                "directory with a tokenizer and a chat template (tokenizer_config.json's "
+                                "chat_template, or chat_template.jinja); use /v1/completions", "messages")
+        if not messages:
+            raise ApiError(400, "messages is empty: give at least one message", "messages")
+        try:
+            return tokenizer.chat(messages)
+        except TokenizerError as e:
+            raise ApiError(400, str(e), "messages") from None
 
     def check_ids(ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -415,15 +428,9 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest):
         check_model(body.model)
-        if tokenizer is None or tokenizer.chat is None:
-            raise ApiError(400, f"'{served.name}' has no chat template: chat needs a checkpoint "
-                                "directory with a tokenizer and a chat template (and the "
-                                "`transformers` package); use /v1/completions with token ids")
-        if not body.messages:
-            raise ApiError(400, "messages is empty: give at least one message", "messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = check_ids(tokenizer.chat(body.messages), "messages")
+        prompt = check_ids(chat_ids(body.messages), "messages")
         return await generate(http, body, prompt, body.max_completion_tokens or body.max_tokens,
                               (body.top_logprobs or 0) if body.logprobs else None, chat=True)
 
@@ -434,9 +441,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt (text) or messages (chat)")
         if body.messages is not None:
-            if tok.chat is None:
-                raise ApiError(400, f"'{served.name}' has no chat template", "messages")
-            ids = tok.chat(body.messages)
+            ids = chat_ids(body.messages)
         else:
             ids = tok.encode(body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.context}

@@ -8,10 +8,12 @@ module's ranks are virtual devices).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,28 +43,162 @@ def import_generated(source: str, name: str) -> Any:
     return module
 
 
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files that cannot be used (an unreadable tokenizer_config.json, a
+    chat template that does not parse), or a conversation its chat template refuses; the
+    message says which file or which refusal."""
+
+
+# The special-token names transformers passes to a chat template (its special_tokens_map)
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path} cannot be read as JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} holds a {type(data).__name__}, not an object")
+    return data
+
+
+class ChatTemplate:
+    """A checkpoint's Jinja chat template, rendered as transformers' `apply_chat_template`
+    renders it: in jinja2's immutable sandbox with `trim_blocks` and `lstrip_blocks`; the
+    `loopcontrols` extension; `{% generation %}` blocks (transformers' assistant-mask marker)
+    kept as plain text; the globals `raise_exception(message)` and `strftime_now(format)`; a
+    `tojson` filter that does not escape HTML (json.dumps, `ensure_ascii` off); and the
+    variables `messages`, `add_generation_prompt`, `tools` and `documents` (none) and the
+    tokenizer's special tokens (`bos_token`, `eos_token`, ...). A message whose content is
+    OpenAI's list of parts reaches the template as its text parts joined.
+
+    Raises TokenizerError when the template does not parse (at start), and from `render` when
+    it refuses a conversation (its `raise_exception`, an undefined name, a sandbox violation,
+    any error while rendering)."""
+
+    def __init__(self, source: str, variables: dict[str, Any], where: str):
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):
+            tags = {"generation"}
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+        def raise_exception(message: Any) -> None:
+            raise jinja2.TemplateError(str(message))
+
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, Generation])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TokenizerError(f"{where}: the chat template does not parse (line {e.lineno}: "
+                                 f"{e.message})") from None
+        self._variables = variables
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        messages = [{**m, "content": _text_of(m["content"])} if isinstance(m.get("content"), list)
+                    else m for m in messages]
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self._variables)
+        except Exception as e:           # the template is the checkpoint's code: any failure is its refusal
+            import jinja2
+            what = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+            raise TokenizerError(f"the chat template refused the messages: {what}") from None
+
+    @staticmethod
+    def load(directory: Path, config: dict) -> "ChatTemplate | None":
+        """The directory's chat template: chat_template.jinja (which transformers prefers), else
+        tokenizer_config.json's `chat_template` (a string, or a list of named templates: the one
+        named "default"); None when it has none."""
+        file = directory / "chat_template.jinja"
+        where = str(file)
+        if file.is_file():
+            source = file.read_text(encoding="utf-8")
+        else:
+            where = str(directory / "tokenizer_config.json")
+            source = config.get("chat_template")
+            if isinstance(source, list):
+                named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+                if "default" not in named:
+                    raise TokenizerError(f"{where}: chat_template lists the templates "
+                                         f"{sorted(map(str, named))} and none is named 'default' "
+                                         "(the one served)")
+                source = named["default"]
+            if source is None:
+                return None
+            if not isinstance(source, str):
+                raise TokenizerError(f"{where}: chat_template is a {type(source).__name__}, not a string "
+                                     "or a list of named templates")
+        return ChatTemplate(source, _template_variables(directory, config), where)
+
+
+def _template_variables(directory: Path, config: dict) -> dict[str, Any]:
+    """The special tokens a chat template sees: tokenizer_config.json's, then
+    special_tokens_map.json's for the names it lacks."""
+    extra = _read_json(directory / "special_tokens_map.json")
+    out: dict[str, Any] = {}
+    for name in _SPECIAL_TOKENS:
+        text = _token_text(config.get(name, extra.get(name)))
+        if text is not None:
+            out[name] = text
+    more = config.get("additional_special_tokens", extra.get("additional_special_tokens"))
+    if isinstance(more, list):
+        out["additional_special_tokens"] = [t for t in map(_token_text, more) if t is not None]
+    return out
+
+
 class Tokenizer:
-    """A checkpoint's tokenizer: transformers' AutoTokenizer when transformers is installed
-    (it brings the chat template), else `tokenizers`' tokenizer.json (text, no chat)."""
+    """A checkpoint's tokenizer: transformers' AutoTokenizer when transformers is installed,
+    else its tokenizer.json through `tokenizers`; and its chat template (ChatTemplate, whichever
+    library encodes), rendered to text and encoded without added special tokens (the template
+    writes them), as transformers does. Decoding skips special tokens."""
 
     def __init__(self, directory: Path):
-        self.chat = None
         try:
             from transformers import AutoTokenizer
         except ImportError:
             AutoTokenizer = None
         if AutoTokenizer is not None:
-            self._hf = AutoTokenizer.from_pretrained(str(directory))
-            self._encode = lambda text: self._hf.encode(text, add_special_tokens=False)
-            self._decode = lambda ids: self._hf.decode(ids)
-            if getattr(self._hf, "chat_template", None):
-                self.chat = lambda messages: list(self._hf.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True))
+            hf = AutoTokenizer.from_pretrained(str(directory))
+            self._encode = lambda text: hf.encode(text, add_special_tokens=False)
+            self._decode = lambda ids: hf.decode(ids, skip_special_tokens=True)
         else:
             from tokenizers import Tokenizer as Raw
+            if not (directory / "tokenizer.json").is_file():
+                raise ImportError("a tokenizer without tokenizer.json needs transformers")
             raw = Raw.from_file(str(directory / "tokenizer.json"))
             self._encode = lambda text: raw.encode(text, add_special_tokens=False).ids
-            self._decode = lambda ids: raw.decode(ids)
+            self._decode = lambda ids: raw.decode(ids, skip_special_tokens=True)
+        self.template = ChatTemplate.load(directory, _read_json(directory / "tokenizer_config.json"))
+        self.chat = None if self.template is None else self._chat
+
+    def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.template.render(messages))
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
@@ -73,7 +209,8 @@ class Tokenizer:
     @staticmethod
     def load(directory: Path) -> "Tokenizer | None":
         """The directory's tokenizer, or None when it has none or no tokenizer library is
-        installed (text requests are then refused with a 400 that says so)."""
+        installed (text requests are then refused with a 400 that says so). Raises
+        TokenizerError for tokenizer files that cannot be used."""
         if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             return None
         try:
@@ -137,8 +274,9 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
     directory), import it and place its weights: the checkpoint's for a directory, else
     `random_weights(seed)`; and the batch to serve (default the spec's largest). `tokenizer`:
     a name in TOKENIZERS to serve in place of the checkpoint's. Raises MkcError for a bad spec
-    or model, a batch the spec does not build, or a vocabulary the byte tokenizer does not fit
-    (before any weight is read)."""
+    or model, a batch the spec does not build, or a vocabulary the byte tokenizer does not fit,
+    or tokenizer files that cannot be used (a chat template that does not parse), before any
+    weight is read."""
     from mkc import compiler
     from mkc.diagnostics import Diagnostic, MkcError, Span
     c = compiler.compile_spec(spec, model)
@@ -155,9 +293,18 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
                                   f"token ids; {model}'s has {gen.DIMS.vocab_size}", Span.unknown(spec),
                                   hint="serve without --tokenizer (token-id prompts)"))
 
+    directory = Path(model) if Path(model).is_dir() else None
+    if tokenizer is not None:
+        tok = TOKENIZERS[tokenizer]()
+    else:
+        try:
+            tok = Tokenizer.load(directory) if directory is not None else None
+        except TokenizerError as e:
+            raise MkcError(Diagnostic("E-SERVE", f"the checkpoint's tokenizer: {e}", Span.unknown(spec),
+                                      hint="fix the file it names")) from None
+
     import jax
     from jax.experimental.pallas import tpu as pltpu
-    directory = Path(model) if Path(model).is_dir() else None
     if directory is not None:
         from mkc.checkpoint import load_checkpoint
         config, hf = load_checkpoint(directory)
@@ -171,10 +318,6 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
         from mkc.interpret import lean_interpreter
         lean_interpreter()
         interpret = pltpu.InterpretParams(dma_execution_mode="on_wait")
-    if tokenizer is not None:
-        tok = TOKENIZERS[tokenizer]()
-    else:
-        tok = Tokenizer.load(directory) if directory is not None else None
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
                   tokenizer=tok, eos_token_ids=_eos_ids(config)), batch
 

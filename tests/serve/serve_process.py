@@ -34,28 +34,31 @@ def run_benchmark(script: str, *argv: str, timeout: float) -> subprocess.Complet
 
 
 @contextlib.contextmanager
-def running_server(args: list[str]) -> Iterator[str]:
+def running_server(args: list[str], spec: Path = SPEC, model: str = MODEL) -> Iterator[str]:
     """`mkc serve SPEC --model MODEL *args` on CPU until the block ends; its URL once /health
     answers (a server that does not come up fails the test with its output)."""
     try:
-        with launch.running_server(SPEC, MODEL, args, env=cpu_env()) as url:
+        with launch.running_server(spec, model, args, env=cpu_env()) as url:
             yield url
     except launch.ServerError as e:
         pytest.fail(str(e))
 
 
-def reference_greedy() -> Callable[[list[int], int], tuple[list[int], str]]:
+def reference_greedy(spec: Path = SPEC, model: str = MODEL, hf: dict | None = None
+                     ) -> Callable[[list[int], int], tuple[list[int], str]]:
     """prompt, n -> (the reference's greedy tokens, finish reason), stopping at EOS as the
-    server does."""
+    server does: `model`'s family reference with the weights `hf` (default the server's
+    random_weights(0)), rounding as `spec` compiles it for `model` (a shipped config name)."""
     from mkc import compiler, numerics
     from mkc.checkpoint import family_of
     sys.path.insert(0, str(ROOT / "examples"))
     from speculative import reference_greedy as greedy
-    config = json.loads((ROOT / f"mkc/model/configs/{MODEL}.json").read_text())
+    config = json.loads((ROOT / f"mkc/model/configs/{model}.json").read_text())
     reference = family_of(config).module("reference")
     cfg = reference.load_config(config)
-    hf = reference.init_params(cfg, seed=0)          # what the server's random_weights(0) gives
-    ir = compiler.check_spec(SPEC, MODEL).ir
+    if hf is None:
+        hf = reference.init_params(cfg, seed=0)      # what the server's random_weights(0) gives
+    ir = compiler.check_spec(spec, model).ir
     rounding = numerics.rounding_from_ir(ir)
     eos = config["eos_token_id"]
 
