@@ -52,12 +52,13 @@ ROW_STATES = {}
 # every row's entry, as a kernel cannot load a slice of a tile (mkc.runtime.context.spread_on_host).
 SPREAD_ROW_STATES = ()
 VMEM_LIMIT_BYTES = 67108864
-DIMS = LlamaDims(family='llama', name='llama_3_1_8b', hidden_size=4096, num_hidden_layers=32,
-                 vocab_size=128256, rms_norm_eps=1e-05, layer_kinds=('gqa',) * 32,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                 intermediate_size=14336, rotary_dim=128, rope_theta=500000.0, rope_type='llama3',
-                 rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                 rope_original_max_position=8192)
+DIMS = LlamaDims(
+    family='llama', name='llama_3_1_8b', hidden_size=4096, num_hidden_layers=32, vocab_size=128256,
+    rms_norm_eps=1e-05, layer_kinds=('gqa',) * 32, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, rotary_dim=128, rope_theta=500000.0, rope_type='llama3', rope_factor=8.0,
+    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192,
+    intermediate_size=14336
+)
 # The config.json this module was compiled for: pack_rank checks the HF weights against its
 # family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
 HF_CONFIG = json.loads(

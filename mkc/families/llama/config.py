@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.config import attention_heads, refuse, setting
+from mkc.layers.gqa import GQADims
 from mkc.layers.rope import read_rope
-from mkc.model.contracts import Dims
 from mkc.model.family import config_float, config_int, identifier
 
 FAMILY_NAME = "llama"
@@ -28,20 +28,8 @@ REFUSED = {
 
 
 @dataclass(frozen=True)
-class LlamaDims(Dims):
-    rms_norm_eps: float
-    layer_kinds: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+class LlamaDims(GQADims):
     intermediate_size: int
-    rotary_dim: int
-    rope_theta: float
-    rope_type: str
-    rope_factor: float
-    rope_low_freq_factor: float
-    rope_high_freq_factor: float
-    rope_original_max_position: int
 
 
 def read_dims(raw: Mapping, name: str) -> LlamaDims:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.config import attention_heads, refuse, setting
+from mkc.layers.gqa import GQADims
 from mkc.layers.rope import read_rope
-from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, config_float, config_int, identifier
 
 FAMILY_NAME = "qwen3_moe"
@@ -33,22 +33,10 @@ REFUSED = {
 
 
 @dataclass(frozen=True)
-class Qwen3MoeDims(Dims):
+class Qwen3MoeDims(GQADims):
     """Upstream key names, except `experts` (num_experts) and `top_k` (num_experts_per_tok),
     the names the core reads; `layer_kinds` per sublayer: `gqa`, then `moe`."""
 
-    rms_norm_eps: float
-    layer_kinds: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    rope_type: str
-    rope_factor: float
-    rope_low_freq_factor: float
-    rope_high_freq_factor: float
-    rope_original_max_position: int
     experts: int
     top_k: int
     moe_intermediate_size: int

@@ -21,9 +21,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.sublayer import Part, Sublayer
+from mkc.model.contracts import Dims
 from mkc.model.graph import Op, Tensor, split
 
 NORMS = ("plain", "zero_centred")
+
+
+@dataclass(frozen=True)
+class GQADims(Dims):
+    """The dims of a decoder whose attention is a GQA kind with the library's rotary embedding
+    (the rope fields as `mkc.layers.rope.read_rope` reads them); a family's subclass adds its
+    MLP's. `layer_kinds`: one per iteration of the layer loop."""
+
+    rms_norm_eps: float
+    layer_kinds: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rope_type: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position: int
 
 
 @dataclass(frozen=True)
