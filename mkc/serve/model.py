@@ -122,6 +122,8 @@ class Served:
     interpret: Any
     tokenizer: Tokenizer | ByteTokenizer | None
     eos_token_ids: frozenset[int]
+    hf: Any = None                  # the HF-named weights placed (for --prefill reference)
+    ir: Any = None                  # the schedule IR compiled (its rounding, for the same)
 
 
 def _eos_ids(config: dict) -> frozenset[int]:
@@ -176,5 +178,5 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
     else:
         tok = Tokenizer.load(directory) if directory is not None else None
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
-                  tokenizer=tok, eos_token_ids=_eos_ids(config)), batch
+                  tokenizer=tok, eos_token_ids=_eos_ids(config), hf=hf, ir=c.ir), batch
 
