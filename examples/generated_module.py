@@ -565,15 +565,34 @@ def plain_summary(rec: dict) -> str:
             + ", ".join(f"{k} {v:.1e}" for k, v in rec["state_rel_err"].items()))
 
 
+def kernel_state_mismatches(gen, state: dict, ours: dict) -> list[str]:
+    """The states the kernel's own `state` is not given back exactly by writing its reference
+    view `ours` (``gen.reference_states(state)``) in the kernel's layout (``gen.HOST.
+    kernel_state``): every rank, so replicated parts and padding are checked as the kernel left
+    them (gathers every rank's copy: a K3 MINI state at batch 8 is 850 MB)."""
+    back = gen.HOST.kernel_state(ours, _sequences(gen, state))
+    return [n for n, a in state.items() if not np.array_equal(np.asarray(a), back[n])]
+
+
+def _sequences(gen, state: dict) -> int:
+    """The sequences of a decode state: the first axis its shape at 1 and 2 sequences differ on."""
+    one, two = gen.state_shapes(1), gen.state_shapes(2)
+    name = next(iter(one))
+    axis = next(i for i, (x, y) in enumerate(zip(one[name][0], two[name][0])) if x != y)
+    return np.shape(state[name])[1 + axis]
+
+
 def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, refs: Callable,
                label: str = "", first: int = 0, states: list | None = None,
-               judged: dict[str, list[int]] | None = None) -> list[dict] | dict[str, list[dict]]:
+               judged: dict[str, list[int]] | None = None, kernel_state: bool = False
+               ) -> list[dict] | dict[str, list[dict]]:
     """Run the kernel along `trajectory`'s inputs (its steps `first`, `first` + 1, ...); judge
     every step from the kernel's own state before it: ``refs(states, tokens, positions)`` gives
     both references' step from ``gen.reference_states(state)`` (``reference_step``), and the
     trajectory's own step is the drift report. `states`, if given, collects the kernel's state
     before each step. `judged` ({label: batch rows}): the steps of each group of rows judged
-    alone, by label, instead of one list for the whole batch."""
+    alone, by label, instead of one list for the whole batch. `kernel_state`: each step's
+    record also lists the states `kernel_state_mismatches` finds ("kernel_state_mismatches")."""
     groups = {"": None} if judged is None else judged
     out: dict[str, list[dict]] = {g: [] for g in groups}
     for i, step in enumerate(trajectory[first:], start=first):
@@ -586,9 +605,12 @@ def run_kernel(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
         logits = np.asarray(logits)
         seconds = time.perf_counter() - t0
         ours = gen.reference_states(state)
+        mismatches = kernel_state_mismatches(gen, state, ours) if kernel_state else None
         for group, rows in groups.items():
             out[group].append(_record(i, label + (f"[{group}] " if group else ""), seconds, logits,
                                       next_token, ours, ref, step, rows=rows))
+            if mismatches is not None:
+                out[group][-1]["kernel_state_mismatches"] = mismatches
     return out[""] if judged is None else out
 
 

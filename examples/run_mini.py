@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="row 0's position (rows b > 0: + 131 b); default 136, 141 with --verify")
     add_mutant_options(ap)
     add_interpret_host_option(ap)
+    ap.add_argument("--kernel-state", action="store_true",
+                    help="after each decode step, write the state's reference view back in the "
+                         "kernel's layout (kernel_state) and require the kernel's state exactly")
     ap.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     args = ap.parse_args(argv)
     check_spec_and_model(ap, args)
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                "host": host_facts(), "interpret_host_replaced": replaced,
                "requantization": requantization,
                "steps": run(gen, weights, gen.init_state(B), trajectory, mesh, params, refs,
-                            **({} if args.verify else {"states": kernel_states}))}
+                            **({} if args.verify else {"states": kernel_states,
+                                                        "kernel_state": args.kernel_state}))}
     if args.mutants:
         summary.update(run_mutants(lambda mutants: load_generated(spec, model, mutants),
                                    args.mutants.split(","), weights, kernel_states, trajectory,

@@ -134,11 +134,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a row; past them a request gets a 429 (default 64)")
     p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="the random weights' seed, for a config name (default 0)")
-    p.add_argument("--prefill", choices=("auto", "decode", "verify"), default="auto",
+    p.add_argument("--prefill", choices=("auto", "decode", "verify", "reference"), default="auto",
                    help="how prompts are fed: through the spec's verify step R tokens a launch, "
-                        "the other rows waiting, or through the decode step a token a step beside "
-                        "the other rows; auto (default): verify if the spec has a verify step "
-                        "(docs/serving.md)")
+                        "the other rows waiting, through the decode step a token a step beside "
+                        "the other rows, or through the family's reference under jit (interpret "
+                        "mode on a CPU host only); auto (default): verify if the spec has a verify "
+                        "step, else decode (docs/serving.md)")
     p.add_argument("--tokenizer", choices=("bytes",),
                    help="bytes: a stand-in tokenizer for a model without one (a MINI config): UTF-8 "
                         "bytes as token ids and a plain chat template, so text and chat requests "
@@ -177,6 +178,16 @@ def _drafter(args, served, batch: int):
     return draft
 
 
+def _prefiller(args, served):
+    """`--prefill reference`'s prefill through the family reference (None for the others);
+    ValueError where it cannot run."""
+    if args.prefill != "reference":
+        return None
+    from mkc import numerics
+    from mkc.serve.prefill import ReferencePrefill
+    return ReferencePrefill(served.gen, served.hf, numerics.rounding_from_ir(served.ir))
+
+
 def _serve(args) -> int:
     """`mkc serve`: compile, place the weights, warm the step up, then serve until interrupted."""
     from mkc.serve.model import prepare_devices
@@ -193,9 +204,10 @@ def _serve(args) -> int:
     try:
         engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
                         max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill,
-                        drafter=drafter)
+                        drafter=drafter, prefiller=_prefiller(args, served))
     except ValueError as e:
         hint = ("serve without --speculative" if "speculative" in str(e)
+                else "serve with --prefill verify or decode" if args.prefill == "reference"
                 else "serve with --prefill decode")
         raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec), hint=hint)) from None
     mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"

@@ -370,6 +370,9 @@ def failures(summary: Mapping) -> list[str]:
                        f"{s['logits_max_abs_err']:.3g}, over {PLAIN_LOGITS:.0%} of {s['logits_max_abs']:.3g}")
         if s["next_token"] != s["ref_next_token"]:
             out.append(f"step {i}: next tokens {s['next_token']} != reference {s['ref_next_token']}")
+        for name in s.get("kernel_state_mismatches", ()):
+            out.append(f"step {i}: {name} written back from its reference view (kernel_state) "
+                       "differs from the kernel's")
         for kind, err in s["state_rel_err"].items():
             if err >= plain_state:
                 out.append(f"step {i}: {kind} differs from the plain reference by {err:.3g} "

@@ -34,8 +34,10 @@ def test_on_wait_from_an_hf_checkpoint(tmp_path):
     params = reference.init_params(reference.load_config(config), seed=7)
     save_checkpoint(tmp_path, config, params)
     summary = _run("--checkpoint", str(tmp_path), "--mode", "on_wait", "--steps", "2",
-                   "--batch", "3")
+                   "--batch", "3", "--kernel-state")
     _assert_matches_reference(summary)
+    # each step's state written back from its reference view (kernel_state) is the kernel's
+    assert all(s["kernel_state_mismatches"] == [] for s in summary["steps"])
 
 
 @pytest.mark.extended

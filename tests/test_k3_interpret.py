@@ -46,8 +46,11 @@ def test_eager_dma_mode_with_race_detection_and_rounded_fp4_experts(tmp_path):
     spec = tmp_path / "kimi_k3.sched"
     spec.write_text(k3_format_text("fp4 block"))
     summary = _run("--spec", str(spec), "--mode", "eager", "--races", "--steps", "1",
-                   "--batch", "2", "--min-routing-margin", "0.02")
+                   "--batch", "2", "--min-routing-margin", "0.02", "--kernel-state")
     _assert_matches_reference(summary)
+    # the KDA states and the latent cache (on every rank, its row padded) written back from
+    # their reference view (kernel_state) are the kernel's
+    assert summary["steps"][0]["kernel_state_mismatches"] == []
     assert summary["races_found"] is False
     step = summary["steps"][0]
     assert step["emulation"]["logits"] == 0.0 and set(step["emulation"]["states"].values()) == {0.0}

@@ -108,3 +108,17 @@ class DecoderWeights:
                 layers = [self.model_layer(i) for i in kind_layers.get(kind, [])]
                 out |= sub.module("weights").reference_states(sub, state, d, per_rank, shards, kind, layers)
         return out
+
+    def kernel_states(self, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable,
+                      kind_layers: Mapping[str, list[int]], shapes: Mapping[str, tuple]
+                      ) -> dict[str, np.ndarray]:
+        """The inverse of `reference_states`: states in the reference's layouts as the kernel's
+        per-rank arrays (leading rank axis; `shapes`: the kernel's per-rank state table), each
+        sublayer's written by the sublayer."""
+        out: dict[str, np.ndarray] = {}
+        for kind, subs in self.layers.items():
+            for sub in subs:
+                layers = [self.model_layer(i) for i in kind_layers.get(kind, [])]
+                out |= sub.module("weights").kernel_states(sub, ref, d, per_rank, shards, kind, layers,
+                                                           shapes)
+        return out

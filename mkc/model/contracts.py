@@ -65,6 +65,11 @@ class Weights(Protocol):
     def reference_states(self, state: Mapping, dims: Any, per_rank: dict, shards: Any,
                          kind_layers: Any) -> dict: ...
 
+    def kernel_states(self, ref_states: Mapping, dims: Any, per_rank: dict, shards: Any,
+                      kind_layers: Any, shapes: Mapping) -> dict:
+        """The inverse of `reference_states`: the reference's states as the kernel's per-rank
+        arrays (leading rank axis) of the per-rank state table `shapes`."""
+
 
 class Reference(Protocol):
     """A family's `reference` module: the pure-JAX decode step the kernels are judged against,

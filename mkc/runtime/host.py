@@ -359,6 +359,20 @@ class Host:
         return self.hf_layout.reference_states(state, self.dims, self.per_rank, self.shards,
                                                self.kind_layers)
 
+    def kernel_state(self, ref_states, S: int) -> dict[str, np.ndarray]:
+        """The inverse of `reference_states`: S sequences' states in the reference's (upstream)
+        layouts as the kernel's decode state (leading rank axis), each rank holding its parts
+        (replicas written to every holder, padding zero), zeros where the kernel holds nothing.
+        A ValueError for a family whose weights module cannot write them."""
+        fn = getattr(self.hf_layout, "kernel_states", None)
+        if fn is None:
+            raise ValueError(f"{self.hf_layout.__name__} has no kernel_states: the reference's "
+                             "states cannot be written in the kernel's layout")
+        shapes = self.state_shapes(S)
+        out = fn(ref_states, self.dims, self.per_rank, self.shards, self.kind_layers, shapes)
+        return {n: out[n] if n in out else np.zeros((self.ranks, *shape), dtype)
+                for n, (shape, dtype) in shapes.items()}
+
     def init_state(self, B: int) -> dict[str, np.ndarray]:
         """Zeroed decode state, with the leading rank axis."""
         return {n: np.zeros((self.ranks, *shape), dtype)

@@ -12,8 +12,11 @@ the decode step, one token a step in the request's row, while the other rows kee
 `verify` runs the module's verify step on the row alone, R prompt tokens a launch (its state
 taken out of the batch's, the accepted rows committed and put back), before the next decode
 step: a launch per R prompt tokens instead of a step per token (each streams every weight
-once), while the other rows wait. `auto`, the default, is `verify` where the module has a
-verify step of one sequence (docs/serving.md has the measurements). A row taken over by a new
+once), while the other rows wait. `reference` runs the prompt but its last token through the
+family's reference under `jit` (`prefiller`, mkc.serve.prefill; interpret mode only), writes
+its state into the row in the kernel's layout, and leaves the last token to the next decode
+step. `auto`, the default, is `verify` where the module has a verify step of one sequence
+(docs/serving.md has the measurements). A row taken over by a new
 request has its recurrent and conv states zeroed first (its KV entries need no clearing: the
 new request rewrites each position before it attends to it, and positions past its own are
 masked).
@@ -119,14 +122,16 @@ class Engine:
 
     `gen`: the generated module; `weights`: its placed weights; `interpret`: None on TPU, or
     Pallas' InterpretParams on CPU; `max_queue`: requests that may wait for a row before
-    `submit` refuses more (QueueFull); `prefill`: "decode", "verify" or "auto" (verify where
-    the module has a verify step of one sequence, else decode; module docstring); `drafter`:
-    None, or speculative decoding's drafter, (context, n) -> up to n draft tokens (module
-    docstring)."""
+    `submit` refuses more (QueueFull); `prefill`: "decode", "verify", "reference" or "auto"
+    (verify where the module has a verify step of one sequence, else decode; module docstring);
+    `prefiller`: with "reference", prompt tokens -> the kernel's state of one sequence after
+    them (mkc.serve.prefill.ReferencePrefill); `drafter`: None, or speculative decoding's
+    drafter, (context, n) -> up to n draft tokens (module docstring)."""
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
                  max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset(),
-                 prefill: str = "auto", drafter: Callable[[list[int], int], list[int]] | None = None):
+                 prefill: str = "auto", drafter: Callable[[list[int], int], list[int]] | None = None,
+                 prefiller: Callable[[list[int]], dict] | None = None):
         low, high = gen.BATCH_RANGE
         if not low <= batch <= high:
             raise ValueError(f"--batch {batch}: the module is built for batches {low} to {high}")
@@ -146,16 +151,20 @@ class Engine:
         if prefill == "verify" and not _verifies_one_sequence(gen):
             raise ValueError("--prefill verify needs a verify step of one sequence: add "
                              "`verify R sequences 1 to N` to the spec")
-        if prefill not in ("verify", "decode"):
-            raise ValueError(f"prefill {prefill!r}: choose auto, decode or verify")
+        if prefill not in ("verify", "decode", "reference"):
+            raise ValueError(f"prefill {prefill!r}: choose auto, decode, verify or reference")
+        if prefill == "reference" and prefiller is None:
+            raise ValueError("--prefill reference needs the family reference's prefill "
+                             "(mkc.serve.prefill.ReferencePrefill)")
         if drafter is not None and getattr(gen, "VERIFY_ROWS", 0) < 2:
             raise ValueError("speculative decoding needs a verify step of 2 rows or more: add "
                              "`verify R` to the spec")
-        self.prefill, self.drafter = prefill, drafter
+        self.prefill, self.drafter, self.prefiller = prefill, drafter, prefiller
         self._verifiers: dict[int, Any] = {}
         if prefill == "verify" or drafter is not None:
             self.verify_rows: int = gen.VERIFY_ROWS
             self.verify_sequences: tuple[int, int] = tuple(gen.VERIFY_SEQUENCES)
+        if prefill in ("verify", "reference") or drafter is not None:
             one, two = gen.state_shapes(1), gen.state_shapes(2)
             # each state's sequence (or row) axis, with the rank axis: where 1 and 2 differ
             self._seq_axes = tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0]))
@@ -206,6 +215,8 @@ class Engine:
         R = self.verify_rows if self.prefill == "verify" or self.drafter else 0
         if self.prefill == "verify":
             self._verify_chunk(0, [0], 0)
+        if self.prefill == "reference":
+            self.prefiller([0])                 # compiles the reference's step
         if self.drafter is not None:
             for S in {self._speculative_sequences(n) for n in range(1, self.batch + 1)} - {None}:
                 if S not in self._verifiers:
@@ -263,6 +274,9 @@ class Engine:
                 if self.prefill == "verify":
                     for b in taken:
                         self._prefill_verify(self._rows[b])
+                elif self.prefill == "reference":
+                    for b in taken:
+                        self._prefill_reference(self._rows[b])
                 if any(r is not None for r in self._rows):
                     drafts = self._drafts()
                     if drafts is not None:
@@ -367,6 +381,18 @@ class Engine:
             sampled = jax.device_get(sample_rows(logits, *params, width=logprob_width([req.sampling])))
             with self._wake:
                 self._accept(req, sampled, 0)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _prefill_reference(self, req: Request) -> None:
+        """A newly admitted request's prompt but its last token through the family reference
+        (`prefiller`), its state written into the request's row; the next decode step feeds
+        the last token and gives the first."""
+        if len(req.prompt) < 2:
+            return
+        t0 = time.perf_counter()
+        one = {n: jax.device_put(a, self._ranked) for n, a in self.prefiller(req.prompt[:-1]).items()}
+        self._state = _put_rows(self._state, one, jnp.asarray([req.row], jnp.int32), self._seq_axes)
+        req.fed = len(req.prompt) - 1
         self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _speculative_sequences(self, busy: int) -> int | None:

@@ -259,6 +259,8 @@ class Served:
     interpret: Any
     tokenizer: Tokenizer | ByteTokenizer | None
     eos_token_ids: frozenset[int]
+    hf: Any = None                  # the HF-named weights placed (for --prefill reference)
+    ir: Any = None                  # the schedule IR compiled (its rounding, for the same)
 
 
 def _eos_ids(config: dict) -> frozenset[int]:
@@ -319,5 +321,5 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
         lean_interpreter()
         interpret = pltpu.InterpretParams(dma_execution_mode="on_wait")
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
-                  tokenizer=tok, eos_token_ids=_eos_ids(config)), batch
+                  tokenizer=tok, eos_token_ids=_eos_ids(config), hf=hf, ir=c.ir), batch
 

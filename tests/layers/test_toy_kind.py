@@ -96,7 +96,8 @@ KIND = {
     ''',
     # the same upstream tensors as a SwiGLU MLP's
     "weights.py": '''
-        from mkc.layers.swiglu.weights import matrix, reference_states, tensor_names, vector  # noqa: F401
+        from mkc.layers.swiglu.weights import (kernel_states, matrix, reference_states,  # noqa: F401
+                                               tensor_names, vector)
     ''',
 }
 
@@ -147,7 +148,7 @@ FAMILY = {
 
         _W = DecoderWeights(LAYERS)
         matrix, layer_vector, reference_states = _W.matrix, _W.layer_vector, _W.reference_states
-        head_vectors, embedding = _W.head_vectors, _W.embedding
+        head_vectors, embedding, kernel_states = _W.head_vectors, _W.embedding, _W.kernel_states
     ''',
     "reference.py": '''
         from mkc.layers.decode import DecoderReference

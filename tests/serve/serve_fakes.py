@@ -63,6 +63,12 @@ def fake_module(batch_range=(1, 4)):
         state_shapes=state_shapes, make_verify_step=make_verify_step, commit=commit)
 
 
+def fake_prefill(tokens: list[int]) -> dict[str, np.ndarray]:
+    """`--prefill reference`'s prefiller for the stand-in: its state of one sequence after
+    `tokens` (rank, layer, row, value), as its own steps would leave it."""
+    return {"rec": np.full((1, 1, 1, 1), sum(tokens), np.float32)}
+
+
 def fake_mesh():
     return Mesh(np.array(jax.devices()[:1]), ("tp",))
 

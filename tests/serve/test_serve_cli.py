@@ -28,3 +28,14 @@ def test_serve_refuses_before_serving(args, status, message):
     assert r.returncode == status, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_reference_prefill_is_refused_beside_a_kernel_on_an_accelerator():
+    # no accelerator here: the child takes JAX's backend for one, after the devices are set
+    code = ("import sys, jax; jax.default_backend = lambda: 'tpu'; from mkc.cli import main; "
+            f"sys.exit(main(['serve', {str(SPEC)!r}, '--model', 'qwen3_8_mini', '--prefill', 'reference']))")
+    r = run_python(["-c", code], timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "error[E-SERVE]: --prefill reference runs the family's reference on one tpu device" in r.stderr
+    assert "hint: serve with --prefill verify or decode" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serve_fakes import VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module
+from serve_fakes import VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module, fake_prefill
 
 from mkc.serve.drafting import prompt_lookup
 from mkc.serve.engine import Engine, QueueFull, Request
@@ -16,6 +16,8 @@ from mkc.serve.sampling import SamplingParams, greedy_rows, logprob_width, row_a
 
 
 def make_engine(batch=2, max_queue=8, prefill="decode", **kw) -> Engine:
+    if prefill == "reference":
+        kw.setdefault("prefiller", fake_prefill)
     return Engine(fake_module(), {}, fake_mesh(), batch, None, max_queue=max_queue, prefill=prefill, **kw)
 
 
@@ -45,7 +47,7 @@ def run(engine: Engine, *coroutines):
         engine.stop()
 
 
-@pytest.mark.parametrize("prefill", ["decode", "verify"])
+@pytest.mark.parametrize("prefill", ["decode", "verify", "reference"])
 def test_requests_share_rows_and_reuse_them_from_a_clean_state(prefill):
     # 5 requests on 2 rows, arriving at different times, so rows are reused mid-run and sit at
     # different positions in one step; with verify prefill, prompts of 1 to 2 chunks
@@ -60,6 +62,13 @@ def test_requests_share_rows_and_reuse_them_from_a_clean_state(prefill):
     assert engine.stats.steps < sum(len(p) + n - 1 for p, n in prompts)
     if prefill == "verify":         # a launch per chunk of up to VERIFY_ROWS prompt tokens
         assert engine.stats.prefill_launches == sum(-(-len(p) // VERIFY_ROWS) for p, _ in prompts)
+    if prefill == "reference":      # the prompt but its last token prefilled: a step a token
+        assert engine.stats.busy_row_steps == sum(n for _, n in prompts)
+
+
+def test_reference_prefill_needs_a_prefiller():
+    with pytest.raises(ValueError, match="--prefill reference needs the family reference's prefill"):
+        Engine(fake_module(), {}, fake_mesh(), 2, None, prefill="reference")
 
 
 def test_without_clearing_a_reused_row_the_output_differs(monkeypatch):

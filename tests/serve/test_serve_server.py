@@ -1,9 +1,9 @@
 """`mkc serve` for real: the MINI Qwen module (schedules/qwen3_8_27b.sched for qwen3_8_mini) in
 TPU interpret mode at batch 2, one server process for each prefill (through the decode step,
-and through the verify step), driven by OpenAI's own client. Every greedy completion must
-equal the family reference's greedy decoding of its prompt (in its rounding-emulating mode, as
-examples/speculative.py compares) token for token, whichever rows the requests share and in
-whatever order they arrive."""
+the verify step, and the family reference under jit), driven by OpenAI's own client. Every
+greedy completion must equal the family reference's greedy decoding of its prompt (in its
+rounding-emulating mode, as examples/speculative.py compares) token for token, whichever rows
+the requests share and in whatever order they arrive."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow      # interpret-mode steps: about a minute per se
 BATCH = 2
 
 
-@pytest.fixture(scope="module", params=["decode", "verify"])
+# through the reference: a third server, a minute more, in the extended tier (test_serve_prefill.py
+# holds its jitted emulation bit-equal to the eager one in CI)
+@pytest.fixture(scope="module", params=["decode", "verify",
+                                        pytest.param("reference", marks=pytest.mark.extended)])
 def server(request):
     with running_server(["--batch", str(BATCH), "--queue", "4", "--prefill", request.param]) as url:
         yield url

@@ -115,3 +115,10 @@ def reference_states(state, d: GptOssDims, per_rank: dict[str, int], shards: Sha
                      kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
     """The KV caches in the reference's layouts, keyed by model layer (sublayer // 2)."""
     return _ATTENTION.reference_states(state, d, per_rank, shards, kind_layers)
+
+
+def kernel_states(ref: Mapping[str, np.ndarray], d: GptOssDims, per_rank: dict[str, int],
+                  shards: ShardTable, kind_layers: dict[str, list[int]],
+                  shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    """The inverse of `reference_states`: the KV caches of each model layer as the kernel's."""
+    return _ATTENTION.kernel_states(ref, d, per_rank, shards, kind_layers, shapes)

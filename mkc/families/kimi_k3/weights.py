@@ -327,3 +327,33 @@ def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: Shard
         out[f"layers.{layer // 2}.latent_cache"] = (
             cache[i, :, :, :d.kv_lora + d.qk_extra].astype(np.float32))
     return out
+
+
+def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int],
+                  shards: ShardTable, kind_layers: dict[str, list[int]],
+                  shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    """The inverse of `reference_states`: conv [S, 3 * heads * head_dim, K-1] (channels
+    [q | k | v]), recurrent [S, heads, D, D] and latent [S, T, kv_lora + extra] states as the
+    kernel's per-rank `kda__conv` [ranks, layers, K-1, S, 3 * width], `kda__recurrent`
+    [ranks, layers, S, heads, D, D] (each rank its heads part's heads) and `mla__latent`
+    [ranks, layers, S, T, latent row] (every rank a copy, the row's padding zero). `shapes`:
+    the kernel's per-rank state table."""
+    heads = per_rank["heads"]
+    width = heads * d.head_dim
+    out = {n: np.zeros((shards.ranks, *shape), dtype) for n, (shape, dtype) in shapes.items()
+           if n in ("kda__conv", "kda__recurrent", "mla__latent")}
+    for i, layer in enumerate(kind_layers.get("kda", [])):
+        conv = np.asarray(ref[f"layers.{layer // 2}.conv_state"], np.float32)       # [S, 3 * total, K-1]
+        rec = np.asarray(ref[f"layers.{layer // 2}.recurrent_state"], np.float32)
+        total = conv.shape[1] // 3
+        for r in range(shards.ranks):
+            part = shards.part("heads", r)
+            ch = np.concatenate([j * total + part * width + np.arange(width) for j in range(3)])
+            out["kda__conv"][r, i] = np.transpose(conv[:, ch], (2, 0, 1))
+            out["kda__recurrent"][r, i] = rec[:, part * heads:(part + 1) * heads]
+    row = d.kv_lora + d.qk_extra
+    for i, layer in enumerate(kind_layers.get("mla", [])):
+        latent = out["mla__latent"]
+        latent[:, i, :, :, :row] = np.asarray(ref[f"layers.{layer // 2}.latent_cache"],
+                                               np.float32)[None, :, :latent.shape[3]]
+    return out

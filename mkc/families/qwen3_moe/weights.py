@@ -5,5 +5,5 @@ from mkc.layers.weights import DecoderWeights
 
 _WEIGHTS = DecoderWeights(LAYERS, model_layer=lambda layer: layer // 2)
 matrix, layer_vector, reference_states = _WEIGHTS.matrix, _WEIGHTS.layer_vector, _WEIGHTS.reference_states
-head_vectors, embedding = _WEIGHTS.head_vectors, _WEIGHTS.embedding
+head_vectors, embedding, kernel_states = _WEIGHTS.head_vectors, _WEIGHTS.embedding, _WEIGHTS.kernel_states
 expert, requantization = _WEIGHTS.expert, _WEIGHTS.requantization

@@ -89,3 +89,29 @@ def reference_states(s: GatedDeltaNet, state: Mapping, d: Any, per_rank: dict, s
         v = [c[:, 2 * nk * dk:] for c in parts]
         out[f"layers.{layer}.conv_state"] = np.concatenate(q + k + v, axis=1)
     return out
+
+
+def kernel_states(s: GatedDeltaNet, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable,
+                  kind: str, layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    """The inverse of `reference_states`: the reference's recurrent [S, Hv, Dk, Dv] and conv
+    [S, conv_dim, K-1] states (channels [q | k | v]) as the kernel's `{kind}__recurrent`
+    `[ranks, layers, S, nv, dk, dv]` and `{kind}__conv` `[ranks, layers, K-1, S, channels]`, every
+    rank holding its heads part's key and value heads. `shapes`: the kernel's per-rank state
+    table."""
+    if not layers:
+        return {}
+    key_dim = d.linear_num_key_heads * d.linear_key_head_dim
+    (rec_shape, rec_dtype), (conv_shape, conv_dtype) = shapes[f"{kind}__recurrent"], shapes[f"{kind}__conv"]
+    rec = np.zeros((shards.ranks, *rec_shape), rec_dtype)
+    conv = np.zeros((shards.ranks, *conv_shape), conv_dtype)
+    for r in range(shards.ranks):
+        part, nk, nv, dk, dv = _heads(d, r, shards)
+        ch = np.concatenate([np.arange(part * nk * dk, (part + 1) * nk * dk),
+                             key_dim + np.arange(part * nk * dk, (part + 1) * nk * dk),
+                             2 * key_dim + np.arange(part * nv * dv, (part + 1) * nv * dv)])
+        for i, layer in enumerate(layers):
+            recurrent = np.asarray(ref[f"layers.{layer}.recurrent_state"], np.float32)
+            rec[r, i] = recurrent[:, part * nv:(part + 1) * nv]
+            taps = np.asarray(ref[f"layers.{layer}.conv_state"], np.float32)[:, ch]      # [S, C, K-1]
+            conv[r, i, :, :, :len(ch)] = np.transpose(taps, (2, 0, 1))
+    return {f"{kind}__recurrent": rec, f"{kind}__conv": conv}

@@ -97,6 +97,13 @@ def _head_norm_rope(t: jax.Array, w: jax.Array | None, cos: jax.Array, sin: jax.
                       for h in range(t.shape[1])], axis=1)
 
 
+def _tile(a: jax.Array, t: int | jax.Array, tile: int) -> jax.Array:
+    """Tile t (of `tile` tokens) of a [T, D] cache: a slice, or under `jit` a dynamic one."""
+    if isinstance(t, int):
+        return a[t * tile:(t + 1) * tile]
+    return jax.lax.dynamic_slice_in_dim(a, t * tile, tile, 0)
+
+
 def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                     positions: jax.Array, tile: int, per_rank: int | None = None,
                     sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
@@ -109,12 +116,14 @@ def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
     MINI batch 2, one weight draw, 1.5e-3 in the logits at step 0). With a ``window`` the cache
     is a sliding layer's ring of its slots (`mkc.runtime.kv`: slot s holds ``q = p - ((p - s)
     mod slots)``, read at most once), masked by q: written, causal and within the window.
-    q [B, Hq, D] -> [B, Hq, D]."""
+    q [B, Hq, D] -> [B, Hq, D]. Under `jit` (traced positions) the tiles are a `fori_loop` of
+    as many: bit-equal to the eager loop (measured on Qwen MINI, 8 steps)."""
     b, hq, d = q.shape
     hkv, slots = key_cache.shape[1], key_cache.shape[2]
-    n_tiles = int(jnp.max(positions)) // tile + 1
+    traced = isinstance(positions, jax.core.Tracer)
+    n_tiles = (jnp.max(positions) if traced else int(jnp.max(positions))) // tile + 1
     if window is not None:
-        n_tiles = min(n_tiles, slots // tile)
+        n_tiles = jnp.minimum(n_tiles, slots // tile) if traced else min(n_tiles, slots // tile)
     keys = key_cache.astype(jnp.bfloat16)
     values = value_cache.astype(jnp.bfloat16)
     # a rank's query heads (`per_rank` of them, consecutive) that read one KV head go through
@@ -137,17 +146,22 @@ def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
             else:
                 carry = (jnp.asarray(sinks, jnp.float32)[group[0]:group[-1] + 1, None],
                          jnp.ones((n, 1), jnp.float32), jnp.zeros((n, d), jnp.float32))
-            for t in range(n_tiles):
+
+            def visit(t, carry, row=row, p=p, group=group, kvh=kvh):
                 tokens = t * tile + jnp.arange(tile)[None, :]
                 if window is None:
                     visible = tokens <= p
                 else:
                     held = p - jnp.mod(p - tokens, slots)
                     visible = (held >= 0) & (held <= p) & (held > p - window)
-                carry = attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
-                                              keys[row, kvh, t * tile:(t + 1) * tile],
-                                              values[row, kvh, t * tile:(t + 1) * tile],
-                                              visible, *carry)
+                return attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
+                                             _tile(keys[row, kvh], t, tile),
+                                             _tile(values[row, kvh], t, tile), visible, *carry)
+            if traced:
+                carry = jax.lax.fori_loop(0, n_tiles, visit, carry)
+            else:
+                for t in range(n_tiles):
+                    carry = visit(t, carry)
             heads.append(carry[2] / carry[1])
         rows.append(jnp.concatenate(heads, axis=0))
     return jnp.stack(rows)

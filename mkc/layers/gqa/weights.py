@@ -84,3 +84,27 @@ def reference_states(s: GQA, state: Mapping, d: Any, per_rank: dict, shards: Sha
                 stacked = np.pad(stacked, ((0, 0), (0, 0), (0, d.sliding_window - stacked.shape[2]), (0, 0)))
             out[f"layers.{layer}.{name}"] = stacked
     return out
+
+
+def kernel_states(s: GQA, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
+                  layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    """The inverse of `reference_states`: the reference's KV caches [S, Hkv, T, D] of the kind's
+    layers as the kernel's `{kind}__key` / `__value` `[ranks, layers, S, slots, nkv * D]`, every
+    rank holding its heads part's KV heads (a KV head replicated over parts written to each of
+    them). A reference cache of more slots than the kernel's (a sliding window's W past a shorter
+    context, where slot p holds position p) keeps the kernel's first slots. `shapes`: the
+    kernel's per-rank state table."""
+    if not layers:
+        return {}
+    ways = shards.ways("heads")
+    heads = [kv_heads_of(d, shards.part("heads", r), ways) for r in range(shards.ranks)]
+    out = {}
+    for c, name in (("key", "key_cache"), ("value", "value_cache")):
+        shape, dtype = shapes[f"{kind}__{c}"]
+        cache = np.zeros((shards.ranks, *shape), dtype)
+        for i, layer in enumerate(layers):
+            full = np.asarray(ref[f"layers.{layer}.{name}"], np.float32)[:, :, :shape[2]]
+            for r, kv in enumerate(heads):
+                cache[r, i] = np.concatenate([full[:, h] for h in kv], axis=-1)
+        out[f"{kind}__{c}"] = cache
+    return out

@@ -39,3 +39,8 @@ def vector(s: SwiGLU, hf: Mapping, d: Any, prefix: str, name: str, rank: int, sh
 def reference_states(s: SwiGLU, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
                      kind: str, layers: list[int]) -> dict[str, np.ndarray]:
     return {}
+
+
+def kernel_states(s: SwiGLU, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
+                  layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    return {}

@@ -110,9 +110,11 @@ def test_the_ring_past_the_window_eager_with_race_detection(tmp_path):
     racing a read shows) through the ring's wrap, on the shipped 20b spec with the window's
     ring lines (the rest of the kernel is the shipped one's)."""
     summary = _ring_run(tmp_path, "--mode", "eager", "--races", "--steps", str(WINDOW + 2),
-                        "--batch", "2")
+                        "--batch", "2", "--kernel-state")
     assert len(summary["steps"]) == WINDOW + 2
     _assert_bit_equal(summary)
+    # the ring's state, wrapped, written back from its reference view is the kernel's
+    assert all(s["kernel_state_mismatches"] == [] for s in summary["steps"])
     assert summary["races_found"] is False
 
 

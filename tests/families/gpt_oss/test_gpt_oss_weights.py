@@ -199,7 +199,7 @@ def test_fp8_experts_hold_the_same_values(hf):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_kv_caches_gather_back_to_the_reference_layout(ranks):
+def test_kv_caches_gather_back_to_the_reference_layout_and_are_written_back(ranks):
     """Per-rank caches `[layers of the kind, B, slots, nkv * D]`, rank r holding its part's KV
     heads (at 4 parts, the replica of head r // 2), gather into `[B, Hkv, slots, D]` per
     model layer; a sliding cache of a kernel's larger KV ring (`kv ring N slots`) keeps its N
@@ -236,3 +236,12 @@ def test_kv_caches_gather_back_to_the_reference_layout(ranks):
     assert padded.shape == (B, hkv, MINI.sliding_window, hd)
     np.testing.assert_array_equal(padded[:, :, :16], caches["swa"][1][:, :, :16] + 1)
     assert not padded[:, :, 16:].any()
+    # kernel_states writes each back as it was, every rank's (replicas too), the padded
+    # window cut to the kernel's slots
+    for kernel in (state, state | ring, state | short):
+        shapes = {n: (a.shape[1:], a.dtype) for n, a in kernel.items()}
+        back = gw.kernel_states(gw.reference_states(kernel, MINI, fg.per_rank, shards, kind_layers),
+                                MINI, fg.per_rank, shards, kind_layers, shapes)
+        assert back.keys() == kernel.keys()
+        for n, a in kernel.items():
+            np.testing.assert_array_equal(back[n], a, err_msg=n)
