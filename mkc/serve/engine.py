@@ -333,7 +333,6 @@ class Engine:
     def _fail(self, message: str) -> None:
         """Stop serving for good (the processes are out of step): every request, running or
         waiting, ends with the error, later ones are refused, and `on_failure` is told."""
-        log.error("mkc serve stops: %s", message)
         with self._wake:
             self.failure = message
             self._stopping = True
