@@ -198,7 +198,8 @@ def _distributed(args):
         tuning = [k for k, v in (("--lockstep-every", args.lockstep_every),
                                  ("--lockstep-timeout", args.lockstep_timeout)) if v is not None]
         if tuning:
-            refuse(f"{' and '.join(tuning)} apply to several processes only",
+            refuse(f"{' and '.join(tuning)} appl{'y' if len(tuning) > 1 else 'ies'} to several "
+                   "processes only",
                    "add --distributed or --coordinator, --num-processes and --process-id, or drop them")
         return None
     if given:

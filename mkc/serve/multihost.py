@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mkc.serve.device import Codec, Device, Kind, Launch, result_bytes
+from mkc.serve.device import Device, Kind, Launch, result_bytes
 from mkc.serve.engine import LockstepFailure
 
 log = logging.getLogger("mkc.serve")
@@ -270,9 +270,9 @@ class Follower:
 
 def config_of(served: Any, batch: int, model: str, seed: int) -> dict:
     """What must be the same on every process: the generated module (spec and config), the
-    batch, the weights' source, the descriptor's size."""
+    batch (which sizes the descriptors), the weights' source (a checkpoint's path may differ
+    between hosts; its bytes are not hashed)."""
     from pathlib import Path
     source = Path(served.gen.__file__).read_bytes() if getattr(served.gen, "__file__", None) else b""
     return {"module": hashlib.sha256(source).hexdigest()[:16], "batch": batch,
-            "weights": "checkpoint" if Path(model).is_dir() else f"random_weights({seed}) of {model}",
-            "descriptor": Codec(batch, getattr(served.gen, "VERIFY_ROWS", 0)).size}
+            "weights": "checkpoint" if Path(model).is_dir() else f"random_weights({seed}) of {model}"}
