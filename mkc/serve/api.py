@@ -391,6 +391,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
+        if engine.failure is not None:
+            raise ApiError(503, f"the server stopped serving: {engine.failure}", None, "server_error")
         return {}
 
     @app.get("/stats")

@@ -73,6 +73,80 @@ def test_every_launch_survives_its_fixed_shape_descriptor():
         codec.decode(np.zeros(codec.size + 1, np.int32))
 
 
+# ---- the engine's launches, replayed (quick tier) ---------------------------------------
+class Recording:
+    """A Lockstep that runs each launch here and keeps its descriptor, as process 0 sends it."""
+
+    processes = 2
+
+    def __init__(self, fail_at: int | None = None):
+        self.sent: list[np.ndarray] = []
+        self.results: list[bytes] = []
+        self.fail_at = fail_at
+
+    def run(self, device, launch):
+        from mkc.serve.device import result_bytes
+        from mkc.serve.engine import LockstepFailure
+        self.sent.append(device.codec.encode(launch))
+        if self.fail_at is not None and len(self.sent) > self.fail_at:
+            raise LockstepFailure("process 1 did not confirm launch 9")
+        result = device.run(launch)
+        self.results.append(result_bytes(result))
+        return result
+
+    def sync_due(self) -> float:
+        return 3600.0
+
+    def stop(self, device) -> None:
+        self.run(device, Launch(Kind.STOP))
+
+
+def test_another_device_running_the_sent_descriptors_computes_the_same():
+    # what a follower does: decode each descriptor and run it on its own Device; its results
+    # and final state equal process 0's, through prefill, speculative and decode launches
+    from serve_fakes import fake_greedy, fake_mesh, fake_module
+    from test_serve_engine import generate, run
+
+    from mkc.serve.device import Device, result_bytes
+    from mkc.serve.engine import Engine
+    lockstep = Recording()
+    engine = Engine(fake_module(), {}, fake_mesh(), 2, None, prefill="verify", drafter=fake_greedy,
+                    lockstep=lockstep)
+    engine.warm_up()
+    prompts = [([3, 5, 7], 6), ([11], 5), ([2, 2], 4)]
+    out = run(engine, *(generate(engine, p, n, delay=0.01 * i) for i, (p, n) in enumerate(prompts)),
+              generate(engine, [9], 4, temperature=1.5, seed=3, delay=0.05))
+    for (prompt, n), (req, _) in zip(prompts, out):
+        assert req.generated == fake_greedy(prompt, n)
+    kinds = [Kind(int(w[0])) for w in lockstep.sent]
+    assert {Kind.DECODE, Kind.PREFILL, Kind.SPECULATE, Kind.CLEAR, Kind.RESET, Kind.SYNC} <= set(kinds)
+    assert kinds[-1] == Kind.STOP
+    follower = Device(fake_module(), {}, fake_mesh(), 2)
+    replayed = [result_bytes(follower.run(follower.codec.decode(w))) for w in lockstep.sent]
+    assert replayed == lockstep.results
+    for name, a in engine.device.state.items():
+        np.testing.assert_array_equal(np.asarray(follower.state[name]), np.asarray(a))
+
+
+def test_a_lockstep_failure_stops_the_engine_for_good():
+    import asyncio
+
+    from serve_fakes import fake_mesh, fake_module
+    from test_serve_engine import generate, run
+
+    from mkc.serve.engine import Engine, Request, Stopped
+    from mkc.serve.sampling import SamplingParams
+    told = []
+    engine = Engine(fake_module(), {}, fake_mesh(), 1, None, prefill="decode",
+                    lockstep=Recording(fail_at=3), on_failure=told.append)
+    (first, why), (second, why2) = run(engine, generate(engine, [1, 2], 10),
+                                       generate(engine, [3], 2, delay=0.01))
+    assert why == why2 == "error" and first.row == 0 and second.row is None
+    assert told == ["process 1 did not confirm launch 9"] and engine.failure == told[0]
+    with pytest.raises(Stopped, match="did not confirm"):
+        engine.submit(Request(prompt=[1], sampling=SamplingParams(1), loop=asyncio.new_event_loop()))
+
+
 # ---- two processes -----------------------------------------------------------------------
 class Process:
     def __init__(self, argv: list[str]):
