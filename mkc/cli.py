@@ -299,6 +299,7 @@ def _serve_here(args, leader) -> int:
     serve(served, engine, host, port)
     if engine.failure is not None:
         print(f"mkc serve: stopped serving: {engine.failure}", file=sys.stderr, flush=True)
+        leader.abort(engine.failure)            # the processes still following stop too
         return 1
     return 0
 

@@ -120,6 +120,7 @@ class Leader:
         self._started = False             # the followers confirmed their first launch
         self._last_confirmed = time.monotonic()
         self._joined = False
+        self._lost: set[int] = set()      # processes that did not answer in time
 
     # ---- start and stop ------------------------------------------------------------------
     def join(self, config: dict) -> None:
@@ -150,7 +151,7 @@ class Leader:
                                            allow_overwrite=True)
             else:
                 self._publish(np.zeros(0, np.int32), confirm=False)     # no descriptor: stop
-            for pid in range(1, self.processes):
+            for pid in sorted(set(range(1, self.processes)) - self._lost):
                 self._client.blocking_key_value_get(f"{PREFIX}/left/{pid}", ABORT_MS)
         except Exception:                # noqa: BLE001 - stopping anyway
             pass
@@ -197,6 +198,7 @@ class Leader:
                 theirs = self._client.blocking_key_value_get_bytes(f"{PREFIX}/digest/{seq}/{pid}", left)
             except Exception as e:       # noqa: BLE001
                 if _timed_out(e):
+                    self._lost.add(pid)
                     raise LockstepFailure(
                         f"process {pid} did not confirm {what} within {timeout:.0f} s: it died, "
                         f"hangs or runs far behind (see its log)") from None
