@@ -125,9 +125,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="a shipped config name (random weights: for MINI configs on a CPU host) or "
                         "an HF checkpoint directory (its weights, and its tokenizer if it has one)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int_in_range(0, 65535), default=8000,
-                   help="port to listen on (default 8000)")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int_in_range(0, 65535), help="port to listen on (default 8000)")
     p.add_argument("--batch", type=int_at_least(1),
                    help="kernel rows, one per in-flight request (default: the spec's largest batch)")
     p.add_argument("--queue", type=int_at_least(0), default=64,
@@ -154,6 +153,73 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "its family's JAX reference (f32, XLA) on JAX's default device; a "
                         "checkpoint directory, or a config name with random weights from --seed; "
                         "its vocabulary must be the served model's (default: --model itself)")
+    hosts = p.add_argument_group(
+        "several hosts", "one process per host, each started with the same spec and model; process "
+                         "0 serves HTTP, the others run its launches (docs/serving.md#several-hosts)")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join through jax.distributed.initialize() with nothing given: it finds "
+                            "the coordinator and this process's id itself (Cloud TPU)")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address and a free port for jax.distributed (with "
+                            "--num-processes and --process-id)")
+    hosts.add_argument("--num-processes", type=int_at_least(1), metavar="N", help="processes in all")
+    hosts.add_argument("--process-id", type=int_at_least(0), metavar="I",
+                       help="this process's id, 0 to N - 1")
+    hosts.add_argument("--lockstep-every", type=int_at_least(1), metavar="N",
+                       help="process 0 confirms the others ran the same launches with the same "
+                            "results every N launches, and when idle (default 8)")
+    hosts.add_argument("--lockstep-timeout", type=float_at_least(1.0), metavar="SECONDS",
+                       help="how long process 0 waits for a confirmation before it stops serving: "
+                            "a process that died or hangs (default 60)")
+
+
+def _coordinator(value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator {value!r}: expected HOST:PORT, a port from 1 to 65535")
+    return value
+
+
+def _distributed(args):
+    """`mkc serve`'s several-hosts options, checked before JAX starts: None for one process,
+    else mkc.serve.multihost.Options. Raises MkcError (E-SERVE) for options that do not fit."""
+    from mkc.serve.multihost import Options
+    where = Span.unknown(args.spec)
+
+    def refuse(message: str, hint: str):
+        raise MkcError(Diagnostic("E-SERVE", message, where, hint=hint))
+    explicit = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+                "--process-id": args.process_id}
+    given = [k for k, v in explicit.items() if v is not None]
+    if given and len(given) < 3:
+        missing = [k for k in explicit if k not in given]
+        refuse(f"{', '.join(given)} without {' and '.join(missing)}: the three go together",
+               "give all three, or --distributed alone where jax.distributed detects them (Cloud TPU)")
+    if not given and not args.distributed:
+        tuning = [k for k, v in (("--lockstep-every", args.lockstep_every),
+                                 ("--lockstep-timeout", args.lockstep_timeout)) if v is not None]
+        if tuning:
+            refuse(f"{' and '.join(tuning)} appl{'y' if len(tuning) > 1 else 'ies'} to several "
+                   "processes only",
+                   "add --distributed or --coordinator, --num-processes and --process-id, or drop them")
+        return None
+    if given:
+        try:
+            _coordinator(args.coordinator)
+        except ValueError as e:
+            refuse(str(e), "the coordinator is process 0's host and a port free on it, e.g. 10.0.0.2:8476")
+        if args.num_processes == 1:
+            refuse("--num-processes 1: one process needs no coordinator",
+                   "drop --coordinator, --num-processes and --process-id to serve from one process")
+        if args.process_id >= args.num_processes:
+            refuse(f"--process-id {args.process_id} with --num-processes {args.num_processes}: the "
+                   f"ids run from 0 to {args.num_processes - 1}", "number the processes 0 to N - 1")
+        listen = [k for k, v in (("--host", args.host), ("--port", args.port)) if v is not None]
+        if args.process_id > 0 and listen:
+            refuse(f"{' and '.join(listen)} given to process {args.process_id}: only process 0 "
+                   "serves HTTP", "drop them from this process's command; clients talk to process 0")
+    return Options(args.coordinator, args.num_processes, args.process_id,
+                   every=args.lockstep_every or 8, timeout=args.lockstep_timeout or 60.0)
 
 
 def _drafter(args, served, batch: int):
@@ -189,33 +255,140 @@ def _prefiller(args, served):
 
 
 def _serve(args) -> int:
-    """`mkc serve`: compile, place the weights, warm the step up, then serve until interrupted."""
+    """`mkc serve`: compile, place the weights, warm the step up, then serve until interrupted;
+    with several processes, process 0 serves and the others follow it (mkc.serve.multihost)."""
     from mkc.serve.model import prepare_devices
-    prepare_devices(args.spec)              # before JAX starts
-    from mkc.serve.api import serve
-    from mkc.serve.engine import Engine
-    from mkc.serve.model import load_served
     if args.draft_model is not None and args.speculative != "draft-model":
         raise MkcError(Diagnostic("E-SERVE", "--draft-model drafts only with --speculative "
                                   "draft-model", Span.unknown(args.spec),
                                   hint="add --speculative draft-model, or drop --draft-model"))
+    options = _distributed(args)
+    prepare_devices(args.spec)              # before JAX starts
+    if options is None:
+        return _serve_here(args, None)
+    from mkc.serve import multihost
+    try:
+        process, processes = multihost.initialize(options)
+    except (ValueError, RuntimeError) as e:
+        raise MkcError(Diagnostic("E-SERVE", f"jax.distributed could not start: {e}",
+                                  Span.unknown(args.spec),
+                                  hint="where jax.distributed cannot detect the slice (not a Cloud "
+                                       "TPU VM), give --coordinator HOST:PORT --num-processes N "
+                                       "--process-id I")) from None
+    try:
+        if process == 0:
+            code = _serve_here(args, multihost.Leader(processes, options.every, options.timeout))
+        else:
+            code = _follow(args, process, processes)
+    except MkcError as e:
+        code = _fail({"command": "serve", "spec": args.spec}, e.diagnostics, False)
+    except KeyboardInterrupt:
+        print("mkc serve: interrupted", file=sys.stderr)
+        code = 130
+    if code:
+        # Not jax.distributed.shutdown (Python runs it at exit): its barrier waits for every
+        # process, and after a failure some have gone or will leave the same way.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _serve_here(args, leader) -> int:
+    """Process 0 (or the only one): the engine, its warm-up, then HTTP until interrupted."""
+    from mkc.serve.api import interrupted_by_sigterm, serve
+    host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8000
+    try:
+        with interrupted_by_sigterm():
+            served, engine, seconds = _start_engine(args, leader)
+    except BaseException as e:
+        if leader is not None:
+            leader.abort(str(e) or type(e).__name__)     # the other processes stop too
+        raise
+    print(f"mkc serve: {served.name} ready at http://{host}:{port} (first step "
+          f"{seconds:.1f} s)", file=sys.stderr, flush=True)
+    serve(served, engine, host, port)
+    if engine.failure is not None:
+        print(f"mkc serve: stopped serving: {engine.failure}", file=sys.stderr, flush=True)
+        leader.abort(engine.failure)            # the processes still following stop too
+        return 1
+    return 0
+
+
+def _start_engine(args, leader):
+    """The served module, its engine (joined by the other processes) warmed up, and the
+    warm-up's seconds."""
+    from mkc.serve.engine import Engine
+    from mkc.serve.model import load_served
     served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer)
     drafter = _drafter(args, served, batch)
     try:
         engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
-                        max_queue=args.queue, eos_token_ids=served.eos_token_ids, prefill=args.prefill,
-                        drafter=drafter, prefiller=_prefiller(args, served))
+                        max_queue=args.queue, eos_token_ids=served.eos_token_ids,
+                        prefill=args.prefill, drafter=drafter, prefiller=_prefiller(args, served),
+                        lockstep=leader)
     except ValueError as e:
         hint = ("serve without --speculative" if "speculative" in str(e)
                 else "serve with --prefill verify or decode" if args.prefill == "reference"
                 else "serve with --prefill decode")
         raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec), hint=hint)) from None
+    if leader is not None:
+        from mkc.serve import multihost
+        try:
+            leader.join(multihost.config_of(served, batch, args.model, args.seed))
+        except multihost.PeerError as e:
+            raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec),
+                                      hint="start every process with the same spec, --model, "
+                                           "--batch and --seed")) from None
+        print(f"mkc serve: process 0 of {leader.processes}: serving; the other processes run "
+              f"its launches{_replica_note(served)}", file=sys.stderr, flush=True)
     mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"
     print(f"mkc serve: compiling the step at batch {batch} ({mode})", file=sys.stderr, flush=True)
-    seconds = engine.warm_up()
-    print(f"mkc serve: {served.name} ready at http://{args.host}:{args.port} (first step "
-          f"{seconds:.1f} s)", file=sys.stderr, flush=True)
-    serve(served, engine, args.host, args.port)
+    from mkc.serve.engine import LockstepFailure
+    try:
+        return served, engine, engine.warm_up()
+    except LockstepFailure as e:
+        raise MkcError(Diagnostic("E-SERVE", f"warming up: {e}", Span.unknown(args.spec),
+                                  hint="every process must run the same module on the same "
+                                       "weights; see the other processes' logs")) from None
+
+
+def _replica_note(served) -> str:
+    if not served.replica:
+        return ""
+    return (" (on CPU: each process runs its own replica of the kernel on its own devices, as "
+            "interpret mode cannot run one across processes)")
+
+
+def _follow(args, process: int, processes: int) -> int:
+    """A follower: the same module and weights, then process 0's launches until it stops."""
+    from mkc.serve import multihost
+    from mkc.serve.device import Device
+    from mkc.serve.model import load_served
+    follower = multihost.Follower(process)
+    tag = f"mkc serve: process {process} of {processes}"
+    if args.host is not None or args.port is not None:
+        print(f"{tag}: --host and --port are process 0's (only it serves HTTP)",
+              file=sys.stderr, flush=True)
+    try:
+        served, batch = load_served(args.spec, args.model, args.batch, args.seed)
+        device = Device(served.gen, served.weights, served.mesh, batch, served.interpret)
+    except Exception as e:
+        follower.join(None, problem=f"could not start: {e}")
+        raise
+    try:
+        follower.join(multihost.config_of(served, batch, args.model, args.seed))
+    except multihost.PeerError as e:
+        raise MkcError(Diagnostic("E-SERVE", f"process {process}: {e}", Span.unknown(args.spec),
+                                  hint="start every process with the same spec, --model, --batch "
+                                       "and --seed")) from None
+    print(f"{tag}: following process 0{_replica_note(served)}", file=sys.stderr, flush=True)
+    try:
+        launches = follower.follow(device)
+    except multihost.PeerError as e:
+        print(f"{tag}: stopped: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"{tag}: stopped by process 0 after {launches} launches", file=sys.stderr, flush=True)
     return 0
 
 
@@ -270,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         except MkcError as e:
             return _fail({"command": "serve", "spec": args.spec}, e.diagnostics, False)
+        except KeyboardInterrupt:
+            print("mkc serve: interrupted before serving", file=sys.stderr)
+            return 130
     as_json = getattr(args, "json", False)
     result: dict = {"mkc_version": mkc.__version__, "command": args.cmd, "spec": args.spec,
                     "verdict": "ok", "diagnostics": []}

@@ -11,9 +11,12 @@ the queue is full.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import secrets
+import signal
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -24,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from mkc.serve.engine import Engine, Event, QueueFull, Request
+from mkc.serve.engine import Engine, Event, QueueFull, Request, Stopped
 from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
 
@@ -286,6 +289,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
             engine.submit(req)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}; retry later", None, "rate_limit_error")
+        except Stopped as e:
+            raise ApiError(503, f"the server stopped serving: {e}", None, "server_error")
         return req
 
     async def events(req: Request, http: HttpRequest) -> AsyncIterator[Event]:
@@ -399,12 +404,15 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
+        if engine.failure is not None:
+            raise ApiError(503, f"the server stopped serving: {engine.failure}", None, "server_error")
         return {}
 
     @app.get("/stats")
     async def stats() -> dict:
         s = engine.stats
         return {"interpret": served.interpret is not None, "batch": engine.batch,
+                "processes": getattr(engine.lockstep, "processes", 1),
                 "busy_rows": engine.busy_rows(), "steps": s.steps,
                 "step_seconds": s.step_seconds, "busy_row_steps": s.busy_row_steps,
                 "requests_done": s.requests_done, "prefill": engine.prefill,
@@ -460,10 +468,34 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
 
 def serve(served: Served, engine: Engine, host: str, port: int, log_level: str = "info") -> None:
-    """Run the API with uvicorn until interrupted, the engine's thread beside it."""
+    """Run the API with uvicorn until interrupted (SIGINT, SIGTERM) or the engine stops serving
+    (`engine.failure`), the engine's thread beside it."""
     import uvicorn
+    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host=host, port=port,
+                                           log_level=log_level))
+    engine.on_failure = lambda message: setattr(server, "should_exit", True)
     engine.start()
     try:
-        uvicorn.run(create_app(served, engine), host=host, port=port, log_level=log_level)
+        with interrupted_by_sigterm():
+            server.run()
+    except KeyboardInterrupt:       # uvicorn re-raises the SIGINT or SIGTERM it shut down on
+        pass
     finally:
-        engine.stop()
+        engine.stop()               # with other processes: they stop too
+
+
+@contextlib.contextmanager
+def interrupted_by_sigterm():
+    """SIGTERM raises KeyboardInterrupt, as SIGINT does, so that a stop by a process manager
+    runs the same clean-up (the engine's thread, then any other processes) as Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

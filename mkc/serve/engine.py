@@ -13,10 +13,10 @@ the decode step, one token a step in the request's row, while the other rows kee
 taken out of the batch's, the accepted rows committed and put back), before the next decode
 step: a launch per R prompt tokens instead of a step per token (each streams every weight
 once), while the other rows wait. `reference` runs the prompt but its last token through the
-family's reference under `jit` (`prefiller`, mkc.serve.prefill; interpret mode only), writes
-its state into the row in the kernel's layout, and leaves the last token to the next decode
-step. `auto`, the default, is `verify` where the module has a verify step of one sequence
-(docs/serving.md has the measurements). A row taken over by a new
+family's reference under `jit` (`prefiller`, mkc.serve.prefill; interpret mode on one process
+only), writes its state into the row in the kernel's layout, and leaves the last token to the
+next decode step. `auto`, the default, is `verify` where the module has a verify step of one
+sequence (docs/serving.md has the measurements). A row taken over by a new
 request has its recurrent and conv states zeroed first (its KV entries need no clearing: the
 new request rewrites each position before it attends to it, and positions past its own are
 masked).
@@ -32,32 +32,56 @@ greedy choices and the choice after them (`commit`), so its text is plain greedy
 Otherwise (a sampled or prefilling row, more busy rows than a launch takes, or no row has a
 draft) the engine runs a decode step over all rows, greedy ones included.
 
+Every device launch (a decode step, a verify launch, a row reset) is a `Launch` run by
+`mkc.serve.device.Device`; under jax.distributed (`lockstep`, mkc.serve.multihost) each is
+first sent to the other processes, which run the same launches in the same order, and a
+process that falls out of step (or dies) stops the engine: every request gets an error and
+`on_failure` is called.
+
 Events go back to the request's asyncio loop through `call_soon_threadsafe`.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mkc.serve.sampling import (Sampled, SamplingParams, greedy_rows, logprob_width, row_arrays,
-                                row_logprobs, sample_rows)
+from mkc.serve.device import Device, Kind, Launch
+from mkc.serve.sampling import Sampled, SamplingParams, logprob_width, row_arrays, row_logprobs
 
 log = logging.getLogger("mkc.serve")
 
 
 class QueueFull(Exception):
     """Every row is busy and the waiting queue is at its bound."""
+
+
+class Stopped(Exception):
+    """The engine stopped serving (another process fell out of step): no request is taken."""
+
+
+class LockstepFailure(Exception):
+    """Another process did not confirm a launch in time (it died or hangs), or confirmed other
+    results: the processes can no longer serve together."""
+
+
+class Lockstep(Protocol):
+    """What the engine needs of multi-process serving (mkc.serve.multihost.Leader): `run` a
+    launch here and on every other process; `sync_due`: seconds until an idle engine should
+    confirm the processes are in step (a SYNC launch; 0 or less: now); `stop` the other
+    processes. Each raises LockstepFailure when the processes are out of step."""
+
+    def run(self, device: Device, launch: Launch) -> Any: ...
+
+    def sync_due(self) -> float: ...
+
+    def stop(self, device: Device) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -126,12 +150,15 @@ class Engine:
     (verify where the module has a verify step of one sequence, else decode; module docstring);
     `prefiller`: with "reference", prompt tokens -> the kernel's state of one sequence after
     them (mkc.serve.prefill.ReferencePrefill); `drafter`: None, or speculative decoding's
-    drafter, (context, n) -> up to n draft tokens (module docstring)."""
+    drafter, (context, n) -> up to n draft tokens (module docstring); `lockstep`: None on one
+    process, else what runs each launch on every process; `on_failure(message)`: called once
+    when the engine stops serving because `lockstep` failed."""
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
                  max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset(),
                  prefill: str = "auto", drafter: Callable[[list[int], int], list[int]] | None = None,
-                 prefiller: Callable[[list[int]], dict] | None = None):
+                 prefiller: Callable[[list[int]], dict] | None = None,
+                 lockstep: Lockstep | None = None, on_failure: Callable[[str], None] | None = None):
         low, high = gen.BATCH_RANGE
         if not low <= batch <= high:
             raise ValueError(f"--batch {batch}: the module is built for batches {low} to {high}")
@@ -142,10 +169,9 @@ class Engine:
         self.max_queue = max_queue
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
-        self._step = gen.make_decode_step(mesh, batch, interpret)
-        self._ranked = NamedSharding(mesh, P(gen.AXIS))
-        self._state = self._zero_state()
-        self._row_states = tuple(dict(gen.ROW_STATES).items())
+        self.device = Device(gen, weights, mesh, batch, interpret)
+        self.lockstep, self.on_failure = lockstep, on_failure
+        self.failure: str | None = None
         if prefill == "auto":
             prefill = "verify" if _verifies_one_sequence(gen) else "decode"
         if prefill == "verify" and not _verifies_one_sequence(gen):
@@ -156,19 +182,16 @@ class Engine:
         if prefill == "reference" and prefiller is None:
             raise ValueError("--prefill reference needs the family reference's prefill "
                              "(mkc.serve.prefill.ReferencePrefill)")
+        if prefill == "reference" and lockstep is not None:
+            # the state it writes is made on process 0's host: not a launch the others can run
+            raise ValueError("--prefill reference runs on one process only")
         if drafter is not None and getattr(gen, "VERIFY_ROWS", 0) < 2:
             raise ValueError("speculative decoding needs a verify step of 2 rows or more: add "
                              "`verify R` to the spec")
         self.prefill, self.drafter, self.prefiller = prefill, drafter, prefiller
-        self._verifiers: dict[int, Any] = {}
         if prefill == "verify" or drafter is not None:
             self.verify_rows: int = gen.VERIFY_ROWS
             self.verify_sequences: tuple[int, int] = tuple(gen.VERIFY_SEQUENCES)
-        if prefill in ("verify", "reference") or drafter is not None:
-            one, two = gen.state_shapes(1), gen.state_shapes(2)
-            # each state's sequence (or row) axis, with the rank axis: where 1 and 2 differ
-            self._seq_axes = tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0]))
-                                                if x != y)) for n in one)
         self._rows: list[Request | None] = [None] * batch
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
@@ -180,6 +203,8 @@ class Engine:
         """Queue a request for the next free row; QueueFull past B busy rows and `max_queue`
         waiting ones."""
         with self._wake:
+            if self.failure is not None:
+                raise Stopped(self.failure)
             if len(self._waiting) >= self.max_queue + self._free_rows():
                 raise QueueFull(f"all {self.batch} rows are busy and {len(self._waiting)} requests "
                                 f"wait (the queue holds {self.max_queue})")
@@ -201,37 +226,49 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the engine's thread (after the launch it is in), then the other processes."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        if self.lockstep is not None and self.failure is None:
+            try:
+                self.lockstep.stop(self.device)
+            except LockstepFailure as e:
+                self._fail(str(e))
 
     def warm_up(self) -> float:
         """Compile and run one step on idle rows (so the first request does not wait for the
-        compile), and the verify launches prefill and speculation use; its seconds."""
+        compile), and the verify launches prefill and speculation use; with other processes,
+        confirm they did the same. Its seconds."""
         t0 = time.perf_counter()
         self._run_step()
         R = self.verify_rows if self.prefill == "verify" or self.drafter else 0
         if self.prefill == "verify":
-            self._verify_chunk(0, [0], 0)
+            self._launch(self._prefill_launch(0, [0], 0))
         if self.prefill == "reference":
             self.prefiller([0])                 # compiles the reference's step
         if self.drafter is not None:
             for S in {self._speculative_sequences(n) for n in range(1, self.batch + 1)} - {None}:
-                if S not in self._verifiers:
-                    self._launch_verify(list(range(S)), np.zeros((S, R), np.int32),
-                                        np.zeros(S, np.int32), lambda logits, S=S: np.ones(S, np.int32))
+                if S not in self.device.verifiers:
+                    self._launch(Launch(Kind.SPECULATE, np.zeros((S, R), np.int32), np.zeros(S, np.int32),
+                                        np.arange(S, dtype=np.int32), np.zeros(S, np.int32)))
         if R:
-            self._state = self._zero_state()
+            self._launch(Launch(Kind.RESET))
+        if self.lockstep is not None:
+            self._launch(Launch(Kind.SYNC))
         return time.perf_counter() - t0
 
     # ---- the engine thread ---------------------------------------------------------------
     def _free_rows(self) -> int:
         return sum(r is None for r in self._rows)
 
-    def _zero_state(self) -> dict:
-        return {n: jax.device_put(a, self._ranked) for n, a in self.gen.init_state(self.batch).items()}
+    def _launch(self, launch: Launch) -> Any:
+        """Run a launch here (and, with other processes, on every one of them)."""
+        if self.lockstep is None:
+            return self.device.run(launch)
+        return self.lockstep.run(self.device, launch)
 
     def _admit(self) -> list[int]:
         """Under the lock: free the rows of cancelled requests, drop cancelled waiters, give
@@ -258,19 +295,29 @@ class Engine:
 
     def _run(self) -> None:
         while True:
+            sync = False
             with self._wake:
                 while not self._stopping and not self._waiting and all(r is None for r in self._rows):
-                    self._wake.wait()
+                    # idle: with other processes, confirm now and then that they are in step
+                    due = self.lockstep.sync_due() if self.lockstep is not None else None
+                    if due is not None and due <= 0:
+                        sync = True
+                        break
+                    self._wake.wait(due)
                 if self._stopping:
                     return
-                taken = self._admit()
-                if all(r is None for r in self._rows):
-                    continue
-            if taken:
-                mask = np.zeros(self.batch, bool)
-                mask[taken] = True
-                self._state = _clear_rows(self._state, jnp.asarray(mask), self._row_states)
+                if not sync:
+                    taken = self._admit()
+                    if all(r is None for r in self._rows):
+                        continue
             try:
+                if sync:
+                    self._launch(Launch(Kind.SYNC))
+                    continue
+                if taken:
+                    mask = np.zeros(self.batch, np.int32)
+                    mask[taken] = 1
+                    self._launch(Launch(Kind.CLEAR, rows=mask))
                 if self.prefill == "verify":
                     for b in taken:
                         self._prefill_verify(self._rows[b])
@@ -284,12 +331,32 @@ class Engine:
                     else:
                         self._run_step()
             except Exception as e:          # noqa: BLE001 - every request must hear of it
-                log.exception("decode step failed")
-                with self._wake:
-                    for req in self._rows:
-                        if req is not None:
-                            self._finish(req, Event(finish_reason="error", error=f"decode step failed: {e}"))
-                self._state = self._zero_state()      # the failed step may have consumed it
+                if not isinstance(e, LockstepFailure):
+                    log.exception("decode step failed")
+                    with self._wake:
+                        for req in self._rows:
+                            if req is not None:
+                                self._finish(req, Event(finish_reason="error",
+                                                        error=f"decode step failed: {e}"))
+                    try:
+                        self._launch(Launch(Kind.RESET))    # the failed step may have consumed it
+                        continue
+                    except LockstepFailure as lost:
+                        e = lost
+                self._fail(str(e))
+                return
+
+    def _fail(self, message: str) -> None:
+        """Stop serving for good (the processes are out of step): every request, running or
+        waiting, ends with the error, later ones are refused, and `on_failure` is told."""
+        with self._wake:
+            self.failure = message
+            self._stopping = True
+            for req in [r for r in self._rows if r is not None] + list(self._waiting):
+                self._finish(req, Event(finish_reason="error", error=f"the server stopped: {message}"))
+            self._waiting.clear()
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     def _run_step(self) -> None:
         """One decode step over all rows, then one on-device sample of every row (and one
@@ -302,12 +369,11 @@ class Engine:
                 continue
             history = req.prompt + req.generated
             tokens[b], positions[b] = history[req.fed], req.fed
-        t0 = time.perf_counter()
-        logits, _, self._state = self._step(self.weights, self._state, tokens, positions)
         params = [req.sampling if req is not None else None for req in rows]
-        sampled = jax.device_get(sample_rows(logits, *map(jnp.asarray, row_arrays(
-            params, [len(req.generated) if req is not None else 0 for req in rows])),
-            width=logprob_width(params)))
+        sampling = row_arrays(params, [len(req.generated) if req is not None else 0 for req in rows])
+        t0 = time.perf_counter()
+        sampled = self._launch(Launch(Kind.DECODE, tokens, positions, sampling=sampling,
+                                      width=logprob_width(params)))
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.busy_row_steps += sum(req is not None for req in rows)
@@ -333,54 +399,34 @@ class Engine:
             self._finish(req, Event(finish_reason="length"))
 
     # ---- verify launches: prefill and speculative decoding --------------------------------
-    def _verifier(self, S: int) -> Any:
-        if S not in self._verifiers:
-            self._verifiers[S] = self.gen.make_verify_step(self.mesh, S, self.verify_rows, self.interpret)
-        return self._verifiers[S]
-
-    def _launch_verify(self, rows: list[int], tokens: np.ndarray, starts: np.ndarray,
-                       accept: Callable[[jax.Array], np.ndarray]) -> None:
-        """One verify launch of tokens [S, R] at starts [S] on the batch's rows `rows` (all of
-        them, in order: the batch's state as it is; else those rows' states taken out and put
-        back); `accept(logits)` gives the rows each sequence keeps, which are committed."""
-        whole = rows == list(range(self.batch))
-        at = jnp.asarray(rows, jnp.int32)
-        one = self._state if whole else _take_rows(self._state, at, self._seq_axes)
-        caches = {n: a for n, a in one.items() if n not in self.gen.ROW_STATES}
-        states = {n: a for n, a in one.items() if n in self.gen.ROW_STATES}
-        logits, _, verified = self._verifier(len(rows))(self.weights, caches, states, tokens, starts)
-        one = self.gen.commit(one, verified, accept(logits))
-        self._state = one if whole else _put_rows(self._state, one, at, self._seq_axes)
-
-    def _verify_chunk(self, row: int, chunk: list[int], start: int) -> jax.Array:
-        """One verify launch of `chunk` (up to R tokens at positions start...) on row `row`
-        alone, all committed; the last token's logits [1, vocab]."""
+    def _prefill_launch(self, row: int, chunk: list[int], start: int,
+                        sampling: SamplingParams | None = None) -> Launch:
+        """A verify launch of `chunk` (up to R prompt tokens at positions start...) on row
+        `row` alone, all committed; with `sampling`, the first token sampled from the last
+        chunk token's logits."""
         R = self.verify_rows
         tokens = np.array([chunk + [chunk[-1]] * (R - len(chunk))], np.int32)
-        last = []
-
-        def accept(logits: jax.Array) -> np.ndarray:
-            last.append(logits[:, len(chunk) - 1])
-            return np.array([len(chunk)], np.int32)
-        self._launch_verify([row], tokens, np.array([start], np.int32), accept)
-        return last[0]
+        return Launch(Kind.PREFILL, tokens, np.array([start], np.int32), np.array([row], np.int32),
+                      np.array([len(chunk)], np.int32),
+                      sampling=row_arrays([sampling], [0]) if sampling is not None else (),
+                      width=logprob_width([sampling]) if sampling is not None else None,
+                      sample=sampling is not None)
 
     def _prefill_verify(self, req: Request) -> None:
         """A newly admitted request's prompt through the verify step, R tokens a launch (the
         tail that would pass the context, if any, is left to decode steps); its first token
         sampled from the last prompt token's logits."""
         t0 = time.perf_counter()
-        logits = None
         while len(req.prompt) - req.fed > 0 and req.fed + self.verify_rows <= self.context:
             chunk = req.prompt[req.fed:req.fed + self.verify_rows]
-            logits = self._verify_chunk(req.row, chunk, req.fed)
+            last = req.fed + len(chunk) == len(req.prompt)
+            sampled = self._launch(self._prefill_launch(req.row, chunk, req.fed,
+                                                        req.sampling if last else None))
             req.fed += len(chunk)
             self.stats.prefill_launches += 1
-        if logits is not None and req.fed == len(req.prompt):
-            params = map(jnp.asarray, row_arrays([req.sampling], [0]))
-            sampled = jax.device_get(sample_rows(logits, *params, width=logprob_width([req.sampling])))
-            with self._wake:
-                self._accept(req, sampled, 0)
+            if sampled is not None:
+                with self._wake:
+                    self._accept(req, sampled, 0)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _prefill_reference(self, req: Request) -> None:
@@ -390,8 +436,7 @@ class Engine:
         if len(req.prompt) < 2:
             return
         t0 = time.perf_counter()
-        one = {n: jax.device_put(a, self._ranked) for n, a in self.prefiller(req.prompt[:-1]).items()}
-        self._state = _put_rows(self._state, one, jnp.asarray([req.row], jnp.int32), self._seq_axes)
+        self.device.put_row_state(req.row, self.prefiller(req.prompt[:-1]))
         req.fed = len(req.prompt) - 1
         self.stats.prefill_seconds += time.perf_counter() - t0
 
@@ -440,21 +485,10 @@ class Engine:
                 tokens[i] = row + [row[-1]] * (R - len(row))
                 starts[i] = req.fed
         width = logprob_width([req.sampling if req is not None else None for req in reqs])
-        kept: list[tuple[Sampled, np.ndarray]] = []
-
-        def accept(logits: jax.Array) -> np.ndarray:
-            sampled = jax.device_get(greedy_rows(logits.reshape(S * R, -1), width=width))
-            predicted = np.asarray(sampled.tokens).reshape(S, R)
-            counts = np.ones(S, np.int32)             # the anchor, then each matching draft
-            for i, b in enumerate(rows):
-                d = drafts.get(b, [])
-                while counts[i] <= len(d) and d[counts[i] - 1] == predicted[i, counts[i] - 1]:
-                    counts[i] += 1
-            kept.append((sampled, counts))
-            return counts
         t0 = time.perf_counter()
-        self._launch_verify(rows, tokens, starts, accept)
-        sampled, counts = kept[0]
+        sampled, counts = self._launch(Launch(
+            Kind.SPECULATE, tokens, starts, np.asarray(rows, np.int32),
+            np.array([len(drafts.get(b, [])) for b in rows], np.int32), width=width))
         self.stats.verify_launches += 1
         self.stats.verify_seconds += time.perf_counter() - t0
         with self._wake:
@@ -475,33 +509,3 @@ class Engine:
 
 def _verifies_one_sequence(gen: Any) -> bool:
     return bool(getattr(gen, "VERIFY_ROWS", 0)) and gen.VERIFY_SEQUENCES[0] <= 1
-
-
-@functools.partial(jax.jit, static_argnums=(2,))
-def _take_rows(state: dict, rows: jax.Array, axes: tuple[tuple[str, int], ...]) -> dict:
-    """Some rows' state (a state of len(rows) sequences) out of a batch's; axes: (name, the
-    sequence axis with the rank axis)."""
-    return {n: jnp.take(state[n], rows, axis=axis) for n, axis in axes}
-
-
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-def _put_rows(state: dict, some: dict, rows: jax.Array, axes: tuple[tuple[str, int], ...]) -> dict:
-    """The batch's state with some rows' state written back at `rows`."""
-    def put(a, part, axis):
-        moved = jnp.moveaxis(a, axis, 0).at[rows].set(jnp.moveaxis(part.astype(a.dtype), axis, 0))
-        return jnp.moveaxis(moved, 0, axis)
-    return {n: put(state[n], some[n], axis) for n, axis in axes}
-
-
-@functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
-def _clear_rows(state: dict, rows: jax.Array, row_states: tuple[tuple[str, int], ...]) -> dict:
-    """The state with the recurrent and conv entries of the masked rows zeroed. row_states:
-    (name, the row axis after the layer axis) of each per-row state; the others (KV caches)
-    are kept."""
-    out = dict(state)
-    for name, axis in row_states:
-        a = state[name]
-        shape = [1] * a.ndim
-        shape[axis + 2] = rows.shape[0]          # past the rank and layer axes
-        out[name] = jnp.where(rows.reshape(shape), jnp.zeros((), a.dtype), a)
-    return out

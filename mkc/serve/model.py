@@ -250,7 +250,9 @@ TOKENIZERS = {"bytes": ByteTokenizer}       # `mkc serve --tokenizer`
 @dataclass
 class Served:
     """A compiled module ready to serve: the module, its placed weights, the mesh, the
-    interpret parameters (None on TPU), the tokenizer (or None) and the model's EOS ids."""
+    interpret parameters (None on TPU), the tokenizer (or None) and the model's EOS ids.
+    `replica`: under jax.distributed on CPU, the mesh is this process's own devices (interpret
+    mode cannot run a kernel across processes), so every process runs a whole replica."""
 
     name: str
     gen: Any
@@ -261,6 +263,7 @@ class Served:
     eos_token_ids: frozenset[int]
     hf: Any = None                  # the HF-named weights placed (for --prefill reference)
     ir: Any = None                  # the schedule IR compiled (its rounding, for the same)
+    replica: bool = False             # each process runs its own copy (CPU, multi-process)
 
 
 def _eos_ids(config: dict) -> frozenset[int]:
@@ -313,13 +316,22 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
     else:
         config = dict(gen.HF_CONFIG)
         hf = gen.random_weights(seed)
-    mesh = gen.make_mesh()
-    weights = gen.place_weights(hf, mesh)
     interpret = None
     if jax.default_backend() == "cpu":
         from mkc.interpret import lean_interpreter
         lean_interpreter()
         interpret = pltpu.InterpretParams(dma_execution_mode="on_wait")
+    replica = interpret is not None and jax.process_count() > 1
+    mesh = gen.make_mesh(jax.local_devices() if replica else None)
+    hosts = {d.process_index for d in mesh.devices.flat}
+    if not replica and len(hosts) < jax.process_count():
+        raise MkcError(Diagnostic(
+            "E-SERVE", f"the spec's mesh of {mesh.devices.size} ranks lies on process(es) "
+            f"{sorted(hosts)} of {jax.process_count()}: the others would hold no rank",
+            Span.unknown(spec), hint="serve a spec whose topology spans every host, or serve it "
+                                     "from one host"))
+    weights = gen.place_weights(hf, mesh)
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
-                  tokenizer=tok, eos_token_ids=_eos_ids(config), hf=hf, ir=c.ir), batch
+                  tokenizer=tok, eos_token_ids=_eos_ids(config), hf=hf, ir=c.ir,
+                  replica=replica), batch
 

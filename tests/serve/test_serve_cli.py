@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import SPEC, run_python
 
+JOIN = ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1"]
+
 
 @pytest.mark.parametrize("args, status, message", [
     (["missing.sched", "--model", "qwen3_8_mini"], 1, "missing.sched"),
@@ -22,6 +24,21 @@ from conftest import SPEC, run_python
      "the served model 2048"),
     ([str(SPEC), "--model", "qwen3_8_mini", "--speculative", "draft-model", "--draft-model",
       "no_such_draft"], 1, "--draft-model no_such_draft:"),
+    # several processes (docs/serving.md#several-hosts)
+    ([str(SPEC), "--model", "qwen3_8_mini", *JOIN[:4]], 1,
+     "error[E-SERVE]: --coordinator, --num-processes without --process-id: the three go together"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--coordinator", "10.0.0.2", *JOIN[2:]], 1,
+     "error[E-SERVE]: --coordinator '10.0.0.2': expected HOST:PORT"),
+    ([str(SPEC), "--model", "qwen3_8_mini", *JOIN[:2], "--num-processes", "1", "--process-id", "0"], 1,
+     "error[E-SERVE]: --num-processes 1: one process needs no coordinator"),
+    ([str(SPEC), "--model", "qwen3_8_mini", *JOIN[:4], "--process-id", "2"], 1,
+     "error[E-SERVE]: --process-id 2 with --num-processes 2: the ids run from 0 to 1"),
+    ([str(SPEC), "--model", "qwen3_8_mini", *JOIN, "--host", "0.0.0.0", "--port", "8001"], 1,
+     "error[E-SERVE]: --host and --port given to process 1: only process 0 serves HTTP"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--lockstep-timeout", "5"], 1,
+     "error[E-SERVE]: --lockstep-timeout applies to several processes only"),
+    ([str(SPEC), "--model", "qwen3_8_mini", "--distributed"], 1,
+     "error[E-SERVE]: jax.distributed could not start: coordinator_address should be defined"),
 ])
 def test_serve_refuses_before_serving(args, status, message):
     r = run_python(["-m", "mkc", "serve", *args], timeout=120)

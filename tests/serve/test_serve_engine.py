@@ -71,10 +71,16 @@ def test_reference_prefill_needs_a_prefiller():
         Engine(fake_module(), {}, fake_mesh(), 2, None, prefill="reference")
 
 
+def test_reference_prefill_runs_on_one_process_only():
+    # the state it writes is made on process 0's host, not a launch the other processes run
+    with pytest.raises(ValueError, match="--prefill reference runs on one process only"):
+        make_engine(prefill="reference", lockstep=object())
+
+
 def test_without_clearing_a_reused_row_the_output_differs(monkeypatch):
     # the check above can fail: a row reused with its recurrent state kept gives other tokens
-    import mkc.serve.engine as engine_module
-    monkeypatch.setattr(engine_module, "_clear_rows", lambda state, rows, names: state)
+    import mkc.serve.device as device_module
+    monkeypatch.setattr(device_module, "_clear_rows", lambda state, rows, names: state)
     engine = make_engine(batch=1)
     out = run(engine, generate(engine, [3, 5], 2), generate(engine, [4], 3, delay=0.01))
     assert out[1][0].generated != fake_greedy([4], 3)
@@ -260,4 +266,4 @@ def test_warm_up_compiles_every_verify_launch_speculation_uses(batch, compiled):
     # 1 for verify prefill; the whole batch when the verify step takes it, else 1 to 2 busy rows
     engine = make_engine(batch=batch, prefill="verify", drafter=oracle)
     engine.warm_up()
-    assert set(engine._verifiers) == compiled
+    assert set(engine.device.verifiers) == compiled

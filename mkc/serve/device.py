@@ -1,0 +1,247 @@
+"""The serving engine's device side: the batch's state on the mesh and every launch that reads
+or changes it. Each launch is a `Launch` (what to run, with its host inputs), run by
+`Device.run`; the engine decides which launches to make and reads their results. Under
+jax.distributed every process runs the same launches in the same order (mkc.serve.multihost
+sends each as `Codec`'s fixed-shape int32 descriptor), so this is the one place a launch is
+defined: process 0's engine and the other processes' follower loop both call `Device.run`.
+
+Sampling runs on every process, not once on process 0: the step's logits come back
+replicated, `sample_rows` is a jitted function of them and of the descriptor's per-row
+settings (seeds included), so every process computes the same tokens, and the verify
+launches' accepted counts (which `commit` needs on every process) follow from them without a
+second message.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mkc.serve.sampling import Sampled, greedy_rows, sample_rows
+
+
+class Kind(enum.IntEnum):
+    DECODE = 1        # a decode step over all B rows, then each row's sampled token
+    PREFILL = 2       # a verify launch of one row's prompt chunk, all committed
+    SPECULATE = 3     # a verify launch of anchors and drafts, the matching drafts committed
+    CLEAR = 4         # zero the per-row states of the masked rows (a row's new request)
+    RESET = 5         # zero the whole state (after warm-up, or a failed launch)
+    SYNC = 6          # no device work: the processes confirm they are in step
+    STOP = 7          # no device work: the other processes stop
+
+
+def _empty() -> np.ndarray:
+    return np.zeros(0, np.int32)
+
+
+_SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.int32, np.int32)   # sampling.row_arrays
+
+
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """One launch and its host inputs.
+
+    DECODE: `tokens`, `positions` [B]; `sampling`: `row_arrays`' five [B] arrays.
+    PREFILL: `rows` [1] (the row), `tokens` [1, R] (the chunk, padded), `positions` [1] (its
+    start), `counts` [1] (the chunk's tokens); with `sample`, the first generated token is
+    sampled from the last chunk token's logits with `sampling` (five [1] arrays).
+    SPECULATE: `rows` [S] (the batch's rows, in order), `tokens` [S, R] (each row's anchor,
+    drafts, padding), `positions` [S] (starts), `counts` [S] (drafts a row).
+    CLEAR: `rows` [B], 1 where a row's states are zeroed. `width`: the logprobs' width (None:
+    no logprobs)."""
+
+    kind: Kind
+    tokens: np.ndarray = field(default_factory=_empty)
+    positions: np.ndarray = field(default_factory=_empty)
+    rows: np.ndarray = field(default_factory=_empty)
+    counts: np.ndarray = field(default_factory=_empty)
+    sampling: tuple[np.ndarray, ...] = ()
+    width: int | None = None
+    sample: bool = False
+
+
+class Codec:
+    """A Launch as a fixed-shape int32 vector and back: a header (kind, width + 1, sample, the
+    verify launch's sequences), each field's length, then the fields (floats by their bits),
+    zero-padded to `size`, which depends only on the batch and the verify step's rows."""
+
+    HEADER = 4
+    FIELDS = 4 + len(_SAMPLING_DTYPES)
+
+    def __init__(self, batch: int, verify_rows: int):
+        self.batch, self.verify_rows = batch, verify_rows
+        B, R = batch, max(verify_rows, 1)
+        payload = max(7 * B, B * (R + 3), R + 8)
+        self.size = self.HEADER + self.FIELDS + payload
+
+    def encode(self, launch: Launch) -> np.ndarray:
+        fields = [launch.tokens, launch.positions, launch.rows, launch.counts]
+        fields += list(launch.sampling) or [np.zeros(0, d) for d in _SAMPLING_DTYPES]
+        flat = [np.ascontiguousarray(f, dtype=d).reshape(-1).view(np.int32)
+                for f, d in zip(fields, [np.int32] * 4 + list(_SAMPLING_DTYPES))]
+        sequences = int(np.shape(launch.tokens)[0]) if np.ndim(launch.tokens) == 2 else 0
+        head = [int(launch.kind), -1 if launch.width is None else launch.width, int(launch.sample),
+                sequences, *(f.size for f in flat)]
+        out = np.concatenate([np.asarray(head, np.int32), *flat])
+        if out.size > self.size:
+            raise ValueError(f"a {launch.kind.name} launch needs {out.size} words; the descriptor "
+                             f"holds {self.size}")
+        return np.pad(out, (0, self.size - out.size))
+
+    def decode(self, words: np.ndarray) -> Launch:
+        words = np.asarray(words, np.int32)
+        if words.shape != (self.size,):
+            raise ValueError(f"a descriptor of {words.shape} words; expected ({self.size},)")
+        kind, width, sample, sequences = (int(w) for w in words[:self.HEADER])
+        lengths = words[self.HEADER:self.HEADER + self.FIELDS]
+        at, fields = self.HEADER + self.FIELDS, []
+        for n, dtype in zip(lengths, [np.int32] * 4 + list(_SAMPLING_DTYPES)):
+            fields.append(words[at:at + n].view(dtype).copy())
+            at += n
+        tokens, positions, rows, counts, *sampling = fields
+        if sequences:
+            tokens = tokens.reshape(sequences, -1)
+        return Launch(Kind(kind), tokens, positions, rows, counts,
+                      tuple(sampling) if any(s.size for s in sampling) else (),
+                      None if width < 0 else width, bool(sample))
+
+
+def result_bytes(result: Any) -> bytes:
+    """A launch's host result as bytes (for the processes' lockstep digest)."""
+    if result is None:
+        return b""
+    if isinstance(result, (tuple, list)):
+        return b"|".join(result_bytes(r) for r in result)
+    return np.ascontiguousarray(np.asarray(result)).tobytes()
+
+
+class Device:
+    """The batch's state on `mesh` and the launches on it (module docstring): the decode step
+    at `batch` rows, verify launches of 1 or more sequences (compiled on first use), and the
+    jitted row updates."""
+
+    def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None):
+        self.gen, self.weights, self.mesh, self.batch = gen, weights, mesh, batch
+        self.interpret = interpret
+        self._step = gen.make_decode_step(mesh, batch, interpret)
+        self._ranked = NamedSharding(mesh, P(gen.AXIS))
+        self._row_states = tuple(dict(gen.ROW_STATES).items())
+        self.verify_rows: int = getattr(gen, "VERIFY_ROWS", 0)
+        self.verifiers: dict[int, Any] = {}
+        one, two = gen.state_shapes(1), gen.state_shapes(2)
+        # each state's sequence (or row) axis, with the rank axis: where 1 and 2 differ
+        self._seq_axes = tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0]))
+                                            if x != y)) for n in one)
+        self.codec = Codec(batch, self.verify_rows)
+        self.state = self._zero_state()
+
+    def run(self, launch: Launch) -> Any:
+        """Run one launch: DECODE gives a Sampled of B rows; PREFILL a Sampled of 1 row (or None
+        without `sample`); SPECULATE (Sampled of S * R rows, accepted counts [S]); the others
+        None. Host results only: every process reads them from its own replica."""
+        if launch.kind == Kind.DECODE:
+            logits, _, self.state = self._step(self.weights, self.state, launch.tokens, launch.positions)
+            return jax.device_get(sample_rows(logits, *launch.sampling, width=launch.width))
+        if launch.kind == Kind.PREFILL:
+            return self._prefill(launch)
+        if launch.kind == Kind.SPECULATE:
+            return self._speculate(launch)
+        if launch.kind == Kind.CLEAR:
+            self.state = _clear_rows(self.state, launch.rows.astype(bool), self._row_states)
+        elif launch.kind == Kind.RESET:
+            self.state = self._zero_state()
+        return None
+
+    def put_row_state(self, row: int, state: dict) -> None:
+        """Write one sequence's state (the kernel's layout, a leading rank axis) into batch row
+        `row`: a host-made state, so not a Launch (one process only: `--prefill reference`)."""
+        one = {n: jax.device_put(a, self._ranked) for n, a in state.items()}
+        self.state = _put_rows(self.state, one, jnp.asarray([row], jnp.int32), self._seq_axes)
+
+    def _zero_state(self) -> dict:
+        place = getattr(self.gen, "place_state", None)
+        if place is not None:           # each process creates only its own ranks' shards
+            return place(self.batch, self.mesh)
+        return {n: jax.device_put(a, self._ranked) for n, a in self.gen.init_state(self.batch).items()}
+
+    def _verifier(self, S: int) -> Any:
+        if S not in self.verifiers:
+            self.verifiers[S] = self.gen.make_verify_step(self.mesh, S, self.verify_rows, self.interpret)
+        return self.verifiers[S]
+
+    def _verify(self, rows: np.ndarray, tokens: np.ndarray, starts: np.ndarray, accept) -> None:
+        """One verify launch of tokens [S, R] at starts [S] on the batch's rows `rows` (all of
+        them, in order: the batch's state as it is; else those rows' states taken out and put
+        back); `accept(logits)` gives the rows each sequence keeps, which are committed."""
+        whole = rows.tolist() == list(range(self.batch))
+        one = self.state if whole else _take_rows(self.state, rows, self._seq_axes)
+        caches = {n: a for n, a in one.items() if n not in self.gen.ROW_STATES}
+        states = {n: a for n, a in one.items() if n in self.gen.ROW_STATES}
+        logits, _, verified = self._verifier(len(rows))(self.weights, caches, states, tokens, starts)
+        one = self.gen.commit(one, verified, accept(logits))
+        self.state = one if whole else _put_rows(self.state, one, rows, self._seq_axes)
+
+    def _prefill(self, launch: Launch) -> Sampled | None:
+        n = int(launch.counts[0])
+        last = []
+
+        def accept(logits: jax.Array) -> np.ndarray:
+            last.append(logits[:, n - 1])
+            return np.array([n], np.int32)
+        self._verify(launch.rows, launch.tokens, launch.positions, accept)
+        if not launch.sample:
+            return None
+        return jax.device_get(sample_rows(last[0], *launch.sampling, width=launch.width))
+
+    def _speculate(self, launch: Launch) -> tuple[Sampled, np.ndarray]:
+        S, R = launch.tokens.shape
+        kept = []
+
+        def accept(logits: jax.Array) -> np.ndarray:
+            sampled = jax.device_get(greedy_rows(logits.reshape(S * R, -1), width=launch.width))
+            predicted = np.asarray(sampled.tokens).reshape(S, R)
+            counts = np.ones(S, np.int32)             # the anchor, then each matching draft
+            for i in range(S):
+                while (counts[i] <= launch.counts[i]
+                       and launch.tokens[i, counts[i]] == predicted[i, counts[i] - 1]):
+                    counts[i] += 1
+            kept.append((sampled, counts))
+            return counts
+        self._verify(launch.rows, launch.tokens, launch.positions, accept)
+        return kept[0]
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _take_rows(state: dict, rows: jax.Array, axes: tuple[tuple[str, int], ...]) -> dict:
+    """Some rows' state (a state of len(rows) sequences) out of a batch's; axes: (name, the
+    sequence axis with the rank axis)."""
+    return {n: jnp.take(state[n], rows, axis=axis) for n, axis in axes}
+
+
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _put_rows(state: dict, some: dict, rows: jax.Array, axes: tuple[tuple[str, int], ...]) -> dict:
+    """The batch's state with some rows' state written back at `rows`."""
+    def put(a, part, axis):
+        moved = jnp.moveaxis(a, axis, 0).at[rows].set(jnp.moveaxis(part.astype(a.dtype), axis, 0))
+        return jnp.moveaxis(moved, 0, axis)
+    return {n: put(state[n], some[n], axis) for n, axis in axes}
+
+
+@functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
+def _clear_rows(state: dict, rows: jax.Array, row_states: tuple[tuple[str, int], ...]) -> dict:
+    """The state with the recurrent and conv entries of the masked rows zeroed. row_states:
+    (name, the row axis after the layer axis) of each per-row state; the others (KV caches)
+    are kept."""
+    out = dict(state)
+    for name, axis in row_states:
+        a = state[name]
+        shape = [1] * a.ndim
+        shape[axis + 2] = rows.shape[0]          # past the rank and layer axes
+        out[name] = jnp.where(rows.reshape(shape), jnp.zeros((), a.dtype), a)
+    return out
