@@ -60,7 +60,7 @@ def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts:
     c = body_layer(dims, B=x.shape[0], per_rank=per_rank, fold_experts=fold,
                    expert_weight=lambda w, k: w[:, k:k + 1])
     with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(lowering, "_expert_matmul", matmul))
+        patches.enter_context(mock.patch.object(lowering, "expert_matmul", matmul))
         if hasattr(lowering, "_expert_bias"):
             patches.enter_context(mock.patch.object(lowering, "_expert_bias", bias))
         return lowering.routed_experts(c, x, None, weights)

@@ -5,8 +5,8 @@ A model layer runs as two sublayers of the layer loop: attention (`swa` on slidi
 `gqa` on full ones), then the MoE (`moe`). The attention bodies are the layer library's GQA
 with q/k/v and o_proj biases, sinks (the online softmax starts from each head's sink logit)
 and on sliding layers the window's mask (`graph.LAYERS`, `BODIES`), YaRN RoPE from the host's
-table (`host_inputs`). Kimi K3's expert matmul (MXFP4 or FP8 codes decoded from an expert
-slot, pack group by pack group) is reused.
+table (`host_inputs`). The expert matmul (MXFP4 or FP8 codes from an expert slot, pack group
+by pack group) is the layer library's (`mkc.layers.expert_formats`).
 
 What is GPT-OSS's own (`ops`): the router's bias and its top-k softmax over the picked logits
 only; each expert's biases and the clamped SwiGLU on its de-interleaved `[gate | up]` halves.
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mkc.families.gpt_oss import ops
 from mkc.families.gpt_oss.graph import LAYERS
-from mkc.families.kimi_k3.lowering import _expert_matmul
+from mkc.layers.expert_formats.lowering import expert_matmul
 from mkc.layers.sublayer import body_table
 from mkc.model.contracts import lowers
 from mkc.runtime import experts as expert_slots
@@ -66,9 +66,9 @@ def routed_experts(c: Layer, h: jax.Array, expert_ids: jax.Array,
     half = p["expert_half"]
 
     def expert(k, acc):
-        gate_up = _expert_matmul(c, k, h, "gate_up", p["gate_up_group"]) + _expert_bias(c, k, "gate_up_bias")
+        gate_up = expert_matmul(c, k, h, "gate_up", p["gate_up_group"]) + _expert_bias(c, k, "gate_up_bias")
         act = ops.swiglu_halves(gate_up, half, d.swiglu_alpha, d.swiglu_limit)
-        out = _expert_matmul(c, k, act, "down", p["down_group"]) + _expert_bias(c, k, "down_bias")
+        out = expert_matmul(c, k, act, "down", p["down_group"]) + _expert_bias(c, k, "down_bias")
         return acc + c.expert_weight(expert_weights, k) * out
 
     return c.fold_experts(expert, jnp.zeros((c.B, d.hidden_size), F32))

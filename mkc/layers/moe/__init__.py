@@ -23,23 +23,20 @@ requantizing bf16 to it rounds (3 mantissa bits, not 7), so the spec must say `r
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mkc.ir import MatrixFacts, WeightFormat
+from mkc.ir import WeightFormat
+from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.sublayer import Part, Sublayer
-from mkc.model.family import ExpertLayout, FormatError
+from mkc.model.family import ExpertLayout
 from mkc.model.graph import Op, ShardingError, Tensor, split
 
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME block N
 # rounded`), the checkpoint's first; the formats whose packing rounds the checkpoint's values.
 WEIGHT_FORMATS = (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8")))
 ROUNDING_FORMATS = ("fp8",)
-MX_BLOCK = 32          # input rows per scale of a per-value scaled FP8 block (not fed as codes)
-_FP8_CODES = MatrixFacts(values_per_byte=1.0)
-_SCALES = MatrixFacts(values_per_byte=0.0)
 # Routed experts load fused, as transformers 5 declares them (`mlp.experts.gate_up_proj [E, 2I,
 # H]`, gate rows first; `mlp.experts.down_proj [E, H, I]`), or per expert, the Qwen2/3-MoE
 # checkpoints' layout that transformers' `qwen2_moe` conversion mapping fuses on load
@@ -120,72 +117,20 @@ def expert_rows(d: Any) -> dict[str, int]:
 
 
 def pack_groups(d: Any) -> dict[str, int]:
-    """Input rows an FP8 expert matrix is multiplied in at a time: 512 rows of gate|up, 128 of
-    down, or the whole matrix when smaller (Kimi K3's pack groups)."""
-    rows = expert_rows(d)
-    return {"gate_up": min(rows["gate_up"], 512), "down": min(rows["down"], 128)}
-
-
-def check_block(cls: str, block: int, rows: int, group: int) -> None:
-    """A block of `block` input rows under one scale must be whole pack groups of `group` that
-    tile the matrix's `rows`: the kernel multiplies a pack group's partial product by its
-    block's scale. FormatError otherwise."""
-    if block % group or rows % block:
-        raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its {rows} input "
-                          f"rows (per rank) run as pack groups of {group}",
-                          f"use a multiple of {group} that divides {rows} (e.g. {group})")
+    return expert_formats_lib.pack_groups(expert_rows(d))
 
 
 def expert_formats(d: Any, formats: Mapping[str, WeightFormat] | None = None) -> dict[str, WeightFormat]:
-    """Each routed expert class's format, an FP8 block resolved to input rows (past the matrix's
-    rows: the whole matrix). FormatError for FP8 without a block or without `rounded`, or a
-    block that is not whole pack groups tiling the rows."""
-    rows, groups = expert_rows(d), pack_groups(d)
-    out = {}
-    for cls, fmt in ({c: WeightFormat(f[0]) for c, f in WEIGHT_FORMATS} | dict(formats or {})).items():
-        name = cls.split(".")[1]
-        if fmt.name == "fp8":
-            example = f"`format {cls} fp8 block {groups[name]} rounded`"
-            if not fmt.block:
-                raise FormatError(cls, "FP8 experts take one scale per block of whole pack groups "
-                                  "(their codes reach the MXU as they are, the scale multiplying a "
-                                  "pack group's partial product)", f"write {example} (a multiple "
-                                  f"of {groups[name]} rows dividing {rows[name]})")
-            block = min(fmt.block, rows[name])
-            check_block(cls, block, rows[name], groups[name])
-            if not fmt.rounded:
-                raise FormatError(cls, f"the checkpoint's {cls} is bf16 (8 significant bits), "
-                                  "and e4m3 keeps 4: requantizing it to FP8 rounds almost every "
-                                  "value, so the spec must accept the rounding", f"write `format "
-                                  f"{cls} fp8 block {block} rounded` (the error is reported per "
-                                  "matrix class), or keep it bf16 (drop the `format` line)")
-            fmt = dataclasses.replace(fmt, block=block)
-        out[cls] = fmt
-    return out
-
-
-def feeds_codes(fmt: WeightFormat) -> bool:
-    """Whether a matrix stored in `fmt` reaches the MXU as FP8 codes: FP8 with one scale per
-    pack group's partial product (a block past 32 rows) on a target whose MXU takes FP8
-    operands. The lowering and the reference's emulation both ask."""
-    return fmt.name == "fp8" and fmt.block > MX_BLOCK and fmt.fp8_operand
+    """Each routed expert class's format, an FP8 block resolved to input rows
+    (`mkc.layers.expert_formats.resolve`: whole pack groups tiling the rows, `rounded`)."""
+    return expert_formats_lib.resolve(WEIGHT_FORMATS, expert_rows(d), pack_groups(d), formats)
 
 
 def expert_tensors(d: Any, formats: Mapping[str, WeightFormat]) -> dict[str, Tensor]:
-    """One routed expert as its slot holds it, K-major ([in, out]): each matrix bf16 by its
-    name, or FP8 codes (one input row a byte) and its E8M0 scales, one row per block, stacked
-    in the slot (whole-tile panels would pad a few rows to 32 each)."""
+    """One routed expert as its slot holds it, K-major ([in, out]), each matrix in its format."""
     H, inter = d.hidden_size, d.moe_intermediate_size
-    out: dict[str, Tensor] = {}
-    for name, rows, cols in (("gate_up", H, 2 * inter), ("down", inter, H)):
-        fmt = formats[f"expert.{name}"]
-        if fmt.name == "fp8":
-            out |= {f"{name}_codes": Tensor(f"{name}_codes", "matrix", (rows, cols), "u8", mxu=_FP8_CODES),
-                    f"{name}_scales": Tensor(f"{name}_scales", "matrix", (rows // fmt.block, cols), "u8",
-                                             mxu=_SCALES, stacked=True)}
-        else:
-            out[name] = Tensor(name, "matrix", (rows, cols), "bf16")
-    return out
+    return {**expert_formats_lib.tensors("gate_up", H, 2 * inter, formats["expert.gate_up"]),
+            **expert_formats_lib.tensors("down", inter, H, formats["expert.down"])}
 
 
 def graph_fields(d: Any, formats: Mapping[str, WeightFormat] | None) -> dict[str, Any]:

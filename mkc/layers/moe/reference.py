@@ -39,7 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkc.layers.moe import MoE, feeds_codes, pack_groups
+from mkc.layers.expert_formats.reference import expert_operands
+from mkc.layers.moe import MoE, pack_groups
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
 from mkc.reference.rounding import Rounding, allreduce
@@ -86,14 +87,6 @@ def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> j
     return acc + weight * out
 
 
-def _expert_operands(rounding: Rounding, matrix: str) -> str | None:
-    """How the kernel's dots take expert matrix `matrix`: FP8 codes fed as they are, in a mixed
-    dot (`mkc.layers.moe.feeds_codes`), else bf16 values. FP8's values are the requantized
-    ones: the caller passes the checkpoint as the kernel holds it (`requantized_weights`)."""
-    fmt = rounding.weight_format(f"expert.{matrix}")
-    return "mixed_fp8" if fmt is not None and feeds_codes(fmt) else None
-
-
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
                              rounding: Rounding, kind: str) -> jax.Array:
     """The routed experts as an expert-parallel kernel computes them (module docstring): each
@@ -106,7 +99,7 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], d: Any, xin: jax.Array,
     gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
     # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; bf16
     # experts: one bf16 dot.
-    operands = {m: _expert_operands(rounding, m) for m in EXPERTS}
+    operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
     rows = {m: pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
 
