@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
-from mkc.families.gpt_oss.graph import LAYERS, expert_formats, pack_groups
+from mkc.families.gpt_oss.graph import ATTENTION, expert_formats, pack_groups
 from mkc.families.gpt_oss.ops import deinterleave_gate_up
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
@@ -44,7 +44,7 @@ def _w(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
     return np.asarray(hf[name] if index is None else hf[name][index]).astype(np.float32)
 
 
-_ATTENTION = DecoderWeights(LAYERS, model_layer=lambda layer: layer // 2)
+_ATTENTION = DecoderWeights(ATTENTION, model_layer=lambda layer: layer // 2)
 head_vectors, embedding = _ATTENTION.head_vectors, _ATTENTION.embedding
 
 

@@ -9,6 +9,7 @@ from mkc.layers import ops
 from mkc.layers.expert_formats.lowering import expert_matmul
 from mkc.layers.moe import MoE
 from mkc.runtime import experts as expert_slots
+from mkc.runtime import pool
 from mkc.runtime.context import Layer
 
 F32 = jnp.float32
@@ -25,17 +26,48 @@ def route_weights(logits: jax.Array, top_k: int, renormalise: bool) -> tuple[jax
     return (kept / jnp.sum(kept, axis=-1, keepdims=True) if renormalise else kept), ids
 
 
+def top_k_softmax_weights(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """GptOssTopKRouter on the logits ``[B, E]`` -> (weights ``[B, E]``, ids ``[B, top_k]``
+    int32): the ``top_k`` largest logits, their softmax over those k only, placed at their
+    lanes (zero elsewhere: upstream's ``router_scores``); ids best first, ties to the lowest
+    lane (``mkc.runtime.experts.top_k``). The row max is the largest pick's logit, so
+    ``exp(logit - max)`` over the picks is upstream's softmax of the k values."""
+    scaled = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    kept, ids = expert_slots.top_k(logits, scaled, top_k)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True), ids
+
+
+def _expert_bias(c: Layer, k, name: str) -> jax.Array:
+    """Selected expert k's bias row `name` ([1, n] bf16 in its slot) as f32."""
+    es = c.kernel.experts
+    row, rows, cols = expert_slots.matrix(es, c.refs, k, name)
+    return pool.pooled_bf16(getattr(c.refs, es.pool), row, rows, cols).astype(F32)
+
+
+def _activation(s: MoE, c: Layer, gate_up: jax.Array) -> jax.Array:
+    """An expert's activation of its `[gate | up]` product."""
+    if s.activation == "clamped":
+        return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
+                                         c.dims.swiglu_limit)
+    return ops.swiglu(gate_up, c.dims.moe_intermediate_size)
+
+
 def post_norm(s: MoE, c: Layer) -> jax.Array:
     return ops.pre_norm(s.norm, c, "post_norm")
 
 
 def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("router", h)[:, :c.dims.experts]
+    logits = c.matmul("router", h)[:, :c.dims.experts]
+    return logits + c.vector("router_bias") if s.router_bias else logits
 
 
 def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax top-k; this rank's picked local experts go to SMEM for their copies."""
-    weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
+    """Softmax top-k (or the top k's softmax); this rank's picked local experts go to SMEM for
+    their copies."""
+    if s.routing == "top_k_softmax":
+        weights, ids = top_k_softmax_weights(router_logits, c.dims.top_k)
+    else:
+        weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
     c.select_experts(ids)
     return ids, weights
 
@@ -50,14 +82,19 @@ def shared_down(s: MoE, c: Layer, shared_act: jax.Array) -> jax.Array:
 
 def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array
                    ) -> jax.Array:
-    """This rank's picked experts on every row, each weighted by its routing weight (zero for
-    rows that did not pick it), summed in ascending expert order: a partial sum over ranks."""
-    width, groups = c.dims.moe_intermediate_size, c.per_rank
+    """This rank's picked experts on every row, each `down(act(gate_up h (+ b))) (+ b)`
+    weighted by its routing weight (zero for rows that did not pick it), summed in ascending
+    expert order: a partial sum over ranks."""
+    groups = c.per_rank
 
     def expert(k, acc):
-        act = ops.swiglu(expert_matmul(c, k, h, "gate_up", groups["gate_up_group"]), width)
-        return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
-                                                                         groups["down_group"])
+        gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
+        act = _activation(s, c, gate_up + _expert_bias(c, k, "gate_up_bias") if s.expert_bias else gate_up)
+        if not s.expert_bias:
+            return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
+                                                                             groups["down_group"])
+        out = expert_matmul(c, k, act, "down", groups["down_group"]) + _expert_bias(c, k, "down_bias")
+        return acc + c.expert_weight(expert_weights, k) * out
 
     return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
 

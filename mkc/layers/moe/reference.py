@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from mkc.layers.expert_formats.reference import expert_operands
-from mkc.layers.moe import MoE, pack_groups
+from mkc.layers.moe import MoE
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
 from mkc.reference.rounding import Rounding, allreduce
@@ -87,7 +87,7 @@ def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> j
     return acc + weight * out
 
 
-def _routed_experts_per_rank(p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
+def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
                              rounding: Rounding, kind: str) -> jax.Array:
     """The routed experts as an expert-parallel kernel computes them (module docstring): each
     rank's part of its group's experts on every row, weighted by the row's routing weight
@@ -101,7 +101,7 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], d: Any, xin: jax.Array,
     # experts: one bf16 dot.
     operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
-    rows = {m: pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
+    rows = {m: s.pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
 
     def expert_linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
         return rounding.linear(x, w, rows[m], operands[m])
@@ -139,6 +139,7 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     """The block's routed experts (summed) and shared expert (before its gate; None without
     one), each all-reduced as the schedule says when ``rounding`` is given. ``p`` maps names
     relative to ``s.prefix`` to f32 arrays."""
+    s.bf16_checkpoint("reference")
     inter = d.moe_intermediate_size
     xin = mm_input(x, rounding)
     logits = matmul(xin, p["gate.weight"], rounding)
@@ -149,7 +150,7 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
         out = jnp.einsum("bki,bkoi->bko", act, p["experts.down_proj"][ids], precision=HIGHEST)
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
     else:
-        routed = _routed_experts_per_rank(p, d, xin, _kernel_route_weights(logits, ids, d.norm_topk_prob),
+        routed = _routed_experts_per_rank(s, p, d, xin, _kernel_route_weights(logits, ids, d.norm_topk_prob),
                                           rounding, kind)
     if not s.shared_expert:
         return routed, None
