@@ -1,6 +1,6 @@
 """Which routed-expert weight formats each TPU generation compiles, measured with libtpu
-(compile-only, no TPU): one small Pallas kernel per format runs the K3 lowering's own
-expert-matmul body (`mkc.families.kimi_k3.ops`) on one pack group and is compiled for a
+(compile-only, no TPU): one small Pallas kernel per format runs the expert formats' own
+expert-matmul body (`mkc.layers.expert_formats.ops`) on one pack group and is compiled for a
 one-chip slice of each generation.
 
     .venv/bin/python benchmarks/format_probe.py [GENERATION ...]    # default: every one
@@ -29,7 +29,7 @@ GROUP, COLS, ROWS = 512, 256, 8
 def _kernel(fmt: str, fp8_operand: bool):
     import jax.numpy as jnp
 
-    from mkc.families.kimi_k3 import ops
+    from mkc.layers.expert_formats import ops
     F32, BF16 = jnp.float32, jnp.bfloat16
 
     def kernel(x_ref, codes_ref, scales_ref, o_ref):

@@ -207,3 +207,26 @@ def test_resolve_imports_no_check():
     assert len(resolve) >= 15
     assert {m: sorted(d for d in _reached(graph, m) if d.startswith("mkc.checks"))
             for m in resolve} == {m: [] for m in resolve}
+
+
+def _external_imports(module: str) -> set[str]:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    path = path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
+    return {m.split(".")[0] for m in _imports(ast.parse(path.read_text()))}
+
+
+def test_what_a_spec_check_loads_of_the_layer_library_holds_no_jax():
+    """A layer library package's `__init__` (a kind's options, ops and tensors, or the expert
+    formats' rules and slot tensors) is what a family graph, so every `mkc check`, imports:
+    neither it nor anything it reaches imports jax or a compute module (`ops`, `lowering`,
+    `weights`, `reference`) or the in-kernel runtime; the jax modules import it, never the
+    reverse."""
+    graph = _graph()
+    packages = sorted(m for m in graph if m.startswith("mkc.layers.") and m.count(".") == 2
+                      and (ROOT / m.replace(".", "/") / "__init__.py").exists())
+    assert {"mkc.layers.expert_formats", "mkc.layers.moe", "mkc.layers.gqa"} <= set(packages)
+    compute = (".ops", ".lowering", ".weights", ".reference")
+    for package in packages:
+        reached = _reached(graph, package)
+        assert [m for m in reached if m.endswith(compute) or m.startswith("mkc.runtime")] == [], package
+        assert [m for m in reached if "jax" in _external_imports(m)] == [], package

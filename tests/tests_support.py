@@ -36,8 +36,9 @@ def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.Simp
 
 def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts: list[Mapping[str, object]],
                            x, weights):
-    """A family's lowered `routed_experts` body (`lowering`, its module: activation, biases,
-    routing weights as the body applies them) on `x [B, in]`, every expert of `experts`
+    """A family's lowered `routed_experts` body (`lowering`, its module: its own or a composed
+    kind's from its `BODIES`; activation, biases, routing weights as the body applies them)
+    on `x [B, in]`, every expert of `experts`
     selected, each a dict of f32 values in the kernel's layout (`gate_up [in, 2 * half]`,
     `down [half, out]`, and GPT-OSS's `gate_up_bias`, `down_bias` rows); `weights [B, E]`. The
     slot reads the body makes (its decoded matmuls, and bias rows where it has them) are
@@ -59,11 +60,15 @@ def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts:
 
     c = body_layer(dims, B=x.shape[0], per_rank=per_rank, fold_experts=fold,
                    expert_weight=lambda w, k: w[:, k:k + 1])
+    # a composed kind's body (options bound) or the family's own
+    body = next((b for (_, op), b in getattr(lowering, "BODIES", {}).items() if op == "routed_experts"),
+                None) or lowering.routed_experts
+    module = sys.modules[getattr(body, "func", body).__module__]
     with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(lowering, "_expert_matmul", matmul))
-        if hasattr(lowering, "_expert_bias"):
-            patches.enter_context(mock.patch.object(lowering, "_expert_bias", bias))
-        return lowering.routed_experts(c, x, None, weights)
+        patches.enter_context(mock.patch.object(module, "expert_matmul", matmul))
+        if hasattr(module, "_expert_bias"):
+            patches.enter_context(mock.patch.object(module, "_expert_bias", bias))
+        return body(c, x, None, weights)
 
 
 def run_example(script: str, *args: str, timeout: int, python: str = sys.executable) -> dict:

@@ -11,5 +11,7 @@ from in an upstream checkpoint.
   shared expert).
 * Shared pieces: `ops` (kernel math), `reference` (reference math), `rope` (config reading, the
   host's table), `decoder` (the vocabulary-split globals), `weights` (`DecoderWeights`),
-  `decode` (`DecoderReference`: a composed family's reference decode step).
+  `decode` (`DecoderReference`: a composed family's reference decode step), `expert_formats`
+  (how routed experts are stored and multiplied: bf16, MXFP4, FP8 and FP4 codes under E8M0
+  block scales; their rules, slot tensors, kernel decode, packers and emulation operands).
 """

@@ -56,6 +56,20 @@ def swiglu(gate_up: jax.Array, width: int) -> jax.Array:
     return jax.nn.silu(gate_up[:, :width]) * gate_up[:, width:2 * width]
 
 
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GptOssExperts' activation: ``gate`` clamped from above only, ``up`` on both sides,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_halves(gate_up: jax.Array, half: int, alpha: float, limit: float) -> jax.Array:
+    """`clamped_swiglu` of a gate|up product ``[B, 2 * half]`` (gate lanes first, then up, each
+    ``half`` lanes) -> ``[B, half]``."""
+    return clamped_swiglu(gate_up[:, :half], gate_up[:, half:2 * half], alpha, limit)
+
+
 def rotate_half_matrix(head_dim: int, rotary_dim: int) -> jax.Array:
     """R with x @ R == rotate_half(x[:rotary_dim]) padded with zeros: [-x2, x1, 0...]."""
     half = rotary_dim // 2

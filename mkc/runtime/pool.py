@@ -166,7 +166,8 @@ def pooled_u8(pool_ref, row_offset: int | jax.Array, rows: int, cols: int, *, fi
               count: int | None = None) -> jax.Array:
     """In a kernel: rows [first, first + count) (default: all) of the pooled uint8 [rows, cols]
     matrix at ``row_offset`` -> uint8 [count, cols], e.g. one pack group of MXFP4 codes for
-    ``mxfp4_dequantize_tile``. ``first`` must be a multiple of 32 (a whole bf16 tile in)."""
+    ``mkc.layers.expert_formats.ops.mxfp4_dequantize_tile``. ``first`` must be a multiple of 32
+    (a whole bf16 tile in)."""
     count = rows - first if count is None else count
     if first % (2 * TILE_ROWS) or first < 0 or count <= 0 or first + count > rows:
         raise ValueError(f"rows [{first}, {first}+{count}) of {rows}: first must be a multiple of "

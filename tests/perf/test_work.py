@@ -149,7 +149,7 @@ def test_more_work_in_one_lowering_function_lengthens_the_modelled_step(monkeypa
 
 @pytest.mark.slow
 def test_without_the_mxfp4_decode_k3_models_faster(monkeypatch, fresh_counts):
-    from mkc.families.kimi_k3 import ops
+    from mkc.layers.expert_formats import ops
     s = check_spec(K3_64_SPEC).ir                 # its experts in the checkpoint's MXFP4
     assert s.weight_formats == dict.fromkeys(("expert.down", "expert.gate_up"),
                                              WeightFormat("mxfp4", 32))

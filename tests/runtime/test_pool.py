@@ -18,7 +18,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.runtime import pool
-from mkc.families.kimi_k3.ops import mxfp4_dequantize_tile, mxfp4_scale_bias, pack_mxfp4_for_kernel
+from mkc.layers.expert_formats.ops import mxfp4_dequantize_tile, mxfp4_scale_bias
+from mkc.layers.expert_formats.weights import pack_mxfp4_for_kernel
 
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
 GAP = 16   # pool rows left between matrices, so no offset is 0 or back to back

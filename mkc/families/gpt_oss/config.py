@@ -74,6 +74,11 @@ class GptOssDims(Dims):
     swiglu_limit: float
 
     @property
+    def moe_intermediate_size(self) -> int:
+        """An expert's width, by the name the library's MoE reads."""
+        return self.intermediate_size
+
+    @property
     def rotary_dim(self) -> int:
         """RoPE rotates whole heads."""
         return self.head_dim

@@ -1,6 +1,7 @@
 """The GPT-OSS decode graph: each model layer runs as two sublayers of the layer loop, its
 attention (`swa` on `sliding_attention` layers, `gqa` on `full_attention` ones), up to the
-residual add, then its MoE (`moe`): a biased router and biased MXFP4 experts.
+residual add, then its MoE (`moe`): a biased router and biased MXFP4 experts, the layer
+library's `MoE` with GPT-OSS's options (`MOE`).
 
 The two attention kinds are the layer library's GQA with biases and sinks (`LAYERS`), the same
 ops and tensors; they differ in what their KV cache holds
@@ -22,47 +23,44 @@ Sharding (three classes, all split over their own rank group):
   each, in id order), fetched into a pool's expert slots as routing picks them, as Qwen3.5
   MoE's are. The router (and its bias) is replicated: every core scores every expert.
 
-One routed expert as its slot holds it (`expert_families`), K-major (`[in, out]`):
+One routed expert as its slot holds it (`mkc.layers.moe.MoE.expert_tensors`), K-major (`[in, out]`):
 gate_up's output columns de-interleaved from the checkpoint's (gate = even rows of
 `gate_up_proj`, up = odd ones) into `[gate | up]`, each half padded with zero columns to whole
 128-lane tiles (`expert_half` = lane_pad(I): 2944 for I = 2880), so the clamped SwiGLU reads
 two lane-aligned halves; down's input rows padded to match (zero codes). A padded column is
 zero with a zero bias, so its activation `(up + 1) * gate * sigmoid(alpha * gate)` is zero
-and multiplies zero rows of down: the padding changes no value. The MXFP4 codes and E8M0
-scales are `mkc.families.kimi_k3.graph.expert_codes`' layout (two input rows a byte, a scale
-per 32 rows) in the format the spec chooses (`format expert.gate_up fp8`); the biases are
-one bf16 row each (the checkpoint's dtype: exact).
+and multiplies zero rows of down: the padding changes no value. The codes and E8M0 scales
+are the layer library's (`mkc.layers.expert_formats`: MXFP4 two input rows a byte, a scale per
+32 rows) in the format the spec chooses (`format expert.gate_up fp8`); the biases are one bf16
+row each (the checkpoint's dtype: exact).
 """
 from __future__ import annotations
 
-import dataclasses
-
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
-from mkc.families.kimi_k3.graph import expert_codes
+from mkc.ir import WeightFormat
 from mkc.layers.decoder import vocab_globals
 from mkc.layers.gqa import GQA
+from mkc.layers.moe import MoE
 from mkc.layers.sublayer import layer_kinds
-from mkc.ir import WeightFormat
-from mkc.model.family import FormatError
-from mkc.model.graph import (ContextLimit, FamilyGraph, LayerKind, Op, ShardingError, Tensor,
-                             lane_pad, split)
+from mkc.model.graph import ContextLimit, FamilyGraph, ShardingError, split
 
 SHARD_CLASSES = ("heads", "vocab", "experts")
 ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, full
-MX_BLOCK = 32                         # MXFP4: one E8M0 scale per 32 input rows
+# The attention sublayers, the layer library's GQA with biases and sinks, sliding or full
+# (their weights are the library's too: `weights`), then the library's MoE with GPT-OSS's
+# options, its weights and reference the family's.
+ATTENTION = {"swa": (GQA(bias=True, sinks=True, sliding=True),), "gqa": (GQA(bias=True, sinks=True),)}
+MOE = MoE(router_bias=True, routing="top_k_softmax", activation="clamped", expert_bias=True,
+          checkpoint="mxfp4")
+LAYERS = ATTENTION | {MOE_KIND: (MOE,)}
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME [block N]`),
 # the checkpoint's first: MXFP4 decoded in the kernel, or FP8 e4m3 codes (every e2m1 value is
 # an e4m3 value: exact at the checkpoint's 32-row scales; a larger block folds the 32-row
 # scales into one, exact where they span at most 8 octaves, which packing checks).
-WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))
-MAX_PACK_GROUP = 512                  # input rows decoded at a time (Kimi K3's gate|up group)
-# The attention sublayers, the layer library's GQA with biases and sinks, sliding or full; the
-# `moe` sublayer is the family's own.
-LAYERS = {"swa": (GQA(bias=True, sinks=True, sliding=True),), "gqa": (GQA(bias=True, sinks=True),)}
-
-
-def _v(name: str, *shape: int) -> Tensor:
-    return Tensor(name, "vector", tuple(shape), "f32")
+WEIGHT_FORMATS = MOE.weight_formats()
+# Input rows an expert matrix is decoded and multiplied in at a time (320 for gate_up's 2880
+# hidden rows, 128 for down's lane-padded rows), and each expert class's resolved format.
+pack_groups, expert_formats = MOE.pack_groups, MOE.expert_formats
 
 
 def window_limit(d: GptOssDims) -> ContextLimit:
@@ -89,76 +87,6 @@ def cache_slots(d: GptOssDims, kind: str, context: int) -> int:
     return d.sliding_window if kind == "swa" else context
 
 
-def pack_groups(d: GptOssDims) -> dict[str, int]:
-    """Input rows an expert matrix is decoded and multiplied in at a time: the largest multiple
-    of 64 (two 32-row MXFP4 blocks, one a nibble each) dividing its rows, at most 512; 320 for
-    gate_up's 2880 hidden rows, 128 for down's lane-padded rows. FormatError if none does."""
-    out = {}
-    for name, rows in (("gate_up", d.hidden_size), ("down", lane_pad(d.intermediate_size))):
-        group = max((g for g in range(2 * MX_BLOCK, min(rows, MAX_PACK_GROUP) + 1, 2 * MX_BLOCK)
-                     if rows % g == 0), default=0)
-        if not group:
-            raise FormatError(f"expert.{name}", f"expert.{name}'s {rows} input rows are not a "
-                              f"multiple of {2 * MX_BLOCK}: the kernel decodes MXFP4 two 32-row "
-                              "blocks at a time", "use a model whose hidden size is a multiple of 64")
-        out[name] = group
-    return out
-
-
-def expert_formats(d: GptOssDims, formats: dict[str, WeightFormat] | None = None
-                   ) -> dict[str, WeightFormat]:
-    """Each expert matrix class's format, its block resolved to input rows (32 for MXFP4 and
-    plain FP8; a block past the matrix's rows is the whole matrix); FormatError for a block the
-    kernel cannot use (the rule of Kimi K3's experts: whole pack groups tiling the rows)."""
-    rows = {"gate_up": d.hidden_size, "down": lane_pad(d.intermediate_size)}
-    groups = pack_groups(d)
-    out = {}
-    for cls, fmt in ({c: WeightFormat(f[0]) for c, f in WEIGHT_FORMATS} | (formats or {})).items():
-        name = cls.split(".")[1]
-        block = min(fmt.block or MX_BLOCK, rows[name])
-        if fmt.name == "mxfp4" and block != MX_BLOCK:
-            raise FormatError(cls, f"MXFP4 keeps the checkpoint's scale per {MX_BLOCK} rows, not "
-                              f"{fmt.block}", f"drop the block, or store it as FP8 (`format {cls} "
-                              "fp8 block N`, N whole pack groups)")
-        if block != MX_BLOCK and (block % groups[name] or rows[name] % block):
-            raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its "
-                              f"{rows[name]} input rows run as pack groups of {groups[name]}",
-                              f"use {MX_BLOCK}, or a multiple of {groups[name]} that divides "
-                              f"{rows[name]}")
-        out[cls] = dataclasses.replace(fmt, block=block)
-    return out
-
-
-def expert_families(d: GptOssDims, formats: dict[str, WeightFormat]) -> dict[str, Tensor]:
-    """One routed expert as its slot holds it (module docstring), in the resolved formats."""
-    H, half = d.hidden_size, lane_pad(d.intermediate_size)
-    return {
-        **expert_codes("gate_up", H, 2 * half, formats["expert.gate_up"]),
-        "gate_up_bias": Tensor("gate_up_bias", "matrix", (1, 2 * half), "bf16"),
-        **expert_codes("down", half, H, formats["expert.down"]),
-        "down_bias": Tensor("down_bias", "matrix", (1, H), "bf16"),
-    }
-
-
-def moe_kind(d: GptOssDims) -> LayerKind:
-    """The MoE sublayer: the biased router, top-k, the picked experts (each with its biases,
-    weighted and summed on the rank holding it: a partial sum over the experts group)."""
-    H, E = d.hidden_size, d.experts
-    return LayerKind(MOE_KIND, ops=(
-        Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
-        Op("router", reads=("h", "router_bias"), writes=("router_logits",), matmul="router"),
-        Op("route", reads=("router_logits",), writes=("expert_ids", "expert_weights"),
-           picks_experts=True),
-        Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
-           partial=("experts",), width=H, runs_experts=True),
-        Op("mlp_residual", reads=("routed_out", "x"), writes=("x",)),
-    ), tensors={
-        "router": Tensor("router", "matrix", (H, E), "bf16"),      # replicated
-        "post_norm": _v("post_norm", H),
-        "router_bias": _v("router_bias", E),
-    })
-
-
 def build(d: GptOssDims, rules: dict[str, tuple[int, int]], ranks: int,
           formats: dict[str, WeightFormat] | None = None) -> FamilyGraph:
     """The family graph under the spec's shard rules {class: (ways, stride)} over `ranks`;
@@ -166,16 +94,9 @@ def build(d: GptOssDims, rules: dict[str, tuple[int, int]], ranks: int,
     if rules["experts"] != (ranks, 1):
         raise ShardingError("the GPT-OSS graph holds whole experts, split over every core: "
                             "write `shard experts over tp`", "experts")
-    kinds, per_rank = layer_kinds(LAYERS, d, {"heads": rules["heads"][0]},
+    split(d.experts, ranks, "num_local_experts", "experts")      # refused in upstream's name
+    kinds, per_rank = layer_kinds(LAYERS, d, {"heads": rules["heads"][0], "experts": ranks},
                                   swa={"context_limit": window_limit(d), "window": d.sliding_window})
-    kinds[MOE_KIND] = moe_kind(d)
-    resolved = expert_formats(d, formats)
     glob, vocab = vocab_globals(d, rules["vocab"][0])
-    groups = pack_groups(d)
-    per_rank |= {"vocab": vocab, "window": d.sliding_window,
-                 "local_experts": split(d.experts, ranks, "num_local_experts", "experts"),
-                 "expert_width": d.intermediate_size, "expert_half": lane_pad(d.intermediate_size),
-                 "expert_tp": 1, "gate_up_group": groups["gate_up"], "down_group": groups["down"]}
-    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank,
-                       experts=expert_families(d, resolved), experts_total=d.experts,
-                       top_k=d.top_k, formats=resolved)
+    per_rank |= {"vocab": vocab, "window": d.sliding_window}
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, **MOE.graph_fields(d, formats))

@@ -4,8 +4,7 @@ lowers (no ``lax.top_k``, no gathers, no lane reshapes), plus the host-side tabl
 packers they read.
 
 The math is upstream transformers' ``models/gpt_oss/modeling_gpt_oss.py``, as the package
-docstring cites it, in the shapes a kernel computes it in: YaRN's rotary table, top-k routing
-as weights over every expert lane, the clamped SwiGLU on the kernel's ``[gate | up]`` halves. As for the other
+docstring cites it, in the shapes a kernel computes it in: YaRN's rotary table. As for the other
 families, the reference (``mkc.families.gpt_oss.reference``) is the oracle the kernel is judged
 against and shares no code with it; ``tests/families/gpt_oss/test_gpt_oss_ops.py`` checks
 each piece, and the lowered bodies that combine them (a window's ring masked by the positions
@@ -13,8 +12,9 @@ its slots hold, the routed experts), against an independent numpy derivation of 
 expression.
 
 Attention (with its sinks and the sliding window's mask), the RMS norm (GptOssRMSNorm, a plain
-weight) and the RoPE rotation (pair ``(i, i + D/2)``, over whole heads) are the layer
-library's (``mkc.layers.gqa``, ``mkc.layers.ops``).
+weight), the RoPE rotation (pair ``(i, i + D/2)``, over whole heads) and the MoE (top-k routing
+as weights over every expert lane, the clamped SwiGLU on the kernel's ``[gate | up]`` halves)
+are the layer library's (``mkc.layers.gqa``, ``mkc.layers.moe``, ``mkc.layers.ops``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import numpy as np
 
 from mkc.families.gpt_oss.config import GptOssDims
 from mkc.layers.ops import rms_norm  # noqa: F401
-from mkc.runtime import experts
 
 F32 = jnp.float32
 
@@ -52,31 +51,6 @@ def rope_table(d: GptOssDims, positions: jax.Array) -> jax.Array:
     angles = positions.astype(F32)[:, None] * jnp.asarray(yarn_inv_freq(d))[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * d.yarn_attention_factor
-
-
-def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """GptOssTopKRouter on the biased logits ``[B, E]`` -> (weights ``[B, E]``, ids ``[B, top_k]``
-    int32): the ``top_k`` largest logits, their softmax over those k only, placed at their
-    lanes (zero elsewhere: upstream's ``router_scores``); ids best first, ties to the lowest
-    lane (``mkc.runtime.experts.top_k``). The row max is the largest pick's logit, so
-    ``exp(logit - max)`` over the picks is upstream's softmax of the k values."""
-    scaled = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    kept, ids = experts.top_k(logits, scaled, top_k)
-    return kept / jnp.sum(kept, axis=-1, keepdims=True), ids
-
-
-def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """GptOssExperts' activation: ``gate`` clamped from above only, ``up`` on both sides,
-    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    gate = jnp.minimum(gate, limit)
-    up = jnp.clip(up, -limit, limit)
-    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
-
-
-def swiglu_halves(gate_up: jax.Array, half: int, alpha: float, limit: float) -> jax.Array:
-    """The activation of a gate|up product in the kernel's layout ``[B, 2 * half]`` (gate
-    lanes first, then up, each ``half`` lanes: ``deinterleave_gate_up``) -> ``[B, half]``."""
-    return clamped_swiglu(gate_up[:, :half], gate_up[:, half:2 * half], alpha, limit)
 
 
 # ---------------------------------------------------------------------------------------------

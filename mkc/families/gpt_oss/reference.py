@@ -426,8 +426,8 @@ def _emulated_attention(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, 
 @jax.jit
 def _kernel_route_weights(logits: jax.Array, ids: jax.Array) -> jax.Array:
     """Routing weights over every expert ``[B, E]`` as the kernel forms them
-    (``mkc.families.gpt_oss.ops.route``): ``exp(logit - row max)`` at the picked ``ids``, zero
-    elsewhere, divided by their sum over all E lanes."""
+    (``mkc.layers.moe.lowering.top_k_softmax_weights``): ``exp(logit - row max)`` at the picked
+    ``ids``, zero elsewhere, divided by their sum over all E lanes."""
     scaled = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     rows = jnp.arange(logits.shape[0])[:, None]
     kept = jnp.zeros_like(scaled).at[rows, ids].set(jnp.take_along_axis(scaled, ids, axis=-1))

@@ -16,7 +16,7 @@ are `[out, in]`), vectors `[1, n]` f32:
   `[out, in/2]` of `mkc.model.mxfp4`) and `*_scales [out, in/32]` are moved, never decoded:
   gate_up's rows de-interleaved into lane-padded `[gate | up]` halves
   (`ops.deinterleave_gate_up`), down's input columns padded to the same half width with zero
-  codes, then both put K-major in pack groups (`mkc.families.kimi_k3.ops.pack_mxfp4_for_kernel`,
+  codes, then both put K-major in pack groups (`mkc.layers.expert_formats.weights.pack_mxfp4_for_kernel`,
   `graph.pack_groups`), or turned into FP8 codes when the spec's format says so; the biases
   de-interleaved the same way, as bf16 rows. With a lazily loaded checkpoint `hf[name][e]`
   reads one expert.
@@ -29,10 +29,10 @@ import ml_dtypes
 import numpy as np
 
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
-from mkc.families.gpt_oss.graph import LAYERS, expert_formats, pack_groups
+from mkc.families.gpt_oss.graph import ATTENTION, expert_formats, pack_groups
 from mkc.families.gpt_oss.ops import deinterleave_gate_up
-from mkc.families.kimi_k3.ops import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
 from mkc.ir import WeightFormat
+from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
 from mkc.layers.weights import DecoderWeights
 from mkc.model.graph import lane_pad
 from mkc.model.sharding import ShardTable
@@ -44,7 +44,7 @@ def _w(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
     return np.asarray(hf[name] if index is None else hf[name][index]).astype(np.float32)
 
 
-_ATTENTION = DecoderWeights(LAYERS, model_layer=lambda layer: layer // 2)
+_ATTENTION = DecoderWeights(ATTENTION, model_layer=lambda layer: layer // 2)
 head_vectors, embedding = _ATTENTION.head_vectors, _ATTENTION.embedding
 
 

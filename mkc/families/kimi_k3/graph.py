@@ -10,15 +10,14 @@ of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes and E8M0 scales, 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from mkc.ir import MatrixFacts, WeightFormat
-from mkc.model.family import FormatError
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.ir import WeightFormat
+from mkc.layers import expert_formats as expert_formats_lib
+from mkc.layers.expert_formats import MX_BLOCK
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
 
-MX_BLOCK = 32                    # MXFP4: one E8M0 scale per 32 values
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
@@ -85,15 +84,8 @@ def _ceil_split(total: int, ways: int) -> int:
 
 
 def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: tuple[str, ...] = (),
-       split: str | None = None, mxu: MatrixFacts | None = None, stacked: bool = False) -> Tensor:
-    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split,
-                  mxu=mxu, stacked=stacked)
-
-
-# MXFP4 codes hold two values per byte, dequantised on the VPU to bf16 for the MXU; their E8M0
-# scales are read by the dequantisation only.
-_MXFP4_CODES = MatrixFacts(values_per_byte=2.0)
-_MXFP4_SCALES = MatrixFacts(values_per_byte=0.0)
+       split: str | None = None) -> Tensor:
+    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split)
 
 
 def _v(name: str, *shape: int) -> Tensor:
@@ -181,90 +173,39 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
             "gate_up": _m("gate_up", H, 2 * g.dense),
             "down": _m("down", g.dense, H, partial=("mlp",)),
         },
-        # One routed expert's width slice, K-major, in its format (`expert_codes`), one E8M0
-        # scale per 32 input rows.
+        # One routed expert's width slice, K-major, in its format.
         "expert": {
-            **expert_codes("gate_up", d.latent, 2 * w, formats["expert.gate_up"]),
-            **expert_codes("down", w, d.latent, formats["expert.down"]),
+            **expert_formats_lib.tensors("gate_up", d.latent, 2 * w, formats["expert.gate_up"]),
+            **expert_formats_lib.tensors("down", w, d.latent, formats["expert.down"]),
         },
     }
 
 
-# The formats a routed expert's matrices take (`format expert.gate_up fp8 [block N]`): the
-# checkpoint's MXFP4, decoded in the kernel; or FP8 e4m3 codes, which the kernel converts,
-# with an E8M0 scale per 32 input rows (the checkpoint's: every e2m1 value is an e4m3 value,
-# so always exact) or per `block` rows, a whole number of pack groups (one scale multiplies a
-# pack group's partial product; exact where a block's 32-row scales span at most 8 octaves,
-# which packing checks); or FP4 e2m1 codes (two rows a byte), fed to the MXU as they are, with
-# one scale per `block` rows, whole pack groups (exact where the checkpoint's values fit one
+# The formats a routed expert's matrices take (`format expert.gate_up fp8 [block N]`,
+# `mkc.layers.expert_formats`): the checkpoint's MXFP4, decoded in the kernel; or FP8 e4m3
+# codes, with an E8M0 scale per 32 input rows (the checkpoint's: always exact) or per `block`
+# rows, whole pack groups (exact where a block's 32-row scales span at most 8 octaves, which
+# packing checks); or FP4 e2m1 codes (two rows a byte), fed to the MXU as they are, with one
+# scale per `block` rows, whole pack groups (exact where the checkpoint's values fit one
 # scale per block, which packing checks and otherwise refuses unless the spec says `rounded`).
 WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8", "fp4")),
                   ("expert.down", ("mxfp4", "fp8", "fp4")))
-FORMATS_DEFAULT = {cls: WeightFormat(formats[0]) for cls, formats in WEIGHT_FORMATS}
-_FP8_CODES = MatrixFacts(values_per_byte=1.0)
 
 
-def expert_pack_groups(latent: int, width: int) -> dict[str, int]:
-    """Input rows per pack group of an expert matrix (gate|up takes the latent, down the
-    per-rank width): the rows the kernel decodes and multiplies at a time
-    (`mkc.families.kimi_k3.reference.pack_groups` restates it)."""
-    return {"gate_up": min(latent, 512), "down": min(width, 128)}
+def expert_rows(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
+    """Input rows of a rank's expert matrices: gate|up takes the latent, down the width slice."""
+    return {"gate_up": d.latent, "down": g.expert_width}
 
 
 def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    return expert_pack_groups(d.latent, g.expert_width)
+    return expert_formats_lib.pack_groups(expert_rows(d, g))
 
 
 def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat] | None
                    ) -> dict[str, WeightFormat]:
     """Each expert matrix class's format with its block resolved to rows (32 for MXFP4 and
-    plain FP8; a block past the matrix's rows is the whole matrix); FormatError for a block the
-    kernel cannot use."""
-    rows = {"gate_up": d.latent, "down": g.expert_width}
-    groups = pack_groups(d, g)
-    out = {}
-    for cls, fmt in (FORMATS_DEFAULT | (formats or {})).items():
-        name = cls.split(".")[1]
-        block = fmt.block or MX_BLOCK
-        if fmt.name == "mxfp4" and block != MX_BLOCK:
-            raise FormatError(cls, f"MXFP4 keeps the checkpoint's scale per {MX_BLOCK} rows, not "
-                              f"{block}", f"drop the block, or store it as FP8 (`format {cls} fp8 "
-                              "block N`, N whole pack groups)")
-        if fmt.name == "fp4" and not fmt.block:
-            raise FormatError(cls, "FP4 takes one scale per block of whole pack groups (its "
-                              "codes reach the MXU as they are, the scale multiplying a pack "
-                              "group's partial product)", f"write `format {cls} fp4 block "
-                              f"{groups[name]}` (a multiple of {groups[name]} rows)")
-        block = min(block, rows[name])
-        if block != MX_BLOCK or fmt.name == "fp4":
-            check_block(cls, block, rows[name], groups[name],
-                        "" if fmt.name == "fp4" else f"{MX_BLOCK}, or ")
-        out[cls] = dataclasses.replace(fmt, block=block)
-    return out
-
-
-def check_block(cls: str, block: int, rows: int, group: int, other: str = "") -> None:
-    """A block of `block` input rows under one scale must be whole pack groups of `group` that
-    tile the matrix's `rows` (per rank): the kernel multiplies a pack group's partial product
-    by its block's scale. FormatError otherwise, its hint naming `other` (a block also taken,
-    "32, or ") and the multiples that fit. Every family storing expert blocks asks this."""
-    if block % group or rows % block:
-        raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its {rows} input "
-                          f"rows (per rank) run as pack groups of {group}",
-                          f"use {other}a multiple of {group} that divides {rows} (e.g. {group})")
-
-
-def expert_codes(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str, Tensor]:
-    """An expert matrix [rows (in), cols (out)] as stored: MXFP4 codes hold two input rows per
-    byte (`pack_mxfp4_for_kernel`), FP8 codes one (bytes of float8_e4m3fn); an E8M0 scale per
-    `fmt.block` input rows. The scales are stacked in the slot: a few rows over many panels,
-    which whole-tile panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy
-    for 32 KB of scales)."""
-    code_rows, facts = ((rows // 2, _MXFP4_CODES) if fmt.name in ("mxfp4", "fp4")
-                        else (rows, _FP8_CODES))
-    return {f"{name}_codes": _m(f"{name}_codes", code_rows, cols, "u8", mxu=facts),
-            f"{name}_scales": _m(f"{name}_scales", rows // fmt.block, cols, "u8",
-                                 mxu=_MXFP4_SCALES, stacked=True)}
+    plain FP8); FormatError for a block the kernel cannot use."""
+    return expert_formats_lib.resolve(WEIGHT_FORMATS, expert_rows(d, g), pack_groups(d, g), formats)
 
 
 def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:

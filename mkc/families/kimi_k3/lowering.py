@@ -16,9 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mkc.families.kimi_k3 import ops
-from mkc.families.kimi_k3.graph import expert_pack_groups
-from mkc.runtime import experts as expert_slots
-from mkc.runtime import pool
+from mkc.layers.expert_formats import pack_groups
+from mkc.layers.expert_formats.lowering import expert_matmul
 from mkc.model.contracts import lowers
 from mkc.runtime.context import Kernel, Layer
 
@@ -287,42 +286,6 @@ def down(c: Layer, act: jax.Array) -> jax.Array:
     return c.matmul("down", act)[:, :c.dims.hidden_size]
 
 
-def _expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array:
-    """x @ selected expert k's matrix `name` (codes and scales in its slot), one pack group of
-    `group` input rows at a time, in the spec's `format expert.<name>`: MXFP4 codes (two rows a
-    byte) decoded with their 32-row scales; FP8 codes (one) converted and scaled per 32 rows;
-    or, with FP8 or FP4 blocks of whole pack groups, fed to the MXU as they are in a mixed
-    bf16 x fp8 (fp4) dot, their block's scale multiplying the group's partial product. The dots
-    see the same values times powers of two (FP4: the values packing requantized them to)."""
-    slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
-    c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
-    scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
-    fmt = c.kernel.formats[f"expert.{name}"]
-    rows_per_byte = 2 if fmt.name in ("mxfp4", "fp4") else 1
-    bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
-    # FP8 and FP4 blocks: every block's scale decoded at once (a row at a time costs as many
-    # registers)
-    decoded = ops.e8m0_scale(scales) if fmt.block != ops.MX_BLOCK else None
-    out = None
-    for g in range(x.shape[1] // group):
-        xg = x[:, g * group:(g + 1) * group].astype(BF16)
-        codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // rows_per_byte,
-                               count=group // rows_per_byte)
-        if fmt.block == ops.MX_BLOCK:            # a scale per 32 rows: scale every value
-            blocks = slice(g * group // ops.MX_BLOCK, (g + 1) * group // ops.MX_BLOCK)
-            w = (ops.mxfp4_dequantize_tile(codes, bias[blocks], BF16) if fmt.name == "mxfp4"
-                 else ops.fp8_block_scaled_tile(codes, scales[blocks], BF16))
-            part = jnp.dot(xg, w, preferred_element_type=F32)
-        elif fmt.name == "fp4":                  # e2m1 codes as they are, one scale a block
-            b = g * group // fmt.block
-            part = ops.fp4_group_matmul(xg, codes, decoded[b:b + 1])
-        else:                                    # one scale for the group's partial product
-            b = g * group // fmt.block
-            part = ops.fp8_group_matmul(xg, codes, decoded[b:b + 1], ops.feeds_codes(fmt))
-        out = part if out is None else out + part
-    return out
-
-
 @lowers("routed_experts")
 def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
                    expert_weights: jax.Array) -> jax.Array:
@@ -331,13 +294,13 @@ def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
     latent, width = c.dims.latent, c.per_rank["expert_width"]
     x = latent_in[:, :latent]
 
-    groups = expert_pack_groups(latent, width)
+    groups = pack_groups({"gate_up": latent, "down": width})
 
     def expert(k, acc):
-        gate_up = _expert_matmul(c, k, x, "gate_up", groups["gate_up"])
+        gate_up = expert_matmul(c, k, x, "gate_up", groups["gate_up"])
         act = ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
-        return acc + c.expert_weight(expert_weights, k) * _expert_matmul(c, k, act, "down",
-                                                                          groups["down"])
+        return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
+                                                                         groups["down"])
 
     return c.fold_experts(expert, jnp.zeros((c.B, latent), F32))
 

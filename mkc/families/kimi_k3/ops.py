@@ -7,18 +7,15 @@ gathers or lane reshapes that split a 128-lane vreg. The math is that of
 ``mkc.families.kimi_k3.reference`` (KDA, NoPE gated MLA, latent MoE with sigmoid routing, SiTU, block
 attention residuals).
 
-Three weights are streamed in a kernel layout of their own; the numpy packers at the end of
-this module build it from checkpoint tensors at load time:
+Two weights are streamed in a kernel layout of their own; the numpy packers at the end of
+this module build it from checkpoint tensors at load time (the routed experts' formats are the
+layer library's, `mkc.layers.expert_formats`):
 
 * MLA runs weight-absorbed. ``q_b_proj`` is split into ``[q_lora, heads * nope]`` and
   ``[q_lora, heads * extra]`` (``split_q_b_proj``) so both query parts come out as flat rows,
   and ``kv_b_proj`` into ``w_uk [heads * nope, R]`` and ``w_uv [R, heads * v]``
   (``split_kv_b_proj``). Each per-head product then becomes one 2-D matmul against a
   block-diagonal operand built with an iota mask, with no in-kernel reshape of head rows.
-* MXFP4 experts are stored K-major like every mkc weight tile (``[in, out]``, so the MX blocks
-  of 32 run down the rows): ``codes [in/2, out]``, each pack group of ``group`` input rows as
-  uint32 words whose bits sit where a shift and a mask put them into bf16s (``MXFP4_LAYOUT``),
-  and ``scales [in/32, out]`` (``pack_mxfp4_for_kernel``).
 * KDA's per-head ``A_log`` is repeated over each head's key channels (``expand_a_log``).
 """
 from __future__ import annotations
@@ -34,8 +31,6 @@ from mkc.layers.ops import l2_normalize, rms_norm  # noqa: F401  (KimiRMSNorm: a
 from mkc.runtime import experts
 
 F32 = jnp.float32
-MX_BLOCK = 32      # values per E8M0 scale
-MX_SCALE_NAN = 255
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,146 +175,6 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# MXFP4 expert tiles
-
-
-# The kernel layout of MXFP4 codes (`pack_mxfp4_for_kernel`): a pack group of G input rows is
-# G/8 little-endian uint32 words a column, 8 codes a word. Its rows are four quarters of G/4;
-# row 2a + h of quarter q sits in word a, at the bits MXFP4_LAYOUT[q] gives (sign, then the
-# three magnitude bits high to low) plus 16 h. Each quarter comes out of the word with one
-# mask after a shift (q 0..2) or a shift, mask and multiply (q 3: one copy of its bits per
-# term of the multiplier, no two overlapping), already where a bf16 keeps them: the sign at
-# bit 15 (31), the magnitude at bits 8..6 (24..22), the bottom of the exponent and the top of
-# the mantissa. The magnitude is stored re-coded so that adding the block's exponent bias
-# makes the value: c = 0 is 0.5, c = 1 zero, c = 2..7 are 1, 1.5, 2, 3, 4, 6 (the e2m1 code).
-MXFP4_LAYOUT = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
-MXFP4_BF16_BITS = 0x81C081C0          # sign and magnitude bits of both bf16 halves of a word
-MXFP4_ZERO_BITS = 1 << 6              # c = 1 (zero) where a bf16 keeps it
-_QUARTER_SHIFT = (0, 3, 6)            # quarters 0..2: word << shift, masked
-_LAST_RIGHT_SHIFT, _LAST_BITS, _LAST_COPIES = 7, 0x00D800D8, 1 + (1 << 5) + (1 << 11)
-
-
-def mxfp4_scale_bias(scales: jax.Array) -> jax.Array:
-    """E8M0 scales uint8 [K/32, N] -> uint32 [K/32, N]: in each bf16 half, the exponent bits
-    of 2**(s - 128) (the block's scale times the e2m1 bias), which added to a re-coded
-    magnitude (c >= 2: exponent e and mantissa m) give 2**(e - 1 + s - 127) * (1 + m/2); c = 0
-    alone is 2**(s - 128), the code 0.5 times the scale. Computed once per matrix."""
-    half = (scales.astype(jnp.uint32) << 7) - jnp.uint32(1 << 7)
-    return half * jnp.uint32(0x10001)
-
-
-def mxfp4_dequantize_tile(codes: jax.Array, bias: jax.Array, dtype: jnp.dtype = F32) -> jax.Array:
-    """Decode one pack group of kernel-layout MXFP4 codes -> [G, N] (``[in, out]`` rows).
-
-    codes uint8 [G/2, N] (``pack_mxfp4_for_kernel``'s layout, read as G/8 uint32 words);
-    bias uint32 [G/32, N], ``mxfp4_scale_bias`` of the group's E8M0 scales. Bit-equal to
-    ``mxfp4_dequantize`` (transposed) for scales 2..252; packing zeroes the codes of a block
-    of scale 0 (2**-127, itself subnormal) and refuses scales past 252 where a value
-    overflows bf16, and 255 (NaN). With scale 1 the codes +-0.5 (2**-127) flush to zero, as
-    TPUs flush subnormals. bf16 output is exact (two significant bits, f32's exponent range).
-
-    Counted (`mkc.perf.work`): 9 operations on quarter-size uint32 words to place the bits,
-    then a bias add, a zero test and a select on each quarter: 21 eighths of a VPU operation a
-    value, 2.6 (it was about 7.6)."""
-    from jax.experimental.pallas import tpu as pltpu
-    words = pltpu.bitcast(codes, jnp.uint32)                               # [G/8, N]
-    rows, cols = words.shape
-    groups = rows * 8
-    mask = jnp.uint32(MXFP4_BF16_BITS)
-    placed = [(words << s) & mask if s else words & mask for s in _QUARTER_SHIFT]
-    placed.append((((words >> _LAST_RIGHT_SHIFT) & jnp.uint32(_LAST_BITS))
-                   * jnp.uint32(_LAST_COPIES)) & mask)
-    quarters = []
-    for q, bits in enumerate(placed):
-        value = pltpu.bitcast(bits + _quarter_bias(bias, q, groups, cols), jnp.uint16)
-        zero = pltpu.bitcast(bits, jnp.uint16) == jnp.uint16(MXFP4_ZERO_BITS)
-        quarters.append(jnp.where(zero, jnp.uint16(0), value))
-    out = lax.bitcast_convert_type(jnp.concatenate(quarters, axis=0), jnp.bfloat16)
-    return out if dtype == jnp.bfloat16 else out.astype(dtype)
-
-
-def _quarter_bias(bias: jax.Array, q: int, groups: int, cols: int) -> jax.Array:
-    """Quarter q's bias words [G/8, N]: word a of the quarter holds input rows q G/4 + 2a and
-    + 1, whose 32-row block's bias it takes (runs of whole blocks, broadcast down the rows)."""
-    first, quarter = q * groups // 4, groups // 4
-    runs, r = [], first
-    while r < first + quarter:                      # blocks meet the quarter at 16-row steps
-        end = min(first + quarter, (r // MX_BLOCK + 1) * MX_BLOCK)
-        runs.append(jnp.broadcast_to(bias[r // MX_BLOCK][None, :], ((end - r) // 2, cols)))
-        r = end
-    return runs[0] if len(runs) == 1 else jnp.concatenate(runs, axis=0)
-
-
-def e8m0_scale(scales: jax.Array) -> jax.Array:
-    """E8M0 scales (uint8) -> f32 2**(s - 127) for s 1..254; 255 is NaN, and 0 (2**-127, itself
-    subnormal, which TPUs flush) is zero, said here rather than left to the hardware."""
-    s = scales.astype(jnp.int32)
-    scale = lax.bitcast_convert_type(s << 23, F32)
-    scale = jnp.where(s == 0, 0.0, scale)
-    return jnp.where(s == MX_SCALE_NAN, F32(jnp.nan), scale)
-
-
-def fp8_block_scaled_tile(codes: jax.Array, scales: jax.Array, dtype: jnp.dtype = jnp.bfloat16
-                          ) -> jax.Array:
-    """Decode FP8 codes with E8M0 block scales -> [G, N] of ``dtype``.
-
-    codes uint8 [G, N], the bytes of float8_e4m3fn values, one input row per row; scales uint8
-    [G/32, N]. A reinterpretation, a conversion and one multiply a value: the values are e2m1
-    values (``fp8_codes_from_kernel_mxfp4``), so the result is bit-equal to
-    ``mxfp4_dequantize_tile`` of the MXFP4 codes they came from, with its edge cases (scale 0
-    decodes to zero, 255 to NaN)."""
-    values = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(dtype)
-    scale = e8m0_scale(scales).astype(dtype)            # powers of two: exact in bf16
-    rows, cols = values.shape
-    blocked = values.reshape(rows // MX_BLOCK, MX_BLOCK, cols) * scale[:, None, :]
-    return blocked.reshape(rows, cols)
-
-
-def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes: bool = True
-                     ) -> jax.Array:
-    """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the
-    ``scale`` [1, N] (f32, ``e8m0_scale`` of the E8M0 byte: a matrix's scales are decoded once,
-    a one-row decode costing whole vector registers) -> f32 [B, N]: one mixed bf16 x fp8 dot
-    (the codes reach the MXU as they are; `as_codes` False: converted to bf16 first, where the
-    MXU takes no FP8 operand), the power-of-two scale applied to the partial product rather
-    than to every value.
-
-    Measured from libtpu's output (benchmarks/fp8_feed_probe.py): TPU7x pushes the codes into
-    its MXUs as f8e4m3 with no vector work on them; v6e and v5e convert them inside the push
-    (bias-11 reinterpretation, the result multiplied by 16) with about three VPU operations a
-    weight register, against about thirty for converting to bf16 first. On a CPU (interpret
-    mode) XLA multiplies both operands as f32, which `mixed_fp8` in
-    ``mkc.reference.rounding`` follows."""
-    w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-    w = w if as_codes else w.astype(jnp.bfloat16)
-    return jnp.dot(x, w, preferred_element_type=F32) * scale
-
-
-def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [B, G] bf16 @ FP4 codes (uint8 [G/2, N]: byte row a holds input row 2a in its low
-    nibble and 2a + 1 in its high one, the e2m1 bits of ``jnp.float4_e2m1fn``) whose rows share
-    the ``scale`` [1, N] (f32, ``e8m0_scale`` of the E8M0 byte, as for ``fp8_group_matmul``)
-    -> f32 [B, N]: one mixed bf16 x fp4 dot, the codes reinterpreted
-    where they sit (``pltpu.bitcast`` unpacks the byte rows' nibbles into consecutive rows), the
-    power-of-two scale applied to the partial product.
-
-    Measured (benchmarks/format_probe.py): libtpu compiles it for tpu7x only, converting the
-    codes to e4m3 and pushing them as FP8; v6e and older refuse an fp4 operand. On a CPU
-    (interpret mode) XLA multiplies both operands as f32, which the reference's emulation
-    follows (``mkc.reference.rounding``, operands "mixed_fp4")."""
-    from jax.experimental.pallas import tpu as pltpu
-    w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
-    return jnp.dot(x, w, preferred_element_type=F32) * scale
-
-
-def feeds_codes(fmt) -> bool:
-    """Whether a matrix stored in `fmt` (an ``mkc.ir.WeightFormat``) reaches the MXU as FP8
-    codes: FP8 with one scale per pack group's partial product (a block past 32 rows) on a
-    target whose MXU takes FP8 operands. The lowering and the reference's emulation both ask."""
-    return fmt.name == "fp8" and fmt.block > MX_BLOCK and fmt.fp8_operand
-
-
-# ---------------------------------------------------------------------------------------------
 # Block attention residuals
 
 
@@ -375,131 +230,3 @@ def split_kv_b_proj(w: np.ndarray, num_heads: int, nope_dim: int,
     nh, v_dim = w.shape[0], w.shape[1] - nope_dim
     return (w[:, :nope_dim].reshape(nh * nope_dim, -1).copy(),
             w[:, nope_dim:].reshape(nh * v_dim, -1).T.copy())
-
-
-def _check_group(n_in: int, group: int) -> None:
-    if group <= 0 or group % (2 * MX_BLOCK) or n_in % group:
-        raise ValueError(f"pack group {group} must be a positive multiple of {2 * MX_BLOCK} "
-                         f"dividing the input width {n_in}")
-
-
-def pack_mxfp4_for_kernel(codes: np.ndarray, scales: np.ndarray,
-                          group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Checkpoint MXFP4 (``mkc.model.mxfp4``: codes [out, in/2] with element 2j low / 2j+1 high,
-    scales [out, in/32]) -> kernel layout (codes [in/2, out], scales [in/32, out]).
-
-    Rows are input rows (K-major), cut into pack groups of ``group``; each group's codes are
-    G/8 little-endian uint32 words a column (four byte rows each) laid out as
-    ``MXFP4_LAYOUT`` says, so ``mxfp4_dequantize_tile`` places every value with a shift and a
-    mask. The values are kept except where the kernel cannot: a block of scale 0 is zero
-    (its codes become zero), -0 becomes +0, and a scale of 255 (NaN) or one under which a
-    value overflows bf16 (past 252) is refused with a ValueError saying where."""
-    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
-    n_out, n_in = codes.shape[0], 2 * codes.shape[1]
-    _check_group(n_in, group)
-    if scales.shape != (n_out, n_in // MX_BLOCK):
-        raise ValueError(f"scales {scales.shape} do not match codes {codes.shape}")
-    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(n_out, n_in)
-    per_value = np.repeat(scales, MX_BLOCK, axis=1)
-    _refuse_unrepresentable(nibbles, per_value)
-    nibbles = np.where(per_value == 0, 0, nibbles).astype(np.uint8)
-    return _kernel_words(nibbles.T, group), np.ascontiguousarray(scales.T)
-
-
-def _refuse_unrepresentable(nibbles: np.ndarray, scales: np.ndarray) -> None:
-    """Scales (one a value, [out, in]) the kernel's decode cannot represent -> ValueError."""
-    nan = scales == MX_SCALE_NAN
-    # A nonzero code's bf16 exponent is s - 1 + mag // 2 (mag 1..7: 0.5, 1, 1.5, 2, 3, 4, 6).
-    mag = (nibbles & 7).astype(np.int32)
-    over = (mag > 0) & (scales.astype(np.int32) - 1 + mag // 2 >= 0xFF)
-    for bad, what in ((nan, "a scale of 255 (NaN)"), (over & ~nan, "a value past bf16's range")):
-        if bad.any():
-            out, col = (int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"MXFP4 weight row {out}, input {col} (block {col // MX_BLOCK}, "
-                             f"scale {int(scales[out, col])}): {what}; the kernel decodes scales "
-                             "up to 252 (the checkpoint's weights there are not finite)")
-
-
-def _kernel_words(nibbles: np.ndarray, group: int) -> np.ndarray:
-    """Codes ``s e e m`` [in, out] (no -0) -> kernel-layout bytes [in/2, out] (MXFP4_LAYOUT)."""
-    n_in, n_out = nibbles.shape
-    mag = nibbles & 7
-    recoded = np.where(mag < 2, mag ^ 1, mag).astype(np.uint32)
-    sign = ((nibbles >> 3) & (mag > 0)).astype(np.uint32)
-    quarters = recoded.reshape(n_in // group, 4, group // 8, 2, n_out)   # [g, q, a, h, out]
-    signs = sign.reshape(quarters.shape)
-    words = np.zeros((n_in // group, group // 8, n_out), np.uint32)
-    for q, (s_bit, *m_bits) in enumerate(MXFP4_LAYOUT):
-        for h in (0, 1):
-            c, lift = quarters[:, q, :, h], 16 * h
-            words |= signs[:, q, :, h] << (s_bit + lift)
-            for i, bit in enumerate(m_bits):
-                words |= ((c >> (2 - i)) & 1) << (bit + lift)
-    # little-endian: word a of a column is byte rows 4a .. 4a + 3
-    as_bytes = words.astype("<u4").view(np.uint8).reshape(n_in // group, group // 8, n_out, 4)
-    return np.ascontiguousarray(as_bytes.transpose(0, 1, 3, 2).reshape(n_in // 2, n_out))
-
-
-def _kernel_nibbles(codes: np.ndarray, group: int) -> np.ndarray:
-    """Inverse of ``_kernel_words``: kernel-layout bytes [in/2, out] -> codes [in, out]."""
-    n_in, n_out = 2 * codes.shape[0], codes.shape[1]
-    _check_group(n_in, group)
-    as_bytes = codes.reshape(n_in // group, group // 8, 4, n_out).transpose(0, 1, 3, 2)
-    words = np.ascontiguousarray(as_bytes).view("<u4")[..., 0].astype(np.uint32)   # [g, a, out]
-    out = np.zeros((n_in // group, 4, group // 8, 2, n_out), np.uint8)
-    for q, (s_bit, *m_bits) in enumerate(MXFP4_LAYOUT):
-        for h in (0, 1):
-            lift = 16 * h
-            c = sum(((words >> (bit + lift)) & 1) << (2 - i) for i, bit in enumerate(m_bits))
-            mag = np.where(c < 2, c ^ 1, c)
-            out[:, q, :, h] = mag | (((words >> (s_bit + lift)) & 1) << 3)
-    return out.reshape(n_in, n_out)
-
-
-def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, scales: np.ndarray, group: int,
-                                block: int = MX_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Kernel-layout MXFP4 (codes [in/2, out] and E8M0 scales [in/32, out],
-    ``pack_mxfp4_for_kernel`` with ``group``) -> FP8 codes [in, out], the bytes of
-    float8_e4m3fn values one input row per row, and E8M0 scales [in/block, out].
-
-    With ``block`` 32 the values are the e2m1 values and the scales the checkpoint's: exact,
-    every e2m1 value being an e4m3 value. With a larger block each block of rows takes its
-    largest 32-row scale S and a value v of a 32-row block of scale s becomes v * 2**(s - S):
-    exact while s - S >= -8 for every value (e4m3 reaches 2**-9), else a ValueError says
-    where. A 32-row scale of 0 reads as zero, as the kernel's MXFP4 decode reads it; 255 (NaN)
-    is refused for a larger block."""
-    import ml_dtypes
-
-    from mkc.model.mxfp4 import E2M1_VALUES
-    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
-    n_in, n_out = 2 * codes.shape[0], codes.shape[1]
-    nibbles = _kernel_nibbles(codes, group)
-    values = E2M1_VALUES[nibbles]
-    fp8 = ml_dtypes.float8_e4m3fn
-    if block == MX_BLOCK:
-        return values.astype(fp8).view(np.uint8), scales
-    if block % MX_BLOCK or n_in % block:
-        raise ValueError(f"a block of {block} rows does not tile {n_in} input rows in {MX_BLOCK}s")
-    if (scales == MX_SCALE_NAN).any():
-        raise ValueError("a scale of 255 (NaN) cannot be folded into a larger block")
-    per_block = scales.reshape(n_in // block, block // MX_BLOCK, n_out).astype(np.int32)
-    top = per_block.max(axis=1)                                        # [in/block, out]
-    shift = np.repeat(per_block - top[:, None, :], MX_BLOCK, axis=1).reshape(n_in, n_out)
-    exact = np.where(np.repeat(scales, MX_BLOCK, axis=0) == 0, 0.0, values * np.exp2(shift))
-    out = exact.astype(fp8)
-    wrong = out.astype(np.float64) != exact
-    if wrong.any():
-        r, c = np.argwhere(wrong)[0]
-        raise ValueError(f"{int(wrong.sum())} values fall below FP8's range: the 32-row scales "
-                         f"of a {block}-row block span {int(-shift.min())} octaves (at most 8 "
-                         f"keep every value), first at input row {r}, column {c}")
-    return out.view(np.uint8), top.astype(np.uint8)
-
-
-def unpack_mxfp4_from_kernel(codes: np.ndarray, scales: np.ndarray,
-                             group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inverse of ``pack_mxfp4_for_kernel``: back to checkpoint (codes [out, in/2], scales)."""
-    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
-    nibbles = _kernel_nibbles(codes, group).T
-    packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).astype(np.uint8)
-    return packed, np.ascontiguousarray(scales.T)

@@ -103,7 +103,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims, read_dims
-from mkc.families.kimi_k3.ops import feeds_codes
+from mkc.layers.expert_formats import pack_groups
+from mkc.layers.expert_formats.reference import expert_operands
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
@@ -633,14 +634,6 @@ def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> j
     return acc + weight * out
 
 
-def pack_groups(latent: int, width: int) -> dict[str, int]:
-    """Input rows of one MXFP4 pack group of a routed expert's gate|up and down matrices (the
-    kernel dequantises and multiplies one group at a time and adds the groups' dots in order):
-    the rule of ``mkc.families.kimi_k3.weights.pack_groups`` (tests/test_numerics.py checks they
-    agree), for a ``latent`` wide expert input and a ``width`` wide slice per rank."""
-    return {"gate_up": min(latent, 512), "down": min(width, 128)}
-
-
 def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                    decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token of the KDA delta rule for any leading axes.
@@ -784,17 +777,6 @@ def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> 
     return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling
 
 
-def _expert_operands(rounding: Rounding, matrix: str) -> str | None:
-    """How the kernel's dots take expert matrix `matrix` in the spec's format: FP8 codes fed as
-    they are (`mkc.families.kimi_k3.ops.feeds_codes`) or FP4 codes (always fed as they are) in
-    a mixed dot, else bf16 values. FP4's values are the requantized ones: the caller passes
-    the checkpoint as the kernel holds it (the generated module's `requantized_weights`)."""
-    fmt = rounding.weight_format(f"expert.{matrix}")
-    if fmt is not None and fmt.name == "fp4":
-        return "mixed_fp4"
-    return "mixed_fp8" if fmt is not None and feeds_codes(fmt) else None
-
-
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,
                              dense: jax.Array, rounding: Rounding) -> jax.Array:
     """The routed experts as the kernel computes them: rank r (expert group r // expert_tp,
@@ -804,9 +786,9 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
     skips), adds them in ascending expert id, and the ranks' partial sums are all-reduced."""
     b = latent.shape[0]
     tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
-    groups = pack_groups(cfg.routed_expert_hidden_size, width)
+    groups = pack_groups({"gate_up": cfg.routed_expert_hidden_size, "down": width})
     lat = rounding.mm_in(latent)
-    operands = {m: _expert_operands(rounding, m) for m in ("gate_up", "down")}
+    operands = {m: expert_operands(rounding, m) for m in ("gate_up", "down")}
 
     def decoded(e: int, matrix: str) -> jax.Array:
         return mxfp4_dequantize_jax(p[f"experts.{e}.{matrix}.weight_packed"],

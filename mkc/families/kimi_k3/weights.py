@@ -3,7 +3,7 @@
 Names are the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists. Matrices
 come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
 `mkc.families.kimi_k3.graph` shapes it; routed experts come back as MXFP4 codes and scales in the
-kernel's K-major layout (`pack_mxfp4_for_kernel`), or in the spec's format (FP8 codes;
+kernel's K-major layout (`mkc.layers.expert_formats.weights`), or in the spec's format (FP8 codes;
 FP4 codes requantized to one scale per block: `requantized`, `requantization`). A split that
 does not fill the last ranks (the latent, latent_up's columns, the router's experts) leaves
 zeros there, so the all-gathered result is the real width followed by zero padding.
@@ -17,14 +17,13 @@ import numpy as np
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_formats, kimi_k3_geometry,
                                         pack_groups)
+from mkc.families.kimi_k3.ops import expand_a_log, split_kv_b_proj, split_q_b_proj
 from mkc.ir import WeightFormat
+from mkc.layers.expert_formats import MX_BLOCK
+from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
 from mkc.model.family import FormatError
 from mkc.model.mxfp4 import RequantizationError, Requantized, relative_rms, requantize_blocks
 from mkc.model.sharding import ShardTable, rank_parts
-from mkc.families.kimi_k3.ops import (expand_a_log, fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel,
-                                      split_kv_b_proj, split_q_b_proj)
-
-MX_BLOCK = 32
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -110,7 +109,7 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
                   layer: int, expert: int, rank: int,
                   formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
     """One rank's width slice of a routed expert: gate|up and down codes and scales, K-major,
-    each matrix in its format (`mkc.families.kimi_k3.graph.expert_codes`)."""
+    each matrix in its format (`mkc.layers.expert_formats.tensors`)."""
     e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     part, w = rank % sh.expert_tp, g.expert_width
     groups = pack_groups(d, g)

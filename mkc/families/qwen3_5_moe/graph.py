@@ -13,7 +13,7 @@ from __future__ import annotations
 from mkc.families.qwen3_5.graph import DELTA_NET, GATED_ATTENTION
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
 from mkc.layers.decoder import vocab_globals
-from mkc.layers.moe import MoE, expert_ways, graph_fields
+from mkc.layers.moe import MoE, expert_ways
 from mkc.layers.sublayer import layer_kinds
 from mkc.model.graph import FamilyGraph
 
@@ -29,4 +29,5 @@ def build(d: Qwen35MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
     kinds, per_rank = layer_kinds(LAYERS, d, {"heads": rules["heads"][0], "mlp": rules["mlp"][0],
                                               "experts": experts})
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
-    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, **graph_fields(d, formats))
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank,
+                       **LAYERS["moe"][0].graph_fields(d, formats))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from mkc.families.qwen3_moe.config import Qwen3MoeDims
 from mkc.layers.decoder import vocab_globals
 from mkc.layers.gqa import GQA
-from mkc.layers.moe import MoE, expert_ways, graph_fields
+from mkc.layers.moe import MoE, expert_ways
 from mkc.layers.sublayer import layer_kinds
 from mkc.model.graph import FamilyGraph
 
@@ -20,4 +20,5 @@ def build(d: Qwen3MoeDims, rules: dict[str, tuple[int, int]], ranks: int,
     experts = expert_ways(rules, ranks, "Qwen3-MoE")
     kinds, per_rank = layer_kinds(LAYERS, d, {"heads": rules["heads"][0], "experts": experts})
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
-    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank, **graph_fields(d, formats))
+    return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank,
+                       **LAYERS["moe"][0].graph_fields(d, formats))

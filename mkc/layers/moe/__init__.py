@@ -6,40 +6,49 @@ optionally a shared SwiGLU expert of width `shared_expert_intermediate_size` gat
 `sigmoid(h . shared_expert_gate)`; the residual add.
 
 Variants are options of the one kind: Qwen3.5-MoE's block is `MoE(norm="zero_centred",
-shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`.
-The dims a model gives it: hidden_size, rms_norm_eps, experts, top_k, moe_intermediate_size,
-norm_topk_prob and, with a shared expert, shared_expert_intermediate_size.
+shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`,
+GPT-OSS's `MoE(router_bias=True, routing="top_k_softmax", activation="clamped",
+expert_bias=True, checkpoint="mxfp4")`: a biased router, the softmax over the k picked logits
+only (`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) +
+1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`,
+`swiglu_limit`), on MXFP4 experts whose gate and up halves are padded to whole 128-lane tiles
+(`expert_half`). The dims a model gives it: hidden_size, rms_norm_eps, experts, top_k,
+moe_intermediate_size, norm_topk_prob (softmax routing), swiglu_alpha and swiglu_limit
+(clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies and graph
+cover every option; its reference and weights the bf16 checkpoint's (GPT-OSS's are the
+family's).
 
 Sharding: routed experts expert-parallel over every core (each core holds whole experts,
 `experts / ranks` of them, fetched into a pool's expert slots as routing picks them; shard
 class `experts`), the shared expert's width over `mlp`. The router is replicated: every core
 scores every expert, so all route alike.
 
-Routed experts are stored as the spec's `format expert.gate_up|expert.down` says: bf16, the
-checkpoint's, or FP8 e4m3 codes under one E8M0 scale per block of whole pack groups
-(`fp8 block N rounded`), fed to the MXU as they are, one mixed bf16 x fp8 dot a pack group,
-the block's scale multiplying the group's partial product. FP8 halves an expert's bytes;
-requantizing bf16 to it rounds (3 mantissa bits, not 7), so the spec must say `rounded`.
+Routed experts are stored as the spec's `format expert.gate_up|expert.down` says
+(`mkc.layers.expert_formats`): the checkpoint's (bf16 or MXFP4), or FP8 e4m3 codes under one
+E8M0 scale per block (from bf16: of whole pack groups, `fp8 block N rounded`, fed to the MXU as
+they are, one mixed bf16 x fp8 dot a pack group, the block's scale multiplying the group's
+partial product; requantizing bf16 rounds, 3 mantissa bits, not 7, so the spec must say
+`rounded`; from MXFP4 exact at its 32-row scales).
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mkc.ir import MatrixFacts, WeightFormat
+from mkc.ir import WeightFormat
+from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.sublayer import Part, Sublayer
-from mkc.model.family import ExpertLayout, FormatError
-from mkc.model.graph import Op, ShardingError, Tensor, split
+from mkc.model.family import ExpertLayout
+from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
 
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME block N
-# rounded`), the checkpoint's first; the formats whose packing rounds the checkpoint's values.
-WEIGHT_FORMATS = (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8")))
+# rounded`), the checkpoint's first, by the checkpoint's format; the formats whose packing
+# rounds a bf16 checkpoint's values.
+FORMATS = {"bf16": (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8"))),
+           "mxfp4": (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))}
+WEIGHT_FORMATS = FORMATS["bf16"]
 ROUNDING_FORMATS = ("fp8",)
-MX_BLOCK = 32          # input rows per scale of a per-value scaled FP8 block (not fed as codes)
-_FP8_CODES = MatrixFacts(values_per_byte=1.0)
-_SCALES = MatrixFacts(values_per_byte=0.0)
 # Routed experts load fused, as transformers 5 declares them (`mlp.experts.gate_up_proj [E, 2I,
 # H]`, gate rows first; `mlp.experts.down_proj [E, H, I]`), or per expert, the Qwen2/3-MoE
 # checkpoints' layout that transformers' `qwen2_moe` conversion mapping fuses on load
@@ -58,6 +67,13 @@ class MoE(Sublayer):
     norm: str = "plain"            # the post-attention norm's weight: plain `w` or `1 + w`
     shared_expert: bool = False    # a SwiGLU expert every row runs, times a sigmoid gate
     prefix: str = "mlp."
+    router_bias: bool = False      # a bias on the router's logits (vector `router_bias`, [E])
+    # "softmax": over all E experts, then the top k; "top_k_softmax": the top k logits, their
+    # softmax over those k only
+    routing: str = "softmax"
+    activation: str = "silu"       # silu(gate) * up, or "clamped" (GPT-OSS's, module docstring)
+    expert_bias: bool = False      # bias rows on each expert's gate|up and down products
+    checkpoint: str = "bf16"       # the experts' stored format upstream: "bf16" or "mxfp4"
 
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
@@ -85,7 +101,8 @@ class MoE(Sublayer):
             else ("routed_out", "x")
         ops = (
             Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
-            Op("router", reads=("h",), writes=("router_logits",), matmul="router"),
+            Op("router", reads=("h", "router_bias") if self.router_bias else ("h",),
+               writes=("router_logits",), matmul="router"),
             Op("route", reads=("router_logits",), writes=("expert_ids", "expert_weights"),
                picks_experts=True),
             *shared_ops,
@@ -98,11 +115,68 @@ class MoE(Sublayer):
             # shared_expert_gate [1, H]
             **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")} if self.shared_expert else {}),
             "router": Tensor("router", "matrix", (H, E), "bf16"),
+            **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
             **shared_tensors,
         }
-        groups = pack_groups(d)
+        groups = self.pack_groups(d)
         per_rank |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
+        if self.checkpoint == "mxfp4":
+            per_rank["expert_half"] = self.expert_half(d)
         return Part(ops, tensors, per_rank)
+
+    def bf16_checkpoint(self, what: str) -> None:
+        """Refuse (NotImplementedError) options `what` (the reference, the weights) does not
+        compute: it reads a bf16 checkpoint with a bias-free router and SiLU experts."""
+        if self != MoE(norm=self.norm, shared_expert=self.shared_expert, prefix=self.prefix):
+            raise NotImplementedError(f"the library MoE's {what} computes a bf16 checkpoint's plain "
+                                      f"experts, not {self}: the family provides its own")
+
+    def weight_formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return FORMATS[self.checkpoint]
+
+    def expert_half(self, d: Any) -> int:
+        """Columns of the gate half (and of the up half) of a gate|up expert matrix: MXFP4
+        codes are moved as the checkpoint holds them, never decoded, so each half is padded
+        with zero columns to whole 128-lane tiles (down's input rows likewise)."""
+        width = d.moe_intermediate_size
+        return lane_pad(width) if self.checkpoint == "mxfp4" else width
+
+    def expert_rows(self, d: Any) -> dict[str, int]:
+        """Input rows of each routed expert matrix (whole experts on every rank)."""
+        return {"gate_up": d.hidden_size, "down": self.expert_half(d)}
+
+    def pack_groups(self, d: Any) -> dict[str, int]:
+        """Input rows an expert matrix is multiplied in at a time; MXFP4 rows that the caps
+        do not tile (GPT-OSS's 2880) take the groups that divide them."""
+        rows = self.expert_rows(d)
+        if self.checkpoint == "mxfp4":
+            return expert_formats_lib.dividing_pack_groups(rows)
+        return expert_formats_lib.pack_groups(rows)
+
+    def expert_formats(self, d: Any, formats: Mapping[str, WeightFormat] | None = None
+                       ) -> dict[str, WeightFormat]:
+        """Each routed expert class's format, its block resolved to input rows
+        (`mkc.layers.expert_formats.resolve`)."""
+        return expert_formats_lib.resolve(self.weight_formats(), self.expert_rows(d), self.pack_groups(d),
+                                          formats)
+
+    def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat]) -> dict[str, Tensor]:
+        """One routed expert as its slot holds it, K-major ([in, out]), each matrix in its
+        format, with its bias rows (bf16, the checkpoint's dtype) after the matrix."""
+        H, half = d.hidden_size, self.expert_half(d)
+        out: dict[str, Tensor] = {}
+        for name, rows, cols in (("gate_up", H, 2 * half), ("down", half, H)):
+            out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"])
+            if self.expert_bias:
+                out[f"{name}_bias"] = Tensor(f"{name}_bias", "matrix", (1, cols), "bf16")
+        return out
+
+    def graph_fields(self, d: Any, formats: Mapping[str, WeightFormat] | None) -> dict[str, Any]:
+        """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors,
+        the model's experts and picks, the expert classes' resolved formats."""
+        resolved = self.expert_formats(d, formats)
+        return dict(experts=self.expert_tensors(d, resolved), experts_total=d.experts, top_k=d.top_k,
+                    formats=resolved)
 
 
 def expert_ways(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -> int:
@@ -112,85 +186,3 @@ def expert_ways(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -
         raise ShardingError(f"the {family} lowering splits experts over every core: write "
                             "`shard experts over tp`", "experts")
     return ranks
-
-
-def expert_rows(d: Any) -> dict[str, int]:
-    """Input rows of each routed expert matrix (whole experts on every rank)."""
-    return {"gate_up": d.hidden_size, "down": d.moe_intermediate_size}
-
-
-def pack_groups(d: Any) -> dict[str, int]:
-    """Input rows an FP8 expert matrix is multiplied in at a time: 512 rows of gate|up, 128 of
-    down, or the whole matrix when smaller (Kimi K3's pack groups)."""
-    rows = expert_rows(d)
-    return {"gate_up": min(rows["gate_up"], 512), "down": min(rows["down"], 128)}
-
-
-def check_block(cls: str, block: int, rows: int, group: int) -> None:
-    """A block of `block` input rows under one scale must be whole pack groups of `group` that
-    tile the matrix's `rows`: the kernel multiplies a pack group's partial product by its
-    block's scale. FormatError otherwise."""
-    if block % group or rows % block:
-        raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its {rows} input "
-                          f"rows (per rank) run as pack groups of {group}",
-                          f"use a multiple of {group} that divides {rows} (e.g. {group})")
-
-
-def expert_formats(d: Any, formats: Mapping[str, WeightFormat] | None = None) -> dict[str, WeightFormat]:
-    """Each routed expert class's format, an FP8 block resolved to input rows (past the matrix's
-    rows: the whole matrix). FormatError for FP8 without a block or without `rounded`, or a
-    block that is not whole pack groups tiling the rows."""
-    rows, groups = expert_rows(d), pack_groups(d)
-    out = {}
-    for cls, fmt in ({c: WeightFormat(f[0]) for c, f in WEIGHT_FORMATS} | dict(formats or {})).items():
-        name = cls.split(".")[1]
-        if fmt.name == "fp8":
-            example = f"`format {cls} fp8 block {groups[name]} rounded`"
-            if not fmt.block:
-                raise FormatError(cls, "FP8 experts take one scale per block of whole pack groups "
-                                  "(their codes reach the MXU as they are, the scale multiplying a "
-                                  "pack group's partial product)", f"write {example} (a multiple "
-                                  f"of {groups[name]} rows dividing {rows[name]})")
-            block = min(fmt.block, rows[name])
-            check_block(cls, block, rows[name], groups[name])
-            if not fmt.rounded:
-                raise FormatError(cls, f"the checkpoint's {cls} is bf16 (8 significant bits), "
-                                  "and e4m3 keeps 4: requantizing it to FP8 rounds almost every "
-                                  "value, so the spec must accept the rounding", f"write `format "
-                                  f"{cls} fp8 block {block} rounded` (the error is reported per "
-                                  "matrix class), or keep it bf16 (drop the `format` line)")
-            fmt = dataclasses.replace(fmt, block=block)
-        out[cls] = fmt
-    return out
-
-
-def feeds_codes(fmt: WeightFormat) -> bool:
-    """Whether a matrix stored in `fmt` reaches the MXU as FP8 codes: FP8 with one scale per
-    pack group's partial product (a block past 32 rows) on a target whose MXU takes FP8
-    operands. The lowering and the reference's emulation both ask."""
-    return fmt.name == "fp8" and fmt.block > MX_BLOCK and fmt.fp8_operand
-
-
-def expert_tensors(d: Any, formats: Mapping[str, WeightFormat]) -> dict[str, Tensor]:
-    """One routed expert as its slot holds it, K-major ([in, out]): each matrix bf16 by its
-    name, or FP8 codes (one input row a byte) and its E8M0 scales, one row per block, stacked
-    in the slot (whole-tile panels would pad a few rows to 32 each)."""
-    H, inter = d.hidden_size, d.moe_intermediate_size
-    out: dict[str, Tensor] = {}
-    for name, rows, cols in (("gate_up", H, 2 * inter), ("down", inter, H)):
-        fmt = formats[f"expert.{name}"]
-        if fmt.name == "fp8":
-            out |= {f"{name}_codes": Tensor(f"{name}_codes", "matrix", (rows, cols), "u8", mxu=_FP8_CODES),
-                    f"{name}_scales": Tensor(f"{name}_scales", "matrix", (rows // fmt.block, cols), "u8",
-                                             mxu=_SCALES, stacked=True)}
-        else:
-            out[name] = Tensor(name, "matrix", (rows, cols), "bf16")
-    return out
-
-
-def graph_fields(d: Any, formats: Mapping[str, WeightFormat] | None) -> dict[str, Any]:
-    """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors, the
-    model's experts and picks, the expert classes' resolved formats."""
-    resolved = expert_formats(d, formats)
-    return dict(experts=expert_tensors(d, resolved), experts_total=d.experts, top_k=d.top_k,
-                formats=resolved)

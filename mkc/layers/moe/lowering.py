@@ -1,20 +1,19 @@
 """The compute bodies of `MoE` (`op(s, c, *values)`, as `mkc.layers.gqa.lowering`'s), and the
-kernel math of its routing and FP8 experts."""
+kernel math of its routing; its experts' formats are `mkc.layers.expert_formats`'."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from mkc.layers import ops
-from mkc.layers.moe import MoE, feeds_codes
+from mkc.layers.expert_formats.lowering import expert_matmul
+from mkc.layers.moe import MoE
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
 from mkc.runtime.context import Layer
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-SCALE_NAN = 255        # the E8M0 byte that encodes NaN
 
 
 def route_weights(logits: jax.Array, top_k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
@@ -27,51 +26,30 @@ def route_weights(logits: jax.Array, top_k: int, renormalise: bool) -> tuple[jax
     return (kept / jnp.sum(kept, axis=-1, keepdims=True) if renormalise else kept), ids
 
 
-def e8m0_scale(scales: jax.Array) -> jax.Array:
-    """E8M0 scales (uint8) -> f32 2**(s - 127) for s 1..254; 255 is NaN, and 0 (2**-127, itself
-    subnormal, which TPUs flush) is zero, said here rather than left to the hardware."""
-    s = scales.astype(jnp.int32)
-    scale = lax.bitcast_convert_type(s << 23, F32)
-    scale = jnp.where(s == 0, 0.0, scale)
-    return jnp.where(s == SCALE_NAN, F32(jnp.nan), scale)
+def top_k_softmax_weights(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """GptOssTopKRouter on the logits ``[B, E]`` -> (weights ``[B, E]``, ids ``[B, top_k]``
+    int32): the ``top_k`` largest logits, their softmax over those k only, placed at their
+    lanes (zero elsewhere: upstream's ``router_scores``); ids best first, ties to the lowest
+    lane (``mkc.runtime.experts.top_k``). The row max is the largest pick's logit, so
+    ``exp(logit - max)`` over the picks is upstream's softmax of the k values."""
+    scaled = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    kept, ids = expert_slots.top_k(logits, scaled, top_k)
+    return kept / jnp.sum(kept, axis=-1, keepdims=True), ids
 
 
-def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes: bool = True
-                     ) -> jax.Array:
-    """x [B, G] bf16 @ FP8 codes (uint8 [G, N], float8_e4m3fn bytes) whose rows share the
-    ``scale`` [1, N] (f32) -> f32 [B, N]: one mixed bf16 x fp8 dot (`as_codes` False: the codes
-    converted to bf16 first, where the MXU takes no FP8 operand), the power-of-two scale applied
-    to the partial product rather than to every value. On a CPU (interpret mode) XLA multiplies
-    both operands as f32, which `mixed_fp8` in ``mkc.reference.rounding`` follows."""
-    w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-    w = w if as_codes else w.astype(BF16)
-    return jnp.dot(x, w, preferred_element_type=F32) * scale
+def _expert_bias(c: Layer, k, name: str) -> jax.Array:
+    """Selected expert k's bias row `name` ([1, n] bf16 in its slot) as f32."""
+    es = c.kernel.experts
+    row, rows, cols = expert_slots.matrix(es, c.refs, k, name)
+    return pool.pooled_bf16(getattr(c.refs, es.pool), row, rows, cols).astype(F32)
 
 
-def coded_expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array:
-    """x @ selected expert k's FP8 matrix `name` (codes and scales in its slot), one pack group
-    of `group` input rows at a time, its block's scale multiplying the group's partial
-    product (every block's scale decoded at once: a row at a time costs as many registers)."""
-    slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
-    c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
-    scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
-    fmt = c.kernel.formats[f"expert.{name}"]
-    decoded = e8m0_scale(scales)
-    out = None
-    for g in range(x.shape[1] // group):
-        xg = x[:, g * group:(g + 1) * group].astype(BF16)
-        codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
-        b = g * group // fmt.block
-        part = fp8_group_matmul(xg, codes, decoded[b:b + 1], feeds_codes(fmt))
-        out = part if out is None else out + part
-    return out
-
-
-def _expert_matmul(c: Layer, k, name: str, x: jax.Array) -> jax.Array:
-    """x @ selected expert k's matrix `name` in the spec's format: bf16 from its slot, or FP8."""
-    if c.kernel.formats[f"expert.{name}"].name == "bf16":
-        return c.expert_matmul(k, name, x)
-    return coded_expert_matmul(c, k, x, name, c.per_rank[f"{name}_group"])
+def _activation(s: MoE, c: Layer, gate_up: jax.Array) -> jax.Array:
+    """An expert's activation of its `[gate | up]` product."""
+    if s.activation == "clamped":
+        return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
+                                         c.dims.swiglu_limit)
+    return ops.swiglu(gate_up, c.dims.moe_intermediate_size)
 
 
 def post_norm(s: MoE, c: Layer) -> jax.Array:
@@ -79,12 +57,17 @@ def post_norm(s: MoE, c: Layer) -> jax.Array:
 
 
 def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("router", h)[:, :c.dims.experts]
+    logits = c.matmul("router", h)[:, :c.dims.experts]
+    return logits + c.vector("router_bias") if s.router_bias else logits
 
 
 def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax top-k; this rank's picked local experts go to SMEM for their copies."""
-    weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
+    """Softmax top-k (or the top k's softmax); this rank's picked local experts go to SMEM for
+    their copies."""
+    if s.routing == "top_k_softmax":
+        weights, ids = top_k_softmax_weights(router_logits, c.dims.top_k)
+    else:
+        weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
     c.select_experts(ids)
     return ids, weights
 
@@ -99,13 +82,19 @@ def shared_down(s: MoE, c: Layer, shared_act: jax.Array) -> jax.Array:
 
 def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array
                    ) -> jax.Array:
-    """This rank's picked experts on every row, each weighted by its routing weight (zero for
-    rows that did not pick it), summed in ascending expert order: a partial sum over ranks."""
-    width = c.dims.moe_intermediate_size
+    """This rank's picked experts on every row, each `down(act(gate_up h (+ b))) (+ b)`
+    weighted by its routing weight (zero for rows that did not pick it), summed in ascending
+    expert order: a partial sum over ranks."""
+    groups = c.per_rank
 
     def expert(k, acc):
-        act = ops.swiglu(_expert_matmul(c, k, "gate_up", h), width)
-        return acc + c.expert_weight(expert_weights, k) * _expert_matmul(c, k, "down", act)
+        gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
+        act = _activation(s, c, gate_up + _expert_bias(c, k, "gate_up_bias") if s.expert_bias else gate_up)
+        if not s.expert_bias:
+            return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
+                                                                             groups["down_group"])
+        out = expert_matmul(c, k, act, "down", groups["down_group"]) + _expert_bias(c, k, "down_bias")
+        return acc + c.expert_weight(expert_weights, k) * out
 
     return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
 

@@ -39,7 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mkc.layers.moe import MoE, feeds_codes, pack_groups
+from mkc.layers.expert_formats.reference import expert_operands
+from mkc.layers.moe import MoE
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
 from mkc.reference.rounding import Rounding, allreduce
@@ -86,15 +87,7 @@ def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> j
     return acc + weight * out
 
 
-def _expert_operands(rounding: Rounding, matrix: str) -> str | None:
-    """How the kernel's dots take expert matrix `matrix`: FP8 codes fed as they are, in a mixed
-    dot (`mkc.layers.moe.feeds_codes`), else bf16 values. FP8's values are the requantized
-    ones: the caller passes the checkpoint as the kernel holds it (`requantized_weights`)."""
-    fmt = rounding.weight_format(f"expert.{matrix}")
-    return "mixed_fp8" if fmt is not None and feeds_codes(fmt) else None
-
-
-def _routed_experts_per_rank(p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
+def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
                              rounding: Rounding, kind: str) -> jax.Array:
     """The routed experts as an expert-parallel kernel computes them (module docstring): each
     rank's part of its group's experts on every row, weighted by the row's routing weight
@@ -106,9 +99,9 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], d: Any, xin: jax.Array,
     gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
     # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; bf16
     # experts: one bf16 dot.
-    operands = {m: _expert_operands(rounding, m) for m in EXPERTS}
+    operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
-    rows = {m: pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
+    rows = {m: s.pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
 
     def expert_linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
         return rounding.linear(x, w, rows[m], operands[m])
@@ -146,6 +139,7 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     """The block's routed experts (summed) and shared expert (before its gate; None without
     one), each all-reduced as the schedule says when ``rounding`` is given. ``p`` maps names
     relative to ``s.prefix`` to f32 arrays."""
+    s.bf16_checkpoint("reference")
     inter = d.moe_intermediate_size
     xin = mm_input(x, rounding)
     logits = matmul(xin, p["gate.weight"], rounding)
@@ -156,7 +150,7 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
         out = jnp.einsum("bki,bkoi->bko", act, p["experts.down_proj"][ids], precision=HIGHEST)
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
     else:
-        routed = _routed_experts_per_rank(p, d, xin, _kernel_route_weights(logits, ids, d.norm_topk_prob),
+        routed = _routed_experts_per_rank(s, p, d, xin, _kernel_route_weights(logits, ids, d.norm_topk_prob),
                                           rounding, kind)
     if not s.shared_expert:
         return routed, None

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from mkc.ir import WeightFormat
-from mkc.layers.moe import MoE, expert_formats
+from mkc.layers.moe import MoE
 from mkc.layers.swiglu.weights import mlp_matrix
 from mkc.layers.weights import tensor
 from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
@@ -27,6 +27,7 @@ _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
 
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
+    s.bf16_checkpoint("weights")
     shared = ("shared_gate", "shared_gate_up", "shared_down") if s.shared_expert else ()
     return ("post_norm", "router", *shared)
 
@@ -60,8 +61,9 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     """Local expert `local` of `rank` as the pool holds it, [in, out] by matrix: bf16 by its
     name, or FP8 codes and E8M0 scales per block of input rows (`{name}_codes`,
     `{name}_scales`)."""
+    s.bf16_checkpoint("weights")
     out = {}
-    for cls, fmt in expert_formats(d, dict(formats or {})).items():
+    for cls, fmt in s.expert_formats(d, dict(formats or {})).items():
         name = cls.split(".")[1]
         m = expert_matrix(s, hf, d, prefix, local, name, rank, shards)
         if fmt.name == "fp8":
@@ -80,7 +82,7 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
     one, so the reference reads the kernel's values exactly), and per class the error against
     the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS)."""
-    fp8 = {cls: f for cls, f in expert_formats(d, dict(formats)).items() if f.name == "fp8"}
+    fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items() if f.name == "fp8"}
     out: dict[str, np.ndarray] = {}
     totals = {cls: RequantizationError() for cls in fp8}
     for prefix in prefixes:

@@ -1,13 +1,14 @@
-"""The GPT-OSS op library (mkc.families.gpt_oss.ops) against independent numpy derivations of
-upstream transformers' gpt_oss expressions (modeling_gpt_oss.py, as the package docstring cites
-them): attention with sinks over a full context and over a window's ring, past the window; the
-ring's visibility against a simulated ring; the biased top-k router; the clamped SwiGLU on the
-kernel's de-interleaved, lane-padded halves; the routed experts with their biases; YaRN RoPE.
-Tolerances are f32 rounding (1e-5 relative or tighter): a 1% error in any op fails, and each
-test shows a mutant (no sink, a window one off, no bias, a symmetric gate clamp, a limit off by
-1 %) is caught. Where a lowered body (mkc.families.gpt_oss.lowering) does more than call one op
-(the routed experts, which cache slots a row sees), the test calls the body itself on a
-stand-in layer (tests_support.body_layer), with inputs where what it passes acts."""
+"""The GPT-OSS ops (mkc.families.gpt_oss.ops, and the layer library's with GPT-OSS's options)
+against independent numpy derivations of upstream transformers' gpt_oss expressions
+(modeling_gpt_oss.py, as the package docstring cites them): attention with sinks over a full
+context and over a window's ring, past the window; the ring's visibility against a simulated
+ring; the biased top-k router; the clamped SwiGLU on the kernel's de-interleaved, lane-padded
+halves; the routed experts with their biases; YaRN RoPE. Tolerances are f32 rounding (1e-5
+relative or tighter): a 1% error in any op fails, and each test shows a mutant (no sink, a
+window one off, no bias, a symmetric gate clamp, a limit off by 1 %) is caught. Where a lowered
+body (its BODIES, mkc.families.gpt_oss.lowering) does more than call one op (the routed experts, which cache
+slots a row sees), the test calls the body itself on a stand-in layer
+(tests_support.body_layer), with inputs where what it passes acts."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ from mkc.families.gpt_oss import reference as ref
 from mkc.families.gpt_oss.graph import LAYERS
 from mkc.layers import ops as layer_ops
 from mkc.layers.gqa import lowering as gqa_lowering
+from mkc.layers.moe import lowering as moe_lowering
 from mkc.model.config import CONFIG_DIR
 from mkc.runtime import kv as kv_cache
 from tests_support import body_layer, lowered_routed_experts
@@ -219,12 +221,12 @@ def test_route_is_upstreams_biased_top_k_softmax():
     bias = rng.normal(0, 1.0, e)
     want, want_ids = upstream_route(x, weight, bias, k)
     logits = jnp.asarray(x @ weight.T + bias, F32)          # the router op's product and bias
-    got, ids = ops.route(logits, k)
+    got, ids = moe_lowering.top_k_softmax_weights(logits, k)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     _close(got, want)
     assert np.allclose(np.asarray(got).sum(axis=-1), 1.0, atol=1e-6)
     # the bias decides picks: without it some row picks other experts
-    _, unbiased = ops.route(jnp.asarray(x @ weight.T, F32), k)
+    _, unbiased = moe_lowering.top_k_softmax_weights(jnp.asarray(x @ weight.T, F32), k)
     assert not np.array_equal(np.asarray(unbiased), want_ids)
     # softmax over the k picks, not over all E (the Qwen / Mixtral order) then renormalised
     full = np.exp(np.asarray(logits, np.float64))
@@ -253,17 +255,17 @@ def test_the_clamped_swiglu_on_the_kernels_halves():
     assert (np.abs(gate_up[:, 1::2]) > 7).any()
     want = upstream_swiglu(gate_up)
     halves = ops.deinterleave_gate_up(gate_up.T, 128).T                 # [6, 256]
-    got = np.asarray(ops.swiglu_halves(jnp.asarray(halves, F32), 128, 1.702, 7.0))
+    got = np.asarray(layer_ops.clamped_swiglu_halves(jnp.asarray(halves, F32), 128, 1.702, 7.0))
     _close(got[:, :96], want)
     assert np.all(got[:, 96:] == 0)
     # an alpha of 1, or no +1 on up: caught at the output's scale
     gate, up = halves[:, :96], halves[:, 128:224]
-    for mutant in (ops.clamped_swiglu(gate, up, 1.0, 7.0),
-                   ops.clamped_swiglu(gate, up - 1.0, 1.702, 7.0)):
+    for mutant in (layer_ops.clamped_swiglu(gate, up, 1.0, 7.0),
+                   layer_ops.clamped_swiglu(gate, up - 1.0, 1.702, 7.0)):
         _far(mutant, want)
     # a gate clamped from below too: tiny values (sigmoid(-1.702 * 7) < 1e-5), but each one
     # where gate < -8 is off by more than half of itself (glu(-7) / glu(-8) > 4)
-    mutant = np.asarray(ops.clamped_swiglu(jnp.clip(gate, -7, 7), up, 1.702, 7.0))
+    mutant = np.asarray(layer_ops.clamped_swiglu(jnp.clip(gate, -7, 7), up, 1.702, 7.0))
     below = gate < -8
     assert below.sum() > 10
     assert np.all(np.abs(mutant[below] - want[below]) > 0.5 * np.abs(want[below]))

@@ -16,7 +16,7 @@ from mkc.families.gpt_oss import graph as g
 from mkc.families.gpt_oss import lowering
 from mkc.families.gpt_oss import reference as ref
 from mkc.families.gpt_oss import weights as gw
-from mkc.families.kimi_k3.ops import unpack_mxfp4_from_kernel
+from mkc.layers.expert_formats.weights import unpack_mxfp4_from_kernel
 from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize

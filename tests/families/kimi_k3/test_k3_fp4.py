@@ -15,12 +15,12 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mkc.families.kimi_k3 import ops
 from mkc.families.kimi_k3 import reference as reference
 from mkc.families.kimi_k3 import weights as kw
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry
 from mkc.ir import WeightFormat
+from mkc.layers.expert_formats import ops as format_ops
 from mkc.model.config import CONFIG_DIR
 from mkc.model.family import FormatError
 from mkc.model.graph import build_graph
@@ -135,9 +135,9 @@ def test_the_mixed_fp4_dot_equals_the_emulations_dot_of_the_requantized_values(
     x = jnp.asarray(rng.standard_normal((batch, n_in)), jnp.bfloat16)
 
     def fn(x, c, s):
-        parts = [ops.fp4_group_matmul(x[:, g * group:(g + 1) * group],
-                                      c[g * group // 2:(g + 1) * group // 2],
-                                      ops.e8m0_scale(s[g * group // block:g * group // block + 1]))
+        parts = [format_ops.fp4_group_matmul(
+            x[:, g * group:(g + 1) * group], c[g * group // 2:(g + 1) * group // 2],
+            format_ops.e8m0_scale(s[g * group // block:g * group // block + 1]))
                  for g in range(n_in // group)]
         return sum(parts[1:], parts[0])
 

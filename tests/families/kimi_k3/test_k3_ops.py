@@ -28,6 +28,9 @@ from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.families.kimi_k3 import lowering
 from mkc.families.kimi_k3 import ops as ops
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.layers import expert_formats
+from mkc.layers.expert_formats import ops as format_ops
+from mkc.layers.expert_formats import weights as format_weights
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
@@ -370,9 +373,9 @@ def _dequantize_groups(codes_k: jax.Array, scales_k: jax.Array, group: int, dtyp
     n_in, n_out = 2 * codes_k.shape[0], codes_k.shape[1]
 
     def fn(c, s):  # one mxfp4_dequantize_tile per pack group, stacked down the rows
-        half, blocks, bias = group // 2, group // 32, ops.mxfp4_scale_bias(s)
-        return jnp.concatenate([ops.mxfp4_dequantize_tile(c[g * half:(g + 1) * half],
-                                                          bias[g * blocks:(g + 1) * blocks], dtype)
+        half, blocks, bias = group // 2, group // 32, format_ops.mxfp4_scale_bias(s)
+        return jnp.concatenate([format_ops.mxfp4_dequantize_tile(c[g * half:(g + 1) * half],
+                                                                 bias[g * blocks:(g + 1) * blocks], dtype)
                                 for g in range(n_in // group)], axis=0)
     return values_in_kernel(fn, [codes_k, scales_k], sds((n_in, n_out), dtype))
 
@@ -386,7 +389,7 @@ def test_mxfp4_tile_decodes_exactly(dtype, group) -> None:
     n_out, n_in = 128, 384
     codes, scales = _random_mxfp4(rng, n_out, n_in, (2, 252))
     scales.reshape(-1)[:2] = (2, 252)
-    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
+    codes_k, scales_k = format_weights.pack_mxfp4_for_kernel(codes, scales, group)
     got = np.asarray(_dequantize_groups(jnp.asarray(codes_k), jnp.asarray(scales_k), group, dtype))
     want = mxfp4_dequantize(codes, scales, (n_out, n_in)).T
     np.testing.assert_array_equal(got.astype(np.float32), want.astype(dtype).astype(np.float32))
@@ -403,18 +406,18 @@ def test_mxfp4_packing_refuses_what_the_decode_cannot_hold(scale, code, what) ->
     scales = np.full((2, 2), 127, np.uint8)
     codes[1, 3], scales[1, 0] = code, scale
     with pytest.raises(ValueError, match=rf"row 1, input \d+ \(block 0, scale {scale}\): .*{what}"):
-        ops.pack_mxfp4_for_kernel(codes, scales, 64)
+        format_weights.pack_mxfp4_for_kernel(codes, scales, 64)
     codes[1, 3], scales[1, 0] = 0x33, 254
-    ops.pack_mxfp4_for_kernel(codes, scales, 64)
+    format_weights.pack_mxfp4_for_kernel(codes, scales, 64)
     codes[1, 3], scales[1, 0] = 0x77, 252
-    ops.pack_mxfp4_for_kernel(codes, scales, 64)
+    format_weights.pack_mxfp4_for_kernel(codes, scales, 64)
 
 
 def test_mxfp4_tile_small_scales_flush_subnormals() -> None:
     """Scale 0 decodes to zero and scale 1's subnormal +-2**-127 flushes; the rest is exact."""
     rng = np.random.default_rng(10)
     codes, scales = _random_mxfp4(rng, 128, 128, (0, 3))
-    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, 64)
+    codes_k, scales_k = format_weights.pack_mxfp4_for_kernel(codes, scales, 64)
     got = np.asarray(_dequantize_groups(jnp.asarray(codes_k), jnp.asarray(scales_k), 64, F32))
     want = mxfp4_dequantize(codes, scales, (128, 128)).T
     zero = (np.repeat(scales.T, 32, axis=0) == 0) | (np.abs(want) < np.finfo(np.float32).tiny)
@@ -427,25 +430,25 @@ def test_mxfp4_kernel_packing_round_trips() -> None:
     w = rng.normal(size=(64, 384))
     codes, scales = mxfp4_quantize(w)
     for group in (64, 128, 384):
-        codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
+        codes_k, scales_k = format_weights.pack_mxfp4_for_kernel(codes, scales, group)
         assert codes_k.shape == (192, 64) and scales_k.shape == (12, 64)
-        back = ops.unpack_mxfp4_from_kernel(codes_k, scales_k, group)
+        back = format_weights.unpack_mxfp4_from_kernel(codes_k, scales_k, group)
         np.testing.assert_array_equal(back[0], codes)
         np.testing.assert_array_equal(back[1], scales)
     # Group 1 of 128 rows, word 2: input rows 128 + 32 q + 4 and + 5 at MXFP4_LAYOUT[q]'s bits.
     nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(64, 384)
-    codes_k, _ = ops.pack_mxfp4_for_kernel(codes, scales, 128)
+    codes_k, _ = format_weights.pack_mxfp4_for_kernel(codes, scales, 128)
     word = codes_k[64 + 8:64 + 12].astype(np.uint32)
     word = word[0] | word[1] << 8 | word[2] << 16 | word[3] << 24
     recode = np.array([1, 0, 2, 3, 4, 5, 6, 7], np.uint32)
-    for q, (sign, *mag) in enumerate(ops.MXFP4_LAYOUT):
+    for q, (sign, *mag) in enumerate(expert_formats.MXFP4_LAYOUT):
         for h in (0, 1):
             code = nibbles[:, 128 + 32 * q + 4 + h].astype(np.uint32)
             c = sum(((word >> (bit + 16 * h)) & 1) << (2 - i) for i, bit in enumerate(mag))
             np.testing.assert_array_equal(c, recode[code & 7])
             np.testing.assert_array_equal((word >> (sign + 16 * h)) & 1, (code >> 3) & ((code & 7) > 0))
     with pytest.raises(ValueError):
-        ops.pack_mxfp4_for_kernel(codes, scales, 96)
+        format_weights.pack_mxfp4_for_kernel(codes, scales, 96)
 
 
 def _mix_case(dims: KimiDims, seed: int):
@@ -557,6 +560,7 @@ from jax import lax
 from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
 from mkc.families.kimi_k3 import ops as ops
+from mkc.layers.expert_formats import ops as format_ops
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 
@@ -589,7 +593,7 @@ def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits,
     for r in range(B):
         for j in range(K):
             o_ids[r * K + j] = experts.expert_id(ids, r, j)
-    w = ops.mxfp4_dequantize_tile(codes[...], scales[...], BF16)
+    w = format_ops.mxfp4_dequantize_tile(codes[...], scales[...], BF16)
     y = jnp.dot(x[:, :G].astype(BF16), w, preferred_element_type=F32)
     o_moe[...] = y * experts.expert_weight(weights, o_ids[3])
 
@@ -631,15 +635,15 @@ def test_fp8_codes_decode_to_the_same_bf16_weights_as_their_mxfp4(group) -> None
     rng = np.random.default_rng(11)
     n_out, n_in = 128, 256
     codes, scales = _random_mxfp4(rng, n_out, n_in, (2, 252))
-    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
-    fp8, fp8_scales = ops.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group)
+    codes_k, scales_k = format_weights.pack_mxfp4_for_kernel(codes, scales, group)
+    fp8, fp8_scales = format_weights.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group)
     assert fp8.shape == (n_in, n_out) and fp8.dtype == np.uint8
     np.testing.assert_array_equal(fp8_scales, scales_k)
 
     def fn(c, s):
         blocks = group // 32
-        return jnp.concatenate([ops.fp8_block_scaled_tile(c[g * group:(g + 1) * group],
-                                                          s[g * blocks:(g + 1) * blocks])
+        return jnp.concatenate([format_ops.fp8_block_scaled_tile(c[g * group:(g + 1) * group],
+                                                                 s[g * blocks:(g + 1) * blocks])
                                 for g in range(n_in // group)], axis=0)
     got = values_in_kernel(fn, [jnp.asarray(fp8), jnp.asarray(scales_k)],
                            sds((n_in, n_out), jnp.bfloat16))
@@ -656,19 +660,18 @@ def test_fp8_blocks_of_whole_groups_give_the_same_f32_sums() -> None:
     rng = np.random.default_rng(12)
     n_out, n_in, group, block, batch = 384, 1024, 512, 512, 8
     codes, scales = _random_mxfp4(rng, n_out, n_in, (110, 118))      # spreads up to 8 octaves
-    codes_k, scales_k = ops.pack_mxfp4_for_kernel(codes, scales, group)
-    fp8, top = ops.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group, block)
+    codes_k, scales_k = format_weights.pack_mxfp4_for_kernel(codes, scales, group)
+    fp8, top = format_weights.fp8_codes_from_kernel_mxfp4(codes_k, scales_k, group, block)
     assert top.shape == (n_in // block, n_out)
-    assert ops.feeds_codes(WeightFormat("fp8", block))
-    assert not ops.feeds_codes(WeightFormat("fp8", block, fp8_operand=False))     # v4
+    assert expert_formats.feeds_codes(WeightFormat("fp8", block))
+    assert not expert_formats.feeds_codes(WeightFormat("fp8", block, fp8_operand=False))     # v4
     x = jnp.asarray(rng.standard_normal((batch, n_in)), jnp.bfloat16)
 
     def blocked(as_codes):
         def fn(x, c, s):
-            parts = [ops.fp8_group_matmul(x[:, g * group:(g + 1) * group],
-                                          c[g * group:(g + 1) * group],
-                                          ops.e8m0_scale(s[g * group // block:g * group // block + 1]),
-                                          as_codes)
+            parts = [format_ops.fp8_group_matmul(
+                x[:, g * group:(g + 1) * group], c[g * group:(g + 1) * group],
+                format_ops.e8m0_scale(s[g * group // block:g * group // block + 1]), as_codes)
                      for g in range(n_in // group)]
             return sum(parts[1:], parts[0])
         return fn
@@ -683,6 +686,6 @@ def test_fp8_blocks_of_whole_groups_give_the_same_f32_sums() -> None:
     assert not np.array_equal(np.asarray(fed), np.asarray(converted))
     wide = scales.copy()
     wide[0, 0] = 100                                   # one block spans 10 octaves or more
-    wide_k = ops.pack_mxfp4_for_kernel(codes, wide, group)[1]
+    wide_k = format_weights.pack_mxfp4_for_kernel(codes, wide, group)[1]
     with pytest.raises(ValueError, match=r"fall below FP8's range: .* span 1[0-8] octaves"):
-        ops.fp8_codes_from_kernel_mxfp4(codes_k, wide_k, group, block)
+        format_weights.fp8_codes_from_kernel_mxfp4(codes_k, wide_k, group, block)

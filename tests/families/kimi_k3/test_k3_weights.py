@@ -10,7 +10,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry
 from mkc.families.kimi_k3 import weights as kw
 from mkc.model.mxfp4 import mxfp4_dequantize
-from mkc.families.kimi_k3.ops import unpack_mxfp4_from_kernel
+from mkc.layers.expert_formats.weights import unpack_mxfp4_from_kernel
 from mkc.families.kimi_k3 import reference as reference
 
 MINI = KimiDims.load(CONFIG_DIR / "kimi_k3_mini.json")

@@ -1,0 +1,149 @@
+"""How a routed expert's matrices are stored and multiplied: the one home of the expert
+formats every family with routed experts shares (the library `MoE`, Kimi K3, GPT-OSS).
+
+A class of expert matrices (`expert.gate_up`, `expert.down`) is stored as the spec's `format`
+line says, K-major (`[in, out]`, input rows down the slot):
+
+* `bf16`: values, multiplied as they are (a bf16 checkpoint's own);
+* `mxfp4`: an MXFP4 checkpoint's e2m1 codes, two input rows a byte in the kernel layout of
+  `MXFP4_LAYOUT`, with the checkpoint's E8M0 scale per 32 rows; decoded on the VPU;
+* `fp8`: e4m3 codes, one row a byte, with an E8M0 scale per `block` rows: 32 (from MXFP4:
+  exact, every e2m1 value is an e4m3 value; converted and scaled value by value) or whole pack
+  groups (fed to the MXU as they are where it takes FP8, the block's scale multiplying the
+  group's partial product: `feeds_codes`);
+* `fp4`: e2m1 codes, two rows a byte in the checkpoint's nibble order, a scale per `block`
+  rows of whole pack groups, always fed to the MXU as they are.
+
+The kernel multiplies an expert matrix a pack group of input rows at a time (`pack_groups`,
+`dividing_pack_groups`). Here, importing no jax (checking a spec must not load it): the
+formats' rules (`resolve`), the tensors a slot holds (`tensors`) and the layout's facts. The
+kernel math is `ops` (decodes and group matmuls) and `lowering` (`expert_matmul`, what a
+routed-experts body calls), the numpy packers `weights`, the reference's emulation `reference`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from mkc.ir import MatrixFacts, WeightFormat
+from mkc.model.family import FormatError
+from mkc.model.graph import Tensor
+
+MX_BLOCK = 32          # rows per E8M0 scale of MXFP4 (and of FP8 scaled value by value)
+SCALE_NAN = 255        # the E8M0 byte that encodes NaN
+TWO_ROWS = ("mxfp4", "fp4")        # formats holding two input rows a byte
+# How a stored matrix's bytes count as values: codes are multiplied, scales only decoded.
+_FACTS = {"mxfp4": MatrixFacts(values_per_byte=2.0), "fp4": MatrixFacts(values_per_byte=2.0),
+          "fp8": MatrixFacts(values_per_byte=1.0)}
+_SCALES = MatrixFacts(values_per_byte=0.0)
+# Pack group caps: gate|up's input rows are multiplied 512 at a time, down's 128 (Kimi K3's).
+PACK_GROUP = {"gate_up": 512, "down": 128}
+
+# The kernel layout of MXFP4 codes (`weights.pack_mxfp4_for_kernel`): a pack group of G input
+# rows is G/8 little-endian uint32 words a column, 8 codes a word. Its rows are four quarters
+# of G/4; row 2a + h of quarter q sits in word a, at the bits MXFP4_LAYOUT[q] gives (sign, then
+# the three magnitude bits high to low) plus 16 h. Each quarter comes out of the word with one
+# mask after a shift (q 0..2) or a shift, mask and multiply (q 3: one copy of its bits per
+# term of the multiplier, no two overlapping), already where a bf16 keeps them: the sign at
+# bit 15 (31), the magnitude at bits 8..6 (24..22), the bottom of the exponent and the top of
+# the mantissa. The magnitude is stored re-coded so that adding the block's exponent bias
+# makes the value: c = 0 is 0.5, c = 1 zero, c = 2..7 are 1, 1.5, 2, 3, 4, 6 (the e2m1 code).
+MXFP4_LAYOUT = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
+
+
+def rows_per_byte(fmt: WeightFormat) -> int:
+    return 2 if fmt.name in TWO_ROWS else 1
+
+
+def feeds_codes(fmt: WeightFormat) -> bool:
+    """Whether a matrix stored in `fmt` reaches the MXU as FP8 codes: FP8 with one scale per
+    pack group's partial product (a block past 32 rows) on a target whose MXU takes FP8
+    operands. The lowering and the reference's emulation both ask."""
+    return fmt.name == "fp8" and fmt.block > MX_BLOCK and fmt.fp8_operand
+
+
+def pack_groups(rows: Mapping[str, int]) -> dict[str, int]:
+    """Input rows an expert matrix is multiplied in at a time, by matrix (`rows`: its input
+    rows per rank): `PACK_GROUP`'s, or the whole matrix when smaller."""
+    return {name: min(n, PACK_GROUP[name]) for name, n in rows.items()}
+
+
+def dividing_pack_groups(rows: Mapping[str, int], cap: int = PACK_GROUP["gate_up"]) -> dict[str, int]:
+    """Pack groups for MXFP4 rows that `PACK_GROUP`'s do not tile: the largest multiple of 64
+    (two 32-row blocks, one a nibble each) dividing a matrix's rows, at most `cap`.
+    FormatError if none does."""
+    out = {}
+    for name, n in rows.items():
+        group = max((g for g in range(2 * MX_BLOCK, min(n, cap) + 1, 2 * MX_BLOCK) if n % g == 0),
+                    default=0)
+        if not group:
+            raise FormatError(f"expert.{name}", f"expert.{name}'s {n} input rows are not a "
+                              f"multiple of {2 * MX_BLOCK}: the kernel decodes MXFP4 two 32-row "
+                              "blocks at a time", "use a model whose hidden size is a multiple of 64")
+        out[name] = group
+    return out
+
+
+def check_block(cls: str, block: int, rows: int, group: int, other: str = "") -> None:
+    """A block of `block` input rows under one scale must be whole pack groups of `group` that
+    tile the matrix's `rows` (per rank): the kernel multiplies a pack group's partial product
+    by its block's scale. FormatError otherwise, its hint naming `other` (a block also taken,
+    "32, or ") and the multiples that fit."""
+    if block % group or rows % block:
+        raise FormatError(cls, f"a block of {block} rows does not tile {cls}: its {rows} input "
+                          f"rows (per rank) run as pack groups of {group}",
+                          f"use {other}a multiple of {group} that divides {rows} (e.g. {group})")
+
+
+def resolve(classes: Sequence[tuple[str, Sequence[str]]], rows: Mapping[str, int],
+            groups: Mapping[str, int], formats: Mapping[str, WeightFormat] | None = None
+            ) -> dict[str, WeightFormat]:
+    """Each expert class's format (`classes`: class -> the formats it takes, the checkpoint's
+    first; unset classes keep the checkpoint's), its block resolved to input rows (a block past
+    the matrix's `rows` is the whole matrix). FormatError for a block the kernel cannot use:
+    MXFP4 keeps 32; FP4, and FP8 from a bf16 checkpoint, take whole pack `groups` (FP8 from
+    MXFP4 also 32, its default); FP8 requantized from bf16 must say `rounded`."""
+    stored = {cls: names[0] for cls, names in classes}
+    out = {}
+    for cls, fmt in ({c: WeightFormat(f) for c, f in stored.items()} | dict(formats or {})).items():
+        name = cls.split(".")[1]
+        if fmt.name == "bf16":
+            out[cls] = fmt
+            continue
+        from_mx = stored[cls] == "mxfp4"
+        if fmt.name == "mxfp4" and fmt.block not in (0, MX_BLOCK):
+            raise FormatError(cls, f"MXFP4 keeps the checkpoint's scale per {MX_BLOCK} rows, not "
+                              f"{fmt.block}", f"drop the block, or store it as FP8 (`format {cls} fp8 "
+                              "block N`, N whole pack groups)")
+        if not fmt.block and (fmt.name == "fp4" or not from_mx):
+            example = f"`format {cls} {fmt.name} block {groups[name]}{'' if from_mx else ' rounded'}`"
+            raise FormatError(cls, f"{fmt.name.upper()} takes one scale per block of whole pack "
+                              "groups (its codes reach the MXU as they are, the scale multiplying "
+                              "a pack group's partial product)", f"write {example} (a multiple of "
+                              f"{groups[name]} rows dividing {rows[name]})")
+        block = min(fmt.block or MX_BLOCK, rows[name])
+        if block != MX_BLOCK or fmt.name == "fp4" or not from_mx:
+            check_block(cls, block, rows[name], groups[name],
+                        f"{MX_BLOCK}, or " if from_mx and fmt.name == "fp8" else "")
+        if not from_mx and not fmt.rounded:
+            raise FormatError(cls, f"the checkpoint's {cls} is bf16 (8 significant bits), "
+                              "and e4m3 keeps 4: requantizing it to FP8 rounds almost every "
+                              "value, so the spec must accept the rounding", f"write `format "
+                              f"{cls} fp8 block {block} rounded` (the error is reported per "
+                              "matrix class), or keep it bf16 (drop the `format` line)")
+        out[cls] = dataclasses.replace(fmt, block=block)
+    return out
+
+
+def tensors(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str, Tensor]:
+    """Expert matrix `name` [rows (in), cols (out)] as its slot holds it in `fmt`: bf16 values
+    by its name, or codes (`rows_per_byte` input rows a byte) and an E8M0 scale per
+    `fmt.block` input rows, stacked in the slot: a few rows over many panels, which whole-tile
+    panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy for 32 KB of
+    scales)."""
+    if fmt.name == "bf16":
+        return {name: Tensor(name, "matrix", (rows, cols), "bf16")}
+    return {f"{name}_codes": Tensor(f"{name}_codes", "matrix", (rows // rows_per_byte(fmt), cols),
+                                    "u8", mxu=_FACTS[fmt.name]),
+            f"{name}_scales": Tensor(f"{name}_scales", "matrix", (rows // fmt.block, cols), "u8",
+                                     mxu=_SCALES, stacked=True)}

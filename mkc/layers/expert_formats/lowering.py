@@ -1,0 +1,52 @@
+"""A selected expert's matmul in its stored format, as a routed-experts body calls it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mkc.layers.expert_formats import MX_BLOCK, feeds_codes, ops, rows_per_byte
+from mkc.runtime import experts as expert_slots
+from mkc.runtime import pool
+from mkc.runtime.context import Layer
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array:
+    """x @ selected expert k's matrix `name` in the spec's `format expert.<name>`: bf16 values
+    from its slot; or codes and scales, one pack group of `group` input rows at a time: MXFP4
+    codes (two rows a byte) decoded with their 32-row scales; FP8 codes (one) converted and
+    scaled per 32 rows; or, with FP8 or FP4 blocks of whole pack groups, fed to the MXU as they
+    are in a mixed bf16 x fp8 (fp4) dot, their block's scale multiplying the group's partial
+    product. The dots see the same values times powers of two (FP4: the values packing
+    requantized them to)."""
+    fmt = c.kernel.formats[f"expert.{name}"]
+    if fmt.name == "bf16":
+        return c.expert_matmul(k, name, x)
+    slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
+    c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
+    scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
+    per_byte = rows_per_byte(fmt)
+    bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
+    # FP8 and FP4 blocks: every block's scale decoded at once (a row at a time costs as many
+    # registers)
+    decoded = ops.e8m0_scale(scales) if fmt.block != MX_BLOCK else None
+    out = None
+    for g in range(x.shape[1] // group):
+        xg = x[:, g * group:(g + 1) * group].astype(BF16)
+        codes = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group // per_byte,
+                               count=group // per_byte)
+        if fmt.block == MX_BLOCK:                # a scale per 32 rows: scale every value
+            blocks = slice(g * group // MX_BLOCK, (g + 1) * group // MX_BLOCK)
+            w = (ops.mxfp4_dequantize_tile(codes, bias[blocks], BF16) if fmt.name == "mxfp4"
+                 else ops.fp8_block_scaled_tile(codes, scales[blocks], BF16))
+            part = jnp.dot(xg, w, preferred_element_type=F32)
+        elif fmt.name == "fp4":                  # e2m1 codes as they are, one scale a block
+            b = g * group // fmt.block
+            part = ops.fp4_group_matmul(xg, codes, decoded[b:b + 1])
+        else:                                    # one scale for the group's partial product
+            b = g * group // fmt.block
+            part = ops.fp8_group_matmul(xg, codes, decoded[b:b + 1], feeds_codes(fmt))
+        out = part if out is None else out + part
+    return out
