@@ -41,6 +41,10 @@ log = logging.getLogger("mkc.serve")
 PREFIX = "mkc-serve"
 STARTUP_SECONDS = 900.0      # loading and compiling before the first confirmation (minutes at full size)
 ABORT_MS = 5000             # how long a failing process 0 waits for the others to hear it stop
+# After they said they leave, how long it stays up: its exit takes the coordination service
+# with it, and a process whose JAX client sees the service gone aborts (SIGABRT) instead of
+# exiting with its own status.
+ABORT_LINGER_S = 2.0
 POLL_MS = 1000               # a follower's wait for the next launch, between checks that process 0 lives
 _FRAME = struct.Struct("<qB")    # a launch's sequence number and whether to confirm it
 _FAILED = b"\x00failed"          # the outcome of a launch that raised
@@ -153,6 +157,7 @@ class Leader:
                 self._publish(np.zeros(0, np.int32), confirm=False)     # no descriptor: stop
             for pid in sorted(set(range(1, self.processes)) - self._lost):
                 self._client.blocking_key_value_get(f"{PREFIX}/left/{pid}", ABORT_MS)
+            time.sleep(ABORT_LINGER_S)
         except Exception:                # noqa: BLE001 - stopping anyway
             pass
 
