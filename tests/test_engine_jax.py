@@ -1,6 +1,6 @@
 """Generated modules and mkc.runtime on the serving engine's JAX: vLLM TPU pins jax 0.11.2 and
 libtpu 0.0.48 (tpu-inference 0.32.0), mkc's compiler runs on its own. In a second environment
-built from those pins (`./dev engine-setup`, .venv-engine), a MINI module runs decode steps in
+built from those pins (`./dev engine-setup`, .venv-engine), a MINI module runs a decode step in
 interpret mode bit-equal to its rounding emulation, and libtpu 0.0.48 compiles a full-size
 kernel, a decode and a verify step."""
 import json
@@ -30,7 +30,7 @@ def engine_python() -> str:
 
 @pytest.mark.slow
 def test_a_mini_module_runs_bit_equal_on_the_engine_s_jax(engine_python):
-    assert_bit_equal(run_example("examples/run_mini.py", "--steps", "2", "--batch", "1",
+    assert_bit_equal(run_example("examples/run_mini.py", "--steps", "1", "--batch", "2",
                                  timeout=900, python=engine_python))
 
 

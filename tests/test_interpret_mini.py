@@ -27,7 +27,7 @@ def _assert_matches_reference(summary: dict) -> None:
     assert numerics.failures(summary) == []
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_on_wait_from_an_hf_checkpoint(tmp_path):
     """Round trip: a checkpoint written here loads and runs through the generated kernel."""
     config = json.loads((ROOT / "mkc/model/configs/qwen3_8_mini.json").read_text())

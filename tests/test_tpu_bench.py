@@ -52,7 +52,7 @@ def test_a_full_size_model_is_refused_without_a_tpu():
     assert "no TPU here" in r.stderr and "--model <family>_mini" in r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_bench_runs_end_to_end_on_cpu_and_says_it_is_not_a_tpu_timing(tmp_path):
     out = tmp_path / "points.json"
     # the decode step only: the verify step's path differs in its inputs alone, and each
