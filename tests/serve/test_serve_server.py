@@ -25,9 +25,10 @@ pytestmark = pytest.mark.slow      # interpret-mode steps: about a minute per se
 BATCH = 2
 
 
-# through the reference: a third server, a minute more, in the extended tier (test_serve_prefill.py
-# holds its jitted emulation bit-equal to the eager one in CI)
-@pytest.fixture(scope="module", params=["decode", "verify",
+# Through the verify step and through the reference: a minute more each, in the extended tier
+# (CI's speculative server prefills through the verify step, tests/serve/test_serve_speculative.py;
+# test_serve_prefill.py holds the reference's jitted emulation bit-equal to the eager one)
+@pytest.fixture(scope="module", params=["decode", pytest.param("verify", marks=pytest.mark.extended),
                                         pytest.param("reference", marks=pytest.mark.extended)])
 def server(request):
     with running_server(["--batch", str(BATCH), "--queue", "4", "--prefill", request.param]) as url:
