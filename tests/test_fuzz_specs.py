@@ -107,7 +107,8 @@ def test_mutants_give_diagnostics_not_crashes(outcomes, target, kind):
     _judge(outcomes, target, kind, QUICK_COUNTS[target, kind])
 
 
-@pytest.mark.slow
+# CI fuzzes QUICK cases of every kind (the quick tier); the extended tier the rest.
+@pytest.mark.extended
 @pytest.mark.parametrize("target,kind", _params(SLOW_COUNTS))
 def test_more_mutants_give_diagnostics_not_crashes(more_outcomes, target, kind):
     _judge(more_outcomes, target, kind, SLOW_COUNTS[target, kind])

@@ -47,7 +47,8 @@ def test_eager_dma_mode_at_the_largest_batch():
     _assert_matches_reference(_run("--mode", "eager", "--steps", "1", "--batch", "8"))
 
 
-@pytest.mark.slow
+# Extended: CI's race run of Qwen is its verify step's, eager (tests/test_verify.py).
+@pytest.mark.extended
 def test_no_races_with_race_detection():
     # Batch 1: the one-row step, bit-equal at both steps on the AVX512-BF16 host too since the
     # emulation's dot reads the weight as the kernel's does (mkc.numerics, "One row"; before,

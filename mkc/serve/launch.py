@@ -31,7 +31,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether an mkc serve at `url` answers /health with 200."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
@@ -59,7 +60,7 @@ def running_server(spec: str | Path, model: str, args: Sequence[str] = (), *,
         return log.read()[-3000:]
     deadline = time.monotonic() + startup_seconds
     try:
-        while not _healthy(url):
+        while not healthy(url):
             if proc.poll() is not None:
                 raise ServerError(f"mkc serve exited with status {proc.returncode}:\n{tail()}")
             if time.monotonic() > deadline:

@@ -16,8 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +23,7 @@ import numpy as np
 import pytest
 
 from mkc.serve.device import Codec, Kind, Launch
-from mkc.serve.launch import free_port
+from mkc.serve.launch import free_port, healthy
 from mkc.serve.sampling import SamplingParams, row_arrays
 
 HERE = Path(__file__).resolve().parent
@@ -174,14 +172,6 @@ class Process:
         self.log.close()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @contextlib.contextmanager
 def two_processes(command: list[str], leader: list[str] = (), follower: list[str] = (), *,
                   ready: bool = True, startup: float = 600) -> Iterator[tuple[str, Process, Process]]:
@@ -195,7 +185,7 @@ def two_processes(command: list[str], leader: list[str] = (), follower: list[str
     url = f"http://127.0.0.1:{http}"
     try:
         deadline = time.monotonic() + startup
-        while ready and not _healthy(url):
+        while ready and not healthy(url):
             for i, p in enumerate(procs):
                 if p.proc.poll() is not None:
                     pytest.fail(f"process {i} exited with {p.proc.returncode}:\n{p.output()[-3000:]}")
