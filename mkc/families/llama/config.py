@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.config import attention_heads, refuse, setting
-from mkc.layers.gqa import GQADims
+from mkc.layers.gqa import ScaledRopeGQADims
 from mkc.layers.rope import read_rope
 from mkc.model.family import config_float, config_int, identifier
 
@@ -28,7 +28,7 @@ REFUSED = {
 
 
 @dataclass(frozen=True)
-class LlamaDims(GQADims):
+class LlamaDims(ScaledRopeGQADims):
     intermediate_size: int
 
 

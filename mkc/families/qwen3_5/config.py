@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mkc.model.contracts import Dims
+from mkc.layers.gqa import GQADims
 from mkc.model.family import ConfigError, config_float, config_int, identifier
 
 # Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
@@ -34,18 +34,10 @@ UPSTREAM_DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class AttentionDims(Dims):
-    """What every Qwen3.5-style model has: the decoder and its gated delta net and gated
-    attention layers. Names follow the upstream config keys."""
+class AttentionDims(GQADims):
+    """What every Qwen3.5-style model has: the decoder and its gated attention (GQADims) and
+    gated delta net layers. Names follow the upstream config keys."""
 
-    rms_norm_eps: float
-    layer_kinds: tuple[str, ...]
-    # gated GQA
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
     # gated delta net
     linear_num_key_heads: int
     linear_num_value_heads: int

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.config import attention_heads, refuse, setting
-from mkc.layers.gqa import GQADims
+from mkc.layers.gqa import ScaledRopeGQADims
 from mkc.layers.rope import read_rope
 from mkc.model.family import ConfigError, config_float, config_int, identifier
 
@@ -33,7 +33,7 @@ REFUSED = {
 
 
 @dataclass(frozen=True)
-class Qwen3MoeDims(GQADims):
+class Qwen3MoeDims(ScaledRopeGQADims):
     """Upstream key names, except `experts` (num_experts) and `top_k` (num_experts_per_tok),
     the names the core reads; `layer_kinds` per sublayer: `gqa`, then `moe`."""
 

@@ -29,9 +29,9 @@ NORMS = ("plain", "zero_centred")
 
 @dataclass(frozen=True)
 class GQADims(Dims):
-    """The dims of a decoder whose attention is a GQA kind with the library's rotary embedding
-    (the rope fields as `mkc.layers.rope.read_rope` reads them); a family's subclass adds its
-    MLP's. `layer_kinds`: one per iteration of the layer loop."""
+    """The dims of a decoder whose attention is a GQA kind with plain rotary embedding of
+    `rotary_dim` dims a head at `rope_theta`; a family's subclass adds its other layers'.
+    `layer_kinds`: one per iteration of the layer loop."""
 
     rms_norm_eps: float
     layer_kinds: tuple[str, ...]
@@ -40,6 +40,12 @@ class GQADims(Dims):
     head_dim: int
     rotary_dim: int
     rope_theta: float
+
+
+@dataclass(frozen=True)
+class ScaledRopeGQADims(GQADims):
+    """GQADims with the rope scalings `mkc.layers.rope.read_rope` reads (default or llama3)."""
+
     rope_type: str
     rope_factor: float
     rope_low_freq_factor: float
