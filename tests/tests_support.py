@@ -92,6 +92,13 @@ def assert_bit_equal(summary: dict) -> None:
         assert set(step["emulation"]["states"].values()) == {0.0}, step["step"]
 
 
+def assert_each_mutant_rejected(summary: dict, mutants) -> None:
+    """A `--mutants` run: the rounding emulation rejected every mutant."""
+    for name in mutants:
+        fails = summary["mutants"][name]["failures"]
+        assert any("rounding emulation" in f for f in fails), (name, fails)
+
+
 def assert_each_mutant_rejected_on_its_row(summary: dict, mutants: tuple[str, ...]) -> None:
     """A `--mutants-by-row` run: mutant i acted on row i alone at step 1 and the rounding
     emulation rejected it; the row no mutant touched (the last) stayed bit-equal."""

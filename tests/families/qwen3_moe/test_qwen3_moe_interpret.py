@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mkc import numerics
-from tests_support import ROOT, run_example
+from tests_support import ROOT, assert_bit_equal, assert_each_mutant_rejected, run_example
 
 SPEC = str(ROOT / "schedules" / "qwen3_30b_a3b.sched")
 MUTANTS = ("qwen_moe.router", "qwen_moe.routed_experts", "gqa.k_norm", "gqa.kv_read")
@@ -22,29 +22,19 @@ def _run(spec: str, *args: str) -> dict:
                        timeout=1800)
 
 
-def _assert_bit_equal(summary: dict) -> None:
-    assert summary["steps"] and summary["emulation_check"] == "exact"
-    assert numerics.failures(summary) == []
-    for step in summary["steps"]:
-        assert step["emulation"]["logits"] == 0.0, step["step"]
-        assert set(step["emulation"]["states"].values()) == {0.0}, step["step"]
-
-
 @pytest.mark.slow
 def test_on_wait_two_steps_bit_equal_and_mutants_are_rejected():
     summary = _run(SPEC, "--mode", "on_wait", "--steps", "2", "--batch", "2", "--races",
                    "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutant-steps", "1")
-    _assert_bit_equal(summary)
+    assert_bit_equal(summary)
     assert summary["races_found"] is False
-    for name in MUTANTS:
-        fails = summary["mutants"][name]["failures"]
-        assert any("rounding emulation" in f for f in fails), (name, fails)
+    assert_each_mutant_rejected(summary, MUTANTS)
 
 
 @pytest.mark.extended
 def test_eager_at_the_largest_batch_and_a_verify_step_race_free():
     summary = _run(SPEC, "--mode", "eager", "--steps", "2", "--batch", "8", "--races")
-    _assert_bit_equal(summary)
+    assert_bit_equal(summary)
     assert summary["races_found"] is False
     verify = _run(SPEC, "--mode", "eager", "--verify", "--steps", "3", "--batch", "1", "--races")
     assert verify["verify"] and verify["emulation_check"] == "exact" and numerics.failures(verify) == []
@@ -59,5 +49,5 @@ def test_fp8_experts_bit_equal_to_the_emulation_of_their_requantized_values(tmp_
                                                    "block 512 rounded").replace(
         "format expert.down bf16", "format expert.down fp8 block 128 rounded"))
     summary = _run(str(spec), "--mode", "on_wait", "--steps", "2", "--batch", "2")
-    _assert_bit_equal(summary)
+    assert_bit_equal(summary)
     assert summary["requantization"]
