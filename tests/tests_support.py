@@ -92,6 +92,23 @@ def assert_bit_equal(summary: dict) -> None:
         assert set(step["emulation"]["states"].values()) == {0.0}, step["step"]
 
 
+def assert_decode_follows(ref, d, params, tokens, want: list, context: int = 64) -> None:
+    """A family reference's decode step, from f32 caches (as upstream's f32 model), fed tokens
+    [B, T] (an array) one a step: row b's logits at step t within 1e-5 of want[b][t]'s largest."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    batch, steps = tokens.shape
+    step = jax.jit(ref.decode_step, static_argnums=(1, 5))
+    cache = ref.init_cache(d, batch, context, jnp.float32)
+    for t in range(steps):
+        logits, cache = step(params, d, cache, jnp.asarray(tokens[:, t], jnp.int32),
+                             jnp.full((batch,), t, jnp.int32))
+        for b in range(batch):
+            got = np.asarray(logits[b], np.float64)
+            assert np.max(np.abs(got - want[b][t])) <= 1e-5 * np.max(np.abs(want[b][t])), (t, b)
+
+
 def assert_each_mutant_rejected(summary: dict, mutants) -> None:
     """A `--mutants` run: the rounding emulation rejected every mutant."""
     for name in mutants:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.llama import reference as ref
 from mkc.model.config import CONFIG_DIR
+from tests_support import assert_decode_follows
 
 MINI = ref.load_config(CONFIG_DIR / "llama_mini.json")
 
@@ -74,15 +73,7 @@ def test_the_reference_is_transformers_math_over_twelve_steps():
     rng = np.random.default_rng(0)
     steps = 12
     tokens = rng.integers(0, MINI.vocab_size, (2, steps))
-    want = [_forward(params, MINI, tokens[b]) for b in range(2)]
-    step = jax.jit(ref.decode_step, static_argnums=(1, 5))
-    cache = ref.init_cache(MINI, 2, 64, jnp.float32)     # f32 caches, as upstream's f32 model
-    for t in range(steps):
-        logits, cache = step(params, MINI, cache, jnp.asarray(tokens[:, t], jnp.int32),
-                             jnp.full((2,), t, jnp.int32))
-        for b in range(2):
-            got = np.asarray(logits[b], np.float64)
-            assert np.max(np.abs(got - want[b][t])) <= 1e-5 * np.max(np.abs(want[b][t])), (t, b)
+    assert_decode_follows(ref, MINI, params, tokens, [_forward(params, MINI, tokens[b]) for b in range(2)])
 
 
 def test_the_llama3_frequencies_are_meta_s():

@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mkc.families.qwen3_moe import reference as ref
 from mkc.model.config import CONFIG_DIR
+from tests_support import assert_decode_follows
 
 MINI = ref.load_config(CONFIG_DIR / "qwen3_moe_mini.json")
 
@@ -87,14 +87,7 @@ def test_the_reference_is_transformers_math_over_twelve_steps(renormalise):
     # the routing is exercised: every expert picked somewhere, different experts per position
     assert len(np.unique(np.concatenate(picks))) == d.experts
     assert len({tuple(sorted(r)) for ids in picks for r in ids}) > 40
-    step = jax.jit(ref.decode_step, static_argnums=(1, 5))
-    cache = ref.init_cache(d, 2, 64, jnp.float32)     # f32 caches, as upstream's f32 model
-    for t in range(steps):
-        logits, cache = step(params, d, cache, jnp.asarray(tokens[:, t], jnp.int32),
-                             jnp.full((2,), t, jnp.int32))
-        for b in range(2):
-            got = np.asarray(logits[b], np.float64)
-            assert np.max(np.abs(got - want[b][t])) <= 1e-5 * np.max(np.abs(want[b][t])), (t, b)
+    assert_decode_follows(ref, d, params, tokens, want)
 
 
 def test_renormalising_changes_the_output():
