@@ -87,3 +87,15 @@ def test_impossible_topologies_say_what_would_do(name, dims, words):
 def test_standard_shapes_start_at_one_chip_and_double():
     assert target.standard_shapes("v6e")[:4] == ["1x1", "2x2", "2x4", "4x4"]
     assert target.standard_shapes("tpu7x")[:5] == ["1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4"]
+
+
+def test_a_slice_smaller_than_a_host_retries_with_its_own_bounds_only():
+    # libtpu 0.0.48's refusal of tpu7x=1x1x1 (vLLM TPU's pin); any other refusal is libtpu's
+    refused = ('INVALID_ARGUMENT: Topology layout "tpu7x=1x1x1" is not divisible by the given (or '
+               'default) chips_per_host_bounds "2x2x1"')
+    assert target._within_one_host("tpu7x=1x1x1", refused) == (1, 1, 1)
+    assert target._within_one_host("tpu7x=2x2x1", refused) == (2, 2, 1)
+    assert target._within_one_host("tpu7x=2x2x2", refused) is None      # more than a host
+    assert target._within_one_host("tpu7x=1x1", refused) is None        # another rank of grid
+    assert target._within_one_host("tpu7x", refused) is None
+    assert target._within_one_host("tpu7x=1x1x1", "UNAVAILABLE: no libtpu") is None

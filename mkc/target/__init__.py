@@ -130,9 +130,10 @@ def _within_one_host(spec: str, error: str) -> tuple[int, ...] | None:
     than a host (an older libtpu, 0.0.48 of vLLM TPU's pin, lays out tpu7x=1x1x1 only so);
     None for any other refusal."""
     bounds = _HOST_BOUNDS.search(error)
-    if bounds is None:
+    shape = spec.partition("=")[2]
+    if bounds is None or not re.fullmatch(r"\d+(?:x\d+)*", shape):
         return None
-    dims = tuple(int(d) for d in spec.split("=")[1].split("x"))
+    dims = tuple(int(d) for d in shape.split("x"))
     host = tuple(int(d) for d in bounds.group(1).split("x"))
     if len(host) != len(dims) or any(d > h for d, h in zip(dims, host)):
         return None
