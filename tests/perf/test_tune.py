@@ -14,6 +14,7 @@ from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse
 from mkc.perf import tune
+from mkc.perf.work import kernel_work
 from tests_support import ROOT, SPEC
 
 MINI = "qwen3_8_mini"
@@ -190,7 +191,11 @@ def test_placement_knobs_move_a_matrix_between_a_pool_view_and_the_ring():
             assert v and abs(len(v) - len(k.value)) == 1
             parse(tune.render(text, [k], (v,)), str(K3_SPEC))
     # mla streams q_up, gate and o_proj: bringing q_up into the view keeps the others' order.
-    assert ("q_down", "kv_down", "q_up", "key_up", "value_up") in mla.neighbours(mla.value)
+    pooled_q_up = ("q_down", "kv_down", "q_up", "key_up", "value_up")
+    assert pooled_q_up in mla.neighbours(mla.value)
+    # a matrix brought into the view is multiplied whole: the kernel traces (its product is
+    # as wide as the matrix, not a padded tile's)
+    kernel_work(tune.check_text(tune.render(text, [mla], (pooled_q_up,)), str(K3_SPEC), None), 1)
     moved = tune.render(text, [kda], (("gate_down", "gate_up", "projection"),))
     assert "kda(gate_down, gate_up, projection)" in moved and "    kda: o_proj\n" in moved
     both = tune.render(text, [kda, mla], (("gate_down", "gate_up", "projection"),
