@@ -213,10 +213,11 @@ def bench_against_hand_kernel() -> list[str]:
     ratio is the calibration spec's step over the shipped one's. The published hand-kernel
     steps are beside them, for scale."""
     from mkc import compiler
+    from mkc.perf.constants import DATA
     from mkc.perf.run import run
     shipped = compiler.check_spec(ROOT / "schedules" / "kimi_k3.sched").ir
     hand = compiler.check_spec(ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched").ir
-    points = json.loads((ROOT / "mkc" / "perf" / "data" / "calibration_points.json").read_text())
+    points = json.loads((DATA / "calibration_points.json").read_text())
     published = {(p["batch"], None): p["step_s"] for p in points["points"]}
     holdout = points["speculative_holdout"]
     published[holdout["sequences"], holdout["rows"]] = holdout["step_s"]
