@@ -382,7 +382,8 @@ def reference_cache(reference, cfg, states: dict, batch: int, context: int) -> d
 class RouteRecorder:
     """While active, records each MoE layer's expert-selection scores ``[B, E]`` and its k, of a
     family reference whose ``route(*args)`` picks the top k of ``selection_scores(*args)`` (the
-    K3 and Qwen3.5 MoE references; the others route nothing and record nothing)."""
+    K3 and Qwen3.5 MoE references; the others route nothing and record nothing); a
+    group-limited router's choices each (its experts', then its groups')."""
 
     def __init__(self, reference):
         self.reference = reference
@@ -395,8 +396,10 @@ class RouteRecorder:
         self.home = sys.modules[self.route.__module__] if self.route is not None else ref
         if self.route is not None and hasattr(ref, "selection_scores"):
             def recording(*args, **kwargs):
-                scores, k = ref.selection_scores(*args, **kwargs)
-                self.scores.append((np.asarray(scores, np.float32), k))
+                # one choice (scores, k), or several: a group-limited router's experts, then groups
+                chosen = ref.selection_scores(*args, **kwargs)
+                for scores, k in chosen if isinstance(chosen, list) else [chosen]:
+                    self.scores.append((np.asarray(scores, np.float32), k))
                 return self.route(*args, **kwargs)
             self.home.route = recording
         return self

@@ -22,8 +22,8 @@ import numpy as np
 
 from mkc.layers.mla.ops import mla_absorb_query, mla_tile, mla_value_up  # noqa: F401  (MLA's)
 from mkc.layers.mla.weights import split_kv_b_proj, split_q_b_proj  # noqa: F401
+from mkc.layers.moe.lowering import sigmoid_route_weights
 from mkc.layers.ops import l2_normalize, rms_norm  # noqa: F401  (KimiRMSNorm: a plain weight)
-from mkc.runtime import experts
 
 F32 = jnp.float32
 
@@ -85,7 +85,8 @@ def kda_gated_output(o: jax.Array, g: jax.Array, w: jax.Array, eps: float) -> ja
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
           scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid top-k routing per row -> (weights [B, E], ids [B, top_k] int32).
+    """Sigmoid top-k routing per row -> (weights [B, E], ids [B, top_k] int32): the layer
+    library's MoE router with one group (`mkc.layers.moe.lowering.sigmoid_route_weights`).
 
     logits [B, E] f32, bias [1, E] (``e_score_correction_bias``, used only to pick). weights is
     zero except at the chosen experts, where it holds the sigmoid scores renormalised over the
@@ -94,9 +95,7 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     ``mkc.runtime.experts.expert_id(ids, b, j)`` into an SMEM ref; ``expert_weight`` there
     reads a dynamic expert's column.
     """
-    scores = jax.nn.sigmoid(logits)
-    kept, ids = experts.top_k(scores + bias, scores, top_k)
-    return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling, ids
+    return sigmoid_route_weights(logits, bias, top_k, True, scaling)
 
 
 # ---------------------------------------------------------------------------------------------

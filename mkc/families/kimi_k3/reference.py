@@ -107,6 +107,7 @@ from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.mla import reference as mla_reference
+from mkc.layers.moe import reference as moe_reference
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
@@ -651,27 +652,23 @@ def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
           scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Sigmoid routing ``[..., E] -> (ids [..., k], weights [..., k])``: the correction bias only
-    picks the experts; the weights are the uncorrected scores renormalised over the chosen k."""
-    scores = jax.nn.sigmoid(logits)
-    _, ids = jax.lax.top_k(selection_scores(logits, bias, top_k)[0], top_k)
-    chosen = jnp.take_along_axis(scores, ids, axis=-1)
-    return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True) * scaling
+    picks the experts; the weights are the uncorrected scores renormalised over the chosen k,
+    times ``scaling``: the layer library's MoE router with one group (`mkc.layers.moe.reference.route`)."""
+    return moe_reference.route(logits, top_k, True, "sigmoid", bias, scaling)
 
 
 def selection_scores(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float = 1.0
                      ) -> tuple[jax.Array, int]:
     """What ``route`` (same arguments) takes the top k of, and that k: the sigmoid scores plus
     the correction bias. The harness's near-tie rule reads it (``examples/generated_module``)."""
-    return jax.nn.sigmoid(logits) + bias, top_k
+    return moe_reference.selection_scores(logits, top_k, True, "sigmoid", bias, scaling)
 
 
 def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> jax.Array:
     """Routing weights over every expert ``[B, E]`` as the kernel forms them: the chosen scores
-    (zero elsewhere) divided by their sum over all E lanes, times ``scaling``."""
-    scores = jax.nn.sigmoid(logits)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
-    return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling
+    (zero elsewhere) divided by their sum over all E lanes, times ``scaling`` (the layer
+    library's, eager: `mkc.layers.moe.reference.dense_route_weights`)."""
+    return moe_reference.dense_route_weights(logits, ids, True, "sigmoid", scaling)
 
 
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,

@@ -3,7 +3,16 @@ over all E experts in f32, the top `top_k` picked, their probabilities divided b
 when the model's `norm_topk_prob` says so; each picked expert a SwiGLU of width
 `moe_intermediate_size` (`[gate | up]` in one matmul, then down), weighted by its probability;
 optionally a shared SwiGLU expert of width `shared_expert_intermediate_size` gated by
-`sigmoid(h . shared_expert_gate)`; the residual add.
+`sigmoid(h . shared_expert_gate)` (or ungated: `shared_gate=False`); the residual add.
+
+`routing="sigmoid"` is DeepSeek-V3's router (`DeepseekV3TopkRouter`): scores `sigmoid(logits)`;
+the experts picked by `scores + e_score_correction_bias` (the vector `correction_bias`, for
+selection only), group-limited when the model's `n_group` exceeds 1: the experts split into
+`n_group` consecutive groups, a group's score the sum of its two largest biased scores, only
+the `topk_group` best groups' experts eligible; the picked experts' unbiased scores divided by
+their sum when `norm_topk_prob` (upstream adds 1e-20 to the sum: no change to an f32 sum of
+scores above 1e-13), times `routed_scaling_factor`. Kimi K3's router is this with one group
+(its family calls the same kernel and reference functions).
 
 Variants are options of the one kind: Qwen3.5-MoE's block is `MoE(norm="zero_centred",
 shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`,
@@ -12,8 +21,10 @@ expert_bias=True, checkpoint="mxfp4")`: a biased router, the softmax over the k 
 only (`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) +
 1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`,
 `swiglu_limit`), on MXFP4 experts whose gate and up halves are padded to whole 128-lane tiles
-(`expert_half`). The dims a model gives it: hidden_size, rms_norm_eps, experts, top_k,
-moe_intermediate_size, norm_topk_prob (softmax routing), swiglu_alpha and swiglu_limit
+(`expert_half`); DeepSeek-V3's `MoE(routing="sigmoid", shared_expert=True, shared_gate=False,
+shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_norm_eps,
+experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
+n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
 (clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies and graph
 cover every option; its reference and weights the bf16 checkpoint's (GPT-OSS's are the
 family's).
@@ -69,11 +80,13 @@ class MoE(Sublayer):
     prefix: str = "mlp."
     router_bias: bool = False      # a bias on the router's logits (vector `router_bias`, [E])
     # "softmax": over all E experts, then the top k; "top_k_softmax": the top k logits, their
-    # softmax over those k only
+    # softmax over those k only; "sigmoid": DeepSeek-V3's (module docstring)
     routing: str = "softmax"
     activation: str = "silu"       # silu(gate) * up, or "clamped" (GPT-OSS's, module docstring)
     expert_bias: bool = False      # bias rows on each expert's gate|up and down products
     checkpoint: str = "bf16"       # the experts' stored format upstream: "bf16" or "mxfp4"
+    shared_gate: bool = True       # the shared expert times sigmoid(h . shared_expert_gate)
+    shared_prefix: str = "shared_expert."   # the shared expert's parameters under `prefix`
 
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
@@ -97,14 +110,16 @@ class MoE(Sublayer):
                 "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",)),
             }
             per_rank = {"shared": shared} | per_rank
-        residual_reads = ("shared_out", "routed_out", "h", "shared_gate", "x") if self.shared_expert \
-            else ("routed_out", "x")
+        residual_reads = ("routed_out", "x")
+        if self.shared_expert:
+            gate = ("h", "shared_gate") if self.shared_gate else ()
+            residual_reads = ("shared_out", "routed_out", *gate, "x")
+        route_reads = ("router_logits", *(("correction_bias",) if self.routing == "sigmoid" else ()))
         ops = (
             Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
             Op("router", reads=("h", "router_bias") if self.router_bias else ("h",),
                writes=("router_logits",), matmul="router"),
-            Op("route", reads=("router_logits",), writes=("expert_ids", "expert_weights"),
-               picks_experts=True),
+            Op("route", reads=route_reads, writes=("expert_ids", "expert_weights"), picks_experts=True),
             *shared_ops,
             Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
                partial=("experts",), width=H, runs_experts=True),
@@ -113,9 +128,13 @@ class MoE(Sublayer):
         tensors = {
             "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
             # shared_expert_gate [1, H]
-            **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")} if self.shared_expert else {}),
+            **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")}
+               if self.shared_expert and self.shared_gate else {}),
             "router": Tensor("router", "matrix", (H, E), "bf16"),
             **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
+            # e_score_correction_bias [E]: added to the scores to pick, not to weight
+            **({"correction_bias": Tensor("correction_bias", "vector", (E,), "f32")}
+               if self.routing == "sigmoid" else {}),
             **shared_tensors,
         }
         groups = self.pack_groups(d)
@@ -126,8 +145,11 @@ class MoE(Sublayer):
 
     def bf16_checkpoint(self, what: str) -> None:
         """Refuse (NotImplementedError) options `what` (the reference, the weights) does not
-        compute: it reads a bf16 checkpoint with a bias-free router and SiLU experts."""
-        if self != MoE(norm=self.norm, shared_expert=self.shared_expert, prefix=self.prefix):
+        compute: it reads a bf16 checkpoint with a bias-free router (softmax or sigmoid
+        routing) and SiLU experts."""
+        if self != MoE(norm=self.norm, shared_expert=self.shared_expert, prefix=self.prefix,
+                       routing="sigmoid" if self.routing == "sigmoid" else "softmax",
+                       shared_gate=self.shared_gate, shared_prefix=self.shared_prefix):
             raise NotImplementedError(f"the library MoE's {what} computes a bf16 checkpoint's plain "
                                       f"experts, not {self}: the family provides its own")
 
