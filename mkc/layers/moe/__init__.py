@@ -93,11 +93,13 @@ class MoE(Sublayer):
         return ("post_norm", "router", "route", *shared, "routed_experts", "mlp_residual")
 
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
-        H, E = d.hidden_size, d.experts
+        """`ways["expert_mlp"]` (1 if absent): ranks sharing each routed expert's width."""
+        H, E, tp = d.hidden_size, d.experts, ways.get("expert_mlp", 1)
         local = split(E, ways["experts"], "num_experts", "experts")
+        width = split(d.moe_intermediate_size, tp, "moe_intermediate_size", "expert_mlp")
         shared_ops: tuple[Op, ...] = ()
         shared_tensors: dict[str, Tensor] = {}
-        per_rank = {"local_experts": local, "expert_width": d.moe_intermediate_size, "expert_tp": 1}
+        per_rank = {"local_experts": local, "expert_width": width, "expert_tp": tp}
         if self.shared_expert:
             shared = split(d.shared_expert_intermediate_size, ways["mlp"], "shared_expert_intermediate_size",
                            "mlp")
@@ -122,7 +124,7 @@ class MoE(Sublayer):
             Op("route", reads=route_reads, writes=("expert_ids", "expert_weights"), picks_experts=True),
             *shared_ops,
             Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
-               partial=("experts",), width=H, runs_experts=True),
+               partial=("experts", "expert_mlp") if tp > 1 else ("experts",), width=H, runs_experts=True),
             Op("mlp_residual", reads=residual_reads, writes=("x",)),
         )
         tensors = {
@@ -137,10 +139,10 @@ class MoE(Sublayer):
                if self.routing == "sigmoid" else {}),
             **shared_tensors,
         }
-        groups = self.pack_groups(d)
+        groups = self.pack_groups(d, tp)
         per_rank |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
         if self.checkpoint == "mxfp4":
-            per_rank["expert_half"] = self.expert_half(d)
+            per_rank["expert_half"] = self.expert_half(d, tp)
         return Part(ops, tensors, per_rank)
 
     def bf16_checkpoint(self, what: str) -> None:
@@ -156,36 +158,38 @@ class MoE(Sublayer):
     def weight_formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         return FORMATS[self.checkpoint]
 
-    def expert_half(self, d: Any) -> int:
-        """Columns of the gate half (and of the up half) of a gate|up expert matrix: MXFP4
-        codes are moved as the checkpoint holds them, never decoded, so each half is padded
-        with zero columns to whole 128-lane tiles (down's input rows likewise)."""
-        width = d.moe_intermediate_size
+    def expert_half(self, d: Any, tp: int = 1) -> int:
+        """Columns of the gate half (and of the up half) of a rank's gate|up expert matrix (its
+        width slice of `tp`): MXFP4 codes are moved as the checkpoint holds them, never decoded,
+        so each half is padded with zero columns to whole 128-lane tiles (down's input rows
+        likewise)."""
+        width = d.moe_intermediate_size // tp
         return lane_pad(width) if self.checkpoint == "mxfp4" else width
 
-    def expert_rows(self, d: Any) -> dict[str, int]:
-        """Input rows of each routed expert matrix (whole experts on every rank)."""
-        return {"gate_up": d.hidden_size, "down": self.expert_half(d)}
+    def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
+        """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""
+        return {"gate_up": d.hidden_size, "down": self.expert_half(d, tp)}
 
-    def pack_groups(self, d: Any) -> dict[str, int]:
+    def pack_groups(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows an expert matrix is multiplied in at a time; MXFP4 rows that the caps
         do not tile (GPT-OSS's 2880) take the groups that divide them."""
-        rows = self.expert_rows(d)
+        rows = self.expert_rows(d, tp)
         if self.checkpoint == "mxfp4":
             return expert_formats_lib.dividing_pack_groups(rows)
         return expert_formats_lib.pack_groups(rows)
 
-    def expert_formats(self, d: Any, formats: Mapping[str, WeightFormat] | None = None
+    def expert_formats(self, d: Any, formats: Mapping[str, WeightFormat] | None = None, tp: int = 1
                        ) -> dict[str, WeightFormat]:
         """Each routed expert class's format, its block resolved to input rows
         (`mkc.layers.expert_formats.resolve`)."""
-        return expert_formats_lib.resolve(self.weight_formats(), self.expert_rows(d), self.pack_groups(d),
-                                          formats)
+        return expert_formats_lib.resolve(self.weight_formats(), self.expert_rows(d, tp),
+                                          self.pack_groups(d, tp), formats)
 
-    def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat]) -> dict[str, Tensor]:
-        """One routed expert as its slot holds it, K-major ([in, out]), each matrix in its
-        format, with its bias rows (bf16, the checkpoint's dtype) after the matrix."""
-        H, half = d.hidden_size, self.expert_half(d)
+    def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat], tp: int = 1) -> dict[str, Tensor]:
+        """One routed expert's width slice as its slot holds it, K-major ([in, out]), each
+        matrix in its format, with its bias rows (bf16, the checkpoint's dtype) after the
+        matrix."""
+        H, half = d.hidden_size, self.expert_half(d, tp)
         out: dict[str, Tensor] = {}
         for name, rows, cols in (("gate_up", H, 2 * half), ("down", half, H)):
             out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"])
@@ -193,12 +197,28 @@ class MoE(Sublayer):
                 out[f"{name}_bias"] = Tensor(f"{name}_bias", "matrix", (1, cols), "bf16")
         return out
 
-    def graph_fields(self, d: Any, formats: Mapping[str, WeightFormat] | None) -> dict[str, Any]:
-        """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors,
-        the model's experts and picks, the expert classes' resolved formats."""
-        resolved = self.expert_formats(d, formats)
-        return dict(experts=self.expert_tensors(d, resolved), experts_total=d.experts, top_k=d.top_k,
+    def graph_fields(self, d: Any, formats: Mapping[str, WeightFormat] | None, tp: int = 1
+                     ) -> dict[str, Any]:
+        """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors (a
+        rank's width slice of `tp`), the model's experts and picks, the expert classes'
+        resolved formats."""
+        resolved = self.expert_formats(d, formats, tp)
+        return dict(experts=self.expert_tensors(d, resolved, tp), experts_total=d.experts, top_k=d.top_k,
                     formats=resolved)
+
+
+def expert_split(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -> dict[str, int]:
+    """The ways routed experts split, {"experts": EP, "expert_mlp": TP}: experts over groups
+    of TP consecutive ranks (`shard experts over tp / TP`), each expert's width over a group
+    (`shard expert_mlp over TP`), tiling the ranks; ShardingError otherwise."""
+    (ep, ep_stride), (tp, tp_stride) = rules["experts"], rules.get("expert_mlp", (1, ranks))
+    if ep * tp != ranks or ep_stride != tp or (tp > 1 and tp_stride != 1):
+        raise ShardingError(
+            f"the {family} lowering splits routed experts over groups and each expert's width "
+            f"within a group, tiling the {ranks} ranks: write `shard experts over tp` (whole "
+            "experts on every core) or `shard experts over tp / N` with `shard expert_mlp over N`",
+            "experts")
+    return {"experts": ep, "expert_mlp": tp}
 
 
 def expert_ways(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -> int:

@@ -101,7 +101,7 @@ def _activation(s: MoE, c: Layer, gate_up: jax.Array) -> jax.Array:
     if s.activation == "clamped":
         return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
                                          c.dims.swiglu_limit)
-    return ops.swiglu(gate_up, c.dims.moe_intermediate_size)
+    return ops.swiglu(gate_up, c.per_rank["expert_width"])
 
 
 def post_norm(s: MoE, c: Layer) -> jax.Array:

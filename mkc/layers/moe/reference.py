@@ -159,7 +159,7 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     # experts: one bf16 dot.
     operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
-    rows = {m: s.pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
+    rows = {m: s.pack_groups(d, tp)[m] if m in fp8 else None for m in EXPERTS}
 
     def expert_linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
         return rounding.linear(x, w, rows[m], operands[m])

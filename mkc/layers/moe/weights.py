@@ -52,22 +52,33 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
 
 
+def expert_tp(shards: ShardTable) -> int:
+    """The ranks sharing each routed expert's width (`shard expert_mlp over N`; 1 without)."""
+    return shards.ways("expert_mlp") if any(c == "expert_mlp" for c, _, _ in shards.rules) else 1
+
+
 def expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
                   shards: ShardTable) -> np.ndarray:
-    """Local expert `local` of `rank`'s share ([in, out]): experts split evenly over the ranks."""
+    """Local expert `local` of `rank`'s expert group ([in, out]): experts split evenly over the
+    groups, the rank's width slice of it (its gate and up columns, down's rows)."""
     e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
-    return np.asarray(hf[f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"][e]
-                      ).astype(np.float32).T          # gate_up [H, 2I]: gate | up; down [I, H]
+    m = np.asarray(hf[f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"][e]).astype(np.float32)
+    tp = expert_tp(shards)
+    if tp > 1:
+        width = d.moe_intermediate_size // tp
+        cols = slice(shards.part("expert_mlp", rank) * width, (shards.part("expert_mlp", rank) + 1) * width)
+        m = m.reshape(2, -1, m.shape[-1])[:, cols].reshape(2 * width, -1) if name == "gate_up" else m[:, cols]
+    return m.T                                        # gate_up [H, 2I]: gate | up; down [I, H]
 
 
 def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shards: ShardTable,
            formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
-    """Local expert `local` of `rank` as the pool holds it, [in, out] by matrix: bf16 by its
-    name, or FP8 codes and E8M0 scales per block of input rows (`{name}_codes`,
-    `{name}_scales`)."""
+    """Local expert `local` of `rank` as the pool holds it (its width slice), [in, out] by
+    matrix: bf16 by its name, or FP8 codes and E8M0 scales per block of input rows
+    (`{name}_codes`, `{name}_scales`)."""
     s.bf16_checkpoint("weights")
     out = {}
-    for cls, fmt in s.expert_formats(d, dict(formats or {})).items():
+    for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
         name = cls.split(".")[1]
         m = expert_matrix(s, hf, d, prefix, local, name, rank, shards)
         if fmt.name == "fp8":
