@@ -78,7 +78,7 @@ def read_yarn(raw: Mapping, params: Mapping, head_dim: int, theta_default: float
     ConfigError without `original_max_position_embeddings` or with a partial rotary factor."""
     def number(key: str, default: float | None = None) -> float | None:
         value = params.get(key)
-        return default if value is None else config_float(value, f"rope_parameters.{key}")
+        return default if value is None else config_float(value, f"rope_scaling.{key}")
 
     if number("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("partial_rotary_factor must be 1: the rotary dims are rotated whole",
@@ -87,11 +87,14 @@ def read_yarn(raw: Mapping, params: Mapping, head_dim: int, theta_default: float
     if original is None:
         raise ConfigError("the yarn rope scaling has no original_max_position_embeddings",
                           "give the pre-extension context, as the published configs do")
-    theta = number("rope_theta") or config_float(raw.get("rope_theta", theta_default), "rope_theta")
+    def setting(key: str, default: float) -> float:
+        """A config number, or `default` where it is absent (or null)."""
+        return config_float(default if raw.get(key) is None else raw[key], key)
+
+    theta = number("rope_theta") or setting("rope_theta", theta_default)
     factor = number("factor")       # upstream's fallback: the context's extension ratio
     if factor is None:
-        factor = config_float(raw.get("max_position_embeddings", max_positions_default),
-                              "max_position_embeddings") / original
+        factor = setting("max_position_embeddings", max_positions_default) / original
     attention = number("attention_factor")
     mscale, mscale_all = number("mscale"), number("mscale_all_dim")
     if attention is None:
