@@ -71,6 +71,7 @@ KV_256 = {"qwen3_8_27b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of
           "kimi_k3": ("kv tiles 3 slots of 256 tokens", "kv tiles 3 slots of 512 tokens"),
           "llama_3_1_8b": ("kv tiles 4 slots of 256 tokens", "kv tiles 4 slots of 512 tokens"),
           "qwen3_30b_a3b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of 256 tokens"),
+          "deepseek_v3": ("kv tiles 2 slots of 128 tokens", "kv tiles 2 slots of 256 tokens"),
           **{name: ("phase gqa {\n    kv tiles 2 slots of 128", "phase gqa {\n    kv tiles 2 slots of 256")
              for name in ("gpt_oss_20b", "gpt_oss_120b")}}
 

@@ -48,7 +48,13 @@ MUTANTS: dict[str, tuple[str, str]] = {
     # the kv_norm output: the normed latent part of the new cache row
     "mla.kv_norm": ("    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n",
                     "    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n"
-                    "    kv_row = kv_row.at[:, :DIMS.kv_lora].set({scale}(kv_row[:, :DIMS.kv_lora]))\n"),
+                    "    lora = DIMS.kv_lora_rank\n"
+                    "    kv_row = kv_row.at[:, :lora].set({scale}(kv_row[:, :lora]))\n"),
+    # DeepSeek-V3 (the library's MLA with RoPE): the new cache row's rotated shared key
+    "mla.k_rope": ("    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n",
+                   "    q_low, kv_row = lower.latent_norms(c, q_low, kv_row)\n"
+                   "    lora = DIMS.kv_lora_rank\n"
+                   "    kv_row = kv_row.at[:, lora:].set({scale}(kv_row[:, lora:]))\n"),
     "mla.o_proj": ("    core = lower.out_gate(c, core, gate_logits)\n"
                    "    attn_out = lower.o_proj(c, core)\n",
                    "    core = lower.out_gate(c, core, gate_logits)\n"
@@ -102,6 +108,9 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
     "oss.window": ("attention", "visible = _visible(s, c, tokens, c.refs.positions[b])\n",
                    "visible = _visible(s, c, tokens, c.refs.positions[b]) | (c.kv_positions("
                    "tokens, c.refs.positions[b]) == c.refs.positions[b] - c.dims.sliding_window)\n"),
+    # DeepSeek-V3: each row's rotated query rope part
+    "mla.q_rope": ("absorb_query", "(q_lat, _rotate(c, q_ext, cos[b:b + 1], sin[b:b + 1]))",
+                   "(q_lat, {factor}(b) * _rotate(c, q_ext, cos[b:b + 1], sin[b:b + 1]))"),
     "mla.kv_read": ("attention", "cached = latent[c.sequence(b)]\n",
                     "cached = latent[c.sequence(b)].astype(F32)\n"
                     "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
@@ -382,7 +391,8 @@ def reference_cache(reference, cfg, states: dict, batch: int, context: int) -> d
 class RouteRecorder:
     """While active, records each MoE layer's expert-selection scores ``[B, E]`` and its k, of a
     family reference whose ``route(*args)`` picks the top k of ``selection_scores(*args)`` (the
-    K3 and Qwen3.5 MoE references; the others route nothing and record nothing)."""
+    K3 and Qwen3.5 MoE references; the others route nothing and record nothing); a
+    group-limited router's choices each (its experts', then its groups')."""
 
     def __init__(self, reference):
         self.reference = reference
@@ -395,8 +405,10 @@ class RouteRecorder:
         self.home = sys.modules[self.route.__module__] if self.route is not None else ref
         if self.route is not None and hasattr(ref, "selection_scores"):
             def recording(*args, **kwargs):
-                scores, k = ref.selection_scores(*args, **kwargs)
-                self.scores.append((np.asarray(scores, np.float32), k))
+                # one choice (scores, k), or several: a group-limited router's experts, then groups
+                chosen = ref.selection_scores(*args, **kwargs)
+                for scores, k in chosen if isinstance(chosen, list) else [chosen]:
+                    self.scores.append((np.asarray(scores, np.float32), k))
                 return self.route(*args, **kwargs)
             self.home.route = recording
         return self

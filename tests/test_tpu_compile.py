@@ -1,8 +1,8 @@
 """The generated kernels compile with libtpu for their compile-only topologies: the full-size
 Qwen and Qwen3.5 MoE on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices), Qwen on
 v6e=2x4 (8 chips of one core), the replicated-heads layouts (Qwen on 16 tpu7x cores, K3 on
-64), GPT-OSS 120b on tpu7x=2x2x1 and 20b on one chip (1x1x1), and the MINI Qwen kernel
-on every generation mkc compiles for."""
+64), GPT-OSS 120b on tpu7x=2x2x1 and 20b on one chip (1x1x1), DeepSeek-V3 on tpu7x=2x2x2 (16
+devices), and the MINI Qwen kernel on every generation mkc compiles for."""
 import pytest
 
 from conftest import run_python
@@ -28,11 +28,13 @@ FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
              ("gpt_oss_20b", "decode B1"), ("gpt_oss_20b", "decode B8"),
              ("qwen3_5_397b_a17b", "decode B8"), ("qwen3_8_27b_v6e", "decode B8"),
              ("qwen3_8_27b_16", "decode B8"), ("kimi_k3_64", "decode B8"),
-             ("llama_3_1_8b", "verify 8x2"), ("llama_3_1_70b", "verify 8x2")]
+             ("llama_3_1_8b", "verify 8x2"), ("llama_3_1_70b", "verify 8x2"),
+             ("deepseek_v3", "decode B1"), ("deepseek_v3", "decode B8")]
 # CI compiles each family's widest kernel of its first spec, and one more of the others a day,
 # in turn; the extended tier compiles them all.
 IN_CI = [("qwen3_8_27b", "verify 8x2"), ("qwen3_5_35b_a3b", "decode B8"),
-         ("kimi_k3", "decode B8"), ("gpt_oss_120b", "decode B8"), ("llama_3_1_8b", "verify 8x2")]
+         ("kimi_k3", "decode B8"), ("gpt_oss_120b", "decode B8"), ("llama_3_1_8b", "verify 8x2"),
+         ("deepseek_v3", "decode B8")]
 ROTATING = [case for case in FULL_SIZE if case not in IN_CI]
 
 

@@ -18,7 +18,7 @@ import transformers_parity  # noqa: E402
 
 from mkc.model import registry  # noqa: E402
 
-IN_TRANSFORMERS = ("gpt_oss", "llama", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_moe")
+IN_TRANSFORMERS = ("deepseek_v3", "gpt_oss", "llama", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_moe")
 
 
 def test_each_family_has_a_mini_config_of_its_model_type():

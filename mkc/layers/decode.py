@@ -62,16 +62,16 @@ class DecoderReference:
         return {name: (shape, dtype) for name, (shape, dtype, _) in self._owned_shapes(d).items()}
 
     def init_params(self, d: Any, seed: int) -> dict[str, np.ndarray]:
-        """Random bf16 weights scaled so the residual stream and logits stay O(1) at any depth:
-        projections N(0, 1/fan_in), those writing the residual stream further by 1/sqrt(2
-        layers); norm weights near their gain of 1 (1 + w for a zero-centred norm); a kind's
-        own tensors as its reference's `init_weight` draws them."""
+        """Random weights (bf16, or the table's dtype) scaled so the residual stream and logits
+        stay O(1) at any depth: projections N(0, 1/fan_in), those writing the residual stream
+        further by 1/sqrt(2 layers); norm weights near their gain of 1 (1 + w for a zero-centred
+        norm); a kind's own tensors as its reference's `init_weight` draws them."""
         rng = np.random.default_rng(seed)
         residual_scale = 1.0 / math.sqrt(2 * d.num_hidden_layers)
         owned = self._owned_shapes(d)
         out = {}
         for name in self._draw_order(owned):
-            shape, _, sub = owned[name]
+            shape, dtype, sub = owned[name]
             drawn = None
             if sub is not None and hasattr(sub.module("reference"), "init_weight"):
                 drawn = sub.module("reference").init_weight(sub, name, shape, rng)
@@ -84,7 +84,7 @@ class DecoderReference:
             else:
                 std = 1.0 / math.sqrt(shape[-1])
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
-            out[name] = bf16_weights(w)
+            out[name] = bf16_weights(w) if dtype == "bfloat16" else np.asarray(w, dtype)
         return {name: out[name] for name in owned}
 
     def _draw_order(self, names: Mapping[str, Any]) -> list[str]:

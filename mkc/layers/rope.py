@@ -8,6 +8,9 @@ blended by `smooth = (original / wavelength - low) / (high - low)`); neither sca
 sin (attention factor 1). The dims a model gives: head_dim, rotary_dim, rope_theta and
 `rope_type`, `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
 `rope_original_max_position` (absent: "default"; 1 for a scaling that has no such setting).
+"yarn" (`_compute_yarn_parameters`, `read_yarn`): the original frequencies below rotary pair
+index `yarn_low`, those divided by `yarn_factor` above `yarn_high`, a linear ramp between;
+cos and sin times `yarn_attention_factor` (dims fields of those names, whole heads rotated).
 
 The table is computed on the host per step in f32 (`host_inputs`), as JAX computes it under
 `jit`; a reference emulating the kernel calls the same function.
@@ -65,6 +68,67 @@ def read_rope(raw: Mapping, head_dim: int, theta_default: float, types: tuple[st
     return fields
 
 
+def read_yarn(raw: Mapping, params: Mapping, head_dim: int, theta_default: float,
+              max_positions_default: int) -> dict[str, float]:
+    """rope_theta and the YaRN fields (`yarn_factor`, `yarn_low`, `yarn_high`,
+    `yarn_attention_factor`) of a model's dims, as upstream's `_compute_yarn_parameters`
+    derives them from the config's rope parameters `params` over `head_dim` rotated dims, and
+    `yarn_mscale`: `yarn_get_mscale(factor, mscale_all_dim)` where the parameters give
+    `mscale_all_dim` (MLA's softmax scale takes it twice: `yarn_apply_mscale`), else 1.
+    ConfigError without `original_max_position_embeddings` or with a partial rotary factor."""
+    def number(key: str, default: float | None = None) -> float | None:
+        value = params.get(key)
+        return default if value is None else config_float(value, f"rope_scaling.{key}")
+
+    if number("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("partial_rotary_factor must be 1: the rotary dims are rotated whole",
+                          "leave partial_rotary_factor out")
+    original = number("original_max_position_embeddings")
+    if original is None:
+        raise ConfigError("the yarn rope scaling has no original_max_position_embeddings",
+                          "give the pre-extension context, as the published configs do")
+    def setting(key: str, default: float) -> float:
+        """A config number, or `default` where it is absent (or null)."""
+        return config_float(default if raw.get(key) is None else raw[key], key)
+
+    theta = number("rope_theta") or setting("rope_theta", theta_default)
+    factor = number("factor")       # upstream's fallback: the context's extension ratio
+    if factor is None:
+        factor = setting("max_position_embeddings", max_positions_default) / original
+    attention = number("attention_factor")
+    mscale, mscale_all = number("mscale"), number("mscale_all_dim")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor, 1.0))
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(number("beta_fast") or 32.0)
+    high = correction_dim(number("beta_slow") or 1.0)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return dict(rope_theta=theta, yarn_factor=factor, yarn_low=float(max(low, 0)),
+                yarn_high=float(min(high, head_dim - 1)), yarn_attention_factor=float(attention),
+                yarn_mscale=yarn_mscale(factor, mscale_all) if mscale_all else 1.0)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's `0.1 * mscale * log(factor) + 1` (1 for a factor of at most 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(dims: Any):
+    """The YaRN frequencies [head_dim / 2] f32 (`read_yarn`'s fields), computed in f64 and
+    rounded once."""
+    import numpy as np
+    d = dims.head_dim
+    original = dims.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    high = dims.yarn_high + (0.001 if dims.yarn_high == dims.yarn_low else 0.0)   # upstream's guard
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - dims.yarn_low) / (high - dims.yarn_low), 0, 1)
+    return (original / dims.yarn_factor * ramp + original * (1 - ramp)).astype(np.float32)
+
+
 def rope_input(dims: Any, batch: int) -> list[ir.Buffer]:
     """The module passes the rotary table [2, B, head_dim] f32 in VMEM (`Family.vmem_inputs`)."""
     return [ir.Buffer("rope", "input", (2, batch, dims.head_dim), "f32", batch_axis=1)]
@@ -89,9 +153,13 @@ def inv_freq(dims: Any):
 
 def rope_table(dims: Any, positions):
     """The `rope` VMEM input: cos/sin rows [2, B, head_dim] for each row's position, 1 and 0
-    past the rotary dims."""
+    past the rotary dims (YaRN: whole heads, times its attention factor)."""
     import jax.numpy as jnp
     F32 = jnp.float32
+    if getattr(dims, "rope_type", "default") == "yarn":
+        ang = positions.astype(F32)[:, None] * jnp.asarray(yarn_inv_freq(dims))[None, :]
+        ang = jnp.concatenate([ang, ang], axis=-1)
+        return jnp.stack([jnp.cos(ang), jnp.sin(ang)]) * dims.yarn_attention_factor
     hd, rd = dims.head_dim, dims.rotary_dim
     ang = positions.astype(F32)[:, None] * inv_freq(dims)[None, :]
     ang = jnp.concatenate([ang, ang], axis=-1)

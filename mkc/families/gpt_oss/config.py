@@ -3,11 +3,11 @@ reader (the reference builds its config from these dims). The facts and their so
 the package docstring (`mkc/families/gpt_oss/__init__.py`)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mkc.layers.rope import read_yarn
 from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, config_float, config_int, identifier
 
@@ -155,38 +155,11 @@ def rope_parameters(raw: Mapping) -> Mapping:
 
 def yarn(raw: Mapping, head_dim: int) -> dict[str, float]:
     """rope_theta and the YaRN fields of GptOssDims, as upstream's `_compute_yarn_parameters`
-    derives them (modeling_rope_utils.py)."""
-    params = rope_parameters(raw)
-
-    def number(key: str, default: float | None = None) -> float | None:
-        """A rope_scaling number, or `default` where it is absent (or null)."""
-        value = params.get(key)
-        return default if value is None else config_float(value, f"rope_scaling.{key}")
-
-    theta = number("rope_theta") or config_float(setting(raw, "rope_theta"), "rope_theta")
-    original = number("original_max_position_embeddings")
-    factor = number("factor")       # upstream's fallback: the context's extension ratio
-    if factor is None:
-        factor = config_float(setting(raw, "max_position_embeddings"), "max_position_embeddings") / original
-    attention = number("attention_factor")
-    mscale, mscale_all = number("mscale"), number("mscale_all_dim")
-    if attention is None:
-        attention = (_mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all
-                     else _mscale(factor, 1.0))
-
-    def correction_dim(rotations: float) -> float:
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = correction_dim(number("beta_fast") or 32.0)
-    high = correction_dim(number("beta_slow") or 1.0)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    return dict(rope_theta=theta, yarn_factor=factor, yarn_low=float(max(low, 0)),
-                yarn_high=float(min(high, head_dim - 1)), yarn_attention_factor=float(attention))
-
-
-def _mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+    derives them (modeling_rope_utils.py; the layer library's `read_yarn`)."""
+    fields = read_yarn(raw, rope_parameters(raw), head_dim, setting(raw, "rope_theta"),
+                       setting(raw, "max_position_embeddings"))
+    del fields["yarn_mscale"]       # a softmax scale of MLA's: GPT-OSS scales by head_dim alone
+    return fields
 
 
 def read_dims(raw: Mapping, name: str) -> GptOssDims:

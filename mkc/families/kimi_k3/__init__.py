@@ -1,8 +1,8 @@
 """Kimi K3 (`kimi_k3`): Kimi Delta Attention and MLA layers, a dense first MLP, then latent MoE
 layers with MXFP4 routed experts and block attention residuals. Lowered by the generic module
-template with its compute bodies in `lowering.py`."""
+template with its compute bodies in `lowering.py`; its MLA is the layer library's (`graph.LAYERS`)."""
 from mkc.families.kimi_k3.config import EXPERT_LAYOUTS, RENAMED_PREFIXES, SKIPPED_PREFIXES, read_dims
-from mkc.families.kimi_k3.graph import SHARD_CLASSES, WEIGHT_FORMATS, build
+from mkc.families.kimi_k3.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family
 
 FAMILY = Family(
@@ -12,5 +12,5 @@ FAMILY = Family(
     plain_state_tolerance=3e-2,
     weight_formats=WEIGHT_FORMATS, rounding_formats=("fp4",),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
-    e8m0_suffixes=(".weight_scale",),
+    e8m0_suffixes=(".weight_scale",), layers=LAYERS,
 )

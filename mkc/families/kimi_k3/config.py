@@ -91,6 +91,32 @@ class KimiDims(Dims):
         from mkc.model.config import MAX_CONFIG_BYTES, read_json   # (it imports the registry)
         return read_dims(read_json(Path(path), MAX_CONFIG_BYTES), Path(path).stem)
 
+    # The MLA kind's dims by their upstream names (`mkc.layers.mla`): K3's MLA shares the KDA
+    # heads and head width, its value heads too.
+    @property
+    def num_attention_heads(self) -> int:
+        return self.heads
+
+    @property
+    def q_lora_rank(self) -> int:
+        return self.q_lora
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.kv_lora
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        return self.qk_extra
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
+
     def layer_plan(self) -> list[tuple[str, str]]:
         """(attention kind, MLP kind) per layer."""
         k = self.layer_kinds

@@ -16,10 +16,15 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.expert_formats import MX_BLOCK
+from mkc.layers.mla import MLA
+from mkc.layers.sublayer import Part
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
+# The sublayers composed from the layer library: MLA, gated and NoPE, between K3's own input
+# mix and residual add (`_mla_kind`).
+LAYERS = {"mla": (MLA(output_gate=True, residual=False),)}
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
 _WHOLE_MESH = ("mlp", "vocab", "latent_down")
 
@@ -144,7 +149,7 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
     infeasible sharding."""
     g = kimi_k3_geometry(d, sh)
     formats = expert_formats(d, g, formats)
-    H, hd, P = d.hidden_size, d.head_dim, g.heads * d.head_dim
+    H, P = d.hidden_size, g.heads * d.head_dim
     w = g.expert_width
     return {
         "kda": {
@@ -153,15 +158,7 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
             "projection": _m("projection", H, g.kda_cols),        # q, k, v | g | b
             "o_proj": _m("o_proj", P, H, partial=("heads",)),
         },
-        "mla": {
-            "q_down": _m("q_down", H, d.q_lora),                   # replicated
-            "kv_down": _m("kv_down", H, g.cache_width),           # replicated
-            "q_up": _m("q_up", d.q_lora, g.heads * (hd + d.qk_extra)),   # nope | extra
-            "key_up": _m("key_up", P, d.kv_lora),                  # absorbed into the query
-            "value_up": _m("value_up", d.kv_lora, P),
-            "gate": _m("gate", H, P),
-            "o_proj": _m("o_proj", P, H, partial=("heads",)),
-        },
+        "mla": {n: t for n, t in _mla_part(d, sh).tensors.items() if t.role == "matrix"},
         "moe": {
             "router": _m("router", H, g.router_cols, split="router"),
             "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down"),
@@ -241,7 +238,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
     }
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}
-    kinds = {"kda": _kda_kind(d, g, fam["kda"]), "mla": _mla_kind(d, g, fam["mla"]),
+    kinds = {"kda": _kda_kind(d, g, fam["kda"]), "mla": _mla_kind(d, sh),
              "moe": _moe_kind(d, sh, g, fam["moe"]), "dense": _dense_kind(d, fam["dense"])}
     return kinds, fam["expert"], glob, per_rank
 
@@ -281,30 +278,25 @@ def _kda_kind(d: KimiDims, g: KimiGeometry, matrices: dict[str, Tensor]) -> Laye
     })
 
 
-def _mla_kind(d: KimiDims, g: KimiGeometry, matrices: dict[str, Tensor]) -> LayerKind:
-    """Multi-head latent attention over a cache of compressed latents (absorbed up-projections)."""
-    H = d.hidden_size
-    return LayerKind("mla", ops=(
-        _ATTN_MIX,
-        Op("q_down", reads=("h",), writes=("q_low",), matmul="q_down"),
-        Op("kv_down", reads=("h",), writes=("kv_row",), matmul="kv_down"),
-        Op("latent_norms", reads=("q_low", "kv_row", "q_norm", "kv_norm"),
-           writes=("q_low", "kv_row")),
-        Op("kv_write", reads=("kv_row",), writes=("latent",)),
-        Op("q_up", reads=("q_low",), writes=("q",), matmul="q_up"),
-        Op("absorb_query", reads=("q", "key_up"), writes=("q_lat",)),
-        Op("attention", reads=("q_lat", "latent"), writes=("lat_avg",)),
-        Op("values_out", reads=("lat_avg", "value_up"), writes=("core",)),
-        Op("gate", reads=("h",), writes=("gate_logits",), matmul="gate"),
-        Op("out_gate", reads=("core", "gate_logits"), writes=("core",)),
-        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-        _ATTN_RESIDUAL,
-    ), tensors={
-        **matrices, **_mix_vectors(H, "attn"),
-        "input_norm": _v("input_norm", H),
-        "q_norm": _v("q_norm", d.q_lora),
-        "kv_norm": _v("kv_norm", d.kv_lora),
-        "latent": Tensor("latent", "cache", (g.cache_width,), "bf16"),   # per token
+def _mla_part(d: KimiDims, sh: KimiSharding) -> Part:
+    """The layer library's MLA as K3 configures it (`LAYERS`), its heads split as K3's."""
+    part = LAYERS["mla"][0].part(d, {"heads": sh.head_ways})
+    g = kimi_k3_geometry(d, sh)
+    if (part.per_rank["heads"], part.per_rank["cache_width"]) != (g.heads, g.cache_width):
+        raise ValueError(f"the MLA kind's per-rank sizes {part.per_rank} are not K3's geometry's")
+    return part
+
+
+def _mla_kind(d: KimiDims, sh: KimiSharding) -> LayerKind:
+    """Multi-head latent attention over a cache of compressed latents (absorbed up-projections):
+    the library kind's ops between K3's input mix and residual add, its matrices, then K3's
+    mix vectors and input norm, then its own vectors and latent cache."""
+    part = _mla_part(d, sh)
+    matrices = {n: t for n, t in part.tensors.items() if t.role == "matrix"}
+    return LayerKind("mla", ops=(_ATTN_MIX, *part.ops, _ATTN_RESIDUAL), tensors={
+        **matrices, **_mix_vectors(d.hidden_size, "attn"),
+        "input_norm": _v("input_norm", d.hidden_size),
+        **{n: t for n, t in part.tensors.items() if n not in matrices},
     })
 
 

@@ -2,9 +2,11 @@
 (`mkc.families.qwen3_5.lowering` has the convention).
 
 A K3 layer runs as two sublayers of the layer loop: attention (`kda` or `mla`), then the MLP
-(`dense` in layer 0, `moe` after). The residual stream is block attention residuals: `blocks`
-(VMEM) holds the embedding, each completed block's sum and the block being filled; every
-sublayer's input is a learned mixture of them, and its output is added to the open block.
+(`dense` in layer 0, `moe` after); MLA's bodies between its input mix and residual add are the
+layer library's (`BODIES`, `mkc.layers.mla.lowering`). The residual stream is block attention
+residuals: `blocks` (VMEM) holds the embedding, each completed block's sum and the block being
+filled; every sublayer's input is a learned mixture of them, and its output is added to the
+open block.
 Attention projections come from the pool's weight view, MoE experts (MXFP4) from its expert
 slots, every other matrix from the ring: `c.matmul` serves whichever the schedule chose.
 """
@@ -16,13 +18,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from mkc.families.kimi_k3 import ops
+from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.lowering import expert_matmul
+from mkc.layers.sublayer import body_table
 from mkc.model.contracts import lowers
 from mkc.runtime.context import Kernel, Layer
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+# The MLA sublayer's bodies: the layer library's (`graph.LAYERS`).
+BODIES = body_table(LAYERS)
 
 
 # ---- block attention residuals ------------------------------------------------------------
@@ -169,86 +175,6 @@ def gated_norm(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
         ops.kda_gated_output(core[:, h * hd:(h + 1) * hd], proj[:, g_off + h * hd:g_off + (h + 1) * hd], w,
                              c.dims.rms_norm_eps)
         for h in range(heads)], axis=-1)
-
-
-# ---- MLA --------------------------------------------------------------------------------------
-@lowers("q_down")
-def q_down(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("q_down", h)
-
-
-@lowers("kv_down")
-def kv_down(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("kv_down", h)
-
-
-@lowers("latent_norms")
-def latent_norms(c: Layer, q_low: jax.Array, kv_row: jax.Array) -> tuple[jax.Array, jax.Array]:
-    eps, lora = c.dims.rms_norm_eps, c.dims.kv_lora
-    normed = ops.rms_norm(kv_row[:, :lora], c.vector("kv_norm"), eps)
-    return (ops.rms_norm(q_low, c.vector("q_norm"), eps),
-            jnp.concatenate([normed, kv_row[:, lora:]], axis=-1))
-
-
-@lowers("kv_write")
-def kv_write(c: Layer, kv_row: jax.Array) -> None:
-    c.kv_write([kv_row])
-
-
-@lowers("q_up")
-def q_up(c: Layer, q_low: jax.Array) -> jax.Array:
-    return c.matmul("q_up", q_low)[:, :_cols(c, "q_up")]
-
-
-@lowers("absorb_query")
-def absorb_query(c: Layer, q: jax.Array) -> list:
-    """Per row: the query's nope part absorbed into the latent space by key_up, and its extra
-    (shared-key) part."""
-    heads, hd = c.per_rank["heads"], c.dims.head_dim
-    width = heads * hd
-    w_uk = c.pooled("key_up")
-    return [ops.mla_absorb_query(q[b:b + 1, :width], q[b:b + 1, width:width + heads * c.dims.qk_extra],
-                                 w_uk, heads) for b in range(c.B)]
-
-
-@lowers("attention")
-def attention(c: Layer, q_lat: list) -> list:
-    """Online softmax per row over this rank's heads and its sequence's cached latent tokens up
-    to the row's position -> per row (latent average accumulator, denominator)."""
-    heads, lora, extra = c.per_rank["heads"], c.dims.kv_lora, c.dims.qk_extra
-    scale = (c.dims.head_dim + extra) ** -0.5
-
-    def tile(t, tiles, tokens, carry):
-        (latent,) = tiles
-        out = []
-        for b in range(c.B):
-            cached = latent[c.sequence(b)]
-            m, denom, acc = carry[b]
-            q, q_extra = q_lat[b]
-            out.append(ops.mla_tile(q, q_extra, cached[:, :lora], cached[:, lora:lora + extra],
-                                    tokens <= c.refs.positions[b], m, denom, acc, scale))
-        return tuple(out)
-
-    init = tuple((jnp.full((heads, 1), -jnp.inf, F32), jnp.zeros((heads, 1), F32),
-                  jnp.zeros((heads, lora), F32)) for _ in range(c.B))
-    return [(acc, denom) for m, denom, acc in c.kv_fold(tile, init)]
-
-
-@lowers("values_out")
-def values_out(c: Layer, lat_avg: list) -> jax.Array:
-    w_uv = c.pooled("value_up")
-    outs = [ops.mla_value_up(acc, denom, w_uv, c.per_rank["heads"]) for acc, denom in lat_avg]
-    return jnp.concatenate(outs, axis=0) if c.B > 1 else outs[0]
-
-
-@lowers("gate")
-def gate(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("gate", h)[:, :_cols(c, "gate")]
-
-
-@lowers("out_gate")
-def out_gate(c: Layer, core: jax.Array, gate_logits: jax.Array) -> jax.Array:
-    return core * jax.nn.sigmoid(gate_logits)
 
 
 # ---- latent MoE -----------------------------------------------------------------------------

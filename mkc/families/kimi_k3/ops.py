@@ -4,19 +4,13 @@ Generated Kimi kernels call these between the DMAs mkc schedules; nothing here t
 semaphore or decides when memory moves. Everything computes in f32 on 2-D values ([rows,
 lanes]) with only ops Mosaic lowers: no ``lax.top_k``, ``cumsum``, outer-product dots, vector
 gathers or lane reshapes that split a 128-lane vreg. The math is that of
-``mkc.families.kimi_k3.reference`` (KDA, NoPE gated MLA, latent MoE with sigmoid routing, SiTU, block
-attention residuals).
+``mkc.families.kimi_k3.reference`` (KDA, latent MoE with sigmoid routing, SiTU, block attention
+residuals); its NoPE gated MLA is the layer library's (`mkc.layers.mla.ops`, re-exported here,
+with its packers `split_q_b_proj` and `split_kv_b_proj`).
 
-Two weights are streamed in a kernel layout of their own; the numpy packers at the end of
-this module build it from checkpoint tensors at load time (the routed experts' formats are the
-layer library's, `mkc.layers.expert_formats`):
-
-* MLA runs weight-absorbed. ``q_b_proj`` is split into ``[q_lora, heads * nope]`` and
-  ``[q_lora, heads * extra]`` (``split_q_b_proj``) so both query parts come out as flat rows,
-  and ``kv_b_proj`` into ``w_uk [heads * nope, R]`` and ``w_uv [R, heads * v]``
-  (``split_kv_b_proj``). Each per-head product then becomes one 2-D matmul against a
-  block-diagonal operand built with an iota mask, with no in-kernel reshape of head rows.
-* KDA's per-head ``A_log`` is repeated over each head's key channels (``expand_a_log``).
+KDA's per-head ``A_log`` is repeated over each head's key channels (``expand_a_log``, a numpy
+packer at load time; the routed experts' formats are the layer library's,
+`mkc.layers.expert_formats`).
 """
 from __future__ import annotations
 
@@ -25,10 +19,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from mkc.layers.mla.ops import mla_absorb_query, mla_tile, mla_value_up  # noqa: F401  (MLA's)
+from mkc.layers.mla.weights import split_kv_b_proj, split_q_b_proj  # noqa: F401
+from mkc.layers.moe.lowering import sigmoid_route_weights
 from mkc.layers.ops import l2_normalize, rms_norm  # noqa: F401  (KimiRMSNorm: a plain weight)
-from mkc.runtime import experts
 
 F32 = jnp.float32
 
@@ -85,82 +80,13 @@ def kda_gated_output(o: jax.Array, g: jax.Array, w: jax.Array, eps: float) -> ja
 
 
 # ---------------------------------------------------------------------------------------------
-# MLA, weight-absorbed decode over streamed latent tiles (one batch row)
-
-
-def _head_blocks(num_heads: int, head_dim: int) -> jax.Array:
-    """[num_heads, num_heads * head_dim] mask: lane l belongs to head row l // head_dim."""
-    shape = (num_heads, num_heads * head_dim)
-    # lax.div, not //: jnp's floor division emits lax.sign, whose Mosaic rule needs a live TPU.
-    return (lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), jnp.int32(head_dim))
-            == lax.broadcasted_iota(jnp.int32, shape, 0))
-
-
-def mla_absorb_query(q_nope: jax.Array, q_extra: jax.Array, w_uk: jax.Array,
-                     num_heads: int) -> tuple[jax.Array, jax.Array]:
-    """Absorb the key up-projection into the query -> (q_lat [nh, R], q_extra [nh, extra]).
-
-    q_nope [1, nh*nope] and q_extra [1, nh*extra] are one row's flat query parts (from
-    ``split_q_b_proj``); w_uk [nh*nope, R] (``split_kv_b_proj``; bf16 or f32). Head h's absorbed
-    query q_nope_h @ W_uk[h] is row h of one matmul: the flat row broadcast to nh rows and masked
-    to head h's lanes (block-diagonal), times w_uk: the zero blocks add MXU rows, not weight passes.
-    """
-    nope = q_nope.shape[1] // num_heads
-    extra = q_extra.shape[1] // num_heads
-    blocks = jnp.where(_head_blocks(num_heads, nope),
-                       jnp.broadcast_to(q_nope, (num_heads, num_heads * nope)), 0.0)
-    q_lat = jnp.dot(blocks, w_uk.astype(F32), preferred_element_type=F32)
-    # [1, nh*64] -> [nh, 64] is a lane-splitting reshape Mosaic rejects; stacking static lane
-    # slices lowers and is exact.
-    q_ext = jnp.concatenate([q_extra[:, h * extra:(h + 1) * extra] for h in range(num_heads)], axis=0)
-    return q_lat, q_ext
-
-
-def mla_tile(q_lat: jax.Array, q_extra: jax.Array, latent: jax.Array, extra: jax.Array,
-             visible: jax.Array, m: jax.Array, denom: jax.Array, acc: jax.Array, scale: float
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Online-softmax update with one tile of T cached latents -> (m, denom, acc).
-
-    q_lat [nh, R], q_extra [nh, extra] from ``mla_absorb_query``; latent [T, R] (the normed
-    ``c`` part of the cache rows) and extra [T, extra] (the shared extra key), bf16 or f32;
-    visible [1, T] bool; running max m and denominator [nh, 1]; acc [nh, R] accumulates the
-    probability-weighted latents (values are up-projected once, in ``mla_value_up``). Start
-    from m = -inf, denom = acc = 0; a fully masked tile leaves the state unchanged.
-    """
-    nt = (((1,), (1,)), ((), ()))
-    latent = latent.astype(F32)
-    s = (lax.dot_general(q_lat, latent, nt, preferred_element_type=F32)
-         + lax.dot_general(q_extra, extra.astype(F32), nt, preferred_element_type=F32)) * scale
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    # While nothing is visible yet m_new is -inf; shifting by 0 then keeps exp() NaN-free.
-    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - shift)
-    p = jnp.exp(s - shift)
-    denom_new = alpha * denom + jnp.sum(p, axis=-1, keepdims=True)
-    acc_new = alpha * acc + jnp.dot(p, latent, preferred_element_type=F32)
-    return m_new, denom_new, acc_new
-
-
-def mla_value_up(acc: jax.Array, denom: jax.Array, w_uv: jax.Array, num_heads: int) -> jax.Array:
-    """Attention output [1, nh*v] (head-major, o_proj's input order) from the final tile state.
-
-    acc [nh, R], denom [nh, 1]; w_uv [R, nh*v] (``split_kv_b_proj``). Row h of the full product
-    holds every head's up-projection of head h's latent average; the block diagonal is the
-    answer, kept by a mask and summed down the rows (adding zeros, so exact).
-    """
-    full = jnp.dot(acc / denom, w_uv.astype(F32), preferred_element_type=F32)   # [nh, nh*v]
-    v_dim = w_uv.shape[1] // num_heads
-    return jnp.sum(jnp.where(_head_blocks(num_heads, v_dim), full, 0.0), axis=0, keepdims=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # MoE routing
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
           scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid top-k routing per row -> (weights [B, E], ids [B, top_k] int32).
+    """Sigmoid top-k routing per row -> (weights [B, E], ids [B, top_k] int32): the layer
+    library's MoE router with one group (`mkc.layers.moe.lowering.sigmoid_route_weights`).
 
     logits [B, E] f32, bias [1, E] (``e_score_correction_bias``, used only to pick). weights is
     zero except at the chosen experts, where it holds the sigmoid scores renormalised over the
@@ -169,9 +95,7 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     ``mkc.runtime.experts.expert_id(ids, b, j)`` into an SMEM ref; ``expert_weight`` there
     reads a dynamic expert's column.
     """
-    scores = jax.nn.sigmoid(logits)
-    kept, ids = experts.top_k(scores + bias, scores, top_k)
-    return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling, ids
+    return sigmoid_route_weights(logits, bias, top_k, True, scaling)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,29 +128,3 @@ def residual_mix(sources: Sequence[jax.Array], count: jax.Array | int, norm_w: j
 def expand_a_log(a_log: np.ndarray, head_dim: int) -> np.ndarray:
     """KDA ``A_log`` [H] -> [1, H*head_dim] f32, each head's value over its key channels."""
     return np.repeat(np.asarray(a_log, np.float32), head_dim)[None, :]
-
-
-def _heads(w: np.ndarray, num_heads: int, heads: Sequence[int] | None) -> np.ndarray:
-    """PyTorch [num_heads * per_head, in] -> [len(heads), per_head, in]."""
-    w = np.asarray(w).reshape(num_heads, -1, np.asarray(w).shape[-1])
-    return w if heads is None else w[list(heads)]
-
-
-def split_q_b_proj(w: np.ndarray, num_heads: int, nope_dim: int,
-                   heads: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``q_b_proj.weight`` [num_heads*(nope+extra), q_lora] -> K-major (w_q_nope
-    [q_lora, nh*nope], w_q_extra [q_lora, nh*extra]) for the selected heads (a rank's share)."""
-    w = _heads(w, num_heads, heads)
-    nh = w.shape[0]
-    return (w[:, :nope_dim].reshape(nh * nope_dim, -1).T.copy(),
-            w[:, nope_dim:].reshape(nh * (w.shape[1] - nope_dim), -1).T.copy())
-
-
-def split_kv_b_proj(w: np.ndarray, num_heads: int, nope_dim: int,
-                    heads: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``kv_b_proj.weight`` [num_heads*(nope+v), R] -> (w_uk [nh*nope, R], w_uv [R, nh*v]):
-    the layouts ``mla_absorb_query`` and ``mla_value_up`` multiply by, for the selected heads."""
-    w = _heads(w, num_heads, heads)
-    nh, v_dim = w.shape[0], w.shape[1] - nope_dim
-    return (w[:, :nope_dim].reshape(nh * nope_dim, -1).copy(),
-            w[:, nope_dim:].reshape(nh * v_dim, -1).T.copy())

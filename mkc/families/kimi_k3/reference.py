@@ -103,8 +103,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims, read_dims
+from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
+from mkc.layers.mla import reference as mla_reference
+from mkc.layers.moe import reference as moe_reference
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
@@ -114,6 +117,7 @@ MLA = "full_attention"
 MODEL_TYPES = ("kimi_k3", "kimi_linear")  # checkpoint top level / its text_config
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+MLA_ATTENTION = LAYERS["mla"][0]   # the layer library's MLA, gated and NoPE
 _L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
 _EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
 # Projections whose output is summed into a residual block (scaled down by init_params).
@@ -278,18 +282,9 @@ def _kda_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
 
 
 def _mla_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    return {
-        a + "q_a_proj.weight": ((cfg.q_lora_rank, h), _BF16),
-        a + "q_a_layernorm.weight": ((cfg.q_lora_rank,), _BF16),
-        a + "q_b_proj.weight": ((nh * cfg.qk_head_dim, cfg.q_lora_rank), _BF16),
-        a + "kv_a_proj_with_mqa.weight": ((cfg.latent_cache_dim, h), _BF16),
-        a + "kv_a_layernorm.weight": ((cfg.kv_lora_rank,), _BF16),
-        a + "kv_b_proj.weight": ((nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                                 _BF16),
-        a + "g_proj.weight": ((nh * cfg.v_head_dim, h), _BF16),
-        a + "o_proj.weight": ((h, nh * cfg.v_head_dim), _BF16),
-    }
+    """The MLA sublayer's parameters under ``a`` (``model.layers.{i}.self_attn.``): the layer
+    library's (`mkc.layers.mla.reference.block_shapes`)."""
+    return mla_reference.block_shapes(MLA_ATTENTION, cfg, a.removesuffix(MLA_ATTENTION.prefix))
 
 
 def _moe_shapes(cfg: KimiK3Config, m: str) -> _Shapes:
@@ -574,60 +569,6 @@ def _kernel_gated_norm(o: jax.Array, g: jax.Array, w: jax.Array, *, eps: float) 
                      axis=1)
 
 
-def _head_mask(heads: int, width: int) -> jax.Array:
-    """``[heads, heads * width]``: lane l belongs to row l // width (a block diagonal)."""
-    lane = jax.lax.broadcasted_iota(jnp.int32, (heads, heads * width), 1)
-    return lane // width == jax.lax.broadcasted_iota(jnp.int32, (heads, heads * width), 0)
-
-
-@functools.partial(jax.jit, static_argnames=("heads", "tile", "kv_lora", "scale"))
-def _kernel_mla_rank(q_nope: jax.Array, q_extra: jax.Array, w_uk: jax.Array, w_uv: jax.Array,
-                     cache: jax.Array, positions: jax.Array, n_tiles: jax.Array, *, heads: int,
-                     tile: int, kv_lora: int, scale: float) -> jax.Array:
-    """MLA attention of one rank's ``heads`` heads for every row, as the kernel runs it: weight
-    absorbed (the key up-projection applied to the query through a block-diagonal operand, the
-    value up-projection to the probability-weighted latent average), with an online softmax
-    over ``n_tiles`` cache tiles of ``tile`` tokens.
-
-    q_nope ``[B, heads * nope]``, q_extra ``[B, heads * extra]`` (head-major), w_uk
-    ``[heads * nope, kv_lora]``, w_uv ``[kv_lora, heads * v]``, cache ``[B, T, kv_lora + extra]``
-    (stored values, f32), positions ``[B]`` -> ``[B, heads * v]``."""
-    nope, extra = q_nope.shape[-1] // heads, q_extra.shape[-1] // heads
-    vd = w_uv.shape[-1] // heads
-    f32 = jnp.float32
-    contract = (((1,), (1,)), ((), ()))
-
-    def row(carry, xs):
-        qn, qe, rows, pos = xs
-        blocks = jnp.where(_head_mask(heads, nope), jnp.broadcast_to(qn[None], (heads, heads * nope)), 0.0)
-        q_lat = jnp.dot(blocks, w_uk, preferred_element_type=f32)
-        q_ext = jnp.stack([qe[h * extra:(h + 1) * extra] for h in range(heads)])
-
-        def step(t, state):
-            m, denom, acc = state
-            part = jax.lax.dynamic_slice_in_dim(rows, t * tile, tile, 0)
-            latent, ext = part[:, :kv_lora], part[:, kv_lora:kv_lora + extra]
-            tok = t * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
-            s = (jax.lax.dot_general(q_lat, latent, contract, preferred_element_type=f32)
-                 + jax.lax.dot_general(q_ext, ext, contract, preferred_element_type=f32)) * scale
-            s = jnp.where(tok <= pos, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp(m - shift)
-            p = jnp.exp(s - shift)
-            return (m_new, alpha * denom + jnp.sum(p, axis=-1, keepdims=True),
-                    alpha * acc + jnp.dot(p, latent, preferred_element_type=f32))
-
-        init = (jnp.full((heads, 1), -jnp.inf, f32), jnp.zeros((heads, 1), f32),
-                jnp.zeros((heads, kv_lora), f32))
-        _, denom, acc = jax.lax.fori_loop(0, n_tiles, step, init)
-        full = jnp.dot(acc / denom, w_uv, preferred_element_type=f32)
-        return carry, jnp.sum(jnp.where(_head_mask(heads, vd), full, 0.0), axis=0)
-
-    _, out = jax.lax.scan(row, 0, (q_nope, q_extra, cache, positions))
-    return out
-
-
 @jax.jit
 def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> jax.Array:
     """``acc + weight * out`` as the kernel's expert loop adds one weighted expert (fused)."""
@@ -699,82 +640,35 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
 def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
               latent_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None
               ) -> tuple[jax.Array, jax.Array]:
-    """Gated NoPE multi-head latent attention for one token per row at its own position.
-
-    ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes the latent row at
-    ``positions[b]``, then attends over slots ``0..positions[b]``, expanding every cached latent
-    through ``kv_b_proj`` (plain, not weight-absorbed, for readability).
-    Returns (output ``[B, H]``, new latent_cache).
+    """Gated NoPE multi-head latent attention for one token per row at its own position: the
+    layer library's (`mkc.layers.mla.reference.block`, the `mla` kind's all-reduces and KV
+    tiles). ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes the latent row at
+    ``positions[b]``, then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``,
+    new latent_cache).
     """
-    b, nh = x.shape[0], cfg.num_attention_heads
-    nope, vd, kvl = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    eps = cfg.rms_norm_eps
-    x = _mm_input(x, rounding)
-    q_latent = rms_norm(_matmul(x, p["q_a_proj.weight"], rounding), p["q_a_layernorm.weight"], eps)
-    q = _matmul(_mm_input(q_latent, rounding), p["q_b_proj.weight"], rounding, "mla", "q_up")
-    q = q.reshape(b, nh, cfg.qk_head_dim)
-    q_nope, q_extra = q[..., :nope], q[..., nope:]
-
-    compressed = _matmul(x, p["kv_a_proj_with_mqa.weight"], rounding)
-    row = jnp.concatenate([rms_norm(compressed[:, :kvl], p["kv_a_layernorm.weight"], eps),
-                           compressed[:, kvl:]], axis=-1)
-    if rounding is not None:
-        row = round_to(row, rounding.stored("mla", "kv"))
-    latent_cache = latent_cache.at[jnp.arange(b), positions].set(row.astype(latent_cache.dtype))
-
-    cached = latent_cache.astype(jnp.float32)  # [B, T, kvl + extra]
-    if rounding is None:
-        kv = linear(cached[..., :kvl], p["kv_b_proj.weight"]).reshape(b, -1, nh, nope + vd)
-        k_nope, values = kv[..., :nope], kv[..., nope:]
-        scores = (jnp.einsum("bhd,bthd->bht", q_nope, k_nope, precision=_HIGHEST)
-                  + jnp.einsum("bhd,btd->bht", q_extra, cached[..., kvl:], precision=_HIGHEST))
-        scores = scores * cfg.qk_head_dim ** -0.5
-        visible = jnp.arange(latent_cache.shape[1])[None, :] <= positions[:, None]  # [B, T]
-        probs = jax.nn.softmax(jnp.where(visible[:, None, :], scores, -jnp.inf), axis=-1)
-        attn = jnp.einsum("bht,bthd->bhd", probs, values, precision=_HIGHEST).reshape(b, nh * vd)
-    else:   # the kernel's weight-absorbed form, rank by rank, tile by tile
-        heads, tile, extra = rounding.size("heads"), rounding.kv_tile("mla"), cfg.qk_rope_head_dim
-        kv_b = p["kv_b_proj.weight"].reshape(nh, nope + vd, kvl)
-        n_tiles = jnp.max(positions) // tile + 1
-        parts = []
-        for first in range(0, nh, heads):
-            hs = slice(first, first + heads)
-            parts.append(_kernel_mla_rank(
-                q_nope[:, hs].reshape(b, heads * nope), q_extra[:, hs].reshape(b, heads * extra),
-                kv_b[hs, :nope].reshape(heads * nope, kvl), kv_b[hs, nope:].reshape(heads * vd, kvl).T,
-                cached, positions, n_tiles, heads=heads, tile=tile, kv_lora=kvl,
-                scale=cfg.qk_head_dim ** -0.5))
-        attn = jnp.concatenate(parts, axis=-1)
-    attn = attn * jax.nn.sigmoid(_matmul(x, p["g_proj.weight"], rounding, "mla", "gate"))
-    per_rank = None if rounding is None else rounding.size("heads") * vd
-    return (_out_projection(attn, p["o_proj.weight"], rounding, "mla", "o_proj", per_rank, "heads"),
-            latent_cache)
+    return mla_reference.block(MLA_ATTENTION, p, cfg, x, latent_cache, positions, rounding, "mla")
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
           scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Sigmoid routing ``[..., E] -> (ids [..., k], weights [..., k])``: the correction bias only
-    picks the experts; the weights are the uncorrected scores renormalised over the chosen k."""
-    scores = jax.nn.sigmoid(logits)
-    _, ids = jax.lax.top_k(selection_scores(logits, bias, top_k)[0], top_k)
-    chosen = jnp.take_along_axis(scores, ids, axis=-1)
-    return ids, chosen / jnp.sum(chosen, axis=-1, keepdims=True) * scaling
+    picks the experts; the weights are the uncorrected scores renormalised over the chosen k,
+    times ``scaling``: the layer library's MoE router with one group (`mkc.layers.moe.reference.route`)."""
+    return moe_reference.route(logits, top_k, True, "sigmoid", bias, scaling)
 
 
 def selection_scores(logits: jax.Array, bias: jax.Array, top_k: int, scaling: float = 1.0
                      ) -> tuple[jax.Array, int]:
     """What ``route`` (same arguments) takes the top k of, and that k: the sigmoid scores plus
     the correction bias. The harness's near-tie rule reads it (``examples/generated_module``)."""
-    return jax.nn.sigmoid(logits) + bias, top_k
+    return moe_reference.selection_scores(logits, top_k, True, "sigmoid", bias, scaling)
 
 
 def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> jax.Array:
     """Routing weights over every expert ``[B, E]`` as the kernel forms them: the chosen scores
-    (zero elsewhere) divided by their sum over all E lanes, times ``scaling``."""
-    scores = jax.nn.sigmoid(logits)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
-    return kept / jnp.sum(kept, axis=-1, keepdims=True) * scaling
+    (zero elsewhere) divided by their sum over all E lanes, times ``scaling`` (the layer
+    library's, eager: `mkc.layers.moe.reference.dense_route_weights`)."""
+    return moe_reference.dense_route_weights(logits, ids, True, "sigmoid", scaling)
 
 
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,

@@ -15,15 +15,18 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import (KimiGeometry, KimiSharding, expert_formats, kimi_k3_geometry,
-                                        pack_groups)
-from mkc.families.kimi_k3.ops import expand_a_log, split_kv_b_proj, split_q_b_proj
+from mkc.families.kimi_k3.graph import (LAYERS, KimiGeometry, KimiSharding, expert_formats,
+                                        kimi_k3_geometry, pack_groups)
+from mkc.families.kimi_k3.ops import expand_a_log
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
 from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
+from mkc.layers.mla import weights as mla_weights
 from mkc.model.family import FormatError
 from mkc.model.mxfp4 import RequantizationError, Requantized, relative_rms, requantize_blocks
 from mkc.model.sharding import ShardTable, rank_parts
+
+MLA = LAYERS["mla"][0]     # the layer library's MLA (its tensors: `mkc.layers.mla.weights`)
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -54,6 +57,8 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     p = f"model.layers.{layer}."
     a, hd = p + "self_attn.", d.head_dim
     part = sh.head_part(rank)           # the attention heads this rank holds
+    if kind == "mla":
+        return mla_weights.matrix_of_heads(MLA, hf, d, p, family, _heads(part, g))
     if kind == "kda":
         if family == "projection":
             cols = [_head_rows(_w(hf, a + f"{x}_proj.weight"), part, g, hd) for x in "qkvg"]
@@ -64,21 +69,6 @@ def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
             return _w(hf, a + "f_a_proj.weight").T
         if family == "gate_up":
             return _head_rows(_w(hf, a + "f_b_proj.weight"), part, g, hd).T
-        if family == "o_proj":
-            return _head_rows(_w(hf, a + "o_proj.weight").T, part, g, hd)
-    if kind == "mla":
-        if family == "q_down":
-            return _w(hf, a + "q_a_proj.weight").T
-        if family == "kv_down":
-            return _block(_w(hf, a + "kv_a_proj_with_mqa.weight").T, 1, 0, g.cache_width)
-        if family == "q_up":
-            nope, extra = split_q_b_proj(_w(hf, a + "q_b_proj.weight"), d.heads, hd, _heads(part, g))
-            return np.concatenate([nope, extra], axis=1)
-        if family in ("key_up", "value_up"):
-            uk, uv = split_kv_b_proj(_w(hf, a + "kv_b_proj.weight"), d.heads, hd, _heads(part, g))
-            return uk if family == "key_up" else uv
-        if family == "gate":
-            return _head_rows(_w(hf, a + "g_proj.weight"), part, g, hd).T
         if family == "o_proj":
             return _head_rows(_w(hf, a + "o_proj.weight").T, part, g, hd)
     m = p + "block_sparse_moe."
@@ -220,6 +210,8 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
            "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
     if name in res:
         return _w(hf, p + res[name]).reshape(1, -1)
+    if kind == "mla":
+        return mla_weights.vector(MLA, hf, d, p, name, rank, None)
     hd, part = d.head_dim, sh.head_part(rank)
     if kind == "kda":
         if name == "conv_weight":                      # [taps, 3P]: row t multiplies tap t
@@ -231,11 +223,6 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
             return _head_rows(_w(hf, a + "dt_bias"), part, g, hd).reshape(1, -1)
         if name == "o_norm":
             return _w(hf, a + "o_norm.weight").reshape(1, -1)
-    if kind == "mla":
-        if name == "q_norm":
-            return _w(hf, a + "q_a_layernorm.weight").reshape(1, -1)
-        if name == "kv_norm":
-            return _w(hf, a + "kv_a_layernorm.weight").reshape(1, -1)
     m = p + "block_sparse_moe."
     if kind == "moe":
         if name == "router_bias":
@@ -321,11 +308,8 @@ def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: Shard
         out[f"layers.{layer // 2}.conv_state"] = np.concatenate(parts, axis=1)
         out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate([rec[r][i] for r in holders],
                                                                      axis=1)
-    cache = rank_parts(state["mla__latent"], [0])[0]     # [layers, B, T, latent row]
-    for i, layer in enumerate(kind_layers["mla"]):
-        out[f"layers.{layer // 2}.latent_cache"] = (
-            cache[i, :, :, :d.kv_lora + d.qk_extra].astype(np.float32))
-    return out
+    return out | mla_weights.reference_states(MLA, state, d, per_rank, shards, "mla",
+                                              [layer // 2 for layer in kind_layers["mla"]])
 
 
 def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int],
@@ -350,9 +334,5 @@ def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str
             ch = np.concatenate([j * total + part * width + np.arange(width) for j in range(3)])
             out["kda__conv"][r, i] = np.transpose(conv[:, ch], (2, 0, 1))
             out["kda__recurrent"][r, i] = rec[:, part * heads:(part + 1) * heads]
-    row = d.kv_lora + d.qk_extra
-    for i, layer in enumerate(kind_layers.get("mla", [])):
-        latent = out["mla__latent"]
-        latent[:, i, :, :, :row] = np.asarray(ref[f"layers.{layer // 2}.latent_cache"],
-                                               np.float32)[None, :, :latent.shape[3]]
-    return out
+    return out | mla_weights.kernel_states(MLA, ref, d, per_rank, shards, "mla",
+                                           [layer // 2 for layer in kind_layers.get("mla", [])], shapes)

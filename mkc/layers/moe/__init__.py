@@ -3,7 +3,16 @@ over all E experts in f32, the top `top_k` picked, their probabilities divided b
 when the model's `norm_topk_prob` says so; each picked expert a SwiGLU of width
 `moe_intermediate_size` (`[gate | up]` in one matmul, then down), weighted by its probability;
 optionally a shared SwiGLU expert of width `shared_expert_intermediate_size` gated by
-`sigmoid(h . shared_expert_gate)`; the residual add.
+`sigmoid(h . shared_expert_gate)` (or ungated: `shared_gate=False`); the residual add.
+
+`routing="sigmoid"` is DeepSeek-V3's router (`DeepseekV3TopkRouter`): scores `sigmoid(logits)`;
+the experts picked by `scores + e_score_correction_bias` (the vector `correction_bias`, for
+selection only), group-limited when the model's `n_group` exceeds 1: the experts split into
+`n_group` consecutive groups, a group's score the sum of its two largest biased scores, only
+the `topk_group` best groups' experts eligible; the picked experts' unbiased scores divided by
+their sum when `norm_topk_prob` (upstream adds 1e-20 to the sum: no change to an f32 sum of
+scores above 1e-13), times `routed_scaling_factor`. Kimi K3's router is this with one group
+(its family calls the same kernel and reference functions).
 
 Variants are options of the one kind: Qwen3.5-MoE's block is `MoE(norm="zero_centred",
 shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`,
@@ -12,8 +21,10 @@ expert_bias=True, checkpoint="mxfp4")`: a biased router, the softmax over the k 
 only (`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) +
 1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`,
 `swiglu_limit`), on MXFP4 experts whose gate and up halves are padded to whole 128-lane tiles
-(`expert_half`). The dims a model gives it: hidden_size, rms_norm_eps, experts, top_k,
-moe_intermediate_size, norm_topk_prob (softmax routing), swiglu_alpha and swiglu_limit
+(`expert_half`); DeepSeek-V3's `MoE(routing="sigmoid", shared_expert=True, shared_gate=False,
+shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_norm_eps,
+experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
+n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
 (clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies and graph
 cover every option; its reference and weights the bf16 checkpoint's (GPT-OSS's are the
 family's).
@@ -69,22 +80,26 @@ class MoE(Sublayer):
     prefix: str = "mlp."
     router_bias: bool = False      # a bias on the router's logits (vector `router_bias`, [E])
     # "softmax": over all E experts, then the top k; "top_k_softmax": the top k logits, their
-    # softmax over those k only
+    # softmax over those k only; "sigmoid": DeepSeek-V3's (module docstring)
     routing: str = "softmax"
     activation: str = "silu"       # silu(gate) * up, or "clamped" (GPT-OSS's, module docstring)
     expert_bias: bool = False      # bias rows on each expert's gate|up and down products
     checkpoint: str = "bf16"       # the experts' stored format upstream: "bf16" or "mxfp4"
+    shared_gate: bool = True       # the shared expert times sigmoid(h . shared_expert_gate)
+    shared_prefix: str = "shared_expert."   # the shared expert's parameters under `prefix`
 
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
         return ("post_norm", "router", "route", *shared, "routed_experts", "mlp_residual")
 
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
-        H, E = d.hidden_size, d.experts
+        """`ways["expert_mlp"]` (1 if absent): ranks sharing each routed expert's width."""
+        H, E, tp = d.hidden_size, d.experts, ways.get("expert_mlp", 1)
         local = split(E, ways["experts"], "num_experts", "experts")
+        width = split(d.moe_intermediate_size, tp, "moe_intermediate_size", "expert_mlp")
         shared_ops: tuple[Op, ...] = ()
         shared_tensors: dict[str, Tensor] = {}
-        per_rank = {"local_experts": local, "expert_width": d.moe_intermediate_size, "expert_tp": 1}
+        per_rank = {"local_experts": local, "expert_width": width, "expert_tp": tp}
         if self.shared_expert:
             shared = split(d.shared_expert_intermediate_size, ways["mlp"], "shared_expert_intermediate_size",
                            "mlp")
@@ -97,73 +112,84 @@ class MoE(Sublayer):
                 "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",)),
             }
             per_rank = {"shared": shared} | per_rank
-        residual_reads = ("shared_out", "routed_out", "h", "shared_gate", "x") if self.shared_expert \
-            else ("routed_out", "x")
+        residual_reads = ("routed_out", "x")
+        if self.shared_expert:
+            gate = ("h", "shared_gate") if self.shared_gate else ()
+            residual_reads = ("shared_out", "routed_out", *gate, "x")
+        route_reads = ("router_logits", *(("correction_bias",) if self.routing == "sigmoid" else ()))
         ops = (
             Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
             Op("router", reads=("h", "router_bias") if self.router_bias else ("h",),
                writes=("router_logits",), matmul="router"),
-            Op("route", reads=("router_logits",), writes=("expert_ids", "expert_weights"),
-               picks_experts=True),
+            Op("route", reads=route_reads, writes=("expert_ids", "expert_weights"), picks_experts=True),
             *shared_ops,
             Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
-               partial=("experts",), width=H, runs_experts=True),
+               partial=("experts", "expert_mlp") if tp > 1 else ("experts",), width=H, runs_experts=True),
             Op("mlp_residual", reads=residual_reads, writes=("x",)),
         )
         tensors = {
             "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
             # shared_expert_gate [1, H]
-            **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")} if self.shared_expert else {}),
+            **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")}
+               if self.shared_expert and self.shared_gate else {}),
             "router": Tensor("router", "matrix", (H, E), "bf16"),
             **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
+            # e_score_correction_bias [E]: added to the scores to pick, not to weight
+            **({"correction_bias": Tensor("correction_bias", "vector", (E,), "f32")}
+               if self.routing == "sigmoid" else {}),
             **shared_tensors,
         }
-        groups = self.pack_groups(d)
+        groups = self.pack_groups(d, tp)
         per_rank |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
         if self.checkpoint == "mxfp4":
-            per_rank["expert_half"] = self.expert_half(d)
+            per_rank["expert_half"] = self.expert_half(d, tp)
         return Part(ops, tensors, per_rank)
 
     def bf16_checkpoint(self, what: str) -> None:
         """Refuse (NotImplementedError) options `what` (the reference, the weights) does not
-        compute: it reads a bf16 checkpoint with a bias-free router and SiLU experts."""
-        if self != MoE(norm=self.norm, shared_expert=self.shared_expert, prefix=self.prefix):
+        compute: it reads a bf16 checkpoint with a bias-free router (softmax or sigmoid
+        routing) and SiLU experts."""
+        if self != MoE(norm=self.norm, shared_expert=self.shared_expert, prefix=self.prefix,
+                       routing="sigmoid" if self.routing == "sigmoid" else "softmax",
+                       shared_gate=self.shared_gate, shared_prefix=self.shared_prefix):
             raise NotImplementedError(f"the library MoE's {what} computes a bf16 checkpoint's plain "
                                       f"experts, not {self}: the family provides its own")
 
     def weight_formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         return FORMATS[self.checkpoint]
 
-    def expert_half(self, d: Any) -> int:
-        """Columns of the gate half (and of the up half) of a gate|up expert matrix: MXFP4
-        codes are moved as the checkpoint holds them, never decoded, so each half is padded
-        with zero columns to whole 128-lane tiles (down's input rows likewise)."""
-        width = d.moe_intermediate_size
+    def expert_half(self, d: Any, tp: int = 1) -> int:
+        """Columns of the gate half (and of the up half) of a rank's gate|up expert matrix (its
+        width slice of `tp`): MXFP4 codes are moved as the checkpoint holds them, never decoded,
+        so each half is padded with zero columns to whole 128-lane tiles (down's input rows
+        likewise)."""
+        width = d.moe_intermediate_size // tp
         return lane_pad(width) if self.checkpoint == "mxfp4" else width
 
-    def expert_rows(self, d: Any) -> dict[str, int]:
-        """Input rows of each routed expert matrix (whole experts on every rank)."""
-        return {"gate_up": d.hidden_size, "down": self.expert_half(d)}
+    def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
+        """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""
+        return {"gate_up": d.hidden_size, "down": self.expert_half(d, tp)}
 
-    def pack_groups(self, d: Any) -> dict[str, int]:
+    def pack_groups(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows an expert matrix is multiplied in at a time; MXFP4 rows that the caps
         do not tile (GPT-OSS's 2880) take the groups that divide them."""
-        rows = self.expert_rows(d)
+        rows = self.expert_rows(d, tp)
         if self.checkpoint == "mxfp4":
             return expert_formats_lib.dividing_pack_groups(rows)
         return expert_formats_lib.pack_groups(rows)
 
-    def expert_formats(self, d: Any, formats: Mapping[str, WeightFormat] | None = None
+    def expert_formats(self, d: Any, formats: Mapping[str, WeightFormat] | None = None, tp: int = 1
                        ) -> dict[str, WeightFormat]:
         """Each routed expert class's format, its block resolved to input rows
         (`mkc.layers.expert_formats.resolve`)."""
-        return expert_formats_lib.resolve(self.weight_formats(), self.expert_rows(d), self.pack_groups(d),
-                                          formats)
+        return expert_formats_lib.resolve(self.weight_formats(), self.expert_rows(d, tp),
+                                          self.pack_groups(d, tp), formats)
 
-    def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat]) -> dict[str, Tensor]:
-        """One routed expert as its slot holds it, K-major ([in, out]), each matrix in its
-        format, with its bias rows (bf16, the checkpoint's dtype) after the matrix."""
-        H, half = d.hidden_size, self.expert_half(d)
+    def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat], tp: int = 1) -> dict[str, Tensor]:
+        """One routed expert's width slice as its slot holds it, K-major ([in, out]), each
+        matrix in its format, with its bias rows (bf16, the checkpoint's dtype) after the
+        matrix."""
+        H, half = d.hidden_size, self.expert_half(d, tp)
         out: dict[str, Tensor] = {}
         for name, rows, cols in (("gate_up", H, 2 * half), ("down", half, H)):
             out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"])
@@ -171,12 +197,28 @@ class MoE(Sublayer):
                 out[f"{name}_bias"] = Tensor(f"{name}_bias", "matrix", (1, cols), "bf16")
         return out
 
-    def graph_fields(self, d: Any, formats: Mapping[str, WeightFormat] | None) -> dict[str, Any]:
-        """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors,
-        the model's experts and picks, the expert classes' resolved formats."""
-        resolved = self.expert_formats(d, formats)
-        return dict(experts=self.expert_tensors(d, resolved), experts_total=d.experts, top_k=d.top_k,
+    def graph_fields(self, d: Any, formats: Mapping[str, WeightFormat] | None, tp: int = 1
+                     ) -> dict[str, Any]:
+        """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors (a
+        rank's width slice of `tp`), the model's experts and picks, the expert classes'
+        resolved formats."""
+        resolved = self.expert_formats(d, formats, tp)
+        return dict(experts=self.expert_tensors(d, resolved, tp), experts_total=d.experts, top_k=d.top_k,
                     formats=resolved)
+
+
+def expert_split(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -> dict[str, int]:
+    """The ways routed experts split, {"experts": EP, "expert_mlp": TP}: experts over groups
+    of TP consecutive ranks (`shard experts over tp / TP`), each expert's width over a group
+    (`shard expert_mlp over TP`), tiling the ranks; ShardingError otherwise."""
+    (ep, ep_stride), (tp, tp_stride) = rules["experts"], rules.get("expert_mlp", (1, ranks))
+    if ep * tp != ranks or ep_stride != tp or (tp > 1 and tp_stride != 1):
+        raise ShardingError(
+            f"the {family} lowering splits routed experts over groups and each expert's width "
+            f"within a group, tiling the {ranks} ranks: write `shard experts over tp` (whole "
+            "experts on every core) or `shard experts over tp / N` with `shard expert_mlp over N`",
+            "experts")
+    return {"experts": ep, "expert_mlp": tp}
 
 
 def expert_ways(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from mkc.layers import ops
 from mkc.layers.expert_formats.lowering import expert_matmul
@@ -37,6 +38,57 @@ def top_k_softmax_weights(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax
     return kept / jnp.sum(kept, axis=-1, keepdims=True), ids
 
 
+def sigmoid_route_weights(logits: jax.Array, bias: jax.Array, top_k: int, renormalise: bool = True,
+                          scaling: float = 1.0, groups: int = 1, topk_groups: int = 1
+                          ) -> tuple[jax.Array, jax.Array]:
+    """Sigmoid top-k routing per row (DeepSeek-V3's, Kimi K3's) -> (weights [B, E], ids
+    [B, top_k] int32): the experts picked by ``sigmoid(logits) + bias`` (bias [1, E], the
+    correction bias: selection only), among the ``topk_groups`` best of ``groups`` groups
+    (`group_limited`) when there are several; weights zero except at the picks, where they hold
+    the sigmoid scores, divided by their sum when `renormalise`, times `scaling`. ids best
+    first, ties to the lowest lane (`mkc.runtime.experts.top_k`)."""
+    scores = jax.nn.sigmoid(logits)
+    pick = scores + bias
+    if groups > 1:
+        pick = group_limited(pick, groups, topk_groups)
+    kept, ids = expert_slots.top_k(pick, scores, top_k)
+    if renormalise:
+        kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    return kept * scaling, ids
+
+
+def group_limited(pick: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+    """``pick [B, E]`` with the experts outside each row's ``topk_groups`` best groups at
+    -inf: the lanes split into ``groups`` consecutive groups, a group scored by the sum of its
+    two largest values (a tie counts twice), the best groups taken by rounds of a max and the
+    lowest group matching it. Lane masks and maxima on [B, 1] columns only (no gather, no
+    lane reshape)."""
+    n = pick.shape[1]
+    lane = lax.broadcasted_iota(jnp.int32, pick.shape, 1)
+    group = lax.div(lane, jnp.int32(n // groups))
+    scores = []
+    for g in range(groups):
+        vals = jnp.where(group == g, pick, -jnp.inf)
+        first = jnp.max(vals, axis=-1, keepdims=True)
+        at = jnp.min(jnp.where(vals == first, lane, n), axis=-1, keepdims=True)
+        second = jnp.max(jnp.where(lane == at, -jnp.inf, vals), axis=-1, keepdims=True)
+        scores.append(first + second)
+    chosen = [jnp.zeros_like(scores[0], dtype=jnp.bool_) for _ in range(groups)]
+    for _ in range(topk_groups):
+        left = [jnp.where(chosen[g], -jnp.inf, scores[g]) for g in range(groups)]
+        best = left[0]
+        for g in range(1, groups):
+            best = jnp.maximum(best, left[g])
+        taken = jnp.zeros_like(chosen[0])
+        for g in range(groups):
+            hit = (left[g] == best) & ~taken
+            chosen[g], taken = chosen[g] | hit, taken | hit
+    keep = jnp.zeros(pick.shape, jnp.bool_)
+    for g in range(groups):
+        keep = keep | ((group == g) & chosen[g])
+    return jnp.where(keep, pick, -jnp.inf)
+
+
 def _expert_bias(c: Layer, k, name: str) -> jax.Array:
     """Selected expert k's bias row `name` ([1, n] bf16 in its slot) as f32."""
     es = c.kernel.experts
@@ -49,7 +101,7 @@ def _activation(s: MoE, c: Layer, gate_up: jax.Array) -> jax.Array:
     if s.activation == "clamped":
         return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
                                          c.dims.swiglu_limit)
-    return ops.swiglu(gate_up, c.dims.moe_intermediate_size)
+    return ops.swiglu(gate_up, c.per_rank["expert_width"])
 
 
 def post_norm(s: MoE, c: Layer) -> jax.Array:
@@ -62,10 +114,15 @@ def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
 
 
 def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax top-k (or the top k's softmax); this rank's picked local experts go to SMEM for
-    their copies."""
+    """Softmax top-k (or the top k's softmax, or sigmoid top-k); this rank's picked local
+    experts go to SMEM for their copies."""
+    d = c.dims
     if s.routing == "top_k_softmax":
-        weights, ids = top_k_softmax_weights(router_logits, c.dims.top_k)
+        weights, ids = top_k_softmax_weights(router_logits, d.top_k)
+    elif s.routing == "sigmoid":
+        weights, ids = sigmoid_route_weights(router_logits, c.vector("correction_bias"), d.top_k,
+                                             d.norm_topk_prob, d.routed_scaling_factor, d.n_group,
+                                             d.topk_group)
     else:
         weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
     c.select_experts(ids)
@@ -101,11 +158,15 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
 
 def mlp_residual(s: MoE, c: Layer, *values: jax.Array) -> None:
     """x += routed (+ sigmoid(h . shared_gate) * shared, the gate's input rounded to bf16, as
-    the MXU would take it): values are (shared_out, routed_out, h) with a shared expert, else
-    (routed_out,)."""
+    the MXU would take it; or + shared, ungated): values are (shared_out, routed_out, h) with a
+    gated shared expert, (shared_out, routed_out) with an ungated one, else (routed_out,)."""
     if not s.shared_expert:
         (routed_out,) = values
         c.refs.x[...] = c.refs.x[...] + routed_out
+        return
+    if not s.shared_gate:
+        shared_out, routed_out = values
+        c.refs.x[...] = c.refs.x[...] + routed_out + shared_out
         return
     shared_out, routed_out, h = values
     hb = h.astype(BF16).astype(F32)

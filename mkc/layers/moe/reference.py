@@ -1,5 +1,6 @@
-"""The reference of `MoE` (transformers' `Qwen3MoeSparseMoeBlock`, `Qwen3_5MoeSparseMoeBlock`)
-on the post-attention-normed ``x [B, H]``, all in f32 with ``Precision.HIGHEST`` dots:
+"""The reference of `MoE` (transformers' `Qwen3MoeSparseMoeBlock`, `Qwen3_5MoeSparseMoeBlock`,
+`DeepseekV3MoE`) on the post-attention-normed ``x [B, H]``, all in f32 with ``Precision.HIGHEST``
+dots:
 
 * router (``mlp.gate.weight [E, H]``, no bias): ``probs = softmax(x @ gate^T)`` over all E
   experts; the ``top_k`` largest; divided by their sum when ``norm_topk_prob``. Upstream then
@@ -8,8 +9,12 @@ on the post-attention-normed ``x [B, H]``, all in f32 with ``Precision.HIGHEST``
 * routed expert e (stored fused): ``experts.gate_up_proj[e]`` ``[2I, H]`` holds the gate rows
   ``0..I-1`` then the up rows (upstream chunks the product in two along its output axis);
   ``expert_e(x) = experts.down_proj[e] @ (silu(gate) * up)`` with ``down_proj[e]`` ``[H, I]``;
-* with ``s.shared_expert``: ``mlp.shared_expert`` a SwiGLU MLP of width
-  ``shared_expert_intermediate_size``, times ``sigmoid(x @ shared_expert_gate.weight^T)``;
+* sigmoid routing (``route``): ``sigmoid(x @ gate^T)`` scores, the top k of them plus
+  ``gate.e_score_correction_bias`` among the best groups, weighted by their scores
+  (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``;
+* with ``s.shared_expert``: ``mlp.shared_expert`` (``s.shared_prefix``) a SwiGLU MLP of width
+  ``shared_expert_intermediate_size``, times ``sigmoid(x @ shared_expert_gate.weight^T)``
+  unless ``s.shared_gate`` is false;
 * output: ``sum_k w_k expert_{id_k}(x) (+ sigmoid(...) * shared(x))``, added to the residual.
 
 Kernel rounding emulation (``rounding``): every matmul takes bf16 activations; the routed
@@ -32,7 +37,6 @@ picks and the block's own sum were off).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,35 +53,89 @@ HIGHEST = jax.lax.Precision.HIGHEST
 EXPERTS = ("gate_up", "down")
 
 
-def route(logits: jax.Array, top_k: int, renormalize: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Softmax routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first: the top-k
-    softmax probabilities over all experts, divided by their sum when ``renormalize``."""
-    probs, _ = selection_scores(logits, top_k)
-    weights, ids = jax.lax.top_k(probs, top_k)
+def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str = "softmax",
+          bias: jax.Array | None = None, scaling: float = 1.0, groups: int = 1, topk_groups: int = 1
+          ) -> tuple[jax.Array, jax.Array]:
+    """Routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first. ``scoring``
+    "softmax": the top-k softmax probabilities over all experts, divided by their sum when
+    ``renormalize``. "sigmoid" (`DeepseekV3TopkRouter`, Kimi K3's): the top k of ``sigmoid +
+    bias`` (the correction bias picks, it does not weight) among the ``topk_groups`` best of
+    ``groups`` groups (a group's score the sum of its two largest), weighted by their sigmoid
+    scores, divided by their sum when ``renormalize``, times ``scaling``."""
+    if scoring == "softmax":
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, ids = jax.lax.top_k(probs, top_k)
+        if renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return ids, weights
+    scores = jax.nn.sigmoid(logits)
+    pick = scores + bias
+    if groups > 1:
+        pick = jnp.where(_eligible(pick, groups, topk_groups), pick, -jnp.inf)
+    _, ids = jax.lax.top_k(pick, top_k)
+    chosen = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids, weights
+        chosen = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    return ids, chosen * scaling
 
 
-def selection_scores(logits: jax.Array, top_k: int, renormalize: bool = True
-                     ) -> tuple[jax.Array, int]:
+def _group_scores(pick: jax.Array, groups: int) -> jax.Array:
+    """``[B, E] -> [B, groups]``: each group's two largest values summed."""
+    grouped = pick.reshape(*pick.shape[:-1], groups, pick.shape[-1] // groups)
+    return jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+
+
+def _eligible(pick: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+    """``[B, E]`` bool: the experts of each row's ``topk_groups`` best groups."""
+    _, best = jax.lax.top_k(_group_scores(pick, groups), topk_groups)
+    kept = jnp.any(best[..., :, None] == jnp.arange(groups), axis=-2)        # [B, groups]
+    return jnp.repeat(kept, pick.shape[-1] // groups, axis=-1)
+
+
+def selection_scores(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str = "softmax",
+                     bias: jax.Array | None = None, scaling: float = 1.0, groups: int = 1,
+                     topk_groups: int = 1) -> tuple[jax.Array, int] | list[tuple[jax.Array, int]]:
     """What ``route`` (same arguments) takes the top k of, and that k: the softmax
-    probabilities. The harness's near-tie rule reads it (``examples/generated_module``)."""
-    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k
+    probabilities, or the sigmoid scores plus the bias. Group-limited, two choices: the
+    biased scores with the other groups' experts at -1e30 (finite, so two runs' scores
+    subtract) and their top k, then the group scores and their top ``topk_groups``. The
+    harness's near-tie rule reads it (``examples/generated_module``)."""
+    if scoring == "softmax":
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k
+    pick = jax.nn.sigmoid(logits) + bias
+    if groups == 1:
+        return pick, top_k
+    return [(jnp.where(_eligible(pick, groups, topk_groups), pick, -1e30), top_k),
+            (_group_scores(pick, groups), topk_groups)]
 
 
-@functools.partial(jax.jit, static_argnames="renormalize")
-def _kernel_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = True) -> jax.Array:
+def dense_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = True,
+                        scoring: str = "softmax", scaling: float = 1.0) -> jax.Array:
     """Routing weights over every expert ``[B, E]`` as the kernel forms them
-    (``mkc.layers.moe.lowering.route_weights``), jitted: the softmax probabilities of the picked
-    ``ids`` (zero elsewhere), divided by their sum over all E lanes when ``renormalize``. Their
-    sum over the k picks (``route``) adds the same values in another f32 order: a weight one
-    ulp apart flips a bf16 wire rounding of the routed experts' all-reduce (measured, batch 8:
-    2.4e-4 in one row's MoE output, 1.2e-4 in its logits)."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    (``mkc.layers.moe.lowering``): the softmax probabilities (or sigmoid scores) of the picked
+    ``ids`` (zero elsewhere), divided by their sum over all E lanes when ``renormalize``; sigmoid
+    scores then times ``scaling``."""
+    if scoring == "softmax":
+        scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
     rows = jnp.arange(logits.shape[0])[:, None]
-    kept = jnp.zeros_like(probs).at[rows, ids].set(jnp.take_along_axis(probs, ids, axis=-1))
-    return kept / jnp.sum(kept, axis=-1, keepdims=True) if renormalize else kept
+    kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
+    if renormalize:
+        kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+    return kept if scoring == "softmax" else kept * scaling
+
+
+# Jitted: their sum over the k picks (``route``) adds the same values in another f32 order, and
+# a weight one ulp apart flips a bf16 wire rounding of the routed experts' all-reduce
+# (measured, batch 8: 2.4e-4 in one row's MoE output, 1.2e-4 in its logits).
+_kernel_route_weights = jax.jit(dense_route_weights, static_argnames=("renormalize", "scoring", "scaling"))
+
+
+def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng) -> Any:
+    """The correction bias drawn N(0, 0.05) (its scores' spread is about 0.2: it reorders
+    close picks); the rest as the decoder draws them (None)."""
+    return rng.normal(0.0, 0.05, shape) if name.endswith("e_score_correction_bias") else None
 
 
 @jax.jit
@@ -101,7 +159,7 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     # experts: one bf16 dot.
     operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
-    rows = {m: s.pack_groups(d)[m] if m in fp8 else None for m in EXPERTS}
+    rows = {m: s.pack_groups(d, tp)[m] if m in fp8 else None for m in EXPERTS}
 
     def expert_linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
         return rounding.linear(x, w, rows[m], operands[m])
@@ -143,19 +201,30 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     inter = d.moe_intermediate_size
     xin = mm_input(x, rounding)
     logits = matmul(xin, p["gate.weight"], rounding)
-    ids, weights = route(logits, d.top_k, d.norm_topk_prob)
+    routing = router_args(s, p, d)
+    ids, weights = route(logits, d.top_k, d.norm_topk_prob, *routing)
     if rounding is None:
         hidden = jnp.einsum("bh,bkoh->bko", xin, p["experts.gate_up_proj"][ids], precision=HIGHEST)
         act = jax.nn.silu(hidden[..., :inter]) * hidden[..., inter:]
         out = jnp.einsum("bki,bkoi->bko", act, p["experts.down_proj"][ids], precision=HIGHEST)
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
     else:
-        routed = _routed_experts_per_rank(s, p, d, xin, _kernel_route_weights(logits, ids, d.norm_topk_prob),
-                                          rounding, kind)
+        dense = (_kernel_route_weights(logits, ids, d.norm_topk_prob) if not routing else
+                 _kernel_route_weights(logits, ids, d.norm_topk_prob, scoring="sigmoid",
+                                       scaling=d.routed_scaling_factor))
+        routed = _routed_experts_per_rank(s, p, d, xin, dense, rounding, kind)
     if not s.shared_expert:
         return routed, None
-    shared = {n[len("shared_expert."):]: w for n, w in p.items() if n.startswith("shared_expert.")}
+    shared = {n[len(s.shared_prefix):]: w for n, w in p.items() if n.startswith(s.shared_prefix)}
     return routed, _shared_expert(shared, x, rounding, kind)
+
+
+def router_args(s: MoE, p: Mapping[str, jax.Array], d: Any) -> tuple:
+    """``route``'s arguments past the logits, k and renormalisation: none for softmax routing;
+    for sigmoid routing the scoring, the correction bias, the scaling and the groups."""
+    if s.routing != "sigmoid":
+        return ()
+    return ("sigmoid", p["gate.e_score_correction_bias"], d.routed_scaling_factor, d.n_group, d.topk_group)
 
 
 @jax.jit
@@ -179,6 +248,8 @@ def block(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     routed, shared = parts(s, p, d, x, rounding, kind)
     if shared is None:
         return routed
+    if not s.shared_gate:
+        return routed + shared
     gate = jax.nn.sigmoid(linear(mm_input(x, rounding), p["shared_expert_gate.weight"]))   # [B, 1]
     return routed + gate * shared
 
@@ -192,6 +263,8 @@ def residual(s: MoE, p: Mapping[str, jax.Array], d: Any, resid: jax.Array, x: ja
     routed, shared = parts(s, p, d, x, rounding, kind)
     if shared is None:
         return resid + routed
+    if not s.shared_gate:      # the kernel's x + routed + shared, left to right
+        return resid + routed + shared
     return _kernel_mlp_residual(resid, routed, x, p["shared_expert_gate.weight"], shared)
 
 
@@ -208,14 +281,14 @@ def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     `prefix` (`model.layers.{i}.`)."""
     H, E, inter, p, bf16 = d.hidden_size, d.experts, d.moe_intermediate_size, prefix + s.prefix, "bfloat16"
     shapes = {p + "gate.weight": ((E, H), bf16),
+              **({p + "gate.e_score_correction_bias": ((E,), "float32")} if s.routing == "sigmoid" else {}),
               p + "experts.gate_up_proj": ((E, 2 * inter, H), bf16),
               p + "experts.down_proj": ((E, H, inter), bf16)}
     if s.shared_expert:
-        shared = d.shared_expert_intermediate_size
-        shapes |= {p + "shared_expert.gate_proj.weight": ((shared, H), bf16),
-                   p + "shared_expert.up_proj.weight": ((shared, H), bf16),
-                   p + "shared_expert.down_proj.weight": ((H, shared), bf16),
-                   p + "shared_expert_gate.weight": ((1, H), bf16)}
+        shared, q = d.shared_expert_intermediate_size, p + s.shared_prefix
+        shapes |= {q + "gate_proj.weight": ((shared, H), bf16), q + "up_proj.weight": ((shared, H), bf16),
+                   q + "down_proj.weight": ((H, shared), bf16),
+                   **({p + "shared_expert_gate.weight": ((1, H), bf16)} if s.shared_gate else {})}
     return shapes
 
 

@@ -1,12 +1,13 @@
 """Where `MoE`'s per-rank tensors come from in an upstream checkpoint: the router `mlp.gate`
-(replicated), the shared expert's gate and up rows of an `mlp` part side by side and its
-down_proj's columns of it, its gate vector, the post-attention norm; and each routed expert
-whole on the rank that holds it (`expert`), from the fused `mlp.experts.gate_up_proj [E, 2I,
-H]` (gate rows first) and `mlp.experts.down_proj [E, H, I]` (`mkc.checkpoint` fuses a
-per-expert checkpoint's into these; with a lazy load each `hf[name][e]` reads one expert). A
-class the spec stores as FP8 (`format expert.gate_up fp8 block N rounded`) is requantized,
-block by block of input rows (`mkc.model.mxfp4.requantize_fp8_blocks`), into codes and
-E8M0 scales (`requantization` reports the error)."""
+and its correction bias (replicated), the shared expert's gate and up rows of an `mlp` part
+side by side and its down_proj's columns of it, its gate vector, the post-attention norm; and
+each routed expert whole on the rank that holds it (`expert`), from the fused
+`mlp.experts.gate_up_proj [E, 2I, H]` (gate rows first) and `mlp.experts.down_proj [E, H, I]`
+(`mkc.checkpoint` fuses a per-expert checkpoint's into these; with a lazy load each
+`hf[name][e]` reads one expert). A class the spec stores as FP8 (`format expert.gate_up fp8
+block N rounded`) is requantized, block by block of input rows
+(`mkc.model.mxfp4.requantize_fp8_blocks`), into codes and E8M0 scales (`requantization` reports
+the error)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -28,8 +29,9 @@ _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
     s.bf16_checkpoint("weights")
-    shared = ("shared_gate", "shared_gate_up", "shared_down") if s.shared_expert else ()
-    return ("post_norm", "router", *shared)
+    shared = (*(("shared_gate",) if s.shared_gate else ()), "shared_gate_up", "shared_down") \
+        if s.shared_expert else ()
+    return ("post_norm", "router", *shared, *(("correction_bias",) if s.routing == "sigmoid" else ()))
 
 
 def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
@@ -37,7 +39,7 @@ def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
     p = prefix + s.prefix
     if name == "router":
         return tensor(hf, p + "gate.weight").T                                   # [H, E]
-    return mlp_matrix(hf, p + "shared_expert.", d.shared_expert_intermediate_size,
+    return mlp_matrix(hf, p + s.shared_prefix, d.shared_expert_intermediate_size,
                       name.removeprefix("shared_"), rank, shards)
 
 
@@ -45,25 +47,38 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
            ) -> np.ndarray:
     if name == "shared_gate":
         return tensor(hf, prefix + s.prefix + "shared_expert_gate.weight")     # [1, H]
+    if name == "correction_bias":
+        return tensor(hf, prefix + s.prefix + "gate.e_score_correction_bias")[None, :]   # [1, E]
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
+
+
+def expert_tp(shards: ShardTable) -> int:
+    """The ranks sharing each routed expert's width (`shard expert_mlp over N`; 1 without)."""
+    return shards.ways("expert_mlp") if any(c == "expert_mlp" for c, _, _ in shards.rules) else 1
 
 
 def expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
                   shards: ShardTable) -> np.ndarray:
-    """Local expert `local` of `rank`'s share ([in, out]): experts split evenly over the ranks."""
+    """Local expert `local` of `rank`'s expert group ([in, out]): experts split evenly over the
+    groups, the rank's width slice of it (its gate and up columns, down's rows)."""
     e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
-    return np.asarray(hf[f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"][e]
-                      ).astype(np.float32).T          # gate_up [H, 2I]: gate | up; down [I, H]
+    m = np.asarray(hf[f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"][e]).astype(np.float32)
+    tp = expert_tp(shards)
+    if tp > 1:
+        width = d.moe_intermediate_size // tp
+        cols = slice(shards.part("expert_mlp", rank) * width, (shards.part("expert_mlp", rank) + 1) * width)
+        m = m.reshape(2, -1, m.shape[-1])[:, cols].reshape(2 * width, -1) if name == "gate_up" else m[:, cols]
+    return m.T                                        # gate_up [H, 2I]: gate | up; down [I, H]
 
 
 def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shards: ShardTable,
            formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
-    """Local expert `local` of `rank` as the pool holds it, [in, out] by matrix: bf16 by its
-    name, or FP8 codes and E8M0 scales per block of input rows (`{name}_codes`,
-    `{name}_scales`)."""
+    """Local expert `local` of `rank` as the pool holds it (its width slice), [in, out] by
+    matrix: bf16 by its name, or FP8 codes and E8M0 scales per block of input rows
+    (`{name}_codes`, `{name}_scales`)."""
     s.bf16_checkpoint("weights")
     out = {}
-    for cls, fmt in s.expert_formats(d, dict(formats or {})).items():
+    for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
         name = cls.split(".")[1]
         m = expert_matrix(s, hf, d, prefix, local, name, rank, shards)
         if fmt.name == "fp8":
