@@ -34,7 +34,13 @@ def _kernel(fmt: str, fp8_operand: bool):
 
     def kernel(x_ref, codes_ref, scales_ref, o_ref):
         x, codes, scales = x_ref[...], codes_ref[...], scales_ref[...]
-        if fmt == "mxfp4":
+        if fmt in SCALE_VARIANTS:               # a pack group's block scale read as a float
+            scale = scales[:1].astype(F32)
+            if fmt.startswith(FP4):
+                o_ref[...] = ops.fp4_group_matmul(x, codes, scale)
+            else:
+                o_ref[...] = ops.fp8_group_matmul(x, codes, scale, fp8_operand)
+        elif fmt == "mxfp4":
             w = ops.mxfp4_dequantize_tile(codes, ops.mxfp4_scale_bias(scales), BF16)
             o_ref[...] = jnp.dot(x, w, preferred_element_type=F32)
         elif fmt == "fp8":
@@ -61,7 +67,10 @@ def probe(generation: str, fmt: str) -> str:
     gen = target.generation(generation)
     topo = topologies.get_topology_desc(f"{gen.prefix}={'x'.join(['1'] * gen.ndims)}",
                                         platform="tpu")
-    code_rows = GROUP // 2 if fmt in ("mxfp4", FP4) else GROUP
+    code_rows = GROUP // 2 if fmt == "mxfp4" or fmt.startswith(FP4) else GROUP
+    # E8M0 bytes a 32-row block; a float block scale a pack group, in one whole sublane tile
+    scale_dtype, scale_rows = {"f32": (jnp.float32, 8), "bf16": (jnp.bfloat16, 16)}.get(
+        SCALE_VARIANTS.get(fmt, ""), (jnp.uint8, GROUP // 32))
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     call = pl.pallas_call(_kernel(fmt, gen.fp8_operand),
                           out_shape=jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),
@@ -70,7 +79,7 @@ def probe(generation: str, fmt: str) -> str:
     one = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), P())
     args = [jax.ShapeDtypeStruct((ROWS, GROUP), jnp.bfloat16, sharding=one),
             jax.ShapeDtypeStruct((code_rows, COLS), jnp.uint8, sharding=one),
-            jax.ShapeDtypeStruct((GROUP // 32, COLS), jnp.uint8, sharding=one)]
+            jax.ShapeDtypeStruct((scale_rows, COLS), scale_dtype, sharding=one)]
     try:
         jax.jit(call).lower(*args).compile()
         return "compiles"
@@ -86,6 +95,9 @@ CODES = "fp8 codes"
 # exactly where `mkc.target.Generation.fp4_operand` says the MXU takes FP4 operands (tpu7x;
 # v6e and older: "Bad lhs/rhs type ... f4E2M1FN").
 FP4 = "fp4 block"
+# The block formats with their scale stored as a float rather than E8M0 (benchmarks/block_scales.py
+# compares them): the variant's name -> the scale's dtype.
+SCALE_VARIANTS = {f"{f} {t} scale": t for f in ("fp8 block", FP4) for t in ("bf16", "f32")}
 
 
 # libtpu's dumps of one compile: Mosaic's passes, and the final LLO with its bundle schedule
