@@ -10,7 +10,7 @@ from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, layer_source
 from mkc.steps.collectives import exchange_name, gather_name, reduce_name
 from mkc.model.sharding import ShardTable
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
 from mkc.runtime import experts
 from mkc.runtime.experts import ExpertSlots
@@ -187,10 +187,23 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
     """The module constants of the all-reduce stages (the embedding's first) and of the
     gathers, each stage naming its receive buffer and use counter."""
 
-    def stages(a: ir.AllReduce) -> tuple[Stage, ...]:
-        return tuple(Stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride),
-                           counter[ir.AllReduce.buffer_name(a.wire_dtype, size, stride)], size, stride)
-                     for size, stride in a.stages)
+    def stage(role: str, wire: str, size: int, stride: int) -> Stage:
+        buf = ir.AllReduce.role_buffer_name(role, wire, size, stride)
+        return Stage(buf, counter[buf], size, stride)
+
+    def stages(a: ir.AllReduce) -> tuple | FromRows:
+        one_shot = tuple(stage("recv" if a.scatter_from is None else "narrow", a.wire_dtype,
+                               size, stride) for size, stride in a.stages)
+        if a.scatter_from is None:
+            return one_shot
+        (size, stride), wire = a.stages[0], a.wire_dtype
+        first = stage("scatter", wire, size, stride)
+        sums = stage("sums", "f32", size, stride)
+        scattered = (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride),
+                                   first.counter, size, stride),
+                     *(stage("chunk", wire, sz, st) for sz, st in a.stages[1:]),
+                     AllGather(sums.buffer, sums.counter, size, stride))
+        return scattered if a.scatter_from == 1 else FromRows(a.scatter_from, one_shot, scattered)
 
     reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
     gather_literals = []
@@ -265,17 +278,22 @@ def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: 
     """(name, source, comment) of the resident VMEM buffers, the ring's, vectors' and copies'
     semaphores and the collectives' send and receive semaphores, in operand order."""
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
-    scratch = [(b.name, f"vmem({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
-               for b in resident]
+    scratch = [(b.name, f"vmem({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]}{_rows(b)})",
+                b.cls) for b in resident]
     scratch += [("ring_sem", "dma_sems((RING.slots,))", ""),
                 ("vectors_sem", "dma_sems((2,))", "")]
     scratch += [(n, "dma_sems()", "") for n in sems]
     for b in collectives:
-        scratch += [(b.name + "__send", f"dma_sems((2, {b.shape[1]}))", ""),
-                    (b.name + "__recv", f"dma_sems((2, {b.shape[1]}))", "")]
+        scratch += [(b.name + "__send", f"dma_sems((2, {b.shape[1]}){_rows(b)})", ""),
+                    (b.name + "__recv", f"dma_sems((2, {b.shape[1]}){_rows(b)})", "")]
     scratch.append(("collective_count", "smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
                     "use counters"))
     return scratch
+
+
+def _rows(b: ir.Buffer) -> str:
+    """The `rows=` argument of a scratch entry only some kernel widths allocate."""
+    return "" if b.rows is None else f", rows={b.rows}"
 
 
 def _weight_view(s: ir.ScheduleIR) -> tuple[WeightView | None, list[tuple], list[tuple]]:
@@ -325,7 +343,9 @@ def context(s: ir.ScheduleIR) -> dict:
     kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
     st = s.stream
     stream = _stream_plan(s)
-    collectives = [b for b in s.buffers if b.cls == "collective"]
+    # the collectives' receive buffers, each with its semaphores and use counter (a
+    # reduce-scatter's send staging is read by its copies only)
+    collectives = [b for b in s.buffers if b.cls == "collective" and not ir.is_staging(b.name)]
     reduce_literals, gather_literals = _collective_literals(
         s, {b.name: i for i, b in enumerate(collectives)})
     plans = _kind_plans(s, stream.streamed)
@@ -352,6 +372,9 @@ def context(s: ir.ScheduleIR) -> dict:
                                           {k: {n: tuple(v) for n, v in fams.items()}
                                            for k, fams in parity.layout.items()}), 10),
         "reduce_literals": reduce_literals,
+        "collective_imports": ", ".join(
+            n for n in ("AllGather", "FromRows", "ReduceScatter", "Stage")
+            if n == "Stage" or any(f"{n}(" in lit for _, lit in reduce_literals)),
         "collectives": collectives,
         "kinds_literal": literal(plans.kinds, 8),
         "scratch_shapes": (_scratch_shapes(s, ring, plans.sems, collectives)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mkc import ir
+from mkc.lang.statements.collectives import scatter_text
 from mkc.steps.base import Step, spec_line
 
 
@@ -65,15 +66,25 @@ class AllReduce(_Collective):
     kind = "allreduce"
 
     def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
+        """One-shot: each stage sends the whole partial to every peer and sums every slot. In
+        a kernel of `batch` rows that scatters (`ir.AllReduce.scattered`): a chunk of the
+        columns to each peer of the first group in the wire dtype and its slots summed, the
+        later stages likewise on the chunk, then the chunk sums gathered in f32."""
         a = self.entry
         wire = ir.DTYPE_BYTES[a.wire_dtype]
-        return tuple(Round(size, stride, batch * a.width * wire, (size - 1) * batch * a.width)
-                     for size, stride in a.stages)
+        if not a.scattered(batch):
+            return tuple(Round(size, stride, batch * a.width * wire, (size - 1) * batch * a.width)
+                         for size, stride in a.stages)
+        chunk = batch * a.chunk
+        first = a.stages[0]
+        return (*(Round(size, stride, chunk * wire, (size - 1) * chunk) for size, stride in a.stages),
+                Round(*first, chunk * ir.DTYPE_BYTES["f32"]))
 
     def emit(self, e, indent: str) -> None:
         a = self.entry
+        scatter = "" if a.scatter_from is None else ", " + scatter_text(a.scatter_from)
         self._emit(e, indent, "allreduce", reduce_name(e.kind, self.op),
-                   f"{a.algorithm}, wire {a.wire_dtype}")
+                   f"{a.algorithm}, wire {a.wire_dtype}{scatter}")
 
 
 @dataclass(frozen=True)
