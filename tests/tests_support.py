@@ -25,6 +25,35 @@ def k3_format_text(formats: str | tuple[str, str]) -> str:
     return format_text(K3_SPEC, formats)
 
 
+def qwen_scatter_text(clause: str = "scatter from 2 rows") -> str:
+    """The shipped Qwen spec (8 ranks) with its all-reduces two-level over chips and `clause`
+    after the wire dtype: on the MINI config (256 columns) a chip's 2 cores scatter chunks of
+    128 columns."""
+    text = SPEC.read_text()
+    for ops in ("out_proj, down", "o_proj, down"):
+        line = f"allreduce {ops} direct wire bf16"
+        assert line in text, line
+        text = text.replace(line, f"allreduce {ops} two_level chip wire bf16 {clause}")
+    return text
+
+
+def k3_scatter_text(clause: str = "scatter from 8 rows") -> str:
+    """The shipped K3 spec with `clause` after the wire dtype of every all-reduce whose columns
+    a host's 8 cores split into whole lane tiles (7168: o_proj, down, shared_down); the routed
+    experts' 3584 (chunks of 448) stay one-shot on a line of their own. Line numbers move by
+    one after the MoE phase's all-reduce."""
+    text = K3_SPEC.read_text()
+    moe = "allreduce shared_down, routed_experts two_level host wire bf16"
+    assert moe in text
+    text = text.replace(moe, f"allreduce shared_down two_level host wire bf16 {clause}\n"
+                             "    allreduce routed_experts two_level host wire bf16")
+    for ops in ("o_proj", "down"):
+        line = f"allreduce {ops} two_level host wire bf16\n"
+        assert line in text, line
+        text = text.replace(line, f"allreduce {ops} two_level host wire bf16 {clause}\n")
+    return text
+
+
 def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:
     """A stand-in for the `Layer` (`mkc.runtime.context`) a family's lowering body is called
     with, so a test calls the body the generated module calls (not a neighbour in `ops`), on

@@ -179,7 +179,8 @@ def _scatter_from(ar: AllReduce, op: str, stages: tuple[tuple[int, int], ...], w
                    f"{size} ranks of its first group into chunks of {what}, not whole 128-lane tiles",
                    sc.word.span,
                    hint="drop `scatter` (one-shot stages)" + "".join(
-                       f", or use `{alg}` (chunks of {width // s} columns)" for alg, s in firsts))
+                       f", or use `{alg}` (chunks of {width // s} columns)" for alg, s in firsts)
+                   + (f"; or reduce {op} on a line of its own" if len(ar.ops) > 1 else ""))
     return rows
 
 

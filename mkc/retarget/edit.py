@@ -77,7 +77,9 @@ def shard_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan) -> None:
 
 def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: FamilyGraph,
                      axis: str) -> None:
-    """Each phase's all-reduce algorithms and gather lines under the plan's rules."""
+    """Each phase's all-reduce algorithms and gather lines under the plan's rules. A line whose
+    algorithm changes loses its `scatter` clause (its chunks were the old first group's; `mkc
+    tune` tries it again)."""
     table = ShardTable.of(plan.rules, plan.topo.num_cores)
     for phase in sched.phases:
         kind = graph.kinds.get(phase.kind.text)

@@ -225,3 +225,31 @@ def test_kv_tiles_up_to_the_measured_length_add_the_measured_bytes_a_token_and_p
     m = ScratchMeasure((("chip", "x"),), "m", "decode", 8, 128, 1000, -1, 2000, "libtpu t")
     assert capacity.kv_token_bytes([m]) == 0
     assert capacity.kv_token_bytes([m, dataclasses.replace(m, kv_tokens=256, bytes=1256)]) == 2.0
+
+
+def test_a_kernel_holds_only_the_all_reduce_buffers_of_the_form_its_rows_run(tmp_path):
+    """K3 with `scatter from 8 rows`: the kernels of up to 7 rows hold the one-shot receive
+    slots (7168 columns), the 8-row one the scattered form's (chunks of 896), so VMEM is
+    checked at both widths (`bounding_widths`), and at 8 rows the all-reduces' buffers take
+    less than the shipped spec's."""
+    from tests_support import K3_SPEC, k3_scatter_text
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(k3_scatter_text())
+    s = check_spec(spec).ir
+    assert capacity.bounding_widths(s) == [7, 8]
+
+    def reduce_buffers(ir_, rows):
+        return {b.name: b.vmem_bytes for b in capacity.kernel_buffers(ir_, rows)
+                if b.cls == "collective" and not b.name.startswith(("gather__", "exchange__"))}
+
+    assert {n.split("__")[0] for n in reduce_buffers(s, 7)} == {"recv", "narrow"}
+    assert {n.split("__")[0] for n in reduce_buffers(s, 8)} == {"recv", "scatter", "send", "chunk",
+                                                                "sums"}
+    # the scattered form's buffers: a third of the shipped spec's one-shot ones (the routed
+    # experts' 3584 columns stay one-shot, in half of those)
+    k3 = check_spec(K3_SPEC).ir
+    shipped = sum(reduce_buffers(k3, 8).values())
+    scattered = {n: v for n, v in reduce_buffers(s, 8).items() if not n.startswith("recv__")}
+    assert sum(scattered.values()) < shipped / 2.5
+    assert sum(reduce_buffers(s, 8).values()) < shipped
+    assert vmem_budget(s, build_trace(s), 8)[0] < vmem_budget(k3, build_trace(k3), 8)[0]

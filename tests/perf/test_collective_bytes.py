@@ -11,7 +11,7 @@ from mkc.perf.run import perf_trace
 from mkc.perf.work import _module
 from mkc.steps.collectives import AllGather, AllReduce, Exchange
 from mkc.trace import Collective
-from tests_support import K3_SPEC
+from tests_support import K3_SPEC, k3_scatter_text
 
 BATCH = 8
 
@@ -59,3 +59,37 @@ def test_k3_gathers_are_priced_as_bf16(k3):
         assert _scratch(module, ir.AllGather.buffer_name(op))[1] == 2
         (rd,) = step.rounds(BATCH, s.cores_per_chip)
         assert rd.nbytes == BATCH * step.entry.width * 2
+
+
+@pytest.fixture(scope="module")
+def k3_scatter(tmp_path_factory):
+    spec = tmp_path_factory.mktemp("scatter") / "kimi_k3.sched"
+    spec.write_text(k3_scatter_text())
+    s = check_spec(spec).ir
+    return s, _module(render(s, "")), perf_trace(s, BATCH, 256)
+
+
+@pytest.mark.parametrize("rows", [1, 7, BATCH])
+def test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs(k3_scatter, rows):
+    """`scatter from 8 rows`: below 8 rows the one-shot stages' whole width to every peer;
+    at 8, the chunk (7168 / 8 columns) to every peer of the host and across hosts in the wire
+    dtype of the buffers the module declares, then the chunk sums gathered over the host in
+    f32; each stage's sums over the chunk."""
+    s, module, events = k3_scatter
+    steps = [e.tag for e in events if isinstance(e, Collective) and isinstance(e.tag, AllReduce)
+             and e.tag.entry.scatter_from is not None]
+    assert {st.entry.after_op for st in steps} == {"o_proj", "down", "shared_down", "embed"}
+    for step in steps:
+        x = step.entry
+        rounds = step.rounds(rows, s.cores_per_chip)
+        if rows < 8:
+            assert [(r.size, r.stride, r.nbytes) for r in rounds] == [
+                (size, stride, rows * x.width * 2) for size, stride in x.stages]
+            continue
+        chunk = x.width // 8
+        names = ["scatter__bf16_8x1", "chunk__bf16_4x8", "sums__f32_8x1"]
+        assert [(r.size, r.stride) for r in rounds] == [(8, 1), (4, 8), (8, 1)]
+        for rd, name in zip(rounds, names):
+            cols, itemsize = _scratch(module, name)
+            assert cols == chunk and rd.nbytes == rows * chunk * itemsize, (step, name)
+        assert [r.sums for r in rounds] == [7 * rows * chunk, 3 * rows * chunk, 0]
