@@ -191,11 +191,12 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
         buf = ir.AllReduce.role_buffer_name(role, wire, size, stride)
         return Stage(buf, counter[buf], size, stride)
 
+    def one_shot(a: ir.AllReduce, role: str) -> tuple[Stage, ...]:
+        return tuple(stage(role, a.wire_dtype, size, stride) for size, stride in a.stages)
+
     def stages(a: ir.AllReduce) -> tuple | FromRows:
-        one_shot = tuple(stage("recv" if a.scatter_from is None else "narrow", a.wire_dtype,
-                               size, stride) for size, stride in a.stages)
         if a.scatter_from is None:
-            return one_shot
+            return one_shot(a, "recv")
         (size, stride), wire = a.stages[0], a.wire_dtype
         first = stage("scatter", wire, size, stride)
         sums = stage("sums", "f32", size, stride)
@@ -203,7 +204,9 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
                                    first.counter, size, stride),
                      *(stage("chunk", wire, sz, st) for sz, st in a.stages[1:]),
                      AllGather(sums.buffer, sums.counter, size, stride))
-        return scattered if a.scatter_from == 1 else FromRows(a.scatter_from, one_shot, scattered)
+        if a.scatter_from == 1:
+            return scattered
+        return FromRows(a.scatter_from, one_shot(a, "narrow"), scattered)
 
     reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
     gather_literals = []

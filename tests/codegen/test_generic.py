@@ -89,3 +89,12 @@ def test_a_scattering_all_reduce_is_its_stages_by_rows_with_its_buffers_by_rows(
         assert name in two and name not in one
     assert not any(n.startswith("send__bf16_2x1__") for n in two)
     assert host.operand_names(2)[2] == list(two)
+
+
+def test_scatter_at_every_width_is_the_scattered_stages_alone(tmp_path):
+    spec = tmp_path / SPEC.name
+    spec.write_text(qwen_scatter_text("scatter"))
+    namespace: dict = {}
+    exec(compiler.compile_spec(spec, "qwen3_8_mini").module_source, namespace)
+    assert [type(st) for st in namespace["GDN_OUT_PROJ_REDUCE"]] == [ReduceScatter, Stage, AllGather]
+    assert not any(n.startswith("narrow__") for n in namespace["SCRATCH_SHAPES"])
