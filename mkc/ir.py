@@ -253,22 +253,21 @@ class AllReduce:
         return self.width // self.stages[0][0]
 
     @staticmethod
-    def buffer_name(wire: str, size: int, stride: int) -> str:
-        """The receive buffer of one stage shape: each group structure has its own, so the
-        parity argument for reusing it holds within one fixed set of peers."""
-        return f"recv__{wire}_{size}x{stride}"
+    def buffer_name(wire: str, size: int, stride: int, span: tuple[int, int] | None = None) -> str:
+        """The receive buffer of one-shot stages over one group: each group structure has its
+        own, so the parity argument for reusing it holds within one fixed set of peers. Where
+        all-reduces scatter from some rows, each span of kernel widths between those rows
+        (`row_spans`) has its own, as wide as the one-shot payloads of that span: `span` for
+        one below the widest kernels' (None)."""
+        spanned = "" if span is None else f"_{span[0]}to{span[1]}"
+        return f"recv{spanned}__{wire}_{size}x{stride}"
 
     @staticmethod
     def role_buffer_name(role: str, wire: str, size: int, stride: int) -> str:
-        """The buffer of one role over the group (size, stride) (`mkc.resolve.collectives`):
-        `recv`, one-shot stages of the all-reduces that never scatter (`buffer_name`);
-        `narrow`, the one-shot form of those that scatter from N rows, in kernels below N;
-        `scatter`, the reduce-scatter's slots `[2, size, B, chunk]` (slot [p, i]: member i's
-        copy of this rank's chunk); `chunk`, a later stage's slots for chunks; `sums`, the
-        f32 all-gather of the chunk sums. Each role has its own, as narrow as its payloads
-        and in the kernels whose form uses it."""
-        if role == "recv":
-            return AllReduce.buffer_name(wire, size, stride)
+        """A buffer of the scattered form over the group (size, stride): `scatter`, the
+        reduce-scatter's slots `[2, size, B, chunk]` (slot [p, i]: member i's copy of this
+        rank's chunk); `chunk`, a later stage's slots for chunks; `sums`, the f32 all-gather
+        of the chunk sums. Each in the kernels whose rows run the scattered form."""
         return f"{role}__{wire}_{size}x{stride}"
 
     @staticmethod
@@ -279,6 +278,13 @@ class AllReduce:
 
 
 STAGING = "send__"                # a reduce-scatter's send staging buffer (`staging_name`)
+
+
+def row_spans(reduces: list[AllReduce], rows_max: int) -> list[tuple[int, int]]:
+    """The spans of kernel widths (rows, inclusive) cut at every row count an all-reduce
+    scatters from: within a span each all-reduce runs one form."""
+    cuts = sorted({a.scatter_from for a in reduces if a.scatter_from and a.scatter_from > 1})
+    return list(zip([1, *cuts], [c - 1 for c in cuts] + [rows_max]))
 
 
 def is_staging(buffer: str) -> bool:

@@ -187,26 +187,36 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
     """The module constants of the all-reduce stages (the embedding's first) and of the
     gathers, each stage naming its receive buffer and use counter."""
 
-    def stage(role: str, wire: str, size: int, stride: int) -> Stage:
-        buf = ir.AllReduce.role_buffer_name(role, wire, size, stride)
+    spans = ir.row_spans([a for k in s.kinds.values() for a in k.allreduces] + [s.embed_reduce],
+                         s.rows_max)
+
+    def stage(buf: str, size: int, stride: int) -> Stage:
         return Stage(buf, counter[buf], size, stride)
 
-    def one_shot(a: ir.AllReduce, role: str) -> tuple[Stage, ...]:
-        return tuple(stage(role, a.wire_dtype, size, stride) for size, stride in a.stages)
+    def form(a: ir.AllReduce, lo: int, hi: int) -> tuple:
+        """The stages of `a` in the kernels of `lo` to `hi` rows."""
+        if not a.scattered(lo):
+            span = None if hi == s.rows_max else (lo, hi)
+            return tuple(stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride, span), size, stride)
+                         for size, stride in a.stages)
+        (size, stride), wire = a.stages[0], a.wire_dtype
+        first = stage(ir.AllReduce.role_buffer_name("scatter", wire, size, stride), size, stride)
+        sums = stage(ir.AllReduce.role_buffer_name("sums", "f32", size, stride), size, stride)
+        return (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride),
+                              first.counter, size, stride),
+                *(stage(ir.AllReduce.role_buffer_name("chunk", wire, sz, st), sz, st)
+                  for sz, st in a.stages[1:]),
+                AllGather(sums.buffer, sums.counter, size, stride))
 
     def stages(a: ir.AllReduce) -> tuple | FromRows:
-        if a.scatter_from is None:
-            return one_shot(a, "recv")
-        (size, stride), wire = a.stages[0], a.wire_dtype
-        first = stage("scatter", wire, size, stride)
-        sums = stage("sums", "f32", size, stride)
-        scattered = (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride),
-                                   first.counter, size, stride),
-                     *(stage("chunk", wire, sz, st) for sz, st in a.stages[1:]),
-                     AllGather(sums.buffer, sums.counter, size, stride))
-        if a.scatter_from == 1:
-            return scattered
-        return FromRows(a.scatter_from, one_shot(a, "narrow"), scattered)
+        """Its stages by the kernel's rows: one tuple, or `FromRows` where they change."""
+        chosen: tuple | FromRows = form(a, *spans[0])
+        last = chosen
+        for lo, hi in spans[1:]:
+            here = form(a, lo, hi)
+            if here != last:
+                chosen, last = FromRows(lo, chosen, here), here
+        return chosen
 
     reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
     gather_literals = []

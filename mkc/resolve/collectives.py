@@ -61,49 +61,44 @@ def _whole_chunks(width: int, size: int) -> bool:
 
 def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllReduce, B: int,
                      rows_max: int) -> tuple[ir.Buffer, ...]:
-    """The all-reduces' buffers, one per role, wire dtype and group, as wide as the widest
-    payload of its uses: a one-shot stage's receive slots (`recv`, for the all-reduces that
-    never scatter; `narrow`, for the one-shot form of those that scatter from N rows); where
-    an all-reduce scatters, its first group's reduce-scatter slots (`scatter`) and send
+    """The all-reduces' buffers, each as wide as the widest payload of its uses and in the
+    kernels whose rows use it (`Buffer.rows`): per group, one-shot stages' receive slots for
+    each span of kernel widths between the rows all-reduces scatter from (`ir.row_spans`);
+    where an all-reduce scatters, its first group's reduce-scatter slots (`scatter`) and send
     staging, the later stages' slots for chunks (`chunk`) and the first group's f32
-    all-gather (`sums`). Each exists in the kernels whose rows run a form that uses it
-    (`Buffer.rows`)."""
-    found: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}   # -> (width, rows)
+    all-gather (`sums`)."""
+    reduces = [a for k in kinds.values() for a in k.allreduces] + [embed_reduce]
+    spans = ir.row_spans(reduces, rows_max)
+    found: dict[tuple, tuple[int, int, int]] = {}     # (role, wire, size, stride) -> (width, rows)
 
-    def use(role: str, wire: str, group: tuple[int, int], width: int, lo: int, hi: int) -> None:
+    def use(role: tuple, wire: str, group: tuple[int, int], width: int, lo: int, hi: int) -> None:
         key = (role, wire, *group)
         w, a, b = found.get(key, (0, lo, hi))
         found[key] = (max(w, width), min(a, lo), max(b, hi))
 
-    for a in [a for k in kinds.values() for a in k.allreduces] + [embed_reduce]:
-        start = rows_max + 1 if a.scatter_from is None else a.scatter_from
-        if start > 1:
-            for group in a.stages:
-                use("recv" if a.scatter_from is None else "narrow", a.wire_dtype, group,
-                    a.width, 1, start - 1)
-        if start <= rows_max:
+    for a in reduces:
+        for lo, hi in spans:
+            if not a.scattered(lo):
+                for group in a.stages:
+                    use((0, lo, hi), a.wire_dtype, group, a.width, lo, hi)
+                continue
             first = a.stages[0]
-            use("scatter", a.wire_dtype, first, a.chunk, start, rows_max)
+            use((1, "scatter"), a.wire_dtype, first, a.chunk, lo, hi)
             for group in a.stages[1:]:
-                use("chunk", a.wire_dtype, group, a.chunk, start, rows_max)
-            use("sums", "f32", first, a.chunk, start, rows_max)
+                use((2, "chunk"), a.wire_dtype, group, a.chunk, lo, hi)
+            use((3, "sums"), "f32", first, a.chunk, lo, hi)
     out = []
-    for (role, wire, size, stride), (w, lo, hi) in sorted(found.items(), key=_role_order):
+    for (role, wire, size, stride), (w, lo, hi) in sorted(found.items()):
         rows = None if (lo, hi) == (1, rows_max) else (lo, hi)
-        name = ir.AllReduce.role_buffer_name(role, wire, size, stride)
+        if role[0] == 0:
+            name = ir.AllReduce.buffer_name(wire, size, stride, None if hi == rows_max else (lo, hi))
+        else:
+            name = ir.AllReduce.role_buffer_name(role[1], wire, size, stride)
         out.append(ir.Buffer(name, "collective", (2, size, B, w), wire, batch_axis=2, rows=rows))
-        if role == "scatter":
+        if role[-1] == "scatter":
             out.append(ir.Buffer(ir.AllReduce.staging_name(wire, size, stride), "collective",
                                  (size, B, w), wire, batch_axis=1, rows=rows))
     return tuple(out)
-
-
-_ROLES = ("recv", "narrow", "scatter", "chunk", "sums")
-
-
-def _role_order(item: tuple) -> tuple:
-    (role, wire, size, stride), _ = item
-    return (_ROLES.index(role), wire, size, stride)
 
 
 def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards: ShardTable,

@@ -237,15 +237,18 @@ AllReduceStage = Stage | ReduceScatter | AllGather
 
 @dataclass(frozen=True)
 class FromRows:
-    """An all-reduce whose kernels of at least `rows` rows run `stages` (the scattered form)
-    and narrower ones `below` (one-shot)."""
+    """An all-reduce whose kernels of at least `rows` rows run `stages` and narrower ones
+    `below` (itself chosen by rows where it is a `FromRows`): the scattered form from the rows
+    it scatters from, and one-shot stages through each span of widths' own buffers."""
 
     rows: int
-    below: tuple[AllReduceStage, ...]
+    below: "tuple[AllReduceStage, ...] | FromRows"
     stages: tuple[AllReduceStage, ...]
 
     def at(self, rows: int) -> tuple[AllReduceStage, ...]:
-        return self.stages if rows >= self.rows else self.below
+        if rows >= self.rows:
+            return self.stages
+        return self.below.at(rows) if isinstance(self.below, FromRows) else self.below
 
 
 def _stage_refs(refs, st: Stage | ReduceScatter | AllGather) -> tuple:

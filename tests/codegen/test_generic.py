@@ -14,7 +14,7 @@ from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.vectors import Parity
-from tests_support import ROOT, SPEC, qwen_scatter_text
+from tests_support import ROOT, SPEC, k3_scatter_text, qwen_scatter_text
 
 NAMES = {c.__name__: c for c in (Stage, KindPlan, StateCopy, ExpertSlots, KvTiles, Ring,
                                  StreamedMatrix, Parity)}
@@ -83,7 +83,7 @@ def test_a_scattering_all_reduce_is_its_stages_by_rows_with_its_buffers_by_rows(
     assert len(set(counters)) == len(counters) <= namespace["N_COLLECTIVE_COUNTERS"]
     host = namespace["HOST"]
     one, two = host.scratch_shapes(1), host.scratch_shapes(2)
-    for name in ("narrow__bf16_2x1", "narrow__bf16_2x1__recv"):
+    for name in ("recv_1to1__bf16_2x1", "recv_1to1__bf16_2x1__recv"):
         assert name in one and name not in two
     for name in ("scatter__bf16_2x1", "scatter__bf16_2x1__send", "send__bf16_2x1", "sums__f32_2x1"):
         assert name in two and name not in one
@@ -97,4 +97,19 @@ def test_scatter_at_every_width_is_the_scattered_stages_alone(tmp_path):
     namespace: dict = {}
     exec(compiler.compile_spec(spec, "qwen3_8_mini").module_source, namespace)
     assert [type(st) for st in namespace["GDN_OUT_PROJ_REDUCE"]] == [ReduceScatter, Stage, AllGather]
-    assert not any(n.startswith("narrow__") for n in namespace["SCRATCH_SHAPES"])
+    assert not any(n.startswith("recv") for n in namespace["SCRATCH_SHAPES"])
+
+
+def test_a_one_shot_all_reduce_uses_each_span_of_widths_own_buffers(tmp_path):
+    """K3 with `scatter from 8 rows` on all but the routed experts: theirs stays one-shot,
+    through the 7168-column slots below 8 rows and its own 3584-column ones from 8."""
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(k3_scatter_text())
+    namespace: dict = {}
+    exec(compiler.compile_spec(spec).module_source, namespace)
+    routed = namespace["MOE_ROUTED_EXPERTS_REDUCE"]
+    assert isinstance(routed, FromRows) and routed.rows == 8
+    assert [st.buffer for st in routed.below] == ["recv_1to7__bf16_8x1", "recv_1to7__bf16_4x8"]
+    assert [st.buffer for st in routed.stages] == ["recv__bf16_8x1", "recv__bf16_4x8"]
+    shared = namespace["MOE_SHARED_DOWN_REDUCE"]
+    assert shared.below == routed.below and type(shared.stages[0]) is ReduceScatter

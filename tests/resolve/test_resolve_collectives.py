@@ -40,28 +40,29 @@ def test_each_form_has_its_own_buffers_in_the_kernels_that_run_it(k3):
     got = {b.name: (b.shape, b.dtype, b.rows) for b in k3.buffers if b.cls == "collective"
            and not b.name.startswith(("gather__", "exchange__"))}
     assert got == {
-        # the routed experts' one-shot stages, at every width
-        "recv__bf16_8x1": ((2, 8, 8, 3584), "bf16", None),
-        "recv__bf16_4x8": ((2, 4, 8, 3584), "bf16", None),
-        # the scattering ones' one-shot form, below 8 rows
-        "narrow__bf16_8x1": ((2, 8, 8, 7168), "bf16", (1, 7)),
-        "narrow__bf16_4x8": ((2, 4, 8, 7168), "bf16", (1, 7)),
-        # their scattered form, from 8 rows: chunks of 7168 / 8 columns
+        # one-shot stages below 8 rows (every all-reduce there): 7168 columns
+        "recv_1to7__bf16_8x1": ((2, 8, 8, 7168), "bf16", (1, 7)),
+        "recv_1to7__bf16_4x8": ((2, 4, 8, 7168), "bf16", (1, 7)),
+        # from 8 rows: the routed experts' one-shot stages, 3584 columns
+        "recv__bf16_8x1": ((2, 8, 8, 3584), "bf16", (8, 8)),
+        "recv__bf16_4x8": ((2, 4, 8, 3584), "bf16", (8, 8)),
+        # and the scattered form: chunks of 7168 / 8 columns
         "scatter__bf16_8x1": ((2, 8, 8, 896), "bf16", (8, 8)),
         "send__bf16_8x1": ((8, 8, 896), "bf16", (8, 8)),
         "chunk__bf16_4x8": ((2, 4, 8, 896), "bf16", (8, 8)),
         "sums__f32_8x1": ((2, 8, 8, 896), "f32", (8, 8)),
     }
     assert ir.is_staging("send__bf16_8x1") and not ir.is_staging("scatter__bf16_8x1")
-    narrow = k3.buffer("narrow__bf16_8x1")
-    assert narrow.exists_at(1) and narrow.exists_at(7) and not narrow.exists_at(8)
+    below = k3.buffer("recv_1to7__bf16_8x1")
+    assert below.exists_at(1) and below.exists_at(7) and not below.exists_at(8)
+    assert ir.row_spans(list(_reduces(k3).values()), k3.rows_max) == [(1, 7), (8, 8)]
 
 
 def test_scatter_at_every_width_keeps_no_one_shot_form():
     s = _ir(k3_scatter_text("scatter"))
     assert {a.scatter_from for a in _reduces(s).values()} == {1, None}
     names = {b.name: b.rows for b in s.buffers if b.cls == "collective"}
-    assert not any(n.startswith("narrow__") for n in names)
+    assert names["recv__bf16_8x1"] is None              # the routed experts', at every width
     assert names["scatter__bf16_8x1"] is None and names["sums__f32_8x1"] is None
 
 

@@ -243,6 +243,9 @@ def test_named_stages_bit_equal_to_the_rounding_emulation(interpreted, form, rnd
 def test_from_rows_picks_the_form_by_the_kernels_rows():
     chosen = coll.FromRows(8, ONE_SHOT, SCATTERED)
     assert chosen.at(7) == ONE_SHOT and chosen.at(8) == chosen.at(16) == SCATTERED
+    nested = coll.FromRows(8, coll.FromRows(4, ONE_SHOT, SCATTERED_DIRECT), SCATTERED)
+    assert (nested.at(3), nested.at(4), nested.at(7), nested.at(8)) == (
+        ONE_SHOT, SCATTERED_DIRECT, SCATTERED_DIRECT, SCATTERED)
 
 
 @pytest.mark.parametrize("mode", ["races", "races_eager"])
