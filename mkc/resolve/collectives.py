@@ -51,11 +51,18 @@ def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllR
     if not same_group:
         return ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H)
     embed = replace(same_group[0], after_op="embed", width=H)
-    return embed if _whole_chunks(H, embed.stages[0][0]) else replace(embed, scatter_from=None)
+    return embed if whole_chunks(H, embed.stages[0][0]) else replace(embed, scatter_from=None)
 
 
-def _whole_chunks(width: int, size: int) -> bool:
-    """Whether `width` columns split into `size` chunks of whole 128-lane tiles."""
+def reduced_width(kind: LayerKind, op: str) -> int:
+    """Columns of an op's output (what an all-reduce after it moves)."""
+    o = kind.ops[kind.op_names().index(op)]
+    return o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
+
+
+def whole_chunks(width: int, size: int) -> bool:
+    """Whether `width` columns split into `size` chunks of whole 128-lane tiles: what
+    `scatter` needs of an all-reduce's columns over its first group."""
     return width % size == 0 and (width // size) % ir.LANES == 0
 
 
@@ -109,8 +116,7 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
     partial_over = {o.name: o.partial or (kind.tensors[o.matmul].partial_out if o.matmul else ())
                     for o in kind.ops}
     partial_ops = [o for o, classes in partial_over.items() if classes]
-    width_of = {o.name: o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
-                for o in kind.ops}
+    width_of = {o.name: reduced_width(kind, o.name) for o in kind.ops}
     allreduces: list[ir.AllReduce] = []
     for ar in phase.allreduces:
         if ar.algorithm.text not in ALLREDUCE_ALGORITHMS:
@@ -165,11 +171,11 @@ def _scatter_from(ar: AllReduce, op: str, stages: tuple[tuple[int, int], ...], w
                    sc.span, hint=f"write `scatter from N rows` with N up to {rows_max}, or drop "
                    "`scatter` to keep the one-shot stages")
     size = stages[0][0]
-    if not _whole_chunks(width, size):
+    if not whole_chunks(width, size):
         what = (f"{width} / {size} = {width / size:g} columns" if width % size
                 else f"{width // size} columns")
-        firsts = [(alg, st[0][0]) for alg, st in _algorithm_stages(topo, over)
-                  if _whole_chunks(width, st[0][0])]
+        firsts = [(alg, st[0][0]) for alg, st in algorithm_stages(topo, over)
+                  if whole_chunks(width, st[0][0])]
         raise fail("E-COLLECTIVE", f"scatter splits the {width} columns of {op} over the "
                    f"{size} ranks of its first group into chunks of {what}, not whole 128-lane tiles",
                    sc.word.span,
@@ -179,8 +185,8 @@ def _scatter_from(ar: AllReduce, op: str, stages: tuple[tuple[int, int], ...], w
     return rows
 
 
-def _algorithm_stages(topo: target.Topology, over: tuple[int, int]
-                      ) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+def algorithm_stages(topo: target.Topology, over: tuple[int, int]
+                     ) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
     """Every algorithm's spelling and stages for the group `over` on this topology."""
     out = [("direct", (over,))]
     for level, cores in (("chip", topo.chip.cores_per_chip), ("host", topo.cores_per_host)):

@@ -26,6 +26,9 @@ def exchange_name(kind: str, op: str) -> str:
     return f"{kind}_{op}_exchange".upper()
 
 
+LINE_LENGTH = 110          # a generated module's longest line (ruff's, pyproject.toml)
+
+
 @dataclass(frozen=True)
 class Round:
     """One round of a collective as this rank runs it: `nbytes` to every peer of the rank group
@@ -57,8 +60,16 @@ class _Collective(Step):
         return f"{self.kind} {self.entry.after_op}"
 
     def _emit(self, e, indent: str, method: str, constant: str, what: str) -> None:
+        """The call, its spec line beside it (`mkc.perf.bundles` charges the call's
+        instructions to it) and what it does; that on a line of its own above where the line
+        would pass the module's line length."""
         value = e.k.op_values[self.op][1][0]
-        e.line(indent, f"{value} = k.{method}({value}, {constant})   # {spec_line(self.entry.span)}: {what}")
+        call = f"{value} = k.{method}({value}, {constant})   # {spec_line(self.entry.span)}"
+        if len(indent) + len(call) + len(what) + 2 > LINE_LENGTH:
+            e.line(indent, f"# {what}")
+            e.line(indent, call)
+        else:
+            e.line(indent, f"{call}: {what}")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from mkc.perf.run import perf_trace
 from mkc.perf.work import _module
 from mkc.steps.collectives import AllGather, AllReduce, Exchange
 from mkc.trace import Collective
-from tests_support import K3_SPEC, k3_scatter_text
+from tests_support import K3_SPEC
 
 BATCH = 8
 
@@ -36,6 +36,8 @@ def test_every_collective_round_moves_its_payload_in_the_emitted_buffer_dtype(k3
         rounds = step.rounds(BATCH, s.cores_per_chip)
         x = step.entry
         if isinstance(step, AllReduce):
+            if x.scattered(BATCH):
+                continue        # test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs
             assert len(rounds) == len(x.stages)
             for rd, (size, stride) in zip(rounds, x.stages):
                 _, itemsize = _scratch(module, ir.AllReduce.buffer_name(x.wire_dtype, size, stride))
@@ -61,21 +63,13 @@ def test_k3_gathers_are_priced_as_bf16(k3):
         assert rd.nbytes == BATCH * step.entry.width * 2
 
 
-@pytest.fixture(scope="module")
-def k3_scatter(tmp_path_factory):
-    spec = tmp_path_factory.mktemp("scatter") / "kimi_k3.sched"
-    spec.write_text(k3_scatter_text())
-    s = check_spec(spec).ir
-    return s, _module(render(s, "")), perf_trace(s, BATCH, 256)
-
-
 @pytest.mark.parametrize("rows", [1, 7, BATCH])
-def test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs(k3_scatter, rows):
-    """`scatter from 8 rows`: below 8 rows the one-shot stages' whole width to every peer;
+def test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs(k3, rows):
+    """K3's `scatter from 8 rows`: below 8 rows the one-shot stages' whole width to every peer;
     at 8, the chunk (7168 / 8 columns) to every peer of the host and across hosts in the wire
     dtype of the buffers the module declares, then the chunk sums gathered over the host in
     f32; each stage's sums over the chunk."""
-    s, module, events = k3_scatter
+    s, module, events = k3
     steps = [e.tag for e in events if isinstance(e, Collective) and isinstance(e.tag, AllReduce)
              and e.tag.entry.scatter_from is not None]
     assert {st.entry.after_op for st in steps} == {"o_proj", "down", "shared_down", "embed"}
