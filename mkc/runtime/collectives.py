@@ -39,7 +39,8 @@ rank sends only after its sum of use c has read every slot. Its send staging ``s
 B, chunk]`` (chunk j of this rank's partial, for member j; no parity) is written at the start
 of each use and read only by this use's outgoing copies, all of which are waited
 (``wait_send``) before the use returns, so the next use's writes never meet a copy still
-reading it. Its own chunk goes from staging to its own slot by a local copy before any send.
+reading it. Its own chunk goes from staging to its own slot by a local copy (on send semaphore
+[par, 0], which no remote copy uses), waited with the sends.
 """
 from __future__ import annotations
 
@@ -143,7 +144,11 @@ def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counte
 
     for j in range(size):
         staged(j)[...] = partial[:, j * chunk:(j + 1) * chunk].astype(recv.dtype)
-    slot(local)[...] = staged(local)[...]
+    # its own chunk to its own slot by a local copy (a vector copy from a row of `staging`
+    # chosen at run time costs the kernel ~1.4 MiB of spill slots at K3's size), on send
+    # semaphore [par, 0], which no remote copy uses
+    own = pltpu.make_async_copy(staged(local), slot(local), send_sem.at[par, 0])
+    own.start()
     sends = []
     for k in range(1, size):
         member = lax.rem(local + k, size)
@@ -155,6 +160,7 @@ def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counte
         sends.append(cp)
     for cp in sends:
         cp.wait_send()
+    own.wait()
     for k in range(1, size):
         # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
         src = lax.rem(local + size - k, size)
