@@ -206,6 +206,32 @@ def bench_modelled() -> list[str]:
     return lines
 
 
+def bench_against_hand_kernel() -> list[str]:
+    """K3's shipped spec against the calibration spec (the hand-written kernel's layout and
+    formats, benchmarks/data/calibration/kimi_k3.sched), both modelled in this run under the
+    same constants and compiled prices, at batch 1 and 8 and the verify step of 8 rows: the
+    ratio is the calibration spec's step over the shipped one's. The published hand-kernel
+    steps are beside them, for scale."""
+    from mkc import compiler
+    from mkc.perf.constants import DATA
+    from mkc.perf.run import run
+    shipped = compiler.check_spec(ROOT / "schedules" / "kimi_k3.sched").ir
+    hand = compiler.check_spec(ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched").ir
+    points = json.loads((DATA / "calibration_points.json").read_text())
+    published = {(p["batch"], None): p["step_s"] for p in points["points"]}
+    holdout = points["speculative_holdout"]
+    published[holdout["sequences"], holdout["rows"]] = holdout["step_s"]
+    lines = ["| Kimi K3 step | hand kernel's layout (modelled) | shipped spec (modelled) | ratio "
+             "| hand kernel, published |", "| --- | --- | --- | --- | --- |"]
+    for batch, verify in ((1, None), (8, None), (None, 8)):
+        a, b = (run(s, batch, None, verify)["step_seconds"] for s in (hand, shipped))
+        pub = published.get((batch or 1, verify))
+        what = f"verify {verify}" if verify else f"batch {batch}"
+        lines.append(f"| {what} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {a / b:.2f}x | "
+                     + (f"{pub * 1e3:.2f} ms |" if pub else "- |"))
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -217,7 +243,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.modelled:
         print("Modelled, not measured (tpu7x constants as recorded; mkc perf):")
-        print("\n".join(bench_modelled()))
+        print("\n".join(bench_modelled() + [""] + bench_against_hand_kernel()))
         print("    reproduce: ./dev bench --modelled")
         return 0
     if args.tiers:

@@ -36,19 +36,29 @@ QWEN_MOE_FORMATS = {"bf16": ("bf16", "bf16"),
 QWEN_MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
 # Each shipped spec whose routed experts are offered in other formats: those formats by name.
 EXPERT_FORMATS = {K3_SPEC: K3_FORMATS, QWEN_MOE_SPEC: QWEN_MOE_FORMATS}
+# Formats whose larger expert slots the shipped geometry cannot hold beside its ring: the
+# other line edits that make them fit (one ring slot fewer), at the VMEM margin the spec expects.
+_K3_RING_SLOT_FEWER = (("ring weights: 8 slots", "ring weights: 7 slots"),
+                       ("stream weights ahead 8", "stream weights ahead 7"))
+FORMAT_GEOMETRY = {(K3_SPEC, "fp8"): _K3_RING_SLOT_FEWER, (K3_SPEC, "fp8 block"): _K3_RING_SLOT_FEWER}
 CALIBRATION = ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched"
 
 
 def format_edits(spec: Path, formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
     """(old, new) line edits taking a shipped spec's routed experts to `formats`: a key of its
-    EXPERT_FORMATS, or the (gate_up, down) formats as a spec writes them after the class. The
-    lines keep their place, so the spec's other lines keep their numbers."""
+    EXPERT_FORMATS, or the (gate_up, down) formats as a spec writes them after the class, with
+    the FORMAT_GEOMETRY edits a named format needs. The lines keep their place, so the spec's
+    other lines keep their numbers."""
     text = spec.read_text()
     edits = []
     for cls, now in zip(("gate_up", "down"), EXPERT_FORMATS[spec].get(formats, formats)):
         m = re.search(rf"^ *format expert\.{cls} .*$", text, flags=re.M)
         assert m, f"{spec.name} has no `format expert.{cls}` line"
         edits.append((m.group(0), re.sub(r"format (\S+) .*", rf"format \1 {now}", m.group(0))))
+    if isinstance(formats, str):
+        for old, new in FORMAT_GEOMETRY.get((spec, formats), ()):
+            line = next(ln for ln in text.splitlines() if old in ln)
+            edits.append((line, line.replace(old, new)))
     return tuple(edits)
 
 

@@ -68,7 +68,7 @@ def _spec_points(name: str, spec: Path, widths: tuple[int, ...] | None = None,
 # Each family's KV tiles at twice the shipped length (its bytes a token past a measure).
 KV_256 = {"qwen3_8_27b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of 256 tokens"),
           "qwen3_5_35b_a3b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of 256 tokens"),
-          "kimi_k3": ("kv tiles 2 slots of 128 tokens", "kv tiles 2 slots of 256 tokens"),
+          "kimi_k3": ("kv tiles 3 slots of 256 tokens", "kv tiles 3 slots of 512 tokens"),
           "llama_3_1_8b": ("kv tiles 4 slots of 256 tokens", "kv tiles 4 slots of 512 tokens"),
           "qwen3_30b_a3b": ("kv tiles 4 slots of 128 tokens", "kv tiles 4 slots of 256 tokens"),
           **{name: ("phase gqa {\n    kv tiles 2 slots of 128", "phase gqa {\n    kv tiles 2 slots of 256")

@@ -144,10 +144,12 @@ def variants_of(name: str, spec: Path, formats) -> list[Variant]:
         tag = f"{name} {kernel} " + (f"B{batch}" if kernel == "decode" else
                                      f"{shipped.verify_rows}x{batch}")
         base = tuple(formats) + tuple(_base_edits(text, kernel, batch))
-        peak = mkc_view(Variant("", rel, base, kernel, batch))["peak"]
-        at_peak = tuple(formats) + tuple(_base_edits(text, kernel, batch,
-                                                     f"{math.ceil(peak / 1024)} KiB"))
-        out.append(Variant(f"{tag} peak", rel, at_peak, kernel, batch))
+        base_view = mkc_view(Variant("", rel, base, kernel, batch))
+        peak = base_view["peak"]
+        if peak <= base_view["budget"]:      # a limit at mkc's peak is one the chip has
+            at_peak = tuple(formats) + tuple(_base_edits(text, kernel, batch,
+                                                         f"{math.ceil(peak / 1024)} KiB"))
+            out.append(Variant(f"{tag} peak", rel, at_peak, kernel, batch))
         def fits(slots: int) -> bool:
             view = mkc_view(Variant("", rel, base + tuple(_ring_edits(text, slots)), kernel, batch))
             return "error" not in view and view["fits"]
@@ -169,9 +171,10 @@ def boundary_variant(name: str, width: str, kind: str) -> Variant:
     """One swept spec's variant: `width` as "decode B8" or "verify 8x2", `kind` one of KINDS."""
     _, spec, formats = next(x for x in SWEPT if x[0] == name)
     found = [v for v in variants_of(name, spec, formats) if v.name.startswith(f"{name} {width} ")]
+    rings = [v for v in found if not v.name.endswith(" peak")]
     if kind == "peak":
-        return found[0]
-    return found[1] if kind == "ring N" and len(found) == 3 else found[-1]
+        return next(v for v in found if v.name.endswith(" peak"))
+    return rings[0] if kind == "ring N" and len(rings) == 2 else rings[-1]
 
 
 def variants(only: str | None = None) -> list[Variant]:

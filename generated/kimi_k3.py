@@ -2,10 +2,10 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): b20a25240829ed32
+Input digest (spec, model config, mkc version): d701bc08857a3dac
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
+through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.kimi_k3.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -103,8 +103,8 @@ PER_RANK = {'cache_width': 640, 'dense': 1152, 'expert_tp': 4, 'expert_width': 7
             'local_experts': 112, 'router_cols': 512, 'router_split': 2, 'shared': 192,
             'up_cols': 896, 'vocab': 5120}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:43'),
-           'expert.gate_up': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:42')}
+FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:44'),
+           'expert.gate_up': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:43')}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=32,
                     rules=(('expert_mlp', 4, 1), ('experts', 8, 4), ('heads', 32, 1),
@@ -124,50 +124,55 @@ LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 
               3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3,
               2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (
-    0, 0, 42, 42, 74, 74, 106, 122, 154, 154, 186, 186, 218, 218, 250, 266, 298, 298, 330, 330, 362,
-    362, 394, 410, 442, 442, 474, 474, 506, 506, 538, 554, 586, 586, 618, 618, 650, 650, 682, 698,
-    730, 730, 762, 762, 794, 794, 826, 842, 874, 874, 906, 906, 938, 938, 970, 986, 1018, 1018,
-    1050, 1050, 1082, 1082, 1114, 1130, 1162, 1162, 1194, 1194, 1226, 1226, 1258, 1274, 1306, 1306,
-    1338, 1338, 1370, 1370, 1402, 1418, 1450, 1450, 1482, 1482, 1514, 1514, 1546, 1562, 1594, 1594,
-    1626, 1626, 1658, 1658, 1690, 1706, 1738, 1738, 1770, 1770, 1802, 1802, 1834, 1850, 1882, 1882,
-    1914, 1914, 1946, 1946, 1978, 1994, 2026, 2026, 2058, 2058, 2090, 2090, 2122, 2138, 2170, 2170,
-    2202, 2202, 2234, 2234, 2266, 2282, 2314, 2314, 2346, 2346, 2378, 2378, 2410, 2426, 2458, 2458,
-    2490, 2490, 2522, 2522, 2554, 2570, 2602, 2602, 2634, 2634, 2666, 2666, 2698, 2714, 2746, 2746,
-    2778, 2778, 2810, 2810, 2842, 2858, 2890, 2890, 2922, 2922, 2954, 2954, 2986, 3002, 3034, 3034,
-    3066, 3066, 3098, 3098, 3130, 3146, 3178, 3178, 3210, 3210, 3242, 3242, 3274, 3290, 3322, 3338
-)
+LAYER_TILE_OFFSET = (0, 15, 60, 75, 108, 123, 156, 180, 213, 228, 261, 276, 309, 324, 357, 381, 414,
+                     429, 462, 477, 510, 525, 558, 582, 615, 630, 663, 678, 711, 726, 759, 783, 816,
+                     831, 864, 879, 912, 927, 960, 984, 1017, 1032, 1065, 1080, 1113, 1128, 1161,
+                     1185, 1218, 1233, 1266, 1281, 1314, 1329, 1362, 1386, 1419, 1434, 1467, 1482,
+                     1515, 1530, 1563, 1587, 1620, 1635, 1668, 1683, 1716, 1731, 1764, 1788, 1821,
+                     1836, 1869, 1884, 1917, 1932, 1965, 1989, 2022, 2037, 2070, 2085, 2118, 2133,
+                     2166, 2190, 2223, 2238, 2271, 2286, 2319, 2334, 2367, 2391, 2424, 2439, 2472,
+                     2487, 2520, 2535, 2568, 2592, 2625, 2640, 2673, 2688, 2721, 2736, 2769, 2793,
+                     2826, 2841, 2874, 2889, 2922, 2937, 2970, 2994, 3027, 3042, 3075, 3090, 3123,
+                     3138, 3171, 3195, 3228, 3243, 3276, 3291, 3324, 3339, 3372, 3396, 3429, 3444,
+                     3477, 3492, 3525, 3540, 3573, 3597, 3630, 3645, 3678, 3693, 3726, 3741, 3774,
+                     3798, 3831, 3846, 3879, 3894, 3927, 3942, 3975, 3999, 4032, 4047, 4080, 4095,
+                     4128, 4143, 4176, 4200, 4233, 4248, 4281, 4296, 4329, 4344, 4377, 4401, 4434,
+                     4449, 4482, 4497, 4530, 4545, 4578, 4602, 4635, 4659)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=7, col_tiles=3,
                                tile_rows=1024, tile_cols=768)
-DENSE_DOWN = StreamedMatrix(name='down', rows=1152, cols=7168, row_tiles=3, col_tiles=7,
-                            tile_rows=384, tile_cols=1024)
+DENSE_DOWN = StreamedMatrix(name='down', rows=1152, cols=7168, row_tiles=3, col_tiles=8,
+                            tile_rows=384, tile_cols=896)
+KDA_GATE_DOWN = StreamedMatrix(name='gate_down', rows=7168, cols=128, row_tiles=7, col_tiles=1,
+                               tile_rows=1024, tile_cols=128)
+KDA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=8,
+                            tile_rows=384, tile_cols=896)
+MLA_Q_DOWN = StreamedMatrix(name='q_down', rows=7168, cols=1536, row_tiles=7, col_tiles=2,
+                            tile_rows=1024, tile_cols=768)
 MLA_Q_UP = StreamedMatrix(name='q_up', rows=1536, cols=576, row_tiles=2, col_tiles=1, tile_rows=768,
                           tile_cols=640)
-MLA_GATE = StreamedMatrix(name='gate', rows=7168, cols=384, row_tiles=7, col_tiles=1,
-                          tile_rows=1024, tile_cols=384)
-MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=7,
-                            tile_rows=384, tile_cols=1024)
+MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=8,
+                            tile_rows=384, tile_cols=896)
 MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=512, row_tiles=7, col_tiles=1,
                             tile_rows=1024, tile_cols=512)
 MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=7168, cols=128, row_tiles=7, col_tiles=1,
                                  tile_rows=1024, tile_cols=128)
 MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=384, row_tiles=7,
                                     col_tiles=1, tile_rows=1024, tile_cols=384)
-MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=192, cols=7168, row_tiles=1, col_tiles=7,
-                                 tile_rows=256, tile_cols=1024)
+MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=192, cols=7168, row_tiles=1, col_tiles=8,
+                                 tile_rows=256, tile_cols=896)
 MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=4, col_tiles=1,
                                tile_rows=896, tile_cols=896)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7, col_tiles=5,
-                              tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=5, ahead=5, total_tiles=3405,
-            tile_shapes=((256, 1024), (384, 1024), (768, 640), (896, 896), (1024, 128), (1024, 384),
-                         (1024, 512), (1024, 768), (1024, 1024)))
-TAIL_TILE_OFFSET = 3370
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7, col_tiles=8,
+                              tile_rows=1024, tile_cols=640)
+RING = Ring(slots=8, ahead=8, total_tiles=4748,
+            tile_shapes=((256, 896), (384, 896), (768, 640), (896, 896), (1024, 128), (1024, 384),
+                         (1024, 512), (1024, 640), (1024, 768)))
+TAIL_TILE_OFFSET = 4692
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [],
-                'mla': [MLA_Q_UP, MLA_GATE, MLA_O_PROJ],
+STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [KDA_GATE_DOWN, KDA_O_PROJ],
+                'mla': [MLA_Q_DOWN, MLA_Q_UP, MLA_O_PROJ],
                 'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_SHARED_GATE_UP, MOE_SHARED_DOWN,
                         MOE_LATENT_UP],
                 'tail': [TAIL_LM_HEAD]}
@@ -247,16 +252,15 @@ N_COLLECTIVE_COUNTERS = 10
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
 VIEW = WeightView(pool='staging',
-                  matrices={'kda': {'gate_down': (0, 7168, 128, 0), 'gate_up': (7168, 128, 384, 1),
-                                    'projection': (7552, 7168, 1664, 2),
-                                    'o_proj': (100736, 384, 7168, 3)},
-                            'mla': {'q_down': (0, 7168, 1536, 0), 'kv_down': (86016, 7168, 640, 1),
-                                    'key_up': (121856, 384, 512, 2),
-                                    'value_up': (123392, 512, 384, 3)}})
+                  matrices={
+                      'kda': {'gate_up': (0, 128, 384, 0), 'projection': (384, 7168, 1664, 1)},
+                      'mla': {'kv_down': (0, 7168, 640, 0), 'key_up': (35840, 384, 512, 1),
+                              'value_up': (37376, 512, 384, 2), 'gate': (38912, 7168, 384, 3)}
+                  })
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=17136,
+EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=17136,
                       matrices={'gate_up_codes': (0, 1792, 1536),
                                 'gate_up_scales': (10752, 112, 1536),
                                 'down_codes': (11424, 384, 3584), 'down_scales': (16800, 24, 3584)},
@@ -267,7 +271,8 @@ EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=17136,
 # layer), state buffers and copies, KV caches.
 KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21, DENSE_DOWN)},
                            states={}, copies=()),
-         'kda': KindPlan(streamed={}, states={'conv': 'kda_conv_buf', 'recurrent': 'kda_rec_buf'},
+         'kda': KindPlan(streamed={'gate_down': (0, KDA_GATE_DOWN), 'o_proj': (7, KDA_O_PROJ)},
+                         states={'conv': 'kda_conv_buf', 'recurrent': 'kda_rec_buf'},
                          copies=(StateCopy(direction='load', hbm='kda__conv', buffer='kda_conv_buf',
                                            batch_axis=1),
                                  StateCopy(direction='load', hbm='kda__recurrent',
@@ -276,14 +281,14 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21,
                                            buffer='kda_conv_buf', batch_axis=1),
                                  StateCopy(direction='store', hbm='kda__recurrent',
                                            buffer='kda_rec_buf'))),
-         'mla': KindPlan(streamed={'q_up': (0, MLA_Q_UP), 'gate': (2, MLA_GATE),
-                                   'o_proj': (9, MLA_O_PROJ)},
+         'mla': KindPlan(streamed={'q_down': (0, MLA_Q_DOWN), 'q_up': (14, MLA_Q_UP),
+                                   'o_proj': (16, MLA_O_PROJ)},
                          states={}, copies=(), caches=('mla__latent',),
-                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='mla_kv_rows'),
+                         kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='mla_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
                                    'shared_gate_up': (14, MOE_SHARED_GATE_UP),
                                    'shared_down': (21, MOE_SHARED_DOWN),
-                                   'latent_up': (28, MOE_LATENT_UP)},
+                                   'latent_up': (29, MOE_LATENT_UP)},
                          states={}, copies=())}
 
 
@@ -292,12 +297,12 @@ def _layer_dense(k: Kernel, layer):
     """One dense layer: mlp_mix, gate_up, down, mlp_residual."""
     c = k.layer("dense", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 90: prefetch next staging.attention
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
+    c.prefetch_view()   # spec line 92: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 91
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 93
     lower.mlp_residual(c, mlp_out)
 
 
@@ -309,27 +314,27 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 73: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 75: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 71: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 73: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 71: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 73: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
-        c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
         c.wait_pooled("gate_up")   # staging.attention: before its first reader
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 71: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 71: load state.recurrent -> kda_rec_buf
+        # the pool view staging.attention is free from here
+        c.copy("load_kda_conv_buf").wait()   # spec line 73: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 73: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 72: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 74: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 72: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 73: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 74: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 75: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -337,11 +342,9 @@ def _layer_kda(k: Kernel, layer):
         pltpu.VMEM((3, B, 1152), BF16),   # kda_conv_buf
     )
     core = lower.gated_norm(c, core, proj)
-    c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
-    # the pool view staging.attention is free from here
     # two_level, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 79
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 80
     lower.attn_residual(c, attn_out)
 
 
@@ -351,7 +354,6 @@ def _layer_mla(k: Kernel, layer):
     c = k.layer("mla", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_mix(c)
-    c.wait_pooled("q_down")   # staging.attention: before its first reader
     q_low = lower.q_down(c, h)
     c.wait_pooled("kv_down")   # staging.attention: before its first reader
     kv_row = lower.kv_down(c, h)
@@ -363,12 +365,13 @@ def _layer_mla(k: Kernel, layer):
     lat_avg = lower.attention(c, q_lat)
     c.wait_pooled("value_up")   # staging.attention: before its first reader
     core = lower.values_out(c, lat_avg)
-    # the pool view staging.attention is free from here
+    c.wait_pooled("gate")   # staging.attention: before its first reader
     gate_logits = lower.gate(c, h)
+    # the pool view staging.attention is free from here
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
     # two_level, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 86
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 87
     lower.attn_residual(c, attn_out)
 
 
@@ -379,23 +382,23 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 95: exchange with sibling, wire f32
+    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 97: exchange with sibling, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 96: fetch experts -> staging.experts, the first slots now
+    # spec line 98: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 97: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 99: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
     # two_level, wire bf16, scatter from 8 rows
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 98
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 100
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 101: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 100: two_level, wire bf16
+    c.prefetch_view()   # spec line 103: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 102: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 102: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 104: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -422,7 +425,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"dense": _layer_dense, "kda": _layer_kda, "mla": _layer_mla, "moe": _layer_moe})
-    # spec line 73: the last kda layer's store of state.recurrent drains
+    # spec line 75: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -442,14 +445,12 @@ HBM_SHAPES = {
     "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
-    "pool__kda__gate_down": ((len(KIND_LAYERS["kda"]), 7168, 128), BF16),
     "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), 128, 384), BF16),
     "pool__kda__projection": ((len(KIND_LAYERS["kda"]), 7168, 1664), BF16),
-    "pool__kda__o_proj": ((len(KIND_LAYERS["kda"]), 384, 7168), BF16),
-    "pool__mla__q_down": ((len(KIND_LAYERS["mla"]), 7168, 1536), BF16),
     "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
     "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
     "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
+    "pool__mla__gate": ((len(KIND_LAYERS["mla"]), 7168, 384), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
@@ -477,10 +478,10 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((7, ROWS, 1024), BF16),   # activation
-    "acc": vmem((7, ROWS, 1024), F32),   # activation
+    "acc": vmem((8, ROWS, 896), F32),   # activation
     "blocks": vmem((10, ROWS, 7168), F32),   # activation
     "latent": vmem((ROWS, 4096), F32),   # activation
-    "staging": vmem((124928, 128), BF16),   # pool
+    "staging": vmem((93568, 128), BF16),   # pool
     "kda_rec_buf": vmem((ROWS, 3, 128, 128), F32),   # state
     "mla_kv_rows": vmem((2, ROWS, 16, 640), BF16),   # kv
     "gather__latent_down": vmem((2, 32, ROWS, 128), BF16),   # collective
@@ -525,7 +526,7 @@ SCRATCH_SHAPES = {
     "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((4,)),   # pooled matrix copies
-    "expert_sem": dma_sems((2,)),   # expert slot copies
+    "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }

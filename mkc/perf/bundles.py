@@ -39,7 +39,7 @@ from mkc import ir
 from mkc.perf import llo
 
 DATA = Path(__file__).parent / "data" / "bundles"
-SCHEMA = 5                    # what a measure holds: raise it when the reading of the LLO changes
+SCHEMA = 6                    # what a measure holds: raise it when the reading of the LLO changes
 HOTTEST_BUNDLES = 12          # bundles of an op's hottest region kept for the report
 HOTTEST_TEXT = 240            # characters of each
 KEEP = 12                     # measures kept per spec name
@@ -199,8 +199,10 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
     the kernel executes them (inside the layer loop, kind by kind in `kinds`' order). The
     trusted locations are the longest run of them that never goes back in that order (inside
     the layer loop, and outside it, separately), with a layer kind's
-    rows only inside the layer loop and the kernel's and tail's only outside. Every other
-    instruction is charged to the trusted row before it (after it, at the kernel's start)."""
+    rows only inside the layer loop and the kernel's and tail's only outside; inside it, where
+    the loop's dispatch splits the body into each kind's branch (`_branches`), a location
+    is trusted only as an op of its branch's kind. Every other instruction is charged to the
+    trusted row before it (after it, at the kernel's and at a branch's start)."""
     located: list[tuple[int, int, tuple[int, int], Label]] = []   # (bundle, instr, order, row)
     for i, b in enumerate(bundles):
         inside = layer_loop is not None and i in layer_loop
@@ -220,6 +222,7 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
     for line, lab in labels.items():
         if lab.kind not in ("", "tail"):
             same[lab.group, lab.name, lab.spec_line].append(((kinds or {}).get(lab.kind, -1), line))
+    branches = _branches(located, layer_loop, kinds or {}, same)
     trusted: dict[tuple[int, int], Label] = {}
     for inside in (True, False):
         run = []
@@ -227,13 +230,27 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
             if (layer_loop is not None and i in layer_loop) != inside:
                 continue
             options = same[lab.group, lab.name, lab.spec_line] if inside else [order]
+            if inside and branches is not None:
+                options = [o for o in options if o[0] == branches.kind(i)]
+                if not options:
+                    continue
             run.append((i, j, sorted(set(options), reverse=True)))
         for i, j, order in _non_decreasing(run):
             trusted[i, j] = labels[order[1]]
+    # A branch's instructions before its first trusted one are its first op's, not the
+    # previous branch's last.
+    opening: dict[int, Label] = {}
+    if branches is not None:
+        for (i, _), lab in sorted(trusted.items()):
+            if i in layer_loop:
+                opening.setdefault(branches.index(i), lab)
     owners: list[list[tuple[Label | None, llo.Instruction]]] = []
-    last = None
+    last, branch = None, None
     for i, b in enumerate(bundles):
         mine = []
+        if branches is not None and i in layer_loop and branches.index(i) != branch:
+            branch = branches.index(i)
+            last = opening.get(branch, last)
         for j, ins in enumerate(b.instructions):
             if ins.slot is None:
                 continue
@@ -245,6 +262,73 @@ def charge(bundles: list[llo.Bundle], labels: dict[int, Label], layer_loop: llo.
     owners = [[(lab or first, ins) for lab, ins in mine] for mine in owners]
     _own_run_time_loops(bundles, owners, labels, layer_loop, run_time_ops or set())
     return owners
+
+
+@dataclass(frozen=True)
+class Branches:
+    """The layer loop's body split into the kinds' branches: segment n starts at bundle
+    `starts[n]` and runs kind order `kinds[n]`."""
+
+    starts: list[int]
+    kinds: list[int]
+
+    def index(self, bundle: int) -> int:
+        return bisect.bisect_right(self.starts, bundle) - 1
+
+    def kind(self, bundle: int) -> int:
+        return self.kinds[self.index(bundle)]
+
+
+def _branches(located: list[tuple[int, int, tuple[int, int], Label]],
+              layer_loop: llo.Loop | None, kinds: dict[str, int],
+              same: dict[tuple, list[tuple[int, int]]]) -> Branches | None:
+    """Which kind's branch each bundle of the layer loop's body belongs to, or None when the
+    body cannot be split. The layer loop dispatches to one branch per kind and libtpu lays the
+    branches out one after another in kind order, each after an instruction of the dispatch
+    (located at the layer loop's line): those split the body into segments. Code equal in two
+    branches is merged and keeps the location of the kind laid out first (the dense layer's
+    mix, say, in every kind's branch), so a kind's own locations (of ops no other kind has)
+    turn up in other branches too, but most of them in its own: segments are given kinds in
+    kind order so as to hold the largest shares of them. Only the split says such an
+    instruction runs in another kind's branch, where it is charged to the op before it rather
+    than pulling the whole branch into another kind's run."""
+    if layer_loop is None or len(kinds) < 2:
+        return None
+    marks = sorted({i for i, _, _, lab in located if i in layer_loop and lab.name == "layer loop"
+                    and lab.kind == ""})
+    starts = [layer_loop.first] + [m for m in marks if layer_loop.first < m]
+    if len(starts) < len(kinds):
+        return None
+    only = {key: opts[0][0] for key, opts in same.items() if len({o[0] for o in opts}) == 1}
+    hits = [defaultdict(int) for _ in starts]
+    for i, _, _, lab in located:
+        order = only.get((lab.group, lab.name, lab.spec_line))
+        if i in layer_loop and order is not None:
+            hits[bisect.bisect_right(starts, i) - 1][order] += 1
+    # Segments to kinds, in kind order (a small DP), holding the most of each kind's own
+    # locations as a share of all of them: merged code lends a kind with many ops its
+    # locations in other branches, but a branch holds most of its kind's own.
+    n_kinds = max(kinds.values()) + 1
+    own = [sum(h.get(k, 0) for h in hits) or 1 for k in range(n_kinds)]
+    best = [[0.0] * n_kinds for _ in starts]
+    back = [[0] * n_kinds for _ in starts]
+    for s, h in enumerate(hits):
+        for k in range(n_kinds):
+            prev = max(range(k + 1), key=lambda q: best[s - 1][q]) if s else k
+            best[s][k] = (best[s - 1][prev] if s else 0.0) + h.get(k, 0) / own[k]
+            back[s][k] = prev
+    k = max(range(n_kinds), key=lambda q: best[-1][q])
+    assigned = [0] * len(starts)
+    for s in range(len(starts) - 1, -1, -1):
+        assigned[s] = k
+        k = back[s][k]
+    # A split that leaves a kind with under half its own locations in its segments is not
+    # the dispatch's (several kinds' branches between two of its instructions).
+    held = [sum(h.get(k, 0) for h, a in zip(hits, assigned) if a == k) for k in range(n_kinds)]
+    if len(set(assigned)) < 2 or any(2 * held[k] < own[k] for k in range(n_kinds)
+                                     if any(h.get(k) for h in hits)):
+        return None
+    return Branches(starts, assigned)
 
 
 def _own_run_time_loops(bundles: list[llo.Bundle], owners: list, labels: dict[int, Label],

@@ -2,7 +2,8 @@
 
 The knobs are the numbers and choices of the spec that move memory, not what is computed:
 the weight ring's slots, its tile bound and how far the stream runs ahead; each phase's KV tile
-stream (slots, tokens per tile, ahead); each pool's expert slots; where each `prefetch next`
+stream (slots, tokens per tile, ahead); each pool's expert slots; which of a kind's matrices a
+pool's weight view holds whole and which stream through the ring; where each `prefetch next`
 starts; and each all-reduce's algorithm (direct, or two_level within a chip or a host where the
 topology has more than one; one-shot or `scatter`, at every kernel width or from the widest
 kernel's rows). Knobs are found in the spec's AST and each is edited in place, as
@@ -13,8 +14,11 @@ The objective is the mean of the modelled step times at the spec's smallest and 
 and checked like `mkc check` before it is timed; one that fails a check is dropped (and
 counted). The search is coordinate descent: each pass tries every knob's neighbours from the
 current best and keeps the best improvement, until a pass improves nothing or the evaluation
-budget is spent. Each evaluation costs one check plus one simulation per batch (about a second
-for Kimi K3), and the same text is never evaluated twice.
+budget is spent. Then one coupled move is tried, which no single knob finds since its first
+half alone is slower: a matrix moved out of a pool view (the pool shrinks) with the VMEM freed
+spent on ring slots; if it improves, the descent resumes from it. Each evaluation costs one
+check plus one simulation per batch (about a second for Kimi K3), and the same text is never
+evaluated twice.
 
 A candidate must also leave `min_headroom` (1 MiB unless told) of VMEM under the budget at
 every kernel width it builds (its smallest and largest batch and its verify step's rows); one
@@ -132,8 +136,9 @@ def _mult128(v: int) -> bool:
 
 def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
     """Every tunable setting of the spec, with its source runs and neighbourhoods: the rings',
-    the pools' expert slots, then each phase's KV tiles, all-reduce algorithms and prefetches."""
-    knobs = _ring_knobs(sched, src) + _pool_knobs(sched, src)
+    the pools' expert slots, where each pooled kind's matrices live (pool view or ring), then
+    each phase's KV tiles, all-reduce algorithms and prefetches."""
+    knobs = _ring_knobs(sched, src) + _pool_knobs(sched, src) + _placement_knobs(sched, src, s)
     algorithms, scatters = _allreduce_algorithms(s), _scatter_forms(s)
     for phase in sched.phases:
         kname = phase.kind.text
@@ -207,6 +212,69 @@ def _pool_knobs(sched: ast.Schedule, src: SpecSource) -> list[Knob]:
                                   lambda v: [(v[0] + d,) for d in (-2, -1, 1, 2) if v[0] + d >= 1],
                                   lambda v: f"{v[0]} slots"))
     return knobs
+
+
+def _line_run(src: SpecSource, span: Span) -> Slot:
+    """The whole source lines a span covers, their newline included."""
+    a, b = src.span_range(span)
+    a = src.text.rfind("\n", 0, a) + 1
+    end = src.text.find("\n", b)
+    return Slot(a, len(src.text) if end < 0 else end + 1)
+
+
+def _placement_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
+    """Where a kind's matrices live, for each kind a pool's weight view holds: whole in the
+    view (fetched ahead by `prefetch next`) or in tiles through the stream's ring. A value is
+    the matrices kept in the view, in consumption order; a neighbour moves one matrix across
+    (the view keeps at least one; a matrix some op reads whole is refused by the checks). It
+    rewrites the view's list and the kind's stream line (added before the stream's first line
+    when the kind had none, removed when it streams nothing)."""
+    knobs: list[Knob] = []
+    if len(sched.streams) != 1:
+        return knobs
+    stream = sched.streams[0]
+    if not stream.per_kind:
+        return knobs
+    lines = {sk.kind.text: sk for sk in stream.per_kind}
+    first = _line_run(src, stream.per_kind[0].kind.span)
+    indent = src.text[first.start:src.span_range(stream.per_kind[0].kind.span)[0]]
+    for pool in sched.pools:
+        for view in pool.views:
+            for vk in view.kinds:
+                kname = vk.kind.text
+                if kname not in s.kinds:
+                    continue
+                ks = s.kinds[kname]
+                order = list(dict.fromkeys(  # weights as ops take them: tiles or whole
+                    f for op in ks.ops for f in ([ks.matmuls[op]] if op in ks.matmuls else [])
+                    + list(ks.op_reads.get(op, ()))))
+                pooled = [f.text for f in vk.families]
+                line = lines.get(kname)
+                streamed = [f.text for f in line.families] if line else []
+                if any(n not in order for n in pooled + streamed):
+                    continue
+                movable = tuple(n for n in order if n in pooled or n in streamed)
+                view_run = Slot(src.span_range(vk.families[0].span)[0],
+                                src.span_range(vk.families[-1].span)[1])
+                stream_run = (_line_run(src, line.kind.span) if line
+                              else Slot(first.start, first.start))
+                knobs.append(Knob(
+                    f"placement of {kname} ({pool.name.text}.{view.name.text} or ring "
+                    f"{stream.ring.text})", view.span.line, tuple(pooled), (view_run, stream_run),
+                    lambda v, k=kname, m=movable, ind=indent: (
+                        ", ".join(v), "" if len(v) == len(m) else
+                        f"{ind}{k}: {', '.join(n for n in m if n not in v)}\n"),
+                    lambda v, m=movable: _placement_neighbours(v, m),
+                    lambda v, m=movable: f"pooled {', '.join(v)}; streamed "
+                                         f"{', '.join(n for n in m if n not in v) or 'none'}"))
+    return knobs
+
+
+def _placement_neighbours(v: tuple[str, ...], movable: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """One matrix moved between the view and the ring: out of the view first."""
+    out = [tuple(n for n in v if n != m) for m in v] if len(v) > 1 else []
+    out += [tuple(n for n in movable if n in v or n == m) for m in movable if m not in v]
+    return out
 
 
 def _kv_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
@@ -425,29 +493,78 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     before = evaluate(start)
     best = before
     log(f"start: {_ms(before)}")
-    improved = True
-    while improved and len(cache) < budget:
-        improved = False
-        for i, knob in enumerate(knobs):
-            if len(cache) >= budget:
-                break
-            trial_best = best
-            for value in knob.neighbours(best.config[i]):
+
+    def accept(ev: Evaluation, msg: str) -> None:
+        nonlocal best
+        best = ev
+        history.append(msg)
+        log(msg)
+
+    while True:
+        improved = True
+        while improved and len(cache) < budget:
+            improved = False
+            for i, knob in enumerate(knobs):
                 if len(cache) >= budget:
                     break
-                config = best.config[:i] + (value,) + best.config[i + 1:]
-                ev = evaluate(config)
-                if ev.ok and ev.objective < trial_best.objective * (1 - 1e-6):
-                    trial_best = ev
-            if trial_best is not best:
-                old = knob.show(best.config[i])
-                best = trial_best
-                improved = True
-                msg = f"{knob.name}: {old} -> {knob.show(best.config[i])}: {_ms(best)}"
-                history.append(msg)
-                log(msg)
+                trial_best = best
+                for value in knob.neighbours(best.config[i]):
+                    if len(cache) >= budget:
+                        break
+                    config = best.config[:i] + (value,) + best.config[i + 1:]
+                    ev = evaluate(config)
+                    if ev.ok and ev.objective < trial_best.objective * (1 - 1e-6):
+                        trial_best = ev
+                if trial_best is not best:
+                    old = knob.show(best.config[i])
+                    accept(trial_best, f"{knob.name}: {old} -> "
+                                       f"{knob.show(trial_best.config[i])}: {_ms(trial_best)}")
+                    improved = True
+        moved = _respend(knobs, best, evaluate, s0, budget - len(cache), min_headroom)
+        if moved is None:
+            break
+        ev, msg = moved
+        accept(ev, f"{msg}: {_ms(ev)}")
     return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
                       batches, history, min_headroom, short, priced_by)
+
+
+def _respend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Evaluation],
+             s: ir.ScheduleIR, budget: int, min_headroom: int) -> tuple[Evaluation, str] | None:
+    """A coupled move coordinate descent cannot find, since its first half alone is slower:
+    a placement neighbour that frees VMEM (a matrix out of a pool view shrinks the pool), with
+    the bytes freed spent on ring slots (slots and the distance ahead grown alike). The best
+    improving pair, or None."""
+    ring = next((i for i, k in enumerate(knobs) if k.name.endswith("slots / stream ahead")), None)
+    if ring is None or s.stream is None:
+        return None
+    slot_bytes = s.stream.tile_rows * s.stream.tile_cols * ir.DTYPE_BYTES[s.stream.dtype]
+    found: tuple[Evaluation, str] | None = None
+    for i, knob in enumerate(knobs):
+        if not knob.name.startswith("placement of "):
+            continue
+        for value in knob.neighbours(best.config[i]):
+            if budget <= 0:
+                return found
+            moved = best.config[:i] + (value,) + best.config[i + 1:]
+            ev, budget = evaluate(moved), budget - 1
+            if not ev.ok:
+                continue
+            spare = (min(ev.headroom.values()) - min_headroom) // slot_bytes
+            slots, ahead = moved[ring]
+            for n in range(spare, 0, -1):
+                if budget <= 0:
+                    break
+                depth = (slots + n, ahead + n)
+                config = moved[:ring] + (depth,) + moved[ring + 1:]
+                pair, budget = evaluate(config), budget - 1
+                bar = (found[0] if found else best).objective * (1 - 1e-6)
+                if pair.ok and pair.objective < bar:
+                    found = (pair, f"{knob.name}: {knob.show(best.config[i])} -> "
+                                   f"{knob.show(value)}, {knobs[ring].name}: "
+                                   f"{knobs[ring].show(moved[ring])} -> {knobs[ring].show(depth)}")
+                    break
+    return found
 
 
 def _priced_by(measures: dict[int, tuple[dict | None, str]]) -> str:

@@ -22,10 +22,11 @@ def test_budget_fits_at_batch_1_and_8_with_the_pool_as_largest_class(k3):
     peaks = {b: vmem_budget(s, events, b)[0] for b in (1, 8)}
     assert peaks[1] < peaks[8] <= budget
     pool = s.buffer("staging")
-    # The pool is the largest view: KDA's four attention matrices (the reference's binding
-    # 29.84 MiB) or MLA's q_down, kv_down and the two absorbed up-projections.
+    # The pool is its largest view: the attention matrices held whole (the reference holds
+    # KDA's four, 29.84 MiB; the shipped spec streams the rest through the ring) or the expert
+    # slots.
     assert pool.vmem_bytes == max(v.nbytes for v in s.pools[0].views)
-    assert 29.8 * 2**20 < pool.vmem_bytes < 31 * 2**20
+    assert pool.vmem_bytes < 29.8 * 2**20
 
 
 def test_views_of_the_pool_alternate_attention_experts_attention(k3):

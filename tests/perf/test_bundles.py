@@ -202,3 +202,50 @@ def test_every_shipped_spec_has_its_compiled_measures_and_prices_each_op_from_th
     assert all(src.startswith(("compiled: row", "counted: the compiled kernel has no row"))
                for src in sources)
     assert sum(src.startswith("compiled") for src in sources) >= 0.9 * len(sources), sources
+
+
+# A layer loop of 4 trips over two kinds' branches, each after an instruction of the dispatch
+# (line 9): kind a's (its mix, line 20, and proj, line 21), then kind b's: its own attn (line
+# 30), then code libtpu merged with a's proj (it keeps line 21), then an unlocated bundle.
+BRANCHES_LLO = '''
+     0   :  { %s0_s0 = smov 0 /* loc("m.py":5:4 to :9) */ }
+   0x1 LB: > { %s2_s1 = sphi %s0_s0, %s6_s2  ;;  %s3_s3 = sadd.s32 0, %s2_s1 /* loc("m.py":9:4 to :9) */ }
+   0x2   : > { %v1_v0 = vld [vmem:[#allocation1] sm:$0xff] /* loc("m.py":20:4 to :9) */ }
+   0x3   : > { %v2_v1 = vadd.f32 %v1_v0, %v1_v0 /* loc("m.py":21:4 to :9) */ }
+   0x4   : > { %s4_s4 = sadd.s32 1, %s3_s3 /* loc("m.py":9:4 to :9) */ }
+   0x5   : > { %v3_v2 = vld [vmem:[#allocation1] sm:$0xff] /* loc("m.py":30:4 to :9) */ }
+   0x6   : > { %v4_v3 = vmul.f32 %v3_v2, %v3_v2 /* loc("m.py":21:4 to :9) */ }
+   0x7   : > { %v5_v4 = vmul.f32 %v4_v3, %v4_v3 /* loc("m.py":21:4 to :9) */ }
+   0x8   : > { %v6_v5 = vadd.f32 %v5_v4, %v4_v3  ;;  %s6_s2 = sadd.s32 1, %s2_s1 }
+   0x9   : > { %p7_p0 = scmp.ge.s32.totalorder %s6_s2, 4 }
+   0xa   :  { %9 = vst [vmem:[#allocation2] sm:$0xff] /*vst_source=*/%v6_v5 /* loc("m.py":5:4 to :9) */ }
+'''
+
+
+def test_a_branch_merged_with_an_earlier_kind_s_code_is_charged_to_its_own_kind():
+    """Without the dispatch's split, the two merged instructions after b's one own location
+    outvote it and b's branch is charged to a; with it, b's branch is b's."""
+    labels = {5: bundles.Label("kernel", "", "other"),
+              9: bundles.Label("kernel", "", "layer loop"),
+              20: bundles.Label("op", "a", "mix"), 21: bundles.Label("op", "a", "proj"),
+              30: bundles.Label("op", "b", "attn")}
+    parsed = llo.parse(BRANCHES_LLO, "m.py")
+    rows = {r.key: r for r in bundles.rows(parsed, labels, layers=4, kinds={"a": 0, "b": 1})}
+    # each branch from its dispatch instruction on: b's 0x4-0x9, a's 0x1-0x3
+    assert rows["b.attn"].cycles == 6
+    assert rows["a.mix"].cycles == 2 and rows["a.proj"].cycles == 1
+    assert sum(r.bundles for r in rows.values()) == len(parsed)
+    # One dispatch instruction only: the body cannot be split, so it is charged as before,
+    # by the longest run in kind order, and b's branch goes to a.
+    one_mark = BRANCHES_LLO.replace('%s4_s4 = sadd.s32 1, %s3_s3 /* loc("m.py":9:4 to :9) */',
+                                    '%s4_s4 = sadd.s32 1, %s3_s3')
+    unsplit = {r.key for r in bundles.rows(llo.parse(one_mark, "m.py"), labels, layers=4,
+                                           kinds={"a": 0, "b": 1})}
+    assert "b.attn" not in unsplit
+    # A third merged instruction leaves a with fewer of its own lines in its branch than in
+    # b's: that split is not the dispatch's (GPT-OSS's gqa and moe lie between two of its
+    # instructions), so it is not used either.
+    third = BRANCHES_LLO.replace("%v6_v5 = vadd.f32 %v5_v4, %v4_v3  ;;",
+                                 '%v6_v5 = vadd.f32 %v5_v4, %v4_v3 /* loc("m.py":21:4 to :9) */  ;;')
+    assert "b.attn" not in {r.key for r in bundles.rows(llo.parse(third, "m.py"), labels, layers=4,
+                                                        kinds={"a": 0, "b": 1})}

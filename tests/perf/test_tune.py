@@ -11,9 +11,11 @@ import pytest
 
 from mkc.cli import main
 from mkc.compiler import check_spec
+from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse
 from mkc.perf import tune
-from tests_support import SPEC
+from mkc.perf.work import kernel_work
+from tests_support import ROOT, SPEC
 
 MINI = "qwen3_8_mini"
 _ALL_TOKENS = re.compile(r"#[^\n]*|\s+|\w+|\S")
@@ -187,3 +189,91 @@ def test_tune_runs_on_the_gpt_oss_120b_spec_and_its_kv_ring(tmp_path, capsys):
     assert sum(t["after_step_seconds"].values()) <= sum(t["before_step_seconds"].values())
     assert "kv ring 256 slots" in out.read_text()
     check_spec(out)
+
+
+K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
+
+
+def _k3_attention_pooled() -> str:
+    """K3's shipped spec with its attention matrices held whole where an op can take them so
+    (the hand-written kernel's layout), a ring of 5 slots, 2 expert slots and 2 KV tiles of
+    128 tokens: the same starting point whatever the shipped spec's own geometry."""
+    text = K3_SPEC.read_text()
+    text = re.sub(r"view attention: .*", "view attention: kda(gate_down, gate_up, projection, "
+                  "o_proj), mla(q_down, kv_down, key_up, value_up)", text)
+    text = re.sub(r"view experts: \d+ slots", "view experts: 2 slots", text)
+    text = re.sub(r"ring weights: \d+ slots", "ring weights: 5 slots", text)
+    text = re.sub(r"stream weights ahead \d+", "stream weights ahead 5", text)
+    text = re.sub(r"kv tiles \d+ slots of \d+ tokens ahead \d+", "kv tiles 2 slots of 128 tokens "
+                  "ahead 2", text)
+    text = re.sub(r"\n    kda: [^\n]*", "", text)
+    return re.sub(r"    mla: [^\n]*", "    mla: q_up, gate, o_proj", text)
+
+
+def test_placement_knobs_move_a_matrix_between_a_pool_view_and_the_ring():
+    """K3's attention view holds kda's and mla's matrices whole: a knob per kind moves one
+    across, rewriting the view's list and the kind's stream line (added, kept in consumption
+    order, or dropped); every neighbour renders to a spec that parses, and a move out of the
+    view shrinks the pool (once the other kind's view is no larger)."""
+    text = _k3_attention_pooled()
+    s = tune.check_text(text, str(K3_SPEC), None)
+    knobs = {k.name.split(" (")[0]: k for k in tune.find_knobs(parse(text, str(K3_SPEC)),
+                                                               tune.SpecSource(text), s)}
+    kda, mla = knobs["placement of kda"], knobs["placement of mla"]
+    assert kda.value == ("gate_down", "gate_up", "projection", "o_proj")
+    assert mla.value == ("q_down", "kv_down", "key_up", "value_up")
+    for k in (kda, mla):
+        assert [text[sl.start:sl.end] for sl in k.slots] == list(k.render(k.value))
+        for v in k.neighbours(k.value):
+            assert v and abs(len(v) - len(k.value)) == 1
+            parse(tune.render(text, [k], (v,)), str(K3_SPEC))
+    # mla streams q_up, gate and o_proj: bringing q_up into the view keeps the others' order.
+    pooled_q_up = ("q_down", "kv_down", "q_up", "key_up", "value_up")
+    assert pooled_q_up in mla.neighbours(mla.value)
+    # a matrix brought into the view is multiplied whole: the kernel traces (its product is
+    # as wide as the matrix, not a padded tile's)
+    kernel_work(tune.check_text(tune.render(text, [mla], (pooled_q_up,)), str(K3_SPEC), None), 1)
+    moved = tune.render(text, [kda], (("gate_down", "gate_up", "projection"),))
+    assert "kda(gate_down, gate_up, projection)" in moved and "    kda: o_proj\n" in moved
+    both = tune.render(text, [kda, mla], (("gate_down", "gate_up", "projection"),
+                                          ("kv_down", "key_up", "value_up")))
+    assert "    kda: o_proj\n    mla: q_down, q_up, gate, o_proj\n" in both
+    before, after = (tune.checked_text(t, str(K3_SPEC), None) for t in (moved, both))
+    assert (min(tune.vmem_headroom(*after).values())
+            - min(tune.vmem_headroom(*before).values())) > 4 << 20
+
+
+def test_the_coupled_move_spends_a_shrunk_pool_on_ring_slots(monkeypatch):
+    """A fake step time where moving any of mla's matrices to the ring alone is slower and every
+    extra ring slot faster: coordinate descent alone cannot take the move, the coupled one does,
+    with as many slots as the freed VMEM holds at the margin (kda's o_proj streamed first, so
+    that mla's view sizes the pool)."""
+    text = _k3_attention_pooled().replace(
+        "kda(gate_down, gate_up, projection, o_proj)", "kda(gate_down, gate_up, projection)"
+    ).replace("    mla: q_up, gate, o_proj\n", "    kda: o_proj\n    mla: q_up, gate, o_proj\n")
+
+    def fake_step(s, batch, tokens, keep_timeline=False, **priced_by):
+        moved = len(s.kinds["mla"].pooled) < 4
+        return SimpleNamespace(step_s=(10 + moved - 0.5 * (s.stream.slots - 5)) * 1e-3)
+
+    monkeypatch.setattr(tune, "step_model", fake_step)
+    names = ("ring weights slots / stream ahead", "placement of mla")
+    res = tune.tune(text, str(K3_SPEC), None, budget=30,
+                    select=lambda k: k.name.split(" (")[0] in names)
+    changed = {k.name.split(" (")[0]: new for k, _, new in res.changed()}
+    assert len(changed["placement of mla"]) == 3          # one matrix out of the view
+    slots, ahead = changed["ring weights slots / stream ahead"]
+    assert slots == ahead > 6                             # the descent alone reaches 6
+    assert any("placement of mla" in h and "ring weights" in h for h in res.history)
+    assert min(res.best.headroom.values()) >= res.min_headroom
+    # One slot more than it took would not have fitted.
+    more = tune.render(text, res.knobs, tuple(
+        (slots + 1, ahead + 1) if k.name.startswith("ring") else v
+        for k, v in zip(res.knobs, res.best.config)))
+    try:
+        s, events = tune.checked_text(more.replace("expect vmem headroom at least 1 MiB", ""),
+                                      str(K3_SPEC), None)
+        fits = min(tune.vmem_headroom(s, events).values()) >= res.min_headroom
+    except MkcError:
+        fits = False
+    assert not fits

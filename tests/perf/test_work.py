@@ -179,8 +179,8 @@ def test_each_expert_format_is_priced_by_its_own_lowering(tmp_path):
     at the fp8 rate) is the shortest."""
     shipped = check_spec(K3_SPEC).ir
     assert shipped.weight_formats == {
-        "expert.down": WeightFormat("mxfp4", 32, where="kimi_k3.sched:43"),
-        "expert.gate_up": WeightFormat("mxfp4", 32, where="kimi_k3.sched:42")}
+        "expert.down": WeightFormat("mxfp4", 32, where="kimi_k3.sched:44"),
+        "expert.gate_up": WeightFormat("mxfp4", 32, where="kimi_k3.sched:43")}
     irs = {"mxfp4": shipped}
     for label in ("fp4 block", "fp8 block", "fp8"):
         spec = tmp_path / f"{label.replace(' ', '_')}.sched"

@@ -91,8 +91,11 @@ def o_proj(c: Layer, core: jax.Array) -> jax.Array:
     return c.matmul("o_proj", core)[:, :c.dims.hidden_size]
 
 
-def _cols(c: Layer, name: str) -> int:
-    return c.plan.streamed[name][1].cols
+def _cols(c: Layer, name: str) -> int | None:
+    """A streamed matrix's own columns (its ring tiles pad them); None for a pooled one, whose
+    product is as wide as the matrix."""
+    streamed = c.plan.streamed.get(name)
+    return streamed[1].cols if streamed else None
 
 
 # ---- Kimi Delta Attention -------------------------------------------------------------------
