@@ -185,7 +185,7 @@ def bench_modelled() -> list[str]:
                 text = format_text(path, fmt)
                 if text != path.read_text():
                     variant = Path(tmp) / fmt.replace(" ", "_") / path.name
-                    variant.parent.mkdir()
+                    variant.parent.mkdir(exist_ok=True)   # K3 and Qwen MoE share a format name
                     variant.write_text(text)
                     specs.append(variant)
         for path in specs:

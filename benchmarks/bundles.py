@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="list stale or missing entries")
     args = ap.parse_args(argv)
     stale = 0
-    for name, s, kernel, batch in points():
+    every = points()
+    if not args.check:
+        drop_stale(every, {s.name for name, s, _, _ in every if args.only in name})
+    for name, s, kernel, batch in every:
         if args.only not in name:
             continue
         if args.check:
@@ -114,6 +117,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} {kernel} {batch}: {entry['bundles']} bundles, costliest row "
               f"{top['key']} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return 1 if args.check and stale else 0
+
+
+def drop_stale(every: list, specs: set[str]) -> None:
+    """The shipped measures of `specs` (by schedule name: a file each) that no point measures
+    any more (its spec, the code it traces to or libtpu changed) go first, so that a file's
+    limit (`bundles.KEEP`) never drops a fresh measure for a stale one."""
+    import json
+
+    from mkc.codegen.emit import render
+    from mkc.files import write_atomically
+    from mkc.perf import bundles
+    libtpu = bundles.libtpu_version()
+    current: dict[str, set[str]] = {}
+    for _, s, kernel, batch in every:
+        if s.name in specs:
+            current.setdefault(s.name, set()).add(bundles.cache_key(
+                render(s, ""), kernel, batch, libtpu, s.verify_rows if kernel == "verify" else None))
+    for spec, keys in current.items():
+        path = bundles.DATA / f"{spec}.json"
+        if not path.exists():
+            continue
+        entries = json.loads(path.read_text())["measures"]
+        fresh = [e for e in entries if e.get("key") in keys]
+        if len(fresh) < len(entries):
+            write_atomically(path, json.dumps({"measures": fresh}, indent=1, sort_keys=True) + "\n")
+            print(f"{spec}: {len(entries) - len(fresh)} stale measures dropped", flush=True)
 
 
 if __name__ == "__main__":

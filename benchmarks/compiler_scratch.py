@@ -110,7 +110,8 @@ def resolve_text(text: str, name: str = "spec.sched"):
 
 def measured_text(p: Point, ring_shrink: int = 0) -> str:
     """The point's spec as compiled: reserve 0, no `expect` lines; a decode point at its batch
-    with no verify step; the weight ring `ring_shrink` slots shallower."""
+    with no verify step (an all-reduce that scatters from more rows than that runs one-shot in
+    it); the weight ring `ring_shrink` slots shallower."""
     text = _edited(p.spec, p.edits)
     text = re.sub(r"(vmem\s+limit \S+ \w+) reserve \S+ \w+", r"\1 reserve 0 MiB", text)
     text = re.sub(r"^ *expect .*\n", "", text, flags=re.M)
@@ -118,6 +119,8 @@ def measured_text(p: Point, ring_shrink: int = 0) -> str:
         text = re.sub(r"^ *verify .*\n", "", text, flags=re.M)
         text = re.sub(r"^( *batch +)1 to \d+", rf"\g<1>1 to {p.batch}" if p.batch > 1 else r"\g<1>1",
                       text, count=1, flags=re.M)
+        text = re.sub(r"^( *allreduce .*) scatter from (\d+) rows",
+                      lambda m: m.group(1) if int(m.group(2)) > p.batch else m.group(0), text, flags=re.M)
     if ring_shrink:
         m = re.search(r"ring weights: (\d+) slots", text)
         slots = max(1, int(m.group(1)) - ring_shrink)

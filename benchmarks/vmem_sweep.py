@@ -96,6 +96,9 @@ def _base_edits(text: str, kernel: str, batch: int, limit: str = "") -> list[tup
     if kernel == "decode":
         line = _line(text, r"^ *batch +1 to \d+")
         edits.append((line, re.sub(r"1 to \d+", f"1 to {batch}" if batch > 1 else "1", line)))
+        # an all-reduce that scatters from more rows than the kernel has runs one-shot in it
+        edits += [(m.group(0), m.group(1)) for m in re.finditer(
+            r"(^ *allreduce .*) scatter from (\d+) rows", text, flags=re.M) if int(m.group(2)) > batch]
     return edits
 
 

@@ -116,6 +116,14 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
                     "            cached = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
                     "{factor}(b) * cached, cached)\n"),
 }
+# Runtime mutants: an edit of one function of `mkc.runtime.collectives` (the mechanism a generated
+# module's collective stages run), bound into the mutant module alone: its stage constants are
+# rebuilt as stages whose `run` reaches the edited copy. (function, old, new).
+RUNTIME_MUTANTS: dict[str, tuple[str, str, str]] = {
+    # each member of a reduce-scatter sends a peer the next member's column chunk, not its own
+    "collectives.scatter_chunk": ("reduce_scatter", "staged(member), slot(local)",
+                                  "staged(lax.rem(member + 1, size)), slot(local)"),
+}
 MUTANT_FACTOR = 1.01
 
 
@@ -217,6 +225,47 @@ def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
         **{**vars(module.lowering), **own, "BODIES": bodies, "__name__": module.lowering.__name__}))
 
 
+def _mutate_runtime(module, mutants: dict[str, int | None]) -> None:
+    """Bind into `module` (alone) the RUNTIME_MUTANTS in `mutants`: the edited functions
+    compiled in a copy of `mkc.runtime.collectives`' globals, and every stage the module's
+    constants hold (`Stage`, `ReduceScatter`, `AllGather`, in a tuple or `FromRows`) replaced
+    by one whose `run` reads those globals."""
+    import dataclasses
+    import inspect
+    import textwrap
+    import types
+
+    from mkc.runtime import collectives
+    edited: dict[str, str] = {}
+    for name in mutants:
+        if name in RUNTIME_MUTANTS:
+            func, old, new = RUNTIME_MUTANTS[name]
+            source = edited.get(func) or textwrap.dedent(inspect.getsource(getattr(collectives, func)))
+            edited[func] = _replace_once(source, old, new, name, f"mkc.runtime.collectives.{func}")
+    if not edited:
+        return
+    namespace = dict(vars(collectives))
+    for func, source in edited.items():
+        exec(compile(source, f"<mutant of mkc.runtime.collectives.{func}>", "exec"), namespace)
+    mutant = {cls: type(cls.__name__, (cls,), {"run": types.FunctionType(
+                  cls.run.__code__, namespace, "run", cls.run.__defaults__, cls.run.__closure__)})
+              for cls in (collectives.Stage, collectives.ReduceScatter, collectives.AllGather)}
+
+    def rebind(value):
+        if type(value) in mutant:
+            return mutant[type(value)](**{f.name: getattr(value, f.name)
+                                          for f in dataclasses.fields(value)})
+        if isinstance(value, collectives.FromRows):
+            return dataclasses.replace(value, below=rebind(value.below), stages=rebind(value.stages))
+        if isinstance(value, tuple):
+            return tuple(rebind(v) for v in value)
+        return value
+
+    for key, value in list(vars(module).items()):
+        if isinstance(value, (tuple, collectives.FromRows)) and key.isupper():
+            setattr(module, key, rebind(value))
+
+
 def add_mutant_options(ap) -> None:
     """The runners' mutant options (run_mini.py, run_k3_mini.py); `check_mutant_options` after
     parsing."""
@@ -276,10 +325,10 @@ def load_generated(spec: Path, model: str, mutants: str | dict[str, int | None] 
     if isinstance(mutants, str):
         mutants = {mutants: None}
     mutants = dict(mutants or {})
-    unknown = [n for n in mutants if n not in MUTANTS and n not in LOWERING_MUTANTS]
+    known = {**MUTANTS, **LOWERING_MUTANTS, **RUNTIME_MUTANTS}
+    unknown = [n for n in mutants if n not in known]
     if unknown:
-        raise ValueError(f"unknown mutants {unknown}: choose from "
-                         f"{sorted(MUTANTS) + sorted(LOWERING_MUTANTS)}")
+        raise ValueError(f"unknown mutants {unknown}: choose from {sorted(known)}")
     key = (str(spec), Path(spec).read_text(), model)
     if key not in _COMPILED:
         _COMPILED[key] = compiler.compile_spec(spec, model)
@@ -293,6 +342,7 @@ def load_generated(spec: Path, model: str, mutants: str | dict[str, int | None] 
     vars(module).update(_helpers(mutants))
     mod_spec.loader.exec_module(module)
     _mutate_lowering(module, mutants)
+    _mutate_runtime(module, mutants)
     return module
 
 
@@ -305,7 +355,11 @@ def k3_mini_text(text: str) -> str:
     """A shipped K3 spec's text moved to 2 hosts (tpu7x 2x2x2, 16 cores), for the MINI config
     (16 heads): the topology change re-derives per-rank shapes and collective groups; heads split
     over a numbered subgroup keep their share of the mesh (`kimi_k3_64.sched`'s heads over 32
-    of 64 become heads over 8 of 16, within one host: o_proj then reduces chip by chip)."""
+    of 64 become heads over 8 of 16, within one host: o_proj then reduces chip by chip). Its
+    all-reduces run one-shot: the MINI config's 512 columns over a host's 8 cores are chunks
+    of 64, not the whole lane tiles `scatter` needs (MINI Qwen runs the scattered form:
+    tests/runtime/test_allreduce_scatter.py)."""
+    text = re.sub(r"(wire \w+) scatter( from \d+ rows)?", r"\1", text)
     ranks = int(re.search(r"mesh\s+tp\s*=\s*(\d+)", text).group(1))
     text = re.sub(r"topology \S+", "topology 2x2x2", text, count=1)
     text = re.sub(r"(mesh\s+tp\s*=\s*)\d+", r"\g<1>16", text, count=1)

@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): bc881f339ad40ffe
+Input digest (spec, model config, mkc version): 7b04185903811430
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
@@ -24,7 +24,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -193,23 +193,61 @@ VECTORS = Parity(
 )
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-DENSE_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-KDA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-MLA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                          Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                             Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
+EMBED_REDUCE = FromRows(rows=8,
+                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+                               Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+                        stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
+                                              counter=7, size=8, stride=1),
+                                Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
+                                AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1)))
+DENSE_DOWN_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+)
+KDA_O_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+)
+MLA_O_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+)
+MOE_SHARED_DOWN_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+)
+MOE_ROUTED_EXPERTS_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+    stages=(Stage(buffer='recv__bf16_8x1', counter=6, size=8, stride=1),
+            Stage(buffer='recv__bf16_4x8', counter=5, size=4, stride=8))
+)
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
 MOE_ROUTER_EXCHANGE = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
-N_COLLECTIVE_COUNTERS = 5
+N_COLLECTIVE_COUNTERS = 10
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -262,8 +300,9 @@ def _layer_dense(k: Kernel, layer):
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    c.prefetch_view()   # spec line 89: prefetch next staging.attention
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 90: two_level, wire bf16
+    c.prefetch_view()   # spec line 92: prefetch next staging.attention
+    # two_level, wire bf16, scatter from 8 rows
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 93
     lower.mlp_residual(c, mlp_out)
 
 
@@ -304,7 +343,8 @@ def _layer_kda(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 77: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 80
     lower.attn_residual(c, attn_out)
 
 
@@ -330,7 +370,8 @@ def _layer_mla(k: Kernel, layer):
     # the pool view staging.attention is free from here
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 84: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 87
     lower.attn_residual(c, attn_out)
 
 
@@ -341,22 +382,23 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     scores = lower.router(c, h)
-    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 94: exchange with sibling, wire f32
+    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 97: exchange with sibling, wire f32
     expert_ids, expert_weights = lower.route(c, scores)
-    # spec line 95: fetch experts -> staging.experts, the first slots now
+    # spec line 98: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 96: all-gather over 32 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 99: all-gather over 32 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 97: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 100
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 98: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 97: two_level, wire bf16
+    c.prefetch_view()   # spec line 103: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 102: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 99: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 104: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -445,8 +487,14 @@ SCRATCH_SHAPES = {
     "gather__latent_down": vmem((2, 32, ROWS, 128), BF16),   # collective
     "gather__latent_up": vmem((2, 8, ROWS, 896), BF16),   # collective
     "exchange__router": vmem((2, 2, ROWS, 512), F32),   # collective
-    "recv__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16),   # collective
-    "recv__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16),   # collective
+    "recv_1to7__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16, rows=(1, 7)),   # collective
+    "recv__bf16_4x8": vmem((2, 4, ROWS, 3584), BF16, rows=(8, 8)),   # collective
+    "recv__bf16_8x1": vmem((2, 8, ROWS, 3584), BF16, rows=(8, 8)),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 896), BF16, rows=(8, 8)),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 896), BF16, rows=(8, 8)),   # collective
+    "chunk__bf16_4x8": vmem((2, 4, ROWS, 896), BF16, rows=(8, 8)),   # collective
+    "sums__f32_8x1": vmem((2, 8, ROWS, 896), F32, rows=(8, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -462,10 +510,20 @@ SCRATCH_SHAPES = {
     "gather__latent_up__recv": dma_sems((2, 8)),
     "exchange__router__send": dma_sems((2, 2)),
     "exchange__router__recv": dma_sems((2, 2)),
-    "recv__bf16_4x8__send": dma_sems((2, 4)),
-    "recv__bf16_4x8__recv": dma_sems((2, 4)),
-    "recv__bf16_8x1__send": dma_sems((2, 8)),
-    "recv__bf16_8x1__recv": dma_sems((2, 8)),
+    "recv_1to7__bf16_4x8__send": dma_sems((2, 4), rows=(1, 7)),
+    "recv_1to7__bf16_4x8__recv": dma_sems((2, 4), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
+    "recv__bf16_4x8__send": dma_sems((2, 4), rows=(8, 8)),
+    "recv__bf16_4x8__recv": dma_sems((2, 4), rows=(8, 8)),
+    "recv__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "recv__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "chunk__bf16_4x8__send": dma_sems((2, 4), rows=(8, 8)),
+    "chunk__bf16_4x8__recv": dma_sems((2, 4), rows=(8, 8)),
+    "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((4,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies

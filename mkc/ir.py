@@ -102,10 +102,16 @@ class Buffer:
     # The name as the spec writes it, when the IR's differs (a phase's `conv_buf` is
     # `gdn_conv_buf`): what diagnostics and hovers say.
     written: str = field(compare=False, default="")
+    # The kernel widths (rows, inclusive) whose kernels allocate it; None: every kernel.
+    rows: tuple[int, int] | None = None
 
     @property
     def label(self) -> str:
         return self.written or self.name
+
+    def exists_at(self, rows: int) -> bool:
+        """Whether the kernel of `rows` rows allocates it."""
+        return self.rows is None or self.rows[0] <= rows <= self.rows[1]
 
     def shape_expr(self, batch: str = "B") -> str:
         """The shape as Python source with the batch dim as a variable."""
@@ -231,12 +237,59 @@ class AllReduce:
     stages: tuple[tuple[int, int], ...]
     width: int = 0               # columns of the partial sums
     span: Span = field(compare=False, default_factory=Span.unknown)
+    # `scatter [from N rows]`: kernels of at least this many rows run the scattered form
+    # (`scattered`); None: the one-shot stages at every width.
+    scatter_from: int | None = None
+
+    def scattered(self, rows: int) -> bool:
+        """Whether the kernel of `rows` rows runs the scattered form: the first stage's group
+        reduce-scatters the columns (member j sums chunk j), the other stages reduce the
+        chunk, and the first group all-gathers the chunk sums in f32."""
+        return self.scatter_from is not None and rows >= self.scatter_from
+
+    @property
+    def chunk(self) -> int:
+        """Columns of the scattered form's chunk: the width over the first group's size."""
+        return self.width // self.stages[0][0]
 
     @staticmethod
-    def buffer_name(wire: str, size: int, stride: int) -> str:
-        """The receive buffer of one stage shape: each group structure has its own, so the
-        parity argument for reusing it holds within one fixed set of peers."""
-        return f"recv__{wire}_{size}x{stride}"
+    def buffer_name(wire: str, size: int, stride: int, span: tuple[int, int] | None = None) -> str:
+        """The receive buffer of one-shot stages over one group: each group structure has its
+        own, so the parity argument for reusing it holds within one fixed set of peers. Where
+        all-reduces scatter from some rows, each span of kernel widths between those rows
+        (`row_spans`) has its own, as wide as the one-shot payloads of that span: `span` for
+        one below the widest kernels' (None)."""
+        spanned = "" if span is None else f"_{span[0]}to{span[1]}"
+        return f"recv{spanned}__{wire}_{size}x{stride}"
+
+    @staticmethod
+    def role_buffer_name(role: str, wire: str, size: int, stride: int) -> str:
+        """A buffer of the scattered form over the group (size, stride): `scatter`, the
+        reduce-scatter's slots `[2, size, B, chunk]` (slot [p, i]: member i's copy of this
+        rank's chunk); `chunk`, a later stage's slots for chunks; `sums`, the f32 all-gather
+        of the chunk sums. Each in the kernels whose rows run the scattered form."""
+        return f"{role}__{wire}_{size}x{stride}"
+
+    @staticmethod
+    def staging_name(wire: str, size: int, stride: int) -> str:
+        """The reduce-scatter's send staging `[size, B, chunk]`: the partial sums' chunk j,
+        in the wire dtype, for member j (no semaphores or use counter of its own)."""
+        return f"{STAGING}{wire}_{size}x{stride}"
+
+
+STAGING = "send__"                # a reduce-scatter's send staging buffer (`staging_name`)
+
+
+def row_spans(reduces: list[AllReduce], rows_max: int) -> list[tuple[int, int]]:
+    """The spans of kernel widths (rows, inclusive) cut at every row count an all-reduce
+    scatters from: within a span each all-reduce runs one form."""
+    cuts = sorted({a.scatter_from for a in reduces if a.scatter_from and a.scatter_from > 1})
+    return list(zip([1, *cuts], [c - 1 for c in cuts] + [rows_max]))
+
+
+def is_staging(buffer: str) -> bool:
+    """Whether a collective buffer is a send staging buffer, which no remote copy targets."""
+    return buffer.startswith(STAGING)
 
 
 @dataclass(frozen=True)
@@ -485,6 +538,12 @@ class ScheduleIR:
         kernel's buffers are those of a decode kernel of as many rows, or smaller (its KV
         tiles hold one entry per sequence), so capacity is checked at this width."""
         return max(self.batch_max, self.verify_rows * self.verify_sequences[1])
+
+    @property
+    def rows_min(self) -> int:
+        """Rows of the narrowest kernel: the smallest decode batch or verify step."""
+        verify = self.verify_rows * self.verify_sequences[0]
+        return min(self.batch_min, verify) if verify else self.batch_min
 
     @property
     def hbm_bytes_per_chip(self) -> int:

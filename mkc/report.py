@@ -5,15 +5,15 @@ from typing import Any
 
 from mkc import cost, ir, target
 from mkc.checks import vmem_budget
-from mkc.checks.capacity import (compiler_overhead_bytes, compiler_scratch, usable_vmem_bytes,
-                                 vmem_budget_bytes)
+from mkc.checks.capacity import (bounding_widths, compiler_overhead_bytes, compiler_scratch,
+                                 usable_vmem_bytes, vmem_budget_bytes)
 
 
 def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
     """VMEM peaks per compiled batch (by class and buffer), the weight stream, HBM per chip and
     the HBM-bandwidth floor of a step. Bytes are integers; nothing here is rounded."""
     vmem = []
-    for batch in sorted({s.batch_min, s.batch_max, s.rows_max}):
+    for batch in sorted({s.batch_min, s.batch_max, s.rows_max, *bounding_widths(s)}):
         peak, where, live = vmem_budget(s, events, batch)
         vmem.append({"batch": batch, "peak_bytes": peak, "where": where,
                      "budget_bytes": vmem_budget_bytes(s, batch),

@@ -146,6 +146,17 @@ def test_groups_carry_over_by_meaning():
     assert [w for w, _ in groups] == sorted((w for w, _ in groups), reverse=True)
 
 
+def test_a_scatter_clause_stays_only_where_its_chunks_are_whole_lane_tiles():
+    """K3's `scatter from 8 rows` on its 7168-column all-reduces: moved with its MINI config
+    (512 columns over a host's 8 cores: chunks of 64) the clause goes, the algorithm stays."""
+    shipped = (SCHEDULES / "kimi_k3.sched").read_text()
+    assert shipped.count("wire bf16 scatter from 8 rows") == 4
+    res, s = _retargeted("kimi_k3", "tpu7x topology 2x2x2", "kimi_k3_mini")
+    assert "scatter" not in "".join(ln for ln in res.text.splitlines() if "allreduce" in ln)
+    assert res.text.count("allreduce o_proj two_level host wire bf16\n") == 2
+    assert all(a.scatter_from is None for k in s.kinds.values() for a in k.allreduces)
+
+
 def test_k3_rules_on_a_one_core_chip_slice_need_no_sibling():
     """v6e chips are one rank: the router's `chip` rule and sibling exchange must go. Every
     generation takes the shipped MXFP4 experts; v6e's MXU takes no FP4 operand, so the rounded

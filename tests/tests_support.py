@@ -25,6 +25,38 @@ def k3_format_text(formats: str | tuple[str, str]) -> str:
     return format_text(K3_SPEC, formats)
 
 
+def k3_mini_text(text: str) -> str:
+    """`examples/generated_module.k3_mini_text`: a K3 spec moved to 16 cores for its MINI
+    config."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import k3_mini_text as moved
+    return moved(text)
+
+
+def qwen_scatter_text(clause: str = "scatter from 2 rows") -> str:
+    """The shipped Qwen spec (8 ranks) with its all-reduces two-level over chips and `clause`
+    after the wire dtype: on the MINI config (256 columns) a chip's 2 cores scatter chunks of
+    128 columns."""
+    text = SPEC.read_text()
+    for ops in ("out_proj, down", "o_proj, down"):
+        line = f"allreduce {ops} direct wire bf16"
+        assert line in text, line
+        text = text.replace(line, f"allreduce {ops} two_level chip wire bf16 {clause}")
+    return text
+
+
+K3_SCATTER = " scatter from 8 rows"     # the shipped K3 spec's clause on its 7168-column all-reduces
+
+
+def k3_scatter_text(clause: str = "scatter from 8 rows") -> str:
+    """The shipped K3 spec with `clause` ("": one-shot) after the wire dtype of each all-reduce
+    it scatters (o_proj, down, shared_down: 7168 columns, chunks of 896 over a host's 8 cores;
+    the routed experts' 3584 stay one-shot on a line of their own), lines kept."""
+    text = K3_SPEC.read_text()
+    assert text.count(K3_SCATTER) == 4
+    return text.replace(K3_SCATTER, f" {clause}" if clause else "")
+
+
 def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:
     """A stand-in for the `Layer` (`mkc.runtime.context`) a family's lowering body is called
     with, so a test calls the body the generated module calls (not a neighbour in `ops`), on

@@ -213,7 +213,20 @@ def kernel_buffers(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
     if batch > s.batch_max and s.verify_rows:
         sequences = -(-batch // s.verify_rows)
     tiles = {n for k in s.kinds.values() if k.kv for n in k.kv.tile_buffers}
-    return [b.at_batch(sequences if b.name in tiles else batch) for b in s.buffers]
+    return [b.at_batch(sequences if b.name in tiles else batch) for b in s.buffers
+            if b.exists_at(batch)]
+
+
+def bounding_widths(s: ir.ScheduleIR) -> list[int]:
+    """The kernel widths (rows) whose VMEM bounds every kernel's the spec builds: the widest,
+    and the widest on either side of where a buffer's own widths (`Buffer.rows`, an
+    all-reduce's form by rows) begin or end. Among kernels holding the same buffers VMEM
+    grows with the rows."""
+    widths = {s.rows_max}
+    for b in s.buffers:
+        if b.rows is not None:
+            widths |= {b.rows[0] - 1, b.rows[1]}
+    return sorted(w for w in widths if s.rows_min <= w <= s.rows_max)
 
 
 def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
@@ -266,7 +279,8 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     buffer live there (what to shrink); the settings that would also fit it (`verify`, `batch`,
     `vmem limit`) are notes at their own lines, with what to write."""
     budget = vmem_budget_bytes(s)
-    peak, where, live = vmem_budget(s, events)
+    width, (peak, where, live) = max(((w, vmem_budget(s, events, w)) for w in bounding_widths(s)),
+                                     key=lambda wp: (wp[1][0], wp[0]))
     if peak <= budget:
         return []
     biggest = sorted(live, key=lambda b: -b.vmem_bytes)
@@ -278,7 +292,10 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
             "tightly")
     settings: list[str] = []
-    if s.rows_max > s.batch_max and vmem_budget(s, events, s.batch_max)[0] <= budget:
+    # The settings fit the widest kernel; a narrower one over the budget (with buffers of its
+    # own, `Buffer.rows`) needs them shrunk.
+    widest = width == s.rows_max
+    if widest and s.rows_max > s.batch_max and vmem_budget(s, events, s.batch_max)[0] <= budget:
         # Decoding fits: the verify step's rows are what overflow.
         rows = _largest_batch_that_fits(s, events, budget, s.batch_max, s.rows_max)
         sequences, per_sequence = s.verify_sequences[1], rows // s.verify_sequences[1]
@@ -287,7 +304,8 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                f"verify {s.verify_rows} rows for at most {max(1, rows // s.verify_rows)} sequences")
         settings.append(_setting_note(s, "verify", f"a kernel of up to {rows} rows fits: {fix}"))
         hint = f"a kernel of up to {rows} rows fits: {fix}; or shrink {largest}"
-    elif (fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min, s.batch_max)) is not None:
+    elif widest and (fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min,
+                                                            s.batch_max)) is not None:
         # The batch range is what overflows.
         fix = f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to {fits_up_to}`"
         settings.append(_setting_note(s, "batch", fix))
@@ -299,7 +317,7 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
         hint = f"{raise_it}; or {hint}"
     return [Diagnostic(
         "E-VMEM-CAPACITY",
-        f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s)}), over the budget "
+        f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s, width)}), over the budget "
         f"of {_budget_words(s)}", span, hint=hint,
         notes=[n for n in settings if n]
         + ["live at the peak (as Mosaic allocates them, compiler scratch modelled):"] + listing)]
@@ -325,7 +343,8 @@ def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
     at the statement that makes the buffer; a limit that would fit it is a note at its line."""
     budget = vmem_budget_bytes(s)
     diags = []
-    for b in kernel_buffers(s, s.rows_max):
+    widest = {b.name: (w, b) for w in bounding_widths(s) for b in kernel_buffers(s, w)}
+    for rows, b in widest.values():
         if b.vmem_bytes > budget:
             hint = "fewer slots, smaller tiles or a smaller batch"
             notes = [f"{b.label}: {b.cls} {list(b.shape)} {b.dtype}"]
@@ -337,7 +356,7 @@ def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
                 notes.append(_setting_note(s, "vmem", raise_it))
             diags.append(Diagnostic(
                 "E-VMEM-CAPACITY", f"{b.label} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
-                f"at {_width(s)}, over the budget of {_budget_words(s)}",
+                f"at {_width(s, rows)}, over the budget of {_budget_words(s)}",
                 _buffer_span(s, b), hint=hint, notes=[n for n in notes if n]))
     return diags
 
@@ -366,10 +385,11 @@ def _buffer_span(s: ir.ScheduleIR, b: ir.Buffer):
     return b.span if b.span.file == s.source else s.setting_spans.get("vmem", b.span)
 
 
-def _width(s: ir.ScheduleIR) -> str:
-    if s.rows_max > s.batch_max:
-        return f"the verify step's {s.rows_max} rows"
-    return f"batch {s.batch_max}"
+def _width(s: ir.ScheduleIR, rows: int | None = None) -> str:
+    rows = rows or s.rows_max
+    if rows > s.batch_max:
+        return f"the verify step's {rows} rows"
+    return f"batch {rows}"
 
 
 def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int, lo: int,

@@ -4,7 +4,7 @@ smallest and largest batch and its verify step's rows), HBM left per chip."""
 from __future__ import annotations
 
 from mkc import ir
-from mkc.checks.capacity import vmem_budget, vmem_budget_bytes
+from mkc.checks.capacity import bounding_widths, vmem_budget, vmem_budget_bytes
 from mkc.diagnostics import Diagnostic
 from mkc.trace import Event
 
@@ -15,7 +15,7 @@ def vmem_headroom(s: ir.ScheduleIR, events: list[Event]) -> dict[int, int]:
     """VMEM bytes left under the budget at each kernel width (rows) the spec builds."""
     budget = vmem_budget_bytes(s)
     return {b: budget - vmem_budget(s, events, b)[0]
-            for b in sorted({s.batch_min, s.batch_max, s.rows_max})}
+            for b in sorted({s.batch_min, s.batch_max, s.rows_max, *bounding_widths(s)})}
 
 
 def hbm_headroom(s: ir.ScheduleIR) -> int:

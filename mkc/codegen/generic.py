@@ -10,7 +10,7 @@ from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, layer_source
 from mkc.steps.collectives import exchange_name, gather_name, reduce_name
 from mkc.model.sharding import ShardTable
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
 from mkc.runtime import experts
 from mkc.runtime.experts import ExpertSlots
@@ -187,10 +187,36 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
     """The module constants of the all-reduce stages (the embedding's first) and of the
     gathers, each stage naming its receive buffer and use counter."""
 
-    def stages(a: ir.AllReduce) -> tuple[Stage, ...]:
-        return tuple(Stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride),
-                           counter[ir.AllReduce.buffer_name(a.wire_dtype, size, stride)], size, stride)
-                     for size, stride in a.stages)
+    spans = ir.row_spans([a for k in s.kinds.values() for a in k.allreduces] + [s.embed_reduce],
+                         s.rows_max)
+
+    def stage(buf: str, size: int, stride: int) -> Stage:
+        return Stage(buf, counter[buf], size, stride)
+
+    def form(a: ir.AllReduce, lo: int, hi: int) -> tuple:
+        """The stages of `a` in the kernels of `lo` to `hi` rows."""
+        if not a.scattered(lo):
+            span = None if hi == s.rows_max else (lo, hi)
+            return tuple(stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride, span), size, stride)
+                         for size, stride in a.stages)
+        (size, stride), wire = a.stages[0], a.wire_dtype
+        first = stage(ir.AllReduce.role_buffer_name("scatter", wire, size, stride), size, stride)
+        sums = stage(ir.AllReduce.role_buffer_name("sums", "f32", size, stride), size, stride)
+        return (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride),
+                              first.counter, size, stride),
+                *(stage(ir.AllReduce.role_buffer_name("chunk", wire, sz, st), sz, st)
+                  for sz, st in a.stages[1:]),
+                AllGather(sums.buffer, sums.counter, size, stride))
+
+    def stages(a: ir.AllReduce) -> tuple | FromRows:
+        """Its stages by the kernel's rows: one tuple, or `FromRows` where they change."""
+        chosen: tuple | FromRows = form(a, *spans[0])
+        last = chosen
+        for lo, hi in spans[1:]:
+            here = form(a, lo, hi)
+            if here != last:
+                chosen, last = FromRows(lo, chosen, here), here
+        return chosen
 
     reduce_literals = [("EMBED_REDUCE", literal(stages(s.embed_reduce), 15))]
     gather_literals = []
@@ -265,17 +291,22 @@ def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: 
     """(name, source, comment) of the resident VMEM buffers, the ring's, vectors' and copies'
     semaphores and the collectives' send and receive semaphores, in operand order."""
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
-    scratch = [(b.name, f"vmem({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]})", b.cls)
-               for b in resident]
+    scratch = [(b.name, f"vmem({_scratch_shape(b, s, ring)}, {DTYPE_SOURCE[b.dtype]}{_rows(b)})",
+                b.cls) for b in resident]
     scratch += [("ring_sem", "dma_sems((RING.slots,))", ""),
                 ("vectors_sem", "dma_sems((2,))", "")]
     scratch += [(n, "dma_sems()", "") for n in sems]
     for b in collectives:
-        scratch += [(b.name + "__send", f"dma_sems((2, {b.shape[1]}))", ""),
-                    (b.name + "__recv", f"dma_sems((2, {b.shape[1]}))", "")]
+        scratch += [(b.name + "__send", f"dma_sems((2, {b.shape[1]}){_rows(b)})", ""),
+                    (b.name + "__recv", f"dma_sems((2, {b.shape[1]}){_rows(b)})", "")]
     scratch.append(("collective_count", "smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32)",
                     "use counters"))
     return scratch
+
+
+def _rows(b: ir.Buffer) -> str:
+    """The `rows=` argument of a scratch entry only some kernel widths allocate."""
+    return "" if b.rows is None else f", rows={b.rows}"
 
 
 def _weight_view(s: ir.ScheduleIR) -> tuple[WeightView | None, list[tuple], list[tuple]]:
@@ -325,7 +356,9 @@ def context(s: ir.ScheduleIR) -> dict:
     kind_ids = {name: i for i, name in enumerate(sorted(s.kinds))}
     st = s.stream
     stream = _stream_plan(s)
-    collectives = [b for b in s.buffers if b.cls == "collective"]
+    # the collectives' receive buffers, each with its semaphores and use counter (a
+    # reduce-scatter's send staging is read by its copies only)
+    collectives = [b for b in s.buffers if b.cls == "collective" and not ir.is_staging(b.name)]
     reduce_literals, gather_literals = _collective_literals(
         s, {b.name: i for i, b in enumerate(collectives)})
     plans = _kind_plans(s, stream.streamed)
@@ -352,6 +385,9 @@ def context(s: ir.ScheduleIR) -> dict:
                                           {k: {n: tuple(v) for n, v in fams.items()}
                                            for k, fams in parity.layout.items()}), 10),
         "reduce_literals": reduce_literals,
+        "collective_imports": ", ".join(
+            n for n in ("AllGather", "FromRows", "ReduceScatter", "Stage")
+            if n == "Stage" or any(f"{n}(" in lit for _, lit in reduce_literals)),
         "collectives": collectives,
         "kinds_literal": literal(plans.kinds, 8),
         "scratch_shapes": (_scratch_shapes(s, ring, plans.sems, collectives)

@@ -5,7 +5,8 @@ the weight ring's slots, its tile bound and how far the stream runs ahead; each 
 stream (slots, tokens per tile, ahead); each pool's expert slots; which of a kind's matrices a
 pool's weight view holds whole and which stream through the ring; where each `prefetch next`
 starts; and each all-reduce's algorithm (direct, or two_level within a chip or a host where the
-topology has more than one). Knobs are found in the spec's AST and each is edited in place, as
+topology has more than one; one-shot or `scatter`, at every kernel width or from the widest
+kernel's rows). Knobs are found in the spec's AST and each is edited in place, as
 the few tokens of its statement that change: layout and every other token stay.
 
 The objective is the mean of the modelled step times at the spec's smallest and largest batch
@@ -49,6 +50,7 @@ from mkc.checks.expect import vmem_headroom
 from mkc.diagnostics import MkcError, Span
 from mkc.lang import ast
 from mkc.lang.parser import parse
+from mkc.lang.statements.collectives import scatter_text
 from mkc.perf.comments import drop_stale_comments
 from mkc.perf.run import kernel_measure, step_model
 from mkc.perf.work import kernel_work
@@ -137,11 +139,11 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
     the pools' expert slots, where each pooled kind's matrices live (pool view or ring), then
     each phase's KV tiles, all-reduce algorithms and prefetches."""
     knobs = _ring_knobs(sched, src) + _pool_knobs(sched, src) + _placement_knobs(sched, src, s)
-    algorithms = _allreduce_algorithms(s)
+    algorithms, scatters = _allreduce_algorithms(s), _scatter_forms(s)
     for phase in sched.phases:
         kname = phase.kind.text
         knobs += _kv_knobs(phase, kname, src, s)
-        knobs += _allreduce_knobs(phase, kname, src, algorithms)
+        knobs += _allreduce_knobs(phase, kname, src, algorithms, scatters)
         knobs += _prefetch_knobs(phase, kname, src, s)
     return knobs
 
@@ -308,20 +310,36 @@ def _allreduce_algorithms(s: ir.ScheduleIR) -> list[str]:
     return algorithms
 
 
-def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: list[str]) -> list[Knob]:
-    """A phase's all-reduces with another algorithm to try: the algorithm (and level) tokens."""
+def _scatter_forms(s: ir.ScheduleIR) -> list[str]:
+    """The scatter clauses to try after an all-reduce's wire dtype (each with its leading
+    space): none (one-shot), at every kernel width, and from the widest kernel's rows (the
+    one-shot stages kept below it, where a round more costs more than the bytes save)."""
+    forms = ["", " " + scatter_text(None)]
+    if s.rows_max > 1:
+        forms.append(" " + scatter_text(s.rows_max))
+    return forms
+
+
+def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: list[str],
+                     scatters: list[str]) -> list[Knob]:
+    """A phase's all-reduces with another algorithm to try: the algorithm (and level) tokens,
+    and the scatter clause after the wire dtype (an algorithm whose first group does not split
+    the columns into whole lane tiles is refused by the check, like any invalid candidate)."""
     knobs: list[Knob] = []
     for ar in phase.allreduces:
         a = src.span_range(ar.algorithm.span)[0]
         b = src.span_range((ar.level or ar.algorithm).span)[1]
-        cur = f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text
-        opts = list(dict.fromkeys([cur] + algorithms))
+        wire_end = src.span_range(ar.wire_dtype.span)[1]
+        clause_end = src.span_range(ar.scatter.span)[1] if ar.scatter else wire_end
+        cur = (f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text,
+               " " + scatter_text(ar.scatter.rows) if ar.scatter else "")
+        opts = list(dict.fromkeys([cur] + [(alg, sc) for alg in algorithms for sc in scatters]))
         if len(opts) > 1:
             ops = ", ".join(o.text for o in ar.ops)
-            knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, (cur,),
-                              (Slot(a, b),), lambda v: (v[0],),
-                              lambda v, opts=opts: [(o,) for o in opts if o != v[0]],
-                              lambda v: v[0]))
+            knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, cur,
+                              (Slot(a, b), Slot(wire_end, clause_end)), lambda v: v,
+                              lambda v, opts=opts: [o for o in opts if o != v],
+                              lambda v: v[0] + v[1]))
     return knobs
 
 

@@ -25,54 +25,98 @@ GATHER_WIRE = "bf16"
 
 def resolve_collectives(s: ResolveState) -> ResolveState:
     B = s.batch[1]
+    rows_max = max(B, (s.verify_rows or 0) * (s.verify_sequences or (0, 0))[1])
     rules = {c: (w, st) for c, w, st in s.shards.rules}
     kinds, kind_buffers = dict(s.kinds), dict(s.kind_buffers)
     for kname, ks in s.kinds.items():
         phase, kind = s.phases[kname], s.graph.kinds[kname]
-        allreduces = _allreduces(phase, kind, s.topology, s.shards)
+        allreduces = _allreduces(phase, kind, s.topology, s.shards, rows_max)
         gathers, exchanges, buffers = _gathers(phase, kind, s.topology, s.mesh_axis, B, rules)
         kinds[kname] = replace(ks, allreduces=allreduces, allgathers=gathers, exchanges=exchanges)
         kind_buffers[kname] += tuple(buffers)
     embed_reduce = _embed_reduce(s, kinds)
     return replace(s, kinds=kinds, kind_buffers=kind_buffers, embed_reduce=embed_reduce,
-                   reduce_buffers=_receive_buffers(kinds, embed_reduce, B))
+                   reduce_buffers=_receive_buffers(kinds, embed_reduce, B, rows_max))
 
 
 def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllReduce:
     """The vocab-sharded embedding lookup is an exact all-reduce over the vocab group (one rank
     of it holds each row): it reuses the first all-reduce over that group (the first layer's
-    first, on a whole-mesh vocabulary), so it adds no receive buffer."""
+    first, on a whole-mesh vocabulary), so it adds no receive buffer; it scatters as that one
+    does where its hidden-wide chunks are whole lane tiles, else its stages run one-shot."""
     H = s.dims.hidden_size
     vocab_group = s.shards.rule("vocab")
     same_group = [a for k in dict.fromkeys(s.dims.layer_kinds) for a in kinds[k].allreduces
                   if _group_of(a.stages) == vocab_group]
-    return (replace(same_group[0], after_op="embed", width=H) if same_group
-            else ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H))
+    if not same_group:
+        return ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H)
+    embed = replace(same_group[0], after_op="embed", width=H)
+    return embed if whole_chunks(H, embed.stages[0][0]) else replace(embed, scatter_from=None)
 
 
-def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllReduce, B: int
-                     ) -> tuple[ir.Buffer, ...]:
-    """Receive buffers per all-reduce stage shape, as wide as the widest payload."""
-    width: dict[tuple[str, int, int], int] = {}
-    for a in [a for k in kinds.values() for a in k.allreduces] + [embed_reduce]:
-        for size, stride in a.stages:
-            key = (a.wire_dtype, size, stride)
-            width[key] = max(width.get(key, 0), a.width)
-    return tuple(ir.Buffer(ir.AllReduce.buffer_name(wire, size, stride), "collective",
-                           (2, size, B, w), wire, batch_axis=2)
-                 for (wire, size, stride), w in sorted(width.items()))
+def reduced_width(kind: LayerKind, op: str) -> int:
+    """Columns of an op's output (what an all-reduce after it moves)."""
+    o = kind.ops[kind.op_names().index(op)]
+    return o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
 
 
-def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards: ShardTable
-                ) -> list[ir.AllReduce]:
-    """`allreduce OPS ALGORITHM wire DTYPE`: every op leaving partial sums is reduced once,
-    over the ranks holding its parts."""
+def whole_chunks(width: int, size: int) -> bool:
+    """Whether `width` columns split into `size` chunks of whole 128-lane tiles: what
+    `scatter` needs of an all-reduce's columns over its first group."""
+    return width % size == 0 and (width // size) % ir.LANES == 0
+
+
+def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllReduce, B: int,
+                     rows_max: int) -> tuple[ir.Buffer, ...]:
+    """The all-reduces' buffers, each as wide as the widest payload of its uses and in the
+    kernels whose rows use it (`Buffer.rows`): per group, one-shot stages' receive slots for
+    each span of kernel widths between the rows all-reduces scatter from (`ir.row_spans`);
+    where an all-reduce scatters, its first group's reduce-scatter slots (`scatter`) and send
+    staging, the later stages' slots for chunks (`chunk`) and the first group's f32
+    all-gather (`sums`)."""
+    reduces = [a for k in kinds.values() for a in k.allreduces] + [embed_reduce]
+    spans = ir.row_spans(reduces, rows_max)
+    found: dict[tuple, tuple[int, int, int]] = {}     # (role, wire, size, stride) -> (width, rows)
+
+    def use(role: tuple, wire: str, group: tuple[int, int], width: int, lo: int, hi: int) -> None:
+        key = (role, wire, *group)
+        w, a, b = found.get(key, (0, lo, hi))
+        found[key] = (max(w, width), min(a, lo), max(b, hi))
+
+    for a in reduces:
+        for lo, hi in spans:
+            if not a.scattered(lo):
+                for group in a.stages:
+                    use((0, lo, hi), a.wire_dtype, group, a.width, lo, hi)
+                continue
+            first = a.stages[0]
+            use((1, "scatter"), a.wire_dtype, first, a.chunk, lo, hi)
+            for group in a.stages[1:]:
+                use((2, "chunk"), a.wire_dtype, group, a.chunk, lo, hi)
+            use((3, "sums"), "f32", first, a.chunk, lo, hi)
+    out = []
+    for (role, wire, size, stride), (w, lo, hi) in sorted(found.items()):
+        rows = None if (lo, hi) == (1, rows_max) else (lo, hi)
+        if role[0] == 0:
+            name = ir.AllReduce.buffer_name(wire, size, stride, None if hi == rows_max else (lo, hi))
+        else:
+            name = ir.AllReduce.role_buffer_name(role[1], wire, size, stride)
+        out.append(ir.Buffer(name, "collective", (2, size, B, w), wire, batch_axis=2, rows=rows))
+        if role[-1] == "scatter":
+            out.append(ir.Buffer(ir.AllReduce.staging_name(wire, size, stride), "collective",
+                                 (size, B, w), wire, batch_axis=1, rows=rows))
+    return tuple(out)
+
+
+def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards: ShardTable,
+                rows_max: int) -> list[ir.AllReduce]:
+    """`allreduce OPS ALGORITHM wire DTYPE [scatter [from N rows]]`: every op leaving partial
+    sums is reduced once, over the ranks holding its parts."""
     kname, ops = kind.name, kind.op_names()
     partial_over = {o.name: o.partial or (kind.tensors[o.matmul].partial_out if o.matmul else ())
                     for o in kind.ops}
     partial_ops = [o for o, classes in partial_over.items() if classes]
-    width_of = {o.name: o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
-                for o in kind.ops}
+    width_of = {o.name: reduced_width(kind, o.name) for o in kind.ops}
     allreduces: list[ir.AllReduce] = []
     for ar in phase.allreduces:
         if ar.algorithm.text not in ALLREDUCE_ALGORITHMS:
@@ -95,9 +139,11 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
                 raise fail("E-SHARD", f"{kname}.{n.text}: {e}", n.span,
                            hint="shard those classes over nested groups (one `tp / N`, the "
                                 "other `over N`)") from None
+            stages = _stages(ar, topo, over, n.text)
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
-                                           _stages(ar, topo, over, n.text), width_of[n.text],
-                                           ar.span))
+                                           stages, width_of[n.text], ar.span,
+                                           _scatter_from(ar, n.text, stages, width_of[n.text],
+                                                         topo, over, rows_max)))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             # Point at the allreduce line to extend, or the phase to add one to.
@@ -105,6 +151,49 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
                        phase.allreduces[0].span if phase.allreduces else phase.kind.span,
                        hint=f"add `allreduce {', '.join(partial_ops)} direct wire bf16`")
     return allreduces
+
+
+def _scatter_from(ar: AllReduce, op: str, stages: tuple[tuple[int, int], ...], width: int,
+                  topo: target.Topology, over: tuple[int, int], rows_max: int) -> int | None:
+    """The rows from which `ar` runs `op`'s all-reduce scattered (None: never): its first
+    group's chunks of the columns must be whole lane tiles, and some kernel must have the rows."""
+    sc = ar.scatter
+    if sc is None:
+        return None
+    rows = 1 if sc.rows is None else sc.rows
+    if rows < 1:
+        raise fail("E-COLLECTIVE", f"scatter from {rows} rows: every kernel has at least one "
+                   "row", sc.span, hint="write `scatter` to scatter at every kernel width, or "
+                   f"`scatter from N rows` with N from 2 to {rows_max}")
+    if rows > rows_max:
+        raise fail("E-COLLECTIVE", f"scatter from {rows} rows: no kernel of this spec has that "
+                   f"many (its widest, of the batch range and verify step, has {rows_max})",
+                   sc.span, hint=f"write `scatter from N rows` with N up to {rows_max}, or drop "
+                   "`scatter` to keep the one-shot stages")
+    size = stages[0][0]
+    if not whole_chunks(width, size):
+        what = (f"{width} / {size} = {width / size:g} columns" if width % size
+                else f"{width // size} columns")
+        firsts = [(alg, st[0][0]) for alg, st in algorithm_stages(topo, over)
+                  if whole_chunks(width, st[0][0])]
+        raise fail("E-COLLECTIVE", f"scatter splits the {width} columns of {op} over the "
+                   f"{size} ranks of its first group into chunks of {what}, not whole 128-lane tiles",
+                   sc.word.span,
+                   hint="drop `scatter` (one-shot stages)" + "".join(
+                       f", or use `{alg}` (chunks of {width // s} columns)" for alg, s in firsts)
+                   + (f"; or reduce {op} on a line of its own" if len(ar.ops) > 1 else ""))
+    return rows
+
+
+def algorithm_stages(topo: target.Topology, over: tuple[int, int]
+                     ) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """Every algorithm's spelling and stages for the group `over` on this topology."""
+    out = [("direct", (over,))]
+    for level, cores in (("chip", topo.chip.cores_per_chip), ("host", topo.cores_per_host)):
+        stages = two_level_stages(*over, cores)
+        if stages is not None:
+            out.append((f"two_level {level}", stages))
+    return out
 
 
 def two_level_stages(size: int, stride: int, level_cores: int) -> tuple[tuple[int, int], ...] | None:

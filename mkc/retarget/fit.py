@@ -86,7 +86,8 @@ def class_bytes(s: ir.ScheduleIR) -> dict[str, int]:
     """VMEM bytes of the kernel's buffers by class at its widest kernel (scopes ignored)."""
     out: dict[str, int] = {}
     for b in s.buffers:
-        out[b.cls] = out.get(b.cls, 0) + b.at_batch(s.rows_max).vmem_bytes
+        if b.exists_at(s.rows_max):
+            out[b.cls] = out.get(b.cls, 0) + b.at_batch(s.rows_max).vmem_bytes
     return out
 
 
@@ -132,8 +133,8 @@ def _class_steps(cls: str, knobs: list[tune.Knob]) -> list[tuple[tune.Knob, tupl
         elif cls == "kv" and k.name.startswith("kv tiles") and v[0] > 1:
             out.append((0, k, (v[0] - 1, v[1], min(v[2], v[0] - 1))))
         elif cls == "collective" and k.name.startswith("allreduce") \
-                and ("two_level host",) in k.neighbours(v) and v[0] != "two_level host":
-            out.append((0, k, ("two_level host",)))
+                and ("two_level host", v[1]) in k.neighbours(v) and v[0] != "two_level host":
+            out.append((0, k, ("two_level host", v[1])))
     return [(k, v) for _, k, v in sorted(out, key=lambda t: t[0])]
 
 

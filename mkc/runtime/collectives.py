@@ -22,6 +22,25 @@ only then can the rank start its next use. A peer writes parity ``c % 2`` again 
 which it reaches only after receiving this rank's share of use c + 1, i.e. after this rank has
 read use c. Receive semaphores of a parity are likewise never signalled for use c + 2 before
 the wait of use c; send semaphores are drained within each use.
+
+An all-reduce is a tuple of stages, each with its own `run` (`allreduce`): `Stage`, one-shot
+(every member sends its whole partial to every peer and sums all slots), or the scattered form
+`ReduceScatter`, `Stage`s on the chunk, `AllGather`; `FromRows` picks a tuple by the kernel's
+rows. The scattered form adds the same values in the same order as the one-shot stages, so
+its result is bit-identical: member j of the first group sums column chunk j of the group's
+partials, slot by slot in group order in f32 (what a one-shot stage does to those columns);
+the later stages reduce that chunk among the ranks holding the same chunk index (the peers a
+one-shot later stage has); the all-gather moves the f32 chunk sums exactly.
+
+The reduce-scatter's receive slots ``recv [2, size, B, chunk]`` (slot [p, i]: member i's copy
+of this rank's chunk) follow the protocol above: a peer sends into this rank's slot of parity
+``c % 2`` only at its use c + 2, after this rank's share of use c + 1 reached it, which this
+rank sends only after its sum of use c has read every slot. Its send staging ``staging [size,
+B, chunk]`` (chunk j of this rank's partial, for member j; no parity) is written at the start
+of each use and read only by this use's outgoing copies, all of which are waited
+(``wait_send``) before the use returns, so the next use's writes never meet a copy still
+reading it. Its own chunk goes from staging to its own slot by a local copy (on send semaphore
+[par, 0], which no remote copy uses), waited with the sends.
 """
 from __future__ import annotations
 
@@ -102,6 +121,58 @@ def allreduce_stage(partial: jax.Array, recv, send_sem, recv_sem, counter_ref, c
     return total
 
 
+def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_ref,
+                   counter: int, axis: str, size: int, stride: int) -> jax.Array:
+    """Member j's chunk j (``width / size`` columns) of the group's f32 sum of ``partial [B,
+    width]``, each member's chunk travelling in ``recv.dtype`` and the slots added in group
+    order, as `allreduce_stage` adds those columns. ``staging`` is the send staging (module
+    docstring)."""
+    me = lax.axis_index(axis)
+    local = lax.rem(me // stride, size)
+    base = me - local * stride
+    c = counter_ref[counter]
+    counter_ref[counter] = c + 1
+    par = lax.rem(c, 2)
+    chunk = partial.shape[-1] // size
+    narrow = chunk != recv.shape[-1]    # a narrower payload uses the leading columns
+
+    def slot(i):
+        return recv.at[par, i, :, :chunk] if narrow else recv.at[par, i]
+
+    def staged(j):
+        return staging.at[j, :, :chunk] if narrow else staging.at[j]
+
+    for j in range(size):
+        staged(j)[...] = partial[:, j * chunk:(j + 1) * chunk].astype(recv.dtype)
+    # its own chunk to its own slot by a local copy (a vector copy from a row of `staging`
+    # chosen at run time costs the kernel ~1.4 MiB of spill slots at K3's size), on send
+    # semaphore [par, 0], which no remote copy uses
+    own = pltpu.make_async_copy(staged(local), slot(local), send_sem.at[par, 0])
+    own.start()
+    sends = []
+    for k in range(1, size):
+        member = lax.rem(local + k, size)
+        cp = pltpu.make_async_remote_copy(staged(member), slot(local), send_sem.at[par, k],
+                                          recv_sem.at[par, local],
+                                          device_id=(base + member * stride,),
+                                          device_id_type=pl.DeviceIdType.MESH)
+        cp.start()
+        sends.append(cp)
+    for cp in sends:
+        cp.wait_send()
+    own.wait()
+    for k in range(1, size):
+        # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
+        src = lax.rem(local + size - k, size)
+        pltpu.make_async_remote_copy(slot(src), slot(src), send_sem.at[par, k],
+                                     recv_sem.at[par, src], device_id=(base + src * stride,),
+                                     device_id_type=pl.DeviceIdType.MESH).wait_recv()
+    total = recv[par, 0, :, :chunk].astype(F32)
+    for i in range(1, size):
+        total = total + recv[par, i, :, :chunk].astype(F32)
+    return total
+
+
 def allgather(shard: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
               size: int, stride: int) -> jax.Array:
     """The group's ``[B, width]`` shards concatenated in group order: ``[B, size * width]`` in
@@ -123,25 +194,84 @@ def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_re
 class Stage:
     """One direct all-reduce stage or all-gather: over the group (size, stride) through receive
     buffer `buffer` (its send and receive semaphores are `buffer + "__send"` / `"__recv"`),
-    whose use counter is `counter_ref[counter]`."""
+    whose use counter is `counter_ref[counter]`. As an all-reduce stage (`run`): the one-shot
+    f32 sum of the value over the group (`allreduce_stage`)."""
 
     buffer: str
     counter: int
     size: int
     stride: int
 
+    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
+        return allreduce_stage(value, *_stage_refs(refs, self), axis, self.size, self.stride)
 
-def _stage_refs(refs, st: Stage) -> tuple:
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """The scattered form's first stage (`reduce_scatter`): `[B, width]` partials to this
+    member's f32 chunk sum `[B, width / size]`, through receive slots `buffer` (with its
+    semaphores and counter, as a `Stage`'s) and send staging `staging`."""
+
+    buffer: str
+    staging: str
+    counter: int
+    size: int
+    stride: int
+
+    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
+        recv, send_sem, recv_sem, counter_ref, counter = _stage_refs(refs, self)
+        return reduce_scatter(value, recv, getattr(refs, self.staging), send_sem, recv_sem,
+                              counter_ref, counter, axis, self.size, self.stride)
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """The scattered form's last stage: the group's chunk sums concatenated in group order
+    (`allgather`), in the dtype of its buffer (f32: exact)."""
+
+    buffer: str
+    counter: int
+    size: int
+    stride: int
+
+    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
+        return allgather(value, *_stage_refs(refs, self), axis, self.size, self.stride)
+
+
+AllReduceStage = Stage | ReduceScatter | AllGather
+
+
+@dataclass(frozen=True)
+class FromRows:
+    """An all-reduce whose kernels of at least `rows` rows run `stages` and narrower ones
+    `below` (itself chosen by rows where it is a `FromRows`): the scattered form from the rows
+    it scatters from, and one-shot stages through each span of widths' own buffers."""
+
+    rows: int
+    below: "tuple[AllReduceStage, ...] | FromRows"
+    stages: tuple[AllReduceStage, ...]
+
+    def at(self, rows: int) -> tuple[AllReduceStage, ...]:
+        if rows >= self.rows:
+            return self.stages
+        return self.below.at(rows) if isinstance(self.below, FromRows) else self.below
+
+
+def _stage_refs(refs, st: Stage | ReduceScatter | AllGather) -> tuple:
     """(recv, send_sem, recv_sem, counter_ref, counter) of a stage from the refs by name."""
     return (getattr(refs, st.buffer), getattr(refs, st.buffer + "__send"),
             getattr(refs, st.buffer + "__recv"), refs.collective_count, st.counter)
 
 
-def allreduce(refs, partial: jax.Array, stages: tuple[Stage, ...], axis: str) -> jax.Array:
-    """All-reduce `partial` as a sequence of direct stages; `refs` holds every kernel ref by
-    name (the buffers, their semaphores and `collective_count`)."""
+def allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...] | FromRows,
+              axis: str) -> jax.Array:
+    """All-reduce `partial [B, width]` through its stages, each run in turn (a `FromRows`'
+    for B rows); `refs` holds every kernel ref by name (the buffers, their semaphores and
+    `collective_count`)."""
+    if isinstance(stages, FromRows):
+        stages = stages.at(partial.shape[0])
     for st in stages:
-        partial = allreduce_stage(partial, *_stage_refs(refs, st), axis, st.size, st.stride)
+        partial = st.run(refs, partial, axis)
     return partial
 
 
@@ -151,7 +281,7 @@ def gather(refs, shard: jax.Array, st: Stage, axis: str) -> jax.Array:
 
 
 def embed(refs, table, rows_buf, sem, vocab_local: int, vocab: tuple[int, int],
-          stages: tuple[Stage, ...], axis: str, B: int) -> jax.Array:
+          stages: tuple[AllReduceStage, ...] | FromRows, axis: str, B: int) -> jax.Array:
     """Vocab-sharded embedding lookup of `refs.tokens` -> [B, hidden] f32: each rank copies the
     aligned 16-row bf16 block holding each token (a single bf16 row is not a legal DMA on TPU),
     keeps the row if its vocab part (rule `vocab` = (ways, stride)) owns the token, and the

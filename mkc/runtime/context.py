@@ -122,7 +122,8 @@ class Kernel:
         return Layer(self, self.refs, kind, self.kinds[kind], index, si=tables[2, index],
                      first_tile=tables[1, index])
 
-    def allreduce(self, partial: jax.Array, stages: tuple[collectives.Stage, ...]) -> jax.Array:
+    def allreduce(self, partial: jax.Array,
+                  stages: tuple[collectives.AllReduceStage, ...] | collectives.FromRows) -> jax.Array:
         return collectives.allreduce(self.refs, partial, stages, self.axis)
 
     def allgather(self, shard: jax.Array, stage: collectives.Stage) -> jax.Array:

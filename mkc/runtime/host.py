@@ -95,8 +95,10 @@ class Host:
         return shapes.table_at(self.vmem_input_table, B)
 
     def scratch_shapes(self, B: int) -> dict[str, Any]:
-        """The kernel's scratch at B rows, by the name its body reads (`r.<name>`)."""
-        return {name: scratch.at(B) for name, scratch in self.scratch_table.items()}
+        """The kernel's scratch at B rows, by the name its body reads (`r.<name>`): the
+        entries a kernel of B rows allocates (`Scratch.rows`)."""
+        return {name: scratch.at(B) for name, scratch in self.scratch_table.items()
+                if scratch.exists_at(B)}
 
     # ---- the kernel ----------------------------------------------------------------------
     @property

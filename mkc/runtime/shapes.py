@@ -45,11 +45,16 @@ def table_at(table: Mapping[str, tuple[Shape, Any]], rows: int, seqs: int | None
 
 @dataclass(frozen=True)
 class Scratch:
-    """One scratch operand of the kernel, before its batch is fixed."""
+    """One scratch operand of the kernel, before its batch is fixed; `rows`: the kernel widths
+    (inclusive) that allocate it (None: every kernel)."""
 
     space: str                 # "vmem" | "smem" | "dma_sems"
     shape: Shape
     dtype: Any = None
+    rows: tuple[int, int] | None = None
+
+    def exists_at(self, rows: int) -> bool:
+        return self.rows is None or self.rows[0] <= rows <= self.rows[1]
 
     def at(self, rows: int):
         shape = at(self.shape, rows)
@@ -58,14 +63,14 @@ class Scratch:
         return (pltpu.VMEM if self.space == "vmem" else pltpu.SMEM)(shape, self.dtype)
 
 
-def vmem(shape: Shape, dtype) -> Scratch:
-    return Scratch("vmem", tuple(shape), dtype)
+def vmem(shape: Shape, dtype, rows: tuple[int, int] | None = None) -> Scratch:
+    return Scratch("vmem", tuple(shape), dtype, rows)
 
 
 def smem(shape: Shape, dtype) -> Scratch:
     return Scratch("smem", tuple(shape), dtype)
 
 
-def dma_sems(shape: Shape = ()) -> Scratch:
+def dma_sems(shape: Shape = (), rows: tuple[int, int] | None = None) -> Scratch:
     """DMA semaphores, one per entry of `shape` (one for `()`)."""
-    return Scratch("dma_sems", tuple(shape))
+    return Scratch("dma_sems", tuple(shape), rows=rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mkc import ir
+from mkc.lang.statements.collectives import scatter_text
 from mkc.steps.base import Step, spec_line
 
 
@@ -23,6 +24,9 @@ def gather_name(kind: str, op: str) -> str:
 def exchange_name(kind: str, op: str) -> str:
     """The module constant of the sibling exchange of `op`'s output in `kind`."""
     return f"{kind}_{op}_exchange".upper()
+
+
+LINE_LENGTH = 110          # a generated module's longest line (ruff's, pyproject.toml)
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,16 @@ class _Collective(Step):
         return f"{self.kind} {self.entry.after_op}"
 
     def _emit(self, e, indent: str, method: str, constant: str, what: str) -> None:
+        """The call, its spec line beside it (`mkc.perf.bundles` charges the call's
+        instructions to it) and what it does; that on a line of its own above where the line
+        would pass the module's line length."""
         value = e.k.op_values[self.op][1][0]
-        e.line(indent, f"{value} = k.{method}({value}, {constant})   # {spec_line(self.entry.span)}: {what}")
+        call = f"{value} = k.{method}({value}, {constant})   # {spec_line(self.entry.span)}"
+        if len(indent) + len(call) + len(what) + 2 > LINE_LENGTH:
+            e.line(indent, f"# {what}")
+            e.line(indent, call)
+        else:
+            e.line(indent, f"{call}: {what}")
 
 
 @dataclass(frozen=True)
@@ -65,15 +77,25 @@ class AllReduce(_Collective):
     kind = "allreduce"
 
     def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
+        """One-shot: each stage sends the whole partial to every peer and sums every slot. In
+        a kernel of `batch` rows that scatters (`ir.AllReduce.scattered`): a chunk of the
+        columns to each peer of the first group in the wire dtype and its slots summed, the
+        later stages likewise on the chunk, then the chunk sums gathered in f32."""
         a = self.entry
         wire = ir.DTYPE_BYTES[a.wire_dtype]
-        return tuple(Round(size, stride, batch * a.width * wire, (size - 1) * batch * a.width)
-                     for size, stride in a.stages)
+        if not a.scattered(batch):
+            return tuple(Round(size, stride, batch * a.width * wire, (size - 1) * batch * a.width)
+                         for size, stride in a.stages)
+        chunk = batch * a.chunk
+        first = a.stages[0]
+        return (*(Round(size, stride, chunk * wire, (size - 1) * chunk) for size, stride in a.stages),
+                Round(*first, chunk * ir.DTYPE_BYTES["f32"]))
 
     def emit(self, e, indent: str) -> None:
         a = self.entry
+        scatter = "" if a.scatter_from is None else ", " + scatter_text(a.scatter_from)
         self._emit(e, indent, "allreduce", reduce_name(e.kind, self.op),
-                   f"{a.algorithm}, wire {a.wire_dtype}")
+                   f"{a.algorithm}, wire {a.wire_dtype}{scatter}")
 
 
 @dataclass(frozen=True)

@@ -225,3 +225,34 @@ def test_kv_tiles_up_to_the_measured_length_add_the_measured_bytes_a_token_and_p
     m = ScratchMeasure((("chip", "x"),), "m", "decode", 8, 128, 1000, -1, 2000, "libtpu t")
     assert capacity.kv_token_bytes([m]) == 0
     assert capacity.kv_token_bytes([m, dataclasses.replace(m, kv_tokens=256, bytes=1256)]) == 2.0
+
+
+def test_a_kernel_holds_only_the_all_reduce_buffers_of_the_form_its_rows_run(tmp_path):
+    """K3 (`scatter from 8 rows`): the kernels of up to 7 rows hold the one-shot receive
+    slots as the spec one-shot does (7168 columns), the 8-row one the scattered form's
+    (chunks of 896) and the routed experts' one-shot slots (3584), so VMEM is checked at both
+    widths (`bounding_widths`): at 7 rows as the one-shot spec's, at 8 less."""
+    from tests_support import K3_SPEC, k3_scatter_text
+    s = check_spec(K3_SPEC).ir
+    assert capacity.bounding_widths(s) == [7, 8]
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(k3_scatter_text(""))
+    one_shot = check_spec(spec).ir
+    assert capacity.bounding_widths(one_shot) == [8]
+
+    def reduce_buffers(ir_, rows):
+        return {b.name: b.vmem_bytes for b in capacity.kernel_buffers(ir_, rows)
+                if b.cls == "collective" and not b.name.startswith(("gather__", "exchange__"))}
+
+    assert set(reduce_buffers(s, 7)) == {"recv_1to7__bf16_8x1", "recv_1to7__bf16_4x8"}
+    assert {n.split("__")[0] for n in reduce_buffers(s, 8)} == {"recv", "scatter", "send", "chunk",
+                                                                "sums"}
+    # the scattered form's buffers: under 2 / 5 of the one-shot ones (the routed experts'
+    # 3584 columns stay one-shot, in half of those)
+    shipped = sum(reduce_buffers(one_shot, 8).values())
+    scattered = {n: v for n, v in reduce_buffers(s, 8).items() if not n.startswith("recv__")}
+    assert sum(scattered.values()) < shipped / 2.5
+    assert sum(reduce_buffers(s, 8).values()) < shipped
+    events, one_shot_events = build_trace(s), build_trace(one_shot)
+    assert vmem_budget(s, events, 7)[0] == vmem_budget(one_shot, one_shot_events, 7)[0]
+    assert vmem_budget(s, events, 8)[0] < vmem_budget(one_shot, one_shot_events, 8)[0]

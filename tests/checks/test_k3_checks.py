@@ -7,7 +7,7 @@ from mkc.compiler import check_spec
 from mkc.diagnostics import MkcError
 from mkc.trace import (CopyStart, CopyWait, Read, TraceOptions, ViewClose, ViewOpen, build_trace,
                        periodic_tiles_traced)
-from tests_support import K3_SPEC
+from tests_support import K3_SPEC, k3_mini_text
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +103,7 @@ def test_topology_rederives_per_rank_shapes_and_collectives(tmp_path):
     """The same spec on 2 hosts (16 cores) with the MINI model: heads, experts and the
     two-level all-reduce's second stage follow the topology."""
     spec = tmp_path / "k3_16.sched"
-    spec.write_text(K3_SPEC.read_text().replace("topology 2x2x4", "topology 2x2x2")
-                    .replace("tp = 32", "tp = 16"))
+    spec.write_text(k3_mini_text(K3_SPEC.read_text()))
     mini = check_spec(spec, "kimi_k3_mini").ir
     full = check_spec(K3_SPEC).ir
     assert full.kinds["kda"].allreduces[0].stages == ((8, 1), (4, 8))

@@ -8,13 +8,13 @@ import pytest
 from mkc import compiler
 from mkc.codegen import generic
 from mkc.codegen.layers import layer_source
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import KindPlan, StateCopy
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
 from mkc.runtime.ring import Ring, StreamedMatrix
 from mkc.runtime.vectors import Parity
-from tests_support import ROOT
+from tests_support import ROOT, SPEC, k3_scatter_text, qwen_scatter_text
 
 NAMES = {c.__name__: c for c in (Stage, KindPlan, StateCopy, ExpertSlots, KvTiles, Ring,
                                  StreamedMatrix, Parity)}
@@ -58,3 +58,58 @@ def test_module_constants_are_the_runtime_dataclasses():
     assert isinstance(namespace["EXPERTS"], ExpertSlots) and namespace["EXPERTS"].slots == 3
     assert set(namespace["KINDS"]) == {"gdn", "gqa", "moe"}
     assert dataclasses.is_dataclass(namespace["RING"])
+
+
+def test_a_scattering_all_reduce_is_its_stages_by_rows_with_its_buffers_by_rows(tmp_path):
+    """`scatter from 2 rows` on MINI Qwen: each all-reduce constant is a `FromRows` of the
+    one-shot stages and the scattered ones (each stage's buffer and counter its own), and the
+    scratch table gives each buffer, and its semaphores, to the kernels of the rows that use
+    it; the send staging has neither semaphores nor a counter."""
+    spec = tmp_path / SPEC.name
+    spec.write_text(qwen_scatter_text())
+    c = compiler.compile_spec(spec, "qwen3_8_mini")
+    namespace: dict = {}
+    exec(c.module_source, namespace)
+    reduce = namespace["GQA_DOWN_REDUCE"]
+    assert isinstance(reduce, FromRows) and reduce.rows == 2
+    assert [type(st) for st in reduce.below] == [Stage, Stage]
+    assert [type(st) for st in reduce.stages] == [ReduceScatter, Stage, AllGather]
+    rs, chunk, sums = reduce.stages
+    assert (rs.buffer, rs.staging, rs.size, rs.stride) == ("scatter__bf16_2x1", "send__bf16_2x1", 2, 1)
+    assert (chunk.buffer, chunk.size, chunk.stride) == ("chunk__bf16_4x2", 4, 2)
+    assert (sums.buffer, sums.size) == ("sums__f32_2x1", 2)
+    assert reduce.at(1) == reduce.below and reduce.at(2) == reduce.stages
+    counters = [st.counter for st in (*reduce.below, *reduce.stages)]
+    assert len(set(counters)) == len(counters) <= namespace["N_COLLECTIVE_COUNTERS"]
+    host = namespace["HOST"]
+    one, two = host.scratch_shapes(1), host.scratch_shapes(2)
+    for name in ("recv_1to1__bf16_2x1", "recv_1to1__bf16_2x1__recv"):
+        assert name in one and name not in two
+    for name in ("scatter__bf16_2x1", "scatter__bf16_2x1__send", "send__bf16_2x1", "sums__f32_2x1"):
+        assert name in two and name not in one
+    assert not any(n.startswith("send__bf16_2x1__") for n in two)
+    assert host.operand_names(2)[2] == list(two)
+
+
+def test_scatter_at_every_width_is_the_scattered_stages_alone(tmp_path):
+    spec = tmp_path / SPEC.name
+    spec.write_text(qwen_scatter_text("scatter"))
+    namespace: dict = {}
+    exec(compiler.compile_spec(spec, "qwen3_8_mini").module_source, namespace)
+    assert [type(st) for st in namespace["GDN_OUT_PROJ_REDUCE"]] == [ReduceScatter, Stage, AllGather]
+    assert not any(n.startswith("recv") for n in namespace["SCRATCH_SHAPES"])
+
+
+def test_a_one_shot_all_reduce_uses_each_span_of_widths_own_buffers(tmp_path):
+    """K3 with `scatter from 8 rows` on all but the routed experts: theirs stays one-shot,
+    through the 7168-column slots below 8 rows and its own 3584-column ones from 8."""
+    spec = tmp_path / "kimi_k3.sched"
+    spec.write_text(k3_scatter_text())
+    namespace: dict = {}
+    exec(compiler.compile_spec(spec).module_source, namespace)
+    routed = namespace["MOE_ROUTED_EXPERTS_REDUCE"]
+    assert isinstance(routed, FromRows) and routed.rows == 8
+    assert [st.buffer for st in routed.below] == ["recv_1to7__bf16_8x1", "recv_1to7__bf16_4x8"]
+    assert [st.buffer for st in routed.stages] == ["recv__bf16_8x1", "recv__bf16_4x8"]
+    shared = namespace["MOE_SHARED_DOWN_REDUCE"]
+    assert shared.below == routed.below and type(shared.stages[0]) is ReduceScatter

@@ -19,6 +19,20 @@ def test_parses_the_shipped_spec_with_spans():
         next(line for line in SPEC.read_text().splitlines() if "load  state.conv" in line)) + 1
 
 
+@pytest.mark.parametrize("clause, rows", [("", "none"), (" scatter", None),
+                                           (" scatter from 8 rows", 8)])
+def test_an_allreduce_takes_a_scatter_clause_after_its_wire(clause, rows):
+    src = f"schedule x {{\n  phase gqa {{\n    allreduce o_proj two_level host wire bf16{clause}\n  }}\n}}"
+    (ar,) = parse(src).phases[0].allreduces
+    assert ar.wire_dtype.text == "bf16" and ar.level.text == "host"
+    if rows == "none":
+        assert ar.scatter is None
+        return
+    assert ar.scatter.word.text == "scatter" and ar.scatter.rows == rows
+    assert (ar.scatter.word.span.line, ar.scatter.word.span.column) == (3, 47)
+    assert ar.scatter.span.end_column == ar.span.end_column
+
+
 @pytest.mark.parametrize("src, line, col", [
     ("schedule x {\n  batch\n}", 3, 1),
     ("schedule x { model \"a\" @ }", 1, 24),

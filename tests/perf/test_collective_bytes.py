@@ -36,6 +36,8 @@ def test_every_collective_round_moves_its_payload_in_the_emitted_buffer_dtype(k3
         rounds = step.rounds(BATCH, s.cores_per_chip)
         x = step.entry
         if isinstance(step, AllReduce):
+            if x.scattered(BATCH):
+                continue        # test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs
             assert len(rounds) == len(x.stages)
             for rd, (size, stride) in zip(rounds, x.stages):
                 _, itemsize = _scratch(module, ir.AllReduce.buffer_name(x.wire_dtype, size, stride))
@@ -59,3 +61,29 @@ def test_k3_gathers_are_priced_as_bf16(k3):
         assert _scratch(module, ir.AllGather.buffer_name(op))[1] == 2
         (rd,) = step.rounds(BATCH, s.cores_per_chip)
         assert rd.nbytes == BATCH * step.entry.width * 2
+
+
+@pytest.mark.parametrize("rows", [1, 7, BATCH])
+def test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs(k3, rows):
+    """K3's `scatter from 8 rows`: below 8 rows the one-shot stages' whole width to every peer;
+    at 8, the chunk (7168 / 8 columns) to every peer of the host and across hosts in the wire
+    dtype of the buffers the module declares, then the chunk sums gathered over the host in
+    f32; each stage's sums over the chunk."""
+    s, module, events = k3
+    steps = [e.tag for e in events if isinstance(e, Collective) and isinstance(e.tag, AllReduce)
+             and e.tag.entry.scatter_from is not None]
+    assert {st.entry.after_op for st in steps} == {"o_proj", "down", "shared_down", "embed"}
+    for step in steps:
+        x = step.entry
+        rounds = step.rounds(rows, s.cores_per_chip)
+        if rows < 8:
+            assert [(r.size, r.stride, r.nbytes) for r in rounds] == [
+                (size, stride, rows * x.width * 2) for size, stride in x.stages]
+            continue
+        chunk = x.width // 8
+        names = ["scatter__bf16_8x1", "chunk__bf16_4x8", "sums__f32_8x1"]
+        assert [(r.size, r.stride) for r in rounds] == [(8, 1), (4, 8), (8, 1)]
+        for rd, name in zip(rounds, names):
+            cols, itemsize = _scratch(module, name)
+            assert cols == chunk and rd.nbytes == rows * chunk * itemsize, (step, name)
+        assert [r.sums for r in rounds] == [7 * rows * chunk, 3 * rows * chunk, 0]

@@ -56,6 +56,27 @@ def test_knobs_edit_only_their_tokens():
     assert tune.render(text, knobs, tuple(k.value for k in knobs)) == text
 
 
+def test_the_algorithm_knob_tries_the_scatter_clause():
+    """Each all-reduce's algorithm knob: the algorithm and the scatter clause after the wire
+    dtype, one-shot, at every width or from the widest kernel's rows (16: the verify step's),
+    rendered in place and back."""
+    text = SPEC.read_text()
+    s = tune.check_text(text, str(SPEC), MINI)
+    knob = next(k for k in tune.find_knobs(parse(text, str(SPEC)), tune.SpecSource(text), s)
+                if k.name == "allreduce o_proj, down in gqa")
+    assert knob.value == ("direct", "")
+    assert {("direct", " scatter"), ("direct", " scatter from 16 rows"),
+            ("two_level chip", " scatter from 16 rows")} <= set(knob.neighbours(knob.value))
+    edited = tune.render(text, [knob], (("two_level chip", " scatter from 16 rows"),))
+    assert "allreduce o_proj, down two_level chip wire bf16 scatter from 16 rows\n" in edited
+    tune.check_text(edited, str(SPEC), MINI)        # chunks of 128 over a chip's 2 cores
+    back = next(k for k in tune.find_knobs(parse(edited, str(SPEC)), tune.SpecSource(edited), s)
+                if k.name == knob.name)
+    assert back.value == ("two_level chip", " scatter from 16 rows")
+    assert [edited[sl.start:sl.end] for sl in back.slots] == list(back.value)
+    assert tune.render(edited, [back], (("direct", ""),)) == text
+
+
 def test_coordinate_descent_finds_the_optimum_of_a_tiny_space(monkeypatch):
     """A fake step time with its minimum at ring 7 slots, ahead 7, KV tiles of 256 tokens: the
     search reaches it through candidates that all pass the real checks."""

@@ -1,7 +1,12 @@
 """``mkc.runtime.collectives`` in one grid-less kernel under ``jax.shard_map`` on 16 ranks: a two-level
 all-reduce (8, 1) then (2, 8), all-gathers over (16, 1) and (8, 1) and the sibling exchange, each
-called twice in a row so the buffer parity alternates. Runs in TPU interpret mode on 16 virtual
-CPU devices (on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2.
+called twice in a row so the buffer parity alternates; and through the named stages
+(`collectives.allreduce`) on random f32 partials with a bf16 wire: the one-shot two-level
+all-reduce, its scattered form (reduce-scatter over (8, 1) into slots wider than the chunk, the
+chunk over (2, 8), the f32 all-gather) and a direct scattered one over (8, 1), each bit-equal
+to the rounding emulation (`mkc.reference.rounding.allreduce`, which knows only the one-shot
+stages). Runs in TPU interpret mode on 16 virtual CPU devices (on-wait and eager DMAs, and
+with race detection) and compile-only for tpu7x=2x2x2.
 
 Every run is a subprocess (the device count is fixed when jax initialises):
 ``python tests/runtime/test_collectives.py on_wait|eager|races|races_eager|compile [lean]`` prints one
@@ -12,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import types
 
 if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -27,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from mkc.runtime import collectives as coll  # noqa: E402
+from mkc.runtime.collectives import AllGather, ReduceScatter, Stage  # noqa: E402
 
 AXIS, RANKS, B, W = "tp", 16, 8, 128
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -34,20 +41,50 @@ ROUNDS = 2
 # name -> (group size, stride, buffer dtype); every buffer is [2, size, B, W] with its own counter.
 BUFFERS = {"ar8": (8, 1, F32), "ar2": (2, 8, F32), "ag16": (16, 1, F32), "ag8": (8, 1, BF16),
            "sib": (2, 1, F32)}
+# The named stages' buffers: name -> (shape, dtype, with semaphores and a use counter). The
+# scattered two-level form's slots are twice its chunk (a payload narrower than its buffer);
+# a reduce-scatter's send staging has no semaphores.
+WIDE = 8 * W                       # the named stages' columns (chunks of W over 8 ranks)
+NAMED = {"os8": ((2, 8, B, WIDE), BF16, True), "os2": ((2, 2, B, WIDE), BF16, True),
+         "rs8": ((2, 8, B, 2 * W), BF16, True), "st8": ((8, B, 2 * W), BF16, False),
+         "ch2": ((2, 2, B, 2 * W), BF16, True), "gs8": ((2, 8, B, 2 * W), F32, True),
+         "rsd": ((2, 8, B, W), BF16, True), "std": ((8, B, W), BF16, False),
+         "gsd": ((2, 8, B, W), F32, True)}
+COUNTED = [n for n, (_, _, sems) in NAMED.items() if sems]
+
+
+def _stage(cls, name: str, size: int, stride: int, **kw):
+    return cls(buffer=name, counter=len(BUFFERS) + COUNTED.index(name), size=size, stride=stride, **kw)
+
+
+ONE_SHOT = (_stage(Stage, "os8", 8, 1), _stage(Stage, "os2", 2, 8))
+SCATTERED = (_stage(ReduceScatter, "rs8", 8, 1, staging="st8"), _stage(Stage, "ch2", 2, 8),
+             _stage(AllGather, "gs8", 8, 1))
+SCATTERED_DIRECT = (_stage(ReduceScatter, "rsd", 8, 1, staging="std"),
+                    _stage(AllGather, "gsd", 8, 1))
 # output name -> per-rank shape, dtype; index 0/1 is the round.
 OUTPUTS = {f"{name}{n}": (shape, dtype) for n in range(ROUNDS) for name, shape, dtype in
            [("ar", (B, W), F32), ("ag16", (B, 16 * W), F32), ("ag8", (B, 8 * W), BF16),
-            ("sib", (B, 2 * W), F32)]}
+            ("sib", (B, 2 * W), F32), ("os", (B, WIDE), F32), ("sc", (B, WIDE), F32),
+            ("sd", (B, WIDE), F32)]}
 
 
-def _kernel(x_ref, *refs):
-    """x_ref [ROUNDS, 3, B, W] f32: per round the all-reduce, all-gather and sibling inputs."""
+def _kernel(x_ref, y_ref, *refs):
+    """x_ref [ROUNDS, 3, B, W] f32: per round the all-reduce, all-gather and sibling inputs;
+    y_ref [ROUNDS, B, WIDE] f32: per round the named stages' partial sums."""
     outs = dict(zip(OUTPUTS, refs))
     scratch = refs[len(OUTPUTS):]
     bufs = {name: scratch[3 * i:3 * i + 3] for i, name in enumerate(BUFFERS)}
+    named = {}
+    it = iter(scratch[3 * len(BUFFERS):-1])
+    for name, (_, _, sems) in NAMED.items():
+        named[name] = next(it)
+        if sems:
+            named[name + "__send"], named[name + "__recv"] = next(it), next(it)
     count = scratch[-1]
+    named_refs = types.SimpleNamespace(**named, collective_count=count)
     coll.barrier(AXIS, RANKS)
-    for i in range(len(BUFFERS)):
+    for i in range(len(BUFFERS) + len(COUNTED)):
         count[i] = 0
 
     def call(fn, name, value, *group):
@@ -64,6 +101,9 @@ def _kernel(x_ref, *refs):
         outs[f"ag8{n}"][...] = call(coll.allgather, "ag8", x_ref[n, 1], 8, 1)
     for n in range(ROUNDS):
         outs[f"sib{n}"][...] = call(coll.exchange_with_sibling, "sib", x_ref[n, 2])
+    for name, stages in (("os", ONE_SHOT), ("sc", SCATTERED), ("sd", SCATTERED_DIRECT)):
+        for n in range(ROUNDS):
+            outs[f"{name}{n}"][...] = coll.allreduce(named_refs, y_ref[n], stages, AXIS)
 
 
 def build(mesh: Mesh, interpret):
@@ -74,33 +114,48 @@ def build(mesh: Mesh, interpret):
     for size, _, dtype in BUFFERS.values():
         scratch += [pltpu.VMEM((2, size, B, W), dtype), pltpu.SemaphoreType.DMA((2, size)),
                     pltpu.SemaphoreType.DMA((2, size))]
-    scratch.append(pltpu.SMEM((len(BUFFERS),), jnp.int32))
+    for shape, dtype, sems in NAMED.values():
+        scratch.append(pltpu.VMEM(shape, dtype))
+        if sems:
+            scratch += [pltpu.SemaphoreType.DMA(shape[:2])] * 2
+    scratch.append(pltpu.SMEM((len(BUFFERS) + len(COUNTED),), jnp.int32))
     call = pl.pallas_call(
         _kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d in OUTPUTS.values()],
-        in_specs=[vmem], out_specs=[vmem] * len(OUTPUTS), scratch_shapes=scratch,
+        in_specs=[vmem, vmem], out_specs=[vmem] * len(OUTPUTS), scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(collective_id=0, has_side_effects=True),
         interpret=interpret if interpret is not None else False)
 
-    def per_rank(x):
-        return [o[None] for o in call(x[0])]
+    def per_rank(x, y):
+        return [o[None] for o in call(x[0], y[0])]
 
-    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P(AXIS),
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
                                  out_specs=[P(AXIS)] * len(OUTPUTS), check_vma=False))
 
 
-def inputs() -> np.ndarray:
-    """Random small integers per rank (exact in bf16 and in any f32 summation order), offset in
-    round 2, so a share from the wrong rank or round shows."""
+def inputs() -> tuple[np.ndarray, np.ndarray]:
+    """x: random small integers per rank (exact in bf16 and in any f32 summation order), offset
+    in round 2, so a share from the wrong rank or round shows. y: random normal partial sums,
+    whose f32 sums depend on the order of the additions and whose bf16 roundings are inexact."""
     rng = np.random.default_rng(0)
     x = rng.integers(-8, 9, (RANKS, ROUNDS, 3, B, W)).astype(np.float32)
     x[:, 1] += 32.0                       # round 2 differs everywhere from round 1
-    return x
+    y = rng.standard_normal((RANKS, ROUNDS, B, WIDE)).astype(np.float32)
+    return x, y
 
 
-def expected(x: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-rank results [RANKS, ...] of every output, in numpy."""
+def expected(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-rank results [RANKS, ...] of every output: in numpy, and for the named stages the
+    rounding emulation of the one-shot stages (every rank ends with the same value)."""
+    from mkc.reference.rounding import Reduce, allreduce
     want = {}
     for n in range(ROUNDS):
+        partials = [y[r, n] for r in range(RANKS)]
+        two = np.asarray(allreduce(partials, Reduce(((8, 1), (2, 8)), "bf16")))
+        want[f"os{n}"] = want[f"sc{n}"] = np.broadcast_to(two, (RANKS, B, WIDE))
+        # a direct all-reduce over each host's 8 ranks: rank r holds its host's sum
+        direct = [np.asarray(allreduce(partials[h:h + 8], Reduce(((8, 1),), "bf16")))
+                  for h in (0, 8)]
+        want[f"sd{n}"] = np.stack([direct[r // 8] for r in range(RANKS)])
         want[f"ar{n}"] = np.broadcast_to(x[:, n, 0].sum(0), (RANKS, B, W))
         ag = [np.concatenate(list(x[g:g + size, n, 1]), axis=-1) for size in (16, 8)
               for g in range(0, RANKS, size)]
@@ -122,9 +177,9 @@ def run_interpret(mode: str) -> dict:
               "races_eager": pltpu.InterpretParams(detect_races=True, vector_clock_size=64,
                                                    on_race="warn", dma_execution_mode="eager")}[mode]
     mesh = Mesh(np.array(jax.devices()[:RANKS]), (AXIS,))
-    x = inputs()
-    got = build(mesh, params)(jnp.asarray(x))
-    want = expected(x)
+    x, y = inputs()
+    got = build(mesh, params)(jnp.asarray(x), jnp.asarray(y))
+    want = expected(x, y)
     ok = {name: bool(np.array_equal(np.asarray(g, np.float32), want[name]))
           for name, g in zip(OUTPUTS, got)}
     digest = hashlib.sha256(b"".join(np.asarray(g).tobytes() for g in got)).hexdigest()
@@ -140,7 +195,8 @@ def run_compile() -> dict:
     assert [d.process_index for d in topo.devices] == [r // 8 for r in range(RANKS)], topo.devices
     mesh = Mesh(np.array(topo.devices), (AXIS,))
     x = jax.ShapeDtypeStruct((RANKS, ROUNDS, 3, B, W), F32, sharding=NamedSharding(mesh, P(AXIS)))
-    build(mesh, None).lower(x).compile()
+    y = jax.ShapeDtypeStruct((RANKS, ROUNDS, B, WIDE), F32, sharding=NamedSharding(mesh, P(AXIS)))
+    build(mesh, None).lower(x, y).compile()
     return {"mode": "compile", "compiled": "tpu7x=2x2x2"}
 
 
@@ -174,6 +230,22 @@ def test_allgather_equals_the_concatenation(interpreted, group, rnd):
 @pytest.mark.parametrize("rnd", range(ROUNDS))
 def test_sibling_exchange_in_core_order(interpreted, rnd):
     assert interpreted["ok"][f"sib{rnd}"], interpreted
+
+
+@pytest.mark.parametrize("rnd", range(ROUNDS))
+@pytest.mark.parametrize("form", ["os", "sc", "sd"])
+def test_named_stages_bit_equal_to_the_rounding_emulation(interpreted, form, rnd):
+    """The one-shot two-level all-reduce, its scattered form and the direct scattered one:
+    every rank's result bit-equal to the emulation of the one-shot stages."""
+    assert interpreted["ok"][f"{form}{rnd}"], interpreted
+
+
+def test_from_rows_picks_the_form_by_the_kernels_rows():
+    chosen = coll.FromRows(8, ONE_SHOT, SCATTERED)
+    assert chosen.at(7) == ONE_SHOT and chosen.at(8) == chosen.at(16) == SCATTERED
+    nested = coll.FromRows(8, coll.FromRows(4, ONE_SHOT, SCATTERED_DIRECT), SCATTERED)
+    assert (nested.at(3), nested.at(4), nested.at(7), nested.at(8)) == (
+        ONE_SHOT, SCATTERED_DIRECT, SCATTERED_DIRECT, SCATTERED)
 
 
 @pytest.mark.parametrize("mode", ["races", "races_eager"])

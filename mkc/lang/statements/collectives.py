@@ -10,12 +10,26 @@ from mkc.lang.syntax import Builder, Meta, Syntax
 SYNTAX = Syntax(r'''
 // `direct`: every rank sends to every peer. `two_level chip|host`: reduce within each chip
 // (or host) first, then across chips (hosts) among ranks with the same local index.
-allreduce_item: "allreduce" name_list NAME NAME? "wire" NAME
+allreduce_item: "allreduce" name_list NAME NAME? "wire" NAME scatter?
+// `scatter`: the first group reduce-scatters (member j sums column chunk j), the other stages
+// reduce the chunk, and the first group all-gathers the chunk sums in f32. `from N rows`:
+// kernels of fewer rows keep the one-shot stages.
+scatter: SCATTER ("from" INT "rows")?
+SCATTER: "scatter"
 // Column shards of an op's output gathered over the group its weight is split over.
 allgather_item: "allgather" name_list "over" shard_group
 // Each core of a chip computes a share; `with sibling` swaps the shares over the on-chip link.
 exchange_item:  "exchange" name_list "with" NAME "wire" NAME
 ''')
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """`scatter [from N rows]` after an all-reduce's wire dtype."""
+
+    word: Name                  # the `scatter` keyword
+    rows: int | None            # N: kernels of fewer rows keep the one-shot stages
+    span: Span                  # the whole clause
 
 
 @dataclass(frozen=True)
@@ -25,6 +39,7 @@ class AllReduce:
     level: Name | None          # the grouping of a two_level all-reduce: chip or host
     wire_dtype: Name
     span: Span
+    scatter: Scatter | None = None
 
 
 @dataclass(frozen=True)
@@ -42,16 +57,29 @@ class Exchange:
     span: Span
 
 
+def scatter_text(rows: int | None) -> str:
+    """An all-reduce's scatter clause: at every kernel width (`rows` None or 1), or from
+    `rows` rows."""
+    return "scatter" if rows in (None, 1) else f"scatter from {rows} rows"
+
+
 def sibling_swap_text(wire: str) -> str:
     """The text of the statement that swaps shares with the sibling core, `{}` for its op list
     (what resolve's hints suggest and `mkc retarget` writes)."""
     return "exchange {} with sibling wire " + wire
 
 
+@SYNTAX.rule("scatter")
+def scatter(b: Builder, meta: Meta, items: list) -> Scatter:
+    return Scatter(b.name(items[0]), items[1] if len(items) > 1 else None, b.span(meta))
+
+
 @SYNTAX.statement("allreduce_item", "phase", "allreduces")
 def allreduce_item(b: Builder, meta: Meta, items: list) -> AllReduce:
+    scattered = items[-1] if isinstance(items[-1], Scatter) else None
+    items = items[:-1] if scattered else items
     level = b.name(items[2]) if len(items) == 4 else None
-    return AllReduce(items[0], b.name(items[1]), level, b.name(items[-1]), b.span(meta))
+    return AllReduce(items[0], b.name(items[1]), level, b.name(items[-1]), b.span(meta), scattered)
 
 
 @SYNTAX.statement("allgather_item", "phase", "allgathers")
