@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.gpt_oss.config import FAMILY_NAME, GptOssDims, read_dims
+from mkc.layers import rope
 from mkc.layers.gqa.reference import tiled_attention
 from mkc.layers.reference import embed
 from mkc.model.config import in_range, upstream_config
@@ -195,20 +196,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-def yarn_inv_freq(cfg: GptOssDims) -> np.ndarray:
-    """The ``D/2`` rotary frequencies: the original ``theta^(-2i/D)`` below pair index
-    ``yarn_low``, those divided by ``yarn_factor`` above ``yarn_high``, a linear ramp between
-    (computed in f64, rounded once to f32)."""
-    d = cfg.head_dim
-    original = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    high = cfg.yarn_high + (0.001 if cfg.yarn_high == cfg.yarn_low else 0.0)   # upstream's guard
-    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - cfg.yarn_low) / (high - cfg.yarn_low), 0, 1)
-    return (original / cfg.yarn_factor * ramp + original * (1 - ramp)).astype(np.float32)
-
-
 def rope_cos_sin(cfg: GptOssDims, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin ``[..., D/2]`` at integer positions, times the YaRN attention factor."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(yarn_inv_freq(cfg))
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.yarn_inv_freq(cfg))
     return (jnp.cos(angles) * cfg.yarn_attention_factor, jnp.sin(angles) * cfg.yarn_attention_factor)
 
 
@@ -362,14 +352,9 @@ def _kernel_norm(x: jax.Array, w: jax.Array, eps: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _rope_table(cfg: GptOssDims, positions: jax.Array) -> jax.Array:
-    """The host's rotary table [2, B, D] in f32: cos and sin of the YaRN angles (the ``D/2``
-    frequencies repeated over both halves), times the attention factor; jitted as the module
-    computes it."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn_inv_freq(cfg))[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * cfg.yarn_attention_factor
+# The host's rotary table [2, B, D] in f32 (the library's: the YaRN angles' cos and sin times
+# the attention factor), jitted as the module computes it.
+_rope_table = jax.jit(rope.rope_table, static_argnums=0)
 
 
 def _rotate_half(d: int) -> np.ndarray:

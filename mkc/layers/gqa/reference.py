@@ -20,7 +20,6 @@ rank's query heads (`tiled_attention`), o_proj as per-rank partial sums all-redu
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,28 +34,12 @@ from mkc.layers.reference import (HIGHEST, NORM, attention_tile_bf16x3, matmul, 
 from mkc.reference.rounding import Rounding, round_to
 
 
-def inv_freq(d: Any) -> np.ndarray:
-    """The rotary frequencies [rotary_dim / 2] in f64 (`modeling_rope_utils.py`), rounded once
-    by the caller."""
-    rot = d.rotary_dim
-    freq = d.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
-    if getattr(d, "rope_type", "default") == "default":
-        return freq
-    factor, low, high = d.rope_factor, d.rope_low_freq_factor, d.rope_high_freq_factor
-    original = d.rope_original_max_position
-    wavelength = 2 * math.pi / freq
-    out = np.where(wavelength > original / low, freq / factor, freq)
-    smooth = (original / wavelength - low) / (high - low)
-    medium = (wavelength >= original / high) & (wavelength <= original / low)
-    return np.where(medium, (1 - smooth) * out / factor + smooth * out, out)
-
-
 def rope_cos_sin(d: Any, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form).
 
     Frequencies are computed in f64 and rounded once (the emulation uses the kernels' f32
     table instead, ``_rope_table``)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(d), jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.frequencies(d), jnp.float32)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
