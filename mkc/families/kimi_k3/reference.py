@@ -569,12 +569,6 @@ def _kernel_gated_norm(o: jax.Array, g: jax.Array, w: jax.Array, *, eps: float) 
                      axis=1)
 
 
-@jax.jit
-def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> jax.Array:
-    """``acc + weight * out`` as the kernel's expert loop adds one weighted expert (fused)."""
-    return acc + weight * out
-
-
 def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                    decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token of the KDA delta rule for any leading axes.
@@ -673,13 +667,11 @@ def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> 
 
 def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,
                              dense: jax.Array, rounding: Rounding) -> jax.Array:
-    """The routed experts as the kernel computes them: rank r (expert group r // expert_tp,
-    width part r % expert_tp) runs its part of each of its group's experts on every row (each
-    matrix pack group by pack group), weights it by the row's routing weight (``dense [B, E]``,
-    0 where the row did not pick it: such an expert adds exactly nothing, as one the kernel
-    skips), adds them in ascending expert id, and the ranks' partial sums are all-reduced."""
-    b = latent.shape[0]
-    tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    """The routed experts as the kernel computes them, in the latent space: the layer library's
+    expert-parallel sum (`mkc.layers.moe.reference.expert_parallel_sum`: each rank's part of its
+    group's experts, weighted and added in id order, all-reduced) of each expert's SiTU GLU,
+    each matrix pack group by pack group."""
+    width = rounding.size("expert_width")
     groups = pack_groups({"gate_up": cfg.routed_expert_hidden_size, "down": width})
     lat = rounding.mm_in(latent)
     operands = {m: expert_operands(rounding, m) for m in ("gate_up", "down")}
@@ -690,20 +682,16 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
                                     expert_logical_shape(cfg, matrix))
 
     w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.num_experts)}
-    partials = []
-    for r in range(rounding.ranks):
-        group, part = r // tp, r % tp
-        cols = slice(part * width, (part + 1) * width)
-        acc = jnp.zeros((b, cfg.routed_expert_hidden_size), jnp.float32)
-        for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
-            w1, w3, w2 = w[e]
-            hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"], operands["gate_up"]),
-                          rounding.linear(lat, w3[cols], groups["gate_up"], operands["gate_up"]),
-                          cfg.situ_beta, cfg.situ_linear_beta)
-            out = rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"])
-            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out)
-        partials.append(acc)
-    return allreduce(partials, rounding.reduce("moe", "routed_experts"))
+
+    def expert(e: int, cols: slice) -> jax.Array:
+        w1, w3, w2 = w[e]
+        hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"], operands["gate_up"]),
+                      rounding.linear(lat, w3[cols], groups["gate_up"], operands["gate_up"]),
+                      cfg.situ_beta, cfg.situ_linear_beta)
+        return rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"])
+
+    return moe_reference.expert_parallel_sum(rounding, cfg.num_experts, dense, cfg.routed_expert_hidden_size,
+                                             expert, "moe")
 
 
 def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
