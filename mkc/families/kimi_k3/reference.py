@@ -106,6 +106,7 @@ from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.mla import reference as mla_reference
+from mkc.layers.reference import l2_normalize, linear, rms_norm   # KimiRMSNorm: a plain weight
 from mkc.layers.moe import reference as moe_reference
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
@@ -117,7 +118,6 @@ MODEL_TYPES = ("kimi_k3", "kimi_linear")  # checkpoint top level / its text_conf
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 MLA_ATTENTION = LAYERS["mla"][0]   # the layer library's MLA, gated and NoPE
-_L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
 _EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
 # Projections whose output is summed into a residual block (scaled down by init_params).
 _WRITES_RESIDUAL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
@@ -295,20 +295,6 @@ def init_cache(cfg: KimiDims, batch: int, context: int) -> dict[str, jax.Array]:
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (public so tests can check them in isolation).
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, in full f32."""
-    return jnp.einsum("...i,oi->...o", x, w, precision=_HIGHEST)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """KimiRMSNorm over the last axis (plain weight, not zero-centred)."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
 
 
 def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
