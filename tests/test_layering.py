@@ -113,6 +113,22 @@ def test_nothing_outside_the_families_imports_them():
     assert {m: d for m, d in back.items() if d} == {}
 
 
+def _family_of(module: str, packages: set[str]) -> str | None:
+    return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+
+def test_no_family_imports_another():
+    """A family is a config reader and a composition of the layer library's kinds, plus what is
+    truly its own: no module of a family's package imports another family's, anywhere in its
+    body (what two families share lives in `mkc.layers`)."""
+    graph = _graph()
+    packages = {f.package for f in _families()}
+    assert len(packages) >= 7
+    crossing = {m: sorted(d for d in deps if _family_of(d, packages) not in (None, _family_of(m, packages)))
+                for m, deps in graph.items() if _family_of(m, packages)}
+    assert {m: d for m, d in crossing.items() if d} == {}
+
+
 def test_mkc_imports_form_no_cycle():
     """Every import counts, function-local ones too (the family registry's are by name)."""
     graph = _graph()

@@ -199,7 +199,6 @@ def test_chunked_linear_sums_tile_by_tile_in_order():
 
 def test_k3_emulation_pack_groups_follow_the_kernels_layout():
     """The K3 emulation's MXFP4 pack groups (of its config's expert input) are the graph's."""
-    from mkc.families.kimi_k3 import reference
     from mkc.families.kimi_k3.config import KimiDims
     from mkc.families.kimi_k3.graph import KimiSharding, kimi_k3_geometry, pack_groups
     from mkc.layers import expert_formats
@@ -209,7 +208,7 @@ def test_k3_emulation_pack_groups_follow_the_kernels_layout():
                            ("kimi_k3.json", KimiSharding(ranks=32))):
         dims = KimiDims.load(CONFIG_DIR / name)
         geometry = kimi_k3_geometry(dims, sharding)
-        rows = {"gate_up": reference.config_of(dims).routed_expert_hidden_size,
+        rows = {"gate_up": dims.routed_expert_hidden_size,
                 "down": geometry.expert_width}
         assert expert_formats.pack_groups(rows) == pack_groups(dims, geometry)
 

@@ -6,12 +6,15 @@ from in an upstream checkpoint.
   them (`layer_kinds`), and the bodies table keyed by (layer kind, op) (`body_table`).
 * Kinds, one package each (`__init__`: options, ops and tensors, importing no jax; `lowering`,
   `reference`, `weights`): `gqa` (grouped-query attention and its variants), `swiglu` (a dense
-  SwiGLU MLP), `gated_delta_net` (Qwen3.5's linear attention), `mla` (multi-head latent
-  attention, weight-absorbed over a latent cache: DeepSeek's with RoPE, K3's gated NoPE one),
+  SwiGLU MLP), `gated_delta_net` (Qwen3.5's linear attention; `gated_delta_net.config` reads
+  a hybrid of it and gated attention), `mla` (multi-head latent attention, weight-absorbed
+  over a latent cache: DeepSeek's with RoPE, K3's gated NoPE one),
   `moe` (a sparse mixture of experts: softmax top-k router, routed SwiGLU experts in bf16 or
   FP8 blocks, an optional gated shared expert).
 * Shared pieces: `ops` (kernel math), `reference` (reference math), `rope` (config reading, the
-  host's table), `decoder` (the vocabulary-split globals), `weights` (`DecoderWeights`),
+  host's table), `decoder` (the vocabulary-split globals; `decoder.lowering`: the prologue
+  and final norm around the layer loop), `config` (config reading: defaults, refusals,
+  attention heads, `layer_types`), `weights` (`DecoderWeights`),
   `decode` (`DecoderReference`: a composed family's reference decode step), `expert_formats`
   (how routed experts are stored and multiplied: bf16, MXFP4, FP8 and FP4 codes under E8M0
   block scales; their rules, slot tensors, kernel decode, packers and emulation operands).

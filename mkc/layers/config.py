@@ -1,8 +1,9 @@
 """Config reading the composed families share: upstream defaults for omitted keys, the
-settings a family refuses, and the attention heads a GQA kind reads."""
+settings a family refuses, the attention heads a GQA kind reads, and a per-layer
+`layer_types` list."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from mkc.model.family import ConfigError, config_int
@@ -35,3 +36,19 @@ def attention_heads(raw: Mapping, hidden_size: int, heads: int, kv_heads: int) -
     if head_dim % 2:
         raise ConfigError(f"head_dim = {head_dim} is odd", "rotary embedding pairs a head's dims")
     return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+
+
+def layer_types(raw: Mapping, layers: int, allowed: Collection[str], pattern: Callable[[int], list[str]],
+                source: str) -> list[str]:
+    """Upstream `layer_types`, one per layer, or `pattern(layers)` (the config class's default
+    pattern) when the config omits it; ConfigError for a list of another length or a type not
+    in `allowed`, with the hint to list them as `source` (whose configs) do."""
+    if raw.get("layer_types") is None:
+        return pattern(layers)
+    types = list(raw["layer_types"])
+    bad = sorted({str(t) for t in types if t not in allowed})
+    if len(types) != layers or bad:
+        what = (f"layer_types has {len(types)} entries but num_hidden_layers is {layers}"
+                if len(types) != layers else f"unsupported layer_types {bad}")
+        raise ConfigError(what, f"list one of {sorted(allowed)} per layer, as {source} do")
+    return types

@@ -36,6 +36,12 @@ def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 NORM = {"plain": rms_norm, "zero_centred": rms_norm_zero_centred}
+L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm (the gated delta net's, Kimi's KDA), not rms_norm_eps
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """``x * rsqrt(sum(x^2) + 1e-6)`` over the last axis (upstream's ``l2norm``)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:

@@ -118,15 +118,42 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def yarn_inv_freq(dims: Any):
-    """The YaRN frequencies [head_dim / 2] f32 (`read_yarn`'s fields), computed in f64 and
-    rounded once."""
+def _scaled(freq, dims: Any, xp):
+    """The frequencies `freq` [rotary_dim / 2] (`xp`: numpy in f64, or jax.numpy in f32) under
+    the dims' scaling: as they are ("default"), llama3's bands or YaRN's ramp (module
+    docstring)."""
+    rope_type = getattr(dims, "rope_type", "default")
+    if rope_type == "yarn":
+        high = dims.yarn_high + (0.001 if dims.yarn_high == dims.yarn_low else 0.0)   # upstream's guard
+        ramp = xp.clip((xp.arange(freq.shape[0], dtype=freq.dtype) - dims.yarn_low) / (high - dims.yarn_low),
+                       0, 1)
+        return freq / dims.yarn_factor * ramp + freq * (1 - ramp)
+    if rope_type != "llama3":
+        return freq
+    factor, low, high = dims.rope_factor, dims.rope_low_freq_factor, dims.rope_high_freq_factor
+    original = dims.rope_original_max_position
+    wavelength = 2 * math.pi / freq
+    scaled = xp.where(wavelength > original / low, freq / factor, freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return xp.where(medium, blended, scaled)
+
+
+def frequencies(dims: Any):
+    """The rotary frequencies [rotary_dim / 2] in f64 (`modeling_rope_utils.py`: `theta^(-2i/R)`
+    under the dims' scaling), for the caller to round once: the references' oracles, and the
+    YaRN table (`yarn_inv_freq`)."""
     import numpy as np
-    d = dims.head_dim
-    original = dims.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    high = dims.yarn_high + (0.001 if dims.yarn_high == dims.yarn_low else 0.0)   # upstream's guard
-    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - dims.yarn_low) / (high - dims.yarn_low), 0, 1)
-    return (original / dims.yarn_factor * ramp + original * (1 - ramp)).astype(np.float32)
+    rd = dims.rotary_dim
+    return _scaled(dims.rope_theta ** (-np.arange(0, rd, 2, dtype=np.float64) / rd), dims, np)
+
+
+def yarn_inv_freq(dims: Any):
+    """The YaRN frequencies [head_dim / 2] f32 (`read_yarn`'s fields; whole heads rotated),
+    computed in f64 and rounded once."""
+    import numpy as np
+    return frequencies(dims).astype(np.float32)
 
 
 def rope_input(dims: Any, batch: int) -> list[ir.Buffer]:
@@ -135,20 +162,11 @@ def rope_input(dims: Any, batch: int) -> list[ir.Buffer]:
 
 
 def inv_freq(dims: Any):
-    """The rotary frequencies [rotary_dim / 2] f32, computed in f32 as transformers does."""
+    """The rotary frequencies [rotary_dim / 2] f32, computed in f32 as transformers does
+    (default or llama3: the host's table)."""
     import jax.numpy as jnp
     rd = dims.rotary_dim
-    freq = 1.0 / (dims.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
-    if getattr(dims, "rope_type", "default") == "default":
-        return freq
-    factor, low, high = dims.rope_factor, dims.rope_low_freq_factor, dims.rope_high_freq_factor
-    original = dims.rope_original_max_position
-    wavelength = 2 * math.pi / freq
-    scaled = jnp.where(wavelength > original / low, freq / factor, freq)
-    smooth = (original / wavelength - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelength < original / high) & ~(wavelength > original / low)
-    return jnp.where(medium, blended, scaled)
+    return _scaled(1.0 / (dims.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd)), dims, jnp)
 
 
 def rope_table(dims: Any, positions):

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mkc.layers import config as layer_config
 from mkc.layers.rope import read_yarn
 from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, config_float, config_int, identifier
@@ -84,6 +85,11 @@ class GptOssDims(Dims):
         return self.head_dim
 
     @property
+    def rope_type(self) -> str:
+        """The rotary scaling, by the name the library's rope reads (`mkc.layers.rope`)."""
+        return "yarn"
+
+    @property
     def attention_types(self) -> tuple[str, ...]:
         """Upstream layer_types: "sliding_attention" or "full_attention" per layer."""
         upstream = {kind: t for t, kind in LAYER_KINDS.items()}
@@ -92,22 +98,15 @@ class GptOssDims(Dims):
 
 def setting(raw: Mapping, key: str) -> Any:
     """A config value, or the upstream default for a key the config omits or sets to null."""
-    value = raw.get(key)
-    return UPSTREAM_DEFAULTS[key] if value is None else value
+    return layer_config.setting(raw, key, UPSTREAM_DEFAULTS)
 
 
 def layer_types(raw: Mapping, layers: int) -> list[str]:
     """Upstream layer_types, or GptOssConfig's default pattern (sliding at even layers)."""
-    if raw.get("layer_types") is None:
-        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    types = list(raw["layer_types"])
-    bad = sorted({str(t) for t in types if t not in LAYER_KINDS})
-    if len(types) != layers or bad:
-        what = (f"layer_types has {len(types)} entries but num_hidden_layers is {layers}"
-                if len(types) != layers else f"unsupported layer_types {bad}")
-        raise ConfigError(what, f"list one of {sorted(LAYER_KINDS)} per layer, as the published "
-                                "gpt-oss configs do")
-    return types
+    return layer_config.layer_types(
+        raw, layers, LAYER_KINDS,
+        lambda n: ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)],
+        "the published gpt-oss configs")
 
 
 def check_settings(raw: Mapping) -> None:

@@ -5,11 +5,13 @@ and favours plain math over speed. It follows upstream transformers
 ``Precision.HIGHEST``, bf16 weights upcast and MXFP4 experts decoded exactly; the package
 docstring lists the facts and where they were read. Per layer, on the residual ``x [B, H]``:
 
-* ``h = rms_norm(x) * input_layernorm.weight`` (plain weight, not zero-centred), then attention:
-  q, k, v projections with biases; RoPE with YaRN frequencies on whole heads in the halves
-  convention (pair ``(i, i + D/2)``), cos and sin multiplied by the YaRN attention factor; scores
-  ``q.k * D^-0.5`` over the visible positions, query head h reading KV head ``h // (Hq/Hkv)``;
-  the head's sink logit joins the softmax's denominator only; ``o_proj`` with its bias;
+* ``h = rms_norm(x) * input_layernorm.weight`` (plain weight, not zero-centred), then attention
+  (the layer library's GQA with biases and sinks, sliding on sliding layers:
+  `mkc.layers.gqa.reference.block`): q, k, v projections with biases; RoPE with YaRN
+  frequencies on whole heads in the halves convention (pair ``(i, i + D/2)``), cos and sin
+  multiplied by the YaRN attention factor; scores ``q.k * D^-0.5`` over the visible positions,
+  query head h reading KV head ``h // (Hq/Hkv)``; the head's sink logit joins the softmax's
+  denominator only; ``o_proj`` with its bias;
 * a ``sliding_attention`` layer sees positions ``p - W < j <= p`` (``W = sliding_window``), a
   ``full_attention`` layer ``j <= p``;
 * ``x += attention``; ``h = rms_norm(x) * post_attention_layernorm.weight``; the MoE: router
@@ -38,8 +40,8 @@ shapes and jitted, since XLA's f32 order depends on both (``mkc.numerics``):
   ``x * rsqrt(mean(x^2) + eps) * w`` (``_kernel_norm``);
 * every matmul's activation rounded to bf16 and multiplied by the bf16 dot the kernel issues
   (``Rounding.linear``); q, k, v, the router and the experts' biases added to the f32 product;
-* RoPE from the host's f32 table (``_rope_table``: the YaRN angles' cos and sin times the
-  attention factor) head by head as ``x cos + (x R) sin`` with the rotate-half matrix R;
+* RoPE from the host's f32 table (`mkc.layers.rope.rope_table`: the YaRN angles' cos and sin
+  times the attention factor) head by head as ``x cos + (x R) sin`` with the rotate-half matrix R;
 * keys and values stored in the KV cache's dtype; attention per row and group of a rank's query
   heads sharing a KV head as an online softmax over the schedule's KV tiles, the queries and
   probabilities split in three bf16 parts (the layer library's ``tiled_attention``), whose
@@ -53,7 +55,8 @@ shapes and jitted, since XLA's f32 order depends on both (``mkc.numerics``):
   rank (``local_experts`` whole experts each, in id order), gate|up de-interleaved into the
   kernel's padded ``[gate | up]`` halves, each matrix pack group by pack group
   (``graph.pack_groups``), bias, clamped SwiGLU, down and its bias, each expert added as one
-  fused ``acc + weight * out``; the partial sums all-reduced, then added to x.
+  fused ``acc + weight * out`` (`mkc.layers.moe.reference.expert_parallel_sum`); the partial
+  sums all-reduced, then added to x.
 """
 from __future__ import annotations
 
@@ -68,14 +71,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.gpt_oss.config import FAMILY_NAME, GptOssDims, read_dims
-from mkc.layers.gqa.reference import tiled_attention
+from mkc.families.gpt_oss.graph import ATTENTION, pack_groups
+from mkc.layers.gqa import GQA
+from mkc.layers.gqa import reference as gqa_reference
+from mkc.layers.gqa.reference import attend, tiled_attention  # noqa: F401  (the library's, as GPT-OSS runs them)
+from mkc.layers.moe.reference import expert_parallel_sum
+from mkc.layers.reference import rms_norm   # GptOssRMSNorm: a plain weight
 from mkc.layers.reference import embed
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
+from mkc.reference.rounding import Rounding, bf16_weights
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+ATTENTION_KINDS = {SLIDING: "swa", FULL: "gqa"}     # the schedule's layer kinds
+MOE_KIND = "moe"
 EXPERT_MATRICES = ("gate_up_proj", "down_proj")
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -170,14 +180,16 @@ def init_params(cfg: GptOssDims, seed: int) -> dict[str, np.ndarray]:
 
 
 def init_cache(cfg: GptOssDims, batch: int, context: int) -> dict[str, jax.Array]:
-    """Zeroed decode state; see the module docstring for the layouts."""
+    """Zeroed decode state (module docstring): the library GQA's caches of each layer's kind."""
     cache: dict[str, jax.Array] = {}
     for i, kind in enumerate(cfg.attention_types):
-        slots = cfg.sliding_window if kind == SLIDING else context
-        shape = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
-        cache[f"layers.{i}.key_cache"] = jnp.zeros(shape, jnp.bfloat16)
-        cache[f"layers.{i}.value_cache"] = jnp.zeros(shape, jnp.bfloat16)
+        cache |= gqa_reference.init_cache(_attention(kind), cfg, i, batch, context)
     return cache
+
+
+def _attention(kind: str) -> GQA:
+    """The layer library's GQA of an upstream layer type (`graph.ATTENTION`)."""
+    return ATTENTION[ATTENTION_KINDS[kind]][0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,83 +202,22 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y if b is None else y + b
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """GptOssRMSNorm: ``w * x * rsqrt(mean(x^2) + eps)`` over the last axis."""
-    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
-def yarn_inv_freq(cfg: GptOssDims) -> np.ndarray:
-    """The ``D/2`` rotary frequencies: the original ``theta^(-2i/D)`` below pair index
-    ``yarn_low``, those divided by ``yarn_factor`` above ``yarn_high``, a linear ramp between
-    (computed in f64, rounded once to f32)."""
-    d = cfg.head_dim
-    original = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    high = cfg.yarn_high + (0.001 if cfg.yarn_high == cfg.yarn_low else 0.0)   # upstream's guard
-    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - cfg.yarn_low) / (high - cfg.yarn_low), 0, 1)
-    return (original / cfg.yarn_factor * ramp + original * (1 - ramp)).astype(np.float32)
-
-
-def rope_cos_sin(cfg: GptOssDims, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin ``[..., D/2]`` at integer positions, times the YaRN attention factor."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(yarn_inv_freq(cfg))
-    return (jnp.cos(angles) * cfg.yarn_attention_factor, jnp.sin(angles) * cfg.yarn_attention_factor)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate pairs ``(x[i], x[i + D/2])`` of the last axis by cos, sin ``[..., D/2]``."""
-    first, second = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-
-
-def attend(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
-           sinks: jax.Array) -> jax.Array:
-    """Softmax attention with a sink logit per query head: q ``[B, Hq, D]``, keys and values
-    ``[B, Hkv, T, D]``, visible ``[B, T]``, sinks ``[Hq]`` -> ``[B, Hq, D]``. The sink joins the
-    softmax over each head's scores ``q.k * D^-0.5`` and is dropped after it, so the weights of
-    the visible positions sum to less than one."""
-    b, hq, d = q.shape
-    hkv = keys.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, d)             # query head h reads KV head h // (Hq/Hkv)
-    scores = jnp.einsum("bgrd,bgtd->bgrt", qg, keys, precision=_HIGHEST) * d ** -0.5
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    sink = jnp.broadcast_to(sinks.reshape(1, hkv, hq // hkv, 1), (b, hkv, hq // hkv, 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("bgrt,bgtd->bgrd", probs, values, precision=_HIGHEST).reshape(b, hq, d)
-
-
 def cache_slots(kind: str, slots: int, positions: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
-    """(the slot each row's new token is written to ``[B]``, which slots it may attend ``[B, T]``)
-    of a layer's cache of ``slots`` slots. Full attention: slot t holds position t, visible when
-    ``t <= p``. Sliding: a ring of ``slots >= W`` slots (``init_cache`` keeps W; a kernel's ring
-    may keep more, `kv ring N slots`), slot ``s`` holding the latest position ``q = p - ((p - s)
-    mod slots)``, visible once written (``q >= 0``) and within the window (``q > p - W``, always
-    true when ``slots == W``)."""
-    slot = jnp.arange(slots)[None, :]
-    p = positions[:, None]
-    if kind == FULL:
-        return positions, slot <= p
-    held = p - jnp.mod(p - slot, slots)
-    return positions % slots, (held >= 0) & (held > p - window)
+    """(the slot each row's new token is written to, which slots it may attend) of a layer of
+    upstream type `kind` (`mkc.layers.gqa.reference.cache_slots`)."""
+    return gqa_reference.cache_slots(kind == SLIDING, slots, positions, window)
 
 
 def attention_block(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, x: jax.Array,
                     key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """GptOssAttention for one token per row: ``p`` maps names relative to ``self_attn.`` to f32
-    arrays, x is the normed hidden ``[B, H]``. Returns (output ``[B, H]``, key_cache,
-    value_cache)."""
-    b, hq, hkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cos, sin = (t[:, None, :] for t in rope_cos_sin(cfg, positions))
-    q = apply_rope(linear(x, p["q_proj.weight"], p["q_proj.bias"]).reshape(b, hq, d), cos, sin)
-    k = apply_rope(linear(x, p["k_proj.weight"], p["k_proj.bias"]).reshape(b, hkv, d), cos, sin)
-    v = linear(x, p["v_proj.weight"], p["v_proj.bias"]).reshape(b, hkv, d)
-    slot, visible = cache_slots(kind, key_cache.shape[2], positions, cfg.sliding_window)
-    rows = jnp.arange(b)
-    key_cache = key_cache.at[rows, :, slot].set(k.astype(key_cache.dtype))
-    value_cache = value_cache.at[rows, :, slot].set(v.astype(value_cache.dtype))
-    attn = attend(q, key_cache.astype(jnp.float32), value_cache.astype(jnp.float32), visible,
-                  p["sinks"])
-    return linear(attn.reshape(b, hq * d), p["o_proj.weight"], p["o_proj.bias"]), key_cache, value_cache
+    """GptOssAttention for the normed hidden ``[B, H]``: the layer library's GQA with biases and
+    sinks, sliding on a ``sliding_attention`` layer (`mkc.layers.gqa.reference.block`), plus
+    o_proj's bias. ``p`` maps names relative to ``self_attn.``. Returns (output ``[B, H]``,
+    key_cache, value_cache)."""
+    out, key_cache, value_cache = gqa_reference.block(_attention(kind), p, cfg, x, key_cache, value_cache,
+                                                      positions)
+    return out + p["o_proj.bias"], key_cache, value_cache
 
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -352,9 +303,6 @@ def decode_step(params: Mapping[str, Any], cfg: GptOssDims, cache: Mapping[str, 
 # The kernel rounding emulation (module docstring): each piece in the kernel's expression and
 # shapes, jitted.
 
-ATTENTION_KINDS = {SLIDING: "swa", FULL: "gqa"}     # the schedule's layer kinds
-MOE_KIND = "moe"
-
 
 @jax.jit
 def _kernel_norm(x: jax.Array, w: jax.Array, eps: jax.Array) -> jax.Array:
@@ -362,65 +310,10 @@ def _kernel_norm(x: jax.Array, w: jax.Array, eps: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _rope_table(cfg: GptOssDims, positions: jax.Array) -> jax.Array:
-    """The host's rotary table [2, B, D] in f32: cos and sin of the YaRN angles (the ``D/2``
-    frequencies repeated over both halves), times the attention factor; jitted as the module
-    computes it."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(yarn_inv_freq(cfg))[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * cfg.yarn_attention_factor
-
-
-def _rotate_half(d: int) -> np.ndarray:
-    """R with ``x @ R == [-x2, x1]`` (halves of a D-wide head)."""
-    half = d // 2
-    i, j = np.arange(d)[:, None], np.arange(d)[None, :]
-    return np.where((j >= half) & (i == j - half), 1.0,
-                    np.where((j < half) & (i == j + half), -1.0, 0.0)).astype(np.float32)
-
-
-@jax.jit
-def _kernel_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotation: jax.Array) -> jax.Array:
-    """One head's rotation as the kernel applies it: x [B, D], ``x cos + (x R) sin``."""
-    return x * cos + jnp.dot(x, rotation, preferred_element_type=jnp.float32) * sin
-
-
-def _heads_rope(t: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``_kernel_rope`` head by head: t [B, heads, D]."""
-    rotation = jnp.asarray(_rotate_half(t.shape[-1]))
-    return jnp.stack([_kernel_rope(t[:, h], cos, sin, rotation) for h in range(t.shape[1])], axis=1)
-
-
 @jax.jit
 def _kernel_attn_residual(x: jax.Array, out: jax.Array, bias: jax.Array) -> jax.Array:
     """``x + (o_proj's reduced product + bias)``, as ``attn_residual`` adds it."""
     return x + (out + bias)
-
-
-def _emulated_attention(p: Mapping[str, jax.Array], cfg: GptOssDims, kind: str, h: jax.Array,
-                        key_cache: jax.Array, value_cache: jax.Array, positions: jax.Array,
-                        rounding: Rounding) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention sublayer up to o_proj's all-reduced product (before its bias)."""
-    b, hq, hkv, d = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    sched = ATTENTION_KINDS[kind]
-    xin = rounding.mm_in(h)
-    q = (rounding.linear(xin, p["q_proj.weight"]) + p["q_proj.bias"]).reshape(b, hq, d)
-    k = (rounding.linear(xin, p["k_proj.weight"]) + p["k_proj.bias"]).reshape(b, hkv, d)
-    v = (rounding.linear(xin, p["v_proj.weight"]) + p["v_proj.bias"]).reshape(b, hkv, d)
-    cos, sin = _rope_table(cfg, positions)
-    q, k = _heads_rope(q, cos, sin), _heads_rope(k, cos, sin)
-    k, v = (round_to(t, rounding.stored(sched, "kv")) for t in (k, v))
-    slot, _ = cache_slots(kind, key_cache.shape[2], positions, cfg.sliding_window)
-    rows = jnp.arange(b)
-    key_cache = key_cache.at[rows, :, slot].set(k.astype(key_cache.dtype))
-    value_cache = value_cache.at[rows, :, slot].set(v.astype(value_cache.dtype))
-    attn = tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(sched),
-                           rounding.size("nq"), p["sinks"], cfg.sliding_window if kind == SLIDING else None)
-    out = row_parallel(attn.reshape(b, hq * d), p["o_proj.weight"],
-                       rounding.rank_ranges("heads", hq * d, rounding.size("nq") * d),
-                       rounding.ranks, rounding, rounding.reduce(sched, "o_proj"))
-    return out, key_cache, value_cache
 
 
 @jax.jit
@@ -445,13 +338,6 @@ def _kernel_swiglu(gate_up: jax.Array, bias: jax.Array, half: int, alpha: float,
     return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-@jax.jit
-def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array, bias: jax.Array
-                         ) -> jax.Array:
-    """``acc + weight * (down product + bias)``, as the kernel's expert loop adds one expert."""
-    return acc + weight * (out + bias)
-
-
 def _kernel_expert(p: Mapping[str, jax.Array], cfg: GptOssDims, e: int) -> dict[str, jax.Array]:
     """Expert e as the kernel's slot holds it, decoded, in ``[out, in]``: gate_up's rows
     de-interleaved into ``[gate | up]`` halves of ``lane_pad(I)`` rows each (zero padded), its
@@ -474,27 +360,23 @@ def _kernel_expert(p: Mapping[str, jax.Array], cfg: GptOssDims, e: int) -> dict[
 
 def _emulated_moe(p: Mapping[str, jax.Array], cfg: GptOssDims, h: jax.Array,
                   rounding: Rounding) -> jax.Array:
-    """The MoE sublayer's all-reduced routed sum (module docstring)."""
-    from mkc.families.gpt_oss.graph import pack_groups       # the kernel's pack group rule
-    b, half = h.shape[0], -(-cfg.intermediate_size // 128) * 128
+    """The MoE sublayer's all-reduced routed sum (module docstring): the layer library's
+    expert-parallel sum (`mkc.layers.moe.reference.expert_parallel_sum`; whole experts on every
+    rank) of each expert as its slot holds it."""
+    half = -(-cfg.intermediate_size // 128) * 128
     xin = rounding.mm_in(h)
     logits = rounding.linear(xin, p["router.weight"]) + p["router.bias"]
     ids, _ = route(logits, cfg.top_k)
-    dense = _kernel_route_weights(logits, ids)
     groups = pack_groups(cfg)
-    local = rounding.size("local_experts")
-    partials = []
-    for r in range(rounding.ranks):
-        part = rounding.part("experts", r)
-        acc = jnp.zeros((b, cfg.hidden_size), jnp.float32)
-        for e in range(part * local, min((part + 1) * local, cfg.experts)):
-            w = _kernel_expert(p, cfg, e)
-            act = _kernel_swiglu(rounding.linear(xin, w["gate_up"], groups["gate_up"]),
-                                 w["gate_up_bias"], half, cfg.swiglu_alpha, cfg.swiglu_limit)
-            out = rounding.linear(act, w["down"], groups["down"])
-            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out, w["down_bias"])
-        partials.append(acc)
-    return allreduce(partials, rounding.reduce(MOE_KIND, "routed_experts"))
+
+    def expert(e: int, cols: slice) -> jax.Array:
+        w = _kernel_expert(p, cfg, e)
+        act = _kernel_swiglu(rounding.linear(xin, w["gate_up"], groups["gate_up"]),
+                             w["gate_up_bias"], half, cfg.swiglu_alpha, cfg.swiglu_limit)
+        return rounding.linear(act, w["down"], groups["down"]) + w["down_bias"]
+
+    return expert_parallel_sum(rounding, cfg.experts, _kernel_route_weights(logits, ids), cfg.hidden_size,
+                               expert, MOE_KIND)
 
 
 def _emulated_step(params: Mapping[str, Any], cfg: GptOssDims, cache: Mapping[str, jax.Array],
@@ -510,8 +392,9 @@ def _emulated_step(params: Mapping[str, Any], cfg: GptOssDims, cache: Mapping[st
         attn = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
         keys, values = f"layers.{i}.key_cache", f"layers.{i}.value_cache"
         h = _kernel_norm(x, lp["input_layernorm.weight"][None, :], eps)
-        out, new_cache[keys], new_cache[values] = _emulated_attention(
-            attn, cfg, kind, h, cache[keys], cache[values], positions, rounding)
+        out, new_cache[keys], new_cache[values] = gqa_reference.block(
+            _attention(kind), attn, cfg, h, cache[keys], cache[values], positions, rounding,
+            ATTENTION_KINDS[kind])
         x = _kernel_attn_residual(x, out, attn["o_proj.bias"][None, :])
         mlp = {n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}
         h = _kernel_norm(x, lp["post_attention_layernorm.weight"][None, :], eps)

@@ -15,7 +15,7 @@ are `[out, in]`), vectors `[1, n]` f32:
   + local`. Its MXFP4 `*_blocks [out, in/32, 16]` (16 bytes a block, in order: the codes
   `[out, in/2]` of `mkc.model.mxfp4`) and `*_scales [out, in/32]` are moved, never decoded:
   gate_up's rows de-interleaved into lane-padded `[gate | up]` halves
-  (`ops.deinterleave_gate_up`), down's input columns padded to the same half width with zero
+  (`deinterleave_gate_up`), down's input columns padded to the same half width with zero
   codes, then both put K-major in pack groups (`mkc.layers.expert_formats.weights.pack_mxfp4_for_kernel`,
   `graph.pack_groups`), or turned into FP8 codes when the spec's format says so; the biases
   de-interleaved the same way, as bf16 rows. With a lazily loaded checkpoint `hf[name][e]`
@@ -30,7 +30,6 @@ import numpy as np
 
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
 from mkc.families.gpt_oss.graph import ATTENTION, expert_formats, pack_groups
-from mkc.families.gpt_oss.ops import deinterleave_gate_up
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
 from mkc.layers.weights import DecoderWeights
@@ -46,6 +45,19 @@ def _w(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
 
 _ATTENTION = DecoderWeights(ATTENTION, model_layer=lambda layer: layer // 2)
 head_vectors, embedding = _ATTENTION.head_vectors, _ATTENTION.embedding
+
+
+def deinterleave_gate_up(rows: np.ndarray, half: int) -> np.ndarray:
+    """The checkpoint's gate|up along axis 0 (``[2I, ...]``: gate at even indices, up at odd,
+    upstream's ``gate_up[..., ::2]`` and ``[..., 1::2]``) -> ``[2 * half, ...]``: the gate rows,
+    zeros up to ``half``, the up rows, zeros up to ``2 * half``. Works on any trailing axes (a
+    weight's MXFP4 codes or scales, a bias), so packing moves bytes and rounds nothing."""
+    rows = np.asarray(rows)
+    width = rows.shape[0] // 2
+    if rows.shape[0] % 2 or half < width:
+        raise ValueError(f"{rows.shape[0]} gate|up rows do not make two halves of at most {half}")
+    pad = [(0, half - width)] + [(0, 0)] * (rows.ndim - 1)
+    return np.concatenate([np.pad(rows[0::2], pad), np.pad(rows[1::2], pad)], axis=0)
 
 
 def _codes(blocks: np.ndarray) -> np.ndarray:

@@ -122,6 +122,95 @@ class KimiDims(Dims):
         k = self.layer_kinds
         return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
 
+    # The rest by the upstream names the reference reads (`mkc.families.kimi_k3.reference`).
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Upstream's attention per layer: "linear_attention" (KDA) or "full_attention" (MLA)."""
+        return tuple("linear_attention" if a == "kda" else "full_attention" for a, _ in self.layer_plan())
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.dense_width
+
+    @property
+    def first_k_dense_replace(self) -> int:
+        return sum(mlp == "dense" for _, mlp in self.layer_plan())
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return False
+
+    @property
+    def attn_res_block_size(self) -> int:
+        return self.block
+
+    @property
+    def kda_num_heads(self) -> int:
+        return self.heads
+
+    @property
+    def kda_head_dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def conv_kernel_size(self) -> int:
+        return self.conv_taps
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts
+
+    @property
+    def num_experts_per_token(self) -> int:
+        return self.top_k
+
+    @property
+    def num_shared_experts(self) -> int:
+        return self.shared_experts
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.expert_width
+
+    @property
+    def routed_expert_hidden_size(self) -> int:
+        return self.latent
+
+    @property
+    def routed_scaling_factor(self) -> float:
+        return self.routed_scaling
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    @property
+    def latent_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, (a, _) in enumerate(self.layer_plan()) if a == "mla")
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, (a, _) in enumerate(self.layer_plan()) if a == "kda")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, (_, mlp) in enumerate(self.layer_plan()) if mlp == "moe")
+
+    def is_moe(self, layer: int) -> bool:
+        return self.layer_kinds[2 * layer + 1] == "moe"
+
 
 def read_dims(raw: Mapping, name: str) -> KimiDims:
     """The dimensions; ConfigError for a setting or shape mkc does not compute (the reference

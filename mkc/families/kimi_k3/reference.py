@@ -95,7 +95,6 @@ import functools
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -107,6 +106,7 @@ from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.mla import reference as mla_reference
+from mkc.layers.reference import l2_normalize, linear, rms_norm   # KimiRMSNorm: a plain weight
 from mkc.layers.moe import reference as moe_reference
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
@@ -118,111 +118,26 @@ MODEL_TYPES = ("kimi_k3", "kimi_linear")  # checkpoint top level / its text_conf
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 MLA_ATTENTION = LAYERS["mla"][0]   # the layer library's MLA, gated and NoPE
-_L2NORM_EPS = 1e-6  # fixed inside the KDA l2 normalisation, not tied to rms_norm_eps
 _EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
 # Projections whose output is summed into a residual block (scaled down by init_params).
 _WRITES_RESIDUAL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
                     "shared_experts.down_proj.weight", "routed_expert_up_proj.weight")
 
-@dataclass(frozen=True)
-class KimiK3Config:
-    """The fields the decode math needs; hashable so it can be a static jit argument."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # dense MLP of the first ``first_k_dense_replace`` layers
-    num_hidden_layers: int
-    layer_kinds: tuple[str, ...]  # KDA or MLA per layer
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    situ_beta: float
-    situ_linear_beta: float
-    attn_res_block_size: int
-    # MLA
-    num_attention_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    # KDA
-    kda_num_heads: int
-    kda_head_dim: int
-    conv_kernel_size: int
-    gate_lower_bound: float
-    # MoE
-    num_experts: int
-    num_experts_per_token: int
-    num_shared_experts: int
-    moe_intermediate_size: int
-    routed_expert_hidden_size: int
-    routed_scaling_factor: float
-    first_k_dense_replace: int
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kda_dim(self) -> int:
-        return self.kda_num_heads * self.kda_head_dim
-
-    @property
-    def shared_intermediate_size(self) -> int:
-        return self.num_shared_experts * self.moe_intermediate_size
-
-    @property
-    def latent_cache_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def mla_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == MLA)
-
-    @property
-    def kda_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k == KDA)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
-
-    def is_moe(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
-
-
-def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> KimiK3Config:
+def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> KimiDims:
     """The config of a Kimi K3 model (dict, config.json path, or checkpoint directory; a
-    composite config's ``text_config``), read by the family's one config reader
-    (``config.read_dims``): settings mkc does not compute are refused there (ConfigError, a
-    ValueError with its hint; see ``config.REQUIRED``)."""
+    composite config's ``text_config``): the family's dims, read by its one config reader
+    (``config.read_dims``; the reference reads them by their upstream names, ``KimiDims``'
+    properties): settings mkc does not compute are refused there (ConfigError, a ValueError
+    with its hint; see ``config.REQUIRED``). Hashable, so it is the static jit argument of
+    ``decode_step``."""
     raw, name = upstream_config(path_or_dict)
     if raw.get("model_type", "kimi_linear") not in MODEL_TYPES:
         raise ValueError(f"expected model_type in {MODEL_TYPES}, got {raw.get('model_type')!r}")
-    return config_of(in_range(read_dims(raw, name)))
+    return in_range(read_dims(raw, name))
 
 
-def config_of(d: KimiDims) -> KimiK3Config:
-    """The reference's config of a model's dims: KDA and MLA share the head count and width,
-    and the dense layers are the first ``first_k_dense_replace``."""
-    attention = {"kda": KDA, "mla": MLA}
-    return KimiK3Config(
-        vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.dense_width,
-        num_hidden_layers=d.num_hidden_layers,
-        layer_kinds=tuple(attention[a] for a, _ in d.layer_plan()),
-        rms_norm_eps=d.rms_norm_eps, tie_word_embeddings=False,
-        situ_beta=d.situ_beta, situ_linear_beta=d.situ_linear_beta, attn_res_block_size=d.block,
-        num_attention_heads=d.heads, q_lora_rank=d.q_lora, kv_lora_rank=d.kv_lora,
-        qk_nope_head_dim=d.head_dim, qk_rope_head_dim=d.qk_extra, v_head_dim=d.head_dim,
-        kda_num_heads=d.heads, kda_head_dim=d.head_dim, conv_kernel_size=d.conv_taps,
-        gate_lower_bound=d.gate_lower_bound, num_experts=d.experts,
-        num_experts_per_token=d.top_k, num_shared_experts=d.shared_experts,
-        moe_intermediate_size=d.expert_width, routed_expert_hidden_size=d.latent,
-        routed_scaling_factor=d.routed_scaling,
-        first_k_dense_replace=sum(mlp == "dense" for _, mlp in d.layer_plan()))
-
-
-def param_shapes(cfg: KimiK3Config) -> dict[str, tuple[tuple[int, ...], str]]:
+def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every parameter name -> (PyTorch shape, dtype name); linear weights are ``[out, in]``.
 
     Routed experts appear as MXFP4 pairs: ``...experts.{e}.w{1,2,3}.weight_packed`` (uint8,
@@ -233,7 +148,7 @@ def param_shapes(cfg: KimiK3Config) -> dict[str, tuple[tuple[int, ...], str]]:
     shapes: dict[str, tuple[tuple[int, ...], str]] = {
         "model.embed_tokens.weight": ((cfg.vocab_size, h), _BF16),
     }
-    for i, kind in enumerate(cfg.layer_kinds):
+    for i, kind in enumerate(cfg.attention_types):
         p = f"model.layers.{i}."
         shapes |= _mix_shapes(cfg, p + "self_attention_res") | _mix_shapes(cfg, p + "mlp_res")
         shapes[p + "input_layernorm.weight"] = ((h,), _BF16)
@@ -257,13 +172,13 @@ _BF16, _F32, _U8 = "bfloat16", "float32", "uint8"
 _Shapes = dict[str, tuple[tuple[int, ...], str]]
 
 
-def _mix_shapes(cfg: KimiK3Config, prefix: str) -> _Shapes:
+def _mix_shapes(cfg: KimiDims, prefix: str) -> _Shapes:
     """One attention-residual query: a norm weight and a [1, H] projection."""
     return {prefix + "_norm.weight": ((cfg.hidden_size,), _BF16),
             prefix + "_proj.weight": ((1, cfg.hidden_size), _BF16)}
 
 
-def _kda_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
+def _kda_shapes(cfg: KimiDims, a: str) -> _Shapes:
     h, pd, d, k = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.conv_kernel_size
     shapes: _Shapes = {}
     for x in "qkv":
@@ -281,13 +196,13 @@ def _kda_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
     }
 
 
-def _mla_shapes(cfg: KimiK3Config, a: str) -> _Shapes:
+def _mla_shapes(cfg: KimiDims, a: str) -> _Shapes:
     """The MLA sublayer's parameters under ``a`` (``model.layers.{i}.self_attn.``): the layer
     library's (`mkc.layers.mla.reference.block_shapes`)."""
     return mla_reference.block_shapes(MLA_ATTENTION, cfg, a.removesuffix(MLA_ATTENTION.prefix))
 
 
-def _moe_shapes(cfg: KimiK3Config, m: str) -> _Shapes:
+def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
     h, lat, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     shared = cfg.shared_intermediate_size
     shapes: _Shapes = {
@@ -307,13 +222,13 @@ def _moe_shapes(cfg: KimiK3Config, m: str) -> _Shapes:
     return shapes
 
 
-def expert_logical_shape(cfg: KimiK3Config, matrix: str) -> tuple[int, int]:
+def expert_logical_shape(cfg: KimiDims, matrix: str) -> tuple[int, int]:
     """Dequantized ``[out, in]`` shape of routed-expert matrix ``w1``, ``w2`` or ``w3``."""
     lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     return (lat, inter) if matrix == "w2" else (inter, lat)
 
 
-def init_params(cfg: KimiK3Config, seed: int) -> dict[str, np.ndarray]:
+def init_params(cfg: KimiDims, seed: int) -> dict[str, np.ndarray]:
     """Random parameters (dtypes per ``param_shapes``) scaled so activations and logits stay O(1).
 
     Projections are N(0, 1/fan_in); those writing into the residual sources (``o_proj``,
@@ -363,10 +278,10 @@ def init_params(cfg: KimiK3Config, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def init_cache(cfg: KimiK3Config, batch: int, context: int) -> dict[str, jax.Array]:
+def init_cache(cfg: KimiDims, batch: int, context: int) -> dict[str, jax.Array]:
     """Zeroed decode state; see the module docstring for the layouts."""
     cache: dict[str, jax.Array] = {}
-    for i, kind in enumerate(cfg.layer_kinds):
+    for i, kind in enumerate(cfg.attention_types):
         if kind == KDA:
             cache[f"layers.{i}.conv_state"] = jnp.zeros(
                 (batch, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1), jnp.bfloat16)
@@ -380,20 +295,6 @@ def init_cache(cfg: KimiK3Config, batch: int, context: int) -> dict[str, jax.Arr
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (public so tests can check them in isolation).
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, in full f32."""
-    return jnp.einsum("...i,oi->...o", x, w, precision=_HIGHEST)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """KimiRMSNorm over the last axis (plain weight, not zero-centred)."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
 
 
 def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
@@ -427,7 +328,7 @@ def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind:
                         rounding, rounding.reduce(kind, op), rounding.tile_rows(kind, op))
 
 
-def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
             rounding: Rounding | None = None, kind: str = "dense", op: str = "down",
             shard: str = "dense", gate_up: str = "gate_up") -> jax.Array:
     """``down(situ(gate(x), up(x)))`` with ``gate_proj/up_proj/down_proj.weight`` keys in ``p``.
@@ -494,7 +395,7 @@ def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size:
 # softmax and a dot, the attention unabsorbed, the experts' weighted sum unfused.
 
 
-def residual_slots(cfg: KimiK3Config) -> int:
+def residual_slots(cfg: KimiDims) -> int:
     """Source slots of the kernel's residual block buffer (``mkc.families.kimi_k3.graph``): the
     embedding, every completed block and the one being filled."""
     return 2 + -(-cfg.num_hidden_layers // cfg.attn_res_block_size)
@@ -569,12 +470,6 @@ def _kernel_gated_norm(o: jax.Array, g: jax.Array, w: jax.Array, *, eps: float) 
                      axis=1)
 
 
-@jax.jit
-def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> jax.Array:
-    """``acc + weight * out`` as the kernel's expert loop adds one weighted expert (fused)."""
-    return acc + weight * out
-
-
 def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                    decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One token of the KDA delta rule for any leading axes.
@@ -590,7 +485,7 @@ def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
     return jnp.einsum("...kv,...k->...v", state, q, precision=_HIGHEST), state
 
 
-def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+def kda_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
               conv_state: jax.Array, recurrent_state: jax.Array, rounding: Rounding | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Kimi Delta Attention for one token per row.
@@ -637,7 +532,7 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
     return out, window[:, :, 1:], recurrent_state
 
 
-def mla_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+def mla_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
               latent_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None
               ) -> tuple[jax.Array, jax.Array]:
     """Gated NoPE multi-head latent attention for one token per row at its own position: the
@@ -671,15 +566,13 @@ def _kernel_route_weights(logits: jax.Array, ids: jax.Array, scaling: float) -> 
     return moe_reference.dense_route_weights(logits, ids, True, "sigmoid", scaling)
 
 
-def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, latent: jax.Array,
+def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiDims, latent: jax.Array,
                              dense: jax.Array, rounding: Rounding) -> jax.Array:
-    """The routed experts as the kernel computes them: rank r (expert group r // expert_tp,
-    width part r % expert_tp) runs its part of each of its group's experts on every row (each
-    matrix pack group by pack group), weights it by the row's routing weight (``dense [B, E]``,
-    0 where the row did not pick it: such an expert adds exactly nothing, as one the kernel
-    skips), adds them in ascending expert id, and the ranks' partial sums are all-reduced."""
-    b = latent.shape[0]
-    tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    """The routed experts as the kernel computes them, in the latent space: the layer library's
+    expert-parallel sum (`mkc.layers.moe.reference.expert_parallel_sum`: each rank's part of its
+    group's experts, weighted and added in id order, all-reduced) of each expert's SiTU GLU,
+    each matrix pack group by pack group."""
+    width = rounding.size("expert_width")
     groups = pack_groups({"gate_up": cfg.routed_expert_hidden_size, "down": width})
     lat = rounding.mm_in(latent)
     operands = {m: expert_operands(rounding, m) for m in ("gate_up", "down")}
@@ -690,23 +583,19 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiK3Config, late
                                     expert_logical_shape(cfg, matrix))
 
     w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.num_experts)}
-    partials = []
-    for r in range(rounding.ranks):
-        group, part = r // tp, r % tp
-        cols = slice(part * width, (part + 1) * width)
-        acc = jnp.zeros((b, cfg.routed_expert_hidden_size), jnp.float32)
-        for e in range(group * local, min((group + 1) * local, cfg.num_experts)):
-            w1, w3, w2 = w[e]
-            hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"], operands["gate_up"]),
-                          rounding.linear(lat, w3[cols], groups["gate_up"], operands["gate_up"]),
-                          cfg.situ_beta, cfg.situ_linear_beta)
-            out = rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"])
-            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], out)
-        partials.append(acc)
-    return allreduce(partials, rounding.reduce("moe", "routed_experts"))
+
+    def expert(e: int, cols: slice) -> jax.Array:
+        w1, w3, w2 = w[e]
+        hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"], operands["gate_up"]),
+                      rounding.linear(lat, w3[cols], groups["gate_up"], operands["gate_up"]),
+                      cfg.situ_beta, cfg.situ_linear_beta)
+        return rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"])
+
+    return moe_reference.expert_parallel_sum(rounding, cfg.num_experts, dense, cfg.routed_expert_hidden_size,
+                                             expert, "moe")
 
 
-def moe_block(p: Mapping[str, jax.Array], cfg: KimiK3Config, x: jax.Array,
+def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
               rounding: Rounding | None = None) -> jax.Array:
     """Latent MoE for normed input ``x [B, H]``; ``p`` maps names relative to
     ``block_sparse_moe.`` (f32 dense weights; uint8 expert codes/scales)."""
@@ -775,7 +664,7 @@ def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | Non
     return allreduce(partials, rounding.reduce("embed", "embed"))
 
 
-def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str, jax.Array],
+def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, jax.Array],
                   tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """All decoder layers for one token per row: (final residual mixture ``[B, H]`` before the
@@ -808,7 +697,7 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[s
         if j % 2 == 0:
             x = rms_norm(h, lp["input_layernorm.weight"], eps)
             attn = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
-            if cfg.layer_kinds[i] == KDA:
+            if cfg.attention_types[i] == KDA:
                 out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
                     kda_block(attn, cfg, x, cache[f"layers.{i}.conv_state"],
                               cache[f"layers.{i}.recurrent_state"], rounding))
@@ -828,7 +717,7 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[s
     return hidden, new_cache
 
 
-def decode_step(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str, jax.Array],
+def decode_step(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, jax.Array],
                 tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One decode token per row: (logits f32 ``[B, vocab]``, new cache).
@@ -842,7 +731,7 @@ def decode_step(params: Mapping[str, Any], cfg: KimiK3Config, cache: Mapping[str
     return _matmul(x, jnp.asarray(head).astype(jnp.float32), rounding, "tail", "lm_head"), new_cache
 
 
-def count_parameters(cfg: KimiK3Config) -> int:
+def count_parameters(cfg: KimiDims) -> int:
     """Logical parameter count: two weights per packed MXFP4 byte, E8M0 scales not counted."""
     total = 0
     for name, (shape, _) in param_shapes(cfg).items():

@@ -13,8 +13,7 @@ from mkc.layers.swiglu import SwiGLU
 from mkc.model.graph import FamilyGraph
 
 SHARD_CLASSES = ("heads", "mlp", "vocab")
-# Qwen3.5's attention kinds (its RMS norms zero-centred, `1 + w`), each with a SwiGLU MLP here;
-# Qwen3.5 MoE composes the attention halves with its own MoE sublayer.
+# Qwen3.5's attention kinds (its RMS norms zero-centred, `1 + w`), each with a SwiGLU MLP.
 DELTA_NET = GatedDeltaNet()
 GATED_ATTENTION = GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)
 LAYERS = {"gdn": (DELTA_NET, SwiGLU(norm="zero_centred")),

@@ -7,8 +7,8 @@ What upstream says, and where it was read (transformers `main`, files
 * `model_type` is `qwen3_5_moe_text` (the multimodal checkpoint's top level is `qwen3_5_moe`
   with the text model under `text_config`). The token mixers are Qwen3.5's: gated delta net
   for `linear_attention` layers, gated attention for `full_attention` layers, same parameter
-  names and math as `qwen3_5_text` (so this family reuses `mkc.families.qwen3_5.config`'s
-  `layer_types` and `rope`).
+  names and math as `qwen3_5_text` (both read by the layer library's
+  `mkc.layers.gated_delta_net.config`: `layer_types`, `rope`, `attention_fields`).
 * Every decoder layer's MLP is `Qwen3_5MoeSparseMoeBlock`; the config class has no
   `mlp_only_layers`, no `decoder_sparse_step` and no `norm_topk_prob`. The router
   (`Qwen3_5MoeTopKRouter`) is a bias-free `[num_experts, hidden]` matrix: softmax over all
@@ -45,11 +45,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mkc.families.qwen3_5.config import LAYER_KINDS, AttentionDims, attention_fields, layer_types, setting
+from mkc.layers.config import setting
+from mkc.layers.gated_delta_net import GatedDeltaNetDims
+from mkc.layers.gated_delta_net.config import DEFAULTS, attention_fields, layer_types
 from mkc.model.family import ConfigError, config_int
 
 FAMILY_NAME = "qwen3_5_moe_text"
 MODEL_TYPES = ("qwen3_5_moe_text",)   # the composite `qwen3_5_moe` nests one as text_config
+# Upstream layer_types values -> mkc layer kinds (the phase names a schedule uses).
+LAYER_KINDS = {"linear_attention": "gdn", "full_attention": "gqa"}
 
 # Checkpoint layout, as for Qwen3.5 text: the published checkpoint is the multimodal
 # Qwen3_5MoeForConditionalGeneration, text weights under model.language_model.; the vision
@@ -70,16 +74,7 @@ UPSTREAM_DEFAULTS: dict[str, Any] = {
     "num_hidden_layers": 40,
     "num_attention_heads": 16,
     "num_key_value_heads": 2,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "head_dim": 256,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
+    **DEFAULTS,
     "num_experts": 256,
     "num_experts_per_tok": 8,
     "moe_intermediate_size": 512,
@@ -88,8 +83,8 @@ UPSTREAM_DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class Qwen35MoeDims(AttentionDims):
-    """Qwen3.5's attention dims (with `layer_kinds` per sublayer: the attention kind, then
+class Qwen35MoeDims(GatedDeltaNetDims):
+    """The hybrid's attention dims (with `layer_kinds` per sublayer: the attention kind, then
     `moe`) and a sparse MoE in every layer. Upstream key names, except `experts`
     (num_experts) and `top_k` (num_experts_per_tok), the names the core reads. There is no
     `intermediate_size`: no dense MLP, and upstream's MoE config has no such key."""

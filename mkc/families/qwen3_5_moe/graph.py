@@ -10,15 +10,19 @@ are stored as the spec's `format expert.gate_up|expert.down` says: bf16, the che
 """
 from __future__ import annotations
 
-from mkc.families.qwen3_5.graph import DELTA_NET, GATED_ATTENTION
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
 from mkc.layers.decoder import vocab_globals
+from mkc.layers.gated_delta_net import GatedDeltaNet
+from mkc.layers.gqa import GQA
 from mkc.layers.moe import MoE, expert_ways
 from mkc.layers.sublayer import layer_kinds
 from mkc.model.graph import FamilyGraph
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "experts")
-# Qwen3.5's attention kinds, each up to its residual add, then the MoE as a loop layer of its own.
+# Qwen3.5's attention kinds (RMS norms zero-centred, `1 + w`), each up to its residual add,
+# then the MoE as a loop layer of its own.
+DELTA_NET = GatedDeltaNet()
+GATED_ATTENTION = GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)
 LAYERS = {"gdn": (DELTA_NET,), "gqa": (GATED_ATTENTION,),
           "moe": (MoE(norm="zero_centred", shared_expert=True),)}
 

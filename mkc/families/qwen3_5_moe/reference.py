@@ -21,12 +21,12 @@ import math
 
 import numpy as np
 
-from mkc.families.qwen3_5 import reference as qwen3_5
-from mkc.families.qwen3_5.config import AttentionDims, Qwen35Dims
 from mkc.families.qwen3_5_moe.config import MODEL_TYPES, Qwen35MoeDims, read_dims
-from mkc.families.qwen3_5_moe.graph import LAYERS
+from mkc.families.qwen3_5_moe.graph import DELTA_NET, GATED_ATTENTION, LAYERS
 from mkc.layers.decode import DecoderReference
+from mkc.layers.gated_delta_net import GatedDeltaNetDims
 from mkc.layers.moe.reference import route, selection_scores  # noqa: F401
+from mkc.layers.swiglu import SwiGLU
 from mkc.reference.rounding import bf16_weights
 
 _REFERENCE = DecoderReference(LAYERS, read_dims, MODEL_TYPES, final_norm="zero_centred",
@@ -34,15 +34,28 @@ _REFERENCE = DecoderReference(LAYERS, read_dims, MODEL_TYPES, final_norm="zero_c
 load_config, param_shapes = _REFERENCE.load_config, _REFERENCE.param_shapes
 init_cache, decode_step = _REFERENCE.init_cache, _REFERENCE.decode_step
 
+# The attention tensors' random draws: those of dense Qwen3.5's composition (each attention
+# kind then a SwiGLU, its layer norms drawn last), the order the recorded MINI results were
+# drawn in.
+_DENSE_DRAWS = DecoderReference(
+    {kind: (attention, SwiGLU(norm="zero_centred")) for kind, attention in (("gdn", DELTA_NET),
+                                                                            ("gqa", GATED_ATTENTION))},
+    read_dims, MODEL_TYPES, final_norm="zero_centred", norms_last=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseDims(GatedDeltaNetDims):
+    intermediate_size: int
+
 
 def init_params(d: Qwen35MoeDims, seed: int) -> dict[str, np.ndarray]:
-    """Random bf16 parameters keeping the residual stream and logits O(1): every tensor Qwen3.5
-    has drawn as Qwen3.5's `init_params` draws it (for a dense MLP of width 1, whose draws are
-    dropped: the order the family's recorded MINI results were drawn in); the MoE's N(0,
-    1/fan_in) from a stream of their own, those writing into the residual stream
-    (``experts.down_proj``, ``shared_expert.down_proj``) further scaled by 1/sqrt(2 layers)."""
-    attention = {f.name: getattr(d, f.name) for f in dataclasses.fields(AttentionDims)}
-    mixers = qwen3_5.init_params(Qwen35Dims(**attention | dict(
+    """Random bf16 parameters keeping the residual stream and logits O(1): every attention
+    tensor drawn as dense Qwen3.5 draws it (`_DENSE_DRAWS`, with a dense MLP of width 1 whose
+    draws are dropped); the MoE's N(0, 1/fan_in) from a stream of their own, those writing into
+    the residual stream (``experts.down_proj``, ``shared_expert.down_proj``) further scaled by
+    1/sqrt(2 layers)."""
+    attention = {f.name: getattr(d, f.name) for f in dataclasses.fields(GatedDeltaNetDims)}
+    mixers = _DENSE_DRAWS.init_params(_DenseDims(**attention | dict(
         layer_kinds=tuple(k for k in d.layer_kinds if k != "moe"), intermediate_size=1)), seed)
     rng = np.random.default_rng([seed, 1])
     residual_scale = 1.0 / math.sqrt(2 * d.num_hidden_layers)

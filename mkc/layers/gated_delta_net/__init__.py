@@ -2,15 +2,35 @@
 `[q | k | v | z | b | a]` projection, a causal depthwise conv with SiLU over `[q | k | v]`
 carried in a conv state, the gated delta rule on a recurrent state per value head (q and k
 L2-normalised), a per-head RMS norm gated by SiLU(z), the output projection (a partial sum over
-the heads' ranks) and the residual add. Dims: the model's `linear_*` keys, `rms_norm_eps`."""
+the heads' ranks) and the residual add. Dims: the model's `linear_*` keys, `rms_norm_eps`
+(`GatedDeltaNetDims`); reading a hybrid's config: `mkc.layers.gated_delta_net.config`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mkc.layers.gqa import GQADims
 from mkc.layers.sublayer import Part, Sublayer
 from mkc.model.graph import Op, Tensor, lane_pad, split
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetDims(GQADims):
+    """The dims of a hybrid decoder of gated delta net and GQA layers (`GQADims`: the decoder
+    and its attention); a family's subclass adds its MLPs'. Names follow the upstream config
+    keys."""
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
 
 @dataclass(frozen=True)

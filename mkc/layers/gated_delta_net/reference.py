@@ -37,19 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.layers.gated_delta_net import GatedDeltaNet
-from mkc.layers.reference import HIGHEST, NORM, linear, matmul, mm_input, out_projection
+from mkc.layers.reference import HIGHEST, NORM, l2_normalize, linear, matmul, mm_input, out_projection
 from mkc.reference.rounding import Rounding, round_to
-
-_L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm, not tied to rms_norm_eps
-
 
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """Qwen3_5RMSNormGated: plain (not zero-centred) weight, then the SiLU gate."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w * jax.nn.silu(z)
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2NORM_EPS)
 
 
 def gated_delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,

@@ -1,16 +1,21 @@
 """The reference of `GQA`, as transformers computes grouped-query attention for one decode
 token per row (`modeling_llama.py`'s `LlamaAttention`, `eager_attention_forward`, `repeat_kv`;
-Qwen3.5's `Qwen3_5Attention` with its output gate; Qwen3-MoE's q/k norms):
+Qwen3.5's `Qwen3_5Attention` with its output gate; Qwen3-MoE's q/k norms; GPT-OSS's
+`GptOssAttention` with biases, sinks and a sliding window):
 
-* q, k, v = x W^T (q_proj rows per head `[query | gate]` with the output gate); with a q/k
-  norm, an RMS norm over each head's dims; rotate-half RoPE on each head's first `rotary_dim`
-  dims; k and v written to the cache at the row's position (bf16, as stored) and read back;
-* query head h reads KV head `h // (Hq // Hkv)`; softmax(q k^T / sqrt(D)) over slots
-  `0..position`; output `* sigmoid(gate)` with the gate; o_proj.
+* q, k, v = x W^T (+ their biases; q_proj rows per head `[query | gate]` with the output
+  gate); with a q/k norm, an RMS norm over each head's dims; rotate-half RoPE on each head's
+  first `rotary_dim` dims (YaRN's cos and sin times its attention factor); k and v written to
+  the cache at the row's slot (bf16, as stored) and read back;
+* query head h reads KV head `h // (Hq // Hkv)`; softmax(q k^T / sqrt(D)) over the visible
+  slots (`cache_slots`), a head's sink logit joining its denominator only; output
+  `* sigmoid(gate)` with the gate; o_proj, its bias added to the reduced product.
 
 Parameters are named under the layer's `s.prefix` (`self_attn.`); the pre-norm weight is the
 layer's `input_layernorm.weight`. Caches: `layers.{i}.key_cache` / `value_cache` bf16
-`[B, Hkv, T, D]`, slot t holding position t, keys after norm and RoPE.
+`[B, Hkv, T, D]`, slot t holding position t, keys after norm and RoPE; a sliding kind's a
+ring of `sliding_window` slots (slot `p % W` holds position p; a kernel's KV ring of N > W
+slots, gathered by `weights.reference_states`, is read the same way with slot `p % N`).
 
 With a `Rounding` it rounds and sums as the kernel (`mkc.layers.reference`): RoPE from the
 host's f32 table (`mkc.layers.rope.rope_table`, jitted as the host runs it), norm and rotation
@@ -20,7 +25,6 @@ rank's query heads (`tiled_attention`), o_proj as per-rank partial sums all-redu
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,29 +39,15 @@ from mkc.layers.reference import (HIGHEST, NORM, attention_tile_bf16x3, matmul, 
 from mkc.reference.rounding import Rounding, round_to
 
 
-def inv_freq(d: Any) -> np.ndarray:
-    """The rotary frequencies [rotary_dim / 2] in f64 (`modeling_rope_utils.py`), rounded once
-    by the caller."""
-    rot = d.rotary_dim
-    freq = d.rope_theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
-    if getattr(d, "rope_type", "default") == "default":
-        return freq
-    factor, low, high = d.rope_factor, d.rope_low_freq_factor, d.rope_high_freq_factor
-    original = d.rope_original_max_position
-    wavelength = 2 * math.pi / freq
-    out = np.where(wavelength > original / low, freq / factor, freq)
-    smooth = (original / wavelength - low) / (high - low)
-    medium = (wavelength >= original / high) & (wavelength <= original / low)
-    return np.where(medium, (1 - smooth) * out / factor + smooth * out, out)
-
-
 def rope_cos_sin(d: Any, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos/sin ``[..., rotary_dim]`` for integer positions, halves duplicated (rotate-half form).
 
     Frequencies are computed in f64 and rounded once (the emulation uses the kernels' f32
     table instead, ``_rope_table``)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(d), jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.frequencies(d), jnp.float32)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    if getattr(d, "rope_type", "default") == "yarn":     # YaRN scales cos and sin
+        return jnp.cos(emb) * d.yarn_attention_factor, jnp.sin(emb) * d.yarn_attention_factor
     return jnp.cos(emb), jnp.sin(emb)
 
 
@@ -167,25 +157,68 @@ def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
     return jnp.stack(rows)
 
 
+def cache_slots(sliding: bool, slots: int, positions: jax.Array, window: int | None
+                ) -> tuple[jax.Array, jax.Array]:
+    """(the slot each row's new token is written to ``[B]``, which slots it may attend ``[B, T]``)
+    of a layer's cache of ``slots`` slots. Full attention: slot t holds position t, visible when
+    ``t <= p``. Sliding: a ring of ``slots >= W`` slots (``init_cache`` keeps W; a kernel's ring
+    may keep more, `kv ring N slots`), slot ``s`` holding the latest position ``q = p - ((p - s)
+    mod slots)``, visible once written (``q >= 0``) and within the window (``q > p - W``, always
+    true when ``slots == W``)."""
+    slot = jnp.arange(slots)[None, :]
+    p = positions[:, None]
+    if not sliding:
+        return positions, slot <= p
+    held = p - jnp.mod(p - slot, slots)
+    return positions % slots, (held >= 0) & (held > p - window)
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
+           sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax attention in f32: q ``[B, Hq, D]``, keys and values ``[B, Hkv, T, D]``, visible
+    ``[B, T]`` -> ``[B, Hq, D]``; query head h reads KV head ``h // (Hq / Hkv)`` (upstream's
+    repeat_kv order). With ``sinks [Hq]`` a head's sink logit joins the softmax over its scores
+    ``q.k * D^-0.5`` and is dropped after it, so the weights of the visible positions sum to
+    less than one."""
+    b, hq, d = q.shape
+    hkv = keys.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = jnp.einsum("bgrd,bgtd->bgrt", qg, keys, precision=HIGHEST) * d ** -0.5
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.reshape(1, hkv, hq // hkv, 1), (b, hkv, hq // hkv, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bgrt,bgtd->bgrd", probs, values, precision=HIGHEST).reshape(b, hq, d)
+
+
 def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: jax.Array,
           value_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None,
           kind: str = "gqa") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention of one token per row at its own position, from its normed input x.
+    """The attention of one token per row at its own position, from its normed input x, up to
+    o_proj's (all-reduced) product: its bias is the residual add's (`forward`).
 
-    ``p`` maps names relative to ``s.prefix`` to f32 arrays. Writes k/v at ``positions[b]``,
-    then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``, key_cache,
-    value_cache). ``kind`` names the layer kind whose KV tiles and o_proj all-reduce apply."""
+    ``p`` maps names relative to ``s.prefix`` to f32 arrays. Writes k/v at the row's slot
+    (`cache_slots`), then attends over the visible slots. Returns (output ``[B, H]``,
+    key_cache, value_cache). ``kind`` names the layer kind whose KV tiles and o_proj
+    all-reduce apply."""
     b = x.shape[0]
     hq, hkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
     x = mm_input(x, rounding)
-    q = matmul(x, p["q_proj.weight"], rounding)
+
+    def project(n: str) -> jax.Array:
+        y = matmul(x, p[f"{n}_proj.weight"], rounding)
+        return y + p[f"{n}_proj.bias"] if s.bias else y
+
+    q = project("q")
     if s.output_gate:
         q_and_gate = q.reshape(b, hq, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
     else:
         q = q.reshape(b, hq, hd)
-    k = matmul(x, p["k_proj.weight"], rounding).reshape(b, hkv, hd)
-    v = matmul(x, p["v_proj.weight"], rounding).reshape(b, hkv, hd)
+    k = project("k").reshape(b, hkv, hd)
+    v = project("v").reshape(b, hkv, hd)
 
     if rounding is not None:
         cos, sin = _rope_table(d, positions)
@@ -200,24 +233,19 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
         k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
 
     rows = jnp.arange(b)
+    window = d.sliding_window if s.sliding else None
+    slot, visible = cache_slots(s.sliding, key_cache.shape[2], positions, window)
     if rounding is not None:   # the kernel's KV storage dtype, then the reference's container
         k, v = (round_to(t, rounding.stored(kind, "kv")) for t in (k, v))
-    key_cache = key_cache.at[rows, :, positions].set(k.astype(key_cache.dtype))
-    value_cache = value_cache.at[rows, :, positions].set(v.astype(value_cache.dtype))
+    key_cache = key_cache.at[rows, :, slot].set(k.astype(key_cache.dtype))
+    value_cache = value_cache.at[rows, :, slot].set(v.astype(value_cache.dtype))
 
+    sinks = p["sinks"] if s.sinks else None
     if rounding is not None:
         attn = tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(kind),
-                               rounding.size("nq"))
+                               rounding.size("nq"), sinks, window)
     else:
-        # Query head h = kv * group + r reads KV head kv (upstream repeat_kv order).
-        qg = q.reshape(b, hkv, hq // hkv, hd)
-        scores = jnp.einsum("bgrd,bgtd->bgrt", qg, key_cache.astype(jnp.float32),
-                            precision=HIGHEST) * hd ** -0.5
-        visible = jnp.arange(key_cache.shape[2])[None, :] <= positions[:, None]  # [B, T]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        attn = jnp.einsum("bgrt,bgtd->bgrd", probs, value_cache.astype(jnp.float32),
-                          precision=HIGHEST)
+        attn = attend(q, key_cache.astype(jnp.float32), value_cache.astype(jnp.float32), visible, sinks)
     attn = attn.reshape(b, hq * hd)
     if s.output_gate:
         attn = attn * jax.nn.sigmoid(gate.reshape(b, hq * hd))
@@ -235,25 +263,31 @@ def forward(s: GQA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: di
     names = f"layers.{layer}.key_cache", f"layers.{layer}.value_cache"
     out, cache[names[0]], cache[names[1]] = block(s, sub, d, h, cache[names[0]], cache[names[1]],
                                                   positions, rounding, kind)
-    return x + out
+    return x + (out + sub["o_proj.bias"]) if s.bias else x + out
 
 
 def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Its upstream parameters under layer prefix `prefix` -> (PyTorch shape, dtype)."""
+    """Its upstream parameters under layer prefix `prefix` -> (PyTorch shape, dtype), in
+    upstream's module order."""
     H, hd, hq, hkv = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads
     p, bf16 = prefix + s.prefix, "bfloat16"
-    return {
-        p + "q_proj.weight": (((2 if s.output_gate else 1) * hq * hd, H), bf16),
-        p + "k_proj.weight": ((hkv * hd, H), bf16),
-        p + "v_proj.weight": ((hkv * hd, H), bf16),
-        p + "o_proj.weight": ((H, hq * hd), bf16),
-        **({p + "q_norm.weight": ((hd,), bf16), p + "k_norm.weight": ((hd,), bf16)} if s.qk_norm else {}),
-        prefix + "input_layernorm.weight": ((H,), bf16),
-    }
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, out, cols in (("q_proj", (2 if s.output_gate else 1) * hq * hd, H), ("k_proj", hkv * hd, H),
+                            ("v_proj", hkv * hd, H), ("o_proj", H, hq * hd)):
+        shapes[p + f"{name}.weight"] = ((out, cols), bf16)
+        if s.bias:
+            shapes[p + f"{name}.bias"] = ((out,), bf16)
+    if s.sinks:
+        shapes[p + "sinks"] = ((hq,), bf16)
+    if s.qk_norm:
+        shapes |= {p + "q_norm.weight": ((hd,), bf16), p + "k_norm.weight": ((hd,), bf16)}
+    shapes[prefix + "input_layernorm.weight"] = ((H,), bf16)
+    return shapes
 
 
 def init_cache(s: GQA, d: Any, layer: int, batch: int, context: int, dtype: Any = jnp.bfloat16
                ) -> dict[str, jax.Array]:
-    kv_shape = (batch, d.num_key_value_heads, context, d.head_dim)
+    """Zeroed KV caches of `context` slots, a sliding kind's of its window's."""
+    kv_shape = (batch, d.num_key_value_heads, d.sliding_window if s.sliding else context, d.head_dim)
     return {f"layers.{layer}.key_cache": jnp.zeros(kv_shape, dtype),
             f"layers.{layer}.value_cache": jnp.zeros(kv_shape, dtype)}

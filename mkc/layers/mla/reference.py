@@ -59,14 +59,8 @@ def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind:
 
 def inv_freq(d: Any) -> np.ndarray:
     """The rope part's frequencies [qk_rope_head_dim / 2] (f64, rounded once): upstream's
-    default `theta^(-2i/R)` or its YaRN blend (`mkc.layers.rope.read_yarn`'s fields)."""
-    r = d.qk_rope_head_dim
-    original = d.rope_theta ** (-np.arange(0, r, 2, dtype=np.float64) / r)
-    if d.rope_type != "yarn":
-        return original.astype(np.float32)
-    high = d.yarn_high + (0.001 if d.yarn_high == d.yarn_low else 0.0)   # upstream's guard
-    ramp = np.clip((np.arange(r // 2, dtype=np.float64) - d.yarn_low) / (high - d.yarn_low), 0, 1)
-    return (original / d.yarn_factor * ramp + original * (1 - ramp)).astype(np.float32)
+    default `theta^(-2i/R)` or its YaRN blend (`mkc.layers.rope.frequencies`)."""
+    return rope_lib.frequencies(d).astype(np.float32)
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:

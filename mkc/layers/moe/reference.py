@@ -37,7 +37,7 @@ picks and the block's own sum were off).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -145,15 +145,33 @@ def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> j
     return acc + weight * out
 
 
+def expert_parallel_sum(rounding: Rounding, experts: int, dense: jax.Array, width: int,
+                        expert: Callable[[int, slice], jax.Array], kind: str) -> jax.Array:
+    """The routed experts as an expert-parallel kernel sums them: rank r (expert group
+    ``r // expert_tp``, experts ``group * local_experts ...``; width part ``r % expert_tp``, the
+    ``expert_width`` columns ``cols`` of each) adds ``expert(e, cols)`` (``[B, width]``: expert
+    e's output from its part of the expert) of each of its group's experts times the row's
+    routing weight (``dense [B, E]``, `_kernel_route_weights`: 0 where the row did not pick it,
+    and such an expert adds exactly nothing, as one the kernel skips), in expert-id order, one
+    fused multiply-add each; the ranks' partial sums all-reduced as ``(kind,
+    "routed_experts")``."""
+    tp, part_width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    partials = []
+    for r in range(rounding.ranks):
+        group, part = r // tp, r % tp
+        cols = slice(part * part_width, (part + 1) * part_width)
+        acc = jnp.zeros((dense.shape[0], width), jnp.float32)
+        for e in range(group * local, min((group + 1) * local, experts)):
+            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], expert(e, cols))
+        partials.append(acc)
+    return allreduce(partials, rounding.reduce(kind, "routed_experts"))
+
+
 def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
                              rounding: Rounding, kind: str) -> jax.Array:
-    """The routed experts as an expert-parallel kernel computes them (module docstring): each
-    rank's part of its group's experts on every row, weighted by the row's routing weight
-    (``dense [B, E]``, ``_kernel_route_weights``: 0 where not picked, and such an expert adds
-    exactly nothing, as one the kernel skips), summed in expert-id order, the ranks' partial
-    sums all-reduced."""
-    b, inter = xin.shape[0], d.moe_intermediate_size
-    tp, width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    """The routed experts as an expert-parallel kernel computes them (module docstring,
+    `expert_parallel_sum`)."""
+    inter, tp, width = d.moe_intermediate_size, rounding.size("expert_tp"), rounding.size("expert_width")
     gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
     # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; bf16
     # experts: one bf16 dot.
@@ -164,21 +182,16 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     def expert_linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
         return rounding.linear(x, w, rows[m], operands[m])
 
-    partials = []
-    for r in range(rounding.ranks):
-        group, part = r // tp, r % tp
-        cols = slice(part * width, (part + 1) * width)
-        acc = jnp.zeros((b, d.hidden_size), jnp.float32)
-        for e in range(group * local, min((group + 1) * local, d.experts)):
-            # One dot of the rank's gate and up rows together, as its slot holds them
-            # ([gate | up]): XLA's CPU f32 dot sums a 2 * width wide product in another order
-            # than two width wide ones (module docstring).
-            fused = gate_up[e].reshape(2, inter, -1)[:, cols].reshape(2 * width, -1)
-            hidden = expert_linear(xin, fused, "gate_up")
-            act = jax.nn.silu(hidden[:, :width]) * hidden[:, width:]
-            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], expert_linear(act, down[e][:, cols], "down"))
-        partials.append(acc)
-    return allreduce(partials, rounding.reduce(kind, "routed_experts"))
+    def expert(e: int, cols: slice) -> jax.Array:
+        # One dot of the rank's gate and up rows together, as its slot holds them ([gate |
+        # up]): XLA's CPU f32 dot sums a 2 * width wide product in another order than two
+        # width wide ones (module docstring).
+        fused = gate_up[e].reshape(2, inter, -1)[:, cols].reshape(2 * width, -1)
+        hidden = expert_linear(xin, fused, "gate_up")
+        act = jax.nn.silu(hidden[:, :width]) * hidden[:, width:]
+        return expert_linear(act, down[e][:, cols], "down")
+
+    return expert_parallel_sum(rounding, d.experts, dense, d.hidden_size, expert, kind)
 
 
 def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None,

@@ -1,4 +1,4 @@
-"""The GPT-OSS ops (mkc.families.gpt_oss.ops, and the layer library's with GPT-OSS's options)
+"""The GPT-OSS ops (the layer library's with GPT-OSS's options, and its weights' gate|up packing)
 against independent numpy derivations of upstream transformers' gpt_oss expressions
 (modeling_gpt_oss.py, as the package docstring cites them): attention with sinks over a full
 context and over a window's ring, past the window; the ring's visibility against a simulated
@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkc.families.gpt_oss import lowering, ops
+from mkc.families.gpt_oss import lowering
 from mkc.families.gpt_oss import reference as ref
 from mkc.families.gpt_oss.graph import LAYERS
+from mkc.families.gpt_oss.weights import deinterleave_gate_up
+from mkc.layers import rope
 from mkc.layers import ops as layer_ops
 from mkc.layers.gqa import lowering as gqa_lowering
 from mkc.layers.moe import lowering as moe_lowering
@@ -254,7 +256,7 @@ def test_the_clamped_swiglu_on_the_kernels_halves():
     assert (gate_up[:, ::2] < -7).any() and (gate_up[:, ::2] > 7).any()
     assert (np.abs(gate_up[:, 1::2]) > 7).any()
     want = upstream_swiglu(gate_up)
-    halves = ops.deinterleave_gate_up(gate_up.T, 128).T                 # [6, 256]
+    halves = deinterleave_gate_up(gate_up.T, 128).T                 # [6, 256]
     got = np.asarray(layer_ops.clamped_swiglu_halves(jnp.asarray(halves, F32), 128, 1.702, 7.0))
     _close(got[:, :96], want)
     assert np.all(got[:, 96:] == 0)
@@ -297,8 +299,8 @@ def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
         return sum(weights[:, e:e + 1] * (act[e] @ w_d[e].T + down_bias * b_d[e]) for e in range(experts))
 
     packed = [{n: jnp.asarray(a, F32) for n, a in
-               dict(gate_up=ops.deinterleave_gate_up(w_gu[e], half).T,
-                    gate_up_bias=ops.deinterleave_gate_up(b_gu[e], half)[None],
+               dict(gate_up=deinterleave_gate_up(w_gu[e], half).T,
+                    gate_up_bias=deinterleave_gate_up(b_gu[e], half)[None],
                     down=np.pad(w_d[e].T, ((0, half - i), (0, 0))), down_bias=b_d[e][None]).items()}
               for e in range(experts)]
     want = upstream()
@@ -308,7 +310,7 @@ def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
     for mutant in (upstream(limit=1.01 * limit), upstream(gate_up_bias=0.0), upstream(down_bias=0.0)):
         _far(mutant, want)
     with pytest.raises(ValueError, match="two halves"):
-        ops.deinterleave_gate_up(w_gu[0], 64)
+        deinterleave_gate_up(w_gu[0], 64)
 
 
 # ---- YaRN RoPE ---------------------------------------------------------------------------------------
@@ -328,9 +330,9 @@ def upstream_yarn(theta=150000.0, d=64, factor=32.0, original=4096, beta_fast=32
 
 def test_yarn_rope_rotates_whole_heads_as_upstream():
     inv_freq, scale = upstream_yarn()
-    _close(ops.yarn_inv_freq(BIG), inv_freq, rtol=1e-7)
+    _close(rope.yarn_inv_freq(BIG), inv_freq, rtol=1e-7)
     positions = np.array([0, 1, 127, 128, 4095, 70000])
-    table = np.asarray(ops.rope_table(BIG, jnp.asarray(positions, jnp.int32)))
+    table = np.asarray(rope.rope_table(BIG, jnp.asarray(positions, jnp.int32)))
     angles = positions[:, None].astype(F32) * inv_freq.astype(F32)      # f32 product, as both
     cos, sin = np.cos(angles.astype(np.float64)) * scale, np.sin(angles.astype(np.float64)) * scale
     rng = np.random.default_rng(7)

@@ -66,11 +66,11 @@ def sds(shape: tuple[int, ...], dtype=F32) -> jax.ShapeDtypeStruct:
 
 
 @pytest.fixture(scope="module")
-def mini() -> ref.KimiK3Config:
+def mini() -> KimiDims:
     return ref.load_config(MINI_JSON)
 
 
-def _random_params(cfg: ref.KimiK3Config, prefix: str, seed: int) -> dict[str, jax.Array]:
+def _random_params(cfg: KimiDims, prefix: str, seed: int) -> dict[str, jax.Array]:
     """f32 params under ``prefix`` (names relative): N(0, 1/fan_in) matrices, norms near 1, the
     KDA gate scalars as ``ref.init_params`` draws them."""
     rng = np.random.default_rng(seed)
@@ -187,9 +187,9 @@ def test_kda_decay_matches_formula() -> None:
     assert np.all(np.asarray(got) <= 0)
 
 
-def test_kda_layer_matches_reference_block(mini: ref.KimiK3Config) -> None:
+def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     """decay, l2 norms, per-head steps and the gated output norm compose to ``kda_block``."""
-    cfg = dataclasses.replace(mini, kda_num_heads=2)
+    cfg = dataclasses.replace(mini, heads=2)
     p = _random_params(cfg, "model.layers.0.self_attn.", seed=3)
     b, nh, d, h = 2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
     rng = np.random.default_rng(4)
@@ -231,10 +231,10 @@ def test_kda_layer_matches_reference_block(mini: ref.KimiK3Config) -> None:
     np.testing.assert_allclose(state.reshape(b, nh, d, d), want_rec, rtol=2e-4, atol=2e-5)
 
 
-def test_absorbed_mla_matches_reference_expanded(mini: ref.KimiK3Config) -> None:
+def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     """q absorption, latent tiles (visited last tile first, so fully masked tiles meet an empty
     state) and the value up-projection reproduce ``ref.mla_block``'s expanded attention."""
-    cfg = dataclasses.replace(mini, num_attention_heads=4)
+    cfg = dataclasses.replace(mini, heads=4)
     p = _random_params(cfg, "model.layers.3.self_attn.", seed=5)
     b, t_len, tile = 2, 48, 16
     nh, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -494,7 +494,7 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
     changes."""
     dims = KimiDims.load(MINI_JSON)
     vectors, sources = _mix_case(dims, seed=12)
-    slots, eps = ref.residual_slots(ref.config_of(dims)), dims.rms_norm_eps
+    slots, eps = ref.residual_slots(dims), dims.rms_norm_eps
     layers = 2 * dims.num_hidden_layers
     assert len(dims.layer_kinds) == layers and max(s.shape[1] for s in sources.values()) == slots - 1
 

@@ -16,6 +16,7 @@ import pytest
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.families.kimi_k3 import reference as ref
+from mkc.families.kimi_k3.config import KimiDims
 
 CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "kimi_k3.json"
@@ -23,12 +24,12 @@ MINI_JSON = CONFIGS / "kimi_k3_mini.json"
 
 
 @pytest.fixture(scope="module")
-def mini() -> ref.KimiK3Config:
+def mini() -> KimiDims:
     return ref.load_config(MINI_JSON)
 
 
 @pytest.fixture(scope="module")
-def mini_params(mini: ref.KimiK3Config) -> dict[str, np.ndarray]:
+def mini_params(mini: KimiDims) -> dict[str, np.ndarray]:
     return ref.init_params(mini, seed=0)
 
 
@@ -64,7 +65,7 @@ def _situ(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def test_full_config() -> None:
     cfg = ref.load_config(FULL_JSON)
-    assert cfg.num_hidden_layers == 93 and len(cfg.layer_kinds) == 93
+    assert cfg.num_hidden_layers == 93 and len(cfg.attention_types) == 93
     assert cfg.mla_layers == tuple(i for i in range(93) if i % 4 == 3 or i == 92)
     assert len(cfg.mla_layers) == 24 and len(cfg.kda_layers) == 69
     assert cfg.moe_layers == tuple(range(1, 93)) and not cfg.is_moe(0)
@@ -125,11 +126,11 @@ def test_config_variants_and_validation() -> None:
         ref.load_config({**raw, "model_type": "deepseek_v3"})
 
 
-def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: ref.KimiK3Config) -> None:
+def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims) -> None:
     n = mini.num_hidden_layers
     assert mini.mla_layers == tuple(i for i in range(n) if i % 4 == 3 or i == n - 1)
     assert (n - 1) % 4 != 3  # the last layer is MLA by K3's extra rule, not by the stride
-    assert set(mini.layer_kinds) == {ref.KDA, ref.MLA}
+    assert set(mini.attention_types) == {ref.KDA, ref.MLA}
     # Two residual-block boundaries inside the stack (layers 3 and 6), one at an MLA layer.
     assert mini.attn_res_block_size == 3 and n == 7
     assert mini.moe_layers == tuple(range(1, n))
@@ -155,7 +156,7 @@ def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: ref.Kimi
         assert dim % 128 == 0, dim
 
 
-def test_init_params(mini: ref.KimiK3Config, mini_params: dict[str, np.ndarray]) -> None:
+def test_init_params(mini: KimiDims, mini_params: dict[str, np.ndarray]) -> None:
     """MXFP4 experts and KDA gates in K3's ranges (tests/families/test_conformance.py checks
     the table, dtypes and seed)."""
     prefix = "model.layers.2.block_sparse_moe.experts.7.w2."
@@ -264,7 +265,7 @@ def _naive_kda_one_head(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.n
     return np.array([sum(s[i][j] * float(q[i]) for i in range(dk)) for j in range(dv)]), np.array(s)
 
 
-def _numpy_kda_layer(p: dict[str, np.ndarray], cfg: ref.KimiK3Config, x: np.ndarray, window: np.ndarray,
+def _numpy_kda_layer(p: dict[str, np.ndarray], cfg: KimiDims, x: np.ndarray, window: np.ndarray,
                      state: np.ndarray, naive_head: int) -> tuple[np.ndarray, np.ndarray]:
     """One token of KDA for batch 1 in float64, from the conv window ``[3P, K]`` (whose newest
     column is the bf16-stored projection). Returns (output, new state)."""
@@ -295,7 +296,7 @@ def _numpy_kda_layer(p: dict[str, np.ndarray], cfg: ref.KimiK3Config, x: np.ndar
     return p["o_proj.weight"] @ gated.reshape(-1), new_state
 
 
-def test_kda_matches_numpy_loops(mini: ref.KimiK3Config, mini_params: dict[str, np.ndarray]) -> None:
+def test_kda_matches_numpy_loops(mini: KimiDims, mini_params: dict[str, np.ndarray]) -> None:
     p64 = _sub64(mini_params, f"model.layers.{mini.kda_layers[1]}.self_attn.")
     rng = np.random.default_rng(1)
     nh, d, width = mini.kda_num_heads, mini.kda_head_dim, mini.conv_kernel_size - 1
@@ -327,14 +328,14 @@ def test_kda_matches_numpy_loops(mini: ref.KimiK3Config, mini_params: dict[str, 
 # Cached MLA against a from-scratch causal recomputation
 
 
-def _numpy_latent_rows(p: dict[str, np.ndarray], cfg: ref.KimiK3Config, xs: np.ndarray) -> np.ndarray:
+def _numpy_latent_rows(p: dict[str, np.ndarray], cfg: KimiDims, xs: np.ndarray) -> np.ndarray:
     compressed = xs @ p["kv_a_proj_with_mqa.weight"].T
     kvl = cfg.kv_lora_rank
     return np.concatenate([_rms(compressed[:, :kvl], p["kv_a_layernorm.weight"], cfg.rms_norm_eps),
                            compressed[:, kvl:]], axis=-1)
 
 
-def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: ref.KimiK3Config, xs: np.ndarray,
+def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: KimiDims, xs: np.ndarray,
                       rows: np.ndarray) -> np.ndarray:
     """Gated NoPE MLA over a whole sequence ``xs [T, H]`` (prefill style), float64, with full
     192-wide per-head keys ``[k_nope | k_extra]``; ``rows`` are the (bf16-stored) latent rows."""
@@ -356,7 +357,7 @@ def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: ref.KimiK3Config, xs: np.nd
     return out
 
 
-def test_cached_mla_matches_full_recompute(mini: ref.KimiK3Config,
+def test_cached_mla_matches_full_recompute(mini: KimiDims,
                                            mini_params: dict[str, np.ndarray]) -> None:
     p64 = _sub64(mini_params, f"model.layers.{mini.mla_layers[0]}.self_attn.")
     rng = np.random.default_rng(2)
@@ -382,7 +383,7 @@ def test_cached_mla_matches_full_recompute(mini: ref.KimiK3Config,
 # Latent MoE against a numpy loop over the chosen experts
 
 
-def test_moe_matches_numpy_loop(mini: ref.KimiK3Config, mini_params: dict[str, np.ndarray]) -> None:
+def test_moe_matches_numpy_loop(mini: KimiDims, mini_params: dict[str, np.ndarray]) -> None:
     p = _sub64(mini_params, "model.layers.2.block_sparse_moe.")
     rng = np.random.default_rng(3)
     xs = rng.normal(size=(3, mini.hidden_size))

@@ -1,5 +1,5 @@
 """What every decoder around its layers has: the vocabulary-split embedding, final norm and
-lm_head (`vocab_globals`)."""
+lm_head (`vocab_globals`); what the kernel runs around the layer loop is `lowering`'s."""
 from __future__ import annotations
 
 from typing import Any
