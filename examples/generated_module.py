@@ -288,7 +288,7 @@ def check_spec_and_model(ap, args) -> None:
     from mkc.model.config import CONFIG_DIR
     shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
     if model is not None and model not in shipped:
-        minis = [m for m in shipped if m.endswith("_mini")]
+        minis = [m for m in shipped if "_mini" in m]
         ap.error(f"--model {model}: not a shipped config; choose one of {', '.join(minis)} "
                  f"(full-size: {', '.join(m for m in shipped if m not in minis)})"
                  + (", or pass --checkpoint DIR" if hasattr(args, "checkpoint") else ""))

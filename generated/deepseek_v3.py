@@ -2,7 +2,7 @@
 
 Schedule deepseek_v3: model deepseek_v3 (deepseek_v3) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 7645c518c78a3d97
+Input digest (spec, model config, mkc version): 24b2cc90cd2deb62
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 6 VMEM slots of 1024x1024 bf16 tiles, 6 tiles ahead, across layers and
@@ -66,7 +66,7 @@ DIMS = DeepseekV3Dims(
     rope_theta=10000.0, rope_type='yarn', yarn_factor=40.0, yarn_low=10.0, yarn_high=23.0,
     yarn_attention_factor=1.0, yarn_mscale=1.3688879454113936, intermediate_size=18432, experts=256,
     top_k=8, moe_intermediate_size=2048, n_shared_experts=1, norm_topk_prob=True, n_group=8,
-    topk_group=4, routed_scaling_factor=2.5
+    topk_group=4, routed_scaling_factor=2.5, weight_block_size=(128, 128)
 )
 # The config.json this module was compiled for: pack_rank checks the HF weights against its
 # family's table of this config's tensors (mkc.runtime.inputs.check_hf_weights).
@@ -79,18 +79,21 @@ HF_CONFIG = json.loads(
     'experts": 256, "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 128, "n'
     'um_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_pred'
     'ict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_'
-    'head_dim": 64, "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "fac'
-    'tor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "t'
-    'ype": "yarn"}, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",'
-    ' "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc", '
-    '"torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true, "v_head_dim"'
-    ': 128, "vocab_size": 129280}')
+    'head_dim": 64, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant'
+    '_method": "fp8", "weight_block_size": [128, 128]}, "rms_norm_eps": 1e-06, "rope_scaling": {"'
+    'beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "origina'
+    'l_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000, "routed_scaling_fact'
+    'or": 2.5, "scoring_func": "sigmoid", "seq_aux": true, "tie_word_embeddings": false, "topk_gr'
+    'oup": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33'
+    '.1", "use_cache": true, "v_head_dim": 128, "vocab_size": 129280}')
 PER_RANK = {'cache_width': 640, 'down_group': 128, 'expert_tp': 8, 'expert_width': 256,
             'gate_up_group': 512, 'heads': 8, 'inter': 1152, 'local_experts': 128, 'shared': 128,
             'vocab': 8080}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {'expert.down': WeightFormat(name='bf16', where='deepseek_v3.sched:28'),
-           'expert.gate_up': WeightFormat(name='bf16', where='deepseek_v3.sched:27')}
+FORMATS = {
+    'expert.down': WeightFormat(name='fp8', block=128, where='deepseek_v3.sched:28', cols=128),
+    'expert.gate_up': WeightFormat(name='fp8', block=128, where='deepseek_v3.sched:27', cols=128)
+}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=16,
                     rules=(('expert_mlp', 8, 1), ('experts', 2, 8), ('heads', 16, 1),
@@ -174,9 +177,11 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=43008,
-                      matrices={'gate_up': (0, 7168, 512), 'down': (28672, 256, 7168)},
-                      local_experts=128, group_size=8, top_k=8)
+EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=21632,
+                      matrices={'gate_up_codes': (0, 7168, 512), 'gate_up_scales': (14336, 224, 4),
+                                'down_codes': (14448, 256, 7168), 'down_scales': (21616, 32, 56)},
+                      local_experts=128, group_size=8, top_k=8,
+                      stacked=('gate_up_scales', 'down_scales'))
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
@@ -317,7 +322,7 @@ SCRATCH_SHAPES = {
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((7, ROWS, 1024), BF16),   # activation
     "acc": vmem((8, ROWS, 1024), F32),   # activation
-    "staging": vmem((86016, 128), BF16),   # pool
+    "staging": vmem((43264, 128), BF16),   # pool
     "mla_kv_rows": vmem((2, ROWS, 16, 640), BF16),   # kv
     "recv__bf16_2x1": vmem((2, 2, ROWS, 7168), BF16),   # collective
     "recv__bf16_8x2": vmem((2, 8, ROWS, 7168), BF16),   # collective

@@ -183,8 +183,35 @@ def _open_safetensors(path: Path):
     return safe_open(path, framework="np")
 
 
-_NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8}
+_NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "U8": np.uint8,
+                 "F8_E4M3": ml_dtypes.float8_e4m3fn}
 _DTYPE_NAMES = {code: np.dtype(d).name for code, d in _NUMPY_DTYPES.items()}   # as stored_dtypes names them
+# Dtypes safetensors' numpy API cannot read (it looks for numpy.float8_e4m3fn): their bytes are
+# read from the file where its header places them (`_raw`).
+_RAW_DTYPES = frozenset({np.dtype(ml_dtypes.float8_e4m3fn)})
+
+
+@functools.lru_cache(maxsize=64)
+def _data_offsets(path: Path, mtime_ns: int, size: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """A safetensors file's tensors: name -> (the file offset of its bytes, its shape)."""
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(f"{path}: not a safetensors file (header length {length})")
+        header = json.loads(f.read(length))
+    return {name: (8 + length + int(entry["data_offsets"][0]), tuple(entry["shape"]))
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _raw(path: Path, name: str, dtype: np.dtype, region: tuple | None) -> np.ndarray:
+    """Tensor `name` (its `region`) of one-byte `dtype` from its bytes in the file: only the
+    bytes the region covers are read."""
+    st = path.stat()
+    offset, shape = _data_offsets(path, st.st_mtime_ns, st.st_size)[name]
+    if not shape or 0 in shape:
+        return np.zeros(shape, np.uint8).view(dtype)
+    data = np.memmap(path, np.uint8, mode="r", offset=offset, shape=shape)
+    return np.array(data if region is None else data[region]).view(dtype)
 
 
 class _OpenFiles:
@@ -229,10 +256,14 @@ class StoredTensor:
 
     def read(self, open_file: _OpenFiles, rows: slice | None = None) -> np.ndarray:
         """The tensor (its `part`), or of a whole stored tensor just `rows`."""
-        f = open_file(self.file)
         region = self.part if self.part is not None else None if rows is None else (rows,)
-        a = f.get_tensor(self.name) if region is None else f.get_slice(self.name)[region]
-        return self._checked(a, region)
+        return self._checked(self._get(open_file, region), region)
+
+    def _get(self, open_file: _OpenFiles, region: tuple | None) -> np.ndarray:
+        if self.dtype in _RAW_DTYPES:
+            return _raw(self.file, self.name, self.dtype, region)
+        f = open_file(self.file)
+        return f.get_tensor(self.name) if region is None else f.get_slice(self.name)[region]
 
     def _checked(self, a: np.ndarray, region: tuple | None) -> np.ndarray:
         """`a` (the stored tensor's `region`), or CheckpointError naming the tensor and the
@@ -273,7 +304,7 @@ class StoredTensor:
             return np.asarray(self)[index]
         region = index if isinstance(index, tuple) else (index,)
         with _OpenFiles() as open_file:
-            return self._checked(open_file(self.file).get_slice(self.name)[index], region)
+            return self._checked(self._get(open_file, region), region)
 
     def __repr__(self) -> str:
         part = "" if self.part is None else f"[{self.part}]"

@@ -399,8 +399,10 @@ class ScratchMeasure:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a matrix class is stored (`format CLASS NAME [block ROWS] [rounded]`): the format,
-    the input rows one scale covers (0: the format's own) and whether the target's MXU takes
+    """How a matrix class is stored (`format CLASS NAME [block ROWS [x COLS]] [rounded]`): the
+    format, the input rows one scale covers (0: the format's own), the output columns it covers
+    (0: one column, an E8M0 scale each; COLS: an FP8 checkpoint's f32 scale per ROWS x COLS
+    block of its `[out, in]` matrix, DeepSeek-V3's 128 x 128) and whether the target's MXU takes
     FP8 values as a matmul operand (`mkc.target.Generation.fp8_operand`), so codes can reach it
     as they are. FP4 codes always reach it as they are: resolve refuses `fp4` on a target
     whose MXU does not take them (`mkc.target.Generation.fp4_operand`)."""
@@ -413,11 +415,14 @@ class WeightFormat:
     rounded: bool = False
     # The spec's `format` line ("kimi_k3.sched:40"), for what packing refuses or reports.
     where: str = ""
+    cols: int = 0
 
     @property
     def spelled(self) -> str:
-        """The format as a spec writes it after the class: `fp4 block 512 rounded`."""
-        return " ".join([self.name, *([f"block {self.block}"] if self.block else []),
+        """The format as a spec writes it after the class: `fp4 block 512 rounded`, `fp8 block
+        128 x 128`."""
+        block = f"block {self.block}" + (f" x {self.cols}" if self.cols else "")
+        return " ".join([self.name, *([block] if self.block else []),
                          *(["rounded"] if self.rounded else [])])
 
 

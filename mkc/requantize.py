@@ -19,7 +19,8 @@ def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
     (the family's `rounding_formats`: K3's FP4 blocks, Qwen3.5 MoE's FP8 blocks)."""
     from mkc.model import registry
     rounds = registry.get(s.family).rounding_formats
-    return {cls: f for cls, f in sorted(s.weight_formats.items()) if f.name in rounds}
+    # `fp8 block R x C` holds an FP8 checkpoint's codes and scales as they are: nothing rounds
+    return {cls: f for cls, f in sorted(s.weight_formats.items()) if f.name in rounds and not f.cols}
 
 
 def checkpoint_dir(sched, model: str | None) -> Path | None:

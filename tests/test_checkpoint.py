@@ -430,3 +430,55 @@ def test_a_checkpoint_missing_a_tensor_and_holding_one_transposed_is_refused_at_
     assert d.code == "E-CHECKPOINT" and d.notes == want
     d = _cli_diagnostic(["check", str(SPEC), "--model", str(ckpt)], capsys)
     assert d["notes"] == want and d["line"] == _line_of(SPEC, "model")
+
+
+def _published_layout(params: dict[str, np.ndarray], experts: int) -> dict[str, np.ndarray]:
+    """DeepSeek-V3's published layout of fused experts: per expert, gate_proj, up_proj and
+    down_proj each a `weight` beside its `weight_scale_inv`."""
+    out = {}
+    for name, a in params.items():
+        if ".mlp.experts." not in name:
+            out[name] = a
+            continue
+        layer, _, stored = name.partition("mlp.experts.")
+        kind = "weight_scale_inv" if stored.endswith("_scale_inv") else "weight"
+        parts = ("gate_proj", "up_proj") if stored.startswith("gate_up") else ("down_proj",)
+        for e in range(experts):
+            for p, part in enumerate(np.split(a[e], len(parts), axis=0)):
+                out[f"{layer}mlp.experts.{e}.{parts[p]}.{kind}"] = part
+    return out
+
+
+def test_an_fp8_checkpoint_loads_its_codes_and_block_scales_as_they_are(tmp_path: Path) -> None:
+    """The MINI DeepSeek-V3 FP8 checkpoint (e4m3 codes, safetensors F8_E4M3, beside f32
+    `weight_scale_inv`), stored per expert as the published one: loaded eagerly or lazily
+    (whole, an expert, rows of a weight), every code byte and scale is the one written, the
+    per-expert codes and scales fused; a NaN code is refused naming the tensor."""
+    from mkc.families.deepseek_v3 import reference as dsv3
+    from mkc.model import fp8_blocks
+    config = json.loads((ROOT / "mkc/model/configs/deepseek_v3_mini_fp8.json").read_text())
+    d = dsv3.load_config(config)
+    params = dsv3.init_params(d, seed=0)
+    save_checkpoint(tmp_path / "ckpt", config, _published_layout(params, d.experts), max_shard_bytes=1 << 20)
+    _, eager = load_checkpoint(tmp_path / "ckpt")
+    _, lazy = load_checkpoint(tmp_path / "ckpt", lazy=True)
+    gate_up, q_a = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_a_proj.weight"
+    assert eager[gate_up].dtype == ml_dtypes.float8_e4m3fn and eager[gate_up].shape == (32, 512, 256)
+    for name, a in params.items():
+        assert eager[name].dtype == a.dtype and eager[name].tobytes() == a.tobytes(), name
+    assert lazy[gate_up][5].view(np.uint8).tobytes() == params[gate_up][5].view(np.uint8).tobytes()
+    assert (lazy[gate_up + "_scale_inv"][5] == params[gate_up + "_scale_inv"][5]).all()
+    assert lazy[q_a][3:7].view(np.uint8).tobytes() == params[q_a][3:7].view(np.uint8).tobytes()
+    view = fp8_blocks.Dequantized(lazy, d.weight_block_size)
+    widened = fp8_blocks.widen(params[q_a], params[q_a + "_scale_inv"], (128, 128))
+    assert (np.asarray(view[q_a]) == widened).all()
+    assert view[gate_up] is lazy[gate_up]            # experts: codes as they are
+
+    bad = dict(params)
+    codes = params[gate_up].view(np.uint8).copy()
+    codes[2, 3, 4] = 0x7F                            # e4m3's NaN
+    bad[gate_up] = codes.view(ml_dtypes.float8_e4m3fn)
+    save_checkpoint(tmp_path / "bad", config, _published_layout(bad, d.experts))
+    with pytest.raises(CheckpointError, match=r"mlp\.experts\.2\.gate_proj\.weight holds 1 non-finite "
+                                              r"value\(s\), the first \(nan\) at index \[3, 4\]"):
+        load_checkpoint(tmp_path / "bad")

@@ -17,6 +17,7 @@ import numpy as np
 
 from mkc.layers.reference import NORM, embed, matmul, sub_params
 from mkc.layers.sublayer import Composition
+from mkc.model import fp8_blocks
 from mkc.model.config import in_range, upstream_config
 from mkc.reference.rounding import Rounding, bf16_weights
 
@@ -58,8 +59,12 @@ class DecoderReference:
         return out
 
     def param_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Every upstream parameter name -> (PyTorch shape, dtype name)."""
-        return {name: (shape, dtype) for name, (shape, dtype, _) in self._owned_shapes(d).items()}
+        """Every upstream parameter name -> (PyTorch shape, dtype name); with an FP8
+        checkpoint (the dims' `weight_block_size`) its linear weights as e4m3 codes beside
+        their f32 block scales (`mkc.model.fp8_blocks.quantized_weights`)."""
+        shapes = {name: (shape, dtype) for name, (shape, dtype, _) in self._owned_shapes(d).items()}
+        block = getattr(d, "weight_block_size", ())
+        return fp8_blocks.quantized_weights(shapes, block) if block else shapes
 
     def init_params(self, d: Any, seed: int) -> dict[str, np.ndarray]:
         """Random weights (bf16, or the table's dtype) scaled so the residual stream and logits
@@ -85,7 +90,18 @@ class DecoderReference:
                 std = 1.0 / math.sqrt(shape[-1])
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
             out[name] = bf16_weights(w) if dtype == "bfloat16" else np.asarray(w, dtype)
-        return {name: out[name] for name in owned}
+        block = getattr(d, "weight_block_size", ())
+        if not block:
+            return {name: out[name] for name in owned}
+        # An FP8 checkpoint: the same draws, each linear weight stored as DeepSeek's recipe
+        # quantizes it (its values are the codes times their scales, not the draws)
+        stored: dict[str, np.ndarray] = {}
+        for name in owned:
+            if fp8_blocks.is_quantized(name):
+                stored[name], stored[fp8_blocks.scale_name(name)] = fp8_blocks.quantize(out[name], block)
+            else:
+                stored[name] = out[name]
+        return stored
 
     def _draw_order(self, names: Mapping[str, Any]) -> list[str]:
         if not self.norms_last:
@@ -115,7 +131,12 @@ class DecoderReference:
                     tokens: jax.Array, positions: jax.Array, rounding: Rounding | None = None
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """One decode token per row: (logits f32 ``[B, vocab]``, new cache). jit with
-        ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy bf16 arrays."""
+        ``jax.jit(decode_step, static_argnums=(1, 5))``; ``params`` may be numpy bf16 arrays.
+        An FP8 checkpoint's linear weights are read as the bf16 weights its kernel's tiles hold
+        (`fp8_blocks.values`), its routed experts' codes and scales as they are (the MoE's
+        reference reads them)."""
+        if getattr(d, "weight_block_size", ()):
+            params = fp8_blocks.values(params, d.weight_block_size, jnp)
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         x = embed(params, tokens, rounding)

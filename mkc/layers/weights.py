@@ -11,6 +11,7 @@ import numpy as np
 
 from mkc.ir import WeightFormat
 from mkc.layers.sublayer import Composition, Sublayer
+from mkc.model import fp8_blocks
 from mkc.model.sharding import ShardTable
 
 
@@ -25,6 +26,14 @@ def rows_of_part(total: int, cls: str, rank: int, shards: ShardTable) -> slice:
     n = total // shards.ways(cls)
     part = shards.part(cls, rank)
     return slice(part * n, (part + 1) * n)
+
+
+def _values(hf: Mapping, d: Any) -> Mapping:
+    """The checkpoint with an FP8 checkpoint's linear weights read as the bf16 weights
+    DeepSeek's `fp8_cast_bf16.py` writes (what the kernel's bf16 tiles hold), its routed
+    experts' codes and scales as they are (`mkc.model.fp8_blocks.Dequantized`)."""
+    block = getattr(d, "weight_block_size", ())
+    return fp8_blocks.Dequantized(hf, block) if block else hf
 
 
 class DecoderWeights:
@@ -47,8 +56,8 @@ class DecoderWeights:
         if name == "lm_head":
             return tensor(hf, "lm_head.weight", rows_of_part(d.vocab_size, "vocab", rank, shards)).T
         sub = self._owner(kind, name, d)
-        return sub.module("weights").matrix(sub, hf, d, f"model.layers.{self.model_layer(layer)}.", name,
-                                            rank, shards)
+        return sub.module("weights").matrix(sub, _values(hf, d), d,
+                                            f"model.layers.{self.model_layer(layer)}.", name, rank, shards)
 
     def layer_vector(self, hf: Mapping, d: Any, per_rank: dict, layer: int, kind: str, name: str,
                      rank: int, shards: ShardTable) -> np.ndarray:

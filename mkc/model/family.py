@@ -123,6 +123,9 @@ class Family:
     # Matrix classes a spec may store in another format (`format CLASS FORMAT`): class ->
     # the formats its lowering and packing take, the checkpoint's (the default) first.
     weight_formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Where they depend on the model's checkpoint: dims -> its `weight_formats` (DeepSeek-V3's
+    # experts from its FP8 checkpoint take that checkpoint's blocks); None: the same for all.
+    model_formats: Callable[[Any], tuple[tuple[str, tuple[str, ...]], ...]] | None = None
     # Formats whose packing requantizes the checkpoint's values and may round them, so a spec
     # may (or must) say `format CLASS NAME ... rounded`; the family's `weights.requantization`
     # requantizes them and reports the error (`mkc.requantize`). K3's fp4 (from MXFP4), Qwen3.5
@@ -144,9 +147,14 @@ class Family:
         benchmarks/compiler_scratch.py); () when it has measured none."""
         return _measured_scratch(self.package)
 
-    def default_formats(self) -> dict:
+    def formats_for(self, dims: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The classes with a choice of format and the formats each takes, the checkpoint's
+        first, for the model `dims` (`model_formats`), else for any model."""
+        return self.model_formats(dims) if self.model_formats and dims is not None else self.weight_formats
+
+    def default_formats(self, dims: Any = None) -> dict:
         from mkc.ir import WeightFormat
-        return {cls: WeightFormat(formats[0]) for cls, formats in self.weight_formats}
+        return {cls: WeightFormat(formats[0]) for cls, formats in self.formats_for(dims)}
 
     @functools.cached_property
     def lowered_ops(self) -> frozenset[str]:

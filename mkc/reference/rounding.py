@@ -143,12 +143,13 @@ class Rounding:
         return round_to(x, self.matmul_input)
 
     def linear(self, x: jax.Array, w: jax.Array, rows: int | None = None,
-               operands: str | None = None) -> jax.Array:
+               operands: str | None = None, scales: jax.Array | None = None) -> jax.Array:
         """``x @ w.T`` (PyTorch ``[out, in]`` w, bf16 values) as the kernel multiplies an
         activation by a weight: the input rounded for the MXU, the dot of those operands
         (``chunked_linear``, by chunks of ``rows`` inputs when the matrix streams in tiles;
-        ``operands`` "mixed_fp8" where the kernel feeds the weight as FP8 codes)."""
-        return chunked_linear(self.mm_in(x), w, rows, operands or self.matmul_input)
+        ``operands`` "mixed_fp8" where the kernel feeds the weight as FP8 codes; ``scales``
+        [chunks, out] where each chunk's partial product is multiplied by its own)."""
+        return chunked_linear(self.mm_in(x), w, rows, operands or self.matmul_input, scales)
 
 
 def bf16_weights(w: np.ndarray) -> np.ndarray:
@@ -237,7 +238,7 @@ def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
 
 
 def chunked_linear(x: jax.Array, w: jax.Array, rows: int | None = None,
-                   operands: str = "f32") -> jax.Array:
+                   operands: str = "f32", scales: jax.Array | None = None) -> jax.Array:
     """``x @ w.T`` (PyTorch ``[out, in]`` w) accumulated in f32, summed as a kernel that splits
     the contraction into consecutive chunks of ``rows`` inputs (ring tiles, MXFP4 pack groups)
     sums it: one dot per chunk, added in order. None, or one chunk: a single dot.
@@ -245,14 +246,35 @@ def chunked_linear(x: jax.Array, w: jax.Array, rows: int | None = None,
     ``operands`` "bf16" multiplies as the kernel's bf16 dot does. XLA need not sum that dot in
     the order of the f32 dot of the same values: on a CPU with AVX512-BF16 it does not (1e-5
     apart on a [2, 256] x [256, 512] product), and the flips that follow grow to the size of a
-    1 % op error within a few layers."""
+    1 % op error within a few layers.
+
+    ``scales`` [chunks, out] (an FP8 checkpoint's f32 block scales, `fp8 block R x C`): each
+    chunk's dot times its row of them, summed as the kernel sums them (``_scaled_sum``)."""
     width = x.shape[-1]
+    if scales is not None:
+        step = rows or width
+        return _scaled_sum([_dot(x[..., lo:lo + step], w[:, lo:lo + step], operands)
+                            for lo in range(0, width, step)], scales)
     if rows is None or rows >= width:
         return _dot(x, w, operands)
     total = None
     for lo in range(0, width, rows):
         part = _dot(x[..., lo:lo + rows], w[:, lo:lo + rows], operands)
         total = part if total is None else total + part
+    return total
+
+
+@jax.jit
+def _scaled_sum(parts: list[jax.Array], scales: jax.Array) -> jax.Array:
+    """``sum_i parts[i] * scales[i]`` in the kernel's expression, jitted: each partial product
+    times its scales, added to the sum in order. XLA's CPU contracts a multiply feeding an add
+    into one FMA, so the kernel's sum is ``fma(p0, s0, p1 s1)``, then ``fma(p_i, s_i, sum)``
+    (measured in interpret mode); this is the same expression, so XLA makes the same
+    contractions of it."""
+    total = None
+    for i, part in enumerate(parts):
+        scaled = part * scales[i:i + 1]
+        total = scaled if total is None else total + scaled
     return total
 
 

@@ -17,13 +17,23 @@ _COPIED = tuple(sorted({f.name for f in fields(ResolveState)}
                        & {f.name for f in fields(ir.ScheduleIR)} - _CONVERTED))
 
 
+def ir_dims(dims) -> dict:
+    """The model's dims as the IR holds them: every field, but a field marked `when_set` (its
+    metadata; DeepSeek-V3's `weight_block_size`) left out at its default, so the models without
+    it keep the IR, the scratch measures (`checks.capacity.scratch_key`) and the modules they
+    had before it was added."""
+    marked = {f.name: f.default for f in fields(dims) if f.metadata.get("when_set")}
+    return {k: v for k, v in dims.__dict__.items() if k not in marked or v != marked[k]} | {
+        "layer_kinds": list(dims.layer_kinds)}
+
+
 def resolve_ir(s: ResolveState) -> ResolveState:
     sched, dims, family, graph, topo = s.sched, s.dims, s.family, s.graph, s.topology
     b_lo, b_hi = s.batch
     config = s.model_config
     return replace(s, schedule_ir=ir.ScheduleIR(
         name=sched.name.text, source=sched.source_file, model=dims.name,
-        family=dims.family, dims=dims.__dict__ | {"layer_kinds": list(dims.layer_kinds)},
+        family=dims.family, dims=ir_dims(dims),
         chip=topo.chip.name, topology=topo.spec, ranks=topo.num_cores,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
         weight_formats=dict(graph.formats),

@@ -19,6 +19,9 @@ NATIVE = {"fp4": "fp4_operand"}
 # Formats that store codes under a scale per block of input rows: `block N` sizes those blocks.
 # Any other (bf16) stores values as they are, so a block means nothing to it.
 BLOCK_SCALED = ("fp8", "fp4", "mxfp4")
+# Formats whose scale may also cover a block of output columns (`block R x C`): FP8 holding an
+# FP8 checkpoint's codes under its f32 scale per R x C block (DeepSeek-V3's 128 x 128).
+BLOCK_SCALED_2D = ("fp8",)
 # Where the target's MXU lacks a native format, the format that holds the same blocks on any
 # target (exactly, where the checkpoint allows: `mkc retarget` rewrites to it).
 FALLBACK = {"fp4": "fp8"}
@@ -28,11 +31,11 @@ def resolve_formats(s: ResolveState) -> ResolveState:
     """Every matrix class with a choice of format -> the one the spec picks, else the
     checkpoint's; each with what the target's MXU takes."""
     family = s.family
-    offered = dict(family.weight_formats)
+    offered = dict(family.formats_for(s.dims))
     gen = target.generation(s.topology.chip.name)
     fp8_operand = gen.fp8_operand
     chosen = {cls: dataclasses.replace(f, fp8_operand=fp8_operand)
-              for cls, f in family.default_formats().items()}
+              for cls, f in family.default_formats(s.dims).items()}
     seen: dict[str, Span] = {}
     for f in s.sched.formats:
         cls = f.matrix.text
@@ -69,9 +72,16 @@ def resolve_formats(s: ResolveState) -> ResolveState:
                        hint=f"remove `block {f.block}`" + (f", or store {cls} in a block-scaled "
                                                           f"format: {', '.join(scaled)}"
                                                           if scaled else ""))
-        if f.block is not None and f.block < 1:
-            raise fail("E-FORMAT", f"a block of {f.block} rows holds nothing", f.span,
+        if f.block is not None and f.block < 1 or f.cols is not None and f.cols < 1:
+            size = f"{f.block} x {f.cols}" if f.cols is not None else f"{f.block} rows"
+            raise fail("E-FORMAT", f"a block of {size} holds nothing", f.span,
                        hint="a block is the input rows one scale covers: e.g. `block 512`")
+        if f.cols is not None and f.format.text not in BLOCK_SCALED_2D:
+            raise fail("E-FORMAT", f"{f.format.text} takes one scale per block of input rows: "
+                       f"`x {f.cols}` (output columns a scale covers) means nothing for it", f.span,
+                       hint=f"write `block {f.block}`" + (
+                           ", or store an FP8 checkpoint's blocks as they are (`fp8 block 128 x 128`)"
+                           if "fp8" in offered[cls] else ""))
         # Which formats may round is the family's (`Family.rounding_formats`): K3's fp4 blocks
         # may not hold its MXFP4 values, Qwen3.5 MoE's fp8 cannot hold its bf16 ones.
         rounds = family.rounding_formats
@@ -83,7 +93,7 @@ def resolve_formats(s: ResolveState) -> ResolveState:
         seen[cls] = f.span
         chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand,
                                       rounded=f.rounded is not None,
-                                      where=f"{Path(f.span.file).name}:{f.span.line}")
+                                      where=f"{Path(f.span.file).name}:{f.span.line}", cols=f.cols or 0)
     return dataclasses.replace(s, formats=chosen)
 
 

@@ -22,9 +22,11 @@ kv_lora_rank 512, qk 128 + 64, v 128, 256 experts of width 2048, top 8, 8 groups
 shared expert, scaling 2.5, vocab 129280, eps 1e-6, rope_theta 10000 with YaRN factor 40 over
 4096 (beta 32 / 1, mscale and mscale_all_dim 1), max_position_embeddings 163840, one MTP layer
 (`num_nextn_predict_layers`, which decode does not run). Its checkpoint is FP8 e4m3 with an f32
-scale per 128x128 block (`quantization_config`): the shipped config is that file without it,
-the bf16 weights such a checkpoint dequantizes to (an E8M0 block format cannot hold arbitrary
-f32 block scales exactly).
+scale per 128 x 128 block (`quantization_config`, read by `mkc.model.fp8_blocks`; the shipped
+config is that file): the routed experts are held as they are (`format expert.* fp8 block 128 x
+128`, the default of such a checkpoint), the other linear weights as the bf16 DeepSeek's
+`fp8_cast_bf16.py` writes; a bf16 checkpoint (the config without `quantization_config`) keeps
+its bf16 experts.
 """
 from mkc.families.deepseek_v3.config import FAMILY_NAME, read_dims
 from mkc.families.deepseek_v3.graph import LAYERS, MOE, SHARD_CLASSES, build
@@ -36,6 +38,7 @@ FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.deepseek_v3.config", "DeepseekV3Dims"), vmem_inputs=rope_input,
-    layers=LAYERS, weight_formats=MOE.weight_formats(), rounding_formats=ROUNDING_FORMATS,
+    layers=LAYERS, weight_formats=MOE.weight_formats(), model_formats=MOE.weight_formats,
+    rounding_formats=ROUNDING_FORMATS,
     expert_layouts=EXPERT_LAYOUTS,
 )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mkc.layers.config import refuse, setting
 from mkc.layers.mla import MLADims
 from mkc.layers.rope import read_yarn, rope_parameters
 from mkc.model.family import ConfigError, config_float, config_int, identifier
+from mkc.model.fp8_blocks import read_quantization
 
 FAMILY_NAME = "deepseek_v3"
 DEFAULTS: dict[str, Any] = {
@@ -50,6 +51,9 @@ class DeepseekV3Dims(MLADims):
     n_group: int
     topk_group: int
     routed_scaling_factor: float
+    # quantization_config's: the checkpoint is FP8 with an f32 scale per [out, in] block of its
+    # linear weights (`mkc.model.fp8_blocks`); () for a bf16 checkpoint
+    weight_block_size: tuple[int, int] = field(default=(), metadata={"when_set": True})
 
     @property
     def shared_expert_intermediate_size(self) -> int:
@@ -60,11 +64,7 @@ class DeepseekV3Dims(MLADims):
 def read_dims(raw: Mapping, name: str) -> DeepseekV3Dims:
     """The one reader of a DeepSeek-V3 config; ConfigError for a setting mkc does not compute."""
     refuse(raw, REFUSED, DEFAULTS)
-    quant = raw.get("quantization_config")
-    if quant is not None:
-        raise ConfigError(f"quantization_config {quant!r}: mkc reads DeepSeek-V3's weights as bf16",
-                          "dequantize the FP8 checkpoint (128x128 block scales) to bf16 and drop "
-                          "quantization_config; its FP8 blocks are not computed")
+    block = read_quantization(raw)
     if raw.get("q_lora_rank", 1) is None:
         raise ConfigError("q_lora_rank = null (a q_proj without the low-rank query) is not supported",
                           "DeepSeek-V3 projects the query through q_lora_rank 1536")
@@ -101,7 +101,8 @@ def read_dims(raw: Mapping, name: str) -> DeepseekV3Dims:
         head_dim=rope, rotary_dim=rope, **rope_fields(raw, rope), **bools, **ints, experts=experts,
         top_k=top_k, n_group=groups, topk_group=top_groups,
         routed_scaling_factor=config_float(setting(raw, "routed_scaling_factor", DEFAULTS),
-                                           "routed_scaling_factor"))
+                                           "routed_scaling_factor"),
+        **({"weight_block_size": block} if block else {}))
 
 
 def rope_fields(raw: Mapping, rope: int) -> dict[str, Any]:

@@ -7,8 +7,9 @@ experts, one ungated shared expert) after.
 Sharding: attention heads, the dense and shared experts' widths (`mlp`) and the vocabulary
 each over their rank group; routed experts over groups of ranks, each expert's width split
 within its group (`shard experts over tp / N` with `shard expert_mlp over N`: an expert's
-width slice is what a slot of the pool holds, as a whole bf16 expert is 84 MiB, more than a
-core's VMEM), or whole experts on every core (`shard experts over tp`).
+width slice is what a slot of the pool holds, as a whole expert is 84 MiB in bf16, 42 MiB in
+the checkpoint's FP8, too much for a core's VMEM), or whole experts on every core (`shard
+experts over tp`).
 """
 from __future__ import annotations
 

@@ -12,7 +12,13 @@ line says, K-major (`[in, out]`, input rows down the slot):
   groups (fed to the MXU as they are where it takes FP8, the block's scale multiplying the
   group's partial product: `feeds_codes`);
 * `fp4`: e2m1 codes, two rows a byte in the checkpoint's nibble order, a scale per `block`
-  rows of whole pack groups, always fed to the MXU as they are.
+  rows of whole pack groups, always fed to the MXU as they are;
+* `fp8 block R x C` (`WeightFormat.cols`): an FP8 checkpoint's own e4m3 codes under its own
+  f32 scale per R input rows x C output columns (DeepSeek-V3's `weight_scale_inv`, one per
+  128 x 128 block of `[out, in]`), both held as they are: the codes fed to the MXU one mixed
+  bf16 x fp8 dot per group of a rank's input rows under one block row (`block_groups`), the
+  group's scales, one per column, multiplying its partial product. Exact: the dots see the
+  checkpoint's codes and scales, not values rounded from them.
 
 The kernel multiplies an expert matrix a pack group of input rows at a time (`pack_groups`,
 `dividing_pack_groups`). Here, importing no jax (checking a spec must not load it): the
@@ -38,6 +44,10 @@ _FACTS = {"mxfp4": MatrixFacts(values_per_byte=2.0), "fp4": MatrixFacts(values_p
 _SCALES = MatrixFacts(values_per_byte=0.0)
 # Pack group caps: gate|up's input rows are multiplied 512 at a time, down's 128 (Kimi K3's).
 PACK_GROUP = {"gate_up": 512, "down": 128}
+# `fp8 block R x C`: a slot's f32 scales are stored as their little-endian bytes, one scale row
+# as 4 byte rows (`pltpu.bitcast` to uint32 joins them back), in whole (32, 128) uint8 tiles:
+# scale rows padded to a multiple of SCALE_ROWS.
+SCALE_ROWS = 8
 
 # The kernel layout of MXFP4 codes (`weights.pack_mxfp4_for_kernel`): a pack group of G input
 # rows is G/8 little-endian uint32 words a column, 8 codes a word. Its rows are four quarters
@@ -53,6 +63,26 @@ MXFP4_LAYOUT = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
 
 def rows_per_byte(fmt: WeightFormat) -> int:
     return 2 if fmt.name in TWO_ROWS else 1
+
+
+def block_groups(fmt: WeightFormat, rows: int, width: int) -> tuple[int, int]:
+    """`fp8 block R x C` on a rank's slice of `rows` input rows whose output columns run in
+    contiguous runs of `width` (gate|up: its gate and its up columns; down: all): the (input
+    rows, output columns) under one scale in it, a block's or the slice's where smaller.
+    `resolve` checks that they cut whole blocks."""
+    return min(fmt.block, rows), min(fmt.cols, width)
+
+
+def block_index(fmt: WeightFormat, out_index: Sequence[int], in_index: Sequence[int], width: int
+                ) -> tuple[list[int], list[int]]:
+    """A rank's slice of an FP8 checkpoint matrix `[out, in]` in `fp8 block R x C` (its output
+    rows `out_index` in the slot's column order, its input columns `in_index` in row order,
+    output columns in runs of `width`): the checkpoint scale row (`weight_scale_inv`'s second
+    index, input blocks) of each of its row groups, and the scale column (the first index,
+    output blocks) of each of its columns. The packer and the reference's emulation read the
+    scales through it."""
+    group, _ = block_groups(fmt, len(in_index), width)
+    return [i // fmt.block for i in in_index[::group]], [o // fmt.cols for o in out_index]
 
 
 def feeds_codes(fmt: WeightFormat) -> bool:
@@ -96,19 +126,27 @@ def check_block(cls: str, block: int, rows: int, group: int, other: str = "") ->
 
 
 def resolve(classes: Sequence[tuple[str, Sequence[str]]], rows: Mapping[str, int],
-            groups: Mapping[str, int], formats: Mapping[str, WeightFormat] | None = None
+            groups: Mapping[str, int], formats: Mapping[str, WeightFormat] | None = None,
+            blocks: tuple[int, int] | None = None, widths: Mapping[str, int] | None = None
             ) -> dict[str, WeightFormat]:
     """Each expert class's format (`classes`: class -> the formats it takes, the checkpoint's
     first; unset classes keep the checkpoint's), its block resolved to input rows (a block past
     the matrix's `rows` is the whole matrix). FormatError for a block the kernel cannot use:
     MXFP4 keeps 32; FP4, and FP8 from a bf16 checkpoint, take whole pack `groups` (FP8 from
-    MXFP4 also 32, its default); FP8 requantized from bf16 must say `rounded`."""
+    MXFP4 also 32, its default); FP8 requantized from bf16 must say `rounded`. A checkpoint
+    whose classes are `fp8` is an FP8 checkpoint with an f32 scale per `blocks` (input rows,
+    output columns) block, held as it is (`checkpoint_blocks`; `widths`: each class's runs of
+    output columns a rank holds)."""
     stored = {cls: names[0] for cls, names in classes}
     out = {}
     for cls, fmt in ({c: WeightFormat(f) for c, f in stored.items()} | dict(formats or {})).items():
         name = cls.split(".")[1]
         if fmt.name == "bf16":
             out[cls] = fmt
+            continue
+        if fmt.cols or stored[cls] == "fp8":
+            out[cls] = checkpoint_blocks(cls, fmt, stored[cls], rows[name],
+                                         (widths or {}).get(name, 0), blocks)
             continue
         from_mx = stored[cls] == "mxfp4"
         if fmt.name == "mxfp4" and fmt.block not in (0, MX_BLOCK):
@@ -135,15 +173,57 @@ def resolve(classes: Sequence[tuple[str, Sequence[str]]], rows: Mapping[str, int
     return out
 
 
-def tensors(name: str, rows: int, cols: int, fmt: WeightFormat) -> dict[str, Tensor]:
+def checkpoint_blocks(cls: str, fmt: WeightFormat, stored: str, rows: int, width: int,
+                      blocks: tuple[int, int] | None) -> WeightFormat:
+    """`fmt` of class `cls` where the format or the checkpoint is FP8 in blocks of input rows
+    and output columns (`fp8 block R x C`), resolved to the checkpoint's blocks (`fp8` alone:
+    the checkpoint's). FormatError unless the checkpoint (`stored`) is FP8 with `blocks` of
+    those sizes, the spec does not ask to round (the codes and scales are held as they are),
+    and a rank's `rows` and runs of `width` output columns cut whole groups out of them."""
+    if stored != "fp8":
+        other = (f"`format {cls} fp8 block N rounded` (its values requantized, an E8M0 scale per "
+                 "N rows)" if stored == "bf16" else f"`format {cls} fp8 block N` (an E8M0 scale "
+                 "per N rows)")
+        raise FormatError(cls, f"`{fmt.spelled}` holds an FP8 checkpoint's codes under its f32 "
+                          f"scale per {fmt.block} x {fmt.cols} block as they are, and the "
+                          f"checkpoint's {cls} is {stored}",
+                          f"serve an FP8 checkpoint with those blocks (a quantization_config "
+                          f"with weight_block_size [{fmt.cols}, {fmt.block}]), or write {other}")
+    spelled = f"fp8 block {blocks[0]} x {blocks[1]}"
+    if fmt.rounded:
+        raise FormatError(cls, f"`{spelled}` holds the checkpoint's FP8 codes and scales as they "
+                          "are: nothing is rounded", f"write `format {cls} {spelled}` (no `rounded`)")
+    if fmt.block and (fmt.block, fmt.cols) != blocks:
+        raise FormatError(cls, f"the checkpoint's {cls} is FP8 with one f32 scale per "
+                          f"{blocks[0]} x {blocks[1]} block (input rows x output columns), which "
+                          f"`{fmt.spelled}` would requantize",
+                          f"write `format {cls} {spelled}` (the checkpoint's), or drop the line")
+    fmt = dataclasses.replace(fmt, block=blocks[0], cols=blocks[1])
+    group, cols = block_groups(fmt, rows, width)
+    if blocks[0] % group or rows % group or blocks[1] % cols or width % cols:
+        raise FormatError(cls, f"a rank's {rows} input rows and runs of {width} output columns "
+                          f"of {cls} cut the checkpoint's {blocks[0]} x {blocks[1]} blocks "
+                          "unevenly: each scale must cover whole groups of them",
+                          f"split each expert's width (`shard expert_mlp over N`) into parts "
+                          f"that divide {blocks[1]} or are multiples of it")
+    return fmt
+
+
+def tensors(name: str, rows: int, cols: int, fmt: WeightFormat, width: int | None = None
+            ) -> dict[str, Tensor]:
     """Expert matrix `name` [rows (in), cols (out)] as its slot holds it in `fmt`: bf16 values
     by its name, or codes (`rows_per_byte` input rows a byte) and an E8M0 scale per
     `fmt.block` input rows, stacked in the slot: a few rows over many panels, which whole-tile
     panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy for 32 KB of
-    scales)."""
+    scales). `fp8 block R x C`: e4m3 codes and the f32 scale of each group of rows and columns
+    (`block_groups`, `width`: the runs of output columns), as their bytes (`SCALE_ROWS`)."""
     if fmt.name == "bf16":
         return {name: Tensor(name, "matrix", (rows, cols), "bf16")}
+    scale_rows = rows // fmt.block, cols
+    if fmt.cols:
+        group, per = block_groups(fmt, rows, width or cols)
+        scale_rows = 4 * -(-(rows // group) // SCALE_ROWS) * SCALE_ROWS, cols // per
     return {f"{name}_codes": Tensor(f"{name}_codes", "matrix", (rows // rows_per_byte(fmt), cols),
                                     "u8", mxu=_FACTS[fmt.name]),
-            f"{name}_scales": Tensor(f"{name}_scales", "matrix", (rows // fmt.block, cols), "u8",
+            f"{name}_scales": Tensor(f"{name}_scales", "matrix", scale_rows, "u8",
                                      mxu=_SCALES, stacked=True)}

@@ -20,13 +20,16 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
     scaled per 32 rows; or, with FP8 or FP4 blocks of whole pack groups, fed to the MXU as they
     are in a mixed bf16 x fp8 (fp4) dot, their block's scale multiplying the group's partial
     product. The dots see the same values times powers of two (FP4: the values packing
-    requantized them to)."""
+    requantized them to); with an FP8 checkpoint's blocks (`fp8 block R x C`), its codes and
+    its f32 scales."""
     fmt = c.kernel.formats[f"expert.{name}"]
     if fmt.name == "bf16":
         return c.expert_matmul(k, name, x)
     slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
     scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
+    if fmt.cols:
+        return _checkpoint_blocks_matmul(fmt, x, buf, (c_row, c_rows, c_cols), scales)
     per_byte = rows_per_byte(fmt)
     bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
     # FP8 and FP4 blocks: every block's scale decoded at once (a row at a time costs as many
@@ -48,5 +51,23 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
         else:                                    # one scale for the group's partial product
             b = g * group // fmt.block
             part = ops.fp8_group_matmul(xg, codes, decoded[b:b + 1], feeds_codes(fmt))
+        out = part if out is None else out + part
+    return out
+
+
+def _checkpoint_blocks_matmul(fmt, x: jax.Array, buf, codes: tuple, scales: jax.Array) -> jax.Array:
+    """`fp8 block R x C`: x @ an FP8 checkpoint's codes (`codes`: their slot row, rows, cols)
+    one group of input rows under one block row at a time (`block_groups`), each a mixed
+    bf16 x fp8 dot whose partial product is multiplied by the group's f32 scale per column
+    (`ops.block_scales`, decoded once), added in order."""
+    c_row, c_rows, c_cols = codes
+    group = min(fmt.block, c_rows)
+    groups = c_rows // group
+    row_scales = ops.block_scales(scales, groups, c_cols // scales.shape[1])
+    out = None
+    for g in range(groups):
+        xg = x[:, g * group:(g + 1) * group].astype(BF16)
+        w = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=g * group, count=group)
+        part = ops.fp8_group_matmul(xg, w, row_scales[g:g + 1], feeds_codes(fmt))
         out = part if out is None else out + part
     return out

@@ -115,6 +115,20 @@ def fp8_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, as_codes:
     return jnp.dot(x, w, preferred_element_type=F32) * scale
 
 
+def block_scales(scales: jax.Array, groups: int, width: int) -> jax.Array:
+    """`fp8 block R x C` scales as a slot holds them (uint8 [4 * G', n]: the little-endian bytes
+    of f32 scales [G', n], G' >= `groups` rounded up to whole tiles) -> f32 [groups, n * width]:
+    each row group's scales, the one of output column group j repeated over its `width`
+    columns, the row a group's partial product is multiplied by (`fp8_group_matmul`'s
+    `scale`). Decoded once per matrix: the bytes joined into words and reinterpreted (exact),
+    each scale broadcast across its columns' lanes."""
+    from jax.experimental.pallas import tpu as pltpu
+    words = pltpu.bitcast(scales, jnp.uint32)                              # [G', n]
+    f32 = lax.bitcast_convert_type(words, F32)[:groups]
+    cols = [jnp.broadcast_to(f32[:, j:j + 1], (groups, width)) for j in range(f32.shape[1])]
+    return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)
+
+
 def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
     """x [B, G] bf16 @ FP4 codes (uint8 [G/2, N]: byte row a holds input row 2a in its low
     nibble and 2a + 1 in its high one, the e2m1 bits of ``jnp.float4_e2m1fn``) whose rows share

@@ -1,10 +1,52 @@
 """Host-side packing of expert matrices into their stored formats (numpy, at weight-load
-time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, and MXFP4 into FP8 codes."""
+time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, MXFP4 into FP8 codes, and an
+FP8 checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
-from mkc.layers.expert_formats import MX_BLOCK, MXFP4_LAYOUT, SCALE_NAN
+from mkc.ir import WeightFormat
+from mkc.layers.expert_formats import (MX_BLOCK, MXFP4_LAYOUT, SCALE_NAN, SCALE_ROWS, block_groups,
+                                       block_index)
+
+
+def fp8_checkpoint_blocks(codes: np.ndarray, scales: np.ndarray, out_index: Sequence[int],
+                          in_index: Sequence[int], fmt: WeightFormat, width: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's slice of an FP8 checkpoint matrix (`codes` float8_e4m3fn or their bytes
+    `[out, in]`, `scales` f32 `weight_scale_inv [out / C, in / R]`) as its slot holds it in
+    `fp8 block R x C`: the codes' bytes K-major (uint8 `[len(in_index), len(out_index)]`) and,
+    per group of rows and columns (`block_groups`), the checkpoint's scale of the block it
+    lies in, as `pack_block_scales` stores them. Byte for byte the checkpoint's codes and
+    scales (`unpack_block_scales` reads them back)."""
+    out_index, in_index = list(out_index), list(in_index)
+    raw = np.asarray(codes)
+    raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8)
+    kernel_codes = np.ascontiguousarray(raw[np.ix_(out_index, in_index)].T)
+    _, per = block_groups(fmt, len(in_index), width)
+    block_rows, block_cols = block_index(fmt, out_index, in_index, width)
+    grid = np.asarray(scales, np.float32)[np.ix_(block_cols[::per], block_rows)].T   # [groups, n]
+    return kernel_codes, pack_block_scales(grid)
+
+
+def pack_block_scales(scales: np.ndarray) -> np.ndarray:
+    """f32 scales `[G, n]` -> the uint8 `[4 G', n]` a slot holds (`SCALE_ROWS`): row 4a + i
+    is byte i (little endian) of scale row a, rows past G zero."""
+    s = np.asarray(scales, "<f4")
+    rows = -(-s.shape[0] // SCALE_ROWS) * SCALE_ROWS
+    s = np.ascontiguousarray(np.pad(s, [(0, rows - s.shape[0]), (0, 0)]))
+    return np.ascontiguousarray(s.view(np.uint8).reshape(rows, s.shape[1], 4)
+                                .transpose(0, 2, 1).reshape(4 * rows, s.shape[1]))
+
+
+def unpack_block_scales(stored: np.ndarray, groups: int) -> np.ndarray:
+    """Inverse of ``pack_block_scales``: the first `groups` f32 scale rows."""
+    stored = np.asarray(stored, np.uint8)
+    rows, n = stored.shape[0] // 4, stored.shape[1]
+    words = np.ascontiguousarray(stored.reshape(rows, 4, n).transpose(0, 2, 1))
+    return words.view("<f4").reshape(rows, n)[:groups].astype(np.float32)
 
 
 def _check_group(n_in: int, group: int) -> None:

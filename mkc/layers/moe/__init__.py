@@ -26,8 +26,8 @@ shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_n
 experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
 n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
 (clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies and graph
-cover every option; its reference and weights the bf16 checkpoint's (GPT-OSS's are the
-family's).
+cover every option; its reference and weights the bf16 checkpoint's, or its FP8 version with
+f32 block scales (GPT-OSS's are the family's).
 
 Sharding: routed experts expert-parallel over every core (each core holds whole experts,
 `experts / ranks` of them, fetched into a pool's expert slots as routing picks them; shard
@@ -39,7 +39,9 @@ Routed experts are stored as the spec's `format expert.gate_up|expert.down` says
 E8M0 scale per block (from bf16: of whole pack groups, `fp8 block N rounded`, fed to the MXU as
 they are, one mixed bf16 x fp8 dot a pack group, the block's scale multiplying the group's
 partial product; requantizing bf16 rounds, 3 mantissa bits, not 7, so the spec must say
-`rounded`; from MXFP4 exact at its 32-row scales).
+`rounded`; from MXFP4 exact at its 32-row scales). A bf16 model whose config says its
+checkpoint is FP8 with f32 block scales (the dims' `weight_block_size`: DeepSeek-V3's) stores
+its experts as that checkpoint does, `fp8 block 128 x 128` (`stored`), exact.
 """
 from __future__ import annotations
 
@@ -57,17 +59,25 @@ from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
 # rounded`), the checkpoint's first, by the checkpoint's format; the formats whose packing
 # rounds a bf16 checkpoint's values.
 FORMATS = {"bf16": (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8"))),
-           "mxfp4": (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8")))}
+           "mxfp4": (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8"))),
+           # an FP8 checkpoint with f32 block scales (`weight_block_size`): held as it is
+           "fp8": (("expert.gate_up", ("fp8",)), ("expert.down", ("fp8",)))}
 WEIGHT_FORMATS = FORMATS["bf16"]
 ROUNDING_FORMATS = ("fp8",)
 # Routed experts load fused, as transformers 5 declares them (`mlp.experts.gate_up_proj [E, 2I,
 # H]`, gate rows first; `mlp.experts.down_proj [E, H, I]`), or per expert, the Qwen2/3-MoE
 # checkpoints' layout that transformers' `qwen2_moe` conversion mapping fuses on load
 # (`MergeModulelist(dim=0)`, then `Concatenate(dim=1)` of gate and up) and writes back on save.
+# An FP8 checkpoint's block scales likewise (`mkc.model.fp8_blocks`: DeepSeek-V3's published
+# checkpoint stores them per expert, `mlp.experts.{e}.gate_proj.weight_scale_inv`; fused, gate
+# block rows first).
 EXPERT_LAYOUTS = (
     ExpertLayout("mlp.experts.gate_up_proj",
                  ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
     ExpertLayout("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
+    ExpertLayout("mlp.experts.gate_up_proj_scale_inv", ("mlp.experts.{e}.gate_proj.weight_scale_inv",
+                                                        "mlp.experts.{e}.up_proj.weight_scale_inv")),
+    ExpertLayout("mlp.experts.down_proj_scale_inv", ("mlp.experts.{e}.down_proj.weight_scale_inv",)),
 )
 
 
@@ -155,8 +165,21 @@ class MoE(Sublayer):
             raise NotImplementedError(f"the library MoE's {what} computes a bf16 checkpoint's plain "
                                       f"experts, not {self}: the family provides its own")
 
-    def weight_formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        return FORMATS[self.checkpoint]
+    def stored(self, d: Any = None) -> str:
+        """The experts' format in the model's checkpoint: the kind's, or "fp8" where a bf16
+        model's config says its checkpoint is FP8 with f32 block scales (the dims'
+        `weight_block_size`, [out, in]: DeepSeek-V3's published checkpoint)."""
+        return "fp8" if self.checkpoint == "bf16" and getattr(d, "weight_block_size", ()) else self.checkpoint
+
+    def weight_formats(self, d: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The expert classes and the formats each takes, the checkpoint's first (of the model
+        `d`'s checkpoint, when given: `stored`)."""
+        return FORMATS[self.stored(d)]
+
+    def checkpoint_blocks(self, d: Any) -> tuple[int, int] | None:
+        """An FP8 checkpoint's (input rows, output columns) under one scale, or None."""
+        out, inp = getattr(d, "weight_block_size", ()) or (0, 0)
+        return (inp, out) if self.stored(d) == "fp8" else None
 
     def expert_half(self, d: Any, tp: int = 1) -> int:
         """Columns of the gate half (and of the up half) of a rank's gate|up expert matrix (its
@@ -182,8 +205,10 @@ class MoE(Sublayer):
                        ) -> dict[str, WeightFormat]:
         """Each routed expert class's format, its block resolved to input rows
         (`mkc.layers.expert_formats.resolve`)."""
-        return expert_formats_lib.resolve(self.weight_formats(), self.expert_rows(d, tp),
-                                          self.pack_groups(d, tp), formats)
+        half = self.expert_half(d, tp)
+        return expert_formats_lib.resolve(self.weight_formats(d), self.expert_rows(d, tp),
+                                          self.pack_groups(d, tp), formats, self.checkpoint_blocks(d),
+                                          {"gate_up": half, "down": d.hidden_size})
 
     def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat], tp: int = 1) -> dict[str, Tensor]:
         """One routed expert's width slice as its slot holds it, K-major ([in, out]), each
@@ -191,8 +216,8 @@ class MoE(Sublayer):
         matrix."""
         H, half = d.hidden_size, self.expert_half(d, tp)
         out: dict[str, Tensor] = {}
-        for name, rows, cols in (("gate_up", H, 2 * half), ("down", half, H)):
-            out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"])
+        for name, rows, cols, width in (("gate_up", H, 2 * half, half), ("down", half, H, H)):
+            out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"], width)
             if self.expert_bias:
                 out[f"{name}_bias"] = Tensor(f"{name}_bias", "matrix", (1, cols), "bf16")
         return out

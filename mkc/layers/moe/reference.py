@@ -9,6 +9,9 @@ dots:
 * routed expert e (stored fused): ``experts.gate_up_proj[e]`` ``[2I, H]`` holds the gate rows
   ``0..I-1`` then the up rows (upstream chunks the product in two along its output axis);
   ``expert_e(x) = experts.down_proj[e] @ (silu(gate) * up)`` with ``down_proj[e]`` ``[H, I]``;
+  from an FP8 checkpoint the codes times their f32 block scales (``expert_values``; the
+  emulation multiplies the codes, each group's partial product times its scales, as the
+  kernel does);
 * sigmoid routing (``route``): ``sigmoid(x @ gate^T)`` scores, the top k of them plus
   ``gate.e_score_correction_bias`` among the best groups, weighted by their scores
   (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``;
@@ -43,10 +46,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mkc.layers.expert_formats import block_groups, block_index
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.moe import MoE
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
+from mkc.model.fp8_blocks import dequantize
 from mkc.reference.rounding import Rounding, allreduce
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -173,25 +178,49 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     `expert_parallel_sum`)."""
     inter, tp, width = d.moe_intermediate_size, rounding.size("expert_tp"), rounding.size("expert_width")
     gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
-    # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; bf16
-    # experts: one bf16 dot.
+    # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; an FP8
+    # checkpoint's blocks (`fp8 block R x C`): one a group of rows under one block row, on its
+    # codes, each partial product times its scales; bf16 experts: one bf16 dot.
     operands = {m: expert_operands(rounding, m) for m in EXPERTS}
-    fp8 = {m for m in EXPERTS if getattr(rounding.weight_format(f"expert.{m}"), "name", "") == "fp8"}
+    formats = {m: rounding.weight_format(f"expert.{m}") for m in EXPERTS}
+    fp8 = {m for m in EXPERTS if getattr(formats[m], "name", "") == "fp8"}
+    blocks = {m for m in fp8 if formats[m].cols}
     rows = {m: s.pack_groups(d, tp)[m] if m in fp8 else None for m in EXPERTS}
+    rows |= {m: block_groups(formats[m], *{"gate_up": (d.hidden_size, width),
+                                           "down": (width, d.hidden_size)}[m])[0] for m in blocks}
 
-    def expert_linear(x: jax.Array, w: jax.Array, m: str) -> jax.Array:
-        return rounding.linear(x, w, rows[m], operands[m])
+    def expert_linear(x: jax.Array, w: jax.Array, m: str, e: int, out_index: list[int],
+                      in_index: list[int], runs: int) -> jax.Array:
+        scales = None
+        if m in blocks:       # each row group's scale of each output column, [groups, out]
+            block_rows, block_cols = block_index(formats[m], out_index, in_index, runs)
+            grid = p[f"experts.{_STORED[m]}_scale_inv"][e]
+            scales = grid[jnp.asarray(block_cols)][:, jnp.asarray(block_rows)].T
+        return rounding.linear(x, w, rows[m], operands[m], scales)
 
     def expert(e: int, cols: slice) -> jax.Array:
         # One dot of the rank's gate and up rows together, as its slot holds them ([gate |
         # up]): XLA's CPU f32 dot sums a 2 * width wide product in another order than two
         # width wide ones (module docstring).
+        mine = list(range(cols.start, cols.stop))
         fused = gate_up[e].reshape(2, inter, -1)[:, cols].reshape(2 * width, -1)
-        hidden = expert_linear(xin, fused, "gate_up")
+        hidden = expert_linear(xin, fused, "gate_up", e, mine + [inter + i for i in mine],
+                               list(range(d.hidden_size)), width)
         act = jax.nn.silu(hidden[:, :width]) * hidden[:, width:]
-        return expert_linear(act, down[e][:, cols], "down")
+        return expert_linear(act, down[e][:, cols], "down", e, list(range(d.hidden_size)), mine,
+                             d.hidden_size)
 
     return expert_parallel_sum(rounding, d.experts, dense, d.hidden_size, expert, kind)
+
+
+_STORED = {"gate_up": "gate_up_proj", "down": "down_proj"}
+
+
+def expert_values(p: Mapping[str, jax.Array], d: Any) -> tuple[jax.Array, jax.Array]:
+    """The routed experts' fused ``gate_up_proj`` and ``down_proj`` values: as stored, or an FP8
+    checkpoint's codes times their block scales (`mkc.model.fp8_blocks.dequantize`)."""
+    return tuple(dequantize(p[f"experts.{n}"], p[f"experts.{n}_scale_inv"], d.weight_block_size, jnp)
+                 if f"experts.{n}_scale_inv" in p else p[f"experts.{n}"] for n in _STORED.values())
 
 
 def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None,
@@ -217,9 +246,10 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     routing = router_args(s, p, d)
     ids, weights = route(logits, d.top_k, d.norm_topk_prob, *routing)
     if rounding is None:
-        hidden = jnp.einsum("bh,bkoh->bko", xin, p["experts.gate_up_proj"][ids], precision=HIGHEST)
+        gate_up, down = expert_values(p, d)
+        hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up[ids], precision=HIGHEST)
         act = jax.nn.silu(hidden[..., :inter]) * hidden[..., inter:]
-        out = jnp.einsum("bki,bkoi->bko", act, p["experts.down_proj"][ids], precision=HIGHEST)
+        out = jnp.einsum("bki,bkoi->bko", act, down[ids], precision=HIGHEST)
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
     else:
         dense = (_kernel_route_weights(logits, ids, d.norm_topk_prob) if not routing else

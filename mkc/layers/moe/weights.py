@@ -7,7 +7,8 @@ each routed expert whole on the rank that holds it (`expert`), from the fused
 `hf[name][e]` reads one expert). A class the spec stores as FP8 (`format expert.gate_up fp8
 block N rounded`) is requantized, block by block of input rows
 (`mkc.model.mxfp4.requantize_fp8_blocks`), into codes and E8M0 scales (`requantization` reports
-the error)."""
+the error); from an FP8 checkpoint (`fp8 block R x C`) its codes and f32 block scales are
+copied as they are (`fp8_expert_matrix`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -17,9 +18,11 @@ import ml_dtypes
 import numpy as np
 
 from mkc.ir import WeightFormat
+from mkc.layers.expert_formats.weights import fp8_checkpoint_blocks
 from mkc.layers.moe import MoE
 from mkc.layers.swiglu.weights import mlp_matrix
 from mkc.layers.weights import tensor
+from mkc.model.fp8_blocks import scale_name
 from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
 
@@ -71,6 +74,31 @@ def expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: st
     return m.T                                        # gate_up [H, 2I]: gate | up; down [I, H]
 
 
+def expert_slice(d: Any, name: str, part: int, tp: int) -> tuple[list[int], list[int], int]:
+    """The checkpoint rows and columns (`[out, in]`, fused) of width part `part` of `tp` of an
+    expert matrix, in the order its slot holds them ([in, out]: gate's columns, then up's),
+    and the width of its runs of output columns."""
+    width = d.moe_intermediate_size // tp
+    mine = list(range(part * width, (part + 1) * width))
+    if name == "gate_up":
+        return mine + [d.moe_intermediate_size + i for i in mine], list(range(d.hidden_size)), width
+    return list(range(d.hidden_size)), mine, d.hidden_size
+
+
+def fp8_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
+                      shards: ShardTable, fmt: WeightFormat) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank` from an FP8 checkpoint, `fmt` its `fp8 block R x C`: the
+    rank's slice of its codes and the block scales over it, byte for byte the checkpoint's
+    (`mkc.layers.expert_formats.weights.fp8_checkpoint_blocks`)."""
+    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+    stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
+    out_index, in_index, width = expert_slice(d, name, shards.part("expert_mlp", rank)
+                                              if expert_tp(shards) > 1 else 0, expert_tp(shards))
+    codes, scales = fp8_checkpoint_blocks(hf[stored][e], hf[scale_name(stored)][e], out_index, in_index,
+                                          fmt, width)
+    return {f"{name}_codes": codes, f"{name}_scales": scales}
+
+
 def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shards: ShardTable,
            formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
     """Local expert `local` of `rank` as the pool holds it (its width slice), [in, out] by
@@ -80,6 +108,9 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     out = {}
     for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
         name = cls.split(".")[1]
+        if fmt.cols:                                   # an FP8 checkpoint's blocks, as they are
+            out |= fp8_expert_matrix(s, hf, d, prefix, local, name, rank, shards, fmt)
+            continue
         m = expert_matrix(s, hf, d, prefix, local, name, rank, shards)
         if fmt.name == "fp8":
             r = requantize_fp8_blocks(m.T, fmt.block)            # blocks of input rows
@@ -97,7 +128,8 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
     one, so the reference reads the kernel's values exactly), and per class the error against
     the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS)."""
-    fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items() if f.name == "fp8"}
+    fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items()
+           if f.name == "fp8" and not f.cols}           # an FP8 checkpoint's blocks: as they are
     out: dict[str, np.ndarray] = {}
     totals = {cls: RequantizationError() for cls in fp8}
     for prefix in prefixes:

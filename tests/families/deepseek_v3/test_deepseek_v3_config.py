@@ -20,6 +20,8 @@ def _count(d, active: bool = False) -> int:
     """Parameters of the weights table; `active`: the routed experts a token picks only."""
     total = 0
     for name, (shape, _) in ref.param_shapes(d).items():
+        if name.endswith("_scale_inv"):          # an FP8 checkpoint's block scales: no parameters
+            continue
         n = math.prod(shape)
         if active and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             n = n // d.experts * d.top_k
@@ -43,6 +45,27 @@ def test_the_shipped_config_holds_the_published_facts():
         ("yarn", 10000.0, 40.0, True, 1e-6)
     assert _count(d) == pytest.approx(671e9, rel=2e-3)
     assert _count(d, active=True) == pytest.approx(37e9, rel=3e-2)
+
+
+def test_the_published_checkpoint_is_fp8_in_128x128_blocks():
+    """quantization_config {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic"}: every linear weight but the lm_head is e4m3 codes beside its
+    f32 `weight_scale_inv`, one per started 128 x 128 block of [out, in] (fused experts:
+    transformers 5's `gate_up_proj_scale_inv`); embeddings, norms, the router and its bias not."""
+    d = ref.load_config(CONFIG_DIR / "deepseek_v3.json")
+    assert d.weight_block_size == (128, 128)
+    table, m = ref.param_shapes(d), "model.layers.3."
+    assert table[m + "mlp.experts.gate_up_proj"] == ((256, 4096, 7168), "float8_e4m3fn")
+    assert table[m + "mlp.experts.gate_up_proj_scale_inv"] == ((256, 32, 56), "float32")
+    assert table[m + "mlp.experts.down_proj_scale_inv"] == ((256, 56, 16), "float32")
+    assert table[m + "self_attn.kv_a_proj_with_mqa.weight"] == ((576, 7168), "float8_e4m3fn")
+    assert table[m + "self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == ((5, 56), "float32")
+    assert table[m + "mlp.shared_experts.down_proj.weight_scale_inv"] == ((56, 16), "float32")
+    assert table["model.layers.0.mlp.gate_proj.weight_scale_inv"] == ((144, 56), "float32")
+    for plain in ("lm_head.weight", "model.embed_tokens.weight", m + "mlp.gate.weight",
+                  m + "self_attn.kv_a_layernorm.weight"):
+        assert table[plain][1] == "bfloat16" and plain + "_scale_inv" not in table
+    assert table[m + "mlp.gate.e_score_correction_bias"][1] == "float32"
 
 
 def test_yarn_is_upstreams_derivation():
@@ -74,7 +97,13 @@ def test_defaults_are_deepseek_v3_config_s():
     ({"tie_word_embeddings": True}, "tie_word_embeddings"), ({"scoring_func": "softmax"}, "scoring_func"),
     ({"topk_method": "greedy"}, "topk_method"), ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"q_lora_rank": None}, "q_lora_rank"), ({"num_key_value_heads": 4}, "num_key_value_heads"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "bf16"),
+    ({"quantization_config": {"quant_method": "awq", "weight_block_size": [128, 128]}}, "quant_method"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}, "weight_block_size"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "activation_scheme": "static"}}, "activation_scheme"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                              "modules_to_not_convert": ["q_a_proj"]}}, "modules_to_not_convert"),
     ({"n_group": 3}, "do not route"), ({"topk_group": 5}, "do not route"),
     ({"n_group": 32}, "do not route"), ({"first_k_dense_replace": 5}, "do not route"),
     ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_type"),

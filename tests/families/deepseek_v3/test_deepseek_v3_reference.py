@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from mkc.families.deepseek_v3 import reference as ref
+from mkc.model import fp8_blocks
 from mkc.model.config import CONFIG_DIR
 from tests_support import assert_decode_follows
 
@@ -120,6 +121,30 @@ def test_the_reference_is_transformers_math_over_twelve_steps():
     assert len(np.unique(np.concatenate(picks))) == MINI.experts
     assert len({tuple(sorted(r)) for ids in picks for r in ids}) > 40
     assert_decode_follows(ref, MINI, params, tokens, want)
+
+
+def test_an_fp8_checkpoint_is_read_as_its_values():
+    """The MINI FP8 checkpoint (the same draws stored as e4m3 codes beside f32 128 x 128 block
+    scales): the reference follows transformers' math on the checkpoint's values, its routed
+    experts code x scale (f32) and its other linear weights the bf16 DeepSeek's fp8_cast_bf16
+    writes, as the kernel holds them."""
+    fp8 = ref.load_config(CONFIG_DIR / "deepseek_v3_mini_fp8.json")
+    params = ref.init_params(fp8, seed=3)
+    values = {}
+    for name, w in params.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scales = params.get(name + "_scale_inv")
+        if scales is None:
+            values[name] = w
+        elif name.endswith(".weight"):
+            values[name] = fp8_blocks.widen(w, scales, (128, 128))
+        else:
+            values[name] = fp8_blocks.dequantize(w, scales, (128, 128))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, fp8.vocab_size, (2, 12))
+    want = [_forward(values, tokens[b], []) for b in range(2)]
+    assert_decode_follows(ref, fp8, params, tokens, want)
 
 
 @pytest.mark.parametrize("change", [{"rope_interleave": False}, {"n_group": 1, "topk_group": 1},
