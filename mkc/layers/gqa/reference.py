@@ -178,14 +178,14 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
     b = x.shape[0]
     hq, hkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
     x = mm_input(x, rounding)
-    q = matmul(x, p["q_proj.weight"], rounding)
+    q = matmul(x, p["q_proj.weight"], rounding, kind, s.projection)
     if s.output_gate:
         q_and_gate = q.reshape(b, hq, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
     else:
         q = q.reshape(b, hq, hd)
-    k = matmul(x, p["k_proj.weight"], rounding).reshape(b, hkv, hd)
-    v = matmul(x, p["v_proj.weight"], rounding).reshape(b, hkv, hd)
+    k = matmul(x, p["k_proj.weight"], rounding, kind, s.projection).reshape(b, hkv, hd)
+    v = matmul(x, p["v_proj.weight"], rounding, kind, s.projection).reshape(b, hkv, hd)
 
     if rounding is not None:
         cos, sin = _rope_table(d, positions)
