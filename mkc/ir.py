@@ -179,6 +179,11 @@ class StreamFamily:
     def slot_shapes(self) -> set[tuple[int, int]]:
         return {self.slot_shape(k) for k in range(self.row_tiles)}
 
+    @property
+    def read_cols(self) -> int:
+        """The slot columns its matmul reads: its tile's, or for codes whole dots'."""
+        return self.tile_cols if self.codes == "bf16" else code_read_cols(self.tile_cols)
+
 
 # ---- 8-bit codes in the ring's bf16 slots (`mkc.layers.dense_formats`) ------------------------
 CODE_DTYPES = ("fp8", "int8")
@@ -186,10 +191,16 @@ CODE_DTYPES = ("fp8", "int8")
 # bf16 (16, 128) tile of rows (the DMA and load granule).
 SCALE_ROWS = SUBLANE_TILE["bf16"]
 # Codes are multiplied 256 columns a dot (tpu7x's MXU width: libtpu schedules a wider dot's
-# the same, benchmarks/format_probe.py --dense), so a codes tile's columns are whole 256s. On
-# a CPU (interpret mode) XLA's f32 dot of 256 columns sums each column alike wherever it sits,
-# so the references' emulation can make the same dots (`mkc.reference.rounding`).
+# the same, benchmarks/format_probe.py --dense): a codes tile of 128-column steps has its last
+# dot read on past its columns, to a whole 256, in its slot (`code_read_cols`). On a CPU
+# (interpret mode) XLA's f32 dot of 256 columns sums each column alike wherever it sits, so
+# the references' emulation can make the same dots (`mkc.reference.rounding`).
 CODE_DOT_COLUMNS = 256
+
+
+def code_read_cols(tile_cols: int) -> int:
+    """The slot columns a codes tile's dots read: its columns to a whole `CODE_DOT_COLUMNS`."""
+    return _round_up(tile_cols, CODE_DOT_COLUMNS)
 
 
 def ring_tile_shape(tile_rows: int, tile_cols: int, codes: str, last: bool) -> tuple[int, int]:
@@ -202,7 +213,8 @@ def ring_tile_shape(tile_rows: int, tile_cols: int, codes: str, last: bool) -> t
 
 
 def max_code_cols(slot_cols: int) -> int:
-    """Columns of the widest 8-bit tile a slot of `slot_cols` columns holds (whole dots)."""
+    """Columns of the widest 8-bit tile whose dots (`code_read_cols`) a slot of `slot_cols`
+    columns holds."""
     return slot_cols // CODE_DOT_COLUMNS * CODE_DOT_COLUMNS
 
 

@@ -45,6 +45,17 @@ def _check_codes_stream(s: ResolveState) -> None:
     """A dense class stored as codes (`format CLASS int8 channel rounded`) streams: its codes
     and their scales ride the ring's tiles, which a pool view does not have."""
     from mkc.resolve.formats import format_span
+    ring = s.sched.rings[0]
+    tensors = [t for k in set(s.graph.layer_kinds) for t in s.graph.kinds[k].tensors.values()]
+    coded = sorted({t.format_class for t in tensors + list(s.graph.globals.values())
+                    if t.role == "matrix" and t.dtype in ir.CODE_DTYPES})
+    if coded and ir.max_code_cols(ring.max_cols) == 0:
+        raise fail("E-FORMAT", f"`format {coded[0]} {s.graph.formats[coded[0]].spelled}` multiplies "
+                   f"codes {ir.CODE_DOT_COLUMNS} columns a dot, and ring {ring.name.text}'s tiles "
+                   f"are at most {ring.max_cols} columns", format_span(s.sched, coded[0]),
+                   hint=f"widen the ring's tiles to at least {ir.CODE_DOT_COLUMNS} columns "
+                        f"(`... tiles up to {ring.max_rows} x {ir.CODE_DOT_COLUMNS}`), or keep "
+                        f"{coded[0]} bf16")
     for kname in sorted(set(s.graph.layer_kinds)):
         for t in s.graph.kinds[kname].tensors.values():
             view = s.pooled.get(kname, {}).get(t.name)
@@ -145,8 +156,7 @@ def _stream(ring: Ring, st: Stream, graph: DecodeGraph,
         if t.dtype in ir.CODE_DTYPES:       # 8-bit codes: two rows a slot row, scale rows
             fmt = graph.formats[t.format_class]
             tr, tc = choose_tile(t.shape[0], t.shape[1], ir.max_code_rows(ring.max_rows),
-                                 ir.max_code_cols(ring.max_cols), value_bytes=1,
-                                 col_step=ir.CODE_DOT_COLUMNS)
+                                 ir.max_code_cols(ring.max_cols), value_bytes=1)
             return ir.StreamFamily(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
                                    -(-t.shape[1] // tc), t.partial_out, tr, tc, codes=t.dtype,
                                    fp8_operand=fmt.fp8_operand, format_class=t.format_class)
@@ -172,7 +182,7 @@ def _stream(ring: Ring, st: Stream, graph: DecodeGraph,
     shapes = sorted({shape for f in every for shape in f.slot_shapes})
     return ir.Stream(ring=ring.name.text, slots=ring.slots, ahead=st.ahead, dtype=ring.dtype.text,
                      tile_rows=max(r for r, _ in shapes),
-                     tile_cols=max(c for _, c in shapes), families=families, tail=tail,
+                     tile_cols=max(f.read_cols for f in every), families=families, tail=tail,
                      layer_tile_offset=offsets, tail_tile_offset=t,
                      total_tiles=t + sum(f.tiles for f in tail),
                      useful_bytes=useful, streamed_bytes=streamed,
@@ -180,17 +190,15 @@ def _stream(ring: Ring, st: Stream, graph: DecodeGraph,
 
 
 def choose_tile(rows: int, cols: int, max_rows: int, max_cols: int,
-                value_bytes: int = 2, col_step: int = 128) -> tuple[int, int]:
-    """A family's tile: multiples of 128 (columns of `col_step`) within the ring bound,
-    minimising the bytes its copies move (padding included; `value_bytes` a value: 1 for 8-bit
-    codes, whose column blocks add their scale rows) plus a per-copy overhead; ties go to
-    larger tiles."""
+                value_bytes: int = 2) -> tuple[int, int]:
+    """A family's tile: multiples of 128 within the ring bound, minimising the bytes its
+    copies move (padding included; `value_bytes` a value: 1 for 8-bit codes, whose column
+    blocks add their scale rows) plus a per-copy overhead; ties go to larger tiles."""
     best = None
     # A tile larger than the matrix rounded up to 128 only adds padding, so the search stops
     # there: its cost is bounded by the matrix, not by the ring's bound.
     for r in range(128, min(max_rows, max(128, -(-rows // 128) * 128)) + 1, 128):
-        for c in range(col_step, min(max_cols, max(col_step, -(-cols // col_step) * col_step)) + 1,
-                       col_step):
+        for c in range(128, min(max_cols, max(128, -(-cols // 128) * 128)) + 1, 128):
             n = -(-rows // r) * -(-cols // c)
             scales = 0 if value_bytes == 2 else -(-cols // c) * ir.SCALE_ROWS * c * 2
             key = (n * (r * c * value_bytes + TILE_OVERHEAD_BYTES) + scales, -r * c, -c)

@@ -12,7 +12,8 @@ A family stored as 8-bit codes (`format CLASS fp8|int8 channel rounded`,
 `mkc.layers.dense_formats`) holds two input rows a slot row (`pltpu.bitcast` unpacks them, as
 for a pool's uint8 matrices), and its column blocks' last row tiles carry the block's scales
 in `mkc.ir.SCALE_ROWS` more rows (`mkc.ir.ring_tile_shape`): a tile class of their own. The
-codes reach the MXU in a mixed dot, and the scale multiplies the column block's f32 sum.
+codes reach the MXU in mixed dots of 256 columns (the last reading on past the tile's columns
+in its slot, which is that wide), and the scale multiplies the column block's f32 sum.
 
 `mkc.trace` models exactly this order; the checks prove the slot reuse safe.
 """
@@ -196,6 +197,7 @@ def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: Strea
     _stage(refs, h, m)
     tr, tc = m.tile_rows, m.tile_cols
     rows, last_rows = m.slot_shape()[0], m.slot_shape(last=True)[0]
+    read = ir.code_read_cols(tc)           # whole dots: the last reads on past the tile
 
     def tile(k, carry):
         t = first_tile + k
@@ -208,8 +210,8 @@ def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: Strea
             pl.when(last)(lambda: _copy(ring, refs, t, slot, last_rows, tc).wait())
             pl.when(~last)(lambda: _copy(ring, refs, t, slot, rows, tc).wait())
         with scopes.weights():
-            part = codes_dot(refs.stage[i, :, :tr], refs.slots[slot, :rows, :tc], m.codes,
-                             m.fp8_operand)
+            part = codes_dot(refs.stage[i, :, :tr], refs.slots[slot, :rows, :read], m.codes,
+                             m.fp8_operand)[:, :tc]
 
             @pl.when(last)
             def _():
