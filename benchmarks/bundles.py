@@ -130,7 +130,18 @@ def points():
     for fmt in K3_FORMATS:
         s = compiler.check_source(format_text(K3_SPEC, fmt), str(K3_SPEC)).ir
         out.append((f"kimi_k3 experts {fmt}", s, "decode", 8))
+    for name, spec, attention in dense_variants():
+        for fmt in DENSE_FORMATS:
+            s = compiler.check_source(dense_text(spec, fmt, attention), str(spec)).ir
+            out += [(f"{name} dense {fmt}", s, "decode", b) for b in (1, 8)]
     return out
+
+
+def dense_variants() -> list[tuple[str, Path, bool]]:
+    """(name, shipped spec, with K3's attention) of each spec whose dense classes the variants
+    store as codes (`dense_text`)."""
+    return [("qwen3_8_27b", QWEN_SPEC, False), ("kimi_k3", K3_SPEC, False),
+            ("kimi_k3 attention", K3_SPEC, True)]
 
 
 def main(argv: list[str] | None = None) -> int:
