@@ -94,13 +94,22 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     """(old, new) edits storing the spec's `DENSE_CLASSES` as `fmt` ("fp8" or "int8") codes
     with a scale per output column (rounded): their `format` lines joined to the schedule's
     closing brace, so every other line keeps its number; with `attention` (K3) its attention
-    too, streamed (`K3_DENSE_ATTENTION`)."""
+    too, streamed (`K3_DENSE_ATTENTION`). The schedule is renamed for the variant
+    (`dense_name`): its compiled measures keep a file of their own."""
     classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
     lines = "".join(f"  format {c} {fmt} channel rounded\n" for c in classes)
     text = spec.read_text()
     assert text.endswith("\n}\n"), f"{spec.name} does not end with its schedule's brace"
-    edits = (("\n}\n", "\n" + lines + "}\n"),)
+    head = f"schedule {spec.stem} {{"
+    edits = ((head, f"schedule {dense_name(spec, fmt, attention)} {{"),
+             ("\n}\n", "\n" + lines + "}\n"))
     return edits + (K3_DENSE_ATTENTION if attention else ())
+
+
+def dense_name(spec: Path, fmt: str, attention: bool = False) -> str:
+    """The schedule name of a dense variant: `qwen3_8_27b_fp8_channel`,
+    `kimi_k3_attention_int8_channel`."""
+    return f"{spec.stem}{'_attention' if attention else ''}_{fmt}_channel"
 
 
 def dense_text(spec: Path, fmt: str, attention: bool = False) -> str:

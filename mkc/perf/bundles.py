@@ -42,7 +42,7 @@ DATA = Path(__file__).parent / "data" / "bundles"
 SCHEMA = 6                    # what a measure holds: raise it when the reading of the LLO changes
 HOTTEST_BUNDLES = 12          # bundles of an op's hottest region kept for the report
 HOTTEST_TEXT = 240            # characters of each
-KEEP = 20                     # measures kept per spec name (its shipped variants' too)
+KEEP = 12                     # measures kept per spec name
 _DUMP = ("--xla_jf_dump_to={0} --xla_jf_dump_llo_text=true "
          "--xla_mosaic_enable_llo_source_annotations=true")
 # Calls of the kernel object (`k.`) and a layer (`c.`) that move data rather than compute.

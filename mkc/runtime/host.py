@@ -80,6 +80,12 @@ class Host:
     spread_row_states: tuple[str, ...] = ()
     _steps: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def expert_formats(self) -> dict:
+        """The formats the family's weights module takes (its routed experts'): those of the
+        dense classes (one scale per column, `mkc.layers.dense_formats`) are packing's own."""
+        return {c: f for c, f in self.formats.items() if not getattr(f, "channel", False)}
+
     # ---- shapes ----------------------------------------------------------------------------
     def hbm_shapes(self) -> Shapes:
         """Per-rank HBM inputs (no rank axis): name -> (shape, dtype)."""
@@ -299,7 +305,7 @@ class Host:
                 for e in range(self.experts.local_experts):
                     packed[expert_slots.HBM][si, e] = expert_slots.pack_expert(
                         self.experts, layout.expert(hf, dims, per_rank, layer, e, rank, shards,
-                                                    self.formats))
+                                                    self.expert_formats))
             for name, (row, rows, width) in self.vectors.layout[kind].items():
                 vector = layout.layer_vector(hf, dims, per_rank, layer, kind, name, rank, shards)
                 packed["vectors_hbm"][layer, row:row + rows, :width] = vector
@@ -395,7 +401,7 @@ class Host:
         changed, report = dense.requantization(hf, self._dense_sources(hf), self.formats)
         fn = getattr(self.hf_layout, "requantization", None)
         if fn is not None:
-            experts, expert_report = fn(hf, self.dims, self.formats, self.shards)
+            experts, expert_report = fn(hf, self.dims, self.expert_formats, self.shards)
             changed, report = {**changed, **experts}, {**expert_report, **report}
         return ({**hf, **changed} if changed else hf), report
 
