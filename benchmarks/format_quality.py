@@ -5,7 +5,7 @@ K3's attention streamed), its MINI model's decode run by the family's pure-JAX r
 (plain f32) on a checkpoint's exact weights and on the weights as the rounded format holds them
 (`requantized_weights`: what the kernel is packed with), side by side.
 
-    .venv/bin/python benchmarks/format_quality.py            # the table (about 4 minutes)
+    .venv/bin/python benchmarks/format_quality.py            # the table (about 12 minutes)
     .venv/bin/python benchmarks/format_quality.py --write    # and benchmarks/data/format_quality.json
     .venv/bin/python benchmarks/format_quality.py --only kimi_k3 --steps 64 --json
 

@@ -112,3 +112,28 @@ def test_the_report_is_per_class():
     assert report["mlp"]["format"] == "fp8 channel rounded"
     assert report["attention"]["values"] == 16 * 32 and report["attention"]["blocks"] == 16
     assert 0 < report["mlp"]["relative_rms_error"] < 0.05
+
+
+def test_a_spec_s_dense_classes_stream_as_codes_at_half_the_bytes():
+    """Qwen 27B's attention, MLP and lm_head as FP8 codes (`tests_support.dense_text`): every
+    streamed family is codes, each column block's last tile carries its scale rows, the stream
+    moves about half the bytes, the spec passes every check (the trace copies and waits each
+    tile at its own size), and reads of the codes are priced one value a byte."""
+    from mkc import compiler, ir
+    from mkc.trace import StepTracer, TraceOptions
+    from tests_support import SPEC, dense_text
+    bf16 = compiler.check_spec(SPEC).ir
+    s = compiler.check_source(dense_text(SPEC, "fp8"), str(SPEC)).ir
+    families = [f for fs in (*s.stream.families.values(), s.stream.tail) for f in fs]
+    assert {f.codes for f in families} == {"fp8"}
+    assert {f.format_class for f in families} == {"attention", "mlp", "lm_head"}
+    f = s.stream.families["gdn"][0]
+    assert f.bytes_of(f.row_tiles - 1) - f.bytes_of(0) == ir.SCALE_ROWS * f.tile_cols * 2
+    assert 0.49 < s.stream.streamed_bytes / bf16.stream.streamed_bytes < 0.53
+    assert s.matrix_facts["gdn.in_proj"].values_per_byte == 1.0
+    assert s.matrix_facts["tail.lm_head"].values_per_byte == 1.0
+    assert s.weight_formats["mlp"].spelled == "fp8 channel rounded"
+    tracer = StepTracer(s, TraceOptions(whole_runs=True))
+    assert sum(tracer.tile_bytes) == s.stream.streamed_bytes
+    tile = tracer.ring_tile(f.row_tiles - 1)
+    assert tile.weights("gdn", f.bytes_of(f.row_tiles - 1)) == (("gdn.in_proj", f.tile_bytes),)
