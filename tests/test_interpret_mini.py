@@ -131,7 +131,8 @@ def test_one_op_off_by_one_percent_is_rejected():
 
 
 # The dense classes as codes (`format attention|mlp|lm_head fp8|int8 channel rounded`): FP8's
-# run is CI's, int8's the extended tier's.
+# run is CI's (the slow tier), int8's the extended tier's.
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", pytest.param("int8", marks=pytest.mark.extended)])
 def test_dense_classes_as_codes_bit_equal_and_a_mutant_rejected(fmt, tmp_path):
     """Qwen's attention, MLP and lm_head as 8-bit codes with a scale per output column (the
