@@ -27,10 +27,11 @@ def test_put_tiles_round_trip_and_tile_classes():
 
 
 # ---- a matrix stored as 8-bit codes (`mkc.layers.dense_formats`) -----------------------------
-def _codes_matrix(codes: str, rows: int, cols: int, tile_rows: int, tile_cols: int):
+def _codes_matrix(codes: str, rows: int, cols: int, tile_rows: int, tile_cols: int,
+                  fp8_operand: bool = True):
     return ring.StreamedMatrix("w", rows=rows, cols=cols, row_tiles=-(-rows // tile_rows),
                                col_tiles=-(-cols // tile_cols), tile_rows=tile_rows,
-                               tile_cols=tile_cols, codes=codes)
+                               tile_cols=tile_cols, codes=codes, fp8_operand=fp8_operand)
 
 
 def _codes_and_scales(codes: str, rows: int, cols: int, seed: int = 0):
@@ -69,12 +70,14 @@ def test_code_tiles_hold_two_rows_a_slot_row_and_their_scales_after_the_last_row
     assert ring.tile_classes(r, [m]).tolist() == [0, 0, 1, 0, 0, 1]
 
 
-@pytest.mark.parametrize("codes", ["fp8", "int8"])
-def test_codes_matmul_in_interpret_mode_is_the_emulation_s_dots(codes):
+@pytest.mark.parametrize("codes,operands", [("fp8", "mixed_fp8"), ("int8", "mixed_int8"),
+                                            ("fp8", "bf16")])
+def test_codes_matmul_in_interpret_mode_is_the_emulation_s_dots(codes, operands):
     """`ring.matmul` of a codes matrix in TPU interpret mode (two column blocks, the second
     narrower than a whole 256-column dot, which reads on past it in its slot; three row tiles,
     the last zero padded) is bit-equal to the reference's emulation (`code_linear` of the
-    codes' values times the column scales) and near the f32 product."""
+    codes' values times the column scales) and near the f32 product; FP8 codes fed as they
+    are, or (operands "bf16": a generation without FP8 operands) converted first."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -82,7 +85,8 @@ def test_codes_matmul_in_interpret_mode_is_the_emulation_s_dots(codes):
 
     from mkc.reference.rounding import code_linear
     B, rows, cols = 2, 300, 384
-    m = _codes_matrix(codes, rows, cols, 128, 256)      # columns 256 + 128, read as 256 + 256
+    m = _codes_matrix(codes, rows, cols, 128, 256,      # columns 256 + 128, read as 256 + 256
+                      fp8_operand=operands != "bf16")
     shapes = tuple(sorted({m.tile_shape(k) for k in range(m.tiles)}))
     r = ring.Ring(slots=2, ahead=2, total_tiles=m.tiles, tile_shapes=shapes)
     values, stored, scales = _codes_and_scales(codes, rows, cols, seed=1)
@@ -107,7 +111,6 @@ def test_codes_matmul_in_interpret_mode_is_the_emulation_s_dots(codes):
                         pltpu.VMEM((m.col_tiles, B, m.tile_cols), jnp.float32)],
         interpret=pltpu.InterpretParams())
     got = np.asarray(call(jnp.asarray(ring.tile_classes(r, [m])), x, hbm))[:, :cols]
-    operands = "mixed_int8" if codes == "int8" else "mixed_fp8"
     xin = x.astype(ml_dtypes.bfloat16).astype(np.float32)
     want = np.asarray(code_linear(xin, values.astype(np.float32).T, 128, operands)) * scales
     np.testing.assert_array_equal(got, want)
