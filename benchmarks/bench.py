@@ -3,7 +3,10 @@ with a syntax error and one with a resolve error (CLI wall time: the diagnostics
 compile time of the full spec (in process and as the CLI), libtpu compile time of the
 generated full-size kernel at batch 1 and 8, interpret-mode time per MINI decode step (with the
 lean host side the runners use and with JAX's own, side by side), and the VMEM peaks. Prints
-medians and the command that reproduces each number. `--tiers` times the test tiers instead.
+medians and the command that reproduces each number. `--tiers` times the test tiers instead;
+`--modelled` prints every shipped spec's modelled steps; `--dense` K3's and Qwen 27B's with
+their dense classes (attention, MLP, shared experts, latent projections, lm_head) in bf16, FP8
+and int8 codes (`format CLASS fp8|int8 channel rounded`), side by side.
 
     ./dev bench            (or .venv/bin/python benchmarks/bench.py [--repeats N] [--tiers])
 """
@@ -206,6 +209,39 @@ def bench_modelled() -> list[str]:
     return lines
 
 
+def bench_dense() -> list[str]:
+    """K3's and Qwen 27B's modelled steps (`mkc perf`, compiled price) at batch 1 and 8 with
+    their dense classes in each format: the shipped spec (bf16) and `bundles.dense_text`'s
+    variants (FP8 and int8 codes with a scale per output column, rounded; K3 also with its
+    attention streamed as codes), modelled in this run under the same constants: a table."""
+    from bundles import DENSE_CLASSES, DENSE_FORMATS, dense_text, dense_variants
+
+    from mkc import compiler
+    from mkc.perf.run import hbm_bytes_by_class, run
+    lines = ["| spec | dense classes | format | batch | modelled step | vs bf16 | modelled tok/s "
+             "| weight bytes a core | % of HBM floor | priced by |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, spec, attention in dense_variants():
+        classes = ", ".join(DENSE_CLASSES[spec] + (("attention",) if attention else ()))
+        base = compiler.check_spec(spec).ir
+        variants = [("bf16 (shipped)", base)] + [
+            (f"`{fmt} channel rounded`",
+             compiler.check_source(dense_text(spec, fmt, attention), str(spec)).ir)
+            for fmt in DENSE_FORMATS]
+        for batch in (1, 8):
+            bf16 = run(base, batch)["step_seconds"]
+            for label, s in variants:
+                rep = run(s, batch)
+                weights = sum(v for k, v in hbm_bytes_by_class(s, batch, s.context).items()
+                              if "weights" in k)
+                lines.append(f"| `{spec.name}`{' (attention streamed)' if attention else ''} "
+                             f"| {classes} | {label} | {batch} | {rep['step_seconds'] * 1e3:.3f} ms "
+                             f"| {bf16 / rep['step_seconds']:.2f}x | {rep['tokens_per_s']:.0f} "
+                             f"| {weights / 1e9:.2f} GB | {rep['percent_of_hbm_floor']:.1f} "
+                             f"| {rep['priced_by'].split(':')[0]} |")
+    return lines
+
+
 def bench_against_hand_kernel() -> list[str]:
     """K3's shipped spec against the calibration spec (the hand-written kernel's layout and
     formats, benchmarks/data/calibration/kimi_k3.sched), both modelled in this run under the
@@ -240,7 +276,15 @@ def main() -> int:
                     help="only time the test tiers, `./dev quick` and `./dev test` (half an hour)")
     ap.add_argument("--modelled", action="store_true",
                     help="only the modelled steps of every shipped spec (and K3 in its other expert formats)")
+    ap.add_argument("--dense", action="store_true",
+                    help="only K3's and Qwen 27B's modelled steps with their dense classes in "
+                         "bf16, FP8 and int8 codes")
     args = ap.parse_args()
+    if args.dense:
+        print("Modelled, not measured (tpu7x constants as recorded; mkc perf, compiled price):")
+        print("\n".join(bench_dense()))
+        print("    reproduce: .venv/bin/python benchmarks/bench.py --dense")
+        return 0
     if args.modelled:
         print("Modelled, not measured (tpu7x constants as recorded; mkc perf):")
         print("\n".join(bench_modelled() + [""] + bench_against_hand_kernel()))

@@ -43,6 +43,26 @@ _K3_RING_SLOT_FEWER = (("ring weights: 8 slots", "ring weights: 7 slots"),
 FORMAT_GEOMETRY = {(K3_SPEC, "fp8"): _K3_RING_SLOT_FEWER, (K3_SPEC, "fp8 block"): _K3_RING_SLOT_FEWER}
 CALIBRATION = ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched"
 
+# The dense classes (`format CLASS fp8|int8 channel rounded`: 8-bit codes with a scale per
+# output column, `mkc.layers.dense_formats`; rounded) of K3 and Qwen 27B: the classes each
+# spec's variants store as codes, the shipped spec keeping them bf16. K3's attention is not
+# among them: its pooled matrices (the `staging.attention` view) stay bf16, and a class's
+# matrices all stream (`K3_DENSE_ATTENTION` streams them, a geometry of its own).
+QWEN_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+DENSE_CLASSES = {K3_SPEC: ("mlp", "shared_expert", "latent", "lm_head"),
+                 QWEN_SPEC: ("attention", "mlp", "lm_head")}
+DENSE_FORMATS = ("fp8", "int8")
+# K3 with its attention as codes too: the pool view keeps what MLA reads whole (key_up,
+# value_up), and the kda and mla projections it held stream; the dense phase, followed by a
+# kda layer, prefetches nothing.
+K3_DENSE_ATTENTION = (
+    ("view attention: kda(gate_up, projection), mla(kv_down, key_up, value_up, gate)",
+     "view attention: mla(key_up, value_up)"),
+    ("    kda: gate_down, o_proj", "    kda: gate_down, gate_up, projection, o_proj"),
+    ("    mla: q_down, q_up, o_proj", "    mla: q_down, kv_down, q_up, gate, o_proj"),
+    # the layer after the dense MLP is a kda layer, which reads nothing of the view now
+    ("    prefetch next staging.attention after down", "    # (no view to prefetch: kda)"))
+
 
 def format_edits(spec: Path, formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
     """(old, new) line edits taking a shipped spec's routed experts to `formats`: a key of its
@@ -70,6 +90,37 @@ def format_text(spec: Path, formats: str | tuple[str, str]) -> str:
     return text
 
 
+def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[str, str], ...]:
+    """(old, new) edits storing the spec's `DENSE_CLASSES` as `fmt` ("fp8" or "int8") codes
+    with a scale per output column (rounded): their `format` lines joined to the schedule's
+    closing brace, so every other line keeps its number; with `attention` (K3) its attention
+    too, streamed (`K3_DENSE_ATTENTION`). The schedule is renamed for the variant
+    (`dense_name`): its compiled measures keep a file of their own."""
+    classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
+    lines = "".join(f"  format {c} {fmt} channel rounded\n" for c in classes)
+    text = spec.read_text()
+    assert text.endswith("\n}\n"), f"{spec.name} does not end with its schedule's brace"
+    head = f"schedule {spec.stem} {{"
+    edits = ((head, f"schedule {dense_name(spec, fmt, attention)} {{"),
+             ("\n}\n", "\n" + lines + "}\n"))
+    return edits + (K3_DENSE_ATTENTION if attention else ())
+
+
+def dense_name(spec: Path, fmt: str, attention: bool = False) -> str:
+    """The schedule name of a dense variant: `qwen3_8_27b_fp8_channel`,
+    `kimi_k3_attention_int8_channel`."""
+    return f"{spec.stem}{'_attention' if attention else ''}_{fmt}_channel"
+
+
+def dense_text(spec: Path, fmt: str, attention: bool = False) -> str:
+    """The shipped spec with its dense classes in `fmt` codes (as `dense_edits`)."""
+    text = spec.read_text()
+    for old, new in dense_edits(spec, fmt, attention):
+        assert text.count(old) == 1, f"{spec.name}: {old!r} is not there once"
+        text = text.replace(old, new) if old != "\n}\n" else text[:-len(old)] + new
+    return text
+
+
 def kernels(s) -> list[tuple[str, int]]:
     out = [("decode", b) for b in sorted({1, s.batch_max})]
     if s.verify_rows:
@@ -88,7 +139,18 @@ def points():
     for fmt in K3_FORMATS:
         s = compiler.check_source(format_text(K3_SPEC, fmt), str(K3_SPEC)).ir
         out.append((f"kimi_k3 experts {fmt}", s, "decode", 8))
+    for name, spec, attention in dense_variants():
+        for fmt in DENSE_FORMATS:
+            s = compiler.check_source(dense_text(spec, fmt, attention), str(spec)).ir
+            out += [(f"{name} dense {fmt}", s, "decode", b) for b in (1, 8)]
     return out
+
+
+def dense_variants() -> list[tuple[str, Path, bool]]:
+    """(name, shipped spec, with K3's attention) of each spec whose dense classes the variants
+    store as codes (`dense_text`)."""
+    return [("qwen3_8_27b", QWEN_SPEC, False), ("kimi_k3", K3_SPEC, False),
+            ("kimi_k3 attention", K3_SPEC, True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,12 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from bundles import K3_SPEC, QWEN_MOE_SPEC, format_edits  # noqa: E402
+from bundles import (DENSE_FORMATS, K3_SPEC, QWEN_MOE_SPEC, QWEN_SPEC, dense_edits,  # noqa: E402
+                     format_edits)
 COMMAND = ".venv/bin/python benchmarks/compiler_scratch.py"
 MIB = 2**20
 SCHEDULES = ROOT / "schedules"
 # K3's routed experts in FP8 blocks (exact while packing's check passes) and in rounded FP4
-# blocks instead of the shipped MXFP4; Qwen3.5-35B-A3B's in rounded FP8 blocks instead of bf16.
+# blocks instead of the shipped MXFP4; Qwen3.5-35B-A3B's in rounded FP8 blocks instead of bf16;
+# K3's and Qwen 27B's dense classes as rounded FP8 or int8 codes (`points`).
 K3_FP8, K3_FP4 = format_edits(K3_SPEC, "fp8 block"), format_edits(K3_SPEC, "fp4 block")
 QWEN_MOE_FP8 = format_edits(QWEN_MOE_SPEC, "fp8 block")
 
@@ -83,6 +85,11 @@ def points() -> list[Point]:
     p += _spec_points("kimi_k3 fp8 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP8)
     p += _spec_points("kimi_k3 fp4 experts", SCHEDULES / "kimi_k3.sched", edits=K3_FP4)
     p += _spec_points("qwen3_5_35b_a3b fp8 experts", QWEN_MOE_SPEC, edits=QWEN_MOE_FP8)
+    for fmt in DENSE_FORMATS:       # the dense classes as codes (bundles.DENSE_CLASSES)
+        p += _spec_points(f"qwen3_8_27b dense {fmt}", QWEN_SPEC, edits=dense_edits(QWEN_SPEC, fmt))
+        p += _spec_points(f"kimi_k3 dense {fmt}", K3_SPEC, edits=dense_edits(K3_SPEC, fmt))
+        p += _spec_points(f"kimi_k3 dense {fmt} attention", K3_SPEC,
+                          edits=dense_edits(K3_SPEC, fmt, attention=True))
     p += [Point(f"{name} kv 256 decode B8", SCHEDULES / f"{name}.sched", "decode", 8, (edit,))
           for name, edit in KV_256.items()]
     p.append(Point("kimi_k3 fp4 experts kv 256 decode B8", SCHEDULES / "kimi_k3.sched", "decode", 8,

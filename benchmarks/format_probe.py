@@ -5,6 +5,14 @@ one-chip slice of each generation.
 
     .venv/bin/python benchmarks/format_probe.py [GENERATION ...]    # default: every one
     .venv/bin/python benchmarks/format_probe.py --bundles tpu7x v6e v5e
+    .venv/bin/python benchmarks/format_probe.py --dense [--bundles] [GENERATION ...]
+
+With --dense it probes the dense classes' codes instead (`format CLASS fp8|int8 channel
+rounded`, `mkc.layers.dense_formats`): one ring tile's dot as `mkc.runtime.ring.codes_dot`
+makes it (8 rows through a tile of 1024 input rows and 768 columns, codes two rows a bf16 slot
+row, the column scales after them) in bf16 (the shipped format), FP8 codes fed as they are,
+FP8 converted to bf16 first (what a generation without FP8 operands runs) and int8 (a mixed
+bf16 x int8 dot); and, for comparison, int8 converted to bf16 in the kernel.
 
 Prints one line per generation and format: "compiles" or the compiler's first error line.
 With --bundles, each compile also dumps libtpu's final instruction bundles (LLO) and the line
@@ -52,6 +60,63 @@ def _kernel(fmt: str, fp8_operand: bool):
             o_ref[...] = ops.fp8_group_matmul(x, codes, ops.e8m0_scale(scales[:1]),
                                               fp8_operand or fmt == "fp8 codes")
     return kernel
+
+
+# ---- the dense classes' ring tiles (--dense) ------------------------------------------------
+TILE_ROWS, TILE_COLS = 1024, 768
+DENSE = ("bf16", "fp8 codes", "fp8 converted", "int8 codes", "int8 converted")
+
+
+def _dense_kernel(fmt: str):
+    import jax.numpy as jnp
+
+    from mkc.runtime.ring import codes_dot
+    F32 = jnp.float32
+
+    def kernel(x_ref, w_ref, o_ref):
+        x = x_ref[...]
+        if fmt == "bf16":
+            o_ref[...] = jnp.dot(x, w_ref[...], preferred_element_type=F32)
+            return
+        codes = fmt.split()[0]
+        packed, scale = w_ref[:TILE_ROWS // 2, :], w_ref[TILE_ROWS // 2:TILE_ROWS // 2 + 1, :]
+        if fmt == "int8 converted":       # not the kernel's: the codes converted here first
+            from jax.experimental.pallas import tpu as pltpu
+            w = pltpu.bitcast(packed, jnp.int8).astype(jnp.bfloat16)
+            part = jnp.dot(x, w, preferred_element_type=F32)
+        else:
+            part = codes_dot(x, packed, codes, fmt != "fp8 converted")
+        o_ref[...] = part * scale.astype(F32)
+    return kernel
+
+
+def probe_dense(generation: str, fmt: str) -> str:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import pallas as pl
+    from jax.experimental import topologies
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mkc import ir, target
+    gen = target.generation(generation)
+    topo = topologies.get_topology_desc(f"{gen.prefix}={'x'.join(['1'] * gen.ndims)}",
+                                        platform="tpu")
+    rows = TILE_ROWS if fmt == "bf16" else ir.ring_tile_shape(TILE_ROWS, TILE_COLS, "int8", True)[0]
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    call = pl.pallas_call(_dense_kernel(fmt), out_shape=jax.ShapeDtypeStruct((ROWS, TILE_COLS),
+                                                                            jnp.float32),
+                          in_specs=[vmem] * 2, out_specs=vmem,
+                          name="probe_" + fmt.replace(" ", "_"))
+    one = NamedSharding(Mesh(np.array(topo.devices[:1]), ("x",)), P())
+    args = [jax.ShapeDtypeStruct((ROWS, TILE_ROWS), jnp.bfloat16, sharding=one),
+            jax.ShapeDtypeStruct((rows, TILE_COLS), jnp.bfloat16, sharding=one)]
+    try:
+        jax.jit(call).lower(*args).compile()
+        return "compiles"
+    except Exception as e:                              # the compiler's verdict is the result
+        return "fails: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def probe(generation: str, fmt: str) -> str:
@@ -130,10 +195,14 @@ def bundles(generation: str, fmt: str) -> str:
 def main(argv: list[str]) -> int:
     from mkc import target
     if argv[:1] == ["--one"]:                           # bundles' child: one compile
-        print(probe(argv[1], argv[2]))
+        print((probe_dense if argv[2] in DENSE else probe)(argv[1], argv[2]))
         return 0
+    dense = "--dense" in argv
+    argv = [a for a in argv if a != "--dense"]
     counted = argv[:1] == ["--bundles"]
     generations = argv[counted:] or sorted(target.known_chips())
+    if dense:
+        return main_dense(generations, counted)
     failed = False
     for g in generations:
         for fmt in (*FORMATS, CODES, FP4):
@@ -141,6 +210,22 @@ def main(argv: list[str]) -> int:
             compiles = verdict.startswith("compiles") or "bundles" in verdict
             gen = target.generation(g)
             expected = {CODES: gen.fp8_operand, FP4: gen.fp4_operand}.get(fmt, True)
+            failed |= compiles != expected
+            print(f"{g} {fmt}: {verdict}" + ("" if compiles == expected else
+                                              f" (expected {'to compile' if expected else 'to fail'})"))
+    return 1 if failed else 0
+
+
+def main_dense(generations: list[str], counted: bool) -> int:
+    """The dense classes' tile dot in each format on each generation: FP8 codes fed as they are
+    compile exactly where `Generation.fp8_operand` says; every other variant everywhere."""
+    from mkc import target
+    failed = False
+    for g in generations:
+        for fmt in DENSE:
+            verdict = bundles(g, fmt) if counted else probe_dense(g, fmt)
+            compiles = verdict.startswith("compiles") or "bundles" in verdict
+            expected = target.generation(g).fp8_operand if fmt == "fp8 codes" else True
             failed |= compiles != expected
             print(f"{g} {fmt}: {verdict}" + ("" if compiles == expected else
                                               f" (expected {'to compile' if expected else 'to fail'})"))

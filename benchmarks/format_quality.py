@@ -1,9 +1,11 @@
 """What a rounding weight format costs in model quality, end to end: for each shipped spec
-offering a rounded expert format, its MINI model's decode run by the family's pure-JAX reference
+offering a rounded expert format, and for K3's and Qwen 27B's dense classes as FP8 or int8
+codes with a scale per output column (`bundles.dense_text`: every bf16 class but the router,
+K3's attention streamed), its MINI model's decode run by the family's pure-JAX reference
 (plain f32) on a checkpoint's exact weights and on the weights as the rounded format holds them
 (`requantized_weights`: what the kernel is packed with), side by side.
 
-    .venv/bin/python benchmarks/format_quality.py            # the table (about 4 minutes)
+    .venv/bin/python benchmarks/format_quality.py            # the table (about 12 minutes)
     .venv/bin/python benchmarks/format_quality.py --write    # and benchmarks/data/format_quality.json
     .venv/bin/python benchmarks/format_quality.py --only kimi_k3 --steps 64 --json
 
@@ -44,17 +46,22 @@ DATA = ROOT / "benchmarks" / "data" / "format_quality.json"
 class Case:
     """A shipped spec with a rounding expert format: its MINI model, the exact format it ships
     and the rounding one (names in `bundles.EXPERT_FORMATS`), and whether its checkpoint holds
-    MXFP4 scales to spread."""
+    MXFP4 scales to spread; or (`dense`) its dense classes as `rounded` codes ("fp8", "int8":
+    `bundles.dense_text`), the shipped spec keeping them in the checkpoint's bf16."""
     spec: str
     model: str
     exact: str
     rounded: str
     spreads: bool
+    dense: bool = False
 
 
 CASES = {"kimi_k3": Case("kimi_k3.sched", "kimi_k3_mini", "mxfp4", "fp4 block", True),
          "qwen3_5_35b_a3b": Case("qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini", "bf16", "fp8 block",
-                                 False)}
+                                 False),
+         **{f"{spec} dense {fmt}": Case(f"{spec}.sched", model, "bf16", fmt, False, dense=True)
+            for spec, model in (("qwen3_8_27b", "qwen3_8_mini"), ("kimi_k3", "kimi_k3_mini"))
+            for fmt in ("fp8", "int8")}}
 
 
 def spread_scales(hf: dict, octaves: int, rng: np.random.Generator) -> dict:
@@ -68,18 +75,23 @@ def spread_scales(hf: dict, octaves: int, rng: np.random.Generator) -> dict:
 
 
 def load_variant(case: Case, formats: str):
-    """The generated module of `case`'s spec with its routed experts in `formats`, compiled for
-    its MINI model (K3's moved to the MINI config's 16 cores, as examples/run_k3_mini.py runs
-    it)."""
-    from bundles import format_text
+    """The generated module of `case`'s spec with its routed experts in `formats` (dense: its
+    dense classes, or the shipped spec for the exact format), compiled for its MINI model
+    (K3's moved to the MINI config's 16 cores, as examples/run_k3_mini.py runs it)."""
+    from bundles import dense_text, format_text
     from generated_module import k3_mini_text
 
     from mkc import compiler
     from mkc.codegen.emit import render
     from mkc.serve.model import import_generated
     spec = ROOT / "schedules" / case.spec
-    text = format_text(spec, formats)
-    c = compiler.check_source(k3_mini_text(text) if case.spreads else text, str(spec), case.model)
+    if case.dense:
+        k3 = case.spec.startswith("kimi_k3")
+        text = spec.read_text() if formats == case.exact else dense_text(spec, formats, k3)
+    else:
+        text = format_text(spec, formats)
+    k3_mini = case.spreads or case.spec.startswith("kimi_k3")
+    c = compiler.check_source(k3_mini_text(text) if k3_mini else text, str(spec), case.model)
     c.module_source = render(c.ir, c.spec_text)
     return import_generated(c.module_source, compiler.module_name(c).replace("-", "_"))
 
@@ -156,7 +168,13 @@ def run_case(name: str, case: Case, spreads: list[int], args) -> list[dict]:
     exact_gen, gen = (load_variant(case, f) for f in (case.exact, case.rounded))
     if args.prompt + args.steps > gen.CONTEXT:
         raise SystemExit(f"--prompt + --steps must be at most {name}'s context, {gen.CONTEXT}")
-    formats = EXPERT_FORMATS[ROOT / "schedules" / case.spec][case.rounded]
+    if case.dense:
+        from bundles import DENSE_CLASSES
+        classes = DENSE_CLASSES[ROOT / "schedules" / case.spec]
+        classes += ("attention",) if case.spec.startswith("kimi_k3") else ()
+        formats = (f"{case.rounded} channel rounded ({', '.join(classes)})",)
+    else:
+        formats = EXPERT_FORMATS[ROOT / "schedules" / case.spec][case.rounded]
     results = []
     for spread in (spreads if case.spreads else [0]):
         exact = spread_scales(base, spread, np.random.default_rng([args.seed, spread]))

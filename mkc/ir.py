@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 from mkc.diagnostics import Span
 
-DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1, "u8": 1, "u32": 4}
+DTYPE_BYTES = {"bf16": 2, "f32": 4, "int32": 4, "int8": 1, "u8": 1, "u32": 4, "fp8": 1}
 # The (sublanes, 128) tile each dtype's aligned DMA and full-tile access uses: the granule the
 # kernels lay rows out by (embedding rows, KV row blocks, pool panels). How much VMEM an array
 # takes is a different question: see `padded_bytes`.
-SUBLANE_TILE = {"f32": 8, "int32": 8, "bf16": 16, "int8": 32, "u8": 32, "u32": 8}
+SUBLANE_TILE = {"f32": 8, "int32": 8, "bf16": 16, "int8": 32, "u8": 32, "u32": 8, "fp8": 32}
 LANES = 128
 SUBLANES = 8                     # TPU7x vreg sublanes: the normal tile height for 32-bit data
 # Mosaic's "large" second-minor tile per element width, used when the row count is a multiple
@@ -148,6 +148,12 @@ class StreamFamily:
     partial_out: bool
     tile_rows: int               # this family's tile: a sub-block of a ring slot
     tile_cols: int
+    # How its values sit in the ring's bf16 slots: "bf16", or 8-bit codes ("fp8", "int8":
+    # `format CLASS FORMAT channel rounded`, `mkc.layers.dense_formats`) two input rows a bf16
+    # element, a column block's last row tile followed by its scale rows (`ring_tile_shape`).
+    codes: str = "bf16"
+    fp8_operand: bool = True     # FP8 codes fed to the MXU as they are (else converted first)
+    format_class: str = ""       # the dense class whose `format` line stores it as codes
 
     @property
     def tiles(self) -> int:
@@ -155,7 +161,73 @@ class StreamFamily:
 
     @property
     def tile_bytes(self) -> int:
-        return self.tile_rows * self.tile_cols * DTYPE_BYTES["bf16"]
+        """Bytes of one tile without scale rows (every tile of a bf16 family)."""
+        return ring_tile_shape(self.tile_rows, self.tile_cols, self.codes, False)[0] \
+            * self.tile_cols * DTYPE_BYTES["bf16"]
+
+    def slot_shape(self, k: int) -> tuple[int, int]:
+        """The slot rows and columns tile k of its run takes (k: tiles run column blocks outer,
+        rows inner): a column block's last row tile carries its scale rows."""
+        return ring_tile_shape(self.tile_rows, self.tile_cols, self.codes,
+                               k % self.row_tiles == self.row_tiles - 1)
+
+    def bytes_of(self, k: int) -> int:
+        """Bytes the copy of tile k of its run moves."""
+        rows, cols = self.slot_shape(k)
+        return rows * cols * DTYPE_BYTES["bf16"]
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes every copy of its run moves."""
+        return sum(self.bytes_of(k) for k in range(self.tiles))
+
+    @property
+    def slot_shapes(self) -> set[tuple[int, int]]:
+        return {self.slot_shape(k) for k in range(self.row_tiles)}
+
+    @property
+    def read_cols(self) -> int:
+        """The slot columns its matmul reads: its tile's, or for codes whole dots'."""
+        return self.tile_cols if self.codes == "bf16" else code_read_cols(self.tile_cols)
+
+
+# ---- 8-bit codes in the ring's bf16 slots (`mkc.layers.dense_formats`) ------------------------
+CODE_DTYPES = ("fp8", "int8")
+# A column block's per-column scale: one bf16 row after its last row tile's codes, in a whole
+# bf16 (16, 128) tile of rows (the DMA and load granule).
+SCALE_ROWS = SUBLANE_TILE["bf16"]
+# Codes are multiplied 256 columns a dot (tpu7x's MXU width: libtpu schedules a wider dot's
+# the same, benchmarks/format_probe.py --dense): a codes tile of 128-column steps has its last
+# dot read on past its columns, to a whole 256, in its slot (`code_read_cols`). On a CPU
+# (interpret mode) XLA's f32 dot of 256 columns sums each column alike wherever it sits, so
+# the references' emulation can make the same dots (`mkc.reference.rounding`).
+CODE_DOT_COLUMNS = 256
+
+
+def code_read_cols(tile_cols: int) -> int:
+    """The slot columns a codes tile's dots read: its columns to a whole `CODE_DOT_COLUMNS`."""
+    return _round_up(tile_cols, CODE_DOT_COLUMNS)
+
+
+def ring_tile_shape(tile_rows: int, tile_cols: int, codes: str, last: bool) -> tuple[int, int]:
+    """(slot rows, columns) of a ring tile of `tile_rows` input rows: bf16 values one row a
+    slot row; 8-bit codes two rows a slot row (`mkc.runtime.pool`'s pairing), and after a
+    column block's last row tile its `SCALE_ROWS` of scales."""
+    if codes == "bf16":
+        return tile_rows, tile_cols
+    return tile_rows // 2 + (SCALE_ROWS if last else 0), tile_cols
+
+
+def max_code_cols(slot_cols: int) -> int:
+    """Columns of the widest 8-bit tile whose dots (`code_read_cols`) a slot of `slot_cols`
+    columns holds."""
+    return slot_cols // CODE_DOT_COLUMNS * CODE_DOT_COLUMNS
+
+
+def max_code_rows(slot_rows: int) -> int:
+    """Input rows of the largest 8-bit tile a slot of `slot_rows` bf16 rows holds with its
+    scale rows, in whole 128-row steps."""
+    return (2 * (slot_rows - SCALE_ROWS)) // LANES * LANES
 
 
 @dataclass(frozen=True)
@@ -416,13 +488,17 @@ class WeightFormat:
     # The spec's `format` line ("kimi_k3.sched:40"), for what packing refuses or reports.
     where: str = ""
     cols: int = 0
+    # `channel`: one scale per output column (the dense classes' FP8 and int8 codes,
+    # `mkc.layers.dense_formats`) rather than per block of input rows.
+    channel: bool = False
 
     @property
     def spelled(self) -> str:
         """The format as a spec writes it after the class: `fp4 block 512 rounded`, `fp8 block
-        128 x 128`."""
+        128 x 128`, `int8 channel rounded`."""
         block = f"block {self.block}" + (f" x {self.cols}" if self.cols else "")
         return " ".join([self.name, *([block] if self.block else []),
+                         *(["channel"] if self.channel else []),
                          *(["rounded"] if self.rounded else [])])
 
 

@@ -34,6 +34,12 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
     tiles = [(f.kind, f.name, f.tile_rows)
              for fams in (*schedule.stream.families.values(), schedule.stream.tail) for f in fams]
     kv_tiles = [(kind, ks.kv.tokens) for kind, ks in schedule.kinds.items() if ks.kv is not None]
+    # streamed matrices stored as 8-bit codes, and the dot the kernel feeds them to
+    # (`mkc.runtime.ring.codes_dot`)
+    operands = {"int8": lambda f: "mixed_int8", "fp8": lambda f: "mixed_fp8" if f.fp8_operand else "bf16"}
+    codes = [(f.kind, f.name, f.codes, operands[f.codes](f))
+             for fams in (*schedule.stream.families.values(), schedule.stream.tail) for f in fams
+             if f.codes != "bf16"]
     buffers = {b.name: b for b in schedule.buffers}
     for kind, ks in schedule.kinds.items():
         for ar in ks.allreduces:
@@ -54,7 +60,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
                     exchanges=tuple(exchanges), storage=tuple(storage),
                     shard=tuple(sorted(schedule.per_rank.items())), tiles=tuple(tiles),
                     kv_tiles=tuple(kv_tiles),
-                    formats=tuple(sorted(schedule.weight_formats.items())))
+                    formats=tuple(sorted(schedule.weight_formats.items())), codes=tuple(codes))
 
 
 # ---- judging a kernel run ------------------------------------------------------------------

@@ -35,7 +35,10 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
         "stream": {"tiles": st.total_tiles, "tile_shapes": [list(t) for t in st.tile_shapes],
                    "dtype": st.dtype, "slots": st.slots, "slot_shape": [st.tile_rows, st.tile_cols],
                    "ahead": st.ahead, "streamed_bytes": st.streamed_bytes,
-                   "useful_bytes": st.useful_bytes},
+                   "useful_bytes": st.useful_bytes,
+                   # dense classes streamed as 8-bit codes (`format CLASS int8 channel rounded`)
+                   "codes": {f.format_class: f.codes for fs in (*st.families.values(), st.tail)
+                             for f in fs if f.codes != "bf16"}},
         "hbm_per_chip": {"batch": s.batch_max, "capacity_bytes": s.hbm_per_core * s.cores_per_chip,
                          "bytes": {k: v * s.cores_per_chip for k, v in s.hbm_bytes_per_rank.items()}},
         "hbm_floor": {"bytes_per_s_per_core": bandwidth, "per_batch": floors},
@@ -63,9 +66,14 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
                  f"{report['vmem_compiler_scratch_source']}")
     st = report["stream"]
     shapes = ", ".join(f"{r}x{c}" for r, c in st["tile_shapes"])
+    by_codes: dict[str, list[str]] = {}
+    for cls, c in sorted(st["codes"].items()):
+        by_codes.setdefault(c, []).append(cls)
+    codes = "".join(f"; {', '.join(classes)} as {c} codes (two input rows a slot row)"
+                    for c, classes in by_codes.items())
     lines.append(f"Weight stream: {st['tiles']} tiles ({shapes}) {st['dtype']} through "
                  f"{st['slots']} slots of {st['slot_shape'][0]}x{st['slot_shape'][1]}, "
-                 f"{st['ahead']} ahead; {st['streamed_bytes'] / 1e9:.3f} GB per rank per step "
+                 f"{st['ahead']} ahead{codes}; {st['streamed_bytes'] / 1e9:.3f} GB per rank per step "
                  f"({100 * (st['streamed_bytes'] / st['useful_bytes'] - 1):.1f}% tile padding)")
     hbm = report["hbm_per_chip"]
     lines.append(f"HBM per chip at batch {hbm['batch']}: {sum(hbm['bytes'].values()) / 1e9:.2f} of "

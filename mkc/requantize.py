@@ -1,6 +1,7 @@
 """What packing a checkpoint into the spec's weight formats does to its values (`format CLASS
 fp4 block N [rounded]` on K3, `fp8 block N rounded` on Qwen3.5 MoE: the family's
-`rounding_formats`): with a checkpoint directory as the model, `mkc check` and `mkc
+`rounding_formats`; the dense classes' `fp8|int8 channel rounded`): with a checkpoint
+directory as the model, `mkc check` and `mkc
 compile` requantize its matrices as packing will, refuse (at the spec's `format` line) a class
 that cannot be held exactly without `rounded`, and report the error per matrix class against
 the checkpoint's values; with a config alone they say when it will be measured. With a
@@ -16,11 +17,35 @@ from mkc.diagnostics import MkcError
 
 def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
     """The matrix classes whose format requantizes the checkpoint's values and may round them
-    (the family's `rounding_formats`: K3's FP4 blocks, Qwen3.5 MoE's FP8 blocks)."""
+    (the family's `rounding_formats`: K3's FP4 blocks, Qwen3.5 MoE's FP8 blocks; and the dense
+    classes stored as codes with a scale per column)."""
     from mkc.model import registry
     rounds = registry.get(s.family).rounding_formats
     # `fp8 block R x C` holds an FP8 checkpoint's codes and scales as they are: nothing rounds
-    return {cls: f for cls, f in sorted(s.weight_formats.items()) if f.name in rounds and not f.cols}
+    return {cls: f for cls, f in sorted(s.weight_formats.items())
+            if (f.name in rounds and not f.cols) or f.channel}
+
+
+def dense_matrices(s: ir.ScheduleIR) -> list:
+    """Every kernel matrix of `s` as `mkc.layers.dense_formats.weights.Member`s: each loop
+    layer's streamed ones (with their codes) and pooled ones, then the tail's."""
+    from mkc.layers.dense_formats.weights import Member
+    out = []
+    for layer, kind in enumerate(s.layer_kinds):
+        out += [Member(layer, kind, f.name, f.codes, f.format_class) for f in s.stream.families[kind]]
+        out += [Member(layer, kind, name) for name in s.kinds[kind].pooled]
+    return out + [Member(-1, "tail", f.name, f.codes, f.format_class) for f in s.stream.tail]
+
+
+def dense_requantization(s: ir.ScheduleIR, weights, hf, dims, classes) -> tuple[dict, dict]:
+    """The checkpoint tensors `classes` (dense, stored as codes) read, as the kernel holds them,
+    and the error per class (`mkc.layers.dense_formats.weights.requantization`)."""
+    from mkc.layers.dense_formats import weights as dense
+    from mkc.model.sharding import ShardTable
+    tensors = dense.sources(weights, hf, dims, s.per_rank, ShardTable.of(s.shards, s.ranks),
+                            dense_matrices(s))
+    return dense.requantization(hf, {n: m for n, m in tensors.items() if m.format_class in classes},
+                                s.weight_formats)
 
 
 def checkpoint_dir(sched, model: str | None) -> Path | None:
@@ -98,7 +123,11 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     # one class at a time, in the spec's order: an error is at its class's line
     for cls, fmt in sorted(classes.items(), key=lambda c: format_span(sched, c[0]).line):
         try:
-            held, one = weights.requantization(hf, dims, {cls: fmt}, ShardTable.of(s.shards, s.ranks))
+            if fmt.channel:
+                held, one = dense_requantization(s, weights, hf, dims, {cls})
+            else:
+                held, one = weights.requantization(hf, dims, {cls: fmt},
+                                                   ShardTable.of(s.shards, s.ranks))
         except FormatError as e:
             where = fmt.where + ": "
             text = str(e)[len(where):] if str(e).startswith(where) else str(e)
@@ -119,6 +148,7 @@ def lines(rep: dict[str, dict]) -> list[str]:
     """The report for people: one line per class."""
     out = []
     for cls, r in rep.items():
+        unit = "columns" if "channel" in r["format"] else "blocks"
         if not r.get("measured"):
             out.append(f"{cls} ({r['format']}): requantized from the checkpoint's values "
                        f"when weights are packed; {r['note']}")
@@ -126,6 +156,6 @@ def lines(rep: dict[str, dict]) -> list[str]:
         out.append(f"{cls} ({r['format']}): " + (
             "exact (every block's values fit one scale)" if r["exact"] else
             f"{r['changed']} of {r['values']} values rounded in {r['inexact_blocks']} of "
-            f"{r['blocks']} blocks, max abs error {r['max_abs_error']:.3g}, relative RMS "
+            f"{r['blocks']} {unit}, max abs error {r['max_abs_error']:.3g}, relative RMS "
             f"{r['relative_rms_error']:.3g}") + " against the checkpoint's values")
     return out

@@ -42,7 +42,16 @@ class RingTile(Content):
     """Tile `index` of the weight stream, in stream order over the whole step."""
 
     index: int
+    # A tile of 8-bit codes (`mkc.layers.dense_formats`): its family ("kind.family", a
+    # `matrix_facts` entry) and the bytes of scale rows it carries, which are not multiplied.
+    matrix: str | None = None
+    scale_bytes: int = 0
     cost: ClassVar[ReadCost] = ReadCost.WEIGHTS
+
+    def weights(self, kind: str, nbytes: int) -> tuple[tuple[str | None, int], ...]:
+        if self.matrix is None:
+            return ((None, nbytes),)
+        return ((self.matrix, max(0, nbytes - self.scale_bytes)),)
 
     def __str__(self) -> str:
         return f"weight tile {self.index}"

@@ -276,20 +276,33 @@ class StepTracer:
         # The ring stream as traced: each family's run shortened by whole periods of slots, so
         # the trace's size does not grow with smaller tiles (same residues, same hazards).
         self.tile_bytes: list[int] = []
+        self.tile_tags: list[tuple[str | None, int]] = []     # RingTile's matrix, scale bytes
         self.layer_tile_offset: list[int] = []
         for kname in s.layer_kinds:
             self.layer_tile_offset.append(len(self.tile_bytes))
             for f in st.families[kname]:
-                self.tile_bytes += [f.tile_bytes] * self.traced(f.tiles)
+                self._add_run(f)
         self.tail_tile_offset = len(self.tile_bytes)
         for f in st.tail:
-            self.tile_bytes += [f.tile_bytes] * self.traced(f.tiles)
+            self._add_run(f)
         self.total_tiles = len(self.tile_bytes)
         self.vec_bytes = s.parity.rows * s.parity.cols * 4
         self.views = {f"{p.name}.{v.name}": v for p in s.pools for v in p.views}
         # Worst case for routed experts: every row picks top_k experts of this rank's group.
         local = s.per_rank.get("local_experts", 0)
         self.expert_count = min(s.top_k * s.rows_max if opts.experts is None else opts.experts, local)
+
+    def _add_run(self, f: ir.StreamFamily) -> None:
+        """A family's run of tiles as traced: each tile's bytes (a column block's last row tile
+        of 8-bit codes carries its scale rows) and, for codes, what a read of it is."""
+        for k in run_indices(f.tiles, self.traced(f.tiles), self.s.stream):
+            self.tile_bytes.append(f.bytes_of(k))
+            scale = f.bytes_of(k) - f.tile_bytes
+            self.tile_tags.append((None, 0) if f.codes == "bf16" else (f"{f.kind}.{f.name}", scale))
+
+    def ring_tile(self, t: int) -> RingTile:
+        matrix, scale = self.tile_tags[t]
+        return RingTile(t) if matrix is None else RingTile(t, matrix, scale)
 
     def sized(self, b: ir.Buffer) -> int:
         return _nbytes(b.at_batch(self.opts.batch) if self.opts.batch else b)
@@ -313,15 +326,16 @@ class StepTracer:
         st = self.s.stream
         if t < self.total_tiles:
             self.tb.start(dst=st.ring, slot=t % st.slots, sem=("ring", t % st.slots),
-                          nbytes=self.tile_bytes[t], tag=RingTile(t), where=where, span=st.span)
+                          nbytes=self.tile_bytes[t], tag=self.ring_tile(t), where=where,
+                          span=st.span)
 
     def consume_tiles(self, family: ir.StreamFamily, first: int, where: str) -> int:
         """Consume the family's run of tiles from `first`; returns the next tile."""
         st, tb = self.s.stream, self.tb
         for t in range(first, first + self.traced(family.tiles)):
             # The consumer waits for its own family's tile size.
-            tb.wait(sem=("ring", t % st.slots), nbytes=family.tile_bytes, where=where, span=st.span)
-            tb.read(st.ring, t % st.slots, RingTile(t), where, st.span,
+            tb.wait(sem=("ring", t % st.slots), nbytes=self.tile_bytes[t], where=where, span=st.span)
+            tb.read(st.ring, t % st.slots, self.ring_tile(t), where, st.span,
                     self.tile_bytes[t] if self.opts.compute else 0)
             self.start_tile(t + st.ahead, where)
         return first + self.traced(family.tiles)
@@ -491,6 +505,15 @@ def build_trace(s: ir.ScheduleIR, options: TraceOptions | None = None) -> list[E
     tracer.consume_tiles(st.tail[0], tracer.tail_tile_offset, "epilogue lm_head")
     tb.exit("kernel exit", Span.unknown(s.source))
     return tb.events
+
+
+def run_indices(n_tiles: int, traced: int, st: ir.Stream) -> range | list[int]:
+    """The tiles of a run of `n_tiles` its `traced` tiles stand for (`periodic_tiles_traced`):
+    the first ones, then the run's last ones (the same residues mod the slots)."""
+    if traced == n_tiles:
+        return range(n_tiles)
+    head = 2 * (min(st.ahead, st.slots + 1) + st.slots) + 1 + st.slots
+    return [*range(head), *range(n_tiles - (traced - head), n_tiles)]
 
 
 def periodic_tiles_traced(n_tiles: int, slots: int, ahead: int) -> int:

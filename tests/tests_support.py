@@ -57,6 +57,15 @@ def k3_scatter_text(clause: str = "scatter from 8 rows") -> str:
     return text.replace(K3_SCATTER, f" {clause}" if clause else "")
 
 
+def dense_text(spec: Path, fmt: str, attention: bool = False) -> str:
+    """A shipped spec (K3 or Qwen 27B) with its dense classes as `fmt` ("fp8", "int8") codes with
+    a scale per output column: benchmarks/bundles.py's `dense_text` (their `format` lines
+    before the schedule's closing brace; K3's attention, streamed, with `attention`)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bundles import dense_text as text
+    return text(spec, fmt, attention)
+
+
 def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:
     """A stand-in for the `Layer` (`mkc.runtime.context`) a family's lowering body is called
     with, so a test calls the body the generated module calls (not a neighbour in `ops`), on

@@ -127,7 +127,8 @@ def _flat(value) -> str:
 
 
 def _streamed(f: ir.StreamFamily) -> StreamedMatrix:
-    return StreamedMatrix(f.name, f.rows, f.cols, f.row_tiles, f.col_tiles, f.tile_rows, f.tile_cols)
+    return StreamedMatrix(f.name, f.rows, f.cols, f.row_tiles, f.col_tiles, f.tile_rows, f.tile_cols,
+                          codes=f.codes, fp8_operand=f.fp8_operand, format_class=f.format_class)
 
 
 def _matrix_name(kind: str, name: str) -> str:

@@ -17,5 +17,7 @@ from in an upstream checkpoint.
   attention heads, `layer_types`), `weights` (`DecoderWeights`),
   `decode` (`DecoderReference`: a composed family's reference decode step), `expert_formats`
   (how routed experts are stored and multiplied: bf16, MXFP4, FP8 and FP4 codes under E8M0
-  block scales; their rules, slot tensors, kernel decode, packers and emulation operands).
+  block scales; their rules, slot tensors, kernel decode, packers and emulation operands),
+  `dense_formats` (the other streamed classes as 8-bit codes with a scale per output column:
+  rules, classes, packing).
 """

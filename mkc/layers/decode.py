@@ -149,4 +149,5 @@ class DecoderReference:
                                                     kind)
         x = NORM[self.final_norm](x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32),
                                   d.rms_norm_eps)
-        return matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding), new_cache
+        return matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding,
+                      "tail", "lm_head"), new_cache

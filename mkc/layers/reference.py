@@ -48,20 +48,27 @@ def mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 
 
-def matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None) -> jax.Array:
-    """An activation times a weight: in f32, or as the kernel multiplies (``Rounding.linear``)."""
-    return linear(x, w) if rounding is None else rounding.linear(x, w)
+def matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str = "",
+           family: str = "") -> jax.Array:
+    """An activation times a weight: in f32, or as the kernel multiplies (``Rounding.linear``;
+    with the kernel's matrix family ``kind.family`` it multiplies, ``Rounding.matrix``: as
+    codes where the spec stores it so)."""
+    if rounding is None:
+        return linear(x, w)
+    return rounding.matrix(x, w, kind, family) if kind else rounding.linear(x, w)
 
 
 def out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
                    per_rank: int, cls: str) -> jax.Array:
     """A projection back to the hidden size whose input, of shard class ``cls``, is split in
     contiguous ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule
-    says."""
+    says (the op's matrix family, of the op's name, multiplied as codes where stored so)."""
     if rounding is None:
         return linear(x, w)
+    channel = rounding.channel(kind, op)
     return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
-                        rounding, rounding.reduce(kind, op))
+                        rounding, rounding.reduce(kind, op),
+                        rounding.tile_rows(kind, op) if channel else None, channel)
 
 
 def sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:

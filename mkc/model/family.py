@@ -131,6 +131,10 @@ class Family:
     # requantizes them and reports the error (`mkc.requantize`). K3's fp4 (from MXFP4), Qwen3.5
     # MoE's fp8 (from bf16).
     rounding_formats: tuple[str, ...] = ()
+    # Classes of streamed bf16 matrices a spec may store as 8-bit codes with a scale per output
+    # column (`format attention int8 channel rounded`, `mkc.layers.dense_formats`): each its
+    # matrices' `Tensor.format_class`, and its reference emulates their dots.
+    dense_classes: tuple[str, ...] = ()
     # False for a family built in steps that has no lowering yet (a config reader and a
     # reference, perhaps its graph and weights packer): `mkc check` refuses its models at the
     # spec's `model` line and the conformance suite skips, with this reason, the checks that

@@ -34,13 +34,17 @@ class Tensor:
     # A routed expert's small matrix read whole (block scales): its column panels stacked in
     # the expert's slot without per-panel tile padding (`mkc.ir.stacked_rows`).
     stacked: bool = False
+    # A matrix's dense class (`mkc.layers.dense_formats.CLASSES`: "attention", "mlp", ...),
+    # whose `format` line may store it as 8-bit codes; "" for none (routers, matrices an op
+    # reads whole).
+    format_class: str = ""
 
     @property
     def nbytes(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * {"bf16": 2, "f32": 4, "int32": 4, "fp8": 1, "u8": 1}[self.dtype]
+        return n * {"bf16": 2, "f32": 4, "int32": 4, "fp8": 1, "u8": 1, "int8": 1}[self.dtype]
 
 
 @dataclass(frozen=True)

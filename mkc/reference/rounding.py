@@ -18,7 +18,11 @@ the reference agree to about f32 rounding rather than bf16 rounding:
 * a contraction the kernel splits is summed as it sums it: a streamed matrix of several ring
   tiles of ``tiles`` input rows each, one f32 dot per tile added in order
   (``chunked_linear``), and a KV cache read in tiles of ``kv_tiles`` tokens (the family's
-  reference runs its online softmax tile by tile).
+  reference runs its online softmax tile by tile);
+* a streamed matrix stored as 8-bit codes with a scale per output column (``codes``:
+  ``mkc.layers.dense_formats``) is multiplied as its codes, the sum times the scales
+  (``Rounding.matrix``, ``row_parallel``), the codes and scales read back from the weight as
+  the kernel holds it (``channel_codes``).
 
 The facts come from the schedule IR (``mkc.numerics.rounding_from_ir``); this module only holds
 them and the arithmetic, and knows nothing of a family's layout: each reference says which of
@@ -26,6 +30,7 @@ its matmuls is which op of which layer kind.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +83,9 @@ class Rounding:
     kv_tiles: tuple[tuple[str, int], ...] = ()
     # (matrix class, mkc.ir.WeightFormat): how the classes with a choice are stored
     formats: tuple[tuple[str, Any], ...] = ()
+    # (kind, family, codes, operands): streamed matrices stored as 8-bit codes ("fp8",
+    # "int8") with a scale per output column, and the dot the kernel feeds them to
+    codes: tuple[tuple[str, str, str, str], ...] = ()
 
     def reduce(self, kind: str, op: str) -> Reduce:
         for k, o, r in self.reduces:
@@ -137,6 +145,26 @@ class Rounding:
     def weight_format(self, cls: str):
         """The ``mkc.ir.WeightFormat`` of matrix class `cls`, or None where there is no choice."""
         return dict(self.formats).get(cls)
+
+    def channel(self, kind: str, family: str) -> tuple[str, str] | None:
+        """(codes, dot operands) of streamed matrix ``kind.family`` where it is stored as 8-bit
+        codes with a scale per output column, else None."""
+        for k, f, codes, operands in self.codes:
+            if (k, f) == (kind, family):
+                return codes, operands
+        return None
+
+    def matrix(self, x: jax.Array, w: jax.Array, kind: str, family: str,
+               rows: int | None = None) -> jax.Array:
+        """``x @ w.T`` (PyTorch ``[out, in]`` w as the kernel holds it) as the kernel multiplies
+        its matrix family ``kind.family`` (``"tail"`` for the lm_head): stored as codes, the
+        codes' dot ring tile by ring tile, the sum times each column's scale; else ``linear``
+        (by chunks of ``rows`` inputs)."""
+        channel = self.channel(kind, family)
+        if channel is None:
+            return self.linear(x, w, rows)
+        codes, scale = channel_codes(w, channel[0])
+        return code_linear(self.mm_in(x), codes, self.tile_rows(kind, family), channel[1]) * scale
 
     def mm_in(self, x: jax.Array) -> jax.Array:
         """A matmul's activation input as the kernel feeds it to the MXU."""
@@ -225,7 +253,7 @@ def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
         # row as the matrix-vector product of the [in, out] weight (below).
         return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)
-    if operands in ("mixed_fp8", "mixed_fp4"):
+    if operands in ("mixed_fp8", "mixed_fp4", "mixed_int8"):
         # XLA's CPU runs a bf16 x fp8 dot (and a one-row bf16 x fp4 dot) as an f32 dot of the
         # weight as the kernel holds it, [in, out] (``in_out``), and w's power of two scales
         # every partial sum exactly.
@@ -235,6 +263,68 @@ def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
         return jnp.dot(x.astype(jnp.bfloat16), in_out(w.astype(jnp.bfloat16)),
                        preferred_element_type=jnp.float32)
     return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+
+
+CODE_MAX = {"fp8": 448.0, "int8": 127.0}     # `mkc.layers.dense_formats.QMAX`
+
+
+def channel_codes(w: jax.Array, codes: str) -> tuple[jax.Array, jax.Array]:
+    """A weight ``[out, in]`` whose rows are 8-bit codes times one scale each (held values,
+    `mkc.layers.dense_formats`) -> (the codes' values f32 ``[out, in]``, the scales ``[out]``).
+    A row's largest code is the code's largest, so its scale is its largest magnitude over
+    that (a bf16 value: rounding the quotient to bf16 makes it exact), and each code the
+    value over the scale, rounded to the code (exact already, kept so whatever the division)."""
+    w = jnp.asarray(w, jnp.float32)
+    top = jnp.max(jnp.abs(w), axis=-1)
+    scale = (top / CODE_MAX[codes]).astype(jnp.bfloat16).astype(jnp.float32)
+    safe = jnp.where(scale > 0, scale, 1.0)[:, None]
+    values = jnp.where(scale[:, None] > 0, w / safe, 0.0)
+    if codes == "int8":
+        values = jnp.round(values)
+    else:
+        values = values.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return values, scale
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))     # pltpu.bitcast lowers; it does not run eagerly
+def code_linear(x: jax.Array, w: jax.Array, rows: int | None, operands: str) -> jax.Array:
+    """``x @ w.T`` for a weight of 8-bit codes' values (PyTorch ``[out, in]``) as the kernel
+    multiplies a matrix stored as codes (`mkc.runtime.ring.codes_dot`), in its formulation:
+    its inputs in ring tiles of ``rows`` (the last zero padded to them), each tile's codes as
+    the ring holds them (two input rows a bf16 element) reinterpreted in place
+    (``pltpu.bitcast``), its dots 256 columns wide (`mkc.ir.CODE_DOT_COLUMNS`), the tiles'
+    products added in order. ``operands``: "mixed_fp8" / "mixed_int8" (the codes fed as they
+    are) or "bf16" (FP8 converted first).
+
+    XLA's CPU sums an f32 dot in an order that depends on its shape and on its operands'
+    layouts: a 256-column dot sums every column alike wherever it sits (measured for 1 to 16
+    rows and 128 to 2048 inputs), and the codes reinterpreted as the kernel does reach it in
+    the kernel's layout (from a plain ``[in, out]`` array a 256 x 256 tile's dot sums in
+    another order). So these dots give the kernel's values whatever the layout put where."""
+    from jax.experimental.pallas import tpu as pltpu
+    n = 256
+    out, width = w.shape
+    rows = rows or width
+    pad_in, pad_out = -width % rows, -out % n
+    code_type = jnp.int8 if operands == "mixed_int8" else jnp.float8_e4m3fn
+    # [in, out] codes as their bytes, two rows a bf16 element (row 2a low, 2a + 1 high)
+    codes = jnp.pad(in_out(w), ((0, pad_in), (0, pad_out))).astype(code_type)
+    pairs = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape((width + pad_in) // 2, 2, -1)
+    packed = jax.lax.bitcast_convert_type(jnp.transpose(pairs, (0, 2, 1)), jnp.bfloat16)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad_in)]).astype(jnp.bfloat16)
+    total = None
+    def codes_of(tile: jax.Array) -> jax.Array:
+        if code_type == jnp.int8:
+            return pltpu.bitcast(tile, jnp.int8)
+        tw = jax.lax.bitcast_convert_type(pltpu.bitcast(tile, jnp.uint8), jnp.float8_e4m3fn)
+        return tw if operands == "mixed_fp8" else tw.astype(jnp.bfloat16)
+    for lo in range(0, width + pad_in, rows):
+        part = jnp.concatenate([jnp.dot(x[..., lo:lo + rows],
+                                        codes_of(packed[lo // 2:(lo + rows) // 2, c:c + n]),
+                                        preferred_element_type=jnp.float32)
+                                for c in range(0, out + pad_out, n)], axis=-1)
+        total = part if total is None else total + part
+    return total[..., :out]
 
 
 def chunked_linear(x: jax.Array, w: jax.Array, rows: int | None = None,
@@ -279,19 +369,27 @@ def _scaled_sum(parts: list[jax.Array], scales: jax.Array) -> jax.Array:
 
 
 def row_parallel(x: jax.Array, w: jax.Array, ranges: list[tuple[int, int]], ranks: int,
-                 rounding: Rounding, reduce: Reduce, tile_rows: int | None = None) -> jax.Array:
+                 rounding: Rounding, reduce: Reduce, tile_rows: int | None = None,
+                 channel: tuple[str, str] | None = None) -> jax.Array:
     """``x @ w.T`` (PyTorch ``[out, in]`` w) with the contraction split over ranks: rank r holds
     input range ``ranges[r]`` (ranks past the list hold nothing), computes its partial sum from
     bf16 inputs (tile by tile when the matrix streams in ring tiles of ``tile_rows`` rows), and
-    the partials are all-reduced as the schedule says."""
+    the partials are all-reduced as the schedule says. ``channel`` (codes, operands): w is
+    held as 8-bit codes with a scale per output row (``Rounding.channel``), every rank's partial
+    sum of the codes times the scales."""
     xin = rounding.mm_in(x)
     zero = jnp.zeros((*x.shape[:-1], w.shape[0]), jnp.float32)
+    operands, scale = rounding.matmul_input, None
+    if channel is not None:
+        (w, scale), operands = channel_codes(w, channel[0]), channel[1]
     partials = []
     for r in range(ranks):
         lo, hi = ranges[r] if r < len(ranges) else (0, 0)
         if hi <= lo:
             partials.append(zero)
             continue
-        partials.append(chunked_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows,
-                                       rounding.matmul_input))
+        if scale is None:
+            partials.append(chunked_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows, operands))
+        else:
+            partials.append(code_linear(xin[..., lo:hi], w[:, lo:hi], tile_rows, operands) * scale)
     return allreduce(partials, reduce)

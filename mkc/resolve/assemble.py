@@ -50,6 +50,7 @@ def resolve_ir(s: ResolveState) -> ResolveState:
         setting_spans={k: v.span for k, v in sched.settings.items()},
         config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         matrix_facts={f"{prefix}.{t.name}": t.mxu for prefix, tensors in
-                      [(k, kd.tensors) for k, kd in graph.kinds.items()] + [("expert", graph.experts)]
+                      [(k, kd.tensors) for k, kd in graph.kinds.items()] + [("expert", graph.experts),
+                                                                            ("tail", graph.globals)]
                       for t in tensors.values() if t.mxu is not None},
         **{name: getattr(s, name) for name in _COPIED}))

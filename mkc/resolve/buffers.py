@@ -41,7 +41,9 @@ def _core_buffers(s: ResolveState) -> list[ir.Buffer]:
                   batch_axis=0),
         # The final norm weight, one row (padded to a full f32 tile so its DMA is aligned).
         ir.Buffer("head_norm", "parity", (8, H), "f32"),
-        ir.Buffer("stage", "activation", (max(f.row_tiles for f in every), B, stream.tile_rows),
+        # a tile's input rows of activations: 8-bit codes take more rows than a slot's
+        ir.Buffer("stage", "activation", (max(f.row_tiles for f in every), B,
+                                          max(f.tile_rows for f in every)),
                   "bf16", batch_axis=1),
         ir.Buffer("acc", "activation", (max(f.col_tiles for f in every), B, stream.tile_cols),
                   "f32", batch_axis=1),

@@ -8,6 +8,7 @@ from pathlib import Path
 from mkc import ir, target
 from mkc.diagnostics import MkcError, Span, fail
 from mkc.lang import ast
+from mkc.layers import dense_formats
 from mkc.model.family import FormatError
 from mkc.resolve.names import unknown
 from mkc.resolve.state import ResolveState
@@ -31,11 +32,13 @@ def resolve_formats(s: ResolveState) -> ResolveState:
     """Every matrix class with a choice of format -> the one the spec picks, else the
     checkpoint's; each with what the target's MXU takes."""
     family = s.family
-    offered = dict(family.formats_for(s.dims))
+    dense = {cls: dense_formats.FORMATS for cls in family.dense_classes}
+    offered = dict(family.formats_for(s.dims)) | dense
     gen = target.generation(s.topology.chip.name)
     fp8_operand = gen.fp8_operand
     chosen = {cls: dataclasses.replace(f, fp8_operand=fp8_operand)
               for cls, f in family.default_formats(s.dims).items()}
+    chosen_dense: dict[str, ir.WeightFormat] = {}
     seen: dict[str, Span] = {}
     for f in s.sched.formats:
         cls = f.matrix.text
@@ -54,6 +57,19 @@ def resolve_formats(s: ResolveState) -> ResolveState:
             raise fail("E-FORMAT", f"{cls} cannot be stored as {f.format.text!r}", f.format.span,
                        hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
                             "checkpoint's)")
+        if cls in dense:
+            if f.cols is not None:
+                raise fail("E-FORMAT", f"{cls} takes one scale per output column or per block of "
+                           f"input rows: `x {f.cols}` means nothing for it", f.span,
+                           hint=f"write `format {cls} {f.format.text} channel rounded`")
+            seen[cls] = f.span
+            chosen_dense[cls] = _dense_format(f, cls, fp8_operand)
+            continue
+        if f.channel is not None:
+            raise fail("E-FORMAT", f"{cls} takes its scales per block of input rows: `channel` "
+                       f"(one scale per output column) is for {family.name}'s dense classes"
+                       f" ({', '.join(dense) or 'none'})", f.channel.span,
+                       hint="remove `channel`")
         if f.format.text in NATIVE and not getattr(gen, NATIVE[f.format.text]):
             accepted = [x for x in offered[cls]
                         if x not in NATIVE or getattr(gen, NATIVE[x])]
@@ -94,7 +110,19 @@ def resolve_formats(s: ResolveState) -> ResolveState:
         chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand,
                                       rounded=f.rounded is not None,
                                       where=f"{Path(f.span.file).name}:{f.span.line}", cols=f.cols or 0)
-    return dataclasses.replace(s, formats=chosen)
+    return dataclasses.replace(s, formats=chosen, dense_formats=chosen_dense)
+
+
+def _dense_format(f, cls: str, fp8_operand: bool) -> ir.WeightFormat:
+    """A dense class's `format` line (`mkc.lang.statements.format.Format`,
+    `mkc.layers.dense_formats`), checked at the line."""
+    fmt = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand, rounded=f.rounded is not None,
+                          where=f"{Path(f.span.file).name}:{f.span.line}",
+                          channel=f.channel is not None)
+    try:
+        return dense_formats.resolve(cls, fmt)
+    except FormatError as e:
+        raise fail("E-FORMAT", str(e), f.span, hint=e.hint) from None
 
 
 def format_span(sched: ast.Schedule, cls: str) -> Span:

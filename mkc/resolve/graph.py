@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mkc.diagnostics import MkcError, fail
+from mkc.layers import dense_formats
 from mkc.model.family import FormatError
 from mkc.model.graph import ShardingError, build_graph
 from mkc.resolve.formats import format_error
@@ -26,11 +27,31 @@ def resolve_graph(s: ResolveState) -> ResolveState:
         raise _indivisible(s, rules, e) from None
     except FormatError as e:
         raise format_error(e, s.sched) from None
+    graph = _with_dense_formats(graph, family, s.dense_formats or {})
     ops = {o.name for k in set(graph.layer_kinds) for o in graph.kinds[k].ops}
     unlowered = sorted(ops - family.lowered_ops)
     if unlowered:        # the family's graph and lowering disagree: a family's bug, not the spec's
         raise ValueError(f"the {family.name} lowering has no compute body for ops {unlowered}")
     return replace(s, graph=graph)
+
+
+def _with_dense_formats(graph, family, formats: dict) -> object:
+    """The graph with the matrices of each dense class the spec stores as codes retyped
+    (`mkc.layers.dense_formats.apply`) and those formats among the graph's. Every class the
+    family offers must have matrices in the graph (else the family's tables disagree)."""
+    tensors = [t for k in set(graph.layer_kinds) for t in graph.kinds[k].tensors.values()]
+    tensors += list(graph.globals.values())
+    held = {t.format_class for t in tensors if t.role == "matrix"}
+    empty = sorted(set(family.dense_classes) - held)
+    if empty:           # the family's declaration and its graph disagree: the family's bug
+        raise ValueError(f"the {family.name} family offers dense classes {empty} but its graph "
+                         "has no matrix of them (`Tensor.format_class`)")
+    if not formats:
+        return graph
+    kinds = {name: replace(k, tensors=dense_formats.apply(k.tensors, formats))
+             for name, k in graph.kinds.items()}
+    return replace(graph, kinds=kinds, globals=dense_formats.apply(graph.globals, formats),
+                   formats={**graph.formats, **formats})
 
 
 def _rules(s: ResolveState) -> dict[str, tuple[int, int]]:

@@ -50,6 +50,8 @@ class ResolveState:
     # sharding, formats, graph: the family's graph built under the shard rules and formats
     shards: ShardTable | None = None
     formats: dict[str, ir.WeightFormat] | None = None
+    # the dense classes' formats (`mkc.layers.dense_formats`), applied to the graph once built
+    dense_formats: dict[str, ir.WeightFormat] | None = None
     graph: DecodeGraph | None = field(default=None, metadata={"json": _graph_summary})
     # layer_kinds: the phase block of each layer kind the model runs
     phases: dict[str, ast.Phase] | None = field(

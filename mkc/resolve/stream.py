@@ -37,7 +37,36 @@ def resolve_stream(s: ResolveState) -> ResolveState:
                    hint=f"add `then {', '.join(tail)}` as the stream's last line")
     _check_listed_in_order(st.tail, tail, "tail", st.span, hint=f"end the stream with `then "
                                                                 f"{', '.join(tail)}`")
+    _check_codes_stream(s)
     return replace(s, stream=_stream(ring, st, graph, s.pooled))
+
+
+def _check_codes_stream(s: ResolveState) -> None:
+    """A dense class stored as codes (`format CLASS int8 channel rounded`) streams: its codes
+    and their scales ride the ring's tiles, which a pool view does not have."""
+    from mkc.resolve.formats import format_span
+    ring = s.sched.rings[0]
+    tensors = [t for k in set(s.graph.layer_kinds) for t in s.graph.kinds[k].tensors.values()]
+    coded = sorted({t.format_class for t in tensors + list(s.graph.globals.values())
+                    if t.role == "matrix" and t.dtype in ir.CODE_DTYPES})
+    if coded and ir.max_code_cols(ring.max_cols) == 0:
+        raise fail("E-FORMAT", f"`format {coded[0]} {s.graph.formats[coded[0]].spelled}` multiplies "
+                   f"codes {ir.CODE_DOT_COLUMNS} columns a dot, and ring {ring.name.text}'s tiles "
+                   f"are at most {ring.max_cols} columns", format_span(s.sched, coded[0]),
+                   hint=f"widen the ring's tiles to at least {ir.CODE_DOT_COLUMNS} columns "
+                        f"(`... tiles up to {ring.max_rows} x {ir.CODE_DOT_COLUMNS}`), or keep "
+                        f"{coded[0]} bf16")
+    for kname in sorted(set(s.graph.layer_kinds)):
+        for t in s.graph.kinds[kname].tensors.values():
+            view = s.pooled.get(kname, {}).get(t.name)
+            if view and t.dtype in ir.CODE_DTYPES:
+                fmt = s.graph.formats[t.format_class]
+                raise fail("E-FORMAT", f"{kname}.{t.name} is held in pool view {view}, and "
+                           f"`format {t.format_class} {fmt.spelled}` stores a class's matrices as "
+                           "codes with their scales in the ring's tiles: every matrix of "
+                           f"{t.format_class} must stream", format_span(s.sched, t.format_class),
+                           hint=f"stream {kname}.{t.name} (take it out of view {view} and list "
+                                f"it in the stream), or keep {t.format_class} bf16")
 
 
 def _ring_and_stream(sched: ast.Schedule, graph: DecodeGraph) -> tuple[Ring, Stream]:
@@ -124,6 +153,13 @@ def _stream(ring: Ring, st: Stream, graph: DecodeGraph,
             pooled: dict[str, dict[str, str]]) -> ir.Stream:
     """The stream's families with their tiles, and where each layer's tiles start."""
     def family(kname: str, t) -> ir.StreamFamily:
+        if t.dtype in ir.CODE_DTYPES:       # 8-bit codes: two rows a slot row, scale rows
+            fmt = graph.formats[t.format_class]
+            tr, tc = choose_tile(t.shape[0], t.shape[1], ir.max_code_rows(ring.max_rows),
+                                 ir.max_code_cols(ring.max_cols), value_bytes=1)
+            return ir.StreamFamily(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
+                                   -(-t.shape[1] // tc), t.partial_out, tr, tc, codes=t.dtype,
+                                   fp8_operand=fmt.fp8_operand, format_class=t.format_class)
         tr, tc = choose_tile(t.shape[0], t.shape[1], ring.max_rows, ring.max_cols)
         return ir.StreamFamily(kname, t.name, t.shape[0], t.shape[1], -(-t.shape[0] // tr),
                                -(-t.shape[1] // tc), t.partial_out, tr, tc)
@@ -137,32 +173,35 @@ def _stream(ring: Ring, st: Stream, graph: DecodeGraph,
     for kname in layer_kinds:
         offsets.append(t)
         t += sum(f.tiles for f in families[kname])
-    useful = sum(f.rows * f.cols * 2 * layer_kinds.count(k)
-                 for k, fs in families.items() for f in fs) + sum(f.rows * f.cols * 2 for f in tail)
-    streamed = sum(f.tiles * f.tile_bytes * layer_kinds.count(k)
-                   for k, fs in families.items() for f in fs) + sum(f.tiles * f.tile_bytes
-                                                                     for f in tail)
+    useful = sum(f.rows * f.cols * ir.DTYPE_BYTES[f.codes] * layer_kinds.count(k)
+                 for k, fs in families.items() for f in fs) + sum(
+        f.rows * f.cols * ir.DTYPE_BYTES[f.codes] for f in tail)
+    streamed = sum(f.run_bytes * layer_kinds.count(k)
+                   for k, fs in families.items() for f in fs) + sum(f.run_bytes for f in tail)
     every = [f for fs in families.values() for f in fs] + tail
+    shapes = sorted({shape for f in every for shape in f.slot_shapes})
     return ir.Stream(ring=ring.name.text, slots=ring.slots, ahead=st.ahead, dtype=ring.dtype.text,
-                     tile_rows=max(f.tile_rows for f in every),
-                     tile_cols=max(f.tile_cols for f in every), families=families, tail=tail,
+                     tile_rows=max(r for r, _ in shapes),
+                     tile_cols=max(f.read_cols for f in every), families=families, tail=tail,
                      layer_tile_offset=offsets, tail_tile_offset=t,
                      total_tiles=t + sum(f.tiles for f in tail),
                      useful_bytes=useful, streamed_bytes=streamed,
-                     tile_shapes=sorted({(f.tile_rows, f.tile_cols) for f in every}),
-                     span=st.span)
+                     tile_shapes=shapes, span=st.span)
 
 
-def choose_tile(rows: int, cols: int, max_rows: int, max_cols: int) -> tuple[int, int]:
+def choose_tile(rows: int, cols: int, max_rows: int, max_cols: int,
+                value_bytes: int = 2) -> tuple[int, int]:
     """A family's tile: multiples of 128 within the ring bound, minimising the bytes its
-    copies move (padding included) plus a per-copy overhead; ties go to larger tiles."""
+    copies move (padding included; `value_bytes` a value: 1 for 8-bit codes, whose column
+    blocks add their scale rows) plus a per-copy overhead; ties go to larger tiles."""
     best = None
     # A tile larger than the matrix rounded up to 128 only adds padding, so the search stops
     # there: its cost is bounded by the matrix, not by the ring's bound.
     for r in range(128, min(max_rows, max(128, -(-rows // 128) * 128)) + 1, 128):
         for c in range(128, min(max_cols, max(128, -(-cols // 128) * 128)) + 1, 128):
             n = -(-rows // r) * -(-cols // c)
-            key = (n * (r * c * 2 + TILE_OVERHEAD_BYTES), -r * c, -c)
+            scales = 0 if value_bytes == 2 else -(-cols // c) * ir.SCALE_ROWS * c * 2
+            key = (n * (r * c * value_bytes + TILE_OVERHEAD_BYTES) + scales, -r * c, -c)
             if best is None or key < best[0]:
                 best = (key, (r, c))
     return best[1]

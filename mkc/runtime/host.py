@@ -80,6 +80,12 @@ class Host:
     spread_row_states: tuple[str, ...] = ()
     _steps: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def expert_formats(self) -> dict:
+        """The formats the family's weights module takes (its routed experts'): those of the
+        dense classes (one scale per column, `mkc.layers.dense_formats`) are packing's own."""
+        return {c: f for c, f in self.formats.items() if not getattr(f, "channel", False)}
+
     # ---- shapes ----------------------------------------------------------------------------
     def hbm_shapes(self) -> Shapes:
         """Per-rank HBM inputs (no rank axis): name -> (shape, dtype)."""
@@ -288,12 +294,12 @@ class Host:
         layout, dims, per_rank, shards = self.hf_layout, self.dims, self.per_rank, self.shards
         packed = {name: np.zeros(shape, dtype) for name, (shape, dtype) in self.hbm_shapes().items()}
         kinds = {v: k for k, v in self.kind_ids.items()}
+        put = self._tile_putter(hf, rank)
         for layer, (kid, si) in enumerate(zip(self.layer_kind, state_index(self.layer_kind))):
             kind = kinds[kid]
             t = self.layer_tile_offset[layer]
             for m in self.stream_order[kind]:
-                matrix = layout.matrix(hf, dims, per_rank, layer, kind, m.name, rank, shards)
-                t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
+                t = put(packed["ring_hbm"], t, layer, kind, m)
             for name in (self.view.matrices.get(kind, {}) if self.view else ()):
                 matrix = layout.matrix(hf, dims, per_rank, layer, kind, name, rank, shards)
                 packed[f"pool__{kind}__{name}"][si] = pool.pack_for_pool(matrix.astype(jnp.bfloat16))
@@ -301,18 +307,61 @@ class Host:
                 for e in range(self.experts.local_experts):
                     packed[expert_slots.HBM][si, e] = expert_slots.pack_expert(
                         self.experts, layout.expert(hf, dims, per_rank, layer, e, rank, shards,
-                                                    self.formats))
+                                                    self.expert_formats))
             for name, (row, rows, width) in self.vectors.layout[kind].items():
                 vector = layout.layer_vector(hf, dims, per_rank, layer, kind, name, rank, shards)
                 packed["vectors_hbm"][layer, row:row + rows, :width] = vector
         t = self.tail_tile_offset
         for m in self.stream_order["tail"]:
-            matrix = layout.matrix(hf, dims, per_rank, -1, "tail", m.name, rank, shards)
-            t = ring.put_tiles(packed["ring_hbm"], t, matrix, m)
+            t = put(packed["ring_hbm"], t, -1, "tail", m)
         head = layout.head_vectors(hf, dims, rank, shards)
         packed["head_norm_hbm"][:head.shape[0]] = head
         packed["embed"] = layout.embedding(hf, dims, rank, shards).astype(jnp.bfloat16)
         return packed
+
+    def _matrices(self) -> list:
+        """Every kernel matrix (`mkc.layers.dense_formats.weights.Member`): streamed ones with
+        their codes, pooled ones, the tail's."""
+        from mkc.layers.dense_formats.weights import Member
+        kinds = {v: k for k, v in self.kind_ids.items()}
+        out = []
+        for layer, kid in enumerate(self.layer_kind):
+            kind = kinds[kid]
+            out += [Member(layer, kind, m.name, m.codes, m.format_class)
+                    for m in self.stream_order[kind]]
+            out += [Member(layer, kind, name) for name in (self.view.matrices.get(kind, {})
+                                                           if self.view else ())]
+        return out + [Member(-1, "tail", m.name, m.codes, m.format_class)
+                      for m in self.stream_order["tail"]]
+
+    def _dense_sources(self, hf) -> dict:
+        """The checkpoint tensors the matrices stored as 8-bit codes read (`format CLASS
+        int8 channel rounded`), each with its matrix: {} when none is."""
+        from mkc.layers.dense_formats import weights as dense
+        if all(m.codes == "bf16" for ms in self.stream_order.values() for m in ms):
+            return {}
+        return dense.sources(self.hf_layout, hf, self.dims, self.per_rank, self.shards,
+                             self._matrices())
+
+    def _tile_putter(self, hf, rank: int) -> Callable:
+        """put(hbm, first tile, loop layer, kind, StreamedMatrix) -> next tile: the matrix cut
+        from `hf` for `rank` into its ring tiles, bf16 values or (stored as codes) the codes
+        of the checkpoint requantized with each column's scale (`mkc.layers.dense_formats`)."""
+        from mkc.layers.dense_formats import weights as dense
+        layout, dims, per_rank, shards = self.hf_layout, self.dims, self.per_rank, self.shards
+        sources = self._dense_sources(hf)
+        values, scales = dense.held(hf, sources), dense.held(hf, sources, "scales")
+
+        def put(hbm, t: int, layer: int, kind: str, m: StreamedMatrix) -> int:
+            if m.codes == "bf16":
+                matrix = layout.matrix(hf, dims, per_rank, layer, kind, m.name, rank, shards)
+                return ring.put_tiles(hbm, t, matrix, m)
+            codes, col = dense.kernel_codes(
+                layout.matrix(values, dims, per_rank, layer, kind, m.name, rank, shards),
+                layout.matrix(scales, dims, per_rank, layer, kind, m.name, rank, shards),
+                m.codes, f"{kind}.{m.name} of loop layer {layer}")
+            return ring.put_tiles(hbm, t, codes, m, col)
+        return put
 
     def pack_weights(self, hf) -> dict[str, np.ndarray]:
         """All ranks' HBM layouts stacked on a leading rank axis (host memory: every rank's
@@ -350,10 +399,12 @@ class Host:
         blocks, max abs, relative RMS). `hf` itself and an empty report where no format
         requantizes; a FormatError (naming the spec's `format` line, the matrix and the block)
         where a class without `rounded` cannot be held exactly."""
+        from mkc.layers.dense_formats import weights as dense
+        changed, report = dense.requantization(hf, self._dense_sources(hf), self.formats)
         fn = getattr(self.hf_layout, "requantization", None)
-        if fn is None:
-            return hf, {}
-        changed, report = fn(hf, self.dims, self.formats, self.shards)
+        if fn is not None:
+            experts, expert_report = fn(hf, self.dims, self.expert_formats, self.shards)
+            changed, report = {**changed, **experts}, {**expert_report, **report}
         return ({**hf, **changed} if changed else hf), report
 
     def reference_states(self, state) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ FAMILY = Family(
     dims_import=("mkc.families.kimi_k3.config", "KimiDims"),
     plain_state_tolerance=3e-2,
     weight_formats=WEIGHT_FORMATS, rounding_formats=("fp4",),
+    dense_classes=("attention", "mlp", "shared_expert", "latent", "lm_head"),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
     e8m0_suffixes=(".weight_scale",), layers=LAYERS,
 )

@@ -89,8 +89,9 @@ def _ceil_split(total: int, ways: int) -> int:
 
 
 def _m(name: str, rows: int, cols: int, dtype: str = "bf16", partial: tuple[str, ...] = (),
-       split: str | None = None) -> Tensor:
-    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split)
+       split: str | None = None, cls: str = "") -> Tensor:
+    return Tensor(name, "matrix", (rows, cols), dtype, partial_out=partial, split_out=split,
+                  format_class=cls)
 
 
 def _v(name: str, *shape: int) -> Tensor:
@@ -153,22 +154,22 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
     w = g.expert_width
     return {
         "kda": {
-            "gate_down": _m("gate_down", H, 128),                  # low-rank decay gate, full
-            "gate_up": _m("gate_up", 128, P),
-            "projection": _m("projection", H, g.kda_cols),        # q, k, v | g | b
-            "o_proj": _m("o_proj", P, H, partial=("heads",)),
+            "gate_down": _m("gate_down", H, 128, cls="attention"),  # low-rank decay gate, full
+            "gate_up": _m("gate_up", 128, P, cls="attention"),
+            "projection": _m("projection", H, g.kda_cols, cls="attention"),   # q, k, v | g | b
+            "o_proj": _m("o_proj", P, H, partial=("heads",), cls="attention"),
         },
         "mla": {n: t for n, t in _mla_part(d, sh).tensors.items() if t.role == "matrix"},
         "moe": {
             "router": _m("router", H, g.router_cols, split="router"),
-            "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down"),
-            "shared_gate_up": _m("shared_gate_up", H, 2 * g.shared),
-            "shared_down": _m("shared_down", g.shared, H, partial=("mlp",)),
-            "latent_up": _m("latent_up", d.latent, g.up_cols, split="latent_up"),
+            "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down", cls="latent"),
+            "shared_gate_up": _m("shared_gate_up", H, 2 * g.shared, cls="shared_expert"),
+            "shared_down": _m("shared_down", g.shared, H, partial=("mlp",), cls="shared_expert"),
+            "latent_up": _m("latent_up", d.latent, g.up_cols, split="latent_up", cls="latent"),
         },
         "dense": {
-            "gate_up": _m("gate_up", H, 2 * g.dense),
-            "down": _m("down", g.dense, H, partial=("mlp",)),
+            "gate_up": _m("gate_up", H, 2 * g.dense, cls="mlp"),
+            "down": _m("down", g.dense, H, partial=("mlp",), cls="mlp"),
         },
         # One routed expert's width slice, K-major, in its format.
         "expert": {
@@ -234,7 +235,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
         "embed": Tensor("embed", "table", (vocab, H), "bf16"),
         "final_norm": _v("final_norm", H),
         **_mix_vectors(H, "output"),
-        "lm_head": _m("lm_head", H, vocab),
+        "lm_head": _m("lm_head", H, vocab, cls="lm_head"),
     }
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}

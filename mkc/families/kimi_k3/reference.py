@@ -314,7 +314,9 @@ def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str = "
     tile when ``kind.family`` streams through the ring, else one dot (a pooled matrix)."""
     if rounding is None:
         return linear(x, w)
-    return rounding.linear(x, w, rounding.tile_rows(kind, family) if family else None)
+    if family:      # stored as codes where the spec says (`Rounding.matrix`)
+        return rounding.matrix(x, w, kind, family, rounding.tile_rows(kind, family))
+    return rounding.linear(x, w)
 
 
 def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
@@ -325,7 +327,8 @@ def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind:
     if rounding is None:
         return linear(x, w)
     return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
-                        rounding, rounding.reduce(kind, op), rounding.tile_rows(kind, op))
+                        rounding, rounding.reduce(kind, op), rounding.tile_rows(kind, op),
+                        rounding.channel(kind, op))
 
 
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
@@ -495,7 +498,8 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     """
     b, nh, d = x.shape[0], cfg.kda_num_heads, cfg.kda_head_dim
     x = _mm_input(x, rounding)
-    mixed = jnp.concatenate([_matmul(x, p[f"{n}_proj.weight"], rounding) for n in "qkv"], axis=-1)
+    mixed = jnp.concatenate([_matmul(x, p[f"{n}_proj.weight"], rounding, "kda", "projection")
+                             for n in "qkv"], axis=-1)
     if rounding is not None:   # q|k|v enter the conv state as bf16, then its storage dtype
         mixed = round_to(round_to(mixed, "bf16"), rounding.stored("kda", "conv"))
     mixed = mixed.astype(conv_state.dtype)
@@ -510,12 +514,13 @@ def kda_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
         v_pre, v_gate = (t.reshape(b, nh, d) for t in (pre[:, 2 * nh * d:], gates[:, 2 * nh * d:]))
     q, k, v = (t.reshape(b, nh, d) for t in jnp.split(conv, 3, axis=-1))
 
-    gate = _matmul(_matmul(x, p["f_a_proj.weight"], rounding), p["f_b_proj.weight"], rounding)
+    gate = _matmul(_matmul(x, p["f_a_proj.weight"], rounding, "kda", "gate_down"),
+                   p["f_b_proj.weight"], rounding, "kda", "gate_up")
     gate = gate + p["dt_bias"]
     rate = jnp.exp(p["A_log"])[None, :, None]
     decay = cfg.gate_lower_bound * jax.nn.sigmoid(rate * gate.reshape(b, nh, d))
-    beta = jax.nn.sigmoid(_matmul(x, p["b_proj.weight"], rounding))
-    g = _matmul(x, p["g_proj.weight"], rounding).reshape(b, nh, d)
+    beta = jax.nn.sigmoid(_matmul(x, p["b_proj.weight"], rounding, "kda", "projection"))
+    g = _matmul(x, p["g_proj.weight"], rounding, "kda", "projection").reshape(b, nh, d)
     if rounding is None:
         q = l2_normalize(q) * d ** -0.5
         k = l2_normalize(k)

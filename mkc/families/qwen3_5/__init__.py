@@ -11,6 +11,7 @@ FAMILY = Family(
     dims_import=("mkc.families.qwen3_5.config", "Qwen35Dims"),
     vmem_inputs=rope_input, layers=LAYERS,
     plain_state_tolerance=1.5e-2,
+    dense_classes=("attention", "mlp", "lm_head"),
     # Qwen3.5 checkpoints nest the text model under model.language_model. and carry a
     # vision tower and MTP head the decode step does not use.
     renamed_prefixes=(("model.language_model.", "model."),),

@@ -1,5 +1,5 @@
-"""`format CLASS FORMAT [block N [x M]] [rounded]`: how a matrix class is stored and fed to the
-MXU."""
+"""`format CLASS FORMAT [block N [x M] | channel] [rounded]`: how a matrix class is stored and
+fed to the MXU."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,12 +11,14 @@ from mkc.lang.syntax import Builder, Meta, Syntax
 SYNTAX = Syntax(r'''
 // How a matrix class sits in HBM and VMEM and reaches the MXU: `format expert.gate_up fp8`,
 // optionally with the input rows one scale covers (`block 512`), or the input rows and output
-// columns (`block 128 x 128`: an FP8 checkpoint's f32 scale per 128 x 128 block). The family
-// says which classes offer which formats (the checkpoint's is the default). `rounded` lets packing round
+// columns (`block 128 x 128`: an FP8 checkpoint's f32 scale per 128 x 128 block), or one scale
+// per output column (`channel`: `format attention int8 channel rounded`). The family says which
+// classes offer which formats (the checkpoint's is the default). `rounded` lets packing round
 // values a format cannot hold exactly to its nearest (`fp4 block 512 rounded`: e2m1 codes
 // under one scale per block, from the checkpoint's scale per 32 rows); without it such a
 // checkpoint is refused, and packing reports the error either way.
-format_stmt: "format" dotted NAME ("block" INT ("x" INT)?)? ROUNDED?
+format_stmt: "format" dotted NAME ("block" INT ("x" INT)?)? CHANNEL? ROUNDED?
+CHANNEL: "channel"
 ROUNDED: "rounded"
 ''')
 
@@ -29,12 +31,15 @@ class Format:
     block: int | None = None     # input rows one scale covers, if the spec says
     cols: int | None = None      # and output columns (`block R x C`), if it says
     rounded: Name | None = None  # `rounded`: packing may round to the format's nearest values
+    channel: Name | None = None  # `channel`: one scale per output column
 
 
 @SYNTAX.statement("format_stmt", "schedule", "formats")
 def format_stmt(b: Builder, meta: Meta, items: list) -> Format:
-    rounded = b.name(items[-1]) if getattr(items[-1], "type", "") == "ROUNDED" else None
-    rest = items[:-1] if rounded else items
+    words = {getattr(t, "type", ""): b.name(t) for t in items if getattr(t, "type", "") in
+             ("ROUNDED", "CHANNEL")}
+    rest = [t for t in items if getattr(t, "type", "") not in ("ROUNDED", "CHANNEL")]
     return Format(rest[0], b.name(rest[1]), b.span(meta),
                   block=int(rest[2]) if len(rest) > 2 else None,
-                  cols=int(rest[3]) if len(rest) > 3 else None, rounded=rounded)
+                  cols=int(rest[3]) if len(rest) > 3 else None, rounded=words.get("ROUNDED"),
+                  channel=words.get("CHANNEL"))

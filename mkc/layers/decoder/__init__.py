@@ -14,6 +14,6 @@ def vocab_globals(d: Any, ways: int) -> tuple[dict[str, Tensor], int]:
     glob = {
         "embed": Tensor("embed", "table", (v_local, H), "bf16"),
         "final_norm": Tensor("final_norm", "vector", (H,), "f32"),
-        "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16"),
+        "lm_head": Tensor("lm_head", "matrix", (H, v_local), "bf16", format_class="lm_head"),
     }
     return glob, v_local

@@ -62,8 +62,10 @@ class GatedDeltaNet(Sublayer):
         tensors = {
             # Columns [q | k | v | z | b | a]; b and a each padded to a lane tile so every
             # section starts on a 128-lane boundary in the kernel.
-            "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * lane_pad(nv)), "bf16"),
-            "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=("heads",)),
+            "in_proj": Tensor("in_proj", "matrix", (H, conv_ch + nv * dv + 2 * lane_pad(nv)), "bf16",
+                              format_class="attention"),
+            "out_proj": Tensor("out_proj", "matrix", (nv * dv, H), "bf16", partial_out=("heads",),
+                               format_class="attention"),
             "conv_weight": Tensor("conv_weight", "vector", (d.linear_conv_kernel_dim, conv_ch), "f32"),
             "A_log": Tensor("A_log", "vector", (nv,), "f32"),
             "dt_bias": Tensor("dt_bias", "vector", (nv,), "f32"),

@@ -98,8 +98,10 @@ class GQA(Sublayer):
         )
         vector = functools.partial(Tensor, role="vector", dtype="f32")
         tensors = {
-            self.projection: Tensor(self.projection, "matrix", (H, cols), "bf16"),
-            "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",)),
+            self.projection: Tensor(self.projection, "matrix", (H, cols), "bf16",
+                                    format_class="attention"),
+            "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",),
+                             format_class="attention"),
             **{n: vector(n, shape=(hd,)) for n in norms},
             "input_norm": vector("input_norm", shape=(H,)),
             **({"qkv_bias": vector("qkv_bias", shape=(cols,))} if self.bias else {}),

@@ -208,7 +208,7 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
     x = mm_input(x, rounding)
 
     def project(n: str) -> jax.Array:
-        y = matmul(x, p[f"{n}_proj.weight"], rounding)
+        y = matmul(x, p[f"{n}_proj.weight"], rounding, kind, s.projection)
         return y + p[f"{n}_proj.bias"] if s.bias else y
 
     q = project("q")

@@ -94,7 +94,9 @@ class MLA(Sublayer):
         H, nope, rope, v = d.hidden_size, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         heads = split(d.num_attention_heads, ways["heads"], "num_attention_heads", "heads")
         width = cache_width(d)
-        matrix = functools.partial(Tensor, role="matrix", dtype="bf16")
+        # an attention projection (`format attention ...`); key_up and value_up, which ops
+        # read whole, are in no class
+        matrix = functools.partial(Tensor, role="matrix", dtype="bf16", format_class="attention")
         vector = functools.partial(Tensor, role="vector", dtype="f32")
         gate = (Op("gate", reads=("h",), writes=("gate_logits",), matmul="gate"),
                 Op("out_gate", reads=("core", "gate_logits"), writes=("core",))) if self.output_gate else ()
@@ -116,10 +118,11 @@ class MLA(Sublayer):
             "q_down": matrix("q_down", shape=(H, d.q_lora_rank)),                 # replicated
             "kv_down": matrix("kv_down", shape=(H, width)),                       # replicated
             "q_up": matrix("q_up", shape=(d.q_lora_rank, heads * (nope + rope))),  # nope | rope
-            "key_up": matrix("key_up", shape=(heads * nope, d.kv_lora_rank)),     # absorbed in q
-            "value_up": matrix("value_up", shape=(d.kv_lora_rank, heads * v)),
+            "key_up": matrix("key_up", shape=(heads * nope, d.kv_lora_rank),     # absorbed in q
+                             format_class=""),
+            "value_up": matrix("value_up", shape=(d.kv_lora_rank, heads * v), format_class=""),
             **({"gate": matrix("gate", shape=(H, heads * v))} if self.output_gate else {}),
-            "o_proj": Tensor("o_proj", "matrix", (heads * v, H), "bf16", partial_out=("heads",)),
+            "o_proj": matrix("o_proj", shape=(heads * v, H), partial_out=("heads",)),
             **({"input_norm": vector("input_norm", shape=(H,))} if self.residual else {}),
             "q_norm": vector("q_norm", shape=(d.q_lora_rank,)),
             "kv_norm": vector("kv_norm", shape=(d.kv_lora_rank,)),

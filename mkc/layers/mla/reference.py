@@ -44,7 +44,7 @@ def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, na
     tile when it streams through the ring, else one dot (a pooled matrix)."""
     if rounding is None:
         return linear(x, w)
-    return rounding.linear(x, w, rounding.tile_rows(kind, name))
+    return rounding.matrix(x, w, kind, name, rounding.tile_rows(kind, name))
 
 
 def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, per_rank: int
@@ -54,7 +54,8 @@ def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind:
     if rounding is None:
         return linear(x, w)
     return row_parallel(x, w, rounding.rank_ranges("heads", x.shape[-1], per_rank), rounding.ranks,
-                        rounding, rounding.reduce(kind, "o_proj"), rounding.tile_rows(kind, "o_proj"))
+                        rounding, rounding.reduce(kind, "o_proj"), rounding.tile_rows(kind, "o_proj"),
+                        rounding.channel(kind, "o_proj"))
 
 
 def inv_freq(d: Any) -> np.ndarray:

@@ -118,8 +118,10 @@ class MoE(Sublayer):
                 Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
             )
             shared_tensors = {
-                "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16"),
-                "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",)),
+                "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16",
+                                         format_class="shared_expert"),
+                "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",),
+                                      format_class="shared_expert"),
             }
             per_rank = {"shared": shared} | per_rank
         residual_reads = ("routed_out", "x")

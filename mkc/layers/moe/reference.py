@@ -229,7 +229,8 @@ def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding 
     schedule's ``shared_down`` of ``kind``, split over ranks in ``shared``-wide ranges."""
     if rounding is None:
         return swiglu_block(p, x)
-    act = jax.nn.silu(rounding.linear(x, p["gate_proj.weight"])) * rounding.linear(x, p["up_proj.weight"])
+    act = (jax.nn.silu(rounding.matrix(x, p["gate_proj.weight"], kind, "shared_gate_up"))
+           * rounding.matrix(x, p["up_proj.weight"], kind, "shared_gate_up"))
     return out_projection(act, p["down_proj.weight"], rounding, kind, "shared_down",
                           rounding.size("shared"), "mlp")
 

@@ -31,8 +31,9 @@ class SwiGLU(Sublayer):
             Op("mlp_residual", reads=("mlp_out", "x"), writes=("x",)),
         )
         tensors = {
-            "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16"),
-            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=("mlp",)),
+            "gate_up": Tensor("gate_up", "matrix", (H, 2 * inter), "bf16", format_class="mlp"),
+            "down": Tensor("down", "matrix", (inter, H), "bf16", partial_out=("mlp",),
+                           format_class="mlp"),
             "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
         }
         return Part(ops, tensors, {"inter": inter})

@@ -19,8 +19,8 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None = 
     """SwiGLU: ``down(silu(gate(x)) * up(x))``; ``p`` keys are relative to ``mlp.``. With
     ``rounding``, ``kind`` names the layer kind whose ``down`` all-reduce applies."""
     x = mm_input(x, rounding)
-    act = (jax.nn.silu(matmul(x, p["gate_proj.weight"], rounding))
-           * matmul(x, p["up_proj.weight"], rounding))
+    act = (jax.nn.silu(matmul(x, p["gate_proj.weight"], rounding, kind, "gate_up"))
+           * matmul(x, p["up_proj.weight"], rounding, kind, "gate_up"))
     per_rank = None if rounding is None else rounding.size("inter")
     return out_projection(act, p["down_proj.weight"], rounding, kind, "down", per_rank, "mlp")
 
