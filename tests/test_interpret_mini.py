@@ -153,6 +153,17 @@ def test_dense_classes_as_codes_bit_equal_and_a_mutant_rejected(fmt, tmp_path):
     assert_each_mutant_rejected_on_its_row(summary, ("gqa.o_proj",))
 
 
+@pytest.mark.extended
+def test_dense_classes_as_codes_eager_with_race_detection(tmp_path):
+    """The codes tiles' copies (a column block's last tile, with its scale rows, a class of its
+    own) race nothing: Qwen's dense classes as int8 codes, eager DMAs, race detection, one step."""
+    spec = tmp_path / SPEC.name
+    spec.write_text(dense_text(SPEC, "int8"))
+    summary = _run("--spec", str(spec), "--mode", "eager", "--races", "--steps", "1", "--batch", "1")
+    assert numerics.failures(summary) == [] and summary["races_found"] is False
+    assert summary["steps"][0]["emulation"]["logits"] == 0.0
+
+
 def test_example_exits_non_zero_when_the_kernel_disagrees(capsys):
     """The runners' exit status (`generated_module.finish`): 1 on any numerics failure, or when
     a mutant run is not rejected; the mutant runs themselves are the mutation tests above."""
