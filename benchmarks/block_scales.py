@@ -36,7 +36,7 @@ SCALE_BYTES = {"e8m0": 1, "bf16": 2, "f32": 4, "bf16 searched": 2}
 # "bf16 searched": per block, of the E8M0 scale and bf16 scales from SEARCH_LOW to 1 times the
 # holding one (the largest magnitude then clipped to the code's largest), the least squared error
 SEARCH_LOW, SEARCH_STEPS = 0.8, 16
-CODE = {"fp4": (ml_dtypes.float4_e2m1fn, 6.0, 0.5), "fp8": (ml_dtypes.float8_e4m3fn, 448.0, 1.0)}
+CODE = {"fp4": (ml_dtypes.float4_e2m1fn, 6.0), "fp8": (ml_dtypes.float8_e4m3fn, 448.0)}
 COLS = 256          # columns drawn per matrix: errors are per column, so more add no information
 
 
@@ -91,7 +91,7 @@ def requantize(w: np.ndarray, case: Case, block: int, scale: str, mx: tuple | No
         return mxfp4.mxfp4_dequantize(r.codes, r.scales_per_32(), w.shape).astype(np.float64)
     if scale == "e8m0":
         return mxfp4.fp8_block_values(mxfp4.requantize_fp8_blocks(w, block))
-    dtype, largest, _ = CODE[case.code]
+    dtype, largest = CODE[case.code]
     blocked = w.reshape(w.shape[0], -1, block)
     top = np.abs(blocked).max(axis=-1, keepdims=True)
 
