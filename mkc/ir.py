@@ -312,6 +312,15 @@ class AllReduce:
     # `scatter [from N rows]`: kernels of at least this many rows run the scattered form
     # (`scattered`); None: the one-shot stages at every width.
     scatter_from: int | None = None
+    # `overlap`: started after its op, finished before the first op reading its result
+    # (`mkc.program`), through buffers of its own (`owner`)
+    overlap: bool = False
+
+    @property
+    def owner(self) -> str | None:
+        """Whose buffers its stages use: its op's own when it overlaps ops (a use in flight
+        must meet no other use of its buffers), else None, the group's shared ones."""
+        return self.after_op if self.overlap else None
 
     def scattered(self, rows: int) -> bool:
         """Whether the kernel of `rows` rows runs the scattered form: the first stage's group
@@ -325,28 +334,35 @@ class AllReduce:
         return self.width // self.stages[0][0]
 
     @staticmethod
-    def buffer_name(wire: str, size: int, stride: int, span: tuple[int, int] | None = None) -> str:
+    def buffer_name(wire: str, size: int, stride: int, span: tuple[int, int] | None = None,
+                    owner: str | None = None) -> str:
         """The receive buffer of one-shot stages over one group: each group structure has its
         own, so the parity argument for reusing it holds within one fixed set of peers. Where
         all-reduces scatter from some rows, each span of kernel widths between those rows
         (`row_spans`) has its own, as wide as the one-shot payloads of that span: `span` for
-        one below the widest kernels' (None)."""
+        one below the widest kernels' (None). An overlapping all-reduce's are its own
+        (`owner`, its op)."""
         spanned = "" if span is None else f"_{span[0]}to{span[1]}"
-        return f"recv{spanned}__{wire}_{size}x{stride}"
+        return f"recv{spanned}__{wire}_{size}x{stride}{_owned(owner)}"
 
     @staticmethod
-    def role_buffer_name(role: str, wire: str, size: int, stride: int) -> str:
+    def role_buffer_name(role: str, wire: str, size: int, stride: int,
+                         owner: str | None = None) -> str:
         """A buffer of the scattered form over the group (size, stride): `scatter`, the
         reduce-scatter's slots `[2, size, B, chunk]` (slot [p, i]: member i's copy of this
         rank's chunk); `chunk`, a later stage's slots for chunks; `sums`, the f32 all-gather
         of the chunk sums. Each in the kernels whose rows run the scattered form."""
-        return f"{role}__{wire}_{size}x{stride}"
+        return f"{role}__{wire}_{size}x{stride}{_owned(owner)}"
 
     @staticmethod
-    def staging_name(wire: str, size: int, stride: int) -> str:
+    def staging_name(wire: str, size: int, stride: int, owner: str | None = None) -> str:
         """The reduce-scatter's send staging `[size, B, chunk]`: the partial sums' chunk j,
         in the wire dtype, for member j (no semaphores or use counter of its own)."""
-        return f"{STAGING}{wire}_{size}x{stride}"
+        return f"{STAGING}{wire}_{size}x{stride}{_owned(owner)}"
+
+
+def _owned(owner: str | None) -> str:
+    return "" if owner is None else f"__{owner}"
 
 
 STAGING = "send__"                # a reduce-scatter's send staging buffer (`staging_name`)
@@ -374,6 +390,7 @@ class AllGather:
     width: int                   # columns each rank contributes
     wire_dtype: str              # what each share travels (and is received) in
     span: Span = field(compare=False, default_factory=Span.unknown)
+    overlap: bool = False        # as `AllReduce.overlap` (its buffer is always its own)
 
     @staticmethod
     def buffer_name(op: str) -> str:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from mkc import ir
-from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, Op, PoolWait, Prefetch,
-                       ScopeClose, ScopeOpen, Start, Step, Vectors, ViewClose, Wait)
+from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, Op, OverlapAdvance,
+                       OverlapFinish, OverlapStart, PoolWait, Prefetch, ScopeClose, ScopeOpen,
+                       Start, Step, Vectors, ViewClose, Wait)
 
 
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
@@ -70,12 +71,30 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     after = {a.after_op: AllReduce(0, op=a.after_op, entry=a) for a in k.allreduces}
     gathers = {g.after_op: AllGather(0, op=g.after_op, entry=g) for g in k.allgathers}
     gathers |= {e.after_op: Exchange(0, op=e.after_op, entry=e) for e in k.exchanges}
+    # An overlapped collective starts after its op, lands a stage and starts the next after
+    # each of the ops that follow while it has stages left, and finishes before its first
+    # reader's point (resolve checks the window).
+    in_flight: list[tuple[AllReduce | AllGather, int]] = []     # (collective, its reader)
+    advances: dict[AllReduce | AllGather, int] = {}
+
+    def reader(step: AllReduce | AllGather) -> int:
+        value = k.op_values[step.op][1][0]
+        return next(m for m in range(k.ops.index(step.op) + 1, len(k.ops))
+                    if value in k.op_values[k.ops[m]][0])
+
     for i, op in enumerate(k.ops):
+        for c, j in [f for f in in_flight if f[1] == i]:
+            steps.append(OverlapFinish(i, collective=c))
+            in_flight.remove((c, j))
         point(i)
         copies(i, prefetch + fetch if i == 0 else fetch)
         steps.extend(PoolWait(i, family=fam, view=k.pooled[fam])
                      for fam in first_reader.get(i, []))
         steps.append(Op(i, op=op))
+        for c, _ in in_flight:
+            if advances[c]:
+                advances[c] -= 1
+                steps.append(OverlapAdvance(i, collective=c))
         steps.extend(ViewClose(i, view=v) for v, last in sorted(last_reader.items())
                      if last == i)
         # A prefetch from the next point starts before this op's collectives: it needs no
@@ -83,7 +102,13 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
         copies(i + 1, prefetch)
         for table in (after, gathers):
             if op in table:
-                steps.append(dataclasses.replace(table[op], point=i))
+                step = dataclasses.replace(table[op], point=i)
+                if getattr(step.entry, "overlap", False):
+                    steps.append(OverlapStart(i, collective=step))
+                    in_flight.append((step, reader(step)))
+                    advances[step] = step.most_stages() - 1
+                else:
+                    steps.append(step)
     point(len(k.ops))
     copies(len(k.ops), fetch)
     return steps

@@ -196,16 +196,18 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
 
     def form(a: ir.AllReduce, lo: int, hi: int) -> tuple:
         """The stages of `a` in the kernels of `lo` to `hi` rows."""
+        owner = a.owner
         if not a.scattered(lo):
             span = None if hi == s.rows_max else (lo, hi)
-            return tuple(stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride, span), size, stride)
-                         for size, stride in a.stages)
+            return tuple(stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride, span, owner),
+                               size, stride) for size, stride in a.stages)
         (size, stride), wire = a.stages[0], a.wire_dtype
-        first = stage(ir.AllReduce.role_buffer_name("scatter", wire, size, stride), size, stride)
-        sums = stage(ir.AllReduce.role_buffer_name("sums", "f32", size, stride), size, stride)
-        return (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride),
+        first = stage(ir.AllReduce.role_buffer_name("scatter", wire, size, stride, owner), size,
+                      stride)
+        sums = stage(ir.AllReduce.role_buffer_name("sums", "f32", size, stride, owner), size, stride)
+        return (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride, owner),
                               first.counter, size, stride),
-                *(stage(ir.AllReduce.role_buffer_name("chunk", wire, sz, st), sz, st)
+                *(stage(ir.AllReduce.role_buffer_name("chunk", wire, sz, st, owner), sz, st)
                   for sz, st in a.stages[1:]),
                 AllGather(sums.buffer, sums.counter, size, stride))
 

@@ -14,8 +14,11 @@ them). Work an op does per weight value it reads (the matmul of a ring tile, poo
 expert slot, with any in-kernel decode) is charged where the trace reads those weights, work
 per KV tile where it reads a KV tile, the rest where the op begins.
 Collectives are remote DMAs over ICI (or the on-chip sibling link) and block compute: a
-round's latency, per-hop latency and the bytes over the links. Ranks are symmetric, so one
-core (rank 0) stands for the step.
+round's latency, per-hop latency and the bytes over the links. An overlapped one (`overlap`)
+runs its rounds while compute goes on: a round's copies fly from its start, and compute waits
+only where it lands a round before they have arrived; the collectives in flight at once do not
+slow each other (their rounds are latency-bound at decode sizes; not modelled). Ranks are
+symmetric, so one core (rank 0) stands for the step.
 
 The result keeps a timeline of intervals per track (compute ops, stalls, collectives, DMA
 copies) for exporters, and the time by layer kind and by cause.
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from mkc import ir, target
 from mkc.perf.constants import Rates
 from mkc.perf.work import KernelWork, OpWork, Work, kernel_work
-from mkc.steps.collectives import Round
+from mkc.steps.collectives import OverlapPart, Round
 from mkc.tags import ReadCost
 from mkc.trace import (Alloc, Collective, CopyStart, CopyWait, EpilogueBegin, Event, EventHandlers,
                        Exit, Free, LayerBegin, OpBegin, Read, ViewClose, ViewOpen, Write)
@@ -425,6 +428,18 @@ class Model:
             t = max(t, hops * r.latency("ici_hop_s") + len(far) * nbytes / bw)
         return r.latency("collective_round_s") + t
 
+    def round_seconds(self, rd: Round) -> float:
+        """A round's sends and latency."""
+        return self.stage_seconds(rd.size, rd.stride, rd.nbytes)
+
+    def sums_seconds(self, rd: Round, kind: str, line: int) -> float:
+        """A round's sums as counted, where the measure has no row for the collective's line
+        (else 0: its compiled cycles price them, `compiled_collective_seconds`)."""
+        return 0.0 if (kind, line) in self.collective_cycles else rd.sums / self.rates.vpu_ops_per_s
+
+    def compiled_collective_seconds(self, kind: str, line: int) -> float:
+        return self.collective_cycles.get((kind, line), 0.0) * self.rates.cycle_s
+
     def collective_seconds(self, rounds: tuple[Round, ...], kind: str = "", line: int = 0
                            ) -> float:
         """A collective's rounds, one after another: each round's sends, then its sums: as
@@ -477,6 +492,8 @@ class _Replay:
         self.per_value, self.per_value_s, self.kv_tile, self.kv_tile_s = Work(), 0.0, Work(), 0.0
         self.per_read_s = 0.0
         self.kv_bufs: dict[str, int] = defaultdict(int)      # layer kind -> its KV caches
+        # (kind, op) -> an overlapped collective's rounds left and when the first lands
+        self.in_flight: dict[tuple[str, str], tuple[deque, float]] = {}
         for b in m.kv_buffers.values():
             self.kv_bufs[b.scope[0]] += 1
         self.compute(m.step_cycles * r.cycle_s)              # the entry barrier, first copies
@@ -575,6 +592,9 @@ class _Replay:
         self.compute(at_op_s)
 
     def run_collective(self, e: Collective) -> None:
+        if isinstance(e.tag, OverlapPart):
+            self._overlapped(e)
+            return
         dt = self.m.collective_seconds(e.tag.rounds(self.m.batch, self.m.s.cores_per_chip),
                                        self.kind, e.span.line)
         if self.keep_timeline:
@@ -582,6 +602,41 @@ class _Replay:
                                           self.layer, self.kind, line=e.span.line))
         self.t += dt
         self.by_kind[self.kind]["prologue/epilogue" if self._in_tail() else "collectives"] += dt
+
+    def _overlapped(self, e: Collective) -> None:
+        """A part of an overlapped collective: its start sends the first round; an advance
+        lands the round in flight (compute waits for what has not arrived), sums it and sends
+        the next; its finish lands the rest and runs its compiled instructions."""
+        m, tag, line = self.m, e.tag, e.span.line
+        key = (self.kind, tag.collective.op)
+        if tag.part == "start":
+            rounds = deque(tag.collective.rounds(m.batch, m.s.cores_per_chip))
+            self.in_flight[key] = (rounds, self.t + m.round_seconds(rounds[0]))
+            return
+        rounds, done = self.in_flight.pop(key)
+        while True:
+            self._collective_wait(str(tag), done, line)
+            self._collective_compute(m.sums_seconds(rounds.popleft(), self.kind, line))
+            if not rounds or tag.part == "advance":
+                break
+            done = self.t + m.round_seconds(rounds[0])
+        if rounds:
+            self.in_flight[key] = (rounds, self.t + m.round_seconds(rounds[0]))
+        else:
+            self._collective_compute(m.compiled_collective_seconds(self.kind, line))
+
+    def _collective_wait(self, name: str, done: float, line: int) -> None:
+        """Compute waits for an overlapped collective's round until `done`."""
+        if done > self.t:
+            if self.keep_timeline:
+                self.timeline.append(Interval("collective", name, self.t, done, self.layer,
+                                              self.kind, line=line))
+            self.by_kind[self.kind]["collectives"] += done - self.t
+            self.t = done
+
+    def _collective_compute(self, dt: float) -> None:
+        self.t += dt
+        self.by_kind[self.kind]["collectives"] += dt
 
     def begin_layer(self, e: LayerBegin) -> None:
         self._enter(e.tag.kind, e.tag.layer)

@@ -32,11 +32,45 @@ def resolve_collectives(s: ResolveState) -> ResolveState:
         phase, kind = s.phases[kname], s.graph.kinds[kname]
         allreduces = _allreduces(phase, kind, s.topology, s.shards, rows_max)
         gathers, exchanges, buffers = _gathers(phase, kind, s.topology, s.mesh_axis, B, rules)
+        scopes = [b.scope for b in s.kind_buffers[kname] if b.scope]
+        overlapped = {n.text: n.span for line in (*phase.allreduces, *phase.allgathers)
+                      if line.overlap for n in line.ops}
+        for op, span in overlapped.items():
+            overlap_window(ks, op, scopes, span)
         kinds[kname] = replace(ks, allreduces=allreduces, allgathers=gathers, exchanges=exchanges)
         kind_buffers[kname] += tuple(buffers)
     embed_reduce = _embed_reduce(s, kinds)
     return replace(s, kinds=kinds, kind_buffers=kind_buffers, embed_reduce=embed_reduce,
                    reduce_buffers=_receive_buffers(kinds, embed_reduce, B, rows_max))
+
+
+def overlap_window(k: ir.KindSchedule, op: str, scopes: list[tuple[str, int, int]],
+                   span: Span) -> tuple[int, int]:
+    """(i, j): an overlapped collective after op i finishes before op j, the first op reading
+    its result; ops i + 1 .. j - 1 compute while it runs (`span`: the op's name on the
+    collective's line). Refused where no op lies between,
+    where nothing in the layer reads it, or where the window crosses a `scoped` range's edge
+    (a collective in flight cannot pass a `pl.run_scoped` boundary)."""
+    i = k.ops.index(op)
+    value = k.op_values[op][1][0]
+    j = next((m for m in range(i + 1, len(k.ops)) if value in k.op_values[k.ops[m]][0]), None)
+    if j is None:
+        raise fail("E-OVERLAP", f"no later op of {k.name} reads {op}'s result; an overlapped "
+                   "collective finishes before its first reader", span, hint="drop `overlap`")
+    if j == i + 1:
+        raise fail("E-OVERLAP", f"{k.ops[j]} reads {op}'s result right after it: no op computes "
+                   "while the collective runs", span,
+                   hint="drop `overlap`, or overlap a collective whose result is read later")
+    for _, first, last in scopes:
+        # a scope covers points first..last+1; the collective starts after op i and finishes
+        # at point j, before that point's copies and scopes
+        if any(i < edge < j for edge in (first, last + 1)):
+            raise fail("E-OVERLAP", f"the collective after {op} would run across an edge of the "
+                       f"scoped range of ops {k.ops[first]} to {k.ops[last]}: a collective in "
+                       "flight cannot cross a pl.run_scoped boundary", span,
+                       hint="drop `overlap`, or keep the scoped range's ends out of ops "
+                            f"{k.ops[i + 1]} to {k.ops[j - 1]}")
+    return i, j
 
 
 def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllReduce:
@@ -50,7 +84,7 @@ def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllR
                   if _group_of(a.stages) == vocab_group]
     if not same_group:
         return ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H)
-    embed = replace(same_group[0], after_op="embed", width=H)
+    embed = replace(same_group[0], after_op="embed", width=H, overlap=False)
     return embed if whole_chunks(H, embed.stages[0][0]) else replace(embed, scatter_from=None)
 
 
@@ -78,33 +112,36 @@ def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllRedu
     spans = ir.row_spans(reduces, rows_max)
     found: dict[tuple, tuple[int, int, int]] = {}     # (role, wire, size, stride) -> (width, rows)
 
-    def use(role: tuple, wire: str, group: tuple[int, int], width: int, lo: int, hi: int) -> None:
-        key = (role, wire, *group)
-        w, a, b = found.get(key, (0, lo, hi))
-        found[key] = (max(w, width), min(a, lo), max(b, hi))
+    def use(a: ir.AllReduce, role: tuple, wire: str, group: tuple[int, int], width: int,
+            lo: int, hi: int) -> None:
+        key = (a.owner or "", role, wire, *group)
+        w, x, y = found.get(key, (0, lo, hi))
+        found[key] = (max(w, width), min(x, lo), max(y, hi))
 
     for a in reduces:
         for lo, hi in spans:
             if not a.scattered(lo):
                 for group in a.stages:
-                    use((0, lo, hi), a.wire_dtype, group, a.width, lo, hi)
+                    use(a, (0, lo, hi), a.wire_dtype, group, a.width, lo, hi)
                 continue
             first = a.stages[0]
-            use((1, "scatter"), a.wire_dtype, first, a.chunk, lo, hi)
+            use(a, (1, "scatter"), a.wire_dtype, first, a.chunk, lo, hi)
             for group in a.stages[1:]:
-                use((2, "chunk"), a.wire_dtype, group, a.chunk, lo, hi)
-            use((3, "sums"), "f32", first, a.chunk, lo, hi)
+                use(a, (2, "chunk"), a.wire_dtype, group, a.chunk, lo, hi)
+            use(a, (3, "sums"), "f32", first, a.chunk, lo, hi)
     out = []
-    for (role, wire, size, stride), (w, lo, hi) in sorted(found.items()):
+    for (owner, role, wire, size, stride), (w, lo, hi) in sorted(found.items()):
         rows = None if (lo, hi) == (1, rows_max) else (lo, hi)
+        owner = owner or None
         if role[0] == 0:
-            name = ir.AllReduce.buffer_name(wire, size, stride, None if hi == rows_max else (lo, hi))
+            name = ir.AllReduce.buffer_name(wire, size, stride,
+                                            None if hi == rows_max else (lo, hi), owner)
         else:
-            name = ir.AllReduce.role_buffer_name(role[1], wire, size, stride)
+            name = ir.AllReduce.role_buffer_name(role[1], wire, size, stride, owner)
         out.append(ir.Buffer(name, "collective", (2, size, B, w), wire, batch_axis=2, rows=rows))
         if role[-1] == "scatter":
-            out.append(ir.Buffer(ir.AllReduce.staging_name(wire, size, stride), "collective",
-                                 (size, B, w), wire, batch_axis=1, rows=rows))
+            out.append(ir.Buffer(ir.AllReduce.staging_name(wire, size, stride, owner),
+                                 "collective", (size, B, w), wire, batch_axis=1, rows=rows))
     return tuple(out)
 
 
@@ -143,7 +180,8 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
                                            stages, width_of[n.text], ar.span,
                                            _scatter_from(ar, n.text, stages, width_of[n.text],
-                                                         topo, over, rows_max)))
+                                                         topo, over, rows_max),
+                                           ar.overlap is not None))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             # Point at the allreduce line to extend, or the phase to add one to.
@@ -304,7 +342,8 @@ def _allgathers(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: 
                 raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
                            f"`shard {cls}`, but this gathers over {size} ranks", ag.group.span,
                            hint="gather over the group the shard rule names")
-            gathers.append(ir.AllGather(n.text, size, stride, width, GATHER_WIRE, ag.span))
+            gathers.append(ir.AllGather(n.text, size, stride, width, GATHER_WIRE, ag.span,
+                                        ag.overlap is not None))
             buffers.append(ir.Buffer(ir.AllGather.buffer_name(n.text), "collective",
                                      (2, size, B, width), GATHER_WIRE, batch_axis=2, span=ag.span))
     return gathers, buffers

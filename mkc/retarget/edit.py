@@ -98,7 +98,8 @@ def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: Fami
             if algorithm != written or (ar.scatter is not None and not scatter):
                 ops = ", ".join(o.text for o in ar.ops)
                 ed.replace(ar.span, f"allreduce {ops} {algorithm} wire {ar.wire_dtype.text}"
-                           + (f" {scatter_text(ar.scatter.rows)}" if scatter else ""))
+                           + (f" {scatter_text(ar.scatter.rows)}" if scatter else "")
+                           + (" overlap" if ar.overlap else ""))
         _gather_edits(ed, phase, split_classes(kind), plan, axis)
 
 
@@ -130,7 +131,10 @@ def _gather_edits(ed: TextEdits, phase: ast.Phase, split: dict[str, str], plan: 
             if o.text in split:
                 forms.setdefault(_gather_form(o.text, split[o.text], line, plan, axis),
                                  []).append(o.text)
-        texts = [form.format(", ".join(ops)) for form, ops in forms.items()]
+        # an allgather keeps its `overlap` (an exchange has none)
+        overlap = " overlap" if getattr(line, "overlap", None) else ""
+        texts = [form.format(", ".join(ops)) + (overlap if form.startswith("allgather") else "")
+                 for form, ops in forms.items()]
         if not texts:
             continue                       # nothing to gather: the check says so
         ed.replace(line.span, texts[0])

@@ -44,6 +44,7 @@ reading it. Its own chunk goes from staging to its own slot by a local copy (on 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -74,10 +75,19 @@ def enter(axis: str, ranks: int, counters) -> None:
         counters[counter] = 0
 
 
-def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
-              size: int, stride: int) -> jax.Array:
-    """Send ``value`` to every group peer and wait for all their shares; returns the parity
-    whose slots ``recv[par, i]`` now hold member i's share."""
+@dataclass(frozen=True)
+class _Sent:
+    """A use of a buffer whose outgoing copies are started: `land` waits for them to leave
+    and for every peer's share to arrive (built only then, so a use run at once traces as
+    it always has)."""
+
+    par: jax.Array                 # the parity whose slots the use fills
+    land: Callable[[], None]
+
+
+def _send_shares(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int,
+                 axis: str, size: int, stride: int) -> _Sent:
+    """Write ``value`` to this rank's slot and start its copies to every group peer."""
     me = lax.axis_index(axis)
     local = lax.rem(me // stride, size)
     base = me - local * stride
@@ -98,15 +108,39 @@ def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: 
                                           device_id_type=pl.DeviceIdType.MESH)
         cp.start()
         sends.append(cp)
-    for cp in sends:
-        cp.wait_send()
+
+    def land() -> None:
+        for cp in sends:
+            cp.wait_send()
+        _receive(slot, send_sem, recv_sem, par, local, base, size, stride)
+    return _Sent(par, land)
+
+
+def _receive(slot, send_sem, recv_sem, par, local, base, size: int, stride: int) -> None:
+    """Wait for every peer's copy into its slot of parity ``par``."""
     for k in range(1, size):
         # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
         src = lax.rem(local + size - k, size)
         pltpu.make_async_remote_copy(slot(src), slot(src), send_sem.at[par, k],
                                      recv_sem.at[par, src], device_id=(base + src * stride,),
                                      device_id_type=pl.DeviceIdType.MESH).wait_recv()
-    return par
+
+
+def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
+              size: int, stride: int) -> jax.Array:
+    """Send ``value`` to every group peer and wait for all their shares; returns the parity
+    whose slots ``recv[par, i]`` now hold member i's share."""
+    sent = _send_shares(value, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
+    sent.land()
+    return sent.par
+
+
+def _sum_slots(recv, par, size: int, width: int) -> jax.Array:
+    """The f32 sum of the slots of parity ``par``, in group order."""
+    total = recv[par, 0, :, :width].astype(F32)
+    for i in range(1, size):
+        total = total + recv[par, i, :, :width].astype(F32)
+    return total
 
 
 def allreduce_stage(partial: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int,
@@ -114,19 +148,13 @@ def allreduce_stage(partial: jax.Array, recv, send_sem, recv_sem, counter_ref, c
     """f32 sum of ``partial [B, width]`` over the group, travelling in ``recv.dtype``. All members
     add the slots in the same (group) order, so their results are bit-identical."""
     par = _exchange(partial, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
-    width = partial.shape[-1]
-    total = recv[par, 0, :, :width].astype(F32)
-    for i in range(1, size):
-        total = total + recv[par, i, :, :width].astype(F32)
-    return total
+    return _sum_slots(recv, par, size, partial.shape[-1])
 
 
-def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_ref,
-                   counter: int, axis: str, size: int, stride: int) -> jax.Array:
-    """Member j's chunk j (``width / size`` columns) of the group's f32 sum of ``partial [B,
-    width]``, each member's chunk travelling in ``recv.dtype`` and the slots added in group
-    order, as `allreduce_stage` adds those columns. ``staging`` is the send staging (module
-    docstring)."""
+def _send_chunks(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_ref,
+                 counter: int, axis: str, size: int, stride: int) -> _Sent:
+    """Stage chunk j of ``partial`` for member j and start the copies of each to its member
+    (its own by a local copy)."""
     me = lax.axis_index(axis)
     local = lax.rem(me // stride, size)
     base = me - local * stride
@@ -158,19 +186,29 @@ def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counte
                                           device_id_type=pl.DeviceIdType.MESH)
         cp.start()
         sends.append(cp)
-    for cp in sends:
-        cp.wait_send()
-    own.wait()
-    for k in range(1, size):
-        # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
-        src = lax.rem(local + size - k, size)
-        pltpu.make_async_remote_copy(slot(src), slot(src), send_sem.at[par, k],
-                                     recv_sem.at[par, src], device_id=(base + src * stride,),
-                                     device_id_type=pl.DeviceIdType.MESH).wait_recv()
-    total = recv[par, 0, :, :chunk].astype(F32)
-    for i in range(1, size):
-        total = total + recv[par, i, :, :chunk].astype(F32)
-    return total
+
+    def land() -> None:
+        for cp in sends:
+            cp.wait_send()
+        own.wait()
+        _receive(slot, send_sem, recv_sem, par, local, base, size, stride)
+    return _Sent(par, land)
+
+
+def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_ref,
+                   counter: int, axis: str, size: int, stride: int) -> jax.Array:
+    """Member j's chunk j (``width / size`` columns) of the group's f32 sum of ``partial [B,
+    width]``, each member's chunk travelling in ``recv.dtype`` and the slots added in group
+    order, as `allreduce_stage` adds those columns. ``staging`` is the send staging (module
+    docstring)."""
+    sent = _send_chunks(partial, recv, staging, send_sem, recv_sem, counter_ref, counter, axis,
+                        size, stride)
+    sent.land()
+    return _sum_slots(recv, sent.par, size, partial.shape[-1] // size)
+
+
+def _concat_slots(recv, par, size: int, width: int) -> jax.Array:
+    return jnp.concatenate([recv[par, i, :, :width] for i in range(size)], axis=-1)
 
 
 def allgather(shard: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
@@ -178,8 +216,7 @@ def allgather(shard: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: 
     """The group's ``[B, width]`` shards concatenated in group order: ``[B, size * width]`` in
     ``recv.dtype``."""
     par = _exchange(shard, recv, send_sem, recv_sem, counter_ref, counter, axis, size, stride)
-    width = shard.shape[-1]
-    return jnp.concatenate([recv[par, i, :, :width] for i in range(size)], axis=-1)
+    return _concat_slots(recv, par, size, shard.shape[-1])
 
 
 def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int,
@@ -205,6 +242,12 @@ class Stage:
     def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
         return allreduce_stage(value, *_stage_refs(refs, self), axis, self.size, self.stride)
 
+    def start(self, refs, value: jax.Array, axis: str) -> _Sent:
+        return _send_shares(value, *_stage_refs(refs, self), axis, self.size, self.stride)
+
+    def finish(self, refs, par: jax.Array, width: int) -> jax.Array:
+        return _sum_slots(getattr(refs, self.buffer), par, self.size, width)
+
 
 @dataclass(frozen=True)
 class ReduceScatter:
@@ -223,6 +266,14 @@ class ReduceScatter:
         return reduce_scatter(value, recv, getattr(refs, self.staging), send_sem, recv_sem,
                               counter_ref, counter, axis, self.size, self.stride)
 
+    def start(self, refs, value: jax.Array, axis: str) -> _Sent:
+        recv, send_sem, recv_sem, counter_ref, counter = _stage_refs(refs, self)
+        return _send_chunks(value, recv, getattr(refs, self.staging), send_sem, recv_sem,
+                            counter_ref, counter, axis, self.size, self.stride)
+
+    def finish(self, refs, par: jax.Array, width: int) -> jax.Array:
+        return _sum_slots(getattr(refs, self.buffer), par, self.size, width // self.size)
+
 
 @dataclass(frozen=True)
 class AllGather:
@@ -236,6 +287,12 @@ class AllGather:
 
     def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
         return allgather(value, *_stage_refs(refs, self), axis, self.size, self.stride)
+
+    def start(self, refs, value: jax.Array, axis: str) -> _Sent:
+        return _send_shares(value, *_stage_refs(refs, self), axis, self.size, self.stride)
+
+    def finish(self, refs, par: jax.Array, width: int) -> jax.Array:
+        return _concat_slots(getattr(refs, self.buffer), par, self.size, width)
 
 
 AllReduceStage = Stage | ReduceScatter | AllGather
@@ -273,6 +330,50 @@ def allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...] | Fro
     for st in stages:
         partial = st.run(refs, partial, axis)
     return partial
+
+
+class InFlight:
+    """A collective started after its op (`overlap`) whose stages run while later ops compute:
+    each `advance` lands the stage in flight and starts the next (at the last, nothing), and
+    `finish` lands what remains and returns the result. It adds the same values in the same
+    order as the collective run at once. Its buffers are its own, so no other use of them
+    falls between its start and its finish (the parity argument of the module docstring)."""
+
+    def __init__(self, refs, stages: tuple[AllReduceStage, ...], value: jax.Array, axis: str):
+        self.refs, self.axis, self.rest = refs, axis, list(stages)
+        self._start(value)
+
+    def _start(self, value: jax.Array) -> None:
+        self.stage, self.width = self.rest.pop(0), value.shape[-1]
+        self.sent = self.stage.start(self.refs, value, self.axis)
+
+    def _land(self) -> jax.Array:
+        self.sent.land()
+        return self.stage.finish(self.refs, self.sent.par, self.width)
+
+    def advance(self) -> None:
+        if self.rest:
+            self._start(self._land())
+
+    def finish(self) -> jax.Array:
+        value = self._land()
+        while self.rest:
+            self._start(value)
+            value = self._land()
+        return value
+
+
+def start_allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...] | FromRows,
+                    axis: str) -> InFlight:
+    """`allreduce` of `partial` started, to finish later (`InFlight`)."""
+    if isinstance(stages, FromRows):
+        stages = stages.at(partial.shape[0])
+    return InFlight(refs, stages, partial, axis)
+
+
+def start_gather(refs, shard: jax.Array, st: Stage, axis: str) -> InFlight:
+    """`gather` of `shard` started, to finish later (`InFlight`)."""
+    return InFlight(refs, (AllGather(st.buffer, st.counter, st.size, st.stride),), shard, axis)
 
 
 def gather(refs, shard: jax.Array, st: Stage, axis: str) -> jax.Array:

@@ -126,6 +126,13 @@ class Kernel:
                   stages: tuple[collectives.AllReduceStage, ...] | collectives.FromRows) -> jax.Array:
         return collectives.allreduce(self.refs, partial, stages, self.axis)
 
+    def start_allreduce(self, partial: jax.Array, stages: tuple[collectives.AllReduceStage, ...]
+                        | collectives.FromRows) -> collectives.InFlight:
+        return collectives.start_allreduce(self.refs, partial, stages, self.axis)
+
+    def start_allgather(self, shard: jax.Array, stage: collectives.Stage) -> collectives.InFlight:
+        return collectives.start_gather(self.refs, shard, stage, self.axis)
+
     def allgather(self, shard: jax.Array, stage: collectives.Stage) -> jax.Array:
         """The group's shards of `shard` concatenated in group order."""
         return collectives.gather(self.refs, shard, stage, self.axis)

@@ -15,17 +15,19 @@ a new step kind is a new class here, not a branch in each stage.
 | `scopes` | `ScopeOpen`, `ScopeClose` | `scoped` |
 | `vectors` | `Vectors` | `parity` |
 | `views` | `Prefetch`, `Fetch`, `PoolWait`, `ViewClose` | `pool`, `experts` |
-| `collectives` | `AllReduce`, `AllGather`, `Exchange` | `collectives` |
+| `collectives` | `AllReduce`, `AllGather`, `Exchange`; `OverlapStart`, `OverlapAdvance`, `OverlapFinish` | `collectives` |
 | `compute` | `Op` | none: the model graph's ops (ring tiles, pooled and expert reads, KV tiles) |
 """
 from mkc.steps.base import Step, spec_line
-from mkc.steps.collectives import AllGather, AllReduce, Exchange
+from mkc.steps.collectives import (AllGather, AllReduce, Exchange, OverlapAdvance, OverlapFinish,
+                                   OverlapPart, OverlapStart)
 from mkc.steps.compute import Op
 from mkc.steps.copies import Drain, Start, Wait
 from mkc.steps.scopes import ScopeClose, ScopeOpen
 from mkc.steps.vectors import Vectors
 from mkc.steps.views import Fetch, PoolWait, Prefetch, ViewClose
 
-__all__ = ["Step", "spec_line", "AllGather", "AllReduce", "Exchange", "Op", "Drain", "Start",
+__all__ = ["Step", "spec_line", "AllGather", "AllReduce", "Exchange", "OverlapAdvance",
+           "OverlapFinish", "OverlapPart", "OverlapStart", "Op", "Drain", "Start",
            "Wait", "ScopeClose", "ScopeOpen", "Vectors", "Fetch", "PoolWait", "Prefetch",
            "ViewClose"]

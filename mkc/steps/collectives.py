@@ -5,6 +5,7 @@ says what it sends (`rounds`) for the step-time model to price."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mkc import ir
 from mkc.lang.statements.collectives import scatter_text
@@ -60,16 +61,30 @@ class _Collective(Step):
         return f"{self.kind} {self.entry.after_op}"
 
     def _emit(self, e, indent: str, method: str, constant: str, what: str) -> None:
-        """The call, its spec line beside it (`mkc.perf.bundles` charges the call's
-        instructions to it) and what it does; that on a line of its own above where the line
-        would pass the module's line length."""
         value = e.k.op_values[self.op][1][0]
-        call = f"{value} = k.{method}({value}, {constant})   # {spec_line(self.entry.span)}"
-        if len(indent) + len(call) + len(what) + 2 > LINE_LENGTH:
-            e.line(indent, f"# {what}")
-            e.line(indent, call)
-        else:
-            e.line(indent, f"{call}: {what}")
+        _emit_line(e, indent, f"{value} = k.{method}({value}, {constant})", self.entry.span, what)
+
+    # what `OverlapStart` calls: the method of `mkc.runtime.context.Kernel` and its constant
+    def start_call(self, kind: str) -> tuple[str, str]:
+        raise NotImplementedError(f"a {self.kind} cannot overlap")
+
+    def most_stages(self) -> int:
+        """Stages of its widest form (at any kernel width)."""
+        return 1
+
+
+def _emit_line(e, indent: str, code: str, span, what: str) -> None:
+    """A collective's line with its spec line beside it (`mkc.perf.bundles` charges the
+    line's instructions to it) and what it does; that on a line of its own above where the line
+    would pass the module's line length."""
+    call = f"{code}   # {spec_line(span)}"
+    if not what:
+        e.line(indent, call)
+    elif len(indent) + len(call) + len(what) + 2 > LINE_LENGTH:
+        e.line(indent, f"# {what}")
+        e.line(indent, call)
+    else:
+        e.line(indent, f"{call}: {what}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,12 @@ class AllReduce(_Collective):
         self._emit(e, indent, "allreduce", reduce_name(e.kind, self.op),
                    f"{a.algorithm}, wire {a.wire_dtype}{scatter}")
 
+    def start_call(self, kind: str) -> tuple[str, str]:
+        return "start_allreduce", reduce_name(kind, self.op)
+
+    def most_stages(self) -> int:
+        return len(self.entry.stages) + (self.entry.scatter_from is not None)
+
 
 @dataclass(frozen=True)
 class AllGather(_Collective):
@@ -110,6 +131,9 @@ class AllGather(_Collective):
     def emit(self, e, indent: str) -> None:
         self._emit(e, indent, "allgather", gather_name(e.kind, self.op),
                    f"all-gather over {self.entry.size} ranks")
+
+    def start_call(self, kind: str) -> tuple[str, str]:
+        return "start_allgather", gather_name(kind, self.op)
 
 
 @dataclass(frozen=True)
@@ -128,3 +152,72 @@ class Exchange(_Collective):
     def emit(self, e, indent: str) -> None:
         self._emit(e, indent, "exchange", exchange_name(e.kind, self.op),
                    f"exchange with sibling, wire {self.entry.wire_dtype}")
+
+
+def in_flight_name(value: str) -> str:
+    """The local holding an overlapped collective of `value` while it runs."""
+    return f"{value}_in_flight"
+
+
+@dataclass(frozen=True)
+class OverlapPart(Step):
+    """A part of an overlapped collective (`overlap`, `mkc.runtime.collectives.InFlight`): its
+    start after its op, an advance after each op it runs under, its finish before the first op
+    reading its result. Each part's trace event carries it; the step-time model runs the
+    collective's rounds while compute goes on."""
+
+    collective: AllReduce | AllGather | None = None
+    part: ClassVar[str] = ""
+
+    @property
+    def entry(self) -> ir.AllReduce | ir.AllGather:
+        return self.collective.entry
+
+    def _names(self, k: ir.KindSchedule) -> tuple[str, str]:
+        value = k.op_values[self.collective.op][1][0]
+        return value, in_flight_name(value)
+
+    def trace(self, t) -> None:
+        t.tracer.collective_event(self, f"{t.label} {self.part} {self.collective}")
+
+    def __str__(self) -> str:
+        return f"{self.collective} ({self.part})"
+
+
+@dataclass(frozen=True)
+class OverlapStart(OverlapPart):
+    part: ClassVar[str] = "start"
+
+    def values(self, k: ir.KindSchedule) -> tuple[list[str], list[str]]:
+        value, handle = self._names(k)
+        return [value], [handle]
+
+    def emit(self, e, indent: str) -> None:
+        value, handle = self._names(e.k)
+        method, constant = self.collective.start_call(e.kind)
+        _emit_line(e, indent, f"{handle} = k.{method}({value}, {constant})", self.entry.span,
+                   "overlapped: it runs until its first reader")
+
+
+@dataclass(frozen=True)
+class OverlapAdvance(OverlapPart):
+    part: ClassVar[str] = "advance"
+
+    def values(self, k: ir.KindSchedule) -> tuple[list[str], list[str]]:
+        return [self._names(k)[1]], []
+
+    def emit(self, e, indent: str) -> None:
+        _emit_line(e, indent, f"{self._names(e.k)[1]}.advance()", self.entry.span, "")
+
+
+@dataclass(frozen=True)
+class OverlapFinish(OverlapPart):
+    part: ClassVar[str] = "finish"
+
+    def values(self, k: ir.KindSchedule) -> tuple[list[str], list[str]]:
+        value, handle = self._names(k)
+        return [handle], [value]
+
+    def emit(self, e, indent: str) -> None:
+        value, handle = self._names(e.k)
+        _emit_line(e, indent, f"{value} = {handle}.finish()", self.entry.span, "")

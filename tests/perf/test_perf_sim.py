@@ -316,3 +316,52 @@ def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
     counted = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=_measure([]))
     simulate(counted, tr.events)
     assert counted.counted_ops == {("gdn", "matmul")}
+
+
+def _overlapped_trace(a, work_bytes: int, overlap: bool):
+    """The all-reduce `a` (its step) after an op, then an op reading `work_bytes` of weights,
+    then what reads the result: run at once, or overlapped (start, one advance per stage past
+    the first, finish)."""
+    from mkc.steps.collectives import AllReduce, OverlapAdvance, OverlapFinish, OverlapStart
+    step = AllReduce(0, op=a.after_op, entry=a)
+    tr = _Trace()
+    if not overlap:
+        tr.tb.collective(step, "", SPAN)
+        tr.compute(work_bytes)
+        return tr
+    tr.tb.collective(OverlapStart(0, collective=step), "", SPAN)
+    tr.compute(work_bytes)
+    for _ in range(step.most_stages() - 1):
+        tr.tb.collective(OverlapAdvance(0, collective=step), "", SPAN)
+    tr.tb.collective(OverlapFinish(0, collective=step), "", SPAN)
+    return tr
+
+
+@pytest.mark.parametrize("scatter", [None, 1])
+def test_an_overlapped_collective_costs_only_what_compute_does_not_cover(qwen_ir, scatter):
+    """Run at once, a collective costs its rounds and sums. Overlapped under an op longer than
+    its first round, that round costs nothing (the later ones start at the advances after the
+    op, here none in between, so they are exposed); under an op shorter than it, compute waits
+    only the difference."""
+    from mkc import ir
+    a = ir.AllReduce("down", "two_level", "bf16", ((2, 1), (4, 2)), 5120, SPAN, scatter,
+                     overlap=True)
+    m = Model(qwen_ir, 8, 0, _rates(), work=_feed_only(8))
+    from mkc.steps.collectives import AllReduce
+    rounds = AllReduce(0, op="down", entry=a).rounds(8, qwen_ir.cores_per_chip)
+    wire = [m.round_seconds(rd) for rd in rounds]
+    sums = sum(rd.sums for rd in rounds) / m.rates.vpu_ops_per_s
+    per_byte = 1 / 2 / m.rates.feed_values_per_s("bf16")
+    long_op = int(2 * sum(wire) / per_byte)
+    blocking = simulate(m, _overlapped_trace(a, long_op, False).events)
+    assert blocking.by_cause["collectives"] == pytest.approx(sum(wire) + sums)
+    hidden = simulate(m, _overlapped_trace(a, long_op, True).events)
+    # every round but the first lands after the op, so only the first hides under it
+    assert hidden.by_cause["collectives"] == pytest.approx(sum(wire[1:]) + sums)
+    assert hidden.step_s == pytest.approx(blocking.step_s - wire[0])
+    short_op = int(wire[0] / 2 / per_byte)
+    short = simulate(m, _overlapped_trace(a, short_op, True).events)
+    op_s = short_op * per_byte
+    assert short.by_cause["collectives"] == pytest.approx(sum(wire) - op_s + sums)
+    at_once = simulate(m, _overlapped_trace(a, short_op, False).events)
+    assert short.step_s == pytest.approx(at_once.step_s - op_s)

@@ -5,8 +5,10 @@ called twice in a row so the buffer parity alternates; and through the named sta
 all-reduce, its scattered form (reduce-scatter over (8, 1) into slots wider than the chunk, the
 chunk over (2, 8), the f32 all-gather) and a direct scattered one over (8, 1), each bit-equal
 to the rounding emulation (`mkc.reference.rounding.allreduce`, which knows only the one-shot
-stages). Runs in TPU interpret mode on 16 virtual CPU devices (on-wait and eager DMAs, and
-with race detection) and compile-only for tpu7x=2x2x2.
+stages). The scattered form and an all-gather overlapped (`InFlight`): started, advanced while
+other collectives run, finished; bit-equal to the same run at once, and a mutant that reads its
+slots without waiting for them is caught. Runs in TPU interpret mode on 16 virtual CPU devices
+(on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2.
 
 Every run is a subprocess (the device count is fixed when jax initialises):
 ``python tests/runtime/test_collectives.py on_wait|eager|races|races_eager|compile [lean]`` prints one
@@ -49,7 +51,11 @@ NAMED = {"os8": ((2, 8, B, WIDE), BF16, True), "os2": ((2, 2, B, WIDE), BF16, Tr
          "rs8": ((2, 8, B, 2 * W), BF16, True), "st8": ((8, B, 2 * W), BF16, False),
          "ch2": ((2, 2, B, 2 * W), BF16, True), "gs8": ((2, 8, B, 2 * W), F32, True),
          "rsd": ((2, 8, B, W), BF16, True), "std": ((8, B, W), BF16, False),
-         "gsd": ((2, 8, B, W), F32, True)}
+         "gsd": ((2, 8, B, W), F32, True),
+         # the overlapped scattered form's and all-gather's own buffers
+         "rso": ((2, 8, B, 2 * W), BF16, True), "sto": ((8, B, 2 * W), BF16, False),
+         "cho": ((2, 2, B, 2 * W), BF16, True), "gso": ((2, 8, B, 2 * W), F32, True),
+         "ago": ((2, 16, B, W), F32, True)}
 COUNTED = [n for n, (_, _, sems) in NAMED.items() if sems]
 
 
@@ -62,14 +68,24 @@ SCATTERED = (_stage(ReduceScatter, "rs8", 8, 1, staging="st8"), _stage(Stage, "c
              _stage(AllGather, "gs8", 8, 1))
 SCATTERED_DIRECT = (_stage(ReduceScatter, "rsd", 8, 1, staging="std"),
                     _stage(AllGather, "gsd", 8, 1))
+OVERLAPPED = (_stage(ReduceScatter, "rso", 8, 1, staging="sto"), _stage(Stage, "cho", 2, 8),
+              _stage(AllGather, "gso", 8, 1))
+OVERLAPPED_GATHER = _stage(Stage, "ago", 16, 1)
+
+
+class _LandsUnwaited(coll.InFlight):
+    """The mutant: a stage's slots read without waiting for its copies (`mutant` modes)."""
+
+    def _land(self):
+        return self.stage.finish(self.refs, self.sent.par, self.width)
 # output name -> per-rank shape, dtype; index 0/1 is the round.
 OUTPUTS = {f"{name}{n}": (shape, dtype) for n in range(ROUNDS) for name, shape, dtype in
            [("ar", (B, W), F32), ("ag16", (B, 16 * W), F32), ("ag8", (B, 8 * W), BF16),
             ("sib", (B, 2 * W), F32), ("os", (B, WIDE), F32), ("sc", (B, WIDE), F32),
-            ("sd", (B, WIDE), F32)]}
+            ("sd", (B, WIDE), F32), ("ov", (B, WIDE), F32), ("og", (B, 16 * W), F32)]}
 
 
-def _kernel(x_ref, y_ref, *refs):
+def _kernel(x_ref, y_ref, *refs, in_flight=coll.InFlight):
     """x_ref [ROUNDS, 3, B, W] f32: per round the all-reduce, all-gather and sibling inputs;
     y_ref [ROUNDS, B, WIDE] f32: per round the named stages' partial sums."""
     outs = dict(zip(OUTPUTS, refs))
@@ -104,11 +120,23 @@ def _kernel(x_ref, y_ref, *refs):
     for name, stages in (("os", ONE_SHOT), ("sc", SCATTERED), ("sd", SCATTERED_DIRECT)):
         for n in range(ROUNDS):
             outs[f"{name}{n}"][...] = coll.allreduce(named_refs, y_ref[n], stages, AXIS)
+    # Overlapped: both in flight at once, each stage landed after another collective ran.
+    for n in range(ROUNDS):
+        reduce = in_flight(named_refs, OVERLAPPED, y_ref[n], AXIS)
+        g = OVERLAPPED_GATHER
+        gather = in_flight(named_refs, (AllGather(g.buffer, g.counter, g.size, g.stride),),
+                           x_ref[n, 1], AXIS)
+        outs[f"sd{n}"][...] = coll.allreduce(named_refs, y_ref[n], SCATTERED_DIRECT, AXIS)
+        reduce.advance()
+        outs[f"os{n}"][...] = coll.allreduce(named_refs, y_ref[n], ONE_SHOT, AXIS)
+        reduce.advance()
+        outs[f"og{n}"][...] = gather.finish()
+        outs[f"ov{n}"][...] = reduce.finish()
 
 
-def build(mesh: Mesh, interpret):
+def build(mesh: Mesh, interpret, mutant: bool = False):
     """The jitted collective step over ``mesh``: x [RANKS, ROUNDS, 3, B, W] -> outputs stacked
-    over ranks."""
+    over ranks (`mutant`: its overlapped collectives `_LandsUnwaited`)."""
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     scratch = []
     for size, _, dtype in BUFFERS.values():
@@ -119,8 +147,9 @@ def build(mesh: Mesh, interpret):
         if sems:
             scratch += [pltpu.SemaphoreType.DMA(shape[:2])] * 2
     scratch.append(pltpu.SMEM((len(BUFFERS) + len(COUNTED),), jnp.int32))
+    kernel = functools.partial(_kernel, in_flight=_LandsUnwaited) if mutant else _kernel
     call = pl.pallas_call(
-        _kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d in OUTPUTS.values()],
+        kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d in OUTPUTS.values()],
         in_specs=[vmem, vmem], out_specs=[vmem] * len(OUTPUTS), scratch_shapes=scratch,
         compiler_params=pltpu.CompilerParams(collective_id=0, has_side_effects=True),
         interpret=interpret if interpret is not None else False)
@@ -151,7 +180,7 @@ def expected(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
     for n in range(ROUNDS):
         partials = [y[r, n] for r in range(RANKS)]
         two = np.asarray(allreduce(partials, Reduce(((8, 1), (2, 8)), "bf16")))
-        want[f"os{n}"] = want[f"sc{n}"] = np.broadcast_to(two, (RANKS, B, WIDE))
+        want[f"os{n}"] = want[f"sc{n}"] = want[f"ov{n}"] = np.broadcast_to(two, (RANKS, B, WIDE))
         # a direct all-reduce over each host's 8 ranks: rank r holds its host's sum
         direct = [np.asarray(allreduce(partials[h:h + 8], Reduce(((8, 1),), "bf16")))
                   for h in (0, 8)]
@@ -159,7 +188,7 @@ def expected(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
         want[f"ar{n}"] = np.broadcast_to(x[:, n, 0].sum(0), (RANKS, B, W))
         ag = [np.concatenate(list(x[g:g + size, n, 1]), axis=-1) for size in (16, 8)
               for g in range(0, RANKS, size)]
-        want[f"ag16{n}"] = np.stack([ag[0]] * RANKS)
+        want[f"ag16{n}"] = want[f"og{n}"] = np.stack([ag[0]] * RANKS)
         want[f"ag8{n}"] = np.stack([ag[1 + r // 8] for r in range(RANKS)])
         want[f"sib{n}"] = np.stack([np.concatenate([x[r & ~1, n, 2], x[r | 1, n, 2]], axis=-1)
                                     for r in range(RANKS)])
@@ -168,17 +197,18 @@ def expected(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
 
 def run_interpret(mode: str) -> dict:
     """Exact-equality verdict per output, a digest of their bytes and whether the race
-    detector fired."""
+    detector fired (`mutant_...`: the mode's run of the mutant)."""
     import hashlib
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     params = {"on_wait": pltpu.InterpretParams(),
               "eager": pltpu.InterpretParams(dma_execution_mode="eager"),
               "races": pltpu.InterpretParams(detect_races=True, vector_clock_size=64, on_race="warn"),
               "races_eager": pltpu.InterpretParams(detect_races=True, vector_clock_size=64,
-                                                   on_race="warn", dma_execution_mode="eager")}[mode]
+                                                   on_race="warn", dma_execution_mode="eager")
+              }[mode.removeprefix("mutant_")]
     mesh = Mesh(np.array(jax.devices()[:RANKS]), (AXIS,))
     x, y = inputs()
-    got = build(mesh, params)(jnp.asarray(x), jnp.asarray(y))
+    got = build(mesh, params, mode.startswith("mutant_"))(jnp.asarray(x), jnp.asarray(y))
     want = expected(x, y)
     ok = {name: bool(np.array_equal(np.asarray(g, np.float32), want[name]))
           for name, g in zip(OUTPUTS, got)}
@@ -238,6 +268,26 @@ def test_named_stages_bit_equal_to_the_rounding_emulation(interpreted, form, rnd
     """The one-shot two-level all-reduce, its scattered form and the direct scattered one:
     every rank's result bit-equal to the emulation of the one-shot stages."""
     assert interpreted["ok"][f"{form}{rnd}"], interpreted
+
+
+@pytest.mark.parametrize("rnd", range(ROUNDS))
+@pytest.mark.parametrize("form", ["ov", "og"])
+def test_overlapped_bit_equal_to_the_collective_run_at_once(interpreted, form, rnd):
+    """The scattered form and a 16-rank all-gather in flight together, each stage landed after
+    another collective ran: bit-equal to the emulation and the concatenation."""
+    assert interpreted["ok"][f"{form}{rnd}"], interpreted
+
+
+@pytest.mark.parametrize("mode", ["on_wait", "races_eager"])
+def test_an_overlapped_collective_landing_unwaited_is_caught(mode):
+    """The mutant reads its slots without waiting for the copies into them: on-wait DMAs never
+    run, so its results are wrong; eager ones may already have landed, so the race detector
+    must say so."""
+    result = _run(f"mutant_{mode}")
+    if mode == "on_wait":
+        assert not (result["ok"]["ov0"] and result["ok"]["og0"]), result
+    else:
+        assert result["races_found"] is True, result
 
 
 def test_from_rows_picks_the_form_by_the_kernels_rows():

@@ -10,14 +10,18 @@ from mkc.lang.syntax import Builder, Meta, Syntax
 SYNTAX = Syntax(r'''
 // `direct`: every rank sends to every peer. `two_level chip|host`: reduce within each chip
 // (or host) first, then across chips (hosts) among ranks with the same local index.
-allreduce_item: "allreduce" name_list NAME NAME? "wire" NAME scatter?
+allreduce_item: "allreduce" name_list NAME NAME? "wire" NAME scatter? overlap?
 // `scatter`: the first group reduce-scatters (member j sums column chunk j), the other stages
 // reduce the chunk, and the first group all-gathers the chunk sums in f32. `from N rows`:
 // kernels of fewer rows keep the one-shot stages.
 scatter: SCATTER ("from" INT "rows")?
 SCATTER: "scatter"
+// `overlap`: the collective starts after its op and finishes before the first op that reads
+// its result, its stages advancing after each op between, while those ops compute.
+overlap: OVERLAP
+OVERLAP: "overlap"
 // Column shards of an op's output gathered over the group its weight is split over.
-allgather_item: "allgather" name_list "over" shard_group
+allgather_item: "allgather" name_list "over" shard_group overlap?
 // Each core of a chip computes a share; `with sibling` swaps the shares over the on-chip link.
 exchange_item:  "exchange" name_list "with" NAME "wire" NAME
 ''')
@@ -33,6 +37,13 @@ class Scatter:
 
 
 @dataclass(frozen=True)
+class Overlap:
+    """`overlap` after a collective."""
+
+    word: Name
+
+
+@dataclass(frozen=True)
 class AllReduce:
     ops: list[Name]
     algorithm: Name
@@ -40,6 +51,7 @@ class AllReduce:
     wire_dtype: Name
     span: Span
     scatter: Scatter | None = None
+    overlap: Name | None = None  # the `overlap` keyword
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class AllGather:
     ops: list[Name]
     group: Group
     span: Span
+    overlap: Name | None = None  # the `overlap` keyword
 
 
 @dataclass(frozen=True)
@@ -74,17 +87,26 @@ def scatter(b: Builder, meta: Meta, items: list) -> Scatter:
     return Scatter(b.name(items[0]), items[1] if len(items) > 1 else None, b.span(meta))
 
 
+@SYNTAX.rule("overlap")
+def overlap(b: Builder, meta: Meta, items: list) -> Overlap:
+    return Overlap(b.name(items[0]))
+
+
 @SYNTAX.statement("allreduce_item", "phase", "allreduces")
 def allreduce_item(b: Builder, meta: Meta, items: list) -> AllReduce:
+    overlapped = items[-1].word if isinstance(items[-1], Overlap) else None
+    items = items[:-1] if overlapped else items
     scattered = items[-1] if isinstance(items[-1], Scatter) else None
     items = items[:-1] if scattered else items
     level = b.name(items[2]) if len(items) == 4 else None
-    return AllReduce(items[0], b.name(items[1]), level, b.name(items[-1]), b.span(meta), scattered)
+    return AllReduce(items[0], b.name(items[1]), level, b.name(items[-1]), b.span(meta), scattered,
+                     overlapped)
 
 
 @SYNTAX.statement("allgather_item", "phase", "allgathers")
 def allgather_item(b: Builder, meta: Meta, items: list) -> AllGather:
-    return AllGather(items[0], items[1], b.span(meta))
+    overlapped = items[-1].word if isinstance(items[-1], Overlap) else None
+    return AllGather(items[0], items[1], b.span(meta), overlapped)
 
 
 @SYNTAX.statement("exchange_item", "phase", "exchanges")
