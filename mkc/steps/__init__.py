@@ -15,7 +15,7 @@ a new step kind is a new class here, not a branch in each stage.
 | `scopes` | `ScopeOpen`, `ScopeClose` | `scoped` |
 | `vectors` | `Vectors` | `parity` |
 | `views` | `Prefetch`, `Fetch`, `PoolWait`, `ViewClose` | `pool`, `experts` |
-| `collectives` | `AllReduce`, `AllGather`, `Exchange`; `OverlapStart`, `OverlapAdvance`, `OverlapFinish` | `collectives` |
+| `collectives` | `AllReduce`, `AllGather`, `Exchange`, `Overlap*` (the parts) | `collectives` |
 | `compute` | `Op` | none: the model graph's ops (ring tiles, pooled and expert reads, KV tiles) |
 """
 from mkc.steps.base import Step, spec_line
