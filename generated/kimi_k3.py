@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 7b04185903811430
+Input digest (spec, model config, mkc version): c17a55eccd8deb42
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
@@ -227,14 +227,11 @@ MLA_O_PROJ_REDUCE = FromRows(
             Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
             AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
 )
-MOE_SHARED_DOWN_REDUCE = FromRows(
-    rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
-                          stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+MOE_SHARED_DOWN_REDUCE = (
+    ReduceScatter(buffer='scatter__bf16_8x1__shared_down', staging='send__bf16_8x1__shared_down',
+                  counter=10, size=8, stride=1),
+    Stage(buffer='chunk__bf16_4x8__shared_down', counter=11, size=4, stride=8),
+    AllGather(buffer='sums__f32_8x1__shared_down', counter=12, size=8, stride=1)
 )
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=8,
@@ -247,7 +244,7 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
 MOE_ROUTER_EXCHANGE = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
-N_COLLECTIVE_COUNTERS = 10
+N_COLLECTIVE_COUNTERS = 13
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -387,18 +384,23 @@ def _layer_moe(k: Kernel, layer):
     # spec line 98: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 99: all-gather over 32 ranks
+    # overlapped: it runs until its first reader
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 103
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    # two_level, wire bf16, scatter from 8 rows
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 100
+    # overlapped: it runs until its first reader
+    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 104
+    latent_in = latent_in_in_flight.finish()   # spec line 103
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
+    shared_out_in_flight.advance()   # spec line 104
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 103: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 102: two_level, wire bf16
+    c.prefetch_view()   # spec line 107: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 106: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
+    shared_out_in_flight.advance()   # spec line 104
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 104: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 108: all-gather over 8 ranks
+    shared_out = shared_out_in_flight.finish()   # spec line 104
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -495,6 +497,10 @@ SCRATCH_SHAPES = {
     "send__bf16_8x1": vmem((8, ROWS, 896), BF16, rows=(8, 8)),   # collective
     "chunk__bf16_4x8": vmem((2, 4, ROWS, 896), BF16, rows=(8, 8)),   # collective
     "sums__f32_8x1": vmem((2, 8, ROWS, 896), F32, rows=(8, 8)),   # collective
+    "scatter__bf16_8x1__shared_down": vmem((2, 8, ROWS, 896), BF16),   # collective
+    "send__bf16_8x1__shared_down": vmem((8, ROWS, 896), BF16),   # collective
+    "chunk__bf16_4x8__shared_down": vmem((2, 4, ROWS, 896), BF16),   # collective
+    "sums__f32_8x1__shared_down": vmem((2, 8, ROWS, 896), F32),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -524,6 +530,12 @@ SCRATCH_SHAPES = {
     "chunk__bf16_4x8__recv": dma_sems((2, 4), rows=(8, 8)),
     "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
     "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__shared_down__send": dma_sems((2, 8)),
+    "scatter__bf16_8x1__shared_down__recv": dma_sems((2, 8)),
+    "chunk__bf16_4x8__shared_down__send": dma_sems((2, 4)),
+    "chunk__bf16_4x8__shared_down__recv": dma_sems((2, 4)),
+    "sums__f32_8x1__shared_down__send": dma_sems((2, 8)),
+    "sums__f32_8x1__shared_down__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((4,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies

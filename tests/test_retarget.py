@@ -147,14 +147,18 @@ def test_groups_carry_over_by_meaning():
 
 
 def test_a_scatter_clause_stays_only_where_its_chunks_are_whole_lane_tiles():
-    """K3's `scatter from 8 rows` on its 7168-column all-reduces: moved with its MINI config
-    (512 columns over a host's 8 cores: chunks of 64) the clause goes, the algorithm stays."""
+    """K3's `scatter` clauses on its 7168-column all-reduces: moved with its MINI config
+    (512 columns over a host's 8 cores: chunks of 64) the clause goes; the algorithm and the
+    shared-expert sum's `overlap` stay."""
     shipped = (SCHEDULES / "kimi_k3.sched").read_text()
-    assert shipped.count("wire bf16 scatter from 8 rows") == 4
+    assert shipped.count("wire bf16 scatter from 8 rows") == 3
+    assert shipped.count("shared_down two_level host wire bf16 scatter overlap") == 1
     res, s = _retargeted("kimi_k3", "tpu7x topology 2x2x2", "kimi_k3_mini")
     assert "scatter" not in "".join(ln for ln in res.text.splitlines() if "allreduce" in ln)
     assert res.text.count("allreduce o_proj two_level host wire bf16\n") == 2
+    assert "allreduce shared_down two_level host wire bf16 overlap\n" in res.text
     assert all(a.scatter_from is None for k in s.kinds.values() for a in k.allreduces)
+    assert [a.after_op for k in s.kinds.values() for a in k.allreduces if a.overlap] == ["shared_down"]
 
 
 def test_k3_rules_on_a_one_core_chip_slice_need_no_sibling():

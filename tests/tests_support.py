@@ -50,11 +50,17 @@ K3_SCATTER = " scatter from 8 rows"     # the shipped K3 spec's clause on its 71
 
 def k3_scatter_text(clause: str = "scatter from 8 rows") -> str:
     """The shipped K3 spec with `clause` ("": one-shot) after the wire dtype of each all-reduce
-    it scatters (o_proj, down, shared_down: 7168 columns, chunks of 896 over a host's 8 cores;
-    the routed experts' 3584 stay one-shot on a line of their own), lines kept."""
+    it scatters from 8 rows (o_proj, down: 7168 columns, chunks of 896 over a host's 8 cores),
+    and the overlapped shared expert's sum run at once with that clause (the routed experts'
+    3584 stay one-shot on a line of their own), lines kept."""
     text = K3_SPEC.read_text()
-    assert text.count(K3_SCATTER) == 4
+    assert text.count(K3_SCATTER) == 3 and text.count(K3_SHARED_SUM) == 1
+    text = text.replace(K3_SHARED_SUM, K3_SHARED_SUM.replace(" scatter overlap", K3_SCATTER))
     return text.replace(K3_SCATTER, f" {clause}" if clause else "")
+
+
+# the shipped K3 spec's overlapped shared-expert sum
+K3_SHARED_SUM = "allreduce shared_down two_level host wire bf16 scatter overlap"
 
 
 def dense_text(spec: Path, fmt: str, attention: bool = False) -> str:

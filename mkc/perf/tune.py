@@ -4,10 +4,11 @@ The knobs are the numbers and choices of the spec that move memory, not what is 
 the weight ring's slots, its tile bound and how far the stream runs ahead; each phase's KV tile
 stream (slots, tokens per tile, ahead); each pool's expert slots; which of a kind's matrices a
 pool's weight view holds whole and which stream through the ring; where each `prefetch next`
-starts; and each all-reduce's algorithm (direct, or two_level within a chip or a host where the
+starts; each all-reduce's algorithm (direct, or two_level within a chip or a host where the
 topology has more than one; one-shot or `scatter`, at every kernel width or from the widest
-kernel's rows). Knobs are found in the spec's AST and each is edited in place, as
-the few tokens of its statement that change: layout and every other token stay.
+kernel's rows; run at once or `overlap`ped), and whether each all-gather overlaps. Knobs are
+found in the spec's AST and each is edited in place, as the few tokens of its statement that
+change: layout and every other token stay.
 
 The objective is the mean of the modelled step times at the spec's smallest and largest batch
 (its `batch A to B`; one batch if A == B), at its context. Every candidate is parsed, resolved
@@ -144,6 +145,7 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
         kname = phase.kind.text
         knobs += _kv_knobs(phase, kname, src, s)
         knobs += _allreduce_knobs(phase, kname, src, algorithms, scatters)
+        knobs += _allgather_knobs(phase, kname, src)
         knobs += _prefetch_knobs(phase, kname, src, s)
     return knobs
 
@@ -323,24 +325,44 @@ def _scatter_forms(s: ir.ScheduleIR) -> list[str]:
 def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: list[str],
                      scatters: list[str]) -> list[Knob]:
     """A phase's all-reduces with another algorithm to try: the algorithm (and level) tokens,
-    and the scatter clause after the wire dtype (an algorithm whose first group does not split
-    the columns into whole lane tiles is refused by the check, like any invalid candidate)."""
+    and the scatter and overlap clauses after the wire dtype (an algorithm whose first group
+    does not split the columns into whole lane tiles, or an overlap with nothing under it, is
+    refused by the check, like any invalid candidate)."""
     knobs: list[Knob] = []
     for ar in phase.allreduces:
         a = src.span_range(ar.algorithm.span)[0]
         b = src.span_range((ar.level or ar.algorithm).span)[1]
         wire_end = src.span_range(ar.wire_dtype.span)[1]
-        clause_end = src.span_range(ar.scatter.span)[1] if ar.scatter else wire_end
+        clause_end = src.span_range(ar.span)[1]
         cur = (f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text,
-               " " + scatter_text(ar.scatter.rows) if ar.scatter else "")
-        opts = list(dict.fromkeys([cur] + [(alg, sc) for alg in algorithms for sc in scatters]))
+               " " + scatter_text(ar.scatter.rows) if ar.scatter else "",
+               OVERLAP if ar.overlap else "")
+        opts = list(dict.fromkeys([cur] + [(alg, sc, ov) for alg in algorithms for sc in scatters
+                                           for ov in ("", OVERLAP)]))
         if len(opts) > 1:
             ops = ", ".join(o.text for o in ar.ops)
             knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, cur,
-                              (Slot(a, b), Slot(wire_end, clause_end)), lambda v: v,
+                              (Slot(a, b), Slot(wire_end, clause_end)),
+                              lambda v: (v[0], v[1] + v[2]),
                               lambda v, opts=opts: [o for o in opts if o != v],
-                              lambda v: v[0] + v[1]))
+                              lambda v: v[0] + v[1] + v[2]))
     return knobs
+
+
+def _allgather_knobs(phase: ast.Phase, kname: str, src: SpecSource) -> list[Knob]:
+    """Whether each of a phase's all-gathers overlaps the ops after it."""
+    knobs: list[Knob] = []
+    for ag in phase.allgathers:
+        group_end, end = src.span_range(ag.group.span)[1], src.span_range(ag.span)[1]
+        ops = ", ".join(o.text for o in ag.ops)
+        knobs.append(Knob(f"allgather {ops} in {kname}", ag.span.line,
+                          (OVERLAP if ag.overlap else "",), (Slot(group_end, end),),
+                          lambda v: v, lambda v: [("" if v[0] else OVERLAP,)],
+                          lambda v: v[0] or "at once"))
+    return knobs
+
+
+OVERLAP = " overlap"
 
 
 def _prefetch_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:

@@ -228,16 +228,18 @@ def test_kv_tiles_up_to_the_measured_length_add_the_measured_bytes_a_token_and_p
 
 
 def test_a_kernel_holds_only_the_all_reduce_buffers_of_the_form_its_rows_run(tmp_path):
-    """K3 (`scatter from 8 rows`): the kernels of up to 7 rows hold the one-shot receive
+    """K3 with `scatter from 8 rows` on its 7168-column all-reduces (the shipped spec's, its
+    shared-expert sum run at once): the kernels of up to 7 rows hold the one-shot receive
     slots as the spec one-shot does (7168 columns), the 8-row one the scattered form's
     (chunks of 896) and the routed experts' one-shot slots (3584), so VMEM is checked at both
-    widths (`bounding_widths`): at 7 rows as the one-shot spec's, at 8 less."""
+    widths (`bounding_widths`): at 7 rows as the one-shot spec's, at 8 less. The shipped spec's
+    overlapped shared-expert sum, scattered at every width, adds its own at both."""
     from tests_support import K3_SPEC, k3_scatter_text
-    s = check_spec(K3_SPEC).ir
+    scattered_spec, one_shot_spec = tmp_path / "scattered.sched", tmp_path / "one_shot.sched"
+    scattered_spec.write_text(k3_scatter_text())
+    one_shot_spec.write_text(k3_scatter_text(""))
+    s, one_shot = check_spec(scattered_spec).ir, check_spec(one_shot_spec).ir
     assert capacity.bounding_widths(s) == [7, 8]
-    spec = tmp_path / "kimi_k3.sched"
-    spec.write_text(k3_scatter_text(""))
-    one_shot = check_spec(spec).ir
     assert capacity.bounding_widths(one_shot) == [8]
 
     def reduce_buffers(ir_, rows):
@@ -256,3 +258,9 @@ def test_a_kernel_holds_only_the_all_reduce_buffers_of_the_form_its_rows_run(tmp
     events, one_shot_events = build_trace(s), build_trace(one_shot)
     assert vmem_budget(s, events, 7)[0] == vmem_budget(one_shot, one_shot_events, 7)[0]
     assert vmem_budget(s, events, 8)[0] < vmem_budget(one_shot, one_shot_events, 8)[0]
+    own = {b.name: b.vmem_bytes for b in capacity.kernel_buffers(check_spec(K3_SPEC).ir, 8)
+           if b.name.endswith("__shared_down")}
+    assert set(own) == {"scatter__bf16_8x1__shared_down", "send__bf16_8x1__shared_down",
+                        "chunk__bf16_4x8__shared_down", "sums__f32_8x1__shared_down"}
+    # as large as the shared scattered form's at 8 rows
+    assert {n.removesuffix("__shared_down"): v for n, v in own.items()} == scattered

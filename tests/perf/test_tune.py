@@ -15,7 +15,7 @@ from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse
 from mkc.perf import tune
 from mkc.perf.work import kernel_work
-from tests_support import ROOT, SPEC
+from tests_support import K3_SPEC, SPEC
 
 MINI = "qwen3_8_mini"
 _ALL_TOKENS = re.compile(r"#[^\n]*|\s+|\w+|\S")
@@ -56,25 +56,47 @@ def test_knobs_edit_only_their_tokens():
     assert tune.render(text, knobs, tuple(k.value for k in knobs)) == text
 
 
-def test_the_algorithm_knob_tries_the_scatter_clause():
-    """Each all-reduce's algorithm knob: the algorithm and the scatter clause after the wire
-    dtype, one-shot, at every width or from the widest kernel's rows (16: the verify step's),
-    rendered in place and back."""
+def test_the_algorithm_knob_tries_the_scatter_and_overlap_clauses():
+    """Each all-reduce's algorithm knob: the algorithm, the scatter clause after the wire dtype
+    (one-shot, at every width or from the widest kernel's rows: 16, the verify step's) and
+    `overlap`, rendered in place and back; an overlap with no op under it is refused by the
+    check like any invalid candidate."""
     text = SPEC.read_text()
     s = tune.check_text(text, str(SPEC), MINI)
     knob = next(k for k in tune.find_knobs(parse(text, str(SPEC)), tune.SpecSource(text), s)
                 if k.name == "allreduce o_proj, down in gqa")
-    assert knob.value == ("direct", "")
-    assert {("direct", " scatter"), ("direct", " scatter from 16 rows"),
-            ("two_level chip", " scatter from 16 rows")} <= set(knob.neighbours(knob.value))
-    edited = tune.render(text, [knob], (("two_level chip", " scatter from 16 rows"),))
+    assert knob.value == ("direct", "", "")
+    assert {("direct", " scatter", ""), ("direct", " scatter from 16 rows", ""),
+            ("two_level chip", " scatter from 16 rows", ""),
+            ("direct", "", " overlap")} <= set(knob.neighbours(knob.value))
+    chosen = ("two_level chip", " scatter from 16 rows", "")
+    edited = tune.render(text, [knob], (chosen,))
     assert "allreduce o_proj, down two_level chip wire bf16 scatter from 16 rows\n" in edited
     tune.check_text(edited, str(SPEC), MINI)        # chunks of 128 over a chip's 2 cores
     back = next(k for k in tune.find_knobs(parse(edited, str(SPEC)), tune.SpecSource(edited), s)
                 if k.name == knob.name)
-    assert back.value == ("two_level chip", " scatter from 16 rows")
-    assert [edited[sl.start:sl.end] for sl in back.slots] == list(back.value)
-    assert tune.render(edited, [back], (("direct", ""),)) == text
+    assert back.value == chosen
+    assert [edited[sl.start:sl.end] for sl in back.slots] == list(back.render(back.value))
+    assert tune.render(edited, [back], (("direct", "", ""),)) == text
+    overlapped = tune.render(text, [knob], (("direct", "", " overlap"),))
+    assert "allreduce o_proj, down direct wire bf16 overlap\n" in overlapped
+    with pytest.raises(MkcError, match="right after it"):
+        tune.check_text(overlapped, str(SPEC), MINI)
+
+
+def test_the_allgather_knob_toggles_overlap():
+    """K3's all-gathers: latent_down's overlaps the shared expert (as shipped), latent_up's is
+    read right after it; each knob offers the other choice."""
+    text = K3_SPEC.read_text()
+    s = tune.check_text(text, str(K3_SPEC), None)
+    knobs = {k.name: k for k in tune.find_knobs(parse(text, str(K3_SPEC)), tune.SpecSource(text), s)
+             if k.name.startswith("allgather")}
+    assert {n: k.value for n, k in knobs.items()} == {"allgather latent_down in moe": (" overlap",),
+                                                      "allgather latent_up in moe": ("",)}
+    k = knobs["allgather latent_down in moe"]
+    at_once = tune.render(text, [k], k.neighbours(k.value))
+    assert "    allgather latent_down over tp\n" in at_once
+    tune.check_text(at_once, str(K3_SPEC), None)
 
 
 def test_coordinate_descent_finds_the_optimum_of_a_tiny_space(monkeypatch):
@@ -190,8 +212,6 @@ def test_tune_runs_on_the_gpt_oss_120b_spec_and_its_kv_ring(tmp_path, capsys):
     assert "kv ring 256 slots" in out.read_text()
     check_spec(out)
 
-
-K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 
 
 def _k3_attention_pooled() -> str:
