@@ -251,21 +251,30 @@ def main(argv: list[str] | None = None) -> int:
     old = {r["var"]["name"]: r for r in json.loads(DATA.read_text())["results"]
            if "spec" in r["var"]} if DATA.exists() else {}
     if not a.report:
-        todo = [v for v in variants(a.only) if not (a.missing and v.name in old)]
+        swept = variants(a.only)
+        todo = [v for v in swept if not (a.missing and v.name in old)]
         if a.list:
             print("\n".join(v.name for v in todo))
             return 0
+        # results of variants the specs no longer make (a boundary moved) go
+        current = {v.name for v in swept}
+        old = {n: r for n, r in old.items() if (a.only or "") not in n or n in current}
         for i, v in enumerate(todo):
             r = compile_variant(v, a.timeout)
             old[v.name] = {"var": asdict(v), "libtpu": r}
             print(f"[{i + 1}/{len(todo)}] {v.name}: {r['libtpu']} "
                   f"{(r.get('used_bytes') or 0) / MIB:.2f} MiB in {r['seconds']} s", flush=True)
-            DATA.write_text(json.dumps({"command": COMMAND, "jax": _versions(),
-                                        "results": sorted(old.values(), key=lambda r: r["var"]["name"])},
-                                       indent=1) + "\n")
+            _save(old)
+        _save(old)
     text, totals = report(sorted(old.values(), key=lambda r: r["var"]["name"]))
     print(text)
     return 1 if any(t["FALSE FIT"] for t in totals.values()) else 0
+
+
+def _save(results: dict) -> None:
+    DATA.write_text(json.dumps({"command": COMMAND, "jax": _versions(),
+                                "results": sorted(results.values(), key=lambda r: r["var"]["name"])},
+                               indent=1) + "\n")
 
 
 def _versions() -> dict:
