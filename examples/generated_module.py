@@ -121,7 +121,7 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
 # rebuilt as stages whose `run` reaches the edited copy. (function, old, new).
 RUNTIME_MUTANTS: dict[str, tuple[str, str, str]] = {
     # each member of a reduce-scatter sends a peer the next member's column chunk, not its own
-    "collectives.scatter_chunk": ("reduce_scatter", "staged(member), slot(local)",
+    "collectives.scatter_chunk": ("_send_chunks", "staged(member), slot(local)",
                                   "staged(lax.rem(member + 1, size)), slot(local)"),
 }
 MUTANT_FACTOR = 1.01
@@ -245,10 +245,20 @@ def _mutate_runtime(module, mutants: dict[str, int | None]) -> None:
     if not edited:
         return
     namespace = dict(vars(collectives))
+
+    def reading_namespace(f, name: str):
+        return types.FunctionType(f.__code__, namespace, name, f.__defaults__, f.__closure__)
+
+    # the module's other functions read the copied globals too, so that a call from one of them
+    # (`reduce_scatter` calling `_send_chunks`) reaches an edited copy
+    for key, f in vars(collectives).items():
+        if inspect.isfunction(f) and f.__module__ == collectives.__name__:
+            namespace[key] = reading_namespace(f, key)
     for func, source in edited.items():
         exec(compile(source, f"<mutant of mkc.runtime.collectives.{func}>", "exec"), namespace)
-    mutant = {cls: type(cls.__name__, (cls,), {"run": types.FunctionType(
-                  cls.run.__code__, namespace, "run", cls.run.__defaults__, cls.run.__closure__)})
+    # a stage run at once (`run`) or overlapped (`start`, `finish`)
+    mutant = {cls: type(cls.__name__, (cls,), {m: reading_namespace(getattr(cls, m), m)
+                                               for m in ("run", "start", "finish")})
               for cls in (collectives.Stage, collectives.ReduceScatter, collectives.AllGather)}
 
     def rebind(value):

@@ -56,6 +56,7 @@ from mkc.perf.comments import drop_stale_comments
 from mkc.perf.run import kernel_measure, step_model
 from mkc.perf.work import kernel_work
 from mkc.resolve import resolve
+from mkc.resolve.collectives import overlap_window
 
 # Issue 18: every shipped spec keeps at least 1 MiB of VMEM headroom at its widest kernel.
 MIN_HEADROOM = 1 << 20
@@ -144,8 +145,8 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
     for phase in sched.phases:
         kname = phase.kind.text
         knobs += _kv_knobs(phase, kname, src, s)
-        knobs += _allreduce_knobs(phase, kname, src, algorithms, scatters)
-        knobs += _allgather_knobs(phase, kname, src)
+        knobs += _allreduce_knobs(phase, kname, src, algorithms, scatters, s)
+        knobs += _allgather_knobs(phase, kname, src, s)
         knobs += _prefetch_knobs(phase, kname, src, s)
     return knobs
 
@@ -322,14 +323,29 @@ def _scatter_forms(s: ir.ScheduleIR) -> list[str]:
     return forms
 
 
+def _can_overlap(s: ir.ScheduleIR, kname: str, ops: list[ast.Name]) -> bool:
+    """Whether a collective of each of these ops has ops to overlap (`overlap_window`)."""
+    k = s.kinds.get(kname)
+    if k is None or any(o.text not in k.ops for o in ops):
+        return False
+    scopes = [b.scope for b in s.buffers if b.scope and b.scope[0] == kname]
+    try:
+        for o in ops:
+            overlap_window(k, o.text, scopes, o.span)
+    except MkcError:
+        return False
+    return True
+
+
 def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: list[str],
-                     scatters: list[str]) -> list[Knob]:
+                     scatters: list[str], s: ir.ScheduleIR) -> list[Knob]:
     """A phase's all-reduces with another algorithm to try: the algorithm (and level) tokens,
     and the scatter and overlap clauses after the wire dtype (an algorithm whose first group
-    does not split the columns into whole lane tiles, or an overlap with nothing under it, is
-    refused by the check, like any invalid candidate)."""
+    does not split the columns into whole lane tiles is refused by the check, like any invalid
+    candidate; overlap is offered only where ops would compute under it)."""
     knobs: list[Knob] = []
     for ar in phase.allreduces:
+        overlaps = ("", OVERLAP) if _can_overlap(s, kname, ar.ops) else ("",)
         a = src.span_range(ar.algorithm.span)[0]
         b = src.span_range((ar.level or ar.algorithm).span)[1]
         wire_end = src.span_range(ar.wire_dtype.span)[1]
@@ -338,7 +354,7 @@ def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: 
                " " + scatter_text(ar.scatter.rows) if ar.scatter else "",
                OVERLAP if ar.overlap else "")
         opts = list(dict.fromkeys([cur] + [(alg, sc, ov) for alg in algorithms for sc in scatters
-                                           for ov in ("", OVERLAP)]))
+                                           for ov in overlaps]))
         if len(opts) > 1:
             ops = ", ".join(o.text for o in ar.ops)
             knobs.append(Knob(f"allreduce {ops} in {kname}", ar.span.line, cur,
@@ -349,10 +365,13 @@ def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: 
     return knobs
 
 
-def _allgather_knobs(phase: ast.Phase, kname: str, src: SpecSource) -> list[Knob]:
-    """Whether each of a phase's all-gathers overlaps the ops after it."""
+def _allgather_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
+    """Whether each of a phase's all-gathers overlaps the ops after it (where ops would compute
+    under it)."""
     knobs: list[Knob] = []
     for ag in phase.allgathers:
+        if not _can_overlap(s, kname, ag.ops):
+            continue
         group_end, end = src.span_range(ag.group.span)[1], src.span_range(ag.span)[1]
         ops = ", ".join(o.text for o in ag.ops)
         knobs.append(Knob(f"allgather {ops} in {kname}", ag.span.line,

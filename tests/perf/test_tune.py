@@ -59,16 +59,16 @@ def test_knobs_edit_only_their_tokens():
 def test_the_algorithm_knob_tries_the_scatter_and_overlap_clauses():
     """Each all-reduce's algorithm knob: the algorithm, the scatter clause after the wire dtype
     (one-shot, at every width or from the widest kernel's rows: 16, the verify step's) and
-    `overlap`, rendered in place and back; an overlap with no op under it is refused by the
-    check like any invalid candidate."""
+    `overlap` where ops would compute under it (not here: the residual reads each sum right
+    after it, and the check refuses that), rendered in place and back."""
     text = SPEC.read_text()
     s = tune.check_text(text, str(SPEC), MINI)
     knob = next(k for k in tune.find_knobs(parse(text, str(SPEC)), tune.SpecSource(text), s)
                 if k.name == "allreduce o_proj, down in gqa")
     assert knob.value == ("direct", "", "")
     assert {("direct", " scatter", ""), ("direct", " scatter from 16 rows", ""),
-            ("two_level chip", " scatter from 16 rows", ""),
-            ("direct", "", " overlap")} <= set(knob.neighbours(knob.value))
+            ("two_level chip", " scatter from 16 rows", "")} <= set(knob.neighbours(knob.value))
+    assert all(v[2] == "" for v in knob.neighbours(knob.value))
     chosen = ("two_level chip", " scatter from 16 rows", "")
     edited = tune.render(text, [knob], (chosen,))
     assert "allreduce o_proj, down two_level chip wire bf16 scatter from 16 rows\n" in edited
@@ -84,19 +84,24 @@ def test_the_algorithm_knob_tries_the_scatter_and_overlap_clauses():
         tune.check_text(overlapped, str(SPEC), MINI)
 
 
-def test_the_allgather_knob_toggles_overlap():
-    """K3's all-gathers: latent_down's overlaps the shared expert (as shipped), latent_up's is
-    read right after it; each knob offers the other choice."""
+def test_the_overlap_knobs_where_ops_compute_under_the_collective():
+    """K3's moe: latent_down's gather overlaps the shared expert (as shipped) and may run at
+    once; latent_up's is read right after it, so it has no knob; the shared expert's sum is
+    offered at once and overlapped."""
     text = K3_SPEC.read_text()
     s = tune.check_text(text, str(K3_SPEC), None)
-    knobs = {k.name: k for k in tune.find_knobs(parse(text, str(K3_SPEC)), tune.SpecSource(text), s)
-             if k.name.startswith("allgather")}
-    assert {n: k.value for n, k in knobs.items()} == {"allgather latent_down in moe": (" overlap",),
-                                                      "allgather latent_up in moe": ("",)}
+    knobs = {k.name: k for k in tune.find_knobs(parse(text, str(K3_SPEC)), tune.SpecSource(text), s)}
+    assert {n: k.value for n, k in knobs.items() if n.startswith("allgather")} == {
+        "allgather latent_down in moe": (" overlap",)}
     k = knobs["allgather latent_down in moe"]
     at_once = tune.render(text, [k], k.neighbours(k.value))
     assert "    allgather latent_down over tp\n" in at_once
     tune.check_text(at_once, str(K3_SPEC), None)
+    shared = knobs["allreduce shared_down in moe"]
+    assert shared.value == ("two_level host", " scatter", " overlap")
+    assert ("two_level host", " scatter", "") in shared.neighbours(shared.value)
+    routed = knobs["allreduce routed_experts in moe"]
+    assert all(v[2] == "" for v in routed.neighbours(routed.value))
 
 
 def test_coordinate_descent_finds_the_optimum_of_a_tiny_space(monkeypatch):
