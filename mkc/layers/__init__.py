@@ -7,8 +7,9 @@ from in an upstream checkpoint.
 * Kinds, one package each (`__init__`: options, ops and tensors, importing no jax; `lowering`,
   `reference`, `weights`): `gqa` (grouped-query attention and its variants), `swiglu` (a dense
   SwiGLU MLP), `gated_delta_net` (Qwen3.5's linear attention; `gated_delta_net.config` reads
-  a hybrid of it and gated attention), `mla` (multi-head latent attention, weight-absorbed
-  over a latent cache: DeepSeek's with RoPE, K3's gated NoPE one),
+  a hybrid of it and gated attention), `kda` (Kimi Delta Attention, Kimi Linear's and K3's
+  linear attention: a delta rule with a decay per key channel), `mla` (multi-head latent
+  attention, weight-absorbed over a latent cache: DeepSeek's with RoPE, K3's gated NoPE one),
   `moe` (a sparse mixture of experts: softmax top-k router, routed SwiGLU experts in bf16 or
   FP8 blocks, an optional gated shared expert).
 * Shared pieces: `ops` (kernel math), `reference` (reference math), `rope` (config reading, the

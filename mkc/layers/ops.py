@@ -46,6 +46,19 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
+def delta_rule_update(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    """The delta rule's update of one head's decayed state by one token, and its output (the
+    gated delta net and KDA decay the state their own way first): state [Dk, Dv] f32; q, k
+    [1, Dk] (normalised, q scaled); v [1, Dv]; beta [1, 1].
+    S += k^T ((v - k S) * beta); o = q S."""
+    predicted = jnp.dot(k, state, preferred_element_type=F32)            # [1, Dv]
+    delta = (v - predicted) * beta
+    # Outer product as a broadcast of the transposed key (Mosaic has no outer-product dot).
+    state = state + jnp.transpose(k) * delta
+    return jnp.dot(q, state, preferred_element_type=F32), state
+
+
 def softplus(x: jax.Array) -> jax.Array:
     # log1p(exp(x)) overflows for large x; this form is exact to f32 rounding everywhere.
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))

@@ -44,31 +44,73 @@ def l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
+def delta_rule_update(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                      beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The delta rule's update of a decayed state by one token, for any leading axes (the gated
+    delta net and KDA decay the state their own way first): state ``[..., Dk, Dv]``, q/k
+    ``[..., Dk]`` (normalised, q scaled), v ``[..., Dv]``, beta ``[...]`` -> (o ``[..., Dv]``,
+    new state): ``S += k (x) ((v - S^T k) * beta); o = S^T q``."""
+    predicted = jnp.einsum("...kv,...k->...v", state, k, precision=HIGHEST)
+    delta = (v - predicted) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("...kv,...k->...v", state, q, precision=HIGHEST), state
+
+
+def kernel_delta_update(state: jax.Array, q: jax.Array, k: jax.Array, v_pre: jax.Array,
+                        v_gate: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`delta_rule_update` of one row's and head's decayed state ``[Dk, Dv]`` in the kernel's
+    formulation and shapes (q, k ``[1, Dk]`` normalised; beta ``[1, 1]``), for a caller to jit:
+    the values ``[1, Dv]`` enter as their conv SiLU's factors ``v = v_pre * v_gate``, which the
+    kernel fuses into ``v - k S``, one multiply-add (a rounded v there is an ulp off in about
+    1/6 of the state from step 1 on, where ``k S`` is not zero)."""
+    predicted = jnp.dot(k, state, preferred_element_type=jnp.float32)
+    state = state + jnp.transpose(k) * ((v_pre * v_gate - predicted) * beta)
+    return jnp.dot(q, state, preferred_element_type=jnp.float32), state
+
+
+@jax.jit
+def kernel_conv_silu(window: jax.Array, taps: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A depthwise causal conv and SiLU of one step as the kernel sums it: window [B, C, K]
+    oldest first, taps [C, 1, K] (``conv1d.weight``); tap by tap, ``acc + window_j * tap_j``
+    (one FMA each), where a sum over the tap axis adds in another order. Returns
+    (``silu(acc)``, and its two factors ``acc`` and ``sigmoid(acc)``: the values enter the
+    delta rule as the factors, `kernel_delta_update`)."""
+    acc = window[:, :, 0] * taps[None, :, 0, 0]
+    for j in range(1, window.shape[-1]):
+        acc = acc + window[:, :, j] * taps[None, :, 0, j]
+    gate = jax.nn.sigmoid(acc)
+    return acc * gate, acc, gate
+
+
 def mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 
 
 def matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str = "",
-           family: str = "") -> jax.Array:
+           family: str = "", by_tiles: bool = False) -> jax.Array:
     """An activation times a weight: in f32, or as the kernel multiplies (``Rounding.linear``;
     with the kernel's matrix family ``kind.family`` it multiplies, ``Rounding.matrix``: as
-    codes where the spec stores it so)."""
+    codes where the spec stores it so; ``by_tiles``: ring tile by ring tile where the family
+    streams through the ring, for a kernel that sums its contraction so)."""
     if rounding is None:
         return linear(x, w)
-    return rounding.matrix(x, w, kind, family) if kind else rounding.linear(x, w)
+    if not kind:
+        return rounding.linear(x, w)
+    return rounding.matrix(x, w, kind, family, rounding.tile_rows(kind, family) if by_tiles else None)
 
 
 def out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
-                   per_rank: int, cls: str) -> jax.Array:
+                   per_rank: int, cls: str, by_tiles: bool = False) -> jax.Array:
     """A projection back to the hidden size whose input, of shard class ``cls``, is split in
     contiguous ``per_rank`` ranges: plain, or per-rank partial sums all-reduced as the schedule
-    says (the op's matrix family, of the op's name, multiplied as codes where stored so)."""
+    says (the op's matrix family, of the op's name, multiplied as codes where stored so; tile
+    by tile where it streams and is stored so, or with ``by_tiles``)."""
     if rounding is None:
         return linear(x, w)
     channel = rounding.channel(kind, op)
     return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
                         rounding, rounding.reduce(kind, op),
-                        rounding.tile_rows(kind, op) if channel else None, channel)
+                        rounding.tile_rows(kind, op) if channel or by_tiles else None, channel)
 
 
 def sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:

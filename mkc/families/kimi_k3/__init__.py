@@ -1,6 +1,7 @@
 """Kimi K3 (`kimi_k3`): Kimi Delta Attention and MLA layers, a dense first MLP, then latent MoE
 layers with MXFP4 routed experts and block attention residuals. Lowered by the generic module
-template with its compute bodies in `lowering.py`; its MLA is the layer library's (`graph.LAYERS`)."""
+template with its compute bodies in `lowering.py`; its KDA and MLA are the layer library's
+(`graph.LAYERS`)."""
 from mkc.families.kimi_k3.config import EXPERT_LAYOUTS, RENAMED_PREFIXES, SKIPPED_PREFIXES, read_dims
 from mkc.families.kimi_k3.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.model.family import Family

@@ -122,7 +122,8 @@ class KimiDims(Dims):
         k = self.layer_kinds
         return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
 
-    # The rest by the upstream names the reference reads (`mkc.families.kimi_k3.reference`).
+    # The rest by the upstream names the reference reads (`mkc.families.kimi_k3.reference`),
+    # the KDA kind's among them (`mkc.layers.kda`: kda_num_heads, kda_head_dim, conv_kernel_size).
     @property
     def attention_types(self) -> tuple[str, ...]:
         """Upstream's attention per layer: "linear_attention" (KDA) or "full_attention" (MLA)."""

@@ -16,15 +16,16 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.expert_formats import MX_BLOCK
+from mkc.layers.kda import KDA, projection_cols
 from mkc.layers.mla import MLA
 from mkc.layers.sublayer import Part
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
-# The sublayers composed from the layer library: MLA, gated and NoPE, between K3's own input
-# mix and residual add (`_mla_kind`).
-LAYERS = {"mla": (MLA(output_gate=True, residual=False),)}
+# The attention sublayers composed from the layer library, between K3's own input mix and
+# residual add (`_attention_kind`): KDA, and MLA gated and NoPE.
+LAYERS = {"kda": (KDA(residual=False),), "mla": (MLA(output_gate=True, residual=False),)}
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
 _WHOLE_MESH = ("mlp", "vocab", "latent_down")
 
@@ -131,7 +132,7 @@ def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
     split(d.hidden_size, sh.host_cores, "hidden size (latent_up columns)", "latent_up")
     latent_cols = lane_pad(_ceil_split(d.latent, sh.ranks))       # 112 -> 128, zero padded
     return KimiGeometry(
-        heads=heads, kda_cols=3 * heads * d.head_dim + heads * d.head_dim + lane_pad(heads),
+        heads=heads, kda_cols=projection_cols(d, heads),
         shared=split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width", "mlp"),
         dense=-(-_ceil_split(d.dense_width, sh.ranks) // 128) * 128,
         latent_cols=latent_cols, latent_gathered=latent_cols * sh.ranks,
@@ -150,16 +151,10 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
     infeasible sharding."""
     g = kimi_k3_geometry(d, sh)
     formats = expert_formats(d, g, formats)
-    H, P = d.hidden_size, g.heads * d.head_dim
-    w = g.expert_width
+    H, w = d.hidden_size, g.expert_width
     return {
-        "kda": {
-            "gate_down": _m("gate_down", H, 128, cls="attention"),  # low-rank decay gate, full
-            "gate_up": _m("gate_up", 128, P, cls="attention"),
-            "projection": _m("projection", H, g.kda_cols, cls="attention"),   # q, k, v | g | b
-            "o_proj": _m("o_proj", P, H, partial=("heads",), cls="attention"),
-        },
-        "mla": {n: t for n, t in _mla_part(d, sh).tensors.items() if t.role == "matrix"},
+        **{kind: {n: t for n, t in _attention_part(kind, d, sh).tensors.items() if t.role == "matrix"}
+           for kind in LAYERS},
         "moe": {
             "router": _m("router", H, g.router_cols, split="router"),
             "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down", cls="latent"),
@@ -239,7 +234,7 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
     }
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}
-    kinds = {"kda": _kda_kind(d, g, fam["kda"]), "mla": _mla_kind(d, sh),
+    kinds = {"kda": _attention_kind("kda", d, sh), "mla": _attention_kind("mla", d, sh),
              "moe": _moe_kind(d, sh, g, fam["moe"]), "dense": _dense_kind(d, fam["dense"])}
     return kinds, fam["expert"], glob, per_rank
 
@@ -253,48 +248,24 @@ _MLP_MIX = Op("mlp_mix", reads=("blocks", "mlp_res_norm", "mlp_res_proj", "post_
               writes=("h",))
 
 
-def _kda_kind(d: KimiDims, g: KimiGeometry, matrices: dict[str, Tensor]) -> LayerKind:
-    """Kimi delta attention: a gated delta rule over a short convolution, recurrent state."""
-    H, P = d.hidden_size, g.heads * d.head_dim
-    return LayerKind("kda", ops=(
-        _ATTN_MIX,
-        Op("gate_down", reads=("h",), writes=("gate_low",), matmul="gate_down"),
-        Op("gate_up", reads=("gate_low",), writes=("gate",), matmul="gate_up"),
-        Op("projection", reads=("h",), writes=("proj",), matmul="projection"),
-        Op("conv", reads=("proj", "conv_weight", "conv"), writes=("qkv", "conv")),
-        Op("delta_rule", reads=("qkv", "gate", "proj", "a_log", "dt_bias", "recurrent"),
-           writes=("core", "recurrent")),
-        Op("gated_norm", reads=("core", "proj", "o_norm"), writes=("core",)),
-        Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-        _ATTN_RESIDUAL,
-    ), tensors={
-        **matrices, **_mix_vectors(H, "attn"),
-        "input_norm": _v("input_norm", H),
-        "conv_weight": _v("conv_weight", d.conv_taps, 3 * P),
-        "a_log": _v("a_log", P),                     # per head, expanded over its channels
-        "dt_bias": _v("dt_bias", P),
-        "o_norm": _v("o_norm", d.head_dim),
-        "conv": Tensor("conv", "state", (d.conv_taps - 1, 3 * P), "bf16", lead_dims=1),
-        "recurrent": Tensor("recurrent", "state", (g.heads, d.head_dim, d.head_dim), "f32"),
-    })
-
-
-def _mla_part(d: KimiDims, sh: KimiSharding) -> Part:
-    """The layer library's MLA as K3 configures it (`LAYERS`), its heads split as K3's."""
-    part = LAYERS["mla"][0].part(d, {"heads": sh.head_ways})
-    g = kimi_k3_geometry(d, sh)
-    if (part.per_rank["heads"], part.per_rank["cache_width"]) != (g.heads, g.cache_width):
-        raise ValueError(f"the MLA kind's per-rank sizes {part.per_rank} are not K3's geometry's")
+def _attention_part(kind: str, d: KimiDims, sh: KimiSharding) -> Part:
+    """The layer library's attention kind as K3 configures it (`LAYERS`), its heads split as
+    K3's."""
+    part = LAYERS[kind][0].part(d, {"heads": sh.head_ways})
+    geometry = kimi_k3_geometry(d, sh).as_dict()
+    if any(geometry[name] != size for name, size in part.per_rank.items()):
+        raise ValueError(f"the {kind} kind's per-rank sizes {part.per_rank} are not K3's geometry's")
     return part
 
 
-def _mla_kind(d: KimiDims, sh: KimiSharding) -> LayerKind:
-    """Multi-head latent attention over a cache of compressed latents (absorbed up-projections):
-    the library kind's ops between K3's input mix and residual add, its matrices, then K3's
-    mix vectors and input norm, then its own vectors and latent cache."""
-    part = _mla_part(d, sh)
+def _attention_kind(kind: str, d: KimiDims, sh: KimiSharding) -> LayerKind:
+    """An attention kind of the layer library (KDA: a delta rule with a per-channel decay over
+    a short convolution, recurrent state; MLA: latent attention with absorbed up-projections):
+    the library kind's ops between K3's input mix and residual add, its matrices, then K3's mix
+    vectors and input norm, then its own vectors and states."""
+    part = _attention_part(kind, d, sh)
     matrices = {n: t for n, t in part.tensors.items() if t.role == "matrix"}
-    return LayerKind("mla", ops=(_ATTN_MIX, *part.ops, _ATTN_RESIDUAL), tensors={
+    return LayerKind(kind, ops=(_ATTN_MIX, *part.ops, _ATTN_RESIDUAL), tensors={
         **matrices, **_mix_vectors(d.hidden_size, "attn"),
         "input_norm": _v("input_norm", d.hidden_size),
         **{n: t for n, t in part.tensors.items() if n not in matrices},

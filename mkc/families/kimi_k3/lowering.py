@@ -2,8 +2,9 @@
 (`mkc.families.qwen3_5.lowering` has the convention).
 
 A K3 layer runs as two sublayers of the layer loop: attention (`kda` or `mla`), then the MLP
-(`dense` in layer 0, `moe` after); MLA's bodies between its input mix and residual add are the
-layer library's (`BODIES`, `mkc.layers.mla.lowering`). The residual stream is block attention
+(`dense` in layer 0, `moe` after); the attention kinds' bodies between K3's input mix and
+residual add are the layer library's (`BODIES`: `mkc.layers.kda.lowering`,
+`mkc.layers.mla.lowering`). The residual stream is block attention
 residuals: `blocks` (VMEM) holds the embedding, each completed block's sum and the block being
 filled; every sublayer's input is a learned mixture of them, and its output is added to the
 open block.
@@ -26,8 +27,7 @@ from mkc.model.contracts import lowers
 from mkc.runtime.context import Kernel, Layer
 
 F32 = jnp.float32
-BF16 = jnp.bfloat16
-# The MLA sublayer's bodies: the layer library's (`graph.LAYERS`).
+# The attention sublayers' bodies: the layer library's (`graph.LAYERS`).
 BODIES = body_table(LAYERS)
 
 
@@ -92,11 +92,6 @@ def mlp_residual(c: Layer, mlp_out: jax.Array, *shared_out: jax.Array) -> None:
         _add_output(c, mlp_out)
 
 
-@lowers("o_proj")
-def o_proj(c: Layer, core: jax.Array) -> jax.Array:
-    return c.matmul("o_proj", core)[:, :c.dims.hidden_size]
-
-
 def _cols(c: Layer, name: str) -> int | None:
     """A streamed matrix's own columns (its ring tiles pad them); None for a pooled one, whose
     product is as wide as the matrix."""
@@ -104,77 +99,17 @@ def _cols(c: Layer, name: str) -> int | None:
     return streamed[1].cols if streamed else None
 
 
-# ---- Kimi Delta Attention -------------------------------------------------------------------
-@lowers("gate_down")
-def gate_down(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("gate_down", h)
-
-
+# ---- the dense MLP --------------------------------------------------------------------------
 @lowers("gate_up")
-def gate_up(c: Layer, x: jax.Array) -> jax.Array:
-    """kda: the decay gate's up projection (pooled); dense: the SiTU MLP's gate|up (streamed)."""
-    if c.kind == "kda":
-        return c.matmul("gate_up", x)
-    return ops.situ_packed(c.matmul("gate_up", x), c.per_rank["dense"], c.dims.situ_beta,
+def gate_up(c: Layer, h: jax.Array) -> jax.Array:
+    """The SiTU MLP's gate|up (streamed)."""
+    return ops.situ_packed(c.matmul("gate_up", h), c.per_rank["dense"], c.dims.situ_beta,
                            c.dims.situ_linear_beta)
 
 
-@lowers("projection")
-def projection(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("projection", h)
-
-
-@lowers("conv")
-def conv(c: Layer, proj: jax.Array) -> jax.Array:
-    """Causal depthwise conv + SiLU over q|k|v; they enter the conv state as bf16, as the
-    reference caches them."""
-    width = c.per_rank["heads"] * c.dims.head_dim
-    taps = c.dims.conv_taps
-    state = c.state("conv")
-    mixed = proj[:, :3 * width].astype(BF16)
-    w = c.vector("conv_weight")
-    out = []
-    for rows, source in c.waves():     # a wave of rows at a time (`Layer.waves`)
-        window = [state[j, source] for j in range(taps - 1)] + [mixed[rows]]
-        acc = window[0].astype(F32) * w[0:1]
-        for j in range(1, taps):
-            acc = acc + window[j].astype(F32) * w[j:j + 1]
-        for j in range(taps - 1):
-            state[j, rows] = window[j + 1]
-        out.append(jax.nn.silu(acc))
-    return jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
-
-
-@lowers("delta_rule")
-def delta_rule(c: Layer, qkv: jax.Array, gate: jax.Array, proj: jax.Array) -> jax.Array:
-    heads, hd = c.per_rank["heads"], c.dims.head_dim
-    width = heads * hd
-    state = c.state("recurrent")
-    decay = ops.kda_decay(gate, c.vector("a_log"), c.vector("dt_bias"), c.dims.gate_lower_bound)
-    beta = jax.nn.sigmoid(proj[:, 4 * width:4 * width + heads])
-    rows = []
-    for b in range(c.B):
-        outs = []
-        for h in range(heads):
-            lanes = slice(h * hd, (h + 1) * hd)
-            q = ops.l2_normalize(qkv[b:b + 1, lanes]) * (hd ** -0.5)
-            k = ops.l2_normalize(qkv[b:b + 1, width + h * hd:width + (h + 1) * hd])
-            val = qkv[b:b + 1, 2 * width + h * hd:2 * width + (h + 1) * hd]
-            o, state[b, h] = ops.kda_head_step(state[c.state_source(b), h], q, k, val,
-                                               decay[b:b + 1, lanes], beta[b:b + 1, h:h + 1])
-            outs.append(o)
-        rows.append(jnp.concatenate(outs, axis=-1) if heads > 1 else outs[0])
-    return jnp.concatenate(rows, axis=0) if c.B > 1 else rows[0]
-
-
-@lowers("gated_norm")
-def gated_norm(c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
-    heads, hd = c.per_rank["heads"], c.dims.head_dim
-    w, g_off = c.vector("o_norm"), 3 * heads * hd
-    return jnp.concatenate([
-        ops.kda_gated_output(core[:, h * hd:(h + 1) * hd], proj[:, g_off + h * hd:g_off + (h + 1) * hd], w,
-                             c.dims.rms_norm_eps)
-        for h in range(heads)], axis=-1)
+@lowers("down")
+def down(c: Layer, act: jax.Array) -> jax.Array:
+    return c.matmul("down", act)[:, :c.dims.hidden_size]
 
 
 # ---- latent MoE -----------------------------------------------------------------------------
@@ -208,11 +143,6 @@ def shared_gate_up(c: Layer, h: jax.Array) -> jax.Array:
 @lowers("shared_down")
 def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
     return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
-
-
-@lowers("down")
-def down(c: Layer, act: jax.Array) -> jax.Array:
-    return c.matmul("down", act)[:, :c.dims.hidden_size]
 
 
 @lowers("routed_experts")

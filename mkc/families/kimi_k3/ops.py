@@ -4,12 +4,10 @@ Generated Kimi kernels call these between the DMAs mkc schedules; nothing here t
 semaphore or decides when memory moves. Everything computes in f32 on 2-D values ([rows,
 lanes]) with only ops Mosaic lowers: no ``lax.top_k``, ``cumsum``, outer-product dots, vector
 gathers or lane reshapes that split a 128-lane vreg. The math is that of
-``mkc.families.kimi_k3.reference`` (KDA, latent MoE with sigmoid routing, SiTU, block attention
-residuals); its NoPE gated MLA is the layer library's (`mkc.layers.mla.ops`, re-exported here,
-with its packers `split_q_b_proj` and `split_kv_b_proj`).
-
-KDA's per-head ``A_log`` is repeated over each head's key channels (``expand_a_log``, a numpy
-packer at load time; the routed experts' formats are the layer library's,
+``mkc.families.kimi_k3.reference`` (latent MoE with sigmoid routing, SiTU, block attention
+residuals); its KDA and NoPE gated MLA are the layer library's (`mkc.layers.kda.ops`,
+`mkc.layers.mla.ops`, the latter re-exported here with its packers `split_q_b_proj` and
+`split_kv_b_proj`; the routed experts' formats are the layer library's,
 `mkc.layers.expert_formats`).
 """
 from __future__ import annotations
@@ -18,12 +16,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mkc.layers.mla.ops import mla_absorb_query, mla_tile, mla_value_up  # noqa: F401  (MLA's)
 from mkc.layers.mla.weights import split_kv_b_proj, split_q_b_proj  # noqa: F401
 from mkc.layers.moe.lowering import sigmoid_route_weights
-from mkc.layers.ops import l2_normalize, rms_norm  # noqa: F401  (KimiRMSNorm: a plain weight)
+from mkc.layers.ops import rms_norm   # KimiRMSNorm: a plain weight
 
 F32 = jnp.float32
 
@@ -42,41 +39,6 @@ def situ_packed(gate_up: jax.Array, width: int, beta: float = 4.0,
                 linear_beta: float = 25.0) -> jax.Array:
     """gate_up [B, 2*width] packed as [gate | up] (one fused projection) -> SiTU [B, width]."""
     return situ(gate_up[:, :width], gate_up[:, width:2 * width], beta, linear_beta)
-
-
-# ---------------------------------------------------------------------------------------------
-# KDA (Kimi delta attention), one token
-
-
-def kda_decay(gate: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_bound: float) -> jax.Array:
-    """Per-key-channel log decay a = lower_bound * sigmoid(exp(A_log) * (gate + dt_bias)) <= 0.
-
-    gate [B, H*Dk] is the ``f_b_proj`` output; a_log [1, H*Dk] is ``A_log`` repeated over each
-    head's channels (``expand_a_log``); dt_bias [1, H*Dk]. Head h owns lanes [h*Dk, (h+1)*Dk).
-    """
-    return lower_bound * jax.nn.sigmoid(jnp.exp(a_log) * (gate + dt_bias))
-
-
-def kda_head_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                  decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One token of the KDA delta rule for one head and one batch row -> (o [1, Dv], state).
-
-    state [Dk, Dv] f32 (key axis first, the cache layout); q, k [1, Dk] (l2-normalised, q
-    scaled by Dk**-0.5); v [1, Dv]; decay [1, Dk] log-decay; beta [1, 1].
-    S = diag(exp(decay)) S; S += k^T (beta (v - k S)); o = q S.
-    """
-    # Rows of S are key channels, so per-channel factors act as [Dk, 1] columns: a transposed
-    # [1, Dk] row lowers, and a rank-1 update is a column times a row (no outer-product dot).
-    state = state * jnp.transpose(jnp.exp(decay))
-    predicted = jnp.dot(k, state, preferred_element_type=F32)            # [1, Dv]
-    delta = (v - predicted) * beta
-    state = state + jnp.transpose(k) * delta
-    return jnp.dot(q, state, preferred_element_type=F32), state
-
-
-def kda_gated_output(o: jax.Array, g: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """KDA head output before o_proj: rms(o, o_norm) * sigmoid(g_proj(x)); o, g, w [1, Dv]."""
-    return rms_norm(o, w, eps) * jax.nn.sigmoid(g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,11 +82,3 @@ def residual_mix(sources: Sequence[jax.Array], count: jax.Array | int, norm_w: j
         mixed = mixed + jnp.where(i < count, (e / total) * v, 0.0)
     return mixed
 
-
-# ---------------------------------------------------------------------------------------------
-# Host-side packing (numpy, at weight-load time)
-
-
-def expand_a_log(a_log: np.ndarray, head_dim: int) -> np.ndarray:
-    """KDA ``A_log`` [H] -> [1, H*head_dim] f32, each head's value over its key channels."""
-    return np.repeat(np.asarray(a_log, np.float32), head_dim)[None, :]

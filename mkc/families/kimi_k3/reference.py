@@ -36,12 +36,8 @@ Per layer (B rows, one token each; ``rms(x, w) = x * rsqrt(mean(x^2) + eps) * w`
   inside one decode step: nothing of them persists in the cache;
 * attention input ``rms(mix, input_layernorm)``; KDA (``linear_attention``) or MLA
   (``full_attention``, K3: ``i % 4 == 3`` or the last layer);
-* KDA: ``q|k|v = {q,k,v}_proj(x)``; causal depthwise conv (K taps, ``{q,k,v}_conv1d``) then SiLU;
-  ``q = l2(q) * D**-0.5, k = l2(k)`` (``l2(x) = x * rsqrt(sum x^2 + 1e-6)``); per-channel decay
-  ``a = gate_lower_bound * sigmoid(exp(A_log[h]) * (f_b_proj(f_a_proj(x)) + dt_bias))`` (<= 0,
-  the bounded form of the KDA gate, ``gate_lower_bound = -5``); ``beta = sigmoid(b_proj(x))``;
-  per head ``S = diag(exp(a)) S; S += k (x) beta * (v - S^T k); o = S^T q``; then
-  ``rms(o, o_norm) * sigmoid(g_proj(x))`` (full-rank output gate) and ``o_proj``;
+* KDA: the layer library's (`mkc.layers.kda.reference`: a short conv, the delta rule with a
+  decay per key channel, ``gate_lower_bound = -5``, the gated output norm, ``o_proj``);
 * MLA (NoPE): ``q = q_b_proj(rms(q_a_proj(x), q_a_layernorm))`` per head ``[nope | extra]``;
   ``[c | k_extra] = kv_a_proj_with_mqa(x)``, ``c = rms(c, kv_a_layernorm)``; ``kv_b_proj(c)`` per
   head ``[k_nope | v]``; key = ``[k_nope | k_extra]`` (k_extra shared by all heads); scores scaled
@@ -59,11 +55,10 @@ Per layer (B rows, one token each; ``rms(x, w) = x * rsqrt(mean(x^2) + eps) * w`
 
 State layouts (``init_cache``; B = batch, T = context, P = KDA heads * head_dim):
 
-* ``layers.{i}.conv_state``      bf16 ``[B, 3P, K-1]`` (KDA): channels ``[q | k | v]`` in
-  projection order, time oldest first: ``[..., K-2]`` is the previous token's projection. The new
-  token's window is ``concat(conv_state, x_t)`` and tap j multiplies slot j (tap K-1 = current).
-* ``layers.{i}.recurrent_state`` f32  ``[B, heads, D, D]``: per head S with ``o = S^T q`` (key axis
-  first), the reference repo's ``[heads, K, V]``.
+* ``layers.{i}.conv_state``      bf16 ``[B, 3P, K-1]`` (KDA): channels ``[q | k | v]``, time
+  oldest first (`mkc.layers.kda.reference`).
+* ``layers.{i}.recurrent_state`` f32  ``[B, heads, D, D]`` (KDA): per head S with ``o = S^T q``
+  (key axis first), the reference repo's ``[heads, K, V]``.
 * ``layers.{i}.latent_cache``    bf16 ``[B, T, kv_lora_rank + qk_rope_head_dim]`` (MLA): slot t
   holds position t as ``[rms(c, kv_a_layernorm) | k_extra]``, the 576-wide MLA latent.
 
@@ -105,19 +100,22 @@ from mkc.families.kimi_k3.config import KimiDims, read_dims
 from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
+from mkc.layers.kda import reference as kda_reference
 from mkc.layers.mla import reference as mla_reference
-from mkc.layers.reference import l2_normalize, linear, rms_norm   # KimiRMSNorm: a plain weight
 from mkc.layers.moe import reference as moe_reference
+from mkc.layers.reference import linear, matmul, mm_input, out_projection, rms_norm  # KimiRMSNorm: plain
 from mkc.model.config import in_range, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to, row_parallel
+from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to
 
 KDA = "linear_attention"
 MLA = "full_attention"
 MODEL_TYPES = ("kimi_k3", "kimi_linear")  # checkpoint top level / its text_config
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+KDA_ATTENTION = LAYERS["kda"][0]   # the layer library's KDA
 MLA_ATTENTION = LAYERS["mla"][0]   # the layer library's MLA, gated and NoPE
+ATTENTION = {KDA: KDA_ATTENTION, MLA: MLA_ATTENTION}   # by upstream attention type
 _EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
 # Projections whose output is summed into a residual block (scaled down by init_params).
 _WRITES_RESIDUAL = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
@@ -153,7 +151,8 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
         shapes |= _mix_shapes(cfg, p + "self_attention_res") | _mix_shapes(cfg, p + "mlp_res")
         shapes[p + "input_layernorm.weight"] = ((h,), _BF16)
         shapes[p + "post_attention_layernorm.weight"] = ((h,), _BF16)
-        shapes |= (_kda_shapes if kind == KDA else _mla_shapes)(cfg, p + "self_attn.")
+        attention = ATTENTION[kind]   # the library kind's own parameters
+        shapes |= attention.module("reference").block_shapes(attention, cfg, p)
         if cfg.is_moe(i):
             shapes |= _moe_shapes(cfg, p + "block_sparse_moe.")
         else:
@@ -176,30 +175,6 @@ def _mix_shapes(cfg: KimiDims, prefix: str) -> _Shapes:
     """One attention-residual query: a norm weight and a [1, H] projection."""
     return {prefix + "_norm.weight": ((cfg.hidden_size,), _BF16),
             prefix + "_proj.weight": ((1, cfg.hidden_size), _BF16)}
-
-
-def _kda_shapes(cfg: KimiDims, a: str) -> _Shapes:
-    h, pd, d, k = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.conv_kernel_size
-    shapes: _Shapes = {}
-    for x in "qkv":
-        shapes[a + f"{x}_proj.weight"] = ((pd, h), _BF16)
-        shapes[a + f"{x}_conv1d.weight"] = ((pd, 1, k), _F32)
-    return shapes | {
-        a + "f_a_proj.weight": ((d, h), _BF16),
-        a + "f_b_proj.weight": ((pd, d), _BF16),
-        a + "b_proj.weight": ((cfg.kda_num_heads, h), _BF16),
-        a + "g_proj.weight": ((pd, h), _BF16),
-        a + "A_log": ((cfg.kda_num_heads,), _F32),
-        a + "dt_bias": ((pd,), _F32),
-        a + "o_norm.weight": ((d,), _F32),
-        a + "o_proj.weight": ((h, pd), _BF16),
-    }
-
-
-def _mla_shapes(cfg: KimiDims, a: str) -> _Shapes:
-    """The MLA sublayer's parameters under ``a`` (``model.layers.{i}.self_attn.``): the layer
-    library's (`mkc.layers.mla.reference.block_shapes`)."""
-    return mla_reference.block_shapes(MLA_ATTENTION, cfg, a.removesuffix(MLA_ATTENTION.prefix))
 
 
 def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
@@ -235,8 +210,8 @@ def init_params(cfg: KimiDims, seed: int) -> dict[str, np.ndarray]:
     ``down_proj``, ``routed_expert_up_proj``) are further scaled by 1/sqrt(2 * block size), as a
     block sums that many outputs. Norm weights are noise around 1 (the Kimi norms are not
     zero-centred); the residual projections are N(0, 1/H) so the source softmax is neither flat
-    nor one-hot. KDA gates follow upstream ``A = exp(A_log)`` in [1, 16], with a small gate
-    projection and ``dt_bias`` in [-1, 0] so per-step decays spread over about (0.08, 1).
+    nor one-hot. The KDA gates and conv taps are the KDA kind's draws
+    (`mkc.layers.kda.reference.init_weight`).
     Routed experts are drawn as Gaussians and stored through ``mxfp4_quantize``.
     """
     rng = np.random.default_rng(seed)
@@ -253,26 +228,21 @@ def init_params(cfg: KimiDims, seed: int) -> dict[str, np.ndarray]:
             w = rng.normal(0.0, 1.0 / math.sqrt(logical[1]), logical)
             out[name], scales[name.replace("weight_packed", "weight_scale")] = mxfp4_quantize(w)
             continue
-        if name == "model.embed_tokens.weight":
+        kda = kda_reference.init_weight(KDA_ATTENTION, name, shape, rng)
+        if kda is not None:
+            w = kda
+        elif name == "model.embed_tokens.weight":
             w = rng.normal(0.0, 1.0, shape)
         elif name.endswith("_res_proj.weight"):
             w = rng.normal(0.0, 1.0 / math.sqrt(cfg.hidden_size), shape)
         elif name.endswith(("norm.weight", "layernorm.weight")):
             w = 1.0 + rng.normal(0.0, 0.1, shape)
-        elif name.endswith("A_log"):
-            w = np.log(rng.uniform(1.0, 16.0, shape))
-        elif name.endswith("dt_bias"):
-            w = rng.uniform(-1.0, 0.0, shape)
-        elif name.endswith("conv1d.weight"):
-            w = rng.normal(0.0, 1.0 / math.sqrt(shape[-1]), shape)
         elif name.endswith("e_score_correction_bias"):
             w = rng.normal(0.0, 0.05, shape)
         else:
             std = 1.0 / math.sqrt(shape[-1])
             if name.endswith(_WRITES_RESIDUAL):
                 std *= out_scale
-            elif name.endswith("f_b_proj.weight"):
-                std *= 0.2  # keep the decay gate input small so A * (g + dt_bias) does not saturate
             w = rng.normal(0.0, std, shape)
         out[name] = bf16_weights(w) if dtype == "bfloat16" else w.astype(np.dtype(dtype))
     return out
@@ -282,14 +252,8 @@ def init_cache(cfg: KimiDims, batch: int, context: int) -> dict[str, jax.Array]:
     """Zeroed decode state; see the module docstring for the layouts."""
     cache: dict[str, jax.Array] = {}
     for i, kind in enumerate(cfg.attention_types):
-        if kind == KDA:
-            cache[f"layers.{i}.conv_state"] = jnp.zeros(
-                (batch, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1), jnp.bfloat16)
-            cache[f"layers.{i}.recurrent_state"] = jnp.zeros(
-                (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32)
-        else:
-            cache[f"layers.{i}.latent_cache"] = jnp.zeros(
-                (batch, context, cfg.latent_cache_dim), jnp.bfloat16)
+        attention = ATTENTION[kind]
+        cache |= attention.module("reference").init_cache(attention, cfg, i, batch, context)
     return cache
 
 
@@ -304,33 +268,6 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax
             * linear_beta * jnp.tanh(up / linear_beta))
 
 
-def _mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
-    return x if rounding is None else rounding.mm_in(x)
-
-
-def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str = "",
-            family: str = "") -> jax.Array:
-    """``x @ w.T``: plain, or as the kernel multiplies (``Rounding.linear``): ring tile by ring
-    tile when ``kind.family`` streams through the ring, else one dot (a pooled matrix)."""
-    if rounding is None:
-        return linear(x, w)
-    if family:      # stored as codes where the spec says (`Rounding.matrix`)
-        return rounding.matrix(x, w, kind, family, rounding.tile_rows(kind, family))
-    return rounding.linear(x, w)
-
-
-def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, op: str,
-                    per_rank: int, cls: str) -> jax.Array:
-    """``x @ w.T`` whose input, of shard class ``cls``, is split in contiguous ``per_rank``
-    ranges: plain, or per-rank partial sums (tile by tile when the matrix streams) all-reduced
-    as the schedule says."""
-    if rounding is None:
-        return linear(x, w)
-    return row_parallel(x, w, rounding.rank_ranges(cls, x.shape[-1], per_rank), rounding.ranks,
-                        rounding, rounding.reduce(kind, op), rounding.tile_rows(kind, op),
-                        rounding.channel(kind, op))
-
-
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
             rounding: Rounding | None = None, kind: str = "dense", op: str = "down",
             shard: str = "dense", gate_up: str = "gate_up") -> jax.Array:
@@ -338,12 +275,12 @@ def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     With ``rounding``: ``down`` is the all-reduced op ``kind.op`` over per-rank ranges of the
     ``shard`` size (``dense`` for the dense MLP, ``shared`` for the shared experts), and
     ``kind.gate_up`` names the streamed gate|up matrix."""
-    x = _mm_input(x, rounding)
-    hidden = situ(_matmul(x, p["gate_proj.weight"], rounding, kind, gate_up),
-                  _matmul(x, p["up_proj.weight"], rounding, kind, gate_up),
+    x = mm_input(x, rounding)
+    hidden = situ(matmul(x, p["gate_proj.weight"], rounding, kind, gate_up, by_tiles=True),
+                  matmul(x, p["up_proj.weight"], rounding, kind, gate_up, by_tiles=True),
                   cfg.situ_beta, cfg.situ_linear_beta)
     per_rank = None if rounding is None else rounding.size(shard)
-    return _out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank, "mlp")
+    return out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank, "mlp", by_tiles=True)
 
 
 def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
@@ -425,118 +362,6 @@ def _kernel_mix(sources: tuple[jax.Array, ...], count: jax.Array, norm_w: jax.Ar
     return mixed
 
 
-@jax.jit
-def _kernel_conv(window: jax.Array, taps: jax.Array) -> jax.Array:
-    """The causal conv's pre-activation as the kernel sums it, tap by tap from the oldest
-    (window ``[B, C, K]`` f32, taps ``[C, K]``; each tap one fused multiply-add)."""
-    acc = window[..., 0] * taps[:, 0]
-    for t in range(1, window.shape[-1]):
-        acc = acc + window[..., t] * taps[:, t]
-    return acc
-
-
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _kernel_delta_rule(state: jax.Array, q: jax.Array, k: jax.Array, v_pre: jax.Array,
-                       v_gate: jax.Array, decay: jax.Array, beta: jax.Array, *, scale: float
-                       ) -> tuple[jax.Array, jax.Array]:
-    """``kda_recurrence`` with the l2 norms (q scaled by ``scale``) as the kernel runs it: row by
-    row and head by head, on ``[1, D]`` rows and the ``[D, D]`` state (key axis first). The
-    values enter as their SiLU factors ``v = v_pre * v_gate``: the kernel forms them inside the
-    state update, so ``v - S^T k`` is one fused multiply-add, and the decayed state
-    ``diag(exp(a)) S`` is fused into the update the same way. state ``[B, nh, D, D]``; q, k,
-    v_pre, v_gate, decay ``[B, nh, D]`` (q, k not yet normalised); beta ``[B, nh]`` ->
-    (o ``[B, nh, D]``, new state)."""
-    b, n, d = q.shape
-
-    def head(carry, xs):
-        s, qh, kh, vp, vg, dh, bh = xs
-        qh = l2_normalize(qh) * scale
-        kh = l2_normalize(kh)
-        s = s * jnp.transpose(jnp.exp(dh))
-        delta = (vp * vg - jnp.dot(kh, s, preferred_element_type=jnp.float32)) * bh
-        s = s + jnp.transpose(kh) * delta
-        return carry, (jnp.dot(qh, s, preferred_element_type=jnp.float32), s)
-
-    def rows(a: jax.Array) -> jax.Array:
-        return a.reshape(b * n, 1, a.shape[-1])
-
-    _, (o, state) = jax.lax.scan(head, 0, (state.reshape(b * n, d, d), rows(q), rows(k),
-                                           rows(v_pre), rows(v_gate), rows(decay),
-                                           beta.reshape(b * n, 1, 1)))
-    return o.reshape(b, n, d), state.reshape(b, n, d, d)
-
-
-@functools.partial(jax.jit, static_argnames=("eps",))
-def _kernel_gated_norm(o: jax.Array, g: jax.Array, w: jax.Array, *, eps: float) -> jax.Array:
-    """``rms(o, o_norm) * sigmoid(g)`` head by head on ``[B, D]`` (o, g ``[B, nh, D]``)."""
-    return jnp.stack([rms_norm(o[:, h], w, eps) * jax.nn.sigmoid(g[:, h]) for h in range(o.shape[1])],
-                     axis=1)
-
-
-def kda_recurrence(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                   decay: jax.Array, beta: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One token of the KDA delta rule for any leading axes.
-
-    state ``[..., Dk, Dv]``, q/k ``[..., Dk]`` (normalised), v ``[..., Dv]``, decay ``[..., Dk]``
-    (log-space, per key channel), beta ``[...]``. Returns (o ``[..., Dv]``, new state):
-    ``S = diag(exp(decay)) S; S += k (x) beta (v - S^T k); o = S^T q``.
-    """
-    state = state * jnp.exp(decay)[..., :, None]
-    predicted = jnp.einsum("...kv,...k->...v", state, k, precision=_HIGHEST)
-    delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return jnp.einsum("...kv,...k->...v", state, q, precision=_HIGHEST), state
-
-
-def kda_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
-              conv_state: jax.Array, recurrent_state: jax.Array, rounding: Rounding | None = None
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Kimi Delta Attention for one token per row.
-
-    ``p`` maps names relative to ``self_attn.`` to f32 arrays; x is the normed input ``[B, H]``.
-    Returns (output ``[B, H]``, new conv_state, new recurrent_state).
-    """
-    b, nh, d = x.shape[0], cfg.kda_num_heads, cfg.kda_head_dim
-    x = _mm_input(x, rounding)
-    mixed = jnp.concatenate([_matmul(x, p[f"{n}_proj.weight"], rounding, "kda", "projection")
-                             for n in "qkv"], axis=-1)
-    if rounding is not None:   # q|k|v enter the conv state as bf16, then its storage dtype
-        mixed = round_to(round_to(mixed, "bf16"), rounding.stored("kda", "conv"))
-    mixed = mixed.astype(conv_state.dtype)
-    window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, 3P, K], oldest first
-    taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
-    if rounding is None:
-        conv = jax.nn.silu(jnp.sum(window.astype(jnp.float32) * taps, axis=-1))
-    else:   # SiLU as x * sigmoid(x), both factors kept for the values (_kernel_delta_rule)
-        pre = _kernel_conv(window.astype(jnp.float32), taps)
-        gates = jax.nn.sigmoid(pre)
-        conv = pre * gates
-        v_pre, v_gate = (t.reshape(b, nh, d) for t in (pre[:, 2 * nh * d:], gates[:, 2 * nh * d:]))
-    q, k, v = (t.reshape(b, nh, d) for t in jnp.split(conv, 3, axis=-1))
-
-    gate = _matmul(_matmul(x, p["f_a_proj.weight"], rounding, "kda", "gate_down"),
-                   p["f_b_proj.weight"], rounding, "kda", "gate_up")
-    gate = gate + p["dt_bias"]
-    rate = jnp.exp(p["A_log"])[None, :, None]
-    decay = cfg.gate_lower_bound * jax.nn.sigmoid(rate * gate.reshape(b, nh, d))
-    beta = jax.nn.sigmoid(_matmul(x, p["b_proj.weight"], rounding, "kda", "projection"))
-    g = _matmul(x, p["g_proj.weight"], rounding, "kda", "projection").reshape(b, nh, d)
-    if rounding is None:
-        q = l2_normalize(q) * d ** -0.5
-        k = l2_normalize(k)
-        o, recurrent_state = kda_recurrence(recurrent_state, q, k, v, decay, beta)
-        o = rms_norm(o, p["o_norm.weight"], cfg.rms_norm_eps) * jax.nn.sigmoid(g)
-    else:
-        o, recurrent_state = _kernel_delta_rule(recurrent_state, q, k, v_pre, v_gate, decay, beta,
-                                                scale=d ** -0.5)
-        o = _kernel_gated_norm(o, g, p["o_norm.weight"], eps=cfg.rms_norm_eps)
-        recurrent_state = round_to(recurrent_state, rounding.stored("kda", "recurrent"))
-    per_rank = None if rounding is None else rounding.size("heads") * d
-    out = _out_projection(o.reshape(b, nh * d), p["o_proj.weight"], rounding, "kda", "o_proj",
-                          per_rank, "heads")
-    return out, window[:, :, 1:], recurrent_state
-
-
 def mla_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
               latent_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None
               ) -> tuple[jax.Array, jax.Array]:
@@ -604,20 +429,21 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
               rounding: Rounding | None = None) -> jax.Array:
     """Latent MoE for normed input ``x [B, H]``; ``p`` maps names relative to
     ``block_sparse_moe.`` (f32 dense weights; uint8 expert codes/scales)."""
-    xin = _mm_input(x, rounding)
-    router = _matmul(xin, p["gate.weight"], rounding, "moe", "router")
+    xin = mm_input(x, rounding)
+    router = matmul(xin, p["gate.weight"], rounding, "moe", "router", by_tiles=True)
     if rounding is not None:
         router = round_to(router, rounding.exchange_wire("moe", "router"))
     ids, weights = route(router, p["gate.e_score_correction_bias"],
                          cfg.num_experts_per_token, cfg.routed_scaling_factor)
-    latent = _matmul(xin, p["routed_expert_down_proj.weight"], rounding, "moe", "latent_down")
+    latent = matmul(xin, p["routed_expert_down_proj.weight"], rounding, "moe", "latent_down", by_tiles=True)
     shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
     if rounding is not None:
         latent = round_to(latent, rounding.gather_wire("moe", "latent_down"))
         dense = _kernel_route_weights(router, ids, cfg.routed_scaling_factor)
         routed = _routed_experts_per_rank(p, cfg, latent, dense, rounding)
         routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
-        up = round_to(_matmul(routed, p["routed_expert_up_proj.weight"], rounding, "moe", "latent_up"),
+        up = round_to(matmul(routed, p["routed_expert_up_proj.weight"], rounding, "moe", "latent_up",
+                             by_tiles=True),
                       rounding.gather_wire("moe", "latent_up"))
         return up + glu_mlp(shared, cfg, x, rounding, "moe", "shared_down", "shared", "shared_gate_up")
 
@@ -704,8 +530,8 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
             attn = {n[len("self_attn."):]: w for n, w in lp.items() if n.startswith("self_attn.")}
             if cfg.attention_types[i] == KDA:
                 out, new_cache[f"layers.{i}.conv_state"], new_cache[f"layers.{i}.recurrent_state"] = (
-                    kda_block(attn, cfg, x, cache[f"layers.{i}.conv_state"],
-                              cache[f"layers.{i}.recurrent_state"], rounding))
+                    kda_reference.block(KDA_ATTENTION, attn, cfg, x, cache[f"layers.{i}.conv_state"],
+                                        cache[f"layers.{i}.recurrent_state"], rounding, "kda"))
             else:
                 out, new_cache[f"layers.{i}.latent_cache"] = mla_block(
                     attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions, rounding)
@@ -733,7 +559,8 @@ def decode_step(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, ja
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
     head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    return _matmul(x, jnp.asarray(head).astype(jnp.float32), rounding, "tail", "lm_head"), new_cache
+    return matmul(x, jnp.asarray(head).astype(jnp.float32), rounding, "tail", "lm_head",
+                  by_tiles=True), new_cache
 
 
 def count_parameters(cfg: KimiDims) -> int:

@@ -17,16 +17,17 @@ import numpy as np
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.families.kimi_k3.graph import (LAYERS, KimiGeometry, KimiSharding, expert_formats,
                                         kimi_k3_geometry, pack_groups)
-from mkc.families.kimi_k3.ops import expand_a_log
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
 from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
+from mkc.layers.kda import weights as kda_weights
 from mkc.layers.mla import weights as mla_weights
 from mkc.model.family import FormatError
 from mkc.model.mxfp4 import RequantizationError, Requantized, relative_rms, requantize_blocks
-from mkc.model.sharding import ShardTable, rank_parts
+from mkc.model.sharding import ShardTable
 
-MLA = LAYERS["mla"][0]     # the layer library's MLA (its tensors: `mkc.layers.mla.weights`)
+# the layer library's attention kinds (their tensors: `mkc.layers.kda.weights`, `mkc.layers.mla.weights`)
+KDA, MLA = LAYERS["kda"][0], LAYERS["mla"][0]
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -47,30 +48,15 @@ def _heads(part: int, g: KimiGeometry) -> list[int]:
     return list(range(part * g.heads, (part + 1) * g.heads))
 
 
-def _head_rows(m: np.ndarray, part: int, g: KimiGeometry, per_head: int) -> np.ndarray:
-    return m[part * g.heads * per_head:(part + 1) * g.heads * per_head]
-
-
 def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
                   layer: int, kind: str, family: str, rank: int) -> np.ndarray:
     """One rank's [in, out] matrix of a sublayer kind's family, as f32."""
     p = f"model.layers.{layer}."
-    a, hd = p + "self_attn.", d.head_dim
-    part = sh.head_part(rank)           # the attention heads this rank holds
+    heads = _heads(sh.head_part(rank), g)           # the attention heads this rank holds
     if kind == "mla":
-        return mla_weights.matrix_of_heads(MLA, hf, d, p, family, _heads(part, g))
+        return mla_weights.matrix_of_heads(MLA, hf, d, p, family, heads)
     if kind == "kda":
-        if family == "projection":
-            cols = [_head_rows(_w(hf, a + f"{x}_proj.weight"), part, g, hd) for x in "qkvg"]
-            beta = _head_rows(_w(hf, a + "b_proj.weight"), part, g, 1)
-            beta = np.pad(beta, ((0, g.kda_cols - 4 * g.heads * hd - beta.shape[0]), (0, 0)))
-            return np.concatenate(cols + [beta], axis=0).T
-        if family == "gate_down":
-            return _w(hf, a + "f_a_proj.weight").T
-        if family == "gate_up":
-            return _head_rows(_w(hf, a + "f_b_proj.weight"), part, g, hd).T
-        if family == "o_proj":
-            return _head_rows(_w(hf, a + "o_proj.weight").T, part, g, hd)
+        return kda_weights.matrix_of_heads(KDA, hf, d, p, family, heads)
     m = p + "block_sparse_moe."
     if kind == "moe":
         if family == "router":
@@ -203,7 +189,6 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
            layer: int, kind: str, name: str, rank: int) -> np.ndarray:
     """One rank's per-layer vector family, [rows, width] f32."""
     p = f"model.layers.{layer}."
-    a = p + "self_attn."
     res = {"attn_res_norm": "self_attention_res_norm.weight",
            "attn_res_proj": "self_attention_res_proj.weight",
            "mlp_res_norm": "mlp_res_norm.weight", "mlp_res_proj": "mlp_res_proj.weight",
@@ -212,17 +197,8 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
         return _w(hf, p + res[name]).reshape(1, -1)
     if kind == "mla":
         return mla_weights.vector(MLA, hf, d, p, name, rank, None)
-    hd, part = d.head_dim, sh.head_part(rank)
     if kind == "kda":
-        if name == "conv_weight":                      # [taps, 3P]: row t multiplies tap t
-            return np.concatenate([_head_rows(_w(hf, a + f"{x}_conv1d.weight")[:, 0, :], part, g, hd)
-                                   for x in "qkv"], axis=0).T
-        if name == "a_log":
-            return expand_a_log(_w(hf, a + "A_log")[part * g.heads:(part + 1) * g.heads], hd)
-        if name == "dt_bias":
-            return _head_rows(_w(hf, a + "dt_bias"), part, g, hd).reshape(1, -1)
-        if name == "o_norm":
-            return _w(hf, a + "o_norm.weight").reshape(1, -1)
+        return kda_weights.vector_of_heads(KDA, hf, d, p, name, _heads(sh.head_part(rank), g))
     m = p + "block_sparse_moe."
     if kind == "moe":
         if name == "router_bias":
@@ -290,49 +266,31 @@ def embedding(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: Shar
     return np.asarray(global_tensor(hf, d, _layout(d, shards)[1], "embed", rank))
 
 
+def _model_layers(kind_layers: dict[str, list[int]], kind: str) -> list[int]:
+    """The model layers of loop layers of `kind` (a model layer's attention sublayer: loop layer
+    2 i)."""
+    return [layer // 2 for layer in kind_layers.get(kind, [])]
+
+
 def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: ShardTable,
                      kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's layouts: conv_state
-    [B, 3 * heads * head_dim, K-1] with channels [q | k | v], recurrent_state [B, heads, D, D]
-    and latent_cache [B, T, kv_lora + extra] (replicated: rank 0's)."""
-    width = per_rank["heads"] * d.head_dim
-    holders = shards.holders("heads")      # one rank per heads part
-    out = {}
-    # only the ranks read are copied, each converted after it is sliced (`rank_parts`)
-    conv = rank_parts(state["kda__conv"], holders)       # rank -> [layers, K-1, B, 3 * width]
-    rec = rank_parts(state["kda__recurrent"], holders)   # rank -> [layers, B, heads, D, D]
-    for i, layer in enumerate(kind_layers["kda"]):
-        # [B, 3 * width, K-1] each
-        pieces = [np.transpose(conv[r][i].astype(np.float32), (1, 2, 0)) for r in holders]
-        parts = [np.concatenate([c[:, j * width:(j + 1) * width] for c in pieces], axis=1) for j in range(3)]
-        out[f"layers.{layer // 2}.conv_state"] = np.concatenate(parts, axis=1)
-        out[f"layers.{layer // 2}.recurrent_state"] = np.concatenate([rec[r][i] for r in holders],
-                                                                     axis=1)
-    return out | mla_weights.reference_states(MLA, state, d, per_rank, shards, "mla",
-                                              [layer // 2 for layer in kind_layers["mla"]])
+    """The decode state gathered over ranks into the reference's layouts, each attention
+    kind's by its library weights module (`mkc.layers.kda.weights`: conv and recurrent states,
+    `mkc.layers.mla.weights`: the latent caches)."""
+    out: dict[str, np.ndarray] = {}
+    for kind, (sub,) in LAYERS.items():
+        out |= sub.module("weights").reference_states(sub, state, d, per_rank, shards, kind,
+                                                      _model_layers(kind_layers, kind))
+    return out
 
 
 def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int],
                   shards: ShardTable, kind_layers: dict[str, list[int]],
                   shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    """The inverse of `reference_states`: conv [S, 3 * heads * head_dim, K-1] (channels
-    [q | k | v]), recurrent [S, heads, D, D] and latent [S, T, kv_lora + extra] states as the
-    kernel's per-rank `kda__conv` [ranks, layers, K-1, S, 3 * width], `kda__recurrent`
-    [ranks, layers, S, heads, D, D] (each rank its heads part's heads) and `mla__latent`
-    [ranks, layers, S, T, latent row] (every rank a copy, the row's padding zero). `shapes`:
-    the kernel's per-rank state table."""
-    heads = per_rank["heads"]
-    width = heads * d.head_dim
-    out = {n: np.zeros((shards.ranks, *shape), dtype) for n, (shape, dtype) in shapes.items()
-           if n in ("kda__conv", "kda__recurrent", "mla__latent")}
-    for i, layer in enumerate(kind_layers.get("kda", [])):
-        conv = np.asarray(ref[f"layers.{layer // 2}.conv_state"], np.float32)       # [S, 3 * total, K-1]
-        rec = np.asarray(ref[f"layers.{layer // 2}.recurrent_state"], np.float32)
-        total = conv.shape[1] // 3
-        for r in range(shards.ranks):
-            part = shards.part("heads", r)
-            ch = np.concatenate([j * total + part * width + np.arange(width) for j in range(3)])
-            out["kda__conv"][r, i] = np.transpose(conv[:, ch], (2, 0, 1))
-            out["kda__recurrent"][r, i] = rec[:, part * heads:(part + 1) * heads]
-    return out | mla_weights.kernel_states(MLA, ref, d, per_rank, shards, "mla",
-                                           [layer // 2 for layer in kind_layers.get("mla", [])], shapes)
+    """The inverse of `reference_states`: the reference's states as the kernel's per-rank state
+    arrays (`shapes`: the kernel's per-rank state table)."""
+    out: dict[str, np.ndarray] = {}
+    for kind, (sub,) in LAYERS.items():
+        out |= sub.module("weights").kernel_states(sub, ref, d, per_rank, shards, kind,
+                                                   _model_layers(kind_layers, kind), shapes)
+    return out

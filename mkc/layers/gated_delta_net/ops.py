@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-F32 = jnp.float32
+from mkc.layers.ops import delta_rule_update
 
 
 def causal_conv_silu(window: list[jax.Array], taps: jax.Array) -> jax.Array:
@@ -22,10 +22,4 @@ def delta_rule_head(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
     state [Dk, Dv] f32; q, k [1, Dk] (normalised, q scaled); v [1, Dv]; g, beta [1, 1].
     S *= exp(g); S += k^T ((v - k S) * beta); o = q S.
     """
-    state = state * jnp.exp(g)
-    predicted = jnp.dot(k, state, preferred_element_type=F32)            # [1, Dv]
-    delta = (v - predicted) * beta
-    # Outer product as a broadcast of the transposed key (Mosaic has no outer-product dot).
-    state = state + jnp.transpose(k) * delta
-    o = jnp.dot(q, state, preferred_element_type=F32)
-    return o, state
+    return delta_rule_update(state * jnp.exp(g), q, k, v, beta)

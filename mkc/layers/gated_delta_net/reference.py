@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.layers.gated_delta_net import GatedDeltaNet
-from mkc.layers.reference import HIGHEST, NORM, l2_normalize, linear, matmul, mm_input, out_projection
+from mkc.layers.reference import (NORM, delta_rule_update, kernel_conv_silu, kernel_delta_update,
+                                  l2_normalize, linear, matmul, mm_input, out_projection)
 from mkc.reference.rounding import Rounding, round_to
 
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -53,26 +54,7 @@ def gated_delta_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
     g/beta ``[...]``. Returns (o ``[..., Dv]``, new state):
     ``S *= exp(g); S += k (x) ((v - S^T k) * beta); o = S^T q``.
     """
-    state = state * jnp.exp(g)[..., None, None]
-    predicted = jnp.einsum("...kv,...k->...v", state, k, precision=HIGHEST)
-    delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    o = jnp.einsum("...kv,...k->...v", state, q, precision=HIGHEST)
-    return o, state
-
-
-@jax.jit
-def _conv_silu(window: jax.Array, taps: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The depthwise causal conv and SiLU of one step as the kernel sums it: window [B, C, K]
-    oldest first, taps [C, 1, K]; tap by tap, ``acc + window_j * tap_j`` (one FMA each), where
-    a sum over the tap axis adds in another order. Returns (``silu(acc)``, and its two factors
-    ``acc`` and ``sigmoid(acc)``: the values enter the delta rule as the factors,
-    ``_delta_rule_head``)."""
-    acc = window[:, :, 0] * taps[None, :, 0, 0]
-    for j in range(1, window.shape[-1]):
-        acc = acc + window[:, :, j] * taps[None, :, 0, j]
-    gate = jax.nn.sigmoid(acc)
-    return acc * gate, acc, gate
+    return delta_rule_update(state * jnp.exp(g)[..., None, None], q, k, v, beta)
 
 
 @jax.jit
@@ -86,15 +68,10 @@ def _decay_gate(a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array
 def _delta_rule_head(state, q, k, v_pre, v_gate, g, beta):
     """One row's and head's gated delta rule in the kernel's formulation and shapes: state
     [Dk, Dv]; q, k [1, Dk] before their l2 norm; the values [1, Dv] as their SiLU factors
-    ``v = v_pre * v_gate``; g, beta [1, 1]. The kernel's conv SiLU is fused into its
-    ``v - k S``, one multiply-add: a rounded v there is an ulp off in about 1/6 of the state
-    from step 1 on (where ``k S`` is not zero)."""
+    ``v = v_pre * v_gate`` (`kernel_delta_update`); g, beta [1, 1]."""
     q = l2_normalize(q) * q.shape[-1] ** -0.5
     k = l2_normalize(k)
-    state = state * jnp.exp(g)
-    predicted = jnp.dot(k, state, preferred_element_type=jnp.float32)
-    state = state + jnp.transpose(k) * ((v_pre * v_gate - predicted) * beta)
-    return jnp.dot(q, state, preferred_element_type=jnp.float32), state
+    return kernel_delta_update(state * jnp.exp(g), q, k, v_pre, v_gate, beta)
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))
@@ -151,7 +128,7 @@ def block(p: Mapping[str, jax.Array], d: Any, x: jax.Array, conv_state: jax.Arra
     mixed = mixed.astype(conv_state.dtype)
     window = jnp.concatenate([conv_state, mixed[:, :, None]], axis=-1)  # [B, C, K], oldest first
     if rounding is not None:
-        conv, pre, gate = _conv_silu(window.astype(jnp.float32),
+        conv, pre, gate = kernel_conv_silu(window.astype(jnp.float32),
                                      jnp.asarray(p["conv1d.weight"], jnp.float32))
     else:
         conv = jnp.sum(window.astype(jnp.float32) * p["conv1d.weight"][:, 0, :], axis=-1)

@@ -33,29 +33,10 @@ import numpy as np
 from mkc.layers import rope as rope_lib
 from mkc.layers.mla import MLA, interleaved, softmax_scale
 from mkc.layers.mla.weights import rope_permutation
-from mkc.layers.reference import HIGHEST, linear, mm_input, rms_norm
-from mkc.reference.rounding import Rounding, round_to, row_parallel
+from mkc.layers.reference import HIGHEST, linear, matmul, mm_input, out_projection, rms_norm
+from mkc.reference.rounding import Rounding, round_to
 
 _rope_table = jax.jit(rope_lib.rope_table, static_argnums=0)
-
-
-def _matmul(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, name: str) -> jax.Array:
-    """``x @ w.T``: plain, or as the kernel multiplies matrix `kind.name`: ring tile by ring
-    tile when it streams through the ring, else one dot (a pooled matrix)."""
-    if rounding is None:
-        return linear(x, w)
-    return rounding.matrix(x, w, kind, name, rounding.tile_rows(kind, name))
-
-
-def _out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: str, per_rank: int
-                    ) -> jax.Array:
-    """o_proj, its input split over the heads' ranks in ``per_rank`` ranges: plain, or per-rank
-    partial sums (tile by tile where it streams) all-reduced as the schedule says."""
-    if rounding is None:
-        return linear(x, w)
-    return row_parallel(x, w, rounding.rank_ranges("heads", x.shape[-1], per_rank), rounding.ranks,
-                        rounding, rounding.reduce(kind, "o_proj"), rounding.tile_rows(kind, "o_proj"),
-                        rounding.channel(kind, "o_proj"))
 
 
 def inv_freq(d: Any) -> np.ndarray:
@@ -160,13 +141,13 @@ def block(s: MLA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, latent_cache
     nope, rd, vd, kvl = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
     eps, scale = d.rms_norm_eps, softmax_scale(d)
     x = mm_input(x, rounding)
-    q_latent = rms_norm(_matmul(x, p["q_a_proj.weight"], rounding, kind, "q_down"),
+    q_latent = rms_norm(matmul(x, p["q_a_proj.weight"], rounding, kind, "q_down", by_tiles=True),
                         p["q_a_layernorm.weight"], eps)
-    q = _matmul(mm_input(q_latent, rounding), p["q_b_proj.weight"], rounding, kind, "q_up")
+    q = matmul(mm_input(q_latent, rounding), p["q_b_proj.weight"], rounding, kind, "q_up", by_tiles=True)
     q = q.reshape(b, nh, nope + rd)
     q_nope, q_extra = q[..., :nope], q[..., nope:]
 
-    compressed = _matmul(x, p["kv_a_proj_with_mqa.weight"], rounding, kind, "kv_down")
+    compressed = matmul(x, p["kv_a_proj_with_mqa.weight"], rounding, kind, "kv_down", by_tiles=True)
     k_rope = compressed[:, kvl:]
     table = None
     if s.rope and rounding is None:
@@ -207,9 +188,10 @@ def block(s: MLA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, latent_cache
                 cached, positions, n_tiles, table, heads=heads, tile=tile, kv_lora=kvl, scale=scale))
         attn = jnp.concatenate(parts, axis=-1)
     if s.output_gate:
-        attn = attn * jax.nn.sigmoid(_matmul(x, p["g_proj.weight"], rounding, kind, "gate"))
+        attn = attn * jax.nn.sigmoid(matmul(x, p["g_proj.weight"], rounding, kind, "gate", by_tiles=True))
     per_rank = None if rounding is None else rounding.size("heads") * vd
-    return _out_projection(attn, p["o_proj.weight"], rounding, kind, per_rank), latent_cache
+    return out_projection(attn, p["o_proj.weight"], rounding, kind, "o_proj", per_rank, "heads",
+                          by_tiles=True), latent_cache
 
 
 def forward(s: MLA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: dict, layer: int,

@@ -29,6 +29,11 @@ from mkc.families.kimi_k3 import lowering
 from mkc.families.kimi_k3 import ops as ops
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers import expert_formats
+from mkc.layers import ops as layer_ops
+from mkc.layers.kda import ops as kda_ops
+from mkc.layers.kda import reference as kda_reference
+from mkc.layers.kda.weights import expand_a_log
+from mkc.layers.reference import l2_normalize
 from mkc.layers.expert_formats import ops as format_ops
 from mkc.layers.expert_formats import weights as format_weights
 from mkc.reference.rounding import chunked_linear
@@ -145,8 +150,8 @@ def test_kda_head_step_matches_reference_recurrence() -> None:
     rng = np.random.default_rng(1)
     steps, heads, d = 3, 2, 128
     state0 = jnp.asarray(rng.normal(0, 0.3, (heads * d, d)), F32)
-    q = ref.l2_normalize(jnp.asarray(rng.normal(size=(steps, heads * d)), F32).reshape(steps, heads, d))
-    k = ref.l2_normalize(jnp.asarray(rng.normal(size=(steps, heads * d)), F32).reshape(steps, heads, d))
+    q = l2_normalize(jnp.asarray(rng.normal(size=(steps, heads * d)), F32).reshape(steps, heads, d))
+    k = l2_normalize(jnp.asarray(rng.normal(size=(steps, heads * d)), F32).reshape(steps, heads, d))
     v = jnp.asarray(rng.normal(size=(steps, heads * d)), F32)
     decay = jnp.asarray(rng.uniform(-5.0, 0.0, (steps, heads * d)), F32)
     beta = jnp.asarray(rng.uniform(0.0, 1.0, (steps, heads)), F32)
@@ -157,7 +162,7 @@ def test_kda_head_step_matches_reference_recurrence() -> None:
             lanes, rows = slice(h * d, (h + 1) * d), slice(h * d, (h + 1) * d)
             state = s_ref[rows, :]
             for t in range(steps):
-                o, state = ops.kda_head_step(state, q_ref[t:t + 1, lanes], k_ref[t:t + 1, lanes],
+                o, state = kda_ops.delta_rule_head(state, q_ref[t:t + 1, lanes], k_ref[t:t + 1, lanes],
                                              v_ref[t:t + 1, lanes], a_ref[t:t + 1, lanes],
                                              b_ref[t:t + 1, h:h + 1])
                 o_ref[t:t + 1, lanes] = o
@@ -168,7 +173,7 @@ def test_kda_head_step_matches_reference_recurrence() -> None:
     want_state = state0.reshape(heads, d, d)
     for t in range(steps):
         split = [x[t].reshape(heads, d) for x in (q, k, v, decay)]
-        want_o, want_state = ref.kda_recurrence(want_state, *split[:3], split[3], beta[t])
+        want_o, want_state = kda_reference.delta_rule_step(want_state, *split[:3], split[3], beta[t])
         np.testing.assert_allclose(o[t].reshape(heads, d), want_o, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(state.reshape(heads, d, d), want_state, rtol=2e-5, atol=2e-5)
 
@@ -179,8 +184,8 @@ def test_kda_decay_matches_formula() -> None:
     gate = rng.normal(0, 1, (b, heads * d)).astype(np.float32)
     a_log = np.log(rng.uniform(1.0, 16.0, heads)).astype(np.float32)
     dt_bias = rng.uniform(-1.0, 0.0, (1, heads * d)).astype(np.float32)
-    got = values_in_kernel(lambda g, a, t: ops.kda_decay(g, a, t, -5.0),
-                           [gate, ops.expand_a_log(a_log, d), dt_bias], sds((b, heads * d)))
+    got = values_in_kernel(lambda g, a, t: kda_ops.log_decay(g, a, t, -5.0),
+                           [gate, expand_a_log(a_log, d), dt_bias], sds((b, heads * d)))
     rate = np.repeat(np.exp(a_log.astype(np.float64)), d)
     want = -5.0 / (1.0 + np.exp(-rate * (gate + dt_bias)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -188,7 +193,8 @@ def test_kda_decay_matches_formula() -> None:
 
 
 def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
-    """decay, l2 norms, per-head steps and the gated output norm compose to ``kda_block``."""
+    """decay, l2 norms, per-head steps and the gated output norm compose to the KDA kind's
+    reference block."""
     cfg = dataclasses.replace(mini, heads=2)
     p = _random_params(cfg, "model.layers.0.self_attn.", seed=3)
     b, nh, d, h = 2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
@@ -196,9 +202,9 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     x = jnp.asarray(rng.normal(size=(b, h)), F32)
     conv_state = jnp.asarray(rng.normal(size=(b, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1)), jnp.bfloat16)
     rec = jnp.asarray(rng.normal(0, 0.3, (b, nh, d, d)), F32)
-    want_out, _, want_rec = ref.kda_block(p, cfg, x, conv_state, rec)
+    want_out, _, want_rec = kda_reference.block(ref.KDA_ATTENTION, p, cfg, x, conv_state, rec)
 
-    # Projections and the short conv happen outside the ops (as in ref.kda_block).
+    # Projections and the short conv happen outside the ops (as in the reference block).
     mixed = jnp.concatenate([ref.linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
     window = jnp.concatenate([conv_state, mixed.astype(jnp.bfloat16)[:, :, None]], axis=-1)
     taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
@@ -206,22 +212,22 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     gate = ref.linear(ref.linear(x, p["f_a_proj.weight"]), p["f_b_proj.weight"])
     beta_logit = ref.linear(x, p["b_proj.weight"])
     g = ref.linear(x, p["g_proj.weight"])
-    a_log = ops.expand_a_log(np.asarray(p["A_log"]), d)
+    a_log = expand_a_log(np.asarray(p["A_log"]), d)
     pd = cfg.kda_dim
 
     def body(conv_ref, gate_ref, a_ref, dt_ref, bl_ref, g_ref, w_ref, s_ref, o_ref, so_ref):
-        decay = ops.kda_decay(gate_ref[...], a_ref[...], dt_ref[...], cfg.gate_lower_bound)
+        decay = kda_ops.log_decay(gate_ref[...], a_ref[...], dt_ref[...], cfg.gate_lower_bound)
         beta = jax.nn.sigmoid(bl_ref[...])
         for r in range(b):
             for hd in range(nh):
                 lanes = slice(hd * d, (hd + 1) * d)
                 row = slice((r * nh + hd) * d, (r * nh + hd + 1) * d)
-                q = ops.l2_normalize(conv_ref[r:r + 1, lanes]) * d ** -0.5
-                k = ops.l2_normalize(conv_ref[r:r + 1, pd + hd * d:pd + (hd + 1) * d])
+                q = layer_ops.l2_normalize(conv_ref[r:r + 1, lanes]) * d ** -0.5
+                k = layer_ops.l2_normalize(conv_ref[r:r + 1, pd + hd * d:pd + (hd + 1) * d])
                 v = conv_ref[r:r + 1, 2 * pd + hd * d:2 * pd + (hd + 1) * d]
-                o, so_ref[row, :] = ops.kda_head_step(s_ref[row, :], q, k, v, decay[r:r + 1, lanes],
+                o, so_ref[row, :] = kda_ops.delta_rule_head(s_ref[row, :], q, k, v, decay[r:r + 1, lanes],
                                                       beta[r:r + 1, hd:hd + 1])
-                o_ref[r:r + 1, lanes] = ops.kda_gated_output(o, g_ref[r:r + 1, lanes], w_ref[...],
+                o_ref[r:r + 1, lanes] = kda_ops.gated_output(o, g_ref[r:r + 1, lanes], w_ref[...],
                                                              cfg.rms_norm_eps)
 
     args = [conv, gate, a_log, p["dt_bias"][None], beta_logit, g, p["o_norm.weight"][None],
@@ -561,6 +567,8 @@ from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
 from mkc.families.kimi_k3 import ops as ops
 from mkc.layers.expert_formats import ops as format_ops
+from mkc.layers.kda import ops as kda_ops
+from mkc.layers.ops import l2_normalize
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 
@@ -572,12 +580,12 @@ S = pl.BlockSpec(memory_space=pltpu.SMEM)
 def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits, bias, codes, scales,
            src, norm_w, proj_w, o_x, o_kda, o_state, o_mla, o_moe, o_ids, o_res):
     o_x[...] = ops.situ_packed(x[...], H // 2)
-    decay = ops.kda_decay(gate[...], a_log[...], dt[...], -5.0)
-    q = ops.l2_normalize(qkv[0:1, :D]) * D ** -0.5
-    k = ops.l2_normalize(qkv[1:2, :D])
-    o, o_state[...] = ops.kda_head_step(state[...], q, k, qkv[2:3, :D], decay[0:1, :D],
+    decay = kda_ops.log_decay(gate[...], a_log[...], dt[...], -5.0)
+    q = l2_normalize(qkv[0:1, :D]) * D ** -0.5
+    k = l2_normalize(qkv[1:2, :D])
+    o, o_state[...] = kda_ops.delta_rule_head(state[...], q, k, qkv[2:3, :D], decay[0:1, :D],
                                         jax.nn.sigmoid(qkv[3:4, 0:1]))
-    o_kda[...] = ops.kda_gated_output(o, qkv[3:4, :D], norm_w[:, :D], 1e-5)
+    o_kda[...] = kda_ops.gated_output(o, qkv[3:4, :D], norm_w[:, :D], 1e-5)
 
     q_lat, q_ext = ops.mla_absorb_query(qn[...], qe[...], wuk[...], NH)
     def tile(t, carry):

@@ -3,6 +3,7 @@ numpy re-derivations of routing, the attention-residual schedule, one KDA layer,
 the latent MoE."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.families.kimi_k3 import reference as ref
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.layers.kda import reference as kda_reference
 
 CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "kimi_k3.json"
@@ -305,7 +307,7 @@ def test_kda_matches_numpy_loops(mini: KimiDims, mini_params: dict[str, np.ndarr
     state = rng.normal(0, 0.3, size=(nh, d, d))
     jax_conv = jnp.asarray(conv_state[None], jnp.bfloat16)
     jax_state = jnp.asarray(state[None], jnp.float32)
-    block = jax.jit(ref.kda_block, static_argnums=1)
+    block = jax.jit(functools.partial(kda_reference.block, ref.KDA_ATTENTION), static_argnums=1)
     for step, head in enumerate((5, 0, nh - 1)):
         x = rng.normal(size=mini.hidden_size)
         out, jax_conv, jax_state = block(_to_jax(p64), mini, jnp.asarray(x[None], jnp.float32),
