@@ -17,6 +17,7 @@ import numpy as np
 
 from mkc.layers.reference import NORM, embed, matmul, sub_params
 from mkc.layers.sublayer import Composition
+from mkc.model.family import Family
 from mkc.model import fp8_blocks
 from mkc.model.config import in_range, upstream_config
 from mkc.reference.rounding import Rounding, bf16_weights
@@ -36,6 +37,16 @@ class DecoderReference:
         # its recorded MINI results were drawn in).
         self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
         self.final_norm, self.model_layer, self.norms_last = final_norm, model_layer, norms_last
+
+    @classmethod
+    def of(cls, family: Family, **options: Any) -> DecoderReference:
+        """The reference of `family`'s composition (`Family.layers`), read by its config reader."""
+        return cls(family.layers, family.read_dims, family.model_types, **options)
+
+    def functions(self) -> tuple[Callable, ...]:
+        """load_config, param_shapes, init_params, init_cache, decode_step: the names a family's
+        reference module binds (`mkc.model.contracts.Reference`)."""
+        return self.load_config, self.param_shapes, self.init_params, self.init_cache, self.decode_step
 
     def load_config(self, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
         """The model's dims (dict, config.json path or checkpoint directory), read by the
