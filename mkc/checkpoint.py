@@ -9,7 +9,8 @@ read; every value it reads is checked where it enters (`StoredTensor`): a non-fi
 or a NaN E8M0 scale is refused, naming the tensor. A family may rename stored prefixes and
 skip parts the decode step does not use (Qwen3.5 checkpoints are multimodal:
 ``model.language_model.`` becomes ``model.``, and the vision tower and multi-token-prediction
-head are skipped, as upstream's ForCausalLM does), and declare routed expert tensors a
+head are skipped, as upstream's ForCausalLM does; DeepSeek-V3's MTP layer, numbered past the
+decoder's layers, likewise), and declare routed expert tensors a
 checkpoint may store fused or per expert (``Family.expert_layouts``): the loader converts the
 stored layout into the one the table names, exactly.
 """
@@ -68,13 +69,20 @@ def _listing(names: list[str]) -> str:
     return shown + (f" ... and {more} more" if more > 0 else "")
 
 
-def _canonical(family: Family, name: str) -> str | None:
-    """The ForCausalLM name of a stored tensor, or None if the tensor is not ours to load."""
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _canonical(family: Family, name: str, layers: int) -> str | None:
+    """The ForCausalLM name of a stored tensor, or None if the tensor is not ours to load (of
+    `layers` decoder layers)."""
     if name.startswith(family.skipped_prefixes):
         return None
     for old, new in family.renamed_prefixes:
         if name.startswith(old):
-            return new + name[len(old):]
+            name = new + name[len(old):]
+            break
+    if family.skips_layers_past_config and (m := _LAYER.match(name)) and int(m.group(1)) >= layers:
+        return None
     return name
 
 
@@ -401,7 +409,7 @@ def load_checkpoint(path: str | os.PathLike[str], lazy: bool = False
     config, family, cfg = _read_config(root)
     expected = family.module("reference").param_shapes(cfg)
     # Pass 1: names, shapes and dtypes from the headers only.
-    headers = _read_headers(root, family, expected)
+    headers = _read_headers(root, family, expected, cfg.num_hidden_layers)
     _convert_layouts(headers, family, expected)
     headers.raise_mismatches(root, cfg.num_hidden_layers, expected)
     if lazy:
@@ -454,7 +462,7 @@ class _Headers:
                                   f"({layers} layers):\n  " + "\n  ".join(problems))
 
 
-def _read_headers(root: Path, family: Family, expected: dict) -> _Headers:
+def _read_headers(root: Path, family: Family, expected: dict, layers: int) -> _Headers:
     headers = _Headers()
     for file, promised in _weight_files(root).items():
         try:
@@ -464,7 +472,7 @@ def _read_headers(root: Path, family: Family, expected: dict) -> _Headers:
                     raise CheckpointError(f"{file}: tensors listed for it in {INDEX_FILE} are not in "
                                           f"the file: {_listing(absent)}")
                 for stored_name in sorted(stored):
-                    name = _canonical(family, stored_name)
+                    name = _canonical(family, stored_name, layers)
                     if name is None:
                         continue
                     view = f.get_slice(stored_name)

@@ -482,3 +482,30 @@ def test_an_fp8_checkpoint_loads_its_codes_and_block_scales_as_they_are(tmp_path
     with pytest.raises(CheckpointError, match=r"mlp\.experts\.2\.gate_proj\.weight holds 1 non-finite "
                                               r"value\(s\), the first \(nan\) at index \[3, 4\]"):
         load_checkpoint(tmp_path / "bad")
+
+
+def test_a_deepseek_v3_checkpoint_skips_its_mtp_layer_past_the_decoders_layers(tmp_path: Path) -> None:
+    """DeepSeek-V3's published checkpoint holds its MTP layer as `model.layers.{N}.*`, N =
+    num_hidden_layers (an MoE layer with per-expert tensors, plus its own embedding norms,
+    projection and head): loading skips it and reads the decoder's tensors; a stray tensor of
+    a decoder layer is still refused."""
+    from mkc.families.deepseek_v3 import reference as dsv3
+    config = json.loads((ROOT / "mkc/model/configs/deepseek_v3_mini.json").read_text())
+    d = dsv3.load_config(config)
+    params = dsv3.init_params(d, seed=0)
+    last, mtp = f"model.layers.{d.num_hidden_layers - 1}.", f"model.layers.{d.num_hidden_layers}."
+    extra = {mtp + n[len(last):]: a for n, a in params.items() if n.startswith(last)}
+    norm = params["model.norm.weight"]
+    extra |= {mtp + "enorm.weight": norm, mtp + "hnorm.weight": norm,
+              mtp + "eh_proj.weight": np.zeros((d.hidden_size, 2 * d.hidden_size), ml_dtypes.bfloat16),
+              mtp + "shared_head.head.weight": params["lm_head.weight"]}
+    save_checkpoint(tmp_path / "ckpt", config, _published_layout(params | extra, d.experts))
+    _, got = load_checkpoint(tmp_path / "ckpt")
+    assert list(got) == list(params)
+    for name, a in params.items():
+        assert got[name].tobytes() == a.tobytes(), name
+
+    stray = "model.layers.0.mlp.gate.weight"       # layer 0 is dense
+    save_checkpoint(tmp_path / "stray", config, {**params, stray: params[last + "mlp.gate.weight"]})
+    with pytest.raises(CheckpointError, match=rf"1 unexpected tensor\(s\): {stray}"):
+        load_checkpoint(tmp_path / "stray")

@@ -17,11 +17,17 @@ import numpy as np
 
 from mkc.layers.reference import NORM, embed, matmul, sub_params
 from mkc.layers.sublayer import Composition
+from mkc.model.family import Family
 from mkc.model import fp8_blocks
 from mkc.model.config import in_range, upstream_config
 from mkc.reference.rounding import Rounding, bf16_weights
 
 RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def _as_stored(w: Any, dtype: str) -> np.ndarray:
+    """A random draw as the checkpoint stores it (dtype name)."""
+    return bf16_weights(w) if dtype == "bfloat16" else np.asarray(w, dtype)
 
 
 class DecoderReference:
@@ -36,6 +42,16 @@ class DecoderReference:
         # its recorded MINI results were drawn in).
         self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
         self.final_norm, self.model_layer, self.norms_last = final_norm, model_layer, norms_last
+
+    @classmethod
+    def of(cls, family: Family, **options: Any) -> DecoderReference:
+        """The reference of `family`'s composition (`Family.layers`), read by its config reader."""
+        return cls(family.layers, family.read_dims, family.model_types, **options)
+
+    def functions(self) -> tuple[Callable, ...]:
+        """load_config, param_shapes, init_params, init_cache, decode_step: the names a family's
+        reference module binds (`mkc.model.contracts.Reference`)."""
+        return self.load_config, self.param_shapes, self.init_params, self.init_cache, self.decode_step
 
     def load_config(self, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Any:
         """The model's dims (dict, config.json path or checkpoint directory), read by the
@@ -70,16 +86,22 @@ class DecoderReference:
         """Random weights (bf16, or the table's dtype) scaled so the residual stream and logits
         stay O(1) at any depth: projections N(0, 1/fan_in), those writing the residual stream
         further by 1/sqrt(2 layers); norm weights near their gain of 1 (1 + w for a zero-centred
-        norm); a kind's own tensors as its reference's `init_weight` draws them."""
+        norm); a kind's own tensors as its reference's `init_weight` draws them (several at
+        once where it returns them by name, uint8 codes with their scales)."""
         rng = np.random.default_rng(seed)
         residual_scale = 1.0 / math.sqrt(2 * d.num_hidden_layers)
         owned = self._owned_shapes(d)
         out = {}
         for name in self._draw_order(owned):
+            if name in out:             # drawn with another tensor (MXFP4 scales with their codes)
+                continue
             shape, dtype, sub = owned[name]
             drawn = None
             if sub is not None and hasattr(sub.module("reference"), "init_weight"):
-                drawn = sub.module("reference").init_weight(sub, name, shape, rng)
+                drawn = sub.module("reference").init_weight(sub, name, shape, rng, residual_scale)
+            if isinstance(drawn, dict):
+                out |= {n: _as_stored(w, owned[n][1]) for n, w in drawn.items()}
+                continue
             if drawn is not None:
                 w = drawn
             elif name == "model.embed_tokens.weight":
@@ -89,7 +111,7 @@ class DecoderReference:
             else:
                 std = 1.0 / math.sqrt(shape[-1])
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
-            out[name] = bf16_weights(w) if dtype == "bfloat16" else np.asarray(w, dtype)
+            out[name] = _as_stored(w, dtype)
         block = getattr(d, "weight_block_size", ())
         if not block:
             return {name: out[name] for name in owned}

@@ -56,6 +56,12 @@ class Sublayer:
 Composition = Mapping[str, tuple[Sublayer, ...]]
 
 
+def paired(layer: int) -> int:
+    """The model layer of loop layer `layer` in a family that runs each model layer as two
+    loop layers, its attention then its MLP."""
+    return layer // 2
+
+
 def layer_kinds(layers: Composition, d: Any, ways: Mapping[str, int], **extra: Any
                 ) -> tuple[dict[str, LayerKind], dict[str, int]]:
     """The family's layer kinds from its composition, and the per-rank sizes of them all

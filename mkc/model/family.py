@@ -113,6 +113,10 @@ class Family:
     # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
+    # Skip the tensors of layers `model.layers.{i}.` past the config's num_hidden_layers: a
+    # multi-token-prediction layer numbered after the decoder's (DeepSeek-V3's `model.layers.61.`)
+    # that decode does not run.
+    skips_layers_past_config: bool = False
     # Routed-expert tensors a checkpoint may store fused or per expert (either loads).
     expert_layouts: tuple[ExpertLayout, ...] = ()
     # Name suffixes of the uint8 tensors that hold E8M0 scales (MXFP4's), where 255 is NaN:

@@ -21,9 +21,10 @@ config.json): hidden 7168, 61 layers (3 dense, intermediate 18432), 128 heads, q
 kv_lora_rank 512, qk 128 + 64, v 128, 256 experts of width 2048, top 8, 8 groups top 4, one
 shared expert, scaling 2.5, vocab 129280, eps 1e-6, rope_theta 10000 with YaRN factor 40 over
 4096 (beta 32 / 1, mscale and mscale_all_dim 1), max_position_embeddings 163840, one MTP layer
-(`num_nextn_predict_layers`, which decode does not run). Its checkpoint is FP8 e4m3 with an f32
-scale per 128 x 128 block (`quantization_config`, read by `mkc.model.fp8_blocks`; the shipped
-config is that file): the routed experts are held as they are (`format expert.* fp8 block 128 x
+(`num_nextn_predict_layers`, which decode does not run: the checkpoint holds it as
+`model.layers.61.*`, one past the decoder's, and loading skips it). Its checkpoint is FP8 e4m3
+with an f32 scale per 128 x 128 block (`quantization_config`, read by `mkc.model.fp8_blocks`;
+the shipped config is that file): the routed experts are held as they are (`format expert.* fp8 block 128 x
 128`, the default of such a checkpoint), the other linear weights as the bf16 DeepSeek's
 `fp8_cast_bf16.py` writes; a bf16 checkpoint (the config without `quantization_config`) keeps
 its bf16 experts.
@@ -40,5 +41,5 @@ FAMILY = Family(
     dims_import=("mkc.families.deepseek_v3.config", "DeepseekV3Dims"), vmem_inputs=rope_input,
     layers=LAYERS, weight_formats=MOE.weight_formats(), model_formats=MOE.weight_formats,
     rounding_formats=ROUNDING_FORMATS,
-    expert_layouts=EXPERT_LAYOUTS,
+    expert_layouts=EXPERT_LAYOUTS, skips_layers_past_config=True,
 )

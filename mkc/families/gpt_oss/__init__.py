@@ -2,10 +2,12 @@
 layer between a sliding window and the full context, with a learned sink logit per head and
 biased projections, then a biased top-k MoE of MXFP4 experts with a clamped SwiGLU.
 
-The family: its config reader (`config.py`), its pure-JAX reference with the kernel's rounding
-emulation (`reference.py`), its graph (`graph.py`), its compute bodies (`lowering.py`: the
-layer library's), its weights packer (`weights.py`: the published checkpoint cut per rank),
-its configs (`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`) and specs
+The family: its config reader (`config.py`) and its composition (`graph.py`: the layer
+library's GQA with biases and sinks, sliding or full, then the library's MoE with GPT-OSS's
+options); its compute bodies (`lowering.py`), reference with the kernel's rounding emulation
+(`reference.py`) and weights packer (`weights.py`: the published checkpoint cut per rank) are
+the library's, as the composition says; its configs
+(`mkc/model/configs/gpt_oss_{mini,20b,120b}.json`) and specs
 (`schedules/gpt_oss_{20b,120b}.sched`). The MINI runs on the 20b spec in interpret mode,
 bit-equal to the emulation at every step (`tests/families/gpt_oss/test_gpt_oss_interpret.py`).
 

@@ -48,10 +48,10 @@ SHARD_CLASSES = ("heads", "vocab", "experts")
 ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, full
 # The attention sublayers, the layer library's GQA with biases and sinks, sliding or full
 # (their weights are the library's too: `weights`), then the library's MoE with GPT-OSS's
-# options, its weights and reference the family's.
+# options.
 ATTENTION = {"swa": (GQA(bias=True, sinks=True, sliding=True),), "gqa": (GQA(bias=True, sinks=True),)}
 MOE = MoE(router_bias=True, routing="top_k_softmax", activation="clamped", expert_bias=True,
-          checkpoint="mxfp4")
+          checkpoint="mxfp4", router_prefix="router.", gate_up_interleaved=True)
 LAYERS = ATTENTION | {MOE_KIND: (MOE,)}
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME [block N]`),
 # the checkpoint's first: MXFP4 decoded in the kernel, or FP8 e4m3 codes (every e2m1 value is

@@ -26,11 +26,12 @@ from mkc.families.qwen3_5_moe.graph import DELTA_NET, GATED_ATTENTION, LAYERS
 from mkc.layers.decode import DecoderReference
 from mkc.layers.gated_delta_net import GatedDeltaNetDims
 from mkc.layers.moe.reference import route, selection_scores  # noqa: F401
+from mkc.layers.sublayer import paired
 from mkc.layers.swiglu import SwiGLU
 from mkc.reference.rounding import bf16_weights
 
 _REFERENCE = DecoderReference(LAYERS, read_dims, MODEL_TYPES, final_norm="zero_centred",
-                              model_layer=lambda layer: layer // 2)
+                              model_layer=paired)
 load_config, param_shapes = _REFERENCE.load_config, _REFERENCE.param_shapes
 init_cache, decode_step = _REFERENCE.init_cache, _REFERENCE.decode_step
 

@@ -1,9 +1,10 @@
 """Qwen3-MoE's weights: the layer library's, as `graph.LAYERS` composes them; model layer =
 loop layer // 2 (attention, then MoE)."""
 from mkc.families.qwen3_moe.graph import LAYERS
+from mkc.layers.sublayer import paired
 from mkc.layers.weights import DecoderWeights
 
-_WEIGHTS = DecoderWeights(LAYERS, model_layer=lambda layer: layer // 2)
+_WEIGHTS = DecoderWeights(LAYERS, model_layer=paired)
 matrix, layer_vector, reference_states = _WEIGHTS.matrix, _WEIGHTS.layer_vector, _WEIGHTS.reference_states
 head_vectors, embedding, kernel_states = _WEIGHTS.head_vectors, _WEIGHTS.embedding, _WEIGHTS.kernel_states
 expert, requantization = _WEIGHTS.expert, _WEIGHTS.requantization

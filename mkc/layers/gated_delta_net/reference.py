@@ -203,8 +203,8 @@ def param_shapes(s: GatedDeltaNet, d: Any, prefix: str) -> dict[str, tuple[tuple
     }
 
 
-def init_weight(s: GatedDeltaNet, name: str, shape: tuple[int, ...], rng: np.random.Generator
-                ) -> np.ndarray | None:
+def init_weight(s: GatedDeltaNet, name: str, shape: tuple[int, ...], rng: np.random.Generator,
+                residual_scale: float) -> np.ndarray | None:
     """Random values for the tensors a generic draw does not suit (None for the others): the
     gated norm's plain weight near 1; A_log and dt_bias in the Mamba-2 ranges of upstream's
     init (A in [1, 16], dt in [1e-3, 1e-1]) so per-step decays spread over about (0.2, 1);

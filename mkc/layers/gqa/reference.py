@@ -285,6 +285,18 @@ def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     return shapes
 
 
+def init_weight(s: GQA, name: str, shape: tuple[int, ...], rng: np.random.Generator, residual_scale: float
+                ) -> np.ndarray | None:
+    """Sinks N(0, 1), like a score; projection biases N(0, 0.1) (o_proj's times
+    `residual_scale`: it writes the residual stream), so every bias path is exercised
+    (upstream initialises them to zero); the rest as the decoder draws them (None)."""
+    if s.sinks and name.endswith(s.prefix + "sinks"):
+        return rng.normal(0.0, 1.0, shape)
+    if s.bias and name.endswith("_proj.bias"):
+        return rng.normal(0.0, 0.1 * (residual_scale if name.endswith("o_proj.bias") else 1.0), shape)
+    return None
+
+
 def init_cache(s: GQA, d: Any, layer: int, batch: int, context: int, dtype: Any = jnp.bfloat16
                ) -> dict[str, jax.Array]:
     """Zeroed KV caches of `context` slots, a sliding kind's of its window's."""

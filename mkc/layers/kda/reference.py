@@ -182,7 +182,8 @@ def param_shapes(s: KDA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     return block_shapes(s, d, prefix) | {prefix + "input_layernorm.weight": ((d.hidden_size,), "bfloat16")}
 
 
-def init_weight(s: KDA, name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray | None:
+def init_weight(s: KDA, name: str, shape: tuple[int, ...], rng: np.random.Generator,
+                residual_scale: float = 1.0) -> np.ndarray | None:
     """Random values for the tensors a generic draw does not suit (None for the others): A =
     exp(A_log) in [1, 16] as upstream's init, dt_bias in [-1, 0] and the decay gate's up
     projection at a fifth of the fan-in scale, so ``A * (gate + dt_bias)`` does not saturate and

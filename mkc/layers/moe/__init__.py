@@ -17,17 +17,19 @@ scores above 1e-13), times `routed_scaling_factor`. Kimi K3's router is this wit
 Variants are options of the one kind: Qwen3.5-MoE's block is `MoE(norm="zero_centred",
 shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`,
 GPT-OSS's `MoE(router_bias=True, routing="top_k_softmax", activation="clamped",
-expert_bias=True, checkpoint="mxfp4")`: a biased router, the softmax over the k picked logits
-only (`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) +
-1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`,
-`swiglu_limit`), on MXFP4 experts whose gate and up halves are padded to whole 128-lane tiles
-(`expert_half`); DeepSeek-V3's `MoE(routing="sigmoid", shared_expert=True, shared_gate=False,
+expert_bias=True, checkpoint="mxfp4", router_prefix="router.", gate_up_interleaved=True)`: a
+biased router (`mlp.router.{weight,bias}`), the softmax over the k picked logits only
+(`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) + 1) * g
+* sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`, `swiglu_limit`), on
+MXFP4 experts (`experts.{gate_up,down}_proj_{blocks,scales,bias}`, gate and up rows
+interleaved) whose gate and up halves the slot pads to whole 128-lane tiles (`expert_half`);
+DeepSeek-V3's `MoE(routing="sigmoid", shared_expert=True, shared_gate=False,
 shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_norm_eps,
 experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
 n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
-(clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies and graph
-cover every option; its reference and weights the bf16 checkpoint's, or its FP8 version with
-f32 block scales (GPT-OSS's are the family's).
+(clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies, graph,
+reference and weights cover every option: a bf16 checkpoint's experts, its FP8 version with f32
+block scales, or MXFP4 ones (whole experts on every core).
 
 Sharding: routed experts expert-parallel over every core (each core holds whole experts,
 `experts / ranks` of them, fetched into a pool's expert slots as routing picks them; shard
@@ -97,6 +99,8 @@ class MoE(Sublayer):
     checkpoint: str = "bf16"       # the experts' stored format upstream: "bf16" or "mxfp4"
     shared_gate: bool = True       # the shared expert times sigmoid(h . shared_expert_gate)
     shared_prefix: str = "shared_expert."   # the shared expert's parameters under `prefix`
+    router_prefix: str = "gate."   # the router's parameters under `prefix` (GPT-OSS: `router.`)
+    gate_up_interleaved: bool = False   # the checkpoint's gate|up rows alternate gate, up
 
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
@@ -156,16 +160,6 @@ class MoE(Sublayer):
         if self.checkpoint == "mxfp4":
             per_rank["expert_half"] = self.expert_half(d, tp)
         return Part(ops, tensors, per_rank)
-
-    def bf16_checkpoint(self, what: str) -> None:
-        """Refuse (NotImplementedError) options `what` (the reference, the weights) does not
-        compute: it reads a bf16 checkpoint with a bias-free router (softmax or sigmoid
-        routing) and SiLU experts."""
-        if self != MoE(norm=self.norm, shared_expert=self.shared_expert, prefix=self.prefix,
-                       routing="sigmoid" if self.routing == "sigmoid" else "softmax",
-                       shared_gate=self.shared_gate, shared_prefix=self.shared_prefix):
-            raise NotImplementedError(f"the library MoE's {what} computes a bf16 checkpoint's plain "
-                                      f"experts, not {self}: the family provides its own")
 
     def stored(self, d: Any = None) -> str:
         """The experts' format in the model's checkpoint: the kind's, or "fp8" where a bf16

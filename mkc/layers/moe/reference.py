@@ -15,6 +15,14 @@ dots:
 * sigmoid routing (``route``): ``sigmoid(x @ gate^T)`` scores, the top k of them plus
   ``gate.e_score_correction_bias`` among the best groups, weighted by their scores
   (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``;
+* GPT-OSS's options (``GptOssMLP``): the router ``mlp.router`` (``s.router_prefix``) with a
+  bias on its logits; the top-k softmax (``route``'s "top_k_softmax": the k largest logits,
+  their softmax over those k only); MXFP4 experts decoded exactly (``mxfp4_experts``), their
+  gate and up rows interleaved (``s.gate_up_interleaved``), a bias after each product, and the
+  clamped SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate,
+  limit)`` (``clamped_swiglu``); the emulation multiplies each expert as its slot holds it
+  (``_slot_expert``: ``[gate | up]`` halves padded to whole lane tiles, pack group by pack
+  group);
 * with ``s.shared_expert``: ``mlp.shared_expert`` (``s.shared_prefix``) a SwiGLU MLP of width
   ``shared_expert_intermediate_size``, times ``sigmoid(x @ shared_expert_gate.weight^T)``
   unless ``s.shared_gate`` is false;
@@ -40,18 +48,21 @@ picks and the block's own sum were off).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mkc.layers.expert_formats import block_groups, block_index
+from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.moe import MoE
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
 from mkc.model.fp8_blocks import dequantize
+from mkc.model.mxfp4 import mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -63,7 +74,8 @@ def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str 
           ) -> tuple[jax.Array, jax.Array]:
     """Routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first. ``scoring``
     "softmax": the top-k softmax probabilities over all experts, divided by their sum when
-    ``renormalize``. "sigmoid" (`DeepseekV3TopkRouter`, Kimi K3's): the top k of ``sigmoid +
+    ``renormalize``. "top_k_softmax" (`GptOssTopKRouter`): the k largest logits, their softmax
+    over those k only. "sigmoid" (`DeepseekV3TopkRouter`, Kimi K3's): the top k of ``sigmoid +
     bias`` (the correction bias picks, it does not weight) among the ``topk_groups`` best of
     ``groups`` groups (a group's score the sum of its two largest), weighted by their sigmoid
     scores, divided by their sum when ``renormalize``, times ``scaling``."""
@@ -73,6 +85,9 @@ def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str 
         if renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return ids, weights
+    if scoring == "top_k_softmax":
+        top, ids = jax.lax.top_k(logits, top_k)
+        return ids, jax.nn.softmax(top, axis=-1)
     scores = jax.nn.sigmoid(logits)
     pick = scores + bias
     if groups > 1:
@@ -101,12 +116,14 @@ def selection_scores(logits: jax.Array, top_k: int, renormalize: bool = True, sc
                      bias: jax.Array | None = None, scaling: float = 1.0, groups: int = 1,
                      topk_groups: int = 1) -> tuple[jax.Array, int] | list[tuple[jax.Array, int]]:
     """What ``route`` (same arguments) takes the top k of, and that k: the softmax
-    probabilities, or the sigmoid scores plus the bias. Group-limited, two choices: the
-    biased scores with the other groups' experts at -1e30 (finite, so two runs' scores
-    subtract) and their top k, then the group scores and their top ``topk_groups``. The
-    harness's near-tie rule reads it (``examples/generated_module``)."""
+    probabilities, the logits (top-k softmax), or the sigmoid scores plus the bias.
+    Group-limited, two choices: the biased scores with the other groups' experts at -1e30
+    (finite, so two runs' scores subtract) and their top k, then the group scores and their
+    top ``topk_groups``. The harness's near-tie rule reads it (``examples/generated_module``)."""
     if scoring == "softmax":
         return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k
+    if scoring == "top_k_softmax":
+        return logits, top_k
     pick = jax.nn.sigmoid(logits) + bias
     if groups == 1:
         return pick, top_k
@@ -119,16 +136,19 @@ def dense_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = T
     """Routing weights over every expert ``[B, E]`` as the kernel forms them
     (``mkc.layers.moe.lowering``): the softmax probabilities (or sigmoid scores) of the picked
     ``ids`` (zero elsewhere), divided by their sum over all E lanes when ``renormalize``; sigmoid
-    scores then times ``scaling``."""
+    scores then times ``scaling``. Top-k softmax: ``exp(logit - row max)`` at the picks (the
+    row max is the largest pick's, so their softmax over the k), divided by their lane sum."""
     if scoring == "softmax":
         scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    elif scoring == "top_k_softmax":
+        scores = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     else:
         scores = jax.nn.sigmoid(logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
     if renormalize:
         kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
-    return kept if scoring == "softmax" else kept * scaling
+    return kept * scaling if scoring == "sigmoid" else kept
 
 
 # Jitted: their sum over the k picks (``route``) adds the same values in another f32 order, and
@@ -137,10 +157,25 @@ def dense_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = T
 _kernel_route_weights = jax.jit(dense_route_weights, static_argnames=("renormalize", "scoring", "scaling"))
 
 
-def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng) -> Any:
+def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng: np.random.Generator, residual_scale: float
+                ) -> np.ndarray | dict[str, np.ndarray] | None:
     """The correction bias drawn N(0, 0.05) (its scores' spread is about 0.2: it reorders
-    close picks); the rest as the decoder draws them (None)."""
-    return rng.normal(0.0, 0.05, shape) if name.endswith("e_score_correction_bias") else None
+    close picks); router and expert biases N(0, 0.1) (down's times `residual_scale`: it writes
+    the residual stream), so every bias path is exercised (upstream initialises them to zero);
+    MXFP4 experts drawn as f32 N(0, 1/fan_in) (down's times `residual_scale`) and stored through
+    ``mxfp4_quantize``: their blocks valid codes, with their scales (in 1..254); the rest as the
+    decoder draws them (None)."""
+    if name.endswith("e_score_correction_bias"):
+        return rng.normal(0.0, 0.05, shape)
+    if ((s.router_bias and name.endswith(s.router_prefix + "bias"))
+            or (s.expert_bias and name.endswith("_proj_bias"))):
+        return rng.normal(0.0, 0.1 * (residual_scale if name.endswith("down_proj_bias") else 1.0), shape)
+    if s.checkpoint == "mxfp4" and name.endswith("_proj_blocks"):
+        full = (shape[0], shape[1], shape[2] * MX_BLOCK)                  # [E, out, in]
+        std = 1.0 / math.sqrt(full[-1]) * (residual_scale if name.endswith("down_proj_blocks") else 1.0)
+        codes, scales = mxfp4_quantize(rng.normal(0.0, std, full).astype(np.float32))
+        return {name: codes.reshape(shape), name.removesuffix("_blocks") + "_scales": scales}
+    return None
 
 
 @jax.jit
@@ -172,20 +207,95 @@ def expert_parallel_sum(rounding: Rounding, experts: int, dense: jax.Array, widt
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
 
 
+def _gate_first(s: MoE, w: jax.Array, axis: int) -> jax.Array:
+    """An expert's gate|up axis with its gate entries first, then up's: as stored, or
+    de-interleaved where the checkpoint alternates them (`gate_up_interleaved`)."""
+    if not s.gate_up_interleaved:
+        return w
+    n = w.shape[axis]
+    return jnp.concatenate([jax.lax.slice_in_dim(w, 0, n, 2, axis), jax.lax.slice_in_dim(w, 1, n, 2, axis)],
+                           axis)
+
+
+def mxfp4_experts(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array) -> jax.Array:
+    """The ``ids`` experts' ``matrix`` (``gate_up``, ``down``) decoded from an MXFP4
+    checkpoint's ``*_blocks [E, out, in/32, 16]`` and ``*_scales [E, out, in/32]``:
+    ``[..., out, in]`` f32, rows as stored."""
+    blocks = jnp.asarray(p[f"experts.{matrix}_proj_blocks"])[ids].astype(jnp.uint8)
+    codes = blocks.reshape(*blocks.shape[:-2], -1)               # 16 bytes a block, in order
+    scales = jnp.asarray(p[f"experts.{matrix}_proj_scales"])[ids].astype(jnp.uint8)
+    return mxfp4_dequantize_jax(codes, scales, (*ids.shape, *scales.shape[-2:-1], 2 * codes.shape[-1]))
+
+
+def _picked(s: MoE, p: Mapping[str, jax.Array], d: Any, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ``ids`` experts' ``gate_up [..., 2I, H]`` (gate rows first) and ``down [..., H, I]``
+    values: decoded from MXFP4 codes, an FP8 checkpoint's codes times their block scales, or
+    as stored."""
+    if s.checkpoint == "mxfp4":
+        gate_up, down = (mxfp4_experts(p, m, ids) for m in EXPERTS)
+    else:
+        gate_up, down = (w[ids] for w in expert_values(p, d))
+    return _gate_first(s, gate_up, -2), down
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GptOssExperts' activation: the gate clamped from above only, up on both sides,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
+
+
+# Jitted as the kernel's one expression (XLA's f32 order depends on it: `mkc.numerics`).
+_kernel_clamped_swiglu = jax.jit(clamped_swiglu, static_argnums=(2, 3))
+
+
+def activation(s: MoE, d: Any, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """An expert's activation of its gate and up products: ``silu(gate) * up``, or the clamped
+    SwiGLU with the model's `swiglu_alpha` and `swiglu_limit`."""
+    if s.activation == "clamped":
+        return clamped_swiglu(gate, up, d.swiglu_alpha, d.swiglu_limit)
+    return jax.nn.silu(gate) * up
+
+
+def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice, half: int
+                 ) -> dict[str, jax.Array]:
+    """Expert e's width part ``cols`` as its slot holds it, ``[out, in]``: gate_up's gate rows
+    then its up rows (``[gate | up]``), down's input columns, each half padded with zeros to
+    ``half`` (`MoE.expert_half`: MXFP4 halves are whole lane tiles), its biases likewise ([1,
+    n]); an FP8 checkpoint's codes as they are (`expert_linear` scales them)."""
+    inter = d.moe_intermediate_size
+    if s.checkpoint == "mxfp4":
+        gate_up, down = (mxfp4_experts(p, m, jnp.asarray(e)) for m in EXPERTS)
+    else:
+        gate_up, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e]
+    pad = half - (cols.stop - cols.start)
+    gate_up = _gate_first(s, gate_up, 0).reshape(2, inter, -1)[:, cols]
+    w = {"gate_up": (jnp.pad(gate_up, ((0, 0), (0, pad), (0, 0))) if pad else gate_up).reshape(2 * half, -1),
+         "down": jnp.pad(down[:, cols], ((0, 0), (0, pad))) if pad else down[:, cols]}
+    if s.expert_bias:
+        bias = _gate_first(s, p["experts.gate_up_proj_bias"][e], 0).reshape(2, inter)[:, cols]
+        w["gate_up_bias"] = jnp.pad(bias, ((0, 0), (0, pad))).reshape(1, 2 * half)
+        w["down_bias"] = p["experts.down_proj_bias"][e][None, :]
+    return w
+
+
 def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
                              rounding: Rounding, kind: str) -> jax.Array:
     """The routed experts as an expert-parallel kernel computes them (module docstring,
     `expert_parallel_sum`)."""
-    inter, tp, width = d.moe_intermediate_size, rounding.size("expert_tp"), rounding.size("expert_width")
-    gate_up, down = p["experts.gate_up_proj"], p["experts.down_proj"]
+    tp, width = rounding.size("expert_tp"), rounding.size("expert_width")
+    half = s.expert_half(d, tp)
     # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; an FP8
     # checkpoint's blocks (`fp8 block R x C`): one a group of rows under one block row, on its
-    # codes, each partial product times its scales; bf16 experts: one bf16 dot.
+    # codes, each partial product times its scales; MXFP4 experts: decoded a pack group at a
+    # time; bf16 experts: one bf16 dot.
     operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     formats = {m: rounding.weight_format(f"expert.{m}") for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(formats[m], "name", "") == "fp8"}
     blocks = {m for m in fp8 if formats[m].cols}
-    rows = {m: s.pack_groups(d, tp)[m] if m in fp8 else None for m in EXPERTS}
+    grouped = fp8 | (set(EXPERTS) if s.checkpoint == "mxfp4" else set())
+    rows = {m: s.pack_groups(d, tp)[m] if m in grouped else None for m in EXPERTS}
     rows |= {m: block_groups(formats[m], *{"gate_up": (d.hidden_size, width),
                                            "down": (width, d.hidden_size)}[m])[0] for m in blocks}
 
@@ -203,12 +313,17 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
         # up]): XLA's CPU f32 dot sums a 2 * width wide product in another order than two
         # width wide ones (module docstring).
         mine = list(range(cols.start, cols.stop))
-        fused = gate_up[e].reshape(2, inter, -1)[:, cols].reshape(2 * width, -1)
-        hidden = expert_linear(xin, fused, "gate_up", e, mine + [inter + i for i in mine],
-                               list(range(d.hidden_size)), width)
-        act = jax.nn.silu(hidden[:, :width]) * hidden[:, width:]
-        return expert_linear(act, down[e][:, cols], "down", e, list(range(d.hidden_size)), mine,
-                             d.hidden_size)
+        w = _slot_expert(s, p, d, e, cols, half)
+        hidden = expert_linear(xin, w["gate_up"], "gate_up", e,
+                               mine + [d.moe_intermediate_size + i for i in mine], list(range(d.hidden_size)),
+                               width)
+        if s.expert_bias:
+            hidden = hidden + w["gate_up_bias"]
+        gate, up = hidden[:, :half], hidden[:, half:]
+        act = (_kernel_clamped_swiglu(gate, up, d.swiglu_alpha, d.swiglu_limit) if s.activation == "clamped"
+               else activation(s, d, gate, up))
+        out = expert_linear(act, w["down"], "down", e, list(range(d.hidden_size)), mine, d.hidden_size)
+        return out + w["down_bias"] if s.expert_bias else out
 
     return expert_parallel_sum(rounding, d.experts, dense, d.hidden_size, expert, kind)
 
@@ -240,22 +355,26 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     """The block's routed experts (summed) and shared expert (before its gate; None without
     one), each all-reduced as the schedule says when ``rounding`` is given. ``p`` maps names
     relative to ``s.prefix`` to f32 arrays."""
-    s.bf16_checkpoint("reference")
     inter = d.moe_intermediate_size
     xin = mm_input(x, rounding)
-    logits = matmul(xin, p["gate.weight"], rounding)
-    routing = router_args(s, p, d)
-    ids, weights = route(logits, d.top_k, d.norm_topk_prob, *routing)
+    logits = matmul(xin, p[s.router_prefix + "weight"], rounding)
+    if s.router_bias:
+        logits = logits + p[s.router_prefix + "bias"]
+    routing = route_args(s, p, d)
+    ids, weights = route(logits, *routing)
     if rounding is None:
-        gate_up, down = expert_values(p, d)
-        hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up[ids], precision=HIGHEST)
-        act = jax.nn.silu(hidden[..., :inter]) * hidden[..., inter:]
-        out = jnp.einsum("bki,bkoi->bko", act, down[ids], precision=HIGHEST)
+        gate_up, down = _picked(s, p, d, ids)
+        hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST)
+        if s.expert_bias:
+            hidden = hidden + _gate_first(s, p["experts.gate_up_proj_bias"][ids], -1)
+        act = activation(s, d, hidden[..., :inter], hidden[..., inter:])
+        out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST)
+        if s.expert_bias:
+            out = out + p["experts.down_proj_bias"][ids]
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
     else:
-        dense = (_kernel_route_weights(logits, ids, d.norm_topk_prob) if not routing else
-                 _kernel_route_weights(logits, ids, d.norm_topk_prob, scoring="sigmoid",
-                                       scaling=d.routed_scaling_factor))
+        scaling = d.routed_scaling_factor if s.routing == "sigmoid" else 1.0
+        dense = _kernel_route_weights(logits, ids, routing[1], s.routing, scaling)
         routed = _routed_experts_per_rank(s, p, d, xin, dense, rounding, kind)
     if not s.shared_expert:
         return routed, None
@@ -263,12 +382,16 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     return routed, _shared_expert(shared, x, rounding, kind)
 
 
-def router_args(s: MoE, p: Mapping[str, jax.Array], d: Any) -> tuple:
-    """``route``'s arguments past the logits, k and renormalisation: none for softmax routing;
-    for sigmoid routing the scoring, the correction bias, the scaling and the groups."""
+def route_args(s: MoE, p: Mapping[str, jax.Array], d: Any) -> tuple:
+    """``route``'s arguments past the logits: k and the renormalisation; the top-k softmax's
+    scoring; for sigmoid routing the scoring, the correction bias, the scaling and the
+    groups."""
+    if s.routing == "top_k_softmax":
+        return d.top_k, True, "top_k_softmax"
     if s.routing != "sigmoid":
-        return ()
-    return ("sigmoid", p["gate.e_score_correction_bias"], d.routed_scaling_factor, d.n_group, d.topk_group)
+        return d.top_k, d.norm_topk_prob
+    return (d.top_k, d.norm_topk_prob, "sigmoid", p["gate.e_score_correction_bias"], d.routed_scaling_factor,
+            d.n_group, d.topk_group)
 
 
 @jax.jit
@@ -322,12 +445,21 @@ def forward(s: MoE, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: di
 
 def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """The block's upstream parameters, in upstream module order, under layer prefix
-    `prefix` (`model.layers.{i}.`)."""
+    `prefix` (`model.layers.{i}.`): routed experts fused, `[E, out, in]` bf16, or MXFP4
+    `*_blocks` uint8 `[E, out, in/32, 16]` (two e2m1 codes a byte, low nibble first) beside
+    `*_scales` uint8 `[E, out, in/32]` (E8M0); with `expert_bias` a bias `[E, out]` after each."""
     H, E, inter, p, bf16 = d.hidden_size, d.experts, d.moe_intermediate_size, prefix + s.prefix, "bfloat16"
-    shapes = {p + "gate.weight": ((E, H), bf16),
-              **({p + "gate.e_score_correction_bias": ((E,), "float32")} if s.routing == "sigmoid" else {}),
-              p + "experts.gate_up_proj": ((E, 2 * inter, H), bf16),
-              p + "experts.down_proj": ((E, H, inter), bf16)}
+    shapes = {p + s.router_prefix + "weight": ((E, H), bf16),
+              **({p + s.router_prefix + "bias": ((E,), bf16)} if s.router_bias else {}),
+              **({p + "gate.e_score_correction_bias": ((E,), "float32")} if s.routing == "sigmoid" else {})}
+    for name, (out, k) in (("gate_up_proj", (2 * inter, H)), ("down_proj", (H, inter))):
+        if s.checkpoint == "mxfp4":
+            shapes |= {p + f"experts.{name}_blocks": ((E, out, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
+                       p + f"experts.{name}_scales": ((E, out, k // MX_BLOCK), "uint8")}
+        else:
+            shapes[p + f"experts.{name}"] = ((E, out, k), bf16)
+        if s.expert_bias:
+            shapes[p + f"experts.{name}_bias"] = ((E, out), bf16)
     if s.shared_expert:
         shared, q = d.shared_expert_intermediate_size, p + s.shared_prefix
         shapes |= {q + "gate_proj.weight": ((shared, H), bf16), q + "up_proj.weight": ((shared, H), bf16),

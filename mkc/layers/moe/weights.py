@@ -8,7 +8,13 @@ each routed expert whole on the rank that holds it (`expert`), from the fused
 block N rounded`) is requantized, block by block of input rows
 (`mkc.model.mxfp4.requantize_fp8_blocks`), into codes and E8M0 scales (`requantization` reports
 the error); from an FP8 checkpoint (`fp8 block R x C`) its codes and f32 block scales are
-copied as they are (`fp8_expert_matrix`)."""
+copied as they are (`fp8_expert_matrix`). An MXFP4 checkpoint's experts (GPT-OSS's `*_blocks`
+`[E, out, in/32, 16]` and `*_scales` `[E, out, in/32]`) are moved, never decoded
+(`mxfp4_expert`): gate_up's rows into `[gate | up]` halves padded to the slot's `expert_half`
+(`gate_up_halves`: de-interleaved where the checkpoint alternates them), down's input columns
+padded to the same width with zero codes, both put K-major in pack groups, or turned into FP8
+codes where the spec's format says so; with `expert_bias` each matrix's bias row (bf16, the
+checkpoint's dtype) after it, cut the same way."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -18,7 +24,9 @@ import ml_dtypes
 import numpy as np
 
 from mkc.ir import WeightFormat
-from mkc.layers.expert_formats.weights import fp8_checkpoint_blocks
+from mkc.layers.expert_formats import MX_BLOCK
+from mkc.layers.expert_formats.weights import (fp8_checkpoint_blocks, fp8_codes_from_kernel_mxfp4,
+                                               pack_mxfp4_for_kernel)
 from mkc.layers.moe import MoE
 from mkc.layers.swiglu.weights import mlp_matrix
 from mkc.layers.weights import tensor
@@ -31,17 +39,17 @@ _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
 
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
-    s.bf16_checkpoint("weights")
     shared = (*(("shared_gate",) if s.shared_gate else ()), "shared_gate_up", "shared_down") \
         if s.shared_expert else ()
-    return ("post_norm", "router", *shared, *(("correction_bias",) if s.routing == "sigmoid" else ()))
+    return ("post_norm", "router", *(("router_bias",) if s.router_bias else ()), *shared,
+            *(("correction_bias",) if s.routing == "sigmoid" else ()))
 
 
 def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
     p = prefix + s.prefix
     if name == "router":
-        return tensor(hf, p + "gate.weight").T                                   # [H, E]
+        return tensor(hf, p + s.router_prefix + "weight").T                     # [H, E]
     return mlp_matrix(hf, p + s.shared_prefix, d.shared_expert_intermediate_size,
                       name.removeprefix("shared_"), rank, shards)
 
@@ -52,6 +60,8 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
         return tensor(hf, prefix + s.prefix + "shared_expert_gate.weight")     # [1, H]
     if name == "correction_bias":
         return tensor(hf, prefix + s.prefix + "gate.e_score_correction_bias")[None, :]   # [1, E]
+    if name == "router_bias":
+        return tensor(hf, prefix + s.prefix + s.router_prefix + "bias")[None, :]         # [1, E]
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
 
 
@@ -103,8 +113,10 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
            formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
     """Local expert `local` of `rank` as the pool holds it (its width slice), [in, out] by
     matrix: bf16 by its name, or FP8 codes and E8M0 scales per block of input rows
-    (`{name}_codes`, `{name}_scales`)."""
-    s.bf16_checkpoint("weights")
+    (`{name}_codes`, `{name}_scales`); an MXFP4 checkpoint's as `mxfp4_expert` moves it."""
+    if s.checkpoint == "mxfp4":
+        e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+        return mxfp4_expert(s, hf, d, prefix, e, formats)
     out = {}
     for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
         name = cls.split(".")[1]
@@ -121,13 +133,67 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     return out
 
 
+def gate_up_halves(s: MoE, rows: np.ndarray, half: int) -> np.ndarray:
+    """The checkpoint's gate|up along axis 0 (``[2I, ...]``: gate rows first, or at even
+    indices and up at odd ones with `gate_up_interleaved`, upstream GPT-OSS's ``gate_up[...,
+    ::2]`` and ``[..., 1::2]``) -> ``[2 * half, ...]``: the gate rows, zeros up to ``half``, the
+    up rows, zeros up to ``2 * half``. Works on any trailing axes (a weight's MXFP4 codes or
+    scales, a bias), so packing moves bytes and rounds nothing."""
+    rows = np.asarray(rows)
+    width = rows.shape[0] // 2
+    if rows.shape[0] % 2 or half < width:
+        raise ValueError(f"{rows.shape[0]} gate|up rows do not make two halves of at most {half}")
+    gate, up = (rows[0::2], rows[1::2]) if s.gate_up_interleaved else (rows[:width], rows[width:])
+    pad = [(0, half - width)] + [(0, 0)] * (rows.ndim - 1)
+    return np.concatenate([np.pad(gate, pad), np.pad(up, pad)], axis=0)
+
+
+def mxfp4_expert(s: MoE, hf: Mapping, d: Any, prefix: str, e: int,
+                 formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
+    """Routed expert `e` of an MXFP4 checkpoint as its slot holds it (whole: the experts split
+    over every core): codes and scales K-major in the resolved formats, moved, never decoded
+    (module docstring); with `expert_bias` the bias rows bf16 `[1, n]`."""
+    p = f"{prefix}{s.prefix}experts."
+    half, groups = s.expert_half(d), s.pack_groups(d)
+
+    def codes(name: str) -> np.ndarray:       # `*_blocks [out, in/32, 16]` -> codes [out, in/2]
+        blocks = np.asarray(hf[p + f"{name}_proj_blocks"][e], np.uint8)
+        return blocks.reshape(blocks.shape[0], -1)
+
+    def scales(name: str) -> np.ndarray:
+        return np.asarray(hf[p + f"{name}_proj_scales"][e], np.uint8)
+
+    pad = half - d.moe_intermediate_size              # down's input columns: zero codes
+    stored = {"gate_up": (gate_up_halves(s, codes("gate_up"), half),
+                          gate_up_halves(s, scales("gate_up"), half)),
+              "down": (np.pad(codes("down"), ((0, 0), (0, pad // 2))),
+                       np.pad(scales("down"), ((0, 0), (0, pad // MX_BLOCK))))}
+    resolved = s.expert_formats(d, dict(formats or {}))
+    out = {}
+    for name, (kernel_codes, kernel_scales) in stored.items():
+        kernel_codes, kernel_scales = pack_mxfp4_for_kernel(kernel_codes, kernel_scales, groups[name])
+        fmt = resolved[f"expert.{name}"]
+        if fmt.name == "fp8":
+            kernel_codes, kernel_scales = fp8_codes_from_kernel_mxfp4(kernel_codes, kernel_scales,
+                                                                      groups[name], fmt.block)
+        out[f"{name}_codes"], out[f"{name}_scales"] = kernel_codes, kernel_scales
+        if s.expert_bias:
+            bias = np.asarray(hf[p + f"{name}_proj_bias"][e]).astype(np.float32)
+            bias = gate_up_halves(s, bias, half) if name == "gate_up" else bias
+            out[f"{name}_bias"] = bias[None, :].astype(ml_dtypes.bfloat16)
+    return out
+
+
 def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightFormat],
                    prefixes: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
     """The routed experts of the layers under `prefixes` as the kernel holds them: each FP8
     class's fused tensors requantized expert by expert (blocks of input rows, as packing cuts
     them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
     one, so the reference reads the kernel's values exactly), and per class the error against
-    the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS)."""
+    the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS).
+    MXFP4 experts' FP8 codes are exact (`mxfp4_expert` refuses the others): none."""
+    if s.checkpoint == "mxfp4":
+        return {}, {}
     fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items()
            if f.name == "fp8" and not f.cols}           # an FP8 checkpoint's blocks: as they are
     out: dict[str, np.ndarray] = {}

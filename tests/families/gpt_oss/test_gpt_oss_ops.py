@@ -20,12 +20,13 @@ import pytest
 
 from mkc.families.gpt_oss import lowering
 from mkc.families.gpt_oss import reference as ref
-from mkc.families.gpt_oss.graph import LAYERS
-from mkc.families.gpt_oss.weights import deinterleave_gate_up
-from mkc.layers import rope
+from mkc.families.gpt_oss.graph import LAYERS, MOE
 from mkc.layers import ops as layer_ops
+from mkc.layers import rope
 from mkc.layers.gqa import lowering as gqa_lowering
+from mkc.layers.gqa import reference as gqa_ref
 from mkc.layers.moe import lowering as moe_lowering
+from mkc.layers.moe.weights import gate_up_halves
 from mkc.model.config import CONFIG_DIR
 from mkc.runtime import kv as kv_cache
 from tests_support import body_layer, lowered_routed_experts
@@ -179,10 +180,10 @@ def test_the_kernel_attention_agrees_with_the_reference_attend():
     ring_k, ring_v = np.zeros((slots, 2, 64)), np.zeros((slots, 2, 64))
     for p in range(position + 1):
         ring_k[p % slots], ring_v[p % slots] = keys[p], values[p]
-    slot, visible = ref.cache_slots(ref.SLIDING, slots, jnp.array([position]), WINDOW)
-    want = ref.attend(jnp.asarray(q)[None], jnp.asarray(ring_k.transpose(1, 0, 2), F32)[None],
-                      jnp.asarray(ring_v.transpose(1, 0, 2), F32)[None], visible,
-                      jnp.asarray(sinks, F32))[0]
+    slot, visible = gqa_ref.cache_slots(True, slots, jnp.array([position]), WINDOW)
+    want = gqa_ref.attend(jnp.asarray(q)[None], jnp.asarray(ring_k.transpose(1, 0, 2), F32)[None],
+                          jnp.asarray(ring_v.transpose(1, 0, 2), F32)[None], visible,
+                          jnp.asarray(sinks, F32))[0]
     got = kernel_attention(q, ring_k, ring_v, sinks, position, 4, kernel_visible("swa", WINDOW, slots))
     _close(got, np.asarray(want, np.float64))
     assert int(slot[0]) == position % slots
@@ -256,7 +257,7 @@ def test_the_clamped_swiglu_on_the_kernels_halves():
     assert (gate_up[:, ::2] < -7).any() and (gate_up[:, ::2] > 7).any()
     assert (np.abs(gate_up[:, 1::2]) > 7).any()
     want = upstream_swiglu(gate_up)
-    halves = deinterleave_gate_up(gate_up.T, 128).T                 # [6, 256]
+    halves = gate_up_halves(MOE, gate_up.T, 128).T                 # [6, 256]
     got = np.asarray(layer_ops.clamped_swiglu_halves(jnp.asarray(halves, F32), 128, 1.702, 7.0))
     _close(got[:, :96], want)
     assert np.all(got[:, 96:] == 0)
@@ -299,8 +300,8 @@ def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
         return sum(weights[:, e:e + 1] * (act[e] @ w_d[e].T + down_bias * b_d[e]) for e in range(experts))
 
     packed = [{n: jnp.asarray(a, F32) for n, a in
-               dict(gate_up=deinterleave_gate_up(w_gu[e], half).T,
-                    gate_up_bias=deinterleave_gate_up(b_gu[e], half)[None],
+               dict(gate_up=gate_up_halves(MOE, w_gu[e], half).T,
+                    gate_up_bias=gate_up_halves(MOE, b_gu[e], half)[None],
                     down=np.pad(w_d[e].T, ((0, half - i), (0, 0))), down_bias=b_d[e][None]).items()}
               for e in range(experts)]
     want = upstream()
@@ -310,7 +311,7 @@ def test_the_lowered_experts_clamp_at_the_configs_limit_with_their_biases():
     for mutant in (upstream(limit=1.01 * limit), upstream(gate_up_bias=0.0), upstream(down_bias=0.0)):
         _far(mutant, want)
     with pytest.raises(ValueError, match="two halves"):
-        deinterleave_gate_up(w_gu[0], 64)
+        gate_up_halves(MOE, w_gu[0], 64)
 
 
 # ---- YaRN RoPE ---------------------------------------------------------------------------------------

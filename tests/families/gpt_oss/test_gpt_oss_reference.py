@@ -15,6 +15,10 @@ import numpy as np
 import pytest
 
 from mkc.families.gpt_oss import reference as ref
+from mkc.families.gpt_oss.graph import ATTENTION, MOE
+from mkc.layers.gqa import reference as gqa_ref
+from mkc.layers.moe import reference as moe_ref
+from mkc.layers.reference import linear
 from mkc.model.config import CONFIG_DIR
 
 # The shipped MINI with a window of 8 instead of 128 (the full models'), so that short
@@ -42,7 +46,7 @@ def test_clamped_swiglu_at_the_clamp_boundaries():
         g, u = min(g, 7.0), max(min(u, 7.0), -7.0)
         return (u + 1) * g / (1 + math.exp(-1.702 * g))
 
-    got = np.asarray(ref.clamped_swiglu(gate_up, 1.702, 7.0))
+    got = np.asarray(moe_ref.clamped_swiglu(gate_up[0::2], gate_up[1::2], 1.702, 7.0))
     np.testing.assert_allclose(got, [hand(g, u) for g, u in pairs], rtol=1e-6, atol=1e-12)
     assert got[0] == pytest.approx(56 / (1 + math.exp(-11.914)), rel=1e-6)   # both clamped
     assert got[2] == pytest.approx(-6 * -20 / (1 + math.exp(34.04)), rel=1e-5)  # gate not clamped below
@@ -51,13 +55,12 @@ def test_clamped_swiglu_at_the_clamp_boundaries():
 def test_mxfp4_block_decodes_to_hand_values():
     """Byte b of a block holds element 2b (low nibble) and 2b+1 (high nibble); scale s means
     2^(s-127); gate_up's decoded rows alternate gate and up."""
-    cfg = dataclasses.replace(MINI, hidden_size=32, intermediate_size=32, experts=2)
     blocks = np.zeros((2, 64, 1, 16), np.uint8)
     blocks[1, 3, 0, :4] = [0x21, 0xF8, 0x7A, 0x00]        # (0.5, 1) (-0, -6) (-1, 6) (0, 0)
     scales = np.full((2, 64, 1), 127, np.uint8)
     scales[1, 3, 0] = 128                                  # x 2
     p = {"experts.gate_up_proj_blocks": blocks, "experts.gate_up_proj_scales": scales}
-    w = np.asarray(ref.picked_experts(p, cfg, "gate_up_proj", jnp.asarray([1])))[0]
+    w = np.asarray(moe_ref.mxfp4_experts(p, "gate_up", jnp.asarray([1])))[0]
     assert w.shape == (64, 32)
     np.testing.assert_array_equal(w[3, :8], [1.0, 2.0, -0.0, -12.0, -2.0, 12.0, 0.0, 0.0])
     assert not np.any(np.delete(w, 3, axis=0)) and not np.any(w[3, 8:])
@@ -67,10 +70,10 @@ def test_router_takes_the_top_k_biased_logits_and_softmaxes_over_them_only():
     x = jnp.asarray([[1.0, -2.0]])
     weight = jnp.asarray([[0.5, 0.0], [0.0, -1.0], [1.0, 1.0], [0.2, 0.1]])
     bias = jnp.asarray([0.0, -0.5, 0.3, 1.5])             # logits 0.5, 1.5, -0.7, 1.5
-    ids, weights = ref.route(ref.linear(x, weight, bias), 2)
+    ids, weights = moe_ref.route(linear(x, weight) + bias, 2, True, "top_k_softmax")
     assert sorted(np.asarray(ids)[0].tolist()) == [1, 3]
     np.testing.assert_allclose(np.asarray(weights), [[0.5, 0.5]], rtol=1e-6)
-    ids, weights = ref.route(jnp.asarray([[0.0, 2.0, -1.0, 1.5]]), 3)
+    ids, weights = moe_ref.route(jnp.asarray([[0.0, 2.0, -1.0, 1.5]]), 3, True, "top_k_softmax")
     np.testing.assert_array_equal(np.asarray(ids), [[1, 3, 0]])
     e = np.exp([2.0, 1.5, 0.0])
     np.testing.assert_allclose(np.asarray(weights)[0], e / e.sum(), rtol=1e-6)
@@ -91,7 +94,7 @@ def test_sinks_join_the_softmax_denominator_only():
     keys, values = rng.normal(size=(2, 1, 2, 6, 64))
     visible = np.array([[True] * 5 + [False]])
     for sinks in (np.full(4, -np.inf), np.array([-1.0, 0.0, 2.0, 8.0])):
-        got = np.asarray(ref.attend(*(jnp.asarray(a, jnp.float32) for a in (q, keys, values)),
+        got = np.asarray(gqa_ref.attend(*(jnp.asarray(a, jnp.float32) for a in (q, keys, values)),
                                     jnp.asarray(visible), jnp.asarray(sinks, jnp.float32)))
         for h in range(4):
             plain, z = _plain_attention(q[0, h], keys[0, h // 2, :5], values[0, h // 2, :5])
@@ -270,8 +273,8 @@ def test_moe_block_matches_numpy(params, steep):
     lp = _np_layer(p, 1)
     mlp = {n[len("mlp."):]: v for n, v in lp.items() if n.startswith("mlp.")}
     x = np.random.default_rng(3).normal(size=(6, MINI.hidden_size))
-    got = ref.moe_block({n: jnp.asarray(v if v.dtype == np.uint8 else v.astype(np.float32))
-                         for n, v in mlp.items()}, MINI, jnp.asarray(x, jnp.float32))
+    got = moe_ref.block(MOE, {n: jnp.asarray(v, jnp.float32) for n, v in mlp.items()}, MINI,
+                        jnp.asarray(x, jnp.float32))
     want = _np_moe(mlp, x)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
@@ -287,11 +290,13 @@ def test_attention_block_step_by_step_matches_numpy_over_the_sequence(params, la
     want = _np_attention(attn, xs, kind == "sliding_attention")
     cache = ref.init_cache(MINI, 1, 20)
     keys, values = cache[f"layers.{layer}.key_cache"], cache[f"layers.{layer}.value_cache"]
-    block = jax.jit(ref.attention_block, static_argnums=(1, 2))
+    sub = ATTENTION["swa" if kind == "sliding_attention" else "gqa"][0]
+    block = jax.jit(gqa_ref.block, static_argnums=(0, 2))
     p32 = {n: jnp.asarray(v, jnp.float32) for n, v in attn.items()}
     for t, x in enumerate(xs):
-        got, keys, values = block(p32, MINI, kind, jnp.asarray(x[None], jnp.float32), keys, values,
+        got, keys, values = block(sub, p32, MINI, jnp.asarray(x[None], jnp.float32), keys, values,
                                   jnp.asarray([t]))
+        got = got + p32["o_proj.bias"]
         np.testing.assert_allclose(np.asarray(got[0]), want[t], rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -326,9 +331,9 @@ def test_the_emulations_sliding_attention_reads_a_ring_past_its_wrap_as_the_refe
     keys, values = (jnp.asarray(rng.normal(size=(b, hkv, slots, d)), jnp.bfloat16) for _ in range(2))
     sinks = jnp.asarray(rng.normal(size=(hq,)), jnp.float32)
     positions = jnp.asarray([5, 37, 70])            # before the window, past one and two wraps
-    _, visible = ref.cache_slots(ref.SLIDING, slots, positions, window)
-    want = ref.attend(q, keys.astype(jnp.float32), values.astype(jnp.float32), visible, sinks)
-    got = ref.tiled_attention(q, keys, values, positions, 16, sinks=sinks, window=window)
+    _, visible = gqa_ref.cache_slots(True, slots, positions, window)
+    want = gqa_ref.attend(q, keys.astype(jnp.float32), values.astype(jnp.float32), visible, sinks)
+    got = gqa_ref.tiled_attention(q, keys, values, positions, 16, sinks=sinks, window=window)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
-    wide = ref.tiled_attention(q, keys, values, positions, 16, sinks=sinks, window=window + 1)
+    wide = gqa_ref.tiled_attention(q, keys, values, positions, 16, sinks=sinks, window=window + 1)
     assert np.max(np.abs(np.asarray(wide) - np.asarray(want))[1:]) > 1e-3

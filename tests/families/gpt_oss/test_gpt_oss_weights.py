@@ -145,7 +145,8 @@ def upstream_expert(hf, d, layer: int, e: int, x: np.ndarray) -> np.ndarray:
     """GptOssExperts for expert e of model layer `layer` from the checkpoint's own tensors."""
     p = f"model.layers.{layer}.mlp.experts."
     mats = {}
-    for m, (out, k) in ref.expert_shapes(d).items():
+    for m, (out, k) in {"gate_up_proj": (2 * d.intermediate_size, d.hidden_size),
+                        "down_proj": (d.hidden_size, d.intermediate_size)}.items():
         blocks = np.asarray(hf[p + f"{m}_blocks"][e])
         mats[m] = mxfp4_dequantize(blocks.reshape(out, -1), np.asarray(hf[p + f"{m}_scales"][e]), (out, k))
     gate_up = x @ mats["gate_up_proj"].T + f32(hf[p + "gate_up_proj_bias"][e])
