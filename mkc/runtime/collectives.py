@@ -227,8 +227,18 @@ def exchange_with_sibling(share: jax.Array, recv, send_sem, recv_sem, counter_re
 
 
 # ---- named stages, as generated modules declare them -------------------------------------------
+class _Landing:
+    """A stage is `start` (its copies sent), `land` (waited) and `finish` (its slots read);
+    `run` does the three at once."""
+
+    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
+        sent = self.start(refs, value, axis)
+        sent.land()
+        return self.finish(refs, sent.par, value.shape[-1])
+
+
 @dataclass(frozen=True)
-class Stage:
+class Stage(_Landing):
     """One direct all-reduce stage or all-gather: over the group (size, stride) through receive
     buffer `buffer` (its send and receive semaphores are `buffer + "__send"` / `"__recv"`),
     whose use counter is `counter_ref[counter]`. As an all-reduce stage (`run`): the one-shot
@@ -239,9 +249,6 @@ class Stage:
     size: int
     stride: int
 
-    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
-        return allreduce_stage(value, *_stage_refs(refs, self), axis, self.size, self.stride)
-
     def start(self, refs, value: jax.Array, axis: str) -> _Sent:
         return _send_shares(value, *_stage_refs(refs, self), axis, self.size, self.stride)
 
@@ -250,7 +257,7 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class ReduceScatter:
+class ReduceScatter(_Landing):
     """The scattered form's first stage (`reduce_scatter`): `[B, width]` partials to this
     member's f32 chunk sum `[B, width / size]`, through receive slots `buffer` (with its
     semaphores and counter, as a `Stage`'s) and send staging `staging`."""
@@ -260,11 +267,6 @@ class ReduceScatter:
     counter: int
     size: int
     stride: int
-
-    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
-        recv, send_sem, recv_sem, counter_ref, counter = _stage_refs(refs, self)
-        return reduce_scatter(value, recv, getattr(refs, self.staging), send_sem, recv_sem,
-                              counter_ref, counter, axis, self.size, self.stride)
 
     def start(self, refs, value: jax.Array, axis: str) -> _Sent:
         recv, send_sem, recv_sem, counter_ref, counter = _stage_refs(refs, self)
@@ -276,7 +278,7 @@ class ReduceScatter:
 
 
 @dataclass(frozen=True)
-class AllGather:
+class AllGather(_Landing):
     """The scattered form's last stage: the group's chunk sums concatenated in group order
     (`allgather`), in the dtype of its buffer (f32: exact)."""
 
@@ -284,9 +286,6 @@ class AllGather:
     counter: int
     size: int
     stride: int
-
-    def run(self, refs, value: jax.Array, axis: str) -> jax.Array:
-        return allgather(value, *_stage_refs(refs, self), axis, self.size, self.stride)
 
     def start(self, refs, value: jax.Array, axis: str) -> _Sent:
         return _send_shares(value, *_stage_refs(refs, self), axis, self.size, self.stride)
