@@ -109,29 +109,41 @@ F = TypeVar("F", bound=Callable[..., Any])
 _TAG = "__mkc_lowers__"
 
 
-def lowers(op: str) -> Callable[[F], F]:
-    """Register the decorated function as the compute body of graph op `op`. The generated
-    module calls a body as `lower.<op>(c, ...)`, so the function is named after its op."""
+def lowers(op: str, kind: str | None = None) -> Callable[[F], F]:
+    """Register the decorated function as the compute body of graph op `op`, in every layer
+    kind or (`kind`) in that one. The generated module calls a body as `lower.<op>(c, ...)`,
+    so the function is named after its op, or `<kind>_<op>` for one kind's."""
+    name = op if kind is None else f"{kind}_{op}"
 
     def register(fn: F) -> F:
-        if fn.__name__ != op:
-            raise ContractError(f"@lowers({op!r}) is on {fn.__name__}: a body is named after its op")
-        setattr(fn, _TAG, op)
+        if fn.__name__ != name:
+            raise ContractError(f"@lowers({op!r}{'' if kind is None else f', kind={kind!r}'}) is on "
+                                f"{fn.__name__}: a body is named {name}")
+        setattr(fn, _TAG, op if kind is None else (kind, op))
         return fn
     return register
 
 
 def body_of(module: Any, kind: str, op: str) -> Callable[..., Any] | None:
     """The compute body of op `op` in layer kind `kind`: the module's `BODIES[(kind, op)]` (a
-    kind composed from the layer library), else its function named after the op; None if it
-    has neither."""
+    kind composed from the layer library), else its body registered for that kind, else its
+    function named after the op; None if it has none."""
     body = getattr(module, "BODIES", {}).get((kind, op))
+    if body is None and isinstance(kind, str):
+        body = getattr(module, f"{kind}_{op}", None)
+        body = body if getattr(body, _TAG, None) == (kind, op) else None
     return body if body is not None else getattr(module, op, None)
 
 
 def registered_ops(module: ModuleType) -> frozenset[str]:
-    """The ops whose bodies an imported lowering module holds (its own and re-exported)."""
-    return frozenset(n for n, v in vars(module).items() if getattr(v, _TAG, None) == n)
+    """The ops whose bodies an imported lowering module holds (its own and re-exported, for
+    every kind or for one)."""
+    ops = set()
+    for n, v in vars(module).items():
+        tag = getattr(v, _TAG, None)
+        if tag == n or (isinstance(tag, tuple) and n == f"{tag[0]}_{tag[1]}"):
+            ops.add(tag if isinstance(tag, str) else tag[1])
+    return frozenset(ops)
 
 
 def declared_ops(module_name: str) -> frozenset[str]:
@@ -160,8 +172,10 @@ def _declared(module_name: str) -> frozenset[str]:
 
 
 def _lowers_arg(decorator: ast.expr) -> str | None:
-    """`op` of a `@lowers("op")` (or `@<module>.lowers("op")`) decorator, else None."""
-    if not (isinstance(decorator, ast.Call) and len(decorator.args) == 1 and not decorator.keywords):
+    """`op` of a `@lowers("op")` or `@lowers("op", kind="k")` (or `@<module>.lowers(...)`)
+    decorator, else None."""
+    if not (isinstance(decorator, ast.Call) and len(decorator.args) == 1
+            and all(k.arg == "kind" for k in decorator.keywords)):
         return None
     func, arg = decorator.func, decorator.args[0]
     named = (isinstance(func, ast.Name) and func.id == "lowers") or \

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import jax
 
-from mkc.model.contracts import body_of
+from mkc.model.contracts import body_of, registered_ops
 
 OP = "mkc_op"
 WEIGHTS = "mkc_weights"
@@ -60,7 +60,8 @@ class NamedOps:
 
     def __getattr__(self, name: str):
         fn = getattr(self._module, name, None)
-        if fn is None and not any(op == name for _, op in getattr(self._module, "BODIES", {})):
+        if fn is None and name not in registered_ops(self._module) \
+                and not any(op == name for _, op in getattr(self._module, "BODIES", {})):
             raise AttributeError(f"{self._module.__name__} has no body or attribute {name}")
         if fn is not None and (not callable(fn) or isinstance(fn, type)):
             return fn

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import types
 
 import pytest
 
-from mkc.model.contracts import ContractError, Reference, lowers, members
+from mkc.model.contracts import (ContractError, Reference, body_of, declared_ops, lowers, members,
+                                 registered_ops)
 
 PREAMBLE = "from mkc.model.contracts import lowers\n"
 FAMILY_INIT = """
@@ -84,7 +86,30 @@ def test_a_body_registered_outside_a_decorator_is_refused(tmp_path, monkeypatch)
 
 
 def test_a_body_is_named_after_its_op():
-    with pytest.raises(ContractError, match="a body is named after its op"):
+    with pytest.raises(ContractError, match="a body is named gate"):
         @lowers("gate")
         def gate_body(c):
             pass
+    with pytest.raises(ContractError, match="a body is named moe_gate"):
+        @lowers("gate", kind="moe")
+        def gate(c):
+            pass
+
+
+def test_a_body_registered_for_one_kind_serves_that_kind_only():
+    """`@lowers(op, kind=...)` bodies: the kind's own over the op's shared one; registered and
+    declared like any other (the source is read without importing it)."""
+    module = types.ModuleType("m")
+
+    @lowers("gate")
+    def gate(c):
+        return "shared"
+
+    @lowers("gate", kind="moe")
+    def moe_gate(c):
+        return "moe"
+    module.gate, module.moe_gate = gate, moe_gate
+    assert body_of(module, "moe", "gate") is moe_gate
+    assert body_of(module, "dense", "gate") is gate
+    assert registered_ops(module) == {"gate"}
+    assert "mlp_residual" in declared_ops("mkc.families.kimi_k3.lowering")

@@ -82,14 +82,15 @@ def attn_residual(c: Layer, attn_out: jax.Array) -> None:
     _add_output(c, attn_out)
 
 
-@lowers("mlp_residual")
-def mlp_residual(c: Layer, mlp_out: jax.Array, *shared_out: jax.Array) -> None:
-    """dense: the MLP output; moe: the gathered latent_up (its first `hidden` columns) plus the
-    shared experts'."""
-    if c.kind == "moe":
-        _add_output(c, mlp_out[:, :c.dims.hidden_size] + shared_out[0])
-    else:
-        _add_output(c, mlp_out)
+@lowers("mlp_residual", kind="dense")
+def dense_mlp_residual(c: Layer, mlp_out: jax.Array) -> None:
+    _add_output(c, mlp_out)
+
+
+@lowers("mlp_residual", kind="moe")
+def moe_mlp_residual(c: Layer, mlp_out: jax.Array, shared_out: jax.Array) -> None:
+    """The gathered latent_up (its first `hidden` columns) plus the shared experts'."""
+    _add_output(c, mlp_out[:, :c.dims.hidden_size] + shared_out)
 
 
 def _cols(c: Layer, name: str) -> int | None:

@@ -48,37 +48,78 @@ def _heads(part: int, g: KimiGeometry) -> list[int]:
     return list(range(part * g.heads, (part + 1) * g.heads))
 
 
+def _mla_matrix(hf, d, g, sh, p, family, rank):
+    return mla_weights.matrix_of_heads(MLA, hf, d, p, family, _heads(sh.head_part(rank), g))
+
+
+def _kda_matrix(hf, d, g, sh, p, family, rank):
+    return kda_weights.matrix_of_heads(KDA, hf, d, p, family, _heads(sh.head_part(rank), g))
+
+
+def _moe_matrix(hf, d, g, sh, p, family, rank):
+    m = p + "block_sparse_moe."
+    s = m + "shared_experts."
+    if family == "router":
+        return _block(_w(hf, m + "gate.weight").T, 1, rank % sh.router_split, g.router_cols)
+    if family == "latent_down":
+        return _block(_w(hf, m + "routed_expert_down_proj.weight").T, 1, rank, g.latent_cols)
+    if family == "latent_up":
+        return _block(_w(hf, m + "routed_expert_up_proj.weight").T, 1, rank % sh.host_cores,
+                      g.up_cols)
+    if family == "shared_gate_up":
+        return np.concatenate([_block(_w(hf, s + f"{x}_proj.weight"), 0, rank, g.shared)
+                               for x in ("gate", "up")], axis=0).T
+    if family == "shared_down":
+        return _block(_w(hf, s + "down_proj.weight").T, 0, rank, g.shared)
+    raise KeyError(f"no moe weight family {family!r}")
+
+
+def _dense_matrix(hf, d, g, sh, p, family, rank):
+    if family == "gate_up":
+        return np.concatenate([_block(_w(hf, p + f"mlp.{x}_proj.weight"), 0, rank, g.dense)
+                               for x in ("gate", "up")], axis=0).T
+    if family == "down":
+        return _block(_w(hf, p + "mlp.down_proj.weight").T, 0, rank, g.dense)
+    raise KeyError(f"no dense weight family {family!r}")
+
+
+def _mla_vector(hf, d, g, sh, p, name, rank):
+    return mla_weights.vector(MLA, hf, d, p, name, rank, None)
+
+
+def _kda_vector(hf, d, g, sh, p, name, rank):
+    return kda_weights.vector_of_heads(KDA, hf, d, p, name, _heads(sh.head_part(rank), g))
+
+
+def _moe_vector(hf, d, g, sh, p, name, rank):
+    m = p + "block_sparse_moe."
+    if name == "router_bias":
+        bias = _w(hf, m + "gate.e_score_correction_bias")
+        return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
+    if name == "latent_norm":
+        return _w(hf, m + "routed_expert_norm.weight").reshape(1, -1)
+    raise KeyError(f"no moe vector family {name!r}")
+
+
+def _no_vectors(hf, d, g, sh, p, name, rank):
+    raise KeyError(f"no dense vector family {name!r}")
+
+
+# Per sublayer kind: (its matrices, its vectors), each as (checkpoint, dims, geometry, sharding,
+# layer prefix, family, rank) -> one rank's f32 array.
+_KIND_TENSORS = {"mla": (_mla_matrix, _mla_vector), "kda": (_kda_matrix, _kda_vector),
+                 "moe": (_moe_matrix, _moe_vector), "dense": (_dense_matrix, _no_vectors)}
+# the residual mixes' and norms' vectors every sublayer kind holds
+_SUBLAYER_VECTORS = {"attn_res_norm": "self_attention_res_norm.weight",
+                     "attn_res_proj": "self_attention_res_proj.weight",
+                     "mlp_res_norm": "mlp_res_norm.weight", "mlp_res_proj": "mlp_res_proj.weight",
+                     "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
+
+
 def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
                   layer: int, kind: str, family: str, rank: int) -> np.ndarray:
     """One rank's [in, out] matrix of a sublayer kind's family, as f32."""
-    p = f"model.layers.{layer}."
-    heads = _heads(sh.head_part(rank), g)           # the attention heads this rank holds
-    if kind == "mla":
-        return mla_weights.matrix_of_heads(MLA, hf, d, p, family, heads)
-    if kind == "kda":
-        return kda_weights.matrix_of_heads(KDA, hf, d, p, family, heads)
-    m = p + "block_sparse_moe."
-    if kind == "moe":
-        if family == "router":
-            return _block(_w(hf, m + "gate.weight").T, 1, rank % sh.router_split, g.router_cols)
-        if family == "latent_down":
-            return _block(_w(hf, m + "routed_expert_down_proj.weight").T, 1, rank, g.latent_cols)
-        if family == "latent_up":
-            return _block(_w(hf, m + "routed_expert_up_proj.weight").T, 1, rank % sh.host_cores,
-                          g.up_cols)
-        s = m + "shared_experts."
-        if family == "shared_gate_up":
-            return np.concatenate([_block(_w(hf, s + f"{x}_proj.weight"), 0, rank, g.shared)
-                                   for x in ("gate", "up")], axis=0).T
-        if family == "shared_down":
-            return _block(_w(hf, s + "down_proj.weight").T, 0, rank, g.shared)
-    if kind == "dense":
-        if family == "gate_up":
-            return np.concatenate([_block(_w(hf, p + f"mlp.{x}_proj.weight"), 0, rank, g.dense)
-                                   for x in ("gate", "up")], axis=0).T
-        if family == "down":
-            return _block(_w(hf, p + "mlp.down_proj.weight").T, 0, rank, g.dense)
-    raise KeyError(f"no {kind} weight family {family!r}")
+    return _KIND_TENSORS[kind][0](hf, d, g, sh, f"model.layers.{layer}.", family, rank)
 
 
 def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
@@ -189,24 +230,9 @@ def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiS
            layer: int, kind: str, name: str, rank: int) -> np.ndarray:
     """One rank's per-layer vector family, [rows, width] f32."""
     p = f"model.layers.{layer}."
-    res = {"attn_res_norm": "self_attention_res_norm.weight",
-           "attn_res_proj": "self_attention_res_proj.weight",
-           "mlp_res_norm": "mlp_res_norm.weight", "mlp_res_proj": "mlp_res_proj.weight",
-           "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
-    if name in res:
-        return _w(hf, p + res[name]).reshape(1, -1)
-    if kind == "mla":
-        return mla_weights.vector(MLA, hf, d, p, name, rank, None)
-    if kind == "kda":
-        return kda_weights.vector_of_heads(KDA, hf, d, p, name, _heads(sh.head_part(rank), g))
-    m = p + "block_sparse_moe."
-    if kind == "moe":
-        if name == "router_bias":
-            bias = _w(hf, m + "gate.e_score_correction_bias")
-            return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
-        if name == "latent_norm":
-            return _w(hf, m + "routed_expert_norm.weight").reshape(1, -1)
-    raise KeyError(f"no {kind} vector family {name!r}")
+    if name in _SUBLAYER_VECTORS:
+        return _w(hf, p + _SUBLAYER_VECTORS[name]).reshape(1, -1)
+    return _KIND_TENSORS[kind][1](hf, d, g, sh, p, name, rank)
 
 
 def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, name: str,
