@@ -312,9 +312,13 @@ class AllReduce:
     # `scatter [from N rows]`: kernels of at least this many rows run the scattered form
     # (`scattered`); None: the one-shot stages at every width.
     scatter_from: int | None = None
-    # `overlap`: started after its op, finished before the first op reading its result
-    # (`mkc.program`), through buffers of its own (`owner`)
-    overlap: bool = False
+    # `overlap`: the first op reading its result (resolve's), before which it finishes; it
+    # starts after its op (`mkc.program`) and uses buffers of its own (`owner`). None: run at once.
+    finish_before: str | None = None
+
+    @property
+    def overlap(self) -> bool:
+        return self.finish_before is not None
 
     @property
     def owner(self) -> str | None:
@@ -390,7 +394,11 @@ class AllGather:
     width: int                   # columns each rank contributes
     wire_dtype: str              # what each share travels (and is received) in
     span: Span = field(compare=False, default_factory=Span.unknown)
-    overlap: bool = False        # as `AllReduce.overlap` (its buffer is always its own)
+    finish_before: str | None = None     # as `AllReduce.finish_before` (its buffer is always its own)
+
+    @property
+    def overlap(self) -> bool:
+        return self.finish_before is not None
 
     @staticmethod
     def buffer_name(op: str) -> str:

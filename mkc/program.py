@@ -77,11 +77,6 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     in_flight: list[tuple[AllReduce | AllGather, int]] = []     # (collective, its reader)
     advances: dict[AllReduce | AllGather, int] = {}
 
-    def reader(step: AllReduce | AllGather) -> int:
-        value = k.op_values[step.op][1][0]
-        return next(m for m in range(k.ops.index(step.op) + 1, len(k.ops))
-                    if value in k.op_values[k.ops[m]][0])
-
     for i, op in enumerate(k.ops):
         for c, j in [f for f in in_flight if f[1] == i]:
             steps.append(OverlapFinish(i, collective=c))
@@ -105,7 +100,7 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
                 step = dataclasses.replace(table[op], point=i)
                 if getattr(step.entry, "overlap", False):
                     steps.append(OverlapStart(i, collective=step))
-                    in_flight.append((step, reader(step)))
+                    in_flight.append((step, k.ops.index(step.entry.finish_before)))
                     advances[step] = step.most_stages() - 1
                 else:
                     steps.append(step)

@@ -35,8 +35,9 @@ def resolve_collectives(s: ResolveState) -> ResolveState:
         scopes = [b.scope for b in s.kind_buffers[kname] if b.scope]
         overlapped = {n.text: n.span for line in (*phase.allreduces, *phase.allgathers)
                       if line.overlap for n in line.ops}
-        for op, span in overlapped.items():
-            overlap_window(ks, op, scopes, span)
+        reader = {op: ks.ops[overlap_window(ks, op, scopes, span)[1]] for op, span in overlapped.items()}
+        allreduces = [replace(a, finish_before=reader.get(a.after_op)) for a in allreduces]
+        gathers = [replace(g, finish_before=reader.get(g.after_op)) for g in gathers]
         kinds[kname] = replace(ks, allreduces=allreduces, allgathers=gathers, exchanges=exchanges)
         kind_buffers[kname] += tuple(buffers)
     embed_reduce = _embed_reduce(s, kinds)
@@ -84,7 +85,7 @@ def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllR
                   if _group_of(a.stages) == vocab_group]
     if not same_group:
         return ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H)
-    embed = replace(same_group[0], after_op="embed", width=H, overlap=False)
+    embed = replace(same_group[0], after_op="embed", width=H, finish_before=None)
     return embed if whole_chunks(H, embed.stages[0][0]) else replace(embed, scatter_from=None)
 
 
@@ -180,8 +181,7 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
                                            stages, width_of[n.text], ar.span,
                                            _scatter_from(ar, n.text, stages, width_of[n.text],
-                                                         topo, over, rows_max),
-                                           ar.overlap is not None))
+                                                         topo, over, rows_max)))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             # Point at the allreduce line to extend, or the phase to add one to.
@@ -342,8 +342,7 @@ def _allgathers(phase: ast.Phase, kind: LayerKind, split: dict[str, str], done: 
                 raise fail("E-COLLECTIVE", f"{n.text} is split {rules[cls][0]} ways by "
                            f"`shard {cls}`, but this gathers over {size} ranks", ag.group.span,
                            hint="gather over the group the shard rule names")
-            gathers.append(ir.AllGather(n.text, size, stride, width, GATHER_WIRE, ag.span,
-                                        ag.overlap is not None))
+            gathers.append(ir.AllGather(n.text, size, stride, width, GATHER_WIRE, ag.span))
             buffers.append(ir.Buffer(ir.AllGather.buffer_name(n.text), "collective",
                                      (2, size, B, width), GATHER_WIRE, batch_axis=2, span=ag.span))
     return gathers, buffers

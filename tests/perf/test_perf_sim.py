@@ -345,7 +345,7 @@ def test_an_overlapped_collective_costs_only_what_compute_does_not_cover(qwen_ir
     only the difference."""
     from mkc import ir
     a = ir.AllReduce("down", "two_level", "bf16", ((2, 1), (4, 2)), 5120, SPAN, scatter,
-                     overlap=True)
+                     finish_before="post_norm")
     m = Model(qwen_ir, 8, 0, _rates(), work=_feed_only(8))
     from mkc.steps.collectives import AllReduce
     rounds = AllReduce(0, op="down", entry=a).rounds(8, qwen_ir.cores_per_chip)
