@@ -16,7 +16,8 @@ core's 32-wide slice is a quarter of a block's columns). The bf16 experts of a b
 (`deepseek_v3_mini`, the spec's format lines rewritten in place) are the extended tier's."""
 import pytest
 
-from tests_support import ROOT, assert_bit_equal, assert_each_mutant_rejected, run_example
+from tests_support import (ROOT, assert_bit_equal, assert_each_mutant_rejected,
+                           assert_each_mutant_rejected_on_its_row, run_example)
 
 SPEC = ROOT / "schedules" / "deepseek_v3.sched"
 MUTANTS = ("qwen_moe.router", "qwen_moe.routed_experts", "qwen_moe.shared_down", "dense.down", "gqa.o_proj",
@@ -37,14 +38,29 @@ def _bf16_spec(tmp_path):
     return path
 
 
+def _ten_rows_spec(tmp_path):
+    """The shipped spec with its batch range widened to 10 rows (line numbers kept): a row for
+    each of the nine mutants beside one that none touches."""
+    text = SPEC.read_text()
+    assert text.count("batch   1 to 8\n") == 1
+    path = tmp_path / SPEC.name
+    path.write_text(text.replace("batch   1 to 8\n", "batch   1 to 10\n"))
+    return path
+
+
 @pytest.mark.slow
-def test_on_wait_two_steps_bit_equal_and_mutants_are_rejected():
-    summary = _run("--mode", "on_wait", "--steps", "2", "--batch", "2", "--races",
-                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutant-steps", "1")
+def test_on_wait_two_steps_bit_equal_then_each_mutant_rejected_on_its_row(tmp_path):
+    """Two steps bit-equal with race detection, the second from the kernel's own latent cache;
+    then one module with all nine mutants, mutant i acting on row i alone, runs step 1 from the
+    module's state after step 0: each mutant's row is rejected by the emulation, and the last
+    row, which none touches, stays bit-equal."""
+    summary = _run("--mode", "on_wait", "--steps", "2", "--batch", "10", "--races",
+                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutants-by-row",
+                   spec=_ten_rows_spec(tmp_path))
     assert_bit_equal(summary)
     assert summary["races_found"] is False and summary["requantization"] == {}   # nothing rounded
     assert any(step["plain_rows"] for step in summary["steps"])
-    assert_each_mutant_rejected(summary, MUTANTS)
+    assert_each_mutant_rejected_on_its_row(summary, MUTANTS)
 
 
 @pytest.mark.extended
