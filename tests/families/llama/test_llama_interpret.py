@@ -7,7 +7,7 @@ mutant: invisible from a zeroed state) is rejected by the emulation."""
 import pytest
 
 from mkc import numerics
-from tests_support import ROOT, assert_bit_equal, assert_each_mutant_rejected, run_example
+from tests_support import ROOT, assert_bit_equal, assert_each_mutant_rejected_on_its_row, run_example
 
 SPEC = str(ROOT / "schedules" / "llama_3_1_8b.sched")
 MUTANTS = ("gqa.k_rope", "gqa.o_proj", "dense.down", "gqa.kv_read")
@@ -19,12 +19,15 @@ def _run(spec: str, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_on_wait_three_steps_bit_equal_and_mutants_are_rejected():
-    summary = _run(SPEC, "--mode", "on_wait", "--steps", "3", "--batch", "2", "--races",
-                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutant-steps", "1")
+def test_on_wait_three_steps_bit_equal_then_each_mutant_rejected_on_its_row():
+    """One module with every mutant, mutant i acting on row i alone (the last row clean), runs
+    step 1 from the kernel's state after step 0."""
+    summary = _run(SPEC, "--mode", "on_wait", "--steps", "3", "--batch", "5", "--races",
+                   "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutant-steps", "1",
+                   "--mutants-by-row")
     assert_bit_equal(summary)
     assert summary["races_found"] is False
-    assert_each_mutant_rejected(summary, MUTANTS)
+    assert_each_mutant_rejected_on_its_row(summary, MUTANTS)
 
 
 @pytest.mark.extended
