@@ -2,7 +2,7 @@
 
 Schedule deepseek_v3: model deepseek_v3 (deepseek_v3) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 24b2cc90cd2deb62
+Input digest (spec, model config, mkc version): 5adaf95297eb014c
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 6 VMEM slots of 1024x1024 bf16 tiles, 6 tiles ahead, across layers and
@@ -164,11 +164,11 @@ DENSE_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1)
                      Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
 MLA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
                      Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                          Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
+MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1__shared_down', counter=2, size=2, stride=1),
+                          Stage(buffer='recv__bf16_8x2__shared_down', counter=3, size=8, stride=2))
 MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
                              Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-N_COLLECTIVE_COUNTERS = 2
+N_COLLECTIVE_COUNTERS = 4
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -244,11 +244,14 @@ def _layer_moe(k: Kernel, layer):
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 61: two_level, wire bf16
+    # overlapped: it runs until its first reader
+    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 63
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
+    shared_out_in_flight.advance()   # spec line 63
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 62: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 61: two_level, wire bf16
+    c.prefetch_view()   # spec line 65: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 64: two_level, wire bf16
+    shared_out = shared_out_in_flight.finish()   # spec line 63
     lower.mlp_residual(c, shared_out, routed_out)
 
 
@@ -326,6 +329,8 @@ SCRATCH_SHAPES = {
     "mla_kv_rows": vmem((2, ROWS, 16, 640), BF16),   # kv
     "recv__bf16_2x1": vmem((2, 2, ROWS, 7168), BF16),   # collective
     "recv__bf16_8x2": vmem((2, 8, ROWS, 7168), BF16),   # collective
+    "recv__bf16_2x1__shared_down": vmem((2, 2, ROWS, 7168), BF16),   # collective
+    "recv__bf16_8x2__shared_down": vmem((2, 8, ROWS, 7168), BF16),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -335,6 +340,10 @@ SCRATCH_SHAPES = {
     "recv__bf16_2x1__recv": dma_sems((2, 2)),
     "recv__bf16_8x2__send": dma_sems((2, 8)),
     "recv__bf16_8x2__recv": dma_sems((2, 8)),
+    "recv__bf16_2x1__shared_down__send": dma_sems((2, 2)),
+    "recv__bf16_2x1__shared_down__recv": dma_sems((2, 2)),
+    "recv__bf16_8x2__shared_down__send": dma_sems((2, 8)),
+    "recv__bf16_8x2__shared_down__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((2,)),   # pooled matrix copies
     "expert_sem": dma_sems((2,)),   # expert slot copies
