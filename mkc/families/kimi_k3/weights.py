@@ -66,20 +66,22 @@ def _moe_matrix(hf, d, g, sh, p, family, rank):
     if family == "latent_up":
         return _block(_w(hf, m + "routed_expert_up_proj.weight").T, 1, rank % sh.host_cores,
                       g.up_cols)
-    if family == "shared_gate_up":
-        return np.concatenate([_block(_w(hf, s + f"{x}_proj.weight"), 0, rank, g.shared)
-                               for x in ("gate", "up")], axis=0).T
-    if family == "shared_down":
-        return _block(_w(hf, s + "down_proj.weight").T, 0, rank, g.shared)
+    if family in ("shared_gate_up", "shared_down"):
+        return _swiglu(hf, s, family.removeprefix("shared_"), rank, g.shared)
     raise KeyError(f"no moe weight family {family!r}")
 
 
-def _dense_matrix(hf, d, g, sh, p, family, rank):
+def _swiglu(hf, prefix: str, family: str, rank: int, width: int) -> np.ndarray:
+    """A SwiGLU MLP's rank share, `width` of its columns: gate|up [in, 2 x width] or down."""
     if family == "gate_up":
-        return np.concatenate([_block(_w(hf, p + f"mlp.{x}_proj.weight"), 0, rank, g.dense)
+        return np.concatenate([_block(_w(hf, prefix + f"{x}_proj.weight"), 0, rank, width)
                                for x in ("gate", "up")], axis=0).T
-    if family == "down":
-        return _block(_w(hf, p + "mlp.down_proj.weight").T, 0, rank, g.dense)
+    return _block(_w(hf, prefix + "down_proj.weight").T, 0, rank, width)
+
+
+def _dense_matrix(hf, d, g, sh, p, family, rank):
+    if family in ("gate_up", "down"):
+        return _swiglu(hf, p + "mlp.", family, rank, g.dense)
     raise KeyError(f"no dense weight family {family!r}")
 
 
