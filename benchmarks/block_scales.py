@@ -33,9 +33,7 @@ from mkc.model import mxfp4  # noqa: E402
 
 SCALES = ("e8m0", "bf16", "f32", "bf16 searched")
 SCALE_BYTES = {"e8m0": 1, "bf16": 2, "f32": 4, "bf16 searched": 2}
-# "bf16 searched": per block, of the E8M0 scale and bf16 scales from SEARCH_LOW to 1 times the
-# holding one (the largest magnitude then clipped to the code's largest), the least squared error
-SEARCH_LOW, SEARCH_STEPS = 0.8, 16
+# "bf16 searched": mkc's `scale bf16` (`mkc.model.mxfp4.searched_bf16_scales`)
 CODE = {"fp4": (ml_dtypes.float4_e2m1fn, 6.0), "fp8": (ml_dtypes.float8_e4m3fn, 448.0)}
 COLS = 256          # columns drawn per matrix: errors are per column, so more add no information
 
@@ -86,11 +84,14 @@ def _holding_scale(top: np.ndarray, largest: float, scale: str) -> np.ndarray:
 
 def requantize(w: np.ndarray, case: Case, block: int, scale: str, mx: tuple | None) -> np.ndarray:
     """The values `w` takes under `case`'s code with one `scale` per `block` input rows."""
-    if scale == "e8m0" and mx is not None:              # mkc's own, as packing does it
-        r = mxfp4.requantize_blocks(*mx, block)
-        return mxfp4.mxfp4_dequantize(r.codes, r.scales_per_32(), w.shape).astype(np.float64)
-    if scale == "e8m0":
-        return mxfp4.fp8_block_values(mxfp4.requantize_fp8_blocks(w, block))
+    if scale in ("e8m0", "bf16 searched"):              # mkc's own, as packing does it
+        kind = "bf16" if scale == "bf16 searched" else "e8m0"
+        if mx is None:
+            return mxfp4.fp8_block_values(mxfp4.requantize_fp8_blocks(w, block, kind))
+        r = mxfp4.requantize_blocks(*mx, block, kind)
+        values = mxfp4.mxfp4_dequantize(r.codes, np.full(r.codes.shape[:-1] + (w.shape[-1] // 32,), 127,
+                                                         np.uint8), w.shape).astype(np.float64)
+        return (values.reshape(w.shape[0], -1, block) * r.scale_values()[..., None]).reshape(w.shape)
     dtype, largest = CODE[case.code]
     blocked = w.reshape(w.shape[0], -1, block)
     top = np.abs(blocked).max(axis=-1, keepdims=True)
@@ -99,16 +100,7 @@ def requantize(w: np.ndarray, case: Case, block: int, scale: str, mx: tuple | No
         codes = np.clip(blocked / s, -largest, largest).astype(np.float32).astype(dtype)
         return codes.astype(np.float64) * s
 
-    if scale != "bf16 searched":
-        return under(_holding_scale(top, largest, scale)).reshape(w.shape)
-    holding = _holding_scale(top, largest, "bf16")
-    best = under(_holding_scale(top, largest, "e8m0"))
-    best_err = np.sum((best - blocked) ** 2, axis=-1, keepdims=True)
-    for f in np.linspace(SEARCH_LOW, 1.0, SEARCH_STEPS):
-        new = under((holding * f).astype(ml_dtypes.bfloat16).astype(np.float64))
-        err = np.sum((new - blocked) ** 2, axis=-1, keepdims=True)
-        best, best_err = np.where(err < best_err, new, best), np.minimum(err, best_err)
-    return best.reshape(w.shape)
+    return under(_holding_scale(top, largest, scale)).reshape(w.shape)
 
 
 def bytes_per_weight(case: Case, block: int, scale: str) -> float:

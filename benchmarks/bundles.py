@@ -25,14 +25,15 @@ COMMAND = ".venv/bin/python benchmarks/bundles.py"
 
 # K3's routed experts in each format libtpu's pack-group probe compares
 # (benchmarks/format_probe.py --bundles): the model's ratio of their prices must follow it. The
-# shipped spec's are the checkpoint's MXFP4 (exact); "fp4 block" rounds (docs/formats.md).
+# shipped spec's are the checkpoint's MXFP4 (exact); "fp4 block" rounds, under the searched bf16
+# block scale (the least error at about E8M0's cost: docs/formats.md#which-block-scale).
 K3_FORMATS = {"mxfp4": ("mxfp4", "mxfp4"), "fp8": ("fp8", "fp8"),
               "fp8 block": ("fp8 block 512", "fp8 block 128"),
-              "fp4 block": ("fp4 block 512 rounded", "fp4 block 128 rounded")}
+              "fp4 block": ("fp4 block 512 rounded scale bf16", "fp4 block 128 rounded scale bf16")}
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
 # Qwen3.5-35B-A3B's: the shipped spec's are the checkpoint's bf16; "fp8 block" rounds.
 QWEN_MOE_FORMATS = {"bf16": ("bf16", "bf16"),
-                    "fp8 block": ("fp8 block 512 rounded", "fp8 block 128 rounded")}
+                    "fp8 block": ("fp8 block 512 rounded scale bf16", "fp8 block 128 rounded scale bf16")}
 QWEN_MOE_SPEC = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
 # Each shipped spec whose routed experts are offered in other formats: those formats by name.
 EXPERT_FORMATS = {K3_SPEC: K3_FORMATS, QWEN_MOE_SPEC: QWEN_MOE_FORMATS}
@@ -144,6 +145,10 @@ def points():
     for fmt in K3_FORMATS:
         s = compiler.check_source(format_text(K3_SPEC, fmt), str(K3_SPEC)).ir
         out.append((f"kimi_k3 experts {fmt}", s, "decode", 8))
+    for fmt in QWEN_MOE_FORMATS:        # the rounded variant's kernels (bf16: the shipped spec's)
+        if QWEN_MOE_FORMATS[fmt] != ("bf16", "bf16"):
+            s = compiler.check_source(format_text(QWEN_MOE_SPEC, fmt), str(QWEN_MOE_SPEC)).ir
+            out += [(f"qwen3_5_35b_a3b experts {fmt}", s, kernel, b) for kernel, b in kernels(s)]
     for name, spec, attention in dense_variants():
         for fmt in DENSE_FORMATS:
             s = compiler.check_source(dense_text(spec, fmt, attention), str(spec)).ir

@@ -5,7 +5,7 @@ K3's attention streamed), its MINI model's decode run by the family's pure-JAX r
 (plain f32) on a checkpoint's exact weights and on the weights as the rounded format holds them
 (`requantized_weights`: what the kernel is packed with), side by side.
 
-    .venv/bin/python benchmarks/format_quality.py            # the table (about 12 minutes)
+    .venv/bin/python benchmarks/format_quality.py            # the table (about 15 minutes)
     .venv/bin/python benchmarks/format_quality.py --write    # and benchmarks/data/format_quality.json
     .venv/bin/python benchmarks/format_quality.py --only kimi_k3 --steps 64 --json
 
@@ -51,14 +51,21 @@ class Case:
     spec: str
     model: str
     exact: str
-    rounded: str
+    rounded: str | tuple[str, str]   # a name in `bundles.EXPERT_FORMATS`, or (gate_up, down)
     spreads: bool
     dense: bool = False
 
 
+# Each rounded expert format under the searched bf16 block scale it ships with, and under E8M0
+# (power-of-two) scales beside it for comparison (docs/formats.md#which-block-scale).
+K3_E8M0, QWEN_E8M0 = ("fp4 block 512 rounded", "fp4 block 128 rounded"), \
+    ("fp8 block 512 rounded", "fp8 block 128 rounded")
 CASES = {"kimi_k3": Case("kimi_k3.sched", "kimi_k3_mini", "mxfp4", "fp4 block", True),
+         "kimi_k3 e8m0": Case("kimi_k3.sched", "kimi_k3_mini", "mxfp4", K3_E8M0, True),
          "qwen3_5_35b_a3b": Case("qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini", "bf16", "fp8 block",
                                  False),
+         "qwen3_5_35b_a3b e8m0": Case("qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini", "bf16", QWEN_E8M0,
+                                      False),
          **{f"{spec} dense {fmt}": Case(f"{spec}.sched", model, "bf16", fmt, False, dense=True)
             for spec, model in (("qwen3_8_27b", "qwen3_8_mini"), ("kimi_k3", "kimi_k3_mini"))
             for fmt in ("fp8", "int8")}}
@@ -174,7 +181,7 @@ def run_case(name: str, case: Case, spreads: list[int], args) -> list[dict]:
         classes += ("attention",) if case.spec.startswith("kimi_k3") else ()
         formats = (f"{case.rounded} channel rounded ({', '.join(classes)})",)
     else:
-        formats = EXPERT_FORMATS[ROOT / "schedules" / case.spec][case.rounded]
+        formats = EXPERT_FORMATS[ROOT / "schedules" / case.spec].get(case.rounded, case.rounded)
     results = []
     for spread in (spreads if case.spreads else [0]):
         exact = spread_scales(base, spread, np.random.default_rng([args.seed, spread]))

@@ -494,12 +494,18 @@ class ScratchMeasure:
     libtpu: str                  # libtpu version measured with
 
 
+# How a rounded block format stores its scale (`format CLASS fp4|fp8 block N rounded [scale S]`):
+# "e8m0", a power of two, the smallest holding the block's largest magnitude; "bf16", a bf16
+# value searched per block for the least squared error (`mkc.model.mxfp4.searched_bf16_scales`).
+BLOCK_SCALES = ("e8m0", "bf16")
+
+
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a matrix class is stored (`format CLASS NAME [block ROWS [x COLS]] [rounded]`): the
-    format, the input rows one scale covers (0: the format's own), the output columns it covers
-    (0: one column, an E8M0 scale each; COLS: an FP8 checkpoint's f32 scale per ROWS x COLS
-    block of its `[out, in]` matrix, DeepSeek-V3's 128 x 128) and whether the target's MXU takes
+    """How a matrix class is stored (`format CLASS NAME [block ROWS [x COLS]] [rounded [scale
+    S]]`): the format, the input rows one scale covers (0: the format's own), the output
+    columns it covers (0: one column, a scale each; COLS: an FP8 checkpoint's f32 scale per
+    ROWS x COLS block of its `[out, in]` matrix, DeepSeek-V3's 128 x 128) and whether the target's MXU takes
     FP8 values as a matmul operand (`mkc.target.Generation.fp8_operand`), so codes can reach it
     as they are. FP4 codes always reach it as they are: resolve refuses `fp4` on a target
     whose MXU does not take them (`mkc.target.Generation.fp4_operand`)."""
@@ -516,6 +522,8 @@ class WeightFormat:
     # `channel`: one scale per output column (the dense classes' FP8 and int8 codes,
     # `mkc.layers.dense_formats`) rather than per block of input rows.
     channel: bool = False
+    # `scale bf16`: a rounded block's scale is a searched bf16 value, not a power of two.
+    scale: str = "e8m0"
 
     @property
     def spelled(self) -> str:
@@ -524,7 +532,8 @@ class WeightFormat:
         block = f"block {self.block}" + (f" x {self.cols}" if self.cols else "")
         return " ".join([self.name, *([block] if self.block else []),
                          *(["channel"] if self.channel else []),
-                         *(["rounded"] if self.rounded else [])])
+                         *(["rounded"] if self.rounded else []),
+                         *([f"scale {self.scale}"] if self.scale != "e8m0" else [])])
 
 
 @dataclass(frozen=True)

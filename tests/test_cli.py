@@ -198,3 +198,13 @@ def test_confirm_refuses_a_meaningless_batch_or_timeout(capsys):
         with pytest.raises(SystemExit) as e:
             confirm_main([str(SPEC), *args])
         assert e.value.code == 2 and f"argument {args[0]}: expected a" in capsys.readouterr().err
+
+
+def test_a_reader_closing_the_pipe_ends_it_quietly():
+    """`mkc fmt - < spec | true`: the reader is gone before mkc writes; mkc stops as a pipe's
+    writer does (exit 128 + SIGPIPE), with no traceback."""
+    import subprocess
+    import sys
+    r = subprocess.run(f"{sys.executable} -m mkc fmt - < {SPEC} | true; echo rc=${{PIPESTATUS[0]}} >&2",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and "rc=141" in r.stderr, r.stderr

@@ -35,7 +35,7 @@ def _assert_matches_reference(summary: dict) -> None:
 def test_eager_dma_mode_with_race_detection_and_rounded_fp4_experts(tmp_path):
     """Eager DMAs land as soon as issued, so a write racing a read before its wait shows (on-wait
     mode would run the copy at the wait and hide it; the batch-8 test below runs on-wait).
-    The shipped spec with its experts as `fp4 block N rounded` (it ships the checkpoint's
+    The shipped spec with its experts as `fp4 block N rounded scale bf16` (it ships the checkpoint's
     exact MXFP4: the test below and tests/test_verify.py run that): the MINI checkpoint's
     Gaussian MXFP4 draws (32-row scales that differ within a block) do not requantize exactly,
     so packing rounds them (the error reported per class), and the kernel, packed from the
@@ -56,7 +56,7 @@ def test_eager_dma_mode_with_race_detection_and_rounded_fp4_experts(tmp_path):
     assert step["emulation"]["logits"] == 0.0 and set(step["emulation"]["states"].values()) == {0.0}
     rq = summary["requantization"]
     assert set(rq) == {"expert.gate_up", "expert.down"}
-    assert all(r["format"].endswith(" rounded") and not r["exact"] and r["changed"] > 0
+    assert all(r["format"].endswith(" rounded scale bf16") and not r["exact"] and r["changed"] > 0
                for r in rq.values()), rq
 
 

@@ -121,8 +121,9 @@ class Requantized:
     """MXFP4 values (a scale per 32) requantized to e2m1 codes under one scale per ``block``
     values along the last axis, and how far they moved.
 
-    ``codes`` keep the checkpoint's layout (``[..., K/2]``, element 2j in the low nibble);
-    ``scales`` hold one E8M0 scale per block (``[..., K/block]``). The checkpoint's values are
+    ``codes`` keep the checkpoint's layout (``[..., K/2]``, element 2j in the low nibble;
+    FP8: the bytes of e4m3 values); ``scales`` hold one scale per block (``[..., K/block]``):
+    an E8M0 byte, or with ``scale`` "bf16" a bf16 value (as f32). The checkpoint's values are
     read as the kernel's MXFP4 decode reads them (a 32-value scale of 0, 2**-127 and itself
     subnormal, is zero)."""
 
@@ -138,25 +139,97 @@ class Requantized:
     sq_ref: float          # sum of the checkpoint's squared values
     first: tuple[int, ...] | None = None     # index (leading axes, then block) of the first inexact block
     first_scales: tuple[int, int] = (0, 0)   # its 32-value scales, smallest and largest
+    scale: str = "e8m0"                      # how a block's scale is stored (`mkc.ir.BLOCK_SCALES`)
 
     @property
     def exact(self) -> bool:
         return self.changed == 0
 
+    def scale_values(self) -> np.ndarray:
+        """Each block's scale as a value, f64 ``[..., K/block]``."""
+        if self.scale == "bf16":
+            return self.scales.astype(np.float64)
+        return np.ldexp(1.0, self.scales.astype(np.int64) - SCALE_BIAS)
+
     def scales_per_32(self) -> np.ndarray:
-        """The block scales repeated per 32 values: the requantized values as MXFP4."""
+        """The block scales repeated per 32 values: the requantized values as MXFP4 (E8M0
+        block scales only: a bf16 scale is no MXFP4 scale)."""
+        if self.scale != "e8m0":
+            raise ValueError(f"{self.scale} block scales are not MXFP4 scales")
         return np.repeat(self.scales, self.block // BLOCK_SIZE, axis=-1)
 
 
-def requantize_blocks(codes: np.ndarray, scales: np.ndarray, block: int) -> Requantized:
-    """MXFP4 ``codes [..., K/2]`` and ``scales [..., K/32]`` -> e2m1 codes with one E8M0 scale
-    per ``block`` values (a multiple of 32 dividing K): each block takes the smallest scale
+# The bf16 search (`scale bf16`, `mkc.ir.BLOCK_SCALES`): the E8M0 scale, and bf16 scales from
+# SEARCH_LOW to 1 times the smallest bf16 one holding the largest magnitude (larger values then
+# clipped to the code's largest).
+SEARCH_LOW, SEARCH_STEPS = 0.8, 16
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+    return np.asarray(x, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _holding_bf16(s: np.ndarray) -> np.ndarray:
+    """The smallest bf16 value at least ``s`` (positive)."""
+    import ml_dtypes
+    held = np.asarray(s, np.float64).astype(ml_dtypes.bfloat16)
+    up = (held.view(np.uint16) + 1).view(ml_dtypes.bfloat16)
+    return np.where(held.astype(np.float64) < s, up.astype(np.float64), held.astype(np.float64))
+
+
+def searched_bf16_scales(blocked: np.ndarray, largest: float, code) -> tuple[np.ndarray, np.ndarray]:
+    """Values ``[..., n, block]`` -> (their codes' values under one bf16 scale a block, f64
+    ``[..., n, block]``; the scales, f64 ``[..., n]``, each a bf16 value). A block's scale is,
+    of the smallest power of two holding its largest magnitude (``largest`` times it) and the
+    bf16 values from SEARCH_LOW to 1 times the smallest bf16 one holding it, the one whose codes
+    (``code``: the ml_dtypes type, rounding to nearest, ties to even, after clipping to
+    +-``largest``) are nearest in squared error, the earlier on a tie: the power of two first,
+    so a block it holds exactly stays as it was. An all-zero block takes scale 1."""
+    top = np.abs(blocked).max(axis=-1)
+    safe = np.where(top > 0, top / largest, 1.0)
+
+    def under(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        q = np.clip(blocked / s[..., None], -largest, largest).astype(code).astype(np.float64)
+        return q, np.sum((q * s[..., None] - blocked) ** 2, axis=-1)
+
+    scales = np.exp2(np.ceil(np.log2(safe)))
+    scales = np.where(scales * largest < top, 2 * scales, scales)
+    codes, err = under(scales)
+    holding = _holding_bf16(safe)
+    for f in np.linspace(SEARCH_LOW, 1.0, SEARCH_STEPS):
+        s = _bf16(holding * f)
+        s = np.where(s > 0, s, scales)
+        q, e = under(s)
+        better = e < err
+        codes = np.where(better[..., None], q, codes)
+        scales, err = np.where(better, s, scales), np.minimum(e, err)
+    return codes, scales
+
+
+def e2m1_codes(values: np.ndarray) -> np.ndarray:
+    """e2m1 values ``[..., K]`` -> their codes packed as MXFP4 packs them (``[..., K/2]``, value
+    2j in the low nibble), -0 as +0."""
+    v = np.asarray(values, np.float64)
+    magnitude = np.searchsorted(_MAGNITUDES, np.abs(v))
+    if not np.array_equal(_MAGNITUDES[np.minimum(magnitude, 7)], np.abs(v)):
+        raise ValueError("a value that is not an e2m1 value has no e2m1 code")
+    codes = (magnitude + np.where((v < 0) & (magnitude > 0), 8, 0)).astype(np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def requantize_blocks(codes: np.ndarray, scales: np.ndarray, block: int, scale: str = "e8m0"
+                      ) -> Requantized:
+    """MXFP4 ``codes [..., K/2]`` and ``scales [..., K/32]`` -> e2m1 codes with one scale per
+    ``block`` values (a multiple of 32 dividing K). E8M0: each block takes the smallest scale
     that holds its largest magnitude (|v| <= 6 * scale, so nothing overflows) and every value
     is rounded to the nearest e2m1 value under it, ties to the even code (``mxfp4_quantize``
     over the block). Exact where every value of a block is an e2m1 value times that scale:
     always where the block's 32-value scales are equal; a 32-value block k octaves below the
     block's scale keeps only the values whose codes are multiples of 2**k (one octave: 0, 1,
-    2, 3, 4 and 6 halve exactly, 0.5 and 1.5 do not). A scale of 255 (NaN) is refused."""
+    2, 3, 4 and 6 halve exactly, 0.5 and 1.5 do not). ``scale`` "bf16": a bf16 scale a block,
+    searched (``searched_bf16_scales``; never further from the values than E8M0's, and exact
+    where it is). A scale of 255 (NaN) is refused."""
     codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
     k = 2 * codes.shape[-1]
     if block % BLOCK_SIZE or k % block or block <= 0:
@@ -168,10 +241,18 @@ def requantize_blocks(codes: np.ndarray, scales: np.ndarray, block: int) -> Requ
     per32 = np.where(scales == 0, 0.0, np.ldexp(1.0, scales.astype(np.int64) - SCALE_BIAS))
     values = (E2M1_VALUES[nibbles].astype(np.float64).reshape(*shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE)
               * per32[..., None]).reshape(shape)
-    new_codes, new_scales = mxfp4_quantize(values, block)
-    new_nibbles = np.stack([new_codes & 0xF, new_codes >> 4], axis=-1).reshape(shape)
-    new = (E2M1_VALUES[new_nibbles].astype(np.float64).reshape(*shape[:-1], k // block, block)
-           * np.ldexp(1.0, new_scales.astype(np.int64) - SCALE_BIAS)[..., None]).reshape(shape)
+    if scale == "bf16":
+        import ml_dtypes
+        q, new_scales = searched_bf16_scales(values.reshape(*shape[:-1], k // block, block),
+                                             E2M1_MAX, ml_dtypes.float4_e2m1fn)
+        new_codes = e2m1_codes(q.reshape(shape))
+        new = (q * new_scales[..., None]).reshape(shape)
+        new_scales = new_scales.astype(np.float32)
+    else:
+        new_codes, new_scales = mxfp4_quantize(values, block)
+        new_nibbles = np.stack([new_codes & 0xF, new_codes >> 4], axis=-1).reshape(shape)
+        new = (E2M1_VALUES[new_nibbles].astype(np.float64).reshape(*shape[:-1], k // block, block)
+               * np.ldexp(1.0, new_scales.astype(np.int64) - SCALE_BIAS)[..., None]).reshape(shape)
     err = np.abs(new - values)
     moved = (err != 0).reshape(*shape[:-1], k // block, block).any(axis=-1)
     first, spread = None, (0, 0)
@@ -183,24 +264,25 @@ def requantize_blocks(codes: np.ndarray, scales: np.ndarray, block: int) -> Requ
                        changed=int(np.count_nonzero(err)), blocks=int(moved.size),
                        inexact_blocks=int(moved.sum()), max_abs=float(err.max(initial=0.0)),
                        sq_err=float(np.sum(err * err)), sq_ref=float(np.sum(values * values)),
-                       first=first, first_scales=spread)
+                       first=first, first_scales=spread, scale=scale)
 
 
 # ---- requantization of bf16 values to FP8 blocks (`format CLASS fp8 block N rounded`) --------
 E4M3_MAX = 448.0      # float8_e4m3fn's largest finite value
 
 
-def requantize_fp8_blocks(values: np.ndarray, block: int) -> Requantized:
+def requantize_fp8_blocks(values: np.ndarray, block: int, scale: str = "e8m0") -> Requantized:
     """Values ``[..., K]`` (bf16 weights, as any float) -> FP8 e4m3 codes (``[..., K]``, the
-    bytes of ``float8_e4m3fn`` values) under one E8M0 scale per ``block`` values along the
-    last axis (``[..., K/block]``), and how far they moved: each block takes the smallest
+    bytes of ``float8_e4m3fn`` values) under one scale per ``block`` values along the last
+    axis (``[..., K/block]``), and how far they moved. E8M0: each block takes the smallest
     power-of-two scale that holds its largest magnitude (|v| <= 448 * scale, so nothing
     overflows), every value rounds to the nearest e4m3 value under it (ties to even; below
     2**-6 of the scale e4m3 is subnormal, below 2**-10 zero). An all-zero block takes scale
     1 (127). Scales are kept in 1..254; a non-finite value is refused (ValueError).
+    ``scale`` "bf16": a bf16 scale a block, searched (``searched_bf16_scales``).
 
-    Requantizing its own result is exact: a block's largest value stays within its scale's
-    range and every value is an e4m3 value times it."""
+    Requantizing its own E8M0 result is exact: a block's largest value stays within its
+    scale's range and every value is an e4m3 value times it."""
     import ml_dtypes
     v = np.asarray(values, np.float64)
     k = v.shape[-1]
@@ -217,19 +299,24 @@ def requantize_fp8_blocks(values: np.ndarray, block: int) -> Requantized:
     e = np.where(top > np.ldexp(E4M3_MAX, e.astype(np.int64)), e + 1, e)
     e = np.where((top > 0) & (top <= np.ldexp(E4M3_MAX, e.astype(np.int64) - 1)), e - 1, e)
     e = np.clip(e, 1 - SCALE_BIAS, SCALE_NAN - 1 - SCALE_BIAS).astype(np.int64)
-    scaled = (blocked / np.ldexp(1.0, e)[..., None]).astype(np.float32)   # exact: a power of two
-    codes = scaled.astype(ml_dtypes.float8_e4m3fn)
-    new = codes.astype(np.float64) * np.ldexp(1.0, e)[..., None]
+    if scale == "bf16":
+        q, scales = searched_bf16_scales(blocked, E4M3_MAX, ml_dtypes.float8_e4m3fn)
+        codes, new = q.astype(ml_dtypes.float8_e4m3fn), q * scales[..., None]
+        scales = scales.astype(np.float32)
+    else:
+        scaled = (blocked / np.ldexp(1.0, e)[..., None]).astype(np.float32)   # exact: a power of two
+        codes = scaled.astype(ml_dtypes.float8_e4m3fn)
+        new = codes.astype(np.float64) * np.ldexp(1.0, e)[..., None]
+        scales = (e + SCALE_BIAS).astype(np.uint8)
     err = np.abs(new - blocked)
     moved = (err != 0).any(axis=-1)
     first = tuple(int(i) for i in np.argwhere(moved)[0]) if moved.any() else None
     shape = v.shape
-    return Requantized(codes=codes.view(np.uint8).reshape(shape),
-                       scales=(e + SCALE_BIAS).astype(np.uint8), block=block,
+    return Requantized(codes=codes.view(np.uint8).reshape(shape), scales=scales, block=block,
                        values=int(err.size), changed=int(np.count_nonzero(err)),
                        blocks=int(moved.size), inexact_blocks=int(moved.sum()),
                        max_abs=float(err.max(initial=0.0)), sq_err=float(np.sum(err * err)),
-                       sq_ref=float(np.sum(blocked * blocked)), first=first)
+                       sq_ref=float(np.sum(blocked * blocked)), first=first, scale=scale)
 
 
 def fp8_block_values(r: Requantized) -> np.ndarray:
@@ -237,8 +324,8 @@ def fp8_block_values(r: Requantized) -> np.ndarray:
     import ml_dtypes
     codes = r.codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     k = codes.shape[-1]
-    scale = np.ldexp(1.0, r.scales.astype(np.int64) - SCALE_BIAS)
-    return (codes.reshape(*codes.shape[:-1], k // r.block, r.block) * scale[..., None]).reshape(codes.shape)
+    return (codes.reshape(*codes.shape[:-1], k // r.block, r.block)
+            * r.scale_values()[..., None]).reshape(codes.shape)
 
 
 def relative_rms(sq_err: float, sq_ref: float) -> float:

@@ -58,6 +58,10 @@ def resolve_formats(s: ResolveState) -> ResolveState:
                        hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
                             "checkpoint's)")
         if cls in dense:
+            if f.scale is not None:
+                raise fail("E-FORMAT", f"{cls}'s scale per output column is a bf16 value already: "
+                           f"`scale {f.scale.text}` chooses a rounded expert block's scale",
+                           f.scale.span, hint=f"remove `scale {f.scale.text}`")
             if f.cols is not None:
                 raise fail("E-FORMAT", f"{cls} takes one scale per output column or per block of "
                            f"input rows: `x {f.cols}` means nothing for it", f.span,
@@ -106,11 +110,33 @@ def resolve_formats(s: ResolveState) -> ResolveState:
                        f"{', '.join(rounds) or 'no format of ' + family.name}, whose blocks "
                        "may not hold the checkpoint's values",
                        f.rounded.span, hint="remove `rounded`")
+        if f.scale is not None:
+            _check_block_scale(f, cls, f.format.text in rounds)
         seen[cls] = f.span
         chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand,
                                       rounded=f.rounded is not None,
-                                      where=f"{Path(f.span.file).name}:{f.span.line}", cols=f.cols or 0)
+                                      where=f"{Path(f.span.file).name}:{f.span.line}", cols=f.cols or 0,
+                                      scale=f.scale.text if f.scale is not None else "e8m0")
     return dataclasses.replace(s, formats=chosen, dense_formats=chosen_dense)
+
+
+def _check_block_scale(f, cls: str, may_round: bool) -> None:
+    """`scale S` on an expert class's `format` line: a known scale, on a rounded format that
+    takes one scale per block of input rows (what packing chooses; an exact format keeps the
+    checkpoint's scales). `may_round`: the family lets this format round."""
+    if f.scale.text not in ir.BLOCK_SCALES:
+        raise unknown("block scale", f.scale, list(ir.BLOCK_SCALES))
+    if f.rounded is None:
+        drop = f"remove `scale {f.scale.text}`"
+        raise fail("E-FORMAT", f"`scale {f.scale.text}` chooses the scale packing rounds a block "
+                   "to, and this format does not round: the checkpoint's scales are kept",
+                   f.scale.span, hint=f"write `rounded scale {f.scale.text}`, or {drop}"
+                   if may_round else f"{drop}: {f.format.text} holds the checkpoint's values")
+    if f.block is None or f.cols is not None:
+        raise fail("E-FORMAT", f"`scale {f.scale.text}` is a rounded block's scale: {cls} needs "
+                   "`block N` (the input rows one scale covers)", f.scale.span,
+                   hint=f"write `format {cls} {f.format.text} block N rounded scale "
+                        f"{f.scale.text}`")
 
 
 def _dense_format(f, cls: str, fp8_operand: bool) -> ir.WeightFormat:

@@ -146,7 +146,8 @@ def format_edits(text: str, sched: ast.Schedule, gen: str) -> str:
     """The spec's `format` lines on generation `gen`: a format whose values the new target's
     MXU does not take as they are (FP4 off tpu7x, `mkc.target.Generation.fp4_operand`) becomes
     its fallback with the same block (`fp8 block N`: exact while a block's 32-row scales span
-    at most 8 octaves, which packing checks), and `rounded`, which only FP4 takes, goes."""
+    at most 8 octaves, which packing checks), and `rounded` (with its `scale`), which only FP4
+    takes, goes."""
     from mkc.resolve.formats import FALLBACK, NATIVE
     g = target.generation(gen)
     ed = TextEdits(SpecSource(text))
@@ -155,7 +156,8 @@ def format_edits(text: str, sched: ast.Schedule, gen: str) -> str:
         if native is None or getattr(g, native):
             continue
         ed.replace(f.format.span, FALLBACK[f.format.text])
-        if f.rounded is not None:
+        if f.rounded is not None:         # `rounded [scale S]`: the clause goes whole
             a, b = ed.src.span_range(f.rounded.span)
+            b = ed.src.span_range(f.scale.span)[1] if f.scale is not None else b
             ed.edits.append((a - 1 if ed.src.text[a - 1] == " " else a, b, ""))
     return ed.apply()

@@ -96,7 +96,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkc.families.kimi_k3.config import KimiDims, read_dims
+from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims, read_dims
 from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
@@ -413,13 +413,30 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiDims, latent: 
                                     expert_logical_shape(cfg, matrix))
 
     w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.num_experts)}
+    # `scale bf16`: the codes' values above, each pack group's partial product times its
+    # block's scale ([out, in/block] -> [in/group, out])
+    scales = {e: [p.get(f"experts.{e}.{m}.{BLOCK_SCALE}") for m in _EXPERT_MATRICES]
+              for e in range(cfg.num_experts)}
+
+    def per_group(s: jax.Array | None, w: jax.Array, group: int, rows: slice = slice(None),
+                  cols: slice = slice(None)) -> jax.Array | None:
+        """Matrix w's block scales (None: MXFP4's, already in its values) for its output
+        `rows` and input `cols`, one row per pack group of `group` inputs: [in/group, out]."""
+        if s is None:
+            return None
+        block = w.shape[1] // s.shape[1]
+        cols = slice((cols.start or 0) // block, (cols.stop or w.shape[1]) // block)
+        return jnp.repeat(jnp.asarray(s, jnp.float32)[rows, cols], block // group, axis=1).T
 
     def expert(e: int, cols: slice) -> jax.Array:
         w1, w3, w2 = w[e]
-        hidden = situ(rounding.linear(lat, w1[cols], groups["gate_up"], operands["gate_up"]),
-                      rounding.linear(lat, w3[cols], groups["gate_up"], operands["gate_up"]),
+        s1, s3, s2 = scales[e]
+        gu = groups["gate_up"]
+        hidden = situ(rounding.linear(lat, w1[cols], gu, operands["gate_up"], per_group(s1, w1, gu, cols)),
+                      rounding.linear(lat, w3[cols], gu, operands["gate_up"], per_group(s3, w3, gu, cols)),
                       cfg.situ_beta, cfg.situ_linear_beta)
-        return rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"])
+        return rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"],
+                               per_group(s2, w2, groups["down"], cols=cols))
 
     return moe_reference.expert_parallel_sum(rounding, cfg.num_experts, dense, cfg.routed_expert_hidden_size,
                                              expert, "moe")
@@ -448,11 +465,16 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
         return up + glu_mlp(shared, cfg, x, rounding, "moe", "shared_down", "shared", "shared_gate_up")
 
     def expert_weights(matrix: str) -> jax.Array:
-        """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``."""
+        """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``
+        (`scale bf16`: times its block scales)."""
         def stacked(kind: str) -> jax.Array:
-            return jnp.stack([p[f"experts.{e}.{matrix}.{kind}"] for e in range(cfg.num_experts)])
+            return jnp.stack([jnp.asarray(p[f"experts.{e}.{matrix}.{kind}"]) for e in range(cfg.num_experts)])
         shape = (*ids.shape, *expert_logical_shape(cfg, matrix))
-        return mxfp4_dequantize_jax(stacked("weight_packed")[ids], stacked("weight_scale")[ids], shape)
+        values = mxfp4_dequantize_jax(stacked("weight_packed")[ids], stacked("weight_scale")[ids], shape)
+        if f"experts.0.{matrix}.{BLOCK_SCALE}" not in p:
+            return values
+        block_scales = stacked(BLOCK_SCALE)[ids].astype(jnp.float32)
+        return values * jnp.repeat(block_scales, shape[-1] // block_scales.shape[-1], axis=-1)
 
     gate = jnp.einsum("bl,bkol->bko", latent, expert_weights("w1"), precision=_HIGHEST)
     up = jnp.einsum("bl,bkol->bko", latent, expert_weights("w3"), precision=_HIGHEST)

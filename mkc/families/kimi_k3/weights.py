@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from mkc.families.kimi_k3.config import KimiDims
+from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims
 from mkc.families.kimi_k3.graph import (LAYERS, KimiGeometry, KimiSharding, expert_formats,
                                         kimi_k3_geometry, pack_groups)
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
-from mkc.layers.expert_formats.weights import fp8_codes_from_kernel_mxfp4, pack_mxfp4_for_kernel
+from mkc.layers.expert_formats.weights import (fp8_codes_from_kernel_mxfp4, pack_bf16_scales,
+                                               pack_mxfp4_for_kernel)
 from mkc.layers.kda import weights as kda_weights
 from mkc.layers.mla import weights as mla_weights
 from mkc.model.family import FormatError
@@ -144,15 +145,17 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     for name, matrices in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
         fmt = resolved[f"expert.{name}"]
         if fmt.name == "fp4":      # e2m1 codes as the checkpoint orders them, [in/2, out]
-            parts = [requantized(*sliced[x], fmt, layer, expert, x,
-                                 *((0, part * w) if x == "w2" else (part * w, 0)))
+            parts = [_held(hf, e + x, part * w, w, x == "w2", fmt)
+                     or _codes_and_scales(requantized(*sliced[x], fmt, layer, expert, x,
+                                                      *((0, part * w) if x == "w2" else (part * w, 0))))
                      for x in matrices]
-            packed = [(np.ascontiguousarray(r.codes.T), np.ascontiguousarray(r.scales.T))
-                      for r in parts]
+            packed = [(np.ascontiguousarray(c.T), np.ascontiguousarray(sc.T)) for c, sc in parts]
         else:
             packed = [pack_mxfp4_for_kernel(*sliced[x], groups[name]) for x in matrices]
         out[f"{name}_codes"] = np.concatenate([c for c, _ in packed], axis=1)
         out[f"{name}_scales"] = np.concatenate([sc for _, sc in packed], axis=1)
+        if fmt.scale == "bf16":
+            out[f"{name}_scales"] = pack_bf16_scales(out[f"{name}_scales"])
     for cls, fmt in resolved.items():
         name = cls.split(".")[1]
         if fmt.name == "fp8":
@@ -166,6 +169,32 @@ def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh
     return out
 
 
+def _codes_and_scales(r: Requantized) -> tuple[np.ndarray, np.ndarray]:
+    return r.codes, r.scales
+
+
+def _held(hf: Mapping[str, np.ndarray], matrix: str, first: int, width: int, columns: bool,
+          fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray] | None:
+    """A rank's slice of a routed expert matrix a requantized checkpoint already holds in
+    `fmt` (its codes and `BLOCK_SCALE`; `first` .. `first + width` of its output rows, or of
+    its input columns if `columns`): its codes `[out, in/2]` and scales `[out, in/block]`, taken
+    as they are; None where the checkpoint holds MXFP4."""
+    if f"{matrix}.{BLOCK_SCALE}" not in hf:
+        return None
+    codes, scales = np.asarray(hf[f"{matrix}.weight_packed"]), np.asarray(hf[f"{matrix}.{BLOCK_SCALE}"])
+    block = 2 * codes.shape[1] // scales.shape[1]
+    if fmt.scale != "bf16" or block != fmt.block or (np.asarray(hf[f"{matrix}.weight_scale"]) != 127).any():
+        raise ValueError(f"{matrix} holds codes under bf16 scales per {block} rows (a requantized "
+                         f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
+                         "checkpoint itself")
+    if columns:
+        codes = codes[:, first // 2:(first + width) // 2]
+        scales = scales[:, first // block:(first + width) // block]
+    else:
+        codes, scales = codes[first:first + width], scales[first:first + width]
+    return codes, scales.astype(np.float32)
+
+
 _EXPERT_CLASS = {"w1": "expert.gate_up", "w3": "expert.gate_up", "w2": "expert.down"}
 _MATRIX_NAME = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -176,7 +205,7 @@ def requantized(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, layer:
     matrix `matrix` (w1, w3, w2) requantized to `fmt`'s fp4 blocks of input rows
     (``mkc.model.mxfp4.requantize_blocks``). Where a block's values do not fit one scale and
     the spec did not say `rounded`, a FormatError names the block and its scales' spread."""
-    r = requantize_blocks(codes, scales, fmt.block)
+    r = requantize_blocks(codes, scales, fmt.block, fmt.scale)
     if not r.exact and not fmt.rounded:
         cls = _EXPERT_CLASS[matrix]
         out, blk = r.first
@@ -203,7 +232,8 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
     """The routed experts as the kernel holds them, at the checkpoint level: each fp4 class's
     matrices requantized (their blocks of input rows are those of every rank's slice: a block
     divides the slice), as MXFP4 tensors whose 32-row scales are equal within a block (so the
-    reference decodes the kernel's values exactly), and per class the error against the
+    reference decodes the kernel's values exactly; `scale bf16`: codes under 32-row scales of 1
+    and the bf16 block scales beside them, `BLOCK_SCALE`), and per class the error against the
     checkpoint's values: values, changed, blocks, inexact blocks, max abs, relative RMS.
     FormatError where a class without `rounded` cannot be held exactly."""
     g, _ = _layout(d, shards)
@@ -222,7 +252,12 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
                 r = requantized(np.asarray(hf[p + f"{x}.weight_packed"]),
                                 np.asarray(hf[p + f"{x}.weight_scale"]), fmt, layer, e, x)
                 out[p + f"{x}.weight_packed"] = r.codes
-                out[p + f"{x}.weight_scale"] = r.scales_per_32()
+                if r.scale == "bf16":
+                    unit = (*r.codes.shape[:-1], 2 * r.codes.shape[-1] // MX_BLOCK)
+                    out[p + f"{x}.weight_scale"] = np.full(unit, 127, np.uint8)
+                    out[p + f"{x}.{BLOCK_SCALE}"] = r.scales
+                else:
+                    out[p + f"{x}.weight_scale"] = r.scales_per_32()
                 totals[_EXPERT_CLASS[x]].add(r)
     report = {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp4.items()}
     return out, report

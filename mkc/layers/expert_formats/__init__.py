@@ -46,7 +46,9 @@ _SCALES = MatrixFacts(values_per_byte=0.0)
 PACK_GROUP = {"gate_up": 512, "down": 128}
 # `fp8 block R x C`: a slot's f32 scales are stored as their little-endian bytes, one scale row
 # as 4 byte rows (`pltpu.bitcast` to uint32 joins them back), in whole (32, 128) uint8 tiles:
-# scale rows padded to a multiple of SCALE_ROWS.
+# scale rows padded to a multiple of SCALE_ROWS. `scale bf16` stores its G scale rows as 2G
+# byte rows, every scale's low byte, then every high byte (`weights.pack_bf16_scales`): stacked
+# like E8M0's, unpadded, so a bf16 scale costs its two bytes and no more.
 SCALE_ROWS = 8
 
 # The kernel layout of MXFP4 codes (`weights.pack_mxfp4_for_kernel`): a pack group of G input
@@ -213,13 +215,16 @@ def tensors(name: str, rows: int, cols: int, fmt: WeightFormat, width: int | Non
             ) -> dict[str, Tensor]:
     """Expert matrix `name` [rows (in), cols (out)] as its slot holds it in `fmt`: bf16 values
     by its name, or codes (`rows_per_byte` input rows a byte) and an E8M0 scale per
-    `fmt.block` input rows, stacked in the slot: a few rows over many panels, which whole-tile
+    `fmt.block` input rows (`scale bf16`: a bf16 one, two byte rows a scale row),
+    stacked in the slot: a few rows over many panels, which whole-tile
     panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy for 32 KB of
     scales). `fp8 block R x C`: e4m3 codes and the f32 scale of each group of rows and columns
     (`block_groups`, `width`: the runs of output columns), as their bytes (`SCALE_ROWS`)."""
     if fmt.name == "bf16":
         return {name: Tensor(name, "matrix", (rows, cols), "bf16")}
     scale_rows = rows // fmt.block, cols
+    if fmt.scale == "bf16":
+        scale_rows = 2 * (rows // fmt.block), cols
     if fmt.cols:
         group, per = block_groups(fmt, rows, width or cols)
         scale_rows = 4 * -(-(rows // group) // SCALE_ROWS) * SCALE_ROWS, cols // per

@@ -20,8 +20,8 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
     scaled per 32 rows; or, with FP8 or FP4 blocks of whole pack groups, fed to the MXU as they
     are in a mixed bf16 x fp8 (fp4) dot, their block's scale multiplying the group's partial
     product. The dots see the same values times powers of two (FP4: the values packing
-    requantized them to); with an FP8 checkpoint's blocks (`fp8 block R x C`), its codes and
-    its f32 scales."""
+    requantized them to; `scale bf16`: times the searched bf16 scales); with an FP8
+    checkpoint's blocks (`fp8 block R x C`), its codes and its f32 scales."""
     fmt = c.kernel.formats[f"expert.{name}"]
     if fmt.name == "bf16":
         return c.expert_matmul(k, name, x)
@@ -34,7 +34,11 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
     bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
     # FP8 and FP4 blocks: every block's scale decoded at once (a row at a time costs as many
     # registers)
-    decoded = ops.e8m0_scale(scales) if fmt.block != MX_BLOCK else None
+    decoded = None
+    if fmt.scale == "bf16":
+        decoded = ops.bf16_block_scales(scales)
+    elif fmt.block != MX_BLOCK:
+        decoded = ops.e8m0_scale(scales)
     out = None
     for g in range(x.shape[1] // group):
         xg = x[:, g * group:(g + 1) * group].astype(BF16)

@@ -129,6 +129,16 @@ def block_scales(scales: jax.Array, groups: int, width: int) -> jax.Array:
     return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)
 
 
+def bf16_block_scales(scales: jax.Array) -> jax.Array:
+    """`scale bf16` scales as a slot holds them (uint8 [2 G, n]: every scale's low byte, then
+    every high byte; ``weights.pack_bf16_scales``) -> f32 [G, n], the rows a pack group's partial
+    product is multiplied by. Decoded once per matrix: each byte widened and moved to where an
+    f32 keeps a bf16's bits (exact)."""
+    g = scales.shape[0] // 2
+    bits = (scales[g:].astype(jnp.uint32) << 24) | (scales[:g].astype(jnp.uint32) << 16)
+    return lax.bitcast_convert_type(bits, F32)
+
+
 def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
     """x [B, G] bf16 @ FP4 codes (uint8 [G/2, N]: byte row a holds input row 2a in its low
     nibble and 2a + 1 in its high one, the e2m1 bits of ``jnp.float4_e2m1fn``) whose rows share

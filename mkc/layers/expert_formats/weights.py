@@ -1,6 +1,7 @@
 """Host-side packing of expert matrices into their stored formats (numpy, at weight-load
-time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, MXFP4 into FP8 codes, and an
-FP8 checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back."""
+time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, MXFP4 into FP8 codes, an FP8
+checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back, and bf16 block
+scales (`scale bf16`) into a slot and back."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -47,6 +48,21 @@ def unpack_block_scales(stored: np.ndarray, groups: int) -> np.ndarray:
     rows, n = stored.shape[0] // 4, stored.shape[1]
     words = np.ascontiguousarray(stored.reshape(rows, 4, n).transpose(0, 2, 1))
     return words.view("<f4").reshape(rows, n)[:groups].astype(np.float32)
+
+
+def pack_bf16_scales(scales: np.ndarray) -> np.ndarray:
+    """bf16 block scales `[G, n]` (values, any float dtype) -> the uint8 `[2 G, n]` a slot holds:
+    row a the low byte of scale row a, row G + a its high byte."""
+    import ml_dtypes
+    bits = np.asarray(scales, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return np.ascontiguousarray(np.concatenate([bits & 0xFF, bits >> 8]).astype(np.uint8))
+
+
+def unpack_bf16_scales(stored: np.ndarray) -> np.ndarray:
+    """Inverse of ``pack_bf16_scales``: the scales, f32 `[G, n]`."""
+    stored = np.asarray(stored, np.uint32)
+    g = stored.shape[0] // 2
+    return ((stored[g:] << 24) | (stored[:g] << 16)).view(np.float32)
 
 
 def _check_group(n_in: int, group: int) -> None:

@@ -73,6 +73,10 @@ ROUNDING_FORMATS = ("fp8",)
 # An FP8 checkpoint's block scales likewise (`mkc.model.fp8_blocks`: DeepSeek-V3's published
 # checkpoint stores them per expert, `mlp.experts.{e}.gate_proj.weight_scale_inv`; fused, gate
 # block rows first).
+# A requantized checkpoint's bf16 block scales (`format expert.* fp8 block N rounded scale bf16`:
+# `weights.requantization`), f32 `[E, out, in/block]` beside the fused tensor, which then holds
+# the e4m3 codes' values: not a checkpoint's, what the kernel holds.
+BLOCK_SCALE = "_block_scale"
 EXPERT_LAYOUTS = (
     ExpertLayout("mlp.experts.gate_up_proj",
                  ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),

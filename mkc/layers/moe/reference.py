@@ -58,7 +58,7 @@ import numpy as np
 
 from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index
 from mkc.layers.expert_formats.reference import expert_operands
-from mkc.layers.moe import MoE
+from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
 from mkc.model.fp8_blocks import dequantize
@@ -306,6 +306,11 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
             block_rows, block_cols = block_index(formats[m], out_index, in_index, runs)
             grid = p[f"experts.{_STORED[m]}_scale_inv"][e]
             scales = grid[jnp.asarray(block_cols)][:, jnp.asarray(block_rows)].T
+        elif f"experts.{_STORED[m]}{BLOCK_SCALE}" in p:     # `scale bf16`: [out, in/block]
+            grid = jnp.asarray(p[f"experts.{_STORED[m]}{BLOCK_SCALE}"][e], jnp.float32)
+            block = formats[m].block
+            groups = [i // block for i in in_index[::rows[m]]]
+            scales = grid[jnp.asarray(out_index)][:, jnp.asarray(groups)].T
         return rounding.linear(x, w, rows[m], operands[m], scales)
 
     def expert(e: int, cols: slice) -> jax.Array:
@@ -332,10 +337,17 @@ _STORED = {"gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 def expert_values(p: Mapping[str, jax.Array], d: Any) -> tuple[jax.Array, jax.Array]:
-    """The routed experts' fused ``gate_up_proj`` and ``down_proj`` values: as stored, or an FP8
-    checkpoint's codes times their block scales (`mkc.model.fp8_blocks.dequantize`)."""
-    return tuple(dequantize(p[f"experts.{n}"], p[f"experts.{n}_scale_inv"], d.weight_block_size, jnp)
-                 if f"experts.{n}_scale_inv" in p else p[f"experts.{n}"] for n in _STORED.values())
+    """The routed experts' fused ``gate_up_proj`` and ``down_proj`` values: as stored, an FP8
+    checkpoint's codes times their block scales (`mkc.model.fp8_blocks.dequantize`), or codes'
+    values times their bf16 block scales (`BLOCK_SCALE`)."""
+    def values(n: str) -> jax.Array:
+        if f"experts.{n}_scale_inv" in p:
+            return dequantize(p[f"experts.{n}"], p[f"experts.{n}_scale_inv"], d.weight_block_size, jnp)
+        if f"experts.{n}{BLOCK_SCALE}" in p:
+            w, scale = jnp.asarray(p[f"experts.{n}"]), jnp.asarray(p[f"experts.{n}{BLOCK_SCALE}"])
+            return w * jnp.repeat(scale, w.shape[-1] // scale.shape[-1], axis=-1)
+        return p[f"experts.{n}"]
+    return tuple(values(n) for n in _STORED.values())
 
 
 def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None,

@@ -26,8 +26,8 @@ import numpy as np
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
 from mkc.layers.expert_formats.weights import (fp8_checkpoint_blocks, fp8_codes_from_kernel_mxfp4,
-                                               pack_mxfp4_for_kernel)
-from mkc.layers.moe import MoE
+                                               pack_bf16_scales, pack_mxfp4_for_kernel)
+from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.swiglu.weights import mlp_matrix
 from mkc.layers.weights import tensor
 from mkc.model.fp8_blocks import scale_name
@@ -125,12 +125,40 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
             continue
         m = expert_matrix(s, hf, d, prefix, local, name, rank, shards)
         if fmt.name == "fp8":
-            r = requantize_fp8_blocks(m.T, fmt.block)            # blocks of input rows
-            out[f"{name}_codes"] = np.ascontiguousarray(r.codes.T)
-            out[f"{name}_scales"] = np.ascontiguousarray(r.scales.T)
+            held = _held(s, hf, d, prefix, local, name, rank, shards, fmt)
+            codes, scales = held or _requantized(m.T, fmt)      # blocks of input rows
+            out[f"{name}_codes"] = np.ascontiguousarray(codes.T)
+            out[f"{name}_scales"] = (pack_bf16_scales(scales.T) if fmt.scale == "bf16"
+                                     else np.ascontiguousarray(scales.T))
         else:
             out[name] = m.astype(ml_dtypes.bfloat16)
     return out
+
+
+def _requantized(m: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
+    r = requantize_fp8_blocks(m, fmt.block, fmt.scale)
+    return r.codes, r.scales
+
+
+def _held(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
+          shards: ShardTable, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray] | None:
+    """A rank's slice of local expert `local` that a requantized checkpoint already holds as
+    e4m3 values under bf16 block scales (`BLOCK_SCALE`): its codes `[out, in]` and scales
+    `[out, in/block]`, taken as they are; None for a checkpoint's own values."""
+    stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
+    if stored + BLOCK_SCALE not in hf:
+        return None
+    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+    values, scales = np.asarray(hf[stored][e], np.float32), np.asarray(hf[stored + BLOCK_SCALE][e])
+    block = values.shape[1] // scales.shape[1]
+    if fmt.scale != "bf16" or block != fmt.block:
+        raise ValueError(f"{stored} holds codes under bf16 scales per {block} rows (a requantized "
+                         f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
+                         "checkpoint itself")
+    out_index, in_index, _ = expert_slice(d, name, shards.part("expert_mlp", rank)
+                                          if expert_tp(shards) > 1 else 0, expert_tp(shards))
+    codes = values[np.ix_(out_index, in_index)].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes, scales[np.ix_(out_index, [i // block for i in in_index[::block]])]
 
 
 def gate_up_halves(s: MoE, rows: np.ndarray, half: int) -> np.ndarray:
@@ -189,7 +217,8 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     """The routed experts of the layers under `prefixes` as the kernel holds them: each FP8
     class's fused tensors requantized expert by expert (blocks of input rows, as packing cuts
     them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
-    one, so the reference reads the kernel's values exactly), and per class the error against
+    one, so the reference reads the kernel's values exactly; `scale bf16`: the codes' values,
+    their scales beside them as `BLOCK_SCALE`), and per class the error against
     the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS).
     MXFP4 experts' FP8 codes are exact (`mxfp4_expert` refuses the others): none."""
     if s.checkpoint == "mxfp4":
@@ -201,12 +230,18 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     for prefix in prefixes:
         for cls, fmt in fp8.items():
             name = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
-            held = []
+            held, scales = [], []
             for e in range(d.experts):
-                r = requantize_fp8_blocks(np.asarray(hf[name][e]).astype(np.float32), fmt.block)
+                r = requantize_fp8_blocks(np.asarray(hf[name][e]).astype(np.float32), fmt.block, fmt.scale)
                 totals[cls].add(r)
-                held.append(fp8_block_values(r).astype(np.float32).astype(ml_dtypes.bfloat16))
+                if r.scale == "bf16":       # the codes' values; their scales beside them
+                    held.append(r.codes.view(ml_dtypes.float8_e4m3fn).astype(ml_dtypes.bfloat16))
+                    scales.append(r.scales)
+                else:
+                    held.append(fp8_block_values(r).astype(np.float32).astype(ml_dtypes.bfloat16))
             out[name] = np.stack(held)
+            if scales:
+                out[name + BLOCK_SCALE] = np.stack(scales)
     return out, {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp8.items()}
 
 
