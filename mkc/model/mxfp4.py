@@ -185,21 +185,23 @@ def searched_bf16_scales(blocked: np.ndarray, largest: float, code) -> tuple[np.
     bf16 values from SEARCH_LOW to 1 times the smallest bf16 one holding it, the one whose codes
     (``code``: the ml_dtypes type, rounding to nearest, ties to even, after clipping to
     +-``largest``) are nearest in squared error, the earlier on a tie: the power of two first,
-    so a block it holds exactly stays as it was. An all-zero block takes scale 1."""
+    so a block it holds exactly stays as it was. An all-zero block takes scale 1. Every scale is
+    within E8M0's normal range, 2**-126 .. 2**127 (a TPU flushes a subnormal scale to zero)."""
     top = np.abs(blocked).max(axis=-1)
     safe = np.where(top > 0, top / largest, 1.0)
+    tiny, huge = np.ldexp(1.0, 1 - SCALE_BIAS), np.ldexp(1.0, SCALE_NAN - 1 - SCALE_BIAS)
 
     def under(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         q = np.clip(blocked / s[..., None], -largest, largest).astype(code).astype(np.float64)
         return q, np.sum((q * s[..., None] - blocked) ** 2, axis=-1)
 
-    scales = np.exp2(np.ceil(np.log2(safe)))
-    scales = np.where(scales * largest < top, 2 * scales, scales)
+    power = np.exp2(np.ceil(np.log2(safe)))
+    scales = np.clip(np.where(power * largest < top, 2 * power, power), tiny, huge)
     codes, err = under(scales)
     holding = _holding_bf16(safe)
     for f in np.linspace(SEARCH_LOW, 1.0, SEARCH_STEPS):
         s = _bf16(holding * f)
-        s = np.where(s > 0, s, scales)
+        s = np.where((s >= tiny) & (s <= huge), s, scales)
         q, e = under(s)
         better = e < err
         codes = np.where(better[..., None], q, codes)

@@ -67,6 +67,15 @@ def test_a_block_e8m0_holds_exactly_stays_as_it_was():
     np.testing.assert_array_equal(r.scale_values()[:, 0], np.ldexp(1.0, scales[:, 0].astype(int) - 127))
 
 
+@pytest.mark.parametrize("largest, code", [(6.0, ml_dtypes.float4_e2m1fn), (448.0, ml_dtypes.float8_e4m3fn)])
+def test_a_block_of_tiny_values_keeps_a_normal_scale(largest, code):
+    """Values so small their holding scale would be subnormal (which a TPU flushes to zero) take
+    E8M0's smallest, 2**-126, as E8M0 requantization clips it."""
+    blocked = np.ldexp(np.linspace(-1.0, 1.0, 64), -127).reshape(1, 2, 32)
+    _, scales = mxfp4.searched_bf16_scales(blocked, largest, code)
+    assert np.all(scales >= 2.0 ** -126) and np.all(scales == 2.0 ** -126)
+
+
 def test_fp8_searched_scales_never_worse_and_an_all_zero_block_takes_scale_one():
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((6, 1024)) * np.exp2(rng.integers(-20, 20, (6, 1)))).astype(

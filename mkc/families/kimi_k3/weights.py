@@ -24,7 +24,8 @@ from mkc.layers.expert_formats.weights import (fp8_codes_from_kernel_mxfp4, pack
 from mkc.layers.kda import weights as kda_weights
 from mkc.layers.mla import weights as mla_weights
 from mkc.model.family import FormatError
-from mkc.model.mxfp4 import RequantizationError, Requantized, relative_rms, requantize_blocks
+from mkc.model.mxfp4 import (SCALE_BIAS, RequantizationError, Requantized, relative_rms,
+                             requantize_blocks)
 from mkc.model.sharding import ShardTable
 
 # the layer library's attention kinds (their tensors: `mkc.layers.kda.weights`, `mkc.layers.mla.weights`)
@@ -183,7 +184,8 @@ def _held(hf: Mapping[str, np.ndarray], matrix: str, first: int, width: int, col
         return None
     codes, scales = np.asarray(hf[f"{matrix}.weight_packed"]), np.asarray(hf[f"{matrix}.{BLOCK_SCALE}"])
     block = 2 * codes.shape[1] // scales.shape[1]
-    if fmt.scale != "bf16" or block != fmt.block or (np.asarray(hf[f"{matrix}.weight_scale"]) != 127).any():
+    unit = np.asarray(hf[f"{matrix}.weight_scale"]) == SCALE_BIAS
+    if fmt.scale != "bf16" or block != fmt.block or not unit.all():
         raise ValueError(f"{matrix} holds codes under bf16 scales per {block} rows (a requantized "
                          f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
                          "checkpoint itself")
@@ -254,7 +256,7 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
                 out[p + f"{x}.weight_packed"] = r.codes
                 if r.scale == "bf16":
                     unit = (*r.codes.shape[:-1], 2 * r.codes.shape[-1] // MX_BLOCK)
-                    out[p + f"{x}.weight_scale"] = np.full(unit, 127, np.uint8)
+                    out[p + f"{x}.weight_scale"] = np.full(unit, SCALE_BIAS, np.uint8)
                     out[p + f"{x}.{BLOCK_SCALE}"] = r.scales
                 else:
                     out[p + f"{x}.weight_scale"] = r.scales_per_32()
