@@ -192,9 +192,9 @@ def bench_modelled() -> list[str]:
                     variant.write_text(text)
                     specs.append(variant)
         for path in specs:
-            label = ", ".join(f"{m.group(1)} {m.group(2)}" for m in
-                              re.finditer(r"^  format (\S+) (\S+(?: block \d+)?(?: rounded)?)$",
-                                          path.read_text(), re.M)) or "as checkpointed"
+            # each format line whole (a rounded one's `rounded [scale ...]` included)
+            label = ", ".join(m.group(1) for m in re.finditer(r"^  format (\S+ .+?)\s*$",
+                                                              path.read_text(), re.M)) or "as checkpointed"
             s = compiler.check_spec(path).ir
             rows = [(b, None) for b in (1, 8)] + ([(None, s.verify_rows)] if s.verify_rows else [])
             for batch, verify in rows:

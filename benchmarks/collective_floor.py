@@ -1,8 +1,7 @@
 """How far a spec's blocking collectives are from what any algorithm could do, in the step-time
 model: every collective that compute waits for (not `overlap`), priced as the spec runs it,
 as the best of the all-reduce algorithms over the same rank group (each `direct` /
-`two_level chip|host`, one-shot or scattered, a scatter padded to whole lane tiles where the
-columns do not split into them: padding is not built), and at the latency floor no algorithm
+`two_level chip|host`, one-shot or scattered), and at the latency floor no algorithm
 can beat: one round's latency plus the hops to the farthest member of the group, with its
 bytes free. Then the level of the model's two assumed latencies (`collective_round_s`,
 `ici_hop_s`, both scaled by the fitted `latency_scale`) at which the best algorithms' total
@@ -61,16 +60,6 @@ def blocking_collectives(s: ir.ScheduleIR, batch: int, tokens: int) -> Counter:
     return calls
 
 
-def padded_scatter_rounds(a: ir.AllReduce, stages: tuple[tuple[int, int], ...], batch: int
-                          ) -> tuple[Round, ...]:
-    """The scattered form over `stages` with the columns padded to whole lane tiles a chunk."""
-    size = stages[0][0]
-    chunk = math.ceil(a.width / size / ir.LANES) * ir.LANES * batch
-    wire = ir.DTYPE_BYTES[a.wire_dtype]
-    return (*(Round(n, stride, chunk * wire, (n - 1) * chunk) for n, stride in stages),
-            Round(*stages[0], chunk * ir.DTYPE_BYTES["f32"]))
-
-
 def group_of(stages: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     return math.prod(n for n, _ in stages), stages[0][1]
 
@@ -83,11 +72,12 @@ def alternatives(step, s: ir.ScheduleIR, batch: int) -> list[tuple[str, tuple[Ro
     topo = target.topology(s.chip, tuple(int(x) for x in s.topology.split("=")[1].split("x")))
     out = []
     for alg, stages in algorithm_stages(topo, group_of(a.stages)):
-        one_shot = replace(step, entry=replace(a, stages=stages, scatter_from=None))
-        out.append((alg, one_shot.rounds(batch, s.cores_per_chip)))
-        out.append((f"{alg} scatter" + ("" if a.width % (stages[0][0] * ir.LANES) == 0
-                                         else " (padded)"),
-                    padded_scatter_rounds(a, stages, batch)))
+        for scatter in (None, 1):
+            form = replace(step, entry=replace(a, stages=stages, scatter_from=scatter))
+            padded = form.entry.chunk * stages[0][0] > a.width
+            out.append((alg + (" scatter" if scatter else "") + (" (padded)" if scatter and padded
+                                                                 else ""),
+                        form.rounds(batch, s.cores_per_chip)))
     return out
 
 

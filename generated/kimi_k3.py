@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 4517ed2287c55361
+Input digest (spec, model config, mkc version): efaffdcc6aa01ea8
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
@@ -197,54 +197,56 @@ EMBED_REDUCE = FromRows(rows=8,
                         below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
                                Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
-                                              counter=7, size=8, stride=1),
-                                Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
-                                AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1)))
+                                              counter=5, size=8, stride=1),
+                                Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
+                                AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1)))
 DENSE_DOWN_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
            Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
 )
 KDA_O_PROJ_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
            Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
 )
 MLA_O_PROJ_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
            Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=8, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
 )
-MOE_SHARED_DOWN_REDUCE = (
-    ReduceScatter(buffer='scatter__bf16_8x1__shared_down', staging='send__bf16_8x1__shared_down',
-                  counter=10, size=8, stride=1),
-    Stage(buffer='chunk__bf16_4x8__shared_down', counter=11, size=4, stride=8),
-    AllGather(buffer='sums__f32_8x1__shared_down', counter=12, size=8, stride=1)
-)
+MOE_SHARED_DOWN_REDUCE = (ReduceScatter(buffer='scatter__bf16_8x1__shared_down',
+                                        staging='send__bf16_8x1__shared_down', counter=8, size=8,
+                                        stride=1),
+                          Stage(buffer='chunk__bf16_4x8__shared_down', counter=9, size=4, stride=8),
+                          AllGather(buffer='sums__f32_8x1__shared_down', counter=10, size=8,
+                                    stride=1))
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
            Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(Stage(buffer='recv__bf16_8x1', counter=6, size=8, stride=1),
-            Stage(buffer='recv__bf16_4x8', counter=5, size=4, stride=8))
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
 )
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
 MOE_ROUTER_EXCHANGE = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
-N_COLLECTIVE_COUNTERS = 13
+N_COLLECTIVE_COUNTERS = 11
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -395,7 +397,8 @@ def _layer_moe(k: Kernel, layer):
     shared_out_in_flight.advance()   # spec line 104
     # the pool view staging.experts is free from here
     c.prefetch_view()   # spec line 107: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 106: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 106
     routed_out = lower.latent_norm(c, routed_out)
     shared_out_in_flight.advance()   # spec line 104
     mlp_out = lower.latent_up(c, routed_out)
@@ -491,8 +494,6 @@ SCRATCH_SHAPES = {
     "exchange__router": vmem((2, 2, ROWS, 512), F32),   # collective
     "recv_1to7__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16, rows=(1, 7)),   # collective
     "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16, rows=(1, 7)),   # collective
-    "recv__bf16_4x8": vmem((2, 4, ROWS, 3584), BF16, rows=(8, 8)),   # collective
-    "recv__bf16_8x1": vmem((2, 8, ROWS, 3584), BF16, rows=(8, 8)),   # collective
     "scatter__bf16_8x1": vmem((2, 8, ROWS, 896), BF16, rows=(8, 8)),   # collective
     "send__bf16_8x1": vmem((8, ROWS, 896), BF16, rows=(8, 8)),   # collective
     "chunk__bf16_4x8": vmem((2, 4, ROWS, 896), BF16, rows=(8, 8)),   # collective
@@ -520,10 +521,6 @@ SCRATCH_SHAPES = {
     "recv_1to7__bf16_4x8__recv": dma_sems((2, 4), rows=(1, 7)),
     "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
     "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
-    "recv__bf16_4x8__send": dma_sems((2, 4), rows=(8, 8)),
-    "recv__bf16_4x8__recv": dma_sems((2, 4), rows=(8, 8)),
-    "recv__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
-    "recv__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
     "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "chunk__bf16_4x8__send": dma_sems((2, 4), rows=(8, 8)),

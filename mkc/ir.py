@@ -299,6 +299,14 @@ class KvStream:
         return self.ring or context
 
 
+def scatter_chunk(width: int, size: int) -> int:
+    """Columns of a scattered all-reduce's chunk: `width` over the first group's `size` ranks,
+    rounded up to whole lane tiles (a remote copy moves whole tiles); the columns past `width`
+    travel as zeros, so every sum is the one-shot stages' and the result is cut back to
+    `width`."""
+    return -(-width // (size * LANES)) * LANES
+
+
 @dataclass(frozen=True)
 class AllReduce:
     after_op: str
@@ -334,8 +342,8 @@ class AllReduce:
 
     @property
     def chunk(self) -> int:
-        """Columns of the scattered form's chunk: the width over the first group's size."""
-        return self.width // self.stages[0][0]
+        """Columns of the scattered form's chunk (`scatter_chunk`)."""
+        return scatter_chunk(self.width, self.stages[0][0])
 
     @staticmethod
     def buffer_name(wire: str, size: int, stride: int, span: tuple[int, int] | None = None,

@@ -45,16 +45,16 @@ def qwen_scatter_text(clause: str = "scatter from 2 rows") -> str:
     return text
 
 
-K3_SCATTER = " scatter from 8 rows"     # the shipped K3 spec's clause on its 7168-column all-reduces
+K3_SCATTER = " scatter from 8 rows"     # the shipped K3 spec's clause on its run-at-once all-reduces
 
 
 def k3_scatter_text(clause: str = "scatter from 8 rows") -> str:
     """The shipped K3 spec with `clause` ("": one-shot) after the wire dtype of each all-reduce
-    it scatters from 8 rows (o_proj, down: 7168 columns, chunks of 896 over a host's 8 cores),
-    and the overlapped shared expert's sum run at once with that clause (the routed experts'
-    3584 stay one-shot on a line of their own), lines kept."""
+    it scatters from 8 rows (o_proj, down: 7168 columns, chunks of 896 over a host's 8 cores;
+    the routed experts' 3584, chunks of 448 padded to 512), and the overlapped shared expert's
+    sum run at once with that clause, lines kept."""
     text = K3_SPEC.read_text()
-    assert text.count(K3_SCATTER) == 3 and text.count(K3_SHARED_SUM) == 1
+    assert text.count(K3_SCATTER) == 4 and text.count(K3_SHARED_SUM) == 1
     text = text.replace(K3_SHARED_SUM, K3_SHARED_SUM.replace(" scatter overlap", K3_SCATTER))
     return text.replace(K3_SCATTER, f" {clause}" if clause else "")
 

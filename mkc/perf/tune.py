@@ -340,9 +340,8 @@ def _can_overlap(s: ir.ScheduleIR, kname: str, ops: list[ast.Name]) -> bool:
 def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: list[str],
                      scatters: list[str], s: ir.ScheduleIR) -> list[Knob]:
     """A phase's all-reduces with another algorithm to try: the algorithm (and level) tokens,
-    and the scatter and overlap clauses after the wire dtype (an algorithm whose first group
-    does not split the columns into whole lane tiles is refused by the check, like any invalid
-    candidate; overlap is offered only where ops would compute under it)."""
+    and the scatter and overlap clauses after the wire dtype (a candidate the check refuses is
+    dropped like any other; overlap is offered only where ops would compute under it)."""
     knobs: list[Knob] = []
     for ar in phase.allreduces:
         overlaps = ("", OVERLAP) if _can_overlap(s, kname, ar.ops) else ("",)

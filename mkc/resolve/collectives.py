@@ -77,28 +77,21 @@ def overlap_window(k: ir.KindSchedule, op: str, scopes: list[tuple[str, int, int
 def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllReduce:
     """The vocab-sharded embedding lookup is an exact all-reduce over the vocab group (one rank
     of it holds each row): it reuses the first all-reduce over that group (the first layer's
-    first, on a whole-mesh vocabulary), so it adds no receive buffer; it scatters as that one
-    does where its hidden-wide chunks are whole lane tiles, else its stages run one-shot."""
+    first, on a whole-mesh vocabulary), so it adds no receive buffer, and scatters as that
+    one does."""
     H = s.dims.hidden_size
     vocab_group = s.shards.rule("vocab")
     same_group = [a for k in dict.fromkeys(s.dims.layer_kinds) for a in kinds[k].allreduces
                   if _group_of(a.stages) == vocab_group]
     if not same_group:
         return ir.AllReduce("embed", "direct", "bf16", (vocab_group,), H)
-    embed = replace(same_group[0], after_op="embed", width=H, finish_before=None)
-    return embed if whole_chunks(H, embed.stages[0][0]) else replace(embed, scatter_from=None)
+    return replace(same_group[0], after_op="embed", width=H, finish_before=None)
 
 
 def reduced_width(kind: LayerKind, op: str) -> int:
     """Columns of an op's output (what an all-reduce after it moves)."""
     o = kind.ops[kind.op_names().index(op)]
     return o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
-
-
-def whole_chunks(width: int, size: int) -> bool:
-    """Whether `width` columns split into `size` chunks of whole 128-lane tiles: what
-    `scatter` needs of an all-reduce's columns over its first group."""
-    return width % size == 0 and (width // size) % ir.LANES == 0
 
 
 def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllReduce, B: int,
@@ -180,8 +173,7 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
             stages = _stages(ar, topo, over, n.text)
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
                                            stages, width_of[n.text], ar.span,
-                                           _scatter_from(ar, n.text, stages, width_of[n.text],
-                                                         topo, over, rows_max)))
+                                           _scatter_from(ar, rows_max)))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             # Point at the allreduce line to extend, or the phase to add one to.
@@ -191,10 +183,9 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
     return allreduces
 
 
-def _scatter_from(ar: AllReduce, op: str, stages: tuple[tuple[int, int], ...], width: int,
-                  topo: target.Topology, over: tuple[int, int], rows_max: int) -> int | None:
-    """The rows from which `ar` runs `op`'s all-reduce scattered (None: never): its first
-    group's chunks of the columns must be whole lane tiles, and some kernel must have the rows."""
+def _scatter_from(ar: AllReduce, rows_max: int) -> int | None:
+    """The rows from which `ar` runs scattered (None: never): some kernel must have the
+    rows. Any width scatters: a chunk is padded to whole lane tiles (`ir.scatter_chunk`)."""
     sc = ar.scatter
     if sc is None:
         return None
@@ -208,18 +199,6 @@ def _scatter_from(ar: AllReduce, op: str, stages: tuple[tuple[int, int], ...], w
                    f"many (its widest, of the batch range and verify step, has {rows_max})",
                    sc.span, hint=f"write `scatter from N rows` with N up to {rows_max}, or drop "
                    "`scatter` to keep the one-shot stages")
-    size = stages[0][0]
-    if not whole_chunks(width, size):
-        what = (f"{width} / {size} = {width / size:g} columns" if width % size
-                else f"{width // size} columns")
-        firsts = [(alg, st[0][0]) for alg, st in algorithm_stages(topo, over)
-                  if whole_chunks(width, st[0][0])]
-        raise fail("E-COLLECTIVE", f"scatter splits the {width} columns of {op} over the "
-                   f"{size} ranks of its first group into chunks of {what}, not whole 128-lane tiles",
-                   sc.word.span,
-                   hint="drop `scatter` (one-shot stages)" + "".join(
-                       f", or use `{alg}` (chunks of {width // s} columns)" for alg, s in firsts)
-                   + (f"; or reduce {op} on a line of its own" if len(ar.ops) > 1 else ""))
     return rows
 
 

@@ -10,7 +10,6 @@ from mkc.lang.statements.collectives import AllGather, Exchange, scatter_text, s
 from mkc.model.graph import FamilyGraph
 from mkc.model.sharding import ShardTable
 from mkc.perf.tune import SpecSource
-from mkc.resolve.collectives import algorithm_stages, reduced_width, whole_chunks
 from mkc.retarget.layout import Group, choose_algorithm, partial_classes, spell, split_classes
 
 MIB = 1 << 20
@@ -79,9 +78,7 @@ def shard_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan) -> None:
 def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: FamilyGraph,
                      axis: str) -> None:
     """Each phase's all-reduce algorithms and gather lines under the plan's rules. A line keeps
-    its `scatter` clause where the first group of its algorithm on the new groups still splits
-    every op's columns into whole lane tiles; elsewhere the clause goes (`mkc tune` tries
-    it again)."""
+    its `scatter` and `overlap` clauses (a scatter pads its chunks to whole lane tiles)."""
     table = ShardTable.of(plan.rules, plan.topo.num_cores)
     for phase in sched.phases:
         kind = graph.kinds.get(phase.kind.text)
@@ -92,21 +89,12 @@ def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: Fami
             over = {o.text: table.reduction_group(partial[o.text]) for o in ar.ops if o.text in partial}
             written = f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text
             algorithm = choose_algorithm(written, list(over.values()), plan.topo, plan.by_span)
-            scatter = ar.scatter is not None and all(
-                _scatter_fits(algorithm, reduced_width(kind, op), group, plan.topo)
-                for op, group in over.items())
-            if algorithm != written or (ar.scatter is not None and not scatter):
+            if algorithm != written:
                 ops = ", ".join(o.text for o in ar.ops)
                 ed.replace(ar.span, f"allreduce {ops} {algorithm} wire {ar.wire_dtype.text}"
-                           + (f" {scatter_text(ar.scatter.rows)}" if scatter else "")
+                           + (f" {scatter_text(ar.scatter.rows)}" if ar.scatter else "")
                            + (" overlap" if ar.overlap else ""))
         _gather_edits(ed, phase, split_classes(kind), plan, axis)
-
-
-def _scatter_fits(algorithm: str, width: int, group: Group, topo: target.Topology) -> bool:
-    """Whether `algorithm` over `group` scatters `width` columns in whole lane tiles."""
-    stages = dict(algorithm_stages(topo, group)).get(algorithm)
-    return stages is not None and whole_chunks(width, stages[0][0])
 
 
 def _gather_form(op: str, cls: str, line: AllGather | Exchange, plan: Plan,

@@ -53,6 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mkc.ir import scatter_chunk
+
 F32 = jnp.float32
 
 
@@ -161,7 +163,9 @@ def _send_chunks(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_
     c = counter_ref[counter]
     counter_ref[counter] = c + 1
     par = lax.rem(c, 2)
-    chunk = partial.shape[-1] // size
+    chunk = scatter_chunk(partial.shape[-1], size)
+    if size * chunk > partial.shape[-1]:
+        partial = jnp.pad(partial, ((0, 0), (0, size * chunk - partial.shape[-1])))
     narrow = chunk != recv.shape[-1]    # a narrower payload uses the leading columns
 
     def slot(i):
@@ -197,14 +201,14 @@ def _send_chunks(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_
 
 def reduce_scatter(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_ref,
                    counter: int, axis: str, size: int, stride: int) -> jax.Array:
-    """Member j's chunk j (``width / size`` columns) of the group's f32 sum of ``partial [B,
+    """Member j's chunk j (`scatter_chunk` columns) of the group's f32 sum of ``partial [B,
     width]``, each member's chunk travelling in ``recv.dtype`` and the slots added in group
     order, as `allreduce_stage` adds those columns. ``staging`` is the send staging (module
     docstring)."""
     sent = _send_chunks(partial, recv, staging, send_sem, recv_sem, counter_ref, counter, axis,
                         size, stride)
     sent.land()
-    return _sum_slots(recv, sent.par, size, partial.shape[-1] // size)
+    return _sum_slots(recv, sent.par, size, scatter_chunk(partial.shape[-1], size))
 
 
 def _concat_slots(recv, par, size: int, width: int) -> jax.Array:
@@ -259,7 +263,7 @@ class Stage(_Landing):
 @dataclass(frozen=True)
 class ReduceScatter(_Landing):
     """The scattered form's first stage (`reduce_scatter`): `[B, width]` partials to this
-    member's f32 chunk sum `[B, width / size]`, through receive slots `buffer` (with its
+    member's f32 chunk sum `[B, scatter_chunk(width, size)]`, through receive slots `buffer` (with its
     semaphores and counter, as a `Stage`'s) and send staging `staging`."""
 
     buffer: str
@@ -274,7 +278,8 @@ class ReduceScatter(_Landing):
                             counter_ref, counter, axis, self.size, self.stride)
 
     def finish(self, refs, par: jax.Array, width: int) -> jax.Array:
-        return _sum_slots(getattr(refs, self.buffer), par, self.size, width // self.size)
+        return _sum_slots(getattr(refs, self.buffer), par, self.size,
+                          scatter_chunk(width, self.size))
 
 
 @dataclass(frozen=True)
@@ -323,12 +328,13 @@ def allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...] | Fro
               axis: str) -> jax.Array:
     """All-reduce `partial [B, width]` through its stages, each run in turn (a `FromRows`'
     for B rows); `refs` holds every kernel ref by name (the buffers, their semaphores and
-    `collective_count`)."""
+    `collective_count`). A scattered form's padding columns (`scatter_chunk`) are cut off."""
     if isinstance(stages, FromRows):
         stages = stages.at(partial.shape[0])
+    width = partial.shape[-1]
     for st in stages:
         partial = st.run(refs, partial, axis)
-    return partial
+    return _cut(partial, width)
 
 
 class InFlight:
@@ -338,8 +344,10 @@ class InFlight:
     order as the collective run at once. Its buffers are its own, so no other use of them
     falls between its start and its finish (the parity argument of the module docstring)."""
 
-    def __init__(self, refs, stages: tuple[AllReduceStage, ...], value: jax.Array, axis: str):
+    def __init__(self, refs, stages: tuple[AllReduceStage, ...], value: jax.Array, axis: str,
+                 columns: int | None = None):
         self.refs, self.axis, self.rest = refs, axis, list(stages)
+        self.columns = columns          # an all-reduce's width: its result cut back to it
         self._start(value)
 
     def _start(self, value: jax.Array) -> None:
@@ -359,7 +367,12 @@ class InFlight:
         while self.rest:
             self._start(value)
             value = self._land()
-        return value
+        return value if self.columns is None else _cut(value, self.columns)
+
+
+def _cut(value: jax.Array, width: int) -> jax.Array:
+    """A scattered form's result without its padding columns (`scatter_chunk`)."""
+    return value if value.shape[-1] == width else value[:, :width]
 
 
 def start_allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...] | FromRows,
@@ -367,7 +380,7 @@ def start_allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...]
     """`allreduce` of `partial` started, to finish later (`InFlight`)."""
     if isinstance(stages, FromRows):
         stages = stages.at(partial.shape[0])
-    return InFlight(refs, stages, partial, axis)
+    return InFlight(refs, stages, partial, axis, columns=partial.shape[-1])
 
 
 def start_gather(refs, shard: jax.Array, st: Stage, axis: str) -> InFlight:

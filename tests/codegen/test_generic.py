@@ -100,9 +100,10 @@ def test_scatter_at_every_width_is_the_scattered_stages_alone(tmp_path):
     assert not any(n.startswith("recv") for n in namespace["SCRATCH_SHAPES"])
 
 
-def test_a_one_shot_all_reduce_uses_each_span_of_widths_own_buffers(tmp_path):
-    """K3 with `scatter from 8 rows` on all but the routed experts: theirs stays one-shot,
-    through the 7168-column slots below 8 rows and its own 3584-column ones from 8."""
+def test_an_all_reduce_uses_each_span_of_widths_own_buffers(tmp_path):
+    """K3 with `scatter from 8 rows` on every all-reduce: below 8 rows one-shot through the
+    7168-column slots, from 8 scattered through the scattered form's (the routed experts'
+    3584 columns in chunks padded to 512, within the 896 of the others')."""
     spec = tmp_path / "kimi_k3.sched"
     spec.write_text(k3_scatter_text())
     namespace: dict = {}
@@ -110,6 +111,7 @@ def test_a_one_shot_all_reduce_uses_each_span_of_widths_own_buffers(tmp_path):
     routed = namespace["MOE_ROUTED_EXPERTS_REDUCE"]
     assert isinstance(routed, FromRows) and routed.rows == 8
     assert [st.buffer for st in routed.below] == ["recv_1to7__bf16_8x1", "recv_1to7__bf16_4x8"]
-    assert [st.buffer for st in routed.stages] == ["recv__bf16_8x1", "recv__bf16_4x8"]
+    assert [st.buffer for st in routed.stages] == ["scatter__bf16_8x1", "chunk__bf16_4x8",
+                                                    "sums__f32_8x1"]
     shared = namespace["MOE_SHARED_DOWN_REDUCE"]
     assert shared.below == routed.below and type(shared.stages[0]) is ReduceScatter

@@ -26,12 +26,13 @@ def test_the_clause_sets_the_rows_the_scattered_form_runs_from(k3):
     reduces = _reduces(k3)
     scattered = {key for key, a in reduces.items() if a.scatter_from is not None}
     assert scattered == {("kda", "o_proj"), ("mla", "o_proj"), ("dense", "down"),
-                         ("moe", "shared_down")}
+                         ("moe", "shared_down"), ("moe", "routed_experts")}
     for key in scattered:
         a = reduces[key]
-        assert a.scatter_from == 8 and a.stages == ((8, 1), (4, 8)) and a.chunk == 896
+        assert a.scatter_from == 8 and a.stages == ((8, 1), (4, 8))
         assert not a.scattered(7) and a.scattered(8)
-    assert not reduces["moe", "routed_experts"].scattered(8)
+        # 7168 columns in chunks of 896; the routed experts' 3584 in 448 padded to 512
+        assert a.chunk == (512 if key == ("moe", "routed_experts") else 896)
     # the embedding's reduce follows the first layer's all-reduce over the vocab group
     assert k3.embed_reduce.scatter_from == 8 and k3.embed_reduce.width == 7168
 
@@ -43,10 +44,7 @@ def test_each_form_has_its_own_buffers_in_the_kernels_that_run_it(k3):
         # one-shot stages below 8 rows (every all-reduce there): 7168 columns
         "recv_1to7__bf16_8x1": ((2, 8, 8, 7168), "bf16", (1, 7)),
         "recv_1to7__bf16_4x8": ((2, 4, 8, 7168), "bf16", (1, 7)),
-        # from 8 rows: the routed experts' one-shot stages, 3584 columns
-        "recv__bf16_8x1": ((2, 8, 8, 3584), "bf16", (8, 8)),
-        "recv__bf16_4x8": ((2, 4, 8, 3584), "bf16", (8, 8)),
-        # and the scattered form: chunks of 7168 / 8 columns
+        # from 8 rows the scattered form: chunks of 7168 / 8 columns (the widest)
         "scatter__bf16_8x1": ((2, 8, 8, 896), "bf16", (8, 8)),
         "send__bf16_8x1": ((8, 8, 896), "bf16", (8, 8)),
         "chunk__bf16_4x8": ((2, 4, 8, 896), "bf16", (8, 8)),
@@ -60,9 +58,9 @@ def test_each_form_has_its_own_buffers_in_the_kernels_that_run_it(k3):
 
 def test_scatter_at_every_width_keeps_no_one_shot_form():
     s = _ir(k3_scatter_text("scatter"))
-    assert {a.scatter_from for a in _reduces(s).values()} == {1, None}
+    assert {a.scatter_from for a in _reduces(s).values()} == {1}
     names = {b.name: b.rows for b in s.buffers if b.cls == "collective"}
-    assert names["recv__bf16_8x1"] is None              # the routed experts', at every width
+    assert not any(n.startswith("recv") for n in names)
     assert names["scatter__bf16_8x1"] is None and names["sums__f32_8x1"] is None
 
 

@@ -3,7 +3,9 @@ all-reduce (8, 1) then (2, 8), all-gathers over (16, 1) and (8, 1) and the sibli
 called twice in a row so the buffer parity alternates; and through the named stages
 (`collectives.allreduce`) on random f32 partials with a bf16 wire: the one-shot two-level
 all-reduce, its scattered form (reduce-scatter over (8, 1) into slots wider than the chunk, the
-chunk over (2, 8), the f32 all-gather) and a direct scattered one over (8, 1), each bit-equal
+chunk over (2, 8), the f32 all-gather), the scattered form on columns that do not split into
+whole lane tiles (chunks padded with zeros, the result cut back) and a direct scattered one
+over (8, 1), each bit-equal
 to the rounding emulation (`mkc.reference.rounding.allreduce`, which knows only the one-shot
 stages). The scattered form and an all-gather overlapped (`InFlight`): started, advanced while
 other collectives run, finished; bit-equal to the same run at once, and a mutant that reads its
@@ -47,6 +49,8 @@ BUFFERS = {"ar8": (8, 1, F32), "ar2": (2, 8, F32), "ag16": (16, 1, F32), "ag8": 
 # scattered two-level form's slots are twice its chunk (a payload narrower than its buffer);
 # a reduce-scatter's send staging has no semaphores.
 WIDE = 8 * W                       # the named stages' columns (chunks of W over 8 ranks)
+# columns a scatter over 8 ranks pads: chunks of W, the seventh part-filled, the eighth empty
+PADDED = 6 * W + 88
 NAMED = {"os8": ((2, 8, B, WIDE), BF16, True), "os2": ((2, 2, B, WIDE), BF16, True),
          "rs8": ((2, 8, B, 2 * W), BF16, True), "st8": ((8, B, 2 * W), BF16, False),
          "ch2": ((2, 2, B, 2 * W), BF16, True), "gs8": ((2, 8, B, 2 * W), F32, True),
@@ -82,7 +86,8 @@ class _LandsUnwaited(coll.InFlight):
 OUTPUTS = {f"{name}{n}": (shape, dtype) for n in range(ROUNDS) for name, shape, dtype in
            [("ar", (B, W), F32), ("ag16", (B, 16 * W), F32), ("ag8", (B, 8 * W), BF16),
             ("sib", (B, 2 * W), F32), ("os", (B, WIDE), F32), ("sc", (B, WIDE), F32),
-            ("sd", (B, WIDE), F32), ("ov", (B, WIDE), F32), ("og", (B, 16 * W), F32)]}
+            ("sd", (B, WIDE), F32), ("ov", (B, WIDE), F32), ("og", (B, 16 * W), F32),
+            ("sp", (B, PADDED), F32)]}
 
 
 def _kernel(x_ref, y_ref, *refs, in_flight=coll.InFlight):
@@ -120,6 +125,8 @@ def _kernel(x_ref, y_ref, *refs, in_flight=coll.InFlight):
     for name, stages in (("os", ONE_SHOT), ("sc", SCATTERED), ("sd", SCATTERED_DIRECT)):
         for n in range(ROUNDS):
             outs[f"{name}{n}"][...] = coll.allreduce(named_refs, y_ref[n], stages, AXIS)
+    for n in range(ROUNDS):
+        outs[f"sp{n}"][...] = coll.allreduce(named_refs, y_ref[n, :, :PADDED], SCATTERED, AXIS)
     # Overlapped: both in flight at once, each stage landed after another collective ran.
     for n in range(ROUNDS):
         reduce = in_flight(named_refs, OVERLAPPED, y_ref[n], AXIS)
@@ -181,6 +188,7 @@ def expected(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
         partials = [y[r, n] for r in range(RANKS)]
         two = np.asarray(allreduce(partials, Reduce(((8, 1), (2, 8)), "bf16")))
         want[f"os{n}"] = want[f"sc{n}"] = want[f"ov{n}"] = np.broadcast_to(two, (RANKS, B, WIDE))
+        want[f"sp{n}"] = want[f"os{n}"][..., :PADDED]       # column by column, the same sums
         # a direct all-reduce over each host's 8 ranks: rank r holds its host's sum
         direct = [np.asarray(allreduce(partials[h:h + 8], Reduce(((8, 1),), "bf16")))
                   for h in (0, 8)]
@@ -263,10 +271,11 @@ def test_sibling_exchange_in_core_order(interpreted, rnd):
 
 
 @pytest.mark.parametrize("rnd", range(ROUNDS))
-@pytest.mark.parametrize("form", ["os", "sc", "sd"])
+@pytest.mark.parametrize("form", ["os", "sc", "sd", "sp"])
 def test_named_stages_bit_equal_to_the_rounding_emulation(interpreted, form, rnd):
-    """The one-shot two-level all-reduce, its scattered form and the direct scattered one:
-    every rank's result bit-equal to the emulation of the one-shot stages."""
+    """The one-shot two-level all-reduce, its scattered form (also on padded chunks) and the
+    direct scattered one: every rank's result bit-equal to the emulation of the one-shot
+    stages."""
     assert interpreted["ok"][f"{form}{rnd}"], interpreted
 
 
