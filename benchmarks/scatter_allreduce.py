@@ -1,7 +1,7 @@
 """Kimi K3's all-reduces one-shot against the scattered form (the shipped spec: `scatter from 8
-rows` on every all-reduce whose 7168 columns a host's 8 cores split into whole lane tiles:
-o_proj in kda and mla, down, shared_down; the routed experts' 3584 stay one-shot, chunks of
-448 are not), or another clause in its place, side by side in the step-time model: the step
+rows` on o_proj in kda and mla, down, and the routed experts (3584 columns, chunks of 448
+padded to 512), shared_down's run at once with the same clause), or another clause in its
+place, side by side in the step-time model: the step
 and its collectives at batch 1, batch 8 and the verify step of 8 rows, each collective's time
 by spec line, and the VMEM of the all-reduces' buffers. Modelled, not measured.
 
