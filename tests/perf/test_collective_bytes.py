@@ -74,13 +74,15 @@ def test_k3_gathers_are_priced_as_bf16(k3):
 def test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs(k3, rows):
     """K3's `scatter from 8 rows` (and the overlapped shared-expert sum's `scatter`, at every
     width): where the kernel runs one-shot stages, the whole width to every peer; scattered,
-    the chunk (7168 / 8 columns) to every peer of the host and across hosts in the wire dtype
-    of the buffers the module declares (the overlapped sum's its own), then the chunk sums
+    the chunk (7168 / 8 columns; the routed experts' 3584 / 8 padded to 512) to every peer of
+    the host and across hosts in the wire dtype of the buffers the module declares (the
+    overlapped sum's its own, the others as wide as the widest chunk), then the chunk sums
     gathered over the host in f32; each stage's sums over the chunk."""
     s, module, events = k3
     steps = [t for t in _collectives(events)
              if isinstance(t, AllReduce) and t.entry.scatter_from is not None]
-    assert {st.entry.after_op for st in steps} == {"o_proj", "down", "shared_down", "embed"}
+    assert {st.entry.after_op for st in steps} == {"o_proj", "down", "shared_down", "embed",
+                                                   "routed_experts"}
     for step in steps:
         x = step.entry
         rounds = step.rounds(rows, s.cores_per_chip)
@@ -89,11 +91,12 @@ def test_a_scattering_all_reduce_is_priced_by_the_form_its_kernel_runs(k3, rows)
                 (size, stride, rows * x.width * 2) for size, stride in x.stages]
             continue
         assert rows == BATCH or x.after_op == "shared_down"
-        chunk = x.width // 8
+        chunk = 512 if x.after_op == "routed_experts" else x.width // 8
+        assert x.chunk == chunk
         names = [ir.AllReduce.role_buffer_name(role, wire, *group, x.owner) for role, wire, group
                  in (("scatter", "bf16", (8, 1)), ("chunk", "bf16", (4, 8)), ("sums", "f32", (8, 1)))]
         assert [(r.size, r.stride) for r in rounds] == [(8, 1), (4, 8), (8, 1)]
         for rd, name in zip(rounds, names):
             cols, itemsize = _scratch(module, name)
-            assert cols == chunk and rd.nbytes == rows * chunk * itemsize, (step, name)
+            assert cols == 7168 // 8 and rd.nbytes == rows * chunk * itemsize, (step, name)
         assert [r.sums for r in rounds] == [7 * rows * chunk, 3 * rows * chunk, 0]
