@@ -263,8 +263,8 @@ class Stage(_Landing):
 @dataclass(frozen=True)
 class ReduceScatter(_Landing):
     """The scattered form's first stage (`reduce_scatter`): `[B, width]` partials to this
-    member's f32 chunk sum `[B, scatter_chunk(width, size)]`, through receive slots `buffer` (with its
-    semaphores and counter, as a `Stage`'s) and send staging `staging`."""
+    member's f32 chunk sum `[B, scatter_chunk(width, size)]`, through receive slots `buffer`
+    (with its semaphores and counter, as a `Stage`'s) and send staging `staging`."""
 
     buffer: str
     staging: str
