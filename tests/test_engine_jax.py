@@ -1,7 +1,7 @@
 """Generated modules and mkc.runtime on the serving engine's JAX: vLLM TPU pins jax 0.11.2 and
 libtpu 0.0.48 (tpu-inference 0.32.0), mkc's compiler runs on its own. In a second environment
 built from those pins (`./dev engine-setup`, .venv-engine), a MINI module runs a decode step in
-interpret mode bit-equal to its rounding emulation, and libtpu 0.0.48 compiles a full-size
+interpret mode within the exact bound of its rounding emulation, and libtpu 0.0.48 compiles a full-size
 kernel, a decode and a verify step."""
 import json
 import subprocess
@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import run_python
-from tests_support import ROOT, assert_bit_equal, run_example
+from tests_support import ROOT, assert_within_exact_bound, run_example
 
 ENGINE = {"jax": "0.11.2", "jaxlib": "0.11.2", "libtpu": "0.0.48"}
 
@@ -28,9 +28,14 @@ def engine_python() -> str:
     return python
 
 
+# Within the exact bound, not to the bit: jaxlib 0.11.2's YNNPACK picks its dot kernels by the
+# CPU it finds, whatever the ISA cap (mkc.numerics.pin_cpu_isa). Measured on an AMX Xeon: the
+# MINI Qwen step's recurrent state 5.2e-8 from the emulation, logits to the bit; exact with
+# YNNPACK's dots off, where jax 0.12 is 1.1e-7 off in the logits as well. On jax 0.12 the
+# module is bit-equal (tests/test_interpret_mini.py).
 @pytest.mark.slow
-def test_a_mini_module_runs_bit_equal_on_the_engine_s_jax(engine_python):
-    assert_bit_equal(run_example("examples/run_mini.py", "--steps", "1", "--batch", "2",
+def test_a_mini_module_runs_within_the_exact_bound_on_the_engine_s_jax(engine_python):
+    assert_within_exact_bound(run_example("examples/run_mini.py", "--steps", "1", "--batch", "2",
                                  timeout=900, python=engine_python))
 
 
@@ -57,8 +62,8 @@ def test_the_engine_s_libtpu_compiles_a_full_size_kernel(engine_python):
     ("examples/run_mini.py", ("--spec", "schedules/qwen3_30b_a3b.sched", "--model", "qwen3_moe_mini")),
     ("examples/run_k3_mini.py", ()),
 ], ids=["qwen3_5_moe", "gpt_oss", "llama", "qwen3_moe", "kimi_k3"])
-def test_every_family_runs_bit_equal_on_the_engine_s_jax(engine_python, script, args):
-    assert_bit_equal(run_example(script, *args, "--steps", "2", "--batch", "2",
+def test_every_family_runs_within_the_exact_bound_on_the_engine_s_jax(engine_python, script, args):
+    assert_within_exact_bound(run_example(script, *args, "--steps", "2", "--batch", "2",
                                  timeout=1800, python=engine_python))
 
 
