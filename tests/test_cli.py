@@ -1,3 +1,4 @@
+import codecs
 import json
 import stat
 
@@ -208,3 +209,13 @@ def test_a_reader_closing_the_pipe_ends_it_quietly():
     r = subprocess.run(f"{sys.executable} -m mkc fmt - < {SPEC} | true; echo rc=${{PIPESTATUS[0]}} >&2",
                        shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
     assert "Traceback" not in r.stderr and "rc=141" in r.stderr, r.stderr
+
+
+def test_a_leading_byte_order_mark_is_not_part_of_the_spec(tmp_path, capsys):
+    spec = tmp_path / "bom.sched"
+    spec.write_bytes(codecs.BOM_UTF8 + SPEC.read_bytes())
+    assert main(["check", str(spec)]) == 0
+    spec.write_bytes(codecs.BOM_UTF8 + SPEC.read_bytes().replace(b"tp = 8", b"tp = \xff8"))
+    assert main(["check", str(spec)]) == 1
+    line = next(i for i, t in enumerate(SPEC.read_text().splitlines(), 1) if "tp = 8" in t)
+    assert f"bom.sched:{line}:" in capsys.readouterr().err

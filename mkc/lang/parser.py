@@ -1,6 +1,7 @@
 """Parse .sched text into the typed AST (mkc.lang.ast), with spans and friendly syntax errors."""
 from __future__ import annotations
 
+import codecs
 import difflib
 
 from functools import lru_cache
@@ -267,7 +268,9 @@ def refuse_oversized(size: int, file: str) -> None:
 
 
 def parse_bytes(data: bytes, file: str = "<spec>") -> tuple[ast.Schedule, str]:
-    """Decode UTF-8 (pointing at the first bad byte) and parse; returns the AST and text."""
+    """Decode UTF-8 (pointing at the first bad byte; a leading byte-order mark, which some
+    editors write, is not part of the text) and parse; returns the AST and text."""
+    data = data.removeprefix(codecs.BOM_UTF8)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

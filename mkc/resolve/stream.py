@@ -85,8 +85,7 @@ def _ring_and_stream(sched: ast.Schedule, graph: DecodeGraph) -> tuple[Ring, Str
         if v <= 0 or v % ir.LANES:
             raise fail("E-ALIGN", f"ring tile {what} {v} is not a multiple of {ir.LANES}",
                        ring.span, hint=f"TPU tiles are (16, 128) for bf16 and activations put tile "
-                                       f"rows on lanes: use {max(128, v // 128 * 128)} or "
-                                       f"{(v // 128 + 1) * 128}")
+                                       f"rows on lanes: use {_nearest_multiples(v, ir.LANES)}")
     if ring.slots < 1:
         raise fail("E-STREAM", "a ring needs at least one slot", ring.span, hint="use 2 or more")
     if st.ring.text != ring.name.text:
@@ -205,3 +204,9 @@ def choose_tile(rows: int, cols: int, max_rows: int, max_cols: int,
             if best is None or key < best[0]:
                 best = (key, (r, c))
     return best[1]
+
+
+def _nearest_multiples(v: int, unit: int) -> str:
+    """The positive multiples of ``unit`` either side of ``v``: "128 or 256", or "128" below it."""
+    below = v // unit * unit
+    return f"{below} or {below + unit}" if below > 0 else str(unit)
