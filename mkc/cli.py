@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -127,7 +128,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="a shipped config name (random weights: for MINI configs on a CPU host) or "
                         "an HF checkpoint directory (its weights, and its tokenizer if it has one)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int_in_range(0, 65535), help="port to listen on (default 8000)")
+    p.add_argument("--port", type=int_in_range(0, 65535),
+                   help="port to listen on (default 8000; 0: a free one, named when ready)")
     p.add_argument("--batch", type=int_at_least(1),
                    help="kernel rows, one per in-flight request (default: the spec's largest batch)")
     p.add_argument("--queue", type=int_at_least(0), default=64,
@@ -297,18 +299,27 @@ def _serve(args) -> int:
 
 def _serve_here(args, leader) -> int:
     """Process 0 (or the only one): the engine, its warm-up, then HTTP until interrupted."""
-    from mkc.serve.api import interrupted_by_sigterm, serve
+    from mkc.serve.api import interrupted_by_sigterm, listening_socket, serve
     host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8000
     try:
+        try:
+            sock = listening_socket(host, port)
+        except OSError as e:
+            option = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+            raise MkcError(Diagnostic(
+                "E-SERVE", f"cannot listen on {host}:{port}: {e.strerror or e}", Span.unknown(option),
+                hint="pick another --port (0: any free one), or a --host this machine has "
+                     "(127.0.0.1, 0.0.0.0)")) from None
         with interrupted_by_sigterm():
             served, engine, seconds = _start_engine(args, leader)
     except BaseException as e:
         if leader is not None:
             leader.abort(str(e) or type(e).__name__)     # the other processes stop too
         raise
+    port = sock.getsockname()[1]
     print(f"mkc serve: {served.name} ready at http://{host}:{port} (first step "
           f"{seconds:.1f} s)", file=sys.stderr, flush=True)
-    serve(served, engine, host, port)
+    serve(served, engine, sock)
     if engine.failure is not None:
         print(f"mkc serve: stopped serving: {engine.failure}", file=sys.stderr, flush=True)
         leader.abort(engine.failure)            # the processes still following stop too

@@ -16,6 +16,7 @@ import json
 import math
 import secrets
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -467,17 +468,34 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
     return app
 
 
-def serve(served: Served, engine: Engine, host: str, port: int, log_level: str = "info") -> None:
-    """Run the API with uvicorn until interrupted (SIGINT, SIGTERM) or the engine stops serving
-    (`engine.failure`), the engine's thread beside it."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (port 0: a free one), bound before the model loads
+    so that an address in use or unknown is said at once, not after minutes of compiling.
+    Raises OSError."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(served: Served, engine: Engine, sock: socket.socket, log_level: str = "info") -> None:
+    """Run the API with uvicorn on the bound ``sock`` until interrupted (SIGINT, SIGTERM) or the
+    engine stops serving (`engine.failure`), the engine's thread beside it."""
     import uvicorn
+    host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host=host, port=port,
                                            log_level=log_level))
     engine.on_failure = lambda message: setattr(server, "should_exit", True)
     engine.start()
     try:
         with interrupted_by_sigterm():
-            server.run()
+            server.run(sockets=[sock])
     except KeyboardInterrupt:       # uvicorn re-raises the SIGINT or SIGTERM it shut down on
         pass
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from typing import Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 600        # a MINI model compiles its step in interpret mode: minutes on a busy host
+READY = re.compile(r"ready at (http://\S+) ")     # `mkc serve`'s line once it serves
 
 
 class ServerError(RuntimeError):
@@ -44,23 +46,29 @@ def healthy(url: str) -> bool:
 def running_server(spec: str | Path, model: str, args: Sequence[str] = (), *,
                    env: dict[str, str] | None = None, python: str = sys.executable,
                    startup_seconds: float = STARTUP_SECONDS) -> Iterator[str]:
-    """`mkc serve SPEC --model MODEL *args` on a free port of 127.0.0.1 until the block ends
-    (`env`: the child's environment, default this one's); its URL once /health answers.
-    Raises ServerError when it exits first or is not up after `startup_seconds`."""
-    port = free_port()
+    """`mkc serve SPEC --model MODEL *args` on a free port of 127.0.0.1 (`--port 0`: the server
+    binds one and names it when ready) until the block ends (`env`: the child's environment,
+    default this one's); its URL once /health answers. Raises ServerError when it exits first
+    or is not up after `startup_seconds`."""
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([python, "-m", "mkc", "serve", str(spec), "--model", model,
-                             "--port", str(port), *args],
+                             "--port", "0", *args],
                             cwd=ROOT, env=os.environ if env is None else env,
                             stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()
 
     def tail() -> str:
-        log.seek(0)
-        return log.read()[-3000:]
+        return output()[-3000:]
+
+    def ready_url() -> str | None:
+        m = READY.search(output())
+        return m and m[1]
     deadline = time.monotonic() + startup_seconds
     try:
-        while not healthy(url):
+        while not ((url := ready_url()) and healthy(url)):
             if proc.poll() is not None:
                 raise ServerError(f"mkc serve exited with status {proc.returncode}:\n{tail()}")
             if time.monotonic() > deadline:

@@ -3,6 +3,8 @@ error, 2), never a traceback; each in a fresh process, as the server sets JAX's 
 before JAX starts."""
 from __future__ import annotations
 
+import socket
+
 import pytest
 from conftest import SPEC, run_python
 
@@ -45,6 +47,24 @@ def test_serve_refuses_before_serving(args, status, message):
     assert r.returncode == status, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "{busy}"], "--port:1:1: error[E-SERVE]: cannot listen on 127.0.0.1:{busy}: "
+                           "Address already in use"),
+    (["--host", "no-such-host.invalid"], "--host:1:1: error[E-SERVE]: cannot listen on "
+                                         "no-such-host.invalid:8000:"),
+])
+def test_an_address_it_cannot_listen_on_is_refused_before_the_model_loads(args, message):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        r = run_python(["-m", "mkc", "serve", str(SPEC), "--model", "qwen3_8_mini",
+                        *[a.format(busy=port) for a in args]], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert message.format(busy=port) in r.stderr
+    assert "compiling the step" not in r.stderr and "Traceback" not in r.stderr
 
 
 def test_reference_prefill_is_refused_beside_a_kernel_on_an_accelerator():
