@@ -55,11 +55,50 @@ class _Body(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
 
 
+# Request fields this server does not act on, each with the values that ask for nothing: any
+# other value is refused, since ignoring it would hand the client something else than it asked.
+_NOT_SERVED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
+    "min_tokens": (None, 0)}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_served_fields(extra: dict[str, Any]) -> None:
+    """Refuse (ApiError 400) a request field of `_NOT_SERVED` set to anything but a no-op."""
+    for name, no_op in _NOT_SERVED.items():
+        if name in extra and extra[name] not in no_op:
+            raise ApiError(400, f"{name} is not served: mkc serve generates plain text (greedy or "
+                                "sampled with temperature, top_p, top_k); drop it", name)
+
+
+def check_messages(messages: list[Any]) -> None:
+    """Refuse (ApiError 400) a message that is not an object with a chat role, or content other
+    than a string, null or text parts (an image or audio part would be dropped unseen)."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}] needs a role, one of {', '.join(CHAT_ROLES)}",
+                           "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
+            if kinds - {"text"}:
+                raise ApiError(400, f"messages[{i}] has content parts of type "
+                                    f"{', '.join(sorted(map(str, kinds - {'text'})))}: the model "
+                                    "takes text parts only", "messages")
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           "messages")
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
 class _Sampling(_Body):
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow")   # see check_served_fields
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -229,6 +268,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                                 "chat_template, or chat_template.jinja); use /v1/completions", "messages")
         if not messages:
             raise ApiError(400, "messages is empty: give at least one message", "messages")
+        check_messages(messages)
         try:
             return tokenizer.chat(messages)
         except TokenizerError as e:
@@ -429,6 +469,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
         check_model(body.model)
+        check_served_fields(body.model_extra or {})
         if body.echo:
             raise ApiError(400, "echo is not served yet", "echo")
         return await generate(http, body, prompt_ids(body.prompt), body.max_tokens, body.logprobs,
@@ -437,6 +478,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest):
         check_model(body.model)
+        check_served_fields(body.model_extra or {})
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt = check_ids(chat_ids(body.messages), "messages")

@@ -230,6 +230,40 @@ def test_chat_logprobs_bounds(chat_client, extra, param, message):
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("extra, param, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools is not served"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "response_format is not served"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "frequency_penalty is not served"),
+    ({"logit_bias": {"3": 100}}, "logit_bias", "logit_bias is not served"),
+    ({"messages": [{"role": "wizard", "content": "a"}]}, "messages",
+     "messages[0] needs a role, one of system, developer, user, assistant, tool"),
+    ({"messages": [{"content": "a"}]}, "messages", "messages[0] needs a role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "messages[0] has content parts of type image_url: the model takes text parts only"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages",
+     "messages[0].content must be a string or a list of text parts"),
+])
+def test_chat_fields_it_would_ignore_are_refused(chat_client, extra, param, message):
+    r = chat_client.post("/v1/chat/completions", json={
+        "model": NAME, "max_tokens": 1, "messages": [{"role": "user", "content": "a"}], **extra})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_no_op_values_of_unserved_fields_are_accepted(chat_client, client):
+    r = chat_client.post("/v1/chat/completions", json={
+        "model": NAME, "max_tokens": 1, "tools": [], "tool_choice": "none", "frequency_penalty": 0,
+        "presence_penalty": 0.0, "response_format": {"type": "text"}, "user": "u",
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 1,
+                                             "best_of": 1, "logit_bias": {}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": [1], "best_of": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
 def test_speculative_usage_counts(chat_client, client):
     # the fake's first token after 3 1 3 1 is 3, so prompt lookup drafts 1 3 (what followed
     # the earlier "1 3"), and the fake's next is not 1: drafts proposed and rejected, the text
