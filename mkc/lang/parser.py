@@ -194,6 +194,19 @@ def _copy_without_wait(e: lark.UnexpectedToken, text: str, file: str) -> MkcErro
                 hint=f"write `{written}{example}")
 
 
+def _ended(text: str, file: str, expected: set[str]) -> MkcError:
+    """The diagnostic of a spec that ends before its schedule does (at its end), or of one with
+    nothing but comments and blank lines (at its start)."""
+    lines = source_lines(text) or [""]
+    if all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines):
+        return fail("E-SYNTAX", "the spec is empty: it has no schedule", Span(file, 1, 1, 1, 2),
+                    hint="a spec is one `schedule NAME { ... }` block: start from one in schedules/ "
+                         "(docs/language.md; `mkc grammar` prints the whole grammar)")
+    span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
+    return fail("E-SYNTAX", "the file ends in the middle of a statement", span,
+                hint=f"expected {_expected_words(expected)}; is a '}}' missing?")
+
+
 def parse(text: str, file: str = "<spec>") -> ast.Schedule:
     """Parse a whole .sched source; raise MkcError (never a lark exception) on bad input."""
     refuse_oversized(len(text.encode("utf-8", "replace")), file)
@@ -205,17 +218,11 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
         raise fail("E-SYNTAX", f"unexpected character {char!r}", span,
                    hint=f"expected {_expected_words(set(e.allowed or ()))}") from None
     except lark.UnexpectedEOF as e:
-        lines = source_lines(text) or [""]
-        span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
-        raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
-                   hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
+        raise _ended(text, file, set(e.expected)) from None
     except lark.UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
-            lines = source_lines(text) or [""]
-            span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 1)
-            raise fail("E-SYNTAX", "the file ends in the middle of a statement", span,
-                       hint=f"expected {_expected_words(set(e.expected))}; is a '}}' missing?") from None
+            raise _ended(text, file, set(e.expected)) from None
         span = Span(file, tok.line, tok.column, tok.end_line or tok.line,
                     tok.end_column or tok.column + len(str(tok)))
         if (no_wait := _copy_without_wait(e, text, file)) is not None:
