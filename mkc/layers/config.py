@@ -3,6 +3,7 @@ settings a family refuses, the attention heads a GQA kind reads, and a per-layer
 `layer_types` list."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ def refuse(raw: Mapping, refused: Mapping[str, tuple[Any, str]], defaults: Mappi
     """ConfigError for a setting nothing computes: key -> (the value computed, hint)."""
     for key, (wanted, hint) in refused.items():
         if setting(raw, key, defaults) != wanted:
-            raise ConfigError(f"{key} = {raw[key]!r} is not supported", hint)
+            raise ConfigError(f"{key} = {json.dumps(raw.get(key))} is not supported", hint)
 
 
 def attention_heads(raw: Mapping, hidden_size: int, heads: int, kv_heads: int) -> dict[str, int]:

@@ -111,17 +111,13 @@ def layer_types(raw: Mapping, layers: int) -> list[str]:
 
 def check_settings(raw: Mapping) -> None:
     """ConfigError for settings neither the reference nor (later) the lowering computes."""
-    if setting(raw, "hidden_act") != "silu":
-        raise ConfigError(f"hidden_act = {raw['hidden_act']!r} is not supported",
-                          "GPT-OSS experts apply the clamped SwiGLU of GptOssExperts whatever "
-                          "hidden_act says; the published configs write \"hidden_act\": \"silu\"")
-    if not setting(raw, "attention_bias"):
-        raise ConfigError("attention_bias = false is not supported",
-                          "the gpt-oss checkpoints carry q/k/v/o projection biases: write "
-                          "\"attention_bias\": true or leave the key out")
-    if setting(raw, "tie_word_embeddings"):
-        raise ConfigError("tie_word_embeddings = true is not supported",
-                          "gpt-oss ships its own lm_head.weight: write \"tie_word_embeddings\": false")
+    layer_config.refuse(raw, {
+        "hidden_act": ("silu", "GPT-OSS experts apply the clamped SwiGLU of GptOssExperts whatever "
+                               "hidden_act says; the published configs write \"hidden_act\": \"silu\""),
+        "attention_bias": (True, "the gpt-oss checkpoints carry q/k/v/o projection biases: write "
+                                 "\"attention_bias\": true or leave the key out"),
+        "tie_word_embeddings": (False, "gpt-oss ships its own lm_head.weight: write "
+                                       "\"tie_word_embeddings\": false")}, UPSTREAM_DEFAULTS)
     if "sliding_window" in raw and raw["sliding_window"] is None:
         raise ConfigError("sliding_window is null: upstream then gives its sliding_attention "
                           "layers no window", "give the window in tokens (128 in gpt-oss)")

@@ -71,15 +71,12 @@ def rope(raw: Mapping, head_dim: int) -> tuple[int, float]:
 
 def check_settings(raw: Mapping, defaults: Mapping[str, Any]) -> None:
     """ConfigError for settings neither the lowering nor the reference computes."""
-    if setting(raw, "hidden_act", defaults) != "silu":
-        raise ConfigError(f"hidden_act = {raw['hidden_act']!r} is not supported",
-                          "Qwen3.5 MLPs are SwiGLU: \"hidden_act\": \"silu\"")
-    if setting(raw, "attention_bias", defaults):
-        raise ConfigError("attention_bias = true is not supported (no Qwen3.5 checkpoint uses it)",
-                          "write \"attention_bias\": false or leave the key out")
-    if setting(raw, "tie_word_embeddings", defaults):
-        raise ConfigError("tie_word_embeddings = true is not supported: the kernel streams its own "
-                          "lm_head.weight", "write \"tie_word_embeddings\": false, as Qwen3.5 does")
+    config.refuse(raw, {
+        "hidden_act": ("silu", "Qwen3.5 MLPs are SwiGLU: \"hidden_act\": \"silu\""),
+        "attention_bias": (False, "no Qwen3.5 checkpoint has attention biases: write "
+                                  "\"attention_bias\": false or leave the key out"),
+        "tie_word_embeddings": (False, "the kernel streams its own lm_head.weight: write "
+                                       "\"tie_word_embeddings\": false, as Qwen3.5 does")}, defaults)
 
 
 def attention_fields(raw: Mapping, name: str, defaults: Mapping[str, Any]) -> dict:

@@ -40,7 +40,8 @@ def test_defaults_are_llama_configs_and_head_dim_follows_the_hidden_size():
 
 @pytest.mark.parametrize("edit,words", [
     ({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"), ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"mlp_bias": True}, "mlp_bias"), ({"tie_word_embeddings": True}, "tie_word_embeddings = true "),
+    ({"tie_word_embeddings": "no"}, 'tie_word_embeddings = "no" is not supported'),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"num_key_value_heads": 0}, "multiple of num_key_value_heads"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
