@@ -276,7 +276,8 @@ def host_facts() -> dict[str, object]:
     avx512), December 2026; and AMD EPYC with avx512 (f, bw, dq, vl, vnni, bf16), ISA capped at
     AVX2 (``pin_cpu_isa``), December 2026 (issue 20: the Qwen and Qwen3.5 MoE interpret and
     verify tests, K3 MINI's ``--steps 2 --batch 2`` run, and all three at batch 1: "One row"
-    in the module comment)."""
+    in the module comment); and an Intel Xeon with AMX and AVX512-FP16, ISA capped at AVX2,
+    December 2026 (every exact test of the CI tier)."""
     facts: dict[str, object] = {"machine": platform.machine(), "model": platform.processor(), "isa": [],
                                 "xla_flags": os.environ.get("XLA_FLAGS", "")}
     try:
