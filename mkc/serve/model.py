@@ -266,11 +266,22 @@ class Served:
     replica: bool = False             # each process runs its own copy (CPU, multi-process)
 
 
-def _eos_ids(config: dict) -> frozenset[int]:
+def _eos_ids(config: dict, vocab: int, where: str) -> frozenset[int]:
+    """The config's `eos_token_id` (one id, a list, or none; at its top or in a multimodal
+    config's `text_config`), each a token of the vocabulary; MkcError otherwise (an id outside
+    it would never end a generation)."""
+    from mkc.diagnostics import Diagnostic, MkcError, Span
     eos = config.get("eos_token_id")
-    if eos is None:
-        return frozenset()
-    return frozenset(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    if eos is None and isinstance(config.get("text_config"), dict):
+        eos = config["text_config"].get("eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    bad = [e for e in ids if type(e) is not int or not 0 <= e < vocab]
+    if bad:
+        raise MkcError(Diagnostic(
+            "E-SERVE", f"{where}: eos_token_id {json.dumps(eos)[:60]}: {json.dumps(bad[0])} is not "
+            f"a token id of its vocabulary (0 to {vocab - 1})", Span.unknown("--model"),
+            hint="give eos_token_id as the config's token id (or a list of them), as upstream does"))
+    return frozenset(ids)
 
 
 def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
@@ -293,6 +304,8 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
                                   f"batches {low} to {high}", Span.unknown(spec),
                                   hint=f"pass --batch between {low} and {high}, or change the "
                                        "spec's `batch` line"))
+    eos_token_ids = _eos_ids(gen.HF_CONFIG, gen.DIMS.vocab_size,
+                             str(Path(model) / "config.json") if Path(model).is_dir() else model)
     if tokenizer == "bytes" and gen.DIMS.vocab_size < 256:
         raise MkcError(Diagnostic("E-SERVE", f"--tokenizer bytes needs a vocabulary of at least 256 "
                                   f"token ids; {model}'s has {gen.DIMS.vocab_size}", Span.unknown(spec),
@@ -312,9 +325,8 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
     from jax.experimental.pallas import tpu as pltpu
     if directory is not None:
         from mkc.checkpoint import load_checkpoint
-        config, hf = load_checkpoint(directory)
+        _, hf = load_checkpoint(directory)
     else:
-        config = dict(gen.HF_CONFIG)
         hf = gen.random_weights(seed)
     interpret = None
     if jax.default_backend() == "cpu":
@@ -332,6 +344,6 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
                                      "from one host"))
     weights = gen.place_weights(hf, mesh)
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
-                  tokenizer=tok, eos_token_ids=_eos_ids(config), hf=hf, ir=c.ir,
+                  tokenizer=tok, eos_token_ids=eos_token_ids, hf=hf, ir=c.ir,
                   replica=replica), batch
 

@@ -3,6 +3,7 @@ error, 2), never a traceback; each in a fresh process, as the server sets JAX's 
 before JAX starts."""
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -65,6 +66,22 @@ def test_an_address_it_cannot_listen_on_is_refused_before_the_model_loads(args, 
     assert r.returncode == 1, r.stderr
     assert message.format(busy=port) in r.stderr
     assert "compiling the step" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("eos, message", [
+    (["a"], 'eos_token_id ["a"]: "a" is not a token id of its vocabulary (0 to 2047)'),
+    ([5, 99999], "eos_token_id [5, 99999]: 99999 is not a token id"),
+    (True, "eos_token_id true: true is not a token id"),
+])
+def test_an_eos_token_outside_the_vocabulary_is_refused(tmp_path, eos, message):
+    from mkc.model.config import CONFIG_DIR
+    config = json.loads((CONFIG_DIR / "qwen3_8_mini.json").read_text()) | {"eos_token_id": eos}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = run_python(["-m", "mkc", "serve", str(SPEC), "--model", str(path)], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert f"--model:1:1: error[E-SERVE]: {path}: {message}" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_reference_prefill_is_refused_beside_a_kernel_on_an_accelerator():
