@@ -54,12 +54,18 @@ def write_atomically(path: Path, content: str | bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:         # named by the file asked for, not the temp file's name
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as f:
             f.write(content)
         os.replace(tmp, path)
+    except OSError as e:
+        os.unlink(tmp)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         os.unlink(tmp)
         raise

@@ -219,3 +219,9 @@ def test_a_leading_byte_order_mark_is_not_part_of_the_spec(tmp_path, capsys):
     assert main(["check", str(spec)]) == 1
     line = next(i for i, t in enumerate(SPEC.read_text().splitlines(), 1) if "tp = 8" in t)
     assert f"bom.sched:{line}:" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_is_named_as_given_not_by_its_temp_file(capsys):
+    assert main(["perf", str(SPEC), "--plot", "/proc/mkc_picture.png"]) == 1
+    err = capsys.readouterr().err
+    assert "/proc/mkc_picture.png:1:1: error[E-IO]" in err and ".tmp" not in err
