@@ -305,11 +305,23 @@ def check_spec_and_model(ap, args) -> None:
 
 
 def check_mutant_options(ap, args) -> None:
+    known = {**MUTANTS, **LOWERING_MUTANTS, **RUNTIME_MUTANTS}
+    named = ([args.mutate] if getattr(args, "mutate", None) else []) + \
+        (args.mutants.split(",") if args.mutants else [])
+    if unknown := [n for n in named if n not in known]:
+        ap.error(f"unknown mutants {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
     if args.mutants and (args.verify or not 0 <= args.mutants_from < args.steps):
         ap.error("--mutants run decode steps: no --verify, and --mutants-from below --steps")
     if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
         ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
                  "(a row each and a control row)")
+
+
+def check_batch(ap, gen, batch: int) -> None:
+    """--batch within the batch range the spec builds its kernel for (a usage error otherwise)."""
+    low, high = gen.BATCH_RANGE
+    if not low <= batch <= high:
+        ap.error(f"--batch {batch}: the spec builds its kernel for batches {low} to {high}")
 
 
 def add_interpret_host_option(ap) -> None:

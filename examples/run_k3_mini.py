@@ -51,12 +51,14 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_mutant_options, check_spec_and_model, finish, interpret_host,
+                              check_batch, check_mutant_options, check_spec_and_model,
+                              finish, interpret_host,
                               k3_mini_spec,
                               load_generated, plain_trajectory, rounding_for, step_references,
                               run_kernel, run_mutants, run_verify)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
+from mkc.arguments import int_at_least  # noqa: E402
 from mkc.numerics import host_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=str(ROOT / "schedules" / "kimi_k3.sched"),
                     help="a K3 spec, moved to 16 cores (generated_module.k3_mini_spec)")
-    ap.add_argument("--batch", type=int, default=2, help="rows (sequences) per step")
-    ap.add_argument("--steps", type=int, default=2, help="decode steps to run and judge")
+    ap.add_argument("--batch", type=int_at_least(1), default=2, help="rows (sequences) per step")
+    ap.add_argument("--steps", type=int_at_least(1), default=2, help="decode steps to run and judge")
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
                     help="when interpret mode's DMAs land: at their wait, or as soon as issued")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         assert n == 1, "the spec has no expert slot view"
         spec.write_text(text)
     gen = load_generated(spec, "kimi_k3_mini", args.mutate)
+    check_batch(ap, gen, args.batch)
     rounding = rounding_for(spec, "kimi_k3_mini")
     # The checkpoint as the kernel holds it (itself in the shipped MXFP4; a format that
     # requantizes, `fp4 block N rounded`, rounds the MXFP4 draws' 32-row scales to one per

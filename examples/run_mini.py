@@ -45,12 +45,14 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_mutant_options, check_spec_and_model, finish, interpret_host,
+                              check_batch, check_mutant_options, check_spec_and_model,
+                              finish, interpret_host,
                               load_generated,
                               plain_trajectory, rounding_for, step_references, run_kernel,
                               run_mutants, run_verify)
 
 from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
+from mkc.arguments import int_at_least  # noqa: E402
 from mkc.numerics import host_facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the schedule to compile (default: the shipped Qwen 3.8 27B spec)")
     ap.add_argument("--model", default="qwen3_8_mini", help="a shipped MINI config (random weights)")
     ap.add_argument("--checkpoint", help="HF-format checkpoint dir (instead of --model)")
-    ap.add_argument("--batch", type=int, default=2, help="rows (sequences) per step")
-    ap.add_argument("--steps", type=int, default=3, help="decode steps to run and judge")
+    ap.add_argument("--batch", type=int_at_least(1), default=2, help="rows (sequences) per step")
+    ap.add_argument("--steps", type=int_at_least(1), default=3, help="decode steps to run and judge")
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
                     help="when interpret mode's DMAs land: at their wait, or as soon as issued")
     ap.add_argument("--races", action="store_true", help="detect_races with vector_clock_size=64")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict-emulation", action="store_true", help="same as --emulation-check exact")
     ap.add_argument("--verify", action="store_true",
                     help="one verify step of --steps rows per sequence instead of decode steps")
-    ap.add_argument("--first-position", type=int,
+    ap.add_argument("--first-position", type=int_at_least(0),
                     help="row 0's position (rows b > 0: + 131 b); default 136, 141 with --verify")
     add_mutant_options(ap)
     add_interpret_host_option(ap)
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = reference.init_params(cfg, seed=0)
     spec = Path(args.spec)
     gen = load_generated(spec, model, args.mutate)
+    check_batch(ap, gen, args.batch)
     rounding = rounding_for(spec, model)
 
     B = args.batch

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (add_interpret_host_option, check_spec_and_model, interpret_host,  # noqa: E402
                               load_generated, rounding_for)
 
+from mkc.arguments import int_at_least  # noqa: E402
 from mkc.checkpoint import family_of  # noqa: E402
 from mkc.serve.drafting import DraftModel, prompt_lookup  # noqa: E402
 
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3_8_mini", help="a shipped MINI config (random weights)")
     ap.add_argument("--prompt", default="5,17,99,5,17,42,5,17",
                     help="comma-separated prompt token ids")
-    ap.add_argument("--tokens", type=int, default=12, help="tokens to generate")
-    ap.add_argument("--rows", type=int, help="rows per verify step (default: the spec's verify width)")
+    ap.add_argument("--tokens", type=int_at_least(1), default=12, help="tokens to generate")
+    ap.add_argument("--rows", type=int_at_least(1),
+                    help="rows per verify step (default: the spec's verify width)")
     ap.add_argument("--mode", choices=("on_wait", "eager"), default="on_wait",
                     help="when interpret mode's DMAs land: at their wait, or as soon as issued")
     ap.add_argument("--drafter", choices=("model", "lookup", "oracle"), default="model",
@@ -157,7 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.spec} declares no verify step: add `verify R` to it", file=sys.stderr)
         return 2
     rows = args.rows or gen.VERIFY_ROWS
-    prompt = [int(t) for t in args.prompt.split(",")]
+    if rows > gen.VERIFY_ROWS:
+        ap.error(f"--rows {rows}: the spec's verify step takes at most {gen.VERIFY_ROWS}")
+    try:
+        prompt = [int(t) for t in args.prompt.split(",")]
+    except ValueError:
+        ap.error(f"--prompt {args.prompt!r}: expected comma-separated token ids, e.g. 5,17,99")
+    if bad := [t for t in prompt if not 0 <= t < cfg.vocab_size]:
+        ap.error(f"--prompt: token ids {bad[:5]} are outside the vocabulary (0 to {cfg.vocab_size - 1})")
+    if len(prompt) + args.tokens > gen.CONTEXT:
+        ap.error(f"--prompt and --tokens: {len(prompt)} + {args.tokens} tokens pass the context "
+                 f"of {gen.CONTEXT}")
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
     weights = gen.place_weights(hf, mesh)
 

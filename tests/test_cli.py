@@ -147,8 +147,15 @@ def test_perf_and_tune_on_a_generation_without_step_time_constants(cmd, capsys, 
     (["examples/run_mini.py", "--model", "typo"], "--model typo: not a shipped config; choose one of"),
     (["examples/run_k3_mini.py", "--spec", "nope.sched"], "--spec nope.sched: no such file"),
     (["examples/speculative.py", "--model", "typo"], "qwen3_8_mini"),
+    (["examples/run_mini.py", "--batch", "0"], "argument --batch: expected an integer of at least 1"),
+    (["examples/run_mini.py", "--batch", "99"], "--batch 99: the spec builds its kernel for batches 1 to 8"),
+    (["examples/run_mini.py", "--steps", "0"], "argument --steps: expected an integer of at least 1"),
+    (["examples/run_mini.py", "--mutate", "typo.op"], "unknown mutants typo.op: choose from"),
+    (["examples/run_k3_mini.py", "--mutants", "moe.expert,typo"], "unknown mutants typo: choose from"),
+    (["examples/speculative.py", "--prompt", "1,x"], "--prompt '1,x': expected comma-separated token ids"),
+    (["examples/speculative.py", "--rows", "99"], "--rows 99: the spec's verify step takes at most 8"),
 ])
-def test_the_runners_refuse_a_missing_spec_or_unknown_model_with_a_usage_error(args, says):
+def test_the_runners_refuse_bad_arguments_with_a_usage_error(args, says):
     r = run_python(args, timeout=300)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
