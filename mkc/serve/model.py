@@ -284,6 +284,20 @@ def _eos_ids(config: dict, vocab: int, where: str) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _check_context(config: dict, context: int, where: str) -> None:
+    """MkcError where the spec's context runs past the config's `max_position_embeddings` (at
+    its top or in `text_config`): positions the model was never trained at, which would be
+    served as though it had been (vLLM refuses such a max_model_len too)."""
+    from mkc.diagnostics import Diagnostic, MkcError, Span
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    longest = config.get("max_position_embeddings", text.get("max_position_embeddings"))
+    if type(longest) is int and 0 < longest < context:
+        raise MkcError(Diagnostic(
+            "E-SERVE", f"the spec's context of {context} tokens runs past {where}'s "
+            f"max_position_embeddings ({longest})", Span.unknown("--model"),
+            hint=f"serve a spec with `context {longest}` or less, or a model trained that long"))
+
+
 def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
                 tokenizer: str | None = None) -> tuple[Served, int]:
     """Compile `spec` for `model` (a shipped config name, a config.json, or a checkpoint
@@ -304,8 +318,9 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
                                   f"batches {low} to {high}", Span.unknown(spec),
                                   hint=f"pass --batch between {low} and {high}, or change the "
                                        "spec's `batch` line"))
-    eos_token_ids = _eos_ids(gen.HF_CONFIG, gen.DIMS.vocab_size,
-                             str(Path(model) / "config.json") if Path(model).is_dir() else model)
+    where = str(Path(model) / "config.json") if Path(model).is_dir() else model
+    eos_token_ids = _eos_ids(gen.HF_CONFIG, gen.DIMS.vocab_size, where)
+    _check_context(gen.HF_CONFIG, gen.CONTEXT, where)
     if tokenizer == "bytes" and gen.DIMS.vocab_size < 256:
         raise MkcError(Diagnostic("E-SERVE", f"--tokenizer bytes needs a vocabulary of at least 256 "
                                   f"token ids; {model}'s has {gen.DIMS.vocab_size}", Span.unknown(spec),

@@ -84,6 +84,17 @@ def test_an_eos_token_outside_the_vocabulary_is_refused(tmp_path, eos, message):
     assert "Traceback" not in r.stderr
 
 
+def test_a_context_past_the_model_s_positions_is_refused(tmp_path):
+    from mkc.model.config import CONFIG_DIR
+    config = json.loads((CONFIG_DIR / "qwen3_8_mini.json").read_text()) | {"max_position_embeddings": 2048}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = run_python(["-m", "mkc", "serve", str(SPEC), "--model", str(path)], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert (f"--model:1:1: error[E-SERVE]: the spec's context of 4096 tokens runs past {path}'s "
+            "max_position_embeddings (2048)") in r.stderr and "Traceback" not in r.stderr
+
+
 def test_reference_prefill_is_refused_beside_a_kernel_on_an_accelerator():
     # no accelerator here: the child takes JAX's backend for one, after the devices are set
     code = ("import sys, jax; jax.default_backend = lambda: 'tpu'; from mkc.cli import main; "
