@@ -266,14 +266,18 @@ class Served:
     replica: bool = False             # each process runs its own copy (CPU, multi-process)
 
 
+def _text_setting(config: dict, key: str) -> Any:
+    """A config value at its top or, for a multimodal config, in its `text_config`."""
+    text = config.get("text_config")
+    return config.get(key, text.get(key) if isinstance(text, dict) else None)
+
+
 def _eos_ids(config: dict, vocab: int, where: str) -> frozenset[int]:
     """The config's `eos_token_id` (one id, a list, or none; at its top or in a multimodal
     config's `text_config`), each a token of the vocabulary; MkcError otherwise (an id outside
     it would never end a generation)."""
     from mkc.diagnostics import Diagnostic, MkcError, Span
-    eos = config.get("eos_token_id")
-    if eos is None and isinstance(config.get("text_config"), dict):
-        eos = config["text_config"].get("eos_token_id")
+    eos = _text_setting(config, "eos_token_id")
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     bad = [e for e in ids if type(e) is not int or not 0 <= e < vocab]
     if bad:
@@ -289,8 +293,7 @@ def _check_context(config: dict, context: int, where: str) -> None:
     its top or in `text_config`): positions the model was never trained at, which would be
     served as though it had been (vLLM refuses such a max_model_len too)."""
     from mkc.diagnostics import Diagnostic, MkcError, Span
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    longest = config.get("max_position_embeddings", text.get("max_position_embeddings"))
+    longest = _text_setting(config, "max_position_embeddings")
     if type(longest) is int and 0 < longest < context:
         raise MkcError(Diagnostic(
             "E-SERVE", f"the spec's context of {context} tokens runs past {where}'s "
