@@ -74,6 +74,16 @@ def check_served_fields(extra: dict[str, Any]) -> None:
                                 "sampled with temperature, top_p, top_k); drop it", name)
 
 
+def stop_strings(body: "_Sampling") -> list[str]:
+    """The request's stop strings (`stop`: one or a list); an empty one, which would match
+    before the first token, is refused (ApiError 400)."""
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if "" in stops:
+        raise ApiError(400, "an empty stop string would end every completion before its first "
+                            "token: drop it", "stop")
+    return stops
+
+
 def check_messages(messages: list[Any]) -> None:
     """Refuse (ApiError 400) a message that is not an object with a chat role, or content other
     than a string, null or text parts (an image or audio part would be dropped unseen)."""
@@ -102,7 +112,7 @@ class _Sampling(_Body):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1)     # -1 or 0: every token (vLLM's convention)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -311,9 +321,11 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
             raise ApiError(400, f"max_tokens = {max_tokens} with a prompt of {len(prompt)} "
                                 f"tokens passes the context of {engine.context}: at most {room}",
                            "max_tokens")
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if stops:
+        if stop_strings(body):
             need_tokenizer("a stop string")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options applies to a streamed response: add \"stream\": "
+                                "true or drop it", "stream_options")
         stop_ids = set(body.stop_token_ids or [])
         if not body.ignore_eos:
             stop_ids |= served.eos_token_ids
@@ -367,7 +379,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
     async def generate(http: HttpRequest, body: _Sampling, prompt: list[int], max_tokens: int | None,
                        logprobs: int | None, chat: bool):
         sampling = sampling_of(body, prompt, max_tokens, logprobs)
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stops = stop_strings(body)
         req = submit(prompt, sampling)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"

@@ -251,6 +251,22 @@ def test_chat_fields_it_would_ignore_are_refused(chat_client, extra, param, mess
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("extra, param, message", [
+    ({"stop": ""}, "stop", "an empty stop string would end every completion"),
+    ({"stop": ["b", ""]}, "stop", "an empty stop string would end every completion"),
+    ({"top_k": -2}, "top_k", "top_k: Input should be greater than or equal to -1"),
+    ({"stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options applies to a streamed response"),
+])
+def test_sampling_fields_that_cannot_mean_anything_are_refused(chat_client, extra, param, message):
+    r = chat_client.post("/v1/completions", json={"model": NAME, "prompt": "ab", "max_tokens": 2, **extra})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param
+    off = chat_client.post("/v1/completions", json={"model": NAME, "prompt": "ab", "max_tokens": 2,
+                                                    "top_k": -1})
+    assert off.status_code == 200, off.text
+
+
 def test_no_op_values_of_unserved_fields_are_accepted(chat_client, client):
     r = chat_client.post("/v1/chat/completions", json={
         "model": NAME, "max_tokens": 1, "tools": [], "tool_choice": "none", "frequency_penalty": 0,
