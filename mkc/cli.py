@@ -317,7 +317,8 @@ def _serve_here(args, leader) -> int:
             leader.abort(str(e) or type(e).__name__)     # the other processes stop too
         raise
     port = sock.getsockname()[1]
-    print(f"mkc serve: {served.name} ready at http://{host}:{port} (first step "
+    shown = f"[{host}]" if ":" in host else host        # an IPv6 address in a URL
+    print(f"mkc serve: {served.name} ready at http://{shown}:{port} (first step "
           f"{seconds:.1f} s)", file=sys.stderr, flush=True)
     serve(served, engine, sock)
     if engine.failure is not None:
