@@ -306,7 +306,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         return check_ids(list(prompt), "prompt")
 
     def sampling_of(body: _Sampling, prompt: list[int], max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None) -> tuple[SamplingParams, list[str]]:
+        """The request's sampling and its stop strings, or the ApiError of what does not fit."""
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: one choice per request is served (send n "
                                 "requests)", "n")
@@ -321,7 +322,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
             raise ApiError(400, f"max_tokens = {max_tokens} with a prompt of {len(prompt)} "
                                 f"tokens passes the context of {engine.context}: at most {room}",
                            "max_tokens")
-        if stop_strings(body):
+        stops = stop_strings(body)
+        if stops:
             need_tokenizer("a stop string")
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options applies to a streamed response: add \"stream\": "
@@ -334,7 +336,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                               seed=seed % (1 << 31), stop_token_ids=frozenset(stop_ids),
-                              logprobs=logprobs)
+                              logprobs=logprobs), stops
 
     def submit(prompt: list[int], sampling: SamplingParams) -> Request:
         req = Request(prompt=prompt, sampling=sampling, loop=asyncio.get_running_loop())
@@ -378,8 +380,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
     async def generate(http: HttpRequest, body: _Sampling, prompt: list[int], max_tokens: int | None,
                        logprobs: int | None, chat: bool):
-        sampling = sampling_of(body, prompt, max_tokens, logprobs)
-        stops = stop_strings(body)
+        sampling, stops = sampling_of(body, prompt, max_tokens, logprobs)
         req = submit(prompt, sampling)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
