@@ -37,7 +37,7 @@ def engine_python() -> str:
 @pytest.mark.slow
 def test_a_mini_module_runs_within_the_exact_bound_on_the_engine_s_jax(engine_python):
     assert_within_exact_bound(run_example("examples/run_mini.py", "--steps", "1", "--batch", "2",
-                                 timeout=900, python=engine_python))
+                                          timeout=900, python=engine_python))
 
 
 @pytest.mark.slow
@@ -74,7 +74,7 @@ _YNN_ON_AMX = pytest.mark.xfail("amx_bf16" in host_facts()["isa"], strict=False,
 ], ids=["qwen3_5_moe", "gpt_oss", "llama", "qwen3_moe", "kimi_k3"])
 def test_every_family_runs_within_the_exact_bound_on_the_engine_s_jax(engine_python, script, args):
     assert_within_exact_bound(run_example(script, *args, "--steps", "2", "--batch", "2",
-                                 timeout=1800, python=engine_python))
+                                          timeout=1800, python=engine_python))
 
 
 @pytest.mark.extended
