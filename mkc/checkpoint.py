@@ -33,7 +33,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from mkc.model import registry
+from mkc.model import fp8_blocks, registry
 from mkc.model.config import MAX_CONFIG_BYTES, read_json
 from mkc.model.family import ExpertLayout, Family, stored_dtypes
 
@@ -249,14 +249,15 @@ class StoredTensor:
     full-size checkpoint is never held in memory at once (``load_checkpoint(lazy=True)``).
     ``part``: the tensor is that index of the stored one (one expert's rows of a fused tensor).
     Every read is checked (`_checked`): values enter mkc only through here.
-    ``e8m0``: its uint8 values are E8M0 scales (``Family.e8m0_suffixes``), 255 being NaN."""
+    ``e8m0``: its uint8 values are E8M0 scales (``Family.e8m0_suffixes``), 255 being NaN.
+    ``block_scale``: its values are an FP8 checkpoint's f32 block scales (`_scale_inv`)."""
 
-    __slots__ = ("file", "name", "shape", "dtype", "part", "e8m0")
+    __slots__ = ("file", "name", "shape", "dtype", "part", "e8m0", "block_scale")
 
     def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
-                 part: tuple | None = None, e8m0: bool = False):
+                 part: tuple | None = None, e8m0: bool = False, block_scale: bool = False):
         self.file, self.name, self.shape, self.dtype = file, name, shape, np.dtype(dtype)
-        self.part, self.e8m0 = part, e8m0
+        self.part, self.e8m0, self.block_scale = part, e8m0, block_scale
 
     @property
     def ndim(self) -> int:
@@ -276,13 +277,15 @@ class StoredTensor:
     def _checked(self, a: np.ndarray, region: tuple | None) -> np.ndarray:
         """`a` (the stored tensor's `region`), or CheckpointError naming the tensor and the
         first bad value's index: a non-finite float, or an E8M0 scale of 255 (NaN), is never
-        a weight a model can serve."""
+        a weight a model can serve; nor a scale outside its format's range (`_scale_problem`)."""
         if self.e8m0 and a.dtype == np.uint8:
             bad, what = a == 255, "E8M0 scale(s) of 255 (NaN)"
         elif a.dtype != np.uint8:
             bad, what = ~np.isfinite(a), "non-finite value(s)"
         else:
             return a
+        if not bad.any() and (self.e8m0 or self.block_scale):
+            bad, what = self._scale_problem(a)
         if not bad.any():
             return a
         first = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -291,6 +294,19 @@ class StoredTensor:
             f"{self.file}: tensor {self.name} holds {int(bad.sum())} {what}, the first{value} "
             f"at index {list(_absolute(region, first))}",
             hint="a non-finite weight cannot be served: " + _FIX_FILES)
+
+    def _scale_problem(self, a: np.ndarray) -> tuple[np.ndarray, str]:
+        """Where scales `a` leave their format's range, and what that range is: an E8M0 scale
+        past `mxfp4.SCALE_LARGEST` overflows its block's values; an FP8 block scale must be
+        an f32 normal no larger than keeps the largest code finite (`fp8_blocks.SCALE_MIN`,
+        `SCALE_MAX`): 0, a negative or a subnormal scale scales no block."""
+        if self.e8m0:
+            from mkc.model.mxfp4 import SCALE_LARGEST
+            return a > SCALE_LARGEST, (f"E8M0 scale(s) above {SCALE_LARGEST} (2**{SCALE_LARGEST - 127}: "
+                                       "its block's values overflow bf16)")
+        lo, hi = fp8_blocks.SCALE_MIN, fp8_blocks.SCALE_MAX
+        return ~((a >= lo) & (a <= hi)), (f"block scale(s) outside {lo:.4g} to {hi:.4g} (an f32 "
+                                          "normal that keeps e4m3's largest code finite)")
 
     def verify(self, open_file: _OpenFiles) -> None:
         """Read (and so check) every value, at most `_VERIFY_CHUNK_BYTES` at a time."""
@@ -478,7 +494,8 @@ def _read_headers(root: Path, family: Family, expected: dict, layers: int) -> _H
                     view = f.get_slice(stored_name)
                     shape, code = tuple(view.get_shape()), view.get_dtype()
                     tensor = StoredTensor(file, stored_name, shape, _NUMPY_DTYPES.get(code, np.uint8),
-                                          e8m0=name.endswith(family.e8m0_suffixes))
+                                          e8m0=name.endswith(family.e8m0_suffixes),
+                                          block_scale=name.endswith(fp8_blocks.SCALE_SUFFIX))
                     if name in expected:
                         _locate(headers, root, name, tensor, code, expected[name])
                     elif (other := _other_layout(family, name, expected)) is not None:
@@ -500,12 +517,16 @@ def _locate(headers: _Headers, root: Path, name: str, tensor: StoredTensor, code
     headers.sources[name] = tensor
     if tensor.shape != want[0]:
         headers.problems.append(f"{name}: shape {list(tensor.shape)}, expected {list(want[0])}")
-    if (problem := _dtype_problem(code, want[1])) is not None:
+    if (problem := _dtype_problem(code, want[1], name)) is not None:
         headers.problems.append(f"{name}: {problem}")
 
 
-def _dtype_problem(code: str, table_dtype: str) -> str | None:
-    accepted = stored_dtypes(table_dtype)
+def _dtype_problem(code: str, table_dtype: str, name: str) -> str | None:
+    """What is wrong with stored dtype `code` for tensor `name` the table types `table_dtype`:
+    a float table entry takes any float but an FP8 block scale, which only as its format stores
+    it (`fp8_blocks.SCALE_DTYPE`: a bf16 scale is not the published checkpoint's)."""
+    accepted = (frozenset({fp8_blocks.SCALE_DTYPE}) if name.endswith(fp8_blocks.SCALE_SUFFIX)
+                else stored_dtypes(table_dtype))
     if _DTYPE_NAMES.get(code) in accepted:
         return None
     codes = sorted(c for c, d in _DTYPE_NAMES.items() if d in accepted)
@@ -569,7 +590,7 @@ def _stack(headers: _Headers, fused: str, pieces: list, want: tuple) -> None:
         if tensor.shape != part_shape:
             problems.append(f"{tensor.name}: shape {list(tensor.shape)}, expected {list(part_shape)} "
                             f"(expert {e} of {fused} {list(want[0])})")
-        if (problem := _dtype_problem(code, want[1])) is not None:
+        if (problem := _dtype_problem(code, want[1], fused)) is not None:
             problems.append(f"{tensor.name}: {problem}")
     if len({t.dtype for t in grid.values()}) > 1:
         problems.append(f"{fused}: its per-expert tensors mix dtypes "
@@ -607,14 +628,14 @@ def _split(headers: _Headers, fused: str, pieces: list, expected: dict) -> None:
     elif tensor.shape != want:
         headers.problems.append(f"{tensor.name}: shape {list(tensor.shape)}, expected {list(want)} "
                                 f"(the fused form of {count} experts' {', '.join(layout.parts)})")
-    elif (problem := _dtype_problem(code, table_dtype)) is not None:
+    elif (problem := _dtype_problem(code, table_dtype, names[0][0])) is not None:
         headers.problems.append(f"{tensor.name}: {problem}")
     else:
         for e, per_expert in enumerate(names):
             for p, name in enumerate(per_expert):
                 headers.sources[name] = StoredTensor(tensor.file, tensor.name, part_shape, tensor.dtype,
                                                      part=(e, slice(p * rows, (p + 1) * rows)),
-                                                     e8m0=tensor.e8m0)
+                                                     e8m0=tensor.e8m0, block_scale=tensor.block_scale)
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],

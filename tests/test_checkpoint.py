@@ -509,3 +509,77 @@ def test_a_deepseek_v3_checkpoint_skips_its_mtp_layer_past_the_decoders_layers(t
     save_checkpoint(tmp_path / "stray", config, {**params, stray: params[last + "mlp.gate.weight"]})
     with pytest.raises(CheckpointError, match=rf"1 unexpected tensor\(s\): {stray}"):
         load_checkpoint(tmp_path / "stray")
+
+
+@pytest.fixture(scope="module")
+def fp8_mini() -> tuple[dict, dict]:
+    """DeepSeek-V3's MINI FP8 checkpoint: (config, params with f32 `weight_scale_inv`s)."""
+    from mkc.families.deepseek_v3 import reference as dsv3
+    config = json.loads((ROOT / "mkc/model/configs/deepseek_v3_mini_fp8.json").read_text())
+    return config, dsv3.init_params(dsv3.load_config(config), seed=0)
+
+
+@pytest.mark.parametrize("value", [3e38, -1.0, 0.0, 1e-45])
+def test_an_fp8_block_scale_outside_its_range_is_refused_naming_the_tensor(
+        tmp_path: Path, fp8_mini: tuple, value: float, capsys) -> None:
+    """A scale of 3e38 put 16,235 infinities into its dequantized weight; 0, -1 and a
+    subnormal scale no block: each is refused where the scale is read (the eager and lazy
+    loads, `mkc check --model DIR` at the `model` line), naming the tensor and the index
+    (they loaded silently)."""
+    from tests_support import ROOT as ROOT_
+    config, params = fp8_mini
+    name = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    bad = params[name].copy()
+    bad[0, 1] = value
+    save_checkpoint(tmp_path, config, {**params, name: bad})
+    want = (rf"tensor {re.escape(name)} holds 1 block scale\(s\) outside 1.175e-38 to 7.566e\+35 "
+            r".*at index \[0, 1\]")
+    with pytest.raises(CheckpointError, match=want):
+        load_checkpoint(tmp_path)
+    _, lazy = load_checkpoint(tmp_path, lazy=True)
+    with pytest.raises(CheckpointError, match=want):
+        np.asarray(lazy[name])
+    if value == 3e38:                        # one CLI run: the same check, located
+        spec = ROOT_ / "schedules" / "deepseek_v3.sched"
+        d = _cli_diagnostic(["check", str(spec), "--model", str(tmp_path)], capsys)
+        assert d["code"] == "E-CHECKPOINT" and re.search(want, d["message"]), d
+        assert (d["file"], d["line"]) == (str(spec), _line_of(spec, "model"))
+
+
+def test_an_expert_block_scale_stored_per_expert_is_checked_too(tmp_path: Path, fp8_mini: tuple) -> None:
+    config, params = fp8_mini
+    fused = "model.layers.1.mlp.experts.down_proj_scale_inv"
+    bad = params[fused].copy()
+    bad[3, 0, 0] = 0.0
+    save_checkpoint(tmp_path, config, _published_layout({**params, fused: bad}, bad.shape[0]))
+    with pytest.raises(CheckpointError, match=r"mlp\.experts\.3\.down_proj\.weight_scale_inv holds 1 "
+                                              r"block scale\(s\) outside .* at index \[0, 0\]"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("dtype, code", [(np.float16, "F16"), (ml_dtypes.bfloat16, "BF16")])
+def test_an_fp8_block_scale_must_be_stored_as_f32(tmp_path: Path, fp8_mini: tuple, dtype, code) -> None:
+    """DeepSeek-V3's `weight_scale_inv` is F32; an F16 or BF16 one (another rounding of the
+    scales) is refused from the header, as a wrong dtype (it loaded silently)."""
+    config, params = fp8_mini
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    save_checkpoint(tmp_path, config, {**params, name: params[name].astype(dtype)})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: dtype {code}, expected F32"):
+        load_checkpoint(tmp_path, lazy=True)
+
+
+@pytest.mark.parametrize("scale", [253, 254])
+def test_an_e8m0_scale_that_overflows_its_block_is_refused(tmp_path: Path, scale: int) -> None:
+    """GPT-OSS's MXFP4 experts: an E8M0 scale of 253 or 254 puts e2m1's 6 past bf16's range
+    (255, NaN, was refused already)."""
+    from mkc.families.gpt_oss import reference as gpt
+    config = json.loads((ROOT / "mkc/model/configs/gpt_oss_mini.json").read_text())
+    params = gpt.init_params(gpt.load_config(config), seed=0)
+    name = next(n for n in params if n.endswith("_scales"))
+    bad = params[name].copy()
+    bad.reshape(-1)[5] = scale
+    save_checkpoint(tmp_path, config, {**params, name: bad})
+    index = list(np.unravel_index(5, bad.shape))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} holds 1 E8M0 scale\(s\) above 252 "
+                                              rf".* at index \[{', '.join(map(str, index))}\]"):
+        load_checkpoint(tmp_path)

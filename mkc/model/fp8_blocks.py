@@ -31,6 +31,13 @@ E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_NAME = "float8_e4m3fn"       # its numpy name, as a weight table types it
 E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"       # `W.weight` -> `W.weight_scale_inv`, `experts.down_proj` -> `..._scale_inv`
+# What a stored scale may be, checked where the checkpoint loader reads it: f32 as the published
+# checkpoint stores it (an f16 or bf16 scale is another checkpoint's rounding, not this format's),
+# an f32 normal (0, a negative, a subnormal such as 1e-45: no block is scaled by them), and no
+# larger than keeps the largest code's value finite in bf16 (a 3e38 scale made infinities).
+SCALE_DTYPE = "float32"
+SCALE_MIN = float(np.finfo(np.float32).tiny)
+SCALE_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) / E4M3_MAX
 # The quantization_config mkc computes: key -> (the value it must hold, the hint).
 _SETTINGS = {
     "quant_method": ("fp8", "an FP8 checkpoint with block scales says \"quant_method\": \"fp8\""),

@@ -30,6 +30,9 @@ import numpy as np
 BLOCK_SIZE = 32
 SCALE_BIAS = 127
 SCALE_NAN = 255
+# The largest scale under which every e2m1 value (6 at most) is finite in bf16 and f32: 253 and
+# 254 put 6 * 2**126 past them; the checkpoint loader refuses a stored scale above it.
+SCALE_LARGEST = 252
 
 # Value of each 4-bit code; index 8 is -0.0, which dequantizes equal to +0.0.
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
