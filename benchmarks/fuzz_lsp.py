@@ -1,6 +1,7 @@
 """Hostile stdio sessions against `mkc lsp`: seeded raw frames (malformed headers, invalid JSON,
 bad params, unknown methods, unopened documents) and a driver that sends them one at a time and
-reports each request left unanswered, any traceback on stderr, and whether the server died.
+reports each request left unanswered, any traceback on stderr, whether the server died, and
+its exit status after `exit` (None when it did not exit).
 
     python benchmarks/fuzz_lsp.py --seed 0 --sessions 3
 
@@ -152,6 +153,11 @@ class LspProcess:
                     length = int(line.split(b":")[1])
             self.messages.put(json.loads(out.read(length)))
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the server has used so far (Linux: its /proc stat)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def send(self, data: bytes) -> bool:
         """Write raw bytes; False once the server no longer reads."""
         try:
@@ -179,18 +185,19 @@ class LspProcess:
                              and ("result" in m or "error" in m), timeout)
 
     def close(self, timeout: float = 10.0) -> tuple[int | None, str]:
-        """Send `exit`, wait for the process; (its exit status or None if it had to be killed, stderr)."""
+        """Send `exit`, wait for the process with its input still open (an editor need not close
+        it); (its exit status or None if it had to be killed, stderr)."""
         self.send(frame(notification("exit", None)))
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
             code = None
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         time.sleep(0.1)                          # let the stderr thread take the last lines
         return code, b"".join(self._stderr).decode(errors="replace")
 
@@ -234,7 +241,7 @@ def main() -> int:
     failed = 0
     for s in range(args.sessions):
         report = run_session(hostile_session(random.Random(f"{args.seed}:{s}"), args.frames), args.timeout)
-        bad = report["unanswered"] or report["tracebacks"] or report["died"]
+        bad = report["unanswered"] or report["tracebacks"] or report["died"] or report["exit_code"] != 0
         failed += bool(bad)
         slowest = max(list(report["seconds"].items())[1:], key=lambda kv: kv[1], default=None)
         print(json.dumps({"session": s, "ok": not bad, "answers": len(report["answers"]), "slowest": slowest,

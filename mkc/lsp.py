@@ -23,7 +23,8 @@ Analyses run on a worker thread ANALYSIS_DELAY_S after a document's last change,
 text only, so requests never wait for one; a text over the parser's size limit gets that one
 diagnostic. Every request is answered: a frame that cannot be read, or params that do not fit
 the method, get their JSON-RPC error, and the frames after them are read as usual; a document
-the editor has not opened is never read from disk.
+the editor has not opened is never read from disk. `exit` ends the process at once, with status
+0 after `shutdown` and 1 without (an analysis under way is not waited for).
 """
 from __future__ import annotations
 
@@ -32,10 +33,13 @@ import difflib
 import functools
 import importlib
 import inspect
+import io
 import itertools
 import json
 import logging
+import os
 import re
+import selectors
 import sys
 import threading
 from collections.abc import Callable
@@ -55,6 +59,7 @@ from pygls.exceptions import (JsonRpcContentModified, JsonRpcException, JsonRpcI
 from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.language_server import lsp_method
 from pygls.protocol.json_rpc import JsonRPCNotification, JsonRPCRequestMessage, JsonRPCResponseMessage
 from pygls.workspace import TextDocument
 
@@ -609,6 +614,13 @@ class _Protocol(LanguageServerProtocol):
                 "the server is not initialized: send `initialize` first"))
         self.handle_message(message)
 
+    @lsp_method(types.EXIT)
+    def lsp_exit(self, *args) -> None:
+        """Ends the session: `start_io` returns 0 after `shutdown`, 1 without (the protocol's
+        codes). pygls' own raises SystemExit out of a callback of the message loop, and the
+        loop's teardown loses its code."""
+        self._server.end(0 if self._shutdown else 1)
+
     def structure_message(self, data: dict) -> object:
         """The typed message `data` is (pygls' own logs a traceback and loses the request's id)."""
         if "method" in data:
@@ -626,36 +638,100 @@ class _Protocol(LanguageServerProtocol):
                                        ) from None
 
 
+class _StdinReader(io.RawIOBase):
+    """The bytes of file descriptor `fd` until it ends or `stop()` is called.
+
+    The stdin thread reads through this, not through sys.stdin: a thread blocked in a read of
+    sys.stdin holds its buffer's lock, and the interpreter aborts when it closes sys.stdin at
+    shutdown ("could not acquire lock for <_io.BufferedReader name='<stdin>'>"). A read here
+    waits on the descriptor and on a pipe of its own, so `stop` ends a blocked read and the
+    thread is joined before the interpreter shuts down."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+        self._wake_r, self._wake_w = os.pipe()
+        self._selector = selectors.PollSelector()     # poll, unlike epoll, takes a regular file
+        self._selector.register(fd, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        while True:
+            ready = {key.fd for key, _ in self._selector.select()}
+            if self._wake_r in ready:
+                return 0                                  # stopped: an end of input
+            if self._fd in ready:
+                data = os.read(self._fd, len(buffer))
+                buffer[:len(data)] = data
+                return len(data)
+
+    def stop(self) -> None:
+        os.write(self._wake_w, b"\0")
+
+    def close(self) -> None:
+        if not self.closed:
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        super().close()
+
+
 class _Server(LanguageServer):
-    def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
-        """Serve over stdio, with `read_frames` splitting the input on its own thread."""
+    analyses: Analyses | None = None
+    _message_loop: asyncio.AbstractEventLoop | None = None
+    _ended: Callable[[], None] | None = None
+    _exit_code: int | None = None
+
+    def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
+        """Serve over stdio until `exit` or the end of the input, with `read_frames` splitting
+        the input on its own thread; the process's exit status: 0 once `shutdown` was
+        answered, else 1 (an input that ends without `exit` is the client gone)."""
         self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
+        raw = _StdinReader((stdin or sys.stdin.buffer).fileno())
+        reader = threading.Thread(target=self._read, args=(io.BufferedReader(raw),), name="mkc-lsp-stdin")
         try:
-            asyncio.run(self._serve(stdin or sys.stdin.buffer))
+            asyncio.run(self._serve(reader))
         except BrokenPipeError:
             logger.error("the client closed the connection")
-        except (KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
             pass
         finally:
+            raw.stop()
+            if reader.is_alive():
+                reader.join()
+            raw.close()
             self.shutdown()
+        if self._exit_code is None:
+            self._exit_code = 0 if self.protocol._shutdown else 1
+        return self._exit_code
 
-    async def _serve(self, stdin: BinaryIO) -> None:
-        loop, ended = asyncio.get_running_loop(), asyncio.Event()
+    def end(self, code: int) -> None:
+        """End the session with exit status `code` (on the message loop)."""
+        self._exit_code = code
+        if self._ended is not None:
+            self._ended()
 
-        def on_loop(handle: Callable, *args) -> None:
-            try:
-                loop.call_soon_threadsafe(handle, *args)
-            except RuntimeError:
-                pass                              # the loop has ended (after `exit`)
-
-        def read() -> None:
-            try:
-                read_frames(stdin, lambda body: on_loop(self.protocol.handle_body, body),
-                            lambda why: on_loop(self.protocol.answer_error, None, JsonRpcParseError(why)))
-            finally:
-                on_loop(ended.set)
-        threading.Thread(target=read, name="mkc-lsp-stdin", daemon=True).start()
+    async def _serve(self, reader: threading.Thread) -> None:
+        ended = asyncio.Event()
+        self._message_loop, self._ended = asyncio.get_running_loop(), ended.set
+        reader.start()
         await ended.wait()
+
+    def _on_loop(self, handle: Callable, *args) -> None:
+        try:
+            self._message_loop.call_soon_threadsafe(handle, *args)
+        except RuntimeError:
+            pass                                  # the loop has ended (after `exit`)
+
+    def _read(self, stdin: BinaryIO) -> None:
+        try:
+            read_frames(stdin, lambda body: self._on_loop(self.protocol.handle_body, body),
+                        lambda why: self._on_loop(self.protocol.answer_error, None, JsonRpcParseError(why)))
+        finally:
+            self._on_loop(self._ended)
 
 
 def _answering(handler: Callable) -> Callable:
@@ -686,6 +762,7 @@ def _answering(handler: Callable) -> Callable:
 # ---- analyses: off the message loop, newest text only ---------------------------------------
 
 ANALYSIS_DELAY_S = 0.2           # after a document's last change: typing queues no analysis per key
+EXIT_WAIT_S = 0.2                # for the analyses' worker to end after `exit`, before the process ends
 
 
 class Analyses:
@@ -699,7 +776,9 @@ class Analyses:
         self.checked: dict[str, Analysis] = {}      # uri -> its last analysis that checked
         self.parsed: dict[str, Analysis] = {}       # uri -> its last analysis that parsed
         self.models: dict[str, ModelNames] = {}     # uri -> the model names last resolved
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mkc-lsp-analysis")
+        self._threads: list[threading.Thread] = []   # the worker's, once it has started
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mkc-lsp-analysis",
+                                         initializer=lambda: self._threads.append(threading.current_thread()))
         self._changes: dict[str, int] = {}          # uri -> the number of its newest change
         self._count = itertools.count(1)             # changes numbered across documents and reopenings
         self._pending: set[asyncio.Task] = set()
@@ -717,6 +796,14 @@ class Analyses:
 
     def _newest(self, uri: str, change: int) -> bool:
         return self._changes.get(uri) == change
+
+    def close(self, timeout: float) -> bool:
+        """Stop the worker, dropping queued work; whether it ended within `timeout` s (an
+        analysis under way cannot be interrupted)."""
+        self.worker.shutdown(wait=False, cancel_futures=True)
+        for thread in self._threads:
+            thread.join(timeout)
+        return not any(thread.is_alive() for thread in self._threads)
 
     async def _analyse(self, uri: str, change: int, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -808,9 +895,9 @@ def open_document(server: LanguageServer, uri: str) -> TextDocument | None:
     return doc
 
 
-def build_server() -> LanguageServer:
+def build_server() -> _Server:
     server = _Server("mkc", mkc.__version__, protocol_cls=_Protocol)
-    analyses = Analyses(server)
+    analyses = server.analyses = Analyses(server)
 
     def feature(name: str):
         return lambda handler: server.feature(name)(_answering(handler))
@@ -894,5 +981,12 @@ def main() -> int:
     log = logging.StreamHandler(sys.stderr)
     log.setFormatter(_OneLineLog())
     logging.basicConfig(level=logging.WARNING, handlers=[log], force=True)
-    build_server().start_io()
-    return 0
+    server = build_server()
+    code = server.start_io()
+    if not server.analyses.close(EXIT_WAIT_S):
+        # An analysis is under way; no one will read it, and the interpreter would wait for its
+        # thread before exiting, for seconds on a long text. Everything written is flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

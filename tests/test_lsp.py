@@ -5,6 +5,8 @@ huge document."""
 import asyncio
 import io
 import os
+import resource
+import subprocess
 import sys
 
 from lsprotocol import types
@@ -403,3 +405,48 @@ def test_a_huge_document_gets_a_size_diagnostic_not_an_analysis(tmp_path):
         assert d["range"]["start"]["line"] == 0
     finally:
         server.close()
+
+
+# The protocol's "within a second" of `exit`, in the server's CPU time (the machine may be
+# loaded); and a wall-clock bound far above it for a server that waits without computing.
+EXIT_CPU_S = 1.0
+EXIT_WALL_S = 30.0
+
+
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _exit(server: LspProcess, shut_down: bool) -> tuple[int | None, float]:
+    """Send `shutdown` (if `shut_down`) and `exit` with the server's input left open, as an
+    editor may: (its exit status, or None when it did not exit; the CPU seconds it took to)."""
+    if shut_down:
+        server.send(frame(request("bye", "shutdown", None)))
+        assert server.answer("bye", ANSWER_S)["result"] is None
+    spent = server.cpu_seconds() + _children_cpu()
+    server.send(frame(notification("exit", None)))
+    try:
+        code = server.proc.wait(EXIT_WALL_S)
+    except subprocess.TimeoutExpired:
+        return None, EXIT_WALL_S
+    return code, _children_cpu() - spent
+
+
+def test_exit_ends_the_server_at_once_with_the_protocols_status(tmp_path):
+    """0 after `shutdown`, 1 without; no abort at interpreter shutdown (the stdin thread was
+    blocked in sys.stdin, holding its lock), and no wait for an analysis no one will read (the
+    second session's, the first of a DeepSeek-V3 spec, which imports its modules)."""
+    uri = (tmp_path / "q.sched").as_uri()
+    deepseek = (ROOT / "schedules" / "deepseek_v3.sched").read_text()
+    for text, shut_down in [(SPEC.read_text(), True), (deepseek, False)]:
+        server = LspProcess()
+        try:
+            _initialized(server)
+            server.send(frame(opening(uri, text)))
+            assert not shut_down or _diagnostics(server, uri, 1, STARTUP_S) is not None
+            code, cpu = _exit(server, shut_down)
+        finally:
+            _, stderr = server.close()
+        assert (code, stderr) == (0 if shut_down else 1, "")
+        assert cpu < EXIT_CPU_S, (shut_down, cpu)
