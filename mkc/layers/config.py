@@ -16,6 +16,23 @@ def setting(raw: Mapping, key: str, defaults: Mapping[str, Any]) -> Any:
     return defaults[key] if value is None else value
 
 
+def with_aliases(raw: Mapping, aliases: Mapping[str, str]) -> Mapping:
+    """The config with each value transformers' config class also takes under another name
+    (its `attribute_map`; `save_pretrained` writes the attribute's name, so Qwen3-MoE's expert
+    count arrives as `num_local_experts`) under the name mkc reads: `aliases` maps the other
+    name to it. ConfigError where a config gives both names different values."""
+    out = dict(raw)
+    for alias, key in aliases.items():
+        if raw.get(alias) is None:
+            continue
+        if raw.get(key) is not None and raw[key] != raw[alias]:
+            raise ConfigError(f"{alias} = {json.dumps(raw[alias])} and {key} = {json.dumps(raw[key])} "
+                              "disagree", f"they name one setting (transformers reads {alias} as "
+                              f"{key}): keep one")
+        out[key] = raw[alias]
+    return out
+
+
 def refuse(raw: Mapping, refused: Mapping[str, tuple[Any, str]], defaults: Mapping[str, Any]) -> None:
     """ConfigError for a setting nothing computes: key -> (the value computed, hint)."""
     for key, (wanted, hint) in refused.items():

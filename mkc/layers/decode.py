@@ -19,7 +19,7 @@ from mkc.layers.reference import NORM, embed, matmul, sub_params
 from mkc.layers.sublayer import Composition
 from mkc.model.family import Family
 from mkc.model import fp8_blocks
-from mkc.model.config import in_range, upstream_config
+from mkc.model.config import read_checked_dims, upstream_config
 from mkc.reference.rounding import Rounding, bf16_weights
 
 RESIDUAL_WRITERS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
@@ -59,7 +59,7 @@ class DecoderReference:
         raw, name = upstream_config(path_or_dict)
         if raw.get("model_type", self.model_types[0]) not in self.model_types:
             raise ValueError(f"expected model_type {self.model_types[0]!r}, got {raw.get('model_type')!r}")
-        return in_range(self.read_dims(raw, name))
+        return read_checked_dims(self.read_dims, raw, name)
 
     def _owned_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str, Any]]:
         """Every upstream parameter -> (shape, dtype, the sublayer owning it or None)."""

@@ -92,6 +92,9 @@ def read_yarn(raw: Mapping, params: Mapping, head_dim: int, theta_default: float
         return config_float(default if raw.get(key) is None else raw[key], key)
 
     theta = number("rope_theta") or setting("rope_theta", theta_default)
+    if not theta > 1:                  # YaRN's correction dims divide by log(theta)
+        raise ConfigError(f"rope_theta = {theta} is out of range for YaRN",
+                          "a rope base above 1, as upstream's (150000 for GPT-OSS, 10000 for DeepSeek-V3)")
     factor = number("factor")       # upstream's fallback: the context's extension ratio
     if factor is None:
         factor = setting("max_position_embeddings", max_positions_default) / original

@@ -5,7 +5,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,21 +125,16 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     if family is None:
         raise fail("E-MODEL", f"model family {model_type!r} is not supported", where,
                    hint=f"supported families: {', '.join(registry.model_types())}")
-    layers = raw.get("num_hidden_layers")
-    if layers is not None and not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
-        raise fail("E-MODEL", f"model config {path}: num_hidden_layers is {layers!r}", where,
-                   hint=f"a whole number of layers from 1 to {MAX_LAYERS}")
     try:
-        dims = family.read_dims(raw, model_name(path))
+        dims = read_checked_dims(family.read_dims, raw, model_name(path))
     except ConfigError as e:
         raise fail("E-MODEL", f"model config {path}: {e}", where, hint=e.hint) from None
     except KeyError as e:
         raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
                    hint=f"the config must use the upstream {model_type} key names") from None
-    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:   # e.g. a zero width
+    except (TypeError, ValueError, AttributeError) as e:
         raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
                    hint="compare with a shipped config in mkc/model/configs") from None
-    dims = _checked(dims, path, where)
     if not family.kernel_ready:
         raise fail("E-MODEL", f"model family {model_type!r} has no kernel yet: mkc reads its configs "
                    f"and runs its reference ({family.package}.reference) but cannot compile a "
@@ -149,12 +144,25 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     return dims
 
 
-def _checked(dims, path: Path, where: Span):
-    """The dims, or a located diagnostic for a value out of range (`out_of_range`)."""
-    error = out_of_range(dims)
-    if error is not None:
-        raise fail("E-MODEL", f"model config {path}: {error}", where, hint=error.hint)
-    return dims
+def read_checked_dims(read_dims: Callable[[Mapping, str], Any], raw: Mapping, name: str) -> Any:
+    """A family's dims of a config, as every path that reads one gets them (`mkc check` and
+    compile through `dims_from_config`; a reference's `load_config`, and so `load_checkpoint`,
+    a draft model and the example runners): the layer count bounded before `read_dims` builds
+    anything per layer (10**9 layers filled memory), an arithmetic failure on a value (a zero
+    divisor) a ConfigError, and every dim in range (`out_of_range`). Raises ConfigError,
+    KeyError, TypeError or ValueError."""
+    for where, config in (("", raw), ("text_config ", raw.get("text_config"))):
+        layers = config.get("num_hidden_layers") if isinstance(config, Mapping) else None
+        if layers is not None and not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
+            raise ConfigError(f"{where}num_hidden_layers = {json.dumps(layers)[:40]} is out of range",
+                              f"a whole number of layers from 1 to {MAX_LAYERS}")
+    try:
+        dims = read_dims(raw, name)
+    except ArithmeticError as e:          # a family's own checks name the field; this is the net
+        raise ConfigError(f"a value of the config cannot be computed with ({e})",
+                          "check the config's counts, sizes and constants: a zero, or one out "
+                          "of its range, divides or overflows") from None
+    return in_range(dims)
 
 
 def in_range(dims: Any) -> Any:

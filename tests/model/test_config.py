@@ -35,8 +35,8 @@ def test_non_finite_constants_are_rejected(tmp_path, value):
     (QWEN, "rms_norm_eps", 1e400, "rms_norm_eps = inf"),           # overflows to inf in Python
     (QWEN, "hidden_size", -256, "hidden_size = -256"),
     (QWEN, "hidden_size", 10**30, "hidden_size"),
-    (QWEN, "num_hidden_layers", 10**9, "num_hidden_layers is 1000000000"),
-    (QWEN, "num_hidden_layers", True, "num_hidden_layers is True"),
+    (QWEN, "num_hidden_layers", 10**9, "num_hidden_layers = 1000000000 is out of range"),
+    (QWEN, "num_hidden_layers", True, "num_hidden_layers = true is out of range"),
     (K3, "num_experts_per_token", 64, "top-k 64 exceeds the 32 experts"),
     (K3, "activation_situ_beta", -1.0, "situ_beta = -1.0"),
 ])
@@ -137,7 +137,86 @@ def test_hidden_size_true_is_refused_by_name(tmp_path):
 def test_a_zero_in_a_config_formula_is_a_diagnostic_not_a_traceback(tmp_path):
     """GPT-OSS's YaRN divides by log(rope_theta); Qwen3.5's layer pattern by the interval."""
     gpt = json.loads((CONFIG_DIR / "gpt_oss_mini.json").read_text())
-    _rejects(tmp_path, json.dumps(gpt | {"rope_theta": 1}), "malformed")
+    _rejects(tmp_path, json.dumps(gpt | {"rope_theta": 1}), "rope_theta = 1.0 is out of range for YaRN")
     pattern_only = {k: v for k, v in QWEN.items() if k != "layer_types"}
     _rejects(tmp_path, json.dumps(pattern_only | {"full_attention_interval": 0}),
              "full_attention_interval = 0 must be at least 1")
+
+
+def _reference(name: str):
+    from mkc.checkpoint import family_of
+    config = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+    return config, family_of(config).module("reference")
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_mini", "qwen3_8_mini", "kimi_k3_mini", "gpt_oss_mini"])
+def test_a_billion_layers_is_refused_before_anything_is_built_on_every_path(tmp_path, name):
+    """`num_hidden_layers: 10**9` was a MemoryError through a reference's load_config (so
+    load_checkpoint and `mkc serve --draft-model`), DeepSeek-V3 first growing to 5.5 GB; the
+    bound is the config reader's, so `mkc check`, the references and the loader refuse it
+    alike, a composite config's text_config too."""
+    import resource
+
+    from mkc.checkpoint import CheckpointError, load_checkpoint
+    from mkc.model.family import ConfigError
+    config, ref = _reference(name)
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+    for bad in (config | {"num_hidden_layers": 10**9},
+                {"model_type": "wrapper", "text_config": config | {"num_hidden_layers": 10**9}}):
+        with pytest.raises(ConfigError, match=r"num_hidden_layers = 1000000000 is out of range"):
+            ref.load_config(bad)
+    _rejects(tmp_path, json.dumps(config | {"num_hidden_layers": 10**9}), "num_hidden_layers = 1000000000")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 10**9}))
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers = 1000000000 is out of range"):
+        load_checkpoint(tmp_path / "ckpt")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_utime - start < 5   # CPU seconds, not a build
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"n_group": 0}, "n_group 0"),
+    ({"n_group": -2}, "n_group -2"),
+    ({"topk_group": 0}, "topk_group 0"),
+])
+def test_a_zero_divisor_of_deepseek_v3_is_a_config_error_on_every_path(tmp_path, change, words):
+    """`n_group: 0` was a ZeroDivisionError traceback through load_checkpoint and a draft model."""
+    from mkc.checkpoint import CheckpointError, load_checkpoint
+    from mkc.model.family import ConfigError
+    config, ref = _reference("deepseek_v3_mini")
+    with pytest.raises(ConfigError, match=words):
+        ref.load_config(config | change)
+    _rejects(tmp_path, json.dumps(config | change), words)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(CheckpointError, match=words):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_an_arithmetic_failure_in_a_config_reader_is_a_config_error():
+    """The net under every family's own checks: a reader that divides by a zero it did not
+    check names the failure as a config problem, not a traceback."""
+    from mkc.model.config import read_checked_dims
+    from mkc.model.family import ConfigError
+    with pytest.raises(ConfigError, match="cannot be computed"):
+        read_checked_dims(lambda raw, name: 1 // raw["n"], {"n": 0}, "m")
+
+
+@pytest.mark.parametrize("name, key, alias", [
+    ("qwen3_moe_mini", "num_experts", "num_local_experts"),
+    ("deepseek_v3_mini", "n_routed_experts", "num_local_experts"),
+    ("gpt_oss_mini", "num_local_experts", "num_experts"),
+    ("kimi_k3_mini", "num_experts", "num_local_experts"),
+    ("kimi_k3_mini", "num_experts_per_token", "num_experts_per_tok"),
+])
+def test_a_key_transformers_writes_under_its_attribute_map_name_is_read(tmp_path, name, key, alias):
+    """transformers' save_pretrained writes a config class's `attribute_map` names: a Qwen3-MoE
+    config.json names its expert count `num_local_experts`, which mkc did not read (it took the
+    default 128 and failed later on tensor shapes). Either name reads the same dims; both,
+    disagreeing, are refused."""
+    config, ref = _reference(name)
+    renamed = {k: v for k, v in config.items() if k != key} | {alias: config[key]}
+    want = _load(tmp_path, json.dumps(config))
+    assert _load(tmp_path, json.dumps(renamed)) == want
+    assert ref.load_config(renamed) == ref.load_config(config)
+    _rejects(tmp_path, json.dumps(config | {alias: config[key] * 2}),
+             f"{alias} = {config[key] * 2} and {key}")

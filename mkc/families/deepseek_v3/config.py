@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mkc.layers.config import refuse, setting
+from mkc.layers.config import refuse, setting, with_aliases
 from mkc.layers.mla import MLADims
 from mkc.layers.rope import read_yarn, rope_parameters
 from mkc.model.family import ConfigError, config_float, config_int, identifier
@@ -35,6 +35,8 @@ REFUSED = {
     "moe_layer_freq": (1, "every layer past the dense ones is MoE: \"moe_layer_freq\": 1"),
 }
 
+# DeepseekV3Config's attribute_map: another name transformers reads the routed expert count by.
+ALIASES = {"num_local_experts": "n_routed_experts"}
 
 @dataclass(frozen=True)
 class DeepseekV3Dims(MLADims):
@@ -63,6 +65,7 @@ class DeepseekV3Dims(MLADims):
 
 def read_dims(raw: Mapping, name: str) -> DeepseekV3Dims:
     """The one reader of a DeepSeek-V3 config; ConfigError for a setting mkc does not compute."""
+    raw = with_aliases(raw, ALIASES)
     refuse(raw, REFUSED, DEFAULTS)
     block = read_quantization(raw)
     if raw.get("q_lora_rank", 1) is None:
@@ -81,7 +84,7 @@ def read_dims(raw: Mapping, name: str) -> DeepseekV3Dims:
     dense = config_int(setting(raw, "first_k_dense_replace", DEFAULTS), "first_k_dense_replace")
     experts, top_k, groups, top_groups = (ints.pop(k) for k in (
         "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
-    if not (0 <= dense <= layers and experts % groups == 0 and experts // groups >= 2
+    if not (0 <= dense <= layers and groups >= 1 and experts % groups == 0 and experts // groups >= 2
             and 1 <= top_groups <= groups and 1 <= top_k <= top_groups * (experts // groups)):
         raise ConfigError(f"first_k_dense_replace {dense}, {experts} experts in n_group {groups} "
                           f"groups, topk_group {top_groups} and num_experts_per_tok {top_k} do not route",

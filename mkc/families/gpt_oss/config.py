@@ -47,6 +47,8 @@ DEFAULT_ROPE: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast"
                                 "beta_slow": 1.0, "truncate": False,
                                 "original_max_position_embeddings": 4096}
 
+# GptOssConfig's attribute_map: another name transformers reads the expert count by.
+ALIASES = {"num_experts": "num_local_experts"}
 
 @dataclass(frozen=True)
 class GptOssDims(Dims):
@@ -160,6 +162,7 @@ def yarn(raw: Mapping, head_dim: int) -> dict[str, float]:
 def read_dims(raw: Mapping, name: str) -> GptOssDims:
     """The dimensions, the one reader of a config; ConfigError for a setting mkc does not
     compute, KeyError / ValueError / TypeError for a malformed config."""
+    raw = layer_config.with_aliases(raw, ALIASES)
     check_settings(raw)
     ints = {key: config_int(setting(raw, key), key) for key in (
         "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",

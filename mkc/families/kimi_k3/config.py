@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mkc.layers.config import with_aliases
 from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, ExpertLayout, config_float, config_int, identifier
 
@@ -66,6 +67,10 @@ def setting(raw: Mapping, key: str) -> Any:
     value = raw.get(key)
     return UPSTREAM_DEFAULTS[key] if value is None else value
 
+# KimiLinearConfig's attribute_map: the names transformers also reads these settings by.
+ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+           "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
+           "n_group": "num_expert_group"}
 
 @dataclass(frozen=True)
 class KimiDims(Dims):
@@ -222,6 +227,7 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
     """The dimensions; ConfigError for a setting or shape mkc does not compute (the reference
     builds its config from these dims, so it refuses the same), KeyError / ValueError /
     TypeError for a malformed config."""
+    raw = with_aliases(raw, ALIASES)
     check_settings(raw)
     lin = raw["linear_attn_config"]
     n = config_int(raw["num_hidden_layers"], "num_hidden_layers")

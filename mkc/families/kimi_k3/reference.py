@@ -104,7 +104,7 @@ from mkc.layers.kda import reference as kda_reference
 from mkc.layers.mla import reference as mla_reference
 from mkc.layers.moe import reference as moe_reference
 from mkc.layers.reference import linear, matmul, mm_input, out_projection, rms_norm  # KimiRMSNorm: plain
-from mkc.model.config import in_range, upstream_config
+from mkc.model.config import read_checked_dims, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
 from mkc.reference.rounding import Rounding, allreduce, bf16_weights, round_to
 
@@ -132,7 +132,7 @@ def load_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Kim
     raw, name = upstream_config(path_or_dict)
     if raw.get("model_type", "kimi_linear") not in MODEL_TYPES:
         raise ValueError(f"expected model_type in {MODEL_TYPES}, got {raw.get('model_type')!r}")
-    return in_range(read_dims(raw, name))
+    return read_checked_dims(read_dims, raw, name)
 
 
 def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:

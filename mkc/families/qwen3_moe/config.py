@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mkc.layers.config import attention_heads, refuse, setting
+from mkc.layers.config import attention_heads, refuse, setting, with_aliases
 from mkc.layers.gqa import ScaledRopeGQADims
 from mkc.layers.rope import read_rope
 from mkc.model.family import ConfigError, config_float, config_int, identifier
@@ -31,6 +31,8 @@ REFUSED = {
     "decoder_sparse_step": (1, "every layer's MLP is the sparse MoE block: \"decoder_sparse_step\": 1"),
 }
 
+# Qwen3MoeConfig's attribute_map: its save_pretrained writes the expert count by this name.
+ALIASES = {"num_local_experts": "num_experts"}
 
 @dataclass(frozen=True)
 class Qwen3MoeDims(ScaledRopeGQADims):
@@ -45,6 +47,7 @@ class Qwen3MoeDims(ScaledRopeGQADims):
 
 def read_dims(raw: Mapping, name: str) -> Qwen3MoeDims:
     """The one reader of a Qwen3-MoE config; ConfigError for a setting mkc does not compute."""
+    raw = with_aliases(raw, ALIASES)
     refuse(raw, REFUSED, DEFAULTS)
     if raw.get("mlp_only_layers"):
         raise ConfigError(f"mlp_only_layers = {raw['mlp_only_layers']!r}: dense MLP layers are not "
