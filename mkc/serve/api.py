@@ -5,8 +5,13 @@ StreamingResponse): /health, /v1/models, /v1/completions, /v1/chat/completions, 
 Request and response bodies follow OpenAI's schema (and vLLM's extensions `top_k`,
 `stop_token_ids`, `ignore_eos`); every choice also carries its `token_ids`, since a model
 served without a tokenizer has no text to give. Errors are OpenAI's `{"error": {...}}` with a
-message that says what to change: 400 for a bad request, 404 for an unknown model, 429 when
-the queue is full.
+message that says what to change: 400 for a bad request (a field of the wrong type, strictly
+as OpenAI's API: no "1" or true where a number is asked; a number past the type it becomes; text
+that is not Unicode), 404 for an unknown model, 413 for a body past the cap, 429 when the queue is
+full.
+
+Tokenizing, detokenizing and chat-template rendering run in a thread pool, so a long prompt never
+holds up the event loop (or /health) while it is encoded.
 """
 from __future__ import annotations
 
@@ -20,15 +25,17 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from mkc.serve.engine import Engine, Event, QueueFull, Request, Stopped
+from mkc.serve.engine import Engine, Event, QueueFull, Request, Stopped, Unfit
 from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
 
@@ -36,6 +43,22 @@ DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/comple
 MAX_COMPLETION_LOGPROBS = 5         # OpenAI's bounds: the legacy `logprobs`, chat's `top_logprobs`
 MAX_TOP_LOGPROBS = 20
 DISCONNECT_POLL_SECONDS = 1.0       # how often a non-streaming request checks its client
+INT32_MAX = 2**31 - 1               # top_k is packed as int32 for the on-device sampler
+INT64 = (-2**63, 2**63 - 1)         # OpenAI's seed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (`mkc serve` options): `max_body_bytes` a body
+    (413 past it); `max_prompt_tokens` a prompt's tokens, and what /tokenize returns (400 past
+    it; None: the model's context); `header_seconds` a client's time to send a request's
+    headers (the connection is closed after it); `api_docs` serves /docs, /redoc and
+    /openapi.json."""
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None
+    header_seconds: float = 10.0
+    api_docs: bool = False
 
 
 class ApiError(Exception):
@@ -51,8 +74,9 @@ def _error_body(status: int, message: str, param: str | None, kind: str) -> dict
 
 class _Body(BaseModel):
     # NaN and infinities are not numbers a request may carry (JSON has none; Python's parser
-    # accepts them)
-    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    # accepts them); strict: a number is a JSON number, a boolean a JSON boolean, as OpenAI's
+    # API takes them
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore", strict=True)
 
 
 # Request fields this server does not act on, each with the values that ask for nothing: any
@@ -85,67 +109,103 @@ def stop_strings(body: "_Sampling") -> list[str]:
 
 
 def check_messages(messages: list[Any]) -> None:
-    """Refuse (ApiError 400) a message that is not an object with a chat role, or content other
-    than a string, null or text parts (an image or audio part would be dropped unseen)."""
+    """Refuse (ApiError 400) a message that is not an object with a chat role, a name that is
+    not a string, or content other than a string, null or text parts, each an object of type
+    "text" whose text is a string (an image or audio part would be dropped unseen)."""
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}] needs a role, one of {', '.join(CHAT_ROLES)}",
                            "messages")
+        if "name" in m and not isinstance(m["name"], str):
+            raise ApiError(400, f"messages[{i}].name must be a string", "messages")
         content = m.get("content")
         if isinstance(content, list):
-            kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
-            if kinds - {"text"}:
-                raise ApiError(400, f"messages[{i}] has content parts of type "
-                                    f"{', '.join(sorted(map(str, kinds - {'text'})))}: the model "
-                                    "takes text parts only", "messages")
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if not isinstance(part, dict):
+                    raise ApiError(400, f"{where} must be an object: a text part, "
+                                        '{"type": "text", "text": "..."}', "messages")
+                kind = part.get("type")
+                if not isinstance(kind, str):
+                    raise ApiError(400, f"{where}.type must be a string (\"text\")", "messages")
+                if kind != "text":
+                    raise ApiError(400, f"{where} is a part of type {kind[:40]!r}: the model takes "
+                                        "text parts only", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"{where}.text must be a string", "messages")
         elif content is not None and not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                            "messages")
 
 
+def check_unicode(value: Any, path: str) -> None:
+    """Refuse (ApiError 400, naming the field) a string anywhere in `value` (keys too) that is
+    not Unicode text: a lone surrogate ("\\ud800"), which JSON can spell but UTF-8 cannot."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{path} holds a lone surrogate ({value[e.start]!r} at character "
+                                f"{e.start}): text must be valid Unicode", path.split("[")[0].split(".")[0]
+                           ) from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_unicode(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, path)
+            check_unicode(v, f"{path}.{k}" if path else k)
+
+
+Text = StrictStr
+TokenIds = list[StrictInt]
+
+
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(_Body):
-    model_config = ConfigDict(allow_inf_nan=False, extra="allow")   # see check_served_fields
-    model: str
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)     # -1 or 0: every token (vLLM's convention)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow", strict=True)   # see check_served_fields
+    model: Text
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1, le=INT32_MAX)   # -1 or 0: every token (vLLM's)
+    seed: StrictInt | None = Field(None, ge=INT64[0], le=INT64[1])
+    stop: Text | list[Text] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[list[int]] | list[str]
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
-    echo: bool = False
+    # a string, token ids, or a list of either; read by `prompt_ids`, whose refusals say which
+    # (a union's validation errors would list every alternative's)
+    prompt: Any = Field(...)
+    max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
 
 class ChatRequest(_Sampling):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: TokenIds
 
 
 class _Text:
@@ -225,10 +285,68 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0     # JSON has no -inf (vLLM's stand-in)
 
 
-def create_app(served: Served, engine: Engine) -> FastAPI:
-    app = FastAPI(title="mkc serve", description=f"{served.name} on a generated megakernel")
+class BodyCap:
+    """ASGI middleware: a request body past `limit` bytes is refused with a 413 (OpenAI's
+    error body) before the app reads it, by its Content-Length or as it arrives."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":        # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(send)
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Callable) -> None:
+        body = json.dumps(_error_body(413, f"the request body passes the server's cap of "
+                                           f"{self.limit} bytes (mkc serve --max-body-bytes)",
+                                      None, "invalid_request_error")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+_T = TypeVar("_T")
+
+
+def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> FastAPI:
+    docs = {} if limits.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="mkc serve", description=f"{served.name} on a generated megakernel", **docs)
+    app.add_middleware(BodyCap, limit=limits.max_body_bytes)
     tokenizer = served.tokenizer
     created = int(time.time())
+    max_prompt = min(limits.max_prompt_tokens or engine.context, engine.context)
+
+    async def off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` in the thread pool when it runs the tokenizer (CPU work that would hold up
+        every other request and /health); at once without one (nothing to do)."""
+        if tokenizer is None:
+            return fn(*args)
+        return await run_in_threadpool(fn, *args)
 
     @app.exception_handler(ApiError)
     async def api_error(_: HttpRequest, e: ApiError) -> JSONResponse:
@@ -245,16 +363,17 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HttpRequest, e: RequestValidationError) -> JSONResponse:
-        problems = []
+        problems: list[str] = []
         for err in e.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            where = _field_path(err.get("loc", ()))
             if err.get("type") == "json_invalid":
-                problems.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
+                problem = f"the body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})"
             else:
-                problems.append(f"{where}: {err['msg']}" if where else err["msg"])
+                problem = f"{where}: {err['msg']}" if where else err["msg"]
+            if problem not in problems:
+                problems.append(problem)
         first = e.errors()[0] if e.errors() else {}
-        param = (None if first.get("type") == "json_invalid"
-                 else ".".join(str(p) for p in first.get("loc", ())[1:]))
+        param = None if first.get("type") == "json_invalid" else _field_path(first.get("loc", ()))
         return JSONResponse(_error_body(400, "; ".join(problems), param or None, "invalid_request_error"),
                             status_code=400)
 
@@ -267,43 +386,63 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         if tokenizer is None:
             raise ApiError(400, f"{what} needs a tokenizer, and '{served.name}' has none (serve a "
                                 "checkpoint directory with tokenizer.json and the `tokenizers` or "
-                                "`transformers` package); pass the prompt as token ids instead")
+                                "`transformers` package, or a model without one with `mkc serve "
+                                "--tokenizer bytes`, a stand-in whose text means nothing); pass "
+                                "the prompt as token ids instead")
         return tokenizer
 
-    def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
+    async def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
         """The conversation's prompt through the chat template; a template's refusal is a 400."""
         if tokenizer is None or tokenizer.chat is None:
             raise ApiError(400, f"'{served.name}' has no chat template: chat needs a checkpoint "
                                 "directory with a tokenizer and a chat template (tokenizer_config.json's "
-                                "chat_template, or chat_template.jinja); use /v1/completions", "messages")
+                                "chat_template, or chat_template.jinja), or a model without a tokenizer "
+                                "served with `mkc serve --tokenizer bytes`; use /v1/completions",
+                           "messages")
         if not messages:
             raise ApiError(400, "messages is empty: give at least one message", "messages")
         check_messages(messages)
-        try:
-            return tokenizer.chat(messages)
-        except TokenizerError as e:
-            raise ApiError(400, str(e), "messages") from None
+
+        def render() -> list[int]:
+            try:
+                return tokenizer.chat(messages)
+            except TokenizerError as e:
+                raise ApiError(400, str(e), "messages") from None
+        return await off_loop(render)
 
     def check_ids(ids: list[int], param: str) -> list[int]:
+        """`ids` if they make a prompt this server takes (not empty, within --max-prompt-tokens
+        and the vocabulary), else the ApiError that says why."""
         if not ids:
             raise ApiError(400, "the prompt is empty: give at least one token", param)
+        if len(ids) > max_prompt:
+            cap = ("the model's context" if max_prompt == engine.context
+                   else "this server's cap (mkc serve --max-prompt-tokens)")
+            raise ApiError(400, f"the prompt has {len(ids)} tokens, more than {cap} of {max_prompt} "
+                                f"(the model's context is {engine.context})", param)
         bad = [t for t in ids if not 0 <= t < engine.vocab]
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
                                 f"{engine.vocab - 1})", param)
         return ids
 
-    def prompt_ids(prompt) -> list[int]:
+    def is_ids(value: Any) -> bool:
+        return isinstance(value, list) and all(type(t) is int for t in value)
+
+    async def prompt_ids(prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
             raise ApiError(400, f"{len(prompt)} prompts in one request; send one prompt per "
                                 "request (they are batched on the server)", "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "the prompt is empty: give at least one token", "prompt")
-            return check_ids(need_tokenizer("a text prompt").encode(prompt), "prompt")
-        return check_ids(list(prompt), "prompt")
+            tok = need_tokenizer("a text prompt")
+            return await off_loop(lambda: check_ids(tok.encode(prompt), "prompt"))
+        if not is_ids(prompt):
+            raise ApiError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
+        return await off_loop(check_ids, prompt, "prompt")
 
     def sampling_of(body: _Sampling, prompt: list[int], max_tokens: int | None,
                     logprobs: int | None) -> tuple[SamplingParams, list[str]]:
@@ -342,6 +481,8 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         req = Request(prompt=prompt, sampling=sampling, loop=asyncio.get_running_loop())
         try:
             engine.submit(req)
+        except Unfit as e:
+            raise ApiError(400, str(e), e.field)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}; retry later", None, "rate_limit_error")
         except Stopped as e:
@@ -391,6 +532,11 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                 return None
             return lp.chat(start) if chat else lp.completion(start)
 
+        def next_text(text: _Text, lp: _Logprobs, event: Event) -> tuple[str, dict | None]:
+            """A streamed token's text to send and its logprobs entry."""
+            lp.add(event, len(text.text))
+            return text.add(event.token), logprobs_of(lp, len(lp.entries) - 1)
+
         def choice(text: str, ids: list[int], finish: str | None, lp: dict | None,
                    first: bool = False) -> dict:
             if not chat:
@@ -412,11 +558,9 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                         yield f"data: {json.dumps(_error_body(500, err.message, None, err.kind))}\n\n"
                         break
                     if event.token is not None:
-                        lp.add(event, len(text.text))
-                        delta = text.add(event.token)
+                        delta, lps = await off_loop(next_text, text, lp, event)
                         chunk = {**head, "object": obj + (".chunk" if chat else ""),
-                                 "choices": [choice(delta, [event.token], None,
-                                                    logprobs_of(lp, len(lp.entries) - 1), first)]}
+                                 "choices": [choice(delta, [event.token], None, lps, first)]}
                         first = False
                         yield f"data: {json.dumps(chunk)}\n\n"
                         if text.stopped:
@@ -441,18 +585,19 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
                 raise error_of(event)
             if event.token is not None:
                 lp.add(event, len(text.text))
-                text.add(event.token)
+                await off_loop(text.add, event.token)
                 if text.stopped:
                     finish = "stop"
                     break
             else:
                 finish = event.finish_reason
         content = text.text          # the whole text (cut before a stop string)
+        lps = await off_loop(logprobs_of, lp, 0)
         if chat:
             out = {"index": 0, "message": {"role": "assistant", "content": content},
-                   "token_ids": text.ids, "logprobs": logprobs_of(lp, 0), "finish_reason": finish}
+                   "token_ids": text.ids, "logprobs": lps, "finish_reason": finish}
         else:
-            out = {"index": 0, "text": content, "token_ids": text.ids, "logprobs": logprobs_of(lp, 0),
+            out = {"index": 0, "text": content, "token_ids": text.ids, "logprobs": lps,
                    "finish_reason": finish}
         return {**head, "object": obj, "choices": [out], "usage": usage(req, len(text.ids))}
 
@@ -479,48 +624,64 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
                                             "owned_by": "mkc", "max_model_len": engine.context}]}
 
+    def checked(body: _Body) -> None:
+        """What every endpoint refuses first: text that is not Unicode, another model."""
+        check_unicode(body.model_dump(exclude_unset=True) | (body.model_extra or {}), "")
+        check_model(body.model)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
-        check_model(body.model)
+        checked(body)
         check_served_fields(body.model_extra or {})
         if body.echo:
             raise ApiError(400, "echo is not served yet", "echo")
-        return await generate(http, body, prompt_ids(body.prompt), body.max_tokens, body.logprobs,
-                              chat=False)
+        return await generate(http, body, await prompt_ids(body.prompt), body.max_tokens,
+                              body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest):
-        check_model(body.model)
+        checked(body)
         check_served_fields(body.model_extra or {})
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = check_ids(chat_ids(body.messages), "messages")
+        prompt = await off_loop(check_ids, await chat_ids(body.messages), "messages")
         return await generate(http, body, prompt, body.max_completion_tokens or body.max_tokens,
                               (body.top_logprobs or 0) if body.logprobs else None, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        check_model(body.model)
+        checked(body)
         tok = need_tokenizer("/tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt (text) or messages (chat)")
         if body.messages is not None:
-            ids = chat_ids(body.messages)
+            ids, param = await chat_ids(body.messages), "messages"
         else:
-            ids = tok.encode(body.prompt)
+            ids, param = await off_loop(tok.encode, body.prompt), "prompt"
+        if len(ids) > max_prompt:         # what a prompt may hold is all /tokenize counts
+            raise ApiError(400, f"the text has {len(ids)} tokens, more than the {max_prompt} a "
+                                "prompt may hold here (mkc serve --max-prompt-tokens; the "
+                                f"model's context is {engine.context})", param)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.context}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        check_model(body.model)
+        checked(body)
         tok = need_tokenizer("/detokenize")
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab]
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
                                 f"{engine.vocab - 1})", "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await off_loop(tok.decode, body.tokens)}
 
     return app
+
+
+def _field_path(loc: tuple) -> str:
+    """A validation error's field, as a client names it: `messages.0.content` (without
+    "body", and without the alternatives of a union pydantic tries: `str`, `list[int]`)."""
+    return ".".join(str(p) for p in loc[1:] if isinstance(p, int) or "[" not in p
+                    and p not in ("str", "int", "float", "bool", "list", "dict", "none"))
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -539,13 +700,64 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(served: Served, engine: Engine, sock: socket.socket, log_level: str = "info") -> None:
+def _header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose client has not sent a whole request's
+    headers `seconds` after it connected or after the last response (uvicorn's own keep-alive
+    timeout stops at the first byte, so a client trickling a header a byte at a time would hold
+    its connection forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _await_headers(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(seconds, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_headers()
+
+        def handle_events(self) -> None:
+            scope = self.scope
+            super().handle_events()
+            if self.scope is not scope and self._header_timer is not None:   # a request began
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._await_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+    return HeaderTimeout
+
+
+def uvicorn_config(served: Served, engine: Engine, host: str, port: int, limits: Limits = Limits(),
+                   log_level: str = "info") -> Any:
+    """The uvicorn.Config that serves the API on host:port under `limits`."""
+    import uvicorn
+    return uvicorn.Config(create_app(served, engine, limits), host=host, port=port,
+                          log_level=log_level, http=_header_timeout_protocol(limits.header_seconds))
+
+
+def serve(served: Served, engine: Engine, sock: socket.socket, log_level: str = "info",
+          limits: Limits = Limits()) -> None:
     """Run the API with uvicorn on the bound ``sock`` until interrupted (SIGINT, SIGTERM) or the
     engine stops serving (`engine.failure`), the engine's thread beside it."""
     import uvicorn
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host=host, port=port,
-                                           log_level=log_level))
+    server = uvicorn.Server(uvicorn_config(served, engine, host, port, limits, log_level))
     engine.on_failure = lambda message: setattr(server, "should_exit", True)
     engine.start()
     try:

@@ -62,6 +62,16 @@ class QueueFull(Exception):
     """Every row is busy and the waiting queue is at its bound."""
 
 
+class Unfit(ValueError):
+    """A request whose settings do not fit what a launch packs them into (an int32 top_k, seed
+    or token): refused at `submit`, so that it never fails a step the other rows share.
+    `field`: the request field it names."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class Stopped(Exception):
     """The engine stopped serving (another process fell out of step): no request is taken."""
 
@@ -200,14 +210,20 @@ class Engine:
 
     # ---- the request side (any thread) ---------------------------------------------------
     def submit(self, request: Request) -> None:
-        """Queue a request for the next free row; QueueFull past B busy rows and `max_queue`
-        waiting ones."""
+        """Queue a request for the next free row; Unfit when its settings or tokens do not fit
+        a launch, QueueFull past B busy rows and `max_queue` waiting ones."""
+        check_fits(request.sampling)
+        if not all(0 <= t < self.vocab for t in request.prompt):
+            raise Unfit(f"the prompt has token ids outside the vocabulary (0 to {self.vocab - 1})",
+                        "prompt")
         with self._wake:
             if self.failure is not None:
                 raise Stopped(self.failure)
-            if len(self._waiting) >= self.max_queue + self._free_rows():
-                raise QueueFull(f"all {self.batch} rows are busy and {len(self._waiting)} requests "
-                                f"wait (the queue holds {self.max_queue})")
+            free = self._free_rows()
+            if len(self._waiting) >= self.max_queue + free:
+                busy = ("all" if free == 0 else f"{self.batch - free} of") + f" {self.batch} rows are busy"
+                raise QueueFull(f"{busy} and {len(self._waiting)} requests wait for a row (the "
+                                f"queue holds {self.max_queue})")
             self._waiting.append(request)
             self._wake.notify()
 
@@ -505,6 +521,19 @@ class Engine:
                     if req.finished:
                         break
                     self._accept(req, sampled, i * R + j)
+
+
+def check_fits(sampling: SamplingParams) -> None:
+    """Raise Unfit, naming the field, when a request's sampling does not pack into a step's
+    per-row arrays (`row_arrays`, which every launch that samples uses, at any token count the
+    request may reach)."""
+    try:
+        row_arrays([sampling], [min(sampling.max_tokens, np.iinfo(np.int32).max)])
+    except (OverflowError, ValueError, TypeError) as e:
+        fields = [name for name, value in (("top_k", sampling.top_k), ("seed", sampling.seed))
+                  if not isinstance(value, int) or not -2**31 <= value < 2**31]
+        raise Unfit(f"{fields[0] if fields else 'the sampling'} does not fit the sampler's "
+                    f"arrays ({e})", fields[0] if fields else None) from None
 
 
 def _verifies_one_sequence(gen: Any) -> bool:

@@ -86,12 +86,14 @@ def fake_greedy(prompt: list[int], n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def fake_server(batch: int = 2, queue: int = 8, tokenizer=None, name: str = "fake_mini") -> Iterator[str]:
-    """The HTTP API over the stand-in module, on uvicorn in a thread of this process: its URL
-    (for clients that need a real socket: the load and eval scripts)."""
+def fake_server(batch: int = 2, queue: int = 8, tokenizer=None, name: str = "fake_mini",
+                limits=None) -> Iterator[str]:
+    """The HTTP API over the stand-in module, on uvicorn in a thread of this process (as `mkc
+    serve` configures it, under `limits`, default mkc.serve.api.Limits()): its URL (for clients
+    that need a real socket: the load and eval scripts)."""
     import uvicorn
 
-    from mkc.serve.api import create_app
+    from mkc.serve.api import Limits, uvicorn_config
     from mkc.serve.engine import Engine
     from mkc.serve.launch import free_port
     from mkc.serve.model import Served
@@ -101,9 +103,9 @@ def fake_server(batch: int = 2, queue: int = 8, tokenizer=None, name: str = "fak
     engine = Engine(gen, {}, served.mesh, batch, None, max_queue=queue, eos_token_ids=served.eos_token_ids)
     engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn_config(served, engine, "127.0.0.1", port, limits or Limits(),
                                            log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, name="mkc-serve-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:

@@ -98,9 +98,12 @@ def test_text_endpoints_without_a_tokenizer(client):
     chat = client.post("/v1/chat/completions",
                        json={"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
-    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+    assert "`mkc serve --tokenizer bytes`" in chat.json()["error"]["message"]
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]}),
+                       ("/v1/completions", {"model": NAME, "prompt": "hi"})):
         r = client.post(path, json=body)
         assert r.status_code == 400 and "needs a tokenizer" in r.json()["error"]["message"]
+        assert "`mkc serve --tokenizer bytes`" in r.json()["error"]["message"]
     assert complete(client, prompt=[2], max_tokens=1).status_code == 200     # still serving
 
 
@@ -118,8 +121,15 @@ def test_a_full_server_answers_429():
         engine.submit(Request(prompt=[1], sampling=SamplingParams(max_tokens=1), loop=loop))
         with TestClient(create_app(served, engine)) as c:
             r = c.post("/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 1})
-        assert r.status_code == 429
-        assert "the server is busy: all 1 rows are busy" in r.json()["error"]["message"]
+            assert r.status_code == 429     # the row is free, but the waiter will take it
+            assert ("the server is busy: 0 of 1 rows are busy and 1 requests wait for a row"
+                    in r.json()["error"]["message"])
+            with engine._wake:
+                engine._admit()             # the waiter takes the row, as the engine's thread would
+            r = c.post("/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 1})
+            assert r.status_code == 429
+            assert ("the server is busy: all 1 rows are busy and 0 requests wait"
+                    in r.json()["error"]["message"])
     finally:
         loop.close()
 
@@ -240,7 +250,7 @@ def test_chat_logprobs_bounds(chat_client, extra, param, message):
     ({"messages": [{"content": "a"}]}, "messages", "messages[0] needs a role"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                  {"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages", "messages[0] has content parts of type image_url: the model takes text parts only"),
+     "messages", "messages[0].content[1] is a part of type 'image_url': the model takes text parts only"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages",
      "messages[0].content must be a string or a list of text parts"),
 ])

@@ -1,0 +1,278 @@
+"""`mkc serve` under hostile requests, over the stand-in module (serve_fakes): strict field types
+and bounds (OpenAI's 400 body naming the field), a hostile request beside a good one (the good
+one unharmed), tokenizing off the event loop, the body, prompt and header-time caps, the API
+docs routes off."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from serve_fakes import EOS, fake_greedy, fake_mesh, fake_module, fake_server
+
+from mkc.serve.api import Limits, create_app
+from mkc.serve.engine import Engine, Request, Unfit
+from mkc.serve.model import Served
+from mkc.serve.sampling import SamplingParams
+
+NAME = "fake_mini"
+
+
+class LetterTokenizer:
+    """Token t is the letter chr(97 + t % 26), one a character (in pure Python, so a long text
+    takes as long to encode as a real tokenizer's CPU work); a chat is its messages' texts."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 26 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(m["content"] if isinstance(m["content"], str) else
+                                   "".join(p["text"] for p in m["content"]) for m in messages))
+
+
+def make_client(limits: Limits = Limits(), tokenizer=None) -> tuple[TestClient, Engine]:
+    gen = fake_module()
+    served = Served(name=NAME, gen=gen, weights={}, mesh=fake_mesh(), interpret=None,
+                    tokenizer=tokenizer or LetterTokenizer(), eos_token_ids=frozenset({EOS}))
+    engine = Engine(gen, {}, served.mesh, 2, None, max_queue=4, eos_token_ids=served.eos_token_ids)
+    return TestClient(create_app(served, engine, limits)), engine
+
+
+@pytest.fixture(scope="module")
+def client():
+    c, engine = make_client()
+    engine.start()
+    with c:
+        yield c
+    engine.stop()
+
+
+def openai_400(r: httpx.Response, param: str | None) -> str:
+    """The message of OpenAI's 400 error body, checked to be one, naming `param` (or a part
+    of it: `stop_token_ids.0`)."""
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    assert error["type"] == "invalid_request_error", error
+    assert error["param"] == param or error["param"].startswith(f"{param}."), error
+    return error["message"]
+
+
+COMPLETION = {"model": NAME, "prompt": [1], "max_tokens": 1, "temperature": 0}
+CHAT = {"model": NAME, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "a"}]}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2**31), ("top_k", "1"), ("top_k", True), ("top_k", 1.5), ("top_k", ["7"]),
+    ("seed", 2**64), ("seed", "1"), ("temperature", "1"), ("temperature", True),
+    ("top_p", "yes"), ("max_tokens", "1"), ("max_tokens", True), ("max_tokens", ["7"]),
+    ("stream", "yes"), ("stream", 1), ("ignore_eos", "true"), ("echo", 0), ("n", "1"),
+    ("logprobs", True), ("stop_token_ids", ["7"]), ("stop_token_ids", [True]), ("stop", 5),
+    ("stop", [1]), ("model", 5), ("stream_options", {"include_usage": "yes"}),
+    ("prompt", [True]), ("prompt", ["7", 1]), ("prompt", [[1], "a"]), ("prompt", {"a": 1}),
+    ("prompt", 5), ("prompt", None), ("prompt", [1.0]), ("prompt", [[True]]),
+])
+def test_a_completion_field_of_the_wrong_type_or_range_is_a_400_naming_it(client, field, value):
+    openai_400(client.post("/v1/completions", json={**COMPLETION, field: value}), field)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+    [{"role": "user", "content": [{"type": "text", "text": None}]}],
+    [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}],
+    [{"role": "user", "content": [{"type": "text"}]}],
+    [{"role": "user", "content": [{"type": ["text"], "text": "a"}]}],
+    [{"role": "user", "content": [{"type": {"text": 1}, "text": "a"}]}],
+    [{"role": "user", "content": ["a"]}],
+    [{"role": ["user"], "content": "a"}],
+    [{"role": {"user": 1}, "content": "a"}],
+    [{"role": "user", "content": "a", "name": 5}],
+    [{"role": "user", "content": {"text": "a"}}],
+])
+def test_a_chat_message_of_the_wrong_shape_is_a_400(client, messages):
+    openai_400(client.post("/v1/chat/completions", json={**CHAT, "messages": messages}), "messages")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"model": "fake_mini", "prompt": "a\\ud800b", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"model": "fake_mini", "prompt": ["\\udfff"], "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"model": "fake_mini", "prompt": [1], "max_tokens": 1, "stop": "\\ud800"}',
+     "stop"),
+    ("/v1/chat/completions", '{"model": "fake_mini", "max_tokens": 1, "messages": '
+                             '[{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/chat/completions", '{"model": "fake_mini", "max_tokens": 1, "messages": [{"role": "user", '
+                             '"content": [{"type": "text", "text": "\\ud800"}]}]}', "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": [1]}', "model"),
+])
+def test_a_lone_surrogate_is_a_400(client, path, body, param):
+    r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    assert "lone surrogate" in openai_400(r, param)
+
+
+def test_detokenize_takes_integers_only(client):
+    for tokens in (["1"], [True], [1.0], 5):
+        openai_400(client.post("/detokenize", json={"tokens": tokens}), "tokens")
+    assert client.post("/detokenize", json={"tokens": [0, 1]}).json() == {"prompt": "ab"}
+
+
+def test_a_hostile_request_beside_a_good_one_leaves_it_unharmed():
+    """top_k past int32 once passed validation and overflowed where the engine packs sampling
+    settings, failing every busy row; now it is a 400 and the request beside it completes."""
+    prompt, n = [3, 5, 7], 24
+    with fake_server(batch=2, limits=Limits()) as url:
+        results: dict[str, httpx.Response] = {}
+
+        def send(name: str, body: dict) -> None:
+            results[name] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        good = threading.Thread(target=send, args=("good", {**COMPLETION, "prompt": prompt,
+                                                            "max_tokens": n, "ignore_eos": True}))
+        good.start()
+        for k in (2**31, 2**40, 2**63):
+            send("hostile", {**COMPLETION, "prompt": [2, 4], "max_tokens": 8, "temperature": 0.7,
+                             "top_k": k})
+            openai_400(results["hostile"], "top_k")
+        good.join()
+    assert results["good"].status_code == 200, results["good"].text
+    assert results["good"].json()["choices"][0]["token_ids"] == fake_greedy(prompt, n)
+
+
+def test_the_engine_refuses_what_does_not_fit_a_launch_and_serves_the_rest():
+    """An engine given a request whose settings overflow the sampler's int32 arrays (or tokens
+    outside the vocabulary) refuses that request alone at submit."""
+    import asyncio
+    gen = fake_module()
+    engine = Engine(gen, {}, fake_mesh(), 2, None, eos_token_ids=frozenset({EOS}))
+    engine.start()
+    loop = asyncio.new_event_loop()
+    try:
+        good = Request(prompt=[3, 5], sampling=SamplingParams(max_tokens=20, temperature=0.0), loop=loop)
+        engine.submit(good)
+        for sampling, prompt, field in ((SamplingParams(max_tokens=4, top_k=2**31), [1], "top_k"),
+                                        (SamplingParams(max_tokens=4, seed=-2**40), [1], "seed"),
+                                        (SamplingParams(max_tokens=4), [2**31], "prompt")):
+            with pytest.raises(Unfit) as e:
+                engine.submit(Request(prompt=prompt, sampling=sampling, loop=loop))
+            assert e.value.field == field
+        tokens = []
+        while True:
+            event = loop.run_until_complete(asyncio.wait_for(good.events.get(), 60))
+            if event.finish_reason is not None:
+                break
+            tokens.append(event.token)
+        assert event.finish_reason == "length" and tokens == fake_greedy([3, 5], 20)
+    finally:
+        engine.stop()
+        loop.close()
+
+
+def _thread_cpu(name: str) -> float:
+    """CPU seconds of this process's thread `name` so far."""
+    thread = next(t for t in threading.enumerate() if t.name == name)
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized():
+    """A 3 MB text prompt is tokenized in the thread pool: the event loop's thread spends a
+    small part of the tokenizer's CPU time on the request, and /health answers throughout.
+    Judged by CPU time (the loop thread's, against the tokenizer's), which load does not move."""
+    text = "abcdefghij" * 300_000
+    tokenizer = LetterTokenizer()
+    t0 = time.thread_time()
+    tokenizer.encode(text)
+    encode_cpu = time.thread_time() - t0
+    with fake_server(tokenizer=tokenizer, limits=Limits(max_body_bytes=8 << 20)) as url:
+        with httpx.Client(timeout=60) as http:
+            http.get(url + "/health")
+            latencies: list[float] = []
+            done = threading.Event()
+
+            def poll() -> None:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    assert http.get(url + "/health").status_code == 200
+                    latencies.append(time.perf_counter() - t)
+                    time.sleep(0.01)
+            loop_cpu = _thread_cpu("mkc-serve-http")
+            poller = threading.Thread(target=poll)
+            poller.start()
+            try:
+                r = httpx.post(url + "/v1/completions", timeout=120,
+                               json={"model": NAME, "prompt": text, "max_tokens": 1})
+            finally:
+                done.set()
+                poller.join()
+            loop_cpu = _thread_cpu("mkc-serve-http") - loop_cpu
+    assert "the prompt has 3000000 tokens" in openai_400(r, "prompt")
+    print(f"encode {encode_cpu * 1e3:.0f} ms CPU; loop thread {loop_cpu * 1e3:.0f} ms CPU; /health "
+          f"{len(latencies)} answers, max {max(latencies) * 1e3:.0f} ms")
+    assert latencies and loop_cpu < max(0.1, encode_cpu / 2), (loop_cpu, encode_cpu)
+
+
+def test_a_body_past_the_cap_is_a_413():
+    with fake_server(limits=Limits(max_body_bytes=1000)) as url:
+        big = json.dumps({**COMPLETION, "prompt": [1] * 400}).encode()
+        assert len(big) > 1000
+        for content in (big, iter([big[:600], big[600:]])):     # with a Content-Length, and chunked
+            r = httpx.post(url + "/v1/completions", content=content,
+                           headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 413, r.text
+            assert "cap of 1000 bytes (mkc serve --max-body-bytes)" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": [1] * 20}, timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_prompts_and_tokenize_past_the_prompt_cap_are_400s():
+    c, engine = make_client(Limits(max_prompt_tokens=4))
+    engine.start()
+    try:
+        with c:
+            r = c.post("/v1/completions", json={**COMPLETION, "prompt": [1] * 5})
+            cap = "more than this server's cap (mkc serve --max-prompt-tokens) of 4"
+            assert cap in openai_400(r, "prompt")
+            r = c.post("/v1/chat/completions",
+                       json={**CHAT, "messages": [{"role": "user", "content": "abcde"}]})
+            assert "--max-prompt-tokens" in openai_400(r, "messages")
+            r = c.post("/tokenize", json={"prompt": "abcde"})
+            assert "--max-prompt-tokens" in openai_400(r, "prompt")
+            assert c.post("/tokenize", json={"prompt": "abcd"}).json()["count"] == 4
+            assert c.post("/v1/completions", json={**COMPLETION, "prompt": [1] * 4}).status_code == 200
+    finally:
+        engine.stop()
+
+
+def test_a_client_slow_to_send_its_headers_is_cut_off():
+    """uvicorn's keep-alive timeout stops at a request's first byte: a client trickling its
+    headers would hold its connection for ever."""
+    with fake_server(limits=Limits(header_seconds=0.5)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            deadline = time.monotonic() + 20
+            closed = False
+            while not closed and time.monotonic() < deadline:
+                try:
+                    s.sendall(b"X")
+                    s.settimeout(0.2)
+                    closed = s.recv(1024) == b""
+                except socket.timeout:
+                    continue
+                except OSError:
+                    closed = True
+            assert closed, "the connection is still open after 20 s"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200    # a prompt client is served
+
+
+def test_api_docs_are_off_unless_asked_for():
+    for limits, status in ((Limits(), 404), (Limits(api_docs=True), 200)):
+        c, _ = make_client(limits)
+        with c:
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                assert c.get(path).status_code == status, (path, limits)
