@@ -156,6 +156,17 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "its family's JAX reference (f32, XLA) on JAX's default device; a "
                         "checkpoint directory, or a config name with random weights from --seed; "
                         "its vocabulary must be the served model's (default: --model itself)")
+    caps = p.add_argument_group("request caps", "what one request may ask (docs/serving.md#refusals)")
+    caps.add_argument("--max-body-bytes", type=int_at_least(1), default=4 << 20, metavar="N",
+                      help="a request body past N bytes gets a 413 (default 4 MiB)")
+    caps.add_argument("--max-prompt-tokens", type=int_at_least(1), metavar="N",
+                      help="a prompt of more than N tokens, or text /tokenize finds longer, gets "
+                           "a 400 (default: the model's context)")
+    caps.add_argument("--header-timeout", type=float_at_least(0.1), default=10.0, metavar="SECONDS",
+                      help="a connection that has not sent a whole request's headers SECONDS "
+                           "after it opened (or after its last response) is closed (default 10)")
+    caps.add_argument("--api-docs", action="store_true",
+                      help="serve the API's /docs, /redoc and /openapi.json (off by default)")
     hosts = p.add_argument_group(
         "several hosts", "one process per host, each started with the same spec and model; process "
                          "0 serves HTTP, the others run its launches (docs/serving.md#several-hosts)")
@@ -299,7 +310,7 @@ def _serve(args) -> int:
 
 def _serve_here(args, leader) -> int:
     """Process 0 (or the only one): the engine, its warm-up, then HTTP until interrupted."""
-    from mkc.serve.api import interrupted_by_sigterm, listening_socket, serve
+    from mkc.serve.api import Limits, interrupted_by_sigterm, listening_socket, serve
     host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8000
     try:
         try:
@@ -320,7 +331,8 @@ def _serve_here(args, leader) -> int:
     shown = f"[{host}]" if ":" in host else host        # an IPv6 address in a URL
     print(f"mkc serve: {served.name} ready at http://{shown}:{port} (first step "
           f"{seconds:.1f} s)", file=sys.stderr, flush=True)
-    serve(served, engine, sock)
+    serve(served, engine, sock, limits=Limits(args.max_body_bytes, args.max_prompt_tokens,
+                                              args.header_timeout, args.api_docs))
     if engine.failure is not None:
         print(f"mkc serve: stopped serving: {engine.failure}", file=sys.stderr, flush=True)
         leader.abort(engine.failure)            # the processes still following stop too
