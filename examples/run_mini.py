@@ -51,7 +51,8 @@ from generated_module import (add_interpret_host_option, add_mutant_options,  # 
                               plain_trajectory, rounding_for, step_references, run_kernel,
                               run_mutants, run_verify)
 
-from mkc.checkpoint import family_of, load_checkpoint  # noqa: E402
+from mkc.checkpoint import CheckpointError, family_of, load_checkpoint  # noqa: E402
+from mkc.diagnostics import MkcError  # noqa: E402
 from mkc.arguments import int_at_least  # noqa: E402
 from mkc.numerics import host_facts  # noqa: E402
 
@@ -91,19 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     check_mutant_options(ap, args)
     replaced = interpret_host(args)
 
-    if args.checkpoint:
-        config, hf = load_checkpoint(args.checkpoint)
-        model = str(Path(args.checkpoint).resolve())
-    else:
-        model = args.model
-        config = json.loads((ROOT / f"mkc/model/configs/{model}.json").read_text())
+    spec = Path(args.spec)
+    try:        # compiled first: a model the spec cannot run is refused before a weight is read
+        model = str(Path(args.checkpoint).resolve()) if args.checkpoint else args.model
+        gen = load_generated(spec, model, args.mutate)
+        if args.checkpoint:
+            config, hf = load_checkpoint(args.checkpoint)
+        else:
+            config = json.loads((ROOT / f"mkc/model/configs/{model}.json").read_text())
+    except MkcError as e:
+        print(e.render(spec.read_text()), file=sys.stderr)
+        return 1
+    except CheckpointError as e:
+        print(f"{args.checkpoint}: {e}\n  hint: {e.hint}", file=sys.stderr)
+        return 1
     family = family_of(config)
     reference = family.module("reference")
     cfg = reference.load_config(config)
     if not args.checkpoint:
         hf = reference.init_params(cfg, seed=0)
-    spec = Path(args.spec)
-    gen = load_generated(spec, model, args.mutate)
     check_batch(ap, gen, args.batch)
     rounding = rounding_for(spec, model)
 

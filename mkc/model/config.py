@@ -127,6 +127,7 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
                    hint=f"supported families: {', '.join(registry.model_types())}")
     try:
         dims = read_checked_dims(family.read_dims, raw, model_name(path))
+        eos_token_ids(raw, dims.vocab_size)
     except ConfigError as e:
         raise fail("E-MODEL", f"model config {path}: {e}", where, hint=e.hint) from None
     except KeyError as e:
@@ -163,6 +164,27 @@ def read_checked_dims(read_dims: Callable[[Mapping, str], Any], raw: Mapping, na
                           "check the config's counts, sizes and constants: a zero, or one out "
                           "of its range, divides or overflows") from None
     return in_range(dims)
+
+
+def text_setting(config: Mapping, key: str) -> Any:
+    """A config value at its top or, for a multimodal config, in its `text_config`."""
+    text = config.get("text_config")
+    return config.get(key, text.get(key) if isinstance(text, Mapping) else None)
+
+
+def eos_token_ids(config: Mapping, vocab: int) -> frozenset[int]:
+    """The config's `eos_token_id` (one id, a list, or none; at its top or in a multimodal
+    config's `text_config`), each a token of the `vocab` ids; ConfigError otherwise (an id
+    outside it would never end a generation). `mkc check` and compile refuse such a config at
+    the spec's `model` line; `mkc serve` stops generations at these ids."""
+    eos = text_setting(config, "eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    bad = [e for e in ids if type(e) is not int or not 0 <= e < vocab]
+    if bad:
+        raise ConfigError(f"eos_token_id {json.dumps(eos)[:60]}: {json.dumps(bad[0])} is not a token id "
+                          f"of its vocabulary (0 to {vocab - 1})",
+                          "give eos_token_id as the config's token id (or a list of them), as upstream does")
+    return frozenset(ids)
 
 
 def in_range(dims: Any) -> Any:

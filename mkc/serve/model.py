@@ -266,26 +266,16 @@ class Served:
     replica: bool = False             # each process runs its own copy (CPU, multi-process)
 
 
-def _text_setting(config: dict, key: str) -> Any:
-    """A config value at its top or, for a multimodal config, in its `text_config`."""
-    text = config.get("text_config")
-    return config.get(key, text.get(key) if isinstance(text, dict) else None)
-
-
 def _eos_ids(config: dict, vocab: int, where: str) -> frozenset[int]:
-    """The config's `eos_token_id` (one id, a list, or none; at its top or in a multimodal
-    config's `text_config`), each a token of the vocabulary; MkcError otherwise (an id outside
-    it would never end a generation)."""
+    """The config's eos ids (`mkc.model.config.eos_token_ids`, which compiling the spec for
+    it already checked); MkcError for one outside the vocabulary."""
     from mkc.diagnostics import Diagnostic, MkcError, Span
-    eos = _text_setting(config, "eos_token_id")
-    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    bad = [e for e in ids if type(e) is not int or not 0 <= e < vocab]
-    if bad:
-        raise MkcError(Diagnostic(
-            "E-SERVE", f"{where}: eos_token_id {json.dumps(eos)[:60]}: {json.dumps(bad[0])} is not "
-            f"a token id of its vocabulary (0 to {vocab - 1})", Span.unknown("--model"),
-            hint="give eos_token_id as the config's token id (or a list of them), as upstream does"))
-    return frozenset(ids)
+    from mkc.model.config import eos_token_ids
+    from mkc.model.family import ConfigError
+    try:
+        return eos_token_ids(config, vocab)
+    except ConfigError as e:
+        raise MkcError(Diagnostic("E-SERVE", f"{where}: {e}", Span.unknown("--model"), hint=e.hint)) from None
 
 
 def _check_context(config: dict, context: int, where: str) -> None:
@@ -293,7 +283,8 @@ def _check_context(config: dict, context: int, where: str) -> None:
     its top or in `text_config`): positions the model was never trained at, which would be
     served as though it had been (vLLM refuses such a max_model_len too)."""
     from mkc.diagnostics import Diagnostic, MkcError, Span
-    longest = _text_setting(config, "max_position_embeddings")
+    from mkc.model.config import text_setting
+    longest = text_setting(config, "max_position_embeddings")
     if type(longest) is int and 0 < longest < context:
         raise MkcError(Diagnostic(
             "E-SERVE", f"the spec's context of {context} tokens runs past {where}'s "

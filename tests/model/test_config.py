@@ -220,3 +220,24 @@ def test_a_key_transformers_writes_under_its_attribute_map_name_is_read(tmp_path
     assert ref.load_config(renamed) == ref.load_config(config)
     _rejects(tmp_path, json.dumps(config | {alias: config[key] * 2}),
              f"{alias} = {config[key] * 2} and {key}")
+
+
+def test_an_eos_token_outside_the_vocabulary_is_refused_by_check_and_run_mini(tmp_path, capsys):
+    """`mkc serve` refused a config whose eos_token_id is no token of its vocabulary (it would
+    never end a generation), but `mkc check` and examples/run_mini.py took it: the config
+    reader refuses it now, at the spec's `model` line, for all three."""
+    from mkc.cli import main
+    from conftest import run_python
+    from tests_support import ROOT, SPEC
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(QWEN | {"eos_token_id": [5, 99999]}))
+    says = "eos_token_id [5, 99999]: 99999 is not a token id of its vocabulary (0 to 2047)"
+    _rejects(tmp_path, json.dumps(QWEN | {"eos_token_id": True}), "eos_token_id true: true is not a token id")
+    assert main(["check", str(SPEC), "--model", str(ckpt)]) == 1
+    line = next(i for i, t in enumerate(SPEC.read_text().splitlines(), 1) if t.strip().startswith("model"))
+    err = capsys.readouterr().err
+    assert f"{SPEC}:{line}:" in err and "error[E-MODEL]" in err and says in err, err
+    r = run_python([str(ROOT / "examples" / "run_mini.py"), "--checkpoint", str(ckpt)], timeout=300)
+    assert r.returncode == 1 and says in r.stderr and "error[E-MODEL]" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
