@@ -29,7 +29,6 @@ import math
 import sys
 import time
 import types
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -322,10 +321,7 @@ def trace_module(module: types.ModuleType, batch: int,
             *[jax.ShapeDtypeStruct(*v) for v in module.hbm_shapes().values()],
             *[jax.ShapeDtypeStruct(*v) for v in states.values()]]
     call = module.build_kernel(batch, verify_rows=verify_rows)
-    with warnings.catch_warnings():
-        # the remote copies' device_id_type is deprecated in JAX; not ours to report here
-        warnings.filterwarnings("ignore", ".*device_id_type.*", DeprecationWarning)
-        return jax.make_jaxpr(call, axis_env=[(module.AXIS, module.RANKS)])(*args)
+    return jax.make_jaxpr(call, axis_env=[(module.AXIS, module.RANKS)])(*args)
 
 
 _COUNTED: dict[tuple[str, int, int | None], KernelWork] = {}

@@ -64,8 +64,7 @@ def barrier(axis: str, ranks: int) -> None:
     me = lax.axis_index(axis)
     sem = pltpu.get_barrier_semaphore()
     for k in range(1, ranks):
-        pl.semaphore_signal(sem, 1, device_id=(lax.rem(me + k, ranks),),
-                            device_id_type=pl.DeviceIdType.MESH)
+        pl.semaphore_signal(sem, 1, device_id=(lax.rem(me + k, ranks),))
     pl.semaphore_wait(sem, ranks - 1)
 
 
@@ -106,8 +105,7 @@ def _send_shares(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counte
     for k in range(1, size):
         peer = base + lax.rem(local + k, size) * stride
         cp = pltpu.make_async_remote_copy(slot(local), slot(local), send_sem.at[par, k],
-                                          recv_sem.at[par, local], device_id=(peer,),
-                                          device_id_type=pl.DeviceIdType.MESH)
+                                          recv_sem.at[par, local], device_id=(peer,))
         cp.start()
         sends.append(cp)
 
@@ -124,8 +122,7 @@ def _receive(slot, send_sem, recv_sem, par, local, base, size: int, stride: int)
         # A descriptor of the matching incoming copy; only its receive semaphore and size matter.
         src = lax.rem(local + size - k, size)
         pltpu.make_async_remote_copy(slot(src), slot(src), send_sem.at[par, k],
-                                     recv_sem.at[par, src], device_id=(base + src * stride,),
-                                     device_id_type=pl.DeviceIdType.MESH).wait_recv()
+                                     recv_sem.at[par, src], device_id=(base + src * stride,)).wait_recv()
 
 
 def _exchange(value: jax.Array, recv, send_sem, recv_sem, counter_ref, counter: int, axis: str,
@@ -186,8 +183,7 @@ def _send_chunks(partial: jax.Array, recv, staging, send_sem, recv_sem, counter_
         member = lax.rem(local + k, size)
         cp = pltpu.make_async_remote_copy(staged(member), slot(local), send_sem.at[par, k],
                                           recv_sem.at[par, local],
-                                          device_id=(base + member * stride,),
-                                          device_id_type=pl.DeviceIdType.MESH)
+                                          device_id=(base + member * stride,))
         cp.start()
         sends.append(cp)
 

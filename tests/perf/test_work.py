@@ -1,6 +1,7 @@
 """Work counted from the emitted kernel (`mkc.perf.work`): the counting rules on small traced
 functions, and the model priced by what the lowering does: more work in one compute body makes
 the modelled step longer, no MXFP4 decode makes K3's shorter."""
+import warnings
 from pathlib import Path
 
 import jax
@@ -221,6 +222,16 @@ def test_every_op_of_a_shipped_spec_is_priced_from_the_emitted_kernel(spec):
             assert e["kv_tiles"] > 0, e
     assert set(kw.ops) <= traced                 # nothing counted under a name the trace lacks
     assert np.isfinite(rep["step_seconds"])
+
+
+def test_the_emitted_kernel_calls_no_deprecated_jax_api(fresh_counts):
+    """Traced with JAX's deprecation warnings as errors, as `mkc perf` and the VMEM check trace
+    it: the 27B's kernel, its collectives' barrier and remote copies among its calls
+    (tests/runtime/test_collectives.py lowers and interprets the collectives so too)."""
+    s = check_spec(SPEC).ir
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        work.kernel_work(s, 8)
 
 
 def test_qwen_attention_loads_each_kv_tile_once_per_kv_head_not_per_query_head():

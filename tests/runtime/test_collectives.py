@@ -10,7 +10,8 @@ to the rounding emulation (`mkc.reference.rounding.allreduce`, which knows only 
 stages). The scattered form and an all-gather overlapped (`InFlight`): started, advanced while
 other collectives run, finished; bit-equal to the same run at once, and a mutant that reads its
 slots without waiting for them is caught. Runs in TPU interpret mode on 16 virtual CPU devices
-(on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2.
+(on-wait and eager DMAs, and with race detection) and compile-only for tpu7x=2x2x2, with JAX's
+deprecation warnings as errors.
 
 Every run is a subprocess (the device count is fixed when jax initialises):
 ``python tests/runtime/test_collectives.py on_wait|eager|races|races_eager|compile [lean]`` prints one
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 import types
+import warnings
 
 if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -322,6 +324,7 @@ def test_all_three_compile_for_tpu7x_2x2x2():
 
 
 if __name__ == "__main__":
+    warnings.simplefilter("error", DeprecationWarning)     # no deprecated JAX API, traced or lowered
     mode = sys.argv[1]
     lean = []
     if sys.argv[2:] == ["lean"]:
