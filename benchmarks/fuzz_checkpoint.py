@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # MINI config -> the shipped spec its checkpoints are checked with (K3's moved to 2 hosts).
 SPECS = {"qwen3_8_mini": "qwen3_8_27b", "qwen3_5_moe_mini": "qwen3_5_35b_a3b",
-         "kimi_k3_mini": "kimi_k3"}
+         "kimi_k3_mini": "kimi_k3", "deepseek_v3_mini_fp8": "deepseek_v3"}
 INDEX = "model.safetensors.index.json"
 
 
@@ -50,7 +50,8 @@ def _write(rng: random.Random, dir: Path, mini: str, params: dict[str, np.ndarra
                     max_shard_bytes=(4 << 20) if sharded else None)
 
 
-def _mini(rng: random.Random, choices: tuple[str, ...] = tuple(SPECS)) -> str:
+def _mini(rng: random.Random, choices: tuple[str, ...] = ("qwen3_8_mini", "qwen3_5_moe_mini",
+                                                           "kimi_k3_mini")) -> str:
     return rng.choice(choices)
 
 
@@ -81,14 +82,51 @@ def non_finite_weight(rng: random.Random, dir: Path) -> str:
 
 
 def nan_e8m0_scale(rng: random.Random, dir: Path) -> str:
-    """An MXFP4 scale of 255 (E8M0's NaN) in one of K3's expert scale tensors."""
+    """An MXFP4 scale of 255 (E8M0's NaN), or one under which e2m1's largest value overflows
+    (253, 254), in one of K3's expert scale tensors."""
     mini = "kimi_k3_mini"
     name = rng.choice(sorted(n for n in _params(mini) if n.endswith(".weight_scale")))
     a = _params(mini)[name].copy()
     index = tuple(rng.randrange(n) for n in a.shape)
-    a[index] = 255
+    a[index] = value = rng.choice([253, 254, 255])
     _write(rng, dir, mini, {name: a})
-    return f"{mini}: E8M0 scale 255 at {name}{list(index)}"
+    return f"{mini}: E8M0 scale {value} at {name}{list(index)}"
+
+
+def bad_block_scale(rng: random.Random, dir: Path) -> str:
+    """DeepSeek-V3's FP8 checkpoint with one `weight_scale_inv` out of its format: a value
+    that is no f32 normal or makes the largest code infinite, or the tensor stored as F16 or
+    BF16 instead of F32."""
+    import ml_dtypes
+    mini = "deepseek_v3_mini_fp8"
+    name = rng.choice(sorted(n for n in _params(mini) if n.endswith("_scale_inv")))
+    a = _params(mini)[name].copy()
+    if rng.random() < 0.25:
+        dtype = rng.choice([np.float16, ml_dtypes.bfloat16])
+        _write(rng, dir, mini, {name: a.astype(dtype)})
+        return f"{mini}: {name} stored as {np.dtype(dtype).name}"
+    index = tuple(rng.randrange(n) for n in a.shape)
+    a[index] = value = rng.choice([3e38, 1e36, -1.0, 0.0, -0.0, 1e-45, 1e-39, math.nan, math.inf])
+    _write(rng, dir, mini, {name: a})
+    return f"{mini}: block scale {value} at {name}{list(index)}"
+
+
+def bad_config_value(rng: random.Random, dir: Path) -> str:
+    """config.json with a value no model has: layers by the billion, a zero divisor (DeepSeek-V3's
+    expert groups, a KV head count), a YaRN base of 1, an eos_token_id past the vocabulary, or
+    an expert count under both of transformers' names, disagreeing."""
+    mini = _mini(rng, ("qwen3_8_mini", "qwen3_5_moe_mini", "deepseek_v3_mini_fp8"))
+    _write(rng, dir, mini)
+    config = _config(mini)
+    changes = [{"num_hidden_layers": rng.choice([10 ** 9, 2 ** 63, 0, -1])},
+               {"eos_token_id": rng.choice([config["vocab_size"], -1, [1, 10 ** 9], "</s>"])},
+               {"num_key_value_heads": 0}]
+    if mini == "deepseek_v3_mini_fp8":
+        changes += [{"n_group": 0}, {"topk_group": 0}, {"n_group": -4},
+                    {"num_local_experts": config["n_routed_experts"] + 1}, {"rope_theta": 1}]
+    change = rng.choice(changes)
+    (dir / "config.json").write_text(json.dumps(config | change))
+    return f"{mini}: config {json.dumps(change)[:80]}"
 
 
 def oversized_json(rng: random.Random, dir: Path) -> str:
@@ -157,8 +195,9 @@ def huge_dims(rng: random.Random, dir: Path) -> str:
 
 
 GENERATORS: dict[str, Callable[[random.Random, Path], str]] = {
-    f.__name__: f for f in (non_finite_weight, nan_e8m0_scale, oversized_json, bad_header_length,
-                            escaping_index_path, escaping_symlink, huge_dims)}
+    f.__name__: f for f in (non_finite_weight, nan_e8m0_scale, bad_block_scale, bad_config_value,
+                            oversized_json, bad_header_length, escaping_index_path, escaping_symlink,
+                            huge_dims)}
 
 
 def spec_text(description: str) -> str:
