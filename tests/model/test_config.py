@@ -241,3 +241,18 @@ def test_an_eos_token_outside_the_vocabulary_is_refused_by_check_and_run_mini(tm
     r = run_python([str(ROOT / "examples" / "run_mini.py"), "--checkpoint", str(ckpt)], timeout=300)
     assert r.returncode == 1 and says in r.stderr and "error[E-MODEL]" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("change, words", [({"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000"),
+                                           ({"n_group": 0}, "n_group 0")])
+def test_a_draft_model_s_config_is_bounded_before_it_is_built(tmp_path, change, words):
+    """`mkc serve --draft-model` reads its model through a reference's load_config (a config
+    name or file) or load_checkpoint (a directory): both refuse, with the ValueError the
+    server turns (with CheckpointError) into its E-SERVE diagnostic (was: MemoryError, ZeroDivisionError)."""
+    from mkc.checkpoint import CheckpointError
+    from mkc.serve.drafting import DraftModel
+    config, _ = _reference("deepseek_v3_mini")
+    (tmp_path / "config.json").write_text(json.dumps(config | change))
+    for model in (tmp_path / "config.json", tmp_path):
+        with pytest.raises((ValueError, CheckpointError), match=words):   # what the server catches
+            DraftModel.load(str(model), seed=0, context=64, keep=2)
