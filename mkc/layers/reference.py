@@ -25,11 +25,17 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, precision=HIGHEST)
 
 
+# The norms are jitted, as the kernel's are compiled: run eagerly, ``mean(x * x)`` is a reduce
+# of its own, which XLA's CPU backend sums in another f32 order than the kernel's fused one at
+# some widths (hidden 384: 263 of 768 elements of a pre-norm one ulp apart, which flipped a
+# bf16 input of a Qwen3-MoE layer's K/V projection; at 256 they agree).
+@jax.jit
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMS norm over the last axis with a plain weight (LlamaRMSNorm, Qwen3MoeRMSNorm)."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
+@jax.jit
 def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMS norm over the last axis with a zero-centred weight, ``1 + w`` (Qwen3_5RMSNorm)."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
