@@ -57,8 +57,9 @@ Outcome classes:
     fmt_changed_meaning  the formatted text does not parse, or parses to another AST, or its
                    comments differ (trailing white space aside)
     hang           more CPU seconds than the case's timeout (--timeout times its target's
-                   factor), or 3x that (at least 30 s) of wall time (signature: the outermost
-                   mkc frames of a stack dump taken at the deadline); the worker is restarted;
+                   factor, the CPU of an lsp case's server included), or a minute of wall time
+                   blocked without computing (signature: the outermost mkc frames of a stack
+                   dump taken at the deadline); the worker is restarted;
                    lsp: a server that does not exit after shutdown and exit
     memory         MemoryError under the address-space cap
     crash          the worker process died; lsp: the server died or exited with a nonzero status
@@ -1280,6 +1281,29 @@ def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: flo
 
 # ---- the pool ------------------------------------------------------------------------------
 
+# A case blocked without computing (on a pipe, a lock) is a hang after this much wall time in
+# which it and its children gained less than STALL_CPU_SECONDS: a computing process gets more
+# on a machine loaded hundreds of times over. No wall-clock limit on a case that computes.
+STALL_SECONDS = 60.0
+STALL_CPU_SECONDS = 0.1
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds process `pid` has used, with its children: those waited for, and those
+    still running (Linux: /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    try:
+        running = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                   for c in (task / "children").read_text().split()}
+    except (OSError, ValueError):
+        running = set()
+    return seconds + sum(_process_cpu(c) for c in running)
+
+
 class _Worker:
     def __init__(self, args: list[str], work: Path, log: Path):
         self.work = work
@@ -1296,28 +1320,33 @@ class _Worker:
         self.cpu0 = 0.0
         self.interrupted = False         # SIGUSR2 sent for the current case
         self.case_timeout = 0.0          # CPU seconds the current case may take
+        self.progress = (0.0, 0.0)       # (CPU seconds, monotonic time) when it last computed
 
     def cpu(self) -> float:
-        """CPU seconds the worker has used: the machine may be shared, so a hang is measured
-        in CPU time, with a wall-clock cap for cases that block without computing."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        """CPU seconds the worker and its children (an lsp case's server) have used: the
+        machine may be shared, so a hang is measured in CPU time, and a case blocked without
+        computing by a stretch of wall time without CPU progress."""
+        return _process_cpu(self.proc.pid)
 
     def overdue(self, timeout: float) -> bool:
         now = time.monotonic()
         if not self.ready:
             return now > self.deadline
-        return self.cpu() - self.cpu0 > max(timeout, self.case_timeout) or now > self.deadline
+        cpu = self.cpu()
+        if cpu - self.cpu0 > max(timeout, self.case_timeout):
+            return True
+        if self.interrupted:             # asked where it is: it has until the deadline to say
+            return now > self.deadline
+        if cpu - self.progress[0] >= STALL_CPU_SECONDS:
+            self.progress = (cpu, now)
+        return now - self.progress[1] > STALL_SECONDS
 
     def send(self, seed: int, index: int, kind: str | None, target: str, timeout: float) -> None:
         self.current = index
         self.interrupted = False
         self.cpu0 = self.cpu()
         self.case_timeout = timeout
-        self.deadline = time.monotonic() + max(30.0, 3 * timeout)
+        self.progress = (self.cpu0, time.monotonic())
         self.proc.stdin.write(f"{seed} {index} {target} {kind or ''}\n".encode())
         self.proc.stdin.flush()
 
@@ -1463,8 +1492,8 @@ def run_campaign(seed: int, indices: list, workers: int = 2, timeout: float = 10
                     if not w.interrupted:        # first ask the case to stop where it is
                         w.interrupted = True
                         w.proc.send_signal(signal.SIGUSR2)
-                        w.cpu0 += 2.0            # it has 2 more CPU seconds (or the wall cap) to answer
-                        w.deadline = min(w.deadline, time.monotonic() + 30)
+                        w.cpu0 += 2.0            # it has 2 more CPU seconds (or 30 s) to answer
+                        w.deadline = time.monotonic() + 30
                         continue
                     idx = w.current
                     (w.work / "stack.txt").write_text("")

@@ -10,7 +10,9 @@ classes are `benchmarks/fuzz_campaign.py`'s; this runs a few cases of every muta
 each target. A failure names each signature with a reproducer: `benchmarks/fuzz_campaign.py
 --seed SEED --only I --target T --kind K --emit DIR` writes the case's files.
 """
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,3 +149,35 @@ def test_an_lsp_session_is_classified(monkeypatch, tmp_path, report, cls):
     assert outcome["cls"] == cls
     if cls == "traceback":
         assert outcome["sig"] == "traceback @ mkc/lsp.py:hover"
+
+
+# A child that computes for a fraction of a CPU second in a grandchild (as an lsp case's server
+# computes while its worker waits), then blocks on its input without computing.
+_COMPUTES_THEN_BLOCKS = ("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\n"
+                         "t = time.process_time()\\nwhile time.process_time() - t < 0.3: pass']); "
+                         "sys.stdin.read()")
+
+
+def test_a_case_is_judged_by_cpu_time_not_wall_time():
+    """On a loaded machine a case's wall time runs far ahead of its CPU time: a case sent an
+    hour ago that has computed since (its worker's children count) is not overdue; one blocked
+    for a minute without computing is."""
+    proc = subprocess.Popen([sys.executable, "-c", _COMPUTES_THEN_BLOCKS], stdin=subprocess.PIPE)
+    try:
+        worker = fc._Worker.__new__(fc._Worker)       # the pool's judge of this process
+        worker.proc, worker.ready = proc, True
+        hour_ago = time.monotonic() - 3600
+        worker.interrupted, worker.case_timeout, worker.cpu0 = False, 10.0, worker.cpu()
+        worker.progress, worker.deadline = (worker.cpu0, hour_ago), hour_ago + 30
+        give_up = time.monotonic() + 120
+        while worker.cpu() - worker.cpu0 < 0.3 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert worker.cpu() - worker.cpu0 >= 0.3      # the grandchild's CPU, seen
+        assert not worker.overdue(10.0)
+        worker.progress = (worker.cpu(), time.monotonic() - fc.STALL_SECONDS - 1)
+        assert worker.overdue(10.0)                   # blocked on its input since
+        worker.cpu0 -= 10.0
+        assert worker.overdue(10.0)                   # past its CPU seconds
+    finally:
+        proc.kill()
+        proc.wait()
