@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mkc.diagnostics import Span
 from mkc.families.qwen3_5_moe import reference as ref
 from mkc.families.qwen3_5_moe.config import Qwen35MoeDims, read_dims
-from mkc.model.config import CONFIG_DIR, _checked
+from mkc.model.config import CONFIG_DIR, read_checked_dims
 from mkc.model.family import ConfigError
 
 FULL_JSON = CONFIG_DIR / "qwen3_5_35b_a3b.json"
@@ -22,7 +21,7 @@ MINI = json.loads(MINI_JSON.read_text())
 
 def _dims(raw: dict, path: Path) -> Qwen35MoeDims:
     """read_dims, then the core's range checks (what mkc.model.config runs on every family)."""
-    return _checked(read_dims(raw, path.stem), path, Span.unknown(str(path)))
+    return read_checked_dims(read_dims, raw, path.stem)
 
 
 def test_full_config_dims() -> None:
