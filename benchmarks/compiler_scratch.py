@@ -137,13 +137,13 @@ def measured_text(p: Point, ring_shrink: int = 0) -> str:
     return text
 
 
-def mkc_count(s, rows: int) -> int:
-    """mkc's peak of buffers and windows for the kernel of `rows` rows: its modelled peak less
-    its modelled compiler scratch (a constant, resident all kernel)."""
+def mkc_count(s, kernel) -> int:
+    """mkc's peak of buffers and windows for `kernel` (a `capacity.Kernel`): its modelled peak
+    less its modelled compiler scratch (a constant, resident all kernel)."""
     from mkc.checks import capacity
     from mkc.trace import build_trace
-    peak, _, _ = capacity.vmem_budget(s, build_trace(s), rows)
-    return peak - capacity.compiler_overhead_bytes(s, rows)
+    peak, _, _ = capacity.vmem_budget(s, build_trace(s), kernel)
+    return peak - capacity.compiler_overhead_bytes(s, kernel)
 
 
 # ---- libtpu's side --------------------------------------------------------------------------
@@ -183,6 +183,13 @@ def kernel_rows(s, kernel: str, batch: int) -> int:
     return batch * (s.verify_rows if kernel == "verify" else 1)
 
 
+def kernel_of(s, kernel: str, batch: int):
+    """The `capacity.Kernel` of a decode step at `batch` or a verify step for `batch`
+    sequences of the spec's R rows."""
+    from mkc.checks.capacity import Kernel
+    return Kernel(kernel_rows(s, kernel, batch), batch, kernel == "verify")
+
+
 def compile_kernel(text: str, s, kernel: str, batch: int, timeout: float, llo: bool = False
                    ) -> dict:
     """The spec's module rendered and its kernel ("decode" at `batch` rows, or "verify" for
@@ -217,7 +224,7 @@ def measure(p: Point, llo: bool, timeout: float) -> dict | None:
         text = measured_text(p, shrink)
         s = resolve_text(text, p.spec.name)
         rows = kernel_rows(s, p.kernel, p.batch)
-        counted = mkc_count(s, rows)
+        counted = mkc_count(s, kernel_of(s, p.kernel, p.batch))
         if counted > capacity.usable_vmem_bytes(s) - (1 << 20):
             continue                  # hopeless: a shallower ring first
         r = compile_kernel(text, s, p.kernel, p.batch, timeout, llo)

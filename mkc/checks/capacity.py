@@ -33,6 +33,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Callable
 
 from mkc import ir
 from mkc.diagnostics import Diagnostic, Span
@@ -49,6 +50,11 @@ COMPILER_SCRATCH_MARGIN = 64 << 10
 # the largest scratch measured for the family at that width. The family's own measures are the
 # only evidence; the factor covers a geometry up to half again as heavy in registers.
 UNMEASURED_SCRATCH_FACTOR = 1.5
+# Past the widest width a geometry measured, its scratch grows by at most this much a row: the
+# steepest rise a row past a measure in the data is 0.15 MiB (GPT-OSS 20b from batch 8 to 16;
+# DeepSeek-V3 0.10 from 8 to 32, Llama 8B 0.13 from its 8-row decode to its 16-row verify
+# step; `tests/checks/test_capacity.py` holds every measured pair to it).
+SCRATCH_BOUND_A_ROW = 1 << 18
 
 
 def usable_vmem_bytes(s: ir.ScheduleIR) -> int:
@@ -81,7 +87,8 @@ def scratch_key(s: ir.ScheduleIR) -> tuple[tuple[str, str], ...]:
 
 def _interpolate(points: list[tuple[int, int]], rows: int) -> int:
     """The upper envelope of (rows, bytes) points (never falling as rows grow), linear between
-    them and past the last along its last rising segment."""
+    them; below the narrowest the narrowest's, past the widest the widest's (`_at_width`
+    bounds what lies past it)."""
     env: list[tuple[int, int]] = []
     for r, n in sorted(points):
         n = max([n] + [m for _, m in env])
@@ -96,56 +103,100 @@ def _interpolate(points: list[tuple[int, int]], rows: int) -> int:
     if i == 0:
         return env[0][1]
     if i == len(env):
-        if len(env) == 1:
-            return env[-1][1]
-        (r0, y0), (r1, y1) = env[-2:]
-        return round(y1 + (y1 - y0) / (r1 - r0) * (rows - r1))
+        return env[-1][1]
     (r0, y0), (r1, y1) = env[i - 1], env[i]
     return round(y0 + (y1 - y0) * (rows - r0) / (r1 - r0))
+
+
+def _rise_per_row(points: list[tuple[int, int]]) -> float:
+    """The steepest rise a row between two widths of the upper envelope of (rows, bytes)."""
+    xs = sorted({r for r, _ in points})
+    ys = [_interpolate(points, r) for r in xs]
+    return max([0.0] + [(y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])])
 
 
 @dataclass(frozen=True)
 class CompilerScratch:
     bytes: int
-    measured: bool          # this geometry's own measures (else the family's bound, or none)
+    # libtpu's measure of this geometry and kernel kind at this width or between two measured
+    # widths; False: a bound (a width, kind, geometry or KV tile length never measured)
+    measured: bool
     source: str             # how the figure was reached, for the budget table
 
 
-def compiler_scratch(s: ir.ScheduleIR, batch: int | None = None) -> CompilerScratch:
-    """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest):
-    libtpu's measure for this geometry at its shortest measured KV tiles, interpolated over
-    rows, plus the family's steepest measured bytes a KV-tile token (`kv_token_bytes`) up to
-    the spec's tiles, as long as they are no longer than a measured one (spill grows faster
-    than linearly past that: GPT-OSS 20b at 512-token tiles). A geometry the family has not
-    measured, or KV tiles longer than it measured, gets `UNMEASURED_SCRATCH_FACTOR` times the
-    family's largest measure at that width. A family with no measure at all gets 0 and
-    `check_compiler_scratch` refuses the spec."""
-    rows = batch or s.rows_max
+def _is_verify(m: ir.ScratchMeasure) -> bool:
+    return m.kernel.startswith("verify")
+
+
+def _at_width(measures, k: Kernel) -> tuple[int, bool, str]:
+    """(bytes, measured, how) for kernel `k` from one geometry's measures at one KV tile
+    length. Between the narrowest and widest measure of its kind (decode or verify): the upper
+    envelope, linear between them. Past the widest measured width, or for a kind never
+    measured (from the other kind's): a bound, the envelope at the widest plus
+    `SCRATCH_BOUND_A_ROW` (or the envelope's steepest rise a row, when steeper) for each row
+    past it."""
+    same = [m for m in measures if _is_verify(m) == k.verify]
+    kind = "verify" if k.verify else "decode"
+    pts = [(m.rows, m.bytes) for m in (same or measures)]
+    widest = max(r for r, _ in pts)
+    widths = ", ".join(map(str, sorted({r for r, _ in pts})))
+    if same and k.rows <= widest:
+        return _interpolate(pts, k.rows), True, f"{kind} steps measured at {widths} rows"
+    per_row = max(SCRATCH_BOUND_A_ROW, _rise_per_row(pts))
+    if same:
+        past = k.rows - widest
+        how = (f"bound: {kind} steps measured at {widths} rows, plus {per_row / 2**20:.2f} MiB "
+               "a row past the widest")
+    else:
+        # The other kind's scratch is no bound at the same rows (a verify step of 8 rows
+        # spills more than the decode step of 8: GPT-OSS 20b 1.40 MiB against 1.10, K3 on 64
+        # ranks 2.15 against 0.77): every row counts as unmeasured.
+        past = k.rows
+        other = "decode" if k.verify else "verify"
+        how = (f"bound: no {kind} step measured; {other} steps measured at {widths} rows, plus "
+               f"{per_row / 2**20:.2f} MiB a row")
+    return _interpolate(pts, min(k.rows, widest)) + round(per_row * max(0, past)), False, how
+
+
+def compiler_scratch(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> CompilerScratch:
+    """Modelled compiler scratch of `batch`'s kernel (`as_kernel`; default: the widest):
+    libtpu's measure for this geometry and kernel kind at its shortest measured KV tiles over
+    rows (`_at_width`: between measured widths measured, past them a bound), plus the family's
+    steepest measured bytes a KV-tile token (`kv_token_bytes`) up to the spec's tiles, as long
+    as they are no longer than a measured one (spill grows faster than linearly past that:
+    GPT-OSS 20b at 512-token tiles). A geometry the family has not measured, or KV tiles
+    longer than it measured, gets `UNMEASURED_SCRATCH_FACTOR` times the family's largest
+    figure at that width. A family with no measure at all gets 0 and `check_compiler_scratch`
+    refuses the spec."""
+    k = as_kernel(s, batch)
     if not s.compiler_scratch:
         return CompilerScratch(0, False, f"family {s.family} has no measured compiler scratch")
     key = scratch_key(s)
-    tokens = max((k.kv.tokens for k in s.kinds.values() if k.kv), default=0)
+    tokens = max((kind.kv.tokens for kind in s.kinds.values() if kind.kv), default=0)
     own = [m for m in s.compiler_scratch if m.key == key]
     if own and tokens <= max(m.kv_tokens for m in own):
-        base = min(m.kv_tokens for m in own)
+        # the shortest tiles this kernel kind was measured at (the other kind's, if never)
+        base = min(m.kv_tokens for m in [m for m in own if _is_verify(m) == k.verify] or own)
         at = [m for m in own if m.kv_tokens == base]
         past, per_token = max(0, tokens - base), kv_token_bytes(own)
-        n = _interpolate([(m.rows, m.bytes) for m in at], rows) + round(per_token * past)
-        widths = ", ".join(map(str, sorted({m.rows for m in at})))
-        source = (f"measured by libtpu for this geometry at {widths} rows, KV tiles of {base} "
-                  f"tokens" + (f" (+{per_token:.0f} bytes a token past them, measured "
-                               f"up to {max(m.kv_tokens for m in own)})" if past else "")
-                  + f" ({at[0].libtpu})")
-        return _with_margin(n, True, source)
+        n, measured, how = _at_width(at, k)
+        n += round(per_token * past)
+        source = (f"{'measured by libtpu' if measured else 'not measured at this width'} for "
+                  f"this geometry ({how}), KV tiles of {base} tokens"
+                  + (f" (+{per_token:.0f} bytes a token past them, measured "
+                     f"up to {max(m.kv_tokens for m in own)})" if past else "")
+                  + f" ({at[0].libtpu})"
+                  + ("" if measured else f"; measure it with benchmarks/compiler_scratch.py "
+                                         f"--spec {s.source}"))
+        return _with_margin(n, measured, source)
     by_key: dict = {}
     for m in s.compiler_scratch:
         by_key.setdefault(m.key, []).append(m)
-    n = max(round(UNMEASURED_SCRATCH_FACTOR * _interpolate([(m.rows, m.bytes) for m in ms], rows))
-            for ms in by_key.values())
+    n = max(round(UNMEASURED_SCRATCH_FACTOR * _at_width(ms, k)[0]) for ms in by_key.values())
     what = (f"KV tiles of {tokens} tokens, longer than measured" if own else _key_words(key))
-    source = (f"not measured for this geometry ({what}): {UNMEASURED_SCRATCH_FACTOR}x the largest "
-              f"of family {s.family}'s {len(by_key)} measured geometries; measure it with "
-              f"benchmarks/compiler_scratch.py --spec {s.source}")
+    source = (f"bound, not measured for this geometry ({what}): {UNMEASURED_SCRATCH_FACTOR}x the "
+              f"largest of family {s.family}'s {len(by_key)} measured geometries at this width; "
+              f"measure it with benchmarks/compiler_scratch.py --spec {s.source}")
     return _with_margin(n, False, source)
 
 
@@ -170,8 +221,8 @@ def _key_words(key: tuple[tuple[str, str], ...]) -> str:
     return f"{k['chip']}, {k['ranks']} ranks, formats {k['formats'] or 'as checkpointed'}"
 
 
-def compiler_overhead_bytes(s: ir.ScheduleIR, batch: int | None = None) -> int:
-    """Modelled compiler scratch of the kernel built at `batch` rows (default: the widest)."""
+def compiler_overhead_bytes(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> int:
+    """Modelled compiler scratch of `batch`'s kernel (`as_kernel`; default: the widest)."""
     return compiler_scratch(s, batch).bytes
 
 
@@ -188,54 +239,105 @@ def check_compiler_scratch(s: ir.ScheduleIR) -> list[Diagnostic]:
              "writes the family's compiler_scratch.json (docs/extending.md, 'Compiler scratch')")]
 
 
-def vmem_inputs(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
+def vmem_inputs(s: ir.ScheduleIR, batch: "Kernel | int") -> list[ir.Buffer]:
     """Kernel inputs the family's module passes in VMEM (outputs are IR buffers, class
-    "output")."""
-    return [b.at_batch(batch) for b in s.vmem_inputs]
+    "output"), one a row."""
+    rows = as_kernel(s, batch).rows
+    return [b.at_batch(rows) for b in s.vmem_inputs]
 
 
-def vmem_window_bytes(s: ir.ScheduleIR, batch: int) -> int:
+def vmem_window_bytes(s: ir.ScheduleIR, batch: "Kernel | int") -> int:
     """VMEM windows of the kernel's inputs and outputs at `batch`."""
-    return (sum(ir.window_bytes(b.shape, b.dtype) for b in vmem_inputs(s, batch))
-            + sum(b.at_batch(batch).vmem_bytes for b in s.buffers if b.cls == "output"))
+    rows = as_kernel(s, batch).rows
+    return (sum(ir.window_bytes(b.shape, b.dtype) for b in vmem_inputs(s, rows))
+            + sum(b.at_batch(rows).vmem_bytes for b in s.buffers if b.cls == "output"))
 
 
 def _compiler_buffer(nbytes: int) -> ir.Buffer:
     return ir.Buffer("compiler_scratch", "compiler", (nbytes,), "u8")
 
 
-def kernel_buffers(s: ir.ScheduleIR, batch: int) -> list[ir.Buffer]:
-    """The IR's buffers as the kernel of `batch` rows allocates them. Past the largest decode
-    batch that kernel is the verify step, R rows for each of batch / R sequences: its KV tiles
-    hold one entry a sequence (they stream each sequence's cache once), every other buffer one
-    a row."""
-    sequences = batch
-    if batch > s.batch_max and s.verify_rows:
-        sequences = -(-batch // s.verify_rows)
-    tiles = {n for k in s.kinds.values() if k.kv for n in k.kv.tile_buffers}
-    return [b.at_batch(sequences if b.name in tiles else batch) for b in s.buffers
-            if b.exists_at(batch)]
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel a spec builds: the decode step of `rows` rows, one a sequence, or the verify
+    step of `rows` rows, `rows // sequences` consecutive rows for each of `sequences`
+    sequences. The two differ at one width: a verify step's KV tiles hold one entry a
+    sequence, and libtpu's scratch is each kernel's own."""
+
+    rows: int
+    sequences: int
+    verify: bool = False
+
+    def __str__(self) -> str:
+        if not self.verify:
+            return f"decode step, batch {self.rows}"
+        per, n = self.rows // self.sequences, self.sequences
+        return f"verify step, {self.rows} rows ({n} sequence{'s' if n > 1 else ''} of {per})"
+
+
+def as_kernel(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> Kernel:
+    """A kernel from a row count, as callers that ask by rows mean it: up to the largest decode
+    batch the decode step, past it the verify step (its rows for as many sequences as they
+    make); None: the widest kernel the spec builds (`ScheduleIR.rows_max`)."""
+    if isinstance(batch, Kernel):
+        return batch
+    rows = batch or s.rows_max
+    if rows > s.batch_max and s.verify_rows:
+        return Kernel(rows, -(-rows // s.verify_rows), True)
+    return Kernel(rows, rows)
+
+
+def _width_cuts(s: ir.ScheduleIR) -> set[int]:
+    """The widths (rows) past which a buffer's own widths (`Buffer.rows`) begin or end."""
+    return {w for b in s.buffers if b.rows is not None for w in (b.rows[0] - 1, b.rows[1])}
+
+
+def kernels(s: ir.ScheduleIR) -> list[Kernel]:
+    """The kernels whose VMEM bounds every kernel's the spec builds, each judged on its own:
+    the decode step at its largest batch and at the widest batch on either side of where a
+    buffer's own widths begin or end (among decode steps holding the same buffers VMEM grows
+    with the rows); the verify step for each number of sequences, and with fewer rows a
+    sequence (a verify step may take fewer than `verify R`) the most on either side of such a
+    cut."""
+    cuts = _width_cuts(s)
+    decode = {s.batch_max} | {w for w in cuts if s.batch_min <= w < s.batch_max}
+    out = [Kernel(w, w) for w in sorted(decode)]
+    if s.verify_rows:
+        R, (lo, hi) = s.verify_rows, s.verify_sequences
+        verify = {(R, n) for n in range(lo, hi + 1)}
+        for c in cuts:
+            for n in range(lo, hi + 1):             # fewer rows a sequence within the cut
+                if 1 <= c // n < R:
+                    verify.add((c // n, n))
+        out += [Kernel(r * n, n, True) for r, n in sorted(verify, key=lambda rn: (rn[0] * rn[1], rn[1]))]
+    return out
+
+
+def kernel_buffers(s: ir.ScheduleIR, batch: "Kernel | int") -> list[ir.Buffer]:
+    """The IR's buffers as `batch`'s kernel (`as_kernel`) allocates them. A verify step's KV
+    tiles hold one entry a sequence (it streams each sequence's cache once), every other
+    buffer one a row."""
+    k = as_kernel(s, batch)
+    tiles = {n for kind in s.kinds.values() if kind.kv for n in kind.kv.tile_buffers}
+    return [b.at_batch(k.sequences if b.name in tiles else k.rows) for b in s.buffers
+            if b.exists_at(k.rows)]
 
 
 def bounding_widths(s: ir.ScheduleIR) -> list[int]:
-    """The kernel widths (rows) whose VMEM bounds every kernel's the spec builds: the widest,
-    and the widest on either side of where a buffer's own widths (`Buffer.rows`, an
-    all-reduce's form by rows) begin or end. Among kernels holding the same buffers VMEM
-    grows with the rows."""
-    widths = {s.rows_max}
-    for b in s.buffers:
-        if b.rows is not None:
-            widths |= {b.rows[0] - 1, b.rows[1]}
+    """The kernel widths (rows) whose VMEM bounds every kernel's the spec builds, for callers
+    that ask by rows (`as_kernel`): the widest, and the widest on either side of where a
+    buffer's own widths (`Buffer.rows`, an all-reduce's form by rows) begin or end. The VMEM
+    verdict judges `kernels`."""
+    widths = {s.rows_max} | _width_cuts(s)
     return sorted(w for w in widths if s.rows_min <= w <= s.rows_max)
 
 
-def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
+def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: "Kernel | int | None" = None
                   ) -> Iterator[tuple[Event | None, int, list[ir.Buffer]]]:
     """(event, bytes, buffers live) at kernel start (event None) and after each scoped
-    allocation or free, for the kernel built at `batch` (default: the widest,
-    `ScheduleIR.rows_max`): resident buffers, VMEM inputs and compiler scratch, plus the scoped
-    buffers open."""
-    batch = batch or s.rows_max
+    allocation or free, for `batch`'s kernel (`as_kernel`; default: the widest): resident
+    buffers, VMEM inputs and compiler scratch, plus the scoped buffers open."""
+    batch = as_kernel(s, batch)
     buffers = kernel_buffers(s, batch)
     resident = ([b for b in buffers if b.scope is None] + vmem_inputs(s, batch)
                 + [_compiler_buffer(compiler_overhead_bytes(s, batch))])
@@ -263,10 +365,10 @@ def vmem_timeline(s: ir.ScheduleIR, events: list[Event], batch: int | None = Non
         yield e, base + sum(b.vmem_bytes for b in live.values()), resident + list(live.values())
 
 
-def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
+def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: "Kernel | int | None" = None
                 ) -> tuple[int, str, list[ir.Buffer]]:
-    """(peak bytes, where, buffers live there) for the kernel built at `batch` (see
-    `vmem_timeline`); the first point of the peak."""
+    """(peak bytes, where, buffers live there) for `batch`'s kernel (see `vmem_timeline`); the
+    first point of the peak."""
     peak, where, at_peak = -1, "", []
     for e, total, live in vmem_timeline(s, events, batch):
         if total > peak:
@@ -274,15 +376,24 @@ def vmem_budget(s: ir.ScheduleIR, events: list[Event], batch: int | None = None
     return peak, where, at_peak
 
 
+def judged_kernels(s: ir.ScheduleIR, events: list[Event]
+                   ) -> list[tuple[Kernel, tuple[int, str, list[ir.Buffer]]]]:
+    """Every kernel the VMEM verdict judges (`kernels`) with its peak (`vmem_budget`)."""
+    return [(k, vmem_budget(s, events, k)) for k in kernels(s)]
+
+
 def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
-    """The peak within the budget. Over it, the caret is at the statement that makes the largest
-    buffer live there (what to shrink); the settings that would also fit it (`verify`, `batch`,
-    `vmem limit`) are notes at their own lines, with what to write."""
+    """Every kernel the spec builds (`kernels`) within the budget. Over it, the diagnostic
+    names the kernel with the largest peak and its caret is at the statement that makes the
+    largest buffer live there (what to shrink); the settings that would also fit it (`verify`,
+    `batch`, `vmem limit`) are notes at their own lines, with what to write; every other kernel
+    over the budget is a note."""
     budget = vmem_budget_bytes(s)
-    width, (peak, where, live) = max(((w, vmem_budget(s, events, w)) for w in bounding_widths(s)),
-                                     key=lambda wp: (wp[1][0], wp[0]))
-    if peak <= budget:
+    judged = judged_kernels(s, events)
+    over = [(k, p) for k, p in judged if p[0] > budget]
+    if not over:
         return []
+    kernel, (peak, where, live) = max(over, key=lambda kp: (kp[1][0], kp[0].rows))
     biggest = sorted(live, key=lambda b: -b.vmem_bytes)
     listing = [f"{b.label:<16} {b.cls:<11} {str(b.shape):<24} {b.dtype:<5} "
                f"{b.vmem_bytes / 2**20:8.2f} MiB" for b in biggest]
@@ -292,20 +403,15 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     hint = (f"shrink {largest}: fewer ring slots, a smaller tile or batch, or scope it more "
             "tightly")
     settings: list[str] = []
-    # The settings fit the widest kernel; a narrower one over the budget (with buffers of its
-    # own, `Buffer.rows`) needs them shrunk.
-    widest = width == s.rows_max
-    if widest and s.rows_max > s.batch_max and vmem_budget(s, events, s.batch_max)[0] <= budget:
+    widest_decode = max(k.rows for k, _ in judged if not k.verify)
+    if kernel.verify and all(p[0] <= budget for k, p in judged if not k.verify):
         # Decoding fits: the verify step's rows are what overflow.
-        rows = _largest_batch_that_fits(s, events, budget, s.batch_max, s.rows_max)
-        sequences, per_sequence = s.verify_sequences[1], rows // s.verify_sequences[1]
-        fix = (f"verify at most {per_sequence} rows for {sequences} sequences"
-               if per_sequence >= 2 else
-               f"verify {s.verify_rows} rows for at most {max(1, rows // s.verify_rows)} sequences")
-        settings.append(_setting_note(s, "verify", f"a kernel of up to {rows} rows fits: {fix}"))
-        hint = f"a kernel of up to {rows} rows fits: {fix}; or shrink {largest}"
-    elif widest and (fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min,
-                                                            s.batch_max)) is not None:
+        fix = _verify_fix(s, events, budget)
+        settings.append(_setting_note(s, "verify", fix))
+        hint = f"{fix}; or shrink {largest}"
+    elif not kernel.verify and kernel.rows == widest_decode and (
+            fits_up_to := _largest_batch_that_fits(s, events, budget, s.batch_min,
+                                                   s.batch_max)) is not None:
         # The batch range is what overflows.
         fix = f"the kernel fits up to batch {fits_up_to}: write `batch {s.batch_min} to {fits_up_to}`"
         settings.append(_setting_note(s, "batch", fix))
@@ -315,12 +421,43 @@ def check_vmem(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
                     f"{usable_vmem_bytes(s) / 2**20:.2f} MiB usable)")
         settings.append(_setting_note(s, "vmem", raise_it))
         hint = f"{raise_it}; or {hint}"
+    others = [f"also over the budget: the {k} ({p[0] / 2**20:.2f} MiB)" for k, p in over
+              if k != kernel]
     return [Diagnostic(
         "E-VMEM-CAPACITY",
-        f"VMEM needs {peak / 2**20:.2f} MiB at {where} ({_width(s, width)}), over the budget "
+        f"VMEM needs {peak / 2**20:.2f} MiB at {where} in the {kernel}, over the budget "
         f"of {_budget_words(s)}", span, hint=hint,
-        notes=[n for n in settings if n]
-        + ["live at the peak (as Mosaic allocates them, compiler scratch modelled):"] + listing)]
+        notes=[n for n in settings if n] + others
+        + [f"live at the peak of the {kernel} (as Mosaic allocates them, compiler scratch "
+           f"modelled: {compiler_scratch(s, kernel).source}):"] + listing)]
+
+
+def _verify_fix(s: ir.ScheduleIR, events: list[Event], budget: int) -> str:
+    """What `verify` line fits when decoding does: fewer rows a sequence for as many
+    sequences, else as many rows for fewer sequences (each the largest that fits)."""
+    R, (lo, hi) = s.verify_rows, s.verify_sequences
+
+    def fits(rows: int, sequences: int) -> bool:
+        return vmem_budget(s, events, Kernel(rows * sequences, sequences, True))[0] <= budget
+    rows = _largest(2, R, lambda r: fits(r, hi))
+    if rows is not None:
+        return (f"the verify step fits at {rows} rows for {hi} sequences: write "
+                f"`verify {rows}" + (f" sequences {lo} to {hi}`" if hi > 1 else "`"))
+    sequences = _largest(lo, hi, lambda n: fits(R, n))
+    if sequences is not None:
+        return (f"the verify step fits at {R} rows for up to {sequences} sequences: write "
+                f"`verify {R} sequences {lo} to {sequences}`")
+    return f"no verify step of {R} rows fits: a verify step needs at least 2 rows a sequence"
+
+
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest n in lo..hi with fits(n), if fits(lo) (fits holds up to a point)."""
+    if lo > hi or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def _largest_the_spec_makes(s: ir.ScheduleIR, biggest: list[ir.Buffer]) -> ir.Buffer:
@@ -338,13 +475,18 @@ def _setting_note(s: ir.ScheduleIR, key: str, fix: str) -> str:
 
 
 def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
-    """Every buffer alone within the budget at the widest kernel: checked on the IR before the
-    trace, whose size is bounded only for schedules that pass it (KV slots, say). The caret is
-    at the statement that makes the buffer; a limit that would fit it is a note at its line."""
+    """Every buffer alone within the budget in every kernel the spec builds (`kernels`):
+    checked on the IR before the trace, whose size is bounded only for schedules that pass it
+    (KV slots, say). The caret is at the statement that makes the buffer; a limit that would
+    fit it is a note at its line."""
     budget = vmem_budget_bytes(s)
     diags = []
-    widest = {b.name: (w, b) for w in bounding_widths(s) for b in kernel_buffers(s, w)}
-    for rows, b in widest.values():
+    largest: dict[str, tuple[Kernel, ir.Buffer]] = {}
+    for k in kernels(s):
+        for b in kernel_buffers(s, k):
+            if b.name not in largest or b.vmem_bytes > largest[b.name][1].vmem_bytes:
+                largest[b.name] = (k, b)
+    for kernel, b in largest.values():
         if b.vmem_bytes > budget:
             hint = "fewer slots, smaller tiles or a smaller batch"
             notes = [f"{b.label}: {b.cls} {list(b.shape)} {b.dtype}"]
@@ -356,7 +498,7 @@ def check_each_buffer_fits(s: ir.ScheduleIR) -> list[Diagnostic]:
                 notes.append(_setting_note(s, "vmem", raise_it))
             diags.append(Diagnostic(
                 "E-VMEM-CAPACITY", f"{b.label} alone needs {b.vmem_bytes / 2**20:.2f} MiB of VMEM "
-                f"at {_width(s, rows)}, over the budget of {_budget_words(s)}",
+                f"in the {kernel}, over the budget of {_budget_words(s)}",
                 _buffer_span(s, b), hint=hint, notes=[n for n in notes if n]))
     return diags
 
@@ -385,23 +527,11 @@ def _buffer_span(s: ir.ScheduleIR, b: ir.Buffer):
     return b.span if b.span.file == s.source else s.setting_spans.get("vmem", b.span)
 
 
-def _width(s: ir.ScheduleIR, rows: int | None = None) -> str:
-    rows = rows or s.rows_max
-    if rows > s.batch_max:
-        return f"the verify step's {rows} rows"
-    return f"batch {rows}"
-
-
 def _largest_batch_that_fits(s: ir.ScheduleIR, events: list[Event], budget: int, lo: int,
                              hi: int) -> int | None:
-    """The largest row count in lo..hi whose kernel fits, if lo does (VMEM grows with the
+    """The largest decode batch in lo..hi whose kernel fits, if lo's does (VMEM grows with the
     rows, so a bisection needs a handful of budget evaluations)."""
-    if vmem_budget(s, events, lo)[0] > budget:
-        return None
-    while hi - lo > 1:                         # lo fits, hi does not
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if vmem_budget(s, events, mid)[0] <= budget else (lo, mid)
-    return lo
+    return _largest(lo, hi, lambda b: vmem_budget(s, events, Kernel(b, b))[0] <= budget)
 
 
 def check_hbm(s: ir.ScheduleIR) -> list[Diagnostic]:
