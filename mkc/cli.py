@@ -60,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("-o", "--out", default="generated", help="output directory")
         if name == "check":
             p.add_argument("--confirm", action="store_true",
-                           help="also compile the kernel at the largest batch with libtpu "
-                                "(compile-only, no TPU) and print its VMEM verdict beside mkc's")
+                           help="also compile every kernel the VMEM verdict judges with libtpu "
+                                "(compile-only, no TPU) and print its VMEM verdict beside mkc's; "
+                                "exit 1 when they disagree")
         if name == "tune":
             p.add_argument("-o", "--out", required=True,
                            help="where to write the tuned spec (the input is never changed)")
@@ -510,10 +511,17 @@ def _main(argv: list[str] | None) -> int:
             result["budget"] = report.budget(c.ir, c.events)
             if requantization:
                 result["requantization"] = requantization
+            disagree = args.confirm and not result["confirm"]["agree"]
             if not as_json:
-                print(f"{args.spec}: ok")
+                print(f"{args.spec}: " + ("the checks pass, but libtpu disagrees with mkc's VMEM "
+                                          "verdict (DISAGREE above)" if disagree else "ok"))
                 print(report.budget_table(c.ir, result["budget"]))
                 _print_requantization(requantization)
+            if disagree:
+                result["verdict"] = "disagree"       # libtpu contradicts mkc's VMEM verdict
+                if as_json:
+                    print(json.dumps(result, indent=1, sort_keys=True))
+                return 1
         elif args.cmd == "perf" and (args.bundles or args.op is not None):
             c = compiler.check_spec(args.spec, args.model)
             _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
@@ -575,11 +583,12 @@ def _print_requantization(rep: dict) -> None:
 
 
 def _confirm(spec: str, model: str | None, as_json: bool) -> dict:
-    from mkc.confirm import confirm_vmem
-    r = confirm_vmem(spec, model, progress=True)
+    from mkc.confirm import confirm_kernels, report
+    rs = confirm_kernels(spec, model, progress=True)
     if not as_json:
-        print(r.summary(), file=sys.stdout if r.agree else sys.stderr)
-    return r.to_json()
+        for r in rs:
+            print(r.summary(), file=sys.stdout if r.agree else sys.stderr)
+    return report(rs)
 
 
 def _perf_pictures(m, rep: dict, trace: str | None, plot: str | None, as_json: bool) -> dict:

@@ -2,18 +2,26 @@
 
 API (what `mkc check --confirm` calls)::
 
+    confirm_kernels(spec_path: str | os.PathLike, model: str | None = None,
+                    timeout: float = 900.0, progress: bool = False) -> list[VmemConfirmation]
     confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
                  batch: int | None = None, timeout: float = 900.0,
                  progress: bool = False) -> VmemConfirmation
 
-It checks the spec with mkc (the VMEM verdict at `batch`, default the spec's largest), renders
-its module even when mkc rejects it for VMEM, and compiles the kernel for `batch` against the
-spec's compile-only topology (`jax.experimental.topologies`) in a subprocess with `timeout`
-seconds, so a libtpu crash or hang cannot take mkc down. `VmemConfirmation` (a frozen
-dataclass, `.to_json()` gives a dict) carries both verdicts side by side:
+It checks the spec with mkc, renders its module even when mkc rejects it for VMEM, and compiles
+kernels against the spec's compile-only topology (`jax.experimental.topologies`), each in a
+subprocess with `timeout` seconds, so a libtpu crash or hang cannot take mkc down:
+`confirm_kernels` every kernel mkc's VMEM verdict judges (`mkc.checks.capacity.kernels`: the
+decode step at each bounding batch, each verify step), `confirm_vmem` one, the kernel of `batch`
+rows (`capacity.as_kernel`; default the widest). `VmemConfirmation` (a frozen dataclass,
+`.to_json()` gives a dict) carries both verdicts side by side:
 
+- `kernel: str`, the kernel compiled ("decode step, batch 8", "verify step, 16 rows (2
+  sequences of 8)"); `batch` its rows;
 - `mkc_fits: bool`, `mkc_peak_bytes: int`, `mkc_budget_bytes: int` (the modelled peak and what
-  the spec allows), `mkc_overhead_bytes: int` (the modelled compiler scratch inside the peak);
+  the spec allows, the reserve taken off), `mkc_limit_bytes: int` (what the compiler allows:
+  the budget with the reserve), `mkc_overhead_bytes: int` (the modelled compiler scratch
+  inside the peak);
 - `libtpu: str`, one of `"fits"`, `"out_of_vmem"`, `"error"` (another compile error, or the
   spec failing a check other than VMEM so there is nothing to compile), `"timeout"`;
 - `used_bytes: int | None`: VMEM the compiled kernel allocates (exact when it fits, read from
@@ -21,9 +29,12 @@ dataclass, `.to_json()` gives a dict) carries both verdicts side by side:
 - `limit_bytes: int | None`: what the compiler allowed (`min(vmem limit, usable VMEM)`);
 - `message: str` (libtpu's error, first lines), `allocations: list[dict]` (on an overflow:
   libtpu's largest allocations, each `{"bytes", "shape", "tag"}`), `seconds: float`;
-- `agree: bool`: both say fits, or both say it does not (`out_of_vmem`).
+- `agree: bool`: libtpu's verdict is mkc's at the compiler's limit: mkc's peak within the
+  limit and libtpu fits, or over it and libtpu runs out of VMEM (`out_of_vmem`). The reserve
+  is the user's headroom on top of the model, not libtpu's: a kernel in it fits both.
 
-`python -m mkc.confirm SPEC [--model M] [--batch B]` prints it. The worker half
+`python -m mkc.confirm SPEC [--model M] [--batch B]` prints them (every judged kernel, or the
+kernel of B rows) and exits 1 when any disagrees. The worker half
 (`python -m mkc.confirm --worker MODULE.py B`) is what runs in the subprocess.
 """
 from __future__ import annotations
@@ -50,13 +61,15 @@ _UNITS = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 class VmemConfirmation:
     spec: str
     model: str
-    batch: int
+    batch: int                        # the kernel's rows
     topology: str
     mkc_fits: bool
     mkc_peak_bytes: int
     mkc_budget_bytes: int
     mkc_overhead_bytes: int
     libtpu: str                       # fits | out_of_vmem | error | timeout
+    kernel: str = ""
+    mkc_limit_bytes: int = 0          # the budget with the reserve: what libtpu is held to
     used_bytes: int | None = None
     limit_bytes: int | None = None
     message: str = ""
@@ -64,17 +77,26 @@ class VmemConfirmation:
     seconds: float = 0.0
 
     @property
+    def mkc_fits_limit(self) -> bool:
+        """mkc's verdict at the compiler's limit (the reserve left out)."""
+        return self.mkc_peak_bytes <= (self.mkc_limit_bytes or self.mkc_budget_bytes)
+
+    @property
     def agree(self) -> bool:
-        return ((self.mkc_fits and self.libtpu == "fits")
-                or (not self.mkc_fits and self.libtpu == "out_of_vmem"))
+        return ((self.mkc_fits_limit and self.libtpu == "fits")
+                or (not self.mkc_fits_limit and self.libtpu == "out_of_vmem"))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self) | {"agree": self.agree}
+
 
     def summary(self) -> str:
         mib = 2**20
         mkc = (f"mkc: {'fits' if self.mkc_fits else 'over'} ({self.mkc_peak_bytes / mib:.2f} "
                f"of {self.mkc_budget_bytes / mib:.2f} MiB)")
+        if self.mkc_fits != self.mkc_fits_limit:
+            mkc += (f", {'fits' if self.mkc_fits_limit else 'over'} the limit of "
+                    f"{self.mkc_limit_bytes / mib:.2f} MiB")
         if self.libtpu == "fits":
             tpu = (f"libtpu: fits ({self.used_bytes / mib:.2f} of {self.limit_bytes / mib:.2f} "
                    "MiB)" if self.used_bytes is not None else "libtpu: fits")
@@ -84,8 +106,14 @@ class VmemConfirmation:
                 if self.used_bytes is not None and self.limit_bytes else "")
         else:
             tpu = f"libtpu: {self.libtpu}: {self.message.splitlines()[0] if self.message else ''}"
-        return (f"{self.spec} ({self.model}) at batch {self.batch} on {self.topology}: {mkc}; "
-                f"{tpu}; {'agree' if self.agree else 'DISAGREE'}")
+        return (f"{self.spec} ({self.model}), {self.kernel or f'batch {self.batch}'} on "
+                f"{self.topology}: {mkc}; {tpu}; {'agree' if self.agree else 'DISAGREE'}")
+
+
+def report(confirmations: list[VmemConfirmation]) -> dict:
+    """`mkc check --confirm`'s JSON: each kernel's confirmation and whether all agree."""
+    return {"agree": all(r.agree for r in confirmations),
+            "kernels": [r.to_json() for r in confirmations]}
 
 
 # ---- libtpu's verdict, from the compile's output -----------------------------------------
@@ -291,19 +319,30 @@ def run_compile(module_path: str | os.PathLike, batch: int, timeout: float = 900
 
 
 # ---- the API -----------------------------------------------------------------------------
-def confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
-                 batch: int | None = None, timeout: float = 900.0,
-                 progress: bool = False) -> VmemConfirmation:
-    """mkc's VMEM verdict and libtpu's for the spec's kernel at `batch` (default: the largest).
-    Raises MkcError only when the spec cannot be parsed or resolved. With `progress`, the
-    stage and the time taken show on stderr when it is a terminal (a compile takes minutes)."""
+def confirm_kernels(spec_path: str | os.PathLike, model: str | None = None,
+                    timeout: float = 900.0, progress: bool = False) -> list[VmemConfirmation]:
+    """mkc's VMEM verdict and libtpu's for every kernel the verdict judges
+    (`capacity.kernels`), one compile each. Raises MkcError only when the spec cannot be
+    parsed or resolved. With `progress`, the stage and the time taken show on stderr when it
+    is a terminal (a compile takes minutes)."""
     from mkc.progress import bar
     with bar(desc="confirm: checking the spec", show=progress,
              bar_format="{desc} [{elapsed}]") as shown:
-        return _confirm_vmem(spec_path, model, batch, timeout, shown)
+        return _confirm(spec_path, model, None, timeout, shown)
 
 
-def _confirm_vmem(spec_path, model, batch, timeout, shown) -> VmemConfirmation:
+def confirm_vmem(spec_path: str | os.PathLike, model: str | None = None,
+                 batch: int | None = None, timeout: float = 900.0,
+                 progress: bool = False) -> VmemConfirmation:
+    """mkc's VMEM verdict and libtpu's for the kernel of `batch` rows (`capacity.as_kernel`;
+    default: the widest). See `confirm_kernels`."""
+    from mkc.progress import bar
+    with bar(desc="confirm: checking the spec", show=progress,
+             bar_format="{desc} [{elapsed}]") as shown:
+        return _confirm(spec_path, model, batch, timeout, shown)[0]
+
+
+def _confirm(spec_path, model, batch, timeout, shown) -> list[VmemConfirmation]:
     from mkc.checks import capacity, run_checks
     from mkc.codegen.emit import render
     from mkc.diagnostics import MkcError
@@ -313,41 +352,54 @@ def _confirm_vmem(spec_path, model, batch, timeout, shown) -> VmemConfirmation:
 
     sched, text = parse_file(spec_path)
     s = resolve(sched, model)
-    b = batch or s.batch_max
-    budget = capacity.vmem_budget_bytes(s, b)
-    base = dict(spec=str(spec_path), model=s.model, batch=b, topology=s.topology,
-                mkc_budget_bytes=budget, mkc_overhead_bytes=capacity.compiler_overhead_bytes(s, b))
+    todo = capacity.kernels(s) if batch is None else [capacity.as_kernel(s, batch)]
+    budget = capacity.vmem_budget_bytes(s)
+    base = dict(spec=str(spec_path), model=s.model, topology=s.topology, mkc_budget_bytes=budget,
+                mkc_limit_bytes=budget + s.vmem_reserve)
     try:
         events = run_checks(s)
     except MkcError as e:
         other = [d for d in e.diagnostics if d.code != "E-VMEM-CAPACITY"]
         if other:
-            return VmemConfirmation(**base, mkc_fits=False, mkc_peak_bytes=0, libtpu="error",
-                                    message="mkc rejects the spec for other reasons: " + "; ".join(
-                                        f"{d.code}: {d.message}" for d in other))
+            why = "mkc rejects the spec for other reasons: " + "; ".join(
+                f"{d.code}: {d.message}" for d in other)
+            return [VmemConfirmation(**base, batch=k.rows, kernel=str(k), mkc_fits=False,
+                                     mkc_peak_bytes=0, libtpu="error", message=why,
+                                     mkc_overhead_bytes=capacity.compiler_overhead_bytes(s, k))
+                    for k in todo]
         # A buffer over the budget on its own stops the checks before the trace (whose size is
         # bounded only when every buffer fits): count resident buffers and the largest scoped.
         alone = any("alone needs" in d.message for d in e.diagnostics)
         events = [] if alone else build_trace(s)
-    peak, _, _ = capacity.vmem_budget(s, events, b)
-    if not events:
-        peak += max((x.at_batch(b).vmem_bytes for x in s.buffers if x.scope), default=0)
+    out = []
     with tempfile.TemporaryDirectory(prefix="mkc_confirm_") as tmp:
         path = Path(tmp) / f"{s.name}.py"
         shown.set_description_str("confirm: rendering the module")
         try:
             path.write_text(render(s, text))
+            rendered = {}
         except Exception as e:  # noqa: BLE001 - report, never crash the CLI
-            r = {"libtpu": "error", "message": f"codegen failed: {type(e).__name__}: {e}"}
-        else:
-            shown.set_description_str(f"confirm: compiling the kernel at batch {b} with libtpu "
-                                      f"(gives up after {timeout:.0f} s)")
-            r = run_compile(path, b, timeout, tick=shown.refresh)
-    return VmemConfirmation(
-        **base, mkc_fits=peak <= budget, mkc_peak_bytes=peak, libtpu=r["libtpu"],
-        used_bytes=r.get("used_bytes"), limit_bytes=r.get("limit_bytes"),
-        message=r.get("message", ""), allocations=r.get("allocations", []),
-        seconds=round(r.get("seconds", 0.0), 2))
+            rendered = {"libtpu": "error", "message": f"codegen failed: {type(e).__name__}: {e}"}
+        for i, k in enumerate(todo):
+            peak, _, _ = capacity.vmem_budget(s, events, k)
+            if not events:
+                peak += max((x.vmem_bytes for x in capacity.kernel_buffers(s, k) if x.scope),
+                            default=0)
+            r = rendered
+            if not r:
+                shown.set_description_str(
+                    f"confirm: compiling the {k} with libtpu ({i + 1} of {len(todo)}; gives up "
+                    f"after {timeout:.0f} s)")
+                r = run_compile(path, k.sequences if k.verify else k.rows, timeout,
+                                tick=shown.refresh,
+                                verify_rows=k.rows // k.sequences if k.verify else None)
+            out.append(VmemConfirmation(
+                **base, batch=k.rows, kernel=str(k), mkc_fits=peak <= budget, mkc_peak_bytes=peak,
+                mkc_overhead_bytes=capacity.compiler_overhead_bytes(s, k), libtpu=r["libtpu"],
+                used_bytes=r.get("used_bytes"), limit_bytes=r.get("limit_bytes"),
+                message=r.get("message", ""), allocations=r.get("allocations", []),
+                seconds=round(r.get("seconds", 0.0), 2)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float_at_least(1), default=900.0, metavar="SECONDS")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = confirm_vmem(a.spec, a.model, a.batch, a.timeout, progress=True)
-    print(json.dumps(r.to_json(), indent=1) if a.json else r.summary())
-    return 0 if r.agree else 1
+    rs = ([confirm_vmem(a.spec, a.model, a.batch, a.timeout, progress=True)] if a.batch else
+          confirm_kernels(a.spec, a.model, a.timeout, progress=True))
+    print(json.dumps([r.to_json() for r in rs], indent=1) if a.json
+          else "\n".join(r.summary() for r in rs))
+    return 0 if all(r.agree for r in rs) else 1
 
 
 if __name__ == "__main__":

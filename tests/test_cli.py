@@ -124,8 +124,14 @@ def test_check_confirm_reports_libtpus_verdict_beside_mkcs():
                     "--json"], timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     confirm = json.loads(r.stdout)["confirm"]
-    assert confirm["libtpu"] == "fits" and confirm["mkc_fits"] and confirm["agree"]
-    assert 0 < confirm["used_bytes"] <= confirm["limit_bytes"]
+    assert confirm["agree"]
+    # every kernel the verdict judges: the decode step at 8 and the verify steps of 8 and 16 rows
+    assert [k["kernel"] for k in confirm["kernels"]] == [
+        "decode step, batch 8", "verify step, 8 rows (1 sequence of 8)",
+        "verify step, 16 rows (2 sequences of 8)"]
+    for k in confirm["kernels"]:
+        assert k["libtpu"] == "fits" and k["mkc_fits"] and k["agree"]
+        assert 0 < k["used_bytes"] <= k["limit_bytes"]
 
 
 @pytest.mark.parametrize("cmd", [["perf"], ["tune", "-o", "/nonexistent/tuned.sched"]])

@@ -72,15 +72,25 @@ def test_used_bytes_from_the_after_codegen_dump(tmp_path):
     assert confirm._used_from_dump(str(tmp_path)) == (44470272, 67043328)
 
 
-def test_confirmation_agreement_and_json():
-    base = dict(spec="s", model="m", batch=8, topology="tpu7x=2x2x1", mkc_peak_bytes=1,
-                mkc_budget_bytes=2, mkc_overhead_bytes=0)
-    assert confirm.VmemConfirmation(**base, mkc_fits=True, libtpu="fits").agree
-    assert not confirm.VmemConfirmation(**base, mkc_fits=True, libtpu="out_of_vmem").agree
-    assert confirm.VmemConfirmation(**base, mkc_fits=False, libtpu="out_of_vmem").agree
-    assert not confirm.VmemConfirmation(**base, mkc_fits=False, libtpu="error").agree
-    j = confirm.VmemConfirmation(**base, mkc_fits=True, libtpu="fits").to_json()
+def test_confirmation_agreement_is_judged_at_the_compilers_limit():
+    """libtpu is held to the limit, not to the reserve the user keeps on top of the model: a
+    kernel in the reserve fits both; one past the limit agrees only with an out-of-VMEM."""
+    mib = 2**20
+    base = dict(spec="s", model="m", batch=8, topology="tpu7x=2x2x1", mkc_budget_bytes=58 * mib,
+                mkc_limit_bytes=64 * mib, mkc_overhead_bytes=0, kernel="decode step, batch 8")
+    fits, in_reserve, over = (dict(mkc_peak_bytes=n * mib, mkc_fits=n <= 58) for n in (50, 60, 65))
+    assert confirm.VmemConfirmation(**base, **fits, libtpu="fits").agree
+    assert not confirm.VmemConfirmation(**base, **fits, libtpu="out_of_vmem").agree
+    assert confirm.VmemConfirmation(**base, **in_reserve, libtpu="fits").agree
+    assert not confirm.VmemConfirmation(**base, **in_reserve, libtpu="out_of_vmem").agree
+    assert confirm.VmemConfirmation(**base, **over, libtpu="out_of_vmem").agree
+    r = confirm.VmemConfirmation(**base, **over, libtpu="fits")
+    assert not r.agree and r.summary().endswith("DISAGREE") and "decode step, batch 8" in r.summary()
+    assert not confirm.VmemConfirmation(**base, **over, libtpu="error").agree
+    j = confirm.VmemConfirmation(**base, **fits, libtpu="fits").to_json()
     assert j["agree"] is True and j["libtpu"] == "fits"
+    both = confirm.report([confirm.VmemConfirmation(**base, **fits, libtpu="fits"), r])
+    assert both["agree"] is False and len(both["kernels"]) == 2
 
 
 @pytest.mark.slow
@@ -104,3 +114,32 @@ def test_confirm_the_issues_false_fit_is_now_rejected_by_both(tmp_path):
     r = confirm.confirm_vmem(spec, timeout=900)
     assert r.libtpu == "out_of_vmem" and not r.mkc_fits and r.agree, r.summary()
     assert r.used_bytes > r.limit_bytes
+
+
+def test_check_confirm_exits_1_when_libtpu_disagrees(monkeypatch, capsys):
+    """`mkc check --confirm` on a spec mkc passes: a kernel libtpu runs out of VMEM on is a
+    disagreement, printed and exit status 1, never `ok` (libtpu's verdict stands in here for a
+    compile; the compiles themselves are the slow tests below)."""
+    from mkc.cli import main
+    from mkc.compiler import check_spec
+    from mkc.checks import capacity
+    s = check_spec(SPEC).ir
+    judged = capacity.kernels(s)
+
+    def libtpu_says(verdict):
+        def confirm_kernels(spec, model=None, timeout=900.0, progress=False):
+            return [confirm.VmemConfirmation(
+                spec=str(spec), model=s.model, batch=k.rows, topology=s.topology, kernel=str(k),
+                mkc_fits=True, mkc_peak_bytes=1, mkc_budget_bytes=2, mkc_limit_bytes=3,
+                mkc_overhead_bytes=0, libtpu=verdict if k == judged[-1] else "fits")
+                for k in judged]
+        monkeypatch.setattr(confirm, "confirm_kernels", confirm_kernels)
+
+    libtpu_says("fits")
+    assert main(["check", str(SPEC), "--confirm"]) == 0
+    assert f"{SPEC}: ok" in capsys.readouterr().out
+    libtpu_says("out_of_vmem")
+    assert main(["check", str(SPEC), "--confirm"]) == 1
+    out, err = capsys.readouterr()
+    assert f"{SPEC}: ok" not in out and "libtpu disagrees" in out
+    assert f"{judged[-1]} on" in err and err.rstrip().endswith("DISAGREE")
