@@ -201,27 +201,49 @@ def test_the_first_spec_walkthrough_checks(tmp_path):
     assert (d.span.line, d.span.column, d.code) == (int(shown[1]), int(shown[2]), shown[3])
 
 
+def _specs_cells(spec: str) -> tuple[str, str, str, str]:
+    """(VMEM B1 / B8, VMEM headroom, HBM used, HBM headroom) of docs/specs.md's row for
+    schedules/`spec`.sched, as `mkc check`'s budget gives them (the VMEM cells as they begin:
+    a row may add the verify width's peak)."""
+    from mkc import compiler, report
+    c = compiler.check_spec(ROOT / "schedules" / f"{spec}.sched")
+    budget = report.budget(c.ir, c.events)
+    peaks = {v["batch"]: v["peak_bytes"] / 2**20 for v in budget["vmem"]}
+    limit = budget["vmem_budget_bytes"] / 2**20
+    hbm = budget["hbm_per_chip"]
+    used, capacity = sum(hbm["bytes"].values()) / 1e9, hbm["capacity_bytes"] / 1e9
+    return (f"{peaks[1]:.2f} / {peaks[8]:.2f} of {limit:.2f}", f"{limit - max(peaks.values()):.2f} MiB",
+            f"{used:.2f} of {capacity:.1f}", f"{capacity - used:.1f} GB")
+
+
+def _new_specs_row(spec: str) -> str:
+    from mkc import compiler
+    s = compiler.check_spec(ROOT / "schedules" / f"{spec}.sched").ir
+    return (f"| `{spec}` | <model's name> | {s.chip} | {s.topology.partition('=')[2]} | {s.ranks} | "
+            + " | ".join(_specs_cells(spec)) + " |")
+
+
 def test_the_shipped_specs_table_is_what_mkc_check_reports():
     """Every VMEM and HBM figure of docs/specs.md's table, against `mkc check`'s budget for
-    that spec (a table that goes stale fails here)."""
-    from mkc import compiler, report
+    that spec (a table that goes stale fails here); a row for every spec in schedules/."""
     text = (ROOT / "docs" / "specs.md").read_text()
     table = text[text.index("| spec | model | generation |"):]
     table = table[:table.index("\n\n")]
     rows = re.findall(r"^\| `(\w+)` \|(.*)\|$", table, re.M)
-    assert sorted(spec for spec, _ in rows) == sorted(p.stem for p in (ROOT / "schedules").glob("*.sched"))
+    listed, shipped = [spec for spec, _ in rows], sorted(p.stem for p in (ROOT / "schedules").glob("*.sched"))
+    missing = [spec for spec in shipped if spec not in listed]
+    assert not missing, ("docs/specs.md's table of shipped specs has no row for schedules/"
+                         + ", ".join(f"{spec}.sched" for spec in missing) + "; add (the figures are "
+                         "`mkc check`'s; docs/extending.md, 'A new model family'):\n"
+                         + "\n".join(_new_specs_row(spec) for spec in missing))
+    assert sorted(listed) == shipped, f"docs/specs.md's table: a row for no spec, or twice: {listed}"
     for spec, cells in rows:
-        c = compiler.check_spec(ROOT / "schedules" / f"{spec}.sched")
-        budget = report.budget(c.ir, c.events)
-        peaks = {v["batch"]: v["peak_bytes"] / 2**20 for v in budget["vmem"]}
-        limit = budget["vmem_budget_bytes"] / 2**20
-        hbm = budget["hbm_per_chip"]
-        used, capacity = sum(hbm["bytes"].values()) / 1e9, hbm["capacity_bytes"] / 1e9
+        vmem_cell, vmem_headroom_cell, hbm_used_cell, hbm_headroom_cell = _specs_cells(spec)
         vmem, vmem_headroom, hbm_used, hbm_headroom = [x.strip() for x in cells.split("|")][-4:]
-        assert vmem.startswith(f"{peaks[1]:.2f} / {peaks[8]:.2f} of {limit:.2f}"), (spec, vmem)
-        assert vmem_headroom.startswith(f"{limit - max(peaks.values()):.2f} MiB"), (spec, vmem_headroom)
-        assert hbm_used == f"{used:.2f} of {capacity:.1f}", (spec, hbm_used)
-        assert hbm_headroom == f"{capacity - used:.1f} GB", (spec, hbm_headroom)
+        assert vmem.startswith(vmem_cell), (spec, vmem, vmem_cell)
+        assert vmem_headroom.startswith(vmem_headroom_cell), (spec, vmem_headroom, vmem_headroom_cell)
+        assert hbm_used == hbm_used_cell, (spec, hbm_used)
+        assert hbm_headroom == hbm_headroom_cell, (spec, hbm_headroom)
 
 
 def test_the_compiled_price_figures_are_what_calibrate_perf_recorded():
@@ -290,7 +312,11 @@ def test_the_family_table_is_docs_specs_figures():
     specs = (ROOT / "docs" / "specs.md").read_text()
     rows = _family_rows()
     families = {check_spec(ROOT / "schedules" / f"{spec}.sched").ir.family for spec, *_ in rows}
-    assert families == {f.name for f in registry.all_families()}
+    missing = sorted({f.name for f in registry.all_families()} - families)
+    assert not missing, (f"the README's family table has no row for {', '.join(missing)}: add one (its "
+                         "spec's docs/specs.md figures at B8, `mkc perf --batch 1` and `--batch 8`'s "
+                         "modelled steps; docs/extending.md, 'A new model family')")
+    assert families == {f.name for f in registry.all_families()}, f"unregistered families: {families}"
     for spec, vmem, hbm, _ in rows:
         cells = [c.strip() for c in re.search(rf"^\| `{spec}` \|(.*)\|$", specs, re.M).group(1).split("|")]
         b8 = re.search(r"/ ([\d.]+ of [\d.]+)", cells[-4]).group(1)
