@@ -1,0 +1,61 @@
+"""`GatedDeltaNet`'s lowered bodies (`mkc.layers.gated_delta_net.lowering`, Qwen3.5's linear
+attention) against its f32 reference layer: two rows from random conv taps and recurrent
+states (so the conv's every tap and the decay act), norm weights not one, two value heads a key
+head: the residual stream after the layer agrees to TOL, the new states within a bf16 rounding
+(the conv state) and TOL (the recurrent state); a 1.01 scale of any term of a body moves them
+by more (the table, each mutant applied to the source and this module run: every one failed).
+
+Mutants (lowering.py unless named), 1.01 times ...
+  input_norm's output; in_proj's product; a conv tap (ops.causal_conv_silu); the conv's input
+  where it enters the state; beta's logit; A_log's exp; dt_bias; softplus's argument; the query
+  scale dk ** -0.5; the key's l2 norm; the value; the decay (ops.delta_rule_head's exp(g)); the
+  delta (ops.delta_rule_update); the gated norm's weight / its gate z; out_proj's product; the
+  residual's added product
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import jax.numpy as jnp
+import numpy as np
+
+from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
+from mkc.families.qwen3_5 import reference as qwen3_5
+from mkc.families.qwen3_5.graph import DELTA_NET
+from mkc.model.config import CONFIG_DIR
+
+TOL = 2e-5
+B = 2
+
+
+@cache
+def _run():
+    d = dataclasses.replace(qwen3_5.load_config(CONFIG_DIR / "qwen3_8_mini.json"), hidden_size=128,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                            linear_value_head_dim=32)
+    sub = DELTA_NET
+    hf = draw_params(sub, d, seed=5)
+    rng = np.random.default_rng(10)
+    x = rng.normal(0, 1, (B, d.hidden_size)).astype(np.float32)
+    conv = bf16(rng.normal(0, 1, (B, d.linear_conv_dim, d.linear_conv_kernel_dim - 1)))
+    heads = (d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim)
+    recurrent = rng.normal(0, 0.3, (B, *heads))
+    cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
+                "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
+    positions = np.array([9, 4])
+    want, cache_out = reference(sub, d, hf, x, positions, cache_in)
+    c = StandIn(sub, d, hf, x, positions)
+    c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
+    run_bodies(c)
+    want_states = kernel_states(sub, d, c.part, cache_out, B)
+    got_states = {n: np.asarray(s.value) for n, s in c.states.items()}
+    return x, want, np.asarray(c.refs.x.value), want_states, got_states
+
+
+def test_the_lowered_delta_net_is_the_reference_layer():
+    x, want, got, want_states, got_states = _run()
+    assert gap(got - x, want - x) < TOL
+    np.testing.assert_allclose(got_states["conv"], want_states["conv"], rtol=2 ** -7, atol=1e-6)
+    assert gap(got_states["recurrent"], want_states["recurrent"]) < TOL
+

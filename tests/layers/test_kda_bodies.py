@@ -1,0 +1,59 @@
+"""`KDA`'s lowered bodies (`mkc.layers.kda.lowering`, Kimi Delta Attention) against its f32
+reference layer, with its own pre-norm and residual add (`KDA()`; K3 composes it without
+them): two rows from random conv taps and recurrent states, two heads, the decay per key
+channel spread over (0.08, 1), the output norm's weight not one: the residual stream after the
+layer agrees to TOL, the new states within a bf16 rounding (the conv state) and TOL (the
+recurrent state); a 1.01 scale of any term of a body moves them by more (the table, each
+mutant applied to the source and this module run: every one failed it).
+
+Mutants (lowering.py unless named), 1.01 times ...
+  input_norm's output; the decay gate's up product; a conv tap; the conv's input where it
+  enters the state; beta's logit; the decay (ops.log_decay's lower bound / A_log's exp /
+  dt_bias); the query scale hd ** -0.5; the key's l2 norm; the value; the gated output's
+  weight / its gate (ops.gated_output); o_proj's product; the residual's added product
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import jax.numpy as jnp
+import numpy as np
+
+from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
+from mkc.families.kimi_k3 import reference as k3
+from mkc.layers.kda import KDA
+from mkc.model.config import CONFIG_DIR
+
+TOL = 2e-5
+B = 2
+
+
+@cache
+def _run():
+    d = dataclasses.replace(k3.load_config(CONFIG_DIR / "kimi_k3_mini.json"), hidden_size=128, heads=2,
+                            head_dim=32)
+    sub = KDA()
+    hf = draw_params(sub, d, seed=6)
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 1, (B, d.hidden_size)).astype(np.float32)
+    width = d.kda_num_heads * d.kda_head_dim
+    conv = bf16(rng.normal(0, 1, (B, 3 * width, d.conv_kernel_size - 1)))
+    recurrent = rng.normal(0, 0.3, (B, d.kda_num_heads, d.kda_head_dim, d.kda_head_dim))
+    cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
+                "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
+    positions = np.array([9, 4])
+    want, cache_out = reference(sub, d, hf, x, positions, cache_in)
+    c = StandIn(sub, d, hf, x, positions)
+    c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
+    run_bodies(c)
+    want_states = kernel_states(sub, d, c.part, cache_out, B)
+    got_states = {n: np.asarray(s.value) for n, s in c.states.items()}
+    return x, want, np.asarray(c.refs.x.value), want_states, got_states
+
+
+def test_the_lowered_kda_is_the_reference_layer():
+    x, want, got, want_states, got_states = _run()
+    assert gap(got - x, want - x) < TOL
+    np.testing.assert_allclose(got_states["conv"], want_states["conv"], rtol=2 ** -7, atol=1e-6)
+    assert gap(got_states["recurrent"], want_states["recurrent"]) < TOL
