@@ -304,9 +304,7 @@ class StoredTensor:
             from mkc.model.mxfp4 import SCALE_LARGEST
             return a > SCALE_LARGEST, (f"E8M0 scale(s) above {SCALE_LARGEST} (2**{SCALE_LARGEST - 127}: "
                                        "its block's values overflow bf16)")
-        lo, hi = fp8_blocks.SCALE_MIN, fp8_blocks.SCALE_MAX
-        return ~((a >= lo) & (a <= hi)), (f"block scale(s) outside {lo:.4g} to {hi:.4g} (an f32 "
-                                          "normal that keeps e4m3's largest code finite)")
+        return fp8_blocks.scales_outside(a), f"block scale(s) {fp8_blocks.SCALE_RANGE}"
 
     def verify(self, open_file: _OpenFiles) -> None:
         """Read (and so check) every value, at most `_VERIFY_CHUNK_BYTES` at a time."""

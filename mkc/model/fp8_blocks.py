@@ -38,6 +38,8 @@ SCALE_SUFFIX = "_scale_inv"       # `W.weight` -> `W.weight_scale_inv`, `experts
 SCALE_DTYPE = "float32"
 SCALE_MIN = float(np.finfo(np.float32).tiny)
 SCALE_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) / E4M3_MAX
+SCALE_RANGE = (f"outside {SCALE_MIN:.4g} to {SCALE_MAX:.4g} (an f32 normal that keeps e4m3's "
+               "largest code finite)")
 # The quantization_config mkc computes: key -> (the value it must hold, the hint).
 _SETTINGS = {
     "quant_method": ("fp8", "an FP8 checkpoint with block scales says \"quant_method\": \"fp8\""),
@@ -71,6 +73,26 @@ def read_quantization(raw: Mapping) -> tuple[int, int] | None:
         raise ConfigError(f"quantization_config weight_block_size = {block!r} is not two block sizes",
                           "write the [out, in] sizes of a block under one scale, e.g. [128, 128]")
     return int(block[0]), int(block[1])
+
+
+def scales_outside(scales: np.ndarray) -> np.ndarray:
+    """Where block scales leave the format's range (`SCALE_MIN` to `SCALE_MAX`; NaN included)."""
+    return ~((scales >= SCALE_MIN) & (scales <= SCALE_MAX))
+
+
+def checked_scales(scales: Any, what: str) -> np.ndarray:
+    """Block scales as packing reads them (arrays handed to a module's `place_weights`, not
+    only a checkpoint the loader read): f32 values in the format's range, else ValueError
+    naming `what` and the first bad index."""
+    a = np.asarray(scales)
+    if a.dtype != np.dtype(SCALE_DTYPE):
+        raise ValueError(f"{what}: block scales of dtype {a.dtype}, expected {SCALE_DTYPE}")
+    bad = scales_outside(a)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{what}: {int(bad.sum())} block scale(s) {SCALE_RANGE}, the first "
+                         f"({a[first]}) at index {list(first)}")
+    return a
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -165,7 +187,7 @@ class _Values:
         self.shape, self.dtype = tuple(codes.shape), np.dtype(ml_dtypes.bfloat16)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = widen(np.asarray(self.codes), np.asarray(self.scales), self.block)
+        out = widen(np.asarray(self.codes), checked_scales(self.scales, "an FP8 weight"), self.block)
         return out if dtype is None else out.astype(dtype)
 
     def __getitem__(self, index) -> np.ndarray:

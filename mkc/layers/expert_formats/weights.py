@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from mkc.ir import WeightFormat
+from mkc.model.fp8_blocks import checked_scales
 from mkc.layers.expert_formats import (MX_BLOCK, MXFP4_LAYOUT, SCALE_NAN, SCALE_ROWS, block_groups,
                                        block_index)
 
@@ -28,7 +29,8 @@ def fp8_checkpoint_blocks(codes: np.ndarray, scales: np.ndarray, out_index: Sequ
     kernel_codes = np.ascontiguousarray(raw[np.ix_(out_index, in_index)].T)
     _, per = block_groups(fmt, len(in_index), width)
     block_rows, block_cols = block_index(fmt, out_index, in_index, width)
-    grid = np.asarray(scales, np.float32)[np.ix_(block_cols[::per], block_rows)].T   # [groups, n]
+    scales = checked_scales(scales, "an FP8 expert matrix")
+    grid = scales[np.ix_(block_cols[::per], block_rows)].T   # [groups, n]
     return kernel_codes, pack_block_scales(grid)
 
 
