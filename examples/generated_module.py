@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each is an edit of a MINI module copy; the shipped generated/ files are never touched. In the
 # edit, `{scale}(x)` scales x by 1.01 (on the mutant's row of axis 0 only, when mutants share a
 # run: `load_generated`), and `{factor}(b)` is 1.01 for that row b (1.0 for the others).
-MUTANTS: dict[str, tuple[str, str]] = {
+# A mutant may have an edit per family's text of its op: the one whose text the module holds.
+MUTANTS: dict[str, tuple[str, str] | tuple[tuple[str, str], ...]] = {
     # Qwen (generic module: one line per op, so a mutant scales that op's output)
     "gdn.gated_norm": ("    core = lower.gated_norm(c, core, proj)\n",
                        "    core = {scale}(lower.gated_norm(c, core, proj))\n"),
@@ -60,12 +61,17 @@ MUTANTS: dict[str, tuple[str, str]] = {
                    "    core = lower.out_gate(c, core, gate_logits)\n"
                    "    attn_out = {scale}(lower.o_proj(c, core))\n"),
     "dense.down": ("    mlp_out = lower.down(c, act)\n", "    mlp_out = {scale}(lower.down(c, act))\n"),
-    # The routed experts are RMS-normed after their sum, so scaling all of them is invisible by
-    # design: scale the routing weight of every even-numbered expert.
-    "moe.expert": ("    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n",
-                   "    even = lax.rem(lax.broadcasted_iota(jnp.int32, expert_weights.shape, 1), 2) == 0\n"
-                   "    expert_weights = jnp.where(even, {scale}(expert_weights), expert_weights)\n"
-                   "    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n"),
+    # K3's routed experts are RMS-normed after their sum, so scaling all of them is invisible by
+    # design: scale the routing weight of every even-numbered expert (K3's; the library MoE's,
+    # edited where the route is made, so that qwen_moe.routed_experts may share its module).
+    "moe.expert": (("    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n",
+                    "    even = lax.rem(lax.broadcasted_iota(jnp.int32, expert_weights.shape, 1), 2) == 0\n"
+                    "    expert_weights = jnp.where(even, {scale}(expert_weights), expert_weights)\n"
+                    "    routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)\n"),
+                   ("    expert_ids, expert_weights = lower.route(c, router_logits)\n",
+                    "    expert_ids, expert_weights = lower.route(c, router_logits)\n"
+                    "    even = lax.rem(lax.broadcasted_iota(jnp.int32, expert_weights.shape, 1), 2) == 0\n"
+                    "    expert_weights = jnp.where(even, {scale}(expert_weights), expert_weights)\n")),
     "moe.shared_down": ("    shared_out = lower.shared_down(c, shared_act)\n",
                         "    shared_out = {scale}(lower.shared_down(c, shared_act))\n"),
 }
@@ -127,6 +133,20 @@ RUNTIME_MUTANTS: dict[str, tuple[str, str, str]] = {
 MUTANT_FACTOR = 1.01
 
 
+def _vector(name: str) -> Callable:
+    return lambda module: any(name in families for families in module.VECTORS.layout.values())
+
+
+# What a mutant scales that a module may lack: its edit's text is in the library's shared
+# lowering either way, where on a module without it the edit changes nothing.
+MUTANT_NEEDS: dict[str, Callable] = {
+    "oss.sink": _vector("sinks"), "oss.qkv_bias": _vector("qkv_bias"), "oss.o_bias": _vector("o_bias"),
+    "oss.router_bias": _vector("router_bias"),
+    "oss.expert_bias": lambda module: "down_bias" in module.EXPERTS.matrices,
+    "oss.window": lambda module: getattr(module.DIMS, "sliding_window", None) is not None,
+}
+
+
 def mutant_scale(row: int | None) -> Callable:
     """`{scale}` of a mutant: x times 1.01 (in f32, back to x's dtype) on row `row` of axis 0,
     or on every row (None); every other row is x exactly."""
@@ -170,13 +190,58 @@ def _helpers(mutants: dict[str, int | None]) -> dict[str, Callable]:
     return out
 
 
+def _edit(source: str, name: str) -> tuple[str, str]:
+    """Mutant `name`'s edit of `source`: of its edits, the one whose text `source` holds."""
+    edits = MUTANTS[name] if isinstance(MUTANTS[name][0], tuple) else (MUTANTS[name],)
+    return next((e for e in edits if source.count(e[0]) == 1), edits[0])
+
+
 def mutate(source: str, mutants: dict[str, int | None]) -> str:
     """The module text with every mutant of MUTANTS in `mutants` applied (name -> its row)."""
     for index, name in enumerate(mutants):
         if name in MUTANTS:
-            old, new = MUTANTS[name]
+            old, new = _edit(source, name)
             source = _replace_once(source, old, _bind(new, index), name, "the generated module")
     return source
+
+
+def _stages(value) -> list:
+    """The collective stages a module constant holds (a tuple of them, or a `FromRows`)."""
+    from mkc.runtime import collectives
+    if isinstance(value, collectives.FromRows):
+        return _stages(value.below) + _stages(value.stages)
+    if isinstance(value, tuple):
+        return [s for v in value for s in _stages(v)]
+    return [value] if isinstance(value, collectives.Stage | collectives.ReduceScatter
+                                 | collectives.AllGather) else []
+
+
+def _applies(module, name: str) -> bool:
+    """Whether mutant `name` changes `module` (a generated module, unmutated): its edit's text
+    is there once, and what it scales is."""
+    import inspect
+    import textwrap
+    if name in MUTANTS:
+        source = Path(module.__file__).read_text()
+        found = source.count(_edit(source, name)[0]) == 1
+    elif name in LOWERING_MUTANTS:
+        func, old, _ = LOWERING_MUTANTS[name]
+        try:
+            body = lowering_function(module.lowering, func)
+        except AttributeError:
+            return False
+        found = textwrap.dedent(inspect.getsource(body)).count(old) == 1
+    else:        # an edit of the collectives: the function it edits runs the module's reduce-scatters
+        from mkc.runtime import collectives
+        found = any(isinstance(stage, collectives.ReduceScatter) for key, value in vars(module).items()
+                    if key.isupper() for stage in _stages(value))
+    return found and MUTANT_NEEDS.get(name, lambda _: True)(module)
+
+
+def applicable_mutants(spec: Path, model: str) -> list[str]:
+    """The mutants that apply to `spec` compiled for `model`."""
+    module = load_generated(spec, model)
+    return sorted(n for n in {**MUTANTS, **LOWERING_MUTANTS, **RUNTIME_MUTANTS} if _applies(module, n))
 
 
 def lowering_function(lowering, func: str) -> Callable:
@@ -315,6 +380,18 @@ def check_mutant_options(ap, args) -> None:
     if args.mutants_by_row and (not args.mutants or len(args.mutants.split(",")) >= args.batch):
         ap.error("--mutants-by-row needs --mutants, and a --batch above their count "
                  "(a row each and a control row)")
+
+
+def check_applicable_mutants(ap, args, spec: Path, model: str) -> None:
+    """The runners' mutants must apply to the spec (a usage error naming those that do)."""
+    named = ([args.mutate] if getattr(args, "mutate", None) else []) + \
+        (args.mutants.split(",") if args.mutants else [])
+    if not named:
+        return
+    applicable = applicable_mutants(spec, model)
+    if other := [n for n in named if n not in applicable]:
+        ap.error(f"{', '.join(other)}: no such mutant of {spec} for {Path(model).name}; its "
+                 f"mutants are {', '.join(applicable)}")
 
 
 def check_batch(ap, gen, batch: int) -> None:

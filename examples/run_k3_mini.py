@@ -51,7 +51,8 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_batch, check_mutant_options, check_spec_and_model,
+                              check_applicable_mutants, check_batch, check_mutant_options,
+                              check_spec_and_model,
                               finish, interpret_host,
                               k3_mini_spec,
                               load_generated, plain_trajectory, rounding_for, step_references,
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                           spec.read_text())
         assert n == 1, "the spec has no expert slot view"
         spec.write_text(text)
+    check_applicable_mutants(ap, args, spec, "kimi_k3_mini")
     gen = load_generated(spec, "kimi_k3_mini", args.mutate)
     check_batch(ap, gen, args.batch)
     rounding = rounding_for(spec, "kimi_k3_mini")

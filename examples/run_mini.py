@@ -18,7 +18,8 @@ logits, and the state committed after it).
 
 Prints one line per step and, with --json, a final JSON summary (used by the tests). Exits 1
 when the kernel disagrees with either reference. --mutate NAME runs a copy of the generated
-module with one op scaled by 1.01 (`generated_module.MUTANTS`) instead: it must exit 1.
+module with one op scaled by 1.01 (`generated_module.MUTANTS`; a name that does not apply to
+the spec is a usage error naming those that do) instead: it must exit 1.
 --mutants A,B runs the module, then each mutant in the same process; it exits 0 only if the
 module passes and every mutant is rejected.
 """
@@ -45,7 +46,8 @@ from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_batch, check_mutant_options, check_spec_and_model,
+                              check_applicable_mutants, check_batch, check_mutant_options,
+                              check_spec_and_model,
                               finish, interpret_host,
                               load_generated,
                               plain_trajectory, rounding_for, step_references, run_kernel,
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = Path(args.spec)
     try:        # compiled first: a model the spec cannot run is refused before a weight is read
         model = str(Path(args.checkpoint).resolve()) if args.checkpoint else args.model
+        check_applicable_mutants(ap, args, spec, model)
         gen = load_generated(spec, model, args.mutate)
         if args.checkpoint:
             config, hf = load_checkpoint(args.checkpoint)

@@ -4,17 +4,19 @@ TPU interpret mode on virtual CPU devices and matches the family's reference at 
 from the kernel's own state: bit for bit against its rounding emulation, and plainly on the
 rows that are not near-ties (an expert pick or a next token within the plain reference's
 error); race-free in both DMA modes; and a 1 % error in the router's logits, the routed
-experts' sum, the new key's q/k norm or the cached values attention reads (a state-only
-mutant: invisible from a zeroed state) is rejected by the emulation."""
+experts' sum, the routing weight of every other expert, the new key's q/k norm or the cached
+values attention reads (a state-only mutant: invisible from a zeroed state) is rejected by the
+emulation; the runner offers only the mutants that apply to the spec."""
 from pathlib import Path
 
 import pytest
 
+from conftest import run_python
 from mkc import numerics
 from tests_support import ROOT, assert_bit_equal, assert_each_mutant_rejected_on_its_row, run_example
 
 SPEC = str(ROOT / "schedules" / "qwen3_30b_a3b.sched")
-MUTANTS = ("qwen_moe.router", "qwen_moe.routed_experts", "gqa.k_norm", "gqa.kv_read")
+MUTANTS = ("qwen_moe.router", "qwen_moe.routed_experts", "moe.expert", "gqa.k_norm", "gqa.kv_read")
 
 
 def _run(spec: str, *args: str) -> dict:
@@ -26,11 +28,22 @@ def _run(spec: str, *args: str) -> dict:
 def test_on_wait_two_steps_bit_equal_then_each_mutant_rejected_on_its_row():
     """One module with every mutant, mutant i acting on row i alone (the last row clean), runs
     step 1 from the kernel's state after step 0."""
-    summary = _run(SPEC, "--mode", "on_wait", "--steps", "2", "--batch", "5", "--races",
+    summary = _run(SPEC, "--mode", "on_wait", "--steps", "2", "--batch", "6", "--races",
                    "--mutants", ",".join(MUTANTS), "--mutants-from", "1", "--mutants-by-row")
     assert_bit_equal(summary)
     assert summary["races_found"] is False
     assert_each_mutant_rejected_on_its_row(summary, MUTANTS)
+
+
+def test_the_runner_offers_the_mutants_of_the_spec():
+    """A mutant of another family's text is a usage error naming the spec's own, among them
+    `moe.expert` (K3's, with an edit of the library MoE's text too); not a traceback."""
+    r = run_python(["examples/run_mini.py", "--spec", SPEC, "--model", "qwen3_moe_mini",
+                    "--mutants", "moe.expert,oss.sink,kda.decay"], timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"oss.sink, kda.decay: no such mutant of {SPEC} for qwen3_moe_mini; its mutants are " \
+        "gqa.k_norm, gqa.kv_read, gqa.o_proj, moe.expert, qwen_moe.routed_experts, qwen_moe.router" \
+        in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.extended
