@@ -691,7 +691,8 @@ class _Server(LanguageServer):
         answered, else 1 (an input that ends without `exit` is the client gone)."""
         self.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
         raw = _StdinReader((stdin or sys.stdin.buffer).fileno())
-        reader = threading.Thread(target=self._read, args=(io.BufferedReader(raw),), name="mkc-lsp-stdin")
+        frames = io.BufferedReader(raw)          # held here: collected, it would close `raw`
+        reader = threading.Thread(target=self._read, args=(frames,), name="mkc-lsp-stdin")
         try:
             asyncio.run(self._serve(reader))
         except BrokenPipeError:
@@ -702,7 +703,7 @@ class _Server(LanguageServer):
             raw.stop()
             if reader.is_alive():
                 reader.join()
-            raw.close()
+            frames.close()
             self.shutdown()
         if self._exit_code is None:
             self._exit_code = 0 if self.protocol._shutdown else 1

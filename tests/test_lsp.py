@@ -450,3 +450,15 @@ def test_exit_ends_the_server_at_once_with_the_protocols_status(tmp_path):
             _, stderr = server.close()
         assert (code, stderr) == (0 if shut_down else 1, "")
         assert cpu < EXIT_CPU_S, (shut_down, cpu)
+
+
+def test_an_input_that_ends_ends_the_session():
+    """Frames, then the end of the input (the client gone, without `exit`): every request
+    answered, and the status `exit` would have given (0 after `shutdown`)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-m", "mkc", "lsp"], cwd=ROOT, env=env, capture_output=True,
+                       timeout=STARTUP_S, input=frame(request(0, "initialize", {"capabilities": {}}))
+                       + frame(request(1, "shutdown", None)))
+    assert (r.returncode, r.stderr) == (0, b"")
+    assert b'"id": 0' in r.stdout and b'"id": 1, "jsonrpc": "2.0", "result": null' in r.stdout
