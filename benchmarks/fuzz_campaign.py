@@ -4,7 +4,7 @@ a memory cap, every outcome classified.
 
     .venv/bin/python benchmarks/fuzz_campaign.py [--cases 10000] [--seed 0] [--workers 2]
         [--timeout 10] [--mem-gib 4] [--compile-fraction 0.2] [--json OUT]
-        [--target check|fmt|retarget|checkpoint|lsp|all] [--kind K]
+        [--target check|fmt|retarget|checkpoint|lsp|serve|all] [--kind K]
     .venv/bin/python benchmarks/fuzz_campaign.py --seed S --only I [--target T] [--emit DIR]
 
 Mutants start from every shipped spec (`bases()`): checked with a MINI config where one divides
@@ -40,6 +40,11 @@ the timeout):
                 kind each), SPEC the spec of the MINI config it picked (`spec_text`)
     lsp         `mkc lsp` fed a hostile session (benchmarks/fuzz_lsp.py: `hostile_session(rng)`
                 frames, sent one at a time by `run_session`, each owed answer awaited 10 s)
+    serve       `mkc serve`'s HTTP API and engine fed hostile requests (benchmarks/fuzz_serve.py:
+                bodies, numbers at type edges, wrong types, chat messages and parts, non-Unicode
+                text, routes, streams, several at once), each beside good requests; the server
+                is the API over the tests' stand-in module in the worker, or a running `mkc
+                serve` at MKC_FUZZ_SERVE_URL
 
 A target whose module is missing is reported as unavailable (`--target all` skips it).
 Outcome classes:
@@ -64,6 +69,10 @@ Outcome classes:
     memory         MemoryError under the address-space cap
     crash          the worker process died; lsp: the server died or exited with a nonzero status
     lsp_unanswered a request of the session got no answer (result or JSON-RPC error)
+    serve_harmed   a good request beside the hostile ones failed or answered otherwise than alone
+                   (serve's other verdicts: a 5xx is a traceback, a refusal without OpenAI's
+                   error body or an error event in a stream bad_output, no answer in 20 s a
+                   hang, a dropped connection or a /health that stops answering a crash)
 
 A case is a pure function of (seed, index) and the --target and --kind asked for, so `--only I`
 reproduces it and `--emit DIR` writes its spec and files. Signatures of targets other than
@@ -92,7 +101,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "mkc" / "model" / "configs"
 FAILURE_CLASSES = ("traceback", "hang", "memory", "crash", "bad_output", "bad_diagnostic",
-                   "fmt_unstable", "fmt_changed_meaning", "lsp_unanswered")
+                   "fmt_unstable", "fmt_changed_meaning", "lsp_unanswered", "serve_harmed")
 CLASSES = ("ok", "diagnostic") + FAILURE_CLASSES
 
 # ---- the base specs ------------------------------------------------------------------------
@@ -827,6 +836,19 @@ def _lsp_kinds() -> dict:
     return {"lsp_session": (make, 1)}
 
 
+def _serve_kinds() -> dict:
+    """fuzz_serve's kinds: the case's hostile requests are drawn in the worker."""
+    (kinds,) = _external("fuzz_serve", "KINDS")
+
+    def kind(name):
+        def make(rng, b: Base, case: Case):
+            case.desc = f"hostile HTTP requests of kind {name} (benchmarks/fuzz_serve.py)"
+            case.model = ""              # the server's model is the worker's, not the case's
+            return b.spec
+        return make
+    return {name: (kind(name), weight) for name, (_, weight) in kinds.items()}
+
+
 @dataclass(frozen=True)
 class Target:
     """What a case runs, in the worker: its mutation kinds, how it runs a case (a partial
@@ -1163,6 +1185,14 @@ def run_lsp(case: Case, d: Path, res: dict) -> dict:
     return {"cls": "ok"}
 
 
+def run_serve(case: Case, d: Path, res: dict) -> dict:
+    """The case's hostile requests against this worker's server (fuzz_serve.server(): started
+    at its first case), beside good requests; fuzz_serve.run_case's outcome."""
+    (server,) = _external("fuzz_serve", "server")
+    res["stage"] = "serve"
+    return server().run(case.seed, case.index, case.kind)
+
+
 LSP_SESSION_SECONDS = 10.0
 TARGETS.update({
     "check": Target("check", lambda: MUTATIONS, run_check, 10),
@@ -1181,6 +1211,11 @@ TARGETS.update({
     # the session opens schedules/qwen3_8_27b.sched with its own model line
     "lsp": Target("lsp", _lsp_kinds, run_lsp, 2, timeout_factor=2.0, base_weights={"qwen_full": 1},
                   command="mkc lsp < session"),
+    # a case takes milliseconds of the stand-in; the worker's first starts it (JAX's import
+    # and the step's compile: a few CPU seconds)
+    "serve": Target("serve", _serve_kinds, run_serve, 2, timeout_factor=3.0,
+                    base_weights={"qwen_full": 1},
+                    command="mkc serve <- hostile requests"),
 })
 
 

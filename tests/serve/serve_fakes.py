@@ -85,6 +85,22 @@ def fake_greedy(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+class LetterTokenizer:
+    """Token t is the letter chr(97 + t % 26), one a character (in pure Python, so a long text
+    takes as long to encode as a real tokenizer's CPU work); a chat is its messages' texts. Every
+    id it makes is a token of the stand-in's vocabulary."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 26 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        from mkc.serve.model import _text_of
+        return self.encode("".join(_text_of(m.get("content")) for m in messages))
+
+
 @contextlib.contextmanager
 def fake_server(batch: int = 2, queue: int = 8, tokenizer=None, name: str = "fake_mini",
                 limits=None) -> Iterator[str]:

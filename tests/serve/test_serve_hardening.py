@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from serve_fakes import EOS, fake_greedy, fake_mesh, fake_module, fake_server
+from serve_fakes import EOS, LetterTokenizer, fake_greedy, fake_mesh, fake_module, fake_server
 
 from mkc.serve.api import Limits, create_app
 from mkc.serve.engine import Engine, Request, Unfit
@@ -20,21 +20,6 @@ from mkc.serve.model import Served
 from mkc.serve.sampling import SamplingParams
 
 NAME = "fake_mini"
-
-
-class LetterTokenizer:
-    """Token t is the letter chr(97 + t % 26), one a character (in pure Python, so a long text
-    takes as long to encode as a real tokenizer's CPU work); a chat is its messages' texts."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 26 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(97 + t % 26) for t in ids)
-
-    def chat(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(m["content"] if isinstance(m["content"], str) else
-                                   "".join(p["text"] for p in m["content"]) for m in messages))
 
 
 def make_client(limits: Limits = Limits(), tokenizer=None) -> tuple[TestClient, Engine]:
