@@ -452,7 +452,12 @@ class Engine:
         if len(req.prompt) < 2:
             return
         t0 = time.perf_counter()
-        self.device.put_row_state(req.row, self.prefiller(req.prompt[:-1]))
+        try:
+            state = self.prefiller(req.prompt[:-1])
+        except Exception as e:          # noqa: BLE001 - its own prompt's: it fails alone
+            self._fail_request(req, "the reference's prefill", e)
+            return
+        self.device.put_row_state(req.row, state)
         req.fed = len(req.prompt) - 1
         self.stats.prefill_seconds += time.perf_counter() - t0
 
@@ -481,8 +486,19 @@ class Engine:
             if (req.sampling.temperature > 0 or not req.generated or req.fed != len(history) - 1
                     or req.fed + R > self.context):
                 return None
-            drafts[b] = list(self.drafter(history, R - 1))[:R - 1]
+            try:
+                drafts[b] = list(self.drafter(history, R - 1))[:R - 1]
+            except Exception as e:      # noqa: BLE001 - its own history's: it fails alone
+                self._fail_request(req, "drafting", e)
+                return None             # the other rows take a decode step
         return drafts if any(drafts.values()) else None
+
+    def _fail_request(self, req: Request, stage: str, error: Exception) -> None:
+        """End one request with an error from work on its own tokens (not a launch the rows
+        share): its row is freed, the other rows go on."""
+        log.exception("%s failed for one request", stage)
+        with self._wake:
+            self._finish(req, Event(finish_reason="error", error=f"{stage} failed: {error}"))
 
     def _run_speculative(self, drafts: dict[int, list[int]]) -> None:
         """One verify launch over the busy rows (every one greedy), each row's anchor (its last

@@ -8,11 +8,12 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from serve_fakes import EOS, LetterTokenizer, fake_greedy, fake_mesh, fake_module, fake_server
+from serve_fakes import EOS, LetterTokenizer, fake_greedy, fake_mesh, fake_module, fake_prefill, fake_server
 
 from mkc.serve.api import Limits, create_app
 from mkc.serve.engine import Engine, Request, Unfit
@@ -261,3 +262,40 @@ def test_api_docs_are_off_unless_asked_for():
         with c:
             for path in ("/docs", "/redoc", "/openapi.json"):
                 assert c.get(path).status_code == status, (path, limits)
+
+
+def _refuses_13(what):
+    def step(tokens, *rest):
+        if 13 in tokens:
+            raise ValueError(f"{what} cannot take token 13")
+        return fake_prefill(tokens) if what == "prefill" else fake_greedy(tokens, rest[0])
+    return step
+
+
+@pytest.mark.parametrize("kw", [{"drafter": _refuses_13("draft")},
+                                {"prefill": "reference", "prefiller": _refuses_13("prefill")}],
+                         ids=["drafter", "prefiller"])
+def test_an_engine_error_from_one_requests_tokens_fails_that_request_alone(kw):
+    """The drafter and the reference's prefill work on one request's tokens: when either fails,
+    that request ends with the error and the row beside it goes on exactly."""
+    import asyncio
+    engine = Engine(fake_module(), {}, fake_mesh(), 2, None, **{"prefill": "decode", **kw})
+
+    async def generate(prompt: list[int], n: int) -> tuple[list[int], Any]:
+        req = Request(prompt=prompt, loop=asyncio.get_running_loop(),
+                      sampling=SamplingParams(max_tokens=n, temperature=0.0))
+        engine.submit(req)
+        while (event := await asyncio.wait_for(req.events.get(), 60)).finish_reason is None:
+            pass
+        return req.generated, event
+
+    async def both():
+        return await asyncio.gather(generate([3, 5, 7, 3, 5], 16), generate([2, 13, 4], 8))
+    engine.start()
+    try:
+        (good, good_end), (_, bad_end) = asyncio.run(both())
+    finally:
+        engine.stop()
+    assert bad_end.finish_reason == "error" and "cannot take token 13" in bad_end.error
+    assert good_end.finish_reason == "length" and good == fake_greedy([3, 5, 7, 3, 5], 16)
+    assert engine.failure is None
