@@ -174,9 +174,13 @@ def compiler_scratch(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> C
     key = scratch_key(s)
     tokens = max((kind.kv.tokens for kind in s.kinds.values() if kind.kv), default=0)
     own = [m for m in s.compiler_scratch if m.key == key]
-    if own and tokens <= max(m.kv_tokens for m in own):
-        # the shortest tiles this kernel kind was measured at (the other kind's, if never)
-        base = min(m.kv_tokens for m in [m for m in own if _is_verify(m) == k.verify] or own)
+    kind = [m for m in own if _is_verify(m) == k.verify] or own
+    # the shortest tiles this kernel kind was measured at (the other kind's, if never); tiles
+    # longer than those only where this kind was measured at as long tiles and as many rows
+    # (Llama 8B's 16-row verify step spills 1,260 bytes more a token past its measured 256,
+    # its decode step at 8 rows 192)
+    base = min((m.kv_tokens for m in kind), default=0)
+    if own and (tokens <= base or any(m.kv_tokens >= tokens and m.rows >= k.rows for m in kind)):
         at = [m for m in own if m.kv_tokens == base]
         past, per_token = max(0, tokens - base), kv_token_bytes(own)
         n, measured, how = _at_width(at, k)
@@ -193,7 +197,8 @@ def compiler_scratch(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> C
     for m in s.compiler_scratch:
         by_key.setdefault(m.key, []).append(m)
     n = max(round(UNMEASURED_SCRATCH_FACTOR * _at_width(ms, k)[0]) for ms in by_key.values())
-    what = (f"KV tiles of {tokens} tokens, longer than measured" if own else _key_words(key))
+    what = (f"KV tiles of {tokens} tokens, longer than measured at this width" if own
+            else _key_words(key))
     source = (f"bound, not measured for this geometry ({what}): {UNMEASURED_SCRATCH_FACTOR}x the "
               f"largest of family {s.family}'s {len(by_key)} measured geometries at this width; "
               f"measure it with benchmarks/compiler_scratch.py --spec {s.source}")

@@ -363,3 +363,20 @@ def test_the_bound_past_the_widest_measure_holds_on_every_measured_pair():
             assert n >= wide.bytes, (family.name, wide, n)
             checked += 1
     assert checked >= 40
+
+
+def test_kv_tiles_longer_than_a_kernels_own_measures_are_a_bound(tmp_path):
+    """Llama 8B measured 512-token KV tiles only in its decode step at 8 rows (192 bytes a
+    token more than at 256); its 16-row verify step with 512-token tiles uses 41.28 MiB
+    (libtpu, `mkc check --confirm`), 0.2 MiB more than that slope gave. The verify step's
+    scratch there is a bound, labelled so, and mkc's peak is at least libtpu's use."""
+    from mkc.checks.capacity import Kernel
+    spec = _edited(tmp_path, "llama_3_1_8b", NO_EXPECT,
+                   ("kv tiles 4 slots of 256 tokens ahead 4", "kv tiles 5 slots of 512 tokens ahead 5"))
+    from mkc.lang.parser import parse_file
+    from mkc.resolve import resolve
+    s = resolve(parse_file(spec)[0], None)
+    decode, verify = (capacity.compiler_scratch(s, k) for k in (Kernel(8, 8), Kernel(16, 2, True)))
+    assert decode.measured and "a token past them" in decode.source
+    assert not verify.measured and "longer than measured at this width" in verify.source
+    assert vmem_budget(s, build_trace(s), Kernel(16, 2, True))[0] >= 41.28 * MIB
