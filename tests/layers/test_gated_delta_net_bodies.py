@@ -32,7 +32,7 @@ B = 2
 @cache
 def _run():
     d = dataclasses.replace(qwen3_5.load_config(CONFIG_DIR / "qwen3_8_mini.json"), hidden_size=128,
-                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                            linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=32,
                             linear_value_head_dim=32)
     sub = DELTA_NET
     hf = draw_params(sub, d, seed=5)

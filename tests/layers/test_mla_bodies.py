@@ -34,8 +34,8 @@ from mkc.layers.mla import MLA
 from mkc.model.config import CONFIG_DIR
 
 TOL = 2e-4
-B, CONTEXT, TILE = 2, 48, 8
-POSITIONS = np.array([37, 13])
+B, CONTEXT, TILE = 2, 24, 8
+POSITIONS = np.array([21, 13])
 
 
 def _dims(**changes):

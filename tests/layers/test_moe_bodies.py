@@ -2,7 +2,7 @@
 variant the families compose: Qwen3-MoE's softmax top-k with `norm_topk_prob` on and off,
 Qwen3.5-MoE's (zero-centred pre-norm, a gated shared expert), DeepSeek-V3's (sigmoid scores,
 the correction bias, groups, `routed_scaling_factor`, an ungated shared expert; renormalised
-or not) and GPT-OSS's (a biased router, the top k's softmax, biased MXFP4 experts, the clamped
+or not) and GPT-OSS's (a biased router, the top k's softmax, biased experts, the clamped
 SwiGLU). Every row's picks are the reference's (`route` in the kernel's own lanes) and the
 residual stream after the layer agrees to TOL; a 1.01 scale of any term of a body moves it by
 more (the table, each mutant applied to the source and this module run: every one failed it).
@@ -58,11 +58,14 @@ CASES = {
     "qwen3_moe_unnormalised": (MoE(), lambda: _dims(qwen3_moe, "qwen3_moe_mini", norm_topk_prob=False)),
     "qwen3_5_moe": (MoE(norm="zero_centred", shared_expert=True),
                     lambda: _dims(qwen3_5_moe, "qwen3_5_moe_mini", shared_expert_intermediate_size=64)),
-    "deepseek": (DEEPSEEK_MOE, lambda: _dims(deepseek, "deepseek_v3_mini", experts=16, top_k=4)),
-    "deepseek_unnormalised": (DEEPSEEK_MOE, lambda: _dims(deepseek, "deepseek_v3_mini", experts=16, top_k=4,
+    "deepseek": (DEEPSEEK_MOE, lambda: _dims(deepseek, "deepseek_v3_mini", top_k=3)),
+    "deepseek_unnormalised": (DEEPSEEK_MOE, lambda: _dims(deepseek, "deepseek_v3_mini", top_k=3,
                                                          norm_topk_prob=False)),
-    "gpt_oss": (GPT_OSS_MOE, lambda: dataclasses.replace(
-        gpt_oss.load_config(CONFIG_DIR / "gpt_oss_mini.json"), hidden_size=128, intermediate_size=64)),
+    # its experts as bf16 values (the slot's matmuls are the stand-in's; MXFP4 decoding is
+    # `expert_formats`', tested on its own): halves of the expert's width, unpadded
+    "gpt_oss": (dataclasses.replace(GPT_OSS_MOE, checkpoint="bf16"), lambda: dataclasses.replace(
+        gpt_oss.load_config(CONFIG_DIR / "gpt_oss_mini.json"), hidden_size=128, intermediate_size=64,
+        experts=4)),
 }
 
 
@@ -95,7 +98,7 @@ def _run(case: str):
         routed, shared = moe_ref.parts(sub, p, d, h, None, "moe")
         gate = p["shared_expert_gate.weight"]
         want = np.asarray(moe_ref._kernel_mlp_residual(jnp.asarray(x), routed, h, gate, shared), np.float64)
-    c = StandIn(sub, d, hf, x, np.zeros(B, np.int32))
+    c = StandIn(sub, d, hf, x, np.zeros(B, np.int32), per_rank={"expert_half": sub.expert_half(d)})
     values = run_bodies(c, _slot_experts(sub, d, hf))
     # the reference's picks, from the same logits (the router's product is the stand-in's)
     ids, _ = moe_ref.route(values["router_logits"], *moe_ref.route_args(sub, p, d))
