@@ -143,3 +143,21 @@ def test_check_confirm_exits_1_when_libtpu_disagrees(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert f"{SPEC}: ok" not in out and "libtpu disagrees" in out
     assert f"{judged[-1]} on" in err and err.rstrip().endswith("DISAGREE")
+
+
+@pytest.mark.extended
+def test_check_confirm_compiles_every_judged_kernel_of_the_issues_llama_case(tmp_path):
+    """Llama 8B with 5 KV tiles of 512 tokens: mkc refuses its decode step at batch 8 (64.43
+    MiB), libtpu runs out of VMEM on it ("Used 64.37M of 63.94M"), and both fit its verify
+    steps of 8 and 16 rows: three compiles, all agreeing (about 90 s of CPU)."""
+    from mkc.cli import main
+    text = (Path(SPEC).parent / "llama_3_1_8b.sched").read_text()
+    spec = tmp_path / "llama_3_1_8b.sched"
+    spec.write_text(text.replace("kv tiles 4 slots of 256 tokens ahead 4",
+                                 "kv tiles 5 slots of 512 tokens ahead 5"))
+    rs = confirm.confirm_kernels(spec)
+    assert [r.kernel for r in rs] == ["decode step, batch 8", "verify step, 8 rows (1 sequence of 8)",
+                                      "verify step, 16 rows (2 sequences of 8)"]
+    assert all(r.agree for r in rs), [r.summary() for r in rs]
+    assert rs[0].libtpu == "out_of_vmem" and not rs[0].mkc_fits
+    assert main(["check", str(spec)]) == 1
