@@ -160,13 +160,15 @@ class StandIn:
 
 def run_bodies(c: StandIn, experts: list[Mapping[str, jax.Array]] | None = None) -> dict[str, Any]:
     """Every op of the kind in program order, each body passed the values it reads -> the
-    values written. `experts`: every routed expert's matrices in the slot's layout (dense f32,
-    `gate_up [H, 2 * width]`, `down [width, H]`, bias rows where the kind has them), which the
-    routed experts' slot reads are replaced by (every expert visited, each weighted by its
-    routing weight, zero where a row did not pick it)."""
+    values written (the last of each name; `c.written`: every op's result, in order).
+    `experts`: every routed expert's matrices in the slot's layout (dense f32, `gate_up [H, 2 *
+    width]`, `down [width, H]`, bias rows where the kind has them), which the routed experts'
+    slot reads are replaced by (every expert visited, each weighted by its routing weight, zero
+    where a row did not pick it)."""
     not_values = set(c.part.tensors) | {"x"}
     bodies = c.sub.bodies()
     values: dict[str, Any] = {}
+    c.written = []
     with contextlib.ExitStack() as patches:
         if experts is not None:
             module = sys.modules[c.sub.module("lowering").__name__]
@@ -177,12 +179,27 @@ def run_bodies(c: StandIn, experts: list[Mapping[str, jax.Array]] | None = None)
                                                     lambda c_, k, name: experts[k][name]))
         for op in c.part.ops:
             out = bodies[op.name](c, *[values[n] for n in op.reads if n not in not_values])
+            c.written.append((op.name, out))
             writes = [n for n in op.writes if n not in not_values]
             if len(writes) == 1:
                 values[writes[0]] = out
             elif writes:
                 values |= dict(zip(writes, out))
     return values
+
+
+@contextlib.contextmanager
+def results_of(module: Any, name: str):
+    """Function `name` of `module` as it is, its results kept in the yielded list (what a
+    reference computes inside a layer: a value a later norm hides)."""
+    kept: list = []
+    real = getattr(module, name)
+
+    def kept_call(*args, **kwargs):
+        kept.append(real(*args, **kwargs))
+        return kept[-1]
+    with mock.patch.object(module, name, kept_call):
+        yield kept
 
 
 def reference(sub: Sublayer, d: Any, hf: Mapping[str, np.ndarray], x: np.ndarray, positions: np.ndarray,

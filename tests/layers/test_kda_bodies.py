@@ -3,7 +3,8 @@ reference layer, with its own pre-norm and residual add (`KDA()`; K3 composes it
 them): two rows from random conv taps and recurrent states, two heads, the decay per key
 channel spread over (0.08, 1), the output norm's weight not one: the residual stream after the
 layer agrees to TOL, the new states within a bf16 rounding (the conv state) and TOL (the
-recurrent state); a 1.01 scale of any term of a body moves them by more (the table, each
+recurrent state), and so does the delta rule's output before the gated norm (whose RMS norm
+hides a scale of it, the query's); a 1.01 scale of any term of a body moves them by more (the table, each
 mutant applied to the source and this module run: every one failed it).
 
 Mutants (lowering.py unless named), 1.01 times ...
@@ -20,9 +21,10 @@ from functools import cache
 import jax.numpy as jnp
 import numpy as np
 
-from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
+from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, results_of, run_bodies
 from mkc.families.kimi_k3 import reference as k3
 from mkc.layers.kda import KDA
+from mkc.layers.kda import reference as kda_reference
 from mkc.model.config import CONFIG_DIR
 
 TOL = 2e-5
@@ -43,17 +45,21 @@ def _run():
     cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
                 "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
     positions = np.array([9, 4])
-    want, cache_out = reference(sub, d, hf, x, positions, cache_in)
+    with results_of(kda_reference, "delta_rule_step") as steps:
+        want, cache_out = reference(sub, d, hf, x, positions, cache_in)
     c = StandIn(sub, d, hf, x, positions)
     c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
     run_bodies(c)
     want_states = kernel_states(sub, d, c.part, cache_out, B)
     got_states = {n: np.asarray(s.value) for n, s in c.states.items()}
-    return x, want, np.asarray(c.refs.x.value), want_states, got_states
+    # the delta rule's output before the gated norm, which hides its scale
+    core = (np.asarray(dict(c.written)["delta_rule"]), np.asarray(steps[0][0]).reshape(B, -1))
+    return x, want, np.asarray(c.refs.x.value), want_states, got_states, core
 
 
 def test_the_lowered_kda_is_the_reference_layer():
-    x, want, got, want_states, got_states = _run()
+    x, want, got, want_states, got_states, (core, want_core) = _run()
     assert gap(got - x, want - x) < TOL
+    assert gap(core, want_core) < TOL
     np.testing.assert_allclose(got_states["conv"], want_states["conv"], rtol=2 ** -7, atol=1e-6)
     assert gap(got_states["recurrent"], want_states["recurrent"]) < TOL
