@@ -572,8 +572,11 @@ class RouteRecorder:
 
 
 def top_margins(scores: np.ndarray, k: int) -> np.ndarray:
-    """Per row, the gap between the k-th and the (k+1)-th largest of ``scores [B, N]``."""
+    """Per row, the gap between the k-th and the (k+1)-th largest of ``scores [B, N]``; inf
+    when k is all N (every expert picked: no choice to flip)."""
     top = np.sort(scores, axis=-1)
+    if k >= top.shape[-1]:
+        return np.full(top.shape[0], np.inf)
     return top[:, -k] - top[:, -k - 1]
 
 
