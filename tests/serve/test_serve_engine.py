@@ -3,6 +3,7 @@ kernel runs: serve_fakes)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,17 @@ def test_without_clearing_a_reused_row_the_output_differs(monkeypatch):
 
 def test_cancel_frees_the_row_and_others_finish():
     engine = make_engine(batch=1)
+    # after its first token the engine waits for the cancel (however late a loaded host runs
+    # the client), so the request cannot finish first
+    cancelled, step, cancel = threading.Event(), engine.device.run, engine.cancel
+
+    def run_step(launch):
+        out = step(launch)
+        if engine.stats.steps >= 2 and not cancelled.is_set():
+            cancelled.wait(30)
+        return out
+    engine.device.run = run_step
+    engine.cancel = lambda req: (cancel(req), cancelled.set())
     out = run(engine, generate(engine, [1, 2], 20, cancel_after=1),
               generate(engine, [5], 3, delay=0.01))
     (cancelled, reason), (other, finish) = out
