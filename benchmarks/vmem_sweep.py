@@ -1,10 +1,11 @@
 """Sweep mkc's VMEM verdict against libtpu's at the boundary, for every family and expert format.
 
 For each swept spec (every shipped spec, K3 with FP8 and with rounded FP4 experts,
-Qwen3.5-35B-A3B with rounded FP8 experts, and GPT-OSS 20b and K3 with KV tiles 4x the measured
-length) and each kernel width (batch 1 and the widest
-kernel the spec builds: its largest decode batch, or its verify step when that has more rows)
-three variants sit at mkc's own boundary, with reserve 0 and no `expect` lines:
+Qwen3.5-35B-A3B with rounded FP8 experts, GPT-OSS 20b and K3 with KV tiles 4x the measured
+length, Llama 8B with 5 KV tiles of 512 tokens) and each kernel (the decode step at batch 1
+and at the largest batch, the verify step for the most sequences, and the wider kernels of
+`WIDER`: batches past 8, verify steps of 16 and 32 rows) three variants sit at mkc's own
+boundary, with reserve 0 and no `expect` lines:
 
     peak       the spec as shipped with `vmem limit` set to mkc's own peak (rounded up to a KiB):
                mkc says it fits with nothing to spare
@@ -48,7 +49,7 @@ MIB = 2**20
 KINDS = ("peak", "ring N", "ring N+1")
 
 from compiler_scratch import (K3_FP4, K3_FP8, KV_256, QWEN_MOE_FP8, SCHEDULES,  # noqa: E402
-                              compile_kernel, kernel_rows, resolve_text)
+                              compile_kernel, kernel_of, resolve_text)
 
 # Every family and expert format: (name, spec, edits); and KV tiles 4x the measured length
 # (never measured: the family's bytes a token extrapolate to them).
@@ -57,7 +58,18 @@ SWEPT = [(p.stem, p, ()) for p in sorted(SCHEDULES.glob("*.sched"))] + [
     ("kimi_k3 fp4 experts", SCHEDULES / "kimi_k3.sched", K3_FP4),
     ("qwen3_5_35b_a3b fp8 experts", SCHEDULES / "qwen3_5_35b_a3b.sched", QWEN_MOE_FP8)] + [
     (f"{name} kv 512", SCHEDULES / f"{name}.sched",
-     ((KV_256[name][0], KV_256[name][1].replace("256", "512")),)) for name in ("gpt_oss_20b", "kimi_k3")]
+     ((KV_256[name][0], KV_256[name][1].replace("256", "512")),)) for name in ("gpt_oss_20b", "kimi_k3")] + [
+    # Llama 8B's KV tiles as an outside sweep edited them: its decode step at batch 8 is the
+    # larger kernel (libtpu: 64.37 MiB as shipped otherwise), beside a 16-row verify step
+    ("llama_3_1_8b kv 512", SCHEDULES / "llama_3_1_8b.sched",
+     (("kv tiles 4 slots of 256 tokens ahead 4", "kv tiles 5 slots of 512 tokens ahead 5"),))]
+# Kernels wider than the shipped specs build (batches past 8, verify steps of 16 and 32 rows),
+# where the compiler scratch was once extrapolated: (kernel, batch) beside batch 1, the largest
+# batch and the verify step for the most sequences.
+WIDER = {"gpt_oss_20b": [("decode", 16), ("verify", 2)], "gpt_oss_120b": [("decode", 16)],
+         "qwen3_235b_a22b": [("decode", 16), ("verify", 2)], "qwen3_30b_a3b": [("decode", 16)],
+         "deepseek_v3": [("decode", 16), ("decode", 32)], "kimi_k3": [("decode", 16)],
+         "llama_3_1_8b": [("decode", 16), ("verify", 4)]}
 
 
 @dataclass(frozen=True)
@@ -87,12 +99,21 @@ def _line(text: str, pattern: str) -> str:
 
 
 def _base_edits(text: str, kernel: str, batch: int, limit: str = "") -> list[tuple[str, str]]:
-    """Reserve 0 (and the limit `limit`, when given), no `expect` lines, and a decode kernel's
-    batch range 1 to its batch."""
+    """Reserve 0 (and the limit `limit`, when given), no `expect` lines, a decode kernel's
+    batch range 1 to its batch, and a verify kernel's sequences up to its `batch` (the batch
+    range widened to hold them)."""
     edits = [(m.group(0), "") for m in re.finditer(r"^ *expect .*\n", text, flags=re.M)]
     vmem = _line(text, r"vmem\s+limit \S+ \w+ reserve \S+ \w+")
     new = re.sub(r"reserve \S+ \w+", "reserve 0 MiB", vmem)
     edits.append((vmem, re.sub(r"limit \S+ \w+", f"limit {limit}", new) if limit else new))
+    if kernel == "verify":
+        line = _line(text, r"^ *verify +\d+.*$")
+        m = re.match(r"( *verify +\d+)(?: sequences (\d+)(?: to (\d+))?)?", line)
+        if int(m.group(3) or m.group(2) or 1) != batch:
+            edits.append((line, f"{m.group(1)} sequences 1 to {batch}"))
+        b = _line(text, r"^ *batch +1 to \d+")
+        if int(b.split()[-1]) < batch:
+            edits.append((b, re.sub(r"1 to \d+", f"1 to {batch}", b)))
     if kernel == "decode":
         line = _line(text, r"^ *batch +1 to \d+")
         edits.append((line, re.sub(r"1 to \d+", f"1 to {batch}" if batch > 1 else "1", line)))
@@ -120,29 +141,36 @@ def mkc_view(v: Variant) -> dict:
         return {"error": f"{e.diagnostics[0].code}: {e.diagnostics[0].message}"}
     except ValueError as e:               # the spec changed since the variant was compiled
         return {"error": f"stale: {e}"}
-    rows = kernel_rows(s, v.kernel, v.batch)
-    peak, _, _ = capacity.vmem_budget(s, build_trace(s), rows)
+    kernel = kernel_of(s, v.kernel, v.batch)
+    rows = kernel.rows
+    peak, _, _ = capacity.vmem_budget(s, build_trace(s), kernel)
     budget = capacity.vmem_budget_bytes(s)
-    scratch = capacity.compiler_scratch(s, rows)
+    scratch = capacity.compiler_scratch(s, kernel)
     return {"family": s.family, "rows": rows, "peak": peak, "budget": budget,
             "fits": peak <= budget, "scratch": scratch.bytes, "measured": scratch.measured}
 
 
-def variants_of(name: str, spec: Path, formats) -> list[Variant]:
+def _tag(name: str, kernel: str, batch: int, verify_rows: int) -> str:
+    return f"{name} {kernel} " + (f"B{batch}" if kernel == "decode" else f"{verify_rows}x{batch}")
+
+
+def variants_of(name: str, spec: Path, formats, width: str | None = None) -> list[Variant]:
+    """The spec's variants at each of its swept kernels (with `width`, as "decode B8" or
+    "verify 8x2": at that one)."""
     rel = str(spec.relative_to(ROOT))
     text = spec.read_text()
     for old, new in formats:
         text = text.replace(old, new)
     shipped = resolve_text(text, spec.name)
-    widths = [("decode", 1)]
-    if shipped.verify_rows and shipped.rows_max > shipped.batch_max:
+    widths = [("decode", 1), ("decode", shipped.batch_max)]
+    if shipped.verify_rows:
         widths.append(("verify", shipped.verify_sequences[1]))
-    else:
-        widths.append(("decode", shipped.batch_max))
+    widths += [w for w in WIDER.get(name, ()) if w not in widths]
+    if width is not None:
+        widths = [w for w in widths if _tag(name, *w, shipped.verify_rows) == f"{name} {width}"]
     out = []
     for kernel, batch in widths:
-        tag = f"{name} {kernel} " + (f"B{batch}" if kernel == "decode" else
-                                     f"{shipped.verify_rows}x{batch}")
+        tag = _tag(name, kernel, batch, shipped.verify_rows)
         base = tuple(formats) + tuple(_base_edits(text, kernel, batch))
         base_view = mkc_view(Variant("", rel, base, kernel, batch))
         peak = base_view["peak"]
@@ -168,13 +196,14 @@ FITTING_KINDS = ("peak", "ring N")       # the kinds mkc says fit
 
 
 def boundary_variant(name: str, width: str, kind: str) -> Variant:
-    """One swept spec's variant: `width` as "decode B8" or "verify 8x2", `kind` one of KINDS."""
+    """One swept spec's variant: `width` as "decode B8" or "verify 8x2", `kind` one of KINDS
+    ("peak" is "ring N" where mkc's peak at the spec's ring is over the chip's VMEM)."""
     _, spec, formats = next(x for x in SWEPT if x[0] == name)
-    found = [v for v in variants_of(name, spec, formats) if v.name.startswith(f"{name} {width} ")]
+    found = variants_of(name, spec, formats, width)
     rings = [v for v in found if not v.name.endswith(" peak")]
-    if kind == "peak":
+    if kind == "peak" and any(v.name.endswith(" peak") for v in found):
         return next(v for v in found if v.name.endswith(" peak"))
-    return rings[0] if kind == "ring N" and len(rings) == 2 else rings[-1]
+    return rings[0] if kind in ("peak", "ring N") and len(rings) == 2 else rings[-1]
 
 
 def variants(only: str | None = None) -> list[Variant]:

@@ -29,12 +29,18 @@ FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
              ("qwen3_5_397b_a17b", "decode B8"), ("qwen3_8_27b_v6e", "decode B8"),
              ("qwen3_8_27b_16", "decode B8"), ("kimi_k3_64", "decode B8"),
              ("llama_3_1_8b", "verify 8x2"), ("llama_3_1_70b", "verify 8x2"),
-             ("deepseek_v3", "decode B1"), ("deepseek_v3", "decode B8")]
+             ("deepseek_v3", "decode B1"), ("deepseek_v3", "decode B8"),
+             # kernels past the shipped widths, and Llama 8B with 5 KV tiles of 512 tokens,
+             # where its decode step at batch 8 outgrows its 16-row verify step
+             ("llama_3_1_8b kv 512", "decode B8"), ("llama_3_1_8b", "decode B8"),
+             ("llama_3_1_8b", "verify 8x4"), ("gpt_oss_20b", "decode B16"),
+             ("gpt_oss_20b", "verify 8x2"), ("qwen3_235b_a22b", "verify 8x2"),
+             ("deepseek_v3", "decode B32")]
 # CI compiles each family's widest kernel of its first spec, and one more of the others a day,
 # in turn; the extended tier compiles them all.
 IN_CI = [("qwen3_8_27b", "verify 8x2"), ("qwen3_5_35b_a3b", "decode B8"),
          ("kimi_k3", "decode B8"), ("gpt_oss_120b", "decode B8"), ("llama_3_1_8b", "verify 8x2"),
-         ("deepseek_v3", "decode B8")]
+         ("deepseek_v3", "decode B8"), ("llama_3_1_8b kv 512", "decode B8")]
 ROTATING = [case for case in FULL_SIZE if case not in IN_CI]
 
 
