@@ -96,7 +96,17 @@ def points() -> list[Point]:
                    (KV_256["kimi_k3"], *K3_FP4)))
     p.append(Point("qwen3_5_35b_a3b fp8 experts kv 256 decode B8", QWEN_MOE_SPEC, "decode", 8,
                    (KV_256["qwen3_5_35b_a3b"], *QWEN_MOE_FP8)))
+    # wider than the shipped kernels: past them the scratch is only a bound (mkc.checks.capacity)
+    p += [Point(f"{name} {kernel} {'B' if kernel == 'decode' else 'S'}{n}", SCHEDULES / f"{name}.sched",
+                kernel, n) for name, kernel, n in WIDER]
     return p
+
+
+# (spec, kernel, batch or sequences) measured past the shipped widths
+WIDER = [("gpt_oss_20b", "decode", 16), ("gpt_oss_120b", "decode", 16), ("qwen3_30b_a3b", "decode", 16),
+         ("qwen3_235b_a22b", "decode", 16), ("llama_3_1_8b", "decode", 16), ("deepseek_v3", "decode", 16),
+         ("deepseek_v3", "decode", 32), ("kimi_k3", "decode", 16), ("qwen3_235b_a22b", "verify", 2),
+         ("gpt_oss_20b", "verify", 2), ("llama_3_1_8b", "verify", 4)]
 
 
 # ---- mkc's side -----------------------------------------------------------------------------
@@ -116,12 +126,20 @@ def resolve_text(text: str, name: str = "spec.sched"):
 
 
 def measured_text(p: Point, ring_shrink: int = 0) -> str:
-    """The point's spec as compiled: reserve 0, no `expect` lines; a decode point at its batch
-    with no verify step (an all-reduce that scatters from more rows than that runs one-shot in
-    it); the weight ring `ring_shrink` slots shallower."""
+    """The point's spec as compiled: reserve 0, no `expect` lines; a verify point's sequences
+    up to its own; a decode point at its batch with no verify step (an all-reduce that
+    scatters from more rows than that runs one-shot in it); the weight ring `ring_shrink`
+    slots shallower."""
     text = _edited(p.spec, p.edits)
     text = re.sub(r"(vmem\s+limit \S+ \w+) reserve \S+ \w+", r"\1 reserve 0 MiB", text)
     text = re.sub(r"^ *expect .*\n", "", text, flags=re.M)
+    if p.kernel == "verify":                 # sequences up to the point's (the batch range too)
+        m = re.search(r"^( *verify +\d+)(?: sequences (\d+)(?: to (\d+))?)?[ \t]*$", text, flags=re.M)
+        if int(m.group(3) or m.group(2) or 1) < p.batch:
+            text = text.replace(m.group(0), f"{m.group(1)} sequences 1 to {p.batch}")
+        b = re.search(r"^( *batch +1 to )(\d+)", text, flags=re.M)
+        if int(b.group(2)) < p.batch:
+            text = text.replace(b.group(0), f"{b.group(1)}{p.batch}")
     if p.kernel == "decode":
         text = re.sub(r"^ *verify .*\n", "", text, flags=re.M)
         text = re.sub(r"^( *batch +)1 to \d+", rf"\g<1>1 to {p.batch}" if p.batch > 1 else r"\g<1>1",
