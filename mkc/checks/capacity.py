@@ -12,15 +12,19 @@ whole kernels; data in benchmarks/data/):
   grow with the rows (the kernel unrolls its per-row loops), with the per-rank shapes and with
   how a body carries state (GPT-OSS 20b's attention, 32 heads' online-softmax state a core,
   spills 1.1 MiB at 8 rows when a KV head's query heads go through each tile together, 9.5 MiB
-  one head at a time). Measured by libtpu for each geometry a family ships (`scratch_key`: chip, ranks,
-  model dims, weight formats) and kernel width (benchmarks/compiler_scratch.py, data in each
-  family's compiler_scratch.json), interpolated over rows (`compiler_scratch`). Measured at the
-  chip's whole VMEM, where libtpu spills most: under a tighter limit it rematerialises instead
-  (the VMEM sweep's margins at mkc's peak as the limit), so the measure bounds it;
+  one head at a time). Measured by libtpu for each geometry a family ships (`scratch_key`:
+  chip, ranks, model dims, weight formats), kernel kind (decode or verify step) and width
+  (benchmarks/compiler_scratch.py, data in each family's compiler_scratch.json), interpolated
+  between measured widths; anywhere else a stated bound, labelled so (`compiler_scratch`).
+  Measured at the chip's whole VMEM, where libtpu spills most: under a tighter limit it
+  rematerialises instead (the VMEM sweep's margins at mkc's peak as the limit), so the
+  measure bounds it;
 - semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
   VMEM.
 
-The kernel fits when all of it is at most the compiler's limit: the spec's `vmem limit`
+Every kernel the spec builds is judged on its own (`kernels`): the decode step at each
+bounding batch and every verify step, whose KV tiles hold one entry a sequence. A kernel fits
+when all of it is at most the compiler's limit: the spec's `vmem limit`
 (emitted as `vmem_limit_bytes`), but never more than the VMEM XLA can hand out, 64 KiB less
 than the chip's (63.94 MiB of 64 on TPU7x). The spec's `reserve` is the user's headroom on
 top of this model (the compiler's own scratch is modelled, not reserved):
