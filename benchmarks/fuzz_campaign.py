@@ -136,7 +136,10 @@ def bases() -> dict[str, Base]:
             "moe_mini": Base("moe_mini", spec["qwen3_5_35b_a3b"], "qwen3_5_moe_mini",
                              "qwen3_5_moe_mini"),
             "moe_397b_full": Base("moe_397b_full", spec["qwen3_5_397b_a17b"], None,
-                                  "qwen3_5_397b_a17b")}
+                                  "qwen3_5_397b_a17b"),
+            # drawn by no target's weights: the base of the checkpoint cases on an FP8 MINI
+            "deepseek_mini": Base("deepseek_mini", spec["deepseek_v3"], "deepseek_v3_mini_fp8",
+                                  "deepseek_v3_mini_fp8")}
 
 
 PERF_FRACTION = 0.3          # accepted, uncompiled cases whose steps are also modelled
