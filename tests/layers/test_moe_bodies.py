@@ -7,7 +7,7 @@ SwiGLU). Every row's picks are the reference's (`route` in the kernel's own lane
 residual stream after the layer agrees to TOL; a 1.01 scale of any term of a body moves it by
 more (the table, each mutant applied to the source and this module run: every one failed it).
 A term that only selects (the correction bias, the group score's terms) changes nothing unless
-it flips a pick: `test_moe_router` builds the near-ties where it does.
+it flips a pick: `test_router_ties` builds the near-ties where it does.
 
 Mutants (lowering.py unless named), 1.01 times ...          caught by
   post_norm's output (the MoE pre-norm)                        every case
