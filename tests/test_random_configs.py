@@ -127,8 +127,18 @@ def test_a_drawn_config_is_exact(family, tmp_path):
     assert_within_exact_bound(_run(family, draw(family, CI_SEED), tmp_path))
 
 
+# Open: Qwen3.5 MoE's draw 2 (16 query heads, 2 KV heads, 32 experts top 3) is 2.8e-5 from the
+# emulation in the logits at step 1 (key cache 1.2e-4), row 1: one element of layer 1's shared
+# expert's output after its bf16-wire all-reduce is a flip apart (the block's input and its
+# routed sum equal), so some rank's shared-expert partial sum (16 columns a rank: its gate/up
+# dot, its SwiGLU or its [2, 16] x [16, 256] down dot) sums in another f32 order than the
+# emulation's; not yet located. Measured December 2026, AVX2-capped host.
+OPEN = {("qwen3_5_moe", 2): "a shared-expert partial sum's f32 order differs (see above)"}
+
+
 @pytest.mark.extended
-@pytest.mark.parametrize("seed", SWEEP_SEEDS)
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family,seed", [
+    pytest.param(f, s, marks=[pytest.mark.xfail(strict=True, reason=OPEN[f, s])] if (f, s) in OPEN else [])
+    for f in sorted(FAMILIES) for s in SWEEP_SEEDS])
 def test_drawn_configs_are_exact(family, seed, tmp_path):
     assert_within_exact_bound(_run(family, draw(family, seed), tmp_path))
