@@ -22,6 +22,11 @@ Mutants (lowering.py unless named), 1.01 times ...        caught by
   the window (sliding_window + 1)                          gpt_oss_sliding
   the output gate's logit (out_gate)                       qwen3_5
   o_proj's bias / the residual's added product             gpt_oss / every case
+  ops.rms_norm's / rms_norm_zero_centred's weight           plain / zero-centred cases
+  the tile's running rescale / its probability sum          every case
+The table's shared code the reference also runs (rope's llama3 and YaRN frequencies, YaRN's
+factors) is judged against upstream's formulas by tests/families (llama's reference, GPT-OSS's
+ops, DeepSeek-V3's config), the split parts' products by test_attention_tile.
 """
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ Mutants (lowering.py unless named), 1.01 times ...          caught by
   value_up (values_out) / the denominator (ops.mla_value_up)   every case
   the gate's logit (out_gate) / o_proj's product               k3 / every case
   the rotary table's angle (rope.rope_table)                   deepseek cases
+  the tile's running rescale (ops.mla_tile)                    every case
+`yarn_mscale` in the scale (mla.softmax_scale) is the reference's too: judged against
+upstream's formula by tests/families/deepseek_v3/test_deepseek_v3_config.py.
 """
 from __future__ import annotations
 

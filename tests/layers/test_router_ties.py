@@ -11,12 +11,13 @@ rounding and far below what a 1 % change of a term moves: each mutant below flip
 (applied to the source and this module run, every one failed it).
 
 Mutants (mkc/layers/moe/lowering.py unless named)              caught by
-  the group score's second term (first + 1.01 * second)          deepseek rows 0, 2
-  its first term (1.01 * first + second)                         deepseek rows 1, 3
-  the correction bias (scores + 1.01 * bias)                     deepseek, k3 expert rows
+  the group score's second term (first + 1.01 * second)          deepseek (group rows)
+  its first term (1.01 * first + second)                         deepseek (group rows)
+  the correction bias (scores + 1.01 * bias)                     deepseek, k3 (expert rows)
   the router's bias (logits + 1.01 * bias)                       gpt_oss
-  groups tied to the higher index / experts to the higher lane   the exact-tie rows
-  a tie counting once (second = the next smaller value)          the doubled-best row
+  groups tied to the higher index                                deepseek (exact-tie row)
+  a tie counting once (second = the next smaller value)          deepseek (doubled-best row)
+  experts tied to the higher lane (mkc/runtime/experts.top_k)    five of the six tests
 """
 from __future__ import annotations
 
