@@ -130,10 +130,14 @@ def test_a_drawn_config_is_exact(family, tmp_path):
 # Open: Qwen3.5 MoE's draw 2 (16 query heads, 2 KV heads, 32 experts top 3) is 2.8e-5 from the
 # emulation in the logits at step 1 (key cache 1.2e-4), row 1: one element of layer 1's shared
 # expert's output after its bf16-wire all-reduce is a flip apart (the block's input and its
-# routed sum equal), so some rank's shared-expert partial sum (16 columns a rank: its gate/up
-# dot, its SwiGLU or its [2, 16] x [16, 256] down dot) sums in another f32 order than the
-# emulation's; not yet located. Measured December 2026, AVX2-capped host.
-OPEN = {("qwen3_5_moe", 2): "a shared-expert partial sum's f32 order differs (see above)"}
+# routed sum equal). Captured: the kernel's shared activations equal the emulation's, and the
+# emulation's down projection of them ([2, 16] x [16, 256] a rank) puts rank 0's partial sum of
+# that element exactly halfway between two bf16 values, which the wire rounds to even; the
+# kernel's rounds up, so its f32 partial is an ulp above: that dot sums in another order in the
+# kernel's context (captured partials are ulps apart in every layer, the MINI's too, which the
+# bf16 wire hides but near a boundary; a standalone interpret-mode dot of those shapes agrees
+# with the emulation on 20 random draws). Measured December 2026, AVX2-capped host.
+OPEN = {("qwen3_5_moe", 2): "the shared expert's down projection sums in another f32 order (see above)"}
 
 
 @pytest.mark.extended
