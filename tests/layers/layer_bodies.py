@@ -203,11 +203,17 @@ def results_of(module: Any, name: str):
 
 
 def reference(sub: Sublayer, d: Any, hf: Mapping[str, np.ndarray], x: np.ndarray, positions: np.ndarray,
-              cache: Mapping[str, Any] | None = None, kind: str = "kind") -> tuple[np.ndarray, dict]:
-    """The kind's f32 reference layer (`reference.forward`, no rounding): (x after it, caches)."""
-    cache = dict(cache or {})
-    out = sub.module("reference").forward(sub, layer_params(hf), d, jnp.asarray(x, F32), cache, 0,
-                                          jnp.asarray(positions, jnp.int32), None, kind)
+              cache: Mapping[str, Any] | None = None, kind: str = "kind", jit: bool = True
+              ) -> tuple[np.ndarray, dict]:
+    """The kind's f32 reference layer (`reference.forward`, no rounding): (x after it, caches).
+    Jitted (one compile costs less CPU than the eager ops' many) unless a caller reads values
+    inside it (`results_of`)."""
+    def forward(x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+        cache = dict(cache)
+        out = sub.module("reference").forward(sub, layer_params(hf), d, x, cache, 0,
+                                              jnp.asarray(positions, jnp.int32), None, kind)
+        return out, cache
+    out, cache = (jax.jit(forward) if jit else forward)(jnp.asarray(x, F32), dict(cache or {}))
     return np.asarray(out, np.float64), cache
 
 

@@ -46,7 +46,7 @@ def _run():
                 "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
     positions = np.array([9, 4])
     with results_of(kda_reference, "delta_rule_step") as steps:
-        want, cache_out = reference(sub, d, hf, x, positions, cache_in)
+        want, cache_out = reference(sub, d, hf, x, positions, cache_in, jit=False)
     c = StandIn(sub, d, hf, x, positions)
     c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
     run_bodies(c)
