@@ -203,17 +203,18 @@ def results_of(module: Any, name: str):
 
 
 def reference(sub: Sublayer, d: Any, hf: Mapping[str, np.ndarray], x: np.ndarray, positions: np.ndarray,
-              cache: Mapping[str, Any] | None = None, kind: str = "kind", jit: bool = True
+              cache: Mapping[str, Any] | None = None, kind: str = "kind", keep: tuple[Any, str] | None = None
               ) -> tuple[np.ndarray, dict]:
-    """The kind's f32 reference layer (`reference.forward`, no rounding): (x after it, caches).
-    Jitted (one compile costs less CPU than the eager ops' many) unless a caller reads values
-    inside it (`results_of`)."""
+    """The kind's f32 reference layer (`reference.forward`, no rounding): (x after it, caches),
+    jitted (one compile costs less CPU than the eager ops' many). `keep`: (module, function)
+    whose results inside it `cache["kept"]` lists (`results_of`)."""
     def forward(x: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         cache = dict(cache)
-        out = sub.module("reference").forward(sub, layer_params(hf), d, x, cache, 0,
-                                              jnp.asarray(positions, jnp.int32), None, kind)
-        return out, cache
-    out, cache = (jax.jit(forward) if jit else forward)(jnp.asarray(x, F32), dict(cache or {}))
+        with results_of(*keep) if keep else contextlib.nullcontext([]) as kept:
+            out = sub.module("reference").forward(sub, layer_params(hf), d, x, cache, 0,
+                                                  jnp.asarray(positions, jnp.int32), None, kind)
+        return out, cache | ({"kept": kept} if keep else {})
+    out, cache = jax.jit(forward)(jnp.asarray(x, F32), dict(cache or {}))
     return np.asarray(out, np.float64), cache
 
 

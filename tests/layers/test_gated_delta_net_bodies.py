@@ -21,7 +21,7 @@ from functools import cache
 import jax.numpy as jnp
 import numpy as np
 
-from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, results_of, run_bodies
+from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
 from mkc.families.qwen3_5 import reference as qwen3_5
 from mkc.families.qwen3_5.graph import DELTA_NET
 from mkc.layers.gated_delta_net import reference as gdn_reference
@@ -46,8 +46,8 @@ def _run():
     cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
                 "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
     positions = np.array([9, 4])
-    with results_of(gdn_reference, "gated_delta_step") as steps:
-        want, cache_out = reference(sub, d, hf, x, positions, cache_in, jit=False)
+    want, cache_out = reference(sub, d, hf, x, positions, cache_in, keep=(gdn_reference, "gated_delta_step"))
+    steps = cache_out.pop("kept")
     c = StandIn(sub, d, hf, x, positions)
     c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
     run_bodies(c)

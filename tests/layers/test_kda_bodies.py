@@ -21,7 +21,7 @@ from functools import cache
 import jax.numpy as jnp
 import numpy as np
 
-from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, results_of, run_bodies
+from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
 from mkc.families.kimi_k3 import reference as k3
 from mkc.layers.kda import KDA
 from mkc.layers.kda import reference as kda_reference
@@ -45,8 +45,8 @@ def _run():
     cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
                 "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
     positions = np.array([9, 4])
-    with results_of(kda_reference, "delta_rule_step") as steps:
-        want, cache_out = reference(sub, d, hf, x, positions, cache_in, jit=False)
+    want, cache_out = reference(sub, d, hf, x, positions, cache_in, keep=(kda_reference, "delta_rule_step"))
+    steps = cache_out.pop("kept")
     c = StandIn(sub, d, hf, x, positions)
     c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
     run_bodies(c)
