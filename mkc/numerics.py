@@ -171,7 +171,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   (``mkc.reference.rounding.bf16_weights``): ml_dtypes 0.7 rounds f64 to bf16 directly,
 #   0.5 through f32, which moves about 5 in 10**6 weights by an ulp. Same seed, same weights,
 #   on every version the dependency range admits.
-#   Widths (issue 55). The shipped MINIs are 256 wide; a Qwen3-MoE config of hidden 384 was
+#   Widths. The shipped MINIs are 256 wide; a Qwen3-MoE config of hidden 384 was
 #   5.1e-4 from the emulation in the logits at step 0 (its caches 3.7e-4): the emulation ran
 #   its RMS norms eagerly, ``mean(x * x)`` a reduce of its own, which XLA's CPU backend sums in
 #   another f32 order than the kernel's fused norm at some widths (8 rows: 384 and 640 columns

@@ -239,3 +239,26 @@ def gap(got, want) -> float:
     """The largest difference relative to the largest value: what a tolerance bounds."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def run_recurrent_layer(sub: Sublayer, d: Any, hf: Mapping[str, np.ndarray], x: np.ndarray,
+                        conv: np.ndarray, recurrent: np.ndarray, keep: tuple[Any, str],
+                        positions: tuple[int, ...] = (9, 4)) -> tuple:
+    """A delta-rule kind (conv state, recurrent state) run both ways from the same states:
+    (x, the reference's x after it, the kernel's, the reference's states and the kernel's in
+    the kernel's layouts, (the kernel's delta-rule output, the reference's)). `keep` names the
+    reference's delta-rule step, whose output before the gated norm is compared too (the
+    norm hides a scale of it)."""
+    batch = len(positions)
+    cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
+                "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
+    pos = np.array(positions)
+    want, cache_out = reference(sub, d, hf, x, pos, cache_in, keep=keep)
+    steps = cache_out.pop("kept")
+    c = StandIn(sub, d, hf, x, pos)
+    c.states = StandIn(sub, d, hf, x, pos, kernel_states(sub, d, c.part, cache_in, batch)).states
+    run_bodies(c)
+    want_states = kernel_states(sub, d, c.part, cache_out, batch)
+    got_states = {n: np.asarray(s.value) for n, s in c.states.items()}
+    core = (np.asarray(dict(c.written)["delta_rule"]), np.asarray(steps[0][0]).reshape(batch, -1))
+    return x, want, np.asarray(c.refs.x.value), want_states, got_states, core

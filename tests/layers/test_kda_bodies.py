@@ -18,10 +18,9 @@ from __future__ import annotations
 import dataclasses
 from functools import cache
 
-import jax.numpy as jnp
 import numpy as np
 
-from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
+from layer_bodies import bf16, draw_params, gap, run_recurrent_layer
 from mkc.families.kimi_k3 import reference as k3
 from mkc.layers.kda import KDA
 from mkc.layers.kda import reference as kda_reference
@@ -42,19 +41,7 @@ def _run():
     width = d.kda_num_heads * d.kda_head_dim
     conv = bf16(rng.normal(0, 1, (B, 3 * width, d.conv_kernel_size - 1)))
     recurrent = rng.normal(0, 0.3, (B, d.kda_num_heads, d.kda_head_dim, d.kda_head_dim))
-    cache_in = {"layers.0.conv_state": jnp.asarray(conv, jnp.bfloat16),
-                "layers.0.recurrent_state": jnp.asarray(recurrent, jnp.float32)}
-    positions = np.array([9, 4])
-    want, cache_out = reference(sub, d, hf, x, positions, cache_in, keep=(kda_reference, "delta_rule_step"))
-    steps = cache_out.pop("kept")
-    c = StandIn(sub, d, hf, x, positions)
-    c.states = StandIn(sub, d, hf, x, positions, kernel_states(sub, d, c.part, cache_in, B)).states
-    run_bodies(c)
-    want_states = kernel_states(sub, d, c.part, cache_out, B)
-    got_states = {n: np.asarray(s.value) for n, s in c.states.items()}
-    # the delta rule's output before the gated norm, which hides its scale
-    core = (np.asarray(dict(c.written)["delta_rule"]), np.asarray(steps[0][0]).reshape(B, -1))
-    return x, want, np.asarray(c.refs.x.value), want_states, got_states, core
+    return run_recurrent_layer(sub, d, hf, x, conv, recurrent, keep=(kda_reference, "delta_rule_step"))
 
 
 def test_the_lowered_kda_is_the_reference_layer():
