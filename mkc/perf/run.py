@@ -238,8 +238,10 @@ def hbm_bytes_by_class(s: ir.ScheduleIR, batch: int, tokens: int,
 # A step this close to the model's HBM ceiling is bound by streaming its bytes: the rest is
 # within what per-copy costs and the first copies' latency leave.
 HBM_BOUND_SHARE = 0.9
-# What bounds a step, by the cause that takes the most time (streaming wins whenever the step is
-# within HBM_BOUND_SHARE of the ceiling), and what can shorten it.
+# What bounds a step, and what can shorten it: streaming exactly when the step is within
+# HBM_BOUND_SHARE of the ceiling, else the other cause that takes the most time (a step further
+# from the ceiling loses that time to something other than its bytes, even where streaming is its
+# largest cause).
 BOUNDS = {
     "weight streaming": ("HBM streaming", "only fewer bytes help"),
     "exposed compute": ("compute", "compute runs with HBM idle: less work per row, or more "
@@ -262,7 +264,7 @@ def verdict(m: Modelled) -> dict[str, Any]:
     ceiling = sum(by_class.values()) / rates.hbm_stream_bytes_per_s
     share = ceiling / res.step_s
     cause = "weight streaming" if share >= HBM_BOUND_SHARE else \
-        max(CAUSES, key=lambda c: res.by_cause[c])
+        max((c for c in CAUSES if c != "weight streaming"), key=lambda c: res.by_cause[c])
     bound, advice = BOUNDS[cause]
     gap = max(0.0, res.step_s - ceiling)
     bytes_text = ", ".join(f"{k} {_size(v)}" for k, v in by_class.items())
