@@ -131,13 +131,11 @@ class Device:
         self.interpret = interpret
         self._step = gen.make_decode_step(mesh, batch, interpret)
         self._ranked = NamedSharding(mesh, P(gen.AXIS))
-        self._row_states = tuple(dict(gen.ROW_STATES).items())
         self.verify_rows: int = getattr(gen, "VERIFY_ROWS", 0)
         self.verifiers: dict[int, Any] = {}
-        one, two = gen.state_shapes(1), gen.state_shapes(2)
-        # each state's sequence (or row) axis, with the rank axis: where 1 and 2 differ
-        self._seq_axes = tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0]))
-                                            if x != y)) for n in one)
+        self._seq_axes = sequence_axes(gen)
+        self._row_states = (tuple(dict(gen.ROW_STATES).items()) if hasattr(gen, "ROW_STATES")
+                            else row_states_of(gen))
         self.codec = Codec(batch, self.verify_rows)
         self.state = self._zero_state()
 
@@ -215,6 +213,23 @@ class Device:
             return counts
         self._verify(launch.rows, launch.tokens, launch.positions, accept)
         return kept[0]
+
+
+def sequence_axes(gen: Any) -> tuple[tuple[str, int], ...]:
+    """Each state of a module and its sequence (or row) axis counted with the rank axis: where
+    its shapes at 1 and 2 sequences differ."""
+    one, two = gen.state_shapes(1), gen.state_shapes(2)
+    return tuple((n, 1 + next(i for i, (x, y) in enumerate(zip(one[n][0], two[n][0])) if x != y))
+                 for n in one)
+
+
+def row_states_of(gen: Any) -> tuple[tuple[str, int], ...]:
+    """A module's per-row states (recurrent, conv: what a new request's row must have zeroed)
+    with their row axis after the layer axis, as its ROW_STATES would list them: a module
+    compiled without a `verify` line exports no ROW_STATES, so they are its states that are no
+    layer kind's KV cache (`KINDS`), at their sequence axis."""
+    caches = {c for plan in gen.KINDS.values() for c in plan.caches}
+    return tuple((n, axis - 2) for n, axis in sequence_axes(gen) if n not in caches)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

@@ -26,7 +26,9 @@ def _next(total, position):
     return (total * 7 + position * 3 + 1) % (VOCAB - 1)
 
 
-def fake_module(batch_range=(1, 4)):
+def fake_module(batch_range=(1, 4), verify: bool = True):
+    """`verify=False`: as a module compiled without a `verify` line (no verify step, commit or
+    ROW_STATES; its per-row state known only as no kind's KV cache)."""
     def init_state(B):
         return {"rec": np.zeros((1, 1, B, 1), np.float32)}   # rank, layer, row, value
 
@@ -56,11 +58,14 @@ def fake_module(batch_range=(1, 4)):
         rows = [(int(a) - 1) * S + s for s, a in enumerate(np.asarray(accepted))]
         return {"rec": verified["rec"][:, :, np.array(rows)]}
 
-    return types.SimpleNamespace(
-        BATCH_RANGE=batch_range, CONTEXT=CONTEXT, AXIS="tp", ROW_STATES={"rec": 0},
+    gen = types.SimpleNamespace(
+        BATCH_RANGE=batch_range, CONTEXT=CONTEXT, AXIS="tp", KINDS={},
         DIMS=types.SimpleNamespace(vocab_size=VOCAB), init_state=init_state,
-        make_decode_step=make_decode_step, VERIFY_ROWS=VERIFY_ROWS, VERIFY_SEQUENCES=(1, 2),
-        state_shapes=state_shapes, make_verify_step=make_verify_step, commit=commit)
+        make_decode_step=make_decode_step, state_shapes=state_shapes)
+    if verify:
+        gen.__dict__.update(ROW_STATES={"rec": 0}, VERIFY_ROWS=VERIFY_ROWS, VERIFY_SEQUENCES=(1, 2),
+                            make_verify_step=make_verify_step, commit=commit)
+    return gen
 
 
 def fake_prefill(tokens: list[int]) -> dict[str, np.ndarray]:

@@ -11,14 +11,20 @@ import numpy as np
 import pytest
 from serve_fakes import VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module, fake_prefill
 
+from conftest import ROOT
+
+from mkc.serve.device import row_states_of
 from mkc.serve.drafting import prompt_lookup
 from mkc.serve.engine import Engine, QueueFull, Request
+from mkc.serve.model import import_generated
 from mkc.serve.sampling import SamplingParams, greedy_rows, logprob_width, row_arrays, sample_rows
 
 
 def make_engine(batch=2, max_queue=8, prefill="decode", **kw) -> Engine:
     if prefill == "reference":
         kw.setdefault("prefiller", fake_prefill)
+    if prefill == "auto, no verify line":
+        return Engine(fake_module(verify=False), {}, fake_mesh(), batch, None, max_queue=max_queue, **kw)
     return Engine(fake_module(), {}, fake_mesh(), batch, None, max_queue=max_queue, prefill=prefill, **kw)
 
 
@@ -48,7 +54,7 @@ def run(engine: Engine, *coroutines):
         engine.stop()
 
 
-@pytest.mark.parametrize("prefill", ["decode", "verify", "reference"])
+@pytest.mark.parametrize("prefill", ["decode", "verify", "reference", "auto, no verify line"])
 def test_requests_share_rows_and_reuse_them_from_a_clean_state(prefill):
     # 5 requests on 2 rows, arriving at different times, so rows are reused mid-run and sit at
     # different positions in one step; with verify prefill, prompts of 1 to 2 chunks
@@ -65,6 +71,18 @@ def test_requests_share_rows_and_reuse_them_from_a_clean_state(prefill):
         assert engine.stats.prefill_launches == sum(-(-len(p) // VERIFY_ROWS) for p, _ in prompts)
     if prefill == "reference":      # the prompt but its last token prefilled: a step a token
         assert engine.stats.busy_row_steps == sum(n for _, n in prompts)
+    if prefill == "auto, no verify line":   # the prompt through decode steps
+        assert engine.prefill == "decode"
+        assert engine.stats.busy_row_steps == sum(len(p) + n - 1 for p, n in prompts)
+
+
+@pytest.mark.parametrize("name", ["qwen3_8_27b", "kimi_k3", "llama_3_1_8b"])
+def test_a_module_without_row_states_has_them_found_as_its_row_states_would_list_them(name):
+    # a module compiled without `verify` exports no ROW_STATES: the engine finds its per-row
+    # states (the ones a new request's row has zeroed) from its states and kinds' caches; on
+    # shipped modules that have the list (recurrent and conv states, or none), the same list
+    gen = import_generated((ROOT / "generated" / f"{name}.py").read_text(), f"row_states_{name}")
+    assert dict(row_states_of(gen)) == gen.ROW_STATES
 
 
 def test_reference_prefill_needs_a_prefiller():
