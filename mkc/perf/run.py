@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,11 +141,19 @@ def calibration_caveat(chip: str) -> str:
         base = constants.carried_from(chip)
         return (f"uncalibrated on {chip}: constants not fitted to a {chip} measurement ("
                 + (f"carried from {base}, fitted there; " if base else "priors; ") + f"{data})")
-    worst = max(abs(p["error_percent"]) for p in cal["points"])
-    h = cal.get("speculative_holdout")
-    held = f", a held-out point within {abs(h['error_percent']):.0f}%" if h else ""
-    return (f"calibrated on {chip}: one constant fitted to published step times (within "
-            f"{worst:.0f}%{held}; {data})")
+    fitted = _worst_percent(p["error_percent"] for p in cal["points"])
+    held = [p["error_percent"] for p in cal.get("leave_one_out", [])]
+    if h := cal.get("speculative_holdout"):
+        held.append(h["error_percent"])
+    # the worst figure leads: a step the fit never saw is what a user's step is
+    worst = (f"off by up to {_worst_percent(held)}% at a point held out of the fit ({fitted}% "
+             f"at those fitted; " if held else f"off by up to {fitted}% (")
+    return f"calibrated on {chip}: one constant fitted to published step times, {worst}{data})"
+
+
+def _worst_percent(errors: Iterable[float]) -> str:
+    """The largest error, rounded up to a tenth: a caveat never states less than the worst."""
+    return f"{math.ceil(10 * max(abs(e) for e in errors) - 1e-9) / 10:.1f}"
 
 
 @dataclass

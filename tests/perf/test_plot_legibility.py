@@ -77,6 +77,20 @@ def test_title_carries_the_calibration_caveat(picture):
     assert f"modelled, not measured; {calibration_caveat(s.chip)}" in fig._suptitle.get_text()
 
 
+def test_the_caveat_states_the_model_s_worst_error():
+    """The picture's caveat leads with the worst error the calibration recorded, a hold-out the
+    fit never saw included, never rounded down: a user's step is one the fit never saw."""
+    import re
+
+    from mkc.perf import constants
+    cal = constants.calibration("tpu7x")
+    errors = [abs(p["error_percent"]) for p in cal["points"] + cal.get("leave_one_out", [])]
+    if h := cal.get("speculative_holdout"):
+        errors.append(abs(h["error_percent"]))
+    stated = [float(x) for x in re.findall(r"([0-9.]+)%", calibration_caveat("tpu7x"))]
+    assert stated[0] == max(stated) and max(errors) <= stated[0] < max(errors) + 0.1
+
+
 def test_a_colour_means_one_thing_and_red_only_the_stalls(picture):
     s, res, fig = picture
     colours = plot.picture_palette(s, res, plot.vmem_series(s, res, 8))
