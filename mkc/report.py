@@ -5,18 +5,24 @@ from typing import Any
 
 from mkc import cost, ir, target
 from mkc.checks import vmem_budget
-from mkc.checks.capacity import (bounding_widths, compiler_overhead_bytes, compiler_scratch,
+from mkc.checks.capacity import (Kernel, compiler_overhead_bytes, compiler_scratch, kernels,
                                  usable_vmem_bytes, vmem_budget_bytes)
 
 
 def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
-    """VMEM peaks per compiled batch (by class and buffer), the weight stream, HBM per chip and
-    the HBM-bandwidth floor of a step. Bytes are integers; nothing here is rounded."""
+    """VMEM peaks (by class and buffer) in every kernel the VMEM verdict judges
+    (`capacity.kernels`) and the decode step at the smallest batch, the weight stream, HBM per
+    chip and the HBM-bandwidth floor of a step. Bytes are integers; nothing here is rounded."""
     vmem = []
-    for batch in sorted({s.batch_min, s.batch_max, s.rows_max, *bounding_widths(s)}):
-        peak, where, live = vmem_budget(s, events, batch)
-        vmem.append({"batch": batch, "peak_bytes": peak, "where": where,
-                     "budget_bytes": vmem_budget_bytes(s, batch),
+    smallest = Kernel(s.batch_min, s.batch_min)
+    for k in sorted({smallest, *kernels(s)}, key=lambda k: (k.verify, k.rows, k.sequences)):
+        peak, where, live = vmem_budget(s, events, k)
+        # `batch` is a decode step's; a verify step is named by its rows and sequences
+        vmem.append({"kernel": str(k), "verify": k.verify, "rows": k.rows,
+                     "sequences": k.sequences, "batch": None if k.verify else k.rows,
+                     "peak_bytes": peak, "where": where,
+                     "budget_bytes": vmem_budget_bytes(s),
+                     "compiler_scratch_bytes": compiler_overhead_bytes(s, k),
                      "buffers": [{"name": b.name, "class": b.cls, "shape": list(b.shape),
                                   "dtype": b.dtype, "bytes": b.vmem_bytes} for b in live]})
     st = s.stream
@@ -28,8 +34,6 @@ def budget(s: ir.ScheduleIR, events: list) -> dict[str, Any]:
     return {
         "vmem_limit_bytes": s.vmem_limit, "vmem_reserve_bytes": s.vmem_reserve,
         "vmem_usable_bytes": usable_vmem_bytes(s), "vmem_budget_bytes": vmem_budget_bytes(s),
-        "vmem_compiler_scratch_bytes": {str(b["batch"]): compiler_overhead_bytes(s, b["batch"])
-                                        for b in vmem},
         "vmem_compiler_scratch_source": compiler_scratch(s).source,
         "vmem": vmem,
         "stream": {"tiles": st.total_tiles, "tile_shapes": [list(t) for t in st.tile_shapes],
@@ -51,9 +55,8 @@ def budget_table(s: ir.ScheduleIR, report: dict[str, Any]) -> str:
         by_cls: dict[str, int] = {}
         for b in v["buffers"]:
             by_cls[b["class"]] = by_cls.get(b["class"], 0) + b["bytes"]
-        width = (f"a verify step of {v['batch']} rows" if v["batch"] > s.batch_max
-                 else f"batch {v['batch']}")
-        lines += [f"VMEM budget of {s.name} ({s.model}) at {width}, peak at "
+        width = f"in the {v['kernel']}" if v["verify"] else f"at batch {v['batch']}"
+        lines += [f"VMEM budget of {s.name} ({s.model}) {width}, peak at "
                   f"{v['where']}:", f"  {'class':<12} {'MiB':>9}  buffers"]
         for cls in sorted(by_cls, key=lambda k: (-by_cls[k], k)):
             names = ", ".join(b["name"] for b in v["buffers"] if b["class"] == cls)

@@ -9,14 +9,17 @@ from mkc.cli import main
 from tests_support import ROOT, SPEC
 
 
-def test_check_prints_budget_tables_for_both_batch_ends_and_the_verify_step():
+def test_check_prints_budget_tables_for_both_batch_ends_and_every_verify_step():
     r = run_python(["-m", "mkc", "check", str(SPEC)], timeout=300)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "at batch 1, peak at" in out and "at batch 8, peak at" in out
-    assert "at a verify step of 16 rows, peak at" in out      # verify 8 sequences 1 to 2
+    # verify 8 sequences 1 to 2: every verify step the VMEM verdict judges, the one no wider
+    # than the largest batch too
+    assert "in the verify step, 8 rows (1 sequence of 8), peak at" in out
+    assert "in the verify step, 16 rows (2 sequences of 8), peak at" in out
     totals = [line for line in out.splitlines() if line.strip().startswith("total")]
-    assert len(totals) == 3
+    assert len(totals) == 4
     for line in totals:
         used, budget = float(line.split()[1]), float(line.split("of")[1].split()[0])
         assert used <= budget
@@ -81,10 +84,16 @@ def test_check_json_reports_verdict_and_budget(capsys):
     assert main(["check", str(SPEC), "--model", "qwen3_8_mini", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["verdict"] == "ok" and doc["diagnostics"] == []
-    assert [v["batch"] for v in doc["budget"]["vmem"]] == [1, 8, 16]     # 16: the verify step
+    # the smallest batch and every kernel the VMEM verdict judges, each named
+    assert [v["kernel"] for v in doc["budget"]["vmem"]] == [
+        "decode step, batch 1", "decode step, batch 8", "verify step, 8 rows (1 sequence of 8)",
+        "verify step, 16 rows (2 sequences of 8)"]
+    assert [v["batch"] for v in doc["budget"]["vmem"]] == [1, 8, None, None]
     for v in doc["budget"]["vmem"]:
         assert v["peak_bytes"] == sum(b["bytes"] for b in v["buffers"])
         assert v["peak_bytes"] <= doc["budget"]["vmem_budget_bytes"]
+        scratch = [b["bytes"] for b in v["buffers"] if b["class"] == "compiler"]
+        assert scratch == [v["compiler_scratch_bytes"]]
 
 
 def test_json_diagnostics_carry_location_and_hint(capsys):

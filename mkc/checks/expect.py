@@ -1,21 +1,20 @@
 """The headroom a spec promises (`expect vmem|hbm headroom at least N`), measured by the
-capacity model: VMEM left under the budget at every kernel width the spec builds (its
-smallest and largest batch and its verify step's rows), HBM left per chip."""
+capacity model: VMEM left under the budget in every kernel the VMEM verdict judges (the decode
+step at each bounding batch and every verify step, `capacity.kernels`), HBM left per chip."""
 from __future__ import annotations
 
 from mkc import ir
-from mkc.checks.capacity import bounding_widths, vmem_budget, vmem_budget_bytes
+from mkc.checks.capacity import Kernel, judged_kernels, vmem_budget_bytes
 from mkc.diagnostics import Diagnostic
 from mkc.trace import Event
 
 MIB = 1 << 20
 
 
-def vmem_headroom(s: ir.ScheduleIR, events: list[Event]) -> dict[int, int]:
-    """VMEM bytes left under the budget at each kernel width (rows) the spec builds."""
+def vmem_headroom(s: ir.ScheduleIR, events: list[Event]) -> dict[Kernel, int]:
+    """VMEM bytes left under the budget in each kernel the VMEM verdict judges."""
     budget = vmem_budget_bytes(s)
-    return {b: budget - vmem_budget(s, events, b)[0]
-            for b in sorted({s.batch_min, s.batch_max, s.rows_max, *bounding_widths(s)})}
+    return {k: budget - peak for k, (peak, _, _) in judged_kernels(s, events)}
 
 
 def hbm_headroom(s: ir.ScheduleIR) -> int:
@@ -23,23 +22,19 @@ def hbm_headroom(s: ir.ScheduleIR) -> int:
     return (s.hbm_per_core - sum(s.hbm_bytes_per_rank.values())) * s.cores_per_chip
 
 
-def _width(s: ir.ScheduleIR, rows: int) -> str:
-    return f"batch {rows}" if rows <= s.batch_max else f"the verify step's {rows} rows"
-
-
 def check_expectations(s: ir.ScheduleIR, events: list[Event]) -> list[Diagnostic]:
     diags = []
     for e in s.expectations:
         if e.resource == "vmem":
             left = vmem_headroom(s, events)
-            rows, least = min(left.items(), key=lambda kv: (kv[1], kv[0]))
+            kernel, least = min(left.items(), key=lambda kv: kv[1])
             if least < e.at_least:
                 unit, scale = ("MiB", MIB) if e.at_least - least >= MIB // 100 else ("KiB", 1024)
-                widths = ", ".join(f"{_width(s, r)} {v / scale:.2f} {unit}" for r, v in left.items())
+                each = "; ".join(f"{k} {v / scale:.2f} {unit}" for k, v in left.items())
                 diags.append(Diagnostic(
-                    "E-EXPECT", f"at {_width(s, rows)} the kernel leaves {least / scale:.2f} "
-                    f"{unit} of VMEM under the budget, less than the {e.at_least / scale:.2f} "
-                    f"{unit} this spec expects", e.span, notes=[f"VMEM left at each kernel width: {widths}"],
+                    "E-EXPECT", f"the {kernel} leaves {least / scale:.2f} {unit} of VMEM "
+                    f"under the budget, less than the {e.at_least / scale:.2f} {unit} this spec "
+                    "expects", e.span, notes=[f"VMEM left in each kernel the spec builds: {each}"],
                     hint="free VMEM (fewer ring slots, smaller tiles or batch, tighter scopes) "
                          "or expect less"))
         else:

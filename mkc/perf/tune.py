@@ -21,9 +21,10 @@ spent on ring slots; if it improves, the descent resumes from it. Each evaluatio
 check plus one simulation per batch (about a second for Kimi K3), and the same text is never
 evaluated twice.
 
-A candidate must also leave `min_headroom` (1 MiB unless told) of VMEM under the budget at
-every kernel width it builds (its smallest and largest batch and its verify step's rows); one
-that leaves less is refused, and the table prints the headroom of the spec written at each.
+A candidate must also leave `min_headroom` (1 MiB unless told) of VMEM under the budget in
+every kernel the VMEM verdict judges (`capacity.kernels`: the decode step at each bounding
+batch and every verify step); one that leaves less is refused, and the table prints the
+headroom of the spec written in each.
 A spec's own `expect` lines are checks like any other: a candidate that breaks one is refused.
 The spec written is the best candidate's text with, for each statement a change touched, the
 comments it owns that state numbers (they quote the old value or its modelled figures)
@@ -47,6 +48,7 @@ from typing import Callable
 
 from mkc import ir, target
 from mkc.checks import run_checks
+from mkc.checks.capacity import Kernel
 from mkc.checks.expect import vmem_headroom
 from mkc.diagnostics import MkcError, Span
 from mkc.lang import ast
@@ -104,7 +106,7 @@ class Evaluation:
     ok: bool
     steps: dict[int, float] = field(default_factory=dict)     # batch -> modelled seconds
     error: str = ""
-    headroom: dict[int, int] = field(default_factory=dict)    # kernel width -> VMEM bytes
+    headroom: dict[Kernel, int] = field(default_factory=dict)    # VMEM bytes left in each
 
     @property
     def objective(self) -> float:
@@ -449,7 +451,7 @@ class TuneResult:
     seconds: float
     batches: list[int]
     history: list[str]
-    min_headroom: int = 0           # VMEM bytes a candidate must leave at every width
+    min_headroom: int = 0           # VMEM bytes a candidate must leave in every kernel
     short_of_headroom: int = 0      # candidates refused for leaving less
     priced_by: str = ""             # the compiled measures every candidate is priced by, or why counted
 
@@ -480,7 +482,7 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
          on_compile: Callable[[], None] | None = None) -> TuneResult:
     """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
     evaluations (the first, of the spec as written, included); `select` keeps only some
-    knobs; a candidate leaving less than `min_headroom` bytes of VMEM at a kernel width is
+    knobs; a candidate leaving less than `min_headroom` bytes of VMEM in a kernel is
     refused. `evaluated` is called after each evaluation (a progress bar's tick). Every
     candidate is priced by the input's compiled measures (`compiled` as
     `run.kernel_measure` takes it): an op's cycles a call, and a weight read at the op's
@@ -645,8 +647,8 @@ def table(res: TuneResult, spec: str) -> str:
         t0, t1 = res.before.steps[b], res.best.steps[b]
         lines.append(f"  {b:>5} {t0 * 1e3:10.3f} {t1 * 1e3:10.3f} {b / t0:13.0f} {b / t1:12.0f} "
                      f"{100 * (t0 / t1 - 1):+6.1f}%")
-    lines.append("  VMEM headroom of the spec written, at each kernel width: " + ", ".join(
-        f"{w} rows {h / 2**20:.2f} MiB" for w, h in res.best.headroom.items())
+    lines.append("  VMEM headroom of the spec written, in each kernel it builds: " + "; ".join(
+        f"{k} {h / 2**20:.2f} MiB" for k, h in res.best.headroom.items())
         + f" (margin {res.min_headroom / 2**20:.2f} MiB)")
     if min(res.best.headroom.values()) < res.min_headroom:
         lines.append("  the input itself leaves less than the margin: it is written unchanged "

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from mkc.checks import vmem_budget
-from mkc.checks.capacity import vmem_budget_bytes
+from mkc.checks.capacity import Kernel, kernels, vmem_budget_bytes
 from mkc.checks.expect import hbm_headroom, vmem_headroom
 from mkc.compiler import check_source, check_spec
 from mkc.diagnostics import MkcError
@@ -32,12 +32,15 @@ def _errors(text: str) -> list:
     return []
 
 
-def test_vmem_headroom_is_the_budget_less_the_peak_at_every_width(checked):
+def test_vmem_headroom_is_the_budget_less_the_peak_in_every_kernel_the_verdict_judges(checked):
+    """The kernels the VMEM verdict judges, the verify step of 8 rows (no wider than the
+    largest batch, so no row count names it) among them."""
     s, events = checked.ir, checked.events
     left = vmem_headroom(s, events)
-    assert sorted(left) == sorted({s.batch_min, s.batch_max, s.rows_max})
-    for rows, h in left.items():
-        assert h == vmem_budget_bytes(s) - vmem_budget(s, events, rows)[0]
+    assert list(left) == kernels(s)
+    assert Kernel(8, 1, verify=True) in left and s.batch_max == 8
+    for k, h in left.items():
+        assert h == vmem_budget_bytes(s) - vmem_budget(s, events, k)[0]
 
 
 def test_vmem_expectation_holds_at_the_headroom_and_fails_above_it(checked):
@@ -48,6 +51,9 @@ def test_vmem_expectation_holds_at_the_headroom_and_fails_above_it(checked):
     [d] = _errors(text)
     assert d.code == "E-EXPECT" and "VMEM" in d.message
     assert d.span.line == text.splitlines().index(f"  {line}") + 1
+    least = min(vmem_headroom(checked.ir, checked.events).items(), key=lambda kv: kv[1])[0]
+    assert d.message.startswith(f"the {least} leaves ")
+    assert "verify step, 8 rows (1 sequence of 8) " in d.notes[0]
 
 
 def test_hbm_expectation_holds_at_the_headroom_and_fails_above_it(checked):
