@@ -40,17 +40,17 @@ def _empty() -> np.ndarray:
     return np.zeros(0, np.int32)
 
 
-_SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.int32, np.int32)   # sampling.row_arrays
+_SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.int32, np.int32, np.int32)   # row_arrays
 
 
 @dataclass(frozen=True, eq=False)
 class Launch:
     """One launch and its host inputs.
 
-    DECODE: `tokens`, `positions` [B]; `sampling`: `row_arrays`' five [B] arrays.
+    DECODE: `tokens`, `positions` [B]; `sampling`: `row_arrays`' six [B] arrays.
     PREFILL: `rows` [1] (the row), `tokens` [1, R] (the chunk, padded), `positions` [1] (its
     start), `counts` [1] (the chunk's tokens); with `sample`, the first generated token is
-    sampled from the last chunk token's logits with `sampling` (five [1] arrays).
+    sampled from the last chunk token's logits with `sampling` (six [1] arrays).
     SPECULATE: `rows` [S] (the batch's rows, in order), `tokens` [S, R] (each row's anchor,
     drafts, padding), `positions` [S] (starts), `counts` [S] (drafts a row).
     CLEAR: `rows` [B], 1 where a row's states are zeroed. `width`: the logprobs' width (None:
@@ -77,7 +77,7 @@ class Codec:
     def __init__(self, batch: int, verify_rows: int):
         self.batch, self.verify_rows = batch, verify_rows
         B, R = batch, max(verify_rows, 1)
-        payload = max(7 * B, B * (R + 3), R + 8)
+        payload = max(2 * B + B * len(_SAMPLING_DTYPES), B * (R + 3), R + 3 + len(_SAMPLING_DTYPES))
         self.size = self.HEADER + self.FIELDS + payload
 
     def encode(self, launch: Launch) -> np.ndarray:

@@ -97,7 +97,8 @@ class Lockstep(Protocol):
 @dataclass(frozen=True)
 class Event:
     """What the engine tells a request: a token (`token` set, with its `logprob` and `top`
-    most likely (token, logprob) when the request asked for logprobs), or the end
+    most likely (token, logprob) when the request asked for logprobs; `prompt`: a prompt
+    token's, from the second on, when it asked for the prompt's logprobs), or the end
     (`finish_reason`: "stop", "length", or "error" with `error` saying why)."""
 
     token: int | None = None
@@ -105,6 +106,7 @@ class Event:
     error: str | None = None
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
+    prompt: bool = False
 
 
 @dataclass
@@ -213,6 +215,9 @@ class Engine:
         """Queue a request for the next free row; Unfit when its settings or tokens do not fit
         a launch, QueueFull past B busy rows and `max_queue` waiting ones."""
         check_fits(request.sampling)
+        if request.sampling.max_tokens < (0 if request.sampling.prompt_logprobs else 1):
+            raise Unfit("max_tokens must be at least 1 (0 only for the prompt's logprobs)",
+                        "max_tokens")
         if not all(0 <= t < self.vocab for t in request.prompt):
             raise Unfit(f"the prompt has token ids outside the vocabulary (0 to {self.vocab - 1})",
                         "prompt")
@@ -300,6 +305,8 @@ class Engine:
                 req.row = b
                 self._rows[b] = req
                 taken.append(b)
+                if _scored(req):            # a one-token prompt has no logprob to compute
+                    self._finish(req, Event(finish_reason="length"))
         return taken
 
     def _finish(self, req: Request, event: Event) -> None:
@@ -334,12 +341,16 @@ class Engine:
                     mask = np.zeros(self.batch, np.int32)
                     mask[taken] = 1
                     self._launch(Launch(Kind.CLEAR, rows=mask))
+                # a request for its prompt's logprobs is prefilled by decode steps, whose
+                # logits at each prompt position give them
+                fresh = [r for r in map(self._rows.__getitem__, taken)
+                         if r is not None and not r.sampling.prompt_logprobs]
                 if self.prefill == "verify":
-                    for b in taken:
-                        self._prefill_verify(self._rows[b])
+                    for req in fresh:
+                        self._prefill_verify(req)
                 elif self.prefill == "reference":
-                    for b in taken:
-                        self._prefill_reference(self._rows[b])
+                    for req in fresh:
+                        self._prefill_reference(req)
                 if any(r is not None for r in self._rows):
                     drafts = self._drafts()
                     if drafts is not None:
@@ -380,13 +391,17 @@ class Engine:
         rows = list(self._rows)
         tokens = np.zeros(self.batch, np.int32)
         positions = np.zeros(self.batch, np.int32)
+        forced = [-1] * self.batch            # the next prompt token, where its logprob is asked
         for b, req in enumerate(rows):
             if req is None:
                 continue
             history = req.prompt + req.generated
             tokens[b], positions[b] = history[req.fed], req.fed
+            if req.sampling.prompt_logprobs and req.fed + 1 < len(req.prompt):
+                forced[b] = req.prompt[req.fed + 1]
         params = [req.sampling if req is not None else None for req in rows]
-        sampling = row_arrays(params, [len(req.generated) if req is not None else 0 for req in rows])
+        sampling = row_arrays(params, [len(req.generated) if req is not None else 0 for req in rows],
+                              forced)
         t0 = time.perf_counter()
         sampled = self._launch(Launch(Kind.DECODE, tokens, positions, sampling=sampling,
                                       width=logprob_width(params)))
@@ -398,8 +413,14 @@ class Engine:
                 if req is None or req.finished:
                     continue
                 req.fed += 1
-                if req.fed >= len(req.prompt):         # still prefilling: the output is ignored
+                if req.fed >= len(req.prompt):
                     self._accept(req, sampled, b)
+                else:               # still prefilling: the output is a prompt token's logprob
+                    if forced[b] >= 0:
+                        logprob, top = row_logprobs(sampled, b, req.sampling)
+                        req.emit(Event(token=forced[b], logprob=logprob, top=top, prompt=True))
+                    if _scored(req):
+                        self._finish(req, Event(finish_reason="length"))
 
     def _accept(self, req: Request, sampled: Sampled, row: int) -> None:
         """Under the lock: a request's next token (row `row` of `sampled`, on the host), and
@@ -550,6 +571,12 @@ def check_fits(sampling: SamplingParams) -> None:
                   if not isinstance(value, int) or not -2**31 <= value < 2**31]
         raise Unfit(f"{fields[0] if fields else 'the sampling'} does not fit the sampler's "
                     f"arrays ({e})", fields[0] if fields else None) from None
+
+
+def _scored(req: Request) -> bool:
+    """Whether a request that generates nothing (`max_tokens` 0: only its prompt's logprobs)
+    has all it asked for: every prompt token past the first has its logprob."""
+    return req.sampling.max_tokens == 0 and req.fed >= len(req.prompt) - 1
 
 
 def _verifies_one_sequence(gen: Any) -> bool:

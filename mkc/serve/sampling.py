@@ -10,7 +10,9 @@ seeded request gives the same text whichever row it holds and whatever shares th
 Logprobs are those of the model's own distribution, `log_softmax(logits)` of the logits the
 token was chosen from, before temperature, top-k and top-p reshape it (OpenAI's and vLLM's
 default): a sampled token's logprob says how likely the model found it, not how likely the
-sampler was to draw it.
+sampler was to draw it. A row may have its token forced (`row_arrays`' `forced`): a prompt
+token fed by a decode step, whose logprob under the logits before it is what `echo` with
+`logprobs` reports.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ LOGPROB_WIDTHS = (0, 5, 20)
 class SamplingParams:
     """One request's sampling settings (validated by the API before they get here).
     `logprobs`: None for none, else how many of the most likely tokens to report beside the
-    chosen token's logprob (0 to LOGPROB_WIDTHS[-1])."""
+    chosen token's logprob (0 to LOGPROB_WIDTHS[-1]); `prompt_logprobs`: with `logprobs`, the
+    prompt's tokens' too (each under the logits of the position before it)."""
 
     max_tokens: int
     temperature: float = 1.0        # 0: greedy
@@ -40,6 +43,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 class Sampled(NamedTuple):
@@ -72,9 +76,11 @@ def _with_logprobs(logits: jax.Array, tokens: jax.Array, width: int | None) -> S
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                seed: jax.Array, counter: jax.Array, width: int | None = None) -> Sampled:
+                seed: jax.Array, counter: jax.Array, forced: jax.Array,
+                width: int | None = None) -> Sampled:
     """The next token of each row: logits f32[B, V]; temperature, top_p f32[B]; top_k, seed,
-    counter int32[B]; with logprobs `width` wide unless width is None."""
+    counter, forced int32[B] (a row's token where it is 0 or more); with logprobs `width` wide
+    unless width is None."""
     def one(row, t, k, p, s, n):
         greedy = jnp.argmax(row).astype(jnp.int32)
         scaled = row / jnp.where(t > 0, t, 1.0)
@@ -89,6 +95,7 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
         return jnp.where(t > 0, order[choice].astype(jnp.int32), greedy)
     logits = logits.astype(jnp.float32)
     tokens = jax.vmap(one)(logits, temperature, top_k, top_p, seed, counter)
+    tokens = jnp.where(forced >= 0, forced, tokens)
     return _with_logprobs(logits, tokens, width)
 
 
@@ -100,15 +107,18 @@ def greedy_rows(logits: jax.Array, width: int | None = None) -> Sampled:
     return _with_logprobs(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), width)
 
 
-def row_arrays(params: list[SamplingParams | None], counters: list[int]) -> tuple[np.ndarray, ...]:
-    """`sample_rows`' per-row inputs for B rows (None: an idle row, sampled greedily)."""
+def row_arrays(params: list[SamplingParams | None], counters: list[int],
+               forced: list[int] | None = None) -> tuple[np.ndarray, ...]:
+    """`sample_rows`' per-row inputs for B rows (None: an idle row, sampled greedily);
+    `forced`: each row's token to take in place of a sample, or -1 (default: none)."""
     idle = SamplingParams(max_tokens=1, temperature=0.0)
     rows = [p or idle for p in params]
     return (np.array([p.temperature for p in rows], np.float32),
             np.array([p.top_k for p in rows], np.int32),
             np.array([p.top_p for p in rows], np.float32),
             np.array([p.seed for p in rows], np.int32),
-            np.array(counters, np.int32))
+            np.array(counters, np.int32),
+            np.array([-1] * len(rows) if forced is None else forced, np.int32))
 
 
 def row_logprobs(sampled: Sampled, row: int, params: SamplingParams

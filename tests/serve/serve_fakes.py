@@ -90,6 +90,17 @@ def fake_greedy(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def fake_prompt_logprobs(prompt: list[int]) -> list[float]:
+    """The fake model's logprob of each prompt token past the first, under its logits at the
+    position before (a one-hot of 10 over VOCAB tokens), from a clean state."""
+    total, out = 0, []
+    for position, token in enumerate(prompt[:-1]):
+        total += token
+        hit = prompt[position + 1] == _next(total, position)
+        out.append(10.0 * hit - float(np.log(np.exp(10.0) + VOCAB - 1)))
+    return out
+
+
 class LetterTokenizer:
     """Token t is the letter chr(97 + t % 26), one a character (in pure Python, so a long text
     takes as long to encode as a real tokenizer's CPU work); a chat is its messages' texts. Every

@@ -3,19 +3,22 @@ kernel runs: serve_fakes)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serve_fakes import VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module, fake_prefill
+from serve_fakes import (VERIFY_ROWS, VOCAB, fake_greedy, fake_mesh, fake_module, fake_prefill,
+                         fake_prompt_logprobs)
 
 from conftest import ROOT
 
+from mkc.compiler import compile_spec, module_name
 from mkc.serve.device import row_states_of
 from mkc.serve.drafting import prompt_lookup
-from mkc.serve.engine import Engine, QueueFull, Request
+from mkc.serve.engine import Engine, QueueFull, Request, Unfit
 from mkc.serve.model import import_generated
 from mkc.serve.sampling import SamplingParams, greedy_rows, logprob_width, row_arrays, sample_rows
 
@@ -74,6 +77,30 @@ def test_requests_share_rows_and_reuse_them_from_a_clean_state(prefill):
     if prefill == "auto, no verify line":   # the prompt through decode steps
         assert engine.prefill == "decode"
         assert engine.stats.busy_row_steps == sum(len(p) + n - 1 for p, n in prompts)
+
+
+def _readme_first_spec() -> str:
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```sched\n(.*?)```", text[text.index("## Your first spec"):], re.S).group(1)
+
+
+@pytest.mark.parametrize("spec, model, context", [
+    (None, "qwen3_8_mini", "context 256"),              # the README's first spec
+    ("deepseek_v3.sched", "deepseek_v3_mini_fp8", "context 4096")])
+def test_the_shipped_specs_without_verify_have_their_row_states_found(tmp_path, spec, model, context):
+    # `mkc serve` died on these (AttributeError: no ROW_STATES) before its first step; the
+    # states found are the ones the same spec with a verify line lists
+    text = _readme_first_spec() if spec is None else (ROOT / "schedules" / spec).read_text()
+    found = {}
+    for verify in ("", "\n  verify 4 sequences 1 to 2"):
+        path = tmp_path / f"spec{len(found)}.sched"
+        path.write_text(text.replace(context, context + verify, 1))
+        c = compile_spec(str(path), model)
+        gen = import_generated(c.module_source, f"{module_name(c)}_{len(found)}")
+        assert hasattr(gen, "ROW_STATES") == bool(verify)
+        found[verify] = gen.ROW_STATES if verify else dict(row_states_of(gen))
+    assert found[""] == found["\n  verify 4 sequences 1 to 2"]
+    assert bool(found[""]) == (spec is None)              # the MINI Qwen's gdn states; MLA has none
 
 
 @pytest.mark.parametrize("name", ["qwen3_8_27b", "kimi_k3", "llama_3_1_8b"])
@@ -213,6 +240,30 @@ def test_engine_events_carry_logprobs():
         assert event.logprob == pytest.approx(row[event.token], rel=1e-6)
         assert len(event.top) == 2 and event.top[0][0] == event.token
     assert all(e.logprob is None and e.top is None for e in plain.seen)
+
+
+@pytest.mark.parametrize("prefill", ["decode", "verify", "reference"])
+def test_prompt_logprobs_are_each_prompt_token_s_under_the_logits_before_it(prefill):
+    # echo with logprobs (lm-eval's loglikelihood requests): the prompt is fed by decode steps
+    # whatever the prefill, each step's logprobs those of the next prompt token; then the
+    # completion as without them; with max_tokens 0, the prompt's logprobs alone
+    engine = make_engine(batch=2, prefill=prefill)
+    prompt = [3, *fake_greedy([3], 2), 9, 9]           # two tokens the model predicts, two it does not
+    out = run(engine, generate(engine, prompt, 3, logprobs=2, prompt_logprobs=True),
+              generate(engine, prompt, 0, logprobs=0, prompt_logprobs=True, delay=0.01),
+              generate(engine, [4], 0, logprobs=1, prompt_logprobs=True, delay=0.02))
+    (req, finish), (scored, scored_finish), (one, one_finish) = out
+    for r in (req, scored):
+        seen = [e for e in r.seen if e.prompt]
+        assert [e.token for e in seen] == prompt[1:]
+        assert [e.logprob for e in seen] == pytest.approx(fake_prompt_logprobs(prompt), abs=1e-6)
+        assert all(len(e.top) == (2 if r is req else 0) for e in seen)
+    assert req.generated == fake_greedy(prompt, 3) and finish == "length"
+    assert [e.token for e in req.seen if not e.prompt] == req.generated
+    assert scored.generated == [] and scored_finish == "length"
+    assert one.seen == [] and one_finish == "length"
+    with pytest.raises(Unfit, match="max_tokens must be at least 1"):
+        engine.submit(Request(prompt=[1, 2], loop=None, sampling=SamplingParams(max_tokens=0)))
 
 
 def oracle(context, n):
