@@ -182,6 +182,8 @@ def _weights(reader: Any, meta: _Metadata, config: dict, src: Path) -> dict[str,
     from gguf import GGMLQuantizationType, quants
 
     layers, h, kv = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    if len(reader.tensors) < 9 * layers + 2:     # before a table of that many layers is built
+        raise GGUFError(f"{src}: block_count {layers}, but the file holds {len(reader.tensors)} tensors")
     d, hidden, inter = config["head_dim"], config["hidden_size"], config["intermediate_size"]
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (config["vocab_size"], hidden)}

@@ -62,12 +62,13 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1) -> dict[str, np.ndarray]:
+def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1, block_count: int = 1
+               ) -> dict[str, np.ndarray]:
     """A one-layer Llama GGUF as llama.cpp exports one (F32 norms and q/k, a Q8_0 embedding,
     `matrix_type` for the rest, tied lm_head); returns the HF tensors it holds."""
     hf = hf_weights()
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(1)
+    w.add_block_count(block_count)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
@@ -146,7 +147,9 @@ def _bad_file(tmp_path: Path) -> Path:
      "architecture 'qwen2' is not supported"),
     (lambda t: (write_gguf(t / "q.gguf", matrix_type=Q.Q5_0), t / "q.gguf")[1],
      "is Q5_0, a type the converter does not dequantize"),
-], ids=["not-gguf", "architecture", "quant-type"])
+    (lambda t: (write_gguf(t / "q.gguf", block_count=2**31), t / "q.gguf")[1],
+     "block_count 2147483648, but the file holds 11 tensors"),
+], ids=["not-gguf", "architecture", "quant-type", "layers"])
 def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path: Path, capsys, make, message) -> None:
     src = make(tmp_path)
     with pytest.raises(GGUFError, match=message):
