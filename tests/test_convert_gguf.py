@@ -238,6 +238,27 @@ def test_smollm2_answers_a_chat_prompt_through_the_f32_reference(smollm2: Path) 
     assert greedy(smollm2, "What is the capital of France?") == "The capital of France is Paris."
 
 
+# SmolLM2's token ids as an independent standalone port of its tokenizer records them in its
+# checks (not derived from this converter): digits apart, spaces, accents, ChatML's system text.
+SMOLLM2_IDS = {
+    "Hello, we can use": [19556, 28, 392, 416, 722],
+    "The capital of France is": [504, 3575, 282, 4649, 314],
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face":
+        [2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182],
+    "\n": [198],
+    "Hello world! 123": [19556, 905, 17, 216, 33, 34, 35],
+    "Café déjà vu.": [51, 1939, 2756, 32564, 90, 16739, 386, 101, 30],
+    "  multiple   spaces": [216, 2701, 256, 5600],
+}
+
+
+@pytest.mark.extended
+def test_smollm2_tokenizer_encodes_as_smollm2s_own(smollm2: Path) -> None:
+    tok = tokenizers.Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    assert {text: tok.encode(text, add_special_tokens=False).ids for text in SMOLLM2_IDS} == SMOLLM2_IDS
+    assert tok.encode("<|im_start|>user<|im_end|>", add_special_tokens=False).ids == [1, 4093, 2]
+
+
 SPEC = Path(__file__).parent.parent / "schedules" / "smollm2_135m.sched"
 
 
