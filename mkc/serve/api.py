@@ -184,7 +184,7 @@ class CompletionRequest(_Sampling):
     # a string, token ids, or a list of either; read by `prompt_ids`, whose refusals say which
     # (a union's validation errors would list every alternative's)
     prompt: Any = Field(...)
-    max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    max_tokens: StrictInt | None = Field(DEFAULT_COMPLETION_TOKENS, ge=0)    # 0: with echo only
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
@@ -247,15 +247,26 @@ class _Text:
 class _Logprobs:
     """The logprobs of a request's tokens as they arrive (each with its offset in the text),
     in the completions API's legacy form or chat's. A token is named by its text, or
-    `token_id:N` without a tokenizer (vLLM's form)."""
+    `token_id:N` without a tokenizer (vLLM's form). With `echo`, the prompt's tokens come
+    first (`add_prompt`), the first with no logprob (null), each at the offset the names
+    before it take, as vLLM places them."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.entries: list[tuple[int, int, float, tuple[tuple[int, float], ...]]] = []
+        self.entries: list[tuple[int, int, float | None, tuple[tuple[int, float], ...] | None]] = []
 
     def add(self, event: Event, offset: int) -> None:
         if event.logprob is not None:
             self.entries.append((event.token, offset, event.logprob, event.top or ()))
+
+    def add_prompt(self, token: int, event: Event | None) -> None:
+        """A prompt token: the first (no event: nothing precedes it), or a later one's event."""
+        offset = 0
+        if self.entries:
+            last = self.entries[-1]
+            offset = last[1] + len(self.name(last[0]))
+        self.entries.append((token, offset, None if event is None else event.logprob,
+                             None if event is None else event.top or ()))
 
     def name(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
@@ -265,10 +276,12 @@ class _Logprobs:
         most likely tokens and, as OpenAI's does, the chosen one."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, offset, logprob, top in self.entries[start:]:
-            tops = {self.name(t): _finite(lp) for t, lp in top}
-            tops.setdefault(self.name(token), _finite(logprob))
+            tops = None
+            if logprob is not None:
+                tops = {self.name(t): _finite(lp) for t, lp in top}
+                tops.setdefault(self.name(token), _finite(logprob))
             out["tokens"].append(self.name(token))
-            out["token_logprobs"].append(_finite(logprob))
+            out["token_logprobs"].append(None if logprob is None else _finite(logprob))
             out["top_logprobs"].append(tops)
             out["text_offset"].append(offset)
         return out
@@ -445,7 +458,7 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
         return await off_loop(check_ids, prompt, "prompt")
 
     def sampling_of(body: _Sampling, prompt: list[int], max_tokens: int | None,
-                    logprobs: int | None) -> tuple[SamplingParams, list[str]]:
+                    logprobs: int | None, echo: bool = False) -> tuple[SamplingParams, list[str]]:
         """The request's sampling and its stop strings, or the ApiError of what does not fit."""
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: one choice per request is served (send n "
@@ -475,7 +488,7 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                               seed=seed % (1 << 31), stop_token_ids=frozenset(stop_ids),
-                              logprobs=logprobs), stops
+                              logprobs=logprobs, prompt_logprobs=echo and logprobs is not None), stops
 
     def submit(prompt: list[int], sampling: SamplingParams) -> Request:
         req = Request(prompt=prompt, sampling=sampling, loop=asyncio.get_running_loop())
@@ -520,8 +533,10 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
         return ApiError(500, event.error or "generation failed", None, "server_error")
 
     async def generate(http: HttpRequest, body: _Sampling, prompt: list[int], max_tokens: int | None,
-                       logprobs: int | None, chat: bool):
-        sampling, stops = sampling_of(body, prompt, max_tokens, logprobs)
+                       logprobs: int | None, chat: bool, echo: str | None = None):
+        """The response to a completion or chat request; `echo`: the prompt's text, which the
+        completion's text follows (and its tokens' logprobs the completion's, with logprobs)."""
+        sampling, stops = sampling_of(body, prompt, max_tokens, logprobs, echo is not None)
         req = submit(prompt, sampling)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         obj = "chat.completion" if chat else "text_completion"
@@ -579,19 +594,24 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         text, lp = _Text(tokenizer, stops), _Logprobs(tokenizer)
+        start = len(echo or "")          # where the completion's text begins
+        if sampling.prompt_logprobs:
+            lp.add_prompt(prompt[0], None)
         finish = None
         async for event in events(req, http):
             if event.error is not None:
                 raise error_of(event)
-            if event.token is not None:
-                lp.add(event, len(text.text))
+            if event.prompt:
+                lp.add_prompt(event.token, event)
+            elif event.token is not None:
+                lp.add(event, start + len(text.text))
                 await off_loop(text.add, event.token)
                 if text.stopped:
                     finish = "stop"
                     break
             else:
                 finish = event.finish_reason
-        content = text.text          # the whole text (cut before a stop string)
+        content = (echo or "") + text.text          # the whole text (cut before a stop string)
         lps = await off_loop(logprobs_of, lp, 0)
         if chat:
             out = {"index": 0, "message": {"role": "assistant", "content": content},
@@ -621,8 +641,18 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
 
     @app.get("/v1/models")
     async def models() -> dict:
+        # `root`: what the model was loaded from (vLLM's; `vllm bench serve` reads it)
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": created,
-                                            "owned_by": "mkc", "max_model_len": engine.context}]}
+                                            "owned_by": "mkc", "root": served.name, "parent": None,
+                                            "max_model_len": engine.context}]}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        info = getattr(need_tokenizer("/tokenizer_info"), "info", None)
+        if info is None:
+            raise ApiError(400, f"'{served.name}' is served with a stand-in tokenizer (mkc serve "
+                                "--tokenizer bytes): it has no tokenizer configuration to give")
+        return info()
 
     def checked(body: _Body) -> None:
         """What every endpoint refuses first: text that is not Unicode, another model."""
@@ -633,10 +663,21 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
     async def completions(body: CompletionRequest, http: HttpRequest):
         checked(body)
         check_served_fields(body.model_extra or {})
-        if body.echo:
-            raise ApiError(400, "echo is not served yet", "echo")
-        return await generate(http, body, await prompt_ids(body.prompt), body.max_tokens,
-                              body.logprobs, chat=False)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens = 0 generates nothing: it is for echo: true (the "
+                                "prompt, with its tokens' logprobs when logprobs is given)",
+                           "max_tokens")
+        if body.echo and body.stream:
+            raise ApiError(400, "echo is served without stream: drop one of them", "echo")
+        prompt = await prompt_ids(body.prompt)
+        echo = None
+        if body.echo:             # the prompt's text as sent, or its tokens' (vLLM's)
+            text = body.prompt[0] if isinstance(body.prompt, list) and len(body.prompt) == 1 \
+                else body.prompt
+            echo = text if isinstance(text, str) else (
+                await off_loop(tokenizer.decode, prompt) if tokenizer is not None else "")
+        return await generate(http, body, prompt, body.max_tokens, body.logprobs, chat=False,
+                              echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HttpRequest):

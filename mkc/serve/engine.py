@@ -215,9 +215,6 @@ class Engine:
         """Queue a request for the next free row; Unfit when its settings or tokens do not fit
         a launch, QueueFull past B busy rows and `max_queue` waiting ones."""
         check_fits(request.sampling)
-        if request.sampling.max_tokens < (0 if request.sampling.prompt_logprobs else 1):
-            raise Unfit("max_tokens must be at least 1 (0 only for the prompt's logprobs)",
-                        "max_tokens")
         if not all(0 <= t < self.vocab for t in request.prompt):
             raise Unfit(f"the prompt has token ids outside the vocabulary (0 to {self.vocab - 1})",
                         "prompt")
@@ -305,7 +302,7 @@ class Engine:
                 req.row = b
                 self._rows[b] = req
                 taken.append(b)
-                if _scored(req):            # a one-token prompt has no logprob to compute
+                if _scored(req):            # nothing to compute (a one-token prompt's logprobs)
                     self._finish(req, Event(finish_reason="length"))
         return taken
 
@@ -574,9 +571,10 @@ def check_fits(sampling: SamplingParams) -> None:
 
 
 def _scored(req: Request) -> bool:
-    """Whether a request that generates nothing (`max_tokens` 0: only its prompt's logprobs)
-    has all it asked for: every prompt token past the first has its logprob."""
-    return req.sampling.max_tokens == 0 and req.fed >= len(req.prompt) - 1
+    """Whether a request that generates nothing (`max_tokens` 0: at most its prompt's
+    logprobs) has all it asked for: every prompt token past the first has its logprob."""
+    return req.sampling.max_tokens == 0 and (not req.sampling.prompt_logprobs
+                                             or req.fed >= len(req.prompt) - 1)
 
 
 def _verifies_one_sequence(gen: Any) -> bool:

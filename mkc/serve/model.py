@@ -61,6 +61,16 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _plain(value: Any) -> Any:
+    """A tokenizer_config.json value with each AddedToken dict as its text (vLLM's form)."""
+    if isinstance(value, dict):
+        return value["content"] if isinstance(value.get("content"), str) else \
+            {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -117,6 +127,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TokenizerError(f"{where}: the chat template does not parse (line {e.lineno}: "
                                  f"{e.message})") from None
+        self.source = source
         self._variables = variables
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -183,8 +194,11 @@ class Tokenizer:
             from transformers import AutoTokenizer
         except ImportError:
             AutoTokenizer = None
+        config = _read_json(directory / "tokenizer_config.json")
+        self._class = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
         if AutoTokenizer is not None:
             hf = AutoTokenizer.from_pretrained(str(directory))
+            self._class = type(hf).__name__
             self._encode = lambda text: hf.encode(text, add_special_tokens=False)
             self._decode = lambda ids: hf.decode(ids, skip_special_tokens=True)
         else:
@@ -194,8 +208,20 @@ class Tokenizer:
             raw = Raw.from_file(str(directory / "tokenizer.json"))
             self._encode = lambda text: raw.encode(text, add_special_tokens=False).ids
             self._decode = lambda ids: raw.decode(ids, skip_special_tokens=True)
-        self.template = ChatTemplate.load(directory, _read_json(directory / "tokenizer_config.json"))
+        self.template = ChatTemplate.load(directory, config)
         self.chat = None if self.template is None else self._chat
+        self._config = {**_template_variables(directory, config), **config}
+
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's configuration as vLLM's GET /tokenizer_info gives it:
+        tokenizer_config.json's fields (special tokens by their text, also special_tokens_map.json's
+        where it lacks them; file paths dropped), `tokenizer_class`, and the chat template served."""
+        out = {k: _plain(v) for k, v in self._config.items()
+               if k not in ("vocab_file", "merges_file", "chat_template")}
+        out["tokenizer_class"] = self._class
+        if self.template is not None:
+            out["chat_template"] = self.template.source
+        return out
 
     def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.template.render(messages))

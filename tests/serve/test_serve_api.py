@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from serve_fakes import CONTEXT, EOS, VOCAB, fake_greedy, fake_mesh, fake_module
+from serve_fakes import CONTEXT, EOS, VOCAB, fake_greedy, fake_mesh, fake_module, fake_prompt_logprobs
 
 from mkc.serve.api import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, create_app
 from mkc.serve.drafting import prompt_lookup
@@ -60,6 +60,7 @@ def test_models_and_health(client):
     assert client.get("/health").status_code == 200
     data = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in data] == [NAME] and data[0]["max_model_len"] == CONTEXT
+    assert data[0]["root"] == NAME              # `vllm bench serve` reads it
     assert client.get("/stats").json()["interpret"] is False
 
 
@@ -76,6 +77,8 @@ def test_models_and_health(client):
     ({"model": NAME, "prompt": [[1], [2]]}, 400, "2 prompts in one request"),
     ({"model": NAME, "prompt": [1], "n": 2}, 400, "one choice per request"),
     ({"model": NAME}, 400, "prompt: Field required"),
+    ({"model": NAME, "prompt": [1], "max_tokens": 0}, 400, "max_tokens = 0 generates nothing"),
+    ({"model": NAME, "prompt": [1], "echo": True, "stream": True}, 400, "echo is served without stream"),
 ])
 def test_bad_completion_requests(client, body, status, message):
     r = client.post("/v1/completions", json=body)
@@ -104,6 +107,8 @@ def test_text_endpoints_without_a_tokenizer(client):
         r = client.post(path, json=body)
         assert r.status_code == 400 and "needs a tokenizer" in r.json()["error"]["message"]
         assert "`mkc serve --tokenizer bytes`" in r.json()["error"]["message"]
+    info = client.get("/tokenizer_info")
+    assert info.status_code == 400 and "/tokenizer_info needs a tokenizer" in info.json()["error"]["message"]
     assert complete(client, prompt=[2], max_tokens=1).status_code == 200     # still serving
 
 
@@ -162,6 +167,29 @@ def test_completion_logprobs_streaming_and_not(client):
     assert [s["top_logprobs"][0] for s in streamed] == lp["top_logprobs"]
     assert chunks[-1]["choices"][0]["logprobs"] is None
     assert complete(client, prompt=[3], max_tokens=1).json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 3])
+def test_echo_with_logprobs_scores_the_prompt_as_vllm_does(client, max_tokens):
+    # lm-eval's loglikelihood requests: echo, logprobs, max_tokens 1 (or 0); the prompt's tokens
+    # with their logprobs (the first's null), then the completion's
+    prompt = [3, *fake_greedy([3], 2), 9, 9]
+    r = complete(client, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["token_ids"] == fake_greedy(prompt, max_tokens) and choice["text"] == ""
+    assert lp["tokens"] == [f"token_id:{t}" for t in prompt + choice["token_ids"]]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(prompt)] == pytest.approx(fake_prompt_logprobs(prompt), abs=1e-6)
+    for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[token] == logprob and len(top) <= 2
+    plain = complete(client, prompt=prompt, max_tokens=max(max_tokens, 1), logprobs=1).json()
+    if max_tokens:
+        assert lp["token_logprobs"][len(prompt):] == plain["choices"][0]["logprobs"]["token_logprobs"]
+    assert r.json()["usage"]["completion_tokens"] == max_tokens
+    bare = complete(client, prompt=prompt, max_tokens=max_tokens, echo=True).json()["choices"][0]
+    assert bare["logprobs"] is None and bare["token_ids"] == choice["token_ids"]
 
 
 def test_logprobs_zero_gives_the_chosen_token_only(client):

@@ -18,7 +18,7 @@ from conftest import ROOT
 from mkc.compiler import compile_spec, module_name
 from mkc.serve.device import row_states_of
 from mkc.serve.drafting import prompt_lookup
-from mkc.serve.engine import Engine, QueueFull, Request, Unfit
+from mkc.serve.engine import Engine, QueueFull, Request
 from mkc.serve.model import import_generated
 from mkc.serve.sampling import SamplingParams, greedy_rows, logprob_width, row_arrays, sample_rows
 
@@ -251,8 +251,9 @@ def test_prompt_logprobs_are_each_prompt_token_s_under_the_logits_before_it(pref
     prompt = [3, *fake_greedy([3], 2), 9, 9]           # two tokens the model predicts, two it does not
     out = run(engine, generate(engine, prompt, 3, logprobs=2, prompt_logprobs=True),
               generate(engine, prompt, 0, logprobs=0, prompt_logprobs=True, delay=0.01),
-              generate(engine, [4], 0, logprobs=1, prompt_logprobs=True, delay=0.02))
-    (req, finish), (scored, scored_finish), (one, one_finish) = out
+              generate(engine, [4], 0, logprobs=1, prompt_logprobs=True, delay=0.02),
+              generate(engine, prompt, 0, delay=0.03))                  # echo without logprobs
+    (req, finish), (scored, scored_finish), (one, one_finish), (bare, bare_finish) = out
     for r in (req, scored):
         seen = [e for e in r.seen if e.prompt]
         assert [e.token for e in seen] == prompt[1:]
@@ -262,8 +263,7 @@ def test_prompt_logprobs_are_each_prompt_token_s_under_the_logits_before_it(pref
     assert [e.token for e in req.seen if not e.prompt] == req.generated
     assert scored.generated == [] and scored_finish == "length"
     assert one.seen == [] and one_finish == "length"
-    with pytest.raises(Unfit, match="max_tokens must be at least 1"):
-        engine.submit(Request(prompt=[1, 2], loop=None, sampling=SamplingParams(max_tokens=0)))
+    assert bare.seen == [] and bare_finish == "length"
 
 
 def oracle(context, n):

@@ -141,6 +141,37 @@ def test_a_refusing_template_is_a_400_and_the_server_keeps_serving(tmp_path):
         engine.stop()
 
 
+def test_tokenizer_info_and_echo_of_a_text_prompt(tmp_path):
+    # lm-eval's remote tokenizer reads GET /tokenizer_info (vLLM's: tokenizer_config.json's
+    # fields, special tokens by their text, the class and the chat template); echo gives the
+    # prompt's text back before the completion's, each token at the offset vLLM gives it
+    write_tokenizer(tmp_path)
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<unk>"}))
+    gen = fake_module()
+    served = Served(name="fake_mini", gen=gen, weights={}, mesh=fake_mesh(), interpret=None,
+                    tokenizer=Tokenizer.load(tmp_path), eos_token_ids=frozenset({EOS}))
+    engine = Engine(gen, {}, served.mesh, 1, None, eos_token_ids=served.eos_token_ids)
+    engine.start()
+    try:
+        with TestClient(create_app(served, engine)) as client:
+            info = client.get("/tokenizer_info").json()
+            assert info == {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<unk>",
+                            "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE}
+            prompt = "ABC,42!"               # ids below the stand-in model's 64
+            r = client.post("/v1/completions", json={"model": "fake_mini", "prompt": prompt, "echo": True,
+                                                     "logprobs": 0, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            ids = raw_tokenizer(tmp_path).encode(prompt, add_special_tokens=False).ids
+            names = [raw_tokenizer(tmp_path).decode([t]) for t in ids + choice["token_ids"]]
+            assert choice["text"].startswith(prompt) and choice["logprobs"]["tokens"] == names
+            offsets = choice["logprobs"]["text_offset"]
+            assert offsets[:len(ids)] == [len("".join(names[:i])) for i in range(len(ids))]
+            assert offsets[len(ids)] == len(prompt)
+    finally:
+        engine.stop()
+
+
 def test_a_template_that_does_not_parse_is_refused_at_start(tmp_path):
     (tmp_path / "config.json").write_text((ROOT / "mkc/model/configs/llama_mini.json").read_text())
     write_tokenizer(tmp_path, "{% for m in messages %}no end")
