@@ -56,6 +56,21 @@ def test_streaming_equals_non_streaming(client):
     assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_vllm_bench_serve_s_request_shape(client):
+    # what `vllm bench serve` sends to /v1/completions (its openai backend), and what it reads:
+    # the model's root, text chunks, then the usage chunk
+    assert client.get("/v1/models").json()["data"][0]["root"] == NAME
+    body = {"model": NAME, "prompt": [5, 6, 7], "temperature": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": 4, "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == fake_greedy([5, 6, 7], 4)
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
 def test_models_and_health(client):
     assert client.get("/health").status_code == 200
     data = client.get("/v1/models").json()["data"]
