@@ -7,16 +7,19 @@ model.
     python benchmarks/serve_eval.py SPEC --model NAME [options] [-- mkc serve options]
 
 lm-eval is not a dependency of mkc: install it where this runs with `pip install "lm-eval[api]"`.
-The server tokenizes: lm-eval sends text (`tokenizer_backend=none`, `tokenized_requests=False`),
-so it needs no tokenizer of its own, and the server needs one: a checkpoint directory's, or for
-a model without one (a MINI config) `mkc serve --tokenizer bytes`, a byte-level stand-in (when
-this script starts the server for a config name it adds that). Only generation tasks run (the
-server does not serve `echo`, which lm-eval's loglikelihood requests need).
+The server's tokenizer is the one used: `local-completions` reads it through the server
+(`tokenizer_backend=remote`: GET /tokenizer_info, POST /tokenize and /detokenize) and sends
+token ids, which loglikelihood requests need (`echo` with `logprobs`: lm-eval counts the
+context's tokens); `local-chat-completions` sends text (`tokenizer_backend=none`). So lm-eval
+needs no tokenizer of its own, and the server needs one: a checkpoint directory's, or for a
+model without one (a MINI config) `mkc serve --tokenizer bytes`, a byte-level stand-in (when
+this script starts the server for a config name it adds that).
 
-`--task arith` (the default) is a bundled task of eight short sums, made here and run offline:
-short prompts, a few generated tokens, so a MINI model in interpret mode gets through it in
-minutes. Any lm-eval task name works too (`gsm8k` downloads its dataset). On a MINI model the
-scores mean nothing: the harness working is the point.
+`--task arith` (the default) is a bundled generation task of eight short sums, `--task sums` a
+bundled multiple-choice one (loglikelihood requests) of three, both made here and run offline:
+short prompts, a few tokens, so a MINI model in interpret mode gets through them in minutes.
+Any lm-eval task name works too (`gsm8k` downloads its dataset). On a MINI model the scores
+mean nothing: the harness working is the point.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ INSTALL = 'pip install "lm-eval[api]"'
 ARITH = [(2, 3), (7, 5), (12, 30), (9, 9), (41, 17), (6, 58), (23, 23), (80, 11)]
 ARITH_TASK = "arith"
 ARITH_NAME = "mkc_arith"          # the task's name inside lm-eval (not to clash with its own)
+# digits and signs only: every byte is a token of any stand-in's vocabulary of 64 or more
+SUMS = [("2+3=", ["5", "6"], 0), ("4+4=", ["9", "8"], 1), ("1+1=", ["2", "3"], 0)]
+SUMS_TASK, SUMS_NAME = "sums", "mkc_sums"
 MODELS = {"completions": ("local-completions", "/v1/completions"),
           "chat": ("local-chat-completions", "/v1/chat/completions")}
 
@@ -56,6 +62,23 @@ def write_arith_task(directory: Path) -> None:
                                "ignore_case": True, "ignore_punctuation": True}],
               "metadata": {"version": 1.0}}
     (directory / "mkc_arith.yaml").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_sums_task(directory: Path) -> None:
+    """The bundled multiple-choice task into `directory`, as `write_arith_task` writes its."""
+    data = directory / "sums.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "gold": g}) + "\n"
+                            for q, c, g in SUMS))
+    config = {"task": SUMS_NAME, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
+              "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+              "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}",
+              "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+              "metadata": {"version": 1.0}}
+    (directory / "mkc_sums.yaml").write_text(json.dumps(config, indent=2) + "\n")
+
+
+BUNDLED = {ARITH_TASK: (ARITH_NAME, write_arith_task), SUMS_TASK: (SUMS_NAME, write_sums_task)}
 
 
 def probe(url: str, api: str) -> tuple[str, int | None, bool]:
@@ -81,14 +104,16 @@ def lm_eval_command(url: str, model: str, context: int | None, args: argparse.Na
                     include: Path | None) -> list[str]:
     """The lm-eval command line for the server at `url`."""
     kind, path = MODELS[args.api]
-    model_args = {"model": model, "base_url": url + path, "tokenizer_backend": "none",
-                  "tokenized_requests": "False", "num_concurrent": args.num_concurrent,
+    remote = args.api == "completions"
+    model_args = {"model": model, "base_url": url + path,
+                  "tokenizer_backend": "remote" if remote else "none",
+                  "tokenized_requests": str(remote), "num_concurrent": args.num_concurrent,
                   "max_retries": 3, "timeout": args.timeout}
     if context is not None:
         model_args["max_length"] = context
     cmd = [sys.executable, "-m", "lm_eval", "--model", kind,
            "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
-           "--tasks", ARITH_NAME if args.task == ARITH_TASK else args.task]
+           "--tasks", BUNDLED[args.task][0] if args.task in BUNDLED else args.task]
     if args.limit is not None:
         cmd += ["--limit", str(args.limit)]
     if args.num_fewshot is not None:
@@ -109,9 +134,9 @@ def evaluate(url: str, args: argparse.Namespace) -> int:
     model, context, interpret = probe(url, args.api)
     with tempfile.TemporaryDirectory(prefix="mkc-eval-") as tmp:
         include = None
-        if args.task == ARITH_TASK:
+        if args.task in BUNDLED:
             include = Path(tmp)
-            write_arith_task(include)
+            BUNDLED[args.task][1](include)
         cmd = lm_eval_command(url, model, context, args, include)
         print(f"serve_eval: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         status = subprocess.run(cmd).returncode
@@ -127,7 +152,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--api", choices=tuple(MODELS), default="completions",
                     help="lm-eval's local-completions (default) or local-chat-completions")
     ap.add_argument("--task", default=ARITH_TASK,
-                    help=f"an lm-eval task, or '{ARITH_TASK}' (default): eight short sums, bundled")
+                    help=f"an lm-eval task, or '{ARITH_TASK}' (default): eight short sums to "
+                         f"generate, or '{SUMS_TASK}': three to choose (multiple choice), bundled")
     ap.add_argument("--limit", type=at_least(1), default=4,
                     help="samples of the task (default 4; lm-eval's --limit)")
     ap.add_argument("--num-fewshot", type=at_least(0), help="lm-eval's --num_fewshot (default: the task's)")

@@ -648,11 +648,7 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
-        info = getattr(need_tokenizer("/tokenizer_info"), "info", None)
-        if info is None:
-            raise ApiError(400, f"'{served.name}' is served with a stand-in tokenizer (mkc serve "
-                                "--tokenizer bytes): it has no tokenizer configuration to give")
-        return info()
+        return need_tokenizer("/tokenizer_info").info()
 
     def checked(body: _Body) -> None:
         """What every endpoint refuses first: text that is not Unicode, another model."""

@@ -259,6 +259,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
+    def info(self) -> dict[str, Any]:
+        """GET /tokenizer_info's answer: no special tokens, no chat template of a checkpoint."""
+        return {"tokenizer_class": type(self).__name__}
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
 

@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from serve_fakes import fake_server
+from serve_fakes import VOCAB, fake_server
 from serve_process import MODEL, ROOT, SPEC, run_benchmark
 
 from mkc.serve.model import ByteTokenizer
@@ -50,12 +50,13 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**(base | kw))
 
 
-def test_the_lm_eval_command_sends_text_for_the_server_to_tokenize(tmp_path):
+def test_the_lm_eval_command_uses_the_server_s_tokenizer(tmp_path):
     cmd = serve_eval.lm_eval_command("http://h:1", "m", 4096, _args(), tmp_path)
     assert cmd[1:5] == ["-m", "lm_eval", "--model", "local-completions"]
     model_args = dict(kv.split("=", 1) for kv in cmd[cmd.index("--model_args") + 1].split(","))
     assert model_args["base_url"] == "http://h:1/v1/completions" and model_args["model"] == "m"
-    assert model_args["tokenizer_backend"] == "none" and model_args["tokenized_requests"] == "False"
+    # completions: token ids, through the server's tokenizer (loglikelihood requests count them)
+    assert model_args["tokenizer_backend"] == "remote" and model_args["tokenized_requests"] == "True"
     assert model_args["max_length"] == "4096" and model_args["num_concurrent"] == "2"
     assert cmd[cmd.index("--tasks") + 1] == serve_eval.ARITH_NAME
     assert cmd[cmd.index("--include_path") + 1] == str(tmp_path)
@@ -63,6 +64,7 @@ def test_the_lm_eval_command_sends_text_for_the_server_to_tokenize(tmp_path):
                                                                      max_gen_toks=8), None)
     assert chat[chat.index("--model") + 1] == "local-chat-completions" and "--apply_chat_template" in chat
     assert "/v1/chat/completions" in chat[chat.index("--model_args") + 1]
+    assert "tokenizer_backend=none,tokenized_requests=False" in chat[chat.index("--model_args") + 1]
     assert chat[chat.index("--tasks") + 1] == "gsm8k" and "--include_path" not in chat
     assert chat[chat.index("--gen_kwargs") + 1] == "max_gen_toks=8"
 
@@ -73,6 +75,26 @@ def test_the_bundled_task(tmp_path):
     assert config["task"] == serve_eval.ARITH_NAME and config["output_type"] == "generate_until"
     rows = [json.loads(line) for line in open(config["dataset_kwargs"]["data_files"]["test"])]
     assert len(rows) == len(serve_eval.ARITH) and rows[0] == {"question": "2 + 3 =", "answer": "5"}
+
+
+def test_the_bundled_multiple_choice_task(tmp_path):
+    serve_eval.write_sums_task(tmp_path)
+    config = json.loads((tmp_path / "mkc_sums.yaml").read_text())
+    assert config["task"] == serve_eval.SUMS_NAME and config["output_type"] == "multiple_choice"
+    rows = [json.loads(line) for line in open(config["dataset_kwargs"]["data_files"]["test"])]
+    assert rows[0] == {"question": "2+3=", "choices": ["5", "6"], "gold": 0}
+    assert all(max(f"{r['question']}{''.join(r['choices'])}".encode()) < VOCAB for r in rows)
+
+
+@pytest.mark.extended
+def test_lm_eval_scores_a_multiple_choice_task_against_the_stand_in(capfd):
+    # lm-eval's loglikelihood requests (echo, logprobs, max_tokens 1) through its own client and
+    # remote tokenizer (/tokenizer_info, /tokenize); only where lm-eval is installed
+    pytest.importorskip("lm_eval")
+    with fake_server(tokenizer=ByteTokenizer()) as url:
+        status = serve_eval.evaluate(url, _args(task="sums", limit=None))
+    out = capfd.readouterr().out
+    assert status == 0 and serve_eval.SUMS_NAME in out and "acc" in out
 
 
 @pytest.mark.slow
