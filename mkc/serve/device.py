@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mkc.serve.sampling import Sampled, greedy_rows, sample_rows
+from mkc.serve.sampling import Sampled, greedy_rows, sample_rows, score_rows
 
 
 class Kind(enum.IntEnum):
@@ -49,8 +49,10 @@ class Launch:
 
     DECODE: `tokens`, `positions` [B]; `sampling`: `row_arrays`' six [B] arrays.
     PREFILL: `rows` [1] (the row), `tokens` [1, R] (the chunk, padded), `positions` [1] (its
-    start), `counts` [1] (the chunk's tokens); with `sample`, the first generated token is
-    sampled from the last chunk token's logits with `sampling` (six [1] arrays).
+    start), `counts` [1] (the chunk's tokens), or [2] for the prompt's logprobs (then the
+    prompt token after the chunk, or -1: each chunk token's logits score the token after it,
+    `width` wide); with `sample`, the first generated token is sampled from the last chunk
+    token's logits with `sampling` (six [1] arrays).
     SPECULATE: `rows` [S] (the batch's rows, in order), `tokens` [S, R] (each row's anchor,
     drafts, padding), `positions` [S] (starts), `counts` [S] (drafts a row).
     CLEAR: `rows` [B], 1 where a row's states are zeroed. `width`: the logprobs' width (None:
@@ -77,7 +79,7 @@ class Codec:
     def __init__(self, batch: int, verify_rows: int):
         self.batch, self.verify_rows = batch, verify_rows
         B, R = batch, max(verify_rows, 1)
-        payload = max(2 * B + B * len(_SAMPLING_DTYPES), B * (R + 3), R + 3 + len(_SAMPLING_DTYPES))
+        payload = max(2 * B + B * len(_SAMPLING_DTYPES), B * (R + 3), R + 4 + len(_SAMPLING_DTYPES))
         self.size = self.HEADER + self.FIELDS + payload
 
     def encode(self, launch: Launch) -> np.ndarray:
@@ -141,7 +143,8 @@ class Device:
 
     def run(self, launch: Launch) -> Any:
         """Run one launch: DECODE gives a Sampled of B rows; PREFILL a Sampled of 1 row (or None
-        without `sample`); SPECULATE (Sampled of S * R rows, accepted counts [S]); the others
+        without `sample`), with the prompt's logprobs a pair of it and their Sampled of the
+        chunk's rows; SPECULATE (Sampled of S * R rows, accepted counts [S]); the others
         None. Host results only: every process reads them from its own replica."""
         if launch.kind == Kind.DECODE:
             logits, _, self.state = self._step(self.weights, self.state, launch.tokens, launch.positions)
@@ -185,17 +188,22 @@ class Device:
         one = self.gen.commit(one, verified, accept(logits))
         self.state = one if whole else _put_rows(self.state, one, rows, self._seq_axes)
 
-    def _prefill(self, launch: Launch) -> Sampled | None:
+    def _prefill(self, launch: Launch) -> Any:
         n = int(launch.counts[0])
-        last = []
+        rows = []
 
         def accept(logits: jax.Array) -> np.ndarray:
-            last.append(logits[:, n - 1])
+            rows.append(logits[0, :n])
             return np.array([n], np.int32)
         self._verify(launch.rows, launch.tokens, launch.positions, accept)
-        if not launch.sample:
-            return None
-        return jax.device_get(sample_rows(last[0], *launch.sampling, width=launch.width))
+        sampled = None
+        if launch.sample:
+            sampled = jax.device_get(sample_rows(rows[0][n - 1:], *launch.sampling, width=launch.width))
+        if launch.counts.size < 2:
+            return sampled
+        after = np.append(launch.tokens[0, 1:n], launch.counts[1])    # -1: no token after
+        scored = score_rows(rows[0], jnp.asarray(np.maximum(after, 0), jnp.int32), width=launch.width or 0)
+        return sampled, jax.device_get(scored)
 
     def _speculate(self, launch: Launch) -> tuple[Sampled, np.ndarray]:
         S, R = launch.tokens.shape

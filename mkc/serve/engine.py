@@ -338,16 +338,16 @@ class Engine:
                     mask = np.zeros(self.batch, np.int32)
                     mask[taken] = 1
                     self._launch(Launch(Kind.CLEAR, rows=mask))
-                # a request for its prompt's logprobs is prefilled by decode steps, whose
-                # logits at each prompt position give them
-                fresh = [r for r in map(self._rows.__getitem__, taken)
-                         if r is not None and not r.sampling.prompt_logprobs]
+                fresh = [r for r in map(self._rows.__getitem__, taken) if r is not None]
                 if self.prefill == "verify":
                     for req in fresh:
                         self._prefill_verify(req)
                 elif self.prefill == "reference":
+                    # a request for its prompt's logprobs is prefilled by decode steps, whose
+                    # logits at each prompt position give them (the reference's are not kept)
                     for req in fresh:
-                        self._prefill_reference(req)
+                        if not req.sampling.prompt_logprobs:
+                            self._prefill_reference(req)
                 if any(r is not None for r in self._rows):
                     drafts = self._drafts()
                     if drafts is not None:
@@ -434,32 +434,49 @@ class Engine:
 
     # ---- verify launches: prefill and speculative decoding --------------------------------
     def _prefill_launch(self, row: int, chunk: list[int], start: int,
-                        sampling: SamplingParams | None = None) -> Launch:
+                        sampling: SamplingParams | None = None, sample: bool = True,
+                        after: int | None = None) -> Launch:
         """A verify launch of `chunk` (up to R prompt tokens at positions start...) on row
-        `row` alone, all committed; with `sampling`, the first token sampled from the last
-        chunk token's logits."""
+        `row` alone, all committed; with `sampling` and `sample`, the first token sampled from
+        the last chunk token's logits; with `after` (the prompt token after the chunk, or -1),
+        each chunk token's logits score the token after it (the prompt's logprobs)."""
         R = self.verify_rows
         tokens = np.array([chunk + [chunk[-1]] * (R - len(chunk))], np.int32)
+        counts = [len(chunk)] if after is None else [len(chunk), after]
         return Launch(Kind.PREFILL, tokens, np.array([start], np.int32), np.array([row], np.int32),
-                      np.array([len(chunk)], np.int32),
-                      sampling=row_arrays([sampling], [0]) if sampling is not None else (),
+                      np.array(counts, np.int32),
+                      sampling=row_arrays([sampling], [0]) if sampling is not None and sample else (),
                       width=logprob_width([sampling]) if sampling is not None else None,
-                      sample=sampling is not None)
+                      sample=sampling is not None and sample)
 
     def _prefill_verify(self, req: Request) -> None:
         """A newly admitted request's prompt through the verify step, R tokens a launch (the
         tail that would pass the context, if any, is left to decode steps); its first token
         sampled from the last prompt token's logits."""
         t0 = time.perf_counter()
-        while len(req.prompt) - req.fed > 0 and req.fed + self.verify_rows <= self.context:
-            chunk = req.prompt[req.fed:req.fed + self.verify_rows]
-            last = req.fed + len(chunk) == len(req.prompt)
-            sampled = self._launch(self._prefill_launch(req.row, chunk, req.fed,
-                                                        req.sampling if last else None))
-            req.fed += len(chunk)
+        scored = req.sampling.prompt_logprobs
+        while (len(req.prompt) - req.fed > 0 and req.fed + self.verify_rows <= self.context
+               and not req.finished):
+            start = req.fed
+            chunk = req.prompt[start:start + self.verify_rows]
+            end = start + len(chunk)
+            last = end == len(req.prompt)
+            after = (req.prompt[end] if not last else -1) if scored else None
+            result = self._launch(self._prefill_launch(
+                req.row, chunk, start, req.sampling if last or scored else None,
+                sample=last and req.sampling.max_tokens > 0, after=after))
+            sampled, prompt = result if scored else (result, None)
+            req.fed = end
             self.stats.prefill_launches += 1
-            if sampled is not None:
-                with self._wake:
+            with self._wake:
+                for j in range(len(chunk) if prompt is not None else 0):
+                    if start + j + 1 < len(req.prompt):       # a prompt token's logprob
+                        logprob, top = row_logprobs(prompt, j, req.sampling)
+                        req.emit(Event(token=req.prompt[start + j + 1], logprob=logprob, top=top,
+                                       prompt=True))
+                if _scored(req) and not req.finished:
+                    self._finish(req, Event(finish_reason="length"))
+                if sampled is not None and not req.finished:
                     self._accept(req, sampled, 0)
         self.stats.prefill_seconds += time.perf_counter() - t0
 

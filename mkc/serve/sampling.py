@@ -107,6 +107,13 @@ def greedy_rows(logits: jax.Array, width: int | None = None) -> Sampled:
     return _with_logprobs(logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), width)
 
 
+@functools.partial(jax.jit, static_argnames=("width",))
+def score_rows(logits: jax.Array, tokens: jax.Array, width: int) -> Sampled:
+    """Given tokens int32[N]' logprobs under logits f32[N, V], with the `width` most likely: a
+    verify prefill's prompt tokens, each under the logits of the position before it."""
+    return _with_logprobs(logits.astype(jnp.float32), tokens, width)
+
+
 def row_arrays(params: list[SamplingParams | None], counters: list[int],
                forced: list[int] | None = None) -> tuple[np.ndarray, ...]:
     """`sample_rows`' per-row inputs for B rows (None: an idle row, sampled greedily);

@@ -244,9 +244,10 @@ def test_engine_events_carry_logprobs():
 
 @pytest.mark.parametrize("prefill", ["decode", "verify", "reference"])
 def test_prompt_logprobs_are_each_prompt_token_s_under_the_logits_before_it(prefill):
-    # echo with logprobs (lm-eval's loglikelihood requests): the prompt is fed by decode steps
-    # whatever the prefill, each step's logprobs those of the next prompt token; then the
-    # completion as without them; with max_tokens 0, the prompt's logprobs alone
+    # echo with logprobs (lm-eval's loglikelihood requests): each prompt token's logprob under
+    # the logits of the position before it (a verify launch's rows, or a decode step's output,
+    # also with reference prefill); then the completion as without them; with max_tokens 0,
+    # the prompt's logprobs alone
     engine = make_engine(batch=2, prefill=prefill)
     prompt = [3, *fake_greedy([3], 2), 9, 9]           # two tokens the model predicts, two it does not
     out = run(engine, generate(engine, prompt, 3, logprobs=2, prompt_logprobs=True),
@@ -263,6 +264,8 @@ def test_prompt_logprobs_are_each_prompt_token_s_under_the_logits_before_it(pref
     assert [e.token for e in req.seen if not e.prompt] == req.generated
     assert scored.generated == [] and scored_finish == "length"
     assert one.seen == [] and one_finish == "length"
+    if prefill == "verify":         # scored from the verify launches' logits: 2 chunks each
+        assert engine.stats.prefill_launches == 4
     assert bare.seen == [] and bare_finish == "length"
 
 
