@@ -67,6 +67,12 @@ def test_every_launch_survives_its_fixed_shape_descriptor():
     assert codec.decode(codec.encode(launches[0])).sampling[0][3] == np.float32(1e-7)
     with pytest.raises(ValueError, match="descriptor holds"):
         Codec(1, 2).encode(launches[2])
+    # the largest launch at batch 1: a prefill chunk scoring the prompt (the token after it in
+    # `counts`) that also samples the first token
+    scored = Launch(Kind.PREFILL, np.array([[4, 5]], np.int32), np.array([3], np.int32),
+                    np.array([0], np.int32), np.array([2, 9], np.int32),
+                    sampling=row_arrays(params[:1], [0]), width=5, sample=True)
+    assert _same(Codec(1, 2).decode(Codec(1, 2).encode(scored)), scored)
     with pytest.raises(ValueError, match="expected"):
         codec.decode(np.zeros(codec.size + 1, np.int32))
 
