@@ -1326,22 +1326,6 @@ STALL_SECONDS = 60.0
 STALL_CPU_SECONDS = 0.1
 
 
-def _process_cpu(pid: int) -> float:
-    """CPU seconds process `pid` has used, with its children: those waited for, and those
-    still running (Linux: /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        seconds = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    try:
-        running = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                   for c in (task / "children").read_text().split()}
-    except (OSError, ValueError):
-        running = set()
-    return seconds + sum(_process_cpu(c) for c in running)
-
-
 class _Worker:
     def __init__(self, args: list[str], work: Path, log: Path):
         self.work = work
@@ -1364,7 +1348,8 @@ class _Worker:
         """CPU seconds the worker and its children (an lsp case's server) have used: the
         machine may be shared, so a hang is measured in CPU time, and a case blocked without
         computing by a stretch of wall time without CPU progress."""
-        return _process_cpu(self.proc.pid)
+        (process_cpu,) = _external("fuzz_lsp", "process_cpu")
+        return process_cpu(self.proc.pid)
 
     def overdue(self, timeout: float) -> bool:
         now = time.monotonic()

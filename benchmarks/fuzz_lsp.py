@@ -127,6 +127,22 @@ def hostile_session(rng: random.Random, count: int = 16) -> list[bytes]:
     return frames
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds process `pid` has used, with its children: those waited for, and those
+    still running (Linux: /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        seconds = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    try:
+        running = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                   for c in (task / "children").read_text().split()}
+    except (OSError, ValueError):
+        running = set()
+    return seconds + sum(process_cpu(c) for c in running)
+
+
 class LspProcess:
     """`python -m mkc lsp` on pipes; threads collect what it writes (stdout as messages)."""
 
@@ -154,9 +170,8 @@ class LspProcess:
             self.messages.put(json.loads(out.read(length)))
 
     def cpu_seconds(self) -> float:
-        """The CPU time the server has used so far (Linux: its /proc stat)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The CPU time the server has used so far, with its children's."""
+        return process_cpu(self.proc.pid)
 
     def send(self, data: bytes) -> bool:
         """Write raw bytes; False once the server no longer reads."""
