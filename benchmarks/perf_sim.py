@@ -11,11 +11,11 @@ step times are modelled, not measured.
 
 --tuned compares each tuned candidate in benchmarks/data/tuned/ (written by `mkc tune`) with
 the spec it was tuned from (benchmarks/data/untuned/: the shipped specs have since taken some
-of the changes), at the spec's smallest and largest batch, under every DMA queue count of the
-calibration's sweep, each with latency_scale fitted for that count
-(`calibration.dma_queues_sweep` in mkc/perf/data/tpu7x.json): a gain that holds for one queue
-only is the single in-order queue's, not the schedule's. Both are priced by the shipped spec's
-compiled measure (per weight value read, as `mkc tune` prices candidates).
+of the changes), at the spec's smallest and largest batch, with the DMA engine round-robining
+among the copies in flight (measured on TPU7x, `dma_queues` 0) and with 1, 2 and 4 in-order
+queues instead: a gain that holds for one discipline only is the engine model's, not the
+schedule's. Both are priced by the shipped spec's compiled measure (per weight value read, as
+`mkc tune` prices candidates).
 """
 from __future__ import annotations
 
@@ -103,8 +103,11 @@ def main() -> int:
     print(f"step-time model: time to simulate one full decode step as `mkc perf` does (median "
           f"of {args.repeats}{', timeline recorded' if args.timeline else ''}; the machine is "
           "shared, so expect noise)")
-    print(f"  ({rows[0]['dma_queues'] if rows else 1} DMA queue(s) per core; a MoE step weighs "
-          "the steps at two whole expert counts, both traced and replayed)")
+    queues = rows[0]["dma_queues"] if rows else 0
+    engine = (f"{queues} DMA queue(s) per core" if queues
+              else "the DMA engine round-robins among the copies in flight")
+    print(f"  ({engine}; a MoE step weighs the steps at two whole expert counts, both traced "
+          "and replayed)")
     print(f"  {'model':<18}{'batch':>6}{'experts':>9}{'steps':>6}{'events':>9}{'trace':>10}"
           f"{'replay':>10}{'total':>10}{'modelled step':>16}")
     for r in rows:
@@ -166,7 +169,7 @@ def tuned(as_json: bool) -> int:
     from mkc.perf.run import kernel_measure, step_model
     from mkc.perf.work import kernel_work
 
-    sweep = constants.calibration("tpu7x")["dma_queues_sweep"]
+    sweep = (0, 1, 2, 4)          # DMA queues: 0 round-robins among every copy in flight
     rows = []
     for name, spec in SPECS.items():
         cand = ROOT / "benchmarks" / "data" / "tuned" / Path(spec).name
@@ -176,10 +179,8 @@ def tuned(as_json: bool) -> int:
         base, tuned_ = check_spec(origin).ir, check_spec(cand).ir
         shipped = check_spec(ROOT / spec).ir
         traces: dict = {id(base): {}, id(tuned_): {}}
-        for fit in sweep:
-            q = fit["dma_queues"]
-            rates = constants.rates(base.chip, {"dma_queues": q,
-                                                "latency_scale": fit["latency_scale"]})
+        for q in sweep:
+            rates = constants.rates(base.chip, {"dma_queues": q})
             for batch in sorted({base.batch_min, base.batch_max}):
                 # both priced by the shipped spec's compiled kernel (cached), per weight value
                 measure, _ = kernel_measure(shipped, batch)
@@ -189,7 +190,7 @@ def tuned(as_json: bool) -> int:
                                      compiled_work=work).step_s for s in (base, tuned_))
                 rows.append({"model": name, "tuned_from": str(origin.relative_to(ROOT)),
                              "tuned": str(cand.relative_to(ROOT)), "dma_queues": q,
-                             "latency_scale": fit["latency_scale"], "batch": batch,
+                             "batch": batch,
                              "priced_by": "compiled (the shipped spec's measure)" if measure
                              else "counted", "from_step_s": t0,
                              "tuned_step_s": t1, "gain_percent": 100 * (t0 / t1 - 1)})
@@ -197,7 +198,7 @@ def tuned(as_json: bool) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print("tuned spec against the spec it was tuned from, modelled step per DMA queue count "
-          "(latency_scale refitted for each count; modelled, not measured)")
+          "(0: round-robin among the copies in flight, as measured; modelled, not measured)")
     print(f"  {'model':<18}{'queues':>7}{'batch':>6}{'from':>11}{'tuned':>11}{'gain':>8}")
     for r in rows:
         print(f"  {r['model']:<18}{r['dma_queues']:>7}{r['batch']:>6}"

@@ -1,5 +1,5 @@
-"""Time the kernel mkc emits for a spec, on a TPU, and write the measured points in the format of
-`mkc/perf/data/calibration_points.json` (with chip, topology, libtpu and JAX versions).
+"""Time the kernel mkc emits for a spec, on a TPU, and write the measured points (with chip,
+topology, libtpu and JAX versions) for the `steps` of `mkc/perf/data/published_points.json`.
 
     .venv/bin/python benchmarks/tpu_bench.py SPEC [--model NAME] [--batch 1 8] [--verify]
         [--steps 20] [--warmup 3] [--profile DIR] [--out points.json]

@@ -2,6 +2,7 @@
 README's length and tone, the language reference against the grammar's statement registry, and
 every relative link of the README and docs/ against the files in the repository."""
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,34 +115,15 @@ def test_every_relative_link_anchor_names_a_heading():
     assert not broken, "links to missing headings:\n" + "\n".join(broken)
 
 
-def test_the_readme_s_performance_figures_are_what_calibrate_perf_recorded():
+def test_the_readme_s_performance_figures_are_what_validate_perf_recorded():
     from mkc.perf import constants
-    cal = constants.calibration("tpu7x")
+    val = constants.validation("tpu7x")
     text = README.read_text()
     section = " ".join(text[text.index("## Performance: modelled, not measured"):].split("\n## ")[0].split())
-    pts = {p["batch"]: p for p in cal["points"]}
-    held = {p["batch"]: p for p in cal["leave_one_out"]}
-    for figure in (f"`latency_scale` {cal['values']['latency_scale']:.3f}",
-                   f"bounds {cal['bounds'][0]:g}-{cal['bounds'][1]:g}x",
-                   f"residuals B1 {pts[1]['error_percent']:+.1f} %, B8 {pts[8]['error_percent']:+.1f} %",
-                   f"B1 from B8 alone {held[1]['error_percent']:+.1f} %",
-                   f"B8 from B1 {held[8]['error_percent']:+.1f} %",
-                   f"(never fitted) {cal['speculative_holdout']['error_percent']:+.1f} %"):
+    worst = max(abs(m["error_percent"]) for m in val["micro"])
+    errors = ", ".join(f"{p['step']} {p['error_percent']:+.1f} %" for p in val["points"])
+    for figure in (errors, f"within {worst:.1f} %", "nothing fitted"):
         assert figure in section, figure
-
-
-def test_the_calibration_table_is_what_calibrate_perf_recorded():
-    """docs/perf.md's DMA-queue table against `calibration.dma_queues_sweep` in tpu7x.json."""
-    from mkc.perf import constants
-    sweep = constants.calibration("tpu7x")["dma_queues_sweep"]
-    text = (ROOT / "docs" / "perf.md").read_text()
-    table = text[text.index("| DMA queues |"):]
-    rows = re.findall(r"^\| (\d) \|(.*)\|$", table[:table.index("\n\n")], re.M)
-    assert [int(q) for q, _ in rows] == [s["dma_queues"] for s in sweep]
-    for (_, cells), record in zip(rows, sweep):
-        latency, errors = [c.strip() for c in cells.split("|")]
-        assert latency == f"{record['latency_scale']:.3f}"
-        assert errors == " / ".join(f"{e:+.1f} %" for e in record["error_percent"])
 
 
 def walkthrough() -> str:
@@ -246,31 +228,17 @@ def test_the_shipped_specs_table_is_what_mkc_check_reports():
         assert hbm_headroom == hbm_headroom_cell, (spec, hbm_headroom)
 
 
-def test_the_compiled_price_figures_are_what_calibrate_perf_recorded():
-    """docs/perf.md's compiled-price table, clock, fitted value and bounds against
-    `calibration` in tpu7x.json (`benchmarks/calibrate_perf.py`) and JAX's chip table."""
+def test_the_validation_tables_are_what_validate_perf_recorded():
+    """docs/perf.md's tables of the model's error at every published figure and of the assumed
+    constants' sensitivities, against `validation` in tpu7x.json (`benchmarks/validate_perf.py
+    --markdown` prints them), and the clock JAX's chip table implies."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import validate_perf
+
     from mkc.perf import constants
-    cal = constants.calibration("tpu7x")
     text = (ROOT / "docs" / "perf.md").read_text()
     assert f"which is {constants.rates('tpu7x').clock_hz / 1e9:.3f} GHz on tpu7x" in text
-    (name, value), = cal["values"].items()
-    assert f"The fitted value is {value:.3f}." in text and f"(`{name}`, bounded" in text
-    lo, hi = cal["bounds"]
-    assert f"to {lo:g}-{hi:g}x)" in text
-    table = text[text.index("| | published | modelled | error |"):]
-    rows = re.findall(r"^\| (.+?) \| ~?([\d.]+) ms \| ([\d.]+) ms \| ([+-][\d.]+) % \|$",
-                      table[:table.index("\n\n")], re.M)
-    held = {p["batch"]: p for p in cal["leave_one_out"]}
-    h = cal["speculative_holdout"]
-    expected = [(f"B{p['batch']} (fitted)", p) for p in cal["points"]] + [
-        (f"B{b} predicted from B{held[b]['fitted_on'][0]} alone", held[b]) for b in sorted(held)
-    ] + [(f"speculative step of {h['rows']} rows, never fitted", h)]
-    assert [r[0] for r in rows] == [label for label, _ in expected]
-    for (_, published, modelled, error), (label, p) in zip(rows, expected):
-        digits = 1 if label.startswith("speculative") else 2
-        assert published == f"{p['published_step_s'] * 1e3:.{digits}f}", label
-        assert modelled == f"{p['modelled_step_s'] * 1e3:.2f}", label
-        assert error == f"{p['error_percent']:+.1f}", label
+    assert "\n".join(validate_perf.markdown()) in text
 
 
 def test_measured_figures_in_docs_are_the_recorded_measures():
@@ -281,8 +249,10 @@ def test_measured_figures_in_docs_are_the_recorded_measures():
 
     from mkc.checks.capacity import UNMEASURED_SCRATCH_FACTOR
     perf = (ROOT / "docs" / "perf.md").read_text()
-    k3 = json.loads((ROOT / "mkc" / "perf" / "data" / "bundles" / "kimi_k3.json").read_text())
-    b1 = next(m for m in k3["measures"] if m["kernel"] == "decode" and m["batch"] == 1)
+    from mkc.compiler import check_spec
+    from mkc.perf import bundles
+    b1 = bundles.cached(check_spec(ROOT / "schedules" / "kimi_k3.sched").ir, "decode", 1,
+                        places=(bundles.DATA,))
     assert f"batch 1 took {b1['compile_seconds']:.0f} s to compile" in perf
     extending = (ROOT / "docs" / "extending.md").read_text()
     scratch = json.loads((ROOT / "mkc" / "families" / "gpt_oss" / "compiler_scratch.json")

@@ -1,6 +1,8 @@
 """Chip rates for the step-time model: facts from JAX's chip table, plus the few constants JAX
 does not know, kept as data per chip generation (`mkc/perf/data/<chip>.json`), each with the
-source of its value ("jax", "published", "assumed" or "fitted")."""
+source of its value: "jax", "measured" (a TPU measurement, with its derivation) or "assumed" (with
+how much the modelled steps move across a plausible range, `sensitivity`). Nothing is fitted to
+the step times the model is judged on."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,15 +37,14 @@ class Rates:
     vpu_ops_per_s: float         # VPU element operations per second (32-bit, whole registers)
     eup_ops_per_s: float         # transcendental element operations per second
     f32_matmul_passes: float     # bf16 MXU passes a matmul with an f32 operand takes
-    ici_link_bytes_per_s: float  # one remote DMA stream to another chip, one direction
-    ici_core_bytes_per_s: float  # all of a core's outgoing cross-chip streams together
-    sibling_bytes_per_s: float   # a remote DMA to the other core of the same chip
-    ici_hop_s: float             # latency per chip-to-chip hop
-    collective_round_s: float    # per collective round: semaphore signal, barrier, wait
-    step_fixed_s: float          # per step: launch, embedding gather, sampling on the host
-    latency_scale: float         # multiplies every fixed latency above (dma_issue_s, op_overhead_s,
-                                 # ici_hop_s, collective_round_s): their ratios are assumed,
-                                 # their level is the model's one fitted constant
+    ici_link_bytes_per_s: float  # a chip-to-chip link, one direction, shared by the copies on it
+    ici_chip_bytes_per_s: float  # all of a chip's outgoing cross-chip streams together
+    ici_copy_s: float            # a remote copy to another chip: fixed cost (start to both waits)
+    sibling_bytes_per_s: float   # a remote copy to the other core of the same chip
+    sibling_copy_s: float        # its fixed cost
+    remote_issue_s: float        # issuing one remote copy: the next starts this much later
+    ici_hop_s: float             # each chip-to-chip hop past the first
+    step_fixed_s: float          # per step outside the kernel: dispatch, XLA glue, barrier
     provenance: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -92,11 +93,6 @@ class Rates:
                 "fp8" if "fp8" in self.mxu_ops_per_s else "bf16")
         return self.mxu_rate(dtype) / (2 * self.mxu_column)
 
-    def latency(self, name: str) -> float:
-        """A fixed latency (`dma_issue_s`, `op_overhead_s`, `ici_hop_s`, `collective_round_s`)
-        at the fitted level."""
-        return getattr(self, name) * self.latency_scale
-
     def replace(self, **kw) -> "Rates":
         return dataclasses.replace(self, **kw)
 
@@ -108,7 +104,7 @@ def data_path(chip: str) -> Path:
 @lru_cache(maxsize=None)
 def load_data(chip: str) -> dict:
     """A generation's data file. A file that names `carried_from` gives only what is known of
-    its own generation (ICI and the like); every other constant, fitted ones included, is the
+    its own generation (ICI and the like); every other constant is the
     named generation's, and its source says it was carried over, not measured here."""
     p = data_path(chip)
     if not p.is_file():
@@ -152,13 +148,13 @@ def rates(chip: str, overrides: dict | None = None) -> Rates:
                     if f.name in consts})
 
 
-def calibration(chip: str) -> dict:
-    """The recorded fit of `latency_scale` under the compiled price: method, points, value,
-    bounds, residuals and hold-outs (benchmarks/calibrate_perf.py); empty for a generation
-    without a fit of its own."""
-    return load_data(chip).get("calibration", {})
+def validation(chip: str) -> dict:
+    """The model against the published figures of `chip` (benchmarks/validate_perf.py): each
+    step's and micro-case's error and how far the steps move across each assumed constant's
+    range; empty for a generation without published figures of its own."""
+    return load_data(chip).get("validation", {})
 
 
 def carried_from(chip: str) -> str | None:
-    """The generation whose constants (and fit) `chip` borrows, if any."""
+    """The generation whose constants `chip` borrows, if any."""
     return load_data(chip).get("carried_from")

@@ -8,8 +8,8 @@ Counters carry the VMEM bytes live by buffer class (the resident buffers, scoped
 the trace allocates and frees them, each pool split into its open view and the rest) and
 their total, whose maximum is the checker's VMEM peak at that batch.
 
-Times are modelled; the process name says how far the chip's constants are calibrated, and
-otherData gives the whole calibration note. Output is deterministic: same spec, batch and context, same bytes.
+Times are modelled; the process name says how far the chip's constants are validated, and
+otherData gives the whole validation note. Output is deterministic: same spec, batch and context, same bytes.
 """
 from __future__ import annotations
 
@@ -166,11 +166,11 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
         ev.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index",
                    "args": {"sort_index": sort}})
 
-    from mkc.perf.run import calibration_caveat, calibration_note, stall_seconds
+    from mkc.perf.run import validation_caveat, validation_note, stall_seconds
     # the process is the trace's first and outermost track: its name carries the caveat
     ev.append({"ph": "M", "pid": PID, "tid": 0, "name": "process_name",
                "args": {"name": f"{s.name} rank 0, batch {batch}, {tokens} cached tokens "
-                                f"(modelled, not measured; {calibration_caveat(s.chip)})"}})
+                                f"(modelled, not measured; {validation_caveat(s.chip)})"}})
     meta(T_LAYERS, "layers", 0)
     meta(T_COMPUTE, "compute (ops)", 1)
     meta(T_STALL, "stalls (waits that blocked compute)", 2)
@@ -220,7 +220,7 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
         "traceEvents": ev,
         "displayTimeUnit": "ns",
         "otherData": {"modelled": "times are modelled by mkc perf, not measured",
-                      "calibration": calibration_note(s.chip),
+                      "validation": validation_note(s.chip),
                       "schedule": s.name, "spec": spec, "model": s.model,
                       "topology": s.topology, "batch": batch, "tokens_in_cache": tokens,
                       "step_us": _us(res.step_s), "vmem_budget_bytes": vs.budget,

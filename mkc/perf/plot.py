@@ -11,7 +11,7 @@ Three panels over the step, sharing the time axis (ms):
 A colour means one thing in a picture (`palette`), the same in every panel; labels sit in the
 legends right of the panels, never over a line or a bar. It reads only the simulator's result
 (timeline and VMEM marks), the schedule IR and the chip's HBM peak. Times are modelled; the
-title says so and how far the constants are calibrated on the chip.
+title says so and how far the constants are validated on the chip.
 """
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ def draw(path: str | Path, s: ir.ScheduleIR, res: Result, batch: int, tokens: in
 
 def caveat(s: ir.ScheduleIR) -> str:
     """The picture's and the trace's line on what its times are."""
-    from mkc.perf.run import calibration_caveat
-    return f"modelled, not measured; {calibration_caveat(s.chip)}"
+    from mkc.perf.run import validation_caveat
+    return f"modelled, not measured; {validation_caveat(s.chip)}"
 
 
 def figure(s: ir.ScheduleIR, res: Result, batch: int, tokens: int, peak_bytes_per_s: float,
@@ -292,7 +292,7 @@ def _draw_gantt(axes, s: ir.ScheduleIR, res: Result, colours: dict[str, str]) ->
     axes[0].set_title("Gantt: layers, compute stalls, collectives; one row per DMA "
                       "destination, coloured by its buffer class (bar: bytes flowing; "
                       + ("the queue drains in issue order)" if queues == 1 else
-                         f"{queues} queues, each in issue order, share the bandwidth)"),
+                         f"up to {queues} copies in flight share the bandwidth)"),
                       fontsize=10, loc="left")
     kinds = dict.fromkeys(m for m in rows[0][2])
     axes[1].legend(handles=[Patch(color=colours[m], label=m) for m in sorted(kinds)],

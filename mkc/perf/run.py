@@ -103,52 +103,41 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
     return blend(parts, expected_experts(s, batch))
 
 
-def calibration_note(chip: str) -> str:
-    """How the chip's constants were calibrated: the one fitted constant, its bounds, the
-    residuals at the published points and the hold-outs (or where they were carried from)."""
-    cal = constants.calibration(chip)
+def validation_note(chip: str) -> str:
+    """Where the chip's constants come from and the model's error at every published step
+    (or where they were carried from)."""
+    val = constants.validation(chip)
     data = f"mkc/perf/data/{chip}.json"
     clock = constants.rates(chip).clock_hz
-    if not cal:
+    if not val:
         base = constants.carried_from(chip)
         own = ", ".join(constants.load_data(chip)["own"])
-        return (f"uncalibrated on {chip}: compute at the {clock / 1e9:.3f} GHz clock JAX's table "
+        return (f"unvalidated on {chip}: compute at the {clock / 1e9:.3f} GHz clock JAX's table "
                 f"implies; {own} from {chip}'s published figures; every other constant"
-                + (f" (latency_scale, fitted on {base}, too) carried from {base}"
-                   if base else " a prior") + f" ({data})")
-    (name, value), = cal["values"].items()
-    pts = "; ".join(f"B{p['batch']} {p['published_step_s'] * 1e3:.2f} ms published, "
+                + (f" carried from {base}" if base else " a prior") + f" ({data})")
+    consts = constants.load_data(chip)["constants"]
+    assumed = sorted(k for k, c in consts.items() if c["source"].startswith("assumed"))
+    pts = "; ".join(f"{p['step']} {p['published_step_s'] * 1e3:.2f} ms published, "
                     f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
-                    for p in cal["points"])
-    held = "; ".join(f"B{p['batch']} predicted from B{', B'.join(map(str, p['fitted_on']))} "
-                     f"{p['error_percent']:+.1f}%" for p in cal.get("leave_one_out", []))
-    if h := cal.get("speculative_holdout"):
-        held += (f"; never fitted: the speculative step of {h['rows']} rows "
-                 f"{h['modelled_step_s'] * 1e3:.2f} ms, ~{h['published_step_s'] * 1e3:.1f} "
-                 f"published ({h['error_percent']:+.1f}%)")
-    return (f"calibrated: compute at the {clock / 1e9:.3f} GHz clock JAX's table implies; one "
-            f"fitted constant, {name} {value:.3g} (bounds {cal['bounds'][0]:g}-"
-            f"{cal['bounds'][1]:g}{', at its bound' if cal.get('at_bound') else ''}), fitted to "
-            f"{cal['reference']} under the compiled price ({pts}); hold-outs: {held}; {data}")
+                    for p in val["points"])
+    worst_micro = _worst_percent(m["error_percent"] for m in val["micro"])
+    return (f"validated, nothing fitted: compute at the {clock / 1e9:.3f} GHz clock JAX's table "
+            f"implies; {len(consts) - len(assumed)} constants measured on {chip}, "
+            f"{len(assumed)} assumed ({', '.join(assumed)}); against {val['reference']} "
+            f"({pts}); {len(val['micro'])} published micro-cases within {worst_micro}%; {data}")
 
 
-def calibration_caveat(chip: str) -> str:
+def validation_caveat(chip: str) -> str:
     """One line on how far to trust the constants, for every picture and trace of a step
-    (`calibration_note` is the whole story)."""
+    (`validation_note` is the whole story)."""
     data = f"mkc/perf/data/{chip}.json"
-    cal = constants.calibration(chip)
-    if not cal:
+    val = constants.validation(chip)
+    if not val:
         base = constants.carried_from(chip)
-        return (f"uncalibrated on {chip}: constants not fitted to a {chip} measurement ("
-                + (f"carried from {base}, fitted there; " if base else "priors; ") + f"{data})")
-    fitted = _worst_percent(p["error_percent"] for p in cal["points"])
-    held = [p["error_percent"] for p in cal.get("leave_one_out", [])]
-    if h := cal.get("speculative_holdout"):
-        held.append(h["error_percent"])
-    # the worst figure leads: a step the fit never saw is what a user's step is
-    worst = (f"off by up to {_worst_percent(held)}% at a point held out of the fit ({fitted}% "
-             f"at those fitted; " if held else f"off by up to {fitted}% (")
-    return f"calibrated on {chip}: one constant fitted to published step times, {worst}{data})"
+        return (f"unvalidated on {chip}: no {chip} step measured ("
+                + (f"constants carried from {base}; " if base else "priors; ") + f"{data})")
+    worst = _worst_percent(p["error_percent"] for p in val["points"])
+    return (f"nothing fitted; off by up to {worst}% at the published {chip} steps ({data})")
 
 
 def _worst_percent(errors: Iterable[float]) -> str:
@@ -316,7 +305,7 @@ def report(m: Modelled) -> dict[str, Any]:
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
                       "counted: the traced kernel's work at the chip's rates (mkc.perf.work; "
                       f"the MXUs loading weights at peak / (2 x column)), {m.counted_because}"),
-        "calibration": calibration_note(s.chip),
+        "validation": validation_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
         "verify": ({"rows": verify_rows, "sequences": sequences,
@@ -413,7 +402,7 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
         f"verdict: {rep['verdict']['text']}",
         f"  {HBM_PERCENTAGES}",
         f"  priced by {rep['priced_by']}",
-        f"  {rep['calibration']}",
+        f"  {rep['validation']}",
         "modelled time by layer kind and cause (ms):",
         f"  {'kind':<10}" + "".join(f"{c:>19}" for c in CAUSES) + f"{'total':>10}",
     ]

@@ -1,8 +1,9 @@
 """The step-time simulator: one TensorCore's decode step, replayed over the event trace.
 
 Compute runs in program order on one timeline. Copies HBM<->VMEM go to the least-loaded of
-the core's DMA queues (`dma_queues`, a chip constant); each queue drains its copies in order,
-and the queues with a copy flowing share the core's HBM bandwidth equally. Each copy first
+the core's DMA queues (`dma_queues`, a chip constant; 0: the engine round-robins among every
+copy in flight); each queue drains its copies in order, and the queues with a copy flowing
+share the core's HBM bandwidth equally. Each copy first
 waits its issue cost (overlapping the copies ahead of it), then moves its bytes plus a fixed
 per-copy overhead (so small copies are less efficient). A wait stalls compute until its copy
 lands.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from mkc import ir, target
@@ -179,7 +180,9 @@ class DmaEngine:
     the full bandwidth whenever any copy flows. With one queue this is a single in-order queue:
     many copies in flight take their total bytes / bandwidth, and a deeper prefetch never
     delays the copy needed next. With several, a small copy issued behind a large one on
-    another queue no longer waits for it: the two share the bandwidth.
+    another queue no longer waits for it: the two share the bandwidth. With `queues` 0 the
+    engine round-robins among every copy in flight (each its own queue): the more copies
+    outstanding, the later each lands.
 
     The fluid state is advanced lazily, only as far as the simulator asks (a copy's landing,
     HBM busy time up to now): the simulator issues copies in time order, and nothing is issued
@@ -187,9 +190,12 @@ class DmaEngine:
 
     def __init__(self, bandwidth: float, issue_s: float, overhead_bytes: float,
                  queues: int = 1) -> None:
-        if queues < 1:
-            raise ValueError(f"a core needs at least one DMA queue, not {queues}")
+        if queues < 0:
+            raise ValueError(f"a core needs at least one DMA queue (0: one per copy in flight), "
+                             f"not {queues}")
         self.bw, self.issue_s, self.overhead = bandwidth, issue_s, overhead_bytes
+        self.round_robin = queues == 0
+        queues = max(queues, 1)
         self.queues: list[deque] = [deque() for _ in range(queues)]
         self.queue_of: list[int] = []        # the queue each copy went to
         self.begins: list[float] = []        # when each copy's bytes start to flow
@@ -209,7 +215,7 @@ class DmaEngine:
             raise ValueError(f"a copy issued at {t} s, before the engine's {self.now} s")
         cid = len(self.ends)
         size = nbytes + self.overhead
-        if len(self.queues) == 1:
+        if len(self.queues) == 1 and not self.round_robin:
             # One queue: the fluid has a closed form (a copy flows alone, at the bandwidth,
             # from its issue cost or the previous landing), so no state is kept pending.
             begin = max(t + self.issue_s, self.ends[-1] if self.ends else 0.0)
@@ -221,7 +227,14 @@ class DmaEngine:
             self.now = t
             return cid
         self._advance(t)
-        q = min(range(len(self.queues)), key=lambda i: (self._load[i], i))
+        if self.round_robin:
+            q = next((i for i, waiting in enumerate(self.queues) if not waiting), None)
+            if q is None:
+                q = len(self.queues)
+                self.queues.append(deque())
+                self._load.append(0.0)
+        else:
+            q = min(range(len(self.queues)), key=lambda i: (self._load[i], i))
         self.queue_of.append(q)
         self.begins.append(math.inf)
         self.ends.append(math.inf)
@@ -381,7 +394,7 @@ class Model:
                 self.counted_ops.add((kind, op))
             ow: OpWork = self.work.op(kind, op)
             per_value = ow.per_weight_value()
-            got = (self.rates.latency("op_overhead_s") + self.seconds(ow.at_op), per_value,
+            got = (self.rates.op_overhead_s + self.seconds(ow.at_op), per_value,
                    self.seconds(per_value), ow.kv_tile, self.seconds(ow.kv_tile))
             self._prices[kind, op] = got
         return got
@@ -409,24 +422,33 @@ class Model:
 
     # ---- collectives ---------------------------------------------------------------------
     def stage_seconds(self, size: int, stride: int, nbytes: float) -> float:
-        """One round over the group of `size` ranks `stride` apart that holds this rank: send
-        `nbytes` to every peer (siblings over the on-chip link, the others over ICI, in
-        parallel), then one round's latency."""
+        """One round over the group of `size` ranks `stride` apart that holds this rank: a
+        remote copy of `nbytes` to every peer, issued one after another (the other chips' first,
+        the sibling last, as the hand kernels do), each landing after its fixed cost and its
+        bytes; the round ends when the last has landed. This core's copies to one chip share its
+        link there (`ici_link_bytes_per_s`), and every rank runs the round at once (its own
+        group's), so every core of this chip sends as many bytes across chips as this one:
+        together at most `ici_chip_bytes_per_s`."""
         r = self.rates
+        cpc = self.s.cores_per_chip
         base = self.rank - (self.rank // stride % size) * stride
         peers = [base + i * stride for i in range(size) if base + i * stride != self.rank]
-        me = self.rank // self.s.cores_per_chip
-        sib = [p for p in peers if p // self.s.cores_per_chip == me]
-        far = [p for p in peers if p // self.s.cores_per_chip != me]
+        me = self.rank // cpc
+        sib = [p for p in peers if p // cpc == me]
+        far = [p for p in peers if p // cpc != me]
         t = 0.0
-        if sib:
-            t = len(sib) * nbytes / r.sibling_bytes_per_s
         if far:
             x0 = self.chip_coords[self.rank]
             hops = max(sum(abs(a - b) for a, b in zip(x0, self.chip_coords[p])) for p in far)
-            bw = min(len(far) * r.ici_link_bytes_per_s, r.ici_core_bytes_per_s)
-            t = max(t, hops * r.latency("ici_hop_s") + len(far) * nbytes / bw)
-        return r.latency("collective_round_s") + t
+            per_chip = max(Counter(p // cpc for p in far).values())
+            links = max(cpc * len(far) * nbytes / r.ici_chip_bytes_per_s,
+                        per_chip * nbytes / r.ici_link_bytes_per_s,
+                        (len(far) - 1) * r.remote_issue_s + nbytes / r.ici_link_bytes_per_s)
+            t = r.ici_copy_s + max(0, hops - 1) * r.ici_hop_s + links
+        if sib:
+            t = max(t, len(far) * r.remote_issue_s + r.sibling_copy_s
+                    + len(sib) * nbytes / r.sibling_bytes_per_s)
+        return t
 
     def round_seconds(self, rd: Round) -> float:
         """A round's sends and latency."""
@@ -474,7 +496,7 @@ class _Replay:
     def __init__(self, m: Model, keep_timeline: bool) -> None:
         r = m.rates
         self.m, self.keep_timeline = m, keep_timeline
-        self.eng = DmaEngine(r.hbm_stream_bytes_per_s, r.latency("dma_issue_s"),
+        self.eng = DmaEngine(r.hbm_stream_bytes_per_s, r.dma_issue_s,
                              r.dma_overhead_bytes, queues=int(r.dma_queues))
         self.sem_copies: dict[tuple, deque] = defaultdict(deque)
         self.copy_info: dict[int, tuple] = {}    # id -> (buffer, issued, where, line, bytes)

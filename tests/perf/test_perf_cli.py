@@ -14,7 +14,7 @@ def test_perf_text_is_labelled_modelled_with_breakdown_and_stalls(capsys):
     out = capsys.readouterr().out
     assert "modelled, not measured" in out and "modelled step:" in out
     assert "% of the HBM floor" in out and "tok/s (modelled)" in out
-    assert "calibrated:" in out
+    assert "validated, nothing fitted:" in out
     assert "costliest ops (modelled compute over the step, counted from the emitted kernel)" in out
     for cause in ("weight streaming", "exposed compute", "stalls", "collectives",
                   "prologue/epilogue"):
@@ -158,7 +158,7 @@ def test_compiled_price_names_each_op_s_source(tmp_path, monkeypatch, capsys):
     sources = {(e["layer_kind"], e["op"]): e["source"] for e in perf["op_costs"]}
     assert sources["gdn", "in_proj"].startswith("compiled: row gdn.in_proj of libtpu")
     assert sources["gqa", "attention"].startswith("counted: the compiled kernel has no row")
-    assert perf["constants"]["latency_scale"]["source"].startswith("fitted by benchmarks/")
+    assert perf["constants"]["ici_copy_s"]["source"].startswith("measured: ")
     # its verdict and its trace are of the step priced as compiled, not a counted one
     assert perf["verdict"]["hbm_efficiency"] == perf["constants"]["hbm_efficiency"]["value"]
     trace = tmp_path / "step.json"
@@ -219,16 +219,15 @@ def test_the_step_is_priced_as_compiled_where_a_measure_is_shipped_and_counted_e
 
 
 def test_perf_verdict_says_what_bounds_the_step_against_the_model_s_own_ceiling(capsys):
-    """Qwen 3.8 27B at batch 8 streams its weights at ~86 % of peak bandwidth: within a
-    percent of what the model lets any step reach (peak x hbm_efficiency), so the verdict says
-    only fewer bytes help and which bytes; the MINI model at batch 1 is far from its ceiling
-    and says what bounds it instead."""
-    assert main(["perf", str(SPEC), "--batch", "8", "--context", "1024", "--json"]) == 0
+    """Qwen 3.8 27B at batch 1 streams its weights within 10 % of what the model lets any step
+    reach (peak x hbm_efficiency), so the verdict says only fewer bytes help and which bytes;
+    the MINI model at batch 1 is far from its ceiling and says what bounds it instead."""
+    assert main(["perf", str(SPEC), "--batch", "1", "--context", "1024", "--json"]) == 0
     perf = json.loads(capsys.readouterr().out)["perf"]
     v = perf["verdict"]
     eff = perf["constants"]["hbm_efficiency"]["value"]
     assert v["bound_by"] == "HBM streaming" and "only fewer bytes help" in v["text"]
-    assert v["hbm_efficiency"] == eff and v["percent_of_hbm_ceiling"] > 95
+    assert v["hbm_efficiency"] == eff and v["percent_of_hbm_ceiling"] > 90
     assert v["percent_of_hbm_ceiling"] == pytest.approx(perf["percent_of_hbm_floor"] / eff,
                                                         rel=1e-6)
     assert v["hbm_ceiling_seconds"] == pytest.approx(perf["hbm_floor_seconds"] / eff, rel=1e-6)
@@ -237,10 +236,10 @@ def test_perf_verdict_says_what_bounds_the_step_against_the_model_s_own_ceiling(
     assert set(by_class) <= {"weights", "kv cache", "state (load + store)", "vectors"}
     peak = perf["constants"]["hbm_bytes_per_s"]["value"]
     assert sum(by_class.values()) / peak == pytest.approx(perf["hbm_floor_seconds"], rel=1e-9)
-    assert main(["perf", str(SPEC), "--batch", "8", "--context", "1024"]) == 0
+    assert main(["perf", str(SPEC), "--batch", "1", "--context", "1024"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[3] == f"verdict: {v['text']}"          # beside the step, before the tables
-    assert "at 99." in lines[3] or "at 98." in lines[3] or "at 97." in lines[3]
+    assert f"at {v['percent_of_hbm_ceiling']:.1f}% of the model's HBM ceiling" in lines[3]
     assert "bytes by class (this core, a step): weights " in lines[3]
 
     assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "1", "--json"]) == 0

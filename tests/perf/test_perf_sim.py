@@ -22,7 +22,7 @@ def qwen_ir():
 
 def _rates(**kw):
     base = constants.rates("tpu7x").replace(
-        hbm_efficiency=1.0, dma_overhead_bytes=0.0, latency_scale=1.0, dma_issue_s=ISSUE,
+        hbm_efficiency=1.0, dma_overhead_bytes=0.0, dma_issue_s=ISSUE,
         step_fixed_s=0.0, op_overhead_s=0.0, dma_queues=1)
     return base.replace(hbm_bytes_per_s=BW, **kw)
 
@@ -268,9 +268,8 @@ def test_sibling_exchange_is_cheaper_than_a_cross_chip_round(qwen_ir):
     sibling = m.stage_seconds(2, 1, nbytes)            # ranks 0, 1: one chip
     cross = m.stage_seconds(2, 2, nbytes)              # ranks 0, 2: next chip, one hop
     r = m.rates
-    assert sibling == pytest.approx(r.latency("collective_round_s") + nbytes / r.sibling_bytes_per_s)
-    assert cross == pytest.approx(r.latency("collective_round_s") + r.latency("ici_hop_s")
-                                  + nbytes / r.ici_link_bytes_per_s)
+    assert sibling == pytest.approx(r.sibling_copy_s + nbytes / r.sibling_bytes_per_s)
+    assert cross == pytest.approx(r.ici_copy_s + nbytes / r.ici_link_bytes_per_s)
     assert sibling < cross
 
 

@@ -10,13 +10,13 @@ from mkc import target
 from mkc.cli import main
 from mkc.compiler import check_spec
 from mkc.perf import plot
-from mkc.perf.run import calibration_caveat, calibration_note, step_model
+from mkc.perf.run import validation_caveat, validation_note, step_model
 from tests_support import K3_SPEC, ROOT
 
 V6E_SPEC = ROOT / "schedules" / "qwen3_8_27b_v6e.sched"
 TPU7X_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
-CAVEAT = {V6E_SPEC: "uncalibrated on v6e: constants not fitted to a v6e measurement",
-          TPU7X_SPEC: "calibrat"}            # calibrated on tpu7x, or its calibration blocked
+CAVEAT = {V6E_SPEC: "unvalidated on v6e: no v6e step measured",
+          TPU7X_SPEC: "nothing fitted; off by up to"}
 
 
 def _picture(spec, batch=8, tokens=512):
@@ -72,22 +72,19 @@ def test_no_label_collides_or_covers_a_panel(picture):
         assert not any(_overlap(a, b) for b in legends[i + 1:])
 
 
-def test_title_carries_the_calibration_caveat(picture):
+def test_title_carries_the_validation_caveat(picture):
     s, _, fig = picture
-    assert f"modelled, not measured; {calibration_caveat(s.chip)}" in fig._suptitle.get_text()
+    assert f"modelled, not measured; {validation_caveat(s.chip)}" in fig._suptitle.get_text()
 
 
 def test_the_caveat_states_the_model_s_worst_error():
-    """The picture's caveat leads with the worst error the calibration recorded, a hold-out the
-    fit never saw included, never rounded down: a user's step is one the fit never saw."""
+    """The picture's caveat states the worst error the validation recorded at a published step,
+    never rounded down."""
     import re
 
     from mkc.perf import constants
-    cal = constants.calibration("tpu7x")
-    errors = [abs(p["error_percent"]) for p in cal["points"] + cal.get("leave_one_out", [])]
-    if h := cal.get("speculative_holdout"):
-        errors.append(abs(h["error_percent"]))
-    stated = [float(x) for x in re.findall(r"([0-9.]+)%", calibration_caveat("tpu7x"))]
+    errors = [abs(p["error_percent"]) for p in constants.validation("tpu7x")["points"]]
+    stated = [float(x) for x in re.findall(r"([0-9.]+)%", validation_caveat("tpu7x"))]
     assert stated[0] == max(stated) and max(errors) <= stated[0] < max(errors) + 0.1
 
 
@@ -117,13 +114,13 @@ def test_palette_stays_injective_past_its_distinct_colours():
 
 
 @pytest.mark.parametrize("spec", [V6E_SPEC, TPU7X_SPEC], ids=["v6e", "tpu7x"])
-def test_picture_and_trace_carry_the_calibration_caveat(spec, tmp_path, capsys):
+def test_picture_and_trace_carry_the_validation_caveat(spec, tmp_path, capsys):
     png, trace = tmp_path / "step.png", tmp_path / "step.json"
     assert main(["perf", str(spec), "--batch", "1", "--context", "256", "--plot", str(png),
                  "--trace", str(trace), "--json"]) == 0
     capsys.readouterr()
     chip = check_spec(spec).ir.chip
-    caveat = calibration_caveat(chip)
+    caveat = validation_caveat(chip)
     assert caveat.startswith(CAVEAT[spec]) and chip in caveat
     from PIL import Image
     assert caveat in Image.open(png).text["Description"]
@@ -131,7 +128,7 @@ def test_picture_and_trace_carry_the_calibration_caveat(spec, tmp_path, capsys):
     process = next(e["args"]["name"] for e in doc["traceEvents"]
                    if e["ph"] == "M" and e["name"] == "process_name")
     assert caveat in process and "modelled, not measured" in process
-    assert doc["otherData"]["calibration"] == calibration_note(chip)
+    assert doc["otherData"]["validation"] == validation_note(chip)
 
 
 def test_table_labels_both_hbm_percentages(capsys):

@@ -1,0 +1,224 @@
+"""The step-time model against every published TPU7x figure, with nothing fitted to them.
+
+    .venv/bin/python benchmarks/validate_perf.py            # price, print, record in the data file
+    .venv/bin/python benchmarks/validate_perf.py --dry-run  # price and print only
+    .venv/bin/python benchmarks/validate_perf.py --markdown # docs/perf.md's tables, as recorded
+
+Every constant in `mkc/perf/data/tpu7x.json` is a measurement (with its derivation) or an
+assumption (with a range). This prices, through the functions `mkc perf` uses:
+
+- the published micro-cases (`micro` in `mkc/perf/data/published_points.json`: remote copies,
+  the reference kernel's all-gathers and all-reduces as it builds them, its dense ring, a small
+  matmul) on the 8 cores of one TPU7x host;
+- the published decode steps of the hand-written Kimi K3 kernel (`steps`), modelled on the
+  calibration spec that mirrors its layout (`spec`), under the compiled price;
+- how far the steps move across each assumed constant's range (`range` in the data file): the
+  calibration spec at batch 1 and 8 and the shipped Qwen3.8 spec at batch 1.
+
+Output: a `validation` record in `mkc/perf/data/<chip>.json` (each figure's error, the
+sensitivities, the libtpu version of the compiled measures). The calibration spec's kernels are
+compiled once (cached; the shipped measures in mkc/perf/data/bundles/ spare it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mkc import ir  # noqa: E402
+from mkc.compiler import check_spec  # noqa: E402
+from mkc.perf import constants  # noqa: E402
+from mkc.perf.run import compiled_measure, step_model  # noqa: E402
+from mkc.perf.sim import DmaEngine, Model  # noqa: E402
+from mkc.perf.work import Work  # noqa: E402
+from mkc.steps.collectives import Round  # noqa: E402
+
+POINTS = constants.DATA / "published_points.json"
+COMMAND = ".venv/bin/python benchmarks/validate_perf.py"
+HOST_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"      # tpu7x 2x2x1: the micro-cases' host
+SENSITIVITY_STEPS = (("kimi_k3 (calibration)", None, 1), ("kimi_k3 (calibration)", None, 8),
+                     ("qwen3_8_27b", HOST_SPEC, 1))
+
+
+def reference_rounds(case: dict, cores: int = 8) -> tuple[Round, ...]:
+    """The rounds of a published collective as the reference kernel builds it
+    (musespark/collectives.py): a direct all-gather sends the shard to the 7 others; a
+    hierarchical one gathers across the 4 chips, then the chip's 4 shards over the sibling; the
+    direct all-reduce is a reduce-scatter of W/8 column blocks and an all-gather of the reduced
+    blocks, both in the wire dtype; the hierarchical one halves over the sibling, quarters the
+    half across the chips, then gathers back the same way."""
+    rows, width = case["rows"], case["width"]
+    if "allgather" in case:
+        shard = rows * width * ir.DTYPE_BYTES["bf16"]
+        if case["allgather"] == "direct":
+            return (Round(cores, 1, shard),)
+        return Round(cores // 2, 2, shard), Round(2, 1, cores // 2 * shard)
+    wire = ir.DTYPE_BYTES[case["wire"]]
+    if case["allreduce"] == "direct":
+        block = rows * width // cores
+        return Round(cores, 1, block * wire, (cores - 1) * block), Round(cores, 1, block * wire)
+    half, quarter = rows * width // 2, rows * width // cores
+    return (Round(2, 1, half * wire, half), Round(cores // 2, 2, quarter * wire, 3 * quarter),
+            Round(cores // 2, 2, quarter * wire), Round(2, 1, half * wire))
+
+
+def micro_seconds(case: dict, m: Model) -> float:
+    """The model's price of one published micro-case on the host `m` models (rank 0)."""
+    r = m.rates
+    if "copy" in case:
+        return m.stage_seconds(2, 1 if case["copy"] == "sibling" else m.s.cores_per_chip,
+                               case["bytes"])
+    if "stream" in case:
+        eng = DmaEngine(r.hbm_stream_bytes_per_s, r.dma_issue_s, r.dma_overhead_bytes,
+                        int(r.dma_queues))
+        ids = [eng.issue(0.0, case["load"]) for _ in range(case["stream"] // case["load"])]
+        return max(eng.landing(i) for i in ids)
+    if "matmul" in case:
+        rows, k, n = case["matmul"]
+        return r.op_overhead_s + m.seconds(Work(matrix={("bf16", rows): float(k * n)}))
+    return m.collective_seconds(reference_rounds(case, len(m.chip_coords)))
+
+
+def host_model(rates: constants.Rates | None = None) -> Model:
+    s = check_spec(HOST_SPEC).ir
+    return Model(s, 1, 0, rates or constants.rates(s.chip))
+
+
+def error_percent(got: float, published: float) -> float:
+    return round(100.0 * (got / published - 1.0), 2)
+
+
+class Steps:
+    """Modelled steps at published points: traces and compiled measures built once (neither
+    depends on the constants)."""
+
+    def __init__(self, c_ir, tokens: int) -> None:
+        self.ir, self.tokens = c_ir, tokens
+        self.traces: dict = {}
+        self.measures: dict = {}
+
+    def step(self, batch: int, sequences: int | None, rates: constants.Rates) -> float:
+        key = (batch, sequences)
+        if key not in self.measures:
+            self.measures[key] = compiled_measure(self.ir, batch, sequences, compile_missing=True)
+        return step_model(self.ir, batch, self.tokens, rates, keep_timeline=False,
+                          traces=self.traces, sequences=sequences,
+                          compiled=self.measures[key]).step_s
+
+
+def _label(p: dict) -> str:
+    return f"verify {p['batch']}" if p.get("sequences") else f"B{p['batch']}"
+
+
+def validate(cfg: dict, dry_run: bool) -> int:
+    chip = cfg["chip"]
+    rates = constants.rates(chip)
+    host = host_model(rates)
+    micro = []
+    print(f"micro-cases ({cfg['micro_topology']}; measured: {cfg['micro_source']}):")
+    for case in cfg["micro"]:
+        got = micro_seconds(case, host)
+        micro.append({"case": case["case"], "measured_s": case["measured_s"],
+                      "modelled_s": float(f"{got:.6g}"),
+                      "error_percent": error_percent(got, case["measured_s"])})
+        print(f"  {case['case']:64s} {case['measured_s'] * 1e6:9.2f} us measured, "
+              f"{got * 1e6:9.2f} modelled ({micro[-1]['error_percent']:+.1f}%)")
+    c_ir = check_spec(ROOT / cfg["spec"], cfg.get("model")).ir
+    tokens = cfg.get("tokens_in_cache") or c_ir.context
+    steps = Steps(c_ir, tokens)
+    points = []
+    print(f"published steps ({cfg['reference']}; modelled on {cfg['spec']}):")
+    for p in cfg["steps"]:
+        got = steps.step(p["batch"], p.get("sequences"), rates)
+        points.append({"step": _label(p), "batch": p["batch"], "sequences": p.get("sequences"),
+                       "published_step_s": p["step_s"], "modelled_step_s": float(f"{got:.6g}"),
+                       "error_percent": error_percent(got, p["step_s"])})
+        print(f"  {_label(p):9s} published {p['step_s'] * 1e3:.3f} ms, modelled {got * 1e3:.3f} ms "
+              f"({points[-1]['error_percent']:+.1f}%)")
+    qwen = Steps(check_spec(HOST_SPEC).ir, tokens)
+    data_consts = constants.load_data(chip)["constants"]
+    sensitivity = {}
+    print("assumed constants across their ranges (modelled step, ms):")
+    for name, c in data_consts.items():
+        if "range" not in c:
+            continue
+        row = {}
+        for label, spec, batch in SENSITIVITY_STEPS:
+            at = (qwen if spec else steps)
+            ends = [at.step(batch, None, constants.rates(chip, {name: v})) for v in c["range"]]
+            row[f"{label} B{batch}"] = [float(f"{e * 1e3:.4g}") for e in ends]
+        sensitivity[name] = {"range": c["range"], "value": c["value"], "steps_ms": row}
+        print(f"  {name} {c['range'][0]:g} .. {c['range'][1]:g} (at {c['value']:g}): "
+              + "; ".join(f"{k} {a:.3f} .. {b:.3f}" for k, (a, b) in row.items()))
+    if dry_run:
+        return 0
+    path = constants.data_path(chip)
+    data = json.loads(path.read_text())
+    data.pop("calibration", None)
+    data["validation"] = {
+        "reference": cfg["reference"], "spec": cfg["spec"], "tokens_in_cache": tokens,
+        "fitted": [], "clock_hz": rates.clock_hz,
+        "clock_source": "jax: bf16_ops_per_second / (2 x num_mxus x mxu_column^2)",
+        "libtpu": next(iter(steps.measures.values()))["libtpu"] if steps.measures else "",
+        "routing": "expected over uniform routing: the slowest expert group of the reduce "
+                   "peers (mkc/perf/routing.py), steps at the two whole expert counts around "
+                   "it weighted",
+        "points": points, "micro": micro, "sensitivity": sensitivity, "command": COMMAND}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.2f} us" if seconds >= 1e-6 else f"{seconds * 1e9:.0f} ns"
+
+
+def markdown(chip: str = "tpu7x") -> list[str]:
+    """docs/perf.md's tables from the recorded validation: the published steps, the
+    micro-cases (each with what it shaped) and the assumed constants' sensitivities."""
+    val = constants.validation(chip)
+    cfg = json.loads(POINTS.read_text())
+    shaped = {m["case"]: m["shaped"] for m in cfg["micro"]}
+    lines = ["| published step | published | modelled | error | shaped the model |",
+             "| --- | --- | --- | --- | --- |"]
+    for p, src in zip(val["points"], cfg["steps"]):
+        lines.append(f"| {p['step']} | {p['published_step_s'] * 1e3:.2f} ms | "
+                     f"{p['modelled_step_s'] * 1e3:.2f} ms | {p['error_percent']:+.1f} % | "
+                     f"{src['shaped']} |")
+    lines += ["", "| micro-case | measured | modelled | error | shaped the model |",
+              "| --- | --- | --- | --- | --- |"]
+    for m in val["micro"]:
+        lines.append(f"| {m['case']} | {_us(m['measured_s'])} | {_us(m['modelled_s'])} | "
+                     f"{m['error_percent']:+.1f} % | {shaped[m['case']]} |")
+    lines += ["", "| assumed constant | value | range | "
+              + " | ".join(f"{label} B{b} (ms)" for label, _, b in SENSITIVITY_STEPS) + " |",
+              "| --- | --- | --- | " + " | ".join("---" for _ in SENSITIVITY_STEPS) + " |"]
+    for name, row in val["sensitivity"].items():
+        lo, hi = row["range"]
+        lines.append(f"| `{name}` | {row['value']:g} | {lo:g} .. {hi:g} | "
+                     + " | ".join(f"{a:.3f} .. {b:.3f}" for a, b in row["steps_ms"].values())
+                     + " |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default=str(POINTS), help="published figures (JSON)")
+    ap.add_argument("--dry-run", action="store_true", help="print only, write nothing")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print docs/perf.md's tables from the recorded validation")
+    args = ap.parse_args()
+    if args.markdown:
+        print("\n".join(markdown()))
+        return 0
+    return validate(json.loads(Path(args.points).read_text()), args.dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
