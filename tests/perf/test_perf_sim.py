@@ -158,6 +158,26 @@ def test_a_small_copy_takes_the_least_loaded_queue_past_a_large_one():
     one = DmaEngine(BW, 0.0, 0.0, queues=1)
     one.issue(0.0, 8 * X)
     assert one.landing(one.issue(0.0, X)) == pytest.approx(9 * X / BW)
+
+
+def test_a_round_robin_engine_lands_each_copy_later_the_more_are_in_flight():
+    """TPU7x's DMA engine round-robins among the outstanding descriptors (`dma_queues` 0): n
+    equal copies issued together all land at n x their time, so the copy needed first lands
+    later with every copy issued beside it; the bytes still move at the full bandwidth."""
+    X = 1 << 20
+    for n in (1, 3, 6):
+        eng = DmaEngine(BW, 0.0, 0.0, queues=0)
+        ids = [eng.issue(0.0, X) for _ in range(n)]
+        assert [eng.landing(i) for i in ids] == pytest.approx([n * X / BW] * n)
+    # a copy issued later joins the others in flight; lanes are reused once free
+    eng = DmaEngine(BW, 0.0, 0.0, queues=0)
+    first, second = eng.issue(0.0, 2 * X), eng.issue(0.0, X)
+    assert eng.landing(second) == pytest.approx(2 * X / BW)       # shared until it lands
+    third = eng.issue(2 * X / BW, X)
+    assert eng.queue_of[third] == eng.queue_of[second]
+    assert eng.landing(first) == eng.landing(third) == pytest.approx(4 * X / BW)
+    with pytest.raises(ValueError, match="0: one per copy in flight"):
+        DmaEngine(BW, 0.0, 0.0, queues=-1)
     # more queues than copies in flight change nothing
     for q in (1, 4):
         e = DmaEngine(BW, ISSUE, 0.0, queues=q)
