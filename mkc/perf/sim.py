@@ -3,10 +3,9 @@
 Compute runs in program order on one timeline. Copies HBM<->VMEM go to the least-loaded of
 the core's DMA queues (`dma_queues`, a chip constant; 0: the engine round-robins among every
 copy in flight); each queue drains its copies in order, and the queues with a copy flowing
-share the core's HBM bandwidth equally. Each copy first
-waits its issue cost (overlapping the copies ahead of it), then moves its bytes plus a fixed
-per-copy overhead (so small copies are less efficient). A wait stalls compute until its copy
-lands.
+share the core's HBM bandwidth equally. Each copy first waits its issue cost (overlapping the
+copies ahead of it), then moves its bytes plus a fixed per-copy overhead (so small copies are
+less efficient). A wait stalls compute until its copy lands.
 
 Ops cost a fixed overhead plus the work counted from the kernel mkc emits for them
 (`mkc.perf.work`): vector and transcendental operations, and matmuls as the values they load
@@ -15,7 +14,8 @@ them). Work an op does per weight value it reads (the matmul of a ring tile, poo
 expert slot, with any in-kernel decode) is charged where the trace reads those weights, work
 per KV tile where it reads a KV tile, the rest where the op begins.
 Collectives are remote DMAs over ICI (or the on-chip sibling link) and block compute: a
-round's latency, per-hop latency and the bytes over the links. An overlapped one (`overlap`)
+round's copies, issued one after another, each its measured fixed cost and its bytes over the
+links it shares (`Model.stage_seconds`). An overlapped one (`overlap`)
 runs its rounds while compute goes on: a round's copies fly from its start, and compute waits
 only where it lands a round before they have arrived; the collectives in flight at once do not
 slow each other (their rounds are latency-bound at decode sizes; not modelled). Ranks are
