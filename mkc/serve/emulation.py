@@ -10,8 +10,9 @@ holds is the reference's (its upstream layouts, unsharded on JAX's default devic
 kernel's per-row state layout never has to be converted a step; a row state written from the
 host (`--prefill reference`) is converted once, on the way in.
 
-It has no verify step: the kernel's verify launch sums R rows' dots as one, which a chain of
-decode steps does not emulate, so `--prefill verify` and `--speculative` are refused with it
+It has no verify step: the kernel's verify launch multiplies its R rows in one dot, which XLA's
+CPU sums otherwise than a chain of decode steps' dots (examples/generated_module.py's
+`emulated_step` emulates it with R copies of a row; not built here), so `--prefill verify` and `--speculative` are refused with it
 and `--prefill auto` feeds prompts through the decode step.
 
 For a family where it is measured exact (`HELD_FAMILIES`), each weight enters the program as
