@@ -3,17 +3,17 @@
 where the kernel itself runs in Pallas' interpret mode at seconds a step.
 
 The emulation rounds and sums where the kernel does; the interpret tests hold it bit-equal to
-the kernel step by step (tests/families/*/test_*_interpret.py), and tests/serve/test_serve_emulation.py
-holds this backend's tokens equal to the interpret kernel's. It is a step provider of
-`mkc.serve.device.Device`, which runs every launch as it does for the kernel: the state it
-holds is the reference's (its upstream layouts, unsharded on JAX's default device), so the
-kernel's per-row state layout never has to be converted a step; a row state written from the
-host (`--prefill reference`) is converted once, on the way in.
+the kernel step by step (tests/families/*/test_*_interpret.py), and
+tests/serve/test_serve_emulation.py holds this backend's tokens equal to the interpret kernel's.
+It is a step provider of `mkc.serve.device.Device`, which runs every launch as it does for the
+kernel: the state it holds is the reference's (its upstream layouts, unsharded on JAX's
+default device), so the kernel's per-row state layout never has to be converted a step; a row
+state written from the host (`--prefill reference`) is converted once, on the way in.
 
 It has no verify step: the kernel's verify launch multiplies its R rows in one dot, which XLA's
 CPU sums otherwise than a chain of decode steps' dots (examples/generated_module.py's
-`emulated_step` emulates it with R copies of a row; not built here), so `--prefill verify` and `--speculative` are refused with it
-and `--prefill auto` feeds prompts through the decode step.
+`emulated_step` emulates it with R copies of a row; not built here), so `--prefill verify` and
+`--speculative` are refused with it and `--prefill auto` feeds prompts through the decode step.
 
 For a family where it is measured exact (`HELD_FAMILIES`), each weight enters the program as
 its `[in, out]` buffer (`mkc.reference.rounding.held_in_out`): no host callback per weight per
@@ -54,7 +54,7 @@ class EmulationSteps:
     """The decode step at `batch` rows as the kernel's rounding emulation, jitted, on the
     reference's state layout. `gen`: the generated module; `hf`: its HF-named weights;
     `rounding`: `numerics.rounding_from_ir` of the schedule it was compiled from. Raises
-    ValueError off a CPU host, or for a family whose weights module cannot convert its states."""
+    ValueError off a CPU host."""
 
     name = NAME
     verify_rows = 0                  # no verify step (module docstring)
