@@ -147,6 +147,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "the other rows, or through the family's reference under jit (interpret "
                         "mode on a CPU host only); auto (default): verify if the spec has a verify "
                         "step, else decode (docs/serving.md)")
+    p.add_argument("--backend", choices=("kernel", "emulation"), default="kernel",
+                   help="what runs the decode step: kernel (default), the spec's Pallas kernel (TPU "
+                        "interpret mode on a CPU host, seconds a step); or emulation, on a CPU host "
+                        "only: the kernel's rounding emulation under jit (the family reference "
+                        "rounding where the kernel rounds, tested bit-equal to it), far faster; no "
+                        "verify step, so prompts go through the decode step (docs/serving.md)")
     p.add_argument("--tokenizer", choices=("bytes",),
                    help="bytes: a stand-in tokenizer for a model without one (a MINI config): UTF-8 "
                         "bytes as token ids and a plain chat template, so text and chat requests "
@@ -273,6 +279,25 @@ def _prefiller(args, served):
     return ReferencePrefill(served.gen, served.hf, numerics.rounding_from_ir(served.ir))
 
 
+def _check_backend(args, options) -> None:
+    """MkcError (E-SERVE) for options `--backend emulation` cannot serve with: it has no verify
+    step (mkc.serve.emulation) and runs on one process."""
+    if args.backend != "emulation":
+        return
+    where = Span.unknown(args.spec)
+    if args.speculative:
+        raise MkcError(Diagnostic("E-SERVE", "--speculative runs the spec's verify step, which "
+                                  "--backend emulation does not have", where,
+                                  hint="drop --speculative, or serve --backend kernel"))
+    if args.prefill == "verify":
+        raise MkcError(Diagnostic("E-SERVE", "--prefill verify runs the spec's verify step, which "
+                                  "--backend emulation does not have", where,
+                                  hint="serve with --prefill auto, decode or reference, or --backend kernel"))
+    if options is not None:
+        raise MkcError(Diagnostic("E-SERVE", "--backend emulation serves from one process", where,
+                                  hint="drop the several-hosts options, or serve --backend kernel"))
+
+
 def _serve(args) -> int:
     """`mkc serve`: compile, place the weights, warm the step up, then serve until interrupted;
     with several processes, process 0 serves and the others follow it (mkc.serve.multihost)."""
@@ -282,6 +307,7 @@ def _serve(args) -> int:
                                   "draft-model", Span.unknown(args.spec),
                                   hint="add --speculative draft-model, or drop --draft-model"))
     options = _distributed(args)
+    _check_backend(args, options)
     prepare_devices(args.spec)              # before JAX starts
     if options is None:
         return _serve_here(args, None)
@@ -335,7 +361,8 @@ def _serve_here(args, leader) -> int:
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host        # an IPv6 address in a URL
     print(f"mkc serve: {served.name} ready at http://{shown}:{port} (first step "
-          f"{seconds:.1f} s)", file=sys.stderr, flush=True)
+          f"{seconds:.1f} s; backend {engine.backend}: {backend_text(engine.backend, served)})",
+          file=sys.stderr, flush=True)
     serve(served, engine, sock, limits=Limits(args.max_body_bytes, args.max_prompt_tokens,
                                               args.header_timeout, args.api_docs))
     if engine.failure is not None:
@@ -350,15 +377,19 @@ def _start_engine(args, leader):
     warm-up's seconds."""
     from mkc.serve.engine import Engine
     from mkc.serve.model import load_served
-    served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer)
+    emulating = args.backend == "emulation"
+    served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer,
+                                place=not emulating)
     drafter = _drafter(args, served, batch)
     try:
+        steps = _emulation(served, batch) if emulating else None
         engine = Engine(served.gen, served.weights, served.mesh, batch, served.interpret,
                         max_queue=args.queue, eos_token_ids=served.eos_token_ids,
                         prefill=args.prefill, drafter=drafter, prefiller=_prefiller(args, served),
-                        lockstep=leader)
+                        lockstep=leader, steps=steps)
     except ValueError as e:
-        hint = ("serve without --speculative" if "speculative" in str(e)
+        hint = ("serve --backend kernel on its accelerator" if "--backend emulation" in str(e)
+                else "serve without --speculative" if "speculative" in str(e)
                 else "serve with --prefill verify or decode" if args.prefill == "reference"
                 else "serve with --prefill decode")
         raise MkcError(Diagnostic("E-SERVE", str(e), Span.unknown(args.spec), hint=hint)) from None
@@ -372,8 +403,8 @@ def _start_engine(args, leader):
                                            "--batch and --seed")) from None
         print(f"mkc serve: process 0 of {leader.processes}: serving; the other processes run "
               f"its launches{_replica_note(served)}", file=sys.stderr, flush=True)
-    mode = "TPU interpret mode on CPU" if served.interpret is not None else "on device"
-    print(f"mkc serve: compiling the step at batch {batch} ({mode})", file=sys.stderr, flush=True)
+    print(f"mkc serve: compiling the step at batch {batch} ({backend_text(engine.backend, served)})",
+          file=sys.stderr, flush=True)
     from mkc.serve.engine import LockstepFailure
     try:
         return served, engine, engine.warm_up()
@@ -381,6 +412,22 @@ def _start_engine(args, leader):
         raise MkcError(Diagnostic("E-SERVE", f"warming up: {e}", Span.unknown(args.spec),
                                   hint="every process must run the same module on the same "
                                        "weights; see the other processes' logs")) from None
+
+
+def backend_text(backend: str, served) -> str:
+    """What runs the decode step, as the serve's log lines name it."""
+    if backend == "emulation":
+        return "the kernel's rounding emulation under jit on CPU"
+    if served.interpret is not None:
+        return "the kernel in TPU interpret mode on CPU"
+    return "the kernel on device"
+
+
+def _emulation(served, batch: int):
+    """`--backend emulation`'s step provider (mkc.serve.emulation); ValueError where it cannot run."""
+    from mkc import numerics
+    from mkc.serve.emulation import EmulationSteps
+    return EmulationSteps(served.gen, served.hf, numerics.rounding_from_ir(served.ir), batch)
 
 
 def _replica_note(served) -> str:

@@ -30,6 +30,8 @@ its matmuls is which op of which layer kind.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -236,8 +238,29 @@ def in_out(w: jax.Array) -> jax.Array:
     costs a dispatch, the host transposes the value itself: the same bytes)."""
     if not isinstance(w, jax.core.Tracer):     # a value: the host writes it now
         return jnp.asarray(np.ascontiguousarray(np.asarray(w).T))
+    if _HELD_IN_OUT.get():
+        return w.T
     return jax.pure_callback(lambda a: np.ascontiguousarray(np.asarray(a).T),
                              jax.ShapeDtypeStruct(w.shape[::-1], w.dtype), w)
+
+
+_HELD_IN_OUT = contextvars.ContextVar("held_in_out", default=False)
+
+
+@contextlib.contextmanager
+def held_in_out():
+    """While tracing under it, ``in_out`` of a traced weight is its transpose in the program: for a
+    caller that passes each weight as its ``[in, out]`` buffer (host-written, rows contiguous)
+    and hands the reference that buffer's transpose, so the two transposes cancel and the dot
+    reads the parameter's own row-major bytes, the layout ``in_out``'s callback returns, without
+    a host round trip of every weight per call (`mkc.serve.emulation`). Exact only where every
+    weight reaching ``in_out`` is a slice of such a parameter (not a value computed from one:
+    codes, FP8 block values, a stacked expert's matrix)."""
+    token = _HELD_IN_OUT.set(True)
+    try:
+        yield
+    finally:
+        _HELD_IN_OUT.reset(token)
 
 
 def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:

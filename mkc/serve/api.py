@@ -630,7 +630,9 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
     @app.get("/stats")
     async def stats() -> dict:
         s = engine.stats
-        return {"interpret": served.interpret is not None, "batch": engine.batch,
+        return {"backend": engine.backend,
+                "interpret": served.interpret is not None and engine.backend == "kernel",
+                "batch": engine.batch,
                 "processes": getattr(engine.lockstep, "processes", 1),
                 "busy_rows": engine.busy_rows(), "steps": s.steps,
                 "step_seconds": s.step_seconds, "busy_row_steps": s.busy_row_steps,

@@ -123,10 +123,13 @@ def result_bytes(result: Any) -> bytes:
     return np.ascontiguousarray(np.asarray(result)).tobytes()
 
 
-class Device:
-    """The batch's state on `mesh` and the launches on it (module docstring): the decode step
-    at `batch` rows, verify launches of 1 or more sequences (compiled on first use), and the
-    jitted row updates."""
+class KernelSteps:
+    """The kernel's launches (`--backend kernel`): its decode step at `batch` rows on `mesh` (in
+    interpret mode where `interpret` is set), its verify steps, and its state layout (a leading
+    rank axis). The step provider `Device` runs by default; `mkc.serve.emulation.EmulationSteps`
+    is the other, with the same members."""
+
+    name = "kernel"
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None):
         self.gen, self.weights, self.mesh, self.batch = gen, weights, mesh, batch
@@ -134,10 +137,44 @@ class Device:
         self._step = gen.make_decode_step(mesh, batch, interpret)
         self._ranked = NamedSharding(mesh, P(gen.AXIS))
         self.verify_rows: int = getattr(gen, "VERIFY_ROWS", 0)
+        self.seq_axes = sequence_axes(gen)
+        row_states = (tuple(dict(gen.ROW_STATES).items()) if hasattr(gen, "ROW_STATES")
+                      else row_states_of(gen))
+        self.clear_axes = tuple((n, axis + 2) for n, axis in row_states)    # past rank and layer
+
+    def zero_state(self) -> dict:
+        place = getattr(self.gen, "place_state", None)
+        if place is not None:           # each process creates only its own ranks' shards
+            return place(self.batch, self.mesh)
+        return {n: jax.device_put(a, self._ranked) for n, a in self.gen.init_state(self.batch).items()}
+
+    def decode(self, state: dict, tokens: np.ndarray, positions: np.ndarray) -> tuple[jax.Array, dict]:
+        logits, _, state = self._step(self.weights, state, tokens, positions)
+        return logits, state
+
+    def own_state(self, state: dict) -> dict:
+        return {n: jax.device_put(a, self._ranked) for n, a in state.items()}
+
+    def verifier(self, S: int) -> Any:
+        return self.gen.make_verify_step(self.mesh, S, self.verify_rows, self.interpret)
+
+
+class Device:
+    """The batch's state and the launches on it (module docstring): the decode step at `batch`
+    rows, verify launches of 1 or more sequences (compiled on first use), and the jitted row
+    updates. `steps`: what runs them and in which state layout, the kernel's (`KernelSteps`,
+    the default) or its rounding emulation (`mkc.serve.emulation.EmulationSteps`)."""
+
+    def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
+                 steps: Any = None):
+        self.gen, self.weights, self.mesh, self.batch = gen, weights, mesh, batch
+        self.interpret = interpret
+        self.steps = steps if steps is not None else KernelSteps(gen, weights, mesh, batch, interpret)
+        self.backend: str = self.steps.name
+        self.verify_rows: int = self.steps.verify_rows
         self.verifiers: dict[int, Any] = {}
-        self._seq_axes = sequence_axes(gen)
-        self._row_states = (tuple(dict(gen.ROW_STATES).items()) if hasattr(gen, "ROW_STATES")
-                            else row_states_of(gen))
+        self._seq_axes = self.steps.seq_axes
+        self._clear_axes = self.steps.clear_axes
         self.codec = Codec(batch, self.verify_rows)
         self.state = self._zero_state()
 
@@ -147,14 +184,14 @@ class Device:
         chunk's rows; SPECULATE (Sampled of S * R rows, accepted counts [S]); the others
         None. Host results only: every process reads them from its own replica."""
         if launch.kind == Kind.DECODE:
-            logits, _, self.state = self._step(self.weights, self.state, launch.tokens, launch.positions)
+            logits, self.state = self.steps.decode(self.state, launch.tokens, launch.positions)
             return jax.device_get(sample_rows(logits, *launch.sampling, width=launch.width))
         if launch.kind == Kind.PREFILL:
             return self._prefill(launch)
         if launch.kind == Kind.SPECULATE:
             return self._speculate(launch)
         if launch.kind == Kind.CLEAR:
-            self.state = _clear_rows(self.state, launch.rows.astype(bool), self._row_states)
+            self.state = _clear_rows(self.state, launch.rows.astype(bool), self._clear_axes)
         elif launch.kind == Kind.RESET:
             self.state = self._zero_state()
         return None
@@ -162,18 +199,17 @@ class Device:
     def put_row_state(self, row: int, state: dict) -> None:
         """Write one sequence's state (the kernel's layout, a leading rank axis) into batch row
         `row`: a host-made state, so not a Launch (one process only: `--prefill reference`)."""
-        one = {n: jax.device_put(a, self._ranked) for n, a in state.items()}
+        one = self.steps.own_state(state)
         self.state = _put_rows(self.state, one, jnp.asarray([row], jnp.int32), self._seq_axes)
 
     def _zero_state(self) -> dict:
-        place = getattr(self.gen, "place_state", None)
-        if place is not None:           # each process creates only its own ranks' shards
-            return place(self.batch, self.mesh)
-        return {n: jax.device_put(a, self._ranked) for n, a in self.gen.init_state(self.batch).items()}
+        return self.steps.zero_state()
 
     def _verifier(self, S: int) -> Any:
+        if not self.verify_rows:
+            raise ValueError(f"the {self.backend} backend has no verify step")
         if S not in self.verifiers:
-            self.verifiers[S] = self.gen.make_verify_step(self.mesh, S, self.verify_rows, self.interpret)
+            self.verifiers[S] = self.steps.verifier(S)
         return self.verifiers[S]
 
     def _verify(self, rows: np.ndarray, tokens: np.ndarray, starts: np.ndarray, accept) -> None:
@@ -259,12 +295,11 @@ def _put_rows(state: dict, some: dict, rows: jax.Array, axes: tuple[tuple[str, i
 @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
 def _clear_rows(state: dict, rows: jax.Array, row_states: tuple[tuple[str, int], ...]) -> dict:
     """The state with the recurrent and conv entries of the masked rows zeroed. row_states:
-    (name, the row axis after the layer axis) of each per-row state; the others (KV caches)
-    are kept."""
+    (name, its row axis) of each per-row state; the others (KV caches) are kept."""
     out = dict(state)
     for name, axis in row_states:
         a = state[name]
         shape = [1] * a.ndim
-        shape[axis + 2] = rows.shape[0]          # past the rank and layer axes
+        shape[axis] = rows.shape[0]
         out[name] = jnp.where(rows.reshape(shape), jnp.zeros((), a.dtype), a)
     return out

@@ -164,13 +164,16 @@ class Engine:
     them (mkc.serve.prefill.ReferencePrefill); `drafter`: None, or speculative decoding's
     drafter, (context, n) -> up to n draft tokens (module docstring); `lockstep`: None on one
     process, else what runs each launch on every process; `on_failure(message)`: called once
-    when the engine stops serving because `lockstep` failed."""
+    when the engine stops serving because `lockstep` failed; `steps`: the Device's step
+    provider (None: the kernel's; mkc.serve.emulation.EmulationSteps, which has no verify
+    step, so prompts go through the decode step)."""
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None,
                  max_queue: int = 64, eos_token_ids: frozenset[int] = frozenset(),
                  prefill: str = "auto", drafter: Callable[[list[int], int], list[int]] | None = None,
                  prefiller: Callable[[list[int]], dict] | None = None,
-                 lockstep: Lockstep | None = None, on_failure: Callable[[str], None] | None = None):
+                 lockstep: Lockstep | None = None, on_failure: Callable[[str], None] | None = None,
+                 steps: Any = None):
         low, high = gen.BATCH_RANGE
         if not low <= batch <= high:
             raise ValueError(f"--batch {batch}: the module is built for batches {low} to {high}")
@@ -181,11 +184,18 @@ class Engine:
         self.max_queue = max_queue
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
-        self.device = Device(gen, weights, mesh, batch, interpret)
+        self.device = Device(gen, weights, mesh, batch, interpret, steps)
+        self.backend: str = self.device.backend
         self.lockstep, self.on_failure = lockstep, on_failure
         self.failure: str | None = None
+        # a module's verify step the backend cannot run (--backend emulation)
+        unrun = not self.device.verify_rows and bool(getattr(gen, "VERIFY_ROWS", 0))
         if prefill == "auto":
-            prefill = "verify" if _verifies_one_sequence(gen) else "decode"
+            prefill = "verify" if not unrun and _verifies_one_sequence(gen) else "decode"
+        if unrun and (prefill == "verify" or drafter is not None):
+            what = "--prefill verify" if prefill == "verify" else "speculative decoding"
+            raise ValueError(f"{what} runs the spec's verify step, which the {self.backend} "
+                             "backend does not have")
         if prefill == "verify" and not _verifies_one_sequence(gen):
             raise ValueError("--prefill verify needs a verify step of one sequence: add "
                              "`verify R sequences 1 to N` to the spec")

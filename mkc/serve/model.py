@@ -323,14 +323,15 @@ def _check_context(config: dict, context: int, where: str) -> None:
 
 
 def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
-                tokenizer: str | None = None) -> tuple[Served, int]:
+                tokenizer: str | None = None, place: bool = True) -> tuple[Served, int]:
     """Compile `spec` for `model` (a shipped config name, a config.json, or a checkpoint
     directory), import it and place its weights: the checkpoint's for a directory, else
     `random_weights(seed)`; and the batch to serve (default the spec's largest). `tokenizer`:
-    a name in TOKENIZERS to serve in place of the checkpoint's. Raises MkcError for a bad spec
-    or model, a batch the spec does not build, or a vocabulary the byte tokenizer does not fit,
-    or tokenizer files that cannot be used (a chat template that does not parse), before any
-    weight is read."""
+    a name in TOKENIZERS to serve in place of the checkpoint's; `place` False leaves the kernel's
+    weights unplaced (`weights` empty: `--backend emulation` holds its own). Raises MkcError
+    for a bad spec or model, a batch the spec does not build, or a vocabulary the byte
+    tokenizer does not fit, or tokenizer files that cannot be used (a chat template that does
+    not parse), before any weight is read."""
     from mkc import compiler
     from mkc.diagnostics import Diagnostic, MkcError, Span
     c = compiler.compile_spec(spec, model)
@@ -381,7 +382,7 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
             f"{sorted(hosts)} of {jax.process_count()}: the others would hold no rank",
             Span.unknown(spec), hint="serve a spec whose topology spans every host, or serve it "
                                      "from one host"))
-    weights = gen.place_weights(hf, mesh)
+    weights = gen.place_weights(hf, mesh) if place else {}
     return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
                   tokenizer=tok, eos_token_ids=eos_token_ids, hf=hf, ir=c.ir,
                   replica=replica), batch
