@@ -189,7 +189,29 @@ def kernel_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
     except bundles.BundleError as e:
         if compiled:
             raise
-        return None, str(e) + ("" if e.setting == "verify" else " (--compiled compiles it)")
+        if e.setting == "verify":
+            return None, str(e)
+        return op_measure(s, batch, sequences, str(e))
+
+
+def op_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
+               whole: str = "") -> tuple[dict | None, str]:
+    """The kernel priced per op (`mkc.perf.op_measures.assemble`): each op body's measure by
+    its key, compiled alone when missing; or None and why (`whole`: why no whole-kernel
+    measure) when not one op could be priced compiled (no libtpu for the generation)."""
+    from mkc.perf import bundles, op_measures
+    if not bundles.libtpu_version():
+        return None, "libtpu is not installed, so nothing can compile" + (
+            f"; {whole}" if whole else "")
+    m = op_measures.assemble(s, batch, sequences)
+    if not any(r["group"] == "op" for r in m["rows"]):
+        counted = m["op_level"]["ops_counted"]
+        why = ("no op body of the kernel is measured, and compiling one alone is off "
+               "(MKC_OP_COMPILE=0)" if not op_measures.compiling() else
+               "no op of the kernel could be compiled alone: "
+               + "; ".join(f"{k}: {v}" for k, v in sorted(counted.items())[:3]))
+        return None, f"{whole}; {why}" if whole else why
+    return m, ""
 
 
 def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
@@ -310,7 +332,8 @@ def report(m: Modelled) -> dict[str, Any]:
     pictured = res.concrete()
     return {
         "modelled": True,
-        "priced_by": (f"compiled: the cycles libtpu {measure['libtpu']} scheduled for the "
+        "priced_by": (op_priced_by(measure) if measure and "op_level" in measure else
+                      f"compiled: the cycles libtpu {measure['libtpu']} scheduled for the "
                       f"{measure['kernel']} kernel at {measure['batch']} "
                       f"{'sequences' if sequences else 'rows'} (mkc.perf.bundles), at a "
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
@@ -354,6 +377,24 @@ def report(m: Modelled) -> dict[str, Any]:
     }
 
 
+def op_priced_by(measure: dict) -> str:
+    from mkc.perf.op_measures import describe
+    return describe(measure)
+
+
+# How far the count has been from the compiled price (issue 51: the shipped specs and their
+# neighbours, counted against compiled): a report priced by the count says so first.
+COUNTED_OFF = "1.7-4.2x"
+
+
+def counted_warning(rep: dict[str, Any]) -> str | None:
+    """The line a counted report opens with, or None when it is priced compiled."""
+    if not rep["priced_by"].startswith("counted"):
+        return None
+    return (f"COUNTED PRICE, not compiled: counted prices have been {COUNTED_OFF} off the "
+            f"compiled price of the same kernel and can reverse rankings (why: see `priced by`)")
+
+
 def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[str, Any]]:
     """One entry per op and layer kind, costliest first: its work as counted from the emitted
     kernel (per call: per batch row for vector work, matrix values as loaded into the MXU),
@@ -369,7 +410,12 @@ def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[
         source = work.source_of(kind, op)
         if ow.dynamic_loop:
             source += " (a loop of run-time length inside it counted once per call)"
-        if measure is not None:
+        origin = (measure or {}).get("op_level", {}).get("origin", {})
+        if measure is not None and origin:
+            source = (f"compiled per op: {origin[f'{kind}.{op}']} ({source})"
+                      if f"{kind}.{op}" in origin else
+                      f"counted: {measure['op_level']['ops_counted'].get(f'{kind}.{op}', 'no measure')} ({source})")
+        elif measure is not None:
             source = (f"compiled: row {kind}.{op} of libtpu {measure['libtpu']}'s LLO of the "
                       f"{measure['kernel']} kernel ({source})" if f"{kind}.{op}" in rows else
                       f"counted: the compiled kernel has no row {kind}.{op} ({source})")
@@ -394,7 +440,8 @@ HBM_PERCENTAGES = ("% of the HBM floor: the floor (the step's bytes at peak band
 def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     ms = lambda x: f"{x * 1e3:8.3f}"     # noqa: E731
     step = rep["step_seconds"]
-    lines = [
+    warning = counted_warning(rep)
+    lines = ([warning] if warning else []) + [
         f"{rep['schedule']} ({rep['model']}) on {rep['topology']}, "
         + (f"batch {rep['batch']}" if not rep.get("verify") else
            f"verify step of {rep['verify']['rows']} rows x {rep['verify']['sequences']} sequences "

@@ -18,7 +18,7 @@ from mkc.checks import run_checks
 from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse
 from mkc.perf import tune
-from mkc.perf.run import step_model
+from mkc.perf.run import kernel_measure, step_model
 from mkc.resolve import resolve
 from mkc.retarget.edit import TextEdits
 
@@ -41,7 +41,10 @@ class Checked:
 
     def model(self) -> None:
         s = self.ir
-        self.steps = {b: step_model(s, b, s.context, keep_timeline=False).step_s
+        # priced as `mkc perf` prices it: compiled per op (each op body measured or compiled
+        # alone), counted only where nothing compiles
+        self.steps = {b: step_model(s, b, s.context, keep_timeline=False,
+                                    compiled=kernel_measure(s, b)[0]).step_s
                       for b in sorted({s.batch_min, s.batch_max})}
 
 
