@@ -100,11 +100,20 @@ def _locate(jaxpr, stack: tuple[str, ...], found: dict) -> None:
             _locate(sub, here, found)
 
 
+def _jaxpr(free: list, outs: list, eqns: list, effects=frozenset()):
+    """A jaxpr of the sliced equations (JAX warns that it has no debug info: none is needed)."""
+    import warnings
+
+    import jax.extend.core as jcore
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jcore.Jaxpr([], free, outs, eqns, effects)
+
+
 def _digest(eqns: list, free: list, outs: list) -> str:
     """The body's equations as JAX prints them (no locations, no scopes), `_mask_numbers`ed:
     two bodies with equal digests run the same instructions on the same value shapes."""
-    import jax.extend.core as jcore
-    jaxpr = jcore.Jaxpr([], free, outs, eqns)
+    jaxpr = _jaxpr(free, outs, eqns)
     text = jaxpr.pretty_print(source_info=False, name_stack=False)
     text = _mask_numbers(text)
     return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()[:24]
@@ -180,12 +189,22 @@ def user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mkc" / "ops"
 
 
+_READ: dict[Path, tuple[float, dict[str, dict]]] = {}
+
+
 def _read(path: Path) -> dict[str, dict]:
+    """A store file's measures by id (read again only when the file changed: a tuner prices
+    hundreds of candidates)."""
     try:
+        stamp = path.stat().st_mtime_ns
+        if path in _READ and _READ[path][0] == stamp:
+            return dict(_READ[path][1])
         entries = json.loads(path.read_text())["ops"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
-    return {e["id"]: e for e in entries if isinstance(e, dict) and e.get("schema") == SCHEMA}
+    got = {e["id"]: e for e in entries if isinstance(e, dict) and e.get("schema") == SCHEMA}
+    _READ[path] = (stamp, got)
+    return dict(got)
 
 
 def load(chip: str, places: tuple[Path, ...] | None = None) -> dict[str, dict]:
@@ -242,9 +261,9 @@ _DUMP = ("--xla_jf_dump_to={0} --xla_jf_dump_llo_text=true "
 
 
 def _standalone(body: OpBody, vmem_limit: int):
-    """A pallas_call running `body` once: (the call, its abstract inputs)."""
+    """A pallas_call running `body` once: (the call, its abstract inputs). The loads of its
+    input values and the stores of its outputs (a few bundles) are charged to the op too."""
     import jax
-    import jax.extend.core as jcore
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -286,7 +305,7 @@ def _standalone(body: OpBody, vmem_limit: int):
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM if not a.shape else pltpu.VMEM))
     from jax._src import core as jax_core
     effects = jax_core.join_effects(*(e.effects for e in body.eqns)) if body.eqns else set()
-    jaxpr = jcore.Jaxpr([], body.free, body.outs, body.eqns, effects)
+    jaxpr = _jaxpr(body.free, body.outs, body.eqns, effects)
     n_in, n_out = len(inputs), len(out_shapes)
 
     def kernel(*refs):
@@ -346,7 +365,6 @@ def _compile_worker(spec_json: str) -> int:
     dump = Path(job["dump"])
     results = {}
     for kind, op in job["ops"]:
-        t0 = time.perf_counter()
         jaxpr, idx = found[kind, op]
         body = OpBody(kind, op, *_slice(jaxpr, idx), None)
         before = set(dump.rglob("*final_bundles.txt"))
@@ -370,9 +388,7 @@ def _compile_worker(spec_json: str) -> int:
         run_time = {f"{kind}.{op}"} if any(lp.trips is None for lp in llo.loops(parsed)) else set()
         label = bundles.Label("op", kind, op)
         found_rows = bundles.rows(parsed, {}, 0, None, run_time)
-        row = _merge(found_rows, label)
-        row["compile_seconds"] = round(time.perf_counter() - t0, 2)
-        results[f"{kind}.{op}"] = row
+        results[f"{kind}.{op}"] = _merge(found_rows, label)
     print("MKC_OPS " + json.dumps(results), flush=True)
     return 0
 
@@ -398,9 +414,11 @@ def _merge(found: list, label) -> dict:
 
 def compile_ops(s: ir.ScheduleIR, batch: int, verify_rows: int | None,
                 bodies: dict[tuple[str, str], OpBody], want: list[tuple[str, str]],
-                source: str | None = None, timeout: float = 900.0) -> tuple[list[dict], dict]:
-    """Compile each op of `want` alone (one worker process for all), keep and return their
-    measures; and {op key: why not} for those that did not compile."""
+                source: str | None = None, timeout: float = 900.0,
+                directory: Path | None = None) -> tuple[list[dict], dict]:
+    """Compile each op of `want` alone (one worker process for all), keep them (in the user's
+    cache, or `directory`) and return their measures; and {op key: why not} for those that
+    did not compile."""
     from mkc.codegen.emit import render
     source = source if source is not None else render(s, "")
     todo, failed = list(want), {}
@@ -436,7 +454,7 @@ def compile_ops(s: ir.ScheduleIR, batch: int, verify_rows: int | None,
         else:
             entries.append(entry(bodies[k, o].key, r, "compiled alone"))
     if entries:
-        save(entries, s.chip)
+        save(entries, s.chip, directory)
     return entries, failed
 
 
@@ -509,6 +527,7 @@ def assemble(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
     missing = [k for k, b in bodies.items() if b.key.id not in store]
     compile_missing = compiling() if compile_missing is None else compile_missing
     failed: dict = {}
+    compiled: list[dict] = []
     if missing and compile_missing:
         compiled, failed = compile_ops(s, batch, verify_rows, bodies, missing, source)
         store.update({e["id"]: e for e in compiled})
@@ -531,6 +550,7 @@ def assemble(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
             "verify_rows": verify_rows, "libtpu": bundles.libtpu_version(),
             "calls": bundles.layer_calls(s), "rows": rows,
             "op_level": {"ops_derived": derived, "ops_compiled_alone": alone,
+                         "ops_compiled_now": len(compiled),
                          "ops_counted": failed, "origin": origin,
                          "statements_from": (f"{fam['spec']}'s whole-kernel measure at "
                                              f"{fam['batch']} (its collectives, copies and "
@@ -543,11 +563,11 @@ def assemble(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
 def describe(measure: dict) -> str:
     """The `priced by` text of an op-level measure."""
     o = measure["op_level"]
-    n = o["ops_derived"] + o["ops_compiled_alone"]
     counted = o["ops_counted"]
     return (f"compiled per op: the cycles libtpu {measure['libtpu']} scheduled for each op body "
             f"({o['ops_derived']} from whole-kernel measures of the same body, "
-            f"{o['ops_compiled_alone']} compiled alone; mkc.perf.op_measures)"
+            f"{o['ops_compiled_alone']} compiled alone, {o.get('ops_compiled_now', 0)} of them "
+            f"just now; mkc.perf.op_measures)"
             + (f", {len(counted)} counted ({', '.join(sorted(counted))})" if counted else "")
             + f"; collectives and kernel statements {o['statements_from']}")
 

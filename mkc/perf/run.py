@@ -191,7 +191,7 @@ def kernel_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
             raise
         if e.setting == "verify":
             return None, str(e)
-        return op_measure(s, batch, sequences, str(e))
+        return op_measure(s, batch, sequences, str(e) + " (--compiled compiles it)")
 
 
 def op_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
@@ -339,6 +339,7 @@ def report(m: Modelled) -> dict[str, Any]:
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
                       "counted: the traced kernel's work at the chip's rates (mkc.perf.work; "
                       f"the MXUs loading weights at peak / (2 x column)), {m.counted_because}"),
+        "ops_counted": (measure or {}).get("op_level", {}).get("ops_counted", {}),
         "calibration": calibration_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
@@ -388,11 +389,17 @@ COUNTED_OFF = "1.7-4.2x"
 
 
 def counted_warning(rep: dict[str, Any]) -> str | None:
-    """The line a counted report opens with, or None when it is priced compiled."""
-    if not rep["priced_by"].startswith("counted"):
+    """The line a report priced by the count, wholly or for some ops, opens with; None when
+    every op is priced compiled."""
+    if rep["priced_by"].startswith("counted"):
+        what = "COUNTED PRICE, not compiled"
+    elif rep.get("ops_counted"):
+        what = (f"PARTLY COUNTED PRICE: {len(rep['ops_counted'])} op(s) counted, not compiled "
+                f"({', '.join(sorted(rep['ops_counted']))})")
+    else:
         return None
-    return (f"COUNTED PRICE, not compiled: counted prices have been {COUNTED_OFF} off the "
-            f"compiled price of the same kernel and can reverse rankings (why: see `priced by`)")
+    return (f"{what}: counted prices have been {COUNTED_OFF} off the compiled price of the same "
+            f"kernel and can reverse rankings (why: see `priced by`)")
 
 
 def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[str, Any]]:
@@ -410,11 +417,12 @@ def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[
         source = work.source_of(kind, op)
         if ow.dynamic_loop:
             source += " (a loop of run-time length inside it counted once per call)"
-        origin = (measure or {}).get("op_level", {}).get("origin", {})
-        if measure is not None and origin:
-            source = (f"compiled per op: {origin[f'{kind}.{op}']} ({source})"
-                      if f"{kind}.{op}" in origin else
-                      f"counted: {measure['op_level']['ops_counted'].get(f'{kind}.{op}', 'no measure')} ({source})")
+        level = (measure or {}).get("op_level", {})
+        if measure is not None and level:
+            row = f"{kind}.{op}"
+            source = (f"compiled per op: {level['origin'][row]} ({source})"
+                      if row in level["origin"] else
+                      f"counted: {level['ops_counted'].get(row, 'no measure')} ({source})")
         elif measure is not None:
             source = (f"compiled: row {kind}.{op} of libtpu {measure['libtpu']}'s LLO of the "
                       f"{measure['kernel']} kernel ({source})" if f"{kind}.{op}" in rows else
