@@ -418,7 +418,7 @@ def compile_ops(s: ir.ScheduleIR, batch: int, verify_rows: int | None,
                 directory: Path | None = None) -> tuple[list[dict], dict]:
     """Compile each op of `want` alone (one worker process for all), keep them (in the user's
     cache, or `directory`) and return their measures; and {op key: why not} for those that
-    did not compile."""
+    did not compile. MKC_OP_KEEP_DUMP=DIR keeps libtpu's dumps there (to read an op's LLO)."""
     from mkc.codegen.emit import render
     source = source if source is not None else render(s, "")
     todo, failed = list(want), {}

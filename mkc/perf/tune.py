@@ -483,11 +483,11 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
     evaluations (the first, of the spec as written, included); `select` keeps only some
     knobs; a candidate leaving less than `min_headroom` bytes of VMEM in a kernel is
-    refused. `evaluated` is called after each evaluation (a progress bar's tick). Every
-    candidate is priced by the input's compiled measures (`compiled` as
-    `run.kernel_measure` takes it): an op's cycles a call, and a weight read at the op's
-    cycles per weight value, so a candidate's tiles cost their values; without a measure,
-    counted."""
+    refused. `evaluated` is called after each evaluation (a progress bar's tick). The input
+    is priced by its compiled measures (`compiled` as `run.kernel_measure` takes it), every
+    other candidate by its own kernel's, whole where cached, else per op
+    (`mkc.perf.op_measures`); counted only with `compiled` False or where nothing
+    compiles."""
     t0 = time.perf_counter()
     log = log or (lambda _: None)
     evaluated = evaluated or (lambda: None)

@@ -308,7 +308,9 @@ def _same_as(plan: Plan, first: Plan) -> str:
 def _steps_text(c: Checked, max_models: int) -> str:
     if not c.steps:
         return f"not modelled (only the first {max_models} that pass are: --models)"
-    return ", ".join(f"B{b} {t * 1e3:.3f} ms" for b, t in c.steps.items()) + " (modelled)"
+    counted = "; ".join(f"B{b}: {why}" for b, why in c.counted.items())
+    return (", ".join(f"B{b} {t * 1e3:.3f} ms" for b, t in c.steps.items()) + " (modelled"
+            + (f"; COUNTED in part, not compiled: {counted}" if counted else "") + ")")
 
 
 def finish(original: str, best: Checked, file: str, model: str | None, sched: ast.Schedule,

@@ -34,6 +34,8 @@ class Checked:
     events: list
     notes: list[str] = field(default_factory=list)
     steps: dict[int, float] = field(default_factory=dict)
+    # batch -> why its kernel (or some of its ops) is counted rather than priced compiled
+    counted: dict[int, str] = field(default_factory=dict)
 
     @property
     def objective(self) -> float:
@@ -43,9 +45,13 @@ class Checked:
         s = self.ir
         # priced as `mkc perf` prices it: compiled per op (each op body measured or compiled
         # alone), counted only where nothing compiles
-        self.steps = {b: step_model(s, b, s.context, keep_timeline=False,
-                                    compiled=kernel_measure(s, b)[0]).step_s
-                      for b in sorted({s.batch_min, s.batch_max})}
+        self.steps, self.counted = {}, {}
+        for b in sorted({s.batch_min, s.batch_max}):
+            m, why = kernel_measure(s, b)
+            self.steps[b] = step_model(s, b, s.context, keep_timeline=False, compiled=m).step_s
+            ops = (m or {}).get("op_level", {}).get("ops_counted", {})
+            if m is None or ops:
+                self.counted[b] = why if m is None else f"{', '.join(sorted(ops))} counted"
 
 
 def check(text: str, file: str, model: str | None) -> tuple[ir.ScheduleIR, list]:
