@@ -11,7 +11,8 @@ rank the candidates as compiling each whole kernel does, and how long does it ta
 measure (`mkc/perf/data/bundles`) whose key matches the shipped spec's module today, under the
 op's key; then each op of a shipped kernel (decode at the batch range's ends, verify) that no
 row gave (libtpu merged it into a neighbour) compiled alone, and every op of Kimi K3 at each
-batch of its range (`SHIP_BATCHES`): a few minutes.
+batch of its range (`SHIP_BATCHES`), and the README walkthrough's spec with the neighbours
+its `mkc tune --budget 20` tries: a few minutes.
 
 A candidate's op-level price uses a private op cache (measured ops compiled alone land there),
 so each run times what a user without that cache waits for; the whole-kernel price is
@@ -117,6 +118,29 @@ def ship() -> None:
                   + (f", failed: {failed}" if failed else ""), flush=True)
 
 
+def ship_walkthrough() -> None:
+    """The README walkthrough's spec (MINI Qwen) priced at its batches and tuned as the README
+    does, every op compiled alone into the shipped store: the walkthrough prints compiled
+    prices without a compile."""
+    import re
+
+    from mkc.perf import op_measures, tune
+    text = re.search(r"```sched\n(# MINI Qwen.*?)```", (ROOT / "README.md").read_text(),
+                     re.S).group(1)
+    saved = os.environ.get("MKC_OP_CACHE")
+    os.environ["MKC_OP_CACHE"] = str(op_measures.DATA)
+    try:
+        t0 = time.perf_counter()
+        tune.tune(text, "my_qwen.sched", None, budget=20)
+        print(f"README walkthrough: its tune's candidates priced in "
+              f"{time.perf_counter() - t0:.0f} s, their ops kept", flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("MKC_OP_CACHE")
+        else:
+            os.environ["MKC_OP_CACHE"] = saved
+
+
 def compare(whole: bool) -> None:
     import importlib
 
@@ -175,7 +199,11 @@ def main() -> None:
     ap.add_argument("--ship", action="store_true")
     ap.add_argument("--whole", action="store_true")
     a = ap.parse_args()
-    ship() if a.ship else compare(a.whole)
+    if a.ship:
+        ship()
+        ship_walkthrough()
+    else:
+        compare(a.whole)
 
 
 if __name__ == "__main__":
