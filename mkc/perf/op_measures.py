@@ -474,13 +474,15 @@ def family_measure(s: ir.ScheduleIR, kernel: str, batch: int, source: str,
     """The statement rows (collectives, copies, kernel statements) of a whole-kernel measure of
     the same spec name, kernel and batch (any module) whose collectives are the module's, each
     kind's in the same order (their spec lines moved to the module's), as {"spec", "batch",
-    "rows"}; None without one. Of several, the one whose op rows agree with `ops` ({"kind.op":
-    cycles}) the most: the nearest variant of the spec (formats, geometry)."""
+    "rows"}; None without one. It must be of the same layers (another model under the spec's
+    name is not) with at least half its op rows' cycles those of `ops` ({"kind.op": cycles}):
+    a variant of the spec (formats, geometry), the nearest if several."""
     from mkc.perf import bundles
     mine = _collectives({(lab.kind, lab.name, lab.spec_line)
                          for lab in bundles.line_labels(source).values()
                          if lab.group == "collective"})
     found: list[tuple[int, dict]] = []
+    calls = bundles.layer_calls(s)
     for place in (bundles.DATA, bundles.user_cache()):
         try:
             entries = json.loads((place / f"{s.name}.json").read_text())["measures"]
@@ -488,7 +490,8 @@ def family_measure(s: ir.ScheduleIR, kernel: str, batch: int, source: str,
             continue
         for e in entries:
             if not (isinstance(e, dict) and e.get("schema") == bundles.SCHEMA
-                    and e.get("kernel") == kernel and e.get("batch") == batch):
+                    and e.get("kernel") == kernel and e.get("batch") == batch
+                    and e.get("calls") == calls and e.get("topology") == s.topology):
                 continue
             theirs = _collectives({(r["kind"], r["name"], r["spec_line"]) for r in e["rows"]
                                    if r["group"] == "collective"})
@@ -497,9 +500,11 @@ def family_measure(s: ir.ScheduleIR, kernel: str, batch: int, source: str,
             moved = {(k, line): mine[k, name, n] for (k, name, n), line in theirs.items()}
             rows = [r | {"spec_line": moved[r["kind"], r["spec_line"]]}
                     if r["group"] == "collective" else r for r in e["rows"] if r["group"] != "op"]
-            agree = sum(1 for r in e["rows"] if r["group"] == "op"
-                        and abs((ops or {}).get(r["key"], -1.0) - r["cycles"]) < 0.5)
-            found.append((agree, {"spec": e["spec"], "batch": e["batch"], "rows": rows}))
+            theirs_ops = [r for r in e["rows"] if r["group"] == "op"]
+            agree = sum(1 for r in theirs_ops
+                        if abs((ops or {}).get(r["key"], -1.0) - r["cycles"]) < 0.5)
+            if 2 * agree >= len(theirs_ops):
+                found.append((agree, {"spec": e["spec"], "batch": e["batch"], "rows": rows}))
     return max(found, key=lambda x: x[0])[1] if found else None
 
 
