@@ -14,9 +14,10 @@ row gave (libtpu merged it into a neighbour) compiled alone, and every op of Kim
 batch of its range (`SHIP_BATCHES`), and the README walkthrough's spec with the neighbours
 its `mkc tune --budget 20` tries: a few minutes.
 
-A candidate's op-level price uses a private op cache (measured ops compiled alone land there),
-so each run times what a user without that cache waits for; the whole-kernel price is
-`mkc perf --compiled`'s. Times are modelled steps, not measurements.
+A candidate's op-level price sees only what mkc ships (a private op cache takes the ops compiled
+alone, no user whole-kernel measure), so each run times what a fresh user waits for; the
+whole-kernel price is `mkc perf --compiled`'s (kept in the user's cache). Times are modelled
+steps, not measurements.
 """
 from __future__ import annotations
 
@@ -147,8 +148,11 @@ def compare(whole: bool) -> None:
     from mkc.perf import bundles
     run = importlib.import_module("mkc.perf.run")   # the package exports a function `run`
     rows = []
+    real = bundles.user_cache()            # whole-kernel measures compiled here: compared with
     with tempfile.TemporaryDirectory(prefix="mkc-op-cache-") as cache:
         os.environ["MKC_OP_CACHE"] = cache
+        # the per-op price sees only what mkc ships, as a fresh user's would
+        os.environ["MKC_BUNDLE_CACHE"] = str(Path(cache) / "bundles")
         for label, text, batch in candidates():
             s = _spec(text)
             t0 = time.perf_counter()
@@ -156,11 +160,11 @@ def compare(whole: bool) -> None:
             op_step = run.step_model(s, batch, s.context, compiled=m, keep_timeline=False).step_s
             op_s = time.perf_counter() - t0
             counted = run.step_model(s, batch, s.context, keep_timeline=False).step_s
-            w = bundles.cached(s, "decode", batch)
+            w = bundles.cached(s, "decode", batch, places=(bundles.DATA, real))
             if w is None and whole:
                 t1 = time.perf_counter()
                 w = bundles.measure(s, "decode", batch)
-                bundles.save(w)
+                bundles.save(w, real)
                 print(f"  compiled the whole kernel of {label} in {time.perf_counter() - t1:.0f} s")
             whole_step = (run.step_model(s, batch, s.context, compiled=w, keep_timeline=False).step_s
                           if w else None)

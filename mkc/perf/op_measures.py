@@ -469,14 +469,20 @@ def _collectives(labels) -> dict[tuple[str, str, int], int]:
     return out
 
 
+def _near(ours: float | None, theirs: float) -> bool:
+    """An op's cycles as another kernel scheduled the same body, or one a few rows or a tile
+    away: within 15 % (and 50 cycles); another model's shapes are far outside."""
+    return ours is not None and abs(ours - theirs) <= 0.15 * max(ours, theirs) + 50
+
+
 def family_measure(s: ir.ScheduleIR, kernel: str, batch: int, source: str,
                    ops: dict[str, float] | None = None) -> dict | None:
     """The statement rows (collectives, copies, kernel statements) of a whole-kernel measure of
     the same spec name, kernel and batch (any module) whose collectives are the module's, each
     kind's in the same order (their spec lines moved to the module's), as {"spec", "batch",
     "rows"}; None without one. It must be of the same layers (another model under the spec's
-    name is not) with at least half its op rows' cycles those of `ops` ({"kind.op": cycles}):
-    a variant of the spec (formats, geometry), the nearest if several."""
+    name is not) with at least half its op rows' cycles near those of `ops` ({"kind.op":
+    cycles}; `_near`): a variant of the spec (formats, geometry), the nearest if several."""
     from mkc.perf import bundles
     mine = _collectives({(lab.kind, lab.name, lab.spec_line)
                          for lab in bundles.line_labels(source).values()
@@ -501,8 +507,7 @@ def family_measure(s: ir.ScheduleIR, kernel: str, batch: int, source: str,
             rows = [r | {"spec_line": moved[r["kind"], r["spec_line"]]}
                     if r["group"] == "collective" else r for r in e["rows"] if r["group"] != "op"]
             theirs_ops = [r for r in e["rows"] if r["group"] == "op"]
-            agree = sum(1 for r in theirs_ops
-                        if abs((ops or {}).get(r["key"], -1.0) - r["cycles"]) < 0.5)
+            agree = sum(1 for r in theirs_ops if _near((ops or {}).get(r["key"]), r["cycles"]))
             if 2 * agree >= len(theirs_ops):
                 found.append((agree, {"spec": e["spec"], "batch": e["batch"], "rows": rows}))
     return max(found, key=lambda x: x[0])[1] if found else None

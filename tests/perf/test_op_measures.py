@@ -117,6 +117,15 @@ def test_a_kernel_is_priced_from_its_op_measures_and_its_spec_s_statements(store
     assert abs(per_op / whole - 1) < 0.05
 
 
+def test_another_model_under_the_spec_s_name_lends_it_no_statements(stores):
+    """The shipped whole-kernel measures of qwen3_8_27b are of the full-size model: MINI under
+    the same spec name takes none of their collectives' cycles."""
+    s = _spec(QWEN.read_text(), MINI)
+    assert bundles.cached(s, "decode", 1) is None
+    assert op_measures.assemble(s, 1)["op_level"]["statements_from"].startswith("counted")
+    assert not op_measures._near(1000.0, 8000.0) and op_measures._near(2188.0, 2252.0)
+
+
 def test_a_counted_price_says_so_on_the_report_s_first_line(stores, monkeypatch):
     """Nothing measured and nothing compiling: counted, and the table opens with it; a price
     with some ops counted says which."""
