@@ -77,10 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("perf", "tune"):
             price = p.add_mutually_exclusive_group()
             price.add_argument("--compiled", action="store_const", const=True, dest="price",
-                               help="compile the spec's kernels with libtpu when no measure of "
-                                    "them is cached (by default steps are priced by the cycles "
-                                    "libtpu schedules where a measure is cached or shipped, "
-                                    "else counted)")
+                               help="compile the spec's whole kernels with libtpu when no "
+                                    "measure of them is cached (by default steps are priced by "
+                                    "the cycles libtpu schedules: the whole kernel's where a "
+                                    "measure is cached or shipped, else each op body's, "
+                                    "compiled alone when missing; counted only where nothing "
+                                    "compiles)")
             price.add_argument("--counted", action="store_const", const=False, dest="price",
                                help="price the traced kernel's counted work at the chip's "
                                     "rates, even where a compiled measure is cached")

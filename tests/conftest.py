@@ -12,6 +12,10 @@ SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 # Compiled measures of unshipped kernels go to a cache of this test session's own, so what a
 # test prices does not depend on what the machine's user cache holds.
 os.environ["MKC_BUNDLE_CACHE"] = tempfile.mkdtemp(prefix="mkc-bundles-")
+# Op measures likewise; and no op is compiled alone unless a test asks (MKC_OP_COMPILE=1): an
+# unshipped op is then counted, so a test's price does not wait on libtpu.
+os.environ["MKC_OP_CACHE"] = tempfile.mkdtemp(prefix="mkc-ops-")
+os.environ.setdefault("MKC_OP_COMPILE", "0")
 
 
 def run_python(args: list[str], timeout: float, python: str = sys.executable

@@ -178,7 +178,29 @@ def kernel_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
     except bundles.BundleError as e:
         if compiled:
             raise
-        return None, str(e) + ("" if e.setting == "verify" else " (--compiled compiles it)")
+        if e.setting == "verify":
+            return None, str(e)
+        return op_measure(s, batch, sequences, str(e) + " (--compiled compiles it)")
+
+
+def op_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
+               whole: str = "") -> tuple[dict | None, str]:
+    """The kernel priced per op (`mkc.perf.op_measures.assemble`): each op body's measure by
+    its key, compiled alone when missing; or None and why (`whole`: why no whole-kernel
+    measure) when not one op could be priced compiled (no libtpu for the generation)."""
+    from mkc.perf import bundles, op_measures
+    if not bundles.libtpu_version():
+        return None, "libtpu is not installed, so nothing can compile" + (
+            f"; {whole}" if whole else "")
+    m = op_measures.assemble(s, batch, sequences)
+    if not any(r["group"] == "op" for r in m["rows"]):
+        counted = m["op_level"]["ops_counted"]
+        why = ("no op body of the kernel is measured, and compiling one alone is off "
+               "(MKC_OP_COMPILE=0)" if not op_measures.compiling() else
+               "no op of the kernel could be compiled alone: "
+               + "; ".join(f"{k}: {v}" for k, v in sorted(counted.items())[:3]))
+        return None, f"{whole}; {why}" if whole else why
+    return m, ""
 
 
 def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
@@ -299,12 +321,14 @@ def report(m: Modelled) -> dict[str, Any]:
     pictured = res.concrete()
     return {
         "modelled": True,
-        "priced_by": (f"compiled: the cycles libtpu {measure['libtpu']} scheduled for the "
+        "priced_by": (op_priced_by(measure) if measure and "op_level" in measure else
+                      f"compiled: the cycles libtpu {measure['libtpu']} scheduled for the "
                       f"{measure['kernel']} kernel at {measure['batch']} "
                       f"{'sequences' if sequences else 'rows'} (mkc.perf.bundles), at a "
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
                       "counted: the traced kernel's work at the chip's rates (mkc.perf.work; "
                       f"the MXUs loading weights at peak / (2 x column)), {m.counted_because}"),
+        "ops_counted": (measure or {}).get("op_level", {}).get("ops_counted", {}),
         "validation": validation_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
@@ -343,6 +367,30 @@ def report(m: Modelled) -> dict[str, Any]:
     }
 
 
+def op_priced_by(measure: dict) -> str:
+    from mkc.perf.op_measures import describe
+    return describe(measure)
+
+
+# How far the count has been from the compiled price (issue 51: the shipped specs and their
+# neighbours, counted against compiled): a report priced by the count says so first.
+COUNTED_OFF = "1.7-4.2x"
+
+
+def counted_warning(rep: dict[str, Any]) -> str | None:
+    """The line a report priced by the count, wholly or for some ops, opens with; None when
+    every op is priced compiled."""
+    if rep["priced_by"].startswith("counted"):
+        what = "COUNTED PRICE, not compiled"
+    elif rep.get("ops_counted"):
+        what = (f"PARTLY COUNTED PRICE: {len(rep['ops_counted'])} op(s) counted, not compiled "
+                f"({', '.join(sorted(rep['ops_counted']))})")
+    else:
+        return None
+    return (f"{what}: counted prices have been {COUNTED_OFF} off the compiled price of the same "
+            f"kernel and can reverse rankings (why: see `priced by`)")
+
+
 def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[str, Any]]:
     """One entry per op and layer kind, costliest first: its work as counted from the emitted
     kernel (per call: per batch row for vector work, matrix values as loaded into the MXU),
@@ -358,7 +406,13 @@ def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[
         source = work.source_of(kind, op)
         if ow.dynamic_loop:
             source += " (a loop of run-time length inside it counted once per call)"
-        if measure is not None:
+        level = (measure or {}).get("op_level", {})
+        if measure is not None and level:
+            row = f"{kind}.{op}"
+            source = (f"compiled per op: {level['origin'][row]} ({source})"
+                      if row in level["origin"] else
+                      f"counted: {level['ops_counted'].get(row, 'no measure')} ({source})")
+        elif measure is not None:
             source = (f"compiled: row {kind}.{op} of libtpu {measure['libtpu']}'s LLO of the "
                       f"{measure['kernel']} kernel ({source})" if f"{kind}.{op}" in rows else
                       f"counted: the compiled kernel has no row {kind}.{op} ({source})")
@@ -383,7 +437,8 @@ HBM_PERCENTAGES = ("% of the HBM floor: the floor (the step's bytes at peak band
 def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
     ms = lambda x: f"{x * 1e3:8.3f}"     # noqa: E731
     step = rep["step_seconds"]
-    lines = [
+    warning = counted_warning(rep)
+    lines = ([warning] if warning else []) + [
         f"{rep['schedule']} ({rep['model']}) on {rep['topology']}, "
         + (f"batch {rep['batch']}" if not rep.get("verify") else
            f"verify step of {rep['verify']['rows']} rows x {rep['verify']['sequences']} sequences "

@@ -30,12 +30,13 @@ The spec written is the best candidate's text with, for each statement a change 
 comments it owns that state numbers (they quote the old value or its modelled figures)
 replaced by one note of the change (`mkc.perf.comments` has the rule); other comments stay.
 
-Candidates are priced by the input's compiled measures (`mkc.perf.bundles`, cached or shipped;
-`--compiled` compiles them when missing): each op's cycles a call as libtpu scheduled them for
-the input, and a weight read at its op's cycles per weight value, so a candidate's tiles cost
-their values; a collective's sums keep the input's cycles. The written spec's own kernel is not
-compiled (`mkc perf --compiled OUT` prices it). Without a measure, candidates are counted.
-Times are modelled (`mkc.perf`), not measured.
+Every candidate is priced compiled, as `mkc perf` prices it: by its own kernel's whole-kernel
+measure where one is cached (the input's, with `--compiled` compiled when missing), else per op
+(`mkc.perf.op_measures`): each op body by the measure of that body (shipped, cached, or compiled
+alone the first time a candidate needs it, seconds), collectives' and kernel statements' cycles
+from a whole-kernel measure of the spec at that batch. Only where nothing can compile (no
+libtpu) are candidates counted, and the table says so first. Times are modelled (`mkc.perf`),
+not measured.
 """
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ from mkc.lang.parser import parse
 from mkc.lang.statements.collectives import scatter_text
 from mkc.perf.comments import drop_stale_comments
 from mkc.perf.run import kernel_measure, step_model
-from mkc.perf.work import kernel_work
 from mkc.resolve import resolve
 from mkc.resolve.collectives import overlap_window
 
@@ -483,11 +483,11 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     """Coordinate descent over the spec's knobs (module docstring); `budget` caps the
     evaluations (the first, of the spec as written, included); `select` keeps only some
     knobs; a candidate leaving less than `min_headroom` bytes of VMEM in a kernel is
-    refused. `evaluated` is called after each evaluation (a progress bar's tick). Every
-    candidate is priced by the input's compiled measures (`compiled` as
-    `run.kernel_measure` takes it): an op's cycles a call, and a weight read at the op's
-    cycles per weight value, so a candidate's tiles cost their values; without a measure,
-    counted."""
+    refused. `evaluated` is called after each evaluation (a progress bar's tick). The input
+    is priced by its compiled measures (`compiled` as `run.kernel_measure` takes it), every
+    other candidate by its own kernel's, whole where cached, else per op
+    (`mkc.perf.op_measures`); counted only with `compiled` False or where nothing
+    compiles."""
     t0 = time.perf_counter()
     log = log or (lambda _: None)
     evaluated = evaluated or (lambda: None)
@@ -498,8 +498,7 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     batches = sorted({s0.batch_min, s0.batch_max})
     measures = {b: kernel_measure(s0, b, compiled=compiled, on_compile=on_compile)
                 for b in batches}
-    works = {b: kernel_work(s0, b) for b in batches}
-    priced_by = _priced_by(measures)
+    how: dict[str, int] = {"whole kernel": 0, "per op": 0, "counted": 0}
     cache: dict[tuple, Evaluation] = {}
     rejected = short = 0
     history: list[str] = []
@@ -524,9 +523,12 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
                 rejected += 1
                 return ev
             ev.ok = True
-            ev.steps = {b: step_model(s, b, s.context, keep_timeline=False,
-                                      compiled=measures[b][0], compiled_work=works[b]).step_s
-                        for b in batches}
+            ev.steps = {}
+            for b in batches:
+                m = measures[b][0] if config == start else _candidate_measure(s, b, compiled)
+                ev.steps[b] = step_model(s, b, s.context, keep_timeline=False,
+                                         compiled=m).step_s
+                how[_how(m)] += 1
         except MkcError as e:
             ev.error = e.diagnostics[0].code
             rejected += 1
@@ -568,7 +570,19 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         ev, msg = moved
         accept(ev, f"{msg}: {_ms(ev)}")
     return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
-                      batches, history, min_headroom, short, priced_by)
+                      batches, history, min_headroom, short, _priced_by(measures, how))
+
+
+def _candidate_measure(s: ir.ScheduleIR, batch: int, compiled: bool | None) -> dict | None:
+    """A candidate's compiled measure: its whole kernel's if cached, else per op (compiling
+    missing op bodies alone); None (counted) with `compiled` False or nothing compiling."""
+    if compiled is False:
+        return None
+    return kernel_measure(s, batch, compiled=None)[0]
+
+
+def _how(m: dict | None) -> str:
+    return "counted" if m is None else "per op" if "op_level" in m else "whole kernel"
 
 
 def _respend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Evaluation],
@@ -609,16 +623,15 @@ def _respend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Ev
     return found
 
 
-def _priced_by(measures: dict[int, tuple[dict | None, str]]) -> str:
-    """What the candidates' steps are priced by, per batch."""
-    if not any(m for m, _ in measures.values()):
-        return ("counted: no compiled measure of the input's kernels is cached (--compiled "
-                "compiles them)")
-    parts = []
-    for b, (m, why) in measures.items():
-        parts.append(f"B{b}: libtpu {m['libtpu']}'s cycles for the input's kernel, a weight "
-                     "read at its op's cycles per weight value" if m else f"B{b}: counted, {why}")
-    return "; ".join(parts)
+def _priced_by(measures: dict[int, tuple[dict | None, str]], how: dict[str, int]) -> str:
+    """What the steps are priced by: "counted: ..." when any was counted."""
+    steps = ", ".join(f"{n} {k}" for k, n in how.items() if n)
+    whys = "; ".join(f"B{b}: {why}" for b, (m, why) in measures.items() if m is None and why)
+    if how["counted"]:
+        return (f"counted where nothing compiled: steps priced {steps} (mkc.perf.op_measures)"
+                + (f"; {whys}" if whys else ""))
+    return (f"compiled: steps priced {steps} (per op: each op body's libtpu cycles, "
+            "mkc.perf.op_measures)")
 
 
 def _ms(ev: Evaluation) -> str:
@@ -633,6 +646,9 @@ def table(res: TuneResult, spec: str) -> str:
              f"objective: mean modelled step over batches "
              f"{', '.join(map(str, res.batches))} (modelled, not measured)",
              f"  priced by {res.priced_by}"]
+    if res.priced_by.startswith("counted"):
+        lines.insert(0, "COUNTED PRICES, not compiled, for some steps: counted prices have been "
+                        "1.7-4.2x off compiled ones and can reverse rankings")
     changed = res.changed()
     if not changed:
         lines.append("no change found that shortens the modelled step; the spec is kept as is")

@@ -308,7 +308,9 @@ def _same_as(plan: Plan, first: Plan) -> str:
 def _steps_text(c: Checked, max_models: int) -> str:
     if not c.steps:
         return f"not modelled (only the first {max_models} that pass are: --models)"
-    return ", ".join(f"B{b} {t * 1e3:.3f} ms" for b, t in c.steps.items()) + " (modelled)"
+    counted = "; ".join(f"B{b}: {why}" for b, why in c.counted.items())
+    return (", ".join(f"B{b} {t * 1e3:.3f} ms" for b, t in c.steps.items()) + " (modelled"
+            + (f"; COUNTED in part, not compiled: {counted}" if counted else "") + ")")
 
 
 def finish(original: str, best: Checked, file: str, model: str | None, sched: ast.Schedule,
@@ -403,10 +405,11 @@ def nearest_slice(sched: ast.Schedule, text: str, file: str, model: str | None, 
     return None
 
 
-# Candidates are new layouts, none compiled: both slices' steps are counted (`mkc.perf.work`).
-PRICED_BY = ("counted: a candidate is a layout no compiled measure exists for, so the step "
-             "before and after are both the traced kernel's counted work at the chips' rates; "
-             "`mkc perf --compiled OUT` prices the written spec by the cycles libtpu schedules")
+# Candidates are new layouts: each is priced as `mkc perf` prices it, per op.
+PRICED_BY = ("compiled per op where it can be: each op body of a candidate's kernel by its "
+             "measure (shipped, cached, or compiled alone; mkc.perf.op_measures), collectives "
+             "counted; an op nothing can compile (no libtpu) is counted (mkc.perf.work); "
+             "`mkc perf --compiled OUT` prices the written spec by its whole kernel")
 
 
 def summary(res: RetargetResult) -> str:

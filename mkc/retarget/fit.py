@@ -18,7 +18,7 @@ from mkc.checks import run_checks
 from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse
 from mkc.perf import tune
-from mkc.perf.run import step_model
+from mkc.perf.run import kernel_measure, step_model
 from mkc.resolve import resolve
 from mkc.retarget.edit import TextEdits
 
@@ -34,6 +34,8 @@ class Checked:
     events: list
     notes: list[str] = field(default_factory=list)
     steps: dict[int, float] = field(default_factory=dict)
+    # batch -> why its kernel (or some of its ops) is counted rather than priced compiled
+    counted: dict[int, str] = field(default_factory=dict)
 
     @property
     def objective(self) -> float:
@@ -41,8 +43,15 @@ class Checked:
 
     def model(self) -> None:
         s = self.ir
-        self.steps = {b: step_model(s, b, s.context, keep_timeline=False).step_s
-                      for b in sorted({s.batch_min, s.batch_max})}
+        # priced as `mkc perf` prices it: compiled per op (each op body measured or compiled
+        # alone), counted only where nothing compiles
+        self.steps, self.counted = {}, {}
+        for b in sorted({s.batch_min, s.batch_max}):
+            m, why = kernel_measure(s, b)
+            self.steps[b] = step_model(s, b, s.context, keep_timeline=False, compiled=m).step_s
+            ops = (m or {}).get("op_level", {}).get("ops_counted", {})
+            if m is None or ops:
+                self.counted[b] = why if m is None else f"{', '.join(sorted(ops))} counted"
 
 
 def check(text: str, file: str, model: str | None) -> tuple[ir.ScheduleIR, list]:

@@ -9,7 +9,16 @@ from mkc.compiler import check_spec
 from tests_support import ROOT, SPEC
 
 
-def test_perf_text_is_labelled_modelled_with_breakdown_and_stalls(capsys):
+@pytest.fixture
+def no_op_measures(tmp_path, monkeypatch):
+    """No op measured (shipped or cached): an unshipped kernel is counted (tests compile no op
+    alone: MKC_OP_COMPILE=0)."""
+    from mkc.perf import op_measures
+    monkeypatch.setattr(op_measures, "DATA", tmp_path / "shipped_ops")
+    monkeypatch.setenv("MKC_OP_CACHE", str(tmp_path / "ops"))
+
+
+def test_perf_text_is_labelled_modelled_with_breakdown_and_stalls(capsys, no_op_measures):
     assert main(["perf", str(SPEC), "--model", "qwen3_8_mini", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "modelled, not measured" in out and "modelled step:" in out
@@ -184,8 +193,10 @@ def test_a_kernel_libtpu_does_not_compile_is_a_diagnostic_at_the_target_line(tmp
     def refuse(s, kernel, batch, **kw):
         raise bundles.BundleError(f"libtpu did not compile the {kernel} kernel of {s.name} for "
                                   f"{s.topology}: no such generation")
+    from mkc.perf import op_measures
     monkeypatch.setattr(bundles, "measure", refuse)
     monkeypatch.setattr(bundles, "DATA", tmp_path / "shipped")
+    monkeypatch.setattr(op_measures, "DATA", tmp_path / "shipped_ops")   # no op measured either
     monkeypatch.setenv("MKC_BUNDLE_CACHE", str(tmp_path / "cache"))
     for flag, hint in (("--bundles", "without --bundles"), ("--compiled", "--counted")):
         assert main(["perf", str(SPEC), flag, "--batch", "1"]) == 1
@@ -197,7 +208,8 @@ def test_a_kernel_libtpu_does_not_compile_is_a_diagnostic_at_the_target_line(tmp
     assert json.loads(capsys.readouterr().out)["perf"]["priced_by"].startswith("counted:")
 
 
-def test_the_step_is_priced_as_compiled_where_a_measure_is_shipped_and_counted_elsewhere(capsys):
+def test_the_step_is_priced_as_compiled_where_a_measure_is_shipped_and_counted_elsewhere(
+        capsys, no_op_measures):
     """By default no compile: a shipped spec's kernels are priced by their shipped measures; a
     kernel without one (another model, a verify width the module does not build) is counted
     and says why; --counted counts a shipped one too."""
@@ -207,7 +219,7 @@ def test_the_step_is_priced_as_compiled_where_a_measure_is_shipped_and_counted_e
     assert priced(str(SPEC), "--batch", "1").startswith("compiled: the cycles libtpu")
     mini = priced(str(SPEC), "--model", "qwen3_8_mini", "--batch", "1")
     assert mini.startswith("counted:") and "no bundles measured" in mini
-    assert mini.endswith("(--compiled compiles it)")
+    assert "(--compiled compiles it)" in mini and "MKC_OP_COMPILE=0" in mini   # tests: off
     verify = priced(str(SPEC), "--verify", "3")
     assert verify.startswith("counted:") and "pass --verify 8" in verify
     assert priced(str(SPEC), "--batch", "1", "--counted") == (
