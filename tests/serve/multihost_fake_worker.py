@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     skew = "--skew" in argv
     argv = [a for a in argv if a != "--skew"]
 
-    def load_served(spec, model, batch=None, seed=0, tokenizer=None):
+    def load_served(spec, model, batch=None, seed=0, tokenizer=None, place=True):
         gen = serve_fakes.fake_module()
         if skew:
             step = gen.make_decode_step
