@@ -72,8 +72,8 @@ def micro_seconds(case: dict, m: Model) -> float:
     """The model's price of one published micro-case on the host `m` models (rank 0)."""
     r = m.rates
     if "copy" in case:
-        return m.stage_seconds(2, 1 if case["copy"] == "sibling" else m.s.cores_per_chip,
-                               case["bytes"])
+        return r.collective_entry_s + m.stage_seconds(
+            2, 1 if case["copy"] == "sibling" else m.s.cores_per_chip, case["bytes"])
     if "stream" in case:
         eng = DmaEngine(r.hbm_stream_bytes_per_s, r.dma_issue_s, r.dma_overhead_bytes,
                         int(r.dma_queues))

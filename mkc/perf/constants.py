@@ -43,6 +43,7 @@ class Rates:
     sibling_bytes_per_s: float   # a remote copy to the other core of the same chip
     sibling_copy_s: float        # its fixed cost
     remote_issue_s: float        # issuing one remote copy: the next starts this much later
+    collective_entry_s: float    # of a lone copy's fixed cost, the part a collective pays once
     ici_hop_s: float             # each chip-to-chip hop past the first
     step_fixed_s: float          # per step outside the kernel: dispatch, XLA glue, barrier
     provenance: dict = dataclasses.field(default_factory=dict, compare=False)

@@ -428,7 +428,8 @@ class Model:
         bytes; the round ends when the last has landed. This core's copies to one chip share its
         link there (`ici_link_bytes_per_s`), and every rank runs the round at once (its own
         group's), so every core of this chip sends as many bytes across chips as this one:
-        together at most `ici_chip_bytes_per_s`."""
+        together at most `ici_chip_bytes_per_s`. A round inside a collective: the part of the
+        copies' fixed cost a collective pays once (`collective_entry_s`) is not in it."""
         r = self.rates
         cpc = self.s.cores_per_chip
         base = self.rank - (self.rank // stride % size) * stride
@@ -444,15 +445,16 @@ class Model:
             links = max(cpc * len(far) * nbytes / r.ici_chip_bytes_per_s,
                         per_chip * nbytes / r.ici_link_bytes_per_s,
                         (len(far) - 1) * r.remote_issue_s + nbytes / r.ici_link_bytes_per_s)
-            t = r.ici_copy_s + max(0, hops - 1) * r.ici_hop_s + links
+            t = r.ici_copy_s - r.collective_entry_s + max(0, hops - 1) * r.ici_hop_s + links
         if sib:
-            t = max(t, len(far) * r.remote_issue_s + r.sibling_copy_s
+            t = max(t, len(far) * r.remote_issue_s + r.sibling_copy_s - r.collective_entry_s
                     + len(sib) * nbytes / r.sibling_bytes_per_s)
         return t
 
-    def round_seconds(self, rd: Round) -> float:
-        """A round's sends and latency."""
-        return self.stage_seconds(rd.size, rd.stride, rd.nbytes)
+    def round_seconds(self, rd: Round, first: bool = False) -> float:
+        """A round's sends and latency; the `first` of its collective pays the entry too."""
+        return self.stage_seconds(rd.size, rd.stride, rd.nbytes) + (
+            self.rates.collective_entry_s if first else 0.0)
 
     def sums_seconds(self, rd: Round, kind: str, line: int) -> float:
         """A round's sums as counted, where the measure has no row for the collective's line
@@ -468,7 +470,7 @@ class Model:
         compiled, the cycles of the collective's spec line in `kind`'s layers; counted where
         the measure has no row for that line."""
         compiled = self.collective_cycles.get((kind, line))
-        total = 0.0
+        total = self.rates.collective_entry_s if rounds else 0.0
         for rd in rounds:
             total += self.stage_seconds(rd.size, rd.stride, rd.nbytes)
             if compiled is None:
@@ -633,7 +635,7 @@ class _Replay:
         key = (self.kind, tag.collective.op)
         if tag.part == "start":
             rounds = deque(tag.collective.rounds(m.batch, m.s.cores_per_chip))
-            self.in_flight[key] = (rounds, self.t + m.round_seconds(rounds[0]))
+            self.in_flight[key] = (rounds, self.t + m.round_seconds(rounds[0], first=True))
             return
         rounds, done = self.in_flight.pop(key)
         while True:
