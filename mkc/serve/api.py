@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from mkc.serve.engine import Engine, Event, QueueFull, Request, Stopped, Unfit
 from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
+from mkc.serve.stops import StopText
 
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5         # OpenAI's bounds: the legacy `logprobs`, chat's `top_logprobs`
@@ -206,42 +207,6 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Text | None = None
     tokens: TokenIds
-
-
-class _Text:
-    """A request's generated text as its tokens arrive, with its stop strings: what may be
-    sent so far (holding back a tail that could still begin a stop string) and whether a stop
-    string has appeared (the text is cut before it)."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.text, self.sent, self.stopped = "", 0, False
-        self._hold = max((len(s) for s in stop), default=1) - 1
-
-    def add(self, token: int) -> str:
-        """Take a token; the text that may now be sent."""
-        self.ids.append(token)
-        if self.tokenizer is None:
-            return ""
-        self.text = self.tokenizer.decode(self.ids)
-        for s in self.stop:
-            if (at := self.text.find(s)) >= 0:
-                self.text, self.stopped = self.text[:at], True
-                return self.flush()
-        ready = len(self.text) - self._hold
-        if self.text.endswith("\ufffd"):     # an incomplete UTF-8 sequence: wait for the rest
-            ready = min(ready, len(self.text) - 1)
-        return self._take(ready)
-
-    def flush(self) -> str:
-        return self._take(len(self.text))
-
-    def _take(self, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent:end], end
-        return out
 
 
 class _Logprobs:
@@ -547,7 +512,7 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
                 return None
             return lp.chat(start) if chat else lp.completion(start)
 
-        def next_text(text: _Text, lp: _Logprobs, event: Event) -> tuple[str, dict | None]:
+        def next_text(text: StopText, lp: _Logprobs, event: Event) -> tuple[str, dict | None]:
             """A streamed token's text to send and its logprobs entry."""
             lp.add(event, len(text.text))
             return text.add(event.token), logprobs_of(lp, len(lp.entries) - 1)
@@ -565,7 +530,7 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def sse() -> AsyncIterator[str]:
-                text, lp = _Text(tokenizer, stops), _Logprobs(tokenizer)
+                text, lp = StopText(tokenizer, stops), _Logprobs(tokenizer)
                 first, finish = True, None
                 async for event in events(req, http):
                     if event.error is not None:
@@ -593,7 +558,7 @@ def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> Fas
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        text, lp = _Text(tokenizer, stops), _Logprobs(tokenizer)
+        text, lp = StopText(tokenizer, stops), _Logprobs(tokenizer)
         start = len(echo or "")          # where the completion's text begins
         if sampling.prompt_logprobs:
             lp.add_prompt(prompt[0], None)
