@@ -221,7 +221,8 @@ class Engine:
 
     def _next_iteration(self) -> str | None:
         """Wait until there is work (or, idle with other processes, a sync is due), then begin
-        an iteration: "stop", "sync", "run", or None when admission left no row busy."""
+        an iteration: "stop" (the engine stops), "sync" (a SYNC launch is due) or "run" (the
+        scheduler admitted and planned an iteration, which may have nothing to run)."""
         with self._wake:
             while not self._stopping and self.scheduler.idle():
                 # idle: with other processes, confirm now and then that they are in step

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
+from mkc.serve.stops import stop_tokens
 
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5         # OpenAI's bounds: the legacy `logprobs`, chat's `top_logprobs`
@@ -362,14 +363,12 @@ class Reader:
 
     def sampling(self, body: _Sampling, max_tokens: int, logprobs: int | None,
                  echo: bool) -> SamplingParams:
-        stop_ids = set(body.stop_token_ids or [])
-        if not body.ignore_eos:
-            stop_ids |= self.served.eos_token_ids
         seed = body.seed if body.seed is not None else secrets.randbits(31)
+        stops = stop_tokens(body.stop_token_ids, self.served.eos_token_ids, body.ignore_eos)
         return SamplingParams(max_tokens=max_tokens,
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                              seed=seed % (1 << 31), stop_token_ids=frozenset(stop_ids),
+                              seed=seed % (1 << 31), stop_token_ids=stops,
                               logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
 
 

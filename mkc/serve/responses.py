@@ -154,8 +154,7 @@ class Responder:
                          "choices": [_delta(g.chat, delta, [event.token], None, lps, first)]}
                 first = False
                 yield f"data: {json.dumps(chunk)}\n\n"
-                if text.stopped:
-                    finish = "stop"
+                if (finish := text.finish) is not None:
                     break
             else:
                 finish = event.finish_reason
@@ -182,8 +181,7 @@ class Responder:
             elif event.token is not None:
                 lp.add(event, start + len(text.text))
                 await self.reader.off_loop(text.add, event.token)
-                if text.stopped:
-                    finish = "stop"
+                if (finish := text.finish) is not None:
                     break
             else:
                 finish = event.finish_reason

@@ -9,6 +9,12 @@ from typing import Any
 from mkc.serve.sampling import SamplingParams
 
 
+def stop_tokens(requested: list[int] | None, eos: frozenset[int], ignore_eos: bool) -> frozenset[int]:
+    """The tokens that end a request: those it asks for (`stop_token_ids`) and, unless it
+    ignores them (`ignore_eos`), the model's EOS tokens."""
+    return frozenset(requested or ()) | (frozenset() if ignore_eos else eos)
+
+
 def token_finish(sampling: SamplingParams, generated: list[int], prompt_tokens: int,
                  context: int) -> str | None:
     """The finish reason after a request's latest token (the last of `generated`), or None
@@ -32,6 +38,11 @@ class StopText:
         self.ids: list[int] = []
         self.text, self.sent, self.stopped = "", 0, False
         self._hold = max((len(s) for s in stop), default=1) - 1
+
+    @property
+    def finish(self) -> str | None:
+        """"stop" once a stop string appeared (the response ends there), else None."""
+        return "stop" if self.stopped else None
 
     def add(self, token: int) -> str:
         """Take a token; the text that may now be sent."""

@@ -11,7 +11,6 @@ from mkc.serve.device import Kind
 from mkc.serve.sampling import Sampled, SamplingParams
 from mkc.serve.scheduler import (Clear, Event, Policy, PrefillChunk, QueueFull, ReferencePrefill,
                                  Request, Scheduler, Speculate, Step, Unfit)
-from mkc.serve.stops import token_finish
 
 R = 3
 
@@ -196,10 +195,3 @@ def test_abort_ends_the_running_requests_and_keeps_the_waiting(loop):
     s.fail_all("gone")
     assert events(loop, b)[-1].error == "gone" and s.idle()
 
-
-def test_token_finish():
-    params = SamplingParams(max_tokens=3, stop_token_ids=frozenset({7}))
-    assert token_finish(params, [1, 7], prompt_tokens=2, context=16) == "stop"
-    assert token_finish(params, [1, 2], prompt_tokens=2, context=16) is None
-    assert token_finish(params, [1, 2, 3], prompt_tokens=2, context=16) == "length"
-    assert token_finish(params, [1, 2], prompt_tokens=15, context=16) == "length"
