@@ -1241,7 +1241,6 @@ def _frames_text(frames, n: int = 4) -> str:
 
 def _write_and_import(case: Case, c, d: Path) -> dict:
     """Write the module as `mkc compile -o out` does (into a package) and import it."""
-    import importlib.util
     import traceback
 
     from mkc import compiler, files
@@ -1260,9 +1259,7 @@ def _write_and_import(case: Case, c, d: Path) -> dict:
         return {"cls": "bad_output", "sig": why,
                 "detail": f"module name {_show(name, 80)}"}
     try:
-        spec = importlib.util.spec_from_file_location(f"_mkc_fuzz_{case.index}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        files.import_generated(path, name=f"_mkc_fuzz_{case.index}")
     except BaseException as e:          # noqa: BLE001
         frames = traceback.extract_tb(e.__traceback__)
         where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)

@@ -147,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mkc-bench-") as tmp:
         path = Path(tmp) / f"{compiler.module_name(c)}.py"
         files.write_atomically(path, c.module_source)
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = files.import_generated(path)
     interpret = None
     if not on_tpu:
         from mkc.interpret import lean_interpreter

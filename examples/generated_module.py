@@ -3,7 +3,6 @@ import the generated module (optionally a mutant of it); the reference trajector
 judged against; one kernel run compared step by step; the summary tail and exit status."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -436,10 +435,7 @@ def load_generated(spec: Path, model: str, mutants: str | dict[str, int | None] 
     stem = compiler.module_name(c) + "".join("__" + n.replace(".", "_") for n in mutants)
     out = Path(tempfile.mkdtemp(prefix="mkc-")) / f"{stem}.py"
     files.write_atomically(out, source)
-    mod_spec = importlib.util.spec_from_file_location(out.stem, out)
-    module = importlib.util.module_from_spec(mod_spec)
-    vars(module).update(_helpers(mutants))
-    mod_spec.loader.exec_module(module)
+    module = files.import_generated(out, namespace=_helpers(mutants))
     _mutate_lowering(module, mutants)
     _mutate_runtime(module, mutants)
     return module

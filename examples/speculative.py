@@ -49,7 +49,7 @@ from generated_module import (add_interpret_host_option, check_spec_and_model, i
 
 from mkc.arguments import int_at_least  # noqa: E402
 from mkc.checkpoint import family_of  # noqa: E402
-from mkc.serve.drafting import DraftModel, prompt_lookup  # noqa: E402
+from mkc.serve.drafting import DraftModel, accepted_rows, prompt_lookup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,9 +97,7 @@ def speculative_generate(gen, weights, prompt: list[int], new_tokens: int, rows:
                                                   np.array([position]), mesh=mesh,
                                                   interpret=interpret)
         predicted = np.asarray(next_token)[0].tolist()
-        accepted = 1               # the anchor; then each draft the model predicted itself
-        while accepted < len(row_tokens) and row_tokens[accepted] == predicted[accepted - 1]:
-            accepted += 1
+        accepted = accepted_rows(row_tokens, len(drafts), predicted)
         emitted = predicted[:accepted]          # accepted drafts, then the model's next token
         state = gen.commit(state, verified, np.array([accepted]))
         position += accepted

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -212,11 +211,10 @@ def compile_module(path: str, batch: int, verify_rows: int | None = None) -> dic
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    from mkc import files
     from mkc.target import topology_devices
 
-    spec = importlib.util.spec_from_file_location("generated_module", path)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = files.import_generated(path, name="generated_module")
     devices = topology_devices(gen.TOPOLOGY)
     if len(devices) != gen.RANKS:
         raise RankMismatch(f"{path}: the module runs on {gen.RANKS} ranks but topology "

@@ -1,13 +1,17 @@
 """Writing mkc's outputs (modules, specs, traces, pictures, measures) atomically: a failed run
-never leaves a partial file, and only regular files are replaced. Holds no compiler stage, so a
-writer imports nothing of the pipeline."""
+never leaves a partial file, and only regular files are replaced; and importing a generated
+module. Holds no compiler stage, so a writer imports nothing of the pipeline."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import stat
+import sys
 import tempfile
+import types
 from pathlib import Path
+from typing import Any
 
 
 NOT_REPLACEABLE = ("is not a regular file mkc may write (mkc replaces only regular files; a path "
@@ -69,3 +73,33 @@ def write_atomically(path: Path, content: str | bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def import_generated(path: str | os.PathLike | None = None, *, source: str | None = None,
+                     name: str | None = None, register: bool = False,
+                     namespace: dict[str, Any] | None = None) -> types.ModuleType:
+    """Import a generated module: the file at `path`, or its text `source` (written to a private
+    temporary directory first, so tracebacks show its lines), as `name` (default: the file's
+    stem). `namespace`: names set in the module before it runs (a test's stand-ins);
+    `register`: kept in sys.modules under `name`, for what looks the module up by name (its
+    dataclasses, pickling), and dropped again if it fails to import."""
+    if (path is None) == (source is None):
+        raise ValueError("import_generated takes a path or a source, not both")
+    if source is not None:
+        if name is None:
+            raise ValueError("import_generated of a source needs its name")
+        path = Path(tempfile.mkdtemp(prefix="mkc-module-")) / f"{name}.py"
+        path.write_text(source)
+    name = name or Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    vars(module).update(namespace or {})
+    if register:
+        sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        if register:
+            sys.modules.pop(name, None)
+        raise
+    return module

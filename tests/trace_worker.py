@@ -4,7 +4,6 @@ spec's geometry must survive before any backend sees it (static slices inside th
     python tests/trace_worker.py MODULE.py BATCH [MODULE.py BATCH ...]
 
 Prints `TRACED path` or `FAILED path: error` a module; exits 1 if any failed."""
-import importlib.util
 import os
 import sys
 
@@ -15,11 +14,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from mkc.files import import_generated  # noqa: E402
+
 
 def trace(path: str, batch: int) -> None:
-    spec = importlib.util.spec_from_file_location("generated_module", path)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = import_generated(path, name="generated_module")
     mesh = Mesh(np.array(jax.devices()[:gen.RANKS]), (gen.AXIS,))
     weights, state = gen.abstract_inputs(batch)
     rows = jax.ShapeDtypeStruct((batch,), np.int32)

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
 import math
-import sys
 import time
 import types
 from collections import defaultdict
@@ -37,7 +35,7 @@ import jax
 import jax.extend.core as jcore
 import numpy as np
 
-from mkc import ir
+from mkc import files, ir
 from mkc.model.contracts import body_of
 from mkc.runtime import scopes
 
@@ -301,11 +299,8 @@ def _kernel_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
 @lru_cache(maxsize=64)
 def _module(source: str) -> types.ModuleType:
     name = "mkc_priced_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module          # dataclasses in the module look themselves up here
-    exec(compile(source, f"<generated {name}>", "exec"), module.__dict__)
-    return module
+    # registered: dataclasses in the module look themselves up in sys.modules
+    return files.import_generated(source=source, name=name, register=True)
 
 
 def trace_module(module: types.ModuleType, batch: int,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mkc.serve.drafting import accepted_rows
 from mkc.serve.sampling import Sampled, greedy_rows, sample_rows, score_rows
 
 
@@ -248,11 +249,8 @@ class Device:
         def accept(logits: jax.Array) -> np.ndarray:
             sampled = jax.device_get(greedy_rows(logits.reshape(S * R, -1), width=launch.width))
             predicted = np.asarray(sampled.tokens).reshape(S, R)
-            counts = np.ones(S, np.int32)             # the anchor, then each matching draft
-            for i in range(S):
-                while (counts[i] <= launch.counts[i]
-                       and launch.tokens[i, counts[i]] == predicted[i, counts[i] - 1]):
-                    counts[i] += 1
+            counts = np.array([accepted_rows(launch.tokens[i], int(launch.counts[i]), predicted[i])
+                               for i in range(S)], np.int32)
             kept.append((sampled, counts))
             return counts
         self._verify(launch.rows, launch.tokens, launch.positions, accept)

@@ -1,9 +1,22 @@
-"""Drafters for speculative decoding: (context, n) -> up to n tokens that may follow it."""
+"""Speculative decoding's drafters, (context, n) -> up to n tokens that may follow it, and its
+acceptance rule."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+
+def accepted_rows(tokens: Sequence[int], drafts: int, predicted: Sequence[int]) -> int:
+    """The rows a verify launch of one sequence keeps: its anchor (`tokens[0]`) and each of its
+    `drafts` drafts (`tokens[1:]`) while the draft equals the model's own greedy choice after
+    the row before it (`predicted[i]`: the choice after row i). The tokens emitted are
+    `predicted[:accepted]`: the kept drafts, then the model's token after them, so the text is
+    plain greedy decoding's."""
+    accepted = 1
+    while accepted <= drafts and tokens[accepted] == predicted[accepted - 1]:
+        accepted += 1
+    return accepted
 
 
 def prompt_lookup(context: list[int], drafts: int, ngram: int = 2) -> list[int]:

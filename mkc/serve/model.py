@@ -7,15 +7,14 @@ module's ranks are virtual devices).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from mkc import files
 
 
 def prepare_devices(spec: str) -> None:
@@ -33,14 +32,9 @@ def prepare_devices(spec: str) -> None:
 
 
 def import_generated(source: str, name: str) -> Any:
-    """Import a generated module's text from a private temporary directory."""
-    path = Path(tempfile.mkdtemp(prefix="mkc-serve-")) / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """Import a generated module's text (from a private temporary directory), kept in
+    sys.modules under `name`."""
+    return files.import_generated(source=source, name=name, register=True)
 
 
 class TokenizerError(ValueError):

@@ -144,8 +144,7 @@ def test_a_full_server_answers_429():
             assert r.status_code == 429     # the row is free, but the waiter will take it
             assert ("the server is busy: 0 of 1 rows are busy and 1 requests wait for a row"
                     in r.json()["error"]["message"])
-            with engine._wake:
-                engine._admit()             # the waiter takes the row, as the engine's thread would
+            engine.scheduler.admit()        # the waiter takes the row, as the engine's thread would
             r = c.post("/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 1})
             assert r.status_code == 429
             assert ("the server is busy: all 1 rows are busy and 0 requests wait"

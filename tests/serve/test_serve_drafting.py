@@ -1,10 +1,19 @@
 """The drafters (mkc.serve.drafting): a draft model's drafts are its greedy continuation, from
-a kept cache that follows each request's context or from scratch alike."""
+a kept cache that follows each request's context or from scratch alike; the acceptance rule."""
 from __future__ import annotations
 
-from mkc.serve.drafting import DraftModel
+from mkc.serve.drafting import DraftModel, accepted_rows
 
 MODEL = "qwen3_8_mini"
+
+
+def test_acceptance_keeps_the_drafts_up_to_the_first_the_model_would_not_choose():
+    # the anchor 5, drafts 6 7 8 (a padding row after them), the model's choice after each row
+    tokens = [5, 6, 7, 8, 8]
+    assert accepted_rows(tokens, 3, [6, 7, 8, 9, 9]) == 4       # all kept
+    assert accepted_rows(tokens, 3, [6, 1, 8, 9, 9]) == 2       # 7 rejected: 8 with it
+    assert accepted_rows(tokens, 3, [0, 7, 8, 9, 9]) == 1       # the anchor alone
+    assert accepted_rows(tokens, 2, [6, 7, 8, 9, 9]) == 3       # the padding is no draft
 
 
 def test_a_draft_model_drafts_its_greedy_continuation_and_feeds_each_token_once():
