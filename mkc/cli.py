@@ -545,7 +545,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         if args.cmd == "compile":
             c = compiler.compile_spec(args.spec, args.model)
-            requantization = _requantization(c, args.model)     # may refuse: before writing
+            requantization = _requantization(c)     # may refuse: before writing
             out = compiler.module_path(c, args.out)
             files.write_atomically(out, c.module_source)
             from mkc import report
@@ -558,7 +558,7 @@ def _main(argv: list[str] | None) -> int:
         elif args.cmd == "check":
             try:
                 c = compiler.check_spec(args.spec, args.model)
-                requantization = _requantization(c, args.model)
+                requantization = _requantization(c)
             finally:            # libtpu's verdict matters most when mkc rejects a spec for VMEM
                 if args.confirm:
                     result["confirm"] = _confirm(args.spec, args.model, as_json)
@@ -622,13 +622,13 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _requantization(c, model: str | None) -> dict:
+def _requantization(c) -> dict:
     """What packing does to a checkpoint model's values in the spec's requantizing formats
     (MkcError at the format line where it cannot hold them as asked), and a checkpoint's
     every name, shape and value checked (MkcError at the model line). Only `check` and
     `compile` do it: it reads every value of the checkpoint."""
     from mkc.requantize import report
-    return report(c.ir, c.schedule, model)
+    return report(c.ir, c.schedule)
 
 
 def _print_requantization(rep: dict) -> None:

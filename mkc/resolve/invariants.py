@@ -216,7 +216,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("pools", "pooled matrices name layer kinds, their matrices and pool views", _pools),
     Invariant("stream", "every matmul has its stream entry (ring or pool)", _stream),
     Invariant("parity", "the vector block lays out layer kinds", _parity),
-    Invariant("phases", "every layer kind's schedule names its ops, buffers and views, at "
+    Invariant("kinds", "every layer kind's schedule names its ops, buffers and views, at "
                         "program points in range", _kinds),
     Invariant("buffers", "buffer names are unique, and scopes and the ring name real ones",
               _buffers),

@@ -66,8 +66,9 @@ def test_checks_run_in_list_order_and_stop_before_the_trace(full, monkeypatch):
     import mkc.checks
     from mkc.checks import CHECKS, Check
     from mkc.diagnostics import Diagnostic, Span
-    assert [c.name for c in CHECKS][:4] == ["hbm", "compiler_scratch", "buffer_fits", "kv_rings"]
-    assert not any(c.reads_trace for c in CHECKS[:4]) and all(c.reads_trace for c in CHECKS[4:])
+    assert [c.name for c in CHECKS][:5] == ["checkpoint", "hbm", "compiler_scratch", "buffer_fits",
+                                            "kv_rings"]
+    assert not any(c.reads_trace for c in CHECKS[:5]) and all(c.reads_trace for c in CHECKS[5:])
     assert len({c.name for c in CHECKS}) == len(CHECKS)
     ran = []
 
