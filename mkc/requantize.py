@@ -25,9 +25,9 @@ def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
 
 
 def dense_matrices(s: ir.ScheduleIR) -> list:
-    """Every kernel matrix of `s` as `mkc.layers.dense_formats.weights.Member`s: each loop
+    """Every kernel matrix of `s` as `mkc.model.channel_codes.Member`s: each loop
     layer's streamed ones (with their codes) and pooled ones, then the tail's."""
-    from mkc.layers.dense_formats.weights import Member
+    from mkc.model.channel_codes import Member
     out = []
     for layer, kind in enumerate(s.layer_kinds):
         out += [Member(layer, kind, f.name, f.codes, f.format_class) for f in s.stream.families[kind]]
@@ -37,8 +37,8 @@ def dense_matrices(s: ir.ScheduleIR) -> list:
 
 def dense_requantization(s: ir.ScheduleIR, weights, hf, dims, classes) -> tuple[dict, dict]:
     """The checkpoint tensors `classes` (dense, stored as codes) read, as the kernel holds them,
-    and the error per class (`mkc.layers.dense_formats.weights.requantization`)."""
-    from mkc.layers.dense_formats import weights as dense
+    and the error per class (`mkc.model.channel_codes.requantization`)."""
+    from mkc.model import channel_codes as dense
     from mkc.model.sharding import ShardTable
     tensors = dense.sources(weights, hf, dims, s.per_rank, ShardTable.of(s.shards, s.ranks),
                             dense_matrices(s))

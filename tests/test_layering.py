@@ -249,3 +249,16 @@ def test_what_a_spec_check_loads_of_the_layer_library_holds_no_jax():
         reached = _reached(graph, package)
         assert [m for m in reached if m.endswith(compute) or m.startswith("mkc.runtime")] == [], package
         assert [m for m in reached if "jax" in _external_imports(m)] == [], package
+
+
+def test_the_runtime_and_the_model_interface_import_nothing_of_the_layer_library():
+    """The layer library is built on the model interface (`mkc.model`) and the in-kernel
+    runtime (`mkc.runtime`), never the reverse: no module of either imports a module of
+    `mkc.layers`, anywhere in its body (what both need, jax-free, lives below, as the
+    per-column requantization `mkc.model.channel_codes`)."""
+    graph = _graph()
+    below = [m for m in graph if m.startswith(("mkc.runtime.", "mkc.model."))]
+    assert len(below) >= 15
+    upward = {m: sorted(d for d in graph[m] if d == "mkc.layers" or d.startswith("mkc.layers."))
+              for m in below}
+    assert {m: d for m, d in upward.items() if d} == {}
