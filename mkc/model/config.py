@@ -137,7 +137,9 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     family = registry.for_model_type(model_type)
     if family is None:
         raise fail("E-MODEL", f"model family {model_type!r} is not supported", where,
-                   hint=f"supported families: {', '.join(registry.model_types())}")
+                   hint=f"supported families: {', '.join(registry.model_types())}; to add one, "
+                        "see docs/extending.md, 'A new model family' (a type computed as a "
+                        "supported family computes it is that family's alias)")
     try:
         dims = read_checked_dims(family.read_dims, raw, model_name(path))
         eos_token_ids(raw, dims.vocab_size)
