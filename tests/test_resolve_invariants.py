@@ -54,15 +54,18 @@ def test_a_matmul_without_its_stream_entry_is_named_after_the_pass_that_dropped_
     assert "a bug in mkc" in message
 
 
-def test_a_step_point_out_of_range_is_refused(monkeypatch):
+@pytest.mark.parametrize("after, field", [("phases", "phase_schedules"), ("kinds", "kinds")])
+def test_a_step_point_out_of_range_is_refused(monkeypatch, after, field):
+    """In a layer kind's schedule as its phase writes it, and as assembled."""
     def late_wait(s):
-        kname = next(k for k, ks in sorted(s.kinds.items()) if ks.transfers)
-        k = s.kinds[kname]
+        schedules = getattr(s, field)
+        kname = next(k for k, ks in sorted(schedules.items()) if ks.transfers)
+        k = schedules[kname]
         t = dataclasses.replace(k.transfers[0], waits=(len(k.ops) + 3,))
-        kinds = {**s.kinds, kname: dataclasses.replace(k, transfers=[t, *k.transfers[1:]])}
-        return dataclasses.replace(s, kinds=kinds)
-    message = _corrupted_after(monkeypatch, "kinds", late_wait)
-    assert "after resolve pass 'kinds'" in message and "outside 0.." in message
+        changed = {**schedules, kname: dataclasses.replace(k, transfers=[t, *k.transfers[1:]])}
+        return dataclasses.replace(s, **{field: changed})
+    message = _corrupted_after(monkeypatch, after, late_wait)
+    assert f"after resolve pass {after!r}" in message and "outside 0.." in message
 
 
 def test_a_collective_after_an_op_the_kind_lacks_is_refused(monkeypatch):
