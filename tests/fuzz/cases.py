@@ -2,6 +2,7 @@
 writes (`Case.materialize`)."""
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -26,6 +27,7 @@ class Base:
     config: str          # shipped config (stem) the check resolves against
 
 
+@functools.cache
 def bases() -> dict[str, Base]:
     """Every shipped spec, checked with a MINI config where one divides its mesh (small traces,
     every construct) and with its own full config where that checks in about a second."""
@@ -64,6 +66,8 @@ def models_steps(seed: int, index: int) -> bool:
     """Whether case `index` also runs the step-time model when accepted (drawn apart from the
     mutation's stream, so adding it kept every earlier case as it was)."""
     return random.Random(f"mkc-fuzz-perf:{seed}:{index}").random() < PERF_FRACTION
+
+
 BASE_WEIGHTS = {"qwen_mini": 25, "qwen_full": 8, "k3_mini": 20, "k3_64_mini": 10,
                 "qwen16_mini": 10, "qwen_v6e_mini": 8, "moe_mini": 14, "moe_397b_full": 5}
 
@@ -112,7 +116,6 @@ class Case:
         spec = d / "spec.sched"
         spec.write_bytes(self.spec)
         return spec
-
 
 
 def split_lines(text: str) -> list[str]:

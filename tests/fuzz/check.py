@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fuzz.cases import Case, normalized, shown
 
+
 def _safe_module_name(name: str) -> str | None:
     import keyword
     if not name.isidentifier() or not name.isascii():
@@ -18,7 +19,6 @@ def _safe_module_name(name: str) -> str | None:
     if name in sys.stdlib_module_names or name in {"jax", "numpy", "mkc", "lark", "jinja2"}:
         return "module name shadows a standard or installed module"
     return None
-
 
 
 def run(case: Case, d: Path, res: dict) -> dict:
@@ -37,7 +37,6 @@ def run(case: Case, d: Path, res: dict) -> dict:
     return {"cls": "ok"}
 
 
-
 def _model_steps(s) -> None:
     """`mkc perf` on an accepted spec: its smallest and largest batch, and its verify step."""
     from mkc import perf
@@ -45,7 +44,6 @@ def _model_steps(s) -> None:
     perf.run(s, s.batch_max)
     if s.verify_rows:
         perf.run(s, None, None, s.verify_rows)
-
 
 
 def _write_and_import(case: Case, c, d: Path) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 from fuzz.cases import Case, split_lines
 from fuzz.mutations import LINE_BREAKS
 
+
 def _comment_texts(text: str) -> list[str]:
     """The comments as the grammar reads them (`#` to the line feed, outside strings), their
     trailing whitespace aside (fmt drops it)."""

@@ -264,7 +264,6 @@ def main() -> int:
     return 1 if failed else 0
 
 
-
 # ---- the campaign's `lsp` target -------------------------------------------------------------
 
 SESSION_SECONDS = 10.0          # each owed answer of a case's session is awaited this long

@@ -244,7 +244,6 @@ def mut_truncate(rng, b: Base, case: Case):
     return b.spec[:pos]
 
 
-
 _ITEM = r"[A-Za-z_][\w.]*(?:\s*->\s*[A-Za-z_][\w.]*)?"        # `o_proj`, `state.conv -> conv_buf`
 # a comma-separated list (two or more items), or one item alone after `KEY:` (a stream line)
 _LIST = re.compile(rf"{_ITEM}(?:[ \t]*,[ \t]*{_ITEM})+|(?<=:)[ \t]*{_ITEM}(?=[ \t]*(?:#|$))", re.M)

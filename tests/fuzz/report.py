@@ -6,6 +6,7 @@ from __future__ import annotations
 from fuzz.cases import BASE_WEIGHTS, CLASSES, FAILURE_CLASSES
 from fuzz.targets import TARGETS, make_case, reproducer
 
+
 def summarize(results: list[dict], seed: int, compile_fraction: float, kind: str | None = None,
               target: str = "check") -> dict:
     by_class = {c: 0 for c in CLASSES}

@@ -122,6 +122,7 @@ KINDS = {
 }
 # the kinds that change only the spec's text (what `mkc fmt` reads)
 
+
 def run(case: Case, d: Path, res: dict) -> dict:
     """`mkc retarget spec.sched --target ... --models ... -o ...` as the command line runs it:
     its argument errors are argparse's usage messages; the input must be left as it was and

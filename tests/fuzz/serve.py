@@ -481,7 +481,6 @@ def main() -> int:
     return 1 if bad else 0
 
 
-
 # ---- the campaign's `serve` target -----------------------------------------------------------
 
 def kinds() -> dict:

@@ -14,6 +14,7 @@ from fuzz import check, fmt, retarget
 from fuzz.cases import BASE_WEIGHTS, CONFIG_DIR, MINI_BASES, Case, bases, models_steps, shown, split_lines
 from fuzz.mutations import MUTATIONS, SPEC_TEXT_KINDS
 
+
 class TargetUnavailable(Exception):
     """A target's module cannot be imported here (the serve target needs httpx, say)."""
 
@@ -96,8 +97,6 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-
-
 def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | None = None,
               target: str = "check") -> Case:
     """Case `index` of the campaign with this seed (and --kind, --target): a pure function of
@@ -123,7 +122,7 @@ def make_case(seed: int, index: int, compile_fraction: float = 0.2, kind: str | 
 
 def reproducer(case: Case, limit: int = 200) -> str:
     """The case as a diff against its base (spec and config), its files and the command."""
-    b = (bases())[case.base]
+    b = bases()[case.base]
     new = case.spec.decode("utf-8", errors="backslashreplace")
     out = []
     if new != b.spec:

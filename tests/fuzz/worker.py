@@ -12,13 +12,13 @@ from pathlib import Path
 from fuzz.cases import Case, normalized
 from fuzz.targets import TARGETS, TargetUnavailable, make_case
 
+
 def _mkc_frame(tb_frames, mkc_dir: str) -> str:
     inner = [f for f in tb_frames if f.filename.startswith(mkc_dir)]
     if not inner:
         return "no mkc frame"
     f = inner[-1]
     return f"mkc/{os.path.relpath(f.filename, mkc_dir)}:{f.name}"
-
 
 
 def run_case(case: Case, work: Path) -> dict:
@@ -86,14 +86,12 @@ def _diagnostic_outcome(e, source: str, stage: str) -> dict:
             "detail": "; ".join(bad) + f" | {str(e)[:300]}"}
 
 
-
 class CaseTimeout(BaseException):
     """Raised in a worker by SIGUSR2 when its case overran (not an Exception: mkc cannot catch it)."""
 
 
 def _frames_text(frames, n: int = 4) -> str:
     return "\n".join(f"  {f.filename}:{f.lineno} in {f.name}" for f in frames[-n:])
-
 
 
 def worker_main(work: str, mem_bytes: int, timeout: float, compile_fraction: float,
