@@ -33,13 +33,13 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from mkc.diagnostics import MkcError, Span, fail
 from mkc.model import fp8_blocks, registry
-from mkc.model.config import MAX_CONFIG_BYTES, read_json
+from mkc.model.config import INDEX_FILE, MAX_CONFIG_BYTES, read_json
 from mkc.model.family import ExpertLayout, Family, stored_dtypes
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 _MAX_LISTED = 8
 # Caps on what is read of a file before it is trusted: full K3's index (497,052 tensors) is
@@ -57,6 +57,13 @@ class CheckpointError(Exception):
     def __init__(self, message: str, hint: str = _FIX_FILES):
         super().__init__(message)
         self.hint = hint
+
+
+def checkpoint_error(e: CheckpointError, span: Span) -> MkcError:
+    """A CheckpointError as a diagnostic at `span` (the spec's `model` line): its first line the
+    message, each listed problem (a tensor and what is wrong with it) a note."""
+    first, *problems = str(e).split("\n  ")
+    return fail("E-CHECKPOINT", first.rstrip(":"), span, hint=e.hint, notes=problems)
 
 
 class _MissingFile(CheckpointError):

@@ -33,6 +33,34 @@ def _source(path: str) -> str | None:
     return None
 
 
+def _perf_args(p: argparse.ArgumentParser) -> None:
+    """`mkc perf`'s own options: the step modelled, and what it writes or reports."""
+    p.add_argument("--batch", type=int_at_least(1),
+                   help="rows per step (default: the spec's largest)")
+    p.add_argument("--context", type=int_at_least(0),
+                   help="tokens in the KV cache (default: the spec's context)")
+    p.add_argument("--verify", type=int_at_least(1), metavar="R",
+                   help="model the verify step of R rows per sequence instead (--batch: "
+                        "sequences, default the spec's fewest)")
+    p.add_argument("--acceptance", type=float_at_least(1), metavar="A",
+                   help="with --verify: tokens accepted per sequence and launch, for tok/s "
+                        "(default R)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the modelled step as a Chrome/Perfetto trace-event JSON "
+                        "file (open it at ui.perfetto.dev or chrome://tracing)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write a picture (.png, .svg or .pdf by suffix) of the modelled "
+                        "step for one rank: VMEM by class, a DMA Gantt chart, HBM "
+                        "bandwidth utilisation")
+    p.add_argument("--bundles", action="store_true",
+                   help="report what libtpu compiles instead: the kernel's instruction "
+                        "bundles per op, collective and copy, from its final LLO "
+                        "(compile-only; cached, compiled when missing)")
+    p.add_argument("--op", metavar="ROW",
+                   help="with --bundles: also show this row's (e.g. gdn.in_proj) slot "
+                        "use and hottest bundle region")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mkc", description="Schedule compiler for TPU decode megakernels")
     ap.add_argument("--version", action="version", version=f"mkc {mkc.__version__}")
@@ -87,30 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                                help="price the traced kernel's counted work at the chip's "
                                     "rates, even where a compiled measure is cached")
         if name == "perf":
-            p.add_argument("--batch", type=int_at_least(1),
-                           help="rows per step (default: the spec's largest)")
-            p.add_argument("--context", type=int_at_least(0),
-                           help="tokens in the KV cache (default: the spec's context)")
-            p.add_argument("--verify", type=int_at_least(1), metavar="R",
-                           help="model the verify step of R rows per sequence instead (--batch: "
-                                "sequences, default the spec's fewest)")
-            p.add_argument("--acceptance", type=float_at_least(1), metavar="A",
-                           help="with --verify: tokens accepted per sequence and launch, for tok/s "
-                                "(default R)")
-            p.add_argument("--trace", metavar="FILE",
-                           help="write the modelled step as a Chrome/Perfetto trace-event JSON "
-                                "file (open it at ui.perfetto.dev or chrome://tracing)")
-            p.add_argument("--plot", metavar="FILE",
-                           help="write a picture (.png, .svg or .pdf by suffix) of the modelled "
-                                "step for one rank: VMEM by class, a DMA Gantt chart, HBM "
-                                "bandwidth utilisation")
-            p.add_argument("--bundles", action="store_true",
-                           help="report what libtpu compiles instead: the kernel's instruction "
-                                "bundles per op, collective and copy, from its final LLO "
-                                "(compile-only; cached, compiled when missing)")
-            p.add_argument("--op", metavar="ROW",
-                           help="with --bundles: also show this row's (e.g. gdn.in_proj) slot "
-                                "use and hottest bundle region")
+            _perf_args(p)
     p = sub.add_parser("fmt", help="rewrite specs in the canonical layout, keeping comments")
     p.add_argument("specs", nargs="+", metavar="spec",
                    help="paths to .sched files, rewritten in place; '-' reads stdin and writes stdout")
@@ -516,6 +521,73 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+def _compile(args: argparse.Namespace, as_json: bool) -> dict:
+    """`mkc compile`: the module written, its budget and requantization report."""
+    from mkc import compiler, report
+    c = compiler.compile_spec(args.spec, args.model)
+    requantization = _requantization(c)     # may refuse: before writing
+    out = compiler.module_path(c, args.out)
+    files.write_atomically(out, c.module_source)
+    result = {"output": str(out), "budget": report.budget(c.ir, c.events)}
+    if requantization:
+        result["requantization"] = requantization
+    if not as_json:
+        print(f"wrote {out}")
+        _print_requantization(requantization)
+    return result
+
+
+def _check(args: argparse.Namespace, result: dict, as_json: bool) -> bool:
+    """`mkc check` (with `--confirm`, libtpu's VMEM verdicts too, even when the check fails),
+    into `result`; whether libtpu disagrees with mkc's VMEM verdict (printed as JSON then)."""
+    from mkc import compiler, report
+    try:
+        c = compiler.check_spec(args.spec, args.model)
+        requantization = _requantization(c)
+    finally:            # libtpu's verdict matters most when mkc rejects a spec for VMEM
+        if args.confirm:
+            result["confirm"] = _confirm(args.spec, args.model, as_json)
+    result["budget"] = report.budget(c.ir, c.events)
+    if requantization:
+        result["requantization"] = requantization
+    disagree = args.confirm and not result["confirm"]["agree"]
+    if not as_json:
+        print(f"{args.spec}: " + ("the checks pass, but libtpu disagrees with mkc's VMEM "
+                                  "verdict (DISAGREE above)" if disagree else "ok"))
+        print(report.budget_table(c.ir, result["budget"]))
+        _print_requantization(requantization)
+    if disagree:
+        result["verdict"] = "disagree"
+        if as_json:
+            print(json.dumps(result, indent=1, sort_keys=True))
+    return bool(disagree)
+
+
+def _perf(args: argparse.Namespace, as_json: bool) -> dict:
+    """`mkc perf`: the modelled step (its trace and picture when asked), or with `--bundles`
+    what libtpu compiles."""
+    from mkc import compiler
+    c = compiler.check_spec(args.spec, args.model)
+    _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
+                     args.trace, args.plot)
+    if args.bundles or args.op is not None:
+        return {"bundles": _bundles(c.ir, args, as_json)}
+    from mkc import perf
+    with _bundle_errors(c.ir, "mkc perf --counted prices the traced kernel instead"):
+        modelled = perf.model(c.ir, args.batch, args.context, args.verify,
+                              args.acceptance, compiled=args.price,
+                              keep_timeline=bool(args.trace or args.plot),
+                              on_compile=_compile_notice(args.spec, as_json))
+    result = {"perf": perf.report(modelled)}
+    if not as_json:
+        from mkc.perf.run import table
+        print(f"{args.spec}: ok (times below are modelled, not measured)")
+        print(table(result["perf"]))
+    if args.trace or args.plot:
+        result |= _perf_pictures(modelled, result["perf"], args.trace, args.plot, as_json)
+    return result
+
+
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "fmt":
@@ -544,62 +616,12 @@ def _main(argv: list[str] | None) -> int:
     from mkc import compiler      # its stages load as they run: a syntax error loads no JAX
     try:
         if args.cmd == "compile":
-            c = compiler.compile_spec(args.spec, args.model)
-            requantization = _requantization(c, args.model)     # may refuse: before writing
-            out = compiler.module_path(c, args.out)
-            files.write_atomically(out, c.module_source)
-            from mkc import report
-            result |= {"output": str(out), "budget": report.budget(c.ir, c.events)}
-            if requantization:
-                result["requantization"] = requantization
-            if not as_json:
-                print(f"wrote {out}")
-                _print_requantization(requantization)
+            result |= _compile(args, as_json)
         elif args.cmd == "check":
-            try:
-                c = compiler.check_spec(args.spec, args.model)
-                requantization = _requantization(c, args.model)
-            finally:            # libtpu's verdict matters most when mkc rejects a spec for VMEM
-                if args.confirm:
-                    result["confirm"] = _confirm(args.spec, args.model, as_json)
-            from mkc import report
-            result["budget"] = report.budget(c.ir, c.events)
-            if requantization:
-                result["requantization"] = requantization
-            disagree = args.confirm and not result["confirm"]["agree"]
-            if not as_json:
-                print(f"{args.spec}: " + ("the checks pass, but libtpu disagrees with mkc's VMEM "
-                                          "verdict (DISAGREE above)" if disagree else "ok"))
-                print(report.budget_table(c.ir, result["budget"]))
-                _print_requantization(requantization)
-            if disagree:
-                result["verdict"] = "disagree"       # libtpu contradicts mkc's VMEM verdict
-                if as_json:
-                    print(json.dumps(result, indent=1, sort_keys=True))
+            if _check(args, result, as_json):    # libtpu contradicts mkc's VMEM verdict
                 return 1
-        elif args.cmd == "perf" and (args.bundles or args.op is not None):
-            c = compiler.check_spec(args.spec, args.model)
-            _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
-                             args.trace, args.plot)
-            result["bundles"] = _bundles(c.ir, args, as_json)
         elif args.cmd == "perf":
-            from mkc import perf
-            c = compiler.check_spec(args.spec, args.model)
-            _check_perf_args(c.ir, args.batch, args.context, args.verify, args.acceptance,
-                             args.trace, args.plot)
-            with _bundle_errors(c.ir, "mkc perf --counted prices the traced kernel instead"):
-                modelled = perf.model(c.ir, args.batch, args.context, args.verify,
-                                      args.acceptance, compiled=args.price,
-                                      keep_timeline=bool(args.trace or args.plot),
-                                      on_compile=_compile_notice(args.spec, as_json))
-            result["perf"] = perf.report(modelled)
-            if not as_json:
-                from mkc.perf.run import table
-                print(f"{args.spec}: ok (times below are modelled, not measured)")
-                print(table(result["perf"]))
-            if args.trace or args.plot:
-                result |= _perf_pictures(modelled, result["perf"], args.trace, args.plot,
-                                         as_json)
+            result |= _perf(args, as_json)
         elif args.cmd == "tune":
             result |= _tune(args, as_json)
         elif args.cmd == "retarget":
@@ -622,13 +644,13 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _requantization(c, model: str | None) -> dict:
+def _requantization(c) -> dict:
     """What packing does to a checkpoint model's values in the spec's requantizing formats
     (MkcError at the format line where it cannot hold them as asked), and a checkpoint's
     every name, shape and value checked (MkcError at the model line). Only `check` and
     `compile` do it: it reads every value of the checkpoint."""
     from mkc.requantize import report
-    return report(c.ir, c.schedule, model)
+    return report(c.ir, c.schedule)
 
 
 def _print_requantization(rep: dict) -> None:

@@ -46,9 +46,6 @@ def check_source(text: str, file: str, model: str | None = None) -> Compiled:
 def _check_parsed(sched, text: str, model: str | None = None) -> Compiled:
     from mkc.resolve import name_smallest_slice, resolve
     schedule_ir = resolve(sched, model)
-    # A checkpoint as the model: its tensors from the headers (cheap), before anything packs it.
-    from mkc.requantize import check_headers
-    check_headers(sched, model)
     from mkc.checks import run_checks
     try:
         events = run_checks(schedule_ir)

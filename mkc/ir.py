@@ -640,6 +640,9 @@ class ScheduleIR:
     # The config.json object the model was read from: a module checks the HF weights it packs
     # against its family's tensor table of this config (mkc.runtime.inputs.check_hf_weights).
     model_config: dict = field(default_factory=dict)
+    # The checkpoint directory the config is in ("": a config alone): `mkc check` reads its
+    # headers (`mkc.checks.checkpoint`) and, with `rounded` formats, its values.
+    checkpoint: str = ""
     verify_rows: int = 0         # rows per sequence of the verify step (0: none)
     verify_sequences: tuple[int, int] = (0, 0)
     # Matrix classes with a choice of format -> the format chosen (`format` lines, else the

@@ -18,6 +18,22 @@ from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, Op, Overlap
                        Start, Step, Vectors, ViewClose, Wait)
 
 
+def _view_readers(k: ir.KindSchedule) -> tuple[dict[int, list[str]], dict[str, int]]:
+    """({op index: the pooled matrices first read there}, {view: the last op reading it}): a
+    pooled matrix is waited before the first op that reads it; a view closes after the last op
+    reading anything in it (for routed experts: the op that runs them)."""
+    first_reader: dict[int, list[str]] = {}
+    last_reader: dict[str, int] = {}
+    for fam, view in sorted(k.pooled.items()):
+        readers = [i for i, op in enumerate(k.ops)
+                   if k.matmuls.get(op) == fam or fam in k.op_reads[op]]
+        first_reader.setdefault(readers[0], []).append(fam)
+        last_reader[view] = max(last_reader.get(view, -1), readers[-1])
+    if k.fetch is not None:
+        last_reader[f"{k.fetch.pool}.{k.fetch.view}"] = k.ops.index(k.fetch.consumer)
+    return first_reader, last_reader
+
+
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     k = s.kinds[kind]
     # Outer scopes first: by first op, then the longer range.
@@ -50,17 +66,7 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
         steps.extend(ScopeOpen(p, buffers=scoped(sc), scope=i) for i, sc in opening)
         transfers_at(p, opening_buffers, inside=True)
 
-    # A pooled matrix is waited before the first op that reads it; a view closes after the
-    # last op reading anything in it (for routed experts: the op that runs them).
-    first_reader: dict[int, list[str]] = {}
-    last_reader: dict[str, int] = {}
-    for fam, view in sorted(k.pooled.items()):
-        readers = [i for i, op in enumerate(k.ops)
-                   if k.matmuls.get(op) == fam or fam in k.op_reads[op]]
-        first_reader.setdefault(readers[0], []).append(fam)
-        last_reader[view] = max(last_reader.get(view, -1), readers[-1])
-    if k.fetch is not None:
-        last_reader[f"{k.fetch.pool}.{k.fetch.view}"] = k.ops.index(k.fetch.consumer)
+    first_reader, last_reader = _view_readers(k)
 
     def copies(p: int, which: tuple) -> None:
         for step, vc in which:

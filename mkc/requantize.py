@@ -9,10 +9,8 @@ checkpoint they also check every value of it, as packing reads them."""
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
 from mkc import ir
-from mkc.diagnostics import MkcError
 
 
 def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
@@ -27,9 +25,9 @@ def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
 
 
 def dense_matrices(s: ir.ScheduleIR) -> list:
-    """Every kernel matrix of `s` as `mkc.layers.dense_formats.weights.Member`s: each loop
+    """Every kernel matrix of `s` as `mkc.model.channel_codes.Member`s: each loop
     layer's streamed ones (with their codes) and pooled ones, then the tail's."""
-    from mkc.layers.dense_formats.weights import Member
+    from mkc.model.channel_codes import Member
     out = []
     for layer, kind in enumerate(s.layer_kinds):
         out += [Member(layer, kind, f.name, f.codes, f.format_class) for f in s.stream.families[kind]]
@@ -39,8 +37,8 @@ def dense_matrices(s: ir.ScheduleIR) -> list:
 
 def dense_requantization(s: ir.ScheduleIR, weights, hf, dims, classes) -> tuple[dict, dict]:
     """The checkpoint tensors `classes` (dense, stored as codes) read, as the kernel holds them,
-    and the error per class (`mkc.layers.dense_formats.weights.requantization`)."""
-    from mkc.layers.dense_formats import weights as dense
+    and the error per class (`mkc.model.channel_codes.requantization`)."""
+    from mkc.model import channel_codes as dense
     from mkc.model.sharding import ShardTable
     tensors = dense.sources(weights, hf, dims, s.per_rank, ShardTable.of(s.shards, s.ranks),
                             dense_matrices(s))
@@ -48,48 +46,7 @@ def dense_requantization(s: ir.ScheduleIR, weights, hf, dims, classes) -> tuple[
                                 s.weight_formats)
 
 
-def checkpoint_dir(sched, model: str | None) -> Path | None:
-    """The model's checkpoint directory (a config.json beside safetensors files or an index
-    of them), or None."""
-    from mkc.checkpoint import INDEX_FILE
-    from mkc.model.config import resolve_config_path
-    setting = sched.settings.get("model")
-    if model is None and setting is None:
-        return None
-    path = resolve_config_path(model or setting.value,
-                               None if model else Path(sched.source_file).parent)
-    root = path.parent if path.name == "config.json" else None
-    try:
-        holds_weights = root is not None and (any(root.glob("*.safetensors")) or
-                                              (root / INDEX_FILE).exists())
-    except OSError:
-        holds_weights = False
-    return root if holds_weights else None
-
-
-def check_headers(sched, model: str | None) -> None:
-    """With a checkpoint directory as the model, its tensors' names, shapes and dtypes against
-    the family's weight table, from the safetensors headers alone (no value is read): MkcError
-    at the `model` line, one note per tensor missing, unexpected or mis-shaped."""
-    root = checkpoint_dir(sched, model)
-    if root is None:
-        return
-    from mkc.checkpoint import CheckpointError, load_checkpoint
-    try:
-        load_checkpoint(root, lazy=True)
-    except CheckpointError as e:
-        raise checkpoint_error(e, sched) from None
-
-
-def checkpoint_error(e, sched) -> MkcError:
-    """A CheckpointError as a diagnostic at the spec's `model` line: its first line the
-    message, each listed problem (a tensor and what is wrong with it) a note."""
-    from mkc.diagnostics import fail
-    first, *problems = str(e).split("\n  ")
-    return fail("E-CHECKPOINT", first.rstrip(":"), sched.settings["model"].span, hint=e.hint, notes=problems)
-
-
-def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
+def report(s: ir.ScheduleIR, sched) -> dict[str, dict]:
     """Per requantizing class: its format and, with a checkpoint, the measured error (values
     moved, inexact blocks, max abs, relative RMS). With a checkpoint directory as the model,
     the checkpoint is checked as packing will read it: its names, shapes and dtypes, and
@@ -98,14 +55,14 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     spec did not say `rounded`, or hold a value that cannot be requantized; at the `model`
     line for any other problem of the checkpoint."""
     classes = requantizing(s)
-    root = checkpoint_dir(sched, model)
-    if root is None:
+    root = s.checkpoint
+    if not root:
         return {cls: {"format": f.spelled, "measured": False,
                       "note": "its error against the checkpoint is measured when weights are "
                               "packed (the module's requantized_weights), or here with "
                               "--model CHECKPOINT_DIR"}
                 for cls, f in classes.items()}
-    from mkc.checkpoint import CheckpointError, load_checkpoint, verify_values
+    from mkc.checkpoint import CheckpointError, checkpoint_error, load_checkpoint, verify_values
     from mkc.diagnostics import fail
     from mkc.model import registry
     from mkc.model.family import FormatError
@@ -114,7 +71,7 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     try:
         _, hf = load_checkpoint(root, lazy=True)
     except CheckpointError as e:
-        raise checkpoint_error(e, sched) from None
+        raise checkpoint_error(e, s.setting_spans["model"]) from None
     family = registry.get(s.family)
     dims = family.read_dims(s.model_config, s.model)
     weights = importlib.import_module(f"{s.family_package}.weights")
@@ -140,7 +97,7 @@ def report(s: ir.ScheduleIR, sched, model: str | None) -> dict[str, dict]:
     try:
         verify_values(hf, skip=read)
     except CheckpointError as e:
-        raise checkpoint_error(e, sched) from None
+        raise checkpoint_error(e, s.setting_spans["model"]) from None
     return {cls: {**measured[cls], "measured": True, "checkpoint": str(root)} for cls in classes}
 
 

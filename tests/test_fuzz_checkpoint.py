@@ -1,16 +1,13 @@
-"""Hostile MINI checkpoints (`benchmarks/fuzz_checkpoint.py`'s generators, which the fuzz
+"""Hostile MINI checkpoints (`fuzz.checkpoint`'s generators, which the fuzz
 campaign draws from): `mkc check --model DIR` on each gives located diagnostics with a hint,
 never another exception."""
 import random
-import sys
 
 import pytest
 
 from mkc.diagnostics import MkcError
-from tests_support import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import fuzz_checkpoint as fk  # noqa: E402
+from fuzz import checkpoint as fk
 
 SEED = 3
 

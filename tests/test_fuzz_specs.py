@@ -6,7 +6,7 @@ hostile --target, --models and -o values, `mkc check --model` hostile checkpoint
 never tracebacks) and `mkc lsp` hostile sessions (every request answered, no traceback).
 
 The generators, the targets, the worker pool (CPU-time limit, memory cap) and the outcome
-classes are `benchmarks/fuzz_campaign.py`'s; this runs a few cases of every mutation kind of
+classes are the fuzz package's (tests/fuzz); this runs a few cases of every mutation kind of
 each target. A failure names each signature with a reproducer: `benchmarks/fuzz_campaign.py
 --seed SEED --only I --target T --kind K --emit DIR` writes the case's files.
 """
@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from tests_support import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import fuzz_campaign as fc  # noqa: E402
+from fuzz import lsp, pool, retarget
+from fuzz.cases import FAILURE_CLASSES
+from fuzz.mutations import MUTATIONS, SPEC_TEXT_KINDS
+from fuzz.targets import TARGETS, make_case, reproducer
 
 SEED = 9
 PER_KIND = 6               # cases of every mutation kind: QUICK in the quick tier, the rest slow
@@ -33,9 +34,9 @@ CPU_SECONDS = 3.0          # per case; a clean MINI check takes well under 0.5 s
 QUICK_MORE = {("fmt", kind): QUICK for kind in ("list_duplicate", "unicode", "token_replace",
                                                 "line_swap", "truncate")} | {
     ("fmt", "line_break"): 40, ("retarget", "rt_huge"): QUICK, ("retarget", "rt_malformed"): QUICK,
-    ("lsp", "lsp_session"): 2} | {("checkpoint", kind): 1 for kind in fc.TARGETS["checkpoint"].kinds()}
-SLOW_MORE = ({("retarget", kind): 3 for kind in fc.RETARGET_KINDS}
-             | {("checkpoint", kind): 2 for kind in fc.TARGETS["checkpoint"].kinds()}
+    ("lsp", "lsp_session"): 2} | {("checkpoint", kind): 1 for kind in TARGETS["checkpoint"].kinds()}
+SLOW_MORE = ({("retarget", kind): 3 for kind in retarget.KINDS}
+             | {("checkpoint", kind): 2 for kind in TARGETS["checkpoint"].kinds()}
              | {("lsp", "lsp_session"): 4})
 TARGET_OFFSET = {"check": 0, "fmt": 100_000, "retarget": 200_000, "checkpoint": 300_000,
                  "lsp": 400_000}                                    # unique case numbers
@@ -43,7 +44,7 @@ TARGET_OFFSET = {"check": 0, "fmt": 100_000, "retarget": 200_000, "checkpoint": 
 
 def _cases(target: str, counts: dict, first: int = 0) -> list[tuple[int, str, str]]:
     """(case number, forced kind, target): case numbers are unique, so each is reproducible alone."""
-    kinds = list(fc.TARGETS[target].kinds())
+    kinds = list(TARGETS[target].kinds())
     return [(TARGET_OFFSET[target] + kinds.index(kind) * 1000 + j, kind, target)
             for kind, n in counts.items() for j in range(first, first + n)]
 
@@ -53,13 +54,13 @@ def _counts(table: dict, target: str) -> dict:
 
 
 def _campaign(cases: list[tuple[int, str, str]]) -> list[dict]:
-    return fc.run_campaign(SEED, cases, workers=2, timeout=CPU_SECONDS, mem_gib=4.0,
+    return pool.run_campaign(SEED, cases, workers=2, timeout=CPU_SECONDS, mem_gib=4.0,
                            compile_fraction=0.25)
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict]:
-    return _campaign(_cases("check", {kind: QUICK for kind in fc.MUTATIONS})
+    return _campaign(_cases("check", {kind: QUICK for kind in MUTATIONS})
                      + _cases("fmt", _counts(QUICK_MORE, "fmt"))
                      + _cases("retarget", _counts(QUICK_MORE, "retarget"))
                      + _cases("checkpoint", _counts(QUICK_MORE, "checkpoint"))
@@ -68,8 +69,8 @@ def outcomes() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def more_outcomes() -> list[dict]:
-    return _campaign(_cases("check", {kind: PER_KIND - QUICK for kind in fc.MUTATIONS}, QUICK)
-                     + _cases("fmt", {kind: PER_KIND - QUICK for kind in fc.SPEC_TEXT_KINDS}, 100)
+    return _campaign(_cases("check", {kind: PER_KIND - QUICK for kind in MUTATIONS}, QUICK)
+                     + _cases("fmt", {kind: PER_KIND - QUICK for kind in SPEC_TEXT_KINDS}, 100)
                      + _cases("retarget", _counts(SLOW_MORE, "retarget"), 100)
                      + _cases("checkpoint", _counts(SLOW_MORE, "checkpoint"), 100)
                      + _cases("lsp", _counts(SLOW_MORE, "lsp"), 100))
@@ -81,8 +82,8 @@ def _describe(failures: list[dict]) -> str:
         by_sig.setdefault(f"{r['cls']}: {r.get('sig', '')}", r)
     out = []
     for sig, r in by_sig.items():
-        case = fc.make_case(SEED, r["index"], 0.25, r["kind"], r["target"])
-        out.append(f"{sig}\n{r.get('detail', '')[:400]}\n{fc.reproducer(case)}"
+        case = make_case(SEED, r["index"], 0.25, r["kind"], r["target"])
+        out.append(f"{sig}\n{r.get('detail', '')[:400]}\n{reproducer(case)}"
                    f"\n(--seed {SEED} --only {r['index']} --target {r['target']} --kind {r['kind']})")
     return "\n\n".join(out)
 
@@ -90,7 +91,7 @@ def _describe(failures: list[dict]) -> str:
 def _judge(outcomes: list[dict], target: str, kind: str, count: int) -> None:
     mine = [r for r in outcomes if r["target"] == target and r["kind"] == kind]
     assert len(mine) == count
-    failures = [r for r in mine if r["cls"] in fc.FAILURE_CLASSES]
+    failures = [r for r in mine if r["cls"] in FAILURE_CLASSES]
     assert not failures, (f"{len(failures)} of {len(mine)} {target} {kind} mutants failed:\n"
                           + _describe(failures))
 
@@ -99,9 +100,9 @@ def _params(pairs) -> list:
     return [pytest.param(t, k, id=f"{t}-{k}") for t, k in pairs]
 
 
-QUICK_COUNTS = {("check", kind): QUICK for kind in fc.MUTATIONS} | QUICK_MORE
-SLOW_COUNTS = ({("check", kind): PER_KIND - QUICK for kind in fc.MUTATIONS}
-               | {("fmt", kind): PER_KIND - QUICK for kind in fc.SPEC_TEXT_KINDS} | SLOW_MORE)
+QUICK_COUNTS = {("check", kind): QUICK for kind in MUTATIONS} | QUICK_MORE
+SLOW_COUNTS = ({("check", kind): PER_KIND - QUICK for kind in MUTATIONS}
+               | {("fmt", kind): PER_KIND - QUICK for kind in SPEC_TEXT_KINDS} | SLOW_MORE)
 
 
 @pytest.mark.parametrize("target,kind", _params(QUICK_COUNTS))
@@ -142,10 +143,9 @@ SESSION_OK = {"unanswered": [], "tracebacks": [], "died": False, "exit_code": 0,
 ])
 def test_an_lsp_session_is_classified(monkeypatch, tmp_path, report, cls):
     """run_session's report becomes the case's class; a traceback's signature is its mkc frame."""
-    import fuzz_lsp
-    monkeypatch.setattr(fuzz_lsp, "run_session", lambda frames, timeout: SESSION_OK | report)
-    case = fc.make_case(SEED, 0, target="lsp")
-    outcome = fc.run_lsp(case, tmp_path, {})
+    monkeypatch.setattr(lsp, "run_session", lambda frames, timeout: SESSION_OK | report)
+    case = make_case(SEED, 0, target="lsp")
+    outcome = lsp.run(case, tmp_path, {})
     assert outcome["cls"] == cls
     if cls == "traceback":
         assert outcome["sig"] == "traceback @ mkc/lsp.py:hover"
@@ -164,7 +164,7 @@ def test_a_case_is_judged_by_cpu_time_not_wall_time():
     for a minute without computing is."""
     proc = subprocess.Popen([sys.executable, "-c", _COMPUTES_THEN_BLOCKS], stdin=subprocess.PIPE)
     try:
-        worker = fc._Worker.__new__(fc._Worker)       # the pool's judge of this process
+        worker = pool.Worker.__new__(pool.Worker)       # the pool's judge of this process
         worker.proc, worker.ready = proc, True
         hour_ago = time.monotonic() - 3600
         worker.interrupted, worker.case_timeout, worker.cpu0 = False, 10.0, worker.cpu()
@@ -174,7 +174,7 @@ def test_a_case_is_judged_by_cpu_time_not_wall_time():
             time.sleep(0.05)
         assert worker.cpu() - worker.cpu0 >= 0.3      # the grandchild's CPU, seen
         assert not worker.overdue(10.0)
-        worker.progress = (worker.cpu(), time.monotonic() - fc.STALL_SECONDS - 1)
+        worker.progress = (worker.cpu(), time.monotonic() - pool.STALL_SECONDS - 1)
         assert worker.overdue(10.0)                   # blocked on its input since
         worker.cpu0 -= 10.0
         assert worker.overdue(10.0)                   # past its CPU seconds

@@ -171,7 +171,9 @@ def test_nothing_after_resolve_goes_back_to_the_family_registry():
     """Checks, trace, codegen, perf and the runtime import neither the registry
     (mkc.model.registry) nor a family package, directly or through another module: statically,
     transitively. A driver that runs resolve again (`mkc tune`'s candidates) reaches the
-    registry through resolve only, which is not followed."""
+    registry through resolve only, and the checkpoint check (`mkc.checks.checkpoint`) through
+    the checkpoint reader (`mkc.checkpoint`, which reads an input as resolve reads the config:
+    the checkpoint's own config.json names its family): neither is followed."""
     graph = _graph()
     later = [m for m in graph if m.startswith(AFTER_RESOLVE)]
     assert len(later) >= 20
@@ -181,7 +183,8 @@ def test_nothing_after_resolve_goes_back_to_the_family_registry():
             m = todo.pop()
             if m not in seen:
                 seen.add(m)
-                todo += [] if m.split(".")[:2] == ["mkc", "resolve"] else graph[m]
+                followed = m.split(".")[:2] != ["mkc", "resolve"] and m != "mkc.checkpoint"
+                todo += graph[m] if followed else []
         back = sorted(m for m in seen if m == "mkc.model.registry" or _is_family_package(m))
         assert back == [], (start, back)
 
@@ -246,3 +249,16 @@ def test_what_a_spec_check_loads_of_the_layer_library_holds_no_jax():
         reached = _reached(graph, package)
         assert [m for m in reached if m.endswith(compute) or m.startswith("mkc.runtime")] == [], package
         assert [m for m in reached if "jax" in _external_imports(m)] == [], package
+
+
+def test_the_runtime_and_the_model_interface_import_nothing_of_the_layer_library():
+    """The layer library is built on the model interface (`mkc.model`) and the in-kernel
+    runtime (`mkc.runtime`), never the reverse: no module of either imports a module of
+    `mkc.layers`, anywhere in its body (what both need, jax-free, lives below, as the
+    per-column requantization `mkc.model.channel_codes`)."""
+    graph = _graph()
+    below = [m for m in graph if m.startswith(("mkc.runtime.", "mkc.model."))]
+    assert len(below) >= 15
+    upward = {m: sorted(d for d in graph[m] if d == "mkc.layers" or d.startswith("mkc.layers."))
+              for m in below}
+    assert {m: d for m, d in upward.items() if d} == {}

@@ -1,6 +1,6 @@
 """`mkc lsp`: a real LSP client session over stdio against `python -m mkc lsp` (pygls'
 client): diagnostics as the text changes, hover, go to definition, completion, formatting; and
-raw frames (benchmarks/fuzz_lsp.py's driver): malformed frames and params, a burst of edits, a
+raw frames (tests/fuzz/lsp.py's driver): malformed frames and params, a burst of edits, a
 huge document."""
 import asyncio
 import io
@@ -15,9 +15,7 @@ from pygls.lsp.client import LanguageClient
 from mkc.lsp import read_frames, word_at
 from tests_support import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from fuzz_lsp import (LspProcess, frame, notification, opening, position, request,  # noqa: E402
-                      run_session)
+from fuzz.lsp import LspProcess, frame, notification, opening, position, request, run_session
 
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 

@@ -7,7 +7,7 @@ import pytest
 
 from mkc.lang.parser import parse_file
 from mkc.resolve import driver
-from mkc.resolve.driver import PASS_NAMES, PASSES, Pass, run
+from mkc.resolve.driver import PASS_NAMES, PASSES, run
 from mkc.resolve.invariants import INVARIANTS, ResolveInvariantError
 from tests_support import ROOT, SPEC
 
@@ -31,8 +31,8 @@ def test_every_invariant_is_established_by_a_pass_in_order():
 
 def _corrupted_after(monkeypatch, name: str, corrupt) -> str:
     """Resolve the Qwen spec with pass `name`'s output corrupted; the verifier's message."""
-    passes = tuple(Pass(p.name, (lambda s, p=p: corrupt(p.run(s))) if p.name == name else p.run)
-                   for p in PASSES)
+    passes = tuple(dataclasses.replace(p, run=lambda s, p=p: corrupt(p.run(s))) if p.name == name
+                   else p for p in PASSES)
     monkeypatch.setattr(driver, "PASSES", passes)
     sched, _ = parse_file(SPEC)
     with pytest.raises(ResolveInvariantError) as e:
@@ -46,24 +46,26 @@ def _drop_first_ring_entry(s):
     return dataclasses.replace(s, stream=dataclasses.replace(s.stream, families=families))
 
 
-@pytest.mark.parametrize("after", ["stream", "hbm"])
-def test_a_matmul_without_its_stream_entry_is_named_after_the_pass_that_dropped_it(monkeypatch, after):
-    message = _corrupted_after(monkeypatch, after, _drop_first_ring_entry)
-    assert f"after resolve pass {after!r}" in message
+def test_a_matmul_without_its_stream_entry_is_named_after_the_pass_that_dropped_it(monkeypatch):
+    message = _corrupted_after(monkeypatch, "stream", _drop_first_ring_entry)
+    assert "after resolve pass 'stream'" in message
     assert "every matmul has its stream entry (ring or pool) (established by pass 'stream')" in message
     assert "gdn.in_proj multiplies by in_proj, which has no stream entry (ring or pool)" in message
     assert "a bug in mkc" in message
 
 
-def test_a_step_point_out_of_range_is_refused(monkeypatch):
+@pytest.mark.parametrize("after, field", [("phases", "phase_schedules"), ("kinds", "kinds")])
+def test_a_step_point_out_of_range_is_refused(monkeypatch, after, field):
+    """In a layer kind's schedule as its phase writes it, and as assembled."""
     def late_wait(s):
-        kname = next(k for k, ks in sorted(s.kinds.items()) if ks.transfers)
-        k = s.kinds[kname]
+        schedules = getattr(s, field)
+        kname = next(k for k, ks in sorted(schedules.items()) if ks.transfers)
+        k = schedules[kname]
         t = dataclasses.replace(k.transfers[0], waits=(len(k.ops) + 3,))
-        kinds = {**s.kinds, kname: dataclasses.replace(k, transfers=[t, *k.transfers[1:]])}
-        return dataclasses.replace(s, kinds=kinds)
-    message = _corrupted_after(monkeypatch, "collectives", late_wait)
-    assert "after resolve pass 'collectives'" in message and "outside 0.." in message
+        changed = {**schedules, kname: dataclasses.replace(k, transfers=[t, *k.transfers[1:]])}
+        return dataclasses.replace(s, **{field: changed})
+    message = _corrupted_after(monkeypatch, after, late_wait)
+    assert f"after resolve pass {after!r}" in message and "outside 0.." in message
 
 
 def test_a_collective_after_an_op_the_kind_lacks_is_refused(monkeypatch):
@@ -73,14 +75,14 @@ def test_a_collective_after_an_op_the_kind_lacks_is_refused(monkeypatch):
         reduce = dataclasses.replace(k.allreduces[0], after_op="no_such_op")
         kinds = {**s.kinds, kname: dataclasses.replace(k, allreduces=[reduce, *k.allreduces[1:]])}
         return dataclasses.replace(s, kinds=kinds)
-    message = _corrupted_after(monkeypatch, "views", misplaced)
-    assert "after resolve pass 'views'" in message and "after no_such_op, which is no op" in message
+    message = _corrupted_after(monkeypatch, "kinds", misplaced)
+    assert "after resolve pass 'kinds'" in message and "after no_such_op, which is no op" in message
 
 
 def test_a_buffer_named_twice_or_missing_is_refused(monkeypatch):
     twice = _corrupted_after(monkeypatch, "buffers", lambda s: dataclasses.replace(
         s, buffers=[*s.buffers, s.buffers[0]]))
     assert "after resolve pass 'buffers'" in twice and "is declared twice" in twice
-    missing = _corrupted_after(monkeypatch, "hbm", lambda s: dataclasses.replace(
+    missing = _corrupted_after(monkeypatch, "buffers", lambda s: dataclasses.replace(
         s, buffers=[b for b in s.buffers if b.cls != "state"]))
-    assert "after resolve pass 'hbm'" in missing and "which is not among the kernel's buffers" in missing
+    assert "after resolve pass 'buffers'" in missing and "which is not among the kernel's buffers" in missing

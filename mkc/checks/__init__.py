@@ -7,6 +7,7 @@ from typing import Callable
 from mkc import ir
 from mkc.checks.capacity import (check_compiler_scratch, check_each_buffer_fits, check_hbm, check_vmem,
                                  vmem_budget)
+from mkc.checks.checkpoint import check_checkpoint
 from mkc.checks.dma import check_dma
 from mkc.checks.expect import check_expectations
 from mkc.checks.kv_ring import check_kv_rings
@@ -31,6 +32,7 @@ class Check:
 # trace do not run, since the trace's size is bounded only for schedules whose every buffer
 # fits (KV slots, say).
 CHECKS: tuple[Check, ...] = (
+    Check("checkpoint", check_checkpoint, reads_trace=False),      # a checkpoint's tensor table
     Check("hbm", check_hbm, reads_trace=False),                    # HBM per chip
     Check("compiler_scratch", check_compiler_scratch, reads_trace=False),   # measured for the family
     Check("buffer_fits", check_each_buffer_fits, reads_trace=False),     # each buffer alone in VMEM

@@ -83,12 +83,6 @@ def layer_kinds(layers: Composition, d: Any, ways: Mapping[str, int], **extra: A
     return kinds, per_rank
 
 
-def lowered_ops(layers: Composition) -> frozenset[str]:
-    """The ops the composition has bodies for, without importing them (checking a spec loads
-    no jax)."""
-    return frozenset(op for subs in layers.values() for sub in subs for op in sub.op_names())
-
-
 def body_table(layers: Composition) -> dict[tuple[str, str], Callable]:
     """(layer kind, op) -> compute body: what `mkc.runtime.scopes.named_ops` dispatches on."""
     table: dict[tuple[str, str], Callable] = {}

@@ -14,6 +14,7 @@ from mkc.diagnostics import Span, fail
 from mkc.model.family import ConfigError
 
 CONFIG_DIR = Path(__file__).with_name("configs")
+INDEX_FILE = "model.safetensors.index.json"      # a sharded checkpoint's name -> file table
 
 MAX_CONFIG_BYTES = 4 << 20
 MAX_LAYERS = 1024
@@ -34,6 +35,18 @@ def resolve_config_path(model: str, relative_to: Path | None = None) -> Path:
     if not p.is_absolute() and relative_to is not None:
         p = relative_to / p
     return p / "config.json" if _probe(p.is_dir) else p
+
+
+def checkpoint_dir(config_path: Path) -> Path | None:
+    """The checkpoint directory a model's config.json is in (beside safetensors files or an
+    index of them), or None."""
+    root = config_path.parent if config_path.name == "config.json" else None
+    try:
+        holds_weights = root is not None and (any(root.glob("*.safetensors")) or
+                                              (root / INDEX_FILE).exists())
+    except OSError:
+        holds_weights = False
+    return root if holds_weights else None
 
 
 def _probe(test) -> bool:
@@ -124,7 +137,9 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     family = registry.for_model_type(model_type)
     if family is None:
         raise fail("E-MODEL", f"model family {model_type!r} is not supported", where,
-                   hint=f"supported families: {', '.join(registry.model_types())}")
+                   hint=f"supported families: {', '.join(registry.model_types())}; to add one, "
+                        "see docs/extending.md, 'A new model family' (a type computed as a "
+                        "supported family computes it is that family's alias)")
     try:
         dims = read_checked_dims(family.read_dims, raw, model_name(path))
         eos_token_ids(raw, dims.vocab_size)

@@ -168,8 +168,9 @@ class Family:
     def lowered_ops(self) -> frozenset[str]:
         """The ops its `lowering` module has compute bodies for: its composed sublayers' and its
         own (`@lowers`, read from the module's source): checking a spec imports no jax."""
-        from mkc.layers.sublayer import lowered_ops
-        composed = lowered_ops(self.layers) if self.layers else frozenset()
+        # each composed sublayer (`mkc.layers.sublayer.Sublayer`) names the ops it lowers
+        composed = frozenset(op for subs in (self.layers or {}).values() for sub in subs
+                             for op in sub.op_names())
         return declared_ops(f"{self.package}.lowering") | composed
 
     def module(self, part: str) -> ModuleType:

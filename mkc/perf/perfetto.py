@@ -150,14 +150,11 @@ def _phase_lines(s: ir.ScheduleIR) -> dict[str, int]:
     return {ph.kind.text: ph.span.line for ph in sched.phases}
 
 
-def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict:
-    """The trace-event document of one modelled step (see the module docstring). An expectation
-    over routing (`step_model`'s blend of two whole expert counts) is drawn as the simulated
-    step it holds for pictures (`Result.concrete()`); otherData gives both."""
-    expected = res
-    res = res.concrete()
-    spec = s.source
-    phase = _phase_lines(s)
+def _tracks(s: ir.ScheduleIR, res: Result, batch: int, tokens: int
+            ) -> tuple[list[dict], dict[tuple[int, str], int]]:
+    """The trace's metadata events (the process, named with the caveat, and its tracks) and
+    the track of each DMA queue and class."""
+    from mkc.perf.run import validation_caveat
     ev: list[dict] = []
 
     def meta(tid: int, name: str, sort: int) -> None:
@@ -166,7 +163,6 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
         ev.append({"ph": "M", "pid": PID, "tid": tid, "name": "thread_sort_index",
                    "args": {"sort_index": sort}})
 
-    from mkc.perf.run import validation_caveat, validation_note, stall_seconds
     # the process is the trace's first and outermost track: its name carries the caveat
     ev.append({"ph": "M", "pid": PID, "tid": 0, "name": "process_name",
                "args": {"name": f"{s.name} rank 0, batch {batch}, {tokens} cached tokens "
@@ -183,6 +179,19 @@ def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict
     dma_tid = {key: T_DMA0 + i for i, key in enumerate(dma_keys)}
     for (q, c), tid in dma_tid.items():
         meta(tid, f"DMA queue {q}: {c}" if queues > 1 else f"DMA queue: {c}", 10 + tid)
+    return ev, dma_tid
+
+
+def trace_events(s: ir.ScheduleIR, res: Result, batch: int, tokens: int) -> dict:
+    """The trace-event document of one modelled step (see the module docstring). An expectation
+    over routing (`step_model`'s blend of two whole expert counts) is drawn as the simulated
+    step it holds for pictures (`Result.concrete()`); otherData gives both."""
+    expected = res
+    res = res.concrete()
+    spec = s.source
+    phase = _phase_lines(s)
+    from mkc.perf.run import stall_seconds, validation_note
+    ev, dma_tid = _tracks(s, res, batch, tokens)
 
     def where(line: int) -> str:
         return f"{spec}:{line}" if line else ""

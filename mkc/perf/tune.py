@@ -474,6 +474,31 @@ class TuneResult:
         return drop_stale_comments(self.best.text, changed)
 
 
+def _descend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Evaluation],
+             spent: Callable[[], bool], accept: Callable[[Evaluation, str], None]) -> None:
+    """Coordinate descent from `best`: each knob in turn moved to its best neighbour (each move
+    `accept`ed), sweep after sweep while one improves the objective and the budget is not
+    `spent`."""
+    improved = True
+    while improved and not spent():
+        improved = False
+        for i, knob in enumerate(knobs):
+            if spent():
+                break
+            trial_best = best
+            for value in knob.neighbours(best.config[i]):
+                if spent():
+                    break
+                ev = evaluate(best.config[:i] + (value,) + best.config[i + 1:])
+                if ev.ok and ev.objective < trial_best.objective * (1 - 1e-6):
+                    trial_best = ev
+            if trial_best is not best:
+                old = knob.show(best.config[i])
+                accept(trial_best, f"{knob.name}: {old} -> "
+                                   f"{knob.show(trial_best.config[i])}: {_ms(trial_best)}")
+                best, improved = trial_best, True
+
+
 def tune(text: str, file: str, model: str | None = None, budget: int = 80,
          log: Callable[[str], None] | None = None,
          select: Callable[[Knob], bool] | None = None,
@@ -545,25 +570,7 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         log(msg)
 
     while True:
-        improved = True
-        while improved and len(cache) < budget:
-            improved = False
-            for i, knob in enumerate(knobs):
-                if len(cache) >= budget:
-                    break
-                trial_best = best
-                for value in knob.neighbours(best.config[i]):
-                    if len(cache) >= budget:
-                        break
-                    config = best.config[:i] + (value,) + best.config[i + 1:]
-                    ev = evaluate(config)
-                    if ev.ok and ev.objective < trial_best.objective * (1 - 1e-6):
-                        trial_best = ev
-                if trial_best is not best:
-                    old = knob.show(best.config[i])
-                    accept(trial_best, f"{knob.name}: {old} -> "
-                                       f"{knob.show(trial_best.config[i])}: {_ms(trial_best)}")
-                    improved = True
+        _descend(knobs, best, evaluate, lambda: len(cache) >= budget, accept)
         moved = _respend(knobs, best, evaluate, s0, budget - len(cache), min_headroom)
         if moved is None:
             break

@@ -288,7 +288,7 @@ def _dot(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, precision=jax.lax.Precision.HIGHEST)
 
 
-CODE_MAX = {"fp8": 448.0, "int8": 127.0}     # `mkc.layers.dense_formats.QMAX`
+CODE_MAX = {"fp8": 448.0, "int8": 127.0}     # `mkc.model.channel_codes.QMAX`
 
 
 def channel_codes(w: jax.Array, codes: str) -> tuple[jax.Array, jax.Array]:

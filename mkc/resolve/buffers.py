@@ -13,7 +13,7 @@ from mkc.resolve.state import ResolveState
 def resolve_buffers(s: ResolveState) -> ResolveState:
     buffers = _core_buffers(s)
     for kname in s.kinds:
-        buffers += s.kind_buffers[kname]
+        buffers += s.kind_buffers[kname] + s.collectives[kname].buffers
     buffers += s.reduce_buffers
     tail = s.stream.tail[0]
     buffers.append(ir.Buffer("logits", "output", (tail.col_tiles, s.batch[1], tail.tile_cols),

@@ -13,7 +13,7 @@ from mkc.model.graph import LayerKind, ShardingError
 from mkc.model.sharding import ShardTable
 from mkc.resolve.names import unknown
 from mkc.resolve.sharding import group
-from mkc.resolve.state import ResolveState
+from mkc.resolve.state import KindCollectives, ResolveState
 
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
@@ -27,8 +27,8 @@ def resolve_collectives(s: ResolveState) -> ResolveState:
     B = s.batch[1]
     rows_max = max(B, (s.verify_rows or 0) * (s.verify_sequences or (0, 0))[1])
     rules = {c: (w, st) for c, w, st in s.shards.rules}
-    kinds, kind_buffers = dict(s.kinds), dict(s.kind_buffers)
-    for kname, ks in s.kinds.items():
+    collectives: dict[str, KindCollectives] = {}
+    for kname, ks in s.phase_schedules.items():
         phase, kind = s.phases[kname], s.graph.kinds[kname]
         allreduces = _allreduces(phase, kind, s.topology, s.shards, rows_max)
         gathers, exchanges, buffers = _gathers(phase, kind, s.topology, s.mesh_axis, B, rules)
@@ -36,13 +36,13 @@ def resolve_collectives(s: ResolveState) -> ResolveState:
         overlapped = {n.text: n.span for line in (*phase.allreduces, *phase.allgathers)
                       if line.overlap for n in line.ops}
         reader = {op: ks.ops[overlap_window(ks, op, scopes, span)[1]] for op, span in overlapped.items()}
-        allreduces = [replace(a, finish_before=reader.get(a.after_op)) for a in allreduces]
-        gathers = [replace(g, finish_before=reader.get(g.after_op)) for g in gathers]
-        kinds[kname] = replace(ks, allreduces=allreduces, allgathers=gathers, exchanges=exchanges)
-        kind_buffers[kname] += tuple(buffers)
-    embed_reduce = _embed_reduce(s, kinds)
-    return replace(s, kinds=kinds, kind_buffers=kind_buffers, embed_reduce=embed_reduce,
-                   reduce_buffers=_receive_buffers(kinds, embed_reduce, B, rows_max))
+        collectives[kname] = KindCollectives(
+            allreduces=[replace(a, finish_before=reader.get(a.after_op)) for a in allreduces],
+            allgathers=[replace(g, finish_before=reader.get(g.after_op)) for g in gathers],
+            exchanges=exchanges, buffers=tuple(buffers))
+    embed_reduce = _embed_reduce(s, collectives)
+    return replace(s, collectives=collectives, embed_reduce=embed_reduce,
+                   reduce_buffers=_receive_buffers(collectives, embed_reduce, B, rows_max))
 
 
 def overlap_window(k: ir.KindSchedule, op: str, scopes: list[tuple[str, int, int]],
@@ -74,7 +74,7 @@ def overlap_window(k: ir.KindSchedule, op: str, scopes: list[tuple[str, int, int
     return i, j
 
 
-def _embed_reduce(s: ResolveState, kinds: dict[str, ir.KindSchedule]) -> ir.AllReduce:
+def _embed_reduce(s: ResolveState, kinds: dict[str, KindCollectives]) -> ir.AllReduce:
     """The vocab-sharded embedding lookup is an exact all-reduce over the vocab group (one rank
     of it holds each row): it reuses the first all-reduce over that group (the first layer's
     first, on a whole-mesh vocabulary), so it adds no receive buffer, and scatters as that
@@ -94,7 +94,7 @@ def reduced_width(kind: LayerKind, op: str) -> int:
     return o.width or (kind.tensors[o.matmul].shape[1] if o.matmul else 0)
 
 
-def _receive_buffers(kinds: dict[str, ir.KindSchedule], embed_reduce: ir.AllReduce, B: int,
+def _receive_buffers(kinds: dict[str, KindCollectives], embed_reduce: ir.AllReduce, B: int,
                      rows_max: int) -> tuple[ir.Buffer, ...]:
     """The all-reduces' buffers, each as wide as the widest payload of its uses and in the
     kernels whose rows use it (`Buffer.rows`): per group, one-shot stages' receive slots for

@@ -57,67 +57,65 @@ def resolve_formats(s: ResolveState) -> ResolveState:
             raise fail("E-FORMAT", f"{cls} cannot be stored as {f.format.text!r}", f.format.span,
                        hint=f"{cls} takes {', '.join(offered[cls])} (the first is the "
                             "checkpoint's)")
-        if cls in dense:
-            if f.scale is not None:
-                raise fail("E-FORMAT", f"{cls}'s scale per output column is a bf16 value already: "
-                           f"`scale {f.scale.text}` chooses a rounded expert block's scale",
-                           f.scale.span, hint=f"remove `scale {f.scale.text}`")
-            if f.cols is not None:
-                raise fail("E-FORMAT", f"{cls} takes one scale per output column or per block of "
-                           f"input rows: `x {f.cols}` means nothing for it", f.span,
-                           hint=f"write `format {cls} {f.format.text} channel rounded`")
-            seen[cls] = f.span
-            chosen_dense[cls] = _dense_format(f, cls, fp8_operand)
-            continue
-        if f.channel is not None:
-            raise fail("E-FORMAT", f"{cls} takes its scales per block of input rows: `channel` "
-                       f"(one scale per output column) is for {family.name}'s dense classes"
-                       f" ({', '.join(dense) or 'none'})", f.channel.span,
-                       hint="remove `channel`")
-        if f.format.text in NATIVE and not getattr(gen, NATIVE[f.format.text]):
-            accepted = [x for x in offered[cls]
-                        if x not in NATIVE or getattr(gen, NATIVE[x])]
-            takers = [g for g in target.known_chips()
-                      if getattr(target.generation(g), NATIVE[f.format.text])]
-            raise fail("E-FORMAT", f"{gen.name}'s matrix units take no {f.format.text} operand "
-                       f"(measured with libtpu: benchmarks/format_probe.py), so {cls} cannot "
-                       f"be stored as {f.format.text!r} on {gen.name}", f.format.span,
-                       hint=f"on {gen.name} {cls} takes {', '.join(accepted)}; "
-                            f"{f.format.text} needs a target whose MXU takes it "
-                            f"({', '.join(takers)})")
-        if f.block is not None and f.format.text not in BLOCK_SCALED:
-            scaled = [x for x in offered[cls] if x in BLOCK_SCALED]
-            raise fail("E-FORMAT", f"{f.format.text} stores values unscaled: `block {f.block}` "
-                       "means nothing for it", f.span,
-                       hint=f"remove `block {f.block}`" + (f", or store {cls} in a block-scaled "
-                                                          f"format: {', '.join(scaled)}"
-                                                          if scaled else ""))
-        if f.block is not None and f.block < 1 or f.cols is not None and f.cols < 1:
-            size = f"{f.block} x {f.cols}" if f.cols is not None else f"{f.block} rows"
-            raise fail("E-FORMAT", f"a block of {size} holds nothing", f.span,
-                       hint="a block is the input rows one scale covers: e.g. `block 512`")
-        if f.cols is not None and f.format.text not in BLOCK_SCALED_2D:
-            raise fail("E-FORMAT", f"{f.format.text} takes one scale per block of input rows: "
-                       f"`x {f.cols}` (output columns a scale covers) means nothing for it", f.span,
-                       hint=f"write `block {f.block}`" + (
-                           ", or store an FP8 checkpoint's blocks as they are (`fp8 block 128 x 128`)"
-                           if "fp8" in offered[cls] else ""))
-        # Which formats may round is the family's (`Family.rounding_formats`): K3's fp4 blocks
-        # may not hold its MXFP4 values, Qwen3.5 MoE's fp8 cannot hold its bf16 ones.
-        rounds = family.rounding_formats
-        if f.rounded is not None and f.format.text not in rounds:
-            raise fail("E-FORMAT", f"{f.format.text} needs no rounding: `rounded` applies to "
-                       f"{', '.join(rounds) or 'no format of ' + family.name}, whose blocks "
-                       "may not hold the checkpoint's values",
-                       f.rounded.span, hint="remove `rounded`")
-        if f.scale is not None:
-            _check_block_scale(f, cls, f.format.text in rounds)
         seen[cls] = f.span
-        chosen[cls] = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand,
-                                      rounded=f.rounded is not None,
-                                      where=f"{Path(f.span.file).name}:{f.span.line}", cols=f.cols or 0,
-                                      scale=f.scale.text if f.scale is not None else "e8m0")
+        if cls in dense:
+            chosen_dense[cls] = _dense_format(f, cls, fp8_operand)
+        else:
+            chosen[cls] = _block_format(f, cls, offered[cls], family, list(dense), gen)
     return dataclasses.replace(s, formats=chosen, dense_formats=chosen_dense)
+
+
+def _block_format(f, cls: str, offered: tuple[str, ...], family, dense: list[str],
+                  gen: target.Generation) -> ir.WeightFormat:
+    """A `format` line of a class with its scales per block of input rows (`block N`, or
+    `block R x C` for FP8 held as a checkpoint stores it), checked at the line: a format the
+    target's MXU takes, a block the format has, `rounded` where the family lets it round."""
+    if f.channel is not None:
+        raise fail("E-FORMAT", f"{cls} takes its scales per block of input rows: `channel` "
+                   f"(one scale per output column) is for {family.name}'s dense classes"
+                   f" ({', '.join(dense) or 'none'})", f.channel.span,
+                   hint="remove `channel`")
+    if f.format.text in NATIVE and not getattr(gen, NATIVE[f.format.text]):
+        accepted = [x for x in offered if x not in NATIVE or getattr(gen, NATIVE[x])]
+        takers = [g for g in target.known_chips()
+                  if getattr(target.generation(g), NATIVE[f.format.text])]
+        raise fail("E-FORMAT", f"{gen.name}'s matrix units take no {f.format.text} operand "
+                   f"(measured with libtpu: benchmarks/format_probe.py), so {cls} cannot "
+                   f"be stored as {f.format.text!r} on {gen.name}", f.format.span,
+                   hint=f"on {gen.name} {cls} takes {', '.join(accepted)}; "
+                        f"{f.format.text} needs a target whose MXU takes it "
+                        f"({', '.join(takers)})")
+    if f.block is not None and f.format.text not in BLOCK_SCALED:
+        scaled = [x for x in offered if x in BLOCK_SCALED]
+        raise fail("E-FORMAT", f"{f.format.text} stores values unscaled: `block {f.block}` "
+                   "means nothing for it", f.span,
+                   hint=f"remove `block {f.block}`" + (f", or store {cls} in a block-scaled "
+                                                      f"format: {', '.join(scaled)}"
+                                                      if scaled else ""))
+    if f.block is not None and f.block < 1 or f.cols is not None and f.cols < 1:
+        size = f"{f.block} x {f.cols}" if f.cols is not None else f"{f.block} rows"
+        raise fail("E-FORMAT", f"a block of {size} holds nothing", f.span,
+                   hint="a block is the input rows one scale covers: e.g. `block 512`")
+    if f.cols is not None and f.format.text not in BLOCK_SCALED_2D:
+        raise fail("E-FORMAT", f"{f.format.text} takes one scale per block of input rows: "
+                   f"`x {f.cols}` (output columns a scale covers) means nothing for it", f.span,
+                   hint=f"write `block {f.block}`" + (
+                       ", or store an FP8 checkpoint's blocks as they are (`fp8 block 128 x 128`)"
+                       if "fp8" in offered else ""))
+    # Which formats may round is the family's (`Family.rounding_formats`): K3's fp4 blocks
+    # may not hold its MXFP4 values, Qwen3.5 MoE's fp8 cannot hold its bf16 ones.
+    rounds = family.rounding_formats
+    if f.rounded is not None and f.format.text not in rounds:
+        raise fail("E-FORMAT", f"{f.format.text} needs no rounding: `rounded` applies to "
+                   f"{', '.join(rounds) or 'no format of ' + family.name}, whose blocks "
+                   "may not hold the checkpoint's values",
+                   f.rounded.span, hint="remove `rounded`")
+    if f.scale is not None:
+        _check_block_scale(f, cls, f.format.text in rounds)
+    return ir.WeightFormat(f.format.text, f.block or 0, gen.fp8_operand,
+                           rounded=f.rounded is not None,
+                           where=f"{Path(f.span.file).name}:{f.span.line}", cols=f.cols or 0,
+                           scale=f.scale.text if f.scale is not None else "e8m0")
 
 
 def _check_block_scale(f, cls: str, may_round: bool) -> None:
@@ -142,6 +140,14 @@ def _check_block_scale(f, cls: str, may_round: bool) -> None:
 def _dense_format(f, cls: str, fp8_operand: bool) -> ir.WeightFormat:
     """A dense class's `format` line (`mkc.lang.statements.format.Format`,
     `mkc.layers.dense_formats`), checked at the line."""
+    if f.scale is not None:
+        raise fail("E-FORMAT", f"{cls}'s scale per output column is a bf16 value already: "
+                   f"`scale {f.scale.text}` chooses a rounded expert block's scale",
+                   f.scale.span, hint=f"remove `scale {f.scale.text}`")
+    if f.cols is not None:
+        raise fail("E-FORMAT", f"{cls} takes one scale per output column or per block of "
+                   f"input rows: `x {f.cols}` means nothing for it", f.span,
+                   hint=f"write `format {cls} {f.format.text} channel rounded`")
     fmt = ir.WeightFormat(f.format.text, f.block or 0, fp8_operand, rounded=f.rounded is not None,
                           where=f"{Path(f.span.file).name}:{f.span.line}",
                           channel=f.channel is not None)

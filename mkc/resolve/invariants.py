@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from mkc import ir
 from mkc.resolve.state import ResolveState
 
 
@@ -125,17 +126,26 @@ def _point_in(what: str, point: int, n_ops: int) -> Iterator[str]:
         yield f"{what} at program point {point}, outside 0..{n_ops}"
 
 
+def _phase_schedules(s: ResolveState) -> Iterator[str]:
+    yield from _schedules(s, s.phase_schedules)
+
+
 def _kinds(s: ResolveState) -> Iterator[str]:
-    """Each layer kind's schedule: its ops the graph's, its steps at program points of them,
-    naming ops it has and buffers and views that exist (once they do)."""
-    if s.kinds is None:
+    yield from _schedules(s, s.kinds)
+
+
+def _schedules(s: ResolveState, schedules: dict[str, ir.KindSchedule] | None) -> Iterator[str]:
+    """Each layer kind's schedule (as its phase writes it, or assembled): its ops the graph's,
+    its steps at program points of them, naming ops it has and buffers and views that exist
+    (once they do)."""
+    if schedules is None:
         yield "the layer kinds' schedules are not set"
         return
-    for kname in sorted(set(s.graph.layer_kinds) - set(s.kinds)):
+    for kname in sorted(set(s.graph.layer_kinds) - set(schedules)):
         yield f"layer kind {kname} runs but has no schedule"
     buffers = None if s.buffers is None else {b.name for b in s.buffers}
     views = _views(s)
-    for kname, k in s.kinds.items():
+    for kname, k in schedules.items():
         graph_ops = s.graph.kinds[kname].op_names() if kname in s.graph.kinds else None
         if list(k.ops) != list(graph_ops or ()):
             yield f"{kname}'s ops {k.ops} are not its graph's {graph_ops}"
@@ -216,7 +226,9 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("pools", "pooled matrices name layer kinds, their matrices and pool views", _pools),
     Invariant("stream", "every matmul has its stream entry (ring or pool)", _stream),
     Invariant("parity", "the vector block lays out layer kinds", _parity),
-    Invariant("phases", "every layer kind's schedule names its ops, buffers and views, at "
+    Invariant("phases", "every layer kind's schedule as its phase writes it names its ops, "
+                         "buffers and views, at program points in range", _phase_schedules),
+    Invariant("kinds", "every layer kind's schedule names its ops, buffers and views, at "
                         "program points in range", _kinds),
     Invariant("buffers", "buffer names are unique, and scopes and the ring name real ones",
               _buffers),

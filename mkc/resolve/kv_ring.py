@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 
+from mkc import ir
 from mkc.diagnostics import fail
 from mkc.resolve.state import ResolveState
 
 
 def resolve_kv_ring(s: ResolveState) -> ResolveState:
-    kinds = dict(s.kinds)
-    for kname in sorted(kinds):
+    rings: dict[str, ir.KvStream] = {}
+    for kname in sorted(s.phase_schedules):
         phase, kind = s.phases[kname], s.graph.kinds[kname]
-        rings = phase.kv_rings
-        if len(rings) > 1:
-            raise fail("E-DUPLICATE", "kv ring declared twice", rings[1].span,
+        declared = phase.kv_rings
+        if len(declared) > 1:
+            raise fail("E-DUPLICATE", "kv ring declared twice", declared[1].span,
                        hint="keep one `kv ring` line")
-        if not rings:
+        if not declared:
             continue
-        ring, kv = rings[0], kinds[kname].kv
+        ring, kv = declared[0], s.phase_schedules[kname].kv
         if not kind.window or kv is None:
             raise fail("E-KV", f"layer kind {kname} attends to its whole context: its KV cache "
                        "has no window to keep as a ring", ring.span,
@@ -35,20 +36,19 @@ def resolve_kv_ring(s: ResolveState) -> ResolveState:
                        f"the phase's {kv.tokens}-token KV tiles", ring.span,
                        hint=f"use a multiple of {kv.tokens} slots, at least the window's "
                             f"{kind.window}: e.g. {-(-kind.window // kv.tokens) * kv.tokens}")
-        kinds[kname] = dataclasses.replace(kinds[kname], kv=dataclasses.replace(
-            kv, ring=ring.slots, window=kind.window, ring_span=ring.span))
-    return dataclasses.replace(s, kinds=kinds, context_limits=_check_context_limits(s, kinds))
+        rings[kname] = dataclasses.replace(kv, ring=ring.slots, window=kind.window,
+                                           ring_span=ring.span)
+    return dataclasses.replace(s, kv_rings=rings, context_limits=_check_context_limits(s, rings))
 
 
-def _check_context_limits(s: ResolveState, kinds) -> dict[str, int]:
+def _check_context_limits(s: ResolveState, rings: dict[str, ir.KvStream]) -> dict[str, int]:
     """The longest context each layer kind computes correctly (0: any): its `ContextLimit`
     (`mkc.model.graph`: a mechanism it needs is not declared) unless the phase keeps its KV
     cache as a ring of its window. E-CONTEXT at the spec's `context` line past one."""
     limits = {}
     for name in dict.fromkeys(s.graph.layer_kinds):
         limit = s.graph.kinds[name].context_limit
-        kv = kinds[name].kv if name in kinds else None
-        limits[name] = 0 if limit is None or (kv is not None and kv.ring) else limit.tokens
+        limits[name] = 0 if limit is None or name in rings else limit.tokens
         if limits[name] and s.context > limits[name]:
             setting = s.sched.settings["context"]
             raise fail("E-CONTEXT", f"context {s.context} is longer than layer kind {name} of "

@@ -37,8 +37,8 @@ def resolve_layer_kinds(s: ResolveState) -> ResolveState:
 
 
 def resolve_phases(s: ResolveState) -> ResolveState:
-    """Each layer kind's schedule without its collectives and view copies (later passes add
-    them), and the VMEM buffers its state copies and KV tiles use."""
+    """Each layer kind's schedule without its KV ring, collectives and view copies (later
+    passes resolve them), and the VMEM buffers its state copies and KV tiles use."""
     kinds: dict[str, ir.KindSchedule] = {}
     kind_buffers: dict[str, tuple[ir.Buffer, ...]] = {}
     for kname in sorted(s.graph.kinds):
@@ -51,7 +51,7 @@ def resolve_phases(s: ResolveState) -> ResolveState:
         kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
         kinds[kname] = _kind_schedule(kind, s, transfers, kv)
         kind_buffers[kname] = tuple((buffers | kv_buffers).values())
-    return dataclasses.replace(s, kinds=kinds, kind_buffers=kind_buffers)
+    return dataclasses.replace(s, phase_schedules=kinds, kind_buffers=kind_buffers)
 
 
 def _resolve_buffer_names(phase: ast.Phase, kind: LayerKind) -> None:

@@ -1,7 +1,8 @@
 """What resolve passes hand each other: the parsed schedule and the parts resolved so far.
 
 A pass reads the fields earlier passes set and returns a new state with its own fields set
-(`dataclasses.replace`); a field is None until its pass has run. `to_json` prints what is set,
+(`dataclasses.replace`); a field is None until its pass has run. Each field has one writer,
+and each pass declares what it reads and writes (`driver.Pass`). `to_json` prints what is set,
 for `mkc ir --after PASS`: IR parts as they are, working objects (the family's graph, the
 phases' AST) as a summary or not at all.
 """
@@ -29,6 +30,22 @@ HIDDEN = {"json": None}          # not printed: the input, or a working object w
 
 
 @dataclass(frozen=True)
+class KindCollectives:
+    """A layer kind's collectives, as its phase's lines resolve them."""
+    allreduces: list[ir.AllReduce]
+    allgathers: list[ir.AllGather]
+    exchanges: list[ir.Exchange]
+    buffers: tuple[ir.Buffer, ...]       # the all-gathers' and exchanges' receive buffers
+
+
+@dataclass(frozen=True)
+class ViewCopies:
+    """A layer kind's copies into pool views: its routed experts, the next layer's weights."""
+    fetch: ir.ViewCopy | None
+    prefetch: ir.ViewCopy | None
+
+
+@dataclass(frozen=True)
 class ResolveState:
     sched: ast.Schedule = field(metadata=HIDDEN)
     model_override: str | None = field(default=None, metadata=HIDDEN)
@@ -37,6 +54,7 @@ class ResolveState:
     model_config: dict | None = None
     dims: Any = None
     family: Family | None = field(default=None, metadata=HIDDEN)
+    checkpoint: str | None = None        # the checkpoint directory the config is in ("": none)
     # target: the slice and the mesh over its ranks
     topology: target.Topology | None = None
     mesh_axis: str | None = None
@@ -60,14 +78,23 @@ class ResolveState:
     pooled: dict[str, dict[str, str]] | None = None   # kind -> matrix family -> "pool.view"
     stream: ir.Stream | None = None
     parity: ir.Parity | None = None
-    # phases, collectives, views: each layer kind's schedule, and the VMEM buffers it adds
-    kinds: dict[str, ir.KindSchedule] | None = None
-    # kv_ring: the longest context each layer kind computes correctly (0: any; a kind's
-    # `ContextLimit` unless its phase keeps its KV cache as a window's ring)
-    context_limits: dict[str, int] | None = None
+    # phases: each layer kind's schedule as its phase block writes it (its ops, state copies
+    # and KV tiles; the KV ring, collectives and view copies are the fields below, which pass
+    # `kinds` assembles), and the VMEM buffers its state copies and KV tiles use
+    phase_schedules: dict[str, ir.KindSchedule] | None = None
     kind_buffers: dict[str, tuple[ir.Buffer, ...]] | None = None
+    # kv_ring: the KV stream of each layer kind whose phase keeps it as a window's ring, and the
+    # longest context each layer kind computes correctly (0: any; a kind's `ContextLimit`
+    # unless its phase keeps its KV cache as a window's ring)
+    kv_rings: dict[str, ir.KvStream] | None = None
+    context_limits: dict[str, int] | None = None
+    # collectives: each layer kind's, the embedding's all-reduce, and the all-reduces' receive
+    # buffers
+    collectives: dict[str, KindCollectives] | None = None
     embed_reduce: ir.AllReduce | None = None
-    reduce_buffers: tuple[ir.Buffer, ...] | None = None   # all-reduce receive buffers
+    reduce_buffers: tuple[ir.Buffer, ...] | None = None
+    view_copies: dict[str, ViewCopies] | None = None    # views: each layer kind's pool copies
+    kinds: dict[str, ir.KindSchedule] | None = None     # kinds: each layer kind's schedule
     buffers: list[ir.Buffer] | None = None        # every VMEM buffer of the kernel
     hbm_bytes_per_rank: dict[str, int] | None = None
     expectations: tuple[ir.Expectation, ...] | None = None   # expect: headroom promised

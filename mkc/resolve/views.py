@@ -10,17 +10,15 @@ from mkc.lang import ast
 from mkc.model.graph import LayerKind
 from mkc.resolve.names import unknown
 from mkc.resolve.phases import point
-from mkc.resolve.state import ResolveState
+from mkc.resolve.state import ResolveState, ViewCopies
 
 
 def resolve_views(s: ResolveState) -> ResolveState:
-    kinds = dict(s.kinds)
-    for kname, ks in s.kinds.items():
-        phase, kind = s.phases[kname], s.graph.kinds[kname]
-        kinds[kname] = replace(ks, fetch=_fetch(phase, kind, s.pools),
-                               prefetch=_prefetch(phase, kind, s.pools))
-    _check_view_copies(s.dims.layer_kinds, kinds, s.phases, s.pools)
-    return replace(s, kinds=kinds)
+    copies = {kname: ViewCopies(fetch=_fetch(s.phases[kname], s.graph.kinds[kname], s.pools),
+                                prefetch=_prefetch(s.phases[kname], s.graph.kinds[kname], s.pools))
+              for kname in s.phase_schedules}
+    _check_view_copies(s.dims.layer_kinds, s.phase_schedules, copies, s.phases, s.pools)
+    return replace(s, view_copies=copies)
 
 
 def _view(name: ast.Name, pools: list[ir.Pool], slots: bool) -> ir.PoolView:
@@ -76,8 +74,9 @@ def _prefetch(phase: ast.Phase, kind: LayerKind, pools: list[ir.Pool]) -> ir.Vie
     return prefetch
 
 
-def _check_view_copies(layer_kinds: tuple[str, ...], kinds: dict[str, ir.KindSchedule],
-                       phases: dict[str, ast.Phase], pools: list[ir.Pool]) -> None:
+def _check_view_copies(layer_kinds: tuple[str, ...], schedules: dict[str, ir.KindSchedule],
+                       copies: dict[str, ViewCopies], phases: dict[str, ast.Phase],
+                       pools: list[ir.Pool]) -> None:
     """Every layer that reads a weight view finds it prefetched by the layer before it (the
     first layer's is copied in the prologue), and every prefetch has a reader next. The
     lowering serves one weight view and one slot view of routed experts per step."""
@@ -86,31 +85,31 @@ def _check_view_copies(layer_kinds: tuple[str, ...], kinds: dict[str, ir.KindSch
         raise fail("E-POOL", f"{len(weight_views)} weight views; the lowering prefetches one per step",
                    weight_views[1].span, hint=f"hold every pooled matrix in {weight_views[0].pool}."
                                               f"{weight_views[0].name}")
-    fetched = {(k.fetch.pool, k.fetch.view) for k in kinds.values() if k.fetch is not None}
+    fetched = {(c.fetch.pool, c.fetch.view) for c in copies.values() if c.fetch is not None}
     if len(fetched) > 1:
-        second = next(k.fetch for k in kinds.values() if k.fetch is not None
-                      and (k.fetch.pool, k.fetch.view) != min(fetched))
+        second = next(c.fetch for c in copies.values() if c.fetch is not None
+                      and (c.fetch.pool, c.fetch.view) != min(fetched))
         raise fail("E-POOL", "experts are fetched into two slot views; the lowering serves one",
                    second.span, hint="fetch every kind's experts into the same view")
 
     def views(kname: str) -> set[str]:
-        return set(kinds[kname].pooled.values())
+        return set(schedules[kname].pooled.values())
 
     for i in range(1, len(layer_kinds)):
-        prev, cur = kinds[layer_kinds[i - 1]], layer_kinds[i]
+        prev, cur = layer_kinds[i - 1], layer_kinds[i]
+        prefetch = copies[prev].prefetch
         for v in sorted(views(cur)):
-            got = prev.prefetch and f"{prev.prefetch.pool}.{prev.prefetch.view}"
+            got = prefetch and f"{prefetch.pool}.{prefetch.view}"
             if got != v:
-                raise fail("E-POOL", f"layer {i} ({cur}) reads {v}, but phase {prev.name} before "
-                           f"it does not prefetch it", phases[prev.name].kind.span,
-                           hint=f"add `prefetch next {v} after OP` to phase {prev.name}")
-    for kname, k in kinds.items():
-        if k.prefetch is None:
+                raise fail("E-POOL", f"layer {i} ({cur}) reads {v}, but phase {prev} before "
+                           f"it does not prefetch it", phases[prev].kind.span,
+                           hint=f"add `prefetch next {v} after OP` to phase {prev}")
+    for kname, c in copies.items():
+        if c.prefetch is None:
             continue
-        v = f"{k.prefetch.pool}.{k.prefetch.view}"
+        v = f"{c.prefetch.pool}.{c.prefetch.view}"
         nexts = {layer_kinds[i + 1] for i in range(len(layer_kinds) - 1)
                  if layer_kinds[i] == kname}
         if not any(v in views(n) for n in nexts):
             raise fail("E-POOL", f"phase {kname} prefetches {v}, but no layer after a {kname} "
-                       "layer reads it", k.prefetch.span, hint="remove the prefetch")
-
+                       "layer reads it", c.prefetch.span, hint="remove the prefetch")

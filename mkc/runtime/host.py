@@ -320,9 +320,9 @@ class Host:
         return packed
 
     def _matrices(self) -> list:
-        """Every kernel matrix (`mkc.layers.dense_formats.weights.Member`): streamed ones with
+        """Every kernel matrix (`mkc.model.channel_codes.Member`): streamed ones with
         their codes, pooled ones, the tail's."""
-        from mkc.layers.dense_formats.weights import Member
+        from mkc.model.channel_codes import Member
         kinds = {v: k for k, v in self.kind_ids.items()}
         out = []
         for layer, kid in enumerate(self.layer_kind):
@@ -337,7 +337,7 @@ class Host:
     def _dense_sources(self, hf) -> dict:
         """The checkpoint tensors the matrices stored as 8-bit codes read (`format CLASS
         int8 channel rounded`), each with its matrix: {} when none is."""
-        from mkc.layers.dense_formats import weights as dense
+        from mkc.model import channel_codes as dense
         if all(m.codes == "bf16" for ms in self.stream_order.values() for m in ms):
             return {}
         return dense.sources(self.hf_layout, hf, self.dims, self.per_rank, self.shards,
@@ -347,7 +347,7 @@ class Host:
         """put(hbm, first tile, loop layer, kind, StreamedMatrix) -> next tile: the matrix cut
         from `hf` for `rank` into its ring tiles, bf16 values or (stored as codes) the codes
         of the checkpoint requantized with each column's scale (`mkc.layers.dense_formats`)."""
-        from mkc.layers.dense_formats import weights as dense
+        from mkc.model import channel_codes as dense
         layout, dims, per_rank, shards = self.hf_layout, self.dims, self.per_rank, self.shards
         sources = self._dense_sources(hf)
         values, scales = dense.held(hf, sources), dense.held(hf, sources, "scales")
@@ -399,7 +399,7 @@ class Host:
         blocks, max abs, relative RMS). `hf` itself and an empty report where no format
         requantizes; a FormatError (naming the spec's `format` line, the matrix and the block)
         where a class without `rounded` cannot be held exactly."""
-        from mkc.layers.dense_formats import weights as dense
+        from mkc.model import channel_codes as dense
         changed, report = dense.requantization(hf, self._dense_sources(hf), self.formats)
         fn = getattr(self.hf_layout, "requantization", None)
         if fn is not None:

@@ -66,8 +66,9 @@ def test_checks_run_in_list_order_and_stop_before_the_trace(full, monkeypatch):
     import mkc.checks
     from mkc.checks import CHECKS, Check
     from mkc.diagnostics import Diagnostic, Span
-    assert [c.name for c in CHECKS][:4] == ["hbm", "compiler_scratch", "buffer_fits", "kv_rings"]
-    assert not any(c.reads_trace for c in CHECKS[:4]) and all(c.reads_trace for c in CHECKS[4:])
+    assert [c.name for c in CHECKS][:5] == ["checkpoint", "hbm", "compiler_scratch", "buffer_fits",
+                                            "kv_rings"]
+    assert not any(c.reads_trace for c in CHECKS[:5]) and all(c.reads_trace for c in CHECKS[5:])
     assert len({c.name for c in CHECKS}) == len(CHECKS)
     ran = []
 
@@ -88,3 +89,16 @@ def test_checks_run_in_list_order_and_stop_before_the_trace(full, monkeypatch):
     with pytest.raises(MkcError) as e:
         run_checks(full)
     assert ran == ["a", "b", "d"] and e.value.codes == ["E-B", "E-D"]
+
+
+def test_the_checkpoint_check_reads_the_directory_the_model_pass_found(full, tmp_path):
+    """`checks.checkpoint` reads `ScheduleIR.checkpoint` (set by resolve's model pass), never
+    the spec: nothing for a config alone; for a directory whose safetensors do not hold the
+    family's table, E-CHECKPOINT at the spec's `model` line."""
+    from mkc.checks.checkpoint import check_checkpoint
+    from mkc.model.config import CONFIG_DIR
+    assert full.checkpoint == "" and check_checkpoint(full) == []
+    (tmp_path / "config.json").write_text((CONFIG_DIR / "qwen3_8_27b.json").read_text())
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (d,) = check_checkpoint(dataclasses.replace(full, checkpoint=str(tmp_path)))
+    assert d.code == "E-CHECKPOINT" and d.span == full.setting_spans["model"], d

@@ -10,7 +10,7 @@ import pytest
 
 from mkc.ir import WeightFormat
 from mkc.layers import dense_formats
-from mkc.layers.dense_formats import weights as dense
+from mkc.model import channel_codes as dense
 from mkc.model.family import FormatError
 
 
@@ -42,7 +42,7 @@ def test_requantized_rows_give_back_their_codes_and_scales(codes):
     values = dense.quantize(held, scale, codes)
     assert np.array_equal(values * scale[:, None], held.astype(np.float64))
     top = np.abs(values).max(axis=1)
-    assert (top[scale > 0] == dense_formats.QMAX[codes]).all() and scale[5] == 0
+    assert (top[scale > 0] == dense.QMAX[codes]).all() and scale[5] == 0
     back, back_scale = (np.asarray(a) for a in channel_codes(held, codes))
     np.testing.assert_array_equal(back, values)
     np.testing.assert_array_equal(back_scale, scale)

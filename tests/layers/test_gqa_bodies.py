@@ -60,8 +60,10 @@ CASES = {
     "qwen3_moe": (GQA(qk_norm="plain"), lambda: _dims(qwen3_moe, "qwen3_moe_mini")),
     "qwen3_5": (GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True),
                 lambda: _dims(qwen3_5, "qwen3_8_mini", head_dim=64, rotary_dim=16)),
-    "gpt_oss": (GQA(bias=True, sinks=True), lambda: _dims(gpt_oss, "gpt_oss_mini")),
-    "gpt_oss_sliding": (GQA(bias=True, sinks=True, sliding=True),
+    # Qwen2's attention: q/k/v biases, none on o_proj
+    "qkv_bias_only": (GQA(bias=True), lambda: _dims(llama, "llama_mini")),
+    "gpt_oss": (GQA(bias=True, o_bias=True, sinks=True), lambda: _dims(gpt_oss, "gpt_oss_mini")),
+    "gpt_oss_sliding": (GQA(bias=True, o_bias=True, sinks=True, sliding=True),
                         lambda: _dims(gpt_oss, "gpt_oss_mini", sliding_window=16)),
 }
 

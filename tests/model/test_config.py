@@ -256,3 +256,19 @@ def test_a_draft_model_s_config_is_bounded_before_it_is_built(tmp_path, change, 
     for model in (tmp_path / "config.json", tmp_path):
         with pytest.raises((ValueError, CheckpointError), match=words):   # what the server catches
             DraftModel.load(str(model), seed=0, context=64, keep=2)
+
+
+def test_a_model_type_no_family_reads_points_at_the_doc_on_adding_one(tmp_path):
+    """E-MODEL for an unsupported `model_type` lists the types read and names the section of
+    docs/extending.md on a new family (which says when a type is an existing family's alias)."""
+    from tests_support import ROOT
+    config = json.loads((CONFIG_DIR / "llama_mini.json").read_text()) | {"model_type": "mistral"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(MkcError) as e:
+        load_dims(path)
+    d = e.value.diagnostics[0]
+    assert d.code == "E-MODEL" and "'mistral' is not supported" in d.message
+    assert "llama" in d.hint and "docs/extending.md, 'A new model family'" in d.hint
+    doc = (ROOT / "docs" / "extending.md").read_text()
+    assert "\n## A new model family\n" in doc and "registry alias" in doc

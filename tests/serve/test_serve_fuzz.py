@@ -1,20 +1,18 @@
 """The fuzz campaign's `serve` target in its quick form: seeded hostile requests of every kind
-(benchmarks/fuzz_serve.py) against mkc serve's API and engine over the stand-in module, each
+(tests/fuzz/serve.py) against mkc serve's API and engine over the stand-in module, each
 beside good requests; and its verdicts on answers that are not acceptable."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from serve_process import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import fuzz_campaign as fc  # noqa: E402
-import fuzz_serve  # noqa: E402
+from fuzz import serve as fuzz_serve
+from fuzz.targets import available_targets, make_case
+from fuzz.worker import run_case
 
 SEED = 0
-CASES_PER_KIND = 20           # the campaign (fuzz_campaign.py --target serve) runs thousands
+CASES_PER_KIND = 20           # the campaign (benchmarks/fuzz_campaign.py --target serve) runs thousands
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +30,10 @@ def test_hostile_requests_are_refused_cleanly_and_harm_no_neighbour(server, kind
 
 def test_the_campaign_runs_serve_cases(server, monkeypatch, tmp_path):
     monkeypatch.setattr(fuzz_serve, "_SERVER", server)
-    assert "serve" in fc.available_targets()
-    case = fc.make_case(SEED, 3, target="serve")
+    assert "serve" in available_targets()
+    case = make_case(SEED, 3, target="serve")
     assert case.target == "serve" and case.kind in fuzz_serve.KINDS
-    outcome = fc.run_case(case, tmp_path)
+    outcome = run_case(case, tmp_path)
     assert outcome["cls"] == "ok", outcome
 
 

@@ -49,7 +49,8 @@ ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, ful
 # The attention sublayers, the layer library's GQA with biases and sinks, sliding or full
 # (their weights are the library's too: `weights`), then the library's MoE with GPT-OSS's
 # options.
-ATTENTION = {"swa": (GQA(bias=True, sinks=True, sliding=True),), "gqa": (GQA(bias=True, sinks=True),)}
+ATTENTION = {"swa": (GQA(bias=True, o_bias=True, sinks=True, sliding=True),),
+             "gqa": (GQA(bias=True, o_bias=True, sinks=True),)}
 MOE = MoE(router_bias=True, routing="top_k_softmax", activation="clamped", expert_bias=True,
           checkpoint="mxfp4", router_prefix="router.", gate_up_interleaved=True)
 LAYERS = ATTENTION | {MOE_KIND: (MOE,)}

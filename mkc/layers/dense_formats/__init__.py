@@ -18,13 +18,14 @@ a row-parallel matrix's ranks share it), so the largest code is always that larg
 rounding emulation reads them (`mkc.reference.rounding.channel_codes`). Codes round to nearest
 (ties to even); FP8 below 2**-6 of the scale is subnormal. A checkpoint's bf16 values (8
 significant bits) do not fit 4 (e4m3) or 7 (int8), so the formats always round: the spec must
-say `rounded`, and the error is reported per class (`weights.requantization`).
+say `rounded`, and the error is reported per class (`mkc.model.channel_codes.requantization`).
 
 In the ring a slot holds two rows of codes a bf16 element (`mkc.ir.ring_tile_shape`); the last
 row tile of each column block carries the block's scales in `mkc.ir.SCALE_ROWS` more slot rows
 (one bf16 row of them used), so they arrive with the codes and no other mechanism moves them.
 Here, importing no jax: the classes and formats offered and their rules (`resolve`); the
-kernel's dot is `mkc.runtime.ring.matmul`, the packing `weights`, the emulation
+kernel's dot is `mkc.runtime.ring.matmul`, the packing `mkc.model.channel_codes` (numpy,
+below the runtime that packs with it), the emulation
 `mkc.reference.rounding`.
 """
 from __future__ import annotations
@@ -45,8 +46,6 @@ CLASSES = {
 }
 # The formats every class takes, the checkpoint's first.
 FORMATS = ("bf16", "fp8", "int8")
-# Each code type's largest magnitude: a column's scale maps its largest value onto it.
-QMAX = {"fp8": 448.0, "int8": 127.0}
 # Codes count one value a byte; their scales are not multiplied (`mkc.perf.sim` prices reads).
 FACTS = MatrixFacts(values_per_byte=1.0)
 

@@ -6,8 +6,9 @@ residual add.
 
 Variants are options of the one kind: Llama 3 is `GQA()`, Qwen3.5's gated attention
 `GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)`, Qwen3-MoE's
-`GQA(qk_norm="plain")`, GPT-OSS's `GQA(bias=True, sinks=True)` and on its sliding layers
-`sliding=True`. The dims a model gives it: hidden_size, num_attention_heads,
+`GQA(qk_norm="plain")`, GPT-OSS's `GQA(bias=True, o_bias=True, sinks=True)` and on its
+sliding layers `sliding=True`; a Qwen2-style attention with q/k/v biases and none on o_proj is
+`GQA(bias=True)`. The dims a model gives it: hidden_size, num_attention_heads,
 num_key_value_heads, head_dim, rms_norm_eps, `sliding_window` for a sliding kind, and its
 rotary embedding's (`mkc.layers.rope`; `rotary_dim`, the rotated dims of a head). Heads split
 over the `heads` shard class; a part holds its KV heads, or one replica of the KV head its
@@ -60,7 +61,8 @@ class GQA(Sublayer):
     norm: str = "plain"            # the input norm's weight: plain `w` or zero-centred `1 + w`
     qk_norm: str = ""              # "": none; else a per-head RMS norm of q and k of that weight
     output_gate: bool = False      # q_proj holds [query | gate] per head; out *= sigmoid(gate)
-    bias: bool = False             # q/k/v biases added to the projection, o_proj's after its reduce
+    bias: bool = False             # q/k/v biases added to the projection
+    o_bias: bool = False           # o_proj's bias, added once after its reduce
     sinks: bool = False            # a learned logit per query head joins the softmax's denominator
     sliding: bool = False          # attends to the last `sliding_window` positions only
     prefix: str = "self_attn."     # its parameters' names under a layer's
@@ -84,7 +86,8 @@ class GQA(Sublayer):
         q_cols = (2 if self.output_gate else 1) * nq * hd
         cols = q_cols + 2 * nkv * hd
         norms = ("q_norm", "k_norm") if self.qk_norm else ()
-        bias, o_bias = (("qkv_bias",), ("o_bias",)) if self.bias else ((), ())
+        bias = ("qkv_bias",) if self.bias else ()
+        o_bias = ("o_bias",) if self.o_bias else ()
         sinks = ("sinks",) if self.sinks else ()
         ops = (
             Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
@@ -106,7 +109,7 @@ class GQA(Sublayer):
             "input_norm": vector("input_norm", shape=(H,)),
             **({"qkv_bias": vector("qkv_bias", shape=(cols,))} if self.bias else {}),
             **({"sinks": vector("sinks", shape=(nq,))} if self.sinks else {}),   # a logit a query head
-            **({"o_bias": vector("o_bias", shape=(H,))} if self.bias else {}),   # added after the reduce
+            **({"o_bias": vector("o_bias", shape=(H,))} if self.o_bias else {}),  # added after the reduce
             "key": Tensor("key", "cache", (nkv, hd), "bf16"),      # per token; [ctx, ...] in HBM
             "value": Tensor("value", "cache", (nkv, hd), "bf16"),
         }

@@ -144,7 +144,7 @@ def o_proj(s: GQA, c: Layer, core: jax.Array) -> jax.Array:
 
 def attn_residual(s: GQA, c: Layer, attn_out: jax.Array) -> None:
     """x += o_proj's all-reduced product (plus its bias, added once, after the reduce)."""
-    if s.bias:
+    if s.o_bias:
         c.refs.x[...] = c.refs.x[...] + (attn_out + c.vector("o_bias"))
     else:
         c.refs.x[...] = c.refs.x[...] + attn_out

@@ -263,7 +263,7 @@ def forward(s: GQA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: di
     names = f"layers.{layer}.key_cache", f"layers.{layer}.value_cache"
     out, cache[names[0]], cache[names[1]] = block(s, sub, d, h, cache[names[0]], cache[names[1]],
                                                   positions, rounding, kind)
-    return x + (out + sub["o_proj.bias"]) if s.bias else x + out
+    return x + (out + sub["o_proj.bias"]) if s.o_bias else x + out
 
 
 def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -275,7 +275,7 @@ def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     for name, out, cols in (("q_proj", (2 if s.output_gate else 1) * hq * hd, H), ("k_proj", hkv * hd, H),
                             ("v_proj", hkv * hd, H), ("o_proj", H, hq * hd)):
         shapes[p + f"{name}.weight"] = ((out, cols), bf16)
-        if s.bias:
+        if s.o_bias if name == "o_proj" else s.bias:
             shapes[p + f"{name}.bias"] = ((out,), bf16)
     if s.sinks:
         shapes[p + "sinks"] = ((hq,), bf16)
@@ -292,7 +292,7 @@ def init_weight(s: GQA, name: str, shape: tuple[int, ...], rng: np.random.Genera
     (upstream initialises them to zero); the rest as the decoder draws them (None)."""
     if s.sinks and name.endswith(s.prefix + "sinks"):
         return rng.normal(0.0, 1.0, shape)
-    if s.bias and name.endswith("_proj.bias"):
+    if name.endswith("_proj.bias"):           # one of its own: present only where declared
         return rng.normal(0.0, 0.1 * (residual_scale if name.endswith("o_proj.bias") else 1.0), shape)
     return None
 

@@ -16,7 +16,8 @@ from mkc.model.sharding import ShardTable, rank_parts
 
 def tensor_names(s: GQA, d: Any) -> tuple[str, ...]:
     return (s.projection, "o_proj", "input_norm", *(("q_norm", "k_norm") if s.qk_norm else ()),
-            *(("qkv_bias", "o_bias") if s.bias else ()), *(("sinks",) if s.sinks else ()))
+            *(("qkv_bias",) if s.bias else ()), *(("o_bias",) if s.o_bias else ()),
+            *(("sinks",) if s.sinks else ()))
 
 
 def _kv_rows(s: GQA, hf: Mapping, d: Any, p: str, suffix: str, part: int, heads: int) -> list[np.ndarray]:

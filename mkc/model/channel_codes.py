@@ -1,5 +1,6 @@
 """Host-side requantization of the dense classes' matrices into 8-bit codes with one scale per
-output column (`mkc.layers.dense_formats`), at weight-load time (numpy).
+output column (`mkc.layers.dense_formats`, whose rules use `QMAX`), at weight-load time (numpy,
+no jax: packing in `mkc.runtime.host` and `mkc.requantize` use it).
 
 A kernel matrix is cut from checkpoint tensors (`[out, in]` PyTorch weights, each kernel column
 one of their rows) by the family's `weights.matrix`. A column's scale is its checkpoint row's,
@@ -22,9 +23,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from mkc.layers.dense_formats import QMAX
 from mkc.model.family import FormatError
 from mkc.model.mxfp4 import RequantizationError, Requantized
+
+# Each code type's largest magnitude: a column's scale maps its largest value onto it.
+QMAX = {"fp8": 448.0, "int8": 127.0}
 
 
 def channel_scales(w: np.ndarray, codes: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Hostile MINI checkpoint directories for the fuzz campaign (`benchmarks/fuzz_campaign.py`).
+"""Hostile MINI checkpoint directories: the fuzz campaign's `checkpoint` target (`fuzz`).
 
 Each generator in `GENERATORS` takes (rng, dir), writes into `dir` a MINI checkpoint made
 hostile in one way, and returns a short description starting with the MINI config's name
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # MINI config -> the shipped spec its checkpoints are checked with (K3's moved to 2 hosts).
 SPECS = {"qwen3_8_mini": "qwen3_8_27b", "qwen3_5_moe_mini": "qwen3_5_35b_a3b",
@@ -218,4 +218,36 @@ def check(description: str, dir: Path) -> None:
     from mkc.requantize import report
     spec = ROOT / "schedules" / f"{SPECS[description.split(':', 1)[0]]}.sched"
     c = check_source(spec_text(description), str(spec), str(dir))
-    report(c.ir, c.schedule, str(dir))
+    report(c.ir, c.schedule)
+
+
+# ---- the campaign's `checkpoint` target ------------------------------------------------------
+
+def kinds() -> dict:
+    """The generators, each `(rng, dir) -> description`, as kinds: the case checks `--model ckpt`,
+    a directory the generator fills when the case is written (`Case.materialize`), with the
+    spec of the MINI config it picked (`spec_text(description)`, which also sets the case's
+    base)."""
+    def kind(name):
+        def make(rng, b, case):
+            case.files.append(("checkpoint", "ckpt", name))
+            case.model = "ckpt"
+            case.desc = f"checkpoint from fuzz.checkpoint.{name} (the MINI config it picks sets the spec)"
+            return b.spec
+        return make
+    return {name: (kind(name), 1) for name in GENERATORS}
+
+
+def run(case, d: Path, res: dict) -> dict:
+    """`mkc check spec.sched --model ckpt` on a hostile checkpoint (a generator
+    here writes it): the check and the requantization report `mkc check` prints."""
+    from mkc import compiler
+    from mkc.requantize import report
+    res["stage"] = "write checkpoint"
+    spec = case.materialize(d)
+    res["base"] = case.base
+    res["stage"] = "check"
+    c = compiler.check_spec(spec, case.model)
+    res["stage"] = "requantization"
+    report(c.ir, c.schedule)
+    return {"cls": "ok"}
