@@ -2,7 +2,7 @@
 
 Schedule deepseek_v3: model deepseek_v3 (deepseek_v3) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 5adaf95297eb014c
+Input digest (spec, model config, mkc version): fb432463eb0ef733
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 6 VMEM slots of 1024x1024 bf16 tiles, 6 tiles ahead, across layers and

@@ -2,7 +2,7 @@
 
 Schedule qwen3_5_397b_a17b: model qwen3_5_397b_a17b (qwen3_5_moe_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 44676083c6f66d17
+Input digest (spec, model config, mkc version): 2fdd851b5a9026f1
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and

@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b_16: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 4b696ea23a020886
+Input digest (spec, model config, mkc version): c5d598da69fae94e
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 10 VMEM slots of 1280x1152 bf16 tiles, 10 tiles ahead, across layers and
