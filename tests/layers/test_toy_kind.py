@@ -219,8 +219,8 @@ def test_a_format_line_in_a_family_without_choices_is_refused(toy):
     `format` line is an E-FORMAT at its class, which says to remove it."""
     from mkc.diagnostics import MkcError
     spec = toy / "toy_mini.sched"
-    spec.write_text(spec.read_text().replace("  shard vocab over tp\n",
-                                             "  shard vocab over tp\n  format attention fp8 channel rounded\n"))
+    line = "  shard vocab over tp\n"
+    spec.write_text(spec.read_text().replace(line, line + "  format attention fp8 channel rounded\n"))
     with pytest.raises(MkcError, match="stores every matrix one way: attention has no other format"):
         compiler.check_spec(spec)
 
