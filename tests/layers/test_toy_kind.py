@@ -214,6 +214,17 @@ def test_a_toy_kind_composes_checks_and_compiles(toy):
     assert lowering.BODIES["gqa", "gate_up"].func is geglu.gate_up
 
 
+def test_a_format_line_in_a_family_without_choices_is_refused(toy):
+    """The toy family offers no format for any class (no experts, no `dense_classes`): a
+    `format` line is an E-FORMAT at its class, which says to remove it."""
+    from mkc.diagnostics import MkcError
+    spec = toy / "toy_mini.sched"
+    line = "  shard vocab over tp\n"
+    spec.write_text(spec.read_text().replace(line, line + "  format attention fp8 channel rounded\n"))
+    with pytest.raises(MkcError, match="stores every matrix one way: attention has no other format"):
+        compiler.check_spec(spec)
+
+
 @pytest.mark.slow
 def test_a_toy_kind_s_kernel_equals_its_emulation(toy):
     from conftest import run_python

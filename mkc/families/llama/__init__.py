@@ -24,4 +24,5 @@ FAMILY = Family(
     name=FAMILY_NAME, model_types=(FAMILY_NAME,), read_dims=read_dims,
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.llama.config", "LlamaDims"), vmem_inputs=rope_input, layers=LAYERS,
+    dense_classes=("attention", "mlp", "lm_head"),
 )
