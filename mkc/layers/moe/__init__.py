@@ -5,7 +5,7 @@ when the model's `norm_topk_prob` says so; each picked expert a SwiGLU of width
 optionally a shared SwiGLU expert of width `shared_expert_intermediate_size` gated by
 `sigmoid(h . shared_expert_gate)` (or ungated: `shared_gate=False`); the residual add.
 
-`routing="sigmoid"` is DeepSeek-V3's router (`DeepseekV3TopkRouter`): scores `sigmoid(logits)`;
+`routing=SIGMOID` is DeepSeek-V3's router (`DeepseekV3TopkRouter`): scores `sigmoid(logits)`;
 the experts picked by `scores + e_score_correction_bias` (the vector `correction_bias`, for
 selection only), group-limited when the model's `n_group` exceeds 1: the experts split into
 `n_group` consecutive groups, a group's score the sum of its two largest biased scores, only
@@ -16,14 +16,14 @@ scores above 1e-13), times `routed_scaling_factor`. Kimi K3's router is this wit
 
 Variants are options of the one kind: Qwen3.5-MoE's block is `MoE(norm="zero_centred",
 shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`,
-GPT-OSS's `MoE(router_bias=True, routing="top_k_softmax", activation="clamped",
-expert_bias=True, checkpoint="mxfp4", router_prefix="router.", gate_up_interleaved=True)`: a
+GPT-OSS's `MoE(router_bias=True, routing=TOP_K_SOFTMAX, activation=Activation.CLAMPED,
+expert_bias=True, checkpoint=Checkpoint.MXFP4, router_prefix="router.", gate_up_interleaved=True)`: a
 biased router (`mlp.router.{weight,bias}`), the softmax over the k picked logits only
 (`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) + 1) * g
 * sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`, `swiglu_limit`), on
 MXFP4 experts (`experts.{gate_up,down}_proj_{blocks,scales,bias}`, gate and up rows
 interleaved) whose gate and up halves the slot pads to whole 128-lane tiles (`expert_half`);
-DeepSeek-V3's `MoE(routing="sigmoid", shared_expert=True, shared_gate=False,
+DeepSeek-V3's `MoE(routing=SIGMOID, shared_expert=True, shared_gate=False,
 shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_norm_eps,
 experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
 n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
@@ -53,6 +53,7 @@ from typing import Any
 
 from mkc.ir import WeightFormat
 from mkc.layers import expert_formats as expert_formats_lib
+from mkc.layers.moe.options import SOFTMAX, Activation, Checkpoint, Router
 from mkc.layers.sublayer import Part, Sublayer
 from mkc.model.family import ExpertLayout
 from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
@@ -95,12 +96,12 @@ class MoE(Sublayer):
     shared_expert: bool = False    # a SwiGLU expert every row runs, times a sigmoid gate
     prefix: str = "mlp."
     router_bias: bool = False      # a bias on the router's logits (vector `router_bias`, [E])
-    # "softmax": over all E experts, then the top k; "top_k_softmax": the top k logits, their
-    # softmax over those k only; "sigmoid": DeepSeek-V3's (module docstring)
-    routing: str = "softmax"
-    activation: str = "silu"       # silu(gate) * up, or "clamped" (GPT-OSS's, module docstring)
+    # SOFTMAX: over all E experts, then the top k; TOP_K_SOFTMAX: the top k logits, their
+    # softmax over those k only; SIGMOID: DeepSeek-V3's (module docstring; `options`)
+    routing: Router = SOFTMAX
+    activation: Activation = Activation.SILU    # or CLAMPED (GPT-OSS's, module docstring)
     expert_bias: bool = False      # bias rows on each expert's gate|up and down products
-    checkpoint: str = "bf16"       # the experts' stored format upstream: "bf16" or "mxfp4"
+    checkpoint: Checkpoint = Checkpoint.BF16    # the experts' stored format upstream
     shared_gate: bool = True       # the shared expert times sigmoid(h . shared_expert_gate)
     shared_prefix: str = "shared_expert."   # the shared expert's parameters under `prefix`
     router_prefix: str = "gate."   # the router's parameters under `prefix` (GPT-OSS: `router.`)
@@ -136,7 +137,7 @@ class MoE(Sublayer):
         if self.shared_expert:
             gate = ("h", "shared_gate") if self.shared_gate else ()
             residual_reads = ("shared_out", "routed_out", *gate, "x")
-        route_reads = ("router_logits", *(("correction_bias",) if self.routing == "sigmoid" else ()))
+        route_reads = ("router_logits", *self.routing.vectors(d))
         ops = (
             Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
             Op("router", reads=("h", "router_bias") if self.router_bias else ("h",),
@@ -154,14 +155,12 @@ class MoE(Sublayer):
                if self.shared_expert and self.shared_gate else {}),
             "router": Tensor("router", "matrix", (H, E), "bf16"),
             **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
-            # e_score_correction_bias [E]: added to the scores to pick, not to weight
-            **({"correction_bias": Tensor("correction_bias", "vector", (E,), "f32")}
-               if self.routing == "sigmoid" else {}),
+            **self.routing.vectors(d),
             **shared_tensors,
         }
         groups = self.pack_groups(d, tp)
         per_rank |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
-        if self.checkpoint == "mxfp4":
+        if self.checkpoint.decoded_in_kernel:
             per_rank["expert_half"] = self.expert_half(d, tp)
         return Part(ops, tensors, per_rank)
 
@@ -169,7 +168,9 @@ class MoE(Sublayer):
         """The experts' format in the model's checkpoint: the kind's, or "fp8" where a bf16
         model's config says its checkpoint is FP8 with f32 block scales (the dims'
         `weight_block_size`, [out, in]: DeepSeek-V3's published checkpoint)."""
-        return "fp8" if self.checkpoint == "bf16" and getattr(d, "weight_block_size", ()) else self.checkpoint
+        if self.checkpoint is Checkpoint.BF16 and getattr(d, "weight_block_size", ()):
+            return "fp8"
+        return self.checkpoint.value
 
     def weight_formats(self, d: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The expert classes and the formats each takes, the checkpoint's first (of the model
@@ -187,7 +188,7 @@ class MoE(Sublayer):
         so each half is padded with zero columns to whole 128-lane tiles (down's input rows
         likewise)."""
         width = d.moe_intermediate_size // tp
-        return lane_pad(width) if self.checkpoint == "mxfp4" else width
+        return lane_pad(width) if self.checkpoint.decoded_in_kernel else width
 
     def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""
@@ -197,7 +198,7 @@ class MoE(Sublayer):
         """Input rows an expert matrix is multiplied in at a time; MXFP4 rows that the caps
         do not tile (GPT-OSS's 2880) take the groups that divide them."""
         rows = self.expert_rows(d, tp)
-        if self.checkpoint == "mxfp4":
+        if self.checkpoint.decoded_in_kernel:
             return expert_formats_lib.dividing_pack_groups(rows)
         return expert_formats_lib.pack_groups(rows)
 

@@ -96,14 +96,6 @@ def _expert_bias(c: Layer, k, name: str) -> jax.Array:
     return pool.pooled_bf16(getattr(c.refs, es.pool), row, rows, cols).astype(F32)
 
 
-def _activation(s: MoE, c: Layer, gate_up: jax.Array) -> jax.Array:
-    """An expert's activation of its `[gate | up]` product."""
-    if s.activation == "clamped":
-        return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
-                                         c.dims.swiglu_limit)
-    return ops.swiglu(gate_up, c.per_rank["expert_width"])
-
-
 def post_norm(s: MoE, c: Layer) -> jax.Array:
     return ops.pre_norm(s.norm, c, "post_norm")
 
@@ -114,17 +106,9 @@ def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
 
 
 def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax top-k (or the top k's softmax, or sigmoid top-k); this rank's picked local
-    experts go to SMEM for their copies."""
-    d = c.dims
-    if s.routing == "top_k_softmax":
-        weights, ids = top_k_softmax_weights(router_logits, d.top_k)
-    elif s.routing == "sigmoid":
-        weights, ids = sigmoid_route_weights(router_logits, c.vector("correction_bias"), d.top_k,
-                                             d.norm_topk_prob, d.routed_scaling_factor, d.n_group,
-                                             d.topk_group)
-    else:
-        weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
+    """The router's picks (`Router.kernel`: softmax top-k, the top k's softmax, sigmoid
+    top-k); this rank's picked local experts go to SMEM for their copies."""
+    weights, ids = s.routing.kernel(c, router_logits)
     c.select_experts(ids)
     return ids, weights
 
@@ -146,7 +130,9 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
 
     def expert(k, acc):
         gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
-        act = _activation(s, c, gate_up + _expert_bias(c, k, "gate_up_bias") if s.expert_bias else gate_up)
+        if s.expert_bias:
+            gate_up = gate_up + _expert_bias(c, k, "gate_up_bias")
+        act = s.activation.kernel(c, gate_up)
         if not s.expert_bias:
             return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
                                                                              groups["down_group"])

@@ -42,7 +42,7 @@ def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
     shared = (*(("shared_gate",) if s.shared_gate else ()), "shared_gate_up", "shared_down") \
         if s.shared_expert else ()
     return ("post_norm", "router", *(("router_bias",) if s.router_bias else ()), *shared,
-            *(("correction_bias",) if s.routing == "sigmoid" else ()))
+            *s.routing.vectors(d))
 
 
 def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
@@ -58,8 +58,8 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
            ) -> np.ndarray:
     if name == "shared_gate":
         return tensor(hf, prefix + s.prefix + "shared_expert_gate.weight")     # [1, H]
-    if name == "correction_bias":
-        return tensor(hf, prefix + s.prefix + "gate.e_score_correction_bias")[None, :]   # [1, E]
+    if name in s.routing.vectors(d):
+        return tensor(hf, prefix + s.prefix + s.routing.vector_tensor(name))[None, :]    # [1, E]
     if name == "router_bias":
         return tensor(hf, prefix + s.prefix + s.router_prefix + "bias")[None, :]         # [1, E]
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
@@ -114,7 +114,7 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     """Local expert `local` of `rank` as the pool holds it (its width slice), [in, out] by
     matrix: bf16 by its name, or FP8 codes and E8M0 scales per block of input rows
     (`{name}_codes`, `{name}_scales`); an MXFP4 checkpoint's as `mxfp4_expert` moves it."""
-    if s.checkpoint == "mxfp4":
+    if s.checkpoint.decoded_in_kernel:
         e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
         return mxfp4_expert(s, hf, d, prefix, e, formats)
     out = {}
@@ -221,7 +221,7 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     their scales beside them as `BLOCK_SCALE`), and per class the error against
     the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS).
     MXFP4 experts' FP8 codes are exact (`mxfp4_expert` refuses the others): none."""
-    if s.checkpoint == "mxfp4":
+    if s.checkpoint.decoded_in_kernel:
         return {}, {}
     fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items()
            if f.name == "fp8" and not f.cols}           # an FP8 checkpoint's blocks: as they are

@@ -1,0 +1,253 @@
+"""The options of `MoE` that change its math, as objects that own it: a router (`Router`: what
+the route op reads, the checkpoint tensors it loads, its kernel and reference routing), an
+expert activation (`Activation`) and the experts' checkpoint layout (`Checkpoint`). A new
+router is one subclass here; the kind's graph, bodies, reference and weights ask it and do not
+branch on its name.
+
+Declared without jax (checking a spec imports no jax): a method that computes imports the
+jax module that holds its math (`mkc.layers.moe.lowering`, `mkc.layers.moe.reference`,
+`mkc.layers.ops`) when it is called.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mkc.model.graph import Tensor
+
+
+@dataclass(frozen=True)
+class Router:
+    """How rows pick their experts from the router's logits and weight them. `scoring` is the
+    name the reference's `route(logits, top_k, renormalize, scoring, ...)` takes (the harness
+    calls it with the arguments `route_args` gives)."""
+
+    scoring: ClassVar[str] = ""
+
+    def vectors(self, d: Any) -> dict[str, Tensor]:
+        """The vectors the route op reads beside the logits (graph tensors, by name)."""
+        return {}
+
+    def checkpoint_tensors(self, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Its upstream tensors under the MoE's prefix (`mlp.`), beside the router's weight."""
+        return {}
+
+    def vector_tensor(self, name: str) -> str:
+        """The upstream tensor (under the MoE's prefix) of its vector `name`."""
+        raise KeyError(name)
+
+    def scaling(self, d: Any) -> float:
+        """The factor on the picked experts' weights."""
+        return 1.0
+
+    def renormalise(self, d: Any) -> bool:
+        return bool(d.norm_topk_prob)
+
+    def route_args(self, p: Any, d: Any) -> tuple:
+        """`route`'s arguments past the logits (`p`: the MoE's parameters, under its prefix)."""
+        return d.top_k, self.renormalise(d), self.scoring
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        """The kernel's routing of a layer context `c`'s logits -> (weights [B, E], ids)."""
+        raise NotImplementedError
+
+    # The reference's routing (`mkc.layers.moe.reference.route` and its companions, which take
+    # `route_args`): bias, scaling and groups are the sigmoid router's.
+    def route(self, logits: Any, top_k: int, renormalize: bool, bias: Any, scaling: float, groups: int,
+              topk_groups: int) -> tuple[Any, Any]:
+        """``[..., E] -> (ids [..., k], weights [..., k])``, largest first."""
+        raise NotImplementedError
+
+    def selection(self, logits: Any, top_k: int, bias: Any, groups: int, topk_groups: int) -> Any:
+        """What `route` takes the top k of, and that k (or a list of such choices)."""
+        raise NotImplementedError
+
+    def dense_scores(self, logits: Any) -> Any:
+        """The scores whose picked lanes the kernel keeps as the routing weights ``[B, E]``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Softmax(Router):
+    """Softmax over all E experts, the top k, divided by their sum when `norm_topk_prob`
+    (Qwen3-MoE's)."""
+
+    scoring: ClassVar[str] = "softmax"
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        from mkc.layers.moe import lowering
+        return lowering.route_weights(logits, c.dims.top_k, c.dims.norm_topk_prob)
+
+    def route(self, logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+        import jax
+        import jax.numpy as jnp
+        weights, ids = jax.lax.top_k(self.dense_scores(logits), top_k)
+        if renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return ids, weights
+
+    def selection(self, logits, top_k, bias, groups, topk_groups):
+        return self.dense_scores(logits), top_k
+
+    def dense_scores(self, logits):
+        import jax
+        import jax.numpy as jnp
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+@dataclass(frozen=True)
+class TopKSoftmax(Router):
+    """The k largest logits, their softmax over those k only (`GptOssTopKRouter`)."""
+
+    scoring: ClassVar[str] = "top_k_softmax"
+
+    def renormalise(self, d: Any) -> bool:
+        return True
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        from mkc.layers.moe import lowering
+        return lowering.top_k_softmax_weights(logits, c.dims.top_k)
+
+    def route(self, logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+        import jax
+        top, ids = jax.lax.top_k(logits, top_k)
+        return ids, jax.nn.softmax(top, axis=-1)
+
+    def selection(self, logits, top_k, bias, groups, topk_groups):
+        return logits, top_k
+
+    def dense_scores(self, logits):
+        # the row max is the largest pick's logit: exp(logit - max) over the picks is their
+        # softmax over the k once divided by its lane sum
+        import jax.numpy as jnp
+        return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+
+
+@dataclass(frozen=True)
+class Sigmoid(Router):
+    """DeepSeek-V3's (`DeepseekV3TopkRouter`): sigmoid scores, picked by `scores + bias` (the
+    correction bias, vector `bias`: selection only) among the best groups, renormalised when
+    `norm_topk_prob`, times `routed_scaling_factor`. Kimi K3's with one group, its bias named
+    `router_bias` and padded to `padded` experts (the router's columns split over sibling
+    cores)."""
+
+    scoring: ClassVar[str] = "sigmoid"
+    bias: str = "correction_bias"
+    padded: int = 0             # the bias vector's length, when more than the experts
+
+    def vectors(self, d: Any) -> dict[str, Tensor]:
+        # e_score_correction_bias [E]: added to the scores to pick, not to weight
+        return {self.bias: Tensor(self.bias, "vector", (self.padded or d.experts,), "f32")}
+
+    def checkpoint_tensors(self, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {prefix + "gate.e_score_correction_bias": ((d.experts,), "float32")}
+
+    def vector_tensor(self, name: str) -> str:
+        if name != self.bias:
+            raise KeyError(name)
+        return "gate.e_score_correction_bias"
+
+    def scaling(self, d: Any) -> float:
+        return d.routed_scaling_factor
+
+    def route_args(self, p: Any, d: Any) -> tuple:
+        return (d.top_k, self.renormalise(d), self.scoring, p["gate.e_score_correction_bias"],
+                self.scaling(d), getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        from mkc.layers.moe import lowering
+        d, bias = c.dims, c.vector(self.bias)
+        if self.padded:
+            logits, bias = logits[:, :d.experts], bias[:, :d.experts]
+        return lowering.sigmoid_route_weights(logits, bias, d.top_k, self.renormalise(d), self.scaling(d),
+                                              getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
+
+    def route(self, logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+        import jax
+        import jax.numpy as jnp
+
+        from mkc.layers.moe.reference import eligible
+        scores = jax.nn.sigmoid(logits)
+        pick = scores + bias
+        if groups > 1:
+            pick = jnp.where(eligible(pick, groups, topk_groups), pick, -jnp.inf)
+        _, ids = jax.lax.top_k(pick, top_k)
+        chosen = jnp.take_along_axis(scores, ids, axis=-1)
+        if renormalize:
+            chosen = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+        return ids, chosen * scaling
+
+    def selection(self, logits, top_k, bias, groups, topk_groups):
+        # group-limited, two choices: the biased scores with the other groups' experts at
+        # -1e30 (finite, so two runs' scores subtract) and their top k, then the group scores
+        # and their top `topk_groups`
+        import jax
+        import jax.numpy as jnp
+
+        from mkc.layers.moe.reference import eligible, group_scores
+        pick = jax.nn.sigmoid(logits) + bias
+        if groups == 1:
+            return pick, top_k
+        return [(jnp.where(eligible(pick, groups, topk_groups), pick, -1e30), top_k),
+                (group_scores(pick, groups), topk_groups)]
+
+    def dense_scores(self, logits):
+        import jax
+        return jax.nn.sigmoid(logits)
+
+
+SOFTMAX, TOP_K_SOFTMAX, SIGMOID = Softmax(), TopKSoftmax(), Sigmoid()
+ROUTERS: dict[str, Router] = {r.scoring: r for r in (SOFTMAX, TOP_K_SOFTMAX, SIGMOID)}
+
+
+class Activation(enum.Enum):
+    """An expert's activation of its `[gate | up]` product."""
+
+    SILU = "silu"               # silu(gate) * up
+    # GPT-OSS's: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+    # the model's swiglu_alpha and swiglu_limit
+    CLAMPED = "clamped"
+
+    def kernel(self, c: Any, gate_up: Any) -> Any:
+        """In the kernel, on a rank's `[gate | up]` (each half `expert_half` lanes when
+        padded, else `expert_width`)."""
+        from mkc.layers import ops
+        if self is Activation.CLAMPED:
+            return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
+                                             c.dims.swiglu_limit)
+        return ops.swiglu(gate_up, c.per_rank["expert_width"])
+
+    def reference(self, d: Any, gate: Any, up: Any, kernel: bool = False) -> Any:
+        """In the reference, on the gate and up products; `kernel`: in the kernel's one
+        jitted expression (XLA's f32 order depends on it)."""
+        from mkc.layers.moe import reference
+        if self is Activation.CLAMPED:
+            fn = reference.kernel_clamped_swiglu if kernel else reference.clamped_swiglu
+            return fn(gate, up, d.swiglu_alpha, d.swiglu_limit)
+        return reference.silu_glu(gate, up)
+
+
+class Checkpoint(enum.Enum):
+    """The routed experts' format in the upstream checkpoint."""
+
+    BF16 = "bf16"               # fused `experts.{gate_up,down}_proj` [E, out, in]
+    # `experts.{gate_up,down}_proj_{blocks,scales}`: e2m1 codes and E8M0 scales per 32 inputs,
+    # moved to the kernel as they are (never decoded), each gate|up half lane padded
+    MXFP4 = "mxfp4"
+
+    @property
+    def decoded_in_kernel(self) -> bool:
+        """Its codes reach the kernel as stored: halves padded to whole lane tiles, pack groups
+        that divide the rows (`MoE.expert_half`, `MoE.pack_groups`)."""
+        return self is Checkpoint.MXFP4
+
+    def expert_tensors(self, prefix: str, name: str, experts: int, out: int, k: int
+                       ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The upstream tensors of fused expert matrix `name` (`gate_up_proj`, `down_proj`),
+        [E, out, k] in values."""
+        if self is Checkpoint.MXFP4:
+            from mkc.layers.expert_formats import MX_BLOCK
+            return {prefix + f"{name}_blocks": ((experts, out, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
+                    prefix + f"{name}_scales": ((experts, out, k // MX_BLOCK), "uint8")}
+        return {prefix + name: ((experts, out, k), "bfloat16")}
