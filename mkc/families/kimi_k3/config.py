@@ -192,6 +192,14 @@ class KimiDims(Dims):
         return self.routed_scaling
 
     @property
+    def norm_topk_prob(self) -> bool:
+        return True                  # moe_renormalize (REQUIRED)
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.shared_intermediate_size
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 

@@ -14,18 +14,25 @@ from dataclasses import dataclass
 
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
-from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.expert_formats import MX_BLOCK
 from mkc.layers.kda import KDA, projection_cols
 from mkc.layers.mla import MLA
+from mkc.layers.moe import MoE
+from mkc.layers.moe.options import SIGMOID, Activation, Checkpoint
 from mkc.layers.sublayer import Part
 from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
-# The attention sublayers composed from the layer library, between K3's own input mix and
-# residual add (`_attention_kind`): KDA, and MLA gated and NoPE.
-LAYERS = {"kda": (KDA(residual=False),), "mla": (MLA(output_gate=True, residual=False),)}
+# The sublayers composed from the layer library, between K3's own input mix and residual add
+# (`_composed_kind`): KDA, MLA gated and NoPE, and the latent MoE with a sigmoid
+# router split over sibling cores, SiTU experts on the checkpoint's MXFP4 and ungated shared
+# experts.
+ATTENTION = {"kda": (KDA(residual=False),), "mla": (MLA(output_gate=True, residual=False),)}
+MOE = MoE(prefix="block_sparse_moe.", routing=SIGMOID, activation=Activation.SITU,
+          checkpoint=Checkpoint.MXFP4_PACKED, shared_expert=True, shared_gate=False,
+          shared_prefix="shared_experts.", latent=True, router_split=True, residual=False)
+LAYERS = ATTENTION | {"moe": (MOE,)}
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
 _WHOLE_MESH = ("mlp", "vocab", "latent_down")
 
@@ -150,27 +157,16 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
     expert ("expert", in the `formats` chosen), in HBM layout. Raises ShardingError for an
     infeasible sharding."""
     g = kimi_k3_geometry(d, sh)
-    formats = expert_formats(d, g, formats)
-    H, w = d.hidden_size, g.expert_width
+    H = d.hidden_size
     return {
-        **{kind: {n: t for n, t in _attention_part(kind, d, sh).tensors.items() if t.role == "matrix"}
+        **{kind: {n: t for n, t in _part(kind, d, sh).tensors.items() if t.role == "matrix"}
            for kind in LAYERS},
-        "moe": {
-            "router": _m("router", H, g.router_cols, split="router"),
-            "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down", cls="latent"),
-            "shared_gate_up": _m("shared_gate_up", H, 2 * g.shared, cls="shared_expert"),
-            "shared_down": _m("shared_down", g.shared, H, partial=("mlp",), cls="shared_expert"),
-            "latent_up": _m("latent_up", d.latent, g.up_cols, split="latent_up", cls="latent"),
-        },
         "dense": {
             "gate_up": _m("gate_up", H, 2 * g.dense, cls="mlp"),
             "down": _m("down", g.dense, H, partial=("mlp",), cls="mlp"),
         },
         # One routed expert's width slice, K-major, in its format.
-        "expert": {
-            **expert_formats_lib.tensors("gate_up", d.latent, 2 * w, formats["expert.gate_up"]),
-            **expert_formats_lib.tensors("down", w, d.latent, formats["expert.down"]),
-        },
+        "expert": MOE.expert_tensors(d, expert_formats(d, g, formats), sh.expert_tp),
     }
 
 
@@ -181,24 +177,23 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
 # packing checks); or FP4 e2m1 codes (two rows a byte), fed to the MXU as they are, with one
 # scale per `block` rows, whole pack groups (exact where the checkpoint's values fit one
 # scale per block, which packing checks and otherwise refuses unless the spec says `rounded`).
-WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8", "fp4")),
-                  ("expert.down", ("mxfp4", "fp8", "fp4")))
+WEIGHT_FORMATS = MOE.weight_formats()
 
 
-def expert_rows(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    """Input rows of a rank's expert matrices: gate|up takes the latent, down the width slice."""
-    return {"gate_up": d.latent, "down": g.expert_width}
+def _expert_tp(d: KimiDims, g: KimiGeometry) -> int:
+    return d.expert_width // g.expert_width
 
 
 def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    return expert_formats_lib.pack_groups(expert_rows(d, g))
+    """Input rows a rank's expert matrices are multiplied in at a time (`MoE.pack_groups`)."""
+    return MOE.pack_groups(d, _expert_tp(d, g))
 
 
 def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat] | None
                    ) -> dict[str, WeightFormat]:
     """Each expert matrix class's format with its block resolved to rows (32 for MXFP4 and
     plain FP8); FormatError for a block the kernel cannot use."""
-    return expert_formats_lib.resolve(WEIGHT_FORMATS, expert_rows(d, g), pack_groups(d, g), formats)
+    return MOE.expert_formats(d, formats, _expert_tp(d, g))
 
 
 def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:
@@ -234,8 +229,9 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
     }
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}
-    kinds = {"kda": _attention_kind("kda", d, sh), "mla": _attention_kind("mla", d, sh),
-             "moe": _moe_kind(d, sh, g, fam["moe"]), "dense": _dense_kind(d, fam["dense"])}
+    per_rank |= _part("moe", d, sh).per_rank
+    kinds = {**{kind: _composed_kind(kind, d, sh) for kind in LAYERS},
+             "dense": _dense_kind(d, fam["dense"])}
     return kinds, fam["expert"], glob, per_rank
 
 
@@ -248,53 +244,44 @@ _MLP_MIX = Op("mlp_mix", reads=("blocks", "mlp_res_norm", "mlp_res_proj", "post_
               writes=("h",))
 
 
-def _attention_part(kind: str, d: KimiDims, sh: KimiSharding) -> Part:
-    """The layer library's attention kind as K3 configures it (`LAYERS`), its heads split as
-    K3's."""
-    part = LAYERS[kind][0].part(d, {"heads": sh.head_ways})
-    geometry = kimi_k3_geometry(d, sh).as_dict()
-    if any(geometry[name] != size for name, size in part.per_rank.items()):
+def _ways(sh: KimiSharding) -> dict[str, int]:
+    """The ways K3's shard classes split, as the library's kinds take them."""
+    return {"heads": sh.head_ways, "mlp": sh.ranks, "experts": sh.expert_groups, "expert_mlp": sh.expert_tp,
+            "router": sh.router_split, "latent_down": sh.ranks, "latent_up": sh.host_cores}
+
+
+def _part(kind: str, d: KimiDims, sh: KimiSharding) -> Part:
+    """The layer library's kind as K3 configures it (`LAYERS`), split as K3's geometry."""
+    part = LAYERS[kind][0].part(d, _ways(sh))
+    geometry = kimi_k3_geometry(d, sh).as_dict() | {"router_split": sh.router_split,
+                                                    "expert_tp": sh.expert_tp}
+    if any(geometry.get(name, size) != size for name, size in part.per_rank.items()):
         raise ValueError(f"the {kind} kind's per-rank sizes {part.per_rank} are not K3's geometry's")
     return part
 
 
-def _attention_kind(kind: str, d: KimiDims, sh: KimiSharding) -> LayerKind:
-    """An attention kind of the layer library (KDA: a delta rule with a per-channel decay over
-    a short convolution, recurrent state; MLA: latent attention with absorbed up-projections):
-    the library kind's ops between K3's input mix and residual add, its matrices, then K3's mix
-    vectors and input norm, then its own vectors and states."""
-    part = _attention_part(kind, d, sh)
+# K3's block attention residual around each library kind: (its input mix, its residual add,
+# the mix vectors' prefix, the norm after the mix).
+_AROUND = {
+    "kda": (_ATTN_MIX, _ATTN_RESIDUAL, "attn", "input_norm"),
+    "mla": (_ATTN_MIX, _ATTN_RESIDUAL, "attn", "input_norm"),
+    "moe": (_MLP_MIX, Op("mlp_residual", reads=("mlp_out", "shared_out", "blocks"), writes=("blocks",)),
+            "mlp", "post_norm"),
+}
+
+
+def _composed_kind(kind: str, d: KimiDims, sh: KimiSharding) -> LayerKind:
+    """A kind of the layer library (KDA: a delta rule with a per-channel decay over a short
+    convolution, recurrent state; MLA: latent attention with absorbed up-projections; the
+    latent MoE): the library kind's ops between K3's input mix and residual add, its matrices,
+    then K3's mix vectors and norm, then its own vectors and states."""
+    part = _part(kind, d, sh)
+    mix, residual, prefix, norm = _AROUND[kind]
     matrices = {n: t for n, t in part.tensors.items() if t.role == "matrix"}
-    return LayerKind(kind, ops=(_ATTN_MIX, *part.ops, _ATTN_RESIDUAL), tensors={
-        **matrices, **_mix_vectors(d.hidden_size, "attn"),
-        "input_norm": _v("input_norm", d.hidden_size),
+    return LayerKind(kind, ops=(mix, *part.ops, residual), tensors={
+        **matrices, **_mix_vectors(d.hidden_size, prefix),
+        norm: _v(norm, d.hidden_size),
         **{n: t for n, t in part.tensors.items() if n not in matrices},
-    })
-
-
-def _moe_kind(d: KimiDims, sh: KimiSharding, g: KimiGeometry, matrices: dict[str, Tensor]
-              ) -> LayerKind:
-    """The MoE MLP: routed experts in a latent space, and the shared experts."""
-    H = d.hidden_size
-    return LayerKind("moe", ops=(
-        _MLP_MIX,
-        Op("router", reads=("h",), writes=("scores",), matmul="router"),
-        Op("route", reads=("scores", "router_bias"), writes=("expert_ids", "expert_weights"),
-           picks_experts=True),
-        Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
-        Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
-        Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
-        Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights"),
-           writes=("routed_out",), partial=("experts", "expert_mlp"), width=d.latent,
-           runs_experts=True),
-        Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
-        Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
-        Op("mlp_residual", reads=("mlp_out", "shared_out", "blocks"), writes=("blocks",)),
-    ), tensors={
-        **matrices, **_mix_vectors(H, "mlp"),
-        "post_norm": _v("post_norm", H),
-        "router_bias": _v("router_bias", g.router_cols * sh.router_split),
-        "latent_norm": _v("latent_norm", d.latent),
     })
 
 

@@ -2,9 +2,9 @@
 (`mkc.families.qwen3_5.lowering` has the convention).
 
 A K3 layer runs as two sublayers of the layer loop: attention (`kda` or `mla`), then the MLP
-(`dense` in layer 0, `moe` after); the attention kinds' bodies between K3's input mix and
-residual add are the layer library's (`BODIES`: `mkc.layers.kda.lowering`,
-`mkc.layers.mla.lowering`). The residual stream is block attention
+(`dense` in layer 0, `moe` after); the attention and MoE kinds' bodies between K3's input mix
+and residual add are the layer library's (`BODIES`: `mkc.layers.kda.lowering`,
+`mkc.layers.mla.lowering`, `mkc.layers.moe.lowering`). The residual stream is block attention
 residuals: `blocks` (VMEM) holds the embedding, each completed block's sum and the block being
 filled; every sublayer's input is a learned mixture of them, and its output is added to the
 open block.
@@ -20,14 +20,12 @@ from jax.experimental import pallas as pl
 
 from mkc.families.kimi_k3 import ops
 from mkc.families.kimi_k3.graph import LAYERS
-from mkc.layers.expert_formats import pack_groups
-from mkc.layers.expert_formats.lowering import expert_matmul
 from mkc.layers.sublayer import body_table
 from mkc.model.contracts import lowers
 from mkc.runtime.context import Kernel, Layer
 
 F32 = jnp.float32
-# The attention sublayers' bodies: the layer library's (`graph.LAYERS`).
+# The attention and MoE sublayers' bodies: the layer library's (`graph.LAYERS`).
 BODIES = body_table(LAYERS)
 
 
@@ -93,13 +91,6 @@ def moe_mlp_residual(c: Layer, mlp_out: jax.Array, shared_out: jax.Array) -> Non
     _add_output(c, mlp_out[:, :c.dims.hidden_size] + shared_out)
 
 
-def _cols(c: Layer, name: str) -> int | None:
-    """A streamed matrix's own columns (its ring tiles pad them); None for a pooled one, whose
-    product is as wide as the matrix."""
-    streamed = c.plan.streamed.get(name)
-    return streamed[1].cols if streamed else None
-
-
 # ---- the dense MLP --------------------------------------------------------------------------
 @lowers("gate_up")
 def gate_up(c: Layer, h: jax.Array) -> jax.Array:
@@ -111,68 +102,6 @@ def gate_up(c: Layer, h: jax.Array) -> jax.Array:
 @lowers("down")
 def down(c: Layer, act: jax.Array) -> jax.Array:
     return c.matmul("down", act)[:, :c.dims.hidden_size]
-
-
-# ---- latent MoE -----------------------------------------------------------------------------
-@lowers("router")
-def router(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("router", h)[:, :_cols(c, "router")]
-
-
-@lowers("route")
-def route(c: Layer, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid top-k with the score-correction bias; this rank's picked local experts go to
-    SMEM for their copies."""
-    n = c.dims.experts
-    bias = c.vector("router_bias")[:, :n]
-    weights, ids = ops.route(scores[:, :n], bias, c.dims.top_k, c.dims.routed_scaling)
-    c.select_experts(ids)
-    return ids, weights
-
-
-@lowers("latent_down")
-def latent_down(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("latent_down", h)[:, :_cols(c, "latent_down")]
-
-
-@lowers("shared_gate_up")
-def shared_gate_up(c: Layer, h: jax.Array) -> jax.Array:
-    return ops.situ_packed(c.matmul("shared_gate_up", h), c.per_rank["shared"], c.dims.situ_beta,
-                           c.dims.situ_linear_beta)
-
-
-@lowers("shared_down")
-def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
-    return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
-
-
-@lowers("routed_experts")
-def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
-                   expert_weights: jax.Array) -> jax.Array:
-    """This rank's width slice of its group's picked experts on every row, each weighted by
-    its routing weight (zero where a row did not pick it), summed in ascending expert order."""
-    latent, width = c.dims.latent, c.per_rank["expert_width"]
-    x = latent_in[:, :latent]
-
-    groups = pack_groups({"gate_up": latent, "down": width})
-
-    def expert(k, acc):
-        gate_up = expert_matmul(c, k, x, "gate_up", groups["gate_up"])
-        act = ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
-        return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
-                                                                         groups["down"])
-
-    return c.fold_experts(expert, jnp.zeros((c.B, latent), F32))
-
-
-@lowers("latent_norm")
-def latent_norm(c: Layer, routed_out: jax.Array) -> jax.Array:
-    return ops.rms_norm(routed_out, c.vector("latent_norm"), c.dims.rms_norm_eps)
-
-
-@lowers("latent_up")
-def latent_up(c: Layer, routed_out: jax.Array) -> jax.Array:
-    return c.matmul("latent_up", routed_out)[:, :_cols(c, "latent_up")]
 
 
 # ---- around the layers ----------------------------------------------------------------------

@@ -20,25 +20,9 @@ import jax.numpy as jnp
 from mkc.layers.mla.ops import mla_absorb_query, mla_tile, mla_value_up  # noqa: F401  (MLA's)
 from mkc.layers.mla.weights import split_kv_b_proj, split_q_b_proj  # noqa: F401
 from mkc.layers.moe.lowering import sigmoid_route_weights
-from mkc.layers.ops import rms_norm   # KimiRMSNorm: a plain weight
+from mkc.layers.ops import rms_norm, situ, situ_packed  # noqa: F401  (KimiRMSNorm: a plain weight; SiTU)
 
 F32 = jnp.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# Norms and activations
-
-
-def situ(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
-    """SiTU GLU: beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta); any equal shapes."""
-    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-            * linear_beta * jnp.tanh(up / linear_beta))
-
-
-def situ_packed(gate_up: jax.Array, width: int, beta: float = 4.0,
-                linear_beta: float = 25.0) -> jax.Array:
-    """gate_up [B, 2*width] packed as [gate | up] (one fused projection) -> SiTU [B, width]."""
-    return situ(gate_up[:, :width], gate_up[:, width:2 * width], beta, linear_beta)
 
 
 # ---------------------------------------------------------------------------------------------

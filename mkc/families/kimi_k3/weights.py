@@ -97,7 +97,7 @@ def _kda_vector(hf, d, g, sh, p, name, rank):
 
 def _moe_vector(hf, d, g, sh, p, name, rank):
     m = p + "block_sparse_moe."
-    if name == "router_bias":
+    if name == "correction_bias":
         bias = _w(hf, m + "gate.e_score_correction_bias")
         return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
     if name == "latent_norm":

@@ -59,13 +59,11 @@ from mkc.model.family import ExpertLayout
 from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
 
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME block N
-# rounded`), the checkpoint's first, by the checkpoint's format; the formats whose packing
-# rounds a bf16 checkpoint's values.
-FORMATS = {"bf16": (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8"))),
-           "mxfp4": (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8"))),
-           # an FP8 checkpoint with f32 block scales (`weight_block_size`): held as it is
-           "fp8": (("expert.gate_up", ("fp8",)), ("expert.down", ("fp8",)))}
-WEIGHT_FORMATS = FORMATS["bf16"]
+# rounded`), the checkpoint's first (`Checkpoint.formats`); the formats whose packing rounds a
+# bf16 checkpoint's values.
+WEIGHT_FORMATS = Checkpoint.BF16.formats
+# an FP8 checkpoint with f32 block scales (`weight_block_size`): held as it is
+FP8_CHECKPOINT_FORMATS = (("expert.gate_up", ("fp8",)), ("expert.down", ("fp8",)))
 ROUNDING_FORMATS = ("fp8",)
 # Routed experts load fused, as transformers 5 declares them (`mlp.experts.gate_up_proj [E, 2I,
 # H]`, gate rows first; `mlp.experts.down_proj [E, H, I]`), or per expert, the Qwen2/3-MoE
@@ -107,80 +105,135 @@ class MoE(Sublayer):
     router_prefix: str = "gate."   # the router's parameters under `prefix` (GPT-OSS: `router.`)
     gate_up_interleaved: bool = False   # the checkpoint's gate|up rows alternate gate, up
 
+    # Routed experts in a latent space (Kimi K3's latent MoE): `latent_down` projects the normed
+    # input to the model's routed_expert_hidden_size (its columns over shard class
+    # `latent_down`, all-gathered), the experts run on it, their sum is RMS-normed
+    # (`latent_norm`) and projected back by `latent_up` (columns over `latent_up`, gathered)
+    latent: bool = False
+    # the router's expert columns split over shard class `router` (the siblings exchange
+    # their shares), each share lane padded with zero columns
+    router_split: bool = False
+    residual: bool = True          # its own pre-norm and residual add (else the family's)
+
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
-        return ("post_norm", "router", "route", *shared, "routed_experts", "mlp_residual")
+        latent_in, latent_out = (("latent_down",), ("latent_norm", "latent_up")) if self.latent else ((), ())
+        return (*(("post_norm",) if self.residual else ()), "router", "route", *latent_in, *shared,
+                "routed_experts", *latent_out, *(("mlp_residual",) if self.residual else ()))
+
+    def router_cols(self, d: Any, ways: Mapping[str, int]) -> int:
+        """A rank's router columns: every expert, or its lane-padded share of a split router."""
+        return lane_pad(-(-d.experts // ways["router"])) if self.router_split else d.experts
 
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
         """`ways["expert_mlp"]` (1 if absent): ranks sharing each routed expert's width."""
         H, E, tp = d.hidden_size, d.experts, ways.get("expert_mlp", 1)
         local = split(E, ways["experts"], "num_experts", "experts")
         width = split(d.moe_intermediate_size, tp, "moe_intermediate_size", "expert_mlp")
-        shared_ops: tuple[Op, ...] = ()
-        shared_tensors: dict[str, Tensor] = {}
         per_rank = {"local_experts": local, "expert_width": width, "expert_tp": tp}
-        if self.shared_expert:
-            shared = split(d.shared_expert_intermediate_size, ways["mlp"], "shared_expert_intermediate_size",
-                           "mlp")
-            shared_ops = (
-                Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
-                Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
-            )
-            shared_tensors = {
-                "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16",
-                                         format_class="shared_expert"),
-                "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",),
-                                      format_class="shared_expert"),
-            }
-            per_rank = {"shared": shared} | per_rank
+        shared_ops, shared_tensors, shared_rank = self._shared(d, ways)
+        latent_ops, latent_tensors, latent_rank = self._latent(d, ways)
         residual_reads = ("routed_out", "x")
         if self.shared_expert:
             gate = ("h", "shared_gate") if self.shared_gate else ()
             residual_reads = ("shared_out", "routed_out", *gate, "x")
-        route_reads = ("router_logits", *self.routing.vectors(d))
+        router_cols = self.router_cols(d, ways)
+        split_ways = ways["router"] if self.router_split else 1
         ops = (
-            Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
+            *((Op("post_norm", reads=("x", "post_norm"), writes=("h",)),) if self.residual else ()),
             Op("router", reads=("h", "router_bias") if self.router_bias else ("h",),
                writes=("router_logits",), matmul="router"),
-            Op("route", reads=route_reads, writes=("expert_ids", "expert_weights"), picks_experts=True),
+            Op("route", reads=("router_logits", *self.routing.reads), writes=("expert_ids", "expert_weights"),
+               picks_experts=True),
+            *latent_ops[:1],
             *shared_ops,
-            Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
-               partial=("experts", "expert_mlp") if tp > 1 else ("experts",), width=H, runs_experts=True),
-            Op("mlp_residual", reads=residual_reads, writes=("x",)),
+            Op("routed_experts", reads=("latent_in" if self.latent else "h", "expert_ids", "expert_weights"),
+               writes=("routed_out",), partial=("experts", "expert_mlp") if tp > 1 else ("experts",),
+               width=d.routed_expert_hidden_size if self.latent else H, runs_experts=True),
+            *latent_ops[1:],
+            *((Op("mlp_residual", reads=residual_reads, writes=("x",)),) if self.residual else ()),
         )
         tensors = {
-            "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
+            **({"post_norm": Tensor("post_norm", "vector", (H,), "f32")} if self.residual else {}),
             # shared_expert_gate [1, H]
             **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")}
                if self.shared_expert and self.shared_gate else {}),
-            "router": Tensor("router", "matrix", (H, E), "bf16"),
+            "router": Tensor("router", "matrix", (H, router_cols), "bf16",
+                             split_out="router" if self.router_split else None),
             **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
-            **self.routing.vectors(d),
+            **self.routing.vectors(router_cols * split_ways),
+            **{n: t for n, t in latent_tensors.items() if n == "latent_down"},
             **shared_tensors,
+            **{n: t for n, t in latent_tensors.items() if n != "latent_down"},
         }
         groups = self.pack_groups(d, tp)
-        per_rank |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
+        per_rank = shared_rank | per_rank | latent_rank | {
+            "gate_up_group": groups["gate_up"], "down_group": groups["down"]}
+        if self.router_split:
+            per_rank |= {"router_cols": router_cols, "router_split": split_ways}
         if self.checkpoint.decoded_in_kernel:
             per_rank["expert_half"] = self.expert_half(d, tp)
         return Part(ops, tensors, per_rank)
 
-    def stored(self, d: Any = None) -> str:
-        """The experts' format in the model's checkpoint: the kind's, or "fp8" where a bf16
-        model's config says its checkpoint is FP8 with f32 block scales (the dims'
+    def _shared(self, d: Any, ways: Mapping[str, int]
+                ) -> tuple[tuple[Op, ...], dict[str, Tensor], dict[str, int]]:
+        """The shared expert's ops, matrices and width per rank (none without one)."""
+        if not self.shared_expert:
+            return (), {}, {}
+        H = d.hidden_size
+        shared = split(d.shared_expert_intermediate_size, ways["mlp"], "shared_expert_intermediate_size",
+                       "mlp")
+        ops = (
+            Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
+            Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
+        )
+        tensors = {
+            "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16",
+                                     format_class="shared_expert"),
+            "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",),
+                                  format_class="shared_expert"),
+        }
+        return ops, tensors, {"shared": shared}
+
+    def _latent(self, d: Any, ways: Mapping[str, int]
+                ) -> tuple[tuple[Op, ...], dict[str, Tensor], dict[str, int]]:
+        """The latent projections' ops (down; norm, up), tensors and per-rank widths (none
+        without `latent`). A split that does not fill the last ranks is zero padded."""
+        if not self.latent:
+            return (), {}, {}
+        H, latent = d.hidden_size, d.routed_expert_hidden_size
+        split(H, ways["latent_up"], "hidden size (latent_up columns)", "latent_up")
+        cols = lane_pad(-(-latent // ways["latent_down"]))
+        up_cols = lane_pad(-(-H // ways["latent_up"]))
+        ops = (
+            Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
+            Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
+            Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
+        )
+        tensors = {
+            "latent_down": Tensor("latent_down", "matrix", (H, cols), "bf16", split_out="latent_down",
+                                  format_class="latent"),
+            "latent_up": Tensor("latent_up", "matrix", (latent, up_cols), "bf16", split_out="latent_up",
+                                format_class="latent"),
+            "latent_norm": Tensor("latent_norm", "vector", (latent,), "f32"),
+        }
+        return ops, tensors, {"latent_cols": cols, "latent_gathered": cols * ways["latent_down"],
+                              "up_cols": up_cols}
+
+    def fp8_checkpoint(self, d: Any = None) -> bool:
+        """A bf16 model whose config says its checkpoint is FP8 with f32 block scales (the dims'
         `weight_block_size`, [out, in]: DeepSeek-V3's published checkpoint)."""
-        if self.checkpoint is Checkpoint.BF16 and getattr(d, "weight_block_size", ()):
-            return "fp8"
-        return self.checkpoint.value
+        return self.checkpoint is Checkpoint.BF16 and bool(getattr(d, "weight_block_size", ()))
 
     def weight_formats(self, d: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The expert classes and the formats each takes, the checkpoint's first (of the model
-        `d`'s checkpoint, when given: `stored`)."""
-        return FORMATS[self.stored(d)]
+        `d`'s checkpoint, when given: an FP8 one is held as it is)."""
+        return FP8_CHECKPOINT_FORMATS if self.fp8_checkpoint(d) else self.checkpoint.formats
 
     def checkpoint_blocks(self, d: Any) -> tuple[int, int] | None:
         """An FP8 checkpoint's (input rows, output columns) under one scale, or None."""
         out, inp = getattr(d, "weight_block_size", ()) or (0, 0)
-        return (inp, out) if self.stored(d) == "fp8" else None
+        return (inp, out) if self.fp8_checkpoint(d) else None
 
     def expert_half(self, d: Any, tp: int = 1) -> int:
         """Columns of the gate half (and of the up half) of a rank's gate|up expert matrix (its
@@ -190,9 +243,13 @@ class MoE(Sublayer):
         width = d.moe_intermediate_size // tp
         return lane_pad(width) if self.checkpoint.decoded_in_kernel else width
 
+    def expert_io(self, d: Any) -> int:
+        """The routed experts' input and output width: the hidden size, or the latent's."""
+        return d.routed_expert_hidden_size if self.latent else d.hidden_size
+
     def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""
-        return {"gate_up": d.hidden_size, "down": self.expert_half(d, tp)}
+        return {"gate_up": self.expert_io(d), "down": self.expert_half(d, tp)}
 
     def pack_groups(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows an expert matrix is multiplied in at a time; MXFP4 rows that the caps
@@ -209,13 +266,13 @@ class MoE(Sublayer):
         half = self.expert_half(d, tp)
         return expert_formats_lib.resolve(self.weight_formats(d), self.expert_rows(d, tp),
                                           self.pack_groups(d, tp), formats, self.checkpoint_blocks(d),
-                                          {"gate_up": half, "down": d.hidden_size})
+                                          {"gate_up": half, "down": self.expert_io(d)})
 
     def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat], tp: int = 1) -> dict[str, Tensor]:
         """One routed expert's width slice as its slot holds it, K-major ([in, out]), each
         matrix in its format, with its bias rows (bf16, the checkpoint's dtype) after the
         matrix."""
-        H, half = d.hidden_size, self.expert_half(d, tp)
+        H, half = self.expert_io(d), self.expert_half(d, tp)
         out: dict[str, Tensor] = {}
         for name, rows, cols, width in (("gate_up", H, 2 * half, half), ("down", half, H, H)):
             out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"], width)

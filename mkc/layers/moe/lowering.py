@@ -100,8 +100,16 @@ def post_norm(s: MoE, c: Layer) -> jax.Array:
     return ops.pre_norm(s.norm, c, "post_norm")
 
 
+def _own_cols(c: Layer, name: str) -> int | None:
+    """A streamed matrix's own columns (its ring tiles pad them); None for a pooled one, whose
+    product is as wide as the matrix."""
+    streamed = c.plan.streamed.get(name)
+    return streamed[1].cols if streamed else None
+
+
 def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    logits = c.matmul("router", h)[:, :c.dims.experts]
+    """The logits of every expert, or of this rank's share of a split router (its columns)."""
+    logits = c.matmul("router", h)[:, :_own_cols(c, "router") if s.router_split else c.dims.experts]
     return logits + c.vector("router_bias") if s.router_bias else logits
 
 
@@ -113,8 +121,12 @@ def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Ar
     return ids, weights
 
 
+def latent_down(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
+    return c.matmul("latent_down", h)[:, :_own_cols(c, "latent_down")]
+
+
 def shared_gate_up(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    return ops.swiglu(c.matmul("shared_gate_up", h), c.per_rank["shared"])
+    return s.activation.kernel(c, c.matmul("shared_gate_up", h), c.per_rank["shared"])
 
 
 def shared_down(s: MoE, c: Layer, shared_act: jax.Array) -> jax.Array:
@@ -125,21 +137,34 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
                    ) -> jax.Array:
     """This rank's picked experts on every row, each `down(act(gate_up h (+ b))) (+ b)`
     weighted by its routing weight (zero for rows that did not pick it), summed in ascending
-    expert order: a partial sum over ranks."""
+    expert order: a partial sum over ranks. `h`: the normed input, or the gathered latent
+    (its first `routed_expert_hidden_size` columns)."""
     groups = c.per_rank
+    width = groups["expert_half"] if s.checkpoint.decoded_in_kernel else groups["expert_width"]
+    io = s.expert_io(c.dims)
+    if s.latent:
+        h = h[:, :io]
 
     def expert(k, acc):
         gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
         if s.expert_bias:
             gate_up = gate_up + _expert_bias(c, k, "gate_up_bias")
-        act = s.activation.kernel(c, gate_up)
+        act = s.activation.kernel(c, gate_up, width)
         if not s.expert_bias:
             return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
                                                                              groups["down_group"])
         out = expert_matmul(c, k, act, "down", groups["down_group"]) + _expert_bias(c, k, "down_bias")
         return acc + c.expert_weight(expert_weights, k) * out
 
-    return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
+    return c.fold_experts(expert, jnp.zeros((c.B, io), F32))
+
+
+def latent_norm(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
+    return ops.rms_norm(routed_out, c.vector("latent_norm"), c.dims.rms_norm_eps)
+
+
+def latent_up(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
+    return c.matmul("latent_up", routed_out)[:, :_own_cols(c, "latent_up")]
 
 
 def mlp_residual(s: MoE, c: Layer, *values: jax.Array) -> None:

@@ -25,8 +25,12 @@ class Router:
 
     scoring: ClassVar[str] = ""
 
-    def vectors(self, d: Any) -> dict[str, Tensor]:
-        """The vectors the route op reads beside the logits (graph tensors, by name)."""
+    # the vectors the route op reads beside the logits
+    reads: ClassVar[tuple[str, ...]] = ()
+
+    def vectors(self, columns: int) -> dict[str, Tensor]:
+        """Its vectors (graph tensors, by name) over the router's `columns` (its experts, and
+        the zero columns that pad them where the router's columns are split)."""
         return {}
 
     def checkpoint_tensors(self, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -128,17 +132,19 @@ class TopKSoftmax(Router):
 class Sigmoid(Router):
     """DeepSeek-V3's (`DeepseekV3TopkRouter`): sigmoid scores, picked by `scores + bias` (the
     correction bias, vector `bias`: selection only) among the best groups, renormalised when
-    `norm_topk_prob`, times `routed_scaling_factor`. Kimi K3's with one group, its bias named
-    `router_bias` and padded to `padded` experts (the router's columns split over sibling
-    cores)."""
+    `norm_topk_prob`, times `routed_scaling_factor`; Kimi K3's with one group. Logits wider
+    than the experts (a split router's zero columns) are cut to them."""
 
     scoring: ClassVar[str] = "sigmoid"
     bias: str = "correction_bias"
-    padded: int = 0             # the bias vector's length, when more than the experts
 
-    def vectors(self, d: Any) -> dict[str, Tensor]:
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.bias,)
+
+    def vectors(self, columns: int) -> dict[str, Tensor]:
         # e_score_correction_bias [E]: added to the scores to pick, not to weight
-        return {self.bias: Tensor(self.bias, "vector", (self.padded or d.experts,), "f32")}
+        return {self.bias: Tensor(self.bias, "vector", (columns,), "f32")}
 
     def checkpoint_tensors(self, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
         return {prefix + "gate.e_score_correction_bias": ((d.experts,), "float32")}
@@ -158,8 +164,9 @@ class Sigmoid(Router):
     def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
         from mkc.layers.moe import lowering
         d, bias = c.dims, c.vector(self.bias)
-        if self.padded:
-            logits, bias = logits[:, :d.experts], bias[:, :d.experts]
+        if logits.shape[-1] != d.experts:
+            bias = bias[:, :d.experts]
+            logits = logits[:, :d.experts]
         return lowering.sigmoid_route_weights(logits, bias, d.top_k, self.renormalise(d), self.scaling(d),
                                               getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
 
@@ -208,15 +215,18 @@ class Activation(enum.Enum):
     # GPT-OSS's: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
     # the model's swiglu_alpha and swiglu_limit
     CLAMPED = "clamped"
+    # Kimi K3's SiTU: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), the
+    # model's situ_beta and situ_linear_beta
+    SITU = "situ"
 
-    def kernel(self, c: Any, gate_up: Any) -> Any:
-        """In the kernel, on a rank's `[gate | up]` (each half `expert_half` lanes when
-        padded, else `expert_width`)."""
+    def kernel(self, c: Any, gate_up: Any, width: int) -> Any:
+        """In the kernel, on a `[gate | up]` product of halves `width` lanes wide."""
         from mkc.layers import ops
         if self is Activation.CLAMPED:
-            return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
-                                             c.dims.swiglu_limit)
-        return ops.swiglu(gate_up, c.per_rank["expert_width"])
+            return ops.clamped_swiglu_halves(gate_up, width, c.dims.swiglu_alpha, c.dims.swiglu_limit)
+        if self is Activation.SITU:
+            return ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
+        return ops.swiglu(gate_up, width)
 
     def reference(self, d: Any, gate: Any, up: Any, kernel: bool = False) -> Any:
         """In the reference, on the gate and up products; `kernel`: in the kernel's one
@@ -225,6 +235,9 @@ class Activation(enum.Enum):
         if self is Activation.CLAMPED:
             fn = reference.kernel_clamped_swiglu if kernel else reference.clamped_swiglu
             return fn(gate, up, d.swiglu_alpha, d.swiglu_limit)
+        if self is Activation.SITU:
+            from mkc.layers import ops
+            return ops.situ(gate, up, d.situ_beta, d.situ_linear_beta)
         return reference.silu_glu(gate, up)
 
 
@@ -232,15 +245,26 @@ class Checkpoint(enum.Enum):
     """The routed experts' format in the upstream checkpoint."""
 
     BF16 = "bf16"               # fused `experts.{gate_up,down}_proj` [E, out, in]
-    # `experts.{gate_up,down}_proj_{blocks,scales}`: e2m1 codes and E8M0 scales per 32 inputs,
-    # moved to the kernel as they are (never decoded), each gate|up half lane padded
+    # GPT-OSS's `experts.{gate_up,down}_proj_{blocks,scales}`: e2m1 codes and E8M0 scales per
+    # 32 inputs, moved to the kernel as they are (never decoded), each gate|up half lane padded
     MXFP4 = "mxfp4"
+    # Kimi K3's compressed-tensors MXFP4, per expert (`experts.{e}.w{1,3,2}.weight_packed` and
+    # `.weight_scale`), cut in width slices of whole MXFP4 blocks (no padding); also held as
+    # FP4 under one scale per block of rows (`fp4 block N`); its weights are the family's
+    MXFP4_PACKED = "mxfp4_packed"
 
     @property
     def decoded_in_kernel(self) -> bool:
         """Its codes reach the kernel as stored: halves padded to whole lane tiles, pack groups
         that divide the rows (`MoE.expert_half`, `MoE.pack_groups`)."""
         return self is Checkpoint.MXFP4
+
+    @property
+    def formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The expert classes and the formats each takes, the checkpoint's first."""
+        offered = {Checkpoint.BF16: ("bf16", "fp8"), Checkpoint.MXFP4: ("mxfp4", "fp8"),
+                   Checkpoint.MXFP4_PACKED: ("mxfp4", "fp8", "fp4")}[self]
+        return (("expert.gate_up", offered), ("expert.down", offered))
 
     def expert_tensors(self, prefix: str, name: str, experts: int, out: int, k: int
                        ) -> dict[str, tuple[tuple[int, ...], str]]:
