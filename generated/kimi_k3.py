@@ -98,10 +98,10 @@ HF_CONFIG = json.loads(
     ' "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "routed_expert_hidd'
     'en_size": 3584, "routed_scaling_factor": 1.0, "tie_word_embeddings": false, "topk_group": 1,'
     ' "v_head_dim": 128, "vocab_size": 163840}')
-PER_RANK = {'cache_width': 640, 'dense': 1152, 'down_group': 128, 'expert_tp': 4,
-            'expert_width': 768, 'gate_up_group': 512, 'heads': 3, 'host_cores': 8,
-            'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 4096, 'local_experts': 112,
-            'router_cols': 512, 'router_split': 2, 'shared': 192, 'up_cols': 896, 'vocab': 5120}
+PER_RANK = {'cache_width': 640, 'down_group': 128, 'expert_tp': 4, 'expert_width': 768,
+            'gate_up_group': 512, 'heads': 3, 'host_cores': 8, 'inter': 1152, 'kda_cols': 1664,
+            'latent_cols': 128, 'latent_gathered': 4096, 'local_experts': 112, 'router_cols': 512,
+            'router_split': 2, 'shared': 192, 'up_cols': 896, 'vocab': 5120}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
 FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:44'),
            'expert.gate_up': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:43')}

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims
-from mkc.families.kimi_k3.graph import (LAYERS, KimiGeometry, KimiSharding, expert_formats,
+from mkc.families.kimi_k3.graph import (ATTENTION, KimiGeometry, KimiSharding, expert_formats,
                                         kimi_k3_geometry, pack_groups)
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
@@ -29,7 +29,7 @@ from mkc.model.mxfp4 import (SCALE_BIAS, RequantizationError, Requantized, relat
 from mkc.model.sharding import ShardTable
 
 # the layer library's attention kinds (their tensors: `mkc.layers.kda.weights`, `mkc.layers.mla.weights`)
-KDA, MLA = LAYERS["kda"][0], LAYERS["mla"][0]
+KDA, MLA = ATTENTION["kda"], ATTENTION["mla"]
 
 
 def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
@@ -83,7 +83,7 @@ def _swiglu(hf, prefix: str, family: str, rank: int, width: int) -> np.ndarray:
 
 def _dense_matrix(hf, d, g, sh, p, family, rank):
     if family in ("gate_up", "down"):
-        return _swiglu(hf, p + "mlp.", family, rank, g.dense)
+        return _swiglu(hf, p + "mlp.", family, rank, g.inter)
     raise KeyError(f"no dense weight family {family!r}")
 
 
@@ -343,7 +343,7 @@ def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: Shard
     kind's by its library weights module (`mkc.layers.kda.weights`: conv and recurrent states,
     `mkc.layers.mla.weights`: the latent caches)."""
     out: dict[str, np.ndarray] = {}
-    for kind, (sub,) in LAYERS.items():
+    for kind, sub in ATTENTION.items():
         out |= sub.module("weights").reference_states(sub, state, d, per_rank, shards, kind,
                                                       _model_layers(kind_layers, kind))
     return out
@@ -355,7 +355,7 @@ def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str
     """The inverse of `reference_states`: the reference's states as the kernel's per-rank state
     arrays (`shapes`: the kernel's per-rank state table)."""
     out: dict[str, np.ndarray] = {}
-    for kind, (sub,) in LAYERS.items():
+    for kind, sub in ATTENTION.items():
         out |= sub.module("weights").kernel_states(sub, ref, d, per_rank, shards, kind,
                                                    _model_layers(kind_layers, kind), shapes)
     return out

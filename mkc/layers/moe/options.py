@@ -1,8 +1,8 @@
 """The options of `MoE` that change its math, as objects that own it: a router (`Router`: what
 the route op reads, the checkpoint tensors it loads, its kernel and reference routing), an
-expert activation (`Activation`) and the experts' checkpoint layout (`Checkpoint`). A new
-router is one subclass here; the kind's graph, bodies, reference and weights ask it and do not
-branch on its name.
+expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
+(`Checkpoint`). A new router is one subclass here; the kind's graph, bodies, reference and
+weights ask it and do not branch on its name.
 
 Declared without jax (checking a spec imports no jax): a method that computes imports the
 jax module that holds its math (`mkc.layers.moe.lowering`, `mkc.layers.moe.reference`,
@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mkc.layers.activation import Activation  # noqa: F401  (an option of MoE and SwiGLU)
 from mkc.model.graph import Tensor
 
 
@@ -206,39 +207,6 @@ class Sigmoid(Router):
 
 SOFTMAX, TOP_K_SOFTMAX, SIGMOID = Softmax(), TopKSoftmax(), Sigmoid()
 ROUTERS: dict[str, Router] = {r.scoring: r for r in (SOFTMAX, TOP_K_SOFTMAX, SIGMOID)}
-
-
-class Activation(enum.Enum):
-    """An expert's activation of its `[gate | up]` product."""
-
-    SILU = "silu"               # silu(gate) * up
-    # GPT-OSS's: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
-    # the model's swiglu_alpha and swiglu_limit
-    CLAMPED = "clamped"
-    # Kimi K3's SiTU: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), the
-    # model's situ_beta and situ_linear_beta
-    SITU = "situ"
-
-    def kernel(self, c: Any, gate_up: Any, width: int) -> Any:
-        """In the kernel, on a `[gate | up]` product of halves `width` lanes wide."""
-        from mkc.layers import ops
-        if self is Activation.CLAMPED:
-            return ops.clamped_swiglu_halves(gate_up, width, c.dims.swiglu_alpha, c.dims.swiglu_limit)
-        if self is Activation.SITU:
-            return ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
-        return ops.swiglu(gate_up, width)
-
-    def reference(self, d: Any, gate: Any, up: Any, kernel: bool = False) -> Any:
-        """In the reference, on the gate and up products; `kernel`: in the kernel's one
-        jitted expression (XLA's f32 order depends on it)."""
-        from mkc.layers.moe import reference
-        if self is Activation.CLAMPED:
-            fn = reference.kernel_clamped_swiglu if kernel else reference.clamped_swiglu
-            return fn(gate, up, d.swiglu_alpha, d.swiglu_limit)
-        if self is Activation.SITU:
-            from mkc.layers import ops
-            return ops.situ(gate, up, d.situ_beta, d.situ_linear_beta)
-        return reference.silu_glu(gate, up)
 
 
 class Checkpoint(enum.Enum):

@@ -539,7 +539,8 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
                 mixed = lowering.final_hidden(kernel, head_ref)
             else:
                 c = body_layer(dims, rows, kernel=kernel, index=index_ref[j])
-                mixed = (lowering.input_mix if j % 2 == 0 else lowering.mlp_mix)(c)
+                mix = lowering.BODIES["kda", "input_mix"] if j % 2 == 0 else lowering.BODIES["moe", "mlp_mix"]
+                mixed = mix(c)
             o_ref[j * b:(j + 1) * b, :] = mixed
 
     args = [jnp.arange(layers + 1, dtype=jnp.int32),
