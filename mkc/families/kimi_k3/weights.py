@@ -19,13 +19,12 @@ from mkc.families.kimi_k3.graph import (ATTENTION, KimiGeometry, KimiSharding, e
                                         kimi_k3_geometry, pack_groups)
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
-from mkc.layers.expert_formats.weights import (fp8_codes_from_kernel_mxfp4, pack_bf16_scales,
+from mkc.layers.expert_formats.weights import (fp4_checkpoint_tensors, fp4_from_mxfp4,
+                                               fp8_codes_from_kernel_mxfp4, held_fp4, pack_bf16_scales,
                                                pack_mxfp4_for_kernel)
 from mkc.layers.kda import weights as kda_weights
 from mkc.layers.mla import weights as mla_weights
-from mkc.model.family import FormatError
-from mkc.model.mxfp4 import (SCALE_BIAS, RequantizationError, Requantized, relative_rms,
-                             requantize_blocks)
+from mkc.model.mxfp4 import RequantizationError, Requantized
 from mkc.model.sharding import ShardTable
 
 # the layer library's attention kinds (their tensors: `mkc.layers.kda.weights`, `mkc.layers.mla.weights`)
@@ -177,24 +176,11 @@ def _codes_and_scales(r: Requantized) -> tuple[np.ndarray, np.ndarray]:
 def _held(hf: Mapping[str, np.ndarray], matrix: str, first: int, width: int, columns: bool,
           fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray] | None:
     """A rank's slice of a routed expert matrix a requantized checkpoint already holds in
-    `fmt` (its codes and `BLOCK_SCALE`; `first` .. `first + width` of its output rows, or of
-    its input columns if `columns`): its codes `[out, in/2]` and scales `[out, in/block]`, taken
-    as they are; None where the checkpoint holds MXFP4."""
+    `fmt` (`held_fp4`); None where the checkpoint holds MXFP4."""
     if f"{matrix}.{BLOCK_SCALE}" not in hf:
         return None
-    codes, scales = np.asarray(hf[f"{matrix}.weight_packed"]), np.asarray(hf[f"{matrix}.{BLOCK_SCALE}"])
-    block = 2 * codes.shape[1] // scales.shape[1]
-    unit = np.asarray(hf[f"{matrix}.weight_scale"]) == SCALE_BIAS
-    if fmt.scale != "bf16" or block != fmt.block or not unit.all():
-        raise ValueError(f"{matrix} holds codes under bf16 scales per {block} rows (a requantized "
-                         f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
-                         "checkpoint itself")
-    if columns:
-        codes = codes[:, first // 2:(first + width) // 2]
-        scales = scales[:, first // block:(first + width) // block]
-    else:
-        codes, scales = codes[first:first + width], scales[first:first + width]
-    return codes, scales.astype(np.float32)
+    return held_fp4(hf[f"{matrix}.weight_packed"], hf[f"{matrix}.weight_scale"],
+                    hf[f"{matrix}.{BLOCK_SCALE}"], fmt, first, width, columns, matrix)
 
 
 _EXPERT_CLASS = {"w1": "expert.gate_up", "w3": "expert.gate_up", "w2": "expert.down"}
@@ -203,28 +189,10 @@ _MATRIX_NAME = {"w1": "gate", "w3": "up", "w2": "down"}
 
 def requantized(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, layer: int,
                 expert: int, matrix: str, out0: int = 0, in0: int = 0) -> Requantized:
-    """Checkpoint MXFP4 ``[out, in/2]`` codes and ``[out, in/32]`` scales of routed expert
-    matrix `matrix` (w1, w3, w2) requantized to `fmt`'s fp4 blocks of input rows
-    (``mkc.model.mxfp4.requantize_blocks``). Where a block's values do not fit one scale and
-    the spec did not say `rounded`, a FormatError names the block and its scales' spread."""
-    r = requantize_blocks(codes, scales, fmt.block, fmt.scale)
-    if not r.exact and not fmt.rounded:
-        cls = _EXPERT_CLASS[matrix]
-        out, blk = r.first
-        lo, hi = r.first_scales
-        first = in0 + blk * fmt.block
-        raise FormatError(
-            cls, f"{fmt.where + ': ' if fmt.where else ''}`format {cls} fp4 block {fmt.block}` "
-            f"cannot hold layer {layer} expert {expert}'s {_MATRIX_NAME[matrix]} ({matrix}) "
-            f"exactly: output {out0 + out}, input rows {first}-{first + fmt.block - 1} take "
-            f"32-row scales spanning {hi - lo} octave{'s' * (hi - lo != 1)} (E8M0 {lo}..{hi}), "
-            f"and under one scale {r.changed} of {r.values} values in {r.inexact_blocks} of "
-            f"{r.blocks} blocks have no e2m1 code (max error {r.max_abs:.3g}, relative RMS "
-            f"{relative_rms(r.sq_err, r.sq_ref):.3g})",
-            f"write `format {cls} fp4 block {fmt.block} rounded` to round them to the nearest "
-            f"(the error is reported per matrix class), or store {cls} as `fp8 block "
-            f"{fmt.block}` (exact while a block's 32-row scales span at most 8 octaves)")
-    return r
+    """Checkpoint MXFP4 codes and scales of routed expert matrix `matrix` (w1, w3, w2)
+    requantized to `fmt`'s fp4 blocks (`mkc.layers.expert_formats.weights.fp4_from_mxfp4`)."""
+    return fp4_from_mxfp4(codes, scales, fmt, _EXPERT_CLASS[matrix],
+                          f"layer {layer} expert {expert}'s {_MATRIX_NAME[matrix]} ({matrix})", out0, in0)
 
 
 def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
@@ -253,13 +221,10 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
                     continue
                 r = requantized(np.asarray(hf[p + f"{x}.weight_packed"]),
                                 np.asarray(hf[p + f"{x}.weight_scale"]), fmt, layer, e, x)
-                out[p + f"{x}.weight_packed"] = r.codes
-                if r.scale == "bf16":
-                    unit = (*r.codes.shape[:-1], 2 * r.codes.shape[-1] // MX_BLOCK)
-                    out[p + f"{x}.weight_scale"] = np.full(unit, SCALE_BIAS, np.uint8)
-                    out[p + f"{x}.{BLOCK_SCALE}"] = r.scales
-                else:
-                    out[p + f"{x}.weight_scale"] = r.scales_per_32()
+                codes, scales, block_scales = fp4_checkpoint_tensors(r)
+                out[p + f"{x}.weight_packed"], out[p + f"{x}.weight_scale"] = codes, scales
+                if block_scales is not None:
+                    out[p + f"{x}.{BLOCK_SCALE}"] = block_scales
                 totals[_EXPERT_CLASS[x]].add(r)
     report = {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp4.items()}
     return out, report

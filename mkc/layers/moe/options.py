@@ -1,20 +1,23 @@
 """The options of `MoE` that change its math, as objects that own it: a router (`Router`: what
-the route op reads, the checkpoint tensors it loads, its kernel and reference routing), an
-expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
-(`Checkpoint`). A new router is one subclass here; the kind's graph, bodies, reference and
-weights ask it and do not branch on its name.
+the route op reads, the checkpoint tensors it loads, which kernel and reference math it runs),
+an expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
+(`Checkpoint`). A new router is one subclass here with its math in the jax modules (its kernel
+routing in `mkc.layers.moe.lowering`, its `<scoring>_route`, `_selection` and `_scores` in
+`mkc.layers.moe.reference`); the kind's graph, bodies, reference and weights ask it and do not
+branch on its name.
 
-Declared without jax (checking a spec imports no jax): a method that computes imports the
-jax module that holds its math (`mkc.layers.moe.lowering`, `mkc.layers.moe.reference`,
-`mkc.layers.ops`) when it is called.
+Declared without jax (checking a spec imports no jax): a method that computes imports the jax
+module holding its math by name when it is called, as `Sublayer.module` does.
 """
 from __future__ import annotations
 
 import enum
+import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mkc.layers.activation import Activation  # noqa: F401  (an option of MoE and SwiGLU)
+from mkc.layers.expert_formats import MX_BLOCK
 from mkc.model.graph import Tensor
 
 
@@ -58,19 +61,23 @@ class Router:
         raise NotImplementedError
 
     # The reference's routing (`mkc.layers.moe.reference.route` and its companions, which take
-    # `route_args`): bias, scaling and groups are the sigmoid router's.
+    # `route_args`: bias, scaling and groups are the sigmoid router's): the reference module's
+    # `<scoring>_route`, `<scoring>_selection` and `<scoring>_scores`.
     def route(self, logits: Any, top_k: int, renormalize: bool, bias: Any, scaling: float, groups: int,
               topk_groups: int) -> tuple[Any, Any]:
         """``[..., E] -> (ids [..., k], weights [..., k])``, largest first."""
-        raise NotImplementedError
+        return self._reference("route")(logits, top_k, renormalize, bias, scaling, groups, topk_groups)
 
     def selection(self, logits: Any, top_k: int, bias: Any, groups: int, topk_groups: int) -> Any:
         """What `route` takes the top k of, and that k (or a list of such choices)."""
-        raise NotImplementedError
+        return self._reference("selection")(logits, top_k, bias, groups, topk_groups)
 
     def dense_scores(self, logits: Any) -> Any:
         """The scores whose picked lanes the kernel keeps as the routing weights ``[B, E]``."""
-        raise NotImplementedError
+        return self._reference("scores")(logits)
+
+    def _reference(self, part: str):
+        return getattr(importlib.import_module("mkc.layers.moe.reference"), f"{self.scoring}_{part}")
 
 
 @dataclass(frozen=True)
@@ -81,24 +88,8 @@ class Softmax(Router):
     scoring: ClassVar[str] = "softmax"
 
     def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        from mkc.layers.moe import lowering
+        lowering = importlib.import_module("mkc.layers.moe.lowering")
         return lowering.route_weights(logits, c.dims.top_k, c.dims.norm_topk_prob)
-
-    def route(self, logits, top_k, renormalize, bias, scaling, groups, topk_groups):
-        import jax
-        import jax.numpy as jnp
-        weights, ids = jax.lax.top_k(self.dense_scores(logits), top_k)
-        if renormalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return ids, weights
-
-    def selection(self, logits, top_k, bias, groups, topk_groups):
-        return self.dense_scores(logits), top_k
-
-    def dense_scores(self, logits):
-        import jax
-        import jax.numpy as jnp
-        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
 
 @dataclass(frozen=True)
@@ -111,22 +102,8 @@ class TopKSoftmax(Router):
         return True
 
     def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        from mkc.layers.moe import lowering
+        lowering = importlib.import_module("mkc.layers.moe.lowering")
         return lowering.top_k_softmax_weights(logits, c.dims.top_k)
-
-    def route(self, logits, top_k, renormalize, bias, scaling, groups, topk_groups):
-        import jax
-        top, ids = jax.lax.top_k(logits, top_k)
-        return ids, jax.nn.softmax(top, axis=-1)
-
-    def selection(self, logits, top_k, bias, groups, topk_groups):
-        return logits, top_k
-
-    def dense_scores(self, logits):
-        # the row max is the largest pick's logit: exp(logit - max) over the picks is their
-        # softmax over the k once divided by its lane sum
-        import jax.numpy as jnp
-        return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
 
 
 @dataclass(frozen=True)
@@ -163,47 +140,13 @@ class Sigmoid(Router):
                 self.scaling(d), getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
 
     def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        from mkc.layers.moe import lowering
+        lowering = importlib.import_module("mkc.layers.moe.lowering")
         d, bias = c.dims, c.vector(self.bias)
         if logits.shape[-1] != d.experts:
             bias = bias[:, :d.experts]
             logits = logits[:, :d.experts]
         return lowering.sigmoid_route_weights(logits, bias, d.top_k, self.renormalise(d), self.scaling(d),
                                               getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
-
-    def route(self, logits, top_k, renormalize, bias, scaling, groups, topk_groups):
-        import jax
-        import jax.numpy as jnp
-
-        from mkc.layers.moe.reference import eligible
-        scores = jax.nn.sigmoid(logits)
-        pick = scores + bias
-        if groups > 1:
-            pick = jnp.where(eligible(pick, groups, topk_groups), pick, -jnp.inf)
-        _, ids = jax.lax.top_k(pick, top_k)
-        chosen = jnp.take_along_axis(scores, ids, axis=-1)
-        if renormalize:
-            chosen = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
-        return ids, chosen * scaling
-
-    def selection(self, logits, top_k, bias, groups, topk_groups):
-        # group-limited, two choices: the biased scores with the other groups' experts at
-        # -1e30 (finite, so two runs' scores subtract) and their top k, then the group scores
-        # and their top `topk_groups`
-        import jax
-        import jax.numpy as jnp
-
-        from mkc.layers.moe.reference import eligible, group_scores
-        pick = jax.nn.sigmoid(logits) + bias
-        if groups == 1:
-            return pick, top_k
-        return [(jnp.where(eligible(pick, groups, topk_groups), pick, -1e30), top_k),
-                (group_scores(pick, groups), topk_groups)]
-
-    def dense_scores(self, logits):
-        import jax
-        return jax.nn.sigmoid(logits)
-
 
 SOFTMAX, TOP_K_SOFTMAX, SIGMOID = Softmax(), TopKSoftmax(), Sigmoid()
 ROUTERS: dict[str, Router] = {r.scoring: r for r in (SOFTMAX, TOP_K_SOFTMAX, SIGMOID)}
@@ -239,7 +182,6 @@ class Checkpoint(enum.Enum):
         """The upstream tensors of fused expert matrix `name` (`gate_up_proj`, `down_proj`),
         [E, out, k] in values."""
         if self is Checkpoint.MXFP4:
-            from mkc.layers.expert_formats import MX_BLOCK
             return {prefix + f"{name}_blocks": ((experts, out, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
                     prefix + f"{name}_scales": ((experts, out, k // MX_BLOCK), "uint8")}
         return {prefix + name: ((experts, out, k), "bfloat16")}

@@ -84,6 +84,65 @@ def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str 
     return ROUTERS[scoring].route(logits, top_k, renormalize, bias, scaling, groups, topk_groups)
 
 
+# Each router's reference math (`mkc.layers.moe.options.Router`: `<scoring>_route`,
+# `<scoring>_selection`, `<scoring>_scores`).
+def softmax_scores(logits: jax.Array) -> jax.Array:
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def softmax_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+    weights, ids = jax.lax.top_k(softmax_scores(logits), top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def softmax_selection(logits, top_k, bias, groups, topk_groups):
+    return softmax_scores(logits), top_k
+
+
+def top_k_softmax_scores(logits: jax.Array) -> jax.Array:
+    # the row max is the largest pick's logit: exp(logit - max) over the picks is their
+    # softmax over the k once divided by its lane sum
+    return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+
+
+def top_k_softmax_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+    top, ids = jax.lax.top_k(logits, top_k)
+    return ids, jax.nn.softmax(top, axis=-1)
+
+
+def top_k_softmax_selection(logits, top_k, bias, groups, topk_groups):
+    return logits, top_k
+
+
+def sigmoid_scores(logits: jax.Array) -> jax.Array:
+    return jax.nn.sigmoid(logits)
+
+
+def sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+    scores = jax.nn.sigmoid(logits)
+    pick = scores + bias
+    if groups > 1:
+        pick = jnp.where(eligible(pick, groups, topk_groups), pick, -jnp.inf)
+    _, ids = jax.lax.top_k(pick, top_k)
+    chosen = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        chosen = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+    return ids, chosen * scaling
+
+
+def sigmoid_selection(logits, top_k, bias, groups, topk_groups):
+    # group-limited, two choices: the biased scores with the other groups' experts at -1e30
+    # (finite, so two runs' scores subtract) and their top k, then the group scores and their
+    # top `topk_groups`
+    pick = jax.nn.sigmoid(logits) + bias
+    if groups == 1:
+        return pick, top_k
+    return [(jnp.where(eligible(pick, groups, topk_groups), pick, -1e30), top_k),
+            (group_scores(pick, groups), topk_groups)]
+
+
 def group_scores(pick: jax.Array, groups: int) -> jax.Array:
     """``[B, E] -> [B, groups]``: each group's two largest values summed."""
     grouped = pick.reshape(*pick.shape[:-1], groups, pick.shape[-1] // groups)
