@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims
-from mkc.families.kimi_k3.graph import (ATTENTION, KimiGeometry, KimiSharding, expert_formats,
+from mkc.families.kimi_k3.graph import (ATTENTION, MOE, KimiGeometry, KimiSharding, expert_formats,
                                         kimi_k3_geometry, pack_groups)
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
@@ -57,21 +57,6 @@ def _kda_matrix(hf, d, g, sh, p, family, rank):
     return kda_weights.matrix_of_heads(KDA, hf, d, p, family, _heads(sh.head_part(rank), g))
 
 
-def _moe_matrix(hf, d, g, sh, p, family, rank):
-    m = p + "block_sparse_moe."
-    s = m + "shared_experts."
-    if family == "router":
-        return _block(_w(hf, m + "gate.weight").T, 1, rank % sh.router_split, g.router_cols)
-    if family == "latent_down":
-        return _block(_w(hf, m + "routed_expert_down_proj.weight").T, 1, rank, g.latent_cols)
-    if family == "latent_up":
-        return _block(_w(hf, m + "routed_expert_up_proj.weight").T, 1, rank % sh.host_cores,
-                      g.up_cols)
-    if family in ("shared_gate_up", "shared_down"):
-        return _swiglu(hf, s, family.removeprefix("shared_"), rank, g.shared)
-    raise KeyError(f"no moe weight family {family!r}")
-
-
 def _swiglu(hf, prefix: str, family: str, rank: int, width: int) -> np.ndarray:
     """A SwiGLU MLP's rank share, `width` of its columns: gate|up [in, 2 x width] or down."""
     if family == "gate_up":
@@ -94,16 +79,6 @@ def _kda_vector(hf, d, g, sh, p, name, rank):
     return kda_weights.vector_of_heads(KDA, hf, d, p, name, _heads(sh.head_part(rank), g))
 
 
-def _moe_vector(hf, d, g, sh, p, name, rank):
-    m = p + "block_sparse_moe."
-    if name == "correction_bias":
-        bias = _w(hf, m + "gate.e_score_correction_bias")
-        return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
-    if name == "latent_norm":
-        return _w(hf, m + "routed_expert_norm.weight").reshape(1, -1)
-    raise KeyError(f"no moe vector family {name!r}")
-
-
 def _no_vectors(hf, d, g, sh, p, name, rank):
     raise KeyError(f"no dense vector family {name!r}")
 
@@ -111,7 +86,7 @@ def _no_vectors(hf, d, g, sh, p, name, rank):
 # Per sublayer kind: (its matrices, its vectors), each as (checkpoint, dims, geometry, sharding,
 # layer prefix, family, rank) -> one rank's f32 array.
 _KIND_TENSORS = {"mla": (_mla_matrix, _mla_vector), "kda": (_kda_matrix, _kda_vector),
-                 "moe": (_moe_matrix, _moe_vector), "dense": (_dense_matrix, _no_vectors)}
+                 "dense": (_dense_matrix, _no_vectors)}
 # the residual mixes' and norms' vectors every sublayer kind holds
 _SUBLAYER_VECTORS = {"attn_res_norm": "self_attention_res_norm.weight",
                      "attn_res_proj": "self_attention_res_proj.weight",
@@ -265,12 +240,16 @@ def matrix(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], 
     g, sh = _layout(d, shards)
     if kind == "tail":
         return global_tensor(hf, d, sh, name, rank)
+    if kind == "moe":          # the library MoE's latent cuts (`mkc.layers.moe.weights`)
+        return MOE.module("weights").matrix(MOE, hf, d, f"model.layers.{layer // 2}.", name, rank, shards)
     return family_matrix(hf, d, g, sh, layer // 2, kind, name, rank)
 
 
 def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
                  kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
     g, sh = _layout(d, shards)
+    if kind == "moe" and name not in _SUBLAYER_VECTORS:
+        return MOE.module("weights").vector(MOE, hf, d, f"model.layers.{layer // 2}.", name, rank, shards)
     return vector(hf, d, g, sh, layer // 2, kind, name, rank)
 
 

@@ -125,6 +125,12 @@ class MoE(Sublayer):
         """A rank's router columns: every expert, or its lane-padded share of a split router."""
         return lane_pad(-(-d.experts // ways["router"])) if self.router_split else d.experts
 
+    def latent_cols(self, d: Any, ways: Mapping[str, int]) -> tuple[int, int]:
+        """A rank's columns of latent_down and of latent_up: lane-padded shares of the latent
+        and of the hidden size."""
+        return (lane_pad(-(-d.routed_expert_hidden_size // ways["latent_down"])),
+                lane_pad(-(-d.hidden_size // ways["latent_up"])))
+
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
         """`ways["expert_mlp"]` (1 if absent): ranks sharing each routed expert's width."""
         H, E, tp = d.hidden_size, d.experts, ways.get("expert_mlp", 1)
@@ -203,8 +209,7 @@ class MoE(Sublayer):
             return (), {}, {}
         H, latent = d.hidden_size, d.routed_expert_hidden_size
         split(H, ways["latent_up"], "hidden size (latent_up columns)", "latent_up")
-        cols = lane_pad(-(-latent // ways["latent_down"]))
-        up_cols = lane_pad(-(-H // ways["latent_up"]))
+        cols, up_cols = self.latent_cols(d, ways)
         ops = (
             Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
             Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),

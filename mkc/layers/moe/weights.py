@@ -29,7 +29,7 @@ from mkc.layers.expert_formats.weights import (fp8_checkpoint_blocks, fp8_codes_
                                                pack_bf16_scales, pack_mxfp4_for_kernel)
 from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.swiglu.weights import mlp_matrix
-from mkc.layers.weights import tensor
+from mkc.layers.weights import padded_block, tensor
 from mkc.model.fp8_blocks import scale_name
 from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
@@ -38,18 +38,35 @@ from mkc.model.sharding import ShardTable
 _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
 
+# The latent projections' and norm's checkpoint tensors under the MoE's prefix (Kimi K3's).
+LATENT_TENSORS = {"latent_down": "routed_expert_down_proj.weight",
+                  "latent_up": "routed_expert_up_proj.weight", "latent_norm": "routed_expert_norm.weight"}
+
+
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
     shared = (*(("shared_gate",) if s.shared_gate else ()), "shared_gate_up", "shared_down") \
         if s.shared_expert else ()
-    return ("post_norm", "router", *(("router_bias",) if s.router_bias else ()), *shared,
-            *s.routing.vectors(d))
+    return (*(("post_norm",) if s.residual else ()), "router", *(("router_bias",) if s.router_bias else ()),
+            *shared, *s.routing.reads, *(LATENT_TENSORS if s.latent else ()))
+
+
+def _ways(shards: ShardTable) -> dict[str, int]:
+    return {cls: ways for cls, ways, _ in shards.rules}
 
 
 def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
+    """A rank's [in, out] matrix: the router (its share of the experts' columns when split),
+    a latent projection's share of its columns (zero padded), or the shared expert's part."""
     p = prefix + s.prefix
     if name == "router":
-        return tensor(hf, p + s.router_prefix + "weight").T                     # [H, E]
+        router = tensor(hf, p + s.router_prefix + "weight").T                   # [H, E]
+        if not s.router_split:
+            return router
+        return padded_block(router, 1, shards.part("router", rank), s.router_cols(d, _ways(shards)))
+    if name in ("latent_down", "latent_up"):
+        cols = dict(zip(("latent_down", "latent_up"), s.latent_cols(d, _ways(shards))))[name]
+        return padded_block(tensor(hf, p + LATENT_TENSORS[name]).T, 1, shards.part(name, rank), cols)
     return mlp_matrix(hf, p + s.shared_prefix, d.shared_expert_intermediate_size,
                       name.removeprefix("shared_"), rank, shards)
 
@@ -58,8 +75,12 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
            ) -> np.ndarray:
     if name == "shared_gate":
         return tensor(hf, prefix + s.prefix + "shared_expert_gate.weight")     # [1, H]
-    if name in s.routing.vectors(d):
-        return tensor(hf, prefix + s.prefix + s.routing.vector_tensor(name))[None, :]    # [1, E]
+    if name in s.routing.reads:       # [1, E], zero padded to a split router's columns
+        bias = tensor(hf, prefix + s.prefix + s.routing.vector_tensor(name))
+        columns = s.router_cols(d, _ways(shards)) * shards.ways("router") if s.router_split else d.experts
+        return np.pad(bias, (0, columns - bias.shape[0]))[None, :]
+    if name == "latent_norm":
+        return tensor(hf, prefix + s.prefix + LATENT_TENSORS[name])[None, :]
     if name == "router_bias":
         return tensor(hf, prefix + s.prefix + s.router_prefix + "bias")[None, :]         # [1, E]
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
