@@ -1,12 +1,10 @@
-"""Where each per-rank weight family of kimi_k3 comes from in the checkpoint.
-
-Names are the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists. Matrices
-come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
-`mkc.families.kimi_k3.graph` shapes it; routed experts come back as MXFP4 codes and scales in the
-kernel's K-major layout (`mkc.layers.expert_formats.weights`), or in the spec's format (FP8 codes;
-FP4 codes requantized to one scale per block: `requantized`, `requantization`). A split that
-does not fill the last ranks (the latent, latent_up's columns, the router's experts) leaves
-zeros there, so the all-gathered result is the real width followed by zero padding.
+"""Kimi K3's weights: the layer library's, as `graph.LAYERS` composes them (`DecoderWeights`,
+the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists), and its
+routed experts, which the checkpoint holds per expert in compressed-tensors MXFP4
+(`block_sparse_moe.experts.{e}.w{1,3,2}.weight_packed / .weight_scale`): a rank's width slice
+as MXFP4 codes and scales in the kernel's K-major layout (`mkc.layers.expert_formats.weights`),
+or in the spec's format (FP8 codes; FP4 codes requantized to one scale per block:
+`requantized`, `requantization`).
 """
 from __future__ import annotations
 
@@ -15,89 +13,24 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims
-from mkc.families.kimi_k3.graph import (ATTENTION, MOE, KimiGeometry, KimiSharding, expert_formats,
+from mkc.families.kimi_k3.graph import (LAYERS, KimiGeometry, KimiSharding, expert_formats,
                                         kimi_k3_geometry, pack_groups)
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
 from mkc.layers.expert_formats.weights import (fp4_checkpoint_tensors, fp4_from_mxfp4,
                                                fp8_codes_from_kernel_mxfp4, held_fp4, pack_bf16_scales,
                                                pack_mxfp4_for_kernel)
-from mkc.layers.kda import weights as kda_weights
-from mkc.layers.mla import weights as mla_weights
+from mkc.layers.block_residuals import weights as block_weights
+from mkc.layers.sublayer import paired
+from mkc.layers.weights import DecoderWeights
 from mkc.model.mxfp4 import RequantizationError, Requantized
 from mkc.model.sharding import ShardTable
 
-# the layer library's attention kinds (their tensors: `mkc.layers.kda.weights`, `mkc.layers.mla.weights`)
-KDA, MLA = ATTENTION["kda"], ATTENTION["mla"]
-
-
-def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    return np.asarray(hf[name]).astype(np.float32)
-
-
-def _block(m: np.ndarray, axis: int, index: int, width: int) -> np.ndarray:
-    """Block `index` of `width` along `axis`, zero padded where it runs past the end."""
-    start = index * width
-    part = np.take(m, np.arange(start, min(start + width, m.shape[axis])), axis=axis)
-    pad = [(0, 0)] * m.ndim
-    pad[axis] = (0, width - part.shape[axis])
-    return np.pad(part, pad)
-
-
-def _heads(part: int, g: KimiGeometry) -> list[int]:
-    """The attention heads of heads part `part` (`KimiSharding.head_part`)."""
-    return list(range(part * g.heads, (part + 1) * g.heads))
-
-
-def _mla_matrix(hf, d, g, sh, p, family, rank):
-    return mla_weights.matrix_of_heads(MLA, hf, d, p, family, _heads(sh.head_part(rank), g))
-
-
-def _kda_matrix(hf, d, g, sh, p, family, rank):
-    return kda_weights.matrix_of_heads(KDA, hf, d, p, family, _heads(sh.head_part(rank), g))
-
-
-def _swiglu(hf, prefix: str, family: str, rank: int, width: int) -> np.ndarray:
-    """A SwiGLU MLP's rank share, `width` of its columns: gate|up [in, 2 x width] or down."""
-    if family == "gate_up":
-        return np.concatenate([_block(_w(hf, prefix + f"{x}_proj.weight"), 0, rank, width)
-                               for x in ("gate", "up")], axis=0).T
-    return _block(_w(hf, prefix + "down_proj.weight").T, 0, rank, width)
-
-
-def _dense_matrix(hf, d, g, sh, p, family, rank):
-    if family in ("gate_up", "down"):
-        return _swiglu(hf, p + "mlp.", family, rank, g.inter)
-    raise KeyError(f"no dense weight family {family!r}")
-
-
-def _mla_vector(hf, d, g, sh, p, name, rank):
-    return mla_weights.vector(MLA, hf, d, p, name, rank, None)
-
-
-def _kda_vector(hf, d, g, sh, p, name, rank):
-    return kda_weights.vector_of_heads(KDA, hf, d, p, name, _heads(sh.head_part(rank), g))
-
-
-def _no_vectors(hf, d, g, sh, p, name, rank):
-    raise KeyError(f"no dense vector family {name!r}")
-
-
-# Per sublayer kind: (its matrices, its vectors), each as (checkpoint, dims, geometry, sharding,
-# layer prefix, family, rank) -> one rank's f32 array.
-_KIND_TENSORS = {"mla": (_mla_matrix, _mla_vector), "kda": (_kda_matrix, _kda_vector),
-                 "dense": (_dense_matrix, _no_vectors)}
-# the residual mixes' and norms' vectors every sublayer kind holds
-_SUBLAYER_VECTORS = {"attn_res_norm": "self_attention_res_norm.weight",
-                     "attn_res_proj": "self_attention_res_proj.weight",
-                     "mlp_res_norm": "mlp_res_norm.weight", "mlp_res_proj": "mlp_res_proj.weight",
-                     "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
-
-
-def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
-                  layer: int, kind: str, family: str, rank: int) -> np.ndarray:
-    """One rank's [in, out] matrix of a sublayer kind's family, as f32."""
-    return _KIND_TENSORS[kind][0](hf, d, g, sh, f"model.layers.{layer}.", family, rank)
+# Every tensor but the routed experts' asked of the library kind that owns it; model layer =
+# loop layer // 2 (the attention, then the MLP).
+_WEIGHTS = DecoderWeights(LAYERS, model_layer=paired)
+matrix, layer_vector, embedding = _WEIGHTS.matrix, _WEIGHTS.layer_vector, _WEIGHTS.embedding
+reference_states, kernel_states = _WEIGHTS.reference_states, _WEIGHTS.kernel_states
 
 
 def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
@@ -205,52 +138,11 @@ def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
     return out, report
 
 
-def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
-           layer: int, kind: str, name: str, rank: int) -> np.ndarray:
-    """One rank's per-layer vector family, [rows, width] f32."""
-    p = f"model.layers.{layer}."
-    if name in _SUBLAYER_VECTORS:
-        return _w(hf, p + _SUBLAYER_VECTORS[name]).reshape(1, -1)
-    return _KIND_TENSORS[kind][1](hf, d, g, sh, p, name, rank)
-
-
-def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, name: str,
-                  rank: int) -> np.ndarray:
-    vocab = d.vocab_size // sh.ranks
-    if name == "embed":
-        # indexed before it is an array: a lazily loaded checkpoint reads just this part
-        return np.asarray(hf["model.embed_tokens.weight"][rank * vocab:(rank + 1) * vocab])
-    if name == "lm_head":
-        return _w(hf, "lm_head.weight")[rank * vocab:(rank + 1) * vocab].T
-    names = {"final_norm": "model.norm.weight", "output_res_norm": "model.output_attn_res_norm.weight",
-             "output_res_proj": "model.output_attn_res_proj.weight"}
-    return _w(hf, names[name]).reshape(1, -1)
-
-
 # ---- the host layout API the generic module template calls ---------------------------------
 def _layout(d: KimiDims, shards: ShardTable) -> tuple[KimiGeometry, KimiSharding]:
     """The K3 geometry of the schedule's shard table, as the graph derived it."""
     sh = KimiSharding.from_rules({c: (w, s) for c, w, s in shards.rules}, shards.ranks)
     return kimi_k3_geometry(d, sh), sh
-
-
-def matrix(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int, kind: str,
-           name: str, rank: int, shards: ShardTable) -> np.ndarray:
-    """Matrix `name` of loop layer `layer` (a sublayer: model layer layer // 2), or of the tail."""
-    g, sh = _layout(d, shards)
-    if kind == "tail":
-        return global_tensor(hf, d, sh, name, rank)
-    if kind == "moe":          # the library MoE's latent cuts (`mkc.layers.moe.weights`)
-        return MOE.module("weights").matrix(MOE, hf, d, f"model.layers.{layer // 2}.", name, rank, shards)
-    return family_matrix(hf, d, g, sh, layer // 2, kind, name, rank)
-
-
-def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
-                 kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
-    g, sh = _layout(d, shards)
-    if kind == "moe" and name not in _SUBLAYER_VECTORS:
-        return MOE.module("weights").vector(MOE, hf, d, f"model.layers.{layer // 2}.", name, rank, shards)
-    return vector(hf, d, g, sh, layer // 2, kind, name, rank)
 
 
 def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
@@ -266,40 +158,4 @@ def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], 
 
 def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:
     """The final norm, then the output mixture's norm and projection."""
-    _, sh = _layout(d, shards)
-    return np.concatenate([global_tensor(hf, d, sh, name, rank)
-                           for name in ("final_norm", "output_res_norm", "output_res_proj")])
-
-
-def embedding(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:
-    return np.asarray(global_tensor(hf, d, _layout(d, shards)[1], "embed", rank))
-
-
-def _model_layers(kind_layers: dict[str, list[int]], kind: str) -> list[int]:
-    """The model layers of loop layers of `kind` (a model layer's attention sublayer: loop layer
-    2 i)."""
-    return [layer // 2 for layer in kind_layers.get(kind, [])]
-
-
-def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: ShardTable,
-                     kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's layouts, each attention
-    kind's by its library weights module (`mkc.layers.kda.weights`: conv and recurrent states,
-    `mkc.layers.mla.weights`: the latent caches)."""
-    out: dict[str, np.ndarray] = {}
-    for kind, sub in ATTENTION.items():
-        out |= sub.module("weights").reference_states(sub, state, d, per_rank, shards, kind,
-                                                      _model_layers(kind_layers, kind))
-    return out
-
-
-def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int],
-                  shards: ShardTable, kind_layers: dict[str, list[int]],
-                  shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    """The inverse of `reference_states`: the reference's states as the kernel's per-rank state
-    arrays (`shapes`: the kernel's per-rank state table)."""
-    out: dict[str, np.ndarray] = {}
-    for kind, sub in ATTENTION.items():
-        out |= sub.module("weights").kernel_states(sub, ref, d, per_rank, shards, kind,
-                                                   _model_layers(kind_layers, kind), shapes)
-    return out
+    return np.concatenate([_WEIGHTS.head_vectors(hf, d, rank, shards), block_weights.head_vectors(hf)])
