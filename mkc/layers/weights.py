@@ -104,7 +104,7 @@ class DecoderWeights:
             model_layers = sorted({self.model_layer(i) for i, kind in enumerate(d.layer_kinds)
                                    if sub in self.layers[kind]})
             prefixes = [f"model.layers.{i}." for i in model_layers if layers is None or i in layers]
-            out, errors = sub.module("weights").requantization(sub, hf, d, formats, prefixes)
+            out, errors = sub.module("weights").requantization(sub, hf, d, formats, prefixes, shards)
             changed |= out
             report |= errors
         return changed, report

@@ -36,9 +36,7 @@ EXPERT_LAYOUTS = tuple(
     for fused, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))
     for kind in ("weight_packed", "weight_scale"))
 
-# A requantized checkpoint's bf16 block scales (`format expert.* fp4 block N rounded scale bf16`:
-# `weights.requantization`), f32 [out, in/block], beside the matrix's `weight_packed` codes
-# whose 32-row `weight_scale` are all 1 (E8M0 127): not a checkpoint's, what the kernel holds.
+# A requantized checkpoint's bf16 block scales (`mkc.layers.moe.weights.PACKED_BLOCK_SCALE`).
 BLOCK_SCALE = "weight_block_scale"
 
 # Upstream KimiLinearConfig defaults, for keys a config.json omits (as HF does).

@@ -7,7 +7,7 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.graph import build_graph
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry
+from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry, pack_groups
 from mkc.families.kimi_k3 import weights as kw
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.model.sharding import ShardTable
@@ -74,7 +74,7 @@ def test_padded_column_splits_gather_to_the_real_width_then_zeros(hf):
 def test_expert_slices_decode_to_the_checkpoint_expert(hf):
     e = "model.layers.2.block_sparse_moe.experts.5."
     w = G.expert_width
-    groups = kw.pack_groups(MINI, G)
+    groups = pack_groups(MINI, G)
     for rank in range(4):                          # the 4 width slices of expert group 0
         a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, rank)
         codes, scales = unpack_mxfp4_from_kernel(a["down_codes"], a["down_scales"], groups["down"])
