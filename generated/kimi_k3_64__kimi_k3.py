@@ -98,10 +98,10 @@ HF_CONFIG = json.loads(
     ' "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "routed_expert_hidd'
     'en_size": 3584, "routed_scaling_factor": 1.0, "tie_word_embeddings": false, "topk_group": 1,'
     ' "v_head_dim": 128, "vocab_size": 163840}')
-PER_RANK = {'cache_width': 640, 'dense': 640, 'expert_tp': 4, 'expert_width': 768, 'heads': 3,
-            'host_cores': 8, 'kda_cols': 1664, 'latent_cols': 128, 'latent_gathered': 8192,
-            'local_experts': 56, 'router_cols': 512, 'router_split': 2, 'shared': 96,
-            'up_cols': 896, 'vocab': 2560}
+PER_RANK = {'cache_width': 640, 'down_group': 128, 'expert_tp': 4, 'expert_width': 768,
+            'gate_up_group': 512, 'heads': 3, 'host_cores': 8, 'inter': 640, 'kda_cols': 1664,
+            'latent_cols': 128, 'latent_gathered': 8192, 'local_experts': 56, 'router_cols': 512,
+            'router_split': 2, 'shared': 96, 'up_cols': 896, 'vocab': 2560}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
 FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32),
            'expert.gate_up': WeightFormat(name='mxfp4', block=32)}
@@ -183,7 +183,7 @@ VECTORS = Parity(
             'mla': {'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
                     'input_norm': (2, 1, 7168), 'q_norm': (3, 1, 1536), 'kv_norm': (4, 1, 512)},
             'moe': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
-                    'post_norm': (2, 1, 7168), 'router_bias': (3, 1, 1024),
+                    'post_norm': (2, 1, 7168), 'correction_bias': (3, 1, 1024),
                     'latent_norm': (4, 1, 3584)}}
 )
 
@@ -337,9 +337,10 @@ def _layer_moe(k: Kernel, layer):
     c = k.layer("moe", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
-    scores = lower.router(c, h)
-    scores = k.exchange(scores, MOE_ROUTER_EXCHANGE)   # spec line 78: exchange with sibling, wire f32
-    expert_ids, expert_weights = lower.route(c, scores)
+    router_logits = lower.router(c, h)
+    # exchange with sibling, wire f32
+    router_logits = k.exchange(router_logits, MOE_ROUTER_EXCHANGE)   # spec line 78
+    expert_ids, expert_weights = lower.route(c, router_logits)
     # spec line 79: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)

@@ -83,6 +83,19 @@ def clamped_swiglu_halves(gate_up: jax.Array, half: int, alpha: float, limit: fl
     return clamped_swiglu(gate_up[:, :half], gate_up[:, half:2 * half], alpha, limit)
 
 
+def situ(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
+    """SiTU GLU (Kimi K3's): beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta); any
+    equal shapes."""
+    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+            * linear_beta * jnp.tanh(up / linear_beta))
+
+
+def situ_packed(gate_up: jax.Array, width: int, beta: float = 4.0,
+                linear_beta: float = 25.0) -> jax.Array:
+    """gate_up [B, 2*width] packed as [gate | up] (one fused projection) -> SiTU [B, width]."""
+    return situ(gate_up[:, :width], gate_up[:, width:2 * width], beta, linear_beta)
+
+
 def rotate_half_matrix(head_dim: int, rotary_dim: int) -> jax.Array:
     """R with x @ R == rotate_half(x[:rotary_dim]) padded with zeros: [-x2, x1, 0...]."""
     half = rotary_dim // 2

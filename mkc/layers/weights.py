@@ -21,6 +21,16 @@ def tensor(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
     return np.asarray(hf[name] if index is None else hf[name][index]).astype(np.float32)
 
 
+def padded_block(m: np.ndarray, axis: int, index: int, width: int) -> np.ndarray:
+    """Block `index` of `width` along `axis`, zero padded where it runs past the end (a split
+    that does not fill its last ranks)."""
+    start = index * width
+    part = np.take(m, np.arange(start, min(start + width, m.shape[axis])), axis=axis)
+    pad = [(0, 0)] * m.ndim
+    pad[axis] = (0, width - part.shape[axis])
+    return np.pad(part, pad)
+
+
 def rows_of_part(total: int, cls: str, rank: int, shards: ShardTable) -> slice:
     """The contiguous range of a `total`-long dimension of shard class `cls` rank `rank` holds."""
     n = total // shards.ways(cls)
@@ -94,7 +104,7 @@ class DecoderWeights:
             model_layers = sorted({self.model_layer(i) for i, kind in enumerate(d.layer_kinds)
                                    if sub in self.layers[kind]})
             prefixes = [f"model.layers.{i}." for i in model_layers if layers is None or i in layers]
-            out, errors = sub.module("weights").requantization(sub, hf, d, formats, prefixes)
+            out, errors = sub.module("weights").requantization(sub, hf, d, formats, prefixes, shards)
             changed |= out
             report |= errors
         return changed, report

@@ -1,21 +1,17 @@
 """What a model family's modules must provide, declared: the dims base the core reads, one
 `Protocol` per module role the core and generated modules call (`Lowering`, `Weights`,
-`Reference`), and `@lowers("op")`, which registers a compute body for a graph op.
+`Reference`), and where a compute body is found (`body_of`: the lowering module's `BODIES`).
 
-The set of ops a family lowers is read from its lowering module's source (the `@lowers`
-decorators), not imported: checking a spec must not load jax. `Family.module` checks, when it
-imports a role's module, that the module has every function of the role's protocol and that
-what the decorators registered at import is what the source declares.
+The ops a family lowers are its composition's (`Family.layers`, read without importing jax).
+`Family.module` checks, when it imports a role's module, that the module has every function
+of the role's protocol and that its lowering module's `BODIES` holds the composition's ops.
 """
 from __future__ import annotations
 
-import ast
-import functools
-import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -34,8 +30,8 @@ class Dims:
 
 
 class Lowering(Protocol):
-    """A family's `lowering` module: besides one body per op (`@lowers`), what the generated
-    module calls around the layer loop and on the host."""
+    """A family's `lowering` module: besides its bodies (`BODIES`, keyed by layer kind and op),
+    what the generated module calls around the layer loop and on the host."""
 
     def prologue(self, k: Any) -> None:
         """Kernel-wide setup before the first layer (`k`: `mkc.runtime.context.Kernel`)."""
@@ -105,79 +101,8 @@ def missing_members(module: ModuleType, protocol: type) -> list[str]:
     return [n for n in members(protocol) if not callable(getattr(module, n, None))]
 
 
-F = TypeVar("F", bound=Callable[..., Any])
-_TAG = "__mkc_lowers__"
-
-
-def lowers(op: str, kind: str | None = None) -> Callable[[F], F]:
-    """Register the decorated function as the compute body of graph op `op`, in every layer
-    kind or (`kind`) in that one. The generated module calls a body as `lower.<op>(c, ...)`,
-    so the function is named after its op, or `<kind>_<op>` for one kind's."""
-    name = op if kind is None else f"{kind}_{op}"
-
-    def register(fn: F) -> F:
-        if fn.__name__ != name:
-            raise ContractError(f"@lowers({op!r}{'' if kind is None else f', kind={kind!r}'}) is on "
-                                f"{fn.__name__}: a body is named {name}")
-        setattr(fn, _TAG, op if kind is None else (kind, op))
-        return fn
-    return register
-
-
 def body_of(module: Any, kind: str, op: str) -> Callable[..., Any] | None:
-    """The compute body of op `op` in layer kind `kind`: the module's `BODIES[(kind, op)]` (a
-    kind composed from the layer library), else its body registered for that kind, else its
-    function named after the op; None if it has none."""
-    body = getattr(module, "BODIES", {}).get((kind, op))
-    if body is None and isinstance(kind, str):
-        body = getattr(module, f"{kind}_{op}", None)
-        body = body if getattr(body, _TAG, None) == (kind, op) else None
-    return body if body is not None else getattr(module, op, None)
-
-
-def registered_ops(module: ModuleType) -> frozenset[str]:
-    """The ops whose bodies an imported lowering module holds (its own and re-exported, for
-    every kind or for one)."""
-    ops = set()
-    for n, v in vars(module).items():
-        tag = getattr(v, _TAG, None)
-        if tag == n or (isinstance(tag, tuple) and n == f"{tag[0]}_{tag[1]}"):
-            ops.add(tag if isinstance(tag, str) else tag[1])
-    return frozenset(ops)
-
-
-def declared_ops(module_name: str) -> frozenset[str]:
-    """The ops a lowering module registers, read from its source without importing it: its
-    functions decorated `@lowers("op")`, and names it imports from another `.lowering` module
-    that registers them there."""
-    return _declared(module_name)
-
-
-@functools.cache
-def _declared(module_name: str) -> frozenset[str]:
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin:
-        raise ContractError(f"no module {module_name}")
-    with open(spec.origin, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), spec.origin)
-    ops: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            ops.update(op for d in node.decorator_list if (op := _lowers_arg(d)) is not None)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.endswith(".lowering"):
-            there = _declared(node.module)
-            ops.update(a.asname or a.name for a in node.names if a.name in there)
-    return frozenset(ops)
-
-
-def _lowers_arg(decorator: ast.expr) -> str | None:
-    """`op` of a `@lowers("op")` or `@lowers("op", kind="k")` (or `@<module>.lowers(...)`)
-    decorator, else None."""
-    if not (isinstance(decorator, ast.Call) and len(decorator.args) == 1
-            and all(k.arg == "kind" for k in decorator.keywords)):
-        return None
-    func, arg = decorator.func, decorator.args[0]
-    named = (isinstance(func, ast.Name) and func.id == "lowers") or \
-        (isinstance(func, ast.Attribute) and func.attr == "lowers")
-    return arg.value if named and isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+    """The compute body of op `op` in layer kind `kind`: the lowering module's `BODIES[(kind,
+    op)]` (its layer kinds composed from the layer library, `mkc.layers.sublayer.body_table`),
+    or None."""
+    return getattr(module, "BODIES", {}).get((kind, op))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from mkc.model.contracts import ROLES, ContractError, declared_ops, missing_members, registered_ops
+from mkc.model.contracts import ROLES, ContractError, missing_members
 
 
 class FormatError(ValueError):
@@ -145,8 +145,8 @@ class Family:
     # need a kernel.
     kernel_ready: bool = True
     # Its layer kinds composed from the layer library (`mkc.layers.sublayer.Composition`: kind
-    # -> sublayers); their bodies are the lowering module's `BODIES` table. A kind not composed
-    # has module-level `@lowers` bodies.
+    # -> sublayers); their bodies are the lowering module's `BODIES` table, the one place a
+    # body is registered.
     layers: Any = field(default=None, hash=False)
 
     def measured_scratch(self) -> tuple:
@@ -166,12 +166,11 @@ class Family:
 
     @functools.cached_property
     def lowered_ops(self) -> frozenset[str]:
-        """The ops its `lowering` module has compute bodies for: its composed sublayers' and its
-        own (`@lowers`, read from the module's source): checking a spec imports no jax."""
+        """The ops its `lowering` module has compute bodies for: its composed sublayers'
+        (checking a spec imports no jax)."""
         # each composed sublayer (`mkc.layers.sublayer.Sublayer`) names the ops it lowers
-        composed = frozenset(op for subs in (self.layers or {}).values() for sub in subs
-                             for op in sub.op_names())
-        return declared_ops(f"{self.package}.lowering") | composed
+        return frozenset(op for subs in (self.layers or {}).values() for sub in subs
+                         for op in sub.op_names())
 
     def module(self, part: str) -> ModuleType:
         """One of its modules by role: "ops", "weights", "lowering", "reference"; a role with a
@@ -182,13 +181,12 @@ class Family:
             raise ContractError(f"family {self.name}: its {part} module {module.__name__} lacks "
                                 f"{', '.join(missing)} (see mkc.model.contracts.{ROLES[part].__name__})")
         if part == "lowering":
-            registered = registered_ops(module) | {op for _, op in getattr(module, "BODIES", {})}
+            registered = {op for _, op in getattr(module, "BODIES", {})}
             if registered != self.lowered_ops:
-                raise ContractError(f"family {self.name}: its lowering module registers ops "
-                                    f"{sorted(registered)} at import but its source and composition "
-                                    f"declare {sorted(self.lowered_ops)}: register each body with "
-                                    "@lowers(\"op\") on a top-level def, or import it from another "
-                                    ".lowering module, and build BODIES from FAMILY.layers")
+                raise ContractError(f"family {self.name}: its lowering module's BODIES hold ops "
+                                    f"{sorted(registered)} but its composition declares "
+                                    f"{sorted(self.lowered_ops)}: build BODIES = "
+                                    "body_table(LAYERS) from FAMILY.layers")
         return module
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import jax
 
-from mkc.model.contracts import body_of, registered_ops
+from mkc.model.contracts import body_of
 
 OP = "mkc_op"
 WEIGHTS = "mkc_weights"
@@ -46,10 +46,10 @@ def kv_tile() -> contextlib.AbstractContextManager:
 
 
 class NamedOps:
-    """A family's lowering module whose functions, called with a layer context (anything with
-    a `kind`) first, run in their op's scope; other attributes pass through unchanged. A body
-    is the module's `BODIES[(kind, op)]` (a composed kind's, `mkc.layers.sublayer.body_table`)
-    or else its function named after the op."""
+    """A family's lowering module whose bodies, called as `lower.<op>(c, ...)` with a layer
+    context `c` first, run `BODIES[(c.kind, op)]` (`mkc.layers.sublayer.body_table`) in their
+    op's scope; its other attributes (the kernel-wide `prologue`, `final_hidden`, constants)
+    pass through unchanged."""
 
     def __init__(self, module: types.ModuleType) -> None:
         self._module = module
@@ -59,20 +59,17 @@ class NamedOps:
         return body_of(self._module, kind, name)
 
     def __getattr__(self, name: str):
-        fn = getattr(self._module, name, None)
-        if fn is None and name not in registered_ops(self._module) \
-                and not any(op == name for _, op in getattr(self._module, "BODIES", {})):
-            raise AttributeError(f"{self._module.__name__} has no body or attribute {name}")
-        if fn is not None and (not callable(fn) or isinstance(fn, type)):
-            return fn
+        if not any(op == name for _, op in getattr(self._module, "BODIES", {})):
+            attribute = getattr(self._module, name, None)
+            if attribute is None:
+                raise AttributeError(f"{self._module.__name__} has no body or attribute {name}")
+            return attribute
 
         def in_scope(c, *args, **kwargs):
             kind = getattr(c, "kind", None)
             body = body_of(self._module, kind, name)
             if body is None:
                 raise AttributeError(f"{self._module.__name__} has no body of {kind}.{name}")
-            if not isinstance(kind, str):
-                return body(c, *args, **kwargs)
             with op(kind, name):
                 return body(c, *args, **kwargs)
         in_scope.__name__ = name

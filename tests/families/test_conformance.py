@@ -5,7 +5,7 @@ its MINI config (`mkc/model/configs/*_mini.json` of its model type) and a shippe
 
 - its lowering, weights and reference modules provide their roles' contracts, and its dims
   the fields the core reads;
-- the lowered ops (read from the `@lowers` decorators) are exactly its spec's graph ops, and
+- the lowered ops (its composition's) are exactly its spec's graph ops, and
   every body takes the layer and the op's register values as the generated call passes them;
 - one config reader: whatever config the reference refuses, `mkc check` refuses with a
   located diagnostic (every key dropped, every flag flipped, every setting misspelt);
@@ -132,7 +132,7 @@ def _model_line(path: Path) -> int:
 
 
 def test_lowered_ops_are_the_graph_ops_and_take_their_values(family: Family, checked):
-    """The ops read from the `@lowers` decorators and the composition are the graph's, and each
+    """The ops of its composition are the graph's, and each
     kind's body of each op binds the layer and the op's register values (a TypeError if not)."""
     compiled = checked
     graph_ops = {op for kind in compiled.ir.kinds.values() for op in kind.ops}

@@ -41,6 +41,7 @@ from mkc.families.qwen3_5_moe import reference as qwen3_5_moe
 from mkc.families.qwen3_moe import reference as qwen3_moe
 from mkc.layers.moe import MoE
 from mkc.layers.moe import reference as moe_ref
+from mkc.layers.moe.options import Checkpoint
 from mkc.layers.reference import NORM
 from mkc.model.config import CONFIG_DIR
 
@@ -63,7 +64,7 @@ CASES = {
                                                          norm_topk_prob=False)),
     # its experts as bf16 values (the slot's matmuls are the stand-in's; MXFP4 decoding is
     # `expert_formats`', tested on its own): halves of the expert's width, unpadded
-    "gpt_oss": (dataclasses.replace(GPT_OSS_MOE, checkpoint="bf16"), lambda: dataclasses.replace(
+    "gpt_oss": (dataclasses.replace(GPT_OSS_MOE, checkpoint=Checkpoint.BF16), lambda: dataclasses.replace(
         gpt_oss.load_config(CONFIG_DIR / "gpt_oss_mini.json"), hidden_size=128, intermediate_size=64,
         experts=4)),
 }

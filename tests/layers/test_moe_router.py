@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from mkc.layers.moe import MoE
 from mkc.layers.moe import lowering
 from mkc.layers.moe import reference as ref
+from mkc.layers.moe.options import SIGMOID
 
 E, GROUPS, TOP_GROUPS, K = 32, 4, 2, 4
 
@@ -99,7 +100,7 @@ def test_an_ungated_shared_experts_tensors_are_deepseeks():
     `mlp.shared_experts.`, no shared expert gate."""
     class D:
         hidden_size, experts, top_k, moe_intermediate_size, shared_expert_intermediate_size = 64, E, K, 16, 32
-    moe = MoE(routing="sigmoid", shared_expert=True, shared_gate=False, shared_prefix="shared_experts.")
+    moe = MoE(routing=SIGMOID, shared_expert=True, shared_gate=False, shared_prefix="shared_experts.")
     shapes = ref.block_shapes(moe, D, "model.layers.3.")
     assert set(shapes) == {f"model.layers.3.mlp.{n}" for n in (
         "gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj",

@@ -190,8 +190,8 @@ def test_k3_experts_near_a_tie_pick_as_upstream():
     bias = np.stack([BIAS, BIAS, np.zeros(E, np.float32)])
     want = [upstream_sigmoid(logits[r:r + 1], bias[r], K, 1, 1, True, 2.0) for r in range(3)]
     for r in range(3):
-        c = body_layer(d, {"router_bias": jnp.asarray(bias[r])[None, :]}, select_experts=lambda ids: None)
-        ids, weights = k3_lowering.route(c, jnp.asarray(logits[r:r + 1]))
+        c = body_layer(d, {"correction_bias": jnp.asarray(bias[r])[None, :]}, select_experts=lambda ids: None)
+        ids, weights = k3_lowering.BODIES["moe", "route"](c, jnp.asarray(logits[r:r + 1]))
         np.testing.assert_array_equal(np.asarray(ids), want[r][0], err_msg=f"row {r}")
         np.testing.assert_allclose(np.asarray(weights, np.float64), want[r][1], rtol=1e-6, atol=1e-7)
     assert list(want[2][0][0]) == [3, 7, 9, 12]

@@ -1,7 +1,7 @@
 """A family's declared contracts (`mkc.model.contracts`), on fake family packages written to a
 temporary directory: a module that lacks a function of its role is refused at import with the
-family, the role and the missing names; the lowered ops are read from the `@lowers` decorators
-without importing the lowering module, re-exports from another `.lowering` module included."""
+family, the role and the missing names; the lowered ops are its composition's, read without
+importing the lowering module, and its `BODIES` table must hold exactly those."""
 from __future__ import annotations
 
 import sys
@@ -10,32 +10,35 @@ import types
 
 import pytest
 
-from mkc.model.contracts import (ContractError, Reference, body_of, declared_ops, lowers, members,
-                                 registered_ops)
+from mkc.model.contracts import ContractError, Reference, body_of, members
 
-PREAMBLE = "from mkc.model.contracts import lowers\n"
 FAMILY_INIT = """
 from mkc.model.family import Family
+from mkc.layers.swiglu import SwiGLU
 FAMILY = Family(name={name!r}, model_types=({name!r},), read_dims=None, shard_classes=(),
-                build=None, package=__name__)
+                build=None, package=__name__, layers={layers})
 """
 REFERENCE = "\n".join(f"def {n}(*args, **kwargs): pass" for n in members(Reference))
-LOWERING = PREAMBLE + """
+LOWERING = """
 def prologue(k): pass
 def final_hidden(k, head_norm): pass
 def host_inputs(dims, positions): return {}
-@lowers("mix")
-def mix(c): pass
+"""
+COMPOSED = LOWERING + """
+from mkc.layers.sublayer import body_table
+from {name} import FAMILY
+BODIES = body_table(FAMILY.layers)
 """
 
 
-def _family(tmp_path, monkeypatch, name: str, **modules: str):
-    """A family package `name` in tmp_path with the given modules (role -> source)."""
+def _family(tmp_path, monkeypatch, name: str, layers: str = "None", **modules: str):
+    """A family package `name` in tmp_path composed of `layers` (source text) with the given
+    modules (role -> source)."""
     package = tmp_path / name
     package.mkdir()
-    (package / "__init__.py").write_text(textwrap.dedent(FAMILY_INIT.format(name=name)))
+    (package / "__init__.py").write_text(textwrap.dedent(FAMILY_INIT.format(name=name, layers=layers)))
     for role, source in modules.items():
-        (package / f"{role}.py").write_text(source)
+        (package / f"{role}.py").write_text(source.replace("{name}", name))
     monkeypatch.syspath_prepend(str(tmp_path))
     return __import__(name).FAMILY
 
@@ -57,59 +60,32 @@ def test_a_module_lacking_a_function_of_its_role_is_refused_at_import(tmp_path, 
 
 
 def test_a_complete_module_loads(tmp_path, monkeypatch):
-    family = _family(tmp_path, monkeypatch, "fake_full", reference=REFERENCE, lowering=LOWERING)
+    family = _family(tmp_path, monkeypatch, "fake_full", layers='{"dense": (SwiGLU(),)}',
+                     reference=REFERENCE, lowering=COMPOSED)
     assert family.module("reference").decode_step is not None
-    assert family.module("lowering").mix.__name__ == "mix"
+    lowering = family.module("lowering")
+    assert body_of(lowering, "dense", "gate_up").func.__module__ == "mkc.layers.swiglu.lowering"
 
 
-def test_lowered_ops_are_read_from_the_source_without_importing_it(tmp_path, monkeypatch):
-    """Its own `@lowers` bodies and those it imports from another family's lowering module
-    count; a helper it imports from there that is not registered does not."""
-    base = _family(tmp_path, monkeypatch, "fake_base", lowering=LOWERING + "def helper(c): pass\n")
-    derived = _family(tmp_path, monkeypatch, "fake_derived", lowering=(
-        "raise ImportError('a spec check must not import a lowering module')\n" + PREAMBLE
-        + "from fake_base.lowering import final_hidden, helper, host_inputs, mix, prologue\n"
-        + "@lowers(\"route\")\ndef route(c): pass\n"))
-    assert base.lowered_ops == {"mix"}
-    assert derived.lowered_ops == {"mix", "route"}
-    assert "fake_derived.lowering" not in sys.modules
+def test_lowered_ops_are_the_compositions_without_importing_the_lowering(tmp_path, monkeypatch):
+    family = _family(tmp_path, monkeypatch, "fake_spec_only", layers='{"dense": (SwiGLU(),)}',
+                     lowering="raise ImportError('a spec check must not import a lowering module')\n")
+    assert family.lowered_ops == {"post_norm", "gate_up", "down", "mlp_residual"}
+    assert "fake_spec_only.lowering" not in sys.modules
 
 
-def test_a_body_registered_outside_a_decorator_is_refused(tmp_path, monkeypatch):
-    """What the module registers at import must be what its source declares: a body
-    registered by a call, which the source scan cannot see, is a contract error."""
-    family = _family(tmp_path, monkeypatch, "fake_hidden", lowering=(
-        LOWERING + "def gate(c): pass\ngate = lowers('gate')(gate)\n"))
-    assert family.lowered_ops == {"mix"}
-    with pytest.raises(ContractError, match=r"registers ops \['gate', 'mix'\] at import"):
+def test_bodies_that_are_not_the_compositions_are_refused(tmp_path, monkeypatch):
+    """A body outside the `BODIES` table (a module-level function named after an op) is not
+    one: the family's lowering must hold its composition's ops in `BODIES`."""
+    family = _family(tmp_path, monkeypatch, "fake_loose", layers='{"dense": (SwiGLU(),)}',
+                     lowering=LOWERING + "BODIES = {}\ndef gate_up(c, h): pass\n")
+    with pytest.raises(ContractError, match=r"BODIES hold ops \[\] but its composition declares"):
         family.module("lowering")
 
 
-def test_a_body_is_named_after_its_op():
-    with pytest.raises(ContractError, match="a body is named gate"):
-        @lowers("gate")
-        def gate_body(c):
-            pass
-    with pytest.raises(ContractError, match="a body is named moe_gate"):
-        @lowers("gate", kind="moe")
-        def gate(c):
-            pass
-
-
-def test_a_body_registered_for_one_kind_serves_that_kind_only():
-    """`@lowers(op, kind=...)` bodies: the kind's own over the op's shared one; registered and
-    declared like any other (the source is read without importing it)."""
+def test_a_body_is_found_by_its_kind_and_op_only():
     module = types.ModuleType("m")
-
-    @lowers("gate")
-    def gate(c):
-        return "shared"
-
-    @lowers("gate", kind="moe")
-    def moe_gate(c):
-        return "moe"
-    module.gate, module.moe_gate = gate, moe_gate
-    assert body_of(module, "moe", "gate") is moe_gate
-    assert body_of(module, "dense", "gate") is gate
-    assert registered_ops(module) == {"gate"}
-    assert "mlp_residual" in declared_ops("mkc.families.kimi_k3.lowering")
+    module.BODIES = {("moe", "gate"): "moe's"}
+    module.gate = "a function named after the op"
+    assert body_of(module, "moe", "gate") == "moe's"
+    assert body_of(module, "dense", "gate") is None

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (`deepseek_v3`, `DeepseekV3ForCausalLM`: deepseek-ai/DeepSeek-V3), composed from
 the layer library: two loop layers a model layer, `mla` = `MLA(rope=True)`, then `dense` =
-`SwiGLU()` or `moe` = `MoE(routing="sigmoid", ...)` (`graph.LAYERS`). Its own code is its config
+`SwiGLU()` or `moe` = `MoE(routing=SIGMOID, ...)` (`graph.LAYERS`). Its own code is its config
 reader (`config.py`) and that composition; bodies, reference, weights and rope are the library's.
 
 Facts (transformers 5.25 `models/deepseek_v3/`: `configuration_deepseek_v3.py`,

@@ -17,12 +17,13 @@ from mkc.families.deepseek_v3.config import DeepseekV3Dims
 from mkc.layers.decoder import vocab_globals
 from mkc.layers.mla import MLA
 from mkc.layers.moe import MoE, expert_split
+from mkc.layers.moe.options import SIGMOID
 from mkc.layers.sublayer import layer_kinds
 from mkc.layers.swiglu import SwiGLU
 from mkc.model.graph import FamilyGraph
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "experts", "expert_mlp")
-MOE = MoE(routing="sigmoid", shared_expert=True, shared_gate=False, shared_prefix="shared_experts.")
+MOE = MoE(routing=SIGMOID, shared_expert=True, shared_gate=False, shared_prefix="shared_experts.")
 LAYERS = {"mla": (MLA(rope=True),), "dense": (SwiGLU(),), "moe": (MOE,)}
 
 

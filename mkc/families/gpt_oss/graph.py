@@ -41,6 +41,7 @@ from mkc.ir import WeightFormat
 from mkc.layers.decoder import vocab_globals
 from mkc.layers.gqa import GQA
 from mkc.layers.moe import MoE
+from mkc.layers.moe.options import TOP_K_SOFTMAX, Activation, Checkpoint
 from mkc.layers.sublayer import layer_kinds
 from mkc.model.graph import ContextLimit, FamilyGraph, ShardingError, split
 
@@ -51,8 +52,8 @@ ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, ful
 # options.
 ATTENTION = {"swa": (GQA(bias=True, o_bias=True, sinks=True, sliding=True),),
              "gqa": (GQA(bias=True, o_bias=True, sinks=True),)}
-MOE = MoE(router_bias=True, routing="top_k_softmax", activation="clamped", expert_bias=True,
-          checkpoint="mxfp4", router_prefix="router.", gate_up_interleaved=True)
+MOE = MoE(router_bias=True, routing=TOP_K_SOFTMAX, activation=Activation.CLAMPED, expert_bias=True,
+          checkpoint=Checkpoint.MXFP4, router_prefix="router.", gate_up_interleaved=True)
 LAYERS = ATTENTION | {MOE_KIND: (MOE,)}
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME [block N]`),
 # the checkpoint's first: MXFP4 decoded in the kernel, or FP8 e4m3 codes (every e2m1 value is

@@ -36,9 +36,7 @@ EXPERT_LAYOUTS = tuple(
     for fused, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))
     for kind in ("weight_packed", "weight_scale"))
 
-# A requantized checkpoint's bf16 block scales (`format expert.* fp4 block N rounded scale bf16`:
-# `weights.requantization`), f32 [out, in/block], beside the matrix's `weight_packed` codes
-# whose 32-row `weight_scale` are all 1 (E8M0 127): not a checkpoint's, what the kernel holds.
+# A requantized checkpoint's bf16 block scales (`mkc.layers.moe.weights.PACKED_BLOCK_SCALE`).
 BLOCK_SCALE = "weight_block_scale"
 
 # Upstream KimiLinearConfig defaults, for keys a config.json omits (as HF does).
@@ -190,6 +188,14 @@ class KimiDims(Dims):
     @property
     def routed_scaling_factor(self) -> float:
         return self.routed_scaling
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return True                  # moe_renormalize (REQUIRED)
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.shared_intermediate_size
 
     @property
     def qk_head_dim(self) -> int:

@@ -10,22 +10,39 @@ of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes and E8M0 scales, 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
-from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.expert_formats import MX_BLOCK
 from mkc.layers.kda import KDA, projection_cols
 from mkc.layers.mla import MLA
-from mkc.layers.sublayer import Part
-from mkc.model.graph import FamilyGraph, LayerKind, Op, ShardingError, Tensor, lane_pad, split
+from mkc.layers.activation import Activation
+from mkc.layers.block_residuals import BlockAdd, BlockMix, mix_vectors
+from mkc.layers.block_residuals import activations as block_activations
+from mkc.layers.moe import MoE
+from mkc.layers.moe.options import SIGMOID, Checkpoint
+from mkc.layers.sublayer import layer_kinds
+from mkc.layers.swiglu import SwiGLU
+from mkc.model.graph import FamilyGraph, LayerKind, ShardingError, Tensor, lane_pad, split
 
 SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp",
                       "latent_up", "router")
-# The attention sublayers composed from the layer library, between K3's own input mix and
-# residual add (`_attention_kind`): KDA, and MLA gated and NoPE.
-LAYERS = {"kda": (KDA(residual=False),), "mla": (MLA(output_gate=True, residual=False),)}
+# Its layer kinds composed from the layer library: KDA, MLA gated and NoPE, the dense SiTU MLP
+# (its width lane padded) and the latent MoE (a sigmoid router split over sibling cores, SiTU
+# experts on the checkpoint's MXFP4, ungated shared experts), each between the block attention
+# residuals' input mix and residual add.
+ATTENTION = {"kda": KDA(residual=False), "mla": MLA(output_gate=True, residual=False)}
+MOE = MoE(prefix="block_sparse_moe.", routing=SIGMOID, activation=Activation.SITU,
+          checkpoint=Checkpoint.MXFP4_PACKED, shared_expert=True, shared_gate=False,
+          shared_prefix="shared_experts.", latent=True, router_split=True, residual=False)
+DENSE = SwiGLU(activation=Activation.SITU, residual=False, padded=True)
+LAYERS = {
+    **{kind: (BlockMix("attn"), sub, BlockAdd("attn", ("attn_out",))) for kind, sub in ATTENTION.items()},
+    "dense": (BlockMix("mlp"), DENSE, BlockAdd("mlp", ("mlp_out",))),
+    "moe": (BlockMix("mlp"), MOE, BlockAdd("mlp", ("mlp_out", "shared_out"))),
+}
 # Classes the K3 lowering splits over every core (a rule for them must be `over tp`).
 _WHOLE_MESH = ("mlp", "vocab", "latent_down")
 
@@ -106,7 +123,7 @@ class KimiGeometry:
     heads: int
     kda_cols: int
     shared: int
-    dense: int
+    inter: int                   # the dense MLP's width (lane padded)
     latent_cols: int             # this rank's latent_down columns (lane padded)
     latent_gathered: int         # the all-gathered latent width (ranks * latent_cols)
     up_cols: int                 # latent_up output columns of this rank
@@ -134,7 +151,7 @@ def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
     return KimiGeometry(
         heads=heads, kda_cols=projection_cols(d, heads),
         shared=split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width", "mlp"),
-        dense=-(-_ceil_split(d.dense_width, sh.ranks) // 128) * 128,
+        inter=lane_pad(_ceil_split(d.dense_width, sh.ranks)),
         latent_cols=latent_cols, latent_gathered=latent_cols * sh.ranks,
         # The reference pads the hidden size to 8192 here (1024 columns per core); an exact
         # 7168 / 8 = 896 is already lane aligned, so mkc does not.
@@ -150,27 +167,11 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
     expert ("expert", in the `formats` chosen), in HBM layout. Raises ShardingError for an
     infeasible sharding."""
     g = kimi_k3_geometry(d, sh)
-    formats = expert_formats(d, g, formats)
-    H, w = d.hidden_size, g.expert_width
+    kinds, _ = layer_kinds(LAYERS, d, _ways(sh))
     return {
-        **{kind: {n: t for n, t in _attention_part(kind, d, sh).tensors.items() if t.role == "matrix"}
-           for kind in LAYERS},
-        "moe": {
-            "router": _m("router", H, g.router_cols, split="router"),
-            "latent_down": _m("latent_down", H, g.latent_cols, split="latent_down", cls="latent"),
-            "shared_gate_up": _m("shared_gate_up", H, 2 * g.shared, cls="shared_expert"),
-            "shared_down": _m("shared_down", g.shared, H, partial=("mlp",), cls="shared_expert"),
-            "latent_up": _m("latent_up", d.latent, g.up_cols, split="latent_up", cls="latent"),
-        },
-        "dense": {
-            "gate_up": _m("gate_up", H, 2 * g.dense, cls="mlp"),
-            "down": _m("down", g.dense, H, partial=("mlp",), cls="mlp"),
-        },
+        **{kind: {n: t for n, t in k.tensors.items() if t.role == "matrix"} for kind, k in kinds.items()},
         # One routed expert's width slice, K-major, in its format.
-        "expert": {
-            **expert_formats_lib.tensors("gate_up", d.latent, 2 * w, formats["expert.gate_up"]),
-            **expert_formats_lib.tensors("down", w, d.latent, formats["expert.down"]),
-        },
+        "expert": MOE.expert_tensors(d, expert_formats(d, g, formats), sh.expert_tp),
     }
 
 
@@ -181,41 +182,29 @@ def kimi_k3_families(d: KimiDims, sh: KimiSharding,
 # packing checks); or FP4 e2m1 codes (two rows a byte), fed to the MXU as they are, with one
 # scale per `block` rows, whole pack groups (exact where the checkpoint's values fit one
 # scale per block, which packing checks and otherwise refuses unless the spec says `rounded`).
-WEIGHT_FORMATS = (("expert.gate_up", ("mxfp4", "fp8", "fp4")),
-                  ("expert.down", ("mxfp4", "fp8", "fp4")))
+WEIGHT_FORMATS = MOE.weight_formats()
 
 
-def expert_rows(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    """Input rows of a rank's expert matrices: gate|up takes the latent, down the width slice."""
-    return {"gate_up": d.latent, "down": g.expert_width}
+def _expert_tp(d: KimiDims, g: KimiGeometry) -> int:
+    return d.expert_width // g.expert_width
 
 
 def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:
-    return expert_formats_lib.pack_groups(expert_rows(d, g))
+    """Input rows a rank's expert matrices are multiplied in at a time (`MoE.pack_groups`)."""
+    return MOE.pack_groups(d, _expert_tp(d, g))
 
 
 def expert_formats(d: KimiDims, g: KimiGeometry, formats: dict[str, WeightFormat] | None
                    ) -> dict[str, WeightFormat]:
     """Each expert matrix class's format with its block resolved to rows (32 for MXFP4 and
     plain FP8); FormatError for a block the kernel cannot use."""
-    return expert_formats_lib.resolve(WEIGHT_FORMATS, expert_rows(d, g), pack_groups(d, g), formats)
-
-
-def _mix_vectors(H: int, prefix: str) -> dict[str, Tensor]:
-    """One attention-residual query: the norm weight and the [1, H] projection."""
-    return {f"{prefix}_res_norm": _v(f"{prefix}_res_norm", H),
-            f"{prefix}_res_proj": _v(f"{prefix}_res_proj", H)}
+    return MOE.expert_formats(d, formats, _expert_tp(d, g))
 
 
 def kimi_k3_activations(d: KimiDims, sh: KimiSharding) -> dict[str, tuple[tuple[int, ...], str]]:
     """VMEM activations the K3 kernel keeps across ops, with -1 for the batch dim."""
     g = kimi_k3_geometry(d, sh)
-    # Residual sources: the embedding, every completed block, and the block being filled.
-    sources = 2 + -(-d.num_hidden_layers // d.block)
-    return {
-        "blocks": ((sources, -1, d.hidden_size), "f32"),
-        "latent": ((-1, g.latent_gathered), "f32"),
-    }
+    return {**block_activations(d), "latent": ((-1, g.latent_gathered), "f32")}
 
 
 def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat] | None = None
@@ -229,84 +218,28 @@ def kimi_k3_kinds(d: KimiDims, sh: KimiSharding, formats: dict[str, WeightFormat
     glob = {
         "embed": Tensor("embed", "table", (vocab, H), "bf16"),
         "final_norm": _v("final_norm", H),
-        **_mix_vectors(H, "output"),
+        **mix_vectors(H, "output"),
         "lm_head": _m("lm_head", H, vocab, cls="lm_head"),
     }
     per_rank = g.as_dict() | {"vocab": vocab, "expert_tp": sh.expert_tp,
                               "host_cores": sh.host_cores, "router_split": sh.router_split}
-    kinds = {"kda": _attention_kind("kda", d, sh), "mla": _attention_kind("mla", d, sh),
-             "moe": _moe_kind(d, sh, g, fam["moe"]), "dense": _dense_kind(d, fam["dense"])}
-    return kinds, fam["expert"], glob, per_rank
+    kinds, composed = layer_kinds(LAYERS, d, _ways(sh))
+    if any(per_rank.get(name, size) != size for name, size in composed.items()):
+        raise ValueError(f"the library kinds' per-rank sizes {composed} are not K3's geometry's")
+    return {kind: _matrices_first(k) for kind, k in kinds.items()}, fam["expert"], glob, per_rank | composed
 
 
-# The block attention residual around each sublayer (`lowering`): the sublayer's input mixes the
-# completed blocks, and its output is added to the block being filled.
-_ATTN_MIX = Op("input_mix", reads=("blocks", "attn_res_norm", "attn_res_proj", "input_norm"),
-               writes=("h",))
-_ATTN_RESIDUAL = Op("attn_residual", reads=("attn_out", "blocks"), writes=("blocks",))
-_MLP_MIX = Op("mlp_mix", reads=("blocks", "mlp_res_norm", "mlp_res_proj", "post_norm"),
-              writes=("h",))
+def _ways(sh: KimiSharding) -> dict[str, int]:
+    """The ways K3's shard classes split, as the library's kinds take them."""
+    return {"heads": sh.head_ways, "mlp": sh.ranks, "experts": sh.expert_groups, "expert_mlp": sh.expert_tp,
+            "router": sh.router_split, "latent_down": sh.ranks, "latent_up": sh.host_cores}
 
 
-def _attention_part(kind: str, d: KimiDims, sh: KimiSharding) -> Part:
-    """The layer library's attention kind as K3 configures it (`LAYERS`), its heads split as
-    K3's."""
-    part = LAYERS[kind][0].part(d, {"heads": sh.head_ways})
-    geometry = kimi_k3_geometry(d, sh).as_dict()
-    if any(geometry[name] != size for name, size in part.per_rank.items()):
-        raise ValueError(f"the {kind} kind's per-rank sizes {part.per_rank} are not K3's geometry's")
-    return part
-
-
-def _attention_kind(kind: str, d: KimiDims, sh: KimiSharding) -> LayerKind:
-    """An attention kind of the layer library (KDA: a delta rule with a per-channel decay over
-    a short convolution, recurrent state; MLA: latent attention with absorbed up-projections):
-    the library kind's ops between K3's input mix and residual add, its matrices, then K3's mix
-    vectors and input norm, then its own vectors and states."""
-    part = _attention_part(kind, d, sh)
-    matrices = {n: t for n, t in part.tensors.items() if t.role == "matrix"}
-    return LayerKind(kind, ops=(_ATTN_MIX, *part.ops, _ATTN_RESIDUAL), tensors={
-        **matrices, **_mix_vectors(d.hidden_size, "attn"),
-        "input_norm": _v("input_norm", d.hidden_size),
-        **{n: t for n, t in part.tensors.items() if n not in matrices},
-    })
-
-
-def _moe_kind(d: KimiDims, sh: KimiSharding, g: KimiGeometry, matrices: dict[str, Tensor]
-              ) -> LayerKind:
-    """The MoE MLP: routed experts in a latent space, and the shared experts."""
-    H = d.hidden_size
-    return LayerKind("moe", ops=(
-        _MLP_MIX,
-        Op("router", reads=("h",), writes=("scores",), matmul="router"),
-        Op("route", reads=("scores", "router_bias"), writes=("expert_ids", "expert_weights"),
-           picks_experts=True),
-        Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
-        Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
-        Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
-        Op("routed_experts", reads=("latent_in", "expert_ids", "expert_weights"),
-           writes=("routed_out",), partial=("experts", "expert_mlp"), width=d.latent,
-           runs_experts=True),
-        Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
-        Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
-        Op("mlp_residual", reads=("mlp_out", "shared_out", "blocks"), writes=("blocks",)),
-    ), tensors={
-        **matrices, **_mix_vectors(H, "mlp"),
-        "post_norm": _v("post_norm", H),
-        "router_bias": _v("router_bias", g.router_cols * sh.router_split),
-        "latent_norm": _v("latent_norm", d.latent),
-    })
-
-
-def _dense_kind(d: KimiDims, matrices: dict[str, Tensor]) -> LayerKind:
-    """The dense MLP of layer 0."""
-    H = d.hidden_size
-    return LayerKind("dense", ops=(
-        _MLP_MIX,
-        Op("gate_up", reads=("h",), writes=("act",), matmul="gate_up"),
-        Op("down", reads=("act",), writes=("mlp_out",), matmul="down"),
-        Op("mlp_residual", reads=("mlp_out", "blocks"), writes=("blocks",)),
-    ), tensors={**matrices, **_mix_vectors(H, "mlp"), "post_norm": _v("post_norm", H)})
+def _matrices_first(kind: LayerKind) -> LayerKind:
+    """A composed kind with its matrices before its vectors and states."""
+    tensors = kind.tensors
+    ordered = {n: t for n, t in tensors.items() if t.role == "matrix"} | tensors
+    return dataclasses.replace(kind, tensors=ordered)
 
 
 def family_bytes(families: dict[str, Tensor]) -> int:

@@ -1,194 +1,32 @@
-"""The compute body of every Kimi K3 decode op, as the generic module calls it
-(`mkc.families.qwen3_5.lowering` has the convention).
-
-A K3 layer runs as two sublayers of the layer loop: attention (`kda` or `mla`), then the MLP
-(`dense` in layer 0, `moe` after); the attention kinds' bodies between K3's input mix and
-residual add are the layer library's (`BODIES`: `mkc.layers.kda.lowering`,
-`mkc.layers.mla.lowering`). The residual stream is block attention
-residuals: `blocks` (VMEM) holds the embedding, each completed block's sum and the block being
-filled; every sublayer's input is a learned mixture of them, and its output is added to the
-open block.
-Attention projections come from the pool's weight view, MoE experts (MXFP4) from its expert
-slots, every other matrix from the ring: `c.matmul` serves whichever the schedule chose.
+"""Kimi K3's compute bodies: the layer library's, composed as `graph.LAYERS` says (KDA, MLA,
+the dense SiTU MLP and the latent MoE, each between the block attention residuals' input mix
+and residual add: `mkc.layers.block_residuals`); around the layer loop, the block residuals'
+prologue (the embedding is block 0) and final mixture. Attention projections come from the
+pool's weight view, MoE experts (MXFP4) from its expert slots, every other matrix from the
+ring: `c.matmul` serves whichever the schedule chose.
 """
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 
-from mkc.families.kimi_k3 import ops
 from mkc.families.kimi_k3.graph import LAYERS
-from mkc.layers.expert_formats import pack_groups
-from mkc.layers.expert_formats.lowering import expert_matmul
+from mkc.layers.block_residuals import lowering as block_residuals
 from mkc.layers.sublayer import body_table
-from mkc.model.contracts import lowers
-from mkc.runtime.context import Kernel, Layer
+from mkc.runtime.context import Kernel
 
-F32 = jnp.float32
-# The attention sublayers' bodies: the layer library's (`graph.LAYERS`).
+# Every op's body: the layer library's (`graph.LAYERS`).
 BODIES = body_table(LAYERS)
 
 
-# ---- block attention residuals ------------------------------------------------------------
-def _sources(k: Kernel, layer):
-    """(slot of the block being filled, sources to mix) for loop layer `layer`: blocks 0 .. n-1
-    are complete (block 0 is the embedding), slot n holds the partial sum, empty at the
-    attention sublayer of a layer that opens a block."""
-    model_layer = lax.div(layer, 2)
-    n = lax.div(model_layer, k.dims.block) + 1
-    empty = (lax.rem(layer, 2) == 0) & (lax.rem(model_layer, k.dims.block) == 0)
-    return n, n + 1 - empty.astype(jnp.int32)
-
-
-def _blocks(k: Kernel) -> list[jax.Array]:
-    return [k.refs.blocks[i] for i in range(k.refs.blocks.shape[0])]
-
-
-def _mix(c: Layer, prefix: str, norm: str) -> jax.Array:
-    n, count = _sources(c.kernel, c.index)
-    mixed = ops.residual_mix(_blocks(c.kernel), count, c.vector(prefix + "_res_norm"),
-                             c.vector(prefix + "_res_proj"), c.dims.rms_norm_eps)
-    return ops.rms_norm(mixed, c.vector(norm), c.dims.rms_norm_eps)
-
-
-def _add_output(c: Layer, out: jax.Array) -> None:
-    n, count = _sources(c.kernel, c.index)
-    empty = count == n
-    blocks = c.refs.blocks
-
-    @pl.when(empty)
-    def _():
-        blocks[n] = out
-
-    @pl.when(jnp.logical_not(empty))
-    def _():
-        blocks[n] = blocks[n] + out
-
-
-@lowers("input_mix")
-def input_mix(c: Layer) -> jax.Array:
-    return _mix(c, "attn", "input_norm")
-
-
-@lowers("mlp_mix")
-def mlp_mix(c: Layer) -> jax.Array:
-    return _mix(c, "mlp", "post_norm")
-
-
-@lowers("attn_residual")
-def attn_residual(c: Layer, attn_out: jax.Array) -> None:
-    _add_output(c, attn_out)
-
-
-@lowers("mlp_residual", kind="dense")
-def dense_mlp_residual(c: Layer, mlp_out: jax.Array) -> None:
-    _add_output(c, mlp_out)
-
-
-@lowers("mlp_residual", kind="moe")
-def moe_mlp_residual(c: Layer, mlp_out: jax.Array, shared_out: jax.Array) -> None:
-    """The gathered latent_up (its first `hidden` columns) plus the shared experts'."""
-    _add_output(c, mlp_out[:, :c.dims.hidden_size] + shared_out)
-
-
-def _cols(c: Layer, name: str) -> int | None:
-    """A streamed matrix's own columns (its ring tiles pad them); None for a pooled one, whose
-    product is as wide as the matrix."""
-    streamed = c.plan.streamed.get(name)
-    return streamed[1].cols if streamed else None
-
-
-# ---- the dense MLP --------------------------------------------------------------------------
-@lowers("gate_up")
-def gate_up(c: Layer, h: jax.Array) -> jax.Array:
-    """The SiTU MLP's gate|up (streamed)."""
-    return ops.situ_packed(c.matmul("gate_up", h), c.per_rank["dense"], c.dims.situ_beta,
-                           c.dims.situ_linear_beta)
-
-
-@lowers("down")
-def down(c: Layer, act: jax.Array) -> jax.Array:
-    return c.matmul("down", act)[:, :c.dims.hidden_size]
-
-
-# ---- latent MoE -----------------------------------------------------------------------------
-@lowers("router")
-def router(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("router", h)[:, :_cols(c, "router")]
-
-
-@lowers("route")
-def route(c: Layer, scores: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sigmoid top-k with the score-correction bias; this rank's picked local experts go to
-    SMEM for their copies."""
-    n = c.dims.experts
-    bias = c.vector("router_bias")[:, :n]
-    weights, ids = ops.route(scores[:, :n], bias, c.dims.top_k, c.dims.routed_scaling)
-    c.select_experts(ids)
-    return ids, weights
-
-
-@lowers("latent_down")
-def latent_down(c: Layer, h: jax.Array) -> jax.Array:
-    return c.matmul("latent_down", h)[:, :_cols(c, "latent_down")]
-
-
-@lowers("shared_gate_up")
-def shared_gate_up(c: Layer, h: jax.Array) -> jax.Array:
-    return ops.situ_packed(c.matmul("shared_gate_up", h), c.per_rank["shared"], c.dims.situ_beta,
-                           c.dims.situ_linear_beta)
-
-
-@lowers("shared_down")
-def shared_down(c: Layer, shared_act: jax.Array) -> jax.Array:
-    return c.matmul("shared_down", shared_act)[:, :c.dims.hidden_size]
-
-
-@lowers("routed_experts")
-def routed_experts(c: Layer, latent_in: jax.Array, expert_ids: jax.Array,
-                   expert_weights: jax.Array) -> jax.Array:
-    """This rank's width slice of its group's picked experts on every row, each weighted by
-    its routing weight (zero where a row did not pick it), summed in ascending expert order."""
-    latent, width = c.dims.latent, c.per_rank["expert_width"]
-    x = latent_in[:, :latent]
-
-    groups = pack_groups({"gate_up": latent, "down": width})
-
-    def expert(k, acc):
-        gate_up = expert_matmul(c, k, x, "gate_up", groups["gate_up"])
-        act = ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
-        return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
-                                                                         groups["down"])
-
-    return c.fold_experts(expert, jnp.zeros((c.B, latent), F32))
-
-
-@lowers("latent_norm")
-def latent_norm(c: Layer, routed_out: jax.Array) -> jax.Array:
-    return ops.rms_norm(routed_out, c.vector("latent_norm"), c.dims.rms_norm_eps)
-
-
-@lowers("latent_up")
-def latent_up(c: Layer, routed_out: jax.Array) -> jax.Array:
-    return c.matmul("latent_up", routed_out)[:, :_cols(c, "latent_up")]
-
-
-# ---- around the layers ----------------------------------------------------------------------
 def prologue(k: Kernel) -> None:
     """The embedding (in x) becomes residual block 0; the other blocks start empty."""
-    for i in range(k.refs.blocks.shape[0]):
-        k.refs.blocks[i] = jnp.zeros((k.B, k.dims.hidden_size), F32)
-    k.refs.blocks[0] = k.refs.x[...]
+    block_residuals.prologue(k)
 
 
 def final_hidden(k: Kernel, head_norm) -> jax.Array:
     """The output mixture over every block, then the final norm (head_norm rows: final norm,
     output mixture norm and projection)."""
-    n, count = _sources(k, k.layers)
-    mixed = ops.residual_mix(_blocks(k), count, head_norm[1:2, :], head_norm[2:3, :], k.dims.rms_norm_eps)
-    return ops.rms_norm(mixed, head_norm[0:1, :], k.dims.rms_norm_eps)
+    return block_residuals.final_hidden(k, head_norm)
 
 
 def host_inputs(dims, positions: jax.Array) -> dict[str, jax.Array]:

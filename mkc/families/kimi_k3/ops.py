@@ -12,7 +12,6 @@ residuals); its KDA and NoPE gated MLA are the layer library's (`mkc.layers.kda.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,25 +19,10 @@ import jax.numpy as jnp
 from mkc.layers.mla.ops import mla_absorb_query, mla_tile, mla_value_up  # noqa: F401  (MLA's)
 from mkc.layers.mla.weights import split_kv_b_proj, split_q_b_proj  # noqa: F401
 from mkc.layers.moe.lowering import sigmoid_route_weights
-from mkc.layers.ops import rms_norm   # KimiRMSNorm: a plain weight
+from mkc.layers.block_residuals.lowering import residual_mix  # noqa: F401  (block residuals)
+from mkc.layers.ops import rms_norm, situ, situ_packed  # noqa: F401  (KimiRMSNorm: a plain weight; SiTU)
 
 F32 = jnp.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# Norms and activations
-
-
-def situ(gate: jax.Array, up: jax.Array, beta: float = 4.0, linear_beta: float = 25.0) -> jax.Array:
-    """SiTU GLU: beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta); any equal shapes."""
-    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-            * linear_beta * jnp.tanh(up / linear_beta))
-
-
-def situ_packed(gate_up: jax.Array, width: int, beta: float = 4.0,
-                linear_beta: float = 25.0) -> jax.Array:
-    """gate_up [B, 2*width] packed as [gate | up] (one fused projection) -> SiTU [B, width]."""
-    return situ(gate_up[:, :width], gate_up[:, width:2 * width], beta, linear_beta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,27 +42,3 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int,
     reads a dynamic expert's column.
     """
     return sigmoid_route_weights(logits, bias, top_k, True, scaling)
-
-
-# ---------------------------------------------------------------------------------------------
-# Block attention residuals
-
-
-def residual_mix(sources: Sequence[jax.Array], count: jax.Array | int, norm_w: jax.Array,
-                 proj_w: jax.Array, eps: float) -> jax.Array:
-    """Softmax mixture of the first ``count`` (a traced scalar) of the residual ``sources``
-    ([B, H] f32 blocks: completed block sums, then the partial sum) -> [B, H], with score_i =
-    proj . rms(v_i, norm); norm_w, proj_w [1, H]. The other sources are masked out before they
-    can touch the result (they may hold stale memory)."""
-    scores = [jnp.where(i < count, jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True),
-                        -jnp.inf) for i, v in enumerate(sources)]
-    top = scores[0]
-    for sc in scores[1:]:
-        top = jnp.maximum(top, sc)
-    exps = [jnp.exp(sc - top) for sc in scores]
-    total = sum(exps[1:], exps[0])
-    mixed = jnp.zeros_like(sources[0])
-    for i, (e, v) in enumerate(zip(exps, sources)):
-        mixed = mixed + jnp.where(i < count, (e / total) * v, 0.0)
-    return mixed
-

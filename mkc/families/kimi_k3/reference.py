@@ -97,7 +97,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims, read_dims
-from mkc.families.kimi_k3.graph import LAYERS
+from mkc.families.kimi_k3.graph import ATTENTION
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.kda import reference as kda_reference
@@ -113,8 +113,8 @@ MLA = "full_attention"
 MODEL_TYPES = ("kimi_k3", "kimi_linear")  # checkpoint top level / its text_config
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-KDA_ATTENTION = LAYERS["kda"][0]   # the layer library's KDA
-MLA_ATTENTION = LAYERS["mla"][0]   # the layer library's MLA, gated and NoPE
+KDA_ATTENTION = ATTENTION["kda"]   # the layer library's KDA
+MLA_ATTENTION = ATTENTION["mla"]   # the layer library's MLA, gated and NoPE
 ATTENTION = {KDA: KDA_ATTENTION, MLA: MLA_ATTENTION}   # by upstream attention type
 _EXPERT_MATRICES = ("w1", "w3", "w2")  # gate, up, down (Kimi Linear naming)
 # Projections whose output is summed into a residual block (scaled down by init_params).
@@ -270,10 +270,10 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax
 
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
             rounding: Rounding | None = None, kind: str = "dense", op: str = "down",
-            shard: str = "dense", gate_up: str = "gate_up") -> jax.Array:
+            shard: str = "inter", gate_up: str = "gate_up") -> jax.Array:
     """``down(situ(gate(x), up(x)))`` with ``gate_proj/up_proj/down_proj.weight`` keys in ``p``.
     With ``rounding``: ``down`` is the all-reduced op ``kind.op`` over per-rank ranges of the
-    ``shard`` size (``dense`` for the dense MLP, ``shared`` for the shared experts), and
+    ``shard`` size (``inter`` for the dense MLP, ``shared`` for the shared experts), and
     ``kind.gate_up`` names the streamed gate|up matrix."""
     x = mm_input(x, rounding)
     hidden = situ(matmul(x, p["gate_proj.weight"], rounding, kind, gate_up, by_tiles=True),

@@ -1,361 +1,43 @@
-"""Where each per-rank weight family of kimi_k3 comes from in the checkpoint.
-
-Names are the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists. Matrices
-come back `[in, out]` f32 (Linear weights are `[out, in]`), cut to one rank's share as
-`mkc.families.kimi_k3.graph` shapes it; routed experts come back as MXFP4 codes and scales in the
-kernel's K-major layout (`mkc.layers.expert_formats.weights`), or in the spec's format (FP8 codes;
-FP4 codes requantized to one scale per block: `requantized`, `requantization`). A split that
-does not fill the last ranks (the latent, latent_up's columns, the router's experts) leaves
-zeros there, so the all-gathered result is the real width followed by zero padding.
+"""Kimi K3's weights: the layer library's, as `graph.LAYERS` composes them (`DecoderWeights`,
+the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists), and its
+routed experts, which the checkpoint holds per expert in compressed-tensors MXFP4
+(`block_sparse_moe.experts.{e}.w{1,3,2}.weight_packed / .weight_scale`): a rank's width slice
+as MXFP4 codes and scales in the kernel's K-major layout (`mkc.layers.expert_formats.weights`),
+or in the spec's format (FP8 codes; FP4 codes requantized to one scale per block), by the
+library MoE's layout of them (`mkc.layers.moe.weights.packed_mxfp4_expert`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
-from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims
-from mkc.families.kimi_k3.graph import (LAYERS, KimiGeometry, KimiSharding, expert_formats,
-                                        kimi_k3_geometry, pack_groups)
+from mkc.families.kimi_k3.config import KimiDims
+from mkc.families.kimi_k3.graph import LAYERS, MOE, KimiGeometry, KimiSharding
 from mkc.ir import WeightFormat
-from mkc.layers.expert_formats import MX_BLOCK
-from mkc.layers.expert_formats.weights import (fp8_codes_from_kernel_mxfp4, pack_bf16_scales,
-                                               pack_mxfp4_for_kernel)
-from mkc.layers.kda import weights as kda_weights
-from mkc.layers.mla import weights as mla_weights
-from mkc.model.family import FormatError
-from mkc.model.mxfp4 import (SCALE_BIAS, RequantizationError, Requantized, relative_rms,
-                             requantize_blocks)
+from mkc.layers.block_residuals import weights as block_weights
+from mkc.layers.moe import weights as moe_weights
+from mkc.layers.sublayer import paired
+from mkc.layers.weights import DecoderWeights
 from mkc.model.sharding import ShardTable
 
-# the layer library's attention kinds (their tensors: `mkc.layers.kda.weights`, `mkc.layers.mla.weights`)
-KDA, MLA = LAYERS["kda"][0], LAYERS["mla"][0]
-
-
-def _w(hf: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    return np.asarray(hf[name]).astype(np.float32)
-
-
-def _block(m: np.ndarray, axis: int, index: int, width: int) -> np.ndarray:
-    """Block `index` of `width` along `axis`, zero padded where it runs past the end."""
-    start = index * width
-    part = np.take(m, np.arange(start, min(start + width, m.shape[axis])), axis=axis)
-    pad = [(0, 0)] * m.ndim
-    pad[axis] = (0, width - part.shape[axis])
-    return np.pad(part, pad)
-
-
-def _heads(part: int, g: KimiGeometry) -> list[int]:
-    """The attention heads of heads part `part` (`KimiSharding.head_part`)."""
-    return list(range(part * g.heads, (part + 1) * g.heads))
-
-
-def _mla_matrix(hf, d, g, sh, p, family, rank):
-    return mla_weights.matrix_of_heads(MLA, hf, d, p, family, _heads(sh.head_part(rank), g))
-
-
-def _kda_matrix(hf, d, g, sh, p, family, rank):
-    return kda_weights.matrix_of_heads(KDA, hf, d, p, family, _heads(sh.head_part(rank), g))
-
-
-def _moe_matrix(hf, d, g, sh, p, family, rank):
-    m = p + "block_sparse_moe."
-    s = m + "shared_experts."
-    if family == "router":
-        return _block(_w(hf, m + "gate.weight").T, 1, rank % sh.router_split, g.router_cols)
-    if family == "latent_down":
-        return _block(_w(hf, m + "routed_expert_down_proj.weight").T, 1, rank, g.latent_cols)
-    if family == "latent_up":
-        return _block(_w(hf, m + "routed_expert_up_proj.weight").T, 1, rank % sh.host_cores,
-                      g.up_cols)
-    if family in ("shared_gate_up", "shared_down"):
-        return _swiglu(hf, s, family.removeprefix("shared_"), rank, g.shared)
-    raise KeyError(f"no moe weight family {family!r}")
-
-
-def _swiglu(hf, prefix: str, family: str, rank: int, width: int) -> np.ndarray:
-    """A SwiGLU MLP's rank share, `width` of its columns: gate|up [in, 2 x width] or down."""
-    if family == "gate_up":
-        return np.concatenate([_block(_w(hf, prefix + f"{x}_proj.weight"), 0, rank, width)
-                               for x in ("gate", "up")], axis=0).T
-    return _block(_w(hf, prefix + "down_proj.weight").T, 0, rank, width)
-
-
-def _dense_matrix(hf, d, g, sh, p, family, rank):
-    if family in ("gate_up", "down"):
-        return _swiglu(hf, p + "mlp.", family, rank, g.dense)
-    raise KeyError(f"no dense weight family {family!r}")
-
-
-def _mla_vector(hf, d, g, sh, p, name, rank):
-    return mla_weights.vector(MLA, hf, d, p, name, rank, None)
-
-
-def _kda_vector(hf, d, g, sh, p, name, rank):
-    return kda_weights.vector_of_heads(KDA, hf, d, p, name, _heads(sh.head_part(rank), g))
-
-
-def _moe_vector(hf, d, g, sh, p, name, rank):
-    m = p + "block_sparse_moe."
-    if name == "router_bias":
-        bias = _w(hf, m + "gate.e_score_correction_bias")
-        return np.pad(bias, (0, g.router_cols * sh.router_split - bias.shape[0])).reshape(1, -1)
-    if name == "latent_norm":
-        return _w(hf, m + "routed_expert_norm.weight").reshape(1, -1)
-    raise KeyError(f"no moe vector family {name!r}")
-
-
-def _no_vectors(hf, d, g, sh, p, name, rank):
-    raise KeyError(f"no dense vector family {name!r}")
-
-
-# Per sublayer kind: (its matrices, its vectors), each as (checkpoint, dims, geometry, sharding,
-# layer prefix, family, rank) -> one rank's f32 array.
-_KIND_TENSORS = {"mla": (_mla_matrix, _mla_vector), "kda": (_kda_matrix, _kda_vector),
-                 "moe": (_moe_matrix, _moe_vector), "dense": (_dense_matrix, _no_vectors)}
-# the residual mixes' and norms' vectors every sublayer kind holds
-_SUBLAYER_VECTORS = {"attn_res_norm": "self_attention_res_norm.weight",
-                     "attn_res_proj": "self_attention_res_proj.weight",
-                     "mlp_res_norm": "mlp_res_norm.weight", "mlp_res_proj": "mlp_res_proj.weight",
-                     "input_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight"}
-
-
-def family_matrix(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
-                  layer: int, kind: str, family: str, rank: int) -> np.ndarray:
-    """One rank's [in, out] matrix of a sublayer kind's family, as f32."""
-    return _KIND_TENSORS[kind][0](hf, d, g, sh, f"model.layers.{layer}.", family, rank)
+# Every tensor asked of the library kind that owns it (the routed experts: the MoE's
+# compressed-tensors MXFP4 layout); model layer = loop layer // 2 (the attention, then the MLP).
+_WEIGHTS = DecoderWeights(LAYERS, model_layer=paired)
+matrix, layer_vector, embedding = _WEIGHTS.matrix, _WEIGHTS.layer_vector, _WEIGHTS.embedding
+reference_states, kernel_states = _WEIGHTS.reference_states, _WEIGHTS.kernel_states
+expert, requantization = _WEIGHTS.expert, _WEIGHTS.requantization
 
 
 def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
                   layer: int, expert: int, rank: int,
                   formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
-    """One rank's width slice of a routed expert: gate|up and down codes and scales, K-major,
-    each matrix in its format (`mkc.layers.expert_formats.tensors`)."""
-    e = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
-    part, w = rank % sh.expert_tp, g.expert_width
-    groups = pack_groups(d, g)
-    resolved = expert_formats(d, g, dict(formats or {}))
-    # The checkpoint's MXFP4 slices of this rank, [out, in/2] codes and [out, in/32] scales:
-    # gate and up: output rows part*w ... (part+1)*w; down: input columns part*w ... (part+1)*w.
-    sliced = {x: (np.asarray(hf[e + f"{x}.weight_packed"])[part * w:(part + 1) * w],
-                  np.asarray(hf[e + f"{x}.weight_scale"])[part * w:(part + 1) * w])
-              for x in ("w1", "w3")}
-    sliced["w2"] = (np.asarray(hf[e + "w2.weight_packed"])[:, part * w // 2:(part + 1) * w // 2],
-                    np.asarray(hf[e + "w2.weight_scale"])[:, part * w // MX_BLOCK:(part + 1) * w // MX_BLOCK])
-    out = {}
-    for name, matrices in (("gate_up", ("w1", "w3")), ("down", ("w2",))):
-        fmt = resolved[f"expert.{name}"]
-        if fmt.name == "fp4":      # e2m1 codes as the checkpoint orders them, [in/2, out]
-            parts = [_held(hf, e + x, part * w, w, x == "w2", fmt)
-                     or _codes_and_scales(requantized(*sliced[x], fmt, layer, expert, x,
-                                                      *((0, part * w) if x == "w2" else (part * w, 0))))
-                     for x in matrices]
-            packed = [(np.ascontiguousarray(c.T), np.ascontiguousarray(sc.T)) for c, sc in parts]
-        else:
-            packed = [pack_mxfp4_for_kernel(*sliced[x], groups[name]) for x in matrices]
-        out[f"{name}_codes"] = np.concatenate([c for c, _ in packed], axis=1)
-        out[f"{name}_scales"] = np.concatenate([sc for _, sc in packed], axis=1)
-        if fmt.scale == "bf16":
-            out[f"{name}_scales"] = pack_bf16_scales(out[f"{name}_scales"])
-    for cls, fmt in resolved.items():
-        name = cls.split(".")[1]
-        if fmt.name == "fp8":
-            try:
-                out[f"{name}_codes"], out[f"{name}_scales"] = fp8_codes_from_kernel_mxfp4(
-                    out[f"{name}_codes"], out[f"{name}_scales"], groups[name], fmt.block)
-            except ValueError as e:
-                raise ValueError(f"layer {layer} expert {expert} {cls}, rank {rank}'s slice: {e}; "
-                                 f"write `format {cls} fp8` (a scale per {MX_BLOCK} rows, "
-                                 "always exact) or a smaller block") from None
-    return out
-
-
-def _codes_and_scales(r: Requantized) -> tuple[np.ndarray, np.ndarray]:
-    return r.codes, r.scales
-
-
-def _held(hf: Mapping[str, np.ndarray], matrix: str, first: int, width: int, columns: bool,
-          fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray] | None:
-    """A rank's slice of a routed expert matrix a requantized checkpoint already holds in
-    `fmt` (its codes and `BLOCK_SCALE`; `first` .. `first + width` of its output rows, or of
-    its input columns if `columns`): its codes `[out, in/2]` and scales `[out, in/block]`, taken
-    as they are; None where the checkpoint holds MXFP4."""
-    if f"{matrix}.{BLOCK_SCALE}" not in hf:
-        return None
-    codes, scales = np.asarray(hf[f"{matrix}.weight_packed"]), np.asarray(hf[f"{matrix}.{BLOCK_SCALE}"])
-    block = 2 * codes.shape[1] // scales.shape[1]
-    unit = np.asarray(hf[f"{matrix}.weight_scale"]) == SCALE_BIAS
-    if fmt.scale != "bf16" or block != fmt.block or not unit.all():
-        raise ValueError(f"{matrix} holds codes under bf16 scales per {block} rows (a requantized "
-                         f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
-                         "checkpoint itself")
-    if columns:
-        codes = codes[:, first // 2:(first + width) // 2]
-        scales = scales[:, first // block:(first + width) // block]
-    else:
-        codes, scales = codes[first:first + width], scales[first:first + width]
-    return codes, scales.astype(np.float32)
-
-
-_EXPERT_CLASS = {"w1": "expert.gate_up", "w3": "expert.gate_up", "w2": "expert.down"}
-_MATRIX_NAME = {"w1": "gate", "w3": "up", "w2": "down"}
-
-
-def requantized(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, layer: int,
-                expert: int, matrix: str, out0: int = 0, in0: int = 0) -> Requantized:
-    """Checkpoint MXFP4 ``[out, in/2]`` codes and ``[out, in/32]`` scales of routed expert
-    matrix `matrix` (w1, w3, w2) requantized to `fmt`'s fp4 blocks of input rows
-    (``mkc.model.mxfp4.requantize_blocks``). Where a block's values do not fit one scale and
-    the spec did not say `rounded`, a FormatError names the block and its scales' spread."""
-    r = requantize_blocks(codes, scales, fmt.block, fmt.scale)
-    if not r.exact and not fmt.rounded:
-        cls = _EXPERT_CLASS[matrix]
-        out, blk = r.first
-        lo, hi = r.first_scales
-        first = in0 + blk * fmt.block
-        raise FormatError(
-            cls, f"{fmt.where + ': ' if fmt.where else ''}`format {cls} fp4 block {fmt.block}` "
-            f"cannot hold layer {layer} expert {expert}'s {_MATRIX_NAME[matrix]} ({matrix}) "
-            f"exactly: output {out0 + out}, input rows {first}-{first + fmt.block - 1} take "
-            f"32-row scales spanning {hi - lo} octave{'s' * (hi - lo != 1)} (E8M0 {lo}..{hi}), "
-            f"and under one scale {r.changed} of {r.values} values in {r.inexact_blocks} of "
-            f"{r.blocks} blocks have no e2m1 code (max error {r.max_abs:.3g}, relative RMS "
-            f"{relative_rms(r.sq_err, r.sq_ref):.3g})",
-            f"write `format {cls} fp4 block {fmt.block} rounded` to round them to the nearest "
-            f"(the error is reported per matrix class), or store {cls} as `fp8 block "
-            f"{fmt.block}` (exact while a block's 32-row scales span at most 8 octaves)")
-    return r
-
-
-def requantization(hf: Mapping[str, np.ndarray], d: KimiDims,
-                   formats: Mapping[str, WeightFormat], shards: ShardTable,
-                   layers: Sequence[int] | None = None
-                   ) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
-    """The routed experts as the kernel holds them, at the checkpoint level: each fp4 class's
-    matrices requantized (their blocks of input rows are those of every rank's slice: a block
-    divides the slice), as MXFP4 tensors whose 32-row scales are equal within a block (so the
-    reference decodes the kernel's values exactly; `scale bf16`: codes under 32-row scales of 1
-    and the bf16 block scales beside them, `BLOCK_SCALE`), and per class the error against the
-    checkpoint's values: values, changed, blocks, inexact blocks, max abs, relative RMS.
-    FormatError where a class without `rounded` cannot be held exactly."""
-    g, _ = _layout(d, shards)
-    fp4 = {cls: f for cls, f in expert_formats(d, g, dict(formats)).items() if f.name == "fp4"}
-    out: dict[str, np.ndarray] = {}
-    totals = {cls: RequantizationError() for cls in fp4}
-    moe_layers = ([i for i, (_, mlp) in enumerate(d.layer_plan()) if mlp == "moe"]
-                  if layers is None else layers)
-    for layer in moe_layers:
-        for e in range(d.experts):
-            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
-            for x in ("w1", "w3", "w2"):
-                fmt = fp4.get(_EXPERT_CLASS[x])
-                if fmt is None:
-                    continue
-                r = requantized(np.asarray(hf[p + f"{x}.weight_packed"]),
-                                np.asarray(hf[p + f"{x}.weight_scale"]), fmt, layer, e, x)
-                out[p + f"{x}.weight_packed"] = r.codes
-                if r.scale == "bf16":
-                    unit = (*r.codes.shape[:-1], 2 * r.codes.shape[-1] // MX_BLOCK)
-                    out[p + f"{x}.weight_scale"] = np.full(unit, SCALE_BIAS, np.uint8)
-                    out[p + f"{x}.{BLOCK_SCALE}"] = r.scales
-                else:
-                    out[p + f"{x}.weight_scale"] = r.scales_per_32()
-                totals[_EXPERT_CLASS[x]].add(r)
-    report = {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp4.items()}
-    return out, report
-
-
-def vector(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
-           layer: int, kind: str, name: str, rank: int) -> np.ndarray:
-    """One rank's per-layer vector family, [rows, width] f32."""
-    p = f"model.layers.{layer}."
-    if name in _SUBLAYER_VECTORS:
-        return _w(hf, p + _SUBLAYER_VECTORS[name]).reshape(1, -1)
-    return _KIND_TENSORS[kind][1](hf, d, g, sh, p, name, rank)
-
-
-def global_tensor(hf: Mapping[str, np.ndarray], d: KimiDims, sh: KimiSharding, name: str,
-                  rank: int) -> np.ndarray:
-    vocab = d.vocab_size // sh.ranks
-    if name == "embed":
-        # indexed before it is an array: a lazily loaded checkpoint reads just this part
-        return np.asarray(hf["model.embed_tokens.weight"][rank * vocab:(rank + 1) * vocab])
-    if name == "lm_head":
-        return _w(hf, "lm_head.weight")[rank * vocab:(rank + 1) * vocab].T
-    names = {"final_norm": "model.norm.weight", "output_res_norm": "model.output_attn_res_norm.weight",
-             "output_res_proj": "model.output_attn_res_proj.weight"}
-    return _w(hf, names[name]).reshape(1, -1)
-
-
-# ---- the host layout API the generic module template calls ---------------------------------
-def _layout(d: KimiDims, shards: ShardTable) -> tuple[KimiGeometry, KimiSharding]:
-    """The K3 geometry of the schedule's shard table, as the graph derived it."""
-    sh = KimiSharding.from_rules({c: (w, s) for c, w, s in shards.rules}, shards.ranks)
-    return kimi_k3_geometry(d, sh), sh
-
-
-def matrix(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int, kind: str,
-           name: str, rank: int, shards: ShardTable) -> np.ndarray:
-    """Matrix `name` of loop layer `layer` (a sublayer: model layer layer // 2), or of the tail."""
-    g, sh = _layout(d, shards)
-    if kind == "tail":
-        return global_tensor(hf, d, sh, name, rank)
-    return family_matrix(hf, d, g, sh, layer // 2, kind, name, rank)
-
-
-def layer_vector(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
-                 kind: str, name: str, rank: int, shards: ShardTable) -> np.ndarray:
-    g, sh = _layout(d, shards)
-    return vector(hf, d, g, sh, layer // 2, kind, name, rank)
-
-
-def expert(hf: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int], layer: int,
-           local: int, rank: int, shards: ShardTable,
-           formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
-    """Local expert `local` of `rank`'s group as the pool holds it: codes (in their formats)
-    and scales."""
-    g, sh = _layout(d, shards)
-    group = rank // sh.expert_tp
-    return expert_arrays(hf, d, g, sh, layer // 2, group * g.local_experts + local, rank,
-                         formats)
+    """Model layer `layer`'s routed expert `expert` as rank `rank` holds it (its width slice),
+    by the library MoE (`mkc.layers.moe.weights.packed_mxfp4_expert`)."""
+    return moe_weights.packed_mxfp4_expert(MOE, hf, d, f"model.layers.{layer}.", expert, rank,
+                                           rank % sh.expert_tp, sh.expert_tp, formats)
 
 
 def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:
     """The final norm, then the output mixture's norm and projection."""
-    _, sh = _layout(d, shards)
-    return np.concatenate([global_tensor(hf, d, sh, name, rank)
-                           for name in ("final_norm", "output_res_norm", "output_res_proj")])
-
-
-def embedding(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:
-    return np.asarray(global_tensor(hf, d, _layout(d, shards)[1], "embed", rank))
-
-
-def _model_layers(kind_layers: dict[str, list[int]], kind: str) -> list[int]:
-    """The model layers of loop layers of `kind` (a model layer's attention sublayer: loop layer
-    2 i)."""
-    return [layer // 2 for layer in kind_layers.get(kind, [])]
-
-
-def reference_states(state, d: KimiDims, per_rank: dict[str, int], shards: ShardTable,
-                     kind_layers: dict[str, list[int]]) -> dict[str, np.ndarray]:
-    """The decode state gathered over ranks into the reference's layouts, each attention
-    kind's by its library weights module (`mkc.layers.kda.weights`: conv and recurrent states,
-    `mkc.layers.mla.weights`: the latent caches)."""
-    out: dict[str, np.ndarray] = {}
-    for kind, (sub,) in LAYERS.items():
-        out |= sub.module("weights").reference_states(sub, state, d, per_rank, shards, kind,
-                                                      _model_layers(kind_layers, kind))
-    return out
-
-
-def kernel_states(ref: Mapping[str, np.ndarray], d: KimiDims, per_rank: dict[str, int],
-                  shards: ShardTable, kind_layers: dict[str, list[int]],
-                  shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    """The inverse of `reference_states`: the reference's states as the kernel's per-rank state
-    arrays (`shapes`: the kernel's per-rank state table)."""
-    out: dict[str, np.ndarray] = {}
-    for kind, (sub,) in LAYERS.items():
-        out |= sub.module("weights").kernel_states(sub, ref, d, per_rank, shards, kind,
-                                                   _model_layers(kind_layers, kind), shapes)
-    return out
+    return np.concatenate([_WEIGHTS.head_vectors(hf, d, rank, shards), block_weights.head_vectors(hf)])

@@ -1,7 +1,9 @@
 """Host-side packing of expert matrices into their stored formats (numpy, at weight-load
 time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, MXFP4 into FP8 codes, an FP8
-checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back, and bf16 block
-scales (`scale bf16`) into a slot and back."""
+checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back, bf16 block
+scales (`scale bf16`) into a slot and back, and a checkpoint's MXFP4 requantized to FP4 under
+one scale per block of rows (`fp4_from_mxfp4`, as a checkpoint holds it:
+`fp4_checkpoint_tensors`, read back by `held_fp4`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,7 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from mkc.ir import WeightFormat
+from mkc.model.family import FormatError
 from mkc.model.fp8_blocks import checked_scales
+from mkc.model.mxfp4 import SCALE_BIAS, Requantized, relative_rms, requantize_blocks
 from mkc.layers.expert_formats import (MX_BLOCK, MXFP4_LAYOUT, SCALE_NAN, SCALE_ROWS, block_groups,
                                        block_index)
 
@@ -193,3 +197,61 @@ def unpack_mxfp4_from_kernel(codes: np.ndarray, scales: np.ndarray,
     nibbles = _kernel_nibbles(codes, group).T
     packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).astype(np.uint8)
     return packed, np.ascontiguousarray(scales.T)
+
+
+# ---- FP4 from MXFP4: a checkpoint's MXFP4 matrix under one scale per block of rows ----------
+def fp4_from_mxfp4(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, cls: str, what: str,
+                   out0: int = 0, in0: int = 0) -> Requantized:
+    """MXFP4 ``[out, in/2]`` codes and ``[out, in/32]`` scales of expert matrix `what` (its
+    class `cls`; `out0`, `in0`: where this part starts in the whole matrix, for the message)
+    requantized to `fmt`'s fp4 blocks of input rows (`mkc.model.mxfp4.requantize_blocks`).
+    Where a block's values do not fit one scale and the spec did not say `rounded`, a
+    FormatError names the block and its scales' spread."""
+    r = requantize_blocks(codes, scales, fmt.block, fmt.scale)
+    if r.exact or fmt.rounded:
+        return r
+    out, blk = r.first
+    lo, hi = r.first_scales
+    first = in0 + blk * fmt.block
+    raise FormatError(
+        cls, f"{fmt.where + ': ' if fmt.where else ''}`format {cls} fp4 block {fmt.block}` "
+        f"cannot hold {what} exactly: output {out0 + out}, input rows {first}-{first + fmt.block - 1} "
+        f"take 32-row scales spanning {hi - lo} octave{'s' * (hi - lo != 1)} (E8M0 {lo}..{hi}), "
+        f"and under one scale {r.changed} of {r.values} values in {r.inexact_blocks} of "
+        f"{r.blocks} blocks have no e2m1 code (max error {r.max_abs:.3g}, relative RMS "
+        f"{relative_rms(r.sq_err, r.sq_ref):.3g})",
+        f"write `format {cls} fp4 block {fmt.block} rounded` to round them to the nearest "
+        f"(the error is reported per matrix class), or store {cls} as `fp8 block "
+        f"{fmt.block}` (exact while a block's 32-row scales span at most 8 octaves)")
+
+
+def fp4_checkpoint_tensors(r: Requantized) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A requantized matrix as a checkpoint holds it: its codes, 32-row E8M0 scales equal within
+    a block (so a reader decodes the kernel's values exactly), and none; or (`scale bf16`) the
+    codes under 32-row scales of 1 (E8M0 127) and its bf16 block scales beside them (f32
+    ``[out, in/block]``)."""
+    if r.scale == "bf16":
+        unit = (*r.codes.shape[:-1], 2 * r.codes.shape[-1] // MX_BLOCK)
+        return r.codes, np.full(unit, SCALE_BIAS, np.uint8), r.scales
+    return r.codes, r.scales_per_32(), None
+
+
+def held_fp4(codes: np.ndarray, scales: np.ndarray, block_scales: np.ndarray, fmt: WeightFormat,
+             first: int, width: int, columns: bool, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A part of a matrix `name` a requantized checkpoint holds (`fp4_checkpoint_tensors` with
+    `scale bf16`: codes ``[out, in/2]``, unit 32-row `scales`, `block_scales` ``[out,
+    in/block]``): `first` .. `first + width` of its output rows, or of its input columns if
+    `columns`, as its codes and f32 block scales, taken as they are; ValueError where `fmt`
+    cannot take them so."""
+    codes, block_scales = np.asarray(codes), np.asarray(block_scales)
+    block = 2 * codes.shape[1] // block_scales.shape[1]
+    if fmt.scale != "bf16" or block != fmt.block or not (np.asarray(scales) == SCALE_BIAS).all():
+        raise ValueError(f"{name} holds codes under bf16 scales per {block} rows (a requantized "
+                         f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
+                         "checkpoint itself")
+    if columns:
+        codes = codes[:, first // 2:(first + width) // 2]
+        block_scales = block_scales[:, first // block:(first + width) // block]
+    else:
+        codes, block_scales = codes[first:first + width], block_scales[first:first + width]
+    return codes, block_scales.astype(np.float32)

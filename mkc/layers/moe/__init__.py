@@ -5,7 +5,7 @@ when the model's `norm_topk_prob` says so; each picked expert a SwiGLU of width
 optionally a shared SwiGLU expert of width `shared_expert_intermediate_size` gated by
 `sigmoid(h . shared_expert_gate)` (or ungated: `shared_gate=False`); the residual add.
 
-`routing="sigmoid"` is DeepSeek-V3's router (`DeepseekV3TopkRouter`): scores `sigmoid(logits)`;
+`routing=SIGMOID` is DeepSeek-V3's router (`DeepseekV3TopkRouter`): scores `sigmoid(logits)`;
 the experts picked by `scores + e_score_correction_bias` (the vector `correction_bias`, for
 selection only), group-limited when the model's `n_group` exceeds 1: the experts split into
 `n_group` consecutive groups, a group's score the sum of its two largest biased scores, only
@@ -16,14 +16,14 @@ scores above 1e-13), times `routed_scaling_factor`. Kimi K3's router is this wit
 
 Variants are options of the one kind: Qwen3.5-MoE's block is `MoE(norm="zero_centred",
 shared_expert=True)` (its config reader fixes `norm_topk_prob` true), Qwen3-MoE's `MoE()`,
-GPT-OSS's `MoE(router_bias=True, routing="top_k_softmax", activation="clamped",
-expert_bias=True, checkpoint="mxfp4", router_prefix="router.", gate_up_interleaved=True)`: a
+GPT-OSS's `MoE(router_bias=True, routing=TOP_K_SOFTMAX, activation=Activation.CLAMPED,
+expert_bias=True, checkpoint=Checkpoint.MXFP4, router_prefix="router.", gate_up_interleaved=True)`: a
 biased router (`mlp.router.{weight,bias}`), the softmax over the k picked logits only
 (`GptOssTopKRouter`), biased experts and the clamped SwiGLU `(clip(up, -limit, limit) + 1) * g
 * sigmoid(alpha * g)`, `g = min(gate, limit)` (the model's `swiglu_alpha`, `swiglu_limit`), on
 MXFP4 experts (`experts.{gate_up,down}_proj_{blocks,scales,bias}`, gate and up rows
 interleaved) whose gate and up halves the slot pads to whole 128-lane tiles (`expert_half`);
-DeepSeek-V3's `MoE(routing="sigmoid", shared_expert=True, shared_gate=False,
+DeepSeek-V3's `MoE(routing=SIGMOID, shared_expert=True, shared_gate=False,
 shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_norm_eps,
 experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
 n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
@@ -53,18 +53,17 @@ from typing import Any
 
 from mkc.ir import WeightFormat
 from mkc.layers import expert_formats as expert_formats_lib
+from mkc.layers.moe.options import SOFTMAX, Activation, Checkpoint, Router
 from mkc.layers.sublayer import Part, Sublayer
 from mkc.model.family import ExpertLayout
 from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
 
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME block N
-# rounded`), the checkpoint's first, by the checkpoint's format; the formats whose packing
-# rounds a bf16 checkpoint's values.
-FORMATS = {"bf16": (("expert.gate_up", ("bf16", "fp8")), ("expert.down", ("bf16", "fp8"))),
-           "mxfp4": (("expert.gate_up", ("mxfp4", "fp8")), ("expert.down", ("mxfp4", "fp8"))),
-           # an FP8 checkpoint with f32 block scales (`weight_block_size`): held as it is
-           "fp8": (("expert.gate_up", ("fp8",)), ("expert.down", ("fp8",)))}
-WEIGHT_FORMATS = FORMATS["bf16"]
+# rounded`), the checkpoint's first (`Checkpoint.formats`); the formats whose packing rounds a
+# bf16 checkpoint's values.
+WEIGHT_FORMATS = Checkpoint.BF16.formats
+# an FP8 checkpoint with f32 block scales (`weight_block_size`): held as it is
+FP8_CHECKPOINT_FORMATS = (("expert.gate_up", ("fp8",)), ("expert.down", ("fp8",)))
 ROUNDING_FORMATS = ("fp8",)
 # Routed experts load fused, as transformers 5 declares them (`mlp.experts.gate_up_proj [E, 2I,
 # H]`, gate rows first; `mlp.experts.down_proj [E, H, I]`), or per expert, the Qwen2/3-MoE
@@ -95,91 +94,151 @@ class MoE(Sublayer):
     shared_expert: bool = False    # a SwiGLU expert every row runs, times a sigmoid gate
     prefix: str = "mlp."
     router_bias: bool = False      # a bias on the router's logits (vector `router_bias`, [E])
-    # "softmax": over all E experts, then the top k; "top_k_softmax": the top k logits, their
-    # softmax over those k only; "sigmoid": DeepSeek-V3's (module docstring)
-    routing: str = "softmax"
-    activation: str = "silu"       # silu(gate) * up, or "clamped" (GPT-OSS's, module docstring)
+    # SOFTMAX: over all E experts, then the top k; TOP_K_SOFTMAX: the top k logits, their
+    # softmax over those k only; SIGMOID: DeepSeek-V3's (module docstring; `options`)
+    routing: Router = SOFTMAX
+    activation: Activation = Activation.SILU    # or CLAMPED (GPT-OSS's, module docstring)
     expert_bias: bool = False      # bias rows on each expert's gate|up and down products
-    checkpoint: str = "bf16"       # the experts' stored format upstream: "bf16" or "mxfp4"
+    checkpoint: Checkpoint = Checkpoint.BF16    # the experts' stored format upstream
     shared_gate: bool = True       # the shared expert times sigmoid(h . shared_expert_gate)
     shared_prefix: str = "shared_expert."   # the shared expert's parameters under `prefix`
     router_prefix: str = "gate."   # the router's parameters under `prefix` (GPT-OSS: `router.`)
     gate_up_interleaved: bool = False   # the checkpoint's gate|up rows alternate gate, up
 
+    # Routed experts in a latent space (Kimi K3's latent MoE): `latent_down` projects the normed
+    # input to the model's routed_expert_hidden_size (its columns over shard class
+    # `latent_down`, all-gathered), the experts run on it, their sum is RMS-normed
+    # (`latent_norm`) and projected back by `latent_up` (columns over `latent_up`, gathered)
+    latent: bool = False
+    # the router's expert columns split over shard class `router` (the siblings exchange
+    # their shares), each share lane padded with zero columns
+    router_split: bool = False
+    residual: bool = True          # its own pre-norm and residual add (else the family's)
+
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
-        return ("post_norm", "router", "route", *shared, "routed_experts", "mlp_residual")
+        latent_in, latent_out = (("latent_down",), ("latent_norm", "latent_up")) if self.latent else ((), ())
+        return (*(("post_norm",) if self.residual else ()), "router", "route", *latent_in, *shared,
+                "routed_experts", *latent_out, *(("mlp_residual",) if self.residual else ()))
+
+    def router_cols(self, d: Any, ways: Mapping[str, int]) -> int:
+        """A rank's router columns: every expert, or its lane-padded share of a split router."""
+        return lane_pad(-(-d.experts // ways["router"])) if self.router_split else d.experts
+
+    def latent_cols(self, d: Any, ways: Mapping[str, int]) -> tuple[int, int]:
+        """A rank's columns of latent_down and of latent_up: lane-padded shares of the latent
+        and of the hidden size."""
+        return (lane_pad(-(-d.routed_expert_hidden_size // ways["latent_down"])),
+                lane_pad(-(-d.hidden_size // ways["latent_up"])))
 
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
         """`ways["expert_mlp"]` (1 if absent): ranks sharing each routed expert's width."""
         H, E, tp = d.hidden_size, d.experts, ways.get("expert_mlp", 1)
         local = split(E, ways["experts"], "num_experts", "experts")
         width = split(d.moe_intermediate_size, tp, "moe_intermediate_size", "expert_mlp")
-        shared_ops: tuple[Op, ...] = ()
-        shared_tensors: dict[str, Tensor] = {}
         per_rank = {"local_experts": local, "expert_width": width, "expert_tp": tp}
-        if self.shared_expert:
-            shared = split(d.shared_expert_intermediate_size, ways["mlp"], "shared_expert_intermediate_size",
-                           "mlp")
-            shared_ops = (
-                Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
-                Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
-            )
-            shared_tensors = {
-                "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16",
-                                         format_class="shared_expert"),
-                "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",),
-                                      format_class="shared_expert"),
-            }
-            per_rank = {"shared": shared} | per_rank
+        shared_ops, shared_tensors, shared_rank = self._shared(d, ways)
+        latent_ops, latent_tensors, latent_rank = self._latent(d, ways)
         residual_reads = ("routed_out", "x")
         if self.shared_expert:
             gate = ("h", "shared_gate") if self.shared_gate else ()
             residual_reads = ("shared_out", "routed_out", *gate, "x")
-        route_reads = ("router_logits", *(("correction_bias",) if self.routing == "sigmoid" else ()))
+        router_cols = self.router_cols(d, ways)
+        split_ways = ways["router"] if self.router_split else 1
         ops = (
-            Op("post_norm", reads=("x", "post_norm"), writes=("h",)),
+            *((Op("post_norm", reads=("x", "post_norm"), writes=("h",)),) if self.residual else ()),
             Op("router", reads=("h", "router_bias") if self.router_bias else ("h",),
                writes=("router_logits",), matmul="router"),
-            Op("route", reads=route_reads, writes=("expert_ids", "expert_weights"), picks_experts=True),
+            Op("route", reads=("router_logits", *self.routing.reads), writes=("expert_ids", "expert_weights"),
+               picks_experts=True),
+            *latent_ops[:1],
             *shared_ops,
-            Op("routed_experts", reads=("h", "expert_ids", "expert_weights"), writes=("routed_out",),
-               partial=("experts", "expert_mlp") if tp > 1 else ("experts",), width=H, runs_experts=True),
-            Op("mlp_residual", reads=residual_reads, writes=("x",)),
+            Op("routed_experts", reads=("latent_in" if self.latent else "h", "expert_ids", "expert_weights"),
+               writes=("routed_out",), partial=("experts", "expert_mlp") if tp > 1 else ("experts",),
+               width=d.routed_expert_hidden_size if self.latent else H, runs_experts=True),
+            *latent_ops[1:],
+            *((Op("mlp_residual", reads=residual_reads, writes=("x",)),) if self.residual else ()),
         )
         tensors = {
-            "post_norm": Tensor("post_norm", "vector", (H,), "f32"),
+            **({"post_norm": Tensor("post_norm", "vector", (H,), "f32")} if self.residual else {}),
             # shared_expert_gate [1, H]
             **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")}
                if self.shared_expert and self.shared_gate else {}),
-            "router": Tensor("router", "matrix", (H, E), "bf16"),
+            "router": Tensor("router", "matrix", (H, router_cols), "bf16",
+                             split_out="router" if self.router_split else None),
             **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
-            # e_score_correction_bias [E]: added to the scores to pick, not to weight
-            **({"correction_bias": Tensor("correction_bias", "vector", (E,), "f32")}
-               if self.routing == "sigmoid" else {}),
+            **self.routing.vectors(router_cols * split_ways),
+            **{n: t for n, t in latent_tensors.items() if n == "latent_down"},
             **shared_tensors,
+            **{n: t for n, t in latent_tensors.items() if n != "latent_down"},
         }
         groups = self.pack_groups(d, tp)
-        per_rank |= {"gate_up_group": groups["gate_up"], "down_group": groups["down"]}
-        if self.checkpoint == "mxfp4":
+        per_rank = shared_rank | per_rank | latent_rank | {
+            "gate_up_group": groups["gate_up"], "down_group": groups["down"]}
+        if self.router_split:
+            per_rank |= {"router_cols": router_cols, "router_split": split_ways}
+        if self.checkpoint.decoded_in_kernel:
             per_rank["expert_half"] = self.expert_half(d, tp)
         return Part(ops, tensors, per_rank)
 
-    def stored(self, d: Any = None) -> str:
-        """The experts' format in the model's checkpoint: the kind's, or "fp8" where a bf16
-        model's config says its checkpoint is FP8 with f32 block scales (the dims'
+    def _shared(self, d: Any, ways: Mapping[str, int]
+                ) -> tuple[tuple[Op, ...], dict[str, Tensor], dict[str, int]]:
+        """The shared expert's ops, matrices and width per rank (none without one)."""
+        if not self.shared_expert:
+            return (), {}, {}
+        H = d.hidden_size
+        shared = split(d.shared_expert_intermediate_size, ways["mlp"], "shared_expert_intermediate_size",
+                       "mlp")
+        ops = (
+            Op("shared_gate_up", reads=("h",), writes=("shared_act",), matmul="shared_gate_up"),
+            Op("shared_down", reads=("shared_act",), writes=("shared_out",), matmul="shared_down"),
+        )
+        tensors = {
+            "shared_gate_up": Tensor("shared_gate_up", "matrix", (H, 2 * shared), "bf16",
+                                     format_class="shared_expert"),
+            "shared_down": Tensor("shared_down", "matrix", (shared, H), "bf16", partial_out=("mlp",),
+                                  format_class="shared_expert"),
+        }
+        return ops, tensors, {"shared": shared}
+
+    def _latent(self, d: Any, ways: Mapping[str, int]
+                ) -> tuple[tuple[Op, ...], dict[str, Tensor], dict[str, int]]:
+        """The latent projections' ops (down; norm, up), tensors and per-rank widths (none
+        without `latent`). A split that does not fill the last ranks is zero padded."""
+        if not self.latent:
+            return (), {}, {}
+        H, latent = d.hidden_size, d.routed_expert_hidden_size
+        split(H, ways["latent_up"], "hidden size (latent_up columns)", "latent_up")
+        cols, up_cols = self.latent_cols(d, ways)
+        ops = (
+            Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
+            Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
+            Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
+        )
+        tensors = {
+            "latent_down": Tensor("latent_down", "matrix", (H, cols), "bf16", split_out="latent_down",
+                                  format_class="latent"),
+            "latent_up": Tensor("latent_up", "matrix", (latent, up_cols), "bf16", split_out="latent_up",
+                                format_class="latent"),
+            "latent_norm": Tensor("latent_norm", "vector", (latent,), "f32"),
+        }
+        return ops, tensors, {"latent_cols": cols, "latent_gathered": cols * ways["latent_down"],
+                              "up_cols": up_cols}
+
+    def fp8_checkpoint(self, d: Any = None) -> bool:
+        """A bf16 model whose config says its checkpoint is FP8 with f32 block scales (the dims'
         `weight_block_size`, [out, in]: DeepSeek-V3's published checkpoint)."""
-        return "fp8" if self.checkpoint == "bf16" and getattr(d, "weight_block_size", ()) else self.checkpoint
+        return self.checkpoint is Checkpoint.BF16 and bool(getattr(d, "weight_block_size", ()))
 
     def weight_formats(self, d: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The expert classes and the formats each takes, the checkpoint's first (of the model
-        `d`'s checkpoint, when given: `stored`)."""
-        return FORMATS[self.stored(d)]
+        `d`'s checkpoint, when given: an FP8 one is held as it is)."""
+        return FP8_CHECKPOINT_FORMATS if self.fp8_checkpoint(d) else self.checkpoint.formats
 
     def checkpoint_blocks(self, d: Any) -> tuple[int, int] | None:
         """An FP8 checkpoint's (input rows, output columns) under one scale, or None."""
         out, inp = getattr(d, "weight_block_size", ()) or (0, 0)
-        return (inp, out) if self.stored(d) == "fp8" else None
+        return (inp, out) if self.fp8_checkpoint(d) else None
 
     def expert_half(self, d: Any, tp: int = 1) -> int:
         """Columns of the gate half (and of the up half) of a rank's gate|up expert matrix (its
@@ -187,17 +246,21 @@ class MoE(Sublayer):
         so each half is padded with zero columns to whole 128-lane tiles (down's input rows
         likewise)."""
         width = d.moe_intermediate_size // tp
-        return lane_pad(width) if self.checkpoint == "mxfp4" else width
+        return lane_pad(width) if self.checkpoint.decoded_in_kernel else width
+
+    def expert_io(self, d: Any) -> int:
+        """The routed experts' input and output width: the hidden size, or the latent's."""
+        return d.routed_expert_hidden_size if self.latent else d.hidden_size
 
     def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""
-        return {"gate_up": d.hidden_size, "down": self.expert_half(d, tp)}
+        return {"gate_up": self.expert_io(d), "down": self.expert_half(d, tp)}
 
     def pack_groups(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows an expert matrix is multiplied in at a time; MXFP4 rows that the caps
         do not tile (GPT-OSS's 2880) take the groups that divide them."""
         rows = self.expert_rows(d, tp)
-        if self.checkpoint == "mxfp4":
+        if self.checkpoint.decoded_in_kernel:
             return expert_formats_lib.dividing_pack_groups(rows)
         return expert_formats_lib.pack_groups(rows)
 
@@ -208,13 +271,13 @@ class MoE(Sublayer):
         half = self.expert_half(d, tp)
         return expert_formats_lib.resolve(self.weight_formats(d), self.expert_rows(d, tp),
                                           self.pack_groups(d, tp), formats, self.checkpoint_blocks(d),
-                                          {"gate_up": half, "down": d.hidden_size})
+                                          {"gate_up": half, "down": self.expert_io(d)})
 
     def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat], tp: int = 1) -> dict[str, Tensor]:
         """One routed expert's width slice as its slot holds it, K-major ([in, out]), each
         matrix in its format, with its bias rows (bf16, the checkpoint's dtype) after the
         matrix."""
-        H, half = d.hidden_size, self.expert_half(d, tp)
+        H, half = self.expert_io(d), self.expert_half(d, tp)
         out: dict[str, Tensor] = {}
         for name, rows, cols, width in (("gate_up", H, 2 * half, half), ("down", half, H, H)):
             out |= expert_formats_lib.tensors(name, rows, cols, formats[f"expert.{name}"], width)

@@ -96,41 +96,37 @@ def _expert_bias(c: Layer, k, name: str) -> jax.Array:
     return pool.pooled_bf16(getattr(c.refs, es.pool), row, rows, cols).astype(F32)
 
 
-def _activation(s: MoE, c: Layer, gate_up: jax.Array) -> jax.Array:
-    """An expert's activation of its `[gate | up]` product."""
-    if s.activation == "clamped":
-        return ops.clamped_swiglu_halves(gate_up, c.per_rank["expert_half"], c.dims.swiglu_alpha,
-                                         c.dims.swiglu_limit)
-    return ops.swiglu(gate_up, c.per_rank["expert_width"])
-
-
 def post_norm(s: MoE, c: Layer) -> jax.Array:
     return ops.pre_norm(s.norm, c, "post_norm")
 
 
+def _own_cols(c: Layer, name: str) -> int | None:
+    """A streamed matrix's own columns (its ring tiles pad them); None for a pooled one, whose
+    product is as wide as the matrix."""
+    streamed = c.plan.streamed.get(name)
+    return streamed[1].cols if streamed else None
+
+
 def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    logits = c.matmul("router", h)[:, :c.dims.experts]
+    """The logits of every expert, or of this rank's share of a split router (its columns)."""
+    logits = c.matmul("router", h)[:, :_own_cols(c, "router") if s.router_split else c.dims.experts]
     return logits + c.vector("router_bias") if s.router_bias else logits
 
 
 def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax top-k (or the top k's softmax, or sigmoid top-k); this rank's picked local
-    experts go to SMEM for their copies."""
-    d = c.dims
-    if s.routing == "top_k_softmax":
-        weights, ids = top_k_softmax_weights(router_logits, d.top_k)
-    elif s.routing == "sigmoid":
-        weights, ids = sigmoid_route_weights(router_logits, c.vector("correction_bias"), d.top_k,
-                                             d.norm_topk_prob, d.routed_scaling_factor, d.n_group,
-                                             d.topk_group)
-    else:
-        weights, ids = route_weights(router_logits, c.dims.top_k, c.dims.norm_topk_prob)
+    """The router's picks (`Router.kernel`: softmax top-k, the top k's softmax, sigmoid
+    top-k); this rank's picked local experts go to SMEM for their copies."""
+    weights, ids = s.routing.kernel(c, router_logits)
     c.select_experts(ids)
     return ids, weights
 
 
+def latent_down(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
+    return c.matmul("latent_down", h)[:, :_own_cols(c, "latent_down")]
+
+
 def shared_gate_up(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    return ops.swiglu(c.matmul("shared_gate_up", h), c.per_rank["shared"])
+    return s.activation.kernel(c, c.matmul("shared_gate_up", h), c.per_rank["shared"])
 
 
 def shared_down(s: MoE, c: Layer, shared_act: jax.Array) -> jax.Array:
@@ -141,19 +137,34 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
                    ) -> jax.Array:
     """This rank's picked experts on every row, each `down(act(gate_up h (+ b))) (+ b)`
     weighted by its routing weight (zero for rows that did not pick it), summed in ascending
-    expert order: a partial sum over ranks."""
+    expert order: a partial sum over ranks. `h`: the normed input, or the gathered latent
+    (its first `routed_expert_hidden_size` columns)."""
     groups = c.per_rank
+    width = groups["expert_half"] if s.checkpoint.decoded_in_kernel else groups["expert_width"]
+    io = s.expert_io(c.dims)
+    if s.latent:
+        h = h[:, :io]
 
     def expert(k, acc):
         gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
-        act = _activation(s, c, gate_up + _expert_bias(c, k, "gate_up_bias") if s.expert_bias else gate_up)
+        if s.expert_bias:
+            gate_up = gate_up + _expert_bias(c, k, "gate_up_bias")
+        act = s.activation.kernel(c, gate_up, width)
         if not s.expert_bias:
             return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
                                                                              groups["down_group"])
         out = expert_matmul(c, k, act, "down", groups["down_group"]) + _expert_bias(c, k, "down_bias")
         return acc + c.expert_weight(expert_weights, k) * out
 
-    return c.fold_experts(expert, jnp.zeros((c.B, c.dims.hidden_size), F32))
+    return c.fold_experts(expert, jnp.zeros((c.B, io), F32))
+
+
+def latent_norm(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
+    return ops.rms_norm(routed_out, c.vector("latent_norm"), c.dims.rms_norm_eps)
+
+
+def latent_up(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
+    return c.matmul("latent_up", routed_out)[:, :_own_cols(c, "latent_up")]
 
 
 def mlp_residual(s: MoE, c: Layer, *values: jax.Array) -> None:

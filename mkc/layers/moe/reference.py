@@ -59,6 +59,7 @@ import numpy as np
 from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.moe import BLOCK_SCALE, MoE
+from mkc.layers.moe.options import ROUTERS
 from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
 from mkc.layers.swiglu.reference import block as swiglu_block
 from mkc.model.fp8_blocks import dequantize
@@ -72,26 +73,58 @@ EXPERTS = ("gate_up", "down")
 def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str = "softmax",
           bias: jax.Array | None = None, scaling: float = 1.0, groups: int = 1, topk_groups: int = 1
           ) -> tuple[jax.Array, jax.Array]:
-    """Routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first. ``scoring``
-    "softmax": the top-k softmax probabilities over all experts, divided by their sum when
-    ``renormalize``. "top_k_softmax" (`GptOssTopKRouter`): the k largest logits, their softmax
-    over those k only. "sigmoid" (`DeepseekV3TopkRouter`, Kimi K3's): the top k of ``sigmoid +
-    bias`` (the correction bias picks, it does not weight) among the ``topk_groups`` best of
-    ``groups`` groups (a group's score the sum of its two largest), weighted by their sigmoid
-    scores, divided by their sum when ``renormalize``, times ``scaling``."""
-    if scoring == "softmax":
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, ids = jax.lax.top_k(probs, top_k)
-        if renormalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return ids, weights
-    if scoring == "top_k_softmax":
-        top, ids = jax.lax.top_k(logits, top_k)
-        return ids, jax.nn.softmax(top, axis=-1)
+    """Routing ``[..., E] -> (ids [..., k], weights [..., k])``, largest first, by the router
+    named ``scoring`` (`mkc.layers.moe.options.ROUTERS`). "softmax": the top-k softmax
+    probabilities over all experts, divided by their sum when ``renormalize``. "top_k_softmax"
+    (`GptOssTopKRouter`): the k largest logits, their softmax over those k only. "sigmoid"
+    (`DeepseekV3TopkRouter`, Kimi K3's): the top k of ``sigmoid + bias`` (the correction bias
+    picks, it does not weight) among the ``topk_groups`` best of ``groups`` groups (a group's
+    score the sum of its two largest), weighted by their sigmoid scores, divided by their sum
+    when ``renormalize``, times ``scaling``."""
+    return ROUTERS[scoring].route(logits, top_k, renormalize, bias, scaling, groups, topk_groups)
+
+
+# Each router's reference math (`mkc.layers.moe.options.Router`: `<scoring>_route`,
+# `<scoring>_selection`, `<scoring>_scores`).
+def softmax_scores(logits: jax.Array) -> jax.Array:
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def softmax_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+    weights, ids = jax.lax.top_k(softmax_scores(logits), top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def softmax_selection(logits, top_k, bias, groups, topk_groups):
+    return softmax_scores(logits), top_k
+
+
+def top_k_softmax_scores(logits: jax.Array) -> jax.Array:
+    # the row max is the largest pick's logit: exp(logit - max) over the picks is their
+    # softmax over the k once divided by its lane sum
+    return jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+
+
+def top_k_softmax_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+    top, ids = jax.lax.top_k(logits, top_k)
+    return ids, jax.nn.softmax(top, axis=-1)
+
+
+def top_k_softmax_selection(logits, top_k, bias, groups, topk_groups):
+    return logits, top_k
+
+
+def sigmoid_scores(logits: jax.Array) -> jax.Array:
+    return jax.nn.sigmoid(logits)
+
+
+def sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
     scores = jax.nn.sigmoid(logits)
     pick = scores + bias
     if groups > 1:
-        pick = jnp.where(_eligible(pick, groups, topk_groups), pick, -jnp.inf)
+        pick = jnp.where(eligible(pick, groups, topk_groups), pick, -jnp.inf)
     _, ids = jax.lax.top_k(pick, top_k)
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
@@ -99,15 +132,26 @@ def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str 
     return ids, chosen * scaling
 
 
-def _group_scores(pick: jax.Array, groups: int) -> jax.Array:
+def sigmoid_selection(logits, top_k, bias, groups, topk_groups):
+    # group-limited, two choices: the biased scores with the other groups' experts at -1e30
+    # (finite, so two runs' scores subtract) and their top k, then the group scores and their
+    # top `topk_groups`
+    pick = jax.nn.sigmoid(logits) + bias
+    if groups == 1:
+        return pick, top_k
+    return [(jnp.where(eligible(pick, groups, topk_groups), pick, -1e30), top_k),
+            (group_scores(pick, groups), topk_groups)]
+
+
+def group_scores(pick: jax.Array, groups: int) -> jax.Array:
     """``[B, E] -> [B, groups]``: each group's two largest values summed."""
     grouped = pick.reshape(*pick.shape[:-1], groups, pick.shape[-1] // groups)
     return jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
 
 
-def _eligible(pick: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+def eligible(pick: jax.Array, groups: int, topk_groups: int) -> jax.Array:
     """``[B, E]`` bool: the experts of each row's ``topk_groups`` best groups."""
-    _, best = jax.lax.top_k(_group_scores(pick, groups), topk_groups)
+    _, best = jax.lax.top_k(group_scores(pick, groups), topk_groups)
     kept = jnp.any(best[..., :, None] == jnp.arange(groups), axis=-2)        # [B, groups]
     return jnp.repeat(kept, pick.shape[-1] // groups, axis=-1)
 
@@ -116,39 +160,25 @@ def selection_scores(logits: jax.Array, top_k: int, renormalize: bool = True, sc
                      bias: jax.Array | None = None, scaling: float = 1.0, groups: int = 1,
                      topk_groups: int = 1) -> tuple[jax.Array, int] | list[tuple[jax.Array, int]]:
     """What ``route`` (same arguments) takes the top k of, and that k: the softmax
-    probabilities, the logits (top-k softmax), or the sigmoid scores plus the bias.
-    Group-limited, two choices: the biased scores with the other groups' experts at -1e30
-    (finite, so two runs' scores subtract) and their top k, then the group scores and their
-    top ``topk_groups``. The harness's near-tie rule reads it (``examples/generated_module``)."""
-    if scoring == "softmax":
-        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), top_k
-    if scoring == "top_k_softmax":
-        return logits, top_k
-    pick = jax.nn.sigmoid(logits) + bias
-    if groups == 1:
-        return pick, top_k
-    return [(jnp.where(_eligible(pick, groups, topk_groups), pick, -1e30), top_k),
-            (_group_scores(pick, groups), topk_groups)]
+    probabilities, the logits (top-k softmax), or the sigmoid scores plus the bias (with
+    groups, two choices: `Sigmoid.selection`). The harness's near-tie rule reads it
+    (``examples/generated_module``)."""
+    return ROUTERS[scoring].selection(logits, top_k, bias, groups, topk_groups)
 
 
 def dense_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = True,
                         scoring: str = "softmax", scaling: float = 1.0) -> jax.Array:
     """Routing weights over every expert ``[B, E]`` as the kernel forms them
-    (``mkc.layers.moe.lowering``): the softmax probabilities (or sigmoid scores) of the picked
-    ``ids`` (zero elsewhere), divided by their sum over all E lanes when ``renormalize``; sigmoid
-    scores then times ``scaling``. Top-k softmax: ``exp(logit - row max)`` at the picks (the
-    row max is the largest pick's, so their softmax over the k), divided by their lane sum."""
-    if scoring == "softmax":
-        scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    elif scoring == "top_k_softmax":
-        scores = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    else:
-        scores = jax.nn.sigmoid(logits)
+    (``mkc.layers.moe.lowering``): the router's scores (`Router.dense_scores`: softmax
+    probabilities, ``exp(logit - row max)``, sigmoid scores) at the picked ``ids`` (zero
+    elsewhere), divided by their sum over all E lanes when ``renormalize``, times ``scaling``
+    (1 but for the sigmoid router's)."""
+    scores = ROUTERS[scoring].dense_scores(logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
     if renormalize:
         kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
-    return kept * scaling if scoring == "sigmoid" else kept
+    return kept * scaling
 
 
 # Jitted: their sum over the k picks (``route``) adds the same values in another f32 order, and
@@ -170,7 +200,7 @@ def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng: np.random.Genera
     if ((s.router_bias and name.endswith(s.router_prefix + "bias"))
             or (s.expert_bias and name.endswith("_proj_bias"))):
         return rng.normal(0.0, 0.1 * (residual_scale if name.endswith("down_proj_bias") else 1.0), shape)
-    if s.checkpoint == "mxfp4" and name.endswith("_proj_blocks"):
+    if s.checkpoint.decoded_in_kernel and name.endswith("_proj_blocks"):
         full = (shape[0], shape[1], shape[2] * MX_BLOCK)                  # [E, out, in]
         std = 1.0 / math.sqrt(full[-1]) * (residual_scale if name.endswith("down_proj_blocks") else 1.0)
         codes, scales = mxfp4_quantize(rng.normal(0.0, std, full).astype(np.float32))
@@ -231,7 +261,7 @@ def _picked(s: MoE, p: Mapping[str, jax.Array], d: Any, ids: jax.Array) -> tuple
     """The ``ids`` experts' ``gate_up [..., 2I, H]`` (gate rows first) and ``down [..., H, I]``
     values: decoded from MXFP4 codes, an FP8 checkpoint's codes times their block scales, or
     as stored."""
-    if s.checkpoint == "mxfp4":
+    if s.checkpoint.decoded_in_kernel:
         gate_up, down = (mxfp4_experts(p, m, ids) for m in EXPERTS)
     else:
         gate_up, down = (w[ids] for w in expert_values(p, d))
@@ -247,15 +277,18 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
 
 
 # Jitted as the kernel's one expression (XLA's f32 order depends on it: `mkc.numerics`).
-_kernel_clamped_swiglu = jax.jit(clamped_swiglu, static_argnums=(2, 3))
+kernel_clamped_swiglu = jax.jit(clamped_swiglu, static_argnums=(2, 3))
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
 
 
 def activation(s: MoE, d: Any, gate: jax.Array, up: jax.Array) -> jax.Array:
-    """An expert's activation of its gate and up products: ``silu(gate) * up``, or the clamped
-    SwiGLU with the model's `swiglu_alpha` and `swiglu_limit`."""
-    if s.activation == "clamped":
-        return clamped_swiglu(gate, up, d.swiglu_alpha, d.swiglu_limit)
-    return jax.nn.silu(gate) * up
+    """An expert's activation of its gate and up products (`mkc.layers.moe.options.Activation`:
+    ``silu(gate) * up``, or the clamped SwiGLU with the model's `swiglu_alpha` and
+    `swiglu_limit`)."""
+    return s.activation.reference(d, gate, up)
 
 
 def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice, half: int
@@ -265,7 +298,7 @@ def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice
     ``half`` (`MoE.expert_half`: MXFP4 halves are whole lane tiles), its biases likewise ([1,
     n]); an FP8 checkpoint's codes as they are (`expert_linear` scales them)."""
     inter = d.moe_intermediate_size
-    if s.checkpoint == "mxfp4":
+    if s.checkpoint.decoded_in_kernel:
         gate_up, down = (mxfp4_experts(p, m, jnp.asarray(e)) for m in EXPERTS)
     else:
         gate_up, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e]
@@ -294,7 +327,7 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     formats = {m: rounding.weight_format(f"expert.{m}") for m in EXPERTS}
     fp8 = {m for m in EXPERTS if getattr(formats[m], "name", "") == "fp8"}
     blocks = {m for m in fp8 if formats[m].cols}
-    grouped = fp8 | (set(EXPERTS) if s.checkpoint == "mxfp4" else set())
+    grouped = fp8 | (set(EXPERTS) if s.checkpoint.decoded_in_kernel else set())
     rows = {m: s.pack_groups(d, tp)[m] if m in grouped else None for m in EXPERTS}
     rows |= {m: block_groups(formats[m], *{"gate_up": (d.hidden_size, width),
                                            "down": (width, d.hidden_size)}[m])[0] for m in blocks}
@@ -325,8 +358,7 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
         if s.expert_bias:
             hidden = hidden + w["gate_up_bias"]
         gate, up = hidden[:, :half], hidden[:, half:]
-        act = (_kernel_clamped_swiglu(gate, up, d.swiglu_alpha, d.swiglu_limit) if s.activation == "clamped"
-               else activation(s, d, gate, up))
+        act = s.activation.reference(d, gate, up, kernel=True)
         out = expert_linear(act, w["down"], "down", e, list(range(d.hidden_size)), mine, d.hidden_size)
         return out + w["down_bias"] if s.expert_bias else out
 
@@ -385,8 +417,7 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
             out = out + p["experts.down_proj_bias"][ids]
         routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
     else:
-        scaling = d.routed_scaling_factor if s.routing == "sigmoid" else 1.0
-        dense = _kernel_route_weights(logits, ids, routing[1], s.routing, scaling)
+        dense = _kernel_route_weights(logits, ids, routing[1], s.routing.scoring, s.routing.scaling(d))
         routed = _routed_experts_per_rank(s, p, d, xin, dense, rounding, kind)
     if not s.shared_expert:
         return routed, None
@@ -395,15 +426,8 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
 
 
 def route_args(s: MoE, p: Mapping[str, jax.Array], d: Any) -> tuple:
-    """``route``'s arguments past the logits: k and the renormalisation; the top-k softmax's
-    scoring; for sigmoid routing the scoring, the correction bias, the scaling and the
-    groups."""
-    if s.routing == "top_k_softmax":
-        return d.top_k, True, "top_k_softmax"
-    if s.routing != "sigmoid":
-        return d.top_k, d.norm_topk_prob
-    return (d.top_k, d.norm_topk_prob, "sigmoid", p["gate.e_score_correction_bias"], d.routed_scaling_factor,
-            d.n_group, d.topk_group)
+    """``route``'s arguments past the logits: its router's (`Router.route_args`)."""
+    return s.routing.route_args(p, d)
 
 
 @jax.jit
@@ -463,13 +487,9 @@ def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     H, E, inter, p, bf16 = d.hidden_size, d.experts, d.moe_intermediate_size, prefix + s.prefix, "bfloat16"
     shapes = {p + s.router_prefix + "weight": ((E, H), bf16),
               **({p + s.router_prefix + "bias": ((E,), bf16)} if s.router_bias else {}),
-              **({p + "gate.e_score_correction_bias": ((E,), "float32")} if s.routing == "sigmoid" else {})}
+              **s.routing.checkpoint_tensors(d, p)}
     for name, (out, k) in (("gate_up_proj", (2 * inter, H)), ("down_proj", (H, inter))):
-        if s.checkpoint == "mxfp4":
-            shapes |= {p + f"experts.{name}_blocks": ((E, out, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
-                       p + f"experts.{name}_scales": ((E, out, k // MX_BLOCK), "uint8")}
-        else:
-            shapes[p + f"experts.{name}"] = ((E, out, k), bf16)
+        shapes |= s.checkpoint.expert_tensors(p + "experts.", name, E, out, k)
         if s.expert_bias:
             shapes[p + f"experts.{name}_bias"] = ((E, out), bf16)
     if s.shared_expert:

@@ -25,31 +25,50 @@ import numpy as np
 
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import MX_BLOCK
-from mkc.layers.expert_formats.weights import (fp8_checkpoint_blocks, fp8_codes_from_kernel_mxfp4,
-                                               pack_bf16_scales, pack_mxfp4_for_kernel)
+from mkc.layers.expert_formats.weights import (fp4_checkpoint_tensors, fp4_from_mxfp4, fp8_checkpoint_blocks,
+                                               fp8_codes_from_kernel_mxfp4, held_fp4, pack_bf16_scales,
+                                               pack_mxfp4_for_kernel)
 from mkc.layers.moe import BLOCK_SCALE, MoE
+from mkc.layers.moe.options import Checkpoint
 from mkc.layers.swiglu.weights import mlp_matrix
-from mkc.layers.weights import tensor
+from mkc.layers.weights import padded_block, tensor
 from mkc.model.fp8_blocks import scale_name
-from mkc.model.mxfp4 import RequantizationError, fp8_block_values, requantize_fp8_blocks
+from mkc.model.mxfp4 import RequantizationError, Requantized, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
 
 # Checkpoint tensors of each routed-expert class ([E, out, in], fused), under `experts.`.
 _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
 
+# The latent projections' and norm's checkpoint tensors under the MoE's prefix (Kimi K3's).
+LATENT_TENSORS = {"latent_down": "routed_expert_down_proj.weight",
+                  "latent_up": "routed_expert_up_proj.weight", "latent_norm": "routed_expert_norm.weight"}
+
+
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
     shared = (*(("shared_gate",) if s.shared_gate else ()), "shared_gate_up", "shared_down") \
         if s.shared_expert else ()
-    return ("post_norm", "router", *(("router_bias",) if s.router_bias else ()), *shared,
-            *(("correction_bias",) if s.routing == "sigmoid" else ()))
+    return (*(("post_norm",) if s.residual else ()), "router", *(("router_bias",) if s.router_bias else ()),
+            *shared, *s.routing.reads, *(LATENT_TENSORS if s.latent else ()))
+
+
+def _ways(shards: ShardTable) -> dict[str, int]:
+    return {cls: ways for cls, ways, _ in shards.rules}
 
 
 def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
+    """A rank's [in, out] matrix: the router (its share of the experts' columns when split),
+    a latent projection's share of its columns (zero padded), or the shared expert's part."""
     p = prefix + s.prefix
     if name == "router":
-        return tensor(hf, p + s.router_prefix + "weight").T                     # [H, E]
+        router = tensor(hf, p + s.router_prefix + "weight").T                   # [H, E]
+        if not s.router_split:
+            return router
+        return padded_block(router, 1, shards.part("router", rank), s.router_cols(d, _ways(shards)))
+    if name in ("latent_down", "latent_up"):
+        cols = dict(zip(("latent_down", "latent_up"), s.latent_cols(d, _ways(shards))))[name]
+        return padded_block(tensor(hf, p + LATENT_TENSORS[name]).T, 1, shards.part(name, rank), cols)
     return mlp_matrix(hf, p + s.shared_prefix, d.shared_expert_intermediate_size,
                       name.removeprefix("shared_"), rank, shards)
 
@@ -58,8 +77,12 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
            ) -> np.ndarray:
     if name == "shared_gate":
         return tensor(hf, prefix + s.prefix + "shared_expert_gate.weight")     # [1, H]
-    if name == "correction_bias":
-        return tensor(hf, prefix + s.prefix + "gate.e_score_correction_bias")[None, :]   # [1, E]
+    if name in s.routing.reads:       # [1, E], zero padded to a split router's columns
+        bias = tensor(hf, prefix + s.prefix + s.routing.vector_tensor(name))
+        columns = s.router_cols(d, _ways(shards)) * shards.ways("router") if s.router_split else d.experts
+        return np.pad(bias, (0, columns - bias.shape[0]))[None, :]
+    if name == "latent_norm":
+        return tensor(hf, prefix + s.prefix + LATENT_TENSORS[name])[None, :]
     if name == "router_bias":
         return tensor(hf, prefix + s.prefix + s.router_prefix + "bias")[None, :]         # [1, E]
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
@@ -114,7 +137,12 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     """Local expert `local` of `rank` as the pool holds it (its width slice), [in, out] by
     matrix: bf16 by its name, or FP8 codes and E8M0 scales per block of input rows
     (`{name}_codes`, `{name}_scales`); an MXFP4 checkpoint's as `mxfp4_expert` moves it."""
-    if s.checkpoint == "mxfp4":
+    if s.checkpoint is Checkpoint.MXFP4_PACKED:
+        e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+        tp = expert_tp(shards)
+        part = shards.part("expert_mlp", rank) if tp > 1 else 0
+        return packed_mxfp4_expert(s, hf, d, prefix, e, rank, part, tp, formats)
+    if s.checkpoint.decoded_in_kernel:
         e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
         return mxfp4_expert(s, hf, d, prefix, e, formats)
     out = {}
@@ -213,7 +241,8 @@ def mxfp4_expert(s: MoE, hf: Mapping, d: Any, prefix: str, e: int,
 
 
 def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightFormat],
-                   prefixes: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+                   prefixes: Sequence[str], shards: ShardTable | None = None
+                   ) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
     """The routed experts of the layers under `prefixes` as the kernel holds them: each FP8
     class's fused tensors requantized expert by expert (blocks of input rows, as packing cuts
     them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
@@ -221,7 +250,9 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     their scales beside them as `BLOCK_SCALE`), and per class the error against
     the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS).
     MXFP4 experts' FP8 codes are exact (`mxfp4_expert` refuses the others): none."""
-    if s.checkpoint == "mxfp4":
+    if s.checkpoint is Checkpoint.MXFP4_PACKED:
+        return packed_requantization(s, hf, d, formats, prefixes, expert_tp(shards) if shards else 1)
+    if s.checkpoint.decoded_in_kernel:
         return {}, {}
     fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items()
            if f.name == "fp8" and not f.cols}           # an FP8 checkpoint's blocks: as they are
@@ -253,3 +284,109 @@ def reference_states(s: MoE, state: Mapping, d: Any, per_rank: dict, shards: Sha
 def kernel_states(s: MoE, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
                   layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
     return {}
+
+
+# ---- compressed-tensors MXFP4 experts, per expert (`Checkpoint.MXFP4_PACKED`: Kimi K3's) ----
+# `experts.{e}.w{1,3,2}.weight_packed` ([out, in/2] e2m1 codes) and `.weight_scale` ([out,
+# in/32] E8M0), w1 gate, w3 up, w2 down; a requantized checkpoint's bf16 block scales beside
+# them (`format expert.* fp4 block N rounded scale bf16`), f32 [out, in/block], under 32-row
+# scales of 1: not a checkpoint's, what the kernel holds.
+PACKED_BLOCK_SCALE = "weight_block_scale"
+_PACKED = (("gate_up", ("w1", "w3")), ("down", ("w2",)))
+_PACKED_CLASS = {"w1": "expert.gate_up", "w3": "expert.gate_up", "w2": "expert.down"}
+_PACKED_NAME = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+def _layer_of(prefix: str) -> str:
+    return prefix.removeprefix("model.layers.").rstrip(".")
+
+
+def packed_requantized(codes: np.ndarray, scales: np.ndarray, fmt: WeightFormat, layer: str, expert: int,
+                       matrix: str, out0: int = 0, in0: int = 0) -> Requantized:
+    """Matrix `matrix` (w1, w3, w2) of expert `expert` requantized to `fmt`'s fp4 blocks
+    (`mkc.layers.expert_formats.weights.fp4_from_mxfp4`)."""
+    return fp4_from_mxfp4(codes, scales, fmt, _PACKED_CLASS[matrix],
+                          f"layer {layer} expert {expert}'s {_PACKED_NAME[matrix]} ({matrix})", out0, in0)
+
+
+def packed_mxfp4_expert(s: MoE, hf: Mapping, d: Any, prefix: str, e: int, rank: int, part: int, tp: int,
+                        formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
+    """Width part `part` of `tp` of expert `e` (rank `rank`'s): gate|up and down codes and scales, K-major,
+    each matrix in its format (`mkc.layers.expert_formats.tensors`); fp4 requantized (or taken
+    as a requantized checkpoint holds it), fp8 from the MXFP4 codes."""
+    p, w, layer = f"{prefix}{s.prefix}experts.{e}.", d.moe_intermediate_size // tp, _layer_of(prefix)
+    groups = s.pack_groups(d, tp)
+    resolved = s.expert_formats(d, dict(formats or {}), tp)
+    # this part's MXFP4 slices: gate and up output rows part*w ... (part+1)*w; down's input columns
+    sliced = {x: (np.asarray(hf[p + f"{x}.weight_packed"])[part * w:(part + 1) * w],
+                  np.asarray(hf[p + f"{x}.weight_scale"])[part * w:(part + 1) * w]) for x in ("w1", "w3")}
+    sliced["w2"] = (np.asarray(hf[p + "w2.weight_packed"])[:, part * w // 2:(part + 1) * w // 2],
+                    np.asarray(hf[p + "w2.weight_scale"])[:, part * w // MX_BLOCK:(part + 1) * w // MX_BLOCK])
+    out = {}
+    for name, matrices in _PACKED:
+        fmt = resolved[f"expert.{name}"]
+        if fmt.name == "fp4":      # e2m1 codes as the checkpoint orders them, [in/2, out]
+            parts = [_held_packed(hf, p + x, part * w, w, x == "w2", fmt)
+                     or _codes(packed_requantized(*sliced[x], fmt, layer, e, x,
+                                                  *((0, part * w) if x == "w2" else (part * w, 0))))
+                     for x in matrices]
+            packed = [(np.ascontiguousarray(c.T), np.ascontiguousarray(sc.T)) for c, sc in parts]
+        else:
+            packed = [pack_mxfp4_for_kernel(*sliced[x], groups[name]) for x in matrices]
+        out[f"{name}_codes"] = np.concatenate([c for c, _ in packed], axis=1)
+        out[f"{name}_scales"] = np.concatenate([sc for _, sc in packed], axis=1)
+        if fmt.scale == "bf16":
+            out[f"{name}_scales"] = pack_bf16_scales(out[f"{name}_scales"])
+    for cls, fmt in resolved.items():
+        name = cls.split(".")[1]
+        if fmt.name == "fp8":
+            try:
+                out[f"{name}_codes"], out[f"{name}_scales"] = fp8_codes_from_kernel_mxfp4(
+                    out[f"{name}_codes"], out[f"{name}_scales"], groups[name], fmt.block)
+            except ValueError as err:
+                raise ValueError(f"layer {layer} expert {e} {cls}, rank {rank}'s slice: {err}; "
+                                 f"write `format {cls} fp8` (a scale per {MX_BLOCK} rows, "
+                                 "always exact) or a smaller block") from None
+    return out
+
+
+def _codes(r: Requantized) -> tuple[np.ndarray, np.ndarray]:
+    return r.codes, r.scales
+
+
+def _held_packed(hf: Mapping, matrix: str, first: int, width: int, columns: bool, fmt: WeightFormat
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """A part of a matrix a requantized checkpoint already holds in `fmt` (`held_fp4`); None
+    where the checkpoint holds MXFP4."""
+    if f"{matrix}.{PACKED_BLOCK_SCALE}" not in hf:
+        return None
+    return held_fp4(hf[f"{matrix}.weight_packed"], hf[f"{matrix}.weight_scale"],
+                    hf[f"{matrix}.{PACKED_BLOCK_SCALE}"], fmt, first, width, columns, matrix)
+
+
+def packed_requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightFormat],
+                          prefixes: Sequence[str], tp: int) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The experts of the layers under `prefixes` as the kernel holds them, at the checkpoint
+    level: each fp4 class's matrices requantized (their blocks of input rows are those of every
+    width part's slice: a block divides it), as MXFP4 tensors whose 32-row scales are equal
+    within a block, or (`scale bf16`) codes under unit scales with their bf16 block scales
+    beside them (`fp4_checkpoint_tensors`), and per class the error against the checkpoint's
+    values. FormatError where a class without `rounded` cannot be held exactly."""
+    fp4 = {cls: f for cls, f in s.expert_formats(d, dict(formats), tp).items() if f.name == "fp4"}
+    out: dict[str, np.ndarray] = {}
+    totals = {cls: RequantizationError() for cls in fp4}
+    for prefix in prefixes:
+        for e in range(d.experts):
+            p = f"{prefix}{s.prefix}experts.{e}."
+            for x in ("w1", "w3", "w2"):
+                fmt = fp4.get(_PACKED_CLASS[x])
+                if fmt is None:
+                    continue
+                r = packed_requantized(np.asarray(hf[p + f"{x}.weight_packed"]),
+                                       np.asarray(hf[p + f"{x}.weight_scale"]), fmt, _layer_of(prefix), e, x)
+                codes, scales, block_scales = fp4_checkpoint_tensors(r)
+                out[p + f"{x}.weight_packed"], out[p + f"{x}.weight_scale"] = codes, scales
+                if block_scales is not None:
+                    out[p + f"{x}.{PACKED_BLOCK_SCALE}"] = block_scales
+                totals[_PACKED_CLASS[x]].add(r)
+    return out, {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp4.items()}

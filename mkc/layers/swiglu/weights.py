@@ -8,17 +8,28 @@ from typing import Any
 import numpy as np
 
 from mkc.layers.swiglu import SwiGLU
-from mkc.layers.weights import rows_of_part, tensor
+from mkc.layers.weights import padded_block, rows_of_part, tensor
 from mkc.model.sharding import ShardTable
 
 
 def tensor_names(s: SwiGLU, d: Any) -> tuple[str, ...]:
-    return ("gate_up", "down", "post_norm")
+    return ("gate_up", "down", *(("post_norm",) if s.residual else ()))
 
 
 def matrix(s: SwiGLU, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
+    if s.padded:
+        return padded_mlp_matrix(hf, prefix + s.prefix, name, shards.part("mlp", rank),
+                                 s.width(d, {"mlp": shards.ways("mlp")}))
     return mlp_matrix(hf, prefix + s.prefix, d.intermediate_size, name, rank, shards)
+
+
+def padded_mlp_matrix(hf: Mapping, p: str, name: str, part: int, width: int) -> np.ndarray:
+    """`mlp_matrix` of a width split into `width`-wide parts, the last ones zero padded."""
+    if name == "gate_up":
+        return np.concatenate([padded_block(tensor(hf, p + f"{x}_proj.weight"), 0, part, width)
+                               for x in ("gate", "up")], axis=0).T
+    return padded_block(tensor(hf, p + "down_proj.weight").T, 0, part, width)
 
 
 def mlp_matrix(hf: Mapping, p: str, width: int, name: str, rank: int, shards: ShardTable) -> np.ndarray:

@@ -129,7 +129,8 @@ def test_the_lowered_situ_bodies_take_the_configs_betas_where_they_saturate() ->
                    want_situ(gate, up, linear_beta=1.01 * dims.situ_linear_beta)):
         assert np.max(np.abs(mutant - want)) > 1e-3 * np.max(np.abs(want))
     c = body_layer(dims, per_rank={"shared": width}, matmul=lambda name, h: h)   # h is the product
-    np.testing.assert_allclose(lowering.shared_gate_up(c, gate_up), want, rtol=1e-5, atol=1e-5)
+    shared = lowering.BODIES["moe", "shared_gate_up"]
+    np.testing.assert_allclose(shared(c, gate_up), want, rtol=1e-5, atol=1e-5)
 
     x = rng.normal(0, 1, (b, latent))
     w_gu = [np.concatenate([rng.normal(0, 0.5, (latent, width)), rng.normal(0, 2.5, (latent, width))], 1)
@@ -140,7 +141,8 @@ def test_the_lowered_situ_bodies_take_the_configs_betas_where_they_saturate() ->
     want = sum(weights[:, k:k + 1] * (act[k] @ w_d[k]) for k in range(experts_n))
     packed = [{"gate_up": jnp.asarray(w_gu[k], F32), "down": jnp.asarray(w_d[k], F32)}
               for k in range(experts_n)]
-    got = lowered_routed_experts(lowering, dims, {"expert_width": width}, packed, jnp.asarray(x, F32),
+    per_rank = {"expert_width": width, "gate_up_group": latent, "down_group": width}
+    got = lowered_routed_experts(lowering, dims, per_rank, packed, jnp.asarray(x, F32),
                                  jnp.asarray(weights, F32))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
@@ -343,8 +345,8 @@ def test_the_lowered_route_matches_reference_where_the_bias_decides() -> None:
     def body(lg_ref, bias_ref, w_ref, ids_ref, selected_ref, ids_smem, picked_ref):
         def select_experts(ids):
             selected_ref[...] = ids
-        c = body_layer(dims, {"router_bias": bias_ref[...]}, select_experts=select_experts)
-        ids, weights = lowering.route(c, lg_ref[...])
+        c = body_layer(dims, {"correction_bias": bias_ref[...]}, select_experts=select_experts)
+        ids, weights = lowering.BODIES["moe", "route"](c, lg_ref[...])
         w_ref[...], ids_ref[...] = weights, ids
         for r in range(b):
             for j in range(k):
@@ -537,7 +539,8 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
                 mixed = lowering.final_hidden(kernel, head_ref)
             else:
                 c = body_layer(dims, rows, kernel=kernel, index=index_ref[j])
-                mixed = (lowering.input_mix if j % 2 == 0 else lowering.mlp_mix)(c)
+                mix = lowering.BODIES["kda", "input_mix"] if j % 2 == 0 else lowering.BODIES["moe", "mlp_mix"]
+                mixed = mix(c)
             o_ref[j * b:(j + 1) * b, :] = mixed
 
     args = [jnp.arange(layers + 1, dtype=jnp.int32),

@@ -7,9 +7,10 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.graph import build_graph
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry
+from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry, pack_groups
 from mkc.families.kimi_k3 import weights as kw
 from mkc.model.mxfp4 import mxfp4_dequantize
+from mkc.model.sharding import ShardTable
 from mkc.layers.expert_formats.weights import unpack_mxfp4_from_kernel
 from mkc.families.kimi_k3 import reference as reference
 
@@ -18,6 +19,13 @@ RULES = {"heads": (16, 1), "mlp": (16, 1), "vocab": (16, 1), "latent_down": (16,
          "experts": (4, 4), "expert_mlp": (4, 1), "latent_up": (8, 1), "router": (2, 1)}
 SH = KimiSharding.from_rules(RULES, 16)
 G = kimi_k3_geometry(MINI, SH)
+SHARDS = ShardTable.of(RULES, 16)
+
+
+def _matrix(hf, layer: int, kind: str, name: str, rank: int) -> np.ndarray:
+    """Model layer `layer`'s matrix `name` of `kind`, as the host packs it (loop layer 2 layer
+    or 2 layer + 1: either is model layer `layer`)."""
+    return kw.matrix(hf, MINI, {}, 2 * layer, kind, name, rank, SHARDS)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +41,9 @@ def test_every_family_has_the_graph_shape(hf):
             for t in graph.kinds[kind].tensors.values():
                 for rank in (0, 5, 15):
                     if t.role == "matrix":
-                        got = kw.family_matrix(hf, MINI, G, SH, layer, kind, t.name, rank).shape
+                        got = _matrix(hf, layer, kind, t.name, rank).shape
                     elif t.role == "vector":
-                        got = kw.vector(hf, MINI, G, SH, layer, kind, t.name, rank).shape
+                        got = kw.layer_vector(hf, MINI, {}, 2 * layer, kind, t.name, rank, SHARDS).shape
                         got = got if len(t.shape) == 2 else (got[-1],)
                     else:
                         continue
@@ -48,7 +56,7 @@ def test_row_split_partials_sum_to_the_full_product(hf):
     x = np.random.default_rng(0).standard_normal((2, G.heads * MINI.head_dim * 16)).astype(np.float32)
     full = x @ np.asarray(hf["model.layers.0.self_attn.o_proj.weight"], np.float32).T
     per = G.heads * MINI.head_dim
-    total = sum(x[:, r * per:(r + 1) * per] @ kw.family_matrix(hf, MINI, G, SH, 0, "kda", "o_proj", r)
+    total = sum(x[:, r * per:(r + 1) * per] @ _matrix(hf, 0, "kda", "o_proj", r)
                 for r in range(16))
     np.testing.assert_allclose(total, full, rtol=1e-4, atol=1e-4)
 
@@ -57,7 +65,7 @@ def test_padded_column_splits_gather_to_the_real_width_then_zeros(hf):
     x = np.random.default_rng(1).standard_normal((2, MINI.hidden_size)).astype(np.float32)
     full = x @ np.asarray(hf["model.layers.1.block_sparse_moe.routed_expert_down_proj.weight"],
                           np.float32).T
-    gathered = np.concatenate([x @ kw.family_matrix(hf, MINI, G, SH, 1, "moe", "latent_down", r)
+    gathered = np.concatenate([x @ _matrix(hf, 1, "moe", "latent_down", r)
                                for r in range(16)], axis=1)
     np.testing.assert_allclose(gathered[:, :MINI.latent], full, rtol=1e-4, atol=1e-4)
     assert not gathered[:, MINI.latent:].any()
@@ -66,7 +74,7 @@ def test_padded_column_splits_gather_to_the_real_width_then_zeros(hf):
 def test_expert_slices_decode_to_the_checkpoint_expert(hf):
     e = "model.layers.2.block_sparse_moe.experts.5."
     w = G.expert_width
-    groups = kw.pack_groups(MINI, G)
+    groups = pack_groups(MINI, G)
     for rank in range(4):                          # the 4 width slices of expert group 0
         a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, rank)
         codes, scales = unpack_mxfp4_from_kernel(a["down_codes"], a["down_scales"], groups["down"])

@@ -1,0 +1,187 @@
+"""The options of `MoE` that change its math, as objects that own it: a router (`Router`: what
+the route op reads, the checkpoint tensors it loads, which kernel and reference math it runs),
+an expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
+(`Checkpoint`). A new router is one subclass here with its math in the jax modules (its kernel
+routing in `mkc.layers.moe.lowering`, its `<scoring>_route`, `_selection` and `_scores` in
+`mkc.layers.moe.reference`); the kind's graph, bodies, reference and weights ask it and do not
+branch on its name.
+
+Declared without jax (checking a spec imports no jax): a method that computes imports the jax
+module holding its math by name when it is called, as `Sublayer.module` does.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mkc.layers.activation import Activation  # noqa: F401  (an option of MoE and SwiGLU)
+from mkc.layers.expert_formats import MX_BLOCK
+from mkc.model.graph import Tensor
+
+
+@dataclass(frozen=True)
+class Router:
+    """How rows pick their experts from the router's logits and weight them. `scoring` is the
+    name the reference's `route(logits, top_k, renormalize, scoring, ...)` takes (the harness
+    calls it with the arguments `route_args` gives)."""
+
+    scoring: ClassVar[str] = ""
+
+    # the vectors the route op reads beside the logits
+    reads: ClassVar[tuple[str, ...]] = ()
+
+    def vectors(self, columns: int) -> dict[str, Tensor]:
+        """Its vectors (graph tensors, by name) over the router's `columns` (its experts, and
+        the zero columns that pad them where the router's columns are split)."""
+        return {}
+
+    def checkpoint_tensors(self, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Its upstream tensors under the MoE's prefix (`mlp.`), beside the router's weight."""
+        return {}
+
+    def vector_tensor(self, name: str) -> str:
+        """The upstream tensor (under the MoE's prefix) of its vector `name`."""
+        raise KeyError(name)
+
+    def scaling(self, d: Any) -> float:
+        """The factor on the picked experts' weights."""
+        return 1.0
+
+    def renormalise(self, d: Any) -> bool:
+        return bool(d.norm_topk_prob)
+
+    def route_args(self, p: Any, d: Any) -> tuple:
+        """`route`'s arguments past the logits (`p`: the MoE's parameters, under its prefix)."""
+        return d.top_k, self.renormalise(d), self.scoring
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        """The kernel's routing of a layer context `c`'s logits -> (weights [B, E], ids)."""
+        raise NotImplementedError
+
+    # The reference's routing (`mkc.layers.moe.reference.route` and its companions, which take
+    # `route_args`: bias, scaling and groups are the sigmoid router's): the reference module's
+    # `<scoring>_route`, `<scoring>_selection` and `<scoring>_scores`.
+    def route(self, logits: Any, top_k: int, renormalize: bool, bias: Any, scaling: float, groups: int,
+              topk_groups: int) -> tuple[Any, Any]:
+        """``[..., E] -> (ids [..., k], weights [..., k])``, largest first."""
+        return self._reference("route")(logits, top_k, renormalize, bias, scaling, groups, topk_groups)
+
+    def selection(self, logits: Any, top_k: int, bias: Any, groups: int, topk_groups: int) -> Any:
+        """What `route` takes the top k of, and that k (or a list of such choices)."""
+        return self._reference("selection")(logits, top_k, bias, groups, topk_groups)
+
+    def dense_scores(self, logits: Any) -> Any:
+        """The scores whose picked lanes the kernel keeps as the routing weights ``[B, E]``."""
+        return self._reference("scores")(logits)
+
+    def _reference(self, part: str):
+        return getattr(importlib.import_module("mkc.layers.moe.reference"), f"{self.scoring}_{part}")
+
+
+@dataclass(frozen=True)
+class Softmax(Router):
+    """Softmax over all E experts, the top k, divided by their sum when `norm_topk_prob`
+    (Qwen3-MoE's)."""
+
+    scoring: ClassVar[str] = "softmax"
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        lowering = importlib.import_module("mkc.layers.moe.lowering")
+        return lowering.route_weights(logits, c.dims.top_k, c.dims.norm_topk_prob)
+
+
+@dataclass(frozen=True)
+class TopKSoftmax(Router):
+    """The k largest logits, their softmax over those k only (`GptOssTopKRouter`)."""
+
+    scoring: ClassVar[str] = "top_k_softmax"
+
+    def renormalise(self, d: Any) -> bool:
+        return True
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        lowering = importlib.import_module("mkc.layers.moe.lowering")
+        return lowering.top_k_softmax_weights(logits, c.dims.top_k)
+
+
+@dataclass(frozen=True)
+class Sigmoid(Router):
+    """DeepSeek-V3's (`DeepseekV3TopkRouter`): sigmoid scores, picked by `scores + bias` (the
+    correction bias, vector `bias`: selection only) among the best groups, renormalised when
+    `norm_topk_prob`, times `routed_scaling_factor`; Kimi K3's with one group. Logits wider
+    than the experts (a split router's zero columns) are cut to them."""
+
+    scoring: ClassVar[str] = "sigmoid"
+    bias: str = "correction_bias"
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.bias,)
+
+    def vectors(self, columns: int) -> dict[str, Tensor]:
+        # e_score_correction_bias [E]: added to the scores to pick, not to weight
+        return {self.bias: Tensor(self.bias, "vector", (columns,), "f32")}
+
+    def checkpoint_tensors(self, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {prefix + "gate.e_score_correction_bias": ((d.experts,), "float32")}
+
+    def vector_tensor(self, name: str) -> str:
+        if name != self.bias:
+            raise KeyError(name)
+        return "gate.e_score_correction_bias"
+
+    def scaling(self, d: Any) -> float:
+        return d.routed_scaling_factor
+
+    def route_args(self, p: Any, d: Any) -> tuple:
+        return (d.top_k, self.renormalise(d), self.scoring, p["gate.e_score_correction_bias"],
+                self.scaling(d), getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
+
+    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
+        lowering = importlib.import_module("mkc.layers.moe.lowering")
+        d, bias = c.dims, c.vector(self.bias)
+        if logits.shape[-1] != d.experts:
+            bias = bias[:, :d.experts]
+            logits = logits[:, :d.experts]
+        return lowering.sigmoid_route_weights(logits, bias, d.top_k, self.renormalise(d), self.scaling(d),
+                                              getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
+
+SOFTMAX, TOP_K_SOFTMAX, SIGMOID = Softmax(), TopKSoftmax(), Sigmoid()
+ROUTERS: dict[str, Router] = {r.scoring: r for r in (SOFTMAX, TOP_K_SOFTMAX, SIGMOID)}
+
+
+class Checkpoint(enum.Enum):
+    """The routed experts' format in the upstream checkpoint."""
+
+    BF16 = "bf16"               # fused `experts.{gate_up,down}_proj` [E, out, in]
+    # GPT-OSS's `experts.{gate_up,down}_proj_{blocks,scales}`: e2m1 codes and E8M0 scales per
+    # 32 inputs, moved to the kernel as they are (never decoded), each gate|up half lane padded
+    MXFP4 = "mxfp4"
+    # Kimi K3's compressed-tensors MXFP4, per expert (`experts.{e}.w{1,3,2}.weight_packed` and
+    # `.weight_scale`), cut in width slices of whole MXFP4 blocks (no padding); also held as
+    # FP4 under one scale per block of rows (`fp4 block N`); its weights are the family's
+    MXFP4_PACKED = "mxfp4_packed"
+
+    @property
+    def decoded_in_kernel(self) -> bool:
+        """Its codes reach the kernel as stored: halves padded to whole lane tiles, pack groups
+        that divide the rows (`MoE.expert_half`, `MoE.pack_groups`)."""
+        return self is Checkpoint.MXFP4
+
+    @property
+    def formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """The expert classes and the formats each takes, the checkpoint's first."""
+        offered = {Checkpoint.BF16: ("bf16", "fp8"), Checkpoint.MXFP4: ("mxfp4", "fp8"),
+                   Checkpoint.MXFP4_PACKED: ("mxfp4", "fp8", "fp4")}[self]
+        return (("expert.gate_up", offered), ("expert.down", offered))
+
+    def expert_tensors(self, prefix: str, name: str, experts: int, out: int, k: int
+                       ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The upstream tensors of fused expert matrix `name` (`gate_up_proj`, `down_proj`),
+        [E, out, k] in values."""
+        if self is Checkpoint.MXFP4:
+            return {prefix + f"{name}_blocks": ((experts, out, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
+                    prefix + f"{name}_scales": ((experts, out, k // MX_BLOCK), "uint8")}
+        return {prefix + name: ((experts, out, k), "bfloat16")}
