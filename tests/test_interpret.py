@@ -6,7 +6,7 @@ from conftest import run_python
 from runtime.test_collectives import _run
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_multi_device_kernel_gives_the_same_bytes_lean_and_not():
     """The collectives kernel (16 devices: remote DMAs, semaphores, barriers) both ways (its
     other modes run lean in tests/runtime/test_collectives.py)."""

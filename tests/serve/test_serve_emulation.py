@@ -88,7 +88,7 @@ def compare(spec: str, model: str) -> None:
     print("tokens", [o[0].tolist() for o in ours])
 
 
-@pytest.mark.parametrize("spec, model", [LLAMA, pytest.param(*QWEN, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("spec, model", [LLAMA, pytest.param(*QWEN, marks=pytest.mark.extended)],
                          ids=["llama_mini", "qwen3_8_mini"])
 def test_emulation_steps_equal_the_interpret_kernel(spec, model):
     code = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(ROOT / 'tests' / 'serve')!r}]; "
