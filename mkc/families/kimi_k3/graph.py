@@ -139,26 +139,26 @@ class KimiGeometry:
 def kimi_k3_geometry(d: KimiDims, sh: KimiSharding) -> KimiGeometry:
     if sh.ranks % sh.expert_tp:
         raise ShardingError(f"{sh.ranks} ranks do not form groups of expert_tp = {sh.expert_tp}")
-    heads = split(d.heads, sh.head_ways, "attention heads", "heads")
+    heads = split(d.num_attention_heads, sh.head_ways, "attention heads", "heads")
     local = split(d.experts, sh.expert_groups, "routed experts", "experts")
-    width = split(d.expert_width, sh.expert_tp, "expert width", "expert_mlp")
+    width = split(d.moe_intermediate_size, sh.expert_tp, "expert width", "expert_mlp")
     if width % (2 * MX_BLOCK):
         raise ShardingError(f"an expert's width slice of {width} is not a multiple of "
                             f"{2 * MX_BLOCK} (MXFP4 blocks of {MX_BLOCK}, two codes per byte)",
                             "expert_mlp")
     split(d.hidden_size, sh.host_cores, "hidden size (latent_up columns)", "latent_up")
-    latent_cols = lane_pad(_ceil_split(d.latent, sh.ranks))       # 112 -> 128, zero padded
+    latent_cols = lane_pad(_ceil_split(d.routed_expert_hidden_size, sh.ranks))   # 112 -> 128, zero padded
     return KimiGeometry(
         heads=heads, kda_cols=projection_cols(d, heads),
-        shared=split(d.shared_experts * d.expert_width, sh.ranks, "shared expert width", "mlp"),
-        inter=lane_pad(_ceil_split(d.dense_width, sh.ranks)),
+        shared=split(d.shared_expert_intermediate_size, sh.ranks, "shared expert width", "mlp"),
+        inter=lane_pad(_ceil_split(d.intermediate_size, sh.ranks)),
         latent_cols=latent_cols, latent_gathered=latent_cols * sh.ranks,
         # The reference pads the hidden size to 8192 here (1024 columns per core); an exact
         # 7168 / 8 = 896 is already lane aligned, so mkc does not.
         up_cols=lane_pad(_ceil_split(d.hidden_size, sh.host_cores)),
         router_cols=lane_pad(_ceil_split(d.experts, sh.router_split)),
         expert_width=width, local_experts=local,
-        cache_width=lane_pad(d.kv_lora + d.qk_extra))
+        cache_width=lane_pad(d.latent_cache_dim))
 
 
 def kimi_k3_families(d: KimiDims, sh: KimiSharding,
@@ -186,7 +186,7 @@ WEIGHT_FORMATS = MOE.weight_formats()
 
 
 def _expert_tp(d: KimiDims, g: KimiGeometry) -> int:
-    return d.expert_width // g.expert_width
+    return d.moe_intermediate_size // g.expert_width
 
 
 def pack_groups(d: KimiDims, g: KimiGeometry) -> dict[str, int]:

@@ -13,7 +13,7 @@ tower under ``language_model.`` (``language_model.model.layers...``,
 
 Config keys (``load_config``; HF style, a composite config's ``text_config`` is used):
 ``hidden_size, vocab_size, num_hidden_layers, intermediate_size`` (layer 0's dense MLP),
-``rms_norm_eps, tie_word_embeddings``; ``hidden_act: "situ"`` with ``activation_situ_beta`` (4)
+``rms_norm_eps``, ``tie_word_embeddings`` (false); ``hidden_act: "situ"`` with ``activation_situ_beta`` (4)
 and ``activation_situ_linear_beta`` (25); MLA: ``num_attention_heads, q_lora_rank, kv_lora_rank,
 qk_nope_head_dim, qk_rope_head_dim`` (the shared extra key dims, no RoPE under
 ``mla_use_nope``), ``v_head_dim, mla_use_output_gate``; MoE: ``num_experts,
@@ -162,8 +162,7 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
                        m + "down_proj.weight": ((h, inter), _BF16)}
     shapes |= _mix_shapes(cfg, "model.output_attn_res")
     shapes["model.norm.weight"] = ((h,), _BF16)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = ((cfg.vocab_size, h), _BF16)
+    shapes["lm_head.weight"] = ((cfg.vocab_size, h), _BF16)     # untied (config REQUIRED)
     return shapes
 
 
@@ -179,10 +178,10 @@ def _mix_shapes(cfg: KimiDims, prefix: str) -> _Shapes:
 
 def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
     h, lat, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    shared = cfg.shared_intermediate_size
+    shared = cfg.shared_expert_intermediate_size
     shapes: _Shapes = {
-        m + "gate.weight": ((cfg.num_experts, h), _BF16),
-        m + "gate.e_score_correction_bias": ((cfg.num_experts,), _F32),
+        m + "gate.weight": ((cfg.experts, h), _BF16),
+        m + "gate.e_score_correction_bias": ((cfg.experts,), _F32),
         m + "routed_expert_down_proj.weight": ((lat, h), _BF16),
         m + "routed_expert_norm.weight": ((lat,), _BF16),
         m + "routed_expert_up_proj.weight": ((h, lat), _BF16),
@@ -190,7 +189,7 @@ def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
         m + "shared_experts.up_proj.weight": ((shared, h), _BF16),
         m + "shared_experts.down_proj.weight": ((h, shared), _BF16),
     }
-    for e in range(cfg.num_experts):
+    for e in range(cfg.experts):
         for w, (out, inp) in zip(_EXPERT_MATRICES, ((inter, lat), (inter, lat), (lat, inter))):
             shapes[m + f"experts.{e}.{w}.weight_packed"] = ((out, inp // 2), _U8)
             shapes[m + f"experts.{e}.{w}.weight_scale"] = ((out, inp // BLOCK_SIZE), _U8)
@@ -278,7 +277,7 @@ def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     x = mm_input(x, rounding)
     hidden = situ(matmul(x, p["gate_proj.weight"], rounding, kind, gate_up, by_tiles=True),
                   matmul(x, p["up_proj.weight"], rounding, kind, gate_up, by_tiles=True),
-                  cfg.situ_beta, cfg.situ_linear_beta)
+                  cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     per_rank = None if rounding is None else rounding.size(shard)
     return out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank, "mlp", by_tiles=True)
 
@@ -412,11 +411,11 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiDims, latent: 
                                     p[f"experts.{e}.{matrix}.weight_scale"],
                                     expert_logical_shape(cfg, matrix))
 
-    w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.num_experts)}
+    w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.experts)}
     # `scale bf16`: the codes' values above, each pack group's partial product times its
     # block's scale ([out, in/block] -> [in/group, out])
     scales = {e: [p.get(f"experts.{e}.{m}.{BLOCK_SCALE}") for m in _EXPERT_MATRICES]
-              for e in range(cfg.num_experts)}
+              for e in range(cfg.experts)}
 
     def per_group(s: jax.Array | None, w: jax.Array, group: int, rows: slice = slice(None),
                   cols: slice = slice(None)) -> jax.Array | None:
@@ -434,11 +433,11 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiDims, latent: 
         gu = groups["gate_up"]
         hidden = situ(rounding.linear(lat, w1[cols], gu, operands["gate_up"], per_group(s1, w1, gu, cols)),
                       rounding.linear(lat, w3[cols], gu, operands["gate_up"], per_group(s3, w3, gu, cols)),
-                      cfg.situ_beta, cfg.situ_linear_beta)
+                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         return rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"],
                                per_group(s2, w2, groups["down"], cols=cols))
 
-    return moe_reference.expert_parallel_sum(rounding, cfg.num_experts, dense, cfg.routed_expert_hidden_size,
+    return moe_reference.expert_parallel_sum(rounding, cfg.experts, dense, cfg.routed_expert_hidden_size,
                                              expert, "moe")
 
 
@@ -451,7 +450,7 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     if rounding is not None:
         router = round_to(router, rounding.exchange_wire("moe", "router"))
     ids, weights = route(router, p["gate.e_score_correction_bias"],
-                         cfg.num_experts_per_token, cfg.routed_scaling_factor)
+                         cfg.top_k, cfg.routed_scaling_factor)
     latent = matmul(xin, p["routed_expert_down_proj.weight"], rounding, "moe", "latent_down", by_tiles=True)
     shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
     if rounding is not None:
@@ -468,7 +467,7 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
         """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``
         (`scale bf16`: times its block scales)."""
         def stacked(kind: str) -> jax.Array:
-            return jnp.stack([jnp.asarray(p[f"experts.{e}.{matrix}.{kind}"]) for e in range(cfg.num_experts)])
+            return jnp.stack([jnp.asarray(p[f"experts.{e}.{matrix}.{kind}"]) for e in range(cfg.experts)])
         shape = (*ids.shape, *expert_logical_shape(cfg, matrix))
         values = mxfp4_dequantize_jax(stacked("weight_packed")[ids], stacked("weight_scale")[ids], shape)
         if f"experts.0.{matrix}.{BLOCK_SCALE}" not in p:
@@ -478,7 +477,7 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
 
     gate = jnp.einsum("bl,bkol->bko", latent, expert_weights("w1"), precision=_HIGHEST)
     up = jnp.einsum("bl,bkol->bko", latent, expert_weights("w3"), precision=_HIGHEST)
-    hidden = situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    hidden = situ(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     down = jnp.einsum("bki,bkoi->bko", hidden, expert_weights("w2"), precision=_HIGHEST)
     routed = jnp.einsum("bk,bko->bo", weights, down, precision=_HIGHEST)
     routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
@@ -580,7 +579,7 @@ def decode_step(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, ja
     """
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
-    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    head = params["lm_head.weight"]
     return matmul(x, jnp.asarray(head).astype(jnp.float32), rounding, "tail", "lm_head",
                   by_tiles=True), new_cache
 

@@ -168,8 +168,8 @@ def test_fp4_experts_are_refused_where_inexact_unless_rounded(hf):
     a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, 1, formats)
     assert {n: x.shape for n, x in a.items()} == {n: t.shape for n, t in graph.experts.items()}
     w = G.expert_width
-    assert a["gate_up_codes"].shape == (MINI.latent // 2, 2 * w)
-    assert a["down_scales"].shape == (1, MINI.latent)
+    assert a["gate_up_codes"].shape == (MINI.routed_expert_hidden_size // 2, 2 * w)
+    assert a["down_scales"].shape == (1, MINI.routed_expert_hidden_size)
     shards = _shards()
     held, report = kw.requantization(hf, MINI, formats, shards, layers=[2])
     e5 = "model.layers.2.block_sparse_moe.experts.5."
@@ -202,7 +202,7 @@ def test_an_exactly_requantizable_checkpoint_packs_without_rounded(hf):
     down = a["down_codes"].T                                            # [latent, w/2]
     values = _values(down, a["down_scales"].T, w)
     want = mxfp4_dequantize(exact_hf[e5 + "w2.weight_packed"], exact_hf[e5 + "w2.weight_scale"],
-                            (MINI.latent, MINI.expert_width))[:, w:2 * w]
+                            (MINI.routed_expert_hidden_size, MINI.moe_intermediate_size))[:, w:2 * w]
     np.testing.assert_array_equal(values, want)
     assert a["down_codes"].view(ml_dtypes.float4_e2m1fn).dtype.itemsize == 1
 

@@ -115,18 +115,19 @@ def test_the_lowered_situ_bodies_take_the_configs_betas_where_they_saturate() ->
     """shared_gate_up and routed_experts (its matmuls dense on f32 values) apply SiTU with the
     config's betas (here not the op's defaults) to products large enough that both tanh
     saturate: a beta off by 1 % is caught."""
-    dims = dataclasses.replace(KimiDims.load(MINI_JSON), situ_beta=3.0, situ_linear_beta=20.0)
+    dims = dataclasses.replace(KimiDims.load(MINI_JSON), activation_situ_beta=3.0,
+                               activation_situ_linear_beta=20.0)
     rng = np.random.default_rng(13)
-    b, latent, width, experts_n = 3, dims.latent, 128, 2
+    b, latent, width, experts_n = 3, dims.routed_expert_hidden_size, 128, 2
     gate, up = rng.normal(0, 8, (b, width)), rng.normal(0, 40, (b, width))
     gate_up = jnp.asarray(np.concatenate([gate, up], 1), F32)
 
-    def want_situ(gate, up, beta=dims.situ_beta, linear_beta=dims.situ_linear_beta):
+    def want_situ(gate, up, beta=dims.activation_situ_beta, linear_beta=dims.activation_situ_linear_beta):
         return np.asarray(ref.situ(jnp.asarray(gate, F32), jnp.asarray(up, F32), beta, linear_beta))
 
     want = want_situ(gate, up)
-    for mutant in (want_situ(gate, up, beta=1.01 * dims.situ_beta),
-                   want_situ(gate, up, linear_beta=1.01 * dims.situ_linear_beta)):
+    for mutant in (want_situ(gate, up, beta=1.01 * dims.activation_situ_beta),
+                   want_situ(gate, up, linear_beta=1.01 * dims.activation_situ_linear_beta)):
         assert np.max(np.abs(mutant - want)) > 1e-3 * np.max(np.abs(want))
     c = body_layer(dims, per_rank={"shared": width}, matmul=lambda name, h: h)   # h is the product
     shared = lowering.BODIES["moe", "shared_gate_up"]
@@ -197,7 +198,7 @@ def test_kda_decay_matches_formula() -> None:
 def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     """decay, l2 norms, per-head steps and the gated output norm compose to the KDA kind's
     reference block."""
-    cfg = dataclasses.replace(mini, heads=2)
+    cfg = dataclasses.replace(mini, num_attention_heads=2, kda_num_heads=2)
     p = _random_params(cfg, "model.layers.0.self_attn.", seed=3)
     b, nh, d, h = 2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
     rng = np.random.default_rng(4)
@@ -242,7 +243,7 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
 def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     """q absorption, latent tiles (visited last tile first, so fully masked tiles meet an empty
     state) and the value up-projection reproduce ``ref.mla_block``'s expanded attention."""
-    cfg = dataclasses.replace(mini, heads=4)
+    cfg = dataclasses.replace(mini, num_attention_heads=4, kda_num_heads=4)
     p = _random_params(cfg, "model.layers.3.self_attn.", seed=5)
     b, t_len, tile = 2, 48, 16
     nh, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -322,7 +323,7 @@ def test_the_lowered_route_matches_reference_where_the_bias_decides() -> None:
     and ties to the lowest lane, and weights, also where the bias decides a pick by less than
     1 % of itself (so a bias off by 1 % either way, or none, picks otherwise); the picks go to
     select_experts, and as SMEM scalars read a weight column back as an expert DMA would."""
-    dims = dataclasses.replace(KimiDims.load(MINI_JSON), routed_scaling=2.5)
+    dims = dataclasses.replace(KimiDims.load(MINI_JSON), routed_scaling_factor=2.5)
     n, k = dims.experts, dims.top_k
     logits, bias = _route_case(dims, seed=8)
     b = logits.shape[0]
@@ -330,9 +331,10 @@ def test_the_lowered_route_matches_reference_where_the_bias_decides() -> None:
     def ref_ids(scale: float) -> np.ndarray:
         """The reference's picks with the bias times ``scale``."""
         return np.asarray(ref.route(jnp.asarray(logits[:, :n]), scale * jnp.asarray(bias[:, :n]), k,
-                                    dims.routed_scaling)[0])
+                                    dims.routed_scaling_factor)[0])
 
-    want_ids, want_w = ref.route(jnp.asarray(logits[:, :n]), jnp.asarray(bias[:, :n]), k, dims.routed_scaling)
+    want_ids, want_w = ref.route(jnp.asarray(logits[:, :n]), jnp.asarray(bias[:, :n]), k,
+                                 dims.routed_scaling_factor)
     want_ids = np.asarray(want_ids)
     def rows_picking_otherwise(scale: float) -> list[int]:
         return [r for r in range(b) if not np.array_equal(ref_ids(scale)[r], want_ids[r])]
@@ -479,7 +481,7 @@ def _mix_case(dims: KimiDims, seed: int):
     def mix(j, stacked):
         sources[j] = stacked
         return stacked[:, 0]
-    ref.block_attention_residuals(embedding, dims.num_hidden_layers, dims.block,
+    ref.block_attention_residuals(embedding, dims.num_hidden_layers, dims.attn_res_block_size,
                                   lambda j, _: outputs[j], mix)
     return vectors, sources
 

@@ -77,9 +77,10 @@ def test_full_config() -> None:
     assert cfg.gate_lower_bound == -5.0
     assert (cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (96, 1536, 512)
     assert (cfg.qk_head_dim, cfg.v_head_dim, cfg.latent_cache_dim) == (192, 128, 576)
-    assert (cfg.num_experts, cfg.num_experts_per_token, cfg.routed_expert_hidden_size) == (896, 16, 3584)
-    assert (cfg.moe_intermediate_size, cfg.shared_intermediate_size) == (3072, 6144)
-    assert (cfg.attn_res_block_size, cfg.situ_beta, cfg.situ_linear_beta) == (12, 4.0, 25.0)
+    assert (cfg.experts, cfg.top_k, cfg.routed_expert_hidden_size) == (896, 16, 3584)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (3072, 6144)
+    assert cfg.attn_res_block_size == 12
+    assert (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) == (4.0, 25.0)
 
     shapes = ref.param_shapes(cfg)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == ((12288, 7168), "bfloat16")
@@ -136,11 +137,12 @@ def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims
     # Two residual-block boundaries inside the stack (layers 3 and 6), one at an MLA layer.
     assert mini.attn_res_block_size == 3 and n == 7
     assert mini.moe_layers == tuple(range(1, n))
-    assert (mini.num_experts, mini.num_experts_per_token, mini.num_shared_experts) == (32, 4, 2)
+    assert (mini.experts, mini.top_k, mini.num_shared_experts) == (32, 4, 2)
     # Same constants as K3 where they shape the math.
     full = ref.load_config(FULL_JSON)
     for field in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_head_dim", "conv_kernel_size",
-                  "gate_lower_bound", "rms_norm_eps", "situ_beta", "situ_linear_beta"):
+                  "gate_lower_bound", "rms_norm_eps", "activation_situ_beta",
+                  "activation_situ_linear_beta"):
         assert getattr(mini, field) == getattr(full, field), field
     ranks = 16
     per_rank = {
@@ -148,11 +150,11 @@ def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims
         "mla v/gate columns (1 head)": mini.num_attention_heads * mini.v_head_dim // ranks,
         "dense mlp columns": mini.intermediate_size // ranks,
         "vocab rows": mini.vocab_size // ranks,
-        "shared expert columns (4-way, as K3 splits its experts)": mini.shared_intermediate_size // 4,
+        "shared expert columns (4-way, as K3 splits its experts)": mini.shared_expert_intermediate_size // 4,
     }
     assert all(v % 128 == 0 and v > 0 for v in per_rank.values()), per_rank
     assert mini.kda_num_heads % ranks == 0 and mini.num_attention_heads % ranks == 0
-    assert mini.num_experts % ranks == 0  # two whole experts per rank
+    assert mini.experts % ranks == 0  # two whole experts per rank
     for dim in (mini.hidden_size, mini.routed_expert_hidden_size, mini.moe_intermediate_size,
                 mini.q_lora_rank, mini.kv_lora_rank):
         assert dim % 128 == 0, dim
@@ -397,7 +399,7 @@ def test_moe_matches_numpy_loop(mini: KimiDims, mini_params: dict[str, np.ndarra
 
     for b, x in enumerate(xs):
         scores = _sigmoid(p["gate.weight"] @ x)
-        chosen = np.argsort(-(scores + p["gate.e_score_correction_bias"]))[: mini.num_experts_per_token]
+        chosen = np.argsort(-(scores + p["gate.e_score_correction_bias"]))[: mini.top_k]
         weights = scores[chosen] / scores[chosen].sum()
         z = p["routed_expert_down_proj.weight"] @ x
         y = sum(wt * (expert(e, "w2") @ _situ(expert(e, "w1") @ z, expert(e, "w3") @ z))

@@ -53,9 +53,9 @@ def test_every_family_has_the_graph_shape(hf):
 
 
 def test_row_split_partials_sum_to_the_full_product(hf):
-    x = np.random.default_rng(0).standard_normal((2, G.heads * MINI.head_dim * 16)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((2, G.heads * MINI.kda_head_dim * 16)).astype(np.float32)
     full = x @ np.asarray(hf["model.layers.0.self_attn.o_proj.weight"], np.float32).T
-    per = G.heads * MINI.head_dim
+    per = G.heads * MINI.kda_head_dim
     total = sum(x[:, r * per:(r + 1) * per] @ _matrix(hf, 0, "kda", "o_proj", r)
                 for r in range(16))
     np.testing.assert_allclose(total, full, rtol=1e-4, atol=1e-4)
@@ -67,8 +67,8 @@ def test_padded_column_splits_gather_to_the_real_width_then_zeros(hf):
                           np.float32).T
     gathered = np.concatenate([x @ _matrix(hf, 1, "moe", "latent_down", r)
                                for r in range(16)], axis=1)
-    np.testing.assert_allclose(gathered[:, :MINI.latent], full, rtol=1e-4, atol=1e-4)
-    assert not gathered[:, MINI.latent:].any()
+    np.testing.assert_allclose(gathered[:, :MINI.routed_expert_hidden_size], full, rtol=1e-4, atol=1e-4)
+    assert not gathered[:, MINI.routed_expert_hidden_size:].any()
 
 
 def test_expert_slices_decode_to_the_checkpoint_expert(hf):
@@ -78,9 +78,10 @@ def test_expert_slices_decode_to_the_checkpoint_expert(hf):
     for rank in range(4):                          # the 4 width slices of expert group 0
         a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, rank)
         codes, scales = unpack_mxfp4_from_kernel(a["down_codes"], a["down_scales"], groups["down"])
-        down = mxfp4_dequantize(codes, scales, (MINI.latent, w))
+        down = mxfp4_dequantize(codes, scales, (MINI.routed_expert_hidden_size, w))
         want = mxfp4_dequantize(hf[e + "w2.weight_packed"], hf[e + "w2.weight_scale"],
-                                (MINI.latent, MINI.expert_width))[:, rank * w:(rank + 1) * w]
+                                (MINI.routed_expert_hidden_size, MINI.moe_intermediate_size)
+                                )[:, rank * w:(rank + 1) * w]
         np.testing.assert_array_equal(down, want)
 
 
@@ -101,5 +102,5 @@ def test_fp8_experts_hold_the_checkpoint_values_a_byte_each(hf):
     scales = np.exp2(a["down_scales"].astype(np.float32) - 127)
     down = (values.reshape(w // 32, 32, -1) * scales[:, None, :]).reshape(w, -1)
     want = mxfp4_dequantize(hf[e + "w2.weight_packed"], hf[e + "w2.weight_scale"],
-                            (MINI.latent, MINI.expert_width))[:, w:2 * w]
+                            (MINI.routed_expert_hidden_size, MINI.moe_intermediate_size))[:, w:2 * w]
     np.testing.assert_array_equal(down, want.T)
