@@ -1,13 +1,13 @@
 """The Kimi K3 decode graph: its composition of library kinds and the shard rules it takes.
 
 A K3 layer runs as two sublayers of the kernel's layer loop: attention (`kda` or `mla`), then
-the MLP (`dense` for layer 0, `moe` after), as the reference decodes it.
-Per-rank shapes (the library kinds') follow
-the hand-written reference kernel's layout (`docs/k3-reference-notes.md`, section 1): attention
-heads, shared experts, the dense MLP, `latent_down` and the vocabulary over every core; routed
-experts expert-parallel over groups of cores and tensor-parallel inside a group; `latent_up`
-split within a host and replicated across hosts; the router's columns split between the cores
-of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes and E8M0 scales, K-major).
+the MLP (`dense` for layer 0, `moe` after), as the reference decodes it. Per-rank shapes (the
+library kinds') follow the hand-written reference kernel's layout (`docs/k3-reference-notes.md`,
+section 1): attention heads, shared experts, the dense MLP, `latent_down` and the vocabulary
+over every core; routed experts expert-parallel over groups of cores and tensor-parallel
+inside a group; `latent_up` split within a host and replicated across hosts; the router's
+columns split between the cores of a chip. Routed experts stay MXFP4 in HBM and in VMEM (codes
+and E8M0 scales, K-major).
 """
 from __future__ import annotations
 

@@ -26,10 +26,12 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.families.kimi_k3 import lowering
-from mkc.families.kimi_k3 import ops as ops
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers import expert_formats
 from mkc.layers import ops as layer_ops
+from mkc.layers.block_residuals import lowering as block_lowering
+from mkc.layers.mla import ops as mla_ops
+from mkc.layers.mla import weights as mla_weights
 from mkc.layers.kda import ops as kda_ops
 from mkc.layers.kda import reference as kda_reference
 from mkc.layers.kda.weights import expand_a_log
@@ -104,7 +106,7 @@ def test_situ_matches_reference() -> None:
     gate = jnp.asarray(rng.normal(0, 8, (8, 256)), F32)
     up = jnp.asarray(rng.normal(0, 40, (8, 256)), F32)
     got, packed = values_in_kernel(
-        lambda g, u: (ops.situ(g, u), ops.situ_packed(jnp.concatenate([g, u], axis=-1), 256)),
+        lambda g, u: (layer_ops.situ(g, u), layer_ops.situ_packed(jnp.concatenate([g, u], axis=-1), 256)),
         [gate, up], (sds((8, 256)), sds((8, 256))))
     want = ref.situ(gate, up, 4.0, 25.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -254,23 +256,23 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     want, cache = ref.mla_block(p, cfg, x, cache, positions)
 
     q_latent = ref.rms_norm(ref.linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], cfg.rms_norm_eps)
-    w_q_nope, w_q_extra = ops.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)
-    w_uk, w_uv = ops.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
+    w_q_nope, w_q_extra = mla_weights.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)
+    w_uk, w_uv = mla_weights.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
     q_nope = jnp.dot(q_latent, w_q_nope, precision=lax.Precision.HIGHEST)
     q_extra = jnp.dot(q_latent, w_q_extra, precision=lax.Precision.HIGHEST)
     scale = cfg.qk_head_dim ** -0.5
 
     def body(pos_ref, qn_ref, qe_ref, wuk_ref, wuv_ref, cache_ref, o_ref):
         for r in range(b):
-            q_lat, q_ext = ops.mla_absorb_query(qn_ref[r:r + 1, :], qe_ref[r:r + 1, :], wuk_ref[...], nh)
+            q_lat, q_ext = mla_ops.mla_absorb_query(qn_ref[r:r + 1, :], qe_ref[r:r + 1, :], wuk_ref[...], nh)
             m = jnp.full((nh, 1), -jnp.inf, F32)
             denom, acc = jnp.zeros((nh, 1), F32), jnp.zeros((nh, rank), F32)
             for t in reversed(range(t_len // tile)):
                 rows = cache_ref[r, t * tile:(t + 1) * tile, :]
                 visible = t * tile + lax.broadcasted_iota(jnp.int32, (1, tile), 1) <= pos_ref[r]
-                m, denom, acc = ops.mla_tile(q_lat, q_ext, rows[:, :rank], rows[:, rank:], visible,
+                m, denom, acc = mla_ops.mla_tile(q_lat, q_ext, rows[:, :rank], rows[:, rank:], visible,
                                              m, denom, acc, scale)
-            o_ref[r:r + 1, :] = ops.mla_value_up(acc, denom, wuv_ref[...], nh)
+            o_ref[r:r + 1, :] = mla_ops.mla_value_up(acc, denom, wuv_ref[...], nh)
 
     attn = in_kernel(body, [positions, q_nope, q_extra, jnp.asarray(w_uk), jnp.asarray(w_uv), cache],
                      sds((b, nh * cfg.v_head_dim)), in_specs=[SMEM] + [VMEM] * 5)
@@ -281,11 +283,11 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
 def test_split_helpers_select_heads() -> None:
     rng = np.random.default_rng(7)
     w = rng.normal(size=(3 * (4 + 2), 8))
-    uk, uv = ops.split_kv_b_proj(w, 3, 4, heads=[2, 0])
+    uk, uv = mla_weights.split_kv_b_proj(w, 3, 4, heads=[2, 0])
     per_head = w.reshape(3, 6, 8)
     np.testing.assert_array_equal(uk, np.concatenate([per_head[2, :4], per_head[0, :4]]))
     np.testing.assert_array_equal(uv, np.concatenate([per_head[2, 4:], per_head[0, 4:]]).T)
-    qn, qe = ops.split_q_b_proj(w, 3, 4)
+    qn, qe = mla_weights.split_q_b_proj(w, 3, 4)
     x = rng.normal(size=8)
     full = (w @ x).reshape(3, 6)
     np.testing.assert_allclose(x @ qn, full[:, :4].reshape(-1))
@@ -495,7 +497,7 @@ def _kernel_blocks(stacked: jax.Array, slots: int) -> jax.Array:
 
 
 def test_the_lowered_residual_mixtures_are_the_references() -> None:
-    """The residual mixture the kernel forms, ``ops.residual_mix`` over the block buffer with
+    """The residual mixture the kernel forms, ``block_lowering.residual_mix`` over the block buffer with
     its stale slots and a traced source count, is the reference's attention residual over the
     sources its block bookkeeping holds; and the lowered bodies that call it, input_mix and
     mlp_mix (every sublayer of the MINI's layers, the loop layer traced from SMEM as the
@@ -534,7 +536,8 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
         for j in range(layers + 1):             # sublayer j's block buffer and loop layer
             blocks = [blocks_ref[j, i] for i in range(slots)]
             norm_w, proj_w = (rows[n] for n in weights(j)[:2])
-            o_mix[j * b:(j + 1) * b, :] = ops.residual_mix(blocks, count_ref[j], norm_w, proj_w, eps)
+            o_mix[j * b:(j + 1) * b, :] = block_lowering.residual_mix(blocks, count_ref[j], norm_w, proj_w,
+                                                                       eps)
             kernel = types.SimpleNamespace(refs=types.SimpleNamespace(blocks=blocks_ref.at[j]), dims=dims,
                                            layers=layers)
             if j == layers:
@@ -570,7 +573,11 @@ import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
-from mkc.families.kimi_k3 import ops as ops
+from mkc.layers import ops as layer_ops
+from mkc.layers.block_residuals import lowering as block_lowering
+from mkc.layers.mla import ops as mla_ops
+from mkc.layers.mla import weights as mla_weights
+from mkc.layers.moe.lowering import sigmoid_route_weights
 from mkc.layers.expert_formats import ops as format_ops
 from mkc.layers.kda import ops as kda_ops
 from mkc.layers.ops import l2_normalize
@@ -584,7 +591,7 @@ S = pl.BlockSpec(memory_space=pltpu.SMEM)
 
 def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits, bias, codes, scales,
            src, norm_w, proj_w, o_x, o_kda, o_state, o_mla, o_moe, o_ids, o_res):
-    o_x[...] = ops.situ_packed(x[...], H // 2)
+    o_x[...] = layer_ops.situ_packed(x[...], H // 2)
     decay = kda_ops.log_decay(gate[...], a_log[...], dt[...], -5.0)
     q = l2_normalize(qkv[0:1, :D]) * D ** -0.5
     k = l2_normalize(qkv[1:2, :D])
@@ -592,17 +599,17 @@ def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits,
                                         jax.nn.sigmoid(qkv[3:4, 0:1]))
     o_kda[...] = kda_ops.gated_output(o, qkv[3:4, :D], norm_w[:, :D], 1e-5)
 
-    q_lat, q_ext = ops.mla_absorb_query(qn[...], qe[...], wuk[...], NH)
+    q_lat, q_ext = mla_ops.mla_absorb_query(qn[...], qe[...], wuk[...], NH)
     def tile(t, carry):
         start = pl.multiple_of(t * TILE, TILE)
         rows = cache[pl.ds(start, TILE), :]
         visible = start + lax.broadcasted_iota(I32, (1, TILE), 1) <= pos[0]
-        return ops.mla_tile(q_lat, q_ext, rows[:, :R], rows[:, R:], visible, *carry, NH ** -0.5)
+        return mla_ops.mla_tile(q_lat, q_ext, rows[:, :R], rows[:, R:], visible, *carry, NH ** -0.5)
     init = (jnp.full((NH, 1), -jnp.inf, F32), jnp.zeros((NH, 1), F32), jnp.zeros((NH, R), F32))
     m, denom, acc = lax.fori_loop(0, T // TILE, tile, init)
-    o_mla[...] = ops.mla_value_up(acc, denom, wuv[...], NH)
+    o_mla[...] = mla_ops.mla_value_up(acc, denom, wuv[...], NH)
 
-    weights, ids = ops.route(logits[...], bias[...], K, 2.0)
+    weights, ids = sigmoid_route_weights(logits[...], bias[...], K, True, 2.0)
     for r in range(B):
         for j in range(K):
             o_ids[r * K + j] = experts.expert_id(ids, r, j)
@@ -611,7 +618,7 @@ def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits,
     o_moe[...] = y * experts.expert_weight(weights, o_ids[3])
 
     parts = [src[i * B:(i + 1) * B, :] for i in range(3)]
-    o_res[...] = ops.residual_mix(parts, pos[0] % 3 + 1, norm_w[...], proj_w[...], 1e-5)
+    o_res[...] = block_lowering.residual_mix(parts, pos[0] % 3 + 1, norm_w[...], proj_w[...], 1e-5)
 
 args = [((1,), I32), ((B, H), F32), ((B, 2 * D), F32), ((1, 2 * D), F32), ((1, 2 * D), F32),
         ((D, D), F32), ((4, D), F32), ((1, NH * 128), F32), ((1, NH * EX), F32),
