@@ -180,9 +180,10 @@ def test_rounding_carries_the_kernels_tiles_from_the_ir():
     assert rounding.kv_tile("mla") == ir.kinds["mla"].kv.tokens
     # The emulated residual mixture runs over every source slot of the kernel's block buffer.
     from mkc.families.kimi_k3 import reference
+    from mkc.layers import block_residuals
 
     cfg = reference.load_config(ROOT / "mkc/model/configs/kimi_k3.json")
-    assert reference.residual_slots(cfg) == next(b.shape[0] for b in ir.buffers if b.name == "blocks")
+    assert block_residuals.slots(cfg) == next(b.shape[0] for b in ir.buffers if b.name == "blocks")
 
 
 def test_chunked_linear_sums_tile_by_tile_in_order():

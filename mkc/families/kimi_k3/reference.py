@@ -26,14 +26,10 @@ where the two layer lists are 1-based, as upstream Kimi Linear.
 
 Per layer (B rows, one token each; ``rms(x, w) = x * rsqrt(mean(x^2) + eps) * w``, plain weight):
 
-* attention residuals (Block AttnRes): the stream is a list of sources, ``b_0`` = the token
-  embedding and ``b_n`` = the sum of all sublayer outputs of layers ``(n-1)*S .. n*S - 1``
-  (S = ``attn_res_block_size``), plus the partial sum of the block being filled. Each sublayer
-  (and the final norm) reads ``sum_i softmax_i(score_i) * v_i`` over the completed blocks and the
-  non-empty partial sum, ``score_i = proj . (v_i * rsqrt(mean(v_i^2) + eps) * norm)``, with its
-  own ``*_res_norm.weight`` / ``*_res_proj.weight [1, H]``; layer i with ``i % S == 0`` first closes
-  the block (the reference repo's ``_residual_mixture_row`` / ``stack``). The blocks live only
-  inside one decode step: nothing of them persists in the cache;
+* attention residuals (Block AttnRes): the layer library's
+  (`mkc.layers.block_residuals.reference`; the reference repo's ``_residual_mixture_row`` /
+  ``stack``): each sublayer and the final norm read a learned softmax mixture of the embedding,
+  the completed blocks of ``attn_res_block_size`` layers and the block being filled;
 * attention input ``rms(mix, input_layernorm)``; KDA (``linear_attention``) or MLA
   (``full_attention``, K3: ``i % 4 == 3`` or the last layer);
 * KDA: the layer library's (`mkc.layers.kda.reference`: a short conv, the delta rule with a
@@ -86,10 +82,9 @@ the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -98,6 +93,7 @@ import numpy as np
 
 from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims, read_dims
 from mkc.families.kimi_k3.graph import ATTENTION
+from mkc.layers.block_residuals import reference as block_reference
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.kda import reference as kda_reference
@@ -148,7 +144,8 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
     }
     for i, kind in enumerate(cfg.attention_types):
         p = f"model.layers.{i}."
-        shapes |= _mix_shapes(cfg, p + "self_attention_res") | _mix_shapes(cfg, p + "mlp_res")
+        shapes |= block_reference.mix_shapes(cfg, p + "self_attention_res")
+        shapes |= block_reference.mix_shapes(cfg, p + "mlp_res")
         shapes[p + "input_layernorm.weight"] = ((h,), _BF16)
         shapes[p + "post_attention_layernorm.weight"] = ((h,), _BF16)
         attention = ATTENTION[kind]   # the library kind's own parameters
@@ -160,7 +157,7 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
             shapes |= {m + "gate_proj.weight": ((inter, h), _BF16),
                        m + "up_proj.weight": ((inter, h), _BF16),
                        m + "down_proj.weight": ((h, inter), _BF16)}
-    shapes |= _mix_shapes(cfg, "model.output_attn_res")
+    shapes |= block_reference.mix_shapes(cfg, "model.output_attn_res")
     shapes["model.norm.weight"] = ((h,), _BF16)
     shapes["lm_head.weight"] = ((cfg.vocab_size, h), _BF16)     # untied (config REQUIRED)
     return shapes
@@ -168,12 +165,6 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
 
 _BF16, _F32, _U8 = "bfloat16", "float32", "uint8"
 _Shapes = dict[str, tuple[tuple[int, ...], str]]
-
-
-def _mix_shapes(cfg: KimiDims, prefix: str) -> _Shapes:
-    """One attention-residual query: a norm weight and a [1, H] projection."""
-    return {prefix + "_norm.weight": ((cfg.hidden_size,), _BF16),
-            prefix + "_proj.weight": ((1, cfg.hidden_size), _BF16)}
 
 
 def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
@@ -282,41 +273,6 @@ def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     return out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank, "mlp", by_tiles=True)
 
 
-def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
-                       eps: float) -> jax.Array:
-    """Softmax mixture of ``sources [B, N, H]`` -> ``[B, H]``: score of source v is
-    ``proj . rms(v, norm)`` (a depth-wise attention with a learned, input-independent query)."""
-    normed = rms_norm(sources, norm_weight, eps)
-    scores = jnp.einsum("bnh,h->bn", normed, proj_weight.reshape(-1), precision=_HIGHEST)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bn,bnh->bh", probs, sources, precision=_HIGHEST)
-
-
-def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size: int,
-                              sublayer: Callable[[int, jax.Array], jax.Array],
-                              mix: Callable[[int, jax.Array], jax.Array]) -> jax.Array:
-    """Run ``2 * num_layers`` sublayers (j = 2i attention, 2i + 1 MLP of layer i) through Block
-    AttnRes and return the final mixture ``mix(2 * num_layers, ...)`` (before the final norm).
-
-    ``mix(j, sources [B, N, H]) -> [B, H]`` forms sublayer j's input; ``sublayer(j, h)`` returns
-    its output. Sources are the completed block sums (``b_0`` = embedding) plus, when non-empty,
-    the partial sum of the current block.
-    """
-    blocks: list[jax.Array] = []
-    partial: jax.Array | None = embedding  # b_0 is "filled" by the embedding alone
-    for i in range(num_layers):
-        if i % block_size == 0:  # layer i opens a new block: close the current one
-            assert partial is not None
-            blocks.append(partial)
-            partial = None
-        for j in (2 * i, 2 * i + 1):
-            sources = blocks if partial is None else [*blocks, partial]
-            out = sublayer(j, mix(j, jnp.stack(sources, axis=1)))
-            partial = out if partial is None else partial + out
-    assert partial is not None
-    return mix(2 * num_layers, jnp.stack([*blocks, partial], axis=1))
-
-
 # ---------------------------------------------------------------------------------------------
 # The kernel's f32 order (the rounding emulation only)
 #
@@ -332,33 +288,6 @@ def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size:
 # K3 MINI kernel from the same inputs (issue 12), where the plain forms above were not: the l2
 # norms of all heads at once, the conv and the delta rule unfused, the residual mixture as a
 # softmax and a dot, the attention unabsorbed, the experts' weighted sum unfused.
-
-
-def residual_slots(cfg: KimiDims) -> int:
-    """Source slots of the kernel's residual block buffer (``mkc.families.kimi_k3.graph``): the
-    embedding, every completed block and the one being filled."""
-    return 2 + -(-cfg.num_hidden_layers // cfg.attn_res_block_size)
-
-
-@functools.partial(jax.jit, static_argnames=("eps",))
-def _kernel_mix(sources: tuple[jax.Array, ...], count: jax.Array, norm_w: jax.Array,
-                proj_w: jax.Array, *, eps: float) -> jax.Array:
-    """``attention_residual`` over the first ``count`` of the ``residual_slots`` sources
-    (``[B, H]`` each, the rest masked), as the kernel forms it: one score per source, the softmax
-    as a running sum, the mixture added source by source."""
-    scores = [jnp.where(i < count, jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True),
-                        -jnp.inf) for i, v in enumerate(sources)]
-    top = scores[0]
-    for score in scores[1:]:
-        top = jnp.maximum(top, score)
-    exps = [jnp.exp(score - top) for score in scores]
-    total = exps[0]
-    for e in exps[1:]:
-        total = total + e
-    mixed = jnp.zeros_like(sources[0])
-    for i, (e, v) in enumerate(zip(exps, sources)):
-        mixed = mixed + jnp.where(i < count, (e / total) * v, 0.0)
-    return mixed
 
 
 def mla_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
@@ -498,11 +427,6 @@ def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
     return out
 
 
-def _residual_weights(params: Mapping[str, Any], prefix: str) -> tuple[jax.Array, jax.Array]:
-    return (jnp.asarray(params[prefix + "_norm.weight"]).astype(jnp.float32),
-            jnp.asarray(params[prefix + "_proj.weight"]).astype(jnp.float32))
-
-
 def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | None = None
           ) -> jax.Array:
     """Token embeddings ``[B, H]`` f32. With ``rounding``: as the vocab-sharded kernel forms
@@ -526,22 +450,9 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
     embedding = embed(params, tokens, rounding)
     new_cache = dict(cache)
     eps = cfg.rms_norm_eps
-    n_layers = cfg.num_hidden_layers
-
-    slots = residual_slots(cfg)
 
     def mix(j: int, sources: jax.Array) -> jax.Array:
-        if j == 2 * n_layers:
-            prefix = "model.output_attn_res"
-        else:
-            prefix = f"model.layers.{j // 2}." + ("self_attention_res" if j % 2 == 0 else "mlp_res")
-        norm, proj = _residual_weights(params, prefix)
-        if rounding is None:
-            return attention_residual(sources, norm, proj, eps)
-        count = sources.shape[1]   # the kernel's source slots past count are masked
-        padded = tuple(sources[:, i] if i < count else jnp.zeros_like(sources[:, 0])
-                       for i in range(slots))
-        return _kernel_mix(padded, jnp.int32(count), norm.reshape(1, -1), proj.reshape(1, -1), eps=eps)
+        return block_reference.mix(params, cfg, j, sources, rounding)
 
     def sublayer(j: int, h: jax.Array) -> jax.Array:
         i = j // 2
@@ -565,7 +476,8 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
         return glu_mlp({n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}, cfg, x,
                        rounding)
 
-    hidden = block_attention_residuals(embedding, n_layers, cfg.attn_res_block_size, sublayer, mix)
+    hidden = block_reference.block_attention_residuals(embedding, cfg.num_hidden_layers,
+                                                       cfg.attn_res_block_size, sublayer, mix)
     return hidden, new_cache
 
 

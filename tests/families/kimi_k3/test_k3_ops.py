@@ -41,6 +41,8 @@ from mkc.layers.expert_formats import weights as format_weights
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
+from mkc.layers import block_residuals
+from mkc.layers.block_residuals import reference as block_reference
 from tests_support import body_layer, lowered_routed_experts
 
 MINI_JSON = CONFIG_DIR / "kimi_k3_mini.json"
@@ -465,7 +467,7 @@ def test_mxfp4_kernel_packing_round_trips() -> None:
 
 def _mix_case(dims: KimiDims, seed: int):
     """Block attention residuals of ``dims``' layers through the reference's own block
-    bookkeeping (``ref.block_attention_residuals``, random sublayer outputs), recording each
+    bookkeeping (``block_reference.block_attention_residuals``, random sublayer outputs), recording each
     sublayer's sources ``[B, N, H]`` (and the final mixture's, as sublayer 2 * layers). The
     projections are drawn small enough that the mixture is no one-hot: a score off by 1 %
     moves it."""
@@ -483,7 +485,7 @@ def _mix_case(dims: KimiDims, seed: int):
     def mix(j, stacked):
         sources[j] = stacked
         return stacked[:, 0]
-    ref.block_attention_residuals(embedding, dims.num_hidden_layers, dims.attn_res_block_size,
+    block_reference.block_attention_residuals(embedding, dims.num_hidden_layers, dims.attn_res_block_size,
                                   lambda j, _: outputs[j], mix)
     return vectors, sources
 
@@ -506,7 +508,7 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
     changes."""
     dims = KimiDims.load(MINI_JSON)
     vectors, sources = _mix_case(dims, seed=12)
-    slots, eps = ref.residual_slots(dims), dims.rms_norm_eps
+    slots, eps = block_residuals.slots(dims), dims.rms_norm_eps
     layers = 2 * dims.num_hidden_layers
     assert len(dims.layer_kinds) == layers and max(s.shape[1] for s in sources.values()) == slots - 1
 
@@ -520,7 +522,7 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
 
     def want_mix(j: int, proj_scale: float = 1.0) -> np.ndarray:
         norm_w, proj_w, _ = (vectors[n] for n in weights(j))
-        return np.asarray(ref.attention_residual(sources[j], norm_w[0], proj_scale * proj_w, eps))
+        return np.asarray(block_reference.attention_residual(sources[j], norm_w[0], proj_scale * proj_w, eps))
 
     def want(j: int, proj_scale: float = 1.0) -> np.ndarray:
         return np.asarray(ref.rms_norm(want_mix(j, proj_scale), vectors[weights(j)[2]][0], eps))

@@ -17,6 +17,7 @@ import pytest
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.families.kimi_k3 import reference as ref
+from mkc.layers.block_residuals import reference as block_reference
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers.kda import reference as kda_reference
 
@@ -241,10 +242,10 @@ def test_block_attention_residual_schedule(n_layers: int, block: int) -> None:
 
     def jax_mix(j: int, sources: jax.Array) -> jax.Array:
         counts.append(sources.shape[1])
-        return ref.attention_residual(sources, jnp.asarray(norms[j], jnp.float32),
+        return block_reference.attention_residual(sources, jnp.asarray(norms[j], jnp.float32),
                                       jnp.asarray(projs[j], jnp.float32), eps)
 
-    got = ref.block_attention_residuals(
+    got = block_reference.block_attention_residuals(
         jnp.asarray(embedding, jnp.float32), n_layers, block,
         lambda j, h: jnp.tanh(jnp.matmul(h, jnp.asarray(mats[j], jnp.float32), precision="highest")), jax_mix)
     assert counts == want_counts
