@@ -107,48 +107,15 @@ class KimiDims(Dims):
         from mkc.model.config import MAX_CONFIG_BYTES, read_json   # (it imports the registry)
         return read_dims(read_json(Path(path), MAX_CONFIG_BYTES), Path(path).stem)
 
-    def layer_plan(self) -> list[tuple[str, str]]:
-        """(attention kind, MLP kind) per layer."""
-        k = self.layer_kinds
-        return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
-
     @property
     def attention_types(self) -> tuple[str, ...]:
         """Upstream's attention per layer: "linear_attention" (KDA) or "full_attention" (MLA)."""
-        return tuple("linear_attention" if a == "kda" else "full_attention" for a, _ in self.layer_plan())
-
-    @property
-    def first_k_dense_replace(self) -> int:
-        return sum(mlp == "dense" for _, mlp in self.layer_plan())
+        return tuple("linear_attention" if a == "kda" else "full_attention" for a in self.layer_kinds[::2])
 
     @property
     def shared_expert_intermediate_size(self) -> int:
         """The shared experts' width (one MLP of num_shared_experts experts')."""
         return self.num_shared_experts * self.moe_intermediate_size
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kda_dim(self) -> int:
-        return self.kda_num_heads * self.kda_head_dim
-
-    @property
-    def latent_cache_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def mla_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, (a, _) in enumerate(self.layer_plan()) if a == "mla")
-
-    @property
-    def kda_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, (a, _) in enumerate(self.layer_plan()) if a == "kda")
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, (_, mlp) in enumerate(self.layer_plan()) if mlp == "moe")
 
     def is_moe(self, layer: int) -> bool:
         return self.layer_kinds[2 * layer + 1] == "moe"

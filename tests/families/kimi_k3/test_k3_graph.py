@@ -37,7 +37,7 @@ def hbm_bytes_per_rank(rules=RULES, ranks: int = 32) -> int:
 
 
 def test_layer_plan():
-    plan = FULL.layer_plan()
+    plan = list(zip(FULL.layer_kinds[::2], FULL.layer_kinds[1::2]))
     assert len(plan) == 93 and plan[0] == ("kda", "dense")
     assert sum(a == "mla" for a, _ in plan) == 24 and plan[92] == ("mla", "moe")
     assert all(m == "moe" for _, m in plan[1:])

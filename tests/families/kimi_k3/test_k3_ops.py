@@ -207,7 +207,7 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     b, nh, d, h = 2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(b, h)), F32)
-    conv_state = jnp.asarray(rng.normal(size=(b, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1)), jnp.bfloat16)
+    conv_state = jnp.asarray(rng.normal(size=(b, 3 * nh * d, cfg.conv_kernel_size - 1)), jnp.bfloat16)
     rec = jnp.asarray(rng.normal(0, 0.3, (b, nh, d, d)), F32)
     want_out, _, want_rec = kda_reference.block(ref.KDA_ATTENTION, p, cfg, x, conv_state, rec)
 
@@ -220,7 +220,7 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     beta_logit = ref.linear(x, p["b_proj.weight"])
     g = ref.linear(x, p["g_proj.weight"])
     a_log = expand_a_log(np.asarray(p["A_log"]), d)
-    pd = cfg.kda_dim
+    pd = cfg.kda_num_heads * cfg.kda_head_dim
 
     def body(conv_ref, gate_ref, a_ref, dt_ref, bl_ref, g_ref, w_ref, s_ref, o_ref, so_ref):
         decay = kda_ops.log_decay(gate_ref[...], a_ref[...], dt_ref[...], cfg.gate_lower_bound)
@@ -253,7 +253,7 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     nh, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.normal(size=(b, cfg.hidden_size)), F32)
-    cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.latent_cache_dim)), jnp.bfloat16)
+    cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)), jnp.bfloat16)
     positions = jnp.array([5, 40], jnp.int32)
     want, cache = ref.mla_block(p, cfg, x, cache, positions)
 
@@ -262,7 +262,7 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     w_uk, w_uv = mla_weights.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
     q_nope = jnp.dot(q_latent, w_q_nope, precision=lax.Precision.HIGHEST)
     q_extra = jnp.dot(q_latent, w_q_extra, precision=lax.Precision.HIGHEST)
-    scale = cfg.qk_head_dim ** -0.5
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
 
     def body(pos_ref, qn_ref, qe_ref, wuk_ref, wuv_ref, cache_ref, o_ref):
         for r in range(b):

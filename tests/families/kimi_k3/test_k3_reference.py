@@ -26,6 +26,12 @@ FULL_JSON = CONFIGS / "kimi_k3.json"
 MINI_JSON = CONFIGS / "kimi_k3_mini.json"
 
 
+def layers_of(d: KimiDims, kind: str) -> tuple[int, ...]:
+    """The model layers whose attention (kda, mla) or MLP (dense, moe) is `kind`."""
+    place = 1 if kind in ("dense", "moe") else 0
+    return tuple(i for i, k in enumerate(d.layer_kinds[place::2]) if k == kind)
+
+
 @pytest.fixture(scope="module")
 def mini() -> KimiDims:
     return ref.load_config(MINI_JSON)
@@ -69,15 +75,16 @@ def _situ(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 def test_full_config() -> None:
     cfg = ref.load_config(FULL_JSON)
     assert cfg.num_hidden_layers == 93 and len(cfg.attention_types) == 93
-    assert cfg.mla_layers == tuple(i for i in range(93) if i % 4 == 3 or i == 92)
-    assert len(cfg.mla_layers) == 24 and len(cfg.kda_layers) == 69
-    assert cfg.moe_layers == tuple(range(1, 93)) and not cfg.is_moe(0)
+    assert layers_of(cfg, "mla") == tuple(i for i in range(93) if i % 4 == 3 or i == 92)
+    assert len(layers_of(cfg, "mla")) == 24 and len(layers_of(cfg, "kda")) == 69
+    assert layers_of(cfg, "moe") == tuple(range(1, 93)) and not cfg.is_moe(0)
     assert (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size) == (7168, 163840, 33792)
     assert cfg.rms_norm_eps == 1e-5
     assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size) == (96, 128, 4)
     assert cfg.gate_lower_bound == -5.0
     assert (cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (96, 1536, 512)
-    assert (cfg.qk_head_dim, cfg.v_head_dim, cfg.latent_cache_dim) == (192, 128, 576)
+    assert (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == (192, 128)
+    assert cfg.kv_lora_rank + cfg.qk_rope_head_dim == 576
     assert (cfg.experts, cfg.top_k, cfg.routed_expert_hidden_size) == (896, 16, 3584)
     assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (3072, 6144)
     assert cfg.attn_res_block_size == 12
@@ -132,12 +139,12 @@ def test_config_variants_and_validation() -> None:
 
 def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims) -> None:
     n = mini.num_hidden_layers
-    assert mini.mla_layers == tuple(i for i in range(n) if i % 4 == 3 or i == n - 1)
+    assert layers_of(mini, "mla") == tuple(i for i in range(n) if i % 4 == 3 or i == n - 1)
     assert (n - 1) % 4 != 3  # the last layer is MLA by K3's extra rule, not by the stride
     assert set(mini.attention_types) == {ref.KDA, ref.MLA}
     # Two residual-block boundaries inside the stack (layers 3 and 6), one at an MLA layer.
     assert mini.attn_res_block_size == 3 and n == 7
-    assert mini.moe_layers == tuple(range(1, n))
+    assert layers_of(mini, "moe") == tuple(range(1, n))
     assert (mini.experts, mini.top_k, mini.num_shared_experts) == (32, 4, 2)
     # Same constants as K3 where they shape the math.
     full = ref.load_config(FULL_JSON)
@@ -147,7 +154,7 @@ def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims
         assert getattr(mini, field) == getattr(full, field), field
     ranks = 16
     per_rank = {
-        "kda q/k/v/g columns (1 head)": mini.kda_dim // ranks,
+        "kda q/k/v/g columns (1 head)": mini.kda_num_heads * mini.kda_head_dim // ranks,
         "mla v/gate columns (1 head)": mini.num_attention_heads * mini.v_head_dim // ranks,
         "dense mlp columns": mini.intermediate_size // ranks,
         "vocab rows": mini.vocab_size // ranks,
@@ -302,11 +309,11 @@ def _numpy_kda_layer(p: dict[str, np.ndarray], cfg: KimiDims, x: np.ndarray, win
 
 
 def test_kda_matches_numpy_loops(mini: KimiDims, mini_params: dict[str, np.ndarray]) -> None:
-    p64 = _sub64(mini_params, f"model.layers.{mini.kda_layers[1]}.self_attn.")
+    p64 = _sub64(mini_params, f"model.layers.{layers_of(mini, "kda")[1]}.self_attn.")
     rng = np.random.default_rng(1)
     nh, d, width = mini.kda_num_heads, mini.kda_head_dim, mini.conv_kernel_size - 1
     # Non-zero starting states so the decay, the conv history and the delta correction all act.
-    conv_state = _bf16_round(rng.normal(size=(3 * mini.kda_dim, width)))
+    conv_state = _bf16_round(rng.normal(size=(3 * mini.kda_num_heads * mini.kda_head_dim, width)))
     state = rng.normal(0, 0.3, size=(nh, d, d))
     jax_conv = jnp.asarray(conv_state[None], jnp.bfloat16)
     jax_state = jnp.asarray(state[None], jnp.float32)
@@ -346,7 +353,7 @@ def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: KimiDims, xs: np.ndarray,
     192-wide per-head keys ``[k_nope | k_extra]``; ``rows`` are the (bf16-stored) latent rows."""
     t_len, nh, nope, vd = xs.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     q_latent = _rms(xs @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = (q_latent @ p["q_b_proj.weight"].T).reshape(t_len, nh, cfg.qk_head_dim)
+    q = (q_latent @ p["q_b_proj.weight"].T).reshape(t_len, nh, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     kv = (rows[:, :cfg.kv_lora_rank] @ p["kv_b_proj.weight"].T).reshape(t_len, nh, nope + vd)
     extra = np.broadcast_to(rows[:, None, cfg.kv_lora_rank:], (t_len, nh, cfg.qk_rope_head_dim))
     keys, values = np.concatenate([kv[..., :nope], extra], axis=-1), kv[..., nope:]
@@ -364,11 +371,11 @@ def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: KimiDims, xs: np.ndarray,
 
 def test_cached_mla_matches_full_recompute(mini: KimiDims,
                                            mini_params: dict[str, np.ndarray]) -> None:
-    p64 = _sub64(mini_params, f"model.layers.{mini.mla_layers[0]}.self_attn.")
+    p64 = _sub64(mini_params, f"model.layers.{layers_of(mini, "mla")[0]}.self_attn.")
     rng = np.random.default_rng(2)
     batch, t_len, context = 2, 6, 9
     xs = rng.normal(size=(batch, t_len, mini.hidden_size))
-    cache = jnp.zeros((batch, context, mini.latent_cache_dim), jnp.bfloat16)
+    cache = jnp.zeros((batch, context, mini.kv_lora_rank + mini.qk_rope_head_dim), jnp.bfloat16)
     block = jax.jit(ref.mla_block, static_argnums=1)
     got = []
     for t in range(t_len):
