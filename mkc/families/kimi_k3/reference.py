@@ -99,6 +99,7 @@ from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.kda import reference as kda_reference
 from mkc.layers.mla import reference as mla_reference
 from mkc.layers.moe import reference as moe_reference
+from mkc.layers.ops import situ   # SiTU GLU: beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)
 from mkc.layers.reference import linear, matmul, mm_input, out_projection, rms_norm  # KimiRMSNorm: plain
 from mkc.model.config import read_checked_dims, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
@@ -249,13 +250,6 @@ def init_cache(cfg: KimiDims, batch: int, context: int) -> dict[str, jax.Array]:
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks (public so tests can check them in isolation).
-
-
-def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
-    """SiTU GLU: ``beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`` (soft-capped
-    SiLU gate times a soft-capped linear up projection)."""
-    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-            * linear_beta * jnp.tanh(up / linear_beta))
 
 
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,

@@ -17,6 +17,7 @@ import pytest
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.families.kimi_k3 import reference as ref
+from mkc.layers import ops as layer_ops
 from mkc.layers.block_residuals import reference as block_reference
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers.kda import reference as kda_reference
@@ -204,7 +205,7 @@ def test_router_bias_selects_but_does_not_weight() -> None:
 def test_situ_formula() -> None:
     g = np.linspace(-40, 40, 81)
     u = np.linspace(-100, 100, 81)
-    got = np.asarray(ref.situ(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32), 4.0, 25.0))
+    got = np.asarray(layer_ops.situ(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32), 4.0, 25.0))
     np.testing.assert_allclose(got, _situ(g, u), rtol=1e-5, atol=1e-5)
     assert np.all(np.abs(got) <= 4 * 25)  # both factors are soft-capped
 
