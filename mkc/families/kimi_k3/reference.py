@@ -284,18 +284,6 @@ def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
 # softmax and a dot, the attention unabsorbed, the experts' weighted sum unfused.
 
 
-def mla_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
-              latent_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None
-              ) -> tuple[jax.Array, jax.Array]:
-    """Gated NoPE multi-head latent attention for one token per row at its own position: the
-    layer library's (`mkc.layers.mla.reference.block`, the `mla` kind's all-reduces and KV
-    tiles). ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes the latent row at
-    ``positions[b]``, then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``,
-    new latent_cache).
-    """
-    return mla_reference.block(MLA_ATTENTION, p, cfg, x, latent_cache, positions, rounding, "mla")
-
-
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
           scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """Sigmoid routing ``[..., E] -> (ids [..., k], weights [..., k])``: the correction bias only
@@ -459,8 +447,8 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
                     kda_reference.block(KDA_ATTENTION, attn, cfg, x, cache[f"layers.{i}.conv_state"],
                                         cache[f"layers.{i}.recurrent_state"], rounding, "kda"))
             else:
-                out, new_cache[f"layers.{i}.latent_cache"] = mla_block(
-                    attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions, rounding)
+                out, new_cache[f"layers.{i}.latent_cache"] = mla_reference.block(
+                    MLA_ATTENTION, attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions, rounding)
             return out
         x = rms_norm(h, lp["post_attention_layernorm.weight"], eps)
         if cfg.is_moe(i):

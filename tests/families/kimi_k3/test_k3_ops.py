@@ -34,6 +34,7 @@ from mkc.layers.mla import ops as mla_ops
 from mkc.layers.mla import weights as mla_weights
 from mkc.layers.kda import ops as kda_ops
 from mkc.layers.kda import reference as kda_reference
+from mkc.layers.mla import reference as mla_reference
 from mkc.layers.kda.weights import expand_a_log
 from mkc.layers.reference import l2_normalize
 from mkc.layers.expert_formats import ops as format_ops
@@ -246,7 +247,8 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
 
 def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     """q absorption, latent tiles (visited last tile first, so fully masked tiles meet an empty
-    state) and the value up-projection reproduce ``ref.mla_block``'s expanded attention."""
+    state) and the value up-projection reproduce the reference's expanded attention
+    (``mkc.layers.mla.reference.block``)."""
     cfg = dataclasses.replace(mini, num_attention_heads=4, kda_num_heads=4)
     p = _random_params(cfg, "model.layers.3.self_attn.", seed=5)
     b, t_len, tile = 2, 48, 16
@@ -255,7 +257,7 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     x = jnp.asarray(rng.normal(size=(b, cfg.hidden_size)), F32)
     cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)), jnp.bfloat16)
     positions = jnp.array([5, 40], jnp.int32)
-    want, cache = ref.mla_block(p, cfg, x, cache, positions)
+    want, cache = mla_reference.block(ref.MLA_ATTENTION, p, cfg, x, cache, positions)
 
     q_latent = ref.rms_norm(ref.linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], cfg.rms_norm_eps)
     w_q_nope, w_q_extra = mla_weights.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)

@@ -21,6 +21,7 @@ from mkc.layers import ops as layer_ops
 from mkc.layers.block_residuals import reference as block_reference
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers.kda import reference as kda_reference
+from mkc.layers.mla import reference as mla_reference
 
 CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "kimi_k3.json"
@@ -377,7 +378,7 @@ def test_cached_mla_matches_full_recompute(mini: KimiDims,
     batch, t_len, context = 2, 6, 9
     xs = rng.normal(size=(batch, t_len, mini.hidden_size))
     cache = jnp.zeros((batch, context, mini.kv_lora_rank + mini.qk_rope_head_dim), jnp.bfloat16)
-    block = jax.jit(ref.mla_block, static_argnums=1)
+    block = jax.jit(functools.partial(mla_reference.block, ref.MLA_ATTENTION), static_argnums=1)
     got = []
     for t in range(t_len):
         out, cache = block(_to_jax(p64), mini, jnp.asarray(xs[:, t], jnp.float32), cache,
