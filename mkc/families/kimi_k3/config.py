@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mkc.layers.config import with_aliases
+from mkc.layers.config import setting, with_aliases
 from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, ExpertLayout, config_float, config_int, identifier
 
@@ -58,12 +58,6 @@ REQUIRED: dict[str, Any] = {
     "num_expert_group": 1,
     "tie_word_embeddings": False,
 }
-
-
-def setting(raw: Mapping, key: str) -> Any:
-    """A config value, or the upstream default for a key it omits; KeyError without one."""
-    value = raw.get(key)
-    return UPSTREAM_DEFAULTS[key] if value is None else value
 
 # KimiLinearConfig's attribute_map: the names transformers also reads these settings by.
 ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
@@ -149,8 +143,9 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
         gate_lower_bound=config_float(lin["gate_lower_bound"], "linear_attn_config.gate_lower_bound"),
         experts=config_int(raw["num_experts"], "num_experts"),
         top_k=config_int(raw["num_experts_per_token"], "num_experts_per_token"),
-        norm_topk_prob=setting(raw, "moe_renormalize"),
-        routed_scaling_factor=config_float(setting(raw, "routed_scaling_factor"), "routed_scaling_factor"),
+        norm_topk_prob=setting(raw, "moe_renormalize", UPSTREAM_DEFAULTS),
+        routed_scaling_factor=config_float(setting(raw, "routed_scaling_factor", UPSTREAM_DEFAULTS),
+                                           "routed_scaling_factor"),
         layer_kinds=tuple(kinds))
     check_shapes(dims)
     return dims
@@ -158,7 +153,7 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
 
 def check_settings(raw: Mapping) -> None:
     for key, want in REQUIRED.items():
-        got = setting(raw, key) if key in UPSTREAM_DEFAULTS else raw.get(key)
+        got = setting(raw, key, UPSTREAM_DEFAULTS) if key in UPSTREAM_DEFAULTS else raw.get(key)
         if type(got) is not type(want) or got != want:     # `true` is not 1, nor 0 false
             raise ConfigError(f"unsupported Kimi K3 setting {key} = {got!r} (mkc implements {want!r})",
                               f"write \"{key}\": {json.dumps(want)}, as K3 does")
@@ -191,7 +186,8 @@ def attention_kinds(lin: Mapping, n: int) -> list[str]:
 
 def mlp_kinds(raw: Mapping, n: int) -> list[str]:
     """Per layer "dense" or "moe": exactly one dense layer, the first (first_k_dense_replace)."""
-    if n < 2 or config_int(setting(raw, "first_k_dense_replace"), "first_k_dense_replace") != 1:
+    dense = setting(raw, "first_k_dense_replace", UPSTREAM_DEFAULTS)
+    if n < 2 or config_int(dense, "first_k_dense_replace") != 1:
         raise ConfigError("mkc lowers K3 with exactly one dense layer (first_k_dense_replace = 1) "
                           "before the MoE layers", "set first_k_dense_replace to 1")
     return ["dense"] + ["moe"] * (n - 1)
