@@ -58,10 +58,12 @@ SPREAD_ROW_STATES = ('kda__conv',)
 VMEM_LIMIT_BYTES = 67108864
 DIMS = KimiDims(
     family='kimi_k3', name='kimi_k3', hidden_size=7168, num_hidden_layers=93, vocab_size=163840,
-    rms_norm_eps=1e-05, dense_width=33792, heads=96, head_dim=128, conv_taps=4,
-    gate_lower_bound=-5.0, q_lora=1536, kv_lora=512, qk_extra=64, experts=896, top_k=16,
-    shared_experts=2, expert_width=3072, latent=3584, block=12, situ_beta=4.0,
-    situ_linear_beta=25.0, routed_scaling=1.0,
+    rms_norm_eps=1e-05, intermediate_size=33792, num_attention_heads=96, kda_num_heads=96,
+    kda_head_dim=128, qk_nope_head_dim=128, v_head_dim=128, conv_kernel_size=4,
+    gate_lower_bound=-5.0, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, experts=896,
+    top_k=16, num_shared_experts=2, moe_intermediate_size=3072, routed_expert_hidden_size=3584,
+    norm_topk_prob=True, attn_res_block_size=12, activation_situ_beta=4.0,
+    activation_situ_linear_beta=25.0, routed_scaling_factor=1.0,
     layer_kinds=('kda', 'dense', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',
                  'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla',
                  'moe', 'kda', 'moe', 'kda', 'moe', 'kda', 'moe', 'mla', 'moe', 'kda', 'moe', 'kda',

@@ -180,9 +180,10 @@ def test_rounding_carries_the_kernels_tiles_from_the_ir():
     assert rounding.kv_tile("mla") == ir.kinds["mla"].kv.tokens
     # The emulated residual mixture runs over every source slot of the kernel's block buffer.
     from mkc.families.kimi_k3 import reference
+    from mkc.layers import block_residuals
 
     cfg = reference.load_config(ROOT / "mkc/model/configs/kimi_k3.json")
-    assert reference.residual_slots(cfg) == next(b.shape[0] for b in ir.buffers if b.name == "blocks")
+    assert block_residuals.slots(cfg) == next(b.shape[0] for b in ir.buffers if b.name == "blocks")
 
 
 def test_chunked_linear_sums_tile_by_tile_in_order():
@@ -200,17 +201,14 @@ def test_chunked_linear_sums_tile_by_tile_in_order():
 def test_k3_emulation_pack_groups_follow_the_kernels_layout():
     """The K3 emulation's MXFP4 pack groups (of its config's expert input) are the graph's."""
     from mkc.families.kimi_k3.config import KimiDims
-    from mkc.families.kimi_k3.graph import KimiSharding, kimi_k3_geometry, pack_groups
+    from mkc.families.kimi_k3.graph import MOE
     from mkc.layers import expert_formats
     from mkc.model.config import CONFIG_DIR
 
-    for name, sharding in (("kimi_k3_mini.json", KimiSharding(ranks=16)),
-                           ("kimi_k3.json", KimiSharding(ranks=32))):
+    for name in ("kimi_k3_mini.json", "kimi_k3.json"):
         dims = KimiDims.load(CONFIG_DIR / name)
-        geometry = kimi_k3_geometry(dims, sharding)
-        rows = {"gate_up": dims.routed_expert_hidden_size,
-                "down": geometry.expert_width}
-        assert expert_formats.pack_groups(rows) == pack_groups(dims, geometry)
+        rows = {"gate_up": dims.routed_expert_hidden_size, "down": dims.moe_intermediate_size // 4}
+        assert expert_formats.pack_groups(rows) == MOE.pack_groups(dims, 4)
 
 
 def test_mutants_by_row_scale_their_own_row_only():

@@ -18,7 +18,7 @@ class Activation(enum.Enum):
     # the model's swiglu_alpha and swiglu_limit
     CLAMPED = "clamped"
     # Kimi K3's SiTU: beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta), the
-    # model's situ_beta and situ_linear_beta
+    # model's activation_situ_beta and activation_situ_linear_beta
     SITU = "situ"
 
     def kernel(self, c: Any, gate_up: Any, width: int) -> Any:
@@ -27,7 +27,8 @@ class Activation(enum.Enum):
         if self is Activation.CLAMPED:
             return ops.clamped_swiglu_halves(gate_up, width, c.dims.swiglu_alpha, c.dims.swiglu_limit)
         if self is Activation.SITU:
-            return ops.situ_packed(gate_up, width, c.dims.situ_beta, c.dims.situ_linear_beta)
+            d = c.dims
+            return ops.situ_packed(gate_up, width, d.activation_situ_beta, d.activation_situ_linear_beta)
         return ops.swiglu(gate_up, width)
 
     def reference(self, d: Any, gate: Any, up: Any, kernel: bool = False) -> Any:
@@ -39,5 +40,5 @@ class Activation(enum.Enum):
             return fn(gate, up, d.swiglu_alpha, d.swiglu_limit)
         if self is Activation.SITU:
             ops = importlib.import_module("mkc.layers.ops")
-            return ops.situ(gate, up, d.situ_beta, d.situ_linear_beta)
+            return ops.situ(gate, up, d.activation_situ_beta, d.activation_situ_linear_beta)
         return reference.silu_glu(gate, up)

@@ -181,7 +181,7 @@ def test_k3_experts_near_a_tie_pick_as_upstream():
     """K3's route body (sigmoid, one group, renormalised, its scaling) on the two expert rows and
     a row of exact ties (equal corrected scores: lower lanes first)."""
     d = k3.load_config(CONFIG_DIR / "kimi_k3_mini.json")
-    d = dataclasses.replace(d, experts=E, top_k=K, routed_scaling=2.0)
+    d = dataclasses.replace(d, experts=E, top_k=K, routed_scaling_factor=2.0)
     tie = np.full(E, 0.45)
     tie[[3, 7, 9, 12, 14]] = 0.7            # five equal: the four lowest lanes
     picks = np.concatenate([_expert_rows(BIAS, 1), tie[None]])

@@ -71,7 +71,7 @@ def test_replicated_parts_are_written_to_every_holder():
         assert not np.array_equal(state[n][0], state[n][1])
     latent = state["mla__latent"]
     assert all(np.array_equal(latent[r], latent[0]) for r in range(16))
-    row = k3.DIMS.kv_lora + k3.DIMS.qk_extra
+    row = k3.DIMS.kv_lora_rank + k3.DIMS.qk_rope_head_dim
     assert latent.shape[-1] > row and not latent[..., row:].any()      # the row's padding
     llama = module("llama_3_1_70b", "llama_mini")
     key = llama.HOST.kernel_state(random_reference_states(llama, 1), 1)["gqa__key"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mkc.layers.config import with_aliases
+from mkc.layers.config import setting, with_aliases
 from mkc.model.contracts import Dims
 from mkc.model.family import ConfigError, ExpertLayout, config_float, config_int, identifier
 
@@ -59,12 +59,6 @@ REQUIRED: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-
-def setting(raw: Mapping, key: str) -> Any:
-    """A config value, or the upstream default for a key it omits; KeyError without one."""
-    value = raw.get(key)
-    return UPSTREAM_DEFAULTS[key] if value is None else value
-
 # KimiLinearConfig's attribute_map: the names transformers also reads these settings by.
 ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
            "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
@@ -72,26 +66,34 @@ ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_exper
 
 @dataclass(frozen=True)
 class KimiDims(Dims):
-    """The K3 dimensions mkc needs, read from upstream-style config keys."""
+    """The K3 dimensions mkc needs, by their upstream config names (`linear_attn_config`'s
+    `num_heads`, `head_dim` and `short_conv_kernel_size` as the KDA kind's `kda_num_heads`,
+    `kda_head_dim` and `conv_kernel_size`), except `experts` (num_experts) and `top_k`
+    (num_experts_per_token), the names the core reads. One head count and one head width
+    serve KDA and MLA (`check_shapes`)."""
 
     rms_norm_eps: float
-    dense_width: int             # layer 0's MLP (first_k_dense_replace = 1)
-    heads: int                   # KDA and MLA heads
-    head_dim: int                # KDA head dim and MLA nope / value dim
-    conv_taps: int
+    intermediate_size: int       # layer 0's MLP (first_k_dense_replace = 1)
+    num_attention_heads: int
+    kda_num_heads: int
+    kda_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    conv_kernel_size: int
     gate_lower_bound: float = field(metadata={"any_sign": True})   # a log-space floor
-    q_lora: int
-    kv_lora: int
-    qk_extra: int                # the 64 shared extra key dims (qk_rope_head_dim, NoPE)
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int        # the 64 shared extra key dims (NoPE: no rotary embedding)
     experts: int
     top_k: int
-    shared_experts: int
-    expert_width: int            # moe_intermediate_size
-    latent: int                  # routed_expert_hidden_size
-    block: int                   # attention-residual block size
-    situ_beta: float
-    situ_linear_beta: float
-    routed_scaling: float
+    num_shared_experts: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int   # the latent width
+    norm_topk_prob: bool         # moe_renormalize (REQUIRED true)
+    attn_res_block_size: int
+    activation_situ_beta: float
+    activation_situ_linear_beta: float
+    routed_scaling_factor: float
     layer_kinds: tuple[str, ...]   # one per sublayer: attention kind, then MLP kind
 
     @staticmethod
@@ -99,131 +101,15 @@ class KimiDims(Dims):
         from mkc.model.config import MAX_CONFIG_BYTES, read_json   # (it imports the registry)
         return read_dims(read_json(Path(path), MAX_CONFIG_BYTES), Path(path).stem)
 
-    # The MLA kind's dims by their upstream names (`mkc.layers.mla`): K3's MLA shares the KDA
-    # heads and head width, its value heads too.
-    @property
-    def num_attention_heads(self) -> int:
-        return self.heads
-
-    @property
-    def q_lora_rank(self) -> int:
-        return self.q_lora
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.kv_lora
-
-    @property
-    def qk_nope_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def qk_rope_head_dim(self) -> int:
-        return self.qk_extra
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim
-
-    def layer_plan(self) -> list[tuple[str, str]]:
-        """(attention kind, MLP kind) per layer."""
-        k = self.layer_kinds
-        return [(k[2 * i], k[2 * i + 1]) for i in range(self.num_hidden_layers)]
-
-    # The rest by the upstream names the reference reads (`mkc.families.kimi_k3.reference`),
-    # the KDA kind's among them (`mkc.layers.kda`: kda_num_heads, kda_head_dim, conv_kernel_size).
     @property
     def attention_types(self) -> tuple[str, ...]:
         """Upstream's attention per layer: "linear_attention" (KDA) or "full_attention" (MLA)."""
-        return tuple("linear_attention" if a == "kda" else "full_attention" for a, _ in self.layer_plan())
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.dense_width
-
-    @property
-    def first_k_dense_replace(self) -> int:
-        return sum(mlp == "dense" for _, mlp in self.layer_plan())
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return False
-
-    @property
-    def attn_res_block_size(self) -> int:
-        return self.block
-
-    @property
-    def kda_num_heads(self) -> int:
-        return self.heads
-
-    @property
-    def kda_head_dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def conv_kernel_size(self) -> int:
-        return self.conv_taps
-
-    @property
-    def num_experts(self) -> int:
-        return self.experts
-
-    @property
-    def num_experts_per_token(self) -> int:
-        return self.top_k
-
-    @property
-    def num_shared_experts(self) -> int:
-        return self.shared_experts
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.expert_width
-
-    @property
-    def routed_expert_hidden_size(self) -> int:
-        return self.latent
-
-    @property
-    def routed_scaling_factor(self) -> float:
-        return self.routed_scaling
-
-    @property
-    def norm_topk_prob(self) -> bool:
-        return True                  # moe_renormalize (REQUIRED)
+        return tuple("linear_attention" if a == "kda" else "full_attention" for a in self.layer_kinds[::2])
 
     @property
     def shared_expert_intermediate_size(self) -> int:
-        return self.shared_intermediate_size
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kda_dim(self) -> int:
-        return self.kda_num_heads * self.kda_head_dim
-
-    @property
-    def shared_intermediate_size(self) -> int:
+        """The shared experts' width (one MLP of num_shared_experts experts')."""
         return self.num_shared_experts * self.moe_intermediate_size
-
-    @property
-    def latent_cache_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def mla_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, (a, _) in enumerate(self.layer_plan()) if a == "mla")
-
-    @property
-    def kda_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, (a, _) in enumerate(self.layer_plan()) if a == "kda")
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, (_, mlp) in enumerate(self.layer_plan()) if mlp == "moe")
 
     def is_moe(self, layer: int) -> bool:
         return self.layer_kinds[2 * layer + 1] == "moe"
@@ -242,33 +128,32 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
         kinds += [attention, mlp]
     ints = {key: config_int(raw[key], key) for key in (
         "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "q_lora_rank",
-        "kv_lora_rank", "qk_rope_head_dim", "num_experts", "num_experts_per_token",
-        "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
-        "attn_res_block_size")}
+        "kv_lora_rank", "qk_rope_head_dim", "num_shared_experts", "moe_intermediate_size",
+        "routed_expert_hidden_size", "attn_res_block_size")}
     floats = {key: config_float(raw[key], key) for key in (
         "rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta")}
+    head_dim = config_int(lin["head_dim"], "linear_attn_config.head_dim")
     dims = KimiDims(
-        family="kimi_k3", name=identifier(name),
-        hidden_size=ints["hidden_size"], num_hidden_layers=n, vocab_size=ints["vocab_size"],
-        rms_norm_eps=floats["rms_norm_eps"], dense_width=ints["intermediate_size"],
-        heads=ints["num_attention_heads"],
-        head_dim=config_int(lin["head_dim"], "linear_attn_config.head_dim"),
-        conv_taps=config_int(lin["short_conv_kernel_size"], "linear_attn_config.short_conv_kernel_size"),
+        family="kimi_k3", name=identifier(name), num_hidden_layers=n, **ints, **floats,
+        kda_num_heads=lin.get("num_heads", ints["num_attention_heads"]), kda_head_dim=head_dim,
+        qk_nope_head_dim=raw.get("qk_nope_head_dim", head_dim),
+        v_head_dim=raw.get("v_head_dim", head_dim),
+        conv_kernel_size=config_int(lin["short_conv_kernel_size"],
+                                    "linear_attn_config.short_conv_kernel_size"),
         gate_lower_bound=config_float(lin["gate_lower_bound"], "linear_attn_config.gate_lower_bound"),
-        q_lora=ints["q_lora_rank"], kv_lora=ints["kv_lora_rank"], qk_extra=ints["qk_rope_head_dim"],
-        experts=ints["num_experts"], top_k=ints["num_experts_per_token"],
-        shared_experts=ints["num_shared_experts"], expert_width=ints["moe_intermediate_size"],
-        latent=ints["routed_expert_hidden_size"], block=ints["attn_res_block_size"],
-        situ_beta=floats["activation_situ_beta"], situ_linear_beta=floats["activation_situ_linear_beta"],
-        routed_scaling=config_float(setting(raw, "routed_scaling_factor"), "routed_scaling_factor"),
+        experts=config_int(raw["num_experts"], "num_experts"),
+        top_k=config_int(raw["num_experts_per_token"], "num_experts_per_token"),
+        norm_topk_prob=setting(raw, "moe_renormalize", UPSTREAM_DEFAULTS),
+        routed_scaling_factor=config_float(setting(raw, "routed_scaling_factor", UPSTREAM_DEFAULTS),
+                                           "routed_scaling_factor"),
         layer_kinds=tuple(kinds))
-    check_shapes(dims, raw)
+    check_shapes(dims)
     return dims
 
 
 def check_settings(raw: Mapping) -> None:
     for key, want in REQUIRED.items():
-        got = setting(raw, key) if key in UPSTREAM_DEFAULTS else raw.get(key)
+        got = setting(raw, key, UPSTREAM_DEFAULTS) if key in UPSTREAM_DEFAULTS else raw.get(key)
         if type(got) is not type(want) or got != want:     # `true` is not 1, nor 0 false
             raise ConfigError(f"unsupported Kimi K3 setting {key} = {got!r} (mkc implements {want!r})",
                               f"write \"{key}\": {json.dumps(want)}, as K3 does")
@@ -301,26 +186,26 @@ def attention_kinds(lin: Mapping, n: int) -> list[str]:
 
 def mlp_kinds(raw: Mapping, n: int) -> list[str]:
     """Per layer "dense" or "moe": exactly one dense layer, the first (first_k_dense_replace)."""
-    if n < 2 or config_int(setting(raw, "first_k_dense_replace"), "first_k_dense_replace") != 1:
+    dense = setting(raw, "first_k_dense_replace", UPSTREAM_DEFAULTS)
+    if n < 2 or config_int(dense, "first_k_dense_replace") != 1:
         raise ConfigError("mkc lowers K3 with exactly one dense layer (first_k_dense_replace = 1) "
                           "before the MoE layers", "set first_k_dense_replace to 1")
     return ["dense"] + ["moe"] * (n - 1)
 
 
-def check_shapes(d: KimiDims, raw: Mapping) -> None:
+def check_shapes(d: KimiDims) -> None:
     """ConfigError for shapes the K3 lowering does not take: one head count and one head width
     for KDA and MLA, MXFP4-blockable expert widths."""
-    same = {"linear_attn_config.num_heads": raw["linear_attn_config"].get("num_heads", d.heads),
-            "qk_nope_head_dim": raw.get("qk_nope_head_dim", d.head_dim),
-            "v_head_dim": raw.get("v_head_dim", d.head_dim)}
-    for key, value in same.items():
-        want = d.heads if key.endswith("num_heads") else d.head_dim
+    same = {"linear_attn_config.num_heads": (d.kda_num_heads, d.num_attention_heads),
+            "qk_nope_head_dim": (d.qk_nope_head_dim, d.kda_head_dim),
+            "v_head_dim": (d.v_head_dim, d.kda_head_dim)}
+    for key, (value, want) in same.items():
         if value != want:
             raise ConfigError(f"{key} = {value!r} differs from {want}: mkc lowers K3 with one head "
                               "count (num_attention_heads) and one head width (linear_attn_config."
                               "head_dim) for KDA and MLA", f"set {key} to {want}, as K3 does")
-    if d.latent % BLOCK_SIZE or d.expert_width % BLOCK_SIZE:
+    if d.routed_expert_hidden_size % BLOCK_SIZE or d.moe_intermediate_size % BLOCK_SIZE:
         raise ConfigError(f"MXFP4 experts need latent and expert widths that are multiples of "
                           f"{BLOCK_SIZE}", "routed_expert_hidden_size and moe_intermediate_size")
-    if d.conv_taps < 2:
+    if d.conv_kernel_size < 2:
         raise ConfigError("short_conv_kernel_size must be at least 2", "K3 uses 4")

@@ -13,7 +13,7 @@ tower under ``language_model.`` (``language_model.model.layers...``,
 
 Config keys (``load_config``; HF style, a composite config's ``text_config`` is used):
 ``hidden_size, vocab_size, num_hidden_layers, intermediate_size`` (layer 0's dense MLP),
-``rms_norm_eps, tie_word_embeddings``; ``hidden_act: "situ"`` with ``activation_situ_beta`` (4)
+``rms_norm_eps``, ``tie_word_embeddings`` (false); ``hidden_act: "situ"`` with ``activation_situ_beta`` (4)
 and ``activation_situ_linear_beta`` (25); MLA: ``num_attention_heads, q_lora_rank, kv_lora_rank,
 qk_nope_head_dim, qk_rope_head_dim`` (the shared extra key dims, no RoPE under
 ``mla_use_nope``), ``v_head_dim, mla_use_output_gate``; MoE: ``num_experts,
@@ -26,14 +26,10 @@ where the two layer lists are 1-based, as upstream Kimi Linear.
 
 Per layer (B rows, one token each; ``rms(x, w) = x * rsqrt(mean(x^2) + eps) * w``, plain weight):
 
-* attention residuals (Block AttnRes): the stream is a list of sources, ``b_0`` = the token
-  embedding and ``b_n`` = the sum of all sublayer outputs of layers ``(n-1)*S .. n*S - 1``
-  (S = ``attn_res_block_size``), plus the partial sum of the block being filled. Each sublayer
-  (and the final norm) reads ``sum_i softmax_i(score_i) * v_i`` over the completed blocks and the
-  non-empty partial sum, ``score_i = proj . (v_i * rsqrt(mean(v_i^2) + eps) * norm)``, with its
-  own ``*_res_norm.weight`` / ``*_res_proj.weight [1, H]``; layer i with ``i % S == 0`` first closes
-  the block (the reference repo's ``_residual_mixture_row`` / ``stack``). The blocks live only
-  inside one decode step: nothing of them persists in the cache;
+* attention residuals (Block AttnRes): the layer library's
+  (`mkc.layers.block_residuals.reference`; the reference repo's ``_residual_mixture_row`` /
+  ``stack``): each sublayer and the final norm read a learned softmax mixture of the embedding,
+  the completed blocks of ``attn_res_block_size`` layers and the block being filled;
 * attention input ``rms(mix, input_layernorm)``; KDA (``linear_attention``) or MLA
   (``full_attention``, K3: ``i % 4 == 3`` or the last layer);
 * KDA: the layer library's (`mkc.layers.kda.reference`: a short conv, the delta rule with a
@@ -86,10 +82,9 @@ the schedule's names: ``kda``, ``mla``, ``dense``, ``moe``.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -98,11 +93,13 @@ import numpy as np
 
 from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims, read_dims
 from mkc.families.kimi_k3.graph import ATTENTION
+from mkc.layers.block_residuals import reference as block_reference
 from mkc.layers.expert_formats import pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.kda import reference as kda_reference
 from mkc.layers.mla import reference as mla_reference
 from mkc.layers.moe import reference as moe_reference
+from mkc.layers.ops import situ   # SiTU GLU: beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)
 from mkc.layers.reference import linear, matmul, mm_input, out_projection, rms_norm  # KimiRMSNorm: plain
 from mkc.model.config import read_checked_dims, upstream_config
 from mkc.model.mxfp4 import BLOCK_SIZE, mxfp4_dequantize_jax, mxfp4_quantize
@@ -148,7 +145,8 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
     }
     for i, kind in enumerate(cfg.attention_types):
         p = f"model.layers.{i}."
-        shapes |= _mix_shapes(cfg, p + "self_attention_res") | _mix_shapes(cfg, p + "mlp_res")
+        shapes |= block_reference.mix_shapes(cfg, p + "self_attention_res")
+        shapes |= block_reference.mix_shapes(cfg, p + "mlp_res")
         shapes[p + "input_layernorm.weight"] = ((h,), _BF16)
         shapes[p + "post_attention_layernorm.weight"] = ((h,), _BF16)
         attention = ATTENTION[kind]   # the library kind's own parameters
@@ -160,10 +158,9 @@ def param_shapes(cfg: KimiDims) -> dict[str, tuple[tuple[int, ...], str]]:
             shapes |= {m + "gate_proj.weight": ((inter, h), _BF16),
                        m + "up_proj.weight": ((inter, h), _BF16),
                        m + "down_proj.weight": ((h, inter), _BF16)}
-    shapes |= _mix_shapes(cfg, "model.output_attn_res")
+    shapes |= block_reference.mix_shapes(cfg, "model.output_attn_res")
     shapes["model.norm.weight"] = ((h,), _BF16)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = ((cfg.vocab_size, h), _BF16)
+    shapes["lm_head.weight"] = ((cfg.vocab_size, h), _BF16)     # untied (config REQUIRED)
     return shapes
 
 
@@ -171,18 +168,12 @@ _BF16, _F32, _U8 = "bfloat16", "float32", "uint8"
 _Shapes = dict[str, tuple[tuple[int, ...], str]]
 
 
-def _mix_shapes(cfg: KimiDims, prefix: str) -> _Shapes:
-    """One attention-residual query: a norm weight and a [1, H] projection."""
-    return {prefix + "_norm.weight": ((cfg.hidden_size,), _BF16),
-            prefix + "_proj.weight": ((1, cfg.hidden_size), _BF16)}
-
-
 def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
     h, lat, inter = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    shared = cfg.shared_intermediate_size
+    shared = cfg.shared_expert_intermediate_size
     shapes: _Shapes = {
-        m + "gate.weight": ((cfg.num_experts, h), _BF16),
-        m + "gate.e_score_correction_bias": ((cfg.num_experts,), _F32),
+        m + "gate.weight": ((cfg.experts, h), _BF16),
+        m + "gate.e_score_correction_bias": ((cfg.experts,), _F32),
         m + "routed_expert_down_proj.weight": ((lat, h), _BF16),
         m + "routed_expert_norm.weight": ((lat,), _BF16),
         m + "routed_expert_up_proj.weight": ((h, lat), _BF16),
@@ -190,7 +181,7 @@ def _moe_shapes(cfg: KimiDims, m: str) -> _Shapes:
         m + "shared_experts.up_proj.weight": ((shared, h), _BF16),
         m + "shared_experts.down_proj.weight": ((h, shared), _BF16),
     }
-    for e in range(cfg.num_experts):
+    for e in range(cfg.experts):
         for w, (out, inp) in zip(_EXPERT_MATRICES, ((inter, lat), (inter, lat), (lat, inter))):
             shapes[m + f"experts.{e}.{w}.weight_packed"] = ((out, inp // 2), _U8)
             shapes[m + f"experts.{e}.{w}.weight_scale"] = ((out, inp // BLOCK_SIZE), _U8)
@@ -261,13 +252,6 @@ def init_cache(cfg: KimiDims, batch: int, context: int) -> dict[str, jax.Array]:
 # Building blocks (public so tests can check them in isolation).
 
 
-def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
-    """SiTU GLU: ``beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`` (soft-capped
-    SiLU gate times a soft-capped linear up projection)."""
-    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
-            * linear_beta * jnp.tanh(up / linear_beta))
-
-
 def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
             rounding: Rounding | None = None, kind: str = "dense", op: str = "down",
             shard: str = "inter", gate_up: str = "gate_up") -> jax.Array:
@@ -278,44 +262,9 @@ def glu_mlp(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     x = mm_input(x, rounding)
     hidden = situ(matmul(x, p["gate_proj.weight"], rounding, kind, gate_up, by_tiles=True),
                   matmul(x, p["up_proj.weight"], rounding, kind, gate_up, by_tiles=True),
-                  cfg.situ_beta, cfg.situ_linear_beta)
+                  cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     per_rank = None if rounding is None else rounding.size(shard)
     return out_projection(hidden, p["down_proj.weight"], rounding, kind, op, per_rank, "mlp", by_tiles=True)
-
-
-def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: jax.Array,
-                       eps: float) -> jax.Array:
-    """Softmax mixture of ``sources [B, N, H]`` -> ``[B, H]``: score of source v is
-    ``proj . rms(v, norm)`` (a depth-wise attention with a learned, input-independent query)."""
-    normed = rms_norm(sources, norm_weight, eps)
-    scores = jnp.einsum("bnh,h->bn", normed, proj_weight.reshape(-1), precision=_HIGHEST)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bn,bnh->bh", probs, sources, precision=_HIGHEST)
-
-
-def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size: int,
-                              sublayer: Callable[[int, jax.Array], jax.Array],
-                              mix: Callable[[int, jax.Array], jax.Array]) -> jax.Array:
-    """Run ``2 * num_layers`` sublayers (j = 2i attention, 2i + 1 MLP of layer i) through Block
-    AttnRes and return the final mixture ``mix(2 * num_layers, ...)`` (before the final norm).
-
-    ``mix(j, sources [B, N, H]) -> [B, H]`` forms sublayer j's input; ``sublayer(j, h)`` returns
-    its output. Sources are the completed block sums (``b_0`` = embedding) plus, when non-empty,
-    the partial sum of the current block.
-    """
-    blocks: list[jax.Array] = []
-    partial: jax.Array | None = embedding  # b_0 is "filled" by the embedding alone
-    for i in range(num_layers):
-        if i % block_size == 0:  # layer i opens a new block: close the current one
-            assert partial is not None
-            blocks.append(partial)
-            partial = None
-        for j in (2 * i, 2 * i + 1):
-            sources = blocks if partial is None else [*blocks, partial]
-            out = sublayer(j, mix(j, jnp.stack(sources, axis=1)))
-            partial = out if partial is None else partial + out
-    assert partial is not None
-    return mix(2 * num_layers, jnp.stack([*blocks, partial], axis=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,45 +282,6 @@ def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size:
 # K3 MINI kernel from the same inputs (issue 12), where the plain forms above were not: the l2
 # norms of all heads at once, the conv and the delta rule unfused, the residual mixture as a
 # softmax and a dot, the attention unabsorbed, the experts' weighted sum unfused.
-
-
-def residual_slots(cfg: KimiDims) -> int:
-    """Source slots of the kernel's residual block buffer (``mkc.families.kimi_k3.graph``): the
-    embedding, every completed block and the one being filled."""
-    return 2 + -(-cfg.num_hidden_layers // cfg.attn_res_block_size)
-
-
-@functools.partial(jax.jit, static_argnames=("eps",))
-def _kernel_mix(sources: tuple[jax.Array, ...], count: jax.Array, norm_w: jax.Array,
-                proj_w: jax.Array, *, eps: float) -> jax.Array:
-    """``attention_residual`` over the first ``count`` of the ``residual_slots`` sources
-    (``[B, H]`` each, the rest masked), as the kernel forms it: one score per source, the softmax
-    as a running sum, the mixture added source by source."""
-    scores = [jnp.where(i < count, jnp.sum(rms_norm(v, norm_w, eps) * proj_w, axis=-1, keepdims=True),
-                        -jnp.inf) for i, v in enumerate(sources)]
-    top = scores[0]
-    for score in scores[1:]:
-        top = jnp.maximum(top, score)
-    exps = [jnp.exp(score - top) for score in scores]
-    total = exps[0]
-    for e in exps[1:]:
-        total = total + e
-    mixed = jnp.zeros_like(sources[0])
-    for i, (e, v) in enumerate(zip(exps, sources)):
-        mixed = mixed + jnp.where(i < count, (e / total) * v, 0.0)
-    return mixed
-
-
-def mla_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
-              latent_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None
-              ) -> tuple[jax.Array, jax.Array]:
-    """Gated NoPE multi-head latent attention for one token per row at its own position: the
-    layer library's (`mkc.layers.mla.reference.block`, the `mla` kind's all-reduces and KV
-    tiles). ``p`` maps names relative to ``self_attn.`` to f32 arrays. Writes the latent row at
-    ``positions[b]``, then attends over slots ``0..positions[b]``. Returns (output ``[B, H]``,
-    new latent_cache).
-    """
-    return mla_reference.block(MLA_ATTENTION, p, cfg, x, latent_cache, positions, rounding, "mla")
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int,
@@ -412,11 +322,11 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiDims, latent: 
                                     p[f"experts.{e}.{matrix}.weight_scale"],
                                     expert_logical_shape(cfg, matrix))
 
-    w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.num_experts)}
+    w = {e: [decoded(e, m) for m in _EXPERT_MATRICES] for e in range(cfg.experts)}
     # `scale bf16`: the codes' values above, each pack group's partial product times its
     # block's scale ([out, in/block] -> [in/group, out])
     scales = {e: [p.get(f"experts.{e}.{m}.{BLOCK_SCALE}") for m in _EXPERT_MATRICES]
-              for e in range(cfg.num_experts)}
+              for e in range(cfg.experts)}
 
     def per_group(s: jax.Array | None, w: jax.Array, group: int, rows: slice = slice(None),
                   cols: slice = slice(None)) -> jax.Array | None:
@@ -434,11 +344,11 @@ def _routed_experts_per_rank(p: Mapping[str, jax.Array], cfg: KimiDims, latent: 
         gu = groups["gate_up"]
         hidden = situ(rounding.linear(lat, w1[cols], gu, operands["gate_up"], per_group(s1, w1, gu, cols)),
                       rounding.linear(lat, w3[cols], gu, operands["gate_up"], per_group(s3, w3, gu, cols)),
-                      cfg.situ_beta, cfg.situ_linear_beta)
+                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         return rounding.linear(hidden, w2[:, cols], groups["down"], operands["down"],
                                per_group(s2, w2, groups["down"], cols=cols))
 
-    return moe_reference.expert_parallel_sum(rounding, cfg.num_experts, dense, cfg.routed_expert_hidden_size,
+    return moe_reference.expert_parallel_sum(rounding, cfg.experts, dense, cfg.routed_expert_hidden_size,
                                              expert, "moe")
 
 
@@ -451,7 +361,7 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
     if rounding is not None:
         router = round_to(router, rounding.exchange_wire("moe", "router"))
     ids, weights = route(router, p["gate.e_score_correction_bias"],
-                         cfg.num_experts_per_token, cfg.routed_scaling_factor)
+                         cfg.top_k, cfg.routed_scaling_factor)
     latent = matmul(xin, p["routed_expert_down_proj.weight"], rounding, "moe", "latent_down", by_tiles=True)
     shared = {n[len("shared_experts."):]: w for n, w in p.items() if n.startswith("shared_experts.")}
     if rounding is not None:
@@ -468,7 +378,7 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
         """The chosen experts' matrix, gathered while packed, decoded to f32 ``[B, k, out, in]``
         (`scale bf16`: times its block scales)."""
         def stacked(kind: str) -> jax.Array:
-            return jnp.stack([jnp.asarray(p[f"experts.{e}.{matrix}.{kind}"]) for e in range(cfg.num_experts)])
+            return jnp.stack([jnp.asarray(p[f"experts.{e}.{matrix}.{kind}"]) for e in range(cfg.experts)])
         shape = (*ids.shape, *expert_logical_shape(cfg, matrix))
         values = mxfp4_dequantize_jax(stacked("weight_packed")[ids], stacked("weight_scale")[ids], shape)
         if f"experts.0.{matrix}.{BLOCK_SCALE}" not in p:
@@ -478,7 +388,7 @@ def moe_block(p: Mapping[str, jax.Array], cfg: KimiDims, x: jax.Array,
 
     gate = jnp.einsum("bl,bkol->bko", latent, expert_weights("w1"), precision=_HIGHEST)
     up = jnp.einsum("bl,bkol->bko", latent, expert_weights("w3"), precision=_HIGHEST)
-    hidden = situ(gate, up, cfg.situ_beta, cfg.situ_linear_beta)
+    hidden = situ(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
     down = jnp.einsum("bki,bkoi->bko", hidden, expert_weights("w2"), precision=_HIGHEST)
     routed = jnp.einsum("bk,bko->bo", weights, down, precision=_HIGHEST)
     routed = rms_norm(routed, p["routed_expert_norm.weight"], cfg.rms_norm_eps)
@@ -497,11 +407,6 @@ def _sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
             w = jnp.asarray(w)
             out[name[len(prefix):]] = w if w.dtype == jnp.uint8 else w.astype(jnp.float32)
     return out
-
-
-def _residual_weights(params: Mapping[str, Any], prefix: str) -> tuple[jax.Array, jax.Array]:
-    return (jnp.asarray(params[prefix + "_norm.weight"]).astype(jnp.float32),
-            jnp.asarray(params[prefix + "_proj.weight"]).astype(jnp.float32))
 
 
 def embed(params: Mapping[str, Any], tokens: jax.Array, rounding: Rounding | None = None
@@ -527,22 +432,9 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
     embedding = embed(params, tokens, rounding)
     new_cache = dict(cache)
     eps = cfg.rms_norm_eps
-    n_layers = cfg.num_hidden_layers
-
-    slots = residual_slots(cfg)
 
     def mix(j: int, sources: jax.Array) -> jax.Array:
-        if j == 2 * n_layers:
-            prefix = "model.output_attn_res"
-        else:
-            prefix = f"model.layers.{j // 2}." + ("self_attention_res" if j % 2 == 0 else "mlp_res")
-        norm, proj = _residual_weights(params, prefix)
-        if rounding is None:
-            return attention_residual(sources, norm, proj, eps)
-        count = sources.shape[1]   # the kernel's source slots past count are masked
-        padded = tuple(sources[:, i] if i < count else jnp.zeros_like(sources[:, 0])
-                       for i in range(slots))
-        return _kernel_mix(padded, jnp.int32(count), norm.reshape(1, -1), proj.reshape(1, -1), eps=eps)
+        return block_reference.mix(params, cfg, j, sources, rounding)
 
     def sublayer(j: int, h: jax.Array) -> jax.Array:
         i = j // 2
@@ -555,8 +447,8 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
                     kda_reference.block(KDA_ATTENTION, attn, cfg, x, cache[f"layers.{i}.conv_state"],
                                         cache[f"layers.{i}.recurrent_state"], rounding, "kda"))
             else:
-                out, new_cache[f"layers.{i}.latent_cache"] = mla_block(
-                    attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions, rounding)
+                out, new_cache[f"layers.{i}.latent_cache"] = mla_reference.block(
+                    MLA_ATTENTION, attn, cfg, x, cache[f"layers.{i}.latent_cache"], positions, rounding)
             return out
         x = rms_norm(h, lp["post_attention_layernorm.weight"], eps)
         if cfg.is_moe(i):
@@ -566,7 +458,8 @@ def decode_hidden(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, 
         return glu_mlp({n[len("mlp."):]: w for n, w in lp.items() if n.startswith("mlp.")}, cfg, x,
                        rounding)
 
-    hidden = block_attention_residuals(embedding, n_layers, cfg.attn_res_block_size, sublayer, mix)
+    hidden = block_reference.block_attention_residuals(embedding, cfg.num_hidden_layers,
+                                                       cfg.attn_res_block_size, sublayer, mix)
     return hidden, new_cache
 
 
@@ -580,7 +473,7 @@ def decode_step(params: Mapping[str, Any], cfg: KimiDims, cache: Mapping[str, ja
     """
     x, new_cache = decode_hidden(params, cfg, cache, tokens, positions, rounding)
     x = rms_norm(x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32), cfg.rms_norm_eps)
-    head = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    head = params["lm_head.weight"]
     return matmul(x, jnp.asarray(head).astype(jnp.float32), rounding, "tail", "lm_head",
                   by_tiles=True), new_cache
 

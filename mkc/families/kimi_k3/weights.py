@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import LAYERS, MOE, KimiGeometry, KimiSharding
+from mkc.families.kimi_k3.graph import LAYERS, MOE
 from mkc.ir import WeightFormat
 from mkc.layers.block_residuals import weights as block_weights
 from mkc.layers.moe import weights as moe_weights
@@ -29,13 +29,13 @@ reference_states, kernel_states = _WEIGHTS.reference_states, _WEIGHTS.kernel_sta
 expert, requantization = _WEIGHTS.expert, _WEIGHTS.requantization
 
 
-def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, g: KimiGeometry, sh: KimiSharding,
-                  layer: int, expert: int, rank: int,
-                  formats: Mapping[str, WeightFormat] | None = None) -> dict[str, np.ndarray]:
-    """Model layer `layer`'s routed expert `expert` as rank `rank` holds it (its width slice),
-    by the library MoE (`mkc.layers.moe.weights.packed_mxfp4_expert`)."""
+def expert_arrays(hf: Mapping[str, np.ndarray], d: KimiDims, layer: int, expert: int, rank: int,
+                  expert_tp: int, formats: Mapping[str, WeightFormat] | None = None
+                  ) -> dict[str, np.ndarray]:
+    """Model layer `layer`'s routed expert `expert` as rank `rank` holds it (its width slice of
+    `expert_tp`), by the library MoE (`mkc.layers.moe.weights.packed_mxfp4_expert`)."""
     return moe_weights.packed_mxfp4_expert(MOE, hf, d, f"model.layers.{layer}.", expert, rank,
-                                           rank % sh.expert_tp, sh.expert_tp, formats)
+                                           rank % expert_tp, expert_tp, formats)
 
 
 def head_vectors(hf: Mapping[str, np.ndarray], d: KimiDims, rank: int, shards: ShardTable) -> np.ndarray:

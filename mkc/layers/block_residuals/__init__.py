@@ -69,11 +69,15 @@ class BlockAdd(Sublayer):
         return Part((Op(ADD_OPS[self.place], reads=(*self.outputs, "blocks"), writes=("blocks",)),), {}, {})
 
 
-def activations(d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The VMEM sources (-1: the batch): the embedding, every completed block and the one being
+def slots(d: Any) -> int:
+    """Source slots of the block buffer: the embedding, every completed block and the one being
     filled."""
-    sources = 2 + -(-d.num_hidden_layers // d.attn_res_block_size)
-    return {"blocks": ((sources, -1, d.hidden_size), "f32")}
+    return 2 + -(-d.num_hidden_layers // d.attn_res_block_size)
+
+
+def activations(d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The VMEM sources (-1: the batch), `slots` of them."""
+    return {"blocks": ((slots(d), -1, d.hidden_size), "f32")}
 
 
 def head_vectors() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkc.families.kimi_k3 import reference as reference
 from mkc.families.kimi_k3 import weights as kw
 from mkc.families.kimi_k3.config import KimiDims
-from mkc.families.kimi_k3.graph import KimiSharding, build, kimi_k3_geometry
+from mkc.families.kimi_k3.graph import build
 from mkc.ir import WeightFormat
 from mkc.layers.expert_formats import ops as format_ops
 from mkc.model.config import CONFIG_DIR
@@ -32,8 +32,8 @@ F32 = jnp.float32
 MINI = KimiDims.load(CONFIG_DIR / "kimi_k3_mini.json")
 RULES = {"heads": (16, 1), "mlp": (16, 1), "vocab": (16, 1), "latent_down": (16, 1),
          "experts": (4, 4), "expert_mlp": (4, 1), "latent_up": (8, 1), "router": (2, 1)}
-SH = KimiSharding.from_rules(RULES, 16)
-G = kimi_k3_geometry(MINI, SH)
+PER_RANK = build(MINI, RULES, 16).per_rank
+TP = PER_RANK["expert_tp"]
 
 
 def values_in_kernel(fn, args: list, out_shape):
@@ -157,7 +157,7 @@ def test_fp4_experts_are_refused_where_inexact_unless_rounded(hf):
     scales equal to the checkpoint-level requantization the references run on."""
     formats = {"expert.gate_up": _fp4(512, False), "expert.down": _fp4(128, True, "k3.sched:41")}
     with pytest.raises(FormatError) as e:
-        kw.expert_arrays(hf, MINI, G, SH, 2, 5, 1, formats)
+        kw.expert_arrays(hf, MINI, 2, 5, 1, TP, formats)
     msg = str(e.value)
     assert msg.startswith("k3.sched:40: `format expert.gate_up fp4 block 256` cannot hold "
                           "layer 2 expert 5's gate (w1) exactly: output 64, input rows 0-255 "
@@ -165,11 +165,11 @@ def test_fp4_experts_are_refused_where_inexact_unless_rounded(hf):
     assert e.value.cls == "expert.gate_up" and "`format expert.gate_up fp4 block 256 rounded`" in e.value.hint
     formats["expert.gate_up"] = _fp4(512, True)
     graph = build_graph(MINI, build(MINI, RULES, 16, formats), 16)
-    a = kw.expert_arrays(hf, MINI, G, SH, 2, 5, 1, formats)
+    a = kw.expert_arrays(hf, MINI, 2, 5, 1, TP, formats)
     assert {n: x.shape for n, x in a.items()} == {n: t.shape for n, t in graph.experts.items()}
-    w = G.expert_width
-    assert a["gate_up_codes"].shape == (MINI.latent // 2, 2 * w)
-    assert a["down_scales"].shape == (1, MINI.latent)
+    w = PER_RANK["expert_width"]
+    assert a["gate_up_codes"].shape == (MINI.routed_expert_hidden_size // 2, 2 * w)
+    assert a["down_scales"].shape == (1, MINI.routed_expert_hidden_size)
     shards = _shards()
     held, report = kw.requantization(hf, MINI, formats, shards, layers=[2])
     e5 = "model.layers.2.block_sparse_moe.experts.5."
@@ -196,13 +196,13 @@ def test_an_exactly_requantizable_checkpoint_packs_without_rounded(hf):
     strict = {cls: dataclasses.replace(f, rounded=False) for cls, f in rounded.items()}
     _, report = kw.requantization(exact_hf, MINI, strict, shards, layers=[2])
     assert all(r["exact"] and r["changed"] == 0 and r["max_abs_error"] == 0 for r in report.values())
-    a = kw.expert_arrays(exact_hf, MINI, G, SH, 2, 5, 1, strict)
+    a = kw.expert_arrays(exact_hf, MINI, 2, 5, 1, TP, strict)
     e5 = "model.layers.2.block_sparse_moe.experts.5."
-    w = G.expert_width
+    w = PER_RANK["expert_width"]
     down = a["down_codes"].T                                            # [latent, w/2]
     values = _values(down, a["down_scales"].T, w)
     want = mxfp4_dequantize(exact_hf[e5 + "w2.weight_packed"], exact_hf[e5 + "w2.weight_scale"],
-                            (MINI.latent, MINI.expert_width))[:, w:2 * w]
+                            (MINI.routed_expert_hidden_size, MINI.moe_intermediate_size))[:, w:2 * w]
     np.testing.assert_array_equal(values, want)
     assert a["down_codes"].view(ml_dtypes.float4_e2m1fn).dtype.itemsize == 1
 

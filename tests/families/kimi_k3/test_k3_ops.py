@@ -26,12 +26,15 @@ from mkc.ir import WeightFormat
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from mkc.families.kimi_k3 import lowering
-from mkc.families.kimi_k3 import ops as ops
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers import expert_formats
 from mkc.layers import ops as layer_ops
+from mkc.layers.block_residuals import lowering as block_lowering
+from mkc.layers.mla import ops as mla_ops
+from mkc.layers.mla import weights as mla_weights
 from mkc.layers.kda import ops as kda_ops
 from mkc.layers.kda import reference as kda_reference
+from mkc.layers.mla import reference as mla_reference
 from mkc.layers.kda.weights import expand_a_log
 from mkc.layers.reference import l2_normalize
 from mkc.layers.expert_formats import ops as format_ops
@@ -39,6 +42,8 @@ from mkc.layers.expert_formats import weights as format_weights
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
+from mkc.layers import block_residuals
+from mkc.layers.block_residuals import reference as block_reference
 from tests_support import body_layer, lowered_routed_experts
 
 MINI_JSON = CONFIG_DIR / "kimi_k3_mini.json"
@@ -104,9 +109,9 @@ def test_situ_matches_reference() -> None:
     gate = jnp.asarray(rng.normal(0, 8, (8, 256)), F32)
     up = jnp.asarray(rng.normal(0, 40, (8, 256)), F32)
     got, packed = values_in_kernel(
-        lambda g, u: (ops.situ(g, u), ops.situ_packed(jnp.concatenate([g, u], axis=-1), 256)),
+        lambda g, u: (layer_ops.situ(g, u), layer_ops.situ_packed(jnp.concatenate([g, u], axis=-1), 256)),
         [gate, up], (sds((8, 256)), sds((8, 256))))
-    want = ref.situ(gate, up, 4.0, 25.0)
+    want = layer_ops.situ(gate, up, 4.0, 25.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(packed, want, rtol=1e-6, atol=1e-6)
 
@@ -115,18 +120,19 @@ def test_the_lowered_situ_bodies_take_the_configs_betas_where_they_saturate() ->
     """shared_gate_up and routed_experts (its matmuls dense on f32 values) apply SiTU with the
     config's betas (here not the op's defaults) to products large enough that both tanh
     saturate: a beta off by 1 % is caught."""
-    dims = dataclasses.replace(KimiDims.load(MINI_JSON), situ_beta=3.0, situ_linear_beta=20.0)
+    dims = dataclasses.replace(KimiDims.load(MINI_JSON), activation_situ_beta=3.0,
+                               activation_situ_linear_beta=20.0)
     rng = np.random.default_rng(13)
-    b, latent, width, experts_n = 3, dims.latent, 128, 2
+    b, latent, width, experts_n = 3, dims.routed_expert_hidden_size, 128, 2
     gate, up = rng.normal(0, 8, (b, width)), rng.normal(0, 40, (b, width))
     gate_up = jnp.asarray(np.concatenate([gate, up], 1), F32)
 
-    def want_situ(gate, up, beta=dims.situ_beta, linear_beta=dims.situ_linear_beta):
-        return np.asarray(ref.situ(jnp.asarray(gate, F32), jnp.asarray(up, F32), beta, linear_beta))
+    def want_situ(gate, up, beta=dims.activation_situ_beta, linear_beta=dims.activation_situ_linear_beta):
+        return np.asarray(layer_ops.situ(jnp.asarray(gate, F32), jnp.asarray(up, F32), beta, linear_beta))
 
     want = want_situ(gate, up)
-    for mutant in (want_situ(gate, up, beta=1.01 * dims.situ_beta),
-                   want_situ(gate, up, linear_beta=1.01 * dims.situ_linear_beta)):
+    for mutant in (want_situ(gate, up, beta=1.01 * dims.activation_situ_beta),
+                   want_situ(gate, up, linear_beta=1.01 * dims.activation_situ_linear_beta)):
         assert np.max(np.abs(mutant - want)) > 1e-3 * np.max(np.abs(want))
     c = body_layer(dims, per_rank={"shared": width}, matmul=lambda name, h: h)   # h is the product
     shared = lowering.BODIES["moe", "shared_gate_up"]
@@ -197,12 +203,12 @@ def test_kda_decay_matches_formula() -> None:
 def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     """decay, l2 norms, per-head steps and the gated output norm compose to the KDA kind's
     reference block."""
-    cfg = dataclasses.replace(mini, heads=2)
+    cfg = dataclasses.replace(mini, num_attention_heads=2, kda_num_heads=2)
     p = _random_params(cfg, "model.layers.0.self_attn.", seed=3)
     b, nh, d, h = 2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(b, h)), F32)
-    conv_state = jnp.asarray(rng.normal(size=(b, 3 * cfg.kda_dim, cfg.conv_kernel_size - 1)), jnp.bfloat16)
+    conv_state = jnp.asarray(rng.normal(size=(b, 3 * nh * d, cfg.conv_kernel_size - 1)), jnp.bfloat16)
     rec = jnp.asarray(rng.normal(0, 0.3, (b, nh, d, d)), F32)
     want_out, _, want_rec = kda_reference.block(ref.KDA_ATTENTION, p, cfg, x, conv_state, rec)
 
@@ -215,7 +221,7 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     beta_logit = ref.linear(x, p["b_proj.weight"])
     g = ref.linear(x, p["g_proj.weight"])
     a_log = expand_a_log(np.asarray(p["A_log"]), d)
-    pd = cfg.kda_dim
+    pd = cfg.kda_num_heads * cfg.kda_head_dim
 
     def body(conv_ref, gate_ref, a_ref, dt_ref, bl_ref, g_ref, w_ref, s_ref, o_ref, so_ref):
         decay = kda_ops.log_decay(gate_ref[...], a_ref[...], dt_ref[...], cfg.gate_lower_bound)
@@ -241,35 +247,36 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
 
 def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     """q absorption, latent tiles (visited last tile first, so fully masked tiles meet an empty
-    state) and the value up-projection reproduce ``ref.mla_block``'s expanded attention."""
-    cfg = dataclasses.replace(mini, heads=4)
+    state) and the value up-projection reproduce the reference's expanded attention
+    (``mkc.layers.mla.reference.block``)."""
+    cfg = dataclasses.replace(mini, num_attention_heads=4, kda_num_heads=4)
     p = _random_params(cfg, "model.layers.3.self_attn.", seed=5)
     b, t_len, tile = 2, 48, 16
     nh, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.normal(size=(b, cfg.hidden_size)), F32)
-    cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.latent_cache_dim)), jnp.bfloat16)
+    cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)), jnp.bfloat16)
     positions = jnp.array([5, 40], jnp.int32)
-    want, cache = ref.mla_block(p, cfg, x, cache, positions)
+    want, cache = mla_reference.block(ref.MLA_ATTENTION, p, cfg, x, cache, positions)
 
     q_latent = ref.rms_norm(ref.linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], cfg.rms_norm_eps)
-    w_q_nope, w_q_extra = ops.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)
-    w_uk, w_uv = ops.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
+    w_q_nope, w_q_extra = mla_weights.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)
+    w_uk, w_uv = mla_weights.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
     q_nope = jnp.dot(q_latent, w_q_nope, precision=lax.Precision.HIGHEST)
     q_extra = jnp.dot(q_latent, w_q_extra, precision=lax.Precision.HIGHEST)
-    scale = cfg.qk_head_dim ** -0.5
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
 
     def body(pos_ref, qn_ref, qe_ref, wuk_ref, wuv_ref, cache_ref, o_ref):
         for r in range(b):
-            q_lat, q_ext = ops.mla_absorb_query(qn_ref[r:r + 1, :], qe_ref[r:r + 1, :], wuk_ref[...], nh)
+            q_lat, q_ext = mla_ops.mla_absorb_query(qn_ref[r:r + 1, :], qe_ref[r:r + 1, :], wuk_ref[...], nh)
             m = jnp.full((nh, 1), -jnp.inf, F32)
             denom, acc = jnp.zeros((nh, 1), F32), jnp.zeros((nh, rank), F32)
             for t in reversed(range(t_len // tile)):
                 rows = cache_ref[r, t * tile:(t + 1) * tile, :]
                 visible = t * tile + lax.broadcasted_iota(jnp.int32, (1, tile), 1) <= pos_ref[r]
-                m, denom, acc = ops.mla_tile(q_lat, q_ext, rows[:, :rank], rows[:, rank:], visible,
+                m, denom, acc = mla_ops.mla_tile(q_lat, q_ext, rows[:, :rank], rows[:, rank:], visible,
                                              m, denom, acc, scale)
-            o_ref[r:r + 1, :] = ops.mla_value_up(acc, denom, wuv_ref[...], nh)
+            o_ref[r:r + 1, :] = mla_ops.mla_value_up(acc, denom, wuv_ref[...], nh)
 
     attn = in_kernel(body, [positions, q_nope, q_extra, jnp.asarray(w_uk), jnp.asarray(w_uv), cache],
                      sds((b, nh * cfg.v_head_dim)), in_specs=[SMEM] + [VMEM] * 5)
@@ -280,11 +287,11 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
 def test_split_helpers_select_heads() -> None:
     rng = np.random.default_rng(7)
     w = rng.normal(size=(3 * (4 + 2), 8))
-    uk, uv = ops.split_kv_b_proj(w, 3, 4, heads=[2, 0])
+    uk, uv = mla_weights.split_kv_b_proj(w, 3, 4, heads=[2, 0])
     per_head = w.reshape(3, 6, 8)
     np.testing.assert_array_equal(uk, np.concatenate([per_head[2, :4], per_head[0, :4]]))
     np.testing.assert_array_equal(uv, np.concatenate([per_head[2, 4:], per_head[0, 4:]]).T)
-    qn, qe = ops.split_q_b_proj(w, 3, 4)
+    qn, qe = mla_weights.split_q_b_proj(w, 3, 4)
     x = rng.normal(size=8)
     full = (w @ x).reshape(3, 6)
     np.testing.assert_allclose(x @ qn, full[:, :4].reshape(-1))
@@ -322,7 +329,7 @@ def test_the_lowered_route_matches_reference_where_the_bias_decides() -> None:
     and ties to the lowest lane, and weights, also where the bias decides a pick by less than
     1 % of itself (so a bias off by 1 % either way, or none, picks otherwise); the picks go to
     select_experts, and as SMEM scalars read a weight column back as an expert DMA would."""
-    dims = dataclasses.replace(KimiDims.load(MINI_JSON), routed_scaling=2.5)
+    dims = dataclasses.replace(KimiDims.load(MINI_JSON), routed_scaling_factor=2.5)
     n, k = dims.experts, dims.top_k
     logits, bias = _route_case(dims, seed=8)
     b = logits.shape[0]
@@ -330,9 +337,10 @@ def test_the_lowered_route_matches_reference_where_the_bias_decides() -> None:
     def ref_ids(scale: float) -> np.ndarray:
         """The reference's picks with the bias times ``scale``."""
         return np.asarray(ref.route(jnp.asarray(logits[:, :n]), scale * jnp.asarray(bias[:, :n]), k,
-                                    dims.routed_scaling)[0])
+                                    dims.routed_scaling_factor)[0])
 
-    want_ids, want_w = ref.route(jnp.asarray(logits[:, :n]), jnp.asarray(bias[:, :n]), k, dims.routed_scaling)
+    want_ids, want_w = ref.route(jnp.asarray(logits[:, :n]), jnp.asarray(bias[:, :n]), k,
+                                 dims.routed_scaling_factor)
     want_ids = np.asarray(want_ids)
     def rows_picking_otherwise(scale: float) -> list[int]:
         return [r for r in range(b) if not np.array_equal(ref_ids(scale)[r], want_ids[r])]
@@ -461,7 +469,7 @@ def test_mxfp4_kernel_packing_round_trips() -> None:
 
 def _mix_case(dims: KimiDims, seed: int):
     """Block attention residuals of ``dims``' layers through the reference's own block
-    bookkeeping (``ref.block_attention_residuals``, random sublayer outputs), recording each
+    bookkeeping (``block_reference.block_attention_residuals``, random sublayer outputs), recording each
     sublayer's sources ``[B, N, H]`` (and the final mixture's, as sublayer 2 * layers). The
     projections are drawn small enough that the mixture is no one-hot: a score off by 1 %
     moves it."""
@@ -479,7 +487,7 @@ def _mix_case(dims: KimiDims, seed: int):
     def mix(j, stacked):
         sources[j] = stacked
         return stacked[:, 0]
-    ref.block_attention_residuals(embedding, dims.num_hidden_layers, dims.block,
+    block_reference.block_attention_residuals(embedding, dims.num_hidden_layers, dims.attn_res_block_size,
                                   lambda j, _: outputs[j], mix)
     return vectors, sources
 
@@ -493,7 +501,7 @@ def _kernel_blocks(stacked: jax.Array, slots: int) -> jax.Array:
 
 
 def test_the_lowered_residual_mixtures_are_the_references() -> None:
-    """The residual mixture the kernel forms, ``ops.residual_mix`` over the block buffer with
+    """The residual mixture the kernel forms, ``block_lowering.residual_mix`` over the block buffer with
     its stale slots and a traced source count, is the reference's attention residual over the
     sources its block bookkeeping holds; and the lowered bodies that call it, input_mix and
     mlp_mix (every sublayer of the MINI's layers, the loop layer traced from SMEM as the
@@ -502,7 +510,7 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
     changes."""
     dims = KimiDims.load(MINI_JSON)
     vectors, sources = _mix_case(dims, seed=12)
-    slots, eps = ref.residual_slots(dims), dims.rms_norm_eps
+    slots, eps = block_residuals.slots(dims), dims.rms_norm_eps
     layers = 2 * dims.num_hidden_layers
     assert len(dims.layer_kinds) == layers and max(s.shape[1] for s in sources.values()) == slots - 1
 
@@ -516,7 +524,7 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
 
     def want_mix(j: int, proj_scale: float = 1.0) -> np.ndarray:
         norm_w, proj_w, _ = (vectors[n] for n in weights(j))
-        return np.asarray(ref.attention_residual(sources[j], norm_w[0], proj_scale * proj_w, eps))
+        return np.asarray(block_reference.attention_residual(sources[j], norm_w[0], proj_scale * proj_w, eps))
 
     def want(j: int, proj_scale: float = 1.0) -> np.ndarray:
         return np.asarray(ref.rms_norm(want_mix(j, proj_scale), vectors[weights(j)[2]][0], eps))
@@ -532,7 +540,8 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
         for j in range(layers + 1):             # sublayer j's block buffer and loop layer
             blocks = [blocks_ref[j, i] for i in range(slots)]
             norm_w, proj_w = (rows[n] for n in weights(j)[:2])
-            o_mix[j * b:(j + 1) * b, :] = ops.residual_mix(blocks, count_ref[j], norm_w, proj_w, eps)
+            o_mix[j * b:(j + 1) * b, :] = block_lowering.residual_mix(blocks, count_ref[j], norm_w, proj_w,
+                                                                       eps)
             kernel = types.SimpleNamespace(refs=types.SimpleNamespace(blocks=blocks_ref.at[j]), dims=dims,
                                            layers=layers)
             if j == layers:
@@ -568,7 +577,11 @@ import jax, jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl, topologies
 from jax.experimental.pallas import tpu as pltpu
-from mkc.families.kimi_k3 import ops as ops
+from mkc.layers import ops as layer_ops
+from mkc.layers.block_residuals import lowering as block_lowering
+from mkc.layers.mla import ops as mla_ops
+from mkc.layers.mla import weights as mla_weights
+from mkc.layers.moe.lowering import sigmoid_route_weights
 from mkc.layers.expert_formats import ops as format_ops
 from mkc.layers.kda import ops as kda_ops
 from mkc.layers.ops import l2_normalize
@@ -582,7 +595,7 @@ S = pl.BlockSpec(memory_space=pltpu.SMEM)
 
 def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits, bias, codes, scales,
            src, norm_w, proj_w, o_x, o_kda, o_state, o_mla, o_moe, o_ids, o_res):
-    o_x[...] = ops.situ_packed(x[...], H // 2)
+    o_x[...] = layer_ops.situ_packed(x[...], H // 2)
     decay = kda_ops.log_decay(gate[...], a_log[...], dt[...], -5.0)
     q = l2_normalize(qkv[0:1, :D]) * D ** -0.5
     k = l2_normalize(qkv[1:2, :D])
@@ -590,17 +603,17 @@ def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits,
                                         jax.nn.sigmoid(qkv[3:4, 0:1]))
     o_kda[...] = kda_ops.gated_output(o, qkv[3:4, :D], norm_w[:, :D], 1e-5)
 
-    q_lat, q_ext = ops.mla_absorb_query(qn[...], qe[...], wuk[...], NH)
+    q_lat, q_ext = mla_ops.mla_absorb_query(qn[...], qe[...], wuk[...], NH)
     def tile(t, carry):
         start = pl.multiple_of(t * TILE, TILE)
         rows = cache[pl.ds(start, TILE), :]
         visible = start + lax.broadcasted_iota(I32, (1, TILE), 1) <= pos[0]
-        return ops.mla_tile(q_lat, q_ext, rows[:, :R], rows[:, R:], visible, *carry, NH ** -0.5)
+        return mla_ops.mla_tile(q_lat, q_ext, rows[:, :R], rows[:, R:], visible, *carry, NH ** -0.5)
     init = (jnp.full((NH, 1), -jnp.inf, F32), jnp.zeros((NH, 1), F32), jnp.zeros((NH, R), F32))
     m, denom, acc = lax.fori_loop(0, T // TILE, tile, init)
-    o_mla[...] = ops.mla_value_up(acc, denom, wuv[...], NH)
+    o_mla[...] = mla_ops.mla_value_up(acc, denom, wuv[...], NH)
 
-    weights, ids = ops.route(logits[...], bias[...], K, 2.0)
+    weights, ids = sigmoid_route_weights(logits[...], bias[...], K, True, 2.0)
     for r in range(B):
         for j in range(K):
             o_ids[r * K + j] = experts.expert_id(ids, r, j)
@@ -609,7 +622,7 @@ def kernel(pos, x, gate, a_log, dt, state, qkv, qn, qe, wuk, wuv, cache, logits,
     o_moe[...] = y * experts.expert_weight(weights, o_ids[3])
 
     parts = [src[i * B:(i + 1) * B, :] for i in range(3)]
-    o_res[...] = ops.residual_mix(parts, pos[0] % 3 + 1, norm_w[...], proj_w[...], 1e-5)
+    o_res[...] = block_lowering.residual_mix(parts, pos[0] % 3 + 1, norm_w[...], proj_w[...], 1e-5)
 
 args = [((1,), I32), ((B, H), F32), ((B, 2 * D), F32), ((1, 2 * D), F32), ((1, 2 * D), F32),
         ((D, D), F32), ((4, D), F32), ((1, NH * 128), F32), ((1, NH * EX), F32),

@@ -17,12 +17,21 @@ import pytest
 from mkc.model.config import CONFIG_DIR
 from mkc.model.mxfp4 import mxfp4_dequantize
 from mkc.families.kimi_k3 import reference as ref
+from mkc.layers import ops as layer_ops
+from mkc.layers.block_residuals import reference as block_reference
 from mkc.families.kimi_k3.config import KimiDims
 from mkc.layers.kda import reference as kda_reference
+from mkc.layers.mla import reference as mla_reference
 
 CONFIGS = CONFIG_DIR
 FULL_JSON = CONFIGS / "kimi_k3.json"
 MINI_JSON = CONFIGS / "kimi_k3_mini.json"
+
+
+def layers_of(d: KimiDims, kind: str) -> tuple[int, ...]:
+    """The model layers whose attention (kda, mla) or MLP (dense, moe) is `kind`."""
+    place = 1 if kind in ("dense", "moe") else 0
+    return tuple(i for i, k in enumerate(d.layer_kinds[place::2]) if k == kind)
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +77,20 @@ def _situ(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 def test_full_config() -> None:
     cfg = ref.load_config(FULL_JSON)
     assert cfg.num_hidden_layers == 93 and len(cfg.attention_types) == 93
-    assert cfg.mla_layers == tuple(i for i in range(93) if i % 4 == 3 or i == 92)
-    assert len(cfg.mla_layers) == 24 and len(cfg.kda_layers) == 69
-    assert cfg.moe_layers == tuple(range(1, 93)) and not cfg.is_moe(0)
+    assert layers_of(cfg, "mla") == tuple(i for i in range(93) if i % 4 == 3 or i == 92)
+    assert len(layers_of(cfg, "mla")) == 24 and len(layers_of(cfg, "kda")) == 69
+    assert layers_of(cfg, "moe") == tuple(range(1, 93)) and not cfg.is_moe(0)
     assert (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size) == (7168, 163840, 33792)
     assert cfg.rms_norm_eps == 1e-5
     assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size) == (96, 128, 4)
     assert cfg.gate_lower_bound == -5.0
     assert (cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank) == (96, 1536, 512)
-    assert (cfg.qk_head_dim, cfg.v_head_dim, cfg.latent_cache_dim) == (192, 128, 576)
-    assert (cfg.num_experts, cfg.num_experts_per_token, cfg.routed_expert_hidden_size) == (896, 16, 3584)
-    assert (cfg.moe_intermediate_size, cfg.shared_intermediate_size) == (3072, 6144)
-    assert (cfg.attn_res_block_size, cfg.situ_beta, cfg.situ_linear_beta) == (12, 4.0, 25.0)
+    assert (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim) == (192, 128)
+    assert cfg.kv_lora_rank + cfg.qk_rope_head_dim == 576
+    assert (cfg.experts, cfg.top_k, cfg.routed_expert_hidden_size) == (896, 16, 3584)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (3072, 6144)
+    assert cfg.attn_res_block_size == 12
+    assert (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) == (4.0, 25.0)
 
     shapes = ref.param_shapes(cfg)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == ((12288, 7168), "bfloat16")
@@ -130,29 +141,30 @@ def test_config_variants_and_validation() -> None:
 
 def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims) -> None:
     n = mini.num_hidden_layers
-    assert mini.mla_layers == tuple(i for i in range(n) if i % 4 == 3 or i == n - 1)
+    assert layers_of(mini, "mla") == tuple(i for i in range(n) if i % 4 == 3 or i == n - 1)
     assert (n - 1) % 4 != 3  # the last layer is MLA by K3's extra rule, not by the stride
     assert set(mini.attention_types) == {ref.KDA, ref.MLA}
     # Two residual-block boundaries inside the stack (layers 3 and 6), one at an MLA layer.
     assert mini.attn_res_block_size == 3 and n == 7
-    assert mini.moe_layers == tuple(range(1, n))
-    assert (mini.num_experts, mini.num_experts_per_token, mini.num_shared_experts) == (32, 4, 2)
+    assert layers_of(mini, "moe") == tuple(range(1, n))
+    assert (mini.experts, mini.top_k, mini.num_shared_experts) == (32, 4, 2)
     # Same constants as K3 where they shape the math.
     full = ref.load_config(FULL_JSON)
     for field in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_head_dim", "conv_kernel_size",
-                  "gate_lower_bound", "rms_norm_eps", "situ_beta", "situ_linear_beta"):
+                  "gate_lower_bound", "rms_norm_eps", "activation_situ_beta",
+                  "activation_situ_linear_beta"):
         assert getattr(mini, field) == getattr(full, field), field
     ranks = 16
     per_rank = {
-        "kda q/k/v/g columns (1 head)": mini.kda_dim // ranks,
+        "kda q/k/v/g columns (1 head)": mini.kda_num_heads * mini.kda_head_dim // ranks,
         "mla v/gate columns (1 head)": mini.num_attention_heads * mini.v_head_dim // ranks,
         "dense mlp columns": mini.intermediate_size // ranks,
         "vocab rows": mini.vocab_size // ranks,
-        "shared expert columns (4-way, as K3 splits its experts)": mini.shared_intermediate_size // 4,
+        "shared expert columns (4-way, as K3 splits its experts)": mini.shared_expert_intermediate_size // 4,
     }
     assert all(v % 128 == 0 and v > 0 for v in per_rank.values()), per_rank
     assert mini.kda_num_heads % ranks == 0 and mini.num_attention_heads % ranks == 0
-    assert mini.num_experts % ranks == 0  # two whole experts per rank
+    assert mini.experts % ranks == 0  # two whole experts per rank
     for dim in (mini.hidden_size, mini.routed_expert_hidden_size, mini.moe_intermediate_size,
                 mini.q_lora_rank, mini.kv_lora_rank):
         assert dim % 128 == 0, dim
@@ -194,7 +206,7 @@ def test_router_bias_selects_but_does_not_weight() -> None:
 def test_situ_formula() -> None:
     g = np.linspace(-40, 40, 81)
     u = np.linspace(-100, 100, 81)
-    got = np.asarray(ref.situ(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32), 4.0, 25.0))
+    got = np.asarray(layer_ops.situ(jnp.asarray(g, jnp.float32), jnp.asarray(u, jnp.float32), 4.0, 25.0))
     np.testing.assert_allclose(got, _situ(g, u), rtol=1e-5, atol=1e-5)
     assert np.all(np.abs(got) <= 4 * 25)  # both factors are soft-capped
 
@@ -239,10 +251,10 @@ def test_block_attention_residual_schedule(n_layers: int, block: int) -> None:
 
     def jax_mix(j: int, sources: jax.Array) -> jax.Array:
         counts.append(sources.shape[1])
-        return ref.attention_residual(sources, jnp.asarray(norms[j], jnp.float32),
+        return block_reference.attention_residual(sources, jnp.asarray(norms[j], jnp.float32),
                                       jnp.asarray(projs[j], jnp.float32), eps)
 
-    got = ref.block_attention_residuals(
+    got = block_reference.block_attention_residuals(
         jnp.asarray(embedding, jnp.float32), n_layers, block,
         lambda j, h: jnp.tanh(jnp.matmul(h, jnp.asarray(mats[j], jnp.float32), precision="highest")), jax_mix)
     assert counts == want_counts
@@ -299,11 +311,11 @@ def _numpy_kda_layer(p: dict[str, np.ndarray], cfg: KimiDims, x: np.ndarray, win
 
 
 def test_kda_matches_numpy_loops(mini: KimiDims, mini_params: dict[str, np.ndarray]) -> None:
-    p64 = _sub64(mini_params, f"model.layers.{mini.kda_layers[1]}.self_attn.")
+    p64 = _sub64(mini_params, f"model.layers.{layers_of(mini, "kda")[1]}.self_attn.")
     rng = np.random.default_rng(1)
     nh, d, width = mini.kda_num_heads, mini.kda_head_dim, mini.conv_kernel_size - 1
     # Non-zero starting states so the decay, the conv history and the delta correction all act.
-    conv_state = _bf16_round(rng.normal(size=(3 * mini.kda_dim, width)))
+    conv_state = _bf16_round(rng.normal(size=(3 * mini.kda_num_heads * mini.kda_head_dim, width)))
     state = rng.normal(0, 0.3, size=(nh, d, d))
     jax_conv = jnp.asarray(conv_state[None], jnp.bfloat16)
     jax_state = jnp.asarray(state[None], jnp.float32)
@@ -343,7 +355,7 @@ def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: KimiDims, xs: np.ndarray,
     192-wide per-head keys ``[k_nope | k_extra]``; ``rows`` are the (bf16-stored) latent rows."""
     t_len, nh, nope, vd = xs.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
     q_latent = _rms(xs @ p["q_a_proj.weight"].T, p["q_a_layernorm.weight"], cfg.rms_norm_eps)
-    q = (q_latent @ p["q_b_proj.weight"].T).reshape(t_len, nh, cfg.qk_head_dim)
+    q = (q_latent @ p["q_b_proj.weight"].T).reshape(t_len, nh, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     kv = (rows[:, :cfg.kv_lora_rank] @ p["kv_b_proj.weight"].T).reshape(t_len, nh, nope + vd)
     extra = np.broadcast_to(rows[:, None, cfg.kv_lora_rank:], (t_len, nh, cfg.qk_rope_head_dim))
     keys, values = np.concatenate([kv[..., :nope], extra], axis=-1), kv[..., nope:]
@@ -361,12 +373,12 @@ def _numpy_causal_mla(p: dict[str, np.ndarray], cfg: KimiDims, xs: np.ndarray,
 
 def test_cached_mla_matches_full_recompute(mini: KimiDims,
                                            mini_params: dict[str, np.ndarray]) -> None:
-    p64 = _sub64(mini_params, f"model.layers.{mini.mla_layers[0]}.self_attn.")
+    p64 = _sub64(mini_params, f"model.layers.{layers_of(mini, "mla")[0]}.self_attn.")
     rng = np.random.default_rng(2)
     batch, t_len, context = 2, 6, 9
     xs = rng.normal(size=(batch, t_len, mini.hidden_size))
-    cache = jnp.zeros((batch, context, mini.latent_cache_dim), jnp.bfloat16)
-    block = jax.jit(ref.mla_block, static_argnums=1)
+    cache = jnp.zeros((batch, context, mini.kv_lora_rank + mini.qk_rope_head_dim), jnp.bfloat16)
+    block = jax.jit(functools.partial(mla_reference.block, ref.MLA_ATTENTION), static_argnums=1)
     got = []
     for t in range(t_len):
         out, cache = block(_to_jax(p64), mini, jnp.asarray(xs[:, t], jnp.float32), cache,
@@ -397,7 +409,7 @@ def test_moe_matches_numpy_loop(mini: KimiDims, mini_params: dict[str, np.ndarra
 
     for b, x in enumerate(xs):
         scores = _sigmoid(p["gate.weight"] @ x)
-        chosen = np.argsort(-(scores + p["gate.e_score_correction_bias"]))[: mini.num_experts_per_token]
+        chosen = np.argsort(-(scores + p["gate.e_score_correction_bias"]))[: mini.top_k]
         weights = scores[chosen] / scores[chosen].sum()
         z = p["routed_expert_down_proj.weight"] @ x
         y = sum(wt * (expert(e, "w2") @ _situ(expert(e, "w1") @ z, expert(e, "w3") @ z))
