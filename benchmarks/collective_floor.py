@@ -4,8 +4,8 @@ as the best of the all-reduce algorithms over the same rank group (each `direct`
 `two_level chip|host`, one-shot or scattered), and at the latency floor no algorithm
 can beat: one copy's fixed cost from the farthest member of the group, with its bytes free.
 Then the factor on the copy latencies (`ici_copy_s`, `sibling_copy_s`, `remote_issue_s`,
-`ici_hop_s`: measured on TPU7x, the last assumed) at which the best algorithms' total would
-meet a target. Modelled: the latencies are measured, these collectives' times are not.
+`collective_entry_s`, `ici_hop_s`: measured on TPU7x, the last assumed) at which the best
+algorithms' total would meet a target. Modelled: the latencies are measured, these collectives' times are not.
 
     .venv/bin/python benchmarks/collective_floor.py                      # K3, batch 8
     .venv/bin/python benchmarks/collective_floor.py SPEC --batch 1 --target-ms 0.8
@@ -33,7 +33,7 @@ from mkc.resolve.collectives import algorithm_stages  # noqa: E402
 from mkc.steps.collectives import AllReduce, OverlapPart, Round  # noqa: E402
 from mkc.trace import Collective, LayerBegin  # noqa: E402
 
-LATENCIES = ("ici_copy_s", "sibling_copy_s", "remote_issue_s", "ici_hop_s")
+LATENCIES = ("ici_copy_s", "sibling_copy_s", "remote_issue_s", "collective_entry_s", "ici_hop_s")
 
 
 @dataclass

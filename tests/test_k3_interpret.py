@@ -31,7 +31,7 @@ def _assert_matches_reference(summary: dict) -> None:
     assert numerics.failures(summary) == [], summary
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_eager_dma_mode_with_race_detection_and_rounded_fp4_experts(tmp_path):
     """Eager DMAs land as soon as issued, so a write racing a read before its wait shows (on-wait
     mode would run the copy at the wait and hide it; the batch-8 test below runs on-wait).

@@ -32,8 +32,8 @@ B = 2
 
 @cache
 def _run():
-    d = dataclasses.replace(k3.load_config(CONFIG_DIR / "kimi_k3_mini.json"), hidden_size=128, heads=2,
-                            head_dim=32)
+    d = dataclasses.replace(k3.load_config(CONFIG_DIR / "kimi_k3_mini.json"), hidden_size=128,
+                            kda_num_heads=2, kda_head_dim=32)
     sub = KDA()
     hf = draw_params(sub, d, seed=6)
     rng = np.random.default_rng(11)

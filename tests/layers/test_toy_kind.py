@@ -31,6 +31,9 @@ KIND = {
         class GeGLU(Sublayer):
             package = "toy_geglu_kind"
             prefix: str = "mlp."
+            # what SwiGLU's weights module, reused below, reads of its kind
+            residual: bool = True
+            padded: bool = False
 
             def op_names(self):
                 return ("post_norm", "gate_up", "down", "mlp_residual")

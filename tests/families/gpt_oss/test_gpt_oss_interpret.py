@@ -100,7 +100,7 @@ def test_the_ring_past_the_window_on_wait_bit_equal_and_a_window_off_by_one_is_r
     assert_each_mutant_rejected(summary, ("oss.window", "oss.sink"))
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_ring_past_the_window_eager_with_race_detection(tmp_path):
     """GPT-OSS's race-detection run: eager DMAs (which land as soon as issued, so a write
     racing a read shows) through the ring's wrap, on the shipped 20b spec with the window's

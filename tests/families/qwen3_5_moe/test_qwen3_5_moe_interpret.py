@@ -87,8 +87,8 @@ def test_eager_at_the_largest_batch_cycles_experts_through_the_slots():
     assert summary["steps"] and numerics.failures(summary) == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("formats", ["bf16", pytest.param("fp8 block", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("formats", ["bf16", "fp8 block"])
 def test_no_races_with_race_detection(formats, tmp_path):
     summary = _run("--mode", "on_wait", "--races", "--steps", "1", "--batch", "1",
                    spec=_expert_spec(formats, tmp_path))
