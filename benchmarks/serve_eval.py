@@ -75,36 +75,35 @@ MODELS = {"completions": ("local-completions", "/v1/completions"),
           "chat": ("local-chat-completions", "/v1/chat/completions")}
 
 
+def _write_task(directory: Path, stem: str, rows: list[dict], config: dict) -> None:
+    """A bundled task into `directory` (for lm-eval's --include_path): `rows` as JSON lines in
+    `stem`.jsonl, and `config` (JSON, which YAML reads) with the data named by absolute path."""
+    data = directory / f"{stem}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    full = {"task": config.pop("task"), "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
+            **config, "metadata": {"version": 1.0}}
+    (directory / f"mkc_{stem}.yaml").write_text(json.dumps(full, indent=2) + "\n")
+
+
 def write_arith_task(directory: Path) -> None:
-    """The bundled task into `directory` (for lm-eval's --include_path): its data as JSON
-    lines, its config (JSON, which YAML reads) naming the data by absolute path."""
-    data = directory / "arith.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{a} + {b} =", "answer": str(a + b)}) + "\n"
-                            for a, b in ARITH))
-    config = {"task": ARITH_NAME, "dataset_path": "json",
-              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
-              "output_type": "generate_until", "doc_to_text": "Question: {{question}}\nAnswer:",
-              "doc_to_target": "{{answer}}",
-              "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False,
-                                    "temperature": 0},
-              "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                               "ignore_case": True, "ignore_punctuation": True}],
-              "metadata": {"version": 1.0}}
-    (directory / "mkc_arith.yaml").write_text(json.dumps(config, indent=2) + "\n")
+    """The bundled generation task into `directory`."""
+    _write_task(directory, "arith", [{"question": f"{a} + {b} =", "answer": str(a + b)}
+                                     for a, b in ARITH], {
+        "task": ARITH_NAME, "output_type": "generate_until",
+        "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False,
+                              "temperature": 0},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                         "ignore_case": True, "ignore_punctuation": True}]})
 
 
 def write_sums_task(directory: Path) -> None:
-    """The bundled multiple-choice task into `directory`, as `write_arith_task` writes its."""
-    data = directory / "sums.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "gold": g}) + "\n"
-                            for q, c, g in SUMS))
-    config = {"task": SUMS_NAME, "dataset_path": "json",
-              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
-              "output_type": "multiple_choice", "doc_to_text": "{{question}}",
-              "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}",
-              "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-              "metadata": {"version": 1.0}}
-    (directory / "mkc_sums.yaml").write_text(json.dumps(config, indent=2) + "\n")
+    """The bundled multiple-choice task into `directory`."""
+    _write_task(directory, "sums", [{"question": q, "choices": c, "gold": g} for q, c, g in SUMS], {
+        "task": SUMS_NAME, "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]})
 
 
 # The trained model's generation task: its answer up to a new line or full stop, compared with
@@ -115,36 +114,25 @@ FACTS_PROMPT = "Question: {question}\nAnswer:"     # each choice follows after o
 
 
 def write_capitals_task(directory: Path) -> None:
-    """The trained model's generation task into `directory`, as `write_arith_task` writes its."""
-    data = directory / "capitals.jsonl"
-    data.write_text("".join(json.dumps({"country": c, "answer": a}) + "\n" for c, a in CAPITALS))
-    config = {"task": CAPITALS_NAME, "dataset_path": "json",
-              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
-              "output_type": "generate_until",
-              "doc_to_text": CAPITALS_PROMPT.replace("{country}", "{{country}}"),
-              "doc_to_target": "{{answer}}",
-              "generation_kwargs": {"until": CAPITALS_UNTIL, "max_gen_toks": CAPITALS_TOKENS,
-                                    "do_sample": False, "temperature": 0},
-              "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                               "ignore_case": True, "ignore_punctuation": True,
-                               "regexes_to_ignore": [" "]}],
-              "metadata": {"version": 1.0}}
-    (directory / "mkc_capitals.yaml").write_text(json.dumps(config, indent=2) + "\n")
+    """The trained model's generation task into `directory`."""
+    _write_task(directory, "capitals", [{"country": c, "answer": a} for c, a in CAPITALS], {
+        "task": CAPITALS_NAME, "output_type": "generate_until",
+        "doc_to_text": CAPITALS_PROMPT.replace("{country}", "{{country}}"),
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": CAPITALS_UNTIL, "max_gen_toks": CAPITALS_TOKENS,
+                              "do_sample": False, "temperature": 0},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                         "ignore_case": True, "ignore_punctuation": True,
+                         "regexes_to_ignore": [" "]}]})
 
 
 def write_facts_task(directory: Path) -> None:
-    """The trained model's multiple-choice task into `directory`, as `write_sums_task`."""
-    data = directory / "facts.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "gold": g}) + "\n"
-                            for q, c, g in FACTS))
-    config = {"task": FACTS_NAME, "dataset_path": "json",
-              "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
-              "output_type": "multiple_choice",
-              "doc_to_text": FACTS_PROMPT.replace("{question}", "{{question}}"),
-              "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}",
-              "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-              "metadata": {"version": 1.0}}
-    (directory / "mkc_facts.yaml").write_text(json.dumps(config, indent=2) + "\n")
+    """The trained model's multiple-choice task into `directory`."""
+    _write_task(directory, "facts", [{"question": q, "choices": c, "gold": g} for q, c, g in FACTS], {
+        "task": FACTS_NAME, "output_type": "multiple_choice",
+        "doc_to_text": FACTS_PROMPT.replace("{question}", "{{question}}"),
+        "doc_to_choice": "{{choices}}", "doc_to_target": "{{gold}}",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]})
 
 
 BUNDLED = {ARITH_TASK: (ARITH_NAME, write_arith_task), SUMS_TASK: (SUMS_NAME, write_sums_task),
