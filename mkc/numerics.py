@@ -199,8 +199,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   one (l2 norms of all heads at once against the kernel's [1, D] rows), and a softmax and a
 #   dot are not the kernel's running sums (residual mixture, unabsorbed MLA, routing weights
 #   over k picks instead of all experts); the ring tiles and the MXFP4 pack groups split
-#   contractions the emulation summed in one dot. ``mkc.families.kimi_k3.reference`` (its KDA:
-#   ``mkc.layers.kda.reference``) now writes the kernel's formulation in the kernel's shapes,
+#   contractions the emulation summed in one dot. K3's reference (its kinds' in `mkc.layers`:
+#   KDA, MLA, the MoE, block residuals) now writes the kernel's formulation in the kernel's shapes,
 #   jitted whole, with the tile rows and KV tile tokens from the schedule IR
 #   (``Rounding.tiles``, ``kv_tiles``). Measured with
 #   it (a batch of one then ran as two rows; see "One row" above), logits and every state

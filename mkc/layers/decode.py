@@ -1,9 +1,11 @@
 """The reference decode step of a family composed from the library (`DecoderReference`): the
 embedding, each layer's sublayers in order (each owns its pre-norm, its block and its residual
-add: `mkc.layers.<kind>.reference.forward`), the final norm and the lm_head, for one token per
-row at its own position. The f32 oracle by default; with a `Rounding`, the kernel's rounding
-emulation (`mkc.reference.rounding`). Also the upstream weight table, random weights for MINI
-runs, and zeroed caches in the reference's (upstream) layouts."""
+add: `mkc.layers.<kind>.reference.forward`; under another residual strategy, such as block
+attention residuals, the strategy's sublayers form a kind's input and take its output), the
+final norm and the lm_head, for one token per row at its own position. The f32 oracle by
+default; with a `Rounding`, the kernel's rounding emulation (`mkc.reference.rounding`). Also
+the upstream weight table, random weights for MINI runs, and zeroed caches in the reference's
+(upstream) layouts."""
 from __future__ import annotations
 
 import math
@@ -30,18 +32,47 @@ def _as_stored(w: Any, dtype: str) -> np.ndarray:
     return bf16_weights(w) if dtype == "bfloat16" else np.asarray(w, dtype)
 
 
+class PlainResiduals:
+    """The residual stream is one ``[B, H]`` array each sublayer adds its output to."""
+
+    def start(self, embedding: jax.Array) -> Any:
+        return embedding
+
+    def finish(self, params: Mapping[str, Any], d: Any, stream: Any, rounding: Rounding | None) -> jax.Array:
+        """The final norm's input."""
+        return stream
+
+    def global_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Its parameters outside the layers (before the final norm's)."""
+        return {}
+
+    def residual_scale(self, d: Any) -> float:
+        """The factor on random weights that write the stream: as many outputs add up as there
+        are sublayers."""
+        return 1.0 / math.sqrt(2 * d.num_hidden_layers)
+
+
+def norms_last(name: str) -> int:
+    """A `draw_rank` drawing each layer's layer norms after its other tensors."""
+    return int(name.endswith("layernorm.weight"))
+
+
 class DecoderReference:
     """The `contracts.Reference` functions of a composition; the config is the family's dims."""
 
     def __init__(self, layers: Composition, read_dims: Callable[[Mapping, str], Any],
                  model_types: tuple[str, ...], final_norm: str = "plain",
-                 model_layer: Callable[[int], int] = lambda layer: layer, norms_last: bool = False):
+                 model_layer: Callable[[int], int] = lambda layer: layer,
+                 draw_rank: Callable[[str], int] | None = None, residuals: Any = PlainResiduals()):
         # `model_layer`: the model layer of a loop layer (a family whose sublayers are loop
-        # layers of their own, attention then MoE, runs two a model layer). `norms_last`: random
-        # weights draw each layer's layer norms after its other tensors (Qwen3.5's order, which
-        # its recorded MINI results were drawn in).
+        # layers of their own, attention then MoE, runs two a model layer). `draw_rank`: random
+        # weights draw a layer's tensors in the order of this rank of their names under the
+        # layer (stable; e.g. `norms_last`, Qwen3.5's order, which its recorded MINI results
+        # were drawn in). `residuals`: the residual strategy (`PlainResiduals`, or e.g.
+        # `mkc.layers.block_residuals.reference.BLOCK_RESIDUALS`).
         self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
-        self.final_norm, self.model_layer, self.norms_last = final_norm, model_layer, norms_last
+        self.final_norm, self.model_layer, self.draw_rank = final_norm, model_layer, draw_rank
+        self.residuals = residuals
 
     @classmethod
     def of(cls, family: Family, **options: Any) -> DecoderReference:
@@ -70,6 +101,7 @@ class DecoderReference:
             for sub in self.layers[kind]:
                 shapes = sub.module("reference").param_shapes(sub, d, f"model.layers.{self.model_layer(i)}.")
                 out |= {name: (*spec, sub) for name, spec in shapes.items()}
+        out |= {name: (*spec, None) for name, spec in self.residuals.global_shapes(d).items()}
         out["model.norm.weight"] = ((d.hidden_size,), bf16, None)
         out["lm_head.weight"] = ((d.vocab_size, d.hidden_size), bf16, None)
         return out
@@ -89,7 +121,7 @@ class DecoderReference:
         norm); a kind's own tensors as its reference's `init_weight` draws them (several at
         once where it returns them by name, uint8 codes with their scales)."""
         rng = np.random.default_rng(seed)
-        residual_scale = 1.0 / math.sqrt(2 * d.num_hidden_layers)
+        residual_scale = self.residuals.residual_scale(d)
         owned = self._owned_shapes(d)
         out = {}
         for name in self._draw_order(owned):
@@ -126,18 +158,18 @@ class DecoderReference:
         return stored
 
     def _draw_order(self, names: Mapping[str, Any]) -> list[str]:
-        if not self.norms_last:
+        if self.draw_rank is None:
             return list(names)
         order: list[str] = []
-        layer_norms: list[str] = []
+        layer: list[str] = []
         prefix = None
-        for name in names:
+        for name in [*names, ""]:
             here = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else None
-            if here != prefix:
-                order += layer_norms
-                layer_norms, prefix = [], here
-            (layer_norms if name.endswith("layernorm.weight") else order).append(name)
-        return order + layer_norms
+            if here != prefix or here is None:
+                order += sorted(layer, key=lambda n: self.draw_rank(n.split(".", 3)[3]))
+                layer, prefix = [], here
+            (layer if here is not None else order).append(name)
+        return order[:-1]
 
     def init_cache(self, d: Any, batch: int, context: int, dtype: Any = jnp.bfloat16) -> dict[str, jax.Array]:
         """Zeroed caches; KV caches in `dtype`: bf16 as the kernel and a bf16 upstream model
@@ -161,7 +193,7 @@ class DecoderReference:
             params = fp8_blocks.values(params, d.weight_block_size, jnp)
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
-        x = embed(params, tokens, rounding)
+        x = self.residuals.start(embed(params, tokens, rounding))
         new_cache = dict(cache)
         for i, kind in enumerate(d.layer_kinds):
             layer = self.model_layer(i)
@@ -169,7 +201,8 @@ class DecoderReference:
             for sub in self.layers[kind]:
                 x = sub.module("reference").forward(sub, lp, d, x, new_cache, layer, positions, rounding,
                                                     kind)
+        x = self.residuals.finish(params, d, x, rounding)
         x = NORM[self.final_norm](x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32),
                                   d.rms_norm_eps)
         return matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding,
-                      "tail", "lm_head"), new_cache
+                      "tail", "lm_head", by_tiles=True), new_cache

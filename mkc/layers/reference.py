@@ -88,6 +88,12 @@ def kernel_conv_silu(window: jax.Array, taps: jax.Array) -> tuple[jax.Array, jax
     return acc * gate, acc, gate
 
 
+def own_norm(s: Any, d: Any, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A kind's pre-norm weight `name` where the kind has its own residual (`s.residual`; under
+    another residual strategy that strategy's sublayer owns the norm)."""
+    return {name: ((d.hidden_size,), "bfloat16")} if s.residual else {}
+
+
 def mm_input(x: jax.Array, rounding: Rounding | None) -> jax.Array:
     return x if rounding is None else rounding.mm_in(x)
 

@@ -57,9 +57,9 @@ does, each piece in the kernel's expression and shapes (``mkc.layers.gqa.referen
   to x.
 """
 from mkc.families.gpt_oss import FAMILY
-from mkc.layers.decode import DecoderReference
+from mkc.layers.decode import DecoderReference, norms_last
 from mkc.layers.moe.reference import route, selection_scores  # noqa: F401
 from mkc.layers.sublayer import paired
 
 load_config, param_shapes, init_params, init_cache, decode_step = DecoderReference.of(
-    FAMILY, model_layer=paired, norms_last=True).functions()
+    FAMILY, model_layer=paired, draw_rank=norms_last).functions()

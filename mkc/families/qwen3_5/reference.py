@@ -8,9 +8,9 @@ zero-centred, ``(1 + w)``, the final norm too; untied lm_head. The f32 oracle, o
 `Rounding` the kernel's rounding emulation (`mkc.reference.rounding`)."""
 from mkc.families.qwen3_5.config import read_dims
 from mkc.families.qwen3_5.graph import LAYERS
-from mkc.layers.decode import DecoderReference
+from mkc.layers.decode import DecoderReference, norms_last
 
 _REFERENCE = DecoderReference(LAYERS, read_dims, ("qwen3_5_text",), final_norm="zero_centred",
-                              norms_last=True)
+                              draw_rank=norms_last)
 load_config, param_shapes = _REFERENCE.load_config, _REFERENCE.param_shapes
 init_params, init_cache, decode_step = _REFERENCE.init_params, _REFERENCE.init_cache, _REFERENCE.decode_step

@@ -23,7 +23,7 @@ import numpy as np
 
 from mkc.families.qwen3_5_moe.config import MODEL_TYPES, Qwen35MoeDims, read_dims
 from mkc.families.qwen3_5_moe.graph import DELTA_NET, GATED_ATTENTION, LAYERS
-from mkc.layers.decode import DecoderReference
+from mkc.layers.decode import DecoderReference, norms_last
 from mkc.layers.gated_delta_net import GatedDeltaNetDims
 from mkc.layers.moe.reference import route, selection_scores  # noqa: F401
 from mkc.layers.sublayer import paired
@@ -41,7 +41,7 @@ init_cache, decode_step = _REFERENCE.init_cache, _REFERENCE.decode_step
 _DENSE_DRAWS = DecoderReference(
     {kind: (attention, SwiGLU(norm="zero_centred")) for kind, attention in (("gdn", DELTA_NET),
                                                                             ("gqa", GATED_ATTENTION))},
-    read_dims, MODEL_TYPES, final_norm="zero_centred", norms_last=True)
+    read_dims, MODEL_TYPES, final_norm="zero_centred", draw_rank=norms_last)
 
 
 @dataclasses.dataclass(frozen=True)

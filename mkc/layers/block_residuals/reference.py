@@ -10,18 +10,25 @@ cache. Upstream names: ``model.layers.{i}.self_attention_res`` (before the atten
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from mkc.layers.block_residuals import slots
+from mkc.layers.block_residuals import BlockAdd, BlockMix, slots
 from mkc.layers.reference import rms_norm
 from mkc.reference.rounding import Rounding
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+# upstream's queries before a layer's attention and MLP, and before the final norm; the norm
+# each place's kind reads its mixture through
+QUERIES = {"attn": "self_attention_res", "mlp": "mlp_res"}
+OUTPUT = "model.output_attn_res"
+NORM_WEIGHTS = {"attn": "input_layernorm.weight", "mlp": "post_attention_layernorm.weight"}
 
 
 def mix_shapes(d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -38,31 +45,6 @@ def attention_residual(sources: jax.Array, norm_weight: jax.Array, proj_weight: 
     scores = jnp.einsum("bnh,h->bn", normed, proj_weight.reshape(-1), precision=_HIGHEST)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bn,bnh->bh", probs, sources, precision=_HIGHEST)
-
-
-def block_attention_residuals(embedding: jax.Array, num_layers: int, block_size: int,
-                              sublayer: Callable[[int, jax.Array], jax.Array],
-                              mix: Callable[[int, jax.Array], jax.Array]) -> jax.Array:
-    """Run ``2 * num_layers`` sublayers (j = 2i attention, 2i + 1 MLP of layer i) through Block
-    AttnRes and return the final mixture ``mix(2 * num_layers, ...)`` (before the final norm).
-
-    ``mix(j, sources [B, N, H]) -> [B, H]`` forms sublayer j's input; ``sublayer(j, h)`` returns
-    its output. Sources are the completed block sums (``b_0`` = embedding) plus, when non-empty,
-    the partial sum of the current block.
-    """
-    blocks: list[jax.Array] = []
-    partial: jax.Array | None = embedding  # b_0 is "filled" by the embedding alone
-    for i in range(num_layers):
-        if i % block_size == 0:  # layer i opens a new block: close the current one
-            assert partial is not None
-            blocks.append(partial)
-            partial = None
-        for j in (2 * i, 2 * i + 1):
-            sources = blocks if partial is None else [*blocks, partial]
-            out = sublayer(j, mix(j, jnp.stack(sources, axis=1)))
-            partial = out if partial is None else partial + out
-    assert partial is not None
-    return mix(2 * num_layers, jnp.stack([*blocks, partial], axis=1))
 
 
 # The rounding emulation sums in the kernel's f32 order (one-ulp bf16 flips otherwise spread
@@ -89,17 +71,85 @@ def _kernel_mix(sources: tuple[jax.Array, ...], count: jax.Array, norm_w: jax.Ar
     return mixed
 
 
-def mix(params: Mapping[str, Any], d: Any, j: int, sources: jax.Array,
-        rounding: Rounding | None = None) -> jax.Array:
-    """Sublayer j's input mixture (j = 2 * num_hidden_layers: the final one) of ``sources
-    [B, N, H]``; with ``rounding``, in the kernel's order over its ``slots``."""
-    if j == 2 * d.num_hidden_layers:
-        prefix = "model.output_attn_res"
-    else:
-        prefix = f"model.layers.{j // 2}." + ("self_attention_res" if j % 2 == 0 else "mlp_res")
-    norm, proj = (jnp.asarray(params[prefix + f"_{n}.weight"]).astype(jnp.float32) for n in ("norm", "proj"))
+def mix(norm: jax.Array, proj: jax.Array, d: Any, sources: jax.Array, rounding: Rounding | None = None
+        ) -> jax.Array:
+    """The mixture of ``sources [B, N, H]`` under a query's norm and projection weights; with
+    ``rounding``, in the kernel's order over its ``slots``."""
     if rounding is None:
         return attention_residual(sources, norm, proj, d.rms_norm_eps)
     count = sources.shape[1]   # the kernel's source slots past count are masked
     padded = tuple(sources[:, i] if i < count else jnp.zeros_like(sources[:, 0]) for i in range(slots(d)))
     return _kernel_mix(padded, jnp.int32(count), norm.reshape(1, -1), proj.reshape(1, -1), eps=d.rms_norm_eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The residual stream under block attention residuals: the completed ``sources`` (the
+    embedding first), the ``partial`` sum of the block being filled (None when empty), and
+    between a `BlockMix` and its `BlockAdd` the kind's normed input ``h`` and its ``out``."""
+
+    sources: tuple[jax.Array, ...]
+    partial: jax.Array | None
+    h: jax.Array | None = None
+    out: jax.Array | None = None
+
+    def visible(self) -> jax.Array:
+        """The sources a mixture reads ``[B, N, H]``: the completed ones and a non-empty partial."""
+        return jnp.stack([*self.sources, *(() if self.partial is None else (self.partial,))], axis=1)
+
+    def leave(self, out: jax.Array) -> Blocks:
+        """The stream with a residual-less kind's output, for its `BlockAdd`."""
+        return dataclasses.replace(self, out=out)
+
+
+class BlockResiduals:
+    """The residual strategy of `mkc.layers.decode.DecoderReference`: the embedding is the
+    partial block layer 0 closes; the final norm reads the output mixture over every block."""
+
+    def start(self, embedding: jax.Array) -> Blocks:
+        return Blocks((), embedding)
+
+    def finish(self, params: Mapping[str, Any], d: Any, stream: Blocks, rounding: Rounding | None
+               ) -> jax.Array:
+        norm, proj = (jnp.asarray(params[f"{OUTPUT}_{n}.weight"]).astype(jnp.float32)
+                      for n in ("norm", "proj"))
+        return mix(norm, proj, d, stream.visible(), rounding)
+
+    def global_shapes(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        return mix_shapes(d, OUTPUT)
+
+    def residual_scale(self, d: Any) -> float:
+        """A block sums two outputs a layer of its `attn_res_block_size` layers."""
+        return 1.0 / math.sqrt(2 * d.attn_res_block_size)
+
+
+BLOCK_RESIDUALS = BlockResiduals()
+
+
+def forward(s: BlockMix | BlockAdd, lp: Mapping[str, jax.Array], d: Any, x: Blocks, cache: dict, layer: int,
+            positions: jax.Array, rounding: Rounding | None, kind: str) -> Blocks:
+    """`BlockMix`: the attention place of a layer opening a block (every
+    ``attn_res_block_size``-th) closes the partial one; the mixture of the visible sources
+    under the place's query, then the kind's norm, is the kind's input. `BlockAdd`: the kind's
+    output added to the partial block."""
+    if isinstance(s, BlockAdd):
+        return Blocks(x.sources, x.out if x.partial is None else x.partial + x.out)
+    if s.place == "attn" and layer % d.attn_res_block_size == 0:
+        x = Blocks((*x.sources, x.partial), None)
+    query = QUERIES[s.place]
+    mixed = mix(lp[f"{query}_norm.weight"], lp[f"{query}_proj.weight"], d, x.visible(), rounding)
+    return dataclasses.replace(x, h=rms_norm(mixed, lp[NORM_WEIGHTS[s.place]], d.rms_norm_eps))
+
+
+def param_shapes(s: BlockMix | BlockAdd, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A `BlockMix`'s query and its kind's norm (upstream order: both queries, then both norms,
+    is the family's draw order to choose)."""
+    if isinstance(s, BlockAdd):
+        return {}
+    return mix_shapes(d, prefix + QUERIES[s.place]) | {
+        prefix + NORM_WEIGHTS[s.place]: ((d.hidden_size,), "bfloat16")}
+
+
+def init_cache(s: BlockMix | BlockAdd, d: Any, layer: int, batch: int, context: int, dtype: Any = None
+               ) -> dict[str, jax.Array]:
+    return {}

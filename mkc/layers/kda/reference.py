@@ -46,7 +46,7 @@ import numpy as np
 
 from mkc.layers.kda import KDA
 from mkc.layers.reference import (delta_rule_update, kernel_conv_silu, kernel_delta_update, l2_normalize,
-                                  matmul, mm_input, out_projection, rms_norm)
+                                  matmul, mm_input, out_projection, own_norm, rms_norm)
 from mkc.reference.rounding import Rounding, round_to
 
 
@@ -149,12 +149,12 @@ def forward(s: KDA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: di
             positions: jax.Array, rounding: Rounding | None, kind: str) -> jax.Array:
     """The residual stream after the layer's KDA (its pre-norm, the block, the residual add);
     updates `cache` (this layer's conv and recurrent states) in place."""
-    h = rms_norm(x, lp["input_layernorm.weight"], d.rms_norm_eps)
+    h = rms_norm(x, lp["input_layernorm.weight"], d.rms_norm_eps) if s.residual else x.h
     sub = {n[len(s.prefix):]: w for n, w in lp.items() if n.startswith(s.prefix)}
     names = f"layers.{layer}.conv_state", f"layers.{layer}.recurrent_state"
     out, cache[names[0]], cache[names[1]] = block(s, sub, d, h, cache[names[0]], cache[names[1]],
                                                   rounding, kind)
-    return x + out
+    return x + out if s.residual else x.leave(out)
 
 
 def block_shapes(s: KDA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -179,7 +179,7 @@ def block_shapes(s: KDA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
 
 
 def param_shapes(s: KDA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    return block_shapes(s, d, prefix) | {prefix + "input_layernorm.weight": ((d.hidden_size,), "bfloat16")}
+    return block_shapes(s, d, prefix) | own_norm(s, d, prefix + "input_layernorm.weight")
 
 
 def init_weight(s: KDA, name: str, shape: tuple[int, ...], rng: np.random.Generator,

@@ -33,7 +33,7 @@ import numpy as np
 from mkc.layers import rope as rope_lib
 from mkc.layers.mla import MLA, interleaved, softmax_scale
 from mkc.layers.mla.weights import rope_permutation
-from mkc.layers.reference import HIGHEST, linear, matmul, mm_input, out_projection, rms_norm
+from mkc.layers.reference import HIGHEST, linear, matmul, mm_input, out_projection, own_norm, rms_norm
 from mkc.reference.rounding import Rounding, round_to
 
 _rope_table = jax.jit(rope_lib.rope_table, static_argnums=0)
@@ -198,11 +198,11 @@ def forward(s: MLA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: di
             positions: jax.Array, rounding: Rounding | None, kind: str) -> jax.Array:
     """The residual stream after the layer's attention (its pre-norm, the block, the residual
     add); updates `cache` (this layer's latent cache) in place."""
-    h = rms_norm(x, lp["input_layernorm.weight"], d.rms_norm_eps)
+    h = rms_norm(x, lp["input_layernorm.weight"], d.rms_norm_eps) if s.residual else x.h
     sub = {n[len(s.prefix):]: w for n, w in lp.items() if n.startswith(s.prefix)}
     name = f"layers.{layer}.latent_cache"
     out, cache[name] = block(s, sub, d, h, cache[name], positions, rounding, kind)
-    return x + out
+    return x + out if s.residual else x.leave(out)
 
 
 def block_shapes(s: MLA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -223,7 +223,7 @@ def block_shapes(s: MLA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
 
 
 def param_shapes(s: MLA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    return block_shapes(s, d, prefix) | {prefix + "input_layernorm.weight": ((d.hidden_size,), "bfloat16")}
+    return block_shapes(s, d, prefix) | own_norm(s, d, prefix + "input_layernorm.weight")
 
 
 def init_cache(s: MLA, d: Any, layer: int, batch: int, context: int, dtype: Any = jnp.bfloat16

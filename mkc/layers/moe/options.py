@@ -177,11 +177,25 @@ class Checkpoint(enum.Enum):
                    Checkpoint.MXFP4_PACKED: ("mxfp4", "fp8", "fp4")}[self]
         return (("expert.gate_up", offered), ("expert.down", offered))
 
-    def expert_tensors(self, prefix: str, name: str, experts: int, out: int, k: int
+    def expert_tensors(self, prefix: str, experts: int, inter: int, io: int, bias: bool = False
                        ) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The upstream tensors of fused expert matrix `name` (`gate_up_proj`, `down_proj`),
-        [E, out, k] in values."""
-        if self is Checkpoint.MXFP4:
-            return {prefix + f"{name}_blocks": ((experts, out, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
-                    prefix + f"{name}_scales": ((experts, out, k // MX_BLOCK), "uint8")}
-        return {prefix + name: ((experts, out, k), "bfloat16")}
+        """The routed experts' upstream tensors under `prefix` (`...experts.`), holding
+        `gate_up_proj` [E, 2 inter, io] and `down_proj` [E, io, inter] in values: fused bf16, or
+        GPT-OSS's MXFP4 `*_blocks` and `*_scales`, each with a bias [E, out] after it where
+        `bias`; or Kimi's per expert, `w1` (gate), `w3` (up) and `w2` (down) each codes [out,
+        in/2] and E8M0 scales [out, in/32], expert by expert."""
+        if self is Checkpoint.MXFP4_PACKED:
+            return {prefix + f"{e}.{w}.{part}": ((rows, k // div), "uint8")
+                    for e in range(experts)
+                    for w, (rows, k) in (("w1", (inter, io)), ("w3", (inter, io)), ("w2", (io, inter)))
+                    for part, div in (("weight_packed", 2), ("weight_scale", MX_BLOCK))}
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, (o, k) in (("gate_up_proj", (2 * inter, io)), ("down_proj", (io, inter))):
+            if self is Checkpoint.MXFP4:
+                out |= {prefix + f"{name}_blocks": ((experts, o, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
+                        prefix + f"{name}_scales": ((experts, o, k // MX_BLOCK), "uint8")}
+            else:
+                out[prefix + name] = ((experts, o, k), "bfloat16")
+            if bias:
+                out[prefix + f"{name}_bias"] = ((experts, o), "bfloat16")
+        return out

@@ -56,15 +56,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index
+from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index, pack_groups
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.moe import BLOCK_SCALE, MoE
-from mkc.layers.moe.options import ROUTERS
-from mkc.layers.reference import NORM, linear, matmul, mm_input, out_projection
-from mkc.layers.swiglu.reference import block as swiglu_block
+from mkc.layers.moe.options import ROUTERS, Checkpoint
+from mkc.layers.moe.weights import LATENT_TENSORS, PACKED_BLOCK_SCALE
+from mkc.layers.reference import NORM, linear, matmul, mm_input, own_norm, rms_norm
+from mkc.layers.swiglu.reference import block as gated_mlp
 from mkc.model.fp8_blocks import dequantize
 from mkc.model.mxfp4 import mxfp4_dequantize_jax, mxfp4_quantize
-from mkc.reference.rounding import Rounding, allreduce
+from mkc.reference.rounding import Rounding, allreduce, round_to
 
 HIGHEST = jax.lax.Precision.HIGHEST
 EXPERTS = ("gate_up", "down")
@@ -193,13 +194,22 @@ def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng: np.random.Genera
     close picks); router and expert biases N(0, 0.1) (down's times `residual_scale`: it writes
     the residual stream), so every bias path is exercised (upstream initialises them to zero);
     MXFP4 experts drawn as f32 N(0, 1/fan_in) (down's times `residual_scale`) and stored through
-    ``mxfp4_quantize``: their blocks valid codes, with their scales (in 1..254); the rest as the
-    decoder draws them (None)."""
+    ``mxfp4_quantize``: their blocks valid codes, with their scales (in 1..254); Kimi's
+    per-expert MXFP4 likewise from f64 draws, down unscaled (with `latent`, `latent_up` writes
+    the stream: it is scaled); the rest as the decoder draws them (None)."""
     if name.endswith("e_score_correction_bias"):
         return rng.normal(0.0, 0.05, shape)
     if ((s.router_bias and name.endswith(s.router_prefix + "bias"))
             or (s.expert_bias and name.endswith("_proj_bias"))):
         return rng.normal(0.0, 0.1 * (residual_scale if name.endswith("down_proj_bias") else 1.0), shape)
+    if name.endswith(".weight_packed"):              # Kimi's per-expert MXFP4
+        values = (shape[0], 2 * shape[1])           # two codes a byte
+        codes, scales = mxfp4_quantize(rng.normal(0.0, 1.0 / math.sqrt(values[1]), values))
+        return {name: codes, name.replace("weight_packed", "weight_scale"): scales}
+    latent_up = name.endswith(LATENT_TENSORS["latent_up"])      # writes the stream
+    if latent_up or name.endswith(LATENT_TENSORS["latent_down"]):
+        std = 1.0 / math.sqrt(shape[-1])
+        return rng.normal(0.0, std * residual_scale if latent_up else std, shape)
     if s.checkpoint.decoded_in_kernel and name.endswith("_proj_blocks"):
         full = (shape[0], shape[1], shape[2] * MX_BLOCK)                  # [E, out, in]
         std = 1.0 / math.sqrt(full[-1]) * (residual_scale if name.endswith("down_proj_blocks") else 1.0)
@@ -261,6 +271,9 @@ def _picked(s: MoE, p: Mapping[str, jax.Array], d: Any, ids: jax.Array) -> tuple
     """The ``ids`` experts' ``gate_up [..., 2I, H]`` (gate rows first) and ``down [..., H, I]``
     values: decoded from MXFP4 codes, an FP8 checkpoint's codes times their block scales, or
     as stored."""
+    if s.checkpoint is Checkpoint.MXFP4_PACKED:
+        gate, up, down = (packed_experts(s, p, d, w, ids) for w in PACKED)
+        return jnp.concatenate([gate, up], axis=-2), down
     if s.checkpoint.decoded_in_kernel:
         gate_up, down = (mxfp4_experts(p, m, ids) for m in EXPERTS)
     else:
@@ -368,6 +381,73 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
 _STORED = {"gate_up": "gate_up_proj", "down": "down_proj"}
 
 
+# Kimi K3's per-expert checkpoint (`Checkpoint.MXFP4_PACKED`): gate, up and down as
+# compressed-tensors MXFP4 (`weight_packed` e2m1 codes [out, in/2], `weight_scale` E8M0
+# [out, in/32]); beside them a requantized checkpoint's bf16 block scales (`PACKED_BLOCK_SCALE`)
+PACKED = ("w1", "w3", "w2")
+
+
+def packed_shape(s: MoE, d: Any, matrix: str) -> tuple[int, int]:
+    """Per-expert matrix `matrix`'s ``[out, in]`` in values."""
+    io, inter = s.expert_io(d), d.moe_intermediate_size
+    return (io, inter) if matrix == "w2" else (inter, io)
+
+
+def packed_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, matrix: str) -> jax.Array:
+    """Expert e's `matrix` decoded to f32 ``[out, in]`` (its MXFP4 values, before any bf16 block
+    scales)."""
+    return mxfp4_dequantize_jax(jnp.asarray(p[f"experts.{e}.{matrix}.weight_packed"]).astype(jnp.uint8),
+                                jnp.asarray(p[f"experts.{e}.{matrix}.weight_scale"]).astype(jnp.uint8),
+                                packed_shape(s, d, matrix))
+
+
+def packed_experts(s: MoE, p: Mapping[str, jax.Array], d: Any, matrix: str, ids: jax.Array) -> jax.Array:
+    """The ``ids`` experts' `matrix` values ``[..., out, in]`` (times their bf16 block scales
+    where the checkpoint has them), gathered while packed."""
+    def stacked(name: str) -> jax.Array:
+        return jnp.stack([jnp.asarray(p[f"experts.{e}.{matrix}.{name}"]) for e in range(d.experts)])[ids]
+    shape = (*ids.shape, *packed_shape(s, d, matrix))
+    values = mxfp4_dequantize_jax(stacked("weight_packed").astype(jnp.uint8),
+                                  stacked("weight_scale").astype(jnp.uint8), shape)
+    if f"experts.0.{matrix}.{PACKED_BLOCK_SCALE}" not in p:
+        return values
+    block_scales = stacked(PACKED_BLOCK_SCALE).astype(jnp.float32)
+    return values * jnp.repeat(block_scales, shape[-1] // block_scales.shape[-1], axis=-1)
+
+
+def _packed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
+                             rounding: Rounding, kind: str) -> jax.Array:
+    """The per-expert checkpoint's routed experts as the kernel computes them
+    (`expert_parallel_sum`): gate and up in a dot each, every matrix pack group by pack group,
+    a requantized checkpoint's partial products times their bf16 block scales."""
+    io, width = s.expert_io(d), rounding.size("expert_width")
+    groups = pack_groups({"gate_up": io, "down": width})
+    operands = {m: expert_operands(rounding, m) for m in EXPERTS}
+    lat = rounding.mm_in(xin)
+
+    def per_group(e: int, m: str, w: jax.Array, group: int, rows: slice = slice(None),
+                  cols: slice = slice(None)) -> jax.Array | None:
+        """Matrix m's bf16 block scales (None: MXFP4's, already in its values) for its output
+        `rows` and input `cols`, one row per pack group of `group` inputs: [in/group, out]."""
+        scales = p.get(f"experts.{e}.{m}.{PACKED_BLOCK_SCALE}")
+        if scales is None:
+            return None
+        block = w.shape[1] // scales.shape[1]
+        cols = slice((cols.start or 0) // block, (cols.stop or w.shape[1]) // block)
+        return jnp.repeat(jnp.asarray(scales, jnp.float32)[rows, cols], block // group, axis=1).T
+
+    values = {e: [packed_expert(s, p, d, e, m) for m in PACKED] for e in range(d.experts)}
+
+    def expert(e: int, cols: slice) -> jax.Array:
+        (w1, w3, w2), gu, dn = values[e], groups["gate_up"], groups["down"]
+        gate = rounding.linear(lat, w1[cols], gu, operands["gate_up"], per_group(e, "w1", w1, gu, cols))
+        up = rounding.linear(lat, w3[cols], gu, operands["gate_up"], per_group(e, "w3", w3, gu, cols))
+        return rounding.linear(activation(s, d, gate, up), w2[:, cols], dn, operands["down"],
+                               per_group(e, "w2", w2, dn, cols=cols))
+
+    return expert_parallel_sum(rounding, d.experts, dense, io, expert, kind)
+
+
 def expert_values(p: Mapping[str, jax.Array], d: Any) -> tuple[jax.Array, jax.Array]:
     """The routed experts' fused ``gate_up_proj`` and ``down_proj`` values: as stored, an FP8
     checkpoint's codes times their block scales (`mkc.model.fp8_blocks.dequantize`), or codes'
@@ -382,47 +462,65 @@ def expert_values(p: Mapping[str, jax.Array], d: Any) -> tuple[jax.Array, jax.Ar
     return tuple(values(n) for n in _STORED.values())
 
 
-def _shared_expert(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None,
+def _shared_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Rounding | None,
                    kind: str) -> jax.Array:
-    """The shared expert: a SwiGLU MLP; with ``rounding`` its down projection is the
-    schedule's ``shared_down`` of ``kind``, split over ranks in ``shared``-wide ranges."""
-    if rounding is None:
-        return swiglu_block(p, x)
-    act = (jax.nn.silu(rounding.matrix(x, p["gate_proj.weight"], kind, "shared_gate_up"))
-           * rounding.matrix(x, p["up_proj.weight"], kind, "shared_gate_up"))
-    return out_projection(act, p["down_proj.weight"], rounding, kind, "shared_down",
-                          rounding.size("shared"), "mlp")
+    """The shared expert: a gated MLP of the experts' activation; with ``rounding`` its
+    matrices are the schedule's ``shared_gate_up`` and ``shared_down`` of ``kind``, its width
+    split over ranks in ``shared``-wide ranges."""
+    return gated_mlp(p, x, rounding, kind, d, s.activation, ("shared_gate_up", "shared_down", "shared"))
 
 
 def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Rounding | None,
           kind: str) -> tuple[jax.Array, jax.Array | None]:
-    """The block's routed experts (summed) and shared expert (before its gate; None without
-    one), each all-reduced as the schedule says when ``rounding`` is given. ``p`` maps names
-    relative to ``s.prefix`` to f32 arrays."""
-    inter = d.moe_intermediate_size
+    """The block's routed experts (summed; with `latent`, normed and projected back) and shared
+    expert (before its gate; None without one), each all-reduced as the schedule says when
+    ``rounding`` is given. ``p`` maps names relative to ``s.prefix`` to f32 arrays."""
     xin = mm_input(x, rounding)
-    logits = matmul(xin, p[s.router_prefix + "weight"], rounding)
+    logits = matmul(xin, p[s.router_prefix + "weight"], rounding, kind, "router", by_tiles=True)
     if s.router_bias:
         logits = logits + p[s.router_prefix + "bias"]
+    if rounding is not None and (wire := rounding.exchange_wire(kind, "router")):
+        logits = round_to(logits, wire)      # split between the cores of a chip, exchanged
     routing = route_args(s, p, d)
     ids, weights = route(logits, *routing)
+    if s.latent:
+        xin = _gathered(matmul(xin, p[LATENT_TENSORS["latent_down"]], rounding, kind, "latent_down",
+                               by_tiles=True), rounding, kind, "latent_down")
     if rounding is None:
-        gate_up, down = _picked(s, p, d, ids)
-        hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST)
-        if s.expert_bias:
-            hidden = hidden + _gate_first(s, p["experts.gate_up_proj_bias"][ids], -1)
-        act = activation(s, d, hidden[..., :inter], hidden[..., inter:])
-        out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST)
-        if s.expert_bias:
-            out = out + p["experts.down_proj_bias"][ids]
-        routed = jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
+        routed = _routed_experts(s, p, d, xin, ids, weights)
     else:
         dense = _kernel_route_weights(logits, ids, routing[1], s.routing.scoring, s.routing.scaling(d))
-        routed = _routed_experts_per_rank(s, p, d, xin, dense, rounding, kind)
+        packed = s.checkpoint is Checkpoint.MXFP4_PACKED
+        routed = (_packed_experts_per_rank if packed else _routed_experts_per_rank)(
+            s, p, d, xin, dense, rounding, kind)
+    if s.latent:
+        routed = rms_norm(routed, p[LATENT_TENSORS["latent_norm"]], d.rms_norm_eps)
+        routed = _gathered(matmul(routed, p[LATENT_TENSORS["latent_up"]], rounding, kind, "latent_up",
+                                  by_tiles=True), rounding, kind, "latent_up")
     if not s.shared_expert:
         return routed, None
     shared = {n[len(s.shared_prefix):]: w for n, w in p.items() if n.startswith(s.shared_prefix)}
-    return routed, _shared_expert(shared, x, rounding, kind)
+    return routed, _shared_expert(s, shared, d, x, rounding, kind)
+
+
+def _gathered(y: jax.Array, rounding: Rounding | None, kind: str, op: str) -> jax.Array:
+    """A projection whose columns are split over ranks, in the dtype its all-gather moves."""
+    return y if rounding is None else round_to(y, rounding.gather_wire(kind, op))
+
+
+def _routed_experts(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, ids: jax.Array,
+                    weights: jax.Array) -> jax.Array:
+    """The f32 oracle's routed experts: each row's picks, weighted and summed."""
+    inter = d.moe_intermediate_size
+    gate_up, down = _picked(s, p, d, ids)
+    hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST)
+    if s.expert_bias:
+        hidden = hidden + _gate_first(s, p["experts.gate_up_proj_bias"][ids], -1)
+    act = activation(s, d, hidden[..., :inter], hidden[..., inter:])
+    out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST)
+    if s.expert_bias:
+        out = out + p["experts.down_proj_bias"][ids]
+    return jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
 
 
 def route_args(s: MoE, p: Mapping[str, jax.Array], d: Any) -> tuple:
@@ -471,27 +569,31 @@ def residual(s: MoE, p: Mapping[str, jax.Array], d: Any, resid: jax.Array, x: ja
     return _kernel_mlp_residual(resid, routed, x, p["shared_expert_gate.weight"], shared)
 
 
-def forward(s: MoE, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: dict, layer: int,
-            positions: jax.Array, rounding: Rounding | None, kind: str) -> jax.Array:
-    """The residual stream after the layer's MoE (its pre-norm, the block, the residual add)."""
-    h = NORM[s.norm](x, lp["post_attention_layernorm.weight"], d.rms_norm_eps)
+def forward(s: MoE, lp: Mapping[str, jax.Array], d: Any, x: Any, cache: dict, layer: int,
+            positions: jax.Array, rounding: Rounding | None, kind: str) -> Any:
+    """The residual stream after the layer's MoE (its pre-norm, the block, the residual add);
+    without `residual`, the residual strategy's stream with the block of its input left in it."""
     sub = {n[len(s.prefix):]: w for n, w in lp.items() if n.startswith(s.prefix)}
+    if not s.residual:
+        return x.leave(block(s, sub, d, x.h, rounding, kind))
+    h = NORM[s.norm](x, lp["post_attention_layernorm.weight"], d.rms_norm_eps)
     return residual(s, sub, d, x, h, rounding, kind)
 
 
 def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The block's upstream parameters, in upstream module order, under layer prefix
-    `prefix` (`model.layers.{i}.`): routed experts fused, `[E, out, in]` bf16, or MXFP4
-    `*_blocks` uint8 `[E, out, in/32, 16]` (two e2m1 codes a byte, low nibble first) beside
-    `*_scales` uint8 `[E, out, in/32]` (E8M0); with `expert_bias` a bias `[E, out]` after each."""
+    """The block's upstream parameters under layer prefix `prefix` (`model.layers.{i}.`): the
+    router's, the latent projections and norm (with `latent`), the routed experts in the
+    checkpoint's layout (`Checkpoint.expert_tensors`: GPT-OSS's MXFP4 `*_blocks` hold two
+    e2m1 codes a byte, low nibble first), the shared expert's."""
     H, E, inter, p, bf16 = d.hidden_size, d.experts, d.moe_intermediate_size, prefix + s.prefix, "bfloat16"
     shapes = {p + s.router_prefix + "weight": ((E, H), bf16),
               **({p + s.router_prefix + "bias": ((E,), bf16)} if s.router_bias else {}),
               **s.routing.checkpoint_tensors(d, p)}
-    for name, (out, k) in (("gate_up_proj", (2 * inter, H)), ("down_proj", (H, inter))):
-        shapes |= s.checkpoint.expert_tensors(p + "experts.", name, E, out, k)
-        if s.expert_bias:
-            shapes[p + f"experts.{name}_bias"] = ((E, out), bf16)
+    if s.latent:
+        lat, names = d.routed_expert_hidden_size, LATENT_TENSORS
+        shapes |= {p + names["latent_down"]: ((lat, H), bf16), p + names["latent_norm"]: ((lat,), bf16),
+                   p + names["latent_up"]: ((H, lat), bf16)}
+    shapes |= s.checkpoint.expert_tensors(p + "experts.", E, inter, s.expert_io(d), s.expert_bias)
     if s.shared_expert:
         shared, q = d.shared_expert_intermediate_size, p + s.shared_prefix
         shapes |= {q + "gate_proj.weight": ((shared, H), bf16), q + "up_proj.weight": ((shared, H), bf16),
@@ -501,8 +603,7 @@ def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
 
 
 def param_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    norm = {prefix + "post_attention_layernorm.weight": ((d.hidden_size,), "bfloat16")}
-    return block_shapes(s, d, prefix) | norm
+    return block_shapes(s, d, prefix) | own_norm(s, d, prefix + "post_attention_layernorm.weight")
 
 
 def init_cache(s: MoE, d: Any, layer: int, batch: int, context: int, dtype: Any = None

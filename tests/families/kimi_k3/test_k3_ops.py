@@ -36,13 +36,16 @@ from mkc.layers.kda import ops as kda_ops
 from mkc.layers.kda import reference as kda_reference
 from mkc.layers.mla import reference as mla_reference
 from mkc.layers.kda.weights import expand_a_log
-from mkc.layers.reference import l2_normalize
+from mkc.layers.reference import l2_normalize, linear, rms_norm
+from mkc.layers.moe import reference as moe_reference
+from mkc.families.kimi_k3.graph import ATTENTION
 from mkc.layers.expert_formats import ops as format_ops
 from mkc.layers.expert_formats import weights as format_weights
 from mkc.reference.rounding import chunked_linear
 from mkc.runtime import experts
 from mkc.families.kimi_k3 import reference as ref
 from mkc.layers import block_residuals
+from mkc.layers.block_residuals import BlockAdd, BlockMix
 from mkc.layers.block_residuals import reference as block_reference
 from tests_support import body_layer, lowered_routed_experts
 
@@ -210,16 +213,16 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     x = jnp.asarray(rng.normal(size=(b, h)), F32)
     conv_state = jnp.asarray(rng.normal(size=(b, 3 * nh * d, cfg.conv_kernel_size - 1)), jnp.bfloat16)
     rec = jnp.asarray(rng.normal(0, 0.3, (b, nh, d, d)), F32)
-    want_out, _, want_rec = kda_reference.block(ref.KDA_ATTENTION, p, cfg, x, conv_state, rec)
+    want_out, _, want_rec = kda_reference.block(ATTENTION["kda"], p, cfg, x, conv_state, rec)
 
     # Projections and the short conv happen outside the ops (as in the reference block).
-    mixed = jnp.concatenate([ref.linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
+    mixed = jnp.concatenate([linear(x, p[f"{n}_proj.weight"]) for n in "qkv"], axis=-1)
     window = jnp.concatenate([conv_state, mixed.astype(jnp.bfloat16)[:, :, None]], axis=-1)
     taps = jnp.concatenate([p[f"{n}_conv1d.weight"][:, 0, :] for n in "qkv"], axis=0)
     conv = jax.nn.silu(jnp.sum(window.astype(F32) * taps, axis=-1))
-    gate = ref.linear(ref.linear(x, p["f_a_proj.weight"]), p["f_b_proj.weight"])
-    beta_logit = ref.linear(x, p["b_proj.weight"])
-    g = ref.linear(x, p["g_proj.weight"])
+    gate = linear(linear(x, p["f_a_proj.weight"]), p["f_b_proj.weight"])
+    beta_logit = linear(x, p["b_proj.weight"])
+    g = linear(x, p["g_proj.weight"])
     a_log = expand_a_log(np.asarray(p["A_log"]), d)
     pd = cfg.kda_num_heads * cfg.kda_head_dim
 
@@ -241,7 +244,7 @@ def test_kda_layer_matches_reference_block(mini: KimiDims) -> None:
     args = [conv, gate, a_log, p["dt_bias"][None], beta_logit, g, p["o_norm.weight"][None],
             rec.reshape(b * nh * d, d)]
     o, state = in_kernel(body, args, (sds((b, pd)), sds((b * nh * d, d))))
-    np.testing.assert_allclose(ref.linear(o, p["o_proj.weight"]), want_out, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(linear(o, p["o_proj.weight"]), want_out, rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(state.reshape(b, nh, d, d), want_rec, rtol=2e-4, atol=2e-5)
 
 
@@ -257,9 +260,9 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
     x = jnp.asarray(rng.normal(size=(b, cfg.hidden_size)), F32)
     cache = jnp.asarray(rng.normal(size=(b, t_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)), jnp.bfloat16)
     positions = jnp.array([5, 40], jnp.int32)
-    want, cache = mla_reference.block(ref.MLA_ATTENTION, p, cfg, x, cache, positions)
+    want, cache = mla_reference.block(ATTENTION["mla"], p, cfg, x, cache, positions)
 
-    q_latent = ref.rms_norm(ref.linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q_latent = rms_norm(linear(x, p["q_a_proj.weight"]), p["q_a_layernorm.weight"], cfg.rms_norm_eps)
     w_q_nope, w_q_extra = mla_weights.split_q_b_proj(np.asarray(p["q_b_proj.weight"]), nh, nope)
     w_uk, w_uv = mla_weights.split_kv_b_proj(np.asarray(p["kv_b_proj.weight"]), nh, nope)
     q_nope = jnp.dot(q_latent, w_q_nope, precision=lax.Precision.HIGHEST)
@@ -280,7 +283,7 @@ def test_absorbed_mla_matches_reference_expanded(mini: KimiDims) -> None:
 
     attn = in_kernel(body, [positions, q_nope, q_extra, jnp.asarray(w_uk), jnp.asarray(w_uv), cache],
                      sds((b, nh * cfg.v_head_dim)), in_specs=[SMEM] + [VMEM] * 5)
-    got = ref.linear(attn * jax.nn.sigmoid(ref.linear(x, p["g_proj.weight"])), p["o_proj.weight"])
+    got = linear(attn * jax.nn.sigmoid(linear(x, p["g_proj.weight"])), p["o_proj.weight"])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
 
 
@@ -336,11 +339,12 @@ def test_the_lowered_route_matches_reference_where_the_bias_decides() -> None:
 
     def ref_ids(scale: float) -> np.ndarray:
         """The reference's picks with the bias times ``scale``."""
-        return np.asarray(ref.route(jnp.asarray(logits[:, :n]), scale * jnp.asarray(bias[:, :n]), k,
-                                    dims.routed_scaling_factor)[0])
+        biased = scale * jnp.asarray(bias[:, :n])
+        return np.asarray(moe_reference.route(jnp.asarray(logits[:, :n]), k, True, "sigmoid", biased,
+                                              dims.routed_scaling_factor)[0])
 
-    want_ids, want_w = ref.route(jnp.asarray(logits[:, :n]), jnp.asarray(bias[:, :n]), k,
-                                 dims.routed_scaling_factor)
+    want_ids, want_w = moe_reference.route(jnp.asarray(logits[:, :n]), k, True, "sigmoid",
+                                           jnp.asarray(bias[:, :n]), dims.routed_scaling_factor)
     want_ids = np.asarray(want_ids)
     def rows_picking_otherwise(scale: float) -> list[int]:
         return [r for r in range(b) if not np.array_equal(ref_ids(scale)[r], want_ids[r])]
@@ -469,7 +473,7 @@ def test_mxfp4_kernel_packing_round_trips() -> None:
 
 def _mix_case(dims: KimiDims, seed: int):
     """Block attention residuals of ``dims``' layers through the reference's own block
-    bookkeeping (``block_reference.block_attention_residuals``, random sublayer outputs), recording each
+    bookkeeping (its stream through `BlockMix` and `BlockAdd`, random sublayer outputs), recording each
     sublayer's sources ``[B, N, H]`` (and the final mixture's, as sublayer 2 * layers). The
     projections are drawn small enough that the mixture is no one-hot: a score off by 1 %
     moves it."""
@@ -483,12 +487,17 @@ def _mix_case(dims: KimiDims, seed: int):
     outputs = [jnp.asarray(rng.normal(0, 0.3 + 0.2 * (j % 3), (b, h)), F32)
                for j in range(2 * dims.num_hidden_layers)]
     sources = {}
-
-    def mix(j, stacked):
-        sources[j] = stacked
-        return stacked[:, 0]
-    block_reference.block_attention_residuals(embedding, dims.num_hidden_layers, dims.attn_res_block_size,
-                                  lambda j, _: outputs[j], mix)
+    stream = block_reference.BLOCK_RESIDUALS.start(embedding)
+    for j, out in enumerate(outputs):
+        place = ("attn", "mlp")[j % 2]
+        query = block_reference.QUERIES[place]
+        lp = {f"{query}_norm.weight": jnp.ones(h, F32), f"{query}_proj.weight": jnp.zeros((1, h), F32),
+              block_reference.NORM_WEIGHTS[place]: jnp.ones(h, F32)}
+        stream = block_reference.forward(BlockMix(place), lp, dims, stream, {}, j // 2, None, None, "")
+        sources[j] = stream.visible()
+        stream = block_reference.forward(BlockAdd(place), {}, dims, stream.leave(out), {}, j // 2, None, None,
+                                         "")
+    sources[len(outputs)] = stream.visible()
     return vectors, sources
 
 
@@ -527,7 +536,7 @@ def test_the_lowered_residual_mixtures_are_the_references() -> None:
         return np.asarray(block_reference.attention_residual(sources[j], norm_w[0], proj_scale * proj_w, eps))
 
     def want(j: int, proj_scale: float = 1.0) -> np.ndarray:
-        return np.asarray(ref.rms_norm(want_mix(j, proj_scale), vectors[weights(j)[2]][0], eps))
+        return np.asarray(rms_norm(want_mix(j, proj_scale), vectors[weights(j)[2]][0], eps))
 
     # final_hidden's head_norm rows: its final norm, then the output mixture's norm and projection
     mix_norm, mix_proj, final_norm = weights(layers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import types
 from collections.abc import Callable
 
 import jax
@@ -20,6 +21,9 @@ from mkc.families.kimi_k3 import reference as ref
 from mkc.layers import ops as layer_ops
 from mkc.layers.block_residuals import reference as block_reference
 from mkc.families.kimi_k3.config import KimiDims
+from mkc.families.kimi_k3.graph import ATTENTION, MOE
+from mkc.layers.block_residuals import BlockAdd, BlockMix
+from mkc.layers.moe import reference as moe_reference
 from mkc.layers.kda import reference as kda_reference
 from mkc.layers.mla import reference as mla_reference
 
@@ -143,7 +147,7 @@ def test_mini_config_keeps_the_structure_and_splits_over_16_ranks(mini: KimiDims
     n = mini.num_hidden_layers
     assert layers_of(mini, "mla") == tuple(i for i in range(n) if i % 4 == 3 or i == n - 1)
     assert (n - 1) % 4 != 3  # the last layer is MLA by K3's extra rule, not by the stride
-    assert set(mini.attention_types) == {ref.KDA, ref.MLA}
+    assert set(mini.attention_types) == {"linear_attention", "full_attention"}
     # Two residual-block boundaries inside the stack (layers 3 and 6), one at an MLA layer.
     assert mini.attn_res_block_size == 3 and n == 7
     assert layers_of(mini, "moe") == tuple(range(1, n))
@@ -176,7 +180,8 @@ def test_init_params(mini: KimiDims, mini_params: dict[str, np.ndarray]) -> None
     prefix = "model.layers.2.block_sparse_moe.experts.7.w2."
     scales = mini_params[prefix + "weight_scale"]
     assert scales.min() >= 1 and scales.max() <= 254
-    w2 = mxfp4_dequantize(mini_params[prefix + "weight_packed"], scales, ref.expert_logical_shape(mini, "w2"))
+    w2 = mxfp4_dequantize(mini_params[prefix + "weight_packed"], scales,
+                          moe_reference.packed_shape(MOE, mini, "w2"))
     assert w2.shape == (mini.routed_expert_hidden_size, mini.moe_intermediate_size)
     assert abs(w2.std() * math.sqrt(mini.moe_intermediate_size) - 1) < 0.1  # N(0, 1/fan_in), quantized
     a = np.exp(mini_params["model.layers.0.self_attn.A_log"])
@@ -191,7 +196,7 @@ def test_router_bias_selects_but_does_not_weight() -> None:
     logits = jnp.array([[-1.0, 0.5, 2.0, 1.0, 0.0],
                         [3.0, -2.0, 0.0, 1.0, 2.5]])
     bias = jnp.array([1.5, 0.0, -1.0, 0.0, 0.2])
-    ids, weights = ref.route(logits, bias, top_k=2)
+    ids, weights = moe_reference.route(logits, 2, True, "sigmoid", bias)
     # Biased scores, row 0: [1.77, .62, -.12, .73, .70] -> experts 0 and 3, although expert 2 has
     # the best raw score; row 1: [2.45, .12, -.5, .73, 1.12] -> 0 and 4.
     for row, chosen in ((0, [0, 3]), (1, [0, 4])):
@@ -199,7 +204,7 @@ def test_router_bias_selects_but_does_not_weight() -> None:
         raw = _sigmoid(np.asarray(logits[row], np.float64)[np.asarray(ids[row])])
         np.testing.assert_allclose(np.asarray(weights[row]), raw / raw.sum(), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
-    _, scaled = ref.route(logits, bias, top_k=2, scaling=2.5)
+    _, scaled = moe_reference.route(logits, 2, True, "sigmoid", bias, 2.5)
     np.testing.assert_allclose(np.asarray(scaled), 2.5 * np.asarray(weights), rtol=1e-6)
 
 
@@ -246,17 +251,29 @@ def test_block_attention_residual_schedule(n_layers: int, block: int) -> None:
         w = np.exp(scores - scores.max(-1, keepdims=True))
         return ((w / w.sum(-1, keepdims=True))[..., None] * sources).sum(1)
 
-    want = _paper_block_attn_res(embedding, n_layers, block, lambda j, h: np.tanh(h @ mats[j]), np_mix)
+    want = _paper_block_attn_res(embedding, n_layers, block,
+                                 lambda j, h: np.tanh(_rms(h, np.ones(hidden), eps) @ mats[j]), np_mix)
     want_counts, counts = counts, []
 
-    def jax_mix(j: int, sources: jax.Array) -> jax.Array:
-        counts.append(sources.shape[1])
-        return block_reference.attention_residual(sources, jnp.asarray(norms[j], jnp.float32),
-                                      jnp.asarray(projs[j], jnp.float32), eps)
+    d = types.SimpleNamespace(attn_res_block_size=block, rms_norm_eps=eps, hidden_size=hidden,
+                              num_hidden_layers=n_layers)
+    ones = jnp.ones(hidden, jnp.float32)
 
-    got = block_reference.block_attention_residuals(
-        jnp.asarray(embedding, jnp.float32), n_layers, block,
-        lambda j, h: jnp.tanh(jnp.matmul(h, jnp.asarray(mats[j], jnp.float32), precision="highest")), jax_mix)
+    def query(j: int, prefix: str) -> dict[str, jax.Array]:
+        return {f"{prefix}_norm.weight": jnp.asarray(norms[j], jnp.float32),
+                f"{prefix}_proj.weight": jnp.asarray(projs[j], jnp.float32)}
+
+    stream = block_reference.BLOCK_RESIDUALS.start(jnp.asarray(embedding, jnp.float32))
+    for j in range(2 * n_layers):
+        place = ("attn", "mlp")[j % 2]
+        lp = query(j, block_reference.QUERIES[place]) | {block_reference.NORM_WEIGHTS[place]: ones}
+        stream = block_reference.forward(BlockMix(place), lp, d, stream, {}, j // 2, None, None, "")
+        counts.append(stream.visible().shape[1])
+        out = jnp.tanh(jnp.matmul(stream.h, jnp.asarray(mats[j], jnp.float32), precision="highest"))
+        stream = block_reference.forward(BlockAdd(place), {}, d, stream.leave(out), {}, j // 2, None, None,
+                                         "")
+    counts.append(stream.visible().shape[1])
+    got = block_reference.BLOCK_RESIDUALS.finish(query(2 * n_layers, block_reference.OUTPUT), d, stream, None)
     assert counts == want_counts
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert want_counts[0] == 1 and want_counts[-1] == (n_layers - 1) // block + 2
@@ -319,7 +336,7 @@ def test_kda_matches_numpy_loops(mini: KimiDims, mini_params: dict[str, np.ndarr
     state = rng.normal(0, 0.3, size=(nh, d, d))
     jax_conv = jnp.asarray(conv_state[None], jnp.bfloat16)
     jax_state = jnp.asarray(state[None], jnp.float32)
-    block = jax.jit(functools.partial(kda_reference.block, ref.KDA_ATTENTION), static_argnums=1)
+    block = jax.jit(functools.partial(kda_reference.block, ATTENTION["kda"]), static_argnums=1)
     for step, head in enumerate((5, 0, nh - 1)):
         x = rng.normal(size=mini.hidden_size)
         out, jax_conv, jax_state = block(_to_jax(p64), mini, jnp.asarray(x[None], jnp.float32),
@@ -378,7 +395,7 @@ def test_cached_mla_matches_full_recompute(mini: KimiDims,
     batch, t_len, context = 2, 6, 9
     xs = rng.normal(size=(batch, t_len, mini.hidden_size))
     cache = jnp.zeros((batch, context, mini.kv_lora_rank + mini.qk_rope_head_dim), jnp.bfloat16)
-    block = jax.jit(functools.partial(mla_reference.block, ref.MLA_ATTENTION), static_argnums=1)
+    block = jax.jit(functools.partial(mla_reference.block, ATTENTION["mla"]), static_argnums=1)
     got = []
     for t in range(t_len):
         out, cache = block(_to_jax(p64), mini, jnp.asarray(xs[:, t], jnp.float32), cache,
@@ -401,11 +418,12 @@ def test_moe_matches_numpy_loop(mini: KimiDims, mini_params: dict[str, np.ndarra
     p = _sub64(mini_params, "model.layers.2.block_sparse_moe.")
     rng = np.random.default_rng(3)
     xs = rng.normal(size=(3, mini.hidden_size))
-    got = np.asarray(jax.jit(ref.moe_block, static_argnums=1)(_to_jax(p), mini, jnp.asarray(xs, jnp.float32)))
+    got = np.asarray(jax.jit(moe_reference.block, static_argnums=(0, 2))(MOE, _to_jax(p), mini,
+                                                                          jnp.asarray(xs, jnp.float32)))
 
     def expert(e: int, w: str) -> np.ndarray:
         return mxfp4_dequantize(p[f"experts.{e}.{w}.weight_packed"], p[f"experts.{e}.{w}.weight_scale"],
-                                ref.expert_logical_shape(mini, w)).astype(np.float64)
+                                moe_reference.packed_shape(MOE, mini, w)).astype(np.float64)
 
     for b, x in enumerate(xs):
         scores = _sigmoid(p["gate.weight"] @ x)
