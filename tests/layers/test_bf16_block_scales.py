@@ -146,7 +146,8 @@ def test_the_kernel_s_fp4_group_dots_equal_the_emulation_bit_for_bit(batch):
 def test_k3_a_requantized_checkpoint_packs_to_what_the_checkpoint_packs_to():
     from mkc.families.kimi_k3 import reference
     from mkc.families.kimi_k3 import weights as kw
-    from mkc.families.kimi_k3.config import BLOCK_SCALE, KimiDims
+    from mkc.families.kimi_k3.config import KimiDims
+    from mkc.layers.moe.weights import PACKED_BLOCK_SCALE as BLOCK_SCALE
     d = KimiDims.load(CONFIG_DIR / "kimi_k3_mini.json")
     rules = {"heads": (16, 1), "mlp": (16, 1), "vocab": (16, 1), "latent_down": (16, 1),
              "experts": (4, 4), "expert_mlp": (4, 1), "latent_up": (8, 1), "router": (2, 1)}

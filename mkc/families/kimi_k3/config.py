@@ -10,7 +10,8 @@ from typing import Any
 
 from mkc.layers.config import setting, with_aliases
 from mkc.model.contracts import Dims
-from mkc.model.family import ConfigError, ExpertLayout, config_float, config_int, identifier
+from mkc.layers.kda import read_linear_attn_config
+from mkc.model.family import ConfigError, config_float, config_int, identifier
 
 BLOCK_SIZE = 32       # MXFP4 values per E8M0 scale (mkc.model.mxfp4's, which imports jax)
 
@@ -21,24 +22,6 @@ BLOCK_SIZE = 32       # MXFP4 values per E8M0 scale (mkc.model.mxfp4's, which im
 # are Kimi-K2.5's (KimiK25ForConditionalGeneration), assumed for K3, not seen in its files.
 RENAMED_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
-# Routed experts load per expert (the released layout and the table's: MXFP4 pairs
-# `block_sparse_moe.experts.{e}.w{1,3,2}.weight_packed / .weight_scale`, w1 gate, w3 up, w2 down,
-# kimi/load.py) or fused as transformers fuses a Kimi Linear's experts (`KimiLinearExperts`, a
-# `DeepseekV3Experts`: `experts.gate_up_proj [E, 2I, in]`, gate rows first, and
-# `experts.down_proj [E, out, I]`, by qwen2_moe's MergeModulelist(dim=0), Concatenate(dim=1) in
-# src/transformers/conversion_mapping.py), each of the pair fused alike (compressed-tensors'
-# fused `experts.gate_up_proj.weight_packed` naming). The MXFP4 codes pack along the input axis,
-# so stacking and concatenating rows moves whole bytes: exact. No published K3 checkpoint with
-# fused experts was seen; this is the form a fusing exporter writes.
-EXPERT_LAYOUTS = tuple(
-    ExpertLayout(f"block_sparse_moe.experts.{fused}.{kind}",
-                 tuple(f"block_sparse_moe.experts.{{e}}.{w}.{kind}" for w in parts))
-    for fused, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))
-    for kind in ("weight_packed", "weight_scale"))
-
-# A requantized checkpoint's bf16 block scales (`mkc.layers.moe.weights.PACKED_BLOCK_SCALE`).
-BLOCK_SCALE = "weight_block_scale"
-
 # Upstream KimiLinearConfig defaults, for keys a config.json omits (as HF does).
 UPSTREAM_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu", "mla_use_nope": False, "moe_renormalize": True,
@@ -121,26 +104,19 @@ def read_dims(raw: Mapping, name: str) -> KimiDims:
     TypeError for a malformed config."""
     raw = with_aliases(raw, ALIASES)
     check_settings(raw)
-    lin = raw["linear_attn_config"]
     n = config_int(raw["num_hidden_layers"], "num_hidden_layers")
-    kinds = []
-    for attention, mlp in zip(attention_kinds(lin, n), mlp_kinds(raw, n)):
-        kinds += [attention, mlp]
+    attention, kda = read_linear_attn_config(raw, n)
+    kinds = [kind for pair in zip(attention, mlp_kinds(raw, n)) for kind in pair]
     ints = {key: config_int(raw[key], key) for key in (
         "hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "q_lora_rank",
         "kv_lora_rank", "qk_rope_head_dim", "num_shared_experts", "moe_intermediate_size",
         "routed_expert_hidden_size", "attn_res_block_size")}
     floats = {key: config_float(raw[key], key) for key in (
         "rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta")}
-    head_dim = config_int(lin["head_dim"], "linear_attn_config.head_dim")
     dims = KimiDims(
-        family="kimi_k3", name=identifier(name), num_hidden_layers=n, **ints, **floats,
-        kda_num_heads=lin.get("num_heads", ints["num_attention_heads"]), kda_head_dim=head_dim,
-        qk_nope_head_dim=raw.get("qk_nope_head_dim", head_dim),
-        v_head_dim=raw.get("v_head_dim", head_dim),
-        conv_kernel_size=config_int(lin["short_conv_kernel_size"],
-                                    "linear_attn_config.short_conv_kernel_size"),
-        gate_lower_bound=config_float(lin["gate_lower_bound"], "linear_attn_config.gate_lower_bound"),
+        family="kimi_k3", name=identifier(name), num_hidden_layers=n, **ints, **floats, **kda,
+        qk_nope_head_dim=raw.get("qk_nope_head_dim", kda["kda_head_dim"]),
+        v_head_dim=raw.get("v_head_dim", kda["kda_head_dim"]),
         experts=config_int(raw["num_experts"], "num_experts"),
         top_k=config_int(raw["num_experts_per_token"], "num_experts_per_token"),
         norm_topk_prob=setting(raw, "moe_renormalize", UPSTREAM_DEFAULTS),
@@ -157,31 +133,6 @@ def check_settings(raw: Mapping) -> None:
         if type(got) is not type(want) or got != want:     # `true` is not 1, nor 0 false
             raise ConfigError(f"unsupported Kimi K3 setting {key} = {got!r} (mkc implements {want!r})",
                               f"write \"{key}\": {json.dumps(want)}, as K3 does")
-    if not raw["linear_attn_config"].get("use_full_rank_gate", False):
-        raise ConfigError("only the full-rank KDA output gate (use_full_rank_gate) is supported",
-                          "set linear_attn_config.use_full_rank_gate to true, as K3 does")
-
-
-def attention_kinds(lin: Mapping, n: int) -> list[str]:
-    """Per layer "mla" or "kda", from `full_attn_layers` and `kda_layers` (1-based), which must
-    partition the layers."""
-    full, kda = list(lin["full_attn_layers"]), list(lin["kda_layers"])
-    if not all(type(i) is int for i in full + kda):
-        raise ConfigError("full_attn_layers and kda_layers must list 1-based layer numbers",
-                          "as upstream Kimi configs do, e.g. [4, 8, ...]")
-    if not full or set(range(1, n + 1)) <= set(full):
-        raise ConfigError(f"it has no {'mla' if not full else 'kda'} layer; the K3 lowering runs both "
-                          "KDA and MLA layers", "list some but not all layers in full_attn_layers")
-    twice = sorted(set(full) & set(kda))
-    if twice or len(set(full)) != len(full) or len(set(kda)) != len(kda):
-        raise ConfigError(f"layers listed twice in full_attn_layers / kda_layers: {twice or 'repeats'}",
-                          "list each layer once, in one of the two")
-    listed, wanted = set(full) | set(kda), set(range(1, n + 1))
-    if listed != wanted:
-        raise ConfigError(f"full_attn_layers / kda_layers (1-based) must cover 1..{n}: in neither "
-                          f"{sorted(wanted - listed)}, out of range {sorted(listed - wanted)}",
-                          "list every layer once, in one of the two")
-    return ["mla" if i + 1 in set(full) else "kda" for i in range(n)]
 
 
 def mlp_kinds(raw: Mapping, n: int) -> list[str]:

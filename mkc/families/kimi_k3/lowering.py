@@ -7,16 +7,10 @@ ring: `c.matmul` serves whichever the schedule chose.
 """
 from __future__ import annotations
 
-import jax
-
 from mkc.families.kimi_k3.graph import LAYERS
 from mkc.layers.block_residuals.lowering import final_hidden, prologue  # noqa: F401
+from mkc.layers.decoder.lowering import no_host_inputs as host_inputs  # noqa: F401  (no rotary table)
 from mkc.layers.sublayer import body_table
 
 # Every op's body: the layer library's (`graph.LAYERS`).
 BODIES = body_table(LAYERS)
-
-
-def host_inputs(dims, positions: jax.Array) -> dict[str, jax.Array]:
-    """No VMEM inputs computed on the host."""
-    return {}

@@ -1,37 +1,16 @@
 """Kimi K3's reference decode step: the layer library's (`mkc.layers.decode`) for the family's
-composition (`graph.LAYERS`), two loop layers a model layer, under block attention residuals
-(`mkc.layers.block_residuals.reference`). In f32, every dot at ``Precision.HIGHEST``, bf16
-weights upcast and the MXFP4 routed experts decoded exactly (``mkc.model.mxfp4``); with a
-`Rounding`, the kernel's rounding emulation (each kind's reference: `mkc.numerics` has how it
-was made to sum in the kernel's f32 order).
+composition (`graph.LAYERS`: KDA or gated NoPE MLA, then a dense SiTU MLP or the latent MoE with
+Kimi's per-expert MXFP4 experts), two loop layers a model layer, under block attention residuals
+(`mkc.layers.block_residuals.reference`). In f32 with every dot at ``Precision.HIGHEST`` and the
+MXFP4 experts decoded exactly; with a `Rounding`, the kernel's rounding emulation (each kind's
+reference; `mkc.numerics` has how it was made to sum in the kernel's f32 order). The math and
+the state layouts are each kind's (its reference module's docstring).
 
-Sources. Parameter names and equations follow the released checkpoint contract as read by the
-public hand-written megakernel ``Inferact/tpu-megakernels`` (``kimi/__init__.py``,
-``kimi/load.py``, ``kimi/decode_megakernel.py``), and, for names it inherits, upstream Kimi Linear
-(``modeling_kimi.py``: KDA, MLA, ``block_sparse_moe``). The released checkpoint nests the text
-tower under ``language_model.`` (``mkc.checkpoint`` renames it); names here are the text-only
-``model.`` / ``lm_head.`` ones. Config keys: `config.read_dims`.
-
-Per layer (B rows, one token each; ``rms(x, w) = x * rsqrt(mean(x^2) + eps) * w``, plain weight):
-
-* attention residuals (Block AttnRes, `mkc.layers.block_residuals.reference`): each sublayer and
-  the final norm read a learned softmax mixture of the embedding, the completed blocks of
-  ``attn_res_block_size`` layers and the block being filled;
-* attention input ``rms(mix, input_layernorm)``; KDA (``linear_attention``,
-  `mkc.layers.kda.reference`) or gated NoPE MLA (``full_attention``, `mkc.layers.mla.reference`);
-* MLP input ``rms(mix, post_attention_layernorm)``; layers ``< first_k_dense_replace`` a dense
-  ``mlp`` (`mkc.layers.swiglu.reference`), the rest the latent ``block_sparse_moe``
-  (`mkc.layers.moe.reference`: sigmoid router, the correction bias picking only, weights the
-  picked scores over their sum times ``routed_scaling_factor``; the routed experts on
-  ``routed_expert_down_proj(x)``, their weighted sum normed by ``routed_expert_norm`` and
-  projected back by ``routed_expert_up_proj``; plus the ungated shared experts on x); every GLU
-  is SiTU ``4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)``. Routed experts ``w1`` (gate), ``w3`` (up),
-  ``w2`` (down) are MXFP4: ``weight_packed`` uint8 ``[out, in/2]``, ``weight_scale`` E8M0
-  ``[out, in/32]``.
-
-State: the KDA's ``layers.{i}.conv_state`` bf16 ``[B, 3P, K-1]`` and ``recurrent_state`` f32
-``[B, heads, D, D]``; the MLA's ``layers.{i}.latent_cache`` bf16 ``[B, T, kv_lora_rank +
-qk_rope_head_dim]``. The KDA states advance by one token per call whatever the position.
+Sources: the released checkpoint contract as the public hand-written megakernel
+``Inferact/tpu-megakernels`` reads it (``kimi/__init__.py``, ``kimi/load.py``,
+``kimi/decode_megakernel.py``), and upstream Kimi Linear (``modeling_kimi.py``) for the names it
+inherits. Names are the text-only ``model.`` / ``lm_head.`` ones (``mkc.checkpoint`` renames
+the released ``language_model.`` tower); config keys: `config.read_dims`.
 """
 from __future__ import annotations
 

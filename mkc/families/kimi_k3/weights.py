@@ -1,11 +1,6 @@
-"""Kimi K3's weights: the layer library's, as `graph.LAYERS` composes them (`DecoderWeights`,
-the text-only checkpoint names `mkc.families.kimi_k3.reference.param_shapes` lists), and its
-routed experts, which the checkpoint holds per expert in compressed-tensors MXFP4
-(`block_sparse_moe.experts.{e}.w{1,3,2}.weight_packed / .weight_scale`): a rank's width slice
-as MXFP4 codes and scales in the kernel's K-major layout (`mkc.layers.expert_formats.weights`),
-or in the spec's format (FP8 codes; FP4 codes requantized to one scale per block), by the
-library MoE's layout of them (`mkc.layers.moe.weights.packed_mxfp4_expert`).
-"""
+"""Kimi K3's weights: the layer library's, as `graph.LAYERS` composes them (`DecoderWeights`),
+its routed experts from Kimi's per-expert MXFP4 by the library MoE's layout of them
+(`mkc.layers.moe.weights.packed_mxfp4_expert`), in the spec's format."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -4,6 +4,8 @@ final norm its decoder has, `final_hidden` (a plain weight, `w`) or `final_hidde
 (`1 + w`), as `final_hidden`."""
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from mkc.layers import ops
@@ -12,6 +14,11 @@ from mkc.runtime.context import Kernel
 
 def prologue(k: Kernel) -> None:
     """After the embedding: nothing beyond the residual stream x (which it filled)."""
+
+
+def no_host_inputs(dims: Any, positions: jax.Array) -> dict[str, jax.Array]:
+    """A decoder without VMEM inputs computed on the host (no rotary table)."""
+    return {}
 
 
 def final_hidden(k: Kernel, head_norm) -> jax.Array:

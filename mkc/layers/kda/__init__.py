@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.sublayer import Part, Sublayer
+from mkc.model.family import ConfigError, config_float, config_int
 from mkc.model.graph import Op, Tensor, lane_pad, split
 
 
@@ -74,3 +75,36 @@ class KDA(Sublayer):
             "recurrent": Tensor("recurrent", "state", (heads, hd, hd), "f32"),
         }
         return Part(ops, tensors, {"heads": heads, "kda_cols": projection_cols(d, heads)})
+
+
+def read_linear_attn_config(raw: Mapping, layers: int) -> tuple[list[str], dict[str, Any]]:
+    """Kimi Linear's `linear_attn_config`: each layer's attention ("kda", or "mla" for the
+    full-attention layers) from `kda_layers` and `full_attn_layers` (1-based, a partition of
+    the layers), and the KDA dims (`num_heads` defaults to `num_attention_heads`). ConfigError
+    for what the kind does not compute (a low-rank output gate) or a list that is no partition."""
+    lin = raw["linear_attn_config"]
+    if not lin.get("use_full_rank_gate", False):
+        raise ConfigError("only the full-rank KDA output gate (use_full_rank_gate) is supported",
+                          "set linear_attn_config.use_full_rank_gate to true, as K3 does")
+    full, kda = list(lin["full_attn_layers"]), list(lin["kda_layers"])
+    if not all(type(i) is int for i in full + kda):
+        raise ConfigError("full_attn_layers and kda_layers must list 1-based layer numbers",
+                          "as upstream Kimi configs do, e.g. [4, 8, ...]")
+    if not full or set(range(1, layers + 1)) <= set(full):
+        raise ConfigError(f"it has no {'mla' if not full else 'kda'} layer; the K3 lowering runs both "
+                          "KDA and MLA layers", "list some but not all layers in full_attn_layers")
+    twice = sorted(set(full) & set(kda))
+    if twice or len(set(full)) != len(full) or len(set(kda)) != len(kda):
+        raise ConfigError(f"layers listed twice in full_attn_layers / kda_layers: {twice or 'repeats'}",
+                          "list each layer once, in one of the two")
+    listed, wanted = set(full) | set(kda), set(range(1, layers + 1))
+    if listed != wanted:
+        raise ConfigError(f"full_attn_layers / kda_layers (1-based) must cover 1..{layers}: in neither "
+                          f"{sorted(wanted - listed)}, out of range {sorted(listed - wanted)}",
+                          "list every layer once, in one of the two")
+    key = "linear_attn_config."
+    fields = {"kda_num_heads": lin.get("num_heads", raw["num_attention_heads"]),
+              "kda_head_dim": config_int(lin["head_dim"], key + "head_dim"),
+              "conv_kernel_size": config_int(lin["short_conv_kernel_size"], key + "short_conv_kernel_size"),
+              "gate_lower_bound": config_float(lin["gate_lower_bound"], key + "gate_lower_bound")}
+    return ["mla" if i + 1 in set(full) else "kda" for i in range(layers)], fields

@@ -86,6 +86,20 @@ EXPERT_LAYOUTS = (
 )
 
 
+
+def packed_expert_layouts(prefix: str) -> tuple[ExpertLayout, ...]:
+    """Kimi's per-expert MXFP4 (`experts.{e}.w{1,3,2}.weight_packed / .weight_scale`: gate, up,
+    down; Inferact/tpu-megakernels kimi/load.py), or fused as transformers fuses a Kimi
+    Linear's experts (a `DeepseekV3Experts`, by `MergeModulelist(dim=0)`, `Concatenate(dim=1)`
+    in its conversion_mapping.py), each of a pair alike (compressed-tensors' fused naming):
+    the codes pack along the input axis, so stacking rows moves whole bytes, exactly. No
+    published checkpoint with fused experts was seen; this is the form a fusing exporter writes."""
+    return tuple(ExpertLayout(f"{prefix}experts.{fused}.{kind}",
+                              tuple(f"{prefix}experts.{{e}}.{w}.{kind}" for w in parts))
+                 for fused, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))
+                 for kind in ("weight_packed", "weight_scale"))
+
+
 @dataclass(frozen=True)
 class MoE(Sublayer):
     package = "mkc.layers.moe"
