@@ -58,7 +58,7 @@ def _dims(module, name: str, **changes):
 CASES = {
     "llama": (GQA(), lambda: _dims(llama, "llama_mini")),
     "qwen3_moe": (GQA(qk_norm="plain"), lambda: _dims(qwen3_moe, "qwen3_moe_mini")),
-    "qwen3_5": (GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True),
+    "qwen3_5": (GQA(norm="zero_centred", qk_norm="zero_centred", output_gate="q_proj"),
                 lambda: _dims(qwen3_5, "qwen3_8_mini", head_dim=64, rotary_dim=16)),
     # Qwen2's attention: q/k/v biases, none on o_proj
     "qkv_bias_only": (GQA(bias=True), lambda: _dims(llama, "llama_mini")),
