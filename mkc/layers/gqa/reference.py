@@ -1,15 +1,20 @@
 """The reference of `GQA`, as transformers computes grouped-query attention for one decode
 token per row (`modeling_llama.py`'s `LlamaAttention`, `eager_attention_forward`, `repeat_kv`;
 Qwen3.5's `Qwen3_5Attention` with its output gate; Qwen3-MoE's q/k norms; GPT-OSS's
-`GptOssAttention` with biases, sinks and a sliding window):
+`GptOssAttention` with biases, sinks and a sliding window; transformers 5.25's
+`MuseSparkTextAttention` with weightless q/k norms, `qk_scale_factor`, NoPE layers and its
+normed output gate):
 
-* q, k, v = x W^T (+ their biases; q_proj rows per head `[query | gate]` with the output
-  gate); with a q/k norm, an RMS norm over each head's dims; rotate-half RoPE on each head's
-  first `rotary_dim` dims (YaRN's cos and sin times its attention factor); k and v written to
-  the cache at the row's slot (bf16, as stored) and read back;
+* q, k, v = x W^T (+ their biases; q_proj rows per head `[query | gate]` with Qwen3.5's output
+  gate, Muse Spark's gate `gate_proj(x)`); with a q/k norm, an RMS norm over each head's dims
+  (weighted, or not); q times the dims' `qk_scale_factor` where they have one; rotate-half
+  RoPE on each head's first `rotary_dim` dims (YaRN's cos and sin times its attention factor),
+  none on a NoPE kind; k and v written to the cache at the row's slot (bf16, as stored) and
+  read back;
 * query head h reads KV head `h // (Hq // Hkv)`; softmax(q k^T / sqrt(D)) over the visible
   slots (`cache_slots`), a head's sink logit joining its denominator only; output
-  `* sigmoid(gate)` with the gate; o_proj, its bias added to the reduced product.
+  `* sigmoid(gate)` with Qwen3.5's gate, `rms(output) * sigmoid(gate)` per head with Muse
+  Spark's; o_proj, its bias added to the reduced product.
 
 Parameters are named under the layer's `s.prefix` (`self_attn.`); the pre-norm weight is the
 layer's `input_layernorm.weight`. Caches: `layers.{i}.key_cache` / `value_cache` bf16
@@ -20,7 +25,8 @@ slots, gathered by `weights.reference_states`, is read the same way with slot `p
 With a `Rounding` it rounds and sums as the kernel (`mkc.layers.reference`): RoPE from the
 host's f32 table (`mkc.layers.rope.rope_table`, jitted as the host runs it), norm and rotation
 head by head, the attention an online softmax over the schedule's KV tiles by group of a
-rank's query heads (`tiled_attention`), o_proj as per-rank partial sums all-reduced.
+rank's query heads (`tiled_attention`) with the scores scaled by `softmax_scale`, Muse Spark's
+output norm and gate head by head (`_rms_gate`), o_proj as per-rank partial sums all-reduced.
 """
 from __future__ import annotations
 
