@@ -28,8 +28,10 @@ Mutants (lowering.py unless named), 1.01 times ...        caught by
   the tile's running rescale / its probability sum          every case
 Muse Spark's options are judged so by the test itself (`MUTANTS`: its weightless q/k norm, its
 softmax scale, the output's norm and gate logit, gate_proj's columns 1.01 times, NoPE's heads
-1.01 times or rotated: every one moves the layer by over 10 TOL), and its new bodies, run in a
-Pallas TPU kernel in interpret mode, are the reference's rounding emulation of them bit for bit.
+1.01 times or rotated: every one moves the layer by over 10 TOL); its new bodies, run in a
+Pallas TPU kernel in interpret mode, are the reference's rounding emulation of them bit for bit,
+and that emulation without bf16 is the f32 reference to f32 order (a 1.01 softmax scale or
+output gate in it moves the layer by over 10 TOL, measured once).
 The table's shared code the reference also runs (rope's llama3 and YaRN frequencies, YaRN's
 factors) is judged against upstream's formulas by tests/families (llama's reference, GPT-OSS's
 ops, DeepSeek-V3's config), the split parts' products by test_attention_tile.
@@ -50,7 +52,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, reference, run_bodies
+from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, layer_params, reference, run_bodies
 from mkc.families.gpt_oss import reference as gpt_oss
 from mkc.families.llama import reference as llama
 from mkc.families.qwen3_5 import reference as qwen3_5
@@ -59,6 +61,7 @@ from mkc.layers import rope
 from mkc.layers.gqa import GQA, GQADims, lowering
 from mkc.layers.gqa import reference as gqa_reference
 from mkc.model.config import CONFIG_DIR
+from mkc.reference.rounding import Reduce, Rounding
 
 TOL = 2e-4
 B, CONTEXT, TILE = 2, 24, 8
@@ -243,3 +246,19 @@ def test_the_normed_output_gate_in_a_kernel_is_its_emulation():
     gate = proj[:, nq * hd:2 * nq * hd].reshape(B, nq, hd)
     want = gqa_reference._rms_gate(jnp.asarray(core.reshape(B, nq, hd)), jnp.asarray(gate), d.rms_norm_eps)
     np.testing.assert_array_equal(got, np.asarray(want).reshape(B, -1))
+
+
+@pytest.mark.parametrize("case", ["muse_spark_sliding", "muse_spark_nope", "nope"])
+def test_the_rounding_emulation_without_bf16_is_the_reference(case):
+    """The reference's kernel emulation (`Rounding`) of the new options, with f32 matmul inputs
+    and wire on two ranks of two query heads each: the f32 reference to f32 summation order
+    (the scale on the scores, not on q; online softmax by tile and rank group; the norms and
+    the gate head by head)."""
+    sub = CASES[case][0]
+    d, hf, x, _, cache_in, want, _ = _reference(case)
+    rounding = Rounding(ranks=2, reduces=(("kind", "o_proj", Reduce(((2, 1),), "f32")),),
+                        storage=(("kind", "kv", "f32"),), shard=(("nq", 2),), matmul_input="f32",
+                        kv_tiles=(("kind", TILE),))
+    got = sub.module("reference").forward(sub, layer_params(hf), d, jnp.asarray(x), dict(cache_in), 0,
+                                          jnp.asarray(POSITIONS, jnp.int32), rounding, "kind")
+    assert gap(np.asarray(got) - x, want - x) < TOL / 10
