@@ -151,6 +151,8 @@ MUTANT_NEEDS: dict[str, Callable] = {
     "oss.router_bias": _vector("router_bias"),
     "oss.expert_bias": lambda module: "down_bias" in module.EXPERTS.matrices,
     "oss.window": lambda module: getattr(module.DIMS, "sliding_window", None) is not None,
+    # every GQA scales its scores; this mutant judges the factor of a model that has one
+    "gqa.softmax_scale": lambda module: hasattr(module.DIMS, "qk_scale_factor"),
 }
 
 
