@@ -72,7 +72,9 @@ def rope(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.A
 
 
 def qk_norm(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-    """A NoPE kind's per-head RMS norm of q and the new k (no rotation) -> per-head lists."""
+    """A NoPE kind's per-head RMS norm of q and the new k (no rotation) -> per-head lists. Muse
+    Spark's full layers (`MuseSparkTextAttention.forward`: q and k normed per head, q times
+    `qk_scale_factor`, here in the scores' scale, `softmax_scale`; no position embeddings)."""
     return _heads(s, c, proj, _qk_norm(s, c))
 
 
@@ -155,7 +157,9 @@ def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
 
 def out_gate(s: GQA, c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
     """The attention output times the sigmoid of its gate (the projection's gate columns):
-    Qwen3.5's as it is; Muse Spark's RMS-normed first, head by head, without a weight."""
+    Qwen3.5's as it is; Muse Spark's RMS-normed first, head by head, without a weight, eps
+    `rms_norm_eps` (`MuseSparkTextAttention.forward`: `o_norm(attn_output) * sigmoid(gate_proj(
+    hidden_states))`, then o_proj; the hand kernel's `attention_layer` likewise, in f32)."""
     nq, hd = c.per_rank["nq"], c.dims.head_dim
     gate = jax.nn.sigmoid(proj[:, nq * hd:2 * nq * hd])
     if s.output_gate == "q_proj":
