@@ -34,6 +34,12 @@ MUTANTS: dict[str, tuple[str, str] | tuple[tuple[str, str], ...]] = {
     # Llama (the library's GQA without q/k norms): the new key after its rotary embedding
     "gqa.k_rope": ("    q, k_new = lower.rope(c, proj)\n",
                    "    q, k_new = lower.rope(c, proj)\n    k_new = [{scale}(k) for k in k_new]\n"),
+    # a NoPE GQA's normed query (Muse Spark's full layers: weightless q/k norm, no rotation)
+    "gqa.q_norm_nope": ("    q, k_new = lower.qk_norm(c, proj)\n",
+                        "    q, k_new = lower.qk_norm(c, proj)\n    q = [{scale}(x) for x in q]\n"),
+    # the gated attention output (Qwen3.5's gate from q_proj; Muse Spark's normed, from gate_proj)
+    "gqa.out_gate": ("    core = lower.out_gate(c, core, proj)\n",
+                     "    core = {scale}(lower.out_gate(c, core, proj))\n"),
     # Qwen3.5 MoE (generic module)
     "qwen_moe.routed_experts": (
         "    routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)\n",
@@ -90,6 +96,8 @@ LOWERING_MUTANTS: dict[str, tuple[str, str, str]] = {
                     "kt, vt = keys[c.sequence(b)], values[c.sequence(b)]\n"
                     "            vt = jnp.where((tokens < c.refs.positions[b]).reshape(-1, 1), "
                     "{factor}(b) * vt.astype(F32), vt.astype(F32))\n"),
+    # the library GQA's softmax scale (Muse Spark's `qk_scale_factor / sqrt(head_dim)`)
+    "gqa.softmax_scale": ("attention", "acc, scale))", "acc, scale * {factor}(b)))"),
     # Kimi K3
     "kda.decay": ("delta_rule", "decay[b:b + 1, lanes], beta",
                   "decay[b:b + 1, lanes] + jnp.log({factor}(b)), beta"),
@@ -143,6 +151,8 @@ MUTANT_NEEDS: dict[str, Callable] = {
     "oss.router_bias": _vector("router_bias"),
     "oss.expert_bias": lambda module: "down_bias" in module.EXPERTS.matrices,
     "oss.window": lambda module: getattr(module.DIMS, "sliding_window", None) is not None,
+    # every GQA scales its scores; this mutant judges the factor of a model that has one
+    "gqa.softmax_scale": lambda module: hasattr(module.DIMS, "qk_scale_factor"),
 }
 
 

@@ -31,6 +31,12 @@ def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 NORM = {"plain": rms_norm, "zero_centred": rms_norm_zero_centred}
 
 
+def rms_norm_weightless(x: jax.Array, eps: float) -> jax.Array:
+    """RMS norm without a weight (Muse Spark's `MuseSparkRMSNorm(with_scale=False)`):
+    ``x * rsqrt(mean(x^2) + eps)``; x [B, D]."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 def pre_norm(norm: str, c, name: str) -> jax.Array:
     """A layer's RMS norm of its residual stream by its vector `name`, with a `norm` weight
     ("plain": w, "zero_centred": 1 + w); `c` is the layer (`mkc.runtime.context.Layer`)."""

@@ -9,6 +9,7 @@ kernel's f32 order, each piece jitted in the kernel's formulation and shapes.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,13 @@ def rms_norm_zero_centred(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 NORM = {"plain": rms_norm, "zero_centred": rms_norm_zero_centred}
+
+
+@jax.jit
+def rms_norm_weightless(x: jax.Array, eps: float) -> jax.Array:
+    """RMS norm over the last axis without a weight (`MuseSparkRMSNorm(with_scale=False)`, which
+    computes ``x * (mean(x^2) + eps)^-0.5``)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm (the gated delta net's, Kimi's KDA), not rms_norm_eps
 
 
@@ -174,15 +182,15 @@ def split_bf16x3(x):
     return jnp.concatenate([hi, mid, lo], axis=0)
 
 
-@jax.jit
-def attention_tile_bf16x3(q, k, v, visible, m, denom, acc):
+@functools.partial(jax.jit, static_argnames=("scale",))
+def attention_tile_bf16x3(q, k, v, visible, m, denom, acc, scale: float | None = None):
     """`attention_tile` as the GQA kernel computes it: the bf16 tile fed as it is, the f32
     queries (q [n, D]) and probabilities split in three bf16 parts whose products are summed
-    high + middle + low in f32."""
+    high + middle + low in f32; the scores scaled by `scale` (None: D^-0.5)."""
     n, d = q.shape
     s3 = jax.lax.dot_general(split_bf16x3(q), k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
-    s = ((s3[:n] + s3[n:2 * n]) + s3[2 * n:]) * d ** -0.5
+    s = ((s3[:n] + s3[n:2 * n]) + s3[2 * n:]) * (d ** -0.5 if scale is None else scale)
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_new)

@@ -15,7 +15,7 @@ from mkc.model.graph import FamilyGraph
 SHARD_CLASSES = ("heads", "mlp", "vocab")
 # Qwen3.5's attention kinds (its RMS norms zero-centred, `1 + w`), each with a SwiGLU MLP.
 DELTA_NET = GatedDeltaNet()
-GATED_ATTENTION = GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)
+GATED_ATTENTION = GQA(norm="zero_centred", qk_norm="zero_centred", output_gate="q_proj")
 LAYERS = {"gdn": (DELTA_NET, SwiGLU(norm="zero_centred")),
           "gqa": (GATED_ATTENTION, SwiGLU(norm="zero_centred"))}
 

@@ -22,7 +22,7 @@ SHARD_CLASSES = ("heads", "mlp", "vocab", "experts")
 # Qwen3.5's attention kinds (RMS norms zero-centred, `1 + w`), each up to its residual add,
 # then the MoE as a loop layer of its own.
 DELTA_NET = GatedDeltaNet()
-GATED_ATTENTION = GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)
+GATED_ATTENTION = GQA(norm="zero_centred", qk_norm="zero_centred", output_gate="q_proj")
 LAYERS = {"gdn": (DELTA_NET,), "gqa": (GATED_ATTENTION,),
           "moe": (MoE(norm="zero_centred", shared_expert=True),)}
 

@@ -1,18 +1,23 @@
 """Grouped-query attention (`GQA`): pre-norm, one `[q | gate? | k | v]` projection, rotary
-embedding (with a per-head RMS norm of q and k first, as an option), the new key and value
-written to the KV cache, an online softmax over the cached tokens by KV-head group, an optional
-sigmoid output gate, the output projection (a partial sum over the heads' ranks), and the
-residual add.
+embedding (with a per-head RMS norm of q and k first, as an option; none on a NoPE kind), the new
+key and value written to the KV cache, an online softmax over the cached tokens by KV-head group,
+an optional sigmoid output gate, the output projection (a partial sum over the heads' ranks),
+and the residual add.
 
 Variants are options of the one kind: Llama 3 is `GQA()`, Qwen3.5's gated attention
-`GQA(norm="zero_centred", qk_norm="zero_centred", output_gate=True)`, Qwen3-MoE's
+`GQA(norm="zero_centred", qk_norm="zero_centred", output_gate="q_proj")`, Qwen3-MoE's
 `GQA(qk_norm="plain")`, GPT-OSS's `GQA(bias=True, o_bias=True, sinks=True)` and on its
 sliding layers `sliding=True`; a Qwen2-style attention with q/k/v biases and none on o_proj is
-`GQA(bias=True)`. The dims a model gives it: hidden_size, num_attention_heads,
-num_key_value_heads, head_dim, rms_norm_eps, `sliding_window` for a sliding kind, and its
-rotary embedding's (`mkc.layers.rope`; `rotary_dim`, the rotated dims of a head). Heads split
-over the `heads` shard class; a part holds its KV heads, or one replica of the KV head its
-query heads share when there are fewer KV heads than parts.
+`GQA(bias=True)`. Muse Spark's (transformers 5.25 `MuseSparkTextAttention`) is
+`GQA(norm="zero_centred", qk_norm="weightless", output_gate="rms_gate_proj")`, with
+`sliding=True` on its sliding layers and `rope=False` on its full ones (`layer_rope_theta` 0:
+`MuseSparkTextModel.forward` passes those layers no position embeddings), its dims giving
+`qk_scale_factor` (`softmax_scale`). The dims a model gives it: hidden_size,
+num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps, `sliding_window` for a sliding
+kind, `qk_scale_factor` where the scores are scaled by more than 1/sqrt(head_dim), and its rotary
+embedding's (`mkc.layers.rope`; `rotary_dim`, the rotated dims of a head). Heads split over the
+`heads` shard class; a part holds its KV heads, or one replica of the KV head its query heads
+share when there are fewer KV heads than parts.
 """
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ from mkc.model.contracts import Dims
 from mkc.model.graph import Op, Tensor, split
 
 NORMS = ("plain", "zero_centred")
+QK_NORMS = ("", "plain", "zero_centred", "weightless")
+# How the attention output is gated before o_proj: "" not; "q_proj": Qwen3.5's, the gate packed
+# in q_proj's rows per head `[query | gate]`, `out * sigmoid(gate)`; "rms_gate_proj": Muse
+# Spark's, the gate a separate `gate_proj` of the normed input, `rms(out) * sigmoid(gate)` per
+# head (a parameter-free RMS norm of eps `rms_norm_eps`: `MuseSparkTextAttention.o_norm`).
+OUTPUT_GATES = ("", "q_proj", "rms_gate_proj")
 
 
 @dataclass(frozen=True)
@@ -60,20 +71,37 @@ class GQA(Sublayer):
 
     norm: str = "plain"            # the input norm's weight: plain `w` or zero-centred `1 + w`
     qk_norm: str = ""              # "": none; else a per-head RMS norm of q and k of that weight
-    output_gate: bool = False      # q_proj holds [query | gate] per head; out *= sigmoid(gate)
+                                   # ("weightless": none, `MuseSparkRMSNorm(with_scale=False)`)
+    rope: bool = True              # rotate q and k (False: NoPE, no position embedding)
+    output_gate: str = ""          # one of OUTPUT_GATES
     bias: bool = False             # q/k/v biases added to the projection
     o_bias: bool = False           # o_proj's bias, added once after its reduce
     sinks: bool = False            # a learned logit per query head joins the softmax's denominator
     sliding: bool = False          # attends to the last `sliding_window` positions only
     prefix: str = "self_attn."     # its parameters' names under a layer's
 
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORMS or self.output_gate not in OUTPUT_GATES:
+            raise ValueError(f"GQA: qk_norm {self.qk_norm!r} not one of {QK_NORMS}, or output_gate "
+                             f"{self.output_gate!r} not one of {OUTPUT_GATES}")
+
     @property
     def projection(self) -> str:
+        """Both gates' per-rank columns are `[q | gate | k | v]` (`weights.matrix`)."""
         return "qkv_gate" if self.output_gate else "qkv"
 
     @property
     def rope_op(self) -> str:
-        return "qk_norm_rope" if self.qk_norm else "rope"
+        """The op from the projection to the per-head q and new k: their norm, rotation, both
+        or neither."""
+        if self.rope:
+            return "qk_norm_rope" if self.qk_norm else "rope"
+        return "qk_norm" if self.qk_norm else "split_heads"
+
+    @property
+    def qk_weights(self) -> tuple[str, ...]:
+        """The q/k norms' weight vectors (none for a weightless norm)."""
+        return ("q_norm", "k_norm") if self.qk_norm not in ("", "weightless") else ()
 
     def op_names(self) -> tuple[str, ...]:
         return ("input_norm", self.projection, self.rope_op, "kv_write", "attention",
@@ -85,7 +113,7 @@ class GQA(Sublayer):
         nkv = kv_heads_per_part(d, ways["heads"])
         q_cols = (2 if self.output_gate else 1) * nq * hd
         cols = q_cols + 2 * nkv * hd
-        norms = ("q_norm", "k_norm") if self.qk_norm else ()
+        norms = self.qk_weights
         bias = ("qkv_bias",) if self.bias else ()
         o_bias = ("o_bias",) if self.o_bias else ()
         sinks = ("sinks",) if self.sinks else ()
@@ -114,6 +142,16 @@ class GQA(Sublayer):
             "value": Tensor("value", "cache", (nkv, hd), "bf16"),
         }
         return Part(ops, tensors, {"nq": nq, "nkv": nkv, **({"qkv_cols": cols} if self.bias else {})})
+
+
+def softmax_scale(d: Any) -> float:
+    """The scores' scale: `1/sqrt(head_dim)`, times the dims' `qk_scale_factor` where they have
+    one (Muse Spark's 5.4730064863875). Upstream multiplies the normed q by the factor before
+    its rotation and scales the scores by `head_dim^-0.5` (`MuseSparkTextAttention.forward`);
+    rotation and dot being linear, that is the scores times `qk_scale_factor / sqrt(head_dim)`,
+    where the hand kernel applies it (`musespark/attention.py`, `Config.softmax_scale`)."""
+    factor = getattr(d, "qk_scale_factor", 1.0)
+    return d.head_dim ** -0.5 if factor == 1.0 else factor / d.head_dim ** 0.5
 
 
 def kv_heads_per_part(d: Any, heads: int) -> int:

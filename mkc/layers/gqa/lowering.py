@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from mkc.layers import ops
-from mkc.layers.gqa import GQA
+from mkc.layers.gqa import GQA, softmax_scale
 from mkc.runtime.context import Layer
 
 F32 = jnp.float32
@@ -33,32 +33,54 @@ def _k_offset(s: GQA, c: Layer) -> int:
     return (2 if s.output_gate else 1) * c.per_rank["nq"] * c.dims.head_dim
 
 
+def _heads(s: GQA, c: Layer, proj: jax.Array, head=lambda x, w: x
+           ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """`head(x, weight)` of each query head's and new key head's columns of the projection
+    (the weight of its q or k norm, None without one) -> per-head lists."""
+    nq, nkv, hd = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim
+    qw, kw = (c.vector(n) for n in s.qk_weights) if s.qk_weights else (None, None)
+    k_off = _k_offset(s, c)
+    return ([head(proj[:, j * hd:(j + 1) * hd], qw) for j in range(nq)],
+            [head(proj[:, k_off + j * hd:k_off + (j + 1) * hd], kw) for j in range(nkv)])
+
+
+def _qk_norm(s: GQA, c: Layer):
+    """One head's q/k norm, `norm(x, weight)`: weighted (`s.qk_norm`'s weight) or weightless."""
+    eps = c.dims.rms_norm_eps
+    if s.qk_norm == "weightless":
+        return lambda x, w: ops.rms_norm_weightless(x, eps)
+    return lambda x, w: ops.NORM[s.qk_norm](x, w, eps)
+
+
+def _rotation(c: Layer):
+    """One head's (partial) rotary embedding at each row's position (the host's table)."""
+    rot = ops.rotate_half_matrix(c.dims.head_dim, c.dims.rotary_dim)
+    cos, sin = c.refs.rope[0], c.refs.rope[1]
+    return lambda x: ops.apply_rope(x, cos, sin, rot)
+
+
 def qk_norm_rope(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
     """Per-head RMS norm and (partial) rotary embedding of q and the new k -> per-head lists."""
-    d, nq, nkv = c.dims, c.per_rank["nq"], c.per_rank["nkv"]
-    hd, eps, norm = d.head_dim, d.rms_norm_eps, ops.NORM[s.qk_norm]
-    rot = ops.rotate_half_matrix(hd, d.rotary_dim)
-    cos, sin = c.refs.rope[0], c.refs.rope[1]
-    qn, kn = c.vector("q_norm"), c.vector("k_norm")
-    q = [ops.apply_rope(norm(proj[:, j * hd:(j + 1) * hd], qn, eps), cos, sin, rot)
-         for j in range(nq)]
-    k_off = _k_offset(s, c)
-    k_new = [ops.apply_rope(norm(proj[:, k_off + j * hd:k_off + (j + 1) * hd], kn, eps),
-                            cos, sin, rot) for j in range(nkv)]
-    return q, k_new
+    norm, rotate = _qk_norm(s, c), _rotation(c)
+    return _heads(s, c, proj, lambda x, w: rotate(norm(x, w)))
 
 
 def rope(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
     """Rotary embedding of q and the new k, head by head -> per-head lists."""
-    d, nq, nkv = c.dims, c.per_rank["nq"], c.per_rank["nkv"]
-    hd = d.head_dim
-    rot = ops.rotate_half_matrix(hd, d.rotary_dim)
-    cos, sin = c.refs.rope[0], c.refs.rope[1]
-    q = [ops.apply_rope(proj[:, j * hd:(j + 1) * hd], cos, sin, rot) for j in range(nq)]
-    k_off = _k_offset(s, c)
-    k_new = [ops.apply_rope(proj[:, k_off + j * hd:k_off + (j + 1) * hd], cos, sin, rot)
-             for j in range(nkv)]
-    return q, k_new
+    rotate = _rotation(c)
+    return _heads(s, c, proj, lambda x, w: rotate(x))
+
+
+def qk_norm(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """A NoPE kind's per-head RMS norm of q and the new k (no rotation) -> per-head lists. Muse
+    Spark's full layers (`MuseSparkTextAttention.forward`: q and k normed per head, q times
+    `qk_scale_factor`, here in the scores' scale, `softmax_scale`; no position embeddings)."""
+    return _heads(s, c, proj, _qk_norm(s, c))
+
+
+def split_heads(s: GQA, c: Layer, proj: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """A NoPE kind's q and new k as they are projected -> per-head lists."""
+    return _heads(s, c, proj)
 
 
 def kv_write(s: GQA, c: Layer, k_new: list[jax.Array], proj: jax.Array) -> None:
@@ -100,7 +122,7 @@ def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
     per head, and as bf16, as the cache holds them (no f32 copy of the tile), with the f32
     queries and probabilities split in three bf16 parts (`ops.split_bf16x3`)."""
     nq, nkv, hd, B = c.per_rank["nq"], c.per_rank["nkv"], c.dims.head_dim, c.B
-    scale = hd ** -0.5
+    scale = softmax_scale(c.dims)
     groups = [[j for j in range(nq) if (j * nkv) // nq == g] for g in range(nkv)]
     groups = [g for g in groups if g]
     kvh = [(g[0] * nkv) // nq for g in groups]
@@ -134,8 +156,17 @@ def attention(s: GQA, c: Layer, q: list[jax.Array]) -> jax.Array:
 
 
 def out_gate(s: GQA, c: Layer, core: jax.Array, proj: jax.Array) -> jax.Array:
+    """The attention output times the sigmoid of its gate (the projection's gate columns):
+    Qwen3.5's as it is; Muse Spark's RMS-normed first, head by head, without a weight, eps
+    `rms_norm_eps` (`MuseSparkTextAttention.forward`: `o_norm(attn_output) * sigmoid(gate_proj(
+    hidden_states))`, then o_proj; the hand kernel's `attention_layer` likewise, in f32)."""
     nq, hd = c.per_rank["nq"], c.dims.head_dim
-    return core * jax.nn.sigmoid(proj[:, nq * hd:2 * nq * hd])
+    gate = jax.nn.sigmoid(proj[:, nq * hd:2 * nq * hd])
+    if s.output_gate == "q_proj":
+        return core * gate
+    eps = c.dims.rms_norm_eps
+    heads = [ops.rms_norm_weightless(core[:, j * hd:(j + 1) * hd], eps) for j in range(nq)]
+    return (jnp.concatenate(heads, axis=-1) if nq > 1 else heads[0]) * gate
 
 
 def o_proj(s: GQA, c: Layer, core: jax.Array) -> jax.Array:

@@ -1,15 +1,20 @@
 """The reference of `GQA`, as transformers computes grouped-query attention for one decode
 token per row (`modeling_llama.py`'s `LlamaAttention`, `eager_attention_forward`, `repeat_kv`;
 Qwen3.5's `Qwen3_5Attention` with its output gate; Qwen3-MoE's q/k norms; GPT-OSS's
-`GptOssAttention` with biases, sinks and a sliding window):
+`GptOssAttention` with biases, sinks and a sliding window; transformers 5.25's
+`MuseSparkTextAttention` with weightless q/k norms, `qk_scale_factor`, NoPE layers and its
+normed output gate):
 
-* q, k, v = x W^T (+ their biases; q_proj rows per head `[query | gate]` with the output
-  gate); with a q/k norm, an RMS norm over each head's dims; rotate-half RoPE on each head's
-  first `rotary_dim` dims (YaRN's cos and sin times its attention factor); k and v written to
-  the cache at the row's slot (bf16, as stored) and read back;
+* q, k, v = x W^T (+ their biases; q_proj rows per head `[query | gate]` with Qwen3.5's output
+  gate, Muse Spark's gate `gate_proj(x)`); with a q/k norm, an RMS norm over each head's dims
+  (weighted, or not); q times the dims' `qk_scale_factor` where they have one; rotate-half
+  RoPE on each head's first `rotary_dim` dims (YaRN's cos and sin times its attention factor),
+  none on a NoPE kind; k and v written to the cache at the row's slot (bf16, as stored) and
+  read back;
 * query head h reads KV head `h // (Hq // Hkv)`; softmax(q k^T / sqrt(D)) over the visible
   slots (`cache_slots`), a head's sink logit joining its denominator only; output
-  `* sigmoid(gate)` with the gate; o_proj, its bias added to the reduced product.
+  `* sigmoid(gate)` with Qwen3.5's gate, `rms(output) * sigmoid(gate)` per head with Muse
+  Spark's; o_proj, its bias added to the reduced product.
 
 Parameters are named under the layer's `s.prefix` (`self_attn.`); the pre-norm weight is the
 layer's `input_layernorm.weight`. Caches: `layers.{i}.key_cache` / `value_cache` bf16
@@ -20,7 +25,8 @@ slots, gathered by `weights.reference_states`, is read the same way with slot `p
 With a `Rounding` it rounds and sums as the kernel (`mkc.layers.reference`): RoPE from the
 host's f32 table (`mkc.layers.rope.rope_table`, jitted as the host runs it), norm and rotation
 head by head, the attention an online softmax over the schedule's KV tiles by group of a
-rank's query heads (`tiled_attention`), o_proj as per-rank partial sums all-reduced.
+rank's query heads (`tiled_attention`) with the scores scaled by `softmax_scale`, Muse Spark's
+output norm and gate head by head (`_rms_gate`), o_proj as per-rank partial sums all-reduced.
 """
 from __future__ import annotations
 
@@ -33,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mkc.layers import rope
-from mkc.layers.gqa import GQA
+from mkc.layers.gqa import GQA, softmax_scale
 from mkc.layers.reference import (HIGHEST, NORM, attention_tile_bf16x3, matmul, mm_input,
-                                  out_projection)
+                                  out_projection, rms_norm_weightless)
 from mkc.reference.rounding import Rounding, round_to
 
 
@@ -60,31 +66,44 @@ def apply_partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arra
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("norm",))
-def _norm_rope(x, w, cos, sin, rotation, eps, norm: str = ""):
-    """One head's RMS norm (`norm`'s weight; none for "") and rotary embedding in the kernel's
-    formulation and shapes: x [B, D]; cos, sin [B, D] (1 and 0 past the rotary dims); the
-    rotation as a product with the rotate-half matrix, ``y * cos + (y @ R) * sin``, which XLA
-    fuses into FMAs."""
-    y = NORM[norm](x, w, eps) if norm else x
+@functools.partial(jax.jit, static_argnames=("norm", "rotate"))
+def _norm_rope(x, w, cos, sin, rotation, eps, norm: str = "", rotate: bool = True):
+    """One head's RMS norm (`norm`'s weight, or "weightless"; none for "") and rotary embedding
+    (none unless `rotate`) in the kernel's formulation and shapes: x [B, D]; cos, sin [B, D] (1
+    and 0 past the rotary dims); the rotation as a product with the rotate-half matrix,
+    ``y * cos + (y @ R) * sin``, which XLA fuses into FMAs."""
+    if norm == "weightless":
+        y = rms_norm_weightless(x, eps)
+    else:
+        y = NORM[norm](x, w, eps) if norm else x
+    if not rotate:
+        return y
     return y * cos + jnp.dot(y, rotation, preferred_element_type=jnp.float32) * sin
 
 
 _rope_table = jax.jit(rope.rope_table, static_argnums=0)
 
 
-def _head_norm_rope(t: jax.Array, w: jax.Array | None, cos: jax.Array, sin: jax.Array, rot: int,
-                    eps: float, norm: str) -> jax.Array:
+def _head_norm_rope(t: jax.Array, w: jax.Array | None, cos: jax.Array | None, sin: jax.Array | None,
+                    rot: int, eps: float, norm: str) -> jax.Array:
     """``_norm_rope`` head by head, as the kernel applies it (a norm over one head's [B, D]
     reduces in another f32 order than over [B, heads, D]). t [B, heads, D]; cos, sin [B, D]
-    from ``_rope_table``."""
+    from ``_rope_table``, None for a NoPE kind (no rotation)."""
     d, half = t.shape[-1], rot // 2
     i, j = np.arange(d)[:, None], np.arange(d)[None, :]   # y @ R == rotate_half(y[:rot]), 0...
     rotation = np.where((j >= half) & (j < rot) & (i == j - half), 1.0,
                         np.where((j < half) & (i == j + half), -1.0, 0.0)).astype(np.float32)
     w = jnp.zeros((1, d), jnp.float32) if w is None else jnp.asarray(w, jnp.float32)[None, :]
-    return jnp.stack([_norm_rope(t[:, h], w, cos, sin, rotation, eps, norm=norm)
+    return jnp.stack([_norm_rope(t[:, h], w, cos, sin, rotation, eps, norm=norm, rotate=cos is not None)
                       for h in range(t.shape[1])], axis=1)
+
+
+@jax.jit
+def _rms_gate(o: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
+    """Muse Spark's output gate as the kernel computes it: each head's weightless RMS norm over
+    its [B, D] (`_head_norm_rope`'s reason) times the sigmoid of its gate; o, gate [B, heads, D]."""
+    normed = jnp.stack([rms_norm_weightless(o[:, h], eps) for h in range(o.shape[1])], axis=1)
+    return normed * jax.nn.sigmoid(gate)
 
 
 def _tile(a: jax.Array, t: int | jax.Array, tile: int) -> jax.Array:
@@ -96,18 +115,19 @@ def _tile(a: jax.Array, t: int | jax.Array, tile: int) -> jax.Array:
 
 def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                     positions: jax.Array, tile: int, per_rank: int | None = None,
-                    sinks: jax.Array | None = None, window: int | None = None) -> jax.Array:
-    """softmax(q k^T / sqrt(D)) v as the kernel sums it: per row and group of a rank's query
-    heads sharing a KV head (``per_rank`` heads a rank) an online softmax over the cache in
-    tiles of ``tile`` tokens (`attention_tile_bf16x3`), every row over the tiles up to the
-    largest position of the batch (a tile past a row's position changes nothing), its carry
-    started from the heads' ``sinks [Hq]`` when given. A softmax over the whole cache at once
-    sums in another f32 order, and a bf16 rounding downstream can flip (measured before: Qwen
-    MINI batch 2, one weight draw, 1.5e-3 in the logits at step 0). With a ``window`` the cache
-    is a sliding layer's ring of its slots (`mkc.runtime.kv`: slot s holds ``q = p - ((p - s)
-    mod slots)``, read at most once), masked by q: written, causal and within the window.
-    q [B, Hq, D] -> [B, Hq, D]. Under `jit` (traced positions) the tiles are a `fori_loop` of
-    as many: bit-equal to the eager loop (measured on Qwen MINI, 8 steps)."""
+                    sinks: jax.Array | None = None, window: int | None = None,
+                    scale: float | None = None) -> jax.Array:
+    """softmax(q k^T * scale) v (``scale`` None: 1/sqrt(D)) as the kernel sums it: per row and
+    group of a rank's query heads sharing a KV head (``per_rank`` heads a rank) an online
+    softmax over the cache in tiles of ``tile`` tokens (`attention_tile_bf16x3`), every row over
+    the tiles up to the largest position of the batch (a tile past a row's position changes
+    nothing), its carry started from the heads' ``sinks [Hq]`` when given. A softmax over the
+    whole cache at once sums in another f32 order, and a bf16 rounding downstream can flip
+    (measured before: Qwen MINI batch 2, one weight draw, 1.5e-3 in the logits at step 0). With
+    a ``window`` the cache is a sliding layer's ring of its slots (`mkc.runtime.kv`: slot s holds
+    ``q = p - ((p - s) mod slots)``, read at most once), masked by q: written, causal and within
+    the window. q [B, Hq, D] -> [B, Hq, D]. Under `jit` (traced positions) the tiles are a
+    `fori_loop` of as many: bit-equal to the eager loop (measured on Qwen MINI, 8 steps)."""
     b, hq, d = q.shape
     hkv, slots = key_cache.shape[1], key_cache.shape[2]
     traced = isinstance(positions, jax.core.Tracer)
@@ -146,7 +166,8 @@ def tiled_attention(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                     visible = (held >= 0) & (held <= p) & (held > p - window)
                 return attention_tile_bf16x3(q[row, group[0]:group[-1] + 1],
                                              _tile(keys[row, kvh], t, tile),
-                                             _tile(values[row, kvh], t, tile), visible, *carry)
+                                             _tile(values[row, kvh], t, tile), visible, *carry,
+                                             scale=scale)
             if traced:
                 carry = jax.lax.fori_loop(0, n_tiles, visit, carry)
             else:
@@ -193,6 +214,67 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
     return jnp.einsum("bgrt,bgtd->bgrd", probs, values, precision=HIGHEST).reshape(b, hq, d)
 
 
+def _project(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Rounding | None,
+             kind: str) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+    """(q ``[B, Hq, D]``, the output gate's logits ``[B, Hq, D]`` or None, k, v ``[B, Hkv, D]``)
+    of the normed input: Qwen3.5's gate from q_proj's rows `[query | gate]` per head, Muse
+    Spark's from `gate_proj` (no bias, `MuseSparkTextAttention.__init__`)."""
+    b, hq, hkv, hd = x.shape[0], d.num_attention_heads, d.num_key_value_heads, d.head_dim
+
+    def project(n: str, bias: bool = s.bias) -> jax.Array:
+        y = matmul(x, p[f"{n}_proj.weight"], rounding, kind, s.projection)
+        return y + p[f"{n}_proj.bias"] if bias else y
+
+    q, gate = project("q"), None
+    if s.output_gate == "q_proj":
+        q_and_gate = q.reshape(b, hq, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
+    else:
+        q = q.reshape(b, hq, hd)
+    if s.output_gate == "rms_gate_proj":
+        gate = project("gate", bias=False).reshape(b, hq, hd)
+    return q, gate, project("k").reshape(b, hkv, hd), project("v").reshape(b, hkv, hd)
+
+
+def _norm_rotate(s: GQA, p: Mapping[str, jax.Array], d: Any, q: jax.Array, k: jax.Array,
+                 positions: jax.Array, rounding: Rounding | None) -> tuple[jax.Array, jax.Array]:
+    """q and k after their per-head norm (if any) and rotation (unless NoPE). The f32 oracle in
+    upstream's order (`MuseSparkTextAttention.forward`): norm, q times `qk_scale_factor` where the
+    dims have one, then RoPE; the kernel's applies the factor to the scores instead
+    (`softmax_scale`), the norm and rotation head by head."""
+    eps = d.rms_norm_eps
+    if rounding is not None:
+        cos, sin = _rope_table(d, positions) if s.rope else (None, None)
+        return tuple(_head_norm_rope(t, p[f"{n}_norm.weight"] if s.qk_weights else None, cos, sin,
+                                     d.rotary_dim, eps, s.qk_norm) for t, n in ((q, "q"), (k, "k")))
+    if s.qk_norm == "weightless":
+        q, k = rms_norm_weightless(q, eps), rms_norm_weightless(k, eps)
+    elif s.qk_norm:
+        q, k = NORM[s.qk_norm](q, p["q_norm.weight"], eps), NORM[s.qk_norm](k, p["k_norm.weight"], eps)
+    if hasattr(d, "qk_scale_factor"):
+        q = q * d.qk_scale_factor
+    if s.rope:
+        cos, sin = rope_cos_sin(d, positions)
+        q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
+        k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
+    return q, k
+
+
+def _gated(s: GQA, d: Any, attn: jax.Array, gate: jax.Array | None, rounding: Rounding | None
+           ) -> jax.Array:
+    """The attention output ``[B, Hq, D]`` gated -> ``[B, Hq * D]``: times sigmoid(gate)
+    (Qwen3.5's); Muse Spark's, ``o_norm(o) * sigmoid(gate_proj(h))`` with `o_norm` a
+    weightless RMS norm of eps `rms_norm_eps` over each head (`MuseSparkTextAttention`; the
+    hand kernel's `attention_layer` likewise, in f32, before o_proj)."""
+    b = attn.shape[0]
+    if s.output_gate == "rms_gate_proj":
+        attn = (_rms_gate(attn, gate, d.rms_norm_eps) if rounding is not None
+                else rms_norm_weightless(attn, d.rms_norm_eps) * jax.nn.sigmoid(gate))
+    elif s.output_gate:
+        attn = attn * jax.nn.sigmoid(gate)
+    return attn.reshape(b, -1)
+
+
 def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: jax.Array,
           value_cache: jax.Array, positions: jax.Array, rounding: Rounding | None = None,
           kind: str = "gqa") -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -203,34 +285,9 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
     (`cache_slots`), then attends over the visible slots. Returns (output ``[B, H]``,
     key_cache, value_cache). ``kind`` names the layer kind whose KV tiles and o_proj
     all-reduce apply."""
-    b = x.shape[0]
-    hq, hkv, hd = d.num_attention_heads, d.num_key_value_heads, d.head_dim
-    x = mm_input(x, rounding)
-
-    def project(n: str) -> jax.Array:
-        y = matmul(x, p[f"{n}_proj.weight"], rounding, kind, s.projection)
-        return y + p[f"{n}_proj.bias"] if s.bias else y
-
-    q = project("q")
-    if s.output_gate:
-        q_and_gate = q.reshape(b, hq, 2 * hd)
-        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
-    else:
-        q = q.reshape(b, hq, hd)
-    k = project("k").reshape(b, hkv, hd)
-    v = project("v").reshape(b, hkv, hd)
-
-    if rounding is not None:
-        cos, sin = _rope_table(d, positions)
-        q, k = (_head_norm_rope(t, p[f"{n}_norm.weight"] if s.qk_norm else None, cos, sin,
-                                d.rotary_dim, d.rms_norm_eps, s.qk_norm) for t, n in ((q, "q"), (k, "k")))
-    else:
-        cos, sin = rope_cos_sin(d, positions)
-        if s.qk_norm:
-            q = NORM[s.qk_norm](q, p["q_norm.weight"], d.rms_norm_eps)
-            k = NORM[s.qk_norm](k, p["k_norm.weight"], d.rms_norm_eps)
-        q = apply_partial_rope(q, cos[:, None, :], sin[:, None, :])
-        k = apply_partial_rope(k, cos[:, None, :], sin[:, None, :])
+    b, hd = x.shape[0], d.head_dim
+    q, gate, k, v = _project(s, p, d, mm_input(x, rounding), rounding, kind)
+    q, k = _norm_rotate(s, p, d, q, k, positions, rounding)
 
     rows = jnp.arange(b)
     window = d.sliding_window if s.sliding else None
@@ -243,12 +300,10 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
     sinks = p["sinks"] if s.sinks else None
     if rounding is not None:
         attn = tiled_attention(q, key_cache, value_cache, positions, rounding.kv_tile(kind),
-                               rounding.size("nq"), sinks, window)
+                               rounding.size("nq"), sinks, window, softmax_scale(d))
     else:
         attn = attend(q, key_cache.astype(jnp.float32), value_cache.astype(jnp.float32), visible, sinks)
-    attn = attn.reshape(b, hq * hd)
-    if s.output_gate:
-        attn = attn * jax.nn.sigmoid(gate.reshape(b, hq * hd))
+    attn = _gated(s, d, attn, gate, rounding)
     per_rank = None if rounding is None else rounding.size("nq") * hd
     out = out_projection(attn, p["o_proj.weight"], rounding, kind, "o_proj", per_rank, "heads")
     return out, key_cache, value_cache
@@ -272,14 +327,16 @@ def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     H, hd, hq, hkv = d.hidden_size, d.head_dim, d.num_attention_heads, d.num_key_value_heads
     p, bf16 = prefix + s.prefix, "bfloat16"
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name, out, cols in (("q_proj", (2 if s.output_gate else 1) * hq * hd, H), ("k_proj", hkv * hd, H),
-                            ("v_proj", hkv * hd, H), ("o_proj", H, hq * hd)):
+    for name, out, cols in (("q_proj", (2 if s.output_gate == "q_proj" else 1) * hq * hd, H),
+                            ("k_proj", hkv * hd, H), ("v_proj", hkv * hd, H), ("o_proj", H, hq * hd)):
         shapes[p + f"{name}.weight"] = ((out, cols), bf16)
         if s.o_bias if name == "o_proj" else s.bias:
             shapes[p + f"{name}.bias"] = ((out,), bf16)
+    if s.output_gate == "rms_gate_proj":     # declared after o_proj upstream; never a bias
+        shapes[p + "gate_proj.weight"] = ((hq * hd, H), bf16)
     if s.sinks:
         shapes[p + "sinks"] = ((hq,), bf16)
-    if s.qk_norm:
+    if s.qk_weights:
         shapes |= {p + "q_norm.weight": ((hd,), bf16), p + "k_norm.weight": ((hd,), bf16)}
     shapes[prefix + "input_layernorm.weight"] = ((H,), bf16)
     return shapes
@@ -289,7 +346,8 @@ def init_weight(s: GQA, name: str, shape: tuple[int, ...], rng: np.random.Genera
                 ) -> np.ndarray | None:
     """Sinks N(0, 1), like a score; projection biases N(0, 0.1) (o_proj's times
     `residual_scale`: it writes the residual stream), so every bias path is exercised
-    (upstream initialises them to zero); the rest as the decoder draws them (None)."""
+    (upstream initialises them to zero); the rest as the decoder draws them (None): Muse
+    Spark's gate_proj like q_proj, N(0, 1/hidden), gate logits O(1)."""
     if s.sinks and name.endswith(s.prefix + "sinks"):
         return rng.normal(0.0, 1.0, shape)
     if name.endswith("_proj.bias"):           # one of its own: present only where declared

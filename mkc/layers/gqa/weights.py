@@ -1,7 +1,8 @@
 """Where `GQA`'s per-rank tensors come from in an upstream checkpoint: q/k/v_proj cut to a
 heads part's query heads and the KV heads it holds (`kv_heads_of`), concatenated as the
-projection's columns `[q | gate? | k | v]` (their biases likewise); o_proj's rows of those
-query heads; the sinks of its query heads; the norms and o_proj's bias whole."""
+projection's columns `[q | gate? | k | v]` (their biases likewise; the gate from q_proj's rows
+per head, or Muse Spark's `gate_proj` cut like q_proj); o_proj's rows of those query heads;
+the sinks of its query heads; the norms and o_proj's bias whole."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from mkc.model.sharding import ShardTable, rank_parts
 
 
 def tensor_names(s: GQA, d: Any) -> tuple[str, ...]:
-    return (s.projection, "o_proj", "input_norm", *(("q_norm", "k_norm") if s.qk_norm else ()),
+    return (s.projection, "o_proj", "input_norm", *s.qk_weights,
             *(("qkv_bias",) if s.bias else ()), *(("o_bias",) if s.o_bias else ()),
             *(("sinks",) if s.sinks else ()))
 
@@ -34,12 +35,15 @@ def matrix(s: GQA, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
     p = prefix + s.prefix
     if name == "o_proj":
         return tensor(hf, p + "o_proj.weight", (slice(None), slice(part * nq * hd, (part + 1) * nq * hd))).T
-    if s.output_gate:   # q_proj rows per head: [query | gate]
-        mine = tensor(hf, p + "q_proj.weight",
+    mine = slice(part * nq * hd, (part + 1) * nq * hd)
+    if s.output_gate == "q_proj":   # q_proj rows per head: [query | gate]
+        rows = tensor(hf, p + "q_proj.weight",
                       slice(part * nq * 2 * hd, (part + 1) * nq * 2 * hd)).reshape(nq, 2, hd, H)
-        q = [mine[:, 0].reshape(nq * hd, H), mine[:, 1].reshape(nq * hd, H)]
+        q = [rows[:, 0].reshape(nq * hd, H), rows[:, 1].reshape(nq * hd, H)]
     else:
-        q = [tensor(hf, p + "q_proj.weight", slice(part * nq * hd, (part + 1) * nq * hd))]
+        q = [tensor(hf, p + "q_proj.weight", mine)]
+    if s.output_gate == "rms_gate_proj":
+        q.append(tensor(hf, p + "gate_proj.weight", mine))
     return np.concatenate([w.T for w in (*q, *_kv_rows(s, hf, d, p, "weight", part, heads))], axis=1)
 
 
