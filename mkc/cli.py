@@ -42,6 +42,10 @@ def _perf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", type=int_at_least(1), metavar="R",
                    help="model the verify step of R rows per sequence instead (--batch: "
                         "sequences, default the spec's fewest)")
+    p.add_argument("--routing", choices=("rows", "sequences", "one"), default="rows",
+                   help="how rows pick routed experts: each row independently (uniform, the "
+                        "default), a sequence's rows alike (a verify step's bound), or every row "
+                        "alike (one prompt on every row)")
     p.add_argument("--acceptance", type=float_at_least(1), metavar="A",
                    help="with --verify: tokens accepted per sequence and launch, for tok/s "
                         "(default R)")
@@ -577,7 +581,7 @@ def _perf(args: argparse.Namespace, as_json: bool) -> dict:
         modelled = perf.model(c.ir, args.batch, args.context, args.verify,
                               args.acceptance, compiled=args.price,
                               keep_timeline=bool(args.trace or args.plot),
-                              on_compile=_compile_notice(args.spec, as_json))
+                              on_compile=_compile_notice(args.spec, as_json), routing=args.routing)
     result = {"perf": perf.report(modelled)}
     if not as_json:
         from mkc.perf.run import table

@@ -9,10 +9,11 @@ from mkc import ir
 
 
 def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int,
-                sequences: int | None = None) -> dict[str, int]:
+                sequences: int | None = None, routed_rows: int | None = None) -> dict[str, int]:
     """Bytes one rank reads or writes in HBM per step of `batch` rows, by class. A verify step
     runs its rows as fewer `sequences`: it reads their caches and states, and writes a state
-    per row."""
+    per row. Routed experts as `routed_rows` rows routing independently pick them (default
+    every row: `mkc.perf.run.ROUTINGS`)."""
     st = s.stream
     sequences = sequences or batch
     state = sum(_prod(shape) * ir.DTYPE_BYTES[dtype]
@@ -33,7 +34,7 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int,
         traffic["pooled weights"] = pooled
     if s.experts:
         traffic["routed experts (uniform routing)"] = round(
-            expected_local_experts(s, batch) * sum(_prod(shape) * ir.DTYPE_BYTES[dtype]
+            expected_local_experts(s, routed_rows or batch) * sum(_prod(shape) * ir.DTYPE_BYTES[dtype]
                                                    for shape, dtype in s.experts.values())
             * sum(1 for k in s.layer_kinds if s.kinds[k].fetch is not None))
     return traffic | {
@@ -52,8 +53,9 @@ def expected_local_experts(s: ir.ScheduleIR, batch: int) -> float:
 
 
 def step_floor_seconds(s: ir.ScheduleIR, hbm_bytes_per_s: float, batch: int,
-                       tokens_in_cache: int, sequences: int | None = None) -> float:
-    return sum(hbm_traffic(s, batch, tokens_in_cache, sequences).values()) / hbm_bytes_per_s
+                       tokens_in_cache: int, sequences: int | None = None,
+                       routed_rows: int | None = None) -> float:
+    return sum(hbm_traffic(s, batch, tokens_in_cache, sequences, routed_rows).values()) / hbm_bytes_per_s
 
 
 def _prod(shape) -> int:

@@ -13,6 +13,18 @@ from mkc.perf.work import KernelWork, kernel_work
 from mkc.trace import TraceOptions, build_trace
 
 
+# How a step's rows route (`mkc perf --routing`), as the rows that pick experts independently:
+# every row (uniform routing, the default), the rows of one sequence alike (a verify step's
+# drafts, as if consecutive tokens picked the same experts), or every row alike (one prompt on
+# every row, as the published Muse Spark steps were run): bounds, not a model of correlation.
+ROUTINGS = {"rows": lambda batch, sequences: batch,
+            "sequences": lambda batch, sequences: sequences or batch,
+            "one": lambda batch, sequences: 1}
+
+
+ROUTING_NOTES = {"rows": "", "sequences": ", each sequence's rows alike", "one": ", every row alike"}
+
+
 def expected_experts(s: ir.ScheduleIR, batch: int) -> float | None:
     """Routed experts the slowest rank runs per MoE layer, expected under uniform routing: the
     maximum over the expert groups of the ranks that all-reduce the experts' output together
@@ -69,7 +81,8 @@ def compiled_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
 def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates | None = None,
                events: list | None = None, keep_timeline: bool = True,
                traces: dict | None = None, sequences: int | None = None,
-               compiled: dict | None = None, compiled_work: KernelWork | None = None) -> Result:
+               compiled: dict | None = None, compiled_work: KernelWork | None = None,
+               routed_rows: int | None = None) -> Result:
     """The modelled step at `batch` rows (as fewer `sequences`: a verify step) with `tokens`
     cached. With `events`, that trace simulated
     once. Otherwise the expectation over routing: the steps of `expert_mix` simulated and
@@ -77,14 +90,16 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
     given, caches the traces built, by (batch, tokens, experts per layer). With `compiled` (a
     `compiled_measure`), work is priced by the cycles libtpu scheduled (`sim.Model.compiled`)
     at the chip's rates unless `rates` are given; `compiled_work` is the counted work of the
-    kernel `compiled` measured when that is another geometry of `s` (`sim.Model`)."""
+    kernel `compiled` measured when that is another geometry of `s` (`sim.Model`). The experts
+    routed as `routed_rows` independent rows pick them (default `batch`: `ROUTINGS`)."""
     rates = rates or constants.rates(s.chip)
+    routed_rows = routed_rows or batch
     work = kernel_work(s, batch, batch // sequences if sequences else None)
     if events is not None:
         return simulate(Model(s, batch, tokens, rates, work=work, compiled=compiled,
                              compiled_work=compiled_work), events,
                         keep_timeline=keep_timeline)
-    mix = expert_mix(s, batch)
+    mix = expert_mix(s, routed_rows)
     parts = []
     for n, w in mix:
         key = (batch, tokens, n, sequences)
@@ -100,7 +115,7 @@ def step_model(s: ir.ScheduleIR, batch: int, tokens: int, rates: constants.Rates
         parts.append((n, w, res))
     if len(parts) == 1:
         return parts[0][2]
-    return blend(parts, expected_experts(s, batch))
+    return blend(parts, expected_experts(s, routed_rows))
 
 
 def validation_note(chip: str) -> str:
@@ -160,6 +175,11 @@ class Modelled:
     rates: constants.Rates
     measure: dict | None
     counted_because: str = ""      # why the step is counted, not priced by a compiled measure
+    routing: str = "rows"          # `ROUTINGS`
+
+    @property
+    def routed_rows(self) -> int:
+        return ROUTINGS[self.routing](self.batch, self.sequences)
 
 
 def kernel_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
@@ -206,13 +226,14 @@ def op_measure(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
 def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
           verify_rows: int | None = None, acceptance: float | None = None,
           compiled: bool | None = None, keep_timeline: bool = False,
-          on_compile=None) -> Modelled:
+          on_compile=None, routing: str = "rows") -> Modelled:
     """The modelled step of `s` at `batch` (default: the spec's largest) with `tokens` cached
     (default: the spec's context). With `verify_rows` R, its verify step of R rows for each of
     `batch` sequences (default: the spec's fewest), whose tokens per second count `acceptance`
     tokens per sequence and launch (default R: every draft right). `keep_timeline` for
     pictures of that same step. Priced by the kernel's compiled measure (`mkc.perf.bundles`)
-    where one is cached, else counted; `compiled` as `kernel_measure` takes it."""
+    where one is cached, else counted; `compiled` as `kernel_measure` takes it. `routing`: how
+    the rows pick experts (`ROUTINGS`)."""
     sequences = None
     if verify_rows:
         sequences = batch or s.verify_sequences[0]
@@ -222,9 +243,9 @@ def model(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
     measure, why = kernel_measure(s, batch, sequences, verify_rows, compiled, on_compile)
     rates = constants.rates(s.chip)
     res = step_model(s, batch, tokens, rates, keep_timeline=keep_timeline, sequences=sequences,
-                     compiled=measure)
+                     compiled=measure, routed_rows=ROUTINGS[routing](batch, sequences))
     return Modelled(s, res, batch, tokens, sequences, verify_rows, acceptance, rates, measure,
-                    why)
+                    why, routing)
 
 
 def run(s: ir.ScheduleIR, batch: int | None = None, tokens: int | None = None,
@@ -242,16 +263,17 @@ def stall_seconds(res: Result) -> float:
 
 
 def hbm_bytes_by_class(s: ir.ScheduleIR, batch: int, tokens: int,
-                       sequences: int | None = None) -> dict[str, int]:
+                       sequences: int | None = None, routed_rows: int | None = None) -> dict[str, int]:
     """Bytes the slowest core moves in HBM per step, by class (`cost.hbm_traffic`), largest
     first: with routed experts, the slowest expert group's (the step waits for it) rather than
     the mean core's."""
-    traffic = cost.hbm_traffic(s, batch, tokens, sequences)
+    rows = routed_rows or batch
+    traffic = cost.hbm_traffic(s, batch, tokens, sequences, rows)
     mean_key = "routed experts (uniform routing)"
     if s.experts and mean_key in traffic:
-        mean = cost.expected_local_experts(s, batch)
+        mean = cost.expected_local_experts(s, rows)
         routed = traffic.pop(mean_key)
-        traffic["routed experts (slowest core)"] = round(routed * expected_experts(s, batch) / mean)
+        traffic["routed experts (slowest core)"] = round(routed * expected_experts(s, rows) / mean)
     return dict(sorted(((k, v) for k, v in traffic.items() if v), key=lambda kv: -kv[1]))
 
 
@@ -280,7 +302,7 @@ def verdict(m: Modelled) -> dict[str, Any]:
     slowest core's bytes at the bandwidth the model lets copies reach (peak x hbm_efficiency),
     with those bytes by class. A step at that ceiling gets nothing from a better schedule."""
     res, rates = m.res, m.rates
-    by_class = hbm_bytes_by_class(m.s, m.batch, m.tokens, m.sequences)
+    by_class = hbm_bytes_by_class(m.s, m.batch, m.tokens, m.sequences, m.routed_rows)
     ceiling = sum(by_class.values()) / rates.hbm_stream_bytes_per_s
     share = ceiling / res.step_s
     cause = "weight streaming" if share >= HBM_BOUND_SHARE else \
@@ -310,14 +332,15 @@ def report(m: Modelled) -> dict[str, Any]:
     s, res, batch, tokens, sequences = m.s, m.res, m.batch, m.tokens, m.sequences
     measure, rates, verify_rows = m.measure, m.rates, m.verify_rows
     bw = target.chip(s.chip).hbm_bytes_per_s
-    floor = cost.step_floor_seconds(s, bw, batch, tokens, sequences)
+    rows = m.routed_rows
+    floor = cost.step_floor_seconds(s, bw, batch, tokens, sequences, rows)
     emitted = batch if not verify_rows else sequences * (m.acceptance or verify_rows)
     slowest_floor = floor
     if s.experts:
         # the floor counts the mean core's routed experts; the slowest core moves more
-        mean = cost.expected_local_experts(s, batch)
-        routed = cost.hbm_traffic(s, batch, tokens)["routed experts (uniform routing)"]
-        slowest_floor += routed * (expected_experts(s, batch) / mean - 1) / bw
+        mean = cost.expected_local_experts(s, rows)
+        routed = cost.hbm_traffic(s, batch, tokens, routed_rows=rows)["routed experts (uniform routing)"]
+        slowest_floor += routed * (expected_experts(s, rows) / mean - 1) / bw
     pictured = res.concrete()
     return {
         "modelled": True,
@@ -336,8 +359,9 @@ def report(m: Modelled) -> dict[str, Any]:
                     "acceptance": m.acceptance or verify_rows} if verify_rows else None),
         "verdict": verdict(m),
         "routed_experts_per_layer": res.experts,
-        "routed_experts_per_layer_mean": (cost.expected_local_experts(s, batch)
+        "routed_experts_per_layer_mean": (cost.expected_local_experts(s, rows)
                                           if s.experts else None),
+        "routing": m.routing,
         "routed_experts_simulated": [{"experts": n, "weight": w} for n, w in res.parts]
                                     or ([{"experts": res.experts, "weight": 1.0}]
                                         if res.experts else []),
@@ -445,7 +469,7 @@ def table(rep: dict[str, Any], top_stalls: int = 8) -> str:
            f"(tok/s at {rep['verify']['acceptance']:g} accepted per sequence and launch)")
         + f", {rep['tokens_in_cache']} cached tokens"
         + (f", {rep['routed_experts_per_layer']:.2f} routed experts per MoE layer on the slowest "
-           f"core (expected under uniform routing; mean core "
+           f"core (expected under uniform routing{ROUTING_NOTES[rep.get('routing', 'rows')]}; mean core "
            f"{rep['routed_experts_per_layer_mean']:.2f})"
            if rep["routed_experts_per_layer"] else ""),
         f"modelled step: {step * 1e3:.3f} ms, {rep['tokens_per_s']:.0f} tok/s (modelled); "

@@ -121,3 +121,20 @@ def test_perf_reports_the_slowest_core_and_its_floor_beside_the_mean():
     dense = run(check_spec(ROOT / "schedules" / "qwen3_8_27b.sched").ir, 8, 1024)
     assert dense["slowest_core_hbm_floor_seconds"] == dense["hbm_floor_seconds"]
     assert dense["routed_experts_per_layer"] is None and not dense["routed_experts_simulated"]
+
+
+def test_routing_as_fewer_independent_rows_bounds_a_step():
+    """`--routing one`: every row picks the same experts, so a batch of 8 runs batch 1's experts
+    and moves batch 1's expert bytes, and is faster than uniform routing; `sequences`: a verify
+    step's rows of one sequence alike, the same as `one` for one sequence."""
+    from mkc.perf.run import model, report
+    s = check_spec(QWEN_MOE).ir
+    rows, one = (report(model(s, 8, 1024, routing=r)) for r in ("rows", "one"))
+    assert one["routed_experts_per_layer"] == pytest.approx(expected_experts(s, 1))
+    assert one["routed_experts_per_layer_mean"] == pytest.approx(cost.expected_local_experts(s, 1))
+    assert one["routing"] == "one"
+    assert one["step_seconds"] < rows["step_seconds"]
+    assert one["hbm_floor_seconds"] < rows["hbm_floor_seconds"]
+    verify = {r: report(model(s, 1, 1024, verify_rows=4, routing=r))["step_seconds"]
+              for r in ("sequences", "one", "rows")}
+    assert verify["sequences"] == verify["one"] < verify["rows"]
