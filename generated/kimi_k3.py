@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 84a6b58839d65994
+Input digest (spec, model config, mkc version): fceb52c9457a1e43
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
@@ -102,8 +102,8 @@ HF_CONFIG = json.loads(
     ' "v_head_dim": 128, "vocab_size": 163840}')
 PER_RANK = {'cache_width': 640, 'down_group': 128, 'expert_tp': 4, 'expert_width': 768,
             'gate_up_group': 512, 'heads': 3, 'host_cores': 8, 'inter': 1152, 'kda_cols': 1664,
-            'latent_cols': 128, 'latent_gathered': 4096, 'local_experts': 112, 'router_cols': 512,
-            'router_split': 2, 'shared': 192, 'up_cols': 896, 'vocab': 5120}
+            'latent_cols': 128, 'latent_gathered': 4096, 'local_experts': 112, 'router_cols': 896,
+            'router_split': 1, 'shared': 192, 'up_cols': 896, 'vocab': 5120}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
 FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:44'),
            'expert.gate_up': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sched:43')}
@@ -111,7 +111,7 @@ FORMATS = {'expert.down': WeightFormat(name='mxfp4', block=32, where='kimi_k3.sc
 SHARDS = ShardTable(ranks=32,
                     rules=(('expert_mlp', 4, 1), ('experts', 8, 4), ('heads', 32, 1),
                            ('latent_down', 32, 1), ('latent_up', 8, 1), ('mlp', 32, 1),
-                           ('router', 2, 1), ('vocab', 32, 1)))
+                           ('router', 1, 1), ('vocab', 32, 1)))
 HIDDEN = DIMS.hidden_size
 VOCAB_LOCAL = PER_RANK["vocab"]
 
@@ -156,8 +156,8 @@ MLA_Q_UP = StreamedMatrix(name='q_up', rows=1536, cols=576, row_tiles=2, col_til
                           tile_cols=640)
 MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=8,
                             tile_rows=384, tile_cols=896)
-MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=512, row_tiles=7, col_tiles=1,
-                            tile_rows=1024, tile_cols=512)
+MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=896, row_tiles=7, col_tiles=1,
+                            tile_rows=1024, tile_cols=896)
 MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=7168, cols=128, row_tiles=7, col_tiles=1,
                                  tile_rows=1024, tile_cols=128)
 MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=384, row_tiles=7,
@@ -170,7 +170,7 @@ TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7,
                               tile_rows=1024, tile_cols=640)
 RING = Ring(slots=8, ahead=8, total_tiles=4748,
             tile_shapes=((256, 896), (384, 896), (768, 640), (896, 896), (1024, 128), (1024, 384),
-                         (1024, 512), (1024, 640), (1024, 768)))
+                         (1024, 640), (1024, 768), (1024, 896)))
 TAIL_TILE_OFFSET = 4692
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [KDA_GATE_DOWN, KDA_O_PROJ],
@@ -190,65 +190,64 @@ VECTORS = Parity(
             'mla': {'attn_res_norm': (0, 1, 7168), 'attn_res_proj': (1, 1, 7168),
                     'input_norm': (2, 1, 7168), 'q_norm': (3, 1, 1536), 'kv_norm': (4, 1, 512)},
             'moe': {'mlp_res_norm': (0, 1, 7168), 'mlp_res_proj': (1, 1, 7168),
-                    'post_norm': (2, 1, 7168), 'correction_bias': (3, 1, 1024),
+                    'post_norm': (2, 1, 7168), 'correction_bias': (3, 1, 896),
                     'latent_norm': (4, 1, 3584)}}
 )
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
 EMBED_REDUCE = FromRows(rows=8,
-                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
-                               Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
+                               Stage(buffer='recv_1to7__bf16_4x8', counter=2, size=4, stride=8)),
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
-                                              counter=5, size=8, stride=1),
-                                Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
-                                AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1)))
+                                              counter=4, size=8, stride=1),
+                                Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
+                                AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1)))
 DENSE_DOWN_REDUCE = FromRows(
     rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=2, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
 KDA_O_PROJ_REDUCE = FromRows(
     rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=2, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
 MLA_O_PROJ_REDUCE = FromRows(
     rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=2, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
-MOE_SHARED_DOWN_REDUCE = (ReduceScatter(buffer='scatter__bf16_8x1__shared_down',
-                                        staging='send__bf16_8x1__shared_down', counter=8, size=8,
-                                        stride=1),
-                          Stage(buffer='chunk__bf16_4x8__shared_down', counter=9, size=4, stride=8),
-                          AllGather(buffer='sums__f32_8x1__shared_down', counter=10, size=8,
-                                    stride=1))
+MOE_SHARED_DOWN_REDUCE = (
+    ReduceScatter(buffer='scatter__bf16_8x1__shared_down', staging='send__bf16_8x1__shared_down',
+                  counter=7, size=8, stride=1),
+    Stage(buffer='chunk__bf16_4x8__shared_down', counter=8, size=4, stride=8),
+    AllGather(buffer='sums__f32_8x1__shared_down', counter=9, size=8, stride=1)
+)
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=5, size=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=2, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x8', counter=6, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=7, size=8, stride=1))
+            Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
-MOE_ROUTER_EXCHANGE = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
-N_COLLECTIVE_COUNTERS = 11
+N_COLLECTIVE_COUNTERS = 10
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -383,8 +382,6 @@ def _layer_moe(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
     router_logits = lower.router(c, h)
-    # exchange with sibling, wire f32
-    router_logits = k.exchange(router_logits, MOE_ROUTER_EXCHANGE)   # spec line 97
     expert_ids, expert_weights = lower.route(c, router_logits)
     # spec line 98: fetch experts -> staging.experts, the first slots now
     c.start_experts()
@@ -494,7 +491,6 @@ SCRATCH_SHAPES = {
     "mla_kv_rows": vmem((2, ROWS, 16, 640), BF16),   # kv
     "gather__latent_down": vmem((2, 32, ROWS, 128), BF16),   # collective
     "gather__latent_up": vmem((2, 8, ROWS, 896), BF16),   # collective
-    "exchange__router": vmem((2, 2, ROWS, 512), F32),   # collective
     "recv_1to7__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16, rows=(1, 7)),   # collective
     "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16, rows=(1, 7)),   # collective
     "scatter__bf16_8x1": vmem((2, 8, ROWS, 896), BF16, rows=(8, 8)),   # collective
@@ -518,8 +514,6 @@ SCRATCH_SHAPES = {
     "gather__latent_down__recv": dma_sems((2, 32)),
     "gather__latent_up__send": dma_sems((2, 8)),
     "gather__latent_up__recv": dma_sems((2, 8)),
-    "exchange__router__send": dma_sems((2, 2)),
-    "exchange__router__recv": dma_sems((2, 2)),
     "recv_1to7__bf16_4x8__send": dma_sems((2, 4), rows=(1, 7)),
     "recv_1to7__bf16_4x8__recv": dma_sems((2, 4), rows=(1, 7)),
     "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),

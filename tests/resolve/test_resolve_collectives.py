@@ -82,3 +82,17 @@ def test_the_mini_spec_scatters_a_chips_two_cores():
     a = _reduces(s)["gqa", "down"]
     assert (a.stages, a.chunk, a.scatter_from) == (((2, 1), (4, 2)), 128, 2)
 
+
+
+def test_a_column_split_of_one_way_is_whole_and_needs_no_gather():
+    """The shipped K3 spec keeps its router whole (`shard router over 1`), exchanging nothing;
+    split over a chip's two cores, its logits need the sibling exchange the spec then names."""
+    text = K3_SPEC.read_text()
+    assert "shard router over 1\n" in text and "exchange router" not in text
+    whole = _ir(text)
+    assert not whole.kinds["moe"].exchanges
+    with pytest.raises(Exception, match="moe.router leaves its output split 2 ways"):
+        _ir(text.replace("shard router over 1\n", "shard router over chip\n"))
+    split = _ir(text.replace("shard router over 1\n", "shard router over chip\n").replace(
+        "    fetch experts", "    exchange router with sibling wire f32\n    fetch experts", 1))
+    assert [e.after_op for e in split.kinds["moe"].exchanges] == ["router"]
