@@ -276,8 +276,8 @@ def _gathers(phase: ast.Phase, kind: LayerKind, topo: target.Topology, axis: str
              ) -> tuple[list[ir.AllGather], list[ir.Exchange], list[ir.Buffer]]:
     """All-gathers and sibling exchanges: every op whose product is column-split by a shard
     rule needs exactly one, over exactly that rule's group."""
-    split = {o.name: kind.tensors[o.matmul].split_out for o in kind.ops    # a 1-way split is whole
-             if o.matmul and kind.tensors[o.matmul].split_out and rules[kind.tensors[o.matmul].split_out][0] > 1}
+    split = {o.name: cls for o in kind.ops if o.matmul and (cls := kind.tensors[o.matmul].split_out)
+             and rules[cls][0] > 1}            # a 1-way split is whole
     done: dict[str, Span] = {}          # op -> the line that gathers it
     gathers, gather_buffers = _allgathers(phase, kind, split, done, topo, axis, B, rules)
     exchanges, exchange_buffers = _exchanges(phase, kind, split, done, topo, B, rules)
