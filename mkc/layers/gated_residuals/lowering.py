@@ -48,24 +48,25 @@ def pre_ffn_norm(s: GatedPre, c: Layer) -> jax.Array:
     return _pre(s, c)
 
 
-def _add(s: GatedAdd, c: Layer, *outputs: jax.Array) -> None:
-    H, eps = c.dims.hidden_size, c.dims.post_norm_eps
+def _summed(c: Layer, outputs: tuple[jax.Array, ...]) -> jax.Array:
+    """The kind's outputs, each cut to the hidden size, summed."""
+    H = c.dims.hidden_size
     cut = [v if v.shape[-1] == H else v[:, :H] for v in outputs]
-    y = sum(cut[1:], cut[0])
-    if s.place in POST_NORMS:
-        normed = input_scaled_norm(y, c.vector(POST_NORMS[s.place]), eps)
-    else:
-        normed = ops.rms_norm_weightless(y, eps)
+    return sum(cut[1:], cut[0])
+
+
+def attn_residual(s: GatedAdd, c: Layer, *outputs: jax.Array) -> None:
+    """x = alpha * x + beta * rms(y): the weightless post norm of eps `post_norm_eps`."""
+    normed = ops.rms_norm_weightless(_summed(c, outputs), c.dims.post_norm_eps)
     c.refs.x[...] = gated_update(c.refs.x[...], normed, c.vector(GATES[s.place]),
                                  c.dims.residual_gate_temperature)
 
 
-def attn_residual(s: GatedAdd, c: Layer, *outputs: jax.Array) -> None:
-    _add(s, c, *outputs)
-
-
 def mlp_residual(s: GatedAdd, c: Layer, *outputs: jax.Array) -> None:
-    _add(s, c, *outputs)
+    """x = alpha * x + beta * the input-scaled post norm of y."""
+    normed = input_scaled_norm(_summed(c, outputs), c.vector(POST_NORMS[s.place]), c.dims.post_norm_eps)
+    c.refs.x[...] = gated_update(c.refs.x[...], normed, c.vector(GATES[s.place]),
+                                 c.dims.residual_gate_temperature)
 
 
 def prologue(k: Kernel) -> None:
