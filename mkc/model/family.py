@@ -191,6 +191,9 @@ class Family:
                                     f"{sorted(registered)} but its composition declares "
                                     f"{sorted(self.lowered_ops)}: build BODIES = "
                                     "body_table(LAYERS) from FAMILY.layers")
+            if self.final_logits and not hasattr(module, "final_logits"):
+                raise ContractError(f"family {self.name}: final_logits is set but its lowering module "
+                                    f"{module.__name__} has no final_logits(k, logits, vocab_rule)")
         return module
 
 
