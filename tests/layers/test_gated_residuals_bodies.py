@@ -28,12 +28,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from layer_bodies import Buffer, gap
+from layer_bodies import Buffer, StandIn, bf16, draw_params, gap, kernel_states, layer_params
 from mkc.layers import reference as layer_reference
 from mkc.layers.decoder import lowering as decoder_lowering
 from mkc.layers.gated_residuals import GatedAdd, GatedPre
 from mkc.layers.gated_residuals import lowering
 from mkc.layers.gated_residuals import reference as gated_reference
+from mkc.layers.gqa import GQA, GQADims
+from mkc.layers.swiglu import SwiGLU
 from mkc.reference.rounding import Rounding
 
 TOL = 2e-6
@@ -282,3 +284,65 @@ def test_a_one_percent_mutant_of_a_body_fails(mutant):
     case, module, old, new = MUTANTS[mutant]
     got, want = _result(_mutated(module, old, new), case)
     assert gap(got, want) > 10 * TOL, mutant
+
+
+# ---- a composed layer: the bodies of every sublayer in order against the reference's forwards
+@dataclasses.dataclass(frozen=True)
+class ComposedDims(GQADims):
+    """Muse Spark's attention and residual dims, its heads fewer, with a dense MLP."""
+
+    sliding_window: int
+    qk_scale_factor: float
+    intermediate_size: int
+    post_norm_eps: float
+    residual_gate_temperature: float
+
+
+COMPOSED = ComposedDims(
+    family="toy", name="toy", hidden_size=128, num_hidden_layers=1, vocab_size=256, rms_norm_eps=1e-5,
+    layer_kinds=("kind",), num_attention_heads=4, num_key_value_heads=2, head_dim=64, rotary_dim=64,
+    rope_theta=5e5, sliding_window=16, qk_scale_factor=5.4730064863875, intermediate_size=256,
+    post_norm_eps=1e-8, residual_gate_temperature=0.3)
+LAYER = (GatedPre("attn"), GQA(norm="zero_centred", qk_norm="weightless", output_gate="rms_gate_proj",
+                               residual=False),
+         GatedAdd("attn", ("attn_out",)), GatedPre("mlp"), SwiGLU(residual=False),
+         GatedAdd("mlp", ("mlp_out",)))
+CONTEXT, TILE, POSITIONS = 24, 8, np.array([21, 13])
+
+
+def test_a_composed_layer_s_bodies_are_its_reference():
+    """GatedPre, GQA(residual=False), GatedAdd, then GatedPre, SwiGLU(residual=False), GatedAdd,
+    their bodies run in program order on one stream (dots in f32): the stream after the layer
+    is the reference's (`GatedStream` through each sublayer's `forward`, the gated updates
+    rounding the input-scaled value to bf16 as the kernel does) to f32 rounding."""
+    d = COMPOSED
+    hf: dict[str, np.ndarray] = {}
+    for i, sub in enumerate(LAYER):
+        hf |= draw_params(sub, d, seed=i)
+    rng = np.random.default_rng(9)
+    x = rng.normal(0, 1, (B, d.hidden_size)).astype(np.float32)
+    shape = (B, d.num_key_value_heads, CONTEXT, d.head_dim)
+    cache_in = {f"layers.0.{n}_cache": jnp.asarray(bf16(rng.normal(0, 1, shape)), jnp.bfloat16)
+                for n in ("key", "value")}
+
+    def forward(x, cache):
+        cache, stream = dict(cache), gated_reference.GatedStream(x)
+        for sub in LAYER:
+            rounding = EMULATION if isinstance(sub, GatedAdd) else None   # the kernel's bf16 t
+            stream = sub.module("reference").forward(sub, layer_params(hf), d, stream, cache, 0,
+                                                     jnp.asarray(POSITIONS, jnp.int32), rounding, "kind")
+        return stream.x
+    want = np.asarray(jax.jit(forward)(jnp.asarray(x), cache_in))
+    stream, values = Buffer(x), {}
+    for sub in LAYER:
+        c = StandIn(sub, d, hf, x, POSITIONS, tile=TILE)
+        if isinstance(sub, GQA):
+            c.caches = StandIn(sub, d, hf, x, POSITIONS, kernel_states(sub, d, c.part, cache_in, B),
+                               tile=TILE).caches
+        c.refs.x = stream
+        not_values, bodies = set(c.part.tensors) | {"x"}, sub.bodies()
+        for op in c.part.ops:
+            out = bodies[op.name](c, *[values[n] for n in op.reads if n not in not_values])
+            writes = [n for n in op.writes if n not in not_values]
+            values |= dict(zip(writes, out)) if len(writes) > 1 else dict.fromkeys(writes, out)
+    assert gap(np.asarray(stream.value) - x, want - x) < 2e-4

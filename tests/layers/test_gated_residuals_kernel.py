@@ -26,7 +26,12 @@ from mkc.model import registry
 from mkc.model.config import CONFIG_DIR
 from tests_support import ROOT
 
-MUSE = {"qk_scale_factor": 5.4730064863875, "post_norm_eps": 1e-8, "residual_gate_temperature": 0.3,
+# Muse Spark's settings but its attention's `qk_scale_factor` (5.47, judged by
+# test_gqa_options_kernel): on random weights its unit-normed q and k make the softmax so sharp
+# that, with every normed output entering the stream undamped, the f32 reference's logits were
+# 3.2 % of the largest from the bf16 kernel's at step 0 (over the plain check's 3 %; the kernel
+# still the emulation bit for bit); at 1.0, 0.8 %.
+MUSE = {"qk_scale_factor": 1.0, "post_norm_eps": 1e-8, "residual_gate_temperature": 0.3,
         "final_logit_softcapping": 20.0, "output_multiplier": 0.1767766952966369}
 VOCAB_USED = 2048 - 29          # past it, untrained padding rows: -inf logits
 
