@@ -121,9 +121,10 @@ class DecoderReference:
     def init_params(self, d: Any, seed: int) -> dict[str, np.ndarray]:
         """Random weights (bf16, or the table's dtype) scaled so the residual stream and logits
         stay O(1) at any depth: projections N(0, 1/fan_in), those writing the residual stream
-        further by 1/sqrt(2 layers); norm weights near their gain of 1 (1 + w for a zero-centred
-        norm); a kind's own tensors as its reference's `init_weight` draws them (several at
-        once where it returns them by name, uint8 codes with their scales)."""
+        further by 1/sqrt(2 layers), the lm_head of soft-capped logits by 1/output_multiplier;
+        norm weights near their gain of 1 (1 + w for a zero-centred norm); a kind's own tensors
+        as its reference's `init_weight` draws them (several at once where it returns them by
+        name, uint8 codes with their scales)."""
         rng = np.random.default_rng(seed)
         residual_scale = self.residuals.residual_scale(d)
         owned = self._owned_shapes(d)
@@ -146,6 +147,8 @@ class DecoderReference:
                 w = rng.normal(0.0, 0.1, shape) + (1.0 if self.final_norm == "plain" else 0.0)
             else:
                 std = 1.0 / math.sqrt(shape[-1])
+                if name == "lm_head.weight" and self.softcap:    # O(1) logits past the multiplier
+                    std /= d.output_multiplier
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
             out[name] = _as_stored(w, dtype)
         block = getattr(d, "weight_block_size", ())

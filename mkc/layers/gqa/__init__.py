@@ -2,7 +2,8 @@
 embedding (with a per-head RMS norm of q and k first, as an option; none on a NoPE kind), the new
 key and value written to the KV cache, an online softmax over the cached tokens by KV-head group,
 an optional sigmoid output gate, the output projection (a partial sum over the heads' ranks),
-and the residual add.
+and the residual add (without `residual`, the pre-norm and the add are the composing family's:
+Muse Spark's gated residuals, `mkc.layers.gated_residuals`).
 
 Variants are options of the one kind: Llama 3 is `GQA()`, Qwen3.5's gated attention
 `GQA(norm="zero_centred", qk_norm="zero_centred", output_gate="q_proj")`, Qwen3-MoE's
