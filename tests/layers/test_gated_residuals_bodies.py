@@ -346,3 +346,14 @@ def test_a_composed_layer_s_bodies_are_its_reference():
             writes = [n for n in op.writes if n not in not_values]
             values |= dict(zip(writes, out)) if len(writes) > 1 else dict.fromkeys(writes, out)
     assert gap(np.asarray(stream.value) - x, want - x) < 2e-4
+
+
+def test_a_masked_logit_is_no_error_of_the_numerics():
+    """-inf on both sides (a padded id) compares as equal; a logit masked on one side only does not."""
+    from mkc import numerics
+    ref = np.array([[1.5, -2.0, -np.inf]], np.float32)
+    ours = np.array([[1.0, -2.0, -np.inf]], np.float32)
+    assert numerics.logits_error(ours, ref) == pytest.approx(0.5 / 2.0)
+    assert numerics.logits_frob(ref, ref) == 0.0
+    one_sided = np.array([[1.5, -2.0, 0.0]], np.float32)
+    assert numerics.logits_error(one_sided, ref) == np.inf and numerics.logits_frob(one_sided, ref) == np.inf
