@@ -657,6 +657,9 @@ class ScheduleIR:
     compiler_scratch: tuple[ScratchMeasure, ...] = ()
     vmem_inputs: tuple[Buffer, ...] = ()
     expectations: tuple[Expectation, ...] = ()
+    # Whether the module passes the lm_head's logits through the lowering's `final_logits`
+    # (`Family.final_logits`).
+    final_logits: bool = False
 
     @property
     def rows_max(self) -> int:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkc.layers.reference import NORM, embed, matmul, sub_params
+from mkc.layers.reference import NORM, embed, matmul, softcap_logits, sub_params
 from mkc.layers.sublayer import Composition
 from mkc.model.family import Family
 from mkc.model import fp8_blocks
@@ -35,7 +35,8 @@ def _as_stored(w: Any, dtype: str) -> np.ndarray:
 class PlainResiduals:
     """The residual stream is one ``[B, H]`` array each sublayer adds its output to."""
 
-    def start(self, embedding: jax.Array) -> Any:
+    def start(self, embedding: jax.Array, d: Any = None) -> Any:
+        """The stream from the token embeddings (`d`: the model's dims)."""
         return embedding
 
     def finish(self, params: Mapping[str, Any], d: Any, stream: Any, rounding: Rounding | None) -> jax.Array:
@@ -63,16 +64,19 @@ class DecoderReference:
     def __init__(self, layers: Composition, read_dims: Callable[[Mapping, str], Any],
                  model_types: tuple[str, ...], final_norm: str = "plain",
                  model_layer: Callable[[int], int] = lambda layer: layer,
-                 draw_rank: Callable[[str], int] | None = None, residuals: Any = PlainResiduals()):
+                 draw_rank: Callable[[str], int] | None = None, residuals: Any = PlainResiduals(),
+                 softcap: bool = False):
         # `model_layer`: the model layer of a loop layer (a family whose sublayers are loop
         # layers of their own, attention then MoE, runs two a model layer). `draw_rank`: random
         # weights draw a layer's tensors in the order of this rank of their names under the
         # layer (stable; e.g. `norms_last`, Qwen3.5's order, which its recorded MINI results
         # were drawn in). `residuals`: the residual strategy (`PlainResiduals`, or e.g.
-        # `mkc.layers.block_residuals.reference.BLOCK_RESIDUALS`).
+        # `mkc.layers.block_residuals.reference.BLOCK_RESIDUALS`). `softcap`: the logits soft
+        # capped, padded vocabulary ids -inf (`mkc.layers.reference.softcap_logits`; the
+        # kernel's `mkc.layers.decoder.lowering.softcapped_logits`).
         self.layers, self.read_dims, self.model_types = layers, read_dims, model_types
         self.final_norm, self.model_layer, self.draw_rank = final_norm, model_layer, draw_rank
-        self.residuals = residuals
+        self.residuals, self.softcap = residuals, softcap
 
     @classmethod
     def of(cls, family: Family, **options: Any) -> DecoderReference:
@@ -117,9 +121,10 @@ class DecoderReference:
     def init_params(self, d: Any, seed: int) -> dict[str, np.ndarray]:
         """Random weights (bf16, or the table's dtype) scaled so the residual stream and logits
         stay O(1) at any depth: projections N(0, 1/fan_in), those writing the residual stream
-        further by 1/sqrt(2 layers); norm weights near their gain of 1 (1 + w for a zero-centred
-        norm); a kind's own tensors as its reference's `init_weight` draws them (several at
-        once where it returns them by name, uint8 codes with their scales)."""
+        further by 1/sqrt(2 layers), the lm_head of soft-capped logits by 1/output_multiplier;
+        norm weights near their gain of 1 (1 + w for a zero-centred norm); a kind's own tensors
+        as its reference's `init_weight` draws them (several at once where it returns them by
+        name, uint8 codes with their scales)."""
         rng = np.random.default_rng(seed)
         residual_scale = self.residuals.residual_scale(d)
         owned = self._owned_shapes(d)
@@ -142,6 +147,8 @@ class DecoderReference:
                 w = rng.normal(0.0, 0.1, shape) + (1.0 if self.final_norm == "plain" else 0.0)
             else:
                 std = 1.0 / math.sqrt(shape[-1])
+                if name == "lm_head.weight" and self.softcap:    # O(1) logits past the multiplier
+                    std /= d.output_multiplier
                 w = rng.normal(0.0, std * (residual_scale if name.endswith(RESIDUAL_WRITERS) else 1.0), shape)
             out[name] = _as_stored(w, dtype)
         block = getattr(d, "weight_block_size", ())
@@ -193,7 +200,7 @@ class DecoderReference:
             params = fp8_blocks.values(params, d.weight_block_size, jnp)
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
-        x = self.residuals.start(embed(params, tokens, rounding))
+        x = self.residuals.start(embed(params, tokens, rounding), d)
         new_cache = dict(cache)
         for i, kind in enumerate(d.layer_kinds):
             layer = self.model_layer(i)
@@ -204,5 +211,9 @@ class DecoderReference:
         x = self.residuals.finish(params, d, x, rounding)
         x = NORM[self.final_norm](x, jnp.asarray(params["model.norm.weight"]).astype(jnp.float32),
                                   d.rms_norm_eps)
-        return matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding,
-                      "tail", "lm_head", by_tiles=True), new_cache
+        logits = matmul(x, jnp.asarray(params["lm_head.weight"]).astype(jnp.float32), rounding,
+                        "tail", "lm_head", by_tiles=True)
+        if self.softcap:
+            logits = softcap_logits(logits, cap=d.final_logit_softcapping, multiplier=d.output_multiplier,
+                                    used=getattr(d, "vocab_used", d.vocab_size))
+        return logits, new_cache

@@ -50,6 +50,16 @@ def rms_norm_weightless(x: jax.Array, eps: float) -> jax.Array:
     """RMS norm over the last axis without a weight (`MuseSparkRMSNorm(with_scale=False)`, which
     computes ``x * (mean(x^2) + eps)^-0.5``)."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.jit, static_argnames=("cap", "multiplier", "used"))
+def softcap_logits(logits: jax.Array, *, cap: float, multiplier: float, used: int) -> jax.Array:
+    """``cap * tanh(logits * multiplier / cap)`` in upstream's order (`MuseSparkForConditional
+    Generation.forward`), -inf on the vocabulary's ids from ``used`` on (untrained padding)."""
+    capped = jnp.tanh((logits * multiplier) / cap) * cap
+    return jnp.where(jnp.arange(logits.shape[-1]) < used, capped, -jnp.inf)
+
+
 L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm (the gated delta net's, Kimi's KDA), not rms_norm_eps
 
 

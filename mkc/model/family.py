@@ -148,6 +148,10 @@ class Family:
     # -> sublayers); their bodies are the lowering module's `BODIES` table, the one place a
     # body is registered.
     layers: Any = field(default=None, hash=False)
+    # Its lowering module's `final_logits(k, logits, vocab_rule)` post-processes the lm_head's
+    # logits in the kernel (e.g. `mkc.layers.decoder.lowering.softcapped_logits`, Muse Spark's
+    # soft cap and padded vocabulary), the reference doing the same (`DecoderReference(softcap)`).
+    final_logits: bool = False
 
     def measured_scratch(self) -> tuple:
         """What libtpu allocated beyond mkc's buffers for each kernel the family measured
@@ -187,6 +191,9 @@ class Family:
                                     f"{sorted(registered)} but its composition declares "
                                     f"{sorted(self.lowered_ops)}: build BODIES = "
                                     "body_table(LAYERS) from FAMILY.layers")
+            if self.final_logits and not hasattr(module, "final_logits"):
+                raise ContractError(f"family {self.name}: final_logits is set but its lowering module "
+                                    f"{module.__name__} has no final_logits(k, logits, vocab_rule)")
         return module
 
 

@@ -37,7 +37,7 @@ def resolve_ir(s: ResolveState) -> ResolveState:
         chip=topo.chip.name, topology=topo.spec, ranks=topo.num_cores,
         cores_per_chip=topo.chip.cores_per_chip, batch_min=b_lo, batch_max=b_hi,
         weight_formats=dict(graph.formats),
-        family_package=family.package, dims_class=family.dims_import,
+        family_package=family.package, dims_class=family.dims_import, final_logits=family.final_logits,
         compiler_scratch=family.measured_scratch(),
         vmem_inputs=tuple(family.vmem_inputs(dims, b_hi)),
         vmem_capacity=topo.chip.vmem_bytes, hbm_per_core=topo.chip.hbm_bytes,

@@ -106,7 +106,7 @@ class BlockResiduals:
     """The residual strategy of `mkc.layers.decode.DecoderReference`: the embedding is the
     partial block layer 0 closes; the final norm reads the output mixture over every block."""
 
-    def start(self, embedding: jax.Array) -> Blocks:
+    def start(self, embedding: jax.Array, d: Any = None) -> Blocks:
         return Blocks((), embedding)
 
     def finish(self, params: Mapping[str, Any], d: Any, stream: Blocks, rounding: Rounding | None

@@ -2,7 +2,8 @@
 embedding (with a per-head RMS norm of q and k first, as an option; none on a NoPE kind), the new
 key and value written to the KV cache, an online softmax over the cached tokens by KV-head group,
 an optional sigmoid output gate, the output projection (a partial sum over the heads' ranks),
-and the residual add.
+and the residual add (without `residual`, the pre-norm and the add are the composing family's:
+Muse Spark's gated residuals, `mkc.layers.gated_residuals`).
 
 Variants are options of the one kind: Llama 3 is `GQA()`, Qwen3.5's gated attention
 `GQA(norm="zero_centred", qk_norm="zero_centred", output_gate="q_proj")`, Qwen3-MoE's
@@ -79,11 +80,14 @@ class GQA(Sublayer):
     sinks: bool = False            # a learned logit per query head joins the softmax's denominator
     sliding: bool = False          # attends to the last `sliding_window` positions only
     prefix: str = "self_attn."     # its parameters' names under a layer's
+    residual: bool = True          # its own pre-norm and residual add (else the family's)
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORMS or self.output_gate not in OUTPUT_GATES:
             raise ValueError(f"GQA: qk_norm {self.qk_norm!r} not one of {QK_NORMS}, or output_gate "
                              f"{self.output_gate!r} not one of {OUTPUT_GATES}")
+        if self.o_bias and not self.residual:     # its bias is added in its residual add
+            raise ValueError("GQA: o_bias needs its own residual add (residual=True)")
 
     @property
     def projection(self) -> str:
@@ -104,8 +108,9 @@ class GQA(Sublayer):
         return ("q_norm", "k_norm") if self.qk_norm not in ("", "weightless") else ()
 
     def op_names(self) -> tuple[str, ...]:
-        return ("input_norm", self.projection, self.rope_op, "kv_write", "attention",
-                *(("out_gate",) if self.output_gate else ()), "o_proj", "attn_residual")
+        return (*(("input_norm",) if self.residual else ()), self.projection, self.rope_op, "kv_write",
+                "attention", *(("out_gate",) if self.output_gate else ()), "o_proj",
+                *(("attn_residual",) if self.residual else ()))
 
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
         H, hd = d.hidden_size, d.head_dim
@@ -118,14 +123,15 @@ class GQA(Sublayer):
         o_bias = ("o_bias",) if self.o_bias else ()
         sinks = ("sinks",) if self.sinks else ()
         ops = (
-            Op("input_norm", reads=("x", "input_norm"), writes=("h",)),
+            *((Op("input_norm", reads=("x", "input_norm"), writes=("h",)),) if self.residual else ()),
             Op(self.projection, reads=("h", *bias), writes=("proj",), matmul=self.projection),
             Op(self.rope_op, reads=("proj", *norms), writes=("q", "k_new")),
             Op("kv_write", reads=("k_new", "proj"), writes=("key", "value")),
             Op("attention", reads=("q", "key", "value", *sinks), writes=("core",)),
             *((Op("out_gate", reads=("core", "proj"), writes=("core",)),) if self.output_gate else ()),
             Op("o_proj", reads=("core",), writes=("attn_out",), matmul="o_proj"),
-            Op("attn_residual", reads=("attn_out", *o_bias, "x"), writes=("x",)),
+            *((Op("attn_residual", reads=("attn_out", *o_bias, "x"), writes=("x",)),)
+              if self.residual else ()),
         )
         vector = functools.partial(Tensor, role="vector", dtype="f32")
         tensors = {
@@ -134,7 +140,7 @@ class GQA(Sublayer):
             "o_proj": Tensor("o_proj", "matrix", (nq * hd, H), "bf16", partial_out=("heads",),
                              format_class="attention"),
             **{n: vector(n, shape=(hd,)) for n in norms},
-            "input_norm": vector("input_norm", shape=(H,)),
+            **({"input_norm": vector("input_norm", shape=(H,))} if self.residual else {}),
             **({"qkv_bias": vector("qkv_bias", shape=(cols,))} if self.bias else {}),
             **({"sinks": vector("sinks", shape=(nq,))} if self.sinks else {}),   # a logit a query head
             **({"o_bias": vector("o_bias", shape=(H,))} if self.o_bias else {}),  # added after the reduce

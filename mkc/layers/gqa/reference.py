@@ -41,7 +41,7 @@ import numpy as np
 from mkc.layers import rope
 from mkc.layers.gqa import GQA, softmax_scale
 from mkc.layers.reference import (HIGHEST, NORM, attention_tile_bf16x3, matmul, mm_input,
-                                  out_projection, rms_norm_weightless)
+                                  out_projection, own_norm, rms_norm_weightless)
 from mkc.reference.rounding import Rounding, round_to
 
 
@@ -312,13 +312,16 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
 def forward(s: GQA, lp: Mapping[str, jax.Array], d: Any, x: jax.Array, cache: dict, layer: int,
             positions: jax.Array, rounding: Rounding | None, kind: str) -> jax.Array:
     """The residual stream after the layer's attention (its pre-norm, the block, the residual
-    add); updates `cache` (this layer's KV caches) in place."""
-    h = NORM[s.norm](x, lp["input_layernorm.weight"], d.rms_norm_eps)
+    add; without `residual`, from the stream's `h` to its `leave`); updates `cache` (this
+    layer's KV caches) in place."""
+    h = NORM[s.norm](x, lp["input_layernorm.weight"], d.rms_norm_eps) if s.residual else x.h
     sub = {n[len(s.prefix):]: w for n, w in lp.items() if n.startswith(s.prefix)}
     names = f"layers.{layer}.key_cache", f"layers.{layer}.value_cache"
     out, cache[names[0]], cache[names[1]] = block(s, sub, d, h, cache[names[0]], cache[names[1]],
                                                   positions, rounding, kind)
-    return x + (out + sub["o_proj.bias"]) if s.o_bias else x + out
+    if s.o_bias:
+        out = out + sub["o_proj.bias"]
+    return x + out if s.residual else x.leave(out)
 
 
 def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -338,8 +341,7 @@ def param_shapes(s: GQA, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
         shapes[p + "sinks"] = ((hq,), bf16)
     if s.qk_weights:
         shapes |= {p + "q_norm.weight": ((hd,), bf16), p + "k_norm.weight": ((hd,), bf16)}
-    shapes[prefix + "input_layernorm.weight"] = ((H,), bf16)
-    return shapes
+    return shapes | own_norm(s, d, prefix + "input_layernorm.weight")
 
 
 def init_weight(s: GQA, name: str, shape: tuple[int, ...], rng: np.random.Generator, residual_scale: float

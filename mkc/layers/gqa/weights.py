@@ -16,7 +16,7 @@ from mkc.model.sharding import ShardTable, rank_parts
 
 
 def tensor_names(s: GQA, d: Any) -> tuple[str, ...]:
-    return (s.projection, "o_proj", "input_norm", *s.qk_weights,
+    return (s.projection, "o_proj", *(("input_norm",) if s.residual else ()), *s.qk_weights,
             *(("qkv_bias",) if s.bias else ()), *(("o_bias",) if s.o_bias else ()),
             *(("sinks",) if s.sinks else ()))
 
