@@ -154,3 +154,35 @@ def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Ar
     from jax.experimental.pallas import tpu as pltpu
     w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
     return jnp.dot(x, w, preferred_element_type=F32) * scale
+
+
+def int4_dot(x: jax.Array, codes: jax.Array) -> jax.Array:
+    """x [B, R] bf16 @ int4 codes (uint8 [R/2, N]: byte row a holds input row 2a in its low
+    nibble, 2a + 1 in its high one, two's complement) -> f32 [B, N]: the codes reinterpreted
+    where they sit (``pltpu.bitcast`` unpacks the nibbles into consecutive rows), converted to
+    bf16 (their integers -8..7, exact) and multiplied in one bf16 dot; the caller multiplies
+    the partial product by the block's scale (``bf16_block_scales``)."""
+    from jax.experimental.pallas import tpu as pltpu
+    w = pltpu.bitcast(codes, jnp.int4).astype(jnp.bfloat16)
+    return jnp.dot(x, w, preferred_element_type=F32)
+
+
+def nvfp4_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """One pack group of NVFP4 -> bf16 [G, N]: codes uint8 [G/2, N] (the checkpoint's e2m1
+    nibbles, row 2a low, 2a + 1 high), scales uint8 [G/16, N] (e4m3 bytes, one per 16 rows).
+    e2m1 x e4m3 holds at most 6 significant bits in bf16's exponent range: exact."""
+    from jax.experimental.pallas import tpu as pltpu
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.bfloat16)
+    scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    rows, cols = values.shape
+    blocked = values.reshape(rows // NVFP4_BLOCK, NVFP4_BLOCK, cols) * scale[:, None, :]
+    return blocked.reshape(rows, cols)
+
+
+def nvfp4_global_scale(stored: jax.Array) -> jax.Array:
+    """An nvfp4 slot's `GLOBAL_SCALE_ROWS` byte rows (uint8 [4, N], the little-endian bytes of
+    each column's f32 global scale) -> f32 [1, N], joined by shifts (exact)."""
+    b = stored.astype(jnp.uint32)
+    bits = (b[3:4] << 24) | (b[2:3] << 16) | (b[1:2] << 8) | b[0:1]
+    return lax.bitcast_convert_type(bits, F32)
