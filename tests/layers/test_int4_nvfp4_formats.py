@@ -261,3 +261,18 @@ def test_format_refusals_name_what_fits(classes, fmt, message):
 def test_nvfp4_refuses_rows_past_whole_pack_groups():
     with pytest.raises(FormatError, match="whole pack"):
         expert_formats.resolve(NVFP4_CLASSES, {"gate_up": 4096, "down": 96}, {"gate_up": 512, "down": 96})
+
+
+def test_nvfp4_checkpoint_layout_offers_its_own_format():
+    from mkc.layers.moe.options import Checkpoint
+    t = Checkpoint.NVFP4.expert_tensors("experts.", 4, 256, 512)
+    assert t["experts.gate_up_proj"] == ((4, 512, 256), "uint8")
+    assert t["experts.down_proj_weight_scale"] == ((4, 512, 16), "float8_e4m3fn")
+    assert t["experts.gate_up_proj_weight_scale_2"] == t["experts.down_proj_input_scale"] == ((4,), "float32")
+    got = expert_formats.resolve(Checkpoint.NVFP4.formats, ROWS, GROUPS)
+    assert {f.spelled for f in got.values()} == {"nvfp4 block 16"}
+
+
+def test_retarget_keeps_nvfp4_which_has_no_fallback():
+    from mkc.resolve.formats import FALLBACK, NATIVE
+    assert NATIVE["nvfp4"] == "fp4_operand" and "nvfp4" not in FALLBACK
