@@ -156,7 +156,7 @@ def resolve(classes: Sequence[tuple[str, Sequence[str]]], rows: Mapping[str, int
     MXFP4 also 32, its default); FP8 requantized from bf16 must say `rounded`. A checkpoint
     whose classes are `fp8` is an FP8 checkpoint with an f32 scale per `blocks` (input rows,
     output columns) block, held as it is (`checkpoint_blocks`; `widths`: each class's runs of
-    output columns a rank holds)."""
+    output columns a rank holds). `int4 block N` and `nvfp4`: `four_bit`'s rules."""
     stored = {cls: names[0] for cls, names in classes}
     out = {}
     for cls, fmt in ({c: WeightFormat(f) for c, f in stored.items()} | dict(formats or {})).items():

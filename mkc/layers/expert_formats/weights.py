@@ -3,7 +3,9 @@ time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, MXFP4 into FP8 co
 checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back, bf16 block
 scales (`scale bf16`) into a slot and back, and a checkpoint's MXFP4 requantized to FP4 under
 one scale per block of rows (`fp4_from_mxfp4`, as a checkpoint holds it:
-`fp4_checkpoint_tensors`, read back by `held_fp4`)."""
+`fp4_checkpoint_tensors`, read back by `held_fp4`), bf16 values requantized to int4 blocks
+(`int4_from_bf16`) and packed (`pack_int4_for_kernel`), and an NVFP4 checkpoint's codes and
+scales into a slot (`pack_nvfp4_for_kernel`), each with its inverse and a numpy decode."""
 from __future__ import annotations
 
 import dataclasses
