@@ -122,16 +122,15 @@ def test_int4_matmul_equals_emulation_and_values(group, block):
     assert np.max(np.abs(got - want)) < 1e-5 * np.max(np.abs(want))
 
 
-@pytest.mark.parametrize("group", [512, 128])
-def test_nvfp4_matmul_equals_emulation_and_values(group):
+@pytest.mark.parametrize("group, rows", [(512, 8), (128, 3), (512, 1), (128, 2)])
+def test_nvfp4_matmul_equals_emulation_and_values(group, rows):
+    """Values decoded (3 and 8 rows) and codes fed as a block-diagonal dot (1 and 2 rows)."""
     codes, scale, glob = _nvfp4(5)
     packed, packed_scales = weights.pack_nvfp4_for_kernel(codes, scale, glob)
-    x = _x(6, rows=8)
+    x = _x(6, rows)
     got = _lowered(WeightFormat("nvfp4", block=16), packed, packed_scales, x, group)
-    c, s, g = weights.unpack_nvfp4_from_kernel(packed, packed_scales)
-    values = (weights.nvfp4_dequantize(packed, packed_scales) / g[None, :]).T   # e2m1 x e4m3
-    emulated = np.asarray(reference.nvfp4_linear(Rounding(1, ()), jnp.asarray(x),
-                                                 jnp.asarray(values, jnp.float32), g, group))
+    emulated = np.asarray(reference.nvfp4_linear(Rounding(1, ()), jnp.asarray(x), packed, packed_scales,
+                                                 group))
     assert _exact(got, emulated)
     want = x.astype(np.float64) @ weights.nvfp4_dequantize(packed, packed_scales)
     assert np.max(np.abs(got - want)) < 1e-5 * np.max(np.abs(want))
@@ -153,6 +152,13 @@ def test_one_percent_mutants_of_the_decodes_fail():
                          ("nvfp4_global_scale", lambda s: real_global(s) * 1.01)):
         with mock.patch.object(ops, name, mutant):
             assert not _exact(_nvfp4_decoded(packed, packed_scales), want), name
+    # the lowered nvfp4 matmul at one row (the codes' block-diagonal dot) against f64 values
+    x = _x(11, rows=1)
+    want = x.astype(np.float64) @ weights.nvfp4_dequantize(packed, packed_scales)
+    real_codes = ops.nvfp4_codes_matmul
+    with mock.patch.object(ops, "nvfp4_codes_matmul", lambda x, c, s: real_codes(x, c, s) * 1.01):
+        got = _lowered(WeightFormat("nvfp4", 16), packed, packed_scales, x, 128)
+    assert np.max(np.abs(got - want)) > 1e-3 * np.max(np.abs(want))
     # the lowered int4 matmul against the emulation: a block's scale or its dot 1 % off
     r, codes, scales, fmt, x = _int4_case(512)
     emulated = np.asarray(reference.int4_linear(Rounding(1, ()), jnp.asarray(x), r.codes, r.scales, 128, 512))

@@ -53,6 +53,10 @@ NVFP4_BLOCK = 16       # input rows per e4m3 scale of NVFP4
 # nvfp4: after a slot's e4m3 scale rows, the f32 global scale of each output column as its
 # four little-endian bytes, one byte row each (`ops.nvfp4_global_scale` joins them).
 GLOBAL_SCALE_ROWS = 4
+# nvfp4 at up to this many rows feeds its codes to the MXU (a block-diagonal input, one dot a
+# pack group) rather than decoding them: tpu7x bundles of a 512-row group, 256 columns, at 1 /
+# 2 / 4 / 8 rows 85 / 107 / 150 / 239 against 149 / 147 / 145 / 148 (docs/formats.md)
+NVFP4_CODES_ROWS = 2
 # int4 codes are sliced per block in the kernel: a block's byte rows whole uint8 tiles (32)
 INT4_BLOCK_MULTIPLE = 64
 # How a stored matrix's bytes count as values: codes are multiplied, scales only decoded.

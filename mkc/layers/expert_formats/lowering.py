@@ -4,8 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mkc.layers.expert_formats import (GLOBAL_SCALE_ROWS, MX_BLOCK, NVFP4_BLOCK, feeds_codes, ops,
-                                       rows_per_byte)
+from mkc.layers.expert_formats import (GLOBAL_SCALE_ROWS, MX_BLOCK, NVFP4_BLOCK, NVFP4_CODES_ROWS,
+                                       feeds_codes, ops, rows_per_byte)
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
 from mkc.runtime.context import Layer
@@ -103,14 +103,20 @@ def _int4_matmul(fmt, x: jax.Array, buf, codes: tuple, scales: jax.Array, group:
 
 
 def _nvfp4_matmul(x: jax.Array, buf, codes: tuple, scales: jax.Array, group: int) -> jax.Array:
-    """`nvfp4`: x @ the checkpoint's values decoded to bf16 (e2m1 x e4m3, exact) a pack group
-    at a time, one bf16 dot each added in order, the sum times each column's f32 global scale."""
+    """`nvfp4`: x @ the checkpoint's values a pack group at a time, added in order, the sum
+    times each column's f32 global scale. Each group: the values decoded to bf16 (e2m1 x e4m3,
+    exact) in one bf16 dot; at up to `NVFP4_CODES_ROWS` rows the codes fed as they are
+    (`ops.nvfp4_codes_matmul`), which libtpu schedules in fewer bundles there."""
     c_row, c_rows, c_cols = codes
     blocks = x.shape[1] // NVFP4_BLOCK
     out = None
     for r in range(0, x.shape[1], group):
         w = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=r // 2, count=group // 2)
-        values = ops.nvfp4_values(w, scales[r // NVFP4_BLOCK:(r + group) // NVFP4_BLOCK])
-        part = jnp.dot(x[:, r:r + group].astype(BF16), values, preferred_element_type=F32)
+        s = scales[r // NVFP4_BLOCK:(r + group) // NVFP4_BLOCK]
+        xg = x[:, r:r + group].astype(BF16)
+        if x.shape[0] <= NVFP4_CODES_ROWS:
+            part = ops.nvfp4_codes_matmul(xg, w, s)
+        else:
+            part = jnp.dot(xg, ops.nvfp4_values(w, s), preferred_element_type=F32)
         out = part if out is None else out + part
     return out * ops.nvfp4_global_scale(scales[blocks:blocks + GLOBAL_SCALE_ROWS])

@@ -186,3 +186,32 @@ def nvfp4_global_scale(stored: jax.Array) -> jax.Array:
     b = stored.astype(jnp.uint32)
     bits = (b[3:4] << 24) | (b[2:3] << 16) | (b[1:2] << 8) | b[0:1]
     return lax.bitcast_convert_type(bits, F32)
+
+
+def block_diagonal(x: jax.Array, block: int) -> jax.Array:
+    """x [B, G] -> bf16 [B * G/block, G]: row b * (G/block) + j is x's row b masked to its
+    inputs j * block .. (j + 1) * block - 1 (one dot of it gives every block's partial product
+    of every row). Built by row broadcasts and a mask (no reshape across sublanes)."""
+    rows, width = x.shape
+    nb = width // block
+    r = lax.broadcasted_iota(jnp.int32, (nb, width), 0)
+    c = lax.broadcasted_iota(jnp.int32, (nb, width), 1) // block
+    xf = x.astype(F32)
+    return jnp.concatenate([jnp.where(r == c, jnp.broadcast_to(xf[b:b + 1], (nb, width)), 0.0)
+                            for b in range(rows)], axis=0).astype(jnp.bfloat16)
+
+
+def nvfp4_codes_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [B, G] bf16 @ one pack group of NVFP4 -> f32 [B, N], the e2m1 codes (uint8 [G/2, N])
+    fed to the MXU as they are: one dot of the block-diagonal input (`block_diagonal`, 16-row
+    blocks) gives each block's partial product of each row, which is multiplied by the block's
+    e4m3 scale (uint8 [G/16, N]) and summed over the blocks. Cheaper than decoding the values
+    at one or two rows (`NVFP4_CODES_ROWS`, measured: benchmarks/expert_matmul_compile.py)."""
+    from jax.experimental.pallas import tpu as pltpu
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(F32)       # [nb, N]
+    nb = scale.shape[0]
+    w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
+    res = jnp.dot(block_diagonal(x, NVFP4_BLOCK), w, preferred_element_type=F32)     # [B * nb, N]
+    return jnp.concatenate([jnp.sum(res[b * nb:(b + 1) * nb] * scale, axis=0, keepdims=True)
+                            for b in range(x.shape[0])], axis=0)
