@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mkc.layers.expert_formats import MX_BLOCK, SCALE_NAN
+from mkc.layers.expert_formats import MX_BLOCK, NVFP4_BLOCK, SCALE_NAN
 
 F32 = jnp.float32
 
@@ -172,7 +172,6 @@ def nvfp4_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
     nibbles, row 2a low, 2a + 1 high), scales uint8 [G/16, N] (e4m3 bytes, one per 16 rows).
     e2m1 x e4m3 holds at most 6 significant bits in bf16's exponent range: exact."""
     from jax.experimental.pallas import tpu as pltpu
-    from mkc.layers.expert_formats import NVFP4_BLOCK
     values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.bfloat16)
     scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(jnp.bfloat16)
     rows, cols = values.shape
@@ -208,7 +207,6 @@ def nvfp4_codes_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array) -> jax
     e4m3 scale (uint8 [G/16, N]) and summed over the blocks. Cheaper than decoding the values
     at one or two rows (`NVFP4_CODES_ROWS`, measured: benchmarks/expert_matmul_compile.py)."""
     from jax.experimental.pallas import tpu as pltpu
-    from mkc.layers.expert_formats import NVFP4_BLOCK
     scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(F32)       # [nb, N]
     nb = scale.shape[0]
     w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
