@@ -282,3 +282,25 @@ def test_nvfp4_checkpoint_layout_offers_its_own_format():
 def test_retarget_keeps_nvfp4_which_has_no_fallback():
     from mkc.resolve.formats import FALLBACK, NATIVE
     assert NATIVE["nvfp4"] == "fp4_operand" and "nvfp4" not in FALLBACK
+
+
+def test_a_ranks_slice_is_the_whole_matrix_cut():
+    """Two ranks' slices of a checkpoint matrix (down: input columns split; gate|up: a rank's
+    gate and up rows) as their slots hold them equal the whole matrix's slot cut the same way."""
+    codes, scale, glob = _nvfp4(12)
+    whole_c, whole_s = weights.pack_nvfp4_for_kernel(codes, scale, glob)
+    values = weights.nvfp4_dequantize(whole_c, whole_s)                       # [in, out]
+    half = N_IN // 2
+    for rank in (0, 1):
+        cols = list(range(rank * half, (rank + 1) * half))
+        rows = list(range(0, 32)) + list(range(128, 160))                   # gate and up rows
+        c, s = weights.nvfp4_expert_slice(codes, scale, glob, rows, cols)
+        assert np.array_equal(weights.nvfp4_dequantize(c, s), values[np.ix_(cols, rows)])
+    with pytest.raises(ValueError, match="whole runs"):
+        weights.nvfp4_expert_slice(codes, scale, glob, [0], list(range(8, 24)))
+    w = _int4(13).held()
+    fmt = WeightFormat("int4", 128)
+    c, s, r = weights.int4_expert_slice(w, range(64), range(256, 512), fmt, "expert.down", "expert 0")
+    assert r.exact and np.array_equal(weights.int4_dequantize(c, s).T, w[:64, 256:])
+    with pytest.raises(ValueError, match="whole 128-row blocks"):
+        weights.int4_expert_slice(w, range(4), range(64, 192), fmt, "expert.down", "expert 0")

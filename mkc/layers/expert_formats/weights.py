@@ -428,3 +428,48 @@ def nvfp4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = E2M1_VALUES[_rows_of_bytes(c.T)].astype(np.float64)             # [in, out]
     block = s.T.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     return values * np.repeat(block, NVFP4_BLOCK, axis=0) * g.astype(np.float64)[None, :]
+
+
+# ---- a rank's slice of a checkpoint expert matrix, as its slot holds it ----------------------
+def _whole_blocks(index: list[int], block: int) -> bool:
+    """Whether `index` is whole runs of `block` consecutive indices, each starting on a block."""
+    runs = [index[k:k + block] for k in range(0, len(index), block)]
+    return not len(index) % block and all(r[0] % block == 0 and r == list(range(r[0], r[0] + block))
+                                          for r in runs)
+
+
+def int4_expert_slice(values: np.ndarray, out_index: Sequence[int], in_index: Sequence[int],
+                      fmt: WeightFormat, cls: str, what: str) -> tuple[np.ndarray, np.ndarray, Int4]:
+    """A rank's slice of a bf16 checkpoint expert matrix `values` `[out, in]` (its output rows
+    `out_index` in the slot's column order, its input columns `in_index`, whole runs of
+    `fmt.block` starting on a block: `resolve` makes a rank's rows whole blocks) requantized to
+    `fmt`'s int4 blocks (`int4_from_bf16`, which refuses moved values unless `rounded`) and
+    packed: the slot's codes and scales, and the requantization with its error."""
+    in_index = list(in_index)
+    if not _whole_blocks(in_index, fmt.block):
+        raise ValueError(f"the input columns of {what} do not start whole {fmt.block}-row blocks")
+    part = np.asarray(values, np.float32)[np.ix_(list(out_index), in_index)]
+    r = int4_from_bf16(part, fmt, cls, what)
+    codes, scales = pack_int4_for_kernel(r.codes, r.scales)
+    return codes, scales, r
+
+
+def nvfp4_expert_slice(codes: np.ndarray, block_scales: np.ndarray, global_scale,
+                       out_index: Sequence[int], in_index: Sequence[int]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's slice of an NVFP4 checkpoint expert matrix (codes `[out, in/2]`, e4m3
+    `weight_scale` `[out, in/16]`, `weight_scale_2`: one, or one per output row, e.g. gate's
+    and up's beside each other) as its slot holds it (`pack_nvfp4_for_kernel`): its output
+    rows `out_index` in the slot's column order and its input columns `in_index`, whole runs of
+    16 starting on a block (ValueError otherwise). Byte for byte the checkpoint's."""
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    in_index, out_index = list(in_index), list(out_index)
+    if not _whole_blocks(in_index, NVFP4_BLOCK):
+        raise ValueError(f"NVFP4 input columns must be whole runs of {NVFP4_BLOCK} starting on a block")
+    raw = np.asarray(block_scales)
+    raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8)
+    glob = np.broadcast_to(np.asarray(global_scale, np.float32).reshape(-1), (np.asarray(codes).shape[0],))
+    nibbles = _rows_of_bytes(np.asarray(codes, np.uint8).T)[in_index][:, out_index]      # [in, out]
+    scales = raw[np.ix_(out_index, [i // NVFP4_BLOCK for i in in_index[::NVFP4_BLOCK]])]
+    packed = _two_rows_a_byte(nibbles).T
+    return pack_nvfp4_for_kernel(packed, scales, glob[out_index])
