@@ -169,16 +169,17 @@ SCALE_VARIANTS = {f"{f} {t} scale": t for f in ("fp8 block", FP4) for t in ("bf1
 _DUMP_FLAGS = "--xla_mosaic_dump_to={0}/mosaic --xla_jf_dump_to={0}/jf --xla_jf_dump_llo_text=true"
 
 
-def bundles(generation: str, fmt: str) -> str:
+def bundles(generation: str, fmt: str, script: str = __file__) -> str:
     """`probe` in a fresh process that dumps libtpu's LLO: its verdict, the scheduled bundles
-    of the kernel and how many unpack (FP8/FP4 -> wider) instructions the bundles hold."""
+    of the kernel and how many unpack (FP8/FP4 -> wider) instructions the bundles hold
+    (`script`: a probe whose `--one GENERATION CASE` compiles one case, named probe_*)."""
     import re
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="mkc-llo-") as d:
         env = dict(os.environ, LIBTPU_INIT_ARGS=_DUMP_FLAGS.format(d), TF_CPP_MIN_LOG_LEVEL="3")
-        r = subprocess.run([sys.executable, __file__, "--one", generation, fmt], env=env,
+        r = subprocess.run([sys.executable, script, "--one", generation, fmt], env=env,
                            capture_output=True, text=True, timeout=600)
         verdict = (r.stdout.strip().splitlines() or [f"fails: exit {r.returncode}"])[-1]
         schedule = [f for f in Path(d, "jf").glob("*schedule-analysis_final_bundles.txt")

@@ -155,3 +155,17 @@ def test_every_generation_compiles_every_expert_format():
         fp4 = next(ln for ln in lines if ln.startswith(f"{chip} fp4 block: "))
         assert fp4.endswith(": compiles") == target.generation(chip).fp4_operand, fp4
     assert [c for c in target.known_chips() if target.generation(c).fp4_operand] == ["tpu7x"]
+
+
+@pytest.mark.slow
+def test_int4_and_nvfp4_expert_matmul_compile_for_tpu7x():
+    """The lowered expert matmul in `int4 block 128` and `nvfp4` at Muse Spark's per-rank
+    expert shapes (batch 1 and 8), and each pack-group formulation compared in docs/formats.md,
+    compile with libtpu for tpu7x (benchmarks/expert_matmul_compile.py); on v6e int4 compiles
+    and nvfp4 fails, as `Generation.fp4_operand` (which the spec check applies to nvfp4) says."""
+    r = run_python(["benchmarks/expert_matmul_compile.py", "tpu7x", "v6e"], timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    lines = [ln for ln in r.stdout.splitlines() if ": " in ln]
+    tpu7x = [ln for ln in lines if ln.startswith("tpu7x ")]
+    assert len(tpu7x) == 18 and all(ln.endswith(": compiles") for ln in tpu7x), tpu7x
+    assert any(ln.startswith("v6e nvfp4 4096") and "f4E2M1FN" in ln for ln in lines), lines

@@ -15,16 +15,19 @@ from mkc.resolve.state import ResolveState
 
 
 # Formats whose values reach the MXU as they are, each with the `mkc.target.Generation` fact
-# (measured) that says whether the target's MXU takes them.
-NATIVE = {"fp4": "fp4_operand"}
+# (measured) that says whether the target's MXU takes them. nvfp4's decode converts its e2m1
+# codes as Mosaic's f4E2M1FN vectors, which libtpu has exactly where the MXU takes FP4 (v4 to
+# v6e: "Unsupported type 'vector<...xf4E2M1FN>'", tests/test_tpu_compile.py).
+NATIVE = {"fp4": "fp4_operand", "nvfp4": "fp4_operand"}
 # Formats that store codes under a scale per block of input rows: `block N` sizes those blocks.
 # Any other (bf16) stores values as they are, so a block means nothing to it.
-BLOCK_SCALED = ("fp8", "fp4", "mxfp4")
+BLOCK_SCALED = ("fp8", "fp4", "mxfp4", "int4", "nvfp4")
 # Formats whose scale may also cover a block of output columns (`block R x C`): FP8 holding an
 # FP8 checkpoint's codes under its f32 scale per R x C block (DeepSeek-V3's 128 x 128).
 BLOCK_SCALED_2D = ("fp8",)
 # Where the target's MXU lacks a native format, the format that holds the same blocks on any
-# target (exactly, where the checkpoint allows: `mkc retarget` rewrites to it).
+# target (exactly, where the checkpoint allows: `mkc retarget` rewrites to it). nvfp4 has
+# none: it is an NVFP4 checkpoint's only format.
 FALLBACK = {"fp4": "fp8"}
 
 

@@ -141,7 +141,7 @@ def format_edits(text: str, sched: ast.Schedule, gen: str) -> str:
     ed = TextEdits(SpecSource(text))
     for f in sched.formats:
         native = NATIVE.get(f.format.text)
-        if native is None or getattr(g, native):
+        if native is None or getattr(g, native) or f.format.text not in FALLBACK:
             continue
         ed.replace(f.format.span, FALLBACK[f.format.text])
         if f.rounded is not None:         # `rounded [scale S]`: the clause goes whole

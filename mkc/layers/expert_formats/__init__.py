@@ -18,7 +18,17 @@ line says, K-major (`[in, out]`, input rows down the slot):
   128 x 128 block of `[out, in]`), both held as they are: the codes fed to the MXU one mixed
   bf16 x fp8 dot per group of a rank's input rows under one block row (`block_groups`), the
   group's scales, one per column, multiplying its partial product. Exact: the dots see the
-  checkpoint's codes and scales, not values rounded from them.
+  checkpoint's codes and scales, not values rounded from them;
+* `int4 block N` (Muse Spark's int4 g128, N = 128): signed int4 codes, two rows a byte (row 2a
+  in the low nibble), one bf16 scale per N input rows per column, requantized from a bf16
+  checkpoint by symmetric round to nearest (`weights.int4_from_bf16`: lossy, so `rounded`
+  unless every value fits); one bf16 dot per N rows of the codes' integers, its partial
+  product times the block's scale (exact factorisation: q x scale is not a bf16 value);
+* `nvfp4` (block 16): an NVFP4 checkpoint's e2m1 codes, two rows a byte as it packs them,
+  its e4m3 scale per 16 rows and its f32 global scale (`weight_scale_2`, one per checkpoint
+  matrix, stored per output column so gate and up keep their own): decoded to bf16 a pack
+  group at a time (e2m1 x e4m3 has at most 6 significant bits: exact), the matrix's f32
+  product times the global scale. Exact: the dots see the checkpoint's values.
 
 The kernel multiplies an expert matrix a pack group of input rows at a time (`pack_groups`,
 `dividing_pack_groups`). Here, importing no jax (checking a spec must not load it): the
@@ -37,9 +47,21 @@ from mkc.model.graph import Tensor
 
 MX_BLOCK = 32          # rows per E8M0 scale of MXFP4 (and of FP8 scaled value by value)
 SCALE_NAN = 255        # the E8M0 byte that encodes NaN
-TWO_ROWS = ("mxfp4", "fp4")        # formats holding two input rows a byte
+TWO_ROWS = ("mxfp4", "fp4", "int4", "nvfp4")        # formats holding two input rows a byte
+INT4_BLOCK = 128       # Muse Spark's int4 group: input rows per bf16 scale
+NVFP4_BLOCK = 16       # input rows per e4m3 scale of NVFP4
+# nvfp4: after a slot's e4m3 scale rows, the f32 global scale of each output column as its
+# four little-endian bytes, one byte row each (`ops.nvfp4_global_scale` joins them).
+GLOBAL_SCALE_ROWS = 4
+# nvfp4 at up to this many rows feeds its codes to the MXU (a block-diagonal input, one dot a
+# pack group) rather than decoding them: tpu7x bundles of a 512-row group, 256 columns, at 1 /
+# 2 / 4 / 8 rows 85 / 107 / 150 / 239 against 149 / 147 / 145 / 148 (docs/formats.md)
+NVFP4_CODES_ROWS = 2
+# int4 codes are sliced per block in the kernel: a block's byte rows whole uint8 tiles (32)
+INT4_BLOCK_MULTIPLE = 64
 # How a stored matrix's bytes count as values: codes are multiplied, scales only decoded.
 _FACTS = {"mxfp4": MatrixFacts(values_per_byte=2.0), "fp4": MatrixFacts(values_per_byte=2.0),
+          "int4": MatrixFacts(values_per_byte=2.0), "nvfp4": MatrixFacts(values_per_byte=2.0),
           "fp8": MatrixFacts(values_per_byte=1.0)}
 _SCALES = MatrixFacts(values_per_byte=0.0)
 # Pack group caps: gate|up's input rows are multiplied 512 at a time, down's 128 (Kimi K3's).
@@ -138,13 +160,16 @@ def resolve(classes: Sequence[tuple[str, Sequence[str]]], rows: Mapping[str, int
     MXFP4 also 32, its default); FP8 requantized from bf16 must say `rounded`. A checkpoint
     whose classes are `fp8` is an FP8 checkpoint with an f32 scale per `blocks` (input rows,
     output columns) block, held as it is (`checkpoint_blocks`; `widths`: each class's runs of
-    output columns a rank holds)."""
+    output columns a rank holds). `int4 block N` and `nvfp4`: `four_bit`'s rules."""
     stored = {cls: names[0] for cls, names in classes}
     out = {}
     for cls, fmt in ({c: WeightFormat(f) for c, f in stored.items()} | dict(formats or {})).items():
         name = cls.split(".")[1]
         if fmt.name == "bf16":
             out[cls] = fmt
+            continue
+        if fmt.name in FOUR_BIT or stored[cls] == "nvfp4":
+            out[cls] = four_bit(cls, fmt, stored[cls], rows[name], groups[name])
             continue
         if fmt.cols or stored[cls] == "fp8":
             out[cls] = checkpoint_blocks(cls, fmt, stored[cls], rows[name],
@@ -173,6 +198,45 @@ def resolve(classes: Sequence[tuple[str, Sequence[str]]], rows: Mapping[str, int
                               "matrix class), or keep it bf16 (drop the `format` line)")
         out[cls] = dataclasses.replace(fmt, block=block)
     return out
+
+
+FOUR_BIT = ("int4", "nvfp4")
+
+
+def four_bit(cls: str, fmt: WeightFormat, stored: str, rows: int, group: int) -> WeightFormat:
+    """`int4 block N` or `nvfp4` of class `cls` (`rows` input rows a rank holds, multiplied in
+    pack groups of `group`), resolved: int4 from a bf16 checkpoint, N (default 128) a multiple
+    of 64 dividing the rows that divides the pack group or is whole ones; nvfp4 only from an
+    NVFP4 checkpoint, its 16-row block, nothing rounded. FormatError otherwise."""
+    if fmt.name == "nvfp4" or stored == "nvfp4":
+        if stored != "nvfp4" or fmt.name != "nvfp4":
+            raise FormatError(cls, f"`nvfp4` holds an NVFP4 checkpoint's e2m1 codes and e4m3 scales "
+                              f"as they are, and the checkpoint's {cls} is {stored}" if stored != "nvfp4"
+                              else f"the checkpoint's {cls} is NVFP4, which `{fmt.spelled}` would requantize",
+                              f"serve an NVFP4 checkpoint, or write `format {cls} int4 block "
+                              f"{INT4_BLOCK} rounded` (requantized from bf16)" if stored != "nvfp4"
+                              else f"write `format {cls} nvfp4` (the checkpoint's)")
+        if fmt.block not in (0, NVFP4_BLOCK) or fmt.rounded:
+            raise FormatError(cls, f"NVFP4 keeps the checkpoint's e4m3 scale per {NVFP4_BLOCK} rows "
+                              "and its codes as they are: no other block, nothing to round",
+                              f"write `format {cls} nvfp4`")
+        if rows % group or group % (2 * MX_BLOCK):
+            raise FormatError(cls, f"{cls}'s {rows} input rows (per rank) do not run as whole pack "
+                              f"groups of {group}, multiples of {2 * MX_BLOCK} rows",
+                              f"split the expert's width (`shard expert_mlp over N`) so a rank's "
+                              f"rows are a multiple of {2 * MX_BLOCK}")
+        return dataclasses.replace(fmt, block=NVFP4_BLOCK)
+    if stored != "bf16":
+        raise FormatError(cls, f"`int4` requantizes a bf16 checkpoint's values, and the checkpoint's "
+                          f"{cls} is {stored}", f"keep {cls} as `{stored}` (drop the `format` line)")
+    block = min(fmt.block or INT4_BLOCK, rows)
+    if block % INT4_BLOCK_MULTIPLE or rows % block or (group % block and block % group):
+        raise FormatError(cls, f"an int4 block of {block} rows does not tile {cls}: its {rows} "
+                          f"input rows (per rank) run as pack groups of {group}, and a block's "
+                          f"codes must be whole {INT4_BLOCK_MULTIPLE}-row tiles",
+                          f"use a multiple of {INT4_BLOCK_MULTIPLE} dividing {group} (e.g. "
+                          f"`format {cls} int4 block {INT4_BLOCK} rounded`)")
+    return dataclasses.replace(fmt, block=block)
 
 
 def checkpoint_blocks(cls: str, fmt: WeightFormat, stored: str, rows: int, width: int,
@@ -215,7 +279,8 @@ def tensors(name: str, rows: int, cols: int, fmt: WeightFormat, width: int | Non
             ) -> dict[str, Tensor]:
     """Expert matrix `name` [rows (in), cols (out)] as its slot holds it in `fmt`: bf16 values
     by its name, or codes (`rows_per_byte` input rows a byte) and an E8M0 scale per
-    `fmt.block` input rows (`scale bf16`: a bf16 one, two byte rows a scale row),
+    `fmt.block` input rows (`scale bf16` and int4: a bf16 one, two byte rows a scale row;
+    nvfp4: e4m3 ones, then the f32 global scale's `GLOBAL_SCALE_ROWS`),
     stacked in the slot: a few rows over many panels, which whole-tile
     panels would pad to 32 rows each (K3's FP8 scales: 160 KB an expert copy for 32 KB of
     scales). `fp8 block R x C`: e4m3 codes and the f32 scale of each group of rows and columns
@@ -223,7 +288,9 @@ def tensors(name: str, rows: int, cols: int, fmt: WeightFormat, width: int | Non
     if fmt.name == "bf16":
         return {name: Tensor(name, "matrix", (rows, cols), "bf16")}
     scale_rows = rows // fmt.block, cols
-    if fmt.scale == "bf16":
+    if fmt.name == "nvfp4":
+        scale_rows = rows // fmt.block + GLOBAL_SCALE_ROWS, cols
+    if fmt.scale == "bf16" or fmt.name == "int4":
         scale_rows = 2 * (rows // fmt.block), cols
     if fmt.cols:
         group, per = block_groups(fmt, rows, width or cols)

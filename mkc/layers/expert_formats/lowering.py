@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mkc.layers.expert_formats import MX_BLOCK, feeds_codes, ops, rows_per_byte
+from mkc.layers.expert_formats import (GLOBAL_SCALE_ROWS, MX_BLOCK, NVFP4_BLOCK, NVFP4_CODES_ROWS,
+                                       feeds_codes, ops, rows_per_byte)
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
 from mkc.runtime.context import Layer
@@ -21,7 +22,9 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
     are in a mixed bf16 x fp8 (fp4) dot, their block's scale multiplying the group's partial
     product. The dots see the same values times powers of two (FP4: the values packing
     requantized them to; `scale bf16`: times the searched bf16 scales); with an FP8
-    checkpoint's blocks (`fp8 block R x C`), its codes and its f32 scales."""
+    checkpoint's blocks (`fp8 block R x C`), its codes and its f32 scales; `int4 block N`: a
+    bf16 dot of the codes' integers per block times its bf16 scale; `nvfp4`: the checkpoint's
+    values decoded to bf16 per pack group, the product times the f32 global scale."""
     fmt = c.kernel.formats[f"expert.{name}"]
     if fmt.name == "bf16":
         return c.expert_matmul(k, name, x)
@@ -30,6 +33,10 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
     scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
     if fmt.cols:
         return _checkpoint_blocks_matmul(fmt, x, buf, (c_row, c_rows, c_cols), scales)
+    if fmt.name == "int4":
+        return _int4_matmul(fmt, x, buf, (c_row, c_rows, c_cols), scales, group)
+    if fmt.name == "nvfp4":
+        return _nvfp4_matmul(x, buf, (c_row, c_rows, c_cols), scales, group)
     per_byte = rows_per_byte(fmt)
     bias = ops.mxfp4_scale_bias(scales) if fmt.name == "mxfp4" else None   # once a matrix
     # FP8 and FP4 blocks: every block's scale decoded at once (a row at a time costs as many
@@ -75,3 +82,41 @@ def _checkpoint_blocks_matmul(fmt, x: jax.Array, buf, codes: tuple, scales: jax.
         part = ops.fp8_group_matmul(xg, w, row_scales[g:g + 1], feeds_codes(fmt))
         out = part if out is None else out + part
     return out
+
+
+def _int4_matmul(fmt, x: jax.Array, buf, codes: tuple, scales: jax.Array, group: int) -> jax.Array:
+    """`int4 block N`: x @ the codes one step of min(N, `group`) input rows at a time (a block,
+    or a pack group inside one), each a bf16 dot of the codes' integers whose partial product
+    is multiplied by its block's bf16 scale per column (decoded once), added in order: the
+    expression of the emulation's `chunked_linear` with `scales`."""
+    c_row, c_rows, c_cols = codes
+    step = min(fmt.block, group)
+    row_scales = ops.bf16_block_scales(scales)                    # [rows / block, N]
+    out = None
+    for r in range(0, x.shape[1], step):
+        w = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=r // 2, count=step // 2)
+        part = ops.int4_dot(x[:, r:r + step].astype(BF16), w)
+        b = r // fmt.block
+        scaled = part * row_scales[b:b + 1]
+        out = scaled if out is None else out + scaled
+    return out
+
+
+def _nvfp4_matmul(x: jax.Array, buf, codes: tuple, scales: jax.Array, group: int) -> jax.Array:
+    """`nvfp4`: x @ the checkpoint's values a pack group at a time, added in order, the sum
+    times each column's f32 global scale. Each group: the values decoded to bf16 (e2m1 x e4m3,
+    exact) in one bf16 dot; at up to `NVFP4_CODES_ROWS` rows the codes fed as they are
+    (`ops.nvfp4_codes_matmul`), which libtpu schedules in fewer bundles there."""
+    c_row, c_rows, c_cols = codes
+    blocks = x.shape[1] // NVFP4_BLOCK
+    out = None
+    for r in range(0, x.shape[1], group):
+        w = pool.pooled_u8(buf, c_row, c_rows, c_cols, first=r // 2, count=group // 2)
+        s = scales[r // NVFP4_BLOCK:(r + group) // NVFP4_BLOCK]
+        xg = x[:, r:r + group].astype(BF16)
+        if x.shape[0] <= NVFP4_CODES_ROWS:
+            part = ops.nvfp4_codes_matmul(xg, w, s)
+        else:
+            part = jnp.dot(xg, ops.nvfp4_values(w, s), preferred_element_type=F32)
+        out = part if out is None else out + part
+    return out * ops.nvfp4_global_scale(scales[blocks:blocks + GLOBAL_SCALE_ROWS])

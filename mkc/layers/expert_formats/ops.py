@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mkc.layers.expert_formats import MX_BLOCK, SCALE_NAN
+from mkc.layers.expert_formats import MX_BLOCK, NVFP4_BLOCK, SCALE_NAN
 
 F32 = jnp.float32
 
@@ -154,3 +154,62 @@ def fp4_group_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Ar
     from jax.experimental.pallas import tpu as pltpu
     w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
     return jnp.dot(x, w, preferred_element_type=F32) * scale
+
+
+def int4_dot(x: jax.Array, codes: jax.Array) -> jax.Array:
+    """x [B, R] bf16 @ int4 codes (uint8 [R/2, N]: byte row a holds input row 2a in its low
+    nibble, 2a + 1 in its high one, two's complement) -> f32 [B, N]: the codes reinterpreted
+    where they sit (``pltpu.bitcast`` unpacks the nibbles into consecutive rows), converted to
+    bf16 (their integers -8..7, exact) and multiplied in one bf16 dot; the caller multiplies
+    the partial product by the block's scale (``bf16_block_scales``)."""
+    from jax.experimental.pallas import tpu as pltpu
+    w = pltpu.bitcast(codes, jnp.int4).astype(jnp.bfloat16)
+    return jnp.dot(x, w, preferred_element_type=F32)
+
+
+def nvfp4_values(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """One pack group of NVFP4 -> bf16 [G, N]: codes uint8 [G/2, N] (the checkpoint's e2m1
+    nibbles, row 2a low, 2a + 1 high), scales uint8 [G/16, N] (e4m3 bytes, one per 16 rows).
+    e2m1 x e4m3 holds at most 6 significant bits in bf16's exponent range: exact."""
+    from jax.experimental.pallas import tpu as pltpu
+    values = pltpu.bitcast(codes, jnp.float4_e2m1fn).astype(jnp.bfloat16)
+    scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    rows, cols = values.shape
+    blocked = values.reshape(rows // NVFP4_BLOCK, NVFP4_BLOCK, cols) * scale[:, None, :]
+    return blocked.reshape(rows, cols)
+
+
+def nvfp4_global_scale(stored: jax.Array) -> jax.Array:
+    """An nvfp4 slot's `GLOBAL_SCALE_ROWS` byte rows (uint8 [4, N], the little-endian bytes of
+    each column's f32 global scale) -> f32 [1, N], joined by shifts (exact)."""
+    b = stored.astype(jnp.uint32)
+    bits = (b[3:4] << 24) | (b[2:3] << 16) | (b[1:2] << 8) | b[0:1]
+    return lax.bitcast_convert_type(bits, F32)
+
+
+def block_diagonal(x: jax.Array, block: int) -> jax.Array:
+    """x [B, G] -> bf16 [B * G/block, G]: row b * (G/block) + j is x's row b masked to its
+    inputs j * block .. (j + 1) * block - 1 (one dot of it gives every block's partial product
+    of every row). Built by row broadcasts and a mask (no reshape across sublanes)."""
+    rows, width = x.shape
+    nb = width // block
+    r = lax.broadcasted_iota(jnp.int32, (nb, width), 0)
+    c = lax.broadcasted_iota(jnp.int32, (nb, width), 1) // block
+    xf = x.astype(F32)
+    return jnp.concatenate([jnp.where(r == c, jnp.broadcast_to(xf[b:b + 1], (nb, width)), 0.0)
+                            for b in range(rows)], axis=0).astype(jnp.bfloat16)
+
+
+def nvfp4_codes_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [B, G] bf16 @ one pack group of NVFP4 -> f32 [B, N], the e2m1 codes (uint8 [G/2, N])
+    fed to the MXU as they are: one dot of the block-diagonal input (`block_diagonal`, 16-row
+    blocks) gives each block's partial product of each row, which is multiplied by the block's
+    e4m3 scale (uint8 [G/16, N]) and summed over the blocks. Cheaper than decoding the values
+    at one or two rows (`NVFP4_CODES_ROWS`, measured: benchmarks/expert_matmul_compile.py)."""
+    from jax.experimental.pallas import tpu as pltpu
+    scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(F32)       # [nb, N]
+    nb = scale.shape[0]
+    w = pltpu.bitcast(codes, jnp.float4_e2m1fn)
+    res = jnp.dot(block_diagonal(x, NVFP4_BLOCK), w, preferred_element_type=F32)     # [B * nb, N]
+    return jnp.concatenate([jnp.sum(res[b * nb:(b + 1) * nb] * scale, axis=0, keepdims=True)
+                            for b in range(x.shape[0])], axis=0)

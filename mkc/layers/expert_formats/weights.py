@@ -3,9 +3,12 @@ time): MXFP4 into the kernel layout (`MXFP4_LAYOUT`) and back, MXFP4 into FP8 co
 checkpoint's codes and block scales into a slot (`fp8 block R x C`) and back, bf16 block
 scales (`scale bf16`) into a slot and back, and a checkpoint's MXFP4 requantized to FP4 under
 one scale per block of rows (`fp4_from_mxfp4`, as a checkpoint holds it:
-`fp4_checkpoint_tensors`, read back by `held_fp4`)."""
+`fp4_checkpoint_tensors`, read back by `held_fp4`), bf16 values requantized to int4 blocks
+(`int4_from_bf16`) and packed (`pack_int4_for_kernel`), and an NVFP4 checkpoint's codes and
+scales into a slot (`pack_nvfp4_for_kernel`), each with its inverse and a numpy decode."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -255,3 +258,218 @@ def held_fp4(codes: np.ndarray, scales: np.ndarray, block_scales: np.ndarray, fm
     else:
         codes, block_scales = codes[first:first + width], block_scales[first:first + width]
     return codes, block_scales.astype(np.float32)
+
+
+# ---- int4 block N: a bf16 checkpoint's values requantized (Muse Spark's int4 g128) ----------
+INT4_MIN, INT4_MAX = -8, 7
+INT4_LEVELS = 7        # the scale maps a block's largest magnitude to 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4:
+    """A matrix `[out, in]` requantized to int4 blocks: its codes (int8 values -8..7), its
+    bf16-valued scales (f32 `[out, in / block]`) and how far the held values q x scale are from
+    the checkpoint's (values moved, max abs error, squared error and squared values summed)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    changed: int
+    values: int
+    max_abs: float
+    sq_err: float
+    sq_ref: float
+
+    @property
+    def exact(self) -> bool:
+        return self.changed == 0
+
+    def held(self) -> np.ndarray:
+        """The values the kernel multiplies, f32 `[out, in]` (q x scale: exact in f32)."""
+        block = self.codes.shape[1] // self.scales.shape[1]
+        return self.codes.astype(np.float32) * np.repeat(self.scales, block, axis=1)
+
+
+def int4_quantize(w: np.ndarray, block: int) -> Int4:
+    """`[out, in]` values -> int4 blocks of `block` input rows: symmetric round to nearest, each
+    block's scale its largest magnitude over 7 rounded to bf16 (1 for an all-zero block), each
+    code the value over the scale rounded to the nearest integer (ties to even), clipped to
+    -8..7. ValueError when `block` does not tile the inputs."""
+    import ml_dtypes
+    w = np.asarray(w, np.float32)
+    out, n_in = w.shape
+    if block <= 0 or n_in % block:
+        raise ValueError(f"an int4 block of {block} rows does not tile {n_in} input rows")
+    g = w.reshape(out, n_in // block, block)
+    top = np.max(np.abs(g), axis=-1)
+    scale = (top / np.float32(INT4_LEVELS)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    scale = np.where(scale == 0, np.float32(1), scale)
+    q = np.clip(np.rint(g / scale[..., None]), INT4_MIN, INT4_MAX).astype(np.int8)
+    held = (q.astype(np.float32) * scale[..., None]).reshape(out, n_in)
+    err = held.astype(np.float64) - w
+    return Int4(q.reshape(out, n_in), scale, int(np.count_nonzero(err)), int(w.size),
+                float(np.max(np.abs(err), initial=0.0)), float(np.sum(err * err)),
+                float(np.sum(w.astype(np.float64) ** 2)))
+
+
+def int4_from_bf16(w: np.ndarray, fmt: WeightFormat, cls: str, what: str) -> Int4:
+    """Expert matrix `what` (class `cls`, bf16 values `[out, in]`) requantized to `fmt`'s int4
+    blocks; a FormatError where a value moves and the spec did not say `rounded`."""
+    r = int4_quantize(w, fmt.block)
+    if r.exact or fmt.rounded:
+        return r
+    raise FormatError(
+        cls, f"{fmt.where + ': ' if fmt.where else ''}`format {cls} {fmt.spelled}` cannot hold "
+        f"{what} exactly: {r.changed} of {r.values} values have no int4 code under their "
+        f"block's scale (max error {r.max_abs:.3g}, relative RMS "
+        f"{relative_rms(r.sq_err, r.sq_ref):.3g})",
+        f"write `format {cls} int4 block {fmt.block} rounded` to round them to the nearest "
+        "(the error is reported per matrix class), or keep it bf16 (drop the `format` line)")
+
+
+def _two_rows_a_byte(nibbles: np.ndarray) -> np.ndarray:
+    """4-bit values `[in, out]` (low 4 bits) -> uint8 `[in/2, out]`, row 2a low, 2a + 1 high."""
+    n = np.asarray(nibbles).astype(np.uint8) & 0xF
+    if n.shape[0] % 2:
+        raise ValueError(f"{n.shape[0]} input rows cannot be packed two a byte")
+    return np.ascontiguousarray(n[0::2] | (n[1::2] << 4))
+
+
+def _rows_of_bytes(codes: np.ndarray) -> np.ndarray:
+    """Inverse of ``_two_rows_a_byte``: the nibbles uint8 `[in, out]`."""
+    c = np.asarray(codes, np.uint8)
+    return np.stack([c & 0xF, c >> 4], axis=1).reshape(2 * c.shape[0], c.shape[1])
+
+
+def pack_int4_for_kernel(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int4 codes `[out, in]` (int8 values -8..7) and scales `[out, in/block]` (bf16 values) ->
+    the slot's codes uint8 `[in/2, out]` (K-major, two rows a byte, `ops.int4_dot`) and its
+    scales (`pack_bf16_scales` of `[in/block, out]`). ValueError for codes outside -8..7,
+    scales that are not finite bf16 values or shapes that do not match."""
+    import ml_dtypes
+    codes, scales = np.asarray(codes), np.asarray(scales, np.float32)
+    if codes.ndim != 2 or scales.ndim != 2 or scales.shape[0] != codes.shape[0] or \
+            not scales.shape[1] or codes.shape[1] % scales.shape[1]:
+        raise ValueError(f"int4 scales {scales.shape} do not give whole blocks of codes {codes.shape}")
+    if codes.min(initial=0) < INT4_MIN or codes.max(initial=0) > INT4_MAX:
+        raise ValueError("int4 codes must lie in -8..7")
+    if not np.isfinite(scales).all() or \
+            (scales.astype(ml_dtypes.bfloat16).astype(np.float32) != scales).any():
+        raise ValueError("int4 scales must be finite bf16 values")
+    return _two_rows_a_byte(codes.T), pack_bf16_scales(scales.T)
+
+
+def unpack_int4_from_kernel(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of ``pack_int4_for_kernel``: codes int8 `[out, in]`, scales f32 `[out, in/block]`."""
+    nibbles = _rows_of_bytes(codes).astype(np.int8)
+    signed = np.where(nibbles > INT4_MAX, nibbles - 16, nibbles).astype(np.int8)
+    return np.ascontiguousarray(signed.T), np.ascontiguousarray(unpack_bf16_scales(scales).T)
+
+
+def int4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A slot's int4 codes and scales (``pack_int4_for_kernel``) -> f64 values `[in, out]`."""
+    q, s = unpack_int4_from_kernel(codes, scales)
+    return (q.astype(np.float64) * np.repeat(s, q.shape[1] // s.shape[1], axis=1)).T
+
+
+# ---- nvfp4: an NVFP4 checkpoint's codes and scales held as they are --------------------------
+E4M3_NAN = 0x7F        # e4m3fn's NaN, with the sign bit either way
+
+
+def pack_nvfp4_for_kernel(codes: np.ndarray, block_scales: np.ndarray, global_scale
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """An NVFP4 checkpoint matrix (codes uint8 `[out, in/2]`, two e2m1 values a byte, input
+    2j in the low nibble; `weight_scale` e4m3 `[out, in/16]` as float8_e4m3fn or its bytes;
+    `weight_scale_2`, the f32 global scale: one, or one per output row) -> the slot's codes
+    uint8 `[in/2, out]` (the checkpoint's bytes transposed: its nibble order is the kernel's)
+    and scales uint8 `[in/16 + GLOBAL_SCALE_ROWS, out]` (the e4m3 bytes K-major, then each
+    column's global scale as its little-endian bytes). Byte for byte the checkpoint's;
+    ValueError for shapes that do not match, a NaN e4m3 scale or a global scale that is not
+    a finite positive f32."""
+    from mkc.layers.expert_formats import GLOBAL_SCALE_ROWS, NVFP4_BLOCK
+    codes = np.asarray(codes, np.uint8)
+    raw = np.asarray(block_scales)
+    raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8)
+    out, half = codes.shape
+    if raw.shape != (out, 2 * half // NVFP4_BLOCK) or (2 * half) % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 scales {raw.shape} do not match codes {codes.shape}: one e4m3 "
+                         f"scale per {NVFP4_BLOCK} inputs, {out} x {2 * half // NVFP4_BLOCK}")
+    if ((raw & 0x7F) == E4M3_NAN).any():
+        o, b = (int(i) for i in np.argwhere((raw & 0x7F) == E4M3_NAN)[0])
+        raise ValueError(f"NVFP4 scale of output {o}, inputs {NVFP4_BLOCK * b}-"
+                         f"{NVFP4_BLOCK * b + NVFP4_BLOCK - 1} is NaN")
+    g = np.broadcast_to(np.asarray(global_scale, np.float32).reshape(-1), (out,))
+    if not (np.isfinite(g) & (g > 0)).all():
+        raise ValueError(f"NVFP4 global scale (weight_scale_2) {g[~(np.isfinite(g) & (g > 0))][0]} "
+                         "is not a finite positive f32")
+    words = np.ascontiguousarray(g.astype("<f4")).view(np.uint8).reshape(out, GLOBAL_SCALE_ROWS)
+    return (np.ascontiguousarray(codes.T),
+            np.ascontiguousarray(np.concatenate([raw.T, words.T]).astype(np.uint8)))
+
+
+def unpack_nvfp4_from_kernel(codes: np.ndarray, scales: np.ndarray
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inverse of ``pack_nvfp4_for_kernel``: codes `[out, in/2]`, e4m3 scale bytes `[out,
+    in/16]`, the global scales f32 `[out]`."""
+    from mkc.layers.expert_formats import GLOBAL_SCALE_ROWS
+    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
+    blocks = scales.shape[0] - GLOBAL_SCALE_ROWS
+    g = np.ascontiguousarray(scales[blocks:].T).view("<f4").reshape(-1).astype(np.float32)
+    return np.ascontiguousarray(codes.T), np.ascontiguousarray(scales[:blocks].T), g
+
+
+def nvfp4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """A slot's NVFP4 (``pack_nvfp4_for_kernel``) -> f64 values `[in, out]`: e2m1 x e4m3 x the
+    global scale, NVIDIA's dequantization."""
+    import ml_dtypes
+
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    from mkc.model.mxfp4 import E2M1_VALUES
+    c, s, g = unpack_nvfp4_from_kernel(codes, scales)
+    values = E2M1_VALUES[_rows_of_bytes(c.T)].astype(np.float64)             # [in, out]
+    block = s.T.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return values * np.repeat(block, NVFP4_BLOCK, axis=0) * g.astype(np.float64)[None, :]
+
+
+# ---- a rank's slice of a checkpoint expert matrix, as its slot holds it ----------------------
+def _whole_blocks(index: list[int], block: int) -> bool:
+    """Whether `index` is whole runs of `block` consecutive indices, each starting on a block."""
+    runs = [index[k:k + block] for k in range(0, len(index), block)]
+    return not len(index) % block and all(r[0] % block == 0 and r == list(range(r[0], r[0] + block))
+                                          for r in runs)
+
+
+def int4_expert_slice(values: np.ndarray, out_index: Sequence[int], in_index: Sequence[int],
+                      fmt: WeightFormat, cls: str, what: str) -> tuple[np.ndarray, np.ndarray, Int4]:
+    """A rank's slice of a bf16 checkpoint expert matrix `values` `[out, in]` (its output rows
+    `out_index` in the slot's column order, its input columns `in_index`, whole runs of
+    `fmt.block` starting on a block: `resolve` makes a rank's rows whole blocks) requantized to
+    `fmt`'s int4 blocks (`int4_from_bf16`, which refuses moved values unless `rounded`) and
+    packed: the slot's codes and scales, and the requantization with its error."""
+    in_index = list(in_index)
+    if not _whole_blocks(in_index, fmt.block):
+        raise ValueError(f"the input columns of {what} do not start whole {fmt.block}-row blocks")
+    part = np.asarray(values, np.float32)[np.ix_(list(out_index), in_index)]
+    r = int4_from_bf16(part, fmt, cls, what)
+    codes, scales = pack_int4_for_kernel(r.codes, r.scales)
+    return codes, scales, r
+
+
+def nvfp4_expert_slice(codes: np.ndarray, block_scales: np.ndarray, global_scale,
+                       out_index: Sequence[int], in_index: Sequence[int]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's slice of an NVFP4 checkpoint expert matrix (codes `[out, in/2]`, e4m3
+    `weight_scale` `[out, in/16]`, `weight_scale_2`: one, or one per output row, e.g. gate's
+    and up's beside each other) as its slot holds it (`pack_nvfp4_for_kernel`): its output
+    rows `out_index` in the slot's column order and its input columns `in_index`, whole runs of
+    16 starting on a block (ValueError otherwise). Byte for byte the checkpoint's."""
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    in_index, out_index = list(in_index), list(out_index)
+    if not _whole_blocks(in_index, NVFP4_BLOCK):
+        raise ValueError(f"NVFP4 input columns must be whole runs of {NVFP4_BLOCK} starting on a block")
+    raw = np.asarray(block_scales)
+    raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8)
+    glob = np.broadcast_to(np.asarray(global_scale, np.float32).reshape(-1), (np.asarray(codes).shape[0],))
+    nibbles = _rows_of_bytes(np.asarray(codes, np.uint8).T)[in_index][:, out_index]      # [in, out]
+    scales = raw[np.ix_(out_index, [i // NVFP4_BLOCK for i in in_index[::NVFP4_BLOCK]])]
+    packed = _two_rows_a_byte(nibbles).T
+    return pack_nvfp4_for_kernel(packed, scales, glob[out_index])

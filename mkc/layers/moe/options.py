@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mkc.layers.activation import Activation  # noqa: F401  (an option of MoE and SwiGLU)
-from mkc.layers.expert_formats import MX_BLOCK
+from mkc.layers.expert_formats import MX_BLOCK, NVFP4_BLOCK
 from mkc.model.graph import Tensor
 
 
@@ -163,6 +163,11 @@ class Checkpoint(enum.Enum):
     # `.weight_scale`), cut in width slices of whole MXFP4 blocks (no padding); also held as
     # FP4 under one scale per block of rows (`fp4 block N`); its weights are the family's
     MXFP4_PACKED = "mxfp4_packed"
+    # NVIDIA's NVFP4 (ModelOpt; Muse Spark's `-NVFP4`), fused: `experts.{gate_up,down}_proj`
+    # e2m1 codes [E, out, in/2] (input 2j in the low nibble), `*_weight_scale` e4m3 [E, out,
+    # in/16], `*_weight_scale_2` the f32 global scale of each expert matrix [E] and
+    # `*_input_scale` f32 [E]; held as it is (`nvfp4`)
+    NVFP4 = "nvfp4"
 
     @property
     def decoded_in_kernel(self) -> bool:
@@ -174,16 +179,16 @@ class Checkpoint(enum.Enum):
     def formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The expert classes and the formats each takes, the checkpoint's first."""
         offered = {Checkpoint.BF16: ("bf16", "fp8"), Checkpoint.MXFP4: ("mxfp4", "fp8"),
-                   Checkpoint.MXFP4_PACKED: ("mxfp4", "fp8", "fp4")}[self]
+                   Checkpoint.MXFP4_PACKED: ("mxfp4", "fp8", "fp4"), Checkpoint.NVFP4: ("nvfp4",)}[self]
         return (("expert.gate_up", offered), ("expert.down", offered))
 
     def expert_tensors(self, prefix: str, experts: int, inter: int, io: int, bias: bool = False
                        ) -> dict[str, tuple[tuple[int, ...], str]]:
         """The routed experts' upstream tensors under `prefix` (`...experts.`), holding
         `gate_up_proj` [E, 2 inter, io] and `down_proj` [E, io, inter] in values: fused bf16, or
-        GPT-OSS's MXFP4 `*_blocks` and `*_scales`, each with a bias [E, out] after it where
-        `bias`; or Kimi's per expert, `w1` (gate), `w3` (up) and `w2` (down) each codes [out,
-        in/2] and E8M0 scales [out, in/32], expert by expert."""
+        GPT-OSS's MXFP4 `*_blocks` and `*_scales`, or NVFP4's codes with their scales, each with
+        a bias [E, out] after it where `bias`; or Kimi's per expert, `w1` (gate), `w3` (up) and
+        `w2` (down) each codes [out, in/2] and E8M0 scales [out, in/32], expert by expert."""
         if self is Checkpoint.MXFP4_PACKED:
             return {prefix + f"{e}.{w}.{part}": ((rows, k // div), "uint8")
                     for e in range(experts)
@@ -194,6 +199,11 @@ class Checkpoint(enum.Enum):
             if self is Checkpoint.MXFP4:
                 out |= {prefix + f"{name}_blocks": ((experts, o, k // MX_BLOCK, MX_BLOCK // 2), "uint8"),
                         prefix + f"{name}_scales": ((experts, o, k // MX_BLOCK), "uint8")}
+            elif self is Checkpoint.NVFP4:
+                out |= {prefix + name: ((experts, o, k // 2), "uint8"),
+                        prefix + f"{name}_weight_scale": ((experts, o, k // NVFP4_BLOCK), "float8_e4m3fn"),
+                        prefix + f"{name}_weight_scale_2": ((experts,), "float32"),
+                        prefix + f"{name}_input_scale": ((experts,), "float32")}
             else:
                 out[prefix + name] = ((experts, o, k), "bfloat16")
             if bias:
