@@ -149,7 +149,7 @@ def test_the_options_compose_and_compile(toy):
     assert f"qk_scale_factor={QK_SCALE_FACTOR}" in c.module_source
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_kernel_equals_its_emulation_and_rejects_each_new_op_s_mutant(toy):
     from conftest import run_python
 
