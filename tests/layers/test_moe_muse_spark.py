@@ -164,16 +164,18 @@ def _check_router(body=None, emulated=None):
 
 
 def _check_latent_norm(body=None):
-    """latent_norm before the experts (centred, of the gathered latent's first `moe_hidden_size`
-    columns) is the emulation's `NORM["zero_centred"]` of it."""
+    """latent_norm before the experts (centred, in f32, of the gathered latent's first
+    `moe_hidden_size` columns: the gather lands them bf16, over more lane-padded columns) is
+    the emulation's `NORM["zero_centred"]` of its values."""
     d, hf, _ = _draws()
     w = np.asarray(_sub(hf)["pre_expert_norm.weight"])[None, :]
-    lat = np.random.default_rng(2).normal(0, 3, (B, d.moe_hidden_size)).astype(np.float32)
+    gathered = np.random.default_rng(2).normal(0, 3, (B, 2 * d.moe_hidden_size)).astype(jnp.bfloat16)
+    lat = np.asarray(gathered[:, :d.moe_hidden_size], np.float32)
 
     def fn(lat_ref, w_ref):
         c = types.SimpleNamespace(dims=d, vector=lambda name: w_ref[...])
         return (body or lowering.latent_norm)(MUSE_SPARK, c, lat_ref[...])
-    got = _in_kernel(fn, [lat, w], d.moe_hidden_size)
+    got = _in_kernel(fn, [gathered, w], d.moe_hidden_size)
     np.testing.assert_array_equal(got, np.asarray(NORM["zero_centred"](jnp.asarray(lat), w, d.rms_norm_eps)))
 
 

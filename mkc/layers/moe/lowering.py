@@ -210,9 +210,10 @@ def expert_norm(s: MoE, c: Layer, expert_outs: jax.Array, expert_ids: jax.Array,
 
 def latent_norm(s: MoE, c: Layer, latent: jax.Array) -> jax.Array:
     """The latent's RMS norm (`Latent.norm_weight`): the experts' sum (Kimi K3's), or the
-    gathered projected input's first `expert_io` columns (Muse Spark's, before the experts)."""
+    gathered projected input's first `expert_io` columns (Muse Spark's, before the experts),
+    in f32 (the gather lands in its wire dtype)."""
     if s.latent.norm_at == "input":
-        latent = latent[:, :s.expert_io(c.dims)]
+        latent = latent[:, :s.expert_io(c.dims)].astype(F32)
     return ops.NORM[s.latent.norm_weight](latent, c.vector("latent_norm"), c.dims.rms_norm_eps)
 
 
@@ -223,9 +224,13 @@ def latent_up(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
 def mlp_residual(s: MoE, c: Layer, *values: jax.Array) -> None:
     """x += routed (+ sigmoid(h . shared_gate) * shared, the gate's input rounded to bf16, as
     the MXU would take it; or + shared, ungated): values are (shared_out, routed_out, h) with a
-    gated shared expert, (shared_out, routed_out) with an ungated one, else (routed_out,)."""
+    gated shared expert, (shared_out, routed_out) with an ungated one, else (routed_out,). With
+    a latent, routed_out is latent_up's gathered product: its padded shares cut to the hidden
+    size."""
     if not s.shared_expert:
         (routed_out,) = values
+        if s.latent:
+            routed_out = routed_out[:, :c.dims.hidden_size]
         c.refs.x[...] = c.refs.x[...] + routed_out
         return
     if not s.shared_gate:
