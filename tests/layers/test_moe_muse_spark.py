@@ -195,7 +195,7 @@ def _check_expert_norm(body=None, emulated=None):
         return (body or lowering.expert_norm)(MUSE_SPARK, c, outs_ref[...], ids_ref[...], dense_ref[...])
     got = _in_kernel(fn, [outs, ids, dense, w], d.moe_hidden_size)
     want = (emulated or moe_ref.kernel_expert_norm)(jnp.asarray(outs), jnp.asarray(ids), jnp.asarray(dense),
-                                                    jnp.asarray(w), d.top_k, d.post_norm_eps)
+                                                    jnp.asarray(w), d.post_norm_eps)
     np.testing.assert_array_equal(got, np.asarray(want))
 
 

@@ -402,8 +402,7 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
 
     if s.latent and s.latent.expert_norm:
         outs = expert_parallel_picks(rounding, d.experts, ids, io, expert, kind)
-        return kernel_expert_norm(outs, ids, dense, p[s.latent.expert_norm][None, :], d.top_k,
-                                  d.post_norm_eps)
+        return kernel_expert_norm(outs, ids, dense, p[s.latent.expert_norm][None, :], d.post_norm_eps)
     return expert_parallel_sum(rounding, d.experts, dense, io, expert, kind)
 
 
@@ -442,13 +441,12 @@ def _kernel_expert_norm(outs: jax.Array, ids: jax.Array, dense: jax.Array, w: ja
     return acc
 
 
-def kernel_expert_norm(outs: jax.Array, ids: jax.Array, dense: jax.Array, w: jax.Array, top_k: int,
-                       eps: float) -> jax.Array:
+def kernel_expert_norm(outs: jax.Array, ids: jax.Array, dense: jax.Array, w: jax.Array, eps: float
+                       ) -> jax.Array:
     """The kernel's `expert_norm` (`mkc.layers.moe.lowering`) in its expression, jitted: each
     pick's all-reduced output ``outs [B, top_k * io]`` times ``1 + w`` (``w [1, io]``),
     RMS-normed (eps), times its routing weight (the lane of ``dense [B, E]`` its id picks),
-    summed pick by pick."""
-    assert ids.shape[-1] == top_k
+    summed pick by pick (``ids [B, top_k]``)."""
     return _kernel_expert_norm(outs, jnp.asarray(ids, jnp.int32), dense, w, jnp.float32(eps))
 
 
