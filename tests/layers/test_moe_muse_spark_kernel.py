@@ -5,7 +5,9 @@ from Qwen3-30B-A3B's schedule with every rank a width slice of every expert (`sh
 over tp / 8`, `shard expert_mlp over 8`) and the latent projections' columns split and
 gathered. The schedule all-reduces the picks' outputs before `expert_norm` reads them. In
 the slow tier the kernel runs two decode steps at batch 2 in TPU interpret mode (8 ranks),
-its logits and caches bit-equal to the rounding emulation's (measured: about 20 s).
+its logits and caches bit-equal to the rounding emulation's, and the generated module's 1.01
+mutants of the new ops (`examples/generated_module.py`: moe.latent_norm_input,
+moe.expert_norm; the router's logits, qwen_moe.router) rejected.
 Not the Muse Spark family: its decoder (residual gates, post-norms, attention) is not composed
 here."""
 from __future__ import annotations
@@ -178,7 +180,8 @@ def test_the_options_compose_and_compile(toy):
 @pytest.mark.slow
 def test_the_kernel_equals_its_emulation(toy):
     """Two decode steps at batch 2 in TPU interpret mode: the logits bit-equal to the rounding
-    emulation's."""
+    emulation's; the generated module's 1.01 mutants of the normed latent, of the normed
+    picks' weighted sum and of the scaled router logits each rejected."""
     from conftest import run_python
 
     from mkc.checkpoint import save_checkpoint
@@ -188,8 +191,9 @@ def test_the_kernel_equals_its_emulation(toy):
     save_checkpoint(root / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
     runner = root / "run_toy.py"
     runner.write_text(RUNNER.format(root=str(root), script=str(ROOT / "examples/run_mini.py")))
+    mutants = "moe.latent_norm_input,moe.expert_norm,qwen_moe.router"
     r = run_python([str(runner), "--json", "--spec", str(toy), "--checkpoint", str(root / "checkpoint"),
-                    "--steps", "2", "--batch", "2"], timeout=3000)
+                    "--steps", "2", "--batch", "2", "--mutants", mutants], timeout=3000)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
     assert summary["emulation_check"] == "exact"
