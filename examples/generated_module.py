@@ -86,6 +86,14 @@ MUTANTS: dict[str, tuple[str, str] | tuple[tuple[str, str], ...]] = {
                         "        lower.prologue(k)\n        r.x[...] = {scale}(r.x[...])\n"),
     "logits.softcap": ('        logits = lower.final_logits(k, logits, SHARDS.rule("vocab"))\n',
                        '        logits = {scale}(lower.final_logits(k, logits, SHARDS.rule("vocab")))\n'),
+    # Muse Spark's MoE options: the latent normed before the experts, and the picks' normed
+    # outputs summed by their weights (a scale of each pick's output before its norm would
+    # be invisible by design)
+    "moe.latent_norm_input": ("    latent_in = lower.latent_norm(c, latent_in)\n",
+                              "    latent_in = {scale}(lower.latent_norm(c, latent_in))\n"),
+    "moe.expert_norm": ("    routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)\n",
+                        "    routed_out = {scale}(lower.expert_norm(c, expert_outs, expert_ids, "
+                        "expert_weights))\n"),
 }
 
 

@@ -28,7 +28,8 @@ from mkc.runtime import kv as kv_cache
 
 F32 = jnp.float32
 PREFIX = "model.layers.0."
-ONE_RANK = ShardTable(1, tuple((c, 1, 1) for c in ("expert_mlp", "experts", "heads", "mlp", "vocab")))
+CLASSES = ("expert_mlp", "experts", "heads", "latent_down", "latent_up", "mlp", "router", "vocab")
+ONE_RANK = ShardTable(1, tuple((c, 1, 1) for c in CLASSES))
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -85,7 +86,7 @@ class StandIn:
     def __init__(self, sub: Sublayer, d: Any, hf: Mapping[str, np.ndarray], x: np.ndarray,
                  positions: np.ndarray, caches: Mapping[str, np.ndarray] | None = None, tile: int = 8,
                  ring: int = 0, per_rank: Mapping[str, int] | None = None, kind: str = "kind") -> None:
-        part = sub.part(d, {c: 1 for c in ("experts", "expert_mlp", "heads", "mlp")})
+        part = sub.part(d, {c: 1 for c in CLASSES if c != "vocab"})
         self.part, self.sub, self.dims, self.kind = part, sub, d, kind
         self.B = self.S = x.shape[0]
         self.R = 1
@@ -106,6 +107,7 @@ class StandIn:
                        and part.tensors[n].role == "state"}
         self.tile, self.kv = tile, kv_cache.KvTiles(tokens=tile, slots=2, ahead=1, ring=ring)
         self.picked = None
+        self.plan = types.SimpleNamespace(streamed={})      # every matrix pooled: products as wide
 
     # what a body reads of its layer
     def vector(self, name: str) -> jax.Array:

@@ -23,7 +23,7 @@ from mkc.layers.activation import Activation
 from mkc.layers.block_residuals import BlockAdd, BlockMix, mix_vectors
 from mkc.layers.block_residuals import activations as block_activations
 from mkc.layers.moe import MoE
-from mkc.layers.moe.options import SIGMOID, Checkpoint
+from mkc.layers.moe.options import SIGMOID, Checkpoint, Latent
 from mkc.layers.sublayer import layer_kinds
 from mkc.layers.swiglu import SwiGLU
 from mkc.model.graph import FamilyGraph, LayerKind, ShardingError
@@ -37,7 +37,7 @@ SHARD_CLASSES = ("heads", "mlp", "vocab", "latent_down", "experts", "expert_mlp"
 ATTENTION = {"kda": KDA(residual=False), "mla": MLA(output_gate=True, residual=False)}
 MOE = MoE(prefix="block_sparse_moe.", routing=SIGMOID, activation=Activation.SITU,
           checkpoint=Checkpoint.MXFP4_PACKED, shared_expert=True, shared_gate=False,
-          shared_prefix="shared_experts.", latent=True, router_split=True, residual=False)
+          shared_prefix="shared_experts.", latent=Latent(), router_split=True, residual=False)
 DENSE = SwiGLU(activation=Activation.SITU, residual=False, padded=True)
 LAYERS = {
     **{kind: (BlockMix("attn"), sub, BlockAdd("attn", ("attn_out",))) for kind, sub in ATTENTION.items()},

@@ -24,10 +24,18 @@ biased router (`mlp.router.{weight,bias}`), the softmax over the k picked logits
 MXFP4 experts (`experts.{gate_up,down}_proj_{blocks,scales,bias}`, gate and up rows
 interleaved) whose gate and up halves the slot pads to whole 128-lane tiles (`expert_half`);
 DeepSeek-V3's `MoE(routing=SIGMOID, shared_expert=True, shared_gate=False,
-shared_prefix="shared_experts.")`. The dims a model gives it: hidden_size, rms_norm_eps,
-experts, top_k, moe_intermediate_size, norm_topk_prob (softmax and sigmoid routing),
-n_group, topk_group and routed_scaling_factor (sigmoid), swiglu_alpha and swiglu_limit
-(clamped) and, with a shared expert, shared_expert_intermediate_size. Its bodies, graph,
+shared_prefix="shared_experts.")`. Routed experts in a latent space are the option `latent` (a
+`Latent`): Kimi K3's `Latent()`, the experts' sum normed; Muse Spark's block is
+`MoE(routing=SCALED_SIGMOID, latent=Latent(width="moe_hidden_size",
+down="pre_expert_proj.weight", up="post_expert_proj.weight", norm="pre_expert_norm.weight",
+norm_at="input", norm_weight="zero_centred", expert_norm="experts.post_expert_norm.weight"))`:
+the projected input normed before the experts, each expert's output normed before its weight,
+its f32 router held as a bf16 pair, the logits times `output_multiplier`. The dims a model
+gives it: hidden_size, rms_norm_eps, experts, top_k, moe_intermediate_size, norm_topk_prob
+(softmax and sigmoid routing), n_group, topk_group and routed_scaling_factor (sigmoid),
+swiglu_alpha and swiglu_limit (clamped), with a shared expert
+shared_expert_intermediate_size, with a latent its width (the `Latent`'s field) and with its
+expert norm post_norm_eps, with the scaled sigmoid router output_multiplier. Its bodies, graph,
 reference and weights cover every option: a bf16 checkpoint's experts, its FP8 version with f32
 block scales, or MXFP4 ones (whole experts on every core).
 
@@ -53,7 +61,7 @@ from typing import Any
 
 from mkc.ir import WeightFormat
 from mkc.layers import expert_formats as expert_formats_lib
-from mkc.layers.moe.options import SOFTMAX, Activation, Checkpoint, Router
+from mkc.layers.moe.options import SOFTMAX, Activation, Checkpoint, Latent, Router
 from mkc.layers.sublayer import Part, Sublayer
 from mkc.model.family import ExpertLayout
 from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
@@ -119,11 +127,14 @@ class MoE(Sublayer):
     router_prefix: str = "gate."   # the router's parameters under `prefix` (GPT-OSS: `router.`)
     gate_up_interleaved: bool = False   # the checkpoint's gate|up rows alternate gate, up
 
-    # Routed experts in a latent space (Kimi K3's latent MoE): `latent_down` projects the normed
-    # input to the model's routed_expert_hidden_size (its columns over shard class
-    # `latent_down`, all-gathered), the experts run on it, their sum is RMS-normed
-    # (`latent_norm`) and projected back by `latent_up` (columns over `latent_up`, gathered)
-    latent: bool = False
+    # Routed experts in a latent space (`Latent`): `latent_down` projects the normed input to
+    # the latent width (its columns over shard class `latent_down`, all-gathered), the experts
+    # run on it, `latent_norm` RMS-norms their sum (Kimi K3's) or the gathered latent before
+    # them (Muse Spark's), `latent_up` projects the sum back (columns over `latent_up`,
+    # gathered). With the latent's `expert_norm` the experts write each row's picks' outputs
+    # side by side (`expert_outs`, [B, top_k * latent], a partial over the ranks sharing an
+    # expert), and `expert_norm` norms each and sums them by their routing weights.
+    latent: Latent | None = None
     # the router's expert columns split over shard class `router` (the siblings exchange
     # their shares), each share lane padded with zero columns
     router_split: bool = False
@@ -131,9 +142,21 @@ class MoE(Sublayer):
 
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
-        latent_in, latent_out = (("latent_down",), ("latent_norm", "latent_up")) if self.latent else ((), ())
+        latent_in, latent_out = ((), ())
+        if self.latent:
+            normed_in = self.latent.norm_at == "input"
+            latent_in = ("latent_down", "latent_norm") if normed_in else ("latent_down",)
+            latent_out = (*(("expert_norm",) if self.latent.expert_norm else ()),
+                          *(() if normed_in else ("latent_norm",)), "latent_up")
         return (*(("post_norm",) if self.residual else ()), "router", "route", *latent_in, *shared,
                 "routed_experts", *latent_out, *(("mlp_residual",) if self.residual else ()))
+
+    def _router_copies(self) -> int:
+        """2 where the router's matrix is a bf16 pair `[hi | lo]` of an f32 weight
+        (`Router.weight_pair`; a whole router: its columns are not split), else 1."""
+        if self.routing.weight_pair and self.router_split:
+            raise ValueError("a router held as a bf16 pair (an f32 weight) is not split: router_split=False")
+        return 2 if self.routing.weight_pair else 1
 
     def router_cols(self, d: Any, ways: Mapping[str, int]) -> int:
         """A rank's router columns: every expert, or its lane-padded share of a split router."""
@@ -142,7 +165,7 @@ class MoE(Sublayer):
     def latent_cols(self, d: Any, ways: Mapping[str, int]) -> tuple[int, int]:
         """A rank's columns of latent_down and of latent_up: lane-padded shares of the latent
         and of the hidden size."""
-        return (lane_pad(-(-d.routed_expert_hidden_size // ways["latent_down"])),
+        return (lane_pad(-(-self.expert_io(d) // ways["latent_down"])),
                 lane_pad(-(-d.hidden_size // ways["latent_up"])))
 
     def part(self, d: Any, ways: Mapping[str, int]) -> Part:
@@ -153,10 +176,11 @@ class MoE(Sublayer):
         per_rank = {"local_experts": local, "expert_width": width, "expert_tp": tp}
         shared_ops, shared_tensors, shared_rank = self._shared(d, ways)
         latent_ops, latent_tensors, latent_rank = self._latent(d, ways)
-        residual_reads = ("routed_out", "x")
+        routed = "mlp_out" if self.latent else "routed_out"     # projected back from the latent
+        residual_reads = (routed, "x")
         if self.shared_expert:
             gate = ("h", "shared_gate") if self.shared_gate else ()
-            residual_reads = ("shared_out", "routed_out", *gate, "x")
+            residual_reads = ("shared_out", routed, *gate, "x")
         router_cols = self.router_cols(d, ways)
         split_ways = ways["router"] if self.router_split else 1
         ops = (
@@ -165,12 +189,13 @@ class MoE(Sublayer):
                writes=("router_logits",), matmul="router"),
             Op("route", reads=("router_logits", *self.routing.reads), writes=("expert_ids", "expert_weights"),
                picks_experts=True),
-            *latent_ops[:1],
+            *latent_ops[:self._latent_ops_before()],
             *shared_ops,
             Op("routed_experts", reads=("latent_in" if self.latent else "h", "expert_ids", "expert_weights"),
-               writes=("routed_out",), partial=("experts", "expert_mlp") if tp > 1 else ("experts",),
-               width=d.routed_expert_hidden_size if self.latent else H, runs_experts=True),
-            *latent_ops[1:],
+               writes=("expert_outs" if self._per_pick() else "routed_out",),
+               partial=("experts", "expert_mlp") if tp > 1 else ("experts",),
+               width=self.expert_io(d) * (d.top_k if self._per_pick() else 1), runs_experts=True),
+            *latent_ops[self._latent_ops_before():],
             *((Op("mlp_residual", reads=residual_reads, writes=("x",)),) if self.residual else ()),
         )
         tensors = {
@@ -178,7 +203,7 @@ class MoE(Sublayer):
             # shared_expert_gate [1, H]
             **({"shared_gate": Tensor("shared_gate", "vector", (H,), "f32")}
                if self.shared_expert and self.shared_gate else {}),
-            "router": Tensor("router", "matrix", (H, router_cols), "bf16",
+            "router": Tensor("router", "matrix", (H, router_cols * self._router_copies()), "bf16",
                              split_out="router" if self.router_split else None),
             **({"router_bias": Tensor("router_bias", "vector", (E,), "f32")} if self.router_bias else {}),
             **self.routing.vectors(router_cols * split_ways),
@@ -215,18 +240,29 @@ class MoE(Sublayer):
         }
         return ops, tensors, {"shared": shared}
 
+    def _per_pick(self) -> bool:
+        """The routed experts write each pick's output apart (a norm of each: `Latent.expert_norm`)."""
+        return bool(self.latent and self.latent.expert_norm)
+
+    def _latent_ops_before(self) -> int:
+        """How many of the latent ops run before the routed experts (down; and the norm)."""
+        return 2 if self.latent and self.latent.norm_at == "input" else 1
+
     def _latent(self, d: Any, ways: Mapping[str, int]
                 ) -> tuple[tuple[Op, ...], dict[str, Tensor], dict[str, int]]:
         """The latent projections' ops (down; norm, up), tensors and per-rank widths (none
         without `latent`). A split that does not fill the last ranks is zero padded."""
         if not self.latent:
             return (), {}, {}
-        H, latent = d.hidden_size, d.routed_expert_hidden_size
+        H, latent = d.hidden_size, self.expert_io(d)
         split(H, ways["latent_up"], "hidden size (latent_up columns)", "latent_up")
         cols, up_cols = self.latent_cols(d, ways)
+        normed = "latent_in" if self.latent.norm_at == "input" else "routed_out"
         ops = (
             Op("latent_down", reads=("h",), writes=("latent_in",), matmul="latent_down"),
-            Op("latent_norm", reads=("routed_out", "latent_norm"), writes=("routed_out",)),
+            Op("latent_norm", reads=(normed, "latent_norm"), writes=(normed,)),
+            *((Op("expert_norm", reads=("expert_outs", "expert_ids", "expert_weights", "expert_norm"),
+                  writes=("routed_out",)),) if self.latent.expert_norm else ()),
             Op("latent_up", reads=("routed_out",), writes=("mlp_out",), matmul="latent_up"),
         )
         tensors = {
@@ -235,6 +271,8 @@ class MoE(Sublayer):
             "latent_up": Tensor("latent_up", "matrix", (latent, up_cols), "bf16", split_out="latent_up",
                                 format_class="latent"),
             "latent_norm": Tensor("latent_norm", "vector", (latent,), "f32"),
+            **({"expert_norm": Tensor("expert_norm", "vector", (latent,), "f32")}
+               if self.latent.expert_norm else {}),
         }
         return ops, tensors, {"latent_cols": cols, "latent_gathered": cols * ways["latent_down"],
                               "up_cols": up_cols}
@@ -264,7 +302,7 @@ class MoE(Sublayer):
 
     def expert_io(self, d: Any) -> int:
         """The routed experts' input and output width: the hidden size, or the latent's."""
-        return d.routed_expert_hidden_size if self.latent else d.hidden_size
+        return getattr(d, self.latent.width) if self.latent else d.hidden_size
 
     def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""

@@ -39,13 +39,13 @@ def top_k_softmax_weights(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax
 
 
 def sigmoid_route_weights(logits: jax.Array, bias: jax.Array, top_k: int, renormalise: bool = True,
-                          scaling: float = 1.0, groups: int = 1, topk_groups: int = 1
+                          scaling: float = 1.0, groups: int = 1, topk_groups: int = 1, eps: float = 0.0
                           ) -> tuple[jax.Array, jax.Array]:
     """Sigmoid top-k routing per row (DeepSeek-V3's, Kimi K3's) -> (weights [B, E], ids
     [B, top_k] int32): the experts picked by ``sigmoid(logits) + bias`` (bias [1, E], the
     correction bias: selection only), among the ``topk_groups`` best of ``groups`` groups
     (`group_limited`) when there are several; weights zero except at the picks, where they hold
-    the sigmoid scores, divided by their sum when `renormalise`, times `scaling`. ids best
+    the sigmoid scores, divided by their sum (plus `eps`) when `renormalise`, times `scaling`. ids best
     first, ties to the lowest lane (`mkc.runtime.experts.top_k`)."""
     scores = jax.nn.sigmoid(logits)
     pick = scores + bias
@@ -53,7 +53,8 @@ def sigmoid_route_weights(logits: jax.Array, bias: jax.Array, top_k: int, renorm
         pick = group_limited(pick, groups, topk_groups)
     kept, ids = expert_slots.top_k(pick, scores, top_k)
     if renormalise:
-        kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+        total = jnp.sum(kept, axis=-1, keepdims=True)
+        kept = kept / (total + eps if eps else total)
     return kept * scaling, ids
 
 
@@ -108,8 +109,17 @@ def _own_cols(c: Layer, name: str) -> int | None:
 
 
 def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    """The logits of every expert, or of this rank's share of a split router (its columns)."""
-    logits = c.matmul("router", h)[:, :_own_cols(c, "router") if s.router_split else c.dims.experts]
+    """The logits of every expert, or of this rank's share of a split router (its columns);
+    an f32 weight's bf16 pair summed (`Router.weight_pair`: one dot of `[hi | lo]`), the
+    router's factor on them (`Router.logit_scale`: Muse Spark's `output_multiplier`)."""
+    E = c.dims.experts
+    if s.routing.weight_pair:
+        pair = c.matmul("router", h)
+        logits = pair[:, :E] + pair[:, E:2 * E]
+    else:
+        logits = c.matmul("router", h)[:, :_own_cols(c, "router") if s.router_split else E]
+    if (scale := s.routing.logit_scale(c.dims)) is not None:
+        logits = logits * scale
     return logits + c.vector("router_bias") if s.router_bias else logits
 
 
@@ -138,12 +148,15 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
     """This rank's picked experts on every row, each `down(act(gate_up h (+ b))) (+ b)`
     weighted by its routing weight (zero for rows that did not pick it), summed in ascending
     expert order: a partial sum over ranks. `h`: the normed input, or the gathered latent
-    (its first `routed_expert_hidden_size` columns)."""
+    (its first `expert_io` columns); with the latent's `expert_norm`, each pick's output apart
+    (`_experts_per_pick`)."""
     groups = c.per_rank
     width = groups["expert_half"] if s.checkpoint.decoded_in_kernel else groups["expert_width"]
     io = s.expert_io(c.dims)
     if s.latent:
         h = h[:, :io]
+    if s.latent and s.latent.expert_norm:
+        return _experts_per_pick(s, c, h, expert_ids, width)
 
     def expert(k, acc):
         gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
@@ -159,8 +172,49 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
     return c.fold_experts(expert, jnp.zeros((c.B, io), F32))
 
 
-def latent_norm(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
-    return ops.rms_norm(routed_out, c.vector("latent_norm"), c.dims.rms_norm_eps)
+def _experts_per_pick(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, width: int) -> jax.Array:
+    """This rank's picked experts' outputs `down(act(gate_up h))` (its width part of each: a
+    partial over the ranks), each placed where rows picked it: pick j of a row at columns
+    `j * io ...` of `[B, top_k * io]` (the kernel's one-hot of `expert_ids`' column j, lane
+    masked for selected expert k: `c.expert_weight`), zero elsewhere."""
+    groups, io, E = c.per_rank, s.expert_io(c.dims), c.dims.experts
+    lane = lax.broadcasted_iota(jnp.int32, (c.B, E), 1)
+    picks = [(lane == expert_ids[:, j:j + 1]).astype(F32) for j in range(c.dims.top_k)]
+
+    def expert(k, acc):
+        act = s.activation.kernel(c, expert_matmul(c, k, h, "gate_up", groups["gate_up_group"]), width)
+        out = expert_matmul(c, k, act, "down", groups["down_group"])
+        return jnp.concatenate([jnp.where(c.expert_weight(pick, k) > 0, out, acc[:, j * io:(j + 1) * io])
+                                for j, pick in enumerate(picks)], axis=-1)
+
+    return c.fold_experts(expert, jnp.zeros((c.B, c.dims.top_k * io), F32))
+
+
+def expert_norm(s: MoE, c: Layer, expert_outs: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array
+                ) -> jax.Array:
+    """Each pick's output (all-reduced) input-scaled RMS-normed, ``y * (1 + w)`` then
+    ``* rsqrt(mean(.^2) + post_norm_eps)`` (upstream's `post_expert_norm`, one weight for every
+    expert), times the pick's routing weight (its lane of `expert_weights`), summed pick by
+    pick."""
+    io, E = s.expert_io(c.dims), c.dims.experts
+    scale = 1.0 + c.vector("expert_norm")
+    lane = lax.broadcasted_iota(jnp.int32, (c.B, E), 1)
+    acc = jnp.zeros((c.B, io), F32)
+    for j in range(c.dims.top_k):
+        weight = jnp.sum(jnp.where(lane == expert_ids[:, j:j + 1], expert_weights[:, :E], 0.0), axis=-1,
+                         keepdims=True)
+        normed = ops.rms_norm_weightless(expert_outs[:, j * io:(j + 1) * io] * scale, c.dims.post_norm_eps)
+        acc = acc + weight * normed
+    return acc
+
+
+def latent_norm(s: MoE, c: Layer, latent: jax.Array) -> jax.Array:
+    """The latent's RMS norm (`Latent.norm_weight`): the experts' sum (Kimi K3's), or the
+    gathered projected input's first `expert_io` columns (Muse Spark's, before the experts),
+    in f32 (the gather lands in its wire dtype)."""
+    if s.latent.norm_at == "input":
+        latent = latent[:, :s.expert_io(c.dims)].astype(F32)
+    return ops.NORM[s.latent.norm_weight](latent, c.vector("latent_norm"), c.dims.rms_norm_eps)
 
 
 def latent_up(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
@@ -170,9 +224,13 @@ def latent_up(s: MoE, c: Layer, routed_out: jax.Array) -> jax.Array:
 def mlp_residual(s: MoE, c: Layer, *values: jax.Array) -> None:
     """x += routed (+ sigmoid(h . shared_gate) * shared, the gate's input rounded to bf16, as
     the MXU would take it; or + shared, ungated): values are (shared_out, routed_out, h) with a
-    gated shared expert, (shared_out, routed_out) with an ungated one, else (routed_out,)."""
+    gated shared expert, (shared_out, routed_out) with an ungated one, else (routed_out,). With
+    a latent, routed_out is latent_up's gathered product: its padded shares cut to the hidden
+    size."""
     if not s.shared_expert:
         (routed_out,) = values
+        if s.latent:
+            routed_out = routed_out[:, :c.dims.hidden_size]
         c.refs.x[...] = c.refs.x[...] + routed_out
         return
     if not s.shared_gate:

@@ -1,7 +1,8 @@
 """The options of `MoE` that change its math, as objects that own it: a router (`Router`: what
 the route op reads, the checkpoint tensors it loads, which kernel and reference math it runs),
 an expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
-(`Checkpoint`). A new router is one subclass here with its math in the jax modules (its kernel
+(`Checkpoint`); routed experts in a latent space (`Latent`: its tensors and where its norms
+sit). A new router is one subclass here with its math in the jax modules (its kernel
 routing in `mkc.layers.moe.lowering`, its `<scoring>_route`, `_selection` and `_scores` in
 `mkc.layers.moe.reference`); the kind's graph, bodies, reference and weights ask it and do not
 branch on its name.
@@ -44,6 +45,16 @@ class Router:
     def vector_tensor(self, name: str) -> str:
         """The upstream tensor (under the MoE's prefix) of its vector `name`."""
         raise KeyError(name)
+
+    # the router's weight stored f32 upstream: held as the columns of two bf16 matrices side by
+    # side, `[hi | lo]` (hi the weight rounded to bf16, lo the rest rounded), summed after one dot
+    weight_pair: ClassVar[bool] = False
+    # added to the picked scores' sum where they are renormalised
+    eps: ClassVar[float] = 0.0
+
+    def logit_scale(self, d: Any) -> float | None:
+        """A factor on the router's logits before they are scored (None: none)."""
+        return None
 
     def scaling(self, d: Any) -> float:
         """The factor on the picked experts' weights."""
@@ -146,10 +157,59 @@ class Sigmoid(Router):
             bias = bias[:, :d.experts]
             logits = logits[:, :d.experts]
         return lowering.sigmoid_route_weights(logits, bias, d.top_k, self.renormalise(d), self.scaling(d),
-                                              getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
+                                              getattr(d, "n_group", 1), getattr(d, "topk_group", 1), self.eps)
 
-SOFTMAX, TOP_K_SOFTMAX, SIGMOID = Softmax(), TopKSoftmax(), Sigmoid()
-ROUTERS: dict[str, Router] = {r.scoring: r for r in (SOFTMAX, TOP_K_SOFTMAX, SIGMOID)}
+
+@dataclass(frozen=True)
+class ScaledSigmoid(Sigmoid):
+    """Muse Spark's (`MuseSparkTopkRouter`): the f32 weight (`weight_pair`), the logits times
+    the model's `output_multiplier`, then the sigmoid router's math in one group, always
+    renormalised, the sum plus 1e-15 (upstream's `norm_topk_prob_eps`: no change to an f32 sum
+    above 2e-8; kept so the formula is upstream's), times `routed_scaling_factor`."""
+
+    scoring: ClassVar[str] = "scaled_sigmoid"
+    weight_pair: ClassVar[bool] = True
+    eps: ClassVar[float] = 1e-15
+
+    def logit_scale(self, d: Any) -> float | None:
+        return d.output_multiplier
+
+    def renormalise(self, d: Any) -> bool:
+        return True
+
+
+SOFTMAX, TOP_K_SOFTMAX, SIGMOID, SCALED_SIGMOID = Softmax(), TopKSoftmax(), Sigmoid(), ScaledSigmoid()
+ROUTERS: dict[str, Router] = {r.scoring: r for r in (SOFTMAX, TOP_K_SOFTMAX, SIGMOID, SCALED_SIGMOID)}
+
+
+@dataclass(frozen=True)
+class Latent:
+    """Routed experts in a latent space: `down` projects the MoE's input to the latent width
+    (the dims field `width`), the experts run on it, `up` projects their weighted sum back.
+    One RMS norm of the latent (`norm`, its weight `norm_weight`: "plain" `w` or
+    "zero_centred" `1 + w`, eps `rms_norm_eps`) sits on the experts' weighted sum (`norm_at
+    = "sum"`: Kimi K3's) or on the projected input before the experts (`"input"`: Muse
+    Spark's); `expert_norm` names an input-scaled norm (``y * (1 + w)``, then RMS with eps
+    `post_norm_eps`; one weight for every expert) of each expert's output before its routing
+    weight (Muse Spark's `experts.post_expert_norm`; none: ""). Tensor names are upstream's,
+    under the MoE's prefix."""
+
+    width: str = "routed_expert_hidden_size"
+    down: str = "routed_expert_down_proj.weight"
+    up: str = "routed_expert_up_proj.weight"
+    norm: str = "routed_expert_norm.weight"
+    norm_at: str = "sum"
+    norm_weight: str = "plain"
+    expert_norm: str = ""
+
+    def __post_init__(self) -> None:
+        if self.norm_at not in ("sum", "input"):
+            raise ValueError(f"Latent.norm_at is 'sum' or 'input', not {self.norm_at!r}")
+
+    def tensors(self) -> dict[str, str]:
+        """The graph's latent tensors and the upstream tensor each is cut from."""
+        return {"latent_down": self.down, "latent_up": self.up, "latent_norm": self.norm,
+                **({"expert_norm": self.expert_norm} if self.expert_norm else {})}
 
 
 class Checkpoint(enum.Enum):

@@ -26,25 +26,37 @@ dots:
 * with ``s.shared_expert``: ``mlp.shared_expert`` (``s.shared_prefix``) a SwiGLU MLP of width
   ``shared_expert_intermediate_size``, times ``sigmoid(x @ shared_expert_gate.weight^T)``
   unless ``s.shared_gate`` is false;
+* with ``s.latent`` (`Latent`): the experts run on ``down(x)`` (Kimi K3's
+  ``routed_expert_down_proj``, Muse Spark's ``pre_expert_proj``) and their sum is projected
+  back by ``up``; the latent's norm on the sum (K3's ``routed_expert_norm``, plain) or on the
+  projected input before the experts (Muse Spark's ``pre_expert_norm``, ``1 + w``); with its
+  ``expert_norm`` (Muse Spark's ``experts.post_expert_norm``) each expert's output
+  ``y * (1 + w)`` RMS-normed (eps ``post_norm_eps``) before its weight (``input_scaled_norm``);
+* Muse Spark's router (``ScaledSigmoid``, ``MuseSparkTopkRouter``): the f32 weight's logits
+  times ``output_multiplier``, the sigmoid router's picks, the weights over their sum plus
+  1e-15;
 * output: ``sum_k w_k expert_{id_k}(x) (+ sigmoid(...) * shared(x))``, added to the residual.
 
 Kernel rounding emulation (``rounding``): every matmul takes bf16 activations; the routed
 experts become per-rank partial sums: rank r belongs to expert group ``r // expert_tp``
 (experts ``group * local_experts ...`` in id order) and holds width slice ``r % expert_tp``
 (``expert_width`` columns) of each, its gate and up columns multiplied in one dot, as the
-kernel's slot holds them (``[gate | up]``: XLA's CPU f32 dot, which the FP8 experts' mixed dots
-are, sums a 256-wide product in another order than two 128-wide ones; measured,
+kernel's slot holds them (``[gate | up]``: XLA's CPU f32 dot, which the FP8 experts' mixed
+dots are, sums a 256-wide product in another order than two 128-wide ones; measured,
 ``mkc.numerics``); it adds each expert's output times the row's routing weight (0 where the
 row did not pick it) in expert-id order, one fused multiply-add each, and the partials are
 all-reduced as ``(kind, "routed_experts")``; the routing weights are the kernel's: the picked
 softmax probabilities over all E lanes, zero elsewhere, divided by their lane sum
-(``_kernel_route_weights``). The shared expert is the dense SwiGLU's emulation (``shared``
-columns per rank, all-reduced as ``(kind, "shared_down")``). The block is added to the
-residual stream as the kernel's ``mlp_residual`` adds it (``residual``): the routed sum first,
-then the shared expert times its sigmoid gate, a lane sum of the bf16 input times the gate
-vector. Each of these is written in the kernel's expression and shapes, jitted, since XLA's
-f32 order depends on both (``mkc.numerics``: measured at batch 8, where the sums over the k
-picks and the block's own sum were off).
+(``_kernel_route_weights``). With an expert norm the ranks' partials are each row's picks'
+outputs side by side (``expert_parallel_picks``), all-reduced, then normed, weighted and
+summed pick by pick (``kernel_expert_norm``); an f32 router is the kernel's one product of its
+bf16 pair ``[hi | lo]`` (``router_pair``), the halves summed (``router_logits``). The shared
+expert is the dense SwiGLU's emulation (``shared`` columns per rank, all-reduced as ``(kind,
+"shared_down")``). The block is added to the residual stream as the kernel's ``mlp_residual``
+adds it (``residual``): the routed sum first, then the shared expert times its sigmoid gate, a
+lane sum of the bf16 input times the gate vector. Each of these is written in the kernel's
+expression and shapes, jitted, since XLA's f32 order depends on both (``mkc.numerics``:
+measured at batch 8, where the sums over the k picks and the block's own sum were off).
 """
 from __future__ import annotations
 
@@ -60,8 +72,8 @@ from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index, pack_
 from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.moe.options import ROUTERS, Checkpoint
-from mkc.layers.moe.weights import LATENT_TENSORS, PACKED_BLOCK_SCALE
-from mkc.layers.reference import NORM, linear, matmul, mm_input, own_norm, rms_norm
+from mkc.layers.moe.weights import PACKED_BLOCK_SCALE
+from mkc.layers.reference import NORM, linear, matmul, mm_input, own_norm, rms_norm_weightless
 from mkc.layers.swiglu.reference import block as gated_mlp
 from mkc.model.fp8_blocks import dequantize
 from mkc.model.mxfp4 import mxfp4_dequantize_jax, mxfp4_quantize
@@ -121,7 +133,7 @@ def sigmoid_scores(logits: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
-def sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+def sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups, eps=0.0):
     scores = jax.nn.sigmoid(logits)
     pick = scores + bias
     if groups > 1:
@@ -129,8 +141,9 @@ def sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups
     _, ids = jax.lax.top_k(pick, top_k)
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
-        chosen = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+        chosen = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + eps)
     return ids, chosen * scaling
+
 
 
 def sigmoid_selection(logits, top_k, bias, groups, topk_groups):
@@ -143,6 +156,16 @@ def sigmoid_selection(logits, top_k, bias, groups, topk_groups):
     return [(jnp.where(eligible(pick, groups, topk_groups), pick, -1e30), top_k),
             (group_scores(pick, groups), topk_groups)]
 
+
+# Muse Spark's (`ScaledSigmoid`): the sigmoid router's on logits its router op has scaled, the
+# renormalising sum plus upstream's 1e-15
+def scaled_sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
+    return sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups,
+                         ROUTERS["scaled_sigmoid"].eps)
+
+
+scaled_sigmoid_selection = sigmoid_selection
+scaled_sigmoid_scores = sigmoid_scores
 
 def group_scores(pick: jax.Array, groups: int) -> jax.Array:
     """``[B, E] -> [B, groups]``: each group's two largest values summed."""
@@ -174,11 +197,13 @@ def dense_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = T
     probabilities, ``exp(logit - row max)``, sigmoid scores) at the picked ``ids`` (zero
     elsewhere), divided by their sum over all E lanes when ``renormalize``, times ``scaling``
     (1 but for the sigmoid router's)."""
-    scores = ROUTERS[scoring].dense_scores(logits)
+    router = ROUTERS[scoring]
+    scores = router.dense_scores(logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
     if renormalize:
-        kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+        total = jnp.sum(kept, axis=-1, keepdims=True)
+        kept = kept / (total + router.eps if router.eps else total)
     return kept * scaling
 
 
@@ -206,8 +231,8 @@ def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng: np.random.Genera
         values = (shape[0], 2 * shape[1])           # two codes a byte
         codes, scales = mxfp4_quantize(rng.normal(0.0, 1.0 / math.sqrt(values[1]), values))
         return {name: codes, name.replace("weight_packed", "weight_scale"): scales}
-    latent_up = name.endswith(LATENT_TENSORS["latent_up"])      # writes the stream
-    if latent_up or name.endswith(LATENT_TENSORS["latent_down"]):
+    latent_up = bool(s.latent) and name.endswith(s.latent.up)      # writes the stream
+    if latent_up or (s.latent and name.endswith(s.latent.down)):
         std = 1.0 / math.sqrt(shape[-1])
         return rng.normal(0.0, std * residual_scale if latent_up else std, shape)
     if s.checkpoint.decoded_in_kernel and name.endswith("_proj_blocks"):
@@ -327,10 +352,11 @@ def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice
 
 
 def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
-                             rounding: Rounding, kind: str) -> jax.Array:
+                             rounding: Rounding, kind: str, ids: jax.Array) -> jax.Array:
     """The routed experts as an expert-parallel kernel computes them (module docstring,
-    `expert_parallel_sum`)."""
-    tp, width = rounding.size("expert_tp"), rounding.size("expert_width")
+    `expert_parallel_sum`; with the latent's `expert_norm`, `expert_parallel_picks` and
+    `kernel_expert_norm`)."""
+    tp, width, io = rounding.size("expert_tp"), rounding.size("expert_width"), s.expert_io(d)
     half = s.expert_half(d, tp)
     # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; an FP8
     # checkpoint's blocks (`fp8 block R x C`): one a group of rows under one block row, on its
@@ -342,8 +368,8 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     blocks = {m for m in fp8 if formats[m].cols}
     grouped = fp8 | (set(EXPERTS) if s.checkpoint.decoded_in_kernel else set())
     rows = {m: s.pack_groups(d, tp)[m] if m in grouped else None for m in EXPERTS}
-    rows |= {m: block_groups(formats[m], *{"gate_up": (d.hidden_size, width),
-                                           "down": (width, d.hidden_size)}[m])[0] for m in blocks}
+    rows |= {m: block_groups(formats[m], *{"gate_up": (io, width), "down": (width, io)}[m])[0]
+             for m in blocks}
 
     def expert_linear(x: jax.Array, w: jax.Array, m: str, e: int, out_index: list[int],
                       in_index: list[int], runs: int) -> jax.Array:
@@ -365,17 +391,63 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
         # width wide ones (module docstring).
         mine = list(range(cols.start, cols.stop))
         w = _slot_expert(s, p, d, e, cols, half)
-        hidden = expert_linear(xin, w["gate_up"], "gate_up", e,
-                               mine + [d.moe_intermediate_size + i for i in mine], list(range(d.hidden_size)),
-                               width)
+        hidden = expert_linear(xin[:, :io], w["gate_up"], "gate_up", e,
+                               mine + [d.moe_intermediate_size + i for i in mine], list(range(io)), width)
         if s.expert_bias:
             hidden = hidden + w["gate_up_bias"]
         gate, up = hidden[:, :half], hidden[:, half:]
         act = s.activation.reference(d, gate, up, kernel=True)
-        out = expert_linear(act, w["down"], "down", e, list(range(d.hidden_size)), mine, d.hidden_size)
+        out = expert_linear(act, w["down"], "down", e, list(range(io)), mine, io)
         return out + w["down_bias"] if s.expert_bias else out
 
-    return expert_parallel_sum(rounding, d.experts, dense, d.hidden_size, expert, kind)
+    if s.latent and s.latent.expert_norm:
+        outs = expert_parallel_picks(rounding, d.experts, ids, io, expert, kind)
+        return kernel_expert_norm(outs, ids, dense, p[s.latent.expert_norm][None, :], d.post_norm_eps)
+    return expert_parallel_sum(rounding, d.experts, dense, io, expert, kind)
+
+
+def expert_parallel_picks(rounding: Rounding, experts: int, ids: jax.Array, width: int,
+                          expert: Callable[[int, slice], jax.Array], kind: str) -> jax.Array:
+    """Each row's picks' outputs side by side, ``[B, top_k * width]`` (pick j at columns ``j *
+    width ...``), as the kernel forms them (`lowering._experts_per_pick`): rank r (as in
+    `expert_parallel_sum`) puts ``expert(e, cols)``, its width part of expert e, where rows
+    picked e, for each of its group's experts; the ranks' partials all-reduced as ``(kind,
+    "routed_experts")``."""
+    tp, part_width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    top_k = ids.shape[-1]
+    partials = []
+    for r in range(rounding.ranks):
+        group, part = r // tp, r % tp
+        cols = slice(part * part_width, (part + 1) * part_width)
+        acc = [jnp.zeros((ids.shape[0], width), jnp.float32) for _ in range(top_k)]
+        for e in range(group * local, min((group + 1) * local, experts)):
+            out = expert(e, cols)
+            acc = [jnp.where(ids[:, j:j + 1] == e, out, acc[j]) for j in range(top_k)]
+        partials.append(jnp.concatenate(acc, axis=-1))
+    return allreduce(partials, rounding.reduce(kind, "routed_experts"))
+
+
+@jax.jit
+def _kernel_expert_norm(outs: jax.Array, ids: jax.Array, dense: jax.Array, w: jax.Array, eps: jax.Array
+                        ) -> jax.Array:
+    io, top_k = w.shape[-1], ids.shape[-1]
+    lane = jax.lax.broadcasted_iota(jnp.int32, dense.shape, 1)
+    scale = 1.0 + w
+    acc = jnp.zeros((outs.shape[0], io), jnp.float32)
+    for j in range(top_k):
+        weight = jnp.sum(jnp.where(lane == ids[:, j:j + 1], dense, 0.0), axis=-1, keepdims=True)
+        y = outs[:, j * io:(j + 1) * io] * scale
+        acc = acc + weight * (y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps))
+    return acc
+
+
+def kernel_expert_norm(outs: jax.Array, ids: jax.Array, dense: jax.Array, w: jax.Array, eps: float
+                       ) -> jax.Array:
+    """The kernel's `expert_norm` (`mkc.layers.moe.lowering`) in its expression, jitted: each
+    pick's all-reduced output ``outs [B, top_k * io]`` times ``1 + w`` (``w [1, io]``),
+    RMS-normed (eps), times its routing weight (the lane of ``dense [B, E]`` its id picks),
+    summed pick by pick (``ids [B, top_k]``)."""
+    return _kernel_expert_norm(outs, jnp.asarray(ids, jnp.int32), dense, w, jnp.float32(eps))
 
 
 _STORED = {"gate_up": "gate_up_proj", "down": "down_proj"}
@@ -416,7 +488,7 @@ def packed_experts(s: MoE, p: Mapping[str, jax.Array], d: Any, matrix: str, ids:
 
 
 def _packed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, dense: jax.Array,
-                             rounding: Rounding, kind: str) -> jax.Array:
+                             rounding: Rounding, kind: str, ids: jax.Array | None = None) -> jax.Array:
     """The per-expert checkpoint's routed experts as the kernel computes them
     (`expert_parallel_sum`): gate and up in a dot each, every matrix pack group by pack group,
     a requantized checkpoint's partial products times their bf16 block scales."""
@@ -476,31 +548,66 @@ def parts(s: MoE, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding: Ro
     expert (before its gate; None without one), each all-reduced as the schedule says when
     ``rounding`` is given. ``p`` maps names relative to ``s.prefix`` to f32 arrays."""
     xin = mm_input(x, rounding)
-    logits = matmul(xin, p[s.router_prefix + "weight"], rounding, kind, "router", by_tiles=True)
+    logits = router_logits(s, p, d, xin, rounding, kind)
     if s.router_bias:
         logits = logits + p[s.router_prefix + "bias"]
     if rounding is not None and (wire := rounding.exchange_wire(kind, "router")):
         logits = round_to(logits, wire)      # split between the cores of a chip, exchanged
     routing = route_args(s, p, d)
     ids, weights = route(logits, *routing)
-    if s.latent:
-        xin = _gathered(matmul(xin, p[LATENT_TENSORS["latent_down"]], rounding, kind, "latent_down",
-                               by_tiles=True), rounding, kind, "latent_down")
+    lat = s.latent
+    if lat:
+        xin = _gathered(matmul(xin, p[lat.down], rounding, kind, "latent_down", by_tiles=True),
+                        rounding, kind, "latent_down")
+        if lat.norm_at == "input":
+            xin = NORM[lat.norm_weight](xin, p[lat.norm], d.rms_norm_eps)
     if rounding is None:
         routed = _routed_experts(s, p, d, xin, ids, weights)
     else:
         dense = _kernel_route_weights(logits, ids, routing[1], s.routing.scoring, s.routing.scaling(d))
         packed = s.checkpoint is Checkpoint.MXFP4_PACKED
         routed = (_packed_experts_per_rank if packed else _routed_experts_per_rank)(
-            s, p, d, xin, dense, rounding, kind)
-    if s.latent:
-        routed = rms_norm(routed, p[LATENT_TENSORS["latent_norm"]], d.rms_norm_eps)
-        routed = _gathered(matmul(routed, p[LATENT_TENSORS["latent_up"]], rounding, kind, "latent_up",
-                                  by_tiles=True), rounding, kind, "latent_up")
+            s, p, d, xin, dense, rounding, kind, ids)
+    if lat:
+        if lat.norm_at == "sum":
+            routed = NORM[lat.norm_weight](routed, p[lat.norm], d.rms_norm_eps)
+        routed = _gathered(matmul(routed, p[lat.up], rounding, kind, "latent_up", by_tiles=True),
+                           rounding, kind, "latent_up")
     if not s.shared_expert:
         return routed, None
     shared = {n[len(s.shared_prefix):]: w for n, w in p.items() if n.startswith(s.shared_prefix)}
     return routed, _shared_expert(s, shared, d, x, rounding, kind)
+
+
+def router_logits(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, rounding: Rounding | None,
+                  kind: str) -> jax.Array:
+    """The router's logits of the (MXU-rounded) input: its weight's product, or with an f32
+    weight (`Router.weight_pair`) the kernel's one product of its bf16 pair `[hi | lo]`
+    (`router_pair`), the halves summed; times the router's factor (`Router.logit_scale`)."""
+    w = p[s.router_prefix + "weight"]
+    if s.routing.weight_pair and rounding is not None:
+        pair = matmul(xin, router_pair(w), rounding, kind, "router", by_tiles=True)
+        E = w.shape[0]
+        logits = pair[:, :E] + pair[:, E:]
+    else:
+        logits = matmul(xin, w, rounding, kind, "router", by_tiles=True)
+    scale = s.routing.logit_scale(d)
+    return logits if scale is None else logits * scale
+
+
+def router_pair(w: jax.Array) -> jax.Array:
+    """An f32 weight ``[E, H]`` as two bf16 matrices' values stacked on the output axis,
+    ``[hi; lo]`` (``[2E, H]``): hi the weight rounded to bf16, lo the remainder rounded
+    (`mkc.layers.moe.weights.router_pair`: the same, in numpy)."""
+    hi = jnp.asarray(w, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    lo = (jnp.asarray(w, jnp.float32) - hi).astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.concatenate([hi, lo], axis=0)
+
+
+def input_scaled_norm(y: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Upstream's `MuseSparkTextInputScaledRMSNorm` in f32: ``y * (1 + w)``, then RMS-normed
+    without a weight (the activation dtype's rounding between the two is none in f32)."""
+    return rms_norm_weightless(y * (1.0 + w), eps)
 
 
 def _gathered(y: jax.Array, rounding: Rounding | None, kind: str, op: str) -> jax.Array:
@@ -520,6 +627,8 @@ def _routed_experts(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, 
     out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST)
     if s.expert_bias:
         out = out + p["experts.down_proj_bias"][ids]
+    if s.latent and s.latent.expert_norm:
+        out = input_scaled_norm(out, p[s.latent.expert_norm], d.post_norm_eps)
     return jnp.einsum("bk,bko->bo", weights, out, precision=HIGHEST)
 
 
@@ -589,10 +698,13 @@ def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
     shapes = {p + s.router_prefix + "weight": ((E, H), bf16),
               **({p + s.router_prefix + "bias": ((E,), bf16)} if s.router_bias else {}),
               **s.routing.checkpoint_tensors(d, p)}
+    if s.routing.weight_pair:                # stored f32
+        shapes[p + s.router_prefix + "weight"] = ((E, H), "float32")
     if s.latent:
-        lat, names = d.routed_expert_hidden_size, LATENT_TENSORS
-        shapes |= {p + names["latent_down"]: ((lat, H), bf16), p + names["latent_norm"]: ((lat,), bf16),
-                   p + names["latent_up"]: ((H, lat), bf16)}
+        lat, names = s.expert_io(d), s.latent
+        shapes |= {p + names.down: ((lat, H), bf16), p + names.norm: ((lat,), bf16),
+                   p + names.up: ((H, lat), bf16),
+                   **({p + names.expert_norm: ((lat,), bf16)} if names.expert_norm else {})}
     shapes |= s.checkpoint.expert_tensors(p + "experts.", E, inter, s.expert_io(d), s.expert_bias)
     if s.shared_expert:
         shared, q = d.shared_expert_intermediate_size, p + s.shared_prefix

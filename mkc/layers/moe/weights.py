@@ -40,16 +40,11 @@ from mkc.model.sharding import ShardTable
 _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
 
 
-# The latent projections' and norm's checkpoint tensors under the MoE's prefix (Kimi K3's).
-LATENT_TENSORS = {"latent_down": "routed_expert_down_proj.weight",
-                  "latent_up": "routed_expert_up_proj.weight", "latent_norm": "routed_expert_norm.weight"}
-
-
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
     shared = (*(("shared_gate",) if s.shared_gate else ()), "shared_gate_up", "shared_down") \
         if s.shared_expert else ()
     return (*(("post_norm",) if s.residual else ()), "router", *(("router_bias",) if s.router_bias else ()),
-            *shared, *s.routing.reads, *(LATENT_TENSORS if s.latent else ()))
+            *shared, *s.routing.reads, *(s.latent.tensors() if s.latent else ()))
 
 
 def _ways(shards: ShardTable) -> dict[str, int]:
@@ -62,15 +57,26 @@ def matrix(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
     a latent projection's share of its columns (zero padded), or the shared expert's part."""
     p = prefix + s.prefix
     if name == "router":
+        if s.routing.weight_pair:
+            return router_pair(tensor(hf, p + s.router_prefix + "weight")).T     # [H, 2E]
         router = tensor(hf, p + s.router_prefix + "weight").T                   # [H, E]
         if not s.router_split:
             return router
         return padded_block(router, 1, shards.part("router", rank), s.router_cols(d, _ways(shards)))
     if name in ("latent_down", "latent_up"):
         cols = dict(zip(("latent_down", "latent_up"), s.latent_cols(d, _ways(shards))))[name]
-        return padded_block(tensor(hf, p + LATENT_TENSORS[name]).T, 1, shards.part(name, rank), cols)
+        return padded_block(tensor(hf, p + s.latent.tensors()[name]).T, 1, shards.part(name, rank), cols)
     return mlp_matrix(hf, p + s.shared_prefix, d.shared_expert_intermediate_size,
                       name.removeprefix("shared_"), rank, shards)
+
+
+def router_pair(w: np.ndarray) -> np.ndarray:
+    """An f32 router weight ``[E, H]`` as a bf16 pair's values stacked on the output axis,
+    ``[hi; lo]`` (``[2E, H]``): hi the weight rounded to bf16, lo the remainder rounded; the
+    kernel sums the pair's products (`Router.weight_pair`)."""
+    w = np.asarray(w, np.float32)
+    hi = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return np.concatenate([hi, (w - hi).astype(ml_dtypes.bfloat16).astype(np.float32)], axis=0)
 
 
 def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
@@ -81,8 +87,8 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
         bias = tensor(hf, prefix + s.prefix + s.routing.vector_tensor(name))
         columns = s.router_cols(d, _ways(shards)) * shards.ways("router") if s.router_split else d.experts
         return np.pad(bias, (0, columns - bias.shape[0]))[None, :]
-    if name == "latent_norm":
-        return tensor(hf, prefix + s.prefix + LATENT_TENSORS[name])[None, :]
+    if name in ("latent_norm", "expert_norm"):
+        return tensor(hf, prefix + s.prefix + s.latent.tensors()[name])[None, :]
     if name == "router_bias":
         return tensor(hf, prefix + s.prefix + s.router_prefix + "bias")[None, :]         # [1, E]
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
