@@ -177,7 +177,7 @@ def test_the_options_compose_and_compile(toy):
     assert "lower.expert_norm(" in c.module_source
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_kernel_equals_its_emulation(toy):
     """Two decode steps at batch 2 in TPU interpret mode: the logits bit-equal to the rounding
     emulation's; the generated module's 1.01 mutants of the normed latent, of the normed
