@@ -12,19 +12,12 @@ gated update and pre-norm, the embedding's norm, the soft-capped logits) are rej
 Not the Muse Spark family: its MoE is not composed here."""
 from __future__ import annotations
 
-import functools
-import json
-import shutil
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from mkc import compiler
-from mkc.model import registry
-from mkc.model.config import CONFIG_DIR
-from tests_support import ROOT
+from toy_family import registered, run_mini, write_family
 
 # Muse Spark's settings but its attention's `qk_scale_factor` (5.47, judged by
 # test_gqa_options_kernel): on random weights its unit-normed q and k make the softmax so sharp
@@ -121,49 +114,16 @@ FAMILY = {
     ''',
 }
 
-# Registers the toy family, then runs examples/run_mini.py as its own main.
-RUNNER = '''
-import functools, runpy, sys
-sys.path.insert(0, {root!r})
-from mkc.model import registry
-import toy_gres
-known = registry._registry
-registry._registry = functools.cache(lambda: {{**known(), "toy_gres": toy_gres.FAMILY}})
-sys.argv = ["run_mini.py", *sys.argv[1:]]
-runpy.run_path({script!r}, run_name="__main__")
-'''
 MUTANTS = ("gres.attn_update", "gres.mlp_update", "gres.pre_ffn_norm", "gres.embed_norm", "logits.softcap")
-
-
-def _family(root: Path) -> Path:
-    """The family package under `root`, its MINI config and spec (the fused projection streamed
-    by its gated name); the spec's path."""
-    (root / "toy_gres").mkdir(parents=True)
-    for name, text in FAMILY.items():
-        (root / "toy_gres" / name).write_text(textwrap.dedent(text).lstrip())
-    shutil.copy(ROOT / "mkc/families/llama/compiler_scratch.json", root / "toy_gres")
-    config = json.loads((CONFIG_DIR / "llama_mini.json").read_text()) | MUSE | {
-        "model_type": "toy_gres", "vocab_used": VOCAB_USED}
-    (root / "toy_mini.json").write_text(json.dumps(config))
-    spec = (ROOT / "schedules/llama_3_1_8b.sched").read_text().replace(
-        'model   "llama_3_1_8b"', f'model   "{root / "toy_mini.json"}"').replace(
-        "schedule llama_3_1_8b", "schedule toy_mini").replace("gqa: qkv,", "gqa: qkv_gate,")
-    (root / "toy_mini.sched").write_text(spec)
-    return root / "toy_mini.sched"
 
 
 @pytest.fixture
 def toy(tmp_path, monkeypatch) -> Path:
-    """The family on sys.path and registered: its spec's path."""
-    spec = _family(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import toy_gres
-    known = registry._registry
-    monkeypatch.setattr(registry, "_registry",
-                        functools.cache(lambda: {**known(), "toy_gres": toy_gres.FAMILY}))
-    yield spec
-    for name in [m for m in sys.modules if m.startswith("toy_gres")]:
-        del sys.modules[name]
+    """The family on sys.path and registered, its MINI config and spec (the fused projection
+    streamed by its gated name): the spec's path."""
+    spec = write_family(tmp_path, "toy_gres", FAMILY, "llama_mini", "llama_3_1_8b",
+                        MUSE | {"vocab_used": VOCAB_USED}, [("gqa: qkv,", "gqa: qkv_gate,")])
+    yield from registered(monkeypatch, tmp_path, "toy_gres", spec)
 
 
 def test_the_gated_residuals_compose_and_compile(toy):
@@ -178,18 +138,4 @@ def test_the_gated_residuals_compose_and_compile(toy):
 
 @pytest.mark.extended
 def test_the_kernel_equals_its_emulation_and_rejects_each_new_op_s_mutant(toy):
-    from conftest import run_python
-
-    from mkc.checkpoint import save_checkpoint
-    from toy_gres import reference
-    root = toy.parent
-    config = json.loads((root / "toy_mini.json").read_text())
-    save_checkpoint(root / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
-    runner = root / "run_toy.py"
-    runner.write_text(RUNNER.format(root=str(root), script=str(ROOT / "examples/run_mini.py")))
-    r = run_python([str(runner), "--json", "--spec", str(toy), "--checkpoint", str(root / "checkpoint"),
-                    "--steps", "2", "--batch", "2", "--mutants", ",".join(MUTANTS)], timeout=1800)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
-    assert summary["emulation_check"] == "exact"
-    assert all(s["emulation"]["logits"] == 0.0 for s in summary["steps"])
+    run_mini(toy, "toy_gres", "--steps", "2", "--batch", "2", "--mutants", ",".join(MUTANTS))

@@ -9,19 +9,12 @@ layer's normed query; the softmax scale; the gated output) are rejected.
 Not the Muse Spark family: its decoder (residual gates, post-norms, MoE) is not composed here."""
 from __future__ import annotations
 
-import functools
-import json
-import shutil
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from mkc import compiler
-from mkc.model import registry
-from mkc.model.config import CONFIG_DIR
-from tests_support import ROOT
+from toy_family import registered, run_mini, write_family
 
 QK_SCALE_FACTOR = 5.4730064863875      # Muse Spark's (MuseSparkTextConfig)
 
@@ -94,49 +87,14 @@ FAMILY = {
     ''',
 }
 
-# Registers the toy family, then runs examples/run_mini.py as its own main.
-RUNNER = '''
-import functools, runpy, sys
-sys.path.insert(0, {root!r})
-from mkc.model import registry
-import toy_muse
-known = registry._registry
-registry._registry = functools.cache(lambda: {{**known(), "toy_muse": toy_muse.FAMILY}})
-sys.argv = ["run_mini.py", *sys.argv[1:]]
-runpy.run_path({script!r}, run_name="__main__")
-'''
-
-
-def _family(root: Path, rope: bool) -> Path:
-    """The family package under `root` (rotated or NoPE), its MINI config and spec (the fused
-    projection streamed by its gated name); the spec's path."""
-    (root / "toy_muse").mkdir(parents=True)
-    for name, text in FAMILY.items():
-        text = text.format(rope=rope) if name == "graph.py" else text
-        (root / "toy_muse" / name).write_text(textwrap.dedent(text).lstrip())
-    shutil.copy(ROOT / "mkc/families/llama/compiler_scratch.json", root / "toy_muse")
-    config = json.loads((CONFIG_DIR / "llama_mini.json").read_text()) | {
-        "model_type": "toy_muse", "qk_scale_factor": QK_SCALE_FACTOR}
-    (root / "toy_mini.json").write_text(json.dumps(config))
-    spec = (ROOT / "schedules/llama_3_1_8b.sched").read_text().replace(
-        'model   "llama_3_1_8b"', f'model   "{root / "toy_mini.json"}"').replace(
-        "schedule llama_3_1_8b", "schedule toy_mini").replace("gqa: qkv,", "gqa: qkv_gate,")
-    (root / "toy_mini.sched").write_text(spec)
-    return root / "toy_mini.sched"
-
-
 @pytest.fixture(params=[True, False], ids=["rotated", "nope"])
 def toy(request, tmp_path, monkeypatch) -> tuple[Path, bool]:
-    """The family on sys.path and registered: (its spec's path, whether it rotates)."""
-    spec = _family(tmp_path, request.param)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import toy_muse
-    known = registry._registry
-    monkeypatch.setattr(registry, "_registry",
-                        functools.cache(lambda: {**known(), "toy_muse": toy_muse.FAMILY}))
-    yield spec, request.param
-    for name in [m for m in sys.modules if m.startswith("toy_muse")]:
-        del sys.modules[name]
+    """The family (rotated or NoPE) on sys.path and registered, its MINI config and spec (the
+    fused projection streamed by its gated name): (the spec's path, whether it rotates)."""
+    files = FAMILY | {"graph.py": FAMILY["graph.py"].format(rope=request.param)}
+    spec = write_family(tmp_path, "toy_muse", files, "llama_mini", "llama_3_1_8b",
+                        {"qk_scale_factor": QK_SCALE_FACTOR}, [("gqa: qkv,", "gqa: qkv_gate,")])
+    yield from registered(monkeypatch, tmp_path, "toy_muse", (spec, request.param))
 
 
 def test_the_options_compose_and_compile(toy):
@@ -151,21 +109,7 @@ def test_the_options_compose_and_compile(toy):
 
 @pytest.mark.extended
 def test_the_kernel_equals_its_emulation_and_rejects_each_new_op_s_mutant(toy):
-    from conftest import run_python
-
-    from mkc.checkpoint import save_checkpoint
-    from toy_muse import reference
     spec, rotated = toy
-    root = spec.parent
-    config = json.loads((root / "toy_mini.json").read_text())
-    save_checkpoint(root / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
-    runner = root / "run_toy.py"
-    runner.write_text(RUNNER.format(root=str(root), script=str(ROOT / "examples/run_mini.py")))
     norm = "k_norm" if rotated else "q_norm_nope"
     mutants = ",".join(f"gqa.{m}" for m in (norm, "softmax_scale", "out_gate"))
-    r = run_python([str(runner), "--json", "--spec", str(spec), "--checkpoint", str(root / "checkpoint"),
-                    "--steps", "2", "--batch", "2", "--mutants", mutants], timeout=1800)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
-    assert summary["emulation_check"] == "exact"
-    assert all(s["emulation"]["logits"] == 0.0 for s in summary["steps"])
+    run_mini(spec, "toy_muse", "--steps", "2", "--batch", "2", "--mutants", mutants)

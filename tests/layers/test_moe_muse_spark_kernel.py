@@ -12,19 +12,12 @@ Not the Muse Spark family: its decoder (residual gates, post-norms, attention) i
 here."""
 from __future__ import annotations
 
-import functools
-import json
-import shutil
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from mkc import compiler
-from mkc.model import registry
-from mkc.model.config import CONFIG_DIR
-from tests_support import ROOT
+from toy_family import registered, run_mini, write_family
 
 MOE_DIMS = {"moe_hidden_size": 128, "post_norm_eps": 1e-8, "output_multiplier": 0.1767766952966369,
             "routed_scaling_factor": 1.0}
@@ -119,55 +112,18 @@ FAMILY = {
 }
 
 
-def _family(root: Path) -> Path:
-    """The family package under `root`, its MINI config and spec; the spec's path."""
-    (root / "toy_msmoe").mkdir(parents=True)
-    for name, text in FAMILY.items():
-        (root / "toy_msmoe" / name).write_text(textwrap.dedent(text).lstrip())
-    shutil.copy(ROOT / "mkc/families/qwen3_moe/compiler_scratch.json", root / "toy_msmoe")
-    config = json.loads((CONFIG_DIR / "qwen3_moe_mini.json").read_text()) | {"model_type": "toy_msmoe",
-                                                                            **MOE_DIMS}
-    (root / "toy_mini.json").write_text(json.dumps(config))
-    spec = (ROOT / "schedules/qwen3_30b_a3b.sched").read_text()
-    for old, new in (('model   "qwen3_30b_a3b"', f'model   "{root / "toy_mini.json"}"'),
-                     ("schedule qwen3_30b_a3b", "schedule toy_mini"),
-                     ("shard experts over tp\n", "shard experts over tp / 8\n  shard expert_mlp over 8\n"
-                      "  shard latent_down over tp\n  shard latent_up over tp\n"),
-                     ("    moe: router\n", "    moe: router, latent_down, latent_up\n"),
-                     ("    allreduce routed_experts direct wire bf16\n",
-                      "    allgather latent_down over tp\n    allreduce routed_experts direct wire bf16\n"
-                      "    allgather latent_up over tp\n")):
-        assert old in spec, old
-        spec = spec.replace(old, new)
-    (root / "toy_mini.sched").write_text(spec)
-    return root / "toy_mini.sched"
-
-
 @pytest.fixture
 def toy(tmp_path, monkeypatch) -> Path:
-    """The family on sys.path and registered: its spec's path."""
-    spec = _family(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import toy_msmoe
-    known = registry._registry
-    monkeypatch.setattr(registry, "_registry",
-                        functools.cache(lambda: {**known(), "toy_msmoe": toy_msmoe.FAMILY}))
-    yield spec
-    for name in [m for m in sys.modules if m.startswith("toy_msmoe")]:
-        del sys.modules[name]
-
-
-# Registers the toy family, then runs examples/run_mini.py as its own main.
-RUNNER = '''
-import functools, runpy, sys
-sys.path.insert(0, {root!r})
-from mkc.model import registry
-import toy_msmoe
-known = registry._registry
-registry._registry = functools.cache(lambda: {{**known(), "toy_msmoe": toy_msmoe.FAMILY}})
-sys.argv = ["run_mini.py", *sys.argv[1:]]
-runpy.run_path({script!r}, run_name="__main__")
-'''
+    """The family on sys.path and registered, its MINI config and spec (every rank a width slice
+    of every expert, the latent projections split and gathered): the spec's path."""
+    spec = write_family(tmp_path, "toy_msmoe", FAMILY, "qwen3_moe_mini", "qwen3_30b_a3b", MOE_DIMS, (
+        ("shard experts over tp\n", "shard experts over tp / 8\n  shard expert_mlp over 8\n"
+         "  shard latent_down over tp\n  shard latent_up over tp\n"),
+        ("    moe: router\n", "    moe: router, latent_down, latent_up\n"),
+        ("    allreduce routed_experts direct wire bf16\n",
+         "    allgather latent_down over tp\n    allreduce routed_experts direct wire bf16\n"
+         "    allgather latent_up over tp\n")), scratch_of="qwen3_moe")
+    yield from registered(monkeypatch, tmp_path, "toy_msmoe", spec)
 
 
 def test_the_options_compose_and_compile(toy):
@@ -182,19 +138,5 @@ def test_the_kernel_equals_its_emulation(toy):
     """Two decode steps at batch 2 in TPU interpret mode: the logits bit-equal to the rounding
     emulation's; the generated module's 1.01 mutants of the normed latent, of the normed
     picks' weighted sum and of the scaled router logits each rejected."""
-    from conftest import run_python
-
-    from mkc.checkpoint import save_checkpoint
-    from toy_msmoe import reference
-    root = toy.parent
-    config = json.loads((root / "toy_mini.json").read_text())
-    save_checkpoint(root / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
-    runner = root / "run_toy.py"
-    runner.write_text(RUNNER.format(root=str(root), script=str(ROOT / "examples/run_mini.py")))
-    mutants = "moe.latent_norm_input,moe.expert_norm,qwen_moe.router"
-    r = run_python([str(runner), "--json", "--spec", str(toy), "--checkpoint", str(root / "checkpoint"),
-                    "--steps", "2", "--batch", "2", "--mutants", mutants], timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
-    assert summary["emulation_check"] == "exact"
-    assert all(s["emulation"]["logits"] == 0.0 for s in summary["steps"])
+    run_mini(toy, "toy_msmoe", "--steps", "2", "--batch", "2", "--mutants",
+             "moe.latent_norm_input,moe.expert_norm,qwen_moe.router", timeout=3000)

@@ -5,19 +5,12 @@ its kernel runs in interpret mode bit-equal to its rounding emulation, the toy k
 written to the contract."""
 from __future__ import annotations
 
-import functools
-import json
-import shutil
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from mkc import compiler
-from mkc.model import registry
-from mkc.model.config import CONFIG_DIR
-from tests_support import ROOT
+from toy_family import registered, run_mini, write_family, write_package
 
 KIND = {
     "__init__.py": '''
@@ -164,47 +157,12 @@ FAMILY = {
     ''',
 }
 
-# Registers the toy family, then runs examples/run_mini.py as its own main.
-RUNNER = '''
-import functools, runpy, sys
-sys.path.insert(0, {root!r})
-from mkc.model import registry
-import toy_geglu
-known = registry._registry
-registry._registry = functools.cache(lambda: {{**known(), "toy_geglu": toy_geglu.FAMILY}})
-sys.argv = ["run_mini.py", *sys.argv[1:]]
-runpy.run_path({script!r}, run_name="__main__")
-'''
-
-
-def _write(root: Path, package: str, files: dict[str, str]) -> None:
-    (root / package).mkdir(parents=True)
-    for name, text in files.items():
-        (root / package / name).write_text(textwrap.dedent(text).lstrip())
-
-
 @pytest.fixture
 def toy(tmp_path, monkeypatch) -> Path:
-    """The kind and family packages on sys.path, the family registered; the MINI spec's path.
-    The family has no compiler scratch measure of its own: it borrows Llama's file (a geometry
-    it has not measured is counted at 1.5x the family's largest, as for any family)."""
-    _write(tmp_path, "toy_geglu_kind", KIND)
-    _write(tmp_path, "toy_geglu", FAMILY)
-    shutil.copy(ROOT / "mkc/families/llama/compiler_scratch.json", tmp_path / "toy_geglu")
-    config = json.loads((CONFIG_DIR / "llama_mini.json").read_text()) | {"model_type": "toy_geglu"}
-    (tmp_path / "toy_mini.json").write_text(json.dumps(config))
-    spec = (ROOT / "schedules/llama_3_1_8b.sched").read_text().replace(
-        'model   "llama_3_1_8b"', f'model   "{tmp_path / "toy_mini.json"}"').replace(
-        "schedule llama_3_1_8b", "schedule toy_mini")
-    (tmp_path / "toy_mini.sched").write_text(spec)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import toy_geglu
-    known = registry._registry
-    monkeypatch.setattr(registry, "_registry",
-                        functools.cache(lambda: {**known(), "toy_geglu": toy_geglu.FAMILY}))
-    yield tmp_path
-    for name in [m for m in sys.modules if m.startswith("toy_geglu")]:
-        del sys.modules[name]
+    """The kind and family packages on sys.path, the family registered; their directory."""
+    write_package(tmp_path, "toy_geglu_kind", KIND)
+    write_family(tmp_path, "toy_geglu", FAMILY, "llama_mini", "llama_3_1_8b")
+    yield from registered(monkeypatch, tmp_path, "toy_geglu", tmp_path)
 
 
 def test_a_toy_kind_composes_checks_and_compiles(toy):
@@ -230,17 +188,4 @@ def test_a_format_line_in_a_family_without_choices_is_refused(toy):
 
 @pytest.mark.slow
 def test_a_toy_kind_s_kernel_equals_its_emulation(toy):
-    from conftest import run_python
-
-    from mkc.checkpoint import save_checkpoint
-    from toy_geglu import reference
-    config = json.loads((toy / "toy_mini.json").read_text())
-    save_checkpoint(toy / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
-    runner = toy / "run_toy.py"
-    runner.write_text(RUNNER.format(root=str(toy), script=str(ROOT / "examples/run_mini.py")))
-    r = run_python([str(runner), "--json", "--spec", str(toy / "toy_mini.sched"), "--checkpoint",
-                    str(toy / "checkpoint"), "--steps", "2", "--batch", "2"], timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
-    assert summary["emulation_check"] == "exact"
-    assert all(s["emulation"]["logits"] == 0.0 for s in summary["steps"])
+    run_mini(toy / "toy_mini.sched", "toy_geglu", "--steps", "2", "--batch", "2", timeout=900)
