@@ -13,20 +13,14 @@ Mutants (mkc/layers/expert_formats/lowering.py unless named), 1.01 times ...
 """
 from __future__ import annotations
 
-import types
-from unittest import mock
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from mkc.ir import WeightFormat
-from mkc.layers.expert_formats import lowering
 from mkc.layers.expert_formats.weights import fp8_checkpoint_blocks, pack_mxfp4_for_kernel
+from layer_bodies import lowered_expert_matmul
 from mkc.model import fp8_blocks
 from mkc.model.mxfp4 import mxfp4_dequantize
 
@@ -35,23 +29,7 @@ N_OUT, N_IN = 256, 512
 
 def _lowered(fmt: WeightFormat, codes: np.ndarray, scales: np.ndarray, x: np.ndarray, group: int
              ) -> np.ndarray:
-    """expert_matmul of expert 0's `gate_up` in `fmt` on its packed `codes` and `scales`, in a
-    kernel (interpret mode: the decoding bitcasts are Mosaic's)."""
-    def body(x_ref, codes_ref, scales_ref, out_ref):
-        slots = types.SimpleNamespace(
-            matrix=lambda es, refs, k, name: (0, codes.shape[0], codes.shape[1]),
-            read_u8=lambda es, refs, k, name: scales_ref[...])
-        pool = types.SimpleNamespace(
-            pooled_u8=lambda buf, row, rows, cols, first=0, count=None: codes_ref[first:first + count])
-        c = types.SimpleNamespace(refs=types.SimpleNamespace(pool=None), kernel=types.SimpleNamespace(
-            formats={"expert.gate_up": fmt}, experts=types.SimpleNamespace(pool="pool")))
-        with mock.patch.object(lowering, "expert_slots", slots), mock.patch.object(lowering, "pool", pool):
-            out_ref[...] = lowering.expert_matmul(c, 0, x_ref[...], "gate_up", group)
-
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    call = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32),
-                          in_specs=[vmem] * 3, out_specs=vmem, interpret=pltpu.InterpretParams())
-    return np.asarray(call(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scales)), np.float64)
+    return lowered_expert_matmul(fmt, codes, scales, x, group).astype(np.float64)
 
 
 def _x(seed: int) -> np.ndarray:

@@ -5,7 +5,6 @@ products of the values, the host packers' round trips, the requantizer's error a
 format rules' diagnostics, and 1 % mutants of each decode rejected by these checks."""
 from __future__ import annotations
 
-import types
 from unittest import mock
 
 import jax
@@ -18,9 +17,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkc.ir import WeightFormat
 from mkc.layers import expert_formats
-from mkc.layers.expert_formats import lowering, ops, reference, weights
+from mkc.layers.expert_formats import ops, reference, weights
 from mkc.model.family import FormatError
 from mkc.reference.rounding import Rounding
+from layer_bodies import lowered_expert_matmul
 
 N_OUT, N_IN = 256, 512
 VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -30,22 +30,6 @@ def _kernel(body, out_shape, *args) -> np.ndarray:
     call = pl.pallas_call(body, out_shape=out_shape, in_specs=[VMEM] * len(args), out_specs=VMEM,
                           interpret=pltpu.InterpretParams())
     return np.asarray(call(*(jnp.asarray(a) for a in args)))
-
-
-def _lowered(fmt: WeightFormat, codes: np.ndarray, scales: np.ndarray, x: np.ndarray, group: int
-             ) -> np.ndarray:
-    """expert_matmul of expert 0's `gate_up` in `fmt` on a slot holding `codes` and `scales`."""
-    def body(x_ref, codes_ref, scales_ref, out_ref):
-        slots = types.SimpleNamespace(
-            matrix=lambda es, refs, k, name: (0, codes.shape[0], codes.shape[1]),
-            read_u8=lambda es, refs, k, name: scales_ref[...])
-        pool = types.SimpleNamespace(
-            pooled_u8=lambda buf, row, rows, cols, first=0, count=None: codes_ref[first:first + count])
-        c = types.SimpleNamespace(refs=types.SimpleNamespace(pool=None), kernel=types.SimpleNamespace(
-            formats={"expert.gate_up": fmt}, experts=types.SimpleNamespace(pool="pool")))
-        with mock.patch.object(lowering, "expert_slots", slots), mock.patch.object(lowering, "pool", pool):
-            out_ref[...] = lowering.expert_matmul(c, 0, x_ref[...], "gate_up", group)
-    return _kernel(body, jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32), x, codes, scales)
 
 
 def _x(seed: int, rows: int = 3) -> np.ndarray:
@@ -114,7 +98,7 @@ def _int4_case(group: int, block: int = 128, seed: int = 3):
 @pytest.mark.parametrize("group, block", [(512, 128), (128, 128), (256, 512)])
 def test_int4_matmul_equals_emulation_and_values(group, block):
     r, codes, scales, fmt, x = _int4_case(group, block)
-    got = _lowered(fmt, codes, scales, x, group)
+    got = lowered_expert_matmul(fmt, codes, scales, x, group)
     emulated = np.asarray(reference.int4_linear(Rounding(1, ()), jnp.asarray(x), r.codes, r.scales,
                                                 block, group))
     assert _exact(got, emulated)
@@ -128,7 +112,7 @@ def test_nvfp4_matmul_equals_emulation_and_values(group, rows):
     codes, scale, glob = _nvfp4(5)
     packed, packed_scales = weights.pack_nvfp4_for_kernel(codes, scale, glob)
     x = _x(6, rows)
-    got = _lowered(WeightFormat("nvfp4", block=16), packed, packed_scales, x, group)
+    got = lowered_expert_matmul(WeightFormat("nvfp4", block=16), packed, packed_scales, x, group)
     emulated = np.asarray(reference.nvfp4_linear(Rounding(1, ()), jnp.asarray(x), packed, packed_scales,
                                                  group))
     assert _exact(got, emulated)
@@ -157,7 +141,7 @@ def test_one_percent_mutants_of_the_decodes_fail():
     want = x.astype(np.float64) @ weights.nvfp4_dequantize(packed, packed_scales)
     real_codes = ops.nvfp4_codes_matmul
     with mock.patch.object(ops, "nvfp4_codes_matmul", lambda x, c, s: real_codes(x, c, s) * 1.01):
-        got = _lowered(WeightFormat("nvfp4", 16), packed, packed_scales, x, 128)
+        got = lowered_expert_matmul(WeightFormat("nvfp4", 16), packed, packed_scales, x, 128)
     assert np.max(np.abs(got - want)) > 1e-3 * np.max(np.abs(want))
     # the lowered int4 matmul against the emulation: a block's scale or its dot 1 % off
     r, codes, scales, fmt, x = _int4_case(512)
@@ -166,7 +150,7 @@ def test_one_percent_mutants_of_the_decodes_fail():
     for name, mutant in (("bf16_block_scales", lambda s: real_scales(s) * 1.01),
                          ("int4_dot", lambda x, c: real_dot(x, c) * 1.01)):
         with mock.patch.object(ops, name, mutant):
-            assert not _exact(_lowered(fmt, codes, scales, x, 512), emulated), name
+            assert not _exact(lowered_expert_matmul(fmt, codes, scales, x, 512), emulated), name
 
 
 # ---- packing ---------------------------------------------------------------------------------
