@@ -173,6 +173,8 @@ MUTANT_NEEDS: dict[str, Callable] = {
     "oss.window": lambda module: getattr(module.DIMS, "sliding_window", None) is not None,
     # every GQA scales its scores; this mutant judges the factor of a model that has one
     "gqa.softmax_scale": lambda module: hasattr(module.DIMS, "qk_scale_factor"),
+    # every module calls its prologue; this mutant judges the gated residuals' embedding norm
+    "gres.embed_norm": lambda module: "gated_residuals" in module.lowering.prologue.__module__,
 }
 
 

@@ -63,6 +63,19 @@ def k3_scatter_text(clause: str = "scatter from 8 rows") -> str:
 K3_SHARED_SUM = "allreduce shared_down two_level host wire bf16 scatter overlap"
 
 
+def k3_split_router_text() -> str:
+    """The shipped K3 spec with its router's columns split over a chip's two cores, their
+    logits swapped by the sibling exchange (the calibration spec's and kimi_k3_64's), lines
+    kept: the shipped spec keeps the router whole."""
+    text = K3_SPEC.read_text()
+    whole, comment = "  shard router over 1\n", "    # (a router split over a chip's 2 cores"
+    assert text.count(whole) == 1 and text.count(comment) == 1
+    start = text.index(comment)
+    end = text.index("\n", start) + 1
+    return (text[:start] + "    exchange router with sibling wire f32\n" + text[end:]).replace(
+        whole, "  shard router over chip\n")
+
+
 def dense_text(spec: Path, fmt: str, attention: bool = False) -> str:
     """A shipped spec (K3 or Qwen 27B) with its dense classes as `fmt` ("fp8", "int8") codes with
     a scale per output column: benchmarks/bundles.py's `dense_text` (their `format` lines

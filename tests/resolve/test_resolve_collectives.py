@@ -6,7 +6,7 @@ import pytest
 from mkc import ir
 from mkc.lang.parser import parse
 from mkc.resolve import resolve
-from tests_support import K3_SPEC, SPEC, k3_scatter_text, qwen_scatter_text
+from tests_support import K3_SPEC, SPEC, k3_scatter_text, k3_split_router_text, qwen_scatter_text
 
 
 def _ir(text: str, path=K3_SPEC, model: str | None = None) -> ir.ScheduleIR:
@@ -89,10 +89,8 @@ def test_a_column_split_of_one_way_is_whole_and_needs_no_gather():
     split over a chip's two cores, its logits need the sibling exchange the spec then names."""
     text = K3_SPEC.read_text()
     assert "shard router over 1\n" in text and "exchange router" not in text
-    whole = _ir(text)
-    assert not whole.kinds["moe"].exchanges
+    assert not _ir(text).kinds["moe"].exchanges
     with pytest.raises(Exception, match="moe.router leaves its output split 2 ways"):
         _ir(text.replace("shard router over 1\n", "shard router over chip\n"))
-    split = _ir(text.replace("shard router over 1\n", "shard router over chip\n").replace(
-        "    fetch experts", "    exchange router with sibling wire f32\n    fetch experts", 1))
+    split = _ir(k3_split_router_text())
     assert [e.after_op for e in split.kinds["moe"].exchanges] == ["router"]
