@@ -221,7 +221,7 @@ class Checkpoint(enum.Enum):
     MXFP4 = "mxfp4"
     # Kimi K3's compressed-tensors MXFP4, per expert (`experts.{e}.w{1,3,2}.weight_packed` and
     # `.weight_scale`), cut in width slices of whole MXFP4 blocks (no padding); also held as
-    # FP4 under one scale per block of rows (`fp4 block N`); its weights are the family's
+    # FP4 under one scale per block of rows (`fp4 block N`)
     MXFP4_PACKED = "mxfp4_packed"
     # NVIDIA's NVFP4 (ModelOpt; Muse Spark's `-NVFP4`), fused: `experts.{gate_up,down}_proj`
     # e2m1 codes [E, out, in/2] (input 2j in the low nibble), `*_weight_scale` e4m3 [E, out,
