@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # libtpu's lockfile, no TPU here
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "layers"))
 
 # (format, input rows, columns, pack group, batch rows)
 MUSE = [(f, k, n, g, b) for f in ("int4", "nvfp4") for k, n, g in ((4096, 1024, 512), (512, 4096, 128))
@@ -42,25 +43,6 @@ VARIANTS = ("int4 kernel", "int4 block-diagonal", "nvfp4 kernel", "nvfp4 codes p
 def _fmt(name: str):
     from mkc.ir import WeightFormat
     return WeightFormat(name, 128, rounded=True) if name == "int4" else WeightFormat(name, 16)
-
-
-def _lowered_body(fmt, codes_shape: tuple, group: int):
-    """A kernel body running expert_matmul on a slot that holds the kernel's codes and scales."""
-    import types
-    from unittest import mock
-
-    from mkc.layers.expert_formats import lowering
-
-    def body(x_ref, codes_ref, scales_ref, o_ref):
-        slots = types.SimpleNamespace(matrix=lambda es, refs, k, name: (0, *codes_shape),
-                                      read_u8=lambda es, refs, k, name: scales_ref[...])
-        pool = types.SimpleNamespace(
-            pooled_u8=lambda buf, row, rows, cols, first=0, count=None: codes_ref[first:first + count])
-        c = types.SimpleNamespace(refs=types.SimpleNamespace(pool=None), kernel=types.SimpleNamespace(
-            formats={"expert.gate_up": fmt}, experts=types.SimpleNamespace(pool="pool")))
-        with mock.patch.object(lowering, "expert_slots", slots), mock.patch.object(lowering, "pool", pool):
-            o_ref[...] = lowering.expert_matmul(c, 0, x_ref[...], "gate_up", group)
-    return body
 
 
 def _block_diagonal(x, block: int):
@@ -118,6 +100,7 @@ def probe(generation: str, case: str) -> str:
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    from layer_bodies import expert_matmul_body
     from mkc import target
     from mkc.layers import expert_formats
     *name, rows = case.rsplit(" ", 1)[0], int(case.rsplit(" ", 1)[1])
@@ -129,7 +112,7 @@ def probe(generation: str, case: str) -> str:
     t = expert_formats.tensors("m", k, n, _fmt(fmt_name))
     codes, scales = t["m_codes"].shape, t["m_scales"].shape
     body = (_variant_body(name, rows) if name in VARIANTS and name.split()[1] != "kernel"
-            else _lowered_body(_fmt(fmt_name), codes, group))
+            else expert_matmul_body(_fmt(fmt_name), codes, group))
     gen = target.generation(generation)
     topo = topologies.get_topology_desc(f"{gen.prefix}={'x'.join(['1'] * gen.ndims)}", platform="tpu")
     mesh = Mesh(np.array(topo.devices[:1]), ("x",))

@@ -52,6 +52,15 @@ def rms_norm_weightless(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+def input_scaled_norm(y: jax.Array, w: jax.Array, eps: float, rounded: bool = False) -> jax.Array:
+    """`MuseSparkTextInputScaledRMSNorm`: ``t = y * (1 + w)`` (rounded to bf16 where
+    ``rounded``, as a bf16 model's activations are), then its weightless RMS norm."""
+    t = y * (1.0 + w)
+    if rounded:
+        t = t.astype(jnp.bfloat16).astype(jnp.float32)
+    return rms_norm_weightless(t, eps)
+
+
 @functools.partial(jax.jit, static_argnames=("cap", "multiplier", "used"))
 def softcap_logits(logits: jax.Array, *, cap: float, multiplier: float, used: int) -> jax.Array:
     """``cap * tanh(logits * multiplier / cap)`` in upstream's order (`MuseSparkForConditional

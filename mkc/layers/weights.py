@@ -21,6 +21,18 @@ def tensor(hf: Mapping[str, np.ndarray], name: str, index=None) -> np.ndarray:
     return np.asarray(hf[name] if index is None else hf[name][index]).astype(np.float32)
 
 
+def no_reference_states(s: Sublayer, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
+                        kind: str, layers: list[int]) -> dict[str, np.ndarray]:
+    """`reference_states` of a kind that keeps no decode state."""
+    return {}
+
+
+def no_kernel_states(s: Sublayer, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
+                     layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
+    """`kernel_states` of a kind that keeps no decode state."""
+    return {}
+
+
 def padded_block(m: np.ndarray, axis: int, index: int, width: int) -> np.ndarray:
     """Block `index` of `width` along `axis`, zero padded where it runs past the end (a split
     that does not fill its last ranks)."""

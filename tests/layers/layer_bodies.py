@@ -266,29 +266,51 @@ def run_recurrent_layer(sub: Sublayer, d: Any, hf: Mapping[str, np.ndarray], x: 
     return x, want, np.asarray(c.refs.x.value), want_states, got_states, core
 
 
-def lowered_expert_matmul(fmt: Any, codes: np.ndarray, scales: np.ndarray, x: np.ndarray, group: int
-                          ) -> np.ndarray:
-    """`expert_formats.lowering.expert_matmul` of expert 0's `gate_up` in `fmt` on a slot
-    holding its packed `codes` and `scales`, in a kernel (interpret mode: the decoding bitcasts
-    are Mosaic's); the slot's reads (`expert_slots.matrix`, `read_u8`, `pool.pooled_u8`) return
-    the packed arrays, the rest is the body's own."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
+def mutated_module(module: str, old: str, new: str, **names: Any) -> types.ModuleType:
+    """A copy of module `module` with `old` (once in its source) replaced by `new`, `names`
+    defined in it first (what a mutant's new text reads that the module does not import)."""
+    import importlib
+    import inspect
 
+    real = importlib.import_module(module)
+    source = inspect.getsource(real)
+    assert source.count(old) == 1, old
+    mutated = types.ModuleType(module)
+    mutated.__file__ = real.__file__
+    vars(mutated).update(names)
+    exec(compile(source.replace(old, new), real.__file__, "exec"), mutated.__dict__)
+    return mutated
+
+
+def expert_matmul_body(fmt: Any, codes_shape: tuple[int, int], group: int) -> Callable:
+    """A kernel body `(x_ref, codes_ref, scales_ref, out_ref)` running
+    `expert_formats.lowering.expert_matmul` of expert 0's `gate_up` in `fmt` on a slot of
+    `codes_shape` holding the packed codes and scales: the slot's reads
+    (`expert_slots.matrix`, `read_u8`, `pool.pooled_u8`) return the refs, the rest is the body's
+    own."""
     from mkc.layers.expert_formats import lowering
 
     def body(x_ref, codes_ref, scales_ref, out_ref):
-        slots = types.SimpleNamespace(
-            matrix=lambda es, refs, k, name: (0, codes.shape[0], codes.shape[1]),
-            read_u8=lambda es, refs, k, name: scales_ref[...])
+        slots = types.SimpleNamespace(matrix=lambda es, refs, k, name: (0, *codes_shape),
+                                      read_u8=lambda es, refs, k, name: scales_ref[...])
         pool = types.SimpleNamespace(
             pooled_u8=lambda buf, row, rows, cols, first=0, count=None: codes_ref[first:first + count])
         c = types.SimpleNamespace(refs=types.SimpleNamespace(pool=None), kernel=types.SimpleNamespace(
             formats={"expert.gate_up": fmt}, experts=types.SimpleNamespace(pool="pool")))
         with mock.patch.object(lowering, "expert_slots", slots), mock.patch.object(lowering, "pool", pool):
             out_ref[...] = lowering.expert_matmul(c, 0, x_ref[...], "gate_up", group)
+    return body
+
+
+def lowered_expert_matmul(fmt: Any, codes: np.ndarray, scales: np.ndarray, x: np.ndarray, group: int
+                          ) -> np.ndarray:
+    """`expert_matmul_body` on packed `codes` and `scales`, in a kernel (interpret mode: the
+    decoding bitcasts are Mosaic's)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
 
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    call = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32),
+    call = pl.pallas_call(expert_matmul_body(fmt, codes.shape, group),
+                          out_shape=jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32),
                           in_specs=[vmem] * 3, out_specs=vmem, interpret=pltpu.InterpretParams())
     return np.asarray(call(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scales)))

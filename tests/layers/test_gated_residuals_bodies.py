@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import types
 
 import jax
@@ -28,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from layer_bodies import Buffer, StandIn, bf16, draw_params, gap, kernel_states, layer_params
+from layer_bodies import Buffer, StandIn, bf16, draw_params, gap, kernel_states, layer_params, mutated_module
 from mkc.layers import reference as layer_reference
 from mkc.layers.decoder import lowering as decoder_lowering
 from mkc.layers.gated_residuals import GatedAdd, GatedPre
@@ -246,15 +245,6 @@ MUTANTS = {
 }
 
 
-def _mutated(module: str, old: str, new: str) -> types.ModuleType:
-    real = importlib.import_module(module)
-    source = inspect.getsource(real)
-    assert source.count(old) == 1, old
-    mutated = types.ModuleType(module)
-    exec(compile(source.replace(old, new), real.__file__, "exec"), mutated.__dict__)
-    return mutated
-
-
 def _result(module: types.ModuleType, case: str) -> tuple[np.ndarray, np.ndarray]:
     """(the body's result with `module` as the lowering, the numpy's)."""
     if case in ("attn", "mlp"):
@@ -282,7 +272,7 @@ def test_the_unmutated_bodies_are_upstream_s_formulas(case):
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_a_one_percent_mutant_of_a_body_fails(mutant):
     case, module, old, new = MUTANTS[mutant]
-    got, want = _result(_mutated(module, old, new), case)
+    got, want = _result(mutated_module(module, old, new), case)
     assert gap(got, want) > 10 * TOL, mutant
 
 

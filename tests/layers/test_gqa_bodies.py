@@ -39,8 +39,6 @@ ops, DeepSeek-V3's config), the split parts' products by test_attention_tile.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import types
 from functools import cache
 from unittest import mock
@@ -52,7 +50,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from layer_bodies import StandIn, bf16, draw_params, gap, kernel_states, layer_params, reference, run_bodies
+from layer_bodies import (StandIn, bf16, draw_params, gap, kernel_states, layer_params, mutated_module,
+                          reference, run_bodies)
 from mkc.families.gpt_oss import reference as gpt_oss
 from mkc.families.llama import reference as llama
 from mkc.families.qwen3_5 import reference as qwen3_5
@@ -153,13 +152,8 @@ def test_the_lowered_attention_is_the_reference_layer(case):
 def _mutant(module: str, old: str, new: str):
     """Module `module` of the kind with `old` (once in its source) replaced by `new`, the one
     `GQA.module` returns while the context lasts."""
-    real = importlib.import_module(module)
-    source = inspect.getsource(real)
-    assert source.count(old) == 1, old
-    mutated = types.ModuleType(module)
-    mutated.__file__ = real.__file__
-    mutated.rope_table = rope.rope_table       # the host's, for a mutant that rotates
-    exec(compile(source.replace(old, new), real.__file__, "exec"), mutated.__dict__)
+    # the host's rope_table, for a mutant that rotates
+    mutated = mutated_module(module, old, new, rope_table=rope.rope_table)
     real_module = GQA.module
     return mock.patch.object(GQA, "module", lambda s, role: mutated if f"{s.package}.{role}" == module
                              else real_module(s, role))

@@ -24,8 +24,6 @@ weights and normed input, batch 4) against the f32 reference's block, measured o
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import sys
 import types
 from functools import cache
@@ -38,7 +36,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from layer_bodies import PREFIX, StandIn, bf16, draw_params, gap, layer_params, reference, run_bodies
+from layer_bodies import (PREFIX, StandIn, bf16, draw_params, gap, layer_params, mutated_module, reference,
+                          run_bodies)
 from mkc.layers.moe import MoE, expert_split
 from mkc.layers.moe import lowering
 from mkc.layers.moe import reference as moe_ref
@@ -330,8 +329,8 @@ MUTANTS = {
         REFERENCE, "xin = NORM[lat.norm_weight](xin, p[lat.norm], d.rms_norm_eps)",
         "xin = NORM[lat.norm_weight](xin, 1.01 * p[lat.norm], d.rms_norm_eps)", "upstream"),
     "reference: post_expert_norm's weight": (
-        REFERENCE, "return rms_norm_weightless(y * (1.0 + w), eps)",
-        "return rms_norm_weightless(y * (1.0 + 1.01 * w), eps)", "upstream"),
+        REFERENCE, "out = input_scaled_norm(out, p[s.latent.expert_norm], d.post_norm_eps)",
+        "out = input_scaled_norm(out, 1.01 * p[s.latent.expert_norm], d.post_norm_eps)", "upstream"),
     "reference: the renormalising sum": (
         REFERENCE, "chosen = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + eps)",
         "chosen = chosen / (1.01 * jnp.sum(chosen, axis=-1, keepdims=True) + eps)", "upstream"),
@@ -339,22 +338,12 @@ MUTANTS = {
                                       "logits = pair[:, :E] + 1.01 * pair[:, E:]", "router"),
     "emulation: a rank's picks' outputs (expert_parallel_picks)": (
         REFERENCE, "partials.append(jnp.concatenate(acc, axis=-1))",
-        "partials.append(jnp.concatenate(acc, axis=-1) * (1.01 if r == 0 else 1.0))", "emulation"),
+        "partials.append(jnp.concatenate(acc, axis=-1) * (1.01 if not partials else 1.0))", "emulation"),
     "emulation: post_expert_norm's weight": (REFERENCE, "    scale = 1.0 + w\n",
                                              "    scale = 1.0 + 1.01 * w\n", "expert_norm"),
     "emulation: a pick's weight": (REFERENCE, "acc = acc + weight * (y * ",
                                    "acc = acc + 1.01 * weight * (y * ", "expert_norm"),
 }
-
-
-def _mutated(module: str, old: str, new: str) -> types.ModuleType:
-    real = importlib.import_module(module)
-    source = inspect.getsource(real)
-    assert source.count(old) == 1, old
-    mutated = types.ModuleType(module)
-    mutated.__file__ = real.__file__
-    exec(compile(source.replace(old, new), real.__file__, "exec"), mutated.__dict__)
-    return mutated
 
 
 def _judged(judge: str, mutant: types.ModuleType) -> bool:
@@ -382,7 +371,7 @@ def _judged(judge: str, mutant: types.ModuleType) -> bool:
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_of_a_new_op_fails(name):
     module, old, new, judge = MUTANTS[name]
-    mutant = _mutated(module, old, new)
+    mutant = mutated_module(module, old, new)
     real_module, real = MoE.module, sys.modules[module]
     # only the one entry swapped: `mock.patch.dict(sys.modules)` would drop the modules jax
     # imports lazily meanwhile, which cannot be imported twice

@@ -12,6 +12,8 @@ import numpy as np
 from mkc.layers.block_residuals import NORMS, BlockMix, mix_vectors
 from mkc.layers.sublayer import Sublayer
 from mkc.layers.weights import tensor
+from mkc.layers.weights import no_kernel_states as kernel_states  # noqa: F401  (no state)
+from mkc.layers.weights import no_reference_states as reference_states  # noqa: F401
 from mkc.model.sharding import ShardTable
 
 UPSTREAM = {"attn_res_norm": "self_attention_res_norm.weight",
@@ -35,13 +37,3 @@ def vector(s: Sublayer, hf: Mapping, d: Any, prefix: str, name: str, rank: int, 
 def head_vectors(hf: Mapping) -> np.ndarray:
     """The output mixture's norm and projection, the rows after the final norm's."""
     return np.concatenate([tensor(hf, name).reshape(1, -1) for name in HEAD])
-
-
-def reference_states(s: Sublayer, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
-                     kind: str, layers: list[int]) -> dict[str, np.ndarray]:
-    return {}
-
-
-def kernel_states(s: Sublayer, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
-                  layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    return {}

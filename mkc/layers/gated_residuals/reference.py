@@ -26,7 +26,7 @@ import numpy as np
 
 from mkc.layers.gated_residuals import (GATE_PARAMS, POST_NORM_WEIGHTS, PRE_NORM_WEIGHTS, RESIDUAL_GATE_EPS,
                                         GatedAdd, GatedPre)
-from mkc.layers.reference import rms_norm_weightless, rms_norm_zero_centred
+from mkc.layers.reference import input_scaled_norm, rms_norm_weightless, rms_norm_zero_centred
 from mkc.reference.rounding import Rounding
 
 # random gates: u = gate / T ~ N(0, 1) at T = 0.3, so alpha (~0.6-0.95) and beta (~0.2-0.8)
@@ -54,15 +54,6 @@ def residual_gate(residual: jax.Array, hidden: jax.Array, gate: jax.Array, tempe
     beta = jax.nn.sigmoid(w)
     alpha = jnp.sqrt(jnp.maximum(jax.nn.sigmoid(-w) * (1.0 + beta), RESIDUAL_GATE_EPS))
     return alpha * residual + beta * hidden
-
-
-def input_scaled_norm(y: jax.Array, w: jax.Array, eps: float, rounded: bool) -> jax.Array:
-    """`MuseSparkTextInputScaledRMSNorm`: ``t = y * (1 + w)`` (rounded to bf16 where ``rounded``),
-    then its weightless RMS norm."""
-    t = y * (1.0 + w)
-    if rounded:
-        t = t.astype(jnp.bfloat16).astype(jnp.float32)
-    return rms_norm_weightless(t, eps)
 
 
 # The rounding emulation of one update, jitted whole as the kernel's body is compiled whole.

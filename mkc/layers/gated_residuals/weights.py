@@ -12,6 +12,8 @@ from mkc.layers.gated_residuals import (GATE_PARAMS, GATES, POST_NORM_WEIGHTS, P
                                         PRE_NORMS, GatedAdd, GatedPre)
 from mkc.layers.sublayer import Sublayer
 from mkc.layers.weights import tensor
+from mkc.layers.weights import no_kernel_states as kernel_states  # noqa: F401  (no state)
+from mkc.layers.weights import no_reference_states as reference_states  # noqa: F401
 from mkc.model.sharding import ShardTable
 
 UPSTREAM = ({PRE_NORMS[p]: w for p, w in PRE_NORM_WEIGHTS.items()}
@@ -28,13 +30,3 @@ def tensor_names(s: Sublayer, d: Any) -> tuple[str, ...]:
 def vector(s: Sublayer, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
     return tensor(hf, prefix + UPSTREAM[name]).reshape(1, -1)
-
-
-def reference_states(s: Sublayer, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
-                     kind: str, layers: list[int]) -> dict[str, np.ndarray]:
-    return {}
-
-
-def kernel_states(s: Sublayer, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
-                  layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    return {}

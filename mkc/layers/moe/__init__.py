@@ -94,7 +94,6 @@ EXPERT_LAYOUTS = (
 )
 
 
-
 def packed_expert_layouts(prefix: str) -> tuple[ExpertLayout, ...]:
     """Kimi's per-expert MXFP4 (`experts.{e}.w{1,3,2}.weight_packed / .weight_scale`: gate, up,
     down; Inferact/tpu-megakernels kimi/load.py), or fused as transformers fuses a Kimi

@@ -73,7 +73,7 @@ from mkc.layers.expert_formats.reference import expert_operands
 from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.moe.options import ROUTERS, Checkpoint
 from mkc.layers.moe.weights import PACKED_BLOCK_SCALE
-from mkc.layers.reference import NORM, linear, matmul, mm_input, own_norm, rms_norm_weightless
+from mkc.layers.reference import NORM, input_scaled_norm, linear, matmul, mm_input, own_norm
 from mkc.layers.swiglu.reference import block as gated_mlp
 from mkc.model.fp8_blocks import dequantize
 from mkc.model.mxfp4 import mxfp4_dequantize_jax, mxfp4_quantize
@@ -145,7 +145,6 @@ def sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups
     return ids, chosen * scaling
 
 
-
 def sigmoid_selection(logits, top_k, bias, groups, topk_groups):
     # group-limited, two choices: the biased scores with the other groups' experts at -1e30
     # (finite, so two runs' scores subtract) and their top k, then the group scores and their
@@ -166,6 +165,7 @@ def scaled_sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk
 
 scaled_sigmoid_selection = sigmoid_selection
 scaled_sigmoid_scores = sigmoid_scores
+
 
 def group_scores(pick: jax.Array, groups: int) -> jax.Array:
     """``[B, E] -> [B, groups]``: each group's two largest values summed."""
@@ -252,24 +252,29 @@ def _kernel_weighted_add(acc: jax.Array, weight: jax.Array, out: jax.Array) -> j
 
 def expert_parallel_sum(rounding: Rounding, experts: int, dense: jax.Array, width: int,
                         expert: Callable[[int, slice], jax.Array], kind: str) -> jax.Array:
-    """The routed experts as an expert-parallel kernel sums them: rank r (expert group
-    ``r // expert_tp``, experts ``group * local_experts ...``; width part ``r % expert_tp``, the
-    ``expert_width`` columns ``cols`` of each) adds ``expert(e, cols)`` (``[B, width]``: expert
+    """The routed experts as an expert-parallel kernel sums them: each rank (`rank_experts`: its
+    group's experts, its width part ``cols`` of each) adds ``expert(e, cols)`` (``[B, width]``: expert
     e's output from its part of the expert) of each of its group's experts times the row's
     routing weight (``dense [B, E]``, `_kernel_route_weights`: 0 where the row did not pick it,
     and such an expert adds exactly nothing, as one the kernel skips), in expert-id order, one
     fused multiply-add each; the ranks' partial sums all-reduced as ``(kind,
     "routed_experts")``."""
-    tp, part_width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
     partials = []
-    for r in range(rounding.ranks):
-        group, part = r // tp, r % tp
-        cols = slice(part * part_width, (part + 1) * part_width)
+    for cols, mine in rank_experts(rounding, experts):
         acc = jnp.zeros((dense.shape[0], width), jnp.float32)
-        for e in range(group * local, min((group + 1) * local, experts)):
+        for e in mine:
             acc = _kernel_weighted_add(acc, dense[:, e:e + 1], expert(e, cols))
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
+
+
+def rank_experts(rounding: Rounding, experts: int) -> list[tuple[slice, range]]:
+    """Each rank's share of the routed experts, rank by rank: (its width part's columns, its
+    group's expert ids). Rank r is in expert group ``r // expert_tp`` (experts ``group *
+    local_experts ...``) and holds width part ``r % expert_tp`` (``expert_width`` columns)."""
+    tp, part_width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
+    return [(slice(r % tp * part_width, (r % tp + 1) * part_width),
+             range(r // tp * local, min((r // tp + 1) * local, experts))) for r in range(rounding.ranks)]
 
 
 def _gate_first(s: MoE, w: jax.Array, axis: int) -> jax.Array:
@@ -409,18 +414,15 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
 def expert_parallel_picks(rounding: Rounding, experts: int, ids: jax.Array, width: int,
                           expert: Callable[[int, slice], jax.Array], kind: str) -> jax.Array:
     """Each row's picks' outputs side by side, ``[B, top_k * width]`` (pick j at columns ``j *
-    width ...``), as the kernel forms them (`lowering._experts_per_pick`): rank r (as in
-    `expert_parallel_sum`) puts ``expert(e, cols)``, its width part of expert e, where rows
+    width ...``), as the kernel forms them (`lowering._experts_per_pick`): each rank
+    (`rank_experts`) puts ``expert(e, cols)``, its width part of expert e, where rows
     picked e, for each of its group's experts; the ranks' partials all-reduced as ``(kind,
     "routed_experts")``."""
-    tp, part_width, local = (rounding.size(n) for n in ("expert_tp", "expert_width", "local_experts"))
     top_k = ids.shape[-1]
     partials = []
-    for r in range(rounding.ranks):
-        group, part = r // tp, r % tp
-        cols = slice(part * part_width, (part + 1) * part_width)
+    for cols, mine in rank_experts(rounding, experts):
         acc = [jnp.zeros((ids.shape[0], width), jnp.float32) for _ in range(top_k)]
-        for e in range(group * local, min((group + 1) * local, experts)):
+        for e in mine:
             out = expert(e, cols)
             acc = [jnp.where(ids[:, j:j + 1] == e, out, acc[j]) for j in range(top_k)]
         partials.append(jnp.concatenate(acc, axis=-1))
@@ -602,12 +604,6 @@ def router_pair(w: jax.Array) -> jax.Array:
     hi = jnp.asarray(w, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
     lo = (jnp.asarray(w, jnp.float32) - hi).astype(jnp.bfloat16).astype(jnp.float32)
     return jnp.concatenate([hi, lo], axis=0)
-
-
-def input_scaled_norm(y: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Upstream's `MuseSparkTextInputScaledRMSNorm` in f32: ``y * (1 + w)``, then RMS-normed
-    without a weight (the activation dtype's rounding between the two is none in f32)."""
-    return rms_norm_weightless(y * (1.0 + w), eps)
 
 
 def _gathered(y: jax.Array, rounding: Rounding | None, kind: str, op: str) -> jax.Array:

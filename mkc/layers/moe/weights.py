@@ -32,6 +32,8 @@ from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.moe.options import Checkpoint
 from mkc.layers.swiglu.weights import mlp_matrix
 from mkc.layers.weights import padded_block, tensor
+from mkc.layers.weights import no_kernel_states as kernel_states  # noqa: F401  (no state)
+from mkc.layers.weights import no_reference_states as reference_states  # noqa: F401
 from mkc.model.fp8_blocks import scale_name
 from mkc.model.mxfp4 import RequantizationError, Requantized, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
@@ -280,16 +282,6 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
             if scales:
                 out[name + BLOCK_SCALE] = np.stack(scales)
     return out, {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp8.items()}
-
-
-def reference_states(s: MoE, state: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
-                     layers: list[int]) -> dict[str, np.ndarray]:
-    return {}
-
-
-def kernel_states(s: MoE, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
-                  layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    return {}
 
 
 # ---- compressed-tensors MXFP4 experts, per expert (`Checkpoint.MXFP4_PACKED`: Kimi K3's) ----

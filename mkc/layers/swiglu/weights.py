@@ -9,6 +9,8 @@ import numpy as np
 
 from mkc.layers.swiglu import SwiGLU
 from mkc.layers.weights import padded_block, rows_of_part, tensor
+from mkc.layers.weights import no_kernel_states as kernel_states  # noqa: F401  (no state)
+from mkc.layers.weights import no_reference_states as reference_states  # noqa: F401
 from mkc.model.sharding import ShardTable
 
 
@@ -45,13 +47,3 @@ def mlp_matrix(hf: Mapping, p: str, width: int, name: str, rank: int, shards: Sh
 def vector(s: SwiGLU, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shards: ShardTable
            ) -> np.ndarray:
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
-
-
-def reference_states(s: SwiGLU, state: Mapping, d: Any, per_rank: dict, shards: ShardTable,
-                     kind: str, layers: list[int]) -> dict[str, np.ndarray]:
-    return {}
-
-
-def kernel_states(s: SwiGLU, ref: Mapping, d: Any, per_rank: dict, shards: ShardTable, kind: str,
-                  layers: list[int], shapes: Mapping[str, tuple]) -> dict[str, np.ndarray]:
-    return {}
