@@ -38,8 +38,14 @@ MUTANTS: dict[str, tuple[str, str] | tuple[tuple[str, str], ...]] = {
     "gqa.q_norm_nope": ("    q, k_new = lower.qk_norm(c, proj)\n",
                         "    q, k_new = lower.qk_norm(c, proj)\n    q = [{scale}(x) for x in q]\n"),
     # the gated attention output (Qwen3.5's gate from q_proj; Muse Spark's normed, from gate_proj)
-    "gqa.out_gate": ("    core = lower.out_gate(c, core, proj)\n",
-                     "    core = {scale}(lower.out_gate(c, core, proj))\n"),
+    "gqa.out_gate": (("    core = lower.out_gate(c, core, proj)\n",
+                      "    core = {scale}(lower.out_gate(c, core, proj))\n"),
+                     # two kinds gated alike (Muse Spark's): the NoPE kind's
+                     ("    q, k_new = lower.qk_norm(c, proj)\n    lower.kv_write(c, k_new, proj)\n"
+                      "    core = lower.attention(c, q)\n    core = lower.out_gate(c, core, proj)\n",
+                      "    q, k_new = lower.qk_norm(c, proj)\n    lower.kv_write(c, k_new, proj)\n"
+                      "    core = lower.attention(c, q)\n"
+                      "    core = {scale}(lower.out_gate(c, core, proj))\n")),
     # Qwen3.5 MoE (generic module)
     "qwen_moe.routed_experts": (
         "    routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)\n",

@@ -17,7 +17,7 @@ N slots` in the swa phase (`mkc/lang/statements/kv_ring.py`, `mkc/resolve/kv_rin
 token slots (position p in slot p % N, HBM sized by N, not the context), streams the ring's
 tiles (all of them once it has wrapped) and hands the compute body the position each slot holds
 (`Layer.kv_positions`), which the library GQA masks to the window (`p - W < q <= p`). The
-swa kind declares its window (`LayerKind.window`) and a `ContextLimit` of it (`graph.
+swa kind declares its window (`LayerKind.window`) and a `ContextLimit` of it (`mkc.layers.gqa.
 window_limit`): without the ring its cache is the per-token cache of the context, exact only
 within the window, and resolve refuses a longer context at the spec's `context` line
 (E-CONTEXT); with it, the checks prove the ring holds every row's window (N >= W + R - 1 for a

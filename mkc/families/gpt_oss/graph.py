@@ -10,7 +10,7 @@ window. The graph's cache tensors are per token, like every family's; the slidin
 its window (`LayerKind.window`), and the spec keeps its cache as the window's KV ring (`kv ring
 N slots` in the swa phase, the core's mechanism: position p in slot p % N, N >= W, checked by
 `mkc.checks.kv_ring`). Without the ring the kind's `ContextLimit` of the window holds
-(`window_limit`): its cache is then the per-token cache of a context at most the window.
+(`mkc.layers.gqa.window_limit`): its cache is then the per-token cache of a context at most the window.
 
 Sharding (three classes, all split over their own rank group):
 
@@ -39,11 +39,11 @@ from __future__ import annotations
 from mkc.families.gpt_oss.config import MOE_KIND, GptOssDims
 from mkc.ir import WeightFormat
 from mkc.layers.decoder import vocab_globals
-from mkc.layers.gqa import GQA
+from mkc.layers.gqa import GQA, window_limit
 from mkc.layers.moe import MoE
 from mkc.layers.moe.options import TOP_K_SOFTMAX, Activation, Checkpoint
 from mkc.layers.sublayer import layer_kinds
-from mkc.model.graph import ContextLimit, FamilyGraph, ShardingError, split
+from mkc.model.graph import FamilyGraph, ShardingError, split
 
 SHARD_CLASSES = ("heads", "vocab", "experts")
 ATTENTION_KINDS = ("swa", "gqa")      # config.LAYER_KINDS' values: sliding, full
@@ -63,20 +63,6 @@ WEIGHT_FORMATS = MOE.weight_formats()
 # Input rows an expert matrix is decoded and multiplied in at a time (320 for gate_up's 2880
 # hidden rows, 128 for down's lane-padded rows), and each expert class's resolved format.
 pack_groups, expert_formats = MOE.pack_groups, MOE.expert_formats
-
-
-def window_limit(d: GptOssDims) -> ContextLimit:
-    """Without the window's KV ring a sliding layer's cache is the core's per-token cache of the
-    whole context: it computes upstream's window only while no position reaches past it (slot t
-    holds position t and every written slot is inside the window). A longer context needs the
-    ring (`kv ring N slots`), which lifts this limit."""
-    W = d.sliding_window
-    return ContextLimit(
-        W, f"without a KV ring its per-token KV cache computes its {W}-token window only while "
-           "the context is within it",
-        f"keep the swa phase's KV cache as the window's ring (`kv ring {max(W, 16)} slots`, a "
-        f"multiple of its KV tile; {W} + R - 1 with a verify step of R rows), or write "
-        f"`context {W}` or less")
 
 
 def cache_slots(d: GptOssDims, kind: str, context: int) -> int:

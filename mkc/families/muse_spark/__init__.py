@@ -1,4 +1,22 @@
 """Muse Spark (`muse_spark`, Muse-Spark-Open-816B-A42B): GQA attention, windowed with rotary
-embedding on three of four layers and full without it on the fourth, a latent MoE, gated
-norm-preserving residuals. Its composition from the layer library is being built; until it
-defines `FAMILY` the registry skips the package."""
+embedding on three of four layers and full without it on the fourth, a latent MoE of 256
+SwiGLU experts, gated norm-preserving residuals, soft-capped logits. Its own code is its config
+reader (`config.py`) and its composition of the layer library (`graph.py`); its bodies,
+weights and reference are the library's as the composition says. Configs
+`mkc/model/configs/muse_spark{,_mini}.json`; facts and sources in `config.py` and each kind."""
+from mkc.families.muse_spark.config import (FAMILY_NAME, MODEL_TYPES, RENAMED_PREFIXES, SKIPPED_PREFIXES,
+                                            read_dims)
+from mkc.families.muse_spark.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build, formats_for
+from mkc.layers.moe import EXPERT_LAYOUTS
+from mkc.layers.rope import rope_input
+from mkc.model.family import Family
+
+FAMILY = Family(
+    name=FAMILY_NAME, model_types=MODEL_TYPES, read_dims=read_dims,
+    shard_classes=SHARD_CLASSES, build=build, package=__name__,
+    dims_import=("mkc.families.muse_spark.config", "MuseSparkDims"),
+    vmem_inputs=rope_input, layers=LAYERS, final_logits=True,
+    weight_formats=WEIGHT_FORMATS, model_formats=formats_for, rounding_formats=("fp8",),
+    dense_classes=("attention", "latent", "lm_head"),
+    renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
+)

@@ -24,6 +24,12 @@ from mkc.model.family import ConfigError, config_float, config_int, identifier
 FAMILY_NAME = "muse_spark"
 MODEL_TYPES = ("muse_spark_text", "muse_spark", "musespark1x_omni")
 LAYER_KINDS = {"sliding_attention": "swa", "full_attention": "full"}
+# Checkpoint layout (`MuseSparkForConditionalGeneration`): the text model under
+# `model.language_model.`, its `lm_head.` at the top; the vision and audio towers, their
+# adapters and projection are skipped (decode reads text only).
+RENAMED_PREFIXES = (("model.language_model.", "model."),)
+SKIPPED_PREFIXES = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.",
+                    "model.audio_tower.")
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 202048, "hidden_size": 8192, "num_hidden_layers": 62, "num_attention_heads": 128,
@@ -61,6 +67,9 @@ class MuseSparkDims(GQADims):
     moe_hidden_size: int
     routed_scaling_factor: float
     norm_topk_prob: bool          # always: upstream divides the picked scores by their sum
+    # "nvfp4" where the checkpoint's routed experts are NVFP4 (`quantization_config`'s
+    # `quant_algo`, the `-NVFP4` release), "" where they are bf16
+    expert_checkpoint: str = ""
 
 
 def _full_every_fourth_from_last(n: int) -> list[str]:
@@ -83,9 +92,25 @@ def check_layers(raw: Mapping, types: list[str], theta: float) -> None:
                           "write 0 for each full_attention layer and rope_theta for the others")
 
 
-def read_dims(raw: Mapping, name: str) -> MuseSparkDims:
-    """The one reader of a Muse Spark text config; ConfigError for a setting mkc does not
-    compute."""
+def expert_checkpoint(config: Mapping) -> str:
+    """"nvfp4" where the config's `quantization_config` (at its top or in its text config) says
+    NVFP4 (ModelOpt's `quant_algo`), "" without one; ConfigError for another quantization."""
+    quant = config.get("quantization_config")
+    if quant is None:
+        return ""
+    algo = quant.get("quant_algo") if isinstance(quant, Mapping) else None
+    if algo != "NVFP4":
+        raise ConfigError(f"quantization_config's quant_algo = {algo!r}: mkc reads Muse Spark's bf16 "
+                          "checkpoint and its NVFP4 release", "the -NVFP4 release says \"quant_algo\": "
+                          "\"NVFP4\"; a bf16 checkpoint has no quantization_config")
+    return "nvfp4"
+
+
+def read_dims(top: Mapping, name: str) -> MuseSparkDims:
+    """The one reader of a Muse Spark text config (an omni config's `text_config`);
+    ConfigError for a setting mkc does not compute."""
+    text = top.get("text_config")
+    raw = text if isinstance(text, Mapping) else top
     refuse(raw, REFUSED, DEFAULTS)
     ints = {key: config_int(setting(raw, key, DEFAULTS), key) for key in (
         "hidden_size", "num_hidden_layers", "vocab_size", "sliding_window", "moe_intermediate_size",
@@ -112,4 +137,5 @@ def read_dims(raw: Mapping, name: str) -> MuseSparkDims:
         family=FAMILY_NAME, name=identifier(name), **ints, **floats, **heads,
         rotary_dim=rope["rotary_dim"], rope_theta=rope["rope_theta"],
         layer_kinds=tuple(k for t in types for k in (LAYER_KINDS[t], "moe")),
-        experts=experts, top_k=top_k, vocab_used=vocab_used, norm_topk_prob=True)
+        experts=experts, top_k=top_k, vocab_used=vocab_used, norm_topk_prob=True,
+        expert_checkpoint=expert_checkpoint(raw) or expert_checkpoint(top))

@@ -29,7 +29,7 @@ from typing import Any
 
 from mkc.layers.sublayer import Part, Sublayer
 from mkc.model.contracts import Dims
-from mkc.model.graph import Op, Tensor, split
+from mkc.model.graph import ContextLimit, Op, Tensor, split
 
 NORMS = ("plain", "zero_centred")
 QK_NORMS = ("", "plain", "zero_centred", "weightless")
@@ -175,3 +175,17 @@ def kv_heads_of(d: Any, part: int, heads: int) -> list[int]:
     if d.num_key_value_heads >= heads:
         return list(range(part * n, (part + 1) * n))
     return [part * d.num_key_value_heads // heads]
+
+
+def window_limit(d: Any) -> ContextLimit:
+    """A sliding kind's context limit (`LayerKind.context_limit`): without the window's KV ring
+    its cache is the core's per-token cache of the whole context, which computes the window
+    only while no position reaches past it (slot t holds position t and every written slot is
+    inside the window). A longer context needs the ring (`kv ring N slots`), which lifts it."""
+    W = d.sliding_window
+    return ContextLimit(
+        W, f"without a KV ring its per-token KV cache computes its {W}-token window only while "
+           "the context is within it",
+        f"keep the swa phase's KV cache as the window's ring (`kv ring {max(W, 16)} slots`, a "
+        f"multiple of its KV tile; {W} + R - 1 with a verify step of R rows), or write "
+        f"`context {W}` or less")

@@ -49,6 +49,7 @@ def test_upstream_defaults_fill_an_empty_config():
     ({"attention_bias": True}, "attention_bias"),
     ({"num_experts_per_tok": 17}, "num_experts_per_tok"),
     ({"vocab_used": 4096}, "vocab_used"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quant_algo"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]},
      "layer_types"),
@@ -57,6 +58,17 @@ def test_what_the_kinds_do_not_compute_is_refused_with_a_hint(change, what):
     with pytest.raises(ConfigError) as e:
         read_dims(_raw("muse_spark_mini") | change, "m")
     assert what in str(e.value) and e.value.hint
+
+
+def test_an_omni_config_nests_the_text_model_and_says_where_its_experts_are_nvfp4():
+    """The released omni config holds the text model under `text_config` and, in the -NVFP4
+    release, ModelOpt's `quantization_config` at its top: the experts' checkpoint."""
+    text = _raw("muse_spark_mini")
+    plain = read_dims({"model_type": "musespark1x_omni", "text_config": text}, "m")
+    assert plain == read_dims(text, "m") and plain.expert_checkpoint == ""
+    nvfp4 = read_dims({"model_type": "muse_spark", "text_config": text,
+                       "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "m")
+    assert nvfp4 == dataclasses.replace(plain, expert_checkpoint="nvfp4")
 
 
 def test_the_shipped_files_are_json_without_duplicate_keys():
