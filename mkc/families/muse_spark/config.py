@@ -12,6 +12,7 @@ type, rotary on a full layer or none on a sliding one, a dense MLP layer, biases
 embeddings, another activation."""
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,9 @@ class MuseSparkDims(GQADims):
     # "nvfp4" where the checkpoint's routed experts are NVFP4 (`quantization_config`'s
     # `quant_algo`, the `-NVFP4` release), "" where they are bf16
     expert_checkpoint: str = ""
+    # the layers whose routed experts that checkpoint keeps bf16 (its quantization's excluded
+    # modules: 0 and 61 in the release)
+    expert_checkpoint_bf16_layers: tuple[int, ...] = ()
 
 
 def _full_every_fourth_from_last(n: int) -> list[str]:
@@ -92,18 +96,34 @@ def check_layers(raw: Mapping, types: list[str], theta: float) -> None:
                           "write 0 for each full_attention layer and rope_theta for the others")
 
 
-def expert_checkpoint(config: Mapping) -> str:
-    """"nvfp4" where the config's `quantization_config` (at its top or in its text config) says
-    NVFP4 (ModelOpt's `quant_algo`), "" without one; ConfigError for another quantization."""
+_EXCLUDED_EXPERTS = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp(?:\.experts)?(?:\*|\..*)?$")
+
+
+def expert_checkpoint(config: Mapping, layers: int) -> tuple[str, tuple[int, ...]]:
+    """("nvfp4", the layers whose experts it keeps bf16) where the config's `quantization_config`
+    says NVFP4 (ModelOpt's `quant_algo`; its `exclude_modules`, or `ignore`, name the layers'
+    `mlp.experts` it left bf16), ("", ()) without one; ConfigError for another quantization or
+    an exclusion of experts it cannot place in one layer."""
     quant = config.get("quantization_config")
     if quant is None:
-        return ""
+        return "", ()
     algo = quant.get("quant_algo") if isinstance(quant, Mapping) else None
     if algo != "NVFP4":
         raise ConfigError(f"quantization_config's quant_algo = {algo!r}: mkc reads Muse Spark's bf16 "
                           "checkpoint and its NVFP4 release", "the -NVFP4 release says \"quant_algo\": "
                           "\"NVFP4\"; a bf16 checkpoint has no quantization_config")
-    return "nvfp4"
+    excluded = quant.get("exclude_modules", quant.get("ignore")) or []
+    if not isinstance(excluded, list) or not all(isinstance(m, str) for m in excluded):
+        raise ConfigError("quantization_config's exclude_modules must be a list of module names",
+                          "as hf_quant_config.json lists them")
+    bf16 = set()
+    for module in excluded:
+        if (match := _EXCLUDED_EXPERTS.search(module)) and int(match.group(1)) < layers:
+            bf16.add(int(match.group(1)))
+        elif "expert" in module or module.rstrip("*").endswith("mlp"):
+            raise ConfigError(f"quantization_config excludes {module!r}: mkc places an excluded MoE by its "
+                              "layer (`...layers.N.mlp.experts`)", "name each excluded layer's experts")
+    return "nvfp4", tuple(sorted(bf16))
 
 
 def read_dims(top: Mapping, name: str) -> MuseSparkDims:
@@ -138,4 +158,11 @@ def read_dims(top: Mapping, name: str) -> MuseSparkDims:
         rotary_dim=rope["rotary_dim"], rope_theta=rope["rope_theta"],
         layer_kinds=tuple(k for t in types for k in (LAYER_KINDS[t], "moe")),
         experts=experts, top_k=top_k, vocab_used=vocab_used, norm_topk_prob=True,
-        expert_checkpoint=expert_checkpoint(raw) or expert_checkpoint(top))
+        **_checkpoint_fields(raw, top, n))
+
+
+def _checkpoint_fields(raw: Mapping, top: Mapping, layers: int) -> dict[str, Any]:
+    """The experts' checkpoint, from the text config's `quantization_config` or the top's."""
+    where = raw if "quantization_config" in raw else top
+    name, bf16 = expert_checkpoint(where, layers)
+    return {"expert_checkpoint": name, "expert_checkpoint_bf16_layers": bf16}

@@ -69,6 +69,13 @@ def test_an_omni_config_nests_the_text_model_and_says_where_its_experts_are_nvfp
     nvfp4 = read_dims({"model_type": "muse_spark", "text_config": text,
                        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "m")
     assert nvfp4 == dataclasses.replace(plain, expert_checkpoint="nvfp4")
+    modules = ["lm_head", "model.language_model.layers.0.mlp.experts*",
+               "model.language_model.layers.3.mlp.experts", "*self_attn*"]
+    excluded = read_dims({"model_type": "muse_spark", "text_config": text, "quantization_config": {
+        "quant_algo": "NVFP4", "exclude_modules": modules}}, "m")
+    assert excluded.expert_checkpoint_bf16_layers == (0, 3)
+    with pytest.raises(ConfigError, match="experts"):
+        read_dims(text | {"quantization_config": {"quant_algo": "NVFP4", "ignore": ["*experts"]}}, "m")
 
 
 def test_the_shipped_files_are_json_without_duplicate_keys():
