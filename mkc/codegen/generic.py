@@ -101,14 +101,20 @@ def _repeating(value: tuple) -> str | None:
         for period in range(1, len(rest) // 2 + 1):
             times, extra = divmod(len(rest), period)
             if rest == rest[:period] * times + rest[:extra]:
-                body = f"{_flat(rest[:period])} * {times}" + (f" + {_flat(rest[:extra])}" if extra else "")
+                body = f"{_items(rest[:period])} * {times}" + (f" + {_items(rest[:extra])}" if extra else "")
                 break
         step = rest[1] - rest[0] if all(type(v) is int for v in rest) else 0
         if body is None and step > 0 and all(b - a == step for a, b in zip(rest, rest[1:])):
             body = f"tuple(range({rest[0]}, {rest[-1] + step}, {step}))"
         if body is not None:
-            return f"{_flat(head)} + {body}" if head else body
+            return f"{_items(head)} + {body}" if head else body
     return None
+
+
+def _items(value: tuple) -> str:
+    """A tuple's items written out: also each piece of a shortened one, never itself shortened
+    (a period written `A + B * 2` would bind wrongly under its `* N`)."""
+    return "(" + ", ".join(_flat(v) for v in value) + ("," if len(value) == 1 else "") + ")"
 
 
 def _flat(value) -> str:
@@ -122,7 +128,7 @@ def _flat(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_flat(v) for v in value) + "]"
     if isinstance(value, tuple):
-        return "(" + ", ".join(_flat(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+        return _items(value)
     return repr(value)
 
 

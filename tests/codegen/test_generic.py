@@ -29,13 +29,16 @@ def test_literals_evaluate_to_the_value_and_fit_the_line(indent):
                              caches=("gqa__key",), kv=KvTiles(128, 2, 1)),
              "layers": tuple(range(200)), "single": (Stage("recv__bf16_8x1", 2, 8, 1),),
              "kinds": ("dense",) + ("kda", "kda", "kda", "mla") * 23 + ("kda",),
-             "offsets": (0, 7) + tuple(range(19, 1039, 51)), "flags": (1, 0, 1, 1, 0, 0, 1, 0, 1)}
+             "offsets": (0, 7) + tuple(range(19, 1039, 51)), "flags": (1, 0, 1, 1, 0, 0, 1, 0, 1),
+             # a period that itself repeats inside (Muse Spark's layer pattern)
+             "muse": (2, 1, 0, 1, 2, 1, 2, 1) * 15 + (2, 1, 0, 1)}
     text = generic.literal(value, indent)
     assert eval(text, dict(NAMES)) == value
     # continuation lines carry their indentation; the first starts at column `indent`
     assert max(indent * (i == 0) + len(line) for i, line in enumerate(text.splitlines())) <= generic.WIDTH
     # repeats print as such; fields at their default are left to the call
     assert "('kda', 'kda', 'kda', 'mla') * 23 + ('kda',)" in text
+    assert "(2, 1, 0, 1, 2, 1, 2, 1) * 15 + (2, 1, 0, 1)" in text
     assert "tuple(range(19, 1039, 51))" in text and "(1, 0, 1, 1, 0, 0, 1, 0, 1)" in text
     assert "kv_rows=" not in text and "batch_axis=1" in text
 

@@ -7,7 +7,7 @@ weights and reference are the library's as the composition says. Configs
 from mkc.families.muse_spark.config import (FAMILY_NAME, MODEL_TYPES, RENAMED_PREFIXES, SKIPPED_PREFIXES,
                                             read_dims)
 from mkc.families.muse_spark.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build, formats_for
-from mkc.layers.moe import EXPERT_LAYOUTS
+from mkc.layers.moe import EXPERT_LAYOUTS, ROUNDING_FORMATS
 from mkc.layers.rope import rope_input
 from mkc.model.family import Family
 
@@ -16,7 +16,7 @@ FAMILY = Family(
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.muse_spark.config", "MuseSparkDims"),
     vmem_inputs=rope_input, layers=LAYERS, final_logits=True,
-    weight_formats=WEIGHT_FORMATS, model_formats=formats_for, rounding_formats=("fp8",),
+    weight_formats=WEIGHT_FORMATS, model_formats=formats_for, rounding_formats=ROUNDING_FORMATS,
     dense_classes=("attention", "latent", "lm_head"),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
 )
