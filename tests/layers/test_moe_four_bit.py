@@ -213,3 +213,12 @@ def test_an_nvfp4_checkpoints_bf16_layers_are_requantized_only_when_rounded():
     # a checkpoint whose dims do not say so: its packing refuses the bf16 layer
     with pytest.raises(FormatError, match="layer 0 expert 3's gate_up is bf16 in the NVFP4 checkpoint"):
         _ranks_slots(dataclasses.replace(d, expert_checkpoint_bf16_layers=()), hf, {"expert.gate_up": NVFP4})
+
+
+def test_nvfp4_layers_held_as_they_are_requantize_nothing():
+    """`mkc.requantize` asks every class of a rounding format (nvfp4 is one, for the bf16
+    layers): the checkpoint's NVFP4 layers give no tensors and a report of no values moved."""
+    d = Dims(expert_checkpoint="nvfp4")
+    hf, _ = _draws(d)
+    held, report = moe_weights.requantization(MOE, hf, d, {"expert.gate_up": NVFP4}, [PREFIX], SHARDS)
+    assert held == {} and report["expert.gate_up"]["exact"] and report["expert.gate_up"]["values"] == 0

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from mkc import compiler
+from mkc.diagnostics import MkcError
 from test_moe_muse_spark_kernel import FAMILY, MOE_DIMS
 from toy_family import registered, run_mini, write_family
 
-# The toy's dims with the expert checkpoint's field (`MoE.expert_checkpoint`), its formats
-# asked of the model (`model_formats`) and the MoE's rounding formats.
+# The toy's dims with the expert checkpoint's fields (`MoE.expert_checkpoint`,
+# `MoE.bf16_expert_layers`), its formats asked of the model (`model_formats`).
 INIT = FAMILY["__init__.py"].replace(
     '''EXTRA = ("moe_hidden_size", "post_norm_eps", "output_multiplier", "routed_scaling_factor")''',
     '''EXTRA = ("moe_hidden_size", "post_norm_eps", "output_multiplier", "routed_scaling_factor")
@@ -25,12 +26,14 @@ INIT = FAMILY["__init__.py"].replace(
     '''            routed_scaling_factor: float
 ''', '''            routed_scaling_factor: float
             expert_checkpoint: str = ""
+            expert_checkpoint_bf16_layers: tuple[int, ...] = ()
 ''').replace(
     '''            return ToyDims(**fields | {"family": "toy_msmoe"} | extra)''',
-    '''            return ToyDims(**fields | {"family": "toy_msmoe"} | extra,
+    '''            bf16 = tuple(raw.get("expert_checkpoint_bf16_layers", ()))
+            return ToyDims(**fields | {"family": "toy_msmoe"} | extra, expert_checkpoint_bf16_layers=bf16,
                            expert_checkpoint=str(raw.get("expert_checkpoint", "")))''').replace(
     "weight_formats=WEIGHT_FORMATS,", "weight_formats=WEIGHT_FORMATS, model_formats=MOE.weight_formats,")
-assert INIT.count("MOE") == 2 and "expert_checkpoint=" in INIT
+assert INIT.count("MOE") == 2 and INIT.count("expert_checkpoint_bf16_layers") == 3
 FOUR_BIT_FAMILY = FAMILY | {"__init__.py": INIT}
 WIDTH = {"moe_intermediate_size": 512}
 
@@ -94,6 +97,22 @@ def test_nvfp4_experts_compile(nvfp4_toy):
     # an e4m3 scale row per 16 rows, then the four byte rows of each column's global scale
     assert c.ir.experts == {"gate_up_codes": ((64, 128), "u8"), "gate_up_scales": ((8 + 4, 128), "u8"),
                             "down_codes": ((32, 128), "u8"), "down_scales": ((4 + 4, 128), "u8")}
+
+
+def test_an_nvfp4_checkpoints_bf16_layers_take_nvfp4_only_rounded(tmp_path, monkeypatch):
+    """Layer 0's experts bf16 in the NVFP4 checkpoint (its quantization excludes them): `nvfp4`
+    is refused naming the layer and the way on; `nvfp4 rounded` compiles."""
+    changes = {"expert_checkpoint": "nvfp4", "expert_checkpoint_bf16_layers": [0]}
+    refused = _spec(tmp_path / "exact", changes, "nvfp4")
+    rounded = _spec(tmp_path / "rounded", changes, "nvfp4 rounded")
+    for _ in registered(monkeypatch, tmp_path / "exact", "toy_msmoe", None):
+        with pytest.raises(MkcError) as e:
+            compiler.compile_spec(refused)
+        assert "layer 0, which its quantization keeps bf16" in str(e.value)
+        assert "write `format expert.gate_up nvfp4 rounded`" in e.value.diagnostics[0].hint
+    for _ in registered(monkeypatch, tmp_path / "rounded", "toy_msmoe", None):
+        formats = compiler.compile_spec(rounded).ir.weight_formats
+        assert formats["expert.down"].spelled == "nvfp4 block 16 rounded"
 
 
 @pytest.mark.extended

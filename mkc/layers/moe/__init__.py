@@ -51,7 +51,10 @@ they are, one mixed bf16 x fp8 dot a pack group, the block's scale multiplying t
 partial product; requantizing bf16 rounds, 3 mantissa bits, not 7, so the spec must say
 `rounded`; from MXFP4 exact at its 32-row scales). A bf16 model whose config says its
 checkpoint is FP8 with f32 block scales (the dims' `weight_block_size`: DeepSeek-V3's) stores
-its experts as that checkpoint does, `fp8 block 128 x 128` (`stored`), exact.
+its experts as that checkpoint does, `fp8 block 128 x 128` (`stored`), exact. A bf16
+checkpoint's experts may be `int4 block N rounded` (requantized); a model whose dims say
+`expert_checkpoint` "nvfp4" (Muse Spark's `-NVFP4`) holds its NVFP4 experts as they are,
+`nvfp4` (`expert_checkpoint`; its bf16 layers: `expert_formats`).
 """
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ copied as they are (`fp8_expert_matrix`). An MXFP4 checkpoint's experts (GPT-OSS
 (`gate_up_halves`: de-interleaved where the checkpoint alternates them), down's input columns
 padded to the same width with zero codes, both put K-major in pack groups, or turned into FP8
 codes where the spec's format says so; with `expert_bias` each matrix's bias row (bf16, the
-checkpoint's dtype) after it, cut the same way."""
+checkpoint's dtype) after it, cut the same way. `int4 block N rounded` requantizes a rank's
+slice of a bf16 checkpoint (`int4_slot`), `nvfp4` cuts an NVFP4 checkpoint's byte for byte
+(`nvfp4_slot`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -357,15 +359,17 @@ def four_bit_requantized(s: MoE, hf: Mapping, d: Any, resolved: Mapping[str, Wei
     multiplies; an `nvfp4 rounded` class's layers the NVFP4 checkpoint keeps bf16
     (`MoE.bf16_expert_layers`) as NVFP4 tensors (`nvfp4_from_bf16`: codes, `_weight_scale`,
     `_weight_scale_2`), which the reference decodes as it decodes the others. With the error per
-    class against the checkpoint's values; FormatError where int4 moves a value and the class
-    does not say `rounded`."""
-    classes = {cls: f for cls, f in resolved.items() if f.name == "int4" or (f.name == "nvfp4" and f.rounded)}
+    class against the checkpoint's values (an nvfp4 class's NVFP4 layers held as they are count
+    none); FormatError where int4 moves a value and the class does not say `rounded`."""
+    classes = {cls: f for cls, f in resolved.items() if f.name in FOUR_BIT}
     out: dict[str, np.ndarray] = {}
     totals = {cls: RequantizationError() for cls in classes}
     for prefix in prefixes:
         if s.layer_checkpoint(d, prefix) is not Checkpoint.BF16:
             continue                             # an NVFP4 layer: held as it is
         for cls, fmt in classes.items():
+            if fmt.name == "nvfp4" and not fmt.rounded:
+                continue                         # packing refuses the layer
             name = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
             parts: list[list[np.ndarray]] = [[], [], []]
             for e in range(d.experts):
