@@ -60,6 +60,8 @@ def draw_params(sub: Sublayer, d: Any, seed: int, spread: float = 0.3) -> dict[s
     ref = sub.module("reference")
     out = {}
     for name, (shape, _) in ref.param_shapes(sub, d, PREFIX).items():
+        if name in out:             # drawn with another tensor (scales with their codes)
+            continue
         drawn = ref.init_weight(sub, name, shape, rng, 1.0) if hasattr(ref, "init_weight") else None
         if isinstance(drawn, dict):
             out |= {n: np.asarray(w, np.float32) for n, w in drawn.items()}

@@ -18,7 +18,8 @@ from mkc.model import registry
 from mkc.model.config import CONFIG_DIR
 from tests_support import ROOT
 
-# Registers the family, then runs examples/run_mini.py as its own main.
+# Registers the family, runs `patch` (a test's edit of the library, e.g. a mutant of a decode),
+# then runs examples/run_mini.py as its own main.
 RUNNER = '''
 import functools, runpy, sys
 sys.path.insert(0, {root!r})
@@ -26,6 +27,7 @@ from mkc.model import registry
 import {name}
 known = registry._registry
 registry._registry = functools.cache(lambda: {{**known(), "{name}": {name}.FAMILY}})
+{patch}
 sys.argv = ["run_mini.py", *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 '''
@@ -68,22 +70,30 @@ def registered(monkeypatch, root: Path, name: str, value: Any) -> Iterator[Any]:
         del sys.modules[module]
 
 
-def run_mini(spec: Path, name: str, *args: str, timeout: float = 1800) -> dict:
+def run_mini(spec: Path, name: str, *args: str, timeout: float = 1800, patch: str = "",
+             rejected: bool = False) -> dict:
     """`examples/run_mini.py` on the family's spec from a checkpoint of its reference's random
-    weights, `args` after; its JSON summary, every step's logits bit-equal to the emulation's."""
+    weights, `args` after; its JSON summary, every step's logits bit-equal to the emulation's.
+    With `patch` (Python run in the runner first: an edit of the library) and `rejected`, the
+    run must fail instead: some step's logits off the emulation's, a failure reported."""
     from conftest import run_python
 
     from mkc.checkpoint import save_checkpoint
     root = spec.parent
     reference = importlib.import_module(f"{name}.reference")
     config = json.loads((root / "toy_mini.json").read_text())
-    save_checkpoint(root / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
+    if not (root / "checkpoint").exists():
+        save_checkpoint(root / "checkpoint", config, reference.init_params(reference.load_config(config), 0))
     runner = root / "run_toy.py"
-    runner.write_text(RUNNER.format(root=str(root), name=name, script=str(ROOT / "examples/run_mini.py")))
+    runner.write_text(RUNNER.format(root=str(root), name=name, script=str(ROOT / "examples/run_mini.py"),
+                                    patch=patch))
     r = run_python([str(runner), "--json", "--spec", str(spec), "--checkpoint", str(root / "checkpoint"),
                     *args], timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == (1 if rejected else 0), r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
     assert summary["emulation_check"] == "exact"
+    if rejected:
+        assert summary["failures"] and any(s["emulation"]["logits"] != 0.0 for s in summary["steps"])
+        return summary
     assert all(s["emulation"]["logits"] == 0.0 for s in summary["steps"])
     return summary

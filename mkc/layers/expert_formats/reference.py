@@ -70,3 +70,17 @@ def _codes_linear(x: jax.Array, codes: jax.Array, scales: jax.Array, group: int)
                                       scales[r // NVFP4_BLOCK:(r + group) // NVFP4_BLOCK])
         out = part if out is None else out + part
     return out
+
+
+def nvfp4_unit_values(codes: jax.Array, block_scales: jax.Array) -> jax.Array:
+    """An NVFP4 checkpoint's codes ``[..., out, in/2]`` (input 2j in the low nibble) and e4m3
+    block scales ``[..., out, in/16]`` (any dtype holding their values: the reference's f32)
+    -> e2m1 x e4m3, f32 ``[..., out, in]``: exact (6 significant bits at most). The global
+    scale multiplies a product of them, as the kernel multiplies it (`lowering._nvfp4_matmul`),
+    so a product is of the exact values."""
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    from mkc.model.mxfp4 import E2M1_VALUES
+    codes = jnp.asarray(codes).astype(jnp.uint8)
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    values = jnp.asarray(E2M1_VALUES)[nibbles.astype(jnp.int32)]
+    return values * jnp.repeat(jnp.asarray(block_scales, jnp.float32), NVFP4_BLOCK, axis=-1)

@@ -278,6 +278,8 @@ class Int4:
     max_abs: float
     sq_err: float
     sq_ref: float
+    blocks: int = 0
+    inexact_blocks: int = 0
 
     @property
     def exact(self) -> bool:
@@ -308,7 +310,8 @@ def int4_quantize(w: np.ndarray, block: int) -> Int4:
     err = held.astype(np.float64) - w
     return Int4(q.reshape(out, n_in), scale, int(np.count_nonzero(err)), int(w.size),
                 float(np.max(np.abs(err), initial=0.0)), float(np.sum(err * err)),
-                float(np.sum(w.astype(np.float64) ** 2)))
+                float(np.sum(w.astype(np.float64) ** 2)), int(scale.size),
+                int((err != 0).reshape(out, n_in // block, block).any(axis=-1).sum()))
 
 
 def int4_from_bf16(w: np.ndarray, fmt: WeightFormat, cls: str, what: str) -> Int4:
@@ -473,3 +476,98 @@ def nvfp4_expert_slice(codes: np.ndarray, block_scales: np.ndarray, global_scale
     scales = raw[np.ix_(out_index, [i // NVFP4_BLOCK for i in in_index[::NVFP4_BLOCK]])]
     packed = _two_rows_a_byte(nibbles).T
     return pack_nvfp4_for_kernel(packed, scales, glob[out_index])
+
+
+# ---- NVFP4 from bf16: an NVFP4 checkpoint's excluded layers, quantized as the quantizer does -
+E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4:
+    """A matrix `[out, in]` quantized to NVFP4 as a checkpoint holds it: codes uint8 `[out,
+    in/2]` (input 2j in the low nibble), e4m3 `weight_scale` (float8_e4m3fn `[out, in/16]`),
+    the f32 global scale `weight_scale_2`; and how far its values are from the source's (the
+    fields of `mkc.model.mxfp4.Requantized`'s error, which `RequantizationError` sums)."""
+
+    codes: np.ndarray
+    block_scales: np.ndarray
+    global_scale: np.float32
+    values: int
+    changed: int
+    blocks: int
+    inexact_blocks: int
+    max_abs: float
+    sq_err: float
+    sq_ref: float
+
+    @property
+    def exact(self) -> bool:
+        return self.changed == 0
+
+    def held(self) -> np.ndarray:
+        """The values it holds, f64 `[out, in]` (e2m1 x e4m3 x global)."""
+        codes, scales = pack_nvfp4_for_kernel(self.codes, self.block_scales, self.global_scale)
+        return nvfp4_dequantize(codes, scales).T
+
+
+def nvfp4_global_scale(w: np.ndarray) -> np.float32:
+    """NVIDIA's global scale of a matrix's values: its largest magnitude over 6 x 448, f32
+    (1 for an all-zero matrix)."""
+    from mkc.model.mxfp4 import E2M1_MAX
+    amax = float(np.max(np.abs(np.asarray(w, np.float32)), initial=0.0))
+    return np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax else np.float32(1.0)
+
+
+def nvfp4_from_bf16(w: np.ndarray, global_scale: np.float32 | None = None) -> NVFP4:
+    """Values `[out, in]` quantized to NVFP4 by NVIDIA's recipe (ModelOpt's weight
+    quantizer): the global scale `nvfp4_global_scale` (or `global_scale`: the whole matrix's,
+    `w` a slice of whole blocks of it), each 16-input block's e4m3 scale its largest magnitude
+    over 6 x the global scale, rounded to e4m3 (at most 448), each value the nearest e2m1 value
+    (ties to the even code) of itself over its block's scale times the global scale, at most 6
+    in magnitude; a block whose scale rounds to 0 holds zeros. ValueError for values that are
+    not finite or inputs that are not whole blocks."""
+    import ml_dtypes
+
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    from mkc.model.mxfp4 import _MAGNITUDES, _MIDPOINTS, E2M1_MAX
+    w = np.asarray(w, np.float32)
+    out, n_in = w.shape
+    if n_in % NVFP4_BLOCK or not np.isfinite(w).all():
+        raise ValueError(f"NVFP4 takes finite values in whole blocks of {NVFP4_BLOCK} inputs, not {w.shape}")
+    glob = nvfp4_global_scale(w) if global_scale is None else np.float32(global_scale)
+    blocks = w.reshape(out, n_in // NVFP4_BLOCK, NVFP4_BLOCK).astype(np.float64)
+    wanted = np.max(np.abs(blocks), axis=-1) / (E2M1_MAX * np.float64(glob))
+    scales = np.minimum(wanted, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    unit = scales.astype(np.float64) * np.float64(glob)
+    y = np.minimum(np.abs(blocks) / np.where(unit > 0, unit, 1.0)[..., None], E2M1_MAX)
+    lo, hi = np.searchsorted(_MIDPOINTS, y, side="left"), np.searchsorted(_MIDPOINTS, y, side="right")
+    magnitude = np.where(unit[..., None] > 0, np.where((hi != lo) & (lo % 2 == 1), hi, lo), 0)
+    signed = np.where(blocks < 0, -1.0, 1.0) * _MAGNITUDES[magnitude]
+    nibbles = (magnitude + np.where((blocks < 0) & (magnitude > 0), 8, 0)).reshape(out, n_in)
+    err = ((signed * unit[..., None]) - blocks).reshape(out, n_in)       # exact in f64
+    moved = (err != 0).reshape(out, n_in // NVFP4_BLOCK, NVFP4_BLOCK).any(axis=-1)
+    return NVFP4(_two_rows_a_byte(nibbles.T).T.copy(), scales, glob, values=int(w.size),
+                 changed=int(np.count_nonzero(err)), blocks=int(moved.size),
+                 inexact_blocks=int(moved.sum()), max_abs=float(np.max(np.abs(err), initial=0.0)),
+                 sq_err=float(np.sum(err * err)), sq_ref=float(np.sum(blocks * blocks)))
+
+
+def nvfp4_draw(rng: np.random.Generator, shape: Sequence[int], std: float
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random NVFP4 expert matrices as a checkpoint holds them, for `shape` `[E, out, in/2]`
+    (codes): uniform code bytes, e4m3 block scales uniform over the e4m3 values in 1..8
+    (positive, finite), and each matrix's global scale making its values' RMS `std`:
+    (codes uint8, `weight_scale` float8_e4m3fn `[E, out, in/16]`, `weight_scale_2` f32 `[E]`)."""
+    import ml_dtypes
+
+    from mkc.layers.expert_formats import NVFP4_BLOCK
+    from mkc.model.mxfp4 import E2M1_VALUES
+    experts, out, half = shape
+    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    one, eight = (np.array(v, ml_dtypes.float8_e4m3fn).view(np.uint8) for v in (1.0, 8.0))
+    scales = rng.integers(int(one), int(eight) + 1, (experts, out, 2 * half // NVFP4_BLOCK),
+                          dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    values = E2M1_VALUES[np.stack([codes & 0xF, codes >> 4], axis=-1)].reshape(experts, out, 2 * half)
+    values = values * np.repeat(scales.astype(np.float32), NVFP4_BLOCK, axis=-1)
+    rms = np.sqrt(np.mean(values.astype(np.float64) ** 2, axis=(1, 2)))
+    return codes, scales, (std / np.where(rms > 0, rms, 1.0)).astype(np.float32)

@@ -51,10 +51,14 @@ they are, one mixed bf16 x fp8 dot a pack group, the block's scale multiplying t
 partial product; requantizing bf16 rounds, 3 mantissa bits, not 7, so the spec must say
 `rounded`; from MXFP4 exact at its 32-row scales). A bf16 model whose config says its
 checkpoint is FP8 with f32 block scales (the dims' `weight_block_size`: DeepSeek-V3's) stores
-its experts as that checkpoint does, `fp8 block 128 x 128` (`stored`), exact.
+its experts as that checkpoint does, `fp8 block 128 x 128` (`stored`), exact. A bf16
+checkpoint's experts may be `int4 block N rounded` (requantized); a model whose dims say
+`expert_checkpoint` "nvfp4" (Muse Spark's `-NVFP4`) holds its NVFP4 experts as they are,
+`nvfp4` (`expert_checkpoint`; its bf16 layers: `expert_formats`).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,16 +67,18 @@ from mkc.ir import WeightFormat
 from mkc.layers import expert_formats as expert_formats_lib
 from mkc.layers.moe.options import SOFTMAX, Activation, Checkpoint, Latent, Router
 from mkc.layers.sublayer import Part, Sublayer
-from mkc.model.family import ExpertLayout
+from mkc.model.family import ExpertLayout, FormatError
 from mkc.model.graph import Op, ShardingError, Tensor, lane_pad, split
 
 # A routed expert's matrix classes and the formats they take (`format CLASS NAME block N
 # rounded`), the checkpoint's first (`Checkpoint.formats`); the formats whose packing rounds a
-# bf16 checkpoint's values.
+# bf16 checkpoint's values (nvfp4: an NVFP4 checkpoint's bf16 layers, `MoE.expert_formats`). A
+# family whose model's experts may come from an NVFP4 checkpoint (the dims' `expert_checkpoint`)
+# asks the model: `model_formats=MoE.weight_formats`.
 WEIGHT_FORMATS = Checkpoint.BF16.formats
 # an FP8 checkpoint with f32 block scales (`weight_block_size`): held as it is
 FP8_CHECKPOINT_FORMATS = (("expert.gate_up", ("fp8",)), ("expert.down", ("fp8",)))
-ROUNDING_FORMATS = ("fp8",)
+ROUNDING_FORMATS = ("fp8", "int4", "nvfp4")
 # Routed experts load fused, as transformers 5 declares them (`mlp.experts.gate_up_proj [E, 2I,
 # H]`, gate rows first; `mlp.experts.down_proj [E, H, I]`), or per expert, the Qwen2/3-MoE
 # checkpoints' layout that transformers' `qwen2_moe` conversion mapping fuses on load
@@ -281,10 +287,39 @@ class MoE(Sublayer):
         `weight_block_size`, [out, in]: DeepSeek-V3's published checkpoint)."""
         return self.checkpoint is Checkpoint.BF16 and bool(getattr(d, "weight_block_size", ()))
 
+    def expert_checkpoint(self, d: Any = None) -> Checkpoint:
+        """The routed experts' format in the model `d`'s checkpoint: NVFP4 where the dims'
+        `expert_checkpoint` says "nvfp4" (Muse Spark's `-NVFP4`, its bf16 model's experts
+        published quantized), else the option's `checkpoint`."""
+        named = getattr(d, "expert_checkpoint", "") or self.checkpoint.value
+        if named == self.checkpoint.value:
+            return self.checkpoint
+        if named != Checkpoint.NVFP4.value or self.checkpoint is not Checkpoint.BF16:
+            raise ValueError(f"the dims' expert_checkpoint {named!r}: a bf16 MoE's experts may come "
+                             f"from an NVFP4 checkpoint ('nvfp4'); this MoE's are {self.checkpoint.value}")
+        return Checkpoint.NVFP4
+
+    def bf16_expert_layers(self, d: Any = None) -> tuple[int, ...]:
+        """The model layers whose routed experts an NVFP4 checkpoint keeps bf16 (the dims'
+        `expert_checkpoint_bf16_layers`, its quantization's excluded modules: Muse Spark's
+        layers 0 and 61); () for any other checkpoint. The kernel holds one expert format, so
+        `nvfp4` takes them only requantized (`expert_formats`)."""
+        if self.expert_checkpoint(d) is not Checkpoint.NVFP4:
+            return ()
+        return tuple(sorted(getattr(d, "expert_checkpoint_bf16_layers", ()) or ()))
+
+    def layer_checkpoint(self, d: Any, prefix: str) -> Checkpoint:
+        """The experts' checkpoint format of the layer under `prefix` (`model.layers.{i}.`):
+        bf16 where an NVFP4 checkpoint excludes the layer (`bf16_expert_layers`)."""
+        layer = prefix.removeprefix("model.layers.").split(".")[0]
+        if layer.isdigit() and int(layer) in self.bf16_expert_layers(d):
+            return Checkpoint.BF16
+        return self.expert_checkpoint(d)
+
     def weight_formats(self, d: Any = None) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The expert classes and the formats each takes, the checkpoint's first (of the model
-        `d`'s checkpoint, when given: an FP8 one is held as it is)."""
-        return FP8_CHECKPOINT_FORMATS if self.fp8_checkpoint(d) else self.checkpoint.formats
+        `d`'s checkpoint, when given: an FP8 or NVFP4 one is held as it is)."""
+        return FP8_CHECKPOINT_FORMATS if self.fp8_checkpoint(d) else self.expert_checkpoint(d).formats
 
     def checkpoint_blocks(self, d: Any) -> tuple[int, int] | None:
         """An FP8 checkpoint's (input rows, output columns) under one scale, or None."""
@@ -318,11 +353,46 @@ class MoE(Sublayer):
     def expert_formats(self, d: Any, formats: Mapping[str, WeightFormat] | None = None, tp: int = 1
                        ) -> dict[str, WeightFormat]:
         """Each routed expert class's format, its block resolved to input rows
-        (`mkc.layers.expert_formats.resolve`)."""
+        (`mkc.layers.expert_formats.resolve`). An NVFP4 checkpoint that keeps some layers'
+        experts bf16 (`bf16_expert_layers`): the kernel holds one expert format, so `nvfp4`
+        must say `rounded`, those layers' experts requantized to NVFP4 as the quantizer would
+        have (`mkc.layers.expert_formats.weights.nvfp4_from_bf16`; `weights.requantization`
+        reports the error), every other layer's held as it is; FormatError without it."""
         half = self.expert_half(d, tp)
-        return expert_formats_lib.resolve(self.weight_formats(d), self.expert_rows(d, tp),
-                                          self.pack_groups(d, tp), formats, self.checkpoint_blocks(d),
-                                          {"gate_up": half, "down": self.expert_io(d)})
+        asked = dict(formats or {})
+        rounded = self._bf16_layers_rounded(d, asked)
+        asked |= {cls: dataclasses.replace(asked[cls], rounded=False) for cls in rounded}
+        out = expert_formats_lib.resolve(self.weight_formats(d), self.expert_rows(d, tp),
+                                         self.pack_groups(d, tp), asked, self.checkpoint_blocks(d),
+                                         {"gate_up": half, "down": self.expert_io(d)})
+        return out | {cls: dataclasses.replace(out[cls], rounded=True) for cls in rounded}
+
+    def _bf16_layers_rounded(self, d: Any, formats: Mapping[str, WeightFormat]) -> tuple[str, ...]:
+        """The `nvfp4 rounded` classes of a checkpoint with bf16 layers (`expert_formats`).
+        FormatError for a format the model's checkpoint does not offer (a family that does not
+        ask the model, `model_formats`), or, with bf16 layers, an `nvfp4` class that does not
+        say `rounded`."""
+        offered = dict(self.weight_formats(d))
+        for cls, fmt in formats.items():
+            if cls in offered and fmt.name not in offered[cls]:
+                raise FormatError(cls, f"the model's checkpoint holds {cls} as {offered[cls][0]}, "
+                                  f"which the kernel takes as {', '.join(offered[cls])}, not "
+                                  f"{fmt.name}", f"write `format {cls} {offered[cls][0]}` (its family "
+                                  "asks the model: `model_formats=MoE.weight_formats`)")
+        layers = self.bf16_expert_layers(d)
+        named = ", ".join(map(str, layers))
+        those = "those layers'" if len(layers) > 1 else "that layer's"
+        for cls, fmt in formats.items() if layers else ():
+            if fmt.name == "nvfp4" and not fmt.rounded:
+                raise FormatError(
+                    cls, f"the checkpoint's routed experts are NVFP4 but for layer{'s' * (len(layers) > 1)} "
+                    f"{named}, which its quantization keeps bf16, and the kernel holds one expert "
+                    f"format: `nvfp4` would requantize {those} "
+                    "experts", f"write `format {cls} nvfp4 rounded` (layers {named}' experts "
+                    "requantized to NVFP4, the error reported per matrix class; the others held as "
+                    f"they are), or serve the model's bf16 checkpoint (`format {cls} int4 block "
+                    f"{expert_formats_lib.INT4_BLOCK} rounded`)")
+        return tuple(cls for cls, fmt in formats.items() if layers and fmt.name == "nvfp4" and fmt.rounded)
 
     def expert_tensors(self, d: Any, formats: Mapping[str, WeightFormat], tp: int = 1) -> dict[str, Tensor]:
         """One routed expert's width slice as its slot holds it, K-major ([in, out]), each

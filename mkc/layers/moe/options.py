@@ -238,7 +238,7 @@ class Checkpoint(enum.Enum):
     @property
     def formats(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The expert classes and the formats each takes, the checkpoint's first."""
-        offered = {Checkpoint.BF16: ("bf16", "fp8"), Checkpoint.MXFP4: ("mxfp4", "fp8"),
+        offered = {Checkpoint.BF16: ("bf16", "fp8", "int4"), Checkpoint.MXFP4: ("mxfp4", "fp8"),
                    Checkpoint.MXFP4_PACKED: ("mxfp4", "fp8", "fp4"), Checkpoint.NVFP4: ("nvfp4",)}[self]
         return (("expert.gate_up", offered), ("expert.down", offered))
 

@@ -68,11 +68,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mkc.layers.expert_formats import MX_BLOCK, block_groups, block_index, pack_groups
-from mkc.layers.expert_formats.reference import expert_operands
+from mkc.ir import WeightFormat
+from mkc.layers.expert_formats import FOUR_BIT, MX_BLOCK, NVFP4_BLOCK, block_groups, block_index, pack_groups
+from mkc.layers.expert_formats.reference import expert_operands, int4_linear, nvfp4_linear, nvfp4_unit_values
+from mkc.layers.expert_formats.weights import nvfp4_draw, unpack_int4_from_kernel
 from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.moe.options import ROUTERS, Checkpoint
-from mkc.layers.moe.weights import PACKED_BLOCK_SCALE
+from mkc.layers.moe.weights import NVFP4_GLOBAL, NVFP4_SCALE, PACKED_BLOCK_SCALE, int4_slot, nvfp4_slot
 from mkc.layers.reference import NORM, input_scaled_norm, linear, matmul, mm_input, own_norm
 from mkc.layers.swiglu.reference import block as gated_mlp
 from mkc.model.fp8_blocks import dequantize
@@ -219,7 +221,10 @@ def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng: np.random.Genera
     close picks); router and expert biases N(0, 0.1) (down's times `residual_scale`: it writes
     the residual stream), so every bias path is exercised (upstream initialises them to zero);
     MXFP4 experts drawn as f32 N(0, 1/fan_in) (down's times `residual_scale`) and stored through
-    ``mxfp4_quantize``: their blocks valid codes, with their scales (in 1..254); Kimi's
+    ``mxfp4_quantize``: their blocks valid codes, with their scales (in 1..254); an NVFP4
+    checkpoint's as `nvfp4_draw` draws them (drawn at their `_weight_scale`, the codes'
+    earlier draw replaced), their values' RMS 1/sqrt(fan_in) likewise, and input scales of
+    about 1/448 (which a bf16-activation kernel does not read); Kimi's
     per-expert MXFP4 likewise from f64 draws, down unscaled (with `latent`, `latent_up` writes
     the stream: it is scaled); the rest as the decoder draws them (None)."""
     if name.endswith("e_score_correction_bias"):
@@ -235,6 +240,13 @@ def init_weight(s: MoE, name: str, shape: tuple[int, ...], rng: np.random.Genera
     if latent_up or (s.latent and name.endswith(s.latent.down)):
         std = 1.0 / math.sqrt(shape[-1])
         return rng.normal(0.0, std * residual_scale if latent_up else std, shape)
+    if name.endswith("_proj" + NVFP4_SCALE):      # an NVFP4 checkpoint's: drawn with its codes
+        codes = name.removesuffix(NVFP4_SCALE)
+        writes = codes.endswith("down_proj") and not s.latent
+        std = 1.0 / math.sqrt(shape[-1] * NVFP4_BLOCK) * (residual_scale if writes else 1.0)
+        values, scales, glob = nvfp4_draw(rng, (*shape[:-1], shape[-1] * NVFP4_BLOCK // 2), std)
+        return {codes: values, name: scales, codes + NVFP4_GLOBAL: glob,
+                codes + "_input_scale": rng.uniform(0.5, 2.0, shape[:1]) / 448.0}
     if s.checkpoint.decoded_in_kernel and name.endswith("_proj_blocks"):
         full = (shape[0], shape[1], shape[2] * MX_BLOCK)                  # [E, out, in]
         std = 1.0 / math.sqrt(full[-1]) * (residual_scale if name.endswith("down_proj_blocks") else 1.0)
@@ -299,16 +311,28 @@ def mxfp4_experts(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array) -> ja
 
 def _picked(s: MoE, p: Mapping[str, jax.Array], d: Any, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The ``ids`` experts' ``gate_up [..., 2I, H]`` (gate rows first) and ``down [..., H, I]``
-    values: decoded from MXFP4 codes, an FP8 checkpoint's codes times their block scales, or
-    as stored."""
+    values: decoded from MXFP4 codes, an FP8 checkpoint's codes times their block scales, an
+    NVFP4 checkpoint's e2m1 x e4m3 values (their global scales apart: `_global_scales`), or as
+    stored."""
     if s.checkpoint is Checkpoint.MXFP4_PACKED:
         gate, up, down = (packed_experts(s, p, d, w, ids) for w in PACKED)
         return jnp.concatenate([gate, up], axis=-2), down
     if s.checkpoint.decoded_in_kernel:
         gate_up, down = (mxfp4_experts(p, m, ids) for m in EXPERTS)
+    elif f"experts.gate_up_proj{NVFP4_SCALE}" in p:     # times their global scales after the dots
+        gate_up, down = (nvfp4_unit_values(jnp.asarray(p[f"experts.{n}"])[ids],
+                                           jnp.asarray(p[f"experts.{n}{NVFP4_SCALE}"])[ids])
+                         for n in _STORED.values())
     else:
         gate_up, down = (w[ids] for w in expert_values(p, d))
     return _gate_first(s, gate_up, -2), down
+
+
+def _global_scales(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array) -> jax.Array | float:
+    """Each pick's NVFP4 global scale of `matrix` (`gate_up`, `down`), ``[..., k, 1]``, which
+    multiplies its product of the e2m1 x e4m3 values (`_picked`); 1 for other experts."""
+    name = f"experts.{_STORED[matrix]}{NVFP4_GLOBAL}"
+    return jnp.asarray(p[name])[ids][..., None] if name in p else 1.0
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -334,21 +358,25 @@ def activation(s: MoE, d: Any, gate: jax.Array, up: jax.Array) -> jax.Array:
     return s.activation.reference(d, gate, up)
 
 
-def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice, half: int
-                 ) -> dict[str, jax.Array]:
+def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice, half: int,
+                 values: bool = True) -> dict[str, jax.Array]:
     """Expert e's width part ``cols`` as its slot holds it, ``[out, in]``: gate_up's gate rows
     then its up rows (``[gate | up]``), down's input columns, each half padded with zeros to
     ``half`` (`MoE.expert_half`: MXFP4 halves are whole lane tiles), its biases likewise ([1,
-    n]); an FP8 checkpoint's codes as they are (`expert_linear` scales them)."""
+    n]); an FP8 checkpoint's codes as they are (`expert_linear` scales them). Without
+    `values` its biases only (experts whose every matrix is int4 or nvfp4: `four_bit_linear`)."""
     inter = d.moe_intermediate_size
-    if s.checkpoint.decoded_in_kernel:
-        gate_up, down = (mxfp4_experts(p, m, jnp.asarray(e)) for m in EXPERTS)
-    else:
-        gate_up, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e]
     pad = half - (cols.stop - cols.start)
-    gate_up = _gate_first(s, gate_up, 0).reshape(2, inter, -1)[:, cols]
-    w = {"gate_up": (jnp.pad(gate_up, ((0, 0), (0, pad), (0, 0))) if pad else gate_up).reshape(2 * half, -1),
-         "down": jnp.pad(down[:, cols], ((0, 0), (0, pad))) if pad else down[:, cols]}
+    w = {}
+    if values:
+        if s.checkpoint.decoded_in_kernel:
+            gate_up, down = (mxfp4_experts(p, m, jnp.asarray(e)) for m in EXPERTS)
+        else:
+            gate_up, down = p["experts.gate_up_proj"][e], p["experts.down_proj"][e]
+        gate_up = _gate_first(s, gate_up, 0).reshape(2, inter, -1)[:, cols]
+        gate_up = jnp.pad(gate_up, ((0, 0), (0, pad), (0, 0))) if pad else gate_up
+        w = {"gate_up": gate_up.reshape(2 * half, -1),
+             "down": jnp.pad(down[:, cols], ((0, 0), (0, pad))) if pad else down[:, cols]}
     if s.expert_bias:
         bias = _gate_first(s, p["experts.gate_up_proj_bias"][e], 0).reshape(2, inter)[:, cols]
         w["gate_up_bias"] = jnp.pad(bias, ((0, 0), (0, pad))).reshape(1, 2 * half)
@@ -366,9 +394,10 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     # FP8 experts: one mixed bf16 x fp8 dot a pack group, on the requantized values; an FP8
     # checkpoint's blocks (`fp8 block R x C`): one a group of rows under one block row, on its
     # codes, each partial product times its scales; MXFP4 experts: decoded a pack group at a
-    # time; bf16 experts: one bf16 dot.
+    # time; int4 and nvfp4 experts: `four_bit_linear`; bf16 experts: one bf16 dot.
     operands = {m: expert_operands(rounding, m) for m in EXPERTS}
     formats = {m: rounding.weight_format(f"expert.{m}") for m in EXPERTS}
+    four_bit = {m for m in EXPERTS if getattr(formats[m], "name", "") in FOUR_BIT}
     fp8 = {m for m in EXPERTS if getattr(formats[m], "name", "") == "fp8"}
     blocks = {m for m in fp8 if formats[m].cols}
     grouped = fp8 | (set(EXPERTS) if s.checkpoint.decoded_in_kernel else set())
@@ -378,6 +407,9 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
 
     def expert_linear(x: jax.Array, w: jax.Array, m: str, e: int, out_index: list[int],
                       in_index: list[int], runs: int) -> jax.Array:
+        if m in four_bit:
+            return four_bit_linear(rounding, p, x, f"experts.{_STORED[m]}", formats[m], e, out_index,
+                                   in_index, s.pack_groups(d, tp)[m])
         scales = None
         if m in blocks:       # each row group's scale of each output column, [groups, out]
             block_rows, block_cols = block_index(formats[m], out_index, in_index, runs)
@@ -395,20 +427,40 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
         # up]): XLA's CPU f32 dot sums a 2 * width wide product in another order than two
         # width wide ones (module docstring).
         mine = list(range(cols.start, cols.stop))
-        w = _slot_expert(s, p, d, e, cols, half)
-        hidden = expert_linear(xin[:, :io], w["gate_up"], "gate_up", e,
+        w = _slot_expert(s, p, d, e, cols, half, values=four_bit != set(EXPERTS))
+        hidden = expert_linear(xin[:, :io], w.get("gate_up"), "gate_up", e,
                                mine + [d.moe_intermediate_size + i for i in mine], list(range(io)), width)
         if s.expert_bias:
             hidden = hidden + w["gate_up_bias"]
         gate, up = hidden[:, :half], hidden[:, half:]
         act = s.activation.reference(d, gate, up, kernel=True)
-        out = expert_linear(act, w["down"], "down", e, list(range(io)), mine, io)
+        out = expert_linear(act, w.get("down"), "down", e, list(range(io)), mine, io)
         return out + w["down_bias"] if s.expert_bias else out
 
     if s.latent and s.latent.expert_norm:
         outs = expert_parallel_picks(rounding, d.experts, ids, io, expert, kind)
         return kernel_expert_norm(outs, ids, dense, p[s.latent.expert_norm][None, :], d.post_norm_eps)
     return expert_parallel_sum(rounding, d.experts, dense, io, expert, kind)
+
+
+def four_bit_linear(rounding: Rounding, p: Mapping[str, jax.Array], x: jax.Array, stored: str,
+                    fmt: WeightFormat, e: int, out_index: list[int], in_index: list[int], group: int
+                    ) -> jax.Array:
+    """``x @`` expert e's fused matrix `stored` (its output rows `out_index`, input columns
+    `in_index`: a rank's slice) in `fmt`, int4 or nvfp4, as the kernel multiplies it
+    (`mkc.layers.expert_formats.reference`), pack groups of `group` rows: nvfp4 from the slot
+    its packing fills (`mkc.layers.moe.weights.nvfp4_slot`); int4 from a requantization's
+    codes and bf16 scales (`BLOCK_SCALE`, `weights.requantization`), or requantized here as
+    packing requantizes it (`weights.int4_slot`)."""
+    if fmt.name == "nvfp4":
+        return nvfp4_linear(rounding, x, *nvfp4_slot(p, stored, e, out_index, in_index, fmt, stored), group)
+    if stored + BLOCK_SCALE in p:
+        blocks = [i // fmt.block for i in in_index[::fmt.block]]
+        rows = np.asarray(p[stored][e])[np.ix_(out_index, in_index)]
+        scales = np.asarray(p[stored + BLOCK_SCALE][e])[np.ix_(out_index, blocks)]
+    else:
+        rows, scales = unpack_int4_from_kernel(*int4_slot(p, stored, e, out_index, in_index, fmt, stored))
+    return int4_linear(rounding, x, rows, scales, fmt.block, group)
 
 
 def expert_parallel_picks(rounding: Rounding, experts: int, ids: jax.Array, width: int,
@@ -616,11 +668,11 @@ def _routed_experts(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, 
     """The f32 oracle's routed experts: each row's picks, weighted and summed."""
     inter = d.moe_intermediate_size
     gate_up, down = _picked(s, p, d, ids)
-    hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST)
+    hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST) * _global_scales(p, "gate_up", ids)
     if s.expert_bias:
         hidden = hidden + _gate_first(s, p["experts.gate_up_proj_bias"][ids], -1)
     act = activation(s, d, hidden[..., :inter], hidden[..., inter:])
-    out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST)
+    out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST) * _global_scales(p, "down", ids)
     if s.expert_bias:
         out = out + p["experts.down_proj_bias"][ids]
     if s.latent and s.latent.expert_norm:
@@ -701,7 +753,8 @@ def block_shapes(s: MoE, d: Any, prefix: str) -> dict[str, tuple[tuple[int, ...]
         shapes |= {p + names.down: ((lat, H), bf16), p + names.norm: ((lat,), bf16),
                    p + names.up: ((H, lat), bf16),
                    **({p + names.expert_norm: ((lat,), bf16)} if names.expert_norm else {})}
-    shapes |= s.checkpoint.expert_tensors(p + "experts.", E, inter, s.expert_io(d), s.expert_bias)
+    shapes |= s.layer_checkpoint(d, prefix).expert_tensors(p + "experts.", E, inter, s.expert_io(d),
+                                                           s.expert_bias)
     if s.shared_expert:
         shared, q = d.shared_expert_intermediate_size, p + s.shared_prefix
         shapes |= {q + "gate_proj.weight": ((shared, H), bf16), q + "up_proj.weight": ((shared, H), bf16),

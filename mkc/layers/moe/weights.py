@@ -14,7 +14,9 @@ copied as they are (`fp8_expert_matrix`). An MXFP4 checkpoint's experts (GPT-OSS
 (`gate_up_halves`: de-interleaved where the checkpoint alternates them), down's input columns
 padded to the same width with zero codes, both put K-major in pack groups, or turned into FP8
 codes where the spec's format says so; with `expert_bias` each matrix's bias row (bf16, the
-checkpoint's dtype) after it, cut the same way."""
+checkpoint's dtype) after it, cut the same way. `int4 block N rounded` requantizes a rank's
+slice of a bf16 checkpoint (`int4_slot`), `nvfp4` cuts an NVFP4 checkpoint's byte for byte
+(`nvfp4_slot`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -24,22 +26,28 @@ import ml_dtypes
 import numpy as np
 
 from mkc.ir import WeightFormat
-from mkc.layers.expert_formats import MX_BLOCK
+from mkc.layers.expert_formats import FOUR_BIT, MX_BLOCK
 from mkc.layers.expert_formats.weights import (fp4_checkpoint_tensors, fp4_from_mxfp4, fp8_checkpoint_blocks,
-                                               fp8_codes_from_kernel_mxfp4, held_fp4, pack_bf16_scales,
-                                               pack_mxfp4_for_kernel)
+                                               fp8_codes_from_kernel_mxfp4, held_fp4, int4_expert_slice,
+                                               int4_from_bf16, nvfp4_expert_slice, nvfp4_from_bf16,
+                                               nvfp4_global_scale, pack_bf16_scales, pack_mxfp4_for_kernel,
+                                               pack_nvfp4_for_kernel)
 from mkc.layers.moe import BLOCK_SCALE, MoE
 from mkc.layers.moe.options import Checkpoint
 from mkc.layers.swiglu.weights import mlp_matrix
 from mkc.layers.weights import padded_block, tensor
 from mkc.layers.weights import no_kernel_states as kernel_states  # noqa: F401  (no state)
 from mkc.layers.weights import no_reference_states as reference_states  # noqa: F401
+from mkc.model.family import FormatError
 from mkc.model.fp8_blocks import scale_name
 from mkc.model.mxfp4 import RequantizationError, Requantized, fp8_block_values, requantize_fp8_blocks
 from mkc.model.sharding import ShardTable
 
 # Checkpoint tensors of each routed-expert class ([E, out, in], fused), under `experts.`.
 _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
+_CLASS_OF = {"gate_up_proj": "gate_up", "down_proj": "down"}
+# An NVFP4 checkpoint's tensors beside each fused matrix's codes (`Checkpoint.NVFP4`)
+NVFP4_SCALE, NVFP4_GLOBAL = "_weight_scale", "_weight_scale_2"
 
 
 def tensor_names(s: MoE, d: Any) -> tuple[str, ...]:
@@ -115,15 +123,69 @@ def expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: st
     return m.T                                        # gate_up [H, 2I]: gate | up; down [I, H]
 
 
-def expert_slice(d: Any, name: str, part: int, tp: int) -> tuple[list[int], list[int], int]:
+def expert_slice(d: Any, name: str, part: int, tp: int, io: int | None = None
+                 ) -> tuple[list[int], list[int], int]:
     """The checkpoint rows and columns (`[out, in]`, fused) of width part `part` of `tp` of an
     expert matrix, in the order its slot holds them ([in, out]: gate's columns, then up's),
-    and the width of its runs of output columns."""
-    width = d.moe_intermediate_size // tp
+    and the width of its runs of output columns (`io`: the experts' input and output width,
+    `MoE.expert_io`; the hidden size if None)."""
+    width, io = d.moe_intermediate_size // tp, d.hidden_size if io is None else io
     mine = list(range(part * width, (part + 1) * width))
     if name == "gate_up":
-        return mine + [d.moe_intermediate_size + i for i in mine], list(range(d.hidden_size)), width
-    return list(range(d.hidden_size)), mine, d.hidden_size
+        return mine + [d.moe_intermediate_size + i for i in mine], list(range(io)), width
+    return list(range(io)), mine, io
+
+
+def _rank_slice(s: MoE, d: Any, name: str, rank: int, shards: ShardTable) -> tuple[list[int], list[int], int]:
+    """`expert_slice` of `rank`'s width part."""
+    tp = expert_tp(shards)
+    return expert_slice(d, name, shards.part("expert_mlp", rank) if tp > 1 else 0, tp, s.expert_io(d))
+
+
+def four_bit_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
+                           shards: ShardTable, fmt: WeightFormat) -> dict[str, np.ndarray]:
+    """Local expert `local` of `rank`, `fmt` its `int4 block N` or `nvfp4`: the rank's slice
+    as its slot holds it (`int4_slot`, `nvfp4_slot`)."""
+    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+    stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
+    out_index, in_index, _ = _rank_slice(s, d, name, rank, shards)
+    what = f"layer {_layer_of(prefix)} expert {e}'s {name}"
+    slot = int4_slot if fmt.name == "int4" else nvfp4_slot
+    codes, scales = slot(hf, stored, e, out_index, in_index, fmt, what)
+    return {f"{name}_codes": codes, f"{name}_scales": scales}
+
+
+def int4_slot(hf: Mapping, stored: str, e: int, out_index: list[int], in_index: list[int],
+              fmt: WeightFormat, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Expert `e` of the bf16 checkpoint's fused `stored`, its output rows `out_index` and input
+    columns `in_index` (`expert_slice`), requantized to `fmt`'s int4 blocks and packed
+    (`int4_expert_slice`: FormatError where values move and `fmt` does not say `rounded`)."""
+    if stored + BLOCK_SCALE in hf:
+        raise ValueError(f"{stored} holds codes under bf16 block scales (a requantized checkpoint), "
+                         f"which `{fmt.spelled}` does not take as they are: pack the checkpoint itself")
+    codes, scales, _ = int4_expert_slice(hf[stored][e], out_index, in_index, fmt,
+                                         f"expert.{_CLASS_OF[stored.rsplit('.', 1)[1]]}", what)
+    return codes, scales
+
+
+def nvfp4_slot(hf: Mapping, stored: str, e: int, out_index: list[int], in_index: list[int],
+               fmt: WeightFormat, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Expert `e` of the NVFP4 checkpoint's fused `stored` (its codes, `_weight_scale` and
+    `_weight_scale_2`; any dtype holding their values), its output rows `out_index` and input
+    columns `in_index`, as its slot holds them (`nvfp4_expert_slice`, byte for byte); a layer
+    the checkpoint keeps bf16 requantized to NVFP4 (`nvfp4_from_bf16`, the whole matrix's global
+    scale: as `requantization` gives it the reference), where `fmt` says `rounded`."""
+    if stored + NVFP4_SCALE in hf:
+        return nvfp4_expert_slice(np.asarray(hf[stored][e]).astype(np.uint8),
+                                  np.asarray(hf[stored + NVFP4_SCALE][e]).astype(ml_dtypes.float8_e4m3fn),
+                                  np.asarray(hf[stored + NVFP4_GLOBAL][e], np.float32), out_index, in_index)
+    if not fmt.rounded:
+        raise FormatError(f"expert.{_CLASS_OF[stored.rsplit('.', 1)[1]]}",
+                          f"{what} is bf16 in the NVFP4 checkpoint, which `{fmt.spelled}` would requantize",
+                          f"write `format expert.{_CLASS_OF[stored.rsplit('.', 1)[1]]} nvfp4 rounded`")
+    values = np.asarray(hf[stored][e], np.float32)
+    r = nvfp4_from_bf16(values[np.ix_(out_index, in_index)], nvfp4_global_scale(values))
+    return pack_nvfp4_for_kernel(r.codes, r.block_scales, r.global_scale)
 
 
 def fp8_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank: int,
@@ -133,8 +195,7 @@ def fp8_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name
     (`mkc.layers.expert_formats.weights.fp8_checkpoint_blocks`)."""
     e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
     stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
-    out_index, in_index, width = expert_slice(d, name, shards.part("expert_mlp", rank)
-                                              if expert_tp(shards) > 1 else 0, expert_tp(shards))
+    out_index, in_index, width = _rank_slice(s, d, name, rank, shards)
     codes, scales = fp8_checkpoint_blocks(hf[stored][e], hf[scale_name(stored)][e], out_index, in_index,
                                           fmt, width)
     return {f"{name}_codes": codes, f"{name}_scales": scales}
@@ -156,6 +217,9 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     out = {}
     for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
         name = cls.split(".")[1]
+        if fmt.name in FOUR_BIT:
+            out |= four_bit_expert_matrix(s, hf, d, prefix, local, name, rank, shards, fmt)
+            continue
         if fmt.cols:                                   # an FP8 checkpoint's blocks, as they are
             out |= fp8_expert_matrix(s, hf, d, prefix, local, name, rank, shards, fmt)
             continue
@@ -191,8 +255,7 @@ def _held(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank:
         raise ValueError(f"{stored} holds codes under bf16 scales per {block} rows (a requantized "
                          f"checkpoint), which `{fmt.spelled}` cannot take as they are: pack the "
                          "checkpoint itself")
-    out_index, in_index, _ = expert_slice(d, name, shards.part("expert_mlp", rank)
-                                          if expert_tp(shards) > 1 else 0, expert_tp(shards))
+    out_index, in_index, _ = _rank_slice(s, d, name, rank, shards)
     codes = values[np.ix_(out_index, in_index)].astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     return codes, scales[np.ix_(out_index, [i // block for i in in_index[::block]])]
 
@@ -255,14 +318,16 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     class's fused tensors requantized expert by expert (blocks of input rows, as packing cuts
     them: experts are whole on every rank), as bf16 (every e4m3 value times a power of two is
     one, so the reference reads the kernel's values exactly; `scale bf16`: the codes' values,
-    their scales beside them as `BLOCK_SCALE`), and per class the error against
-    the checkpoint's values (values, changed, blocks, inexact blocks, max abs, relative RMS).
-    MXFP4 experts' FP8 codes are exact (`mxfp4_expert` refuses the others): none."""
+    their scales beside them as `BLOCK_SCALE`); an int4 class's likewise (`four_bit_requantized`);
+    and per class the error against the checkpoint's values (values, changed, blocks, inexact
+    blocks, max abs, relative RMS). MXFP4 experts' FP8 codes are exact (`mxfp4_expert` refuses
+    the others): none."""
     if s.checkpoint is Checkpoint.MXFP4_PACKED:
         return packed_requantization(s, hf, d, formats, prefixes, expert_tp(shards) if shards else 1)
     if s.checkpoint.decoded_in_kernel:
         return {}, {}
-    fp8 = {cls: f for cls, f in s.expert_formats(d, dict(formats)).items()
+    resolved = s.expert_formats(d, dict(formats), expert_tp(shards) if shards else 1)
+    fp8 = {cls: f for cls, f in resolved.items()
            if f.name == "fp8" and not f.cols}           # an FP8 checkpoint's blocks: as they are
     out: dict[str, np.ndarray] = {}
     totals = {cls: RequantizationError() for cls in fp8}
@@ -281,7 +346,47 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
             out[name] = np.stack(held)
             if scales:
                 out[name + BLOCK_SCALE] = np.stack(scales)
-    return out, {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp8.items()}
+    four_bit, errors = four_bit_requantized(s, hf, d, resolved, prefixes)
+    return out | four_bit, {cls: totals[cls].report(fmt.spelled) for cls, fmt in fp8.items()} | errors
+
+
+def four_bit_requantized(s: MoE, hf: Mapping, d: Any, resolved: Mapping[str, WeightFormat],
+                         prefixes: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The int4 classes' fused tensors (`resolved`: every class's format) of the layers under
+    `prefixes` requantized whole, expert by expert (a rank's slice is whole blocks of input rows,
+    so its packing requantizes the same values): the codes' integers as bf16 values, their bf16
+    scales beside them as `BLOCK_SCALE` (f32 `[E, out, in/block]`), which the reference
+    multiplies; an `nvfp4 rounded` class's layers the NVFP4 checkpoint keeps bf16
+    (`MoE.bf16_expert_layers`) as NVFP4 tensors (`nvfp4_from_bf16`: codes, `_weight_scale`,
+    `_weight_scale_2`), which the reference decodes as it decodes the others. With the error per
+    class against the checkpoint's values (an nvfp4 class's NVFP4 layers held as they are count
+    none); FormatError where int4 moves a value and the class does not say `rounded`."""
+    classes = {cls: f for cls, f in resolved.items() if f.name in FOUR_BIT}
+    out: dict[str, np.ndarray] = {}
+    totals = {cls: RequantizationError() for cls in classes}
+    for prefix in prefixes:
+        if s.layer_checkpoint(d, prefix) is not Checkpoint.BF16:
+            continue                             # an NVFP4 layer: held as it is
+        for cls, fmt in classes.items():
+            if fmt.name == "nvfp4" and not fmt.rounded:
+                continue                         # packing refuses the layer
+            name = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
+            parts: list[list[np.ndarray]] = [[], [], []]
+            for e in range(d.experts):
+                values = np.asarray(hf[name][e], np.float32)
+                what = f"layer {_layer_of(prefix)} expert {e}'s {cls.split('.')[1]}"
+                if fmt.name == "int4":
+                    r = int4_from_bf16(values, fmt, cls, what)
+                    held = (r.codes.astype(ml_dtypes.bfloat16), r.scales)
+                else:
+                    r = nvfp4_from_bf16(values)
+                    held = (r.codes, r.block_scales, np.asarray(r.global_scale, np.float32))
+                totals[cls].add(r)
+                for part, array in zip(parts, held):
+                    part.append(array)
+            suffixes = ("", BLOCK_SCALE) if fmt.name == "int4" else ("", NVFP4_SCALE, NVFP4_GLOBAL)
+            out |= {name + suffix: np.stack(part) for suffix, part in zip(suffixes, parts)}
+    return out, {cls: totals[cls].report(fmt.spelled) for cls, fmt in classes.items()}
 
 
 # ---- compressed-tensors MXFP4 experts, per expert (`Checkpoint.MXFP4_PACKED`: Kimi K3's) ----
