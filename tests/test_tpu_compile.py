@@ -2,7 +2,7 @@
 Qwen and Qwen3.5 MoE on tpu7x=2x2x1 (8 devices), Kimi K3 on tpu7x=2x2x4 (32 devices), Qwen on
 v6e=2x4 (8 chips of one core), the replicated-heads layouts (Qwen on 16 tpu7x cores, K3 on
 64), GPT-OSS 120b on tpu7x=2x2x1 and 20b on one chip (1x1x1), DeepSeek-V3 on tpu7x=2x2x2 (16
-devices), and the MINI Qwen kernel on every generation mkc compiles for."""
+devices), Muse Spark on tpu7x=2x2x1, and the MINI Qwen kernel on every generation mkc compiles for."""
 import pytest
 
 from conftest import run_python
@@ -30,6 +30,7 @@ FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
              ("qwen3_8_27b_16", "decode B8"), ("kimi_k3_64", "decode B8"),
              ("llama_3_1_8b", "verify 8x2"), ("llama_3_1_70b", "verify 8x2"),
              ("deepseek_v3", "decode B1"), ("deepseek_v3", "decode B8"),
+             ("muse_spark", "decode B1"), ("muse_spark", "decode B8"),
              # kernels past the shipped widths, and Llama 8B with 5 KV tiles of 512 tokens,
              # where its decode step at batch 8 outgrows its 16-row verify step
              ("llama_3_1_8b kv 512", "decode B8"), ("llama_3_1_8b", "decode B8"),
@@ -40,7 +41,7 @@ FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
 # in turn; the extended tier compiles them all.
 IN_CI = [("qwen3_8_27b", "verify 8x2"), ("qwen3_5_35b_a3b", "decode B8"),
          ("kimi_k3", "decode B8"), ("gpt_oss_120b", "decode B8"), ("llama_3_1_8b", "verify 8x2"),
-         ("deepseek_v3", "decode B8"), ("llama_3_1_8b kv 512", "decode B8")]
+         ("deepseek_v3", "decode B8"), ("llama_3_1_8b kv 512", "decode B8"), ("muse_spark", "decode B8")]
 ROTATING = [case for case in FULL_SIZE if case not in IN_CI]
 
 
@@ -77,8 +78,9 @@ def test_full_size_kernel_fits_where_mkc_says_it_fits(name, width):
     assert margin >= -1 / 1024, (v.name, margin)       # never under libtpu's use by a KiB
     if kind == "ring N" and mkc["measured"]:
         # at the chip's whole VMEM, where the scratch was measured; under a limit at mkc's peak
-        # libtpu spills less (Qwen's verify step: 33.91 MiB at 35.92, 35.86 at 63.94)
-        assert margin <= 1.0, (v.name, margin)
+        # libtpu spills less (Qwen's verify step: 33.91 MiB at 35.92, 35.86 at 63.94); less
+        # what the scratch's envelope adds over this width's own measure, a bound by design
+        assert margin - mkc["envelope_over_measure"] / 2**20 <= 1.0, (v.name, margin)
 
 
 # An 8-rank slice of each generation (the MINI config's 8 heads divide over it).
