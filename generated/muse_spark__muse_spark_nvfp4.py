@@ -2,10 +2,10 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): f34a53a352c61747
+Input digest (spec, model config, mkc version): ee57350b798e0ab3
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 13 VMEM slots of 1024x1024 bf16 tiles, 13 tiles ahead, across layers and
+through a ring of 10 VMEM slots of 1024x1024 bf16 tiles, 10 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.muse_spark.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -28,6 +28,7 @@ from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
+from mkc.runtime.pool import WeightView
 from mkc.runtime.ring import Ring, RingRefs, StreamedMatrix
 from mkc.runtime.shapes import ROWS, SEQS, dma_sems, smem, vmem
 from mkc.runtime.vectors import Parity, VectorRefs
@@ -139,21 +140,19 @@ N_LAYERS = 124
 KIND_IDS = {"full": 0, "moe": 1, "swa": 2}
 LAYER_KIND = (2, 1, 0, 1, 2, 1, 2, 1) * 15 + (2, 1, 0, 1)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 32, 52, 84, 104, 136, 156, 188, 208, 240, 260, 292, 312, 344, 364, 396, 416,
-                     448, 468, 500, 520, 552, 572, 604, 624, 656, 676, 708, 728, 760, 780, 812, 832,
-                     864, 884, 916, 936, 968, 988, 1020, 1040, 1072, 1092, 1124, 1144, 1176, 1196,
-                     1228, 1248, 1280, 1300, 1332, 1352, 1384, 1404, 1436, 1456, 1488, 1508, 1540,
-                     1560, 1592, 1612, 1644, 1664, 1696, 1716, 1748, 1768, 1800, 1820, 1852, 1872,
-                     1904, 1924, 1956, 1976, 2008, 2028, 2060, 2080, 2112, 2132, 2164, 2184, 2216,
-                     2236, 2268, 2288, 2320, 2340, 2372, 2392, 2424, 2444, 2476, 2496, 2528, 2548,
-                     2580, 2600, 2632, 2652, 2684, 2704, 2736, 2756, 2788, 2808, 2840, 2860, 2892,
-                     2912, 2944, 2964, 2996, 3016, 3048, 3068, 3100, 3120, 3152, 3172, 3204)
+LAYER_TILE_OFFSET = (0, 24, 44, 68, 88, 112, 132, 156, 176, 200, 220, 244, 264, 288, 308, 332, 352,
+                     376, 396, 420, 440, 464, 484, 508, 528, 552, 572, 596, 616, 640, 660, 684, 704,
+                     728, 748, 772, 792, 816, 836, 860, 880, 904, 924, 948, 968, 992, 1012, 1036,
+                     1056, 1080, 1100, 1124, 1144, 1168, 1188, 1212, 1232, 1256, 1276, 1300, 1320,
+                     1344, 1364, 1388, 1408, 1432, 1452, 1476, 1496, 1520, 1540, 1564, 1584, 1608,
+                     1628, 1652, 1672, 1696, 1716, 1740, 1760, 1784, 1804, 1828, 1848, 1872, 1892,
+                     1916, 1936, 1960, 1980, 2004, 2024, 2048, 2068, 2092, 2112, 2136, 2156, 2180,
+                     2200, 2224, 2244, 2268, 2288, 2312, 2332, 2356, 2376, 2400, 2420, 2444, 2464,
+                     2488, 2508, 2532, 2552, 2576, 2596, 2620, 2640, 2664, 2684, 2708)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                                tile_rows=1024, tile_cols=768)
-FULL_O_PROJ = StreamedMatrix(name='o_proj', rows=1024, cols=8192, row_tiles=1, col_tiles=8,
-                             tile_rows=1024, tile_cols=1024)
 MOE_ROUTER = StreamedMatrix(name='router', rows=8192, cols=512, row_tiles=8, col_tiles=1,
                             tile_rows=1024, tile_cols=512)
 MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8, col_tiles=1,
@@ -162,17 +161,14 @@ MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles
                                tile_rows=1024, tile_cols=1024)
 SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                               tile_rows=1024, tile_cols=768)
-SWA_O_PROJ = StreamedMatrix(name='o_proj', rows=1024, cols=8192, row_tiles=1, col_tiles=8,
-                            tile_rows=1024, tile_cols=1024)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=25,
                               tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=13, ahead=13, total_tiles=3424,
+RING = Ring(slots=10, ahead=10, total_tiles=2928,
             tile_shapes=((1024, 512), (1024, 768), (1024, 1024)))
-TAIL_TILE_OFFSET = 3224
+TAIL_TILE_OFFSET = 2728
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'full': [FULL_QKV_GATE, FULL_O_PROJ],
-                'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_LATENT_UP],
-                'swa': [SWA_QKV_GATE, SWA_O_PROJ], 'tail': [TAIL_LM_HEAD]}
+STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_LATENT_UP],
+                'swa': [SWA_QKV_GATE], 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
 VECTORS = Parity(ahead=1, rows=8, cols=8192,
@@ -214,6 +210,12 @@ MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=8, 
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
 N_COLLECTIVE_COUNTERS = 10
 
+# The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
+# semaphore), copied in by the layer before.
+VIEW = WeightView(pool='staging',
+                  matrices={'full': {'o_proj': (0, 1024, 8192, 0)},
+                            'swa': {'o_proj': (0, 1024, 8192, 0)}})
+
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
 EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=13904,
@@ -226,14 +228,14 @@ EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=13904,
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
 KINDS = {
-    'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE), 'o_proj': (24, FULL_O_PROJ)},
-                     states={}, copies=(), caches=('full__key', 'full__value'),
-                     kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='full_kv_rows'),
+    'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
+                     caches=('full__key', 'full__value'), kv=KvTiles(tokens=256, slots=3, ahead=3),
+                     kv_rows='full_kv_rows'),
     'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (8, MOE_LATENT_DOWN),
                               'latent_up': (16, MOE_LATENT_UP)},
                     states={}, copies=()),
-    'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE), 'o_proj': (24, SWA_O_PROJ)}, states={},
-                    copies=(), caches=('swa__key', 'swa__value'),
+    'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
+                    caches=('swa__key', 'swa__value'),
                     kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304), kv_rows='swa_kv_rows')
 }
 
@@ -250,9 +252,11 @@ def _layer_full(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
+    c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
+    # the pool view staging.attention is free from here
     # direct, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 59
+    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 62
     lower.attn_residual(c, attn_out)
 
 
@@ -264,18 +268,19 @@ def _layer_moe(k: Kernel, layer):
     h = lower.pre_ffn_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 64: fetch experts -> staging.experts, the first slots now
+    # spec line 67: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 65: all-gather over 8 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 68: all-gather over 8 ranks
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
+    c.prefetch_view()   # spec line 73: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 68
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 71
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 69: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 74: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -290,9 +295,11 @@ def _layer_swa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
+    c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
+    # the pool view staging.attention is free from here
     # direct, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 54
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 57
     lower.attn_residual(c, attn_out)
 
 
@@ -301,11 +308,13 @@ def _kernel(r, *, B, R=1, verify=False):
     k = Kernel(r, B, AXIS, DIMS, PER_RANK, KINDS, RING,
                RingRefs(r.ring_hbm, r.weights, r.ring_sem, r.tile_class, r.stage, r.acc),
                VECTORS, VectorRefs(r.vectors_hbm, r.vectors, r.vectors_sem),
-               kind_ids=KIND_IDS, R=R, verify=verify, formats=FORMATS, experts=EXPERTS)
+               kind_ids=KIND_IDS, R=R, verify=verify, formats=FORMATS, experts=EXPERTS, view=VIEW)
     # Every peer must be inside the kernel before remote copies land in its VMEM.
     collectives.enter(AXIS, RANKS, r.collective_count)
 
-    # prologue: fill the ring, issue the first layers' vectors and the head vectors, embed
+    # prologue: the first layer's pooled matrices, fill the ring, issue the first layers'
+    # vectors and the head vectors, embed
+    k.start_view(0)
     ring.fill(RING, k.ring_refs)
     vectors.fill(VECTORS, k.vector_refs, N_LAYERS)
     head_norm_copy = pltpu.make_async_copy(r.head_norm_hbm, r.head_norm, r.sem__head_norm)
@@ -336,6 +345,8 @@ HBM_SHAPES = {
     "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
+    "pool__full__o_proj": ((len(KIND_LAYERS["full"]), 1024, 8192), BF16),
+    "pool__swa__o_proj": ((len(KIND_LAYERS["swa"]), 1024, 8192), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
@@ -367,7 +378,7 @@ SCRATCH_SHAPES = {
     "stage": vmem((8, ROWS, 1024), BF16),   # activation
     "acc": vmem((25, ROWS, 1024), F32),   # activation
     "latent": vmem((ROWS, 4096), F32),   # activation
-    "staging": vmem((41712, 128), BF16),   # pool
+    "staging": vmem((65536, 128), BF16),   # pool
     "full_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
     "gather__latent_down": vmem((2, 8, ROWS, 512), BF16),   # collective
     "gather__latent_up": vmem((2, 8, ROWS, 1024), BF16),   # collective
@@ -409,6 +420,7 @@ SCRATCH_SHAPES = {
     "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
     "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
+    "pool_sem": dma_sems((1,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
@@ -422,7 +434,7 @@ HOST = Host(kernel=_kernel, hbm_table=HBM_SHAPES, state_table=STATE_SHAPES,
             hf_config=HF_CONFIG, per_rank=PER_RANK, formats=FORMATS, shards=SHARDS,
             kind_ids=KIND_IDS, layer_kind=LAYER_KIND, layer_tile_offset=LAYER_TILE_OFFSET,
             ring=RING, stream_order=STREAM_ORDER, tail_tile_offset=TAIL_TILE_OFFSET,
-            vectors=VECTORS, experts=EXPERTS,
+            vectors=VECTORS, view=VIEW, experts=EXPERTS,
             expert_kind="moe",
             verify_rows=VERIFY_ROWS, verify_sequences=VERIFY_SEQUENCES, row_states=ROW_STATES,
             spread_row_states=SPREAD_ROW_STATES)
