@@ -128,3 +128,16 @@ def test_nvfp4_kernel_equals_its_emulation_and_rejects_decode_mutants(nvfp4_toy)
     run_mini(nvfp4_toy, "toy_msmoe", "--steps", "2", "--batch", "2", timeout=3000)
     run_mini(nvfp4_toy, "toy_msmoe", "--steps", "1", "--batch", "2", patch=MUTANTS["nvfp4.global_scale"],
              rejected=True, timeout=3000)
+
+
+@pytest.mark.extended
+def test_an_nvfp4_checkpoint_with_a_bf16_layer_runs_requantized(tmp_path, monkeypatch):
+    """Layer 0's experts bf16 (drawn so: its param shapes), `nvfp4 rounded`: packing and the
+    references hold them requantized to NVFP4 alike, the error reported; the kernel bit-equal
+    to the emulation."""
+    changes = {"expert_checkpoint": "nvfp4", "expert_checkpoint_bf16_layers": [0]}
+    spec = _spec(tmp_path, changes, "nvfp4 rounded")
+    for _ in registered(monkeypatch, tmp_path, "toy_msmoe", None):
+        summary = run_mini(spec, "toy_msmoe", "--steps", "2", "--batch", "2", timeout=3000)
+    report = summary["requantization"]["expert.gate_up"]
+    assert report["format"] == "nvfp4 block 16 rounded" and 0 < report["changed"] <= report["values"]
