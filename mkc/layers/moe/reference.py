@@ -11,7 +11,11 @@ dots:
   ``expert_e(x) = experts.down_proj[e] @ (silu(gate) * up)`` with ``down_proj[e]`` ``[H, I]``;
   from an FP8 checkpoint the codes times their f32 block scales (``expert_values``; the
   emulation multiplies the codes, each group's partial product times its scales, as the
-  kernel does);
+  kernel does); from an NVFP4 checkpoint (Muse Spark's `-NVFP4`) the e2m1 codes times their
+  e4m3 scales, exact in f32, each product times the matrix's global scale (``_picked``,
+  ``_global_scaled``); int4 experts are the requantization's codes times their bf16 scales
+  (``expert_values``, `weights.requantization`); the emulation multiplies both as the kernel
+  does (``four_bit_linear``);
 * sigmoid routing (``route``): ``sigmoid(x @ gate^T)`` scores, the top k of them plus
   ``gate.e_score_correction_bias`` among the best groups, weighted by their scores
   (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``;
