@@ -32,7 +32,7 @@ from mkc.layers.moe import MoE
 from mkc.layers.moe import reference as moe_ref
 from mkc.layers.moe import weights as moe_weights
 from mkc.layers.moe.options import SCALED_SIGMOID, Checkpoint, nvfp4_expert_fields
-from mkc.model.family import FormatError
+from mkc.model.family import ConfigError, FormatError
 from mkc.model.sharding import ShardTable
 from mkc.reference.rounding import Reduce, Rounding
 from test_moe_muse_spark import MUSE_SPARK_LATENT, MuseSparkMoEDims
@@ -235,7 +235,7 @@ def test_the_dims_fields_of_an_nvfp4_checkpoints_quantization():
                                                "expert_checkpoint_bf16_layers": (0, 7, 61)}
     assert nvfp4_expert_fields(None, 62) == {}
     assert nvfp4_expert_fields({"quant_algo": "NVFP4"}, 4)["expert_checkpoint_bf16_layers"] == ()
-    with pytest.raises(ValueError, match="'FP8' in groups of 16"):
+    with pytest.raises(ConfigError, match="'FP8' in groups of 16"):
         nvfp4_expert_fields({"quant_algo": "FP8"}, 4)
-    with pytest.raises(ValueError, match="groups of 32"):
+    with pytest.raises(ConfigError, match="groups of 32"):
         nvfp4_expert_fields({"quant_algo": "NVFP4", "group_size": 32}, 4)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from mkc.layers.activation import Activation  # noqa: F401  (an option of MoE and SwiGLU)
 from mkc.layers.expert_formats import MX_BLOCK, NVFP4_BLOCK
+from mkc.model.family import ConfigError
 from mkc.model.graph import Tensor
 
 
@@ -286,13 +287,14 @@ def nvfp4_expert_fields(quantization: Mapping | None, layers: int, prefix: str =
     "expert_checkpoint_bf16_layers": the layers whose experts a pattern excludes}; {} without
     one. A pattern (fnmatch, or a module name, excluding what it holds) excludes layer i's
     experts where it names them, one of them, their MoE (`prefix`) or the layer, under any of
-    the usual roots. ValueError for a quantization that is not NVFP4 in 16-input blocks."""
+    the usual roots. ConfigError for a quantization that is not NVFP4 in 16-input blocks."""
     if not quantization:
         return {}
     algo, group = quantization.get("quant_algo"), quantization.get("group_size", NVFP4_BLOCK)
     if algo != "NVFP4" or group != NVFP4_BLOCK:
-        raise ValueError(f"quantization {algo!r} in groups of {group}: the MoE reads NVFP4 experts "
-                         f"(quant_algo \"NVFP4\", group_size {NVFP4_BLOCK})")
+        raise ConfigError(f"quantization {algo!r} in groups of {group} is not computed",
+                          f"the MoE reads an NVFP4 checkpoint's experts (quant_algo \"NVFP4\", group_size "
+                          f"{NVFP4_BLOCK}), or a bf16 checkpoint's (no quantization)")
     patterns = list(quantization.get("exclude_modules") or ())
 
     def excluded(i: int) -> bool:
