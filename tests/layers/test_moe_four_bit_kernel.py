@@ -49,6 +49,9 @@ MUTANTS = {
                 "ops.int4_dot = lambda x, c: _real(x, c) * 1.01\n",
     "nvfp4.global_scale": "from mkc.layers.expert_formats import ops\n_real = ops.nvfp4_global_scale\n"
                           "ops.nvfp4_global_scale = lambda s: _real(s) * 1.01\n",
+    # past two rows the kernel decodes the values (the emulation: numpy's decode)
+    "nvfp4.values": "from mkc.layers.expert_formats import ops\n_real = ops.nvfp4_values\n"
+                    "ops.nvfp4_values = lambda c, s: _real(c, s) * 1.01\n",
 }
 
 
@@ -126,10 +129,12 @@ def test_int4_kernel_equals_its_emulation_and_rejects_decode_mutants(int4_toy):
 
 
 @pytest.mark.extended
-def test_nvfp4_kernel_equals_its_emulation_and_rejects_decode_mutants(nvfp4_toy):
-    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "2", "--batch", "2", timeout=3000)
-    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "1", "--batch", "2", patch=MUTANTS["nvfp4.global_scale"],
-             rejected=True, timeout=3000)
+@pytest.mark.parametrize("batch, mutant", [("2", "nvfp4.global_scale"), ("4", "nvfp4.values")])
+def test_nvfp4_kernel_equals_its_emulation_and_rejects_decode_mutants(nvfp4_toy, batch, mutant):
+    """At two rows the kernel feeds the codes to the MXU, at four it decodes them."""
+    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "2", "--batch", batch, timeout=3000)
+    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "1", "--batch", batch, patch=MUTANTS[mutant], rejected=True,
+             timeout=3000)
 
 
 @pytest.mark.extended
