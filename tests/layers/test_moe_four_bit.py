@@ -13,7 +13,8 @@ Spark's MoE options with two ranks that each hold half of every expert's width:
   refused without `rounded`;
 * the rounding emulation on those formats is the f32 reference to bf16's precision;
 * an NVFP4 checkpoint with bf16 layers: refused without `nvfp4 rounded` (naming the layers),
-  and with it those layers requantized to NVFP4 for the reference and the packer alike.
+  and with it those layers requantized to NVFP4 for the reference and the packer alike; the
+  dims fields a config reader takes from ModelOpt's quantization (`nvfp4_expert_fields`).
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from mkc.layers.expert_formats import weights as fw
 from mkc.layers.moe import MoE
 from mkc.layers.moe import reference as moe_ref
 from mkc.layers.moe import weights as moe_weights
-from mkc.layers.moe.options import SCALED_SIGMOID, Checkpoint
-from mkc.model.family import FormatError
+from mkc.layers.moe.options import SCALED_SIGMOID, Checkpoint, nvfp4_expert_fields
+from mkc.model.family import ConfigError, FormatError
 from mkc.model.sharding import ShardTable
 from mkc.reference.rounding import Reduce, Rounding
 from test_moe_muse_spark import MUSE_SPARK_LATENT, MuseSparkMoEDims
@@ -222,3 +223,19 @@ def test_nvfp4_layers_held_as_they_are_requantize_nothing():
     hf, _ = _draws(d)
     held, report = moe_weights.requantization(MOE, hf, d, {"expert.gate_up": NVFP4}, [PREFIX], SHARDS)
     assert held == {} and report["expert.gate_up"]["exact"] and report["expert.gate_up"]["values"] == 0
+
+
+def test_the_dims_fields_of_an_nvfp4_checkpoints_quantization():
+    """What a family's config reader takes from ModelOpt's quantization (`nvfp4_expert_fields`):
+    the layers whose experts its exclusion patterns name (the router's `*mlp.gate*` names none)."""
+    quant = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [
+        "lm_head", "*self_attn*", "*mlp.gate*", "model.language_model.layers.0.mlp.experts*",
+        "*layers.61.mlp*", "model.layers.7.mlp", "model.layers.9.mlp.pre_expert_proj"]}
+    assert nvfp4_expert_fields(quant, 62) == {"expert_checkpoint": "nvfp4",
+                                               "expert_checkpoint_bf16_layers": (0, 7, 61)}
+    assert nvfp4_expert_fields(None, 62) == {}
+    assert nvfp4_expert_fields({"quant_algo": "NVFP4"}, 4)["expert_checkpoint_bf16_layers"] == ()
+    with pytest.raises(ConfigError, match="'FP8' in groups of 16"):
+        nvfp4_expert_fields({"quant_algo": "FP8"}, 4)
+    with pytest.raises(ConfigError, match="groups of 32"):
+        nvfp4_expert_fields({"quant_algo": "NVFP4", "group_size": 32}, 4)

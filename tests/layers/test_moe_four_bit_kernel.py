@@ -3,9 +3,11 @@ MoE options (`test_moe_muse_spark_kernel`: every rank a width slice of every exp
 experts `int4 block 64 rounded` requantized from its bf16 checkpoint, or held as an NVFP4
 checkpoint holds them (a dims field `expert_checkpoint` "nvfp4": its config says so, as Muse
 Spark's `-NVFP4`). Its experts' width is 512 (64 rows a rank: a block, a pack group). Quick:
-compiled, the slots' tensors in the format. Extended: the kernel in TPU interpret mode
-bit-equal to the rounding emulation, and a 1 % mutant of each decode (the kernel's, not the
-emulation's) rejected by the same run."""
+compiled, the slots' tensors in the format; compiled from a checkpoint directory, what packing
+does reported (int4 rounded, NVFP4 exact); an NVFP4 checkpoint with a bf16 layer refused
+unless `nvfp4 rounded`. Extended: the kernel in TPU interpret mode bit-equal to the rounding
+emulation, a 1 % mutant of each decode (the kernel's, not the emulation's) rejected by the
+same run; the bf16 layer requantized to NVFP4 likewise bit-equal."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,6 +49,9 @@ MUTANTS = {
                 "ops.int4_dot = lambda x, c: _real(x, c) * 1.01\n",
     "nvfp4.global_scale": "from mkc.layers.expert_formats import ops\n_real = ops.nvfp4_global_scale\n"
                           "ops.nvfp4_global_scale = lambda s: _real(s) * 1.01\n",
+    # past two rows the kernel decodes the values (the emulation: numpy's decode)
+    "nvfp4.values": "from mkc.layers.expert_formats import ops\n_real = ops.nvfp4_values\n"
+                    "ops.nvfp4_values = lambda c, s: _real(c, s) * 1.01\n",
 }
 
 
@@ -124,7 +129,45 @@ def test_int4_kernel_equals_its_emulation_and_rejects_decode_mutants(int4_toy):
 
 
 @pytest.mark.extended
-def test_nvfp4_kernel_equals_its_emulation_and_rejects_decode_mutants(nvfp4_toy):
-    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "2", "--batch", "2", timeout=3000)
-    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "1", "--batch", "2", patch=MUTANTS["nvfp4.global_scale"],
-             rejected=True, timeout=3000)
+@pytest.mark.parametrize("batch, mutant", [("2", "nvfp4.global_scale"), ("4", "nvfp4.values")])
+def test_nvfp4_kernel_equals_its_emulation_and_rejects_decode_mutants(nvfp4_toy, batch, mutant):
+    """At two rows the kernel feeds the codes to the MXU, at four it decodes them."""
+    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "2", "--batch", batch, timeout=3000)
+    run_mini(nvfp4_toy, "toy_msmoe", "--steps", "1", "--batch", batch, patch=MUTANTS[mutant], rejected=True,
+             timeout=3000)
+
+
+@pytest.mark.extended
+def test_an_nvfp4_checkpoint_with_a_bf16_layer_runs_requantized(tmp_path, monkeypatch):
+    """Layer 0's experts bf16 (drawn so: its param shapes), `nvfp4 rounded`: packing and the
+    references hold them requantized to NVFP4 alike, the error reported; the kernel bit-equal
+    to the emulation."""
+    changes = {"expert_checkpoint": "nvfp4", "expert_checkpoint_bf16_layers": [0]}
+    spec = _spec(tmp_path, changes, "nvfp4 rounded")
+    for _ in registered(monkeypatch, tmp_path, "toy_msmoe", None):
+        summary = run_mini(spec, "toy_msmoe", "--steps", "2", "--batch", "2", timeout=3000)
+    report = summary["requantization"]["expert.gate_up"]
+    assert report["format"] == "nvfp4 block 16 rounded" and 0 < report["changed"] <= report["values"]
+
+
+@pytest.mark.parametrize("changes, fmt, exact", [({}, "int4 block 64 rounded", False),
+                                                 ({"expert_checkpoint": "nvfp4"}, "nvfp4 block 16", True)])
+def test_compiling_from_a_checkpoint_reports_what_packing_does(tmp_path, monkeypatch, changes, fmt,
+                                                               exact):
+    """`mkc compile --model CHECKPOINT_DIR` (`mkc.requantize.report`): int4 measured against the
+    checkpoint's values, rounded; NVFP4 held as it is, nothing moved."""
+    import json
+
+    from mkc.checkpoint import save_checkpoint
+    from mkc.requantize import report
+    spec = _spec(tmp_path, changes, fmt)
+    for _ in registered(monkeypatch, tmp_path, "toy_msmoe", None):
+        import toy_msmoe.reference as reference
+        config = json.loads((tmp_path / "toy_mini.json").read_text())
+        params = reference.init_params(reference.load_config(config), 0)
+        save_checkpoint(tmp_path / "checkpoint", config, params)
+        c = compiler.compile_spec(spec, str(tmp_path / "checkpoint"))
+        measured = report(c.ir, c.schedule)
+    for cls in ("expert.gate_up", "expert.down"):
+        assert measured[cls]["measured"] and measured[cls]["exact"] is exact
+        assert measured[cls]["format"] == fmt and (measured[cls]["changed"] > 0) is not exact

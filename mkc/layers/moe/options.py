@@ -13,12 +13,15 @@ module holding its math by name when it is called, as `Sublayer.module` does.
 from __future__ import annotations
 
 import enum
+import fnmatch
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mkc.layers.activation import Activation  # noqa: F401  (an option of MoE and SwiGLU)
 from mkc.layers.expert_formats import MX_BLOCK, NVFP4_BLOCK
+from mkc.model.family import ConfigError
 from mkc.model.graph import Tensor
 
 
@@ -269,3 +272,38 @@ class Checkpoint(enum.Enum):
             if bias:
                 out[prefix + f"{name}_bias"] = ((experts, o), "bfloat16")
         return out
+
+
+# Where a checkpoint's layers' experts sit (the names an exclusion pattern may match): decoder
+# layers at the top, or a multimodal model's language model's (Muse Spark's).
+_LAYER_ROOTS = ("model.layers.{i}", "model.language_model.layers.{i}", "language_model.model.layers.{i}")
+
+
+def nvfp4_expert_fields(quantization: Mapping | None, layers: int, prefix: str = "mlp.") -> dict[str, Any]:
+    """The dims fields of a model whose routed experts an NVFP4 checkpoint holds (`MoE.
+    expert_checkpoint`, `MoE.bf16_expert_layers`), from its quantization (config.json's
+    `quantization_config`, or hf_quant_config.json's `quantization`: ModelOpt's `quant_algo`
+    "NVFP4", `group_size` 16, `exclude_modules` name patterns): {"expert_checkpoint": "nvfp4",
+    "expert_checkpoint_bf16_layers": the layers whose experts a pattern excludes}; {} without
+    one. A pattern (fnmatch, or a module name, excluding what it holds) excludes layer i's
+    experts where it names them, one of them, their MoE (`prefix`) or the layer, under any of
+    the usual roots. ConfigError for a quantization that is not NVFP4 in 16-input blocks."""
+    if not quantization:
+        return {}
+    algo, group = quantization.get("quant_algo"), quantization.get("group_size", NVFP4_BLOCK)
+    if algo != "NVFP4" or group != NVFP4_BLOCK:
+        raise ConfigError(f"quantization {algo!r} in groups of {group} is not computed",
+                          f"the MoE reads an NVFP4 checkpoint's experts (quant_algo \"NVFP4\", group_size "
+                          f"{NVFP4_BLOCK}), or a bf16 checkpoint's (no quantization)")
+    patterns = list(quantization.get("exclude_modules") or ())
+
+    def excluded(i: int) -> bool:
+        # the layer, its MoE, its experts, an expert and a linear of one (not a fused tensor's
+        # name: `*mlp.gate*` excludes the router, not `gate_up_proj`)
+        names = [n for root in _LAYER_ROOTS for moe in [f"{root.format(i=i)}.{prefix.rstrip('.')}"]
+                 for n in (root.format(i=i), moe, f"{moe}.experts", f"{moe}.experts.0",
+                           f"{moe}.experts.0.down_proj")]
+        return any(fnmatch.fnmatchcase(n, pat) for n in names for pat in patterns)
+
+    return {"expert_checkpoint": Checkpoint.NVFP4.value,
+            "expert_checkpoint_bf16_layers": tuple(i for i in range(layers) if excluded(i))}

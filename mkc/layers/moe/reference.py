@@ -11,7 +11,11 @@ dots:
   ``expert_e(x) = experts.down_proj[e] @ (silu(gate) * up)`` with ``down_proj[e]`` ``[H, I]``;
   from an FP8 checkpoint the codes times their f32 block scales (``expert_values``; the
   emulation multiplies the codes, each group's partial product times its scales, as the
-  kernel does);
+  kernel does); from an NVFP4 checkpoint (Muse Spark's `-NVFP4`) the e2m1 codes times their
+  e4m3 scales, exact in f32, each product times the matrix's global scale (``_picked``,
+  ``_global_scaled``); int4 experts are the requantization's codes times their bf16 scales
+  (``expert_values``, `weights.requantization`); the emulation multiplies both as the kernel
+  does (``four_bit_linear``);
 * sigmoid routing (``route``): ``sigmoid(x @ gate^T)`` scores, the top k of them plus
   ``gate.e_score_correction_bias`` among the best groups, weighted by their scores
   (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``;
@@ -312,7 +316,7 @@ def mxfp4_experts(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array) -> ja
 def _picked(s: MoE, p: Mapping[str, jax.Array], d: Any, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The ``ids`` experts' ``gate_up [..., 2I, H]`` (gate rows first) and ``down [..., H, I]``
     values: decoded from MXFP4 codes, an FP8 checkpoint's codes times their block scales, an
-    NVFP4 checkpoint's e2m1 x e4m3 values (their global scales apart: `_global_scales`), or as
+    NVFP4 checkpoint's e2m1 x e4m3 values (their global scales apart: `_global_scaled`), or as
     stored."""
     if s.checkpoint is Checkpoint.MXFP4_PACKED:
         gate, up, down = (packed_experts(s, p, d, w, ids) for w in PACKED)
@@ -328,11 +332,12 @@ def _picked(s: MoE, p: Mapping[str, jax.Array], d: Any, ids: jax.Array) -> tuple
     return _gate_first(s, gate_up, -2), down
 
 
-def _global_scales(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array) -> jax.Array | float:
-    """Each pick's NVFP4 global scale of `matrix` (`gate_up`, `down`), ``[..., k, 1]``, which
-    multiplies its product of the e2m1 x e4m3 values (`_picked`); 1 for other experts."""
+def _global_scaled(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array, y: jax.Array) -> jax.Array:
+    """The picks' products ``y [..., k, out]`` of `matrix` (`gate_up`, `down`) times each pick's
+    NVFP4 global scale, which multiplies its product of the e2m1 x e4m3 values (`_picked`); as
+    they are for other experts."""
     name = f"experts.{_STORED[matrix]}{NVFP4_GLOBAL}"
-    return jnp.asarray(p[name])[ids][..., None] if name in p else 1.0
+    return y * jnp.asarray(p[name])[ids][..., None] if name in p else y
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
@@ -668,11 +673,11 @@ def _routed_experts(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: jax.Array, 
     """The f32 oracle's routed experts: each row's picks, weighted and summed."""
     inter = d.moe_intermediate_size
     gate_up, down = _picked(s, p, d, ids)
-    hidden = jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST) * _global_scales(p, "gate_up", ids)
+    hidden = _global_scaled(p, "gate_up", ids, jnp.einsum("bh,bkoh->bko", xin, gate_up, precision=HIGHEST))
     if s.expert_bias:
         hidden = hidden + _gate_first(s, p["experts.gate_up_proj_bias"][ids], -1)
     act = activation(s, d, hidden[..., :inter], hidden[..., inter:])
-    out = jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST) * _global_scales(p, "down", ids)
+    out = _global_scaled(p, "down", ids, jnp.einsum("bki,bkoi->bko", act, down, precision=HIGHEST))
     if s.expert_bias:
         out = out + p["experts.down_proj_bias"][ids]
     if s.latent and s.latent.expert_norm:

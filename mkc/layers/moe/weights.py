@@ -45,7 +45,6 @@ from mkc.model.sharding import ShardTable
 
 # Checkpoint tensors of each routed-expert class ([E, out, in], fused), under `experts.`.
 _EXPERT_TENSORS = {"expert.gate_up": "gate_up_proj", "expert.down": "down_proj"}
-_CLASS_OF = {"gate_up_proj": "gate_up", "down_proj": "down"}
 # An NVFP4 checkpoint's tensors beside each fused matrix's codes (`Checkpoint.NVFP4`)
 NVFP4_SCALE, NVFP4_GLOBAL = "_weight_scale", "_weight_scale_2"
 
@@ -155,6 +154,11 @@ def four_bit_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int,
     return {f"{name}_codes": codes, f"{name}_scales": scales}
 
 
+def _class_of(stored: str) -> str:
+    """The expert class of a fused checkpoint tensor (`..experts.gate_up_proj`)."""
+    return next(cls for cls, name in _EXPERT_TENSORS.items() if stored.endswith("experts." + name))
+
+
 def int4_slot(hf: Mapping, stored: str, e: int, out_index: list[int], in_index: list[int],
               fmt: WeightFormat, what: str) -> tuple[np.ndarray, np.ndarray]:
     """Expert `e` of the bf16 checkpoint's fused `stored`, its output rows `out_index` and input
@@ -163,8 +167,7 @@ def int4_slot(hf: Mapping, stored: str, e: int, out_index: list[int], in_index: 
     if stored + BLOCK_SCALE in hf:
         raise ValueError(f"{stored} holds codes under bf16 block scales (a requantized checkpoint), "
                          f"which `{fmt.spelled}` does not take as they are: pack the checkpoint itself")
-    codes, scales, _ = int4_expert_slice(hf[stored][e], out_index, in_index, fmt,
-                                         f"expert.{_CLASS_OF[stored.rsplit('.', 1)[1]]}", what)
+    codes, scales, _ = int4_expert_slice(hf[stored][e], out_index, in_index, fmt, _class_of(stored), what)
     return codes, scales
 
 
@@ -180,9 +183,9 @@ def nvfp4_slot(hf: Mapping, stored: str, e: int, out_index: list[int], in_index:
                                   np.asarray(hf[stored + NVFP4_SCALE][e]).astype(ml_dtypes.float8_e4m3fn),
                                   np.asarray(hf[stored + NVFP4_GLOBAL][e], np.float32), out_index, in_index)
     if not fmt.rounded:
-        raise FormatError(f"expert.{_CLASS_OF[stored.rsplit('.', 1)[1]]}",
-                          f"{what} is bf16 in the NVFP4 checkpoint, which `{fmt.spelled}` would requantize",
-                          f"write `format expert.{_CLASS_OF[stored.rsplit('.', 1)[1]]} nvfp4 rounded`")
+        cls = _class_of(stored)
+        raise FormatError(cls, f"{what} is bf16 in the NVFP4 checkpoint, which `{fmt.spelled}` would "
+                          "requantize", f"write `format {cls} nvfp4 rounded`")
     values = np.asarray(hf[stored][e], np.float32)
     r = nvfp4_from_bf16(values[np.ix_(out_index, in_index)], nvfp4_global_scale(values))
     return pack_nvfp4_for_kernel(r.codes, r.block_scales, r.global_scale)
