@@ -12,13 +12,13 @@ type, rotary on a full layer or none on a sliding one, a dense MLP layer, biases
 embeddings, another activation."""
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mkc.layers.config import attention_heads, layer_types, refuse, setting
 from mkc.layers.gqa import GQADims
+from mkc.layers.moe.options import nvfp4_expert_fields
 from mkc.layers.rope import read_rope
 from mkc.model.family import ConfigError, config_float, config_int, identifier
 
@@ -96,36 +96,6 @@ def check_layers(raw: Mapping, types: list[str], theta: float) -> None:
                           "write 0 for each full_attention layer and rope_theta for the others")
 
 
-_EXCLUDED_EXPERTS = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp(?:\.experts)?(?:\*|\..*)?$")
-
-
-def expert_checkpoint(config: Mapping, layers: int) -> tuple[str, tuple[int, ...]]:
-    """("nvfp4", the layers whose experts it keeps bf16) where the config's `quantization_config`
-    says NVFP4 (ModelOpt's `quant_algo`; its `exclude_modules`, or `ignore`, name the layers'
-    `mlp.experts` it left bf16), ("", ()) without one; ConfigError for another quantization or
-    an exclusion of experts it cannot place in one layer."""
-    quant = config.get("quantization_config")
-    if quant is None:
-        return "", ()
-    algo = quant.get("quant_algo") if isinstance(quant, Mapping) else None
-    if algo != "NVFP4":
-        raise ConfigError(f"quantization_config's quant_algo = {algo!r}: mkc reads Muse Spark's bf16 "
-                          "checkpoint and its NVFP4 release", "the -NVFP4 release says \"quant_algo\": "
-                          "\"NVFP4\"; a bf16 checkpoint has no quantization_config")
-    excluded = quant.get("exclude_modules", quant.get("ignore")) or []
-    if not isinstance(excluded, list) or not all(isinstance(m, str) for m in excluded):
-        raise ConfigError("quantization_config's exclude_modules must be a list of module names",
-                          "as hf_quant_config.json lists them")
-    bf16 = set()
-    for module in excluded:
-        if (match := _EXCLUDED_EXPERTS.search(module)) and int(match.group(1)) < layers:
-            bf16.add(int(match.group(1)))
-        elif "expert" in module or module.rstrip("*").endswith("mlp"):
-            raise ConfigError(f"quantization_config excludes {module!r}: mkc places an excluded MoE by its "
-                              "layer (`...layers.N.mlp.experts`)", "name each excluded layer's experts")
-    return "nvfp4", tuple(sorted(bf16))
-
-
 def read_dims(top: Mapping, name: str) -> MuseSparkDims:
     """The one reader of a Muse Spark text config (an omni config's `text_config`);
     ConfigError for a setting mkc does not compute."""
@@ -162,7 +132,9 @@ def read_dims(top: Mapping, name: str) -> MuseSparkDims:
 
 
 def _checkpoint_fields(raw: Mapping, top: Mapping, layers: int) -> dict[str, Any]:
-    """The experts' checkpoint, from the text config's `quantization_config` or the top's."""
-    where = raw if "quantization_config" in raw else top
-    name, bf16 = expert_checkpoint(where, layers)
-    return {"expert_checkpoint": name, "expert_checkpoint_bf16_layers": bf16}
+    """The experts' checkpoint (`mkc.layers.moe.options.nvfp4_expert_fields`), from the text
+    config's `quantization_config` or the omni config's."""
+    quant = raw.get("quantization_config", top.get("quantization_config"))
+    if quant is not None and not isinstance(quant, Mapping):
+        raise ConfigError("quantization_config must be an object", "ModelOpt's, as the -NVFP4 release has")
+    return nvfp4_expert_fields(quant, layers)

@@ -49,7 +49,7 @@ def test_upstream_defaults_fill_an_empty_config():
     ({"attention_bias": True}, "attention_bias"),
     ({"num_experts_per_tok": 17}, "num_experts_per_tok"),
     ({"vocab_used": 4096}, "vocab_used"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quant_algo"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]},
      "layer_types"),
@@ -74,8 +74,9 @@ def test_an_omni_config_nests_the_text_model_and_says_where_its_experts_are_nvfp
     excluded = read_dims({"model_type": "muse_spark", "text_config": text, "quantization_config": {
         "quant_algo": "NVFP4", "exclude_modules": modules}}, "m")
     assert excluded.expert_checkpoint_bf16_layers == (0, 3)
-    with pytest.raises(ConfigError, match="experts"):
-        read_dims(text | {"quantization_config": {"quant_algo": "NVFP4", "ignore": ["*experts"]}}, "m")
+    quant = {"quant_algo": "NVFP4", "exclude_modules": ["*experts"]}
+    every = read_dims(text | {"quantization_config": quant}, "m")
+    assert every.expert_checkpoint_bf16_layers == (0, 1, 2, 3)
 
 
 def test_the_shipped_files_are_json_without_duplicate_keys():
