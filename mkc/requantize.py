@@ -19,9 +19,10 @@ def requantizing(s: ir.ScheduleIR) -> dict[str, ir.WeightFormat]:
     classes stored as codes with a scale per column)."""
     from mkc.model import registry
     rounds = registry.get(s.family).rounding_formats
-    # `fp8 block R x C` holds an FP8 checkpoint's codes and scales as they are: nothing rounds
+    # `fp8 block R x C` holds an FP8 checkpoint's codes and scales as they are, and `nvfp4` an
+    # NVFP4 checkpoint's unless `rounded` (its bf16 layers requantized): nothing rounds
     return {cls: f for cls, f in sorted(s.weight_formats.items())
-            if (f.name in rounds and not f.cols) or f.channel}
+            if (f.name in rounds and not f.cols and (f.rounded or f.name != "nvfp4")) or f.channel}
 
 
 def dense_matrices(s: ir.ScheduleIR) -> list:
