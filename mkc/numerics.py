@@ -239,7 +239,8 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 #   reported as drift, never judged.
 #
 # Against the plain f32 reference, from the same state (the independent oracle of each step's
-# math): logits within 3 % of the largest, the same next token, states within the family's
+# math): logits within the family's plain_logits_tolerance of the largest (3 %; more for a
+# family whose math amplifies bf16 staging more), the same next token, states within the family's
 # plain_state_tolerance (bf16 weights and bf16-staged activations against f32 everywhere: about
 # 2**-8 apart), on the rows that are not near-ties. A row is a near-tie where the plain
 # reference may decide otherwise than the kernel: the kernel's choices are the emulation's
@@ -249,7 +250,6 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
 
 EMULATION_EXACT = 2.0 ** -17
 EMULATION_FLIPS = {"logits_frob": 1e-3, "states": 5e-5}
-PLAIN_LOGITS = 0.03
 
 STATE_KINDS = ("recurrent_state", "conv_state", "key_cache", "value_cache", "latent_cache")
 
@@ -388,14 +388,15 @@ def failures(summary: Mapping) -> list[str]:
     steps = summary.get("steps") or []
     if not steps:
         return ["no steps ran"]
-    plain_state = registry.get(summary["family"]).plain_state_tolerance
+    family = registry.get(summary["family"])
+    plain_state, plain_logits = family.plain_state_tolerance, family.plain_logits_tolerance
     check = emulation_check(summary)
     bounds = None if check is None else emulation_bounds(check)
     for s in steps:
         i = s["step"]
-        if s["logits_max_abs_err"] >= PLAIN_LOGITS * s["logits_max_abs"] and s["logits_max_abs_err"] > 0:
+        if s["logits_max_abs_err"] >= plain_logits * s["logits_max_abs"] and s["logits_max_abs_err"] > 0:
             out.append(f"step {i}: logits differ from the plain reference by "
-                       f"{s['logits_max_abs_err']:.3g}, over {PLAIN_LOGITS:.0%} of {s['logits_max_abs']:.3g}")
+                       f"{s['logits_max_abs_err']:.3g}, over {plain_logits:.0%} of {s['logits_max_abs']:.3g}")
         if s["next_token"] != s["ref_next_token"]:
             out.append(f"step {i}: next tokens {s['next_token']} != reference {s['ref_next_token']}")
         for name in s.get("kernel_state_mismatches", ()):

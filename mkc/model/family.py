@@ -110,6 +110,7 @@ class Family:
     # batch axis.
     vmem_inputs: Callable[[Any, int], list] = lambda dims, batch: []
     plain_state_tolerance: float = 1.5e-2   # vs the plain reference (mkc.numerics)
+    plain_logits_tolerance: float = 0.03    # of the largest logit, likewise
     # Checkpoint names: upstream prefixes renamed on load, and prefixes of parts it skips.
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     skipped_prefixes: tuple[str, ...] = ()

@@ -16,6 +16,11 @@ FAMILY = Family(
     shard_classes=SHARD_CLASSES, build=build, package=__name__,
     dims_import=("mkc.families.muse_spark.config", "MuseSparkDims"),
     vmem_inputs=rope_input, layers=LAYERS, final_logits=True,
+    # bf16-staged activations against f32 everywhere, on random MINI weights: the scores'
+    # 5.47 / sqrt(64) scale on unit-normed q and k and every normed branch entering the stream
+    # undamped amplify them to 4.3 % of the largest logit (batch 8, step 1; 2.2 % at batch 2),
+    # the kernel bit-equal to its emulation throughout
+    plain_logits_tolerance=0.06,
     weight_formats=WEIGHT_FORMATS, model_formats=formats_for, rounding_formats=ROUNDING_FORMATS,
     dense_classes=("attention", "latent", "lm_head"),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,

@@ -8,7 +8,8 @@ the MINI's 256-token window (the swa phase's KV ring). A 1 % error in any op the
 brought into the library (`MUTANTS`) is rejected by the emulation."""
 import pytest
 
-from tests_support import ROOT, assert_bit_equal, assert_each_mutant_rejected, run_example
+from tests_support import (ROOT, assert_bit_equal, assert_each_mutant_rejected,
+                           assert_each_mutant_rejected_on_its_row, run_example)
 
 SPEC = str(ROOT / "schedules" / "muse_spark.sched")
 # The ops Muse Spark brought: the gated residuals (each place's update, the FFN pre-norm, the
@@ -29,11 +30,14 @@ def _run(*args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_on_wait_two_steps_bit_equal_and_mutants_are_rejected():
-    summary = _run("--mode", "on_wait", "--steps", "2", "--batch", "2", "--mutants", ",".join(CI_MUTANTS),
-                   "--mutant-steps", "1")
+def test_on_wait_two_steps_bit_equal_then_each_mutant_rejected_on_its_row():
+    """Two steps at batch 7 bit-equal; then one module with `CI_MUTANTS`, mutant i acting on
+    row i alone, runs step 1 from the module's state after step 0: each mutant's row is
+    rejected by the emulation, and the last row, which none touches, stays bit-equal."""
+    summary = _run("--mode", "on_wait", "--steps", "2", "--batch", str(len(CI_MUTANTS) + 1),
+                   "--mutants", ",".join(CI_MUTANTS), "--mutants-from", "1", "--mutants-by-row")
     assert_bit_equal(summary)
-    assert_each_mutant_rejected(summary, CI_MUTANTS)
+    assert_each_mutant_rejected_on_its_row(summary, CI_MUTANTS)
 
 
 @pytest.mark.extended
