@@ -164,9 +164,11 @@ def worker(request_path: str) -> int:
                   for name, (arch, model_type) in req["families"].items()}
         print(json.dumps({"versions": versions, "families": answer}))
         return 0
+    if req["op"] == "towers":
+        print(json.dumps({"versions": versions, "tensors": tower_shapes(req["config"], req["prefixes"])}))
+        return 0
 
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     ckpt = req["checkpoint"]
     kwargs = {"dtype": torch.float32, "attn_implementation": "eager", "output_loading_info": True}
@@ -175,7 +177,7 @@ def worker(request_path: str) -> int:
     config = json.loads((Path(ckpt) / "config.json").read_text())
     if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
-    model, info = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
+    model, info = getattr(transformers, config["architectures"][0]).from_pretrained(ckpt, **kwargs)
     model.eval()
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
@@ -219,6 +221,18 @@ def worker(request_path: str) -> int:
     return 0
 
 
+def tower_shapes(config_path: str, prefixes: list[str]) -> dict[str, list[int]]:
+    """The shapes of the parameters and buffers, named as stored, that the config's
+    architecture holds under `prefixes` (built on the meta device: no values)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_path)
+    with torch.device("meta"):
+        model = getattr(transformers, config.architectures[0])(config)
+    return {name: list(t.shape) for name, t in model.state_dict().items() if name.startswith(tuple(prefixes))}
+
+
 # ---------------------------------------------------------------------------------------------
 # The mkc side.
 
@@ -242,13 +256,89 @@ def config_path(arg: str | None, family) -> Path:
     raise SystemExit(f"transformers_parity: no config {arg!r} (a path, or a name in {CONFIG_DIR})")
 
 
-def hf_config(raw: dict) -> dict:
+# Families whose only transformers class with an lm_head is a multimodal one: their text-only
+# MINI goes in as its `text_config` (the towers as small as the config classes allow; the
+# audio tower's output width must be the text model's), in the released checkpoint layout.
+MULTIMODAL = {
+    "muse_spark": {
+        "architectures": ["MuseSparkForConditionalGeneration"], "model_type": "muse_spark",
+        "vision_config": {"num_hidden_layers": 1, "hidden_size": 16, "intermediate_size": 16,
+                          "num_attention_heads": 1, "patch_size": 2, "pos_emb_height": 2, "pos_emb_width": 2},
+        "audio_config": {"hidden_sizes": [8], "depths": [1], "patch_sizes": [2], "num_hidden_layers": 1},
+        "out_hidden_size": 16, "projector_hidden_size": 16,
+    },
+}
+
+
+def hf_config(raw: dict, family_name: str) -> dict:
     """The MINI config as a checkpoint's config.json: its architecture, model type and bf16
-    storage dtype stated."""
+    storage dtype stated; a MULTIMODAL family's wrapped as its multimodal config's text_config."""
     out = dict(raw)
+    if family_name in MULTIMODAL and "architectures" not in raw and "text_config" not in raw:
+        wrapper = json.loads(json.dumps(MULTIMODAL[family_name]))
+        wrapper["audio_config"]["out_hidden_size"] = raw["hidden_size"]
+        out = wrapper | {"text_config": out}
     out.setdefault("dtype", "bfloat16")
     out.setdefault("torch_dtype", out["dtype"])
     return out
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def used_vocab(config: dict) -> int:
+    """The ids the tokenizer emits (mkc's `vocab_used`, not an upstream key): the reference
+    masks the logits past them to -inf, so only these columns are compared."""
+    text = text_config(config)
+    return int(text.get("vocab_used", text["vocab_size"]))
+
+
+def released_layout(family, params: dict) -> dict:
+    """`params` (mkc's names) under the names a multimodal checkpoint stores them by: each of
+    the family's renamed prefixes (stored -> mkc) undone."""
+    out = {}
+    for name, value in params.items():
+        stored = next((old + name[len(new):] for old, new in family.renamed_prefixes
+                       if name.startswith(new)), name)
+        out[stored] = value
+    return out
+
+
+def checkpoint_params(family, config: dict, params: dict, python: Path, work: Path, seed: int) -> dict:
+    """The tensors the checkpoint transformers loads holds: `params`, and for a multimodal
+    config the released layout, with seeded values for the towers mkc skips on load
+    (`Family.skipped_prefixes`; a text-only forward never calls them), so that transformers
+    loads a complete checkpoint."""
+    if "text_config" not in config:
+        return params
+    import ml_dtypes
+    import numpy as np
+
+    out = released_layout(family, params)
+    (work / "config.json").write_text(json.dumps(config))
+    towers = run_worker(python, {"op": "towers", "config": str(work),
+                                 "prefixes": list(family.skipped_prefixes)}, work)["tensors"]
+    rng = np.random.default_rng([seed, 11])
+    for name, shape in sorted(towers.items()):
+        out[name] = (0.02 * rng.standard_normal(shape)).astype(ml_dtypes.bfloat16)
+    return out
+
+
+def check_round_trip(ckpt: Path, params: dict) -> int:
+    """mkc's loader on the checkpoint written: every tensor of `params`, renamed back and
+    equal, the towers skipped; the number of tensors compared. SystemExit otherwise."""
+    import numpy as np
+
+    from mkc.checkpoint import load_checkpoint
+    _, loaded = load_checkpoint(ckpt)
+    if set(loaded) != set(params):
+        raise SystemExit(f"transformers_parity: mkc's loader read {sorted(set(loaded) ^ set(params))[:8]} "
+                         "differently from what was written")
+    differing = [n for n in params if not np.array_equal(np.asarray(loaded[n]), np.asarray(params[n]))]
+    if differing:
+        raise SystemExit(f"transformers_parity: mkc's loader changed {differing[:8]}")
+    return len(params)
 
 
 def reference_run(ref, cfg, params, tokens0, steps: int, mode: str, cache_dtype, seed: int, vocab: int,
@@ -307,22 +397,23 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
     family = registry.get(name)
     path = config_path(args.config, family)
     raw = json.loads(path.read_text())
-    arch = (raw.get("architectures") or [None])[0]
+    config = hf_config(raw, name)
+    arch = (config.get("architectures") or [None])[0]
     shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     result: dict = {"family": name, "config": str(shown),
-                    "architecture": arch, "model_type": raw.get("model_type")}
+                    "architecture": arch, "model_type": config.get("model_type")}
     found = probe.get(name, {})
     missing = ([] if arch else ["its config names no `architectures`"]) + (
         [] if not arch or found.get("architecture") else [f"transformers {TRANSFORMERS} has no {arch}"]) + (
         [] if found.get("model_type") else
-        [f"transformers {TRANSFORMERS} has no model_type {raw.get('model_type')!r}"])
+        [f"transformers {TRANSFORMERS} has no model_type {config.get('model_type')!r}"])
     why = "; ".join(missing)
     if why:
         return result | {"status": "skipped", "reason": why}
 
     ref = family.module("reference")
     cfg = ref.load_config(path)
-    vocab = raw["vocab_size"]
+    vocab = used_vocab(raw)
     if args.checkpoint:
         from mkc.checkpoint import load_checkpoint
         from mkc.serve.model import Tokenizer
@@ -349,7 +440,10 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
         if args.checkpoint:
             ckpt = Path(args.checkpoint).resolve()
         else:
-            save_checkpoint(ckpt, hf_config(raw), perturbed(params, args.perturb))
+            given = perturbed(params, args.perturb)
+            save_checkpoint(ckpt, config, checkpoint_params(family, config, given, python, work, args.seed))
+            if "text_config" in config and not args.perturb:
+                result["mkc_loader_round_trip"] = check_round_trip(ckpt, params)
         positions = np.broadcast_to(np.arange(args.steps)[:, None], tokens.shape)
         t0 = time.time()
         meta = run_worker(python, {"op": "run", "checkpoint": str(ckpt), "tokens": tokens.tolist(),
@@ -358,13 +452,14 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
                                    "out": str(work / "hf.npz")}, work)
         log(f"{name}: transformers {args.steps} steps in {time.time() - t0:.1f} s")
         dump = dict(np.load(work / "hf.npz"))
-    hf = dump["logits"]
+    hf = dump["logits"][..., :vocab]
+    ref_f32, ref_bf16 = ref_f32[..., :vocab], ref_bf16[..., :vocab]
     if args.checkpoint:      # transformers' argmax after each answer token fed: its greedy answer
         for row, answer in zip(result["chat"], hf.argmax(-1).T):
             picked = [int(t) for t in answer[len(row["prompt_tokens"]) - 1:-1]]
             row["transformers_greedy_equal"] = picked == row["reference_tokens"]
     result |= {"status": "ran", "perturb": args.perturb, "steps": args.steps, "batch": tokens.shape[1],
-               "seed": args.seed,
+               "seed": args.seed, "vocab_compared": vocab,
                "tokens_mode": args.tokens, "tokens": tokens.T.tolist(), "transformers": meta,
                "f32_state": compare(ref_f32, hf, args.tolerance),
                "bf16_state": compare(ref_bf16, hf, args.tolerance)}
@@ -389,7 +484,7 @@ def chat_answers(ref, cfg, params, prompts: list[list[int]], tokens, tokenizer, 
         rounding = numerics.rounding_from_ir(compiler.check_spec(args.spec, args.checkpoint).ir)
         t0 = time.time()
         emulated, _ = reference_run(ref, cfg, params, prompts, args.steps, "greedy", None, args.seed,
-                                    raw["vocab_size"], rounding)
+                                    used_vocab(raw), rounding)
         log(f"rounding emulation of {Path(args.spec).name}: {args.steps} steps in {time.time() - t0:.1f} s")
     eos = raw.get("eos_token_id")
     rows = []
@@ -520,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     families = {}
     for n in names:
         raw = json.loads(config_path(args.config, registry.get(n)).read_text())
-        families[n] = [(raw.get("architectures") or [None])[0], raw.get("model_type")]
+        config = hf_config(raw, n)
+        families[n] = [(config.get("architectures") or [None])[0], config.get("model_type")]
     with tempfile.TemporaryDirectory(prefix="mkc-parity-") as tmp:
         probe = run_worker(python, {"op": "probe", "families": families}, Path(tmp))
     versions = probe["versions"]
