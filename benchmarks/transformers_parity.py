@@ -15,19 +15,30 @@ Per family:
    reference's `init_params(cfg, --seed)` (bf16 HF-named tensors, MXFP4 expert blocks for
    gpt_oss) written as an HF checkpoint directory: config.json (the MINI config with
    `architectures`, `model_type`, `dtype`/`torch_dtype` bfloat16) and model.safetensors.
+   A family whose only transformers class with an lm_head is multimodal (`MULTIMODAL`:
+   muse_spark, `MuseSparkForConditionalGeneration`) is written as that model: the MINI as its
+   config's `text_config` beside minimal vision and audio configs, the tensors in the released
+   layout (the family's renamed prefixes undone: `model.language_model.`), and the towers,
+   which mkc skips on load and a text-only forward never calls, as seeded values of the
+   shapes transformers gives them, so the checkpoint is complete; mkc's own loader must read
+   that directory back to the reference's tensors, bit for bit.
 2. The reference's `decode_step` runs --steps steps for --batch rows at positions 0, 1, ...: row
    b starts from a seeded token, and each next token is the reference's greedy choice
    (`--tokens greedy`, the default) or a seeded random token (`--tokens random`). The token
    list is then fixed: transformers is fed the same tokens (teacher forcing), so a difference
    at one step does not change the next step's input.
-3. In the parity venv: `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32,
-   attn_implementation="eager", experts_implementation="eager")` (an MXFP4 checkpoint with
+3. In the parity venv: the class the config's `architectures` names (e.g. `GptOssForCausalLM`),
+   `.from_pretrained(dir, dtype=torch.float32, attn_implementation="eager",
+   experts_implementation="eager")` (an MXFP4 checkpoint with
    `Mxfp4Config(dequantize=True)`: the experts decoded into f32 parameters); loading must
    report no missing, unexpected or mismatched tensors, and every tensor transformers keeps
    as stored must equal the checkpoint's value exactly. Then one forward call a step, one
    token a row, explicit `position_ids`, `use_cache=True` with the cache it returned.
-4. Compared per step: `max |ref - hf| / max |hf|` over the [batch, vocab] logits, against
-   `--tolerance` (1e-5); greedy agreement: the steps and rows whose argmax is the same.
+4. Compared per step: `max |ref - hf| / max |hf|` over the [batch, vocab] logits (the used
+   vocabulary, `vocab_used`, where the config has mkc's key: the reference sets the logits of
+   the ids past it to -inf, transformers computes them), against `--tolerance` (1e-5; a
+   family's `FAMILY_TOLERANCE`, with its reason); greedy agreement: the steps and rows whose
+   argmax is the same.
 
 The reference runs twice. Its decode state's storage dtype is its cache container's
 (`init_cache`: bf16 KV caches and conv states, as upstream's cache is in a bf16 model). "f32
@@ -66,6 +77,12 @@ VENV = Path(os.environ.get("MKC_PARITY_VENV") or ROOT / ".venv-parity")
 TORCH = "2.14.1"
 TRANSFORMERS = "5.25.0"
 TOLERANCE = 1e-5
+# Families whose model amplifies f32 rounding past TOLERANCE within the 12 steps, each side
+# alike (docs/parity.md): Muse Spark's attention scores reach qk_scale_factor * sqrt(head_dim)
+# = 44 with unit-RMS q and k, so a score's f32 error moves the softmax ~44 times as much; its
+# f32 reference and transformers' f32 model are each about 1e-5 from the same f64 computation
+# by step 11 (both in f64: 3e-14 apart), and the growth goes with qk_scale_factor.
+FAMILY_TOLERANCE = {"muse_spark": 5e-5}
 VENV_UNAVAILABLE = 3
 
 
@@ -453,6 +470,7 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
         log(f"{name}: transformers {args.steps} steps in {time.time() - t0:.1f} s")
         dump = dict(np.load(work / "hf.npz"))
     hf = dump["logits"][..., :vocab]
+    tolerance = args.tolerance if args.tolerance is not None else FAMILY_TOLERANCE.get(name, TOLERANCE)
     ref_f32, ref_bf16 = ref_f32[..., :vocab], ref_bf16[..., :vocab]
     if args.checkpoint:      # transformers' argmax after each answer token fed: its greedy answer
         for row, answer in zip(result["chat"], hf.argmax(-1).T):
@@ -461,8 +479,8 @@ def run_family(name: str, args, python: Path, probe: dict, log) -> dict:
     result |= {"status": "ran", "perturb": args.perturb, "steps": args.steps, "batch": tokens.shape[1],
                "seed": args.seed, "vocab_compared": vocab,
                "tokens_mode": args.tokens, "tokens": tokens.T.tolist(), "transformers": meta,
-               "f32_state": compare(ref_f32, hf, args.tolerance),
-               "bf16_state": compare(ref_bf16, hf, args.tolerance)}
+               "tolerance": tolerance, "f32_state": compare(ref_f32, hf, tolerance),
+               "bf16_state": compare(ref_bf16, hf, tolerance)}
     result["pass"] = result["f32_state"]["pass"] and all(r["transformers_greedy_equal"]
                                                          for r in result.get("chat", []))
     if args.hidden:
@@ -531,9 +549,9 @@ def perturbed(params: dict, spec: str | None) -> dict:
     return out
 
 
-def table(results: list[dict], tolerance: float) -> str:
+def table(results: list[dict]) -> str:
     lines = ["| family | transformers class | max rel. error, f32 state (per step) | greedy agree "
-             f"| <= {tolerance:g} | max rel. error, bf16 state |",
+             "| within tolerance | max rel. error, bf16 state |",
              "|---|---|---|---|---|---|"]
     for r in results:
         if r["status"] != "ran":
@@ -542,8 +560,8 @@ def table(results: list[dict], tolerance: float) -> str:
         f, b = r["f32_state"], r["bf16_state"]
         steps = ", ".join(f"{e:.1e}" for e in f["rel_per_step"])
         lines.append(f"| {r['family']} | {r['transformers']['model_class']} | {f['max_rel']:.2e} ({steps}) "
-                     f"| {f['greedy_agree']}/{f['greedy_total']} | {'pass' if f['pass'] else 'FAIL'} "
-                     f"| {b['max_rel']:.2e} |")
+                     f"| {f['greedy_agree']}/{f['greedy_total']} "
+                     f"| {'pass' if f['pass'] else 'FAIL'} (<= {r['tolerance']:g}) | {b['max_rel']:.2e} |")
     return "\n".join(lines)
 
 
@@ -562,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", choices=("greedy", "random"), default="greedy",
                     help="next tokens: the reference's greedy choices, or seeded random ones")
-    ap.add_argument("--tolerance", type=float, default=TOLERANCE)
+    ap.add_argument("--tolerance", type=float, help=f"the f32 state's bound (default {TOLERANCE:g}, "
+                    "or the family's FAMILY_TOLERANCE)")
     ap.add_argument("--hidden", action="store_true", help="also dump transformers' per-layer hidden states")
     ap.add_argument("--dump", help="with --hidden: write <family>.npz (logits and hidden states) here")
     ap.add_argument("--experts-implementation", default="eager",
@@ -629,12 +648,12 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             log(f"{n}: {e}")
             return 2
-    print(table(results, args.tolerance))
+    print(table(results))
     for r in results:
         if r["status"] == "ran":
             f = r["f32_state"]
             print(f"{r['family']}: f32 state max rel {f['max_rel']:.3e} "
-                  f"({'pass' if f['pass'] else 'FAIL'} at {args.tolerance:g}), greedy "
+                  f"({'pass' if f['pass'] else 'FAIL'} at {r['tolerance']:g}), greedy "
                   f"{f['greedy_agree']}/{f['greedy_total']}; "
                   f"bf16 state max rel {r['bf16_state']['max_rel']:.3e}")
             for row in r.get("chat", []):
