@@ -300,14 +300,10 @@ def hf_config(raw: dict, family_name: str) -> dict:
     return out
 
 
-def text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def used_vocab(config: dict) -> int:
     """The ids the tokenizer emits (mkc's `vocab_used`, not an upstream key): the reference
     masks the logits past them to -inf, so only these columns are compared."""
-    text = text_config(config)
+    text = config.get("text_config") or config
     return int(text.get("vocab_used", text["vocab_size"]))
 
 
