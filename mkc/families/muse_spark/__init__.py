@@ -3,7 +3,10 @@ embedding on three of four layers and full without it on the fourth, a latent Mo
 SwiGLU experts, gated norm-preserving residuals, soft-capped logits. Its own code is its config
 reader (`config.py`) and its composition of the layer library (`graph.py`); its bodies,
 weights and reference are the library's as the composition says. Configs
-`mkc/model/configs/muse_spark{,_mini}.json`; facts and sources in `config.py` and each kind."""
+`mkc/model/configs/muse_spark{,_mini}{,_nvfp4}.json` (the bf16 checkpoint's and the NVFP4
+release's); facts and sources in `config.py` and each kind. The f32 reference against
+transformers 5.25's `MuseSparkForConditionalGeneration` on the MINI: 1.2e-05 of the largest
+logit over 12 steps (`benchmarks/transformers_parity.py --family muse_spark`, docs/parity.md)."""
 from mkc.families.muse_spark.config import (FAMILY_NAME, MODEL_TYPES, RENAMED_PREFIXES, SKIPPED_PREFIXES,
                                             read_dims)
 from mkc.families.muse_spark.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build, formats_for
