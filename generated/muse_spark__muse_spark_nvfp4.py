@@ -2,10 +2,10 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): ee57350b798e0ab3
+Input digest (spec, model config, mkc version): 01822071228ff598
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 10 VMEM slots of 1024x1024 bf16 tiles, 10 tiles ahead, across layers and
+through a ring of 8 VMEM slots of 1024x768 bf16 tiles, 8 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.muse_spark.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -140,15 +140,7 @@ N_LAYERS = 124
 KIND_IDS = {"full": 0, "moe": 1, "swa": 2}
 LAYER_KIND = (2, 1, 0, 1, 2, 1, 2, 1) * 15 + (2, 1, 0, 1)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 24, 44, 68, 88, 112, 132, 156, 176, 200, 220, 244, 264, 288, 308, 332, 352,
-                     376, 396, 420, 440, 464, 484, 508, 528, 552, 572, 596, 616, 640, 660, 684, 704,
-                     728, 748, 772, 792, 816, 836, 860, 880, 904, 924, 948, 968, 992, 1012, 1036,
-                     1056, 1080, 1100, 1124, 1144, 1168, 1188, 1212, 1232, 1256, 1276, 1300, 1320,
-                     1344, 1364, 1388, 1408, 1432, 1452, 1476, 1496, 1520, 1540, 1564, 1584, 1608,
-                     1628, 1652, 1672, 1696, 1716, 1740, 1760, 1784, 1804, 1828, 1848, 1872, 1892,
-                     1916, 1936, 1960, 1980, 2004, 2024, 2048, 2068, 2092, 2112, 2136, 2156, 2180,
-                     2200, 2224, 2244, 2268, 2288, 2312, 2332, 2356, 2376, 2400, 2420, 2444, 2464,
-                     2488, 2508, 2532, 2552, 2576, 2596, 2620, 2640, 2664, 2684, 2708)
+LAYER_TILE_OFFSET = tuple(range(0, 2976, 24))
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
@@ -157,15 +149,14 @@ MOE_ROUTER = StreamedMatrix(name='router', rows=8192, cols=512, row_tiles=8, col
                             tile_rows=1024, tile_cols=512)
 MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8, col_tiles=1,
                                  tile_rows=1024, tile_cols=512)
-MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4, col_tiles=1,
-                               tile_rows=1024, tile_cols=1024)
+MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4, col_tiles=2,
+                               tile_rows=1024, tile_cols=512)
 SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                               tile_rows=1024, tile_cols=768)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=25,
-                              tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=10, ahead=10, total_tiles=2928,
-            tile_shapes=((1024, 512), (1024, 768), (1024, 1024)))
-TAIL_TILE_OFFSET = 2728
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=33,
+                              tile_rows=1024, tile_cols=768)
+RING = Ring(slots=8, ahead=8, total_tiles=3240, tile_shapes=((1024, 512), (1024, 768)))
+TAIL_TILE_OFFSET = 2976
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_LATENT_UP],
                 'swa': [SWA_QKV_GATE], 'tail': [TAIL_LM_HEAD]}
@@ -229,7 +220,7 @@ EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=13904,
 # layer), state buffers and copies, KV caches.
 KINDS = {
     'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
-                     caches=('full__key', 'full__value'), kv=KvTiles(tokens=256, slots=3, ahead=3),
+                     caches=('full__key', 'full__value'), kv=KvTiles(tokens=512, slots=3, ahead=3),
                      kv_rows='full_kv_rows'),
     'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (8, MOE_LATENT_DOWN),
                               'latent_up': (16, MOE_LATENT_UP)},
@@ -376,7 +367,7 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((8, ROWS, 1024), BF16),   # activation
-    "acc": vmem((25, ROWS, 1024), F32),   # activation
+    "acc": vmem((33, ROWS, 768), F32),   # activation
     "latent": vmem((ROWS, 4096), F32),   # activation
     "staging": vmem((65536, 128), BF16),   # pool
     "full_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
