@@ -305,13 +305,14 @@ def markdown(chip: str = "tpu7x") -> list[str]:
         lines.append(f"| `{name}` | {row['value']:g} | {lo:g} .. {hi:g} | "
                      + " | ".join(f"{a:.3f} .. {b:.3f}" for a, b in row["steps_ms"].values())
                      + " |")
-    return lines + [""] + hold_out_markdown(val["hold_out"], cfg)
+    return lines
 
 
-def hold_out_markdown(val: dict, cfg: dict) -> list[str]:
+def hold_out_markdown(chip: str = "tpu7x") -> list[str]:
     """docs/perf.md's hold-out tables from the recorded validation: the published steps by
     weight set and batch (error in brackets), and the batch-1 phases."""
-    hold = cfg["hold_out"]
+    val = constants.validation(chip)["hold_out"]
+    hold = json.loads(POINTS.read_text())["hold_out"]
     batches = sorted({p["batch"] for p in val["points"]})
     lines = ["| weights | " + " | ".join(f"B{b} published / modelled (error)" for b in batches)
              + " |", "| --- | " + " | ".join("---" for _ in batches) + " |"]
@@ -339,7 +340,7 @@ def main() -> int:
                     help="print docs/perf.md's tables from the recorded validation")
     args = ap.parse_args()
     if args.markdown:
-        print("\n".join(markdown()))
+        print("\n".join(markdown() + [""] + hold_out_markdown()))
         return 0
     return validate(json.loads(Path(args.points).read_text()), args.dry_run)
 

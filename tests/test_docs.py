@@ -239,6 +239,7 @@ def test_the_validation_tables_are_what_validate_perf_recorded():
     text = (ROOT / "docs" / "perf.md").read_text()
     assert f"which is {constants.rates('tpu7x').clock_hz / 1e9:.3f} GHz on tpu7x" in text
     assert "\n".join(validate_perf.markdown()) in text
+    assert "\n".join(validate_perf.hold_out_markdown()) in text
 
 
 def test_measured_figures_in_docs_are_the_recorded_measures():
