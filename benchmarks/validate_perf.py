@@ -140,12 +140,23 @@ def weight_set_text(text: str, formats: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def weight_set_ir(hold: dict, name: str):
-    """The hold-out's calibration spec in weight set `name` (`hold_out.weight_sets`)."""
+def batch_edits(hold: dict, batch: int) -> tuple[tuple[str, str], ...]:
+    """The (old, new) spec lines the hand kernel changes from some batch on
+    (`hold_out.batch_edits`): what a spec, one layout for every batch, cannot say."""
+    return tuple((e["old"], e["new"]) for e in hold.get("batch_edits", ())
+                 if batch >= e["from_batch"])
+
+
+def weight_set_ir(hold: dict, name: str, batch: int = 1):
+    """The hold-out's calibration spec in weight set `name` (`hold_out.weight_sets`), as the
+    kernel runs it at `batch` rows (`batch_edits`)."""
     ws = next(w for w in hold["weight_sets"] if w["name"] == name)
     path = ROOT / hold["spec"]
-    return check_source(weight_set_text(path.read_text(), ws["formats"]), str(path),
-                        ws["model"]).ir
+    text = weight_set_text(path.read_text(), ws["formats"])
+    for old, new in batch_edits(hold, batch):
+        assert text.count(old) == 1, f"{path.name}: {old!r} is not there once"
+        text = text.replace(old, new)
+    return check_source(text, str(path), ws["model"]).ir
 
 
 def hold_out_step(c_ir, batch: int, hold: dict) -> Result:
@@ -192,20 +203,21 @@ def step_phases(c_ir, res: Result) -> dict[str, float]:
 def validate_hold_out(hold: dict) -> dict:
     """The hold-out's published steps and batch-1 phases, modelled (`hold_out` in
     published_points.json); nothing is tuned on them."""
-    irs = {w["name"]: weight_set_ir(hold, w["name"]) for w in hold["weight_sets"]}
+    irs = {(w["name"], p["batch"]): weight_set_ir(hold, w["name"], p["batch"])
+           for w in hold["weight_sets"] for p in hold["steps"] if p["weights"] == w["name"]}
     labels = {w["name"]: w["label"] for w in hold["weight_sets"]}
     points = []
     print(f"hold-out steps ({hold['reference']}; modelled on {hold['spec']}, "
           f"{hold['tokens_in_cache']} cached tokens, routing {hold['routing']}):")
     for p in hold["steps"]:
-        got = hold_out_step(irs[p["weights"]], p["batch"], hold).step_s
+        got = hold_out_step(irs[p["weights"], p["batch"]], p["batch"], hold).step_s
         points.append({"weights": p["weights"], "batch": p["batch"],
                        "published_step_s": p["step_s"], "modelled_step_s": float(f"{got:.6g}"),
                        "error_percent": error_percent(got, p["step_s"])})
         print(f"  {labels[p['weights']]:32s} B{p['batch']} published {p['step_s'] * 1e3:.3f} ms, "
               f"modelled {got * 1e3:.3f} ms ({points[-1]['error_percent']:+.1f}%)")
     ph = hold["phases"]
-    c_ir = irs[ph["weights"]]
+    c_ir = irs[ph["weights"], ph["batch"]]
     modelled = step_phases(c_ir, hold_out_step(c_ir, ph["batch"], hold))
     layers = len(c_ir.layer_kinds) // 2      # a model layer is two sublayers (attention, moe)
     phases = []

@@ -100,6 +100,19 @@ def test_each_hold_out_weight_set_is_its_format_lines_on_the_calibration_spec(re
         (f.name, f.block) for f in int4.weight_formats.values()} == {("int4", 128)}
 
 
+def test_the_hold_out_sums_the_experts_over_chips_first_from_batch_8(recorded):
+    """The hand kernel's expert all-reduce is hierarchical from batch 8 only: the calibration
+    spec's reduce-scatter + all-gather below, two-level over chips from 8 rows."""
+    vp = _validate_perf()
+    hold = recorded[1]["hold_out"]
+
+    def expert_sum(batch):
+        moe = vp.weight_set_ir(hold, "int4_bf16", batch).kinds["moe"]
+        return next(a for a in moe.allreduces if a.after_op == "routed_experts")
+
+    assert (expert_sum(4).algorithm, expert_sum(8).algorithm) == ("direct", "two_level")
+
+
 @pytest.mark.extended
 def test_the_hold_out_s_recorded_steps_and_phases_are_what_the_model_gives_now(
         recorded, monkeypatch):
@@ -109,12 +122,12 @@ def test_the_hold_out_s_recorded_steps_and_phases_are_what_the_model_gives_now(
     vp = _validate_perf()
     val, inputs = recorded
     hold = inputs["hold_out"]
-    irs = {w["name"]: vp.weight_set_ir(hold, w["name"]) for w in hold["weight_sets"]}
     for p in val["hold_out"]["points"]:
-        got = vp.hold_out_step(irs[p["weights"]], p["batch"], hold).step_s
+        c_ir = vp.weight_set_ir(hold, p["weights"], p["batch"])
+        got = vp.hold_out_step(c_ir, p["batch"], hold).step_s
         assert got == pytest.approx(p["modelled_step_s"], rel=1e-4), (
             f"{p['weights']} B{p['batch']}: the model changed; rerun benchmarks/validate_perf.py")
-    c_ir = irs[hold["phases"]["weights"]]
+    c_ir = vp.weight_set_ir(hold, hold["phases"]["weights"], hold["phases"]["batch"])
     res = vp.hold_out_step(c_ir, hold["phases"]["batch"], hold)
     phases = vp.step_phases(c_ir, res)
     assert sum(phases.values()) == pytest.approx(res.step_s, rel=1e-9)
