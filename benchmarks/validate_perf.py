@@ -13,7 +13,11 @@ assumption (with a range). This prices, through the functions `mkc perf` uses:
 - the published decode steps of the hand-written Kimi K3 kernel (`steps`), modelled on the
   calibration spec that mirrors its layout (`spec`), under the compiled price;
 - how far the steps move across each assumed constant's range (`range` in the data file): the
-  calibration spec at batch 1 and 8 and the shipped Qwen3.8 spec at batch 1.
+  calibration spec at batch 1 and 8 and the shipped Qwen3.8 spec at batch 1;
+- the hold-out (`hold_out`): the hand-written Muse Spark kernel's published steps in its three
+  weight sets (each a set of `format` lines on its calibration spec), priced per op as `mkc
+  perf --routing one` prices them, and its batch-1 phase breakdown against the modelled step's
+  time by op, stall and collective. Nothing shaped the model on them.
 
 Output: a `validation` record in `mkc/perf/data/<chip>.json` (each figure's error, the
 sensitivities, the libtpu version of the compiled measures). The calibration spec's kernels are
@@ -28,14 +32,20 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The hold-out's ops are compiled alone into a cache of the validation's own: an op's key leaves
+# out a ring's or pool's depth, so a shared cache can hold a body compiled at another depth (the
+# shipped Muse Spark spec's ring ops are 2-4 % apart), and the record would follow what else the
+# machine priced.
+os.environ.setdefault("MKC_OP_CACHE", str(Path(os.environ.get("XDG_CACHE_HOME")
+                                              or Path.home() / ".cache") / "mkc" / "ops-validation"))
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mkc import ir  # noqa: E402
-from mkc.compiler import check_spec  # noqa: E402
+from mkc.compiler import check_source, check_spec  # noqa: E402
 from mkc.perf import constants  # noqa: E402
-from mkc.perf.run import compiled_measure, step_model  # noqa: E402
-from mkc.perf.sim import DmaEngine, Model  # noqa: E402
+from mkc.perf.run import ROUTINGS, compiled_measure, kernel_measure, step_model  # noqa: E402
+from mkc.perf.sim import DmaEngine, Model, Result  # noqa: E402
 from mkc.perf.work import Work  # noqa: E402
 from mkc.steps.collectives import Round  # noqa: E402
 
@@ -116,6 +126,113 @@ def _label(p: dict) -> str:
     return f"verify {p['batch']}" if p.get("sequences") else f"B{p['batch']}"
 
 
+def weight_set_text(text: str, formats: dict[str, str]) -> str:
+    """The spec with each class's `format` line set to `formats[class]`: the line rewritten
+    where the spec has one, else added before the schedule's closing brace."""
+    lines = text.rstrip("\n").split("\n")
+    assert lines[-1] == "}", "the spec does not end with its schedule's brace"
+    for cls, fmt in formats.items():
+        at = [i for i, ln in enumerate(lines) if ln.split()[:2] == ["format", cls]]
+        if at:
+            lines[at[0]] = f"{lines[at[0]][:lines[at[0]].index('format')]}format {cls} {fmt}"
+        else:
+            lines.insert(len(lines) - 1, f"  format {cls} {fmt}")
+    return "\n".join(lines) + "\n"
+
+
+def batch_edits(hold: dict, batch: int) -> tuple[tuple[str, str], ...]:
+    """The (old, new) spec lines the hand kernel changes from some batch on
+    (`hold_out.batch_edits`): what a spec, one layout for every batch, cannot say."""
+    return tuple((e["old"], e["new"]) for e in hold.get("batch_edits", ())
+                 if batch >= e["from_batch"])
+
+
+def weight_set_ir(hold: dict, name: str, batch: int = 1):
+    """The hold-out's calibration spec in weight set `name` (`hold_out.weight_sets`), as the
+    kernel runs it at `batch` rows (`batch_edits`)."""
+    ws = next(w for w in hold["weight_sets"] if w["name"] == name)
+    path = ROOT / hold["spec"]
+    text = weight_set_text(path.read_text(), ws["formats"])
+    for old, new in batch_edits(hold, batch):
+        assert text.count(old) == 1, f"{path.name}: {old!r} is not there once"
+        text = text.replace(old, new)
+    return check_source(text, str(path), ws["model"]).ir
+
+
+def hold_out_step(c_ir, batch: int, hold: dict) -> Result:
+    """One published hold-out step as `mkc perf --batch B --context T --routing R` models it:
+    priced per op (each op body compiled alone, cached), the rows routed as `hold["routing"]`."""
+    measure, why = kernel_measure(c_ir, batch)
+    assert measure is not None, f"{c_ir.name} at {batch} rows is not priced compiled: {why}"
+    return step_model(c_ir, batch, hold["tokens_in_cache"], keep_timeline=False,
+                      compiled=measure, routed_rows=ROUTINGS[hold["routing"]](batch, None))
+
+
+def step_phases(c_ir, res: Result) -> dict[str, float]:
+    """The modelled step split as the hand kernel's phase table splits it (seconds a step):
+    the ops fed by the weight ring and the stalls on it (dense ring); the routed experts and
+    the stalls on their slots (expert phase); the attention op and the stalls on KV tiles;
+    routing; every collective wait in the layers; the launch, the tail and the lm_head
+    (fixed); the rest (norms, gates, residuals) as other."""
+    ring_ops = {(k, f.name) for k, fams in c_ir.stream.families.items() for f in fams}
+    layer_kinds = set(c_ir.kinds)
+    out = dict.fromkeys(("dense ring", "collectives", "expert phase", "attention", "routing",
+                         "fixed", "other"), 0.0)
+    for (kind, op), c in res.op_costs.items():
+        if kind not in layer_kinds:
+            continue
+        phase = ("dense ring" if (kind, op) in ring_ops else "expert phase"
+                 if op == "routed_experts" else "attention" if op == "attention" else
+                 "routing" if op == "route" else "other")
+        out[phase] += c.seconds
+    for st in res.stalls:
+        if st.kind not in layer_kinds:
+            continue
+        phase = ("dense ring" if st.buffer == c_ir.stream.ring else
+                 "attention" if "_kv_" in st.buffer else "expert phase")
+        out[phase] += st.seconds
+    for kind, causes in res.by_kind.items():
+        if kind in layer_kinds:
+            out["collectives"] += causes["collectives"]
+        else:
+            out["fixed"] += sum(causes.values())
+    out["other"] += res.step_s - sum(out.values())
+    return out
+
+
+def validate_hold_out(hold: dict) -> dict:
+    """The hold-out's published steps and batch-1 phases, modelled (`hold_out` in
+    published_points.json); nothing is tuned on them."""
+    irs = {(w["name"], p["batch"]): weight_set_ir(hold, w["name"], p["batch"])
+           for w in hold["weight_sets"] for p in hold["steps"] if p["weights"] == w["name"]}
+    labels = {w["name"]: w["label"] for w in hold["weight_sets"]}
+    points = []
+    print(f"hold-out steps ({hold['reference']}; modelled on {hold['spec']}, "
+          f"{hold['tokens_in_cache']} cached tokens, routing {hold['routing']}):")
+    for p in hold["steps"]:
+        got = hold_out_step(irs[p["weights"], p["batch"]], p["batch"], hold).step_s
+        points.append({"weights": p["weights"], "batch": p["batch"],
+                       "published_step_s": p["step_s"], "modelled_step_s": float(f"{got:.6g}"),
+                       "error_percent": error_percent(got, p["step_s"])})
+        print(f"  {labels[p['weights']]:32s} B{p['batch']} published {p['step_s'] * 1e3:.3f} ms, "
+              f"modelled {got * 1e3:.3f} ms ({points[-1]['error_percent']:+.1f}%)")
+    ph = hold["phases"]
+    c_ir = irs[ph["weights"], ph["batch"]]
+    modelled = step_phases(c_ir, hold_out_step(c_ir, ph["batch"], hold))
+    layers = len(c_ir.layer_kinds) // 2      # a model layer is two sublayers (attention, moe)
+    phases = []
+    for row in ph["published"] + [{"phase": "other", "per": "layer", "s": None}]:
+        got = modelled[row["phase"]] / (layers if row["per"] == "layer" else 1)
+        phases.append({**row, "modelled_s": float(f"{got:.4g}"),
+                       "error_percent": error_percent(got, row["s"]) if row["s"] else None})
+        print(f"  B{ph['batch']} {row['phase']:13s} a {row['per']}: published "
+              + (f"{row['s'] * 1e6:.1f} us" if row["s"] else "-")
+              + f", modelled {got * 1e6:.1f} us")
+    return {"reference": hold["reference"], "spec": hold["spec"],
+            "tokens_in_cache": hold["tokens_in_cache"], "routing": hold["routing"],
+            "points": points, "phases": phases}
+
+
 def validate(cfg: dict, dry_run: bool) -> int:
     chip = cfg["chip"]
     rates = constants.rates(chip)
@@ -156,6 +273,7 @@ def validate(cfg: dict, dry_run: bool) -> int:
         sensitivity[name] = {"range": c["range"], "value": c["value"], "steps_ms": row}
         print(f"  {name} {c['range'][0]:g} .. {c['range'][1]:g} (at {c['value']:g}): "
               + "; ".join(f"{k} {a:.3f} .. {b:.3f}" for k, (a, b) in row.items()))
+    hold_out = validate_hold_out(cfg["hold_out"])
     if dry_run:
         return 0
     path = constants.data_path(chip)
@@ -169,7 +287,8 @@ def validate(cfg: dict, dry_run: bool) -> int:
         "routing": "expected over uniform routing: the slowest expert group of the reduce "
                    "peers (mkc/perf/routing.py), steps at the two whole expert counts around "
                    "it weighted",
-        "points": points, "micro": micro, "sensitivity": sensitivity, "command": COMMAND}
+        "points": points, "micro": micro, "sensitivity": sensitivity, "hold_out": hold_out,
+        "command": COMMAND}
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
     return 0
@@ -207,6 +326,30 @@ def markdown(chip: str = "tpu7x") -> list[str]:
     return lines
 
 
+def hold_out_markdown(chip: str = "tpu7x") -> list[str]:
+    """docs/perf.md's hold-out tables from the recorded validation: the published steps by
+    weight set and batch (error in brackets), and the batch-1 phases."""
+    val = constants.validation(chip)["hold_out"]
+    hold = json.loads(POINTS.read_text())["hold_out"]
+    batches = sorted({p["batch"] for p in val["points"]})
+    lines = ["| weights | " + " | ".join(f"B{b} published / modelled (error)" for b in batches)
+             + " |", "| --- | " + " | ".join("---" for _ in batches) + " |"]
+    for ws in hold["weight_sets"]:
+        cells = {p["batch"]: p for p in val["points"] if p["weights"] == ws["name"]}
+        lines.append(f"| {ws['label']} | " + " | ".join(
+            f"{cells[b]['published_step_s'] * 1e3:.3f} / {cells[b]['modelled_step_s'] * 1e3:.3f}"
+            f" ms ({cells[b]['error_percent']:+.1f} %)" for b in batches) + " |")
+    label = next(w["label"] for w in hold["weight_sets"] if w["name"] == hold["phases"]["weights"])
+    lines += ["", f"| B{hold['phases']['batch']} phase, {label} | published | modelled | error |",
+              "| --- | --- | --- | --- |"]
+    for ph in val["phases"]:
+        published = f"{ph['s'] * 1e6:.1f} us" if ph["s"] else "-"
+        error = f"{ph['error_percent']:+.0f} %" if ph["error_percent"] is not None else "-"
+        lines.append(f"| {ph['phase']} a {ph['per']} | {published} | "
+                     f"{ph['modelled_s'] * 1e6:.1f} us | {error} |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=str(POINTS), help="published figures (JSON)")
@@ -215,7 +358,7 @@ def main() -> int:
                     help="print docs/perf.md's tables from the recorded validation")
     args = ap.parse_args()
     if args.markdown:
-        print("\n".join(markdown()))
+        print("\n".join(markdown() + [""] + hold_out_markdown()))
         return 0
     return validate(json.loads(Path(args.points).read_text()), args.dry_run)
 

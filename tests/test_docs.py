@@ -122,7 +122,9 @@ def test_the_readme_s_performance_figures_are_what_validate_perf_recorded():
     section = " ".join(text[text.index("## Performance: modelled, not measured"):].split("\n## ")[0].split())
     worst = max(abs(m["error_percent"]) for m in val["micro"])
     errors = ", ".join(f"{p['step']} {p['error_percent']:+.1f} %" for p in val["points"])
-    for figure in (errors, f"within {worst:.1f} %", "nothing fitted"):
+    held = [p["error_percent"] for p in val["hold_out"]["points"]]
+    for figure in (errors, f"within {worst:.1f} %", "nothing fitted",
+                   f"12 published steps model from {min(held):+.1f} % to {max(held):+.1f} % off"):
         assert figure in section, figure
 
 
@@ -239,6 +241,7 @@ def test_the_validation_tables_are_what_validate_perf_recorded():
     text = (ROOT / "docs" / "perf.md").read_text()
     assert f"which is {constants.rates('tpu7x').clock_hz / 1e9:.3f} GHz on tpu7x" in text
     assert "\n".join(validate_perf.markdown()) in text
+    assert "\n".join(validate_perf.hold_out_markdown()) in text
 
 
 def test_measured_figures_in_docs_are_the_recorded_measures():

@@ -136,10 +136,15 @@ def validation_note(chip: str) -> str:
                     f"{p['modelled_step_s'] * 1e3:.2f} modelled ({p['error_percent']:+.1f}%)"
                     for p in val["points"])
     worst_micro = _worst_percent(m["error_percent"] for m in val["micro"])
+    hold = val.get("hold_out")
+    held = (f"; held out, nothing changed to meet them: {hold['reference']}, "
+            f"{len(hold['points'])} steps off by {min(p['error_percent'] for p in hold['points']):+.1f}"
+            f"% .. {max(p['error_percent'] for p in hold['points']):+.1f}%" if hold else "")
     return (f"validated, nothing fitted: compute at the {clock / 1e9:.3f} GHz clock JAX's table "
             f"implies; {len(consts) - len(assumed)} constants measured on {chip}, "
             f"{len(assumed)} assumed ({', '.join(assumed)}); against {val['reference']} "
-            f"({pts}); {len(val['micro'])} published micro-cases within {worst_micro}%; {data}")
+            f"({pts}){held}; {len(val['micro'])} published micro-cases within {worst_micro}%; "
+            f"{data}")
 
 
 def validation_caveat(chip: str) -> str:
@@ -151,8 +156,14 @@ def validation_caveat(chip: str) -> str:
         base = constants.carried_from(chip)
         return (f"unvalidated on {chip}: no {chip} step measured ("
                 + (f"constants carried from {base}; " if base else "priors; ") + f"{data})")
-    worst = _worst_percent(p["error_percent"] for p in val["points"])
+    worst = _worst_percent(p["error_percent"] for p in published_steps(val))
     return (f"nothing fitted; off by up to {worst}% at the published {chip} steps ({data})")
+
+
+def published_steps(val: dict) -> list[dict]:
+    """Every published step the validation priced: the calibration kernel's and the
+    hold-out's."""
+    return val["points"] + val.get("hold_out", {}).get("points", [])
 
 
 def _worst_percent(errors: Iterable[float]) -> str:
