@@ -267,6 +267,31 @@ def bench_against_hand_kernel() -> list[str]:
     return lines
 
 
+def bench_muse_against_hand_kernel() -> list[str]:
+    """Muse Spark's shipped spec against its calibration spec (the hand-written kernel's layout,
+    benchmarks/data/calibration/muse_spark.sched, in the shipped spec's formats: NVFP4 experts,
+    bf16 dense), both modelled in this run as the published steps ran (`hold_out` in
+    published_points.json: every row routed alike, its cached tokens, the kernel's batch-8
+    edits on the calibration spec); the published hand-kernel steps beside them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import validate_perf
+    from mkc import compiler
+    from mkc.perf.constants import DATA
+    from mkc.perf.run import model
+    hold = json.loads((DATA / "published_points.json").read_text())["hold_out"]
+    shipped = compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir
+    published = {p["batch"]: p["step_s"] for p in hold["steps"] if p["weights"] == "nvfp4_bf16"}
+    lines = ["| Muse Spark step | hand kernel's layout (modelled) | shipped spec (modelled) | ratio "
+             "| hand kernel, published |", "| --- | --- | --- | --- | --- |"]
+    for batch in (1, 8):
+        hand = validate_perf.weight_set_ir(hold, "nvfp4_bf16", batch)
+        a, b = (model(s, batch, hold["tokens_in_cache"], routing=hold["routing"]).res.step_s
+                for s in (hand, shipped))
+        lines.append(f"| batch {batch} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {a / b:.2f}x | "
+                     f"{published[batch] * 1e3:.2f} ms |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -286,7 +311,8 @@ def main() -> int:
         return 0
     if args.modelled:
         print("Modelled, not measured (tpu7x constants as recorded; mkc perf):")
-        print("\n".join(bench_modelled() + [""] + bench_against_hand_kernel()))
+        print("\n".join(bench_modelled() + [""] + bench_against_hand_kernel() + [""]
+                        + bench_muse_against_hand_kernel()))
         print("    reproduce: ./dev bench --modelled")
         return 0
     if args.tiers:
