@@ -53,5 +53,7 @@ def test_eager_races_checked_at_batch_four():
 
 
 @pytest.mark.extended
-def test_a_verify_step_of_four_rows():
-    assert_bit_equal(_run("--verify", "--steps", "4", "--batch", "2"))
+def test_a_verify_step_of_eight_rows():
+    """The spec's verify step: one sequence's 8 rows (`verify 8`), each judged like the decode
+    step it replaces."""
+    assert_bit_equal(_run("--verify", "--steps", "8", "--batch", "1"))
