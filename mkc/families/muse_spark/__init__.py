@@ -9,7 +9,7 @@ transformers 5.25's `MuseSparkForConditionalGeneration` on the MINI: 1.2e-05 of 
 logit over 12 steps (`benchmarks/transformers_parity.py --family muse_spark`, docs/parity.md)."""
 from mkc.families.muse_spark.config import (FAMILY_NAME, MODEL_TYPES, RENAMED_PREFIXES, SKIPPED_PREFIXES,
                                             read_dims)
-from mkc.families.muse_spark.graph import LAYERS, SHARD_CLASSES, WEIGHT_FORMATS, build, formats_for
+from mkc.families.muse_spark.graph import LAYERS, MOE, SHARD_CLASSES, WEIGHT_FORMATS, build
 from mkc.layers.moe import EXPERT_LAYOUTS, ROUNDING_FORMATS
 from mkc.layers.rope import rope_input
 from mkc.model.family import Family
@@ -24,7 +24,7 @@ FAMILY = Family(
     # undamped amplify them to 4.3 % of the largest logit (batch 8, step 1; 2.2 % at batch 2),
     # the kernel bit-equal to its emulation throughout
     plain_logits_tolerance=0.06,
-    weight_formats=WEIGHT_FORMATS, model_formats=formats_for, rounding_formats=ROUNDING_FORMATS,
+    weight_formats=WEIGHT_FORMATS, model_formats=MOE.weight_formats, rounding_formats=ROUNDING_FORMATS,
     dense_classes=("attention", "latent", "lm_head"),
     renamed_prefixes=RENAMED_PREFIXES, skipped_prefixes=SKIPPED_PREFIXES, expert_layouts=EXPERT_LAYOUTS,
 )

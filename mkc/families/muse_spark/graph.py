@@ -41,13 +41,9 @@ LAYERS = {
     **{kind: (GatedPre("attn"), sub, GatedAdd("attn", ("attn_out",))) for kind, sub in ATTENTION.items()},
     "moe": (GatedPre("mlp"), MOE, GatedAdd("mlp", ("mlp_out",))),
 }
-# The routed experts' classes and formats, the bf16 checkpoint's (`MoE.weight_formats`; the
-# NVFP4 release's by the dims: `formats_for`).
+# The routed experts' classes and formats, the bf16 checkpoint's (the NVFP4 release's: the
+# family asks the model, `MOE.weight_formats(dims)`).
 WEIGHT_FORMATS = MOE.weight_formats()
-
-
-def formats_for(d: MuseSparkDims) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    return MOE.weight_formats(d)
 
 
 def build(d: MuseSparkDims, rules: dict[str, tuple[int, int]], ranks: int,
