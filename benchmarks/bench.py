@@ -256,12 +256,19 @@ def bench_against_hand_kernel() -> list[str]:
     points = json.loads((DATA / "published_points.json").read_text())
     published = {(p["sequences"], p["batch"]) if p.get("sequences") else (p["batch"], None):
                  p["step_s"] for p in points["steps"]}
-    lines = ["| Kimi K3 step | hand kernel's layout (modelled) | shipped spec (modelled) | ratio "
-             "| hand kernel, published |", "| --- | --- | --- | --- | --- |"]
+    rows = []
     for batch, verify in ((1, None), (8, None), (None, 8)):
         a, b = (run(s, batch, None, verify)["step_seconds"] for s in (hand, shipped))
-        pub = published.get((batch or 1, verify))
-        what = f"verify {verify}" if verify else f"batch {batch}"
+        rows.append((f"verify {verify}" if verify else f"batch {batch}", a, b,
+                     published.get((batch or 1, verify))))
+    return _against_hand_kernel("Kimi K3", rows)
+
+
+def _against_hand_kernel(model: str, rows: list[tuple[str, float, float, float | None]]) -> list[str]:
+    """The table of a model's steps (label, calibration spec's, shipped spec's, published: s)."""
+    lines = [f"| {model} step | hand kernel's layout (modelled) | shipped spec (modelled) | ratio "
+             "| hand kernel, published |", "| --- | --- | --- | --- | --- |"]
+    for what, a, b, pub in rows:
         lines.append(f"| {what} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {a / b:.2f}x | "
                      + (f"{pub * 1e3:.2f} ms |" if pub else "- |"))
     return lines
@@ -281,15 +288,13 @@ def bench_muse_against_hand_kernel() -> list[str]:
     hold = json.loads((DATA / "published_points.json").read_text())["hold_out"]
     shipped = compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir
     published = {p["batch"]: p["step_s"] for p in hold["steps"] if p["weights"] == "nvfp4_bf16"}
-    lines = ["| Muse Spark step | hand kernel's layout (modelled) | shipped spec (modelled) | ratio "
-             "| hand kernel, published |", "| --- | --- | --- | --- | --- |"]
+    rows = []
     for batch in (1, 8):
         hand = validate_perf.weight_set_ir(hold, "nvfp4_bf16", batch)
         a, b = (model(s, batch, hold["tokens_in_cache"], routing=hold["routing"]).res.step_s
                 for s in (hand, shipped))
-        lines.append(f"| batch {batch} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {a / b:.2f}x | "
-                     f"{published[batch] * 1e3:.2f} ms |")
-    return lines
+        rows.append((f"batch {batch}", a, b, published[batch]))
+    return _against_hand_kernel("Muse Spark", rows)
 
 
 def main() -> int:
