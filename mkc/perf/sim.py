@@ -630,7 +630,8 @@ class _Replay:
     def _overlapped(self, e: Collective) -> None:
         """A part of an overlapped collective: its start sends the first round; an advance
         lands the round in flight (compute waits for what has not arrived), sums it and sends
-        the next; its finish lands the rest and runs its compiled instructions."""
+        the next, or leaves the last in flight; its finish lands the rest and runs its compiled
+        instructions."""
         m, tag, line = self.m, e.tag, e.span.line
         key = (self.kind, tag.collective.op)
         if tag.part == "start":
@@ -638,6 +639,11 @@ class _Replay:
             self.in_flight[key] = (rounds, self.t + m.round_seconds(rounds[0], first=True))
             return
         rounds, done = self.in_flight.pop(key)
+        if tag.part == "advance" and len(rounds) == 1:
+            # the last stage stays in flight until the finish (`InFlight.advance`): a kernel
+            # narrower than the collective's widest form has fewer stages than advances
+            self.in_flight[key] = (rounds, done)
+            return
         while True:
             self._collective_wait(str(tag), done, line)
             self._collective_compute(m.sums_seconds(rounds.popleft(), self.kind, line))

@@ -338,10 +338,11 @@ def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
     assert counted.counted_ops == {("gdn", "matmul")}
 
 
-def _overlapped_trace(a, work_bytes: int, overlap: bool):
+def _overlapped_trace(a, work_bytes: int, overlap: bool, advances: int | None = None):
     """The all-reduce `a` (its step) after an op, then an op reading `work_bytes` of weights,
-    then what reads the result: run at once, or overlapped (start, one advance per stage past
-    the first, finish)."""
+    then what reads the result: run at once, or overlapped (start, `advances` advances, by
+    default one per stage of its widest form past the first, as the program emits them,
+    finish)."""
     from mkc.steps.collectives import AllReduce, OverlapAdvance, OverlapFinish, OverlapStart
     step = AllReduce(0, op=a.after_op, entry=a)
     tr = _Trace()
@@ -351,7 +352,7 @@ def _overlapped_trace(a, work_bytes: int, overlap: bool):
         return tr
     tr.tb.collective(OverlapStart(0, collective=step), "", SPAN)
     tr.compute(work_bytes)
-    for _ in range(step.most_stages() - 1):
+    for _ in range(step.most_stages() - 1 if advances is None else advances):
         tr.tb.collective(OverlapAdvance(0, collective=step), "", SPAN)
     tr.tb.collective(OverlapFinish(0, collective=step), "", SPAN)
     return tr
@@ -385,3 +386,17 @@ def test_an_overlapped_collective_costs_only_what_compute_does_not_cover(qwen_ir
     assert short.by_cause["collectives"] == pytest.approx(sum(wire) - op_s + sums)
     at_once = simulate(m, _overlapped_trace(a, short_op, False).events)
     assert short.step_s == pytest.approx(at_once.step_s - op_s)
+
+
+def test_an_advance_past_a_narrow_kernel_s_last_stage_leaves_it_in_flight(qwen_ir):
+    """`direct ... scatter from 8 rows overlap`: its widest form has two stages, so the program
+    advances it once; a kernel of one row runs the one-shot stage alone, where that advance
+    does nothing (`InFlight.advance`): the stage stays in flight and the finish lands it, at
+    the cost of the same collective overlapped without the advance."""
+    from mkc import ir
+    a = ir.AllReduce("down", "direct", "bf16", ((8, 1),), 5120, SPAN, 8, finish_before="post_norm")
+    m = Model(qwen_ir, 1, 0, _rates(), work=_feed_only(1))
+    advanced = simulate(m, _overlapped_trace(a, 1000, True).events)
+    plain = simulate(m, _overlapped_trace(a, 1000, True, advances=0).events)
+    assert advanced.step_s == pytest.approx(plain.step_s)
+    assert advanced.by_cause["collectives"] == pytest.approx(plain.by_cause["collectives"])
