@@ -2,10 +2,10 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 01822071228ff598
+Input digest (spec, model config, mkc version): c3cf8dbe6615889b
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 8 VMEM slots of 1024x768 bf16 tiles, 8 tiles ahead, across layers and
+through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.muse_spark.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -140,13 +140,19 @@ N_LAYERS = 124
 KIND_IDS = {"full": 0, "moe": 1, "swa": 2}
 LAYER_KIND = (2, 1, 0, 1, 2, 1, 2, 1) * 15 + (2, 1, 0, 1)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = tuple(range(0, 2976, 24))
+LAYER_TILE_OFFSET = (0, 24, 40, 64, 80, 104, 120, 144, 160, 184, 200, 224, 240, 264, 280, 304, 320,
+                     344, 360, 384, 400, 424, 440, 464, 480, 504, 520, 544, 560, 584, 600, 624, 640,
+                     664, 680, 704, 720, 744, 760, 784, 800, 824, 840, 864, 880, 904, 920, 944, 960,
+                     984, 1000, 1024, 1040, 1064, 1080, 1104, 1120, 1144, 1160, 1184, 1200, 1224,
+                     1240, 1264, 1280, 1304, 1320, 1344, 1360, 1384, 1400, 1424, 1440, 1464, 1480,
+                     1504, 1520, 1544, 1560, 1584, 1600, 1624, 1640, 1664, 1680, 1704, 1720, 1744,
+                     1760, 1784, 1800, 1824, 1840, 1864, 1880, 1904, 1920, 1944, 1960, 1984, 2000,
+                     2024, 2040, 2064, 2080, 2104, 2120, 2144, 2160, 2184, 2200, 2224, 2240, 2264,
+                     2280, 2304, 2320, 2344, 2360, 2384, 2400, 2424, 2440, 2464)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                                tile_rows=1024, tile_cols=768)
-MOE_ROUTER = StreamedMatrix(name='router', rows=8192, cols=512, row_tiles=8, col_tiles=1,
-                            tile_rows=1024, tile_cols=512)
 MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8, col_tiles=1,
                                  tile_rows=1024, tile_cols=512)
 MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4, col_tiles=2,
@@ -155,10 +161,10 @@ SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8
                               tile_rows=1024, tile_cols=768)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=33,
                               tile_rows=1024, tile_cols=768)
-RING = Ring(slots=8, ahead=8, total_tiles=3240, tile_shapes=((1024, 512), (1024, 768)))
-TAIL_TILE_OFFSET = 2976
+RING = Ring(slots=12, ahead=12, total_tiles=2744, tile_shapes=((1024, 512), (1024, 768)))
+TAIL_TILE_OFFSET = 2480
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_LATENT_UP],
+STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_DOWN, MOE_LATENT_UP],
                 'swa': [SWA_QKV_GATE], 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
@@ -205,6 +211,7 @@ N_COLLECTIVE_COUNTERS = 10
 # semaphore), copied in by the layer before.
 VIEW = WeightView(pool='staging',
                   matrices={'full': {'o_proj': (0, 1024, 8192, 0)},
+                            'moe': {'router': (0, 8192, 512, 0)},
                             'swa': {'o_proj': (0, 1024, 8192, 0)}})
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
@@ -220,10 +227,9 @@ EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=13904,
 # layer), state buffers and copies, KV caches.
 KINDS = {
     'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
-                     caches=('full__key', 'full__value'), kv=KvTiles(tokens=512, slots=3, ahead=3),
+                     caches=('full__key', 'full__value'), kv=KvTiles(tokens=512, slots=4, ahead=4),
                      kv_rows='full_kv_rows'),
-    'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (8, MOE_LATENT_DOWN),
-                              'latent_up': (16, MOE_LATENT_UP)},
+    'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN), 'latent_up': (8, MOE_LATENT_UP)},
                     states={}, copies=()),
     'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
                     caches=('swa__key', 'swa__value'),
@@ -243,11 +249,12 @@ def _layer_full(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
-    c.wait_pooled("o_proj")   # staging.attention: before its first reader
+    c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
-    # the pool view staging.attention is free from here
+    # the pool view staging.dense is free from here
+    c.prefetch_view()   # spec line 66: prefetch next staging.dense
     # direct, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 62
+    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 65
     lower.attn_residual(c, attn_out)
 
 
@@ -257,21 +264,23 @@ def _layer_moe(k: Kernel, layer):
     c = k.layer("moe", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.pre_ffn_norm(c)
+    c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
+    # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 67: fetch experts -> staging.experts, the first slots now
+    # spec line 71: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 68: all-gather over 8 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 72: all-gather over 8 ranks
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 73: prefetch next staging.attention
+    c.prefetch_view()   # spec line 77: prefetch next staging.dense
     # two_level, wire bf16, scatter from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 71
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 74: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 78: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -286,11 +295,12 @@ def _layer_swa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
-    c.wait_pooled("o_proj")   # staging.attention: before its first reader
+    c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
-    # the pool view staging.attention is free from here
+    # the pool view staging.dense is free from here
+    c.prefetch_view()   # spec line 60: prefetch next staging.dense
     # direct, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 57
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 59
     lower.attn_residual(c, attn_out)
 
 
@@ -337,6 +347,7 @@ HBM_SHAPES = {
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
     "pool__full__o_proj": ((len(KIND_LAYERS["full"]), 1024, 8192), BF16),
+    "pool__moe__router": ((len(KIND_LAYERS["moe"]), 8192, 512), BF16),
     "pool__swa__o_proj": ((len(KIND_LAYERS["swa"]), 1024, 8192), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
