@@ -2,10 +2,10 @@
 
 Schedule deepseek_v3: model deepseek_v3 (deepseek_v3) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): fb432463eb0ef733
+Input digest (spec, model config, mkc version): 6cfae6c850c00f7d
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 6 VMEM slots of 1024x1024 bf16 tiles, 6 tiles ahead, across layers and
+through a ring of 7 VMEM slots of 1792x1024 bf16 tiles, 7 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.deepseek_v3.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -23,7 +23,7 @@ from mkc.families.deepseek_v3.config import DeepseekV3Dims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -110,44 +110,39 @@ LAYER_KIND = (1, 0, 1, 0, 1, 0, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 
               2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2,
               1, 2, 1, 2, 1, 2)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 32, 74, 106, 148, 180, 222, 254, 275, 307, 328, 360, 381, 413, 434, 466,
-                     487, 519, 540, 572, 593, 625, 646, 678, 699, 731, 752, 784, 805, 837, 858, 890,
-                     911, 943, 964, 996, 1017, 1049, 1070, 1102, 1123, 1155, 1176, 1208, 1229, 1261,
-                     1282, 1314, 1335, 1367, 1388, 1420, 1441, 1473, 1494, 1526, 1547, 1579, 1600,
-                     1632, 1653, 1685, 1706, 1738, 1759, 1791, 1812, 1844, 1865, 1897, 1918, 1950,
-                     1971, 2003, 2024, 2056, 2077, 2109, 2130, 2162, 2183, 2215, 2236, 2268, 2289,
-                     2321, 2342, 2374, 2395, 2427, 2448, 2480, 2501, 2533, 2554, 2586, 2607, 2639,
-                     2660, 2692, 2713, 2745, 2766, 2798, 2819, 2851, 2872, 2904, 2925, 2957, 2978,
-                     3010, 3031, 3063, 3084, 3116, 3137, 3169, 3190, 3222, 3243, 3275)
+LAYER_TILE_OFFSET = (0, 15, 34, 49, 68, 83, 102, 117, 132, 147, 162, 177, 192, 207, 222, 237, 252,
+                     267, 282, 297, 312, 327, 342, 357, 372, 387, 402, 417, 432, 447, 462, 477, 492,
+                     507, 522, 537, 552, 567, 582, 597, 612, 627, 642, 657, 672, 687, 702, 717, 732,
+                     747, 762, 777, 792, 807, 822, 837, 852, 867, 882, 897, 912, 927, 942, 957, 972,
+                     987, 1002, 1017, 1032, 1047, 1062, 1077, 1092, 1107, 1122, 1137, 1152, 1167,
+                     1182, 1197, 1212, 1227, 1242, 1257, 1272, 1287, 1302, 1317, 1332, 1347, 1362,
+                     1377, 1392, 1407, 1422, 1437, 1452, 1467, 1482, 1497, 1512, 1527, 1542, 1557,
+                     1572, 1587, 1602, 1617, 1632, 1647, 1662, 1677, 1692, 1707, 1722, 1737, 1752,
+                     1767, 1782, 1797, 1812, 1827)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=7, col_tiles=3,
-                               tile_rows=1024, tile_cols=768)
-DENSE_DOWN = StreamedMatrix(name='down', rows=1152, cols=7168, row_tiles=3, col_tiles=7,
-                            tile_rows=384, tile_cols=1024)
-MLA_Q_DOWN = StreamedMatrix(name='q_down', rows=7168, cols=1536, row_tiles=7, col_tiles=2,
-                            tile_rows=1024, tile_cols=768)
-MLA_KV_DOWN = StreamedMatrix(name='kv_down', rows=7168, cols=640, row_tiles=7, col_tiles=1,
-                             tile_rows=1024, tile_cols=640)
-MLA_Q_UP = StreamedMatrix(name='q_up', rows=1536, cols=1536, row_tiles=2, col_tiles=2,
-                          tile_rows=768, tile_cols=768)
+DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=4, col_tiles=3,
+                               tile_rows=1792, tile_cols=768)
+DENSE_DOWN = StreamedMatrix(name='down', rows=1152, cols=7168, row_tiles=1, col_tiles=7,
+                            tile_rows=1152, tile_cols=1024)
+MLA_Q_DOWN = StreamedMatrix(name='q_down', rows=7168, cols=1536, row_tiles=4, col_tiles=2,
+                            tile_rows=1792, tile_cols=768)
 MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=1024, cols=7168, row_tiles=1, col_tiles=7,
                             tile_rows=1024, tile_cols=1024)
-MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=256, row_tiles=7, col_tiles=1,
-                            tile_rows=1024, tile_cols=256)
-MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=256, row_tiles=7,
-                                    col_tiles=1, tile_rows=1024, tile_cols=256)
+MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=256, row_tiles=4, col_tiles=1,
+                            tile_rows=1792, tile_cols=256)
+MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=256, row_tiles=4,
+                                    col_tiles=1, tile_rows=1792, tile_cols=256)
 MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=128, cols=7168, row_tiles=1, col_tiles=7,
                                  tile_rows=128, tile_cols=1024)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=8080, row_tiles=7, col_tiles=8,
-                              tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=6, ahead=6, total_tiles=3352,
-            tile_shapes=((128, 1024), (384, 1024), (768, 768), (1024, 256), (1024, 640),
-                         (1024, 768), (1024, 1024)))
-TAIL_TILE_OFFSET = 3296
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=8080, row_tiles=4, col_tiles=8,
+                              tile_rows=1792, tile_cols=1024)
+RING = Ring(slots=7, ahead=7, total_tiles=1874,
+            tile_shapes=((128, 1024), (1024, 1024), (1152, 1024), (1792, 256), (1792, 768),
+                         (1792, 1024)))
+TAIL_TILE_OFFSET = 1842
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN],
-                'mla': [MLA_Q_DOWN, MLA_KV_DOWN, MLA_Q_UP, MLA_O_PROJ],
+STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'mla': [MLA_Q_DOWN, MLA_O_PROJ],
                 'moe': [MOE_ROUTER, MOE_SHARED_GATE_UP, MOE_SHARED_DOWN], 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
@@ -164,20 +159,24 @@ DENSE_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1)
                      Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
 MLA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
                      Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1__shared_down', counter=2, size=2, stride=1),
-                          Stage(buffer='recv__bf16_8x2__shared_down', counter=3, size=8, stride=2))
+MOE_SHARED_DOWN_REDUCE = (ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
+                                        counter=2, size=8, stride=1),
+                          Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+                          AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
 MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
                              Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-N_COLLECTIVE_COUNTERS = 4
+N_COLLECTIVE_COUNTERS = 5
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
 VIEW = WeightView(pool='staging',
-                  matrices={'mla': {'key_up': (0, 1024, 512, 0), 'value_up': (4096, 512, 1024, 1)}})
+                  matrices={'mla': {'kv_down': (0, 7168, 640, 0), 'q_up': (35840, 1536, 1536, 1),
+                                    'key_up': (54272, 1024, 512, 2),
+                                    'value_up': (58368, 512, 1024, 3)}})
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=21632,
+EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=21632,
                       matrices={'gate_up_codes': (0, 7168, 512), 'gate_up_scales': (14336, 224, 4),
                                 'down_codes': (14448, 256, 7168), 'down_scales': (21616, 32, 56)},
                       local_experts=128, group_size=8, top_k=8,
@@ -185,15 +184,14 @@ EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=21632,
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21, DENSE_DOWN)},
+KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (12, DENSE_DOWN)},
                            states={}, copies=()),
-         'mla': KindPlan(streamed={'q_down': (0, MLA_Q_DOWN), 'kv_down': (14, MLA_KV_DOWN),
-                                   'q_up': (21, MLA_Q_UP), 'o_proj': (25, MLA_O_PROJ)},
-                         states={}, copies=(), caches=('mla__latent',),
-                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='mla_kv_rows'),
+         'mla': KindPlan(streamed={'q_down': (0, MLA_Q_DOWN), 'o_proj': (8, MLA_O_PROJ)}, states={},
+                         copies=(), caches=('mla__latent',),
+                         kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='mla_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER),
-                                   'shared_gate_up': (7, MOE_SHARED_GATE_UP),
-                                   'shared_down': (14, MOE_SHARED_DOWN)},
+                                   'shared_gate_up': (4, MOE_SHARED_GATE_UP),
+                                   'shared_down': (8, MOE_SHARED_DOWN)},
                          states={}, copies=())}
 
 
@@ -202,11 +200,11 @@ def _layer_dense(k: Kernel, layer):
     """One dense layer: post_norm, gate_up, down, mlp_residual."""
     c = k.layer("dense", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    c.prefetch_view()   # spec line 55: prefetch next staging.attention
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 56: two_level, wire bf16
+    c.prefetch_view()   # spec line 56: prefetch next staging.attention
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 57: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -217,9 +215,11 @@ def _layer_mla(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.input_norm(c)
     q_low = lower.q_down(c, h)
+    c.wait_pooled("kv_down")   # staging.attention: before its first reader
     kv_row = lower.kv_down(c, h)
     q_low, kv_row = lower.latent_norms(c, q_low, kv_row)
     lower.kv_write(c, kv_row)
+    c.wait_pooled("q_up")   # staging.attention: before its first reader
     q = lower.q_up(c, q_low)
     c.wait_pooled("key_up")   # staging.attention: before its first reader
     q_lat = lower.absorb_query(c, q)
@@ -228,7 +228,7 @@ def _layer_mla(k: Kernel, layer):
     core = lower.values_out(c, lat_avg)
     # the pool view staging.attention is free from here
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 51: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 52: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -240,18 +240,16 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 60: fetch experts -> staging.experts, the first slots now
+    # spec line 61: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    # overlapped: it runs until its first reader
-    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 63
+    # two_level, wire bf16, scatter
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 64
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
-    shared_out_in_flight.advance()   # spec line 63
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 65: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 64: two_level, wire bf16
-    shared_out = shared_out_in_flight.finish()   # spec line 63
+    c.prefetch_view()   # spec line 66: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 65: two_level, wire bf16
     lower.mlp_residual(c, shared_out, routed_out)
 
 
@@ -296,6 +294,8 @@ HBM_SHAPES = {
     "ring_hbm": ((RING.total_tiles, *RING.slot_shape), BF16),
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
+    "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
+    "pool__mla__q_up": ((len(KIND_LAYERS["mla"]), 1536, 1536), BF16),
     "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 1024, 512), BF16),
     "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 1024), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
@@ -323,14 +323,16 @@ SCRATCH_SHAPES = {
     "x": vmem((ROWS, HIDDEN), F32),   # activation
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
-    "stage": vmem((7, ROWS, 1024), BF16),   # activation
+    "stage": vmem((4, ROWS, 1792), BF16),   # activation
     "acc": vmem((8, ROWS, 1024), F32),   # activation
-    "staging": vmem((43264, 128), BF16),   # pool
+    "staging": vmem((64896, 128), BF16),   # pool
     "mla_kv_rows": vmem((2, ROWS, 16, 640), BF16),   # kv
     "recv__bf16_2x1": vmem((2, 2, ROWS, 7168), BF16),   # collective
     "recv__bf16_8x2": vmem((2, 8, ROWS, 7168), BF16),   # collective
-    "recv__bf16_2x1__shared_down": vmem((2, 2, ROWS, 7168), BF16),   # collective
-    "recv__bf16_8x2__shared_down": vmem((2, 8, ROWS, 7168), BF16),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 896), BF16),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 896), BF16),   # collective
+    "chunk__bf16_2x8": vmem((2, 2, ROWS, 896), BF16),   # collective
+    "sums__f32_8x1": vmem((2, 8, ROWS, 896), F32),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -340,13 +342,15 @@ SCRATCH_SHAPES = {
     "recv__bf16_2x1__recv": dma_sems((2, 2)),
     "recv__bf16_8x2__send": dma_sems((2, 8)),
     "recv__bf16_8x2__recv": dma_sems((2, 8)),
-    "recv__bf16_2x1__shared_down__send": dma_sems((2, 2)),
-    "recv__bf16_2x1__shared_down__recv": dma_sems((2, 2)),
-    "recv__bf16_8x2__shared_down__send": dma_sems((2, 8)),
-    "recv__bf16_8x2__shared_down__recv": dma_sems((2, 8)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8)),
+    "chunk__bf16_2x8__send": dma_sems((2, 2)),
+    "chunk__bf16_2x8__recv": dma_sems((2, 2)),
+    "sums__f32_8x1__send": dma_sems((2, 8)),
+    "sums__f32_8x1__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "pool_sem": dma_sems((2,)),   # pooled matrix copies
-    "expert_sem": dma_sems((2,)),   # expert slot copies
+    "pool_sem": dma_sems((4,)),   # pooled matrix copies
+    "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }

@@ -2,10 +2,10 @@
 
 Schedule gpt_oss_120b: model gpt_oss_120b (gpt_oss) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 4c7cc74acfb8ce0a
+Input digest (spec, model config, mkc version): b4660c3aa74a50f9
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
+through a ring of 12 VMEM slots of 1024x1024 bf16 tiles, 12 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.gpt_oss.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -111,7 +111,7 @@ MOE_ROUTER = StreamedMatrix(name='router', rows=2880, cols=128, row_tiles=3, col
                             tile_rows=1024, tile_cols=128)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2880, cols=25136, row_tiles=3, col_tiles=25,
                               tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=8, ahead=8, total_tiles=183, tile_shapes=((1024, 128), (1024, 1024)))
+RING = Ring(slots=12, ahead=12, total_tiles=183, tile_shapes=((1024, 128), (1024, 1024)))
 TAIL_TILE_OFFSET = 108
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gqa': [], 'moe': [MOE_ROUTER], 'swa': [], 'tail': [TAIL_LM_HEAD]}
@@ -150,10 +150,10 @@ EXPERTS = ExpertSlots(pool='staging', slots=2, slot_rows=54304,
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
 KINDS = {'gqa': KindPlan(streamed={}, states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows'),
+                         kv=KvTiles(tokens=128, slots=3, ahead=2), kv_rows='gqa_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER)}, states={}, copies=()),
          'swa': KindPlan(streamed={}, states={}, copies=(), caches=('swa__key', 'swa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1, ring=256), kv_rows='swa_kv_rows')}
+                         kv=KvTiles(tokens=128, slots=2, ahead=2, ring=256), kv_rows='swa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Schedule qwen3_30b_a3b: model qwen3_30b_a3b (qwen3_moe) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 284467020c541899
+Input digest (spec, model config, mkc version): a998a778a7df829d
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
+through a ring of 12 VMEM slots of 1024x1024 bf16 tiles, 12 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_moe.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -105,7 +105,9 @@ MOE_ROUTER = StreamedMatrix(name='router', rows=2048, cols=128, row_tiles=2, col
                             tile_rows=1024, tile_cols=128)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2048, cols=18992, row_tiles=2, col_tiles=25,
                               tile_rows=1024, tile_cols=768)
-RING = Ring(slots=8, ahead=8, total_tiles=338, tile_shapes=((512, 1024), (1024, 128), (1024, 768)))
+RING = Ring(
+    slots=12, ahead=12, total_tiles=338, tile_shapes=((512, 1024), (1024, 128), (1024, 768))
+)
 TAIL_TILE_OFFSET = 288
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gqa': [GQA_QKV, GQA_O_PROJ], 'moe': [MOE_ROUTER], 'tail': [TAIL_LM_HEAD]}
@@ -124,7 +126,7 @@ N_COLLECTIVE_COUNTERS = 1
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='experts_pool', slots=2, slot_rows=36864,
+EXPERTS = ExpertSlots(pool='experts_pool', slots=3, slot_rows=36864,
                       matrices={'gate_up': (0, 2048, 1536), 'down': (24576, 768, 2048)},
                       local_experts=16, group_size=1, top_k=8)
 
@@ -132,7 +134,7 @@ EXPERTS = ExpertSlots(pool='experts_pool', slots=2, slot_rows=36864,
 # layer), state buffers and copies, KV caches.
 KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (2, GQA_O_PROJ)}, states={},
                          copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=4, ahead=4), kv_rows='gqa_kv_rows'),
+                         kv=KvTiles(tokens=128, slots=5, ahead=5), kv_rows='gqa_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER)}, states={}, copies=())}
 
 
@@ -233,7 +235,7 @@ SCRATCH_SHAPES = {
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((2, ROWS, 1024), BF16),   # activation
     "acc": vmem((25, ROWS, 1024), F32),   # activation
-    "experts_pool": vmem((73728, 128), BF16),   # pool
+    "experts_pool": vmem((110592, 128), BF16),   # pool
     "gqa_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 2048), BF16),   # collective
     "ring_sem": dma_sems((RING.slots,)),
@@ -244,7 +246,7 @@ SCRATCH_SHAPES = {
     "recv__bf16_8x1__send": dma_sems((2, 8)),
     "recv__bf16_8x1__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "expert_sem": dma_sems((2,)),   # expert slot copies
+    "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }
