@@ -2,10 +2,10 @@
 
 Schedule llama_3_1_70b: model llama_3_1_70b (llama) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 1b3222d390df1095
+Input digest (spec, model config, mkc version): accbc4cfe8a71acf
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 18 VMEM slots of 1024x768 bf16 tiles, 18 tiles ahead, across layers and
+through a ring of 24 VMEM slots of 1024x896 bf16 tiles, 24 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.llama.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -22,7 +22,7 @@ from mkc.families.llama import weights as hf_layout
 from mkc.families.llama.config import LlamaDims
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.kv import KvTiles
@@ -83,22 +83,22 @@ N_LAYERS = 80
 KIND_IDS = {"gqa": 0}
 LAYER_KIND = (0,) * 80
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = tuple(range(0, 16640, 208))
+LAYER_TILE_OFFSET = tuple(range(0, 12800, 160))
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 GQA_QKV = StreamedMatrix(name='qkv', rows=8192, cols=1280, row_tiles=8, col_tiles=2, tile_rows=1024,
                          tile_cols=640)
 GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=1024, cols=8192, row_tiles=1, col_tiles=16,
                             tile_rows=1024, tile_cols=512)
-GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=8192, cols=7168, row_tiles=8, col_tiles=14,
-                             tile_rows=1024, tile_cols=512)
+GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=8192, cols=7168, row_tiles=8, col_tiles=8,
+                             tile_rows=1024, tile_cols=896)
 GQA_DOWN = StreamedMatrix(name='down', rows=3584, cols=8192, row_tiles=4, col_tiles=16,
                           tile_rows=896, tile_cols=512)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=16032, row_tiles=8, col_tiles=21,
-                              tile_rows=1024, tile_cols=768)
-RING = Ring(slots=18, ahead=18, total_tiles=16808,
-            tile_shapes=((896, 512), (1024, 512), (1024, 640), (1024, 768)))
-TAIL_TILE_OFFSET = 16640
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=16032, row_tiles=8, col_tiles=18,
+                              tile_rows=1024, tile_cols=896)
+RING = Ring(slots=24, ahead=24, total_tiles=12944,
+            tile_shapes=((896, 512), (1024, 512), (1024, 640), (1024, 896)))
+TAIL_TILE_OFFSET = 12800
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gqa': [GQA_QKV, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
 
@@ -107,17 +107,31 @@ VECTORS = Parity(ahead=1, rows=8, cols=8192,
                  layout={'gqa': {'input_norm': (0, 1, 8192), 'post_norm': (1, 1, 8192)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-N_COLLECTIVE_COUNTERS = 1
+EMBED_REDUCE = FromRows(rows=8,
+                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=0, size=8, stride=1),),
+                        stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
+                                              counter=1, size=8, stride=1),
+                                AllGather(buffer='sums__f32_8x1', counter=2, size=8, stride=1)))
+GQA_O_PROJ_REDUCE = FromRows(
+    rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=0, size=8, stride=1),),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=1, size=8,
+                          stride=1),
+            AllGather(buffer='sums__f32_8x1', counter=2, size=8, stride=1))
+)
+GQA_DOWN_REDUCE = FromRows(
+    rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=0, size=8, stride=1),),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=1, size=8,
+                          stride=1),
+            AllGather(buffer='sums__f32_8x1', counter=2, size=8, stride=1))
+)
+N_COLLECTIVE_COUNTERS = 3
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
 KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (16, GQA_O_PROJ),
-                                   'gate_up': (32, GQA_GATE_UP), 'down': (144, GQA_DOWN)},
+                                   'gate_up': (32, GQA_GATE_UP), 'down': (96, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=256, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=256, slots=5, ahead=5), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -132,12 +146,13 @@ def _layer_gqa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 35: direct, wire bf16
+    # direct, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 35
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 35: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 35: direct, wire bf16, scatter from 8 rows
     lower.mlp_residual(c, mlp_out)
 
 
@@ -206,16 +221,23 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((8, ROWS, 1024), BF16),   # activation
-    "acc": vmem((21, ROWS, 768), F32),   # activation
+    "acc": vmem((18, ROWS, 896), F32),   # activation
     "gqa_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
-    "recv__bf16_8x1": vmem((2, 8, ROWS, 8192), BF16),   # collective
+    "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 8192), BF16, rows=(1, 7)),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(8, 16)),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 1024), BF16, rows=(8, 16)),   # collective
+    "sums__f32_8x1": vmem((2, 8, ROWS, 1024), F32, rows=(8, 16)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
     "sem__embed": dma_sems(),
     "sem__gqa_kv_rows": dma_sems(),
-    "recv__bf16_8x1__send": dma_sems((2, 8)),
-    "recv__bf16_8x1__recv": dma_sems((2, 8)),
+    "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 16)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 16)),
+    "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 16)),
+    "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 16)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
 }
 
