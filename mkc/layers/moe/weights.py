@@ -103,6 +103,18 @@ def vector(s: MoE, hf: Mapping, d: Any, prefix: str, name: str, rank: int, shard
     return tensor(hf, prefix + "post_attention_layernorm.weight")[None, :]
 
 
+def global_expert(d: Any, shards: ShardTable, rank: int, local: int) -> int:
+    """The model-wide id of local expert `local` of `rank`'s expert group (experts split evenly
+    over the groups)."""
+    return shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+
+
+def fused_tensor(s: MoE, prefix: str, cls: str) -> str:
+    """The checkpoint's fused tensor (`[E, out, in]`) of routed-expert class `cls` in the layer
+    under `prefix`."""
+    return f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
+
+
 def expert_tp(shards: ShardTable) -> int:
     """The ranks sharing each routed expert's width (`shard expert_mlp over N`; 1 without)."""
     return shards.ways("expert_mlp") if any(c == "expert_mlp" for c, _, _ in shards.rules) else 1
@@ -112,8 +124,8 @@ def expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: st
                   shards: ShardTable) -> np.ndarray:
     """Local expert `local` of `rank`'s expert group ([in, out]): experts split evenly over the
     groups, the rank's width slice of it (its gate and up columns, down's rows)."""
-    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
-    m = np.asarray(hf[f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"][e]).astype(np.float32)
+    e = global_expert(d, shards, rank, local)
+    m = np.asarray(hf[fused_tensor(s, prefix, "expert." + name)][e]).astype(np.float32)
     tp = expert_tp(shards)
     if tp > 1:
         width = d.moe_intermediate_size // tp
@@ -145,8 +157,8 @@ def four_bit_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int,
                            shards: ShardTable, fmt: WeightFormat) -> dict[str, np.ndarray]:
     """Local expert `local` of `rank`, `fmt` its `int4 block N` or `nvfp4`: the rank's slice
     as its slot holds it (`int4_slot`, `nvfp4_slot`)."""
-    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
-    stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
+    e = global_expert(d, shards, rank, local)
+    stored = fused_tensor(s, prefix, "expert." + name)
     out_index, in_index, _ = _rank_slice(s, d, name, rank, shards)
     what = f"layer {_layer_of(prefix)} expert {e}'s {name}"
     slot = int4_slot if fmt.name == "int4" else nvfp4_slot
@@ -196,8 +208,8 @@ def fp8_expert_matrix(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name
     """Local expert `local` of `rank` from an FP8 checkpoint, `fmt` its `fp8 block R x C`: the
     rank's slice of its codes and the block scales over it, byte for byte the checkpoint's
     (`mkc.layers.expert_formats.weights.fp8_checkpoint_blocks`)."""
-    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
-    stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
+    e = global_expert(d, shards, rank, local)
+    stored = fused_tensor(s, prefix, "expert." + name)
     out_index, in_index, width = _rank_slice(s, d, name, rank, shards)
     codes, scales = fp8_checkpoint_blocks(hf[stored][e], hf[scale_name(stored)][e], out_index, in_index,
                                           fmt, width)
@@ -210,12 +222,12 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
     matrix: bf16 by its name, or FP8 codes and E8M0 scales per block of input rows
     (`{name}_codes`, `{name}_scales`); an MXFP4 checkpoint's as `mxfp4_expert` moves it."""
     if s.checkpoint is Checkpoint.MXFP4_PACKED:
-        e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+        e = global_expert(d, shards, rank, local)
         tp = expert_tp(shards)
         part = shards.part("expert_mlp", rank) if tp > 1 else 0
         return packed_mxfp4_expert(s, hf, d, prefix, e, rank, part, tp, formats)
     if s.checkpoint.decoded_in_kernel:
-        e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+        e = global_expert(d, shards, rank, local)
         return mxfp4_expert(s, hf, d, prefix, e, formats)
     out = {}
     for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
@@ -248,10 +260,10 @@ def _held(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, name: str, rank:
     """A rank's slice of local expert `local` that a requantized checkpoint already holds as
     e4m3 values under bf16 block scales (`BLOCK_SCALE`): its codes `[out, in]` and scales
     `[out, in/block]`, taken as they are; None for a checkpoint's own values."""
-    stored = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS['expert.' + name]}"
+    stored = fused_tensor(s, prefix, "expert." + name)
     if stored + BLOCK_SCALE not in hf:
         return None
-    e = shards.part("experts", rank) * (d.experts // shards.ways("experts")) + local
+    e = global_expert(d, shards, rank, local)
     values, scales = np.asarray(hf[stored][e], np.float32), np.asarray(hf[stored + BLOCK_SCALE][e])
     block = values.shape[1] // scales.shape[1]
     if fmt.scale != "bf16" or block != fmt.block:
@@ -336,7 +348,7 @@ def requantization(s: MoE, hf: Mapping, d: Any, formats: Mapping[str, WeightForm
     totals = {cls: RequantizationError() for cls in fp8}
     for prefix in prefixes:
         for cls, fmt in fp8.items():
-            name = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
+            name = fused_tensor(s, prefix, cls)
             held, scales = [], []
             for e in range(d.experts):
                 r = requantize_fp8_blocks(np.asarray(hf[name][e]).astype(np.float32), fmt.block, fmt.scale)
@@ -373,7 +385,7 @@ def four_bit_requantized(s: MoE, hf: Mapping, d: Any, resolved: Mapping[str, Wei
         for cls, fmt in classes.items():
             if fmt.name == "nvfp4" and not fmt.rounded:
                 continue                         # packing refuses the layer
-            name = f"{prefix}{s.prefix}experts.{_EXPERT_TENSORS[cls]}"
+            name = fused_tensor(s, prefix, cls)
             parts: list[list[np.ndarray]] = [[], [], []]
             for e in range(d.experts):
                 values = np.asarray(hf[name][e], np.float32)
