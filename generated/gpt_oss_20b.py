@@ -2,10 +2,10 @@
 
 Schedule gpt_oss_20b: model gpt_oss_20b (gpt_oss) on tpu7x=1x1x1, mesh tp = 2,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 2b677de845fdda6e
+Input digest (spec, model config, mkc version): b1863d0e967bcd94
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
+through a ring of 7 VMEM slots of 1024x1024 bf16 tiles, 7 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.gpt_oss.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -114,7 +114,7 @@ SWA_O_PROJ = StreamedMatrix(name='o_proj', rows=2048, cols=2880, row_tiles=2, co
                             tile_rows=1024, tile_cols=1024)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=2880, cols=100544, row_tiles=3, col_tiles=99,
                               tile_rows=1024, tile_cols=1024)
-RING = Ring(slots=5, ahead=5, total_tiles=801, tile_shapes=((1024, 128), (1024, 640), (1024, 1024)))
+RING = Ring(slots=7, ahead=7, total_tiles=801, tile_shapes=((1024, 128), (1024, 640), (1024, 1024)))
 TAIL_TILE_OFFSET = 504
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gqa': [GQA_QKV, GQA_O_PROJ], 'moe': [MOE_ROUTER], 'swa': [SWA_QKV, SWA_O_PROJ],
@@ -149,11 +149,11 @@ EXPERTS = ExpertSlots(pool='experts_pool', slots=2, slot_rows=54304,
 # layer), state buffers and copies, KV caches.
 KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (12, GQA_O_PROJ)}, states={},
                          copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows'),
+                         kv=KvTiles(tokens=128, slots=3, ahead=2), kv_rows='gqa_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER)}, states={}, copies=()),
          'swa': KindPlan(streamed={'qkv': (0, SWA_QKV), 'o_proj': (12, SWA_O_PROJ)}, states={},
                          copies=(), caches=('swa__key', 'swa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1, ring=256), kv_rows='swa_kv_rows')}
+                         kv=KvTiles(tokens=128, slots=2, ahead=2, ring=256), kv_rows='swa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def _layer_gqa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 53: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 54: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -178,11 +178,11 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 58: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 59: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 59: direct, wire bf16
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 60: direct, wire bf16
     lower.mlp_residual(c, routed_out)
 
 
@@ -196,7 +196,7 @@ def _layer_swa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 48: direct, wire bf16
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 49: direct, wire bf16
     lower.attn_residual(c, attn_out)
 
 

@@ -2,10 +2,10 @@
 
 Schedule qwen3_235b_a22b: model qwen3_235b_a22b (qwen3_moe) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): b334e8d76a411651
+Input digest (spec, model config, mkc version): f3384b88d4907e8c
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 6 VMEM slots of 1024x1024 bf16 tiles, 6 tiles ahead, across layers and
+through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_moe.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -23,7 +23,7 @@ from mkc.families.qwen3_moe.config import Qwen3MoeDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -111,7 +111,7 @@ MOE_ROUTER = StreamedMatrix(name='router', rows=4096, cols=128, row_tiles=4, col
                             tile_rows=1024, tile_cols=128)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=4096, cols=9496, row_tiles=4, col_tiles=15,
                               tile_rows=1024, tile_cols=640)
-RING = Ring(slots=6, ahead=6, total_tiles=1188,
+RING = Ring(slots=8, ahead=8, total_tiles=1188,
             tile_shapes=((512, 1024), (1024, 128), (1024, 640), (1024, 768)))
 TAIL_TILE_OFFSET = 1128
 # The order matrices stream in: per layer kind, then the tail after the last layer.
@@ -124,11 +124,32 @@ VECTORS = Parity(ahead=1, rows=8, cols=4096,
                          'moe': {'post_norm': (0, 1, 4096)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_16x1', counter=2, size=16, stride=1),)
-GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_16x1', counter=2, size=16, stride=1),)
-MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                             Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-N_COLLECTIVE_COUNTERS = 3
+EMBED_REDUCE = FromRows(rows=8,
+                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+                               Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+                        stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
+                                              counter=2, size=8, stride=1),
+                                Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+                                AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1)))
+GQA_O_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+)
+MOE_ROUTED_EXPERTS_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+)
+N_COLLECTIVE_COUNTERS = 5
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
@@ -140,7 +161,7 @@ EXPERTS = ExpertSlots(pool='experts_pool', slots=1, slot_rows=147456,
 # layer), state buffers and copies, KV caches.
 KINDS = {'gqa': KindPlan(streamed={'qkv': (0, GQA_QKV), 'o_proj': (4, GQA_O_PROJ)}, states={},
                          copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows'),
+                         kv=KvTiles(tokens=128, slots=2, ahead=2), kv_rows='gqa_kv_rows'),
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER)}, states={}, copies=())}
 
 
@@ -155,7 +176,8 @@ def _layer_gqa(k: Kernel, layer):
     lower.kv_write(c, k_new, proj)
     core = lower.attention(c, q)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 48: direct, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 51
     lower.attn_residual(c, attn_out)
 
 
@@ -166,11 +188,12 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 53: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 56: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 54: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 57
     lower.mlp_residual(c, routed_out)
 
 
@@ -243,20 +266,27 @@ SCRATCH_SHAPES = {
     "acc": vmem((15, ROWS, 1024), F32),   # activation
     "experts_pool": vmem((147456, 128), BF16),   # pool
     "gqa_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
-    "recv__bf16_2x1": vmem((2, 2, ROWS, 4096), BF16),   # collective
-    "recv__bf16_8x2": vmem((2, 8, ROWS, 4096), BF16),   # collective
-    "recv__bf16_16x1": vmem((2, 16, ROWS, 4096), BF16),   # collective
+    "recv_1to7__bf16_2x8": vmem((2, 2, ROWS, 4096), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 4096), BF16, rows=(1, 7)),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 512), BF16, rows=(8, 8)),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 512), BF16, rows=(8, 8)),   # collective
+    "chunk__bf16_2x8": vmem((2, 2, ROWS, 512), BF16, rows=(8, 8)),   # collective
+    "sums__f32_8x1": vmem((2, 8, ROWS, 512), F32, rows=(8, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
     "sem__embed": dma_sems(),
     "sem__gqa_kv_rows": dma_sems(),
-    "recv__bf16_2x1__send": dma_sems((2, 2)),
-    "recv__bf16_2x1__recv": dma_sems((2, 2)),
-    "recv__bf16_8x2__send": dma_sems((2, 8)),
-    "recv__bf16_8x2__recv": dma_sems((2, 8)),
-    "recv__bf16_16x1__send": dma_sems((2, 16)),
-    "recv__bf16_16x1__recv": dma_sems((2, 16)),
+    "recv_1to7__bf16_2x8__send": dma_sems((2, 2), rows=(1, 7)),
+    "recv_1to7__bf16_2x8__recv": dma_sems((2, 2), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "chunk__bf16_2x8__send": dma_sems((2, 2), rows=(8, 8)),
+    "chunk__bf16_2x8__recv": dma_sems((2, 2), rows=(8, 8)),
+    "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "expert_sem": dma_sems((1,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts

@@ -2,10 +2,10 @@
 
 Schedule qwen3_5_397b_a17b: model qwen3_5_397b_a17b (qwen3_5_moe_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 2fdd851b5a9026f1
+Input digest (spec, model config, mkc version): 2d0fdf5ec8dd8110
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 8 VMEM slots of 1024x1024 bf16 tiles, 8 tiles ahead, across layers and
+through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5_moe.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -24,7 +24,7 @@ from mkc.families.qwen3_5_moe.config import Qwen35MoeDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -126,7 +126,7 @@ MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=64, cols=4096, row_til
                                  tile_rows=128, tile_cols=1024)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=4096, cols=15520, row_tiles=4, col_tiles=18,
                               tile_rows=1024, tile_cols=896)
-RING = Ring(slots=8, ahead=8, total_tiles=1512,
+RING = Ring(slots=4, ahead=4, total_tiles=1512,
             tile_shapes=((128, 1024), (512, 1024), (1024, 128), (1024, 512), (1024, 768),
                          (1024, 896)))
 TAIL_TILE_OFFSET = 1440
@@ -144,16 +144,50 @@ VECTORS = Parity(ahead=1, rows=8, cols=4096,
                          'moe': {'post_norm': (0, 1, 4096), 'shared_gate': (1, 1, 4096)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-GDN_OUT_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                       Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_16x1', counter=2, size=16, stride=1),)
-MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                          Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                             Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
-N_COLLECTIVE_COUNTERS = 3
+EMBED_REDUCE = FromRows(rows=8,
+                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+                               Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+                        stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
+                                              counter=2, size=8, stride=1),
+                                Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+                                AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1)))
+GDN_OUT_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+)
+GQA_O_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+)
+MOE_SHARED_DOWN_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+)
+MOE_ROUTED_EXPERTS_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_2x8', counter=0, size=2, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+)
+N_COLLECTIVE_COUNTERS = 5
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
@@ -174,7 +208,7 @@ KINDS = {
     ),
     'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (8, GQA_O_PROJ)}, states={},
                     copies=(), caches=('gqa__key', 'gqa__value'),
-                    kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows'),
+                    kv=KvTiles(tokens=128, slots=3, ahead=2), kv_rows='gqa_kv_rows'),
     'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'shared_gate_up': (4, MOE_SHARED_GATE_UP),
                               'shared_down': (8, MOE_SHARED_DOWN)},
                     states={}, copies=())
@@ -189,22 +223,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 63: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 64: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 61: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 62: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 61: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 62: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 61: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 61: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 62: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 62: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 62: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 63: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 62: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 63: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 63: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 64: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -213,7 +247,8 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 64: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 68
     lower.attn_residual(c, attn_out)
 
 
@@ -229,7 +264,8 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 70: direct, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 74
     lower.attn_residual(c, attn_out)
 
 
@@ -241,14 +277,16 @@ def _layer_moe(k: Kernel, layer):
     h = lower.post_norm(c)
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 76: fetch experts -> experts_pool.experts, the first slots now
+    # spec line 80: fetch experts -> experts_pool.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 77: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 81
     routed_out = lower.routed_experts(c, h, expert_ids, expert_weights)
     # the pool view experts_pool.experts is free from here
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 77: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 81
     lower.mlp_residual(c, shared_out, routed_out, h)
 
 
@@ -273,7 +311,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa, "moe": _layer_moe})
-    # spec line 63: the last gdn layer's store of state.recurrent drains
+    # spec line 64: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -326,9 +364,12 @@ SCRATCH_SHAPES = {
     "experts_pool": vmem((98304, 128), BF16),   # pool
     "gdn_rec_buf": vmem((ROWS, 4, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
-    "recv__bf16_2x1": vmem((2, 2, ROWS, 4096), BF16),   # collective
-    "recv__bf16_8x2": vmem((2, 8, ROWS, 4096), BF16),   # collective
-    "recv__bf16_16x1": vmem((2, 16, ROWS, 4096), BF16),   # collective
+    "recv_1to7__bf16_2x8": vmem((2, 2, ROWS, 4096), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 4096), BF16, rows=(1, 7)),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 512), BF16, rows=(8, 8)),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 512), BF16, rows=(8, 8)),   # collective
+    "chunk__bf16_2x8": vmem((2, 2, ROWS, 512), BF16, rows=(8, 8)),   # collective
+    "sums__f32_8x1": vmem((2, 8, ROWS, 512), F32, rows=(8, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -338,12 +379,16 @@ SCRATCH_SHAPES = {
     "sem__store_gdn_conv_buf": dma_sems(),
     "sem__store_gdn_rec_buf": dma_sems(),
     "sem__gqa_kv_rows": dma_sems(),
-    "recv__bf16_2x1__send": dma_sems((2, 2)),
-    "recv__bf16_2x1__recv": dma_sems((2, 2)),
-    "recv__bf16_8x2__send": dma_sems((2, 8)),
-    "recv__bf16_8x2__recv": dma_sems((2, 8)),
-    "recv__bf16_16x1__send": dma_sems((2, 16)),
-    "recv__bf16_16x1__recv": dma_sems((2, 16)),
+    "recv_1to7__bf16_2x8__send": dma_sems((2, 2), rows=(1, 7)),
+    "recv_1to7__bf16_2x8__recv": dma_sems((2, 2), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "chunk__bf16_2x8__send": dma_sems((2, 2), rows=(8, 8)),
+    "chunk__bf16_2x8__recv": dma_sems((2, 2), rows=(8, 8)),
+    "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "expert_sem": dma_sems((1,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts

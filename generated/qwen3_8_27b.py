@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 9c3141d7433442c6
+Input digest (spec, model config, mkc version): 68c24b563853a70d
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 14 VMEM slots of 1024x640 bf16 tiles, 14 tiles ahead, across layers and
+through a ring of 19 VMEM slots of 1024x768 bf16 tiles, 19 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -101,15 +101,15 @@ N_LAYERS = 64
 KIND_IDS = {"gdn": 0, "gqa": 1}
 LAYER_KIND = (0, 0, 0, 1) * 16
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 97, 194, 291, 378, 475, 572, 669, 756, 853, 950, 1047, 1134, 1231, 1328,
-                     1425, 1512, 1609, 1706, 1803, 1890, 1987, 2084, 2181, 2268, 2365, 2462, 2559,
-                     2646, 2743, 2840, 2937, 3024, 3121, 3218, 3315, 3402, 3499, 3596, 3693, 3780,
-                     3877, 3974, 4071, 4158, 4255, 4352, 4449, 4536, 4633, 4730, 4827, 4914, 5011,
-                     5108, 5205, 5292, 5389, 5486, 5583, 5670, 5767, 5864, 5961)
+LAYER_TILE_OFFSET = (0, 82, 164, 246, 333, 415, 497, 579, 666, 748, 830, 912, 999, 1081, 1163, 1245,
+                     1332, 1414, 1496, 1578, 1665, 1747, 1829, 1911, 1998, 2080, 2162, 2244, 2331,
+                     2413, 2495, 2577, 2664, 2746, 2828, 2910, 2997, 3079, 3161, 3243, 3330, 3412,
+                     3494, 3576, 3663, 3745, 3827, 3909, 3996, 4078, 4160, 4242, 4329, 4411, 4493,
+                     4575, 4662, 4744, 4826, 4908, 4995, 5077, 5159, 5241)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=6,
-                             tile_rows=1024, tile_cols=384)
+GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=3,
+                             tile_rows=1024, tile_cols=768)
 GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=8,
                               tile_rows=768, tile_cols=640)
 GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=7,
@@ -124,11 +124,11 @@ GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, 
                              tile_rows=1024, tile_cols=640)
 GQA_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=8,
                           tile_rows=768, tile_cols=640)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=31040, row_tiles=5, col_tiles=49,
-                              tile_rows=1024, tile_cols=640)
-RING = Ring(slots=14, ahead=14, total_tiles=6293,
-            tile_shapes=((768, 640), (1024, 384), (1024, 512), (1024, 640)))
-TAIL_TILE_OFFSET = 6048
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=31040, row_tiles=5, col_tiles=41,
+                              tile_rows=1024, tile_cols=768)
+RING = Ring(slots=19, ahead=19, total_tiles=5533,
+            tile_shapes=((768, 640), (1024, 512), (1024, 640), (1024, 768)))
+TAIL_TILE_OFFSET = 5328
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gdn': [GDN_IN_PROJ, GDN_OUT_PROJ, GDN_GATE_UP, GDN_DOWN],
                 'gqa': [GQA_QKV_GATE, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
@@ -142,17 +142,22 @@ VECTORS = Parity(ahead=1, rows=16, cols=5120,
                                  'input_norm': (2, 1, 5120), 'post_norm': (3, 1, 5120)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-GDN_OUT_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-GDN_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=0, size=8, stride=1),)
-N_COLLECTIVE_COUNTERS = 1
+EMBED_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GDN_OUT_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                       Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GDN_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                   Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                     Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
+                   Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
+N_COLLECTIVE_COUNTERS = 2
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (30, GDN_OUT_PROJ),
-                                   'gate_up': (38, GDN_GATE_UP), 'down': (73, GDN_DOWN)},
+KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (15, GDN_OUT_PROJ),
+                                   'gate_up': (23, GDN_GATE_UP), 'down': (58, GDN_DOWN)},
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
                          copies=(StateCopy(direction='load', hbm='gdn__conv', buffer='gdn_conv_buf',
                                            batch_axis=1),
@@ -165,7 +170,7 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (30,
          'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (20, GQA_O_PROJ),
                                    'gate_up': (28, GQA_GATE_UP), 'down': (63, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=4, ahead=4), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=128, slots=5, ahead=5), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -194,7 +199,7 @@ def _layer_gdn(k: Kernel, layer):
         c.copy("store_gdn_rec_buf").start()   # spec line 42: store gdn_rec_buf -> state.recurrent
         core = lower.gated_norm(c, core, proj)
         attn_out = lower.out_proj(c, core)
-        attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 47: direct, wire bf16
+        attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 46: two_level, wire bf16
         c.copy("store_gdn_conv_buf").wait()   # spec line 41: store gdn_conv_buf -> state.conv
         return attn_out,
 
@@ -206,7 +211,7 @@ def _layer_gdn(k: Kernel, layer):
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 47: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 46: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -222,12 +227,12 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 54: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 54: two_level, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 54: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 54: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -300,10 +305,11 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((5, ROWS, 1024), BF16),   # activation
-    "acc": vmem((49, ROWS, 640), F32),   # activation
+    "acc": vmem((41, ROWS, 768), F32),   # activation
     "gdn_rec_buf": vmem((ROWS, 6, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
-    "recv__bf16_8x1": vmem((2, 8, ROWS, 5120), BF16),   # collective
+    "recv__bf16_2x1": vmem((2, 2, ROWS, 5120), BF16),   # collective
+    "recv__bf16_4x2": vmem((2, 4, ROWS, 5120), BF16),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -313,8 +319,10 @@ SCRATCH_SHAPES = {
     "sem__store_gdn_conv_buf": dma_sems(),
     "sem__store_gdn_rec_buf": dma_sems(),
     "sem__gqa_kv_rows": dma_sems(),
-    "recv__bf16_8x1__send": dma_sems((2, 8)),
-    "recv__bf16_8x1__recv": dma_sems((2, 8)),
+    "recv__bf16_2x1__send": dma_sems((2, 2)),
+    "recv__bf16_2x1__recv": dma_sems((2, 2)),
+    "recv__bf16_4x2__send": dma_sems((2, 4)),
+    "recv__bf16_4x2__recv": dma_sems((2, 4)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
 }
 

@@ -15,7 +15,7 @@ from tests_support import ROOT
 
 SPEC = ROOT / "schedules" / "gpt_oss_20b.sched"
 RING = "    kv ring 256 slots\n"
-SWA_TILES = ("kv tiles 2 slots of 128 tokens ahead 1\n    allreduce o_proj direct wire bf16\n  }\n\n"
+SWA_TILES = ("kv tiles 2 slots of 128 tokens ahead 2\n    allreduce o_proj direct wire bf16\n  }\n\n"
              "  phase gqa")
 
 
@@ -148,7 +148,7 @@ def test_a_ring_shorter_than_its_tiles_is_refused_at_the_ring_line(tmp_path):
     """4 slots of 256 tokens stream 1024 positions: a ring of 512 would have its tiles started
     ahead copy from past its end (the module fails to trace: "Out of bound slice")."""
     path = _variant(tmp_path, (RING, "    kv ring 512 slots\n"),
-                    _swa_tiles(256)[0:1] + (SWA_TILES.replace("2 slots of 128 tokens ahead 1",
+                    _swa_tiles(256)[0:1] + (SWA_TILES.replace("2 slots of 128 tokens ahead 2",
                                                               "4 slots of 256 tokens ahead 3"),))
     d = _error(path, "gpt_oss_mini")
     assert d.code == "E-KV-RING" and d.span.line == _line(path, "kv ring 512 slots")
@@ -164,7 +164,7 @@ def test_every_accepted_ring_and_tile_combination_traces(tmp_path):
     modules, accepted = [], {}
     for ring in GRID_RINGS:
         for slots, tokens, ahead in GRID_TILES:
-            tiles = SWA_TILES.replace("2 slots of 128 tokens ahead 1",
+            tiles = SWA_TILES.replace("2 slots of 128 tokens ahead 2",
                                       f"{slots} slots of {tokens} tokens ahead {ahead}")
             path = _variant(tmp_path, (RING, f"    kv ring {ring} slots\n"), (SWA_TILES, tiles))
             try:

@@ -63,7 +63,7 @@ async def _session(tmp_path):
         types.DidOpenTextDocumentParams(text_document=types.TextDocumentItem(
             uri=uri, language_id="sched", version=1, text=text))))
     # Typing a VMEM overflow: one located diagnostic with its code and hint, then fixed again.
-    bad = text.replace("14 slots of bf16", "60 slots of bf16")
+    bad = text.replace("19 slots of bf16", "60 slots of bf16")
 
     def change(new: str, version: int):
         return lambda: client.text_document_did_change(types.DidChangeTextDocumentParams(

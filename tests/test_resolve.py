@@ -234,5 +234,5 @@ def test_a_stream_line_reports_its_first_wrong_item_where_it_is(tmp_path, line, 
 @pytest.mark.parametrize("tile, use", [("1024 x 0", "use 128"), ("1024 x 100", "use 128"),
                                         ("1024 x 700", "use 640 or 768")])
 def test_an_unaligned_ring_tile_hint_names_positive_multiples(tmp_path, tile, use):
-    d = _error(_variant(tmp_path, SPEC8.read_text(), ("up to 1024 x 640", f"up to {tile}")))
+    d = _error(_variant(tmp_path, SPEC8.read_text(), ("up to 1024 x 768", f"up to {tile}")))
     assert d.code == "E-ALIGN" and d.hint.endswith(use), d.hint

@@ -12,11 +12,11 @@ from mkc.lang.parser import parse
 from mkc.resolve import resolve
 from tests_support import SPEC
 
-KV_LINE = "kv tiles 4 slots of 128 tokens ahead 4"
+KV_LINE = "kv tiles 5 slots of 128 tokens ahead 5"
 
 
-RING_LINE = "ring weights: 14 slots of bf16 tiles up to 1024 x 640"
-STREAM_LINE = "stream weights ahead 14 {"
+RING_LINE = "ring weights: 19 slots of bf16 tiles up to 1024 x 768"
+STREAM_LINE = "stream weights ahead 19 {"
 
 
 def _ir(tmp_path, slots: int, tokens: int, ahead: int, context: int,

@@ -34,14 +34,14 @@ def k3_mini_text(text: str) -> str:
 
 
 def qwen_scatter_text(clause: str = "scatter from 2 rows") -> str:
-    """The shipped Qwen spec (8 ranks) with its all-reduces two-level over chips and `clause`
-    after the wire dtype: on the MINI config (256 columns) a chip's 2 cores scatter chunks of
-    128 columns."""
+    """The shipped Qwen spec (8 ranks; its all-reduces two-level over chips) with `clause` after
+    the wire dtype: on the MINI config (256 columns) a chip's 2 cores scatter chunks of 128
+    columns."""
     text = SPEC.read_text()
     for ops in ("out_proj, down", "o_proj, down"):
-        line = f"allreduce {ops} direct wire bf16"
-        assert line in text, line
-        text = text.replace(line, f"allreduce {ops} two_level chip wire bf16 {clause}")
+        line = f"allreduce {ops} two_level chip wire bf16"
+        assert text.count(line + "\n") == 1, line
+        text = text.replace(line + "\n", f"{line} {clause}\n")
     return text
 
 

@@ -86,7 +86,7 @@ def test_lines_of_a_generated_module_name_what_they_run():
     assert labels[at["proj = lower.in_proj(c, h)"]].key == "gdn.in_proj"
     assert labels[at["core = lower.attention(c, q)"]].key == "gqa.attention"
     reduce = next(n + 1 for n, t in enumerate(lines) if "k.allreduce(attn_out, GDN_OUT" in t)
-    assert labels[reduce].key == "gdn: all-reduce (spec line 47)"
+    assert labels[reduce].key == "gdn: all-reduce (spec line 46)"
     lm_head = next(n + 1 for n, t in enumerate(lines) if "ring.matmul(RING, k.ring_refs, h" in t)
     assert labels[lm_head].key == "tail.lm_head"
     enter = next(n + 1 for n, t in enumerate(lines) if "collectives.enter(" in t)

@@ -18,7 +18,7 @@ from mkc.perf.run import counted_warning, model, report, table
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "schedules" / "qwen3_8_27b.sched"
 MINI = "qwen3_8_mini"
-RING = "ring weights: 14 slots of bf16 tiles up to 1024 x 640"
+RING = "ring weights: 19 slots of bf16 tiles up to 1024 x 768"
 
 
 @pytest.fixture
@@ -42,11 +42,11 @@ def _spec(text: str, model_name: str | None = None):
 
 def _ring(text: str, slots: int, note: str = "") -> str:
     """The spec with `slots` ring slots, as many ahead (with `note`, a comment line above)."""
-    ahead = "stream weights ahead 14 {"
+    ahead = "stream weights ahead 19 {"
     assert RING in text and ahead in text
-    ring = RING.replace("14 slots", f"{slots} slots")
+    ring = RING.replace("19 slots", f"{slots} slots")
     return text.replace(RING, f"# {note}\n  {ring}" if note else ring).replace(
-        ahead, ahead.replace("14", str(slots)))
+        ahead, ahead.replace("19", str(slots)))
 
 
 def test_the_key_is_what_sets_cycles_ring_depth_no_rows_yes():
@@ -55,7 +55,7 @@ def test_the_key_is_what_sets_cycles_ring_depth_no_rows_yes():
     text = QWEN.read_text()
     assert RING in text
     base = op_measures.op_bodies(_spec(text, MINI), 2)
-    deeper = op_measures.op_bodies(_spec(_ring(text, 13), MINI), 2)
+    deeper = op_measures.op_bodies(_spec(_ring(text, 18), MINI), 2)
     wider = op_measures.op_bodies(_spec(text, MINI), 1)
     assert base and set(base) == set(deeper) == set(wider)
     assert all(base[k].key == deeper[k].key for k in base)
@@ -102,7 +102,7 @@ def test_a_kernel_is_priced_from_its_op_measures_and_its_spec_s_statements(store
     s0 = compiler.check_spec(str(QWEN)).ir
     measure = bundles.cached(s0, "decode", 1, places=(bundles.DATA,))
     op_measures.save(op_measures.derive(s0, measure), "tpu7x")
-    text = _ring(QWEN.read_text(), 13, "a slot fewer")
+    text = _ring(QWEN.read_text(), 18, "a slot fewer")
     s = _spec(text)
     m = op_measures.assemble(s, 1)
     o = m["op_level"]

@@ -245,15 +245,14 @@ def test_deeper_prefetch_never_makes_a_dma_bound_stream_slower(qwen_ir):
 def test_deeper_ring_in_a_real_spec_is_hardly_slower(tmp_path):
     """In a real spec the ring's tiles share the in-order queue with KV tiles and state copies:
     tiles issued further ahead can delay a KV copy queued behind them, so a deeper ring may cost
-    a little (2.2 % from ahead 8 to 14 here, with the constants fitted after the MXFP4 decode
-    and the spec's 1024 x 640 tiles, 1.0 % before; 0.6 % from ahead 2 to 4 with 1024 x 1280
-    ones); it never costs more than 3 %, and ahead 14 beats ahead 1."""
+    a little; it never costs more than 3 % from one depth to the next, and the spec's 19 ahead
+    beats 1 ahead."""
     text = SPEC.read_text()
-    assert "stream weights ahead 14" in text
+    assert "stream weights ahead 19" in text
     steps = []
-    for ahead in (1, 2, 4, 8, 14):
+    for ahead in (1, 2, 4, 8, 14, 19):
         p = tmp_path / f"ahead{ahead}.sched"
-        p.write_text(text.replace("stream weights ahead 14", f"stream weights ahead {ahead}"))
+        p.write_text(text.replace("stream weights ahead 19", f"stream weights ahead {ahead}"))
         c = check_spec(p, "qwen3_8_mini")
         from mkc.perf.run import step_model
         steps.append(step_model(c.ir, 1, 256, keep_timeline=False).step_s)

@@ -67,13 +67,14 @@ def test_scatter_at_every_width_keeps_no_one_shot_form():
 def test_a_direct_all_reduce_scatters_over_its_one_group():
     """Qwen's 5120 columns over 8 ranks: a reduce-scatter in chunks of 640 and the all-gather,
     no later stage."""
-    text = SPEC.read_text().replace("allreduce o_proj, down direct wire bf16",
-                                    "allreduce o_proj, down direct wire bf16 scatter")
+    line = "allreduce o_proj, down two_level chip wire bf16\n"
+    assert SPEC.read_text().count(line) == 1
+    text = SPEC.read_text().replace(line, "allreduce o_proj, down direct wire bf16 scatter\n")
     s = _ir(text, SPEC)
     gqa = {a.after_op: a for a in s.kinds["gqa"].allreduces}
     assert gqa["o_proj"].stages == ((8, 1),) and gqa["o_proj"].chunk == 640
     names = {b.name for b in s.buffers if b.cls == "collective"}
-    assert {"scatter__bf16_8x1", "send__bf16_8x1", "sums__f32_8x1", "recv__bf16_8x1"} <= names
+    assert {"scatter__bf16_8x1", "send__bf16_8x1", "sums__f32_8x1"} <= names
     assert not any(n.startswith("chunk__") for n in names)
 
 

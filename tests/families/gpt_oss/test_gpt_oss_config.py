@@ -99,6 +99,8 @@ def test_mkc_check_refuses_a_context_past_the_window_without_the_ring_at_its_con
     assert "swa" in d.message and "128" in d.message
     assert "kv ring" in d.hint
     within, n = re.subn(r"^(\s*context\s+)4096\b", r"\g<1>128", no_ring, count=1, flags=re.M)
-    assert n == 1
+    # one 128-token tile is the whole context: none starts ahead of it
+    within, tiles = re.subn(r"(kv tiles \d+ slots of 128 tokens) ahead 2", r"\1 ahead 1", within)
+    assert n == 1 and tiles == 2
     spec.write_text(within)
     check_spec(spec)

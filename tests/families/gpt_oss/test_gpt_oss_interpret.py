@@ -65,7 +65,7 @@ def test_the_120b_spec_with_an_eight_head_mini_checkpoint(tmp_path):
 # The shipped 20b spec with the MINI's window cut to 8 (a checkpoint of `sliding_window` 8): its
 # swa phase's ring of 32 slots in two 16-token KV tiles, so rows run past the window (position
 # >= 8) and past the ring's wrap (>= 32), where each slot holds a position other than itself.
-RING_LINES = ("    kv ring 256 slots\n    kv tiles 2 slots of 128 tokens ahead 1\n",
+RING_LINES = ("    kv ring 256 slots\n    kv tiles 2 slots of 128 tokens ahead 2\n",
               "    kv ring 32 slots\n    kv tiles 2 slots of 16 tokens ahead 1\n")
 WINDOW = 8
 
