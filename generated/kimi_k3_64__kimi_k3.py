@@ -2,10 +2,10 @@
 
 Schedule kimi_k3_64: model kimi_k3 (kimi_k3) on tpu7x=2x2x8, mesh tp = 64,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 739e21f9d3dade91
+Input digest (spec, model config, mkc version): 17113f508ef2d3c4
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 5 VMEM slots of 1024x1024 bf16 tiles, 5 tiles ahead, across layers and
+through a ring of 5 VMEM slots of 1024x896 bf16 tiles, 5 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.kimi_k3.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -24,7 +24,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -127,46 +127,46 @@ LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 
               2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
 LAYER_TILE_OFFSET = (
-    0, 0, 21, 21, 53, 53, 85, 101, 133, 133, 165, 165, 197, 197, 229, 245, 277, 277, 309, 309, 341,
-    341, 373, 389, 421, 421, 453, 453, 485, 485, 517, 533, 565, 565, 597, 597, 629, 629, 661, 677,
-    709, 709, 741, 741, 773, 773, 805, 821, 853, 853, 885, 885, 917, 917, 949, 965, 997, 997, 1029,
-    1029, 1061, 1061, 1093, 1109, 1141, 1141, 1173, 1173, 1205, 1205, 1237, 1253, 1285, 1285, 1317,
-    1317, 1349, 1349, 1381, 1397, 1429, 1429, 1461, 1461, 1493, 1493, 1525, 1541, 1573, 1573, 1605,
-    1605, 1637, 1637, 1669, 1685, 1717, 1717, 1749, 1749, 1781, 1781, 1813, 1829, 1861, 1861, 1893,
-    1893, 1925, 1925, 1957, 1973, 2005, 2005, 2037, 2037, 2069, 2069, 2101, 2117, 2149, 2149, 2181,
-    2181, 2213, 2213, 2245, 2261, 2293, 2293, 2325, 2325, 2357, 2357, 2389, 2405, 2437, 2437, 2469,
-    2469, 2501, 2501, 2533, 2549, 2581, 2581, 2613, 2613, 2645, 2645, 2677, 2693, 2725, 2725, 2757,
-    2757, 2789, 2789, 2821, 2837, 2869, 2869, 2901, 2901, 2933, 2933, 2965, 2981, 3013, 3013, 3045,
-    3045, 3077, 3077, 3109, 3125, 3157, 3157, 3189, 3189, 3221, 3221, 3253, 3269, 3301, 3317
+    0, 0, 22, 22, 55, 55, 88, 105, 138, 138, 171, 171, 204, 204, 237, 254, 287, 287, 320, 320, 353,
+    353, 386, 403, 436, 436, 469, 469, 502, 502, 535, 552, 585, 585, 618, 618, 651, 651, 684, 701,
+    734, 734, 767, 767, 800, 800, 833, 850, 883, 883, 916, 916, 949, 949, 982, 999, 1032, 1032,
+    1065, 1065, 1098, 1098, 1131, 1148, 1181, 1181, 1214, 1214, 1247, 1247, 1280, 1297, 1330, 1330,
+    1363, 1363, 1396, 1396, 1429, 1446, 1479, 1479, 1512, 1512, 1545, 1545, 1578, 1595, 1628, 1628,
+    1661, 1661, 1694, 1694, 1727, 1744, 1777, 1777, 1810, 1810, 1843, 1843, 1876, 1893, 1926, 1926,
+    1959, 1959, 1992, 1992, 2025, 2042, 2075, 2075, 2108, 2108, 2141, 2141, 2174, 2191, 2224, 2224,
+    2257, 2257, 2290, 2290, 2323, 2340, 2373, 2373, 2406, 2406, 2439, 2439, 2472, 2489, 2522, 2522,
+    2555, 2555, 2588, 2588, 2621, 2638, 2671, 2671, 2704, 2704, 2737, 2737, 2770, 2787, 2820, 2820,
+    2853, 2853, 2886, 2886, 2919, 2936, 2969, 2969, 3002, 3002, 3035, 3035, 3068, 3085, 3118, 3118,
+    3151, 3151, 3184, 3184, 3217, 3234, 3267, 3267, 3300, 3300, 3333, 3333, 3366, 3383, 3416, 3433
 )
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=1280, row_tiles=7, col_tiles=2,
                                tile_rows=1024, tile_cols=640)
-DENSE_DOWN = StreamedMatrix(name='down', rows=640, cols=7168, row_tiles=1, col_tiles=7,
-                            tile_rows=640, tile_cols=1024)
+DENSE_DOWN = StreamedMatrix(name='down', rows=640, cols=7168, row_tiles=1, col_tiles=8,
+                            tile_rows=640, tile_cols=896)
 MLA_Q_UP = StreamedMatrix(name='q_up', rows=1536, cols=576, row_tiles=2, col_tiles=1, tile_rows=768,
                           tile_cols=640)
 MLA_GATE = StreamedMatrix(name='gate', rows=7168, cols=384, row_tiles=7, col_tiles=1,
                           tile_rows=1024, tile_cols=384)
-MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=7,
-                            tile_rows=384, tile_cols=1024)
+MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=8,
+                            tile_rows=384, tile_cols=896)
 MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=512, row_tiles=7, col_tiles=1,
                             tile_rows=1024, tile_cols=512)
 MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=7168, cols=128, row_tiles=7, col_tiles=1,
                                  tile_rows=1024, tile_cols=128)
 MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=192, row_tiles=7,
                                     col_tiles=1, tile_rows=1024, tile_cols=256)
-MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=96, cols=7168, row_tiles=1, col_tiles=7,
-                                 tile_rows=128, tile_cols=1024)
+MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=96, cols=7168, row_tiles=1, col_tiles=8,
+                                 tile_rows=128, tile_cols=896)
 MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=4, col_tiles=1,
                                tile_rows=896, tile_cols=896)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=2560, row_tiles=7, col_tiles=4,
                               tile_rows=1024, tile_cols=640)
-RING = Ring(slots=5, ahead=5, total_tiles=3377,
-            tile_shapes=((128, 1024), (384, 1024), (640, 1024), (768, 640), (896, 896), (1024, 128),
+RING = Ring(slots=5, ahead=5, total_tiles=3494,
+            tile_shapes=((128, 896), (384, 896), (640, 896), (768, 640), (896, 896), (1024, 128),
                          (1024, 256), (1024, 384), (1024, 512), (1024, 640)))
-TAIL_TILE_OFFSET = 3349
+TAIL_TILE_OFFSET = 3466
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [],
                 'mla': [MLA_Q_UP, MLA_GATE, MLA_O_PROJ],
@@ -190,23 +190,53 @@ VECTORS = Parity(
 )
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                Stage(buffer='recv__bf16_8x8', counter=5, size=8, stride=8))
-DENSE_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                     Stage(buffer='recv__bf16_8x8', counter=5, size=8, stride=8))
-KDA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-MLA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                     Stage(buffer='recv__bf16_4x8', counter=3, size=4, stride=8))
-MOE_SHARED_DOWN_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                          Stage(buffer='recv__bf16_8x8', counter=5, size=8, stride=8))
-MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=4, size=8, stride=1),
-                             Stage(buffer='recv__bf16_8x8', counter=5, size=8, stride=8))
+EMBED_REDUCE = FromRows(rows=8,
+                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+                               Stage(buffer='recv_1to7__bf16_8x8', counter=5, size=8, stride=8)),
+                        stages=(Stage(buffer='recv__bf16_8x1', counter=7, size=8, stride=1),
+                                Stage(buffer='recv__bf16_8x8', counter=8, size=8, stride=8)))
+DENSE_DOWN_REDUCE = FromRows(rows=8,
+                             below=(
+                                 Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+                                 Stage(buffer='recv_1to7__bf16_8x8', counter=5, size=8, stride=8)
+                             ),
+                             stages=(Stage(buffer='recv__bf16_8x1', counter=7, size=8, stride=1),
+                                     Stage(buffer='recv__bf16_8x8', counter=8, size=8, stride=8)))
+KDA_O_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)),
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=9, size=8,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x8', counter=10, size=4, stride=8),
+            AllGather(buffer='sums__f32_8x1', counter=11, size=8, stride=1))
+)
+MLA_O_PROJ_REDUCE = FromRows(rows=8,
+                             below=(
+                                 Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+                                 Stage(buffer='recv_1to7__bf16_4x8', counter=3, size=4, stride=8)
+                             ),
+                             stages=(Stage(buffer='recv__bf16_8x1', counter=7, size=8, stride=1),
+                                     Stage(buffer='recv__bf16_4x8', counter=6, size=4, stride=8)))
+MOE_SHARED_DOWN_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_8x8', counter=5, size=8, stride=8)),
+    stages=(Stage(buffer='recv__bf16_8x1', counter=7, size=8, stride=1),
+            Stage(buffer='recv__bf16_8x8', counter=8, size=8, stride=8))
+)
+MOE_ROUTED_EXPERTS_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),
+           Stage(buffer='recv_1to7__bf16_8x8', counter=5, size=8, stride=8)),
+    stages=(Stage(buffer='recv__bf16_8x1', counter=7, size=8, stride=1),
+            Stage(buffer='recv__bf16_8x8', counter=8, size=8, stride=8))
+)
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=64, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
 MOE_ROUTER_EXCHANGE = Stage(buffer='exchange__router', counter=2, size=2, stride=1)
-N_COLLECTIVE_COUNTERS = 6
+N_COLLECTIVE_COUNTERS = 12
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -220,7 +250,7 @@ VIEW = WeightView(pool='staging',
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=4, slot_rows=17136,
+EXPERTS = ExpertSlots(pool='staging', slots=5, slot_rows=17136,
                       matrices={'gate_up_codes': (0, 1792, 1536),
                                 'gate_up_scales': (10752, 112, 1536),
                                 'down_codes': (11424, 384, 3584), 'down_scales': (16800, 24, 3584)},
@@ -247,7 +277,7 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (14,
          'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
                                    'shared_gate_up': (14, MOE_SHARED_GATE_UP),
                                    'shared_down': (21, MOE_SHARED_DOWN),
-                                   'latent_up': (28, MOE_LATENT_UP)},
+                                   'latent_up': (29, MOE_LATENT_UP)},
                          states={}, copies=())}
 
 
@@ -259,8 +289,8 @@ def _layer_dense(k: Kernel, layer):
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    c.prefetch_view()   # spec line 73: prefetch next staging.attention
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 74: two_level, wire bf16
+    c.prefetch_view()   # spec line 75: prefetch next staging.attention
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 76: two_level, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -272,13 +302,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 62: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 63: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 60: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 61: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 60: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 61: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         c.wait_pooled("gate_down")   # staging.attention: before its first reader
         gate_low = lower.gate_down(c, h)
@@ -286,13 +316,13 @@ def _layer_kda(k: Kernel, layer):
         gate = lower.gate_up(c, gate_low)
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
-        c.copy("load_kda_conv_buf").wait()   # spec line 60: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 60: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 61: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 61: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 61: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 62: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 61: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 62: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 62: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 63: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -303,7 +333,8 @@ def _layer_kda(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.attention: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.attention is free from here
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 64: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 66
     lower.attn_residual(c, attn_out)
 
 
@@ -329,7 +360,7 @@ def _layer_mla(k: Kernel, layer):
     gate_logits = lower.gate(c, h)
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 69: two_level, wire bf16
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 71: two_level, wire bf16
     lower.attn_residual(c, attn_out)
 
 
@@ -341,22 +372,22 @@ def _layer_moe(k: Kernel, layer):
     h = lower.mlp_mix(c)
     router_logits = lower.router(c, h)
     # exchange with sibling, wire f32
-    router_logits = k.exchange(router_logits, MOE_ROUTER_EXCHANGE)   # spec line 78
+    router_logits = k.exchange(router_logits, MOE_ROUTER_EXCHANGE)   # spec line 80
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 79: fetch experts -> staging.experts, the first slots now
+    # spec line 81: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 80: all-gather over 64 ranks
+    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 82: all-gather over 64 ranks
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
-    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 81: two_level, wire bf16
+    shared_out = k.allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 83: two_level, wire bf16
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 82: prefetch next staging.attention
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 81: two_level, wire bf16
+    c.prefetch_view()   # spec line 84: prefetch next staging.attention
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 83: two_level, wire bf16
     routed_out = lower.latent_norm(c, routed_out)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 83: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 85: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -383,7 +414,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"dense": _layer_dense, "kda": _layer_kda, "mla": _layer_mla, "moe": _layer_moe})
-    # spec line 62: the last kda layer's store of state.recurrent drains
+    # spec line 63: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -438,7 +469,7 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((7, ROWS, 1024), BF16),   # activation
-    "acc": vmem((7, ROWS, 1024), F32),   # activation
+    "acc": vmem((8, ROWS, 896), F32),   # activation
     "blocks": vmem((10, ROWS, 7168), F32),   # activation
     "latent": vmem((ROWS, 8192), F32),   # activation
     "staging": vmem((124928, 128), BF16),   # pool
@@ -447,9 +478,16 @@ SCRATCH_SHAPES = {
     "gather__latent_down": vmem((2, 64, ROWS, 128), BF16),   # collective
     "gather__latent_up": vmem((2, 8, ROWS, 896), BF16),   # collective
     "exchange__router": vmem((2, 2, ROWS, 512), F32),   # collective
-    "recv__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16),   # collective
-    "recv__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16),   # collective
-    "recv__bf16_8x8": vmem((2, 8, ROWS, 7168), BF16),   # collective
+    "recv_1to7__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_8x8": vmem((2, 8, ROWS, 7168), BF16, rows=(1, 7)),   # collective
+    "recv__bf16_4x8": vmem((2, 4, ROWS, 7168), BF16, rows=(8, 8)),   # collective
+    "recv__bf16_8x1": vmem((2, 8, ROWS, 7168), BF16, rows=(8, 8)),   # collective
+    "recv__bf16_8x8": vmem((2, 8, ROWS, 7168), BF16, rows=(8, 8)),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 896), BF16, rows=(8, 8)),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 896), BF16, rows=(8, 8)),   # collective
+    "chunk__bf16_4x8": vmem((2, 4, ROWS, 896), BF16, rows=(8, 8)),   # collective
+    "sums__f32_8x1": vmem((2, 8, ROWS, 896), F32, rows=(8, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -465,15 +503,27 @@ SCRATCH_SHAPES = {
     "gather__latent_up__recv": dma_sems((2, 8)),
     "exchange__router__send": dma_sems((2, 2)),
     "exchange__router__recv": dma_sems((2, 2)),
-    "recv__bf16_4x8__send": dma_sems((2, 4)),
-    "recv__bf16_4x8__recv": dma_sems((2, 4)),
-    "recv__bf16_8x1__send": dma_sems((2, 8)),
-    "recv__bf16_8x1__recv": dma_sems((2, 8)),
-    "recv__bf16_8x8__send": dma_sems((2, 8)),
-    "recv__bf16_8x8__recv": dma_sems((2, 8)),
+    "recv_1to7__bf16_4x8__send": dma_sems((2, 4), rows=(1, 7)),
+    "recv_1to7__bf16_4x8__recv": dma_sems((2, 4), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x8__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x8__recv": dma_sems((2, 8), rows=(1, 7)),
+    "recv__bf16_4x8__send": dma_sems((2, 4), rows=(8, 8)),
+    "recv__bf16_4x8__recv": dma_sems((2, 4), rows=(8, 8)),
+    "recv__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "recv__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "recv__bf16_8x8__send": dma_sems((2, 8), rows=(8, 8)),
+    "recv__bf16_8x8__recv": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "chunk__bf16_4x8__send": dma_sems((2, 4), rows=(8, 8)),
+    "chunk__bf16_4x8__recv": dma_sems((2, 4), rows=(8, 8)),
+    "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((4,)),   # pooled matrix copies
-    "expert_sem": dma_sems((4,)),   # expert slot copies
+    "expert_sem": dma_sems((5,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }

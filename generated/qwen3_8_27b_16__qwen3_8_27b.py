@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b_16: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): c5d598da69fae94e
+Input digest (spec, model config, mkc version): 1c43caae0785c242
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 10 VMEM slots of 1280x1152 bf16 tiles, 10 tiles ahead, across layers and
+through a ring of 7 VMEM slots of 1280x1152 bf16 tiles, 7 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -23,7 +23,7 @@ from mkc.families.qwen3_5 import weights as hf_layout
 from mkc.families.qwen3_5.config import Qwen35Dims
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import Stage
+from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.kv import KvTiles
@@ -122,7 +122,7 @@ GQA_DOWN = StreamedMatrix(name='down', rows=1088, cols=5120, row_tiles=1, col_ti
                           tile_rows=1152, tile_cols=1024)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=15520, row_tiles=4, col_tiles=14,
                               tile_rows=1280, tile_cols=1152)
-RING = Ring(slots=10, ahead=10, total_tiles=1720,
+RING = Ring(slots=7, ahead=7, total_tiles=1720,
             tile_shapes=((768, 1024), (1152, 1024), (1280, 1024), (1280, 1152)))
 TAIL_TILE_OFFSET = 1664
 # The order matrices stream in: per layer kind, then the tail after the last layer.
@@ -138,15 +138,48 @@ VECTORS = Parity(ahead=1, rows=16, cols=5120,
                                  'input_norm': (2, 1, 5120), 'post_norm': (3, 1, 5120)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                Stage(buffer='recv__bf16_8x2', counter=3, size=8, stride=2))
-GDN_OUT_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                       Stage(buffer='recv__bf16_4x2', counter=1, size=4, stride=2))
-GDN_DOWN_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
-                   Stage(buffer='recv__bf16_8x2', counter=3, size=8, stride=2))
-GQA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_8x1', counter=2, size=8, stride=1),)
-GQA_DOWN_REDUCE = (Stage(buffer='recv__bf16_16x1', counter=4, size=16, stride=1),)
-N_COLLECTIVE_COUNTERS = 5
+EMBED_REDUCE = FromRows(rows=8,
+                        below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
+                               Stage(buffer='recv_1to7__bf16_8x2', counter=2, size=8, stride=2)),
+                        stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1',
+                                              counter=3, size=2, stride=1),
+                                Stage(buffer='chunk__bf16_8x2', counter=5, size=8, stride=2),
+                                AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
+GDN_OUT_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x2', counter=1, size=4, stride=2)),
+    stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=3, size=2,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x2', counter=4, size=4, stride=2),
+            AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1))
+)
+GDN_DOWN_REDUCE = FromRows(rows=8,
+                           below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
+                                  Stage(buffer='recv_1to7__bf16_8x2', counter=2, size=8, stride=2)),
+                           stages=(ReduceScatter(buffer='scatter__bf16_2x1',
+                                                 staging='send__bf16_2x1', counter=3, size=2,
+                                                 stride=1),
+                                   Stage(buffer='chunk__bf16_8x2', counter=5, size=8, stride=2),
+                                   AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
+GQA_O_PROJ_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x2', counter=1, size=4, stride=2)),
+    stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=3, size=2,
+                          stride=1),
+            Stage(buffer='chunk__bf16_4x2', counter=4, size=4, stride=2),
+            AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1))
+)
+GQA_DOWN_REDUCE = FromRows(rows=8,
+                           below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
+                                  Stage(buffer='recv_1to7__bf16_8x2', counter=2, size=8, stride=2)),
+                           stages=(ReduceScatter(buffer='scatter__bf16_2x1',
+                                                 staging='send__bf16_2x1', counter=3, size=2,
+                                                 stride=1),
+                                   Stage(buffer='chunk__bf16_8x2', counter=5, size=8, stride=2),
+                                   AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
+N_COLLECTIVE_COUNTERS = 7
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
@@ -164,7 +197,7 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (8, 
          'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (8, GQA_O_PROJ),
                                    'gate_up': (13, GQA_GATE_UP), 'down': (21, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=256, slots=3, ahead=2), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=256, slots=4, ahead=3), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -200,12 +233,14 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 47: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 48
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 47: two_level, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 48
     lower.mlp_residual(c, mlp_out)
 
 
@@ -221,12 +256,14 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 56: direct, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 55
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 56: direct, wire bf16
+    # two_level, wire bf16, scatter from 8 rows
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 55
     lower.mlp_residual(c, mlp_out)
 
 
@@ -302,11 +339,14 @@ SCRATCH_SHAPES = {
     "acc": vmem((14, ROWS, 1152), F32),   # activation
     "gdn_rec_buf": vmem((ROWS, 6, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
-    "recv__bf16_2x1": vmem((2, 2, ROWS, 5120), BF16),   # collective
-    "recv__bf16_4x2": vmem((2, 4, ROWS, 5120), BF16),   # collective
-    "recv__bf16_8x1": vmem((2, 8, ROWS, 5120), BF16),   # collective
-    "recv__bf16_8x2": vmem((2, 8, ROWS, 5120), BF16),   # collective
-    "recv__bf16_16x1": vmem((2, 16, ROWS, 5120), BF16),   # collective
+    "recv_1to7__bf16_2x1": vmem((2, 2, ROWS, 5120), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_4x2": vmem((2, 4, ROWS, 5120), BF16, rows=(1, 7)),   # collective
+    "recv_1to7__bf16_8x2": vmem((2, 8, ROWS, 5120), BF16, rows=(1, 7)),   # collective
+    "scatter__bf16_2x1": vmem((2, 2, ROWS, 2560), BF16, rows=(8, 8)),   # collective
+    "send__bf16_2x1": vmem((2, ROWS, 2560), BF16, rows=(8, 8)),   # collective
+    "chunk__bf16_4x2": vmem((2, 4, ROWS, 2560), BF16, rows=(8, 8)),   # collective
+    "chunk__bf16_8x2": vmem((2, 8, ROWS, 2560), BF16, rows=(8, 8)),   # collective
+    "sums__f32_2x1": vmem((2, 2, ROWS, 2560), F32, rows=(8, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -316,16 +356,20 @@ SCRATCH_SHAPES = {
     "sem__store_gdn_conv_buf": dma_sems(),
     "sem__store_gdn_rec_buf": dma_sems(),
     "sem__gqa_kv_rows": dma_sems(),
-    "recv__bf16_2x1__send": dma_sems((2, 2)),
-    "recv__bf16_2x1__recv": dma_sems((2, 2)),
-    "recv__bf16_4x2__send": dma_sems((2, 4)),
-    "recv__bf16_4x2__recv": dma_sems((2, 4)),
-    "recv__bf16_8x1__send": dma_sems((2, 8)),
-    "recv__bf16_8x1__recv": dma_sems((2, 8)),
-    "recv__bf16_8x2__send": dma_sems((2, 8)),
-    "recv__bf16_8x2__recv": dma_sems((2, 8)),
-    "recv__bf16_16x1__send": dma_sems((2, 16)),
-    "recv__bf16_16x1__recv": dma_sems((2, 16)),
+    "recv_1to7__bf16_2x1__send": dma_sems((2, 2), rows=(1, 7)),
+    "recv_1to7__bf16_2x1__recv": dma_sems((2, 2), rows=(1, 7)),
+    "recv_1to7__bf16_4x2__send": dma_sems((2, 4), rows=(1, 7)),
+    "recv_1to7__bf16_4x2__recv": dma_sems((2, 4), rows=(1, 7)),
+    "recv_1to7__bf16_8x2__send": dma_sems((2, 8), rows=(1, 7)),
+    "recv_1to7__bf16_8x2__recv": dma_sems((2, 8), rows=(1, 7)),
+    "scatter__bf16_2x1__send": dma_sems((2, 2), rows=(8, 8)),
+    "scatter__bf16_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
+    "chunk__bf16_4x2__send": dma_sems((2, 4), rows=(8, 8)),
+    "chunk__bf16_4x2__recv": dma_sems((2, 4), rows=(8, 8)),
+    "chunk__bf16_8x2__send": dma_sems((2, 8), rows=(8, 8)),
+    "chunk__bf16_8x2__recv": dma_sems((2, 8), rows=(8, 8)),
+    "sums__f32_2x1__send": dma_sems((2, 2), rows=(8, 8)),
+    "sums__f32_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
 }
 

@@ -2,10 +2,10 @@
 
 Schedule smollm2_135m: model smollm2_135m (llama) on v6e=1x1, mesh tp = 1,
 batch 1 to 8, context 4096, VMEM limit 128 MiB.
-Input digest (spec, model config, mkc version): bbd61d34e424e562
+Input digest (spec, model config, mkc version): 53bab2f84022b980
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 8 VMEM slots of 1536x640 bf16 tiles, 8 tiles ahead, across layers and
+through a ring of 10 VMEM slots of 1536x640 bf16 tiles, 10 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.llama.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -85,7 +85,7 @@ GQA_DOWN = StreamedMatrix(name='down', rows=1536, cols=576, row_tiles=1, col_til
                           tile_rows=1536, tile_cols=640)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=576, cols=49152, row_tiles=1, col_tiles=77,
                               tile_rows=640, tile_cols=640)
-RING = Ring(slots=8, ahead=8, total_tiles=377, tile_shapes=((640, 512), (640, 640), (1536, 640)))
+RING = Ring(slots=10, ahead=10, total_tiles=377, tile_shapes=((640, 512), (640, 640), (1536, 640)))
 TAIL_TILE_OFFSET = 300
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gqa': [GQA_QKV, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}

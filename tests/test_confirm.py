@@ -107,7 +107,8 @@ def test_confirm_the_issues_false_fit_is_now_rejected_by_both(tmp_path):
     text = Path(SPEC).read_text()
     for old, new in (("batch   1 to 8", "batch   1 to 16"),
                      ("reserve 6 MiB", "reserve 0 MiB"),
-                     ("14 slots of bf16 tiles up to 1024 x 640", "16 slots of bf16 tiles up to 1024 x 1280")):
+                     ("19 slots of bf16 tiles up to 1024 x 768", "16 slots of bf16 tiles up to 1024 x 1280"),
+                     ("stream weights ahead 19", "stream weights ahead 16")):
         text = text.replace(old, new)
     spec = tmp_path / "qwen3_8_27b.sched"
     spec.write_text(text)
