@@ -2,7 +2,7 @@
 
 Schedule qwen3_5_397b_a17b: model qwen3_5_397b_a17b (qwen3_5_moe_text) on tpu7x=2x2x2, mesh tp = 16,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 2d0fdf5ec8dd8110
+Input digest (spec, model config, mkc version): 7096e9611f005685
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 4 VMEM slots of 1024x1024 bf16 tiles, 4 tiles ahead, across layers and

@@ -2,7 +2,7 @@
 
 Schedule qwen3_8_27b: model qwen3_8_27b (qwen3_5_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 68c24b563853a70d
+Input digest (spec, model config, mkc version): dffb9173cffc8951
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 19 VMEM slots of 1024x768 bf16 tiles, 19 tiles ahead, across layers and
