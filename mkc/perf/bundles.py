@@ -396,7 +396,7 @@ def find_layer_loop(loops: list[llo.Loop], layers: int) -> llo.Loop | None:
 
 def _shares(owners: list[list[tuple[Label, llo.Instruction]]]) -> list[dict[Label, float]]:
     """A bundle's cycle split over its rows by their instructions (an empty bundle, a delay,
-    goes with the bundle before it)."""
+    goes with the bundle before it; one before any owned bundle, with the first owned one)."""
     shares, prev = [], {}
     for mine in owners:
         if mine:
@@ -405,7 +405,8 @@ def _shares(owners: list[list[tuple[Label, llo.Instruction]]]) -> list[dict[Labe
                 per[lab] += 1.0 / len(mine)
             prev = dict(per)
         shares.append(prev)
-    return shares
+    first = next((sh for sh in shares if sh), {})
+    return [sh or first for sh in shares]        # only the leading ones are empty
 
 
 def rows(bundles: list[llo.Bundle], labels: dict[int, Label], layers: int,

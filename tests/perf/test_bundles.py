@@ -148,8 +148,7 @@ def test_the_compiled_kernel_is_reported_per_op_and_grows_with_an_op_s_work():
                         ("gqa.down", "GQA_DOWN"), ("tail.lm_head", "TAIL_LM_HEAD")):
         hot = rows[key]["hottest"]
         assert hot["trips"] == _tiles(source, matrix), (key, hot)
-    # shares rounded to 0.01, and a delay bundle before any owned one belongs to no row
-    assert sum(r["bundles"] for r in entry["rows"]) == pytest.approx(entry["bundles"], abs=2)
+    assert sum(r["bundles"] for r in entry["rows"]) == pytest.approx(entry["bundles"], abs=0.5)
     assert rows["gqa.attention"]["per_iteration"] > 0          # its KV-tile loop
     json.dumps(entry)
 
