@@ -74,9 +74,8 @@ KV_256 = {"qwen3_8_27b": ("kv tiles 5 slots of 128 tokens", "kv tiles 5 slots of
           "llama_3_1_8b": ("kv tiles 4 slots of 256 tokens", "kv tiles 4 slots of 512 tokens"),
           "qwen3_30b_a3b": ("kv tiles 5 slots of 128 tokens", "kv tiles 5 slots of 256 tokens"),
           "deepseek_v3": ("kv tiles 3 slots of 256 tokens", "kv tiles 3 slots of 512 tokens"),
-          **{name: (f"phase gqa {{\n    kv tiles {n} slots of 128",
-                    f"phase gqa {{\n    kv tiles {n} slots of 256")
-             for name, n in (("gpt_oss_20b", 3), ("gpt_oss_120b", 3))}}
+          **{name: ("phase gqa {\n    kv tiles 3 slots of 128", "phase gqa {\n    kv tiles 3 slots of 256")
+             for name in ("gpt_oss_20b", "gpt_oss_120b")}}
 
 
 def points() -> list[Point]:

@@ -638,12 +638,11 @@ class _Replay:
             rounds = deque(tag.collective.rounds(m.batch, m.s.cores_per_chip))
             self.in_flight[key] = (rounds, self.t + m.round_seconds(rounds[0], first=True))
             return
-        rounds, done = self.in_flight.pop(key)
-        if tag.part == "advance" and len(rounds) == 1:
+        if tag.part == "advance" and len(self.in_flight[key][0]) == 1:
             # the last stage stays in flight until the finish (`InFlight.advance`): a kernel
             # narrower than the collective's widest form has fewer stages than advances
-            self.in_flight[key] = (rounds, done)
             return
+        rounds, done = self.in_flight.pop(key)
         while True:
             self._collective_wait(str(tag), done, line)
             self._collective_compute(m.sums_seconds(rounds.popleft(), self.kind, line))
