@@ -8,7 +8,7 @@ from typing import Any
 
 from mkc import cost, ir, target
 from mkc.perf import constants, routing
-from mkc.perf.sim import CAUSES, Model, Result, blend, simulate
+from mkc.perf.sim import CAUSES, Model, Result, blend, merged_op, simulate
 from mkc.perf.work import KernelWork, kernel_work
 from mkc.trace import TraceOptions, build_trace
 
@@ -450,6 +450,8 @@ def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[
         elif measure is not None:
             source = (f"compiled: row {kind}.{op} of libtpu {measure['libtpu']}'s LLO of the "
                       f"{measure['kernel']} kernel ({source})" if f"{kind}.{op}" in rows else
+                      f"compiled: merged by libtpu into its neighbours' rows, priced in them "
+                      f"({source})" if merged_op(measure, kind, op) else
                       f"counted: the compiled kernel has no row {kind}.{op} ({source})")
         out.append({
             "op": op, "layer_kind": kind, "calls": c.calls, "source": source,

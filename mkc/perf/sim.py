@@ -317,6 +317,17 @@ class DmaEngine:
 _BF16 = ir.MatrixFacts()
 
 
+def merged_op(measure: dict | None, kind: str, op: str) -> bool:
+    """Whether a whole-kernel measure has no row for the op because libtpu merged its code
+    into its neighbours' rows: the rows add up to the whole kernel, so its cycles are in them
+    and pricing it again would count them twice. Known when its layer kind has op rows (an
+    op-level measure's missing op failed to compile alone: that one is counted)."""
+    if not measure or "op_level" in measure or f"{kind}.{op}" in {r["key"] for r in
+                                                                 measure["rows"]}:
+        return False
+    return any(r["group"] == "op" and r["kind"] == kind for r in measure["rows"])
+
+
 @dataclass
 class Model:
     """What the simulator reads besides the trace: the IR, the batch, cached tokens, rates, and
@@ -331,7 +342,8 @@ class Model:
     work: KernelWork | None = None
     verify_rows: int | None = None
     # A `mkc.perf.bundles` measure of this kernel: ops, copies and collectives priced by the
-    # cycles libtpu scheduled for them (ops it lacks are counted, and listed in `counted_ops`).
+    # cycles libtpu scheduled for them (an op merged into its neighbours' rows is in theirs,
+    # `merged_op`; others it lacks are counted, and listed in `counted_ops`).
     compiled: dict | None = None
     # The counted work of the kernel `compiled` measured, when that is another geometry of the
     # same spec (a tuner's candidate priced by its input's measure): a weight read is priced
@@ -388,6 +400,9 @@ class Model:
         row = self.rows.get(f"{kind}.{op}")
         if got is None and row is not None:
             got = self._compiled_prices(row, (self.compiled_work or self.work).op(kind, op))
+            self._prices[kind, op] = got
+        if got is None and merged_op(self.compiled, kind, op):
+            got = (0.0, Work(), 0.0, Work(), 0.0)
             self._prices[kind, op] = got
         if got is None:
             if self.compiled is not None:

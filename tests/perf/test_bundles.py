@@ -184,7 +184,8 @@ def _tiles(source: str, matrix: str) -> int:
 def test_every_shipped_spec_has_its_compiled_measures_and_prices_each_op_from_them(spec):
     """The shipped measures (benchmarks/bundles.py) are those of today's modules and libtpu:
     `mkc perf --bundles` and `--compiled` need no compile on a shipped spec, every op of the
-    step has a compiled row or says why it was counted, and nearly all have rows."""
+    step has a compiled row, is merged into its neighbours' (libtpu's code for it is in theirs)
+    or says why it was counted, and nearly all have rows."""
     import sys
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bundles as shipped
@@ -199,9 +200,9 @@ def test_every_shipped_spec_has_its_compiled_measures_and_prices_each_op_from_th
         return                        # the step priced on one spec of each small family
     rep = run(s, s.batch_max, compiled=True)
     sources = [e["source"] for e in rep["op_costs"]]
-    assert all(src.startswith(("compiled: row", "counted: the compiled kernel has no row"))
-               for src in sources)
-    assert sum(src.startswith("compiled") for src in sources) >= 0.9 * len(sources), sources
+    assert all(src.startswith(("compiled: row", "compiled: merged by libtpu into its neighbours",
+                               "counted: the compiled kernel has no row")) for src in sources)
+    assert sum(src.startswith("compiled: row") for src in sources) >= 0.9 * len(sources), sources
 
 
 # A layer loop of 4 trips over two kinds' branches, each after an instruction of the dispatch

@@ -304,7 +304,7 @@ def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
     """An op's cycles outside its copy-waiting loop where it begins, its loop's cycles where
     its weights are read (at its cycles per weight value of the kernel measured), the layer's
     copies at the layer's start, the kernel's own statements at the step's: all at the clock;
-    an op the compiled kernel lacks is counted."""
+    an op the compiled kernel lacks is counted unless libtpu merged it into its neighbours."""
     rates = _rates()
     c = rates.cycle_s
     tr = _Trace()
@@ -335,6 +335,17 @@ def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
     counted = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=_measure([]))
     simulate(counted, tr.events)
     assert counted.counted_ops == {("gdn", "matmul")}
+    # Another gdn op has a row and this one has none: libtpu merged its code into its
+    # neighbours' rows, which hold its cycles, so it costs nothing more...
+    beside = _measure([{"key": "gdn.conv", "kind": "gdn", "name": "conv", "cycles": 500}])
+    merged = Model(qwen_ir, 1, 0, rates, work=work(values), compiled=beside)
+    res = simulate(merged, tr.events)
+    assert res.op_costs["gdn", "matmul"].seconds == 0.0 and not merged.counted_ops
+    # ...but in a measure built per op, a missing op failed to compile alone: counted.
+    per_op = Model(qwen_ir, 1, 0, rates, work=work(values),
+                   compiled=beside | {"op_level": {"ops_counted": {"gdn.matmul": "failed"}}})
+    res = simulate(per_op, tr.events)
+    assert res.op_costs["gdn", "matmul"].seconds > 0 and per_op.counted_ops == {("gdn", "matmul")}
 
 
 def _overlapped_trace(a, work_bytes: int, overlap: bool, advances: int | None = None):
