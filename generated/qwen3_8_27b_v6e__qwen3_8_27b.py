@@ -2,10 +2,10 @@
 
 Schedule qwen3_8_27b_v6e: model qwen3_8_27b (qwen3_5_text) on v6e=2x4, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 128 MiB.
-Input digest (spec, model config, mkc version): 50dd5e17217de599
+Input digest (spec, model config, mkc version): 180cd5c3c2f759f0
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 12 VMEM slots of 1024x1280 bf16 tiles, 12 tiles ahead, across layers and
+through a ring of 12 VMEM slots of 1024x2560 bf16 tiles, 12 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.qwen3_5.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -101,30 +101,30 @@ N_LAYERS = 64
 KIND_IDS = {"gdn": 0, "gqa": 1}
 LAYER_KIND = (0, 0, 0, 1) * 16
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = tuple(range(0, 3264, 51))
+LAYER_TILE_OFFSET = tuple(range(0, 1472, 23))
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=2,
-                             tile_rows=1024, tile_cols=1152)
-GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
-                              tile_rows=768, tile_cols=1280)
-GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=5,
-                             tile_rows=1024, tile_cols=896)
-GDN_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=4,
-                          tile_rows=768, tile_cols=1280)
-GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=5, col_tiles=2,
-                              tile_rows=1024, tile_cols=1024)
-GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=4,
-                            tile_rows=768, tile_cols=1280)
-GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=5,
-                             tile_rows=1024, tile_cols=896)
-GQA_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=4,
-                          tile_rows=768, tile_cols=1280)
+GDN_IN_PROJ = StreamedMatrix(name='in_proj', rows=5120, cols=2304, row_tiles=5, col_tiles=1,
+                             tile_rows=1024, tile_cols=2304)
+GDN_OUT_PROJ = StreamedMatrix(name='out_proj', rows=768, cols=5120, row_tiles=1, col_tiles=2,
+                              tile_rows=768, tile_cols=2560)
+GDN_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=2,
+                             tile_rows=1024, tile_cols=2176)
+GDN_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=2,
+                          tile_rows=768, tile_cols=2560)
+GQA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=5120, cols=2048, row_tiles=5, col_tiles=1,
+                              tile_rows=1024, tile_cols=2048)
+GQA_O_PROJ = StreamedMatrix(name='o_proj', rows=768, cols=5120, row_tiles=1, col_tiles=2,
+                            tile_rows=768, tile_cols=2560)
+GQA_GATE_UP = StreamedMatrix(name='gate_up', rows=5120, cols=4352, row_tiles=5, col_tiles=2,
+                             tile_rows=1024, tile_cols=2176)
+GQA_DOWN = StreamedMatrix(name='down', rows=2176, cols=5120, row_tiles=3, col_tiles=2,
+                          tile_rows=768, tile_cols=2560)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=5120, cols=31040, row_tiles=5, col_tiles=27,
                               tile_rows=1024, tile_cols=1152)
-RING = Ring(slots=12, ahead=12, total_tiles=3399,
-            tile_shapes=((768, 1280), (1024, 896), (1024, 1024), (1024, 1152)))
-TAIL_TILE_OFFSET = 3264
+RING = Ring(slots=12, ahead=12, total_tiles=1607,
+            tile_shapes=((768, 2560), (1024, 1152), (1024, 2048), (1024, 2176), (1024, 2304)))
+TAIL_TILE_OFFSET = 1472
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'gdn': [GDN_IN_PROJ, GDN_OUT_PROJ, GDN_GATE_UP, GDN_DOWN],
                 'gqa': [GQA_QKV_GATE, GQA_O_PROJ, GQA_GATE_UP, GQA_DOWN], 'tail': [TAIL_LM_HEAD]}
@@ -147,8 +147,8 @@ N_COLLECTIVE_COUNTERS = 1
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10, GDN_OUT_PROJ),
-                                   'gate_up': (14, GDN_GATE_UP), 'down': (39, GDN_DOWN)},
+KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (5, GDN_OUT_PROJ),
+                                   'gate_up': (7, GDN_GATE_UP), 'down': (17, GDN_DOWN)},
                          states={'conv': 'gdn_conv_buf', 'recurrent': 'gdn_rec_buf'},
                          copies=(StateCopy(direction='load', hbm='gdn__conv', buffer='gdn_conv_buf',
                                            batch_axis=1),
@@ -158,10 +158,10 @@ KINDS = {'gdn': KindPlan(streamed={'in_proj': (0, GDN_IN_PROJ), 'out_proj': (10,
                                            buffer='gdn_conv_buf', batch_axis=1),
                                  StateCopy(direction='store', hbm='gdn__recurrent',
                                            buffer='gdn_rec_buf'))),
-         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (10, GQA_O_PROJ),
-                                   'gate_up': (14, GQA_GATE_UP), 'down': (39, GQA_DOWN)},
+         'gqa': KindPlan(streamed={'qkv_gate': (0, GQA_QKV_GATE), 'o_proj': (5, GQA_O_PROJ),
+                                   'gate_up': (7, GQA_GATE_UP), 'down': (17, GQA_DOWN)},
                          states={}, copies=(), caches=('gqa__key', 'gqa__value'),
-                         kv=KvTiles(tokens=128, slots=2, ahead=1), kv_rows='gqa_kv_rows')}
+                         kv=KvTiles(tokens=128, slots=3, ahead=2), kv_rows='gqa_kv_rows')}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -173,22 +173,22 @@ def _layer_gdn(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 44: the previous gdn layer's store of state.recurrent drains here
+    def _():   # spec line 45: the previous gdn layer's store of state.recurrent drains here
         c.copy("store_gdn_rec_buf", previous=True).wait()
-    c.copy("load_gdn_rec_buf").start()   # spec line 42: load state.recurrent -> gdn_rec_buf
+    c.copy("load_gdn_rec_buf").start()   # spec line 43: load state.recurrent -> gdn_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_gdn_conv_buf").start()   # spec line 42: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_conv_buf").start()   # spec line 43: load state.conv -> gdn_conv_buf
         h = lower.input_norm(c)
         proj = lower.in_proj(c, h)
-        c.copy("load_gdn_conv_buf").wait()   # spec line 42: load state.conv -> gdn_conv_buf
-        c.copy("load_gdn_rec_buf").wait()   # spec line 42: load state.recurrent -> gdn_rec_buf
+        c.copy("load_gdn_conv_buf").wait()   # spec line 43: load state.conv -> gdn_conv_buf
+        c.copy("load_gdn_rec_buf").wait()   # spec line 43: load state.recurrent -> gdn_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_gdn_conv_buf").start()   # spec line 43: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_conv_buf").start()   # spec line 44: store gdn_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, proj)
-        c.copy("store_gdn_conv_buf").wait()   # spec line 43: store gdn_conv_buf -> state.conv
-        c.copy("store_gdn_rec_buf").start()   # spec line 44: store gdn_rec_buf -> state.recurrent
+        c.copy("store_gdn_conv_buf").wait()   # spec line 44: store gdn_conv_buf -> state.conv
+        c.copy("store_gdn_rec_buf").start()   # spec line 45: store gdn_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -197,12 +197,12 @@ def _layer_gdn(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.out_proj(c, core)
-    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 47: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GDN_OUT_PROJ_REDUCE)   # spec line 48: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 47: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GDN_DOWN_REDUCE)   # spec line 48: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -218,12 +218,12 @@ def _layer_gqa(k: Kernel, layer):
     core = lower.attention(c, q)
     core = lower.out_gate(c, core, proj)
     attn_out = lower.o_proj(c, core)
-    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 52: direct, wire bf16
+    attn_out = k.allreduce(attn_out, GQA_O_PROJ_REDUCE)   # spec line 55: direct, wire bf16
     lower.attn_residual(c, attn_out)
     h = lower.post_norm(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 52: direct, wire bf16
+    mlp_out = k.allreduce(mlp_out, GQA_DOWN_REDUCE)   # spec line 55: direct, wire bf16
     lower.mlp_residual(c, mlp_out)
 
 
@@ -248,7 +248,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"gdn": _layer_gdn, "gqa": _layer_gqa})
-    # spec line 44: the last gdn layer's store of state.recurrent drains
+    # spec line 45: the last gdn layer's store of state.recurrent drains
     k.layer("gdn", KIND_LAYERS["gdn"][-1]).copy("store_gdn_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -296,7 +296,7 @@ SCRATCH_SHAPES = {
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((5, ROWS, 1024), BF16),   # activation
-    "acc": vmem((27, ROWS, 1280), F32),   # activation
+    "acc": vmem((27, ROWS, 2560), F32),   # activation
     "gdn_rec_buf": vmem((ROWS, 6, 128, 128), F32),   # state
     "gqa_kv_rows": vmem((2, ROWS, 16, 256), BF16),   # kv
     "recv__bf16_8x1": vmem((2, 8, ROWS, 5120), BF16),   # collective

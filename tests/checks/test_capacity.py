@@ -186,20 +186,20 @@ def test_the_issues_false_fits_are_refused():
 
 
 def test_a_limit_below_the_chips_vmem_is_named_and_raising_it_is_offered(tmp_path):
-    """v6e has 128 MiB of VMEM a core: a spec capped at 40 MiB that needs 40.85 MiB at batch 8
+    """v6e has 128 MiB of VMEM a core: a spec capped at 72 MiB that needs 72.90 MiB at batch 8
     is told the limit is the cap and which limit fits: the caret at the largest buffer's
     statement (the ring), the vmem line a note with the limit to write."""
     from mkc.diagnostics import MkcError
     text = (ROOT / "schedules" / "qwen3_8_27b_v6e.sched").read_text()
     spec = tmp_path / "capped.sched"
-    spec.write_text(text.replace("vmem    limit 128 MiB reserve 6 MiB", "vmem    limit 40 MiB reserve 6 MiB"))
+    spec.write_text(text.replace("vmem    limit 128 MiB reserve 6 MiB", "vmem    limit 72 MiB reserve 6 MiB"))
     with pytest.raises(MkcError) as e:
         check_spec(spec)
     d = next(d for d in e.value.diagnostics if d.code == "E-VMEM-CAPACITY")
-    assert "the spec's limit 40.00 MiB minus reserve 6.00 MiB" in d.message
-    assert d.hint.startswith("raise the limit: `vmem limit 47 MiB` fits")
+    assert "the spec's limit 72.00 MiB minus reserve 6.00 MiB" in d.message
+    assert d.hint.startswith("raise the limit: `vmem limit 79 MiB` fits")
     assert text.splitlines()[d.span.line - 1].lstrip().startswith("ring weights:")
-    assert any(n.startswith("line 16 (`vmem limit`): raise the limit: `vmem limit 47 MiB` fits")
+    assert any(n.startswith("line 16 (`vmem limit`): raise the limit: `vmem limit 79 MiB` fits")
                for n in d.notes), d.notes
 
 
