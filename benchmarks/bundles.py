@@ -58,14 +58,28 @@ QWEN_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 DENSE_CLASSES = {K3_SPEC: ("mlp", "shared_expert", "latent", "lm_head"),
                  QWEN_SPEC: ("attention", "mlp", "lm_head")}
 DENSE_FORMATS = ("fp8", "int8")
+# K3 with its latent class as codes: latent_down streams (after the router, as the family runs
+# it), so the pool's attention view holds attention's matrices only and is not opened between
+# attention and the MoE.
+K3_DENSE_LATENT = (
+    ("mla(kv_down, q_up, key_up, value_up, gate), moe(latent_down)",
+     "mla(kv_down, q_up, key_up, value_up, gate)"),
+    ("    moe: router, shared_gate_up", "    moe: router, latent_down, shared_gate_up"),
+    ("    run latent_down before router", "    # (latent_down streams after the router)"),
+    ("wait before next kda\n    # the MoE's latent_down, copied under the o_proj sum\n"
+     "    prefetch next staging.attention after o_proj",
+     "wait before next kda\n    # (latent_down streams)\n    #"),
+    ("phase mla {\n    # the MoE's latent_down, copied under the o_proj sum\n"
+     "    prefetch next staging.attention after o_proj",
+     "phase mla {\n    # (latent_down streams)\n    #"))
 # K3 with its attention as codes too: the pool view keeps what MLA reads whole (key_up,
 # value_up), and the kda and mla projections it held stream; the dense phase, followed by a
 # kda layer, prefetches nothing.
 K3_DENSE_ATTENTION = (
-    ("view attention: kda(gate_up, projection), mla(kv_down, key_up, value_up, gate)",
+    ("view attention: kda(gate_up, projection), mla(kv_down, q_up, key_up, value_up, gate)",
      "view attention: mla(key_up, value_up)"),
     ("    kda: gate_down, o_proj", "    kda: gate_down, gate_up, projection, o_proj"),
-    ("    mla: q_down, q_up, o_proj", "    mla: q_down, kv_down, q_up, gate, o_proj"),
+    ("    mla: q_down, o_proj", "    mla: q_down, kv_down, q_up, gate, o_proj"),
     # the layer after the dense MLP is a kda layer, which reads nothing of the view now
     ("    prefetch next staging.attention after down", "    # (no view to prefetch: kda)"))
 
@@ -99,8 +113,8 @@ def format_text(spec: Path, formats: str | tuple[str, str]) -> str:
 def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[str, str], ...]:
     """(old, new) edits storing the spec's `DENSE_CLASSES` as `fmt` ("fp8" or "int8") codes
     with a scale per output column (rounded): their `format` lines joined to the schedule's
-    closing brace, so every other line keeps its number; with `attention` (K3) its attention
-    too, streamed (`K3_DENSE_ATTENTION`). The schedule is renamed for the variant
+    closing brace, so every other line keeps its number; K3's latent class streamed
+    (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`). The schedule is renamed for the variant
     (`dense_name`): its compiled measures keep a file of their own."""
     classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
     lines = "".join(f"  format {c} {fmt} channel rounded\n" for c in classes)
@@ -109,7 +123,8 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     head = f"schedule {spec.stem} {{"
     edits = ((head, f"schedule {dense_name(spec, fmt, attention)} {{"),
              ("\n}\n", "\n" + lines + "}\n"))
-    return edits + (K3_DENSE_ATTENTION if attention else ())
+    k3 = spec == K3_SPEC
+    return edits + (K3_DENSE_LATENT if k3 else ()) + (K3_DENSE_ATTENTION if attention else ())
 
 
 def dense_name(spec: Path, fmt: str, attention: bool = False) -> str:

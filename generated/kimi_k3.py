@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 75a780acd126e340
+Input digest (spec, model config, mkc version): f514ae9a8e86cc58
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
@@ -126,20 +126,20 @@ LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 
               3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3,
               2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 15, 60, 75, 108, 123, 156, 180, 213, 228, 261, 276, 309, 324, 357, 381, 414,
-                     429, 462, 477, 510, 525, 558, 582, 615, 630, 663, 678, 711, 726, 759, 783, 816,
-                     831, 864, 879, 912, 927, 960, 984, 1017, 1032, 1065, 1080, 1113, 1128, 1161,
-                     1185, 1218, 1233, 1266, 1281, 1314, 1329, 1362, 1386, 1419, 1434, 1467, 1482,
-                     1515, 1530, 1563, 1587, 1620, 1635, 1668, 1683, 1716, 1731, 1764, 1788, 1821,
-                     1836, 1869, 1884, 1917, 1932, 1965, 1989, 2022, 2037, 2070, 2085, 2118, 2133,
-                     2166, 2190, 2223, 2238, 2271, 2286, 2319, 2334, 2367, 2391, 2424, 2439, 2472,
-                     2487, 2520, 2535, 2568, 2592, 2625, 2640, 2673, 2688, 2721, 2736, 2769, 2793,
-                     2826, 2841, 2874, 2889, 2922, 2937, 2970, 2994, 3027, 3042, 3075, 3090, 3123,
-                     3138, 3171, 3195, 3228, 3243, 3276, 3291, 3324, 3339, 3372, 3396, 3429, 3444,
-                     3477, 3492, 3525, 3540, 3573, 3597, 3630, 3645, 3678, 3693, 3726, 3741, 3774,
-                     3798, 3831, 3846, 3879, 3894, 3927, 3942, 3975, 3999, 4032, 4047, 4080, 4095,
-                     4128, 4143, 4176, 4200, 4233, 4248, 4281, 4296, 4329, 4344, 4377, 4401, 4434,
-                     4449, 4482, 4497, 4530, 4545, 4578, 4602, 4635, 4659)
+LAYER_TILE_OFFSET = (0, 15, 60, 75, 101, 116, 142, 164, 190, 205, 231, 246, 272, 287, 313, 335, 361,
+                     376, 402, 417, 443, 458, 484, 506, 532, 547, 573, 588, 614, 629, 655, 677, 703,
+                     718, 744, 759, 785, 800, 826, 848, 874, 889, 915, 930, 956, 971, 997, 1019,
+                     1045, 1060, 1086, 1101, 1127, 1142, 1168, 1190, 1216, 1231, 1257, 1272, 1298,
+                     1313, 1339, 1361, 1387, 1402, 1428, 1443, 1469, 1484, 1510, 1532, 1558, 1573,
+                     1599, 1614, 1640, 1655, 1681, 1703, 1729, 1744, 1770, 1785, 1811, 1826, 1852,
+                     1874, 1900, 1915, 1941, 1956, 1982, 1997, 2023, 2045, 2071, 2086, 2112, 2127,
+                     2153, 2168, 2194, 2216, 2242, 2257, 2283, 2298, 2324, 2339, 2365, 2387, 2413,
+                     2428, 2454, 2469, 2495, 2510, 2536, 2558, 2584, 2599, 2625, 2640, 2666, 2681,
+                     2707, 2729, 2755, 2770, 2796, 2811, 2837, 2852, 2878, 2900, 2926, 2941, 2967,
+                     2982, 3008, 3023, 3049, 3071, 3097, 3112, 3138, 3153, 3179, 3194, 3220, 3242,
+                     3268, 3283, 3309, 3324, 3350, 3365, 3391, 3413, 3439, 3454, 3480, 3495, 3521,
+                     3536, 3562, 3584, 3610, 3625, 3651, 3666, 3692, 3707, 3733, 3755, 3781, 3796,
+                     3822, 3837, 3863, 3878, 3904, 3926, 3952, 3974)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=7, col_tiles=3,
@@ -152,14 +152,10 @@ KDA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col
                             tile_rows=384, tile_cols=896)
 MLA_Q_DOWN = StreamedMatrix(name='q_down', rows=7168, cols=1536, row_tiles=7, col_tiles=2,
                             tile_rows=1024, tile_cols=768)
-MLA_Q_UP = StreamedMatrix(name='q_up', rows=1536, cols=576, row_tiles=2, col_tiles=1, tile_rows=768,
-                          tile_cols=640)
 MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=8,
                             tile_rows=384, tile_cols=896)
 MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=896, row_tiles=7, col_tiles=1,
                             tile_rows=1024, tile_cols=896)
-MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=7168, cols=128, row_tiles=7, col_tiles=1,
-                                 tile_rows=1024, tile_cols=128)
 MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=384, row_tiles=7,
                                     col_tiles=1, tile_rows=1024, tile_cols=384)
 MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=192, cols=7168, row_tiles=1, col_tiles=8,
@@ -168,15 +164,14 @@ MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=
                                tile_rows=896, tile_cols=896)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7, col_tiles=8,
                               tile_rows=1024, tile_cols=640)
-RING = Ring(slots=8, ahead=8, total_tiles=4748,
-            tile_shapes=((256, 896), (384, 896), (768, 640), (896, 896), (1024, 128), (1024, 384),
-                         (1024, 640), (1024, 768), (1024, 896)))
-TAIL_TILE_OFFSET = 4692
+RING = Ring(slots=8, ahead=8, total_tiles=4056,
+            tile_shapes=((256, 896), (384, 896), (896, 896), (1024, 128), (1024, 384), (1024, 640),
+                         (1024, 768), (1024, 896)))
+TAIL_TILE_OFFSET = 4000
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [KDA_GATE_DOWN, KDA_O_PROJ],
-                'mla': [MLA_Q_DOWN, MLA_Q_UP, MLA_O_PROJ],
-                'moe': [MOE_ROUTER, MOE_LATENT_DOWN, MOE_SHARED_GATE_UP, MOE_SHARED_DOWN,
-                        MOE_LATENT_UP],
+                'mla': [MLA_Q_DOWN, MLA_O_PROJ],
+                'moe': [MOE_ROUTER, MOE_SHARED_GATE_UP, MOE_SHARED_DOWN, MOE_LATENT_UP],
                 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
@@ -254,8 +249,10 @@ N_COLLECTIVE_COUNTERS = 10
 VIEW = WeightView(pool='staging',
                   matrices={
                       'kda': {'gate_up': (0, 128, 384, 0), 'projection': (384, 7168, 1664, 1)},
-                      'mla': {'kv_down': (0, 7168, 640, 0), 'key_up': (35840, 384, 512, 1),
-                              'value_up': (37376, 512, 384, 2), 'gate': (38912, 7168, 384, 3)}
+                      'mla': {'kv_down': (0, 7168, 640, 0), 'q_up': (35840, 1536, 576, 1),
+                              'key_up': (43520, 384, 512, 2), 'value_up': (45056, 512, 384, 3),
+                              'gate': (46592, 7168, 384, 4)},
+                      'moe': {'latent_down': (0, 7168, 128, 0)}
                   })
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
@@ -281,14 +278,13 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21,
                                            buffer='kda_conv_buf', batch_axis=1),
                                  StateCopy(direction='store', hbm='kda__recurrent',
                                            buffer='kda_rec_buf'))),
-         'mla': KindPlan(streamed={'q_down': (0, MLA_Q_DOWN), 'q_up': (14, MLA_Q_UP),
-                                   'o_proj': (16, MLA_O_PROJ)},
+         'mla': KindPlan(streamed={'q_down': (0, MLA_Q_DOWN), 'o_proj': (14, MLA_O_PROJ)},
                          states={}, copies=(), caches=('mla__latent',),
                          kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='mla_kv_rows'),
-         'moe': KindPlan(streamed={'router': (0, MOE_ROUTER), 'latent_down': (7, MOE_LATENT_DOWN),
-                                   'shared_gate_up': (14, MOE_SHARED_GATE_UP),
-                                   'shared_down': (21, MOE_SHARED_DOWN),
-                                   'latent_up': (29, MOE_LATENT_UP)},
+         'moe': KindPlan(streamed={'router': (0, MOE_ROUTER),
+                                   'shared_gate_up': (7, MOE_SHARED_GATE_UP),
+                                   'shared_down': (14, MOE_SHARED_DOWN),
+                                   'latent_up': (22, MOE_LATENT_UP)},
                          states={}, copies=())}
 
 
@@ -300,9 +296,9 @@ def _layer_dense(k: Kernel, layer):
     h = lower.mlp_mix(c)
     act = lower.gate_up(c, h)
     mlp_out = lower.down(c, act)
-    c.prefetch_view()   # spec line 92: prefetch next staging.attention
+    c.prefetch_view()   # spec line 97: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 93
+    mlp_out = k.allreduce(mlp_out, DENSE_DOWN_REDUCE)   # spec line 98
     lower.mlp_residual(c, mlp_out)
 
 
@@ -314,13 +310,13 @@ def _layer_kda(k: Kernel, layer):
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     @pl.when(c.si > 0)
-    def _():   # spec line 75: the previous kda layer's store of state.recurrent drains here
+    def _():   # spec line 76: the previous kda layer's store of state.recurrent drains here
         c.copy("store_kda_rec_buf", previous=True).wait()
-    c.copy("load_kda_rec_buf").start()   # spec line 73: load state.recurrent -> kda_rec_buf
+    c.copy("load_kda_rec_buf").start()   # spec line 74: load state.recurrent -> kda_rec_buf
 
     def _scope_0(c):
         """Runs with conv_buf allocated (pl.run_scoped)."""
-        c.copy("load_kda_conv_buf").start()   # spec line 73: load state.conv -> kda_conv_buf
+        c.copy("load_kda_conv_buf").start()   # spec line 74: load state.conv -> kda_conv_buf
         h = lower.input_mix(c)
         gate_low = lower.gate_down(c, h)
         c.wait_pooled("gate_up")   # staging.attention: before its first reader
@@ -328,13 +324,13 @@ def _layer_kda(k: Kernel, layer):
         c.wait_pooled("projection")   # staging.attention: before its first reader
         proj = lower.projection(c, h)
         # the pool view staging.attention is free from here
-        c.copy("load_kda_conv_buf").wait()   # spec line 73: load state.conv -> kda_conv_buf
-        c.copy("load_kda_rec_buf").wait()   # spec line 73: load state.recurrent -> kda_rec_buf
+        c.copy("load_kda_conv_buf").wait()   # spec line 74: load state.conv -> kda_conv_buf
+        c.copy("load_kda_rec_buf").wait()   # spec line 74: load state.recurrent -> kda_rec_buf
         qkv = lower.conv(c, proj)
-        c.copy("store_kda_conv_buf").start()   # spec line 74: store kda_conv_buf -> state.conv
+        c.copy("store_kda_conv_buf").start()   # spec line 75: store kda_conv_buf -> state.conv
         core = lower.delta_rule(c, qkv, gate, proj)
-        c.copy("store_kda_conv_buf").wait()   # spec line 74: store kda_conv_buf -> state.conv
-        c.copy("store_kda_rec_buf").start()   # spec line 75: store kda_rec_buf -> state.recurrent
+        c.copy("store_kda_conv_buf").wait()   # spec line 75: store kda_conv_buf -> state.conv
+        c.copy("store_kda_rec_buf").start()   # spec line 76: store kda_rec_buf -> state.recurrent
         return proj, core
 
     proj, core = pl.run_scoped(
@@ -343,8 +339,9 @@ def _layer_kda(k: Kernel, layer):
     )
     core = lower.gated_norm(c, core, proj)
     attn_out = lower.o_proj(c, core)
+    c.prefetch_view()   # spec line 78: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 80
+    attn_out = k.allreduce(attn_out, KDA_O_PROJ_REDUCE)   # spec line 83
     lower.attn_residual(c, attn_out)
 
 
@@ -359,6 +356,7 @@ def _layer_mla(k: Kernel, layer):
     kv_row = lower.kv_down(c, h)
     q_low, kv_row = lower.latent_norms(c, q_low, kv_row)
     lower.kv_write(c, kv_row)
+    c.wait_pooled("q_up")   # staging.attention: before its first reader
     q = lower.q_up(c, q_low)
     c.wait_pooled("key_up")   # staging.attention: before its first reader
     q_lat = lower.absorb_query(c, q)
@@ -370,40 +368,43 @@ def _layer_mla(k: Kernel, layer):
     # the pool view staging.attention is free from here
     core = lower.out_gate(c, core, gate_logits)
     attn_out = lower.o_proj(c, core)
+    c.prefetch_view()   # spec line 88: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 87
+    attn_out = k.allreduce(attn_out, MLA_O_PROJ_REDUCE)   # spec line 92
     lower.attn_residual(c, attn_out)
 
 
 def _layer_moe(k: Kernel, layer):
-    """One moe layer: mlp_mix, router, route, latent_down, shared_gate_up, shared_down,
+    """One moe layer: mlp_mix, latent_down, router, route, shared_gate_up, shared_down,
     routed_experts, latent_norm, latent_up, mlp_residual."""
     c = k.layer("moe", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.mlp_mix(c)
+    c.wait_pooled("latent_down")   # staging.attention: before its first reader
+    latent_in = lower.latent_down(c, h)
+    # the pool view staging.attention is free from here
+    # overlapped: it runs until its first reader
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 111
     router_logits = lower.router(c, h)
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 98: fetch experts -> staging.experts, the first slots now
+    # spec line 106: fetch experts -> staging.experts, the first slots now
     c.start_experts()
-    latent_in = lower.latent_down(c, h)
-    # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 103
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
     # overlapped: it runs until its first reader
-    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 104
-    latent_in = latent_in_in_flight.finish()   # spec line 103
+    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 112
+    latent_in = latent_in_in_flight.finish()   # spec line 111
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    shared_out_in_flight.advance()   # spec line 104
+    shared_out_in_flight.advance()   # spec line 112
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 107: prefetch next staging.attention
+    c.prefetch_view()   # spec line 115: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 106
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 114
     routed_out = lower.latent_norm(c, routed_out)
-    shared_out_in_flight.advance()   # spec line 104
+    shared_out_in_flight.advance()   # spec line 112
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 108: all-gather over 8 ranks
-    shared_out = shared_out_in_flight.finish()   # spec line 104
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 116: all-gather over 8 ranks
+    shared_out = shared_out_in_flight.finish()   # spec line 112
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -430,7 +431,7 @@ def _kernel(r, *, B, R=1, verify=False):
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
     k.run_layers({"dense": _layer_dense, "kda": _layer_kda, "mla": _layer_mla, "moe": _layer_moe})
-    # spec line 75: the last kda layer's store of state.recurrent drains
+    # spec line 76: the last kda layer's store of state.recurrent drains
     k.layer("kda", KIND_LAYERS["kda"][-1]).copy("store_kda_rec_buf").wait()
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
@@ -453,9 +454,11 @@ HBM_SHAPES = {
     "pool__kda__gate_up": ((len(KIND_LAYERS["kda"]), 128, 384), BF16),
     "pool__kda__projection": ((len(KIND_LAYERS["kda"]), 7168, 1664), BF16),
     "pool__mla__kv_down": ((len(KIND_LAYERS["mla"]), 7168, 640), BF16),
+    "pool__mla__q_up": ((len(KIND_LAYERS["mla"]), 1536, 640), BF16),
     "pool__mla__key_up": ((len(KIND_LAYERS["mla"]), 384, 512), BF16),
     "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
     "pool__mla__gate": ((len(KIND_LAYERS["mla"]), 7168, 384), BF16),
+    "pool__moe__latent_down": ((len(KIND_LAYERS["moe"]), 7168, 128), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 
@@ -531,7 +534,7 @@ SCRATCH_SHAPES = {
     "sums__f32_8x1__shared_down__send": dma_sems((2, 8)),
     "sums__f32_8x1__shared_down__recv": dma_sems((2, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "pool_sem": dma_sems((4,)),   # pooled matrix copies
+    "pool_sem": dma_sems((5,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many

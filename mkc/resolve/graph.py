@@ -1,5 +1,6 @@
-"""Pass `graph`: the family's decode graph, built under the shard rules and weight formats; a
-rule the model's sizes do not divide is refused with the spellings that would."""
+"""Pass `graph`: the family's decode graph, built under the shard rules and weight formats, its
+ops in the order the phases' `run OP before OP` set; a rule the model's sizes do not divide is
+refused with the spellings that would, a move that would break a dependency at its line."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,8 +8,11 @@ from dataclasses import replace
 from mkc.diagnostics import MkcError, fail
 from mkc.layers import dense_formats
 from mkc.model.family import FormatError
-from mkc.model.graph import ShardingError, build_graph
+from mkc.lang import ast
+from mkc.lang.statements.order import RunBefore
+from mkc.model.graph import DecodeGraph, FamilyGraph, LayerKind, ShardingError, build_graph
 from mkc.resolve.formats import format_error
+from mkc.resolve.names import unknown
 from mkc.resolve.sharding import group_spellings
 from mkc.resolve.state import ResolveState
 
@@ -28,11 +32,53 @@ def resolve_graph(s: ResolveState) -> ResolveState:
     except FormatError as e:
         raise format_error(e, s.sched) from None
     graph = _with_dense_formats(graph, family, s.dense_formats or {})
+    graph = _in_phase_order(graph, s.sched)
     ops = {o.name for k in set(graph.layer_kinds) for o in graph.kinds[k].ops}
     unlowered = sorted(ops - family.lowered_ops)
     if unlowered:        # the family's graph and lowering disagree: a family's bug, not the spec's
         raise ValueError(f"the {family.name} lowering has no compute body for ops {unlowered}")
     return replace(s, graph=graph)
+
+
+def _in_phase_order(graph: DecodeGraph, sched: ast.Schedule) -> DecodeGraph:
+    """The graph with each phase's `run OP before OP` applied in source order (a phase of no
+    layer kind of the model is left to the `layer_kinds` pass)."""
+    kinds = dict(graph.kinds)
+    for phase in sched.phases:
+        if phase.kind.text in kinds:
+            for move in phase.run_before:
+                kinds[phase.kind.text] = _moved(kinds[phase.kind.text], move)
+    if kinds == graph.kinds:
+        return graph
+    return build_graph(graph.dims, FamilyGraph(
+        kinds=kinds, globals=graph.globals, per_rank=graph.per_rank, experts=graph.experts,
+        activations=graph.activations, experts_total=graph.experts_total, top_k=graph.top_k,
+        formats=graph.formats), graph.ranks)
+
+
+def _moved(kind: LayerKind, move: RunBefore) -> LayerKind:
+    """`kind` with op `move.op` run just before `move.before`: every op it passes over neither
+    writes what it reads nor reads or writes what it writes."""
+    names = kind.op_names()
+    for n in (move.op, move.before):
+        if n.text not in names:
+            raise unknown(f"op of layer kind {kind.name}", n, names)
+    a, b = names.index(move.op.text), names.index(move.before.text)
+    if a <= b:
+        raise fail("E-ORDER", f"{move.op.text} already runs before {move.before.text} in "
+                   f"{kind.name}", move.span, hint="`run` moves an op earlier: drop the statement")
+    moved = kind.ops[a]
+    for other in kind.ops[b:a]:
+        hazards = (("it reads {}, which {} writes", set(moved.reads) & set(other.writes)),
+                   ("{1} reads {0}, which it writes", set(moved.writes) & set(other.reads)),
+                   ("{1} writes {0} too", set(moved.writes) & set(other.writes)))
+        for text, clash in hazards:
+            if clash:
+                raise fail("E-ORDER", f"{moved.name} cannot run before {other.name} in {kind.name}: "
+                           + text.format(", ".join(sorted(clash)), other.name), move.span,
+                           hint="move it only past ops it does not depend on: "
+                           f"{kind.name} runs {', '.join(names)}")
+    return replace(kind, ops=(*kind.ops[:b], moved, *kind.ops[b:a], *kind.ops[a + 1:]))
 
 
 def _with_dense_formats(graph, family, formats: dict) -> object:

@@ -33,15 +33,20 @@ def test_views_of_the_pool_alternate_attention_experts_attention(k3):
     s, events = k3
     opens = [e for e in events if isinstance(e, ViewOpen)]
     closes = [e for e in events if isinstance(e, ViewClose)]
-    assert len(opens) == len(closes) == 93 + 92          # one attention view per layer + experts
+    # a layer's attention, its MoE's latent_down (the same view) and its experts
+    assert len(opens) == len(closes) == 93 + 92 + 92
     seq = [e for e in events if isinstance(e, (ViewOpen, ViewClose))]
     for a, b in zip(seq[::2], seq[1::2]):                # strictly open, close, open, close ...
         assert (type(a), type(b)) == (ViewOpen, ViewClose) and a.view == b.view
-    # Layer L+1's attention is opened inside layer L's MoE sublayer (a prefetch).
+    # Layer L+1's attention is opened inside layer L's MoE sublayer, L's latent_down inside
+    # L's attention (prefetches).
     attention = [e for e in events if isinstance(e, ViewOpen) and e.view == "staging.attention"]
     assert attention[0].where == "prologue"
-    assert [str(e.tag) for e in attention[:3]] == ["layer 0 kda", "layer 1 kda", "layer 2 kda"]
-    assert all(" moe " in e.where or " dense " in e.where for e in attention[1:])
+    assert [str(e.tag) for e in attention[:4]] == ["layer 0 kda", "layer 1 kda", "layer 1 moe",
+                                                   "layer 2 kda"]
+    for e in attention[1:]:
+        opened_in = ("moe", "dense") if e.tag.label.split()[-1] != "moe" else ("kda", "mla")
+        assert any(f" {kind} " in e.where for kind in opened_in), (e.where, e.tag)
 
 
 def test_worst_case_routed_experts_cycle_through_the_slots(k3):
