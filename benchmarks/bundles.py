@@ -58,20 +58,20 @@ QWEN_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 DENSE_CLASSES = {K3_SPEC: ("mlp", "shared_expert", "latent", "lm_head"),
                  QWEN_SPEC: ("attention", "mlp", "lm_head")}
 DENSE_FORMATS = ("fp8", "int8")
-# K3 with its latent class as codes: latent_down streams (after the router, as the family runs
-# it), so the pool's attention view holds attention's matrices only and is not opened between
-# attention and the MoE.
+# K3 with its latent class as codes: latent_down streams, and the router with it (in the
+# family's order), so the pool's attention view holds attention's matrices only and is not
+# opened between attention and the MoE.
 K3_DENSE_LATENT = (
-    ("mla(kv_down, q_up, key_up, value_up, gate), moe(latent_down)",
+    ("mla(kv_down, q_up, key_up, value_up, gate), moe(latent_down, router)",
      "mla(kv_down, q_up, key_up, value_up, gate)"),
-    ("    moe: router, shared_gate_up", "    moe: router, latent_down, shared_gate_up"),
+    ("    moe: shared_gate_up", "    moe: router, latent_down, shared_gate_up"),
     ("    run latent_down before router", "    # (latent_down streams after the router)"),
-    ("wait before next kda\n    # the MoE's latent_down, copied under the o_proj sum\n"
+    ("wait before next kda\n    # the MoE's latent_down and router, copied under the o_proj sum\n"
      "    prefetch next staging.attention after o_proj",
-     "wait before next kda\n    # (latent_down streams)\n    #"),
-    ("phase mla {\n    # the MoE's latent_down, copied under the o_proj sum\n"
+     "wait before next kda\n    # (latent_down and the router stream)\n    #"),
+    ("phase mla {\n    # the MoE's latent_down and router, copied under the o_proj sum\n"
      "    prefetch next staging.attention after o_proj",
-     "phase mla {\n    # (latent_down streams)\n    #"))
+     "phase mla {\n    # (latent_down and the router stream)\n    #"))
 # K3 with its attention as codes too: the pool view keeps what MLA reads whole (key_up,
 # value_up), and the kda and mla projections it held stream; the dense phase, followed by a
 # kda layer, prefetches nothing.
@@ -114,8 +114,9 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     """(old, new) edits storing the spec's `DENSE_CLASSES` as `fmt` ("fp8" or "int8") codes
     with a scale per output column (rounded): their `format` lines joined to the schedule's
     closing brace, so every other line keeps its number; K3's latent class streamed
-    (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`). The schedule is renamed for the variant
-    (`dense_name`): its compiled measures keep a file of their own."""
+    (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`). The
+    schedule is renamed for the variant (`dense_name`): its compiled measures keep a file of
+    their own."""
     classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
     lines = "".join(f"  format {c} {fmt} channel rounded\n" for c in classes)
     text = spec.read_text()

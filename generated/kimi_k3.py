@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): f514ae9a8e86cc58
+Input digest (spec, model config, mkc version): c722f09ae5a1ed36
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and
@@ -126,20 +126,20 @@ LAYER_KIND = (1, 0, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 
               3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1, 3, 1, 3,
               2, 3, 1, 3, 1, 3, 1, 3, 2, 3, 2, 3)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 15, 60, 75, 101, 116, 142, 164, 190, 205, 231, 246, 272, 287, 313, 335, 361,
-                     376, 402, 417, 443, 458, 484, 506, 532, 547, 573, 588, 614, 629, 655, 677, 703,
-                     718, 744, 759, 785, 800, 826, 848, 874, 889, 915, 930, 956, 971, 997, 1019,
-                     1045, 1060, 1086, 1101, 1127, 1142, 1168, 1190, 1216, 1231, 1257, 1272, 1298,
-                     1313, 1339, 1361, 1387, 1402, 1428, 1443, 1469, 1484, 1510, 1532, 1558, 1573,
-                     1599, 1614, 1640, 1655, 1681, 1703, 1729, 1744, 1770, 1785, 1811, 1826, 1852,
-                     1874, 1900, 1915, 1941, 1956, 1982, 1997, 2023, 2045, 2071, 2086, 2112, 2127,
-                     2153, 2168, 2194, 2216, 2242, 2257, 2283, 2298, 2324, 2339, 2365, 2387, 2413,
-                     2428, 2454, 2469, 2495, 2510, 2536, 2558, 2584, 2599, 2625, 2640, 2666, 2681,
-                     2707, 2729, 2755, 2770, 2796, 2811, 2837, 2852, 2878, 2900, 2926, 2941, 2967,
-                     2982, 3008, 3023, 3049, 3071, 3097, 3112, 3138, 3153, 3179, 3194, 3220, 3242,
-                     3268, 3283, 3309, 3324, 3350, 3365, 3391, 3413, 3439, 3454, 3480, 3495, 3521,
-                     3536, 3562, 3584, 3610, 3625, 3651, 3666, 3692, 3707, 3733, 3755, 3781, 3796,
-                     3822, 3837, 3863, 3878, 3904, 3926, 3952, 3974)
+LAYER_TILE_OFFSET = (0, 15, 60, 75, 94, 109, 128, 150, 169, 184, 203, 218, 237, 252, 271, 293, 312,
+                     327, 346, 361, 380, 395, 414, 436, 455, 470, 489, 504, 523, 538, 557, 579, 598,
+                     613, 632, 647, 666, 681, 700, 722, 741, 756, 775, 790, 809, 824, 843, 865, 884,
+                     899, 918, 933, 952, 967, 986, 1008, 1027, 1042, 1061, 1076, 1095, 1110, 1129,
+                     1151, 1170, 1185, 1204, 1219, 1238, 1253, 1272, 1294, 1313, 1328, 1347, 1362,
+                     1381, 1396, 1415, 1437, 1456, 1471, 1490, 1505, 1524, 1539, 1558, 1580, 1599,
+                     1614, 1633, 1648, 1667, 1682, 1701, 1723, 1742, 1757, 1776, 1791, 1810, 1825,
+                     1844, 1866, 1885, 1900, 1919, 1934, 1953, 1968, 1987, 2009, 2028, 2043, 2062,
+                     2077, 2096, 2111, 2130, 2152, 2171, 2186, 2205, 2220, 2239, 2254, 2273, 2295,
+                     2314, 2329, 2348, 2363, 2382, 2397, 2416, 2438, 2457, 2472, 2491, 2506, 2525,
+                     2540, 2559, 2581, 2600, 2615, 2634, 2649, 2668, 2683, 2702, 2724, 2743, 2758,
+                     2777, 2792, 2811, 2826, 2845, 2867, 2886, 2901, 2920, 2935, 2954, 2969, 2988,
+                     3010, 3029, 3044, 3063, 3078, 3097, 3112, 3131, 3153, 3172, 3187, 3206, 3221,
+                     3240, 3255, 3274, 3296, 3315, 3337)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 DENSE_GATE_UP = StreamedMatrix(name='gate_up', rows=7168, cols=2304, row_tiles=7, col_tiles=3,
@@ -154,8 +154,6 @@ MLA_Q_DOWN = StreamedMatrix(name='q_down', rows=7168, cols=1536, row_tiles=7, co
                             tile_rows=1024, tile_cols=768)
 MLA_O_PROJ = StreamedMatrix(name='o_proj', rows=384, cols=7168, row_tiles=1, col_tiles=8,
                             tile_rows=384, tile_cols=896)
-MOE_ROUTER = StreamedMatrix(name='router', rows=7168, cols=896, row_tiles=7, col_tiles=1,
-                            tile_rows=1024, tile_cols=896)
 MOE_SHARED_GATE_UP = StreamedMatrix(name='shared_gate_up', rows=7168, cols=384, row_tiles=7,
                                     col_tiles=1, tile_rows=1024, tile_cols=384)
 MOE_SHARED_DOWN = StreamedMatrix(name='shared_down', rows=192, cols=7168, row_tiles=1, col_tiles=8,
@@ -164,15 +162,14 @@ MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=3584, cols=896, row_tiles=
                                tile_rows=896, tile_cols=896)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=7168, cols=5120, row_tiles=7, col_tiles=8,
                               tile_rows=1024, tile_cols=640)
-RING = Ring(slots=8, ahead=8, total_tiles=4056,
+RING = Ring(slots=8, ahead=8, total_tiles=3412,
             tile_shapes=((256, 896), (384, 896), (896, 896), (1024, 128), (1024, 384), (1024, 640),
-                         (1024, 768), (1024, 896)))
-TAIL_TILE_OFFSET = 4000
+                         (1024, 768)))
+TAIL_TILE_OFFSET = 3356
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'dense': [DENSE_GATE_UP, DENSE_DOWN], 'kda': [KDA_GATE_DOWN, KDA_O_PROJ],
                 'mla': [MLA_Q_DOWN, MLA_O_PROJ],
-                'moe': [MOE_ROUTER, MOE_SHARED_GATE_UP, MOE_SHARED_DOWN, MOE_LATENT_UP],
-                'tail': [TAIL_LM_HEAD]}
+                'moe': [MOE_SHARED_GATE_UP, MOE_SHARED_DOWN, MOE_LATENT_UP], 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
 VECTORS = Parity(
@@ -252,7 +249,7 @@ VIEW = WeightView(pool='staging',
                       'mla': {'kv_down': (0, 7168, 640, 0), 'q_up': (35840, 1536, 576, 1),
                               'key_up': (43520, 384, 512, 2), 'value_up': (45056, 512, 384, 3),
                               'gate': (46592, 7168, 384, 4)},
-                      'moe': {'latent_down': (0, 7168, 128, 0)}
+                      'moe': {'latent_down': (0, 7168, 128, 0), 'router': (7168, 7168, 896, 1)}
                   })
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
@@ -281,10 +278,9 @@ KINDS = {'dense': KindPlan(streamed={'gate_up': (0, DENSE_GATE_UP), 'down': (21,
          'mla': KindPlan(streamed={'q_down': (0, MLA_Q_DOWN), 'o_proj': (14, MLA_O_PROJ)},
                          states={}, copies=(), caches=('mla__latent',),
                          kv=KvTiles(tokens=256, slots=3, ahead=3), kv_rows='mla_kv_rows'),
-         'moe': KindPlan(streamed={'router': (0, MOE_ROUTER),
-                                   'shared_gate_up': (7, MOE_SHARED_GATE_UP),
-                                   'shared_down': (14, MOE_SHARED_DOWN),
-                                   'latent_up': (22, MOE_LATENT_UP)},
+         'moe': KindPlan(streamed={'shared_gate_up': (0, MOE_SHARED_GATE_UP),
+                                   'shared_down': (7, MOE_SHARED_DOWN),
+                                   'latent_up': (15, MOE_LATENT_UP)},
                          states={}, copies=())}
 
 
@@ -382,29 +378,30 @@ def _layer_moe(k: Kernel, layer):
     h = lower.mlp_mix(c)
     c.wait_pooled("latent_down")   # staging.attention: before its first reader
     latent_in = lower.latent_down(c, h)
-    # the pool view staging.attention is free from here
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 111
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 110
+    c.wait_pooled("router")   # staging.attention: before its first reader
     router_logits = lower.router(c, h)
+    # the pool view staging.attention is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 106: fetch experts -> staging.experts, the first slots now
+    # spec line 105: fetch experts -> staging.experts, the first slots now
     c.start_experts()
     shared_act = lower.shared_gate_up(c, h)
     shared_out = lower.shared_down(c, shared_act)
     # overlapped: it runs until its first reader
-    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 112
-    latent_in = latent_in_in_flight.finish()   # spec line 111
+    shared_out_in_flight = k.start_allreduce(shared_out, MOE_SHARED_DOWN_REDUCE)   # spec line 111
+    latent_in = latent_in_in_flight.finish()   # spec line 110
     routed_out = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
-    shared_out_in_flight.advance()   # spec line 112
+    shared_out_in_flight.advance()   # spec line 111
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 115: prefetch next staging.attention
+    c.prefetch_view()   # spec line 114: prefetch next staging.attention
     # two_level, wire bf16, scatter from 8 rows
-    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 114
+    routed_out = k.allreduce(routed_out, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 113
     routed_out = lower.latent_norm(c, routed_out)
-    shared_out_in_flight.advance()   # spec line 112
+    shared_out_in_flight.advance()   # spec line 111
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 116: all-gather over 8 ranks
-    shared_out = shared_out_in_flight.finish()   # spec line 112
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 115: all-gather over 8 ranks
+    shared_out = shared_out_in_flight.finish()   # spec line 111
     lower.mlp_residual(c, mlp_out, shared_out)
 
 
@@ -459,6 +456,7 @@ HBM_SHAPES = {
     "pool__mla__value_up": ((len(KIND_LAYERS["mla"]), 512, 384), BF16),
     "pool__mla__gate": ((len(KIND_LAYERS["mla"]), 7168, 384), BF16),
     "pool__moe__latent_down": ((len(KIND_LAYERS["moe"]), 7168, 128), BF16),
+    "pool__moe__router": ((len(KIND_LAYERS["moe"]), 7168, 896), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
 }
 

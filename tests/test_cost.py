@@ -24,10 +24,10 @@ def test_k3_floor_counts_pooled_attention_and_expected_experts():
     s = check_spec(K3_SPEC).ir
     t1, t8 = cost.hbm_traffic(s, 1, 128), cost.hbm_traffic(s, 8, 128)
     # The attention matrices the view holds whole pass through the pool, about 23 MB a layer
-    # and rank, and each MoE's latent_down (1.8 MB); the rest stream through the ring with the
-    # other matrices (the router whole on every core: 12.8 MB a MoE layer): 6.1 GB in all,
-    # wherever the spec places them.
-    assert 2.15e9 < t1["pooled weights"] < 2.3e9
+    # and rank, and each MoE's latent_down (1.8 MB) and router (whole on every core: 12.8 MB);
+    # the rest stream through the ring with the other matrices: 6.1 GB in all, wherever the
+    # spec places them.
+    assert 3.3e9 < t1["pooled weights"] < 3.5e9
     assert 6.0e9 < t1["pooled weights"] + t1["weights"] < 6.3e9
     # Uniform routing: 16 of 896 experts per row, 112 in this rank's group -> 2 at batch 1.
     assert cost.expected_local_experts(s, 1) == pytest.approx(2.0)

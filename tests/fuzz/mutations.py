@@ -21,7 +21,8 @@ REPLACEMENTS = ["0", "1", "3", "7", "999999999", "x", "gdn", "gqa", "start", "en
                 "limit", "reserve", "MiB", "GiB", "KiB", "2x2x1", "direct", "wire", "with",
                 "verify", "sequences", "to", "8", "16", "32", "heads", "mlp", "vocab",
                 "expert_mlp", "latent_up", "tpu7x", "v6e", "v5e", "v5p", "v4", "2x4", "2x2x8",
-                "moe", "shared_gate_up", "router", "gate_up", "down", "attention"]
+                "moe", "shared_gate_up", "router", "gate_up", "down", "attention", "run",
+                "latent_down"]
 HUGE_DIGITS = "1" + "0" * 4300                     # 4301 digits: past int()'s default limit
 EXTREME_INTS = ["0", "1", "2", "127", "128", "129", "255", "2147483647", "2147483648",
                 "4294967296", "9223372036854775807", "9223372036854775808",

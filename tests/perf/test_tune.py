@@ -226,11 +226,12 @@ def test_tune_runs_on_the_gpt_oss_120b_spec_and_its_kv_ring(tmp_path, capsys):
 
 def _k3_attention_pooled() -> str:
     """K3's shipped spec with its attention matrices held whole where an op can take them so
-    (the hand-written kernel's layout; latent_down pooled as shipped), a ring of 5 slots, 2 expert slots and 2 KV tiles of
-    128 tokens: the same starting point whatever the shipped spec's own geometry."""
+    (the hand-written kernel's layout; latent_down and the router pooled as shipped), a ring
+    of 5 slots, 2 expert slots and 2 KV tiles of 128 tokens: the same starting point whatever
+    the shipped spec's own geometry."""
     text = K3_SPEC.read_text()
     text = re.sub(r"view attention: .*", "view attention: kda(gate_down, gate_up, projection, "
-                  "o_proj), mla(q_down, kv_down, key_up, value_up), moe(latent_down)", text)
+                  "o_proj), mla(q_down, kv_down, key_up, value_up), moe(latent_down, router)", text)
     text = re.sub(r"view experts: \d+ slots", "view experts: 2 slots", text)
     text = re.sub(r"ring weights: \d+ slots", "ring weights: 5 slots", text)
     text = re.sub(r"stream weights ahead \d+", "stream weights ahead 5", text)
