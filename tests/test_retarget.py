@@ -216,6 +216,13 @@ def test_stale_comments_of_changed_statements_go():
     text2 = text.replace("  pool p {", "  # Two expert slots.\n  pool p {")
     assert "Two expert slots" not in drop_stale_comments(text2, {10: None})
     assert drop_stale_comments(text, {}) == text
+    # A long note wraps at the width, at the indent of the comment it replaces (the pool's).
+    note = "# `mkc tune`: " + "placement of moe (pool view or ring weights) " * 4
+    out = drop_stale_comments(text2, {10: note}).split("\n")
+    at = out.index("  pool p {")
+    wrapped = out[next(i for i, ln in enumerate(out) if "`mkc tune`" in ln):at]
+    assert len(wrapped) > 1 and all(ln.startswith("  # ") and len(ln) <= 96 for ln in wrapped)
+    assert " ".join(ln.removeprefix("  # ") for ln in wrapped) == note.removeprefix("# ").strip()
 
 
 # CI retargets each family once, to another generation each; the extended tier the rest.

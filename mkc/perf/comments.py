@@ -13,7 +13,9 @@ purpose and is kept. A dropped comment can be replaced by one note line the tool
 from __future__ import annotations
 
 import re
+import textwrap
 
+WIDTH = 96                  # the shipped specs' comment width
 _NUMBER = re.compile(r"\d|\b(one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|"
                      r"twice|half|double|single)\b", re.I)
 # Blocks whose header owns the comment above it for the statements inside.
@@ -71,11 +73,24 @@ def owned_comments(lines: list[str], index: int) -> tuple[list[int], bool]:
     return sorted(owned), trailing
 
 
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip())]
+
+
+def _wrapped(note: str, indent: str) -> str:
+    """A `# ...` note as comment lines at `indent`, none past `WIDTH` columns (a word longer
+    than the line stays whole)."""
+    body = textwrap.wrap(note.removeprefix("#").strip(), WIDTH - len(indent) - 2,
+                         break_long_words=False, break_on_hyphens=False)
+    return "\n".join(f"{indent}# {part}" for part in body)
+
+
 def drop_stale_comments(text: str, changed: dict[int, str | None]) -> str:
     """`text` with the comments owned by the changed statements (1-based line numbers) dropped
     where they state numbers; a note given for a line (`changed[line]`) takes the place of its
-    dropped comment lines, at the statement's indent (or is added above the statement when it
-    owned none that were dropped). A changed line's trailing comment stating numbers goes too."""
+    dropped comment lines, at their indent, wrapped (or is added above the statement, at its
+    indent, when it owned none that were dropped). A changed line's trailing comment stating
+    numbers goes too."""
     lines = text.split("\n")
     drop: set[int] = set()
     notes: dict[int, str] = {}            # 0-based line the note goes above
@@ -91,9 +106,9 @@ def drop_stale_comments(text: str, changed: dict[int, str | None]) -> str:
         if trailing and states_numbers(lines[index][comment_start(lines[index]):]):
             lines[index] = lines[index][:comment_start(lines[index])].rstrip()
         if note:
-            indent = lines[index][:len(lines[index]) - len(lines[index].lstrip())]
             at = min(stale) if stale else index
-            notes[at] = notes[at] + "\n" + indent + note if at in notes else indent + note
+            wrapped = _wrapped(note, _indent(lines[at]))
+            notes[at] = notes[at] + "\n" + wrapped if at in notes else wrapped
     out = []
     for i, line in enumerate(lines):
         if i in notes:
