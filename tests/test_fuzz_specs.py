@@ -174,6 +174,13 @@ def test_a_case_is_judged_by_cpu_time_not_wall_time():
             time.sleep(0.05)
         assert worker.cpu() - worker.cpu0 >= 0.3      # the grandchild's CPU, seen
         assert not worker.overdue(10.0)
+        # then blocked: no more CPU (a loaded machine may run the grandchild's last slices later)
+        last = worker.cpu()
+        while time.monotonic() < give_up:
+            time.sleep(0.5)
+            if (now := worker.cpu()) == last:
+                break
+            last = now
         worker.progress = (worker.cpu(), time.monotonic() - pool.STALL_SECONDS - 1)
         assert worker.overdue(10.0)                   # blocked on its input since
         worker.cpu0 -= 10.0
