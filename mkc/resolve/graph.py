@@ -10,7 +10,7 @@ from mkc.layers import dense_formats
 from mkc.model.family import FormatError
 from mkc.lang import ast
 from mkc.lang.statements.order import RunBefore
-from mkc.model.graph import DecodeGraph, FamilyGraph, LayerKind, ShardingError, build_graph
+from mkc.model.graph import LayerKind, ShardingError, build_graph
 from mkc.resolve.formats import format_error
 from mkc.resolve.names import unknown
 from mkc.resolve.sharding import group_spellings
@@ -26,13 +26,13 @@ def resolve_graph(s: ResolveState) -> ResolveState:
     dims, family, ranks = s.dims, s.family, s.topology.num_cores
     rules = _rules(s)
     try:
-        graph = build_graph(dims, family.build(dims, rules, ranks, s.formats), ranks)
+        built = family.build(dims, rules, ranks, s.formats)
     except ShardingError as e:
         raise _indivisible(s, rules, e) from None
     except FormatError as e:
         raise format_error(e, s.sched) from None
+    graph = build_graph(dims, replace(built, kinds=_in_phase_order(built.kinds, s.sched)), ranks)
     graph = _with_dense_formats(graph, family, s.dense_formats or {})
-    graph = _in_phase_order(graph, s.sched)
     ops = {o.name for k in set(graph.layer_kinds) for o in graph.kinds[k].ops}
     unlowered = sorted(ops - family.lowered_ops)
     if unlowered:        # the family's graph and lowering disagree: a family's bug, not the spec's
@@ -40,20 +40,15 @@ def resolve_graph(s: ResolveState) -> ResolveState:
     return replace(s, graph=graph)
 
 
-def _in_phase_order(graph: DecodeGraph, sched: ast.Schedule) -> DecodeGraph:
-    """The graph with each phase's `run OP before OP` applied in source order (a phase of no
-    layer kind of the model is left to the `layer_kinds` pass)."""
-    kinds = dict(graph.kinds)
+def _in_phase_order(kinds: dict[str, LayerKind], sched: ast.Schedule) -> dict[str, LayerKind]:
+    """The layer kinds with each phase's `run OP before OP` applied in source order (a phase of
+    no layer kind of the model is left to the `layer_kinds` pass)."""
+    kinds = dict(kinds)
     for phase in sched.phases:
         if phase.kind.text in kinds:
             for move in phase.run_before:
                 kinds[phase.kind.text] = _moved(kinds[phase.kind.text], move)
-    if kinds == graph.kinds:
-        return graph
-    return build_graph(graph.dims, FamilyGraph(
-        kinds=kinds, globals=graph.globals, per_rank=graph.per_rank, experts=graph.experts,
-        activations=graph.activations, experts_total=graph.experts_total, top_k=graph.top_k,
-        formats=graph.formats), graph.ranks)
+    return kinds
 
 
 def _moved(kind: LayerKind, move: RunBefore) -> LayerKind:
