@@ -3,6 +3,7 @@ import the generated module (optionally a mutant of it); the reference trajector
 judged against; one kernel run compared step by step; the summary tail and exit status."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -831,13 +832,18 @@ def run_mutants(load: Callable, names: list[str], weights, states: list, traject
     only and judged on that row alone (rows are independent sequences: what a run of that
     mutant gives for that row); the rows past the last mutant are controls, judged like the
     kernel, so a mutant that leaks into another row fails loudly. Returns the summary's
-    "mutants" (and, by row, "mutant_controls")."""
+    "mutants" (and, by row, "mutant_controls"). Mutants run without race detection: the
+    unmutated kernel's run checks the schedule's races, and a mutant changes one op's values,
+    not a copy or a wait."""
     end = len(trajectory) if steps is None else first + steps
+    before = {"races_found": _races_found()} if getattr(interpret, "detect_races", False) else {}
+    if dataclasses.is_dataclass(interpret):
+        interpret = dataclasses.replace(interpret, detect_races=False, vector_clock_size=None)
     if not by_row:
-        return {"mutants": {name: {"steps": run_kernel(load({name: None}), weights, states[first],
-                                                       trajectory[:end], mesh, interpret, refs,
-                                                       label=f"[{name}] ", first=first)}
-                            for name in names}}
+        return before | {"mutants": {name: {"steps": run_kernel(load({name: None}), weights, states[first],
+                                                                trajectory[:end], mesh, interpret, refs,
+                                                                label=f"[{name}] ", first=first)}
+                                     for name in names}}
     batch = np.asarray(trajectory[0]["tokens"]).shape[0]
     if len(names) >= batch:
         raise ValueError(f"{len(names)} mutants by row need a batch of at least {len(names) + 1} "
@@ -846,8 +852,8 @@ def run_mutants(load: Callable, names: list[str], weights, states: list, traject
     judged["controls"] = list(range(len(names), batch))
     run = run_kernel(load({name: row for row, name in enumerate(names)}), weights, states[first],
                      trajectory[:end], mesh, interpret, refs, first=first, judged=judged)
-    return {"mutants": {name: {"row": row, "steps": run[name]} for row, name in enumerate(names)},
-            "mutant_controls": {"rows": judged["controls"], "steps": run["controls"]}}
+    return before | {"mutants": {name: {"row": row, "steps": run[name]} for row, name in enumerate(names)},
+                     "mutant_controls": {"rows": judged["controls"], "steps": run["controls"]}}
 
 
 def _past_committed(ours: dict, ref: dict, starts, accepted: int, context: int,
@@ -913,13 +919,19 @@ def run_verify(gen, weights, state, trajectory: list[dict], mesh, interpret, ref
     return out
 
 
+def _races_found() -> bool:
+    """The race detector's verdict on the last kernel interpreted with it (each kernel run
+    starts a fresh one)."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    return bool(ipc.races is not None and ipc.races.races_found)
+
+
 def finish(summary: dict, races: bool, as_json: bool) -> int:
     """Add the race detector's verdict (when it ran) and the numerics verdict (`mkc.numerics`),
     print the JSON summary (if asked); the exit status: 1 if the kernel disagrees with the
     references (or races), or if a mutant run was not rejected."""
-    if races:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-        summary["races_found"] = bool(ipc.races.races_found)
+    if races:     # the last kernel run's verdict, or the one before the mutants ran (`run_mutants`)
+        summary["races_found"] = bool(summary.get("races_found")) or _races_found()
         print(f"races found: {summary['races_found']}")
     failed = numerics.failures(summary) if summary.get("steps") else []
     summary["failures"] = failed

@@ -30,3 +30,25 @@ def run_python(args: list[str], timeout: float, python: str = sys.executable
 @pytest.fixture
 def spec_text() -> str:
     return SPEC.read_text()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, each worker's first share of the run begins with its round-robin part of
+    the `slow` tests (interpret runs, full-size compiles: a minute or more each), so none is
+    left to start last and run alone. The work-stealing scheduler hands out the collection in
+    contiguous shares, `len(pending) // workers left` each, and steals from a share's end."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers < 2:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    ordered: list[pytest.Item] = []
+    left = len(items)
+    for w in range(workers):
+        size = left // (workers - w)
+        head = slow[w::workers]
+        take = max(0, size - len(head))
+        ordered += head + fast[:take]
+        fast = fast[take:]
+        left -= len(head) + take
+    items[:] = ordered + fast

@@ -67,17 +67,30 @@ K3_MUTANTS = ("kda.gated_norm", "mla.o_proj", "dense.down", "moe.expert", "kda.d
               "kda.conv_state", "mla.kv_read")
 
 
+def _k3_64_latent_down_first(tmp_path) -> str:
+    """`kimi_k3_64.sched` with the shipped K3 spec's `run latent_down before router` (its stream
+    lists them in the new order): the moved op order, which only the shipped spec has, runs
+    here too."""
+    text = (ROOT / "schedules" / "kimi_k3_64.sched").read_text()
+    assert text.count("moe: router, latent_down,") == 1 and text.count("  phase moe {\n") == 1
+    path = tmp_path / "kimi_k3_64.sched"
+    path.write_text(text.replace("moe: router, latent_down,", "moe: latent_down, router,").replace(
+        "  phase moe {\n", "  phase moe {\n    run latent_down before router\n"))
+    return str(path)
+
+
 @pytest.mark.slow
-def test_two_steps_at_the_largest_batch_then_each_mutant_rejected_on_its_row():
+def test_two_steps_at_the_largest_batch_then_each_mutant_rejected_on_its_row(tmp_path):
     """One process, batch 8, on the 64-core layout (`kimi_k3_64.sched`, moved to 16 cores: heads
-    over 8 ranks, replicated twice, everything else over all 16): the module passes two steps,
+    over 8 ranks, replicated twice, everything else over all 16) with the MoE's latent_down
+    moved before its router, as the shipped K3 spec runs it: the module passes two steps,
     the second from a nonzero recurrent, conv and latent state (measured: both bit-equal to the
     emulation); then one module with all seven mutants (one op scaled by 1.01 each: one per
     sublayer kind and the three state-only ops), mutant i acting on row i alone, runs step 1
     from the module's own state after step 0 (`--mutants-by-row`). Each mutant's row is
     rejected by the exact emulation comparison (which the 3 % plain comparison would let
     through), and row 7, which no mutant touches, stays bit-equal: the rows are independent."""
-    summary = _run("--spec", str(ROOT / "schedules" / "kimi_k3_64.sched"), "--mode", "on_wait",
+    summary = _run("--spec", _k3_64_latent_down_first(tmp_path), "--mode", "on_wait",
                    "--steps", "2", "--batch", "8", "--mutants", ",".join(K3_MUTANTS),
                    "--mutants-from", "1", "--mutants-by-row")
     assert summary["steps"][0]["emulation"]["logits"] == 0.0
