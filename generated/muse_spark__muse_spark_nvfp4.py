@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): c3cf8dbe6615889b
+Input digest (spec, model config, mkc version): 9f7c37223a2162fd
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
@@ -259,28 +259,30 @@ def _layer_full(k: Kernel, layer):
 
 
 def _layer_moe(k: Kernel, layer):
-    """One moe layer: pre_ffn_norm, router, route, latent_down, latent_norm, routed_experts,
+    """One moe layer: pre_ffn_norm, latent_down, router, route, latent_norm, routed_experts,
     expert_norm, latent_up, mlp_residual."""
     c = k.layer("moe", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.pre_ffn_norm(c)
+    latent_in = lower.latent_down(c, h)
+    # overlapped: it runs until its first reader
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 74
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 71: fetch experts -> staging.experts, the first slots now
+    # spec line 73: fetch experts -> staging.experts, the first slots now
     c.start_experts()
-    latent_in = lower.latent_down(c, h)
-    latent_in = k.allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 72: all-gather over 8 ranks
+    latent_in = latent_in_in_flight.finish()   # spec line 74
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 77: prefetch next staging.dense
+    c.prefetch_view()   # spec line 79: prefetch next staging.dense
     # two_level, wire bf16, scatter from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 75
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 77
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 78: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 80: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 

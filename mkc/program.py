@@ -84,11 +84,12 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     advances: dict[AllReduce | AllGather, int] = {}
 
     for i, op in enumerate(k.ops):
+        point(i)
+        copies(i, prefetch + fetch if i == 0 else fetch)
+        # copies issued at this point start before the wait for a collective's last stage
         for c, j in [f for f in in_flight if f[1] == i]:
             steps.append(OverlapFinish(i, collective=c))
             in_flight.remove((c, j))
-        point(i)
-        copies(i, prefetch + fetch if i == 0 else fetch)
         steps.extend(PoolWait(i, family=fam, view=k.pooled[fam])
                      for fam in first_reader.get(i, []))
         steps.append(Op(i, op=op))

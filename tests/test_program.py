@@ -8,7 +8,7 @@ import pytest
 from mkc import compiler
 from mkc.diagnostics import MkcError
 from mkc.program import layer_program
-from tests_support import SPEC, run_example
+from tests_support import ROOT, SPEC, run_example
 
 GDN_STATE = """    scoped conv_buf from start to out_proj
     load  state.conv -> conv_buf, state.recurrent -> rec_buf at start; wait before conv
@@ -103,3 +103,18 @@ def test_a_prefetch_after_an_op_starts_before_its_collectives():
     order = [type(st).__name__ + ("" if isinstance(st, Prefetch) else f" {getattr(st, 'op', '')}")
              for st in steps if isinstance(st, (AllReduce, Prefetch, ViewClose))]
     assert order[-3:] == ["ViewClose ", "Prefetch", "AllReduce routed_experts"]
+
+
+def test_copies_at_a_point_start_before_an_overlapped_collective_lands_there():
+    """Muse Spark's `allgather latent_down over tp overlap` runs under the router and routing,
+    and lands before latent_norm, where `fetch experts ... after route` starts the expert
+    copies: they start first, so HBM does not wait on the gather's last stage."""
+    from mkc.steps import Fetch, Op, OverlapFinish, OverlapStart
+
+    steps = layer_program(compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir, "moe")
+    order = [f"{type(st).__name__} {getattr(st, 'op', '')}".strip() for st in steps
+             if isinstance(st, (Fetch, Op, OverlapFinish, OverlapStart))]
+    start = order.index("OverlapStart")
+    assert order[start - 1:] == ["Op latent_down", "OverlapStart", "Op router", "Op route", "Fetch",
+                                 "OverlapFinish", "Op latent_norm", "Op routed_experts",
+                                 "Op expert_norm", "Op latent_up", "Op mlp_residual"], order
