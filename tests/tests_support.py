@@ -1,8 +1,11 @@
 import contextlib
+import fcntl
 import json
+import os
 import sys
+import tempfile
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +132,25 @@ def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts:
         if hasattr(module, "_expert_bias"):
             patches.enter_context(mock.patch.object(module, "_expert_bias", bias))
         return body(c, x, None, weights)
+
+
+def once_per_session(key: str, run: Callable[[], dict]) -> dict:
+    """`run()`'s JSON-able result, computed once per test session however many xdist workers
+    ask (a worker that asks while another computes it waits and reads it): a result several
+    workers' tests share is not computed on each."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not session:      # one process: its caller's own cache suffices
+        return run()
+    base = Path(tempfile.gettempdir()) / f"mkc-tests-{session}"
+    base.mkdir(exist_ok=True)
+    path = base / f"{key}.json"
+    with open(base / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        result = run()
+        path.write_text(json.dumps(result))
+        return result
 
 
 def run_example(script: str, *args: str, timeout: int, python: str = sys.executable) -> dict:

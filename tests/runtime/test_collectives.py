@@ -240,15 +240,20 @@ def run_compile() -> dict:
     return {"mode": "compile", "compiled": "tpu7x=2x2x2"}
 
 
-# ---- pytest side: one subprocess per mode, shared by the checks of that mode -------------------
+# ---- pytest side: one subprocess per mode a session, shared by the checks of that mode --------
 @functools.cache
 def _run(mode: str, lean: bool = True) -> dict:
     """`lean`: with `mkc.interpret.lean_interpreter`, as the runners run (tests/test_interpret.py
     compares it with JAX's own)."""
     from conftest import run_python
-    r = run_python([__file__, mode] + ["lean"] * lean, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
+    from tests_support import once_per_session
+
+    def run() -> dict:
+        r = run_python([__file__, mode] + ["lean"] * lean, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
+
+    return once_per_session(f"collectives-{mode}-{'lean' if lean else 'jax'}", run)
 
 
 @pytest.fixture(params=["on_wait", "eager", "races", "races_eager"])
