@@ -156,8 +156,9 @@ def test_no_false_fit_in_the_sweep():
     """Every boundary variant of every family and expert format libtpu compiled
     (benchmarks/vmem_sweep.py): where mkc says fits, libtpu fits; mkc's peak is never under
     libtpu's use, and at the chip's whole VMEM (where the scratch was measured) within 1 MiB
-    above it on a measured geometry. Under a limit at mkc's own peak libtpu spills less, by up
-    to 2 MiB (Qwen's verify step), so there the margin is only reported."""
+    above it on a measured geometry, beyond what the scratch's envelope adds over the width's
+    own measure. Under a limit at mkc's own peak libtpu spills less, by up to 2 MiB (Qwen's
+    verify step), so there the margin is only reported."""
     vmem_sweep, results = _sweep()
     families, judged = set(), 0
     for r in results:
@@ -171,8 +172,11 @@ def test_no_false_fit_in_the_sweep():
         if m["fits"] and tpu["libtpu"] == "fits":
             assert m["peak"] - tpu["used_bytes"] >= -(1 << 10), v.name
             if m["measured"] and not v.name.endswith(" peak"):
-                assert m["peak"] - tpu["used_bytes"] <= MIB, v.name
-    assert judged >= 40 and families >= {"gpt_oss", "kimi_k3", "qwen3_5_text", "qwen3_5_moe_text"}
+                # net of what the scratch's envelope adds over this width's own measure (a
+                # scratch that falls with rows), a bound by design
+                assert m["peak"] - tpu["used_bytes"] - m["envelope_over_measure"] <= MIB, v.name
+    assert judged >= 40 and families >= {"gpt_oss", "kimi_k3", "qwen3_5_text", "qwen3_5_moe_text",
+                                              "muse_spark"}
 
 
 def test_the_issues_false_fits_are_refused():
