@@ -50,13 +50,15 @@ FORMAT_GEOMETRY = {(K3_SPEC, "fp8"): _K3_RING_SLOT_FEWER + _K3_SHARED_SUM_AT_ONC
 CALIBRATION = ROOT / "benchmarks" / "data" / "calibration" / "kimi_k3.sched"
 
 # The dense classes (`format CLASS fp8|int8 channel rounded`: 8-bit codes with a scale per
-# output column, `mkc.layers.dense_formats`; rounded) of K3 and Qwen 27B: the classes each
-# spec's variants store as codes, the shipped spec keeping them bf16. K3's attention is not
+# output column, `mkc.layers.dense_formats`; rounded) of K3, Qwen 27B and Muse Spark: the
+# classes each spec's variants store as codes, the shipped spec keeping them bf16. K3's attention is not
 # among them: its pooled matrices (the `staging.attention` view) stay bf16, and a class's
 # matrices all stream (`K3_DENSE_ATTENTION` streams them, a geometry of its own).
 QWEN_SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
+MUSE_SPEC = ROOT / "schedules" / "muse_spark.sched"
 DENSE_CLASSES = {K3_SPEC: ("mlp", "shared_expert", "latent", "lm_head"),
-                 QWEN_SPEC: ("attention", "mlp", "lm_head")}
+                 QWEN_SPEC: ("attention", "mlp", "lm_head"),
+                 MUSE_SPEC: ("attention", "latent", "lm_head")}
 DENSE_FORMATS = ("fp8", "int8")
 # K3 with its latent class as codes: latent_down streams, and the router with it (in the
 # family's order), so the pool's attention view holds attention's matrices only and is not
@@ -82,6 +84,18 @@ K3_DENSE_ATTENTION = (
     ("    mla: q_down, o_proj", "    mla: q_down, kv_down, q_up, gate, o_proj"),
     # the layer after the dense MLP is a kda layer, which reads nothing of the view now
     ("    prefetch next staging.attention after down", "    # (no view to prefetch: kda)"))
+
+
+# Muse Spark with its attention as codes: o_proj streams after qkv_gate, so the pool's dense
+# view holds the router only, copied under the o_proj sum as before; the MoE has no next
+# view to prefetch.
+MUSE_DENSE_ATTENTION = (
+    ("view dense: swa(o_proj), full(o_proj), moe(router)", "view dense: moe(router)"),
+    ("    swa: qkv_gate\n", "    swa: qkv_gate, o_proj\n"),
+    ("    full: qkv_gate\n", "    full: qkv_gate, o_proj\n"),
+    ("    # the next layer's o_proj, once the experts are done with the pool\n"
+     "    prefetch next staging.dense after routed_experts",
+     "    # (o_proj streams)\n    #"))
 
 
 def format_edits(spec: Path, formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
@@ -114,7 +128,8 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     """(old, new) edits storing the spec's `DENSE_CLASSES` as `fmt` ("fp8" or "int8") codes
     with a scale per output column (rounded): their `format` lines joined to the schedule's
     closing brace, so every other line keeps its number; K3's latent class streamed
-    (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`). The
+    (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`); Muse
+    Spark's o_proj streamed (`MUSE_DENSE_ATTENTION`). The
     schedule is renamed for the variant (`dense_name`): its compiled measures keep a file of
     their own."""
     classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
@@ -125,7 +140,8 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     edits = ((head, f"schedule {dense_name(spec, fmt, attention)} {{"),
              ("\n}\n", "\n" + lines + "}\n"))
     k3 = spec == K3_SPEC
-    return edits + (K3_DENSE_LATENT if k3 else ()) + (K3_DENSE_ATTENTION if attention else ())
+    return (edits + (K3_DENSE_LATENT if k3 else ()) + (K3_DENSE_ATTENTION if attention else ())
+            + (MUSE_DENSE_ATTENTION if spec == MUSE_SPEC else ()))
 
 
 def dense_name(spec: Path, fmt: str, attention: bool = False) -> str:
@@ -176,7 +192,7 @@ def dense_variants() -> list[tuple[str, Path, bool]]:
     """(name, shipped spec, with K3's attention) of each spec whose dense classes the variants
     store as codes (`dense_text`)."""
     return [("qwen3_8_27b", QWEN_SPEC, False), ("kimi_k3", K3_SPEC, False),
-            ("kimi_k3 attention", K3_SPEC, True)]
+            ("kimi_k3 attention", K3_SPEC, True), ("muse_spark", MUSE_SPEC, False)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """What a rounding weight format costs in model quality, end to end: for each shipped spec
-offering a rounded expert format, and for K3's and Qwen 27B's dense classes as FP8 or int8
-codes with a scale per output column (`bundles.dense_text`: every bf16 class but the router,
-K3's attention streamed), its MINI model's decode run by the family's pure-JAX reference
-(plain f32) on a checkpoint's exact weights and on the weights as the rounded format holds them
-(`requantized_weights`: what the kernel is packed with), side by side.
+offering a rounded expert format, and for K3's, Qwen 27B's and Muse Spark's dense classes as
+FP8 or int8 codes with a scale per output column (`bundles.dense_text`: every bf16 class but
+the router, K3's attention streamed; Muse Spark's on its bf16 MINI, the experts bf16), its
+MINI model's decode run by the family's pure-JAX reference (plain f32) on a checkpoint's exact
+weights and on the weights as the rounded format holds them (`requantized_weights`: what the
+kernel is packed with), side by side.
 
     .venv/bin/python benchmarks/format_quality.py            # the table (about 15 minutes)
     .venv/bin/python benchmarks/format_quality.py --write    # and benchmarks/data/format_quality.json
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,9 @@ class Case:
     rounded: str | tuple[str, str]   # a name in `bundles.EXPERT_FORMATS`, or (gate_up, down)
     spreads: bool
     dense: bool = False
+    # the routed experts' (gate_up, down) formats for the MINI's checkpoint, where the spec's
+    # are another checkpoint's (Muse Spark ships the NVFP4 release's; its MINI is bf16)
+    experts: tuple[str, str] | None = None
 
 
 # Each rounded expert format under the searched bf16 block scale it ships with, and under E8M0
@@ -66,8 +71,11 @@ CASES = {"kimi_k3": Case("kimi_k3.sched", "kimi_k3_mini", "mxfp4", "fp4 block", 
                                  False),
          "qwen3_5_35b_a3b e8m0": Case("qwen3_5_35b_a3b.sched", "qwen3_5_moe_mini", "bf16", QWEN_E8M0,
                                       False),
-         **{f"{spec} dense {fmt}": Case(f"{spec}.sched", model, "bf16", fmt, False, dense=True)
-            for spec, model in (("qwen3_8_27b", "qwen3_8_mini"), ("kimi_k3", "kimi_k3_mini"))
+         **{f"{spec} dense {fmt}": Case(f"{spec}.sched", model, "bf16", fmt, False, dense=True,
+                                        experts=experts)
+            for spec, model, experts in (("qwen3_8_27b", "qwen3_8_mini", None),
+                                         ("kimi_k3", "kimi_k3_mini", None),
+                                         ("muse_spark", "muse_spark_mini", ("bf16", "bf16")))
             for fmt in ("fp8", "int8")}}
 
 
@@ -95,6 +103,8 @@ def load_variant(case: Case, formats: str):
     if case.dense:
         k3 = case.spec.startswith("kimi_k3")
         text = spec.read_text() if formats == case.exact else dense_text(spec, formats, k3)
+        for cls, fmt in zip(("gate_up", "down"), case.experts or ()):
+            text = re.sub(rf"^( *format expert\.{cls}) .*$", rf"\1 {fmt}", text, count=1, flags=re.M)
     else:
         text = format_text(spec, formats)
     k3_mini = case.spreads or case.spec.startswith("kimi_k3")
