@@ -86,11 +86,12 @@ K3_DENSE_ATTENTION = (
     ("    prefetch next staging.attention after down", "    # (no view to prefetch: kda)"))
 
 
-# Muse Spark with its attention as codes: o_proj streams after qkv_gate, so the pool's dense
-# view holds the router only, copied under the o_proj sum as before; the MoE has no next
-# view to prefetch.
+# Muse Spark with its attention and latent classes as codes: o_proj streams after qkv_gate and
+# latent_down before latent_up, so the pool's dense view holds the router only, copied under
+# the o_proj sum as before; the MoE has no next view to prefetch.
 MUSE_DENSE_ATTENTION = (
-    ("view dense: swa(o_proj), full(o_proj), moe(router)", "view dense: moe(router)"),
+    ("view dense: swa(o_proj), full(o_proj), moe(latent_down, router)", "view dense: moe(router)"),
+    ("    moe: latent_up\n", "    moe: latent_down, latent_up\n"),
     ("    swa: qkv_gate\n", "    swa: qkv_gate, o_proj\n"),
     ("    full: qkv_gate\n", "    full: qkv_gate, o_proj\n"),
     ("    # the next layer's o_proj, once the experts are done with the pool\n"
@@ -129,7 +130,7 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     with a scale per output column (rounded): their `format` lines joined to the schedule's
     closing brace, so every other line keeps its number; K3's latent class streamed
     (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`); Muse
-    Spark's o_proj streamed (`MUSE_DENSE_ATTENTION`). The
+    Spark's o_proj and latent_down streamed (`MUSE_DENSE_ATTENTION`). The
     schedule is renamed for the variant (`dense_name`): its compiled measures keep a file of
     their own."""
     classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
