@@ -89,7 +89,7 @@ K3_DENSE_ATTENTION = (
 # Muse Spark with its attention and latent classes as codes: o_proj streams after qkv_gate and
 # latent_down before latent_up, so the pool's dense view holds the router only, copied under
 # the o_proj sum as before; the MoE has no next view to prefetch.
-MUSE_DENSE_ATTENTION = (
+MUSE_DENSE_STREAMED = (
     ("view dense: swa(o_proj), full(o_proj), moe(latent_down, router)", "view dense: moe(router)"),
     ("    moe: latent_up\n", "    moe: latent_down, latent_up\n"),
     ("    swa: qkv_gate\n", "    swa: qkv_gate, o_proj\n"),
@@ -97,6 +97,9 @@ MUSE_DENSE_ATTENTION = (
     ("    # the next layer's o_proj, once the experts are done with the pool\n"
      "    prefetch next staging.dense after routed_experts",
      "    # (o_proj streams)\n    #"))
+
+# The edits a spec's dense variants need beyond their `format` lines (a class as codes streams).
+DENSE_GEOMETRY = {K3_SPEC: K3_DENSE_LATENT, MUSE_SPEC: MUSE_DENSE_STREAMED}
 
 
 def format_edits(spec: Path, formats: str | tuple[str, str]) -> tuple[tuple[str, str], ...]:
@@ -106,7 +109,7 @@ def format_edits(spec: Path, formats: str | tuple[str, str]) -> tuple[tuple[str,
     other lines keep their numbers."""
     text = spec.read_text()
     edits = []
-    for cls, now in zip(("gate_up", "down"), EXPERT_FORMATS[spec].get(formats, formats)):
+    for cls, now in zip(("gate_up", "down"), EXPERT_FORMATS.get(spec, {}).get(formats, formats)):
         m = re.search(rf"^ *format expert\.{cls} .*$", text, flags=re.M)
         assert m, f"{spec.name} has no `format expert.{cls}` line"
         edits.append((m.group(0), re.sub(r"format (\S+) .*", rf"format \1 {now}", m.group(0))))
@@ -130,7 +133,7 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     with a scale per output column (rounded): their `format` lines joined to the schedule's
     closing brace, so every other line keeps its number; K3's latent class streamed
     (`K3_DENSE_LATENT`), and with `attention` its attention too (`K3_DENSE_ATTENTION`); Muse
-    Spark's o_proj and latent_down streamed (`MUSE_DENSE_ATTENTION`). The
+    Spark's o_proj and latent_down streamed (`MUSE_DENSE_STREAMED`): `DENSE_GEOMETRY`. The
     schedule is renamed for the variant (`dense_name`): its compiled measures keep a file of
     their own."""
     classes = DENSE_CLASSES[spec] + (("attention",) if attention else ())
@@ -140,9 +143,7 @@ def dense_edits(spec: Path, fmt: str, attention: bool = False) -> tuple[tuple[st
     head = f"schedule {spec.stem} {{"
     edits = ((head, f"schedule {dense_name(spec, fmt, attention)} {{"),
              ("\n}\n", "\n" + lines + "}\n"))
-    k3 = spec == K3_SPEC
-    return (edits + (K3_DENSE_LATENT if k3 else ()) + (K3_DENSE_ATTENTION if attention else ())
-            + (MUSE_DENSE_ATTENTION if spec == MUSE_SPEC else ()))
+    return edits + DENSE_GEOMETRY.get(spec, ()) + (K3_DENSE_ATTENTION if attention else ())
 
 
 def dense_name(spec: Path, fmt: str, attention: bool = False) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +92,7 @@ def load_variant(case: Case, formats: str):
     """The generated module of `case`'s spec with its routed experts in `formats` (dense: its
     dense classes, or the shipped spec for the exact format), compiled for its MINI model
     (K3's moved to the MINI config's 16 cores, as examples/run_k3_mini.py runs it)."""
-    from bundles import dense_text, format_text
+    from bundles import dense_text, format_edits, format_text
     from generated_module import k3_mini_text
 
     from mkc import compiler
@@ -103,8 +102,8 @@ def load_variant(case: Case, formats: str):
     if case.dense:
         k3 = case.spec.startswith("kimi_k3")
         text = spec.read_text() if formats == case.exact else dense_text(spec, formats, k3)
-        for cls, fmt in zip(("gate_up", "down"), case.experts or ()):
-            text = re.sub(rf"^( *format expert\.{cls}) .*$", rf"\1 {fmt}", text, count=1, flags=re.M)
+        for old, new in format_edits(spec, case.experts) if case.experts else ():
+            text = text.replace(old, new)
     else:
         text = format_text(spec, formats)
     k3_mini = case.spreads or case.spec.startswith("kimi_k3")
