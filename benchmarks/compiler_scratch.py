@@ -45,6 +45,10 @@ SCHEDULES = ROOT / "schedules"
 K3_FP8, K3_FP4 = format_edits(K3_SPEC, "fp8 block"), format_edits(K3_SPEC, "fp4 block")
 QWEN_MOE_FP8 = format_edits(QWEN_MOE_SPEC, "fp8 block")
 
+# An all-reduce's scatter clause from N rows (group 1: the line before it): a kernel of fewer
+# rows runs it one-shot, so a spec cut to that kernel drops the clause.
+SCATTER_FROM = re.compile(r"^( *allreduce .*?) scatter\b.*? from (\d+) rows", re.M)
+
 
 @dataclass(frozen=True)
 class Point:
@@ -144,8 +148,8 @@ def measured_text(p: Point, ring_shrink: int = 0) -> str:
         text = re.sub(r"^ *verify .*\n", "", text, flags=re.M)
         text = re.sub(r"^( *batch +)1 to \d+", rf"\g<1>1 to {p.batch}" if p.batch > 1 else r"\g<1>1",
                       text, count=1, flags=re.M)
-        text = re.sub(r"^( *allreduce .*) scatter from (\d+) rows",
-                      lambda m: m.group(1) if int(m.group(2)) > p.batch else m.group(0), text, flags=re.M)
+        text = SCATTER_FROM.sub(lambda m: m.group(1) if int(m.group(2)) > p.batch else m.group(0),
+                                text)
     if ring_shrink:
         m = re.search(r"ring weights: (\d+) slots", text)
         slots = max(1, int(m.group(1)) - ring_shrink)

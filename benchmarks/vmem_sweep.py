@@ -48,7 +48,7 @@ COMMAND = ".venv/bin/python benchmarks/vmem_sweep.py"
 MIB = 2**20
 KINDS = ("peak", "ring N", "ring N+1")
 
-from compiler_scratch import (K3_FP4, K3_FP8, KV_256, QWEN_MOE_FP8, SCHEDULES,  # noqa: E402
+from compiler_scratch import (K3_FP4, K3_FP8, KV_256, QWEN_MOE_FP8, SCATTER_FROM, SCHEDULES,  # noqa: E402
                               compile_kernel, kernel_of, resolve_text)
 
 # Every family and expert format: (name, spec, edits); and KV tiles 4x the measured length
@@ -118,8 +118,8 @@ def _base_edits(text: str, kernel: str, batch: int, limit: str = "") -> list[tup
         line = _line(text, r"^ *batch +1 to \d+")
         edits.append((line, re.sub(r"1 to \d+", f"1 to {batch}" if batch > 1 else "1", line)))
         # an all-reduce that scatters from more rows than the kernel has runs one-shot in it
-        edits += [(m.group(0), m.group(1)) for m in re.finditer(
-            r"(^ *allreduce .*) scatter from (\d+) rows", text, flags=re.M) if int(m.group(2)) > batch]
+        edits += [(m.group(0), m.group(1)) for m in SCATTER_FROM.finditer(text)
+                  if int(m.group(2)) > batch]
     return edits
 
 

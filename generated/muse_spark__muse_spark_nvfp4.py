@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 8ef1b10651bf57da
+Input digest (spec, model config, mkc version): ff3ef5e421714b36
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
@@ -177,13 +177,13 @@ VECTORS = Parity(ahead=1, rows=8, cols=8192,
 EMBED_REDUCE = FromRows(rows=8,
                         below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
-                                              counter=6, size=8, stride=1),
-                                AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1)))
+                                              counter=7, size=8, stride=1),
+                                AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1)))
 FULL_O_PROJ_REDUCE = FromRows(
     rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=6, size=8,
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
                           stride=1),
-            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+            AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
 )
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=8,
@@ -191,19 +191,21 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
            Stage(buffer='recv_1to7__bf16_4x2', counter=3, size=4, stride=2)),
     stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=5, size=2,
                           stride=1),
-            Stage(buffer='chunk__bf16_4x2', counter=7, size=4, stride=2),
-            AllGather(buffer='sums__f32_2x1', counter=8, size=2, stride=1))
+            ReduceScatter(buffer='scatter__bf16_4x2', staging='send__bf16_4x2', counter=6, size=4,
+                          stride=2),
+            AllGather(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
+            AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
 )
 SWA_O_PROJ_REDUCE = FromRows(
     rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
-    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=6, size=8,
+    stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
                           stride=1),
-            AllGather(buffer='sums__f32_8x1', counter=9, size=8, stride=1))
+            AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
 )
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=8, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
-N_COLLECTIVE_COUNTERS = 10
+N_COLLECTIVE_COUNTERS = 11
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
 # semaphore), copied in by the layer before.
@@ -251,7 +253,7 @@ def _layer_full(k: Kernel, layer):
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
     c.prefetch_view()   # spec line 67: prefetch next staging.dense
-    # direct, wire bf16, scatter from 8 rows
+    # direct, wire bf16, scatter gather bf16 from 8 rows
     attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 66
     lower.attn_residual(c, attn_out)
 
@@ -276,12 +278,12 @@ def _layer_moe(k: Kernel, layer):
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 80: prefetch next staging.dense
-    # two_level, wire bf16, scatter from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 78
+    c.prefetch_view()   # spec line 81: prefetch next staging.dense
+    # two_level, wire bf16, scatter nested gather bf16 from 8 rows
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 79
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 81: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 82: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -300,7 +302,7 @@ def _layer_swa(k: Kernel, layer):
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
     c.prefetch_view()   # spec line 61: prefetch next staging.dense
-    # direct, wire bf16, scatter from 8 rows
+    # direct, wire bf16, scatter gather bf16 from 8 rows
     attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 60
     lower.attn_residual(c, attn_out)
 
@@ -392,11 +394,13 @@ SCRATCH_SHAPES = {
     "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 8192), BF16, rows=(1, 7)),   # collective
     "scatter__bf16_2x1": vmem((2, 2, ROWS, 16384), BF16, rows=(8, 8)),   # collective
     "send__bf16_2x1": vmem((2, ROWS, 16384), BF16, rows=(8, 8)),   # collective
+    "scatter__bf16_4x2": vmem((2, 4, ROWS, 4096), BF16, rows=(8, 8)),   # collective
+    "send__bf16_4x2": vmem((4, ROWS, 4096), BF16, rows=(8, 8)),   # collective
     "scatter__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(8, 8)),   # collective
     "send__bf16_8x1": vmem((8, ROWS, 1024), BF16, rows=(8, 8)),   # collective
-    "chunk__bf16_4x2": vmem((2, 4, ROWS, 16384), BF16, rows=(8, 8)),   # collective
-    "sums__f32_2x1": vmem((2, 2, ROWS, 16384), F32, rows=(8, 8)),   # collective
-    "sums__f32_8x1": vmem((2, 8, ROWS, 1024), F32, rows=(8, 8)),   # collective
+    "sums__bf16_2x1": vmem((2, 2, ROWS, 16384), BF16, rows=(8, 8)),   # collective
+    "sums__bf16_4x2": vmem((2, 4, ROWS, 4096), BF16, rows=(8, 8)),   # collective
+    "sums__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(8, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -415,14 +419,16 @@ SCRATCH_SHAPES = {
     "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
     "scatter__bf16_2x1__send": dma_sems((2, 2), rows=(8, 8)),
     "scatter__bf16_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
+    "scatter__bf16_4x2__send": dma_sems((2, 4), rows=(8, 8)),
+    "scatter__bf16_4x2__recv": dma_sems((2, 4), rows=(8, 8)),
     "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
     "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
-    "chunk__bf16_4x2__send": dma_sems((2, 4), rows=(8, 8)),
-    "chunk__bf16_4x2__recv": dma_sems((2, 4), rows=(8, 8)),
-    "sums__f32_2x1__send": dma_sems((2, 2), rows=(8, 8)),
-    "sums__f32_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
-    "sums__f32_8x1__send": dma_sems((2, 8), rows=(8, 8)),
-    "sums__f32_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "sums__bf16_2x1__send": dma_sems((2, 2), rows=(8, 8)),
+    "sums__bf16_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
+    "sums__bf16_4x2__send": dma_sems((2, 4), rows=(8, 8)),
+    "sums__bf16_4x2__recv": dma_sems((2, 4), rows=(8, 8)),
+    "sums__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
+    "sums__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((2,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies

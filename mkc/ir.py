@@ -323,6 +323,12 @@ class AllReduce:
     # `overlap`: the first op reading its result (resolve's), before which it finishes; it
     # starts after its op (`mkc.program`) and uses buffers of its own (`owner`). None: run at once.
     finish_before: str | None = None
+    # `scatter nested`: every stage reduce-scatters the chunk the stage before left, and the
+    # sums are gathered back stage by stage in reverse (`scatter_stages`)
+    nested: bool = False
+    # `scatter gather DTYPE`: the dtype the scattered form gathers its sums back in ("f32":
+    # exact; "bf16": the result rounded once)
+    gather_dtype: str = "f32"
 
     @property
     def overlap(self) -> bool:
@@ -337,13 +343,25 @@ class AllReduce:
     def scattered(self, rows: int) -> bool:
         """Whether the kernel of `rows` rows runs the scattered form: the first stage's group
         reduce-scatters the columns (member j sums chunk j), the other stages reduce the
-        chunk, and the first group all-gathers the chunk sums in f32."""
+        chunk (`nested`: each reduce-scatters it again), and the sums are all-gathered back in
+        `gather_dtype`."""
         return self.scatter_from is not None and rows >= self.scatter_from
 
     @property
     def chunk(self) -> int:
         """Columns of the scattered form's chunk (`scatter_chunk`)."""
         return scatter_chunk(self.width, self.stages[0][0])
+
+    def scatter_stages(self) -> tuple[tuple[int, int, int], ...]:
+        """The scattered form's reduce-scatters as (size, stride, columns of the chunk each
+        member sums): the first group's alone, or with `nested` every stage's, each on the
+        chunk the one before left. The sums are gathered back over the same groups in reverse;
+        the stages after the last reduce-scatter reduce its chunk one-shot."""
+        out, width = [], self.width
+        for size, stride in (self.stages if self.nested else self.stages[:1]):
+            width = scatter_chunk(width, size)
+            out.append((size, stride, width))
+        return tuple(out)
 
     @staticmethod
     def buffer_name(wire: str, size: int, stride: int, span: tuple[int, int] | None = None,
@@ -362,8 +380,9 @@ class AllReduce:
                          owner: str | None = None) -> str:
         """A buffer of the scattered form over the group (size, stride): `scatter`, the
         reduce-scatter's slots `[2, size, B, chunk]` (slot [p, i]: member i's copy of this
-        rank's chunk); `chunk`, a later stage's slots for chunks; `sums`, the f32 all-gather
-        of the chunk sums. Each in the kernels whose rows run the scattered form."""
+        rank's chunk); `chunk`, a later stage's slots for chunks; `sums`, the all-gather of the
+        chunk sums (in the gather dtype, `wire`). Each in the kernels whose rows run the
+        scattered form."""
         return f"{role}__{wire}_{size}x{stride}{_owned(owner)}"
 
     @staticmethod

@@ -21,6 +21,13 @@ from mkc.model.sharding import ShardTable
 from mkc.reference.rounding import Reduce, Rounding
 
 
+def reduce_of(ar: mir.AllReduce) -> Reduce:
+    """How an all-reduce rounds: its stages and wire, and the rows from which it gathers its
+    sums in bf16 (the scattered form's, when it gathers them so)."""
+    rounded = ar.scatter_from if ar.gather_dtype != "f32" else None
+    return Reduce(tuple(map(tuple, ar.stages)), ar.wire_dtype, ar.gather_dtype, rounded)
+
+
 def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
     """Where the kernel compiled from ``schedule`` rounds: its all-reduce stages and wire dtypes
     (per layer kind and op, and the embedding's), the dtypes gathered columns travel in, state
@@ -43,7 +50,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
     buffers = {b.name: b for b in schedule.buffers}
     for kind, ks in schedule.kinds.items():
         for ar in ks.allreduces:
-            reduces.append((kind, ar.after_op, Reduce(tuple(map(tuple, ar.stages)), ar.wire_dtype)))
+            reduces.append((kind, ar.after_op, reduce_of(ar)))
         for ag in ks.allgathers:
             gathers.append((kind, ag.after_op, buffers[mir.AllGather.buffer_name(ag.after_op)].dtype))
         for ex in ks.exchanges:
@@ -54,7 +61,7 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
             storage.append((kind, "kv", buffers[ks.kv.rows_buffer].dtype))
     if schedule.embed_reduce is not None:
         e = schedule.embed_reduce
-        reduces.append(("embed", "embed", Reduce(tuple(map(tuple, e.stages)), e.wire_dtype)))
+        reduces.append(("embed", "embed", reduce_of(e)))
     return Rounding(ranks=schedule.ranks, reduces=tuple(reduces),
                     shards=ShardTable.of(schedule.shards, schedule.ranks), gathers=tuple(gathers),
                     exchanges=tuple(exchanges), storage=tuple(storage),

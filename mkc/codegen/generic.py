@@ -207,15 +207,23 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
             span = None if hi == s.rows_max else (lo, hi)
             return tuple(stage(ir.AllReduce.buffer_name(a.wire_dtype, size, stride, span, owner),
                                size, stride) for size, stride in a.stages)
-        (size, stride), wire = a.stages[0], a.wire_dtype
-        first = stage(ir.AllReduce.role_buffer_name("scatter", wire, size, stride, owner), size,
-                      stride)
-        sums = stage(ir.AllReduce.role_buffer_name("sums", "f32", size, stride, owner), size, stride)
-        return (ReduceScatter(first.buffer, ir.AllReduce.staging_name(wire, size, stride, owner),
-                              first.counter, size, stride),
+        wire, scatters = a.wire_dtype, a.scatter_stages()
+        reduce_scatters, gathers = [], []
+        # the columns each reduce-scatter takes: an inner gather cuts its result back to them
+        taken = [0] + [chunk for _, _, chunk in scatters[:-1]]
+        for (size, stride, _), columns in zip(scatters, taken):
+            first = stage(ir.AllReduce.role_buffer_name("scatter", wire, size, stride, owner),
+                          size, stride)
+            sums = stage(ir.AllReduce.role_buffer_name("sums", a.gather_dtype, size, stride,
+                                                       owner), size, stride)
+            reduce_scatters.append(ReduceScatter(
+                first.buffer, ir.AllReduce.staging_name(wire, size, stride, owner),
+                first.counter, size, stride))
+            gathers.insert(0, AllGather(sums.buffer, sums.counter, size, stride, columns))
+        return (*reduce_scatters,
                 *(stage(ir.AllReduce.role_buffer_name("chunk", wire, sz, st, owner), sz, st)
-                  for sz, st in a.stages[1:]),
-                AllGather(sums.buffer, sums.counter, size, stride))
+                  for sz, st in a.stages[len(scatters):]),
+                *gathers)
 
     def stages(a: ir.AllReduce) -> tuple | FromRows:
         """Its stages by the kernel's rows: one tuple, or `FromRows` where they change."""

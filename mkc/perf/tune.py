@@ -54,7 +54,7 @@ from mkc.checks.expect import vmem_headroom
 from mkc.diagnostics import MkcError, Span
 from mkc.lang import ast
 from mkc.lang.parser import parse
-from mkc.lang.statements.collectives import scatter_text
+from mkc.lang.statements.collectives import scatter_text, written_scatter
 from mkc.perf.comments import drop_stale_comments
 from mkc.perf.run import kernel_measure, step_model
 from mkc.resolve import resolve
@@ -352,7 +352,7 @@ def _allreduce_knobs(phase: ast.Phase, kname: str, src: SpecSource, algorithms: 
         wire_end = src.span_range(ar.wire_dtype.span)[1]
         clause_end = src.span_range(ar.span)[1]
         cur = (f"{ar.algorithm.text} {ar.level.text}" if ar.level else ar.algorithm.text,
-               " " + scatter_text(ar.scatter.rows) if ar.scatter else "",
+               written_scatter(ar.scatter),
                OVERLAP if ar.overlap else "")
         opts = list(dict.fromkeys([cur] + [(alg, sc, ov) for alg in algorithms for sc in scatters
                                            for ov in overlaps]))

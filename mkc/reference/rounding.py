@@ -55,10 +55,14 @@ def round_to(x: jax.Array, dtype: str | None) -> jax.Array:
 
 @dataclass(frozen=True)
 class Reduce:
-    """An all-reduce: direct stages ``(size, stride)`` in order, partial sums on a ``wire``."""
+    """An all-reduce: direct stages ``(size, stride)`` in order, partial sums on a ``wire``;
+    from ``rounded_from`` rows on (a scattered form gathering its sums in bf16) the result
+    rounded once to ``gather``."""
 
     stages: tuple[tuple[int, int], ...]
     wire: str
+    gather: str = "f32"
+    rounded_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,9 @@ def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:
     Stage (size, stride): rank r is member ``(r // stride) % size`` of the group
     ``base + i * stride``; it receives every member's value rounded to the wire dtype and adds
     them in f32 in member order (member 0 first), as ``mkc.runtime.collectives.allreduce_stage``
-    does, so the emulation is exact up to the f32 rounding of the partial sums themselves.
+    does, so the emulation is exact up to the f32 rounding of the partial sums themselves. A
+    scattered form adds the same values in the same order; gathering its sums in bf16 rounds
+    the result once (``Reduce.rounded_from``).
     """
     values = [p.astype(jnp.float32) for p in partials]
     ranks = len(values)
@@ -211,6 +217,9 @@ def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:
                 total = total + wire[base + i * stride]
             new.append(total)
         values = new
+    rows = int(np.prod(values[0].shape[:-1]))     # the kernel's rows
+    if reduce.rounded_from is not None and rows >= reduce.rounded_from:
+        return round_to(values[0], reduce.gather)
     return values[0]
 
 

@@ -99,9 +99,9 @@ def _receive_buffers(kinds: dict[str, KindCollectives], embed_reduce: ir.AllRedu
     """The all-reduces' buffers, each as wide as the widest payload of its uses and in the
     kernels whose rows use it (`Buffer.rows`): per group, one-shot stages' receive slots for
     each span of kernel widths between the rows all-reduces scatter from (`ir.row_spans`);
-    where an all-reduce scatters, its first group's reduce-scatter slots (`scatter`) and send
-    staging, the later stages' slots for chunks (`chunk`) and the first group's f32
-    all-gather (`sums`)."""
+    where an all-reduce scatters, each reduce-scattering group's slots (`scatter`), send
+    staging and all-gather of the sums in the gather dtype (`sums`), and the later stages'
+    slots for chunks (`chunk`)."""
     reduces = [a for k in kinds.values() for a in k.allreduces] + [embed_reduce]
     spans = ir.row_spans(reduces, rows_max)
     found: dict[tuple, tuple[int, int, int]] = {}     # (role, wire, size, stride) -> (width, rows)
@@ -118,11 +118,12 @@ def _receive_buffers(kinds: dict[str, KindCollectives], embed_reduce: ir.AllRedu
                 for group in a.stages:
                     use(a, (0, lo, hi), a.wire_dtype, group, a.width, lo, hi)
                 continue
-            first = a.stages[0]
-            use(a, (1, "scatter"), a.wire_dtype, first, a.chunk, lo, hi)
-            for group in a.stages[1:]:
-                use(a, (2, "chunk"), a.wire_dtype, group, a.chunk, lo, hi)
-            use(a, (3, "sums"), "f32", first, a.chunk, lo, hi)
+            scatters = a.scatter_stages()
+            for size, stride, chunk in scatters:
+                use(a, (1, "scatter"), a.wire_dtype, (size, stride), chunk, lo, hi)
+                use(a, (3, "sums"), a.gather_dtype, (size, stride), chunk, lo, hi)
+            for group in a.stages[len(scatters):]:
+                use(a, (2, "chunk"), a.wire_dtype, group, scatters[-1][2], lo, hi)
     out = []
     for (owner, role, wire, size, stride), (w, lo, hi) in sorted(found.items()):
         rows = None if (lo, hi) == (1, rows_max) else (lo, hi)
@@ -173,7 +174,9 @@ def _allreduces(phase: ast.Phase, kind: LayerKind, topo: target.Topology, shards
             stages = _stages(ar, topo, over, n.text)
             allreduces.append(ir.AllReduce(n.text, ar.algorithm.text, ar.wire_dtype.text,
                                            stages, width_of[n.text], ar.span,
-                                           _scatter_from(ar, rows_max)))
+                                           _scatter_from(ar, rows_max),
+                                           nested=_nested(ar, stages),
+                                           gather_dtype=_gather_dtype(ar)))
     for p_op in partial_ops:
         if not any(a.after_op == p_op for a in allreduces):
             # Point at the allreduce line to extend, or the phase to add one to.
@@ -200,6 +203,29 @@ def _scatter_from(ar: AllReduce, rows_max: int) -> int | None:
                    sc.span, hint=f"write `scatter from N rows` with N up to {rows_max}, or drop "
                    "`scatter` to keep the one-shot stages")
     return rows
+
+
+def _nested(ar: AllReduce, stages: tuple[tuple[int, int], ...]) -> bool:
+    """`scatter nested`: each stage reduce-scatters, which needs a second stage to nest."""
+    sc = ar.scatter
+    if sc is None or sc.nested is None:
+        return False
+    if len(stages) < 2:
+        raise fail("E-COLLECTIVE", f"scatter nested: a {ar.algorithm.text} all-reduce has one "
+                   "stage, nothing to nest in it", sc.nested.span,
+                   hint="drop `nested`, or nest the stages of a `two_level chip` or "
+                        "`two_level host` all-reduce")
+    return True
+
+
+def _gather_dtype(ar: AllReduce) -> str:
+    """`scatter gather DTYPE`: the dtype the scattered form's sums travel back in."""
+    sc = ar.scatter
+    if sc is None or sc.gather is None:
+        return "f32"
+    if sc.gather.text not in WIRE_DTYPES:
+        raise unknown("gather dtype", sc.gather, list(WIRE_DTYPES))
+    return sc.gather.text
 
 
 def algorithm_stages(topo: target.Topology, over: tuple[int, int]

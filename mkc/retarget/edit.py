@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from mkc import target
 from mkc.lang import ast
-from mkc.lang.statements.collectives import AllGather, Exchange, scatter_text, sibling_swap_text
+from mkc.lang.statements.collectives import AllGather, Exchange, sibling_swap_text, written_scatter
 from mkc.model.graph import FamilyGraph
 from mkc.model.sharding import ShardTable
 from mkc.perf.tune import SpecSource
@@ -92,7 +92,7 @@ def collective_edits(ed: TextEdits, sched: ast.Schedule, plan: Plan, graph: Fami
             if algorithm != written:
                 ops = ", ".join(o.text for o in ar.ops)
                 ed.replace(ar.span, f"allreduce {ops} {algorithm} wire {ar.wire_dtype.text}"
-                           + (f" {scatter_text(ar.scatter.rows)}" if ar.scatter else "")
+                           + written_scatter(ar.scatter, 1 if algorithm == "direct" else 2)
                            + (" overlap" if ar.overlap else ""))
         _gather_edits(ed, phase, split_classes(kind), plan, axis)
 

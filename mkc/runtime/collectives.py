@@ -27,10 +27,13 @@ An all-reduce is a tuple of stages, each with its own `run` (`allreduce`): `Stag
 (every member sends its whole partial to every peer and sums all slots), or the scattered form
 `ReduceScatter`, `Stage`s on the chunk, `AllGather`; `FromRows` picks a tuple by the kernel's
 rows. The scattered form adds the same values in the same order as the one-shot stages, so
-its result is bit-identical: member j of the first group sums column chunk j of the group's
-partials, slot by slot in group order in f32 (what a one-shot stage does to those columns);
-the later stages reduce that chunk among the ranks holding the same chunk index (the peers a
-one-shot later stage has); the all-gather moves the f32 chunk sums exactly.
+with its sums gathered in f32 its result is bit-identical: member j of the first group sums
+column chunk j of the group's partials, slot by slot in group order in f32 (what a one-shot
+stage does to those columns); the later stages reduce that chunk among the ranks holding the
+same chunk index (the peers a one-shot later stage has), one-shot or, nested, each
+reduce-scattering the chunk again; the all-gathers, in reverse, move the sums exactly. Gathered
+in bf16, the result is the same sums rounded once to bf16 (the gathers after the first move
+bf16 values exactly).
 
 The reduce-scatter's receive slots ``recv [2, size, B, chunk]`` (slot [p, i]: member i's copy
 of this rank's chunk) follow the protocol above: a peer sends into this rank's slot of parity
@@ -280,19 +283,23 @@ class ReduceScatter(_Landing):
 
 @dataclass(frozen=True)
 class AllGather(_Landing):
-    """The scattered form's last stage: the group's chunk sums concatenated in group order
-    (`allgather`), in the dtype of its buffer (f32: exact)."""
+    """The scattered form's last stages: the group's chunk sums concatenated in group order
+    (`allgather`), in the dtype of its buffer (f32: exact). A nested form's inner gathers cut
+    the result to `columns`, the chunk their group scattered (its padding columns dropped; 0:
+    kept, the all-reduce's result is cut at its end)."""
 
     buffer: str
     counter: int
     size: int
     stride: int
+    columns: int = 0
 
     def start(self, refs, value: jax.Array, axis: str) -> _Sent:
         return _send_shares(value, *_stage_refs(refs, self), axis, self.size, self.stride)
 
     def finish(self, refs, par: jax.Array, width: int) -> jax.Array:
-        return _concat_slots(getattr(refs, self.buffer), par, self.size, width)
+        out = _concat_slots(getattr(refs, self.buffer), par, self.size, width)
+        return out[:, :self.columns] if self.columns and self.columns < out.shape[-1] else out
 
 
 AllReduceStage = Stage | ReduceScatter | AllGather
@@ -367,8 +374,9 @@ class InFlight:
 
 
 def _cut(value: jax.Array, width: int) -> jax.Array:
-    """A scattered form's result without its padding columns (`scatter_chunk`)."""
-    return value if value.shape[-1] == width else value[:, :width]
+    """A scattered form's result without its padding columns (`scatter_chunk`), in f32 (its
+    sums may have been gathered in bf16)."""
+    return (value if value.shape[-1] == width else value[:, :width]).astype(F32)
 
 
 def start_allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...] | FromRows,

@@ -93,22 +93,28 @@ class AllReduce(_Collective):
 
     def rounds(self, batch: int, cores_per_chip: int) -> tuple[Round, ...]:
         """One-shot: each stage sends the whole partial to every peer and sums every slot. In
-        a kernel of `batch` rows that scatters (`ir.AllReduce.scattered`): a chunk of the
-        columns to each peer of the first group in the wire dtype and its slots summed, the
-        later stages likewise on the chunk, then the chunk sums gathered in f32."""
+        a kernel of `batch` rows that scatters (`ir.AllReduce.scattered`): each reduce-scatter
+        sends a chunk of its columns to each peer of its group in the wire dtype and sums its
+        slots, the later stages one-shot on the last chunk, then the sums gathered back over
+        the reduce-scattering groups in reverse, in the gather dtype."""
         a = self.entry
         wire = ir.DTYPE_BYTES[a.wire_dtype]
         if not a.scattered(batch):
             return tuple(Round(size, stride, batch * a.width * wire, (size - 1) * batch * a.width)
                          for size, stride in a.stages)
-        chunk = batch * a.chunk
-        first = a.stages[0]
-        return (*(Round(size, stride, chunk * wire, (size - 1) * chunk) for size, stride in a.stages),
-                Round(*first, chunk * ir.DTYPE_BYTES["f32"]))
+        scatters = a.scatter_stages()
+        last = batch * scatters[-1][2]
+        return (*(Round(size, stride, batch * chunk * wire, (size - 1) * batch * chunk)
+                  for size, stride, chunk in scatters),
+                *(Round(size, stride, last * wire, (size - 1) * last)
+                  for size, stride in a.stages[len(scatters):]),
+                *(Round(size, stride, batch * chunk * ir.DTYPE_BYTES[a.gather_dtype])
+                  for size, stride, chunk in reversed(scatters)))
 
     def emit(self, e, indent: str) -> None:
         a = self.entry
-        scatter = "" if a.scatter_from is None else ", " + scatter_text(a.scatter_from)
+        scatter = "" if a.scatter_from is None else ", " + scatter_text(
+            a.scatter_from, a.nested, None if a.gather_dtype == "f32" else a.gather_dtype)
         self._emit(e, indent, "allreduce", reduce_name(e.kind, self.op),
                    f"{a.algorithm}, wire {a.wire_dtype}{scatter}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import validate_perf  # noqa: E402
 
 from mkc.perf import constants  # noqa: E402
-from mkc.steps.collectives import Round  # noqa: E402
+from mkc.compiler import check_spec  # noqa: E402
+from mkc.steps.collectives import AllReduce, Round  # noqa: E402
 
 PUBLISHED = json.loads(validate_perf.POINTS.read_text())
 TOLERANCE = 0.15
@@ -96,3 +98,22 @@ def test_reference_rounds_move_the_reference_kernel_s_bytes():
     assert [(r.size, r.stride, r.nbytes) for r in hier] == [
         (2, 1, 65536), (4, 2, 16384), (4, 2, 16384), (2, 1, 65536)]
     assert isinstance(hier[0], Round)
+
+
+def test_the_reference_kernels_all_reduces_are_spec_clauses():
+    """The reference kernel's all-reduces of the published micro-cases are what two spec
+    clauses build (the same groups, bytes and sums, round by round): reduce-scatter +
+    all-gather on the bf16 wire is `direct wire bf16 scatter gather bf16`; the hierarchical one
+    `two_level chip wire bf16 scatter nested gather bf16` (Muse Spark's batch-8 sum of its
+    picks' outputs, [8, 8 x 4096] as [64, 4096])."""
+    spec = ROOT / "benchmarks" / "data" / "calibration" / "muse_spark.sched"
+    s = check_spec(spec).ir
+    direct = next(a for a in s.kinds["moe"].allreduces if a.after_op == "routed_experts")
+    hierarchical = replace(direct, algorithm="two_level", stages=((2, 1), (4, 2)), nested=True)
+    for entry, name in ((direct, "direct"), (hierarchical, "hierarchical")):
+        assert (entry.wire_dtype, entry.gather_dtype, entry.scatter_from) == ("bf16", "bf16", 1)
+        got = AllReduce(0, op="routed_experts", entry=entry).rounds(8, s.cores_per_chip)
+        want = validate_perf.reference_rounds({"allreduce": name, "rows": 64, "width": 4096,
+                                               "wire": "bf16"})
+        assert [(r.size, r.stride, r.nbytes, r.sums) for r in got] == [
+            (r.size, r.stride, r.nbytes, r.sums) for r in want], name

@@ -85,6 +85,29 @@ def test_the_mini_spec_scatters_a_chips_two_cores():
 
 
 
+def test_nested_scatter_reduce_scatters_at_every_stage_and_gathers_back_in_its_dtype(k3):
+    """K3's 7168 columns over the host's 8 ranks (896 each), then each 896-column chunk over
+    the 4 hosts (224, padded to a lane tile: 256); the sums gathered back over each group in
+    bf16; no one-shot stage left."""
+    s = _ir(k3_scatter_text("scatter nested gather bf16 from 8 rows"))
+    a = _reduces(s)["mla", "o_proj"]
+    assert (a.nested, a.gather_dtype, a.scatter_from) == (True, "bf16", 8)
+    assert a.scatter_stages() == ((8, 1, 896), (4, 8, 256))
+    got = {b.name: (b.shape, b.dtype) for b in s.buffers if b.cls == "collective"
+           and b.rows == (8, 8) and not b.name.startswith(("gather__", "exchange__"))}
+    assert got == {
+        "scatter__bf16_8x1": ((2, 8, 8, 896), "bf16"), "send__bf16_8x1": ((8, 8, 896), "bf16"),
+        "sums__bf16_8x1": ((2, 8, 8, 896), "bf16"),
+        "scatter__bf16_4x8": ((2, 4, 8, 256), "bf16"), "send__bf16_4x8": ((4, 8, 256), "bf16"),
+        "sums__bf16_4x8": ((2, 4, 8, 256), "bf16"),
+    }
+    # the emulation rounds the result to bf16 in the kernels that gather it so
+    from mkc.numerics import rounding_from_ir
+    r = rounding_from_ir(s).reduce("mla", "o_proj")
+    assert (r.gather, r.rounded_from) == ("bf16", 8)
+    assert rounding_from_ir(k3).reduce("mla", "o_proj").rounded_from is None
+
+
 def test_a_column_split_of_one_way_is_whole_and_needs_no_gather():
     """The shipped K3 spec keeps its router whole (`shard router over 1`), exchanging nothing;
     split over a chip's two cores, its logits need the sibling exchange the spec then names."""

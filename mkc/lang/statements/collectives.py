@@ -12,10 +12,14 @@ SYNTAX = Syntax(r'''
 // (or host) first, then across chips (hosts) among ranks with the same local index.
 allreduce_item: "allreduce" name_list NAME NAME? "wire" NAME scatter? overlap?
 // `scatter`: the first group reduce-scatters (member j sums column chunk j), the other stages
-// reduce the chunk, and the first group all-gathers the chunk sums in f32. `from N rows`:
-// kernels of fewer rows keep the one-shot stages.
-scatter: SCATTER ("from" INT "rows")?
+// reduce the chunk, and the first group all-gathers the chunk sums in f32. `nested`: every
+// stage reduce-scatters its group's chunk, and the sums are gathered back stage by stage in
+// reverse. `gather bf16`: the sums travel back in bf16 (the result rounded once), not f32.
+// `from N rows`: kernels of fewer rows keep the one-shot stages.
+scatter: SCATTER NESTED? scatter_gather? ("from" INT "rows")?
+scatter_gather: "gather" NAME
 SCATTER: "scatter"
+NESTED: "nested"
 // `overlap`: the collective starts after its op and finishes before the first op that reads
 // its result, its stages advancing after each op between, while those ops compute.
 overlap: OVERLAP
@@ -34,6 +38,8 @@ class Scatter:
     word: Name                  # the `scatter` keyword
     rows: int | None            # N: kernels of fewer rows keep the one-shot stages
     span: Span                  # the whole clause
+    nested: Name | None = None  # the `nested` keyword: every stage reduce-scatters
+    gather: Name | None = None  # `gather DTYPE`: the dtype the sums are gathered back in
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,20 @@ class Exchange:
     span: Span
 
 
-def scatter_text(rows: int | None) -> str:
+def scatter_text(rows: int | None, nested: bool = False, gather: str | None = None) -> str:
     """An all-reduce's scatter clause: at every kernel width (`rows` None or 1), or from
-    `rows` rows."""
-    return "scatter" if rows in (None, 1) else f"scatter from {rows} rows"
+    `rows` rows; `nested` at every stage; the sums gathered back in `gather` (None: f32)."""
+    words = ["scatter"] + (["nested"] if nested else []) + ([f"gather {gather}"] if gather else [])
+    return " ".join(words + ([] if rows in (None, 1) else [f"from {rows} rows"]))
+
+
+def written_scatter(sc: Scatter | None, stages: int = 2) -> str:
+    """The scatter clause `sc` as written, with its leading space ("" for none); for an
+    algorithm of one stage (`direct`) without `nested`, which needs two."""
+    if sc is None:
+        return ""
+    return " " + scatter_text(sc.rows, sc.nested is not None and stages > 1,
+                              sc.gather.text if sc.gather else None)
 
 
 def sibling_swap_text(wire: str) -> str:
@@ -82,9 +98,17 @@ def sibling_swap_text(wire: str) -> str:
     return "exchange {} with sibling wire " + wire
 
 
+@SYNTAX.rule("scatter_gather")
+def scatter_gather(b: Builder, meta: Meta, items: list) -> Name:
+    return b.name(items[0])
+
+
 @SYNTAX.rule("scatter")
 def scatter(b: Builder, meta: Meta, items: list) -> Scatter:
-    return Scatter(b.name(items[0]), items[1] if len(items) > 1 else None, b.span(meta))
+    word, rest = b.name(items[0]), items[1:]
+    nested = b.name(rest.pop(0)) if rest and getattr(rest[0], "type", None) == "NESTED" else None
+    gather = rest.pop(0) if rest and isinstance(rest[0], Name) else None
+    return Scatter(word, rest[0] if rest else None, b.span(meta), nested, gather)
 
 
 @SYNTAX.rule("overlap")
