@@ -90,12 +90,16 @@ K3_DENSE_ATTENTION = (
 # latent_down before latent_up, so the pool's dense view holds the router only, copied under
 # the o_proj sum as before; the MoE has no next view to prefetch.
 MUSE_DENSE_STREAMED = (
-    ("view dense: swa(o_proj), full(o_proj), moe(latent_down, router)", "view dense: moe(router)"),
+    ("view dense: swa(o_proj), full(o_proj), moe(latent_down, router), moe_bf16(latent_down, router)",
+     "view dense: moe(router), moe_bf16(router)"),
     ("    moe: latent_up\n", "    moe: latent_down, latent_up\n"),
+    ("    moe_bf16: latent_up\n", "    moe_bf16: latent_down, latent_up\n"),
     ("    swa: qkv_gate\n", "    swa: qkv_gate, o_proj\n"),
     ("    full: qkv_gate\n", "    full: qkv_gate, o_proj\n"),
     ("    # the next layer's o_proj, once the experts are done with the pool\n"
      "    prefetch next staging.dense after routed_experts",
+     "    # (o_proj streams)\n    #"),
+    ("    # then the next layer's o_proj\n    prefetch next staging.dense after routed_experts",
      "    # (o_proj streams)\n    #"))
 
 # The edits a spec's dense variants need beyond their `format` lines (a class as codes streams).

@@ -147,15 +147,20 @@ def batch_edits(hold: dict, batch: int) -> tuple[tuple[str, str], ...]:
                  if batch >= e["from_batch"])
 
 
-def weight_set_ir(hold: dict, name: str, batch: int = 1):
+def weight_set_ir(hold: dict, name: str, batch: int = 1, exact: bool = False):
     """The hold-out's calibration spec in weight set `name` (`hold_out.weight_sets`), as the
-    kernel runs it at `batch` rows (`batch_edits`)."""
+    kernel runs it at `batch` rows (`batch_edits`); with `exact`, holding the experts the
+    checkpoint keeps bf16 so, as the shipped spec does (`exact_edits`: the same formats)."""
     ws = next(w for w in hold["weight_sets"] if w["name"] == name)
     path = ROOT / hold["spec"]
     text = weight_set_text(path.read_text(), ws["formats"])
-    for old, new in batch_edits(hold, batch):
+    edits = [(e["old"], e["new"]) for e in hold["exact_edits"]["edits"]] if exact else []
+    for old, new in edits:
         assert text.count(old) == 1, f"{path.name}: {old!r} is not there once"
         text = text.replace(old, new)
+    for old, new in batch_edits(hold, batch):
+        assert old in text, f"{path.name}: {old!r} is not there"
+        text = text.replace(old, new)         # in every MoE kind's phase
     return check_source(text, str(path), ws["model"]).ir
 
 

@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): ff3ef5e421714b36
+Input digest (spec, model config, mkc version): a9646d37ac3f275b
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
@@ -58,7 +58,7 @@ VMEM_LIMIT_BYTES = 67108864
 DIMS = MuseSparkDims(
     family='muse_spark', name='muse_spark_nvfp4', hidden_size=8192, num_hidden_layers=62,
     vocab_size=202048, rms_norm_eps=1e-05,
-    layer_kinds=('swa', 'moe', 'full', 'moe', 'swa', 'moe', 'swa', 'moe', 'swa', 'moe', 'full',
+    layer_kinds=('swa', 'moe_bf16', 'full', 'moe', 'swa', 'moe', 'swa', 'moe', 'swa', 'moe', 'full',
                  'moe', 'swa', 'moe', 'swa', 'moe', 'swa', 'moe', 'full', 'moe', 'swa', 'moe',
                  'swa', 'moe', 'swa', 'moe', 'full', 'moe', 'swa', 'moe', 'swa', 'moe', 'swa',
                  'moe', 'full', 'moe', 'swa', 'moe', 'swa', 'moe', 'swa', 'moe', 'full', 'moe',
@@ -69,7 +69,7 @@ DIMS = MuseSparkDims(
                  'swa', 'moe', 'full', 'moe', 'swa', 'moe', 'swa', 'moe', 'swa', 'moe', 'full',
                  'moe', 'swa', 'moe', 'swa', 'moe', 'swa', 'moe', 'full', 'moe', 'swa', 'moe',
                  'swa', 'moe', 'swa', 'moe', 'full', 'moe', 'swa', 'moe', 'swa', 'moe', 'swa',
-                 'moe', 'full', 'moe'),
+                 'moe', 'full', 'moe_bf16'),
     num_attention_heads=128, num_key_value_heads=16, head_dim=64, rotary_dim=64,
     rope_theta=500000.0, sliding_window=2048, qk_scale_factor=5.4730064863875, post_norm_eps=1e-08,
     residual_gate_temperature=0.3, output_multiplier=0.1767766952966369,
@@ -124,10 +124,8 @@ PER_RANK = {'down_group': 128, 'expert_tp': 8, 'expert_width': 512, 'gate_up_gro
             'latent_cols': 512, 'latent_gathered': 4096, 'local_experts': 256, 'nkv': 2, 'nq': 16,
             'up_cols': 1024, 'vocab': 25256, 'window': 2048}
 # How each matrix class with a choice of format is stored (the spec's `format` lines).
-FORMATS = {'expert.down': WeightFormat(name='nvfp4', block=16, rounded=True,
-                                       where='muse_spark.sched:30'),
-           'expert.gate_up': WeightFormat(name='nvfp4', block=16, rounded=True,
-                                          where='muse_spark.sched:29')}
+FORMATS = {'expert.down': WeightFormat(name='nvfp4', block=16, where='muse_spark.sched:30'),
+           'expert.gate_up': WeightFormat(name='nvfp4', block=16, where='muse_spark.sched:29')}
 # Rank r holds part (r // stride) % ways of each class: (ways, stride) by class.
 SHARDS = ShardTable(ranks=8,
                     rules=(('expert_mlp', 8, 1), ('experts', 1, 8), ('heads', 8, 1),
@@ -137,8 +135,12 @@ VOCAB_LOCAL = PER_RANK["vocab"]
 
 # The layer loop: each layer's kind and first ring tile.
 N_LAYERS = 124
-KIND_IDS = {"full": 0, "moe": 1, "swa": 2}
-LAYER_KIND = (2, 1, 0, 1, 2, 1, 2, 1) * 15 + (2, 1, 0, 1)
+KIND_IDS = {"full": 0, "moe": 1, "moe_bf16": 2, "swa": 3}
+LAYER_KIND = (3, 2, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3,
+              1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1,
+              0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3,
+              1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1,
+              3, 1, 3, 1, 3, 1, 0, 2)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
 LAYER_TILE_OFFSET = (0, 24, 32, 56, 64, 88, 96, 120, 128, 152, 160, 184, 192, 216, 224, 248, 256,
                      280, 288, 312, 320, 344, 352, 376, 384, 408, 416, 440, 448, 472, 480, 504, 512,
@@ -155,6 +157,8 @@ FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=
                                tile_rows=1024, tile_cols=768)
 MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4, col_tiles=2,
                                tile_rows=1024, tile_cols=512)
+MOE_BF16_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4,
+                                    col_tiles=2, tile_rows=1024, tile_cols=512)
 SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                               tile_rows=1024, tile_cols=768)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=33,
@@ -162,8 +166,8 @@ TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8
 RING = Ring(slots=12, ahead=12, total_tiles=2248, tile_shapes=((1024, 512), (1024, 768)))
 TAIL_TILE_OFFSET = 1984
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_UP], 'swa': [SWA_QKV_GATE],
-                'tail': [TAIL_LM_HEAD]}
+STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_UP], 'moe_bf16': [MOE_BF16_LATENT_UP],
+                'swa': [SWA_QKV_GATE], 'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
 VECTORS = Parity(ahead=1, rows=8, cols=8192,
@@ -171,6 +175,9 @@ VECTORS = Parity(ahead=1, rows=8, cols=8192,
                          'moe': {'pre_ffn_norm': (0, 1, 8192), 'correction_bias': (1, 1, 256),
                                  'latent_norm': (2, 1, 4096), 'expert_norm': (3, 1, 4096),
                                  'mlp_gate': (4, 1, 8192), 'post_ffn_norm': (5, 1, 8192)},
+                         'moe_bf16': {'pre_ffn_norm': (0, 1, 8192), 'correction_bias': (1, 1, 256),
+                                      'latent_norm': (2, 1, 4096), 'expert_norm': (3, 1, 4096),
+                                      'mlp_gate': (4, 1, 8192), 'post_ffn_norm': (5, 1, 8192)},
                          'swa': {'input_norm': (0, 1, 8192), 'attn_gate': (1, 1, 8192)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
@@ -196,6 +203,17 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
             AllGather(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
             AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
 )
+MOE_BF16_ROUTED_EXPERTS_REDUCE = FromRows(
+    rows=8,
+    below=(Stage(buffer='recv_1to7__bf16_2x1', counter=2, size=2, stride=1),
+           Stage(buffer='recv_1to7__bf16_4x2', counter=3, size=4, stride=2)),
+    stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=5, size=2,
+                          stride=1),
+            ReduceScatter(buffer='scatter__bf16_4x2', staging='send__bf16_4x2', counter=6, size=4,
+                          stride=2),
+            AllGather(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
+            AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
+)
 SWA_O_PROJ_REDUCE = FromRows(
     rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
@@ -205,6 +223,8 @@ SWA_O_PROJ_REDUCE = FromRows(
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=8, stride=1)
 MOE_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
+MOE_BF16_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=8, stride=1)
+MOE_BF16_LATENT_UP_GATHER = Stage(buffer='gather__latent_up', counter=1, size=8, stride=1)
 N_COLLECTIVE_COUNTERS = 11
 
 # The weight view: per layer kind, its pooled matrices at (first pool row, rows, cols,
@@ -213,16 +233,25 @@ VIEW = WeightView(pool='staging',
                   matrices={'full': {'o_proj': (0, 1024, 8192, 0)},
                             'moe': {'latent_down': (0, 8192, 512, 0),
                                     'router': (32768, 8192, 512, 1)},
+                            'moe_bf16': {'latent_down': (0, 8192, 512, 0),
+                                         'router': (32768, 8192, 512, 1)},
                             'swa': {'o_proj': (0, 1024, 8192, 0)}})
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
 # every slot's image): each expert's matrices at (first pool row in its slot, rows, cols).
-EXPERTS = ExpertSlots(pool='staging', slots=3, slot_rows=13904,
-                      matrices={'gate_up_codes': (0, 2048, 1024),
-                                'gate_up_scales': (8192, 260, 1024),
-                                'down_codes': (9232, 256, 4096), 'down_scales': (13328, 36, 4096)},
-                      local_experts=256, group_size=8, top_k=8,
-                      stacked=('gate_up_scales', 'down_scales'))
+EXPERTS = {'moe': ExpertSlots(
+               pool='staging', slots=3, slot_rows=13904,
+               matrices={'gate_up_codes': (0, 2048, 1024), 'gate_up_scales': (8192, 260, 1024),
+                         'down_codes': (9232, 256, 4096), 'down_scales': (13328, 36, 4096)},
+               local_experts=256, group_size=8, top_k=8, stacked=('gate_up_scales', 'down_scales')
+           ),
+           'moe_bf16': ExpertSlots(
+               pool='staging', slots=1, slot_rows=49152,
+               matrices={'gate_up': (0, 4096, 1024), 'down': (32768, 512, 4096)}, local_experts=256,
+               group_size=8, top_k=8, hbm='experts_hbm__moe_bf16',
+               formats={'expert.down': WeightFormat(name='bf16'),
+                        'expert.gate_up': WeightFormat(name='bf16')}
+           )}
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
@@ -231,6 +260,7 @@ KINDS = {
                      caches=('full__key', 'full__value'), kv=KvTiles(tokens=512, slots=4, ahead=4),
                      kv_rows='full_kv_rows'),
     'moe': KindPlan(streamed={'latent_up': (0, MOE_LATENT_UP)}, states={}, copies=()),
+    'moe_bf16': KindPlan(streamed={'latent_up': (0, MOE_BF16_LATENT_UP)}, states={}, copies=()),
     'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
                     caches=('swa__key', 'swa__value'),
                     kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304), kv_rows='swa_kv_rows')
@@ -252,9 +282,9 @@ def _layer_full(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 67: prefetch next staging.dense
+    c.prefetch_view()   # spec line 69: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 8 rows
-    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 66
+    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 68
     lower.attn_residual(c, attn_out)
 
 
@@ -267,23 +297,52 @@ def _layer_moe(k: Kernel, layer):
     c.wait_pooled("latent_down")   # staging.dense: before its first reader
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 75
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 77
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 74: fetch experts -> staging.experts, the first slots now
+    # spec line 76: fetch experts -> staging.experts, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 75
+    latent_in = latent_in_in_flight.finish()   # spec line 77
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 81: prefetch next staging.dense
+    c.prefetch_view()   # spec line 83: prefetch next staging.dense
     # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 79
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 81
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 82: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 84: all-gather over 8 ranks
+    lower.mlp_residual(c, mlp_out)
+
+
+def _layer_moe_bf16(k: Kernel, layer):
+    """One moe_bf16 layer: pre_ffn_norm, latent_down, router, route, latent_norm, routed_experts,
+    expert_norm, latent_up, mlp_residual."""
+    c = k.layer("moe_bf16", layer)
+    c.vectors_arrive()   # this layer's vectors; issue the next ones
+    h = lower.pre_ffn_norm(c)
+    c.wait_pooled("latent_down")   # staging.dense: before its first reader
+    latent_in = lower.latent_down(c, h)
+    # overlapped: it runs until its first reader
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 92
+    c.wait_pooled("router")   # staging.dense: before its first reader
+    router_logits = lower.router(c, h)
+    # the pool view staging.dense is free from here
+    expert_ids, expert_weights = lower.route(c, router_logits)
+    # spec line 91: fetch experts -> staging.experts_bf16, the first slots now
+    c.start_experts()
+    latent_in = latent_in_in_flight.finish()   # spec line 92
+    latent_in = lower.latent_norm(c, latent_in)
+    expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
+    # the pool view staging.experts_bf16 is free from here
+    c.prefetch_view()   # spec line 95: prefetch next staging.dense
+    # two_level, wire bf16, scatter nested gather bf16 from 8 rows
+    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 93
+    routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
+    mlp_out = lower.latent_up(c, routed_out)
+    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 96: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -301,9 +360,9 @@ def _layer_swa(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 61: prefetch next staging.dense
+    c.prefetch_view()   # spec line 63: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 8 rows
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 60
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 62
     lower.attn_residual(c, attn_out)
 
 
@@ -329,7 +388,7 @@ def _kernel(r, *, B, R=1, verify=False):
         lower.prologue(k)
 
     # the layer loop: each layer runs its kind's body (the SMEM layer table's kind column)
-    k.run_layers({"full": _layer_full, "moe": _layer_moe, "swa": _layer_swa})
+    k.run_layers({"full": _layer_full, "moe": _layer_moe, "moe_bf16": _layer_moe_bf16, "swa": _layer_swa})
 
     # epilogue: the final hidden state and the vocab-sharded lm_head, which ends the stream
     head_norm_copy.wait()   # the final norm weight (not in the spec: every step loads it at entry)
@@ -352,8 +411,13 @@ HBM_SHAPES = {
     "pool__full__o_proj": ((len(KIND_LAYERS["full"]), 1024, 8192), BF16),
     "pool__moe__latent_down": ((len(KIND_LAYERS["moe"]), 8192, 512), BF16),
     "pool__moe__router": ((len(KIND_LAYERS["moe"]), 8192, 512), BF16),
+    "pool__moe_bf16__latent_down": ((len(KIND_LAYERS["moe_bf16"]), 8192, 512), BF16),
+    "pool__moe_bf16__router": ((len(KIND_LAYERS["moe_bf16"]), 8192, 512), BF16),
     "pool__swa__o_proj": ((len(KIND_LAYERS["swa"]), 1024, 8192), BF16),
-    "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS.local_experts, EXPERTS.slot_rows, 128), BF16),
+    "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS['moe'].local_experts,
+                     EXPERTS['moe'].slot_rows, 128), BF16),
+    "experts_hbm__moe_bf16": ((len(KIND_LAYERS["moe_bf16"]), EXPERTS['moe_bf16'].local_experts,
+                               EXPERTS['moe_bf16'].slot_rows, 128), BF16),
 }
 
 
@@ -432,7 +496,7 @@ SCRATCH_SHAPES = {
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((2,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies
-    "expert_list": smem((EXPERTS.local_experts,), jnp.int32),   # picked local experts
+    "expert_list": smem((EXPERTS['moe'].local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many
 }
 

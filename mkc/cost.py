@@ -34,9 +34,9 @@ def hbm_traffic(s: ir.ScheduleIR, batch: int, tokens_in_cache: int,
         traffic["pooled weights"] = pooled
     if s.experts:
         traffic["routed experts (uniform routing)"] = round(
-            expected_local_experts(s, routed_rows or batch) * sum(_prod(shape) * ir.DTYPE_BYTES[dtype]
-                                                   for shape, dtype in s.experts.values())
-            * sum(1 for k in s.layer_kinds if s.kinds[k].fetch is not None))
+            expected_local_experts(s, routed_rows or batch)
+            * sum(_prod(shape) * ir.DTYPE_BYTES[dtype] for k in s.layer_kinds
+                  if s.kinds[k].fetch is not None for shape, dtype in s.experts_of(k).values()))
     return traffic | {
         "vectors": len(s.layer_kinds) * s.parity.rows * s.parity.cols * 4,
         "state (load + store)": (sequences + batch) * state,

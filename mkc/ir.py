@@ -650,11 +650,15 @@ class ScheduleIR:
     embed_reduce: AllReduce | None = None      # the embedding lookup's exact all-reduce
     pools: list[Pool] = field(default_factory=list)
     experts: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # per expert
+    # Layer kinds whose routed experts are held in another layout (`FamilyGraph.kind_experts`):
+    # kind -> one expert's matrices, and its expert classes' formats
+    kind_experts: dict[str, dict[str, tuple[tuple[int, ...], str]]] = field(default_factory=dict)
+    kind_weight_formats: dict[str, dict[str, WeightFormat]] = field(default_factory=dict)
     top_k: int = 0               # experts each row picks (0: no routed experts)
     experts_total: int = 0       # the model's routed experts
     setting_spans: dict[str, Span] = field(default_factory=dict)   # header lines, for diagnostics
     config_digest: str = ""      # sha256 of the model config's JSON, canonicalised
-    # "kind.family" (or "expert.family") -> MXU facts, for matrices that are not plain bf16
+    # "kind.family" (or "kind.expert.family") -> MXU facts, for matrices that are not plain bf16
     matrix_facts: dict[str, MatrixFacts] = field(default_factory=dict)
     # The config.json object the model was read from: a module checks the HF weights it packs
     # against its family's tensor table of this config (mkc.runtime.inputs.check_hf_weights).
@@ -714,6 +718,19 @@ class ScheduleIR:
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
+
+    def experts_of(self, kind: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """One routed expert's matrices as layer kind `kind` holds them."""
+        return self.kind_experts.get(kind, self.experts)
+
+    def weight_formats_of(self, kind: str) -> dict[str, WeightFormat]:
+        """The matrix classes' formats in layer kind `kind` (its experts' own, where it holds
+        them in another layout)."""
+        return {**self.weight_formats, **self.kind_weight_formats.get(kind, {})}
+
+    def expert_kinds(self) -> list[str]:
+        """The layer kinds that run routed experts (fetch them into a slot view), sorted."""
+        return sorted(k for k, ks in self.kinds.items() if ks.fetch is not None)
 
     def label(self, name: str) -> str:
         """A buffer's name as the spec writes it (any other name as it is)."""

@@ -67,7 +67,9 @@ def rounding_from_ir(schedule: mir.ScheduleIR) -> Rounding:
                     exchanges=tuple(exchanges), storage=tuple(storage),
                     shard=tuple(sorted(schedule.per_rank.items())), tiles=tuple(tiles),
                     kv_tiles=tuple(kv_tiles),
-                    formats=tuple(sorted(schedule.weight_formats.items())), codes=tuple(codes))
+                    formats=tuple(sorted(schedule.weight_formats.items())), codes=tuple(codes),
+                    kind_formats=tuple((k, tuple(sorted(f.items())))
+                                       for k, f in sorted(schedule.kind_weight_formats.items())))
 
 
 # ---- judging a kernel run ------------------------------------------------------------------

@@ -85,7 +85,7 @@ class RoutedExpert(Content):
 
     def weights(self, kind: str, nbytes: int) -> tuple[tuple[str | None, int], ...]:
         """A read of the expert reads each matrix (none for a read of 0 bytes: the checks')."""
-        return tuple((f"expert.{name}", n) for name, n in self.matrices) if nbytes else ()
+        return tuple((f"{kind}.expert.{name}", n) for name, n in self.matrices) if nbytes else ()
 
     def __str__(self) -> str:
         return f"routed expert {self.expert} of layer {self.layer}"

@@ -85,8 +85,11 @@ def scratch_key(s: ir.ScheduleIR) -> tuple[tuple[str, str], ...]:
     depth, tile bounds and limits change buffers mkc counts, not the compiler's scratch."""
     dims = {k: v for k, v in s.dims.items() if k != "name"}
     digest = hashlib.sha256(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:16]
-    formats = ",".join(f"{c}={f.name}" + (f"/{f.block}" if f.block else "") + (f"x{f.cols}" if f.cols else "")
-                       for c, f in sorted(s.weight_formats.items()))
+    def spelled(formats: dict) -> str:
+        return ",".join(f"{c}={f.name}" + (f"/{f.block}" if f.block else "")
+                        + (f"x{f.cols}" if f.cols else "") for c, f in sorted(formats.items()))
+    formats = ";".join([spelled(s.weight_formats)]
+                       + [f"{k}:{spelled(f)}" for k, f in sorted(s.kind_weight_formats.items())])
     return (("chip", s.chip), ("ranks", str(s.ranks)), ("dims", digest), ("formats", formats))
 
 

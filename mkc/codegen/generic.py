@@ -345,28 +345,39 @@ def _weight_view(s: ir.ScheduleIR) -> tuple[WeightView | None, list[tuple], list
                                          "pooled matrix copies")]
 
 
-def _expert_slots(s: ir.ScheduleIR) -> tuple[ExpertSlots | None, list[tuple], list[tuple]]:
-    """Routed experts: one kind fetches them into a pool's slot view. Returns the slots, their
-    HBM inputs and their scratch (none without routed experts)."""
-    fetching = [kname for kname, k in s.kinds.items() if k.fetch is not None]
+def _expert_slots(s: ir.ScheduleIR) -> tuple[ExpertSlots | dict | None, list[tuple], list[tuple]]:
+    """Routed experts: the kinds that run them fetch them into a pool's slot view, each layout
+    (`ScheduleIR.experts_of`) into its own. Returns the slots (one `ExpertSlots`, or one per
+    fetching kind where the kinds hold them in several layouts), their HBM inputs (name, kind,
+    the slots' constant) and their scratch (none without routed experts)."""
+    fetching = s.expert_kinds()
     if not fetching:
         return None, [], []
-    f = s.kinds[fetching[0]].fetch
-    view = s.pool_view(f"{f.pool}.{f.view}")
-    mats = view.matrices["expert"]
     row = ir.POOL_ROW_BYTES
-    expert_slots = ExpertSlots(pool=f.pool, slots=view.slots, slot_rows=view.slot_bytes // row,
-                               matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
-                               local_experts=s.per_rank["local_experts"],
-                               group_size=s.per_rank.get("expert_tp", 1), top_k=s.top_k,
-                               stacked=tuple(m.name for m in mats if m.stacked))
-    # One HBM array of every local expert's slot image: one copy, one semaphore per slot.
-    expert_inputs = [(experts.HBM, fetching[0], ("EXPERTS.slot_rows", str(ir.LANES)))]
-    scratch = [("expert_sem", f"dma_sems(({view.slots},))", "expert slot copies"),
-               ("expert_list", "smem((EXPERTS.local_experts,), jnp.int32)",
+    by_kind: dict[str, ExpertSlots] = {}
+    for kname in fetching:
+        f = s.kinds[kname].fetch
+        view = s.pool_view(f"{f.pool}.{f.view}")
+        mats = view.matrices["expert"]
+        by_kind[kname] = ExpertSlots(
+            pool=f.pool, slots=view.slots, slot_rows=view.slot_bytes // row,
+            matrices={m.name: (m.offset // row, m.rows, m.cols) for m in mats},
+            local_experts=s.per_rank["local_experts"], group_size=s.per_rank.get("expert_tp", 1),
+            top_k=s.top_k, stacked=tuple(m.name for m in mats if m.stacked),
+            hbm=experts.input_name(kname, kname == fetching[0]),
+            formats=dict(sorted(s.kind_weight_formats.get(kname, {}).items())))
+    one = len(fetching) == 1
+    constant = {k: "EXPERTS" if one else f"EXPERTS[{k!r}]" for k in fetching}
+    # Per kind, one HBM array of every local expert's slot image (its layers', indexed by the
+    # layer's place among them): one copy, one semaphore per slot.
+    expert_inputs = [(es.hbm, k, (f"{constant[k]}.slot_rows", str(ir.LANES)), constant[k])
+                     for k, es in by_kind.items()]
+    slots = max(es.slots for es in by_kind.values())
+    scratch = [("expert_sem", f"dma_sems(({slots},))", "expert slot copies"),
+               ("expert_list", f"smem(({constant[fetching[0]]}.local_experts,), jnp.int32)",
                 "picked local experts"),
                ("expert_count", "smem((1,), jnp.int32)", "how many")]
-    return expert_slots, expert_inputs, scratch
+    return (by_kind[fetching[0]] if one else by_kind), expert_inputs, scratch
 
 
 def context(s: ir.ScheduleIR) -> dict:

@@ -124,10 +124,22 @@ class DecodeGraph:
     experts_total: int = 0       # routed experts of the model (0: none)
     top_k: int = 0               # experts each row picks
     formats: dict = field(default_factory=dict)   # class -> mkc.ir.WeightFormat, as built
+    # A kind whose routed experts are held in another layout (`FamilyGraph.kind_experts`)
+    kind_experts: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    kind_formats: dict[str, dict] = field(default_factory=dict)
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
         return self.dims.layer_kinds
+
+    def experts_of(self, kind: str) -> dict[str, Tensor]:
+        """One routed expert's tensors as layer kind `kind` holds them."""
+        return self.kind_experts.get(kind, self.experts)
+
+    def formats_of(self, kind: str) -> dict:
+        """The matrix classes' formats in layer kind `kind` (its experts' own, where it holds
+        them in another layout)."""
+        return {**self.formats, **self.kind_formats.get(kind, {})}
 
     def tail_matrices(self) -> list[Tensor]:
         """Matrices after the last layer (the lm_head), in the order the step multiplies."""
@@ -167,6 +179,11 @@ class FamilyGraph:
     top_k: int = 0                       # experts each row picks
     # Matrix classes with a choice of format -> the format, its block resolved to rows.
     formats: dict = field(default_factory=dict)
+    # Layer kinds whose routed experts are held in another layout than `experts` (Muse
+    # Spark's layers an NVFP4 checkpoint keeps bf16): kind -> one expert's tensors, and its
+    # expert classes' formats.
+    kind_experts: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    kind_formats: dict[str, dict] = field(default_factory=dict)
 
 
 def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
@@ -192,4 +209,5 @@ def build_graph(dims: Any, fg: FamilyGraph, ranks: int) -> DecodeGraph:
     g.add_edge("final_norm", "lm_head")
     return DecodeGraph(dims=dims, ranks=ranks, kinds=fg.kinds, globals=fg.globals, graph=g,
                        per_rank=fg.per_rank, experts=fg.experts, activations=fg.activations,
-                       experts_total=fg.experts_total, top_k=fg.top_k, formats=fg.formats)
+                       experts_total=fg.experts_total, top_k=fg.top_k, formats=fg.formats,
+                       kind_experts=fg.kind_experts, kind_formats=fg.kind_formats)

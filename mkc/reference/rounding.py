@@ -89,6 +89,9 @@ class Rounding:
     kv_tiles: tuple[tuple[str, int], ...] = ()
     # (matrix class, mkc.ir.WeightFormat): how the classes with a choice are stored
     formats: tuple[tuple[str, Any], ...] = ()
+    # (layer kind, its (class, format) pairs): a kind holding its routed experts in another
+    # layout (`ScheduleIR.kind_weight_formats`)
+    kind_formats: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     # (kind, family, codes, operands): streamed matrices stored as 8-bit codes ("fp8",
     # "int8") with a scale per output column, and the dot the kernel feeds them to
     codes: tuple[tuple[str, str, str, str], ...] = ()
@@ -148,9 +151,11 @@ class Rounding:
                 return tokens
         raise KeyError(f"the schedule streams no KV cache tiles for {kind}")
 
-    def weight_format(self, cls: str):
-        """The ``mkc.ir.WeightFormat`` of matrix class `cls`, or None where there is no choice."""
-        return dict(self.formats).get(cls)
+    def weight_format(self, cls: str, kind: str | None = None):
+        """The ``mkc.ir.WeightFormat`` of matrix class `cls` (in layer kind `kind`: its own,
+        where it holds its experts in another layout), or None where there is no choice."""
+        own = dict(dict(self.kind_formats).get(kind, ()))
+        return own.get(cls) or dict(self.formats).get(cls)
 
     def channel(self, kind: str, family: str) -> tuple[str, str] | None:
         """(codes, dot operands) of streamed matrix ``kind.family`` where it is stored as 8-bit

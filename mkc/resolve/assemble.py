@@ -46,11 +46,15 @@ def resolve_ir(s: ResolveState) -> ResolveState:
         per_rank=dict(graph.per_rank),
         shards={c: (w, st) for c, w, st in s.shards.rules},
         experts={n: (t.shape, t.dtype) for n, t in graph.experts.items()},
+        kind_experts={k: {n: (t.shape, t.dtype) for n, t in ts.items()}
+                      for k, ts in graph.kind_experts.items()},
+        kind_weight_formats={k: dict(f) for k, f in graph.kind_formats.items()},
         top_k=graph.top_k, experts_total=graph.experts_total,
         setting_spans={k: v.span for k, v in sched.settings.items()},
         config_digest=hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         matrix_facts={f"{prefix}.{t.name}": t.mxu for prefix, tensors in
-                      [(k, kd.tensors) for k, kd in graph.kinds.items()] + [("expert", graph.experts),
-                                                                            ("tail", graph.globals)]
+                      [(k, kd.tensors) for k, kd in graph.kinds.items()]
+                      + [(f"{k}.expert", graph.experts_of(k)) for k, kd in graph.kinds.items()
+                         if any(o.runs_experts for o in kd.ops)] + [("tail", graph.globals)]
                       for t in tensors.values() if t.mxu is not None},
         **{name: getattr(s, name) for name in _COPIED}))

@@ -13,7 +13,9 @@ from mkc.resolve.state import ResolveState
 def resolve_buffers(s: ResolveState) -> ResolveState:
     buffers = _core_buffers(s)
     for kname in s.kinds:
-        buffers += s.kind_buffers[kname] + s.collectives[kname].buffers
+        # kinds running the same ops (Muse Spark's moe and moe_bf16) gather them through the
+        # same receive buffers: their layers never run at once
+        buffers += [*s.kind_buffers[kname], *(b for b in s.collectives[kname].buffers if b not in buffers)]
     buffers += s.reduce_buffers
     tail = s.stream.tail[0]
     buffers.append(ir.Buffer("logits", "output", (tail.col_tiles, s.batch[1], tail.tile_cols),

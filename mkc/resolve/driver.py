@@ -106,11 +106,11 @@ PASSES: tuple[Pass, ...] = checked((
                                         "shards", "formats", "dense_formats"),
          writes=("graph",)),
     # a phase block per layer kind
-    Pass("layer_kinds", resolve_layer_kinds, reads=("sched", "dims", "graph"), writes=("phases",)),
+    Pass("layer_kinds", resolve_layer_kinds, reads=("sched", "dims", "family", "graph"), writes=("phases",)),
     # pools and the matrices their views hold
-    Pass("pools", resolve_pools, reads=("sched", "graph"), writes=("pools", "pooled")),
+    Pass("pools", resolve_pools, reads=("sched", "family", "graph", "phases"), writes=("pools", "pooled")),
     # the weight ring and the stream through it
-    Pass("stream", resolve_stream, reads=("sched", "graph", "pooled"), writes=("stream",)),
+    Pass("stream", resolve_stream, reads=("sched", "family", "graph", "pooled"), writes=("stream",)),
     # the per-layer vector block
     Pass("parity", resolve_parity, reads=("sched", "graph"), writes=("parity",)),
     # state copies, scoped ranges, KV tiles

@@ -30,8 +30,8 @@ def resolve_hbm(s: ResolveState) -> ResolveState:
     if graph.experts:
         consumers = [k for k in set(graph.layer_kinds)
                      if any(o.runs_experts for o in graph.kinds[k].ops)]
-        layers = sum(graph.layer_kinds.count(k) for k in consumers)
-        out["routed experts"] = layers * graph.per_rank["local_experts"] * expert_slot_bytes(graph)
+        out["routed experts"] = sum(graph.layer_kinds.count(k) * graph.per_rank["local_experts"]
+                                    * expert_slot_bytes(graph, k) for k in consumers)
     out |= {"embedding": graph.globals["embed"].nbytes,
             "vectors": len(graph.layer_kinds) * s.parity.rows * s.parity.cols * 4,
             "recurrent state": state, "kv cache": cache}

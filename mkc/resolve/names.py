@@ -70,3 +70,10 @@ def validate_module_name(name: ast.Name) -> str:
                    hint=f"use at most {MAX_NAME} lower-case letters and digits joined by single "
                         "'_', starting with a letter, e.g. `schedule qwen_decode`")
     return text
+
+
+def unused_kind(s, name: str) -> bool:
+    """Whether `name` is a layer kind of the family that this model's layers do not run (Muse
+    Spark's `moe_bf16` in its bf16 checkpoint): a spec may serve every checkpoint of a family,
+    so its phase and stream and view entries are skipped, not refused."""
+    return name not in s.graph.kinds and name in (s.family.layers or {})

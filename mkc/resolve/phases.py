@@ -13,7 +13,7 @@ from mkc.lang.statements.copies import Binding, Transfer
 from mkc.lang.statements.kv import KvTiles
 from mkc.lang.statements.scoped import Scoped
 from mkc.model.graph import LayerKind
-from mkc.resolve.names import unknown, validate_identifier
+from mkc.resolve.names import unknown, unused_kind, validate_identifier
 from mkc.resolve.state import ResolveState
 
 
@@ -23,6 +23,8 @@ def resolve_layer_kinds(s: ResolveState) -> ResolveState:
     missing = [k for k in sorted(set(s.dims.layer_kinds)) if k not in written]
     phases: dict[str, ast.Phase] = {}
     for p in sched.phases:
+        if unused_kind(s, p.kind.text):
+            continue
         if p.kind.text not in graph.kinds:
             raise unknown("layer kind", p.kind, sorted(graph.kinds))
         if p.kind.text in phases:

@@ -8,7 +8,7 @@ from mkc import ir
 from mkc.diagnostics import fail
 from mkc.lang.statements.pool import PoolView
 from mkc.model.graph import DecodeGraph
-from mkc.resolve.names import unknown, validate_identifier
+from mkc.resolve.names import unknown, unused_kind, validate_identifier
 from mkc.resolve.state import ResolveState
 
 
@@ -18,10 +18,11 @@ def pooled_bytes(rows: int, cols: int, dtype: str, stacked: bool = False) -> int
     return ir.pooled_rows(rows, cols, dtype, stacked) * ir.POOL_ROW_BYTES
 
 
-def expert_slot_bytes(graph: DecodeGraph) -> int:
-    """Bytes of one routed expert's slot: its matrices one after another, each in pool form.
-    HBM holds each local expert as this image (`mkc.runtime.experts.pack_expert`)."""
-    return sum(pooled_bytes(*t.shape, t.dtype, t.stacked) for t in graph.experts.values())
+def expert_slot_bytes(graph: DecodeGraph, kind: str) -> int:
+    """Bytes of one routed expert's slot in layer kind `kind`: its matrices one after another,
+    each in pool form. HBM holds each local expert as this image
+    (`mkc.runtime.experts.pack_expert`)."""
+    return sum(pooled_bytes(*t.shape, t.dtype, t.stacked) for t in graph.experts_of(kind).values())
 
 
 def resolve_pools(s: ResolveState) -> ResolveState:
@@ -41,15 +42,24 @@ def resolve_pools(s: ResolveState) -> ResolveState:
                 raise fail("E-DUPLICATE", f"view '{vname}' of pool {pname} is declared twice",
                            v.name.span, hint="give each view its own name")
             if v.slot_of is not None:
-                views.append(_slot_view(v, vname, pname, graph))
+                views.append(_slot_view(v, vname, pname, graph, _fetching(s, f"{pname}.{vname}")))
             else:
-                views.append(_weight_view(v, vname, pname, graph, pooled))
+                views.append(_weight_view(v, vname, pname, graph, pooled,
+                                          [k for k in v.kinds if unused_kind(s, k.kind.text)]))
         pools.append(ir.Pool(pname, max(v.nbytes for v in views), views, p.span))
     return replace(s, pools=pools, pooled=pooled)
 
 
-def _slot_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph) -> ir.PoolView:
-    """`view NAME: N slots of expert`: room for N routed experts' matrices."""
+def _fetching(s: ResolveState, view: str) -> list[str]:
+    """The layer kinds whose phase fetches routed experts into `view` ("pool.view")."""
+    return [k for k, ph in s.phases.items() if any(f.view.text == view for f in ph.fetches)]
+
+
+def _slot_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph, kinds: list[str]
+               ) -> ir.PoolView:
+    """`view NAME: N slots of expert`: room for N routed experts' matrices, as the kinds that
+    fetch into it hold them (one layout: a kind holding its experts in another has a view of
+    its own)."""
     if v.slot_of.text != "expert":
         raise unknown("slot content", v.slot_of, ["expert"])
     if not graph.experts:
@@ -58,20 +68,31 @@ def _slot_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph) -> ir.Po
     if v.slots < 1:
         raise fail("E-POOL", "a slot view needs at least one slot", v.span,
                    hint="e.g. `view experts: 4 slots of expert`")
+    layouts = {k: graph.experts_of(k) for k in kinds}
+    if len({tuple((n, x.shape, x.dtype) for n, x in e.items()) for e in layouts.values()}) > 1:
+        raise fail("E-POOL", f"view {vname} holds the routed experts of {', '.join(kinds)}, whose "
+                   "experts are held in different layouts ("
+                   + "; ".join(f"{k}: {_layout(e)}" for k, e in layouts.items()) + ")", v.span,
+                   hint="give each layout a slot view of its own, e.g. `view experts_" + kinds[-1]
+                        + ": 1 slot of expert`, and fetch each kind's experts into its own")
     mats, off = [], 0
-    for t in graph.experts.values():
+    for t in (next(iter(layouts.values())) if layouts else graph.experts).values():
         mats.append(ir.PooledMatrix("expert", t.name, t.shape[0], t.shape[1], t.dtype, off,
                                     t.stacked))
         off += pooled_bytes(*t.shape, t.dtype, t.stacked)
     return ir.PoolView(vname, pname, {"expert": mats}, v.slots, off, off * v.slots, v.span)
 
 
+def _layout(experts: dict) -> str:
+    return ", ".join(f"{n} {t.dtype} {t.shape[0]}x{t.shape[1]}" for n, t in experts.items())
+
+
 def _weight_view(v: PoolView, vname: str, pname: str, graph: DecodeGraph,
-                 pooled: dict[str, dict[str, str]]) -> ir.PoolView:
-    """`view NAME: KIND(FAMILIES), ...`: one layer's matrices of each kind listed, at a
-    time. Records in `pooled` where each matrix lives."""
+                 pooled: dict[str, dict[str, str]], unused: list) -> ir.PoolView:
+    """`view NAME: KIND(FAMILIES), ...`: one layer's matrices of each kind listed (but the
+    `unused` ones, `unused_kind`), at a time. Records in `pooled` where each matrix lives."""
     matrices: dict[str, list[ir.PooledMatrix]] = {}
-    for vk in v.kinds:
+    for vk in (vk for vk in v.kinds if vk not in unused):
         kname = vk.kind.text
         if kname not in graph.kinds:
             raise unknown("layer kind", vk.kind, sorted(graph.kinds))

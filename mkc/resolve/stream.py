@@ -10,7 +10,7 @@ from mkc.lang import ast
 from mkc.lang.statements.ring import Ring
 from mkc.lang.statements.stream import Stream
 from mkc.model.graph import DecodeGraph, LayerKind
-from mkc.resolve.names import unknown, validate_identifier
+from mkc.resolve.names import unknown, unused_kind, validate_identifier
 from mkc.resolve.state import ResolveState
 
 RING_DTYPES = ("bf16",)
@@ -23,6 +23,8 @@ def resolve_stream(s: ResolveState) -> ResolveState:
     ring, st = _ring_and_stream(sched, graph)
     listed: dict[str, list[ast.Name]] = {}
     for sk in st.per_kind:
+        if unused_kind(s, sk.kind.text):
+            continue
         if sk.kind.text not in graph.kinds:
             raise unknown("layer kind", sk.kind, sorted(graph.kinds))
         if sk.kind.text in listed:

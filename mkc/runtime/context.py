@@ -89,7 +89,8 @@ class Kernel:
     ring_refs: ring.RingRefs
     parity: vectors.Parity
     vector_refs: vectors.VectorRefs
-    experts: experts.ExpertSlots | None = None
+    # the routed experts' slots: one layout, or per layer kind where kinds hold them in several
+    experts: experts.ExpertSlots | Mapping[str, experts.ExpertSlots] | None = None
     view: pool.WeightView | None = None        # the weight view the layers prefetch into
     kind_ids: Mapping[str, int] | None = None
     R: int = 1                                 # rows per sequence
@@ -100,6 +101,10 @@ class Kernel:
     def S(self) -> int:
         """Sequences."""
         return self.B // self.R
+
+    def experts_of(self, kind: str) -> experts.ExpertSlots:
+        """The slots layer kind `kind` fetches its routed experts into."""
+        return self.experts[kind] if isinstance(self.experts, Mapping) else self.experts
 
     @property
     def layers(self) -> int:
@@ -197,6 +202,17 @@ class Layer:
     def per_rank(self) -> Mapping[str, int]:
         return self.kernel.per_rank
 
+    @property
+    def experts(self) -> experts.ExpertSlots:
+        """The slots this kind fetches its routed experts into."""
+        return self.kernel.experts_of(self.kind)
+
+    def weight_format(self, cls: str):
+        """The format of matrix class `cls` in this kind (its experts' own, where it holds
+        them in another layout)."""
+        own = self.experts.formats if cls.startswith("expert.") else {}
+        return own.get(cls) or self.kernel.formats[cls]
+
     def scoped(self, **buffers) -> "Layer":
         """This layer with scoped buffers (from `pl.run_scoped`) added to its refs."""
         return dataclasses.replace(self, refs=types.SimpleNamespace(**vars(self.refs), **buffers))
@@ -272,21 +288,21 @@ class Layer:
     # ---- routed experts (mkc.runtime.experts) ------------------------------------------------
     def select_experts(self, ids: jax.Array) -> None:
         """List this rank's picked local experts (ids [B, top_k], global) in SMEM."""
-        experts.select_local(self.kernel.experts, self.refs, ids, self.kernel.axis, self.B)
+        experts.select_local(self.experts, self.refs, ids, self.kernel.axis, self.B)
 
     def start_experts(self) -> None:
-        experts.start_first(self.kernel.experts, self.refs, self.si)
+        experts.start_first(self.experts, self.refs, self.si)
 
     def fold_experts(self, body: Callable, init):
         """Fold body(k, carry) over the selected experts, each once its slot has landed."""
-        return experts.fold(self.kernel.experts, self.refs, self.si, body, init)
+        return experts.fold(self.experts, self.refs, self.si, body, init)
 
     def expert_matmul(self, k, name: str, h: jax.Array) -> jax.Array:
         """h @ selected expert k's matrix `name` (from its slot) -> f32 [B, cols]."""
-        row, rows, cols = experts.matrix(self.kernel.experts, self.refs, k, name)
-        return pool.pooled_matmul(h, getattr(self.refs, self.kernel.experts.pool), row, rows, cols)
+        row, rows, cols = experts.matrix(self.experts, self.refs, k, name)
+        return pool.pooled_matmul(h, getattr(self.refs, self.experts.pool), row, rows, cols)
 
     def expert_weight(self, weights: jax.Array, k) -> jax.Array:
         """The routing weight [B, 1] of selected expert k (weights [B, E])."""
-        es = self.kernel.experts
+        es = self.experts
         return experts.expert_weight(weights, experts.global_id(es, self.refs, k, self.kernel.axis))

@@ -11,12 +11,15 @@ An expert's matrices sit at fixed row offsets inside its slot, in the pool layou
 `mkc.runtime.pool` (the `stacked` ones, block scales, in its stacked form). HBM holds the
 slot's image (`experts_hbm`, [layers of the kind, local experts, slot rows, 128] bf16:
 `pack_expert`), so fetching an expert is one contiguous DMA on one semaphore per slot,
-whatever its matrices' widths.
+whatever its matrices' widths. A layer kind that holds its experts in another layout (Muse
+Spark's layers the NVFP4 release keeps bf16) has slots of its own, in a view of its own, and an
+HBM input of its own (`input_name`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +42,19 @@ class ExpertSlots:
     group_size: int                             # ranks sharing one group's experts
     top_k: int
     stacked: tuple[str, ...] = ()               # matrices stored stacked (`pool.pack_stacked`)
+    hbm: str = "experts_hbm"                    # the kernel input holding their slot images
+    # A layer kind that holds its experts in another layout than the module's first: its
+    # expert classes' formats (over the module's `FORMATS`)
+    formats: Mapping[str, Any] = field(default_factory=dict)
 
 
 HBM = "experts_hbm"       # the kernel input holding every local expert's slot image
+
+
+def input_name(kind: str, first: bool) -> str:
+    """The HBM input of a layer kind's routed experts: `experts_hbm` for the first kind that
+    fetches them, `experts_hbm__KIND` for a kind holding them in another layout."""
+    return HBM if first else f"{HBM}__{kind}"
 
 
 def pack_expert(es: ExpertSlots, matrices: dict[str, np.ndarray]) -> np.ndarray:
@@ -133,7 +146,7 @@ def _slot_row(es: ExpertSlots, k):
 
 def _copy(es: ExpertSlots, refs, si, k):
     """Selected expert k's one copy: its slot image in HBM into its slot of the pool."""
-    return pltpu.make_async_copy(getattr(refs, HBM).at[si, refs.expert_list[k]],
+    return pltpu.make_async_copy(getattr(refs, es.hbm).at[si, refs.expert_list[k]],
                                  getattr(refs, es.pool).at[pl.ds(_slot_row(es, k), es.slot_rows)],
                                  refs.expert_sem.at[lax.rem(k, es.slots)])
 

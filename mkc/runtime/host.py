@@ -72,13 +72,22 @@ class Host:
     tail_tile_offset: int
     vectors: Parity
     view: Any = None                             # mkc.runtime.pool.WeightView
-    experts: Any = None                          # mkc.runtime.experts.ExpertSlots
-    expert_kind: str | None = None               # the layer kind that fetches routed experts
+    # mkc.runtime.experts.ExpertSlots of the layer kind that fetches routed experts
+    # (`expert_kind`), or one per kind where several do
+    experts: Any = None
+    expert_kind: str | None = None
     verify_rows: int = 0                         # 0: the schedule declares no verify step
     verify_sequences: tuple[int, int] = (0, 0)
     row_states: Mapping[str, int] = field(default_factory=dict)
     spread_row_states: tuple[str, ...] = ()
     _steps: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def expert_slots(self) -> dict:
+        """Each layer kind that fetches routed experts -> the slots it fetches them into."""
+        if isinstance(self.experts, Mapping):
+            return dict(self.experts)
+        return {self.expert_kind: self.experts} if self.experts is not None else {}
 
     @property
     def expert_formats(self) -> dict:
@@ -303,11 +312,10 @@ class Host:
             for name in (self.view.matrices.get(kind, {}) if self.view else ()):
                 matrix = layout.matrix(hf, dims, per_rank, layer, kind, name, rank, shards)
                 packed[f"pool__{kind}__{name}"][si] = pool.pack_for_pool(matrix.astype(jnp.bfloat16))
-            if kind == self.expert_kind:
-                for e in range(self.experts.local_experts):
-                    packed[expert_slots.HBM][si, e] = expert_slots.pack_expert(
-                        self.experts, layout.expert(hf, dims, per_rank, layer, e, rank, shards,
-                                                    self.expert_formats))
+            es = self.expert_slots.get(kind)
+            for e in range(es.local_experts if es else 0):
+                packed[es.hbm][si, e] = expert_slots.pack_expert(
+                    es, layout.expert(hf, dims, per_rank, layer, e, rank, shards, self.expert_formats))
             for name, (row, rows, width) in self.vectors.layout[kind].items():
                 vector = layout.layer_vector(hf, dims, per_rank, layer, kind, name, rank, shards)
                 packed["vectors_hbm"][layer, row:row + rows, :width] = vector

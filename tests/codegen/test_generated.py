@@ -120,8 +120,9 @@ def test_generated_modules_pass_pyflakes_rules():
 @pytest.mark.parametrize("spec", [p for p in SCHEDULES if "fetch experts" in p.read_text()],
                          ids=lambda p: p.stem)
 def test_routed_experts_in_hbm_are_the_bytes_the_checks_count(spec):
-    """The module's one HBM array of routed experts (every local expert's slot image) holds
-    exactly the bytes `mkc check` counts against the chip's HBM."""
+    """The module's HBM arrays of routed experts (every local expert's slot image, one array
+    per kind that fetches them: Muse Spark's bf16 layers hold theirs in a layout of their own)
+    hold exactly the bytes `mkc check` counts against the chip's HBM."""
     import math
 
     import numpy as np
@@ -129,8 +130,12 @@ def test_routed_experts_in_hbm_are_the_bytes_the_checks_count(spec):
     c = compiler.compile_spec(spec)
     module = types.ModuleType("m")
     exec(compile(c.module_source, "m.py", "exec"), module.__dict__)
-    expert_arrays = [n for n in module.HOST.hbm_shapes() if "expert" in n]
-    assert expert_arrays == ["experts_hbm"]
-    shape, dtype = module.HOST.hbm_shapes()["experts_hbm"]
-    assert shape[-2:] == (module.EXPERTS.slot_rows, 128)
-    assert math.prod(shape) * np.dtype(dtype).itemsize == c.ir.hbm_bytes_per_rank["routed experts"]
+    slots = module.HOST.expert_slots
+    assert sorted(slots) == c.ir.expert_kinds()
+    assert [n for n in module.HOST.hbm_shapes() if "expert" in n] == [es.hbm for es in slots.values()]
+    total = 0
+    for es in slots.values():
+        shape, dtype = module.HOST.hbm_shapes()[es.hbm]
+        assert shape[-2:] == (es.slot_rows, 128)
+        total += math.prod(shape) * np.dtype(dtype).itemsize
+    assert total == c.ir.hbm_bytes_per_rank["routed experts"]

@@ -297,8 +297,9 @@ def expert_matmul_body(fmt: Any, codes_shape: tuple[int, int], group: int) -> Ca
                                       read_u8=lambda es, refs, k, name: scales_ref[...])
         pool = types.SimpleNamespace(
             pooled_u8=lambda buf, row, rows, cols, first=0, count=None: codes_ref[first:first + count])
-        c = types.SimpleNamespace(refs=types.SimpleNamespace(pool=None), kernel=types.SimpleNamespace(
-            formats={"expert.gate_up": fmt}, experts=types.SimpleNamespace(pool="pool")))
+        c = types.SimpleNamespace(refs=types.SimpleNamespace(pool=None),
+                                  experts=types.SimpleNamespace(pool="pool"),
+                                  weight_format={"expert.gate_up": fmt}.__getitem__)
         with mock.patch.object(lowering, "expert_slots", slots), mock.patch.object(lowering, "pool", pool):
             out_ref[...] = lowering.expert_matmul(c, 0, x_ref[...], "gate_up", group)
     return body

@@ -216,6 +216,30 @@ def test_an_nvfp4_checkpoints_bf16_layers_are_requantized_only_when_rounded():
         _ranks_slots(dataclasses.replace(d, expert_checkpoint_bf16_layers=()), hf, {"expert.gate_up": NVFP4})
 
 
+def test_an_nvfp4_checkpoints_bf16_layers_in_a_kind_of_their_own_stay_bf16():
+    """With the layers it keeps bf16 run as a kind of their own (`MoE.bf16_kind`), `nvfp4`
+    holds every other layer's experts as released and those layers' bf16 as stored: packing
+    gives layer 0 (PREFIX) its bf16 slices, layer 1 its NVFP4 ones; `rounded` goes back to one
+    layout."""
+    d = Dims(expert_checkpoint="nvfp4", expert_checkpoint_bf16_layers=(0,))
+    own = dataclasses.replace(MOE, bf16_kind="moe_bf16")
+    formats = {"expert.gate_up": NVFP4, "expert.down": NVFP4}
+    fields = own.graph_fields(d, formats, TP)
+    assert {c: f.spelled for c, f in fields["formats"].items()} == {
+        "expert.gate_up": "nvfp4 block 16", "expert.down": "nvfp4 block 16"}
+    assert {c: f.name for c, f in fields["kind_formats"]["moe_bf16"].items()} == {
+        "expert.gate_up": "bf16", "expert.down": "bf16"}
+    assert {n: t.dtype for n, t in fields["kind_experts"]["moe_bf16"].items()} == {
+        "gate_up": "bf16", "down": "bf16"}
+    assert {f.name for f in own.layer_formats(d, PREFIX, formats, TP).values()} == {"bf16"}
+    assert {f.name for f in own.layer_formats(d, "model.layers.1.", formats, TP).values()} == {"nvfp4"}
+    hf, _ = _draws(d)
+    slot = moe_weights.expert(own, hf, d, PREFIX, 3, 0, SHARDS, formats)
+    assert set(slot) == {"gate_up", "down"} and slot["down"].dtype == ml_dtypes.bfloat16
+    rounded = {c: dataclasses.replace(NVFP4, rounded=True) for c in formats}
+    assert "kind_experts" not in own.graph_fields(d, rounded, TP)
+
+
 def test_nvfp4_layers_held_as_they_are_requantize_nothing():
     """`mkc.requantize` asks every class of a rounding format (nvfp4 is one, for the bf16
     layers): the checkpoint's NVFP4 layers give no tensors and a report of no values moved."""

@@ -64,8 +64,8 @@ def test_matrix_facts_say_how_stored_bytes_count_as_values(tmp_path):
         spec.write_text(k3_format_text(fmt))
         ir[fmt] = check_spec(spec).ir
     fp4, fp8 = ir["fp4 block"], ir["fp8 block"]
-    assert fp8.matrix_facts["expert.gate_up_codes"].values_per_byte == 1.0
-    assert fp4.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0   # two codes a byte
-    assert mx.matrix_facts["expert.gate_up_codes"].values_per_byte == 2.0
+    assert fp8.matrix_facts["moe.expert.gate_up_codes"].values_per_byte == 1.0
+    assert fp4.matrix_facts["moe.expert.gate_up_codes"].values_per_byte == 2.0   # two codes a byte
+    assert mx.matrix_facts["moe.expert.gate_up_codes"].values_per_byte == 2.0
     for s in (fp8, fp4, mx):
-        assert s.matrix_facts["expert.gate_up_scales"].values_per_byte == 0   # not multiplied
+        assert s.matrix_facts["moe.expert.gate_up_scales"].values_per_byte == 0   # not multiplied

@@ -25,6 +25,9 @@ from mkc.model.family import ConfigError, config_float, config_int, identifier
 FAMILY_NAME = "muse_spark"
 MODEL_TYPES = ("muse_spark_text", "muse_spark", "musespark1x_omni")
 LAYER_KINDS = {"sliding_attention": "swa", "full_attention": "full"}
+# The MoE of the layers an NVFP4 checkpoint keeps bf16 (its quantization's excluded modules):
+# a kind of its own, its experts held as stored (`mkc.layers.moe.MoE.graph_fields`)
+MOE_BF16 = "moe_bf16"
 # Checkpoint layout (`MuseSparkForConditionalGeneration`): the text model under
 # `model.language_model.`, its `lm_head.` at the top; the vision and audio towers, their
 # adapters and projection are skipped (decode reads text only).
@@ -53,7 +56,8 @@ REFUSED = {
 class MuseSparkDims(GQADims):
     """Upstream key names, except `experts` (num_local_experts) and `top_k`
     (num_experts_per_tok), the names the core reads; `layer_kinds` one per sublayer: the
-    attention kind (`swa` or `full`), then `moe`."""
+    attention kind (`swa` or `full`), then `moe` (`moe_bf16` where the checkpoint keeps the
+    layer's experts bf16)."""
 
     sliding_window: int
     qk_scale_factor: float
@@ -123,12 +127,14 @@ def read_dims(top: Mapping, name: str) -> MuseSparkDims:
     if vocab_used > ints["vocab_size"]:
         raise ConfigError(f"vocab_used = {vocab_used} exceeds vocab_size ({ints['vocab_size']})",
                           "vocab_used counts the ids the tokenizer emits, the first rows")
+    checkpoint = _checkpoint_fields(raw, top, n)
+    bf16 = checkpoint.get("expert_checkpoint_bf16_layers", ())
     return MuseSparkDims(
         family=FAMILY_NAME, name=identifier(name), **ints, **floats, **heads,
         rotary_dim=rope["rotary_dim"], rope_theta=rope["rope_theta"],
-        layer_kinds=tuple(k for t in types for k in (LAYER_KINDS[t], "moe")),
-        experts=experts, top_k=top_k, vocab_used=vocab_used, norm_topk_prob=True,
-        **_checkpoint_fields(raw, top, n))
+        layer_kinds=tuple(k for i, t in enumerate(types)
+                          for k in (LAYER_KINDS[t], MOE_BF16 if i in bf16 else "moe")),
+        experts=experts, top_k=top_k, vocab_used=vocab_used, norm_topk_prob=True, **checkpoint)
 
 
 def _checkpoint_fields(raw: Mapping, top: Mapping, layers: int) -> dict[str, Any]:

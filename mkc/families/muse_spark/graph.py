@@ -1,5 +1,6 @@
 """The Muse Spark decode graph: each model layer runs as two sublayers of the layer loop, its
-attention (`swa` on sliding layers, `full` on full ones), then its MoE (`moe`), each between
+attention (`swa` on sliding layers, `full` on full ones), then its MoE (`moe`; `moe_bf16` in
+the layers whose experts the NVFP4 release keeps bf16, held so), each between
 the gated residuals' centred pre-norm and gated update (`mkc.layers.gated_residuals`).
 
 The attention is the layer library's GQA with Muse Spark's options: a weightless per-head RMS
@@ -20,7 +21,7 @@ columns over `latent_down` and `latent_up`, all-gathered. The router is whole on
 """
 from __future__ import annotations
 
-from mkc.families.muse_spark.config import MuseSparkDims
+from mkc.families.muse_spark.config import MOE_BF16, MuseSparkDims
 from mkc.ir import WeightFormat
 from mkc.layers.decoder import vocab_globals
 from mkc.layers.gated_residuals import GatedAdd, GatedPre
@@ -36,10 +37,10 @@ ATTENTION = {"swa": GQA(sliding=True, **_ATTENTION), "full": GQA(rope=False, **_
 LATENT = Latent(width="moe_hidden_size", down="pre_expert_proj.weight", up="post_expert_proj.weight",
                 norm="pre_expert_norm.weight", norm_at="input", norm_weight="zero_centred",
                 expert_norm="experts.post_expert_norm.weight")
-MOE = MoE(routing=SCALED_SIGMOID, latent=LATENT, residual=False)
+MOE = MoE(routing=SCALED_SIGMOID, latent=LATENT, residual=False, bf16_kind=MOE_BF16)
 LAYERS = {
     **{kind: (GatedPre("attn"), sub, GatedAdd("attn", ("attn_out",))) for kind, sub in ATTENTION.items()},
-    "moe": (GatedPre("mlp"), MOE, GatedAdd("mlp", ("mlp_out",))),
+    **{kind: (GatedPre("mlp"), MOE, GatedAdd("mlp", ("mlp_out",))) for kind in ("moe", MOE_BF16)},
 }
 # The routed experts' classes and formats, the bf16 checkpoint's (the NVFP4 release's: the
 # family asks the model, `MOE.weight_formats(dims)`).
@@ -52,7 +53,8 @@ def build(d: MuseSparkDims, rules: dict[str, tuple[int, int]], ranks: int,
     ShardingError names the rule that does not fit, FormatError the expert format."""
     ways = {"heads": rules["heads"][0], **expert_split(rules, ranks, "muse_spark"),
             "latent_down": rules["latent_down"][0], "latent_up": rules["latent_up"][0]}
-    kinds, per_rank = layer_kinds(LAYERS, d, ways,
+    run = {k: v for k, v in LAYERS.items() if k in d.layer_kinds}     # moe_bf16 in an NVFP4 model's
+    kinds, per_rank = layer_kinds(run, d, ways,
                                   swa={"context_limit": window_limit(d), "window": d.sliding_window})
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
     per_rank["window"] = d.sliding_window

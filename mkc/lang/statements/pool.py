@@ -12,7 +12,7 @@ SYNTAX = Syntax(r'''
 // A weight view holds whole matrices of the kinds listed; a slot view holds N routed experts.
 pool_stmt: "pool" NAME "{" pool_view+ "}"
 pool_view: "view" NAME ":" view_kind ("," view_kind)*   -> view_weights
-         | "view" NAME ":" INT "slots" "of" NAME          -> view_slots
+         | "view" NAME ":" INT ("slots" | "slot") "of" NAME   -> view_slots
 view_kind: NAME "(" name_list ")"
 ''')
 

@@ -25,10 +25,10 @@ def expert_matmul(c: Layer, k, x: jax.Array, name: str, group: int) -> jax.Array
     checkpoint's blocks (`fp8 block R x C`), its codes and its f32 scales; `int4 block N`: a
     bf16 dot of the codes' integers per block times its bf16 scale; `nvfp4`: the checkpoint's
     values decoded to bf16 per pack group, the product times the f32 global scale."""
-    fmt = c.kernel.formats[f"expert.{name}"]
+    fmt = c.weight_format(f"expert.{name}")
     if fmt.name == "bf16":
         return c.expert_matmul(k, name, x)
-    slots, buf = c.kernel.experts, getattr(c.refs, c.kernel.experts.pool)
+    slots, buf = c.experts, getattr(c.refs, c.experts.pool)
     c_row, c_rows, c_cols = expert_slots.matrix(slots, c.refs, k, name + "_codes")
     scales = expert_slots.read_u8(slots, c.refs, k, name + "_scales")
     if fmt.cols:

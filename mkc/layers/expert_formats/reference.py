@@ -12,14 +12,14 @@ from mkc.layers.expert_formats import feeds_codes
 from mkc.reference.rounding import Rounding, chunked_linear
 
 
-def expert_operands(rounding: Rounding, matrix: str) -> str | None:
+def expert_operands(rounding: Rounding, matrix: str, kind: str | None = None) -> str | None:
     """How the kernel's dots take expert matrix `matrix` (`gate_up`, `down`) in the spec's
     format: FP8 codes fed as they are (`feeds_codes`) or FP4 codes (always fed as they are) in
     a mixed dot, else bf16 values (int4's integers and nvfp4's decoded values too: bf16 dots,
     `int4_linear`, `nvfp4_linear`). FP8 requantized from bf16 and FP4's values are the
     requantized ones: the caller passes the checkpoint as the kernel holds it (the generated
     module's `requantized_weights`)."""
-    fmt = rounding.weight_format(f"expert.{matrix}")
+    fmt = rounding.weight_format(f"expert.{matrix}", kind)
     if fmt is not None and fmt.name == "fp4":
         return "mixed_fp4"
     if fmt is not None and fmt.name in ("int4", "nvfp4"):

@@ -144,6 +144,10 @@ class MoE(Sublayer):
     # their shares), each share lane padded with zero columns
     router_split: bool = False
     residual: bool = True          # its own pre-norm and residual add (else the family's)
+    # The layer kind of the layers an NVFP4 checkpoint keeps bf16 (`bf16_expert_layers`), whose
+    # experts it then holds bf16 as stored (`graph_fields`); "": those layers' experts are
+    # requantized to NVFP4 (`nvfp4 rounded`), the kernel holding one expert format.
+    bf16_kind: str = ""
 
     def op_names(self) -> tuple[str, ...]:
         shared = ("shared_gate_up", "shared_down") if self.shared_expert else ()
@@ -354,24 +358,36 @@ class MoE(Sublayer):
                        ) -> dict[str, WeightFormat]:
         """Each routed expert class's format, its block resolved to input rows
         (`mkc.layers.expert_formats.resolve`). An NVFP4 checkpoint that keeps some layers'
-        experts bf16 (`bf16_expert_layers`): the kernel holds one expert format, so `nvfp4`
-        must say `rounded`, those layers' experts requantized to NVFP4 as the quantizer would
-        have (`mkc.layers.expert_formats.weights.nvfp4_from_bf16`; `weights.requantization`
-        reports the error), every other layer's held as it is; FormatError without it."""
-        half = self.expert_half(d, tp)
+        experts bf16 (`bf16_expert_layers`): where those layers run as a kind of their own
+        (`bf16_kind`), `nvfp4` holds every other layer's as they are and those layers keep
+        bf16 experts (`bf16_layer_formats`), unless it says `rounded`; else the kernel holds one
+        expert format, so `nvfp4` must say `rounded`. `rounded` requantizes those layers'
+        experts to NVFP4 as the quantizer would have
+        (`mkc.layers.expert_formats.weights.nvfp4_from_bf16`; `weights.requantization` reports
+        the error), every other layer's held as it is; FormatError without it."""
         asked = dict(formats or {})
-        rounded = self._bf16_layers_rounded(d, asked)
+        rounded = self._bf16_layers_rounded(d, asked, bool(self.bf16_kind))
         asked |= {cls: dataclasses.replace(asked[cls], rounded=False) for cls in rounded}
-        out = expert_formats_lib.resolve(self.weight_formats(d), self.expert_rows(d, tp),
-                                         self.pack_groups(d, tp), asked, self.checkpoint_blocks(d),
-                                         {"gate_up": half, "down": self.expert_io(d)})
+        out = self._resolve(d, tp, self.weight_formats(d), asked)
         return out | {cls: dataclasses.replace(out[cls], rounded=True) for cls in rounded}
 
-    def _bf16_layers_rounded(self, d: Any, formats: Mapping[str, WeightFormat]) -> tuple[str, ...]:
+    def bf16_layer_formats(self, d: Any, tp: int = 1) -> dict[str, WeightFormat]:
+        """The expert classes' formats in the layers an NVFP4 checkpoint keeps bf16, held in a
+        kind of their own: bf16, as stored."""
+        return self._resolve(d, tp, Checkpoint.BF16.formats, {})
+
+    def _resolve(self, d: Any, tp: int, offered: tuple, asked: Mapping[str, WeightFormat]
+                 ) -> dict[str, WeightFormat]:
+        return expert_formats_lib.resolve(offered, self.expert_rows(d, tp), self.pack_groups(d, tp),
+                                          asked, self.checkpoint_blocks(d),
+                                          {"gate_up": self.expert_half(d, tp), "down": self.expert_io(d)})
+
+    def _bf16_layers_rounded(self, d: Any, formats: Mapping[str, WeightFormat], own_kind: bool = False
+                             ) -> tuple[str, ...]:
         """The `nvfp4 rounded` classes of a checkpoint with bf16 layers (`expert_formats`).
         FormatError for a format the model's checkpoint does not offer (a family that does not
-        ask the model, `model_formats`), or, with bf16 layers, an `nvfp4` class that does not
-        say `rounded`."""
+        ask the model, `model_formats`), or, with bf16 layers not in a kind of their own
+        (`own_kind`), an `nvfp4` class that does not say `rounded`."""
         offered = dict(self.weight_formats(d))
         for cls, fmt in formats.items():
             if cls in offered and fmt.name not in offered[cls]:
@@ -382,7 +398,7 @@ class MoE(Sublayer):
         layers = self.bf16_expert_layers(d)
         named = ", ".join(map(str, layers))
         those = "those layers'" if len(layers) > 1 else "that layer's"
-        for cls, fmt in formats.items() if layers else ():
+        for cls, fmt in formats.items() if layers and not own_kind else ():
             if fmt.name == "nvfp4" and not fmt.rounded:
                 raise FormatError(
                     cls, f"the checkpoint's routed experts are NVFP4 but for layer{'s' * (len(layers) > 1)} "
@@ -410,10 +426,32 @@ class MoE(Sublayer):
                      ) -> dict[str, Any]:
         """The `FamilyGraph` fields of a family with this kind: one routed expert's tensors (a
         rank's width slice of `tp`), the model's experts and picks, the expert classes'
-        resolved formats."""
+        resolved formats; where the layers an NVFP4 checkpoint keeps bf16 run as `bf16_kind`
+        and no `rounded` format requantizes them, that kind's experts bf16 as stored
+        (`FamilyGraph.kind_experts`)."""
         resolved = self.expert_formats(d, formats, tp)
-        return dict(experts=self.expert_tensors(d, resolved, tp), experts_total=d.experts, top_k=d.top_k,
-                    formats=resolved)
+        out = dict(experts=self.expert_tensors(d, resolved, tp), experts_total=d.experts, top_k=d.top_k,
+                   formats=resolved)
+        if self.holds_bf16_layers(d, resolved):
+            own = self.bf16_layer_formats(d, tp)
+            out |= dict(kind_experts={self.bf16_kind: self.expert_tensors(d, own, tp)},
+                        kind_formats={self.bf16_kind: own})
+        return out
+
+    def holds_bf16_layers(self, d: Any, resolved: Mapping[str, WeightFormat]) -> bool:
+        """Whether the layers an NVFP4 checkpoint keeps bf16 hold their experts so (in
+        `bf16_kind`): no `rounded` expert format requantizes them."""
+        return bool(self.bf16_kind and self.bf16_expert_layers(d)
+                    and not any(f.rounded for c, f in resolved.items() if c.startswith("expert.")))
+
+    def layer_formats(self, d: Any, prefix: str, formats: Mapping[str, WeightFormat] | None,
+                      tp: int = 1) -> dict[str, WeightFormat]:
+        """The expert classes' formats in the layer under `prefix`: bf16 where it is one an
+        NVFP4 checkpoint keeps bf16 and holds so (`holds_bf16_layers`), else `expert_formats`."""
+        resolved = self.expert_formats(d, formats, tp)
+        if self.layer_checkpoint(d, prefix) is Checkpoint.BF16 and self.holds_bf16_layers(d, resolved):
+            return self.bf16_layer_formats(d, tp)
+        return resolved
 
 
 def expert_split(rules: Mapping[str, tuple[int, int]], ranks: int, family: str) -> dict[str, int]:

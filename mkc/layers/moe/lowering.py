@@ -92,7 +92,7 @@ def group_limited(pick: jax.Array, groups: int, topk_groups: int) -> jax.Array:
 
 def _expert_bias(c: Layer, k, name: str) -> jax.Array:
     """Selected expert k's bias row `name` ([1, n] bf16 in its slot) as f32."""
-    es = c.kernel.experts
+    es = c.experts
     row, rows, cols = expert_slots.matrix(es, c.refs, k, name)
     return pool.pooled_bf16(getattr(c.refs, es.pool), row, rows, cols).astype(F32)
 

@@ -400,8 +400,8 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     # checkpoint's blocks (`fp8 block R x C`): one a group of rows under one block row, on its
     # codes, each partial product times its scales; MXFP4 experts: decoded a pack group at a
     # time; int4 and nvfp4 experts: `four_bit_linear`; bf16 experts: one bf16 dot.
-    operands = {m: expert_operands(rounding, m) for m in EXPERTS}
-    formats = {m: rounding.weight_format(f"expert.{m}") for m in EXPERTS}
+    operands = {m: expert_operands(rounding, m, kind) for m in EXPERTS}
+    formats = {m: rounding.weight_format(f"expert.{m}", kind) for m in EXPERTS}
     four_bit = {m for m in EXPERTS if getattr(formats[m], "name", "") in FOUR_BIT}
     fp8 = {m for m in EXPERTS if getattr(formats[m], "name", "") == "fp8"}
     blocks = {m for m in fp8 if formats[m].cols}
@@ -553,7 +553,7 @@ def _packed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
     a requantized checkpoint's partial products times their bf16 block scales."""
     io, width = s.expert_io(d), rounding.size("expert_width")
     groups = pack_groups({"gate_up": io, "down": width})
-    operands = {m: expert_operands(rounding, m) for m in EXPERTS}
+    operands = {m: expert_operands(rounding, m, kind) for m in EXPERTS}
     lat = rounding.mm_in(xin)
 
     def per_group(e: int, m: str, w: jax.Array, group: int, rows: slice = slice(None),

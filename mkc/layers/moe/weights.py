@@ -230,7 +230,7 @@ def expert(s: MoE, hf: Mapping, d: Any, prefix: str, local: int, rank: int, shar
         e = global_expert(d, shards, rank, local)
         return mxfp4_expert(s, hf, d, prefix, e, formats)
     out = {}
-    for cls, fmt in s.expert_formats(d, dict(formats or {}), expert_tp(shards)).items():
+    for cls, fmt in s.layer_formats(d, prefix, dict(formats or {}), expert_tp(shards)).items():
         name = cls.split(".")[1]
         if fmt.name in FOUR_BIT:
             out |= four_bit_expert_matrix(s, hf, d, prefix, local, name, rank, shards, fmt)
@@ -384,7 +384,7 @@ def four_bit_requantized(s: MoE, hf: Mapping, d: Any, resolved: Mapping[str, Wei
             continue                             # an NVFP4 layer: held as it is
         for cls, fmt in classes.items():
             if fmt.name == "nvfp4" and not fmt.rounded:
-                continue                         # packing refuses the layer
+                continue                         # held bf16 (`MoE.holds_bf16_layers`) or refused
             name = fused_tensor(s, prefix, cls)
             parts: list[list[np.ndarray]] = [[], [], []]
             for e in range(d.experts):

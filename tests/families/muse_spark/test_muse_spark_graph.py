@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from mkc import compiler
+from mkc.diagnostics import MkcError
 from mkc.families.muse_spark import graph as g
 from mkc.families.muse_spark import reference as ref
 from mkc.model.config import CONFIG_DIR
@@ -75,3 +76,38 @@ def test_the_mini_compiles_from_the_shipped_spec(tmp_path):
     c = compiler.compile_spec(Path(spec))
     assert 'logits = lower.final_logits(k, logits, SHARDS.rule("vocab"))' in c.module_source
     assert "lower.prologue(k)" in c.module_source
+
+
+def test_the_nvfp4_releases_bf16_layers_are_a_kind_holding_their_experts_bf16():
+    """The NVFP4 MINI keeps layer 0's experts bf16 (its quantization's excluded modules): that
+    layer's MoE is kind `moe_bf16`, whose experts the shipped spec holds bf16 as stored, in a
+    slot view of their own and an HBM input of their own (the others NVFP4 as released);
+    `nvfp4 rounded` requantizes them instead, one layout for both kinds."""
+    nvfp4 = ref.load_config(CONFIG_DIR / "muse_spark_mini_nvfp4.json")
+    assert nvfp4.expert_checkpoint_bf16_layers == (0,)
+    assert nvfp4.layer_kinds[:4] == ("swa", "moe_bf16", "full", "moe")
+    s = compiler.check_spec(SPEC, "muse_spark_mini_nvfp4").ir
+    assert s.experts_of("moe") == s.experts and set(s.experts) == {
+        "gate_up_codes", "gate_up_scales", "down_codes", "down_scales"}
+    assert {n: d for n, (_, d) in s.experts_of("moe_bf16").items()} == {"gate_up": "bf16", "down": "bf16"}
+    assert {c: f.spelled for c, f in s.weight_formats_of("moe_bf16").items()
+            if c.startswith("expert.")} == {"expert.gate_up": "bf16", "expert.down": "bf16"}
+    assert s.weight_formats["expert.down"].spelled == "nvfp4 block 16"       # exact: not rounded
+    views = {k: (s.kinds[k].fetch.view, s.pool_view(f"staging.{s.kinds[k].fetch.view}").slots)
+             for k in s.expert_kinds()}
+    assert views == {"moe": ("experts", 3), "moe_bf16": ("experts_bf16", 1)}
+    module = compiler.compile_spec(SPEC, "muse_spark_mini_nvfp4").module_source
+    assert "hbm='experts_hbm__moe_bf16'" in module and '"experts_hbm": ((len(KIND_LAYERS["moe"])' in module
+    text = SPEC.read_text().replace("nvfp4\n", "nvfp4 rounded\n")
+    text = text.replace("staging.experts_bf16", "staging.experts")
+    rounded = compiler.check_source(text, str(SPEC), "muse_spark_mini_nvfp4").ir
+    assert rounded.kind_experts == {} and rounded.experts_of("moe_bf16") == rounded.experts
+
+
+def test_one_slot_view_holds_one_layout():
+    """Two kinds holding their experts in different layouts cannot share a slot view."""
+    text = SPEC.read_text().replace("staging.experts_bf16", "staging.experts")
+    with pytest.raises(MkcError) as e:
+        compiler.check_source(text, str(SPEC), "muse_spark_mini_nvfp4")
+    assert ("holds the routed experts of moe, moe_bf16, whose experts are held in different layouts"
+            in str(e.value))

@@ -1,11 +1,12 @@
 """MINI Muse Spark as its NVFP4 release is (`muse_spark_mini_nvfp4`: the experts NVFP4 but
-layer 0's, kept bf16 and requantized as the spec's `nvfp4 rounded` says), compiled from the
-shipped spec (4 chips, 8 cores: every expert's width over the 8) by the generic module
-template, runs in TPU interpret mode on virtual CPU devices and matches the family's reference
-at every step from the kernel's own state: bit for bit against its rounding emulation, and
-plainly where rows are not near-ties. Rows start at positions 200 and 331, so row 1 runs past
-the MINI's 256-token window (the swa phase's KV ring). A 1 % error in any op the family
-brought into the library (`MUTANTS`) is rejected by the emulation."""
+layer 0's, kept bf16, which the shipped spec holds so: kind `moe_bf16`, its own slot view and
+HBM input), compiled from the shipped spec (4 chips, 8 cores: every expert's width over the
+8) by the generic module template, runs in TPU interpret mode on virtual CPU devices and
+matches the family's reference at every step from the kernel's own state: bit for bit
+against its rounding emulation, and plainly where rows are not near-ties. Rows start at
+positions 200 and 331, so row 1 runs past the MINI's 256-token window (the swa phase's KV
+ring). A 1 % error in any op the family brought into the library (`MUTANTS`) is rejected by
+the emulation."""
 import pytest
 
 from tests_support import (ROOT, assert_bit_equal, assert_each_mutant_rejected,
