@@ -176,7 +176,8 @@ def _vector(name: str) -> Callable:
 MUTANT_NEEDS: dict[str, Callable] = {
     "oss.sink": _vector("sinks"), "oss.qkv_bias": _vector("qkv_bias"), "oss.o_bias": _vector("o_bias"),
     "oss.router_bias": _vector("router_bias"),
-    "oss.expert_bias": lambda module: "down_bias" in module.EXPERTS.matrices,
+    "oss.expert_bias": lambda module: any("down_bias" in es.matrices
+                                          for es in module.HOST.expert_slots.values()),
     "oss.window": lambda module: getattr(module.DIMS, "sliding_window", None) is not None,
     # every GQA scales its scores; this mutant judges the factor of a model that has one
     "gqa.softmax_scale": lambda module: hasattr(module.DIMS, "qk_scale_factor"),
@@ -231,15 +232,18 @@ def _helpers(mutants: dict[str, int | None]) -> dict[str, Callable]:
 def _edit(source: str, name: str) -> tuple[str, str]:
     """Mutant `name`'s edit of `source`: of its edits, the one whose text `source` holds."""
     edits = MUTANTS[name] if isinstance(MUTANTS[name][0], tuple) else (MUTANTS[name],)
-    return next((e for e in edits if source.count(e[0]) == 1), edits[0])
+    return next((e for e in edits if e[0] in source), edits[0])
 
 
 def mutate(source: str, mutants: dict[str, int | None]) -> str:
-    """The module text with every mutant of MUTANTS in `mutants` applied (name -> its row)."""
+    """The module text with every mutant of MUTANTS in `mutants` applied (name -> its row):
+    at each layer kind's call of the op (Muse Spark's moe and moe_bf16 both run the MoE's)."""
     for index, name in enumerate(mutants):
         if name in MUTANTS:
             old, new = _edit(source, name)
-            source = _replace_once(source, old, _bind(new, index), name, "the generated module")
+            if old not in source:
+                raise ValueError(f"mutant {name}: its text is not in the generated module: {old!r}")
+            source = source.replace(old, _bind(new, index))
     return source
 
 
@@ -256,12 +260,12 @@ def _stages(value) -> list:
 
 def _applies(module, name: str) -> bool:
     """Whether mutant `name` changes `module` (a generated module, unmutated): its edit's text
-    is there once, and what it scales is."""
+    is there, and what it scales is."""
     import inspect
     import textwrap
     if name in MUTANTS:
         source = Path(module.__file__).read_text()
-        found = source.count(_edit(source, name)[0]) == 1
+        found = _edit(source, name)[0] in source
     elif name in LOWERING_MUTANTS:
         func, old, _ = LOWERING_MUTANTS[name]
         try:

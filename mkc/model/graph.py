@@ -136,11 +136,6 @@ class DecodeGraph:
         """One routed expert's tensors as layer kind `kind` holds them."""
         return self.kind_experts.get(kind, self.experts)
 
-    def formats_of(self, kind: str) -> dict:
-        """The matrix classes' formats in layer kind `kind` (its experts' own, where it holds
-        them in another layout)."""
-        return {**self.formats, **self.kind_formats.get(kind, {})}
-
     def tail_matrices(self) -> list[Tensor]:
         """Matrices after the last layer (the lm_head), in the order the step multiplies."""
         return [t for t in self.globals.values() if t.role == "matrix"]

@@ -52,8 +52,8 @@ HBM = "experts_hbm"       # the kernel input holding every local expert's slot i
 
 
 def input_name(kind: str, first: bool) -> str:
-    """The HBM input of a layer kind's routed experts: `experts_hbm` for the first kind that
-    fetches them, `experts_hbm__KIND` for a kind holding them in another layout."""
+    """The HBM input of a layer kind's routed experts (its layers' slot images): `experts_hbm`
+    for the first kind that fetches them, `experts_hbm__KIND` for each other."""
     return HBM if first else f"{HBM}__{kind}"
 
 
