@@ -222,8 +222,7 @@ def allreduce(partials: list[jax.Array], reduce: Reduce) -> jax.Array:
                 total = total + wire[base + i * stride]
             new.append(total)
         values = new
-    rows = int(np.prod(values[0].shape[:-1]))     # the kernel's rows
-    if reduce.rounded_from is not None and rows >= reduce.rounded_from:
+    if reduce.rounded_from is not None and int(np.prod(values[0].shape[:-1])) >= reduce.rounded_from:
         return round_to(values[0], reduce.gather)
     return values[0]
 

@@ -7,10 +7,14 @@ import difflib
 import keyword
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from mkc.diagnostics import MkcError, fail
 from mkc.lang import ast
 from mkc.model.graph import DecodeGraph
+
+if TYPE_CHECKING:
+    from mkc.resolve.state import ResolveState
 
 # No "__": generated code joins names with a double underscore, so user names cannot collide.
 IDENT = re.compile(r"^[a-z](?:_?[a-z0-9])*$")
@@ -72,7 +76,7 @@ def validate_module_name(name: ast.Name) -> str:
     return text
 
 
-def unused_kind(s, name: str) -> bool:
+def unused_kind(s: ResolveState, name: str) -> bool:
     """Whether `name` is a layer kind of the family that this model's layers do not run (Muse
     Spark's `moe_bf16` in its bf16 checkpoint): a spec may serve every checkpoint of a family,
     so its phase and stream and view entries are skipped, not refused."""
