@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mkc.serve.emulation import host_packed
+
 
 class ReferencePrefill:
     """prompt tokens -> the kernel's decode state of one sequence after them (numpy, leading
@@ -52,7 +54,9 @@ class ReferencePrefill:
         self._zero = {n: jnp.zeros(np.shape(a), dtypes[n]) for n, a in zero.items()}
         held, _ = gen.requantized_weights(hf)
         self.params = {n: jax.device_put(np.asarray(w)) for n, w in held.items()}
-        self._step = jax.jit(self.reference.decode_step, static_argnums=(1, 5))
+        # eagerly where some weights are packed on the host (`mkc.serve.emulation.host_packed`)
+        self._step = (self.reference.decode_step if host_packed(rounding)
+                      else jax.jit(self.reference.decode_step, static_argnums=(1, 5)))
         self.seconds = 0.0
         self.tokens = 0
 

@@ -115,6 +115,53 @@ def test_emulation_steps_equal_the_interpret_kernel_on_smollm2(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
 
 
+MUSE = (ROOT / "schedules" / "muse_spark.sched", "muse_spark_mini_nvfp4")
+
+
+def four_bit_steps() -> None:
+    """Muse Spark's NVFP4 MINI (its experts packed into their slots on the host from the
+    checkpoint's bytes) through the emulation's Device, as `mkc serve` runs it: eagerly, the
+    greedy tokens of two rows over three steps the reference's rounding emulation's (which the
+    interpret tests hold bit-equal to the kernel), their logprobs its logits'; `--prefill
+    reference`'s cache after a token the same reference's."""
+    from mkc.serve.model import prepare_devices
+    prepare_devices(MUSE[0])
+    from mkc import numerics
+    from mkc.serve.device import Device
+    from mkc.serve.emulation import EmulationSteps
+    gen, ir = _module(*MUSE)
+    steps = EmulationSteps(gen, gen.random_weights(0), numerics.rounding_from_ir(ir), 2)
+    assert steps.eager
+    served = _run(Device(gen, {}, gen.make_mesh(), 2, steps=steps), [0, 5], [11, 42], 3, None)
+    weights = {n: np.asarray(w) for n, w in steps.weights.items()}
+    state = steps.zero_state()
+    tokens, positions = np.array([11, 42], np.int32), np.array([0, 5], np.int32)
+    for step, (sampled, logprobs, *_) in enumerate(served):
+        logits, state = steps.reference.decode_step(weights, steps.cfg, state, tokens, positions,
+                                                    steps.rounding)
+        logits = np.asarray(logits, np.float64)
+        np.testing.assert_array_equal(sampled, np.argmax(logits, -1), f"step {step}")
+        top = logits.max(-1)
+        expected = logits[[0, 1], sampled] - top - np.log(np.exp(logits - top[:, None]).sum(-1))
+        np.testing.assert_allclose(logprobs, expected, rtol=1e-5, err_msg=f"step {step}")
+        tokens, positions = np.asarray(sampled, np.int32), positions + 1
+    # `--prefill reference` steps the same reference, so eagerly too
+    from mkc.serve.prefill import ReferencePrefill
+    prefill = ReferencePrefill(gen, gen.random_weights(0), steps.rounding)
+    _, expected = steps.reference.decode_step(weights, steps.cfg, prefill._zero, np.array([11], np.int32),
+                                              np.array([0], np.int32), steps.rounding)
+    for n, a in prefill.cache([11]).items():
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(expected[n], np.float32), n)
+    print("tokens", [s[0].tolist() for s in served])
+
+
+def test_four_bit_experts_serve_through_the_emulation():
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(ROOT / 'tests' / 'serve')!r}]; "
+            "from test_serve_emulation import four_bit_steps; four_bit_steps()")
+    r = run_python(["-c", code], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
 def test_refused_off_a_cpu_host(monkeypatch):
     from mkc.serve.emulation import EmulationSteps
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
