@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): a9646d37ac3f275b
+Input digest (spec, model config, mkc version): 2ac4b1d9efa1ee58
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
@@ -142,32 +142,37 @@ LAYER_KIND = (3, 2, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 
               1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1,
               3, 1, 3, 1, 3, 1, 0, 2)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 24, 32, 56, 64, 88, 96, 120, 128, 152, 160, 184, 192, 216, 224, 248, 256,
-                     280, 288, 312, 320, 344, 352, 376, 384, 408, 416, 440, 448, 472, 480, 504, 512,
-                     536, 544, 568, 576, 600, 608, 632, 640, 664, 672, 696, 704, 728, 736, 760, 768,
-                     792, 800, 824, 832, 856, 864, 888, 896, 920, 928, 952, 960, 984, 992, 1016,
-                     1024, 1048, 1056, 1080, 1088, 1112, 1120, 1144, 1152, 1176, 1184, 1208, 1216,
-                     1240, 1248, 1272, 1280, 1304, 1312, 1336, 1344, 1368, 1376, 1400, 1408, 1432,
-                     1440, 1464, 1472, 1496, 1504, 1528, 1536, 1560, 1568, 1592, 1600, 1624, 1632,
-                     1656, 1664, 1688, 1696, 1720, 1728, 1752, 1760, 1784, 1792, 1816, 1824, 1848,
-                     1856, 1880, 1888, 1912, 1920, 1944, 1952, 1976)
+LAYER_TILE_OFFSET = (0, 24, 40, 64, 80, 104, 120, 144, 160, 184, 200, 224, 240, 264, 280, 304, 320,
+                     344, 360, 384, 400, 424, 440, 464, 480, 504, 520, 544, 560, 584, 600, 624, 640,
+                     664, 680, 704, 720, 744, 760, 784, 800, 824, 840, 864, 880, 904, 920, 944, 960,
+                     984, 1000, 1024, 1040, 1064, 1080, 1104, 1120, 1144, 1160, 1184, 1200, 1224,
+                     1240, 1264, 1280, 1304, 1320, 1344, 1360, 1384, 1400, 1424, 1440, 1464, 1480,
+                     1504, 1520, 1544, 1560, 1584, 1600, 1624, 1640, 1664, 1680, 1704, 1720, 1744,
+                     1760, 1784, 1800, 1824, 1840, 1864, 1880, 1904, 1920, 1944, 1960, 1984, 2000,
+                     2024, 2040, 2064, 2080, 2104, 2120, 2144, 2160, 2184, 2200, 2224, 2240, 2264,
+                     2280, 2304, 2320, 2344, 2360, 2384, 2400, 2424, 2440, 2464)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
 FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                                tile_rows=1024, tile_cols=768)
+MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8, col_tiles=1,
+                                 tile_rows=1024, tile_cols=512)
 MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4, col_tiles=2,
                                tile_rows=1024, tile_cols=512)
+MOE_BF16_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8,
+                                      col_tiles=1, tile_rows=1024, tile_cols=512)
 MOE_BF16_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4,
                                     col_tiles=2, tile_rows=1024, tile_cols=512)
 SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
                               tile_rows=1024, tile_cols=768)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=33,
                               tile_rows=1024, tile_cols=768)
-RING = Ring(slots=12, ahead=12, total_tiles=2248, tile_shapes=((1024, 512), (1024, 768)))
-TAIL_TILE_OFFSET = 1984
+RING = Ring(slots=12, ahead=12, total_tiles=2744, tile_shapes=((1024, 512), (1024, 768)))
+TAIL_TILE_OFFSET = 2480
 # The order matrices stream in: per layer kind, then the tail after the last layer.
-STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_UP], 'moe_bf16': [MOE_BF16_LATENT_UP],
-                'swa': [SWA_QKV_GATE], 'tail': [TAIL_LM_HEAD]}
+STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_DOWN, MOE_LATENT_UP],
+                'moe_bf16': [MOE_BF16_LATENT_DOWN, MOE_BF16_LATENT_UP], 'swa': [SWA_QKV_GATE],
+                'tail': [TAIL_LM_HEAD]}
 
 # Per-layer vectors: kind -> family -> (first row, rows, width) in a layer's f32 block.
 VECTORS = Parity(ahead=1, rows=8, cols=8192,
@@ -231,10 +236,8 @@ N_COLLECTIVE_COUNTERS = 11
 # semaphore), copied in by the layer before.
 VIEW = WeightView(pool='staging',
                   matrices={'full': {'o_proj': (0, 1024, 8192, 0)},
-                            'moe': {'latent_down': (0, 8192, 512, 0),
-                                    'router': (32768, 8192, 512, 1)},
-                            'moe_bf16': {'latent_down': (0, 8192, 512, 0),
-                                         'router': (32768, 8192, 512, 1)},
+                            'moe': {'router': (0, 8192, 512, 0)},
+                            'moe_bf16': {'router': (0, 8192, 512, 0)},
                             'swa': {'o_proj': (0, 1024, 8192, 0)}})
 
 # Routed experts, copied into the pool's slots as routing picks them, one copy each (HBM holds
@@ -259,8 +262,11 @@ KINDS = {
     'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
                      caches=('full__key', 'full__value'), kv=KvTiles(tokens=512, slots=4, ahead=4),
                      kv_rows='full_kv_rows'),
-    'moe': KindPlan(streamed={'latent_up': (0, MOE_LATENT_UP)}, states={}, copies=()),
-    'moe_bf16': KindPlan(streamed={'latent_up': (0, MOE_BF16_LATENT_UP)}, states={}, copies=()),
+    'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN), 'latent_up': (8, MOE_LATENT_UP)},
+                    states={}, copies=(), refill=(8, 2, 0)),
+    'moe_bf16': KindPlan(streamed={'latent_down': (0, MOE_BF16_LATENT_DOWN),
+                                   'latent_up': (8, MOE_BF16_LATENT_UP)},
+                         states={}, copies=(), refill=(8, 2, 0)),
     'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
                     caches=('swa__key', 'swa__value'),
                     kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304), kv_rows='swa_kv_rows')
@@ -282,9 +288,9 @@ def _layer_full(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 69: prefetch next staging.dense
+    c.prefetch_view()   # spec line 70: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 8 rows
-    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 68
+    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 69
     lower.attn_residual(c, attn_out)
 
 
@@ -294,26 +300,26 @@ def _layer_moe(k: Kernel, layer):
     c = k.layer("moe", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.pre_ffn_norm(c)
-    c.wait_pooled("latent_down")   # staging.dense: before its first reader
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 77
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 78
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 76: fetch experts -> staging.experts, the first slots now
+    # spec line 77: fetch experts -> staging.experts, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 77
+    latent_in = latent_in_in_flight.finish()   # spec line 78
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 83: prefetch next staging.dense
+    c.prefetch_view()   # spec line 84: prefetch next staging.dense
+    c.refill_ring()   # spec line 87: refill after routed_experts from 2 rows
     # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 81
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 82
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 84: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 88: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -323,26 +329,26 @@ def _layer_moe_bf16(k: Kernel, layer):
     c = k.layer("moe_bf16", layer)
     c.vectors_arrive()   # this layer's vectors; issue the next ones
     h = lower.pre_ffn_norm(c)
-    c.wait_pooled("latent_down")   # staging.dense: before its first reader
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 92
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 96
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 91: fetch experts -> staging.experts_bf16, the first slots now
+    # spec line 95: fetch experts -> staging.experts_bf16, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 92
+    latent_in = latent_in_in_flight.finish()   # spec line 96
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts_bf16 is free from here
-    c.prefetch_view()   # spec line 95: prefetch next staging.dense
+    c.prefetch_view()   # spec line 99: prefetch next staging.dense
+    c.refill_ring()   # spec line 100: refill after routed_experts from 2 rows
     # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 93
+    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 97
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 96: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 101: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -360,9 +366,9 @@ def _layer_swa(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 63: prefetch next staging.dense
+    c.prefetch_view()   # spec line 64: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 8 rows
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 62
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 63
     lower.attn_residual(c, attn_out)
 
 
@@ -409,9 +415,7 @@ HBM_SHAPES = {
     "vectors_hbm": ((N_LAYERS, VECTORS.rows, VECTORS.cols), F32),
     "head_norm_hbm": ((8, HIDDEN), F32),
     "pool__full__o_proj": ((len(KIND_LAYERS["full"]), 1024, 8192), BF16),
-    "pool__moe__latent_down": ((len(KIND_LAYERS["moe"]), 8192, 512), BF16),
     "pool__moe__router": ((len(KIND_LAYERS["moe"]), 8192, 512), BF16),
-    "pool__moe_bf16__latent_down": ((len(KIND_LAYERS["moe_bf16"]), 8192, 512), BF16),
     "pool__moe_bf16__router": ((len(KIND_LAYERS["moe_bf16"]), 8192, 512), BF16),
     "pool__swa__o_proj": ((len(KIND_LAYERS["swa"]), 1024, 8192), BF16),
     "experts_hbm": ((len(KIND_LAYERS["moe"]), EXPERTS['moe'].local_experts,
@@ -494,7 +498,7 @@ SCRATCH_SHAPES = {
     "sums__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
     "sums__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
-    "pool_sem": dma_sems((2,)),   # pooled matrix copies
+    "pool_sem": dma_sems((1,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies
     "expert_list": smem((EXPERTS['moe'].local_experts,), jnp.int32),   # picked local experts
     "expert_count": smem((1,), jnp.int32),   # how many

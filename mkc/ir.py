@@ -503,6 +503,24 @@ class ViewCopy:
 
 
 @dataclass(frozen=True)
+class RingRefill:
+    """`refill RING after OP [from N rows | up to N rows]`: in kernels of `from_rows` to
+    `to_rows` rows (0: any), the ring's refills for the layer's first `tiles` tiles (those its
+    ops consume up to `after_op`, a prefix of the kind's stream) start right after `after_op`,
+    before its collectives, rather than as each tile is consumed."""
+
+    after_op: str
+    tiles: int
+    from_rows: int = 1
+    to_rows: int = 0
+    span: Span = field(compare=False, default_factory=Span.unknown)
+
+    def applies(self, rows: int) -> bool:
+        """Whether the kernel of `rows` rows holds the refills back."""
+        return self.from_rows <= rows and (not self.to_rows or rows <= self.to_rows)
+
+
+@dataclass(frozen=True)
 class ScratchMeasure:
     """VMEM libtpu allocates for one compiled kernel beyond what mkc counts (the register
     allocator's spill slots, Mosaic's internal scratch, allocation rounding): its use read from
@@ -592,6 +610,7 @@ class KindSchedule:
     pooled: dict[str, str] = field(default_factory=dict)   # matrix family -> "pool.view"
     prefetch: ViewCopy | None = None
     fetch: ViewCopy | None = None
+    refill: RingRefill | None = None
 
 
 @dataclass(frozen=True)

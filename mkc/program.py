@@ -14,8 +14,8 @@ import dataclasses
 
 from mkc import ir
 from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, Op, OverlapAdvance,
-                       OverlapFinish, OverlapStart, PoolWait, Prefetch, ScopeClose, ScopeOpen,
-                       Start, Step, Vectors, ViewClose, Wait)
+                       OverlapFinish, OverlapStart, PoolWait, Prefetch, Refill, ScopeClose,
+                       ScopeOpen, Start, Step, Vectors, ViewClose, Wait)
 
 
 def _view_readers(k: ir.KindSchedule) -> tuple[dict[int, list[str]], dict[str, int]]:
@@ -54,10 +54,8 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
         if p == 0:
             steps.append(Vectors(p))
             # copies of the previous layer of this kind that drain here
-            steps.extend(Drain(p, transfer=t) for t in k.transfers
-                         for _ in range(t.drain))
-        steps.extend(Wait(p, transfer=t) for t in k.transfers
-                     if t.start < p and p in t.waits)
+            steps.extend(Drain(p, transfer=t) for t in k.transfers for _ in range(t.drain))
+        steps.extend(Wait(p, transfer=t) for t in k.transfers if t.start < p and p in t.waits)
         opening = [(i, sc) for i, sc in enumerate(scopes) if sc[1] == p]
         opening_buffers = {b.name for _, sc in opening for b in scoped(sc)}
         transfers_at(p, opening_buffers, inside=False)
@@ -97,11 +95,12 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
             if advances[c]:
                 advances[c] -= 1
                 steps.append(OverlapAdvance(i, collective=c))
-        steps.extend(ViewClose(i, view=v) for v, last in sorted(last_reader.items())
-                     if last == i)
+        steps.extend(ViewClose(i, view=v) for v, last in sorted(last_reader.items()) if last == i)
         # A prefetch from the next point starts before this op's collectives: it needs no
-        # value, only its view free (no collective reads a pool), and HBM idles under them.
+        # value, only its view free (no collective reads a pool), and HBM idles under them;
+        # so do the ring refills held back to here.
         copies(i + 1, prefetch)
+        steps.extend(Refill(i + 1) for r in (k.refill,) if r is not None and r.after_op == op)
         for table in (after, gathers):
             if op in table:
                 step = dataclasses.replace(table[op], point=i)

@@ -291,6 +291,7 @@ class StepTracer:
         # Worst case for routed experts: every row picks top_k experts of this rank's group.
         local = s.per_rank.get("local_experts", 0)
         self.expert_count = min(s.top_k * s.rows_max if opts.experts is None else opts.experts, local)
+        self.rows = opts.batch or s.rows_max     # the traced kernel's rows
 
     def _add_run(self, f: ir.StreamFamily) -> None:
         """A family's run of tiles as traced: each tile's bytes (a column block's last row tile
@@ -329,15 +330,20 @@ class StepTracer:
                           nbytes=self.tile_bytes[t], tag=self.ring_tile(t), where=where,
                           span=st.span)
 
-    def consume_tiles(self, family: ir.StreamFamily, first: int, where: str) -> int:
-        """Consume the family's run of tiles from `first`; returns the next tile."""
+    def consume_tiles(self, family: ir.StreamFamily, first: int, where: str,
+                      held: list[int] | None = None) -> int:
+        """Consume the family's run of tiles from `first`; returns the next tile. Each tile's
+        refill starts as it is consumed, or joins `held` (`refill`: started later)."""
         st, tb = self.s.stream, self.tb
         for t in range(first, first + self.traced(family.tiles)):
             # The consumer waits for its own family's tile size.
             tb.wait(sem=("ring", t % st.slots), nbytes=self.tile_bytes[t], where=where, span=st.span)
             tb.read(st.ring, t % st.slots, self.ring_tile(t), where, st.span,
                     self.tile_bytes[t] if self.opts.compute else 0)
-            self.start_tile(t + st.ahead, where)
+            if held is None:
+                self.start_tile(t + st.ahead, where)
+            elif t + st.ahead < self.total_tiles:
+                held.append(t + st.ahead)
         return first + self.traced(family.tiles)
 
     def start_vectors(self, layer: int, where: str) -> None:
@@ -431,6 +437,7 @@ class LayerTrace:
     seen: int                     # layers of this kind already run
     tile: int                     # the next ring tile this layer consumes
     holds: dict = field(init=False)     # the tag each state buffer holds, as ops update it
+    held_refills: list = field(init=False)   # ring refills held back to a `Refill` step
 
     def __post_init__(self) -> None:
         s = self.tracer.s
@@ -440,6 +447,7 @@ class LayerTrace:
         self.vector_families = {name for name, _ in self.k.vectors}
         self.loaded = {t.state: t.buffer for t in self.k.transfers if t.direction == "load"}
         self.holds = {t.buffer: LayerState(self.layer) for t in self.k.transfers}
+        self.held_refills = []
 
     def where(self, p: int) -> str:
         if p == 0:

@@ -285,8 +285,9 @@ def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name
             kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead,
                                                      k.kv.ring),
                            kv_rows=k.kv.rows_buffer)
+        refill = (k.refill.tiles, k.refill.from_rows, k.refill.to_rows) if k.refill else ()
         plans.kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states,
-                                      copies=tuple(copies), **kv_plan)
+                                      copies=tuple(copies), refill=refill, **kv_plan)
         if k.kv is not None:
             plans.sems.append(plans.kinds[kname].kv_sem)
         for sname in sorted(k.states):

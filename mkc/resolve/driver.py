@@ -29,6 +29,7 @@ from mkc.resolve.model import resolve_model
 from mkc.resolve.parity import resolve_parity
 from mkc.resolve.phases import resolve_layer_kinds, resolve_phases
 from mkc.resolve.pools import resolve_pools
+from mkc.resolve.refills import resolve_refills
 from mkc.resolve.settings import resolve_batch, resolve_vmem
 from mkc.resolve.sharding import resolve_sharding
 from mkc.resolve.state import ResolveState
@@ -128,9 +129,13 @@ PASSES: tuple[Pass, ...] = checked((
     # copies into pool views
     Pass("views", resolve_views, reads=("dims", "graph", "phases", "pools", "phase_schedules"),
          writes=("view_copies",)),
+    # ring refills held back to a later point
+    Pass("refills", resolve_refills, reads=("sched", "batch", "verify_rows", "verify_sequences",
+                                            "phases", "phase_schedules", "stream"),
+         writes=("refills",)),
     # each layer kind's schedule, assembled
     Pass("kinds", resolve_kinds, reads=("phase_schedules", "kv_rings", "collectives",
-                                        "view_copies"),
+                                        "view_copies", "refills"),
          writes=("kinds",)),
     # every VMEM buffer, names unique
     Pass("buffers", resolve_buffers,

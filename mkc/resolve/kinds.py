@@ -1,6 +1,7 @@
 """Pass `kinds`: each layer kind's schedule, assembled from the parts earlier passes resolved
 (each the one writer of its part): the schedule its phase block writes (`phases`), its KV
-ring (`kv_ring`), its collectives (`collectives`) and its copies into pool views (`views`)."""
+ring (`kv_ring`), its collectives (`collectives`), its copies into pool views (`views`) and
+its held-back ring refills (`refills`)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,5 +17,6 @@ def resolve_kinds(s: ResolveState) -> ResolveState:
                                allreduces=collectives.allreduces,
                                allgathers=collectives.allgathers,
                                exchanges=collectives.exchanges,
-                               fetch=copies.fetch, prefetch=copies.prefetch)
+                               fetch=copies.fetch, prefetch=copies.prefetch,
+                               refill=s.refills[kname])
     return replace(s, kinds=kinds)

@@ -94,6 +94,7 @@ class ResolveState:
     embed_reduce: ir.AllReduce | None = None
     reduce_buffers: tuple[ir.Buffer, ...] | None = None
     view_copies: dict[str, ViewCopies] | None = None    # views: each layer kind's pool copies
+    refills: dict[str, ir.RingRefill | None] | None = None   # refills: each kind's held-back ring refills
     kinds: dict[str, ir.KindSchedule] | None = None     # kinds: each layer kind's schedule
     buffers: list[ir.Buffer] | None = None        # every VMEM buffer of the kernel
     hbm_bytes_per_rank: dict[str, int] | None = None

@@ -61,6 +61,10 @@ class KindPlan:
     caches: tuple[str, ...] = ()              # HBM caches, in the order bodies pass new rows
     kv: kv.KvTiles | None = None
     kv_rows: str = ""                         # VMEM tile buffer of the KV row writes
+    # `refill` (`mkc.ir.RingRefill`): (tiles, from_rows, to_rows), the layer's first tiles
+    # whose ring refills wait for `refill_ring` in kernels of from_rows to to_rows rows (0: any);
+    # () for none
+    refill: tuple[int, int, int] = ()
 
     @property
     def kv_sem(self) -> str:
@@ -247,7 +251,9 @@ class Layer:
         whole tiles) or, for a pooled matrix, from the weight view (exact columns)."""
         if name in self.plan.streamed:
             offset, tiling = self.plan.streamed[name]
-            return ring.matmul(self.kernel.ring, self.kernel.ring_refs, h, self.first_tile + offset, tiling)
+            held = self._refills_held() and offset < self.plan.refill[0]
+            return ring.matmul(self.kernel.ring, self.kernel.ring_refs, h, self.first_tile + offset,
+                               tiling, refill=not held)
         row, rows, cols, _ = self.kernel.view.matrices[self.kind][name]
         return pool.pooled_matmul(h, getattr(self.refs, self.kernel.view.pool), row, rows, cols)
 
@@ -259,6 +265,18 @@ class Layer:
 
     def wait_pooled(self, name: str) -> None:
         pool.wait_matrix(self.kernel.view, self.refs, self.kind, name, self.si)
+
+    def _refills_held(self) -> bool:
+        if not self.plan.refill:
+            return False
+        _, low, high = self.plan.refill
+        return low <= self.B and (not high or self.B <= high)
+
+    def refill_ring(self) -> None:
+        """Start the ring refills held back for this layer's first tiles (`refill`)."""
+        if self._refills_held():
+            ring.start_after(self.kernel.ring, self.kernel.ring_refs, self.first_tile,
+                             self.plan.refill[0])
 
     def prefetch_view(self) -> None:
         """Start the next loop layer's pooled matrices into the weight view."""

@@ -116,12 +116,24 @@ def fill(ring: Ring, refs: RingRefs) -> None:
         start_tile(ring, refs, t)
 
 
-def matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatrix) -> jax.Array:
+def start_after(ring: Ring, refs: RingRefs, first_tile, tiles: int) -> None:
+    """The refills held back for tiles first_tile .. first_tile + tiles - 1: each tile `ahead`
+    after one of them (`refill`, `mkc.ir.RingRefill`)."""
+    for k in range(tiles):
+        t = first_tile + k + ring.ahead
+
+        @pl.when(t < ring.total_tiles)
+        def _():
+            start_tile(ring, refs, t)
+
+
+def matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatrix,
+           refill: bool = True) -> jax.Array:
     """h [B, rows] @ matrix m, whose tiles are ring tiles first_tile.. -> [B, col_tiles *
     tile_cols] f32 (columns past m.cols are the zero padding). Each consumed tile starts the tile
-    `ahead` after it."""
+    `ahead` after it, unless `refill` is False (held back: `start_after`)."""
     if m.codes != "bf16":
-        return _codes_matmul(ring, refs, h, first_tile, m)
+        return _codes_matmul(ring, refs, h, first_tile, m, refill)
     tr, tc = m.tile_rows, m.tile_cols
     _stage(refs, h, m)
 
@@ -141,9 +153,10 @@ def matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatr
             def _():
                 refs.acc[j, :, :tc] = refs.acc[j, :, :tc] + part
 
-        @pl.when(t + ring.ahead < ring.total_tiles)
-        def _():
-            start_tile(ring, refs, t + ring.ahead)
+        if refill:
+            @pl.when(t + ring.ahead < ring.total_tiles)
+            def _():
+                start_tile(ring, refs, t + ring.ahead)
         return carry
 
     lax.fori_loop(0, m.tiles, tile, 0)
@@ -189,8 +202,8 @@ def codes_dot(x: jax.Array, packed: jax.Array, codes: str, fp8_operand: bool = T
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatrix
-                  ) -> jax.Array:
+def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatrix,
+                  refill: bool = True) -> jax.Array:
     """`matmul` of a matrix stored as 8-bit codes: each tile's codes in a mixed dot
     (`codes_dot`), the column block's sum times its scales, which its last row tile carries
     after its codes (bf16 values in the first of the scale rows)."""
@@ -230,9 +243,10 @@ def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: Strea
                 def _():
                     refs.acc[j, :, :tc] = refs.acc[j, :, :tc] + part
 
-        @pl.when(t + ring.ahead < ring.total_tiles)
-        def _():
-            start_tile(ring, refs, t + ring.ahead)
+        if refill:
+            @pl.when(t + ring.ahead < ring.total_tiles)
+            def _():
+                start_tile(ring, refs, t + ring.ahead)
         return carry
 
     lax.fori_loop(0, m.tiles, tile, 0)

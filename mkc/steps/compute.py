@@ -22,7 +22,10 @@ class Op(Step):
         w = f"{t.label} {op}"
         tracer.op_event(t.kname, op, layer, w)
         if op in k.matmuls and k.matmuls[op] not in k.pooled:
-            t.tile = tracer.consume_tiles(t.families[k.matmuls[op]], t.tile, w)
+            r = k.refill
+            held = (t.held_refills if r is not None and r.applies(tracer.rows)
+                    and self.point <= k.ops.index(r.after_op) else None)
+            t.tile = tracer.consume_tiles(t.families[k.matmuls[op]], t.tile, w, held)
         for fam, view_id in sorted(k.pooled.items()):
             if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
                 tb.read(view_id, fam, LayerMatrix(layer, fam), w, tracer.views[view_id].span,
