@@ -86,20 +86,19 @@ K3_DENSE_ATTENTION = (
     ("    prefetch next staging.attention after down", "    # (no view to prefetch: kda)"))
 
 
-# Muse Spark with its attention and latent classes as codes: o_proj streams after qkv_gate and
-# latent_down before latent_up, so the pool's dense view holds the router only, copied under
-# the o_proj sum as before; the MoE has no next view to prefetch.
+# Muse Spark with its attention and latent classes as codes: o_proj streams after qkv_gate (as
+# latent_down does in the shipped spec), so the pool's dense view holds the router only, copied
+# under the o_proj sum as before; the MoE has no next view to prefetch.
 MUSE_DENSE_STREAMED = (
-    ("view dense: swa(o_proj), full(o_proj), moe(latent_down, router), moe_bf16(latent_down, router)",
+    ("view dense: swa(o_proj), full(o_proj), moe(router), moe_bf16(router)",
      "view dense: moe(router), moe_bf16(router)"),
-    ("    moe: latent_up\n", "    moe: latent_down, latent_up\n"),
-    ("    moe_bf16: latent_up\n", "    moe_bf16: latent_down, latent_up\n"),
     ("    swa: qkv_gate\n", "    swa: qkv_gate, o_proj\n"),
     ("    full: qkv_gate\n", "    full: qkv_gate, o_proj\n"),
     ("    # the next layer's o_proj, once the experts are done with the pool\n"
      "    prefetch next staging.dense after routed_experts",
      "    # (o_proj streams)\n    #"),
-    ("    # then the next layer's o_proj\n    prefetch next staging.dense after routed_experts",
+    ("    # then the next layer's o_proj, and the ring's refills\n"
+     "    prefetch next staging.dense after routed_experts",
      "    # (o_proj streams)\n    #"))
 
 # The edits a spec's dense variants need beyond their `format` lines (a class as codes streams).
