@@ -372,7 +372,8 @@ def _serve_here(args, leader) -> int:
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host        # an IPv6 address in a URL
     print(f"mkc serve: {served.name} ready at http://{shown}:{port} (first step "
-          f"{seconds:.1f} s; backend {engine.backend}: {backend_text(engine.backend, served)})",
+          f"{seconds:.1f} s; backend {engine.backend}: "
+          f"{backend_text(engine.backend, served, engine.device.steps.eager)})",
           file=sys.stderr, flush=True)
     serve(served, engine, sock, limits=Limits(args.max_body_bytes, args.max_prompt_tokens,
                                               args.header_timeout, args.api_docs))
@@ -414,7 +415,8 @@ def _start_engine(args, leader):
                                            "--batch and --seed")) from None
         print(f"mkc serve: process 0 of {leader.processes}: serving; the other processes run "
               f"its launches{_replica_note(served)}", file=sys.stderr, flush=True)
-    print(f"mkc serve: compiling the step at batch {batch} ({backend_text(engine.backend, served)})",
+    eager = engine.device.steps.eager
+    print(f"mkc serve: compiling the step at batch {batch} ({backend_text(engine.backend, served, eager)})",
           file=sys.stderr, flush=True)
     from mkc.serve.engine import LockstepFailure
     try:
@@ -425,10 +427,12 @@ def _start_engine(args, leader):
                                        "weights; see the other processes' logs")) from None
 
 
-def backend_text(backend: str, served) -> str:
-    """What runs the decode step, as the serve's log lines name it."""
+def backend_text(backend: str, served, eager: bool = False) -> str:
+    """What runs the decode step, as the serve's log lines name it (`eager`: the emulation's
+    step is not jitted, `mkc.serve.emulation.host_packed`)."""
     if backend == "emulation":
-        return "the kernel's rounding emulation under jit on CPU"
+        return ("the kernel's rounding emulation, eagerly (its experts packed on the host), on CPU"
+                if eager else "the kernel's rounding emulation under jit on CPU")
     if served.interpret is not None:
         return "the kernel in TPU interpret mode on CPU"
     return "the kernel on device"

@@ -1,5 +1,5 @@
-"""Pass `refills`: each phase's `refill RING after OP [from N rows]`, the ring refills of the
-tiles its layer consumes up to OP held back until OP is done."""
+"""Pass `refills`: each phase's `refill RING after OP [from N rows | up to N rows]`, the ring
+refills of the tiles its layer consumes up to OP held back until OP is done."""
 from __future__ import annotations
 
 from dataclasses import replace

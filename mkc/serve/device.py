@@ -131,6 +131,7 @@ class KernelSteps:
     is the other, with the same members."""
 
     name = "kernel"
+    eager = False                    # a compiled step (the emulation's may run eagerly)
 
     def __init__(self, gen: Any, weights: dict, mesh: Any, batch: int, interpret: Any = None):
         self.gen, self.weights, self.mesh, self.batch = gen, weights, mesh, batch

@@ -70,8 +70,8 @@ def host_packed(rounding: Any) -> bool:
 
 
 class EmulationSteps:
-    """The decode step at `batch` rows as the kernel's rounding emulation, jitted, on the
-    reference's state layout. `gen`: the generated module; `hf`: its HF-named weights;
+    """The decode step at `batch` rows as the kernel's rounding emulation, jitted (or eager:
+    `host_packed`), on the reference's state layout. `gen`: the generated module; `hf`: its HF-named weights;
     `rounding`: `numerics.rounding_from_ir` of the schedule it was compiled from. Raises
     ValueError off a CPU host."""
 
