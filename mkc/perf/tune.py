@@ -4,11 +4,11 @@ The knobs are the numbers and choices of the spec that move memory, not what is 
 the weight ring's slots, its tile bound and how far the stream runs ahead; each phase's KV tile
 stream (slots, tokens per tile, ahead); each pool's expert slots; which of a kind's matrices a
 pool's weight view holds whole and which stream through the ring; where each `prefetch next`
-starts; each all-reduce's algorithm (direct, or two_level within a chip or a host where the
-topology has more than one; one-shot or `scatter`, at every kernel width or from the widest
-kernel's rows; run at once or `overlap`ped), and whether each all-gather overlaps. Knobs are
-found in the spec's AST and each is edited in place, as the few tokens of its statement that
-change: layout and every other token stay.
+starts and each `refill` releases; each all-reduce's algorithm (direct, or two_level within a
+chip or a host where the topology has more than one; one-shot or `scatter`, at every kernel
+width or from the widest kernel's rows; run at once or `overlap`ped), and whether each
+all-gather overlaps. Knobs are found in the spec's AST and each is edited in place, as the few
+tokens of its statement that change: layout and every other token stay.
 
 The objective is the mean of the modelled step times at the spec's smallest and largest batch
 (its `batch A to B`; one batch if A == B), at its context. Every candidate is parsed, resolved
@@ -141,7 +141,7 @@ def _mult128(v: int) -> bool:
 def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
     """Every tunable setting of the spec, with its source runs and neighbourhoods: the rings',
     the pools' expert slots, where each pooled kind's matrices live (pool view or ring), then
-    each phase's KV tiles, all-reduce algorithms and prefetches."""
+    each phase's KV tiles, all-reduce algorithms, prefetches and held-back refills."""
     knobs = _ring_knobs(sched, src) + _pool_knobs(sched, src) + _placement_knobs(sched, src, s)
     algorithms, scatters = _allreduce_algorithms(s), _scatter_forms(s)
     for phase in sched.phases:
@@ -150,6 +150,7 @@ def find_knobs(sched: ast.Schedule, src: SpecSource, s: ir.ScheduleIR) -> list[K
         knobs += _allreduce_knobs(phase, kname, src, algorithms, scatters, s)
         knobs += _allgather_knobs(phase, kname, src, s)
         knobs += _prefetch_knobs(phase, kname, src, s)
+        knobs += _refill_knobs(phase, kname, src, s)
     return knobs
 
 
@@ -402,6 +403,23 @@ def _prefetch_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.Schedul
                           (cur,), (Slot(a, b),), lambda v: (v[0],),
                           lambda v, points=points: _point_nb(points, v[0]),
                           lambda v: v[0]))
+    return knobs
+
+
+def _refill_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
+    """After which op each `refill` releases the ring refills it holds back: any op of the kind
+    (one no ring tile is read up to fails its check and is dropped)."""
+    knobs: list[Knob] = []
+    for r in phase.refills:
+        a, b = src.span_range(r.start.anchor.span)
+        ops = s.kinds[kname].ops if kname in s.kinds else []
+        points = list(ops)
+        cur = r.start.anchor.text
+        if cur not in points:
+            points.insert(0, cur)
+        knobs.append(Knob(f"refill {r.ring.text} in {kname}", r.span.line, (cur,), (Slot(a, b),),
+                          lambda v: (v[0],), lambda v, points=points: _point_nb(points, v[0]),
+                          lambda v: f"after {v[0]}"))
     return knobs
 
 

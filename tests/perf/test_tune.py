@@ -15,7 +15,7 @@ from mkc.diagnostics import MkcError
 from mkc.lang.parser import parse
 from mkc.perf import tune
 from mkc.perf.work import kernel_work
-from tests_support import K3_SPEC, SPEC
+from tests_support import K3_SPEC, ROOT, SPEC
 
 MINI = "qwen3_8_mini"
 _ALL_TOKENS = re.compile(r"#[^\n]*|\s+|\w+|\S")
@@ -314,3 +314,23 @@ def test_the_coupled_move_spends_a_shrunk_pool_on_ring_slots(monkeypatch):
     except MkcError:
         fits = False
     assert not fits
+
+
+def test_a_refill_knob_moves_the_op_its_held_refills_wait_for():
+    """Muse Spark's `refill weights after routed_experts from 2 rows`: the tuner may release
+    the held-back refills after any op of the kind; a candidate renders in place and checks
+    (an op before any ring read fails its check and is dropped)."""
+    spec = ROOT / "schedules" / "muse_spark.sched"
+    text = spec.read_text()
+    s = tune.check_text(text, str(spec), None)
+    knobs = {k.name: k for k in tune.find_knobs(parse(text, str(spec)), tune.SpecSource(text), s)}
+    k = knobs["refill weights in moe"]
+    assert k.value == ("routed_experts",) and k.show(k.value) == "after routed_experts"
+    near = k.neighbours(k.value)
+    assert near[0] in (("latent_norm",), ("expert_norm",)) and ("latent_down",) in near
+    moved = tune.render(text, [k], [("latent_norm",)])
+    assert "refill weights after latent_norm from 2 rows" in moved
+    assert tune.check_text(moved, str(spec), None).kinds["moe"].refill.after_op == "latent_norm"
+    early = tune.render(text, [k], [("pre_ffn_norm",)])
+    with pytest.raises(MkcError, match="no op of moe up to pre_ffn_norm reads ring weights"):
+        tune.check_text(early, str(spec), None)
