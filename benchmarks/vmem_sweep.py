@@ -99,10 +99,11 @@ def _line(text: str, pattern: str) -> str:
 
 
 def _base_edits(text: str, kernel: str, batch: int, limit: str = "") -> list[tuple[str, str]]:
-    """Reserve 0 (and the limit `limit`, when given), no `expect` lines, a decode kernel's
-    batch range 1 to its batch, and a verify kernel's sequences up to its `batch` (the batch
-    range widened to hold them)."""
-    edits = [(m.group(0), "") for m in re.finditer(r"^ *expect .*\n", text, flags=re.M)]
+    """Reserve 0 (and the limit `limit`, when given), no `expect` lines, no `refill` lines (they
+    move no buffer, and a ring swept shallower than one holds back would be refused), a decode
+    kernel's batch range 1 to its batch, and a verify kernel's sequences up to its `batch` (the
+    batch range widened to hold them)."""
+    edits = [(m.group(0), "") for m in re.finditer(r"^ *(expect|refill) .*\n", text, flags=re.M)]
     vmem = _line(text, r"vmem\s+limit \S+ \w+ reserve \S+ \w+")
     new = re.sub(r"reserve \S+ \w+", "reserve 0 MiB", vmem)
     edits.append((vmem, re.sub(r"limit \S+ \w+", f"limit {limit}", new) if limit else new))

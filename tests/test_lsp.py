@@ -112,7 +112,7 @@ def test_an_editor_session_over_stdio(tmp_path):
 
 
 PHASE_STATEMENTS = {"allgather", "allreduce", "exchange", "fetch", "kv", "load", "prefetch",
-                    "run", "scoped", "store"}
+                    "refill", "run", "scoped", "store"}
 GDN_OPS = {"input_norm", "in_proj", "conv", "delta_rule", "gated_norm", "out_proj", "attn_residual",
            "post_norm", "gate_up", "down", "mlp_residual"}
 LOAD_LINE = "    load  state.conv -> conv_buf, state.recurrent -> rec_buf at start; wait before conv\n"
