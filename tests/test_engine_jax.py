@@ -4,6 +4,7 @@ built from those pins (`./dev engine-setup`, .venv-engine), a MINI module runs a
 interpret mode within the exact bound of its rounding emulation, and libtpu 0.0.48 compiles a
 full-size kernel, a decode and a verify step."""
 import json
+import os
 import subprocess
 
 import pytest
@@ -29,13 +30,19 @@ def engine_python() -> str:
     return python
 
 
-# Within the exact bound, not to the bit: jaxlib 0.11.2's YNNPACK picks its dot kernels by the
-# CPU it finds, whatever the ISA cap (mkc.numerics.pin_cpu_isa). Measured on an AMX Xeon: the
-# MINI Qwen step's recurrent state 5.2e-8 from the emulation, logits to the bit; exact with
-# YNNPACK's dots off, where jax 0.12 is 1.1e-7 off in the logits as well. On jax 0.12 the
-# module is bit-equal (tests/test_interpret_mini.py).
+# Within the exact bound, not to the bit, and with jaxlib 0.11.2's YNNPACK fusions off: they pick
+# their dot kernels by the CPU they find, whatever the ISA cap (mkc.numerics.pin_cpu_isa). On an
+# AMX Xeon (December 2026) the MINI Qwen step then left the emulation by 2.1e-4 in the logits
+# and 1.3e-4 in the value cache (17-27x the exact bound); with them off, 1.7e-7 in the logits
+# and the states to the bit. The engine serves TPUs: its CPU
+# fusions are not what runs there. On jax 0.12 the module is bit-equal
+# (tests/test_interpret_mini.py).
+YNN_FUSIONS_OFF = "--xla_cpu_experimental_ynn_fusion_type="
+
+
 @pytest.mark.slow
-def test_a_mini_module_runs_within_the_exact_bound_on_the_engine_s_jax(engine_python):
+def test_a_mini_module_runs_within_the_exact_bound_on_the_engine_s_jax(engine_python, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {YNN_FUSIONS_OFF}".strip())
     assert_within_exact_bound(run_example("examples/run_mini.py", "--steps", "1", "--batch", "2",
                                           timeout=900, python=engine_python))
 
