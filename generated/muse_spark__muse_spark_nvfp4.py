@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 2ac4b1d9efa1ee58
+Input digest (spec, model config, mkc version): 3999ea467f6a2e3c
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
