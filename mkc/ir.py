@@ -502,6 +502,11 @@ class ViewCopy:
     span: Span = field(compare=False, default_factory=Span.unknown)
 
 
+def rows_within(rows: int, from_rows: int, to_rows: int) -> bool:
+    """Whether a kernel of `rows` rows lies in from_rows .. to_rows (0: no upper bound)."""
+    return from_rows <= rows and (not to_rows or rows <= to_rows)
+
+
 @dataclass(frozen=True)
 class RingRefill:
     """`refill RING after OP [from N rows | up to N rows]`: in kernels of `from_rows` to
@@ -517,7 +522,7 @@ class RingRefill:
 
     def applies(self, rows: int) -> bool:
         """Whether the kernel of `rows` rows holds the refills back."""
-        return self.from_rows <= rows and (not self.to_rows or rows <= self.to_rows)
+        return rows_within(rows, self.from_rows, self.to_rows)
 
 
 @dataclass(frozen=True)

@@ -409,14 +409,12 @@ def _prefetch_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.Schedul
 def _refill_knobs(phase: ast.Phase, kname: str, src: SpecSource, s: ir.ScheduleIR) -> list[Knob]:
     """After which op each `refill` releases the ring refills it holds back: any op of the kind
     (one no ring tile is read up to fails its check and is dropped)."""
+    if kname not in s.kinds:            # a kind the model does not run
+        return []
     knobs: list[Knob] = []
     for r in phase.refills:
         a, b = src.span_range(r.start.anchor.span)
-        ops = s.kinds[kname].ops if kname in s.kinds else []
-        points = list(ops)
-        cur = r.start.anchor.text
-        if cur not in points:
-            points.insert(0, cur)
+        points, cur = s.kinds[kname].ops, r.start.anchor.text
         knobs.append(Knob(f"refill {r.ring.text} in {kname}", r.span.line, (cur,), (Slot(a, b),),
                           lambda v: (v[0],), lambda v, points=points: _point_nb(points, v[0]),
                           lambda v: f"after {v[0]}"))

@@ -13,7 +13,7 @@ from mkc.model.graph import LayerKind, ShardingError
 from mkc.model.sharding import ShardTable
 from mkc.resolve.names import unknown
 from mkc.resolve.sharding import group
-from mkc.resolve.state import KindCollectives, ResolveState
+from mkc.resolve.state import KindCollectives, ResolveState, widest_rows
 
 ALLREDUCE_ALGORITHMS = ("direct", "two_level")
 TWO_LEVEL_GROUPS = ("chip", "host")
@@ -25,7 +25,7 @@ GATHER_WIRE = "bf16"
 
 def resolve_collectives(s: ResolveState) -> ResolveState:
     B = s.batch[1]
-    rows_max = max(B, (s.verify_rows or 0) * (s.verify_sequences or (0, 0))[1])
+    rows_max = widest_rows(s)
     rules = {c: (w, st) for c, w, st in s.shards.rules}
     collectives: dict[str, KindCollectives] = {}
     for kname, ks in s.phase_schedules.items():

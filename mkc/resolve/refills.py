@@ -9,11 +9,11 @@ from mkc.diagnostics import fail
 from mkc.lang import ast
 from mkc.resolve.names import unknown
 from mkc.resolve.phases import point
-from mkc.resolve.state import ResolveState
+from mkc.resolve.state import ResolveState, widest_rows
 
 
 def resolve_refills(s: ResolveState) -> ResolveState:
-    rows_max = max(s.batch[1], s.verify_rows * s.verify_sequences[1])
+    rows_max = widest_rows(s)
     refills = {kname: _refill(s.phases[kname], ks, s.sched.rings[0].name.text, s.stream, rows_max)
                for kname, ks in s.phase_schedules.items()}
     return replace(s, refills=refills)

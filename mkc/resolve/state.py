@@ -111,6 +111,12 @@ class ResolveState:
         return json.dumps(shown, indent=1, sort_keys=True)
 
 
+def widest_rows(s: ResolveState) -> int:
+    """Rows of the widest kernel, of the batch range (pass `batch`) and the verify step (pass
+    `verify`): what a `from N rows` clause may name at most."""
+    return max(s.batch[1], (s.verify_rows or 0) * (s.verify_sequences or (0, 0))[1])
+
+
 def _plain(v: object) -> object:
     """A value as JSON holds it: dataclasses and dicts as objects, tuples as lists."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):

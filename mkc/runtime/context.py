@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mkc import ir
 from mkc.runtime import collectives, experts, kv, pool, ring, vectors
 from mkc.steps.copies import copy_name
 
@@ -267,10 +268,7 @@ class Layer:
         pool.wait_matrix(self.kernel.view, self.refs, self.kind, name, self.si)
 
     def _refills_held(self) -> bool:
-        if not self.plan.refill:
-            return False
-        _, low, high = self.plan.refill
-        return low <= self.B and (not high or self.B <= high)
+        return bool(self.plan.refill) and ir.rows_within(self.B, *self.plan.refill[1:])
 
     def refill_ring(self) -> None:
         """Start the ring refills held back for this layer's first tiles (`refill`)."""

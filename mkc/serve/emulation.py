@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mkc.layers.expert_formats import FOUR_BIT
 from mkc.reference import rounding as rmod
 
 NAME = "emulation"
@@ -56,9 +57,6 @@ def _held(gen: Any, rounding: Any, cfg: Any) -> bool:
     whose matrices are plain (no stored codes, weight formats or FP8 blocks)."""
     return (gen.HOST.hf_layout.__package__ in HELD_FAMILIES and not rounding.codes
             and not rounding.formats and not getattr(cfg, "weight_block_size", ()))
-
-
-FOUR_BIT = ("int4", "nvfp4")
 
 
 def host_packed(rounding: Any) -> bool:
