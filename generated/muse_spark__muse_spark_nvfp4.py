@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 3999ea467f6a2e3c
+Input digest (spec, model config, mkc version): 867115eba808a9fa
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mkc.families.muse_spark import lowering
@@ -258,19 +259,20 @@ EXPERTS = {'moe': ExpertSlots(
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the
 # layer), state buffers and copies, KV caches.
-KINDS = {
-    'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
-                     caches=('full__key', 'full__value'), kv=KvTiles(tokens=512, slots=4, ahead=4),
-                     kv_rows='full_kv_rows'),
-    'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN), 'latent_up': (8, MOE_LATENT_UP)},
-                    states={}, copies=(), refill=(8, 2, 0)),
-    'moe_bf16': KindPlan(streamed={'latent_down': (0, MOE_BF16_LATENT_DOWN),
-                                   'latent_up': (8, MOE_BF16_LATENT_UP)},
+KINDS = {'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
+                          caches=('full__key', 'full__value'),
+                          kv=KvTiles(tokens=512, slots=4, ahead=4, at_start=True),
+                          kv_rows='full_kv_rows', kv_tiles=('full_kv_key', 'full_kv_value')),
+         'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN),
+                                   'latent_up': (8, MOE_LATENT_UP)},
                          states={}, copies=(), refill=(8, 2, 0)),
-    'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
-                    caches=('swa__key', 'swa__value'),
-                    kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304), kv_rows='swa_kv_rows')
-}
+         'moe_bf16': KindPlan(streamed={'latent_down': (0, MOE_BF16_LATENT_DOWN),
+                                        'latent_up': (8, MOE_BF16_LATENT_UP)},
+                              states={}, copies=(), refill=(8, 2, 0)),
+         'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
+                         caches=('swa__key', 'swa__value'),
+                         kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304, at_start=True),
+                         kv_rows='swa_kv_rows', kv_tiles=('swa_kv_key', 'swa_kv_value'))}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -278,12 +280,24 @@ def _layer_full(k: Kernel, layer):
     """One full layer: input_norm, qkv_gate, qk_norm, kv_write, attention, out_gate, o_proj,
     attn_residual."""
     c = k.layer("full", layer)
+    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    h = lower.input_norm(c)
-    proj = lower.qkv_gate(c, h)
-    q, k_new = lower.qk_norm(c, proj)
-    lower.kv_write(c, k_new, proj)
-    core = lower.attention(c, q)
+
+    def _scope_0(c):
+        """Runs with kv_key, kv_value allocated (pl.run_scoped)."""
+        c.kv_start()   # spec line 68: the first KV tiles, read by attention
+        h = lower.input_norm(c)
+        proj = lower.qkv_gate(c, h)
+        q, k_new = lower.qk_norm(c, proj)
+        lower.kv_write(c, k_new, proj)
+        core = lower.attention(c, q)
+        return proj, core
+
+    proj, core = pl.run_scoped(
+        lambda kv_key, kv_value: _scope_0(c.scoped(full_kv_key=kv_key, full_kv_value=kv_value)),
+        pltpu.VMEM((4, B, 512, 128), BF16),   # full_kv_key
+        pltpu.VMEM((4, B, 512, 128), BF16),   # full_kv_value
+    )
     core = lower.out_gate(c, core, proj)
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
@@ -356,12 +370,24 @@ def _layer_swa(k: Kernel, layer):
     """One swa layer: input_norm, qkv_gate, qk_norm_rope, kv_write, attention, out_gate, o_proj,
     attn_residual."""
     c = k.layer("swa", layer)
+    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
-    h = lower.input_norm(c)
-    proj = lower.qkv_gate(c, h)
-    q, k_new = lower.qk_norm_rope(c, proj)
-    lower.kv_write(c, k_new, proj)
-    core = lower.attention(c, q)
+
+    def _scope_0(c):
+        """Runs with kv_key, kv_value allocated (pl.run_scoped)."""
+        c.kv_start()   # spec line 62: the first KV tiles, read by attention
+        h = lower.input_norm(c)
+        proj = lower.qkv_gate(c, h)
+        q, k_new = lower.qk_norm_rope(c, proj)
+        lower.kv_write(c, k_new, proj)
+        core = lower.attention(c, q)
+        return proj, core
+
+    proj, core = pl.run_scoped(
+        lambda kv_key, kv_value: _scope_0(c.scoped(swa_kv_key=kv_key, swa_kv_value=kv_value)),
+        pltpu.VMEM((3, B, 256, 128), BF16),   # swa_kv_key
+        pltpu.VMEM((3, B, 256, 128), BF16),   # swa_kv_value
+    )
     core = lower.out_gate(c, core, proj)
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
@@ -451,7 +477,7 @@ SCRATCH_SHAPES = {
     "head_norm": vmem((8, HIDDEN), F32),   # parity
     "stage": vmem((8, ROWS, 1024), BF16),   # activation
     "acc": vmem((33, ROWS, 768), F32),   # activation
-    "latent": vmem((ROWS, 4096), F32),   # activation
+    "picks": vmem((ROWS, 32768), F32),   # activation
     "staging": vmem((65536, 128), BF16),   # pool
     "full_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
     "gather__latent_down": vmem((2, 8, ROWS, 512), BF16),   # collective
@@ -475,6 +501,10 @@ SCRATCH_SHAPES = {
     "sem__embed": dma_sems(),
     "sem__full_kv_rows": dma_sems(),
     "sem__swa_kv_rows": dma_sems(),
+    "sem__full_kv_key": dma_sems((4,)),
+    "sem__full_kv_value": dma_sems((4,)),
+    "sem__swa_kv_key": dma_sems((3,)),
+    "sem__swa_kv_value": dma_sems((3,)),
     "gather__latent_down__send": dma_sems((2, 8)),
     "gather__latent_down__recv": dma_sems((2, 8)),
     "gather__latent_up__send": dma_sems((2, 8)),

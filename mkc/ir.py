@@ -287,6 +287,11 @@ class KvStream:
     tile_buffers: tuple[str, ...] = ()   # each cache's scoped tile buffer
     rows_buffer: str = ""                # the new rows' read-modify-write tiles
     span: Span = field(compare=False, default_factory=Span.unknown)
+    # `at layer start`: the first `ahead` tiles' copies start at point 0 into tile buffers
+    # scoped from there to `op`; `writer` (the op writing the new rows) waits them and writes
+    # its rows into the tiles holding them too (`mkc.runtime.kv.write_rows`).
+    at_start: bool = False
+    writer: str = ""
     # `kv ring N slots` (`mkc.resolve.kv_ring`): the cache in HBM is a ring of N token slots,
     # position p in slot p % N, holding the kind's attention window of `window` positions;
     # 0: one slot per token of the context.

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from mkc import ir
-from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, Op, OverlapAdvance,
-                       OverlapFinish, OverlapStart, PoolWait, Prefetch, Refill, ScopeClose,
-                       ScopeOpen, Start, Step, Vectors, ViewClose, Wait)
+from mkc.steps import (AllGather, AllReduce, Drain, Exchange, Fetch, KvStart, Op,
+                       OverlapAdvance, OverlapFinish, OverlapStart, PoolWait, Prefetch, Refill,
+                       ScopeClose, ScopeOpen, Start, Step, Vectors, ViewClose, Wait)
 
 
 def _view_readers(k: ir.KindSchedule) -> tuple[dict[int, list[str]], dict[str, int]]:
@@ -36,12 +36,19 @@ def _view_readers(k: ir.KindSchedule) -> tuple[dict[int, list[str]], dict[str, i
 
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     k = s.kinds[kind]
+    # KV tiles copied from the layer's start are scoped from there like `scoped` state
+    # buffers; otherwise the op reading them scopes them itself (`mkc.runtime.kv.stream`).
+    early_kv = set(k.kv.tile_buffers) if k.kv is not None and k.kv.at_start else set()
+
+    def program_scoped(b: ir.Buffer) -> bool:
+        return b.cls == "state" or b.name in early_kv
+
     # Outer scopes first: by first op, then the longer range.
     scopes = sorted({b.scope for b in s.buffers if b.scope and b.scope[0] == kind
-                     and b.cls == "state"}, key=lambda sc: (sc[1], -sc[2]))
+                     and program_scoped(b)}, key=lambda sc: (sc[1], -sc[2]))
 
     def scoped(sc) -> tuple[ir.Buffer, ...]:
-        return tuple(b for b in s.buffers if b.scope == sc and b.cls == "state")
+        return tuple(b for b in s.buffers if b.scope == sc and program_scoped(b))
 
     steps: list[Step] = []
 
@@ -63,6 +70,8 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
                      for i, sc in reversed(list(enumerate(scopes))) if sc[2] + 1 == p)
         steps.extend(ScopeOpen(p, buffers=scoped(sc), scope=i) for i, sc in opening)
         transfers_at(p, opening_buffers, inside=True)
+        if p == 0 and early_kv:
+            steps.append(KvStart(p))
 
     first_reader, last_reader = _view_readers(k)
 

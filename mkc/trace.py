@@ -395,9 +395,11 @@ class StepTracer:
                 self.start_expert(view_id, layer, k + v.slots, where, span)
 
     # ---- KV tiles ------------------------------------------------------------------------
-    def kv_events(self, k: ir.KindSchedule, layer: int, where: str) -> None:
-        s, opts, tb, kv = self.s, self.opts, self.tb, k.kv
-        bufs = [b for b in s.buffers if b.cls == "kv" and b.scope and b.scope[0] == k.name]
+    def _kv_tiles(self, k: ir.KindSchedule) -> tuple[list[ir.Buffer], dict[str, int], int]:
+        """The kind's KV tile buffers (sized as traced), each one's bytes a tile, and the
+        tiles the trace streams."""
+        s, opts, kv = self.s, self.opts, k.kv
+        bufs = [b for b in s.buffers if b.cls == "kv" and b.name in kv.tile_buffers]
         # the cache's tiles: the context's, or a window's KV ring's (all of it once wrapped)
         tiles = kv.cache_tokens(s.context) // kv.tokens
         if opts.kv_tokens is None:
@@ -406,25 +408,55 @@ class StepTracer:
             n_tiles = min(-(-opts.kv_tokens // kv.tokens), tiles)
         if opts.sequences or opts.batch:
             bufs = [b.at_batch(opts.sequences or opts.batch) for b in bufs]
-        nbytes = {b.name: _nbytes(b) // b.shape[0] for b in bufs}
-        for b in bufs:
-            tb.alloc(b.name, where, kv.span)
+        return bufs, {b.name: _nbytes(b) // b.shape[0] for b in bufs}, n_tiles
 
-        def start(t: int) -> None:
-            if t < n_tiles:
-                for b in bufs:
-                    tb.start(dst=b.name, slot=t % kv.slots, sem=(b.name, t % kv.slots),
-                             nbytes=nbytes[b.name], tag=KvTile(layer, t), where=where, span=kv.span)
+    def _start_kv_tile(self, k: ir.KindSchedule, layer: int, t: int, where: str,
+                       tiles: tuple[list[ir.Buffer], dict[str, int], int]) -> None:
+        bufs, nbytes, n_tiles = tiles
+        kv = k.kv
+        if t < n_tiles:
+            for b in bufs:
+                self.tb.start(dst=b.name, slot=t % kv.slots, sem=(b.name, t % kv.slots),
+                              nbytes=nbytes[b.name], tag=KvTile(layer, t), where=where,
+                              span=kv.span)
 
+    def kv_start(self, k: ir.KindSchedule, layer: int, where: str) -> None:
+        """The first `ahead` tiles' copies (at the layer's start, or at the op reading them)."""
+        tiles = self._kv_tiles(k)
+        for t in range(k.kv.ahead):
+            self._start_kv_tile(k, layer, t, where, tiles)
+
+    def kv_landed(self, k: ir.KindSchedule, layer: int, where: str) -> None:
+        """`at layer start`: the op writing the new rows waits the first tiles' copies and
+        writes its rows into the tiles that hold them."""
+        bufs, nbytes, n_tiles = self._kv_tiles(k)
+        kv = k.kv
         for t in range(min(kv.ahead, n_tiles)):
-            start(t)
+            for b in bufs:
+                self.tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where,
+                             span=kv.span)
+                self.tb.write(b.name, t % kv.slots, KvTile(layer, t), where, kv.span)
+
+    def kv_events(self, k: ir.KindSchedule, layer: int, where: str) -> None:
+        """The op reading the KV tiles: each tile waited (the first `ahead` already were,
+        `at layer start`), read, and the tile `ahead` on started; the op scopes the tile
+        buffers itself unless they are copied from the layer's start."""
+        tb, kv = self.tb, k.kv
+        tiles = bufs, nbytes, n_tiles = self._kv_tiles(k)
+        if not kv.at_start:
+            for b in bufs:
+                tb.alloc(b.name, where, kv.span)
+            self.kv_start(k, layer, where)
         for t in range(n_tiles):
             for b in bufs:
-                tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where, span=kv.span)
+                if not (kv.at_start and t < kv.ahead):
+                    tb.wait(sem=(b.name, t % kv.slots), nbytes=nbytes[b.name], where=where,
+                            span=kv.span)
                 tb.read(b.name, t % kv.slots, KvTile(layer, t), where, kv.span)
-            start(t + kv.ahead)
-        for b in bufs:
-            tb.free(b.name, where, kv.span)
+            self._start_kv_tile(k, layer, t + kv.ahead, where, tiles)
+        if not kv.at_start:
+            for b in bufs:
+                tb.free(b.name, where, kv.span)
 
 
 @dataclass

@@ -145,3 +145,61 @@ def test_held_back_refills_start_after_their_op_from_their_rows():
                    < first + s.stream.ahead + held.tiles]
         assert len(refills) == held.tiles
         assert all(e.where.endswith(where) for e in refills), [e.where for e in refills]
+
+
+def test_kv_tiles_at_layer_start_are_copied_from_point_zero_and_waited_by_the_row_write():
+    """Muse Spark's `kv tiles ... at layer start`: the tile buffers are scoped from the layer's
+    start to attention, the first `ahead` tiles' copies start there, kv_write waits them (and
+    writes its rows into them) and attention waits only the later tiles, each started as a
+    tile `ahead` before it is read."""
+    from mkc.steps import KvStart, Op, ScopeClose, ScopeOpen
+    from mkc.trace import Alloc, CopyStart, CopyWait, Free, Read, TraceOptions, Write, build_trace
+
+    s = compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir
+    kv = s.kinds["swa"].kv
+    assert kv.at_start and kv.writer == "kv_write" and kv.op == "attention"
+    steps = layer_program(s, "swa")
+    marks = [f"{type(st).__name__} {getattr(st, 'op', '')}".strip() for st in steps
+             if isinstance(st, (KvStart, Op, ScopeClose, ScopeOpen))]
+    assert marks[:2] == ["ScopeOpen", "KvStart"], marks
+    assert marks[marks.index("Op attention") + 1] == "ScopeClose", marks
+    opened = next(st for st in steps if isinstance(st, ScopeOpen))
+    assert {b.name for b in opened.buffers} == set(kv.tile_buffers)
+
+    tiles = kv.ahead + 2
+    events = build_trace(s, TraceOptions(batch=8, kv_tokens=tiles * kv.tokens))
+    key = kv.tile_buffers[0]
+    layer0 = [e for e in events if e.where.startswith("layer 0 swa")]
+    mine = [e for e in layer0 if getattr(e, "buffer", None) == key
+            or getattr(e, "sem", (None,))[0] == key]
+    kinds = [(type(e).__name__, e.where.removeprefix("layer 0 swa "),
+              getattr(e, "tag", None) and e.tag.tile) for e in mine]
+    assert kinds[0][:2] == ("Alloc", "at start"), kinds
+    assert [k for k in kinds if k[0] == "CopyStart"][:kv.ahead] == [
+        ("CopyStart", "at start", t) for t in range(kv.ahead)], kinds
+    waits = [k[1] for k in kinds if k[0] == "CopyWait"]
+    assert waits == ["kv_write"] * kv.ahead + ["attention"] * (tiles - kv.ahead), kinds
+    assert [k[2] for k in kinds if k[0] == "Write"] == list(range(kv.ahead)), kinds
+    assert [k[2] for k in kinds if k[0] == "Read"] == list(range(tiles)), kinds
+    assert [k for k in kinds if k[0] == "CopyStart"][kv.ahead:] == [
+        ("CopyStart", "attention", t) for t in range(kv.ahead, tiles)], kinds
+    assert kinds[-1][0] == "Free" and not any(isinstance(e, (Alloc, Free)) and e.where.endswith("attention")
+                                              for e in mine), kinds
+    assert all(isinstance(e, (Alloc, CopyStart, CopyWait, Free, Read, Write)) for e in mine)
+
+
+def test_kv_tiles_at_layer_start_written_before_their_copies_land_are_rejected(monkeypatch):
+    """The checks read what the trace says `at layer start` does: a row write into the
+    prefetched tiles without waiting their copies is a write under an in-flight copy."""
+    from mkc import trace
+    from mkc.tags import KvTile
+
+    def write_without_waiting(self, k, layer, where):
+        bufs, _, n_tiles = self._kv_tiles(k)
+        for t in range(min(k.kv.ahead, n_tiles)):
+            for b in bufs:
+                self.tb.write(b.name, t % k.kv.slots, KvTile(layer, t), where, k.kv.span)
+
+    monkeypatch.setattr(trace.StepTracer, "kv_landed", write_without_waiting)
+    with pytest.raises(MkcError, match="kv_write writes swa_kv_key.* while a copy into it is in flight"):
+        compiler.check_spec(ROOT / "schedules" / "muse_spark.sched")

@@ -262,6 +262,7 @@ class _KindPlans:
     row_states: list[tuple] = dataclasses.field(default_factory=list)     # (array, batch axis)
     spread_states: list[str] = dataclasses.field(default_factory=list)
     sems: list[str] = dataclasses.field(default_factory=lambda: ["sem__head_norm", "sem__embed"])
+    sem_arrays: list[tuple[str, int]] = dataclasses.field(default_factory=list)   # (name, size)
     drains: list[tuple] = dataclasses.field(default_factory=list)
 
 
@@ -283,13 +284,15 @@ def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name
         kv_plan = {}
         if k.kv is not None:
             kv_plan = dict(caches=caches, kv=KvTiles(k.kv.tokens, k.kv.slots, k.kv.ahead,
-                                                     k.kv.ring),
-                           kv_rows=k.kv.rows_buffer)
+                                                     k.kv.ring, k.kv.at_start),
+                           kv_rows=k.kv.rows_buffer,
+                           kv_tiles=k.kv.tile_buffers if k.kv.at_start else ())
         refill = (k.refill.tiles, k.refill.from_rows, k.refill.to_rows) if k.refill else ()
         plans.kinds[kname] = KindPlan(streamed=streamed.get(kname, {}), states=states,
                                       copies=tuple(copies), refill=refill, **kv_plan)
         if k.kv is not None:
             plans.sems.append(plans.kinds[kname].kv_sem)
+            plans.sem_arrays += [(f"sem__{b}", k.kv.slots) for b in plans.kinds[kname].kv_tiles]
         for sname in sorted(k.states):
             if any(t.state == sname for t in k.transfers):
                 buf = s.buffer(states[sname])
@@ -304,8 +307,8 @@ def _kind_plans(s: ir.ScheduleIR, streamed: dict[str, dict[str, tuple[int, _Name
     return plans
 
 
-def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: list[ir.Buffer]
-                    ) -> list[tuple[str, str, str]]:
+def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: list[ir.Buffer],
+                    sem_arrays: list[tuple[str, int]] = ()) -> list[tuple[str, str, str]]:
     """(name, source, comment) of the resident VMEM buffers, the ring's, vectors' and copies'
     semaphores and the collectives' send and receive semaphores, in operand order."""
     resident = [b for b in s.buffers if b.scope is None and b.cls != "output"]
@@ -314,6 +317,7 @@ def _scratch_shapes(s: ir.ScheduleIR, ring: Ring, sems: list[str], collectives: 
     scratch += [("ring_sem", "dma_sems((RING.slots,))", ""),
                 ("vectors_sem", "dma_sems((2,))", "")]
     scratch += [(n, "dma_sems()", "") for n in sems]
+    scratch += [(n, f"dma_sems(({size},))", "") for n, size in sem_arrays]
     for b in collectives:
         scratch += [(b.name + "__send", f"dma_sems((2, {b.shape[1]}){_rows(b)})", ""),
                     (b.name + "__recv", f"dma_sems((2, {b.shape[1]}){_rows(b)})", "")]
@@ -419,7 +423,7 @@ def context(s: ir.ScheduleIR) -> dict:
             if n == "Stage" or any(f"{n}(" in lit for _, lit in reduce_literals)),
         "collectives": collectives,
         "kinds_literal": literal(plans.kinds, 8),
-        "scratch_shapes": (_scratch_shapes(s, ring, plans.sems, collectives)
+        "scratch_shapes": (_scratch_shapes(s, ring, plans.sems, collectives, plans.sem_arrays)
                            + view_scratch + expert_scratch),
         "layer_bodies": [(kname, layer_source(s, kname)) for kname in s.kinds],
         "drains": plans.drains,

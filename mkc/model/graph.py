@@ -108,6 +108,11 @@ class LayerKind:
         caches = {t.name for t in self.caches()}
         return next((o.name for o in self.ops if caches & set(o.reads)), None)
 
+    def cache_writer(self) -> str | None:
+        """The op that writes the new rows into the KV cache, if the kind has one."""
+        caches = {t.name for t in self.caches()}
+        return next((o.name for o in self.ops if caches & set(o.writes)), None)
+
 
 @dataclass(frozen=True)
 class DecodeGraph:

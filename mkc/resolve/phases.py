@@ -51,6 +51,7 @@ def resolve_phases(s: ResolveState) -> ResolveState:
         transfers, buffers = _transfers(phase, kind, s.batch[1])
         buffers = _scoped(phase, kind, buffers)
         kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
+        _check_kv_scope_nests(phase, kind, kv, buffers)
         kinds[kname] = _kind_schedule(kind, s, transfers, kv)
         kind_buffers[kname] = tuple((buffers | kv_buffers).values())
     return dataclasses.replace(s, phase_schedules=kinds, kind_buffers=kind_buffers)
@@ -376,21 +377,41 @@ def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
     k = phase.kv_tiles[0]
     # a window's KV ring (`kv ring`, `mkc.resolve.kv_ring`) holds whole tiles, not the context
     _check_kv_tiles(k, kname, bool(caches), 0 if phase.kv_rings else context)
-    reader = kind.cache_reader()
+    reader, writer = kind.cache_reader(), kind.cache_writer()
+    a = kind.op_names().index(reader)
     kv = ir.KvStream(k.slots, k.tokens, k.ahead, reader, caches=tuple(c.name for c in caches),
                      tile_buffers=tuple(f"{kname}_kv_{c.name}" for c in caches),
-                     rows_buffer=f"{kname}_kv_rows", span=k.span)
-    a = kind.op_names().index(reader)
+                     rows_buffer=f"{kname}_kv_rows", span=k.span, at_start=k.at_start,
+                     writer=writer or "")
     width = 1
     for dim in caches[0].shape:
         width *= dim
+    first = 0 if k.at_start else a
     buffers = {f"kv_{c.name}": ir.Buffer(name, "kv", (k.slots, B, k.tokens, width), "bf16",
-                                         (kname, a, a), batch_axis=1, span=k.span)
+                                         (kname, first, a), batch_axis=1, span=k.span)
                for c, name in zip(caches, kv.tile_buffers)}
     # The new token's K/V rows are written by read-modify-write of an aligned bf16 tile.
     buffers["kv_rows"] = ir.Buffer(kv.rows_buffer, "kv", (2, B, ir.SUBLANE_TILE["bf16"], width),
                                    "bf16", batch_axis=1, span=k.span)
     return kv, buffers
+
+
+def _check_kv_scope_nests(phase: ast.Phase, kind: LayerKind, kv: ir.KvStream | None,
+                          buffers: dict[str, ir.Buffer]) -> None:
+    """KV tiles `at layer start` are scoped from the layer's start to the op reading them: a
+    `scoped` range must nest with that one too (one `pl.run_scoped` block each)."""
+    if kv is None or not kv.at_start:
+        return
+    ops = kind.op_names()
+    a = ops.index(kv.op)
+    for sc in phase.scoped:
+        first, last = next(b.scope[1:] for b in buffers.values() if b.name == sc.buffers[0].text)
+        if 0 < first <= a < last:
+            raise fail("E-SCOPE", f"this scoped range crosses the KV tiles' (from the layer's "
+                       f"start to {kv.op}, `at layer start`): each must lie inside the other",
+                       sc.span, notes=[f"the KV tiles are at line {kv.span.line}"],
+                       hint=f"end the range by {kv.op}, or start it after {kv.op}, or drop "
+                            "`at layer start`")
 
 
 def _check_kv_tiles(k: KvTiles, kname: str, has_caches: bool, context: int) -> None:

@@ -62,6 +62,8 @@ class KindPlan:
     caches: tuple[str, ...] = ()              # HBM caches, in the order bodies pass new rows
     kv: kv.KvTiles | None = None
     kv_rows: str = ""                         # VMEM tile buffer of the KV row writes
+    kv_tiles: tuple[str, ...] = ()            # `at layer start`: each cache's tile buffer,
+                                              # scoped by the layer; its semaphores `sem__<it>`
     # `refill` (`mkc.ir.RingRefill`): (tiles, from_rows, to_rows), the layer's first tiles
     # whose ring refills wait for `refill_ring` in kernels of from_rows to to_rows rows (0: any);
     # () for none
@@ -285,11 +287,25 @@ class Layer:
     def _caches(self) -> list:
         return [getattr(self.refs, n) for n in self.plan.caches]
 
+    def _early_kv(self) -> kv.Early | None:
+        """The KV tiles copied from the layer's start (`at layer start`), if so scheduled."""
+        if not self.plan.kv.at_start:
+            return None
+        return kv.Early([getattr(self.refs, n) for n in self.plan.kv_tiles],
+                        [getattr(self.refs, f"sem__{n}") for n in self.plan.kv_tiles])
+
+    def kv_start(self) -> None:
+        """Start the copies of this layer's first KV tiles (`at layer start`)."""
+        kv.start_first(self.plan.kv, self._caches(), self.si, self.refs.positions, self.B,
+                       self._early_kv())
+
     def kv_write(self, new: list[jax.Array]) -> None:
         """Write each row's new cache entries (one [B, width] array per cache) at its position."""
+        early = self._early_kv()
         kv.write_rows(self._caches(), getattr(self.refs, self.plan.kv_rows),
                       getattr(self.refs, self.plan.kv_sem), self.si, self.refs.positions, new,
-                      self.S, self.R, self.plan.kv.ring)
+                      self.S, self.R, self.plan.kv.ring,
+                      None if early is None else (self.plan.kv, early))
 
     def kv_positions(self, tokens: jax.Array, position) -> jax.Array:
         """The position each cache slot of a KV tile's `tokens` holds for a row at `position`
@@ -299,7 +315,8 @@ class Layer:
 
     def kv_fold(self, body: Callable, init):
         """Fold body(t, tiles, tokens, carry) over this layer's cached tokens (mkc.runtime.kv)."""
-        return kv.stream(self.plan.kv, self._caches(), self.si, self.refs.positions, self.B, body, init)
+        return kv.stream(self.plan.kv, self._caches(), self.si, self.refs.positions, self.B, body,
+                         init, self._early_kv())
 
     # ---- routed experts (mkc.runtime.experts) ------------------------------------------------
     def select_experts(self, ids: jax.Array) -> None:

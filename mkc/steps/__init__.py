@@ -16,6 +16,7 @@ a new step kind is a new class here, not a branch in each stage.
 | `vectors` | `Vectors` | `parity` |
 | `views` | `Prefetch`, `Fetch`, `PoolWait`, `ViewClose` | `pool`, `experts` |
 | `ring` | `Refill` | `refill` |
+| `kv` | `KvStart` | `kv` (`at layer start`) |
 | `collectives` | `AllReduce`, `AllGather`, `Exchange`, `Overlap*` (the parts) | `collectives` |
 | `compute` | `Op` | none: the model graph's ops (ring tiles, pooled and expert reads, KV tiles) |
 """
@@ -24,6 +25,7 @@ from mkc.steps.collectives import (AllGather, AllReduce, Exchange, OverlapAdvanc
                                    OverlapPart, OverlapStart)
 from mkc.steps.compute import Op
 from mkc.steps.copies import Drain, Start, Wait
+from mkc.steps.kv import KvStart
 from mkc.steps.ring import Refill
 from mkc.steps.scopes import ScopeClose, ScopeOpen
 from mkc.steps.vectors import Vectors
@@ -32,4 +34,4 @@ from mkc.steps.views import Fetch, PoolWait, Prefetch, ViewClose
 __all__ = ["Step", "spec_line", "AllGather", "AllReduce", "Exchange", "OverlapAdvance",
            "OverlapFinish", "OverlapPart", "OverlapStart", "Op", "Drain", "Start",
            "Wait", "ScopeClose", "ScopeOpen", "Vectors", "Fetch", "PoolWait", "Prefetch",
-           "ViewClose", "Refill"]
+           "ViewClose", "Refill", "KvStart"]

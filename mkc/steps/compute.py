@@ -41,6 +41,8 @@ class Op(Step):
                 if sname in k.op_writes[op]:
                     t.holds[b.name] = LayerState(layer, updated=True)
                     tb.write(b.name, None, t.holds[b.name], w, b.span)
+        if k.kv is not None and k.kv.at_start and op == k.kv.writer:
+            tracer.kv_landed(k, layer, w)
         if k.kv is not None and op == k.kv.op:
             tracer.kv_events(k, layer, w)
 

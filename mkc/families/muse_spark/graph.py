@@ -59,5 +59,5 @@ def build(d: MuseSparkDims, rules: dict[str, tuple[int, int]], ranks: int,
     glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
     per_rank["window"] = d.sliding_window
     return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank,
-                       activations={"latent": ((-1, per_rank["latent_gathered"]), "f32")},
+                       activations=MOE.activations(d),
                        **MOE.graph_fields(d, formats, ways["expert_mlp"]))

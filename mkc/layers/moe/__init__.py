@@ -342,6 +342,13 @@ class MoE(Sublayer):
         """The routed experts' input and output width: the hidden size, or the latent's."""
         return getattr(d, self.latent.width) if self.latent else d.hidden_size
 
+    def activations(self, d: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The VMEM activations its bodies keep (`FamilyGraph.activations`): with a latent's
+        `expert_norm`, every pick's output apart, `[B, top_k * expert_io]` f32 (`picks`)."""
+        if self.latent and self.latent.expert_norm:
+            return {"picks": ((-1, d.top_k * self.expert_io(d)), "f32")}
+        return {}
+
     def expert_rows(self, d: Any, tp: int = 1) -> dict[str, int]:
         """Input rows of each routed expert matrix a rank holds (its width slice of `tp`)."""
         return {"gate_up": self.expert_io(d), "down": self.expert_half(d, tp)}

@@ -176,18 +176,26 @@ def _experts_per_pick(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, wid
     """This rank's picked experts' outputs `down(act(gate_up h))` (its width part of each: a
     partial over the ranks), each placed where rows picked it: pick j of a row at columns
     `j * io ...` of `[B, top_k * io]` (the kernel's one-hot of `expert_ids`' column j, lane
-    masked for selected expert k: `c.expert_weight`), zero elsewhere."""
+    masked for selected expert k: `c.expert_weight`), zero elsewhere. The picks gather in the
+    VMEM activation `picks` (`MoE.activations`), not a loop carry: a carry of top_k * io f32
+    columns a row is hundreds of vector registers, which libtpu spills and reloads every
+    expert."""
     groups, io, E = c.per_rank, s.expert_io(c.dims), c.dims.experts
     lane = lax.broadcasted_iota(jnp.int32, (c.B, E), 1)
     picks = [(lane == expert_ids[:, j:j + 1]).astype(F32) for j in range(c.dims.top_k)]
+    out_ref = c.refs.picks
+    out_ref[...] = jnp.zeros(out_ref.shape, F32)
 
-    def expert(k, acc):
+    def expert(k, carry):
         act = s.activation.kernel(c, expert_matmul(c, k, h, "gate_up", groups["gate_up_group"]), width)
         out = expert_matmul(c, k, act, "down", groups["down_group"])
-        return jnp.concatenate([jnp.where(c.expert_weight(pick, k) > 0, out, acc[:, j * io:(j + 1) * io])
-                                for j, pick in enumerate(picks)], axis=-1)
+        for j, pick in enumerate(picks):
+            cols = slice(j * io, (j + 1) * io)
+            out_ref[:, cols] = jnp.where(c.expert_weight(pick, k) > 0, out, out_ref[:, cols])
+        return carry
 
-    return c.fold_experts(expert, jnp.zeros((c.B, c.dims.top_k * io), F32))
+    c.fold_experts(expert, jnp.int32(0))
+    return out_ref[...]
 
 
 def expert_norm(s: MoE, c: Layer, expert_outs: jax.Array, expert_ids: jax.Array, expert_weights: jax.Array
