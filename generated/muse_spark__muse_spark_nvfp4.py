@@ -280,7 +280,6 @@ def _layer_full(k: Kernel, layer):
     """One full layer: input_norm, qkv_gate, qk_norm, kv_write, attention, out_gate, o_proj,
     attn_residual."""
     c = k.layer("full", layer)
-    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     def _scope_0(c):
@@ -295,8 +294,8 @@ def _layer_full(k: Kernel, layer):
 
     proj, core = pl.run_scoped(
         lambda kv_key, kv_value: _scope_0(c.scoped(full_kv_key=kv_key, full_kv_value=kv_value)),
-        pltpu.VMEM((4, B, 512, 128), BF16),   # full_kv_key
-        pltpu.VMEM((4, B, 512, 128), BF16),   # full_kv_value
+        pltpu.VMEM((4, c.S, 512, 128), BF16),   # full_kv_key
+        pltpu.VMEM((4, c.S, 512, 128), BF16),   # full_kv_value
     )
     core = lower.out_gate(c, core, proj)
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
@@ -370,7 +369,6 @@ def _layer_swa(k: Kernel, layer):
     """One swa layer: input_norm, qkv_gate, qk_norm_rope, kv_write, attention, out_gate, o_proj,
     attn_residual."""
     c = k.layer("swa", layer)
-    B = c.B
     c.vectors_arrive()   # this layer's vectors; issue the next ones
 
     def _scope_0(c):
@@ -385,8 +383,8 @@ def _layer_swa(k: Kernel, layer):
 
     proj, core = pl.run_scoped(
         lambda kv_key, kv_value: _scope_0(c.scoped(swa_kv_key=kv_key, swa_kv_value=kv_value)),
-        pltpu.VMEM((3, B, 256, 128), BF16),   # swa_kv_key
-        pltpu.VMEM((3, B, 256, 128), BF16),   # swa_kv_value
+        pltpu.VMEM((3, c.S, 256, 128), BF16),   # swa_kv_key
+        pltpu.VMEM((3, c.S, 256, 128), BF16),   # swa_kv_value
     )
     core = lower.out_gate(c, core, proj)
     c.wait_pooled("o_proj")   # staging.dense: before its first reader

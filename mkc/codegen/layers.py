@@ -85,7 +85,9 @@ class LayerEmitter:
         self.line(indent, f"{target}pl.run_scoped(")
         self.line(indent, f"    {call},")
         for b in step.buffers:
-            self.line(indent, f"    pltpu.VMEM({b.shape_expr()}, {DTYPE_SOURCE[b.dtype]}),   # {b.name}")
+            # a KV tile holds a sequence's tokens: its batch dim counts sequences, not rows
+            batch = "c.S" if b.cls == "kv" else "B"
+            self.line(indent, f"    pltpu.VMEM({b.shape_expr(batch)}, {DTYPE_SOURCE[b.dtype]}),   # {b.name}")
         self.line(indent, ")")
 
 
