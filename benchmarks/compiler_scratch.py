@@ -132,7 +132,8 @@ def resolve_text(text: str, name: str = "spec.sched"):
 def measured_text(p: Point, ring_shrink: int = 0) -> str:
     """The point's spec as compiled: reserve 0, no `expect` lines; a verify point's sequences
     up to its own; a decode point at its batch with no verify step (an all-reduce that
-    scatters from more rows than that runs one-shot in it); the weight ring `ring_shrink`
+    scatters from more rows than that runs one-shot in it, a refill held back from more rows
+    starts as its tiles are read); the weight ring `ring_shrink`
     slots shallower."""
     text = _edited(p.spec, p.edits)
     text = re.sub(r"(vmem\s+limit \S+ \w+) reserve \S+ \w+", r"\1 reserve 0 MiB", text)
@@ -150,6 +151,9 @@ def measured_text(p: Point, ring_shrink: int = 0) -> str:
                       text, count=1, flags=re.M)
         text = SCATTER_FROM.sub(lambda m: m.group(1) if int(m.group(2)) > p.batch else m.group(0),
                                 text)
+        # refills held back from more rows than it runs start as their tiles are read in it
+        text = re.sub(r"^ *refill .* from (\d+) rows[ \t]*(#.*)?\n",
+                      lambda m: "" if int(m.group(1)) > p.batch else m.group(0), text, flags=re.M)
     if ring_shrink:
         m = re.search(r"ring weights: (\d+) slots", text)
         slots = max(1, int(m.group(1)) - ring_shrink)

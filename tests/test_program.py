@@ -165,6 +165,9 @@ def test_kv_tiles_at_layer_start_are_copied_from_point_zero_and_waited_by_the_ro
     assert marks[marks.index("Op attention") + 1] == "ScopeClose", marks
     opened = next(st for st in steps if isinstance(st, ScopeOpen))
     assert {b.name for b in opened.buffers} == set(kv.tile_buffers)
+    # a tile holds each sequence's tokens: a verify kernel's 8 rows are one sequence
+    from mkc.codegen.layers import layer_source
+    assert f"pltpu.VMEM(({kv.slots}, c.S, {kv.tokens}, " in layer_source(s, "swa")
 
     tiles = kv.ahead + 2
     events = build_trace(s, TraceOptions(batch=8, kv_tokens=tiles * kv.tokens))

@@ -51,7 +51,6 @@ def resolve_phases(s: ResolveState) -> ResolveState:
         transfers, buffers = _transfers(phase, kind, s.batch[1])
         buffers = _scoped(phase, kind, buffers)
         kv, kv_buffers = _kv_tiles(phase, kind, s.batch[1], s.context)
-        _check_kv_scope_nests(phase, kind, kv, buffers)
         kinds[kname] = _kind_schedule(kind, s, transfers, kv)
         kind_buffers[kname] = tuple((buffers | kv_buffers).values())
     return dataclasses.replace(s, phase_schedules=kinds, kind_buffers=kind_buffers)
@@ -394,24 +393,6 @@ def _kv_tiles(phase: ast.Phase, kind: LayerKind, B: int, context: int
     buffers["kv_rows"] = ir.Buffer(kv.rows_buffer, "kv", (2, B, ir.SUBLANE_TILE["bf16"], width),
                                    "bf16", batch_axis=1, span=k.span)
     return kv, buffers
-
-
-def _check_kv_scope_nests(phase: ast.Phase, kind: LayerKind, kv: ir.KvStream | None,
-                          buffers: dict[str, ir.Buffer]) -> None:
-    """KV tiles `at layer start` are scoped from the layer's start to the op reading them: a
-    `scoped` range must nest with that one too (one `pl.run_scoped` block each)."""
-    if kv is None or not kv.at_start:
-        return
-    ops = kind.op_names()
-    a = ops.index(kv.op)
-    for sc in phase.scoped:
-        first, last = next(b.scope[1:] for b in buffers.values() if b.name == sc.buffers[0].text)
-        if 0 < first <= a < last:
-            raise fail("E-SCOPE", f"this scoped range crosses the KV tiles' (from the layer's "
-                       f"start to {kv.op}, `at layer start`): each must lie inside the other",
-                       sc.span, notes=[f"the KV tiles are at line {kv.span.line}"],
-                       hint=f"end the range by {kv.op}, or start it after {kv.op}, or drop "
-                            "`at layer start`")
 
 
 def _check_kv_tiles(k: KvTiles, kname: str, has_caches: bool, context: int) -> None:
