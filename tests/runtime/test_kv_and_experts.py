@@ -32,12 +32,16 @@ def _races_found() -> bool:
 LAYOUTS = {"decode": (2, 1, [21, 40]), "verify": (2, 3, [14, 61])}
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["at_the_fold", "at_layer_start"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, layout):
+def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, layout, early):
     S, R, starts = LAYOUTS[layout]
     B, T, W, layers, si = S * R, 64, 128, 2, 1
-    tiles = kv.KvTiles(tokens=16, slots=2, ahead=1)
+    # at layer start, the first 3 tiles (tokens 0-47) are copied before any row is written:
+    # rows at 14-16, 21 and 40 land in them, 61-63 in a tile streamed after the writes
+    tiles = (kv.KvTiles(tokens=16, slots=4, ahead=3, at_start=True) if early
+             else kv.KvTiles(tokens=16, slots=2, ahead=1))
     # row r * S + s: sequence s at starts[s] + r
     positions = np.array([starts[s] + r for r in range(R) for s in range(S)], np.int32)
     seq = [b % S for b in range(B)]
@@ -46,9 +50,13 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, 
     values = rng.standard_normal((layers, S, T, W)).astype(ml_dtypes.bfloat16)
     new = rng.standard_normal((2, B, W)).astype(np.float32)
 
-    def kernel(pos_ref, new_ref, k_in, v_in, sums_ref, k_out, v_out, rows_buf, sem):
+    def kernel(pos_ref, new_ref, k_in, v_in, sums_ref, k_out, v_out, rows_buf, sem, *tile_scratch):
         caches = (k_out, v_out)
-        kv.write_rows(caches, rows_buf, sem, si, pos_ref, [new_ref[0], new_ref[1]], S, R)
+        first = kv.Early(tile_scratch[:2], tile_scratch[2:]) if early else None
+        if early:
+            kv.start_first(tiles, caches, si, pos_ref, B, first)
+        kv.write_rows(caches, rows_buf, sem, si, pos_ref, [new_ref[0], new_ref[1]], S, R,
+                      early=(tiles, first) if early else None)
 
         def body(t, tile_refs, tokens, carry):
             k_tile, v_tile = tile_refs
@@ -59,7 +67,8 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, 
                 out.append(carry[b] + jnp.dot(visible, tile, preferred_element_type=F32))
             return tuple(out)
 
-        sums = kv.stream(tiles, caches, si, pos_ref, B, body, tuple(jnp.zeros((1, W), F32) for _ in range(B)))
+        sums = kv.stream(tiles, caches, si, pos_ref, B, body, tuple(jnp.zeros((1, W), F32) for _ in range(B)),
+                         first)
         sums_ref[...] = jnp.concatenate(sums, axis=0)
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -70,7 +79,9 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, 
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pltpu.VMEM),
                   any_spec, any_spec],
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM), any_spec, any_spec),
-        scratch_shapes=[pltpu.VMEM((2, B, 16, W), BF16), pltpu.SemaphoreType.DMA(())],
+        scratch_shapes=[pltpu.VMEM((2, B, 16, W), BF16), pltpu.SemaphoreType.DMA(()),
+                        *([pltpu.VMEM((tiles.slots, S, 16, W), BF16)] * 2 if early else []),
+                        *([pltpu.SemaphoreType.DMA((tiles.slots,))] * 2 if early else [])],
         input_output_aliases={2: 1, 3: 2},
         interpret=pltpu.InterpretParams(**MODES[mode]))
     sums, k_after, v_after = call(jnp.asarray(positions), jnp.asarray(new), jnp.asarray(keys),
