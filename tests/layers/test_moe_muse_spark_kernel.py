@@ -79,7 +79,7 @@ FAMILY = {
             kinds, per_rank = layer_kinds(LAYERS, d, ways)
             glob, per_rank["vocab"] = vocab_globals(d, rules["vocab"][0])
             return FamilyGraph(kinds=kinds, globals=glob, per_rank=per_rank,
-                               activations={"latent": ((-1, per_rank["latent_gathered"]), "f32")},
+                               activations=MOE.activations(d),
                                **MOE.graph_fields(d, formats, ways["expert_mlp"]))
     ''',
     "lowering.py": '''
