@@ -296,8 +296,8 @@ class Layer:
 
     def kv_start(self) -> None:
         """Start the copies of this layer's first KV tiles (`at layer start`)."""
-        kv.start_first(self.plan.kv, self._caches(), self.si, self.refs.positions, self.B,
-                       self._early_kv())
+        kv.start_first(self.plan.kv, self._caches(), self.si,
+                       kv.tile_count(self.plan.kv, self.refs.positions, self.B), self._early_kv())
 
     def kv_write(self, new: list[jax.Array]) -> None:
         """Write each row's new cache entries (one [B, width] array per cache) at its position."""

@@ -70,9 +70,8 @@ def tile_copies(kv: KvTiles, caches: Sequence, si, bufs: Sequence, sems: Sequenc
             for cache, buf, sem in zip(caches, bufs, sems)]
 
 
-def start_first(kv: KvTiles, caches: Sequence, si, positions, B: int, early: Early) -> None:
-    """Start the first `ahead` tiles' copies (those the rows reach)."""
-    n_tiles = tile_count(kv, positions, B)
+def start_first(kv: KvTiles, caches: Sequence, si, n_tiles, early: Early) -> None:
+    """Start the first `ahead` tiles' copies (those of the `n_tiles` the rows reach)."""
     for a in range(kv.ahead):
         @pl.when(a < n_tiles)
         def _():
@@ -189,7 +188,7 @@ def stream(kv: KvTiles, caches: Sequence, si, positions, B: int,
             return tile_copies(kv, caches, si, bufs, sems, t)
 
         if early is None:
-            start_first(kv, caches, si, positions, B, Early(bufs, sems))
+            start_first(kv, caches, si, n_tiles, Early(bufs, sems))
 
         def tile(t, carry):
             if early is not None:   # the first `ahead` tiles were waited as the rows were written

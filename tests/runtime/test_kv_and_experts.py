@@ -54,7 +54,7 @@ def test_kv_rows_are_written_and_the_fold_sees_tokens_up_to_each_position(mode, 
         caches = (k_out, v_out)
         first = kv.Early(tile_scratch[:2], tile_scratch[2:]) if early else None
         if early:
-            kv.start_first(tiles, caches, si, pos_ref, B, first)
+            kv.start_first(tiles, caches, si, kv.tile_count(tiles, pos_ref, B), first)
         kv.write_rows(caches, rows_buf, sem, si, pos_ref, [new_ref[0], new_ref[1]], S, R,
                       early=(tiles, first) if early else None)
 
