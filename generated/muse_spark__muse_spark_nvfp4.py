@@ -2,10 +2,10 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 867115eba808a9fa
+Input digest (spec, model config, mkc version): 48a2113a518367d1
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 12 VMEM slots of 1024x768 bf16 tiles, 12 tiles ahead, across layers and
+through a ring of 6 VMEM slots of 2048x768 bf16 tiles, 6 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.muse_spark.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -143,33 +143,32 @@ LAYER_KIND = (3, 2, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 
               1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1, 3, 1, 3, 1, 3, 1, 0, 1,
               3, 1, 3, 1, 3, 1, 0, 2)
 KIND_LAYERS = host.kind_layers(LAYER_KIND, KIND_IDS)
-LAYER_TILE_OFFSET = (0, 24, 40, 64, 80, 104, 120, 144, 160, 184, 200, 224, 240, 264, 280, 304, 320,
-                     344, 360, 384, 400, 424, 440, 464, 480, 504, 520, 544, 560, 584, 600, 624, 640,
-                     664, 680, 704, 720, 744, 760, 784, 800, 824, 840, 864, 880, 904, 920, 944, 960,
-                     984, 1000, 1024, 1040, 1064, 1080, 1104, 1120, 1144, 1160, 1184, 1200, 1224,
-                     1240, 1264, 1280, 1304, 1320, 1344, 1360, 1384, 1400, 1424, 1440, 1464, 1480,
-                     1504, 1520, 1544, 1560, 1584, 1600, 1624, 1640, 1664, 1680, 1704, 1720, 1744,
-                     1760, 1784, 1800, 1824, 1840, 1864, 1880, 1904, 1920, 1944, 1960, 1984, 2000,
-                     2024, 2040, 2064, 2080, 2104, 2120, 2144, 2160, 2184, 2200, 2224, 2240, 2264,
-                     2280, 2304, 2320, 2344, 2360, 2384, 2400, 2424, 2440, 2464)
+LAYER_TILE_OFFSET = (0, 12, 20, 32, 40, 52, 60, 72, 80, 92, 100, 112, 120, 132, 140, 152, 160, 172,
+                     180, 192, 200, 212, 220, 232, 240, 252, 260, 272, 280, 292, 300, 312, 320, 332,
+                     340, 352, 360, 372, 380, 392, 400, 412, 420, 432, 440, 452, 460, 472, 480, 492,
+                     500, 512, 520, 532, 540, 552, 560, 572, 580, 592, 600, 612, 620, 632, 640, 652,
+                     660, 672, 680, 692, 700, 712, 720, 732, 740, 752, 760, 772, 780, 792, 800, 812,
+                     820, 832, 840, 852, 860, 872, 880, 892, 900, 912, 920, 932, 940, 952, 960, 972,
+                     980, 992, 1000, 1012, 1020, 1032, 1040, 1052, 1060, 1072, 1080, 1092, 1100,
+                     1112, 1120, 1132, 1140, 1152, 1160, 1172, 1180, 1192, 1200, 1212, 1220, 1232)
 
 # Streamed matrices, per rank, by layer kind (tiles run column blocks outer, rows inner).
-FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
-                               tile_rows=1024, tile_cols=768)
-MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8, col_tiles=1,
-                                 tile_rows=1024, tile_cols=512)
-MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4, col_tiles=2,
-                               tile_rows=1024, tile_cols=512)
-MOE_BF16_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=8,
-                                      col_tiles=1, tile_rows=1024, tile_cols=512)
-MOE_BF16_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=4,
-                                    col_tiles=2, tile_rows=1024, tile_cols=512)
-SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=8, col_tiles=3,
-                              tile_rows=1024, tile_cols=768)
-TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=8, col_tiles=33,
-                              tile_rows=1024, tile_cols=768)
-RING = Ring(slots=12, ahead=12, total_tiles=2744, tile_shapes=((1024, 512), (1024, 768)))
-TAIL_TILE_OFFSET = 2480
+FULL_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=4, col_tiles=3,
+                               tile_rows=2048, tile_cols=768)
+MOE_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=4, col_tiles=1,
+                                 tile_rows=2048, tile_cols=512)
+MOE_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=2, col_tiles=2,
+                               tile_rows=2048, tile_cols=512)
+MOE_BF16_LATENT_DOWN = StreamedMatrix(name='latent_down', rows=8192, cols=512, row_tiles=4,
+                                      col_tiles=1, tile_rows=2048, tile_cols=512)
+MOE_BF16_LATENT_UP = StreamedMatrix(name='latent_up', rows=4096, cols=1024, row_tiles=2,
+                                    col_tiles=2, tile_rows=2048, tile_cols=512)
+SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=4, col_tiles=3,
+                              tile_rows=2048, tile_cols=768)
+TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=4, col_tiles=33,
+                              tile_rows=2048, tile_cols=768)
+RING = Ring(slots=6, ahead=6, total_tiles=1372, tile_shapes=((2048, 512), (2048, 768)))
+TAIL_TILE_OFFSET = 1240
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_DOWN, MOE_LATENT_UP],
                 'moe_bf16': [MOE_BF16_LATENT_DOWN, MOE_BF16_LATENT_UP], 'swa': [SWA_QKV_GATE],
@@ -261,14 +260,14 @@ EXPERTS = {'moe': ExpertSlots(
 # layer), state buffers and copies, KV caches.
 KINDS = {'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
                           caches=('full__key', 'full__value'),
-                          kv=KvTiles(tokens=512, slots=4, ahead=4, at_start=True),
+                          kv=KvTiles(tokens=256, slots=6, ahead=6, at_start=True),
                           kv_rows='full_kv_rows', kv_tiles=('full_kv_key', 'full_kv_value')),
          'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN),
-                                   'latent_up': (8, MOE_LATENT_UP)},
-                         states={}, copies=(), refill=(8, 2, 0)),
+                                   'latent_up': (4, MOE_LATENT_UP)},
+                         states={}, copies=(), refill=(4, 2, 0)),
          'moe_bf16': KindPlan(streamed={'latent_down': (0, MOE_BF16_LATENT_DOWN),
-                                        'latent_up': (8, MOE_BF16_LATENT_UP)},
-                              states={}, copies=(), refill=(8, 2, 0)),
+                                        'latent_up': (4, MOE_BF16_LATENT_UP)},
+                              states={}, copies=(), refill=(4, 2, 0)),
          'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
                          caches=('swa__key', 'swa__value'),
                          kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304, at_start=True),
@@ -284,7 +283,7 @@ def _layer_full(k: Kernel, layer):
 
     def _scope_0(c):
         """Runs with kv_key, kv_value allocated (pl.run_scoped)."""
-        c.kv_start()   # spec line 68: the first KV tiles, read by attention
+        c.kv_start()   # spec line 70: the first KV tiles, read by attention
         h = lower.input_norm(c)
         proj = lower.qkv_gate(c, h)
         q, k_new = lower.qk_norm(c, proj)
@@ -294,16 +293,16 @@ def _layer_full(k: Kernel, layer):
 
     proj, core = pl.run_scoped(
         lambda kv_key, kv_value: _scope_0(c.scoped(full_kv_key=kv_key, full_kv_value=kv_value)),
-        pltpu.VMEM((4, c.S, 512, 128), BF16),   # full_kv_key
-        pltpu.VMEM((4, c.S, 512, 128), BF16),   # full_kv_value
+        pltpu.VMEM((6, c.S, 256, 128), BF16),   # full_kv_key
+        pltpu.VMEM((6, c.S, 256, 128), BF16),   # full_kv_value
     )
     core = lower.out_gate(c, core, proj)
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 70: prefetch next staging.dense
+    c.prefetch_view()   # spec line 72: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 8 rows
-    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 69
+    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 71
     lower.attn_residual(c, attn_out)
 
 
@@ -315,24 +314,24 @@ def _layer_moe(k: Kernel, layer):
     h = lower.pre_ffn_norm(c)
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 78
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 80
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 77: fetch experts -> staging.experts, the first slots now
+    # spec line 79: fetch experts -> staging.experts, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 78
+    latent_in = latent_in_in_flight.finish()   # spec line 80
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 84: prefetch next staging.dense
-    c.refill_ring()   # spec line 87: refill after routed_experts from 2 rows
+    c.prefetch_view()   # spec line 86: prefetch next staging.dense
+    c.refill_ring()   # spec line 89: refill after routed_experts from 2 rows
     # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 82
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 84
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 88: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 90: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -344,24 +343,24 @@ def _layer_moe_bf16(k: Kernel, layer):
     h = lower.pre_ffn_norm(c)
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 96
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 98
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 95: fetch experts -> staging.experts_bf16, the first slots now
+    # spec line 97: fetch experts -> staging.experts_bf16, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 96
+    latent_in = latent_in_in_flight.finish()   # spec line 98
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts_bf16 is free from here
-    c.prefetch_view()   # spec line 99: prefetch next staging.dense
-    c.refill_ring()   # spec line 100: refill after routed_experts from 2 rows
+    c.prefetch_view()   # spec line 101: prefetch next staging.dense
+    c.refill_ring()   # spec line 102: refill after routed_experts from 2 rows
     # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 97
+    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 99
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 101: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 103: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -373,7 +372,7 @@ def _layer_swa(k: Kernel, layer):
 
     def _scope_0(c):
         """Runs with kv_key, kv_value allocated (pl.run_scoped)."""
-        c.kv_start()   # spec line 62: the first KV tiles, read by attention
+        c.kv_start()   # spec line 64: the first KV tiles, read by attention
         h = lower.input_norm(c)
         proj = lower.qkv_gate(c, h)
         q, k_new = lower.qk_norm_rope(c, proj)
@@ -390,9 +389,9 @@ def _layer_swa(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 64: prefetch next staging.dense
+    c.prefetch_view()   # spec line 66: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 8 rows
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 63
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 65
     lower.attn_residual(c, attn_out)
 
 
@@ -473,7 +472,7 @@ SCRATCH_SHAPES = {
     "x": vmem((ROWS, HIDDEN), F32),   # activation
     "embed_rows": vmem((ROWS, 16, HIDDEN), BF16),   # activation
     "head_norm": vmem((8, HIDDEN), F32),   # parity
-    "stage": vmem((8, ROWS, 1024), BF16),   # activation
+    "stage": vmem((4, ROWS, 2048), BF16),   # activation
     "acc": vmem((33, ROWS, 768), F32),   # activation
     "picks": vmem((ROWS, 32768), F32),   # activation
     "staging": vmem((65536, 128), BF16),   # pool
@@ -499,8 +498,8 @@ SCRATCH_SHAPES = {
     "sem__embed": dma_sems(),
     "sem__full_kv_rows": dma_sems(),
     "sem__swa_kv_rows": dma_sems(),
-    "sem__full_kv_key": dma_sems((4,)),
-    "sem__full_kv_value": dma_sems((4,)),
+    "sem__full_kv_key": dma_sems((6,)),
+    "sem__full_kv_value": dma_sems((6,)),
     "sem__swa_kv_key": dma_sems((3,)),
     "sem__swa_kv_value": dma_sems((3,)),
     "gather__latent_down__send": dma_sems((2, 8)),
