@@ -106,11 +106,11 @@ class StandIn:
         table = rope.host_inputs(d, jnp.asarray(positions, jnp.int32))["rope"] if rotates else None
         # the VMEM activations the kind's bodies keep (`MoE.activations`), at B rows
         acts = sub.activations(d) if hasattr(sub, "activations") else {}
-        self.refs = types.SimpleNamespace(x=Buffer(jnp.asarray(x, F32)), rope=table,
-                                          positions=jnp.asarray(positions, jnp.int32),
-                                          **{n: Buffer(jnp.zeros(tuple(self.B if e == -1 else e for e in shape),
-                                                                 {"f32": F32, "bf16": jnp.bfloat16}[dtype]))
-                                             for n, (shape, dtype) in acts.items()})
+        dtypes = {"f32": F32, "bf16": jnp.bfloat16}
+        self.refs = types.SimpleNamespace(
+            x=Buffer(jnp.asarray(x, F32)), rope=table, positions=jnp.asarray(positions, jnp.int32),
+            **{n: Buffer(jnp.zeros(tuple(self.B if e == -1 else e for e in shape), dtypes[dtype]))
+               for n, (shape, dtype) in acts.items()})
         # caches bf16, as the kernel stores them
         self.caches = [Buffer(jnp.asarray(caches[n], jnp.bfloat16)) for n, t in part.tensors.items()
                        if t.role == "cache"] if caches else []
