@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 48a2113a518367d1
+Input digest (spec, model config, mkc version): 078532cdb38c362a
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 6 VMEM slots of 2048x768 bf16 tiles, 6 tiles ahead, across layers and
@@ -186,21 +186,21 @@ VECTORS = Parity(ahead=1, rows=8, cols=8192,
                          'swa': {'input_norm': (0, 1, 8192), 'attn_gate': (1, 1, 8192)}})
 
 # All-reduce stages: (receive buffer, its use counter, group size, stride).
-EMBED_REDUCE = FromRows(rows=8,
-                        below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
+EMBED_REDUCE = FromRows(rows=3,
+                        below=(Stage(buffer='recv_1to2__bf16_8x1', counter=4, size=8, stride=1),),
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
                                               counter=7, size=8, stride=1),
                                 AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1)))
 FULL_O_PROJ_REDUCE = FromRows(
-    rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
+    rows=3, below=(Stage(buffer='recv_1to2__bf16_8x1', counter=4, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
                           stride=1),
             AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
 )
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
-    rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_2x1', counter=2, size=2, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x2', counter=3, size=4, stride=2)),
+    rows=3,
+    below=(Stage(buffer='recv_1to2__bf16_2x1', counter=2, size=2, stride=1),
+           Stage(buffer='recv_1to2__bf16_4x2', counter=3, size=4, stride=2)),
     stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=5, size=2,
                           stride=1),
             ReduceScatter(buffer='scatter__bf16_4x2', staging='send__bf16_4x2', counter=6, size=4,
@@ -209,9 +209,9 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
             AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
 )
 MOE_BF16_ROUTED_EXPERTS_REDUCE = FromRows(
-    rows=8,
-    below=(Stage(buffer='recv_1to7__bf16_2x1', counter=2, size=2, stride=1),
-           Stage(buffer='recv_1to7__bf16_4x2', counter=3, size=4, stride=2)),
+    rows=3,
+    below=(Stage(buffer='recv_1to2__bf16_2x1', counter=2, size=2, stride=1),
+           Stage(buffer='recv_1to2__bf16_4x2', counter=3, size=4, stride=2)),
     stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=5, size=2,
                           stride=1),
             ReduceScatter(buffer='scatter__bf16_4x2', staging='send__bf16_4x2', counter=6, size=4,
@@ -220,7 +220,7 @@ MOE_BF16_ROUTED_EXPERTS_REDUCE = FromRows(
             AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
 )
 SWA_O_PROJ_REDUCE = FromRows(
-    rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=4, size=8, stride=1),),
+    rows=3, below=(Stage(buffer='recv_1to2__bf16_8x1', counter=4, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
                           stride=1),
             AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
@@ -301,7 +301,7 @@ def _layer_full(k: Kernel, layer):
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
     c.prefetch_view()   # spec line 72: prefetch next staging.dense
-    # direct, wire bf16, scatter gather bf16 from 8 rows
+    # direct, wire bf16, scatter gather bf16 from 3 rows
     attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 71
     lower.attn_residual(c, attn_out)
 
@@ -325,13 +325,13 @@ def _layer_moe(k: Kernel, layer):
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 86: prefetch next staging.dense
-    c.refill_ring()   # spec line 89: refill after routed_experts from 2 rows
-    # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 84
+    c.prefetch_view()   # spec line 87: prefetch next staging.dense
+    c.refill_ring()   # spec line 90: refill after routed_experts from 2 rows
+    # two_level, wire bf16, scatter nested gather bf16 from 3 rows
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 85
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 90: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 91: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -343,24 +343,24 @@ def _layer_moe_bf16(k: Kernel, layer):
     h = lower.pre_ffn_norm(c)
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 98
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 99
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 97: fetch experts -> staging.experts_bf16, the first slots now
+    # spec line 98: fetch experts -> staging.experts_bf16, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 98
+    latent_in = latent_in_in_flight.finish()   # spec line 99
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts_bf16 is free from here
-    c.prefetch_view()   # spec line 101: prefetch next staging.dense
-    c.refill_ring()   # spec line 102: refill after routed_experts from 2 rows
-    # two_level, wire bf16, scatter nested gather bf16 from 8 rows
-    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 99
+    c.prefetch_view()   # spec line 102: prefetch next staging.dense
+    c.refill_ring()   # spec line 103: refill after routed_experts from 2 rows
+    # two_level, wire bf16, scatter nested gather bf16 from 3 rows
+    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 100
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 103: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 104: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -390,7 +390,7 @@ def _layer_swa(k: Kernel, layer):
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
     c.prefetch_view()   # spec line 66: prefetch next staging.dense
-    # direct, wire bf16, scatter gather bf16 from 8 rows
+    # direct, wire bf16, scatter gather bf16 from 3 rows
     attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 65
     lower.attn_residual(c, attn_out)
 
@@ -480,18 +480,18 @@ SCRATCH_SHAPES = {
     "gather__latent_down": vmem((2, 8, ROWS, 512), BF16),   # collective
     "gather__latent_up": vmem((2, 8, ROWS, 1024), BF16),   # collective
     "swa_kv_rows": vmem((2, ROWS, 16, 128), BF16),   # kv
-    "recv_1to7__bf16_2x1": vmem((2, 2, ROWS, 32768), BF16, rows=(1, 7)),   # collective
-    "recv_1to7__bf16_4x2": vmem((2, 4, ROWS, 32768), BF16, rows=(1, 7)),   # collective
-    "recv_1to7__bf16_8x1": vmem((2, 8, ROWS, 8192), BF16, rows=(1, 7)),   # collective
-    "scatter__bf16_2x1": vmem((2, 2, ROWS, 16384), BF16, rows=(8, 8)),   # collective
-    "send__bf16_2x1": vmem((2, ROWS, 16384), BF16, rows=(8, 8)),   # collective
-    "scatter__bf16_4x2": vmem((2, 4, ROWS, 4096), BF16, rows=(8, 8)),   # collective
-    "send__bf16_4x2": vmem((4, ROWS, 4096), BF16, rows=(8, 8)),   # collective
-    "scatter__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(8, 8)),   # collective
-    "send__bf16_8x1": vmem((8, ROWS, 1024), BF16, rows=(8, 8)),   # collective
-    "sums__bf16_2x1": vmem((2, 2, ROWS, 16384), BF16, rows=(8, 8)),   # collective
-    "sums__bf16_4x2": vmem((2, 4, ROWS, 4096), BF16, rows=(8, 8)),   # collective
-    "sums__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(8, 8)),   # collective
+    "recv_1to2__bf16_2x1": vmem((2, 2, ROWS, 32768), BF16, rows=(1, 2)),   # collective
+    "recv_1to2__bf16_4x2": vmem((2, 4, ROWS, 32768), BF16, rows=(1, 2)),   # collective
+    "recv_1to2__bf16_8x1": vmem((2, 8, ROWS, 8192), BF16, rows=(1, 2)),   # collective
+    "scatter__bf16_2x1": vmem((2, 2, ROWS, 16384), BF16, rows=(3, 8)),   # collective
+    "send__bf16_2x1": vmem((2, ROWS, 16384), BF16, rows=(3, 8)),   # collective
+    "scatter__bf16_4x2": vmem((2, 4, ROWS, 4096), BF16, rows=(3, 8)),   # collective
+    "send__bf16_4x2": vmem((4, ROWS, 4096), BF16, rows=(3, 8)),   # collective
+    "scatter__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(3, 8)),   # collective
+    "send__bf16_8x1": vmem((8, ROWS, 1024), BF16, rows=(3, 8)),   # collective
+    "sums__bf16_2x1": vmem((2, 2, ROWS, 16384), BF16, rows=(3, 8)),   # collective
+    "sums__bf16_4x2": vmem((2, 4, ROWS, 4096), BF16, rows=(3, 8)),   # collective
+    "sums__bf16_8x1": vmem((2, 8, ROWS, 1024), BF16, rows=(3, 8)),   # collective
     "ring_sem": dma_sems((RING.slots,)),
     "vectors_sem": dma_sems((2,)),
     "sem__head_norm": dma_sems(),
@@ -506,24 +506,24 @@ SCRATCH_SHAPES = {
     "gather__latent_down__recv": dma_sems((2, 8)),
     "gather__latent_up__send": dma_sems((2, 8)),
     "gather__latent_up__recv": dma_sems((2, 8)),
-    "recv_1to7__bf16_2x1__send": dma_sems((2, 2), rows=(1, 7)),
-    "recv_1to7__bf16_2x1__recv": dma_sems((2, 2), rows=(1, 7)),
-    "recv_1to7__bf16_4x2__send": dma_sems((2, 4), rows=(1, 7)),
-    "recv_1to7__bf16_4x2__recv": dma_sems((2, 4), rows=(1, 7)),
-    "recv_1to7__bf16_8x1__send": dma_sems((2, 8), rows=(1, 7)),
-    "recv_1to7__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 7)),
-    "scatter__bf16_2x1__send": dma_sems((2, 2), rows=(8, 8)),
-    "scatter__bf16_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
-    "scatter__bf16_4x2__send": dma_sems((2, 4), rows=(8, 8)),
-    "scatter__bf16_4x2__recv": dma_sems((2, 4), rows=(8, 8)),
-    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
-    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
-    "sums__bf16_2x1__send": dma_sems((2, 2), rows=(8, 8)),
-    "sums__bf16_2x1__recv": dma_sems((2, 2), rows=(8, 8)),
-    "sums__bf16_4x2__send": dma_sems((2, 4), rows=(8, 8)),
-    "sums__bf16_4x2__recv": dma_sems((2, 4), rows=(8, 8)),
-    "sums__bf16_8x1__send": dma_sems((2, 8), rows=(8, 8)),
-    "sums__bf16_8x1__recv": dma_sems((2, 8), rows=(8, 8)),
+    "recv_1to2__bf16_2x1__send": dma_sems((2, 2), rows=(1, 2)),
+    "recv_1to2__bf16_2x1__recv": dma_sems((2, 2), rows=(1, 2)),
+    "recv_1to2__bf16_4x2__send": dma_sems((2, 4), rows=(1, 2)),
+    "recv_1to2__bf16_4x2__recv": dma_sems((2, 4), rows=(1, 2)),
+    "recv_1to2__bf16_8x1__send": dma_sems((2, 8), rows=(1, 2)),
+    "recv_1to2__bf16_8x1__recv": dma_sems((2, 8), rows=(1, 2)),
+    "scatter__bf16_2x1__send": dma_sems((2, 2), rows=(3, 8)),
+    "scatter__bf16_2x1__recv": dma_sems((2, 2), rows=(3, 8)),
+    "scatter__bf16_4x2__send": dma_sems((2, 4), rows=(3, 8)),
+    "scatter__bf16_4x2__recv": dma_sems((2, 4), rows=(3, 8)),
+    "scatter__bf16_8x1__send": dma_sems((2, 8), rows=(3, 8)),
+    "scatter__bf16_8x1__recv": dma_sems((2, 8), rows=(3, 8)),
+    "sums__bf16_2x1__send": dma_sems((2, 2), rows=(3, 8)),
+    "sums__bf16_2x1__recv": dma_sems((2, 2), rows=(3, 8)),
+    "sums__bf16_4x2__send": dma_sems((2, 4), rows=(3, 8)),
+    "sums__bf16_4x2__recv": dma_sems((2, 4), rows=(3, 8)),
+    "sums__bf16_8x1__send": dma_sems((2, 8), rows=(3, 8)),
+    "sums__bf16_8x1__recv": dma_sems((2, 8), rows=(3, 8)),
     "collective_count": smem((max(1, N_COLLECTIVE_COUNTERS),), jnp.int32),   # use counters
     "pool_sem": dma_sems((1,)),   # pooled matrix copies
     "expert_sem": dma_sems((3,)),   # expert slot copies

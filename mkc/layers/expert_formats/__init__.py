@@ -55,8 +55,10 @@ NVFP4_BLOCK = 16       # input rows per e4m3 scale of NVFP4
 GLOBAL_SCALE_ROWS = 4
 # nvfp4 at up to this many rows feeds its codes to the MXU (a block-diagonal input, one dot a
 # pack group) rather than decoding them: tpu7x bundles of a 512-row group, 256 columns, at 1 /
-# 2 / 4 / 8 rows 85 / 107 / 150 / 239 against 149 / 147 / 145 / 148 (docs/formats.md)
-NVFP4_CODES_ROWS = 2
+# 2 / 4 / 8 rows 85 / 107 / 150 / 239 against 149 / 147 / 145 / 148 (docs/formats.md); the
+# routed experts' whole op, compiled alone, is cheaper with the codes up to 6 rows (Muse
+# Spark's step 0.10 / 0.08 / 0.04 / 0.02 ms shorter at 3 / 4 / 5 / 6 rows) and dearer from 7
+NVFP4_CODES_ROWS = 6
 # int4 codes are sliced per block in the kernel: a block's byte rows whole uint8 tiles (32)
 INT4_BLOCK_MULTIPLE = 64
 # How a stored matrix's bytes count as values: codes are multiplied, scales only decoded.

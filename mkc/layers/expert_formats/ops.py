@@ -205,7 +205,7 @@ def nvfp4_codes_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array) -> jax
     fed to the MXU as they are: one dot of the block-diagonal input (`block_diagonal`, 16-row
     blocks) gives each block's partial product of each row, which is multiplied by the block's
     e4m3 scale (uint8 [G/16, N]) and summed over the blocks. Cheaper than decoding the values
-    at one or two rows (`NVFP4_CODES_ROWS`, measured: benchmarks/expert_matmul_compile.py)."""
+    at up to `NVFP4_CODES_ROWS` rows (measured: its comment)."""
     from jax.experimental.pallas import tpu as pltpu
     scale = lax.bitcast_convert_type(scales, jnp.float8_e4m3fn).astype(F32)       # [nb, N]
     nb = scale.shape[0]
