@@ -34,22 +34,23 @@ def _view_readers(k: ir.KindSchedule) -> tuple[dict[int, list[str]], dict[str, i
     return first_reader, last_reader
 
 
+def _scopes(s: ir.ScheduleIR, kind: str) -> dict[tuple, tuple[ir.Buffer, ...]]:
+    """{scope: its buffers} of the ranges the layer's program opens, outer first (by first
+    op, then the longer range): `scoped` state buffers, and KV tiles copied from the layer's
+    start (otherwise the op reading KV tiles scopes them itself, `mkc.runtime.kv.stream`)."""
+    k = s.kinds[kind]
+    early_kv = set(k.kv.tile_buffers) if k.kv is not None and k.kv.at_start else set()
+    mine = [b for b in s.buffers if b.scope and b.scope[0] == kind
+            and (b.cls == "state" or b.name in early_kv)]
+    return {sc: tuple(b for b in mine if b.scope == sc)
+            for sc in sorted({b.scope for b in mine}, key=lambda sc: (sc[1], -sc[2]))}
+
+
 def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
     k = s.kinds[kind]
-    # KV tiles copied from the layer's start are scoped from there like `scoped` state
-    # buffers; otherwise the op reading them scopes them itself (`mkc.runtime.kv.stream`).
-    early_kv = set(k.kv.tile_buffers) if k.kv is not None and k.kv.at_start else set()
-
-    def program_scoped(b: ir.Buffer) -> bool:
-        return b.cls == "state" or b.name in early_kv
-
-    # Outer scopes first: by first op, then the longer range.
-    scopes = sorted({b.scope for b in s.buffers if b.scope and b.scope[0] == kind
-                     and program_scoped(b)}, key=lambda sc: (sc[1], -sc[2]))
-
-    def scoped(sc) -> tuple[ir.Buffer, ...]:
-        return tuple(b for b in s.buffers if b.scope == sc and program_scoped(b))
-
+    scope_buffers = _scopes(s, kind)
+    scopes = list(scope_buffers)
+    early_kv = k.kv is not None and k.kv.at_start
     steps: list[Step] = []
 
     def transfers_at(p: int, buffers: set[str], inside: bool) -> None:
@@ -64,11 +65,11 @@ def layer_program(s: ir.ScheduleIR, kind: str) -> list[Step]:
             steps.extend(Drain(p, transfer=t) for t in k.transfers for _ in range(t.drain))
         steps.extend(Wait(p, transfer=t) for t in k.transfers if t.start < p and p in t.waits)
         opening = [(i, sc) for i, sc in enumerate(scopes) if sc[1] == p]
-        opening_buffers = {b.name for _, sc in opening for b in scoped(sc)}
+        opening_buffers = {b.name for _, sc in opening for b in scope_buffers[sc]}
         transfers_at(p, opening_buffers, inside=False)
-        steps.extend(ScopeClose(p, buffers=scoped(sc), scope=i)
+        steps.extend(ScopeClose(p, buffers=scope_buffers[sc], scope=i)
                      for i, sc in reversed(list(enumerate(scopes))) if sc[2] + 1 == p)
-        steps.extend(ScopeOpen(p, buffers=scoped(sc), scope=i) for i, sc in opening)
+        steps.extend(ScopeOpen(p, buffers=scope_buffers[sc], scope=i) for i, sc in opening)
         transfers_at(p, opening_buffers, inside=True)
         if p == 0 and early_kv:
             steps.append(KvStart(p))
