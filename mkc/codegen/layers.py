@@ -84,9 +84,11 @@ class LayerEmitter:
         target = f"{', '.join(returns)}{',' if len(returns) == 1 else ''} = " if returns else ""
         self.line(indent, f"{target}pl.run_scoped(")
         self.line(indent, f"    {call},")
+        tiles = set(self.k.kv.tile_buffers) if self.k.kv is not None else set()
         for b in step.buffers:
-            # a KV tile holds a sequence's tokens: its batch dim counts sequences, not rows
-            batch = "c.S" if b.cls == "kv" else "B"
+            # a KV tile holds a sequence's tokens: its batch dim counts sequences, not rows (as
+            # mkc.checks.capacity.kernel_buffers sizes it)
+            batch = "c.S" if b.name in tiles else "B"
             self.line(indent, f"    pltpu.VMEM({b.shape_expr(batch)}, {DTYPE_SOURCE[b.dtype]}),   # {b.name}")
         self.line(indent, ")")
 
