@@ -512,12 +512,20 @@ def rows_within(rows: int, from_rows: int, to_rows: int) -> bool:
     return from_rows <= rows and (not to_rows or rows <= to_rows)
 
 
+def held_refills(tiles: int, ahead: int) -> range:
+    """The layer's tiles, among its first `tiles`, whose refills a `refill` holds back: those
+    whose refill is a tile read after them (`ahead` on, past the first `tiles`); the earlier
+    ones refill a tile the same ops read, as each is consumed."""
+    return range(max(0, tiles - ahead), tiles)
+
+
 @dataclass(frozen=True)
 class RingRefill:
     """`refill RING after OP [from N rows | up to N rows]`: in kernels of `from_rows` to
-    `to_rows` rows (0: any), the ring's refills for the layer's first `tiles` tiles (those its
-    ops consume up to `after_op`, a prefix of the kind's stream) start right after `after_op`,
-    before its collectives, rather than as each tile is consumed."""
+    `to_rows` rows (0: any), the ring refills for tiles read after `after_op` that consuming
+    the layer's first `tiles` tiles (those its ops read up to `after_op`, a prefix of the kind's
+    stream) would start (`held_refills`) begin right after `after_op`, before its collectives,
+    so the copies the ops up to it wait on have HBM to themselves."""
 
     after_op: str
     tiles: int

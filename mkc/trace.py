@@ -331,16 +331,17 @@ class StepTracer:
                           span=st.span)
 
     def consume_tiles(self, family: ir.StreamFamily, first: int, where: str,
-                      held: list[int] | None = None) -> int:
+                      held: list[int] | None = None, hold_from: int = 0) -> int:
         """Consume the family's run of tiles from `first`; returns the next tile. Each tile's
-        refill starts as it is consumed, or joins `held` (`refill`: started later)."""
+        refill starts as it is consumed or, for tiles from `hold_from` on, joins `held`
+        (`refill`: started later)."""
         st, tb = self.s.stream, self.tb
         for t in range(first, first + self.traced(family.tiles)):
             # The consumer waits for its own family's tile size.
             tb.wait(sem=("ring", t % st.slots), nbytes=self.tile_bytes[t], where=where, span=st.span)
             tb.read(st.ring, t % st.slots, self.ring_tile(t), where, st.span,
                     self.tile_bytes[t] if self.opts.compute else 0)
-            if held is None:
+            if held is None or t < hold_from:
                 self.start_tile(t + st.ahead, where)
             elif t + st.ahead < self.total_tiles:
                 held.append(t + st.ahead)
@@ -468,6 +469,7 @@ class LayerTrace:
     kname: str
     seen: int                     # layers of this kind already run
     tile: int                     # the next ring tile this layer consumes
+    first_tile: int = field(init=False)     # the layer's first ring tile
     holds: dict = field(init=False)     # the tag each state buffer holds, as ops update it
     held_refills: list = field(init=False)   # ring refills held back to a `Refill` step
 
@@ -480,6 +482,7 @@ class LayerTrace:
         self.loaded = {t.state: t.buffer for t in self.k.transfers if t.direction == "load"}
         self.holds = {t.buffer: LayerState(self.layer) for t in self.k.transfers}
         self.held_refills = []
+        self.first_tile = self.tile
 
     def where(self, p: int) -> str:
         if p == 0:

@@ -1,5 +1,6 @@
 """Pass `refills`: each phase's `refill RING after OP [from N rows | up to N rows]`, the ring
-refills of the tiles its layer consumes up to OP held back until OP is done."""
+refills that the tiles its layer consumes up to OP start for tiles read after OP, held back
+until OP is done (`mkc.ir.held_refills`)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -44,11 +45,6 @@ def _refill(phase: ast.Phase, ks: ir.KindSchedule, ring: str, stream: ir.Stream,
                    "there is no refill to hold back", r.span,
                    hint=(f"name an op after one that reads it ({', '.join(streaming)})"
                          if streaming else "remove the line: the kind streams nothing"))
-    if stream.ahead < tiles:
-        raise fail("E-STREAM", f"ring {ring} runs {stream.ahead} tiles ahead and {ks.name} reads "
-                   f"{tiles} of its tiles up to {ks.ops[last]}: its tile {stream.ahead}, among them, "
-                   f"would wait for a refill held back until after {ks.ops[last]}", r.span,
-                   hint=f"stream at least {tiles} tiles ahead, or hold back fewer (an earlier op)")
     if r.rows is not None and not 1 <= r.rows <= rows_max:
         bound = "up to" if r.up_to else "from"
         raise fail("E-STREAM", f"refill {bound} {r.rows} rows: no kernel of this spec has that many "

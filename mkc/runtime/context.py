@@ -254,9 +254,11 @@ class Layer:
         whole tiles) or, for a pooled matrix, from the weight view (exact columns)."""
         if name in self.plan.streamed:
             offset, tiling = self.plan.streamed[name]
-            held = self._refills_held() and offset < self.plan.refill[0]
+            refills = None
+            if self._refills_held() and offset < self.plan.refill[0]:
+                refills = ir.held_refills(self.plan.refill[0], self.kernel.ring.ahead).start - offset
             return ring.matmul(self.kernel.ring, self.kernel.ring_refs, h, self.first_tile + offset,
-                               tiling, refill=not held)
+                               tiling, refills)
         row, rows, cols, _ = self.kernel.view.matrices[self.kind][name]
         return pool.pooled_matmul(h, getattr(self.refs, self.kernel.view.pool), row, rows, cols)
 

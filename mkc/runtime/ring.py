@@ -117,9 +117,9 @@ def fill(ring: Ring, refs: RingRefs) -> None:
 
 
 def start_after(ring: Ring, refs: RingRefs, first_tile, tiles: int) -> None:
-    """The refills held back for tiles first_tile .. first_tile + tiles - 1: each tile `ahead`
-    after one of them (`refill`, `mkc.ir.RingRefill`)."""
-    for k in range(tiles):
+    """The refills held back for the layer's first `tiles` tiles, from tile first_tile on: each
+    tile `ahead` after one of `mkc.ir.held_refills` (`refill`, `mkc.ir.RingRefill`)."""
+    for k in ir.held_refills(tiles, ring.ahead):
         t = first_tile + k + ring.ahead
 
         @pl.when(t < ring.total_tiles)
@@ -128,12 +128,13 @@ def start_after(ring: Ring, refs: RingRefs, first_tile, tiles: int) -> None:
 
 
 def matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatrix,
-           refill: bool = True) -> jax.Array:
+           refills: int | None = None) -> jax.Array:
     """h [B, rows] @ matrix m, whose tiles are ring tiles first_tile.. -> [B, col_tiles *
-    tile_cols] f32 (columns past m.cols are the zero padding). Each consumed tile starts the tile
-    `ahead` after it, unless `refill` is False (held back: `start_after`)."""
+    tile_cols] f32 (columns past m.cols are the zero padding). Each of its first `refills`
+    tiles (None: all) starts the tile `ahead` after it as it is consumed; the others' refills
+    are held back (`start_after`)."""
     if m.codes != "bf16":
-        return _codes_matmul(ring, refs, h, first_tile, m, refill)
+        return _codes_matmul(ring, refs, h, first_tile, m, refills)
     tr, tc = m.tile_rows, m.tile_cols
     _stage(refs, h, m)
 
@@ -153,14 +154,26 @@ def matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatr
             def _():
                 refs.acc[j, :, :tc] = refs.acc[j, :, :tc] + part
 
-        if refill:
-            @pl.when(t + ring.ahead < ring.total_tiles)
-            def _():
-                start_tile(ring, refs, t + ring.ahead)
+        _refill(ring, refs, t, k, refills, m.tiles)
         return carry
 
     lax.fori_loop(0, m.tiles, tile, 0)
     return _columns(refs, m)
+
+
+def _refill(ring: Ring, refs: RingRefs, t, k, refills: int | None, tiles: int) -> None:
+    """Tile t (the run's k-th of `tiles`) consumed: start tile t + ahead, unless the run's
+    refills from its `refills`-th tile on are held back."""
+    if refills is None or refills >= tiles:
+        go = t + ring.ahead < ring.total_tiles
+    elif refills <= 0:
+        return
+    else:
+        go = (t + ring.ahead < ring.total_tiles) & (k < refills)
+
+    @pl.when(go)
+    def _():
+        start_tile(ring, refs, t + ring.ahead)
 
 
 def _columns(refs: RingRefs, m: StreamedMatrix) -> jax.Array:
@@ -203,7 +216,7 @@ def codes_dot(x: jax.Array, packed: jax.Array, codes: str, fp8_operand: bool = T
 
 
 def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: StreamedMatrix,
-                  refill: bool = True) -> jax.Array:
+                  refills: int | None = None) -> jax.Array:
     """`matmul` of a matrix stored as 8-bit codes: each tile's codes in a mixed dot
     (`codes_dot`), the column block's sum times its scales, which its last row tile carries
     after its codes (bf16 values in the first of the scale rows)."""
@@ -243,10 +256,7 @@ def _codes_matmul(ring: Ring, refs: RingRefs, h: jax.Array, first_tile, m: Strea
                 def _():
                     refs.acc[j, :, :tc] = refs.acc[j, :, :tc] + part
 
-        if refill:
-            @pl.when(t + ring.ahead < ring.total_tiles)
-            def _():
-                start_tile(ring, refs, t + ring.ahead)
+        _refill(ring, refs, t, k, refills, m.tiles)
         return carry
 
     lax.fori_loop(0, m.tiles, tile, 0)
