@@ -125,8 +125,8 @@ def test_held_back_refills_start_each_later_tile_once(ahead, mode, capfd):
     `refill ... after OP` whose OP reads a and b: each run starts the refills for tiles a or b
     read as it consumes them and holds back the others (`mkc.ir.held_refills`), which
     `start_after` starts once b is read, as `mkc.runtime.context` runs them. Every tile is
-    copied once (no semaphore left signalled) and the three products are exact, DMAs landing as issued or with race
-    detection (None: 2 ahead, nothing held)."""
+    copied once (no semaphore left signalled) and the three products are exact, DMAs landing
+    as issued or with race detection (None: 2 ahead, nothing held)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
