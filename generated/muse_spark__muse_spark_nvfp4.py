@@ -2,10 +2,10 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 078532cdb38c362a
+Input digest (spec, model config, mkc version): 4afa458687cdb256
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
-through a ring of 6 VMEM slots of 2048x768 bf16 tiles, 6 tiles ahead, across layers and
+through a ring of 8 VMEM slots of 2048x768 bf16 tiles, 8 tiles ahead, across layers and
 into the lm_head; per-layer vectors are double-buffered by layer parity; partial sums are
 all-reduced in-kernel by remote DMA. Compute bodies live in mkc.families.muse_spark.lowering;
 this module holds the schedule: buffers, copies, semaphores, the layer loop and the host side.
@@ -167,7 +167,7 @@ SWA_QKV_GATE = StreamedMatrix(name='qkv_gate', rows=8192, cols=2304, row_tiles=4
                               tile_rows=2048, tile_cols=768)
 TAIL_LM_HEAD = StreamedMatrix(name='lm_head', rows=8192, cols=25256, row_tiles=4, col_tiles=33,
                               tile_rows=2048, tile_cols=768)
-RING = Ring(slots=6, ahead=6, total_tiles=1372, tile_shapes=((2048, 512), (2048, 768)))
+RING = Ring(slots=8, ahead=8, total_tiles=1372, tile_shapes=((2048, 512), (2048, 768)))
 TAIL_TILE_OFFSET = 1240
 # The order matrices stream in: per layer kind, then the tail after the last layer.
 STREAM_ORDER = {'full': [FULL_QKV_GATE], 'moe': [MOE_LATENT_DOWN, MOE_LATENT_UP],
@@ -260,8 +260,9 @@ EXPERTS = {'moe': ExpertSlots(
 # layer), state buffers and copies, KV caches.
 KINDS = {'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, copies=(),
                           caches=('full__key', 'full__value'),
-                          kv=KvTiles(tokens=256, slots=6, ahead=6, at_start=True),
-                          kv_rows='full_kv_rows', kv_tiles=('full_kv_key', 'full_kv_value')),
+                          kv=KvTiles(tokens=256, slots=5, ahead=5, at_start=True),
+                          kv_rows='full_kv_rows', kv_tiles=('full_kv_key', 'full_kv_value'),
+                          refill=(12, 2, 0)),
          'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN),
                                    'latent_up': (4, MOE_LATENT_UP)},
                          states={}, copies=(), refill=(4, 2, 0)),
@@ -271,7 +272,8 @@ KINDS = {'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, 
          'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
                          caches=('swa__key', 'swa__value'),
                          kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304, at_start=True),
-                         kv_rows='swa_kv_rows', kv_tiles=('swa_kv_key', 'swa_kv_value'))}
+                         kv_rows='swa_kv_rows', kv_tiles=('swa_kv_key', 'swa_kv_value'),
+                         refill=(12, 2, 0))}
 
 
 # ---- the kernel ----------------------------------------------------------------------------
@@ -283,9 +285,10 @@ def _layer_full(k: Kernel, layer):
 
     def _scope_0(c):
         """Runs with kv_key, kv_value allocated (pl.run_scoped)."""
-        c.kv_start()   # spec line 70: the first KV tiles, read by attention
+        c.kv_start()   # spec line 73: the first KV tiles, read by attention
         h = lower.input_norm(c)
         proj = lower.qkv_gate(c, h)
+        c.refill_ring()   # spec line 76: refill after qkv_gate from 2 rows
         q, k_new = lower.qk_norm(c, proj)
         lower.kv_write(c, k_new, proj)
         core = lower.attention(c, q)
@@ -293,16 +296,16 @@ def _layer_full(k: Kernel, layer):
 
     proj, core = pl.run_scoped(
         lambda kv_key, kv_value: _scope_0(c.scoped(full_kv_key=kv_key, full_kv_value=kv_value)),
-        pltpu.VMEM((6, c.S, 256, 128), BF16),   # full_kv_key
-        pltpu.VMEM((6, c.S, 256, 128), BF16),   # full_kv_value
+        pltpu.VMEM((5, c.S, 256, 128), BF16),   # full_kv_key
+        pltpu.VMEM((5, c.S, 256, 128), BF16),   # full_kv_value
     )
     core = lower.out_gate(c, core, proj)
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 72: prefetch next staging.dense
+    c.prefetch_view()   # spec line 75: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 3 rows
-    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 71
+    attn_out = k.allreduce(attn_out, FULL_O_PROJ_REDUCE)   # spec line 74
     lower.attn_residual(c, attn_out)
 
 
@@ -314,24 +317,24 @@ def _layer_moe(k: Kernel, layer):
     h = lower.pre_ffn_norm(c)
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 80
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_LATENT_DOWN_GATHER)   # spec line 84
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 79: fetch experts -> staging.experts, the first slots now
+    # spec line 83: fetch experts -> staging.experts, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 80
+    latent_in = latent_in_in_flight.finish()   # spec line 84
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
-    c.prefetch_view()   # spec line 87: prefetch next staging.dense
-    c.refill_ring()   # spec line 90: refill after routed_experts from 2 rows
+    c.prefetch_view()   # spec line 91: prefetch next staging.dense
+    c.refill_ring()   # spec line 94: refill after routed_experts from 2 rows
     # two_level, wire bf16, scatter nested gather bf16 from 3 rows
-    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 85
+    expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 91: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_LATENT_UP_GATHER)   # spec line 95: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -343,24 +346,24 @@ def _layer_moe_bf16(k: Kernel, layer):
     h = lower.pre_ffn_norm(c)
     latent_in = lower.latent_down(c, h)
     # overlapped: it runs until its first reader
-    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 99
+    latent_in_in_flight = k.start_allgather(latent_in, MOE_BF16_LATENT_DOWN_GATHER)   # spec line 103
     c.wait_pooled("router")   # staging.dense: before its first reader
     router_logits = lower.router(c, h)
     # the pool view staging.dense is free from here
     expert_ids, expert_weights = lower.route(c, router_logits)
-    # spec line 98: fetch experts -> staging.experts_bf16, the first slots now
+    # spec line 102: fetch experts -> staging.experts_bf16, the first slots now
     c.start_experts()
-    latent_in = latent_in_in_flight.finish()   # spec line 99
+    latent_in = latent_in_in_flight.finish()   # spec line 103
     latent_in = lower.latent_norm(c, latent_in)
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts_bf16 is free from here
-    c.prefetch_view()   # spec line 102: prefetch next staging.dense
-    c.refill_ring()   # spec line 103: refill after routed_experts from 2 rows
+    c.prefetch_view()   # spec line 106: prefetch next staging.dense
+    c.refill_ring()   # spec line 107: refill after routed_experts from 2 rows
     # two_level, wire bf16, scatter nested gather bf16 from 3 rows
-    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 100
+    expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 104
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
     mlp_out = lower.latent_up(c, routed_out)
-    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 104: all-gather over 8 ranks
+    mlp_out = k.allgather(mlp_out, MOE_BF16_LATENT_UP_GATHER)   # spec line 108: all-gather over 8 ranks
     lower.mlp_residual(c, mlp_out)
 
 
@@ -372,9 +375,10 @@ def _layer_swa(k: Kernel, layer):
 
     def _scope_0(c):
         """Runs with kv_key, kv_value allocated (pl.run_scoped)."""
-        c.kv_start()   # spec line 64: the first KV tiles, read by attention
+        c.kv_start()   # spec line 66: the first KV tiles, read by attention
         h = lower.input_norm(c)
         proj = lower.qkv_gate(c, h)
+        c.refill_ring()   # spec line 69: refill after qkv_gate from 2 rows
         q, k_new = lower.qk_norm_rope(c, proj)
         lower.kv_write(c, k_new, proj)
         core = lower.attention(c, q)
@@ -389,9 +393,9 @@ def _layer_swa(k: Kernel, layer):
     c.wait_pooled("o_proj")   # staging.dense: before its first reader
     attn_out = lower.o_proj(c, core)
     # the pool view staging.dense is free from here
-    c.prefetch_view()   # spec line 66: prefetch next staging.dense
+    c.prefetch_view()   # spec line 68: prefetch next staging.dense
     # direct, wire bf16, scatter gather bf16 from 3 rows
-    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 65
+    attn_out = k.allreduce(attn_out, SWA_O_PROJ_REDUCE)   # spec line 67
     lower.attn_residual(c, attn_out)
 
 
@@ -498,8 +502,8 @@ SCRATCH_SHAPES = {
     "sem__embed": dma_sems(),
     "sem__full_kv_rows": dma_sems(),
     "sem__swa_kv_rows": dma_sems(),
-    "sem__full_kv_key": dma_sems((6,)),
-    "sem__full_kv_value": dma_sems((6,)),
+    "sem__full_kv_key": dma_sems((5,)),
+    "sem__full_kv_value": dma_sems((5,)),
     "sem__swa_kv_key": dma_sems((3,)),
     "sem__swa_kv_value": dma_sems((3,)),
     "gather__latent_down__send": dma_sems((2, 8)),

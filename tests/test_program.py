@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from mkc import compiler
+from mkc import compiler, ir
 from mkc.diagnostics import MkcError
 from mkc.program import layer_program
 from tests_support import ROOT, SPEC, run_example
@@ -145,6 +145,34 @@ def test_held_back_refills_start_after_their_op_from_their_rows():
                    < first + s.stream.ahead + held.tiles]
         assert len(refills) == held.tiles
         assert all(e.where.endswith(where) for e in refills), [e.where for e in refills]
+
+
+def test_refills_for_the_op_s_own_tiles_start_as_read_the_rest_after_it():
+    """Muse Spark's `refill weights after qkv_gate from 2 rows` on its attention layers: qkv_gate
+    reads 12 tiles through a ring 8 ahead, so its first 4 tiles' refills are its own last 4 and
+    start as each is read; the refills its last 8 free (the MoE's tiles) start after qkv_gate,
+    in kernels of 2 rows or more. Every tile of the step is started once, in stream order."""
+    from mkc.trace import CopyStart, TraceOptions, build_trace
+
+    s = compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir
+    ahead = s.stream.ahead
+    for kname in ("swa", "full"):
+        held = s.kinds[kname].refill
+        assert (held.after_op, held.tiles, held.from_rows) == ("qkv_gate", 12, 2)
+        assert list(ir.held_refills(held.tiles, ahead)) == list(range(12 - ahead, 12))
+    layer = s.layer_kinds.index("swa", 4)
+    first = s.stream.layer_tile_offset[layer]
+    after = s.kinds["swa"].ops[s.kinds["swa"].ops.index("qkv_gate") + 1]
+    for batch in (1, 2):
+        events = build_trace(s, TraceOptions(batch=batch, whole_runs=True))
+        ring = [e for e in events if isinstance(e, CopyStart) and e.buffer == s.stream.ring]
+        assert [e.tag.index for e in ring] == list(range(s.stream.total_tiles))
+        where = {e.tag.index - first - ahead: e.where.split(" swa ")[-1] for e in ring
+                 if first + ahead <= e.tag.index < first + ahead + 12}
+        own = 12 - ahead
+        assert all(where[k] == "qkv_gate" for k in range(own)), where
+        later = "qkv_gate" if batch == 1 else f"before {after}"
+        assert all(where[k] == later for k in range(own, 12)), where
 
 
 def test_kv_tiles_at_layer_start_are_copied_from_point_zero_and_waited_by_the_row_write():
