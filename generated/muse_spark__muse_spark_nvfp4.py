@@ -2,7 +2,7 @@
 
 Schedule muse_spark: model muse_spark_nvfp4 (muse_spark) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 4afa458687cdb256
+Input digest (spec, model config, mkc version): c01b3c835478c480
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 2048x768 bf16 tiles, 8 tiles ahead, across layers and
@@ -265,10 +265,10 @@ KINDS = {'full': KindPlan(streamed={'qkv_gate': (0, FULL_QKV_GATE)}, states={}, 
                           refill=(12, 2, 0)),
          'moe': KindPlan(streamed={'latent_down': (0, MOE_LATENT_DOWN),
                                    'latent_up': (4, MOE_LATENT_UP)},
-                         states={}, copies=(), refill=(4, 2, 0)),
+                         states={}, copies=(), refill=(4, 1, 0)),
          'moe_bf16': KindPlan(streamed={'latent_down': (0, MOE_BF16_LATENT_DOWN),
                                         'latent_up': (4, MOE_BF16_LATENT_UP)},
-                              states={}, copies=(), refill=(4, 2, 0)),
+                              states={}, copies=(), refill=(4, 1, 0)),
          'swa': KindPlan(streamed={'qkv_gate': (0, SWA_QKV_GATE)}, states={}, copies=(),
                          caches=('swa__key', 'swa__value'),
                          kv=KvTiles(tokens=256, slots=3, ahead=3, ring=2304, at_start=True),
@@ -329,7 +329,7 @@ def _layer_moe(k: Kernel, layer):
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts is free from here
     c.prefetch_view()   # spec line 91: prefetch next staging.dense
-    c.refill_ring()   # spec line 94: refill after routed_experts from 2 rows
+    c.refill_ring()   # spec line 94: refill after routed_experts
     # two_level, wire bf16, scatter nested gather bf16 from 3 rows
     expert_outs = k.allreduce(expert_outs, MOE_ROUTED_EXPERTS_REDUCE)   # spec line 89
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)
@@ -358,7 +358,7 @@ def _layer_moe_bf16(k: Kernel, layer):
     expert_outs = lower.routed_experts(c, latent_in, expert_ids, expert_weights)
     # the pool view staging.experts_bf16 is free from here
     c.prefetch_view()   # spec line 106: prefetch next staging.dense
-    c.refill_ring()   # spec line 107: refill after routed_experts from 2 rows
+    c.refill_ring()   # spec line 107: refill after routed_experts
     # two_level, wire bf16, scatter nested gather bf16 from 3 rows
     expert_outs = k.allreduce(expert_outs, MOE_BF16_ROUTED_EXPERTS_REDUCE)   # spec line 104
     routed_out = lower.expert_norm(c, expert_outs, expert_ids, expert_weights)

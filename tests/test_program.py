@@ -120,11 +120,10 @@ def test_copies_at_a_point_start_before_an_overlapped_collective_lands_there():
                                  "Op expert_norm", "Op latent_up", "Op mlp_residual"], order
 
 
-def test_held_back_refills_start_after_their_op_from_their_rows():
-    """Muse Spark's `refill weights after routed_experts from 2 rows`: the ring refills its
-    MoE layers' latent_down tiles free start with the next layer's o_proj prefetch, before the
-    experts' all-reduce, in kernels of 2 rows or more; the batch-1 kernel starts each as its
-    tile is read. Either way every tile of the step is started once, in stream order."""
+def test_held_back_refills_start_after_their_op():
+    """Muse Spark's `refill weights after routed_experts`: the ring refills its MoE layers'
+    latent_down tiles free start with the next layer's o_proj prefetch, before the experts'
+    all-reduce, in every kernel. Every tile of the step is started once, in stream order."""
     from mkc.steps import AllReduce, Prefetch, Refill
     from mkc.trace import CopyStart, TraceOptions, build_trace
 
@@ -133,18 +132,19 @@ def test_held_back_refills_start_after_their_op_from_their_rows():
     order = [type(st).__name__ for st in steps if isinstance(st, (AllReduce, Prefetch, Refill))]
     assert order == ["Prefetch", "Refill", "AllReduce"], order
     held = s.kinds["moe"].refill
-    assert (held.after_op, held.from_rows) == ("routed_experts", 2)
+    assert (held.after_op, held.from_rows, held.to_rows) == ("routed_experts", 1, 0)
     assert held.tiles == next(f.tiles for f in s.stream.families["moe"] if f.name == "latent_down")
     first = s.stream.layer_tile_offset[3]           # the second model layer's MoE (kind moe)
     assert s.layer_kinds[3] == "moe"
-    for batch, where in ((1, "moe latent_down"), (2, "moe before expert_norm")):
+    for batch in (1, 8):
         events = build_trace(s, TraceOptions(batch=batch, whole_runs=True))
         ring = [e for e in events if isinstance(e, CopyStart) and e.buffer == s.stream.ring]
         assert [e.tag.index for e in ring] == list(range(s.stream.total_tiles))
         refills = [e for e in ring if first + s.stream.ahead <= e.tag.index
                    < first + s.stream.ahead + held.tiles]
         assert len(refills) == held.tiles
-        assert all(e.where.endswith(where) for e in refills), [e.where for e in refills]
+        assert all(e.where.endswith("moe before expert_norm") for e in refills), \
+            [e.where for e in refills]
 
 
 def test_refills_for_the_op_s_own_tiles_start_as_read_the_rest_after_it():
