@@ -222,7 +222,7 @@ def _project(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, rounding:
     b, hq, hkv, hd = x.shape[0], d.num_attention_heads, d.num_key_value_heads, d.head_dim
 
     def project(n: str, bias: bool = s.bias) -> jax.Array:
-        y = matmul(x, p[f"{n}_proj.weight"], rounding, kind, s.projection)
+        y = matmul(x, p[f"{n}_proj.weight"], rounding, kind, s.projection, by_tiles=True)
         return y + p[f"{n}_proj.bias"] if bias else y
 
     q, gate = project("q"), None
@@ -305,7 +305,8 @@ def block(s: GQA, p: Mapping[str, jax.Array], d: Any, x: jax.Array, key_cache: j
         attn = attend(q, key_cache.astype(jnp.float32), value_cache.astype(jnp.float32), visible, sinks)
     attn = _gated(s, d, attn, gate, rounding)
     per_rank = None if rounding is None else rounding.size("nq") * hd
-    out = out_projection(attn, p["o_proj.weight"], rounding, kind, "o_proj", per_rank, "heads")
+    out = out_projection(attn, p["o_proj.weight"], rounding, kind, "o_proj", per_rank, "heads",
+                         by_tiles=True)
     return out, key_cache, value_cache
 
 

@@ -9,6 +9,7 @@ ring). A 1 % error in any op the family brought into the library (`MUTANTS`) is 
 the emulation."""
 import pytest
 
+from mkc import compiler, ir
 from tests_support import (ROOT, assert_bit_equal, assert_each_mutant_rejected,
                            assert_each_mutant_rejected_on_its_row, run_example)
 
@@ -39,6 +40,28 @@ def test_on_wait_two_steps_bit_equal_then_each_mutant_rejected_on_its_row():
                    "--mutants", ",".join(CI_MUTANTS), "--mutants-from", "1", "--mutants-by-row")
     assert_bit_equal(summary)
     assert_each_mutant_rejected_on_its_row(summary, CI_MUTANTS)
+
+
+@pytest.mark.slow
+def test_ring_tiles_smaller_than_the_matrices_with_refills_held_back_in_part(tmp_path):
+    """The shipped spec with 256 x 256 ring tiles, 4 ahead: qkv_gate's contraction in 4 row
+    tiles summed tile by tile (as the emulation sums it), and `refill weights after qkv_gate
+    from 2 rows` holding back only the refills of its last 4 of 8 tiles (the first 4 refill
+    its own); two steps bit-equal at batch 2 (a single dot over the contraction in the
+    emulation is off by step 1)."""
+    text = (ROOT / "schedules" / "muse_spark.sched").read_text()
+    for old, new in (("8 slots of bf16 tiles up to 2048 x 768", "4 slots of bf16 tiles up to 256 x 256"),
+                     ("stream weights ahead 8", "stream weights ahead 4")):
+        assert old in text
+        text = text.replace(old, new)
+    spec = tmp_path / "muse_spark.sched"
+    spec.write_text(text)
+    s = compiler.check_source(text.replace('"muse_spark_nvfp4"', '"muse_spark_mini_nvfp4"'), str(spec)).ir
+    assert [(f.name, f.tiles) for f in s.stream.families["swa"]] == [("qkv_gate", 8)]
+    assert list(ir.held_refills(s.kinds["swa"].refill.tiles, s.stream.ahead)) == [4, 5, 6, 7]
+    assert_bit_equal(run_example("examples/run_mini.py", "--spec", str(spec), "--model",
+                                 "muse_spark_mini_nvfp4", "--first-position", "200", "--mode",
+                                 "on_wait", "--steps", "2", "--batch", "2", timeout=2400))
 
 
 @pytest.mark.extended
