@@ -122,7 +122,7 @@ def block(p: Mapping[str, jax.Array], d: Any, x: jax.Array, conv_state: jax.Arra
     dk, dv = d.linear_key_head_dim, d.linear_value_head_dim
     key_dim = hk * dk
 
-    mixed = matmul(x, p["in_proj_qkv.weight"], rounding, kind, "in_proj")
+    mixed = matmul(x, p["in_proj_qkv.weight"], rounding, kind, "in_proj", by_tiles=True)
     if rounding is not None:   # the kernel rounds conv inputs to bf16 whatever holds the state
         mixed = round_to(mixed, "bf16")
     mixed = mixed.astype(conv_state.dtype)
@@ -136,8 +136,8 @@ def block(p: Mapping[str, jax.Array], d: Any, x: jax.Array, conv_state: jax.Arra
 
     q, k, v = jnp.split(conv, [key_dim, 2 * key_dim], axis=-1)
     if rounding is not None:
-        a = matmul(x, p["in_proj_a.weight"], rounding, kind, "in_proj")
-        beta = jax.nn.sigmoid(matmul(x, p["in_proj_b.weight"], rounding, kind, "in_proj"))
+        a = matmul(x, p["in_proj_a.weight"], rounding, kind, "in_proj", by_tiles=True)
+        beta = jax.nn.sigmoid(matmul(x, p["in_proj_b.weight"], rounding, kind, "in_proj", by_tiles=True))
         g = _decay_gate(a, jnp.asarray(p["A_log"], jnp.float32)[None],
                         jnp.asarray(p["dt_bias"], jnp.float32)[None])
         values = 2 * key_dim
@@ -156,7 +156,7 @@ def block(p: Mapping[str, jax.Array], d: Any, x: jax.Array, conv_state: jax.Arra
         g = -jnp.exp(p["A_log"]) * jax.nn.softplus(linear(x, p["in_proj_a.weight"]) + p["dt_bias"])
         o, recurrent_state = gated_delta_step(recurrent_state, q, k, v, g, beta)
 
-    z = matmul(x, p["in_proj_z.weight"], rounding, kind, "in_proj").reshape(b, hv, dv)
+    z = matmul(x, p["in_proj_z.weight"], rounding, kind, "in_proj", by_tiles=True).reshape(b, hv, dv)
     if rounding is None:
         o = gated_rms_norm(o, z, p["norm.weight"], d.rms_norm_eps)
     else:
@@ -168,7 +168,7 @@ def block(p: Mapping[str, jax.Array], d: Any, x: jax.Array, conv_state: jax.Arra
         recurrent_state = round_to(recurrent_state, rounding.stored(kind, "recurrent"))
     per_rank = None if rounding is None else rounding.size("nv") * dv
     out = out_projection(o.reshape(b, hv * dv), p["out_proj.weight"], rounding, kind, "out_proj",
-                          per_rank, "heads")
+                          per_rank, "heads", by_tiles=True)
     return out, conv_state, recurrent_state
 
 
