@@ -130,6 +130,32 @@ def test_one_op_off_by_one_percent_is_rejected():
     assert_each_mutant_rejected_on_its_row(summary, QWEN_MUTANTS)
 
 
+@pytest.mark.slow
+def test_ring_tiles_of_128_rows_are_summed_tile_by_tile(tmp_path):
+    """Qwen's spec with 128 x 256 ring tiles, 4 ahead: in_proj, out_proj, qkv_gate and gate_up
+    contract over 2 row tiles each, which the kernel sums tile by tile in f32 and the emulation
+    likewise (`chunked_linear`); two steps at batch 2 bit-equal (one dot over each contraction
+    in the emulation is 1.6e-3 off the logits at step 0)."""
+    import re
+
+    from mkc import compiler
+    text = SPEC.read_text()
+    text, n = re.subn(r"\d+ slots of bf16 tiles up to \d+ x \d+",
+                      "4 slots of bf16 tiles up to 128 x 256", text)
+    text, m = re.subn(r"stream weights ahead \d+", "stream weights ahead 4", text)
+    assert n == m == 1
+    spec = tmp_path / SPEC.name
+    spec.write_text(text)
+    s = compiler.check_source(re.sub(r'model\s+"[^"]+"', 'model "qwen3_8_mini"', text, count=1),
+                              str(spec)).ir
+    row_tiles = {(k, f.name): f.row_tiles for k, fs in s.stream.families.items() for f in fs}
+    assert all(row_tiles[k] == 2 for k in (("gdn", "in_proj"), ("gdn", "out_proj"),
+                                           ("gqa", "qkv_gate"), ("gqa", "gate_up"))), row_tiles
+    summary = _run("--spec", str(spec), "--steps", "2", "--batch", "2")
+    _assert_matches_reference(summary)
+    assert [s["emulation"]["logits"] for s in summary["steps"]] == [0.0, 0.0]
+
+
 # The dense classes as codes (`format attention|mlp|lm_head fp8|int8 channel rounded`): FP8's
 # run is CI's (the slow tier), int8's the extended tier's.
 @pytest.mark.slow
