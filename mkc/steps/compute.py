@@ -25,7 +25,8 @@ class Op(Step):
             r = k.refill
             held = (t.held_refills if r is not None and r.applies(tracer.rows)
                     and self.point <= k.ops.index(r.after_op) else None)
-            hold_from = t.first_tile + (ir.held_refills(r.tiles, t.s.stream.ahead).start if r else 0)
+            hold_from = (t.first_tile + ir.held_refills(r.tiles, t.s.stream.ahead).start
+                         if held is not None else 0)
             t.tile = tracer.consume_tiles(t.families[k.matmuls[op]], t.tile, w, held, hold_from)
         for fam, view_id in sorted(k.pooled.items()):
             if k.matmuls.get(op) == fam or fam in k.op_reads[op]:
