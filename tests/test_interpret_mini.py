@@ -131,19 +131,24 @@ def test_one_op_off_by_one_percent_is_rejected():
 
 
 @pytest.mark.slow
-def test_ring_tiles_of_128_rows_are_summed_tile_by_tile(tmp_path):
-    """Qwen's spec with 128 x 256 ring tiles, 4 ahead: in_proj, out_proj, qkv_gate and gate_up
+def test_ring_tiles_of_128_rows_summed_tile_by_tile_and_refills_held_back_in_part(tmp_path):
+    """Qwen's spec with 128 x 256 ring tiles, 2 ahead: in_proj, out_proj, qkv_gate and gate_up
     contract over 2 row tiles each, which the kernel sums tile by tile in f32 and the emulation
-    likewise (`chunked_linear`); two steps at batch 2 bit-equal (one dot over each contraction
-    in the emulation is 1.6e-3 off the logits at step 0)."""
+    likewise (`chunked_linear`; one dot over each contraction is 1.6e-3 off the logits at step
+    0); and `refill weights after in_proj` / `after qkv_gate` hold back only the refills for
+    tiles read after them (in_proj's last 2 of 8 tiles, qkv_gate's of 4), the others starting
+    as their tiles are read. Two steps at batch 2 bit-equal."""
     import re
 
-    from mkc import compiler
+    from mkc import compiler, ir
     text = SPEC.read_text()
-    text, n = re.subn(r"\d+ slots of bf16 tiles up to \d+ x \d+",
-                      "4 slots of bf16 tiles up to 128 x 256", text)
-    text, m = re.subn(r"stream weights ahead \d+", "stream weights ahead 4", text)
-    assert n == m == 1
+    edits = ((r"\d+ slots of bf16 tiles up to \d+ x \d+", "4 slots of bf16 tiles up to 128 x 256"),
+             (r"stream weights ahead \d+", "stream weights ahead 2"),
+             (r"(allreduce out_proj, down .*\n)", r"\1    refill weights after in_proj from 2 rows\n"),
+             (r"(allreduce o_proj, down .*\n)", r"\1    refill weights after qkv_gate from 2 rows\n"))
+    for pattern, repl in edits:
+        text, n = re.subn(pattern, repl, text)
+        assert n == 1, pattern
     spec = tmp_path / SPEC.name
     spec.write_text(text)
     s = compiler.check_source(re.sub(r'model\s+"[^"]+"', 'model "qwen3_8_mini"', text, count=1),
@@ -151,6 +156,8 @@ def test_ring_tiles_of_128_rows_are_summed_tile_by_tile(tmp_path):
     row_tiles = {(k, f.name): f.row_tiles for k, fs in s.stream.families.items() for f in fs}
     assert all(row_tiles[k] == 2 for k in (("gdn", "in_proj"), ("gdn", "out_proj"),
                                            ("gqa", "qkv_gate"), ("gqa", "gate_up"))), row_tiles
+    assert {k: list(ir.held_refills(s.kinds[k].refill.tiles, s.stream.ahead))
+            for k in ("gdn", "gqa")} == {"gdn": [6, 7], "gqa": [2, 3]}
     summary = _run("--spec", str(spec), "--steps", "2", "--batch", "2")
     _assert_matches_reference(summary)
     assert [s["emulation"]["logits"] for s in summary["steps"]] == [0.0, 0.0]
