@@ -12,7 +12,8 @@ from conftest import run_python
 from mkc import numerics
 from mkc.checkpoint import save_checkpoint
 from mkc.families.qwen3_5 import reference as reference
-from tests_support import ROOT, SPEC, assert_each_mutant_rejected_on_its_row, dense_text, run_example
+from tests_support import (ROOT, SPEC, assert_each_mutant_rejected_on_its_row, dense_text, ring_text,
+                           run_example)
 
 
 def _run(*args: str) -> dict:
@@ -141,18 +142,13 @@ def test_ring_tiles_of_128_rows_summed_tile_by_tile_and_refills_held_back_in_par
     import re
 
     from mkc import compiler, ir
-    text = SPEC.read_text()
-    edits = ((r"\d+ slots of bf16 tiles up to \d+ x \d+", "4 slots of bf16 tiles up to 128 x 256"),
-             (r"stream weights ahead \d+", "stream weights ahead 2"),
-             (r"(allreduce out_proj, down .*\n)", r"\1    refill weights after in_proj from 2 rows\n"),
-             (r"(allreduce o_proj, down .*\n)", r"\1    refill weights after qkv_gate from 2 rows\n"))
-    for pattern, repl in edits:
-        text, n = re.subn(pattern, repl, text)
-        assert n == 1, pattern
+    text = ring_text(SPEC.read_text(), 4, (128, 256), 2)
+    for anchor, op in (("allreduce out_proj, down", "in_proj"), ("allreduce o_proj, down", "qkv_gate")):
+        text, n = re.subn(rf"({anchor} .*\n)", rf"\1    refill weights after {op} from 2 rows\n", text)
+        assert n == 1, anchor
     spec = tmp_path / SPEC.name
     spec.write_text(text)
-    s = compiler.check_source(re.sub(r'model\s+"[^"]+"', 'model "qwen3_8_mini"', text, count=1),
-                              str(spec)).ir
+    s = compiler.check_spec(spec, "qwen3_8_mini").ir
     row_tiles = {(k, f.name): f.row_tiles for k, fs in s.stream.families.items() for f in fs}
     assert all(row_tiles[k] == 2 for k in (("gdn", "in_proj"), ("gdn", "out_proj"),
                                            ("gqa", "qkv_gate"), ("gqa", "gate_up"))), row_tiles

@@ -120,13 +120,21 @@ def test_copies_at_a_point_start_before_an_overlapped_collective_lands_there():
                                  "Op expert_norm", "Op latent_up", "Op mlp_residual"], order
 
 
+def _ring_starts(s, batch: int) -> list:
+    """The ring's copy starts in the trace of a step of `batch` rows: every tile of the step
+    once, in stream order."""
+    from mkc.trace import CopyStart, TraceOptions, build_trace
+    events = build_trace(s, TraceOptions(batch=batch, whole_runs=True))
+    ring = [e for e in events if isinstance(e, CopyStart) and e.buffer == s.stream.ring]
+    assert [e.tag.index for e in ring] == list(range(s.stream.total_tiles))
+    return ring
+
+
 def test_held_back_refills_start_after_their_op():
     """Muse Spark's `refill weights after routed_experts`: the ring refills its MoE layers'
     latent_down tiles free start with the next layer's o_proj prefetch, before the experts'
     all-reduce, in every kernel. Every tile of the step is started once, in stream order."""
     from mkc.steps import AllReduce, Prefetch, Refill
-    from mkc.trace import CopyStart, TraceOptions, build_trace
-
     s = compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir
     steps = layer_program(s, "moe")
     order = [type(st).__name__ for st in steps if isinstance(st, (AllReduce, Prefetch, Refill))]
@@ -137,9 +145,7 @@ def test_held_back_refills_start_after_their_op():
     first = s.stream.layer_tile_offset[3]           # the second model layer's MoE (kind moe)
     assert s.layer_kinds[3] == "moe"
     for batch in (1, 8):
-        events = build_trace(s, TraceOptions(batch=batch, whole_runs=True))
-        ring = [e for e in events if isinstance(e, CopyStart) and e.buffer == s.stream.ring]
-        assert [e.tag.index for e in ring] == list(range(s.stream.total_tiles))
+        ring = _ring_starts(s, batch)
         refills = [e for e in ring if first + s.stream.ahead <= e.tag.index
                    < first + s.stream.ahead + held.tiles]
         assert len(refills) == held.tiles
@@ -152,8 +158,6 @@ def test_refills_for_the_op_s_own_tiles_start_as_read_the_rest_after_it():
     reads 12 tiles through a ring 8 ahead, so its first 4 tiles' refills are its own last 4 and
     start as each is read; the refills its last 8 free (the MoE's tiles) start after qkv_gate,
     in kernels of 2 rows or more. Every tile of the step is started once, in stream order."""
-    from mkc.trace import CopyStart, TraceOptions, build_trace
-
     s = compiler.check_spec(ROOT / "schedules" / "muse_spark.sched").ir
     ahead = s.stream.ahead
     for kname in ("swa", "full"):
@@ -164,9 +168,7 @@ def test_refills_for_the_op_s_own_tiles_start_as_read_the_rest_after_it():
     first = s.stream.layer_tile_offset[layer]
     after = s.kinds["swa"].ops[s.kinds["swa"].ops.index("qkv_gate") + 1]
     for batch in (1, 2):
-        events = build_trace(s, TraceOptions(batch=batch, whole_runs=True))
-        ring = [e for e in events if isinstance(e, CopyStart) and e.buffer == s.stream.ring]
-        assert [e.tag.index for e in ring] == list(range(s.stream.total_tiles))
+        ring = _ring_starts(s, batch)
         where = {e.tag.index - first - ahead: e.where.split(" swa ")[-1] for e in ring
                  if first + ahead <= e.tag.index < first + ahead + 12}
         own = 12 - ahead

@@ -2,6 +2,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import sys
 import tempfile
 import types
@@ -86,6 +87,16 @@ def dense_text(spec: Path, fmt: str, attention: bool = False) -> str:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bundles import dense_text as text
     return text(spec, fmt, attention)
+
+
+def ring_text(text: str, slots: int, tile: tuple[int, int], ahead: int) -> str:
+    """A spec's text with its one ring as `slots` slots of bf16 tiles up to `tile` (rows x
+    columns), streamed `ahead` tiles ahead."""
+    text, n = re.subn(r"\d+ slots of bf16 tiles up to \d+ x \d+",
+                      f"{slots} slots of bf16 tiles up to {tile[0]} x {tile[1]}", text)
+    text, m = re.subn(r"stream weights ahead \d+", f"stream weights ahead {ahead}", text)
+    assert n == m == 1, (n, m)
+    return text
 
 
 def body_layer(dims, vectors: Mapping[str, object] = {}, **fields) -> types.SimpleNamespace:

@@ -7,13 +7,16 @@ against its rounding emulation, and plainly where rows are not near-ties. Rows s
 positions 200 and 331, so row 1 runs past the MINI's 256-token window (the swa phase's KV
 ring). A 1 % error in any op the family brought into the library (`MUTANTS`) is rejected by
 the emulation."""
+from pathlib import Path
+
 import pytest
 
 from mkc import compiler, ir
 from tests_support import (ROOT, assert_bit_equal, assert_each_mutant_rejected,
-                           assert_each_mutant_rejected_on_its_row, run_example)
+                           assert_each_mutant_rejected_on_its_row, ring_text, run_example)
 
 SPEC = str(ROOT / "schedules" / "muse_spark.sched")
+MINI = "muse_spark_mini_nvfp4"
 # The ops Muse Spark brought: the gated residuals (each place's update, the FFN pre-norm, the
 # embedding's norm), the soft-capped logits, the latent normed at the MoE's input and each
 # pick's output normed, the scaled router logits, the NoPE layers' weightless q/k norm, the
@@ -26,8 +29,8 @@ CI_MUTANTS = ("gres.attn_update", "gres.embed_norm", "logits.softcap", "moe.expe
               "qwen_moe.router")
 
 
-def _run(*args: str) -> dict:
-    return run_example("examples/run_mini.py", "--spec", SPEC, "--model", "muse_spark_mini_nvfp4",
+def _run(*args: str, spec: str = SPEC) -> dict:
+    return run_example("examples/run_mini.py", "--spec", spec, "--model", MINI,
                        "--first-position", "200", *args, timeout=2400)
 
 
@@ -49,19 +52,12 @@ def test_ring_tiles_smaller_than_the_matrices_with_refills_held_back_in_part(tmp
     from 2 rows` holding back only the refills of its last 4 of 8 tiles (the first 4 refill
     its own); two steps bit-equal at batch 2 (a single dot over the contraction in the
     emulation is off by step 1)."""
-    text = (ROOT / "schedules" / "muse_spark.sched").read_text()
-    for old, new in (("8 slots of bf16 tiles up to 2048 x 768", "4 slots of bf16 tiles up to 256 x 256"),
-                     ("stream weights ahead 8", "stream weights ahead 4")):
-        assert old in text
-        text = text.replace(old, new)
     spec = tmp_path / "muse_spark.sched"
-    spec.write_text(text)
-    s = compiler.check_source(text.replace('"muse_spark_nvfp4"', '"muse_spark_mini_nvfp4"'), str(spec)).ir
+    spec.write_text(ring_text(Path(SPEC).read_text(), 4, (256, 256), 4))
+    s = compiler.check_spec(spec, MINI).ir
     assert [(f.name, f.tiles) for f in s.stream.families["swa"]] == [("qkv_gate", 8)]
     assert list(ir.held_refills(s.kinds["swa"].refill.tiles, s.stream.ahead)) == [4, 5, 6, 7]
-    assert_bit_equal(run_example("examples/run_mini.py", "--spec", str(spec), "--model",
-                                 "muse_spark_mini_nvfp4", "--first-position", "200", "--mode",
-                                 "on_wait", "--steps", "2", "--batch", "2", timeout=2400))
+    assert_bit_equal(_run("--mode", "on_wait", "--steps", "2", "--batch", "2", spec=str(spec)))
 
 
 @pytest.mark.extended
