@@ -555,13 +555,17 @@ def assemble(s: ir.ScheduleIR, batch: int, sequences: int | None = None,
         rows += [r for r in fam["rows"] if r["group"] != "op"]
     derived = sum(1 for o in origin.values() if o.startswith("derived"))
     alone = len(origin) - derived
+    # without a whole-kernel measure the collectives are priced by their counted sums: named
+    collectives = [] if fam else sorted({lab.key for lab in bundles.line_labels(source).values()
+                                         if lab.group == "collective"})
     return {"schema": bundles.SCHEMA, "key": "", "spec": s.name, "chip": s.chip,
             "topology": s.topology, "kernel": kernel, "batch": sequences or batch,
             "verify_rows": verify_rows, "libtpu": bundles.libtpu_version(),
             "calls": bundles.layer_calls(s), "rows": rows,
             "op_level": {"ops_derived": derived, "ops_compiled_alone": alone,
                          "ops_compiled_now": len(compiled),
-                         "ops_counted": failed, "origin": origin,
+                         "ops_counted": failed, "collectives_counted": collectives,
+                         "origin": origin,
                          "statements_from": (f"{fam['spec']}'s whole-kernel measure at "
                                              f"{fam['batch']} (its collectives, copies and "
                                              f"kernel statements)" if fam else

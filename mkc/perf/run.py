@@ -22,7 +22,19 @@ ROUTINGS = {"rows": lambda batch, sequences: batch,
             "one": lambda batch, sequences: 1}
 
 
-ROUTING_NOTES = {"rows": "", "sequences": ", each sequence's rows alike", "one": ", every row alike"}
+# What each routing assumes, said whole in the JSON report.
+ROUTING_ASSUMPTIONS = {
+    "rows": "uniform routing, each row picking its experts independently: an upper bound on the "
+            "distinct experts a step streams; real prompts' picks overlap more (--routing "
+            "sequences or one: the bounds below)",
+    "sequences": "uniform routing, the rows of one sequence picking alike (a verify step's "
+                 "drafts as if consecutive tokens picked the same experts): a lower bound for "
+                 "independent sequences",
+    "one": "every row picking alike (one prompt on every row, as the published Muse Spark "
+           "steps ran): the fewest distinct experts"}
+ROUTING_NOTES = {"rows": ", each row picking independently: an upper bound on distinct experts, "
+                         "real prompts' picks overlap more (--routing sequences or one bound them)",
+                 "sequences": ", each sequence's rows alike", "one": ", every row alike"}
 
 
 def expected_experts(s: ir.ScheduleIR, batch: int) -> float | None:
@@ -362,7 +374,8 @@ def report(m: Modelled) -> dict[str, Any]:
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
                       "counted: the traced kernel's work at the chip's rates (mkc.perf.work; "
                       f"the MXUs loading weights at peak / (2 x column)), {m.counted_because}"),
-        "ops_counted": (measure or {}).get("op_level", {}).get("ops_counted", {}),
+        "ops_counted": ops_counted(measure),
+        "collectives_counted": (measure or {}).get("op_level", {}).get("collectives_counted", []),
         "validation": validation_note(s.chip),
         "schedule": s.name, "model": s.model, "chip": s.chip, "topology": s.topology,
         "batch": batch, "tokens_in_cache": tokens,
@@ -373,6 +386,7 @@ def report(m: Modelled) -> dict[str, Any]:
         "routed_experts_per_layer_mean": (cost.expected_local_experts(s, rows)
                                           if s.experts else None),
         "routing": m.routing,
+        "routing_assumption": ROUTING_ASSUMPTIONS[m.routing] if s.experts else None,
         "routed_experts_simulated": [{"experts": n, "weight": w} for n, w in res.parts]
                                     or ([{"experts": res.experts, "weight": 1.0}]
                                         if res.experts else []),
@@ -402,6 +416,15 @@ def report(m: Modelled) -> dict[str, Any]:
     }
 
 
+def ops_counted(measure: dict | None) -> dict[str, str]:
+    """What an op-level measure prices by the count, not compiled: ops, and the collectives
+    when no whole-kernel measure of the spec at these rows gives their cycles."""
+    level = (measure or {}).get("op_level", {})
+    return level.get("ops_counted", {}) | {
+        c: "counted sums: no whole-kernel measure of this spec at these rows"
+        for c in level.get("collectives_counted", [])}
+
+
 def op_priced_by(measure: dict) -> str:
     from mkc.perf.op_measures import describe
     return describe(measure)
@@ -410,20 +433,29 @@ def op_priced_by(measure: dict) -> str:
 # How far the count has been from the compiled price (issue 51: the shipped specs and their
 # neighbours, counted against compiled): a report priced by the count says so first.
 COUNTED_OFF = "1.7-4.2x"
+# Steps whose collectives are priced by their counted sums against the whole-kernel price of
+# the same kernel (Muse Spark at batches without a whole-kernel measure).
+COUNTED_COLLECTIVES_OFF = "1.0-1.3 % under"
 
 
 def counted_warning(rep: dict[str, Any]) -> str | None:
-    """The line a report priced by the count, wholly or for some ops, opens with; None when
-    every op is priced compiled."""
+    """The line a report priced by the count, wholly or for some ops or collectives, opens
+    with; None when every op and collective is priced compiled."""
     if rep["priced_by"].startswith("counted"):
-        what = "COUNTED PRICE, not compiled"
-    elif rep.get("ops_counted"):
-        what = (f"PARTLY COUNTED PRICE: {len(rep['ops_counted'])} op(s) counted, not compiled "
-                f"({', '.join(sorted(rep['ops_counted']))})")
-    else:
+        return (f"COUNTED PRICE, not compiled: counted prices have been {COUNTED_OFF} off the "
+                f"compiled price of the same kernel and can reverse rankings (why: see `priced by`)")
+    collectives = set(rep.get("collectives_counted", ()))
+    ops = sorted(set(rep.get("ops_counted") or ()) - collectives)
+    if not ops and not collectives:
         return None
-    return (f"{what}: counted prices have been {COUNTED_OFF} off the compiled price of the same "
-            f"kernel and can reverse rankings (why: see `priced by`)")
+    parts = ([f"{len(ops)} op(s) counted, not compiled ({', '.join(ops)})"] if ops else []) + (
+        [f"{len(collectives)} collective(s) priced by their counted sums: no whole-kernel "
+         f"measure of this spec at these rows ({', '.join(sorted(collectives))})"]
+        if collectives else [])
+    why = (f"counted ops have been {COUNTED_OFF} off the compiled price of the same kernel and "
+           f"can reverse rankings" if ops else
+           f"steps so priced have been {COUNTED_COLLECTIVES_OFF} the whole-kernel price")
+    return f"PARTLY COUNTED PRICE: {'; '.join(parts)}: {why} (why: see `priced by`)"
 
 
 def op_costs(res: Result, batch: int, measure: dict | None = None) -> list[dict[str, Any]]:

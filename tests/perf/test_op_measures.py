@@ -13,7 +13,7 @@ import pytest
 
 from mkc import compiler
 from mkc.perf import bundles, op_measures
-from mkc.perf.run import counted_warning, model, report, table
+from mkc.perf.run import counted_warning, model, ops_counted, report, table
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "schedules" / "qwen3_8_27b.sched"
@@ -107,7 +107,7 @@ def test_a_kernel_is_priced_from_its_op_measures_and_its_spec_s_statements(store
     m = op_measures.assemble(s, 1)
     o = m["op_level"]
     assert o["ops_derived"] >= len(o["origin"]) - 1 and not o["ops_compiled_alone"]
-    assert "whole-kernel measure at 1" in o["statements_from"]
+    assert "whole-kernel measure at 1" in o["statements_from"] and not o["collectives_counted"]
     ours = {r["spec_line"] for r in m["rows"] if r["group"] == "collective"}
     theirs = {r["spec_line"] for r in measure["rows"] if r["group"] == "collective"}
     assert ours == {line + 1 for line in theirs}
@@ -122,8 +122,13 @@ def test_another_model_under_the_spec_s_name_lends_it_no_statements(stores):
     the same spec name takes none of their collectives' cycles."""
     s = _spec(QWEN.read_text(), MINI)
     assert bundles.cached(s, "decode", 1) is None
-    assert op_measures.assemble(s, 1)["op_level"]["statements_from"].startswith("counted")
+    m = op_measures.assemble(s, 1)
+    assert m["op_level"]["statements_from"].startswith("counted")
     assert not op_measures._near(1000.0, 8000.0) and op_measures._near(2188.0, 2252.0)
+    # its collectives are priced by their counted sums, and the report names each
+    named = m["op_level"]["collectives_counted"]
+    assert named and all("all-reduce" in c for c in named)
+    assert set(named) <= set(ops_counted(m))
 
 
 def test_a_counted_price_says_so_on_the_report_s_first_line(stores, monkeypatch):
@@ -137,6 +142,10 @@ def test_a_counted_price_says_so_on_the_report_s_first_line(stores, monkeypatch)
     assert table(rep).splitlines()[0].startswith("COUNTED PRICE, not compiled")
     partly = {"priced_by": "compiled per op: ...", "ops_counted": {"gqa.o_proj": "x"}}
     assert counted_warning(partly).startswith("PARTLY COUNTED PRICE: 1 op(s) counted")
+    collectives = {"priced_by": "compiled per op: ...", "ops_counted": {"gqa: all-reduce": "x"},
+                   "collectives_counted": ["gqa: all-reduce"]}
+    assert "1 collective(s) priced by their counted sums" in counted_warning(collectives)
+    assert "op(s)" not in counted_warning(collectives)
     assert counted_warning({"priced_by": "compiled: ...", "ops_counted": {}}) is None
 
 

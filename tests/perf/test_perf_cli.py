@@ -319,3 +319,17 @@ def test_one_stall_total_in_the_text_the_picture_and_the_trace():
     assert f"stalls {expected * 1e3:.3f} ms" in fig.get_suptitle()
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+def test_perf_says_which_routing_it_assumed_and_that_rows_is_an_upper_bound(capsys):
+    moe = ROOT / "schedules" / "qwen3_5_35b_a3b.sched"
+    args = ["perf", str(moe), "--model", "qwen3_5_moe_mini", "--batch", "4", "--counted"]
+    assert main(args + ["--json"]) == 0
+    perf = json.loads(capsys.readouterr().out)["perf"]
+    assert perf["routing"] == "rows" and "upper bound" in perf["routing_assumption"]
+    assert main(args) == 0
+    assert "each row picking independently: an upper bound on distinct experts" in \
+        capsys.readouterr().out
+    assert main(args + ["--routing", "one", "--json"]) == 0
+    assert "every row picking alike" in json.loads(capsys.readouterr().out)["perf"][
+        "routing_assumption"]
