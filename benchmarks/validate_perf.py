@@ -92,7 +92,36 @@ def micro_seconds(case: dict, m: Model) -> float:
     if "matmul" in case:
         rows, k, n = case["matmul"]
         return r.op_overhead_s + m.seconds(Work(matrix={("bf16", rows): float(k * n)}))
+    if "push" in case:
+        k, n, pushed = case["push"]
+        return m.feed_seconds(Work(matrix={(pushed, 8): float(k * n)}))
+    if "ring" in case:
+        return ring_seconds(case["ring"], m)
     return m.collective_seconds(reference_rounds(case, len(m.chip_coords)))
+
+
+def ring_seconds(ring: dict, m: Model) -> float:
+    """A layer of the reference kernel's dense ring (stream.py): each layer's matrices in
+    loads of one or more copies, `slots` loads in flight (a load refilled as soon as its dot is
+    done), each load's dot taking its values' MXU pushes (`Model.feed_seconds`; none with
+    `dma_only`, as the kernel's copies-only run); the run's time over its layers, prime and
+    drain included."""
+    r = m.rates
+    eng = DmaEngine(r.hbm_stream_bytes_per_s, r.dma_issue_s, r.dma_overhead_bytes,
+                    int(r.dma_queues))
+    loads = [(f["copies"], f["copy_bytes"], f["copies"] * f["copy_bytes"] / f["bytes_per_value"])
+             for f in ring["families"] for _ in range(f["loads"])] * ring["layers"]
+    slots, t, issued = ring["slots"], 0.0, []
+    for copies, nbytes, _ in loads[:slots]:
+        issued.append([eng.issue(0.0, nbytes) for _ in range(copies)])
+    for i, (_, _, values) in enumerate(loads):
+        t = max([t] + [eng.landing(c) for c in issued[i]])
+        if not ring.get("dma_only"):
+            t += m.feed_seconds(Work(matrix={(ring["pushed"], 8): values}))
+        if i + slots < len(loads):
+            copies, nbytes, _ = loads[i + slots]
+            issued.append([eng.issue(t, nbytes) for _ in range(copies)])
+    return t / ring["layers"]
 
 
 def host_model(rates: constants.Rates | None = None) -> Model:
@@ -287,7 +316,7 @@ def validate(cfg: dict, dry_run: bool) -> int:
     data["validation"] = {
         "reference": cfg["reference"], "spec": cfg["spec"], "tokens_in_cache": tokens,
         "fitted": [], "clock_hz": rates.clock_hz,
-        "clock_source": "jax: bf16_ops_per_second / (2 x num_mxus x mxu_column^2)",
+        "clock_source": rates.provenance["clock_hz"],
         "libtpu": next(iter(steps.measures.values()))["libtpu"] if steps.measures else "",
         "routing": "expected over uniform routing: the slowest expert group of the reduce "
                    "peers (mkc/perf/routing.py), steps at the two whole expert counts around "
@@ -331,6 +360,18 @@ def markdown(chip: str = "tpu7x") -> list[str]:
     return lines
 
 
+def growth(hold_out: dict) -> list[tuple[str, float, float]]:
+    """Per weight set of a recorded hold-out: (name, published, modelled) step growth from its
+    fewest rows to its most, seconds."""
+    out = []
+    for ws in dict.fromkeys(p["weights"] for p in hold_out["points"]):
+        pts = sorted((p for p in hold_out["points"] if p["weights"] == ws),
+                     key=lambda p: p["batch"])
+        out.append((ws, pts[-1]["published_step_s"] - pts[0]["published_step_s"],
+                    pts[-1]["modelled_step_s"] - pts[0]["modelled_step_s"]))
+    return out
+
+
 def hold_out_markdown(chip: str = "tpu7x") -> list[str]:
     """docs/perf.md's hold-out tables from the recorded validation: the published steps by
     weight set and batch (error in brackets), and the batch-1 phases."""
@@ -344,6 +385,12 @@ def hold_out_markdown(chip: str = "tpu7x") -> list[str]:
         lines.append(f"| {ws['label']} | " + " | ".join(
             f"{cells[b]['published_step_s'] * 1e3:.3f} / {cells[b]['modelled_step_s'] * 1e3:.3f}"
             f" ms ({cells[b]['error_percent']:+.1f} %)" for b in batches) + " |")
+    lines += ["", "| weights | published growth, B1 to B8 | modelled growth | error |",
+              "| --- | --- | --- | --- |"]
+    for ws, pub, got in growth(val):
+        lines.append(f"| {next(w['label'] for w in hold['weight_sets'] if w['name'] == ws)} | "
+                     f"+{pub * 1e3:.2f} ms | +{got * 1e3:.2f} ms | "
+                     f"{error_percent(got, pub):+.0f} % |")
     label = next(w["label"] for w in hold["weight_sets"] if w["name"] == hold["phases"]["weights"])
     lines += ["", f"| B{hold['phases']['batch']} phase, {label} | published | modelled | error |",
               "| --- | --- | --- | --- |"]

@@ -2,7 +2,7 @@
 
 Schedule kimi_k3: model kimi_k3 (kimi_k3) on tpu7x=2x2x4, mesh tp = 32,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): c722f09ae5a1ed36
+Input digest (spec, model config, mkc version): a81d728e39c4536a
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 8 VMEM slots of 1024x896 bf16 tiles, 8 tiles ahead, across layers and

@@ -2,7 +2,7 @@
 
 Schedule kimi_k3_64: model kimi_k3 (kimi_k3) on tpu7x=2x2x8, mesh tp = 64,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): 282aed4fde5567bb
+Input digest (spec, model config, mkc version): 71d8cb95c6182222
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 5 VMEM slots of 1024x896 bf16 tiles, 5 tiles ahead, across layers and

@@ -2,7 +2,7 @@
 
 Schedule qwen3_5_35b_a3b: model qwen3_5_35b_a3b (qwen3_5_moe_text) on tpu7x=2x2x1, mesh tp = 8,
 batch 1 to 8, context 4096, VMEM limit 64 MiB.
-Input digest (spec, model config, mkc version): edfde94a483eef60
+Input digest (spec, model config, mkc version): 390f6b4edee9f1f9
 
 One grid-less pallas_call runs a whole decode step on every TensorCore. Streamed weights flow
 through a ring of 10 VMEM slots of 1024x1152 bf16 tiles, 10 tiles ahead, across layers and

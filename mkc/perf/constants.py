@@ -46,14 +46,12 @@ class Rates:
     collective_entry_s: float    # of a lone copy's fixed cost, the part a collective pays once
     ici_hop_s: float             # each chip-to-chip hop past the first
     step_fixed_s: float          # per step outside the kernel: dispatch, XLA glue, barrier
+    # a 256 x 256 tile of bf16-pushed weights into the MXUs, measured; 0: from JAX's peak
+    mxu_tile_push_s: float = 0.0
+    # the clock the compiled price turns libtpu's bundles into seconds at (`mkc.perf.bundles`:
+    # a bundle issues a cycle); `rates` fills in JAX's when the data file gives none
+    clock_hz: float = 0.0
     provenance: dict = dataclasses.field(default_factory=dict, compare=False)
-
-    @property
-    def clock_hz(self) -> float:
-        """The clock JAX's chip table implies, for the compiled price (`mkc.perf.bundles`: a
-        bundle issues a cycle): peak bf16 ops/s over 2 ops per multiply-add of each of its
-        MXUs' column x column cells a cycle."""
-        return self.mxu_ops_per_s["bf16"] / (2 * self.num_mxus * self.mxu_column ** 2)
 
     @property
     def cycle_s(self) -> float:
@@ -76,11 +74,15 @@ class Rates:
         return self.mxu_ops_per_s[dtype]
 
     def feed_values_per_s(self, dtype: str) -> float:
-        """Weight values the MXUs take in per second. At decode batch (<= 8 rows) a matmul is
-        bound by loading weight tiles into the systolic arrays, not by FLOPs: a tile of
-        column x column values takes about `column` cycles to load, while the peak rate does
-        column x column multiply-adds per cycle, so loading runs at peak / (2 * column). Used by
-        the counted price only (`mkc.perf.work`); the compiled price has libtpu's cycles."""
+        """Weight values the MXUs take in per second: at decode batch (<= 8 rows) a matmul is
+        bound by pushing its weights into the systolic arrays, not by FLOPs, and libtpu's
+        static schedule issues a push a bundle that the MXU takes in over many cycles (a 256 x
+        256 bf16 tile: ~20 bundles, 20 ns measured on TPU7x). Where the generation's push time
+        is measured (`mxu_tile_push_s`), bf16 pushes run at it and other pushed types at their
+        JAX rate's ratio to bf16's; else a column x column tile loads in about `column` cycles
+        while the peak does column x column multiply-adds a cycle: peak / (2 x column). The
+        counted price loads at this rate; the compiled price never runs faster
+        (`mkc.perf.sim.Model.feed_seconds`)."""
         if dtype == "bf16xfp8":
             # fp8 weights pushed as they are (libtpu's LLO of a bf16 x fp8 dot: tpu7x pushes
             # f8e4m3, half the pushes of bf16; v6e and v5e convert inside the push): loaded at
@@ -92,6 +94,9 @@ class Rates:
             # fp8 (benchmarks/format_probe.py --bundles): assumed loaded at the fp8 rate
             dtype = "fp4" if "fp4" in self.mxu_ops_per_s else (
                 "fp8" if "fp8" in self.mxu_ops_per_s else "bf16")
+        if self.mxu_tile_push_s:
+            bf16 = self.mxu_column ** 2 / self.mxu_tile_push_s
+            return bf16 * self.mxu_rate(dtype) / self.mxu_rate("bf16")
         return self.mxu_rate(dtype) / (2 * self.mxu_column)
 
     def replace(self, **kw) -> "Rates":
@@ -113,9 +118,10 @@ def load_data(chip: str) -> dict:
     data = json.loads(p.read_text())
     data["own"] = sorted(data["constants"])
     if base := data.get("carried_from"):
+        # a measurement of the chip itself (`"carry": false`) stays with it
         carried = {k: {"value": v["value"], "source": f"carried from {base} (not measured on "
                                                       f"{chip}): {v['source']}"}
-                   for k, v in load_data(base)["constants"].items()}
+                   for k, v in load_data(base)["constants"].items() if v.get("carry", True)}
         data["constants"] = carried | data["constants"]
     return data
 
@@ -131,7 +137,12 @@ def rates(chip: str, overrides: dict | None = None) -> Rates:
                         ("int4", "int4_ops_per_second")):
         if getattr(info, attr, 0):
             mxu[dtype] = float(getattr(info, attr))
-    prov = {k: v["source"] for k, v in data["constants"].items()}
+    # JAX's chip table implies a clock: peak bf16 ops/s over 2 ops per multiply-add of each of
+    # its MXUs' column x column cells a cycle
+    consts.setdefault("clock_hz", float(info.bf16_ops_per_second)
+                      / (2 * int(info.num_mxus) * int(info.mxu_column_size) ** 2))
+    prov = {"clock_hz": "jax: bf16_ops_per_second / (2 x num_mxus x mxu_column^2)"} | {
+        k: v["source"] for k, v in data["constants"].items()}
     # A rank's HBM bandwidth is the HBM floor's (mkc.target.chip): JAX's per-TensorCore
     # figure times the TensorCores a device drives. On a megacore (v5p) the kernel computes on
     # one TensorCore, and whether its DMAs reach the other's share too is not verified.

@@ -153,7 +153,8 @@ def validation_note(chip: str) -> str:
             f"{len(hold['points'])} steps off by {min(p['error_percent'] for p in hold['points']):+.1f}"
             f"% .. {max(p['error_percent'] for p in hold['points']):+.1f}%" if hold else "")
     return (f"validated, nothing fitted: compute at the {clock / 1e9:.3f} GHz clock JAX's table "
-            f"implies; {len(consts) - len(assumed)} constants measured on {chip}, "
+            f"implies (assumed), never faster than the MXU's measured weight pushes; "
+            f"{len(consts) - len(assumed)} constants measured on {chip}, "
             f"{len(assumed)} assumed ({', '.join(assumed)}); against {val['reference']} "
             f"({pts}){held}; {len(val['micro'])} published micro-cases within {worst_micro}%; "
             f"{data}")

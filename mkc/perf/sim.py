@@ -390,6 +390,14 @@ class Model:
             t += max(values / r.feed_values_per_s(dtype), 2 * rows * values / r.mxu_rate(dtype))
         return t
 
+    def feed_seconds(self, w: Work) -> float:
+        """The MXUs loading `w`'s stationary values, one row of `mxu_column` values a cycle
+        each (`Rates.feed_values_per_s`): the least time its matmuls take whatever the static
+        schedule issues (libtpu issues a weight push a bundle, the MXU takes it in over many
+        cycles)."""
+        r = self.rates
+        return sum(v / r.feed_values_per_s(dtype) for (dtype, _), v in w.matrix.items())
+
     def op_prices(self, kind: str, op: str) -> tuple[float, Work, float, Work, float]:
         """(seconds where the op begins (with its fixed overhead), work per weight value,
         seconds per weight value, work per KV tile, seconds per KV tile). Compiled: the op's
@@ -425,10 +433,12 @@ class Model:
         per_read = row["read_cycles"] / row["reads"] if row["reads"] else row["per_iteration"]
         loop = row["read_cycles"] if row["reads"] else row["per_iteration"]
         values = measured.weight_values
-        per_value_s = loop * c / values if values else 0.0
+        per_value_s = max(loop * c / values, self.feed_seconds(measured.per_weight_value())
+                          ) if values else 0.0
         self._per_read_s[measured.kind, measured.op] = 0.0 if values else per_read * c
-        return ((row["cycles"] - row["read_cycles"]) * c, Work(), per_value_s, Work(),
-                row["per_iteration"] * c)
+        return (max((row["cycles"] - row["read_cycles"]) * c, self.feed_seconds(measured.at_op)),
+                Work(), per_value_s, Work(),
+                max(row["per_iteration"] * c, self.feed_seconds(measured.kv_tile)))
 
     def per_read_seconds(self, kind: str, op: str) -> float:
         """A compiled op's price per weight read when it has no counted weight values (else 0:

@@ -317,21 +317,28 @@ def test_compiled_price_charges_cycles_where_the_kernel_spends_them(qwen_ir):
         return KernelWork(1, {("gdn", "matmul"): OpWork(
             "gdn", "matmul", weights=Work(matrix={("bf16", 1): call_values}))}, Work(), "synthetic")
     measure = _measure([
-        {"key": "gdn.matmul", "kind": "gdn", "name": "matmul", "cycles": 1000 + 3 * 250,
-         "read_cycles": 3 * 250, "reads": 3},
+        {"key": "gdn.matmul", "kind": "gdn", "name": "matmul", "cycles": 1000 + 3 * 25000,
+         "read_cycles": 3 * 25000, "reads": 3},
         {"key": "gdn: copies", "group": "copies", "kind": "gdn", "name": "copies", "cycles": 40},
         {"key": "entry barrier", "group": "kernel", "kind": "", "name": "entry barrier",
          "cycles": 100}])
     m = Model(qwen_ir, 1, 0, rates, work=work(values), compiled=measure)
     res = simulate(m, tr.events)
-    assert res.step_s == pytest.approx((100 + 40 + 1000 + 3 * 250) * c, rel=1e-9)
-    assert res.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 750) * c, rel=1e-9)
+    assert res.step_s == pytest.approx((100 + 40 + 1000 + 3 * 25000) * c, rel=1e-9)
+    assert res.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 75000) * c, rel=1e-9)
     assert not m.counted_ops
     # another geometry priced by this measure (a tuner's candidate): the measured call read
     # twice these values, so these reads cost half its loop
     other = simulate(Model(qwen_ir, 1, 0, rates, work=work(values), compiled=measure,
                            compiled_work=work(2 * values)), tr.events)
-    assert other.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 375) * c, rel=1e-9)
+    assert other.op_costs["gdn", "matmul"].seconds == pytest.approx((1000 + 37500) * c, rel=1e-9)
+    # a loop libtpu schedules in fewer cycles than the MXU takes to load its weights costs the
+    # loading: the static schedule issues a push a bundle, the MXU takes it in over many cycles
+    fast = _measure([{"key": "gdn.matmul", "kind": "gdn", "name": "matmul", "cycles": 1000 + 3,
+                      "read_cycles": 3, "reads": 3}])
+    pushed = simulate(Model(qwen_ir, 1, 0, rates, work=work(values), compiled=fast), tr.events)
+    assert pushed.op_costs["gdn", "matmul"].seconds == pytest.approx(
+        1000 * c + values / rates.feed_values_per_s("bf16"), rel=1e-9)
     counted = Model(qwen_ir, 1, 0, rates, work=_feed_only(1), compiled=_measure([]))
     simulate(counted, tr.events)
     assert counted.counted_ops == {("gdn", "matmul")}
