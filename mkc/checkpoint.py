@@ -665,7 +665,9 @@ def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],
     """
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+    # strict JSON: a NaN or infinite value is a ValueError, never a file mkc's reader refuses
+    (root / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, allow_nan=False) + "\n",
+                                    encoding="utf-8")
     tensors = {name: np.ascontiguousarray(a) for name, a in params.items()}
     metadata = {"format": "pt"}  # what transformers expects in the header
     if max_shard_bytes is None:
