@@ -5,12 +5,12 @@ tensor names and shapes against the family reference's ``param_shapes`` before r
 tensor data, so a wrong or partial download fails fast with a message naming the offending
 tensors. Every file it opens is a regular file inside the checkpoint directory
 (`checkpoint_file`: index entries, symlinks and `..` included) and size-capped before it is
-read; every value it reads is checked where it enters (`StoredTensor`): a non-finite float
-or a NaN E8M0 scale is refused, naming the tensor. A family may rename stored prefixes and
-skip parts the decode step does not use (Qwen3.5 checkpoints are multimodal:
-``model.language_model.`` becomes ``model.``, and the vision tower and multi-token-prediction
-head are skipped, as upstream's ForCausalLM does; DeepSeek-V3's MTP layer, numbered past the
-decoder's layers, likewise), and declare routed expert tensors a
+read; every value it reads is checked where it enters (`StoredTensor`): a non-finite float,
+a NaN E8M0 scale or a scale outside its format's range is refused, naming the tensor. A family
+may rename stored prefixes and skip parts the decode step does not use (Qwen3.5 checkpoints are
+multimodal: ``model.language_model.`` becomes ``model.``, and the vision tower and
+multi-token-prediction head are skipped, as upstream's ForCausalLM does; DeepSeek-V3's MTP
+layer, numbered past the decoder's layers, likewise), and declare routed expert tensors a
 checkpoint may store fused or per expert (``Family.expert_layouts``): the loader converts the
 stored layout into the one the table names, exactly.
 """
@@ -34,9 +34,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mkc.diagnostics import MkcError, Span, fail
-from mkc.model import fp8_blocks, registry
+from mkc.model import fp8_blocks, nvfp4, registry
 from mkc.model.config import INDEX_FILE, MAX_CONFIG_BYTES, read_json
 from mkc.model.family import ExpertLayout, Family, stored_dtypes
+from mkc.model.scales import ScaleRange
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -257,14 +258,14 @@ class StoredTensor:
     ``part``: the tensor is that index of the stored one (one expert's rows of a fused tensor).
     Every read is checked (`_checked`): values enter mkc only through here.
     ``e8m0``: its uint8 values are E8M0 scales (``Family.e8m0_suffixes``), 255 being NaN.
-    ``block_scale``: its values are an FP8 checkpoint's f32 block scales (`_scale_inv`)."""
+    ``scale``: its values are scales of a format with a range (`scale_range`)."""
 
-    __slots__ = ("file", "name", "shape", "dtype", "part", "e8m0", "block_scale")
+    __slots__ = ("file", "name", "shape", "dtype", "part", "e8m0", "scale")
 
     def __init__(self, file: Path, name: str, shape: tuple[int, ...], dtype: np.dtype,
-                 part: tuple | None = None, e8m0: bool = False, block_scale: bool = False):
+                 part: tuple | None = None, e8m0: bool = False, scale: ScaleRange | None = None):
         self.file, self.name, self.shape, self.dtype = file, name, shape, np.dtype(dtype)
-        self.part, self.e8m0, self.block_scale = part, e8m0, block_scale
+        self.part, self.e8m0, self.scale = part, e8m0, scale
 
     @property
     def ndim(self) -> int:
@@ -291,27 +292,26 @@ class StoredTensor:
             bad, what = ~np.isfinite(a), "non-finite value(s)"
         else:
             return a
-        if not bad.any() and (self.e8m0 or self.block_scale):
+        if not bad.any() and (self.e8m0 or self.scale is not None):
             bad, what = self._scale_problem(a)
         if not bad.any():
             return a
         first = tuple(int(i) for i in np.argwhere(bad)[0])
-        value = "" if a.dtype == np.uint8 else f" ({a[first]})"
+        value = "" if a.dtype == np.uint8 else f" ({a[first]:.6g})"
+        cause = "a non-finite weight" if what == "non-finite value(s)" else "a scale outside its range"
         raise CheckpointError(
             f"{self.file}: tensor {self.name} holds {int(bad.sum())} {what}, the first{value} "
             f"at index {list(_absolute(region, first))}",
-            hint="a non-finite weight cannot be served: " + _FIX_FILES)
+            hint=f"{cause} cannot be served: " + _FIX_FILES)
 
     def _scale_problem(self, a: np.ndarray) -> tuple[np.ndarray, str]:
         """Where scales `a` leave their format's range, and what that range is: an E8M0 scale
-        past `mxfp4.SCALE_LARGEST` overflows its block's values; an FP8 block scale must be
-        an f32 normal no larger than keeps the largest code finite (`fp8_blocks.SCALE_MIN`,
-        `SCALE_MAX`): 0, a negative or a subnormal scale scales no block."""
+        past `mxfp4.SCALE_LARGEST` overflows its block's values; the others' `ScaleRange`."""
         if self.e8m0:
             from mkc.model.mxfp4 import SCALE_LARGEST
             return a > SCALE_LARGEST, (f"E8M0 scale(s) above {SCALE_LARGEST} (2**{SCALE_LARGEST - 127}: "
                                        "its block's values overflow bf16)")
-        return fp8_blocks.scales_outside(a), f"block scale(s) {fp8_blocks.SCALE_RANGE}"
+        return self.scale.outside(a), self.scale.text
 
     def verify(self, open_file: _OpenFiles) -> None:
         """Read (and so check) every value, at most `_VERIFY_CHUNK_BYTES` at a time."""
@@ -500,7 +500,7 @@ def _read_headers(root: Path, family: Family, expected: dict, layers: int) -> _H
                     shape, code = tuple(view.get_shape()), view.get_dtype()
                     tensor = StoredTensor(file, stored_name, shape, _NUMPY_DTYPES.get(code, np.uint8),
                                           e8m0=name.endswith(family.e8m0_suffixes),
-                                          block_scale=name.endswith(fp8_blocks.SCALE_SUFFIX))
+                                          scale=scale_range(name, code))
                     if name in expected:
                         _locate(headers, root, name, tensor, code, expected[name])
                     elif (other := _other_layout(family, name, expected)) is not None:
@@ -510,6 +510,19 @@ def _read_headers(root: Path, family: Family, expected: dict, layers: int) -> _H
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from e
     return headers
+
+
+def scale_range(name: str, code: str) -> ScaleRange | None:
+    """The range of the scales tensor `name` (stored as safetensors dtype `code`) holds, by the
+    formats' names: an FP8 checkpoint's block scales (`_scale_inv`), NVFP4's e4m3 block scales
+    and f32 global scales; None for any other tensor."""
+    if name.endswith(fp8_blocks.SCALE_SUFFIX):
+        return fp8_blocks.SCALES
+    if name.endswith(nvfp4.GLOBAL_SCALE_SUFFIX):
+        return nvfp4.GLOBAL_SCALES
+    if name.endswith(nvfp4.BLOCK_SCALE_SUFFIX) and _DTYPE_NAMES.get(code) == nvfp4.BLOCK_SCALE_DTYPE.name:
+        return nvfp4.BLOCK_SCALES
+    return None
 
 
 def _locate(headers: _Headers, root: Path, name: str, tensor: StoredTensor, code: str,
@@ -640,7 +653,7 @@ def _split(headers: _Headers, fused: str, pieces: list, expected: dict) -> None:
             for p, name in enumerate(per_expert):
                 headers.sources[name] = StoredTensor(tensor.file, tensor.name, part_shape, tensor.dtype,
                                                      part=(e, slice(p * rows, (p + 1) * rows)),
-                                                     e8m0=tensor.e8m0, block_scale=tensor.block_scale)
+                                                     e8m0=tensor.e8m0, scale=tensor.scale)
 
 
 def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],
@@ -652,7 +665,9 @@ def save_checkpoint(path: str | os.PathLike[str], config: Mapping[str, Any],
     """
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n", encoding="utf-8")
+    # strict JSON: a NaN or infinite value is a ValueError, never a file mkc's reader refuses
+    (root / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, allow_nan=False) + "\n",
+                                    encoding="utf-8")
     tensors = {name: np.ascontiguousarray(a) for name, a in params.items()}
     metadata = {"format": "pt"}  # what transformers expects in the header
     if max_shard_bytes is None:

@@ -12,7 +12,10 @@ embedding again as lm_head.weight with `tie_word_embeddings` false, the same mod
 mkc's kernels stream their own lm_head (`mkc.families.llama.config.REFUSED`).
 
 The directory appears whole or not at all: it is written beside DEST under a temporary name
-and renamed.
+and renamed, and only once everything it holds has been read and checked: the config by mkc's
+own config reader (as `mkc check`, `load_checkpoint` and `mkc serve` read it), the token ids
+and merges against the vocabulary. Malformed input is a GGUFError naming the field, never a
+traceback.
 """
 from __future__ import annotations
 
@@ -46,6 +49,17 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+# The GGUF field each config key comes from ({arch}: its architecture), so a refusal of the
+# config names the field to fix.
+_FIELDS = {
+    "hidden_size": "{arch}.embedding_length", "num_attention_heads": "{arch}.attention.head_count",
+    "num_key_value_heads": "{arch}.attention.head_count_kv", "head_dim": "{arch}.attention.key_length",
+    "intermediate_size": "{arch}.feed_forward_length", "num_hidden_layers": "{arch}.block_count",
+    "vocab_size": "{arch}.vocab_size", "max_position_embeddings": "{arch}.context_length",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon", "rope_theta": "{arch}.rope.freq_base",
+    "bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
 
 
 class GGUFError(Exception):
@@ -90,6 +104,7 @@ def convert(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Pat
     config = _config(meta)
     params = _weights(reader, meta, config, src)
     tokenizer, tokenizer_config = _tokenizer(meta, config)
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
     from mkc.checkpoint import save_checkpoint
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,11 +115,10 @@ def convert(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Pat
         staging.chmod(0o777 & ~umask)       # mkdtemp's 0700 is for its staging only
         save_checkpoint(staging, config, params)
         tokenizer.save(str(staging / "tokenizer.json"))
-        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n",
-                                                       encoding="utf-8")
-        (staging / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-             "pad_token_id": config["pad_token_id"]}, indent=2) + "\n", encoding="utf-8")
+        for name, content in (("tokenizer_config.json", tokenizer_config),
+                              ("generation_config.json", generation)):
+            (staging / name).write_text(json.dumps(content, indent=2, allow_nan=False) + "\n",
+                                        encoding="utf-8")
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -140,7 +154,8 @@ class _Metadata:
 
 
 def _config(meta: _Metadata) -> dict[str, Any]:
-    """config.json as transformers' LlamaConfig reads it, from the GGUF's `llama.*` fields."""
+    """config.json as transformers' LlamaConfig reads it, from the GGUF's `llama.*` fields,
+    checked (`_check_config`) before any tensor is read."""
     hidden = meta.arch_int("embedding_length")
     heads = meta.arch_int("attention.head_count")
     head_dim = meta.arch_int("attention.key_length", hidden // heads if heads else 0)
@@ -148,13 +163,10 @@ def _config(meta: _Metadata) -> dict[str, Any]:
     if scaling != "none":
         raise GGUFError(f"{meta.src}: rope scaling {scaling!r} is not supported",
                         "the converter writes checkpoints with plain RoPE")
-    if meta.arch_int("rope.dimension_count", head_dim) != head_dim:
-        raise GGUFError(f"{meta.src}: RoPE over part of a head is not supported",
-                        "Llama rotates whole heads")
     eps = meta.get(f"{meta.arch}.attention.layer_norm_rms_epsilon", float)
     tokens = meta.get("tokenizer.ggml.tokens", str)
     ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id", int, None) for name in ("bos", "eos", "padding")}
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": meta.arch_int("vocab_size", len(tokens)), "hidden_size": hidden,
         "intermediate_size": meta.arch_int("feed_forward_length"),
@@ -168,6 +180,38 @@ def _config(meta: _Metadata) -> dict[str, Any]:
         "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["padding"],
         "torch_dtype": "float32",
     }
+    _check_config(meta, config, len(tokens))
+    if meta.arch_int("rope.dimension_count", head_dim) != head_dim:
+        raise GGUFError(f"{meta.src}: RoPE over part of a head is not supported",
+                        "Llama rotates whole heads")
+    return config
+
+
+def _check_config(meta: _Metadata, config: dict[str, Any], tokens: int) -> None:
+    """GGUFError, naming the GGUF field, unless mkc's config reader takes `config` (the llama
+    family's dims, in range; an eos id in the vocabulary), the context is positive, and the
+    bos, eos and pad ids are each one of the file's `tokens` tokens."""
+    from mkc.model import registry
+    from mkc.model.config import eos_token_ids, read_checked_dims
+    from mkc.model.family import ConfigError
+    try:
+        dims = read_checked_dims(registry.for_model_type(config["model_type"]).read_dims, config, "gguf")
+        eos_token_ids(config, dims.vocab_size)
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        fields = [f.format(arch=meta.arch) for key, f in _FIELDS.items() if key in str(e)]
+        raise GGUFError(f"{meta.src}: its metadata makes a config mkc refuses: {e}"
+                        + (f" (from {', '.join(fields)})" if fields else ""),
+                        (getattr(e, "hint", "") or "fix the field") + "; or re-export the model "
+                        "with llama.cpp") from None
+    if config["max_position_embeddings"] < 1:
+        raise GGUFError(f"{meta.src}: {meta.arch}.context_length {config['max_position_embeddings']} "
+                        "is not a context length", "a model's trained context: a positive count of tokens")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = config[key]
+        if token_id is not None and not 0 <= token_id < tokens:
+            raise GGUFError(f"{meta.src}: {_FIELDS[key]} {token_id} is not a token of its vocabulary "
+                            f"(tokenizer.ggml.tokens: 0 to {tokens - 1})",
+                            "give the id of a token the file lists, or drop the field")
 
 
 def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -238,6 +282,18 @@ def _hf_name(gguf_name: str, layers: int) -> str | None:
     return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}.weight"
 
 
+def _check_merges(meta: _Metadata, merges: list[tuple[str, ...]], vocab: dict[str, int]) -> None:
+    """GGUFError naming the first merge whose parts, or whose result, is not a token: BPE
+    merges two tokens into a third, each of the vocabulary."""
+    for i, (a, b) in enumerate(merges):
+        absent = next((t for t in (a, b, a + b) if t not in vocab), None)
+        if absent is not None:
+            raise GGUFError(f"{meta.src}: tokenizer.ggml.merges[{i}] {a + ' ' + b!r} names {absent!r}, "
+                            "not a token of tokenizer.ggml.tokens",
+                            "every merge joins two listed tokens into a listed token; re-export the "
+                            "model with llama.cpp")
+
+
 def _tokenizer(meta: _Metadata, config: dict) -> tuple[Any, dict[str, Any]]:
     """(tokenizers.Tokenizer, tokenizer_config.json) from the GGUF's byte-level BPE fields."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -253,8 +309,13 @@ def _tokenizer(meta: _Metadata, config: dict) -> tuple[Any, dict[str, Any]]:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", str)]
     if len(set(tokens)) != len(tokens) or len(types) != len(tokens) or any(len(m) != 2 for m in merges):
         raise GGUFError(f"{meta.src}: the tokenizer's tokens, types or merges are malformed")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                               byte_fallback=False))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    _check_merges(meta, merges, vocab)
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:          # the tokenizers library raises a bare Exception
+        raise GGUFError(f"{meta.src}: its tokenizer cannot be built ({e})",
+                        "re-export the model with llama.cpp") from None
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
                          if pre == "smollm" else byte_level)

@@ -1,6 +1,7 @@
 """Source spans and user-facing diagnostics (file:line:col, excerpt with caret, hint)."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 
@@ -14,6 +15,12 @@ def source_lines(text: str) -> list[str]:
     if lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]
+
+
+def did_you_mean(word: str, options: list[str]) -> str:
+    """A hint's opening for a name mistyped from one of `options`: the closest, or nothing."""
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 @dataclass(frozen=True)

@@ -568,6 +568,65 @@ def test_an_fp8_block_scale_must_be_stored_as_f32(tmp_path: Path, fp8_mini: tupl
         load_checkpoint(tmp_path, lazy=True)
 
 
+@pytest.fixture(scope="module")
+def nvfp4_mini() -> tuple[dict, dict]:
+    """Muse Spark's MINI NVFP4 checkpoint: (config, params with e4m3 `_weight_scale`s and f32
+    `_weight_scale_2`s)."""
+    from mkc.families.muse_spark import reference as muse
+    config = json.loads((ROOT / "mkc/model/configs/muse_spark_mini_nvfp4.json").read_text())
+    return config, muse.init_params(muse.load_config(config), seed=0)
+
+
+NVFP4_BLOCK_SCALE = "model.layers.1.mlp.experts.down_proj_weight_scale"
+NVFP4_GLOBAL_SCALE = "model.layers.2.mlp.experts.gate_up_proj_weight_scale_2"
+
+
+@pytest.mark.parametrize("name, value, want", [
+    # an e4m3 block scale: a negative one flipped its block's signs, 0 zeroed it; NaN, and a
+    # subnormal (2**-8), are no block's scale either
+    *[(NVFP4_BLOCK_SCALE, v, r"1 e4m3 block scale\(s\) outside 0.01562 to 448 \(a positive normal "
+       r"e4m3 value\), the first \(" + shown + r"\) at index \[4, 2, 3\]")
+      for v, shown in ((-1.0, "-1"), (0.0, "0"), (-0.0, "-0"), (2.0 ** -8, "0.00390625"))],
+    (NVFP4_BLOCK_SCALE, np.nan, r"1 non-finite value\(s\), the first \(nan\) at index \[4, 2, 3\]"),
+    # the global scale: 3e38 served infinities, 1e30 squares past f32; 0, -1 and a subnormal
+    *[(NVFP4_GLOBAL_SCALE, v, r"1 global scale\(s\) outside 1.175e-38 to 6.863e\+15 .*the first "
+       r"\(" + shown + r"\) at index \[4\]")
+      for v, shown in ((3e38, r"3e\+38"), (1e30, r"1e\+30"), (0.0, "0"), (-1.0, "-1"),
+                       (1e-40, r"9.99995e-41"))],
+])
+def test_an_nvfp4_scale_outside_its_range_is_refused_naming_the_tensor(
+        tmp_path: Path, nvfp4_mini: tuple, name: str, value: float, want: str) -> None:
+    """Each loaded silently (a negative block scale sign-flipped its block; a global scale of
+    3e38 made `mkc serve` answer from infinities): the eager and lazy loads refuse it, naming
+    the file, the tensor and the index."""
+    config, params = nvfp4_mini
+    bad = params[name].astype(np.float32)
+    bad[(4, 2, 3) if bad.ndim == 3 else (4,)] = value
+    save_checkpoint(tmp_path, config, {**params, name: bad.astype(params[name].dtype)})
+    want = rf"model\.safetensors: tensor {re.escape(name)} holds {want}"
+    with pytest.raises(CheckpointError, match=want) as e:
+        load_checkpoint(tmp_path)
+    assert e.value.hint.startswith("a non-finite weight" if np.isnan(value) else "a scale outside its range")
+    _, lazy = load_checkpoint(tmp_path, lazy=True)
+    with pytest.raises(CheckpointError, match=want):
+        np.asarray(lazy[name])
+
+
+def test_an_nvfp4_scale_outside_its_range_is_refused_at_the_model_line(
+        tmp_path: Path, nvfp4_mini: tuple, capsys) -> None:
+    """`mkc check --model DIR` reads every value: the refusal at the spec's `model` line."""
+    config, params = nvfp4_mini
+    bad = params[NVFP4_GLOBAL_SCALE].copy()
+    bad[1] = -1.0
+    save_checkpoint(tmp_path, config, {**params, NVFP4_GLOBAL_SCALE: bad})
+    spec = ROOT / "schedules" / "muse_spark.sched"
+    d = _cli_diagnostic(["check", str(spec), "--model", str(tmp_path)], capsys)
+    assert d["code"] == "E-CHECKPOINT", d
+    assert re.search(rf"tensor {re.escape(NVFP4_GLOBAL_SCALE)} holds 1 global scale\(s\) outside .*"
+                     r"the first \(-1\) at index \[1\]", d["message"]), d
+    assert (d["file"], d["line"]) == (str(spec), _line_of(spec, "model"))
+
+
 @pytest.mark.parametrize("scale", [253, 254])
 def test_an_e8m0_scale_that_overflows_its_block_is_refused(tmp_path: Path, scale: int) -> None:
     """GPT-OSS's MXFP4 experts: an E8M0 scale of 253 or 254 puts e2m1's 6 past bf16's range

@@ -5,6 +5,8 @@ and greedy-decodes a chat answer through the family's f32 reference."""
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +45,7 @@ def tokens() -> list[str]:
     return SPECIALS + alphabet + ["he", "ll", "hell", "hello", "12"]
 
 
-def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
+def hf_weights(seed: int = 0, head_dim: int = HEAD_DIM) -> dict[str, np.ndarray]:
     """The checkpoint's tensors in HF names and layouts (GGUF names beside them in `write_gguf`)."""
     rng = np.random.default_rng(seed)
     vocab, p = len(tokens()), "model.layers.0."
@@ -52,21 +54,25 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
         "model.norm.weight": rng.standard_normal(HIDDEN).astype(np.float32),
         p + "input_layernorm.weight": rng.standard_normal(HIDDEN).astype(np.float32),
         p + "post_attention_layernorm.weight": rng.standard_normal(HIDDEN).astype(np.float32),
-        p + "self_attn.q_proj.weight": rng.standard_normal((HEADS * HEAD_DIM, HIDDEN)).astype(np.float32),
-        p + "self_attn.k_proj.weight": rng.standard_normal((KV_HEADS * HEAD_DIM, HIDDEN)).astype(np.float32),
-        p + "self_attn.v_proj.weight": q4_1_exact(KV_HEADS * HEAD_DIM, HIDDEN, rng),
-        p + "self_attn.o_proj.weight": q4_1_exact(HIDDEN, HEADS * HEAD_DIM, rng),
+        p + "self_attn.q_proj.weight": rng.standard_normal((HEADS * head_dim, HIDDEN)).astype(np.float32),
+        p + "self_attn.k_proj.weight": rng.standard_normal((KV_HEADS * head_dim, HIDDEN)).astype(np.float32),
+        p + "self_attn.v_proj.weight": q4_1_exact(KV_HEADS * head_dim, HIDDEN, rng),
+        p + "self_attn.o_proj.weight": rng.standard_normal((HIDDEN, HEADS * head_dim)).astype(np.float32)
+        if head_dim != HEAD_DIM else q4_1_exact(HIDDEN, HEADS * head_dim, rng),
         p + "mlp.gate_proj.weight": q4_1_exact(FFN, HIDDEN, rng),
         p + "mlp.up_proj.weight": q4_1_exact(FFN, HIDDEN, rng),
         p + "mlp.down_proj.weight": q4_1_exact(HIDDEN, FFN, rng),
     }
 
 
-def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1, block_count: int = 1
+def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1, block_count: int = 1,
+               head_dim: int = HEAD_DIM, edit: Callable[[gguf.GGUFWriter], None] | None = None
                ) -> dict[str, np.ndarray]:
     """A one-layer Llama GGUF as llama.cpp exports one (F32 norms and q/k, a Q8_0 embedding,
-    `matrix_type` for the rest, tied lm_head); returns the HF tensors it holds."""
-    hf = hf_weights()
+    `matrix_type` for the rest, tied lm_head); returns the HF tensors it holds. `head_dim`
+    other than hidden / heads is written as `key_length` (o_proj then F32: its rows are not
+    whole Q4_1 blocks); `edit` rewrites metadata fields after the exporter's."""
+    hf = hf_weights(head_dim=head_dim)
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(block_count)
     w.add_context_length(256)
@@ -74,7 +80,10 @@ def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1, block_c
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != HIDDEN // HEADS:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(100000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens()))
@@ -93,18 +102,23 @@ def write_gguf(path: Path, arch: str = "llama", matrix_type: Q = Q.Q4_1, block_c
     w.add_tensor("output_norm.weight", hf["model.norm.weight"])
     w.add_tensor("blk.0.attn_norm.weight", hf[p + "input_layernorm.weight"])
     w.add_tensor("blk.0.ffn_norm.weight", hf[p + "post_attention_layernorm.weight"])
-    w.add_tensor("blk.0.attn_q.weight", llama_cpp_permute(hf[p + "self_attn.q_proj.weight"], HEADS))
-    w.add_tensor("blk.0.attn_k.weight", llama_cpp_permute(hf[p + "self_attn.k_proj.weight"], KV_HEADS))
+    permute = llama_cpp_permute if head_dim % 2 == 0 else lambda a, heads: a   # (no pairs to permute)
+    w.add_tensor("blk.0.attn_q.weight", permute(hf[p + "self_attn.q_proj.weight"], HEADS))
+    w.add_tensor("blk.0.attn_k.weight", permute(hf[p + "self_attn.k_proj.weight"], KV_HEADS))
     for gname, name in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
                         ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
                         ("ffn_down", "mlp.down_proj")):
         a = hf[p + name + ".weight"]
-        if matrix_type == Q.Q4_1:
+        if a.shape[1] % 32:
+            w.add_tensor(f"blk.0.{gname}.weight", a)
+        elif matrix_type == Q.Q4_1:
             w.add_tensor(f"blk.0.{gname}.weight", gguf.quants.quantize(a, Q.Q4_1), raw_dtype=Q.Q4_1)
         else:   # raw blocks of a type the converter refuses
             block, size = gguf.GGML_QUANT_SIZES[matrix_type]
             blocks = np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8)
             w.add_tensor(f"blk.0.{gname}.weight", blocks, raw_dtype=matrix_type)
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -141,18 +155,55 @@ def _bad_file(tmp_path: Path) -> Path:
     return tmp_path / "bad.gguf"
 
 
+def _hostile(**kw) -> Callable[[Path], Path]:
+    """A `make` of a GGUF written with `write_gguf(**kw)`."""
+    return lambda t: (write_gguf(t / "q.gguf", **kw), t / "q.gguf")[1]
+
+
+def _fields(**values) -> Callable[[gguf.GGUFWriter], None]:
+    """An `edit` setting llama.cpp fields (`.` for `__`) to `values`: ints as int32, floats as
+    f32, lists of text as arrays."""
+    def edit(w: gguf.GGUFWriter) -> None:
+        for key, v in values.items():
+            key = key.replace("__", ".")
+            (w.add_array if isinstance(v, list) else w.add_int32 if isinstance(v, int)
+             else w.add_float32)(key, v)
+    return edit
+
+
+EPS, BASE = "llama__attention__layer_norm_rms_epsilon", "llama__rope__freq_base"
+
+
 @pytest.mark.parametrize("make, message", [
     (_bad_file, "not a readable GGUF file"),
-    (lambda t: (write_gguf(t / "q.gguf", arch="qwen2"), t / "q.gguf")[1],
-     "architecture 'qwen2' is not supported"),
-    (lambda t: (write_gguf(t / "q.gguf", matrix_type=Q.Q5_0), t / "q.gguf")[1],
-     "is Q5_0, a type the converter does not dequantize"),
-    (lambda t: (write_gguf(t / "q.gguf", block_count=2**31), t / "q.gguf")[1],
-     "block_count 2147483648, but the file holds 11 tensors"),
-], ids=["not-gguf", "architecture", "quant-type", "layers"])
+    (_hostile(arch="qwen2"), "architecture 'qwen2' is not supported"),
+    (_hostile(matrix_type=Q.Q5_0), "is Q5_0, a type the converter does not dequantize"),
+    (_hostile(block_count=2**31), "num_hidden_layers = 2147483648 is out of range (from llama.block_count)"),
+    # negative heads whose tensors match the metadata (-4 heads of -16 dims: 64 rows)
+    (_hostile(edit=_fields(**{"llama__attention__head_count": -4, "llama__attention__head_count_kv": -2,
+                              "llama__attention__key_length": -16, "llama__rope__dimension_count": -16})),
+     "num_attention_heads = -4 is out of range (from llama.attention.head_count)"),
+    (_hostile(head_dim=15), "head_dim = 15 is odd (from llama.attention.key_length)"),
+    (_hostile(edit=_fields(tokenizer__ggml__merges=MERGES + ["zz q"])),
+     "tokenizer.ggml.merges[5] 'zz q' names 'zz', not a token of tokenizer.ggml.tokens"),
+    (_hostile(edit=_fields(tokenizer__ggml__merges=MERGES + ["h ll"])),
+     "tokenizer.ggml.merges[5] 'h ll' names 'hll', not a token"),
+    *[(_hostile(edit=_fields(**{EPS: v})), f"rms_norm_eps = {v} is out of range "
+       "(from llama.attention.layer_norm_rms_epsilon)") for v in (float("nan"), float("inf"), 0.0, -1.0)],
+    *[(_hostile(edit=_fields(**{BASE: v})), f"rope_theta = {v} is out of range (from llama.rope.freq_base)")
+      for v in (float("nan"), float("inf"), 0.0)],
+    (_hostile(edit=_fields(tokenizer__ggml__eos_token_id=9999)),
+     "eos_token_id 9999: 9999 is not a token id of its vocabulary (0 to 263) "
+     "(from tokenizer.ggml.eos_token_id)"),
+    (_hostile(edit=_fields(tokenizer__ggml__bos_token_id=264)),
+     "tokenizer.ggml.bos_token_id 264 is not a token of its vocabulary (tokenizer.ggml.tokens: 0 to 263)"),
+    (_hostile(edit=_fields(llama__context_length=-1)), "llama.context_length -1 is not a context length"),
+], ids=["not-gguf", "architecture", "quant-type", "layers", "negative-heads", "odd-head", "merge-part",
+        "merge-result", "eps-nan", "eps-inf", "eps-0", "eps-negative", "base-nan", "base-inf", "base-0",
+        "eos", "bos", "context"])
 def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path: Path, capsys, make, message) -> None:
     src = make(tmp_path)
-    with pytest.raises(GGUFError, match=message):
+    with pytest.raises(GGUFError, match=re.escape(message)):
         convert(src, tmp_path / "out")
     assert cli.main(["convert-gguf", str(src), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err

@@ -44,10 +44,13 @@ def attention_heads(raw: Mapping, hidden_size: int, heads: int, kv_heads: int) -
     """`num_attention_heads`, `num_key_value_heads` and `head_dim` (hidden / heads unless the
     config gives it); ConfigError for KV heads that do not group the query heads, or an odd
     head (rotary embedding pairs its dims)."""
-    if kv_heads < 1 or heads % kv_heads:
+    for key, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count < 1:
+            raise ConfigError(f"{key} = {count} is out of range", f"{key} must be a whole number from 1")
+    if heads % kv_heads:
         raise ConfigError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                           f"({kv_heads})", "each group of query heads shares one KV head")
-    if heads < 1 or raw.get("head_dim") is None and hidden_size % heads:
+    if raw.get("head_dim") is None and hidden_size % heads:
         raise ConfigError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
                           f"({heads})", "give head_dim, or heads that divide the hidden size")
     head_dim = config_int(raw.get("head_dim") or hidden_size // heads, "head_dim")

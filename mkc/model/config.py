@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mkc.model import registry
-from mkc.diagnostics import Span, fail
+from mkc.diagnostics import Span, did_you_mean, fail
 from mkc.model.family import ConfigError
 
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -24,6 +24,11 @@ MAX_DIM = 1 << 24          # far above any real width or head count; keeps loops
 # each factor: a config asking for 10**6 experts is refused before any table is built.
 MAX_EXPERTS = 1 << 14
 MAX_EXPERT_LAYERS = 1 << 18
+# A model's constants (a soft cap, a scale factor, RoPE's base) multiply f32 values: at most
+# 2**64, a constant's product with a value up to 2**64 stays finite in f32 (3.4e38); no model's
+# comes near (RoPE bases reach 1e7). An epsilon (a dims field `*_eps`) keeps a norm's rsqrt off
+# zero and lies under 1: from 1 up it outweighs a unit-RMS activation's mean square.
+MAX_CONSTANT = 2.0 ** 64
 
 
 def resolve_config_path(model: str, relative_to: Path | None = None) -> Path:
@@ -105,9 +110,10 @@ def read_config(path: Path, where: Span) -> dict:
     """The config's JSON object: a regular file of bounded size, strict JSON (no NaN)."""
     p = Path(path)
     if not _probe(p.exists):
+        shipped = shipped_configs()
         raise fail("E-MODEL", f"model config not found: {path}", where,
-                   hint=f"use a shipped config ({', '.join(shipped_configs())}) or a path to a "
-                        "config.json or a checkpoint directory")
+                   hint=did_you_mean(model_name(p), shipped) + f"use a shipped config "
+                        f"({', '.join(shipped)}) or a path to a config.json or a checkpoint directory")
     if not p.is_file():
         raise fail("E-MODEL", f"model config {path} is not a regular file", where,
                    hint="point `model` at a config.json or a checkpoint directory holding one")
@@ -145,9 +151,6 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
         eos_token_ids(raw, dims.vocab_size)
     except ConfigError as e:
         raise fail("E-MODEL", f"model config {path}: {e}", where, hint=e.hint) from None
-    except KeyError as e:
-        raise fail("E-MODEL", f"model config {path} lacks key {e}", where,
-                   hint=f"the config must use the upstream {model_type} key names") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
                    hint="compare with a shipped config in mkc/model/configs") from None
@@ -165,8 +168,8 @@ def read_checked_dims(read_dims: Callable[[Mapping, str], Any], raw: Mapping, na
     compile through `dims_from_config`; a reference's `load_config`, and so `load_checkpoint`,
     a draft model and the example runners): the layer count bounded before `read_dims` builds
     anything per layer (10**9 layers filled memory), an arithmetic failure on a value (a zero
-    divisor) a ConfigError, and every dim in range (`out_of_range`). Raises ConfigError,
-    KeyError, TypeError or ValueError."""
+    divisor) a ConfigError, a key the reader needs and the config lacks a ConfigError naming
+    it, and every dim in range (`out_of_range`). Raises ConfigError, TypeError or ValueError."""
     for where, config in (("", raw), ("text_config ", raw.get("text_config"))):
         layers = config.get("num_hidden_layers") if isinstance(config, Mapping) else None
         if layers is not None and not (type(layers) is int and 1 <= layers <= MAX_LAYERS):
@@ -174,6 +177,10 @@ def read_checked_dims(read_dims: Callable[[Mapping, str], Any], raw: Mapping, na
                               f"a whole number of layers from 1 to {MAX_LAYERS}")
     try:
         dims = read_dims(raw, name)
+    except KeyError as e:                 # a family reads a key it has no default for
+        key = e.args[0] if e.args else e
+        raise ConfigError(f"{key} is missing", f"write \"{key}\" as the model's upstream "
+                          "config.json does (a shipped one in mkc/model/configs shows it)") from None
     except ArithmeticError as e:          # a family's own checks name the field; this is the net
         raise ConfigError(f"a value of the config cannot be computed with ({e})",
                           "check the config's counts, sizes and constants: a zero, or one out "
@@ -212,9 +219,10 @@ def in_range(dims: Any) -> Any:
 
 
 def out_of_range(dims) -> ConfigError | None:
-    """Every dimension a whole number in range and every constant finite and positive (or of
-    any sign, for a dims field marked `metadata={"any_sign": True}`): a bad value must not
-    reach the generated module (`EPS = nan`) or a loop bound."""
+    """Every dimension a whole number in range and every constant finite, positive (or of any
+    sign, for a dims field marked `metadata={"any_sign": True}`) and at most `MAX_CONSTANT` in
+    magnitude, an epsilon under 1: a bad value must not reach the generated module (`EPS =
+    nan`), a loop bound, or the model's math as an overflow."""
     for f in dataclasses.fields(dims):
         v = getattr(dims, f.name)
         if f.name in ("family", "name", "layer_kinds"):
@@ -222,9 +230,8 @@ def out_of_range(dims) -> ConfigError | None:
         if isinstance(v, int) and not isinstance(v, bool) and not 1 <= v <= MAX_DIM:   # a flag is no size
             return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a whole number "
                                f"from 1 to {MAX_DIM}")
-        if isinstance(v, float) and not (math.isfinite(v) and (v > 0 or f.metadata.get("any_sign"))):
-            return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a finite "
-                               "positive number")
+        if isinstance(v, float) and (error := _constant_out_of_range(f, v)) is not None:
+            return error
     experts = getattr(dims, "experts", 1)
     if experts > MAX_EXPERTS:
         return ConfigError(f"experts = {experts} is out of range", f"a model of at most {MAX_EXPERTS} "
@@ -236,4 +243,18 @@ def out_of_range(dims) -> ConfigError | None:
     if getattr(dims, "top_k", 0) > getattr(dims, "experts", 0):
         return ConfigError(f"top-k {dims.top_k} exceeds the {dims.experts} experts",
                            "num_experts_per_token <= num_experts")
+    return None
+
+
+def _constant_out_of_range(f: dataclasses.Field, v: float) -> ConfigError | None:
+    """A float dims field's value out of its range (`MAX_CONSTANT`'s comment), or None."""
+    any_sign = f.metadata.get("any_sign")
+    if not (math.isfinite(v) and (v > 0 or any_sign) and abs(v) <= MAX_CONSTANT):
+        return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must be a finite "
+                           f"{'' if any_sign else 'positive '}number of magnitude at most 2**64 "
+                           f"({MAX_CONSTANT:.4g}): past it, its products with f32 values overflow")
+    if f.name.endswith("_eps") and not v < 1:
+        return ConfigError(f"{f.name} = {v} is out of range", f"{f.name} must lie between 0 and 1: "
+                           "an epsilon keeps a norm's rsqrt off zero, and from 1 up it outweighs a "
+                           "unit-RMS activation (upstream configs use 1e-5 or 1e-6)")
     return None

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from mkc.model.family import ConfigError
+from mkc.model.scales import ScaleRange
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_NAME = "float8_e4m3fn"       # its numpy name, as a weight table types it
@@ -38,8 +39,8 @@ SCALE_SUFFIX = "_scale_inv"       # `W.weight` -> `W.weight_scale_inv`, `experts
 SCALE_DTYPE = "float32"
 SCALE_MIN = float(np.finfo(np.float32).tiny)
 SCALE_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) / E4M3_MAX
-SCALE_RANGE = (f"outside {SCALE_MIN:.4g} to {SCALE_MAX:.4g} (an f32 normal that keeps e4m3's "
-               "largest code finite)")
+SCALES = ScaleRange("block scale(s)", SCALE_MIN, SCALE_MAX, "an f32 normal that keeps e4m3's "
+                    "largest code finite")
 # The quantization_config mkc computes: key -> (the value it must hold, the hint).
 _SETTINGS = {
     "quant_method": ("fp8", "an FP8 checkpoint with block scales says \"quant_method\": \"fp8\""),
@@ -75,11 +76,6 @@ def read_quantization(raw: Mapping) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def scales_outside(scales: np.ndarray) -> np.ndarray:
-    """Where block scales leave the format's range (`SCALE_MIN` to `SCALE_MAX`; NaN included)."""
-    return ~((scales >= SCALE_MIN) & (scales <= SCALE_MAX))
-
-
 def checked_scales(scales: Any, what: str) -> np.ndarray:
     """Block scales as packing reads them (arrays handed to a module's `place_weights`, not
     only a checkpoint the loader read): f32 values in the format's range, else ValueError
@@ -87,12 +83,7 @@ def checked_scales(scales: Any, what: str) -> np.ndarray:
     a = np.asarray(scales)
     if a.dtype != np.dtype(SCALE_DTYPE):
         raise ValueError(f"{what}: block scales of dtype {a.dtype}, expected {SCALE_DTYPE}")
-    bad = scales_outside(a)
-    if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{what}: {int(bad.sum())} block scale(s) {SCALE_RANGE}, the first "
-                         f"({a[first]}) at index {list(first)}")
-    return a
+    return SCALES.checked(a, what)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:

@@ -325,7 +325,8 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
     weights unplaced (`weights` empty: `--backend emulation` holds its own). Raises MkcError
     for a bad spec or model, a batch the spec does not build, or a vocabulary the byte
     tokenizer does not fit, or tokenizer files that cannot be used (a chat template that does
-    not parse), before any weight is read."""
+    not parse), before any weight is read; and (E-CHECKPOINT) for a checkpoint value the loader
+    refuses (a non-finite weight, a scale outside its format's range), before any is packed."""
     from mkc import compiler
     from mkc.diagnostics import Diagnostic, MkcError, Span
     c = compiler.compile_spec(spec, model)
@@ -358,8 +359,11 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
     import jax
     from jax.experimental.pallas import tpu as pltpu
     if directory is not None:
-        from mkc.checkpoint import load_checkpoint
-        _, hf = load_checkpoint(directory)
+        from mkc.checkpoint import CheckpointError, checkpoint_error, load_checkpoint
+        try:
+            _, hf = load_checkpoint(directory)      # every value checked as it is read
+        except CheckpointError as e:
+            raise checkpoint_error(e, Span.unknown("--model")) from None
     else:
         hf = gen.random_weights(seed)
     interpret = None

@@ -45,10 +45,11 @@ def _int4(seed: int = 1, block: int = 128) -> weights.Int4:
 
 def _nvfp4(seed: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A checkpoint matrix as NVFP4 stores it: codes [out, in/2], e4m3 scales [out, in/16]
-    (including subnormal ones), a global scale a row (gate's and up's halves differ)."""
+    (every positive normal one: bytes 0x08 to 0x7E), a global scale a row (gate's and up's
+    halves differ)."""
     rng = np.random.default_rng(seed)
     codes = rng.integers(0, 256, (N_OUT, N_IN // 2), dtype=np.uint8)
-    scale = rng.choice(np.arange(1, 0x7F, dtype=np.uint8), (N_OUT, N_IN // 16))
+    scale = rng.choice(np.arange(0x08, 0x7F, dtype=np.uint8), (N_OUT, N_IN // 16))
     glob = np.where(np.arange(N_OUT) < N_OUT // 2, np.float32(3.1e-4), np.float32(7.7e-5))
     return codes, scale.view(ml_dtypes.float8_e4m3fn), glob
 
@@ -195,9 +196,17 @@ def test_int4_requantizes_exactly_where_values_fit_and_reports_its_error():
     (dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.zeros((4, 2), np.uint8), global_scale=1.0),
      "do not match"),
     (dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.full((4, 1), 0x7F, np.uint8), global_scale=1.0),
-     "NaN"),
-    (dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.ones((4, 1), np.uint8), global_scale=0.0),
-     "finite positive"),
+     r"4 e4m3 block scale\(s\) outside 0.01562 to 448 .*the first \(nan\) at index \[0, 0\]"),
+    (dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.full((4, 1), 0x38, np.uint8),
+          global_scale=np.array([1, 1, -1, 1], np.float32)),
+     r"weight_scale_2 \[out\]: 1 global scale\(s\) outside .* at index \[2\]"),
+    (dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.full((4, 1), 0x38, np.uint8), global_scale=0.0),
+     "global scale"),
+    (dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.full((4, 1), 0x38, np.uint8), global_scale=1e30),
+     "global scale"),
+    # a subnormal, zero or negative e4m3 scale
+    *[(dict(codes=np.zeros((4, 8), np.uint8), block_scales=np.full((4, 1), b, np.uint8), global_scale=1.0),
+       "e4m3 block scale") for b in (0x01, 0x00, 0x80, 0xB8)],
 ])
 def test_nvfp4_packing_refuses(args, message):
     with pytest.raises(ValueError, match=message):
@@ -211,6 +220,43 @@ def test_int4_packing_refuses():
         weights.pack_int4_for_kernel(np.zeros((2, 128), np.int8), np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match="bf16"):
         weights.pack_int4_for_kernel(np.zeros((2, 128), np.int8), np.full((2, 1), 1.001, np.float32))
+    # 0, a negative, a subnormal, NaN, and one under which -8 overflows bf16
+    for bad in (0.0, -1.0, 1e-39, np.nan, 3e38):
+        with pytest.raises(ValueError, match=r"1 int4 block scale\(s\) outside .* at index \[1, 0\]"):
+            weights.pack_int4_for_kernel(np.zeros((2, 128), np.int8), np.array([[1.0], [bad]], np.float32))
+
+
+def test_int4_scales_stay_in_their_range():
+    """A block of values under bf16's smallest normal over 7, or past its largest over 8, takes
+    the range's end as its scale (its values moved, not a scale the packer refuses)."""
+    w = np.zeros((3, 128), np.float32)
+    w[0, :2] = 1e-39, -3e-39                        # subnormal over 7
+    w[1, :2] = 3.3e38, -1.0                         # past bf16 max / 8 over 7
+    w[2, :2] = 0.5, 1.0
+    r = weights.int4_quantize(w, 128)
+    assert not weights.INT4_SCALES.outside(r.scales).any()
+    assert r.scales[0, 0] == weights.INT4_SCALES.low and r.scales[1, 0] == weights.INT4_SCALES.high
+    assert r.changed > 0 and np.isfinite(r.held()).all()
+    weights.pack_int4_for_kernel(r.codes, r.scales)
+
+
+def test_nvidias_quantizer_writes_scales_the_loader_admits():
+    """A block of zeros takes scale 1 (as ModelOpt writes it), a block 10^6 times under the
+    matrix's largest value e4m3's smallest normal (not a subnormal or 0), and a matrix past
+    what a global scale may hold the range's end: each packs, the moved values counted."""
+    from mkc.model import nvfp4
+    w = np.zeros((3, 32), np.float32)
+    w[0, :16] = np.linspace(-1, 1, 16)
+    w[1, :16] = 1e-6                                # w[1, 16:] a block of zeros
+    r = weights.nvfp4_from_bf16(w)
+    scales = r.block_scales.astype(np.float32)
+    assert scales[1, 1] == 1 and scales[1, 0] == nvfp4.BLOCK_SCALES.low
+    assert not nvfp4.BLOCK_SCALES.outside(r.block_scales).any() and r.changed > 0
+    r.held()                                         # packs
+    huge = weights.nvfp4_from_bf16(np.full((1, 16), 1e30, np.float32))
+    assert huge.global_scale == np.float32(nvfp4.GLOBAL_SCALES.high) and huge.changed == 16
+    with pytest.raises(ValueError, match="global scale"):
+        weights.nvfp4_from_bf16(w, np.float32(0))
     with pytest.raises(ValueError, match="does not tile"):
         weights.int4_quantize(np.zeros((2, 100)), 128)
 

@@ -8,6 +8,7 @@ from mkc.model.config import CONFIG_DIR, MAX_CONFIG_BYTES, load_dims
 
 QWEN = json.loads((CONFIG_DIR / "qwen3_8_mini.json").read_text())
 K3 = json.loads((CONFIG_DIR / "kimi_k3_mini.json").read_text())
+MUSE = json.loads((CONFIG_DIR / "muse_spark_mini_nvfp4.json").read_text())
 
 
 def _load(tmp_path, text: str):
@@ -39,6 +40,13 @@ def test_non_finite_constants_are_rejected(tmp_path, value):
     (QWEN, "num_hidden_layers", True, "num_hidden_layers = true is out of range"),
     (K3, "num_experts_per_token", 64, "top-k 64 exceeds the 32 experts"),
     (K3, "activation_situ_beta", -1.0, "situ_beta = -1.0"),
+    # finite, but the model's math overflows (they loaded): an epsilon from 1 up, a constant
+    # past 2**64
+    (QWEN, "rms_norm_eps", 1e308, "rms_norm_eps = 1e+308 is out of range"),
+    (QWEN, "rms_norm_eps", 1.0, "rms_norm_eps = 1.0 is out of range"),
+    (MUSE, "post_norm_eps", 2.0, "post_norm_eps = 2.0 is out of range"),
+    (MUSE, "final_logit_softcapping", 1e308, "final_logit_softcapping = 1e+308 is out of range"),
+    (MUSE, "qk_scale_factor", 1e308, "qk_scale_factor = 1e+308 is out of range"),
 ])
 def test_out_of_range_values_are_rejected(tmp_path, config, key, value, words):
     text = json.dumps(config | {key: value}) if value != 1e400 else (
@@ -57,6 +65,42 @@ MOE = json.loads((CONFIG_DIR / "qwen3_5_moe_mini.json").read_text())
 ])
 def test_expert_counts_are_bounded_before_any_table_is_built(tmp_path, config, change, words):
     _rejects(tmp_path, json.dumps(config | change), words)
+
+
+def test_the_bounds_say_why(tmp_path):
+    with pytest.raises(MkcError) as e:
+        _load(tmp_path, json.dumps(QWEN | {"rms_norm_eps": 1.0}))
+    assert "must lie between 0 and 1" in e.value.diagnostics[0].hint
+    with pytest.raises(MkcError) as e:
+        _load(tmp_path, json.dumps(MUSE | {"final_logit_softcapping": 1e20}))
+    assert "at most 2**64 (1.845e+19): past it, its products with f32 values overflow" in \
+        e.value.diagnostics[0].hint
+    # a constant of any sign is bounded too
+    floor = K3["linear_attn_config"] | {"gate_lower_bound": -1e300}
+    _rejects(tmp_path, json.dumps(K3 | {"linear_attn_config": floor}),
+             "gate_lower_bound = -1e+300 is out of range")
+
+
+def test_a_key_the_reader_needs_is_named_when_missing(tmp_path):
+    """A Kimi config without hidden_size answered with Python's text ("unusable config
+    ('hidden_size')" from the checkpoint loader)."""
+    from mkc.checkpoint import CheckpointError, _read_config
+    config = {k: v for k, v in K3.items() if k != "hidden_size"}
+    _rejects(tmp_path, json.dumps(config), "hidden_size is missing")
+    with pytest.raises(CheckpointError, match=r"unusable config \(hidden_size is missing\)") as e:
+        _read_config(tmp_path)
+    assert e.value.hint.startswith('write "hidden_size" as the model\'s upstream config.json does')
+
+
+@pytest.mark.parametrize("exclude, words", [
+    ([5], "quantization_config exclude_modules = [5]: 5 is not a module name"),
+    (["lm_head", None], 'exclude_modules = ["lm_head", null]: null is not a module name'),
+    ("lm_head", 'exclude_modules = "lm_head": not a list'),
+])
+def test_nvfp4_exclusions_must_be_module_names(tmp_path, exclude, words):
+    """`[5]` answered "object of type 'int' has no len()"; a string was read letter by letter."""
+    quant = MUSE["quantization_config"] | {"exclude_modules": exclude}
+    _rejects(tmp_path, json.dumps(MUSE | {"quantization_config": quant}), words)
 
 
 def test_k3_gate_floor_may_be_negative(tmp_path):

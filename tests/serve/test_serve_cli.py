@@ -107,3 +107,23 @@ def test_reference_prefill_is_refused_beside_a_kernel_on_an_accelerator():
     assert "error[E-SERVE]: --prefill reference runs the family's reference on one tpu device" in r.stderr
     assert "hint: serve with --prefill verify or decode" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_checkpoint_value_the_loader_refuses_is_a_located_refusal(tmp_path):
+    """An NVFP4 global scale of 0: `mkc serve` refused it with a bare ValueError out of its
+    warm-up (its experts packed); the loader refuses it now, a diagnostic at `--model` before
+    any weight is packed."""
+    from mkc.checkpoint import save_checkpoint
+    from mkc.families.muse_spark import reference as muse
+    from mkc.model.config import CONFIG_DIR
+    config = json.loads((CONFIG_DIR / "muse_spark_mini_nvfp4.json").read_text())
+    params = muse.init_params(muse.load_config(config), seed=0)
+    name = "model.layers.1.mlp.experts.down_proj_weight_scale_2"
+    params[name][3] = 0.0
+    save_checkpoint(tmp_path, config, params)
+    r = run_python(["-m", "mkc", "serve", "schedules/muse_spark.sched", "--model", str(tmp_path),
+                    "--backend", "emulation", "--port", "0"], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert (f"--model:1:1: error[E-CHECKPOINT]: {tmp_path}/model.safetensors: tensor {name} holds 1 "
+            "global scale(s) outside") in r.stderr
+    assert "compiling the step" not in r.stderr and "Traceback" not in r.stderr

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from mkc.ir import WeightFormat
+from mkc.model import nvfp4
 from mkc.model.family import FormatError
 from mkc.model.fp8_blocks import checked_scales
 from mkc.model.mxfp4 import SCALE_BIAS, Requantized, relative_rms, requantize_blocks
+from mkc.model.scales import ScaleRange
 from mkc.layers.expert_formats import (MX_BLOCK, MXFP4_LAYOUT, SCALE_NAN, SCALE_ROWS, block_groups,
                                        block_index)
 
@@ -62,7 +65,6 @@ def unpack_block_scales(stored: np.ndarray, groups: int) -> np.ndarray:
 def pack_bf16_scales(scales: np.ndarray) -> np.ndarray:
     """bf16 block scales `[G, n]` (values, any float dtype) -> the uint8 `[2 G, n]` a slot holds:
     row a the low byte of scale row a, row G + a its high byte."""
-    import ml_dtypes
     bits = np.asarray(scales, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
     return np.ascontiguousarray(np.concatenate([bits & 0xFF, bits >> 8]).astype(np.uint8))
 
@@ -165,8 +167,6 @@ def fp8_codes_from_kernel_mxfp4(codes: np.ndarray, scales: np.ndarray, group: in
     exact while s - S >= -8 for every value (e4m3 reaches 2**-9), else a ValueError says
     where. A 32-row scale of 0 reads as zero, as the kernel's MXFP4 decode reads it; 255 (NaN)
     is refused for a larger block."""
-    import ml_dtypes
-
     from mkc.model.mxfp4 import E2M1_VALUES
     codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
     n_in, n_out = 2 * codes.shape[0], codes.shape[1]
@@ -263,6 +263,12 @@ def held_fp4(codes: np.ndarray, scales: np.ndarray, block_scales: np.ndarray, fm
 # ---- int4 block N: a bf16 checkpoint's values requantized (Muse Spark's int4 g128) ----------
 INT4_MIN, INT4_MAX = -8, 7
 INT4_LEVELS = 7        # the scale maps a block's largest magnitude to 7
+# A block's scale is a positive bf16 normal under which every code's value stays finite (-8 x
+# the scale within bf16): 0 or a negative scale is no symmetric quantizer's, a subnormal one
+# the TPU flushes to zero.
+INT4_SCALES = ScaleRange("int4 block scale(s)", float(ml_dtypes.finfo(ml_dtypes.bfloat16).tiny),
+                         float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) / -INT4_MIN,
+                         "a positive bf16 normal under which the code -8 stays finite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,10 +299,10 @@ class Int4:
 
 def int4_quantize(w: np.ndarray, block: int) -> Int4:
     """`[out, in]` values -> int4 blocks of `block` input rows: symmetric round to nearest, each
-    block's scale its largest magnitude over 7 rounded to bf16 (1 for an all-zero block), each
-    code the value over the scale rounded to the nearest integer (ties to even), clipped to
-    -8..7. ValueError when `block` does not tile the inputs."""
-    import ml_dtypes
+    block's scale its largest magnitude over 7 rounded to bf16 (1 for an all-zero block; kept in
+    `INT4_SCALES`, a value past what it holds moved), each code the value over the scale rounded
+    to the nearest integer (ties to even), clipped to -8..7. ValueError when `block` does not
+    tile the inputs."""
     w = np.asarray(w, np.float32)
     out, n_in = w.shape
     if block <= 0 or n_in % block:
@@ -304,7 +310,7 @@ def int4_quantize(w: np.ndarray, block: int) -> Int4:
     g = w.reshape(out, n_in // block, block)
     top = np.max(np.abs(g), axis=-1)
     scale = (top / np.float32(INT4_LEVELS)).astype(ml_dtypes.bfloat16).astype(np.float32)
-    scale = np.where(scale == 0, np.float32(1), scale)
+    scale = np.where(scale == 0, np.float32(1), np.clip(scale, INT4_SCALES.low, INT4_SCALES.high))
     q = np.clip(np.rint(g / scale[..., None]), INT4_MIN, INT4_MAX).astype(np.int8)
     held = (q.astype(np.float32) * scale[..., None]).reshape(out, n_in)
     err = held.astype(np.float64) - w
@@ -347,17 +353,16 @@ def pack_int4_for_kernel(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndar
     """int4 codes `[out, in]` (int8 values -8..7) and scales `[out, in/block]` (bf16 values) ->
     the slot's codes uint8 `[in/2, out]` (K-major, two rows a byte, `ops.int4_dot`) and its
     scales (`pack_bf16_scales` of `[in/block, out]`). ValueError for codes outside -8..7,
-    scales that are not finite bf16 values or shapes that do not match."""
-    import ml_dtypes
+    scales outside `INT4_SCALES` or not bf16 values, or shapes that do not match."""
     codes, scales = np.asarray(codes), np.asarray(scales, np.float32)
     if codes.ndim != 2 or scales.ndim != 2 or scales.shape[0] != codes.shape[0] or \
             not scales.shape[1] or codes.shape[1] % scales.shape[1]:
         raise ValueError(f"int4 scales {scales.shape} do not give whole blocks of codes {codes.shape}")
     if codes.min(initial=0) < INT4_MIN or codes.max(initial=0) > INT4_MAX:
         raise ValueError("int4 codes must lie in -8..7")
-    if not np.isfinite(scales).all() or \
-            (scales.astype(ml_dtypes.bfloat16).astype(np.float32) != scales).any():
-        raise ValueError("int4 scales must be finite bf16 values")
+    INT4_SCALES.checked(scales, "int4 scales [out, in/block]")
+    if (scales.astype(ml_dtypes.bfloat16).astype(np.float32) != scales).any():
+        raise ValueError("int4 scales must be bf16 values")
     return _two_rows_a_byte(codes.T), pack_bf16_scales(scales.T)
 
 
@@ -375,9 +380,6 @@ def int4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 # ---- nvfp4: an NVFP4 checkpoint's codes and scales held as they are --------------------------
-E4M3_NAN = 0x7F        # e4m3fn's NaN, with the sign bit either way
-
-
 def pack_nvfp4_for_kernel(codes: np.ndarray, block_scales: np.ndarray, global_scale
                           ) -> tuple[np.ndarray, np.ndarray]:
     """An NVFP4 checkpoint matrix (codes uint8 `[out, in/2]`, two e2m1 values a byte, input
@@ -386,24 +388,18 @@ def pack_nvfp4_for_kernel(codes: np.ndarray, block_scales: np.ndarray, global_sc
     uint8 `[in/2, out]` (the checkpoint's bytes transposed: its nibble order is the kernel's)
     and scales uint8 `[in/16 + GLOBAL_SCALE_ROWS, out]` (the e4m3 bytes K-major, then each
     column's global scale as its little-endian bytes). Byte for byte the checkpoint's;
-    ValueError for shapes that do not match, a NaN e4m3 scale or a global scale that is not
-    a finite positive f32."""
+    ValueError for shapes that do not match or a scale outside its range (`nvfp4.BLOCK_SCALES`,
+    `GLOBAL_SCALES`: the checkpoint loader refuses such a checkpoint first)."""
     from mkc.layers.expert_formats import GLOBAL_SCALE_ROWS, NVFP4_BLOCK
     codes = np.asarray(codes, np.uint8)
-    raw = np.asarray(block_scales)
-    raw = raw if raw.dtype == np.uint8 else raw.view(np.uint8)
+    values = nvfp4.block_scale_values(block_scales)
     out, half = codes.shape
-    if raw.shape != (out, 2 * half // NVFP4_BLOCK) or (2 * half) % NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 scales {raw.shape} do not match codes {codes.shape}: one e4m3 "
+    if values.shape != (out, 2 * half // NVFP4_BLOCK) or (2 * half) % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 scales {values.shape} do not match codes {codes.shape}: one e4m3 "
                          f"scale per {NVFP4_BLOCK} inputs, {out} x {2 * half // NVFP4_BLOCK}")
-    if ((raw & 0x7F) == E4M3_NAN).any():
-        o, b = (int(i) for i in np.argwhere((raw & 0x7F) == E4M3_NAN)[0])
-        raise ValueError(f"NVFP4 scale of output {o}, inputs {NVFP4_BLOCK * b}-"
-                         f"{NVFP4_BLOCK * b + NVFP4_BLOCK - 1} is NaN")
+    raw = nvfp4.BLOCK_SCALES.checked(values, "NVFP4 weight_scale [out, in/16]").view(np.uint8)
     g = np.broadcast_to(np.asarray(global_scale, np.float32).reshape(-1), (out,))
-    if not (np.isfinite(g) & (g > 0)).all():
-        raise ValueError(f"NVFP4 global scale (weight_scale_2) {g[~(np.isfinite(g) & (g > 0))][0]} "
-                         "is not a finite positive f32")
+    nvfp4.GLOBAL_SCALES.checked(g, "NVFP4 weight_scale_2 [out]")
     words = np.ascontiguousarray(g.astype("<f4")).view(np.uint8).reshape(out, GLOBAL_SCALE_ROWS)
     return (np.ascontiguousarray(codes.T),
             np.ascontiguousarray(np.concatenate([raw.T, words.T]).astype(np.uint8)))
@@ -423,8 +419,6 @@ def unpack_nvfp4_from_kernel(codes: np.ndarray, scales: np.ndarray
 def nvfp4_dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """A slot's NVFP4 (``pack_nvfp4_for_kernel``) -> f64 values `[in, out]`: e2m1 x e4m3 x the
     global scale, NVIDIA's dequantization."""
-    import ml_dtypes
-
     from mkc.layers.expert_formats import NVFP4_BLOCK
     from mkc.model.mxfp4 import E2M1_VALUES
     c, s, g = unpack_nvfp4_from_kernel(codes, scales)
@@ -479,9 +473,6 @@ def nvfp4_expert_slice(codes: np.ndarray, block_scales: np.ndarray, global_scale
 
 
 # ---- NVFP4 from bf16: an NVFP4 checkpoint's excluded layers, quantized as the quantizer does -
-E4M3_MAX = 448.0
-
-
 @dataclasses.dataclass(frozen=True)
 class NVFP4:
     """A matrix `[out, in]` quantized to NVFP4 as a checkpoint holds it: codes uint8 `[out,
@@ -512,36 +503,41 @@ class NVFP4:
 
 def nvfp4_global_scale(w: np.ndarray) -> np.float32:
     """NVIDIA's global scale of a matrix's values: its largest magnitude over 6 x 448, f32
-    (1 for an all-zero matrix)."""
-    from mkc.model.mxfp4 import E2M1_MAX
+    (1 for an all-zero matrix), kept in `nvfp4.GLOBAL_SCALES` (past it the values round down
+    to what the range holds, a moved value the requantization counts)."""
     amax = float(np.max(np.abs(np.asarray(w, np.float32)), initial=0.0))
-    return np.float32(amax / (E2M1_MAX * E4M3_MAX)) if amax else np.float32(1.0)
+    if not amax:
+        return np.float32(1.0)
+    limits = nvfp4.GLOBAL_SCALES
+    return np.float32(min(max(amax / (nvfp4.E2M1_MAX * nvfp4.E4M3_MAX), limits.low), limits.high))
 
 
 def nvfp4_from_bf16(w: np.ndarray, global_scale: np.float32 | None = None) -> NVFP4:
     """Values `[out, in]` quantized to NVFP4 by NVIDIA's recipe (ModelOpt's weight
     quantizer): the global scale `nvfp4_global_scale` (or `global_scale`: the whole matrix's,
     `w` a slice of whole blocks of it), each 16-input block's e4m3 scale its largest magnitude
-    over 6 x the global scale, rounded to e4m3 (at most 448), each value the nearest e2m1 value
-    (ties to the even code) of itself over its block's scale times the global scale, at most 6
-    in magnitude; a block whose scale rounds to 0 holds zeros. ValueError for values that are
-    not finite or inputs that are not whole blocks."""
-    import ml_dtypes
-
+    over 6 x the global scale, rounded to e4m3 (at most 448; a block of zeros 1, as ModelOpt
+    writes it; at least e4m3's smallest normal, `nvfp4.BLOCK_SCALES`, so a tiny block's values
+    round under it, moved values the error counts), each value the nearest e2m1 value (ties to
+    the even code) of itself over its block's scale times the global scale, at most 6 in
+    magnitude. ValueError for values that are not finite or inputs that are not whole blocks."""
     from mkc.layers.expert_formats import NVFP4_BLOCK
     from mkc.model.mxfp4 import _MAGNITUDES, _MIDPOINTS, E2M1_MAX
     w = np.asarray(w, np.float32)
     out, n_in = w.shape
     if n_in % NVFP4_BLOCK or not np.isfinite(w).all():
         raise ValueError(f"NVFP4 takes finite values in whole blocks of {NVFP4_BLOCK} inputs, not {w.shape}")
-    glob = nvfp4_global_scale(w) if global_scale is None else np.float32(global_scale)
+    glob = (nvfp4_global_scale(w) if global_scale is None
+            else np.float32(nvfp4.GLOBAL_SCALES.checked(np.float32(global_scale), "NVFP4 global scale")))
     blocks = w.reshape(out, n_in // NVFP4_BLOCK, NVFP4_BLOCK).astype(np.float64)
     wanted = np.max(np.abs(blocks), axis=-1) / (E2M1_MAX * np.float64(glob))
-    scales = np.minimum(wanted, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    limits = nvfp4.BLOCK_SCALES
+    scales = np.where(wanted == 0, 1.0, np.clip(wanted, limits.low, limits.high))
+    scales = scales.astype(ml_dtypes.float8_e4m3fn)
     unit = scales.astype(np.float64) * np.float64(glob)
-    y = np.minimum(np.abs(blocks) / np.where(unit > 0, unit, 1.0)[..., None], E2M1_MAX)
+    y = np.minimum(np.abs(blocks) / unit[..., None], E2M1_MAX)
     lo, hi = np.searchsorted(_MIDPOINTS, y, side="left"), np.searchsorted(_MIDPOINTS, y, side="right")
-    magnitude = np.where(unit[..., None] > 0, np.where((hi != lo) & (lo % 2 == 1), hi, lo), 0)
+    magnitude = np.where((hi != lo) & (lo % 2 == 1), hi, lo)
     signed = np.where(blocks < 0, -1.0, 1.0) * _MAGNITUDES[magnitude]
     nibbles = (magnitude + np.where((blocks < 0) & (magnitude > 0), 8, 0)).reshape(out, n_in)
     err = ((signed * unit[..., None]) - blocks).reshape(out, n_in)       # exact in f64
@@ -558,8 +554,6 @@ def nvfp4_draw(rng: np.random.Generator, shape: Sequence[int], std: float
     (codes): uniform code bytes, e4m3 block scales uniform over the e4m3 values in 1..8
     (positive, finite), and each matrix's global scale making its values' RMS `std`:
     (codes uint8, `weight_scale` float8_e4m3fn `[E, out, in/16]`, `weight_scale_2` f32 `[E]`)."""
-    import ml_dtypes
-
     from mkc.layers.expert_formats import NVFP4_BLOCK
     from mkc.model.mxfp4 import E2M1_VALUES
     experts, out, half = shape

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import fnmatch
 import importlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -295,7 +296,14 @@ def nvfp4_expert_fields(quantization: Mapping | None, layers: int, prefix: str =
         raise ConfigError(f"quantization {algo!r} in groups of {group} is not computed",
                           f"the MoE reads an NVFP4 checkpoint's experts (quant_algo \"NVFP4\", group_size "
                           f"{NVFP4_BLOCK}), or a bf16 checkpoint's (no quantization)")
-    patterns = list(quantization.get("exclude_modules") or ())
+    patterns = quantization.get("exclude_modules") or []
+    listed = isinstance(patterns, list)
+    bad = [p for p in patterns if not isinstance(p, str)] if listed else [patterns]
+    if bad:
+        raise ConfigError(f"quantization_config exclude_modules = {json.dumps(patterns)[:60]}: "
+                          + (f"{json.dumps(bad[0])[:40]} is not a module name" if listed else "not a list"),
+                          "list the module names (or fnmatch patterns) the quantization keeps bf16, "
+                          "as ModelOpt writes them: [\"lm_head\", \"model.layers.0.mlp.experts\"]")
 
     def excluded(i: int) -> bool:
         # the layer, its MoE, its experts, an expert and a linear of one (not a fused tensor's
