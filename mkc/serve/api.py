@@ -37,7 +37,7 @@ from mkc.serve.engine import Engine
 from mkc.serve.model import Served
 from mkc.serve.parsing import (MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, ApiError, ChatRequest,
                                CompletionRequest, DetokenizeRequest, Reader, TokenizeRequest,
-                               error_body)
+                               check_nesting, error_body)
 from mkc.serve.responses import Responder
 
 __all__ = ["MAX_COMPLETION_LOGPROBS", "MAX_TOP_LOGPROBS", "ApiError", "BodyCap", "Limits",
@@ -60,7 +60,8 @@ class Limits:
 
 class BodyCap:
     """ASGI middleware: a request body past `limit` bytes is refused with a 413 (OpenAI's
-    error body) before the app reads it, by its Content-Length or as it arrives."""
+    error body) before the app reads it, by its Content-Length or as it arrives; one nested
+    past parsing.MAX_DEPTH with a 400 before it is parsed."""
 
     def __init__(self, app: Any, limit: int):
         self.app, self.limit = app, limit
@@ -82,6 +83,10 @@ class BodyCap:
                 return await self._refuse(send)
             if not message.get("more_body"):
                 break
+        try:
+            check_nesting(b"".join(chunks))
+        except ApiError as e:
+            return await _refuse(send, e.status, e.message, e.kind)
         replayed = False
 
         async def replay() -> dict:
@@ -93,14 +98,19 @@ class BodyCap:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Callable) -> None:
-        body = json.dumps(error_body(413, f"the request body passes the server's cap of "
-                                           f"{self.limit} bytes (mkc serve --max-body-bytes)",
-                                      None, "invalid_request_error")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await _refuse(send, 413, f"the request body passes the server's cap of {self.limit} bytes "
+                                 "(mkc serve --max-body-bytes)", "invalid_request_error")
+
+
+async def _refuse(send: Callable, status: int, message: str, kind: str) -> None:
+    """Answer with OpenAI's error body, before the app has read the request, and close the
+    connection (what is left of the request is not read)."""
+    body = json.dumps(error_body(status, message, None, kind)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> FastAPI:

@@ -6,10 +6,12 @@ whose message says what to change.
 """
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
@@ -103,21 +105,45 @@ def check_messages(messages: list[Any]) -> None:
 
 def check_unicode(value: Any, path: str) -> None:
     """Refuse (ApiError 400, naming the field) a string anywhere in `value` (keys too) that is
-    not Unicode text: a lone surrogate ("\\ud800"), which JSON can spell but UTF-8 cannot."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ApiError(400, f"{path} holds a lone surrogate ({value[e.start]!r} at character "
-                                f"{e.start}): text must be valid Unicode", path.split("[")[0].split(".")[0]
-                           ) from None
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_unicode(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_unicode(k, path)
-            check_unicode(v, f"{path}.{k}" if path else k)
+    not Unicode text: a lone surrogate ("\\ud800"), which JSON can spell but UTF-8 cannot. Walked
+    with a stack, not recursion, so that no depth of nesting exhausts Python's."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(400, f"{path} holds a lone surrogate ({value[e.start]!r} at character "
+                                    f"{e.start}): text must be valid Unicode",
+                               path.split("[")[0].split(".")[0]) from None
+        elif isinstance(value, list):
+            # in reverse, so that the first bad string in the body is the one named
+            stack.extend((value[i], f"{path}[{i}]") for i in range(len(value) - 1, -1, -1)
+                         if isinstance(value[i], (str, list, dict)))
+        elif isinstance(value, dict):
+            for k, v in reversed(value.items()):
+                stack.append((v, f"{path}.{k}" if path else k))
+                stack.append((k, path))
+
+
+# JSON nesting a request may have: no body this server reads nests more than 4 deep (a chat
+# message's text part); far past it Python's parser, or a walk over the value, runs out of recursion
+MAX_DEPTH = 100
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def check_nesting(body: bytes) -> None:
+    """Refuse (ApiError 400) a body whose arrays and objects nest past MAX_DEPTH, read from its
+    bytes before it is parsed (brackets inside strings do not count)."""
+    if body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
+        return                                  # too few brackets to nest that deep
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS), np.uint8)
+    depth = np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1))
+    if depth.size and int(depth.max()) > MAX_DEPTH:
+        raise ApiError(400, f"the body nests arrays and objects {int(depth.max())} deep, past the "
+                            f"{MAX_DEPTH} this server reads: no field it takes nests so deep")
 
 
 Text = StrictStr

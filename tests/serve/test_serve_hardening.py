@@ -103,6 +103,37 @@ def test_a_lone_surrogate_is_a_400(client, path, body, param):
     assert "lone surrogate" in openai_400(r, param)
 
 
+@pytest.mark.parametrize("depth", [970, 1100, 1500, 100_000])
+@pytest.mark.parametrize("path, head", [
+    ("/v1/completions", '{"model": "fake_mini", "prompt": [1], "max_tokens": 1, "x": '),
+    ("/v1/chat/completions", '{"model": "fake_mini", "max_tokens": 1, "messages": [{"role": "user", '
+                             '"content": "a", "x": '),
+    ("/tokenize", '{"prompt": "a", "x": ')], ids=["completion", "chat", "tokenize"])
+def test_a_field_nested_too_deep_is_a_400(client, path, head, depth):
+    """An ignored field nested 970 to 1100 deep once passed the JSON parser and ran the Unicode
+    check out of recursion: a plain-text 500. Any depth past MAX_DEPTH is now a 400."""
+    nested = "[" * (depth // 2) + '{"a": ' * (depth - depth // 2) + "1" + "}" * (depth - depth // 2) \
+        + "]" * (depth // 2)
+    body = head + nested + ("}]}" if "messages" in head else "}")
+    r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    assert "deep, past the 100 this server reads" in openai_400(r, None)
+
+
+def test_brackets_inside_strings_are_not_nesting(client):
+    stop = ['[{"' * 200, '\\"[' * 200]              # an escaped quote does not end the string
+    r = client.post("/v1/completions", json={**COMPLETION, "stop": stop, "x": [[[[[[]]]]]] * 50})
+    assert r.status_code == 200, r.text
+
+
+def test_the_unicode_check_takes_any_depth():
+    from mkc.serve.parsing import ApiError, check_unicode
+    value: Any = ["\ud800"]
+    for _ in range(20_000):
+        value = [{"a": value}]
+    with pytest.raises(ApiError, match="lone surrogate"):
+        check_unicode(value, "x")
+
+
 def test_detokenize_takes_integers_only(client):
     for tokens in (["1"], [True], [1.0], 5):
         openai_400(client.post("/detokenize", json={"tokens": tokens}), "tokens")
