@@ -17,7 +17,7 @@ if sys.argv[1:2] != ["serve"]:     # `mkc serve` runs the kernels on the host's 
 import mkc  # noqa: E402
 from mkc import files  # noqa: E402
 from mkc.diagnostics import Diagnostic, MkcError, Span  # noqa: E402
-from mkc.arguments import float_at_least, int_at_least, int_in_range  # noqa: E402
+from mkc.arguments import float_at_least, int_at_least, int_in_range, nonempty_text  # noqa: E402
 
 
 def _source(path: str) -> str | None:
@@ -143,6 +143,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="a shipped config name (random weights: for MINI configs on a CPU host) or "
                         "an HF checkpoint directory (its weights, and its tokenizer if it has one)")
+    p.add_argument("--served-model-name", type=nonempty_text, metavar="NAME",
+                   help="the model's name in /v1/models, which requests must give (default: the "
+                        "checkpoint directory's name, not its path; or the config name)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_in_range(0, 65535),
                    help="port to listen on (default 8000; 0: a free one, named when ready)")
@@ -391,7 +394,7 @@ def _start_engine(args, leader):
     from mkc.serve.model import load_served
     emulating = args.backend == "emulation"
     served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer,
-                                place=not emulating)
+                                place=not emulating, name=args.served_model_name)
     drafter = _drafter(args, served, batch)
     try:
         steps = _emulation(served, batch) if emulating else None

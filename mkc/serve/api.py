@@ -163,7 +163,7 @@ def _add_info_endpoints(app: FastAPI, served: Served, engine: Engine, reader: Re
     """/health, /stats, /v1/models and /tokenizer_info."""
     created = int(time.time())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])      # HEAD: load balancers' probes
     async def health() -> dict:
         if engine.failure is not None:
             raise ApiError(503, f"the server stopped serving: {engine.failure}", None, "server_error")

@@ -259,8 +259,10 @@ class Reader:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt = await self.off_loop(self.check_ids, await self.chat_ids(body.messages), "messages")
-        return self.generation(body, prompt, body.max_completion_tokens or body.max_tokens,
-                               (body.top_logprobs or 0) if body.logprobs else None, chat=True)
+        limit = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        return self.generation(body, prompt, getattr(body, limit),
+                               (body.top_logprobs or 0) if body.logprobs else None, chat=True,
+                               limit=limit)
 
     async def tokenize(self, body: TokenizeRequest) -> list[int]:
         """The tokens of /tokenize's text or chat."""
@@ -282,10 +284,7 @@ class Reader:
         """/detokenize's tokenizer, once its tokens are checked."""
         self.checked(body)
         tok = self.need_tokenizer("/detokenize")
-        bad = [t for t in body.tokens if not 0 <= t < self.vocab]
-        if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
-                                f"{self.vocab - 1})", "tokens")
+        self.check_vocabulary(body.tokens, "tokens")
         return tok
 
     # ---- the checks ------------------------------------------------------------------------
@@ -338,11 +337,15 @@ class Reader:
                    else "this server's cap (mkc serve --max-prompt-tokens)")
             raise ApiError(400, f"the prompt has {len(ids)} tokens, more than {cap} of "
                                 f"{self.max_prompt} (the model's context is {self.context})", param)
+        self.check_vocabulary(ids, param)
+        return ids
+
+    def check_vocabulary(self, ids: list[int], param: str, what: str = "token ids") -> None:
+        """Refuse (ApiError 400) ids outside the vocabulary."""
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
+            raise ApiError(400, f"{what} {bad[:5]} are outside the vocabulary (0 to "
                                 f"{self.vocab - 1})", param)
-        return ids
 
     async def prompt_ids(self, prompt: Any) -> list[int]:
         """A completion's prompt (text, token ids, or a list of one of them) as token ids."""
@@ -361,8 +364,10 @@ class Reader:
         return await self.off_loop(self.check_ids, prompt, "prompt")
 
     def generation(self, body: _Sampling, prompt: list[int], max_tokens: int | None,
-                   logprobs: int | None, chat: bool, echo: str | None = None) -> Generation:
-        """The request's generation, or the ApiError of what does not fit."""
+                   logprobs: int | None, chat: bool, echo: str | None = None,
+                   limit: str = "max_tokens") -> Generation:
+        """The request's generation, or the ApiError of what does not fit; `limit`: the field
+        `max_tokens` came from (chat's `max_completion_tokens`, or `max_tokens`)."""
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: one choice per request is served (send n "
                                 "requests)", "n")
@@ -374,9 +379,10 @@ class Reader:
         if max_tokens is None:
             max_tokens = room
         if max_tokens > room:
-            raise ApiError(400, f"max_tokens = {max_tokens} with a prompt of {len(prompt)} "
+            raise ApiError(400, f"{limit} = {max_tokens} with a prompt of {len(prompt)} "
                                 f"tokens passes the context of {self.context}: at most {room}",
-                           "max_tokens")
+                           limit)
+        self.check_vocabulary(body.stop_token_ids or [], "stop_token_ids", "stop_token_ids")
         stops = stop_strings(body)
         if stops:
             self.need_tokenizer("a stop string")

@@ -134,6 +134,23 @@ def test_the_unicode_check_takes_any_depth():
         check_unicode(value, "x")
 
 
+@pytest.mark.parametrize("ids", [[64], [-1], [3, 2**40]])
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(client, ids):
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = client.post(path, json={**body, "stop_token_ids": ids})
+        assert "outside the vocabulary (0 to 63)" in openai_400(r, "stop_token_ids")
+
+
+def test_a_chat_limit_past_the_context_is_named_as_sent(client):
+    for limit in ("max_completion_tokens", "max_tokens"):
+        r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": None, limit: 2**63})
+        assert openai_400(r, limit).startswith(f"{limit} = {2**63} with a prompt of 1 tokens")
+
+
+def test_head_health_is_a_200(client):
+    assert client.head("/health").status_code == 200
+
+
 def test_detokenize_takes_integers_only(client):
     for tokens in (["1"], [True], [1.0], 5):
         openai_400(client.post("/detokenize", json={"tokens": tokens}), "tokens")

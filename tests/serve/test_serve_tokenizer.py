@@ -137,6 +137,11 @@ def test_a_refusing_template_is_a_400_and_the_server_keeps_serving(tmp_path):
                     "code": 400}
             r = client.post("/v1/completions", json={"model": "fake_mini", "prompt": [1], "max_tokens": 1})
             assert r.status_code == 200
+            # null content (OpenAI's; an assistant's message with tool calls) is empty text
+            empty = [{"role": "system", "content": None}, MESSAGES[1]]
+            expected = raw_tokenizer(tmp_path).encode(RENDERED.replace("be brief", ""),
+                                                      add_special_tokens=False).ids
+            assert client.post("/tokenize", json={"messages": empty}).json()["tokens"] == expected
     finally:
         engine.stop()
 
@@ -197,8 +202,8 @@ def test_text_and_chat_through_the_checkpoint_tokenizer(tmp_path):
     write_tokenizer(tmp_path)
     tok = raw_tokenizer(tmp_path)
     greedy = reference_greedy(LLAMA_SPEC, LLAMA, params)
-    name = str(tmp_path)
-    with running_server(["--batch", "1"], spec=LLAMA_SPEC, model=name) as url:
+    name = tmp_path.name                # a checkpoint is served by its directory's name
+    with running_server(["--batch", "1"], spec=LLAMA_SPEC, model=str(tmp_path)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         text = "the dog sat on the park ✓"
         ids = httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"]
