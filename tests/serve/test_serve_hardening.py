@@ -178,6 +178,28 @@ def test_a_hostile_request_beside_a_good_one_leaves_it_unharmed():
     assert results["good"].json()["choices"][0]["token_ids"] == fake_greedy(prompt, n)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_disconnects_frees_its_row_within_a_step(stream):
+    """A waiting (non-streaming) client's disconnect was seen only when no token came for a
+    second: while tokens came faster, its row generated to max_tokens for nobody."""
+    step, n = 0.1, 29                  # 2.9 s of steps: the row would be busy that long
+    body = {**COMPLETION, "prompt": [3, 5], "max_tokens": n, "ignore_eos": True, "stream": stream}
+    with fake_server(batch=1, step_seconds=step) as url, httpx.Client() as http:
+        http.post(url + "/v1/completions", json=COMPLETION, timeout=60)     # the step compiled
+        if stream:
+            with http.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                next(r.iter_lines())               # the first token, then the client leaves
+        else:
+            with pytest.raises(httpx.ReadTimeout):   # the client gives up and closes its connection
+                http.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        left = time.monotonic()
+        while (stats := http.get(url + "/stats").json())["busy_rows"] and time.monotonic() < left + 10:
+            time.sleep(step / 4)
+        freed = time.monotonic() - left
+    assert stats["busy_rows"] == 0 and freed < 1.0, (freed, stats)
+    assert stats["steps"] < n                    # it stopped short of max_tokens
+
+
 def test_the_engine_refuses_what_does_not_fit_a_launch_and_serves_the_rest():
     """An engine given a request whose settings overflow the sampler's int32 arrays (or tokens
     outside the vocabulary) refuses that request alone at submit."""
