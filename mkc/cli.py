@@ -181,7 +181,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "its family's JAX reference (f32, XLA) on JAX's default device; a "
                         "checkpoint directory, or a config name with random weights from --seed; "
                         "its vocabulary must be the served model's (default: --model itself)")
-    caps = p.add_argument_group("request caps", "what one request may ask (docs/serving.md#refusals)")
+    caps = p.add_argument_group("request caps", "what one request, and the connections together, "
+                                                "may ask (docs/serving.md#refusals)")
     caps.add_argument("--max-body-bytes", type=int_at_least(1), default=4 << 20, metavar="N",
                       help="a request body past N bytes gets a 413 (default 4 MiB)")
     caps.add_argument("--max-prompt-tokens", type=int_at_least(1), metavar="N",
@@ -190,6 +191,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     caps.add_argument("--header-timeout", type=float_at_least(0.1), default=10.0, metavar="SECONDS",
                       help="a connection that has not sent a whole request's headers SECONDS "
                            "after it opened (or after its last response) is closed (default 10)")
+    caps.add_argument("--body-timeout", type=float_at_least(0.1), default=60.0, metavar="SECONDS",
+                      help="a request whose body has not all arrived SECONDS after its headers gets "
+                           "a 408 and its connection is closed (default 60)")
+    caps.add_argument("--max-connections", type=int_at_least(1), default=512, metavar="N",
+                      help="a connection opened while N are open gets a 503 for its request and is "
+                           "closed (default 512)")
+    caps.add_argument("--max-buffered-bytes", type=int_at_least(1), metavar="N",
+                      help="the request bodies being received, every connection's together, may "
+                           "hold N bytes (a Content-Length counts from the start); the request "
+                           "passing it gets a 503 (default 16 times --max-body-bytes; at least it)")
     caps.add_argument("--api-docs", action="store_true",
                       help="serve the API's /docs, /redoc and /openapi.json (off by default)")
     hosts = p.add_argument_group(
@@ -322,6 +333,7 @@ def _serve(args) -> int:
                                   hint="add --speculative draft-model, or drop --draft-model"))
     options = _distributed(args)
     _check_backend(args, options)
+    _limits(args)                           # its refusal before the model loads
     prepare_devices(args.spec)              # before JAX starts
     if options is None:
         return _serve_here(args, None)
@@ -353,9 +365,26 @@ def _serve(args) -> int:
     return code
 
 
+def _limits(args):
+    """`mkc serve`'s request caps as mkc.serve.limits.Limits; MkcError (E-SERVE) for a bound on
+    the bodies received at once that one body at the cap would pass (it could never be served)."""
+    from mkc.serve.limits import Limits
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    header_seconds=args.header_timeout, api_docs=args.api_docs,
+                    body_seconds=args.body_timeout, max_connections=args.max_connections,
+                    max_buffered_bytes=args.max_buffered_bytes)
+    if limits.buffered_bytes < limits.max_body_bytes:
+        raise MkcError(Diagnostic("E-SERVE", f"--max-buffered-bytes {limits.buffered_bytes} is less "
+                                  f"than --max-body-bytes {limits.max_body_bytes}: a body at the cap "
+                                  "would never be received", Span.unknown("--max-buffered-bytes"),
+                                  hint="give --max-buffered-bytes at least --max-body-bytes"))
+    return limits
+
+
 def _serve_here(args, leader) -> int:
     """Process 0 (or the only one): the engine, its warm-up, then HTTP until interrupted."""
-    from mkc.serve.api import Limits, interrupted_by_sigterm, listening_socket, serve
+    from mkc.serve.api import interrupted_by_sigterm, listening_socket, serve
+    limits = _limits(args)
     host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8000
     try:
         try:
@@ -378,8 +407,7 @@ def _serve_here(args, leader) -> int:
           f"{seconds:.1f} s; backend {engine.backend}: "
           f"{backend_text(engine.backend, served, engine.device.steps.eager)})",
           file=sys.stderr, flush=True)
-    serve(served, engine, sock, limits=Limits(args.max_body_bytes, args.max_prompt_tokens,
-                                              args.header_timeout, args.api_docs))
+    serve(served, engine, sock, limits=limits)
     if engine.failure is not None:
         print(f"mkc serve: stopped serving: {engine.failure}", file=sys.stderr, flush=True)
         leader.abort(engine.failure)            # the processes still following stop too

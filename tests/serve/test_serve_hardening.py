@@ -4,6 +4,7 @@ one unharmed), tokenizing off the event loop, the body, prompt and header-time c
 docs routes off."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -325,6 +326,82 @@ def test_a_client_slow_to_send_its_headers_is_cut_off():
                     closed = True
             assert closed, "the connection is still open after 20 s"
         assert httpx.get(url + "/health", timeout=10).status_code == 200    # a prompt client is served
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _refusal(s: socket.socket) -> tuple[int, dict]:
+    """The status and OpenAI error of the answer on `s`, read until the server closes it."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    return status, error
+
+
+def test_a_body_dribbled_past_the_body_timeout_is_a_408():
+    """The header timeout ends at the headers: a body sent a byte at a time held its connection
+    (and its bytes) for as long as the client liked."""
+    with fake_server(limits=Limits(body_seconds=0.5)) as url, _connect(url) as s:
+        s.sendall(_head("/v1/completions", 100))
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(20):
+                s.sendall(b" ")
+                time.sleep(0.1)
+        status, error = _refusal(s)
+        assert status == 408 and "within 0.5 s of its headers (mkc serve --body-timeout)" in error["message"]
+        assert time.monotonic() - t0 < 5
+        assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+
+
+def test_connections_past_the_cap_are_a_503():
+    with fake_server(limits=Limits(max_connections=3)) as url:
+        idle = [_connect(url) for _ in range(3)]
+        try:
+            with _connect(url) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                status, error = _refusal(s)
+            assert status == 503 and "(3, mkc serve --max-connections)" in error["message"]
+            idle.pop().close()
+            deadline = time.monotonic() + 10
+            while (r := httpx.get(url + "/health", timeout=10)).status_code != 200:
+                assert r.status_code == 503 and time.monotonic() < deadline     # until it is counted out
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_bodies_being_received_are_bounded_together():
+    """Each connection could hold up to --max-body-bytes in its body buffer, with no bound across
+    them; a Content-Length is held from the start, so slow bodies cannot creep past the bound."""
+    body = json.dumps(COMPLETION).encode().ljust(1000)
+    with fake_server(limits=Limits(max_body_bytes=1000, max_buffered_bytes=2500)) as url:
+        with _connect(url) as a, _connect(url) as b, _connect(url) as c:
+            a.sendall(_head("/v1/completions", 1000) + body[:10])
+            b.sendall(_head("/v1/completions", 1000))
+            time.sleep(0.5)                            # both are being received
+            c.sendall(_head("/v1/completions", 1000))
+            status, error = _refusal(c)
+            assert status == 503 and "(2500 bytes, mkc serve --max-buffered-bytes)" in error["message"]
+            with _connect(url) as d:                       # without a length: counted as it arrives
+                d.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                          b"\r\n\r\n258\r\n" + b" " * 600 + b"\r\n")
+                assert _refusal(d)[0] == 503
+            for s, rest in ((a, body[10:]), (b, body)):
+                s.sendall(rest)
+                assert s.recv(100).startswith(b"HTTP/1.1 200")
 
 
 def test_api_docs_are_off_unless_asked_for():
