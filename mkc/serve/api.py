@@ -11,8 +11,9 @@ that is not Unicode), 404 for an unknown model, 429 when the queue is full; 408,
 a body too slow or too large, or a server holding as many connections or bodies as it takes
 (mkc.serve.limits).
 
-Tokenizing, detokenizing and chat-template rendering run in a thread pool, so a long prompt never
-holds up the event loop (or /health) while it is encoded.
+Tokenizing, detokenizing and chat-template rendering run in a thread pool (large inputs one at a
+time: `Reader.off_loop`), so a long prompt never holds up the event loop (or /health) while it is
+encoded.
 
 Each endpoint reads its request through `mkc.serve.parsing.Reader` (every check in one place);
 completions and chat are answered by `mkc.serve.responses.Responder`.
@@ -147,7 +148,7 @@ def _add_token_endpoints(app: FastAPI, engine: Engine, reader: Reader) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         tok = reader.detokenize(body)
-        return {"prompt": await reader.off_loop(tok.decode, body.tokens)}
+        return {"prompt": await reader.off_loop(tok.decode, body.tokens, size=len(body.tokens))}
 
 
 def _field_path(loc: tuple) -> str:

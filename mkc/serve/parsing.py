@@ -6,8 +6,13 @@ whose message says what to change.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import re
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -19,6 +24,7 @@ from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
 from mkc.serve.stops import stop_tokens
 
+LARGE_INPUT = 1 << 16              # characters or tokens of tokenizer work that takes turns
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5         # OpenAI's bounds: the legacy `logprobs`, chat's `top_logprobs`
 MAX_TOP_LOGPROBS = 20
@@ -225,13 +231,20 @@ class Reader:
     def __init__(self, served: Served, context: int, vocab: int, max_prompt: int):
         self.served, self.tokenizer = served, served.tokenizer
         self.context, self.vocab, self.max_prompt = context, vocab, max_prompt
+        # large inputs' tokenizer work: one at a time, on a thread of low CPU priority
+        self._large = ThreadPoolExecutor(1, "mkc-serve-tokenizer", initializer=_low_priority)
 
-    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def off_loop(self, fn: Callable[..., _T], *args: Any, size: int = 0) -> _T:
         """`fn(*args)` in the thread pool when it runs the tokenizer (CPU work that would hold up
-        every other request and /health); at once without one (nothing to do)."""
+        every other request and /health); at once without one (nothing to do). Work on `size`
+        characters or tokens from LARGE_INPUT on takes turns on one thread of low CPU priority,
+        so that however many such requests come, the event loop and the engine's thread are
+        not kept from the CPU."""
         if self.tokenizer is None:
             return fn(*args)
-        return await run_in_threadpool(fn, *args)
+        if size < LARGE_INPUT:
+            return await run_in_threadpool(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._large, lambda: fn(*args))
 
     # ---- the endpoints' requests ---------------------------------------------------------
     async def completion(self, body: CompletionRequest) -> Generation:
@@ -249,8 +262,8 @@ class Reader:
             text = body.prompt[0] if isinstance(body.prompt, list) and len(body.prompt) == 1 \
                 else body.prompt
             echo = text if isinstance(text, str) else (
-                await self.off_loop(self.tokenizer.decode, prompt) if self.tokenizer is not None
-                else "")
+                await self.off_loop(self.tokenizer.decode, prompt, size=len(prompt))
+                if self.tokenizer is not None else "")
         return self.generation(body, prompt, body.max_tokens, body.logprobs, chat=False, echo=echo)
 
     async def chat(self, body: ChatRequest) -> Generation:
@@ -258,7 +271,8 @@ class Reader:
         check_served_fields(body.model_extra or {})
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = await self.off_loop(self.check_ids, await self.chat_ids(body.messages), "messages")
+        ids = await self.chat_ids(body.messages)
+        prompt = await self.off_loop(self.check_ids, ids, "messages", size=len(ids))
         limit = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         return self.generation(body, prompt, getattr(body, limit),
                                (body.top_logprobs or 0) if body.logprobs else None, chat=True,
@@ -273,7 +287,7 @@ class Reader:
         if body.messages is not None:
             ids, param = await self.chat_ids(body.messages), "messages"
         else:
-            ids, param = await self.off_loop(tok.encode, body.prompt), "prompt"
+            ids, param = await self.off_loop(tok.encode, body.prompt, size=len(body.prompt)), "prompt"
         if len(ids) > self.max_prompt:         # what a prompt may hold is all /tokenize counts
             raise ApiError(400, f"the text has {len(ids)} tokens, more than the {self.max_prompt} "
                                 "a prompt may hold here (mkc serve --max-prompt-tokens; the "
@@ -325,7 +339,7 @@ class Reader:
                 return tokenizer.chat(messages)
             except TokenizerError as e:
                 raise ApiError(400, str(e), "messages") from None
-        return await self.off_loop(render)
+        return await self.off_loop(render, size=_chat_size(messages))
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         """`ids` if they make a prompt this server takes (not empty, within --max-prompt-tokens
@@ -358,10 +372,11 @@ class Reader:
             if not prompt:
                 raise ApiError(400, "the prompt is empty: give at least one token", "prompt")
             tok = self.need_tokenizer("a text prompt")
-            return await self.off_loop(lambda: self.check_ids(tok.encode(prompt), "prompt"))
+            return await self.off_loop(lambda: self.check_ids(tok.encode(prompt), "prompt"),
+                                       size=len(prompt))
         if not _is_ids(prompt):
             raise ApiError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
-        return await self.off_loop(self.check_ids, prompt, "prompt")
+        return await self.off_loop(self.check_ids, prompt, "prompt", size=len(prompt))
 
     def generation(self, body: _Sampling, prompt: list[int], max_tokens: int | None,
                    logprobs: int | None, chat: bool, echo: str | None = None,
@@ -402,6 +417,20 @@ class Reader:
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                               seed=seed % (1 << 31), stop_token_ids=stops,
                               logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
+
+
+def _low_priority() -> None:
+    """A low CPU priority (nice 10) for this thread: Linux gives each thread its own nice value,
+    so it alone yields the CPU to the others; elsewhere nothing changes. Not the lowest (19):
+    while it holds the GIL (making the ids' list) the other threads wait for it to run."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+def _chat_size(messages: list[dict[str, Any]]) -> int:
+    """The characters of a conversation's text (its messages checked by check_messages)."""
+    return sum(len(c) if isinstance(c := m.get("content"), str)
+               else sum(len(p["text"]) for p in c or ()) for m in messages)
 
 
 def _is_ids(value: Any) -> bool:
