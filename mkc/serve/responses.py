@@ -113,18 +113,20 @@ class Responder:
         the next step) as soon as its client disconnects, streaming or not, or the consumer
         stops early (a stop string)."""
         gone = asyncio.ensure_future(_disconnect(http))
+        event: asyncio.Future | None = None
         try:
             while True:
                 event = asyncio.ensure_future(req.events.get())
                 await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not event.done():
-                    event.cancel()
                     return
                 yield event.result()
                 if event.result().finish_reason is not None:
                     return
         finally:
             gone.cancel()
+            if event is not None:       # also when the consumer was cancelled while it waited
+                event.cancel()
             if not req.finished:
                 self.engine.cancel(req)
 
