@@ -13,6 +13,7 @@ body's bounds in ASGI middleware (`BodyGuard`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,15 +47,31 @@ class Limits:
         return self.max_buffered_bytes or 16 * self.max_body_bytes
 
 
-async def refuse(send: Callable, status: int, message: str, kind: str) -> None:
+DRAIN_SECONDS = 2.0         # how long a refused body's rest is read before its connection closes
+
+
+async def refuse(send: Callable, status: int, message: str, kind: str,
+                 receive: Callable | None = None, drain: int = 0) -> None:
     """Answer with OpenAI's error body, before the app has read the request, and close the
-    connection (what is left of the request is not read)."""
+    connection. With `receive`, the rest of the body the client is still sending (up to `drain`
+    bytes, for DRAIN_SECONDS) is read and dropped first: a connection closed with bytes unread
+    is reset, and a client still sending would lose the answer."""
     body = json.dumps(error_body(status, message, None, kind)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": body, "more_body": receive is not None})
+    if receive is None:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while drain > 0:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body"):
+                    break
+                drain -= len(message.get("body", b""))
+    await send({"type": "http.response.body", "body": b""})
 
 
 class BodyGuard:
@@ -71,10 +88,12 @@ class BodyGuard:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        ended = [False]                     # whether the body's last part has come
         try:
-            body = await self._body(scope, receive)
+            body = await self._body(scope, receive, ended)
         except ApiError as e:
-            return await refuse(send, e.status, e.message, e.kind)
+            rest = receive if e.status in (413, 503) and not ended[0] else None
+            return await refuse(send, e.status, e.message, e.kind, rest, 2 * self.limits.max_body_bytes)
         if body is None:                    # the client went away
             return
         replayed = False
@@ -87,9 +106,9 @@ class BodyGuard:
             return {"type": "http.request", "body": body, "more_body": False}
         await self.app(scope, replay, send)
 
-    async def _body(self, scope: dict, receive: Callable) -> bytes | None:
+    async def _body(self, scope: dict, receive: Callable, ended: list[bool]) -> bytes | None:
         """The request's whole body (None: the client went away first), its bytes counted in
-        `held` while it arrives; ApiError for a refusal."""
+        `held` while it arrives; ApiError for a refusal (`ended[0]`: after the body's end)."""
         limits = self.limits
         length = dict(scope.get("headers") or ()).get(b"content-length", b"")
         declared = 0 if not length.isdigit() else int(length) if len(length) < 20 else 1 << 64
@@ -107,6 +126,7 @@ class BodyGuard:
                         return None
                     chunks.append(message.get("body", b""))
                     size += len(chunks[-1])
+                    ended[0] = not message.get("more_body")
                     if size > limits.max_body_bytes:
                         raise self._too_large()
                     if size > counted:          # past its Content-Length, or without one
@@ -114,7 +134,7 @@ class BodyGuard:
                         counted = size
                         if self.held > limits.buffered_bytes:
                             raise self._busy()
-                    if not message.get("more_body"):
+                    if ended[0]:
                         break
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {limits.body_seconds:g} s "

@@ -1,7 +1,8 @@
-"""`mkc serve` under hostile requests, over the stand-in module (serve_fakes): strict field types
-and bounds (OpenAI's 400 body naming the field), a hostile request beside a good one (the good
-one unharmed), tokenizing off the event loop, the body, prompt and header-time caps, the API
-docs routes off."""
+"""`mkc serve` under hostile requests and clients, over the stand-in module (serve_fakes): strict
+field types and bounds (OpenAI's 400 body naming the field), nesting at any depth, a hostile
+request beside a good one (the good one unharmed), a client that leaves freeing its row,
+tokenizing off the event loop, the body, prompt, header-time, body-time, connection and
+buffered-body caps, the API docs routes off."""
 from __future__ import annotations
 
 import contextlib
@@ -274,6 +275,28 @@ def test_health_answers_while_a_long_prompt_is_tokenized():
     assert latencies and loop_cpu < max(0.1, encode_cpu / 2), (loop_cpu, encode_cpu)
 
 
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _refusal(s: socket.socket) -> tuple[int, dict]:
+    """The status and OpenAI error of the answer on `s`, read until the server closes it."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    return status, error
+
+
 def test_a_body_past_the_cap_is_a_413():
     with fake_server(limits=Limits(max_body_bytes=1000)) as url:
         big = json.dumps({**COMPLETION, "prompt": [1] * 400}).encode()
@@ -285,6 +308,18 @@ def test_a_body_past_the_cap_is_a_413():
             assert "cap of 1000 bytes (mkc serve --max-body-bytes)" in r.json()["error"]["message"]
         r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": [1] * 20}, timeout=30)
         assert r.status_code == 200, r.text
+
+
+def test_a_client_still_sending_a_body_past_the_cap_reads_its_413():
+    """A connection closed with bytes unread is reset: a client still sending a body far past
+    the cap (more than the sockets' buffers hold) saw its send fail, not the 413. The rest of
+    the body is now read first."""
+    body = b" " * (8 << 20)
+    with fake_server() as url, _connect(url) as s:               # the default 4 MiB cap
+        s.sendall(_head("/v1/completions", len(body)))
+        s.sendall(body)
+        status, error = _refusal(s)
+    assert status == 413 and "(mkc serve --max-body-bytes)" in error["message"]
 
 
 def test_prompts_and_tokenize_past_the_prompt_cap_are_400s():
@@ -326,28 +361,6 @@ def test_a_client_slow_to_send_its_headers_is_cut_off():
                     closed = True
             assert closed, "the connection is still open after 20 s"
         assert httpx.get(url + "/health", timeout=10).status_code == 200    # a prompt client is served
-
-
-def _connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
-
-
-def _head(path: str, length: int) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n\r\n").encode()
-
-
-def _refusal(s: socket.socket) -> tuple[int, dict]:
-    """The status and OpenAI error of the answer on `s`, read until the server closes it."""
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split()[1])
-    error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
-    return status, error
 
 
 def test_a_body_dribbled_past_the_body_timeout_is_a_408():
