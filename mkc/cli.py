@@ -181,6 +181,29 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "its family's JAX reference (f32, XLA) on JAX's default device; a "
                         "checkpoint directory, or a config name with random weights from --seed; "
                         "its vocabulary must be the served model's (default: --model itself)")
+    _serve_caps(p)
+    hosts = p.add_argument_group(
+        "several hosts", "one process per host, each started with the same spec and model; process "
+                         "0 serves HTTP, the others run its launches (docs/serving.md#several-hosts)")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join through jax.distributed.initialize() with nothing given: it finds "
+                            "the coordinator and this process's id itself (Cloud TPU)")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="process 0's address and a free port for jax.distributed (with "
+                            "--num-processes and --process-id)")
+    hosts.add_argument("--num-processes", type=int_at_least(1), metavar="N", help="processes in all")
+    hosts.add_argument("--process-id", type=int_at_least(0), metavar="I",
+                       help="this process's id, 0 to N - 1")
+    hosts.add_argument("--lockstep-every", type=int_at_least(1), metavar="N",
+                       help="process 0 confirms the others ran the same launches with the same "
+                            "results every N launches, and when idle (default 8)")
+    hosts.add_argument("--lockstep-timeout", type=float_at_least(1.0), metavar="SECONDS",
+                       help="how long process 0 waits for a confirmation before it stops serving: "
+                            "a process that died or hangs (default 60)")
+
+
+def _serve_caps(p: argparse.ArgumentParser) -> None:
+    """`mkc serve`'s request caps (mkc.serve.limits.Limits)."""
     caps = p.add_argument_group("request caps", "what one request, and the connections together, "
                                                 "may ask (docs/serving.md#refusals)")
     caps.add_argument("--max-body-bytes", type=int_at_least(1), default=4 << 20, metavar="N",
@@ -203,24 +226,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                            "passing it gets a 503 (default 16 times --max-body-bytes; at least it)")
     caps.add_argument("--api-docs", action="store_true",
                       help="serve the API's /docs, /redoc and /openapi.json (off by default)")
-    hosts = p.add_argument_group(
-        "several hosts", "one process per host, each started with the same spec and model; process "
-                         "0 serves HTTP, the others run its launches (docs/serving.md#several-hosts)")
-    hosts.add_argument("--distributed", action="store_true",
-                       help="join through jax.distributed.initialize() with nothing given: it finds "
-                            "the coordinator and this process's id itself (Cloud TPU)")
-    hosts.add_argument("--coordinator", metavar="HOST:PORT",
-                       help="process 0's address and a free port for jax.distributed (with "
-                            "--num-processes and --process-id)")
-    hosts.add_argument("--num-processes", type=int_at_least(1), metavar="N", help="processes in all")
-    hosts.add_argument("--process-id", type=int_at_least(0), metavar="I",
-                       help="this process's id, 0 to N - 1")
-    hosts.add_argument("--lockstep-every", type=int_at_least(1), metavar="N",
-                       help="process 0 confirms the others ran the same launches with the same "
-                            "results every N launches, and when idle (default 8)")
-    hosts.add_argument("--lockstep-timeout", type=float_at_least(1.0), metavar="SECONDS",
-                       help="how long process 0 waits for a confirmation before it stops serving: "
-                            "a process that died or hangs (default 60)")
 
 
 def _coordinator(value: str) -> str:
