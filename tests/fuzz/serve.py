@@ -445,7 +445,8 @@ def kind_slow(rng: random.Random, model: str) -> Hostile:
                     sent += 1
                     time.sleep(pause)
             return _judge_raw(sock, max(0.1, start + due - time.monotonic()), "POST",
-                              f"{how} sent slowly", () if how == "headers" else (408,))
+                              # a 503 when the case's other clients hold the connections
+                              f"{how} sent slowly", () if how == "headers" else (408, 503))
     return Hostile("POST", path, desc=f"{path}: {how} a byte each {pause} s", action=act)
 
 
