@@ -37,6 +37,13 @@ def int_in_range(minimum: int, maximum: int) -> Callable[[str], int]:
     return parse
 
 
+def nonempty_text(text: str) -> str:
+    """An argparse type: a name of at least one character that is not only spaces."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a name, got nothing")
+    return text
+
+
 def float_at_least(minimum: float) -> Callable[[str], float]:
     """An argparse type: a finite number of at least `minimum`."""
     def parse(text: str) -> float:

@@ -17,7 +17,7 @@ if sys.argv[1:2] != ["serve"]:     # `mkc serve` runs the kernels on the host's 
 import mkc  # noqa: E402
 from mkc import files  # noqa: E402
 from mkc.diagnostics import Diagnostic, MkcError, Span  # noqa: E402
-from mkc.arguments import float_at_least, int_at_least, int_in_range  # noqa: E402
+from mkc.arguments import float_at_least, int_at_least, int_in_range, nonempty_text  # noqa: E402
 
 
 def _source(path: str) -> str | None:
@@ -143,6 +143,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="a shipped config name (random weights: for MINI configs on a CPU host) or "
                         "an HF checkpoint directory (its weights, and its tokenizer if it has one)")
+    p.add_argument("--served-model-name", type=nonempty_text, metavar="NAME",
+                   help="the model's name in /v1/models, which requests must give (default: the "
+                        "checkpoint directory's name, not its path; or the config name)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int_in_range(0, 65535),
                    help="port to listen on (default 8000; 0: a free one, named when ready)")
@@ -178,17 +181,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "its family's JAX reference (f32, XLA) on JAX's default device; a "
                         "checkpoint directory, or a config name with random weights from --seed; "
                         "its vocabulary must be the served model's (default: --model itself)")
-    caps = p.add_argument_group("request caps", "what one request may ask (docs/serving.md#refusals)")
-    caps.add_argument("--max-body-bytes", type=int_at_least(1), default=4 << 20, metavar="N",
-                      help="a request body past N bytes gets a 413 (default 4 MiB)")
-    caps.add_argument("--max-prompt-tokens", type=int_at_least(1), metavar="N",
-                      help="a prompt of more than N tokens, or text /tokenize finds longer, gets "
-                           "a 400 (default: the model's context)")
-    caps.add_argument("--header-timeout", type=float_at_least(0.1), default=10.0, metavar="SECONDS",
-                      help="a connection that has not sent a whole request's headers SECONDS "
-                           "after it opened (or after its last response) is closed (default 10)")
-    caps.add_argument("--api-docs", action="store_true",
-                      help="serve the API's /docs, /redoc and /openapi.json (off by default)")
+    _serve_caps(p)
     hosts = p.add_argument_group(
         "several hosts", "one process per host, each started with the same spec and model; process "
                          "0 serves HTTP, the others run its launches (docs/serving.md#several-hosts)")
@@ -207,6 +200,32 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     hosts.add_argument("--lockstep-timeout", type=float_at_least(1.0), metavar="SECONDS",
                        help="how long process 0 waits for a confirmation before it stops serving: "
                             "a process that died or hangs (default 60)")
+
+
+def _serve_caps(p: argparse.ArgumentParser) -> None:
+    """`mkc serve`'s request caps (mkc.serve.limits.Limits)."""
+    caps = p.add_argument_group("request caps", "what one request, and the connections together, "
+                                                "may ask (docs/serving.md#refusals)")
+    caps.add_argument("--max-body-bytes", type=int_at_least(1), default=4 << 20, metavar="N",
+                      help="a request body past N bytes gets a 413 (default 4 MiB)")
+    caps.add_argument("--max-prompt-tokens", type=int_at_least(1), metavar="N",
+                      help="a prompt of more than N tokens, or text /tokenize finds longer, gets "
+                           "a 400 (default: the model's context)")
+    caps.add_argument("--header-timeout", type=float_at_least(0.1), default=10.0, metavar="SECONDS",
+                      help="a connection that has not sent a whole request's headers SECONDS "
+                           "after it opened (or after its last response) is closed (default 10)")
+    caps.add_argument("--body-timeout", type=float_at_least(0.1), default=60.0, metavar="SECONDS",
+                      help="a request whose body has not all arrived SECONDS after its headers gets "
+                           "a 408 and its connection is closed (default 60)")
+    caps.add_argument("--max-connections", type=int_at_least(1), default=512, metavar="N",
+                      help="a connection opened while N are open gets a 503 for its request and is "
+                           "closed (default 512)")
+    caps.add_argument("--max-buffered-bytes", type=int_at_least(1), metavar="N",
+                      help="the request bodies being received, every connection's together, may "
+                           "hold N bytes (a Content-Length counts from the start); the request "
+                           "passing it gets a 503 (default 16 times --max-body-bytes; at least it)")
+    caps.add_argument("--api-docs", action="store_true",
+                      help="serve the API's /docs, /redoc and /openapi.json (off by default)")
 
 
 def _coordinator(value: str) -> str:
@@ -319,6 +338,7 @@ def _serve(args) -> int:
                                   hint="add --speculative draft-model, or drop --draft-model"))
     options = _distributed(args)
     _check_backend(args, options)
+    _limits(args)                           # its refusal before the model loads
     prepare_devices(args.spec)              # before JAX starts
     if options is None:
         return _serve_here(args, None)
@@ -350,9 +370,26 @@ def _serve(args) -> int:
     return code
 
 
+def _limits(args):
+    """`mkc serve`'s request caps as mkc.serve.limits.Limits; MkcError (E-SERVE) for a bound on
+    the bodies received at once that one body at the cap would pass (it could never be served)."""
+    from mkc.serve.limits import Limits
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+                    header_seconds=args.header_timeout, api_docs=args.api_docs,
+                    body_seconds=args.body_timeout, max_connections=args.max_connections,
+                    max_buffered_bytes=args.max_buffered_bytes)
+    if limits.buffered_bytes < limits.max_body_bytes:
+        raise MkcError(Diagnostic("E-SERVE", f"--max-buffered-bytes {limits.buffered_bytes} is less "
+                                  f"than --max-body-bytes {limits.max_body_bytes}: a body at the cap "
+                                  "would never be received", Span.unknown("--max-buffered-bytes"),
+                                  hint="give --max-buffered-bytes at least --max-body-bytes"))
+    return limits
+
+
 def _serve_here(args, leader) -> int:
     """Process 0 (or the only one): the engine, its warm-up, then HTTP until interrupted."""
-    from mkc.serve.api import Limits, interrupted_by_sigterm, listening_socket, serve
+    from mkc.serve.api import interrupted_by_sigterm, listening_socket, serve
+    limits = _limits(args)
     host, port = args.host or "127.0.0.1", args.port if args.port is not None else 8000
     try:
         try:
@@ -375,8 +412,7 @@ def _serve_here(args, leader) -> int:
           f"{seconds:.1f} s; backend {engine.backend}: "
           f"{backend_text(engine.backend, served, engine.device.steps.eager)})",
           file=sys.stderr, flush=True)
-    serve(served, engine, sock, limits=Limits(args.max_body_bytes, args.max_prompt_tokens,
-                                              args.header_timeout, args.api_docs))
+    serve(served, engine, sock, limits=limits)
     if engine.failure is not None:
         print(f"mkc serve: stopped serving: {engine.failure}", file=sys.stderr, flush=True)
         leader.abort(engine.failure)            # the processes still following stop too
@@ -391,7 +427,7 @@ def _start_engine(args, leader):
     from mkc.serve.model import load_served
     emulating = args.backend == "emulation"
     served, batch = load_served(args.spec, args.model, args.batch, args.seed, args.tokenizer,
-                                place=not emulating)
+                                place=not emulating, name=args.served_model_name)
     drafter = _drafter(args, served, batch)
     try:
         steps = _emulation(served, batch) if emulating else None

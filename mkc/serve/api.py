@@ -7,26 +7,25 @@ Request and response bodies follow OpenAI's schema (and vLLM's extensions `top_k
 served without a tokenizer has no text to give. Errors are OpenAI's `{"error": {...}}` with a
 message that says what to change: 400 for a bad request (a field of the wrong type, strictly
 as OpenAI's API: no "1" or true where a number is asked; a number past the type it becomes; text
-that is not Unicode), 404 for an unknown model, 413 for a body past the cap, 429 when the queue is
-full.
+that is not Unicode), 404 for an unknown model, 429 when the queue is full; 408, 413 and 503 for
+a body too slow or too large, or a server holding as many connections or bodies as it takes
+(mkc.serve.limits).
 
-Tokenizing, detokenizing and chat-template rendering run in a thread pool, so a long prompt never
-holds up the event loop (or /health) while it is encoded.
+Tokenizing, detokenizing and chat-template rendering run in a thread pool (large inputs one at a
+time: `Reader.off_loop`), so a long prompt never holds up the event loop (or /health) while it is
+encoded.
 
 Each endpoint reads its request through `mkc.serve.parsing.Reader` (every check in one place);
 completions and chat are answered by `mkc.serve.responses.Responder`.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -35,79 +34,21 @@ from starlette.exceptions import HTTPException
 
 from mkc.serve.engine import Engine
 from mkc.serve.model import Served
+from mkc.serve.limits import BodyGuard, Limits, protocol
 from mkc.serve.parsing import (MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, ApiError, ChatRequest,
                                CompletionRequest, DetokenizeRequest, Reader, TokenizeRequest,
                                error_body)
 from mkc.serve.responses import Responder
 
-__all__ = ["MAX_COMPLETION_LOGPROBS", "MAX_TOP_LOGPROBS", "ApiError", "BodyCap", "Limits",
+__all__ = ["MAX_COMPLETION_LOGPROBS", "MAX_TOP_LOGPROBS", "ApiError", "BodyGuard", "Limits",
            "create_app", "interrupted_by_sigterm", "listening_socket", "serve", "uvicorn_config"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask of the server (`mkc serve` options): `max_body_bytes` a body
-    (413 past it); `max_prompt_tokens` a prompt's tokens, and what /tokenize returns (400 past
-    it; None: the model's context); `header_seconds` a client's time to send a request's
-    headers (the connection is closed after it); `api_docs` serves /docs, /redoc and
-    /openapi.json."""
-
-    max_body_bytes: int = 4 << 20
-    max_prompt_tokens: int | None = None
-    header_seconds: float = 10.0
-    api_docs: bool = False
-
-
-class BodyCap:
-    """ASGI middleware: a request body past `limit` bytes is refused with a 413 (OpenAI's
-    error body) before the app reads it, by its Content-Length or as it arrives."""
-
-    def __init__(self, app: Any, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            return await self._refuse(send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":        # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._refuse(send)
-            if not message.get("more_body"):
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send: Callable) -> None:
-        body = json.dumps(error_body(413, f"the request body passes the server's cap of "
-                                           f"{self.limit} bytes (mkc serve --max-body-bytes)",
-                                      None, "invalid_request_error")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
 
 
 def create_app(served: Served, engine: Engine, limits: Limits = Limits()) -> FastAPI:
     """The API over `engine` serving `served`, under `limits`."""
     docs = {} if limits.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="mkc serve", description=f"{served.name} on a generated megakernel", **docs)
-    app.add_middleware(BodyCap, limit=limits.max_body_bytes)
+    app.add_middleware(BodyGuard, limits=limits)
     max_prompt = min(limits.max_prompt_tokens or engine.context, engine.context)
     reader = Reader(served, engine.context, engine.vocab, max_prompt)
     _add_error_handlers(app)
@@ -158,6 +99,7 @@ def _add_info_endpoints(app: FastAPI, served: Served, engine: Engine, reader: Re
         if engine.failure is not None:
             raise ApiError(503, f"the server stopped serving: {engine.failure}", None, "server_error")
         return {}
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)   # probes' HEAD
 
     @app.get("/stats")
     async def stats() -> dict:
@@ -206,7 +148,7 @@ def _add_token_endpoints(app: FastAPI, engine: Engine, reader: Reader) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         tok = reader.detokenize(body)
-        return {"prompt": await reader.off_loop(tok.decode, body.tokens)}
+        return {"prompt": await reader.off_loop(tok.decode, body.tokens, size=len(body.tokens))}
 
 
 def _field_path(loc: tuple) -> str:
@@ -232,55 +174,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _header_timeout_protocol(seconds: float) -> type:
-    """uvicorn's h11 protocol, closing a connection whose client has not sent a whole request's
-    headers `seconds` after it connected or after the last response (uvicorn's own keep-alive
-    timeout stops at the first byte, so a client trickling a header a byte at a time would hold
-    its connection forever)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeout(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def _await_headers(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(seconds, self._headers_late)
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._await_headers()
-
-        def handle_events(self) -> None:
-            scope = self.scope
-            super().handle_events()
-            if self.scope is not scope and self._header_timer is not None:   # a request began
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._await_headers()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            super().connection_lost(exc)
-    return HeaderTimeout
-
-
 def uvicorn_config(served: Served, engine: Engine, host: str, port: int, limits: Limits = Limits(),
                    log_level: str = "info") -> Any:
     """The uvicorn.Config that serves the API on host:port under `limits`."""
     import uvicorn
     return uvicorn.Config(create_app(served, engine, limits), host=host, port=port,
-                          log_level=log_level, http=_header_timeout_protocol(limits.header_seconds))
+                          log_level=log_level, http=protocol(limits))
 
 
 def serve(served: Served, engine: Engine, sock: socket.socket, log_level: str = "info",

@@ -85,7 +85,8 @@ class ChatTemplate:
     `tojson` filter that does not escape HTML (json.dumps, `ensure_ascii` off); and the
     variables `messages`, `add_generation_prompt`, `tools` and `documents` (none) and the
     tokenizer's special tokens (`bos_token`, `eos_token`, ...). A message whose content is
-    OpenAI's list of parts reaches the template as its text parts joined.
+    OpenAI's list of parts reaches the template as its text parts joined, and null content as
+    empty text.
 
     Raises TokenizerError when the template does not parse (at start), and from `render` when
     it refuses a conversation (its `raise_exception`, an undefined name, a sandbox violation,
@@ -125,8 +126,9 @@ class ChatTemplate:
         self._variables = variables
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        messages = [{**m, "content": _text_of(m["content"])} if isinstance(m.get("content"), list)
-                    else m for m in messages]
+        # parts as their text; null content (OpenAI's, an assistant's message with tool calls) as ""
+        messages = [{**m, "content": _text_of(m["content"])} if "content" in m
+                    and not isinstance(m["content"], str) else m for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=None, documents=None, **self._variables)
@@ -181,7 +183,9 @@ class Tokenizer:
     """A checkpoint's tokenizer: transformers' AutoTokenizer when transformers is installed,
     else its tokenizer.json through `tokenizers`; and its chat template (ChatTemplate, whichever
     library encodes), rendered to text and encoded without added special tokens (the template
-    writes them), as transformers does. Decoding skips special tokens."""
+    writes them), as transformers does. Decoding skips special tokens. Both libraries' fast
+    tokenizers encode through `tokenizers`' batch calls, which release the GIL while they run,
+    so the event loop and the engine's thread go on beside them."""
 
     def __init__(self, directory: Path):
         try:
@@ -200,8 +204,12 @@ class Tokenizer:
             if not (directory / "tokenizer.json").is_file():
                 raise ImportError("a tokenizer without tokenizer.json needs transformers")
             raw = Raw.from_file(str(directory / "tokenizer.json"))
-            self._encode = lambda text: raw.encode(text, add_special_tokens=False).ids
-            self._decode = lambda ids: raw.decode(ids, skip_special_tokens=True)
+            # the batch entry points, which release the GIL while they run (`encode` holds it:
+            # a 900k-character text held up the event loop and the engine's thread for a second);
+            # encode_batch_fast (tokenizers 0.21) also skips the offsets nothing here reads
+            batch = getattr(raw, "encode_batch_fast", raw.encode_batch)
+            self._encode = lambda text: batch([text], add_special_tokens=False)[0].ids
+            self._decode = lambda ids: raw.decode_batch([ids], skip_special_tokens=True)[0]
         self.template = ChatTemplate.load(directory, config)
         self.chat = None if self.template is None else self._chat
         self._config = {**_template_variables(directory, config), **config}
@@ -316,13 +324,27 @@ def _check_context(config: dict, context: int, where: str) -> None:
             hint=f"serve a spec with `context {longest}` or less, or a model trained that long"))
 
 
+def served_name(model: str) -> str:
+    """The name `--model` is served by unless `--served-model-name` gives one: a checkpoint
+    directory's own name (not its path, which would tell every client the server's files), a
+    config file's name (its directory's for a config.json), a shipped config's name."""
+    path = Path(model)
+    if path.is_dir():
+        return path.resolve().name
+    if path.is_file():
+        return path.resolve().parent.name if path.name == "config.json" else path.stem
+    return model
+
+
 def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
-                tokenizer: str | None = None, place: bool = True) -> tuple[Served, int]:
+                tokenizer: str | None = None, place: bool = True,
+                name: str | None = None) -> tuple[Served, int]:
     """Compile `spec` for `model` (a shipped config name, a config.json, or a checkpoint
     directory), import it and place its weights: the checkpoint's for a directory, else
     `random_weights(seed)`; and the batch to serve (default the spec's largest). `tokenizer`:
     a name in TOKENIZERS to serve in place of the checkpoint's; `place` False leaves the kernel's
-    weights unplaced (`weights` empty: `--backend emulation` holds its own). Raises MkcError
+    weights unplaced (`weights` empty: `--backend emulation` holds its own); `name`: the name it
+    is served by (default `served_name(model)`). Raises MkcError
     for a bad spec or model, a batch the spec does not build, or a vocabulary the byte
     tokenizer does not fit, or tokenizer files that cannot be used (a chat template that does
     not parse), before any weight is read; and (E-CHECKPOINT) for a checkpoint value the loader
@@ -381,7 +403,7 @@ def load_served(spec: str, model: str, batch: int | None = None, seed: int = 0,
             Span.unknown(spec), hint="serve a spec whose topology spans every host, or serve it "
                                      "from one host"))
     weights = gen.place_weights(hf, mesh) if place else {}
-    return Served(name=model, gen=gen, weights=weights, mesh=mesh, interpret=interpret,
+    return Served(name=name or served_name(model), gen=gen, weights=weights, mesh=mesh, interpret=interpret,
                   tokenizer=tok, eos_token_ids=eos_token_ids, hf=hf, ir=c.ir,
                   replica=replica), batch
 

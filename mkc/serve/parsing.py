@@ -6,10 +6,17 @@ whose message says what to change.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import re
 import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
@@ -17,6 +24,7 @@ from mkc.serve.model import Served, TokenizerError
 from mkc.serve.sampling import SamplingParams
 from mkc.serve.stops import stop_tokens
 
+LARGE_INPUT = 1 << 16              # characters or tokens of tokenizer work that takes turns
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5         # OpenAI's bounds: the legacy `logprobs`, chat's `top_logprobs`
 MAX_TOP_LOGPROBS = 20
@@ -103,21 +111,45 @@ def check_messages(messages: list[Any]) -> None:
 
 def check_unicode(value: Any, path: str) -> None:
     """Refuse (ApiError 400, naming the field) a string anywhere in `value` (keys too) that is
-    not Unicode text: a lone surrogate ("\\ud800"), which JSON can spell but UTF-8 cannot."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ApiError(400, f"{path} holds a lone surrogate ({value[e.start]!r} at character "
-                                f"{e.start}): text must be valid Unicode", path.split("[")[0].split(".")[0]
-                           ) from None
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_unicode(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_unicode(k, path)
-            check_unicode(v, f"{path}.{k}" if path else k)
+    not Unicode text: a lone surrogate ("\\ud800"), which JSON can spell but UTF-8 cannot. Walked
+    with a stack, not recursion, so that no depth of nesting exhausts Python's."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(400, f"{path} holds a lone surrogate ({value[e.start]!r} at character "
+                                    f"{e.start}): text must be valid Unicode",
+                               path.split("[")[0].split(".")[0]) from None
+        elif isinstance(value, list):
+            # in reverse, so that the first bad string in the body is the one named
+            stack.extend((value[i], f"{path}[{i}]") for i in range(len(value) - 1, -1, -1)
+                         if isinstance(value[i], (str, list, dict)))
+        elif isinstance(value, dict):
+            for k, v in reversed(value.items()):
+                stack.append((v, f"{path}.{k}" if path else k))
+                stack.append((k, path))
+
+
+# JSON nesting a request may have: no body this server reads nests more than 4 deep (a chat
+# message's text part); far past it Python's parser, or a walk over the value, runs out of recursion
+MAX_DEPTH = 100
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def check_nesting(body: bytes) -> None:
+    """Refuse (ApiError 400) a body whose arrays and objects nest past MAX_DEPTH, read from its
+    bytes before it is parsed (brackets inside strings do not count)."""
+    if body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
+        return                                  # too few brackets to nest that deep
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS), np.uint8)
+    depth = np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1))
+    if depth.size and int(depth.max()) > MAX_DEPTH:
+        raise ApiError(400, f"the body nests arrays and objects {int(depth.max())} deep, past the "
+                            f"{MAX_DEPTH} this server reads: no field it takes nests so deep")
 
 
 Text = StrictStr
@@ -199,13 +231,20 @@ class Reader:
     def __init__(self, served: Served, context: int, vocab: int, max_prompt: int):
         self.served, self.tokenizer = served, served.tokenizer
         self.context, self.vocab, self.max_prompt = context, vocab, max_prompt
+        # large inputs' tokenizer work: one at a time, on a thread of low CPU priority
+        self._large = ThreadPoolExecutor(1, "mkc-serve-tokenizer", initializer=_low_priority)
 
-    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def off_loop(self, fn: Callable[..., _T], *args: Any, size: int = 0) -> _T:
         """`fn(*args)` in the thread pool when it runs the tokenizer (CPU work that would hold up
-        every other request and /health); at once without one (nothing to do)."""
+        every other request and /health); at once without one (nothing to do). Work on `size`
+        characters or tokens from LARGE_INPUT on takes turns on one thread of low CPU priority,
+        so that however many such requests come, the event loop and the engine's thread are
+        not kept from the CPU."""
         if self.tokenizer is None:
             return fn(*args)
-        return await run_in_threadpool(fn, *args)
+        if size < LARGE_INPUT:
+            return await run_in_threadpool(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._large, lambda: fn(*args))
 
     # ---- the endpoints' requests ---------------------------------------------------------
     async def completion(self, body: CompletionRequest) -> Generation:
@@ -223,8 +262,8 @@ class Reader:
             text = body.prompt[0] if isinstance(body.prompt, list) and len(body.prompt) == 1 \
                 else body.prompt
             echo = text if isinstance(text, str) else (
-                await self.off_loop(self.tokenizer.decode, prompt) if self.tokenizer is not None
-                else "")
+                await self.off_loop(self.tokenizer.decode, prompt, size=len(prompt))
+                if self.tokenizer is not None else "")
         return self.generation(body, prompt, body.max_tokens, body.logprobs, chat=False, echo=echo)
 
     async def chat(self, body: ChatRequest) -> Generation:
@@ -232,9 +271,12 @@ class Reader:
         check_served_fields(body.model_extra or {})
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = await self.off_loop(self.check_ids, await self.chat_ids(body.messages), "messages")
-        return self.generation(body, prompt, body.max_completion_tokens or body.max_tokens,
-                               (body.top_logprobs or 0) if body.logprobs else None, chat=True)
+        ids = await self.chat_ids(body.messages)
+        prompt = await self.off_loop(self.check_ids, ids, "messages", size=len(ids))
+        limit = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        return self.generation(body, prompt, getattr(body, limit),
+                               (body.top_logprobs or 0) if body.logprobs else None, chat=True,
+                               limit=limit)
 
     async def tokenize(self, body: TokenizeRequest) -> list[int]:
         """The tokens of /tokenize's text or chat."""
@@ -245,7 +287,7 @@ class Reader:
         if body.messages is not None:
             ids, param = await self.chat_ids(body.messages), "messages"
         else:
-            ids, param = await self.off_loop(tok.encode, body.prompt), "prompt"
+            ids, param = await self.off_loop(tok.encode, body.prompt, size=len(body.prompt)), "prompt"
         if len(ids) > self.max_prompt:         # what a prompt may hold is all /tokenize counts
             raise ApiError(400, f"the text has {len(ids)} tokens, more than the {self.max_prompt} "
                                 "a prompt may hold here (mkc serve --max-prompt-tokens; the "
@@ -256,10 +298,7 @@ class Reader:
         """/detokenize's tokenizer, once its tokens are checked."""
         self.checked(body)
         tok = self.need_tokenizer("/detokenize")
-        bad = [t for t in body.tokens if not 0 <= t < self.vocab]
-        if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
-                                f"{self.vocab - 1})", "tokens")
+        self.check_vocabulary(body.tokens, "tokens")
         return tok
 
     # ---- the checks ------------------------------------------------------------------------
@@ -300,7 +339,7 @@ class Reader:
                 return tokenizer.chat(messages)
             except TokenizerError as e:
                 raise ApiError(400, str(e), "messages") from None
-        return await self.off_loop(render)
+        return await self.off_loop(render, size=_chat_size(messages))
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         """`ids` if they make a prompt this server takes (not empty, within --max-prompt-tokens
@@ -312,11 +351,15 @@ class Reader:
                    else "this server's cap (mkc serve --max-prompt-tokens)")
             raise ApiError(400, f"the prompt has {len(ids)} tokens, more than {cap} of "
                                 f"{self.max_prompt} (the model's context is {self.context})", param)
+        self.check_vocabulary(ids, param)
+        return ids
+
+    def check_vocabulary(self, ids: list[int], param: str, what: str = "token ids") -> None:
+        """Refuse (ApiError 400) ids outside the vocabulary."""
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary (0 to "
+            raise ApiError(400, f"{what} {bad[:5]} are outside the vocabulary (0 to "
                                 f"{self.vocab - 1})", param)
-        return ids
 
     async def prompt_ids(self, prompt: Any) -> list[int]:
         """A completion's prompt (text, token ids, or a list of one of them) as token ids."""
@@ -329,14 +372,17 @@ class Reader:
             if not prompt:
                 raise ApiError(400, "the prompt is empty: give at least one token", "prompt")
             tok = self.need_tokenizer("a text prompt")
-            return await self.off_loop(lambda: self.check_ids(tok.encode(prompt), "prompt"))
+            return await self.off_loop(lambda: self.check_ids(tok.encode(prompt), "prompt"),
+                                       size=len(prompt))
         if not _is_ids(prompt):
             raise ApiError(400, "prompt must be a string or a list of token ids (integers)", "prompt")
-        return await self.off_loop(self.check_ids, prompt, "prompt")
+        return await self.off_loop(self.check_ids, prompt, "prompt", size=len(prompt))
 
     def generation(self, body: _Sampling, prompt: list[int], max_tokens: int | None,
-                   logprobs: int | None, chat: bool, echo: str | None = None) -> Generation:
-        """The request's generation, or the ApiError of what does not fit."""
+                   logprobs: int | None, chat: bool, echo: str | None = None,
+                   limit: str = "max_tokens") -> Generation:
+        """The request's generation, or the ApiError of what does not fit; `limit`: the field
+        `max_tokens` came from (chat's `max_completion_tokens`, or `max_tokens`)."""
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: one choice per request is served (send n "
                                 "requests)", "n")
@@ -348,9 +394,10 @@ class Reader:
         if max_tokens is None:
             max_tokens = room
         if max_tokens > room:
-            raise ApiError(400, f"max_tokens = {max_tokens} with a prompt of {len(prompt)} "
+            raise ApiError(400, f"{limit} = {max_tokens} with a prompt of {len(prompt)} "
                                 f"tokens passes the context of {self.context}: at most {room}",
-                           "max_tokens")
+                           limit)
+        self.check_vocabulary(body.stop_token_ids or [], "stop_token_ids", "stop_token_ids")
         stops = stop_strings(body)
         if stops:
             self.need_tokenizer("a stop string")
@@ -370,6 +417,20 @@ class Reader:
                               top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                               seed=seed % (1 << 31), stop_token_ids=stops,
                               logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
+
+
+def _low_priority() -> None:
+    """A low CPU priority (nice 10) for this thread: Linux gives each thread its own nice value,
+    so it alone yields the CPU to the others; elsewhere nothing changes. Not the lowest (19):
+    while it holds the GIL (making the ids' list) the other threads wait for it to run."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+def _chat_size(messages: list[dict[str, Any]]) -> int:
+    """The characters of a conversation's text (its messages checked by check_messages)."""
+    return sum(len(c) if isinstance(c := m.get("content"), str)
+               else sum(len(p["text"]) for p in c or ()) for m in messages)
 
 
 def _is_ids(value: Any) -> bool:

@@ -7,6 +7,7 @@ cancelled then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -19,9 +20,6 @@ from fastapi.responses import StreamingResponse
 from mkc.serve.engine import Engine, Event, QueueFull, Request, Stopped, Unfit
 from mkc.serve.parsing import ApiError, Generation, Reader, error_body
 from mkc.serve.stops import StopText
-
-DISCONNECT_POLL_SECONDS = 1.0       # how often a non-streaming request checks its client
-
 
 class Logprobs:
     """The logprobs of a request's tokens as they arrive (each with its offset in the text),
@@ -111,20 +109,24 @@ class Responder:
         return req
 
     async def events(self, req: Request, http: HttpRequest) -> AsyncIterator[Event]:
-        """The request's events until its end; the request is cancelled if the consumer stops
-        early (a streaming client went away, a stop string) or a waiting client disconnects."""
+        """The request's events until its end; the request is cancelled (its row freed before
+        the next step) as soon as its client disconnects, streaming or not, or the consumer
+        stops early (a stop string)."""
+        gone = asyncio.ensure_future(_disconnect(http))
+        event: asyncio.Future | None = None
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(req.events.get(), DISCONNECT_POLL_SECONDS)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return
-                    continue
-                yield event
-                if event.finish_reason is not None:
+                event = asyncio.ensure_future(req.events.get())
+                await asyncio.wait((event, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not event.done():
+                    return
+                yield event.result()
+                if event.result().finish_reason is not None:
                     return
         finally:
+            gone.cancel()
+            if event is not None:       # also when the consumer was cancelled while it waited
+                event.cancel()
             if not req.finished:
                 self.engine.cancel(req)
 
@@ -195,6 +197,15 @@ class Responder:
         out |= {"token_ids": text.ids, "logprobs": lps, "finish_reason": finish}
         obj = "chat.completion" if g.chat else "text_completion"
         return {**head, "object": obj, "choices": [out], "usage": self.usage(req, len(text.ids))}
+
+
+async def _disconnect(http: HttpRequest) -> None:
+    """Returns when the client disconnects. The body is read by then, so the server's next
+    message is the disconnect (uvicorn sends it the moment the connection is lost; polling
+    `is_disconnected` between events would see it only when no event came for a while)."""
+    with contextlib.suppress(Exception):         # a receive that fails: gone too
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
 
 def _error_of(event: Event) -> ApiError:

@@ -1,22 +1,32 @@
 """Hostile HTTP requests against `mkc serve`, each sent beside good requests: seeded bodies that
 are not JSON or not objects, numbers past the types they become, fields of the wrong type,
 malformed chat messages and parts, text that is not Unicode, odd paths and methods, bodies past
-the cap, and several hostile requests at once. The fuzz campaign's `serve` target
-(benchmarks/fuzz_campaign.py) runs one case per hostile request.
+the cap, fields nested hundreds to 100,000 deep, and several hostile requests at once; and
+hostile clients: ones that disconnect mid-request, send their headers or body slowly, open more
+connections than the server takes, or send texts near the body cap to tokenize. The fuzz
+campaign's `serve` target (benchmarks/fuzz_campaign.py) runs one case per hostile request.
 
-    python benchmarks/fuzz_serve.py --seed 0 --cases 200 [--url http://127.0.0.1:8000]
+    python benchmarks/fuzz_serve.py --seed 0 --cases 200 [--url http://127.0.0.1:8000
+        --max-body-bytes N --header-timeout S --body-timeout S --max-connections N
+        --answer-seconds S]
 
 Without --url (or MKC_FUZZ_SERVE_URL in the campaign), the server is mkc serve's API and engine
 over the tests' stand-in module (tests/serve/serve_fakes.py: no kernel, so cases take
-milliseconds), in a thread of this process, with a 256 KiB body cap. With one, a running `mkc
-serve` (its model must take the prompt [1, 2, 3]).
+milliseconds), in a thread of this process, with the bounds of `STAND_IN` (a 256 KiB body
+cap, 1 s for headers, 0.5 s for a body, 24 connections). With one, a running `mkc serve` (its
+model must take the prompt [1, 2, 3]), whose bounds the options give (its `mkc serve` options'
+defaults when not given).
 
 A case's outcome: ok when every hostile request got a 2xx JSON answer (a stream of JSON events
-without an error event) or a 4xx with OpenAI's error body, every good request beside it got
-the answer it gets alone, and /health answers afterwards. Else `traceback` (a 5xx: an
-exception the API did not turn into a refusal), `bad_output` (a refusal without OpenAI's body,
-or an error event in a stream), `serve_harmed` (a good request failed or changed), `hang` (no
-answer in ANSWER_SECONDS) or `crash` (the connection was dropped, or /health no longer answers).
+without an error event), a 4xx with OpenAI's error body, or a 503 with it (a server at its
+connection or body bound), every good request beside it got the answer it gets alone, /health
+answers afterwards, and (on a server the harness has to itself) no row is still busy. Else
+`traceback` (another 5xx: an exception the API did not turn into a refusal), `bad_output` (a
+refusal without OpenAI's body, or an error event in a stream), `serve_harmed` (a good request
+failed or changed), `hang` (no answer in ANSWER_SECONDS, or a slow client not cut off within
+its timeout), `stall` (/health slower than STALL_SECONDS while a text was tokenized),
+`row_kept` (a row still busy ROW_SECONDS after the case: a gone client's) or `crash` (the
+connection was dropped, or /health no longer answers).
 """
 from __future__ import annotations
 
@@ -25,17 +35,36 @@ import contextlib
 import json
 import os
 import random
+import socket
 import sys
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSWER_SECONDS = 20.0          # a refusal takes milliseconds; a stand-in completion, tens of them
-BODY_CAP = 256 << 10           # the stand-in server's --max-body-bytes
+STALL_SECONDS = 1.0            # /health while a text is tokenized (milliseconds when it does not wait)
+ROW_SECONDS = 5.0              # a row freed after its requests ended (a step, on the stand-in ms)
+SLACK_SECONDS = 5.0            # past a timeout, before a slow client's cut-off counts as missing
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the server under test bounds, as its `mkc serve` options say (the slow-client kinds
+    probe them): --max-body-bytes, --header-timeout, --body-timeout, --max-connections."""
+    body_cap: int = 4 << 20
+    header_seconds: float = 10.0
+    body_seconds: float = 60.0
+    max_connections: int = 512
+
+
+STAND_IN = Bounds(body_cap=256 << 10, header_seconds=1.0, body_seconds=0.5, max_connections=24)
+BOUNDS = STAND_IN              # the server's under test (main() sets a --url server's)
 GOOD_PROMPT = [1, 2, 3]
 REQUESTS_PER_CASE = 3
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -51,6 +80,8 @@ class Hostile:
     headers: dict[str, str] = field(default_factory=dict)
     desc: str = ""
     must_refuse: str | None = None   # why it must get a 4xx (a field of a type OpenAI refuses)
+    # a hostile client rather than a request: url -> None, or (class, signature) of what went wrong
+    action: Callable[[str], tuple[str, str] | None] | None = None
 
 
 # ---- values and bodies ----------------------------------------------------------------------
@@ -242,7 +273,7 @@ def kind_body(rng: random.Random, model: str) -> Hostile:
         body = to_body(obj).replace(b"{", b'{"model": 1, ', 1)    # a duplicated key
     elif choice == 4:
         _, obj = base_request(rng, model)
-        body = to_body(obj) + b" " * BODY_CAP                # past the cap (a 413)
+        body = to_body(obj) + b" " * BOUNDS.body_cap         # past the cap (a 413)
     elif choice == 5:
         _, obj = base_request(rng, model)
         return Hostile("POST", path, to_body(obj), content_type=rng.choice(
@@ -281,9 +312,223 @@ def kind_stream(rng: random.Random, model: str) -> Hostile:
     return Hostile("POST", path, to_body(body), desc=f"{path} stream {body!r}"[:300])
 
 
+def kind_nesting(rng: random.Random, model: str) -> Hostile:
+    """A field nested `depth` deep somewhere in a request: an ignored field, a chat message's,
+    the prompt, the stop strings. Past 100 deep it must be refused (a 400), at any depth."""
+    path, body = base_request(rng, model)
+    depth = rng.choice([50, 99, 101, 500, 970, 1000, 1050, 1100, 1500, 5000, 100_000])
+    inner = rng.choice([("[", "]", ""), ('{"a": ', "}", "1"), ('[{"b": ', "}]", "[]")])
+    nested = (inner[0] * depth + inner[2] + inner[1] * depth).encode()
+    where = rng.choice(["extra", "message", "prompt", "stop"])
+    if where == "message":
+        path, body = "/v1/chat/completions", {"model": model, "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "ab", "x": 0}]}
+        text = to_body(body).replace(b'"x": 0', b'"x": ' + nested)
+    else:
+        name = {"extra": "x", "prompt": "prompt", "stop": "stop"}[where]
+        text = to_body({**body, name: 0}).replace(f'"{name}": 0'.encode(), f'"{name}": '.encode() + nested)
+    # the body's own objects add a level or three: any depth from 101 on is past the bound
+    refuse = f"{where} nested {depth} deep" if depth > 100 else None
+    return Hostile("POST", path, text, desc=f"{path} {where} nested {depth} deep ({inner[0]})",
+                   must_refuse=refuse)
+
+
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+def _request_bytes(method: str, path: str, body: bytes = b"", more: str = "") -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nConnection: close\r\n{more}"
+    if method == "POST":
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return (head + "\r\n").encode() + body
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    """Send what the server takes: one that answers early (a refusal) may close before the
+    rest, and its answer is what is judged."""
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
+def _read_answer(sock: socket.socket, seconds: float) -> tuple[int, str, bytes] | None:
+    """The answer on `sock` (status, content type, body), read until the server closes it; None
+    when it closed without one; TimeoutError when it neither answered nor closed in `seconds`."""
+    data, deadline = b"", time.monotonic() + seconds
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            chunk = b""
+        except socket.timeout:
+            raise TimeoutError from None
+        if not chunk:
+            break
+        data += chunk
+    if not data:
+        return None
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers.get("content-type", ""), body
+
+
+def _judge_raw(sock: socket.socket, seconds: float, method: str, what: str,
+               want: tuple[int, ...] = ()) -> tuple[str, str] | None:
+    """The verdict on a raw client's answer: None when it is acceptable (and among `want`, when
+    given), else (class, signature)."""
+    try:
+        answer = _read_answer(sock, seconds)
+    except TimeoutError:
+        return "hang", f"{what}: neither answered nor closed in {seconds:.0f} s"
+    except OSError as e:
+        return "crash", f"{what}: {type(e).__name__}"
+    if answer is None:
+        return ("hang", f"{what}: closed without the answer {want}") if want else None
+    status, content_type, body = answer
+    bad = judge(status, content_type, body, method)
+    if bad is None and want and status not in want:
+        bad = ("bad_output", f"{status} where {want} was due")
+    return bad and (bad[0], f"{what}: {bad[1]}")
+
+
+def kind_disconnect(rng: random.Random, model: str) -> Hostile:
+    """A client that goes away mid-request: before its body is whole, right after sending it,
+    after some of the answer (streamed or not), or with a reset. Its row must be freed (checked
+    after the case); nothing else may break."""
+    path = rng.choice(ENDPOINTS[:2])
+    body = {"model": model, "max_tokens": None, "ignore_eos": True, "temperature": rng.choice([0, 1]),
+            "stream": rng.random() < 0.5}
+    body |= ({"prompt": GOOD_PROMPT} if path == ENDPOINTS[0] else
+             {"messages": [{"role": "user", "content": "ab"}]})
+    raw = _request_bytes("POST", path, to_body(body))
+    when = rng.choice(["mid-body", "sent", "after 0.05 s", "after 0.3 s", "first chunk"])
+    reset = rng.random() < 0.3
+
+    def act(url: str) -> tuple[str, str] | None:
+        with socket.create_connection(_address(url), timeout=ANSWER_SECONDS) as sock:
+            sock.sendall(raw[:len(raw) - 5] if when == "mid-body" else raw)
+            if when.startswith("after"):
+                time.sleep(float(when.split()[1]))
+            elif when == "first chunk":
+                with contextlib.suppress(OSError):
+                    sock.recv(1)
+            if reset:          # SO_LINGER 0: the close sends a reset, not a FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        return None
+    return Hostile("POST", path, desc=f"{path} stream={body['stream']}, gone {when}"
+                   f"{' (reset)' if reset else ''}", action=act)
+
+
+def kind_slow(rng: random.Random, model: str) -> Hostile:
+    """A client too slow for the server's timeouts: headers a byte at a time (closed after
+    --header-timeout), headers then no body, or its body a byte at a time (a 408 after
+    --body-timeout)."""
+    path, body = base_request(rng, model)
+    raw = _request_bytes("POST", path, to_body(body) + b" " * 200)
+    how = rng.choice(["headers", "no body", "body"])
+    split = raw.index(b"\r\n\r\n") + 4
+    pause = rng.choice([0.1, 0.3])
+
+    def act(url: str) -> tuple[str, str] | None:
+        due = (BOUNDS.header_seconds if how == "headers" else BOUNDS.body_seconds) + SLACK_SECONDS
+        sent = split if how != "headers" else 0
+        with socket.create_connection(_address(url), timeout=ANSWER_SECONDS) as sock:
+            if how != "headers":
+                sock.sendall(raw[:split])
+            start = time.monotonic()
+            with contextlib.suppress(OSError):          # the server cut it off
+                while how != "no body" and sent < len(raw) and time.monotonic() < start + due:
+                    sock.sendall(raw[sent:sent + 1])
+                    sent += 1
+                    time.sleep(pause)
+            return _judge_raw(sock, max(0.1, start + due - time.monotonic()), "POST",
+                              # a 503 when the case's other clients hold the connections
+                              f"{how} sent slowly", () if how == "headers" else (408, 503))
+    return Hostile("POST", path, desc=f"{path}: {how} a byte each {pause} s", action=act)
+
+
+def kind_connections(rng: random.Random, model: str) -> Hostile:
+    """More connections than the server takes (--max-connections), at once: idle ones, ones
+    with half their headers, and whole requests, each of which must be answered (a 503 past the
+    cap); all closed together afterwards."""
+    plan = [rng.choice(["idle", "half", "health", "completion"])
+            for _ in range(BOUNDS.max_connections + rng.randint(1, 8))]
+
+    def act(url: str) -> tuple[str, str] | None:
+        socks: list[tuple[str, socket.socket]] = []
+        try:
+            for what in plan:
+                sock = socket.create_connection(_address(url), timeout=ANSWER_SECONDS)
+                socks.append((what, sock))
+                if what == "half":
+                    _send(sock, b"GET /health HTTP/1.1\r\nHo")
+                elif what == "health":
+                    _send(sock, _request_bytes("GET", "/health"))
+                elif what == "completion":
+                    _send(sock, _request_bytes("POST", "/v1/completions",
+                                               to_body({**good_completion(model), "max_tokens": 2})))
+            for what, sock in socks:
+                if what in ("health", "completion"):
+                    bad = _judge_raw(sock, ANSWER_SECONDS, "GET" if what == "health" else "POST",
+                                     f"{what} among {len(plan)} connections", (200, 503))
+                    if bad:
+                        return bad
+            return None
+        finally:
+            for _, sock in socks:
+                sock.close()
+    return Hostile("GET", "/health", desc=f"{len(plan)} connections at once", action=act)
+
+
+def kind_huge_text(rng: random.Random, model: str) -> Hostile:
+    """A text near the body cap to tokenize (/tokenize, a text prompt, a chat message) while
+    /health is polled: each poll must answer within STALL_SECONDS."""
+    path = rng.choice(["/tokenize", "/tokenize", "/v1/completions", "/v1/chat/completions"])
+    size = rng.randint(BOUNDS.body_cap // 2, BOUNDS.body_cap - 2048)
+    text = "".join(rng.choice(["the cat ", "sat ", "é", "✓ ", "\n", "zebra "]) for _ in range(64))
+    text = text * (size // len(text.encode()) + 1)
+    while len(data := json.dumps(
+            {"model": model, "prompt": text} if path == "/tokenize" else
+            {"model": model, "prompt": text, "max_tokens": 1} if path == "/v1/completions" else
+            {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]},
+            ensure_ascii=False).encode()) > size:        # within the cap, escapes and all
+        text = text[:len(text) * size // len(data) - 8]
+
+    def act(url: str) -> tuple[str, str] | None:
+        done, slowest = threading.Event(), [0.0]
+
+        def poll() -> None:
+            with httpx.Client() as health:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    with contextlib.suppress(httpx.HTTPError):
+                        health.get(url + "/health", timeout=ANSWER_SECONDS)
+                    slowest[0] = max(slowest[0], time.perf_counter() - t)
+                    time.sleep(0.05)
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            with socket.create_connection(_address(url), timeout=ANSWER_SECONDS) as sock:
+                _send(sock, _request_bytes("POST", path, data))
+                bad = _judge_raw(sock, ANSWER_SECONDS * 3, "POST", f"{path} of {len(data)} bytes")
+        finally:
+            done.set()
+            poller.join()
+        if bad is None and slowest[0] > STALL_SECONDS:
+            bad = ("stall", f"/health took {slowest[0]:.2f} s while {path} tokenized {len(data)} bytes")
+        return bad
+    return Hostile("POST", path, desc=f"{path} with {len(data)} bytes of text", action=act)
+
+
 KINDS: dict[str, tuple[Callable[[random.Random, str], Hostile], int]] = {
     "serve_body": (kind_body, 3), "serve_sampling": (kind_sampling, 4), "serve_chat": (kind_chat, 3),
     "serve_text": (kind_text, 2), "serve_route": (kind_route, 1), "serve_stream": (kind_stream, 2),
+    "serve_nesting": (kind_nesting, 2), "serve_disconnect": (kind_disconnect, 2),
+    "serve_slow": (kind_slow, 1), "serve_connections": (kind_connections, 1),
+    "serve_huge_text": (kind_huge_text, 1),
     "serve_concurrent": (None, 2),   # several hostile requests of the other kinds at once
 }
 
@@ -305,9 +550,16 @@ def _is_openai_error(data: Any, status: int) -> bool:
             and isinstance(error.get("type"), str) and "param" in error and error.get("code") == status)
 
 
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
 def judge(status: int, content_type: str, content: bytes, method: str) -> tuple[str, str] | None:
     """None when an answer is acceptable, else (class, signature)."""
-    if status >= 500:
+    if status >= 500 and not (status == 503 and _is_openai_error(_json(content), status)):
         return "traceback", f"{status} {content[:80]!r}"
     if method == "HEAD":
         return None
@@ -347,13 +599,16 @@ def send(http: httpx.Client, url: str, h: Hostile) -> httpx.Response:
                         timeout=ANSWER_SECONDS)
 
 
-PRIORITY = ("serve_harmed", "crash", "hang", "traceback", "bad_output")    # which one a case reports
+# which one a case reports
+PRIORITY = ("serve_harmed", "crash", "hang", "traceback", "row_kept", "stall", "bad_output")
 
 
 def run_case(rng: random.Random, kind: str, url: str, model: str, expected: list[int],
-             http: httpx.Client) -> dict:
-    """Send the case's hostile requests through `http`, each in its own thread, while good
-    requests go one after another beside them; the outcome (see the module docstring)."""
+             http: httpx.Client, exclusive: bool = True) -> dict:
+    """Send the case's hostile requests through `http` (or run its hostile clients), each in its
+    own thread, while good requests go one after another beside them; the outcome (see the
+    module docstring). `exclusive`: the harness has the server to itself, so a row still busy
+    after the case is a gone client's."""
     hostile = hostile_requests(rng, kind, model)
     failures: list[tuple[str, str, str]] = []
     lock = threading.Lock()
@@ -364,6 +619,12 @@ def run_case(rng: random.Random, kind: str, url: str, model: str, expected: list
             failures.append((cls, sig, h.desc if h else "the good request beside"))
 
     def attack(h: Hostile) -> None:
+        if h.action is not None:
+            try:
+                bad = h.action(url)
+            except OSError as e:
+                bad = ("crash", f"{h.desc}: {type(e).__name__}: {e}")
+            return fail(*bad, h) if bad else None
         try:
             r = send(http, url, h)
         except httpx.TimeoutException:
@@ -384,8 +645,8 @@ def run_case(rng: random.Random, kind: str, url: str, model: str, expected: list
                 r = http.post(url + "/v1/completions", json=good_completion(model), timeout=ANSWER_SECONDS)
             except httpx.HTTPError as e:
                 return fail("serve_harmed", f"good request: {type(e).__name__}", None)
-            if r.status_code == 429:
-                continue
+            if r.status_code in (429, 503) and _is_openai_error(_json(r.content), r.status_code):
+                continue           # the queue, or the connections or bodies at their bound
             ids = r.json().get("choices", [{}])[0].get("token_ids") if r.status_code == 200 else None
             if ids != expected:
                 return fail("serve_harmed", f"good request: {r.status_code} {r.text[:120]}", None)
@@ -398,11 +659,7 @@ def run_case(rng: random.Random, kind: str, url: str, model: str, expected: list
         t.join()
     done.set()
     beside.join()
-    try:
-        if http.get(url + "/health", timeout=ANSWER_SECONDS).status_code != 200:
-            fail("crash", "/health no longer answers 200", None)
-    except httpx.HTTPError as e:
-        fail("crash", f"/health: {type(e).__name__}", None)
+    after_case(url, http, exclusive, fail)
     if not failures:
         return {"cls": "ok"}
     failures.sort(key=lambda f: PRIORITY.index(f[0]))
@@ -410,26 +667,48 @@ def run_case(rng: random.Random, kind: str, url: str, model: str, expected: list
     return {"cls": cls, "sig": sig, "detail": "; ".join(f"{s} <- {d}" for _, s, d in failures)[:1000]}
 
 
+def after_case(url: str, http: httpx.Client, exclusive: bool, fail: Callable) -> None:
+    """/health answers 200 (a 503 while the connections of the case are being counted out), and
+    on a server the harness has to itself no row is busy ROW_SECONDS on."""
+    deadline = time.monotonic() + ROW_SECONDS
+    try:
+        while (r := http.get(url + "/health", timeout=ANSWER_SECONDS)).status_code == 503 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if r.status_code != 200:
+            return fail("crash", f"/health answers {r.status_code}", None)
+        while exclusive and (busy := http.get(url + "/stats", timeout=ANSWER_SECONDS).json()
+                             .get("busy_rows", 0)):
+            if time.monotonic() > deadline:
+                return fail("row_kept", f"{busy} rows busy {ROW_SECONDS:.0f} s after the case's "
+                                        "requests ended", None)
+            time.sleep(0.05)
+    except httpx.HTTPError as e:
+        fail("crash", f"/health or /stats: {type(e).__name__}", None)
+
+
 @contextlib.contextmanager
 def stand_in_server() -> Iterator[str]:
     """mkc serve's API and engine over the tests' stand-in module (serve_fakes), with the
-    letter tokenizer and a 256 KiB body cap, in a thread of this process: its URL."""
+    letter tokenizer and the bounds of STAND_IN, in a thread of this process: its URL."""
     here = str(ROOT / "tests" / "serve")
     if here not in sys.path:
         sys.path.insert(0, here)
     from serve_fakes import LetterTokenizer, fake_server
 
     from mkc.serve.api import Limits
-    with fake_server(batch=2, queue=8, tokenizer=LetterTokenizer(),
-                     limits=Limits(max_body_bytes=BODY_CAP)) as url:
+    limits = Limits(max_body_bytes=STAND_IN.body_cap, header_seconds=STAND_IN.header_seconds,
+                    body_seconds=STAND_IN.body_seconds, max_connections=STAND_IN.max_connections)
+    with fake_server(batch=2, queue=8, tokenizer=LetterTokenizer(), limits=limits) as url:
         yield url
 
 
 class Server:
-    """The server cases run against, and what its good request answers alone."""
+    """The server cases run against, and what its good request answers alone; `exclusive`: the
+    harness has it to itself (not a server the campaign's workers share)."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, exclusive: bool = True):
+        self.url, self.exclusive = url, exclusive
         # one client (a pool of connections) for every case: making one costs an SSL context
         self.http = httpx.Client(limits=httpx.Limits(max_connections=16))
         self.model = self.http.get(url + "/v1/models", timeout=ANSWER_SECONDS).json()["data"][0]["id"]
@@ -440,7 +719,7 @@ class Server:
 
     def run(self, seed: int, index: int, kind: str) -> dict:
         return run_case(random.Random(f"mkc-fuzz-serve:{seed}:{index}"), kind, self.url, self.model,
-                        self.expected, self.http)
+                        self.expected, self.http, self.exclusive)
 
 
 _SERVER: Server | None = None
@@ -452,8 +731,8 @@ def server() -> Server:
     once (and kept for the process's life)."""
     global _SERVER
     if _SERVER is None:
-        url = os.environ.get("MKC_FUZZ_SERVE_URL") or _STACK.enter_context(stand_in_server())
-        _SERVER = Server(url.rstrip("/"))
+        url = os.environ.get("MKC_FUZZ_SERVE_URL")
+        _SERVER = Server((url or _STACK.enter_context(stand_in_server())).rstrip("/"), not url)
     return _SERVER
 
 
@@ -463,11 +742,24 @@ def kind_of(rng: random.Random) -> str:
 
 
 def main() -> int:
+    global BOUNDS, ANSWER_SECONDS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", type=int, default=200)
     ap.add_argument("--url", help="a running mkc serve (default: the stand-in, in this process)")
+    served = Bounds()
+    for name, option in (("body_cap", "--max-body-bytes"), ("header_seconds", "--header-timeout"),
+                         ("body_seconds", "--body-timeout"), ("max_connections", "--max-connections")):
+        ap.add_argument(option, dest=name, type=type(getattr(served, name)),
+                        help=f"with --url: the server's {option} (default {getattr(served, name)})")
+    ap.add_argument("--answer-seconds", type=float, default=ANSWER_SECONDS,
+                    help=f"how long a request may take (default {ANSWER_SECONDS:g}; more for a server "
+                         "whose prompts take a step a token)")
     args = ap.parse_args()
+    ANSWER_SECONDS = args.answer_seconds
+    if args.url:
+        BOUNDS = replace(served, **{k: v for k, v in vars(args).items()
+                                    if hasattr(served, k) and v is not None})
     with contextlib.ExitStack() as stack:
         s = Server((args.url or stack.enter_context(stand_in_server())).rstrip("/"))
         bad = 0

@@ -26,9 +26,10 @@ def _next(total, position):
     return (total * 7 + position * 3 + 1) % (VOCAB - 1)
 
 
-def fake_module(batch_range=(1, 4), verify: bool = True):
+def fake_module(batch_range=(1, 4), verify: bool = True, step_seconds: float = 0.0):
     """`verify=False`: as a module compiled without a `verify` line (no verify step, commit or
-    ROW_STATES; its per-row state known only as no kind's KV cache)."""
+    ROW_STATES; its per-row state known only as no kind's KV cache); `step_seconds`: how long
+    a decode step takes (as a real kernel's would), 0 as fast as it runs."""
     def init_state(B):
         return {"rec": np.zeros((1, 1, B, 1), np.float32)}   # rank, layer, row, value
 
@@ -39,7 +40,13 @@ def fake_module(batch_range=(1, 4), verify: bool = True):
             nxt = _next(rec.reshape(B).astype(jnp.int32), positions)
             logits = jax.nn.one_hot(nxt, VOCAB) * 10.0
             return logits, nxt, {"rec": rec}
-        return step
+        if not step_seconds:
+            return step
+
+        def slow(*args):
+            time.sleep(step_seconds)
+            return step(*args)
+        return slow
 
     def state_shapes(S, R=1):
         return {"rec": ((1, S * R, 1), np.float32)}
@@ -119,17 +126,18 @@ class LetterTokenizer:
 
 @contextlib.contextmanager
 def fake_server(batch: int = 2, queue: int = 8, tokenizer=None, name: str = "fake_mini",
-                limits=None) -> Iterator[str]:
-    """The HTTP API over the stand-in module, on uvicorn in a thread of this process (as `mkc
-    serve` configures it, under `limits`, default mkc.serve.api.Limits()): its URL (for clients
-    that need a real socket: the load and eval scripts)."""
+                limits=None, step_seconds: float = 0.0) -> Iterator[str]:
+    """The HTTP API over the stand-in module (its steps `step_seconds` long), on uvicorn in a
+    thread of this process (as `mkc serve` configures it, under `limits`, default
+    mkc.serve.api.Limits()): its URL (for clients that need a real socket: the load and eval
+    scripts)."""
     import uvicorn
 
     from mkc.serve.api import Limits, uvicorn_config
     from mkc.serve.engine import Engine
     from mkc.serve.launch import free_port
     from mkc.serve.model import Served
-    gen = fake_module()
+    gen = fake_module(step_seconds=step_seconds)
     served = Served(name=name, gen=gen, weights={}, mesh=fake_mesh(), interpret=None,
                     tokenizer=tokenizer, eos_token_ids=frozenset({EOS}))
     engine = Engine(gen, {}, served.mesh, batch, None, max_queue=queue, eos_token_ids=served.eos_token_ids)

@@ -1,9 +1,11 @@
-"""`mkc serve` under hostile requests, over the stand-in module (serve_fakes): strict field types
-and bounds (OpenAI's 400 body naming the field), a hostile request beside a good one (the good
-one unharmed), tokenizing off the event loop, the body, prompt and header-time caps, the API
-docs routes off."""
+"""`mkc serve` under hostile requests and clients, over the stand-in module (serve_fakes): strict
+field types and bounds (OpenAI's 400 body naming the field), nesting at any depth, a hostile
+request beside a good one (the good one unharmed), a client that leaves freeing its row,
+tokenizing off the event loop, the body, prompt, header-time, body-time, connection and
+buffered-body caps, the API docs routes off."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -103,6 +105,54 @@ def test_a_lone_surrogate_is_a_400(client, path, body, param):
     assert "lone surrogate" in openai_400(r, param)
 
 
+@pytest.mark.parametrize("depth", [970, 1100, 1500, 100_000])
+@pytest.mark.parametrize("path, head", [
+    ("/v1/completions", '{"model": "fake_mini", "prompt": [1], "max_tokens": 1, "x": '),
+    ("/v1/chat/completions", '{"model": "fake_mini", "max_tokens": 1, "messages": [{"role": "user", '
+                             '"content": "a", "x": '),
+    ("/tokenize", '{"prompt": "a", "x": ')], ids=["completion", "chat", "tokenize"])
+def test_a_field_nested_too_deep_is_a_400(client, path, head, depth):
+    """An ignored field nested 970 to 1100 deep once passed the JSON parser and ran the Unicode
+    check out of recursion: a plain-text 500. Any depth past MAX_DEPTH is now a 400."""
+    nested = "[" * (depth // 2) + '{"a": ' * (depth - depth // 2) + "1" + "}" * (depth - depth // 2) \
+        + "]" * (depth // 2)
+    body = head + nested + ("}]}" if "messages" in head else "}")
+    r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    assert "deep, past the 100 this server reads" in openai_400(r, None)
+
+
+def test_brackets_inside_strings_are_not_nesting(client):
+    stop = ['[{"' * 200, '\\"[' * 200]              # an escaped quote does not end the string
+    r = client.post("/v1/completions", json={**COMPLETION, "stop": stop, "x": [[[[[[]]]]]] * 50})
+    assert r.status_code == 200, r.text
+
+
+def test_the_unicode_check_takes_any_depth():
+    from mkc.serve.parsing import ApiError, check_unicode
+    value: Any = ["\ud800"]
+    for _ in range(20_000):
+        value = [{"a": value}]
+    with pytest.raises(ApiError, match="lone surrogate"):
+        check_unicode(value, "x")
+
+
+@pytest.mark.parametrize("ids", [[64], [-1], [3, 2**40]])
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(client, ids):
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = client.post(path, json={**body, "stop_token_ids": ids})
+        assert "outside the vocabulary (0 to 63)" in openai_400(r, "stop_token_ids")
+
+
+def test_a_chat_limit_past_the_context_is_named_as_sent(client):
+    for limit in ("max_completion_tokens", "max_tokens"):
+        r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": None, limit: 2**63})
+        assert openai_400(r, limit).startswith(f"{limit} = {2**63} with a prompt of 1 tokens")
+
+
+def test_head_health_is_a_200(client):
+    assert client.head("/health").status_code == 200
+
+
 def test_detokenize_takes_integers_only(client):
     for tokens in (["1"], [True], [1.0], 5):
         openai_400(client.post("/detokenize", json={"tokens": tokens}), "tokens")
@@ -128,6 +178,28 @@ def test_a_hostile_request_beside_a_good_one_leaves_it_unharmed():
         good.join()
     assert results["good"].status_code == 200, results["good"].text
     assert results["good"].json()["choices"][0]["token_ids"] == fake_greedy(prompt, n)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_disconnects_frees_its_row_within_a_step(stream):
+    """A waiting (non-streaming) client's disconnect was seen only when no token came for a
+    second: while tokens came faster, its row generated to max_tokens for nobody."""
+    step, n = 0.1, 29                  # 2.9 s of steps: the row would be busy that long
+    body = {**COMPLETION, "prompt": [3, 5], "max_tokens": n, "ignore_eos": True, "stream": stream}
+    with fake_server(batch=1, step_seconds=step) as url, httpx.Client() as http:
+        http.post(url + "/v1/completions", json=COMPLETION, timeout=60)     # the step compiled
+        if stream:
+            with http.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                next(r.iter_lines())               # the first token, then the client leaves
+        else:
+            with pytest.raises(httpx.ReadTimeout):   # the client gives up and closes its connection
+                http.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        left = time.monotonic()
+        while (stats := http.get(url + "/stats").json())["busy_rows"] and time.monotonic() < left + 10:
+            time.sleep(step / 4)
+        freed = time.monotonic() - left
+    assert stats["busy_rows"] == 0 and freed < 1.0, (freed, stats)
+    assert stats["steps"] < n                    # it stopped short of max_tokens
 
 
 def test_the_engine_refuses_what_does_not_fit_a_launch_and_serves_the_rest():
@@ -203,6 +275,28 @@ def test_health_answers_while_a_long_prompt_is_tokenized():
     assert latencies and loop_cpu < max(0.1, encode_cpu / 2), (loop_cpu, encode_cpu)
 
 
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _refusal(s: socket.socket) -> tuple[int, dict]:
+    """The status and OpenAI error of the answer on `s`, read until the server closes it."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    return status, error
+
+
 def test_a_body_past_the_cap_is_a_413():
     with fake_server(limits=Limits(max_body_bytes=1000)) as url:
         big = json.dumps({**COMPLETION, "prompt": [1] * 400}).encode()
@@ -214,6 +308,18 @@ def test_a_body_past_the_cap_is_a_413():
             assert "cap of 1000 bytes (mkc serve --max-body-bytes)" in r.json()["error"]["message"]
         r = httpx.post(url + "/v1/completions", json={**COMPLETION, "prompt": [1] * 20}, timeout=30)
         assert r.status_code == 200, r.text
+
+
+def test_a_client_still_sending_a_body_past_the_cap_reads_its_413():
+    """A connection closed with bytes unread is reset: a client still sending a body far past
+    the cap (more than the sockets' buffers hold) saw its send fail, not the 413. The rest of
+    the body is now read first."""
+    body = b" " * (8 << 20)
+    with fake_server() as url, _connect(url) as s:               # the default 4 MiB cap
+        s.sendall(_head("/v1/completions", len(body)))
+        s.sendall(body)
+        status, error = _refusal(s)
+    assert status == 413 and "(mkc serve --max-body-bytes)" in error["message"]
 
 
 def test_prompts_and_tokenize_past_the_prompt_cap_are_400s():
@@ -255,6 +361,60 @@ def test_a_client_slow_to_send_its_headers_is_cut_off():
                     closed = True
             assert closed, "the connection is still open after 20 s"
         assert httpx.get(url + "/health", timeout=10).status_code == 200    # a prompt client is served
+
+
+def test_a_body_dribbled_past_the_body_timeout_is_a_408():
+    """The header timeout ends at the headers: a body sent a byte at a time held its connection
+    (and its bytes) for as long as the client liked."""
+    with fake_server(limits=Limits(body_seconds=0.5)) as url, _connect(url) as s:
+        s.sendall(_head("/v1/completions", 100))
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):
+            for _ in range(20):
+                s.sendall(b" ")
+                time.sleep(0.1)
+        status, error = _refusal(s)
+        assert status == 408 and "within 0.5 s of its headers (mkc serve --body-timeout)" in error["message"]
+        assert time.monotonic() - t0 < 5
+        assert httpx.post(url + "/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+
+
+def test_connections_past_the_cap_are_a_503():
+    with fake_server(limits=Limits(max_connections=3)) as url:
+        idle = [_connect(url) for _ in range(3)]
+        try:
+            with _connect(url) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                status, error = _refusal(s)
+            assert status == 503 and "(3, mkc serve --max-connections)" in error["message"]
+            idle.pop().close()
+            deadline = time.monotonic() + 10
+            while (r := httpx.get(url + "/health", timeout=10)).status_code != 200:
+                assert r.status_code == 503 and time.monotonic() < deadline     # until it is counted out
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_bodies_being_received_are_bounded_together():
+    """Each connection could hold up to --max-body-bytes in its body buffer, with no bound across
+    them; a Content-Length is held from the start, so slow bodies cannot creep past the bound."""
+    body = json.dumps(COMPLETION).encode().ljust(1000)
+    with fake_server(limits=Limits(max_body_bytes=1000, max_buffered_bytes=2500)) as url:
+        with _connect(url) as a, _connect(url) as b, _connect(url) as c:
+            a.sendall(_head("/v1/completions", 1000) + body[:10])
+            b.sendall(_head("/v1/completions", 1000))
+            time.sleep(0.5)                            # both are being received
+            c.sendall(_head("/v1/completions", 1000))
+            status, error = _refusal(c)
+            assert status == 503 and "(2500 bytes, mkc serve --max-buffered-bytes)" in error["message"]
+            with _connect(url) as d:                       # without a length: counted as it arrives
+                d.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                          b"\r\n\r\n258\r\n" + b" " * 600 + b"\r\n")
+                assert _refusal(d)[0] == 503
+            for s, rest in ((a, body[10:]), (b, body)):
+                s.sendall(rest)
+                assert s.recv(100).startswith(b"HTTP/1.1 200")
 
 
 def test_api_docs_are_off_unless_asked_for():

@@ -45,3 +45,15 @@ def test_text_prompts_and_stop_strings_through_the_api():
             assert r.json()["choices"][0]["finish_reason"] == "stop"
         finally:
             engine.stop()      # before the client's event loop closes: a cut request still ends
+
+
+def test_a_model_is_served_by_its_name_not_its_path(tmp_path):
+    from mkc.serve.model import served_name
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "config.json").write_text("{}")
+    (tmp_path / "tiny.json").write_text("{}")
+    assert served_name(str(tmp_path / "smollm2")) == "smollm2"
+    assert served_name(str(tmp_path / "smollm2") + "/.") == "smollm2"
+    assert served_name(str(tmp_path / "smollm2" / "config.json")) == "smollm2"
+    assert served_name(str(tmp_path / "tiny.json")) == "tiny"
+    assert served_name("qwen3_8_mini") == "qwen3_8_mini"         # a shipped config

@@ -137,8 +137,84 @@ def test_a_refusing_template_is_a_400_and_the_server_keeps_serving(tmp_path):
                     "code": 400}
             r = client.post("/v1/completions", json={"model": "fake_mini", "prompt": [1], "max_tokens": 1})
             assert r.status_code == 200
+            # null content (OpenAI's; an assistant's message with tool calls) is empty text
+            empty = [{"role": "system", "content": None}, MESSAGES[1]]
+            expected = raw_tokenizer(tmp_path).encode(RENDERED.replace("be brief", ""),
+                                                      add_special_tokens=False).ids
+            assert client.post("/tokenize", json={"messages": empty}).json()["tokens"] == expected
     finally:
         engine.stop()
+
+
+# The stand-in server over a checkpoint's tokenizer in a process of its own (a client in the
+# server's process would share its GIL): it prints its URL and serves until killed.
+TOKENIZER_SERVER = """
+import sys, time
+from pathlib import Path
+from serve_fakes import fake_server
+from mkc.serve.model import Tokenizer
+with fake_server(tokenizer=Tokenizer.load(Path(sys.argv[1]))) as url:
+    print(url, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_health_answers_while_huge_texts_are_tokenized(tmp_path):
+    """The tokenizers library's `encode` holds the GIL: a 900k-character /tokenize held /health
+    (and the engine's thread) for as long as it ran, a second or more here. Its batch calls
+    release it, and large inputs take turns on a thread of low priority."""
+    import os
+    import random
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+    write_tokenizer(tmp_path)
+    rng = random.Random(0)
+    text = " ".join(rng.choice(SENTENCES + ["✓", "\n", "zebra"]) for _ in range(100_000))[:2_000_000]
+    body = json.dumps({"prompt": text}).encode()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "serve")]),
+           "JAX_PLATFORMS": "cpu"}
+    server = subprocess.Popen([sys.executable, "-c", TOKENIZER_SERVER, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        assert url.startswith("http://"), "the stand-in server did not start"
+        with httpx.Client(timeout=120) as http:
+            http.get(url + "/health")
+            latencies: list[float] = []
+            done = threading.Event()
+
+            def poll() -> None:
+                while not done.is_set() and len(latencies) < 1000:
+                    t = time.perf_counter()
+                    assert http.get(url + "/health").status_code == 200
+                    latencies.append(time.perf_counter() - t)
+                    time.sleep(0.02)
+
+            def tokenize() -> None:
+                r = httpx.post(url + "/tokenize", content=body, timeout=120,
+                               headers={"content-type": "application/json"})
+                assert "more than the 32 a prompt may hold" in r.json()["error"]["message"]
+            poller = threading.Thread(target=poll)
+            poller.start()
+            t0 = time.perf_counter()
+            try:
+                for t in (threads := [threading.Thread(target=tokenize) for _ in range(2)]):
+                    t.start()
+                for t in threads:
+                    t.join()
+            finally:
+                done.set()
+                poller.join()
+    finally:
+        server.kill()
+        server.wait()
+    print(f"two /tokenize of {len(text)} characters: {time.perf_counter() - t0:.2f} s; /health "
+          f"{len(latencies)} answers, max {max(latencies) * 1e3:.0f} ms")
+    assert len(latencies) >= 3 and max(latencies) < 0.5, latencies
 
 
 def test_tokenizer_info_and_echo_of_a_text_prompt(tmp_path):
@@ -197,8 +273,8 @@ def test_text_and_chat_through_the_checkpoint_tokenizer(tmp_path):
     write_tokenizer(tmp_path)
     tok = raw_tokenizer(tmp_path)
     greedy = reference_greedy(LLAMA_SPEC, LLAMA, params)
-    name = str(tmp_path)
-    with running_server(["--batch", "1"], spec=LLAMA_SPEC, model=name) as url:
+    name = tmp_path.name                # a checkpoint is served by its directory's name
+    with running_server(["--batch", "1"], spec=LLAMA_SPEC, model=str(tmp_path)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         text = "the dog sat on the park ✓"
         ids = httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"]
