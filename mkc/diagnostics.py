@@ -1,7 +1,14 @@
 """Source spans and user-facing diagnostics (file:line:col, excerpt with caret, hint)."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
+
+
+def did_you_mean(word: str, options: list[str]) -> str:
+    """The start of a hint naming the option closest to a mistyped `word`, or ""."""
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 def source_lines(text: str) -> list[str]:

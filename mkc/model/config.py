@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mkc.model import registry
-from mkc.diagnostics import Span, fail
+from mkc.diagnostics import Span, did_you_mean, fail
 from mkc.model.family import ConfigError
 
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -106,8 +106,9 @@ def read_config(path: Path, where: Span) -> dict:
     p = Path(path)
     if not _probe(p.exists):
         raise fail("E-MODEL", f"model config not found: {path}", where,
-                   hint=f"use a shipped config ({', '.join(shipped_configs())}) or a path to a "
-                        "config.json or a checkpoint directory")
+                   hint=did_you_mean(p.name, shipped_configs()) + f"use a shipped config "
+                        f"({', '.join(shipped_configs())}) or a path to a config.json or a checkpoint "
+                        "directory")
     if not p.is_file():
         raise fail("E-MODEL", f"model config {path} is not a regular file", where,
                    hint="point `model` at a config.json or a checkpoint directory holding one")

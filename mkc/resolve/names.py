@@ -3,13 +3,12 @@ one of a known set, and header settings a schedule must have."""
 from __future__ import annotations
 
 import builtins
-import difflib
 import keyword
 import re
 import sys
 from typing import TYPE_CHECKING
 
-from mkc.diagnostics import MkcError, fail
+from mkc.diagnostics import MkcError, did_you_mean, fail
 from mkc.lang import ast
 from mkc.model.graph import DecodeGraph
 
@@ -26,11 +25,6 @@ RESERVED = {"x", "stage", "acc", "ring", "vectors", "logits", "state", "start", 
             "send_sem", "recv_sem", "collective_count", "tile_class", "pool_sem", "expert_sem",
             "experts_hbm", "expert_list", "expert_count"}
 MAX_NAME = 64          # a schedule's name becomes a file name, with the model's appended
-
-
-def did_you_mean(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1)
-    return f"did you mean '{close[0]}'? " if close else ""
 
 
 def unknown(what: str, name: ast.Name, options: list[str], notes: list[str] | None = None

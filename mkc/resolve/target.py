@@ -5,9 +5,9 @@ import math
 from dataclasses import replace
 
 from mkc import target
-from mkc.diagnostics import fail
+from mkc.diagnostics import did_you_mean, fail
 from mkc.lang import ast
-from mkc.resolve.names import did_you_mean, require, validate_identifier
+from mkc.resolve.names import require, validate_identifier
 from mkc.resolve.state import ResolveState
 
 
