@@ -571,7 +571,6 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     how: dict[str, int] = {"whole kernel": 0, "per op": 0, "counted": 0}
     cache: dict[tuple, Evaluation] = {}
     rejected = short = 0
-    history: list[str] = []
     start = tuple(k.value for k in knobs)
 
     def evaluate(config: tuple) -> Evaluation:
@@ -610,8 +609,21 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         return ev
 
     before = evaluate(start)
-    best = before
     log(f"start: {_ms(before)}")
+    best, history = _search(knobs, start, before, evaluate, s0, budget, lambda: len(cache), min_headroom,
+                            log)
+    return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
+                      batches, history, min_headroom, short, _priced_by(measures, how))
+
+
+def _search(knobs: list[Knob], start: tuple, before: Evaluation, evaluate: Callable[[tuple], Evaluation],
+            s0: ir.ScheduleIR, budget: int, used: Callable[[], int], min_headroom: int,
+            log: Callable[[str], None]) -> tuple[Evaluation, list[str]]:
+    """Coordinate descent and coupled moves from `before` while the budget lasts (`used`
+    evaluations so far), each change holding one evaluation back for its reversal (`_prune`;
+    one change's reversal is the input, evaluated already), then the reversals -> (the best,
+    or `before` where the best does not gain; the moves logged)."""
+    best, history = before, []
 
     def note(msg: str) -> None:
         history.append(msg)
@@ -623,10 +635,8 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         note(msg)
 
     def left() -> int:
-        # each change holds one evaluation back for its reversal (`_prune`); one change's
-        # reversal is the input, evaluated already
         changes = sum(v != w for v, w in zip(best.config, start))
-        return budget - len(cache) - (changes if changes > 1 else 0)
+        return budget - used() - (changes if changes > 1 else 0)
 
     while True:
         _descend(knobs, best, evaluate, lambda: left() <= 0, accept)
@@ -635,11 +645,8 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
             break
         ev, msg = moved
         accept(ev, f"{msg}: {_ms(ev)}")
-    best = _prune(knobs, start, best, evaluate, lambda: len(cache) >= budget, note)
-    if not _gains(best, before):        # the reversals' losses added up: keep the input
-        best = before
-    return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
-                      batches, history, min_headroom, short, _priced_by(measures, how))
+    best = _prune(knobs, start, best, evaluate, lambda: used() >= budget, note)
+    return (best if _gains(best, before) else before), history
 
 
 def _candidate_measure(s: ir.ScheduleIR, batch: int, compiled: bool | None) -> dict | None:
