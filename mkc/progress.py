@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from typing import Any, TextIO
 
 
 def bar(total: float | None = None, desc: str = "", unit: str = "it", show: bool = True, **kw):
@@ -16,7 +17,7 @@ def bar(total: float | None = None, desc: str = "", unit: str = "it", show: bool
                 dynamic_ncols=True, disable=not (show and sys.stderr.isatty()), **kw)
 
 
-def tick(b, label: str, every: int, out=None) -> Callable[[], None]:
+def tick(b: Any, label: str, every: int, out: TextIO | None = None) -> Callable[[], None]:
     """A step of bar `b` (its total set); where it is not drawn (no terminal) and `out` is
     given, a line on `out` every `every` steps instead (a log or a pipe still sees a long run
     move): steps done of the total, the time so far, and at that pace the most left."""
