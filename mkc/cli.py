@@ -100,7 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="where to write the tuned spec (the input is never changed)")
             p.add_argument("--budget", type=int_at_least(1), default=80,
                            help="most specs to check and time, the input included (default 80; "
-                                "about a second each for Kimi K3)")
+                                "each a check and a model per batch: 1-3 s for the MINI Qwen, "
+                                "10-15 s for Kimi K3 on a busy 2-core machine, longer where its "
+                                "op bodies are first compiled with libtpu; the first "
+                                "candidate's time is printed as the estimate)")
             p.add_argument("--min-headroom", type=float_at_least(0), default=1.0, metavar="MIB",
                            help="refuse a candidate that leaves less VMEM than this under the "
                                 "budget at any kernel width (default 1 MiB)")
@@ -747,14 +750,16 @@ def _tune(args, as_json: bool) -> dict:
     if tgt is not None and tgt.value[0].text in known_chips():   # else the check says so
         if diags := _perf_data(tgt.value[0].text, tgt.span):
             raise MkcError(diags)
-    from mkc.progress import bar
+    from mkc.progress import bar, tick
     if not as_json:
         print(f"tuning {args.spec} (budget {args.budget} evaluations; times are modelled)")
-    with bar(total=args.budget, desc="tune: evaluating", unit="spec", show=not as_json) as b:
+    label = "tune: evaluating"
+    with bar(total=args.budget, desc=label, unit="spec", show=not as_json) as b:
         log = None if as_json else (lambda m: b.write(f"  {m}", file=sys.stdout))
         res = tune.tune(text, args.spec, args.model, budget=args.budget, log=log,
                         min_headroom=int(args.min_headroom * 2**20),
-                        evaluated=lambda: b.update(1), compiled=args.price,
+                        evaluated=tick(b, label, max(1, args.budget // 10), None if as_json else sys.stdout),
+                        compiled=args.price,
                         on_compile=_compile_notice(args.spec, as_json))
     files.write_atomically(out, res.text)
     compiler.check_spec(out, _model_of(args, sched))

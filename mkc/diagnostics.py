@@ -5,6 +5,12 @@ import difflib
 from dataclasses import dataclass, field
 
 
+def did_you_mean(word: str, options: list[str]) -> str:
+    """The start of a hint naming the option closest to a mistyped `word`, or ""."""
+    close = difflib.get_close_matches(word, options, n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
 def source_lines(text: str) -> list[str]:
     """A spec's lines as its parser numbers them. The lexer counts only '\n' as a line break
     ('\r' and '\f' are whitespace to it, and a comment runs to the '\n' over any '\r',
@@ -15,12 +21,6 @@ def source_lines(text: str) -> list[str]:
     if lines[-1] == "":
         lines.pop()
     return [line.removesuffix("\r") for line in lines]
-
-
-def did_you_mean(word: str, options: list[str]) -> str:
-    """A hint's opening for a name mistyped from one of `options`: the closest, or nothing."""
-    close = difflib.get_close_matches(word, options, n=1)
-    return f"did you mean '{close[0]}'? " if close else ""
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,8 @@ ONE_CAUSE = ["store_wait_before_start", "store_rec_wait_before_start", "load_wai
              "load_after_reader_waited_before_start", "read_before_wait",
              "load_waited_only_before_next", "store_before_its_writer", "load_without_wait",
              "store_without_wait", "wait_without_keyword", "wait_after_end",
-             "syntax_missing_semicolon", "keyword_misspelt", "v6e_vmem_limit_below_chip",
+             "syntax_missing_semicolon", "syntax_phase_missing_brace", "keyword_misspelt",
+             "v6e_vmem_limit_below_chip",
              "v6e_ring_over_vmem_limit", "scope_escape", "ring_slot_reuse_in_flight",
              "kv_slot_reuse_in_flight", "parity_reuse_while_read", "kv_slots_beyond_vmem"]
 

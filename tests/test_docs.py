@@ -134,6 +134,14 @@ def walkthrough() -> str:
     return section[:section.index("\n## ", 1)]
 
 
+def walkthrough_spec_path(section: str) -> str:
+    """Where the walkthrough saves its spec (in the ignored scratch folder), relative to the
+    repository's root."""
+    path = re.search(r"Save it as `([^`]+\.sched)`", section).group(1)
+    assert path.startswith("scratch/"), path
+    return path
+
+
 def excerpt_lines_missing(excerpt: str, output: str) -> list[str]:
     """The lines of an excerpt that no line of `output` is: "..." stands for any text, and a
     line of "..." alone for lines left out."""
@@ -159,8 +167,11 @@ def test_the_walkthrough_excerpts_are_what_their_commands_print(step, tmp_path, 
     from mkc.cli import main
     section = walkthrough()
     spec = re.search(r"```sched\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "my_qwen.sched").write_text(spec)
     m = re.search(rf"\*\*{step}\.\*\* `\.venv/bin/mkc ([^`]+)`.*?```\n(.*?)```", section, re.S)
+    path = tmp_path / walkthrough_spec_path(section)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(spec)
+    assert walkthrough_spec_path(section) in shlex.split(m.group(1))
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert main(shlex.split(m.group(1))) == 0
@@ -177,7 +188,8 @@ def test_the_first_spec_walkthrough_checks(tmp_path):
     path = tmp_path / "my_qwen.sched"
     path.write_text(spec)
     compiler.check_spec(path)
-    shown = re.search(r"^my_qwen\.sched:(\d+):(\d+): error\[([\w-]+)\]", section, re.M)
+    shown = re.search(rf"^{re.escape(walkthrough_spec_path(section))}:(\d+):(\d+): error\[([\w-]+)\]",
+                      section, re.M)
     path.write_text(spec.replace("wait before conv\n", "wait after conv\n"))
     with pytest.raises(MkcError) as err:
         compiler.check_spec(path)

@@ -1,8 +1,9 @@
 """Doc test: the README's "Using a generated module" section runs as written.
 
-Its shell block (the `mkc compile` line) and then its python block run verbatim in a fresh
-directory, the python in a fresh interpreter on CPU with nothing set but `JAX_PLATFORMS=cpu`:
-the snippet sets the device count itself. `schedules/` is linked into the directory and the
+Its shell block (the `mkc compile` line, into the ignored `scratch/`) and then its python block
+run verbatim in a fresh directory, the python saved beside the module's folder and run from the
+directory in a fresh interpreter on CPU with nothing set but `JAX_PLATFORMS=cpu`: the snippet
+sets the device count itself. `schedules/` is linked into the directory and the
 venv's `mkc` is on PATH, as for a reader in the repository's root.
 """
 import os
@@ -34,9 +35,10 @@ def test_readme_shell_block_is_one_compile_into_the_module_the_snippet_imports()
     sh, py = readme_blocks()
     argv = shlex.split(sh.strip())
     assert argv[:2] == [".venv/bin/mkc", "compile"], argv
-    out = argv[argv.index("-o") + 1]
-    m = re.search(rf"^import {out}\.(\w+) as \w+", py, re.M)
-    assert m, f"the snippet imports a module from {out}/"
+    out = Path(argv[argv.index("-o") + 1])
+    assert out.parent == Path("scratch"), "the module goes into the ignored scratch folder"
+    m = re.search(rf"^import {out.name}\.(\w+) as \w+", py, re.M)
+    assert m, f"the snippet imports a module from {out}/ (beside it in {out.parent}/)"
     spec, model = Path(argv[2]).stem, argv[argv.index("--model") + 1]
     assert m.group(1) == f"{spec}__{model}", "the README's naming rule and the import agree"
 
@@ -54,8 +56,10 @@ def test_readme_generated_module_snippet_runs(tmp_path):
     argv = [sys.executable, "-m", "mkc", *argv[1:]]
     r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    (tmp_path / "readme_snippet.py").write_text(py)
-    r = subprocess.run([sys.executable, "readme_snippet.py"], cwd=tmp_path, env=env,
+    # saved beside the module's folder and run from the root, as the README says
+    snippet = Path(argv[argv.index("-o") + 1]).parent / "readme_snippet.py"
+    (tmp_path / snippet).write_text(py)
+    r = subprocess.run([sys.executable, str(snippet)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     steps = re.findall(r"^step (\d) next tokens \[(\d+) (\d+)\]$", r.stdout, re.M)

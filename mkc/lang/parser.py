@@ -194,6 +194,35 @@ def _copy_without_wait(e: lark.UnexpectedToken, text: str, file: str) -> MkcErro
                 hint=f"write `{written}{example}")
 
 
+def _unclosed_block(e: lark.UnexpectedToken, text: str, file: str) -> MkcError | None:
+    """A block inside the schedule (a phase's, the stream's, a pool's) whose '}' is missing,
+    found where a statement that cannot stand inside it begins and would parse with a '}'
+    before it: the diagnostic where the '}' belongs, after the block's last statement."""
+    parser = getattr(e, "interactive_parser", None)
+    if parser is None or "RBRACE" not in e.expected:
+        return None
+    opens = [t for t in parser.parser_state.value_stack if isinstance(t, lark.Token) and t.type == "LBRACE"]
+    if len(opens) < 2:          # only the schedule's own block is open
+        return None
+    trial = parser.copy()
+    try:
+        trial.feed_token(lark.Token("RBRACE", "}"))
+        trial.feed_token(e.token)
+    except lark.exceptions.UnexpectedInput:
+        return None
+    lines = source_lines(text)
+    opened = opens[-1]
+    block = lines[opened.line - 1][:opened.column - 1].split("#", 1)[0].strip()
+    tok, line = e.token, e.token.line
+    code = lines[line - 1][:tok.column - 1].split("#", 1)[0].rstrip()
+    while not code and line > opened.line:      # back over blank and comment lines
+        line -= 1
+        code = lines[line - 1].split("#", 1)[0].rstrip()
+    return fail("E-SYNTAX", f"`{block} {{` has no closing '}}': {str(tok)!r} at line {tok.line} cannot stand "
+                "inside it", Span(file, line, len(code) + 1, line, len(code) + 2),
+                hint=f"is a '}}' missing? close `{block} {{` (line {opened.line}) here")
+
+
 def _ended(text: str, file: str, expected: set[str]) -> MkcError:
     """The diagnostic of a spec that ends before its schedule does (at its end), or of one with
     nothing but comments and blank lines (at its start)."""
@@ -227,6 +256,8 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
                     tok.end_column or tok.column + len(str(tok)))
         if (no_wait := _copy_without_wait(e, text, file)) is not None:
             raise no_wait from None
+        if (unclosed := _unclosed_block(e, text, file)) is not None:
+            raise unclosed from None
         hint = f"expected {_expected_words(set(e.expected))}"
         if set(e.expected) == {"WAIT"}:
             hint = (f"write `wait {_rest_of_line(text, tok)}`: each wait point of a load or "

@@ -2,7 +2,8 @@
 
 Three panels over the step, sharing the time axis (ms):
   1. VMEM bytes live, stacked by buffer class (each pool split into its open view and the rest),
-     with the usable VMEM, the budget (usable - reserve) and the peak as labelled lines;
+     with the usable VMEM, the budget (usable - reserve) and the peak as labelled lines (the axis
+     scaled to the peak where it is a small share of the budget);
   2. a Gantt chart: the layer loop (coloured by layer kind), stalls and collectives of compute,
      then one row per DMA destination (coloured by its buffer class) with each copy's bytes in
      flight;
@@ -230,6 +231,10 @@ def figure(s: ir.ScheduleIR, res: Result, batch: int, tokens: int, peak_bytes_pe
     return fig
 
 
+# The VMEM panel's axis scales to the peak where the peak is under this share of the budget.
+SCALED_BELOW = 0.25
+
+
 def _ref_line(ax, y: float, ls: str, lw: float, label: str | None = None) -> None:
     ax.axhline(y, color=_FIXED[REFERENCE], ls=ls, lw=lw, label=label)
 
@@ -252,15 +257,21 @@ def _draw_vmem(axes, vs: VmemSeries, batch: int, colours: dict[str, str]) -> Non
                                   "within what XLA gives)"),
              (vs.budget, "--", 1.2, f"budget {vs.budget / MIB:.2f} MiB\n(usable - reserve)"),
              (peak, "-", 0.6, f"peak {peak / MIB:.2f} MiB\n(the checker's at batch {batch})")]
+    # The axis reaches the usable VMEM where the peak is a fair share of the budget; below
+    # that the stack would be a sliver at the bottom (a MINI kernel: 1.3 of 58 MiB), so the
+    # axis scales to the peak and the title says the budget lies above it.
+    top = vs.limit if peak >= SCALED_BELOW * vs.budget else peak
     for col, ax in enumerate(axes):
         ax.stackplot(xs, ys, labels=labels if col else (),
                      colors=[colours[class_meaning(c)] for c in order], linewidth=0)
         for y, ls, lw, label in lines:
             _ref_line(ax, y / MIB, ls, lw, label if col else None)
-        ax.set_ylim(0, vs.limit / MIB * 1.1)
+        ax.set_ylim(0, top / MIB * 1.1)
     axes[1].tick_params(labelleft=False)
     axes[0].set_ylabel("VMEM live (MiB)")
-    axes[0].set_title(f"VMEM live by buffer class: peak {peak / MIB:.2f} MiB", fontsize=10,
+    above = ("" if top == vs.limit else
+             f" (the axis scales to it: the {vs.budget / MIB:.2f} MiB budget lies above)")
+    axes[0].set_title(f"VMEM live by buffer class: peak {peak / MIB:.2f} MiB{above}", fontsize=10,
                       loc="left")
     # the reference lines first (added last), then the classes from the top of the stack down
     handles, names = axes[1].get_legend_handles_labels()

@@ -17,9 +17,14 @@ counted). The search is coordinate descent: each pass tries every knob's neighbo
 current best and keeps the best improvement, until a pass improves nothing or the evaluation
 budget is spent. Then one coupled move is tried, which no single knob finds since its first
 half alone is slower: a matrix moved out of a pool view (the pool shrinks) with the VMEM freed
-spent on ring slots; if it improves, the descent resumes from it. Each evaluation costs one
-check plus one simulation per batch (about a second for Kimi K3), and the same text is never
-evaluated twice.
+spent on ring slots; if it improves, the descent resumes from it. A move counts as an
+improvement only where it shortens the objective by MIN_GAIN (0.1 %) or more; at the end each
+change is reverted on its own (the budget holds an evaluation back for each), and one that
+gains less than that is dropped (a later change can make an earlier one worth nothing). Each
+evaluation costs one check plus one simulation per batch (measured on a busy 2-core machine:
+1-3 s for the MINI Qwen, 10-15 s for Kimi K3), more where a candidate's op bodies have no
+measure and are compiled with libtpu first; the same text is never evaluated twice. The first
+candidate's time is logged as the estimate of the rest.
 
 A candidate must also leave `min_headroom` (1 MiB unless told) of VMEM under the budget in
 every kernel the VMEM verdict judges (`capacity.kernels`: the decode step at each bounding
@@ -62,6 +67,9 @@ from mkc.resolve.collectives import overlap_window
 
 # Issue 18: every shipped spec keeps at least 1 MiB of VMEM headroom at its widest kernel.
 MIN_HEADROOM = 1 << 20
+# A change must shorten the mean modelled step by this much (the table's precision, 0.1 %):
+# less is within the model's rounding and would only churn the spec.
+MIN_GAIN = 1e-3
 _TOKEN = re.compile(r"#[^\n]*|[A-Za-z_][A-Za-z0-9_]*|\d+|->|\S")
 
 
@@ -485,9 +493,30 @@ class TuneResult:
         for k, old, new in self.changed():
             changed.update({bisect.bisect_right(lines, sl.start): None for sl in k.slots})
             notes.setdefault(k.line, []).append(f"{k.name} {k.show(old)} -> {k.show(new)}")
-        changed.update({line: "# `mkc tune`: " + "; ".join(n) + " (modelled faster)"
-                        for line, n in notes.items()})
+        gain = self.before.objective / self.best.objective - 1
+        faster = f" (the tuned spec's mean modelled step {gain:.1%} shorter)"
+        changed.update({line: "# `mkc tune`: " + "; ".join(n) + faster for line, n in notes.items()})
         return drop_stale_comments(self.best.text, changed)
+
+
+def _gains(ev: Evaluation, over: Evaluation) -> bool:
+    """Whether `ev` passed and shortens `over`'s objective by MIN_GAIN or more."""
+    return ev.ok and ev.objective <= over.objective * (1 - MIN_GAIN)
+
+
+def _prune(knobs: list[Knob], start: tuple, best: Evaluation, evaluate: Callable[[tuple], Evaluation],
+           spent: Callable[[], bool], log: Callable[[str], None]) -> Evaluation:
+    """`best` with each change reverted in turn (while the budget is not `spent`) where the
+    change alone gains less than MIN_GAIN over its reversal."""
+    for i, knob in enumerate(knobs):
+        if best.config[i] == start[i] or spent():
+            continue
+        ev = evaluate(best.config[:i] + (start[i],) + best.config[i + 1:])
+        if ev.ok and not _gains(best, ev):
+            log(f"{knob.name}: kept at {knob.show(start[i])} ({knob.show(best.config[i])} gains under "
+                f"{MIN_GAIN:.1%}): {_ms(ev)}")
+            best = ev
+    return best
 
 
 def _descend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Evaluation],
@@ -506,7 +535,7 @@ def _descend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Ev
                 if spent():
                     break
                 ev = evaluate(best.config[:i] + (value,) + best.config[i + 1:])
-                if ev.ok and ev.objective < trial_best.objective * (1 - 1e-6):
+                if _gains(ev, best) and ev.objective < trial_best.objective:
                     trial_best = ev
             if trial_best is not best:
                 old = knob.show(best.config[i])
@@ -542,12 +571,16 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
     how: dict[str, int] = {"whole kernel": 0, "per op": 0, "counted": 0}
     cache: dict[tuple, Evaluation] = {}
     rejected = short = 0
-    history: list[str] = []
     start = tuple(k.value for k in knobs)
 
     def evaluate(config: tuple) -> Evaluation:
         if config not in cache:
+            t = time.perf_counter()
             cache[config] = _evaluate(config)
+            if len(cache) == 2 and budget > 2:      # the first candidate, priced as the rest are
+                each = time.perf_counter() - t
+                log(f"estimate: {each:.1f} s the first candidate; {budget - 2} more at most, about "
+                    f"{_duration(each * (budget - 2))} (longer where op bodies are first compiled)")
             evaluated()
         return cache[config]
 
@@ -576,24 +609,44 @@ def tune(text: str, file: str, model: str | None = None, budget: int = 80,
         return ev
 
     before = evaluate(start)
-    best = before
     log(f"start: {_ms(before)}")
+    best, history = _search(knobs, start, before, evaluate, s0, budget, lambda: len(cache), min_headroom,
+                            log)
+    return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
+                      batches, history, min_headroom, short, _priced_by(measures, how))
+
+
+def _search(knobs: list[Knob], start: tuple, before: Evaluation, evaluate: Callable[[tuple], Evaluation],
+            s0: ir.ScheduleIR, budget: int, used: Callable[[], int], min_headroom: int,
+            log: Callable[[str], None]) -> tuple[Evaluation, list[str]]:
+    """Coordinate descent and coupled moves from `before` while the budget lasts (`used`
+    evaluations so far), each change holding one evaluation back for its reversal (`_prune`;
+    one change's reversal is the input, evaluated already), then the reversals -> (the best,
+    or `before` where the best does not gain; the moves logged)."""
+    best, history = before, []
+
+    def note(msg: str) -> None:
+        history.append(msg)
+        log(msg)
 
     def accept(ev: Evaluation, msg: str) -> None:
         nonlocal best
         best = ev
-        history.append(msg)
-        log(msg)
+        note(msg)
+
+    def left() -> int:
+        changes = sum(v != w for v, w in zip(best.config, start))
+        return budget - used() - (changes if changes > 1 else 0)
 
     while True:
-        _descend(knobs, best, evaluate, lambda: len(cache) >= budget, accept)
-        moved = _respend(knobs, best, evaluate, s0, budget - len(cache), min_headroom)
+        _descend(knobs, best, evaluate, lambda: left() <= 0, accept)
+        moved = _respend(knobs, best, evaluate, s0, left(), min_headroom)
         if moved is None:
             break
         ev, msg = moved
         accept(ev, f"{msg}: {_ms(ev)}")
-    return TuneResult(knobs, before, best, len(cache), rejected, time.perf_counter() - t0,
-                      batches, history, min_headroom, short, _priced_by(measures, how))
+    best = _prune(knobs, start, best, evaluate, lambda: used() >= budget, note)
+    return (best if _gains(best, before) else before), history
 
 
 def _candidate_measure(s: ir.ScheduleIR, batch: int, compiled: bool | None) -> dict | None:
@@ -637,8 +690,7 @@ def _respend(knobs: list[Knob], best: Evaluation, evaluate: Callable[[tuple], Ev
                 depth = (slots + n, ahead + n)
                 config = moved[:ring] + (depth,) + moved[ring + 1:]
                 pair, budget = evaluate(config), budget - 1
-                bar = (found[0] if found else best).objective * (1 - 1e-6)
-                if pair.ok and pair.objective < bar:
+                if _gains(pair, best) and (found is None or pair.objective < found[0].objective):
                     found = (pair, f"{knob.name}: {knob.show(best.config[i])} -> "
                                    f"{knob.show(value)}, {knobs[ring].name}: "
                                    f"{knobs[ring].show(moved[ring])} -> {knobs[ring].show(depth)}")
@@ -655,6 +707,10 @@ def _priced_by(measures: dict[int, tuple[dict | None, str]], how: dict[str, int]
                 + (f"; {whys}" if whys else ""))
     return (f"compiled: steps priced {steps} (per op: each op body's libtpu cycles, "
             "mkc.perf.op_measures)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _ms(ev: Evaluation) -> str:

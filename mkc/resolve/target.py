@@ -1,6 +1,7 @@
 """Pass `target`: the TPU slice (`target GEN topology GRID`) and the mesh over its ranks."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from mkc import target
@@ -16,12 +17,22 @@ def resolve_target(s: ResolveState) -> ResolveState:
     axis_name, ranks = mesh.value
     axis = validate_identifier(axis_name, "mesh axis")
     if ranks != topo.num_cores:
-        chip = topo.chip.name
         raise fail("E-MESH", f"mesh {axis} = {ranks} does not match the {topo.num_cores} "
-                   f"TensorCores of {chip} {topo.shape}", mesh.span,
-                   hint=f"use `mesh {axis} = {topo.num_cores}` or a topology with {ranks} cores "
-                        f"({topo.chip.cores_per_chip} per {chip} chip)")
+                   f"TensorCores of {topo.chip.name} {topo.shape}", mesh.span,
+                   hint=f"use `mesh {axis} = {topo.num_cores}`" + _slices_of(topo.chip, ranks))
     return replace(s, topology=topo, mesh_axis=axis)
+
+
+def _slices_of(chip: target.Chip, ranks: int) -> str:
+    """The rest of the mesh hint: the generation's slices that hold `ranks` ranks, or that none
+    does (and the rank counts its slices have)."""
+    if fits := target.shapes_of_ranks(chip.name, ranks):
+        return f", or a {chip.name} slice of {ranks}: " + " or ".join(
+            f"`target {chip.name} topology {shape}`" for shape in fits)
+    counts = [chip.cores_per_chip * math.prod(int(d) for d in shape.split("x"))
+              for shape in target.standard_shapes(chip.name)]
+    return (f"; no {chip.name} slice has {ranks} TensorCores ({chip.cores_per_chip} a chip): its "
+            f"slices have {', '.join(map(str, counts))}")
 
 
 def _topology(tgt: ast.Setting) -> target.Topology:

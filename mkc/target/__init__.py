@@ -312,3 +312,10 @@ def standard_shapes(chip_name: str) -> list[str]:
         small = min(dims)
         dims[max(i for i, d in enumerate(dims) if d == small)] *= 2
     return ["x".join(map(str, d)) for d in grids if prod(d) <= g.max_chips and _accepted(g, d)]
+
+
+def shapes_of_ranks(chip_name: str, ranks: int) -> list[str]:
+    """The generation's slice shapes (`standard_shapes`) that hold `ranks` mesh ranks."""
+    per_chip = chip(chip_name).cores_per_chip
+    return [shape for shape in standard_shapes(chip_name)
+            if prod(int(d) for d in shape.split("x")) * per_chip == ranks]

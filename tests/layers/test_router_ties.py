@@ -1,27 +1,33 @@
 """Every router kind of the library, its lowered `router` and `route` bodies (the MoE kind's
 softmax top-k, sigmoid with the correction bias and groups, GPT-OSS's biased top k's softmax;
-Kimi K3's own `route` body, sigmoid with one group) against an independent numpy derivation of
-upstream's router, on rows built near the ties where selection alone decides: two groups whose
-scores (best plus second-best corrected score) differ by DELTA, the narrow winner the group with
-the larger best or the one with the larger second, at the lower or the higher group index; a
-group whose two best are equal (a tie counts twice); two groups exactly tied (the lower wins);
-two experts at the k-th pick DELTA apart where the correction bias (or the router's bias)
-decides, each order; experts exactly tied (the lower lane wins). DELTA is far above f32
-rounding and far below what a 1 % change of a term moves: each mutant below flips a pick
+the sigmoid router as DeepSeek-V3, Kimi K3 and Muse Spark compose it) against an independent
+numpy derivation of upstream's router, on rows built near the ties where selection alone
+decides: two groups whose scores (best plus second-best corrected score) differ by DELTA, the
+narrow winner the group with the larger best or the one with the larger second, at the lower or
+the higher group index; a group whose two best are equal (a tie counts twice); two groups
+exactly tied (the lower wins); two experts at the k-th pick DELTA apart where the correction
+bias (or the router's bias) decides, each order; experts exactly tied (the lower lane wins).
+The sigmoid routers' bias comes from the checkpoint through the family's packer, and the
+reference's `route` and the harness's `selection_scores` read the same rows. DELTA is far above
+f32 rounding and far below what a 1 % change of a term moves: each mutant below flips a pick
 (applied to the source and this module run, every one failed it).
 
-Mutants (mkc/layers/moe/lowering.py unless named)              caught by
-  the group score's second term (first + 1.01 * second)          deepseek (group rows)
-  its first term (1.01 * first + second)                         deepseek (group rows)
-  the correction bias (scores + 1.01 * bias)                     deepseek, k3 (expert rows)
+Mutants, 1.01 times ... (mkc/layers/moe/ unless named)         caught by
+  the correction bias in the kernel's pick (lowering.py), in     every sigmoid case
+    `Sigmoid.kernel` or `route_args` (options.py), as packed
+    (weights.vector), in the reference's `sigmoid_route` or
+    `sigmoid_selection` (reference.py)
+  the group score's first or second term (lowering.py; the       deepseek (group rows)
+    reference's `group_scores`)
   the router's bias (logits + 1.01 * bias)                       gpt_oss
   groups tied to the higher index                                deepseek (exact-tie row)
   a tie counting once (second = the next smaller value)          deepseek (doubled-best row)
-  experts tied to the higher lane (mkc/runtime/experts.top_k)    five of the six tests
+  experts tied to the higher lane (mkc/runtime/experts.top_k)    every test but gpt_oss
 """
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,12 +37,16 @@ from mkc.families.deepseek_v3 import reference as deepseek
 from mkc.families.deepseek_v3.graph import MOE as DEEPSEEK_MOE
 from mkc.families.gpt_oss import reference as gpt_oss
 from mkc.families.gpt_oss.graph import MOE as GPT_OSS_MOE
-from mkc.families.kimi_k3 import lowering as k3_lowering
 from mkc.families.kimi_k3 import reference as k3
+from mkc.families.kimi_k3.graph import MOE as K3_MOE
+from mkc.families.muse_spark import reference as muse_spark
+from mkc.families.muse_spark.graph import MOE as MUSE_SPARK_MOE
 from mkc.families.qwen3_moe import reference as qwen3_moe
 from mkc.layers.moe import MoE
 from mkc.layers.moe import lowering
+from mkc.layers.moe import reference as moe_ref
 from mkc.model.config import CONFIG_DIR
+from layer_bodies import ONE_RANK, PREFIX
 from tests_support import body_layer
 
 DELTA = 1e-4
@@ -49,7 +59,8 @@ def _route_bodies(sub: MoE, d, product: np.ndarray, vectors: dict) -> tuple[np.n
     weights)."""
     picked = {}
     c = body_layer(d, {n: jnp.asarray(v, jnp.float32)[None, :] for n, v in vectors.items()},
-                   matmul=lambda name, h: h, select_experts=lambda ids: picked.setdefault("ids", ids))
+                   matmul=lambda name, h: h, select_experts=lambda ids: picked.setdefault("ids", ids),
+                   plan=types.SimpleNamespace(streamed={}))      # a split router's product: every column
     logits = lowering.router(sub, c, jnp.asarray(product, jnp.float32))
     ids, weights = lowering.route(sub, c, logits)
     np.testing.assert_array_equal(np.asarray(picked["ids"]), np.asarray(ids))
@@ -153,48 +164,84 @@ def _expert_rows(bias: np.ndarray, groups: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def _deepseek(**changes):
-    d = deepseek.load_config(CONFIG_DIR / "deepseek_v3_mini.json")
-    small = dict(experts=E, top_k=K, n_group=GROUPS, topk_group=TOP_GROUPS)
-    return dataclasses.replace(d, **(small | changes))
+def _sigmoid_router(family: str, renormalise: bool = True):
+    """A sigmoid router's MoE and dims: DeepSeek-V3's (groups), Kimi K3's (one group, its
+    router split: logits lane padded past the experts), Muse Spark's (one group, the router's
+    bf16 pair, its logits scaled by `output_multiplier`); E experts, top K, their scaling
+    factor 2 (K3's, Muse Spark's) so that it shows."""
+    if family == "deepseek":
+        d = deepseek.load_config(CONFIG_DIR / "deepseek_v3_mini.json")
+        return DEEPSEEK_MOE, dataclasses.replace(d, experts=E, top_k=K, n_group=GROUPS, topk_group=TOP_GROUPS,
+                                                 norm_topk_prob=renormalise)
+    module, sub, config = {"kimi_k3": (k3, K3_MOE, "kimi_k3_mini"),
+                           "muse_spark": (muse_spark, MUSE_SPARK_MOE, "muse_spark_mini")}[family]
+    d = module.load_config(CONFIG_DIR / f"{config}.json")
+    return sub, dataclasses.replace(d, experts=E, top_k=K, routed_scaling_factor=2.0)
 
 
-@pytest.mark.parametrize("renormalise", [True, False])
-def test_deepseek_groups_near_a_tie_pick_as_upstream(renormalise):
-    d = _deepseek(norm_topk_prob=renormalise)
-    rows = _group_rows()
-    for bias, picks in ((BIAS, np.concatenate([rows[:4], _expert_rows(BIAS, GROUPS)])),
-                        (np.zeros(E, np.float32), rows[4:])):      # exact ties: no bias
-        logits = _logits_for(picks, bias)
-        want_ids, want = upstream_sigmoid(logits, bias, K, GROUPS, TOP_GROUPS, renormalise,
-                                          d.routed_scaling_factor)
-        ids, weights = _route_bodies(DEEPSEEK_MOE, d, logits, {"correction_bias": bias})
+def _sigmoid_rows(family: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(corrected scores [R, E], correction bias [E]) sets: with groups, the group rows and the
+    expert rows under BIAS, then the exact ties under a zero bias; with one group, the expert
+    rows, then five equal scores (the four lowest lanes taken) under a zero bias."""
+    zero = np.zeros(E, np.float32)
+    if family == "deepseek":
+        rows = _group_rows()
+        return [(np.concatenate([rows[:4], _expert_rows(BIAS, GROUPS)]), BIAS), (rows[4:], zero)]
+    tie = np.full(E, 0.45)
+    tie[[3, 7, 9, 12, 14]] = 0.7
+    return [(_expert_rows(BIAS, 1), BIAS), (tie[None], zero)]
+
+
+def _kernel_route(sub: MoE, d, logits: np.ndarray, bias: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's side from the checkpoint: the correction bias as the family's packer puts
+    it in the layer's vectors (`weights.vector`), the router's product that gives `logits`
+    (the pair's hi columns, lo zero; divided by the router's logit factor; zero columns past
+    the experts where the router is split), the lowered `router` and `route` bodies -> (the
+    logits they scored, ids best first, dense weights)."""
+    hf = {PREFIX + sub.prefix + sub.routing.vector_tensor(sub.routing.bias): bias}
+    packed = sub.module("weights").vector(sub, hf, d, PREFIX, sub.routing.bias, 0, ONE_RANK)
+    scale = sub.routing.logit_scale(d)
+    columns = sub.router_cols(d, {"router": 1}) * (2 if sub.routing.weight_pair else 1)
+    product = np.zeros((len(logits), columns), np.float32)
+    product[:, :E] = logits / scale if scale is not None else logits
+    scored = product[:, :E] * np.float32(scale) if scale is not None else product[:, :E]
+    ids, weights = _route_bodies(sub, d, product, {sub.routing.bias: packed[0]})
+    return scored, ids, weights
+
+
+@pytest.mark.parametrize("family, renormalise", [("deepseek", True), ("deepseek", False), ("kimi_k3", True),
+                                                 ("muse_spark", True)])
+def test_sigmoid_routers_near_a_tie_pick_as_upstream(family, renormalise):
+    """Each sigmoid router, the kernel's side (packer and bodies) and the reference's (`route`
+    and the harness's `selection_scores` on `route_args` of the checkpoint's tensors), on rows
+    where the correction bias or a group score decides a pick by DELTA."""
+    sub, d = _sigmoid_router(family, renormalise)
+    routing = sub.routing
+    for picks, bias in _sigmoid_rows(family):
+        logits, ids, weights = _kernel_route(sub, d, _logits_for(picks, bias), bias)
+        groups = getattr(d, "n_group", 1)
+        want_ids, want = upstream_sigmoid(logits, bias, K, groups, TOP_GROUPS if groups > 1 else 1,
+                                          routing.renormalise(d), routing.scaling(d))
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_allclose(weights, want, rtol=1e-6, atol=1e-7)
-        if len(picks) == 6:     # the narrow winners' groups: 0, 1, 1, 0
+
+        p = {"gate.e_score_correction_bias": jnp.asarray(bias)}
+        args = moe_ref.route_args(sub, p, d)
+        r_ids, r_weights = moe_ref.route(jnp.asarray(logits), *args)
+        np.testing.assert_array_equal(np.sort(np.asarray(r_ids), -1), np.sort(want_ids, -1))
+        np.testing.assert_allclose(_dense(np.asarray(r_ids), np.asarray(r_weights, np.float64), E), want,
+                                   rtol=1e-6, atol=1e-7)
+        choices = moe_ref.selection_scores(jnp.asarray(logits), *args)
+        experts, k = choices[0] if isinstance(choices, list) else choices
+        np.testing.assert_array_equal(_best_first(np.asarray(experts), k), want_ids)
+        if family != "deepseek":
+            tie = want_ids[-1] if bias is not BIAS else None
+            assert tie is None or list(tie) == [3, 7, 9, 12]
+        elif bias is BIAS:      # the narrow winners' groups: 0, 1, 1, 0
             assert [0 in i for i in want_ids[:4]] == [True, False, False, True]
         else:                   # the doubled best's group; of two tied, the lower
             assert 12 in want_ids[0] and 0 in want_ids[1] and 4 not in want_ids[1]
-
-
-def test_k3_experts_near_a_tie_pick_as_upstream():
-    """K3's route body (sigmoid, one group, renormalised, its scaling) on the two expert rows and
-    a row of exact ties (equal corrected scores: lower lanes first)."""
-    d = k3.load_config(CONFIG_DIR / "kimi_k3_mini.json")
-    d = dataclasses.replace(d, experts=E, top_k=K, routed_scaling_factor=2.0)
-    tie = np.full(E, 0.45)
-    tie[[3, 7, 9, 12, 14]] = 0.7            # five equal: the four lowest lanes
-    picks = np.concatenate([_expert_rows(BIAS, 1), tie[None]])
-    logits = _logits_for(picks, BIAS)
-    logits[2] = _logits_for(tie, np.zeros(E, np.float32))   # zero bias: the tie is exact
-    bias = np.stack([BIAS, BIAS, np.zeros(E, np.float32)])
-    want = [upstream_sigmoid(logits[r:r + 1], bias[r], K, 1, 1, True, 2.0) for r in range(3)]
-    for r in range(3):
-        c = body_layer(d, {"correction_bias": jnp.asarray(bias[r])[None, :]}, select_experts=lambda ids: None)
-        ids, weights = k3_lowering.BODIES["moe", "route"](c, jnp.asarray(logits[r:r + 1]))
-        np.testing.assert_array_equal(np.asarray(ids), want[r][0], err_msg=f"row {r}")
-        np.testing.assert_allclose(np.asarray(weights, np.float64), want[r][1], rtol=1e-6, atol=1e-7)
-    assert list(want[2][0][0]) == [3, 7, 9, 12]
 
 
 @pytest.mark.parametrize("renormalise", [True, False])

@@ -140,3 +140,21 @@ def test_table_labels_both_hbm_percentages(capsys):
     assert main(["perf", str(TPU7X_SPEC), "--batch", "1", "--context", "256", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)["perf"]
     assert 0 < rep["percent_of_peak_bandwidth"] <= 100
+
+
+def test_the_vmem_axis_scales_to_the_data(picture):
+    """A kernel whose peak is a fair share of the budget (these full-size ones) is drawn against
+    the usable VMEM; a MINI kernel's (1.3 MiB of a 58 MiB budget: a sliver at the bottom of a
+    70 MiB axis) against its peak, the title saying the budget lies above."""
+    s, res, fig = picture
+    vs = plot.vmem_series(s, res, 8)
+    assert fig.axes[0].get_ylim()[1] == pytest.approx(vs.limit / plot.MIB * 1.1)
+    mini = check_spec(TPU7X_SPEC, "qwen3_8_mini").ir
+    res = step_model(mini, 8, 512)
+    fig = plot.figure(mini, res, 8, 512, target.chip(mini.chip).hbm_bytes_per_s, 1e-3)
+    vs = plot.vmem_series(mini, res, 8)
+    peak = max(vs.totals())
+    assert peak < plot.SCALED_BELOW * vs.budget
+    assert fig.axes[0].get_ylim()[1] == pytest.approx(peak / plot.MIB * 1.1)
+    assert f"the {vs.budget / plot.MIB:.2f} MiB budget lies above" in fig.axes[0].get_title(loc="left")
+    matplotlib.pyplot.close(fig)
