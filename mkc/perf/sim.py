@@ -391,10 +391,10 @@ class Model:
         return t
 
     def feed_seconds(self, w: Work) -> float:
-        """The MXUs loading `w`'s stationary values, one row of `mxu_column` values a cycle
-        each (`Rates.feed_values_per_s`): the least time its matmuls take whatever the static
-        schedule issues (libtpu issues a weight push a bundle, the MXU takes it in over many
-        cycles)."""
+        """The MXUs taking in `w`'s stationary values at their push rate
+        (`Rates.feed_values_per_s`, measured on TPU7x): the least time its matmuls take whatever
+        libtpu's static schedule says (it issues a weight push a bundle; the MXU takes it in
+        over many cycles)."""
         r = self.rates
         return sum(v / r.feed_values_per_s(dtype) for (dtype, _), v in w.matrix.items())
 
@@ -426,7 +426,8 @@ class Model:
         """An op's prices from its compiled row (see `op_prices`). A weight read costs its
         values at the row's cycles per weight value: its copy-waiting loops' cycles over the
         values a call reads, or, with none, its run-time loop's iteration (an expert) over the
-        values one iteration reads (a loop of run-time length is counted once). Without
+        values one iteration reads (a loop of run-time length is counted once). Each part is
+        never cheaper than pushing its matmuls' weights into the MXU (`feed_seconds`). Without
         counted weight values, a read costs one loop iteration whatever its size
         (`per_value` is then flagged by a zero-value Work and `read` charges it per read)."""
         c = self.rates.cycle_s
