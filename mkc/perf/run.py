@@ -374,7 +374,7 @@ def report(m: Modelled) -> dict[str, Any]:
                       f"{'sequences' if sequences else 'rows'} (mkc.perf.bundles), at a "
                       f"{rates.clock_hz / 1e9:.3f} GHz clock" if measure else
                       "counted: the traced kernel's work at the chip's rates (mkc.perf.work; "
-                      f"the MXUs loading weights at peak / (2 x column)), {m.counted_because}"),
+                      f"the MXUs loading weights at their push rate), {m.counted_because}"),
         "ops_counted": ops_counted(measure),
         "collectives_counted": (measure or {}).get("op_level", {}).get("collectives_counted", []),
         "validation": validation_note(s.chip),

@@ -224,7 +224,7 @@ def test_the_step_is_priced_as_compiled_where_a_measure_is_shipped_and_counted_e
     assert verify.startswith("counted:") and "pass --verify 8" in verify
     assert priced(str(SPEC), "--batch", "1", "--counted") == (
         "counted: the traced kernel's work at the chip's rates (mkc.perf.work; the MXUs "
-        "loading weights at peak / (2 x column)), asked for (--counted)")
+        "loading weights at their push rate), asked for (--counted)")
     with pytest.raises(SystemExit) as e:                    # one or the other
         main(["perf", str(SPEC), "--counted", "--compiled"])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
