@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     skew = "--skew" in argv
     argv = [a for a in argv if a != "--skew"]
 
-    def load_served(spec, model, batch=None, seed=0, tokenizer=None, place=True):
+    def load_served(spec, model, batch=None, seed=0, tokenizer=None, place=True, name=None):
         gen = serve_fakes.fake_module()
         if skew:
             step = gen.make_decode_step
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
                 return skewed
             gen.make_decode_step = make_decode_step
         mesh = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
-        served = mkc.serve.model.Served(name=model, gen=gen, weights={}, mesh=mesh, interpret=None,
+        served = mkc.serve.model.Served(name=name or model, gen=gen, weights={}, mesh=mesh, interpret=None,
                                         tokenizer=None, eos_token_ids=frozenset({serve_fakes.EOS}))
         return served, batch or 2
 
