@@ -43,7 +43,7 @@ def test_defaults_are_llama_configs_and_head_dim_follows_the_hidden_size():
     ({"mlp_bias": True}, "mlp_bias"), ({"tie_word_embeddings": True}, "tie_word_embeddings = true "),
     ({"tie_word_embeddings": "no"}, 'tie_word_embeddings = "no" is not supported'),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-    ({"num_key_value_heads": 0}, "multiple of num_key_value_heads"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads = 0 is out of range"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
