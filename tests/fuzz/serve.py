@@ -453,7 +453,7 @@ def kind_slow(rng: random.Random, model: str) -> Hostile:
 def kind_connections(rng: random.Random, model: str) -> Hostile:
     """More connections than the server takes (--max-connections), at once: idle ones, ones
     with half their headers, and whole requests, each of which must be answered (a 503 past the
-    cap); all closed together afterwards."""
+    cap, a 429 when the engine's queue is full); all closed together afterwards."""
     plan = [rng.choice(["idle", "half", "health", "completion"])
             for _ in range(BOUNDS.max_connections + rng.randint(1, 8))]
 
@@ -473,7 +473,7 @@ def kind_connections(rng: random.Random, model: str) -> Hostile:
             for what, sock in socks:
                 if what in ("health", "completion"):
                     bad = _judge_raw(sock, ANSWER_SECONDS, "GET" if what == "health" else "POST",
-                                     f"{what} among {len(plan)} connections", (200, 503))
+                                     f"{what} among {len(plan)} connections", (200, 429, 503))
                     if bad:
                         return bad
             return None
