@@ -18,7 +18,11 @@ whole kernels; data in benchmarks/data/):
   between measured widths; anywhere else a stated bound, labelled so (`compiler_scratch`).
   Measured at the chip's whole VMEM, where libtpu spills most: under a tighter limit it
   rematerialises instead (the VMEM sweep's margins at mkc's peak as the limit), so the
-  measure bounds it;
+  measure bounds it. libtpu gives spill slots region by region, in memory the `run_scoped`
+  buffers of regions not open share, so a measure (libtpu's use less mkc's peak) is the spill
+  beside the measured kernel's scoped peak, and spill elsewhere may hide behind its KV tiles:
+  a kernel whose tiles hold fewer entries (a verify step of as many rows for fewer sequences)
+  takes the measure plus the tile bytes it no longer has (`_hidden_by_tiles`);
 - semaphores live in their own memory (sflag, 16 KiB) and SMEM scratch in SMEM: neither is
   VMEM.
 
@@ -136,16 +140,50 @@ def _is_verify(m: ir.ScratchMeasure) -> bool:
     return m.kernel.startswith("verify")
 
 
-def _at_width(measures, k: Kernel) -> tuple[int, bool, str]:
+def _tile_entries(m: ir.ScratchMeasure) -> int:
+    """Entries the measured kernel's KV tiles held: one a sequence in a verify step ("verify R
+    x S": S), one a row in a decode step."""
+    return int(m.kernel.split(" x ")[1]) if _is_verify(m) else m.rows
+
+
+def kv_tile_bytes(s: ir.ScheduleIR, entries: int) -> int:
+    """VMEM of the spec's KV tile buffers holding `entries` entries (sequences or rows)."""
+    tiles = {n for kind in s.kinds.values() if kind.kv for n in kind.kv.tile_buffers}
+    return sum(b.at_batch(entries).vmem_bytes for b in s.buffers if b.name in tiles)
+
+
+def _hidden_by_tiles(m: ir.ScratchMeasure, k: Kernel, tiles: Callable[[int], int] | None) -> int:
+    """Spill of measure `m` that kernel `k` may show beyond it: libtpu's spill slots share
+    memory with the `run_scoped` buffers of regions not open (a region's own, plus the largest
+    of its sub-regions'), so its use is the largest of (spill + scoped buffers open) over its
+    regions, and the measure, libtpu's use less mkc's peak (which holds the scoped KV tiles),
+    hides up to the tiles' bytes of spill in regions where they are not open. A kernel whose
+    tiles hold fewer entries than the measured kernel's no longer hides it: Qwen3-235B's verify
+    step of 16 rows for 1 sequence against the measured 8 rows for 2 (libtpu 0.0.50.1, 16
+    ranks): mkc counts 128 KiB less KV tiles, libtpu's use is 60 KiB less, set by the spill of
+    a region with no tile open (0.676 MiB, one vreg more than the 8x2 kernel's), not by the
+    attention's tiles and spill (0.734 MiB at 8x2). Taken only for a verify step from verify
+    steps' measures, whose tiles differ at as many rows (a decode step's hold one entry a row:
+    its measures at other widths are interpolated over the rows, tiles and all). The spec's
+    own tiles stand for the measured kernel's (`tiles(entries)`, `kv_tile_bytes`: the same
+    tiles when the spec keeps the measured ones); None: nothing added."""
+    if tiles is None or not (k.verify and _is_verify(m)):
+        return 0
+    return max(0, tiles(_tile_entries(m)) - tiles(k.sequences))
+
+
+def _at_width(measures, k: Kernel, tiles: Callable[[int], int] | None = None
+              ) -> tuple[int, bool, str]:
     """(bytes, measured, how) for kernel `k` from one geometry's measures at one KV tile
-    length. Between the narrowest and widest measure of its kind (decode or verify): the upper
-    envelope, linear between them. Past the widest measured width, or for a kind never
-    measured (from the other kind's): a bound, the envelope at the widest plus
-    `SCRATCH_BOUND_A_ROW` (or the envelope's steepest rise a row, when steeper) for each row
-    past it."""
+    length, each with the spill it hides behind KV tiles `k` does not have
+    (`_hidden_by_tiles`, from `tiles`). Between the narrowest and widest measure of its kind
+    (decode or verify): the upper envelope, linear between them. Past the widest measured
+    width, or for a kind never measured (from the other kind's): a bound, the envelope at the
+    widest plus `SCRATCH_BOUND_A_ROW` (or the envelope's steepest rise a row, when steeper)
+    for each row past it."""
     same = [m for m in measures if _is_verify(m) == k.verify]
     kind = "verify" if k.verify else "decode"
-    pts = [(m.rows, m.bytes) for m in (same or measures)]
+    pts = [(m.rows, m.bytes + _hidden_by_tiles(m, k, tiles)) for m in (same or measures)]
     widest = max(r for r, _ in pts)
     widths = ", ".join(map(str, sorted({r for r, _ in pts})))
     if same and k.rows <= widest:
@@ -180,6 +218,7 @@ def compiler_scratch(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> C
     if not s.compiler_scratch:
         return CompilerScratch(0, False, f"family {s.family} has no measured compiler scratch")
     key = scratch_key(s)
+    tiles = lambda entries: kv_tile_bytes(s, entries)  # noqa: E731
     tokens = max((kind.kv.tokens for kind in s.kinds.values() if kind.kv), default=0)
     own = [m for m in s.compiler_scratch if m.key == key]
     kind = [m for m in own if _is_verify(m) == k.verify] or own
@@ -191,7 +230,7 @@ def compiler_scratch(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> C
     if own and (tokens <= base or any(m.kv_tokens >= tokens and m.rows >= k.rows for m in kind)):
         at = [m for m in own if m.kv_tokens == base]
         past, per_token = max(0, tokens - base), kv_token_bytes(own)
-        n, measured, how = _at_width(at, k)
+        n, measured, how = _at_width(at, k, tiles)
         n += round(per_token * past)
         source = (f"{'measured by libtpu' if measured else 'not measured at this width'} for "
                   f"this geometry ({how}), KV tiles of {base} tokens"
@@ -204,7 +243,8 @@ def compiler_scratch(s: ir.ScheduleIR, batch: "Kernel | int | None" = None) -> C
     by_key: dict = {}
     for m in s.compiler_scratch:
         by_key.setdefault(m.key, []).append(m)
-    n = max(round(UNMEASURED_SCRATCH_FACTOR * _at_width(ms, k)[0]) for ms in by_key.values())
+    n = max(round(UNMEASURED_SCRATCH_FACTOR * _at_width(ms, k, tiles)[0])
+            for ms in by_key.values())
     what = (f"KV tiles of {tokens} tokens, longer than measured at this width" if own
             else _key_words(key))
     source = (f"bound, not measured for this geometry ({what}): {UNMEASURED_SCRATCH_FACTOR}x the "

@@ -350,6 +350,35 @@ def test_past_the_widest_measured_width_the_scratch_is_a_bound_and_says_so():
     assert at24.bytes >= at8.bytes + 16 * capacity.SCRATCH_BOUND_A_ROW
 
 
+def test_a_verify_step_of_fewer_sequences_counts_the_spill_its_measures_tiles_hid(tmp_path):
+    """Issue 71: Qwen3-235B with `verify 16` at reserve 0. libtpu uses 60,846,080 bytes for its
+    verify step of 16 rows for 1 sequence (compiled here, `mkc check --confirm`; measured in
+    the family's compiler_scratch.json). Held out from that measure, mkc took the 8x2 kernel's
+    (16 rows, KV tiles of 2 sequences) and gave 60,841,984, 4 KiB short: libtpu's spill slots
+    share memory with scoped KV tiles of regions not open, so the 8x2 measure hid spill behind
+    128 KiB of tiles the 1-sequence kernel does not have. mkc's peak is at least libtpu's use,
+    and the scratch counts the hidden spill (`_hidden_by_tiles`)."""
+    from mkc.checks.capacity import Kernel
+    from mkc.lang.parser import parse_file
+    from mkc.resolve import resolve
+    spec = _edited(tmp_path, "qwen3_235b_a22b", NO_EXPECT, ("verify  8", "verify 16"),
+                   ("reserve 6 MiB", "reserve 0 MiB"))
+    s = resolve(parse_file(spec)[0], None)
+    k = Kernel(16, 1, True)
+    libtpu = next(m for m in s.compiler_scratch
+                  if m.model == "qwen3_235b_a22b" and m.kernel == "verify 16 x 1")
+    assert libtpu.used_bytes == 60846080
+    held_out = dataclasses.replace(
+        s, compiler_scratch=tuple(m for m in s.compiler_scratch if m is not libtpu))
+    assert capacity.kv_tile_bytes(s, 2) - capacity.kv_tile_bytes(s, 1) == 128 << 10
+    events = build_trace(s)
+    for ir_ in (s, held_out):
+        assert vmem_budget(ir_, events, k)[0] >= libtpu.used_bytes
+    # the 8x2 measure plus the 128 KiB of tiles it hid spill behind (and the margin)
+    assert capacity.compiler_scratch(held_out, k).bytes == (
+        507904 + (128 << 10) + capacity.COMPILER_SCRATCH_MARGIN)
+
+
 def _pairs(measures):
     """(narrower measures, a wider measure) of one geometry, kernel kind and KV tile length."""
     groups: dict = {}
