@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -96,11 +97,17 @@ def micro_seconds(case: dict, m: Model) -> float:
         k, n, pushed = case["push"]
         return m.feed_seconds(Work(matrix={(pushed, 8): float(k * n)}))
     if "ring" in case:
-        return ring_seconds(case["ring"], m)
+        return ring_seconds(published()["rings"][case["ring"]], m, case.get("dma_only", False))
     return m.collective_seconds(reference_rounds(case, len(m.chip_coords)))
 
 
-def ring_seconds(ring: dict, m: Model) -> float:
+@lru_cache(maxsize=None)
+def published() -> dict:
+    """published_points.json, read once."""
+    return json.loads(POINTS.read_text())
+
+
+def ring_seconds(ring: dict, m: Model, dma_only: bool = False) -> float:
     """A layer of the reference kernel's dense ring (stream.py): each layer's matrices in
     loads of one or more copies, `slots` loads in flight (a load refilled as soon as its dot is
     done), each load's dot taking its values' MXU pushes (`Model.feed_seconds`; none with
@@ -116,7 +123,7 @@ def ring_seconds(ring: dict, m: Model) -> float:
         issued.append([eng.issue(0.0, nbytes) for _ in range(copies)])
     for i, (_, _, values) in enumerate(loads):
         t = max([t] + [eng.landing(c) for c in issued[i]])
-        if not ring.get("dma_only"):
+        if not dma_only:
             t += m.feed_seconds(Work(matrix={(ring["pushed"], 8): values}))
         if i + slots < len(loads):
             copies, nbytes, _ = loads[i + slots]
