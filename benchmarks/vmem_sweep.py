@@ -3,9 +3,10 @@
 For each swept spec (every shipped spec, K3 with FP8 and with rounded FP4 experts,
 Qwen3.5-35B-A3B with rounded FP8 experts, GPT-OSS 20b and K3 with KV tiles 4x the measured
 length, Llama 8B with 5 KV tiles of 512 tokens) and each kernel (the decode step at batch 1
-and at the largest batch, the verify step for the most sequences, and the wider kernels of
-`WIDER`: batches past 8, verify steps of 16 and 32 rows) three variants sit at mkc's own
-boundary, with reserve 0 and no `expect` lines:
+and at the largest batch, the verify step for the most sequences, the wider kernels of `WIDER`:
+batches past 8 and more sequences, and a verify step of `VERIFY_PAST` rows for one sequence
+wherever the spec has one) three variants sit at mkc's own boundary, with reserve 0 and no
+`expect` lines:
 
     peak       the spec as shipped with `vmem limit` set to mkc's own peak (rounded up to a KiB):
                mkc says it fits with nothing to spare
@@ -70,6 +71,9 @@ WIDER = {"gpt_oss_20b": [("decode", 16), ("verify", 2)], "gpt_oss_120b": [("deco
          "qwen3_235b_a22b": [("decode", 16), ("verify", 2)], "qwen3_30b_a3b": [("decode", 16)],
          "deepseek_v3": [("decode", 16), ("decode", 32)], "kimi_k3": [("decode", 16)],
          "llama_3_1_8b": [("decode", 16), ("verify", 4)]}
+# Verify steps past the shipped 8 rows a sequence (an outside sweep found a 4 KiB false fit at
+# Qwen3-235B's `verify 16`): every spec with a verify line, for one sequence.
+VERIFY_PAST = 16
 
 
 @dataclass(frozen=True)
@@ -98,20 +102,24 @@ def _line(text: str, pattern: str) -> str:
     return m.group(0)
 
 
-def _base_edits(text: str, kernel: str, batch: int, limit: str = "") -> list[tuple[str, str]]:
+def _base_edits(text: str, kernel: str, batch: int, limit: str = "", rows: int = 0
+                ) -> list[tuple[str, str]]:
     """Reserve 0 (and the limit `limit`, when given), no `expect` lines, no `refill` lines (they
     move no buffer, and a ring swept shallower than one holds back would be refused), a decode
     kernel's batch range 1 to its batch, and a verify kernel's sequences up to its `batch` (the
-    batch range widened to hold them)."""
+    batch range widened to hold them) at `rows` rows a sequence (0: the spec's own)."""
     edits = [(m.group(0), "") for m in re.finditer(r"^ *(expect|refill) .*\n", text, flags=re.M)]
     vmem = _line(text, r"vmem\s+limit \S+ \w+ reserve \S+ \w+")
     new = re.sub(r"reserve \S+ \w+", "reserve 0 MiB", vmem)
     edits.append((vmem, re.sub(r"limit \S+ \w+", f"limit {limit}", new) if limit else new))
     if kernel == "verify":
         line = _line(text, r"^ *verify +\d+.*$")
-        m = re.match(r"( *verify +\d+)(?: sequences (\d+)(?: to (\d+))?)?", line)
-        if int(m.group(3) or m.group(2) or 1) != batch:
-            edits.append((line, f"{m.group(1)} sequences 1 to {batch}"))
+        m = re.match(r"( *verify +)(\d+)(?: sequences (\d+)(?: to (\d+))?)?", line)
+        verify = f"{m.group(1)}{rows or m.group(2)}"
+        if int(m.group(4) or m.group(3) or 1) != batch:
+            edits.append((line, f"{verify} sequences 1 to {batch}"))
+        elif rows:
+            edits.append((line, line.replace(m.group(1) + m.group(2), verify, 1)))
         b = _line(text, r"^ *batch +1 to \d+")
         if int(b.split()[-1]) < batch:
             edits.append((b, re.sub(r"1 to \d+", f"1 to {batch}", b)))
@@ -162,6 +170,17 @@ def _tag(name: str, kernel: str, batch: int, verify_rows: int) -> str:
     return f"{name} {kernel} " + (f"B{batch}" if kernel == "decode" else f"{verify_rows}x{batch}")
 
 
+def _widths(name: str, shipped) -> list[tuple[str, int, int]]:
+    """The swept kernels: (kernel, batch, verify rows a sequence, 0 for decode)."""
+    widths = [("decode", 1, 0), ("decode", shipped.batch_max, 0)]
+    if shipped.verify_rows:
+        widths.append(("verify", shipped.verify_sequences[1], shipped.verify_rows))
+    widths += [(k, b, shipped.verify_rows if k == "verify" else 0) for k, b in WIDER.get(name, ())]
+    if shipped.verify_rows and shipped.verify_rows < VERIFY_PAST:
+        widths.append(("verify", 1, VERIFY_PAST))
+    return list(dict.fromkeys(widths))
+
+
 def variants_of(name: str, spec: Path, formats, width: str | None = None) -> list[Variant]:
     """The spec's variants at each of its swept kernels (with `width`, as "decode B8" or
     "verify 8x2": at that one)."""
@@ -170,21 +189,18 @@ def variants_of(name: str, spec: Path, formats, width: str | None = None) -> lis
     for old, new in formats:
         text = text.replace(old, new)
     shipped = resolve_text(text, spec.name)
-    widths = [("decode", 1), ("decode", shipped.batch_max)]
-    if shipped.verify_rows:
-        widths.append(("verify", shipped.verify_sequences[1]))
-    widths += [w for w in WIDER.get(name, ()) if w not in widths]
+    widths = _widths(name, shipped)
     if width is not None:
-        widths = [w for w in widths if _tag(name, *w, shipped.verify_rows) == f"{name} {width}"]
+        widths = [w for w in widths if _tag(name, *w) == f"{name} {width}"]
     out = []
-    for kernel, batch in widths:
-        tag = _tag(name, kernel, batch, shipped.verify_rows)
-        base = tuple(formats) + tuple(_base_edits(text, kernel, batch))
+    for kernel, batch, rows in widths:
+        tag = _tag(name, kernel, batch, rows)
+        base = tuple(formats) + tuple(_base_edits(text, kernel, batch, rows=rows))
         base_view = mkc_view(Variant("", rel, base, kernel, batch))
         peak = base_view["peak"]
         if peak <= base_view["budget"]:      # a limit at mkc's peak is one the chip has
             at_peak = tuple(formats) + tuple(_base_edits(text, kernel, batch,
-                                                         f"{math.ceil(peak / 1024)} KiB"))
+                                                         f"{math.ceil(peak / 1024)} KiB", rows))
             out.append(Variant(f"{tag} peak", rel, at_peak, kernel, batch))
         def fits(slots: int) -> bool:
             view = mkc_view(Variant("", rel, base + tuple(_ring_edits(text, slots)), kernel, batch))
@@ -215,9 +231,9 @@ def boundary_variant(name: str, width: str, kind: str) -> Variant:
 
 
 def variants(only: str | None = None) -> list[Variant]:
-    """Every swept spec's variants (with `only`: of specs whose name holds it or is in it)."""
-    return [v for name, spec, formats in SWEPT if not only or only in name or name in only
-            for v in variants_of(name, spec, formats) if not only or only in v.name]
+    """Every swept spec's variants (with `only`: those whose name holds it)."""
+    return [v for name, spec, formats in SWEPT for v in variants_of(name, spec, formats)
+            if not only or only in v.name]
 
 
 def compile_variant(v: Variant, timeout: float) -> dict:

@@ -18,11 +18,11 @@ os.environ["MKC_OP_CACHE"] = tempfile.mkdtemp(prefix="mkc-ops-")
 os.environ.setdefault("MKC_OP_COMPILE", "0")
 
 
-def run_python(args: list[str], timeout: float, python: str = sys.executable
-               ) -> subprocess.CompletedProcess:
+def run_python(args: list[str], timeout: float, python: str = sys.executable,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run a Python script in a fresh interpreter (own XLA device count, own libtpu state), by
-    default this environment's."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    default this environment's, with `env` added to this process's environment."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", **(env or {}))
     return subprocess.run([python, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -145,15 +145,23 @@ def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts:
         return body(c, x, None, weights)
 
 
+def _session_dir() -> Path | None:
+    """A folder the test session's xdist workers share (None outside xdist)."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not session:
+        return None
+    base = Path(tempfile.gettempdir()) / f"mkc-tests-{session}"
+    base.mkdir(exist_ok=True)
+    return base
+
+
 def once_per_session(key: str, run: Callable[[], dict]) -> dict:
     """`run()`'s JSON-able result, computed once per test session however many xdist workers
     ask (a worker that asks while another computes it waits and reads it): a result several
     workers' tests share is not computed on each."""
-    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not session:      # one process: its caller's own cache suffices
+    base = _session_dir()
+    if base is None:     # one process: its caller's own cache suffices
         return run()
-    base = Path(tempfile.gettempdir()) / f"mkc-tests-{session}"
-    base.mkdir(exist_ok=True)
     path = base / f"{key}.json"
     with open(base / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -164,11 +172,30 @@ def once_per_session(key: str, run: Callable[[], dict]) -> dict:
         return result
 
 
+def cpu_compilation_cache() -> dict[str, str]:
+    """Environment for a CPU-only subprocess of this environment that shares the session's JAX
+    compilation cache: interpret runs of one family compile the same references' ops and
+    kernel again in every process (a third of a Qwen3 MoE MINI run). An executable comes back
+    as compiled, so what runs is unchanged; the cache lives in the session's folder, and its
+    file lock (JAX's, with eviction on) keeps two workers from reading an entry half written."""
+    import importlib.util
+    base = _session_dir() or Path(tempfile.gettempdir()) / f"mkc-tests-{os.getpid()}"
+    env = {"JAX_COMPILATION_CACHE_DIR": str(base / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    # without filelock (huggingface_hub's, through tokenizers) JAX refuses a size limit; a
+    # half-written entry is then a warning and a compile, not an error
+    if importlib.util.find_spec("filelock"):
+        env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    return env
+
+
 def run_example(script: str, *args: str, timeout: int, python: str = sys.executable) -> dict:
-    """Run an interpret-mode example script with --json in a fresh process (of `python`); its
-    summary."""
+    """Run an interpret-mode example script with --json in a fresh process (of `python`; this
+    environment's shares the session's CPU compilation cache); its summary."""
     from conftest import run_python
-    r = run_python([script, "--json", *args], timeout=timeout, python=python)
+    r = run_python([script, "--json", *args], timeout=timeout, python=python,
+                   env=cpu_compilation_cache() if python == sys.executable else None)
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))
     return json.loads(line[5:])

@@ -246,17 +246,21 @@ def _run(mode: str, lean: bool = True) -> dict:
     """`lean`: with `mkc.interpret.lean_interpreter`, as the runners run (tests/test_interpret.py
     compares it with JAX's own)."""
     from conftest import run_python
-    from tests_support import once_per_session
+    from tests_support import cpu_compilation_cache, once_per_session
 
     def run() -> dict:
-        r = run_python([__file__, mode] + ["lean"] * lean, timeout=600)
+        r = run_python([__file__, mode] + ["lean"] * lean, timeout=600,
+                       env=None if mode == "compile" else cpu_compilation_cache())
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("JSON "))[5:])
 
     return once_per_session(f"collectives-{mode}-{'lean' if lean else 'jax'}", run)
 
 
-@pytest.fixture(params=["on_wait", "eager", "races", "races_eager"])
+# CI runs both DMA modes with race detection (the same DMAs and checks, and the detector);
+# without it, the extended tier's
+@pytest.fixture(params=[pytest.param("on_wait", marks=pytest.mark.extended),
+                        pytest.param("eager", marks=pytest.mark.extended), "races", "races_eager"])
 def interpreted(request) -> dict:
     return _run(request.param)
 

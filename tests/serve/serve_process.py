@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import pytest
 
 from mkc.serve import launch
+from tests_support import cpu_compilation_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
@@ -22,9 +23,10 @@ MODEL = "qwen3_8_mini"
 
 
 def cpu_env() -> dict[str, str]:
-    """The environment of a child that runs mkc serve on CPU (it sets its own device count)."""
+    """The environment of a child that runs mkc serve on CPU (it sets its own device count),
+    sharing the session's CPU compilation cache."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    return env | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)} | cpu_compilation_cache()
 
 
 def run_benchmark(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:

@@ -49,6 +49,9 @@ def test_speculative_greedy_equals_greedy_decoding(client, greedy):
         assert list(top)[0] == token and len(top) == 2
 
 
+# streaming is test_serve_server's in CI; speculative streaming the extended tier's (a second
+# worker would start a second server for it)
+@pytest.mark.extended
 def test_speculative_streaming_equals_greedy_decoding(client, greedy):
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, temperature=0,
                                        stream=True, stream_options={"include_usage": True})

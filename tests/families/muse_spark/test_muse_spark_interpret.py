@@ -45,7 +45,9 @@ def test_on_wait_two_steps_bit_equal_then_each_mutant_rejected_on_its_row():
     assert_each_mutant_rejected_on_its_row(summary, CI_MUTANTS)
 
 
-@pytest.mark.slow
+# ring tiles summed tile by tile with refills held back in part: CI runs Qwen's
+# (tests/test_interpret_mini.py); Muse Spark's gated family is the extended tier's
+@pytest.mark.extended
 def test_ring_tiles_smaller_than_the_matrices_with_refills_held_back_in_part(tmp_path):
     """The shipped spec with 256 x 256 ring tiles, 4 ahead: qkv_gate's contraction in 4 row
     tiles summed tile by tile (as the emulation sums it), and `refill weights after qkv_gate
