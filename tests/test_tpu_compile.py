@@ -36,7 +36,8 @@ FULL_SIZE = [("qwen3_8_27b", "decode B1"), ("qwen3_8_27b", "verify 8x2"),
              ("llama_3_1_8b kv 512", "decode B8"), ("llama_3_1_8b", "decode B8"),
              ("llama_3_1_8b", "verify 8x4"), ("gpt_oss_20b", "decode B16"),
              ("gpt_oss_20b", "verify 8x2"), ("qwen3_235b_a22b", "verify 8x2"),
-             ("deepseek_v3", "decode B16")]
+             ("deepseek_v3", "decode B16"), ("qwen3_235b_a22b", "verify 16x1"),
+             ("muse_spark", "verify 16x1"), ("kimi_k3", "verify 16x1")]
 # CI compiles each family's widest kernel of its first spec, and one more of the others a day,
 # in turn; the extended tier compiles them all.
 IN_CI = [("qwen3_8_27b", "verify 8x2"), ("qwen3_5_35b_a3b", "decode B8"),
