@@ -118,7 +118,7 @@ def _base_edits(text: str, kernel: str, batch: int, limit: str = "", rows: int =
         verify = f"{m.group(1)}{rows or m.group(2)}"
         if int(m.group(4) or m.group(3) or 1) != batch:
             edits.append((line, f"{verify} sequences 1 to {batch}"))
-        elif rows:
+        elif verify != m.group(1) + m.group(2):
             edits.append((line, line.replace(m.group(1) + m.group(2), verify, 1)))
         b = _line(text, r"^ *batch +1 to \d+")
         if int(b.split()[-1]) < batch:
