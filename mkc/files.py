@@ -75,6 +75,9 @@ def write_atomically(path: Path, content: str | bytes) -> None:
         raise
 
 
+_SOURCE_FOLDERS: list[tempfile.TemporaryDirectory] = []    # removed at exit
+
+
 def import_generated(path: str | os.PathLike | None = None, *, source: str | None = None,
                      name: str | None = None, register: bool = False,
                      namespace: dict[str, Any] | None = None) -> types.ModuleType:
@@ -88,7 +91,9 @@ def import_generated(path: str | os.PathLike | None = None, *, source: str | Non
     if source is not None:
         if name is None:
             raise ValueError("import_generated of a source needs its name")
-        path = Path(tempfile.mkdtemp(prefix="mkc-module-")) / f"{name}.py"
+        folder = tempfile.TemporaryDirectory(prefix="mkc-module-")
+        _SOURCE_FOLDERS.append(folder)      # kept for tracebacks while the process runs
+        path = Path(folder.name) / f"{name}.py"
         path.write_text(source)
     name = name or Path(path).stem
     spec = importlib.util.spec_from_file_location(name, path)

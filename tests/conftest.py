@@ -1,7 +1,9 @@
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -11,11 +13,28 @@ SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 
 # Compiled measures of unshipped kernels go to a cache of this test session's own, so what a
 # test prices does not depend on what the machine's user cache holds.
-os.environ["MKC_BUNDLE_CACHE"] = tempfile.mkdtemp(prefix="mkc-bundles-")
+_BUNDLE_CACHE = tempfile.TemporaryDirectory(prefix="mkc-bundles-")   # removed at exit
+os.environ["MKC_BUNDLE_CACHE"] = _BUNDLE_CACHE.name
 # Op measures likewise; and no op is compiled alone unless a test asks (MKC_OP_COMPILE=1): an
 # unshipped op is then counted, so a test's price does not wait on libtpu.
-os.environ["MKC_OP_CACHE"] = tempfile.mkdtemp(prefix="mkc-ops-")
+_OP_CACHE = tempfile.TemporaryDirectory(prefix="mkc-ops-")
+os.environ["MKC_OP_CACHE"] = _OP_CACHE.name
 os.environ.setdefault("MKC_OP_COMPILE", "0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller names the run itself, so it knows the session folder its workers
+    share (`tests_support.session_dir`) and removes it at the end."""
+    if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid") \
+            and config.option.testrunuid is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests_support import session_dir
+    uid = getattr(config.option, "testrunuid", None)
+    if uid and not hasattr(config, "workerinput"):
+        shutil.rmtree(session_dir(uid), ignore_errors=True)
 
 
 def run_python(args: list[str], timeout: float, python: str = sys.executable,

@@ -316,7 +316,8 @@ def test_the_family_table_s_modelled_steps_are_mkc_perf_s(row, capsys):
     for batch, cell in zip((1, 8), re.findall(r"[\d.]+", steps)):
         assert main(["perf", str(ROOT / "schedules" / f"{spec}.sched"), "--batch", str(batch)]) == 0
         step = float(re.search(r"modelled step: ([\d.]+) ms", capsys.readouterr().out).group(1))
-        assert f"{step:.2f}" == cell, (spec, batch, step)
+        # the step is printed to 3 decimals and the cell holds 2: a printed 9.215 is either cell
+        assert abs(step - float(cell)) <= 0.005 + 1e-9, (spec, batch, step)
 
 
 def test_the_llama_walkthrough_counts_the_family_s_lines():

@@ -1,5 +1,6 @@
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -145,14 +146,25 @@ def lowered_routed_experts(lowering, dims, per_rank: Mapping[str, int], experts:
         return body(c, x, None, weights)
 
 
+def session_dir(uid: str) -> Path:
+    """The folder a test session's xdist workers share (the controller removes it at the end)."""
+    return Path(tempfile.gettempdir()) / f"mkc-tests-{uid}"
+
+
 def _session_dir() -> Path | None:
-    """A folder the test session's xdist workers share (None outside xdist)."""
+    """This xdist session's shared folder, made if need be (None outside xdist)."""
     session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not session:
         return None
-    base = Path(tempfile.gettempdir()) / f"mkc-tests-{session}"
+    base = session_dir(session)
     base.mkdir(exist_ok=True)
     return base
+
+
+@functools.cache
+def _process_dir() -> tempfile.TemporaryDirectory:
+    """A folder of this process's own outside xdist, removed at exit."""
+    return tempfile.TemporaryDirectory(prefix="mkc-tests-")
 
 
 def once_per_session(key: str, run: Callable[[], dict]) -> dict:
@@ -179,7 +191,7 @@ def cpu_compilation_cache() -> dict[str, str]:
     as compiled, so what runs is unchanged; the cache lives in the session's folder, and its
     file lock (JAX's, with eviction on) keeps two workers from reading an entry half written."""
     import importlib.util
-    base = _session_dir() or Path(tempfile.gettempdir()) / f"mkc-tests-{os.getpid()}"
+    base = _session_dir() or Path(_process_dir().name)
     env = {"JAX_COMPILATION_CACHE_DIR": str(base / "jax-cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
