@@ -8,9 +8,14 @@ relayouts.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from mkc.layers.activation import Activation
 
 F32 = jnp.float32
 L2NORM_EPS = 1e-6  # fixed inside upstream's l2norm (Qwen3.5's gated delta net, Kimi's KDA)
@@ -100,6 +105,22 @@ def situ_packed(gate_up: jax.Array, width: int, beta: float = 4.0,
                 linear_beta: float = 25.0) -> jax.Array:
     """gate_up [B, 2*width] packed as [gate | up] (one fused projection) -> SiTU [B, width]."""
     return situ(gate_up[:, :width], gate_up[:, width:2 * width], beta, linear_beta)
+
+
+# Each gated MLP activation's kernel math (`mkc.layers.activation.Activation`), on a `[gate | up]`
+# product of halves `width` lanes wide, with the model's dims `d`
+ACTIVATIONS: dict[Activation, Callable[[jax.Array, int, Any], jax.Array]] = {
+    Activation.SILU: lambda gate_up, width, d: swiglu(gate_up, width),
+    Activation.CLAMPED: lambda gate_up, width, d: clamped_swiglu_halves(gate_up, width, d.swiglu_alpha,
+                                                                        d.swiglu_limit),
+    Activation.SITU: lambda gate_up, width, d: situ_packed(gate_up, width, d.activation_situ_beta,
+                                                           d.activation_situ_linear_beta),
+}
+
+
+def activation(kind: Activation, gate_up: jax.Array, width: int, d: Any) -> jax.Array:
+    """A gated MLP's activation `kind` of its `[gate | up]` product ``[B, 2 * width]``."""
+    return ACTIVATIONS[kind](gate_up, width, d)
 
 
 def rotate_half_matrix(head_dim: int, rotary_dim: int) -> jax.Array:

@@ -10,12 +10,14 @@ kernel's f32 order, each piece jitted in the kernel's formulation and shapes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from mkc.layers import ops
+from mkc.layers.activation import Activation
 from mkc.reference.rounding import Rounding, allreduce, row_parallel
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -218,3 +220,37 @@ def attention_tile_bf16x3(q, k, v, visible, m, denom, acc, scale: float | None =
     pv3 = jnp.dot(split_bf16x3(p), v, preferred_element_type=jnp.float32)
     acc_new = alpha * acc + ((pv3[:n] + pv3[n:2 * n]) + pv3[2 * n:])
     return m_new, denom_new, acc_new
+
+
+# A gated MLP's activations (`mkc.layers.activation.Activation`)
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """GptOssExperts' activation: the gate clamped from above only, up on both sides,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
+
+
+# Jitted as the kernel's one expression (XLA's f32 order depends on it: `mkc.numerics`).
+kernel_clamped_swiglu = jax.jit(clamped_swiglu, static_argnums=(2, 3))
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+# Each activation's reference math, on the gate and up products with the model's dims `d`;
+# `kernel`: in the kernel's one jitted expression (XLA's f32 order depends on it). SiTU's is
+# the kernel's own (one expression either way).
+ACTIVATIONS: dict[Activation, Callable[..., jax.Array]] = {
+    Activation.SILU: lambda d, gate, up, kernel: silu_glu(gate, up),
+    Activation.CLAMPED: lambda d, gate, up, kernel: (kernel_clamped_swiglu if kernel else clamped_swiglu)(
+        gate, up, d.swiglu_alpha, d.swiglu_limit),
+    Activation.SITU: lambda d, gate, up, kernel: ops.situ(gate, up, d.activation_situ_beta,
+                                                          d.activation_situ_linear_beta),
+}
+
+
+def activation(kind: Activation, d: Any, gate: jax.Array, up: jax.Array, kernel: bool = False) -> jax.Array:
+    """A gated MLP's activation `kind` of its gate and up products."""
+    return ACTIVATIONS[kind](d, gate, up, kernel)

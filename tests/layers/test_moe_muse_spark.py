@@ -315,8 +315,8 @@ MUTANTS = {
         LOWERING, 'return ops.NORM[s.latent.norm_weight](latent, c.vector("latent_norm")',
         'return ops.NORM[s.latent.norm_weight](latent, 1.01 * c.vector("latent_norm")', "layer"),
     "an expert's gate|up product (per pick)": (
-        LOWERING, 'act = s.activation.kernel(c, expert_matmul(c, k, h, "gate_up"',
-        'act = s.activation.kernel(c, 1.01 * expert_matmul(c, k, h, "gate_up"', "layer"),
+        LOWERING, 'act = ops.activation(s.activation, expert_matmul(c, k, h, "gate_up"',
+        'act = ops.activation(s.activation, 1.01 * expert_matmul(c, k, h, "gate_up"', "layer"),
     "post_expert_norm's weight (expert_norm)": (LOWERING, 'scale = 1.0 + c.vector("expert_norm")',
                                                 'scale = 1.0 + 1.01 * c.vector("expert_norm")', "layer"),
     "the normed pick (expert_norm)": (LOWERING, "normed = ops.rms_norm_weightless(",

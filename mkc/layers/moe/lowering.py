@@ -2,6 +2,8 @@
 kernel math of its routing; its experts' formats are `mkc.layers.expert_formats`'."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -9,6 +11,7 @@ from jax import lax
 from mkc.layers import ops
 from mkc.layers.expert_formats.lowering import expert_matmul
 from mkc.layers.moe import MoE
+from mkc.layers.moe.options import Router, ScaledSigmoid, Sigmoid, Softmax, TopKSoftmax
 from mkc.runtime import experts as expert_slots
 from mkc.runtime import pool
 from mkc.runtime.context import Layer
@@ -90,6 +93,31 @@ def group_limited(pick: jax.Array, groups: int, topk_groups: int) -> jax.Array:
     return jnp.where(keep, pick, -jnp.inf)
 
 
+def _softmax_routing(r: Router, c: Layer, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return route_weights(logits, c.dims.top_k, c.dims.norm_topk_prob)
+
+
+def _top_k_softmax_routing(r: Router, c: Layer, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return top_k_softmax_weights(logits, c.dims.top_k)
+
+
+def _sigmoid_routing(r: Sigmoid, c: Layer, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    d, bias = c.dims, c.vector(r.bias)
+    if logits.shape[-1] != d.experts:          # a split router's zero columns
+        bias = bias[:, :d.experts]
+        logits = logits[:, :d.experts]
+    return sigmoid_route_weights(logits, bias, d.top_k, r.renormalise(d), r.scaling(d),
+                                 getattr(d, "n_group", 1), getattr(d, "topk_group", 1), r.eps)
+
+
+# Each router's kernel routing, by its type (`mkc.layers.moe.options`): (router, layer, logits)
+# -> (weights [B, E], ids [B, top_k])
+KERNEL_ROUTING: dict[type[Router], Callable[..., tuple[jax.Array, jax.Array]]] = {
+    Softmax: _softmax_routing, TopKSoftmax: _top_k_softmax_routing,
+    Sigmoid: _sigmoid_routing, ScaledSigmoid: _sigmoid_routing,
+}
+
+
 def _expert_bias(c: Layer, k, name: str) -> jax.Array:
     """Selected expert k's bias row `name` ([1, n] bf16 in its slot) as f32."""
     es = c.experts
@@ -124,9 +152,9 @@ def router(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
 
 
 def route(s: MoE, c: Layer, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The router's picks (`Router.kernel`: softmax top-k, the top k's softmax, sigmoid
+    """The router's picks (`KERNEL_ROUTING`: softmax top-k, the top k's softmax, sigmoid
     top-k); this rank's picked local experts go to SMEM for their copies."""
-    weights, ids = s.routing.kernel(c, router_logits)
+    weights, ids = KERNEL_ROUTING[type(s.routing)](s.routing, c, router_logits)
     c.select_experts(ids)
     return ids, weights
 
@@ -136,7 +164,7 @@ def latent_down(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
 
 
 def shared_gate_up(s: MoE, c: Layer, h: jax.Array) -> jax.Array:
-    return s.activation.kernel(c, c.matmul("shared_gate_up", h), c.per_rank["shared"])
+    return ops.activation(s.activation, c.matmul("shared_gate_up", h), c.per_rank["shared"], c.dims)
 
 
 def shared_down(s: MoE, c: Layer, shared_act: jax.Array) -> jax.Array:
@@ -162,7 +190,7 @@ def routed_experts(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, expert
         gate_up = expert_matmul(c, k, h, "gate_up", groups["gate_up_group"])
         if s.expert_bias:
             gate_up = gate_up + _expert_bias(c, k, "gate_up_bias")
-        act = s.activation.kernel(c, gate_up, width)
+        act = ops.activation(s.activation, gate_up, width, c.dims)
         if not s.expert_bias:
             return acc + c.expert_weight(expert_weights, k) * expert_matmul(c, k, act, "down",
                                                                              groups["down_group"])
@@ -187,7 +215,8 @@ def _experts_per_pick(s: MoE, c: Layer, h: jax.Array, expert_ids: jax.Array, wid
     out_ref[...] = jnp.zeros(out_ref.shape, F32)
 
     def expert(k, carry):
-        act = s.activation.kernel(c, expert_matmul(c, k, h, "gate_up", groups["gate_up_group"]), width)
+        act = ops.activation(s.activation, expert_matmul(c, k, h, "gate_up", groups["gate_up_group"]), width,
+                             c.dims)
         out = expert_matmul(c, k, act, "down", groups["down_group"])
         for j, pick in enumerate(picks):
             cols = slice(j * io, (j + 1) * io)

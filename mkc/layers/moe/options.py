@@ -1,20 +1,19 @@
-"""The options of `MoE` that change its math, as objects that own it: a router (`Router`: what
-the route op reads, the checkpoint tensors it loads, which kernel and reference math it runs),
-an expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
+"""The options of `MoE` that change its math, as objects that declare it: a router (`Router`:
+what the route op reads, the checkpoint tensors it loads, its scaling and renormalising), an
+expert activation (`Activation`, `mkc.layers.activation`) and the experts' checkpoint layout
 (`Checkpoint`); routed experts in a latent space (`Latent`: its tensors and where its norms
-sit). A new router is one subclass here with its math in the jax modules (its kernel
-routing in `mkc.layers.moe.lowering`, its `<scoring>_route`, `_selection` and `_scores` in
-`mkc.layers.moe.reference`); the kind's graph, bodies, reference and weights ask it and do not
-branch on its name.
+sit). A router's math is one entry, by its type, in a table of each jax module: its kernel
+routing in `mkc.layers.moe.lowering.KERNEL_ROUTING`, its reference routing, selection and
+scores in `mkc.layers.moe.reference.ROUTER_MATH`; a new router is one subclass here and one
+entry in each. The kind's graph, bodies, reference and weights ask it and do not branch on
+its name.
 
-Declared without jax (checking a spec imports no jax): a method that computes imports the jax
-module holding its math by name when it is called, as `Sublayer.module` does.
+Declared without jax: checking a spec imports none of the modules that hold the math.
 """
 from __future__ import annotations
 
 import enum
 import fnmatch
-import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,29 +70,6 @@ class Router:
         """`route`'s arguments past the logits (`p`: the MoE's parameters, under its prefix)."""
         return d.top_k, self.renormalise(d), self.scoring
 
-    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        """The kernel's routing of a layer context `c`'s logits -> (weights [B, E], ids)."""
-        raise NotImplementedError
-
-    # The reference's routing (`mkc.layers.moe.reference.route` and its companions, which take
-    # `route_args`: bias, scaling and groups are the sigmoid router's): the reference module's
-    # `<scoring>_route`, `<scoring>_selection` and `<scoring>_scores`.
-    def route(self, logits: Any, top_k: int, renormalize: bool, bias: Any, scaling: float, groups: int,
-              topk_groups: int) -> tuple[Any, Any]:
-        """``[..., E] -> (ids [..., k], weights [..., k])``, largest first."""
-        return self._reference("route")(logits, top_k, renormalize, bias, scaling, groups, topk_groups)
-
-    def selection(self, logits: Any, top_k: int, bias: Any, groups: int, topk_groups: int) -> Any:
-        """What `route` takes the top k of, and that k (or a list of such choices)."""
-        return self._reference("selection")(logits, top_k, bias, groups, topk_groups)
-
-    def dense_scores(self, logits: Any) -> Any:
-        """The scores whose picked lanes the kernel keeps as the routing weights ``[B, E]``."""
-        return self._reference("scores")(logits)
-
-    def _reference(self, part: str):
-        return getattr(importlib.import_module("mkc.layers.moe.reference"), f"{self.scoring}_{part}")
-
 
 @dataclass(frozen=True)
 class Softmax(Router):
@@ -101,10 +77,6 @@ class Softmax(Router):
     (Qwen3-MoE's)."""
 
     scoring: ClassVar[str] = "softmax"
-
-    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        lowering = importlib.import_module("mkc.layers.moe.lowering")
-        return lowering.route_weights(logits, c.dims.top_k, c.dims.norm_topk_prob)
 
 
 @dataclass(frozen=True)
@@ -115,10 +87,6 @@ class TopKSoftmax(Router):
 
     def renormalise(self, d: Any) -> bool:
         return True
-
-    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        lowering = importlib.import_module("mkc.layers.moe.lowering")
-        return lowering.top_k_softmax_weights(logits, c.dims.top_k)
 
 
 @dataclass(frozen=True)
@@ -153,15 +121,6 @@ class Sigmoid(Router):
     def route_args(self, p: Any, d: Any) -> tuple:
         return (d.top_k, self.renormalise(d), self.scoring, p["gate.e_score_correction_bias"],
                 self.scaling(d), getattr(d, "n_group", 1), getattr(d, "topk_group", 1))
-
-    def kernel(self, c: Any, logits: Any) -> tuple[Any, Any]:
-        lowering = importlib.import_module("mkc.layers.moe.lowering")
-        d, bias = c.dims, c.vector(self.bias)
-        if logits.shape[-1] != d.experts:
-            bias = bias[:, :d.experts]
-            logits = logits[:, :d.experts]
-        return lowering.sigmoid_route_weights(logits, bias, d.top_k, self.renormalise(d), self.scaling(d),
-                                              getattr(d, "n_group", 1), getattr(d, "topk_group", 1), self.eps)
 
 
 @dataclass(frozen=True)

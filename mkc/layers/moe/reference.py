@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,9 +77,10 @@ from mkc.layers.expert_formats import FOUR_BIT, MX_BLOCK, NVFP4_BLOCK, block_gro
 from mkc.layers.expert_formats.reference import expert_operands, int4_linear, nvfp4_linear, nvfp4_unit_values
 from mkc.layers.expert_formats.weights import nvfp4_draw, unpack_int4_from_kernel
 from mkc.layers.moe import BLOCK_SCALE, MoE
-from mkc.layers.moe.options import ROUTERS, Checkpoint
+from mkc.layers.moe.options import ROUTERS, Checkpoint, Router, ScaledSigmoid, Sigmoid, Softmax, TopKSoftmax
 from mkc.layers.moe.weights import NVFP4_GLOBAL, NVFP4_SCALE, PACKED_BLOCK_SCALE, int4_slot, nvfp4_slot
 from mkc.layers.reference import NORM, input_scaled_norm, linear, matmul, mm_input, own_norm
+from mkc.layers.reference import activation as activate
 from mkc.layers.swiglu.reference import block as gated_mlp
 from mkc.model.fp8_blocks import dequantize
 from mkc.model.mxfp4 import mxfp4_dequantize_jax, mxfp4_quantize
@@ -100,11 +101,10 @@ def route(logits: jax.Array, top_k: int, renormalize: bool = True, scoring: str 
     picks, it does not weight) among the ``topk_groups`` best of ``groups`` groups (a group's
     score the sum of its two largest), weighted by their sigmoid scores, divided by their sum
     when ``renormalize``, times ``scaling``."""
-    return ROUTERS[scoring].route(logits, top_k, renormalize, bias, scaling, groups, topk_groups)
+    return ROUTER_MATH[type(ROUTERS[scoring])].route(logits, top_k, renormalize, bias, scaling, groups,
+                                                     topk_groups)
 
 
-# Each router's reference math (`mkc.layers.moe.options.Router`: `<scoring>_route`,
-# `<scoring>_selection`, `<scoring>_scores`).
 def softmax_scores(logits: jax.Array) -> jax.Array:
     return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
@@ -166,11 +166,26 @@ def sigmoid_selection(logits, top_k, bias, groups, topk_groups):
 # renormalising sum plus upstream's 1e-15
 def scaled_sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups):
     return sigmoid_route(logits, top_k, renormalize, bias, scaling, groups, topk_groups,
-                         ROUTERS["scaled_sigmoid"].eps)
+                         ScaledSigmoid.eps)
 
 
-scaled_sigmoid_selection = sigmoid_selection
-scaled_sigmoid_scores = sigmoid_scores
+class RouterMath(NamedTuple):
+    """A router's reference math: `route` (``route``'s arguments), `selection` (what it takes
+    the top k of, and that k: ``selection_scores``) and `scores` (the scores whose picks the
+    kernel keeps as weights: ``dense_route_weights``)."""
+
+    route: Callable
+    selection: Callable
+    scores: Callable
+
+
+# Each router's, by its type (`mkc.layers.moe.options`)
+ROUTER_MATH: dict[type[Router], RouterMath] = {
+    Softmax: RouterMath(softmax_route, softmax_selection, softmax_scores),
+    TopKSoftmax: RouterMath(top_k_softmax_route, top_k_softmax_selection, top_k_softmax_scores),
+    Sigmoid: RouterMath(sigmoid_route, sigmoid_selection, sigmoid_scores),
+    ScaledSigmoid: RouterMath(scaled_sigmoid_route, sigmoid_selection, sigmoid_scores),
+}
 
 
 def group_scores(pick: jax.Array, groups: int) -> jax.Array:
@@ -193,18 +208,18 @@ def selection_scores(logits: jax.Array, top_k: int, renormalize: bool = True, sc
     probabilities, the logits (top-k softmax), or the sigmoid scores plus the bias (with
     groups, two choices: `Sigmoid.selection`). The harness's near-tie rule reads it
     (``examples/generated_module``)."""
-    return ROUTERS[scoring].selection(logits, top_k, bias, groups, topk_groups)
+    return ROUTER_MATH[type(ROUTERS[scoring])].selection(logits, top_k, bias, groups, topk_groups)
 
 
 def dense_route_weights(logits: jax.Array, ids: jax.Array, renormalize: bool = True,
                         scoring: str = "softmax", scaling: float = 1.0) -> jax.Array:
     """Routing weights over every expert ``[B, E]`` as the kernel forms them
-    (``mkc.layers.moe.lowering``): the router's scores (`Router.dense_scores`: softmax
+    (``mkc.layers.moe.lowering``): the router's scores (`RouterMath.scores`: softmax
     probabilities, ``exp(logit - row max)``, sigmoid scores) at the picked ``ids`` (zero
     elsewhere), divided by their sum over all E lanes when ``renormalize``, times ``scaling``
     (1 but for the sigmoid router's)."""
     router = ROUTERS[scoring]
-    scores = router.dense_scores(logits)
+    scores = ROUTER_MATH[type(router)].scores(logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     kept = jnp.zeros_like(scores).at[rows, ids].set(jnp.take_along_axis(scores, ids, axis=-1))
     if renormalize:
@@ -340,27 +355,11 @@ def _global_scaled(p: Mapping[str, jax.Array], matrix: str, ids: jax.Array, y: j
     return y * jnp.asarray(p[name])[ids][..., None] if name in p else y
 
 
-def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
-    """GptOssExperts' activation: the gate clamped from above only, up on both sides,
-    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    gate = jnp.minimum(gate, limit)
-    up = jnp.clip(up, -limit, limit)
-    return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
-
-
-# Jitted as the kernel's one expression (XLA's f32 order depends on it: `mkc.numerics`).
-kernel_clamped_swiglu = jax.jit(clamped_swiglu, static_argnums=(2, 3))
-
-
-def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
-
-
 def activation(s: MoE, d: Any, gate: jax.Array, up: jax.Array) -> jax.Array:
     """An expert's activation of its gate and up products (`mkc.layers.moe.options.Activation`:
     ``silu(gate) * up``, or the clamped SwiGLU with the model's `swiglu_alpha` and
     `swiglu_limit`)."""
-    return s.activation.reference(d, gate, up)
+    return activate(s.activation, d, gate, up)
 
 
 def _slot_expert(s: MoE, p: Mapping[str, jax.Array], d: Any, e: int, cols: slice, half: int,
@@ -438,7 +437,7 @@ def _routed_experts_per_rank(s: MoE, p: Mapping[str, jax.Array], d: Any, xin: ja
         if s.expert_bias:
             hidden = hidden + w["gate_up_bias"]
         gate, up = hidden[:, :half], hidden[:, half:]
-        act = s.activation.reference(d, gate, up, kernel=True)
+        act = activate(s.activation, d, gate, up, kernel=True)
         out = expert_linear(act, w.get("down"), "down", e, list(range(io)), mine, io)
         return out + w["down_bias"] if s.expert_bias else out
 

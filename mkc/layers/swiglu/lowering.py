@@ -13,7 +13,7 @@ def post_norm(s: SwiGLU, c: Layer) -> jax.Array:
 
 
 def gate_up(s: SwiGLU, c: Layer, h: jax.Array) -> jax.Array:
-    return s.activation.kernel(c, c.matmul("gate_up", h), c.per_rank["inter"])
+    return ops.activation(s.activation, c.matmul("gate_up", h), c.per_rank["inter"], c.dims)
 
 
 def down(s: SwiGLU, c: Layer, act: jax.Array) -> jax.Array:

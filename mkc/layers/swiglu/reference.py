@@ -13,6 +13,7 @@ import jax
 
 from mkc.layers.activation import Activation
 from mkc.layers.reference import NORM, matmul, mm_input, out_projection, own_norm
+from mkc.layers.reference import activation as activate
 from mkc.layers.swiglu import SwiGLU
 from mkc.reference.rounding import Rounding
 
@@ -25,8 +26,8 @@ def block(p: Mapping[str, jax.Array], x: jax.Array, rounding: Rounding | None = 
     families and the shard size its width splits by (a shared expert's are its own)."""
     gate_up, down, shard = ops
     x = mm_input(x, rounding)
-    act = activation.reference(d, matmul(x, p["gate_proj.weight"], rounding, kind, gate_up, by_tiles=True),
-                               matmul(x, p["up_proj.weight"], rounding, kind, gate_up, by_tiles=True))
+    act = activate(activation, d, matmul(x, p["gate_proj.weight"], rounding, kind, gate_up, by_tiles=True),
+                   matmul(x, p["up_proj.weight"], rounding, kind, gate_up, by_tiles=True))
     per_rank = None if rounding is None else rounding.size(shard)
     return out_projection(act, p["down_proj.weight"], rounding, kind, down, per_rank, "mlp", by_tiles=True)
 

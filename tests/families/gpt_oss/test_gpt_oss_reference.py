@@ -18,7 +18,7 @@ from mkc.families.gpt_oss import reference as ref
 from mkc.families.gpt_oss.graph import ATTENTION, MOE
 from mkc.layers.gqa import reference as gqa_ref
 from mkc.layers.moe import reference as moe_ref
-from mkc.layers.reference import linear
+from mkc.layers.reference import clamped_swiglu, linear
 from mkc.model.config import CONFIG_DIR
 
 # The shipped MINI with a window of 8 instead of 128 (the full models'), so that short
@@ -46,7 +46,7 @@ def test_clamped_swiglu_at_the_clamp_boundaries():
         g, u = min(g, 7.0), max(min(u, 7.0), -7.0)
         return (u + 1) * g / (1 + math.exp(-1.702 * g))
 
-    got = np.asarray(moe_ref.clamped_swiglu(gate_up[0::2], gate_up[1::2], 1.702, 7.0))
+    got = np.asarray(clamped_swiglu(gate_up[0::2], gate_up[1::2], 1.702, 7.0))
     np.testing.assert_allclose(got, [hand(g, u) for g, u in pairs], rtol=1e-6, atol=1e-12)
     assert got[0] == pytest.approx(56 / (1 + math.exp(-11.914)), rel=1e-6)   # both clamped
     assert got[2] == pytest.approx(-6 * -20 / (1 + math.exp(34.04)), rel=1e-5)  # gate not clamped below
