@@ -9,7 +9,7 @@ tensor names (`blk.N.attn_q.weight`, ...), and q_proj / k_proj rows permuted per
 rotate-half to interleaved pairs (`LlamaModel.permute`, k_proj over the KV heads). A GGUF
 without `output.weight` ties the lm_head to the embedding; the checkpoint stores the
 embedding again as lm_head.weight with `tie_word_embeddings` false, the same model, because
-mkc's kernels stream their own lm_head (`mkc.families.llama.config.REFUSED`).
+mkc's kernels stream their own lm_head (`mkc.families.llama.config.LLAMA.refused`).
 
 The directory appears whole or not at all: it is written beside DEST under a temporary name
 and renamed, and only once everything it holds has been read and checked: the config by mkc's

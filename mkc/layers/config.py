@@ -1,19 +1,58 @@
-"""Config reading the composed families share: upstream defaults for omitted keys, the
-settings a family refuses, the attention heads a GQA kind reads, and a per-layer
-`layer_types` list."""
+"""Config reading the composed families share: upstream defaults for omitted keys (and, where
+upstream tells them apart, what an explicit null means), the settings a family refuses, the
+attention heads a GQA kind reads, and a per-layer `layer_types` list."""
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from mkc.model.family import ConfigError, config_int
 
 
-def setting(raw: Mapping, key: str, defaults: Mapping[str, Any]) -> Any:
-    """A config value, or the upstream default for a key the config omits or sets to null."""
-    value = raw.get(key)
-    return defaults[key] if value is None else value
+def setting(raw: Mapping, key: str, defaults: Mapping[str, Any], nulls: Mapping[str, Any] | None = None
+            ) -> Any:
+    """A config value: the upstream default for a key the config omits; for a key it sets to
+    null, `nulls[key]` where upstream reads that null as a value of its own (Mistral's
+    `sliding_window: null` is no window, its omission a 4096-token one), else the default."""
+    if key not in raw:
+        return defaults[key]
+    value = raw[key]
+    if value is None:
+        return nulls[key] if nulls is not None and key in nulls else defaults[key]
+    return value
+
+
+@dataclass(frozen=True)
+class ConfigClass:
+    """What one upstream config class (one `model_type`) makes of a config.json: `defaults` for
+    the keys a config omits, `nulls` for the keys whose explicit null it reads as a value of its
+    own (key -> that value; any other null is read as omitted), and `refused`, the settings
+    nothing in mkc computes (key -> (the value computed, hint)). A family that reads several
+    model types keeps one per type beside its reader, so an alias gets its own class's
+    defaults, never another's."""
+    name: str
+    defaults: Mapping[str, Any]
+    nulls: Mapping[str, Any] = field(default_factory=dict)
+    refused: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+
+    def get(self, raw: Mapping, key: str) -> Any:
+        return setting(raw, key, self.defaults, self.nulls)
+
+    def refuse(self, raw: Mapping) -> None:
+        refuse(raw, self.refused, self.defaults, self.nulls, self.name)
+
+
+def config_class(raw: Mapping, classes: Mapping[str, ConfigClass]) -> ConfigClass:
+    """The config class of the config's `model_type`: `classes` maps each type a family reads to
+    its class, the first for a config that names no type (as a reference's `load_config` takes
+    it); ConfigError for a type the family does not read."""
+    model_type = raw.get("model_type") or next(iter(classes))
+    if model_type not in classes:
+        raise ConfigError(f"model_type {json.dumps(model_type)} is not one this family reads",
+                          f"this family reads model_type {', '.join(map(repr, classes))}")
+    return classes[model_type]
 
 
 def with_aliases(raw: Mapping, aliases: Mapping[str, str]) -> Mapping:
@@ -33,11 +72,15 @@ def with_aliases(raw: Mapping, aliases: Mapping[str, str]) -> Mapping:
     return out
 
 
-def refuse(raw: Mapping, refused: Mapping[str, tuple[Any, str]], defaults: Mapping[str, Any]) -> None:
-    """ConfigError for a setting nothing computes: key -> (the value computed, hint)."""
+def refuse(raw: Mapping, refused: Mapping[str, tuple[Any, str]], defaults: Mapping[str, Any],
+           nulls: Mapping[str, Any] | None = None, whose: str = "upstream") -> None:
+    """ConfigError for a setting nothing computes: key -> (the value computed, hint); an omitted
+    key is judged by its default (`whose` config class gives it), and the message says so."""
     for key, (wanted, hint) in refused.items():
-        if setting(raw, key, defaults) != wanted:
-            raise ConfigError(f"{key} = {json.dumps(raw.get(key))} is not supported", hint)
+        if setting(raw, key, defaults, nulls) != wanted:
+            what = (f"{key} = {json.dumps(raw[key])}" if key in raw else
+                    f"{key} is omitted, which {whose} reads as {json.dumps(defaults[key])}, and that")
+            raise ConfigError(f"{what} is not supported", hint)
 
 
 def attention_heads(raw: Mapping, hidden_size: int, heads: int, kv_heads: int) -> dict[str, int]:

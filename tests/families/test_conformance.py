@@ -1,7 +1,8 @@
 """The family conformance suite: what every registered family (`mkc.model.registry`, not a hand
 list) must do, checked the same way for each. A new family runs it by being registered, with
-its MINI config (`mkc/model/configs/*_mini.json` of its model type) and a shipped spec of it
-(`schedules/*.sched`) as the inputs.
+its MINI configs (`mkc/model/configs/*_mini.json` of its model types: at least one, and each
+config check and reference check runs on every one, so an alias's MINI is read by its own
+model type) and a shipped spec of it (`schedules/*.sched`) as the inputs.
 
 - its lowering, weights and reference modules provide their roles' contracts, and its dims
   the fields the core reads;
@@ -24,6 +25,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -44,10 +46,17 @@ def _model_type(config: Path) -> str | None:
     return json.loads(config.read_text()).get("model_type")
 
 
-def mini_config(family: Family) -> Path:
-    """The family's MINI config: the one shipped `*_mini.json` of its model types."""
-    (path,) = [p for p in sorted(CONFIG_DIR.glob("*_mini.json")) if _model_type(p) in family.model_types]
-    return path
+def mini_configs(family: Family) -> list[Path]:
+    """The family's MINI configs: every shipped `*_mini.json` of its model types."""
+    return [p for p in sorted(CONFIG_DIR.glob("*_mini.json")) if _model_type(p) in family.model_types]
+
+
+class Mini(NamedTuple):
+    family: Family
+    config: Path
+
+
+MINIS = [Mini(f, path) for f in FAMILIES for path in mini_configs(f)]
 
 
 def shipped_spec(family: Family) -> Path:
@@ -62,6 +71,12 @@ def family(request) -> Family:
     return request.param
 
 
+@pytest.fixture(scope="module", params=MINIS, ids=lambda m: f"{m.family.name}:{m.config.stem}")
+def case(request) -> Mini:
+    """A family with one of its MINI configs."""
+    return request.param
+
+
 def needs_kernel(family: Family) -> None:
     """Skip, saying why, a check that needs the family's graph, lowering or a shipped spec."""
     if not family.kernel_ready:
@@ -71,6 +86,16 @@ def needs_kernel(family: Family) -> None:
 
 def test_every_shipped_family_is_registered():
     assert {f.name for f in FAMILIES} >= {"kimi_k3", "qwen3_5_text", "qwen3_5_moe_text"}
+
+
+def test_every_family_has_a_mini_config():
+    assert [f.name for f in FAMILIES if not mini_configs(f)] == []
+
+
+def test_an_alias_s_mini_config_runs_as_its_family_s():
+    """A family reading two model types (llama and its alias mistral) runs the suite on the
+    MINI of each."""
+    assert {_model_type(m.config) for m in MINIS if m.family.name == "llama"} == {"llama", "mistral"}
 
 
 # ---- contracts ---------------------------------------------------------------------------------
@@ -84,9 +109,10 @@ def checked(family: Family):
     return check_spec(shipped_spec(family))
 
 
-def test_reference_and_dims_provide_their_contracts(family: Family):
+def test_reference_and_dims_provide_their_contracts(case: Mini):
+    family = case.family
     family.module("reference")              # ContractError names what is missing
-    dims = family.read_dims(json.loads(mini_config(family).read_text()), "mini")
+    dims = family.read_dims(json.loads(case.config.read_text()), "mini")
     assert isinstance(dims, Dims) and dims.family == family.name
     assert isinstance(dims.layer_kinds, tuple) and all(isinstance(k, str) for k in dims.layer_kinds)
 
@@ -178,12 +204,12 @@ def _edit(raw: Mapping, path: tuple, value) -> dict:
     return out
 
 
-def test_whatever_the_reference_refuses_mkc_check_refuses(family: Family):
+def test_whatever_the_reference_refuses_mkc_check_refuses(case: Mini):
     """Every one-edit variant of the MINI config that the reference's load_config refuses is
     refused by the compiler's config reader with an E-MODEL diagnostic at the spec's `model`
     line (here a stand-in span)."""
+    family, path = case
     reference = family.module("reference")
-    path = mini_config(family)
     where = Span("spec.sched", 3, 11, 3, 24)
     refused = []
     for what, raw in _variants(json.loads(path.read_text())):
@@ -200,21 +226,22 @@ def test_whatever_the_reference_refuses_mkc_check_refuses(family: Family):
     assert len(refused) >= 3, refused
 
 
-def _unsupported_activation(family: Family) -> dict:
+def _unsupported_activation(case: Mini) -> dict:
     """The MINI config with an activation no family computes."""
-    return json.loads(mini_config(family).read_text()) | {"hidden_act": "unsupported"}
+    return json.loads(case.config.read_text()) | {"hidden_act": "unsupported"}
 
 
-def test_the_reference_refuses_an_activation_it_does_not_compute(family: Family):
+def test_the_reference_refuses_an_activation_it_does_not_compute(case: Mini):
     with pytest.raises(ValueError, match="hidden_act"):
-        family.module("reference").load_config(_unsupported_activation(family))
+        case.family.module("reference").load_config(_unsupported_activation(case))
 
 
-def test_mkc_check_locates_a_refused_config_at_the_model_line(family: Family, tmp_path):
+def test_mkc_check_locates_a_refused_config_at_the_model_line(case: Mini, tmp_path):
     """End to end: a spec whose model is a config the reference refuses (an activation mkc
     does not compute) fails `mkc check` at its `model` line, naming the setting."""
+    family = case.family
     needs_kernel(family)
-    raw = _unsupported_activation(family)
+    raw = _unsupported_activation(case)
     (tmp_path / "broken.json").write_text(json.dumps(raw))
     text = MODEL_LINE.sub('  model   "broken.json"', shipped_spec(family).read_text(), count=1)
     spec = tmp_path / "broken.sched"
@@ -231,10 +258,10 @@ def test_mkc_check_locates_a_refused_config_at_the_model_line(family: Family, tm
 
 
 @pytest.fixture(scope="module")
-def mini(family: Family):
+def mini(case: Mini):
     """(reference module, MINI config, its weights at seed 0)."""
-    reference = family.module("reference")
-    cfg = reference.load_config(mini_config(family))
+    reference = case.family.module("reference")
+    cfg = reference.load_config(case.config)
     return reference, cfg, reference.init_params(cfg, seed=0)
 
 

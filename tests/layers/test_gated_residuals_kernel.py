@@ -53,7 +53,8 @@ FAMILY = {
 
 
         def read_dims(raw, name):
-            d = llama_dims(raw, name)
+            # llama's reader takes the defaults of the model types it reads: read as LlamaConfig
+            d = llama_dims(raw | {"model_type": "llama"}, name)
             fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
             floats = {k: config_float(raw[k], k) for k in FLOATS}
             return ToyGatedDims(**fields | {"family": "toy_gres"}, **floats,

@@ -35,7 +35,8 @@ FAMILY = {
 
 
         def read_dims(raw, name):
-            d = llama_dims(raw, name)
+            # llama's reader takes the defaults of the model types it reads: read as LlamaConfig
+            d = llama_dims(raw | {"model_type": "llama"}, name)
             fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)}
             return ToyMuseDims(**fields | {"family": "toy_muse"},
                                qk_scale_factor=config_float(raw["qk_scale_factor"], "qk_scale_factor"))

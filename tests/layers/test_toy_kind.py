@@ -108,7 +108,7 @@ FAMILY = {
 
 
         def read_dims(raw, name):
-            return dataclasses.replace(llama_dims(raw, name), family="toy_geglu")
+            return dataclasses.replace(llama_dims(raw | {"model_type": "llama"}, name), family="toy_geglu")
 
 
         FAMILY = Family(name="toy_geglu", model_types=("toy_geglu",), read_dims=read_dims,

@@ -306,13 +306,13 @@ def test_a_model_type_no_family_reads_points_at_the_doc_on_adding_one(tmp_path):
     """E-MODEL for an unsupported `model_type` lists the types read and names the section of
     docs/extending.md on a new family (which says when a type is an existing family's alias)."""
     from tests_support import ROOT
-    config = json.loads((CONFIG_DIR / "llama_mini.json").read_text()) | {"model_type": "mistral"}
+    config = json.loads((CONFIG_DIR / "llama_mini.json").read_text()) | {"model_type": "phi3"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     with pytest.raises(MkcError) as e:
         load_dims(path)
     d = e.value.diagnostics[0]
-    assert d.code == "E-MODEL" and "'mistral' is not supported" in d.message
+    assert d.code == "E-MODEL" and "'phi3' is not supported" in d.message
     assert "llama" in d.hint and "docs/extending.md, 'A new model family'" in d.hint
     doc = (ROOT / "docs" / "extending.md").read_text()
     assert "\n## A new model family\n" in doc and "registry alias" in doc

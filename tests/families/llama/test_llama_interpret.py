@@ -13,8 +13,8 @@ SPEC = str(ROOT / "schedules" / "llama_3_1_8b.sched")
 MUTANTS = ("gqa.k_rope", "gqa.o_proj", "dense.down", "gqa.kv_read")
 
 
-def _run(spec: str, *args: str) -> dict:
-    return run_example("examples/run_mini.py", "--spec", spec, "--model", "llama_mini", *args,
+def _run(spec: str, *args: str, model: str = "llama_mini") -> dict:
+    return run_example("examples/run_mini.py", "--spec", spec, "--model", model, *args,
                        timeout=1800)
 
 
@@ -28,6 +28,15 @@ def test_on_wait_three_steps_bit_equal_then_each_mutant_rejected_on_its_row():
     assert_bit_equal(summary)
     assert summary["races_found"] is False
     assert_each_mutant_rejected_on_its_row(summary, MUTANTS)
+
+
+@pytest.mark.slow
+def test_the_mistral_mini_through_the_llama_spec_bit_equal_and_race_free():
+    """The alias's MINI (its default rope at theta 1e6, MistralConfig's reading) compiled from
+    the same 8B spec: the kernel is the family's, the config is Mistral's."""
+    summary = _run(SPEC, "--mode", "on_wait", "--steps", "2", "--batch", "2", "--races", model="mistral_mini")
+    assert_bit_equal(summary)
+    assert summary["races_found"] is False
 
 
 @pytest.mark.extended

@@ -1,22 +1,28 @@
 """The Llama reference (the layer library's decoder as Llama composes it) against an
 independent numpy derivation of transformers' `LlamaForCausalLM` in f64: a whole-sequence
 causal forward (no cache), its rotary frequencies from Meta's `apply_scaling` loop, over 12
-decode steps of the MINI at two rows with different tokens and positions."""
+decode steps of the MINI at two rows with different tokens and positions; and the Mistral
+MINI (the alias: transformers' `MistralForCausalLM` is the same math without a window, default
+rope at its theta) against the same derivation."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
 
 from mkc.families.llama import reference as ref
 from mkc.model.config import CONFIG_DIR
 from tests_support import assert_decode_follows
 
 MINI = ref.load_config(CONFIG_DIR / "llama_mini.json")
+MISTRAL_MINI = ref.load_config(CONFIG_DIR / "mistral_mini.json")
 
 
 def _frequencies(d) -> np.ndarray:
-    """Meta's llama3 `apply_scaling`, one frequency at a time."""
+    """Meta's llama3 `apply_scaling`, one frequency at a time (the default rope: unscaled)."""
+    if d.rope_type == "default":
+        return 1.0 / d.rope_theta ** (np.arange(0, d.head_dim, 2) / d.head_dim)
     out = []
     for i in range(0, d.head_dim, 2):
         freq = 1.0 / d.rope_theta ** (i / d.head_dim)
@@ -68,12 +74,13 @@ def _forward(p: dict, d, tokens: np.ndarray) -> np.ndarray:
     return norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
-def test_the_reference_is_transformers_math_over_twelve_steps():
-    params = ref.init_params(MINI, seed=3)
+@pytest.mark.parametrize("mini", [MINI, MISTRAL_MINI], ids=lambda d: d.name)
+def test_the_reference_is_transformers_math_over_twelve_steps(mini):
+    params = ref.init_params(mini, seed=3)
     rng = np.random.default_rng(0)
     steps = 12
-    tokens = rng.integers(0, MINI.vocab_size, (2, steps))
-    assert_decode_follows(ref, MINI, params, tokens, [_forward(params, MINI, tokens[b]) for b in range(2)])
+    tokens = rng.integers(0, mini.vocab_size, (2, steps))
+    assert_decode_follows(ref, mini, params, tokens, [_forward(params, mini, tokens[b]) for b in range(2)])
 
 
 def test_the_llama3_frequencies_are_meta_s():
