@@ -75,10 +75,6 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0     # JSON has no -inf (vLLM's stand-in)
 
 
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else -9999.0     # JSON has no -inf (vLLM's stand-in)
-
-
 class Responder:
     """Answers generations on `engine` for the model `name`, the tokenizer's work through
     `reader.off_loop`."""
