@@ -299,13 +299,6 @@ def vmem_inputs(s: ir.ScheduleIR, batch: "Kernel | int") -> list[ir.Buffer]:
     return [b.at_batch(rows) for b in s.vmem_inputs]
 
 
-def vmem_window_bytes(s: ir.ScheduleIR, batch: "Kernel | int") -> int:
-    """VMEM windows of the kernel's inputs and outputs at `batch`."""
-    rows = as_kernel(s, batch).rows
-    return (sum(ir.window_bytes(b.shape, b.dtype) for b in vmem_inputs(s, rows))
-            + sum(b.at_batch(rows).vmem_bytes for b in s.buffers if b.cls == "output"))
-
-
 def _compiler_buffer(nbytes: int) -> ir.Buffer:
     return ir.Buffer("compiler_scratch", "compiler", (nbytes,), "u8")
 

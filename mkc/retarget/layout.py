@@ -175,9 +175,6 @@ def _pair_change(builder: Builder, rules: dict[str, Group], blamed: list[str],
     return None
 
 
-ALGORITHMS = ("direct", "two_level chip", "two_level host")
-
-
 def valid_algorithms(groups: list[Group], topo: target.Topology) -> list[str]:
     """The all-reduce algorithms valid for every one of the rank groups a line reduces over."""
     levels = {"chip": topo.chip.cores_per_chip, "host": topo.cores_per_host}

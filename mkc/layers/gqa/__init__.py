@@ -31,7 +31,6 @@ from mkc.layers.sublayer import Part, Sublayer
 from mkc.model.contracts import Dims
 from mkc.model.graph import ContextLimit, Op, Tensor, split
 
-NORMS = ("plain", "zero_centred")
 QK_NORMS = ("", "plain", "zero_centred", "weightless")
 # How the attention output is gated before o_proj: "" not; "q_proj": Qwen3.5's, the gate packed
 # in q_proj's rows per head `[query | gate]`, `out * sigmoid(gate)`; "rms_gate_proj": Muse
