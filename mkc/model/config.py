@@ -154,12 +154,6 @@ def dims_from_config(raw: dict, path: Path, where: Span) -> Any:
     except (TypeError, ValueError, AttributeError) as e:
         raise fail("E-MODEL", f"model config {path} is malformed: {e}", where,
                    hint="compare with a shipped config in mkc/model/configs") from None
-    if not family.kernel_ready:
-        raise fail("E-MODEL", f"model family {model_type!r} has no kernel yet: mkc reads its configs "
-                   f"and runs its reference ({family.package}.reference) but cannot compile a "
-                   "schedule for it", where,
-                   hint="schedule a model of a family with a kernel (" + ", ".join(
-                       t for f in registry.all_families() if f.kernel_ready for t in f.model_types) + ")")
     return dims
 
 

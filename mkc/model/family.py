@@ -140,11 +140,6 @@ class Family:
     # column (`format attention int8 channel rounded`, `mkc.layers.dense_formats`): each its
     # matrices' `Tensor.format_class`, and its reference emulates their dots.
     dense_classes: tuple[str, ...] = ()
-    # False for a family built in steps that has no lowering yet (a config reader and a
-    # reference, perhaps its graph and weights packer): `mkc check` refuses its models at the
-    # spec's `model` line and the conformance suite skips, with this reason, the checks that
-    # need a kernel.
-    kernel_ready: bool = True
     # Its layer kinds composed from the layer library (`mkc.layers.sublayer.Composition`: kind
     # -> sublayers); their bodies are the lowering module's `BODIES` table, the one place a
     # body is registered.

@@ -12,10 +12,6 @@ model type) and a shipped spec of it (`schedules/*.sched`) as the inputs.
   located diagnostic (every key dropped, every flag flipped, every setting misspelt);
 - the reference's weights follow its table and seed, and its decode of a few steps is finite,
   deterministic, well scaled, keeps rows independent and carries state.
-
-A family that declares `kernel_ready=False` (no lowering yet, so no shipped spec) runs the
-config and reference checks; the checks that need its graph, lowering, weights packer or a
-shipped spec are reported as skipped, with that reason (`needs_kernel`).
 """
 from __future__ import annotations
 
@@ -77,13 +73,6 @@ def case(request) -> Mini:
     return request.param
 
 
-def needs_kernel(family: Family) -> None:
-    """Skip, saying why, a check that needs the family's graph, lowering or a shipped spec."""
-    if not family.kernel_ready:
-        pytest.skip(f"family {family.name} declares kernel_ready=False: no lowering or "
-                    "shipped spec yet")
-
-
 def test_every_shipped_family_is_registered():
     assert {f.name for f in FAMILIES} >= {"kimi_k3", "qwen3_5_text", "qwen3_5_moe_text"}
 
@@ -105,7 +94,6 @@ def test_an_alias_s_mini_config_runs_as_its_family_s():
 def checked(family: Family):
     """The family's shipped spec, checked (its own model: a MINI model may not split over
     its mesh)."""
-    needs_kernel(family)
     return check_spec(shipped_spec(family))
 
 
@@ -132,7 +120,6 @@ def test_every_shipped_spec_of_the_family_has_measured_compiler_scratch(family: 
     from mkc.checks.capacity import compiler_scratch, scratch_key
     from mkc.lang.parser import parse_file
     from mkc.resolve import resolve
-    needs_kernel(family)
     measures = family.measured_scratch()
     assert measures, f"family {family.name} has no compiler_scratch.json: measure it"
     assert all(m.used_bytes > 0 and m.libtpu.startswith("libtpu ") for m in measures)
@@ -145,7 +132,6 @@ def test_every_shipped_spec_of_the_family_has_measured_compiler_scratch(family: 
 
 def test_a_family_without_measured_scratch_is_refused_at_the_model_line(family: Family,
                                                                         monkeypatch):
-    needs_kernel(family)
     monkeypatch.setattr(Family, "measured_scratch", lambda self: ())
     with pytest.raises(MkcError) as e:
         check_spec(shipped_spec(family))
@@ -221,8 +207,6 @@ def test_whatever_the_reference_refuses_mkc_check_refuses(case: Mini):
                 dims_from_config(raw, path, where)
             (d,) = e.value.diagnostics
             assert (d.code, d.span) == ("E-MODEL", where) and d.hint, (what, d)
-            # refused for the setting, not (only) for the family's missing kernel
-            assert family.kernel_ready or "no kernel yet" not in d.message, (what, d)
     assert len(refused) >= 3, refused
 
 
@@ -240,7 +224,6 @@ def test_mkc_check_locates_a_refused_config_at_the_model_line(case: Mini, tmp_pa
     """End to end: a spec whose model is a config the reference refuses (an activation mkc
     does not compute) fails `mkc check` at its `model` line, naming the setting."""
     family = case.family
-    needs_kernel(family)
     raw = _unsupported_activation(case)
     (tmp_path / "broken.json").write_text(json.dumps(raw))
     text = MODEL_LINE.sub('  model   "broken.json"', shipped_spec(family).read_text(), count=1)
