@@ -1,6 +1,6 @@
 """The GPT-OSS config reader (mkc.families.gpt_oss.config, through the reference's
 load_config): the published facts of the shipped configs, the MINI's layer pattern, the settings
-it refuses, and `mkc check` refusing a model of a family with no kernel yet."""
+it refuses, and `mkc check` refusing a context past the window without the KV ring."""
 from __future__ import annotations
 
 import json
