@@ -38,8 +38,17 @@ SCALE_LARGEST = 252
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 E2M1_MAX = 6.0
-_MAGNITUDES = E2M1_VALUES[:8].astype(np.float64)
-_MIDPOINTS = (_MAGNITUDES[1:] + _MAGNITUDES[:-1]) / 2  # rounding boundaries between neighbours
+E2M1_MAGNITUDES = E2M1_VALUES[:8].astype(np.float64)      # the codes 0-7: value of each
+_MIDPOINTS = (E2M1_MAGNITUDES[1:] + E2M1_MAGNITUDES[:-1]) / 2  # rounding boundaries between neighbours
+
+
+def nearest_e2m1(y: np.ndarray) -> np.ndarray:
+    """Magnitudes `y` (at most `E2M1_MAX`) -> the code 0-7 of the nearest e2m1 magnitude, a
+    tie to the even code (mantissa bit 0)."""
+    lo = np.searchsorted(_MIDPOINTS, y, side="left")
+    hi = np.searchsorted(_MIDPOINTS, y, side="right")
+    # lo != hi exactly on a midpoint: take the neighbour with the even code.
+    return np.where((hi != lo) & (lo % 2 == 1), hi, lo)
 
 
 def _check_layout(codes_shape: tuple[int, ...], scales_shape: tuple[int, ...],
@@ -72,10 +81,7 @@ def mxfp4_quantize(w: np.ndarray, block: int = BLOCK_SIZE) -> tuple[np.ndarray, 
 
     y = np.ldexp(np.abs(x), -(scales.astype(np.int64) - SCALE_BIAS)[..., None])
     y = np.minimum(y, E2M1_MAX)  # only bites when the scale was clamped at its maximum
-    lo = np.searchsorted(_MIDPOINTS, y, side="left")
-    hi = np.searchsorted(_MIDPOINTS, y, side="right")
-    # lo != hi exactly on a midpoint: take the neighbour with the even code (mantissa bit 0).
-    magnitude = np.where((hi != lo) & (lo % 2 == 1), hi, lo)
+    magnitude = nearest_e2m1(y)
     codes = magnitude + np.where((x < 0) & (magnitude > 0), 8, 0)  # no -0: zero is code 0
     codes = codes.reshape(w.shape).astype(np.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -216,8 +222,8 @@ def e2m1_codes(values: np.ndarray) -> np.ndarray:
     """e2m1 values ``[..., K]`` -> their codes packed as MXFP4 packs them (``[..., K/2]``, value
     2j in the low nibble), -0 as +0."""
     v = np.asarray(values, np.float64)
-    magnitude = np.searchsorted(_MAGNITUDES, np.abs(v))
-    if not np.array_equal(_MAGNITUDES[np.minimum(magnitude, 7)], np.abs(v)):
+    magnitude = np.searchsorted(E2M1_MAGNITUDES, np.abs(v))
+    if not np.array_equal(E2M1_MAGNITUDES[np.minimum(magnitude, 7)], np.abs(v)):
         raise ValueError("a value that is not an e2m1 value has no e2m1 code")
     codes = (magnitude + np.where((v < 0) & (magnitude > 0), 8, 0)).astype(np.uint8)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)

@@ -522,7 +522,7 @@ def nvfp4_from_bf16(w: np.ndarray, global_scale: np.float32 | None = None) -> NV
     the even code) of itself over its block's scale times the global scale, at most 6 in
     magnitude. ValueError for values that are not finite or inputs that are not whole blocks."""
     from mkc.layers.expert_formats import NVFP4_BLOCK
-    from mkc.model.mxfp4 import _MAGNITUDES, _MIDPOINTS, E2M1_MAX
+    from mkc.model.mxfp4 import E2M1_MAGNITUDES, E2M1_MAX, nearest_e2m1
     w = np.asarray(w, np.float32)
     out, n_in = w.shape
     if n_in % NVFP4_BLOCK or not np.isfinite(w).all():
@@ -536,9 +536,8 @@ def nvfp4_from_bf16(w: np.ndarray, global_scale: np.float32 | None = None) -> NV
     scales = scales.astype(ml_dtypes.float8_e4m3fn)
     unit = scales.astype(np.float64) * np.float64(glob)
     y = np.minimum(np.abs(blocks) / unit[..., None], E2M1_MAX)
-    lo, hi = np.searchsorted(_MIDPOINTS, y, side="left"), np.searchsorted(_MIDPOINTS, y, side="right")
-    magnitude = np.where((hi != lo) & (lo % 2 == 1), hi, lo)
-    signed = np.where(blocks < 0, -1.0, 1.0) * _MAGNITUDES[magnitude]
+    magnitude = nearest_e2m1(y)
+    signed = np.where(blocks < 0, -1.0, 1.0) * E2M1_MAGNITUDES[magnitude]
     nibbles = (magnitude + np.where((blocks < 0) & (magnitude > 0), 8, 0)).reshape(out, n_in)
     err = ((signed * unit[..., None]) - blocks).reshape(out, n_in)       # exact in f64
     moved = (err != 0).reshape(out, n_in // NVFP4_BLOCK, NVFP4_BLOCK).any(axis=-1)
