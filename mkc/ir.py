@@ -57,7 +57,8 @@ def kv_window_tiles(rows: int) -> int:
     return 1 + -(-(rows - 1) // SUBLANE_TILE["bf16"])
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
+    """`n` rounded up to a multiple of `m`."""
     return -(-n // m) * m
 
 
@@ -70,14 +71,14 @@ def padded_bytes(shape: tuple[int, ...], dtype: str, *, scoped: bool = False) ->
     dims = list(shape) or [1]
     size = DTYPE_BYTES[dtype]
     if len(dims) == 1:
-        n = _round_up(dims[0] * size, ALLOC_GRANULE)
+        n = round_up(dims[0] * size, ALLOC_GRANULE)
     else:
         # A 32-bit scoped buffer no wider than one 128-lane row is left untiled (1-row tiles).
         tile = 1 if scoped and size == 4 and dims[-1] <= LANES else tile_rows(dims[-2], dtype)
-        n = size * _round_up(dims[-1], LANES) * _round_up(dims[-2], tile)
+        n = size * round_up(dims[-1], LANES) * round_up(dims[-2], tile)
         for d in dims[:-2]:
             n *= d
-    return _round_up(n, WINDOW_GRANULE) if scoped else n
+    return round_up(n, WINDOW_GRANULE) if scoped else n
 
 
 def window_bytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -206,7 +207,7 @@ CODE_DOT_COLUMNS = 256
 
 def code_read_cols(tile_cols: int) -> int:
     """The slot columns a codes tile's dots read: its columns to a whole `CODE_DOT_COLUMNS`."""
-    return _round_up(tile_cols, CODE_DOT_COLUMNS)
+    return round_up(tile_cols, CODE_DOT_COLUMNS)
 
 
 def ring_tile_shape(tile_rows: int, tile_cols: int, codes: str, last: bool) -> tuple[int, int]:
@@ -798,7 +799,7 @@ def pool_itemsize(dtype: object) -> int:
 def panel_rows(rows: int, dtype: object) -> int:
     """Pool (bf16) rows of one column panel of a [rows, *] matrix: 1-byte data two rows per
     pool row, rounded up to whole (16, 128) tiles."""
-    return _round_up(-(-rows * pool_itemsize(dtype) // 2), POOL_TILE_ROWS)
+    return round_up(-(-rows * pool_itemsize(dtype) // 2), POOL_TILE_ROWS)
 
 
 def stacked_rows(rows: int, cols: int, dtype: object) -> int:
@@ -806,7 +807,7 @@ def stacked_rows(rows: int, cols: int, dtype: object) -> int:
     padding between them (1-byte data two rows per pool row), rounded up to whole tiles once.
     For small matrices read whole (block scales: a few rows, many panels), whose panels would
     each be mostly tile padding."""
-    return _round_up(-(-(-(-cols // LANES) * rows * pool_itemsize(dtype)) // 2), POOL_TILE_ROWS)
+    return round_up(-(-(-(-cols // LANES) * rows * pool_itemsize(dtype)) // 2), POOL_TILE_ROWS)
 
 
 def pooled_rows(rows: int, cols: int, dtype: object, stacked: bool = False) -> int:

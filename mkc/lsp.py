@@ -121,7 +121,7 @@ def analyse(text: str, path: str) -> Analysis:
 def model_names(sched: ast.Schedule) -> ModelNames | None:
     """The model's names, from resolve up to its graph; None where that does not resolve."""
     from mkc.resolve import resolve_state
-    from mkc.resolve.phases import _states
+    from mkc.resolve.phases import state_tensors
     try:
         st = resolve_state(sched, after="graph", suggest=False)
     except MkcError:
@@ -129,7 +129,7 @@ def model_names(sched: ast.Schedule) -> ModelNames | None:
     kinds = st.graph.kinds
     return ModelNames(tuple(dict.fromkeys(st.dims.layer_kinds)),
                       {k: kind.op_names() for k, kind in kinds.items()},
-                      {k: sorted(_states(kind)) for k, kind in kinds.items()})
+                      {k: sorted(state_tensors(kind)) for k, kind in kinds.items()})
 
 
 def _definitions(sched: ast.Schedule) -> dict[str, Span]:
@@ -302,7 +302,7 @@ def vmem_at_line(c, line: int) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _keyword_terminals() -> dict[str, str]:
     """The grammar's keyword terminals: terminal name -> the word."""
-    return {t.name: t.pattern.value for t in parser._parser().terminals
+    return {t.name: t.pattern.value for t in parser.lark_parser().terminals
             if t.pattern.type == "str" and t.pattern.value.isalpha()}
 
 
@@ -496,8 +496,8 @@ def completions(text: str, line: int, character: int, model: ModelNames | None) 
     if not prefix.startswith("schedule"):
         prefix = ""
     try:
-        n_prefix = len(parser._parser().parse_interactive(prefix).exhaust_lexer())
-        ip = parser._parser().parse_interactive(prefix + "\n" + here)
+        n_prefix = len(parser.lark_parser().parse_interactive(prefix).exhaust_lexer())
+        ip = parser.lark_parser().parse_interactive(prefix + "\n" + here)
         tokens = ip.exhaust_lexer()[n_prefix:]
         accepts = ip.accepts()
     except Exception:                     # a token the grammar refuses before the cursor

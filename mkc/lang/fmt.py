@@ -51,8 +51,8 @@ class _Comment:
 def format_text(text: str, file: str = "<spec>") -> str:
     """The canonical layout of `text`; raises mkc.diagnostics.MkcError where it does not parse."""
     parser.parse(text, file)                 # the located diagnostic for bad input
-    tree = parser._parser().parse(text)
-    tokens = list(parser._parser().lex(text, dont_ignore=True))
+    tree = parser.lark_parser().parse(text)
+    tokens = list(parser.lark_parser().lex(text, dont_ignore=True))
     words = [t for t in tokens if t.type not in ("WS", "COMMENT")]
     comments = _comments(tokens)
     out = _Writer(text, words, comments)

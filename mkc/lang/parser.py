@@ -48,7 +48,7 @@ def parse_topology(grid: str, span: Span) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=1)
-def _parser() -> lark.Lark:
+def lark_parser() -> lark.Lark:
     # cache: lark keeps the LALR tables in the temp directory, keyed by the grammar's digest
     # (building them is most of a syntax error's answer time: 0.4 s of 0.6).
     return lark.Lark(syntax.grammar(), parser="lalr", propagate_positions=True,
@@ -240,7 +240,7 @@ def parse(text: str, file: str = "<spec>") -> ast.Schedule:
     """Parse a whole .sched source; raise MkcError (never a lark exception) on bad input."""
     refuse_oversized(len(text.encode("utf-8", "replace")), file)
     try:
-        tree = _parser().parse(text)
+        tree = lark_parser().parse(text)
     except lark.UnexpectedCharacters as e:
         span = Span(file, e.line, e.column, e.line, e.column + 1)
         char = text[e.pos_in_stream] if e.pos_in_stream is not None else "?"

@@ -85,7 +85,7 @@ def _own_stack(e) -> tuple[str, ...]:
 
 def _locate(jaxpr, stack: tuple[str, ...], found: dict) -> None:
     """(jaxpr, [equation indices]) of each op scope, at the level the op's equations live."""
-    from mkc.perf.work import _subjaxprs
+    from mkc.perf.work import subjaxprs
     from mkc.runtime import scopes
     for i, e in enumerate(jaxpr.eqns):
         here = stack + _own_stack(e)
@@ -96,7 +96,7 @@ def _locate(jaxpr, stack: tuple[str, ...], found: dict) -> None:
             if where[0] is jaxpr:
                 where[1].append(i)
             continue
-        for sub in _subjaxprs(e.params):
+        for sub in subjaxprs(e.params):
             _locate(sub, here, found)
 
 
@@ -167,7 +167,7 @@ def op_bodies(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None,
     from mkc.perf import work
     from mkc.perf.bundles import libtpu_version
     source = source if source is not None else render(s, "")
-    kernel = work._kernel_jaxpr(work._traced(source, batch, verify_rows).jaxpr)
+    kernel = work.kernel_jaxpr(work.trace_source(source, batch, verify_rows).jaxpr)
     found: dict = {}
     _locate(kernel, (), found)
     kw = work.kernel_work(s, batch, verify_rows)
@@ -350,8 +350,8 @@ def _compile_worker(spec_json: str) -> int:
     from mkc.target import topology_devices
     job = json.loads(Path(spec_json).read_text())
     source, batch, vr = job["source"], job["batch"], job["verify_rows"]
-    module = work._module(source)
-    kernel = work._kernel_jaxpr(work.trace_module(module, batch, vr).jaxpr)
+    module = work.import_source(source)
+    kernel = work.kernel_jaxpr(work.trace_module(module, batch, vr).jaxpr)
     found: dict = {}
     _locate(kernel, (), found)
     import numpy as np

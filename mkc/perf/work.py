@@ -182,7 +182,8 @@ class KernelWork:
 
 
 # ---- counting --------------------------------------------------------------------------------
-def _subjaxprs(params: dict) -> list[jcore.Jaxpr]:
+def subjaxprs(params: dict) -> list[jcore.Jaxpr]:
+    """The jaxprs an equation's params hold (a loop's body, a branch, a call's)."""
     out = []
     for v in params.values():
         for x in (v if isinstance(v, (tuple, list)) else (v,)):
@@ -215,7 +216,7 @@ def _count(jaxpr: jcore.Jaxpr, stack: tuple[str, ...], dynamic: set) -> Tally:
         own = tuple(n for n in str(e.source_info.name_stack).split("/") if n)
         here = stack + own
         name = e.primitive.name
-        subs = _subjaxprs(e.params)
+        subs = subjaxprs(e.params)
         if name == "cond":
             arms = [_count(j, here, dynamic) for j in subs]
             for key in {k for arm in arms for k in arm}:
@@ -266,7 +267,7 @@ def _eqn_work(e) -> Work | None:
 
 def count_kernel(closed: jcore.ClosedJaxpr, batch: int, source: str) -> KernelWork:
     """Count a traced kernel (the jaxpr of its `pallas_call` body, or any jaxpr holding one)."""
-    jaxpr = _kernel_jaxpr(closed.jaxpr)
+    jaxpr = kernel_jaxpr(closed.jaxpr)
     dynamic: set = set()
     tally = _count(jaxpr, (), dynamic)
     ops: dict[tuple[str, str], OpWork] = {}
@@ -284,12 +285,13 @@ def count_kernel(closed: jcore.ClosedJaxpr, batch: int, source: str) -> KernelWo
                       run_time_loop_ops=frozenset(key for key, _ in dynamic if key in ops))
 
 
-def _kernel_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+def kernel_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    """The body of the first pallas_call in `jaxpr` (searched depth first), else `jaxpr`."""
     for e in jaxpr.eqns:
         if e.primitive.name == "pallas_call":
             return e.params["jaxpr"]
-        for j in _subjaxprs(e.params):
-            found = _kernel_jaxpr(j)
+        for j in subjaxprs(e.params):
+            found = kernel_jaxpr(j)
             if found is not j:
                 return found
     return jaxpr
@@ -297,7 +299,8 @@ def _kernel_jaxpr(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
 
 # ---- the emitted module, traced ------------------------------------------------------------
 @lru_cache(maxsize=64)
-def _module(source: str) -> types.ModuleType:
+def import_source(source: str) -> types.ModuleType:
+    """The generated module `source`, imported (once a source)."""
     name = "mkc_priced_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     # registered: dataclasses in the module look themselves up in sys.modules
     return files.import_generated(source=source, name=name, register=True)
@@ -323,15 +326,16 @@ _COUNTED: dict[tuple[str, int, int | None], KernelWork] = {}
 
 
 @lru_cache(maxsize=4)
-def _traced(source: str, batch: int, verify_rows: int | None) -> jcore.ClosedJaxpr:
-    return trace_module(_module(source), batch, verify_rows)
+def trace_source(source: str, batch: int, verify_rows: int | None) -> jcore.ClosedJaxpr:
+    """`trace_module` of the generated module `source` (cached)."""
+    return trace_module(import_source(source), batch, verify_rows)
 
 
 def clear_cache() -> None:
     """Forget counted and traced kernels (their key is the module's source: a changed lowering
     function is not seen until then)."""
     _COUNTED.clear()
-    _traced.cache_clear()
+    trace_source.cache_clear()
     kernel_digest.cache_clear()
 
 
@@ -340,7 +344,7 @@ def kernel_digest(source: str, batch: int, verify_rows: int | None = None) -> st
     """A digest of what libtpu is given to compile: the module's kernel at `batch` rows, traced,
     with its named scopes and without source locations. A lowering function rewritten to emit
     the same operations (moved, renamed, shared between families) leaves it unchanged."""
-    text = _traced(source, batch, verify_rows).pretty_print(source_info=False, name_stack=True)
+    text = trace_source(source, batch, verify_rows).pretty_print(source_info=False, name_stack=True)
     return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()
 
 
@@ -357,7 +361,7 @@ def kernel_work(s: ir.ScheduleIR, batch: int, verify_rows: int | None = None) ->
     key = (hashlib.sha256(source.encode()).hexdigest(), batch, verify_rows)
     if key not in _COUNTED:
         t0 = time.perf_counter()
-        closed = _traced(source, batch, verify_rows)
+        closed = trace_source(source, batch, verify_rows)
         kw = count_kernel(closed, batch, f"{s.family_package}.lowering")
         lowering = importlib.import_module(kw.source)   # the module the traced kernel imported
         kw.sources = {(kind, op): _function_name(body_of(lowering, kind, op))

@@ -62,7 +62,7 @@ def _resolve_buffer_names(phase: ast.Phase, kind: LayerKind) -> None:
     misspelling is the spelling fewer statements give: a load's name no other statement gives,
     close to one that several others give but no load fills, is the misspelt one; otherwise a
     name a load does not fill is (`did you mean` either way, at the name)."""
-    kname, states = kind.name, _states(kind)
+    kname, states = kind.name, state_tensors(kind)
     for tr in phase.transfers:          # each binding's sides first: which is the buffer
         for b in tr.bindings:
             _binding(tr, b, kname, states)
@@ -112,7 +112,8 @@ def point(p: ast.Point, ops: list[str], kind: str) -> int:
     return i if p.where == "before" else i + 1
 
 
-def _states(kind: LayerKind) -> dict:
+def state_tensors(kind: LayerKind) -> dict:
+    """The kind's tensors of role "state" (carried from step to step), by name."""
     return {t.name: t for t in kind.states() if t.role == "state"}
 
 
@@ -125,7 +126,7 @@ def _kind_schedule(kind: LayerKind, s: ResolveState, transfers: list[ir.Transfer
         matmuls={o.name: o.matmul for o in kind.ops if o.matmul},
         transfers=transfers, kv=kv, allreduces=[],
         vectors=[(t.name, t.shape) for t in kind.vectors()],
-        states={n: (t.shape, t.dtype) for n, t in _states(kind).items()},
+        states={n: (t.shape, t.dtype) for n, t in state_tensors(kind).items()},
         op_reads={o.name: list(o.reads) for o in kind.ops},
         op_writes={o.name: list(o.writes) for o in kind.ops},
         op_values={o.name: ([n for n in o.reads if n not in not_values],
@@ -136,7 +137,7 @@ def _kind_schedule(kind: LayerKind, s: ResolveState, transfers: list[ir.Transfer
 def _transfers(phase: ast.Phase, kind: LayerKind, B: int
                ) -> tuple[list[ir.Transfer], dict[str, ir.Buffer]]:
     """`load`/`store` lines: each binds a state family in HBM to a VMEM buffer of the phase."""
-    kname, ops, states = kind.name, kind.op_names(), _states(kind)
+    kname, ops, states = kind.name, kind.op_names(), state_tensors(kind)
     buffers: dict[str, ir.Buffer] = {}
     bound: dict[str, str] = {}          # buffer -> state family
     transfers: list[ir.Transfer] = []

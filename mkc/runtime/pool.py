@@ -45,7 +45,7 @@ BF16 = jnp.bfloat16
 LANES = ir.LANES
 TILE_ROWS = ir.POOL_TILE_ROWS
 ROW_BYTES = ir.POOL_ROW_BYTES
-_itemsize, _round_up = ir.pool_itemsize, ir._round_up
+_itemsize = ir.pool_itemsize
 panel_rows, pooled_rows, stacked_rows = ir.panel_rows, ir.pooled_rows, ir.stacked_rows
 
 
@@ -57,13 +57,13 @@ def pack_for_pool(a: np.ndarray) -> np.ndarray:
     rows, cols = a.shape
     pr = panel_rows(rows, a.dtype)
     data_rows = pr * (2 // size)
-    padded = (data_rows, _round_up(cols, LANES))
+    padded = (data_rows, ir.round_up(cols, LANES))
     if padded != a.shape:
         a = np.pad(a, [(0, padded[0] - rows), (0, padded[1] - cols)])
-    return a if size == 2 else _pairs(a)
+    return a if size == 2 else pair_bytes_as_bf16(a)
 
 
-def _pairs(a: np.ndarray) -> np.ndarray:
+def pair_bytes_as_bf16(a: np.ndarray) -> np.ndarray:
     """uint8 [2n, w] -> bf16 [n, w]: rows 2r and 2r + 1 become the (low, high) bytes of one
     bf16 element (little endian)."""
     n, w = a.shape[0] // 2, a.shape[1]
@@ -93,7 +93,7 @@ def pack_stacked(a: np.ndarray) -> np.ndarray:
     stack = a.reshape(rows, panels, LANES).transpose(1, 0, 2).reshape(panels * rows, LANES)
     n = stacked_rows(rows, cols, a.dtype) * (2 // size)
     stack = np.pad(stack, [(0, n - stack.shape[0]), (0, 0)])
-    return stack if size == 2 else _pairs(stack)
+    return stack if size == 2 else pair_bytes_as_bf16(stack)
 
 
 def pack_rows(a: np.ndarray) -> np.ndarray:
@@ -173,7 +173,7 @@ def pooled_u8(pool_ref, row_offset: int | jax.Array, rows: int, cols: int, *, fi
         raise ValueError(f"rows [{first}, {first}+{count}) of {rows}: first must be a multiple of "
                          f"{2 * TILE_ROWS} and the range inside the matrix")
     pr = panel_rows(rows, "u8")
-    n = _round_up(-(-count // 2), TILE_ROWS)        # read whole tiles; bitcast doubles the rows
+    n = ir.round_up(-(-count // 2), TILE_ROWS)        # read whole tiles; bitcast doubles the rows
     panels = []
     for p in range(-(-cols // LANES)):
         packed = pool_ref[pl.ds(_row(row_offset + p * pr + first // 2), n), :]
@@ -192,7 +192,7 @@ def pooled_stacked(pool_ref, row_offset: int | jax.Array, rows: int, cols: int,
     for p in range(-(-cols // LANES)):
         first, end = p * rows, (p + 1) * rows    # the panel's matrix rows in the stack
         lo = first // per_row // TILE_ROWS * TILE_ROWS
-        hi = _round_up(-(-end // per_row), TILE_ROWS)
+        hi = ir.round_up(-(-end // per_row), TILE_ROWS)
         tiles = pool_ref[pl.ds(_row(row_offset + lo), hi - lo), :]
         if per_row == 2:
             tiles = pltpu.bitcast(tiles, jnp.uint8)

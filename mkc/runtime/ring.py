@@ -294,7 +294,7 @@ def put_tiles(hbm: np.ndarray, first_tile: int, matrix: np.ndarray, m: StreamedM
 
 def _put_code_tiles(hbm: np.ndarray, first_tile: int, codes: np.ndarray, scales: np.ndarray,
                     m: StreamedMatrix) -> int:
-    from mkc.runtime.pool import _pairs          # the pool's two-rows-a-bf16 pairing
+    from mkc.runtime.pool import pair_bytes_as_bf16
     tr, tc = m.tile_rows, m.tile_cols
     rows = m.slot_shape()[0]
     padded = np.zeros((m.row_tiles * tr, m.col_tiles * tc), np.uint8)
@@ -304,7 +304,7 @@ def _put_code_tiles(hbm: np.ndarray, first_tile: int, codes: np.ndarray, scales:
     t = first_tile
     for j in range(m.col_tiles):
         for i in range(m.row_tiles):
-            hbm[t, :rows, :tc] = _pairs(padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc])
+            hbm[t, :rows, :tc] = pair_bytes_as_bf16(padded[i * tr:(i + 1) * tr, j * tc:(j + 1) * tc])
             if i == m.row_tiles - 1:
                 hbm[t, rows, :tc] = scale_row[j * tc:(j + 1) * tc]
             t += 1

@@ -30,7 +30,7 @@ def _widget(b, meta, items):
 
 
 def _clear() -> None:
-    for cached in (parser._parser, parser._statement_rules, fmt._padded, fmt._blocks):
+    for cached in (parser.lark_parser, parser._statement_rules, fmt._padded, fmt._blocks):
         cached.cache_clear()
 
 

@@ -8,7 +8,7 @@ from mkc import ir
 from mkc.codegen.emit import render
 from mkc.compiler import check_source
 from mkc.perf.run import perf_trace
-from mkc.perf.work import _module
+from mkc.perf.work import import_source
 from mkc.steps.collectives import AllGather, AllReduce, Exchange, OverlapPart, OverlapStart
 from mkc.trace import Collective
 from tests_support import K3_SPEC, k3_split_router_text
@@ -21,7 +21,7 @@ def k3():
     """K3 with its router split, so every kind of collective runs (the shipped spec's router is
     whole)."""
     s = check_source(k3_split_router_text(), str(K3_SPEC)).ir
-    return s, _module(render(s, "")), perf_trace(s, BATCH, 256)
+    return s, import_source(render(s, "")), perf_trace(s, BATCH, 256)
 
 
 def _collectives(events) -> list:
