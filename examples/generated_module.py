@@ -255,7 +255,7 @@ def _stages(value) -> list:
     if isinstance(value, tuple):
         return [s for v in value for s in _stages(v)]
     return [value] if isinstance(value, collectives.Stage | collectives.ReduceScatter
-                                 | collectives.AllGather) else []
+                                 | collectives.GatherSums) else []
 
 
 def _applies(module, name: str) -> bool:
@@ -335,7 +335,7 @@ def _mutate_lowering(module, mutants: dict[str, int | None]) -> None:
 def _mutate_runtime(module, mutants: dict[str, int | None]) -> None:
     """Bind into `module` (alone) the RUNTIME_MUTANTS in `mutants`: the edited functions
     compiled in a copy of `mkc.runtime.collectives`' globals, and every stage the module's
-    constants hold (`Stage`, `ReduceScatter`, `AllGather`, in a tuple or `FromRows`) replaced
+    constants hold (`Stage`, `ReduceScatter`, `GatherSums`, in a tuple or `FromRows`) replaced
     by one whose `run` reads those globals."""
     import dataclasses
     import inspect
@@ -366,7 +366,7 @@ def _mutate_runtime(module, mutants: dict[str, int | None]) -> None:
     # a stage run at once (`run`) or overlapped (`start`, `finish`)
     mutant = {cls: type(cls.__name__, (cls,), {m: reading_namespace(getattr(cls, m), m)
                                                for m in ("run", "start", "finish")})
-              for cls in (collectives.Stage, collectives.ReduceScatter, collectives.AllGather)}
+              for cls in (collectives.Stage, collectives.ReduceScatter, collectives.GatherSums)}
 
     def rebind(value):
         if type(value) in mutant:

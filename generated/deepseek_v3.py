@@ -23,7 +23,7 @@ from mkc.families.deepseek_v3.config import DeepseekV3Dims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, ReduceScatter, Stage
+from mkc.runtime.collectives import GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -162,7 +162,7 @@ MLA_O_PROJ_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1)
 MOE_SHARED_DOWN_REDUCE = (ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
                                         counter=2, size=8, stride=1),
                           Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
-                          AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+                          GatherSums(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
 MOE_ROUTED_EXPERTS_REDUCE = (Stage(buffer='recv__bf16_2x1', counter=0, size=2, stride=1),
                              Stage(buffer='recv__bf16_8x2', counter=1, size=8, stride=2))
 N_COLLECTIVE_COUNTERS = 5

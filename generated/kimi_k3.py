@@ -24,7 +24,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -193,7 +193,7 @@ EMBED_REDUCE = FromRows(rows=8,
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
                                               counter=4, size=8, stride=1),
                                 Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
-                                AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1)))
+                                GatherSums(buffer='sums__f32_8x1', counter=6, size=8, stride=1)))
 DENSE_DOWN_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
@@ -201,7 +201,7 @@ DENSE_DOWN_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
 KDA_O_PROJ_REDUCE = FromRows(
     rows=8,
@@ -210,7 +210,7 @@ KDA_O_PROJ_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
 MLA_O_PROJ_REDUCE = FromRows(
     rows=8,
@@ -219,14 +219,14 @@ MLA_O_PROJ_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
-MOE_SHARED_DOWN_REDUCE = (
-    ReduceScatter(buffer='scatter__bf16_8x1__shared_down', staging='send__bf16_8x1__shared_down',
-                  counter=7, size=8, stride=1),
-    Stage(buffer='chunk__bf16_4x8__shared_down', counter=8, size=4, stride=8),
-    AllGather(buffer='sums__f32_8x1__shared_down', counter=9, size=8, stride=1)
-)
+MOE_SHARED_DOWN_REDUCE = (ReduceScatter(buffer='scatter__bf16_8x1__shared_down',
+                                        staging='send__bf16_8x1__shared_down', counter=7, size=8,
+                                        stride=1),
+                          Stage(buffer='chunk__bf16_4x8__shared_down', counter=8, size=4, stride=8),
+                          GatherSums(buffer='sums__f32_8x1__shared_down', counter=9, size=8,
+                                     stride=1))
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=3, size=8, stride=1),
@@ -234,7 +234,7 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=4, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_4x8', counter=5, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=6, size=8, stride=1))
 )
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=32, stride=1)

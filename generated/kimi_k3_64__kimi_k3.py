@@ -24,7 +24,7 @@ from mkc.families.kimi_k3.config import KimiDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -209,7 +209,7 @@ KDA_O_PROJ_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=9, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_4x8', counter=10, size=4, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=11, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=11, size=8, stride=1))
 )
 MLA_O_PROJ_REDUCE = FromRows(rows=8,
                              below=(

@@ -22,7 +22,7 @@ from mkc.families.llama import weights as hf_layout
 from mkc.families.llama.config import LlamaDims
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.kv import KvTiles
@@ -111,18 +111,18 @@ EMBED_REDUCE = FromRows(rows=8,
                         below=(Stage(buffer='recv_1to7__bf16_8x1', counter=0, size=8, stride=1),),
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
                                               counter=1, size=8, stride=1),
-                                AllGather(buffer='sums__f32_8x1', counter=2, size=8, stride=1)))
+                                GatherSums(buffer='sums__f32_8x1', counter=2, size=8, stride=1)))
 GQA_O_PROJ_REDUCE = FromRows(
     rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=0, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=1, size=8,
                           stride=1),
-            AllGather(buffer='sums__f32_8x1', counter=2, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=2, size=8, stride=1))
 )
 GQA_DOWN_REDUCE = FromRows(
     rows=8, below=(Stage(buffer='recv_1to7__bf16_8x1', counter=0, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=1, size=8,
                           stride=1),
-            AllGather(buffer='sums__f32_8x1', counter=2, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=2, size=8, stride=1))
 )
 N_COLLECTIVE_COUNTERS = 3
 

@@ -24,7 +24,7 @@ from mkc.families.muse_spark.config import MuseSparkDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -190,12 +190,12 @@ EMBED_REDUCE = FromRows(rows=3,
                         below=(Stage(buffer='recv_1to2__bf16_8x1', counter=4, size=8, stride=1),),
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
                                               counter=7, size=8, stride=1),
-                                AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1)))
+                                GatherSums(buffer='sums__bf16_8x1', counter=10, size=8, stride=1)))
 FULL_O_PROJ_REDUCE = FromRows(
     rows=3, below=(Stage(buffer='recv_1to2__bf16_8x1', counter=4, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
                           stride=1),
-            AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
+            GatherSums(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
 )
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=3,
@@ -205,8 +205,8 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
                           stride=1),
             ReduceScatter(buffer='scatter__bf16_4x2', staging='send__bf16_4x2', counter=6, size=4,
                           stride=2),
-            AllGather(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
-            AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
+            GatherSums(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
+            GatherSums(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
 )
 MOE_BF16_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=3,
@@ -216,14 +216,14 @@ MOE_BF16_ROUTED_EXPERTS_REDUCE = FromRows(
                           stride=1),
             ReduceScatter(buffer='scatter__bf16_4x2', staging='send__bf16_4x2', counter=6, size=4,
                           stride=2),
-            AllGather(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
-            AllGather(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
+            GatherSums(buffer='sums__bf16_4x2', counter=9, size=4, stride=2, columns=16384),
+            GatherSums(buffer='sums__bf16_2x1', counter=8, size=2, stride=1))
 )
 SWA_O_PROJ_REDUCE = FromRows(
     rows=3, below=(Stage(buffer='recv_1to2__bf16_8x1', counter=4, size=8, stride=1),),
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=7, size=8,
                           stride=1),
-            AllGather(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
+            GatherSums(buffer='sums__bf16_8x1', counter=10, size=8, stride=1))
 )
 # All-gathers and sibling exchanges: (receive buffer, its use counter, group size, stride).
 MOE_LATENT_DOWN_GATHER = Stage(buffer='gather__latent_down', counter=0, size=8, stride=1)

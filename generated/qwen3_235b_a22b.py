@@ -23,7 +23,7 @@ from mkc.families.qwen3_moe.config import Qwen3MoeDims
 from mkc.ir import WeightFormat
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan
 from mkc.runtime.host import Host
 from mkc.runtime.experts import ExpertSlots
@@ -130,7 +130,7 @@ EMBED_REDUCE = FromRows(rows=8,
                         stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1',
                                               counter=2, size=8, stride=1),
                                 Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
-                                AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1)))
+                                GatherSums(buffer='sums__f32_8x1', counter=4, size=8, stride=1)))
 GQA_O_PROJ_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_8x1', counter=1, size=8, stride=1),
@@ -138,7 +138,7 @@ GQA_O_PROJ_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
 )
 MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     rows=8,
@@ -147,7 +147,7 @@ MOE_ROUTED_EXPERTS_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_8x1', staging='send__bf16_8x1', counter=2, size=8,
                           stride=1),
             Stage(buffer='chunk__bf16_2x8', counter=3, size=2, stride=8),
-            AllGather(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
+            GatherSums(buffer='sums__f32_8x1', counter=4, size=8, stride=1))
 )
 N_COLLECTIVE_COUNTERS = 5
 

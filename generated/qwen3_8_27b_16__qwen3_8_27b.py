@@ -23,7 +23,7 @@ from mkc.families.qwen3_5 import weights as hf_layout
 from mkc.families.qwen3_5.config import Qwen35Dims
 from mkc.model.sharding import ShardTable
 from mkc.runtime import collectives, host, ring, scopes, vectors
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import Kernel, KindPlan, StateCopy
 from mkc.runtime.host import Host
 from mkc.runtime.kv import KvTiles
@@ -144,7 +144,7 @@ EMBED_REDUCE = FromRows(rows=8,
                         stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1',
                                               counter=3, size=2, stride=1),
                                 Stage(buffer='chunk__bf16_8x2', counter=5, size=8, stride=2),
-                                AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
+                                GatherSums(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
 GDN_OUT_PROJ_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
@@ -152,7 +152,7 @@ GDN_OUT_PROJ_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=3, size=2,
                           stride=1),
             Stage(buffer='chunk__bf16_4x2', counter=4, size=4, stride=2),
-            AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1))
+            GatherSums(buffer='sums__f32_2x1', counter=6, size=2, stride=1))
 )
 GDN_DOWN_REDUCE = FromRows(rows=8,
                            below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
@@ -161,7 +161,7 @@ GDN_DOWN_REDUCE = FromRows(rows=8,
                                                  staging='send__bf16_2x1', counter=3, size=2,
                                                  stride=1),
                                    Stage(buffer='chunk__bf16_8x2', counter=5, size=8, stride=2),
-                                   AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
+                                   GatherSums(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
 GQA_O_PROJ_REDUCE = FromRows(
     rows=8,
     below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
@@ -169,7 +169,7 @@ GQA_O_PROJ_REDUCE = FromRows(
     stages=(ReduceScatter(buffer='scatter__bf16_2x1', staging='send__bf16_2x1', counter=3, size=2,
                           stride=1),
             Stage(buffer='chunk__bf16_4x2', counter=4, size=4, stride=2),
-            AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1))
+            GatherSums(buffer='sums__f32_2x1', counter=6, size=2, stride=1))
 )
 GQA_DOWN_REDUCE = FromRows(rows=8,
                            below=(Stage(buffer='recv_1to7__bf16_2x1', counter=0, size=2, stride=1),
@@ -178,7 +178,7 @@ GQA_DOWN_REDUCE = FromRows(rows=8,
                                                  staging='send__bf16_2x1', counter=3, size=2,
                                                  stride=1),
                                    Stage(buffer='chunk__bf16_8x2', counter=5, size=8, stride=2),
-                                   AllGather(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
+                                   GatherSums(buffer='sums__f32_2x1', counter=6, size=2, stride=1)))
 N_COLLECTIVE_COUNTERS = 7
 
 # What each layer kind's compute bodies reach by name: streamed matrices (first tile within the

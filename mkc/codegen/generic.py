@@ -10,7 +10,7 @@ from mkc import ir
 from mkc.codegen.layers import DTYPE_SOURCE, layer_source
 from mkc.steps.collectives import exchange_name, gather_name, reduce_name
 from mkc.model.sharding import ShardTable
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import KindPlan, StateCopy, spread_on_host
 from mkc.runtime import experts
 from mkc.runtime.experts import ExpertSlots
@@ -219,7 +219,7 @@ def _collective_literals(s: ir.ScheduleIR, counter: dict[str, int]
             reduce_scatters.append(ReduceScatter(
                 first.buffer, ir.AllReduce.staging_name(wire, size, stride, owner),
                 first.counter, size, stride))
-            gathers.insert(0, AllGather(sums.buffer, sums.counter, size, stride, columns))
+            gathers.insert(0, GatherSums(sums.buffer, sums.counter, size, stride, columns))
         return (*reduce_scatters,
                 *(stage(ir.AllReduce.role_buffer_name("chunk", wire, sz, st, owner), sz, st)
                   for sz, st in a.stages[len(scatters):]),
@@ -419,7 +419,7 @@ def context(s: ir.ScheduleIR) -> dict:
                                            for k, fams in parity.layout.items()}), 10),
         "reduce_literals": reduce_literals,
         "collective_imports": ", ".join(
-            n for n in ("AllGather", "FromRows", "ReduceScatter", "Stage")
+            n for n in ("FromRows", "GatherSums", "ReduceScatter", "Stage")
             if n == "Stage" or any(f"{n}(" in lit for _, lit in reduce_literals)),
         "collectives": collectives,
         "kinds_literal": literal(plans.kinds, 8),

@@ -25,7 +25,7 @@ the wait of use c; send semaphores are drained within each use.
 
 An all-reduce is a tuple of stages, each with its own `run` (`allreduce`): `Stage`, one-shot
 (every member sends its whole partial to every peer and sums all slots), or the scattered form
-`ReduceScatter`, `Stage`s on the chunk, `AllGather`; `FromRows` picks a tuple by the kernel's
+`ReduceScatter`, `Stage`s on the chunk, `GatherSums`; `FromRows` picks a tuple by the kernel's
 rows. The scattered form adds the same values in the same order as the one-shot stages, so
 with its sums gathered in f32 its result is bit-identical: member j of the first group sums
 column chunk j of the group's partials, slot by slot in group order in f32 (what a one-shot
@@ -282,7 +282,7 @@ class ReduceScatter(_Landing):
 
 
 @dataclass(frozen=True)
-class AllGather(_Landing):
+class GatherSums(_Landing):
     """The scattered form's last stages: the group's chunk sums concatenated in group order
     (`allgather`), in the dtype of its buffer (f32: exact). A nested form's inner gathers cut
     the result to `columns`, the chunk their group scattered (its padding columns dropped; 0:
@@ -302,7 +302,7 @@ class AllGather(_Landing):
         return out[:, :self.columns] if self.columns and self.columns < out.shape[-1] else out
 
 
-AllReduceStage = Stage | ReduceScatter | AllGather
+AllReduceStage = Stage | ReduceScatter | GatherSums
 
 
 @dataclass(frozen=True)
@@ -321,7 +321,7 @@ class FromRows:
         return self.below.at(rows) if isinstance(self.below, FromRows) else self.below
 
 
-def _stage_refs(refs, st: Stage | ReduceScatter | AllGather) -> tuple:
+def _stage_refs(refs, st: Stage | ReduceScatter | GatherSums) -> tuple:
     """(recv, send_sem, recv_sem, counter_ref, counter) of a stage from the refs by name."""
     return (getattr(refs, st.buffer), getattr(refs, st.buffer + "__send"),
             getattr(refs, st.buffer + "__recv"), refs.collective_count, st.counter)
@@ -389,7 +389,7 @@ def start_allreduce(refs, partial: jax.Array, stages: tuple[AllReduceStage, ...]
 
 def start_gather(refs, shard: jax.Array, st: Stage, axis: str) -> InFlight:
     """`gather` of `shard` started, to finish later (`InFlight`)."""
-    return InFlight(refs, (AllGather(st.buffer, st.counter, st.size, st.stride),), shard, axis)
+    return InFlight(refs, (GatherSums(st.buffer, st.counter, st.size, st.stride),), shard, axis)
 
 
 def gather(refs, shard: jax.Array, st: Stage, axis: str) -> jax.Array:

@@ -8,7 +8,7 @@ import pytest
 from mkc import compiler
 from mkc.codegen import generic
 from mkc.codegen.layers import layer_source
-from mkc.runtime.collectives import AllGather, FromRows, ReduceScatter, Stage
+from mkc.runtime.collectives import FromRows, GatherSums, ReduceScatter, Stage
 from mkc.runtime.context import KindPlan, StateCopy
 from mkc.runtime.experts import ExpertSlots
 from mkc.runtime.kv import KvTiles
@@ -76,7 +76,7 @@ def test_a_scattering_all_reduce_is_its_stages_by_rows_with_its_buffers_by_rows(
     reduce = namespace["GQA_DOWN_REDUCE"]
     assert isinstance(reduce, FromRows) and reduce.rows == 2
     assert [type(st) for st in reduce.below] == [Stage, Stage]
-    assert [type(st) for st in reduce.stages] == [ReduceScatter, Stage, AllGather]
+    assert [type(st) for st in reduce.stages] == [ReduceScatter, Stage, GatherSums]
     rs, chunk, sums = reduce.stages
     assert (rs.buffer, rs.staging, rs.size, rs.stride) == ("scatter__bf16_2x1", "send__bf16_2x1", 2, 1)
     assert (chunk.buffer, chunk.size, chunk.stride) == ("chunk__bf16_4x2", 4, 2)
@@ -99,7 +99,7 @@ def test_scatter_at_every_width_is_the_scattered_stages_alone(tmp_path):
     spec.write_text(qwen_scatter_text("scatter"))
     namespace: dict = {}
     exec(compiler.compile_spec(spec, "qwen3_8_mini").module_source, namespace)
-    assert [type(st) for st in namespace["GDN_OUT_PROJ_REDUCE"]] == [ReduceScatter, Stage, AllGather]
+    assert [type(st) for st in namespace["GDN_OUT_PROJ_REDUCE"]] == [ReduceScatter, Stage, GatherSums]
     assert not any(n.startswith("recv") for n in namespace["SCRATCH_SHAPES"])
 
 

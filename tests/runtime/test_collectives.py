@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from mkc.runtime import collectives as coll  # noqa: E402
-from mkc.runtime.collectives import AllGather, ReduceScatter, Stage  # noqa: E402
+from mkc.runtime.collectives import GatherSums, ReduceScatter, Stage  # noqa: E402
 
 AXIS, RANKS, B, W = "tp", 16, 8, 128
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -71,11 +71,11 @@ def _stage(cls, name: str, size: int, stride: int, **kw):
 
 ONE_SHOT = (_stage(Stage, "os8", 8, 1), _stage(Stage, "os2", 2, 8))
 SCATTERED = (_stage(ReduceScatter, "rs8", 8, 1, staging="st8"), _stage(Stage, "ch2", 2, 8),
-             _stage(AllGather, "gs8", 8, 1))
+             _stage(GatherSums, "gs8", 8, 1))
 SCATTERED_DIRECT = (_stage(ReduceScatter, "rsd", 8, 1, staging="std"),
-                    _stage(AllGather, "gsd", 8, 1))
+                    _stage(GatherSums, "gsd", 8, 1))
 OVERLAPPED = (_stage(ReduceScatter, "rso", 8, 1, staging="sto"), _stage(Stage, "cho", 2, 8),
-              _stage(AllGather, "gso", 8, 1))
+              _stage(GatherSums, "gso", 8, 1))
 OVERLAPPED_GATHER = _stage(Stage, "ago", 16, 1)
 
 
@@ -133,7 +133,7 @@ def _kernel(x_ref, y_ref, *refs, in_flight=coll.InFlight):
     for n in range(ROUNDS):
         reduce = in_flight(named_refs, OVERLAPPED, y_ref[n], AXIS)
         g = OVERLAPPED_GATHER
-        gather = in_flight(named_refs, (AllGather(g.buffer, g.counter, g.size, g.stride),),
+        gather = in_flight(named_refs, (GatherSums(g.buffer, g.counter, g.size, g.stride),),
                            x_ref[n, 1], AXIS)
         outs[f"sd{n}"][...] = coll.allreduce(named_refs, y_ref[n], SCATTERED_DIRECT, AXIS)
         reduce.advance()
