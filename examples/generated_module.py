@@ -7,7 +7,6 @@ import dataclasses
 import json
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -476,21 +475,12 @@ def load_generated(spec: Path, model: str, mutants: str | dict[str, int | None] 
     c = _COMPILED[key]
     source = mutate(c.module_source, mutants)
     stem = compiler.module_name(c) + "".join("__" + n.replace(".", "_") for n in mutants)
-    out = _scratch("mkc-") / f"{stem}.py"
+    out = files.process_folder("mkc-") / f"{stem}.py"
     files.write_atomically(out, source)
     module = files.import_generated(out, namespace=_helpers(mutants))
     _mutate_lowering(module, mutants)
     _mutate_runtime(module, mutants)
     return module
-
-
-_SCRATCH: list[tempfile.TemporaryDirectory] = []     # removed at exit
-
-
-def _scratch(prefix: str) -> Path:
-    """A temporary folder that lasts as long as this process (its modules' tracebacks read it)."""
-    _SCRATCH.append(tempfile.TemporaryDirectory(prefix=prefix))
-    return Path(_SCRATCH[-1].name)
 
 
 def rounding_for(spec: Path, model: str):
@@ -519,7 +509,7 @@ def k3_mini_text(text: str) -> str:
 
 def k3_mini_spec(spec: Path = ROOT / "schedules" / "kimi_k3.sched") -> Path:
     """`k3_mini_text` of a spec file, written to a temporary directory under its name."""
-    path = _scratch("mkc-k3-") / Path(spec).name
+    path = files.process_folder("mkc-k3-") / Path(spec).name
     path.write_text(k3_mini_text(Path(spec).read_text()))
     return path
 

@@ -75,7 +75,14 @@ def write_atomically(path: Path, content: str | bytes) -> None:
         raise
 
 
-_SOURCE_FOLDERS: list[tempfile.TemporaryDirectory] = []    # removed at exit
+_PROCESS_FOLDERS: list[tempfile.TemporaryDirectory] = []
+
+
+def process_folder(prefix: str) -> Path:
+    """A new temporary folder that lasts as long as this process and is removed at its exit
+    (a module written there keeps its source for tracebacks while the process runs)."""
+    _PROCESS_FOLDERS.append(tempfile.TemporaryDirectory(prefix=prefix))
+    return Path(_PROCESS_FOLDERS[-1].name)
 
 
 def import_generated(path: str | os.PathLike | None = None, *, source: str | None = None,
@@ -91,9 +98,7 @@ def import_generated(path: str | os.PathLike | None = None, *, source: str | Non
     if source is not None:
         if name is None:
             raise ValueError("import_generated of a source needs its name")
-        folder = tempfile.TemporaryDirectory(prefix="mkc-module-")
-        _SOURCE_FOLDERS.append(folder)      # kept for tracebacks while the process runs
-        path = Path(folder.name) / f"{name}.py"
+        path = process_folder("mkc-module-") / f"{name}.py"
         path.write_text(source)
     name = name or Path(path).stem
     spec = importlib.util.spec_from_file_location(name, path)

@@ -2,23 +2,22 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
+
+from mkc.files import process_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 
 # Compiled measures of unshipped kernels go to a cache of this test session's own, so what a
 # test prices does not depend on what the machine's user cache holds.
-_BUNDLE_CACHE = tempfile.TemporaryDirectory(prefix="mkc-bundles-")   # removed at exit
-os.environ["MKC_BUNDLE_CACHE"] = _BUNDLE_CACHE.name
+os.environ["MKC_BUNDLE_CACHE"] = str(process_folder("mkc-bundles-"))
 # Op measures likewise; and no op is compiled alone unless a test asks (MKC_OP_COMPILE=1): an
 # unshipped op is then counted, so a test's price does not wait on libtpu.
-_OP_CACHE = tempfile.TemporaryDirectory(prefix="mkc-ops-")
-os.environ["MKC_OP_CACHE"] = _OP_CACHE.name
+os.environ["MKC_OP_CACHE"] = str(process_folder("mkc-ops-"))
 os.environ.setdefault("MKC_OP_COMPILE", "0")
 
 

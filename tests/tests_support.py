@@ -10,6 +10,8 @@ import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from mkc.files import process_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "schedules" / "qwen3_8_27b.sched"
 K3_SPEC = ROOT / "schedules" / "kimi_k3.sched"
@@ -162,9 +164,9 @@ def _session_dir() -> Path | None:
 
 
 @functools.cache
-def _process_dir() -> tempfile.TemporaryDirectory:
+def _process_dir() -> Path:
     """A folder of this process's own outside xdist, removed at exit."""
-    return tempfile.TemporaryDirectory(prefix="mkc-tests-")
+    return process_folder("mkc-tests-")
 
 
 def once_per_session(key: str, run: Callable[[], dict]) -> dict:
@@ -191,7 +193,7 @@ def cpu_compilation_cache() -> dict[str, str]:
     as compiled, so what runs is unchanged; the cache lives in the session's folder, and its
     file lock (JAX's, with eviction on) keeps two workers from reading an entry half written."""
     import importlib.util
-    base = _session_dir() or Path(_process_dir().name)
+    base = _session_dir() or _process_dir()
     env = {"JAX_COMPILATION_CACHE_DIR": str(base / "jax-cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
