@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mkc import compiler, files, numerics
+from mkc.diagnostics import MkcError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -453,6 +454,63 @@ def interpret_host(args) -> list[str]:
     """Make interpret mode's host side lean unless --jax-callbacks; what was replaced."""
     from mkc.interpret import lean_interpreter
     return [] if args.jax_callbacks else lean_interpreter()
+
+
+# Interpret mode copies a launch's caches into its buffers and back, once a device: at a
+# spec's 4096 tokens a MINI run's caches are most of its memory traffic, though its rows reach
+# a few hundred positions. A fitted context is a multiple of this (every KV tile divides it).
+CONTEXT_STEP = 512
+ROW_STRIDE = 131     # row b starts 131 b positions after row 0 (`row_positions`)
+
+
+def add_context_option(ap) -> None:
+    """Every runner's --context; `at_context` after parsing."""
+    ap.add_argument("--context", help="run the spec at this context (its `context` line "
+                    "replaced, line numbers kept), or `fit`: the least multiple of "
+                    f"{CONTEXT_STEP} that holds every row's positions, which stay those at the "
+                    "spec's context (caches are most of what interpret mode copies a launch)")
+
+
+def row_positions(first: int, batch: int, context: int, steps: int) -> np.ndarray:
+    """Each row's first position: rows 131 apart from `first` (past the first KV tile, inside
+    and across 16-row blocks: per-row masking, block writes and multi-tile streaming), wrapped
+    where they would run past the context within `steps`."""
+    return (first + ROW_STRIDE * np.arange(batch)) % (context - steps)
+
+
+def at_context(ap, spec: Path, model: str, context: str | None, first: int, batch: int,
+               steps: int) -> Path:
+    """`spec`, or a copy whose `context` line says `context`. `fit`: the least multiple of
+    CONTEXT_STEP past every row's last position (`row_positions` unwrapped, so positions are
+    as at the spec's own context, which it never exceeds) at which the spec still checks for
+    `model` (KV tiles in flight must fit it)."""
+    if context is None:
+        return spec
+    text = spec.read_text()
+    lines = re.findall(r"(?m)^[ \t]*context[ \t]+(\d+)[ \t]*$", text)
+    if len(lines) != 1:
+        ap.error(f"--context: {spec} has {len(lines)} `context` lines, not one")
+    own = int(lines[0])
+    if context == "fit":
+        last = first + ROW_STRIDE * (batch - 1) + steps
+        tried = range(-(-(last + 1) // CONTEXT_STEP) * CONTEXT_STEP, own, CONTEXT_STEP)
+    elif context.isdigit() and int(context) > 0:
+        tried = [int(context)]
+    else:
+        ap.error(f"--context {context}: a positive number of tokens, or `fit`")
+    out = files.process_folder("mkc-context-") / spec.name
+    for tokens in tried:
+        if tokens == own:
+            break
+        out.write_text(re.sub(r"(?m)^([ \t]*context[ \t]+)\d+", rf"\g<1>{tokens}", text))
+        if context != "fit":
+            return out
+        try:
+            compiler.check_spec(out, model)
+            return out
+        except MkcError:
+            continue
+    return spec
 
 
 _COMPILED: dict[tuple[str, str, str], object] = {}

@@ -50,12 +50,11 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_applicable_mutants, check_batch, check_mutant_options,
-                              check_spec_and_model,
-                              finish, interpret_host,
-                              k3_mini_spec,
-                              load_generated, plain_trajectory, rounding_for, step_references,
+from generated_module import (add_context_option, add_interpret_host_option,  # noqa: E402
+                              add_mutant_options, at_context, check_applicable_mutants,
+                              check_batch, check_mutant_options, check_spec_and_model,
+                              finish, interpret_host, k3_mini_spec, load_generated,
+                              plain_trajectory, rounding_for, row_positions, step_references,
                               run_kernel, run_mutants, run_verify)
 
 from mkc.families.kimi_k3 import reference as reference  # noqa: E402
@@ -89,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="one verify step of --steps rows per sequence instead of decode steps")
     add_mutant_options(ap)
     add_interpret_host_option(ap)
+    add_context_option(ap)
     ap.add_argument("--kernel-state", action="store_true",
                     help="after each decode step, write the state's reference view back in the "
                          "kernel's layout (kernel_state) and require the kernel's state exactly")
@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     config = json.loads((ROOT / "mkc/model/configs/kimi_k3_mini.json").read_text())
     cfg = reference.load_config(config)
     hf = reference.init_params(cfg, seed=0)
-    spec = k3_mini_spec(Path(args.spec))
+    # A verify step's rows start 3 before a 16-row block ends, so they straddle two blocks.
+    first = 141 if args.verify else 136
+    spec = at_context(ap, k3_mini_spec(Path(args.spec)), "kimi_k3_mini", args.context, first,
+                      args.batch, args.steps)
     if args.expert_slots:
         text, n = re.subn(r"view experts: \d+ slots", f"view experts: {args.expert_slots} slots",
                           spec.read_text())
@@ -129,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     weights = gen.place_weights(hf, mesh)
     pack_seconds = time.perf_counter() - t0
-    # Rows at different positions past the first latent tile: per-row masking, cache writes
-    # inside a 16-row block and multi-tile streaming are all exercised.
-    # A verify step's rows start 3 before a 16-row block ends, so they straddle two blocks.
-    first = 141 if args.verify else 136
-    positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
+    positions = jnp.asarray(row_positions(first, B, gen.CONTEXT, args.steps), jnp.int32)
     # The first token draw whose plain run has at least half the rows' expert choices decisive
     # (else the best): used only to draw rows that are mostly decisive (which rows are compared
     # plainly is decided at each step by `generated_module.near_ties`).

@@ -45,13 +45,13 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generated_module import (add_interpret_host_option, add_mutant_options,  # noqa: E402
-                              check_applicable_mutants, check_batch, check_mutant_options,
-                              check_spec_and_model,
+from generated_module import (add_context_option, add_interpret_host_option,  # noqa: E402
+                              add_mutant_options, at_context, check_applicable_mutants,
+                              check_batch, check_mutant_options, check_spec_and_model,
                               finish, interpret_host,
                               load_generated,
-                              plain_trajectory, rounding_for, step_references, run_kernel,
-                              run_mutants, run_verify)
+                              plain_trajectory, rounding_for, row_positions, step_references,
+                              run_kernel, run_mutants, run_verify)
 
 from mkc.checkpoint import CheckpointError, family_of, load_checkpoint  # noqa: E402
 from mkc.diagnostics import MkcError  # noqa: E402
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="row 0's position (rows b > 0: + 131 b); default 136, 141 with --verify")
     add_mutant_options(ap)
     add_interpret_host_option(ap)
+    add_context_option(ap)
     ap.add_argument("--kernel-state", action="store_true",
                     help="after each decode step, write the state's reference view back in the "
                          "kernel's layout (kernel_state) and require the kernel's state exactly")
@@ -94,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     check_mutant_options(ap, args)
     replaced = interpret_host(args)
 
-    spec = Path(args.spec)
+    # A verify step's rows start 3 before a 16-row block ends (141, 142, 143 | 144).
+    first = args.first_position if args.first_position is not None else (141 if args.verify else 136)
+    model = str(Path(args.checkpoint).resolve()) if args.checkpoint else args.model
+    spec = at_context(ap, Path(args.spec), model, args.context, first, args.batch, args.steps)
     try:        # compiled first: a model the spec cannot run is refused before a weight is read
-        model = str(Path(args.checkpoint).resolve()) if args.checkpoint else args.model
         check_applicable_mutants(ap, args, spec, model)
         gen = load_generated(spec, model, args.mutate)
         if args.checkpoint:
@@ -124,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = gen.place_weights(hf, mesh)
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
-    # Rows start at different positions, past the first KV tile, so per-row masking, cache
-    # writes inside a 16-row block and multi-tile KV streaming are all exercised.
-    # A verify step's rows start 3 before a 16-row block ends (141, 142, 143 | 144).
-    first = args.first_position if args.first_position is not None else (141 if args.verify else 136)
-    positions = jnp.asarray((first + 131 * np.arange(B)) % (gen.CONTEXT - args.steps), jnp.int32)
+    positions = jnp.asarray(row_positions(first, B, gen.CONTEXT, args.steps), jnp.int32)
     # The checkpoint as the kernel holds it (a format that requantizes, e.g. Qwen3.5 MoE's
     # `fp8 block N rounded`, rounds its values): the references run on it; hf itself otherwise.
     ref_hf, requantization = gen.requantized_weights(hf)

@@ -210,3 +210,28 @@ def test_example_exits_non_zero_when_the_kernel_disagrees(capsys):
     survivor = {**summary, "steps": [ok], "mutants": {"gqa.o_proj": {"steps": [ok]}}}
     assert finish(survivor, races=False, as_json=False) == 1
     assert "mutant gqa.o_proj was not rejected" in capsys.readouterr().err
+
+
+def test_a_fitted_context_keeps_every_row_s_positions_at_one_the_spec_checks_at():
+    """`--context fit` (what `run_example` passes): the shipped spec at the least multiple of
+    512 tokens that holds every row's positions and still checks; 512 would hold two rows'
+    three steps, but the spec's KV tiles in flight reach 640 positions, so it is 1024; the
+    rows' positions are those at the spec's own context. A batch whose rows need the whole
+    context runs the spec itself; a context that is not a number is a usage error."""
+    import argparse
+    import sys
+
+    from mkc import compiler
+    from mkc.diagnostics import MkcError
+    sys.path.insert(0, str(ROOT / "examples"))
+    from generated_module import at_context, row_positions
+    ap = argparse.ArgumentParser()
+    fitted = at_context(ap, SPEC, "qwen3_8_mini", "fit", 136, 2, 3)
+    assert compiler.check_spec(fitted, "qwen3_8_mini").ir.context == 1024
+    assert fitted.read_text().replace("context 1024", "context 4096") == SPEC.read_text()
+    assert row_positions(136, 2, 1024, 3).tolist() == row_positions(136, 2, 4096, 3).tolist()
+    with pytest.raises(MkcError, match="kv tiles ahead"):
+        compiler.check_spec(at_context(ap, SPEC, "qwen3_8_mini", "512", 136, 2, 3), "qwen3_8_mini")
+    assert at_context(ap, SPEC, "qwen3_8_mini", "fit", 136, 31, 3) == SPEC
+    with pytest.raises(SystemExit):
+        at_context(ap, SPEC, "qwen3_8_mini", "most", 136, 2, 3)

@@ -204,10 +204,18 @@ def cpu_compilation_cache() -> dict[str, str]:
     return env
 
 
+FITTED_RUNNERS = ("examples/run_mini.py", "examples/run_k3_mini.py")
+
+
 def run_example(script: str, *args: str, timeout: int, python: str = sys.executable) -> dict:
     """Run an interpret-mode example script with --json in a fresh process (of `python`; this
-    environment's shares the session's CPU compilation cache); its summary."""
+    environment's shares the session's CPU compilation cache); its summary. The MINI runners
+    run at the context their rows' positions need (`--context fit`, unless the test gives
+    one): the same positions as at the spec's 4096 tokens, a fraction of the caches interpret
+    mode copies in and out of every launch."""
     from conftest import run_python
+    if script in FITTED_RUNNERS and "--context" not in args:
+        args = (*args, "--context", "fit")
     r = run_python([script, "--json", *args], timeout=timeout, python=python,
                    env=cpu_compilation_cache() if python == sys.executable else None)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mkc.layers import ops
 from mkc.layers.activation import Activation
@@ -155,8 +156,12 @@ def out_projection(x: jax.Array, w: jax.Array, rounding: Rounding | None, kind: 
 
 
 def sub_params(params: Mapping[str, Any], prefix: str) -> dict[str, jax.Array]:
-    """Parameters under ``prefix``, renamed relative to it and upcast to f32."""
-    return {name[len(prefix):]: jnp.asarray(w).astype(jnp.float32)
+    """Parameters under ``prefix``, renamed relative to it and upcast to f32: host arrays
+    where they are values (a reference run eagerly slices its weights thousands of times a
+    step, an expert and a rank's part at a time: numpy does it without a dispatch each; the
+    values are the same), traced ones in the trace."""
+    return {name[len(prefix):]: jnp.asarray(w).astype(jnp.float32) if isinstance(w, jax.core.Tracer)
+            else np.asarray(w).astype(np.float32)
             for name, w in params.items() if name.startswith(prefix)}
 
 
