@@ -21,7 +21,8 @@ when the kernel disagrees with either reference. --mutate NAME runs a copy of th
 module with one op scaled by 1.01 (`generated_module.MUTANTS`; a name that does not apply to
 the spec is a usage error naming those that do) instead: it must exit 1.
 --mutants A,B runs the module, then each mutant in the same process; it exits 0 only if the
-module passes and every mutant is rejected.
+module passes and every mutant is rejected. --context fit runs the spec at the least context
+that holds every row's positions (the tests do: interpret mode copies every launch's caches).
 """
 from __future__ import annotations
 

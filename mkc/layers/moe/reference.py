@@ -289,14 +289,27 @@ def expert_parallel_sum(rounding: Rounding, experts: int, dense: jax.Array, widt
     routing weight (``dense [B, E]``, `_kernel_route_weights`: 0 where the row did not pick it,
     and such an expert adds exactly nothing, as one the kernel skips), in expert-id order, one
     fused multiply-add each; the ranks' partial sums all-reduced as ``(kind,
-    "routed_experts")``."""
+    "routed_experts")``. Run on values, an expert no row picked is not computed (it would add
+    zeros to a sum that is never -0)."""
+    picked = _picked_experts(dense != 0)
     partials = []
     for cols, mine in rank_experts(rounding, experts):
         acc = jnp.zeros((dense.shape[0], width), jnp.float32)
         for e in mine:
-            acc = _kernel_weighted_add(acc, dense[:, e:e + 1], expert(e, cols))
+            if picked is None or e in picked:
+                acc = _kernel_weighted_add(acc, dense[:, e:e + 1], expert(e, cols))
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
+
+
+def _picked_experts(chosen: jax.Array) -> set[int] | None:
+    """The experts some row picked (``chosen [B, E]`` true where a row picked an expert; or
+    ``[B, k]`` ids), or None in a trace (every expert is computed there)."""
+    if isinstance(chosen, jax.core.Tracer):
+        return None
+    chosen = np.asarray(chosen)
+    return set(np.flatnonzero(chosen.any(axis=0)).tolist()) if chosen.dtype == bool \
+        else set(np.unique(chosen).tolist())
 
 
 def rank_experts(rounding: Rounding, experts: int) -> list[tuple[slice, range]]:
@@ -474,11 +487,13 @@ def expert_parallel_picks(rounding: Rounding, experts: int, ids: jax.Array, widt
     (`rank_experts`) puts ``expert(e, cols)``, its width part of expert e, where rows
     picked e, for each of its group's experts; the ranks' partials all-reduced as ``(kind,
     "routed_experts")``."""
-    top_k = ids.shape[-1]
+    top_k, picked = ids.shape[-1], _picked_experts(ids)
     partials = []
     for cols, mine in rank_experts(rounding, experts):
         acc = [jnp.zeros((ids.shape[0], width), jnp.float32) for _ in range(top_k)]
         for e in mine:
+            if picked is not None and e not in picked:
+                continue
             out = expert(e, cols)
             acc = [jnp.where(ids[:, j:j + 1] == e, out, acc[j]) for j in range(top_k)]
         partials.append(jnp.concatenate(acc, axis=-1))
