@@ -491,22 +491,20 @@ def at_context(ap, spec: Path, model: str, context: str | None, first: int, batc
     if len(lines) != 1:
         ap.error(f"--context: {spec} has {len(lines)} `context` lines, not one")
     own = int(lines[0])
-    if context == "fit":
-        last = first + ROW_STRIDE * (batch - 1) + steps
-        tried = range(-(-(last + 1) // CONTEXT_STEP) * CONTEXT_STEP, own, CONTEXT_STEP)
-    elif context.isdigit() and int(context) > 0:
-        tried = [int(context)]
-    else:
-        ap.error(f"--context {context}: a positive number of tokens, or `fit`")
     out = files.process_folder("mkc-context-") / spec.name
-    for tokens in tried:
-        if tokens == own:
-            break
+
+    def written(tokens: int) -> Path:
         out.write_text(re.sub(r"(?m)^([ \t]*context[ \t]+)\d+", rf"\g<1>{tokens}", text))
-        if context != "fit":
-            return out
+        return out
+
+    if context != "fit":
+        if not (context.isdigit() and int(context) > 0):
+            ap.error(f"--context {context}: a positive number of tokens, or `fit`")
+        return spec if int(context) == own else written(int(context))
+    last = first + ROW_STRIDE * (batch - 1) + steps
+    for tokens in range(-(-(last + 1) // CONTEXT_STEP) * CONTEXT_STEP, own, CONTEXT_STEP):
         try:
-            compiler.check_spec(out, model)
+            compiler.check_spec(written(tokens), model)
             return out
         except MkcError:
             continue

@@ -291,7 +291,8 @@ def expert_parallel_sum(rounding: Rounding, experts: int, dense: jax.Array, widt
     fused multiply-add each; the ranks' partial sums all-reduced as ``(kind,
     "routed_experts")``. Run on values, an expert no row picked is not computed (it would add
     zeros to a sum that is never -0)."""
-    picked = _picked_experts(dense != 0)
+    picked = None if isinstance(dense, jax.core.Tracer) else \
+        set(np.flatnonzero(np.asarray(dense).any(axis=0)).tolist())
     partials = []
     for cols, mine in rank_experts(rounding, experts):
         acc = jnp.zeros((dense.shape[0], width), jnp.float32)
@@ -300,16 +301,6 @@ def expert_parallel_sum(rounding: Rounding, experts: int, dense: jax.Array, widt
                 acc = _kernel_weighted_add(acc, dense[:, e:e + 1], expert(e, cols))
         partials.append(acc)
     return allreduce(partials, rounding.reduce(kind, "routed_experts"))
-
-
-def _picked_experts(chosen: jax.Array) -> set[int] | None:
-    """The experts some row picked (``chosen [B, E]`` true where a row picked an expert; or
-    ``[B, k]`` ids), or None in a trace (every expert is computed there)."""
-    if isinstance(chosen, jax.core.Tracer):
-        return None
-    chosen = np.asarray(chosen)
-    return set(np.flatnonzero(chosen.any(axis=0)).tolist()) if chosen.dtype == bool \
-        else set(np.unique(chosen).tolist())
 
 
 def rank_experts(rounding: Rounding, experts: int) -> list[tuple[slice, range]]:
@@ -486,8 +477,9 @@ def expert_parallel_picks(rounding: Rounding, experts: int, ids: jax.Array, widt
     width ...``), as the kernel forms them (`lowering._experts_per_pick`): each rank
     (`rank_experts`) puts ``expert(e, cols)``, its width part of expert e, where rows
     picked e, for each of its group's experts; the ranks' partials all-reduced as ``(kind,
-    "routed_experts")``."""
-    top_k, picked = ids.shape[-1], _picked_experts(ids)
+    "routed_experts")``. Run on values, an expert no row picked is not computed."""
+    top_k = ids.shape[-1]
+    picked = None if isinstance(ids, jax.core.Tracer) else set(np.unique(np.asarray(ids)).tolist())
     partials = []
     for cols, mine in rank_experts(rounding, experts):
         acc = [jnp.zeros((ids.shape[0], width), jnp.float32) for _ in range(top_k)]
